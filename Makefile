@@ -1,0 +1,53 @@
+# kvrows: `make demo` runs the main job, `make test` runs lint, types and tests.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck pytest conform conform-deep bench clean install
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip "setuptools>=77" wheel
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e ".[dev]" --config-settings editable_mode=strict
+	touch $(STAMP)
+
+# Strict editable installs link the files that exist at install time, so a
+# cheap re-link runs before every target that imports the package.
+install: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e . --config-settings editable_mode=strict >/dev/null
+
+demo: install
+	$(BIN)/kvrows conform --profile ci
+	$(BIN)/kvrows example
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+# mypy runs outside the checkout so the top-level kvrows/ folder does not shadow
+# the installed package (whose kvrows.reference etc. map to reference/ etc.).
+typecheck: install
+	mkdir -p build/typecheck
+	cd build/typecheck && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p kvrows
+	cd tests && ../$(BIN)/mypy --config-file ../pyproject.toml .
+	cd benchmarks && ../$(BIN)/mypy --config-file ../pyproject.toml .
+
+pytest: install
+	$(BIN)/pytest -q
+
+test: lint typecheck pytest
+
+conform: install
+	$(BIN)/kvrows conform --profile ci
+
+conform-deep: install
+	KVROWS_PROFILE=deep $(BIN)/kvrows conform --profile deep
+
+bench: install
+	$(BIN)/kvrows bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache .hypothesis

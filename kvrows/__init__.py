@@ -1,0 +1,1 @@
+"""kvrows: the KV-cache state layer of LLM inference on MLX."""

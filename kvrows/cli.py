@@ -1,0 +1,57 @@
+"""The ``kvrows`` command line: ``conform``, ``bench`` and ``example``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvrows", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    conform = commands.add_parser("conform", help="run the conformance state machines")
+    conform.add_argument(
+        "--profile",
+        choices=("ci", "deep"),
+        default=None,
+        help="Hypothesis profile (default: $KVROWS_PROFILE or ci)",
+    )
+    conform.add_argument(
+        "--family",
+        action="append",
+        default=None,
+        help="storage family to run (repeatable; default: all)",
+    )
+    conform.add_argument("--seed", type=int, default=None, help="Hypothesis seed")
+
+    bench = commands.add_parser("bench", help="time row operations against mlx-lm and a copy")
+    bench.add_argument("--quick", action="store_true", help="small shapes, few repeats")
+    bench.add_argument("--repeats", type=int, default=None, help="timed repeats per operation")
+
+    commands.add_parser(
+        "example", help="merge, decode, filter and extract rows, and say what happened"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "conform":
+        from kvrows.conformance.runner import run_conformance
+
+        return run_conformance(profile=args.profile, families=args.family, seed=args.seed)
+    if args.command == "bench":
+        from kvrows.bench import run_bench
+
+        return run_bench(quick=args.quick, repeats=args.repeats)
+    from kvrows.example import run_example
+
+    return run_example()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""The kvrows error hierarchy.
+
+Every public operation validates its input before it changes anything, and
+raises one of these with a message that says what was wrong and what was
+expected. A call that raises leaves every cache it touched unchanged.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CapacityError",
+    "CorruptStateError",
+    "IncompatibleRowsError",
+    "InvalidInputError",
+    "KvRowsError",
+    "LayoutStateError",
+    "MixedPrecisionReadError",
+    "NoRowLayoutError",
+    "NotBatchableError",
+    "NotTrimmableError",
+    "RowIndexError",
+]
+
+
+class KvRowsError(Exception):
+    """Base of every error kvrows raises on purpose."""
+
+
+class InvalidInputError(KvRowsError, ValueError):
+    """An argument has the wrong type, rank, shape, dtype or value."""
+
+
+class IncompatibleRowsError(KvRowsError):
+    """Rows of different geometry, dtype, codec or family cannot share a layout."""
+
+
+class RowIndexError(KvRowsError, IndexError):
+    """A row index (or a keep list) names a row the layout does not hold."""
+
+
+class CapacityError(KvRowsError):
+    """An append or join needs more positions than the storage may hold."""
+
+
+class NotTrimmableError(KvRowsError):
+    """A trim asks for more than the cache can give back."""
+
+
+class MixedPrecisionReadError(KvRowsError):
+    """A read would mix rows held at different precisions."""
+
+
+class CorruptStateError(KvRowsError):
+    """Restored or adopted state violates the storage's invariants."""
+
+
+class LayoutStateError(KvRowsError):
+    """The operation is not valid in the layout's current state."""
+
+
+class NoRowLayoutError(KvRowsError):
+    """The row-layout table has no layout of the asked role for this storage."""
+
+
+class NotBatchableError(KvRowsError):
+    """A row operation was asked of serial (non-batchable) state."""

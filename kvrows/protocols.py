@@ -1,0 +1,149 @@
+"""The contract every storage and row layout implements.
+
+Both implementations (``kvrows.reference`` on NumPy, ``kvrows.optimized`` on
+MLX) satisfy these protocols with their own array type. The protocols are
+runtime-checkable so the row-layout table can detect batchable state
+structurally, as the seed does, rather than by a class ladder.
+
+Conventions (see ``spec/contract.md``):
+
+* attention tensors are ``[B, H, T, D]``: rows, KV heads, tokens, head dim;
+  keys and values may have their own head dims;
+* a mask is ``None`` (every fetched key visible), ``"causal"`` (bottom-right
+  aligned) or a boolean array ``[N, S]`` / ``[B, 1, N, S]`` where ``True``
+  means *may attend*; it is asked before the update of ``N`` tokens and
+  describes the keys that update returns;
+* ``offset`` is an ``int`` on serial caches and a per-row positions array on
+  row layouts (mlx-lm's convention); it is rebound, never mutated in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
+
+__all__ = [
+    "BatchableCache",
+    "Cache",
+    "Mask",
+    "SpeculativeRowLayout",
+]
+
+#: ``None``, ``"causal"`` or a boolean array (``True`` = may attend).
+Mask: TypeAlias = Literal["causal"] | Any | None
+
+
+@runtime_checkable
+class Cache(Protocol):
+    """One layer's attention (or recurrent) state of one or more requests."""
+
+    @property
+    def offset(self) -> Any:
+        """Serial: tokens stored (the next token's position). Layouts: per-row positions."""
+        ...
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        """The arrays to evaluate at a chunk boundary (borrowed unless ``state_needs_dispose``)."""
+        ...
+
+    @property
+    def state_needs_dispose(self) -> bool:
+        """Whether ``state`` hands out temporary arrays the caller must release."""
+        ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the arrays the cache holds, capacity slack included."""
+        ...
+
+    def signature(self) -> str:
+        """A stable identity string (never ``"unknown"``)."""
+        ...
+
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        """Append ``[B, H, N, D]`` keys and values; return the keys and values attention reads."""
+        ...
+
+    def fetch(self) -> tuple[Any, Any]:
+        """The keys and values the last ``update_and_fetch`` returned (what attention reads now)."""
+        ...
+
+    def make_mask(self, n: int) -> Mask:
+        """The mask for the next update of ``n`` tokens (asked before that update)."""
+        ...
+
+    def is_trimmable(self) -> bool: ...
+
+    def trim(self, n: int) -> int:
+        """Forget the newest ``n`` positions; returns how many were trimmed."""
+        ...
+
+
+@runtime_checkable
+class BatchableCache(Cache, Protocol):
+    """A row layout: several requests' state in one set of batched tensors."""
+
+    @property
+    def batch_size(self) -> int:
+        """Rows held (0 for an empty layout)."""
+        ...
+
+    @property
+    def row_offsets(self) -> tuple[int, ...]:
+        """Real tokens each row holds (= the position its next token gets)."""
+        ...
+
+    @property
+    def left_pad(self) -> tuple[int, ...]:
+        """Physical columns before each row's first real token."""
+        ...
+
+    @property
+    def max_tokens(self) -> float:
+        """Most positions a row may hold (``math.inf`` when unbounded)."""
+        ...
+
+    def make_empty_batch(self) -> BatchableCache:
+        """An empty layout of the same kind and codec parameters."""
+        ...
+
+    def merge_rows(self, rows: Sequence[Cache]) -> None:
+        """Form the batch (empty layout) or join the rows (running layout); borrows ``rows``."""
+        ...
+
+    def filter_rows(self, keep: Sequence[int]) -> None:
+        """Keep the rows ``keep`` (any subset, in the given order), in place."""
+        ...
+
+    def extract_row(self, row: int) -> Cache:
+        """An independent, compact serial cache holding row ``row``."""
+        ...
+
+    def can_publish_row(self, row: int, tokens: int) -> bool:
+        """Whether ``row`` can be published covering exactly ``tokens`` positions."""
+        ...
+
+    def projected_bytes(self, tokens: int) -> int:
+        """Bytes one row needs to hold ``tokens`` positions (0 before geometry is known)."""
+        ...
+
+
+@runtime_checkable
+class SpeculativeRowLayout(BatchableCache, Protocol):
+    """A verify layout: append a draft block for every row, then accept or roll back.
+
+    Declared here; implemented by the speculative-decoding issue.
+    """
+
+    def begin_round(self) -> None:
+        """Record every row's coverage before the draft block is appended."""
+        ...
+
+    def accept(self, counts: Sequence[int]) -> None:
+        """Keep ``counts[b]`` of row ``b``'s drafted tokens; rejected tokens leave no trace."""
+        ...
+
+    def rollback(self) -> None:
+        """Undo the whole round."""
+        ...

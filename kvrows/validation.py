@@ -1,0 +1,139 @@
+"""Argument validation shared by both implementations.
+
+Checks read only shapes, dtype names and Python ints, so the NumPy reference
+and the MLX implementation raise the same error, with the same message, for
+the same bad input. Every check runs before a cache changes anything.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvrows.errors import IncompatibleRowsError, InvalidInputError, RowIndexError
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "STEP",
+    "KvGeometry",
+    "as_count",
+    "check_block",
+    "check_keep",
+    "check_row",
+    "common_geometry",
+    "round_up",
+]
+
+#: Capacity grows in steps of this many token columns (mlx-lm's ``step``).
+STEP = 256
+
+#: Activation dtypes a plain cache stores.
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def round_up(value: int, step: int = STEP) -> int:
+    """The smallest multiple of ``step`` that is ``>= value``."""
+    return -(-value // step) * step
+
+
+@dataclass(frozen=True)
+class KvGeometry:
+    """What every row of one layer's cache shares: KV heads, head dims, dtype."""
+
+    heads: int
+    key_dim: int
+    value_dim: int
+    dtype: str
+
+    def describe(self) -> str:
+        return f"H={self.heads}, D={self.key_dim}, Dv={self.value_dim}, dtype={self.dtype}"
+
+
+def as_count(value: object, name: str, *, minimum: int = 0) -> int:
+    """``value`` as a Python int ``>= minimum`` (bools and floats are refused)."""
+    if isinstance(value, bool):
+        raise InvalidInputError(f"{name} must be an integer, got bool {value!r}")
+    if not hasattr(value, "__index__"):
+        raise InvalidInputError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise InvalidInputError(
+            f"{name} must be an integer, got {type(value).__name__} {value!r}"
+        ) from None
+    if number < minimum:
+        raise InvalidInputError(f"{name} must be >= {minimum}, got {number}")
+    return int(number)
+
+
+def check_block(
+    key_shape: Sequence[int],
+    value_shape: Sequence[int],
+    key_dtype: str,
+    value_dtype: str,
+    *,
+    rows: int | None,
+    geometry: KvGeometry | None,
+) -> KvGeometry:
+    """Validate one ``update_and_fetch`` block and return its geometry.
+
+    ``rows`` is the batch size the block must have (``None``: any); ``geometry``
+    is what the cache already holds (``None``: the first append sets it).
+    """
+    if len(key_shape) != 4 or len(value_shape) != 4:
+        raise InvalidInputError(
+            f"keys and values must be [B, H, N, D]; got keys {tuple(key_shape)} "
+            f"and values {tuple(value_shape)}"
+        )
+    b, h, n, d = (int(x) for x in key_shape)
+    vb, vh, vn, dv = (int(x) for x in value_shape)
+    if (b, h, n) != (vb, vh, vn):
+        raise InvalidInputError(
+            f"keys {tuple(key_shape)} and values {tuple(value_shape)} must agree on B, H and N"
+        )
+    if n < 1:
+        raise InvalidInputError(f"an update must append at least one token, got N={n}")
+    if b < 1 or h < 1 or d < 1 or dv < 1:
+        raise InvalidInputError(f"B, H, D and Dv must be positive, got {tuple(key_shape)}")
+    if key_dtype != value_dtype:
+        raise InvalidInputError(f"keys are {key_dtype} but values are {value_dtype}")
+    if key_dtype not in FLOAT_DTYPES:
+        raise InvalidInputError(f"keys and values must be one of {FLOAT_DTYPES}, got {key_dtype}")
+    if rows is not None and b != rows:
+        raise InvalidInputError(f"the block has B={b} rows but the cache holds {rows}")
+    block = KvGeometry(h, d, dv, key_dtype)
+    if geometry is not None and block != geometry:
+        raise InvalidInputError(
+            f"the block has {block.describe()} but the cache holds {geometry.describe()}"
+        )
+    return block
+
+
+def common_geometry(geometries: Sequence[KvGeometry | None]) -> KvGeometry | None:
+    """The one geometry all known entries share (``None`` if none is known)."""
+    known = {g for g in geometries if g is not None}
+    if len(known) > 1:
+        described = "; ".join(sorted(g.describe() for g in known))
+        raise IncompatibleRowsError(
+            f"rows of different geometry cannot share a layout: {described}"
+        )
+    return next(iter(known), None)
+
+
+def check_row(row: object, batch_size: int) -> int:
+    """A valid row index into a layout of ``batch_size`` rows (negative indices refused)."""
+    index = as_count(row, "row", minimum=0)
+    if index >= batch_size:
+        raise RowIndexError(f"row {index} out of range for a layout of {batch_size} rows")
+    return index
+
+
+def check_keep(keep: object, batch_size: int) -> list[int]:
+    """A list of distinct valid row indices (any order)."""
+    if isinstance(keep, str | bytes) or not isinstance(keep, Sequence):
+        raise InvalidInputError(f"keep must be a sequence of row indices, got {keep!r}")
+    rows = [check_row(r, batch_size) for r in keep]
+    if len(set(rows)) != len(rows):
+        raise RowIndexError(f"keep names a row twice: {rows}")
+    return rows
