@@ -166,7 +166,7 @@ def test_bad_input_raises_and_changes_nothing(impl: ModuleType) -> None:
     with pytest.raises(IncompatibleRowsError, match="H=4"):
         layout.merge_rows([_serial(impl, 1), other])
     with pytest.raises(IncompatibleRowsError):
-        layout.merge_rows([layout.make_empty_batch(), object()])  # type: ignore[list-item]
+        layout.merge_rows([layout.make_empty_batch(), object()])
     assert (layout.row_offsets, layout.left_pad, _tags(layout.extract_row(0))) == before
     with pytest.raises(LayoutStateError):
         impl.PaddedKVRows().update_and_fetch(wrong_dim, wrong_dim)

@@ -1,0 +1,148 @@
+"""The row-layout table, its functions and row admission (spec/contract.md)."""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+from typing import Any
+
+import kvrows.optimized as optimized
+import kvrows.reference as reference
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvrows.errors import InvalidInputError, NoRowLayoutError, NotBatchableError
+from kvrows.table import (
+    extract_sole_row,
+    filter_layout_rows,
+    is_batchable,
+    owned_cache_layout,
+    owned_cache_layout_factory,
+    prefill_cache_layout,
+    publish_row,
+    register_row_layouts,
+    registered_entries,
+    row_admission,
+    target_cache_layout,
+    target_row_layout_factory,
+)
+
+IMPLEMENTATIONS = [pytest.param(reference, id="reference"), pytest.param(optimized, id="optimized")]
+
+
+def _filled(impl: ModuleType, tokens: int, heads: int = 2, dim: int = 4) -> Any:
+    cache = impl.KVCache()
+    block = np.ones((1, heads, tokens, dim), np.float16)
+    data = mx.array(block) if impl is optimized else block
+    cache.update_and_fetch(data, data)
+    return cache
+
+
+class _Foreign:
+    """A cache-like object no table entry covers."""
+
+    offset = 0
+
+    def signature(self) -> str:
+        return "test:foreign"
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_roles_of_a_plain_cache(impl: ModuleType) -> None:
+    cache = impl.KVCache()
+    assert type(owned_cache_layout(cache)) is impl.PaddedKVRows
+    assert type(prefill_cache_layout(cache)) is impl.BatchedKVCache
+    assert type(target_cache_layout(cache)) is impl.BatchedKVCache
+    assert not is_batchable(cache)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_layouts_are_their_own_siblings(impl: ModuleType) -> None:
+    for layout in (impl.PaddedKVRows(), impl.BatchedKVCache()):
+        assert is_batchable(layout)
+        for made in (
+            owned_cache_layout(layout),
+            prefill_cache_layout(layout),
+            target_cache_layout(layout),
+        ):
+            assert made is not None and type(made) is type(layout) and made is not layout
+            assert made.batch_size == 0
+
+
+def test_foreign_storage_has_no_layout() -> None:
+    foreign: Any = _Foreign()
+    assert owned_cache_layout_factory(foreign) is None
+    assert target_row_layout_factory(foreign) is None
+    with pytest.raises(NoRowLayoutError, match="test:foreign"):
+        prefill_cache_layout(foreign)
+    with pytest.raises(NoRowLayoutError, match="test:foreign"):
+        target_cache_layout(foreign)
+
+
+def test_the_factory_does_not_allocate() -> None:
+    made: list[int] = []
+
+    class Probe(optimized.KVCache):
+        pass
+
+    def decode(cache: Any) -> Any:
+        made.append(1)
+        return optimized.PaddedKVRows()
+
+    register_row_layouts(
+        Probe,
+        decode=decode,
+        prefill=lambda cache: optimized.BatchedKVCache(),
+        verify=lambda cache: optimized.BatchedKVCache(),
+    )
+    factory = owned_cache_layout_factory(Probe())
+    assert factory is not None and made == []
+    factory()
+    assert made == [1]
+
+
+def test_subclasses_come_before_their_bases() -> None:
+    order = [entry.storage for entry in registered_entries()]
+    for i, earlier in enumerate(order):
+        for later in order[i + 1 :]:
+            assert not issubclass(later, earlier) or later is earlier, (later, earlier)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_sole_row_publish_and_filter(impl: ModuleType) -> None:
+    serial = _filled(impl, 3)
+    assert extract_sole_row(serial) is None
+    with pytest.raises(NotBatchableError, match="kv:plain"):
+        filter_layout_rows(serial, [0])
+    layout = impl.PaddedKVRows()
+    layout.merge_rows([serial])
+    sole = extract_sole_row(layout)
+    assert sole is not None and sole.offset == 3 and layout.batch_size == 1
+    layout.merge_rows([_filled(impl, 5)])
+    assert extract_sole_row(layout) is None
+    published = publish_row(layout, 1, 5)
+    assert published is not None and published.offset == 5
+    assert publish_row(layout, 0, 4) is None  # row 0 holds only 3 positions
+    filter_layout_rows(layout, [1])
+    assert layout.row_offsets == (5,)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_row_admission(impl: ModuleType) -> None:
+    assert row_admission([impl.KVCache()]) is None
+    empty = row_admission([])
+    assert empty is not None and empty.bytes(100) == 0 and empty.max_tokens == math.inf
+    layouts = []
+    for heads in (2, 4):
+        layout = impl.PaddedKVRows()
+        layout.merge_rows([_filled(impl, 2, heads=heads)])
+        layouts.append(layout)
+    admission = row_admission(layouts)
+    assert admission is not None
+    # float16 keys and values: 2 bytes x (D=4 keys + 4 values) x heads, per token
+    assert admission.bytes(10) == 10 * 2 * 8 * (2 + 4)
+    assert admission.bytes(0) == 0 and admission.max_tokens == math.inf
+    with pytest.raises(InvalidInputError):
+        admission.bytes(-1)
+    assert row_admission([layouts[0], impl.KVCache()]) is None
