@@ -11,7 +11,9 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
+from kvrows.affine_geometry import groups, packed_width, validate_codec, validate_params
 from kvrows.errors import InvalidInputError
+from kvrows.validation import KvGeometry
 
 __all__ = ["Codec", "PlainCodec", "Planes", "dtype_name", "mlx_dtype"]
 
@@ -45,6 +47,10 @@ class Codec(Protocol):
     @property
     def key(self) -> str: ...
 
+    def check(self, geometry: KvGeometry) -> None:
+        """Raise ``InvalidInputError`` if this codec cannot store heads of ``geometry``."""
+        ...
+
     def encode(self, block: mx.array) -> Planes: ...
 
     def fetched(self, planes: Planes) -> Any: ...
@@ -61,6 +67,9 @@ class PlainCodec:
 
     key = "plain"
 
+    def check(self, geometry: KvGeometry) -> None:
+        return None
+
     def encode(self, block: mx.array) -> Planes:
         return (block,)
 
@@ -72,3 +81,44 @@ class PlainCodec:
 
     def token_bytes(self, heads: int, dim: int, dtype: str) -> int:
         return heads * dim * mlx_dtype(dtype).size
+
+
+class AffineCodec:
+    """MLX affine group quantization (``mx.quantize``): planes ``(packed, scales, biases)``."""
+
+    def __init__(self, group_size: int, bits: int) -> None:
+        validate_params(group_size, bits)
+        self.group_size = group_size
+        self.bits = bits
+        self.key = f"affine:{bits}:{group_size}"
+
+    def check(self, geometry: KvGeometry) -> None:
+        for name, dim in (("key", geometry.key_dim), ("value", geometry.value_dim)):
+            try:
+                validate_codec(dim, self.group_size, self.bits)
+            except InvalidInputError as error:
+                raise InvalidInputError(f"{name} head dim {dim}: {error}") from None
+
+    def encode(self, block: mx.array) -> Planes:
+        packed, scales, biases = mx.quantize(
+            block, group_size=self.group_size, bits=self.bits, mode="affine"
+        )
+        return packed, scales, biases
+
+    def fetched(self, planes: Planes) -> Any:
+        return tuple(planes)
+
+    def zeros(self, rows: int, heads: int, columns: int, dim: int, dtype: str) -> Planes:
+        scale_dtype = mlx_dtype(dtype)
+        width, count = packed_width(dim, self.bits), groups(dim, self.group_size)
+        return (
+            mx.zeros((rows, heads, columns, width), dtype=mx.uint32),
+            mx.zeros((rows, heads, columns, count), dtype=scale_dtype),
+            mx.zeros((rows, heads, columns, count), dtype=scale_dtype),
+        )
+
+    def token_bytes(self, heads: int, dim: int, dtype: str) -> int:
+        itemsize = mlx_dtype(dtype).size
+        return heads * (
+            4 * packed_width(dim, self.bits) + 2 * itemsize * groups(dim, self.group_size)
+        )

@@ -66,7 +66,7 @@ def _block_shape(value: object) -> tuple[int, ...]:
 class FullAttentionCache:
     """A serial full-attention cache over ``codec``: a ``[B, H, capacity, ·]`` buffer."""
 
-    codec: ClassVar[Codec]
+    codec: Codec
     signature_text: ClassVar[str]
 
     def __init__(self) -> None:
@@ -125,6 +125,7 @@ class FullAttentionCache:
             rows=self.rows or None,
             geometry=self._geometry,
         )
+        self.codec.check(geometry)
         batch, heads, n = (int(x) for x in keys.shape[:3])
         start, end = self._offset, self._offset + n
         if self._keys is None or self._values is None or end > self.capacity:
@@ -166,14 +167,16 @@ class FullAttentionCache:
         self._offset -= count
         return count
 
-    @classmethod
-    def adopt(cls, keys: Planes, values: Planes, geometry: KvGeometry | None) -> FullAttentionCache:
-        """A cache holding exactly ``keys``/``values`` (owned, compact arrays)."""
-        cache = cls()
-        cache._keys, cache._values = keys, values
-        cache._offset = int(keys[0].shape[2])
-        cache._geometry = geometry
-        return cache
+    def adopt(
+        self, keys: Planes, values: Planes, geometry: KvGeometry | None
+    ) -> FullAttentionCache:
+        """Make this (empty) cache hold exactly ``keys``/``values`` (owned, compact arrays)."""
+        if self._keys is not None:
+            raise LayoutStateError("adopt needs an empty cache")
+        self._keys, self._values = keys, values
+        self._offset = int(keys[0].shape[2])
+        self._geometry = geometry
+        return self
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(offset={self._offset}, rows={self.rows})"
@@ -186,7 +189,7 @@ _RowView = tuple[Planes | None, Planes | None, int]
 class RowLayout:
     """Several requests' rows of one layer in one set of slot buffers."""
 
-    codec: ClassVar[Codec]
+    codec: Codec
     serial_class: ClassVar[type[FullAttentionCache]]
     shared_column: ClassVar[bool]
     signature_text: ClassVar[str]
@@ -255,13 +258,17 @@ class RowLayout:
     def make_empty_batch(self) -> RowLayout:
         return type(self)()
 
+    def blank_row(self) -> FullAttentionCache:
+        """An empty serial cache of this layout's storage and codec."""
+        return self.serial_class()
+
     def is_trimmable(self) -> bool:
         return True
 
     def _accepts(self, source: object) -> bool:
-        if isinstance(source, RowLayout):
+        if isinstance(source, RowLayout | self.serial_class):
             return source.codec.key == self.codec.key
-        return isinstance(source, self.serial_class)
+        return False
 
     # -- reads --------------------------------------------------------------------
     def _active(self, planes: Planes) -> Planes:
@@ -311,6 +318,7 @@ class RowLayout:
             rows=self.batch_size,
             geometry=self._geometry,
         )
+        self.codec.check(geometry)
         self._geometry = geometry
         n = int(keys.shape[2])
         width = self.width
@@ -447,10 +455,10 @@ class RowLayout:
     def extract_row(self, row: int) -> FullAttentionCache:
         held = self.row_planes(row)
         if held is None:
-            return self.serial_class()
+            return self.blank_row()
         keys = tuple(_compact(p) for p in held[0])
         values = tuple(_compact(p) for p in held[1])
-        return self.serial_class.adopt(keys, values, self._geometry)
+        return self.blank_row().adopt(keys, values, self._geometry)
 
     def can_publish_row(self, row: int, tokens: int) -> bool:
         index = check_row(row, self.batch_size)
@@ -469,6 +477,19 @@ class RowLayout:
     def trim(self, n: int) -> int:
         count = as_count(n, "n")
         return self._trim_rows([count] * self.batch_size) if self._lens else 0
+
+    def trim_rows(self, counts: Sequence[int]) -> int:
+        """Forget ``counts[b]`` newest tokens of row ``b`` (per-row rollback; ragged layouts).
+
+        Rows sharing one write column can only trim equal counts. Returns the largest count.
+        """
+        if isinstance(counts, str | bytes) or not isinstance(counts, Sequence):
+            raise InvalidInputError("trim_rows takes one count per row")
+        if len(counts) != self.batch_size:
+            raise InvalidInputError(
+                f"trim_rows needs {self.batch_size} counts (one per row), got {len(counts)}"
+            )
+        return self._trim_rows([as_count(c, f"counts[{i}]") for i, c in enumerate(counts)])
 
     def _trim_rows(self, counts: Sequence[int]) -> int:
         for b, (tokens, count) in enumerate(zip(self._lens, counts, strict=True)):

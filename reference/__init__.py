@@ -2,10 +2,24 @@
 
 from kvrows.reference.attention import attend, attention
 from kvrows.reference.plain import BatchedKVCache, KVCache, PaddedKVRows
+from kvrows.reference.quantized import (
+    BatchedQuantizedKVCache,
+    PaddedQuantKVRows,
+    QuantizedKVCache,
+)
 
 from kvrows.table import register_own_empty_batch, register_row_layouts
 
-__all__ = ["BatchedKVCache", "KVCache", "PaddedKVRows", "attend", "attention"]
+__all__ = [
+    "BatchedKVCache",
+    "BatchedQuantizedKVCache",
+    "KVCache",
+    "PaddedKVRows",
+    "PaddedQuantKVRows",
+    "QuantizedKVCache",
+    "attend",
+    "attention",
+]
 
 register_row_layouts(
     KVCache,
@@ -13,5 +27,13 @@ register_row_layouts(
     prefill=lambda cache: BatchedKVCache(),
     verify=lambda cache: BatchedKVCache(),
 )
+register_row_layouts(
+    QuantizedKVCache,
+    decode=lambda cache: PaddedQuantKVRows(cache.group_size, cache.bits),
+    prefill=lambda cache: BatchedQuantizedKVCache(cache.group_size, cache.bits),
+    verify=lambda cache: BatchedQuantizedKVCache(cache.group_size, cache.bits),
+)
 register_own_empty_batch(PaddedKVRows)
+register_own_empty_batch(PaddedQuantKVRows)
+register_own_empty_batch(BatchedQuantizedKVCache)
 register_own_empty_batch(BatchedKVCache)

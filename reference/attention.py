@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from kvrows.reference.codecs import dtype_name
+from kvrows.reference.codecs import Codec, dtype_name
 
 from kvrows.errors import InvalidInputError
 from kvrows.protocols import Cache, Mask
@@ -62,6 +62,12 @@ def attention(
 
 
 def attend(queries: npt.NDArray[Any], cache: Cache, mask: Mask, scale: float) -> npt.NDArray[Any]:
-    """Attention of ``queries`` over everything ``cache`` holds now, decoded by its codec."""
+    """Attention of ``queries`` over everything ``cache`` holds now, decoded by its codec.
+
+    A quantized cache is dequantized (bit-exactly as ``mx.dequantize``) and attended densely.
+    """
     keys, values = cache.fetch()
+    codec: Codec | None = getattr(cache, "codec", None)
+    if codec is not None:
+        keys, values = codec.dense(keys), codec.dense(values)
     return attention(queries, keys, values, mask, scale)

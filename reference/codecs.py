@@ -13,6 +13,11 @@ from typing import Any, Protocol
 import ml_dtypes
 import numpy as np
 import numpy.typing as npt
+from kvrows.reference import affine_codec
+
+from kvrows.affine_geometry import groups, packed_width, validate_codec, validate_params
+from kvrows.errors import InvalidInputError
+from kvrows.validation import KvGeometry
 
 __all__ = ["Codec", "PlainCodec", "Planes", "dtype_name", "numpy_dtype"]
 
@@ -32,8 +37,6 @@ def numpy_dtype(name: str) -> Any:
 
 def dtype_name(array: object) -> str:
     """``array``'s dtype name, refusing anything that is not a NumPy array."""
-    from kvrows.errors import InvalidInputError
-
     if not isinstance(array, np.ndarray):
         raise InvalidInputError(
             f"the reference takes NumPy arrays, got {type(array).__module__}.{type(array).__name__}"
@@ -49,10 +52,18 @@ class Codec(Protocol):
         """Identity of the codec and its parameters (rows of different keys never mix)."""
         ...
 
+    def check(self, geometry: KvGeometry) -> None:
+        """Raise ``InvalidInputError`` if this codec cannot store heads of ``geometry``."""
+        ...
+
     def encode(self, block: npt.NDArray[Any]) -> Planes: ...
 
     def decode(self, planes: Planes, dtype: str) -> npt.NDArray[Any]:
         """The stored values as a ``dtype`` array."""
+        ...
+
+    def dense(self, fetched: Any) -> npt.NDArray[Any]:
+        """What ``fetched`` (an ``update_and_fetch`` result) holds, as a dense array."""
         ...
 
     def fetched(self, planes: Planes) -> Any:
@@ -73,11 +84,18 @@ class PlainCodec:
 
     key = "plain"
 
+    def check(self, geometry: KvGeometry) -> None:
+        return None
+
     def encode(self, block: npt.NDArray[Any]) -> Planes:
         return (np.array(block, copy=True),)
 
     def decode(self, planes: Planes, dtype: str) -> npt.NDArray[Any]:
         return planes[0]
+
+    def dense(self, fetched: Any) -> npt.NDArray[Any]:
+        array: npt.NDArray[Any] = fetched
+        return array
 
     def fetched(self, planes: Planes) -> Any:
         return planes[0]
@@ -87,3 +105,52 @@ class PlainCodec:
 
     def token_bytes(self, heads: int, dim: int, dtype: str) -> int:
         return heads * dim * int(numpy_dtype(dtype).itemsize)
+
+
+class AffineCodec:
+    """MLX affine group quantization: planes ``(packed uint32, scales, biases)``.
+
+    Quantizes each new token once, on append; row operations move codes, scales and
+    biases without re-quantizing anything. ``update_and_fetch`` hands out the three
+    planes as a tuple, mlx-lm's quantized-cache convention.
+    """
+
+    def __init__(self, group_size: int, bits: int) -> None:
+        validate_params(group_size, bits)
+        self.group_size = group_size
+        self.bits = bits
+        self.key = f"affine:{bits}:{group_size}"
+
+    def check(self, geometry: KvGeometry) -> None:
+        for name, dim in (("key", geometry.key_dim), ("value", geometry.value_dim)):
+            try:
+                validate_codec(dim, self.group_size, self.bits)
+            except InvalidInputError as error:
+                raise InvalidInputError(f"{name} head dim {dim}: {error}") from None
+
+    def encode(self, block: npt.NDArray[Any]) -> Planes:
+        return affine_codec.quantize(block, self.group_size, self.bits)
+
+    def decode(self, planes: Planes, dtype: str) -> npt.NDArray[Any]:
+        packed, scales, biases = planes
+        return affine_codec.dequantize(packed, scales, biases, self.group_size, self.bits)
+
+    def dense(self, fetched: Any) -> npt.NDArray[Any]:
+        return self.decode(tuple(fetched), "")
+
+    def fetched(self, planes: Planes) -> Any:
+        return tuple(planes)
+
+    def empty(self, rows: int, heads: int, dim: int, dtype: str) -> Planes:
+        scale_dtype = numpy_dtype(dtype)
+        return (
+            np.zeros((rows, heads, 0, packed_width(dim, self.bits)), dtype=np.uint32),
+            np.zeros((rows, heads, 0, groups(dim, self.group_size)), dtype=scale_dtype),
+            np.zeros((rows, heads, 0, groups(dim, self.group_size)), dtype=scale_dtype),
+        )
+
+    def token_bytes(self, heads: int, dim: int, dtype: str) -> int:
+        itemsize = int(numpy_dtype(dtype).itemsize)
+        return heads * (
+            4 * packed_width(dim, self.bits) + 2 * itemsize * groups(dim, self.group_size)
+        )

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from kvrows.reference.codecs import PlainCodec
 from kvrows.reference.storage import FullAttentionCache, RowLayout
-
-from kvrows.errors import InvalidInputError
-from kvrows.validation import as_count
 
 __all__ = ["BatchedKVCache", "KVCache", "PaddedKVRows"]
 
@@ -36,13 +31,3 @@ class BatchedKVCache(RowLayout):
     serial_class = KVCache
     shared_column = False
     signature_text = "kv:batched-positions"
-
-    def trim_rows(self, counts: Sequence[int]) -> int:
-        """Forget ``counts[b]`` newest tokens of row ``b``; returns the largest count."""
-        if isinstance(counts, str | bytes) or not isinstance(counts, Sequence):
-            raise InvalidInputError("trim_rows takes one count per row")
-        if len(counts) != self.batch_size:
-            raise InvalidInputError(
-                f"trim_rows needs {self.batch_size} counts (one per row), got {len(counts)}"
-            )
-        return self._trim_rows([as_count(c, f"counts[{i}]") for i, c in enumerate(counts)])

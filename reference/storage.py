@@ -67,7 +67,7 @@ def _nbytes(planes: Planes | None) -> int:
 class FullAttentionCache:
     """A serial full-attention cache over ``codec``: tokens ``[0, offset)`` of ``B`` rows."""
 
-    codec: ClassVar[Codec]
+    codec: Codec
     signature_text: ClassVar[str]
 
     def __init__(self) -> None:
@@ -122,6 +122,7 @@ class FullAttentionCache:
             rows=self.rows or None,
             geometry=self._geometry,
         )
+        self.codec.check(geometry)
         new_k, new_v = self.codec.encode(keys), self.codec.encode(values)
         self._keys = new_k if self._keys is None else _cat(self._keys, new_k)
         self._values = new_v if self._values is None else _cat(self._values, new_v)
@@ -149,14 +150,16 @@ class FullAttentionCache:
         return count
 
     # -- construction used by layouts -----------------------------------------
-    @classmethod
-    def adopt(cls, keys: Planes, values: Planes, geometry: KvGeometry | None) -> FullAttentionCache:
-        """A cache that owns copies of ``keys``/``values`` (``[B, H, T, ·]`` planes)."""
-        cache = cls()
-        cache._keys = tuple(np.array(p, copy=True) for p in keys)
-        cache._values = tuple(np.array(p, copy=True) for p in values)
-        cache._geometry = geometry
-        return cache
+    def adopt(
+        self, keys: Planes, values: Planes, geometry: KvGeometry | None
+    ) -> FullAttentionCache:
+        """Make this (empty) cache own copies of ``keys``/``values`` (``[B, H, T, ·]`` planes)."""
+        if self._keys is not None:
+            raise LayoutStateError("adopt needs an empty cache")
+        self._keys = tuple(np.array(p, copy=True) for p in keys)
+        self._values = tuple(np.array(p, copy=True) for p in values)
+        self._geometry = geometry
+        return self
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(offset={self.offset}, rows={self.rows})"
@@ -187,7 +190,7 @@ class RowLayout:
     column (``shared_column``) or are ragged.
     """
 
-    codec: ClassVar[Codec]
+    codec: Codec
     serial_class: ClassVar[type[FullAttentionCache]]
     shared_column: ClassVar[bool]
     signature_text: ClassVar[str]
@@ -203,9 +206,9 @@ class RowLayout:
         return (cls.serial_class, RowLayout)
 
     def _accepts(self, source: object) -> bool:
-        if isinstance(source, RowLayout):
+        if isinstance(source, RowLayout | self.serial_class):
             return source.codec.key == self.codec.key
-        return isinstance(source, self.serial_class)
+        return False
 
     # -- what the layout holds -------------------------------------------------
     @property
@@ -260,6 +263,10 @@ class RowLayout:
 
     def make_empty_batch(self) -> RowLayout:
         return type(self)()
+
+    def blank_row(self) -> FullAttentionCache:
+        """An empty serial cache of this layout's storage and codec."""
+        return self.serial_class()
 
     def is_trimmable(self) -> bool:
         return True
@@ -323,6 +330,7 @@ class RowLayout:
             rows=self.batch_size,
             geometry=self._geometry,
         )
+        self.codec.check(geometry)
         encoded_k, encoded_v = self.codec.encode(keys), self.codec.encode(values)
         for b, row in enumerate(self._rows):
             new_k, new_v = _rows(encoded_k, b, b + 1), _rows(encoded_v, b, b + 1)
@@ -389,8 +397,8 @@ class RowLayout:
     def extract_row(self, row: int) -> FullAttentionCache:
         held = self.row_planes(row)
         if held is None:
-            return self.serial_class()
-        return self.serial_class.adopt(held[0], held[1], self._geometry)
+            return self.blank_row()
+        return self.blank_row().adopt(held[0], held[1], self._geometry)
 
     def can_publish_row(self, row: int, tokens: int) -> bool:
         index = check_row(row, self.batch_size)
@@ -410,6 +418,19 @@ class RowLayout:
         """Forget every row's newest ``n`` tokens (each row must hold at least ``n``)."""
         count = as_count(n, "n")
         return self._trim_rows([count] * self.batch_size) if self._rows else 0
+
+    def trim_rows(self, counts: Sequence[int]) -> int:
+        """Forget ``counts[b]`` newest tokens of row ``b`` (per-row rollback; ragged layouts).
+
+        Rows sharing one write column can only trim equal counts. Returns the largest count.
+        """
+        if isinstance(counts, str | bytes) or not isinstance(counts, Sequence):
+            raise InvalidInputError("trim_rows takes one count per row")
+        if len(counts) != self.batch_size:
+            raise InvalidInputError(
+                f"trim_rows needs {self.batch_size} counts (one per row), got {len(counts)}"
+            )
+        return self._trim_rows([as_count(c, f"counts[{i}]") for i, c in enumerate(counts)])
 
     def _trim_rows(self, counts: Sequence[int]) -> int:
         for b, (row, count) in enumerate(zip(self._rows, counts, strict=True)):
