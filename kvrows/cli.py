@@ -43,14 +43,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "conform":
         from kvrows.conformance.runner import run_conformance
 
-        return run_conformance(profile=args.profile, families=args.family, seed=args.seed)
+        return int(run_conformance(profile=args.profile, families=args.family, seed=args.seed))
     if args.command == "bench":
         from kvrows.bench import run_bench
 
-        return run_bench(quick=args.quick, repeats=args.repeats)
+        return int(run_bench(quick=args.quick, repeats=args.repeats))
     from kvrows.example import run_example
 
-    return run_example()
+    return int(run_example())
 
 
 if __name__ == "__main__":

@@ -45,16 +45,20 @@ def quantized_attention(
         raise InvalidInputError(f"{q_heads} query heads do not group over {kv_heads} KV heads")
     repeat = q_heads // kv_heads
     q = (queries * scale).reshape(batch, kv_heads, repeat, n, dim)
-    k = tuple(mx.expand_dims(p, 2) for p in keys)
-    v = tuple(mx.expand_dims(p, 2) for p in values)
-    scores = mx.quantized_matmul(q, *k, transpose=True, group_size=group_size, bits=bits)
+    k_packed, k_scales, k_biases = (mx.expand_dims(p, 2) for p in keys)
+    v_packed, v_scales, v_biases = (mx.expand_dims(p, 2) for p in values)
+    scores = mx.quantized_matmul(
+        q, k_packed, k_scales, k_biases, transpose=True, group_size=group_size, bits=bits
+    )
     visible = _boolean_mask(mask, n, s)
     if visible is not None:
         if visible.ndim == 4:  # [B, 1, N, S] -> [B, 1, 1, N, S] over the head-group axis
             visible = mx.expand_dims(visible, 2)
         scores = mx.where(visible, scores, mx.finfo(scores.dtype).min)
     weights = mx.softmax(scores, axis=-1, precise=True)
-    out = mx.quantized_matmul(weights, *v, transpose=False, group_size=group_size, bits=bits)
+    out = mx.quantized_matmul(
+        weights, v_packed, v_scales, v_biases, transpose=False, group_size=group_size, bits=bits
+    )
     return out.reshape(batch, q_heads, n, -1)
 
 
