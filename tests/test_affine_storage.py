@@ -5,13 +5,13 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
+import kvrows.optimized as optimized
+import kvrows.reference as reference
 import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 import pytest
 
-import kvrows.optimized as optimized
-import kvrows.reference as reference
 from kvrows.errors import IncompatibleRowsError, InvalidInputError
 from kvrows.table import owned_cache_layout, prefill_cache_layout, target_cache_layout
 
@@ -61,9 +61,8 @@ def test_signatures_and_table(impl: ModuleType) -> None:
         prefill_cache_layout(cache),
         target_cache_layout(cache),
     )
-    assert (
-        type(decode) is impl.PaddedQuantKVRows and decode.signature() == "kv:padded-rows-quant:4:32"
-    )
+    assert decode is not None and type(decode) is impl.PaddedQuantKVRows
+    assert decode.signature() == "kv:padded-rows-quant:4:32"
     assert type(prefill) is impl.BatchedQuantizedKVCache
     assert type(verify) is impl.BatchedQuantizedKVCache
     assert prefill.signature() == "kv:batched-quant:4:32"
