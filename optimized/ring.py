@@ -1,0 +1,621 @@
+"""Sliding-window storage: the serial ring (mlx-lm's ``RotatingKVCache``, keep = 0).
+
+Physical design (``spec/RotatingKVCache.md`` has the diagram): one buffer per plane,
+``[B, H, Sbuf, ·]``. Single tokens are written in place at the ring index ``idx``;
+once ``offset`` reaches ``max_size`` the index wraps and the oldest column is
+overwritten. A multi-token block puts the buffer in temporal order, keeps its newest
+``max_size - 1`` columns (so the block's first query still sees a full window) and
+appends the block: the buffer can briefly hold more than ``max_size`` columns. The
+codec axis is the same as the full-attention storage's: the ring moves planes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import mlx.core as mx
+
+from kvrows.errors import (
+    IncompatibleRowsError,
+    InvalidInputError,
+    LayoutStateError,
+    NotTrimmableError,
+)
+from kvrows.optimized.codecs import Codec, PlainCodec, Planes, dtype_name
+from kvrows.protocols import Mask
+from kvrows.validation import STEP, KvGeometry, as_count, check_block
+
+__all__ = ["BatchedRotatingCache", "RingCache", "RingLayout", "RotatingKVCache", "window_mask"]
+
+
+def window_mask(n: int, offset: int, window: int) -> mx.array:
+    """``[n, offset + n]``: query ``i`` (position ``offset + i``) sees ``j`` in its window."""
+    columns = mx.arange(offset + n)[None, :]
+    queries = mx.arange(offset, offset + n)[:, None]
+    return (queries >= columns) & (queries < columns + window)
+
+
+def _columns(planes: Planes, start: int, stop: int | None = None) -> Planes:
+    return tuple(p[:, :, start:stop] for p in planes)
+
+
+def _concat(first: Planes, second: Planes) -> Planes:
+    return tuple(mx.concatenate([a, b], axis=2) for a, b in zip(first, second, strict=True))
+
+
+class RingCache:
+    """A serial ring over ``codec`` holding a request's newest ``max_size`` tokens."""
+
+    codec: Codec
+    signature_text: ClassVar[str]
+
+    def __init__(self, max_size: int) -> None:
+        self.max_size = as_count(max_size, "max_size", minimum=1)
+        self._keys: Planes | None = None
+        self._values: Planes | None = None
+        self._offset = 0
+        self._idx = 0
+        self._geometry: KvGeometry | None = None
+
+    # -- what the ring holds ----------------------------------------------------------
+    @property
+    def geometry(self) -> KvGeometry | None:
+        return self._geometry
+
+    @property
+    def offset(self) -> int:
+        return self._offset
+
+    @property
+    def ring_index(self) -> int:
+        return self._idx
+
+    @property
+    def rows(self) -> int:
+        return 0 if self._keys is None else int(self._keys[0].shape[0])
+
+    @property
+    def buffer_length(self) -> int:
+        return 0 if self._keys is None else int(self._keys[0].shape[2])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(p.nbytes) for p in (self._keys or ()) + (self._values or ()))
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        return (self._keys or ()) + (self._values or ())
+
+    @property
+    def state_needs_dispose(self) -> bool:
+        return False
+
+    def signature(self) -> str:
+        return self.signature_text
+
+    def _temporal(self, planes: Planes) -> Planes:
+        """The buffer in temporal order (used columns only)."""
+        length = int(planes[0].shape[2])
+        if self._idx == length:
+            return planes
+        if self._idx < self._offset:
+            return _concat(_columns(planes, self._idx), _columns(planes, 0, self._idx))
+        return _columns(planes, 0, self._idx)
+
+    def window(self) -> tuple[Planes, Planes] | None:
+        """The newest ``min(offset, max_size)`` tokens' planes in temporal order."""
+        if self._keys is None or self._values is None or self._offset == 0:
+            return None
+        keep = min(self._offset, self.max_size)
+        keys, values = self._temporal(self._keys), self._temporal(self._values)
+        return _columns(keys, int(keys[0].shape[2]) - keep), _columns(
+            values, int(values[0].shape[2]) - keep
+        )
+
+    # -- protocol ---------------------------------------------------------------------------
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        geometry = check_block(
+            tuple(keys.shape) if isinstance(keys, mx.array) else (),
+            tuple(values.shape) if isinstance(values, mx.array) else (),
+            dtype_name(keys),
+            dtype_name(values),
+            rows=self.rows or None,
+            geometry=self._geometry,
+        )
+        self.codec.check(geometry)
+        self._geometry = geometry
+        new_k, new_v = self.codec.encode(keys), self.codec.encode(values)
+        if int(keys.shape[2]) == 1:
+            self._write_in_place(new_k, new_v, geometry)
+        else:
+            self._write_block(new_k, new_v, int(keys.shape[2]))
+        return self.fetch()
+
+    def _write_in_place(self, new_k: Planes, new_v: Planes, geometry: KvGeometry) -> None:
+        prev = self._offset
+        if (
+            self._keys is None
+            or self._values is None
+            or (prev >= self.buffer_length and self.buffer_length < self.max_size)
+        ):
+            grow = min(STEP, self.max_size - prev)
+            rows, heads = int(new_k[0].shape[0]), geometry.heads
+            zeros_k = self.codec.zeros(rows, heads, grow, geometry.key_dim, geometry.dtype)
+            zeros_v = self.codec.zeros(rows, heads, grow, geometry.value_dim, geometry.dtype)
+            self._keys = zeros_k if self._keys is None else _concat(self._keys, zeros_k)
+            self._values = zeros_v if self._values is None else _concat(self._values, zeros_v)
+            self._idx = prev
+        assert self._keys is not None and self._values is not None
+        overshoot = self.buffer_length - self.max_size
+        if overshoot > 0:
+            self._keys = _columns(self._keys, overshoot)
+            self._values = _columns(self._values, overshoot)
+            self._idx = self.max_size
+        if self._idx == self.max_size:
+            self._idx = 0
+        for planes, new in ((self._keys, new_k), (self._values, new_v)):
+            for plane, encoded in zip(planes, new, strict=True):
+                plane[:, :, self._idx : self._idx + 1] = encoded
+        self._offset += 1
+        self._idx += 1
+
+    def _write_block(self, new_k: Planes, new_v: Planes, n: int) -> None:
+        if self._keys is None or self._values is None:
+            self._keys, self._values = new_k, new_v
+        else:
+            keys, values = self._temporal(self._keys), self._temporal(self._values)
+            history = int(keys[0].shape[2])
+            drop = max(0, history - self.max_size + 1)
+            self._keys = _concat(_columns(keys, drop), new_k)
+            self._values = _concat(_columns(values, drop), new_v)
+        self._offset += n
+        self._idx = self.buffer_length
+
+    def fetch(self) -> tuple[Any, Any]:
+        if self._keys is None or self._values is None:
+            raise LayoutStateError("the ring holds no tokens yet: nothing to fetch")
+        visible = min(self._offset, self.buffer_length)
+        return (
+            self.codec.fetched(_columns(self._keys, 0, visible)),
+            self.codec.fetched(_columns(self._values, 0, visible)),
+        )
+
+    def make_mask(self, n: int) -> Mask:
+        """``None`` for one token (the ring holds the window); windowed causal for a block."""
+        count = as_count(n, "n", minimum=1)
+        if count == 1:
+            return None
+        history = min(self.max_size - 1, self._offset)
+        if history + count > self.max_size:
+            return window_mask(count, history, self.max_size)
+        return "causal"
+
+    def is_trimmable(self) -> bool:
+        return self._offset < self.max_size
+
+    def trim(self, n: int) -> int:
+        count = as_count(n, "n")
+        if count and not self.is_trimmable():
+            raise NotTrimmableError(
+                f"a ring that has wrapped (offset {self._offset} >= window {self.max_size}) "
+                "cannot be trimmed: the overwritten tokens are gone"
+            )
+        count = min(count, self._offset)
+        self._offset -= count
+        self._idx -= count
+        return count
+
+    def adopt_window(
+        self, keys: Planes, values: Planes, offset: int, geometry: KvGeometry | None
+    ) -> RingCache:
+        """Make this (empty) ring hold ``keys``/``values`` in temporal order, at ``offset``."""
+        if self._keys is not None:
+            raise LayoutStateError("adopt_window needs an empty ring")
+        length = int(keys[0].shape[2])
+        if length > offset:
+            raise InvalidInputError(f"{length} tokens cannot sit below position {offset}")
+        self._keys, self._values = keys, values
+        self._offset, self._idx, self._geometry = offset, length, geometry
+        return self
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(max_size={self.max_size}, offset={self._offset}, "
+            f"idx={self._idx})"
+        )
+
+
+class RotatingKVCache(RingCache):
+    """Serial plain sliding-window cache (``spec/RotatingKVCache.md``)."""
+
+    codec = PlainCodec()
+    signature_text = "kv:rotating-plain"
+
+
+class RingLayout:
+    """Several requests' rings sharing one write column (mlx-lm's ``BatchRotatingKVCache``).
+
+    Host-side state (``spec/BatchedRotatingCache.md``): per-row ``offsets`` (positions)
+    and ``left_pad`` (columns before a row's oldest token; negative once the ring has
+    overwritten them), the ring index ``idx``, the columns written since the last
+    merge ``total``, and ``rotated`` (the ring has wrapped, so physical order is not
+    temporal order). Joins re-merge every row (the rings' phases must agree); filters keep
+    the padding (a ring's columns are its window).
+    """
+
+    codec: Codec
+    serial_class: ClassVar[type[RingCache]]
+    signature_text: ClassVar[str]
+
+    def __init__(self, max_size: int) -> None:
+        self.max_size = as_count(max_size, "max_size", minimum=1)
+        self._keys: Planes | None = None
+        self._values: Planes | None = None
+        self._offsets: list[int] = []
+        self._pads: list[int] = []
+        self._idx = 0
+        self._total = 0
+        self._rotated = False
+        self._geometry: KvGeometry | None = None
+
+    # -- what the layout holds -------------------------------------------------------
+    @property
+    def geometry(self) -> KvGeometry | None:
+        return self._geometry
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._offsets)
+
+    @property
+    def row_offsets(self) -> tuple[int, ...]:
+        return tuple(self._offsets)
+
+    @property
+    def left_pad(self) -> tuple[int, ...]:
+        return tuple(self._pads)
+
+    @property
+    def ring_state(self) -> tuple[int, int, bool]:
+        """``(idx, total, rotated)``: the ring's write index, columns written, wrapped."""
+        return self._idx, self._total, self._rotated
+
+    @property
+    def offset(self) -> mx.array:
+        return mx.array(self._offsets, dtype=mx.int32)
+
+    @property
+    def max_tokens(self) -> float:
+        return math.inf
+
+    @property
+    def buffer_length(self) -> int:
+        return 0 if self._keys is None else int(self._keys[0].shape[2])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(p.nbytes) for p in (self._keys or ()) + (self._values or ()))
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        return (self._keys or ()) + (self._values or ())
+
+    @property
+    def state_needs_dispose(self) -> bool:
+        return False
+
+    def signature(self) -> str:
+        return self.signature_text
+
+    def make_empty_batch(self) -> RingLayout:
+        return type(self)(self.max_size)
+
+    def blank_row(self) -> RingCache:
+        """An empty serial ring of this layout's window and codec."""
+        return self.serial_class(self.max_size)
+
+    def _accepts(self, source: object) -> bool:
+        if isinstance(source, RingLayout | RingCache):
+            return source.codec.key == self.codec.key and source.max_size == self.max_size
+        return False
+
+    # -- reads ----------------------------------------------------------------------------
+    def _chronological(self, planes: Planes) -> Planes:
+        """The buffer's used columns in temporal order."""
+        if self._rotated:
+            return _concat(_columns(planes, self._idx), _columns(planes, 0, self._idx))
+        return _columns(planes, 0, self._idx)
+
+    def fetch(self) -> tuple[Any, Any]:
+        if self._keys is None or self._values is None:
+            raise LayoutStateError("the layout holds no tokens yet: nothing to fetch")
+        visible = min(self._total, self.buffer_length)
+        return (
+            self.codec.fetched(_columns(self._keys, 0, visible)),
+            self.codec.fetched(_columns(self._values, 0, visible)),
+        )
+
+    def row_window(self, row: int) -> tuple[Planes, Planes] | None:
+        """Row ``row``'s newest ``min(offset, max_size)`` tokens in temporal order (views)."""
+        from kvrows.validation import check_row
+
+        index = check_row(row, self.batch_size)
+        if self._keys is None or self._values is None:
+            return None
+        keys, values = self._chronological(self._keys), self._chronological(self._values)
+        active = int(keys[0].shape[2])
+        start = max(0, self._pads[index], active - min(self._offsets[index], self.max_size))
+        if start >= active:
+            return None
+        return (
+            tuple(p[index : index + 1, :, start:active] for p in keys),
+            tuple(p[index : index + 1, :, start:active] for p in values),
+        )
+
+    def make_mask(self, n: int) -> Mask:
+        """The windowed mask for the next ``n`` tokens, in the ring's physical column order."""
+        count = as_count(n, "n", minimum=1)
+        block = count > 1
+        history_len = min(self.max_size - 1, self._total)
+        size = history_len + count
+        history = self.max_size if (block and self._rotated) else self._idx
+        trimmed = max(0, history - self.max_size + (1 if block else 0))
+        wrapping = not block and (self._rotated or self._idx >= self.max_size)
+        pads = mx.array(self._pads) - trimmed - (1 if wrapping else 0)
+        columns = mx.arange(size)[None, :]
+        queries = mx.arange(history_len, size)[:, None]
+        visible = (queries >= columns) & (queries < columns + self.max_size)
+        visible = visible[None] & (columns[None] >= pads[:, None, None])
+        if wrapping:
+            shift = (0 if self._idx >= self.max_size else self._idx) + 1
+            visible = mx.roll(visible, shift, axis=-1)
+        return visible[:, None]
+
+    # -- writes --------------------------------------------------------------------------
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        if not self._offsets:
+            raise LayoutStateError("an empty layout takes no update: merge rows into it first")
+        geometry = check_block(
+            tuple(keys.shape) if isinstance(keys, mx.array) else (),
+            tuple(values.shape) if isinstance(values, mx.array) else (),
+            dtype_name(keys),
+            dtype_name(values),
+            rows=self.batch_size,
+            geometry=self._geometry,
+        )
+        self.codec.check(geometry)
+        self._geometry = geometry
+        n = int(keys.shape[2])
+        new_k, new_v = self.codec.encode(keys), self.codec.encode(values)
+        if n == 1:
+            self._write_in_place(new_k, new_v, geometry)
+        else:
+            self._write_block(new_k, new_v, n)
+        self._offsets = [o + n for o in self._offsets]
+        self._total += n
+        return self.fetch()
+
+    def _write_in_place(self, new_k: Planes, new_v: Planes, geometry: KvGeometry) -> None:
+        prev = self._total
+        if (
+            self._keys is None
+            or self._values is None
+            or (prev >= self.buffer_length and self.buffer_length < self.max_size)
+        ):
+            grow = min(STEP, self.max_size - prev)
+            rows, heads = self.batch_size, geometry.heads
+            zeros_k = self.codec.zeros(rows, heads, grow, geometry.key_dim, geometry.dtype)
+            zeros_v = self.codec.zeros(rows, heads, grow, geometry.value_dim, geometry.dtype)
+            if self._keys is None or self._values is None:
+                self._keys, self._values = zeros_k, zeros_v
+            else:
+                self._keys = _concat(_columns(self._keys, 0, prev), zeros_k)
+                self._values = _concat(_columns(self._values, 0, prev), zeros_v)
+            self._idx = prev
+        assert self._keys is not None and self._values is not None
+        overshoot = self.buffer_length - self.max_size
+        if overshoot > 0:
+            self._keys = _columns(self._keys, overshoot)
+            self._values = _columns(self._values, overshoot)
+            self._idx = self.max_size
+            self._pads = [p - overshoot for p in self._pads]
+        if self._idx == self.max_size:
+            self._rotated = True
+            self._idx = 0
+        if self._rotated:
+            self._pads = [p - 1 for p in self._pads]
+        for planes, new in ((self._keys, new_k), (self._values, new_v)):
+            for plane, encoded in zip(planes, new, strict=True):
+                plane[:, :, self._idx : self._idx + 1] = encoded
+        self._idx += 1
+
+    def _write_block(self, new_k: Planes, new_v: Planes, n: int) -> None:
+        if self._keys is None or self._values is None:
+            # Every row is still empty (a merge of empty rows): the block starts the buffer.
+            self._keys, self._values = new_k, new_v
+        else:
+            keys, values = self._chronological(self._keys), self._chronological(self._values)
+            history = int(keys[0].shape[2])
+            drop = max(0, history - self.max_size + 1)
+            self._keys = _concat(_columns(keys, drop), new_k)
+            self._values = _concat(_columns(values, drop), new_v)
+            self._pads = [p - drop for p in self._pads]
+        self._rotated = False
+        self._idx = self.buffer_length
+
+    def _source_windows(
+        self, source: object
+    ) -> tuple[list[tuple[Planes | None, Planes | None, int]], KvGeometry | None]:
+        if isinstance(source, RingLayout):
+            rows: list[tuple[Planes | None, Planes | None, int]] = []
+            for r in range(source.batch_size):
+                held = source.row_window(r)
+                if held is None:
+                    rows.append((None, None, source._offsets[r]))
+                else:
+                    rows.append((held[0], held[1], source._offsets[r]))
+            return rows, source.geometry
+        assert isinstance(source, RingCache)
+        held = source.window()
+        if held is None:
+            return [(None, None, source.offset)] * max(1, source.rows), source.geometry
+        keys, values = held
+        return [
+            (tuple(p[b : b + 1] for p in keys), tuple(p[b : b + 1] for p in values), source.offset)
+            for b in range(source.rows)
+        ], source.geometry
+
+    def merge_rows(self, rows: Sequence[Any]) -> None:
+        """Form the batch, or join rows: every row (running and new) is re-aligned.
+
+        Each row contributes its newest ``min(offset, max_size)`` tokens in temporal order,
+        right-aligned to the longest; the ring restarts unrotated at that width.
+        """
+        from kvrows.validation import common_geometry
+
+        if not isinstance(rows, Sequence) or isinstance(rows, str | bytes):
+            raise InvalidInputError("merge_rows takes a sequence of caches")
+        incoming: list[tuple[Planes | None, Planes | None, int]] = []
+        geometries: list[KvGeometry | None] = [self._geometry]
+        for source in rows:
+            if not self._accepts(source):
+                described = source.signature() if hasattr(source, "signature") else type(source)
+                window = getattr(source, "max_size", None)
+                raise IncompatibleRowsError(
+                    f"{self.signature()} (window {self.max_size}) cannot merge {described}"
+                    + (f" (window {window})" if window is not None else "")
+                )
+            windows, geometry = self._source_windows(source)
+            incoming.extend(windows)
+            geometries.append(geometry)
+        geometry = common_geometry(geometries)
+        if not incoming:
+            return
+        current, _ = self._source_windows(self) if self._offsets else ([], None)
+        everything = current + incoming
+        lengths = [0 if k is None else int(k[0].shape[2]) for k, _, _ in everything]
+        width = max(lengths)
+        self._geometry = geometry
+        if width == 0 or geometry is None:
+            self._keys = self._values = None
+        else:
+            self._keys = self._stack(
+                [k for k, _, _ in everything], lengths, width, geometry.key_dim
+            )
+            self._values = self._stack(
+                [v for _, v, _ in everything], lengths, width, geometry.value_dim
+            )
+        self._offsets = [offset for _, _, offset in everything]
+        self._pads = [width - n for n in lengths]
+        self._idx = self._total = width
+        self._rotated = False
+
+    def _stack(
+        self, planes: list[Planes | None], lengths: list[int], width: int, dim: int
+    ) -> Planes:
+        geometry = self._geometry
+        assert geometry is not None
+        out = self.codec.zeros(len(planes), geometry.heads, width, dim, geometry.dtype)
+        for row, (held, length) in enumerate(zip(planes, lengths, strict=True)):
+            if held is None:
+                continue
+            for plane, src in zip(out, held, strict=True):
+                plane[row : row + 1, :, width - length :] = src
+        return out
+
+    def filter_rows(self, keep: Sequence[int]) -> None:
+        """Keep rows ``keep`` in that order (a ring keeps its padding)."""
+        from kvrows.validation import check_keep
+
+        order = check_keep(keep, self.batch_size)
+        if not order:
+            self._keys = self._values = None
+            self._offsets, self._pads = [], []
+            self._idx = self._total = 0
+            self._rotated = False
+            return
+        if (
+            self._keys is not None
+            and self._values is not None
+            and order != list(range(self.batch_size))
+        ):
+            index = mx.array(order)
+            self._keys = tuple(p[index] for p in self._keys)
+            self._values = tuple(p[index] for p in self._values)
+        self._offsets = [self._offsets[i] for i in order]
+        self._pads = [self._pads[i] for i in order]
+
+    def extract_row(self, row: int) -> RingCache:
+        from kvrows.optimized.storage import _compact
+
+        held = self.row_window(row)
+        cache = self.blank_row()
+        if held is None:
+            return cache
+        keys = tuple(_compact(p) for p in held[0])
+        values = tuple(_compact(p) for p in held[1])
+        return cache.adopt_window(keys, values, self._offsets[row], self._geometry)
+
+    def can_publish_row(self, row: int, tokens: int) -> bool:
+        from kvrows.validation import check_row
+
+        index = check_row(row, self.batch_size)
+        count = as_count(tokens, "tokens")
+        offset = self._offsets[index]
+        return count == offset or (count < offset < self.max_size)
+
+    def projected_bytes(self, tokens: int) -> int:
+        count = as_count(tokens, "tokens")
+        geometry = self._geometry
+        if geometry is None:
+            return 0
+        per_token = self.codec.token_bytes(
+            geometry.heads, geometry.key_dim, geometry.dtype
+        ) + self.codec.token_bytes(geometry.heads, geometry.value_dim, geometry.dtype)
+        return per_token * min(count, self.max_size)
+
+    def is_trimmable(self) -> bool:
+        return self._total < self.max_size
+
+    def trim(self, n: int) -> int:
+        count = as_count(n, "n")
+        if not count or not self._offsets:
+            return 0
+        if not self.is_trimmable():
+            raise NotTrimmableError(
+                f"a ring that has wrapped ({self._total} columns written, window "
+                f"{self.max_size}) cannot be trimmed"
+            )
+        shortest = min(min(self._offsets), self._total)
+        if count > shortest:
+            raise NotTrimmableError(
+                f"cannot trim {count} tokens: a row holds only {shortest} in this ring"
+            )
+        self._offsets = [o - count for o in self._offsets]
+        self._total -= count
+        self._idx -= count
+        return count
+
+    def check_valid(self) -> None:
+        """Assert the layout's invariants (for tests)."""
+        assert len(self._offsets) == len(self._pads)
+        assert 0 <= self._idx <= max(self.buffer_length, self._total)
+        if self._keys is not None:
+            assert int(self._keys[0].shape[0]) == self.batch_size
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(max_size={self.max_size}, row_offsets={self.row_offsets}, "
+            f"left_pad={self.left_pad}, idx={self._idx}, total={self._total}, "
+            f"rotated={self._rotated})"
+        )
+
+
+class BatchedRotatingCache(RingLayout):
+    """Decode layout of ``RotatingKVCache`` (``spec/BatchedRotatingCache.md``)."""
+
+    codec = PlainCodec()
+    serial_class = RotatingKVCache
+    signature_text = "kv:rotating-plain"
