@@ -7,7 +7,6 @@ from kvrows.optimized.quantized import (
     PaddedQuantKVRows,
     QuantizedKVCache,
 )
-
 from kvrows.table import register_own_empty_batch, register_row_layouts
 
 __all__ = [

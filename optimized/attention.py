@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from kvrows.optimized.codecs import AffineCodec
 
 from kvrows.errors import InvalidInputError
+from kvrows.optimized.codecs import AffineCodec
 from kvrows.protocols import Cache, Mask
 
 __all__ = ["attend", "quantized_attention"]

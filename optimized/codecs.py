@@ -15,7 +15,7 @@ from kvrows.affine_geometry import groups, packed_width, validate_codec, validat
 from kvrows.errors import InvalidInputError
 from kvrows.validation import KvGeometry
 
-__all__ = ["Codec", "PlainCodec", "Planes", "dtype_name", "mlx_dtype"]
+__all__ = ["AffineCodec", "Codec", "PlainCodec", "Planes", "dtype_name", "mlx_dtype"]
 
 Planes = tuple[mx.array, ...]
 

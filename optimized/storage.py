@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import mlx.core as mx
-from kvrows.optimized.codecs import Codec, Planes, dtype_name
 
 from kvrows.errors import (
     IncompatibleRowsError,
@@ -31,6 +30,7 @@ from kvrows.errors import (
     LayoutStateError,
     NotTrimmableError,
 )
+from kvrows.optimized.codecs import Codec, Planes, dtype_name
 from kvrows.protocols import Cache, Mask
 from kvrows.validation import (
     KvGeometry,

@@ -6,10 +6,10 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from kvrows.reference.codecs import Codec, dtype_name
 
 from kvrows.errors import InvalidInputError
 from kvrows.protocols import Cache, Mask
+from kvrows.reference.codecs import Codec, dtype_name
 
 __all__ = ["attend", "attention"]
 

@@ -13,13 +13,13 @@ from typing import Any, Protocol
 import ml_dtypes
 import numpy as np
 import numpy.typing as npt
-from kvrows.reference import affine_codec
 
 from kvrows.affine_geometry import groups, packed_width, validate_codec, validate_params
 from kvrows.errors import InvalidInputError
+from kvrows.reference import affine_codec
 from kvrows.validation import KvGeometry
 
-__all__ = ["Codec", "PlainCodec", "Planes", "dtype_name", "numpy_dtype"]
+__all__ = ["AffineCodec", "Codec", "PlainCodec", "Planes", "dtype_name", "numpy_dtype"]
 
 Planes = tuple[npt.NDArray[Any], ...]
 

@@ -27,7 +27,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
-from kvrows.reference.codecs import Codec, Planes, dtype_name
 
 from kvrows.errors import (
     IncompatibleRowsError,
@@ -36,6 +35,7 @@ from kvrows.errors import (
     NotTrimmableError,
 )
 from kvrows.protocols import Cache, Mask
+from kvrows.reference.codecs import Codec, Planes, dtype_name
 from kvrows.validation import (
     KvGeometry,
     as_count,

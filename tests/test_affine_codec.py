@@ -18,11 +18,11 @@ import numpy.typing as npt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvrows.optimized import affine_codec as opt
-from kvrows.reference import affine_codec as ref
 
 from kvrows.affine_geometry import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from kvrows.errors import InvalidInputError
+from kvrows.optimized import affine_codec as opt
+from kvrows.reference import affine_codec as ref
 
 NP_DTYPES: dict[str, np.dtype[Any]] = {
     "float32": np.dtype(np.float32),

@@ -5,13 +5,13 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-import kvrows.optimized as optimized
-import kvrows.reference as reference
 import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 import pytest
 
+import kvrows.optimized as optimized
+import kvrows.reference as reference
 from kvrows.errors import IncompatibleRowsError, InvalidInputError
 from kvrows.table import owned_cache_layout, prefill_cache_layout, target_cache_layout
 

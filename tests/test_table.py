@@ -6,12 +6,12 @@ import math
 from types import ModuleType
 from typing import Any
 
-import kvrows.optimized as optimized
-import kvrows.reference as reference
 import mlx.core as mx
 import numpy as np
 import pytest
 
+import kvrows.optimized as optimized
+import kvrows.reference as reference
 from kvrows.errors import InvalidInputError, NoRowLayoutError, NotBatchableError
 from kvrows.table import (
     extract_sole_row,
