@@ -23,11 +23,21 @@ from kvrows.errors import (
     LayoutStateError,
     NotTrimmableError,
 )
-from kvrows.optimized.codecs import Codec, PlainCodec, Planes, dtype_name
+from kvrows.optimized.codecs import AffineCodec, Codec, PlainCodec, Planes, dtype_name
 from kvrows.protocols import Mask
-from kvrows.validation import STEP, KvGeometry, as_count, check_block
+from kvrows.validation import STEP, KvGeometry, as_count, check_block, round_up
 
-__all__ = ["BatchedRotatingCache", "RingCache", "RingLayout", "RotatingKVCache", "window_mask"]
+__all__ = [
+    "BatchedRotatingCache",
+    "BatchedRotatingQuantCache",
+    "RaggedRotatingRows",
+    "RingCache",
+    "RingLayout",
+    "RotatingAffineLayout",
+    "RotatingKVCache",
+    "RotatingQuantizedKVCache",
+    "window_mask",
+]
 
 
 def window_mask(n: int, offset: int, window: int) -> mx.array:
@@ -619,3 +629,395 @@ class BatchedRotatingCache(RingLayout):
     codec = PlainCodec()
     serial_class = RotatingKVCache
     signature_text = "kv:rotating-plain"
+
+
+class RotatingQuantizedKVCache(RingCache):
+    """Serial affine-quantized ring (``spec/RotatingQuantizedKVCache.md``)."""
+
+    codec: AffineCodec
+
+    def __init__(self, max_size: int, group_size: int = 64, bits: int = 8) -> None:
+        super().__init__(max_size)
+        self.codec = AffineCodec(group_size, bits)
+
+    @property
+    def group_size(self) -> int:
+        return self.codec.group_size
+
+    @property
+    def bits(self) -> int:
+        return self.codec.bits
+
+    def signature(self) -> str:
+        return f"kv:rotating-quant:{self.bits}:{self.group_size}"
+
+
+class BatchedRotatingQuantCache(RingLayout):
+    """Decode layout of ``RotatingQuantizedKVCache`` (``spec/BatchedRotatingQuantCache.md``)."""
+
+    codec: AffineCodec
+    serial_class = RotatingQuantizedKVCache
+
+    def __init__(self, max_size: int, group_size: int = 64, bits: int = 8) -> None:
+        super().__init__(max_size)
+        self.codec = AffineCodec(group_size, bits)
+
+    @property
+    def group_size(self) -> int:
+        return self.codec.group_size
+
+    @property
+    def bits(self) -> int:
+        return self.codec.bits
+
+    def signature(self) -> str:
+        return f"kv:rotating-quant:{self.bits}:{self.group_size}"
+
+    def make_empty_batch(self) -> RingLayout:
+        return type(self)(self.max_size, self.group_size, self.bits)
+
+    def blank_row(self) -> RingCache:
+        return RotatingQuantizedKVCache(self.max_size, self.group_size, self.bits)
+
+
+class RotatingAffineLayout(BatchedRotatingQuantCache):
+    """Prefill layout of ``RotatingQuantizedKVCache``: aligned rotating rows (``spec/RotatingAffineLayout.md``)."""
+
+    def signature(self) -> str:
+        return f"kv:rotating-affine:{self.max_size}:{self.group_size}:{self.bits}"
+
+
+class RaggedRotatingRows:
+    """Prefill layout of ``RotatingKVCache``: ragged rings (``spec/RaggedRotatingRows.md``).
+
+    Every row keeps its retained tokens left-aligned in temporal order (column 0 is its
+    oldest retained token) and appends at its own end, with the serial ring's retention
+    rule applied per row: a single token keeps the newest ``max_size``, a block keeps the
+    newest ``max_size - 1`` and appends. Rows therefore advance independently (per-row
+    rollback before the ring wraps), which a shared write column cannot do. This is the
+    explicit stand-in for the delayed rotating layout the seed uses as this role.
+    """
+
+    codec: Codec = PlainCodec()
+    serial_class: ClassVar[type[RingCache]] = RotatingKVCache
+    signature_text: ClassVar[str] = "kv:ragged-rotating"
+
+    def __init__(self, max_size: int) -> None:
+        self.max_size = as_count(max_size, "max_size", minimum=1)
+        self._keys: Planes | None = None
+        self._values: Planes | None = None
+        self._retained: list[int] = []
+        self._offsets: list[int] = []
+        self._geometry: KvGeometry | None = None
+
+    @property
+    def geometry(self) -> KvGeometry | None:
+        return self._geometry
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._offsets)
+
+    @property
+    def row_offsets(self) -> tuple[int, ...]:
+        return tuple(self._offsets)
+
+    @property
+    def left_pad(self) -> tuple[int, ...]:
+        return (0,) * self.batch_size
+
+    @property
+    def retained(self) -> tuple[int, ...]:
+        """Tokens each row holds (its newest ones)."""
+        return tuple(self._retained)
+
+    @property
+    def offset(self) -> mx.array:
+        return mx.array(self._offsets, dtype=mx.int32)
+
+    @property
+    def max_tokens(self) -> float:
+        return math.inf
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(p.nbytes) for p in (self._keys or ()) + (self._values or ()))
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        return (self._keys or ()) + (self._values or ())
+
+    @property
+    def state_needs_dispose(self) -> bool:
+        return False
+
+    def signature(self) -> str:
+        return f"{self.signature_text}:{self.max_size}"
+
+    def make_empty_batch(self) -> RaggedRotatingRows:
+        return type(self)(self.max_size)
+
+    def _accepts(self, source: object) -> bool:
+        if isinstance(source, RaggedRotatingRows | RingLayout | RingCache):
+            return source.codec.key == self.codec.key and source.max_size == self.max_size
+        return False
+
+    def fetch(self) -> tuple[Any, Any]:
+        if self._keys is None or self._values is None:
+            raise LayoutStateError("the layout holds no tokens yet: nothing to fetch")
+        width = max(self._retained)
+        return (
+            self.codec.fetched(_columns(self._keys, 0, width)),
+            self.codec.fetched(_columns(self._values, 0, width)),
+        )
+
+    def _after(self, n: int) -> list[int]:
+        keep = self.max_size if n == 1 else self.max_size - 1
+        if n == 1:
+            return [min(r + 1, keep) for r in self._retained]
+        return [min(r, keep) + n for r in self._retained]
+
+    def make_mask(self, n: int) -> Mask:
+        """Row ``b``'s query ``i`` sits at column ``retained'[b] - n + i`` and sees its window."""
+        count = as_count(n, "n", minimum=1)
+        after = self._after(count)
+        size = max(after, default=0)
+        columns = mx.arange(size)[None, None, :]
+        queries = (mx.array(after)[:, None] - count + mx.arange(count)[None, :])[:, :, None]
+        visible = (columns <= queries) & (queries < columns + self.max_size)
+        return visible[:, None]
+
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        if not self._offsets:
+            raise LayoutStateError("an empty layout takes no update: merge rows into it first")
+        geometry = check_block(
+            tuple(keys.shape) if isinstance(keys, mx.array) else (),
+            tuple(values.shape) if isinstance(values, mx.array) else (),
+            dtype_name(keys),
+            dtype_name(values),
+            rows=self.batch_size,
+            geometry=self._geometry,
+        )
+        self.codec.check(geometry)
+        self._geometry = geometry
+        n = int(keys.shape[2])
+        keep = self.max_size if n == 1 else self.max_size - 1
+        drops = [max(0, r + (1 if n == 1 else 0) - keep) for r in self._retained]
+        if self._keys is not None and self._values is not None and any(drops):
+            # Slide every row left by its own count in one gather.
+            width = max(self._retained)
+            index = mx.minimum(mx.arange(width)[None, :] + mx.array(drops)[:, None], width - 1)
+            index = index[:, None, :, None]
+            self._keys = self._slid(self._keys, index, width)
+            self._values = self._slid(self._values, index, width)
+        self._retained = [r - d for r, d in zip(self._retained, drops, strict=True)]
+        needed = max(self._retained) + n
+        if self._keys is None or self._values is None or needed > int(self._keys[0].shape[2]):
+            self._grow(round_up(needed), geometry)
+        assert self._keys is not None and self._values is not None
+        new_k, new_v = self.codec.encode(keys), self.codec.encode(values)
+        if len(set(self._retained)) == 1:
+            start = self._retained[0]
+            for planes, new in ((self._keys, new_k), (self._values, new_v)):
+                for plane, encoded in zip(planes, new, strict=True):
+                    plane[:, :, start : start + n] = encoded
+        else:
+            rows = mx.arange(self.batch_size)[:, None]
+            columns = mx.array(self._retained)[:, None] + mx.arange(n)[None, :]
+            for planes, new in ((self._keys, new_k), (self._values, new_v)):
+                for plane, encoded in zip(planes, new, strict=True):
+                    plane[rows, :, columns] = mx.swapaxes(encoded, 1, 2)
+        self._retained = [r + n for r in self._retained]
+        self._offsets = [o + n for o in self._offsets]
+        return self.fetch()
+
+    @staticmethod
+    def _slid(planes: Planes, index: mx.array, width: int) -> Planes:
+        out = []
+        for plane in planes:
+            moved = mx.take_along_axis(plane[:, :, :width], index, axis=2)
+            plane[:, :, :width] = moved
+            out.append(plane)
+        return tuple(out)
+
+    def _grow(self, capacity: int, geometry: KvGeometry) -> None:
+        rows, heads = self.batch_size, geometry.heads
+        width = max(self._retained)
+
+        def grown(old: Planes | None, dim: int) -> Planes:
+            fresh = self.codec.zeros(rows, heads, capacity, dim, geometry.dtype)
+            if old is None or width == 0:
+                return fresh
+            for new, plane in zip(fresh, old, strict=True):
+                new[:, :, :width] = plane[:, :, :width]
+            return fresh
+
+        self._keys = grown(self._keys, geometry.key_dim)
+        self._values = grown(self._values, geometry.value_dim)
+
+    def row_window(self, row: int) -> tuple[Planes, Planes] | None:
+        from kvrows.validation import check_row
+
+        index = check_row(row, self.batch_size)
+        held = self._retained[index]
+        if self._keys is None or self._values is None or held == 0:
+            return None
+        start = held - min(held, self._offsets[index], self.max_size)
+        return (
+            tuple(p[index : index + 1, :, start:held] for p in self._keys),
+            tuple(p[index : index + 1, :, start:held] for p in self._values),
+        )
+
+    def merge_rows(self, rows: Sequence[Any]) -> None:
+        """Form the batch or join rows: each row keeps its newest window, left-aligned."""
+        from kvrows.validation import common_geometry
+
+        if not isinstance(rows, Sequence) or isinstance(rows, str | bytes):
+            raise InvalidInputError("merge_rows takes a sequence of caches")
+        incoming: list[tuple[Planes | None, Planes | None, int]] = []
+        geometries: list[KvGeometry | None] = [self._geometry]
+        for source in rows:
+            if not self._accepts(source):
+                described = source.signature() if hasattr(source, "signature") else type(source)
+                raise IncompatibleRowsError(
+                    f"{self.signature()} (window {self.max_size}) cannot merge {described}"
+                )
+            if isinstance(source, RaggedRotatingRows | RingLayout):
+                for r in range(source.batch_size):
+                    held = source.row_window(r)
+                    incoming.append(
+                        (None, None, source.row_offsets[r])
+                        if held is None
+                        else (held[0], held[1], source.row_offsets[r])
+                    )
+            else:
+                assert isinstance(source, RingCache)
+                window = source.window()
+                if window is None:
+                    incoming.append((None, None, source.offset))
+                else:
+                    incoming.extend(
+                        (
+                            tuple(p[b : b + 1] for p in window[0]),
+                            tuple(p[b : b + 1] for p in window[1]),
+                            source.offset,
+                        )
+                        for b in range(source.rows)
+                    )
+            geometries.append(source.geometry)
+        geometry = common_geometry(geometries)
+        if not incoming:
+            return
+        current = [
+            (*(self.row_window(b) or (None, None)), self._offsets[b])
+            for b in range(self.batch_size)
+        ]
+        everything: list[tuple[Planes | None, Planes | None, int]] = [
+            (k, v, o) for k, v, o in current
+        ] + incoming
+        lengths = [0 if k is None else int(k[0].shape[2]) for k, _, _ in everything]
+        self._geometry = geometry
+        width = max(lengths)
+        if geometry is None or width == 0:
+            self._keys = self._values = None
+        else:
+            capacity = round_up(width + 1)
+            planes_k = self.codec.zeros(
+                len(everything), geometry.heads, capacity, geometry.key_dim, geometry.dtype
+            )
+            planes_v = self.codec.zeros(
+                len(everything), geometry.heads, capacity, geometry.value_dim, geometry.dtype
+            )
+            for row, ((k, v, _), length) in enumerate(zip(everything, lengths, strict=True)):
+                if k is None or v is None:
+                    continue
+                for planes, src in ((planes_k, k), (planes_v, v)):
+                    for plane, piece in zip(planes, src, strict=True):
+                        plane[row : row + 1, :, :length] = piece
+            self._keys, self._values = planes_k, planes_v
+        self._retained = lengths
+        self._offsets = [o for _, _, o in everything]
+
+    def filter_rows(self, keep: Sequence[int]) -> None:
+        from kvrows.validation import check_keep
+
+        order = check_keep(keep, self.batch_size)
+        if not order:
+            self._keys = self._values = None
+            self._retained, self._offsets = [], []
+            return
+        if (
+            self._keys is not None
+            and self._values is not None
+            and order != list(range(self.batch_size))
+        ):
+            index = mx.array(order)
+            self._keys = tuple(p[index] for p in self._keys)
+            self._values = tuple(p[index] for p in self._values)
+        self._retained = [self._retained[i] for i in order]
+        self._offsets = [self._offsets[i] for i in order]
+
+    def extract_row(self, row: int) -> RingCache:
+        from kvrows.optimized.storage import _compact
+
+        held = self.row_window(row)
+        cache = self.serial_class(self.max_size)
+        if held is None:
+            return cache
+        keys = tuple(_compact(p) for p in held[0])
+        values = tuple(_compact(p) for p in held[1])
+        return cache.adopt_window(keys, values, self._offsets[row], self._geometry)
+
+    def can_publish_row(self, row: int, tokens: int) -> bool:
+        from kvrows.validation import check_row
+
+        offset = self._offsets[check_row(row, self.batch_size)]
+        count = as_count(tokens, "tokens")
+        return count == offset or (count < offset < self.max_size)
+
+    def projected_bytes(self, tokens: int) -> int:
+        count = as_count(tokens, "tokens")
+        geometry = self._geometry
+        if geometry is None:
+            return 0
+        per_token = self.codec.token_bytes(
+            geometry.heads, geometry.key_dim, geometry.dtype
+        ) + self.codec.token_bytes(geometry.heads, geometry.value_dim, geometry.dtype)
+        return per_token * min(count, self.max_size)
+
+    def is_trimmable(self) -> bool:
+        return all(o < self.max_size for o in self._offsets)
+
+    def trim(self, n: int) -> int:
+        count = as_count(n, "n")
+        return self.trim_rows([count] * self.batch_size) if self._offsets else 0
+
+    def trim_rows(self, counts: Sequence[int]) -> int:
+        """Forget ``counts[b]`` newest tokens of row ``b``; only rows that never wrapped."""
+        if isinstance(counts, str | bytes) or not isinstance(counts, Sequence):
+            raise InvalidInputError("trim_rows takes one count per row")
+        if len(counts) != self.batch_size:
+            raise InvalidInputError(
+                f"trim_rows needs {self.batch_size} counts (one per row), got {len(counts)}"
+            )
+        wanted = [as_count(c, f"counts[{i}]") for i, c in enumerate(counts)]
+        for b, (count, offset) in enumerate(zip(wanted, self._offsets, strict=True)):
+            if count and offset >= self.max_size:
+                raise NotTrimmableError(
+                    f"row {b} has wrapped (offset {offset} >= window {self.max_size})"
+                )
+            if count > offset:
+                raise NotTrimmableError(f"cannot trim {count} tokens from row {b} ({offset})")
+        self._retained = [r - c for r, c in zip(self._retained, wanted, strict=True)]
+        self._offsets = [o - c for o, c in zip(self._offsets, wanted, strict=True)]
+        return max(wanted, default=0)
+
+    def check_valid(self) -> None:
+        assert len(self._retained) == len(self._offsets)
+        assert all(0 <= r <= o for r, o in zip(self._retained, self._offsets, strict=True))
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(max_size={self.max_size}, row_offsets={self.row_offsets}, "
+            f"retained={self.retained})"
+        )

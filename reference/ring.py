@@ -24,10 +24,20 @@ from kvrows.errors import (
     NotTrimmableError,
 )
 from kvrows.protocols import Mask
-from kvrows.reference.codecs import Codec, PlainCodec, Planes, dtype_name
+from kvrows.reference.codecs import AffineCodec, Codec, PlainCodec, Planes, dtype_name
 from kvrows.validation import KvGeometry, as_count, check_block
 
-__all__ = ["BatchedRotatingCache", "RingCache", "RingLayout", "RotatingKVCache", "window_mask"]
+__all__ = [
+    "BatchedRotatingCache",
+    "BatchedRotatingQuantCache",
+    "RaggedRotatingRows",
+    "RingCache",
+    "RingLayout",
+    "RotatingAffineLayout",
+    "RotatingKVCache",
+    "RotatingQuantizedKVCache",
+    "window_mask",
+]
 
 
 def window_mask(n: int, offset: int, window: int) -> npt.NDArray[np.bool_]:
@@ -484,3 +494,288 @@ class BatchedRotatingCache(RingLayout):
     codec = PlainCodec()
     serial_class = RotatingKVCache
     signature_text = "kv:rotating-plain"
+
+
+class RotatingQuantizedKVCache(RingCache):
+    """Serial affine-quantized ring (``spec/RotatingQuantizedKVCache.md``)."""
+
+    codec: AffineCodec
+
+    def __init__(self, max_size: int, group_size: int = 64, bits: int = 8) -> None:
+        super().__init__(max_size)
+        self.codec = AffineCodec(group_size, bits)
+
+    @property
+    def group_size(self) -> int:
+        return self.codec.group_size
+
+    @property
+    def bits(self) -> int:
+        return self.codec.bits
+
+    def signature(self) -> str:
+        return f"kv:rotating-quant:{self.bits}:{self.group_size}"
+
+
+class BatchedRotatingQuantCache(RingLayout):
+    """Decode layout of ``RotatingQuantizedKVCache`` (``spec/BatchedRotatingQuantCache.md``)."""
+
+    codec: AffineCodec
+    serial_class = RotatingQuantizedKVCache
+
+    def __init__(self, max_size: int, group_size: int = 64, bits: int = 8) -> None:
+        super().__init__(max_size)
+        self.codec = AffineCodec(group_size, bits)
+
+    @property
+    def group_size(self) -> int:
+        return self.codec.group_size
+
+    @property
+    def bits(self) -> int:
+        return self.codec.bits
+
+    def signature(self) -> str:
+        return f"kv:rotating-quant:{self.bits}:{self.group_size}"
+
+    def make_empty_batch(self) -> RingLayout:
+        return type(self)(self.max_size, self.group_size, self.bits)
+
+    def blank_row(self) -> RingCache:
+        return RotatingQuantizedKVCache(self.max_size, self.group_size, self.bits)
+
+
+class RotatingAffineLayout(BatchedRotatingQuantCache):
+    """Prefill layout of ``RotatingQuantizedKVCache``: aligned rotating rows (``spec/RotatingAffineLayout.md``)."""
+
+    def signature(self) -> str:
+        return f"kv:rotating-affine:{self.max_size}:{self.group_size}:{self.bits}"
+
+
+class RaggedRotatingRows:
+    """Prefill layout of ``RotatingKVCache``: each row a serial ring, left-aligned.
+
+    A read places row ``b``'s retained tokens at columns ``[0, retained[b])``; its query
+    ``i`` sits at column ``retained[b] - n + i`` and sees the keys of its window there.
+    """
+
+    codec: Codec = PlainCodec()
+    serial_class: ClassVar[type[RingCache]] = RotatingKVCache
+    signature_text: ClassVar[str] = "kv:ragged-rotating"
+
+    def __init__(self, max_size: int) -> None:
+        self.max_size = as_count(max_size, "max_size", minimum=1)
+        self._rows: list[RingCache] = []
+        self._geometry: KvGeometry | None = None
+
+    @property
+    def geometry(self) -> KvGeometry | None:
+        return self._geometry
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._rows)
+
+    @property
+    def row_offsets(self) -> tuple[int, ...]:
+        return tuple(row.offset for row in self._rows)
+
+    @property
+    def left_pad(self) -> tuple[int, ...]:
+        return (0,) * self.batch_size
+
+    @property
+    def retained(self) -> tuple[int, ...]:
+        return tuple(row.retained for row in self._rows)
+
+    @property
+    def offset(self) -> npt.NDArray[np.int32]:
+        return np.array(self.row_offsets, dtype=np.int32)
+
+    @property
+    def max_tokens(self) -> float:
+        return math.inf
+
+    @property
+    def nbytes(self) -> int:
+        return sum(row.nbytes for row in self._rows)
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        return tuple(plane for row in self._rows for plane in row.state)
+
+    @property
+    def state_needs_dispose(self) -> bool:
+        return False
+
+    def signature(self) -> str:
+        return f"{self.signature_text}:{self.max_size}"
+
+    def make_empty_batch(self) -> RaggedRotatingRows:
+        return type(self)(self.max_size)
+
+    def _accepts(self, source: object) -> bool:
+        if isinstance(source, RaggedRotatingRows | RingLayout | RingCache):
+            return source.codec.key == self.codec.key and source.max_size == self.max_size
+        return False
+
+    def fetch(self) -> tuple[Any, Any]:
+        geometry = self._geometry
+        if geometry is None or not self._rows:
+            raise LayoutStateError("the layout holds no tokens yet: nothing to fetch")
+        width = max(self.retained)
+        images = []
+        for which, dim in ((0, geometry.key_dim), (1, geometry.value_dim)):
+            template = self.codec.empty(1, geometry.heads, dim, geometry.dtype)
+            out = [
+                np.zeros((self.batch_size, p.shape[1], width, *p.shape[3:]), dtype=p.dtype)
+                for p in template
+            ]
+            for b, row in enumerate(self._rows):
+                held = row.state[: len(template)] if which == 0 else row.state[len(template) :]
+                for dst, src in zip(out, held, strict=True):
+                    dst[b, :, : src.shape[2]] = src[0]
+            images.append(self.codec.fetched(tuple(out)))
+        return images[0], images[1]
+
+    def make_mask(self, n: int) -> Mask:
+        count = as_count(n, "n", minimum=1)
+        after = []
+        for row in self._rows:
+            kept = min(row.retained + 1, self.max_size) if count == 1 else None
+            after.append(kept if kept is not None else min(row.retained, self.max_size - 1) + count)
+        size = max(after, default=0)
+        visible = np.zeros((self.batch_size, 1, count, size), dtype=bool)
+        for b, end in enumerate(after):
+            for i in range(count):
+                query = end - count + i
+                first = max(0, query - self.max_size + 1)
+                visible[b, 0, i, first : query + 1] = True
+        return visible
+
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        if not self._rows:
+            raise LayoutStateError("an empty layout takes no update: merge rows into it first")
+        geometry = check_block(
+            keys.shape if isinstance(keys, np.ndarray) else (),
+            values.shape if isinstance(values, np.ndarray) else (),
+            dtype_name(keys),
+            dtype_name(values),
+            rows=self.batch_size,
+            geometry=self._geometry,
+        )
+        self.codec.check(geometry)
+        for b, row in enumerate(self._rows):
+            row.update_and_fetch(keys[b : b + 1], values[b : b + 1])
+        self._geometry = geometry
+        return self.fetch()
+
+    def row_window(self, row: int) -> tuple[Planes, Planes] | None:
+        from kvrows.validation import check_row
+
+        return self._rows[check_row(row, self.batch_size)].window()
+
+    def merge_rows(self, rows: Sequence[Any]) -> None:
+        from kvrows.validation import common_geometry
+
+        if not isinstance(rows, Sequence) or isinstance(rows, str | bytes):
+            raise InvalidInputError("merge_rows takes a sequence of caches")
+        incoming: list[RingCache] = []
+        geometries: list[KvGeometry | None] = [self._geometry]
+        for source in rows:
+            if not self._accepts(source):
+                described = source.signature() if hasattr(source, "signature") else type(source)
+                raise IncompatibleRowsError(
+                    f"{self.signature()} (window {self.max_size}) cannot merge {described}"
+                )
+            if isinstance(source, RaggedRotatingRows | RingLayout):
+                incoming.extend(source.extract_row(b) for b in range(source.batch_size))
+            else:
+                assert isinstance(source, RingCache)
+                window = source.window()
+                if window is None:
+                    incoming.append(self.serial_class(self.max_size))
+                else:
+                    incoming.extend(
+                        self.serial_class(self.max_size).adopt_window(
+                            tuple(p[b : b + 1] for p in window[0]),
+                            tuple(p[b : b + 1] for p in window[1]),
+                            source.offset,
+                            source.geometry,
+                        )
+                        for b in range(source.rows)
+                    )
+            geometries.append(source.geometry)
+        geometry = common_geometry(geometries)
+        if not incoming:
+            return
+        self._rows = [self.extract_row(b) for b in range(self.batch_size)] + incoming
+        self._geometry = geometry
+
+    def filter_rows(self, keep: Sequence[int]) -> None:
+        from kvrows.validation import check_keep
+
+        order = check_keep(keep, self.batch_size)
+        self._rows = [self._rows[i] for i in order]
+
+    def extract_row(self, row: int) -> RingCache:
+        from kvrows.validation import check_row
+
+        entry = self._rows[check_row(row, self.batch_size)]
+        held = entry.window()
+        cache = self.serial_class(self.max_size)
+        if held is None:
+            return cache
+        return cache.adopt_window(held[0], held[1], entry.offset, self._geometry)
+
+    def can_publish_row(self, row: int, tokens: int) -> bool:
+        from kvrows.validation import check_row
+
+        offset = self._rows[check_row(row, self.batch_size)].offset
+        count = as_count(tokens, "tokens")
+        return count == offset or (count < offset < self.max_size)
+
+    def projected_bytes(self, tokens: int) -> int:
+        count = as_count(tokens, "tokens")
+        geometry = self._geometry
+        if geometry is None:
+            return 0
+        per_token = self.codec.token_bytes(
+            geometry.heads, geometry.key_dim, geometry.dtype
+        ) + self.codec.token_bytes(geometry.heads, geometry.value_dim, geometry.dtype)
+        return per_token * min(count, self.max_size)
+
+    def is_trimmable(self) -> bool:
+        return all(row.is_trimmable() for row in self._rows)
+
+    def trim(self, n: int) -> int:
+        count = as_count(n, "n")
+        return self.trim_rows([count] * self.batch_size) if self._rows else 0
+
+    def trim_rows(self, counts: Sequence[int]) -> int:
+        if isinstance(counts, str | bytes) or not isinstance(counts, Sequence):
+            raise InvalidInputError("trim_rows takes one count per row")
+        if len(counts) != self.batch_size:
+            raise InvalidInputError(
+                f"trim_rows needs {self.batch_size} counts (one per row), got {len(counts)}"
+            )
+        wanted = [as_count(c, f"counts[{i}]") for i, c in enumerate(counts)]
+        for b, (count, row) in enumerate(zip(wanted, self._rows, strict=True)):
+            if count and not row.is_trimmable():
+                raise NotTrimmableError(
+                    f"row {b} has wrapped (offset {row.offset} >= window {self.max_size})"
+                )
+            if count > row.offset:
+                raise NotTrimmableError(f"cannot trim {count} tokens from row {b} ({row.offset})")
+        for count, row in zip(wanted, self._rows, strict=True):
+            row.trim(count)
+        return max(wanted, default=0)
+
+    def check_valid(self) -> None:
+        assert all(row.retained <= row.offset for row in self._rows)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(max_size={self.max_size}, row_offsets={self.row_offsets}, "
+            f"retained={self.retained})"
+        )

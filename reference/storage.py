@@ -291,6 +291,8 @@ class RowLayout:
         return tuple(out)
 
     def fetch(self) -> tuple[Any, Any]:
+        if not self._rows:
+            raise LayoutStateError("the layout holds no rows: nothing to fetch")
         width = self.width
         return (
             self.codec.fetched(self._assembled("keys", width)),

@@ -58,8 +58,18 @@ def test_roles_of_a_plain_cache(impl: ModuleType) -> None:
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_a_running_decode_layout_has_no_verify_sibling(impl: ModuleType) -> None:
+    for layout in (impl.PaddedKVRows(), impl.PaddedQuantKVRows(64, 4)):
+        assert type(owned_cache_layout(layout)) is type(layout)
+        assert type(prefill_cache_layout(layout)) is type(layout)
+        assert target_row_layout_factory(layout) is None
+        with pytest.raises(NoRowLayoutError, match="padded-rows"):
+            target_cache_layout(layout)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_layouts_are_their_own_siblings(impl: ModuleType) -> None:
-    for layout in (impl.PaddedKVRows(), impl.BatchedKVCache()):
+    for layout in (impl.BatchedKVCache(), impl.BatchedQuantizedKVCache(64, 4)):
         assert is_batchable(layout)
         for made in (
             owned_cache_layout(layout),
