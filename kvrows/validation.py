@@ -21,6 +21,7 @@ __all__ = [
     "check_block",
     "check_keep",
     "check_row",
+    "check_window",
     "common_geometry",
     "round_up",
 ]
@@ -119,6 +120,13 @@ def common_geometry(geometries: Sequence[KvGeometry | None]) -> KvGeometry | Non
             f"rows of different geometry cannot share a layout: {described}"
         )
     return next(iter(known), None)
+
+
+def check_window(window_size: object) -> int | None:
+    """A sliding-window width for a mask (``None``: no window)."""
+    if window_size is None:
+        return None
+    return as_count(window_size, "window_size", minimum=1)
 
 
 def check_row(row: object, batch_size: int) -> int:

@@ -25,7 +25,7 @@ from kvrows.errors import (
 )
 from kvrows.optimized.codecs import AffineCodec, Codec, PlainCodec, Planes, dtype_name
 from kvrows.protocols import Mask
-from kvrows.validation import STEP, KvGeometry, as_count, check_block, round_up
+from kvrows.validation import STEP, KvGeometry, as_count, check_block, check_window, round_up
 
 __all__ = [
     "BatchedRotatingCache",
@@ -192,15 +192,27 @@ class RingCache:
             self.codec.fetched(_columns(self._values, 0, visible)),
         )
 
-    def make_mask(self, n: int) -> Mask:
-        """``None`` for one token (the ring holds the window); windowed causal for a block."""
+    def make_mask(
+        self, n: int, *, return_array: bool = False, window_size: int | None = None
+    ) -> Mask:
+        """mlx-lm's ring policy: a block gets its windowed causal mask; one token needs none
+        unless a window narrower than the ring is asked for."""
         count = as_count(n, "n", minimum=1)
-        if count == 1:
-            return None
-        history = min(self.max_size - 1, self._offset)
-        if history + count > self.max_size:
-            return window_mask(count, history, self.max_size)
-        return "causal"
+        window = check_window(window_size) or self.max_size
+        if count > 1:
+            history = min(self.max_size - 1, self._offset)
+            if history + count > window or return_array:
+                return window_mask(count, history, window)
+            return "causal"
+        keys = min(self._offset + 1, self.max_size)
+        if window < self.max_size and self._offset >= window:
+            visible = (mx.arange(keys) >= keys - window)[None, :]
+            shift = (0 if self._idx >= self.max_size else self._idx) + 1
+            visible = mx.roll(visible, shift, axis=-1)
+            return visible
+        if return_array:
+            return mx.ones((1, keys), dtype=mx.bool_)
+        return None
 
     def is_trimmable(self) -> bool:
         return self._offset < self.max_size
@@ -364,9 +376,12 @@ class RingLayout:
             tuple(p[index : index + 1, :, start:active] for p in values),
         )
 
-    def make_mask(self, n: int) -> Mask:
+    def make_mask(
+        self, n: int, *, return_array: bool = False, window_size: int | None = None
+    ) -> Mask:
         """The windowed mask for the next ``n`` tokens, in the ring's physical column order."""
         count = as_count(n, "n", minimum=1)
+        window = check_window(window_size) or self.max_size
         block = count > 1
         history_len = min(self.max_size - 1, self._total)
         size = history_len + count
@@ -376,7 +391,7 @@ class RingLayout:
         pads = mx.array(self._pads) - trimmed - (1 if wrapping else 0)
         columns = mx.arange(size)[None, :]
         queries = mx.arange(history_len, size)[:, None]
-        visible = (queries >= columns) & (queries < columns + self.max_size)
+        visible = (queries >= columns) & (queries < columns + window)
         visible = visible[None] & (columns[None] >= pads[:, None, None])
         if wrapping:
             shift = (0 if self._idx >= self.max_size else self._idx) + 1
@@ -777,14 +792,17 @@ class RaggedRotatingRows:
             return [min(r + 1, keep) for r in self._retained]
         return [min(r, keep) + n for r in self._retained]
 
-    def make_mask(self, n: int) -> Mask:
+    def make_mask(
+        self, n: int, *, return_array: bool = False, window_size: int | None = None
+    ) -> Mask:
         """Row ``b``'s query ``i`` sits at column ``retained'[b] - n + i`` and sees its window."""
         count = as_count(n, "n", minimum=1)
+        window = check_window(window_size) or self.max_size
         after = self._after(count)
         size = max(after, default=0)
         columns = mx.arange(size)[None, None, :]
         queries = (mx.array(after)[:, None] - count + mx.arange(count)[None, :])[:, :, None]
-        visible = (columns <= queries) & (queries < columns + self.max_size)
+        visible = (columns <= queries) & (queries < columns + window)
         return visible[:, None]
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:

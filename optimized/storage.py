@@ -38,6 +38,7 @@ from kvrows.validation import (
     check_block,
     check_keep,
     check_row,
+    check_window,
     common_geometry,
     round_up,
 )
@@ -155,9 +156,21 @@ class FullAttentionCache:
             raise LayoutStateError("the cache holds no tokens yet: nothing to fetch")
         return self.codec.fetched(held[0]), self.codec.fetched(held[1])
 
-    def make_mask(self, n: int) -> Mask:
+    def make_mask(
+        self, n: int, *, return_array: bool = False, window_size: int | None = None
+    ) -> Mask:
+        """mlx-lm's policy: ``None`` for one token, ``"causal"`` for a block, an array when
+        a window or ``return_array`` asks for one."""
         count = as_count(n, "n", minimum=1)
-        return None if count == 1 else "causal"
+        window = check_window(window_size)
+        if window is None and not return_array:
+            return None if count == 1 else "causal"
+        columns = mx.arange(self._offset + count)[None, :]
+        queries = mx.arange(self._offset, self._offset + count)[:, None]
+        visible = columns <= queries
+        if window is not None:
+            visible = visible & (queries < columns + window)
+        return visible
 
     def is_trimmable(self) -> bool:
         return True
@@ -295,15 +308,21 @@ class RowLayout:
             tuple(p[index : index + 1, :, start:stop] for p in self._values),
         )
 
-    def make_mask(self, n: int) -> Mask:
+    def make_mask(
+        self, n: int, *, return_array: bool = False, window_size: int | None = None
+    ) -> Mask:
         count = as_count(n, "n", minimum=1)
+        window = check_window(window_size)
         ends = [p + t for p, t in zip(self._pads, self._lens, strict=True)]
-        if not any(self._pads) and len(set(ends)) <= 1:
+        uniform = not any(self._pads) and len(set(ends)) <= 1
+        if uniform and window is None and not return_array:
             return None if count == 1 else "causal"
         columns = mx.arange(self.width + count)[None, None, :]
-        queries = mx.array(ends)[:, None] + mx.arange(count)[None, :]
+        queries = (mx.array(ends)[:, None] + mx.arange(count)[None, :])[:, :, None]
         pads = mx.array(self._pads)[:, None, None]
-        visible = (columns <= queries[:, :, None]) & (columns >= pads)
+        visible = (columns <= queries) & (columns >= pads)
+        if window is not None:
+            visible = visible & (queries < columns + window)
         return visible[:, None]
 
     # -- writes ----------------------------------------------------------------------

@@ -25,7 +25,7 @@ from kvrows.errors import (
 )
 from kvrows.protocols import Mask
 from kvrows.reference.codecs import AffineCodec, Codec, PlainCodec, Planes, dtype_name
-from kvrows.validation import KvGeometry, as_count, check_block
+from kvrows.validation import KvGeometry, as_count, check_block, check_window
 
 __all__ = [
     "BatchedRotatingCache",
@@ -139,14 +139,26 @@ class RingCache:
             raise LayoutStateError("the ring holds no tokens yet: nothing to fetch")
         return self.codec.fetched(self._keys), self.codec.fetched(self._values)
 
-    def make_mask(self, n: int) -> Mask:
+    def make_mask(
+        self, n: int, *, return_array: bool = False, window_size: int | None = None
+    ) -> Mask:
+        """mlx-lm's ring policy: a block gets its windowed causal mask; one token needs none
+        unless a window narrower than the ring is asked for."""
         count = as_count(n, "n", minimum=1)
-        if count == 1:
-            return None
-        history = min(self.max_size - 1, self._offset)
-        if history + count > self.max_size:
-            return window_mask(count, history, self.max_size)
-        return "causal"
+        window = check_window(window_size) or self.max_size
+        if count > 1:
+            history = min(self.max_size - 1, self._offset)
+            if history + count > window or return_array:
+                return window_mask(count, history, window)
+            return "causal"
+        keys = min(self._offset + 1, self.max_size)
+        if window < self.max_size and self._offset >= window:
+            visible = (np.arange(keys) >= keys - window)[None, :]
+            # the reference reads in temporal order: no roll
+            return visible
+        if return_array:
+            return np.ones((1, keys), dtype=np.bool_)
+        return None
 
     def is_trimmable(self) -> bool:
         return self._offset < self.max_size
@@ -300,9 +312,12 @@ class RingLayout:
         entry = self._rows[check_row(row, self.batch_size)]
         return entry.window()
 
-    def make_mask(self, n: int) -> Mask:
+    def make_mask(
+        self, n: int, *, return_array: bool = False, window_size: int | None = None
+    ) -> Mask:
         """Query ``i`` sees the keys of its window that hold its row's real tokens."""
         count = as_count(n, "n", minimum=1)
+        window = check_window(window_size) or self.max_size
         size = self._active_after(count)
         phase = self._phase_after(count)
         columns = np.arange(size)[None, None, :]
@@ -312,7 +327,7 @@ class RingLayout:
         )
         visible = (
             (queries >= columns)
-            & (queries < columns + self.max_size)
+            & (queries < columns + window)
             & (columns >= (size - real)[:, None, None])
         )
         rolled: npt.NDArray[np.bool_] = np.roll(visible, phase, axis=2)[:, None]
@@ -638,18 +653,23 @@ class RaggedRotatingRows:
             images.append(self.codec.fetched(tuple(out)))
         return images[0], images[1]
 
-    def make_mask(self, n: int) -> Mask:
+    def make_mask(
+        self, n: int, *, return_array: bool = False, window_size: int | None = None
+    ) -> Mask:
         count = as_count(n, "n", minimum=1)
+        window = check_window(window_size) or self.max_size
         after = []
         for row in self._rows:
-            kept = min(row.retained + 1, self.max_size) if count == 1 else None
-            after.append(kept if kept is not None else min(row.retained, self.max_size - 1) + count)
+            if count == 1:
+                after.append(min(row.retained + 1, self.max_size))
+            else:
+                after.append(min(row.retained, self.max_size - 1) + count)
         size = max(after, default=0)
         visible = np.zeros((self.batch_size, 1, count, size), dtype=bool)
         for b, end in enumerate(after):
             for i in range(count):
                 query = end - count + i
-                first = max(0, query - self.max_size + 1)
+                first = max(0, query - window + 1)
                 visible[b, 0, i, first : query + 1] = True
         return visible
 

@@ -42,6 +42,7 @@ from kvrows.validation import (
     check_block,
     check_keep,
     check_row,
+    check_window,
     common_geometry,
 )
 
@@ -134,9 +135,21 @@ class FullAttentionCache:
             raise LayoutStateError("the cache holds no tokens yet: nothing to fetch")
         return self.codec.fetched(self._keys), self.codec.fetched(self._values)
 
-    def make_mask(self, n: int) -> Mask:
+    def make_mask(
+        self, n: int, *, return_array: bool = False, window_size: int | None = None
+    ) -> Mask:
+        """mlx-lm's policy: ``None`` for one token, ``"causal"`` for a block, an array when
+        a window or ``return_array`` asks for one."""
         count = as_count(n, "n", minimum=1)
-        return None if count == 1 else "causal"
+        window = check_window(window_size)
+        if window is None and not return_array:
+            return None if count == 1 else "causal"
+        columns = np.arange(self.offset + count)[None, :]
+        queries = np.arange(self.offset, self.offset + count)[:, None]
+        visible: npt.NDArray[np.bool_] = columns <= queries
+        if window is not None:
+            visible &= queries < columns + window
+        return visible
 
     def is_trimmable(self) -> bool:
         return True
@@ -306,18 +319,25 @@ class RowLayout:
             return None
         return entry.keys, entry.values
 
-    def make_mask(self, n: int) -> Mask:
-        """Row ``b``'s query ``i`` sits at column ``end[b] + i`` and sees ``[pad[b], end[b] + i]``."""
+    def make_mask(
+        self, n: int, *, return_array: bool = False, window_size: int | None = None
+    ) -> Mask:
+        """Row ``b``'s query ``i`` sits at column ``end[b] + i`` and sees ``[pad[b], end[b] + i]``
+        (and, with a window, only the last ``window_size`` of those)."""
         count = as_count(n, "n", minimum=1)
+        window = check_window(window_size)
         pads = np.array(self.left_pad, dtype=np.int64)
         ends = np.array([row.end for row in self._rows], dtype=np.int64)
-        if not pads.any() and (ends.size == 0 or (ends == ends[0]).all()):
+        uniform = not pads.any() and (ends.size == 0 or (ends == ends[0]).all())
+        if uniform and window is None and not return_array:
             return None if count == 1 else "causal"
         columns = np.arange(self.width + count)[None, None, None, :]
         queries = ends[:, None, None, None] + np.arange(count)[None, None, :, None]
         visible: npt.NDArray[np.bool_] = (columns <= queries) & (
             columns >= pads[:, None, None, None]
         )
+        if window is not None:
+            visible &= queries < columns + window
         return visible
 
     # -- writes ----------------------------------------------------------------------
