@@ -20,8 +20,7 @@ install: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e . --config-settings editable_mode=strict >/dev/null
 
 demo: install
-	$(BIN)/kvrows conform --profile ci
-	$(BIN)/kvrows example
+	$(BIN)/kvrows demo
 
 lint: install
 	$(BIN)/ruff check .

@@ -1,4 +1,4 @@
-"""The ``kvrows`` command line: ``conform``, ``bench`` and ``example``."""
+"""The ``kvrows`` command line: ``demo``, ``conform``, ``bench`` and ``example``."""
 
 from __future__ import annotations
 
@@ -32,6 +32,19 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="small shapes, few repeats")
     bench.add_argument("--repeats", type=int, default=None, help="timed repeats per operation")
 
+    demo = commands.add_parser("demo", help="continuous batching on the embedded models")
+    demo.add_argument("--model", default=None, help="a local mlx-lm checkpoint directory")
+    demo.add_argument(
+        "--scheme",
+        action="append",
+        default=None,
+        help="plain, affine8, affine4 or affine<bits>:<group> (repeatable)",
+    )
+    demo.add_argument("--requests", type=int, default=12, help="requests in the first wave")
+    demo.add_argument("--max-batch", type=int, default=8, help="most rows decoding at once")
+    demo.add_argument("--kv-budget", type=int, default=None, help="KV byte budget")
+    demo.add_argument("--quiet", action="store_true", help="no progress bar")
+
     commands.add_parser(
         "example", help="merge, decode, filter and extract rows, and say what happened"
     )
@@ -48,6 +61,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvrows.bench import run_bench
 
         return int(run_bench(quick=args.quick, repeats=args.repeats))
+    if args.command == "demo":
+        from kvrows.demo import run_demo
+
+        return int(
+            run_demo(
+                model_path=args.model,
+                schemes=args.scheme,
+                requests=args.requests,
+                max_batch=args.max_batch,
+                kv_budget=args.kv_budget,
+                progress=not args.quiet,
+            )
+        )
     from kvrows.example import run_example
 
     return int(run_example())

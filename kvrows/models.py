@@ -57,14 +57,16 @@ def make_kvrows_cache(model: Any, scheme: KvStorageScheme | None = None) -> list
     scheme = scheme or KvStorageScheme()
     template = model.make_cache() if hasattr(model, "make_cache") else None
     if template is None:
-        template = [peer.KVCache() for _ in model.layers]
+        template = [peer.KVCache() for _ in model.layers]  # type: ignore[no-untyped-call]
     caches: list[Any] = []
     for layer in template:
         if isinstance(layer, peer.RotatingKVCache):
             if getattr(layer, "keep", 0):
                 raise InvalidInputError("rings with sink tokens (keep > 0) are not supported")
             if scheme.kind == "affine":
-                caches.append(kv.RotatingQuantizedKVCache(layer.max_size, scheme.group_size, scheme.bits))
+                caches.append(
+                    kv.RotatingQuantizedKVCache(layer.max_size, scheme.group_size, scheme.bits)
+                )
             else:
                 caches.append(kv.RotatingKVCache(layer.max_size))
         elif isinstance(layer, peer.KVCache):

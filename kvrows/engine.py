@@ -1,0 +1,404 @@
+"""A small continuous-batching engine built only on the kvrows contract.
+
+It uses the row-layout table (``owned_cache_layout``, ``prefill_cache_layout``,
+``publish_row``, ``filter_layout_rows``, ``row_admission``) and the layouts' own
+``merge_rows`` / ``filter_rows`` / ``extract_row``; it never looks inside a storage.
+
+Lifecycle of a request (``spec/engine.md``):
+
+1. it arrives (at an engine step) and waits in FIFO order;
+2. it is admitted while the projected KV bytes of the running rows plus its own fit
+   the byte budget (a request that can never fit is rejected; a running row is never
+   evicted); its cache starts from the longest usable prefix in the prefix cache;
+3. it prefills in a cohort through the prefill layouts, a chunk per engine step (every
+   cohort row advances by the same chunk, at most the shortest remaining prompt);
+4. when its prompt is done it samples its first token and joins the decode layouts
+   between steps; each step feeds every running row its last token;
+5. it finishes on a stop token or ``max_tokens``; its row is published to the prefix
+   cache (keyed by the tokens its KV covers) and leaves the batch.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import numpy.typing as npt
+
+from kvrows.errors import CapacityError, InvalidInputError
+from kvrows.models import KvStorageScheme, make_kvrows_cache
+from kvrows.protocols import BatchableCache, Cache
+from kvrows.table import (
+    RowAdmission,
+    filter_layout_rows,
+    owned_cache_layout,
+    prefill_cache_layout,
+    publish_row,
+    row_admission,
+)
+
+__all__ = ["Engine", "EngineStats", "PrefixCache", "Request", "RequestResult"]
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request. ``arrival`` is the engine step it becomes visible at."""
+
+    rid: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    arrival: int = 0
+    temperature: float = 0.0
+    seed: int = 0
+    stop: frozenset[int] = frozenset()
+
+
+@dataclass
+class RequestResult:
+    """What one request produced, and how fast."""
+
+    rid: str
+    prompt_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    logits: list[npt.NDArray[np.float32]] = field(default_factory=list)
+    prefix_hit_tokens: int = 0
+    time_to_first_token: float = 0.0
+    tokens_per_second: float = 0.0
+    finish_reason: str = ""
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    """Totals of one ``Engine.run``."""
+
+    requests: int = 0
+    generated: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+    peak_kv_bytes: int = 0
+    kv_bytes_per_token: int = 0
+    prefix_hits: int = 0
+    prefix_hit_tokens: int = 0
+    rejected: int = 0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated / self.seconds if self.seconds else 0.0
+
+
+class PrefixCache:
+    """Published rows keyed by the tokens their KV covers; lookups return owned copies."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[int, ...], list[Cache]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def publish(self, tokens: Sequence[int], caches: list[Cache]) -> None:
+        if tokens:
+            self._entries[tuple(tokens)] = caches
+
+    def lookup(self, prompt: Sequence[int]) -> tuple[int, list[Cache]] | None:
+        """The longest usable prefix of ``prompt`` (leaving one token to compute), as copies."""
+        best: tuple[int, list[Cache]] | None = None
+        limit = len(prompt) - 1
+        for key, caches in self._entries.items():
+            common = 0
+            for a, b in zip(key, prompt, strict=False):
+                if a != b:
+                    break
+                common += 1
+            usable = min(common, limit)
+            if usable <= 0 or (best is not None and usable <= best[0]):
+                continue
+            copies = _copies(caches, usable)
+            if copies is not None:
+                best = (usable, copies)
+        return best
+
+
+def _copies(caches: list[Cache], tokens: int) -> list[Cache] | None:
+    """Owned copies of published serial caches, cut back to ``tokens`` positions."""
+    out: list[Cache] = []
+    for cache in caches:
+        layout = owned_cache_layout(cache)
+        if layout is None:
+            return None
+        layout.merge_rows([cache])
+        if not layout.can_publish_row(0, tokens):
+            return None
+        copy = layout.extract_row(0)
+        copy.trim(int(copy.offset) - tokens)
+        out.append(copy)
+    return out
+
+
+@dataclass
+class _Row:
+    request: Request
+    result: RequestResult
+    caches: list[Cache]
+    fed: int
+    key: mx.array
+    arrived_at: float
+    first_at: float = 0.0
+    next_input: int = 0
+
+
+Sampler = Callable[[mx.array, _Row], int]
+
+
+class Engine:
+    """Continuous batching over one mlx-lm model with kvrows caches under one scheme."""
+
+    def __init__(
+        self,
+        model: Any,
+        scheme: KvStorageScheme | None = None,
+        *,
+        max_batch: int = 8,
+        kv_budget: int | None = None,
+        prefill_chunk: int = 64,
+        keep_logits: bool = False,
+        use_prefix_cache: bool = True,
+        progress: bool = False,
+    ) -> None:
+        if max_batch < 1 or prefill_chunk < 1:
+            raise InvalidInputError("max_batch and prefill_chunk must be >= 1")
+        self.model = model
+        self.scheme = scheme or KvStorageScheme()
+        self.max_batch = max_batch
+        self.kv_budget = kv_budget
+        self.prefill_chunk = prefill_chunk
+        self.keep_logits = keep_logits
+        self.prefix_cache = PrefixCache() if use_prefix_cache else None
+        self.progress = progress
+        self.admission = self._probe_admission()
+
+    def _probe_admission(self) -> RowAdmission:
+        """Projected bytes per row, read from layouts that hold one probe token."""
+        caches = make_kvrows_cache(self.model, self.scheme)
+        self.model(mx.array([[0]]), cache=caches)
+        layouts: list[Cache] = []
+        for cache in caches:
+            layout = owned_cache_layout(cache)
+            if layout is None:
+                raise InvalidInputError(f"{cache.signature()} joins no row layout")
+            layout.merge_rows([cache])
+            layouts.append(layout)
+        admission = row_admission(layouts)
+        assert admission is not None
+        return admission
+
+    def projected_bytes(self, request: Request) -> int:
+        return self.admission.bytes(len(request.prompt) + request.max_tokens)
+
+    # -- the loop -------------------------------------------------------------------------
+    def run(self, requests: Sequence[Request]) -> tuple[list[RequestResult], EngineStats]:
+        for request in requests:
+            if not request.prompt:
+                raise InvalidInputError(f"request {request.rid} has an empty prompt")
+            if request.max_tokens < 1:
+                raise InvalidInputError(f"request {request.rid} asks for no tokens")
+        waiting = sorted(requests, key=lambda r: r.arrival)
+        results = {r.rid: RequestResult(r.rid, len(r.prompt)) for r in requests}
+        stats = EngineStats(requests=len(requests))
+        stats.kv_bytes_per_token = self.admission.bytes(1)
+        cohort: list[_Row] = []
+        cohort_layouts: list[BatchableCache] = []
+        running: list[_Row] = []
+        decode_layouts: list[BatchableCache] = []
+        start = time.perf_counter()
+        step = 0
+        finished = shown = 0
+        while waiting or cohort or running:
+            # 1. admission, FIFO, under the row count and the byte budget
+            admitted: list[_Row] = []
+            while waiting and waiting[0].arrival <= step:
+                request = waiting[0]
+                need = self.projected_bytes(request)
+                if self.kv_budget is not None and need > self.kv_budget:
+                    waiting.pop(0)
+                    results[request.rid].error = str(
+                        CapacityError(
+                            f"request {request.rid} needs {need} KV bytes "
+                            f"({len(request.prompt)} + {request.max_tokens} tokens), more than "
+                            f"the whole budget of {self.kv_budget}"
+                        )
+                    )
+                    results[request.rid].finish_reason = "rejected"
+                    stats.rejected += 1
+                    finished += 1
+                    continue
+                active = cohort + admitted + running
+                in_use = sum(self.projected_bytes(row.request) for row in active)
+                if len(active) >= self.max_batch or (
+                    self.kv_budget is not None and in_use + need > self.kv_budget
+                ):
+                    break
+                waiting.pop(0)
+                admitted.append(self._admit(request, results[request.rid], stats))
+            if admitted:
+                cohort_layouts = self._join(cohort_layouts, admitted, prefill=True)
+                cohort.extend(admitted)
+            # 2. one prefill chunk for the cohort
+            if cohort:
+                done = self._prefill_chunk(cohort, cohort_layouts)
+                if done:
+                    keep = [i for i, row in enumerate(cohort) if row not in done]
+                    for layout in cohort_layouts:
+                        filter_layout_rows(layout, keep)
+                    cohort = [cohort[i] for i in keep]
+                    joining = [row for row in done if not self._finished(row)]
+                    for row in done:
+                        if self._finished(row):
+                            self._retire_serial(row)
+                            finished += 1
+                    if joining:
+                        decode_layouts = self._join(decode_layouts, joining, prefill=False)
+                        running.extend(joining)
+            stats.peak_kv_bytes = max(
+                stats.peak_kv_bytes, sum(x.nbytes for x in cohort_layouts + decode_layouts)
+            )
+            # 3. one decode step for the running rows
+            if running:
+                leaving = self._decode_step(running, decode_layouts)
+                if leaving:
+                    for row in leaving:
+                        index = running.index(row)
+                        self._retire(row, decode_layouts, index)
+                        finished += 1
+                    keep = [i for i, row in enumerate(running) if row not in leaving]
+                    for layout in decode_layouts:
+                        filter_layout_rows(layout, keep)
+                    running = [running[i] for i in keep]
+            step += 1
+            if self.progress and (finished != shown or step % 16 == 0):
+                shown = finished
+                _progress(finished, len(requests), step)
+        stats.seconds = time.perf_counter() - start
+        stats.steps = step
+        if self.progress:
+            sys.stderr.write("\n")
+        out = [results[r.rid] for r in requests]
+        stats.generated = sum(len(r.tokens) for r in out)
+        stats.prefix_hits = sum(1 for r in out if r.prefix_hit_tokens)
+        stats.prefix_hit_tokens = sum(r.prefix_hit_tokens for r in out)
+        return out, stats
+
+    # -- pieces ----------------------------------------------------------------------------
+    def _admit(self, request: Request, result: RequestResult, stats: EngineStats) -> _Row:
+        caches: list[Cache] = make_kvrows_cache(self.model, self.scheme)
+        fed = 0
+        if self.prefix_cache is not None:
+            hit = self.prefix_cache.lookup(request.prompt)
+            if hit is not None:
+                fed, caches = hit
+                result.prefix_hit_tokens = fed
+        return _Row(request, result, caches, fed, mx.random.key(request.seed), time.perf_counter())
+
+    def _join(
+        self, layouts: list[BatchableCache], rows: list[_Row], *, prefill: bool
+    ) -> list[BatchableCache]:
+        """Merge ``rows``' per-layer serial caches into ``layouts`` (made on first use)."""
+        if not layouts or layouts[0].batch_size == 0:
+            made: list[BatchableCache] = []
+            for cache in rows[0].caches:
+                layout = prefill_cache_layout(cache) if prefill else owned_cache_layout(cache)
+                if layout is None:
+                    raise InvalidInputError(f"{cache.signature()} joins no row layout")
+                made.append(layout)
+            layouts = made
+        for layer, layout in enumerate(layouts):
+            layout.merge_rows([row.caches[layer] for row in rows])
+        for row in rows:
+            row.caches = []  # the layout holds the row now; the serial copies are released
+        return layouts
+
+    def _prefill_chunk(self, cohort: list[_Row], layouts: list[BatchableCache]) -> list[_Row]:
+        n = min(self.prefill_chunk, min(len(row.request.prompt) - row.fed for row in cohort))
+        ids = mx.array([list(row.request.prompt[row.fed : row.fed + n]) for row in cohort])
+        logits = self.model(ids, cache=layouts)[:, -1, :]
+        done: list[_Row] = []
+        for b, row in enumerate(cohort):
+            row.fed += n
+            if row.fed == len(row.request.prompt):
+                row.caches = [layout.extract_row(b) for layout in layouts]
+                self._sample(row, logits[b])
+                row.first_at = time.perf_counter()
+                row.result.time_to_first_token = row.first_at - row.arrived_at
+                done.append(row)
+        return done
+
+    def _decode_step(self, running: list[_Row], layouts: list[BatchableCache]) -> list[_Row]:
+        ids = mx.array([[row.next_input] for row in running])
+        logits = self.model(ids, cache=layouts)[:, -1, :]
+        leaving = []
+        for b, row in enumerate(running):
+            self._sample(row, logits[b])
+            if self._finished(row):
+                leaving.append(row)
+        return leaving
+
+    def _sample(self, row: _Row, logits: mx.array) -> None:
+        request = row.request
+        if request.temperature > 0:
+            row.key, sub = mx.random.split(row.key)
+            token = int(mx.random.categorical(logits / request.temperature, key=sub).tolist())  # type: ignore[arg-type]
+        else:
+            token = int(mx.argmax(logits).tolist())  # type: ignore[arg-type]
+        if self.keep_logits:
+            row.result.logits.append(np.array(logits.astype(mx.float32)))
+        row.result.tokens.append(token)
+        row.next_input = token
+
+    @staticmethod
+    def _finished(row: _Row) -> bool:
+        tokens = row.result.tokens
+        if tokens and tokens[-1] in row.request.stop:
+            row.result.finish_reason = "stop"
+            return True
+        if len(tokens) >= row.request.max_tokens:
+            row.result.finish_reason = "length"
+            return True
+        return False
+
+    def _covered(self, row: _Row) -> tuple[int, ...]:
+        return row.request.prompt + tuple(row.result.tokens[:-1])
+
+    def _close_timing(self, row: _Row) -> None:
+        elapsed = time.perf_counter() - row.first_at
+        if elapsed > 0:
+            row.result.tokens_per_second = len(row.result.tokens) / elapsed
+
+    def _retire_serial(self, row: _Row) -> None:
+        """A row that finished on its first token: its serial caches are published as is."""
+        self._close_timing(row)
+        if self.prefix_cache is not None:
+            self.prefix_cache.publish(self._covered(row), row.caches)
+        row.caches = []
+
+    def _retire(self, row: _Row, layouts: list[BatchableCache], index: int) -> None:
+        self._close_timing(row)
+        if self.prefix_cache is None:
+            return
+        covered = self._covered(row)
+        published = [publish_row(layout, index, len(covered)) for layout in layouts]
+        if all(cache is not None for cache in published):
+            self.prefix_cache.publish(covered, [c for c in published if c is not None])
+
+
+def _progress(done: int, total: int, step: int) -> None:
+    width = 30
+    filled = width * done // max(total, 1)
+    sys.stderr.write(
+        f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} requests, step {step}"
+    )
+    sys.stderr.flush()

@@ -1,0 +1,104 @@
+"""kvrows caches inside unmodified mlx-lm models: the same logits as mlx-lm's own caches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm.models.cache as peer
+import numpy as np
+import pytest
+
+import kvrows.optimized as kv
+from kvrows.errors import InvalidInputError
+from kvrows.models import ARCHITECTURES, KvStorageScheme, make_kvrows_cache, tiny_model
+from kvrows.table import owned_cache_layout
+
+TOLERANCE = 1e-5  # float32 models; in practice the logits are bit-identical
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def model(request: pytest.FixtureRequest) -> Any:
+    return tiny_model(request.param)
+
+
+def _peer_caches(model: Any, scheme: KvStorageScheme) -> list[Any]:
+    caches = model.make_cache()
+    if scheme.kind == "affine":
+        return [
+            peer.QuantizedKVCache(scheme.group_size, scheme.bits)  # type: ignore[no-untyped-call]
+            if type(c) is peer.KVCache
+            else c
+            for c in caches
+        ]
+    return list(caches)
+
+
+@pytest.mark.parametrize("scheme", ["plain", "affine8", "affine4:32"])
+def test_serial_logits_match_mlx_lm(model: Any, scheme: str) -> None:
+    storage = KvStorageScheme.parse(scheme)
+    ours = make_kvrows_cache(model, storage)
+    theirs = _peer_caches(model, storage)
+    if any(isinstance(c, peer.RotatingKVCache) for c in theirs) and storage.kind == "affine":
+        pytest.skip(
+            "mlx-lm has no quantized ring (RotatingKVCache.to_quantized raises); the affine "
+            "ring is checked by the engine's batch-vs-solo test and the conformance suite"
+        )
+    tokens = mx.array(np.random.default_rng(1).integers(0, 256, (1, 48)))
+    position = 0
+    for n in (7, 13, 1, 1, 5, 1, 1, 8, 1, 1, 1, 8):  # crosses the sliding window (16)
+        a = model(tokens[:, position : position + n], cache=ours)
+        b = model(tokens[:, position : position + n], cache=theirs)
+        assert float(mx.abs(a - b).max()) <= TOLERANCE
+        position += n
+    assert all(int(c.offset) == position for c in ours)
+
+
+def test_batched_logits_match_mlx_lm_batch(model: Any) -> None:
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 256, (1, length)) for length in (9, 21, 4)]
+    ours_rows, their_rows = [], []
+    for prompt in prompts:
+        ours, theirs = make_kvrows_cache(model), model.make_cache()
+        model(mx.array(prompt), cache=ours)
+        model(mx.array(prompt), cache=theirs)
+        ours_rows.append(ours)
+        their_rows.append(theirs)
+    ours_layers: list[Any] = []
+    for layer in range(len(ours_rows[0])):
+        layout = owned_cache_layout(ours_rows[0][layer])
+        assert layout is not None
+        layout.merge_rows([row[layer] for row in ours_rows])
+        ours_layers.append(layout)
+    their_layers = [
+        type(their_rows[0][layer]).merge([row[layer] for row in their_rows])
+        for layer in range(len(their_rows[0]))
+    ]
+    for _ in range(20):  # the rings (window 16) wrap
+        step = mx.array(rng.integers(0, 256, (3, 1)))
+        a = model(step, cache=ours_layers)
+        b = model(step, cache=their_layers)
+        assert float(mx.abs(a - b).max()) <= TOLERANCE
+
+
+def test_drop_in_surface() -> None:
+    plain, quantized = kv.KVCache(), kv.QuantizedKVCache(64, 8)
+    assert not hasattr(plain, "bits") and quantized.bits == 8 and quantized.group_size == 64
+    assert bool(plain) and bool(kv.PaddedKVRows())  # truthy: mlx-lm treats falsy as "no cache"
+    block = mx.zeros((1, 2, 3, 64))
+    plain.update_and_fetch(block, block)
+    assert isinstance(plain.offset, int)
+    assert plain.make_mask(2, return_array=True).shape == (2, 5)
+    assert plain.make_mask(1, window_size=2).tolist() == [[False, False, True, True]]
+    layout = kv.PaddedKVRows()
+    layout.merge_rows([plain])
+    before = layout.offset
+    layout.update_and_fetch(block[:, :, :1], block[:, :, :1])
+    assert before.tolist() == [3] and layout.offset.tolist() == [4]  # rebound, not mutated
+
+
+def test_schemes_parse() -> None:
+    assert KvStorageScheme.parse("affine4:32") == KvStorageScheme("affine", 4, 32)
+    assert KvStorageScheme.parse("plain").name == "plain"
+    with pytest.raises(InvalidInputError):
+        KvStorageScheme.parse("turbo")
