@@ -26,7 +26,7 @@ def _peer_caches(model: Any, scheme: KvStorageScheme) -> list[Any]:
     caches = model.make_cache()
     if scheme.kind == "affine":
         return [
-            peer.QuantizedKVCache(scheme.group_size, scheme.bits)  # type: ignore[no-untyped-call]
+            peer.QuantizedKVCache(scheme.group_size, scheme.bits)
             if type(c) is peer.KVCache
             else c
             for c in caches
@@ -88,8 +88,11 @@ def test_drop_in_surface() -> None:
     block = mx.zeros((1, 2, 3, 64))
     plain.update_and_fetch(block, block)
     assert isinstance(plain.offset, int)
-    assert plain.make_mask(2, return_array=True).shape == (2, 5)
-    assert plain.make_mask(1, window_size=2).tolist() == [[False, False, True, True]]
+    asked = plain.make_mask(2, return_array=True)
+    assert isinstance(asked, mx.array) and asked.shape == (2, 5)
+    windowed = plain.make_mask(1, window_size=2)
+    assert isinstance(windowed, mx.array)
+    assert windowed.tolist() == [[False, False, True, True]]
     layout = kv.PaddedKVRows()
     layout.merge_rows([plain])
     before = layout.offset
