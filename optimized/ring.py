@@ -208,7 +208,7 @@ class RingCache:
         if window < self.max_size and self._offset >= window:
             visible = (mx.arange(keys) >= keys - window)[None, :]
             shift = (0 if self._idx >= self.max_size else self._idx) + 1
-            visible = mx.roll(visible, shift, axis=-1)
+            visible = mx.roll(visible, shift, -1)
             return visible
         if return_array:
             return mx.ones((1, keys), dtype=mx.bool_)
@@ -395,7 +395,7 @@ class RingLayout:
         visible = visible[None] & (columns[None] >= pads[:, None, None])
         if wrapping:
             shift = (0 if self._idx >= self.max_size else self._idx) + 1
-            visible = mx.roll(visible, shift, axis=-1)
+            visible = mx.roll(visible, shift, -1)
         return visible[:, None]
 
     # -- writes --------------------------------------------------------------------------
