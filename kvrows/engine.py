@@ -327,37 +327,43 @@ class Engine:
         ids = mx.array([list(row.request.prompt[row.fed : row.fed + n]) for row in cohort])
         logits = self.model(ids, cache=layouts)[:, -1, :]
         done: list[_Row] = []
+        finishing: list[int] = []
         for b, row in enumerate(cohort):
             row.fed += n
             if row.fed == len(row.request.prompt):
                 row.caches = [layout.extract_row(b) for layout in layouts]
-                self._sample(row, logits[b])
-                row.first_at = time.perf_counter()
-                row.result.time_to_first_token = row.first_at - row.arrived_at
+                finishing.append(b)
                 done.append(row)
+        if finishing:
+            self._sample(done, logits[mx.array(finishing)])
+            now = time.perf_counter()
+            for row in done:
+                row.first_at = now
+                row.result.time_to_first_token = now - row.arrived_at
         return done
 
     def _decode_step(self, running: list[_Row], layouts: list[BatchableCache]) -> list[_Row]:
         ids = mx.array([[row.next_input] for row in running])
         logits = self.model(ids, cache=layouts)[:, -1, :]
-        leaving = []
-        for b, row in enumerate(running):
-            self._sample(row, logits[b])
-            if self._finished(row):
-                leaving.append(row)
-        return leaving
+        self._sample(running, logits)
+        return [row for row in running if self._finished(row)]
 
-    def _sample(self, row: _Row, logits: mx.array) -> None:
-        request = row.request
-        if request.temperature > 0:
-            row.key, sub = mx.random.split(row.key)
-            token = int(mx.random.categorical(logits / request.temperature, key=sub).tolist())  # type: ignore[arg-type]
-        else:
-            token = int(mx.argmax(logits).tolist())  # type: ignore[arg-type]
+    def _sample(self, rows: list[_Row], logits: mx.array) -> None:
+        """One token per row from ``logits`` ``[rows, vocab]``: greedy rows in one argmax,
+        tempered rows from their own key (so a row's draw does not depend on its batch)."""
+        tokens: list[int] = mx.argmax(logits, axis=-1).tolist()  # type: ignore[assignment]
+        for b, row in enumerate(rows):
+            if row.request.temperature > 0:
+                row.key, sub = mx.random.split(row.key)
+                drawn = mx.random.categorical(logits[b] / row.request.temperature, key=sub)
+                tokens[b] = int(drawn.tolist())  # type: ignore[arg-type]
         if self.keep_logits:
-            row.result.logits.append(np.array(logits.astype(mx.float32)))
-        row.result.tokens.append(token)
-        row.next_input = token
+            kept = np.array(logits.astype(mx.float32))
+            for b, row in enumerate(rows):
+                row.result.logits.append(kept[b])
+        for token, row in zip(tokens, rows, strict=True):
+            row.result.tokens.append(int(token))
+            row.next_input = int(token)
 
     @staticmethod
     def _finished(row: _Row) -> bool:
