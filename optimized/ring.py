@@ -339,7 +339,7 @@ class RingLayout:
         return self.serial_class(self.max_size)
 
     def _accepts(self, source: object) -> bool:
-        if isinstance(source, RingLayout | RingCache):
+        if isinstance(source, RingLayout | RingCache | RaggedRotatingRows):
             return source.codec.key == self.codec.key and source.max_size == self.max_size
         return False
 
@@ -473,14 +473,12 @@ class RingLayout:
     def _source_windows(
         self, source: object
     ) -> tuple[list[tuple[Planes | None, Planes | None, int]], KvGeometry | None]:
-        if isinstance(source, RingLayout):
+        if isinstance(source, RingLayout | RaggedRotatingRows):
             rows: list[tuple[Planes | None, Planes | None, int]] = []
             for r in range(source.batch_size):
                 held = source.row_window(r)
-                if held is None:
-                    rows.append((None, None, source._offsets[r]))
-                else:
-                    rows.append((held[0], held[1], source._offsets[r]))
+                offset = source.row_offsets[r]
+                rows.append((None, None, offset) if held is None else (held[0], held[1], offset))
             return rows, source.geometry
         assert isinstance(source, RingCache)
         held = source.window()

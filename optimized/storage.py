@@ -474,7 +474,9 @@ class RowLayout:
     def extract_row(self, row: int) -> FullAttentionCache:
         held = self.row_planes(row)
         if held is None:
-            return self.blank_row()
+            empty = self.blank_row()
+            empty._geometry = self._geometry  # an empty row still knows its geometry
+            return empty
         keys = tuple(_compact(p) for p in held[0])
         values = tuple(_compact(p) for p in held[1])
         return self.blank_row().adopt(keys, values, self._geometry)

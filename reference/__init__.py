@@ -66,5 +66,10 @@ register_row_layouts(
     verify=lambda cache: RaggedRotatingRows(cache.max_size),
 )
 register_own_empty_batch(RotatingAffineLayout)
-register_own_empty_batch(BatchedRotatingQuantCache)
+register_row_layouts(
+    BatchedRotatingQuantCache,
+    decode=lambda cache: cache.make_empty_batch(),
+    prefill=lambda cache: cache.make_empty_batch(),
+    verify=lambda cache: RotatingAffineLayout(cache.max_size, cache.group_size, cache.bits),
+)
 register_own_empty_batch(RaggedRotatingRows)

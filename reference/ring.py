@@ -274,7 +274,7 @@ class RingLayout:
         return self.serial_class(self.max_size)
 
     def _accepts(self, source: object) -> bool:
-        if isinstance(source, RingLayout | RingCache):
+        if isinstance(source, RingLayout | RingCache | RaggedRotatingRows):
             return source.codec.key == self.codec.key and source.max_size == self.max_size
         return False
 
@@ -398,7 +398,7 @@ class RingLayout:
                     f"{self.signature()} (window {self.max_size}) cannot merge {described}"
                     + (f" (window {window})" if window is not None else "")
                 )
-            if isinstance(source, RingLayout):
+            if isinstance(source, RingLayout | RaggedRotatingRows):
                 incoming.extend(source.extract_row(b) for b in range(source.batch_size))
                 geometries.append(source.geometry)
             else:

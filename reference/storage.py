@@ -315,7 +315,7 @@ class RowLayout:
     def row_planes(self, row: int) -> tuple[Planes, Planes] | None:
         """Row ``row``'s compact key and value planes (``None`` when it holds no token)."""
         entry = self._rows[check_row(row, self.batch_size)]
-        if entry.keys is None or entry.values is None:
+        if entry.keys is None or entry.values is None or entry.tokens == 0:
             return None
         return entry.keys, entry.values
 
@@ -419,7 +419,9 @@ class RowLayout:
     def extract_row(self, row: int) -> FullAttentionCache:
         held = self.row_planes(row)
         if held is None:
-            return self.blank_row()
+            empty = self.blank_row()
+            empty._geometry = self._geometry  # an empty row still knows its geometry
+            return empty
         return self.blank_row().adopt(held[0], held[1], self._geometry)
 
     def can_publish_row(self, row: int, tokens: int) -> bool:
