@@ -7,13 +7,14 @@ operation moves codes, scales and biases without re-quantizing.
 
 from __future__ import annotations
 
+from kvrows.common import AffineParameters
 from kvrows.optimized.codecs import AffineCodec
 from kvrows.optimized.storage import FullAttentionCache, RowLayout
 
 __all__ = ["BatchedQuantizedKVCache", "PaddedQuantKVRows", "QuantizedKVCache"]
 
 
-class QuantizedKVCache(FullAttentionCache):
+class QuantizedKVCache(AffineParameters, FullAttentionCache):
     """Serial affine-quantized full-attention cache (``spec/QuantizedKVCache.md``)."""
 
     codec: AffineCodec
@@ -22,19 +23,11 @@ class QuantizedKVCache(FullAttentionCache):
         super().__init__()
         self.codec = AffineCodec(group_size, bits)
 
-    @property
-    def group_size(self) -> int:
-        return self.codec.group_size
-
-    @property
-    def bits(self) -> int:
-        return self.codec.bits
-
     def signature(self) -> str:
         return f"kv:quant:{self.bits}:{self.group_size}"
 
 
-class _QuantizedRows(RowLayout):
+class _QuantizedRows(AffineParameters, RowLayout):
     """What both affine layouts share: the codec parameters and the serial storage."""
 
     codec: AffineCodec
@@ -44,14 +37,6 @@ class _QuantizedRows(RowLayout):
     def __init__(self, group_size: int = 64, bits: int = 8) -> None:
         super().__init__()
         self.codec = AffineCodec(group_size, bits)
-
-    @property
-    def group_size(self) -> int:
-        return self.codec.group_size
-
-    @property
-    def bits(self) -> int:
-        return self.codec.bits
 
     def signature(self) -> str:
         return f"{self.prefix}:{self.bits}:{self.group_size}"

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 
+from kvrows.common import AffineParameters, PlaneHolder, check_counts, row_bytes
 from kvrows.errors import (
     IncompatibleRowsError,
     InvalidInputError,
@@ -55,7 +56,7 @@ def _concat(first: Planes, second: Planes) -> Planes:
     return tuple(mx.concatenate([a, b], axis=2) for a, b in zip(first, second, strict=True))
 
 
-class RingCache:
+class RingCache(PlaneHolder):
     """A serial ring over ``codec`` holding a request's newest ``max_size`` tokens."""
 
     codec: Codec
@@ -89,18 +90,6 @@ class RingCache:
     @property
     def buffer_length(self) -> int:
         return 0 if self._keys is None else int(self._keys[0].shape[2])
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(p.nbytes) for p in (self._keys or ()) + (self._values or ()))
-
-    @property
-    def state(self) -> tuple[Any, ...]:
-        return (self._keys or ()) + (self._values or ())
-
-    @property
-    def state_needs_dispose(self) -> bool:
-        return False
 
     def signature(self) -> str:
         return self.signature_text
@@ -256,7 +245,7 @@ class RotatingKVCache(RingCache):
     signature_text = "kv:rotating-plain"
 
 
-class RingLayout:
+class RingLayout(PlaneHolder):
     """Several requests' rings sharing one write column (mlx-lm's ``BatchRotatingKVCache``).
 
     Host-side state (``spec/BatchedRotatingCache.md``): per-row ``offsets`` (positions)
@@ -315,18 +304,6 @@ class RingLayout:
     @property
     def buffer_length(self) -> int:
         return 0 if self._keys is None else int(self._keys[0].shape[2])
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(p.nbytes) for p in (self._keys or ()) + (self._values or ()))
-
-    @property
-    def state(self) -> tuple[Any, ...]:
-        return (self._keys or ()) + (self._values or ())
-
-    @property
-    def state_needs_dispose(self) -> bool:
-        return False
 
     def signature(self) -> str:
         return self.signature_text
@@ -590,14 +567,7 @@ class RingLayout:
         return count == offset or (count < offset < self.max_size)
 
     def projected_bytes(self, tokens: int) -> int:
-        count = as_count(tokens, "tokens")
-        geometry = self._geometry
-        if geometry is None:
-            return 0
-        per_token = self.codec.token_bytes(
-            geometry.heads, geometry.key_dim, geometry.dtype
-        ) + self.codec.token_bytes(geometry.heads, geometry.value_dim, geometry.dtype)
-        return per_token * min(count, self.max_size)
+        return row_bytes(self.codec, self._geometry, tokens, self.max_size)
 
     def is_trimmable(self) -> bool:
         return self._total < self.max_size
@@ -644,7 +614,7 @@ class BatchedRotatingCache(RingLayout):
     signature_text = "kv:rotating-plain"
 
 
-class RotatingQuantizedKVCache(RingCache):
+class RotatingQuantizedKVCache(AffineParameters, RingCache):
     """Serial affine-quantized ring (``spec/RotatingQuantizedKVCache.md``)."""
 
     codec: AffineCodec
@@ -653,19 +623,11 @@ class RotatingQuantizedKVCache(RingCache):
         super().__init__(max_size)
         self.codec = AffineCodec(group_size, bits)
 
-    @property
-    def group_size(self) -> int:
-        return self.codec.group_size
-
-    @property
-    def bits(self) -> int:
-        return self.codec.bits
-
     def signature(self) -> str:
         return f"kv:rotating-quant:{self.bits}:{self.group_size}"
 
 
-class BatchedRotatingQuantCache(RingLayout):
+class BatchedRotatingQuantCache(AffineParameters, RingLayout):
     """Decode layout of ``RotatingQuantizedKVCache`` (``spec/BatchedRotatingQuantCache.md``)."""
 
     codec: AffineCodec
@@ -674,14 +636,6 @@ class BatchedRotatingQuantCache(RingLayout):
     def __init__(self, max_size: int, group_size: int = 64, bits: int = 8) -> None:
         super().__init__(max_size)
         self.codec = AffineCodec(group_size, bits)
-
-    @property
-    def group_size(self) -> int:
-        return self.codec.group_size
-
-    @property
-    def bits(self) -> int:
-        return self.codec.bits
 
     def signature(self) -> str:
         return f"kv:rotating-quant:{self.bits}:{self.group_size}"
@@ -700,7 +654,7 @@ class RotatingAffineLayout(BatchedRotatingQuantCache):
         return f"kv:rotating-affine:{self.max_size}:{self.group_size}:{self.bits}"
 
 
-class RaggedRotatingRows:
+class RaggedRotatingRows(PlaneHolder):
     """Prefill layout of ``RotatingKVCache``: ragged rings (``spec/RaggedRotatingRows.md``).
 
     Every row keeps its retained tokens left-aligned in temporal order (column 0 is its
@@ -751,18 +705,6 @@ class RaggedRotatingRows:
     @property
     def max_tokens(self) -> float:
         return math.inf
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(p.nbytes) for p in (self._keys or ()) + (self._values or ()))
-
-    @property
-    def state(self) -> tuple[Any, ...]:
-        return (self._keys or ()) + (self._values or ())
-
-    @property
-    def state_needs_dispose(self) -> bool:
-        return False
 
     def signature(self) -> str:
         return f"{self.signature_text}:{self.max_size}"
@@ -992,14 +934,7 @@ class RaggedRotatingRows:
         return count == offset or (count < offset < self.max_size)
 
     def projected_bytes(self, tokens: int) -> int:
-        count = as_count(tokens, "tokens")
-        geometry = self._geometry
-        if geometry is None:
-            return 0
-        per_token = self.codec.token_bytes(
-            geometry.heads, geometry.key_dim, geometry.dtype
-        ) + self.codec.token_bytes(geometry.heads, geometry.value_dim, geometry.dtype)
-        return per_token * min(count, self.max_size)
+        return row_bytes(self.codec, self._geometry, tokens, self.max_size)
 
     def is_trimmable(self) -> bool:
         return all(o < self.max_size for o in self._offsets)
@@ -1010,13 +945,7 @@ class RaggedRotatingRows:
 
     def trim_rows(self, counts: Sequence[int]) -> int:
         """Forget ``counts[b]`` newest tokens of row ``b``; only rows that never wrapped."""
-        if isinstance(counts, str | bytes) or not isinstance(counts, Sequence):
-            raise InvalidInputError("trim_rows takes one count per row")
-        if len(counts) != self.batch_size:
-            raise InvalidInputError(
-                f"trim_rows needs {self.batch_size} counts (one per row), got {len(counts)}"
-            )
-        wanted = [as_count(c, f"counts[{i}]") for i, c in enumerate(counts)]
+        wanted = check_counts(counts, self.batch_size)
         for b, (count, offset) in enumerate(zip(wanted, self._offsets, strict=True)):
             if count and offset >= self.max_size:
                 raise NotTrimmableError(

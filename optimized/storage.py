@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 
+from kvrows.common import PlaneHolder, check_counts, row_bytes
 from kvrows.errors import (
     IncompatibleRowsError,
     InvalidInputError,
@@ -64,7 +65,7 @@ def _block_shape(value: object) -> tuple[int, ...]:
     return tuple(value.shape) if isinstance(value, mx.array) else ()
 
 
-class FullAttentionCache:
+class FullAttentionCache(PlaneHolder):
     """A serial full-attention cache over ``codec``: a ``[B, H, capacity, ·]`` buffer."""
 
     codec: Codec
@@ -91,21 +92,6 @@ class FullAttentionCache:
     @property
     def capacity(self) -> int:
         return 0 if self._keys is None else int(self._keys[0].shape[2])
-
-    @property
-    def nbytes(self) -> int:
-        planes = (self._keys or ()) + (self._values or ())
-        return sum(int(p.nbytes) for p in planes)
-
-    @property
-    def state(self) -> tuple[Any, ...]:
-        if self._keys is None or self._values is None:
-            return ()
-        return (*self._keys, *self._values)
-
-    @property
-    def state_needs_dispose(self) -> bool:
-        return False
 
     def signature(self) -> str:
         return self.signature_text
@@ -199,7 +185,7 @@ class FullAttentionCache:
 _RowView = tuple[Planes | None, Planes | None, int]
 
 
-class RowLayout:
+class RowLayout(PlaneHolder):
     """Several requests' rows of one layer in one set of slot buffers."""
 
     codec: Codec
@@ -251,19 +237,6 @@ class RowLayout:
     @property
     def capacity(self) -> int:
         return 0 if self._keys is None else int(self._keys[0].shape[2])
-
-    @property
-    def nbytes(self) -> int:
-        planes = (self._keys or ()) + (self._values or ())
-        return sum(int(p.nbytes) for p in planes)
-
-    @property
-    def state(self) -> tuple[Any, ...]:
-        return (self._keys or ()) + (self._values or ())
-
-    @property
-    def state_needs_dispose(self) -> bool:
-        return False
 
     def signature(self) -> str:
         return self.signature_text
@@ -486,14 +459,7 @@ class RowLayout:
         return as_count(tokens, "tokens") <= self._lens[index]
 
     def projected_bytes(self, tokens: int) -> int:
-        count = as_count(tokens, "tokens")
-        geometry = self._geometry
-        if geometry is None:
-            return 0
-        per_token = self.codec.token_bytes(
-            geometry.heads, geometry.key_dim, geometry.dtype
-        ) + self.codec.token_bytes(geometry.heads, geometry.value_dim, geometry.dtype)
-        return per_token * count
+        return row_bytes(self.codec, self._geometry, tokens)
 
     def trim(self, n: int) -> int:
         count = as_count(n, "n")
@@ -504,13 +470,7 @@ class RowLayout:
 
         Rows sharing one write column can only trim equal counts. Returns the largest count.
         """
-        if isinstance(counts, str | bytes) or not isinstance(counts, Sequence):
-            raise InvalidInputError("trim_rows takes one count per row")
-        if len(counts) != self.batch_size:
-            raise InvalidInputError(
-                f"trim_rows needs {self.batch_size} counts (one per row), got {len(counts)}"
-            )
-        return self._trim_rows([as_count(c, f"counts[{i}]") for i, c in enumerate(counts)])
+        return self._trim_rows(check_counts(counts, self.batch_size))
 
     def _trim_rows(self, counts: Sequence[int]) -> int:
         for b, (tokens, count) in enumerate(zip(self._lens, counts, strict=True)):

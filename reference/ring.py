@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
+from kvrows.common import AffineParameters, PlaneHolder, check_counts, row_bytes
 from kvrows.errors import (
     IncompatibleRowsError,
     InvalidInputError,
@@ -57,7 +58,7 @@ def _concat(first: Planes, second: Planes) -> Planes:
     return tuple(np.concatenate([a, b], axis=2) for a, b in zip(first, second, strict=True))
 
 
-class RingCache:
+class RingCache(PlaneHolder):
     """A serial ring over ``codec``: the tokens it retains, oldest first."""
 
     codec: Codec
@@ -86,18 +87,6 @@ class RingCache:
     @property
     def rows(self) -> int:
         return 0 if self._keys is None else int(self._keys[0].shape[0])
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(p.nbytes) for p in (self._keys or ()) + (self._values or ()))
-
-    @property
-    def state(self) -> tuple[Any, ...]:
-        return (self._keys or ()) + (self._values or ())
-
-    @property
-    def state_needs_dispose(self) -> bool:
-        return False
 
     def signature(self) -> str:
         return self.signature_text
@@ -459,14 +448,7 @@ class RingLayout:
         return count == offset or (count < offset < self.max_size)
 
     def projected_bytes(self, tokens: int) -> int:
-        count = as_count(tokens, "tokens")
-        geometry = self._geometry
-        if geometry is None:
-            return 0
-        per_token = self.codec.token_bytes(
-            geometry.heads, geometry.key_dim, geometry.dtype
-        ) + self.codec.token_bytes(geometry.heads, geometry.value_dim, geometry.dtype)
-        return per_token * min(count, self.max_size)
+        return row_bytes(self.codec, self._geometry, tokens, self.max_size)
 
     def is_trimmable(self) -> bool:
         return self._total < self.max_size
@@ -511,7 +493,7 @@ class BatchedRotatingCache(RingLayout):
     signature_text = "kv:rotating-plain"
 
 
-class RotatingQuantizedKVCache(RingCache):
+class RotatingQuantizedKVCache(AffineParameters, RingCache):
     """Serial affine-quantized ring (``spec/RotatingQuantizedKVCache.md``)."""
 
     codec: AffineCodec
@@ -520,19 +502,11 @@ class RotatingQuantizedKVCache(RingCache):
         super().__init__(max_size)
         self.codec = AffineCodec(group_size, bits)
 
-    @property
-    def group_size(self) -> int:
-        return self.codec.group_size
-
-    @property
-    def bits(self) -> int:
-        return self.codec.bits
-
     def signature(self) -> str:
         return f"kv:rotating-quant:{self.bits}:{self.group_size}"
 
 
-class BatchedRotatingQuantCache(RingLayout):
+class BatchedRotatingQuantCache(AffineParameters, RingLayout):
     """Decode layout of ``RotatingQuantizedKVCache`` (``spec/BatchedRotatingQuantCache.md``)."""
 
     codec: AffineCodec
@@ -541,14 +515,6 @@ class BatchedRotatingQuantCache(RingLayout):
     def __init__(self, max_size: int, group_size: int = 64, bits: int = 8) -> None:
         super().__init__(max_size)
         self.codec = AffineCodec(group_size, bits)
-
-    @property
-    def group_size(self) -> int:
-        return self.codec.group_size
-
-    @property
-    def bits(self) -> int:
-        return self.codec.bits
 
     def signature(self) -> str:
         return f"kv:rotating-quant:{self.bits}:{self.group_size}"
@@ -756,14 +722,7 @@ class RaggedRotatingRows:
         return count == offset or (count < offset < self.max_size)
 
     def projected_bytes(self, tokens: int) -> int:
-        count = as_count(tokens, "tokens")
-        geometry = self._geometry
-        if geometry is None:
-            return 0
-        per_token = self.codec.token_bytes(
-            geometry.heads, geometry.key_dim, geometry.dtype
-        ) + self.codec.token_bytes(geometry.heads, geometry.value_dim, geometry.dtype)
-        return per_token * min(count, self.max_size)
+        return row_bytes(self.codec, self._geometry, tokens, self.max_size)
 
     def is_trimmable(self) -> bool:
         return all(row.is_trimmable() for row in self._rows)
@@ -773,13 +732,7 @@ class RaggedRotatingRows:
         return self.trim_rows([count] * self.batch_size) if self._rows else 0
 
     def trim_rows(self, counts: Sequence[int]) -> int:
-        if isinstance(counts, str | bytes) or not isinstance(counts, Sequence):
-            raise InvalidInputError("trim_rows takes one count per row")
-        if len(counts) != self.batch_size:
-            raise InvalidInputError(
-                f"trim_rows needs {self.batch_size} counts (one per row), got {len(counts)}"
-            )
-        wanted = [as_count(c, f"counts[{i}]") for i, c in enumerate(counts)]
+        wanted = check_counts(counts, self.batch_size)
         for b, (count, row) in enumerate(zip(wanted, self._rows, strict=True)):
             if count and not row.is_trimmable():
                 raise NotTrimmableError(

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
+from kvrows.common import check_counts, row_bytes
 from kvrows.errors import (
     IncompatibleRowsError,
     InvalidInputError,
@@ -429,14 +430,7 @@ class RowLayout:
         return as_count(tokens, "tokens") <= self._rows[index].tokens
 
     def projected_bytes(self, tokens: int) -> int:
-        count = as_count(tokens, "tokens")
-        geometry = self._geometry
-        if geometry is None:
-            return 0
-        per_token = self.codec.token_bytes(
-            geometry.heads, geometry.key_dim, geometry.dtype
-        ) + self.codec.token_bytes(geometry.heads, geometry.value_dim, geometry.dtype)
-        return per_token * count
+        return row_bytes(self.codec, self._geometry, tokens)
 
     def trim(self, n: int) -> int:
         """Forget every row's newest ``n`` tokens (each row must hold at least ``n``)."""
@@ -448,13 +442,7 @@ class RowLayout:
 
         Rows sharing one write column can only trim equal counts. Returns the largest count.
         """
-        if isinstance(counts, str | bytes) or not isinstance(counts, Sequence):
-            raise InvalidInputError("trim_rows takes one count per row")
-        if len(counts) != self.batch_size:
-            raise InvalidInputError(
-                f"trim_rows needs {self.batch_size} counts (one per row), got {len(counts)}"
-            )
-        return self._trim_rows([as_count(c, f"counts[{i}]") for i, c in enumerate(counts)])
+        return self._trim_rows(check_counts(counts, self.batch_size))
 
     def _trim_rows(self, counts: Sequence[int]) -> int:
         for b, (row, count) in enumerate(zip(self._rows, counts, strict=True)):
