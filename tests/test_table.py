@@ -59,7 +59,8 @@ def test_roles_of_a_plain_cache(impl: ModuleType) -> None:
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_a_running_decode_layout_has_no_verify_sibling(impl: ModuleType) -> None:
-    for layout in (impl.PaddedKVRows(), impl.PaddedQuantKVRows(64, 4)):
+    layouts: tuple[Any, ...] = (impl.PaddedKVRows(), impl.PaddedQuantKVRows(64, 4))
+    for layout in layouts:
         assert type(owned_cache_layout(layout)) is type(layout)
         assert type(prefill_cache_layout(layout)) is type(layout)
         assert target_row_layout_factory(layout) is None
