@@ -61,8 +61,9 @@ def test_roles_of_a_plain_cache(impl: ModuleType) -> None:
 def test_a_running_decode_layout_has_no_verify_sibling(impl: ModuleType) -> None:
     layouts: tuple[Any, ...] = (impl.PaddedKVRows(), impl.PaddedQuantKVRows(64, 4))
     for layout in layouts:
-        assert type(owned_cache_layout(layout)) is type(layout)
-        assert type(prefill_cache_layout(layout)) is type(layout)
+        kind = type(layout)
+        assert type(owned_cache_layout(layout)) is kind
+        assert type(prefill_cache_layout(layout)) is kind
         assert target_row_layout_factory(layout) is None
         with pytest.raises(NoRowLayoutError, match="padded-rows"):
             target_cache_layout(layout)
