@@ -41,7 +41,12 @@ def _parser() -> argparse.ArgumentParser:
         help="plain, affine8, affine4 or affine<bits>:<group> (repeatable)",
     )
     demo.add_argument("--requests", type=int, default=12, help="requests in the first wave")
-    demo.add_argument("--max-batch", type=int, default=8, help="most rows decoding at once")
+    demo.add_argument(
+        "--max-batch",
+        type=int,
+        default=8,
+        help="most rows in flight at once (prefilling and decoding)",
+    )
     demo.add_argument("--kv-budget", type=int, default=None, help="KV byte budget")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
 

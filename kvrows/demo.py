@@ -93,16 +93,16 @@ class InvarianceReport:
     beyond_tolerance: int = 0
     mismatches: int = 0
     near_ties: int = 0
-    quantized: bool = False
+    quantized_rings: bool = False
 
     @property
     def ok(self) -> bool:
-        """Greedy tokens must match (near-ties aside); logits within the tolerance, except
-        that a quantized scheme may flip a code where the batch's float arithmetic differs
-        from the solo run's in the last bits (counted in ``beyond_tolerance``)."""
+        """Greedy tokens must match (near-ties aside) and logits stay within the tolerance,
+        except on quantized rings: a batched ring is read in another physical order than a
+        solo ring, and a last-bit difference can flip a stored code (counted, not failed)."""
         if self.mismatches:
             return False
-        return self.quantized or self.beyond_tolerance == 0
+        return self.quantized_rings or self.beyond_tolerance == 0
 
 
 def check_invariance(
@@ -112,7 +112,8 @@ def check_invariance(
     results: Sequence[RequestResult],
     chunk: int,
 ) -> InvarianceReport:
-    report = InvarianceReport(quantized=scheme.kind != "plain")
+    rings = any(hasattr(cache, "max_size") for cache in make_kvrows_cache(model, scheme))
+    report = InvarianceReport(quantized_rings=rings and scheme.kind != "plain")
     for request, result in zip(requests, results, strict=True):
         if result.error:
             continue

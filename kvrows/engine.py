@@ -64,6 +64,7 @@ class RequestResult:
 
     rid: str
     prompt_tokens: int
+    admitted_step: int = -1
     tokens: list[int] = field(default_factory=list)
     logits: list[npt.NDArray[np.float32]] = field(default_factory=list)
     prefix_hit_tokens: int = 0
@@ -218,21 +219,34 @@ class Engine:
         start = time.perf_counter()
         step = 0
         finished = shown = 0
+        arrived: dict[str, float] = {}
         while waiting or cohort or running:
+            now = time.perf_counter()
+            for request in waiting:
+                if request.arrival > step:
+                    break
+                arrived.setdefault(request.rid, now)
             # 1. admission, FIFO, under the row count and the byte budget
             admitted: list[_Row] = []
             while waiting and waiting[0].arrival <= step:
                 request = waiting[0]
                 need = self.projected_bytes(request)
-                if self.kv_budget is not None and need > self.kv_budget:
-                    waiting.pop(0)
-                    results[request.rid].error = str(
-                        CapacityError(
-                            f"request {request.rid} needs {need} KV bytes "
-                            f"({len(request.prompt)} + {request.max_tokens} tokens), more than "
-                            f"the whole budget of {self.kv_budget}"
-                        )
+                positions = len(request.prompt) + request.max_tokens
+                problem = None
+                if positions > self.admission.max_tokens:
+                    problem = (
+                        f"request {request.rid} needs {positions} positions; its layouts hold "
+                        f"at most {self.admission.max_tokens}"
                     )
+                elif self.kv_budget is not None and need > self.kv_budget:
+                    problem = (
+                        f"request {request.rid} needs {need} KV bytes ({len(request.prompt)} + "
+                        f"{request.max_tokens} tokens), more than the whole budget of "
+                        f"{self.kv_budget}"
+                    )
+                if problem is not None:
+                    waiting.pop(0)
+                    results[request.rid].error = str(CapacityError(problem))
                     results[request.rid].finish_reason = "rejected"
                     stats.rejected += 1
                     finished += 1
@@ -244,7 +258,8 @@ class Engine:
                 ):
                     break
                 waiting.pop(0)
-                admitted.append(self._admit(request, results[request.rid], stats))
+                results[request.rid].admitted_step = step
+                admitted.append(self._admit(request, results[request.rid], arrived[request.rid]))
             if admitted:
                 cohort_layouts = self._join(cohort_layouts, admitted, prefill=True)
                 cohort.extend(admitted)
@@ -270,6 +285,9 @@ class Engine:
             # 3. one decode step for the running rows
             if running:
                 leaving = self._decode_step(running, decode_layouts)
+                stats.peak_kv_bytes = max(
+                    stats.peak_kv_bytes, sum(x.nbytes for x in cohort_layouts + decode_layouts)
+                )
                 if leaving:
                     for row in leaving:
                         index = running.index(row)
@@ -294,7 +312,7 @@ class Engine:
         return out, stats
 
     # -- pieces ----------------------------------------------------------------------------
-    def _admit(self, request: Request, result: RequestResult, stats: EngineStats) -> _Row:
+    def _admit(self, request: Request, result: RequestResult, arrived_at: float) -> _Row:
         caches: list[Cache] = make_kvrows_cache(self.model, self.scheme)
         fed = 0
         if self.prefix_cache is not None:
@@ -380,9 +398,11 @@ class Engine:
         return row.request.prompt + tuple(row.result.tokens[:-1])
 
     def _close_timing(self, row: _Row) -> None:
+        """Decode rate: tokens after the first over the time since the first."""
         elapsed = time.perf_counter() - row.first_at
-        if elapsed > 0:
-            row.result.tokens_per_second = len(row.result.tokens) / elapsed
+        after_first = len(row.result.tokens) - 1
+        if after_first > 0 and elapsed > 0:
+            row.result.tokens_per_second = after_first / elapsed
 
     def _retire_serial(self, row: _Row) -> None:
         """A row that finished on its first token: its serial caches are published as is."""

@@ -32,7 +32,7 @@ class KvStorageScheme:
     @classmethod
     def parse(cls, text: str) -> KvStorageScheme:
         """``plain``, ``affine8``, ``affine4``, or ``affine<bits>:<group>``."""
-        if text in ("plain", "bf16"):
+        if text == "plain":
             return cls()
         if text.startswith("affine"):
             spec = text[len("affine") :] or "8"

@@ -69,8 +69,14 @@ class Cache(Protocol):
         """The keys and values the last ``update_and_fetch`` returned (what attention reads now)."""
         ...
 
-    def make_mask(self, n: int) -> Mask:
-        """The mask for the next update of ``n`` tokens (asked before that update)."""
+    def make_mask(
+        self, n: int, *, return_array: bool = False, window_size: int | None = None
+    ) -> Mask:
+        """The mask for the next update of ``n`` tokens (asked before that update).
+
+        ``return_array`` asks for an array where ``None``/``"causal"`` would do;
+        ``window_size`` narrows every query to its last ``window_size`` keys.
+        """
         ...
 
     def is_trimmable(self) -> bool: ...

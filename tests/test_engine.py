@@ -52,6 +52,19 @@ def test_budget_rejects_what_never_fits_and_admits_fifo(llama: Any) -> None:
     assert stats.rejected == 1
     assert all(len(by_id[r].tokens) == 4 for r in ("small", "next", "last"))
     assert stats.peak_kv_bytes > 0
+    # two rows fit the budget at a time: "last" waits for a finished row, in FIFO order
+    order = [by_id[r].admitted_step for r in ("small", "next", "last")]
+    assert order[0] == order[1] == 0 < order[2]
+
+
+def test_admission_is_fifo_without_eviction(llama: Any) -> None:
+    per_row = Engine(llama).projected_bytes(_request("x", 8, max_tokens=8))
+    engine = Engine(llama, max_batch=8, kv_budget=per_row)
+    queue = [_request(f"q{i}", 8, max_tokens=8, arrival=i) for i in range(4)]
+    results, _ = engine.run(queue)
+    steps = [r.admitted_step for r in results]
+    assert steps == sorted(steps) and len(set(steps)) == 4  # one at a time, in arrival order
+    assert all(len(r.tokens) == 8 for r in results)  # nobody was evicted
 
 
 def test_prefix_cache_reuse_gives_the_same_tokens(llama: Any) -> None:
