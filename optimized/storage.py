@@ -57,8 +57,11 @@ def _compact(view: mx.array) -> mx.array:
 
 
 def _slot_capacity(rows: int) -> int:
-    """Row slots allocated for ``rows`` rows: a quarter spare, at least one."""
-    return rows + max(1, rows // 4)
+    """Row slots allocated for ``rows`` rows: an eighth spare, at least one.
+
+    Spare slots let a join write only the new row; MLX zero-fills them, so each costs
+    its bytes at merge and filter time (the trade-off ``kvrows bench`` shows)."""
+    return rows + max(1, rows // 8)
 
 
 def _block_shape(value: object) -> tuple[int, ...]:
@@ -199,7 +202,11 @@ class RowLayout(PlaneHolder):
         self._origin = 0
         self._pads: list[int] = []
         self._lens: list[int] = []
+        self._pads_array: mx.array | None = None  # the pads on the device, for masks
         self._geometry: KvGeometry | None = None
+
+    def _set_rows(self, pads: list[int], lens: list[int]) -> None:
+        self._pads, self._lens, self._pads_array = pads, lens, None
 
     # -- what the layout holds -------------------------------------------------
     @property
@@ -287,16 +294,28 @@ class RowLayout(PlaneHolder):
         count = as_count(n, "n", minimum=1)
         window = check_window(window_size)
         ends = [p + t for p, t in zip(self._pads, self._lens, strict=True)]
-        uniform = not any(self._pads) and len(set(ends)) <= 1
-        if uniform and window is None and not return_array:
+        aligned = len(set(ends)) <= 1
+        if aligned and not any(self._pads) and window is None and not return_array:
             return None if count == 1 else "causal"
-        columns = mx.arange(self.width + count)[None, None, :]
+        width = max(ends, default=0)
+        if self._pads_array is None:
+            self._pads_array = mx.array(self._pads)
+        columns = mx.arange(width + count)
+        if aligned:
+            # One write column: a per-row pad test, and one causal block all rows share.
+            visible = (columns[None, :] >= self._pads_array[:, None])[:, None, None, :]
+            queries = mx.arange(width, width + count)[:, None]
+            if count > 1:
+                visible = visible & (columns[None, :] <= queries)
+            if window is not None:
+                visible = visible & (queries < columns[None, :] + window)
+            return visible
+        grid = columns[None, None, :]
         queries = (mx.array(ends)[:, None] + mx.arange(count)[None, :])[:, :, None]
-        pads = mx.array(self._pads)[:, None, None]
-        visible = (columns <= queries) & (columns >= pads)
+        ragged = (grid <= queries) & (grid >= self._pads_array[:, None, None])
         if window is not None:
-            visible = visible & (queries < columns + window)
-        return visible[:, None]
+            ragged = ragged & (queries < grid + window)
+        return ragged[:, None]
 
     # -- writes ----------------------------------------------------------------------
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
@@ -313,11 +332,12 @@ class RowLayout(PlaneHolder):
         self.codec.check(geometry)
         self._geometry = geometry
         n = int(keys.shape[2])
-        width = self.width
-        if self._keys is None or self._origin + width + n > self.capacity:
-            self._reallocate(round_up(width + n + 1), shift=0)
-        assert self._keys is not None and self._values is not None
         ends = [self._origin + p + t for p, t in zip(self._pads, self._lens, strict=True)]
+        width = max(ends) - self._origin
+        if self._keys is None or self._origin + width + n > self.capacity:
+            self._reallocate(round_up(width + n + 1), shift=0)  # the origin is now 0
+            ends = [p + t for p, t in zip(self._pads, self._lens, strict=True)]
+        assert self._keys is not None and self._values is not None
         batch = self.batch_size
         if len(set(ends)) == 1:
             start = ends[0]
@@ -419,26 +439,29 @@ class RowLayout(PlaneHolder):
                 for planes, new in ((self._keys, keys), (self._values, values)):
                     for plane, src in zip(planes, new, strict=True):
                         plane[slot : slot + 1, :, end - tokens : end] = src
-        self._pads = [p + grow for p in self._pads] + [target - t for _, _, t in incoming]
-        self._lens = self._lens + [t for _, _, t in incoming]
+        self._set_rows(
+            [p + grow for p in self._pads] + [target - t for _, _, t in incoming],
+            self._lens + [t for _, _, t in incoming],
+        )
 
     def filter_rows(self, keep: Sequence[int]) -> None:
         """Keep rows ``keep`` in that order; the shared left padding is dropped by moving the origin."""
         order = check_keep(keep, self.batch_size)
         if not order:
             self._keys = self._values = None
-            self._pads, self._lens, self._origin = [], [], 0
+            self._set_rows([], [])
+            self._origin = 0
             return
         shared = min(self._pads[i] for i in order)
-        moves = [(dst, src) for dst, src in enumerate(order) if dst != src]
-        if self._keys is not None and self._values is not None and moves:
-            dst = mx.array([d for d, _ in moves])
-            src = mx.array([s for _, s in moves])
-            start, stop = self._origin + shared, self._origin + self.width
-            for plane in (*self._keys, *self._values):
-                plane[dst, :, start:stop] = plane[src, :, start:stop]
-        self._pads = [self._pads[i] - shared for i in order]
-        self._lens = [self._lens[i] for i in order]
+        moved = order != list(range(len(order)))
+        if self._keys is not None and self._values is not None and moved:
+            # Gather whole slots (contiguous) into fresh planes, keeping a few spare slots
+            # for the next join; a scatter into the live planes would copy them anyway.
+            slots = _slot_capacity(len(order))
+            index = mx.array(order + [order[-1]] * (slots - len(order)))
+            self._keys = tuple(mx.take(p, index, axis=0) for p in self._keys)
+            self._values = tuple(mx.take(p, index, axis=0) for p in self._values)
+        self._set_rows([self._pads[i] - shared for i in order], [self._lens[i] for i in order])
         self._origin += shared
         if self._keys is not None and self.slots > 2 * _slot_capacity(len(order)):
             # Release the slots a large retirement left behind.
