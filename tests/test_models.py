@@ -26,9 +26,7 @@ def _peer_caches(model: Any, scheme: KvStorageScheme) -> list[Any]:
     caches = model.make_cache()
     if scheme.kind == "affine":
         return [
-            peer.QuantizedKVCache(scheme.group_size, scheme.bits)
-            if type(c) is peer.KVCache
-            else c
+            peer.QuantizedKVCache(scheme.group_size, scheme.bits) if type(c) is peer.KVCache else c
             for c in caches
         ]
     return list(caches)
