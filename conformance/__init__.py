@@ -1,1 +1,15 @@
-"""kvrows.conformance."""
+"""kvrows.conformance: Hypothesis state machines that drive both implementations and compare.
+
+Modules (imported as needed; nothing heavy runs at package import):
+
+* ``families``: the implementations (``reference_impl``, ``optimized_impl``,
+  mutants via ``Impl.with_classes``) and the storage-family table ``FAMILIES``;
+* ``machines``: the base state machine and ``machine_class(family, layout, ...)``;
+* ``strategies``: Hypothesis strategies (geometries, prompts, chunks, keep lists);
+* ``tolerances``: the one tolerance table (``spec/tolerances.md``);
+* ``parity``: where kvrows and mlx-lm knowingly differ (the skips' reasons);
+* ``profiles``: the ``ci`` / ``deep`` / ``teeth`` Hypothesis profiles;
+* ``runner``: ``run_conformance`` behind ``kvrows conform``;
+* ``calibrate``: re-measures the errors behind the tolerance table;
+* ``arrays``, ``snapshot``, ``stats``: exact conversions, snapshots, counters.
+"""

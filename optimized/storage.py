@@ -384,7 +384,7 @@ class RowLayout(PlaneHolder):
         assert isinstance(source, FullAttentionCache)
         held = source.planes()
         if held is None:
-            return [(None, None, 0)], None
+            return [(None, None, 0)], source.geometry
         keys, values = held
         return [
             (
@@ -434,8 +434,8 @@ class RowLayout(PlaneHolder):
             assert self._keys is not None and self._values is not None
             end = self._origin + target
             for slot, (keys, values, tokens) in enumerate(incoming, start=batch):
-                if keys is None or values is None:
-                    continue
+                if keys is None or values is None or tokens == 0:
+                    continue  # nothing to write (and MLX faults on empty scatters)
                 for planes, new in ((self._keys, keys), (self._values, values)):
                     for plane, src in zip(planes, new, strict=True):
                         plane[slot : slot + 1, :, end - tokens : end] = src

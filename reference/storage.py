@@ -375,7 +375,7 @@ class RowLayout:
         assert isinstance(source, FullAttentionCache)
         held = source.planes()
         if held is None:
-            return [_Row(None, None, 0)], None
+            return [_Row(None, None, 0)], source.geometry
         keys, values = held
         return [
             _Row(_rows(keys, b, b + 1), _rows(values, b, b + 1), 0) for b in range(source.rows)

@@ -1,0 +1,66 @@
+"""Measure the errors the tolerance table has to cover (how ``spec/tolerances.md`` was made).
+
+Runs the conformance machines with attention tolerances *recorded, not
+enforced* (everything exact stays enforced) and prints, per quantity and dtype,
+the largest absolute error seen and the tolerance the table holds it to::
+
+    python -m kvrows.conformance.calibrate --examples 400 --seed 1
+
+A tolerance is chosen as a round number at least twice the largest error seen
+over several seeds, and no looser than the dtype's rounding needs (see the spec).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kvrows.conformance.runner import run_machines
+from kvrows.conformance.stats import Stats
+from kvrows.conformance.tolerances import tolerance
+
+__all__ = ["main", "measure"]
+
+
+def measure(examples: int, seed: int | None, steps: int) -> Stats:
+    """Every plain machine's statistics, merged (errors per quantity and dtype)."""
+    results = run_machines(
+        ["plain"],
+        profile="deep",
+        seed=seed,
+        stream=sys.stderr,
+        enforce=False,
+        max_examples=examples,
+        stateful_step_count=steps,
+        database=None,
+    )
+    total = Stats("plain", "*")
+    for result in results:
+        if result.failure is not None:
+            raise result.failure
+        total.merge(result.stats)
+    return total
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--examples", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=None)
+    args = parser.parse_args(argv)
+    found = measure(args.examples, args.seed, args.steps)
+    print(
+        f"{'quantity':<18} {'dtype':<9} {'max |diff|':<12} {'max diff/tol':<13} {'compared':<9} tolerance"
+    )
+    for (quantity, dtype), record in sorted(found.errors.items()):
+        chosen = tolerance("plain", quantity, dtype)
+        print(
+            f"{quantity:<18} {dtype:<9} {record.max_error:<12.4g} {record.max_ratio:<13.3f} "
+            f"{record.comparisons:<9} {chosen.describe()}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Hypothesis strategies for the conformance machines (imported as ``ks``).
+
+Values (keys, values, queries) are not drawn element by element: a rule draws
+a 32-bit seed and NumPy makes the block, which keeps examples small and fast
+while Hypothesis still shrinks the seed, the shapes and the operation sequence.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from hypothesis import strategies as st
+
+from kvrows.conformance.tolerances import DTYPES
+
+__all__ = [
+    "CHECKED_MASKS",
+    "Geometry",
+    "MaskForm",
+    "chunk_sizes",
+    "counts_up_to",
+    "geometries",
+    "keep_lists",
+    "mask_forms",
+    "prompt_lengths",
+    "seeds",
+    "step_sizes",
+]
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """One example's shapes: KV heads, query heads (a multiple), head dims, dtype."""
+
+    dtype: str
+    heads: int
+    query_heads: int
+    key_dim: int
+    value_dim: int
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.key_dim)
+
+
+@st.composite
+def geometries(draw: st.DrawFn) -> Geometry:
+    dtype = draw(st.sampled_from(DTYPES), label="dtype")
+    heads = draw(st.sampled_from((1, 2, 4)), label="heads")
+    group = draw(st.sampled_from((1, 2)), label="query heads per KV head")
+    key_dim = draw(st.sampled_from((8, 16)), label="key_dim")
+    value_dim = draw(st.sampled_from((key_dim, 8, 16)), label="value_dim")
+    return Geometry(dtype, heads, heads * group, key_dim, value_dim)
+
+
+seeds = st.integers(0, 2**32 - 1)
+
+
+@dataclass(frozen=True)
+class MaskForm:
+    """How a mask is asked for: mlx-lm's ``return_array`` and ``window_size`` arguments."""
+
+    return_array: bool = False
+    window_size: int | None = None
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"return_array": self.return_array, "window_size": self.window_size}
+
+    def mlx_lm_kwargs(self) -> dict[str, Any]:
+        """mlx-lm's ``KVCache.make_mask`` takes both positionally-required; ``BatchKVCache``
+        ignores ``return_array`` (it always returns an array)."""
+        return {"return_array": self.return_array, "window_size": self.window_size}
+
+    def __str__(self) -> str:
+        parts = ["array"] if self.return_array else []
+        if self.window_size is not None:
+            parts.append(f"window {self.window_size}")
+        return ", ".join(parts) or "default"
+
+
+def mask_forms() -> st.SearchStrategy[MaskForm]:
+    """Mostly the default form; sometimes an array, sometimes a sliding window."""
+    return st.builds(
+        MaskForm,
+        return_array=st.booleans(),
+        window_size=st.one_of(st.none(), st.none(), st.integers(1, 6)),
+    )
+
+
+#: The masks the invariants compare after every step: (N, form).
+CHECKED_MASKS: tuple[tuple[int, MaskForm], ...] = (
+    (1, MaskForm()),
+    (3, MaskForm()),
+    (1, MaskForm(return_array=True)),
+    (3, MaskForm(window_size=2)),
+)
+
+
+def prompt_lengths(long: bool = True) -> st.SearchStrategy[int]:
+    """Mostly short prompts (0 included); sometimes one that crosses the 256-column step."""
+    short = st.integers(0, 6)
+    medium = st.integers(0, 24)
+    if not long:
+        return st.one_of(short, medium)
+    crossing = st.integers(250, 262)
+    return st.integers(0, 9).flatmap(
+        lambda pick: short if pick < 6 else medium if pick < 9 else crossing
+    )
+
+
+@st.composite
+def chunk_sizes(draw: st.DrawFn, length: int) -> list[int]:
+    """``length`` split into 1-4 positive chunks (``[]`` for 0)."""
+    if length == 0:
+        return []
+    if length == 1:
+        return [1]
+    cuts = draw(st.lists(st.integers(1, length - 1), max_size=3, unique=True), label="cuts")
+    bounds = [0, *sorted(cuts), length]
+    return [b - a for a, b in itertools.pairwise(bounds)]
+
+
+def counts_up_to(most: int) -> st.SearchStrategy[int]:
+    """A trim count in ``[0, most]``, often exactly ``most`` (a row trimmed to nothing)."""
+    return st.one_of(st.just(most), st.integers(0, most))
+
+
+def step_sizes(multi: bool) -> st.SearchStrategy[int]:
+    """Tokens per layout step: 1 (decode) or 2-5 (multi-token: chunked prefill, verify)."""
+    return st.integers(2, 5) if multi else st.just(1)
+
+
+@st.composite
+def keep_lists(draw: st.DrawFn, row_tokens: tuple[int, ...]) -> tuple[str, list[int]]:
+    """A filter's keep list for rows holding ``row_tokens``: any subset, any order.
+
+    Kinds: ``drop-longest`` (the longest row leaves, survivors shuffled),
+    ``reorder`` (every row, permuted), ``none`` (keep nothing), ``subset``.
+    """
+    rows = len(row_tokens)
+    kinds = ["subset", "none"]
+    if rows:
+        kinds += ["drop-longest", "reorder"]
+    kind = draw(st.sampled_from(kinds), label="filter kind")
+    if kind == "none":
+        return kind, []
+    if kind == "drop-longest":
+        longest = max(range(rows), key=lambda b: row_tokens[b])
+        survivors = [b for b in range(rows) if b != longest]
+        return kind, draw(st.permutations(survivors), label="keep")
+    if kind == "reorder":
+        return kind, draw(st.permutations(list(range(rows))), label="keep")
+    chosen = draw(st.lists(st.sampled_from(range(rows)), unique=True), label="keep") if rows else []
+    return kind, chosen

@@ -1,0 +1,150 @@
+"""The one table of tolerances the conformance suite compares with.
+
+Keys are ``(family, quantity, dtype)``. A :class:`Tolerance` of ``(0, 0)`` means
+*byte for byte*: the two arrays must have the same shape, dtype and bits. A
+positive tolerance means ``|actual - expected| <= atol + rtol * |expected|``
+element-wise, computed in float32 after both sides are widened exactly.
+
+Quantities are not in the table because they are always exact (compared with
+``==``, never through a tolerance): offsets, per-row positions, left padding,
+widths, batch sizes, masks (as expanded booleans), signatures, geometries,
+projected bytes, return values of ``trim`` and raised error types.
+
+``spec/tolerances.md`` shows the same table and how every number was chosen
+(``kvrows.conformance.calibrate`` reruns the measurement). Later families add
+rows; :func:`tolerance` raises ``KeyError`` for a key the table lacks, so a new
+comparison can never run without a number someone chose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "ALWAYS_EXACT",
+    "DTYPES",
+    "QUANTITIES",
+    "TOLERANCES",
+    "Tolerance",
+    "compare",
+    "tolerance",
+]
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """``|actual - expected| <= atol + rtol * |expected|``; ``(0, 0)`` means byte-identical."""
+
+    atol: float
+    rtol: float
+
+    @property
+    def exact(self) -> bool:
+        return self.atol == 0 and self.rtol == 0
+
+    def describe(self) -> str:
+        return "exact" if self.exact else f"atol={self.atol:g} rtol={self.rtol:g}"
+
+
+EXACT = Tolerance(0.0, 0.0)
+
+#: What each quantity compares (the keys' middle part).
+QUANTITIES: dict[str, str] = {
+    "kv.stored": "stored K/V of every row, reference vs optimized (extract_row / row_planes)",
+    "kv.fetched": "fetched K/V at mask-visible positions, reference vs optimized",
+    "kv.solo": "each row vs the serial cache that saw the same appends (solo replay)",
+    "kv.mlx_lm": "optimized vs mlx-lm (KVCache / BatchKVCache): stored, fetched, extracted",
+    "attention": "attention output of one step, reference vs optimized",
+    "attention.solo": "a row's attention output vs its serial cache's, same implementation",
+    "attention.mlx_lm": "optimized attention vs mlx-lm's cache + scaled_dot_product_attention",
+}
+
+#: Attention outputs, reference (NumPy, float32 accumulation, one rounding to the
+#: dtype) vs optimized (``mx.fast.scaled_dot_product_attention``). Outputs are
+#: convex combinations of N(0, 1) values (|v| < ~4.5), so the error scales with
+#: the dtype's epsilon times max|v|, not with |output|: ``atol`` is 4 eps of the
+#: dtype (2 eps for float32 is far below what float32 shows, so 1e-5), ``rtol``
+#: 2 eps. The largest error seen in 1,800 calibration examples is about half of
+#: the bound (see spec/tolerances.md).
+_ATTENTION = {
+    "float32": Tolerance(atol=1e-5, rtol=1e-5),
+    "float16": Tolerance(atol=2.0**-8, rtol=2.0**-9),
+    "bfloat16": Tolerance(atol=2.0**-5, rtol=2.0**-6),
+}
+
+#: A row's attention vs its serial cache's, same implementation: the same kernel
+#: over the same keys plus masked columns, which changes only the accumulation
+#: order, so outputs differ by at most a rounding flip of the output dtype:
+#: ``rtol`` 2 eps, ``atol`` the dtype's smallest normal step near zero.
+_SOLO = {
+    "float32": Tolerance(atol=1e-5, rtol=1e-5),
+    "float16": Tolerance(atol=2.0**-14, rtol=2.0**-9),
+    "bfloat16": Tolerance(atol=2.0**-12, rtol=2.0**-6),
+}
+
+TOLERANCES: dict[tuple[str, str, str], Tolerance] = {}
+for _dtype in DTYPES:
+    TOLERANCES[("plain", "kv.stored", _dtype)] = EXACT
+    TOLERANCES[("plain", "kv.fetched", _dtype)] = EXACT
+    TOLERANCES[("plain", "kv.solo", _dtype)] = EXACT
+    TOLERANCES[("plain", "kv.mlx_lm", _dtype)] = EXACT
+    TOLERANCES[("plain", "attention", _dtype)] = _ATTENTION[_dtype]
+    TOLERANCES[("plain", "attention.solo", _dtype)] = _SOLO[_dtype]
+    # Same kernel (mx.fast.scaled_dot_product_attention), same keys at every visible
+    # column, same mask: bit-identical in every calibration example.
+    TOLERANCES[("plain", "attention.mlx_lm", _dtype)] = EXACT
+
+#: Compared with ``==`` only, in every family.
+ALWAYS_EXACT = (
+    "batch_size",
+    "row_offsets",
+    "left_pad",
+    "width",
+    "offset (per-row positions)",
+    "masks (expanded to booleans)",
+    "signature",
+    "geometry",
+    "projected_bytes",
+    "trim return values",
+    "error types",
+)
+
+
+def tolerance(family: str, quantity: str, dtype: str) -> Tolerance:
+    """The tolerance for ``quantity`` of ``family`` at ``dtype`` (``KeyError`` if none chosen)."""
+    try:
+        return TOLERANCES[(family, quantity, dtype)]
+    except KeyError:
+        raise KeyError(
+            f"no tolerance chosen for family={family!r} quantity={quantity!r} dtype={dtype!r}; "
+            "add a row to kvrows.conformance.tolerances.TOLERANCES and spec/tolerances.md"
+        ) from None
+
+
+def compare(
+    actual: npt.NDArray[Any], expected: npt.NDArray[Any], tol: Tolerance
+) -> tuple[bool, float]:
+    """Whether ``actual`` matches ``expected`` under ``tol``, and the largest absolute error.
+
+    Exact comparisons are on bytes (shape and dtype included); the error reported
+    for them is the largest absolute difference (0 when identical).
+    """
+    if actual.shape != expected.shape:
+        return False, float("inf")
+    wide_a = actual.astype(np.float64)
+    wide_e = expected.astype(np.float64)
+    diff = np.abs(wide_a - wide_e)
+    finite = diff[np.isfinite(diff)]
+    error = float(finite.max()) if finite.size else 0.0
+    if tol.exact:
+        same = actual.dtype == expected.dtype and actual.tobytes() == expected.tobytes()
+        return same, 0.0 if same else error
+    both_nan = np.isnan(wide_a) & np.isnan(wide_e)
+    ok = bool(np.all((diff <= tol.atol + tol.rtol * np.abs(wide_e)) | both_nan))
+    return ok, error

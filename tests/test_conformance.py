@@ -1,0 +1,239 @@
+"""The conformance machines under the selected profile (``KVROWS_PROFILE``, default ``ci``).
+
+Each (family, layout) machine drives the reference and the optimized
+implementation through the same random operation sequences and checks the
+three oracles (reference vs optimized, solo replay, mlx-lm parity) after every
+step. The tests then check that nothing was skipped silently: every operation
+ran, every oracle ran, and every parity skip names a documented divergence.
+The last tests pin the divergences themselves: each shows, on mlx-lm as
+installed, the behaviour the parity oracle skips (if mlx-lm fixes one, its test
+fails and the skip should go).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis.stateful import run_state_machine_as_test
+from mlx_lm.models import cache as mlx_lm_cache
+
+from kvrows.conformance.arrays import expand_mask, from_mlx, to_mlx
+from kvrows.conformance.families import FAMILIES
+from kvrows.conformance.machines import machine_class
+from kvrows.conformance.parity import DIVERGENCES
+from kvrows.conformance.profiles import active_profile, profile_settings
+from kvrows.conformance.runner import format_report, run_conformance, run_machines
+from kvrows.conformance.stats import Stats
+from kvrows.conformance.tolerances import EXACT, TOLERANCES, Tolerance, compare, tolerance
+
+#: mlx-lm is untyped; reach its classes through ``Any``.
+LM: Any = mlx_lm_cache
+
+SPEC = Path(__file__).resolve().parents[1] / "spec" / "tolerances.md"
+
+#: Operations every machine must have exercised (ragged layouts add trim_rows).
+COMMON_OPS = {
+    "new_request",
+    "prefill_chunk",
+    "trim_request",
+    "merge",
+    "join",
+    "merge_layout",
+    "decode_step",
+    "multi_step",
+    "filter:drop-longest",
+    "filter:reorder",
+    "filter:none",
+    "extract",
+    "publish",
+    "trim",
+    "invalid",
+}
+
+
+@pytest.fixture(autouse=True)
+def _cpu() -> Iterator[None]:
+    with mx.stream(mx.cpu):
+        yield
+
+
+@pytest.mark.parametrize("layout", [spec.name for spec in FAMILIES["plain"].layouts])
+def test_plain_family(layout: str) -> None:
+    family = FAMILIES["plain"]
+    spec = family.layout(layout)
+    stats = Stats(family.name, layout)
+    run_state_machine_as_test(
+        machine_class(family, layout, stats=stats), settings=profile_settings()
+    )
+    profile = active_profile()
+    assert stats.examples >= profile.max_examples // 2, f"only {stats.examples} examples ran"
+    expected_ops = COMMON_OPS | ({"trim_rows"} if spec.trim_rows else set())
+    missing = expected_ops - set(stats.ops)
+    assert not missing, f"operations never exercised: {sorted(missing)} (ran {dict(stats.ops)})"
+    for oracle in (
+        "reference vs optimized",
+        "solo replay",
+        "solo attention",
+        "masks",
+        "error types",
+    ):
+        assert stats.checks[oracle] > 0, f"oracle {oracle!r} never ran: {dict(stats.checks)}"
+    unknown = set(stats.skips) - set(DIVERGENCES)
+    assert not unknown, f"parity skips without a documented reason: {unknown}"
+    if spec.peer:
+        for oracle in (
+            "mlx-lm layout",
+            "mlx-lm step",
+            "mlx-lm merge/extend",
+            "mlx-lm filter",
+            "mlx-lm extract",
+            "mlx-lm trim",
+            "mlx-lm serial",
+        ):
+            assert stats.checks[oracle] > 0, (
+                f"parity check {oracle!r} never ran: {dict(stats.checks)}"
+            )
+        # Skips are the exception: most operations on a mirrored layout were compared.
+        assert sum(stats.skips.values()) < stats.checks["mlx-lm layout"]
+    else:
+        assert not stats.skips, "a layout without an mlx-lm peer cannot skip parity"
+    compared = {quantity for quantity, _ in stats.errors}
+    expected = {"kv.stored", "kv.fetched", "kv.solo", "attention", "attention.solo"}
+    if spec.peer:
+        expected |= {"kv.mlx_lm", "attention.mlx_lm"}
+    assert expected <= compared, f"quantities never compared: {expected - compared}"
+
+
+def test_runner_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    results = run_machines(["plain"], profile="ci", max_examples=3, stateful_step_count=8)
+    assert [(r.family, r.layout) for r in results] == [
+        ("plain", "PaddedKVRows"),
+        ("plain", "BatchedKVCache"),
+    ]
+    assert all(r.passed for r in results), [r.failure for r in results]
+    report = format_report(results, "ci")
+    for word in ("family", "layout", "operations", "examples", "worst error/tol", "PASS"):
+        assert word in report
+    assert "max error seen vs tolerance" in report
+
+
+def test_runner_rejects_an_unknown_family(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_conformance(profile="ci", families=["no-such-family"]) == 2
+    assert "unknown families" in capsys.readouterr().err
+
+
+def test_profiles() -> None:
+    ci, deep = active_profile("ci"), active_profile("deep")
+    assert ci.derandomize and not deep.derandomize
+    assert deep.max_examples > ci.max_examples and deep.steps > ci.steps
+    assert profile_settings("ci").stateful_step_count == ci.steps
+    with pytest.raises(ValueError):
+        active_profile("nope")
+
+
+# --------------------------------------------------------------- the helpers
+
+
+def test_expand_mask_conventions() -> None:
+    assert expand_mask(None, 2, 1, 3).all()
+    causal = expand_mask("causal", 1, 2, 4)[0, 0].astype(int).tolist()
+    assert causal == [[1, 1, 1, 0], [1, 1, 1, 1]]  # bottom-right aligned
+    array = np.array([[[[False, True, True]]], [[[True, True, True]]]])
+    assert np.array_equal(expand_mask(mx.array(array), 2, 1, 3), array)
+    with pytest.raises(AssertionError):
+        expand_mask(np.ones((1, 1, 1, 4), dtype=bool), 1, 1, 3)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_conversions_are_exact(dtype: str) -> None:
+    from kvrows.conformance.arrays import NUMPY_DTYPES
+
+    bits = np.random.default_rng(0).integers(0, 2**16, size=64, dtype=np.uint16)
+    if dtype == "float32":
+        values = np.random.default_rng(0).standard_normal(64).astype(np.float32)
+    else:
+        values = bits.view(NUMPY_DTYPES[dtype])
+        values = values[np.isfinite(values.astype(np.float32))]
+    back = from_mlx(to_mlx(values))
+    assert back.dtype == values.dtype and back.tobytes() == values.tobytes()
+
+
+def test_compare_and_lookup() -> None:
+    a = np.array([1.0, 2.0], dtype=np.float32)
+    assert compare(a, a.copy(), EXACT) == (True, 0.0)
+    assert not compare(a, a.astype(np.float16), EXACT)[0]  # dtype is part of "exact"
+    assert not compare(np.array([0.0]), np.array([-0.0]), EXACT)[0]  # so are the bits
+    ok, error = compare(a + 1e-3, a, Tolerance(atol=2e-3, rtol=0))
+    assert ok and error == pytest.approx(1e-3, rel=1e-3)
+    assert not compare(a + 1e-2, a, Tolerance(atol=2e-3, rtol=1e-3))[0]
+    assert tolerance("plain", "kv.stored", "bfloat16").exact
+    with pytest.raises(KeyError, match="no tolerance chosen"):
+        tolerance("plain", "attention", "float64")
+    # Every family x quantity has all three dtypes.
+    keys = {(f, q) for f, q, _ in TOLERANCES}
+    for family, quantity in keys:
+        for dtype in ("float32", "float16", "bfloat16"):
+            assert (family, quantity, dtype) in TOLERANCES
+
+
+def test_spec_lists_every_tolerance_and_divergence() -> None:
+    text = SPEC.read_text()
+    for code in DIVERGENCES:
+        assert re.search(rf"\b{code}\b", text), f"spec/tolerances.md does not list {code}"
+    for (family, quantity, dtype), tol in TOLERANCES.items():
+        row = f"| {family} | {quantity} |"
+        assert row in text, f"spec/tolerances.md has no row for {family}/{quantity}"
+        cell = "exact" if tol.exact else f"{tol.atol:g} / {tol.rtol:g}"
+        line = next(line for line in text.splitlines() if line.startswith(row))
+        assert cell in line, f"spec row for {family}/{quantity}/{dtype} should say {cell}: {line}"
+
+
+# ------------------------------------------- mlx-lm divergences the oracle skips
+
+
+def _lm(tokens: int, heads: int = 2, dim: int = 4, dtype: Any = mx.float16) -> Any:
+    cache = LM.KVCache()
+    if tokens:
+        block = mx.ones((1, heads, tokens, dim), dtype=dtype)
+        cache.update_and_fetch(block, block)
+    return cache
+
+
+def test_divergence_b2_filter_of_keyless_batch_moves_idx_below_zero() -> None:
+    batch = LM.BatchKVCache([2, 3])
+    batch.filter([1])
+    assert batch._idx == -3
+
+
+def test_divergence_b3_extract_from_keyless_batch_raises() -> None:
+    batch = LM.BatchKVCache.merge([_lm(0), _lm(0)])
+    with pytest.raises(TypeError):
+        batch.extract(0)
+
+
+def test_divergence_b4_trim_past_a_row_goes_negative() -> None:
+    batch = LM.BatchKVCache.merge([_lm(3), _lm(7), _lm(1)])
+    batch.trim(3)
+    assert np.array(batch.offset).tolist() == [0, 4, -2]
+
+
+def test_divergence_b5_merge_casts_dtypes() -> None:
+    batch = LM.BatchKVCache.merge([_lm(2, dtype=mx.float16), _lm(3, dtype=mx.float32)])
+    assert batch.keys.dtype == mx.float16
+
+
+def test_divergence_n1_filter_keeping_nothing_raises() -> None:
+    batch = LM.BatchKVCache.merge([_lm(3), _lm(5)])
+    with pytest.raises(ValueError):
+        batch.filter([])
+
+
+def test_divergence_n2_merge_broadcasts_head_counts() -> None:
+    batch = LM.BatchKVCache.merge([_lm(2, heads=2), _lm(3, heads=1)])
+    assert batch.keys.shape == (2, 2, 3, 4)

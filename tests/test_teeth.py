@@ -1,0 +1,143 @@
+"""The conformance suite has teeth: planted bugs in the optimized layouts are caught.
+
+Each mutant is a subclass of an optimized layout that wraps one method and plants
+one bug in it (marked ``# MUTATION``), touching as little of the layout's
+internals as it can so the mutants survive refactors of the real code. The state machine runs
+against it with the ``teeth`` profile (derandomized, a modest budget, no
+shrinking) and must fail with an oracle's ``AssertionError``; the unmutated
+implementation must pass the same budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import mlx.core as mx
+import pytest
+from hypothesis.stateful import run_state_machine_as_test
+
+from kvrows.conformance.families import FAMILIES, optimized_impl
+from kvrows.conformance.machines import machine_class
+from kvrows.conformance.profiles import profile_settings
+from kvrows.conformance.stats import Stats
+from kvrows.optimized.plain import BatchedKVCache, PaddedKVRows
+from kvrows.protocols import Cache, Mask
+from kvrows.validation import as_count, check_keep
+
+
+@pytest.fixture(autouse=True)
+def _cpu() -> Iterator[None]:
+    with mx.stream(mx.cpu):
+        yield
+
+
+class FilterOffByOne(PaddedKVRows):
+    """Drops one column fewer than the survivors' shared padding: the pads are right, but
+    the origin lands one column left, so every survivor reads one column too early."""
+
+    def filter_rows(self, keep: Sequence[int]) -> None:
+        order = check_keep(keep, self.batch_size)
+        shared = min((self.left_pad[i] for i in order), default=0)
+        super().filter_rows(keep)
+        if shared:
+            self._origin -= 1  # MUTATION (the origin should move by `shared`, not `shared - 1`)
+
+
+class MergeMissesLastRow(PaddedKVRows):
+    """A merge of several rows never writes the last incoming row's tokens (its slot keeps
+    whatever the buffer held); the metadata is right."""
+
+    def merge_rows(self, rows: Sequence[Cache]) -> None:
+        before = self.batch_size
+        super().merge_rows(rows)
+        last = self.batch_size - 1
+        if self.batch_size - before >= 2 and self._keys is not None and self._values is not None:
+            start = self._origin + self.left_pad[last]
+            stop = start + self.row_offsets[last]
+            if stop > start:
+                for plane in (*self._keys, *self._values):
+                    # MUTATION (these columns should hold the row's tokens)
+                    plane[last : last + 1, :, start:stop] = mx.zeros_like(
+                        plane[last : last + 1, :, start:stop]
+                    )
+
+
+class DecodeMaskIgnoresPadding(PaddedKVRows):
+    """At N = 1 the mask is the serial one (None): rows attend their own left padding."""
+
+    def make_mask(
+        self, n: int, *, return_array: bool = False, window_size: int | None = None
+    ) -> Mask:
+        if as_count(n, "n", minimum=1) == 1 and not return_array and window_size is None:
+            return None  # MUTATION (None only when no row is padded)
+        return super().make_mask(n, return_array=return_array, window_size=window_size)
+
+
+class MaskCachedAcrossJoins(PaddedKVRows):
+    """Masks are cached until the next step, so a join or a filter leaves them stale."""
+
+    def make_mask(
+        self, n: int, *, return_array: bool = False, window_size: int | None = None
+    ) -> Mask:
+        cache: dict[tuple[int, bool, int | None], Mask] = self.__dict__.setdefault("_masks", {})
+        key = (n, return_array, window_size)
+        if key not in cache:
+            cache[key] = super().make_mask(n, return_array=return_array, window_size=window_size)
+        return cache[key]
+
+    def merge_rows(self, rows: Sequence[Cache]) -> None:
+        super().merge_rows(rows)  # MUTATION (a join must clear the cached masks too)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.__dict__["_masks"] = {}
+        return super().update_and_fetch(keys, values)
+
+
+class RollbackOffByOne(BatchedKVCache):
+    """Per-row rollback forgets one token fewer than asked for every row after the first."""
+
+    def trim_rows(self, counts: Sequence[int]) -> int:
+        if isinstance(counts, Sequence) and not isinstance(counts, str | bytes):
+            shifted = [
+                c - 1 if b and isinstance(c, int) and c > 0 else c  # MUTATION (was: c)
+                for b, c in enumerate(counts)
+            ]
+            super().trim_rows(shifted)
+            return max((int(c) for c in counts), default=0)
+        return super().trim_rows(counts)
+
+
+MUTANTS = [
+    pytest.param("PaddedKVRows", FilterOffByOne, id="filter-padding-off-by-one"),
+    pytest.param("PaddedKVRows", MergeMissesLastRow, id="merge-misses-last-row"),
+    pytest.param("PaddedKVRows", DecodeMaskIgnoresPadding, id="decode-mask-ignores-padding"),
+    pytest.param("PaddedKVRows", MaskCachedAcrossJoins, id="mask-stale-after-join"),
+    pytest.param("BatchedKVCache", RollbackOffByOne, id="ragged-rollback-off-by-one"),
+]
+
+
+def _run(layout: str, mutant: type | None) -> Stats:
+    family = FAMILIES["plain"]
+    stats = Stats(family.name, layout)
+    optimized = optimized_impl()
+    name = f"Teeth{layout}Unmutated"
+    if mutant is not None:
+        optimized = optimized.with_classes({layout: mutant})
+        name = f"Teeth{mutant.__name__}"
+    machine = machine_class(family, layout, stats=stats, optimized=optimized, name=name)
+    run_state_machine_as_test(machine, settings=profile_settings("teeth"))
+    return stats
+
+
+@pytest.mark.parametrize(("layout", "mutant"), MUTANTS)
+def test_the_machine_catches(layout: str, mutant: type) -> None:
+    with pytest.raises(AssertionError) as caught:
+        _run(layout, mutant)
+    # An oracle caught it (not a crash inside the mutant), and Hypothesis says how.
+    assert "Failing test case" in "\n".join(getattr(caught.value, "__notes__", []))
+
+
+@pytest.mark.parametrize("layout", ["PaddedKVRows", "BatchedKVCache"])
+def test_the_unmutated_implementation_passes(layout: str) -> None:
+    stats = _run(layout, None)
+    assert stats.examples > 0
