@@ -66,11 +66,12 @@ import importlib
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, TextIO
 
+import ml_dtypes
 import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
@@ -90,14 +91,27 @@ __all__ = [
     "QUICK_SHAPES",
     "REFERENCE_MAX_TOKENS",
     "BenchCheckError",
+    "BenchData",
+    "Impl",
+    "KvrowsImpl",
+    "Live",
+    "MlxLmImpl",
     "Shape",
     "ShapeBench",
     "Timing",
     "Workload",
+    "check_equal",
+    "check_same",
+    "format_gbps",
+    "format_ms",
     "format_table",
+    "markdown_table",
+    "package_version",
+    "reference_attention",
     "run_bench",
     "time_workload",
     "time_workloads",
+    "to_numpy",
 ]
 
 #: The operations, in table order.
@@ -119,6 +133,13 @@ IMPLEMENTATIONS = ("kvrows", "mlx-lm", "copy", "memcpy", "reference")
 REFERENCE_MAX_TOKENS = 16 * 1024
 
 _NP = npt.NDArray[Any]
+
+
+def to_numpy(array: Any) -> _NP:
+    """A NumPy copy of an MLX array; bfloat16 becomes ``ml_dtypes.bfloat16`` (NumPy has none)."""
+    if isinstance(array, mx.array) and array.dtype == mx.bfloat16:
+        return np.array(array.view(mx.uint16)).view(ml_dtypes.bfloat16)
+    return np.array(array)
 
 
 class BenchCheckError(AssertionError):
@@ -245,7 +266,7 @@ class _Data:
     def np(self, name: str) -> _NP:
         """A NumPy copy of the array called ``name`` (cached)."""
         if name not in self._numpy:
-            self._numpy[name] = np.array(getattr(self, name))
+            self._numpy[name] = to_numpy(getattr(self, name))
         return self._numpy[name]
 
 
@@ -352,14 +373,14 @@ class _Kvrows(_Impl):
         return out
 
     def rows(self, batch: Any) -> list[tuple[_NP, _NP]]:
-        keys, values = (np.array(x) for x in batch.fetch())
+        keys, values = (to_numpy(x) for x in batch.fetch())
         return [
             (keys[b, :, p : p + n], values[b, :, p : p + n])
             for b, (p, n) in enumerate(zip(batch.left_pad, batch.row_offsets, strict=True))
         ]
 
     def serial_data(self, cache: Any) -> tuple[_NP, _NP]:
-        keys, values = (np.array(x) for x in cache.fetch())
+        keys, values = (to_numpy(x) for x in cache.fetch())
         return keys[0], values[0]
 
 
@@ -368,7 +389,7 @@ class _Reference(_Kvrows):
     module = reference
 
     def array(self, data: mx.array) -> Any:
-        return np.array(data)
+        return to_numpy(data)
 
     def sync(self, *arrays: Any) -> None:
         return None
@@ -428,12 +449,12 @@ class _MlxLm(_Impl):
     def rows(self, batch: Any) -> list[tuple[_NP, _NP]]:
         pads = [int(p) for p in batch.left_padding.tolist()]
         end = int(batch._idx)
-        keys, values = np.array(batch.keys), np.array(batch.values)
+        keys, values = to_numpy(batch.keys), to_numpy(batch.values)
         return [(keys[b, :, p:end], values[b, :, p:end]) for b, p in enumerate(pads)]
 
     def serial_data(self, cache: Any) -> tuple[_NP, _NP]:
         n = int(cache.offset)
-        return np.array(cache.keys[0, :, :n]), np.array(cache.values[0, :, :n])
+        return to_numpy(cache.keys[0, :, :n]), to_numpy(cache.values[0, :, :n])
 
 
 _IMPLS: dict[str, _Impl] = {"kvrows": _Kvrows(), "mlx-lm": _MlxLm(), "reference": _Reference()}
@@ -468,20 +489,35 @@ class _Row:
 
 
 class ShapeBench:
-    """The workloads of one shape, with their generated data and cached sources."""
+    """The workloads of one shape, with their generated data and cached sources.
 
-    def __init__(self, shape: Shape) -> None:
+    Other families reuse it by subclassing: ``operations``, ``implementations``,
+    ``impls`` (the adapters by name) and ``token_bytes`` say what they run and how
+    many bytes one token's keys and values hold; ``data`` lets several benches share
+    one set of generated inputs.
+    """
+
+    operations: tuple[str, ...] = OPERATIONS
+    implementations: tuple[str, ...] = IMPLEMENTATIONS
+    impls: Mapping[str, _Impl] = _IMPLS
+
+    def __init__(self, shape: Shape, data: _Data | None = None) -> None:
         self.shape = shape
-        self.data = _Data(shape)
+        self.data = data if data is not None else _Data(shape)
         self._cache: dict[tuple[str, str], Any] = {}
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token's keys and values as stored (the plain family: ``shape.token_bytes``)."""
+        return self.shape.token_bytes
 
     def adapter(self, impl: str) -> _Impl:
         """How ``impl`` performs each operation (for tests that build wrong results)."""
-        return _IMPLS[impl]
+        return self.impls[impl]
 
     def runs(self, impl: str) -> bool:
         """Whether ``impl`` runs at this shape (the reference skips large ones)."""
-        if impl not in IMPLEMENTATIONS:
+        if impl not in self.implementations:
             raise ValueError(f"unknown implementation {impl!r}")
         return impl != "reference" or self.shape.batch * self.shape.tokens <= REFERENCE_MAX_TOKENS
 
@@ -545,7 +581,7 @@ class ShapeBench:
     # -- workloads -----------------------------------------------------------------
     def bytes_moved(self, op: str) -> int:
         s = self.shape
-        t = s.token_bytes
+        t = self.token_bytes
         if op == "merge":
             return 2 * s.batch * s.tokens * t
         if op == "merge-step":
@@ -568,7 +604,7 @@ class ShapeBench:
         return list(range(1, self.shape.batch))
 
     def workload(self, op: str, impl: str) -> Workload:
-        if op not in OPERATIONS:
+        if op not in self.operations:
             raise ValueError(f"unknown operation {op!r}")
         if not self.runs(impl):
             raise ValueError(f"{impl} does not run at {self.shape.label}")
@@ -576,7 +612,7 @@ class ShapeBench:
         if impl in ("copy", "memcpy"):
             setup, run, check = self._copy(moved, numpy=impl == "memcpy")
         else:
-            setup, run, check = getattr(self, "_" + op.replace("-", "_"))(_IMPLS[impl])
+            setup, run, check = getattr(self, "_" + op.replace("-", "_"))(self.impls[impl])
         return Workload(op, impl, self.shape, moved, setup, run, check)
 
     _Parts = tuple[Callable[[], Any], Callable[[Any], Any], Callable[[Any], None]]
@@ -598,7 +634,7 @@ class ShapeBench:
 
             def np_setup() -> tuple[_NP, _NP]:
                 def build() -> tuple[_NP, _NP]:
-                    src = np.array(source())
+                    src = to_numpy(source())
                     dst = np.empty_like(src)
                     dst[...] = 1  # touch every page
                     return src, dst
@@ -620,7 +656,7 @@ class ShapeBench:
             return src, out
 
         def mx_check(result: tuple[mx.array, mx.array]) -> None:
-            _same("copy", np.array(result[1]), np.array(result[0]))
+            _same("copy", to_numpy(result[1]), to_numpy(result[0]))
 
         return source, mx_run, mx_check
 
@@ -739,7 +775,7 @@ class ShapeBench:
         def check(result: tuple[Any, int, tuple[int, ...]]) -> None:
             out, steps, offsets = result
             _equal("decode: row offsets", offsets, tuple(n + steps for n in lengths))
-            got = np.array(out).astype(np.float32)
+            got = to_numpy(out).astype(np.float32)
             q = self.data.np("queries")
             for b, n in enumerate(lengths):
                 k, v = self._expected_row(b, n, steps)
@@ -861,8 +897,13 @@ def _cells(row: _Row) -> list[str]:
 
 def format_table(rows: Sequence[_Row]) -> str:
     """A Markdown table, one line per operation and shape."""
-    lines = [_COLUMNS, *(tuple(_cells(r)) for r in rows)]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(_COLUMNS))]
+    return markdown_table(_COLUMNS, [_cells(r) for r in rows])
+
+
+def markdown_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+    """A right-aligned Markdown table of ``header`` and the ``body`` lines."""
+    lines = [tuple(header), *(tuple(line) for line in body)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
 
     def fmt(cells: Sequence[str]) -> str:
         return "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)) + " |"
@@ -984,3 +1025,18 @@ def run_bench(
         print(f"WRONG RESULT: {failure}", file=stream)
     stream.flush()
     return 1 if failures else 0
+
+
+# -- the helpers other families' benchmarks build on (kvrows.bench_affine, kvrows.bench_ring) --
+
+Impl = _Impl
+KvrowsImpl = _Kvrows
+MlxLmImpl = _MlxLm
+BenchData = _Data
+Live = _Live
+check_same = _same
+check_equal = _equal
+reference_attention = _attention
+format_ms = _ms
+format_gbps = _gbps
+package_version = _version

@@ -6,7 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main"]
+__all__ = ["BENCH_FAMILIES", "main"]
+
+#: What ``kvrows bench --family`` accepts.
+BENCH_FAMILIES = ("plain", "affine", "rotating", "engine", "all")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,6 +34,13 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="time row operations against mlx-lm and a copy")
     bench.add_argument("--quick", action="store_true", help="small shapes, few repeats")
     bench.add_argument("--repeats", type=int, default=None, help="timed repeats per operation")
+    bench.add_argument(
+        "--family",
+        choices=BENCH_FAMILIES,
+        default="plain",
+        help="plain (default), affine, rotating, engine (throughput against mlx-lm's "
+        "BatchGenerator) or all of them",
+    )
 
     demo = commands.add_parser("demo", help="continuous batching on the embedded models")
     demo.add_argument("--model", default=None, help="a local mlx-lm checkpoint directory")
@@ -56,6 +66,33 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _bench(family: str, *, quick: bool, repeats: int | None) -> int:
+    """Run one family's benchmark (or all of them); 0 unless a result was wrong."""
+    if family == "all":
+        statuses = [
+            _bench(one, quick=quick, repeats=repeats) for one in BENCH_FAMILIES if one != "all"
+        ]
+        return max(statuses)
+    if family == "plain":
+        from kvrows.bench import run_bench
+
+        return int(run_bench(quick=quick, repeats=repeats))
+    if family == "affine":
+        from kvrows.bench_affine import run_affine_bench
+
+        return int(run_affine_bench(quick=quick, repeats=repeats))
+    if family == "rotating":
+        from kvrows.bench_ring import run_ring_bench
+
+        return int(run_ring_bench(quick=quick, repeats=repeats))
+    from kvrows.bench_engine import print_engine_bench, run_engine_bench
+
+    rows = run_engine_bench(max_batches=(1, 4), requests=4) if quick else run_engine_bench()
+    print_engine_bench(rows)
+    sys.stdout.flush()
+    return 0 if all(row.same_tokens for row in rows) else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "conform":
@@ -63,9 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return int(run_conformance(profile=args.profile, families=args.family, seed=args.seed))
     if args.command == "bench":
-        from kvrows.bench import run_bench
-
-        return int(run_bench(quick=args.quick, repeats=args.repeats))
+        return _bench(args.family, quick=args.quick, repeats=args.repeats)
     if args.command == "demo":
         from kvrows.demo import run_demo
 

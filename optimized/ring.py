@@ -343,14 +343,16 @@ class RingLayout(PlaneHolder):
         index = check_row(row, self.batch_size)
         if self._keys is None or self._values is None:
             return None
-        keys, values = self._chronological(self._keys), self._chronological(self._values)
+        # Cut the row out first: reordering the whole ring would copy every row.
+        keys = self._chronological(tuple(p[index : index + 1] for p in self._keys))
+        values = self._chronological(tuple(p[index : index + 1] for p in self._values))
         active = int(keys[0].shape[2])
         start = max(0, self._pads[index], active - min(self._offsets[index], self.max_size))
         if start >= active:
             return None
         return (
-            tuple(p[index : index + 1, :, start:active] for p in keys),
-            tuple(p[index : index + 1, :, start:active] for p in values),
+            tuple(p[:, :, start:active] for p in keys),
+            tuple(p[:, :, start:active] for p in values),
         )
 
     def make_mask(

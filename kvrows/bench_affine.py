@@ -1,0 +1,751 @@
+"""Benchmarks of the affine family (issue 3): quantize, row operations, decode attention.
+
+Shared by ``kvrows bench --family affine`` (:func:`run_affine_bench`) and
+``benchmarks/test_bench_affine.py``; built on :mod:`kvrows.bench` (its workloads,
+interleaved timing, copy/memcpy baselines and result checks).
+
+Three parts, one layer, 8 KV heads, head dim 128, group size 64, 8 and 4 bits:
+
+* ``quantize``: throughput of ``kvrows.reference.affine_codec.quantize`` (NumPy),
+  ``kvrows.optimized.affine_codec.quantize`` and bare ``mx.quantize`` on a float16
+  ``[16, 8, 4096, 128]`` array; GB/s of input read. The NumPy reference runs on the
+  first row only (``[1, 8, 4096, 128]``, :data:`REFERENCE_QUANTIZE_ROWS`): at about
+  15 MB/s the whole array would take 9 s a call. Check: every result, unpacked
+  independently here, reconstructs its input within half a quantization step (plus
+  the rounding of scales and biases to float16).
+* ``rows``: ``merge``, ``join``, ``filter-half``, ``filter-one``, ``extract`` and
+  ``update`` (the operations of :mod:`kvrows.bench`, same definitions) performed by
+  ``kvrows.optimized.PaddedQuantKVRows`` over bfloat16 activations, against the plain
+  ``PaddedKVRows`` doing the same on the same data, and against an MLX copy and a
+  ``numpy.copyto`` of the *quantized* bytes. Bytes moved count the quantized planes
+  (codes, scales and biases): ``T = 2·H·(D·bits/8 + 2·2·D/group)`` bytes per token
+  instead of ``2·H·D·2``. Check: every row holds exactly ``mx.quantize`` of its
+  generated tokens (codes, scales and biases, byte for byte).
+* ``attention``: one decode step's attention at ``B = 16``, ``L = 4096`` (ragged rows,
+  ``L`` down to ``L/2``, so a padding mask applies), 32 query heads over 8 KV heads:
+  ``kvrows.optimized.attend`` on a ``PaddedKVRows`` (bf16: ``mx.fast`` SDPA) and on
+  a ``PaddedQuantKVRows`` at 8 and 4 bits (``mx.quantized_matmul``), and, side by
+  side, mlx-lm's own kernels on the same planes (``mx.fast.scaled_dot_product_attention``
+  for bf16, ``mlx_lm.models.base.quantized_scaled_dot_product_attention`` for affine;
+  it scales its queries in place, so it gets a copy). Timed: attention alone, on a
+  live batch after its ``make_mask(1)`` and ``update_and_fetch``. Bytes read: the K and
+  V planes over the layout's width, scales and biases included. Check: the output
+  against a float32 NumPy attention over the dequantized (``mx.dequantize``) tokens.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import mlx.core as mx
+import numpy as np
+import numpy.typing as npt
+
+import kvrows.optimized as optimized
+from kvrows.bench import (
+    BenchCheckError,
+    BenchData,
+    KvrowsImpl,
+    Shape,
+    ShapeBench,
+    Timing,
+    Workload,
+    check_equal,
+    format_gbps,
+    format_ms,
+    markdown_table,
+    package_version,
+    reference_attention,
+    time_workloads,
+    to_numpy,
+)
+from kvrows.optimized import affine_codec as optimized_codec
+from kvrows.reference import affine_codec as reference_codec
+
+# mlx-lm's attention helpers, untyped: reached through Any.
+lm_base: Any = importlib.import_module("mlx_lm.models.base")
+
+__all__ = [
+    "AFFINE_BITS",
+    "AFFINE_OPERATIONS",
+    "ATTENTION_IMPLEMENTATIONS",
+    "ATTENTION_STORAGES",
+    "ATTENTION_TOLERANCE",
+    "CI_AFFINE",
+    "FULL_AFFINE",
+    "GROUP_SIZE",
+    "QUANTIZE_IMPLEMENTATIONS",
+    "QUICK_AFFINE",
+    "REFERENCE_QUANTIZE_ROWS",
+    "ROW_IMPLEMENTATIONS",
+    "AffineShapeBench",
+    "AffineShapes",
+    "AttentionBench",
+    "QuantizeBench",
+    "run_affine_bench",
+    "stored_bytes",
+]
+
+_NP = npt.NDArray[Any]
+
+#: Bit widths benchmarked, in table order.
+AFFINE_BITS = (8, 4)
+#: Group size of every affine benchmark.
+GROUP_SIZE = 64
+#: Row operations of the affine table (``kvrows.bench`` definitions).
+AFFINE_OPERATIONS = ("merge", "join", "filter-half", "filter-one", "extract", "update")
+#: Who performs a row operation: the affine layout, the plain layout, the two copies.
+ROW_IMPLEMENTATIONS = ("affine", "plain", "copy", "memcpy")
+#: Who quantizes.
+QUANTIZE_IMPLEMENTATIONS = ("reference", "optimized", "mx.quantize")
+#: Storages of the attention table, and who attends over them.
+ATTENTION_STORAGES = ("bf16", "8-bit", "4-bit")
+ATTENTION_IMPLEMENTATIONS = ("kvrows", "mlx-lm")
+#: Largest relative L2 error of a row's attention output against float32 NumPy over the
+#: same (dequantized) tokens. bf16 SDPA stays near 0.5%; MLX's CPU ``quantized_matmul``
+#: with bfloat16 inputs accumulates in low precision (about 3% at L = 128, 7% at 4096, the
+#: same in kvrows and mlx-lm), so the affine rows get a looser bound. A wrong row, order
+#: or padding mask is off by 30% to 140%.
+ATTENTION_TOLERANCE = {"bf16": 0.02, "8-bit": 0.15, "4-bit": 0.15}
+#: Rows of the quantize input the NumPy reference gets (it runs at about 15 MB/s).
+REFERENCE_QUANTIZE_ROWS = 1
+
+
+@dataclass(frozen=True)
+class AffineShapes:
+    """The shapes of one run: quantize input, row-operation shapes, attention shape."""
+
+    quantize: Shape
+    rows: tuple[Shape, ...]
+    attention: Shape
+
+
+#: The realistic shapes of the issue.
+FULL_AFFINE = AffineShapes(
+    quantize=Shape(16, 4096),
+    rows=tuple(Shape(b, t, dtype="bfloat16") for b in (4, 16) for t in (1024, 4096)),
+    attention=Shape(16, 4096, dtype="bfloat16"),
+)
+#: ``kvrows bench --family affine --quick``: a smoke run.
+QUICK_AFFINE = AffineShapes(
+    quantize=Shape(4, 128),
+    rows=(Shape(4, 128, dtype="bfloat16"),),
+    attention=Shape(4, 128, dtype="bfloat16"),
+)
+#: ``benchmarks/`` without ``KVROWS_BENCH_FULL=1``: small, odd sizes.
+CI_AFFINE = AffineShapes(
+    quantize=Shape(2, 64),
+    rows=(Shape(3, 300, dtype="bfloat16"),),
+    attention=Shape(3, 200, dtype="bfloat16"),
+)
+
+
+def _bits_of(storage: str) -> int | None:
+    return None if storage == "bf16" else int(storage.split("-")[0])
+
+
+def stored_bytes(planes: Sequence[Any]) -> _NP:
+    """Affine planes ``(packed, scales, biases)`` as one byte array ``[..., bytes per token]``.
+
+    The codes' bytes, then the scales', then the biases' (NumPy copies): two rows hold
+    the same quantized tokens exactly when these arrays are equal.
+    """
+    parts = [np.ascontiguousarray(to_numpy(p)) for p in planes]
+    return np.concatenate([p.view(np.uint8) for p in parts], axis=-1)
+
+
+def _affine_token_bytes(shape: Shape, bits: int, group_size: int) -> int:
+    """Bytes of one token's quantized keys and values (codes + scales + biases)."""
+    itemsize = shape.mx_dtype.size
+    per_head = shape.head_dim * bits // 8 + 2 * itemsize * (shape.head_dim // group_size)
+    return 2 * shape.heads * per_head
+
+
+def _unpack(packed: _NP, bits: int, dim: int) -> _NP:
+    """Codes ``[..., dim]`` of LSB-first packed uint32 words (bits dividing 32)."""
+    if 32 % bits:
+        raise ValueError(f"the benchmark check unpacks only bits dividing 32, got {bits}")
+    per_word = 32 // bits
+    shifts = (np.arange(per_word, dtype=np.uint32) * bits).astype(np.uint32)
+    codes = (packed.astype(np.uint32)[..., None] >> shifts) & np.uint32((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], per_word * packed.shape[-1])[..., :dim]
+
+
+def _check_quantized(what: str, x: _NP, result: Sequence[Any], bits: int, group: int) -> None:
+    """``result`` reconstructs ``x`` within half a step, plus the scale/bias rounding."""
+    packed, scales, biases = (to_numpy(p) for p in result)
+    dim = x.shape[-1]
+    groups = dim // group
+    expected = (*x.shape[:-1], groups)
+    check_equal(f"{what}: scales shape", tuple(scales.shape), expected)
+    check_equal(f"{what}: biases shape", tuple(biases.shape), expected)
+    check_equal(f"{what}: packed shape", tuple(packed.shape), (*x.shape[:-1], dim * bits // 32))
+    codes = _unpack(packed, bits, dim).astype(np.float32).reshape(*x.shape[:-1], groups, group)
+    s = scales.astype(np.float32)[..., None]
+    b = biases.astype(np.float32)[..., None]
+    w = x.astype(np.float32).reshape(codes.shape)
+    error = np.abs(codes * s + b - w)
+    # Half a step, or a full step at the top code (the edge lands on the grid, so the far
+    # extreme can be clipped: tests/test_affine_codec.py derives this), plus the rounding
+    # of the stored float16/bfloat16 scale (times the code) and bias.
+    top = (1 << bits) - 1
+    step = np.where(codes == top, 1.0, 0.5)
+    ulp = 2.0**-8  # relative rounding of bfloat16; float16's is smaller
+    bound = np.abs(s) * (step + top * ulp / 2) + ulp / 2 * (np.abs(b) + np.abs(w)) + 1e-6
+    if not np.all(error <= bound):
+        worst = float(np.max(error - bound))
+        raise BenchCheckError(
+            f"{what}: dequantized codes miss the input by {worst:.4g} beyond half a step"
+        )
+
+
+# -- quantize -----------------------------------------------------------------------------
+
+
+class QuantizeBench:
+    """Quantize throughput of the reference, the optimized wrapper and bare ``mx.quantize``."""
+
+    def __init__(self, shape: Shape, group_size: int = GROUP_SIZE) -> None:
+        self.shape = shape
+        self.group_size = group_size
+        dims = (shape.batch, shape.heads, shape.tokens, shape.head_dim)
+        self.input = mx.random.normal(dims, key=mx.random.key(11)).astype(shape.mx_dtype)
+        mx.eval(self.input)
+        self.reference_input = to_numpy(self.input[:REFERENCE_QUANTIZE_ROWS])
+        self._numpy: _NP | None = None
+
+    def input_numpy(self) -> _NP:
+        if self._numpy is None:
+            self._numpy = to_numpy(self.input)
+        return self._numpy
+
+    def rows(self, impl: str) -> int:
+        """Rows of the input ``impl`` quantizes."""
+        return (
+            min(REFERENCE_QUANTIZE_ROWS, self.shape.batch)
+            if impl == "reference"
+            else (self.shape.batch)
+        )
+
+    def bytes_read(self, impl: str) -> int:
+        s = self.shape
+        return self.rows(impl) * s.heads * s.tokens * s.head_dim * s.mx_dtype.size
+
+    def workload(self, impl: str, bits: int) -> Workload:
+        group = self.group_size
+        if impl == "reference":
+            source: Any = self.reference_input
+
+            def run(x: Any) -> Any:
+                return reference_codec.quantize(x, group, bits)
+
+            def expected() -> _NP:
+                return self.reference_input
+        elif impl in ("optimized", "mx.quantize"):
+            source = self.input
+            quantize: Callable[[mx.array], Any] = (
+                (lambda x: optimized_codec.quantize(x, group, bits))
+                if impl == "optimized"
+                else (lambda x: mx.quantize(x, group_size=group, bits=bits, mode="affine"))
+            )
+
+            def run(x: Any) -> Any:
+                result = quantize(x)
+                mx.eval(result)
+                return result
+
+            expected = self.input_numpy
+        else:
+            raise ValueError(f"unknown implementation {impl!r}")
+
+        def check(result: Any) -> None:
+            _check_quantized(f"quantize {bits}-bit {impl}", expected(), result, bits, group)
+
+        shape = Shape(self.rows(impl), self.shape.tokens, self.shape.heads, self.shape.head_dim)
+        return Workload(
+            f"quantize {bits}-bit", impl, shape, self.bytes_read(impl), lambda: source, run, check
+        )
+
+
+# -- row operations -----------------------------------------------------------------------
+
+
+class _EncodedData(BenchData):
+    """Generated inputs shared with a plain bench; ``np(name)`` gives their quantized bytes."""
+
+    def __init__(self, source: BenchData, group_size: int, bits: int) -> None:
+        # Same arrays as ``source`` (no new data): only the NumPy view differs.
+        self.keys, self.values = source.keys, source.values
+        self.join_keys, self.join_values = source.join_keys, source.join_values
+        self.step_keys, self.step_values = source.step_keys, source.step_values
+        self.queries, self.scale = source.queries, source.scale
+        self._source = source
+        self._numpy: dict[str, _NP] = {}
+        self.group_size, self.bits = group_size, bits
+
+    def np(self, name: str) -> _NP:
+        """``queries`` as generated; keys and values as ``mx.quantize`` stores them (bytes)."""
+        if name == "queries":
+            return self._source.np(name)
+        if name not in self._numpy:
+            planes = mx.quantize(
+                getattr(self, name), group_size=self.group_size, bits=self.bits, mode="affine"
+            )
+            self._numpy[name] = stored_bytes(planes)
+        return self._numpy[name]
+
+
+class _AffineRows(KvrowsImpl):
+    """``kvrows.optimized``'s ``QuantizedKVCache`` / ``PaddedQuantKVRows``."""
+
+    def __init__(self, group_size: int, bits: int) -> None:
+        self.group_size, self.bits = group_size, bits
+        self.name = f"affine{bits}"
+
+    def serial(self, keys: Any, values: Any) -> Any:
+        cache = optimized.QuantizedKVCache(self.group_size, self.bits)
+        cache.update_and_fetch(keys, values)
+        self.sync(cache.state)
+        return cache
+
+    def merge(self, rows: Sequence[Any]) -> Any:
+        layout = optimized.PaddedQuantKVRows(self.group_size, self.bits)
+        layout.merge_rows(rows)
+        self.sync(layout.state)
+        return layout
+
+    def rows(self, batch: Any) -> list[tuple[_NP, _NP]]:
+        keys, values = (stored_bytes(planes) for planes in batch.fetch())
+        return [
+            (keys[b, :, p : p + n], values[b, :, p : p + n])
+            for b, (p, n) in enumerate(zip(batch.left_pad, batch.row_offsets, strict=True))
+        ]
+
+    def serial_data(self, cache: Any) -> tuple[_NP, _NP]:
+        keys, values = (stored_bytes(planes) for planes in cache.fetch())
+        return keys[0], values[0]
+
+
+class AffineShapeBench(ShapeBench):
+    """The row operations of ``PaddedQuantKVRows`` at one shape and bit width.
+
+    ``data`` shares the generated inputs with a plain :class:`ShapeBench` of the same
+    shape, so both layouts move the same tokens.
+    """
+
+    operations = AFFINE_OPERATIONS
+    implementations = ("affine", "copy", "memcpy")
+
+    def __init__(
+        self, shape: Shape, bits: int, group_size: int = GROUP_SIZE, data: BenchData | None = None
+    ) -> None:
+        self.bits, self.group_size = bits, group_size
+        self.impls = {"affine": _AffineRows(group_size, bits)}
+        source = data if data is not None else BenchData(shape)
+        super().__init__(shape, _EncodedData(source, group_size, bits))
+
+    @property
+    def token_bytes(self) -> int:
+        return _affine_token_bytes(self.shape, self.bits, self.group_size)
+
+
+# -- decode attention ---------------------------------------------------------------------
+
+
+class AttentionBench:
+    """One decode step's attention over a live ragged batch, per storage and implementation."""
+
+    def __init__(
+        self, shape: Shape, group_size: int = GROUP_SIZE, data: BenchData | None = None
+    ) -> None:
+        self.shape = shape
+        self.group_size = group_size
+        self.data = data if data is not None else BenchData(shape)
+        self._live: dict[str, tuple[Any, Any]] = {}
+        self._expected: dict[str, _NP] = {}
+
+    @property
+    def width(self) -> int:
+        """Columns attention reads: the longest row plus the step's token."""
+        return max(self.shape.ragged) + 1
+
+    def token_bytes(self, storage: str) -> int:
+        bits = _bits_of(storage)
+        if bits is None:
+            return self.shape.token_bytes
+        return _affine_token_bytes(self.shape, bits, self.group_size)
+
+    def bytes_read(self, storage: str) -> int:
+        """The K and V planes attention reads (scales and biases included)."""
+        return self.shape.batch * self.width * self.token_bytes(storage)
+
+    def live(self, storage: str) -> tuple[Any, Any]:
+        """The live batch of ``storage`` after ``make_mask(1)`` + one step, and that mask."""
+        if storage not in self._live:
+            bits = _bits_of(storage)
+            rows = []
+            for b, n in enumerate(self.shape.ragged):
+                cache: Any = (
+                    optimized.KVCache()
+                    if bits is None
+                    else optimized.QuantizedKVCache(self.group_size, bits)
+                )
+                cache.update_and_fetch(
+                    self.data.keys[b : b + 1, :, :n], self.data.values[b : b + 1, :, :n]
+                )
+                rows.append(cache)
+            layout: Any = (
+                optimized.PaddedKVRows()
+                if bits is None
+                else optimized.PaddedQuantKVRows(self.group_size, bits)
+            )
+            layout.merge_rows(rows)
+            mask = layout.make_mask(1)
+            layout.update_and_fetch(self.data.step_keys, self.data.step_values)
+            mx.eval(layout.state, mask)
+            self._live[storage] = (layout, mask)
+        return self._live[storage]
+
+    def _held(self, storage: str, name: str) -> _NP:
+        """Every row's tokens as attention should see them, ``[B, H, L + 1, D]`` float32."""
+        key = f"{storage}:{name}"
+        if key not in self._expected:
+            step = getattr(self.data, f"step_{name}")
+            tokens = mx.concatenate([getattr(self.data, name), step], axis=2)
+            bits = _bits_of(storage)
+            if bits is not None:
+                planes = mx.quantize(tokens, group_size=self.group_size, bits=bits, mode="affine")
+                tokens = mx.dequantize(*planes, group_size=self.group_size, bits=bits)
+            self._expected[key] = to_numpy(tokens.astype(mx.float32))
+        return self._expected[key]
+
+    def workload(self, storage: str, impl: str) -> Workload:
+        if storage not in ATTENTION_STORAGES:
+            raise ValueError(f"unknown storage {storage!r}")
+        bits = _bits_of(storage)
+        queries, scale, group = self.data.queries, self.data.scale, self.group_size
+        if impl == "kvrows":
+
+            def run(state: tuple[Any, Any]) -> Any:
+                out = optimized.attend(queries, state[0], state[1], scale)
+                mx.eval(out)
+                return out
+        elif impl == "mlx-lm":
+
+            def run(state: tuple[Any, Any]) -> Any:
+                keys, values = state[0].fetch()
+                if bits is None:
+                    out = mx.fast.scaled_dot_product_attention(
+                        queries, keys, values, scale=scale, mask=state[1]
+                    )
+                else:
+                    # It computes ``queries *= scale`` in place: hand it a copy.
+                    out = lm_base.quantized_scaled_dot_product_attention(
+                        mx.array(queries), keys, values, scale, state[1], group, bits
+                    )
+                mx.eval(out)
+                return out
+        else:
+            raise ValueError(f"unknown implementation {impl!r}")
+
+        tolerance = ATTENTION_TOLERANCE[storage]
+
+        def check(out: Any) -> None:
+            got = to_numpy(out).astype(np.float32)
+            check_equal(
+                f"attention {storage} {impl}: output shape",
+                got.shape,
+                (self.shape.batch, self.shape.query_heads, 1, self.shape.head_dim),
+            )
+            keys, values = self._held(storage, "keys"), self._held(storage, "values")
+            q = self.data.np("queries")
+            for b, n in enumerate(self.shape.ragged):
+                columns = [*range(n), keys.shape[2] - 1]  # the row's tokens, then its step
+                expected = reference_attention(
+                    q[b], keys[b][:, columns], values[b][:, columns], scale
+                )
+                error = float(np.linalg.norm(got[b] - expected) / np.linalg.norm(expected))
+                if not error <= tolerance:
+                    raise BenchCheckError(
+                        f"attention {storage} {impl}: row {b} is off by {error:.3g} "
+                        f"(relative L2), more than {tolerance}"
+                    )
+
+        return Workload(
+            f"attention {storage}",
+            impl,
+            self.shape,
+            self.bytes_read(storage),
+            lambda: self.live(storage),
+            run,
+            check,
+        )
+
+    def release(self) -> None:
+        self._live.clear()
+        self._expected.clear()
+
+
+# -- the run ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Line:
+    """One table line: a label, the bytes that count, and each implementation's timing."""
+
+    cells: list[str]
+    bytes_moved: int
+    timings: dict[str, Timing] = field(default_factory=dict)
+
+    def ms(self, impl: str) -> float | None:
+        timing = self.timings.get(impl)
+        return None if timing is None else timing.ms
+
+
+def _timed(
+    workloads: dict[str, Workload],
+    timed: int,
+    warmups: int,
+    failures: list[str],
+    label: str,
+    repeats: dict[str, int] | None = None,
+) -> dict[str, Timing]:
+    """Interleaved medians of ``workloads`` (by name); wrong results go to ``failures``."""
+    names = list(workloads)
+    outcomes = time_workloads(
+        [workloads[n] for n in names],
+        repeats=[(repeats or {}).get(n, timed) for n in names],
+        warmups=warmups,
+    )
+    timings: dict[str, Timing] = {}
+    for name, outcome in zip(names, outcomes, strict=True):
+        if isinstance(outcome, BenchCheckError):
+            failures.append(f"{label} {name}: {outcome}")
+            timings[name] = Timing(None, "wrong")
+        else:
+            timings[name] = Timing(outcome)
+    return timings
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> str:
+    return f"{numerator / denominator:.2f}" if numerator and denominator else "-"
+
+
+def _quantize_table(
+    shapes: AffineShapes, timed: int, warmups: int, failures: list[str], progress: bool
+) -> str:
+    bench = QuantizeBench(shapes.quantize)
+    lines: list[list[str]] = []
+    for bits in AFFINE_BITS:
+        if progress:
+            print(f"  quantize {bits}-bit", file=sys.stderr, flush=True)
+        workloads = {impl: bench.workload(impl, bits) for impl in QUANTIZE_IMPLEMENTATIONS}
+        timings = _timed(
+            workloads,
+            timed,
+            warmups,
+            failures,
+            f"quantize {bits}-bit",
+            repeats={"reference": min(timed, 3)},
+        )
+        for impl in QUANTIZE_IMPLEMENTATIONS:
+            w = workloads[impl]
+            ms = timings[impl].ms
+            dims = f"[{w.shape.batch}, {w.shape.heads}, {w.shape.tokens}, {w.shape.head_dim}]"
+            lines.append(
+                [
+                    str(bits),
+                    impl,
+                    dims,
+                    format_ms(ms),
+                    f"{w.bytes_moved / 1e6:.1f}",
+                    format_gbps(w.bytes_moved, ms),
+                ]
+            )
+    del bench
+    gc.collect()
+    header = ("bits", "quantize", "input", "ms", "MB read", "GB/s")
+    return markdown_table(header, lines)
+
+
+def _rows_table(
+    shapes: AffineShapes, timed: int, warmups: int, failures: list[str], progress: bool
+) -> str:
+    lines: list[_Line] = []
+    for shape in shapes.rows:
+        plain = ShapeBench(shape)
+        affine = {bits: AffineShapeBench(shape, bits, data=plain.data) for bits in AFFINE_BITS}
+        for op in AFFINE_OPERATIONS:
+            if progress:
+                print(f"  rows {shape.label} {op}", file=sys.stderr, flush=True)
+            workloads = {"plain": plain.workload(op, "kvrows")}
+            for bits, bench in affine.items():
+                for impl in ("affine", "copy", "memcpy"):
+                    workloads[f"{impl}{bits}"] = bench.workload(op, impl)
+            timings = _timed(workloads, timed, warmups, failures, f"{op} {shape.label}")
+            for bits, bench in affine.items():
+                line = _Line([op, str(shape.batch), str(shape.tokens), str(bits)], 0)
+                line.bytes_moved = bench.bytes_moved(op)
+                plain_bytes = plain.bytes_moved(op)
+                line.timings = {
+                    "affine": timings[f"affine{bits}"],
+                    "plain": timings["plain"],
+                    "copy": timings[f"copy{bits}"],
+                    "memcpy": timings[f"memcpy{bits}"],
+                }
+                affine_ms, plain_ms = line.ms("affine"), line.ms("plain")
+                line.cells += [
+                    format_ms(affine_ms),
+                    format_ms(plain_ms),
+                    _ratio(plain_ms, affine_ms),
+                    format_ms(line.ms("copy")),
+                    format_ms(line.ms("memcpy")),
+                    f"{line.bytes_moved / 1e6:.1f}",
+                    f"{plain_bytes / 1e6:.1f}",
+                    format_gbps(line.bytes_moved, affine_ms),
+                    format_gbps(plain_bytes, plain_ms),
+                    format_gbps(line.bytes_moved, line.ms("copy")),
+                ]
+                lines.append(line)
+            plain.release()
+            for bench in affine.values():
+                bench.release()
+        del plain, affine
+        gc.collect()
+        mx.clear_cache()
+    header = (
+        "op",
+        "B",
+        "L",
+        "bits",
+        "affine ms",
+        "plain ms",
+        "plain/affine",
+        "copy ms",
+        "memcpy ms",
+        "MB moved",
+        "MB plain",
+        "GB/s affine",
+        "GB/s plain",
+        "GB/s copy",
+    )
+    return markdown_table(header, [line.cells for line in lines])
+
+
+def _attention_table(
+    shapes: AffineShapes, timed: int, warmups: int, failures: list[str], progress: bool
+) -> str:
+    shape = shapes.attention
+    bench = AttentionBench(shape)
+    workloads = {
+        f"{impl} {storage}": bench.workload(storage, impl)
+        for storage in ATTENTION_STORAGES
+        for impl in ATTENTION_IMPLEMENTATIONS
+    }
+    if progress:
+        print(f"  attention {shape.label}", file=sys.stderr, flush=True)
+    timings = _timed(workloads, timed, warmups, failures, f"attention {shape.label}")
+    base = timings["kvrows bf16"].ms
+    lines: list[list[str]] = []
+    for storage in ATTENTION_STORAGES:
+        kv, lm = timings[f"kvrows {storage}"].ms, timings[f"mlx-lm {storage}"].ms
+        read = bench.bytes_read(storage)
+        lines.append(
+            [
+                storage,
+                str(shape.batch),
+                str(shape.tokens),
+                format_ms(kv),
+                format_ms(lm),
+                _ratio(lm, kv),
+                f"{read / 1e6:.1f}",
+                format_gbps(read, kv),
+                format_gbps(read, lm),
+                _ratio(base, kv),
+            ]
+        )
+    bench.release()
+    header = (
+        "storage",
+        "B",
+        "L",
+        "kvrows ms",
+        "mlx-lm ms",
+        "ratio",
+        "MB read",
+        "GB/s kvrows",
+        "GB/s mlx-lm",
+        "bf16/this",
+    )
+    return markdown_table(header, lines)
+
+
+_NOTES = """\
+quantize: GB/s = input bytes read / time. The NumPy reference quantizes only the first
+  {ref_rows} row(s) of the input (it runs at ~15 MB/s); optimized = kvrows.optimized.affine_codec
+  (validated mx.quantize), mx.quantize = the bare op.
+rows: the kvrows.bench operations (live batch = merged + one decode step; filter-half keeps
+  the odd rows, filter-one drops row 0, extract takes row B//2, update = make_mask(1) +
+  update_and_fetch of one token per row) on bf16 activations, group {group}.
+  affine = PaddedQuantKVRows, plain = PaddedKVRows on the same tokens;
+  plain/affine = plain ms / affine ms (> 1: the quantized layout is faster).
+  MB moved counts the quantized planes (codes + scales + biases), MB plain the bf16 bytes
+  of the same operation; copy / memcpy move the quantized bytes (MLX concatenate / numpy.copyto).
+attention: one decode step at B={att_b}, L={att_l} (rows L down to ~L/2, padding mask), 32 query
+  heads over 8 KV heads; kvrows = kvrows.optimized.attend (bf16: mx.fast SDPA, affine:
+  mx.quantized_matmul); mlx-lm = mx.fast.scaled_dot_product_attention (bf16) or
+  mlx_lm.models.base.quantized_scaled_dot_product_attention (affine) on the same planes.
+  ratio = mlx-lm ms / kvrows ms; MB read = K+V planes over the layout's width, scales and biases
+  included; bf16/this = kvrows bf16 ms / this storage's kvrows ms."""
+
+
+def run_affine_bench(
+    quick: bool = False,
+    repeats: int | None = None,
+    *,
+    shapes: AffineShapes | None = None,
+    parts: Sequence[str] = ("quantize", "rows", "attention"),
+    out: TextIO | None = None,
+) -> int:
+    """Time every part, print its table; 0 unless a result was wrong."""
+    stream = out if out is not None else sys.stdout
+    chosen = shapes if shapes is not None else QUICK_AFFINE if quick else FULL_AFFINE
+    timed = repeats if repeats is not None else 2 if quick else 7
+    if timed < 1:
+        raise ValueError(f"repeats must be >= 1, got {timed}")
+    unknown = set(parts) - {"quantize", "rows", "attention"}
+    if unknown:
+        raise ValueError(f"unknown parts {sorted(unknown)}")
+    warmups = 1 if quick else 2
+    print(
+        f"kvrows bench: affine family, one layer, mlx {package_version('mlx')}, "
+        f"mlx-lm {package_version('mlx-lm')}, on {mx.default_device()}; "
+        f"median of {timed} after {warmups} warm-up(s)",
+        file=stream,
+        flush=True,
+    )
+    failures: list[str] = []
+    tables = {"quantize": _quantize_table, "rows": _rows_table, "attention": _attention_table}
+    for part in ("quantize", "rows", "attention"):
+        if part in parts:
+            print(f"\n{part}:", file=stream)
+            print(tables[part](chosen, timed, warmups, failures, not quick), file=stream)
+            stream.flush()
+    print(
+        _NOTES.format(
+            ref_rows=REFERENCE_QUANTIZE_ROWS,
+            group=GROUP_SIZE,
+            att_b=chosen.attention.batch,
+            att_l=chosen.attention.tokens,
+        ),
+        file=stream,
+    )
+    for failure in failures:
+        print(f"WRONG RESULT: {failure}", file=stream)
+    stream.flush()
+    return 1 if failures else 0

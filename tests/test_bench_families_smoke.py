@@ -1,0 +1,303 @@
+"""The affine and rotating benchmarks run end to end, and their result checks can fail."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kvrows.bench_affine as bench_affine
+import kvrows.bench_ring as bench_ring
+import kvrows.optimized as optimized
+from kvrows import cli
+from kvrows.bench import BenchCheckError, Shape, ShapeBench, to_numpy
+from kvrows.bench_affine import (
+    AFFINE_BITS,
+    AFFINE_OPERATIONS,
+    ATTENTION_STORAGES,
+    QUANTIZE_IMPLEMENTATIONS,
+    AffineShapeBench,
+    AffineShapes,
+    AttentionBench,
+    QuantizeBench,
+    run_affine_bench,
+)
+from kvrows.bench_ring import (
+    RING_OPERATIONS,
+    RingShape,
+    RingShapeBench,
+    ring_rows,
+    run_ring_bench,
+)
+
+TINY_AFFINE = AffineShapes(
+    quantize=Shape(2, 16, heads=2),
+    rows=(Shape(3, 40, heads=2, dtype="bfloat16"),),
+    attention=Shape(3, 40, heads=2, query_heads=4, dtype="bfloat16"),
+)
+
+
+def _tables(text: str) -> list[list[list[str]]]:
+    """Every Markdown table of ``text``: its lines (header first, rule dropped) as cells."""
+    tables: list[list[list[str]]] = []
+    current: list[list[str]] = []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            current.append([cell.strip() for cell in line.strip("|").split("|")])
+        elif current:
+            tables.append([current[0], *current[2:]])
+            current = []
+    return tables
+
+
+def _column(table: list[list[str]], name: str) -> list[str]:
+    index = table[0].index(name)
+    return [line[index] for line in table[1:]]
+
+
+# -- the runs -------------------------------------------------------------------------------
+
+
+def test_quick_affine_bench_prints_every_operation() -> None:
+    out = io.StringIO()
+    assert run_affine_bench(quick=True, repeats=1, out=out) == 0
+    text = out.getvalue()
+    assert "WRONG RESULT" not in text
+    quantize, rows, attention = _tables(text)
+
+    assert _column(quantize, "quantize") == [*QUANTIZE_IMPLEMENTATIONS] * len(AFFINE_BITS)
+    assert all(float(ms) > 0 for ms in _column(quantize, "ms"))
+
+    expected = [(op, str(bits)) for op in AFFINE_OPERATIONS for bits in AFFINE_BITS]
+    assert list(zip(_column(rows, "op"), _column(rows, "bits"), strict=True)) == expected
+    for affine, plain, ratio in zip(
+        _column(rows, "affine ms"),
+        _column(rows, "plain ms"),
+        _column(rows, "plain/affine"),
+        strict=True,
+    ):
+        assert float(affine) > 0 and float(plain) > 0
+        assert float(ratio) == pytest.approx(float(plain) / float(affine), rel=0.05, abs=0.01)
+    # The quantized planes are smaller than the bf16 ones, 4-bit smaller than 8-bit.
+    moved = [float(x) for x in _column(rows, "MB moved")]
+    plain_moved = [float(x) for x in _column(rows, "MB plain")]
+    for eight, four, bf16 in zip(moved[::2], moved[1::2], plain_moved[::2], strict=True):
+        assert four <= eight <= bf16
+
+    assert _column(attention, "storage") == list(ATTENTION_STORAGES)
+    assert all(float(ms) > 0 for ms in _column(attention, "kvrows ms"))
+    assert all(float(ms) > 0 for ms in _column(attention, "mlx-lm ms"))
+
+
+def test_quick_ring_bench_prints_every_operation() -> None:
+    out = io.StringIO()
+    assert run_ring_bench(quick=True, repeats=1, out=out) == 0
+    text = out.getvalue()
+    assert "WRONG RESULT" not in text
+    (table,) = _tables(text)
+    assert _column(table, "op") == list(RING_OPERATIONS)
+    for kv, lm, ratio in zip(
+        _column(table, "kvrows ms"),
+        _column(table, "mlx-lm ms"),
+        _column(table, "ratio"),
+        strict=True,
+    ):
+        assert float(kv) > 0 and float(lm) > 0
+        assert float(ratio) == pytest.approx(float(lm) / float(kv), rel=0.05, abs=0.01)
+    assert "every operation at least as fast as mlx-lm" in text
+
+
+def test_cli_bench_runs_the_rotating_family(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "--family", "rotating", "--quick", "--repeats", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "rotating family" in text
+    assert _column(_tables(text)[0], "op") == list(RING_OPERATIONS)
+
+
+def test_cli_bench_all_runs_every_family(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--family all`` runs each family once and fails if any of them found a wrong result."""
+    calls: list[str] = []
+
+    def fake(name: str, status: int) -> Any:
+        def run(quick: bool = False, repeats: int | None = None, **_: Any) -> int:
+            calls.append(name)
+            assert quick and repeats == 1
+            return status
+
+        return run
+
+    monkeypatch.setattr("kvrows.bench.run_bench", fake("plain", 0))
+    monkeypatch.setattr(bench_affine, "run_affine_bench", fake("affine", 1))
+    monkeypatch.setattr(bench_ring, "run_ring_bench", fake("rotating", 0))
+    monkeypatch.setattr("kvrows.bench_engine.run_engine_bench", lambda **_: [])
+    monkeypatch.setattr(
+        "kvrows.bench_engine.print_engine_bench", lambda rows: calls.append("engine")
+    )
+    assert cli.main(["bench", "--family", "all", "--quick", "--repeats", "1"]) == 1
+    assert calls == ["plain", "affine", "rotating", "engine"]
+
+
+def test_run_affine_bench_reports_a_wrong_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrong affine merge makes the run fail (exit status 1) and says so."""
+    original = AffineShapeBench.workload
+
+    def broken(self: AffineShapeBench, op: str, impl: str) -> Any:
+        workload = original(self, op, impl)
+        if op == "merge" and impl == "affine":
+            run = workload.run
+            workload.run = lambda rows: run(list(reversed(rows)))
+        return workload
+
+    monkeypatch.setattr(AffineShapeBench, "workload", broken)
+    out = io.StringIO()
+    assert (
+        run_affine_bench(quick=True, repeats=1, shapes=TINY_AFFINE, parts=("rows",), out=out) == 1
+    )
+    assert "WRONG RESULT: merge B=3 L=40 affine8" in out.getvalue()
+
+
+def test_run_ring_bench_reports_a_wrong_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = RingShapeBench.workload
+
+    def broken(self: RingShapeBench, op: str, impl: str) -> Any:
+        workload = original(self, op, impl)
+        if op == "merge" and impl == "kvrows":
+            run = workload.run
+            workload.run = lambda rows: run(list(reversed(rows)))
+        return workload
+
+    monkeypatch.setattr(RingShapeBench, "workload", broken)
+    out = io.StringIO()
+    shape = RingShape(3, 20, heads=2, head_dim=8, query_heads=4, window=16)
+    assert run_ring_bench(quick=True, repeats=1, shapes=[shape], out=out) == 1
+    assert "WRONG RESULT: merge B=3 L=20 W=16 kvrows" in out.getvalue()
+
+
+# -- the checks can fail ----------------------------------------------------------------------
+
+
+def _wrong_result(bench: ShapeBench, op: str, impl: str) -> Any:
+    """A plausible but wrong result of ``op``: right kind, wrong rows, order or step."""
+    adapter = bench.adapter(impl)
+    workload = bench.workload(op, impl)
+    state = workload.setup()
+    if op == "merge":
+        return adapter.merge(list(reversed(state)))
+    if op == "join":
+        return state[0]  # the batch without the new row
+    if op in ("filter-half", "filter-one"):
+        return adapter.filter(state, list(reversed(bench.keep(op))))
+    if op == "extract":
+        return adapter.extract(state, 0)  # the workload extracts row B//2
+    result = workload.run(state)
+    if op == "update":
+        result.steps += 1  # claims one step more than the batch took
+        return result
+    out, steps, offsets = result
+    return out, steps + 1, tuple(n + 1 for n in offsets)
+
+
+@pytest.mark.parametrize("bits", AFFINE_BITS)
+@pytest.mark.parametrize("op", AFFINE_OPERATIONS)
+def test_affine_row_checks_catch_a_wrong_result(op: str, bits: int) -> None:
+    bench = AffineShapeBench(Shape(4, 24, heads=2, head_dim=64, dtype="bfloat16"), bits)
+    right = bench.workload(op, "affine")
+    right.check(right.run(right.setup()))
+    with pytest.raises(BenchCheckError):
+        right.check(_wrong_result(bench, op, "affine"))
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        RingShape(4, 24, heads=2, head_dim=8, query_heads=4, window=16),  # wrapped
+        RingShape(4, 12, heads=2, head_dim=8, query_heads=4, window=16),  # not wrapped
+    ],
+    ids=["wrapped", "short"],
+)
+@pytest.mark.parametrize("impl", ["kvrows", "mlx-lm"])
+@pytest.mark.parametrize("op", RING_OPERATIONS)
+def test_ring_checks_catch_a_wrong_result(op: str, impl: str, shape: RingShape) -> None:
+    bench = RingShapeBench(shape)
+    right = bench.workload(op, impl)
+    right.check(right.run(right.setup()))
+    with pytest.raises(BenchCheckError):
+        right.check(_wrong_result(bench, op, impl))
+
+
+@pytest.mark.parametrize("impl", QUANTIZE_IMPLEMENTATIONS)
+@pytest.mark.parametrize("bits", AFFINE_BITS)
+def test_quantize_check_catches_a_wrong_result(bits: int, impl: str) -> None:
+    """Codes of another token (the input rolled by one token) are refused."""
+    bench = QuantizeBench(Shape(2, 8, heads=2, head_dim=128))
+    right = bench.workload(impl, bits)
+    result = right.run(right.setup())
+    right.check(result)
+    wrong = tuple(mx.roll(mx.array(np.asarray(p)), 1, 2) for p in result)
+    with pytest.raises(BenchCheckError):
+        right.check(wrong)
+
+
+@pytest.mark.parametrize("impl", ["kvrows", "mlx-lm"])
+@pytest.mark.parametrize("storage", ATTENTION_STORAGES)
+def test_attention_check_catches_a_wrong_result(storage: str, impl: str) -> None:
+    """Attending the padding (no mask) or another row's output is refused."""
+    bench = AttentionBench(Shape(4, 64, heads=2, query_heads=4, dtype="bfloat16"))
+    right = bench.workload(storage, impl)
+    layout, mask = right.setup()
+    right.check(right.run((layout, mask)))
+    with pytest.raises(BenchCheckError):
+        right.check(right.run((layout, None)))
+    with pytest.raises(BenchCheckError):
+        right.check(right.run((layout, mask))[::-1])
+
+
+def test_mlx_lm_quantized_attention_leaves_the_queries_alone() -> None:
+    """mlx-lm scales its queries in place; the workload hands it a copy."""
+    bench = AttentionBench(Shape(2, 16, heads=2, query_heads=4, dtype="bfloat16"))
+    before = to_numpy(bench.data.queries).copy()
+    workload = bench.workload("8-bit", "mlx-lm")
+    first = to_numpy(workload.run(workload.setup()))
+    second = to_numpy(workload.run(workload.setup()))
+    np.testing.assert_array_equal(to_numpy(bench.data.queries), before)
+    np.testing.assert_array_equal(first, second)
+
+
+# -- bytes and ring order ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", AFFINE_BITS)
+def test_affine_bytes_match_the_planes_held(bits: int) -> None:
+    """The benchmark's bytes per token equal what a quantized cache's planes hold."""
+    shape = Shape(2, 10, heads=2, head_dim=128, dtype="bfloat16")
+    bench = AffineShapeBench(shape, bits)
+    cache = optimized.QuantizedKVCache(64, bits)
+    keys, values = cache.update_and_fetch(bench.data.keys[:1], bench.data.values[:1])
+    held = sum(p.nbytes for p in (*keys, *values))
+    assert bench.token_bytes * shape.tokens == held
+    assert bench.bytes_moved("extract") == 2 * (shape.tokens + 1) * bench.token_bytes
+
+    attention = AttentionBench(shape, data=bench.data)
+    for storage in ("bf16", f"{bits}-bit"):
+        layout, _ = attention.live(storage)
+        k, v = layout.fetch()
+        planes = (k, v) if storage == "bf16" else (*k, *v)
+        assert attention.bytes_read(storage) == sum(p.nbytes for p in planes)
+
+
+def test_ring_rows_reads_temporal_order() -> None:
+    """A hand-made wrapped ring: column 1 is the oldest; pads and window bound each row."""
+    columns = np.arange(4, dtype=np.float32)  # physical columns c0..c3
+    keys = np.broadcast_to(columns[None, None, :, None], (2, 1, 4, 1)).copy()
+    values = -keys
+    rows = ring_rows(keys, values, pads=[-1, 2], offsets=[9, 2], index=1, rotated=True, window=4)
+    assert rows[0][0][0, :, 0].tolist() == [1, 2, 3, 0]
+    assert rows[1][0][0, :, 0].tolist() == [3, 0]
+    assert rows[1][1][0, :, 0].tolist() == [-3, 0]
+    # Not wrapped: columns [0, index) in order; a short row starts at its pad.
+    rows = ring_rows(keys, values, pads=[0, 1], offsets=[3, 2], index=3, rotated=False, window=4)
+    assert rows[0][0][0, :, 0].tolist() == [0, 1, 2]
+    assert rows[1][0][0, :, 0].tolist() == [1, 2]
