@@ -4,7 +4,7 @@ Runs the conformance machines with attention tolerances *recorded, not
 enforced* (everything exact stays enforced) and prints, per quantity and dtype,
 the largest absolute error seen and the tolerance the table holds it to::
 
-    python -m kvrows.conformance.calibrate --examples 400 --seed 1
+    python -m kvrows.conformance.calibrate --examples 400 --seed 1 [--family affine]
 
 A tolerance is chosen as a round number at least twice the largest error seen
 over several seeds, and no looser than the dtype's rounding needs (see the spec).
@@ -23,10 +23,10 @@ from kvrows.conformance.tolerances import tolerance
 __all__ = ["main", "measure"]
 
 
-def measure(examples: int, seed: int | None, steps: int) -> Stats:
-    """Every plain machine's statistics, merged (errors per quantity and dtype)."""
+def measure(examples: int, seed: int | None, steps: int, family: str = "plain") -> Stats:
+    """Every machine of ``family``, statistics merged (errors per quantity and dtype)."""
     results = run_machines(
-        ["plain"],
+        [family],
         profile="deep",
         seed=seed,
         stream=sys.stderr,
@@ -35,7 +35,7 @@ def measure(examples: int, seed: int | None, steps: int) -> Stats:
         stateful_step_count=steps,
         database=None,
     )
-    total = Stats("plain", "*")
+    total = Stats(family, "*")
     for result in results:
         if result.failure is not None:
             raise result.failure
@@ -48,13 +48,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--examples", type=int, default=200)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--family", default="plain")
     args = parser.parse_args(argv)
-    found = measure(args.examples, args.seed, args.steps)
+    found = measure(args.examples, args.seed, args.steps, args.family)
     print(
         f"{'quantity':<18} {'dtype':<9} {'max |diff|':<12} {'max diff/tol':<13} {'compared':<9} tolerance"
     )
     for (quantity, dtype), record in sorted(found.errors.items()):
-        chosen = tolerance("plain", quantity, dtype)
+        chosen = tolerance(args.family, quantity, dtype)
         print(
             f"{quantity:<18} {dtype:<9} {record.max_error:<12.4g} {record.max_ratio:<13.3f} "
             f"{record.comparisons:<9} {chosen.describe()}"

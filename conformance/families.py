@@ -159,6 +159,29 @@ def _plain_encode(block: npt.NDArray[Any]) -> tuple[npt.NDArray[Any], ...]:
     return (block,)
 
 
+def _affine_encode(block: npt.NDArray[Any]) -> tuple[npt.NDArray[Any], ...]:
+    """Affine planes depend on the example's (bits, group size): the affine machine encodes."""
+    raise NotImplementedError("the affine family encodes per example (kvrows.conformance.affine)")
+
+
+def _affine_peer() -> PeerSpec:
+    from kvrows.conformance.affine import affine_peer
+
+    return affine_peer()
+
+
+def _affine_machine(*args: Any, **kwargs: Any) -> type[Any]:
+    from kvrows.conformance.affine import affine_machine_class
+
+    return affine_machine_class(*args, **kwargs)
+
+
+def _ring_machine(*args: Any, **kwargs: Any) -> type[Any]:
+    from kvrows.conformance.rings import ring_machine_class
+
+    return ring_machine_class(*args, **kwargs)
+
+
 @dataclass(frozen=True)
 class LayoutSpec:
     """One row layout of a family and what its machine may do with it.
@@ -188,6 +211,13 @@ class Family:
     peer: Callable[[], PeerSpec] | None = None
     description: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    #: Builds the family's machine classes, with ``machines.machine_class``'s signature
+    #: (``None``: ``machine_class`` itself); a family whose examples draw parameters of
+    #: their own (the affine codec's bits and group size) supplies a subclass's factory.
+    machine: Callable[..., type[Any]] | None = None
+    #: The share of the profile's ``max_examples`` the family's machines run (an example of
+    #: a costlier family takes longer; ``runner.family_settings`` applies it).
+    examples: float = 1.0
 
     def layout(self, name: str) -> LayoutSpec:
         for spec in self.layouts:
@@ -212,6 +242,76 @@ FAMILIES: dict[str, Family] = {
         encode=_plain_encode,
         peer=_plain_peer,
         description="plain (unquantized) full-attention KV",
+    ),
+    "affine": Family(
+        name="affine",
+        serial="QuantizedKVCache",
+        layouts=(
+            LayoutSpec(
+                "PaddedQuantKVRows", role="decode", shared_column=True, trim_rows=False, peer=False
+            ),
+            LayoutSpec(
+                "BatchedQuantizedKVCache",
+                role="prefill",
+                shared_column=False,
+                trim_rows=True,
+                peer=False,
+            ),
+        ),
+        tolerance_key="affine",
+        encode=_affine_encode,
+        peer=_affine_peer,
+        description="affine-quantized full-attention KV at every (bits, group size)",
+        machine=_affine_machine,
+        # Six planes per row and quantized attention: an example costs about twice a
+        # plain one; 40% of the profile's examples keeps the CI profile near a minute
+        # with the per-codec sweep of tests/test_conformance.py.
+        examples=0.4,
+    ),
+    # Sliding-window rings, both codecs: the serial rings RotatingKVCache and
+    # RotatingQuantizedKVCache ride along in every machine (kvrows.conformance.rings
+    # picks each layout's serial class and codec; ``encode`` is the plain codec's).
+    "rotating": Family(
+        name="rotating",
+        serial="RotatingKVCache",
+        layouts=(
+            LayoutSpec(
+                "BatchedRotatingCache",
+                role="decode",
+                shared_column=True,
+                trim_rows=False,
+                peer=True,
+            ),
+            LayoutSpec(
+                "RaggedRotatingRows",
+                role="prefill",
+                shared_column=False,
+                trim_rows=True,
+                peer=False,
+            ),
+            LayoutSpec(
+                "BatchedRotatingQuantCache",
+                role="decode",
+                shared_column=True,
+                trim_rows=False,
+                peer=False,
+            ),
+            LayoutSpec(
+                "RotatingAffineLayout",
+                role="prefill",
+                shared_column=True,
+                trim_rows=False,
+                peer=False,
+            ),
+        ),
+        tolerance_key="rotating",
+        encode=_plain_encode,
+        description="sliding-window rings (plain and affine): serial, decode and prefill layouts",
+        machine=_ring_machine,
+        # An example drives four implementations of a ring (reference, optimized, mlx-lm
+        # twins and the model) through every wrap: 45% of the profile keeps the CI
+        # profile near a minute for the four layouts on two cores.
+        examples=0.45,
     ),
 }
 

@@ -64,6 +64,55 @@ DIVERGENCES: dict[str, Divergence] = {
             "raises IncompatibleRowsError and changes nothing",
         ),
         Divergence(
+            "A1",
+            "affine: a QuantizedKVCache whose key or value head dim D has D // (32 // bits) "
+            "!= D * bits / 32 (at head dims 32/64/128: bits 5 and 6 at D = 128)",
+            "QuantizedKVCache sizes its buffers as D // (32 // bits) words; its first "
+            "update_and_fetch raises ValueError ([broadcast_shapes] ... (…, 20) and (…, 21))",
+            "stores D * bits / 32 words, as mx.quantize packs them; the example runs without "
+            "an mlx-lm twin (one skip per request that would have had one)",
+        ),
+        Divergence(
+            "A2",
+            "affine: attention with grouped queries (Hq > H) and a value head dim != key head dim",
+            "quantized_scaled_dot_product_attention reshapes its output to the query head dim: "
+            "ValueError ([reshape] Cannot reshape array of size ...)",
+            "returns [B, Hq, N, Dv]; the mlx-lm twin still takes the block and its stored "
+            "planes are compared, only its attention output is not",
+        ),
+        Divergence(
+            "B9",
+            "rings: a multi-token update of a BatchRotatingKVCache whose ring has wrapped",
+            "make_mask trims from the pre-reordering _idx: it hides the oldest valid token of "
+            "every row shorter than the window",
+            "trims from the max_size columns the temporal copy holds (ring = max_size); the "
+            "step's mlx-lm mask must be a subset of kvrows'; fetched columns still compared",
+        ),
+        Divergence(
+            "B11",
+            "rings: trim(n > 0) of a ring that has wrapped (offset / _offset >= max_size)",
+            "RotatingKVCache.trim and BatchRotatingKVCache.trim ignore is_trimmable() and move "
+            "offset and _idx anyway",
+            "raises NotTrimmableError and changes nothing; mlx-lm is not asked",
+        ),
+        Divergence(
+            "R1",
+            "rings: a join (merge_rows into a running BatchedRotatingCache)",
+            "BatchRotatingKVCache.extend keeps the running buffer's width, _idx, _offset and "
+            "negative pads (physical layout, masks and trimmability differ from then on)",
+            "re-merges every row in temporal order (W = longest window, idx = total = W); the "
+            "mirror is re-synced by BatchRotatingKVCache.merge of its own extract()s and the "
+            "newcomers, so the physical comparison continues",
+        ),
+        Divergence(
+            "R2",
+            "rings: extract of a row after a multi-token update (buffer longer than the window)",
+            "BatchRotatingKVCache.extract keeps the whole temporal buffer, up to max_size - 1 + N "
+            "columns, _idx at its end",
+            "the extracted RotatingKVCache holds the newest min(offset, max_size) tokens; "
+            "mlx-lm's newest window is compared and kept (compacted) as the twin",
+        ),
+        Divergence(
             "V0",
             "invalid input (bad shape, dtype, index, keep list, count, foreign source)",
             "not validated by mlx-lm (fails later, differently, or silently)",

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
+import hypothesis
 import mlx.core as mx
 from hypothesis import seed as hypothesis_seed
 from hypothesis.stateful import run_state_machine_as_test
@@ -19,7 +20,14 @@ from kvrows.conformance.parity import DIVERGENCES
 from kvrows.conformance.profiles import active_profile, profile_settings
 from kvrows.conformance.stats import Stats
 
-__all__ = ["MachineResult", "ProgressBar", "format_report", "run_conformance", "run_machines"]
+__all__ = [
+    "MachineResult",
+    "ProgressBar",
+    "family_settings",
+    "format_report",
+    "run_conformance",
+    "run_machines",
+]
 
 
 class ProgressBar:
@@ -78,6 +86,18 @@ class MachineResult:
         return self.failure is None
 
 
+def family_settings(
+    family: Family, profile: str | None = None, **overrides: object
+) -> hypothesis.settings:
+    """``profile``'s settings for ``family``'s machines: ``max_examples`` scaled by
+    ``family.examples`` unless ``overrides`` name it."""
+    base = profile_settings(profile, **overrides)
+    if "max_examples" in overrides or family.examples == 1.0:
+        return base
+    scaled = max(1, round(base.max_examples * family.examples))
+    return hypothesis.settings(base, max_examples=scaled)
+
+
 def run_machines(
     families: Sequence[str] | None = None,
     *,
@@ -94,18 +114,22 @@ def run_machines(
     if unknown:
         raise ValueError(f"unknown families {unknown}; known: {sorted(FAMILIES)}")
     prof = active_profile(profile)
-    settings = profile_settings(prof.name, **settings_overrides)
     jobs: list[tuple[Family, LayoutSpec]] = [
         (FAMILIES[name], spec) for name in chosen for spec in FAMILIES[name].layouts
     ]
-    bar = ProgressBar(settings.max_examples * len(jobs), stream) if stream is not None else None
+    budgets = {
+        name: family_settings(FAMILIES[name], prof.name, **settings_overrides) for name in chosen
+    }
+    total = sum(budgets[family.name].max_examples for family, _ in jobs)
+    bar = ProgressBar(total, stream) if stream is not None else None
     results: list[MachineResult] = []
     for family, spec in jobs:
         label = f"{family.name}/{spec.name}"
         stats = Stats(family.name, spec.name)
         if bar is not None:
             stats.on_example = lambda _stats, label=label: bar.tick(label)
-        cls = machine_class(family, spec.name, stats=stats, enforce=enforce, limits=limits)
+        factory = family.machine or machine_class
+        cls = factory(family, spec.name, stats=stats, enforce=enforce, limits=limits)
         if seed is not None:
             cls = hypothesis_seed(seed)(cls)
         started = time.monotonic()
@@ -113,7 +137,7 @@ def run_machines(
         try:
             # Parity with mlx-lm (and the tolerance table) is defined on the CPU backend.
             with mx.stream(mx.cpu):
-                run_state_machine_as_test(cls, settings=settings)
+                run_state_machine_as_test(cls, settings=budgets[family.name])
         except Exception as error:
             failure = error
         results.append(
@@ -176,6 +200,9 @@ def format_report(results: Sequence[MachineResult], profile: str) -> str:
         lines.append(f"  operations exercised: {ops or '-'}")
         checks = ", ".join(f"{name} {count}" for name, count in sorted(r.stats.checks.items()))
         lines.append(f"  oracle checks: {checks or '-'}")
+        if r.stats.variants:
+            variants = ", ".join(f"{v} x{n}" for v, n in sorted(r.stats.variants.items()))
+            lines.append(f"  examples per variant: {variants}")
         lines.append("  max error seen vs tolerance:")
         for (quantity, dtype), record in sorted(r.stats.errors.items()):
             lines.append(

@@ -35,6 +35,8 @@ class Stats:
     ops: Counter[str] = field(default_factory=Counter)
     checks: Counter[str] = field(default_factory=Counter)
     skips: Counter[str] = field(default_factory=Counter)
+    #: Examples per family parameter choice (e.g. the affine codec's ``bits=4 group=64``).
+    variants: Counter[str] = field(default_factory=Counter)
     errors: dict[tuple[str, str], ErrorRecord] = field(default_factory=dict)
     on_example: Callable[[Stats], None] | None = None
 
@@ -47,6 +49,9 @@ class Stats:
 
     def skip(self, reason: str) -> None:
         self.skips[reason] += 1
+
+    def variant(self, name: str) -> None:
+        self.variants[name] += 1
 
     def error(
         self, quantity: str, dtype: str, tolerance: Tolerance, error: float, ratio: float
@@ -70,6 +75,7 @@ class Stats:
         self.ops.update(other.ops)
         self.checks.update(other.checks)
         self.skips.update(other.skips)
+        self.variants.update(other.variants)
         for key, record in other.errors.items():
             mine = self.errors.get(key)
             if mine is None:

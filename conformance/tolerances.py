@@ -100,6 +100,63 @@ for _dtype in DTYPES:
     # column, same mask: bit-identical in every calibration example.
     TOLERANCES[("plain", "attention.mlx_lm", _dtype)] = EXACT
 
+#: Affine family (``QuantizedKVCache`` and its layouts). Codes, scales and biases are
+#: bit-exact everywhere (both implementations run ``mx.quantize``'s CPU arithmetic, and row
+#: operations never re-quantize). Attention: the reference dequantizes exactly as
+#: ``mx.dequantize`` (each key/value rounded to the dtype twice) and attends in float32;
+#: the optimized runs ``mx.quantized_matmul`` over the packed planes, on the CPU in float32
+#: (half-precision queries are widened, the output rounded once), so it never rounds the
+#: dequantized keys/values: each key/value differs by up to one dtype step, which moves
+#: the scores (so the weights) and the weighted sum, and the output is rounded once more:
+#: ``atol`` 16 eps (float16 ``2^-6``, bfloat16 ``2^-3``; at most ~0.3 of it was seen),
+#: ``rtol`` 4 eps (``2^-8``, ``2^-5``). mlx-lm's quantized attention runs ``quantized_matmul``
+#: in the activation dtype (scores, softmax weights and partial sums rounded to it): in
+#: float32 it is bit-identical to the optimized path; in half precision it carries the
+#: dtype's accumulation error (calibrated). See spec/tolerances.md §2.
+_AFFINE_ATTENTION = {
+    "float32": Tolerance(atol=1e-5, rtol=1e-5),
+    "float16": Tolerance(atol=2.0**-6, rtol=2.0**-8),
+    "bfloat16": Tolerance(atol=2.0**-3, rtol=2.0**-5),
+}
+_AFFINE_MLX_LM = {
+    "float32": EXACT,
+    "float16": Tolerance(atol=2.0**-5, rtol=2.0**-6),
+    "bfloat16": Tolerance(atol=2.0**-2, rtol=2.0**-3),
+}
+for _dtype in DTYPES:
+    TOLERANCES[("affine", "kv.stored", _dtype)] = EXACT
+    TOLERANCES[("affine", "kv.fetched", _dtype)] = EXACT
+    TOLERANCES[("affine", "kv.solo", _dtype)] = EXACT
+    TOLERANCES[("affine", "kv.mlx_lm", _dtype)] = EXACT
+    TOLERANCES[("affine", "attention", _dtype)] = _AFFINE_ATTENTION[_dtype]
+    TOLERANCES[("affine", "attention.solo", _dtype)] = _SOLO[_dtype]
+    TOLERANCES[("affine", "attention.mlx_lm", _dtype)] = _AFFINE_MLX_LM[_dtype]
+
+#: Rotating family (``kvrows.conformance.rings``): "rotating" keys the plain rings
+#: (RotatingKVCache, BatchedRotatingCache, RaggedRotatingRows), "rotating-affine" the
+#: affine rings (RotatingQuantizedKVCache, BatchedRotatingQuantCache, RotatingAffineLayout).
+#: Stored, fetched, extracted and mlx-lm K/V (affine: codes, scales, biases) are exact: a
+#: ring only moves planes. Attention uses the plain and affine families' numbers: a row
+#: of a ring layout holds its serial ring's keys at another ring phase (another column
+#: order), and both attention kernels accumulate in float32 on the CPU, so a row and its
+#: serial ring differ by at most a rounding flip of the output (spec/tolerances.md §2).
+_RING_AFFINE_ATTENTION = {
+    "float32": Tolerance(atol=1e-5, rtol=1e-5),
+    "float16": Tolerance(atol=2.0**-6, rtol=2.0**-8),
+    "bfloat16": Tolerance(atol=2.0**-3, rtol=2.0**-5),
+}
+for _dtype in DTYPES:
+    for _key in ("rotating", "rotating-affine"):
+        TOLERANCES[(_key, "kv.stored", _dtype)] = EXACT
+        TOLERANCES[(_key, "kv.fetched", _dtype)] = EXACT
+        TOLERANCES[(_key, "kv.solo", _dtype)] = EXACT
+    TOLERANCES[("rotating", "kv.mlx_lm", _dtype)] = EXACT
+    TOLERANCES[("rotating", "attention", _dtype)] = _ATTENTION[_dtype]
+    TOLERANCES[("rotating", "attention.solo", _dtype)] = _SOLO[_dtype]
+    TOLERANCES[("rotating", "attention.mlx_lm", _dtype)] = EXACT
+    TOLERANCES[("rotating-affine", "attention", _dtype)] = _RING_AFFINE_ATTENTION[_dtype]
+    TOLERANCES[("rotating-affine", "attention.solo", _dtype)] = _SOLO[_dtype]
+
 #: Compared with ``==`` only, in every family.
 ALWAYS_EXACT = (
     "batch_size",

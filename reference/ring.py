@@ -215,6 +215,7 @@ class RingLayout:
         self._active = 0
         self._phase = 0
         self._total = 0
+        self._holds = False  # a ring buffer exists (some row held a token since the merge)
         self._geometry: KvGeometry | None = None
 
     @property
@@ -273,7 +274,7 @@ class RingLayout:
 
     def _image(self, which: int) -> Planes:
         geometry = self._geometry
-        if geometry is None:
+        if geometry is None or not self._holds:
             raise LayoutStateError("the layout holds no tokens yet: nothing to fetch")
         dim = geometry.key_dim if which == 0 else geometry.value_dim
         template = self.codec.empty(1, geometry.heads, dim, geometry.dtype)
@@ -368,6 +369,7 @@ class RingLayout:
             row.update_and_fetch(keys[b : b + 1], values[b : b + 1])
         self._active, self._phase = active, phase
         self._total += n
+        self._holds = True
         self._geometry = geometry
         return self.fetch()
 
@@ -403,6 +405,7 @@ class RingLayout:
         self._pads = [width - row.retained for row in everything]
         self._active = self._total = width
         self._phase = 0
+        self._holds = width > 0
         self._geometry = geometry
 
     def _split(self, source: RingCache) -> list[RingCache]:
@@ -427,6 +430,7 @@ class RingLayout:
         if not order:
             self._rows, self._pads = [], []
             self._active = self._phase = self._total = 0
+            self._holds = False
             return
         self._rows = [self._rows[i] for i in order]
         self._pads = [self._pads[i] for i in order]
@@ -547,6 +551,7 @@ class RaggedRotatingRows:
     def __init__(self, max_size: int) -> None:
         self.max_size = as_count(max_size, "max_size", minimum=1)
         self._rows: list[RingCache] = []
+        self._holds = False  # a buffer exists (some row held a token since the merge)
         self._geometry: KvGeometry | None = None
 
     @property
@@ -602,7 +607,7 @@ class RaggedRotatingRows:
 
     def fetch(self) -> tuple[Any, Any]:
         geometry = self._geometry
-        if geometry is None or not self._rows:
+        if geometry is None or not self._rows or not self._holds:
             raise LayoutStateError("the layout holds no tokens yet: nothing to fetch")
         width = max(self.retained)
         images = []
@@ -613,6 +618,8 @@ class RaggedRotatingRows:
                 for p in template
             ]
             for b, row in enumerate(self._rows):
+                if not row.state:
+                    continue  # a row that holds no token reads as padding
                 held = row.state[: len(template)] if which == 0 else row.state[len(template) :]
                 for dst, src in zip(out, held, strict=True):
                     dst[b, :, : src.shape[2]] = src[0]
@@ -654,6 +661,7 @@ class RaggedRotatingRows:
         for b, row in enumerate(self._rows):
             row.update_and_fetch(keys[b : b + 1], values[b : b + 1])
         self._geometry = geometry
+        self._holds = True
         return self.fetch()
 
     def row_window(self, row: int) -> tuple[Planes, Planes] | None:
@@ -696,6 +704,7 @@ class RaggedRotatingRows:
         if not incoming:
             return
         self._rows = [self.extract_row(b) for b in range(self.batch_size)] + incoming
+        self._holds = any(row.retained for row in self._rows)
         self._geometry = geometry
 
     def filter_rows(self, keep: Sequence[int]) -> None:
@@ -703,6 +712,7 @@ class RaggedRotatingRows:
 
         order = check_keep(keep, self.batch_size)
         self._rows = [self._rows[i] for i in order]
+        self._holds = self._holds and bool(order)
 
     def extract_row(self, row: int) -> RingCache:
         from kvrows.validation import check_row

@@ -110,6 +110,135 @@ def test_plain_family(layout: str) -> None:
     assert expected <= compared, f"quantities never compared: {expected - compared}"
 
 
+#: The affine machines add the codec's invalid operations to the shared rules.
+AFFINE_OPS = COMMON_OPS | {"invalid_codec"}
+
+
+@pytest.mark.parametrize("layout", [spec.name for spec in FAMILIES["affine"].layouts])
+def test_affine_family(layout: str) -> None:
+    from kvrows.conformance.affine import CODECS, affine_machine_class
+    from kvrows.conformance.runner import family_settings
+
+    family = FAMILIES["affine"]
+    spec = family.layout(layout)
+    stats = Stats(family.name, layout)
+    settings = family_settings(family)
+    run_state_machine_as_test(affine_machine_class(family, layout, stats=stats), settings=settings)
+    assert stats.examples >= settings.max_examples // 2, f"only {stats.examples} examples ran"
+    expected_ops = AFFINE_OPS | ({"trim_rows"} if spec.trim_rows else set())
+    missing = expected_ops - set(stats.ops)
+    assert not missing, f"operations never exercised: {sorted(missing)} (ran {dict(stats.ops)})"
+    for oracle in (
+        "reference vs optimized",
+        "solo replay",
+        "solo attention",
+        "masks",
+        "error types",
+        "codec error types",
+        "mlx-lm serial",
+    ):
+        assert stats.checks[oracle] > 0, f"oracle {oracle!r} never ran: {dict(stats.checks)}"
+    # mlx-lm has no quantized batch: parity is serial, and only the affine skips occur
+    # (where exactly: test_affine_parity_skips_are_exactly_where_mlx_lm_fails).
+    assert not spec.peer
+    assert set(stats.skips) <= {"A1", "A2"}, dict(stats.skips)
+    assert sum(stats.skips.values()) < stats.checks["mlx-lm serial"]
+    compared = {quantity for quantity, _ in stats.errors}
+    expected = {
+        "kv.stored",
+        "kv.fetched",
+        "kv.solo",
+        "kv.mlx_lm",
+        "attention",
+        "attention.solo",
+        "attention.mlx_lm",
+    }
+    assert expected <= compared, f"quantities never compared: {expected - compared}"
+    # Every example ran at one supported codec (test_affine_codec_sweep runs all 18).
+    names = {f"bits={bits} group={group}" for bits, group in CODECS}
+    assert set(stats.variants) <= names, set(stats.variants) - names
+    assert sum(stats.variants.values()) == stats.examples
+
+
+def test_affine_parity_skips_are_exactly_where_mlx_lm_fails() -> None:
+    """A1 and A2 are taken exactly where mlx-lm's QuantizedKVCache / quantized attention
+    raise, for every codec, head dims and GQA the affine machines draw."""
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    from kvrows.conformance.affine import CODECS, HEAD_DIMS, AffineGeometry
+
+    for bits, group in CODECS:
+        dims = [d for d in HEAD_DIMS if d % group == 0]
+        for key_dim in dims:
+            for value_dim in dims:
+                for per_head in (1, 2):
+                    geo = AffineGeometry("float32", 1, per_head, key_dim, value_dim, bits, group)
+                    cache = LM.QuantizedKVCache(group_size=group, bits=bits)
+                    keys = mx.ones((1, 1, 2, key_dim), dtype=mx.float32)
+                    values = mx.ones((1, 1, 2, value_dim), dtype=mx.float32)
+                    try:
+                        held = cache.update_and_fetch(keys, values)
+                        mx.eval(held)
+                    except ValueError:
+                        assert geo.mlx_lm_width_bug, geo
+                        continue
+                    assert not geo.mlx_lm_width_bug, geo
+                    queries = mx.ones((1, per_head, 1, key_dim), dtype=mx.float32)
+                    try:
+                        out = quantized_scaled_dot_product_attention(
+                            queries,
+                            held[0],
+                            held[1],
+                            scale=1.0,
+                            mask=None,
+                            group_size=group,
+                            bits=bits,
+                        )
+                        mx.eval(out)
+                    except ValueError:
+                        assert geo.mlx_lm_reshape_bug, geo
+                        continue
+                    assert not geo.mlx_lm_reshape_bug, geo
+
+
+def _sweep_cases() -> list[Any]:
+    from kvrows.conformance.affine import CODECS
+
+    layouts = [spec.name for spec in FAMILIES["affine"].layouts]
+    return [
+        pytest.param((bits, group), layouts[i % len(layouts)], id=f"bits{bits}-group{group}")
+        for i, (bits, group) in enumerate(CODECS)
+    ]
+
+
+@pytest.mark.parametrize(("codec", "layout"), _sweep_cases())
+def test_affine_codec_sweep(codec: tuple[int, int], layout: str) -> None:
+    """Every supported (bits, group size) runs the machine: the per-example draw of
+    ``test_affine_family`` reaches only part of the 18 codecs in the CI budget (Hypothesis
+    mutates an example several times before drawing a new first choice), so each codec
+    also gets a few examples of its own (on alternating layouts)."""
+    from kvrows.conformance.affine import affine_machine_class
+
+    family = FAMILIES["affine"]
+    profile = active_profile()
+    stats = Stats(family.name, layout)
+    machine = affine_machine_class(
+        family,
+        layout,
+        stats=stats,
+        codecs=[codec],
+        name=f"AffineSweep{layout}Bits{codec[0]}Group{codec[1]}",
+    )
+    settings = profile_settings(
+        max_examples=max(4, profile.max_examples // 40), stateful_step_count=profile.steps // 2
+    )
+    run_state_machine_as_test(machine, settings=settings)
+    assert stats.examples > 0
+    assert dict(stats.variants) == {f"bits={codec[0]} group={codec[1]}": stats.examples}
+    compared = {quantity for quantity, _ in stats.errors}
+    assert {"kv.stored", "kv.solo", "attention"} <= compared, compared
+
+
 def test_runner_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     results = run_machines(["plain"], profile="ci", max_examples=3, stateful_step_count=8)
     assert [(r.family, r.layout) for r in results] == [
@@ -121,6 +250,23 @@ def test_runner_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     for word in ("family", "layout", "operations", "examples", "worst error/tol", "PASS"):
         assert word in report
     assert "max error seen vs tolerance" in report
+
+
+def test_runner_runs_the_affine_family() -> None:
+    """``kvrows conform --family affine``: the family's own machine factory and budget."""
+    from kvrows.conformance.runner import family_settings
+
+    family = FAMILIES["affine"]
+    assert family_settings(family, "ci").max_examples == round(150 * family.examples)
+    assert family_settings(family, "ci", max_examples=3).max_examples == 3
+    results = run_machines(["affine"], profile="ci", max_examples=3, stateful_step_count=8)
+    assert [(r.family, r.layout) for r in results] == [
+        ("affine", "PaddedQuantKVRows"),
+        ("affine", "BatchedQuantizedKVCache"),
+    ]
+    assert all(r.passed for r in results), [r.failure for r in results]
+    assert all(sum(r.stats.variants.values()) == r.stats.examples for r in results)
+    assert "examples per variant: bits=" in format_report(results, "ci")
 
 
 def test_runner_rejects_an_unknown_family(capsys: pytest.CaptureFixture[str]) -> None:
@@ -237,3 +383,30 @@ def test_divergence_n1_filter_keeping_nothing_raises() -> None:
 def test_divergence_n2_merge_broadcasts_head_counts() -> None:
     batch = LM.BatchKVCache.merge([_lm(2, heads=2), _lm(3, heads=1)])
     assert batch.keys.shape == (2, 2, 3, 4)
+
+
+# ---------------------------------- mlx-lm divergences the affine family skips
+
+
+def test_divergence_a1_quantized_cache_packed_width() -> None:
+    """mlx-lm allocates D // (32 // bits) words: 21 for D = 128 at 5 bits, where
+    mx.quantize packs 20, so its first update cannot write the codes."""
+    cache = LM.QuantizedKVCache(group_size=32, bits=5)
+    block = mx.ones((1, 1, 2, 128), dtype=mx.float16)
+    with pytest.raises(ValueError, match="broadcast"):
+        cache.update_and_fetch(block, block)
+    assert mx.quantize(block, group_size=32, bits=5)[0].shape[-1] == 20
+
+
+def test_divergence_a2_quantized_attention_reshapes_to_the_key_dim() -> None:
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    cache = LM.QuantizedKVCache(group_size=32, bits=4)
+    keys, values = cache.update_and_fetch(
+        mx.ones((1, 1, 2, 64), dtype=mx.float32), mx.ones((1, 1, 2, 32), dtype=mx.float32)
+    )
+    queries = mx.ones((1, 2, 1, 64), dtype=mx.float32)  # two query heads per KV head
+    with pytest.raises(ValueError, match="reshape"):
+        quantized_scaled_dot_product_attention(
+            queries, keys, values, scale=0.125, mask=None, group_size=32, bits=4
+        )

@@ -16,11 +16,20 @@ import mlx.core as mx
 import pytest
 from hypothesis.stateful import run_state_machine_as_test
 
+from kvrows.conformance.affine import affine_machine_class
 from kvrows.conformance.families import FAMILIES, optimized_impl
 from kvrows.conformance.machines import machine_class
 from kvrows.conformance.profiles import profile_settings
+from kvrows.conformance.rings import ring_machine_class
 from kvrows.conformance.stats import Stats
 from kvrows.optimized.plain import BatchedKVCache, PaddedKVRows
+from kvrows.optimized.quantized import (
+    BatchedQuantizedKVCache,
+    PaddedQuantKVRows,
+    QuantizedKVCache,
+)
+from kvrows.optimized.ring import BatchedRotatingCache as RingBatchedRotatingCache
+from kvrows.optimized.storage import FullAttentionCache
 from kvrows.protocols import Cache, Mask
 from kvrows.validation import as_count, check_keep
 
@@ -141,3 +150,163 @@ def test_the_machine_catches(layout: str, mutant: type) -> None:
 def test_the_unmutated_implementation_passes(layout: str) -> None:
     stats = _run(layout, None)
     assert stats.examples > 0
+
+
+# ------------------------------------------------------------------ affine family
+
+
+class MergeZeroesKeyBiases(BatchedQuantizedKVCache):
+    """Merged rows keep their key codes and scales, but their key biases are written as
+    zeros (one plane of the triple lost on the way in)."""
+
+    def merge_rows(self, rows: Sequence[Cache]) -> None:
+        before = self.batch_size
+        super().merge_rows(rows)
+        if self._keys is None:
+            return
+        biases = self._keys[2]
+        for b in range(before, self.batch_size):
+            start = self._origin + self.left_pad[b]
+            stop = start + self.row_offsets[b]
+            if stop > start:
+                # MUTATION (these columns should hold the row's key biases)
+                biases[b : b + 1, :, start:stop] = mx.zeros_like(biases[b : b + 1, :, start:stop])
+
+
+class ExtractRequantizes(PaddedQuantKVRows):
+    """An extracted row is dequantized and quantized again: the values look the same, but
+    re-quantizing is not the identity on codes, scales and biases."""
+
+    def extract_row(self, row: int) -> FullAttentionCache:
+        cache = super().extract_row(row)
+        held = cache.planes()
+        if held is None:
+            return cache
+
+        def again(planes: tuple[mx.array, ...]) -> tuple[mx.array, ...]:
+            packed, scales, biases = planes
+            dense = mx.dequantize(
+                packed, scales, biases, group_size=self.group_size, bits=self.bits
+            )
+            # MUTATION (row operations must move codes, never re-quantize)
+            return tuple(mx.quantize(dense, group_size=self.group_size, bits=self.bits))
+
+        fresh = QuantizedKVCache(self.group_size, self.bits)
+        return fresh.adopt(again(held[0]), again(held[1]), cache.geometry)
+
+
+AFFINE_MUTANTS = [
+    pytest.param("BatchedQuantizedKVCache", MergeZeroesKeyBiases, id="merge-zeroes-key-biases"),
+    pytest.param("PaddedQuantKVRows", ExtractRequantizes, id="extract-requantizes"),
+]
+
+
+def _run_affine(layout: str, mutant: type | None) -> Stats:
+    family = FAMILIES["affine"]
+    stats = Stats(family.name, layout)
+    optimized = optimized_impl()
+    name = f"TeethAffine{layout}Unmutated"
+    if mutant is not None:
+        optimized = optimized.with_classes({layout: mutant})
+        name = f"Teeth{mutant.__name__}"
+    machine = affine_machine_class(family, layout, stats=stats, optimized=optimized, name=name)
+    run_state_machine_as_test(machine, settings=profile_settings("teeth"))
+    return stats
+
+
+@pytest.mark.parametrize(("layout", "mutant"), AFFINE_MUTANTS)
+def test_the_affine_machine_catches(layout: str, mutant: type) -> None:
+    with pytest.raises(AssertionError) as caught:
+        _run_affine(layout, mutant)
+    assert "Failing test case" in "\n".join(getattr(caught.value, "__notes__", []))
+    # The oracle that must catch these: the exact comparison of stored or fetched triples.
+    assert "differs beyond exact" in str(caught.value)
+
+
+@pytest.mark.parametrize("layout", ["PaddedQuantKVRows", "BatchedQuantizedKVCache"])
+def test_the_unmutated_affine_implementation_passes(layout: str) -> None:
+    stats = _run_affine(layout, None)
+    assert stats.examples > 0
+
+
+# ------------------------------------------------------------ rotating family (rings)
+
+
+class RingMaskRolledShort(RingBatchedRotatingCache):
+    """Once the ring wraps, the one-token mask is rolled by ``idx`` instead of ``idx + 1``:
+    every row's visible columns land one column early (on the token being overwritten)."""
+
+    def make_mask(
+        self, n: int, *, return_array: bool = False, window_size: int | None = None
+    ) -> Mask:
+        mask = super().make_mask(n, return_array=return_array, window_size=window_size)
+        idx, _, rotated = self.ring_state
+        if as_count(n, "n", minimum=1) == 1 and (rotated or idx >= self.max_size):
+            assert isinstance(mask, mx.array)
+            return mx.roll(mask, -1, -1)  # MUTATION (the roll is idx + 1)
+        return mask
+
+
+class RingExtractsTheOldestWindow(RingBatchedRotatingCache):
+    """A row's window (what ``extract_row`` and joins read) is its *oldest* ``min(offset,
+    max_size)`` retained tokens, not the newest: wrong right after a block, when the
+    buffer holds more than the window (semantics bug 9.2.6 of the seed engine)."""
+
+    def row_window(self, row: int) -> tuple[tuple[mx.array, ...], tuple[mx.array, ...]] | None:
+        held = super().row_window(row)
+        if held is None or self._keys is None or self._values is None:
+            return held
+        keys, values = self._chronological(self._keys), self._chronological(self._values)
+        start, count = max(0, self.left_pad[row]), int(held[0][0].shape[2])
+        return (  # MUTATION (the window is the newest `count` columns, not the first)
+            tuple(p[row : row + 1, :, start : start + count] for p in keys),
+            tuple(p[row : row + 1, :, start : start + count] for p in values),
+        )
+
+
+class RingBlockMaskFromStaleIndex(RingBatchedRotatingCache):
+    """mlx-lm's B9 planted back: a block on a wrapped ring computes its mask as if the ring
+    had not wrapped (from the pre-reordering index), hiding short rows' oldest token."""
+
+    def make_mask(
+        self, n: int, *, return_array: bool = False, window_size: int | None = None
+    ) -> Mask:
+        if as_count(n, "n", minimum=1) > 1 and self.ring_state[2]:
+            self._rotated = False  # MUTATION (a block after the wrap trims max_size columns)
+            try:
+                return super().make_mask(n, return_array=return_array, window_size=window_size)
+            finally:
+                self._rotated = True
+        return super().make_mask(n, return_array=return_array, window_size=window_size)
+
+
+RING_MUTANTS = [
+    pytest.param(RingMaskRolledShort, id="ring-mask-rolled-short"),
+    pytest.param(RingExtractsTheOldestWindow, id="ring-extracts-the-oldest-window"),
+    pytest.param(RingBlockMaskFromStaleIndex, id="ring-block-mask-b9"),
+]
+
+
+def _run_ring(mutant: type | None) -> Stats:
+    layout = "BatchedRotatingCache"
+    family = FAMILIES["rotating"]
+    stats = Stats(family.name, layout)
+    optimized = optimized_impl()
+    name = "TeethRingUnmutated"
+    if mutant is not None:
+        optimized = optimized.with_classes({layout: mutant})
+        name = f"Teeth{mutant.__name__}"
+    machine = ring_machine_class(family, layout, stats=stats, optimized=optimized, name=name)
+    run_state_machine_as_test(machine, settings=profile_settings("teeth"))
+    return stats
+
+
+@pytest.mark.parametrize("mutant", RING_MUTANTS)
+def test_the_ring_machine_catches(mutant: type) -> None:
+    with pytest.raises(AssertionError) as caught:
+        _run_ring(mutant)
+    assert "Failing test case" in "\n".join(getattr(caught.value, "__notes__", []))
+
+
+def test_the_unmutated_ring_implementation_passes() -> None:
+    assert _run_ring(None).examples > 0
