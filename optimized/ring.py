@@ -11,13 +11,12 @@ codec axis is the same as the full-attention storage's: the ring moves planes.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import mlx.core as mx
 
-from kvrows.common import AffineParameters, PlaneHolder, check_counts, row_bytes
+from kvrows.common import AffineParameters, PlaneHolder, RingRows, check_counts
 from kvrows.errors import (
     IncompatibleRowsError,
     InvalidInputError,
@@ -245,7 +244,7 @@ class RotatingKVCache(RingCache):
     signature_text = "kv:rotating-plain"
 
 
-class RingLayout(PlaneHolder):
+class RingLayout(RingRows, PlaneHolder):
     """Several requests' rings sharing one write column (mlx-lm's ``BatchRotatingKVCache``).
 
     Host-side state (``spec/BatchedRotatingCache.md``): per-row ``offsets`` (positions)
@@ -273,10 +272,6 @@ class RingLayout(PlaneHolder):
 
     # -- what the layout holds -------------------------------------------------------
     @property
-    def geometry(self) -> KvGeometry | None:
-        return self._geometry
-
-    @property
     def batch_size(self) -> int:
         return len(self._offsets)
 
@@ -296,10 +291,6 @@ class RingLayout(PlaneHolder):
     @property
     def offset(self) -> mx.array:
         return mx.array(self._offsets, dtype=mx.int32)
-
-    @property
-    def max_tokens(self) -> float:
-        return math.inf
 
     @property
     def buffer_length(self) -> int:
@@ -560,17 +551,6 @@ class RingLayout(PlaneHolder):
         values = tuple(_compact(p) for p in held[1])
         return cache.adopt_window(keys, values, self._offsets[row], self._geometry)
 
-    def can_publish_row(self, row: int, tokens: int) -> bool:
-        from kvrows.validation import check_row
-
-        index = check_row(row, self.batch_size)
-        count = as_count(tokens, "tokens")
-        offset = self._offsets[index]
-        return count == offset or (count < offset < self.max_size)
-
-    def projected_bytes(self, tokens: int) -> int:
-        return row_bytes(self.codec, self._geometry, tokens, self.max_size)
-
     def is_trimmable(self) -> bool:
         return self._total < self.max_size
 
@@ -656,7 +636,7 @@ class RotatingAffineLayout(BatchedRotatingQuantCache):
         return f"kv:rotating-affine:{self.max_size}:{self.group_size}:{self.bits}"
 
 
-class RaggedRotatingRows(PlaneHolder):
+class RaggedRotatingRows(RingRows, PlaneHolder):
     """Prefill layout of ``RotatingKVCache``: ragged rings (``spec/RaggedRotatingRows.md``).
 
     Every row keeps its retained tokens left-aligned in temporal order (column 0 is its
@@ -680,10 +660,6 @@ class RaggedRotatingRows(PlaneHolder):
         self._geometry: KvGeometry | None = None
 
     @property
-    def geometry(self) -> KvGeometry | None:
-        return self._geometry
-
-    @property
     def batch_size(self) -> int:
         return len(self._offsets)
 
@@ -703,10 +679,6 @@ class RaggedRotatingRows(PlaneHolder):
     @property
     def offset(self) -> mx.array:
         return mx.array(self._offsets, dtype=mx.int32)
-
-    @property
-    def max_tokens(self) -> float:
-        return math.inf
 
     def signature(self) -> str:
         return f"{self.signature_text}:{self.max_size}"
@@ -927,16 +899,6 @@ class RaggedRotatingRows(PlaneHolder):
         keys = tuple(_compact(p) for p in held[0])
         values = tuple(_compact(p) for p in held[1])
         return cache.adopt_window(keys, values, self._offsets[row], self._geometry)
-
-    def can_publish_row(self, row: int, tokens: int) -> bool:
-        from kvrows.validation import check_row
-
-        offset = self._offsets[check_row(row, self.batch_size)]
-        count = as_count(tokens, "tokens")
-        return count == offset or (count < offset < self.max_size)
-
-    def projected_bytes(self, tokens: int) -> int:
-        return row_bytes(self.codec, self._geometry, tokens, self.max_size)
 
     def is_trimmable(self) -> bool:
         return all(o < self.max_size for o in self._offsets)

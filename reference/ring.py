@@ -10,14 +10,13 @@ attention does not see (a single token attends to every retained token).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
 
-from kvrows.common import AffineParameters, PlaneHolder, check_counts, row_bytes
+from kvrows.common import AffineParameters, PlaneHolder, RingRows, check_counts
 from kvrows.errors import (
     IncompatibleRowsError,
     InvalidInputError,
@@ -191,7 +190,7 @@ class RotatingKVCache(RingCache):
     signature_text = "kv:rotating-plain"
 
 
-class RingLayout:
+class RingLayout(RingRows):
     """Several requests' rings sharing one write column: each row is a serial ring.
 
     The reference keeps every row as its own ``RingCache`` (its retained tokens, oldest
@@ -219,10 +218,6 @@ class RingLayout:
         self._geometry: KvGeometry | None = None
 
     @property
-    def geometry(self) -> KvGeometry | None:
-        return self._geometry
-
-    @property
     def batch_size(self) -> int:
         return len(self._rows)
 
@@ -237,10 +232,6 @@ class RingLayout:
     @property
     def offset(self) -> npt.NDArray[np.int32]:
         return np.array(self.row_offsets, dtype=np.int32)
-
-    @property
-    def max_tokens(self) -> float:
-        return math.inf
 
     @property
     def nbytes(self) -> int:
@@ -444,16 +435,6 @@ class RingLayout:
             return self.blank_row()
         return self.blank_row().adopt_window(held[0], held[1], entry.offset, self._geometry)
 
-    def can_publish_row(self, row: int, tokens: int) -> bool:
-        from kvrows.validation import check_row
-
-        offset = self._rows[check_row(row, self.batch_size)].offset
-        count = as_count(tokens, "tokens")
-        return count == offset or (count < offset < self.max_size)
-
-    def projected_bytes(self, tokens: int) -> int:
-        return row_bytes(self.codec, self._geometry, tokens, self.max_size)
-
     def is_trimmable(self) -> bool:
         return self._total < self.max_size
 
@@ -537,7 +518,7 @@ class RotatingAffineLayout(BatchedRotatingQuantCache):
         return f"kv:rotating-affine:{self.max_size}:{self.group_size}:{self.bits}"
 
 
-class RaggedRotatingRows:
+class RaggedRotatingRows(RingRows):
     """Prefill layout of ``RotatingKVCache``: each row a serial ring, left-aligned.
 
     A read places row ``b``'s retained tokens at columns ``[0, retained[b])``; its query
@@ -553,10 +534,6 @@ class RaggedRotatingRows:
         self._rows: list[RingCache] = []
         self._holds = False  # a buffer exists (some row held a token since the merge)
         self._geometry: KvGeometry | None = None
-
-    @property
-    def geometry(self) -> KvGeometry | None:
-        return self._geometry
 
     @property
     def batch_size(self) -> int:
@@ -577,10 +554,6 @@ class RaggedRotatingRows:
     @property
     def offset(self) -> npt.NDArray[np.int32]:
         return np.array(self.row_offsets, dtype=np.int32)
-
-    @property
-    def max_tokens(self) -> float:
-        return math.inf
 
     @property
     def nbytes(self) -> int:
@@ -723,16 +696,6 @@ class RaggedRotatingRows:
         if held is None:
             return cache
         return cache.adopt_window(held[0], held[1], entry.offset, self._geometry)
-
-    def can_publish_row(self, row: int, tokens: int) -> bool:
-        from kvrows.validation import check_row
-
-        offset = self._rows[check_row(row, self.batch_size)].offset
-        count = as_count(tokens, "tokens")
-        return count == offset or (count < offset < self.max_size)
-
-    def projected_bytes(self, tokens: int) -> int:
-        return row_bytes(self.codec, self._geometry, tokens, self.max_size)
 
     def is_trimmable(self) -> bool:
         return all(row.is_trimmable() for row in self._rows)
