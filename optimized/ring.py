@@ -51,6 +51,11 @@ def _columns(planes: Planes, start: int, stop: int | None = None) -> Planes:
     return tuple(p[:, :, start:stop] for p in planes)
 
 
+def _owned(planes: Planes) -> Planes:
+    """New arrays for ``planes``: an in-place write into them never reaches the caller's."""
+    return tuple(mx.array(p) for p in planes)
+
+
 def _concat(first: Planes, second: Planes) -> Planes:
     return tuple(mx.concatenate([a, b], axis=2) for a, b in zip(first, second, strict=True))
 
@@ -161,7 +166,8 @@ class RingCache(PlaneHolder):
 
     def _write_block(self, new_k: Planes, new_v: Planes, n: int) -> None:
         if self._keys is None or self._values is None:
-            self._keys, self._values = new_k, new_v
+            # Own copies: the plain codec's planes are the caller's arrays.
+            self._keys, self._values = _owned(new_k), _owned(new_v)
         else:
             keys, values = self._temporal(self._keys), self._temporal(self._values)
             history = int(keys[0].shape[2])
@@ -429,7 +435,7 @@ class RingLayout(RingRows, PlaneHolder):
     def _write_block(self, new_k: Planes, new_v: Planes, n: int) -> None:
         if self._keys is None or self._values is None:
             # Every row is still empty (a merge of empty rows): the block starts the buffer.
-            self._keys, self._values = new_k, new_v
+            self._keys, self._values = _owned(new_k), _owned(new_v)
         else:
             keys, values = self._chronological(self._keys), self._chronological(self._values)
             history = int(keys[0].shape[2])
