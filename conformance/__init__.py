@@ -4,14 +4,15 @@ Modules (imported as needed; nothing heavy runs at package import):
 
 * ``families``: the implementations (``reference_impl``, ``optimized_impl``,
   mutants via ``Impl.with_classes``) and the storage-family table ``FAMILIES``;
-* ``machines``: the base state machine and ``machine_class(family, layout, ...)``;
-* ``affine``: the affine family's machine (one (bits, group size) per example);
-* ``rings``: the rotating family's machines (serial ring, shared and ragged ring layouts);
+* ``machines``: the one state machine and ``machine_class(family, layout, ...)``;
+* ``affine``: the affine family's hooks (one (bits, group size) per example);
+* ``rings``: the rotating family's hooks (a window; serial ring, shared and ragged layouts);
 * ``strategies``: Hypothesis strategies (geometries, prompts, chunks, keep lists);
 * ``tolerances``: the one tolerance table (``spec/tolerances.md``);
 * ``parity``: where kvrows and mlx-lm knowingly differ (the skips' reasons);
 * ``profiles``: the ``ci`` / ``deep`` / ``teeth`` Hypothesis profiles;
 * ``runner``: ``run_conformance`` behind ``kvrows conform``;
 * ``calibrate``: re-measures the errors behind the tolerance table;
-* ``arrays``, ``snapshot``, ``stats``: exact conversions, snapshots, counters.
+* ``roles``: every role of the row-layout table, for every registered storage;
+* ``arrays``, ``stats``: exact conversions, counters.
 """

@@ -7,8 +7,10 @@ mutant is the same table with one class replaced.
 
 A :class:`Family` is a row of the storage table the machines are generated
 from: its serial class, its layouts (each with the operations it supports),
-its tolerance key and its mlx-lm peers. Later issues add affine, rotating, …
-families by adding entries to :data:`FAMILIES`.
+its tolerance key, its mlx-lm peers and its machine (a subclass of
+``machines.ConformanceMachine`` that supplies hooks and strategies only). A new
+family is an entry of :data:`FAMILIES` plus, if its geometry or peers differ, such a
+subclass.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from kvrows.conformance.arrays import from_mlx, to_mlx
 Planes = tuple[Any, ...]
 
 __all__ = [
+    "CONSTRUCTORS",
     "FAMILIES",
     "Family",
     "Impl",
@@ -76,11 +79,27 @@ def _mlx_to_numpy(array: Any) -> npt.NDArray[Any]:
     return from_mlx(array)
 
 
-def _classes(module: Any, names: tuple[str, ...]) -> Mapping[str, type]:
-    return MappingProxyType({name: getattr(module, name) for name in names})
+#: Every class the machines construct, by name: (takes a ring window, takes an affine codec).
+#: Constructors: ``Cls()``, ``Cls(max_size)``, ``Cls(group_size, bits)`` or
+#: ``Cls(max_size, group_size, bits)``.
+CONSTRUCTORS: dict[str, tuple[bool, bool]] = {
+    "KVCache": (False, False),
+    "PaddedKVRows": (False, False),
+    "BatchedKVCache": (False, False),
+    "QuantizedKVCache": (False, True),
+    "PaddedQuantKVRows": (False, True),
+    "BatchedQuantizedKVCache": (False, True),
+    "RotatingKVCache": (True, False),
+    "BatchedRotatingCache": (True, False),
+    "RaggedRotatingRows": (True, False),
+    "RotatingQuantizedKVCache": (True, True),
+    "BatchedRotatingQuantCache": (True, True),
+    "RotatingAffineLayout": (True, True),
+}
 
 
-_PLAIN_CLASSES = ("KVCache", "PaddedKVRows", "BatchedKVCache")
+def _classes(module: Any) -> Mapping[str, type]:
+    return MappingProxyType({name: getattr(module, name) for name in CONSTRUCTORS})
 
 
 def reference_impl() -> Impl:
@@ -89,7 +108,7 @@ def reference_impl() -> Impl:
 
     return Impl(
         name="reference",
-        classes=_classes(reference, _PLAIN_CLASSES),
+        classes=_classes(reference),
         attend=reference.attend,
         to_native=lambda array: np.array(array, copy=True),
         to_numpy=_numpy_identity,
@@ -102,119 +121,155 @@ def optimized_impl() -> Impl:
 
     return Impl(
         name="optimized",
-        classes=_classes(optimized, _PLAIN_CLASSES),
+        classes=_classes(optimized),
         attend=optimized.attend,
         to_native=to_mlx,
         to_numpy=_mlx_to_numpy,
     )
 
 
+Fetched = tuple[Planes, Planes] | None
+
+
 @dataclass(frozen=True)
 class PeerSpec:
-    """mlx-lm's classes for a family: the serial cache and the shared-column batch.
+    """mlx-lm's classes for a family: the serial cache and (optionally) the batch.
 
-    ``batch`` must offer mlx-lm's ``merge`` (classmethod), ``extend``, ``filter``,
-    ``extract``, ``trim``, ``make_mask``, ``update_and_fetch``, ``left_padding``,
-    ``offset`` and ``_idx``; ``attention`` is the attention models call.
+    ``serial(geometry)`` makes a serial twin; ``batch`` offers mlx-lm's ``merge``
+    (classmethod), ``extend``, ``filter``, ``extract``, ``trim``, ``make_mask``,
+    ``update_and_fetch``, ``left_padding`` and ``offset``; ``attention`` is the
+    attention models call; ``serial_kv`` / ``batch_kv`` read what a twin holds in the
+    column order of the optimized ``fetch()`` (``None`` before any token).
     """
 
-    serial: Callable[[], Any]
+    serial: Callable[[Any], Any]
     batch: Any
     attention: Callable[..., Any]
-    serial_kv: Callable[[Any], tuple[Planes, Planes] | None]
-    batch_kv: Callable[[Any], tuple[Planes, Planes] | None]
+    serial_kv: Callable[[Any], Fetched]
+    batch_kv: Callable[[Any], Fetched]
 
 
-def _plain_serial_kv(cache: Any) -> tuple[Planes, Planes] | None:
-    """What an mlx-lm ``KVCache`` holds: ``[B, H, offset, D]`` (observed, not fetched)."""
+def _sliced(cache: Any, end: int) -> Fetched:
     if cache.keys is None:
         return None
-    end = int(cache.offset)
-    return (cache.keys[:, :, :end],), (cache.values[:, :, :end],)
+
+    def cut(held: Any) -> Planes:
+        planes = held if isinstance(held, tuple | list) else (held,)
+        return tuple(p[:, :, :end] for p in planes)
+
+    return cut(cache.keys), cut(cache.values)
 
 
-def _plain_batch_kv(cache: Any) -> tuple[Planes, Planes] | None:
-    """What an mlx-lm ``BatchKVCache`` holds: ``[B, H, _idx, D]`` (``None`` before any token)."""
-    if cache.keys is None:
-        return None
-    end = int(cache._idx)
-    return (cache.keys[:, :, :end],), (cache.values[:, :, :end],)
+def _lm_attention(queries: Any, keys: Any, values: Any, **kwargs: Any) -> Any:
+    """mlx-lm's attention on a copy of the queries (its quantized path scales them in place)."""
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    return scaled_dot_product_attention(mx.array(queries), keys, values, **kwargs)
+
+
+def _lm_cache() -> Any:
+    """mlx-lm's cache module (untyped: reached through ``Any``)."""
+    from mlx_lm.models import cache
+
+    return cache
 
 
 def _plain_peer() -> PeerSpec:
-    from mlx_lm.models.base import scaled_dot_product_attention
-    from mlx_lm.models.cache import BatchKVCache, KVCache
-
+    lm = _lm_cache()
     return PeerSpec(
-        serial=KVCache,
-        batch=BatchKVCache,
-        attention=scaled_dot_product_attention,
-        serial_kv=_plain_serial_kv,
-        batch_kv=_plain_batch_kv,
+        serial=lambda geometry: lm.KVCache(),
+        batch=lm.BatchKVCache,
+        attention=_lm_attention,
+        serial_kv=lambda cache: _sliced(cache, int(cache.offset)),
+        batch_kv=lambda cache: _sliced(cache, int(cache._idx)),
     )
 
 
-def _plain_encode(block: npt.NDArray[Any]) -> tuple[npt.NDArray[Any], ...]:
-    """The planes a plain cache stores for ``block``: the block itself."""
-    return (block,)
-
-
-def _affine_encode(block: npt.NDArray[Any]) -> tuple[npt.NDArray[Any], ...]:
-    """Affine planes depend on the example's (bits, group size): the affine machine encodes."""
-    raise NotImplementedError("the affine family encodes per example (kvrows.conformance.affine)")
-
-
 def _affine_peer() -> PeerSpec:
-    from kvrows.conformance.affine import affine_peer
+    """mlx-lm's ``QuantizedKVCache`` (serial only: mlx-lm has no quantized batch)."""
+    lm = _lm_cache()
+    return PeerSpec(
+        serial=lambda g: lm.QuantizedKVCache(group_size=g.group_size, bits=g.bits),
+        batch=None,
+        attention=_lm_attention,
+        serial_kv=lambda cache: _sliced(cache, int(cache.offset)),
+        batch_kv=lambda cache: None,
+    )
 
-    return affine_peer()
+
+def _ring_kv(cache: Any) -> Fetched:
+    if cache.keys is None:
+        return None
+    keys, values = cache.keys_and_values()
+    return (keys,), (values,)
 
 
-def _affine_machine(*args: Any, **kwargs: Any) -> type[Any]:
-    from kvrows.conformance.affine import affine_machine_class
+def _ring_peer() -> PeerSpec:
+    lm = _lm_cache()
+    return PeerSpec(
+        serial=lambda g: lm.RotatingKVCache(g.max_size),
+        batch=lm.BatchRotatingKVCache,
+        attention=_lm_attention,
+        serial_kv=_ring_kv,
+        batch_kv=_ring_kv,
+    )
 
-    return affine_machine_class(*args, **kwargs)
+
+def _affine_machine() -> type[Any]:
+    from kvrows.conformance.affine import AffineMachine
+
+    return AffineMachine
 
 
-def _ring_machine(*args: Any, **kwargs: Any) -> type[Any]:
-    from kvrows.conformance.rings import ring_machine_class
+def _ring_machine() -> type[Any]:
+    from kvrows.conformance.rings import RingMachine
 
-    return ring_machine_class(*args, **kwargs)
+    return RingMachine
 
 
 @dataclass(frozen=True)
 class LayoutSpec:
     """One row layout of a family and what its machine may do with it.
 
+    ``roles``: the row-layout table roles in which the serial storage's rows land here.
     ``shared_column``: rows share one write column (decode layout, mlx-lm
     ``BatchKVCache`` parity); otherwise rows are ragged (prefill/verify).
     ``trim_rows``: the layout has per-row rollback ``trim_rows(counts)``.
-    ``peer``: mlx-lm mirrors this layout with the family's ``PeerSpec.batch``.
+    ``peer``: mlx-lm mirrors this layout with the family's ``PeerSpec.batch``;
+    ``serial_peer``: the serial caches have mlx-lm twins (``PeerSpec.serial``).
+    ``serial`` / ``tolerance_key``: when not the family's (a family of two codecs).
+    ``siblings``: other layouts whose rows this one merges (side sources of a merge).
     """
 
     name: str
-    role: str
+    roles: tuple[str, ...]
     shared_column: bool
     trim_rows: bool
     peer: bool
+    serial_peer: bool = True
+    serial: str = ""
+    tolerance_key: str = ""
+    siblings: tuple[str, ...] = ()
+
+    @property
+    def role(self) -> str:
+        return self.roles[0]
 
 
 @dataclass(frozen=True)
 class Family:
-    """A storage family: its serial class, its layouts and how to compare them."""
+    """A storage family: its serial class, its layouts, its machine and how to compare."""
 
     name: str
     serial: str
     layouts: tuple[LayoutSpec, ...]
     tolerance_key: str
-    encode: Callable[[npt.NDArray[Any]], tuple[npt.NDArray[Any], ...]]
     peer: Callable[[], PeerSpec] | None = None
     description: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
-    #: Builds the family's machine classes, with ``machines.machine_class``'s signature
-    #: (``None``: ``machine_class`` itself); a family whose examples draw parameters of
-    #: their own (the affine codec's bits and group size) supplies a subclass's factory.
-    machine: Callable[..., type[Any]] | None = None
+    #: The family's machine base class (``None``: ``machines.ConformanceMachine``): a
+    #: subclass of hooks and strategies only (``machines.machine_class`` builds on it).
+    machine: Callable[[], type[Any]] | None = None
     #: The share of the profile's ``max_examples`` the family's machines run (an example of
     #: a costlier family takes longer; ``runner.family_settings`` applies it).
     examples: float = 1.0
@@ -226,20 +281,24 @@ class Family:
         raise KeyError(f"family {self.name!r} has no layout {name!r}")
 
 
+_PLAIN_RINGS = ("BatchedRotatingCache", "RaggedRotatingRows")
+_AFFINE_RINGS = ("BatchedRotatingQuantCache", "RotatingAffineLayout")
+
 FAMILIES: dict[str, Family] = {
     "plain": Family(
         name="plain",
         serial="KVCache",
         layouts=(
+            LayoutSpec("PaddedKVRows", ("decode",), shared_column=True, trim_rows=False, peer=True),
             LayoutSpec(
-                "PaddedKVRows", role="decode", shared_column=True, trim_rows=False, peer=True
-            ),
-            LayoutSpec(
-                "BatchedKVCache", role="prefill", shared_column=False, trim_rows=True, peer=False
+                "BatchedKVCache",
+                ("prefill", "verify"),
+                shared_column=False,
+                trim_rows=True,
+                peer=False,
             ),
         ),
         tolerance_key="plain",
-        encode=_plain_encode,
         peer=_plain_peer,
         description="plain (unquantized) full-attention KV",
     ),
@@ -248,70 +307,75 @@ FAMILIES: dict[str, Family] = {
         serial="QuantizedKVCache",
         layouts=(
             LayoutSpec(
-                "PaddedQuantKVRows", role="decode", shared_column=True, trim_rows=False, peer=False
+                "PaddedQuantKVRows", ("decode",), shared_column=True, trim_rows=False, peer=False
             ),
             LayoutSpec(
                 "BatchedQuantizedKVCache",
-                role="prefill",
+                ("prefill", "verify"),
                 shared_column=False,
                 trim_rows=True,
                 peer=False,
             ),
         ),
         tolerance_key="affine",
-        encode=_affine_encode,
         peer=_affine_peer,
         description="affine-quantized full-attention KV at every (bits, group size)",
         machine=_affine_machine,
         # Six planes per row and quantized attention: an example costs about twice a
-        # plain one; 40% of the profile's examples keeps the CI profile near a minute
-        # with the per-codec sweep of tests/test_conformance.py.
-        examples=0.4,
+        # plain one.
+        examples=0.3,
     ),
-    # Sliding-window rings, both codecs: the serial rings RotatingKVCache and
-    # RotatingQuantizedKVCache ride along in every machine (kvrows.conformance.rings
-    # picks each layout's serial class and codec; ``encode`` is the plain codec's).
+    # Sliding-window rings, both codecs: each layout names its serial ring and codec.
     "rotating": Family(
         name="rotating",
         serial="RotatingKVCache",
         layouts=(
             LayoutSpec(
                 "BatchedRotatingCache",
-                role="decode",
+                ("decode",),
                 shared_column=True,
                 trim_rows=False,
                 peer=True,
+                siblings=_PLAIN_RINGS,
             ),
             LayoutSpec(
                 "RaggedRotatingRows",
-                role="prefill",
+                ("prefill", "verify"),
                 shared_column=False,
                 trim_rows=True,
                 peer=False,
+                siblings=_PLAIN_RINGS,
             ),
             LayoutSpec(
                 "BatchedRotatingQuantCache",
-                role="decode",
+                ("decode",),
                 shared_column=True,
                 trim_rows=False,
                 peer=False,
+                serial_peer=False,
+                serial="RotatingQuantizedKVCache",
+                tolerance_key="rotating-affine",
+                siblings=_AFFINE_RINGS,
             ),
             LayoutSpec(
                 "RotatingAffineLayout",
-                role="prefill",
+                ("prefill", "verify"),
                 shared_column=True,
                 trim_rows=False,
                 peer=False,
+                serial_peer=False,
+                serial="RotatingQuantizedKVCache",
+                tolerance_key="rotating-affine",
+                siblings=_AFFINE_RINGS,
             ),
         ),
         tolerance_key="rotating",
-        encode=_plain_encode,
+        peer=_ring_peer,
         description="sliding-window rings (plain and affine): serial, decode and prefill layouts",
         machine=_ring_machine,
         # An example drives four implementations of a ring (reference, optimized, mlx-lm
-        # twins and the model) through every wrap: 45% of the profile keeps the CI
-        # profile near a minute for the four layouts on two cores.
-        examples=0.45,
+        # twins and the model) through every wrap.
+        examples=0.35,
     ),
 }
 

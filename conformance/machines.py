@@ -1,34 +1,57 @@
-"""The conformance state machines: one base machine, generated per (family, layout).
+"""The conformance state machine: one base machine, generated per (family, layout).
 
-A machine holds the same logical state three or four times over:
+A machine holds the same logical state several times over:
 
 * the **reference** and the **optimized** implementation, side by side (same
-  operations, same data converted exactly);
+  operations, same data converted exactly, each implementation its own copy of
+  every input array);
 * for every request, **solo** serial caches in each implementation (and an
-  mlx-lm ``KVCache`` twin) that saw exactly the appends and trims its row saw;
-* a NumPy **model** of every request's tokens (the blocks appended, minus the
-  trims), which depends on no implementation at all;
-* for a shared-column layout, an **mlx-lm mirror** (``BatchKVCache``) driven
-  through the same merges (``merge``), joins (``extend``), filters, extracts,
-  trims and steps.
+  mlx-lm twin where mlx-lm has the storage) that saw exactly the appends and trims
+  its row saw;
+* a NumPy **model** of every request: the encoded planes of every token appended,
+  minus the trims, which depends on no implementation at all;
+* for a layout mlx-lm mirrors, an **mlx-lm mirror** driven through the same
+  merges, joins, filters, extracts, trims and steps.
 
-After every step :meth:`ConformanceMachine.check_oracles` checks the three
-oracles of ``DESIGN.md``: (a) reference vs optimized, (b) solo replay in each
-implementation, (c) mlx-lm parity; plus both implementations against the model.
-Attention outputs are compared inside the step rules (they exist only there).
+The oracles of ``DESIGN.md`` run inside the steps and in the invariant
+(:meth:`ConformanceMachine.check_oracles`): (a) reference vs optimized, (b) solo
+replay in each implementation, (c) mlx-lm parity; plus both implementations
+against the model. Masks are checked **semantically** on every append: the keys
+each query sees (identified by their bytes) must be exactly the row's tokens at
+positions ``(p - window, p]`` that the store keeps (:func:`expected_visible`), so
+the check holds whatever column order a store reads in; where two stores read the
+same columns in the same order, their masks must also be the same booleans.
 
-Requests live in a **pool** (free serial caches: prefill, trim, merge from
-here) or as **rows** of a layout. Rows that a filter drops go back to the pool
-(their solo caches become the request's caches); an extracted row may join the
-pool as a new request (its caches are the extracted ones).
+Besides the values, the machine checks what a caller relies on:
 
-Machines are classes made by :func:`machine_class`, which takes the
-implementations as parameters so the teeth tests can inject mutants.
+* **independence**: the caller's input arrays never change after a call, and an
+  extracted or published cache keeps what it held while the layout goes on;
+* **dtypes**: every fetched plane and every attention output has the dtype the
+  spec names (attention: the queries' dtype);
+* **the row-layout table**: a new layout made through its role's table function is
+  of the layout's class and parameters;
+* **admission**: ``projected_bytes(t)`` and ``table.row_admission`` against the
+  spec's formula and the compact plane bytes of an extracted row of ``t`` tokens;
+* **bad input**: the same ``KvRowsError`` subclass and message in both
+  implementations, and no change anywhere (:data:`MESSAGE_EXCEPTIONS` lists the
+  messages that still differ).
+
+Cost: the invariant checks what the last rule touched and everything every
+:data:`FULL_CHECK_EVERY` rules; teardown checks every live object once more.
+
+A family plugs in with a subclass of hooks and strategies only (see
+``conformance.affine`` and ``conformance.rings``): its geometry strategy, the
+views of what a serial cache and a layout row hold, its prompt/step/keep
+strategies, its mlx-lm peer's quirks and its extra invalid operations.
+:func:`machine_class` makes every machine; it takes the implementations as
+parameters so the teeth tests can inject mutants.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -38,27 +61,75 @@ import numpy as np
 import numpy.typing as npt
 from hypothesis import note
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    initialize,
-    invariant,
-    precondition,
-    rule,
-)
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvrows import table
 from kvrows.conformance import strategies as ks
-from kvrows.conformance.arrays import NUMPY_DTYPES, expand_mask, random_block
-from kvrows.conformance.families import Family, Impl, LayoutSpec, PeerSpec
+from kvrows.conformance.arrays import NUMPY_DTYPES, expand_mask, random_block, to_mlx
+from kvrows.conformance.families import CONSTRUCTORS, Family, Impl, LayoutSpec, PeerSpec
 from kvrows.conformance.parity import DIVERGENCES
-from kvrows.conformance.snapshot import snapshot
 from kvrows.conformance.stats import Stats
 from kvrows.conformance.tolerances import compare, tolerance
-from kvrows.errors import KvRowsError
+from kvrows.errors import KvRowsError, NotTrimmableError
 
-__all__ = ["ConformanceMachine", "Limits", "machine_class"]
+__all__ = [
+    "BASE_CHECKS",
+    "FULL_CHECK_EVERY",
+    "MESSAGE_EXCEPTIONS",
+    "ConformanceMachine",
+    "Limits",
+    "Slot",
+    "Track",
+    "expected_visible",
+    "machine_class",
+    "snapshot",
+]
 
 Array = npt.NDArray[Any]
+Planes = tuple[Array, ...]
+#: An invalid operation: (label, call(impl, target), parity skip code, the error type the
+#: contract names, or ``None`` when only "the same type in both" is specified).
+Case = tuple[str, Callable[[Impl, Any], object], str, type[KvRowsError] | None]
+
+#: The checks (``Stats.checks`` keys) every machine runs, whatever its family.
+BASE_CHECKS = (
+    "reference vs optimized",
+    "solo replay",
+    "masks",
+    "visibility",
+    "error types",
+    "error messages",
+    "dtypes",
+    "independence",
+    "admission",
+    "table roles",
+    "full check",
+)
+
+#: The invariant checks what the last rule touched, and everything every this many rules.
+FULL_CHECK_EVERY = 4
+
+#: Bad-input cases (a part of their label) whose error *messages* differ between the
+#: implementations: only their error types are compared. Each says why; the list shrinks
+#: as the implementations converge on one message per error.
+MESSAGE_EXCEPTIONS: dict[str, str] = {
+    "the other implementation's arrays": (
+        "each implementation names the array type it takes (NumPy / MLX) and the one it got"
+    ),
+    # The reference's full-attention layouts say "the layout holds no rows: nothing to
+    # fetch" (no rows) and "the layout's geometry is unknown until its first token" (rows
+    # that never held a token); the optimized ones and every ring say "the layout holds no
+    # tokens yet: nothing to fetch" (issue 8, part 7: one message).
+    **{
+        f"fetch() of an empty {name}": "reference/storage.py says otherwise (see above)"
+        for name in (
+            "PaddedKVRows",
+            "BatchedKVCache",
+            "PaddedQuantKVRows",
+            "BatchedQuantizedKVCache",
+        )
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -73,18 +144,18 @@ class Limits:
 
 @dataclass
 class Track:
-    """One request: its model (tokens appended minus trims) and its serial caches.
+    """One request: its model (encoded planes of every token held) and its serial caches.
 
-    In the pool, ``ref``/``opt``/``lm`` *are* the request; inside a layout they
-    are the row's solo replay caches.
+    In the pool, ``ref``/``opt``/``lm`` *are* the request; inside a layout they are the
+    row's solo replay caches.
     """
 
     ident: int
     ref: Any
     opt: Any
     lm: Any
-    keys: Array
-    values: Array
+    keys: Planes
+    values: Planes
     #: The caches hold planes (some block was appended): their row count B is fixed.
     appended: bool = False
     #: The caches know their geometry (an append, or an extracted empty row that kept it).
@@ -93,7 +164,7 @@ class Track:
 
     @property
     def tokens(self) -> int:
-        return int(self.keys.shape[2])
+        return int(self.keys[0].shape[2])
 
 
 @dataclass
@@ -105,19 +176,126 @@ class Slot:
     opt: Any
     rows: list[Track]
     lm: Any = None
-    #: False once a skipped operation left the mirror unable to follow (then it is dropped).
+    #: False once a skipped operation left the mirror unable to follow.
     mirrored: bool = True
 
 
-def _update_with(
-    make: Callable[[Impl], tuple[Any, Any]],
-) -> Callable[[Impl, Any], object]:
+# ------------------------------------------------------------------ array helpers
+def planes_of(impl: Impl, fetched: Any) -> Planes:
+    """An ``update_and_fetch`` / ``fetch`` answer as NumPy planes (affine: the triple)."""
+    if isinstance(fetched, tuple | list):
+        return tuple(impl.to_numpy(p) for p in fetched)
+    return (impl.to_numpy(fetched),)
+
+
+def view_planes(impl: Impl, held: Any) -> Planes | None:
+    """``(key planes, value planes)`` (or ``None``) as one NumPy tuple: keys', values'."""
+    if held is None:
+        return None
+    return tuple(impl.to_numpy(p) for group in held for p in group)
+
+
+def column_ids(planes: Planes, row: int) -> list[bytes]:
+    """The bytes of every column of row ``row`` (all heads, all planes): a token's identity."""
+    columns = int(planes[0].shape[2])
+    if columns == 0:
+        return []
+    parts = [
+        np.ascontiguousarray(np.moveaxis(p[row], 1, 0)).reshape(columns, -1).view(np.uint8)
+        for p in planes
+    ]
+    joined = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+    return [bytes(column) for column in joined]
+
+
+def take_columns(planes: Planes, row: int, columns: Sequence[int]) -> Planes:
+    index = np.array(list(columns), dtype=np.int64)
+    return tuple(np.ascontiguousarray(p[row : row + 1, :, index]) for p in planes)
+
+
+def expand(mask: Any, batch: int, n: int, keys: int) -> npt.NDArray[np.bool_]:
+    """``expand_mask``, also taking mlx-lm's 1-D ``[S]`` decode mask of a serial ring."""
+    if isinstance(mask, mx.array | np.ndarray) and mask.ndim == 1:
+        mask = mask[None]
+    return expand_mask(mask, batch, n, keys)
+
+
+def planes_bytes(planes: Planes | None) -> Any:
+    if planes is None:
+        return None
+    return tuple((p.shape, str(p.dtype), p.tobytes()) for p in planes)
+
+
+def _cat(a: Planes, b: Planes) -> Planes:
+    return tuple(np.concatenate([x, y], axis=2) for x, y in zip(a, b, strict=True))
+
+
+def _newest(planes: Planes, keep: int) -> Planes:
+    start = int(planes[0].shape[2]) - keep
+    return tuple(np.ascontiguousarray(p[:, :, start:]) for p in planes)
+
+
+def _last_rows(mask: Any, m: int) -> Any:
+    """A mask for ``n`` queries restricted to its last ``m`` (``"causal"`` is bottom-right
+    aligned, so it stays ``"causal"``)."""
+    if mask is None or isinstance(mask, str):
+        return mask
+    return mask[..., -m:, :]
+
+
+def snapshot(cache: Any, impl: Impl, view: str, row_view: str) -> tuple[Any, ...]:
+    """Everything observable about a cache or layout (public surface and ``repr``)."""
+    try:
+        fetched: Any = planes_bytes(
+            tuple(p for part in cache.fetch() for p in planes_of(impl, part))
+        )
+    except KvRowsError as error:
+        fetched = type(error).__name__
+    base = (
+        type(cache).__name__,
+        cache.signature(),
+        repr(cache.geometry),
+        int(cache.nbytes),
+        repr(cache),
+        cache.is_trimmable(),
+        fetched,
+    )
+    if table.is_batchable(cache):
+        rows = tuple(
+            planes_bytes(view_planes(impl, getattr(cache, row_view)(b)))
+            for b in range(cache.batch_size)
+        )
+        offsets = tuple(int(x) for x in impl.to_numpy(cache.offset).tolist())
+        return (*base, cache.batch_size, cache.row_offsets, cache.left_pad, offsets, rows)
+    return (*base, int(cache.offset), planes_bytes(view_planes(impl, getattr(cache, view)())))
+
+
+def expected_visible(before: int, n: int, window: int | None, max_size: int | None) -> list[range]:
+    """Positions query ``i`` of an ``n``-token append onto ``before`` tokens must see.
+
+    The store keeps every token (``max_size`` ``None``), or a ring's newest ``min(before
+    + 1, max_size)`` after one token and newest ``min(before, max_size - 1) + n`` after a
+    block; query ``i`` (position ``before + i``) sees the kept tokens at positions
+    ``(before + i - window, before + i]``.
+    """
+    geo = ks.Geometry("float32", 1, 1, 1, 1, max_size)
+    oldest = before + n - geo.retained(before, n)
+    reach = window or max_size or before + n + 1
+    return [range(max(oldest, p - reach + 1), p + 1) for p in range(before, before + n)]
+
+
+def _update_with(make: Callable[[Impl], tuple[Any, Any]]) -> Callable[[Impl, Any], object]:
     """A call that appends ``make(impl)``'s keys and values to a cache."""
     return lambda impl, cache: cache.update_and_fetch(*make(impl))
 
 
 class ConformanceMachine(RuleBasedStateMachine):
-    """Shared rules for every (family, layout); see the module docstring."""
+    """Shared rules for every (family, layout); see the module docstring.
+
+    The class-level hooks describe full-attention storage; a family's subclass
+    overrides what differs (``conformance.rings``: a window; ``conformance.affine``:
+    a codec per example).
+    """
 
     family: ClassVar[Family]
     spec: ClassVar[LayoutSpec]
@@ -129,18 +307,124 @@ class ConformanceMachine(RuleBasedStateMachine):
     #: False in calibration runs: attention errors are recorded, not enforced.
     enforce: ClassVar[bool] = True
 
+    # ------------------------------------------------------------- family hooks
+    #: The serial cache's and the layout row's time-ordered views (``(keys, values)``).
+    serial_view: ClassVar[str] = "planes"
+    row_view: ClassVar[str] = "row_planes"
+    #: Serial chunks compare attention on their last this many queries (``None``: all).
+    attended_queries: ClassVar[int | None] = None
+
+    @classmethod
+    def geometries(cls) -> st.SearchStrategy[ks.Geometry]:
+        return ks.geometries()
+
+    def _prompt_length(self, data: st.DataObject) -> int:
+        return data.draw(ks.prompt_lengths(self.limits.long_prompts), label="prompt length")
+
+    def _chunk(self, data: st.DataObject) -> int:
+        return data.draw(st.integers(1, 8), label="chunk")
+
+    def _block_size(self, data: st.DataObject) -> int:
+        return data.draw(ks.step_sizes(multi=True), label="N")
+
+    def _keep(self, data: st.DataObject, slot: Slot) -> tuple[str, list[int]]:
+        return data.draw(ks.keep_lists(tuple(t.tokens for t in slot.rows)), label="keep")
+
+    def _check_layout_shape(self, slot: Slot) -> None:
+        """Full attention: both agree on the width; shared-column rows end at it."""
+        r, o = slot.ref, slot.opt
+        self._exact(f"layout {slot.ident} width", o.width, r.width)
+        if self.spec.shared_column:
+            ends = {p + t.tokens for p, t in zip(r.left_pad, slot.rows, strict=True)}
+            self._exact(
+                f"layout {slot.ident}: rows share one write column", ends | {r.width}, {r.width}
+            )
+
+    def _after_filter(self, slot: Slot, pads: tuple[int, ...], keep: list[int]) -> None:
+        """What a filter must leave (rings keep their survivors' padding)."""
+
+    def _peer_divergence(self, slot: Slot, n: int) -> str | None:
+        """A parity skip code when mlx-lm's mask for an ``n``-token step may differ."""
+        return None
+
+    def _peer_layout_state(self, slot: Slot, lm: Any) -> None:
+        self._exact(
+            f"layout {slot.ident} mlx-lm _idx (shared write column)", int(lm._idx), slot.ref.width
+        )
+
+    def _peer_serial_state(self, track: Track) -> None:
+        """Anything more of an mlx-lm serial twin's state to compare (rings: the index)."""
+
+    def _peer_join(self, slot: Slot, twins: Sequence[Any]) -> None:
+        """mlx-lm: ``merge`` of the incoming twins; ``extend`` onto a running batch."""
+        assert self.peer is not None
+        batch = self.peer.batch.merge(list(twins))
+        if slot.lm is None:
+            slot.lm = batch
+        else:
+            slot.lm.extend(batch)
+
+    def _peer_filter(self, slot: Slot, keep: list[int]) -> None:
+        lm = slot.lm
+        if lm.keys is None and keep and min(np.array(lm.left_padding)[keep].tolist()) > 0:
+            self._skip("B2", "filter of a key-less mlx-lm batch with left padding")
+            slot.lm, slot.mirrored = None, False
+            return
+        lm.filter(keep)
+        self.stats.check("mlx-lm filter")
+
+    def _peer_extract(self, lm: Any, b: int, track: Track) -> Any:
+        """mlx-lm's ``extract(b)`` against the model; the twin the request keeps."""
+        assert self.peer is not None
+        twin = lm.extract(b)
+        self._exact("mlx-lm extract offset", int(twin.offset), track.tokens)
+        held = self.peer.serial_kv(twin)
+        got = None if held is None else view_planes(self.opt_impl, held)
+        self._same_planes("kv.mlx_lm", "mlx-lm extract", got, self._model_view(track))
+        self.stats.check("mlx-lm extract")
+        return twin
+
+    def _twin_for(self, track: Track) -> Any:
+        """An mlx-lm twin for an extracted row mlx-lm could not extract."""
+        return self._replay(track).lm
+
+    def _extra_layout_cases(self, slot: Slot) -> list[Case]:
+        return []
+
+    def _extra_serial_cases(self, track: Track) -> list[Case]:
+        return []
+
+    # ------------------------------------------------------------------ set-up
     def __init__(self) -> None:
         super().__init__()
         self.geo: ks.Geometry | None = None
         self.pool: list[Track] = []
         self.slots: list[Slot] = []
         self._ids = itertools.count()
+        self._draws = itertools.count()
+        self._dirty: set[int] = set()
+        self._invariants = 0
+        self._clean = True
         self._steps_at_start = self.stats.steps
+        #: (label, implementation, the array handed over, the machine's pristine copy).
+        self._inputs: deque[tuple[str, Impl, Any, Array]] = deque(maxlen=48)
+        #: (label, implementation, an extracted/published cache, what it held then).
+        self._outputs: deque[tuple[str, Impl, Any, Any]] = deque(maxlen=6)
+
+    @initialize(data=st.data())
+    def setup(self, data: st.DataObject) -> None:
+        self.geo = data.draw(self.geometries(), label="geometry")
+        note(f"geometry: {self.geo}")
+        if self.geo.mlx_lm_width_bug and self.peer is not None and self.spec.serial_peer:
+            self._skip("A1", f"no mlx-lm twin at {self.geo}")
 
     def teardown(self) -> None:
-        # Examples Hypothesis abandons before any operation (duplicates of explored
-        # prefixes) are not counted.
+        if self.geo is not None and self._clean:
+            self._check_everything()
+        # Examples Hypothesis abandons before any operation are not counted.
         if self.stats.steps > self._steps_at_start:
+            if self.geo is not None:
+                self.stats.variant(self.geo.codec)
             self.stats.example_done()
 
     # ------------------------------------------------------------------ helpers
@@ -149,12 +433,30 @@ class ConformanceMachine(RuleBasedStateMachine):
         assert self.geo is not None
         return self.geo
 
+    @property
+    def serial_name(self) -> str:
+        return self.spec.serial or self.family.serial
+
+    @property
+    def twins(self) -> bool:
+        """Serial caches have mlx-lm twins in this example."""
+        return self.peer is not None and self.spec.serial_peer and not self.g.mlx_lm_width_bug
+
+    def _parity(self, slot: Slot) -> bool:
+        return self.peer is not None and self.spec.peer and slot.mirrored
+
+    def _op(self, name: str, *touched: Track | Slot) -> None:
+        self._clean = False
+        self.stats.op(name)
+        self._dirty.update(item.ident for item in touched)
+
     def _exact(self, what: str, actual: object, expected: object) -> None:
         if actual != expected:
             raise AssertionError(f"{what}: got {actual!r}, expected {expected!r}")
 
     def _close(self, quantity: str, what: str, actual: Array, expected: Array) -> None:
-        tol = tolerance(self.family.tolerance_key, quantity, self.g.dtype)
+        key = self.spec.tolerance_key or self.family.tolerance_key
+        tol = tolerance(key, quantity, self.g.dtype)
         ok, error = compare(actual, expected, tol)
         ratio = 0.0
         if not tol.exact and actual.shape == expected.shape and actual.size:
@@ -170,51 +472,101 @@ class ConformanceMachine(RuleBasedStateMachine):
             f"dtypes {actual.dtype} / {expected.dtype})"
         )
 
+    def _same_planes(self, quantity: str, what: str, got: Planes | None, want: Planes) -> None:
+        """``got`` equals ``want`` plane by plane (``None`` only when ``want`` is empty)."""
+        if got is None:
+            self._exact(f"{what}: holds nothing, so the model holds no token", want[0].shape[2], 0)
+            return
+        self._exact(f"{what}: plane count", len(got), len(want))
+        for i, (a, e) in enumerate(zip(got, want, strict=True)):
+            self._close(quantity, f"{what} plane {i}", a, e)
+
+    def _pick(self, data: st.DataObject, items: Sequence[Any], label: str) -> Any:
+        return items[data.draw(st.integers(0, len(items) - 1), label=label)]
+
+    def _skip(self, code: str, what: str) -> None:
+        assert code in DIVERGENCES, code
+        note(f"  parity skip {code}: {what}")
+        self.stats.skip(code)
+
+    def _new(self, impl: Impl, name: str, **changes: int) -> Any:
+        """A new ``name`` of ``impl`` with this example's window and codec (or ``changes``)."""
+        ring, affine = CONSTRUCTORS[name]
+        g = self.g
+        params = {
+            "max_size": g.max_size or 8,
+            "group_size": g.group_size or 32,
+            "bits": g.bits or 8,
+        }
+        params.update(changes)
+        args: tuple[int, ...] = (params["max_size"],) if ring else ()
+        if affine:
+            args += (params["group_size"], params["bits"])
+        return impl.cls(name)(*args)
+
+    def _encode(self, block: Array) -> Planes:
+        """The planes the spec stores for ``block`` under this example's codec."""
+        if not self.g.affine:
+            return (block,)
+        from kvrows.reference.affine_codec import quantize
+
+        return tuple(quantize(block, self.g.group_size, self.g.bits))
+
+    def _model_view(self, track: Track) -> Planes:
+        """What the request's store must hold, keys' planes then values'."""
+        keep = self.g.kept(track.tokens)
+        return (*_newest(track.keys, keep), *_newest(track.values, keep))
+
+    def _view(self, impl: Impl, cache: Any) -> Planes | None:
+        return view_planes(impl, getattr(cache, self.serial_view)())
+
+    def _row_view(self, impl: Impl, layout: Any, b: int) -> Planes | None:
+        return view_planes(impl, getattr(layout, self.row_view)(b))
+
+    def _rng(self, data: st.DataObject) -> np.random.Generator:
+        """A generator for one rule's blocks: the drawn seed plus a per-example count, so
+        two blocks never repeat (tokens are identified by their bytes)."""
+        return np.random.default_rng([data.draw(ks.seeds, label="seed"), next(self._draws)])
+
     def _block(self, rng: np.random.Generator, rows: int, n: int, dim: int) -> Array:
         return random_block(rng, (rows, self.g.heads, n, dim), self.g.dtype)
 
-    def _planes(self, impl: Impl, held: Any) -> tuple[Array, ...] | None:
-        """``(k planes..., v planes...)`` of a ``planes()`` / ``row_planes()`` answer, as NumPy."""
-        if held is None:
-            return None
-        return tuple(impl.to_numpy(p) for group in held for p in group)
+    def _queries(self, rng: np.random.Generator, rows: int, n: int) -> Array:
+        g = self.g
+        return random_block(rng, (rows, g.query_heads, n, g.key_dim), g.dtype)
 
-    def _model_planes(self, track: Track) -> tuple[Array, ...]:
-        return (*self.family.encode(track.keys), *self.family.encode(track.values))
+    def _give(self, impl: Impl, array: Array, label: str) -> Any:
+        """``impl``'s own copy of ``array``; kept to check later that it never changes."""
+        native = impl.to_native(array)
+        self._inputs.append((label, impl, native, array))
+        return native
 
-    def _same_planes(
-        self, quantity: str, what: str, actual: tuple[Array, ...] | None, track: Track
-    ) -> None:
-        """``actual`` holds exactly ``track``'s tokens (``None`` only for an empty row)."""
-        if actual is None:
-            self._exact(f"{what}: holds no planes, so the row must hold 0 tokens", track.tokens, 0)
-            return
-        for i, (got, want) in enumerate(zip(actual, self._model_planes(track), strict=True)):
-            self._close(quantity, f"{what} plane {i}", got, want)
+    def _lm_copy(self, array: Array) -> mx.array:
+        """mlx-lm's own copy (mlx-lm may keep and later write a caller's array)."""
+        return to_mlx(array)
 
     def _new_track(self) -> Track:
         g = self.g
         dtype = NUMPY_DTYPES[g.dtype]
-        lm = self.peer.serial() if self.peer is not None else None
         return Track(
             ident=next(self._ids),
-            ref=self.ref_impl.new(self.family.serial),
-            opt=self.opt_impl.new(self.family.serial),
-            lm=lm,
-            keys=np.zeros((1, g.heads, 0, g.key_dim), dtype=dtype),
-            values=np.zeros((1, g.heads, 0, g.value_dim), dtype=dtype),
+            ref=self._new(self.ref_impl, self.serial_name),
+            opt=self._new(self.opt_impl, self.serial_name),
+            lm=self.peer.serial(g) if (self.peer is not None and self.twins) else None,
+            keys=self._encode(np.zeros((1, g.heads, 0, g.key_dim), dtype)),
+            values=self._encode(np.zeros((1, g.heads, 0, g.value_dim), dtype)),
         )
 
     def _record_append(self, track: Track, keys: Array, values: Array) -> None:
-        track.keys = np.concatenate([track.keys, keys], axis=2)
-        track.values = np.concatenate([track.values, values], axis=2)
+        track.keys = _cat(track.keys, self._encode(keys))
+        track.values = _cat(track.values, self._encode(values))
         track.appended = track.geometry_known = True
         track.history.append(("append", keys, values))
 
     def _record_trim(self, track: Track, count: int) -> None:
         keep = track.tokens - count
-        track.keys = track.keys[:, :, :keep].copy()
-        track.values = track.values[:, :, :keep].copy()
+        track.keys = tuple(np.ascontiguousarray(p[:, :, :keep]) for p in track.keys)
+        track.values = tuple(np.ascontiguousarray(p[:, :, :keep]) for p in track.values)
         track.history.append(("trim", count, None))
 
     def _replay(self, source: Track) -> Track:
@@ -222,12 +574,14 @@ class ConformanceMachine(RuleBasedStateMachine):
         track = self._new_track()
         for kind, a, b in source.history:
             if kind == "append":
-                track.ref.update_and_fetch(a, b)
-                track.opt.update_and_fetch(self.opt_impl.to_native(a), self.opt_impl.to_native(b))
+                track.ref.update_and_fetch(
+                    self._give(self.ref_impl, a, "replay"), self._give(self.ref_impl, b, "replay")
+                )
+                track.opt.update_and_fetch(
+                    self._give(self.opt_impl, a, "replay"), self._give(self.opt_impl, b, "replay")
+                )
                 if track.lm is not None:
-                    track.lm.update_and_fetch(
-                        self.opt_impl.to_native(a), self.opt_impl.to_native(b)
-                    )
+                    track.lm.update_and_fetch(self._lm_copy(a), self._lm_copy(b))
                 self._record_append(track, a, b)
             else:
                 track.ref.trim(a)
@@ -237,120 +591,146 @@ class ConformanceMachine(RuleBasedStateMachine):
                 self._record_trim(track, a)
         return track
 
-    def _masks_equal(self, what: str, masks: Sequence[Any], batch: int, n: int, keys: int) -> None:
-        """``masks`` (reference, optimized[, mlx-lm]) describe the same visibility."""
-        names = ("reference", "optimized", "mlx-lm")
-        expanded = []
-        for name, mask in zip(names, masks, strict=False):
-            try:
-                expanded.append(expand_mask(mask, batch, n, keys))
-            except AssertionError as error:
-                raise AssertionError(f"{what} ({name}): {error}") from None
-        for name, other in zip(names[1:], expanded[1:], strict=False):
-            if not np.array_equal(expanded[0], other):
+    # ------------------------------------------------------- masks and dtypes
+    def _visibility(
+        self,
+        what: str,
+        fetched_keys: Planes,
+        mask: npt.NDArray[np.bool_],
+        rows: Sequence[tuple[int, Planes, int]],
+        n: int,
+        window: int | None,
+    ) -> list[list[int]]:
+        """Each row's queries see exactly the tokens :func:`expected_visible` names.
+
+        ``rows``: ``(batch index, the row's model key planes after the append, tokens
+        before it)``. Keys are identified by their bytes, so the check holds whatever the
+        column order. Returns, per row, the columns some query sees.
+        """
+        seen: list[list[int]] = []
+        for b, model_keys, before in rows:
+            position = {token: p for p, token in enumerate(column_ids(model_keys, 0))}
+            found = np.array([position.get(x, -1) for x in column_ids(fetched_keys, b)])
+            expected = expected_visible(before, n, window, self.g.max_size)
+            visible_any = np.zeros(len(found), dtype=bool)
+            for i in range(n):
+                visible = mask[b, 0, i]
+                visible_any |= visible
+                got = np.sort(found[visible]).tolist()
+                if got != list(expected[i]):
+                    raise AssertionError(
+                        f"{what}: row {b} query {i} (position {before + i}) sees positions "
+                        f"{got} (-1: not a token of the row), expected {list(expected[i])} "
+                        f"(window {window}, max_size {self.g.max_size}, n {n})"
+                    )
+            seen.append(np.flatnonzero(visible_any).tolist())
+        self.stats.check("visibility")
+        return seen
+
+    def _masks_equal(self, what: str, masks: Sequence[npt.NDArray[np.bool_]]) -> None:
+        for name, other in zip(("optimized", "mlx-lm"), masks[1:], strict=False):
+            if other.shape != masks[0].shape or not np.array_equal(other, masks[0]):
                 raise AssertionError(
-                    f"{what}: the {name} mask differs from the reference's:\n"
-                    f"{other.astype(int)}\nvs\n{expanded[0].astype(int)}"
+                    f"{what}: the {name} mask differs:\n{other.astype(int)}\n"
+                    f"vs\n{masks[0].astype(int)}"
                 )
         self.stats.check("masks")
 
-    def _visible_rows(
-        self, fetched: Array, pads: Sequence[int], lens: Sequence[int]
-    ) -> list[Array]:
-        return [
-            fetched[b : b + 1, :, p : p + t]
-            for b, (p, t) in enumerate(zip(pads, lens, strict=True))
+    def _fetch_dtypes(self, what: str, *fetched: Planes) -> None:
+        """Fetched planes have the stored dtypes (the model's: values in the cache's dtype,
+        affine codes ``uint32`` with scales and biases in the cache's dtype)."""
+        want = [
+            str(p.dtype)
+            for p in self._encode(np.zeros((1, 1, 0, self.g.key_dim), NUMPY_DTYPES[self.g.dtype]))
         ]
+        for planes in fetched:
+            self._exact(f"{what}: fetched dtypes", [str(p.dtype) for p in planes], want)
+        self.stats.check("dtypes")
 
-    def _parity(self, slot: Slot) -> bool:
-        return self.peer is not None and self.spec.peer and slot.mirrored
-
-    def _skip(self, code: str, what: str) -> None:
-        assert code in DIVERGENCES, code
-        note(f"  parity skip {code}: {what}")
-        self.stats.skip(code)
-
-    def _pick(self, data: st.DataObject, items: Sequence[Any], label: str) -> Any:
-        return items[data.draw(st.integers(0, len(items) - 1), label=label)]
+    def _attend(self, impl: Impl, queries: Array, cache: Any, mask: Any, what: str) -> Array:
+        """``impl``'s attention; its output has the queries' dtype and shape (value dim)."""
+        out = impl.to_numpy(impl.attend(self._give(impl, queries, what), cache, mask, self.g.scale))
+        rows, heads, n, _ = queries.shape
+        self._exact(
+            f"{what} ({impl.name}) attention dtype and shape",
+            (str(out.dtype), out.shape),
+            (self.g.dtype, (rows, heads, n, self.g.value_dim)),
+        )
+        return out
 
     # ------------------------------------------------------------ serial steps
     def _serial_append(
         self, track: Track, keys: Array, values: Array, queries: Array, form: ks.MaskForm
     ) -> None:
-        """Append one block to a free request in every implementation; compare attention."""
-        ref, opt = self.ref_impl, self.opt_impl
+        """Append one block to a free request everywhere: visibility, masks, attention."""
+        ref, opt, g = self.ref_impl, self.opt_impl, self.g
         n = int(keys.shape[2])
         kw = form.kwargs()
         masks = [track.ref.make_mask(n, **kw), track.opt.make_mask(n, **kw)]
-        if track.lm is not None:
-            masks.append(track.lm.make_mask(n, **form.mlx_lm_kwargs()))
-        self._masks_equal(f"request {track.ident} mask({n}, {form})", masks, 1, n, track.tokens + n)
-        k_opt, v_opt, q_opt = (opt.to_native(x) for x in (keys, values, queries))
-        track.ref.update_and_fetch(keys, values)
-        track.opt.update_and_fetch(k_opt, v_opt)
-        out_ref = ref.to_numpy(ref.attend(queries, track.ref, masks[0], self.g.scale))
-        out_opt = opt.to_numpy(opt.attend(q_opt, track.opt, masks[1], self.g.scale))
-        self._close("attention", f"request {track.ident} attention", out_opt, out_ref)
+        mask_lm = track.lm.make_mask(n, **form.mlx_lm_kwargs()) if track.lm is not None else None
+        before = track.tokens
+        what = f"request {track.ident} append {n} onto {before} ({form})"
+        fetched = []
+        for impl, cache in ((ref, track.ref), (opt, track.opt)):
+            fk, fv = cache.update_and_fetch(
+                self._give(impl, keys, what), self._give(impl, values, what)
+            )
+            fetched.append((planes_of(impl, fk), planes_of(impl, fv)))
+        (keys_ref, values_ref), (keys_opt, values_opt) = fetched
+        self._fetch_dtypes(what, keys_ref, values_ref, keys_opt, values_opt)
+        s_ref, s_opt = int(keys_ref[0].shape[2]), int(keys_opt[0].shape[2])
+        self._exact(f"{what}: columns read (reference, optimized)", s_opt, s_ref)
+        exp_ref, exp_opt = expand(masks[0], 1, n, s_ref), expand(masks[1], 1, n, s_opt)
+        rows = [(0, _cat(track.keys, self._encode(keys)), before)]
+        self._visibility(f"{what} (reference)", keys_ref, exp_ref, rows, n, form.window_size)
+        self._visibility(f"{what} (optimized)", keys_opt, exp_opt, rows, n, form.window_size)
+        if planes_bytes(keys_opt + values_opt) == planes_bytes(keys_ref + values_ref):
+            # Same columns in the same order: the masks must be the same booleans.
+            self._masks_equal(what, [exp_ref, exp_opt])
+        m = min(n, self.attended_queries or n)
+        q = queries[:, :, n - m :]
+        last = [_last_rows(mask, m) if m < n else mask for mask in (*masks, mask_lm)]
+        out_ref = self._attend(ref, q, track.ref, last[0], what)
+        out_opt = self._attend(opt, q, track.opt, last[1], what)
+        self._close("attention", f"{what} attention", out_opt, out_ref)
         if track.lm is not None and self.peer is not None:
-            lk, lv = track.lm.update_and_fetch(k_opt, v_opt)
-            out_lm = self.peer.attention(
-                q_opt, lk, lv, cache=track.lm, scale=self.g.scale, mask=masks[2]
-            )
-            self._close(
-                "attention.mlx_lm",
-                f"request {track.ident} attention",
-                out_opt,
-                opt.to_numpy(out_lm),
-            )
+            lk, lv = track.lm.update_and_fetch(self._lm_copy(keys), self._lm_copy(values))
+            k_lm, v_lm = planes_of(opt, lk), planes_of(opt, lv)
+            exp_lm = expand(mask_lm, 1, n, int(k_lm[0].shape[2]))
+            self._masks_equal(f"{what} mask vs mlx-lm", [exp_opt, exp_lm])
+            for name, got, want in (("keys", keys_opt, k_lm), ("values", values_opt, v_lm)):
+                self._same_planes("kv.mlx_lm", f"{what} fetched {name} vs mlx-lm", got, want)
+            if g.mlx_lm_reshape_bug:
+                self._skip("A2", f"mlx-lm attention at {g}")
+            else:
+                out_lm = self.peer.attention(
+                    self._lm_copy(q), lk, lv, cache=track.lm, scale=g.scale, mask=last[2]
+                )
+                self._close("attention.mlx_lm", f"{what} attention", out_opt, opt.to_numpy(out_lm))
+            self.stats.check("mlx-lm serial")
         self._record_append(track, keys, values)
 
-    # ------------------------------------------------------------------- rules
-    @initialize(geo=ks.geometries())
-    def setup(self, geo: ks.Geometry) -> None:
-        self.geo = geo
-        note(f"geometry: {geo}")
-
-    @precondition(lambda self: len(self.pool) < self.limits.pool)
-    @rule(data=st.data())
-    def new_request(self, data: st.DataObject) -> None:
-        """A request with a random prompt (0 tokens included), prefilled in random chunks."""
-        length = data.draw(ks.prompt_lengths(self.limits.long_prompts), label="prompt length")
-        chunks = data.draw(ks.chunk_sizes(length), label="chunks")
-        form = data.draw(ks.mask_forms(), label="mask form")
-        rng = np.random.default_rng(data.draw(ks.seeds, label="seed"))
-        track = self._new_track()
-        note(f"new_request: request {track.ident}, prompt {length} in chunks {chunks}")
-        self.stats.op("new_request")
-        for n in chunks:
-            keys = self._block(rng, 1, n, self.g.key_dim)
-            values = self._block(rng, 1, n, self.g.value_dim)
-            queries = random_block(rng, (1, self.g.query_heads, n, self.g.key_dim), self.g.dtype)
-            self._serial_append(track, keys, values, queries, form)
-        self.pool.append(track)
-
-    @precondition(lambda self: bool(self.pool))
-    @rule(data=st.data())
-    def prefill_chunk(self, data: st.DataObject) -> None:
-        """One more prompt chunk into a free request."""
-        track = self._pick(data, self.pool, "request")
-        n = data.draw(st.integers(1, 8), label="chunk")
-        form = data.draw(ks.mask_forms(), label="mask form")
-        rng = np.random.default_rng(data.draw(ks.seeds, label="seed"))
-        note(f"prefill_chunk: request {track.ident} (+{n} tokens onto {track.tokens})")
-        self.stats.op("prefill_chunk")
-        keys = self._block(rng, 1, n, self.g.key_dim)
-        values = self._block(rng, 1, n, self.g.value_dim)
-        queries = random_block(rng, (1, self.g.query_heads, n, self.g.key_dim), self.g.dtype)
-        self._serial_append(track, keys, values, queries, form)
-
-    @precondition(lambda self: bool(self.pool))
-    @rule(data=st.data())
-    def trim_request(self, data: st.DataObject) -> None:
-        """Serial trim (clamps to what the cache holds; returns the count)."""
-        track = self._pick(data, self.pool, "request")
-        n = data.draw(st.integers(0, track.tokens + 2), label="n")
-        note(f"trim_request: request {track.ident} holding {track.tokens}, trim({n})")
-        self.stats.op("trim_request")
+    def _trim_serial(self, track: Track, n: int) -> None:
+        """Serial trim: clamps to what the cache holds; a wrapped ring refuses (n > 0)."""
+        wrapped = self.g.wrapped(track.tokens)
+        self._exact(
+            f"request {track.ident} is_trimmable (reference, optimized)",
+            (track.ref.is_trimmable(), track.opt.is_trimmable()),
+            (not wrapped, not wrapped),
+        )
+        if n and wrapped:
+            before = self._everything()
+            for impl, cache in ((self.ref_impl, track.ref), (self.opt_impl, track.opt)):
+                try:
+                    cache.trim(n)
+                except NotTrimmableError:
+                    pass
+                else:
+                    raise AssertionError(f"{impl.name}: trim({n}) of a wrapped ring did not raise")
+            self._exact("a refused trim changes nothing", self._everything(), before)
+            if track.lm is not None:
+                self._skip("B11", f"trim({n}) of a wrapped ring (mlx-lm would mutate)")
+            return
         expected = min(n, track.tokens)
         self._exact("reference trim() return", track.ref.trim(n), expected)
         self._exact("optimized trim() return", track.opt.trim(n), expected)
@@ -358,10 +738,52 @@ class ConformanceMachine(RuleBasedStateMachine):
             self._exact("mlx-lm trim() return", track.lm.trim(n), expected)
         self._record_trim(track, expected)
 
+    # ------------------------------------------------------------------- rules
+    @precondition(lambda self: self.geo is not None and len(self.pool) < self.limits.pool)
+    @rule(data=st.data())
+    def new_request(self, data: st.DataObject) -> None:
+        """A request with a random prompt (0 tokens included), prefilled in random chunks."""
+        length = self._prompt_length(data)
+        chunks = data.draw(ks.chunk_sizes(length), label="chunks")
+        form = data.draw(ks.mask_forms(), label="mask form")
+        rng = self._rng(data)
+        track = self._new_track()
+        note(f"new_request: request {track.ident}, prompt {length} in chunks {chunks}")
+        self._op("new_request", track)
+        for n in chunks:
+            keys = self._block(rng, 1, n, self.g.key_dim)
+            values = self._block(rng, 1, n, self.g.value_dim)
+            self._serial_append(track, keys, values, self._queries(rng, 1, n), form)
+        self.pool.append(track)
+
+    @precondition(lambda self: bool(self.pool))
+    @rule(data=st.data())
+    def prefill_chunk(self, data: st.DataObject) -> None:
+        """One more prompt chunk into a free request."""
+        track = self._pick(data, self.pool, "request")
+        n = self._chunk(data)
+        form = data.draw(ks.mask_forms(), label="mask form")
+        rng = self._rng(data)
+        note(f"prefill_chunk: request {track.ident} (+{n} tokens onto {track.tokens})")
+        self._op("prefill_chunk", track)
+        keys = self._block(rng, 1, n, self.g.key_dim)
+        values = self._block(rng, 1, n, self.g.value_dim)
+        self._serial_append(track, keys, values, self._queries(rng, 1, n), form)
+
+    @precondition(lambda self: bool(self.pool))
+    @rule(data=st.data())
+    def trim_request(self, data: st.DataObject) -> None:
+        """Serial trim: clamps before a ring wraps, raises (changing nothing) after."""
+        track = self._pick(data, self.pool, "request")
+        n = data.draw(st.integers(0, track.tokens + 2), label="n")
+        note(f"trim_request: request {track.ident} holding {track.tokens}, trim({n})")
+        self._op("trim_request", track)
+        self._trim_serial(track, n)
+
     def _merge_sources(
         self, data: st.DataObject, room: int
     ) -> tuple[list[tuple[str, Any, Any]], list[Track], list[Track]]:
-        """Draw merge sources: free requests and, sometimes, a side layout built from some.
+        """Free requests and, sometimes, a side layout built from some of them.
 
         Returns ``(sources, incoming tracks in row order, pool tracks consumed)``.
         """
@@ -373,13 +795,12 @@ class ConformanceMachine(RuleBasedStateMachine):
         sources: list[tuple[str, Any, Any]] = []
         incoming: list[Track] = []
         side_rows = 0
-        if len(picked) >= 1 and data.draw(st.booleans(), label="via a side layout"):
+        if data.draw(st.booleans(), label="via a side layout"):
             side_rows = data.draw(st.integers(1, len(picked)), label="side layout rows")
         if side_rows:
-            kinds = [spec.name for spec in self.family.layouts]
+            kinds = self.spec.siblings or tuple(spec.name for spec in self.family.layouts)
             kind = data.draw(st.sampled_from(kinds), label="side layout kind")
-            side_ref = self.ref_impl.new(kind)
-            side_opt = self.opt_impl.new(kind)
+            side_ref, side_opt = self._new(self.ref_impl, kind), self._new(self.opt_impl, kind)
             group = picked[:side_rows]
             side_ref.merge_rows([t.ref for t in group])
             side_opt.merge_rows([t.opt for t in group])
@@ -390,7 +811,44 @@ class ConformanceMachine(RuleBasedStateMachine):
             incoming.append(t)
         return sources, incoming, picked
 
-    @precondition(lambda self: bool(self.pool) and self.geo is not None)
+    def _new_slot(self, data: st.DataObject) -> Slot:
+        how = data.draw(st.sampled_from(("constructor", "table", "make_empty_batch")), label="how")
+        name = self.spec.name
+        if how == "make_empty_batch" and self.slots:
+            ref, opt = self.slots[0].ref.make_empty_batch(), self.slots[0].opt.make_empty_batch()
+        elif how == "table" and self.pool:
+            role = data.draw(st.sampled_from(self.spec.roles), label="table role")
+            ref, opt = self._table_layout(role, self.pool[0])
+        else:
+            ref, opt = self._new(self.ref_impl, name), self._new(self.opt_impl, name)
+        self._exact("new layout class (reference)", type(ref), self.ref_impl.cls(name))
+        self._exact("new layout class (optimized)", type(opt), self.opt_impl.cls(name))
+        slot = Slot(next(self._ids), ref, opt, [])
+        self.slots.append(slot)
+        return slot
+
+    def _table_layout(self, role: str, track: Track) -> tuple[Any, Any]:
+        """The row-layout table's ``role`` layout for the request's storage: this layout's
+        class with this example's parameters (a mutant is then constructed instead)."""
+        get: Callable[[Any], Any] = {
+            "decode": table.owned_cache_layout,
+            "prefill": table.prefill_cache_layout,
+            "verify": table.target_cache_layout,
+        }[role]
+        made = []
+        for impl, cache in ((self.ref_impl, track.ref), (self.opt_impl, track.opt)):
+            layout = get(cache)
+            fresh = self._new(impl, self.spec.name)
+            self._exact(
+                f"the table's {role} layout ({impl.name})",
+                (type(layout).__name__, layout.signature(), layout.batch_size),
+                (self.spec.name, fresh.signature(), 0),
+            )
+            made.append(layout if type(layout) is type(fresh) else fresh)
+        self.stats.check("table roles")
+        return made[0], made[1]
+
+    @precondition(lambda self: bool(self.pool))
     @rule(data=st.data())
     def merge(self, data: st.DataObject) -> None:
         """Form a batch (new or emptied layout) or join rows into a running one."""
@@ -403,52 +861,30 @@ class ConformanceMachine(RuleBasedStateMachine):
         sources, incoming, consumed = self._merge_sources(data, room)
         kind = "join" if slot.rows else "merge"
         note(
-            f"{kind}: layout {slot.ident} ({slot.ref!r}) <- "
-            + ", ".join(f"{label}" for label, _, _ in sources)
-            + f" = requests {[t.ident for t in incoming]} with tokens {[t.tokens for t in incoming]}"
+            f"{kind}: layout {slot.ident} ({slot.ref!r}) <- {[s[0] for s in sources]} = requests "
+            f"{[t.ident for t in incoming]} with tokens {[t.tokens for t in incoming]}"
         )
-        self.stats.op(kind)
-        before = (
-            [snapshot(s[1], self.ref_impl.to_numpy) for s in sources],
-            [snapshot(s[2], self.opt_impl.to_numpy) for s in sources],
-        )
+        self._op(kind, slot)
+        before = self._snapshots([(s[1], s[2]) for s in sources])
         slot.ref.merge_rows([s[1] for s in sources])
         slot.opt.merge_rows([s[2] for s in sources])
-        after = (
-            [snapshot(s[1], self.ref_impl.to_numpy) for s in sources],
-            [snapshot(s[2], self.opt_impl.to_numpy) for s in sources],
-        )
+        after = self._snapshots([(s[1], s[2]) for s in sources])
         self._exact("merge sources are borrowed and left unchanged", after, before)
-        self._mirror_merge(slot, incoming)
+        self._mirror_merge(slot, [t.lm for t in incoming])
         for t in consumed:
             self.pool.remove(t)
         slot.rows.extend(incoming)
 
-    def _new_slot(self, data: st.DataObject) -> Slot:
-        if len(self.slots) > 0 and bool(data.draw(st.booleans(), label="via make_empty_batch")):
-            model = self.slots[0]
-            ref, opt = model.ref.make_empty_batch(), model.opt.make_empty_batch()
-        else:
-            ref, opt = self.ref_impl.new(self.spec.name), self.opt_impl.new(self.spec.name)
-        slot = Slot(next(self._ids), ref, opt, [])
-        self.slots.append(slot)
-        return slot
-
-    def _mirror_merge(self, slot: Slot, incoming: Sequence[Track]) -> None:
-        """mlx-lm: ``BatchKVCache.merge`` of the incoming twins; ``extend`` onto a running batch."""
-        if not self._parity(slot) or not incoming or self.peer is None:
+    def _mirror_merge(self, slot: Slot, twins: Sequence[Any]) -> None:
+        if not self._parity(slot) or not twins or self.peer is None:
             return
-        batch = self.peer.batch.merge([t.lm for t in incoming])
-        if slot.lm is None:
-            slot.lm = batch
-        else:
-            slot.lm.extend(batch)
-        self.stats.check("mlx-lm merge/extend")
+        self._peer_join(slot, twins)
+        self.stats.check("mlx-lm merge")
 
     @precondition(lambda self: len(self.slots) >= 2)
     @rule(data=st.data())
     def merge_layout(self, data: st.DataObject) -> None:
-        """Merge one running layout into another (the source is borrowed and stays intact)."""
+        """Merge one running layout into another (the source is borrowed and unchanged)."""
         target = self._pick(data, self.slots, "target layout")
         others = [s for s in self.slots if s is not target and s.rows]
         if not others:
@@ -456,12 +892,18 @@ class ConformanceMachine(RuleBasedStateMachine):
         source = self._pick(data, others, "source layout")
         if len(target.rows) + len(source.rows) > self.limits.rows:
             return
-        note(f"merge_layout: layout {source.ident} ({source.ref!r}) into layout {target.ident}")
-        self.stats.op("merge_layout")
+        note(f"merge_layout: layout {source.ident} into layout {target.ident}")
+        self._op("merge_layout", target)
+        before = self._snapshots([(source.ref, source.opt)])
         target.ref.merge_rows([source.ref])
         target.opt.merge_rows([source.opt])
+        self._exact(
+            "a merged layout is borrowed and left unchanged",
+            self._snapshots([(source.ref, source.opt)]),
+            before,
+        )
         copies = [self._replay(t) for t in source.rows]
-        self._mirror_merge(target, copies)
+        self._mirror_merge(target, [t.lm for t in copies])
         target.rows.extend(copies)
 
     def _step(self, slot: Slot, n: int, rng: np.random.Generator, form: ks.MaskForm) -> None:
@@ -469,85 +911,100 @@ class ConformanceMachine(RuleBasedStateMachine):
         rows = len(slot.rows)
         keys = self._block(rng, rows, n, g.key_dim)
         values = self._block(rng, rows, n, g.value_dim)
-        queries = random_block(rng, (rows, g.query_heads, n, g.key_dim), g.dtype)
-        k_opt, v_opt, q_opt = (opt.to_native(x) for x in (keys, values, queries))
+        queries = self._queries(rng, rows, n)
         positions = [t.tokens for t in slot.rows]
-        pos_ref = ref.to_numpy(slot.ref.offset).copy()
-        pos_opt_handle = slot.opt.offset
-        self._exact("positions (reference offset)", pos_ref.tolist(), positions)
+        handle = slot.opt.offset
         self._exact(
-            "positions (optimized offset)", opt.to_numpy(pos_opt_handle).tolist(), positions
+            "positions (reference offset)", ref.to_numpy(slot.ref.offset).tolist(), positions
         )
-        width = slot.ref.width
+        self._exact("positions (optimized offset)", opt.to_numpy(handle).tolist(), positions)
         kw = form.kwargs()
         mask_ref, mask_opt = slot.ref.make_mask(n, **kw), slot.opt.make_mask(n, **kw)
-        self._masks_equal(
-            f"layout {slot.ident} mask({n})", [mask_ref, mask_opt], rows, n, width + n
-        )
-        lm_mask = lm_positions = None
-        parity = self._parity(slot) and self.peer is not None and slot.lm is not None
-        if parity:
-            lm_positions = slot.lm.offset
-            lm_mask = slot.lm.make_mask(n, **form.mlx_lm_kwargs())
-            self._masks_equal(
-                f"layout {slot.ident} mlx-lm mask({n})", [mask_opt, lm_mask], rows, n, width + n
+        lm = slot.lm if self._parity(slot) else None
+        divergence = self._peer_divergence(slot, n) if lm is not None else None
+        mask_lm = lm.make_mask(n, **form.mlx_lm_kwargs()) if lm is not None else None
+        what = f"layout {slot.ident} step of {n} ({form})"
+        fetched = []
+        for impl, lay in ((ref, slot.ref), (opt, slot.opt)):
+            fk, fv = lay.update_and_fetch(
+                self._give(impl, keys, what), self._give(impl, values, what)
             )
-        fk_ref, fv_ref = slot.ref.update_and_fetch(keys, values)
-        fk_opt, fv_opt = slot.opt.update_and_fetch(k_opt, v_opt)
+            fetched.append((planes_of(impl, fk), planes_of(impl, fv)))
+        (keys_ref, values_ref), (keys_opt, values_opt) = fetched
         self._exact(
-            "optimized offset handle captured before the step is unchanged (rebound, not mutated)",
-            opt.to_numpy(pos_opt_handle).tolist(),
+            "the optimized offset captured before the step is unchanged (rebound, not mutated)",
+            opt.to_numpy(handle).tolist(),
             positions,
         )
-        pads = slot.ref.left_pad
-        lens = [p + n for p in positions]
-        for name, f_ref, f_opt in (("keys", fk_ref, fk_opt), ("values", fv_ref, fv_opt)):
-            got, want = opt.to_numpy(f_opt), ref.to_numpy(f_ref)
-            self._exact(f"fetched {name} shape", got.shape, want.shape)
-            for b, (a, e) in enumerate(
-                zip(
-                    self._visible_rows(got, pads, lens),
-                    self._visible_rows(want, pads, lens),
-                    strict=True,
-                )
+        self._exact(
+            f"{what}: fetched shapes (optimized vs reference)",
+            [p.shape for p in keys_opt + values_opt],
+            [p.shape for p in keys_ref + values_ref],
+        )
+        self._fetch_dtypes(what, keys_ref, values_ref, keys_opt, values_opt)
+        s = int(keys_ref[0].shape[2])
+        exp_ref, exp_opt = expand(mask_ref, rows, n, s), expand(mask_opt, rows, n, s)
+        self._masks_equal(what, [exp_ref, exp_opt])
+        model = [
+            (b, _cat(t.keys, self._encode(keys[b : b + 1])), t.tokens)
+            for b, t in enumerate(slot.rows)
+        ]
+        seen = self._visibility(
+            f"{what} (reference)", keys_ref, exp_ref, model, n, form.window_size
+        )
+        self._visibility(f"{what} (optimized)", keys_opt, exp_opt, model, n, form.window_size)
+        for b, columns in enumerate(seen):
+            for name, got, want in (
+                ("keys", keys_opt, keys_ref),
+                ("values", values_opt, values_ref),
             ):
-                self._close("kv.fetched", f"layout {slot.ident} fetched {name} row {b}", a, e)
-        out_ref = ref.to_numpy(ref.attend(queries, slot.ref, mask_ref, g.scale))
-        out_opt = opt.to_numpy(opt.attend(q_opt, slot.opt, mask_opt, g.scale))
-        self._close("attention", f"layout {slot.ident} attention", out_opt, out_ref)
-        if parity and self.peer is not None:
-            lk, lv = slot.lm.update_and_fetch(k_opt, v_opt)
-            self._exact(
-                "mlx-lm offset handle captured before the step is unchanged",
-                np.array(lm_positions).tolist(),
-                positions,
-            )
-            out_lm = self.peer.attention(q_opt, lk, lv, cache=slot.lm, scale=g.scale, mask=lm_mask)
-            self._close(
-                "attention.mlx_lm", f"layout {slot.ident} attention", out_opt, opt.to_numpy(out_lm)
-            )
-            for name, f_lm, f_opt in (("keys", lk, fk_opt), ("values", lv, fv_opt)):
-                got, want = opt.to_numpy(f_opt), opt.to_numpy(f_lm)
-                for b, (a, e) in enumerate(
-                    zip(
-                        self._visible_rows(got, pads, lens),
-                        self._visible_rows(want, pads, lens),
-                        strict=True,
-                    )
+                for i, (a, e) in enumerate(
+                    zip(take_columns(got, b, columns), take_columns(want, b, columns), strict=True)
                 ):
-                    self._close(
-                        "kv.mlx_lm", f"layout {slot.ident} fetched {name} row {b} vs mlx-lm", a, e
-                    )
-            self.stats.check("mlx-lm step")
+                    self._close("kv.fetched", f"{what} fetched {name} row {b} plane {i}", a, e)
+        out_ref = self._attend(ref, queries, slot.ref, mask_ref, what)
+        out_opt = self._attend(opt, queries, slot.opt, mask_opt, what)
+        self._close("attention", f"{what} attention", out_opt, out_ref)
+        if lm is not None and self.peer is not None:
+            lm_positions = np.array(lm.offset).tolist()
+            lk, lv = lm.update_and_fetch(self._lm_copy(keys), self._lm_copy(values))
+            self._exact(
+                "mlx-lm offsets captured before the step are unchanged", lm_positions, positions
+            )
+            k_lm, v_lm = planes_of(opt, lk), planes_of(opt, lv)
+            same = self._step_parity(
+                slot,
+                what,
+                n,
+                divergence,
+                mask_lm,
+                exp_opt,
+                (k_lm, v_lm),
+                (keys_opt, values_opt),
+                seen,
+            )
+            if same:
+                self._visibility(
+                    f"{what} (mlx-lm)",
+                    k_lm,
+                    expand(mask_lm, rows, n, int(k_lm[0].shape[2])),
+                    model,
+                    n,
+                    form.window_size,
+                )
+                out_lm = self.peer.attention(
+                    self._lm_copy(queries), lk, lv, cache=lm, scale=g.scale, mask=mask_lm
+                )
+                self._close("attention.mlx_lm", f"{what} attention", out_opt, opt.to_numpy(out_lm))
+                self.stats.check("mlx-lm step")
         # Solo replay: each row's serial caches take the same block; same attention output.
         for b, track in enumerate(slot.rows):
             kb, vb, qb = keys[b : b + 1], values[b : b + 1], queries[b : b + 1]
-            kb_opt, vb_opt, qb_opt = (opt.to_native(x) for x in (kb, vb, qb))
             solo_masks = track.ref.make_mask(n, **kw), track.opt.make_mask(n, **kw)
-            track.ref.update_and_fetch(kb, vb)
-            track.opt.update_and_fetch(kb_opt, vb_opt)
-            solo_ref = ref.to_numpy(ref.attend(qb, track.ref, solo_masks[0], g.scale))
-            solo_opt = opt.to_numpy(opt.attend(qb_opt, track.opt, solo_masks[1], g.scale))
+            for impl, cache in ((ref, track.ref), (opt, track.opt)):
+                cache.update_and_fetch(self._give(impl, kb, "solo"), self._give(impl, vb, "solo"))
+            solo_ref = self._attend(ref, qb, track.ref, solo_masks[0], f"row {b} solo")
+            solo_opt = self._attend(opt, qb, track.opt, solo_masks[1], f"row {b} solo")
             self._close(
                 "attention.solo",
                 f"reference row {b} vs its serial cache",
@@ -561,9 +1018,51 @@ class ConformanceMachine(RuleBasedStateMachine):
                 solo_opt,
             )
             if track.lm is not None:
-                track.lm.update_and_fetch(kb_opt, vb_opt)
+                track.lm.update_and_fetch(self._lm_copy(kb), self._lm_copy(vb))
             self._record_append(track, kb, vb)
         self.stats.check("solo attention", rows)
+
+    def _step_parity(
+        self,
+        slot: Slot,
+        what: str,
+        n: int,
+        divergence: str | None,
+        mask_lm: Any,
+        exp_opt: npt.NDArray[np.bool_],
+        fetched_lm: tuple[Planes, Planes],
+        fetched_opt: tuple[Planes, Planes],
+        seen: list[list[int]],
+    ) -> bool:
+        """mlx-lm's batch on the same step: fetched columns, masks; ``False`` where a named
+        divergence makes its mask differ (it may then only hide keys)."""
+        rows = len(slot.rows)
+        k_lm = fetched_lm[0]
+        self._exact(
+            f"{what}: mlx-lm fetched shapes",
+            [p.shape for p in k_lm],
+            [p.shape for p in fetched_opt[0]],
+        )
+        for b, columns in enumerate(seen):
+            for name, got, want in (
+                ("keys", fetched_opt[0], k_lm),
+                ("values", fetched_opt[1], fetched_lm[1]),
+            ):
+                for a, e in zip(
+                    take_columns(got, b, columns), take_columns(want, b, columns), strict=True
+                ):
+                    self._close("kv.mlx_lm", f"{what} fetched {name} row {b} vs mlx-lm", a, e)
+        exp_lm = expand(mask_lm, rows, n, int(k_lm[0].shape[2]))
+        if divergence is not None and not np.array_equal(exp_lm, exp_opt):
+            self._exact(
+                f"{what}: {divergence} only hides keys kvrows shows",
+                bool(np.all(exp_opt | ~exp_lm)),
+                True,
+            )
+            self._skip(divergence, f"{what}: mlx-lm's mask hides a visible token")
+            return False
+        self._masks_equal(f"{what} vs mlx-lm", [exp_opt, exp_lm])
+        return True
 
     def _steppable(self) -> list[Slot]:
         return [s for s in self.slots if s.rows]
@@ -574,9 +1073,9 @@ class ConformanceMachine(RuleBasedStateMachine):
         """One token for every row (N = 1)."""
         slot = self._pick(data, self._steppable(), "layout")
         form = data.draw(ks.mask_forms(), label="mask form")
-        rng = np.random.default_rng(data.draw(ks.seeds, label="seed"))
-        note(f"decode_step: layout {slot.ident} {slot.ref!r}, mask {form}")
-        self.stats.op("decode_step")
+        rng = self._rng(data)
+        note(f"decode_step: layout {slot.ident} {slot.opt!r}, mask {form}")
+        self._op("decode_step", slot)
         self._step(slot, 1, rng, form)
 
     @precondition(lambda self: any(s.rows for s in self.slots))
@@ -584,11 +1083,11 @@ class ConformanceMachine(RuleBasedStateMachine):
     def multi_step(self, data: st.DataObject) -> None:
         """N > 1 tokens for every row (chunked prefill / a verify block)."""
         slot = self._pick(data, self._steppable(), "layout")
-        n = data.draw(ks.step_sizes(multi=True), label="N")
+        n = self._block_size(data)
         form = data.draw(ks.mask_forms(), label="mask form")
-        rng = np.random.default_rng(data.draw(ks.seeds, label="seed"))
-        note(f"multi_step: layout {slot.ident} {slot.ref!r}, N={n}, mask {form}")
-        self.stats.op("multi_step")
+        rng = self._rng(data)
+        note(f"multi_step: layout {slot.ident} {slot.opt!r}, N={n}, mask {form}")
+        self._op("multi_step", slot)
         self._step(slot, n, rng, form)
 
     @precondition(lambda self: bool(self.slots))
@@ -596,26 +1095,23 @@ class ConformanceMachine(RuleBasedStateMachine):
     def filter_layout(self, data: st.DataObject) -> None:
         """Keep any subset in any order (drop the longest, reorder, keep none)."""
         slot = self._pick(data, self.slots, "layout")
-        kind, keep = data.draw(ks.keep_lists(tuple(t.tokens for t in slot.rows)), label="keep")
+        kind, keep = self._keep(data, slot)
         via_table = data.draw(st.booleans(), label="via table.filter_layout_rows")
-        note(f"filter ({kind}): layout {slot.ident} {slot.ref!r} keep {keep}")
-        self.stats.op(f"filter:{kind}")
-        if via_table:
-            table.filter_layout_rows(slot.ref, keep)
-            table.filter_layout_rows(slot.opt, keep)
-        else:
-            slot.ref.filter_rows(keep)
-            slot.opt.filter_rows(keep)
+        note(f"filter ({kind}): layout {slot.ident} {slot.opt!r} keep {keep}")
+        self._op(f"filter:{kind}", slot, *slot.rows)
+        pads = slot.ref.left_pad
+        for lay in (slot.ref, slot.opt):
+            if via_table:
+                table.filter_layout_rows(lay, keep)
+            else:
+                lay.filter_rows(keep)
+        self._after_filter(slot, pads, keep)
         if self._parity(slot) and slot.lm is not None:
             if not keep:
                 self._skip("N1", "filter([]) on mlx-lm; the mirror restarts at the next merge")
                 slot.lm = None
-            elif slot.lm.keys is None and min(np.array(slot.lm.left_padding)[keep].tolist()) > 0:
-                self._skip("B2", "filter of a key-less mlx-lm batch with left padding")
-                slot.lm, slot.mirrored = None, False
             else:
-                slot.lm.filter(keep)
-                self.stats.check("mlx-lm filter")
+                self._peer_filter(slot, keep)
         kept = [slot.rows[i] for i in keep]
         dropped = [t for t in slot.rows if all(t is not k for k in kept)]
         slot.rows = kept
@@ -632,7 +1128,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         sole = len(slot.rows) == 1 and data.draw(st.booleans(), label="via extract_sole_row")
         track = slot.rows[b]
         note(f"extract: layout {slot.ident} row {b} (request {track.ident}, {track.tokens} tokens)")
-        self.stats.op("extract")
+        self._op("extract", slot)
         got_ref: Any
         got_opt: Any
         if sole:
@@ -640,108 +1136,124 @@ class ConformanceMachine(RuleBasedStateMachine):
         else:
             got_ref, got_opt = slot.ref.extract_row(b), slot.opt.extract_row(b)
         self._check_serial_like(f"extract_row({b})", got_ref, got_opt, track)
-        lm = None
+        twin = None
         if self._parity(slot) and self.peer is not None:
             if slot.lm is None or slot.lm.keys is None:
                 self._skip("B3", "extract from an mlx-lm batch with no keys")
             else:
-                lm = slot.lm.extract(b)
-                self._exact("mlx-lm extract offset", int(lm.offset), track.tokens)
-                held = self.peer.serial_kv(lm)
-                self._same_planes(
-                    "kv.mlx_lm", "mlx-lm extract", self._planes(self.opt_impl, held), track
-                )
-                self.stats.check("mlx-lm extract")
+                twin = self._peer_extract(slot.lm, b, track)
         if len(self.pool) < self.limits.pool and data.draw(st.booleans(), label="keep as request"):
-            # A row holding no token extracts as an empty cache (no planes) that keeps the
-            # layout's geometry (spec/contract.md §1; both answers were compared above).
+            # A row holding no token extracts as an empty cache that keeps the layout's
+            # geometry (spec/contract.md §1; both answers were compared above).
             copy = Track(
                 ident=next(self._ids),
                 ref=got_ref,
                 opt=got_opt,
-                lm=lm,
-                keys=track.keys.copy(),
-                values=track.values.copy(),
+                lm=twin,
+                keys=track.keys,
+                values=track.values,
                 appended=track.tokens > 0,
                 geometry_known=got_ref.geometry is not None,
                 history=list(track.history) if track.tokens else [],
             )
-            if copy.lm is None and self.peer is not None:
-                copy.lm = self._replay(track).lm
+            if copy.lm is None and self.peer is not None and self.twins:
+                copy.lm = self._twin_for(track)
             note(f"  extracted row becomes request {copy.ident}")
+            self._dirty.add(copy.ident)
             self.pool.append(copy)
+        else:
+            self._hold_out(f"extract_row({b}) of layout {slot.ident}", got_ref, got_opt)
+
+    def _hold_out(self, what: str, got_ref: Any, got_opt: Any) -> None:
+        """Remember an extracted/published cache: it must keep what it holds now."""
+        for impl, cache in ((self.ref_impl, got_ref), (self.opt_impl, got_opt)):
+            held = (int(cache.offset), planes_bytes(self._view(impl, cache)))
+            self._outputs.append((what, impl, cache, held))
 
     def _check_serial_like(self, what: str, got_ref: Any, got_opt: Any, track: Track) -> None:
-        """An extracted/published row: a serial cache of the family holding exactly the row."""
-        ref, opt = self.ref_impl, self.opt_impl
-        self._exact(f"{what}: reference type", type(got_ref), ref.cls(self.family.serial))
-        self._exact(f"{what}: optimized type", type(got_opt), opt.cls(self.family.serial))
+        """An extracted/published row: a serial cache of the family holding the row's view,
+        whose planes are exactly ``projected_bytes`` of a row of its tokens."""
+        ref, opt, g = self.ref_impl, self.opt_impl, self.g
+        self._exact(f"{what}: reference type", type(got_ref), ref.cls(self.serial_name))
+        self._exact(f"{what}: optimized type", type(got_opt), opt.cls(self.serial_name))
         self._exact(
             f"{what}: offsets", (got_ref.offset, got_opt.offset), (track.tokens, track.tokens)
         )
         self._exact(f"{what}: signatures", got_opt.signature(), got_ref.signature())
-        self._exact(f"{what}: geometry", got_opt.geometry, got_ref.geometry)
-        planes_ref, planes_opt = (
-            self._planes(ref, got_ref.planes()),
-            self._planes(opt, got_opt.planes()),
-        )
         self._exact(
-            f"{what}: holds planes (reference, optimized)", planes_opt is None, planes_ref is None
+            f"{what}: signature is the serial cache's", got_ref.signature(), track.ref.signature()
         )
-        self._same_planes("kv.solo", f"{what} (reference) vs its solo replay", planes_ref, track)
-        self._same_planes("kv.solo", f"{what} (optimized) vs its solo replay", planes_opt, track)
-        solo_ref, solo_opt = (
-            self._planes(ref, track.ref.planes()),
-            self._planes(opt, track.opt.planes()),
+        self._exact(f"{what}: geometry", got_opt.geometry, got_ref.geometry)
+        self._exact(
+            f"{what}: is_trimmable",
+            (got_ref.is_trimmable(), got_opt.is_trimmable()),
+            (not g.wrapped(track.tokens),) * 2,
         )
-        if planes_ref is not None and solo_ref is not None:
-            for a, e in zip(planes_ref, solo_ref, strict=True):
-                self._close("kv.solo", f"{what} (reference) vs solo cache", a, e)
-        if planes_opt is not None and solo_opt is not None:
-            for a, e in zip(planes_opt, solo_opt, strict=True):
-                self._close("kv.solo", f"{what} (optimized) vs solo cache", a, e)
+        model = self._model_view(track)
+        for name, impl, got, solo in (
+            ("reference", ref, got_ref, track.ref),
+            ("optimized", opt, got_opt, track.opt),
+        ):
+            view = self._view(impl, got)
+            self._same_planes("kv.solo", f"{what} ({name}) vs the model", view, model)
+            self._same_planes(
+                "kv.solo", f"{what} ({name}) solo cache vs the model", self._view(impl, solo), model
+            )
+            held = sum(int(p.nbytes) for p in view) if view is not None else 0
+            if got.geometry is not None:
+                self._exact(
+                    f"{what} ({name}): compact plane bytes vs the spec",
+                    held,
+                    g.token_bytes() * g.kept(track.tokens),
+                )
+            self._exact(f"{what} ({name}): nbytes covers the planes", int(got.nbytes) >= held, True)
         self.stats.check("solo replay")
 
     @precondition(lambda self: any(s.rows for s in self.slots))
     @rule(data=st.data())
     def publish(self, data: st.DataObject) -> None:
-        """``table.publish_row``: the row as a serial cache, or ``None`` past its tokens."""
+        """``table.publish_row``: the row as a serial cache, or ``None`` when it cannot cover."""
         slot = self._pick(data, self._steppable(), "layout")
         b = data.draw(st.integers(0, len(slot.rows) - 1), label="row")
         track = slot.rows[b]
         tokens = data.draw(st.integers(0, track.tokens + 2), label="tokens")
         note(f"publish: layout {slot.ident} row {b} ({track.tokens} tokens) covering {tokens}")
-        self.stats.op("publish")
-        self._exact(
-            "can_publish_row",
-            slot.opt.can_publish_row(b, tokens),
-            slot.ref.can_publish_row(b, tokens),
+        self._op("publish", slot)
+        # The whole row, or a shorter prefix while the store could still be trimmed to it.
+        expected = tokens == track.tokens or (
+            tokens < track.tokens and not self.g.wrapped(track.tokens)
         )
+        self._exact("can_publish_row (reference)", slot.ref.can_publish_row(b, tokens), expected)
+        self._exact("can_publish_row (optimized)", slot.opt.can_publish_row(b, tokens), expected)
         got_ref = table.publish_row(slot.ref, b, tokens)
         got_opt = table.publish_row(slot.opt, b, tokens)
         self._exact(
-            "publish_row returns None (reference, optimized)", got_opt is None, got_ref is None
+            "publish_row returns None (reference, optimized)",
+            (got_ref is None, got_opt is None),
+            (not expected,) * 2,
         )
         if got_ref is not None:
             self._check_serial_like(f"publish_row({b}, {tokens})", got_ref, got_opt, track)
+            self._hold_out(f"publish_row({b}, {tokens}) of layout {slot.ident}", got_ref, got_opt)
 
     @precondition(lambda self: any(s.rows for s in self.slots))
     @rule(data=st.data())
     def trim(self, data: st.DataObject) -> None:
-        """Trim every row by ``n`` (at most what the shortest row holds)."""
+        """Trim every row by ``n`` (at most the shortest row; rings only before the wrap)."""
         slot = self._pick(data, self._steppable(), "layout")
-        shortest = min(t.tokens for t in slot.rows)
-        n = data.draw(ks.counts_up_to(shortest), label="n")
-        equal_counts = data.draw(st.booleans(), label="as trim_rows of equal counts")
-        note(f"trim: layout {slot.ident} {slot.ref!r} trim({n}){' as trim_rows' * equal_counts}")
-        self.stats.op("trim")
-        if equal_counts:
-            counts = [n] * len(slot.rows)
-            self._exact("trim_rows() return (reference)", slot.ref.trim_rows(counts), n)
-            self._exact("trim_rows() return (optimized)", slot.opt.trim_rows(counts), n)
-        else:
-            self._exact("trim() return (reference)", slot.ref.trim(n), n)
-            self._exact("trim() return (optimized)", slot.opt.trim(n), n)
+        trimmable = slot.ref.is_trimmable()
+        self._exact("is_trimmable (optimized vs reference)", slot.opt.is_trimmable(), trimmable)
+        if not trimmable:
+            return
+        n = data.draw(ks.counts_up_to(min(t.tokens for t in slot.rows)), label="n")
+        equal_counts = callable(getattr(slot.ref, "trim_rows", None)) and data.draw(
+            st.booleans(), label="as trim_rows of equal counts"
+        )
+        note(f"trim: layout {slot.ident} {slot.opt!r} trim({n}){' as trim_rows' * equal_counts}")
+        self._op("trim", slot)
+        for name, lay in (("reference", slot.ref), ("optimized", slot.opt)):
+            got = lay.trim_rows([n] * len(slot.rows)) if equal_counts else lay.trim(n)
+            self._exact(f"trim() return ({name})", got, n)
         if self._parity(slot) and slot.lm is not None:
             self._exact("trim() return (mlx-lm)", slot.lm.trim(n), n)
             self.stats.check("mlx-lm trim")
@@ -758,14 +1270,16 @@ class ConformanceMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.spec.trim_rows and any(s.rows for s in self.slots))
     @rule(data=st.data())
     def trim_rows(self, data: st.DataObject) -> None:
-        """Per-row rollback on a ragged layout: row ``b`` forgets ``counts[b]`` tokens."""
+        """Per-row rollback on a ragged layout: a row that has not wrapped forgets ``counts[b]``."""
         slot = self._pick(data, self._steppable(), "layout")
         counts = [
-            data.draw(ks.counts_up_to(t.tokens), label=f"count {b}")
+            0
+            if self.g.wrapped(t.tokens)
+            else data.draw(ks.counts_up_to(t.tokens), label=f"count {b}")
             for b, t in enumerate(slot.rows)
         ]
-        note(f"trim_rows: layout {slot.ident} {slot.ref!r} counts {counts}")
-        self.stats.op("trim_rows")
+        note(f"trim_rows: layout {slot.ident} {slot.opt!r} counts {counts}")
+        self._op("trim_rows", slot)
         expected = max(counts, default=0)
         self._exact("trim_rows() return (reference)", slot.ref.trim_rows(counts), expected)
         self._exact("trim_rows() return (optimized)", slot.opt.trim_rows(counts), expected)
@@ -774,12 +1288,12 @@ class ConformanceMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ invalid input
     def _bad_blocks(
-        self, rows: int, geometry_known: bool
+        self, rows: int, known: bool
     ) -> list[tuple[str, Callable[[Impl], tuple[Any, Any]]]]:
         """Blocks an update must refuse: (label, impl -> (keys, values))."""
         g = self.g
         rng = np.random.default_rng(0)
-        other_dtype = next(d for d in NUMPY_DTYPES if d != g.dtype)
+        other = next(d for d in NUMPY_DTYPES if d != g.dtype)
 
         def block(
             shape_k: tuple[int, ...], shape_v: tuple[int, ...], dk: str, dv: str
@@ -797,6 +1311,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             return lambda impl: (impl.to_native(k), impl.to_native(v))
 
         b = max(rows, 1)
+        step = g.group_size or 8  # another head dim the codec can store
         good_k, good_v = (b, g.heads, 1, g.key_dim), (b, g.heads, 1, g.value_dim)
         cases = [
             ("keys of rank 3", block(good_k[1:], good_v[1:], g.dtype, g.dtype)),
@@ -805,7 +1320,7 @@ class ConformanceMachine(RuleBasedStateMachine):
                 block((b, g.heads, 0, g.key_dim), (b, g.heads, 0, g.value_dim), g.dtype, g.dtype),
             ),
             ("int32 keys and values", block(good_k, good_v, "int32", "int32")),
-            ("keys and values of different dtypes", block(good_k, good_v, g.dtype, other_dtype)),
+            ("keys and values of different dtypes", block(good_k, good_v, g.dtype, other)),
             (
                 "keys and values with different N",
                 block(good_k, (b, g.heads, 2, g.value_dim), g.dtype, g.dtype),
@@ -818,62 +1333,112 @@ class ConformanceMachine(RuleBasedStateMachine):
                     block((b + 1, *good_k[1:]), (b + 1, *good_v[1:]), g.dtype, g.dtype),
                 )
             )
-        if geometry_known:
+        if known:
+            heads_k, heads_v = (b, g.heads + 1, 1, g.key_dim), (b, g.heads + 1, 1, g.value_dim)
             cases += [
-                ("a different dtype", block(good_k, good_v, other_dtype, other_dtype)),
-                (
-                    "one KV head more",
-                    block(
-                        (b, g.heads + 1, 1, g.key_dim),
-                        (b, g.heads + 1, 1, g.value_dim),
-                        g.dtype,
-                        g.dtype,
-                    ),
-                ),
+                ("a different dtype", block(good_k, good_v, other, other)),
+                ("one KV head more", block(heads_k, heads_v, g.dtype, g.dtype)),
                 (
                     "a different key dim",
-                    block((b, g.heads, 1, g.key_dim + 8), good_v, g.dtype, g.dtype),
+                    block((b, g.heads, 1, g.key_dim + step), good_v, g.dtype, g.dtype),
                 ),
                 (
                     "a different value dim",
-                    block(good_k, (b, g.heads, 1, g.value_dim + 8), g.dtype, g.dtype),
+                    block(good_k, (b, g.heads, 1, g.value_dim + step), g.dtype, g.dtype),
+                ),
+            ]
+        if g.affine:
+            # Head dims the group does not divide: refused even before the geometry is known.
+            cases += [
+                (
+                    f"a key dim {g.key_dim + 8} the group does not divide",
+                    block((b, g.heads, 1, g.key_dim + 8), good_v, g.dtype, g.dtype),
+                ),
+                (
+                    f"a value dim {g.value_dim + 16} the group does not divide",
+                    block(good_k, (b, g.heads, 1, g.value_dim + 16), g.dtype, g.dtype),
+                ),
+                (
+                    "head dims 16 (below the group)",
+                    block((b, g.heads, 1, 16), (b, g.heads, 1, 16), g.dtype, g.dtype),
                 ),
             ]
         k_np, v_np = random_block(rng, good_k, g.dtype), random_block(rng, good_v, g.dtype)
-        foreign: dict[str, Callable[[Impl], tuple[Any, Any]]] = {
-            "the other implementation's arrays": lambda impl: (
-                (k_np, v_np)
-                if impl.name != "reference"
-                else (mx.array(k_np.astype(np.float32)), mx.array(v_np.astype(np.float32)))
-            ),
-        }
-        cases += list(foreign.items())
+        cases.append(
+            (
+                "the other implementation's arrays",
+                lambda impl: (
+                    (k_np, v_np)
+                    if impl.name != "reference"
+                    else (mx.array(k_np.astype(np.float32)), mx.array(v_np.astype(np.float32)))
+                ),
+            )
+        )
         return cases
 
-    def _foreign_cache(self, impl: Impl, what: str) -> Any:
-        """A serial cache (of ``impl``) whose geometry differs from the example's in ``what``."""
+    def _foreign(self, impl: Impl, what: str) -> Any:
+        """A cache of ``impl`` holding two tokens that a layout of this machine must refuse
+        (or, for ``dtype`` / ``heads`` with a known geometry, a layout must refuse)."""
         g = self.g
-        heads, key_dim, dtype = g.heads, g.key_dim, g.dtype
+        heads, key_dim, value_dim, dtype, name = (
+            g.heads,
+            g.key_dim,
+            g.value_dim,
+            g.dtype,
+            self.serial_name,
+        )
+        ring, affine = CONSTRUCTORS[name]
+        changes: dict[str, int] = {}
         if what == "dtype":
             dtype = next(d for d in NUMPY_DTYPES if d != g.dtype)
         elif what == "heads":
             heads = g.heads + 1
-        else:
-            key_dim = g.key_dim + 8
+        elif what == "key_dim":
+            key_dim = g.key_dim + (g.group_size or 8)
+        elif what == "window":
+            changes["max_size"] = (g.max_size or 8) + 1
+        elif what == "full attention":
+            name = "QuantizedKVCache" if affine else "KVCache"
+        elif what == "other codec":
+            name = next(
+                n
+                for n, traits in CONSTRUCTORS.items()
+                if traits == (ring, not affine) and n.endswith("Cache")
+            )
+            key_dim = value_dim = 32 if not affine else key_dim
+        elif what == "other bits":
+            changes["bits"] = 8 if g.bits != 8 else 4
+        elif what == "other group":
+            changes["group_size"] = 64 if g.group_size == 32 else 32
+            key_dim = value_dim = 64
+        return self._fill(impl, self._new(impl, name, **changes), key_dim, value_dim, heads, dtype)
+
+    def _fill(
+        self,
+        impl: Impl,
+        cache: Any,
+        key_dim: int,
+        value_dim: int | None = None,
+        heads: int | None = None,
+        dtype: str | None = None,
+    ) -> Any:
+        """``cache`` after one append of two tokens (the example's shapes unless given)."""
+        g = self.g
         rng = np.random.default_rng(1)
-        cache = impl.new(self.family.serial)
-        k = random_block(rng, (1, heads, 2, key_dim), dtype)
-        v = random_block(rng, (1, heads, 2, g.value_dim), dtype)
+        k = random_block(rng, (1, heads or g.heads, 2, key_dim), dtype or g.dtype)
+        v = random_block(rng, (1, heads or g.heads, 2, value_dim or g.value_dim), dtype or g.dtype)
         cache.update_and_fetch(impl.to_native(k), impl.to_native(v))
         return cache
 
-    def _layout_cases(self, slot: Slot) -> list[tuple[str, Callable[[Impl, Any], object], str]]:
-        """(label, call(impl, layout), parity skip code) for invalid operations on a layout."""
-        rows = len(slot.rows)
+    def _layout_cases(self, slot: Slot) -> list[Case]:
+        """Invalid operations on a layout: (label, call(impl, layout), skip code, type)."""
+        rows, g = len(slot.rows), self.g
         known = slot.ref.geometry is not None
-        cases: list[tuple[str, Callable[[Impl, Any], object], str]] = []
+        cases: list[Case] = []
         if rows == 0:
-            g = self.g
+            cases.append(
+                ("fetch of a layout without rows", lambda impl, lay: lay.fetch(), "V0", None)
+            )
             k = random_block(np.random.default_rng(2), (1, g.heads, 1, g.key_dim), g.dtype)
             v = random_block(np.random.default_rng(3), (1, g.heads, 1, g.value_dim), g.dtype)
             cases.append(
@@ -881,362 +1446,594 @@ class ConformanceMachine(RuleBasedStateMachine):
                     "update of an empty layout",
                     lambda impl, lay: lay.update_and_fetch(impl.to_native(k), impl.to_native(v)),
                     "V0",
+                    None,
                 )
             )
         else:
-            for label, make in self._bad_blocks(rows, known):
+            cases += [
+                (f"update with {label}", _update_with(make), "V0", None)
+                for label, make in self._bad_blocks(rows, known)
+            ]
+            shortest = min(t.tokens for t in slot.rows)
+            if slot.ref.is_trimmable():
                 cases.append(
                     (
-                        f"update with {label}",
-                        _update_with(make),
-                        "V0",
+                        f"trim({shortest + 1}) past the shortest row",
+                        lambda impl, lay: lay.trim(shortest + 1),
+                        "B4",
+                        None,
                     )
                 )
-            shortest = min(t.tokens for t in slot.rows)
-            over = shortest + 1
-            cases.append(
-                (f"trim({over}) past the shortest row", lambda impl, lay: lay.trim(over), "B4")
-            )
-            if self.spec.shared_column and rows >= 2 and shortest >= 1:
+            else:
+                cases.append(
+                    (
+                        "trim(1) of a wrapped ring",
+                        lambda impl, lay: lay.trim(1),
+                        "B11",
+                        NotTrimmableError,
+                    )
+                )
+            has_trim_rows = callable(getattr(slot.ref, "trim_rows", None))
+            if has_trim_rows and self.spec.shared_column and rows >= 2 and shortest >= 1:
                 unequal = [0] * (rows - 1) + [1]
                 cases.append(
                     (
                         f"trim_rows({unequal}) with unequal counts on a shared write column",
                         lambda impl, lay: lay.trim_rows(unequal),
                         "V0",
+                        None,
                     )
                 )
             if self.spec.trim_rows:
                 counts = [t.tokens for t in slot.rows]
                 counts[-1] += 1
-                cases.append(
+                cases += [
                     (
                         f"trim_rows({counts}) past a row",
                         lambda impl, lay: lay.trim_rows(counts),
                         "V0",
-                    )
-                )
-                cases.append(
+                        None,
+                    ),
                     (
                         "trim_rows with one count too many",
                         lambda impl, lay: lay.trim_rows([0] * (rows + 1)),
                         "V0",
-                    )
-                )
-                cases.append(
+                        None,
+                    ),
                     (
                         "trim_rows with a negative count",
                         lambda impl, lay: lay.trim_rows([-1] * rows),
                         "V0",
+                        None,
+                    ),
+                    ("trim_rows of a non-sequence", lambda impl, lay: lay.trim_rows(0), "V0", None),
+                ]
+                wrapped = [b for b, t in enumerate(slot.rows) if g.wrapped(t.tokens)]
+                if wrapped:
+                    one = [1 if b == wrapped[0] else 0 for b in range(rows)]
+                    cases.append(
+                        (
+                            f"trim_rows({one}) of a wrapped row",
+                            lambda impl, lay: lay.trim_rows(one),
+                            "V0",
+                            None,
+                        )
                     )
-                )
-                cases.append(
-                    ("trim_rows of a non-sequence", lambda impl, lay: lay.trim_rows(0), "V0")
-                )
             cases.append(
-                ("filter naming a row twice", lambda impl, lay: lay.filter_rows([0, 0]), "V0")
+                ("filter naming a row twice", lambda impl, lay: lay.filter_rows([0, 0]), "V0", None)
             )
+
+        def other_impl(impl: Impl) -> Impl:
+            return self.opt_impl if impl.name == "reference" else self.ref_impl
+
+        serial = self.serial_name
         cases += [
-            ("trim(-1)", lambda impl, lay: lay.trim(-1), "V0"),
-            ("make_mask(0)", lambda impl, lay: lay.make_mask(0), "V0"),
-            ("make_mask(True)", lambda impl, lay: lay.make_mask(True), "V0"),
+            ("trim(-1)", lambda impl, lay: lay.trim(-1), "V0", None),
+            ("make_mask(0)", lambda impl, lay: lay.make_mask(0), "V0", None),
+            ("make_mask(True)", lambda impl, lay: lay.make_mask(True), "V0", None),
             (
                 "make_mask(1, window_size=0)",
                 lambda impl, lay: lay.make_mask(1, window_size=0),
                 "V0",
+                None,
             ),
-            ("projected_bytes(-1)", lambda impl, lay: lay.projected_bytes(-1), "V0"),
-            (f"extract_row({rows}) out of range", lambda impl, lay: lay.extract_row(rows), "V0"),
-            ("extract_row(-1)", lambda impl, lay: lay.extract_row(-1), "V0"),
-            ("extract_row(1.0)", lambda impl, lay: lay.extract_row(1.0), "V0"),
-            (f"can_publish_row({rows}, 0)", lambda impl, lay: lay.can_publish_row(rows, 0), "V0"),
+            ("projected_bytes(-1)", lambda impl, lay: lay.projected_bytes(-1), "V0", None),
+            (
+                f"extract_row({rows}) out of range",
+                lambda impl, lay: lay.extract_row(rows),
+                "V0",
+                None,
+            ),
+            ("extract_row(-1)", lambda impl, lay: lay.extract_row(-1), "V0", None),
+            ("extract_row(1.0)", lambda impl, lay: lay.extract_row(1.0), "V0", None),
+            (
+                f"can_publish_row({rows}, 0)",
+                lambda impl, lay: lay.can_publish_row(rows, 0),
+                "V0",
+                None,
+            ),
             (
                 f"table.publish_row(layout, {rows}, 0)",
                 lambda impl, lay: table.publish_row(lay, rows, 0),
                 "V0",
+                None,
             ),
-            (f"filter naming row {rows}", lambda impl, lay: lay.filter_rows([rows]), "V0"),
-            ("filter with a non-sequence", lambda impl, lay: lay.filter_rows(0), "V0"),
-            ("filter with a string", lambda impl, lay: lay.filter_rows("0"), "V0"),
+            (f"filter naming row {rows}", lambda impl, lay: lay.filter_rows([rows]), "V0", None),
+            ("filter with a non-sequence", lambda impl, lay: lay.filter_rows(0), "V0", None),
+            ("filter with a string", lambda impl, lay: lay.filter_rows("0"), "V0", None),
             (
                 "merge_rows of a bare cache (not a sequence)",
-                lambda impl, lay: lay.merge_rows(impl.new(self.family.serial)),
+                lambda impl, lay: lay.merge_rows(self._new(impl, serial)),
                 "V0",
+                None,
             ),
-            ("merge_rows of a foreign object", lambda impl, lay: lay.merge_rows([object()]), "V0"),
+            (
+                "merge_rows of a foreign object",
+                lambda impl, lay: lay.merge_rows([object()]),
+                "V0",
+                None,
+            ),
             (
                 "merge_rows of the other implementation's cache",
-                lambda impl, lay: lay.merge_rows(
-                    [
-                        (self.opt_impl if impl.name == "reference" else self.ref_impl).new(
-                            self.family.serial
-                        )
-                    ]
-                ),
+                lambda impl, lay: lay.merge_rows([self._new(other_impl(impl), serial)]),
                 "V0",
+                None,
             ),
             (
                 "merge_rows of two caches of different dtypes",
                 lambda impl, lay: lay.merge_rows(
-                    [self._foreign_cache(impl, "dtype"), self._foreign_cache(impl, "heads")]
+                    [self._foreign(impl, "dtype"), self._foreign(impl, "heads")]
                 ),
                 "B5",
+                None,
+            ),
+            (
+                "merge_rows of a cache of the other codec",
+                lambda impl, lay: lay.merge_rows([self._foreign(impl, "other codec")]),
+                "V0",
+                None,
             ),
         ]
-        if self.peer is not None:
-            peer = self.peer
+        if self.peer is not None and self.twins:
+            peer, geo = self.peer, g
             cases.append(
                 (
-                    "merge_rows of an mlx-lm KVCache",
-                    lambda impl, lay: lay.merge_rows([peer.serial()]),
+                    "merge_rows of an mlx-lm cache",
+                    lambda impl, lay: lay.merge_rows([peer.serial(geo)]),
                     "V0",
+                    None,
                 )
             )
         if known:
             cases += [
                 (
                     "merge_rows of a cache of another dtype",
-                    lambda impl, lay: lay.merge_rows([self._foreign_cache(impl, "dtype")]),
+                    lambda impl, lay: lay.merge_rows([self._foreign(impl, "dtype")]),
                     "B5",
+                    None,
                 ),
                 (
                     "merge_rows of a cache with another head count",
-                    lambda impl, lay: lay.merge_rows([self._foreign_cache(impl, "heads")]),
+                    lambda impl, lay: lay.merge_rows([self._foreign(impl, "heads")]),
                     "N2",
+                    None,
                 ),
                 (
                     "merge_rows of a cache with another key dim",
-                    lambda impl, lay: lay.merge_rows([self._foreign_cache(impl, "key_dim")]),
+                    lambda impl, lay: lay.merge_rows([self._foreign(impl, "key_dim")]),
                     "V0",
+                    None,
                 ),
             ]
-        return cases
+        return cases + self._extra_layout_cases(slot)
 
-    def _serial_cases(self, track: Track) -> list[tuple[str, Callable[[Impl, Any], object], str]]:
-        cases: list[tuple[str, Callable[[Impl, Any], object], str]] = []
-        for label, make in self._bad_blocks(1 if track.appended else 0, track.geometry_known):
-            cases.append(
-                (
-                    f"serial update with {label}",
-                    _update_with(make),
-                    "V0",
-                )
-            )
+    def _serial_cases(self, track: Track) -> list[Case]:
+        cases: list[Case] = [
+            (f"serial update with {label}", _update_with(make), "V0", None)
+            for label, make in self._bad_blocks(1 if track.appended else 0, track.geometry_known)
+        ]
         cases += [
-            ("serial trim(-1)", lambda impl, c: c.trim(-1), "V0"),
-            ("serial make_mask(0)", lambda impl, c: c.make_mask(0), "V0"),
+            ("serial trim(-1)", lambda impl, c: c.trim(-1), "V0", None),
+            ("serial trim(1.5)", lambda impl, c: c.trim(1.5), "V0", None),
+            ("serial make_mask(0)", lambda impl, c: c.make_mask(0), "V0", None),
+            (
+                "serial make_mask(1, window_size=0)",
+                lambda impl, c: c.make_mask(1, window_size=0),
+                "V0",
+                None,
+            ),
             (
                 "table.filter_layout_rows of serial state",
                 lambda impl, c: table.filter_layout_rows(c, [0]),
                 "V0",
+                None,
             ),
         ]
-        if not track.geometry_known:
+        if self.g.wrapped(track.tokens):
             cases.append(
-                ("fetch of a cache that never held a token", lambda impl, c: c.fetch(), "V0")
+                (
+                    "serial trim(1) of a wrapped ring",
+                    lambda impl, c: c.trim(1),
+                    "B11",
+                    NotTrimmableError,
+                )
             )
-        return cases
+        if not track.appended:
+            cases.append(
+                ("fetch of a cache that never held a token", lambda impl, c: c.fetch(), "V0", None)
+            )
+        return cases + self._extra_serial_cases(track)
+
+    def _snapshots(self, pairs: Sequence[tuple[Any, Any]]) -> tuple[list[Any], list[Any]]:
+        ref, opt = self.ref_impl, self.opt_impl
+        views = (self.serial_view, self.row_view)
+        return [snapshot(r, ref, *views) for r, _ in pairs], [
+            snapshot(o, opt, *views) for _, o in pairs
+        ]
 
     def _everything(self) -> tuple[list[Any], list[Any]]:
-        ref_snaps, opt_snaps = [], []
-        for t in self.pool:
-            ref_snaps.append(snapshot(t.ref, self.ref_impl.to_numpy))
-            opt_snaps.append(snapshot(t.opt, self.opt_impl.to_numpy))
+        pairs: list[tuple[Any, Any]] = [(t.ref, t.opt) for t in self.pool]
         for s in self.slots:
-            ref_snaps.append(snapshot(s.ref, self.ref_impl.to_numpy))
-            opt_snaps.append(snapshot(s.opt, self.opt_impl.to_numpy))
-            for t in s.rows:
-                ref_snaps.append(snapshot(t.ref, self.ref_impl.to_numpy))
-                opt_snaps.append(snapshot(t.opt, self.opt_impl.to_numpy))
-        return ref_snaps, opt_snaps
+            pairs.append((s.ref, s.opt))
+            pairs.extend((t.ref, t.opt) for t in s.rows)
+        return self._snapshots(pairs)
 
     @precondition(lambda self: bool(self.pool) or bool(self.slots))
     @rule(data=st.data())
     def invalid(self, data: st.DataObject) -> None:
-        """A bad call: both implementations raise the same KvRowsError subclass; nothing changes."""
-        targets: list[
-            tuple[str, Any, Any, list[tuple[str, Callable[[Impl, Any], object], str]], Slot | None]
-        ] = []
+        """A bad call: both raise the same KvRowsError subclass and message; nothing changes."""
+        targets: list[tuple[str, Any, Any, list[Case], Slot | None, Track | None]] = []
         for t in self.pool:
-            targets.append((f"request {t.ident}", t.ref, t.opt, self._serial_cases(t), None))
+            targets.append((f"request {t.ident}", t.ref, t.opt, self._serial_cases(t), None, t))
         for s in self.slots:
-            targets.append((f"layout {s.ident}", s.ref, s.opt, self._layout_cases(s), s))
-        name, ref_obj, opt_obj, cases, slot = self._pick(data, targets, "target")
-        label, call, code = self._pick(data, cases, "invalid operation")
+            targets.append((f"layout {s.ident}", s.ref, s.opt, self._layout_cases(s), s, None))
+        name, ref_obj, opt_obj, cases, slot, track = self._pick(data, targets, "target")
+        label, call, code, expected = self._pick(data, cases, "invalid operation")
         note(f"invalid: {name}: {label}")
-        self.stats.op("invalid")
+        self._op("invalid")
         before = self._everything()
-        errors: list[type[BaseException]] = []
+        errors: list[KvRowsError] = []
         for impl, obj in ((self.ref_impl, ref_obj), (self.opt_impl, opt_obj)):
             try:
                 call(impl, obj)
             except KvRowsError as error:
-                errors.append(type(error))
+                errors.append(error)
             except Exception as error:  # any other exception is a contract violation
                 raise AssertionError(
-                    f"{impl.name}: {label} raised {type(error).__name__} ({error}), "
-                    "not a KvRowsError"
+                    f"{impl.name}: {label} raised {type(error).__name__} ({error}), not a KvRowsError"
                 ) from error
             else:
                 raise AssertionError(f"{impl.name}: {label} did not raise")
-        self._exact(f"{label}: error types (reference, optimized)", errors[1], errors[0])
+        self._same_error(label, errors[0], errors[1], expected)
         self._exact(
             f"{label}: every cache unchanged after the failed call", self._everything(), before
         )
         self.stats.check("error types")
-        if slot is not None and self._parity(slot):
+        if (slot is not None and self._parity(slot) and slot.lm is not None) or (
+            track is not None and track.lm is not None and code == "B11"
+        ):
             self._skip(code, label)
+
+    def _same_error(
+        self,
+        label: str,
+        ref: BaseException,
+        opt: BaseException,
+        expected: type[KvRowsError] | None = None,
+    ) -> None:
+        """Both raised the same ``KvRowsError`` subclass (the named one, if any) with the
+        same message (:data:`MESSAGE_EXCEPTIONS` excepted)."""
+        self._exact(f"{label}: error types (reference, optimized)", type(opt), type(ref))
+        if expected is not None:
+            self._exact(f"{label}: the error type the contract names", type(ref), expected)
+        if not any(part in label for part in MESSAGE_EXCEPTIONS):
+            self._exact(f"{label}: error messages (optimized vs reference)", str(opt), str(ref))
+            self.stats.check("error messages")
 
     # ---------------------------------------------------------------- oracles
     @invariant()
     def check_oracles(self) -> None:
+        """Check what the last rule touched, and everything every ``FULL_CHECK_EVERY`` rules
+        (rules that must change nothing prove it with snapshots); teardown checks all."""
         if self.geo is None:
             return
+        self._invariants += 1
+        if self._invariants % FULL_CHECK_EVERY == 0:
+            self._check_everything()
+        else:
+            for track in self.pool:
+                if track.ident in self._dirty:
+                    self._check_request(track)
+            for slot in self.slots:
+                if slot.ident in self._dirty:
+                    self._check_slot(slot)
+            self._check_independence()
+        self._dirty.clear()
+        self._clean = True
+
+    def _check_everything(self) -> None:
         for track in self.pool:
             self._check_request(track)
         for slot in self.slots:
             self._check_slot(slot)
+        self._check_independence()
+        self.stats.check("full check")
+
+    def _check_independence(self) -> None:
+        """The caller's arrays never change after a call; extracted and published caches
+        keep what they held while the layouts go on."""
+        for label, impl, native, pristine in self._inputs:
+            got = impl.to_numpy(native)
+            if got.tobytes() != pristine.tobytes():
+                raise AssertionError(
+                    f"{impl.name} changed an input array after the call ({label}): an "
+                    "implementation kept the caller's array and wrote into it"
+                )
+        for label, impl, cache, held in self._outputs:
+            now = (int(cache.offset), planes_bytes(self._view(impl, cache)))
+            if now != held:
+                raise AssertionError(
+                    f"{impl.name}: the cache of {label} changed while the layout went on "
+                    "(it shares storage with the layout)"
+                )
+        self.stats.check("independence")
 
     def _check_request(self, track: Track) -> None:
         """A free request: reference, optimized and mlx-lm serial caches hold the model."""
-        ref, opt = self.ref_impl, self.opt_impl
+        ref, opt, g = self.ref_impl, self.opt_impl, self.g
         what = f"request {track.ident}"
         self._exact(
             f"{what} offsets (reference, optimized)",
             (track.ref.offset, track.opt.offset),
-            (track.tokens, track.tokens),
+            (track.tokens,) * 2,
         )
         self._exact(f"{what} signature", track.opt.signature(), track.ref.signature())
         self._exact(f"{what} geometry", track.opt.geometry, track.ref.geometry)
-        self._exact(f"{what} is_trimmable", track.opt.is_trimmable(), track.ref.is_trimmable())
-        planes_ref, planes_opt = (
-            self._planes(ref, track.ref.planes()),
-            self._planes(opt, track.opt.planes()),
+        self._exact(
+            f"{what} is_trimmable (reference, optimized)",
+            (track.ref.is_trimmable(), track.opt.is_trimmable()),
+            (not g.wrapped(track.tokens),) * 2,
         )
         self._exact(
-            f"{what} holds planes (reference, optimized)", planes_opt is None, planes_ref is None
+            f"{what}: row_admission of serial state", table.row_admission([track.ref]), None
         )
-        self._same_planes("kv.stored", f"{what} (reference)", planes_ref, track)
-        self._same_planes("kv.stored", f"{what} (optimized)", planes_opt, track)
+        model = self._model_view(track)
+        self._same_planes(
+            "kv.stored", f"{what} view (reference)", self._view(ref, track.ref), model
+        )
+        self._same_planes(
+            "kv.stored", f"{what} view (optimized)", self._view(opt, track.opt), model
+        )
+        got = [self._fetch(ref, track.ref), self._fetch(opt, track.opt)]
+        fetched = [None if isinstance(x, KvRowsError) else x for x in got]
+        if isinstance(got[0], KvRowsError) and isinstance(got[1], KvRowsError):
+            label = f"{what} fetch() of an empty {type(track.ref).__name__}"
+            self._same_error(label, got[0], got[1])
+        same_order = fetched[0] is not None and planes_bytes(fetched[0]) == planes_bytes(fetched[1])
         for n, form in ks.CHECKED_MASKS:
             kw = form.kwargs()
-            masks = [track.ref.make_mask(n, **kw), track.opt.make_mask(n, **kw)]
+            keys = g.retained(track.tokens, n)
+            e_ref = expand(track.ref.make_mask(n, **kw), 1, n, keys)
+            e_opt = expand(track.opt.make_mask(n, **kw), 1, n, keys)
+            if same_order:
+                self._masks_equal(f"{what} make_mask({n}, {form})", [e_ref, e_opt])
+            else:  # rings read in another order: the same number of visible keys per query
+                self._exact(
+                    f"{what} make_mask({n}, {form}) visible counts",
+                    e_opt.sum(axis=-1).tolist(),
+                    e_ref.sum(axis=-1).tolist(),
+                )
             if track.lm is not None:
-                masks.append(track.lm.make_mask(n, **form.mlx_lm_kwargs()))
-            self._masks_equal(f"{what} make_mask({n}, {form})", masks, 1, n, track.tokens + n)
+                e_lm = expand(track.lm.make_mask(n, **form.mlx_lm_kwargs()), 1, n, keys)
+                self._masks_equal(f"{what} make_mask({n}, {form}) vs mlx-lm", [e_opt, e_lm])
         if track.lm is not None and self.peer is not None:
             self._exact(f"{what} mlx-lm offset", int(track.lm.offset), track.tokens)
+            self._peer_serial_state(track)
             held = self.peer.serial_kv(track.lm)
-            if held is not None:
+            if held is not None and fetched[1] is not None:
                 self._same_planes(
-                    "kv.mlx_lm", f"{what} (mlx-lm KVCache)", self._planes(opt, held), track
+                    "kv.mlx_lm", f"{what} fetch() vs mlx-lm", view_planes(opt, held), fetched[1]
                 )
             self.stats.check("mlx-lm serial")
         self.stats.check("reference vs optimized")
 
+    def _fetch(self, impl: Impl, cache: Any) -> Planes | KvRowsError:
+        """``fetch()`` as one NumPy tuple (keys' planes, values'), or the error it raised."""
+        try:
+            keys, values = cache.fetch()
+        except KvRowsError as error:
+            return error
+        planes = (*planes_of(impl, keys), *planes_of(impl, values))
+        half = len(planes) // 2
+        self._fetch_dtypes("fetch()", planes[:half], planes[half:])
+        return planes
+
     def _check_slot(self, slot: Slot) -> None:
-        ref, opt = self.ref_impl, self.opt_impl
+        ref, opt, g = self.ref_impl, self.opt_impl, self.g
         r, o = slot.ref, slot.opt
         what = f"layout {slot.ident}"
         tokens = tuple(t.tokens for t in slot.rows)
-        # (a) reference vs optimized, and both vs the model.
-        self._exact(
-            f"{what} batch_size", (r.batch_size, o.batch_size), (len(slot.rows), len(slot.rows))
-        )
+        rows = len(slot.rows)
+        self._exact(f"{what} batch_size", (r.batch_size, o.batch_size), (rows, rows))
         self._exact(f"{what} row_offsets (reference)", r.row_offsets, tokens)
         self._exact(f"{what} row_offsets (optimized)", o.row_offsets, tokens)
         self._exact(f"{what} left_pad", o.left_pad, r.left_pad)
-        self._exact(f"{what} width", o.width, r.width)
-        self._exact(
-            f"{what} offset (reference)",
-            (ref.to_numpy(r.offset).tolist(), str(ref.to_numpy(r.offset).dtype)),
-            (list(tokens), "int32"),
-        )
-        self._exact(
-            f"{what} offset (optimized)",
-            (opt.to_numpy(o.offset).tolist(), str(opt.to_numpy(o.offset).dtype)),
-            (list(tokens), "int32"),
-        )
+        for name, impl, lay in (("reference", ref, r), ("optimized", opt, o)):
+            offset = impl.to_numpy(lay.offset)
+            self._exact(
+                f"{what} offset ({name})",
+                (offset.tolist(), str(offset.dtype)),
+                (list(tokens), "int32"),
+            )
         self._exact(f"{what} signature", o.signature(), r.signature())
         self._exact(f"{what} geometry", o.geometry, r.geometry)
-        self._exact(f"{what} max_tokens", o.max_tokens, r.max_tokens)
+        self._exact(f"{what} max_tokens", (r.max_tokens, o.max_tokens), (math.inf, math.inf))
         self._exact(f"{what} is_trimmable", o.is_trimmable(), r.is_trimmable())
-        for t in (0, 1, 7):
-            self._exact(f"{what} projected_bytes({t})", o.projected_bytes(t), r.projected_bytes(t))
+        if not self.spec.shared_column:
+            self._exact(
+                f"{what} ragged is_trimmable: no row has wrapped",
+                r.is_trimmable(),
+                not any(g.wrapped(t) for t in tokens),
+            )
+        self._check_admission(slot)
         r.check_valid()
         o.check_valid()
-        width, pads = r.width, r.left_pad
-        if self.spec.shared_column:
-            self._exact(
-                f"{what} rows share one write column",
-                {p + t for p, t in zip(pads, tokens, strict=True)} | {width},
-                {width},
-            )
-        rows = len(slot.rows)
+        self._check_layout_shape(slot)
+        lm = slot.lm if self._parity(slot) else None
+        fetched = self._check_fetch(slot, what, tokens)
+        width = int(fetched[0][0].shape[2]) if fetched is not None else 0
         for n, form in ks.CHECKED_MASKS:
             kw = form.kwargs()
-            masks = [r.make_mask(n, **kw), o.make_mask(n, **kw)]
-            if self._parity(slot) and slot.lm is not None:
-                masks.append(slot.lm.make_mask(n, **form.mlx_lm_kwargs()))
-            self._masks_equal(f"{what} make_mask({n}, {form})", masks, rows, n, width + n)
-        outcomes: list[Any] = []
-        for lay in (r, o):
-            try:
-                outcomes.append(lay.fetch())
-            except KvRowsError as error:
-                outcomes.append(type(error))
-        self._exact(
-            f"{what} fetch() raises (optimized vs reference)",
-            outcomes[1] if isinstance(outcomes[1], type) else "returns",
-            outcomes[0] if isinstance(outcomes[0], type) else "returns",
-        )
-        if not isinstance(outcomes[0], type):
-            for i, name in enumerate(("keys", "values")):
-                got = opt.to_numpy(outcomes[1][i])
-                want = ref.to_numpy(outcomes[0][i])
-                self._exact(f"{what} fetched {name} shape", got.shape, want.shape)
-                for b, (a, e) in enumerate(
-                    zip(
-                        self._visible_rows(got, pads, tokens),
-                        self._visible_rows(want, pads, tokens),
-                        strict=True,
+            m_ref, m_opt = r.make_mask(n, **kw), o.make_mask(n, **kw)
+            keys = int(np.shape(m_ref)[-1]) if isinstance(m_ref, np.ndarray) else width + n
+            masks = [expand(m_ref, rows, n, keys), expand(m_opt, rows, n, keys)]
+            self._masks_equal(f"{what} make_mask({n}, {form})", masks)
+            if lm is not None and rows:
+                e_lm = expand(lm.make_mask(n, **form.mlx_lm_kwargs()), rows, n, keys)
+                code = self._peer_divergence(slot, n)
+                if code is not None and not np.array_equal(masks[1], e_lm):
+                    self._exact(
+                        f"{what} make_mask({n}) vs mlx-lm: {code} only hides",
+                        bool(np.all(masks[1] | ~e_lm)),
+                        True,
                     )
-                ):
-                    self._close("kv.fetched", f"{what} fetch() {name} row {b}", a, e)
+                else:
+                    self._masks_equal(f"{what} make_mask({n}, {form}) vs mlx-lm", [masks[1], e_lm])
         for b, track in enumerate(slot.rows):
-            planes_ref = self._planes(ref, r.row_planes(b))
-            planes_opt = self._planes(opt, o.row_planes(b))
-            self._same_planes("kv.stored", f"{what} row {b} (reference)", planes_ref, track)
-            self._same_planes("kv.stored", f"{what} row {b} (optimized)", planes_opt, track)
-            # (b) solo replay: the extracted row equals the serial caches that saw the same appends.
+            model = self._model_view(track)
+            self._same_planes(
+                "kv.stored", f"{what} row {b} view (reference)", self._row_view(ref, r, b), model
+            )
+            self._same_planes(
+                "kv.stored", f"{what} row {b} view (optimized)", self._row_view(opt, o, b), model
+            )
             self._check_serial_like(
                 f"{what} extract_row({b})", r.extract_row(b), o.extract_row(b), track
             )
         self.stats.check("reference vs optimized")
-        # (c) mlx-lm parity.
-        if self._parity(slot) and slot.lm is not None and self.peer is not None:
-            lm = slot.lm
+        if lm is not None and self.peer is not None:
             self._exact(f"{what} mlx-lm offsets", np.array(lm.offset).tolist(), list(tokens))
             self._exact(
-                f"{what} mlx-lm left_padding", np.array(lm.left_padding).tolist(), list(pads)
+                f"{what} mlx-lm left_padding", np.array(lm.left_padding).tolist(), list(r.left_pad)
             )
-            self._exact(f"{what} mlx-lm _idx (shared write column)", int(lm._idx), width)
+            self._peer_layout_state(slot, lm)
             held = self.peer.batch_kv(lm)
-            if held is None:
+            if held is None or fetched is None:
                 self._exact(
-                    f"{what}: mlx-lm holds no keys, so no row holds a token", sum(tokens), 0
+                    f"{what}: mlx-lm holds no keys, so no row holds a token",
+                    (held is None, sum(tokens)),
+                    (True, 0),
                 )
             else:
-                planes = self._planes(opt, held)
+                planes = view_planes(opt, held)
                 assert planes is not None
+                self._exact(
+                    f"{what} mlx-lm fetched shapes",
+                    [p.shape for p in planes],
+                    [p.shape for p in fetched[1]],
+                )
                 for b, track in enumerate(slot.rows):
-                    if track.tokens == 0:
-                        continue
-                    row = tuple(p[b : b + 1, :, pads[b] : pads[b] + track.tokens] for p in planes)
-                    self._same_planes(
-                        "kv.mlx_lm", f"{what} row {b} (mlx-lm BatchKVCache)", row, track
-                    )
+                    columns = [c for c, _ in self._token_columns(fetched[1], b, track)]
+                    for a, e in zip(
+                        take_columns(planes, b, columns),
+                        take_columns(fetched[1], b, columns),
+                        strict=True,
+                    ):
+                        self._close("kv.mlx_lm", f"{what} row {b} fetch() vs mlx-lm", a, e)
             self.stats.check("mlx-lm layout")
+
+    def _check_admission(self, slot: Slot) -> None:
+        """``projected_bytes(t)`` is the spec's bytes of a row of ``t`` tokens (what its
+        extracted cache holds, capacity excluded: checked in ``_check_serial_like``), and
+        ``table.row_admission`` sums it."""
+        g = self.g
+        ts = (
+            [0, 1, 7]
+            + ([g.max_size - 1, g.max_size + 5] if g.max_size else [])
+            + [t.tokens for t in slot.rows]
+        )
+        for name, lay in (("reference", slot.ref), ("optimized", slot.opt)):
+            admission = table.row_admission([lay, lay])
+            assert admission is not None
+            self._exact(
+                f"layout {slot.ident} row_admission max_tokens ({name})",
+                admission.max_tokens,
+                lay.max_tokens,
+            )
+            for t in ts:
+                projected = lay.projected_bytes(t)
+                self._exact(
+                    f"layout {slot.ident} row_admission bytes({t}) ({name})",
+                    admission.bytes(t),
+                    2 * projected,
+                )
+                if lay.geometry is not None:
+                    self._exact(
+                        f"layout {slot.ident} projected_bytes({t}) ({name})",
+                        projected,
+                        g.token_bytes() * g.kept(t),
+                    )
+        self._exact(
+            f"layout {slot.ident} projected_bytes (optimized vs reference)",
+            [slot.opt.projected_bytes(t) for t in ts],
+            [slot.ref.projected_bytes(t) for t in ts],
+        )
+        self.stats.check("admission")
+
+    def _token_columns(self, planes: Planes, b: int, track: Track) -> list[tuple[int, int]]:
+        """(column, position) of every token of ``track`` in row ``b`` of fetched planes."""
+        half = len(planes) // 2
+        position = {token: p for p, token in enumerate(column_ids(track.keys, 0))}
+        found = column_ids(planes[:half], b)
+        return [(c, position[x]) for c, x in enumerate(found) if x in position]
+
+    def _check_fetch(
+        self, slot: Slot, what: str, tokens: tuple[int, ...]
+    ) -> tuple[Planes, Planes] | None:
+        """``fetch()``: both raise or both read; each row's token columns are the same bytes,
+        and they hold a contiguous newest run of the row's tokens covering its view.
+        Returns the optimized and reference fetch (``None`` when it raised)."""
+        got_ref, got_opt = (
+            self._fetch(self.ref_impl, slot.ref),
+            self._fetch(self.opt_impl, slot.opt),
+        )
+        if isinstance(got_ref, KvRowsError) or isinstance(got_opt, KvRowsError):
+            self._exact(
+                f"{what} fetch() raises (reference, optimized)",
+                (isinstance(got_ref, KvRowsError), isinstance(got_opt, KvRowsError)),
+                (True, True),
+            )
+            assert isinstance(got_ref, KvRowsError) and isinstance(got_opt, KvRowsError)
+            self._exact(f"{what} fetch() raises only when no row holds a token", sum(tokens), 0)
+            empty = f"fetch() of an empty {type(slot.ref).__name__}"
+            self._same_error(f"{what} {empty}", got_ref, got_opt)
+            return None
+        self._exact(
+            f"{what} fetch() shapes", [p.shape for p in got_opt], [p.shape for p in got_ref]
+        )
+        for b, track in enumerate(slot.rows):
+            held = self._token_columns(got_ref, b, track)
+            found = sorted(p for _, p in held)
+            self._exact(
+                f"{what} fetch() row {b}: a newest run of the row's tokens",
+                found,
+                list(range(track.tokens - len(found), track.tokens)),
+            )
+            self._exact(
+                f"{what} fetch() row {b}: covers the view",
+                len(found) >= self.g.kept(track.tokens),
+                True,
+            )
+            columns = [c for c, _ in held]
+            for i, (a, e) in enumerate(
+                zip(
+                    take_columns(got_opt, b, columns),
+                    take_columns(got_ref, b, columns),
+                    strict=True,
+                )
+            ):
+                self._close("kv.fetched", f"{what} fetch() row {b} plane {i}", a, e)
+        return got_ref, got_opt
 
 
 def machine_class(
@@ -1250,30 +2047,32 @@ def machine_class(
     limits: Limits | None = None,
     enforce: bool = True,
     name: str | None = None,
+    **hooks: Any,
 ) -> type[ConformanceMachine]:
-    """A machine class for ``family``'s ``layout``, driving ``reference`` and ``optimized``.
+    """The machine class for ``family``'s ``layout``, driving ``reference`` and ``optimized``.
 
     ``optimized`` may be a mutant (``optimized_impl().with_classes({"PaddedKVRows": Mutant})``);
-    ``name`` must then differ from the unmutated machine's so Hypothesis keeps
-    their example databases apart.
+    ``name`` must then differ from the unmutated machine's so Hypothesis keeps their example
+    databases apart. ``hooks`` override class attributes of the family's machine (e.g. the
+    affine family's ``codecs``).
     """
     from kvrows.conformance.families import optimized_impl, reference_impl
 
     spec = family.layout(layout)
-    ref = reference or reference_impl()
-    opt = optimized or optimized_impl()
-    peer = family.peer() if (parity and family.peer is not None) else None
-    attrs = {
+    base: type[ConformanceMachine] = (
+        family.machine() if family.machine is not None else ConformanceMachine
+    )
+    attrs: dict[str, Any] = {
         "family": family,
         "spec": spec,
-        "ref_impl": ref,
-        "opt_impl": opt,
-        "peer": peer,
+        "ref_impl": reference or reference_impl(),
+        "opt_impl": optimized or optimized_impl(),
+        "peer": family.peer() if (parity and family.peer is not None) else None,
         "stats": stats or Stats(family.name, layout),
         "limits": limits or Limits(),
         "enforce": enforce,
-        "__module__": __name__,
-        "__doc__": f"Conformance of the {family.name} family's {layout} ({spec.role} layout).",
+        "__module__": base.__module__,
+        "__doc__": f"Conformance of the {family.name} family's {layout} ({'/'.join(spec.roles)} layout).",
+        **hooks,
     }
-    class_name = name or f"{family.name.capitalize()}{layout}Machine"
-    return type(class_name, (ConformanceMachine,), attrs)
+    return type(name or f"{family.name.capitalize()}{layout}Machine", (base,), attrs)

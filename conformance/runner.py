@@ -128,8 +128,7 @@ def run_machines(
         stats = Stats(family.name, spec.name)
         if bar is not None:
             stats.on_example = lambda _stats, label=label: bar.tick(label)
-        factory = family.machine or machine_class
-        cls = factory(family, spec.name, stats=stats, enforce=enforce, limits=limits)
+        cls = machine_class(family, spec.name, stats=stats, enforce=enforce, limits=limits)
         if seed is not None:
             cls = hypothesis_seed(seed)(cls)
         started = time.monotonic()

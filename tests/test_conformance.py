@@ -25,7 +25,7 @@ from mlx_lm.models import cache as mlx_lm_cache
 
 from kvrows.conformance.arrays import expand_mask, from_mlx, to_mlx
 from kvrows.conformance.families import FAMILIES
-from kvrows.conformance.machines import machine_class
+from kvrows.conformance.machines import BASE_CHECKS, machine_class
 from kvrows.conformance.parity import DIVERGENCES
 from kvrows.conformance.profiles import active_profile, profile_settings
 from kvrows.conformance.runner import format_report, run_conformance, run_machines
@@ -76,13 +76,7 @@ def test_plain_family(layout: str) -> None:
     expected_ops = COMMON_OPS | ({"trim_rows"} if spec.trim_rows else set())
     missing = expected_ops - set(stats.ops)
     assert not missing, f"operations never exercised: {sorted(missing)} (ran {dict(stats.ops)})"
-    for oracle in (
-        "reference vs optimized",
-        "solo replay",
-        "solo attention",
-        "masks",
-        "error types",
-    ):
+    for oracle in (*BASE_CHECKS, "solo attention"):
         assert stats.checks[oracle] > 0, f"oracle {oracle!r} never ran: {dict(stats.checks)}"
     unknown = set(stats.skips) - set(DIVERGENCES)
     assert not unknown, f"parity skips without a documented reason: {unknown}"
@@ -90,7 +84,7 @@ def test_plain_family(layout: str) -> None:
         for oracle in (
             "mlx-lm layout",
             "mlx-lm step",
-            "mlx-lm merge/extend",
+            "mlx-lm merge",
             "mlx-lm filter",
             "mlx-lm extract",
             "mlx-lm trim",
@@ -110,33 +104,21 @@ def test_plain_family(layout: str) -> None:
     assert expected <= compared, f"quantities never compared: {expected - compared}"
 
 
-#: The affine machines add the codec's invalid operations to the shared rules.
-AFFINE_OPS = COMMON_OPS | {"invalid_codec"}
-
-
 @pytest.mark.parametrize("layout", [spec.name for spec in FAMILIES["affine"].layouts])
 def test_affine_family(layout: str) -> None:
-    from kvrows.conformance.affine import CODECS, affine_machine_class
+    from kvrows.conformance.affine import CODECS
     from kvrows.conformance.runner import family_settings
 
     family = FAMILIES["affine"]
     spec = family.layout(layout)
     stats = Stats(family.name, layout)
     settings = family_settings(family)
-    run_state_machine_as_test(affine_machine_class(family, layout, stats=stats), settings=settings)
+    run_state_machine_as_test(machine_class(family, layout, stats=stats), settings=settings)
     assert stats.examples >= settings.max_examples // 2, f"only {stats.examples} examples ran"
-    expected_ops = AFFINE_OPS | ({"trim_rows"} if spec.trim_rows else set())
+    expected_ops = COMMON_OPS | ({"trim_rows"} if spec.trim_rows else set())
     missing = expected_ops - set(stats.ops)
     assert not missing, f"operations never exercised: {sorted(missing)} (ran {dict(stats.ops)})"
-    for oracle in (
-        "reference vs optimized",
-        "solo replay",
-        "solo attention",
-        "masks",
-        "error types",
-        "codec error types",
-        "mlx-lm serial",
-    ):
+    for oracle in (*BASE_CHECKS, "solo attention", "mlx-lm serial"):
         assert stats.checks[oracle] > 0, f"oracle {oracle!r} never ran: {dict(stats.checks)}"
     # mlx-lm has no quantized batch: parity is serial, and only the affine skips occur
     # (where exactly: test_affine_parity_skips_are_exactly_where_mlx_lm_fails).
@@ -165,14 +147,15 @@ def test_affine_parity_skips_are_exactly_where_mlx_lm_fails() -> None:
     raise, for every codec, head dims and GQA the affine machines draw."""
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
-    from kvrows.conformance.affine import CODECS, HEAD_DIMS, AffineGeometry
+    from kvrows.conformance.affine import CODECS, HEAD_DIMS
+    from kvrows.conformance.strategies import Geometry
 
     for bits, group in CODECS:
         dims = [d for d in HEAD_DIMS if d % group == 0]
         for key_dim in dims:
             for value_dim in dims:
                 for per_head in (1, 2):
-                    geo = AffineGeometry("float32", 1, per_head, key_dim, value_dim, bits, group)
+                    geo = Geometry("float32", 1, per_head, key_dim, value_dim, None, bits, group)
                     cache = LM.QuantizedKVCache(group_size=group, bits=bits)
                     keys = mx.ones((1, 1, 2, key_dim), dtype=mx.float32)
                     values = mx.ones((1, 1, 2, value_dim), dtype=mx.float32)
@@ -217,16 +200,14 @@ def test_affine_codec_sweep(codec: tuple[int, int], layout: str) -> None:
     ``test_affine_family`` reaches only part of the 18 codecs in the CI budget (Hypothesis
     mutates an example several times before drawing a new first choice), so each codec
     also gets a few examples of its own (on alternating layouts)."""
-    from kvrows.conformance.affine import affine_machine_class
-
     family = FAMILIES["affine"]
     profile = active_profile()
     stats = Stats(family.name, layout)
-    machine = affine_machine_class(
+    machine = machine_class(
         family,
         layout,
         stats=stats,
-        codecs=[codec],
+        codecs=(codec,),
         name=f"AffineSweep{layout}Bits{codec[0]}Group{codec[1]}",
     )
     settings = profile_settings(

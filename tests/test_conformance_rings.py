@@ -24,14 +24,9 @@ from mlx_lm.models import cache as mlx_lm_cache
 import kvrows.optimized as O
 import kvrows.reference as R
 from kvrows.conformance.families import FAMILIES
+from kvrows.conformance.machines import BASE_CHECKS, expected_visible, machine_class
 from kvrows.conformance.parity import DIVERGENCES
 from kvrows.conformance.profiles import active_profile
-from kvrows.conformance.rings import (
-    KNOWN_BUGS,
-    RING_KINDS,
-    expected_visible,
-    ring_machine_class,
-)
 from kvrows.conformance.runner import family_settings, format_report, run_machines
 from kvrows.conformance.stats import Stats
 from kvrows.errors import IncompatibleRowsError, NotTrimmableError
@@ -74,31 +69,24 @@ def test_rotating_family(layout: str) -> None:
     settings = family_settings(FAMILY)
     examples = settings.max_examples
     stats = Stats(FAMILY.name, layout)
-    run_state_machine_as_test(ring_machine_class(FAMILY, layout, stats=stats), settings=settings)
-    kind = RING_KINDS[layout]
+    run_state_machine_as_test(machine_class(FAMILY, layout, stats=stats), settings=settings)
+    spec = FAMILY.layout(layout)
     assert stats.examples >= examples // 2, f"only {stats.examples} examples ran"
-    expected_ops = COMMON_OPS | ({"trim_rows"} if kind.trim_rows else set())
+    expected_ops = COMMON_OPS | ({"trim_rows"} if spec.trim_rows else set())
     missing = expected_ops - set(stats.ops)
     assert not missing, f"operations never exercised: {sorted(missing)} (ran {dict(stats.ops)})"
-    for oracle in (
-        "reference vs optimized",
-        "visibility",
-        "masks",
-        "solo replay",
-        "solo attention",
-        "error types",
-    ):
+    for oracle in (*BASE_CHECKS, "solo attention"):
         assert stats.checks[oracle] > 0, f"oracle {oracle!r} never ran: {dict(stats.checks)}"
     unknown = set(stats.skips) - set(DIVERGENCES)
     assert not unknown, f"parity skips without a documented reason: {unknown}"
     compared = {quantity for quantity, _ in stats.errors}
     expected = {"kv.stored", "kv.fetched", "kv.solo", "attention", "attention.solo"}
-    if kind.codec == "plain":
+    if spec.serial_peer:
         # Every plain machine drives mlx-lm's serial RotatingKVCache twins.
         expected |= {"kv.mlx_lm", "attention.mlx_lm"}
         assert stats.checks["mlx-lm serial"] > 0
     assert expected <= compared, f"quantities never compared: {expected - compared}"
-    if kind.peer:
+    if spec.peer:
         for oracle in (
             "mlx-lm layout",
             "mlx-lm step",
@@ -110,10 +98,8 @@ def test_rotating_family(layout: str) -> None:
         # Joins are re-synced (R1) and wrapped rings refuse trims (B11), every time.
         assert stats.skips["R1"] > 0 and stats.skips["B11"] > 0
         assert stats.skips["B9"] < stats.checks["mlx-lm step"]
-    elif kind.codec == "affine":
+    elif not spec.serial_peer:
         assert not stats.skips, "the affine rings have no mlx-lm peer and cannot skip parity"
-    known = {c.removeprefix("known bug ") for c in stats.checks if c.startswith("known bug ")}
-    assert known <= set(KNOWN_BUGS)
 
 
 def test_runner_runs_the_rotating_family() -> None:
@@ -486,4 +472,3 @@ def test_fixed_reference_ring_bugs() -> None:
     for mod in (R, O):
         with pytest.raises(LayoutStateError):
             _filtered_to_nothing(mod).fetch()
-    assert not KNOWN_BUGS

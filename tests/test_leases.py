@@ -88,3 +88,60 @@ def test_failed_cleanup_raises_both_errors() -> None:
         lease_cache_states(caches)
     kinds = {type(error) for error in caught.value.exceptions}
     assert kinds == {RuntimeError, OSError}
+
+
+def test_a_failed_release_does_not_stop_the_later_ones() -> None:
+    """Several owned states, early releases failing: every later one is still released,
+    each once, and every failure is reported."""
+    log: list[str] = []
+    caches: list[Any] = [
+        _Fake("a", log, temporary=True, fail_release=True),
+        _Fake("b", log, temporary=True),
+        _Fake("c", log, temporary=True, fail_release=True),
+        _Fake("d", log, temporary=True),
+        _Fake("e", log, temporary=False),
+    ]
+    lease = lease_cache_states(caches)
+    with pytest.raises(ExceptionGroup) as caught:
+        lease.close()
+    assert log == ["released b", "released d"]
+    assert sorted(str(error) for error in caught.value.exceptions) == [
+        "release of a failed",
+        "release of c failed",
+    ]
+    assert lease.closed
+    lease.close()  # ownership ended before the releases ran: nothing is released twice
+    assert log == ["released b", "released d"]
+
+
+def test_one_failed_release_raises_itself_after_the_others() -> None:
+    log: list[str] = []
+    caches: list[Any] = [
+        _Fake("a", log, temporary=True, fail_release=True),
+        _Fake("b", log, temporary=True),
+        _Fake("c", log, temporary=True),
+    ]
+    with pytest.raises(OSError, match="release of a failed"), lease_cache_states(caches):
+        pass
+    assert log == ["released b", "released c"]
+
+
+def test_failed_acquisition_releases_every_acquired_state_past_a_failed_release() -> None:
+    log: list[str] = []
+    caches: list[Any] = [
+        _Fake("a", log, temporary=True, fail_release=True),
+        _Fake("b", log, temporary=True),
+        _Fake("c", log, temporary=True, fail_release=True),
+        _Fake("d", log, temporary=True),
+        _Fake("e", log, temporary=True, fail=True),
+    ]
+    with pytest.raises(ExceptionGroup) as caught:
+        lease_cache_states(caches)
+    assert log == ["released b", "released d"]
+    acquisition, cleanup = caught.value.exceptions
+    assert isinstance(acquisition, RuntimeError)
+    assert isinstance(cleanup, ExceptionGroup)
+    assert sorted(str(error) for error in cleanup.exceptions) == [
+        "release of a failed",
+        "release of c failed",
+    ]

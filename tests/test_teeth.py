@@ -11,17 +11,17 @@ implementation must pass the same budget.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 import mlx.core as mx
 import pytest
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvrows.conformance.affine import affine_machine_class
-from kvrows.conformance.families import FAMILIES, optimized_impl
+from kvrows.conformance.families import FAMILIES, Impl, optimized_impl
 from kvrows.conformance.machines import machine_class
 from kvrows.conformance.profiles import profile_settings
-from kvrows.conformance.rings import ring_machine_class
 from kvrows.conformance.stats import Stats
+from kvrows.optimized.attention import attend as optimized_attend
 from kvrows.optimized.plain import BatchedKVCache, PaddedKVRows
 from kvrows.optimized.quantized import (
     BatchedQuantizedKVCache,
@@ -209,7 +209,7 @@ def _run_affine(layout: str, mutant: type | None) -> Stats:
     if mutant is not None:
         optimized = optimized.with_classes({layout: mutant})
         name = f"Teeth{mutant.__name__}"
-    machine = affine_machine_class(family, layout, stats=stats, optimized=optimized, name=name)
+    machine = machine_class(family, layout, stats=stats, optimized=optimized, name=name)
     run_state_machine_as_test(machine, settings=profile_settings("teeth"))
     return stats
 
@@ -296,7 +296,7 @@ def _run_ring(mutant: type | None) -> Stats:
     if mutant is not None:
         optimized = optimized.with_classes({layout: mutant})
         name = f"Teeth{mutant.__name__}"
-    machine = ring_machine_class(family, layout, stats=stats, optimized=optimized, name=name)
+    machine = machine_class(family, layout, stats=stats, optimized=optimized, name=name)
     run_state_machine_as_test(machine, settings=profile_settings("teeth"))
     return stats
 
@@ -310,3 +310,102 @@ def test_the_ring_machine_catches(mutant: type) -> None:
 
 def test_the_unmutated_ring_implementation_passes() -> None:
     assert _run_ring(None).examples > 0
+
+
+# ------------------------------------- the gaps issue 8 closed (in the base machine)
+
+
+class ExtractReadsTheLayout(PaddedKVRows):
+    """An extracted row still reads the layout's buffer (a view, not its own arrays): the
+    layout's next steps show through it."""
+
+    def extract_row(self, row: int) -> FullAttentionCache:
+        cache = super().extract_row(row)
+        layout = self
+
+        def planes() -> tuple[tuple[mx.array, ...], tuple[mx.array, ...]] | None:
+            # MUTATION (an extracted row must own its arrays)
+            return layout.row_planes(row) if row < layout.batch_size else cache_planes()
+
+        cache_planes = cache.planes
+        cache.planes = planes  # type: ignore[method-assign]
+        return cache
+
+
+class RingWritesTheCallersBlock(RingBatchedRotatingCache):
+    """The ring keeps the caller's block instead of its own copy, so the next one-token
+    step writes into the caller's ``keys`` (the bug issue 8 found in the serial ring)."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        out = super().update_and_fetch(keys, values)
+        kept = self.__dict__.get("_kept")
+        if int(keys.shape[2]) > 1:
+            self.__dict__["_kept"] = (keys, values)
+        elif kept is not None and kept[0].shape[0] == keys.shape[0]:
+            kept[0][:, :, :1] = keys  # MUTATION (the ring must write its own buffer only)
+        return out
+
+
+class ProjectedBytesIgnoreTheWindow(RingBatchedRotatingCache):
+    """Admission counts every token of a row, not the ``max_size`` the ring keeps."""
+
+    def projected_bytes(self, tokens: int) -> int:
+        per_token = super().projected_bytes(1)
+        return per_token * as_count(tokens, "tokens")  # MUTATION (min(tokens, max_size))
+
+
+def _upcast_quantized(queries: mx.array, cache: Cache, mask: Mask, scale: float) -> mx.array:
+    """Quantized attention that returns float32 whatever the queries' dtype."""
+    out = optimized_attend(queries, cache, mask, scale)
+    if getattr(cache, "bits", None):
+        return out.astype(mx.float32)  # MUTATION (attention returns the queries' dtype)
+    return out
+
+
+GAP_MUTANTS = [
+    pytest.param(
+        "plain",
+        "PaddedKVRows",
+        ExtractReadsTheLayout,
+        "changed while",
+        id="extract-aliases-the-layout",
+    ),
+    pytest.param(
+        "rotating",
+        "BatchedRotatingCache",
+        RingWritesTheCallersBlock,
+        "changed an input array",
+        id="ring-keeps-the-callers-block",
+    ),
+    pytest.param(
+        "rotating",
+        "BatchedRotatingCache",
+        ProjectedBytesIgnoreTheWindow,
+        "projected_bytes",
+        id="projected-bytes-ignore-the-window",
+    ),
+]
+
+
+def _run_family(family_name: str, layout: str, optimized: Impl, name: str) -> Stats:
+    family = FAMILIES[family_name]
+    stats = Stats(family.name, layout)
+    machine = machine_class(family, layout, stats=stats, optimized=optimized, name=name)
+    run_state_machine_as_test(machine, settings=profile_settings("teeth"))
+    return stats
+
+
+@pytest.mark.parametrize(("family", "layout", "mutant", "oracle"), GAP_MUTANTS)
+def test_the_gap_checks_catch(family: str, layout: str, mutant: type, oracle: str) -> None:
+    optimized = optimized_impl().with_classes({layout: mutant})
+    with pytest.raises(AssertionError) as caught:
+        _run_family(family, layout, optimized, f"Teeth{mutant.__name__}")
+    assert "Failing test case" in "\n".join(getattr(caught.value, "__notes__", []))
+    assert oracle in str(caught.value), str(caught.value)
+
+
+def test_the_dtype_check_catches_float32_attention() -> None:
+    optimized = replace(optimized_impl(), attend=_upcast_quantized)
+    with pytest.raises(AssertionError) as caught:
+        _run_family("affine", "PaddedQuantKVRows", optimized, "TeethAttentionUpcasts")
+    assert "attention dtype" in str(caught.value), str(caught.value)
