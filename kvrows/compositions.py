@@ -143,6 +143,7 @@ COMPOSITIONS: tuple[Composition, ...] = (
     Composition(name="DelayedRotatingQuantizedKVCache", codec="affine", geometry="ring",
                 arrangement="ragged", signature="kv:delayed-rotating-quant",
                 params=_RING_AFFINE, serial="RotatingQuantizedKVCache",
+                roles=Roles(SELF, SELF, SELF),
                 modifiers=frozenset({"delayed", "speculative"}), issue=11,
                 summary="ring rows that convert to affine at their own boundary"),
     # -- affine rings ----------------------------------------------------------------
