@@ -7,10 +7,14 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
 
 import kvrows
+import kvrows.optimized as optimized
+import kvrows.reference as reference
 from kvrows.codec import codec_plane_specs, codec_token_bytes
 from kvrows.compositions import (
     COMPOSITIONS,
@@ -22,6 +26,13 @@ from kvrows.compositions import (
 )
 from kvrows.errors import InvalidInputError
 from kvrows.schemes import Affine, Growing, KvStorageScheme, Plain, Ring, Turbo
+from kvrows.table import (
+    is_batchable,
+    owned_cache_layout,
+    prefill_cache_layout,
+    target_cache_layout,
+    target_row_layout_factory,
+)
 from kvrows.validation import KvGeometry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -245,3 +256,45 @@ def test_the_implementations_import_from_the_repository_root() -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr
+
+
+# -- both implementations against the table ----------------------------------------------
+
+_EXAMPLE = {"max_size": 8, "group_size": 32, "bits": 4}
+
+
+def _instance(impl: ModuleType, name: str) -> Any:
+    entry = composition(name)
+    kwargs = {p: _EXAMPLE[p] for p in entry.params if p in _EXAMPLE}
+    return getattr(impl, name)(**kwargs)
+
+
+@pytest.mark.parametrize("impl", [optimized, reference], ids=["optimized", "reference"])
+@pytest.mark.parametrize("name", [c.name for c in landed()])
+def test_every_role_of_every_landed_class_is_the_one_the_table_names(
+    impl: ModuleType, name: str
+) -> None:
+    entry = composition(name)
+    cache = _instance(impl, name)
+    assert type(cache) is getattr(impl, name)
+    assert cache.signature() == entry.signature.format(**_EXAMPLE)
+    assert is_batchable(cache) == entry.is_layout
+    if entry.roles is None:
+        # no entry: a decode layout serves as its own decode/prefill layout and has no verify
+        assert entry.is_layout
+        assert type(owned_cache_layout(cache)) is type(cache)
+        assert type(prefill_cache_layout(cache)) is type(cache)
+        assert target_row_layout_factory(cache) is None
+        return
+    built = {
+        "decode": owned_cache_layout(cache),
+        "prefill": prefill_cache_layout(cache),
+        "verify": target_cache_layout(cache),
+    }
+    for role, target in entry.roles.items():
+        layout = built[role]
+        expected = type(cache) if target == SELF else getattr(impl, target)
+        assert type(layout) is expected, (name, role)
+        assert layout is not cache and layout.batch_size == 0, (name, role)
+        # the layout carries the storage's codec and window parameters
+        assert layout.signature() == composition(expected.__name__).signature.format(**_EXAMPLE)
