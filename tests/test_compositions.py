@@ -282,11 +282,12 @@ def test_every_role_of_every_landed_class_is_the_one_the_table_names(
     if entry.roles is None:
         # no entry: a decode layout serves as its own decode/prefill layout and has no verify
         assert entry.is_layout
-        assert type(owned_cache_layout(cache)) is type(cache)
-        assert type(prefill_cache_layout(cache)) is type(cache)
+        own: type = getattr(impl, name)
+        assert type(owned_cache_layout(cache)) is own
+        assert type(prefill_cache_layout(cache)) is own
         assert target_row_layout_factory(cache) is None
         return
-    built = {
+    built: dict[str, Any] = {
         "decode": owned_cache_layout(cache),
         "prefill": prefill_cache_layout(cache),
         "verify": target_cache_layout(cache),
