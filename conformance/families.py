@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 
+from kvrows.compositions import landed
 from kvrows.conformance.arrays import from_mlx, to_mlx
 
 Planes = tuple[Any, ...]
@@ -79,22 +80,11 @@ def _mlx_to_numpy(array: Any) -> npt.NDArray[Any]:
     return from_mlx(array)
 
 
-#: Every class the machines construct, by name: (takes a ring window, takes an affine codec).
-#: Constructors: ``Cls()``, ``Cls(max_size)``, ``Cls(group_size, bits)`` or
-#: ``Cls(max_size, group_size, bits)``.
+#: Every landed class of the composition table, by name: (takes a ring window, takes an
+#: affine codec). Constructors: ``Cls()``, ``Cls(max_size)``, ``Cls(group_size, bits)`` or
+#: ``Cls(max_size, group_size, bits)`` (the table's ``params`` order).
 CONSTRUCTORS: dict[str, tuple[bool, bool]] = {
-    "KVCache": (False, False),
-    "PaddedKVRows": (False, False),
-    "BatchedKVCache": (False, False),
-    "QuantizedKVCache": (False, True),
-    "PaddedQuantKVRows": (False, True),
-    "BatchedQuantizedKVCache": (False, True),
-    "RotatingKVCache": (True, False),
-    "BatchedRotatingCache": (True, False),
-    "RaggedRotatingRows": (True, False),
-    "RotatingQuantizedKVCache": (True, True),
-    "BatchedRotatingQuantCache": (True, True),
-    "RotatingAffineLayout": (True, True),
+    entry.name: ("max_size" in entry.params, "group_size" in entry.params) for entry in landed()
 }
 
 

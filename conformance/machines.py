@@ -64,13 +64,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvrows import table
+from kvrows.compositions import SELF, composition
 from kvrows.conformance import strategies as ks
 from kvrows.conformance.arrays import NUMPY_DTYPES, expand_mask, random_block, to_mlx
 from kvrows.conformance.families import CONSTRUCTORS, Family, Impl, LayoutSpec, PeerSpec
 from kvrows.conformance.parity import DIVERGENCES
 from kvrows.conformance.stats import Stats
 from kvrows.conformance.tolerances import compare, tolerance
-from kvrows.errors import KvRowsError, NotTrimmableError
+from kvrows.errors import KvRowsError, NoRowLayoutError, NotTrimmableError
 
 __all__ = [
     "BASE_CHECKS",
@@ -284,6 +285,21 @@ def expected_visible(before: int, n: int, window: int | None, max_size: int | No
     return [range(max(oldest, p - reach + 1), p + 1) for p in range(before, before + n)]
 
 
+_ROLE_LOOKUPS: dict[str, Callable[[Any], Any]] = {
+    "decode": table.owned_cache_layout,
+    "prefill": table.prefill_cache_layout,
+    "verify": table.target_cache_layout,
+}
+
+
+def _answer(call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)``, or the name of the ``KvRowsError`` it raised."""
+    try:
+        return call(*args)
+    except KvRowsError as error:
+        return type(error).__name__
+
+
 def _update_with(make: Callable[[Impl], tuple[Any, Any]]) -> Callable[[Impl, Any], object]:
     """A call that appends ``make(impl)``'s keys and values to a cache."""
     return lambda impl, cache: cache.update_and_fetch(*make(impl))
@@ -328,6 +344,13 @@ class ConformanceMachine(RuleBasedStateMachine):
         return data.draw(ks.step_sizes(multi=True), label="N")
 
     def _keep(self, data: st.DataObject, slot: Slot) -> tuple[str, list[int]]:
+        """``strategies.keep_lists``, or ``padded-rows``: only rows that have left padding,
+        shuffled (the survivors share padding: a full-attention filter drops it, a ring's
+        keeps it)."""
+        padded = [b for b, pad in enumerate(slot.ref.left_pad) if pad > 0]
+        only_padded: bool = bool(padded) and data.draw(st.booleans(), label="padded rows only")
+        if only_padded:
+            return "padded-rows", list(data.draw(st.permutations(padded), label="keep"))
         return data.draw(ks.keep_lists(tuple(t.tokens for t in slot.rows)), label="keep")
 
     def _check_layout_shape(self, slot: Slot) -> None:
@@ -817,7 +840,11 @@ class ConformanceMachine(RuleBasedStateMachine):
         if how == "make_empty_batch" and self.slots:
             ref, opt = self.slots[0].ref.make_empty_batch(), self.slots[0].opt.make_empty_batch()
         elif how == "table" and self.pool:
-            role = data.draw(st.sampled_from(self.spec.roles), label="table role")
+            roles = composition(self.serial_name).roles
+            assert roles is not None
+            mine = tuple(role for role, name in roles.items() if name == self.spec.name)
+            self._exact(f"{self.serial_name}'s roles that are {name}", mine, self.spec.roles)
+            role = data.draw(st.sampled_from(mine), label="table role")
             ref, opt = self._table_layout(role, self.pool[0])
         else:
             ref, opt = self._new(self.ref_impl, name), self._new(self.opt_impl, name)
@@ -830,11 +857,7 @@ class ConformanceMachine(RuleBasedStateMachine):
     def _table_layout(self, role: str, track: Track) -> tuple[Any, Any]:
         """The row-layout table's ``role`` layout for the request's storage: this layout's
         class with this example's parameters (a mutant is then constructed instead)."""
-        get: Callable[[Any], Any] = {
-            "decode": table.owned_cache_layout,
-            "prefill": table.prefill_cache_layout,
-            "verify": table.target_cache_layout,
-        }[role]
+        get = _ROLE_LOOKUPS[role]
         made = []
         for impl, cache in ((self.ref_impl, track.ref), (self.opt_impl, track.opt)):
             layout = get(cache)
@@ -1876,6 +1899,7 @@ class ConformanceMachine(RuleBasedStateMachine):
                 not any(g.wrapped(t) for t in tokens),
             )
         self._check_admission(slot)
+        self._check_roles(slot)
         r.check_valid()
         o.check_valid()
         self._check_layout_shape(slot)
@@ -1945,40 +1969,48 @@ class ConformanceMachine(RuleBasedStateMachine):
     def _check_admission(self, slot: Slot) -> None:
         """``projected_bytes(t)`` is the spec's bytes of a row of ``t`` tokens (what its
         extracted cache holds, capacity excluded: checked in ``_check_serial_like``), and
-        ``table.row_admission`` sums it."""
+        ``table.row_admission`` sums it; before the geometry is known both refuse, alike."""
         g = self.g
-        ts = (
-            [0, 1, 7]
-            + ([g.max_size - 1, g.max_size + 5] if g.max_size else [])
-            + [t.tokens for t in slot.rows]
-        )
+        ts = [0, 1, 7] + ([g.max_size - 1, g.max_size + 5] if g.max_size else [])
+        ts += [t.tokens for t in slot.rows]
+        answers = []
         for name, lay in (("reference", slot.ref), ("optimized", slot.opt)):
             admission = table.row_admission([lay, lay])
             assert admission is not None
-            self._exact(
-                f"layout {slot.ident} row_admission max_tokens ({name})",
-                admission.max_tokens,
-                lay.max_tokens,
-            )
-            for t in ts:
-                projected = lay.projected_bytes(t)
-                self._exact(
-                    f"layout {slot.ident} row_admission bytes({t}) ({name})",
-                    admission.bytes(t),
-                    2 * projected,
-                )
-                if lay.geometry is not None:
-                    self._exact(
-                        f"layout {slot.ident} projected_bytes({t}) ({name})",
-                        projected,
-                        g.token_bytes() * g.kept(t),
-                    )
+            what = f"layout {slot.ident} ({name})"
+            self._exact(f"{what} row_admission max_tokens", admission.max_tokens, lay.max_tokens)
+            got = [_answer(lay.projected_bytes, t) for t in ts]
+            doubled = [_answer(admission.bytes, t) for t in ts]
+            if lay.geometry is not None:
+                want = [g.token_bytes() * g.kept(t) for t in ts]
+                self._exact(f"{what} projected_bytes{ts}", got, want)
+                self._exact(f"{what} row_admission bytes{ts}", doubled, [2 * x for x in got])
+            else:
+                self._exact(f"{what} projected_bytes{ts}, no geometry yet", got, doubled)
+            answers.append(got)
         self._exact(
-            f"layout {slot.ident} projected_bytes (optimized vs reference)",
-            [slot.opt.projected_bytes(t) for t in ts],
-            [slot.ref.projected_bytes(t) for t in ts],
+            f"layout {slot.ident} projected_bytes (optimized vs reference)", answers[1], answers[0]
         )
         self.stats.check("admission")
+
+    def _check_roles(self, slot: Slot) -> None:
+        """The row-layout table's every role for this layout (as a storage), per the
+        composition table: the named class (``self``: its own), or none to verify."""
+        roles = composition(self.spec.name).roles
+        for role, get in _ROLE_LOOKUPS.items():
+            want = getattr(roles, role) if roles is not None else SELF
+            if roles is None and role == "verify":
+                want = NoRowLayoutError.__name__
+            name = self.spec.name if want == SELF else want
+            for impl, lay in ((self.ref_impl, slot.ref), (self.opt_impl, slot.opt)):
+                got = _answer(get, lay)
+                kind = got if isinstance(got, str) else type(got).__name__
+                if kind != name and (isinstance(got, str) or type(got) is not impl.cls(name)):
+                    raise AssertionError(
+                        f"layout {slot.ident}: the table's {role} layout for {self.spec.name} "
+                        f"({impl.name}) is {kind}; the composition table says {name}"
+                    )
+        self.stats.check("table roles")
 
     def _token_columns(self, planes: Planes, b: int, track: Track) -> list[tuple[int, int]]:
         """(column, position) of every token of ``track`` in row ``b`` of fetched planes."""

@@ -10,7 +10,7 @@ geometry (``max_size``: what a store keeps, when it has wrapped, what a trim or 
 publish may do, the semantic mask check of every append). This subclass adds only:
 
 * the geometry strategy (windows of 4-32, the layout's codec) and prompts, chunks and
-  blocks around the window, and keep lists that keep only padded rows;
+  blocks around the window;
 * the views ``window()`` / ``row_window()`` (the newest ``min(offset, max_size)``
   tokens in temporal order);
 * a ring filter keeps the survivors' padding; ragged rings have none;
@@ -85,15 +85,6 @@ class RingMachine(ConformanceMachine):
 
     def _block_size(self, data: st.DataObject) -> int:
         return data.draw(st.one_of(st.integers(2, 4), st.integers(2, self.window + 2)), label="N")
-
-    def _keep(self, data: st.DataObject, slot: Slot) -> tuple[str, list[int]]:
-        """Also ``padded-rows``: keep only rows that still have left padding, shuffled
-        (where a ring's filter differs from a plain layout's: the shared padding stays)."""
-        padded = [b for b, pad in enumerate(slot.ref.left_pad) if pad > 0]
-        only_padded: bool = bool(padded) and data.draw(st.booleans(), label="padded rows only")
-        if only_padded:
-            return "padded-rows", list(data.draw(st.permutations(padded), label="keep"))
-        return super()._keep(data, slot)
 
     def _check_layout_shape(self, slot: Slot) -> None:
         if not self.spec.shared_column:

@@ -409,3 +409,31 @@ def test_the_dtype_check_catches_float32_attention() -> None:
     with pytest.raises(AssertionError) as caught:
         _run_family("affine", "PaddedQuantKVRows", optimized, "TeethAttentionUpcasts")
     assert "attention dtype" in str(caught.value), str(caught.value)
+
+
+def test_the_role_check_catches_a_wrong_verify_layout() -> None:
+    """The optimized table sends BatchedRotatingQuantCache's rows to verify in their own
+    decode layout instead of RotatingAffineLayout (the one role that differs)."""
+    import kvrows.optimized as O
+    from kvrows import table
+
+    entry = next(e for e in table.registered_entries() if e.storage is O.BatchedRotatingQuantCache)
+    table.register_row_layouts(
+        O.BatchedRotatingQuantCache,
+        decode=entry.decode,
+        prefill=entry.prefill,
+        verify=entry.decode,  # MUTATION (the composition table says RotatingAffineLayout)
+    )
+    try:
+        with pytest.raises(AssertionError) as caught:
+            _run_family(
+                "rotating", "BatchedRotatingQuantCache", optimized_impl(), "TeethWrongVerifyRole"
+            )
+    finally:
+        table.register_row_layouts(
+            O.BatchedRotatingQuantCache,
+            decode=entry.decode,
+            prefill=entry.prefill,
+            verify=entry.verify,
+        )
+    assert "the table's verify layout" in str(caught.value), str(caught.value)
