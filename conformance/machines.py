@@ -681,6 +681,20 @@ class ConformanceMachine(RuleBasedStateMachine):
         )
         return out
 
+    def _append(
+        self, what: str, ref_cache: Any, opt_cache: Any, keys: Array, values: Array
+    ) -> list[tuple[Planes, Planes]]:
+        """``update_and_fetch`` in both implementations, each with its own copy of the block:
+        the fetched (keys, values) planes of each, their dtypes checked."""
+        fetched = []
+        for impl, cache in ((self.ref_impl, ref_cache), (self.opt_impl, opt_cache)):
+            fk, fv = cache.update_and_fetch(
+                self._give(impl, keys, what), self._give(impl, values, what)
+            )
+            fetched.append((planes_of(impl, fk), planes_of(impl, fv)))
+        self._fetch_dtypes(what, *fetched[0], *fetched[1])
+        return fetched
+
     # ------------------------------------------------------------ serial steps
     def _serial_append(
         self, track: Track, keys: Array, values: Array, queries: Array, form: ks.MaskForm
@@ -693,14 +707,9 @@ class ConformanceMachine(RuleBasedStateMachine):
         mask_lm = track.lm.make_mask(n, **form.mlx_lm_kwargs()) if track.lm is not None else None
         before = track.tokens
         what = f"request {track.ident} append {n} onto {before} ({form})"
-        fetched = []
-        for impl, cache in ((ref, track.ref), (opt, track.opt)):
-            fk, fv = cache.update_and_fetch(
-                self._give(impl, keys, what), self._give(impl, values, what)
-            )
-            fetched.append((planes_of(impl, fk), planes_of(impl, fv)))
-        (keys_ref, values_ref), (keys_opt, values_opt) = fetched
-        self._fetch_dtypes(what, keys_ref, values_ref, keys_opt, values_opt)
+        (keys_ref, values_ref), (keys_opt, values_opt) = self._append(
+            what, track.ref, track.opt, keys, values
+        )
         s_ref, s_opt = int(keys_ref[0].shape[2]), int(keys_opt[0].shape[2])
         self._exact(f"{what}: columns read (reference, optimized)", s_opt, s_ref)
         exp_ref, exp_opt = expand(masks[0], 1, n, s_ref), expand(masks[1], 1, n, s_opt)
@@ -947,13 +956,9 @@ class ConformanceMachine(RuleBasedStateMachine):
         divergence = self._peer_divergence(slot, n) if lm is not None else None
         mask_lm = lm.make_mask(n, **form.mlx_lm_kwargs()) if lm is not None else None
         what = f"layout {slot.ident} step of {n} ({form})"
-        fetched = []
-        for impl, lay in ((ref, slot.ref), (opt, slot.opt)):
-            fk, fv = lay.update_and_fetch(
-                self._give(impl, keys, what), self._give(impl, values, what)
-            )
-            fetched.append((planes_of(impl, fk), planes_of(impl, fv)))
-        (keys_ref, values_ref), (keys_opt, values_opt) = fetched
+        (keys_ref, values_ref), (keys_opt, values_opt) = self._append(
+            what, slot.ref, slot.opt, keys, values
+        )
         self._exact(
             "the optimized offset captured before the step is unchanged (rebound, not mutated)",
             opt.to_numpy(handle).tolist(),
@@ -964,7 +969,6 @@ class ConformanceMachine(RuleBasedStateMachine):
             [p.shape for p in keys_opt + values_opt],
             [p.shape for p in keys_ref + values_ref],
         )
-        self._fetch_dtypes(what, keys_ref, values_ref, keys_opt, values_opt)
         s = int(keys_ref[0].shape[2])
         exp_ref, exp_opt = expand(mask_ref, rows, n, s), expand(mask_opt, rows, n, s)
         self._masks_equal(what, [exp_ref, exp_opt])

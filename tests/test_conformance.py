@@ -391,3 +391,26 @@ def test_divergence_a2_quantized_attention_reshapes_to_the_key_dim() -> None:
         quantized_scaled_dot_product_attention(
             queries, keys, values, scale=0.125, mask=None, group_size=32, bits=4
         )
+
+
+# ------------------------------------------ messages the machines do not compare yet
+
+
+@pytest.mark.parametrize(
+    "layout", ["PaddedKVRows", "BatchedKVCache", "PaddedQuantKVRows", "BatchedQuantizedKVCache"]
+)
+def test_message_exceptions_are_still_needed(layout: str) -> None:
+    """Each entry of MESSAGE_EXCEPTIONS names messages that still differ: once the
+    implementations say the same thing, this fails and the entry goes."""
+    import kvrows.optimized as O
+    import kvrows.reference as R
+    from kvrows.conformance.machines import MESSAGE_EXCEPTIONS
+    from kvrows.errors import KvRowsError
+
+    assert f"fetch() of an empty {layout}" in MESSAGE_EXCEPTIONS
+    messages = []
+    for module in (R, O):
+        with pytest.raises(KvRowsError) as caught:
+            getattr(module, layout)().fetch()
+        messages.append(str(caught.value))
+    assert messages[0] != messages[1], f"{layout}: both say {messages[0]!r}; drop the exception"
