@@ -160,3 +160,22 @@ def test_shared_ring_trims_together_and_attention_keeps_the_queries_dtype() -> N
     layout.update_and_fetch(block, block)
     out = reference.attend(queries, layout, None, 0.125)
     assert out.dtype == np.float32 and out.shape == (2, 2, 1, 64)
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_rows_own_their_arrays(name: str) -> None:
+    """Neither the caller's blocks nor an extracted row share memory with the layout."""
+    layout = _make(name)
+    layout.merge_rows([_serial(layout, 6), _serial(layout, 6)])
+    block = _block(2, 6)
+    layout.update_and_fetch(block, block)
+    extracted = layout.extract_row(0)
+    before = [p.copy() for p in layout.state]
+    held = [p.copy() for p in extracted.state]
+    block[...] = 0
+    assert all(np.array_equal(a, b) for a, b in zip(layout.state, before, strict=True))
+    step = _block(2, 1)
+    layout.update_and_fetch(step, step)
+    for array in extracted.state:
+        assert not any(np.shares_memory(array, p) for p in layout.state)
+    assert all(np.array_equal(a, b) for a, b in zip(extracted.state, held, strict=True))
