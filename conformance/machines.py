@@ -117,19 +117,17 @@ MESSAGE_EXCEPTIONS: dict[str, str] = {
     "the other implementation's arrays": (
         "each implementation names the array type it takes (NumPy / MLX) and the one it got"
     ),
-    # The reference's full-attention layouts say "the layout holds no rows: nothing to
-    # fetch" (no rows) and "the layout's geometry is unknown until its first token" (rows
-    # that never held a token); the optimized ones and every ring say "the layout holds no
-    # tokens yet: nothing to fetch" (issue 8, part 7: one message).
-    **{
-        f"fetch() of an empty {name}": "reference/storage.py says otherwise (see above)"
-        for name in (
-            "PaddedKVRows",
-            "BatchedKVCache",
-            "PaddedQuantKVRows",
-            "BatchedQuantizedKVCache",
-        )
-    },
+    # Until the optimized implementation takes the reference's messages (issue 8, part 7):
+    "fetch() of": (
+        "nothing to fetch: the reference says errors.NOTHING_TO_FETCH ('the cache holds no "
+        "tokens yet'); the optimized rings say 'the ring holds no tokens yet', its layouts "
+        "'the layout holds no tokens yet'"
+    ),
+    "merge_rows of": (
+        "rows a layout refuses: the reference says '<signature> cannot merge <class 'X'>: rows "
+        "join a layout of the same codec (...) and token geometry (...)', the optimized "
+        "'<signature> cannot merge X'"
+    ),
 }
 
 
@@ -464,6 +462,10 @@ class ConformanceMachine(RuleBasedStateMachine):
     def twins(self) -> bool:
         """Serial caches have mlx-lm twins in this example."""
         return self.peer is not None and self.spec.serial_peer and not self.g.mlx_lm_width_bug
+
+    def _both_have(self, slot: Slot, method: str) -> bool:
+        """Both implementations' layouts offer ``method`` (an optional capability)."""
+        return all(callable(getattr(lay, method, None)) for lay in (slot.ref, slot.opt))
 
     def _parity(self, slot: Slot) -> bool:
         return self.peer is not None and self.spec.peer and slot.mirrored
@@ -1273,7 +1275,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         if not trimmable:
             return
         n = data.draw(ks.counts_up_to(min(t.tokens for t in slot.rows)), label="n")
-        equal_counts = callable(getattr(slot.ref, "trim_rows", None)) and data.draw(
+        equal_counts = self._both_have(slot, "trim_rows") and data.draw(
             st.booleans(), label="as trim_rows of equal counts"
         )
         note(f"trim: layout {slot.ident} {slot.opt!r} trim({n}){' as trim_rows' * equal_counts}")
@@ -1464,7 +1466,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         cases: list[Case] = []
         if rows == 0:
             cases.append(
-                ("fetch of a layout without rows", lambda impl, lay: lay.fetch(), "V0", None)
+                ("fetch() of a layout without rows", lambda impl, lay: lay.fetch(), "V0", None)
             )
             k = random_block(np.random.default_rng(2), (1, g.heads, 1, g.key_dim), g.dtype)
             v = random_block(np.random.default_rng(3), (1, g.heads, 1, g.value_dim), g.dtype)
@@ -1500,7 +1502,7 @@ class ConformanceMachine(RuleBasedStateMachine):
                         NotTrimmableError,
                     )
                 )
-            has_trim_rows = callable(getattr(slot.ref, "trim_rows", None))
+            has_trim_rows = self._both_have(slot, "trim_rows")
             if has_trim_rows and self.spec.shared_column and rows >= 2 and shortest >= 1:
                 unequal = [0] * (rows - 1) + [1]
                 cases.append(
@@ -1687,7 +1689,12 @@ class ConformanceMachine(RuleBasedStateMachine):
             )
         if not track.appended:
             cases.append(
-                ("fetch of a cache that never held a token", lambda impl, c: c.fetch(), "V0", None)
+                (
+                    "fetch() of a cache that never held a token",
+                    lambda impl, c: c.fetch(),
+                    "V0",
+                    None,
+                )
             )
         return cases + self._extra_serial_cases(track)
 
