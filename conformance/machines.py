@@ -76,6 +76,7 @@ from kvrows.errors import KvRowsError, NoRowLayoutError, NotTrimmableError
 __all__ = [
     "BASE_CHECKS",
     "FULL_CHECK_EVERY",
+    "KNOWN_DIFFERENCES",
     "MESSAGE_EXCEPTIONS",
     "ConformanceMachine",
     "Limits",
@@ -127,6 +128,18 @@ MESSAGE_EXCEPTIONS: dict[str, str] = {
         "rows a layout refuses: the reference says '<signature> cannot merge <class 'X'>: rows "
         "join a layout of the same codec (...) and token geometry (...)', the optimized "
         "'<signature> cannot merge X'"
+    ),
+}
+
+
+#: Differences between the implementations that are reported and not resolved yet; each
+#: exempts exactly its case (counted as a ``known difference`` check) and
+#: ``tests/test_conformance.py`` fails once the implementations agree, so the entry goes.
+KNOWN_DIFFERENCES: dict[str, str] = {
+    "table-layout-geometry": (
+        "a layout the row-layout table makes for a cache that knows its geometry: the "
+        "reference's declares that geometry (a row holding no token may join, and "
+        "projected_bytes answers), the optimized one's knows none until its first token"
     ),
 }
 
@@ -879,6 +892,12 @@ class ConformanceMachine(RuleBasedStateMachine):
                 (self.spec.name, fresh.signature(), 0),
             )
             made.append(layout if type(layout) is type(fresh) else fresh)
+        if made[0].geometry != made[1].geometry and "table-layout-geometry" in KNOWN_DIFFERENCES:
+            self.stats.check("known difference table-layout-geometry")
+            return self._new(self.ref_impl, self.spec.name), self._new(
+                self.opt_impl, self.spec.name
+            )
+        self._exact(f"the table's {role} layout geometry", made[1].geometry, made[0].geometry)
         self.stats.check("table roles")
         return made[0], made[1]
 
@@ -1968,7 +1987,7 @@ class ConformanceMachine(RuleBasedStateMachine):
                     [p.shape for p in fetched[1]],
                 )
                 for b, track in enumerate(slot.rows):
-                    columns = [c for c, _ in self._token_columns(fetched[1], b, track)]
+                    columns = [c for c, _ in self._token_columns(fetched[0], b, track)]
                     for a, e in zip(
                         take_columns(planes, b, columns),
                         take_columns(fetched[1], b, columns),

@@ -427,3 +427,21 @@ def test_message_exceptions_are_still_needed() -> None:
             kinds.append(type(caught.value))
         assert kinds[0] is kinds[1], (part, kinds)
         assert messages[0] != messages[1], f"{part!r}: both say {messages[0]!r}; drop the entry"
+
+
+def test_known_differences_are_still_there() -> None:
+    """Each entry of KNOWN_DIFFERENCES still holds: once the implementations agree, this
+    fails and the entry (and its exemption in the machine) goes."""
+    import kvrows.optimized as O
+    import kvrows.reference as R
+    from kvrows import table
+    from kvrows.conformance.machines import KNOWN_DIFFERENCES
+
+    assert set(KNOWN_DIFFERENCES) == {"table-layout-geometry"}
+    geometries = []
+    for module, block in ((R, np.ones((1, 1, 1, 8), np.float32)), (O, mx.ones((1, 1, 1, 8)))):
+        cache = module.KVCache()
+        cache.update_and_fetch(block, block)
+        layout: Any = table.prefill_cache_layout(cache)
+        geometries.append(layout.geometry)
+    assert geometries[0] != geometries[1], f"both table layouts know {geometries[0]}"
