@@ -28,7 +28,12 @@ from kvrows.conformance.families import FAMILIES
 from kvrows.conformance.machines import BASE_CHECKS, machine_class
 from kvrows.conformance.parity import DIVERGENCES
 from kvrows.conformance.profiles import active_profile, profile_settings
-from kvrows.conformance.runner import format_report, run_conformance, run_machines
+from kvrows.conformance.runner import (
+    family_settings,
+    format_report,
+    run_conformance,
+    run_machines,
+)
 from kvrows.conformance.stats import Stats
 from kvrows.conformance.tolerances import EXACT, TOLERANCES, Tolerance, compare, tolerance
 
@@ -68,11 +73,9 @@ def test_plain_family(layout: str) -> None:
     family = FAMILIES["plain"]
     spec = family.layout(layout)
     stats = Stats(family.name, layout)
-    run_state_machine_as_test(
-        machine_class(family, layout, stats=stats), settings=profile_settings()
-    )
-    profile = active_profile()
-    assert stats.examples >= profile.max_examples // 2, f"only {stats.examples} examples ran"
+    settings = family_settings(family)
+    run_state_machine_as_test(machine_class(family, layout, stats=stats), settings=settings)
+    assert stats.examples >= settings.max_examples // 2, f"only {stats.examples} examples ran"
     expected_ops = COMMON_OPS | ({"trim_rows"} if spec.trim_rows else set())
     missing = expected_ops - set(stats.ops)
     assert not missing, f"operations never exercised: {sorted(missing)} (ran {dict(stats.ops)})"
@@ -107,7 +110,6 @@ def test_plain_family(layout: str) -> None:
 @pytest.mark.parametrize("layout", [spec.name for spec in FAMILIES["affine"].layouts])
 def test_affine_family(layout: str) -> None:
     from kvrows.conformance.affine import CODECS
-    from kvrows.conformance.runner import family_settings
 
     family = FAMILIES["affine"]
     spec = family.layout(layout)
@@ -235,7 +237,6 @@ def test_runner_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_runner_runs_the_affine_family() -> None:
     """``kvrows conform --family affine``: the family's own machine factory and budget."""
-    from kvrows.conformance.runner import family_settings
 
     family = FAMILIES["affine"]
     assert family_settings(family, "ci").max_examples == round(150 * family.examples)
