@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import kvrows.optimized as kv
+from kvrows.app.models import ARCHITECTURES, KvStorageScheme, make_kvrows_cache, tiny_model
 from kvrows.errors import InvalidInputError
-from kvrows.models import ARCHITECTURES, KvStorageScheme, make_kvrows_cache, tiny_model
 from kvrows.table import owned_cache_layout
 
 TOLERANCE = 1e-5  # float32 models; in practice the logits are bit-identical
