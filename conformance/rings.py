@@ -98,7 +98,7 @@ from kvrows.affine_geometry import SUPPORTED_BITS
 from kvrows.conformance import strategies as ks
 from kvrows.conformance.arrays import NUMPY_DTYPES, expand_mask, random_block
 from kvrows.conformance.families import Family, Impl, optimized_impl, reference_impl
-from kvrows.conformance.machines import Limits
+from kvrows.conformance.machines import Limits, projected_or_error
 from kvrows.conformance.parity import DIVERGENCES
 from kvrows.conformance.stats import Stats
 from kvrows.conformance.tolerances import DTYPES, compare, tolerance
@@ -1840,12 +1840,15 @@ class RingMachine(RuleBasedStateMachine):
         self._exact(f"{what} geometry", o.geometry, r.geometry)
         self._exact(f"{what} max_tokens", (r.max_tokens, o.max_tokens), (float("inf"),) * 2)
         self._exact(f"{what} is_trimmable", o.is_trimmable(), r.is_trimmable())
-        per_token = g.token_bytes() if r.geometry is not None else 0
         for t in (0, 1, g.max_size - 1, g.max_size + 5):
-            want = per_token * min(t, g.max_size)
+            want: int | str = (
+                g.token_bytes() * min(t, g.max_size)
+                if r.geometry is not None
+                else "LayoutStateError"
+            )
             self._exact(
                 f"{what} projected_bytes({t}) (reference, optimized)",
-                (r.projected_bytes(t), o.projected_bytes(t)),
+                (projected_or_error(r, t), projected_or_error(o, t)),
                 (want, want),
             )
         r.check_valid()

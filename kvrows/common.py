@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from kvrows.errors import InvalidInputError
+from kvrows.errors import InvalidInputError, LayoutStateError
 from kvrows.validation import KvGeometry, as_count, check_row
 
 __all__ = ["AffineParameters", "PlaneHolder", "RingRows", "check_counts", "row_bytes"]
@@ -58,7 +58,10 @@ def row_bytes(
     """Bytes one row needs to hold ``tokens`` positions (at most ``cap`` of them stored)."""
     count = as_count(tokens, "tokens")
     if geometry is None:
-        return 0
+        raise LayoutStateError(
+            "projected_bytes needs the KV geometry: declare it at construction "
+            "(geometry=KvGeometry(...)) or append a token first"
+        )
     per_token = codec.token_bytes(
         geometry.heads, geometry.key_dim, geometry.dtype
     ) + codec.token_bytes(geometry.heads, geometry.value_dim, geometry.dtype)

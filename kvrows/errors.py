@@ -8,6 +8,8 @@ expected. A call that raises leaves every cache it touched unchanged.
 from __future__ import annotations
 
 __all__ = [
+    "EMPTY_LAYOUT_UPDATE",
+    "NOTHING_TO_FETCH",
     "CapacityError",
     "CorruptStateError",
     "IncompatibleRowsError",
@@ -19,6 +21,7 @@ __all__ = [
     "NotBatchableError",
     "NotTrimmableError",
     "RowIndexError",
+    "self_merge_message",
 ]
 
 
@@ -64,3 +67,20 @@ class NoRowLayoutError(KvRowsError):
 
 class NotBatchableError(KvRowsError):
     """A row operation was asked of serial (non-batchable) state."""
+
+
+# Messages both implementations raise word for word (conformance compares them).
+
+#: ``fetch()`` before any token is stored, on a serial cache or a layout.
+NOTHING_TO_FETCH = "the cache holds no tokens yet: nothing to fetch"
+
+#: ``update_and_fetch`` on a layout that holds no rows.
+EMPTY_LAYOUT_UPDATE = "an empty layout takes no update: merge rows into it first"
+
+
+def self_merge_message(layout: str) -> str:
+    """``merge_rows`` given the layout itself, or a cache it already holds."""
+    return (
+        f"{layout} cannot merge itself or a source given twice: "
+        "merge_rows takes caches the layout does not already hold"
+    )

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvrows.errors import LayoutStateError
-from kvrows.protocols import Cache
+from kvrows.protocols import Cache, StateDisposer
 
 __all__ = ["StateLease", "lease_cache_state", "lease_cache_states"]
 
@@ -63,10 +63,9 @@ def lease_cache_state(cache: Cache) -> StateLease:
     value = tuple(cache.state)
     if not cache.state_needs_dispose:
         return StateLease(value, _noop)
-    dispose: Callable[[tuple[Any, ...]], None] | None = getattr(cache, "dispose_state", None)
-    if dispose is None:
+    if not isinstance(cache, StateDisposer):
         return StateLease(value, _noop)
-    return StateLease(value, lambda: dispose(value))
+    return StateLease(value, lambda: cache.dispose_state(value))
 
 
 def _close_all(leases: Sequence[StateLease]) -> None:

@@ -23,10 +23,18 @@ from collections.abc import Sequence
 from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
 __all__ = [
+    "AppendLimited",
     "BatchableCache",
     "Cache",
+    "Composed",
+    "HasCodec",
     "Mask",
+    "ReusableOffset",
+    "RingGeometry",
+    "RowTrimmable",
+    "SelfChecking",
     "SpeculativeRowLayout",
+    "StateDisposer",
 ]
 
 #: ``None``, ``"causal"`` or a boolean array (``True`` = may attend).
@@ -131,7 +139,11 @@ class BatchableCache(Cache, Protocol):
         ...
 
     def projected_bytes(self, tokens: int) -> int:
-        """Bytes one row needs to hold ``tokens`` positions (0 before geometry is known)."""
+        """Bytes one row needs to hold ``tokens`` positions.
+
+        Answered from the KV geometry (declared at construction, or learnt from the
+        first token); raises ``LayoutStateError`` while it is unknown, never 0.
+        """
         ...
 
 
@@ -152,4 +164,86 @@ class SpeculativeRowLayout(BatchableCache, Protocol):
 
     def rollback(self) -> None:
         """Undo the whole round."""
+        ...
+
+
+# -- capabilities: what code would otherwise probe for with getattr/hasattr -------------
+
+
+@runtime_checkable
+class RowTrimmable(Protocol):
+    """A layout that forgets a different number of newest tokens per row (rollback)."""
+
+    def trim_rows(self, counts: Sequence[int]) -> int:
+        """Forget ``counts[b]`` newest tokens of row ``b``; returns the largest count."""
+        ...
+
+
+@runtime_checkable
+class StateDisposer(Protocol):
+    """A cache whose ``state`` hands out temporary arrays it must release."""
+
+    def dispose_state(self, state: tuple[Any, ...]) -> None: ...
+
+
+@runtime_checkable
+class AppendLimited(Protocol):
+    """A cache that can take at most ``max_append_tokens()`` tokens in the next append."""
+
+    def max_append_tokens(self) -> float: ...
+
+
+@runtime_checkable
+class ReusableOffset(Protocol):
+    """A cache whose prefix below ``minimum_reusable_offset`` cannot be reused (delayed)."""
+
+    @property
+    def minimum_reusable_offset(self) -> int: ...
+
+
+@runtime_checkable
+class SelfChecking(Protocol):
+    """A cache that can assert its own invariants (tests and conformance)."""
+
+    def check_valid(self) -> None: ...
+
+
+@runtime_checkable
+class HasCodec(Protocol):
+    """A cache that stores its tokens through a codec (``kvrows.codec.Codec``)."""
+
+    @property
+    def codec(self) -> Any: ...
+
+
+@runtime_checkable
+class RingGeometry(Protocol):
+    """A sliding-window cache: at most ``max_size`` positions are kept."""
+
+    @property
+    def max_size(self) -> int: ...
+
+
+@runtime_checkable
+class Composed(Protocol):
+    """A class built from the composition table (``kvrows.compositions``)."""
+
+    @property
+    def composition(self) -> Any:
+        """The ``Composition`` entry this class implements."""
+        ...
+
+    @property
+    def codec_spec(self) -> Any:
+        """The frozen codec spec (``kvrows.schemes``)."""
+        ...
+
+    @property
+    def token_geometry(self) -> Any:
+        """The frozen token-geometry spec (``Growing()``, ``Ring(max_size=…)``)."""
+        ...
+
+    @property
+    def geometry(self) -> Any:
+        """The KV geometry (``KvGeometry``) once declared or learnt, else ``None``."""
         ...

@@ -117,7 +117,8 @@ def test_empty_rows_join_and_filter(impl: ModuleType) -> None:
     layout = impl.BatchedKVCache()
     layout.merge_rows([_serial(impl, 0), _serial(impl, 0)])
     assert layout.batch_size == 2 and layout.row_offsets == (0, 0)
-    assert layout.projected_bytes(10) == 0  # geometry unknown before the first token
+    with pytest.raises(LayoutStateError):  # geometry unknown before the first token
+        layout.projected_bytes(10)
     layout.filter_rows([1])
     assert layout.extract_row(0).offset == 0
     padded = impl.PaddedKVRows()

@@ -1,0 +1,119 @@
+"""The codec axis and the planes a storage holds, declared once for both implementations.
+
+A **plane** is one array a storage keeps per row, with a named role, a token axis (or
+none) and a dtype. KV storages hold key planes and value planes (one each when plain;
+codes, scales and biases when affine); recurrent state holds a conv plane and a
+recurrent plane with no token axis; latent state holds a latent and a rope plane on one
+token axis. The row machinery moves planes, whatever they mean: token surgery (slice,
+pad, concatenate, roll, gather) happens on the token axis, row surgery on axis 0, and
+no byte is ever re-encoded by either.
+
+A **codec** turns one ``[B, H, T, D]`` block into planes, says what attention reads from
+them, and runs attention over them: ``attend`` dispatches through the codec, never
+through ``isinstance``. Both implementations implement this protocol with their own
+array type (NumPy in the reference, MLX in the optimized one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from kvrows.affine_geometry import groups, packed_width
+from kvrows.errors import InvalidInputError
+from kvrows.schemes import Affine, CodecSpec, Plain
+from kvrows.validation import KvGeometry
+
+__all__ = ["DTYPE_SIZES", "Codec", "PlaneSpec", "codec_plane_specs", "codec_token_bytes"]
+
+#: Bytes per element of every dtype a plane may have.
+DTYPE_SIZES: dict[str, int] = {
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "uint32": 4,
+    "uint8": 1,
+    "int8": 1,
+}
+
+
+@dataclass(frozen=True)
+class PlaneSpec:
+    """One plane a storage holds for every row.
+
+    ``name``: what it is (``"keys"``, ``"keys.scales"``, ``"conv"``, ``"latent"``…);
+    ``token_axis``: the axis positions live on (``None`` for constant-size state, such
+    as a recurrent state, which row operations move whole); ``dtype``: its dtype name;
+    ``width``: the size of its last axis.
+    """
+
+    name: str
+    token_axis: int | None
+    dtype: str
+    width: int
+
+
+@runtime_checkable
+class Codec(Protocol):
+    """How one token's vector is stored, read and attended over."""
+
+    @property
+    def spec(self) -> CodecSpec:
+        """The frozen codec spec this codec was built from."""
+        ...
+
+    @property
+    def key(self) -> str:
+        """The identity rows must share to join one layout (``spec.key``)."""
+        ...
+
+    def check(self, geometry: KvGeometry) -> None:
+        """Raise ``InvalidInputError`` if this codec cannot store heads of ``geometry``."""
+        ...
+
+    def encode(self, block: Any) -> tuple[Any, ...]:
+        """The planes storing ``block`` (``[B, H, T, D]``), token axis 2."""
+        ...
+
+    def fetched(self, planes: tuple[Any, ...]) -> Any:
+        """What ``update_and_fetch`` returns for these planes (an array, or the planes)."""
+        ...
+
+    def zeros(self, rows: int, heads: int, columns: int, dim: int, dtype: str) -> tuple[Any, ...]:
+        """Zero planes of ``columns`` tokens for ``rows`` rows."""
+        ...
+
+    def plane_specs(self, name: str, dim: int, dtype: str) -> tuple[PlaneSpec, ...]:
+        """The planes one ``[·, H, ·, dim]`` tensor named ``name`` is stored as."""
+        ...
+
+    def token_bytes(self, heads: int, dim: int, dtype: str) -> int:
+        """Bytes one token of one row takes for a tensor of ``heads`` x ``dim``."""
+        ...
+
+    def attend(self, queries: Any, keys: Any, values: Any, mask: Any, scale: float) -> Any:
+        """Attention of ``[B, Hq, N, D]`` queries over fetched ``keys``/``values``
+        (this codec's fetched form); returns the queries' dtype."""
+        ...
+
+
+def codec_plane_specs(spec: CodecSpec, name: str, dim: int, dtype: str) -> tuple[PlaneSpec, ...]:
+    """The planes ``spec`` stores a ``[·, H, T, dim]`` tensor of ``dtype`` as (token axis 2)."""
+    if isinstance(spec, Plain):
+        return (PlaneSpec(name, 2, dtype, dim),)
+    if isinstance(spec, Affine):
+        count = groups(dim, spec.group_size)
+        return (
+            PlaneSpec(name, 2, "uint32", packed_width(dim, spec.bits)),
+            PlaneSpec(f"{name}.scales", 2, dtype, count),
+            PlaneSpec(f"{name}.biases", 2, dtype, count),
+        )
+    raise InvalidInputError(f"no storage implements the {spec.kind} codec yet")
+
+
+def codec_token_bytes(spec: CodecSpec, heads: int, dim: int, dtype: str) -> int:
+    """Bytes one token of one row takes under ``spec`` for ``heads`` x ``dim`` values."""
+    return heads * sum(
+        DTYPE_SIZES[plane.dtype] * plane.width
+        for plane in codec_plane_specs(spec, name="t", dim=dim, dtype=dtype)
+    )

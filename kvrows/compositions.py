@@ -1,0 +1,383 @@
+"""The composition table: every seed class name as a point on the three axes.
+
+Each storage and layout the seed names is one **composition** of a codec (plain,
+affine, TurboQuant…), a token geometry (growing, ring, paged, recurrent, latent) and a
+row arrangement (serial: one request; shared: rows share one write column; ragged: each
+row appends at its own end), plus optional **modifiers** (``delayed``: rows convert from
+bf16 to the codec at their own boundary; ``speculative``: verify rounds with per-row
+acceptance), and, for a storage, the **roles** of the row-layout table: the layouts its
+rows join to decode, to prefill and to verify.
+
+Both implementations declare their public classes against this table (each class names
+its composition) and register them with :func:`register_compositions`, so the
+row-layout table, the conformance families and the mlx-lm drop-in are all derived from
+one list. Entries with an ``issue`` are planned: named here so the table shows where
+each coming class plugs in, registered by nobody yet.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias
+
+from kvrows.errors import InvalidInputError, KvRowsError
+from kvrows.protocols import BatchableCache
+from kvrows.schemes import Affine, CodecSpec, GeometrySpec, Growing, Plain, Ring, Turbo
+from kvrows.table import register_row_layouts
+from kvrows.validation import KvGeometry
+
+__all__ = [
+    "COMPOSITIONS",
+    "SELF",
+    "Arrangement",
+    "Composition",
+    "Roles",
+    "bind_arguments",
+    "composition",
+    "landed",
+    "register_compositions",
+    "serial_for_peer",
+]
+
+Arrangement: TypeAlias = Literal["serial", "shared", "ragged"]
+CodecKind: TypeAlias = Literal["plain", "affine", "turbo", "any", "state", "latent"]
+GeometryKind: TypeAlias = Literal["growing", "ring", "paged", "recurrent", "latent"]
+Modifier: TypeAlias = Literal["delayed", "speculative"]
+
+#: A role naming ``SELF`` is the layout's own empty batch (``make_empty_batch``).
+SELF = "self"
+
+
+@dataclass(frozen=True)
+class Roles:
+    """The layouts a storage's rows join: to decode, to prefill, to verify."""
+
+    decode: str
+    prefill: str
+    verify: str
+
+    def items(self) -> Iterator[tuple[str, str]]:
+        yield from (("decode", self.decode), ("prefill", self.prefill), ("verify", self.verify))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Composition:
+    """One seed class: its axes, its constructor parameters, its identity and its roles.
+
+    ``params``: the constructor's parameters in positional order (mlx-lm's order);
+    ``signature``: the ``signature()`` text, formatted with the codec's and geometry's
+    parameters; ``serial``: the serial storage a layout's rows extract into; ``roles``:
+    the storage's row-layout table entry (``None``: no entry, so the layout has no
+    verify sibling and serves as its own decode and prefill layout); ``peers``: the
+    mlx-lm cache classes whose layers this serial storage serves; ``issue``: the issue
+    that adds a planned class (``None``: landed).
+    """
+
+    name: str
+    codec: CodecKind
+    geometry: GeometryKind
+    arrangement: Arrangement
+    signature: str
+    params: tuple[str, ...] = ()
+    serial: str | None = None
+    roles: Roles | None = None
+    modifiers: frozenset[Modifier] = field(default_factory=frozenset)
+    peers: tuple[str, ...] = ()
+    issue: int | None = None
+    summary: str = ""
+
+    @property
+    def is_landed(self) -> bool:
+        return self.issue is None
+
+    @property
+    def is_layout(self) -> bool:
+        return self.arrangement != "serial"
+
+    @property
+    def shared_column(self) -> bool:
+        return self.arrangement == "shared"
+
+    def signature_for(self, codec: CodecSpec, geometry: GeometrySpec) -> str:
+        """The ``signature()`` of an instance built from ``codec`` and ``geometry``."""
+        return self.signature.format(**codec.parameters(), **geometry.parameters())
+
+
+def _plain_growing(
+    name: str, arrangement: Arrangement, signature: str, **extra: Any
+) -> Composition:
+    return Composition(
+        name=name, codec="plain", geometry="growing", arrangement=arrangement,
+        signature=signature, **extra,
+    )  # fmt: skip
+
+
+_AFFINE = ("group_size", "bits")
+_RING = ("max_size", "keep")
+_RING_AFFINE = ("max_size", "group_size", "bits", "keep")
+
+#: The seed's classes in the seed's ``ROW_LAYOUTS`` order (subclasses first), landed and
+#: planned. Layouts without ``serial`` name it through their storage's roles.
+COMPOSITIONS: tuple[Composition, ...] = (
+    # -- paged (issue 13) ------------------------------------------------------------
+    Composition(name="PagedKVCache", codec="any", geometry="paged", arrangement="serial",
+                signature="kv:paged", roles=Roles("PagedKvRows", "PagedKvRows", "PagedKvRows"),
+                issue=13, summary="one request's block table into a shared block pool"),
+    Composition(name="PagedKvRows", codec="any", geometry="paged", arrangement="ragged",
+                signature="kv:paged-rows", serial="PagedKVCache", roles=Roles(SELF, SELF, SELF),
+                modifiers=frozenset({"speculative"}), issue=13,
+                summary="block-table rows: row operations move no KV bytes"),
+    # -- latent (issue 14) -----------------------------------------------------------
+    Composition(name="MLACache", codec="latent", geometry="latent", arrangement="ragged",
+                signature="mla", roles=Roles(SELF, SELF, SELF), issue=14,
+                summary="latent + rope planes on one token axis"),
+    Composition(name="EncodedLatentCache", codec="latent", geometry="latent",
+                arrangement="ragged", signature="mla:encoded", roles=Roles(SELF, SELF, SELF),
+                issue=14, summary="latent planes through a codec"),
+    Composition(name="PagedLatentCache", codec="latent", geometry="paged", arrangement="ragged",
+                signature="mla:paged", roles=Roles(SELF, SELF, SELF), issue=14,
+                summary="latent planes in a block pool"),
+    # -- delayed and speculative rings (issues 10, 11) -------------------------------
+    Composition(name="DelayedRotatingQuantizedKVCache", codec="affine", geometry="ring",
+                arrangement="ragged", signature="kv:delayed-rotating-quant",
+                params=_RING_AFFINE, serial="RotatingQuantizedKVCache",
+                roles=Roles(SELF, SELF, SELF),
+                modifiers=frozenset({"delayed", "speculative"}), issue=11,
+                summary="ring rows that convert to affine at their own boundary"),
+    # -- affine rings ----------------------------------------------------------------
+    Composition(name="RotatingAffineLayout", codec="affine", geometry="ring",
+                arrangement="shared", signature="kv:rotating-affine:{max_size}:{group_size}:{bits}",
+                params=_RING_AFFINE, serial="RotatingQuantizedKVCache",
+                roles=Roles(SELF, SELF, SELF),
+                summary="prefill/verify layout of the affine ring"),
+    Composition(name="BatchedRotatingQuantCache", codec="affine", geometry="ring",
+                arrangement="shared", signature="kv:rotating-quant:{bits}:{group_size}",
+                params=_RING_AFFINE, serial="RotatingQuantizedKVCache",
+                roles=Roles(SELF, SELF, "RotatingAffineLayout"),
+                summary="decode layout of the affine ring"),
+    Composition(name="SpeculativeRotatingAffineLayout", codec="affine", geometry="ring",
+                arrangement="ragged", signature="kv:speculative-rotating-affine",
+                params=_RING_AFFINE, serial="RotatingQuantizedKVCache",
+                roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"speculative"}), issue=10,
+                summary="verify layout of the affine ring: per-row rollback across the window"),
+    Composition(name="RotatingQuantizedKVCache", codec="affine", geometry="ring",
+                arrangement="serial", signature="kv:rotating-quant:{bits}:{group_size}",
+                params=_RING_AFFINE,
+                roles=Roles("BatchedRotatingQuantCache", "RotatingAffineLayout",
+                            "RotatingAffineLayout"),
+                peers=("RotatingKVCache",), summary="serial affine sliding-window ring"),
+    # -- plain rings -----------------------------------------------------------------
+    Composition(name="SpeculativeRotatingKVCache", codec="plain", geometry="ring",
+                arrangement="ragged", signature="kv:speculative-rotating", params=_RING,
+                serial="RotatingKVCache", roles=Roles(SELF, SELF, SELF),
+                modifiers=frozenset({"speculative"}), issue=10,
+                summary="verify layout of the plain ring: per-row rollback across the window"),
+    Composition(name="RaggedRotatingRows", codec="plain", geometry="ring", arrangement="ragged",
+                signature="kv:ragged-rotating:{max_size}", params=_RING, serial="RotatingKVCache",
+                roles=Roles(SELF, SELF, SELF),
+                summary="prefill/verify layout of the plain ring: each row its own window"),
+    Composition(name="BatchedRotatingCache", codec="plain", geometry="ring", arrangement="shared",
+                signature="kv:rotating-plain", params=_RING, serial="RotatingKVCache",
+                peers=("BatchRotatingKVCache",),
+                summary="decode layout of the plain ring (mlx-lm BatchRotatingKVCache)"),
+    Composition(name="RotatingKVCache", codec="plain", geometry="ring", arrangement="serial",
+                signature="kv:rotating-plain", params=_RING,
+                roles=Roles("BatchedRotatingCache", "RaggedRotatingRows", "RaggedRotatingRows"),
+                peers=("RotatingKVCache",), summary="serial plain sliding-window ring"),
+    # -- TurboQuant and delayed full attention (issues 11, 12) -----------------------
+    Composition(name="DelayedTurboQuantKVCache", codec="turbo", geometry="growing",
+                arrangement="ragged", signature="kv:delayed-turbo", serial="TurboQuantKVCache",
+                roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"delayed", "speculative"}),
+                issue=12, summary="rows that convert to TurboQuant at their own boundary"),
+    Composition(name="DelayedQuantizedKVCache", codec="affine", geometry="growing",
+                arrangement="ragged", signature="kv:delayed-quant", params=_AFFINE,
+                serial="QuantizedKVCache", roles=Roles(SELF, SELF, SELF),
+                modifiers=frozenset({"delayed", "speculative"}), issue=11,
+                summary="rows that convert to affine at their own boundary"),
+    Composition(name="BatchedTurboQuantKVCache", codec="turbo", geometry="growing",
+                arrangement="ragged", signature="kv:batched-turbo", serial="TurboQuantKVCache",
+                roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"speculative"}), issue=12,
+                summary="TurboQuant rows, all three roles"),
+    # -- plain and affine full attention ---------------------------------------------
+    _plain_growing("BatchedKVCache", "ragged", "kv:batched-positions", serial="KVCache",
+                   roles=Roles(SELF, SELF, SELF),
+                   summary="prefill/verify layout of KVCache: ragged rows"),
+    Composition(name="BatchedQuantizedKVCache", codec="affine", geometry="growing",
+                arrangement="ragged", signature="kv:batched-quant:{bits}:{group_size}",
+                params=_AFFINE, serial="QuantizedKVCache", roles=Roles(SELF, SELF, SELF),
+                summary="prefill/verify layout of QuantizedKVCache: ragged rows"),
+    # -- recurrent (issue 14) --------------------------------------------------------
+    Composition(name="BatchedSSMCache", codec="state", geometry="recurrent",
+                arrangement="ragged", signature="ssm:batched", serial="SSMCache",
+                roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"speculative"}), issue=14,
+                summary="recurrent rows: snapshot + replay rollback"),
+    Composition(name="TurboQuantKVCache", codec="turbo", geometry="growing", arrangement="serial",
+                signature="kv:turbo",
+                roles=Roles("BatchedTurboQuantKVCache", "BatchedTurboQuantKVCache",
+                            "BatchedTurboQuantKVCache"),
+                issue=12, summary="serial TurboQuant full attention"),
+    Composition(name="SSMCache", codec="state", geometry="recurrent", arrangement="serial",
+                signature="ssm", roles=Roles("BatchedSSMCache", "BatchedSSMCache", "BatchedSSMCache"),
+                peers=("ArraysCache", "MambaCache"), issue=14,
+                summary="conv + recurrent state, updated by the layer"),
+    Composition(name="PaddedQuantKVRows", codec="affine", geometry="growing", arrangement="shared",
+                signature="kv:padded-rows-quant:{bits}:{group_size}", params=_AFFINE,
+                serial="QuantizedKVCache", summary="decode layout of QuantizedKVCache"),
+    Composition(name="QuantizedKVCache", codec="affine", geometry="growing", arrangement="serial",
+                signature="kv:quant:{bits}:{group_size}", params=_AFFINE,
+                roles=Roles("PaddedQuantKVRows", "BatchedQuantizedKVCache",
+                            "BatchedQuantizedKVCache"),
+                peers=("KVCache", "QuantizedKVCache"),
+                summary="serial affine full attention"),
+    _plain_growing("PaddedKVRows", "shared", "kv:padded-rows", serial="KVCache",
+                   peers=("BatchKVCache",),
+                   summary="decode layout of KVCache (mlx-lm BatchKVCache)"),
+    _plain_growing("KVCache", "serial", "kv:plain",
+                   roles=Roles("PaddedKVRows", "BatchedKVCache", "BatchedKVCache"),
+                   peers=("KVCache",), summary="serial plain full attention"),
+)  # fmt: skip
+
+_BY_NAME: dict[str, Composition] = {c.name: c for c in COMPOSITIONS}
+
+
+def composition(name: str) -> Composition:
+    """The table's entry for ``name``."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"no composition named {name!r}") from None
+
+
+def landed() -> tuple[Composition, ...]:
+    """The compositions both implementations provide today, in table order."""
+    return tuple(c for c in COMPOSITIONS if c.is_landed)
+
+
+def serial_composition(entry: Composition) -> Composition:
+    """The serial storage ``entry``'s rows extract into (itself when serial)."""
+    return entry if entry.serial is None else composition(entry.serial)
+
+
+_DEFAULTS: dict[str, int] = {"group_size": 64, "bits": 8, "keep": 0}
+
+
+def bind_arguments(
+    entry: Composition, args: Sequence[object], kwargs: Mapping[str, object]
+) -> tuple[CodecSpec, GeometrySpec, KvGeometry | None]:
+    """A constructor call's arguments as specs: ``QuantizedKVCache(32, 4)`` ->
+    ``(Affine(bits=4, group_size=32), Growing(), None)``.
+
+    Accepts the parameters of ``entry.params`` positionally (mlx-lm's order) or by
+    keyword, ``codec=`` / ``token_geometry=`` specs instead of them, and ``geometry=`` (a
+    ``KvGeometry``) to declare the KV heads before the first token.
+    """
+    values: dict[str, object] = dict(kwargs)
+    declared = values.pop("geometry", None)
+    if declared is not None and not isinstance(declared, KvGeometry):
+        raise InvalidInputError(f"geometry must be a KvGeometry, got {type(declared).__name__}")
+    codec_spec = values.pop("codec", None)
+    geometry_spec = values.pop("token_geometry", None)
+    if len(args) > len(entry.params):
+        raise InvalidInputError(
+            f"{entry.name} takes at most {len(entry.params)} positional arguments "
+            f"({', '.join(entry.params) or 'none'}), got {len(args)}"
+        )
+    for name, value in zip(entry.params, args, strict=False):
+        if name in values:
+            raise InvalidInputError(f"{entry.name} got {name} twice")
+        values[name] = value
+    unknown = sorted(set(values) - set(entry.params))
+    if unknown:
+        raise InvalidInputError(
+            f"{entry.name} has no parameter {', '.join(unknown)}; "
+            f"it takes {', '.join(entry.params) or 'no parameters'}"
+        )
+    given: dict[str, object] = {**_DEFAULTS, **values}
+    numbers: dict[str, int] = {}
+    for name in entry.params:
+        if name not in given:
+            raise InvalidInputError(f"{entry.name} needs {name}")
+        value = given[name]
+        if isinstance(value, bool) or not hasattr(value, "__index__"):
+            raise InvalidInputError(f"{name} must be an integer, got {value!r}")
+        numbers[name] = operator.index(value)
+    if codec_spec is None:
+        codec_spec = _codec_spec(entry, numbers)
+    if geometry_spec is None:
+        geometry_spec = _geometry_spec(entry, numbers)
+    if not isinstance(codec_spec, Plain | Affine | Turbo) or codec_spec.kind != entry.codec:
+        raise InvalidInputError(f"{entry.name} stores the {entry.codec} codec, got {codec_spec!r}")
+    if not isinstance(geometry_spec, Growing | Ring) or geometry_spec.kind != entry.geometry:
+        raise InvalidInputError(
+            f"{entry.name} has {entry.geometry} geometry, got {geometry_spec!r}"
+        )
+    return codec_spec, geometry_spec, declared
+
+
+def _codec_spec(entry: Composition, numbers: Mapping[str, int]) -> CodecSpec:
+    if entry.codec == "affine":
+        return Affine(bits=numbers["bits"], group_size=numbers["group_size"])
+    if entry.codec == "plain":
+        return Plain()
+    raise InvalidInputError(f"{entry.name} ({entry.codec} codec) is not implemented yet")
+
+
+def _geometry_spec(entry: Composition, numbers: Mapping[str, int]) -> GeometrySpec:
+    if entry.geometry == "ring":
+        return Ring(max_size=numbers["max_size"], keep=numbers["keep"])
+    if entry.geometry == "growing":
+        return Growing()
+    raise InvalidInputError(f"{entry.name} ({entry.geometry} geometry) is not implemented yet")
+
+
+def _role_factory(classes: Mapping[str, type], role: str) -> Callable[[Any], BatchableCache]:
+    if role == SELF:
+
+        def own(cache: Any) -> BatchableCache:
+            layout: BatchableCache = cache.make_empty_batch()
+            return layout
+
+        return own
+    target: Any = classes[role]
+
+    def build(cache: Any) -> BatchableCache:
+        layout: BatchableCache = target.from_specs(
+            cache.codec_spec, cache.token_geometry, geometry=cache.geometry
+        )
+        return layout
+
+    return build
+
+
+def register_compositions(classes: Mapping[str, type]) -> None:
+    """Register an implementation's classes (by composition name) in the row-layout table.
+
+    Every landed composition must be in ``classes``; each class must name its
+    composition (``cls.composition.name``) and build from specs
+    (``cls.from_specs(codec, token_geometry, geometry=…)``).
+    """
+    missing = [c.name for c in landed() if c.name not in classes]
+    if missing:
+        raise KvRowsError(f"the implementation lacks {', '.join(missing)}")
+    for entry in reversed(landed()):  # the table keeps subclasses ahead of their bases
+        cls: Any = classes[entry.name]
+        if getattr(cls, "composition", None) is not entry:
+            raise KvRowsError(f"{cls.__name__} does not declare the {entry.name} composition")
+        if entry.roles is None:
+            continue
+        register_row_layouts(
+            cls,
+            decode=_role_factory(classes, entry.roles.decode),
+            prefill=_role_factory(classes, entry.roles.prefill),
+            verify=_role_factory(classes, entry.roles.verify),
+        )
+
+
+def serial_for_peer(peer: str, codec: CodecSpec) -> Composition:
+    """The landed serial storage serving layers mlx-lm gives a ``peer`` cache, under ``codec``."""
+    for entry in landed():
+        if entry.arrangement == "serial" and peer in entry.peers and entry.codec == codec.kind:
+            return entry
+    raise InvalidInputError(f"no kvrows storage serves mlx-lm {peer} under the {codec.kind} codec")

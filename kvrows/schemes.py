@@ -1,0 +1,217 @@
+"""Storage schemes as data: the codec axis and the token-geometry axis, as frozen specs.
+
+A *codec spec* says how one token's vector is stored (``Plain()``, ``Affine(bits=…,
+group_size=…)``, ``Turbo(k_bits=…, v_bits=…)``); a *geometry spec* says how the token axis
+is organised (``Growing()``, ``Ring(max_size=…)``). Both are frozen, keyword-only and
+validated on construction, so a spec that exists is a spec a storage can be built from:
+parameters travel as one object from the CLI to the storage and are never pulled apart
+and rebuilt on the way.
+
+``KvStorageScheme`` is what an engine asks for per model: a default codec, optional
+per-layer overrides, and the bf16-first boundary ``quantized_kv_start`` (the delayed
+modifier; filled in by the delayed-quantization issue).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, TypeAlias
+
+from kvrows.affine_geometry import validate_params
+from kvrows.errors import InvalidInputError
+from kvrows.validation import as_count
+
+__all__ = [
+    "TURBO_KEY_BITS",
+    "TURBO_VALUE_BITS",
+    "Affine",
+    "CodecSpec",
+    "GeometrySpec",
+    "Growing",
+    "KvStorageScheme",
+    "Plain",
+    "Ring",
+    "Turbo",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plain:
+    """Unquantized storage in the activation dtype."""
+
+    kind: ClassVar[str] = "plain"
+
+    @property
+    def key(self) -> str:
+        """The codec identity rows must share to join one layout."""
+        return "plain"
+
+    @property
+    def name(self) -> str:
+        """The scheme's name on the command line."""
+        return "plain"
+
+    def parameters(self) -> dict[str, int]:
+        return {}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Affine:
+    """MLX affine group quantization (``mx.quantize``): ``bits`` per value, one scale and
+    one bias per ``group_size`` values."""
+
+    bits: int = 8
+    group_size: int = 64
+    kind: ClassVar[str] = "affine"
+
+    def __post_init__(self) -> None:
+        validate_params(self.group_size, self.bits)
+
+    @property
+    def key(self) -> str:
+        return f"affine:{self.bits}:{self.group_size}"
+
+    @property
+    def name(self) -> str:
+        return f"affine{self.bits}:{self.group_size}"
+
+    def parameters(self) -> dict[str, int]:
+        return {"bits": self.bits, "group_size": self.group_size}
+
+
+#: TurboQuant key and value bit widths (``spec/`` once the TurboQuant issue lands).
+TURBO_KEY_BITS: tuple[int, ...] = (2, 4, 5, 8)
+TURBO_VALUE_BITS: tuple[int, ...] = (2, 3, 4, 5, 8)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Turbo:
+    """TurboQuant: affine keys at ``k_bits``, rotated Lloyd-Max values at ``v_bits``.
+
+    Declared so schemes can name it; no storage implements it until the TurboQuant issue.
+    """
+
+    k_bits: int = 8
+    v_bits: int = 3
+    kind: ClassVar[str] = "turbo"
+
+    def __post_init__(self) -> None:
+        if self.k_bits not in TURBO_KEY_BITS or isinstance(self.k_bits, bool):
+            raise InvalidInputError(f"k_bits must be one of {TURBO_KEY_BITS}, got {self.k_bits!r}")
+        if self.v_bits not in TURBO_VALUE_BITS or isinstance(self.v_bits, bool):
+            raise InvalidInputError(
+                f"v_bits must be one of {TURBO_VALUE_BITS}, got {self.v_bits!r}"
+            )
+
+    @property
+    def key(self) -> str:
+        return f"turbo:{self.k_bits}:{self.v_bits}"
+
+    @property
+    def name(self) -> str:
+        return f"turbo-k{self.k_bits}v{self.v_bits}"
+
+    def parameters(self) -> dict[str, int]:
+        return {"k_bits": self.k_bits, "v_bits": self.v_bits}
+
+
+CodecSpec: TypeAlias = Plain | Affine | Turbo
+
+
+@dataclass(frozen=True, kw_only=True)
+class Growing:
+    """Full attention: the token axis grows with every append."""
+
+    kind: ClassVar[str] = "growing"
+
+    def parameters(self) -> dict[str, int]:
+        return {}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ring:
+    """Sliding window: the newest ``max_size`` positions are kept.
+
+    ``keep`` (sink tokens that never rotate out, mlx-lm's ``keep``) must be 0 until the
+    drop-in issue adds sink tokens to the ring family.
+    """
+
+    max_size: int
+    keep: int = 0
+    kind: ClassVar[str] = "ring"
+
+    def __post_init__(self) -> None:
+        as_count(self.max_size, "max_size", minimum=1)
+        keep = as_count(self.keep, "keep")
+        if keep:
+            raise InvalidInputError(
+                f"rings with sink tokens (keep={keep}) are not supported yet: use keep=0"
+            )
+
+    def parameters(self) -> dict[str, int]:
+        return {"max_size": self.max_size, "keep": self.keep}
+
+
+GeometrySpec: TypeAlias = Growing | Ring
+
+
+def _parse_codec(text: str) -> CodecSpec:
+    if text == "plain":
+        return Plain()
+    if text.startswith("affine"):
+        bits, _, group = (text[len("affine") :] or "8").partition(":")
+        if bits.isdigit() and (group == "" or group.isdigit()):
+            return Affine(bits=int(bits), group_size=int(group or 64))
+    if text.startswith("turbo-k") and "v" in text[len("turbo-k") :]:
+        k_bits, _, v_bits = text[len("turbo-k") :].partition("v")
+        if k_bits.isdigit() and v_bits.isdigit():
+            return Turbo(k_bits=int(k_bits), v_bits=int(v_bits))
+    raise InvalidInputError(
+        f"unknown KV scheme {text!r}: expected plain, affine<bits>[:<group>] "
+        "(affine8, affine4:32) or turbo-k<bits>v<bits>"
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class KvStorageScheme:
+    """How a model's attention layers store their KV.
+
+    ``codec`` is every layer's codec unless ``layers`` names another for a layer index;
+    ``quantized_kv_start`` (``None``: quantize from the first token) is the bf16-first
+    boundary of the delayed modifier.
+    """
+
+    codec: CodecSpec = field(default_factory=Plain)
+    layers: tuple[tuple[int, CodecSpec], ...] = ()
+    quantized_kv_start: int | None = None
+
+    def __post_init__(self) -> None:
+        seen: set[int] = set()
+        for index, _ in self.layers:
+            as_count(index, "layer index")
+            if index in seen:
+                raise InvalidInputError(f"layer {index} has two codecs in the scheme")
+            seen.add(index)
+        if self.quantized_kv_start is not None:
+            as_count(self.quantized_kv_start, "quantized_kv_start")
+
+    @classmethod
+    def parse(cls, text: str) -> KvStorageScheme:
+        """``plain``, ``affine8``, ``affine4:32``, ``turbo-k8v3``."""
+        if not isinstance(text, str):
+            raise InvalidInputError(f"a KV scheme name is a string, got {type(text).__name__}")
+        return cls(codec=_parse_codec(text))
+
+    def codec_for_layer(self, index: int) -> CodecSpec:
+        """The codec layer ``index`` stores its KV with."""
+        for layer, codec in self.layers:
+            if layer == index:
+                return codec
+        return self.codec
+
+    @property
+    def name(self) -> str:
+        """The scheme's name (the default codec's, plus overrides)."""
+        extra = "".join(f",{layer}={codec.name}" for layer, codec in self.layers)
+        start = "" if self.quantized_kv_start is None else f"@{self.quantized_kv_start}"
+        return f"{self.codec.name}{extra}{start}"
