@@ -20,7 +20,9 @@ import mlx.core as mx
 import numpy as np
 
 from kvrows.app.engine import Engine, EngineStats, Request, RequestResult
-from kvrows.app.models import ARCHITECTURES, KvStorageScheme, make_kvrows_cache, tiny_model
+from kvrows.app.models import ARCHITECTURES, make_kvrows_cache, tiny_model
+from kvrows.protocols import RingGeometry
+from kvrows.schemes import KvStorageScheme
 
 __all__ = ["InvarianceReport", "builtin_trace", "check_invariance", "run_demo", "solo_logits"]
 
@@ -113,8 +115,12 @@ def check_invariance(
     results: Sequence[RequestResult],
     chunk: int,
 ) -> InvarianceReport:
-    rings = any(hasattr(cache, "max_size") for cache in make_kvrows_cache(model, scheme))
-    report = InvarianceReport(quantized_rings=rings and scheme.kind != "plain")
+    caches = make_kvrows_cache(model, scheme)
+    quantized_rings = any(
+        isinstance(cache, RingGeometry) and scheme.codec_for_layer(i).kind != "plain"
+        for i, cache in enumerate(caches)
+    )
+    report = InvarianceReport(quantized_rings=quantized_rings)
     for request, result in zip(requests, results, strict=True):
         if result.error:
             continue

@@ -30,9 +30,10 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 
-from kvrows.app.models import KvStorageScheme, make_kvrows_cache
-from kvrows.errors import CapacityError, InvalidInputError
+from kvrows.app.models import make_kvrows_cache
+from kvrows.errors import CapacityError, InvalidInputError, LayoutStateError
 from kvrows.protocols import BatchableCache, Cache
+from kvrows.schemes import KvStorageScheme
 from kvrows.table import (
     RowAdmission,
     filter_layout_rows,
@@ -191,21 +192,30 @@ class Engine:
         self.keep_logits = keep_logits
         self.prefix_cache = PrefixCache() if use_prefix_cache else None
         self.progress = progress
-        self.admission = self._probe_admission()
+        self.admission = self._admission()
 
-    def _probe_admission(self) -> RowAdmission:
-        """Projected bytes per row, read from layouts that hold one probe token."""
+    def _admission(self) -> RowAdmission:
+        """Projected bytes per row, from the decode layouts of fresh caches.
+
+        ``make_kvrows_cache`` declares the KV geometry, so the layouts answer without a
+        token; where a storage does not know it yet (the model's config does not say, or
+        the storage cannot take a declaration), one probe token runs through the model.
+        """
         caches = make_kvrows_cache(self.model, self.scheme)
-        self.model(mx.array([[0]]), cache=caches)
-        layouts: list[Cache] = []
+        layouts: list[BatchableCache] = []
         for cache in caches:
             layout = owned_cache_layout(cache)
             if layout is None:
                 raise InvalidInputError(f"{cache.signature()} joins no row layout")
-            layout.merge_rows([cache])
             layouts.append(layout)
         admission = row_admission(layouts)
         assert admission is not None
+        try:
+            admission.bytes(1)
+        except LayoutStateError:
+            self.model(mx.array([[0]]), cache=caches)
+            for layout, cache in zip(layouts, caches, strict=True):
+                layout.merge_rows([cache])
         return admission
 
     def projected_bytes(self, request: Request) -> int:

@@ -1,81 +1,96 @@
 """kvrows caches inside unmodified mlx-lm models, and the embedded tiny models.
 
 ``make_kvrows_cache(model, scheme)`` builds a model's per-layer caches from a storage
-scheme: the model's own ``make_cache()`` says which layers are full attention
-(``KVCache``) and which slide (``RotatingKVCache(max_size)``); the scheme says how each
-is stored. ``tiny_model(arch)`` builds the embedded random-weight float32 models the
+scheme (:class:`kvrows.schemes.KvStorageScheme`): the model's own ``make_cache()`` names
+each layer's mlx-lm cache class, the composition table (``kvrows.compositions``) names
+the kvrows serial storage that serves that class under the layer's codec, and the storage
+is built from the one codec spec the scheme carries and the layer's token geometry, with
+the KV geometry declared (:func:`kv_geometry`) so projected bytes are known before the
+first token. ``tiny_model(arch)`` builds the embedded random-weight float32 models the
 demo and the tests run on (no download).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import mlx.core as mx
 
+import kvrows.optimized as kv
+from kvrows.compositions import Composition, serial_for_peer
 from kvrows.errors import InvalidInputError
+from kvrows.schemes import CodecSpec, GeometrySpec, Growing, KvStorageScheme, Ring
+from kvrows.validation import KvGeometry
 
-__all__ = ["ARCHITECTURES", "KvStorageScheme", "make_kvrows_cache", "tiny_model"]
+__all__ = ["ARCHITECTURES", "kv_geometry", "make_kvrows_cache", "tiny_model"]
 
 ARCHITECTURES = ("llama", "gemma3")
 
 
-@dataclass(frozen=True)
-class KvStorageScheme:
-    """How every attention layer stores its KV: plain, or affine at ``bits``/``group_size``."""
+def kv_geometry(model: Any) -> KvGeometry | None:
+    """The KV heads, head dim and dtype every attention layer of ``model`` stores, from its
+    config (``num_key_value_heads``, ``head_dim`` or ``hidden_size / num_attention_heads``)
+    and its first floating-point weight's dtype. ``None`` where the config does not say or
+    keys and values may differ in width (MLA: ``kv_lora_rank``, ``v_head_dim``): the
+    storages then learn the geometry from their first token.
+    """
+    args: Any = getattr(model, "args", object())
+    if any(hasattr(args, name) for name in ("kv_lora_rank", "v_head_dim", "qk_rope_head_dim")):
+        return None
+    heads = getattr(args, "num_key_value_heads", None)
+    dim = getattr(args, "head_dim", None)
+    if dim is None and getattr(args, "num_attention_heads", None):
+        dim = getattr(args, "hidden_size", 0) // args.num_attention_heads
+    from mlx.utils import tree_flatten
 
-    kind: Literal["plain", "affine"] = "plain"
-    bits: int = 8
-    group_size: int = 64
+    dtype = next(
+        (
+            str(item[1].dtype).rsplit(".", 1)[-1]
+            for item in tree_flatten(model.parameters())
+            if isinstance(item[1], mx.array) and mx.issubdtype(item[1].dtype, mx.floating)
+        ),
+        None,
+    )
+    if not heads or not dim or dtype is None:
+        return None
+    return KvGeometry(heads=int(heads), key_dim=int(dim), value_dim=int(dim), dtype=dtype)
 
-    @classmethod
-    def parse(cls, text: str) -> KvStorageScheme:
-        """``plain``, ``affine8``, ``affine4``, or ``affine<bits>:<group>``."""
-        if text == "plain":
-            return cls()
-        if text.startswith("affine"):
-            spec = text[len("affine") :] or "8"
-            bits, _, group = spec.partition(":")
-            try:
-                return cls("affine", int(bits), int(group or 64))
-            except ValueError:
-                pass
-        raise InvalidInputError(f"unknown KV scheme {text!r}: expected plain, affine8, affine4:64")
 
-    @property
-    def name(self) -> str:
-        return "plain" if self.kind == "plain" else f"affine{self.bits}:{self.group_size}"
+def _token_geometry(entry: Composition, layer: Any) -> GeometrySpec:
+    """The token geometry of mlx-lm cache ``layer`` as the composition ``entry`` stores it."""
+    if entry.geometry == "ring":
+        return Ring(max_size=int(layer.max_size), keep=int(getattr(layer, "keep", 0)))
+    if entry.geometry == "growing":
+        return Growing()
+    raise InvalidInputError(f"{entry.name}: {entry.geometry} geometry is not implemented yet")
+
+
+def _build(
+    entry: Composition, codec: CodecSpec, geometry: GeometrySpec, declared: KvGeometry | None
+) -> Any:
+    cls: Any = getattr(kv, entry.name)
+    if hasattr(cls, "from_specs"):
+        return cls.from_specs(codec, geometry, geometry=declared)
+    # Until the implementations build from specs: the constructor's positional parameters
+    # (mlx-lm's order), read off the specs; ``keep`` is 0 (``Ring`` refuses sinks).
+    values = {**codec.parameters(), **geometry.parameters()}
+    return cls(*(values[name] for name in entry.params if name != "keep"))
 
 
 def make_kvrows_cache(model: Any, scheme: KvStorageScheme | None = None) -> list[Any]:
     """The model's per-layer caches as kvrows optimized storages under ``scheme``."""
     import mlx_lm.models.cache as peer
 
-    import kvrows.optimized as kv
-
     scheme = scheme or KvStorageScheme()
     template = model.make_cache() if hasattr(model, "make_cache") else None
     if template is None:
         template = [peer.KVCache() for _ in model.layers]  # type: ignore[no-untyped-call]
+    declared = kv_geometry(model)
     caches: list[Any] = []
-    for layer in template:
-        if isinstance(layer, peer.RotatingKVCache):
-            if getattr(layer, "keep", 0):
-                raise InvalidInputError("rings with sink tokens (keep > 0) are not supported")
-            if scheme.kind == "affine":
-                caches.append(
-                    kv.RotatingQuantizedKVCache(layer.max_size, scheme.group_size, scheme.bits)
-                )
-            else:
-                caches.append(kv.RotatingKVCache(layer.max_size))
-        elif isinstance(layer, peer.KVCache):
-            if scheme.kind == "affine":
-                caches.append(kv.QuantizedKVCache(scheme.group_size, scheme.bits))
-            else:
-                caches.append(kv.KVCache())
-        else:
-            raise InvalidInputError(f"no kvrows storage for mlx-lm {type(layer).__name__}")
+    for index, layer in enumerate(template):
+        codec = scheme.codec_for_layer(index)
+        entry = serial_for_peer(type(layer).__name__, codec)
+        caches.append(_build(entry, codec, _token_geometry(entry, layer), declared))
     return caches
 
 
