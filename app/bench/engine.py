@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -54,66 +54,50 @@ def mlx_lm_generate(
     return {r.rid: by_uid[uid] for r, uid in zip(requests, uids, strict=True)}, seconds
 
 
-def _per_second(count: int, ms: float | None) -> float:
-    return count / (ms * 1e-3) if ms else 0.0
-
-
 def _case(model: Any, trace: list[Request], max_batch: int, chunk: int) -> Case:
     """kvrows' engine and mlx-lm's generator on ``trace``; each checks the other's tokens."""
     seen: dict[str, Tokens] = {}
 
-    def kvrows_setup() -> Engine:
-        engine = Engine(model, max_batch=max_batch, prefill_chunk=chunk, use_prefix_cache=False)
-        engine.run(trace[:2])  # warm-up
-        return engine
-
-    def kvrows_run(engine: Engine) -> Tokens:
-        results, _ = engine.run(trace)
-        return {r.rid: r.tokens for r in results}
-
-    def mlx_lm_setup() -> None:
-        mlx_lm_generate(model, trace[:2], max_batch, chunk)  # warm-up
-
-    def checker(name: str, other: str) -> Any:
+    def workload(name: str, setup: Callable[[], Any], run: Callable[[Any], Tokens]) -> Workload:
         def check(tokens: Tokens) -> None:
             seen[name] = tokens
-            if other in seen and seen[other] != tokens:
-                differ = sorted(rid for rid in tokens if tokens[rid] != seen[other].get(rid))
-                raise BenchCheckError(f"greedy tokens differ from {other}'s for {differ}")
+            for other, theirs in seen.items():
+                if theirs != tokens:
+                    differ = sorted(rid for rid in tokens if tokens[rid] != theirs.get(rid))
+                    raise BenchCheckError(f"greedy tokens differ from {other}'s for {differ}")
 
-        return check
+        return Workload("engine", name, max_batch, 0, setup, run, check)
 
-    def generated(name: str) -> int:
-        return sum(len(tokens) for tokens in seen.get(name, {}).values())
+    def engine() -> Engine:
+        made = Engine(model, max_batch=max_batch, prefill_chunk=chunk, use_prefix_cache=False)
+        made.run(trace[:2])  # warm-up
+        return made
+
+    workloads = {
+        "kvrows": workload("kvrows", engine, lambda e: {r.rid: r.tokens for r in e.run(trace)[0]}),
+        "mlx-lm": workload(
+            "mlx-lm",
+            lambda: mlx_lm_generate(model, trace[:2], max_batch, chunk),  # warm-up
+            lambda _: mlx_lm_generate(model, trace, max_batch, chunk)[0],
+        ),
+    }
 
     def lines(t: Mapping[str, Timing]) -> list[list[str]]:
-        tps = [_per_second(generated(n), t[n].ms) for n in ("kvrows", "mlx-lm")]
-        same = "kvrows" in seen and seen["kvrows"] == seen.get("mlx-lm")
+        generated = {n: sum(len(x) for x in seen.get(n, {}).values()) for n in workloads}
+        ours, theirs = (generated[n] / (ms * 1e-3) if (ms := t[n].ms) else 0.0 for n in workloads)
+        same = len(seen) == 2 and seen["kvrows"] == seen["mlx-lm"]
+        ratio = f"{ours / theirs:.2f}" if theirs else "-"
         return [
             [
                 str(max_batch),
-                str(generated("kvrows")),
-                f"{tps[0]:.1f}",
-                f"{tps[1]:.1f}",
-                f"{tps[0] / tps[1]:.2f}" if tps[1] else "-",
+                str(generated["kvrows"]),
+                f"{ours:.1f}",
+                f"{theirs:.1f}",
+                ratio,
                 str(same),
             ]
         ]
 
-    workloads = {
-        "kvrows": Workload(
-            "engine", "kvrows", max_batch, 0, kvrows_setup, kvrows_run, checker("kvrows", "mlx-lm")
-        ),
-        "mlx-lm": Workload(
-            "engine",
-            "mlx-lm",
-            max_batch,
-            0,
-            mlx_lm_setup,
-            lambda _: mlx_lm_generate(model, trace, max_batch, chunk)[0],
-            checker("mlx-lm", "kvrows"),
-        ),
-    }
     return Case(f"engine max batch {max_batch}", workloads, lines, key=max_batch)
 
 
@@ -135,18 +119,12 @@ def family(
         for max_batch in batches:
             yield _case(model, trace, max_batch, chunk)
 
-    header = ("max batch", "generated", "kvrows tok/s", "mlx-lm tok/s", "ratio", "same tokens")
+    header = ["max batch", "generated", "kvrows tok/s", "mlx-lm tok/s", "ratio", "same tokens"]
     notes = (
         f"the embedded llama (float32, greedy), {count} requests arriving at once, prefill\n"
         f"  chunk {chunk}, prefix cache off; tok/s = generated tokens / the run's median time;\n"
         "  ratio = kvrows tok/s / mlx-lm tok/s (> 1: kvrows faster); each timed run is the\n"
         "  whole trace, after an untimed warm-up on its first two requests."
     )
-    return Family(
-        "engine",
-        "continuous batching",
-        [Table(header, cases())],
-        notes,
-        repeats=(1, 1),
-        warmups=(0, 0),
-    )
+    tables = [Table(header, cases())]
+    return Family("engine", "continuous batching", tables, notes, repeats=(1, 1), warmups=(0, 0))
