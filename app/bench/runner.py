@@ -309,8 +309,8 @@ def run_family(
             if case.release is not None:
                 case.release()
             del case  # its sources go before the next case builds its own
-        gc.collect()
-        mx.clear_cache()
+            gc.collect()
+            mx.clear_cache()
         if table.title:
             print(f"\n{table.title}:", file=stream)
         print(markdown_table(table.header, lines), file=stream, flush=True)
