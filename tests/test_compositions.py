@@ -141,6 +141,12 @@ def test_constructor_arguments_bind_in_mlx_lm_order() -> None:
     )
     spec = Affine(bits=2, group_size=128)
     assert bind_arguments(composition("QuantizedKVCache"), (), {"codec": spec})[0] is spec
+    window = Ring(max_size=4)
+    assert bind_arguments(ring, (), {"codec": spec, "token_geometry": window}) == (
+        spec,
+        window,
+        None,
+    )
 
 
 @pytest.mark.parametrize(
@@ -157,6 +163,8 @@ def test_constructor_arguments_bind_in_mlx_lm_order() -> None:
         ("KVCache", (), {"codec": Affine()}, "stores the plain codec"),
         ("KVCache", (), {"token_geometry": Ring(max_size=4)}, "growing geometry"),
         ("KVCache", (), {"geometry": (2, 64, 64, "float16")}, "KvGeometry"),
+        ("RotatingKVCache", (8,), {"token_geometry": Ring(max_size=4)}, "max_size twice"),
+        ("QuantizedKVCache", (), {"codec": "affine"}, "cannot be built from"),
     ],
 )
 def test_bad_constructor_arguments_say_what_was_expected(
