@@ -1,6 +1,6 @@
 """pytest-benchmark: the affine family (issue 3): quantize, row operations, decode attention.
 
-The three parts of :mod:`kvrows.bench_affine`, each test one ``benchmark.pedantic``
+The three parts of :mod:`kvrows.app.bench.affine`, each test one ``benchmark.pedantic``
 call whose setup is not timed; the benchmark group puts the implementations of one
 operation side by side:
 
@@ -15,7 +15,7 @@ Timings never decide pass or fail: a test checks only that the result is right
 (quantized codes reconstruct their input, rows hold exactly the quantized tokens,
 attention matches a NumPy computation).
 
-Shapes: small CI shapes by default (``kvrows.bench_affine.CI_AFFINE``; the default run has
+Shapes: small CI shapes by default (``kvrows.app.bench.affine.CI_AFFINE``; the default run has
 ``--benchmark-disable``, each body runs once, untimed); ``KVROWS_BENCH_FULL=1`` selects the
 realistic shapes of the issue (``FULL_AFFINE``)::
 
@@ -29,8 +29,7 @@ from typing import Any
 
 import pytest
 
-from kvrows.bench import Shape, ShapeBench, Workload
-from kvrows.bench_affine import (
+from kvrows.app.bench.affine import (
     AFFINE_BITS,
     AFFINE_OPERATIONS,
     ATTENTION_IMPLEMENTATIONS,
@@ -42,6 +41,8 @@ from kvrows.bench_affine import (
     AttentionBench,
     QuantizeBench,
 )
+from kvrows.app.bench.plain import Shape, ShapeBench
+from kvrows.app.bench.runner import Workload
 
 FULL = os.environ.get("KVROWS_BENCH_FULL", "") not in ("", "0")
 SHAPES = FULL_AFFINE if FULL else CI_AFFINE

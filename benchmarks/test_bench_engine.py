@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from kvrows.bench_engine import mlx_lm_generate
-from kvrows.demo import builtin_trace
-from kvrows.engine import Engine, Request
-from kvrows.models import tiny_model
+from kvrows.app.bench.engine import mlx_lm_generate
+from kvrows.app.demo import builtin_trace
+from kvrows.app.engine import Engine, Request
+from kvrows.app.models import tiny_model
 
 TRACE = [Request(r.rid, r.prompt, r.max_tokens) for r in builtin_trace(8, seed=3)]
 

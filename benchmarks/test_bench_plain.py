@@ -1,6 +1,6 @@
 """pytest-benchmark: the plain family's row operations, kvrows vs mlx-lm vs a copy.
 
-Every operation of :mod:`kvrows.bench` (merge, merge-step, join, filter-half,
+Every operation of :mod:`kvrows.app.bench.plain` (merge, merge-step, join, filter-half,
 filter-one, extract, update, decode), performed by each of ``kvrows``
 (``kvrows.optimized.PaddedKVRows``), ``mlx-lm`` (``BatchKVCache``), ``copy``
 (an MLX copy of the same bytes), ``memcpy`` (``numpy.copyto`` of the same
@@ -13,7 +13,7 @@ Timings never decide pass or fail: a test checks only that the operation's
 result is right (row counts, every row's keys and values against the
 generated inputs, attention against a NumPy computation).
 
-Shapes: by default small CI shapes (``kvrows.bench.CI_SHAPES``), so the
+Shapes: by default small CI shapes (``kvrows.app.bench.plain.CI_SHAPES``), so the
 default run (``--benchmark-disable`` in ``pyproject.toml``: each body runs
 once, untimed) takes seconds. ``KVROWS_BENCH_FULL=1`` selects the realistic
 shapes of the issue (B in {4, 16}, L in {1024, 4096}, 8 KV heads, head dim
@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from kvrows.bench import (
+from kvrows.app.bench.plain import (
     CI_SHAPES,
     FULL_SHAPES,
     IMPLEMENTATIONS,

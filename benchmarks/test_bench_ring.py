@@ -1,6 +1,6 @@
 """pytest-benchmark: the rotating family (issue 4), kvrows vs mlx-lm vs a copy.
 
-Every operation of :mod:`kvrows.bench_ring` (merge, join, filter-half, filter-one,
+Every operation of :mod:`kvrows.app.bench.ring` (merge, join, filter-half, filter-one,
 extract, update, decode), performed by ``kvrows`` (``kvrows.optimized.BatchedRotatingCache``),
 ``mlx-lm`` (``BatchRotatingKVCache``; join is its ``extend``), ``copy`` (an MLX copy of
 the same bytes) and ``memcpy`` (``numpy.copyto`` of the same bytes). Each test is one
@@ -10,7 +10,7 @@ operation and shape.
 Timings never decide pass or fail: a test checks only that the result is right (every
 row's window in temporal order against the generated tokens, attention against NumPy).
 
-Shapes: small CI shapes by default (``kvrows.bench_ring.CI_RING_SHAPES``: window 64, rows
+Shapes: small CI shapes by default (``kvrows.app.bench.ring.CI_RING_SHAPES``: window 64, rows
 that wrapped and rows that did not); ``KVROWS_BENCH_FULL=1`` selects the realistic shapes
 of the issue (window 4096, B in {4, 16}, L in {2000, 6000}, 8 KV heads, head dim 128,
 float16)::
@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from kvrows.bench_ring import (
+from kvrows.app.bench.ring import (
     CI_RING_SHAPES,
     FULL_RING_SHAPES,
     RING_IMPLEMENTATIONS,

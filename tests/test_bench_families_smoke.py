@@ -1,4 +1,4 @@
-"""The affine and rotating benchmarks run end to end, and their result checks can fail."""
+"""The affine, rotating and engine benchmarks run end to end, and their result checks can fail."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import kvrows.bench_affine as bench_affine
-import kvrows.bench_ring as bench_ring
+import kvrows.app.bench as bench
 import kvrows.optimized as optimized
-from kvrows import cli
-from kvrows.bench import BenchCheckError, Shape, ShapeBench, to_numpy
-from kvrows.bench_affine import (
+from kvrows.app import cli
+from kvrows.app.bench import affine, engine, ring
+from kvrows.app.bench.affine import (
     AFFINE_BITS,
     AFFINE_OPERATIONS,
     ATTENTION_STORAGES,
@@ -23,14 +22,17 @@ from kvrows.bench_affine import (
     AffineShapes,
     AttentionBench,
     QuantizeBench,
-    run_affine_bench,
 )
-from kvrows.bench_ring import (
-    RING_OPERATIONS,
-    RingShape,
-    RingShapeBench,
-    ring_rows,
-    run_ring_bench,
+from kvrows.app.bench.plain import Shape, ShapeBench
+from kvrows.app.bench.ring import RING_OPERATIONS, RingShape, RingShapeBench, ring_rows
+from kvrows.app.bench.runner import (
+    BenchCheckError,
+    Case,
+    Family,
+    Table,
+    Workload,
+    run_family,
+    to_numpy,
 )
 
 TINY_AFFINE = AffineShapes(
@@ -38,6 +40,7 @@ TINY_AFFINE = AffineShapes(
     rows=(Shape(3, 40, heads=2, dtype="bfloat16"),),
     attention=Shape(3, 40, heads=2, query_heads=4, dtype="bfloat16"),
 )
+TINY_RING = RingShape(3, 20, heads=2, head_dim=8, query_heads=4, window=16)
 
 
 def _tables(text: str) -> list[list[list[str]]]:
@@ -61,9 +64,9 @@ def _column(table: list[list[str]], name: str) -> list[str]:
 # -- the runs -------------------------------------------------------------------------------
 
 
-def test_quick_affine_bench_prints_every_operation() -> None:
+def test_affine_bench_prints_every_operation() -> None:
     out = io.StringIO()
-    assert run_affine_bench(quick=True, repeats=1, out=out) == 0
+    assert run_family(affine.family(shapes=TINY_AFFINE), quick=True, repeats=1, out=out) == 0
     text = out.getvalue()
     assert "WRONG RESULT" not in text
     quantize, rows, attention = _tables(text)
@@ -73,14 +76,14 @@ def test_quick_affine_bench_prints_every_operation() -> None:
 
     expected = [(op, str(bits)) for op in AFFINE_OPERATIONS for bits in AFFINE_BITS]
     assert list(zip(_column(rows, "op"), _column(rows, "bits"), strict=True)) == expected
-    for affine, plain, ratio in zip(
+    for quantized, plain, ratio in zip(
         _column(rows, "affine ms"),
         _column(rows, "plain ms"),
         _column(rows, "plain/affine"),
         strict=True,
     ):
-        assert float(affine) > 0 and float(plain) > 0
-        assert float(ratio) == pytest.approx(float(plain) / float(affine), rel=0.05, abs=0.01)
+        assert float(quantized) > 0 and float(plain) > 0
+        assert float(ratio) == pytest.approx(float(plain) / float(quantized), rel=0.05, abs=0.01)
     # The quantized planes are smaller than the bf16 ones, 4-bit smaller than 8-bit.
     moved = [float(x) for x in _column(rows, "MB moved")]
     plain_moved = [float(x) for x in _column(rows, "MB plain")]
@@ -92,9 +95,9 @@ def test_quick_affine_bench_prints_every_operation() -> None:
     assert all(float(ms) > 0 for ms in _column(attention, "mlx-lm ms"))
 
 
-def test_quick_ring_bench_prints_every_operation() -> None:
+def test_ring_bench_prints_every_operation() -> None:
     out = io.StringIO()
-    assert run_ring_bench(quick=True, repeats=1, out=out) == 0
+    assert run_family(ring.family(shapes=[TINY_RING]), quick=True, repeats=1, out=out) == 0
     text = out.getvalue()
     assert "WRONG RESULT" not in text
     (table,) = _tables(text)
@@ -110,34 +113,49 @@ def test_quick_ring_bench_prints_every_operation() -> None:
     assert "every operation at least as fast as mlx-lm" in text
 
 
-def test_cli_bench_runs_the_rotating_family(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["bench", "--family", "rotating", "--quick", "--repeats", "1"]) == 0
-    text = capsys.readouterr().out
-    assert "rotating family" in text
-    assert _column(_tables(text)[0], "op") == list(RING_OPERATIONS)
+def test_engine_bench_runs_both_and_compares_tokens() -> None:
+    out = io.StringIO()
+    family = engine.family(max_batches=(2,), requests=3)
+    assert run_family(family, quick=True, repeats=1, out=out) == 0
+    text = out.getvalue()
+    (table,) = _tables(text)
+    assert _column(table, "max batch") == ["2"]
+    assert _column(table, "same tokens") == ["True"]
+    assert int(_column(table, "generated")[0]) > 0
+    assert "WRONG RESULT" not in text
 
 
-def test_cli_bench_all_runs_every_family(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``--family all`` runs each family once and fails if any of them found a wrong result."""
+def test_engine_bench_check_refuses_different_tokens() -> None:
+    (case,) = engine.family(max_batches=(1,), requests=2).tables[0].cases
+    case.workloads["kvrows"].check({"r00": [1, 2]})
+    with pytest.raises(BenchCheckError, match="r00"):
+        case.workloads["mlx-lm"].check({"r00": [1, 3]})
+
+
+def test_cli_bench_all_runs_every_family(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--family all`` runs each family once, through the one runner, and fails if any of
+    them found a wrong result."""
     calls: list[str] = []
 
-    def fake(name: str, status: int) -> Any:
-        def run(quick: bool = False, repeats: int | None = None, **_: Any) -> int:
-            calls.append(name)
-            assert quick and repeats == 1
-            return status
+    def check(result: Any) -> None:
+        if result == "affine":
+            raise BenchCheckError("planted")
 
-        return run
+    def fake(name: str, *, quick: bool = False) -> Family:
+        calls.append(name)
+        assert quick
+        workload = Workload("op", "kvrows", None, 0, lambda: name, lambda s: s, check)
+        case = Case(f"op {name}", {"kvrows": workload}, lambda t: [[name, t["kvrows"].cell]])
+        return Family(name, "fake", [Table(("family", "kvrows ms"), [case])], "notes")
 
-    monkeypatch.setattr("kvrows.bench.run_bench", fake("plain", 0))
-    monkeypatch.setattr(bench_affine, "run_affine_bench", fake("affine", 1))
-    monkeypatch.setattr(bench_ring, "run_ring_bench", fake("rotating", 0))
-    monkeypatch.setattr("kvrows.bench_engine.run_engine_bench", lambda **_: [])
-    monkeypatch.setattr(
-        "kvrows.bench_engine.print_engine_bench", lambda rows: calls.append("engine")
-    )
+    monkeypatch.setattr(bench, "family", fake)
     assert cli.main(["bench", "--family", "all", "--quick", "--repeats", "1"]) == 1
     assert calls == ["plain", "affine", "rotating", "engine"]
+    text = capsys.readouterr().out
+    assert "WRONG RESULT: op affine kvrows: planted" in text
+    assert [line[0] for table in _tables(text) for line in table[1:]] == calls
 
 
 def test_run_affine_bench_reports_a_wrong_result(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -153,9 +171,8 @@ def test_run_affine_bench_reports_a_wrong_result(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(AffineShapeBench, "workload", broken)
     out = io.StringIO()
-    assert (
-        run_affine_bench(quick=True, repeats=1, shapes=TINY_AFFINE, parts=("rows",), out=out) == 1
-    )
+    family = affine.family(shapes=TINY_AFFINE, parts=("rows",))
+    assert run_family(family, quick=True, repeats=1, out=out) == 1
     assert "WRONG RESULT: merge B=3 L=40 affine8" in out.getvalue()
 
 
@@ -171,8 +188,7 @@ def test_run_ring_bench_reports_a_wrong_result(monkeypatch: pytest.MonkeyPatch) 
 
     monkeypatch.setattr(RingShapeBench, "workload", broken)
     out = io.StringIO()
-    shape = RingShape(3, 20, heads=2, head_dim=8, query_heads=4, window=16)
-    assert run_ring_bench(quick=True, repeats=1, shapes=[shape], out=out) == 1
+    assert run_family(ring.family(shapes=[TINY_RING]), quick=True, repeats=1, out=out) == 1
     assert "WRONG RESULT: merge B=3 L=20 W=16 kvrows" in out.getvalue()
 
 

@@ -1,4 +1,4 @@
-"""``kvrows bench --quick`` runs end to end, and its result checks can fail."""
+"""The benchmark runner and the plain family run end to end, and their checks can fail."""
 
 from __future__ import annotations
 
@@ -7,19 +7,16 @@ from typing import Any
 
 import pytest
 
-from kvrows.bench import (
-    IMPLEMENTATIONS,
-    OPERATIONS,
-    BenchCheckError,
-    Shape,
-    ShapeBench,
-    run_bench,
-)
+from kvrows.app.bench import plain
+from kvrows.app.bench.plain import IMPLEMENTATIONS, OPERATIONS, Shape, ShapeBench
+from kvrows.app.bench.runner import BenchCheckError, run_family
+
+TINY = Shape(3, 16, heads=2, head_dim=8, query_heads=4)
 
 
-def test_quick_bench_prints_every_operation() -> None:
+def test_plain_bench_prints_every_operation() -> None:
     out = io.StringIO()
-    assert run_bench(quick=True, repeats=1, out=out) == 0
+    assert run_family(plain.family(shapes=[TINY]), quick=True, repeats=1, out=out) == 0
     text = out.getvalue()
     table = [line for line in text.splitlines() if line.startswith("|")]
     header = [cell.strip() for cell in table[0].strip("|").split("|")]
@@ -49,9 +46,7 @@ def test_run_bench_reports_a_wrong_result(monkeypatch: pytest.MonkeyPatch) -> No
 
     monkeypatch.setattr(ShapeBench, "workload", broken)
     out = io.StringIO()
-    assert (
-        run_bench(quick=True, repeats=1, shapes=[Shape(3, 16, heads=2, head_dim=8)], out=out) == 1
-    )
+    assert run_family(plain.family(shapes=[TINY]), quick=True, repeats=1, out=out) == 1
     assert "WRONG RESULT: merge B=3 L=16 kvrows" in out.getvalue()
 
 

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 import kvrows.optimized as optimized
-from kvrows.cli import main
-from kvrows.example import run_example
+from kvrows.app.cli import main
+from kvrows.app.example import run_example
 
 
 def test_example_passes_and_narrates_each_operation(capsys: pytest.CaptureFixture[str]) -> None:

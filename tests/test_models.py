@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import kvrows.optimized as kv
+from kvrows.app.models import ARCHITECTURES, kv_geometry, make_kvrows_cache, tiny_model
 from kvrows.errors import InvalidInputError
-from kvrows.models import ARCHITECTURES, KvStorageScheme, make_kvrows_cache, tiny_model
+from kvrows.schemes import Affine, KvStorageScheme, Plain
 from kvrows.table import owned_cache_layout
 
 TOLERANCE = 1e-5  # float32 models; in practice the logits are bit-identical
@@ -24,9 +25,10 @@ def model(request: pytest.FixtureRequest) -> Any:
 
 def _peer_caches(model: Any, scheme: KvStorageScheme) -> list[Any]:
     caches = model.make_cache()
-    if scheme.kind == "affine":
+    codec = scheme.codec
+    if isinstance(codec, Affine):
         return [
-            peer.QuantizedKVCache(scheme.group_size, scheme.bits) if type(c) is peer.KVCache else c
+            peer.QuantizedKVCache(codec.group_size, codec.bits) if type(c) is peer.KVCache else c
             for c in caches
         ]
     return list(caches)
@@ -37,7 +39,7 @@ def test_serial_logits_match_mlx_lm(model: Any, scheme: str) -> None:
     storage = KvStorageScheme.parse(scheme)
     ours = make_kvrows_cache(model, storage)
     theirs = _peer_caches(model, storage)
-    if any(isinstance(c, peer.RotatingKVCache) for c in theirs) and storage.kind == "affine":
+    if any(isinstance(c, peer.RotatingKVCache) for c in theirs) and storage.codec != Plain():
         pytest.skip(
             "mlx-lm has no quantized ring (RotatingKVCache.to_quantized raises); the affine "
             "ring is checked by the engine's batch-vs-solo test and the conformance suite"
@@ -98,8 +100,28 @@ def test_drop_in_surface() -> None:
     assert before.tolist() == [3] and layout.offset.tolist() == [4]  # rebound, not mutated
 
 
-def test_schemes_parse() -> None:
-    assert KvStorageScheme.parse("affine4:32") == KvStorageScheme("affine", 4, 32)
-    assert KvStorageScheme.parse("plain").name == "plain"
+def test_caches_come_from_the_composition_table(model: Any) -> None:
+    """Each layer's mlx-lm cache class names its kvrows storage; the codec spec arrives whole."""
+    codec = Affine(bits=4, group_size=32)
+    caches = make_kvrows_cache(model, KvStorageScheme(codec=codec, layers=((0, Plain()),)))
+    for index, (ours, theirs) in enumerate(zip(caches, model.make_cache(), strict=True)):
+        ring = isinstance(theirs, peer.RotatingKVCache)
+        expected = ("Rotating" if ring else "") + ("KVCache" if index == 0 else "QuantizedKVCache")
+        assert type(ours).__name__ == expected
+        if index:
+            assert (ours.bits, ours.group_size) == (4, 32)
+        if ring:
+            assert ours.max_size == theirs.max_size
+
+
+def test_declared_geometry(model: Any) -> None:
+    geometry = kv_geometry(model)
+    assert geometry is not None
+    assert (geometry.heads, geometry.key_dim, geometry.dtype) == (2, 64, "float32")
+
+
+def test_schemes_without_a_storage_are_refused(model: Any) -> None:
     with pytest.raises(InvalidInputError):
         KvStorageScheme.parse("turbo")
+    with pytest.raises(InvalidInputError, match="turbo"):
+        make_kvrows_cache(model, KvStorageScheme.parse("turbo-k8v3"))

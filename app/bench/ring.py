@@ -1,8 +1,8 @@
 """Benchmarks of the sliding-window family (issue 4) against mlx-lm and a plain copy.
 
 Shared by ``kvrows bench --family rotating`` (:func:`run_ring_bench`) and
-``benchmarks/test_bench_ring.py``; built on :mod:`kvrows.bench` (its workloads,
-interleaved timing, copy/memcpy baselines and result checks).
+``benchmarks/test_bench_ring.py``; built on :mod:`kvrows.app.bench.plain` (its workloads,
+copy/memcpy baselines and result checks).
 
 ``kvrows.optimized.BatchedRotatingCache`` against mlx-lm's ``BatchRotatingKVCache``
 (window ``W``; one layer, 8 KV heads, head dim 128, float16; ``T`` = bytes of one
@@ -29,38 +29,26 @@ wrapped (its ring index is not at the end of its buffer). A row holds its newest
 Checks read each layout's raw ring (physical buffer, write index, wrapped flag, per-row
 left padding and positions) back into temporal order and compare every row with the
 newest ``min(tokens, W)`` generated tokens it should hold; attention is checked against
-a float32 NumPy attention over the window. Copy baselines as in :mod:`kvrows.bench`.
+a float32 NumPy attention over the window. Copy baselines as in :mod:`kvrows.app.bench.plain`.
 """
 
 from __future__ import annotations
 
-import gc
 import importlib
-import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, ClassVar
 
-import mlx.core as mx
 import numpy as np
-import numpy.typing as npt
 
 import kvrows.optimized as optimized
-from kvrows.bench import (
-    PARITY_BAND,
-    BenchCheckError,
-    KvrowsImpl,
-    MlxLmImpl,
-    Shape,
-    ShapeBench,
-    Timing,
-    check_equal,
-    check_same,
-    format_gbps,
-    format_ms,
-    markdown_table,
-    package_version,
-    time_workloads,
+from kvrows.app.bench.plain import KvrowsImpl, MlxLmImpl, Shape, ShapeBench
+from kvrows.app.bench.runner import (
+    NP,
+    Case,
+    Family,
+    Table,
+    parity_verdict,
     to_numpy,
 )
 
@@ -70,17 +58,14 @@ lm_cache: Any = importlib.import_module("mlx_lm.models.cache")
 __all__ = [
     "CI_RING_SHAPES",
     "FULL_RING_SHAPES",
-    "QUICK_RING_SHAPES",
     "RING_IMPLEMENTATIONS",
     "RING_OPERATIONS",
-    "RING_STEPS",
     "RingShape",
     "RingShapeBench",
+    "family",
     "ring_rows",
-    "run_ring_bench",
 ]
 
-_NP = npt.NDArray[Any]
 
 #: The operations, in table order.
 RING_OPERATIONS = ("merge", "join", "filter-half", "filter-one", "extract", "update", "decode")
@@ -96,6 +81,12 @@ class RingShape(Shape):
 
     window: int = 4096
 
+    columns: ClassVar[tuple[str, ...]] = ("B", "L", "W")
+
+    @property
+    def cells(self) -> list[str]:
+        return [*super().cells, str(self.window)]
+
     @property
     def label(self) -> str:
         return f"B={self.batch} L={self.tokens} W={self.window}"
@@ -110,14 +101,14 @@ CI_RING_SHAPES = (RingShape(4, 100, window=64), RingShape(3, 40, window=64))
 
 
 def ring_rows(
-    keys: _NP,
-    values: _NP,
+    keys: NP,
+    values: NP,
     pads: Sequence[int],
     offsets: Sequence[int],
     index: int,
     rotated: bool,
     window: int,
-) -> list[tuple[_NP, _NP]]:
+) -> list[tuple[NP, NP]]:
     """Every row's held tokens in temporal order, from a shared-column ring's raw state.
 
     ``keys``/``values`` ``[B, H, columns, D]`` are the physical buffer; when the ring has
@@ -167,7 +158,7 @@ class _RingKvrows(KvrowsImpl):
         self.sync(layout.state)
         return layout
 
-    def rows(self, batch: Any) -> list[tuple[_NP, _NP]]:
+    def rows(self, batch: Any) -> list[tuple[NP, NP]]:
         keys, values = (to_numpy(x) for x in batch.fetch())
         index, _, rotated = batch.ring_state
         return ring_rows(
@@ -192,7 +183,7 @@ class _RingMlxLm(MlxLmImpl):
         self.sync(*self.batch_state(batch))
         return batch
 
-    def rows(self, batch: Any) -> list[tuple[_NP, _NP]]:
+    def rows(self, batch: Any) -> list[tuple[NP, NP]]:
         visible = min(int(batch._offset), int(batch.keys.shape[2]))
         keys = to_numpy(batch.keys[:, :, :visible])
         values = to_numpy(batch.values[:, :, :visible])
@@ -217,125 +208,8 @@ class RingShapeBench(ShapeBench):
     def _held(self, tokens: int) -> int:
         return min(tokens, self.window)
 
-    def bytes_moved(self, op: str) -> int:
-        s = self.shape
-        t = self.token_bytes
-        if op == "merge":
-            return 2 * s.batch * self._held(s.tokens) * t
-        if op == "join":
-            return 2 * self._held(s.tokens) * t
-        if op in ("filter-half", "filter-one"):
-            return 2 * len(self.keep(op)) * self._held(s.tokens + 1) * t
-        if op == "extract":
-            return 2 * self._held(s.tokens + 1) * t
-        if op == "update":
-            return s.batch * t
-        if op == "decode":
-            return sum(self._held(n + 2) for n in s.ragged) * t + s.batch * t
-        raise ValueError(f"unknown operation {op!r}")
 
-    def _expected_row(self, row: int, tokens: int, steps: int) -> tuple[_NP, _NP]:
-        """The newest ``min(tokens + steps, W)`` of the row's tokens and step tokens."""
-        keys, values = super()._expected_row(row, tokens, steps)
-        keep = self._held(tokens + steps)
-        return keys[:, keys.shape[1] - keep :], values[:, values.shape[1] - keep :]
-
-    def _merge(self, impl: Any) -> ShapeBench._Parts:
-        setup, run, _ = super()._merge(impl)
-
-        def check(batch: Any) -> None:
-            held = impl.rows(batch)
-            check_equal("merge: row count", len(held), self.shape.batch)
-            for b, (k, v) in enumerate(held):
-                expected_k, expected_v = self._expected_row(b, self.shape.tokens, 0)
-                check_same(f"merge: row {b} keys", k, expected_k)
-                check_same(f"merge: row {b} values", v, expected_v)
-
-        return setup, run, check
-
-    def _join(self, impl: Any) -> ShapeBench._Parts:
-        setup, run, _ = super()._join(impl)
-        keep = self._held(self.shape.tokens)
-
-        def check(batch: Any) -> None:
-            held = impl.rows(batch)
-            self._check_rows(held[:-1], range(self.shape.batch), "join")
-            check_same("join: new row keys", held[-1][0], self.data.np("join_keys")[0, :, -keep:])
-            check_same(
-                "join: new row values", held[-1][1], self.data.np("join_values")[0, :, -keep:]
-            )
-
-        return setup, run, check
-
-
-# -- the run ------------------------------------------------------------------------------
-
-_COLUMNS = (
-    "op",
-    "B",
-    "L",
-    "W",
-    "kvrows ms",
-    "mlx-lm ms",
-    "ratio",
-    "copy ms",
-    "memcpy ms",
-    "MB moved",
-    "GB/s kvrows",
-    "GB/s mlx-lm",
-    "GB/s copy",
-)
-
-
-@dataclass
-class _Line:
-    op: str
-    shape: RingShape
-    bytes_moved: int
-    timings: dict[str, Timing]
-
-    def ms(self, impl: str) -> float | None:
-        timing = self.timings.get(impl)
-        return None if timing is None else timing.ms
-
-    def cells(self) -> list[str]:
-        kv, lm = self.ms("kvrows"), self.ms("mlx-lm")
-        return [
-            self.op,
-            str(self.shape.batch),
-            str(self.shape.tokens),
-            str(self.shape.window),
-            format_ms(kv),
-            format_ms(lm),
-            f"{lm / kv:.2f}" if kv and lm else "-",
-            format_ms(self.ms("copy")),
-            format_ms(self.ms("memcpy")),
-            f"{self.bytes_moved / 1e6:.1f}",
-            format_gbps(self.bytes_moved, kv),
-            format_gbps(self.bytes_moved, lm),
-            format_gbps(self.bytes_moved, self.ms("copy")),
-        ]
-
-
-def _verdict(lines: Sequence[_Line]) -> list[str]:
-    """Where kvrows is slower than mlx-lm in this run (information, never an exit status)."""
-    misses: list[str] = []
-    parity: list[str] = []
-    for line in lines:
-        kv, lm = line.ms("kvrows"), line.ms("mlx-lm")
-        if kv and lm and lm / kv < 1:
-            entry = f"{line.op} {line.shape.label} ({lm / kv:.2f}x)"
-            (parity if lm / kv >= 1 - PARITY_BAND else misses).append(entry)
-    verdict = [
-        "every operation at least as fast as mlx-lm: "
-        + ("yes" if not misses else "no; slower at " + ", ".join(misses))
-    ]
-    if parity:
-        verdict.append(f"  within {PARITY_BAND:.0%} (noise) below parity: " + ", ".join(parity))
-    return verdict
-
-
-_NOTES = """\
+NOTES = """\
 ratio = mlx-lm ms / kvrows ms (> 1: kvrows faster). GB/s = MB moved / time.
 kvrows = BatchedRotatingCache (window W), mlx-lm = BatchRotatingKVCache (join = extend).
 sources: serial rings fed L-{steps} tokens as one block, then {steps} single-token steps
@@ -349,58 +223,20 @@ update / decode: ragged rows (L down to about L/2), make_mask(1) + update_and_fe
 copy: MLX concatenate of MB moved / 2; memcpy: numpy.copyto of the same, pre-touched."""
 
 
-def run_ring_bench(
-    quick: bool = False,
-    repeats: int | None = None,
-    *,
-    shapes: Sequence[RingShape] | None = None,
-    out: TextIO | None = None,
-) -> int:
-    """Time every operation at every shape, print the table; 0 unless a result was wrong."""
-    stream = out if out is not None else sys.stdout
+def family(*, quick: bool = False, shapes: Sequence[RingShape] | None = None) -> Family:
+    """The rotating family's table: every operation at every shape."""
     chosen = (
         tuple(shapes) if shapes is not None else QUICK_RING_SHAPES if quick else FULL_RING_SHAPES
     )
-    timed = repeats if repeats is not None else 2 if quick else 7
-    if timed < 1:
-        raise ValueError(f"repeats must be >= 1, got {timed}")
-    warmups = 1 if quick else 2
-    print(
-        f"kvrows bench: rotating family, one layer, mlx {package_version('mlx')}, "
-        f"mlx-lm {package_version('mlx-lm')}, on {mx.default_device()}; "
-        f"median of {timed} after {warmups} warm-up(s)",
-        file=stream,
-        flush=True,
+
+    def cases() -> Iterator[Case]:
+        for shape in chosen:
+            yield from RingShapeBench(shape).cases()
+
+    return Family(
+        "rotating",
+        "one layer",
+        [Table(RingShapeBench.header(RingShape.columns), cases())],
+        NOTES.format(steps=RING_STEPS),
+        parity_verdict,
     )
-    lines: list[_Line] = []
-    failures: list[str] = []
-    for shape in chosen:
-        bench = RingShapeBench(shape)
-        for op in RING_OPERATIONS:
-            if not quick:
-                print(f"  {shape.label} {op}", file=sys.stderr, flush=True)
-            outcomes = time_workloads(
-                [bench.workload(op, impl) for impl in RING_IMPLEMENTATIONS],
-                repeats=[timed] * len(RING_IMPLEMENTATIONS),
-                warmups=warmups,
-            )
-            timings: dict[str, Timing] = {}
-            for impl, outcome in zip(RING_IMPLEMENTATIONS, outcomes, strict=True):
-                if isinstance(outcome, BenchCheckError):
-                    failures.append(f"{op} {shape.label} {impl}: {outcome}")
-                    timings[impl] = Timing(None, "wrong")
-                else:
-                    timings[impl] = Timing(outcome)
-            lines.append(_Line(op, shape, bench.bytes_moved(op), timings))
-            bench.release()
-        del bench
-        gc.collect()
-        mx.clear_cache()
-    print(markdown_table(_COLUMNS, [line.cells() for line in lines]), file=stream)
-    print(_NOTES.format(steps=RING_STEPS), file=stream)
-    for verdict in _verdict(lines):
-        print(verdict, file=stream)
-    for failure in failures:
-        print(f"WRONG RESULT: {failure}", file=stream)
-    stream.flush()
-    return 1 if failures else 0

@@ -1,8 +1,8 @@
 """Benchmarks of the affine family (issue 3): quantize, row operations, decode attention.
 
 Shared by ``kvrows bench --family affine`` (:func:`run_affine_bench`) and
-``benchmarks/test_bench_affine.py``; built on :mod:`kvrows.bench` (its workloads,
-interleaved timing, copy/memcpy baselines and result checks).
+``benchmarks/test_bench_affine.py``; built on :mod:`kvrows.app.bench.plain` (its workloads,
+copy/memcpy baselines and result checks).
 
 Three parts, one layer, 8 KV heads, head dim 128, group size 64, 8 and 4 bits:
 
@@ -14,7 +14,7 @@ Three parts, one layer, 8 KV heads, head dim 128, group size 64, 8 and 4 bits:
   independently here, reconstructs its input within half a quantization step (plus
   the rounding of scales and biases to float16).
 * ``rows``: ``merge``, ``join``, ``filter-half``, ``filter-one``, ``extract`` and
-  ``update`` (the operations of :mod:`kvrows.bench`, same definitions) performed by
+  ``update`` (the operations of :mod:`kvrows.app.bench.plain`, same definitions) performed by
   ``kvrows.optimized.PaddedQuantKVRows`` over bfloat16 activations, against the plain
   ``PaddedKVRows`` doing the same on the same data, and against an MLX copy and a
   ``numpy.copyto`` of the *quantized* bytes. Bytes moved count the quantized planes
@@ -35,33 +35,27 @@ Three parts, one layer, 8 KV heads, head dim 128, group size 64, 8 and 4 bits:
 
 from __future__ import annotations
 
-import gc
 import importlib
-import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TextIO
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
-import numpy.typing as npt
 
 import kvrows.optimized as optimized
-from kvrows.bench import (
+from kvrows.app.bench.plain import BenchData, KvrowsImpl, Shape, ShapeBench, reference_attention
+from kvrows.app.bench.runner import (
+    NP,
     BenchCheckError,
-    BenchData,
-    KvrowsImpl,
-    Shape,
-    ShapeBench,
+    Case,
+    Family,
+    Table,
     Timing,
     Workload,
     check_equal,
     format_gbps,
-    format_ms,
-    markdown_table,
-    package_version,
-    reference_attention,
-    time_workloads,
+    ratio,
     to_numpy,
 )
 from kvrows.optimized import affine_codec as optimized_codec
@@ -75,32 +69,23 @@ __all__ = [
     "AFFINE_OPERATIONS",
     "ATTENTION_IMPLEMENTATIONS",
     "ATTENTION_STORAGES",
-    "ATTENTION_TOLERANCE",
     "CI_AFFINE",
     "FULL_AFFINE",
-    "GROUP_SIZE",
     "QUANTIZE_IMPLEMENTATIONS",
-    "QUICK_AFFINE",
-    "REFERENCE_QUANTIZE_ROWS",
-    "ROW_IMPLEMENTATIONS",
     "AffineShapeBench",
     "AffineShapes",
     "AttentionBench",
     "QuantizeBench",
-    "run_affine_bench",
-    "stored_bytes",
+    "family",
 ]
 
-_NP = npt.NDArray[Any]
 
 #: Bit widths benchmarked, in table order.
 AFFINE_BITS = (8, 4)
 #: Group size of every affine benchmark.
 GROUP_SIZE = 64
-#: Row operations of the affine table (``kvrows.bench`` definitions).
+#: Row operations of the affine table (``kvrows.app.bench.plain`` definitions).
 AFFINE_OPERATIONS = ("merge", "join", "filter-half", "filter-one", "extract", "update")
-#: Who performs a row operation: the affine layout, the plain layout, the two copies.
-ROW_IMPLEMENTATIONS = ("affine", "plain", "copy", "memcpy")
 #: Who quantizes.
 QUANTIZE_IMPLEMENTATIONS = ("reference", "optimized", "mx.quantize")
 #: Storages of the attention table, and who attends over them.
@@ -149,7 +134,7 @@ def _bits_of(storage: str) -> int | None:
     return None if storage == "bf16" else int(storage.split("-")[0])
 
 
-def stored_bytes(planes: Sequence[Any]) -> _NP:
+def stored_bytes(planes: Sequence[Any]) -> NP:
     """Affine planes ``(packed, scales, biases)`` as one byte array ``[..., bytes per token]``.
 
     The codes' bytes, then the scales', then the biases' (NumPy copies): two rows hold
@@ -166,7 +151,7 @@ def _affine_token_bytes(shape: Shape, bits: int, group_size: int) -> int:
     return 2 * shape.heads * per_head
 
 
-def _unpack(packed: _NP, bits: int, dim: int) -> _NP:
+def _unpack(packed: NP, bits: int, dim: int) -> NP:
     """Codes ``[..., dim]`` of LSB-first packed uint32 words (bits dividing 32)."""
     if 32 % bits:
         raise ValueError(f"the benchmark check unpacks only bits dividing 32, got {bits}")
@@ -176,7 +161,7 @@ def _unpack(packed: _NP, bits: int, dim: int) -> _NP:
     return codes.reshape(*packed.shape[:-1], per_word * packed.shape[-1])[..., :dim]
 
 
-def _check_quantized(what: str, x: _NP, result: Sequence[Any], bits: int, group: int) -> None:
+def _check_quantized(what: str, x: NP, result: Sequence[Any], bits: int, group: int) -> None:
     """``result`` reconstructs ``x`` within half a step, plus the scale/bias rounding."""
     packed, scales, biases = (to_numpy(p) for p in result)
     dim = x.shape[-1]
@@ -217,9 +202,9 @@ class QuantizeBench:
         self.input = mx.random.normal(dims, key=mx.random.key(11)).astype(shape.mx_dtype)
         mx.eval(self.input)
         self.reference_input = to_numpy(self.input[:REFERENCE_QUANTIZE_ROWS])
-        self._numpy: _NP | None = None
+        self._numpy: NP | None = None
 
-    def input_numpy(self) -> _NP:
+    def input_numpy(self) -> NP:
         if self._numpy is None:
             self._numpy = to_numpy(self.input)
         return self._numpy
@@ -244,7 +229,7 @@ class QuantizeBench:
             def run(x: Any) -> Any:
                 return reference_codec.quantize(x, group, bits)
 
-            def expected() -> _NP:
+            def expected() -> NP:
                 return self.reference_input
         elif impl in ("optimized", "mx.quantize"):
             source = self.input
@@ -285,10 +270,10 @@ class _EncodedData(BenchData):
         self.step_keys, self.step_values = source.step_keys, source.step_values
         self.queries, self.scale = source.queries, source.scale
         self._source = source
-        self._numpy: dict[str, _NP] = {}
+        self._numpy: dict[str, NP] = {}
         self.group_size, self.bits = group_size, bits
 
-    def np(self, name: str) -> _NP:
+    def np(self, name: str) -> NP:
         """``queries`` as generated; keys and values as ``mx.quantize`` stores them (bytes)."""
         if name == "queries":
             return self._source.np(name)
@@ -319,14 +304,14 @@ class _AffineRows(KvrowsImpl):
         self.sync(layout.state)
         return layout
 
-    def rows(self, batch: Any) -> list[tuple[_NP, _NP]]:
+    def rows(self, batch: Any) -> list[tuple[NP, NP]]:
         keys, values = (stored_bytes(planes) for planes in batch.fetch())
         return [
             (keys[b, :, p : p + n], values[b, :, p : p + n])
             for b, (p, n) in enumerate(zip(batch.left_pad, batch.row_offsets, strict=True))
         ]
 
-    def serial_data(self, cache: Any) -> tuple[_NP, _NP]:
+    def serial_data(self, cache: Any) -> tuple[NP, NP]:
         keys, values = (stored_bytes(planes) for planes in cache.fetch())
         return keys[0], values[0]
 
@@ -367,7 +352,7 @@ class AttentionBench:
         self.group_size = group_size
         self.data = data if data is not None else BenchData(shape)
         self._live: dict[str, tuple[Any, Any]] = {}
-        self._expected: dict[str, _NP] = {}
+        self._expected: dict[str, NP] = {}
 
     @property
     def width(self) -> int:
@@ -411,7 +396,7 @@ class AttentionBench:
             self._live[storage] = (layout, mask)
         return self._live[storage]
 
-    def _held(self, storage: str, name: str) -> _NP:
+    def _held(self, storage: str, name: str) -> NP:
         """Every row's tokens as attention should see them, ``[B, H, L + 1, D]`` float32."""
         key = f"{storage}:{name}"
         if key not in self._expected:
@@ -491,205 +476,11 @@ class AttentionBench:
         self._expected.clear()
 
 
-# -- the run ------------------------------------------------------------------------------
-
-
-@dataclass
-class _Line:
-    """One table line: a label, the bytes that count, and each implementation's timing."""
-
-    cells: list[str]
-    bytes_moved: int
-    timings: dict[str, Timing] = field(default_factory=dict)
-
-    def ms(self, impl: str) -> float | None:
-        timing = self.timings.get(impl)
-        return None if timing is None else timing.ms
-
-
-def _timed(
-    workloads: dict[str, Workload],
-    timed: int,
-    warmups: int,
-    failures: list[str],
-    label: str,
-    repeats: dict[str, int] | None = None,
-) -> dict[str, Timing]:
-    """Interleaved medians of ``workloads`` (by name); wrong results go to ``failures``."""
-    names = list(workloads)
-    outcomes = time_workloads(
-        [workloads[n] for n in names],
-        repeats=[(repeats or {}).get(n, timed) for n in names],
-        warmups=warmups,
-    )
-    timings: dict[str, Timing] = {}
-    for name, outcome in zip(names, outcomes, strict=True):
-        if isinstance(outcome, BenchCheckError):
-            failures.append(f"{label} {name}: {outcome}")
-            timings[name] = Timing(None, "wrong")
-        else:
-            timings[name] = Timing(outcome)
-    return timings
-
-
-def _ratio(numerator: float | None, denominator: float | None) -> str:
-    return f"{numerator / denominator:.2f}" if numerator and denominator else "-"
-
-
-def _quantize_table(
-    shapes: AffineShapes, timed: int, warmups: int, failures: list[str], progress: bool
-) -> str:
-    bench = QuantizeBench(shapes.quantize)
-    lines: list[list[str]] = []
-    for bits in AFFINE_BITS:
-        if progress:
-            print(f"  quantize {bits}-bit", file=sys.stderr, flush=True)
-        workloads = {impl: bench.workload(impl, bits) for impl in QUANTIZE_IMPLEMENTATIONS}
-        timings = _timed(
-            workloads,
-            timed,
-            warmups,
-            failures,
-            f"quantize {bits}-bit",
-            repeats={"reference": min(timed, 3)},
-        )
-        for impl in QUANTIZE_IMPLEMENTATIONS:
-            w = workloads[impl]
-            ms = timings[impl].ms
-            dims = f"[{w.shape.batch}, {w.shape.heads}, {w.shape.tokens}, {w.shape.head_dim}]"
-            lines.append(
-                [
-                    str(bits),
-                    impl,
-                    dims,
-                    format_ms(ms),
-                    f"{w.bytes_moved / 1e6:.1f}",
-                    format_gbps(w.bytes_moved, ms),
-                ]
-            )
-    del bench
-    gc.collect()
-    header = ("bits", "quantize", "input", "ms", "MB read", "GB/s")
-    return markdown_table(header, lines)
-
-
-def _rows_table(
-    shapes: AffineShapes, timed: int, warmups: int, failures: list[str], progress: bool
-) -> str:
-    lines: list[_Line] = []
-    for shape in shapes.rows:
-        plain = ShapeBench(shape)
-        affine = {bits: AffineShapeBench(shape, bits, data=plain.data) for bits in AFFINE_BITS}
-        for op in AFFINE_OPERATIONS:
-            if progress:
-                print(f"  rows {shape.label} {op}", file=sys.stderr, flush=True)
-            workloads = {"plain": plain.workload(op, "kvrows")}
-            for bits, bench in affine.items():
-                for impl in ("affine", "copy", "memcpy"):
-                    workloads[f"{impl}{bits}"] = bench.workload(op, impl)
-            timings = _timed(workloads, timed, warmups, failures, f"{op} {shape.label}")
-            for bits, bench in affine.items():
-                line = _Line([op, str(shape.batch), str(shape.tokens), str(bits)], 0)
-                line.bytes_moved = bench.bytes_moved(op)
-                plain_bytes = plain.bytes_moved(op)
-                line.timings = {
-                    "affine": timings[f"affine{bits}"],
-                    "plain": timings["plain"],
-                    "copy": timings[f"copy{bits}"],
-                    "memcpy": timings[f"memcpy{bits}"],
-                }
-                affine_ms, plain_ms = line.ms("affine"), line.ms("plain")
-                line.cells += [
-                    format_ms(affine_ms),
-                    format_ms(plain_ms),
-                    _ratio(plain_ms, affine_ms),
-                    format_ms(line.ms("copy")),
-                    format_ms(line.ms("memcpy")),
-                    f"{line.bytes_moved / 1e6:.1f}",
-                    f"{plain_bytes / 1e6:.1f}",
-                    format_gbps(line.bytes_moved, affine_ms),
-                    format_gbps(plain_bytes, plain_ms),
-                    format_gbps(line.bytes_moved, line.ms("copy")),
-                ]
-                lines.append(line)
-            plain.release()
-            for bench in affine.values():
-                bench.release()
-        del plain, affine
-        gc.collect()
-        mx.clear_cache()
-    header = (
-        "op",
-        "B",
-        "L",
-        "bits",
-        "affine ms",
-        "plain ms",
-        "plain/affine",
-        "copy ms",
-        "memcpy ms",
-        "MB moved",
-        "MB plain",
-        "GB/s affine",
-        "GB/s plain",
-        "GB/s copy",
-    )
-    return markdown_table(header, [line.cells for line in lines])
-
-
-def _attention_table(
-    shapes: AffineShapes, timed: int, warmups: int, failures: list[str], progress: bool
-) -> str:
-    shape = shapes.attention
-    bench = AttentionBench(shape)
-    workloads = {
-        f"{impl} {storage}": bench.workload(storage, impl)
-        for storage in ATTENTION_STORAGES
-        for impl in ATTENTION_IMPLEMENTATIONS
-    }
-    if progress:
-        print(f"  attention {shape.label}", file=sys.stderr, flush=True)
-    timings = _timed(workloads, timed, warmups, failures, f"attention {shape.label}")
-    base = timings["kvrows bf16"].ms
-    lines: list[list[str]] = []
-    for storage in ATTENTION_STORAGES:
-        kv, lm = timings[f"kvrows {storage}"].ms, timings[f"mlx-lm {storage}"].ms
-        read = bench.bytes_read(storage)
-        lines.append(
-            [
-                storage,
-                str(shape.batch),
-                str(shape.tokens),
-                format_ms(kv),
-                format_ms(lm),
-                _ratio(lm, kv),
-                f"{read / 1e6:.1f}",
-                format_gbps(read, kv),
-                format_gbps(read, lm),
-                _ratio(base, kv),
-            ]
-        )
-    bench.release()
-    header = (
-        "storage",
-        "B",
-        "L",
-        "kvrows ms",
-        "mlx-lm ms",
-        "ratio",
-        "MB read",
-        "GB/s kvrows",
-        "GB/s mlx-lm",
-        "bf16/this",
-    )
-    return markdown_table(header, lines)
-
-
-_NOTES = """\
+NOTES = """\
 quantize: GB/s = input bytes read / time. The NumPy reference quantizes only the first
   {ref_rows} row(s) of the input (it runs at ~15 MB/s); optimized = kvrows.optimized.affine_codec
   (validated mx.quantize), mx.quantize = the bare op.
-rows: the kvrows.bench operations (live batch = merged + one decode step; filter-half keeps
+rows: the plain family's operations (live batch = merged + one decode step; filter-half keeps
   the odd rows, filter-one drops row 0, extract takes row B//2, update = make_mask(1) +
   update_and_fetch of one token per row) on bf16 activations, group {group}.
   affine = PaddedQuantKVRows, plain = PaddedKVRows on the same tokens;
@@ -704,48 +495,170 @@ attention: one decode step at B={att_b}, L={att_l} (rows L down to ~L/2, padding
   included; bf16/this = kvrows bf16 ms / this storage's kvrows ms."""
 
 
-def run_affine_bench(
-    quick: bool = False,
-    repeats: int | None = None,
-    *,
-    shapes: AffineShapes | None = None,
-    parts: Sequence[str] = ("quantize", "rows", "attention"),
-    out: TextIO | None = None,
-) -> int:
-    """Time every part, print its table; 0 unless a result was wrong."""
-    stream = out if out is not None else sys.stdout
+def _quantize_cases(shape: Shape) -> Iterator[Case]:
+    bench = QuantizeBench(shape)
+    for bits in AFFINE_BITS:
+        workloads = {impl: bench.workload(impl, bits) for impl in QUANTIZE_IMPLEMENTATIONS}
+
+        def lines(
+            t: Mapping[str, Timing], bits: int = bits, workloads: dict[str, Workload] = workloads
+        ) -> list[list[str]]:
+            out = []
+            for impl, w in workloads.items():
+                s = w.shape
+                out.append(
+                    [
+                        str(bits),
+                        impl,
+                        f"[{s.batch}, {s.heads}, {s.tokens}, {s.head_dim}]",
+                        t[impl].cell,
+                        f"{w.bytes_moved / 1e6:.1f}",
+                        format_gbps(w.bytes_moved, t[impl].ms),
+                    ]
+                )
+            return out
+
+        yield Case(f"quantize {bits}-bit", workloads, lines, max_repeats={"reference": 3})
+
+
+def _row_cases(shapes: Sequence[Shape]) -> Iterator[Case]:
+    for shape in shapes:
+        yield from _shape_row_cases(shape)
+
+
+def _shape_row_cases(shape: Shape) -> Iterator[Case]:
+    """The affine layouts and the plain one on the same tokens, one case per operation."""
+    plain = ShapeBench(shape)
+    affine = {bits: AffineShapeBench(shape, bits, data=plain.data) for bits in AFFINE_BITS}
+
+    def release() -> None:
+        plain.release()
+        for bench in affine.values():
+            bench.release()
+
+    for op in AFFINE_OPERATIONS:
+        workloads = {"plain": plain.workload(op, "kvrows")}
+        for bits, bench in affine.items():
+            for impl in ("affine", "copy", "memcpy"):
+                workloads[f"{impl}{bits}"] = bench.workload(op, impl)
+
+        def lines(t: Mapping[str, Timing], op: str = op) -> list[list[str]]:
+            out = []
+            plain_ms, plain_bytes = t["plain"].ms, plain.bytes_moved(op)
+            for bits, bench in affine.items():
+                moved, affine_ms = bench.bytes_moved(op), t[f"affine{bits}"].ms
+                out.append(
+                    [
+                        op,
+                        *shape.cells,
+                        str(bits),
+                        t[f"affine{bits}"].cell,
+                        t["plain"].cell,
+                        ratio(plain_ms, affine_ms),
+                        t[f"copy{bits}"].cell,
+                        t[f"memcpy{bits}"].cell,
+                        f"{moved / 1e6:.1f}",
+                        f"{plain_bytes / 1e6:.1f}",
+                        format_gbps(moved, affine_ms),
+                        format_gbps(plain_bytes, plain_ms),
+                        format_gbps(moved, t[f"copy{bits}"].ms),
+                    ]
+                )
+            return out
+
+        yield Case(f"{op} {shape.label}", workloads, lines, release=release)
+
+
+def _attention_cases(shape: Shape) -> Iterator[Case]:
+    bench = AttentionBench(shape)
+    workloads = {
+        f"{impl} {storage}": bench.workload(storage, impl)
+        for storage in ATTENTION_STORAGES
+        for impl in ATTENTION_IMPLEMENTATIONS
+    }
+
+    def lines(t: Mapping[str, Timing]) -> list[list[str]]:
+        out = []
+        for storage in ATTENTION_STORAGES:
+            kv, lm = t[f"kvrows {storage}"].ms, t[f"mlx-lm {storage}"].ms
+            read = bench.bytes_read(storage)
+            out.append(
+                [
+                    storage,
+                    *shape.cells,
+                    t[f"kvrows {storage}"].cell,
+                    t[f"mlx-lm {storage}"].cell,
+                    ratio(lm, kv),
+                    f"{read / 1e6:.1f}",
+                    format_gbps(read, kv),
+                    format_gbps(read, lm),
+                    ratio(t["kvrows bf16"].ms, kv),
+                ]
+            )
+        return out
+
+    yield Case(f"attention {shape.label}", workloads, lines, release=bench.release)
+
+
+#: The parts of the affine family, in table order.
+PARTS = ("quantize", "rows", "attention")
+
+
+def family(
+    *, quick: bool = False, shapes: AffineShapes | None = None, parts: Sequence[str] = PARTS
+) -> Family:
+    """The affine family's three tables: quantize, row operations, decode attention."""
     chosen = shapes if shapes is not None else QUICK_AFFINE if quick else FULL_AFFINE
-    timed = repeats if repeats is not None else 2 if quick else 7
-    if timed < 1:
-        raise ValueError(f"repeats must be >= 1, got {timed}")
-    unknown = set(parts) - {"quantize", "rows", "attention"}
+    unknown = set(parts) - set(PARTS)
     if unknown:
         raise ValueError(f"unknown parts {sorted(unknown)}")
-    warmups = 1 if quick else 2
-    print(
-        f"kvrows bench: affine family, one layer, mlx {package_version('mlx')}, "
-        f"mlx-lm {package_version('mlx-lm')}, on {mx.default_device()}; "
-        f"median of {timed} after {warmups} warm-up(s)",
-        file=stream,
-        flush=True,
-    )
-    failures: list[str] = []
-    tables = {"quantize": _quantize_table, "rows": _rows_table, "attention": _attention_table}
-    for part in ("quantize", "rows", "attention"):
-        if part in parts:
-            print(f"\n{part}:", file=stream)
-            print(tables[part](chosen, timed, warmups, failures, not quick), file=stream)
-            stream.flush()
-    print(
-        _NOTES.format(
-            ref_rows=REFERENCE_QUANTIZE_ROWS,
-            group=GROUP_SIZE,
-            att_b=chosen.attention.batch,
-            att_l=chosen.attention.tokens,
+    tables = {
+        "quantize": Table(
+            ["bits", "quantize", "input", "ms", "MB read", "GB/s"],
+            _quantize_cases(chosen.quantize),
+            "quantize",
         ),
-        file=stream,
+        "rows": Table(
+            [
+                "op",
+                *Shape.columns,
+                *[
+                    "bits",
+                    "affine ms",
+                    "plain ms",
+                    "plain/affine",
+                    "copy ms",
+                    "memcpy ms",
+                    "MB moved",
+                    "MB plain",
+                ],
+                *["GB/s affine", "GB/s plain", "GB/s copy"],
+            ],
+            _row_cases(chosen.rows),
+            "rows",
+        ),
+        "attention": Table(
+            [
+                "storage",
+                *Shape.columns,
+                *[
+                    "kvrows ms",
+                    "mlx-lm ms",
+                    "ratio",
+                    "MB read",
+                    "GB/s kvrows",
+                    "GB/s mlx-lm",
+                    "bf16/this",
+                ],
+            ],
+            _attention_cases(chosen.attention),
+            "attention",
+        ),
+    }
+    notes = NOTES.format(
+        ref_rows=REFERENCE_QUANTIZE_ROWS,
+        group=GROUP_SIZE,
+        att_b=chosen.attention.batch,
+        att_l=chosen.attention.tokens,
     )
-    for failure in failures:
-        print(f"WRONG RESULT: {failure}", file=stream)
-    stream.flush()
-    return 1 if failures else 0
+    return Family("affine", "one layer", [tables[p] for p in PARTS if p in parts], notes)

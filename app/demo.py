@@ -2,7 +2,8 @@
 
 For each architecture and KV scheme it runs a built-in trace of requests (mixed prompt
 lengths, staggered arrivals, shared prefixes and follow-up turns, mixed output lengths)
-through ``kvrows.engine.Engine`` and prints throughput, KV bytes and prefix-cache hits,
+through ``kvrows.app.engine.Engine`` and prints throughput, KV bytes (counted, and measured
+as MLX active memory) and prefix-cache hits,
 then checks batch invariance: every request's logits in the batch equal its solo run with
 the same scheme (within 1e-4) and its greedy tokens are the solo run's. A step where the
 solo run's top-two margin is below the tolerance is a near-tie, counted apart.
@@ -18,8 +19,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kvrows.engine import Engine, EngineStats, Request, RequestResult
-from kvrows.models import ARCHITECTURES, KvStorageScheme, make_kvrows_cache, tiny_model
+from kvrows.app.engine import Engine, EngineStats, Request, RequestResult
+from kvrows.app.models import ARCHITECTURES, make_kvrows_cache, tiny_model
+from kvrows.protocols import RingGeometry
+from kvrows.schemes import KvStorageScheme
 
 __all__ = ["InvarianceReport", "builtin_trace", "check_invariance", "run_demo", "solo_logits"]
 
@@ -112,8 +115,12 @@ def check_invariance(
     results: Sequence[RequestResult],
     chunk: int,
 ) -> InvarianceReport:
-    rings = any(hasattr(cache, "max_size") for cache in make_kvrows_cache(model, scheme))
-    report = InvarianceReport(quantized_rings=rings and scheme.kind != "plain")
+    caches = make_kvrows_cache(model, scheme)
+    quantized_rings = any(
+        isinstance(cache, RingGeometry) and scheme.codec_for_layer(i).kind != "plain"
+        for i, cache in enumerate(caches)
+    )
+    report = InvarianceReport(quantized_rings=quantized_rings)
     for request, result in zip(requests, results, strict=True):
         if result.error:
             continue
@@ -143,6 +150,7 @@ def _row(
         f"{stats.tokens_per_second:.1f}",
         str(stats.kv_bytes_per_token),
         str(stats.peak_kv_bytes),
+        str(stats.peak_active_kv_bytes),
         f"{stats.prefix_hits} ({stats.prefix_hit_tokens} tok)",
         f"{report.max_logit_diff:.1e} ({report.beyond_tolerance} > tol)",
         f"{report.mismatches}/{report.steps} ({report.near_ties} ties)",
@@ -159,6 +167,7 @@ def _print_table(rows: list[list[str]]) -> None:
         "tok/s",
         "KV B/token",
         "peak KV B",
+        "peak active B",
         "prefix hits",
         "max |dlogit|",
         "token mismatches",
@@ -215,6 +224,9 @@ def run_demo(
             stats.prefix_hits += more_stats.prefix_hits
             stats.prefix_hit_tokens += more_stats.prefix_hit_tokens
             stats.peak_kv_bytes = max(stats.peak_kv_bytes, more_stats.peak_kv_bytes)
+            stats.peak_active_kv_bytes = max(
+                stats.peak_active_kv_bytes, more_stats.peak_active_kv_bytes
+            )
             report = check_invariance(model, scheme, first + second, results + more, prefill_chunk)
             failed |= not report.ok
             rows.append(_row(name, scheme, stats, report))

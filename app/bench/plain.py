@@ -61,23 +61,32 @@ heap and shows the figures without that cost.
 
 from __future__ import annotations
 
-import gc
 import importlib
-import statistics
-import sys
-import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from importlib import metadata
-from typing import Any, TextIO
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-import ml_dtypes
 import mlx.core as mx
 import numpy as np
-import numpy.typing as npt
 
 import kvrows.optimized as optimized
 import kvrows.reference as reference
+from kvrows.app.bench.runner import (
+    NP,
+    BenchCheckError,
+    Case,
+    Family,
+    Result,
+    Table,
+    Timing,
+    Workload,
+    check_equal,
+    check_same,
+    format_gbps,
+    parity_verdict,
+    ratio,
+    to_numpy,
+)
 
 # mlx-lm's cache module, untyped: reached through Any.
 lm_cache: Any = importlib.import_module("mlx_lm.models.cache")
@@ -87,31 +96,13 @@ __all__ = [
     "FULL_SHAPES",
     "IMPLEMENTATIONS",
     "OPERATIONS",
-    "PARITY_BAND",
-    "QUICK_SHAPES",
-    "REFERENCE_MAX_TOKENS",
-    "BenchCheckError",
     "BenchData",
-    "Impl",
     "KvrowsImpl",
-    "Live",
     "MlxLmImpl",
     "Shape",
     "ShapeBench",
-    "Timing",
-    "Workload",
-    "check_equal",
-    "check_same",
-    "format_gbps",
-    "format_ms",
-    "format_table",
-    "markdown_table",
-    "package_version",
+    "family",
     "reference_attention",
-    "run_bench",
-    "time_workload",
-    "time_workloads",
-    "to_numpy",
 ]
 
 #: The operations, in table order.
@@ -131,19 +122,6 @@ IMPLEMENTATIONS = ("kvrows", "mlx-lm", "copy", "memcpy", "reference")
 
 #: The NumPy reference runs only where ``B·L`` is at most this.
 REFERENCE_MAX_TOKENS = 16 * 1024
-
-_NP = npt.NDArray[Any]
-
-
-def to_numpy(array: Any) -> _NP:
-    """A NumPy copy of an MLX array; bfloat16 becomes ``ml_dtypes.bfloat16`` (NumPy has none)."""
-    if isinstance(array, mx.array) and array.dtype == mx.bfloat16:
-        return np.array(array.view(mx.uint16)).view(ml_dtypes.bfloat16)
-    return np.array(array)
-
-
-class BenchCheckError(AssertionError):
-    """A benchmarked operation produced a wrong result."""
 
 
 @dataclass(frozen=True)
@@ -172,6 +150,13 @@ class Shape:
         step = self.tokens // (2 * self.batch)
         return tuple(self.tokens - b * step for b in range(self.batch))
 
+    #: The table columns that name a shape, and their cells.
+    columns: ClassVar[tuple[str, ...]] = ("B", "L")
+
+    @property
+    def cells(self) -> list[str]:
+        return [str(self.batch), str(self.tokens)]
+
     @property
     def label(self) -> str:
         return f"B={self.batch} L={self.tokens}"
@@ -185,40 +170,7 @@ QUICK_SHAPES = (Shape(4, 128),)
 CI_SHAPES = (Shape(4, 64), Shape(3, 300))
 
 
-@dataclass
-class Workload:
-    """One operation by one implementation at one shape.
-
-    ``run(setup())`` performs the operation and evaluates what it produced;
-    ``check(result)`` raises :class:`BenchCheckError` if the result is wrong.
-    """
-
-    op: str
-    impl: str
-    shape: Shape
-    bytes_moved: int
-    setup: Callable[[], Any]
-    run: Callable[[Any], Any]
-    check: Callable[[Any], None]
-
-
-# -- checks -----------------------------------------------------------------------
-
-
-def _same(what: str, got: _NP, expected: _NP) -> None:
-    if got.shape != expected.shape:
-        raise BenchCheckError(f"{what}: shape {got.shape}, expected {expected.shape}")
-    if not np.array_equal(got, expected):
-        bad = int(np.count_nonzero(got != expected))
-        raise BenchCheckError(f"{what}: {bad} of {got.size} values differ from the input data")
-
-
-def _equal(what: str, got: object, expected: object) -> None:
-    if got != expected:
-        raise BenchCheckError(f"{what}: got {got!r}, expected {expected!r}")
-
-
-def _attention(queries: _NP, keys: _NP, values: _NP, scale: float) -> _NP:
+def reference_attention(queries: NP, keys: NP, values: NP, scale: float) -> NP:
     """One row's attention in float32: queries ``[Hq, N, D]``, keys/values ``[H, S, D]``."""
     group = queries.shape[0] // keys.shape[0]
     k = np.repeat(keys.astype(np.float32), group, axis=0)
@@ -227,14 +179,14 @@ def _attention(queries: _NP, keys: _NP, values: _NP, scale: float) -> _NP:
     scores -= scores.max(axis=-1, keepdims=True)
     weights = np.exp(scores)
     weights /= weights.sum(axis=-1, keepdims=True)
-    out: _NP = np.einsum("hns,hsd->hnd", weights, v)
+    out: NP = np.einsum("hns,hsd->hnd", weights, v)
     return out
 
 
 # -- data -------------------------------------------------------------------------
 
 
-class _Data:
+class BenchData:
     """The generated inputs of one shape (evaluated MLX arrays; NumPy copies on demand)."""
 
     def __init__(self, shape: Shape, seed: int = 0) -> None:
@@ -261,9 +213,9 @@ class _Data:
             self.step_values,
             self.queries,
         )
-        self._numpy: dict[str, _NP] = {}
+        self._numpy: dict[str, NP] = {}
 
-    def np(self, name: str) -> _NP:
+    def np(self, name: str) -> NP:
         """A NumPy copy of the array called ``name`` (cached)."""
         if name not in self._numpy:
             self._numpy[name] = to_numpy(getattr(self, name))
@@ -273,7 +225,7 @@ class _Data:
 # -- the implementations ---------------------------------------------------------
 
 
-class _Impl:
+class Impl:
     """How one implementation performs each operation (every method ends evaluated)."""
 
     name = ""
@@ -318,15 +270,15 @@ class _Impl:
     def decode(self, batch: Any, queries: Any, keys: Any, values: Any, scale: float) -> Any:
         raise NotImplementedError
 
-    def rows(self, batch: Any) -> list[tuple[_NP, _NP]]:
+    def rows(self, batch: Any) -> list[tuple[NP, NP]]:
         """Every row's valid keys and values ``[H, tokens, D]``, read back for checks."""
         raise NotImplementedError
 
-    def serial_data(self, cache: Any) -> tuple[_NP, _NP]:
+    def serial_data(self, cache: Any) -> tuple[NP, NP]:
         raise NotImplementedError
 
 
-class _Kvrows(_Impl):
+class KvrowsImpl(Impl):
     """``kvrows.optimized`` (MLX); ``kvrows.reference`` reuses it with NumPy arrays."""
 
     name = "kvrows"
@@ -372,19 +324,19 @@ class _Kvrows(_Impl):
         self.sync(out, fetched)
         return out
 
-    def rows(self, batch: Any) -> list[tuple[_NP, _NP]]:
+    def rows(self, batch: Any) -> list[tuple[NP, NP]]:
         keys, values = (to_numpy(x) for x in batch.fetch())
         return [
             (keys[b, :, p : p + n], values[b, :, p : p + n])
             for b, (p, n) in enumerate(zip(batch.left_pad, batch.row_offsets, strict=True))
         ]
 
-    def serial_data(self, cache: Any) -> tuple[_NP, _NP]:
+    def serial_data(self, cache: Any) -> tuple[NP, NP]:
         keys, values = (to_numpy(x) for x in cache.fetch())
         return keys[0], values[0]
 
 
-class _Reference(_Kvrows):
+class ReferenceImpl(KvrowsImpl):
     name = "reference"
     module = reference
 
@@ -395,7 +347,7 @@ class _Reference(_Kvrows):
         return None
 
 
-class _MlxLm(_Impl):
+class MlxLmImpl(Impl):
     """mlx-lm's ``KVCache`` / ``BatchKVCache``."""
 
     name = "mlx-lm"
@@ -446,46 +398,30 @@ class _MlxLm(_Impl):
         self.sync(out, k, v, batch.offset)
         return out
 
-    def rows(self, batch: Any) -> list[tuple[_NP, _NP]]:
+    def rows(self, batch: Any) -> list[tuple[NP, NP]]:
         pads = [int(p) for p in batch.left_padding.tolist()]
         end = int(batch._idx)
         keys, values = to_numpy(batch.keys), to_numpy(batch.values)
         return [(keys[b, :, p:end], values[b, :, p:end]) for b, p in enumerate(pads)]
 
-    def serial_data(self, cache: Any) -> tuple[_NP, _NP]:
+    def serial_data(self, cache: Any) -> tuple[NP, NP]:
         n = int(cache.offset)
         return to_numpy(cache.keys[0, :, :n]), to_numpy(cache.values[0, :, :n])
 
 
-_IMPLS: dict[str, _Impl] = {"kvrows": _Kvrows(), "mlx-lm": _MlxLm(), "reference": _Reference()}
+IMPLS: dict[str, Impl] = {
+    "kvrows": KvrowsImpl(),
+    "mlx-lm": MlxLmImpl(),
+    "reference": ReferenceImpl(),
+}
 
 
 @dataclass
-class _Live:
+class Live:
     """A decode batch reused across timed steps, and how many steps it has taken."""
 
     batch: Any
     steps: int
-
-
-@dataclass
-class Timing:
-    """Median milliseconds of one workload (``None``: not run, with ``note`` saying why)."""
-
-    ms: float | None
-    note: str = ""
-
-
-@dataclass
-class _Row:
-    op: str
-    shape: Shape
-    bytes_moved: int
-    timings: dict[str, Timing] = field(default_factory=dict)
-
-    def ms(self, impl: str) -> float | None:
-        timing = self.timings.get(impl)
-        return None if timing is None else timing.ms
 
 
 class ShapeBench:
@@ -499,11 +435,11 @@ class ShapeBench:
 
     operations: tuple[str, ...] = OPERATIONS
     implementations: tuple[str, ...] = IMPLEMENTATIONS
-    impls: Mapping[str, _Impl] = _IMPLS
+    impls: Mapping[str, Impl] = IMPLS
 
-    def __init__(self, shape: Shape, data: _Data | None = None) -> None:
+    def __init__(self, shape: Shape, data: BenchData | None = None) -> None:
         self.shape = shape
-        self.data = data if data is not None else _Data(shape)
+        self.data = data if data is not None else BenchData(shape)
         self._cache: dict[tuple[str, str], Any] = {}
 
     @property
@@ -511,7 +447,7 @@ class ShapeBench:
         """Bytes of one token's keys and values as stored (the plain family: ``shape.token_bytes``)."""
         return self.shape.token_bytes
 
-    def adapter(self, impl: str) -> _Impl:
+    def adapter(self, impl: str) -> Impl:
         """How ``impl`` performs each operation (for tests that build wrong results)."""
         return self.impls[impl]
 
@@ -527,19 +463,19 @@ class ShapeBench:
             self._cache[impl, what] = build()
         return self._cache[impl, what]
 
-    def _rows(self, impl: _Impl, lengths: Sequence[int]) -> list[Any]:
+    def _rows(self, impl: Impl, lengths: Sequence[int]) -> list[Any]:
         keys, values = self.data.keys, self.data.values
         return [
             impl.serial(impl.array(keys[b : b + 1, :, :n]), impl.array(values[b : b + 1, :, :n]))
             for b, n in enumerate(lengths)
         ]
 
-    def _equal_rows(self, impl: _Impl) -> list[Any]:
+    def _equal_rows(self, impl: Impl) -> list[Any]:
         return self._cached(  # type: ignore[no-any-return]
             impl.name, "rows", lambda: self._rows(impl, [self.shape.tokens] * self.shape.batch)
         )
 
-    def _live(self, impl: _Impl, lengths: Sequence[int] | None = None) -> Any:
+    def _live(self, impl: Impl, lengths: Sequence[int] | None = None) -> Any:
         """A freshly merged batch after one decode step."""
         rows = (
             self._equal_rows(impl)
@@ -550,7 +486,7 @@ class ShapeBench:
         impl.step(batch, impl.array(self.data.step_keys), impl.array(self.data.step_values))
         return batch
 
-    def _joiner(self, impl: _Impl) -> Any:
+    def _joiner(self, impl: Impl) -> Any:
         def build() -> Any:
             serial = impl.serial(impl.array(self.data.join_keys), impl.array(self.data.join_values))
             return impl.joiner(serial)
@@ -562,40 +498,47 @@ class ShapeBench:
         self._cache.clear()
 
     # -- expected contents -------------------------------------------------------
-    def _expected_row(self, row: int, tokens: int, steps: int) -> tuple[_NP, _NP]:
-        """Source row ``row``'s first ``tokens`` tokens followed by ``steps`` step tokens."""
+    def _held(self, tokens: int) -> int:
+        """Positions a row of ``tokens`` tokens holds (a ring: at most its window)."""
+        return tokens
+
+    def _expected_row(self, row: int, tokens: int, steps: int) -> tuple[NP, NP]:
+        """The newest ``_held(tokens + steps)`` of source row ``row``'s first ``tokens``
+        tokens followed by ``steps`` step tokens."""
         k = self.data.np("keys")[row, :, :tokens]
         v = self.data.np("values")[row, :, :tokens]
         sk = np.repeat(self.data.np("step_keys")[row], steps, axis=1)
         sv = np.repeat(self.data.np("step_values")[row], steps, axis=1)
-        return np.concatenate([k, sk], axis=1), np.concatenate([v, sv], axis=1)
+        first = tokens + steps - self._held(tokens + steps)
+        return np.concatenate([k, sk], axis=1)[:, first:], np.concatenate([v, sv], axis=1)[
+            :, first:
+        ]
 
-    def _check_rows(self, held: list[tuple[_NP, _NP]], sources: Sequence[int], what: str) -> None:
+    def _check_rows(self, held: list[tuple[NP, NP]], sources: Sequence[int], what: str) -> None:
         """``held`` is exactly source rows ``sources`` (each L tokens + one step token)."""
-        _equal(f"{what}: row count", len(held), len(sources))
+        check_equal(f"{what}: row count", len(held), len(sources))
         for b, source in enumerate(sources):
             k, v = self._expected_row(source, self.shape.tokens, 1)
-            _same(f"{what}: row {b} keys", held[b][0], k)
-            _same(f"{what}: row {b} values", held[b][1], v)
+            check_same(f"{what}: row {b} keys", held[b][0], k)
+            check_same(f"{what}: row {b} values", held[b][1], v)
 
     # -- workloads -----------------------------------------------------------------
     def bytes_moved(self, op: str) -> int:
-        s = self.shape
-        t = self.token_bytes
+        s, t, held = self.shape, self.token_bytes, self._held
         if op == "merge":
-            return 2 * s.batch * s.tokens * t
+            return 2 * s.batch * held(s.tokens) * t
         if op == "merge-step":
-            return 2 * s.batch * s.tokens * t + s.batch * t
+            return 2 * s.batch * held(s.tokens) * t + s.batch * t
         if op == "join":
-            return 2 * s.tokens * t
+            return 2 * held(s.tokens) * t
         if op in ("filter-half", "filter-one"):
-            return 2 * len(self.keep(op)) * (s.tokens + 1) * t
+            return 2 * len(self.keep(op)) * held(s.tokens + 1) * t
         if op == "extract":
-            return 2 * (s.tokens + 1) * t
+            return 2 * held(s.tokens + 1) * t
         if op == "update":
             return s.batch * t
         if op == "decode":
-            return sum(n + 2 for n in s.ragged) * t + s.batch * t
+            return sum(held(n + 2) for n in s.ragged) * t + s.batch * t
         raise ValueError(f"unknown operation {op!r}")
 
     def keep(self, op: str) -> list[int]:
@@ -615,6 +558,59 @@ class ShapeBench:
             setup, run, check = getattr(self, "_" + op.replace("-", "_"))(self.impls[impl])
         return Workload(op, impl, self.shape, moved, setup, run, check)
 
+    @classmethod
+    def header(cls, shape_columns: Sequence[str]) -> tuple[str, ...]:
+        """The table columns of :meth:`case` lines."""
+        peers = cls.implementations[2:]
+        return (
+            "op",
+            *shape_columns,
+            "kvrows ms",
+            "mlx-lm ms",
+            "ratio",
+            *(f"{impl} ms" for impl in peers),
+            "MB moved",
+            "GB/s kvrows",
+            "GB/s mlx-lm",
+            "GB/s copy",
+        )
+
+    def case(self, op: str) -> Case:
+        """``op`` by every implementation that runs at this shape, timed together."""
+        runs = [impl for impl in self.implementations if self.runs(impl)]
+        moved = self.bytes_moved(op)
+
+        def lines(t: Mapping[str, Timing]) -> list[list[str]]:
+            kv, lm = t["kvrows"].ms, t["mlx-lm"].ms
+            return [
+                [
+                    op,
+                    *self.shape.cells,
+                    t["kvrows"].cell,
+                    t["mlx-lm"].cell,
+                    ratio(lm, kv),
+                    *(t[impl].cell for impl in self.implementations[2:]),
+                    f"{moved / 1e6:.1f}",
+                    format_gbps(moved, kv),
+                    format_gbps(moved, lm),
+                    format_gbps(moved, t["copy"].ms),
+                ]
+            ]
+
+        return Case(
+            f"{op} {self.shape.label}",
+            {impl: self.workload(op, impl) for impl in runs},
+            lines,
+            key=(op, self.shape),
+            skipped=tuple(impl for impl in self.implementations if impl not in runs),
+            max_repeats={"reference": 3},
+            release=self.release,
+        )
+
+    def cases(self) -> Iterator[Case]:
+        for op in self.operations:
+            yield self.case(op)
+
     _Parts = tuple[Callable[[], Any], Callable[[Any], Any], Callable[[Any], None]]
 
     def _copy(self, moved: int, *, numpy: bool) -> _Parts:
@@ -632,8 +628,8 @@ class ShapeBench:
 
         if numpy:
 
-            def np_setup() -> tuple[_NP, _NP]:
-                def build() -> tuple[_NP, _NP]:
+            def np_setup() -> tuple[NP, NP]:
+                def build() -> tuple[NP, NP]:
                     src = to_numpy(source())
                     dst = np.empty_like(src)
                     dst[...] = 1  # touch every page
@@ -641,12 +637,12 @@ class ShapeBench:
 
                 return self._cached("memcpy", f"buffers-{count}", build)  # type: ignore[no-any-return]
 
-            def np_run(state: tuple[_NP, _NP]) -> tuple[_NP, _NP]:
+            def np_run(state: tuple[NP, NP]) -> tuple[NP, NP]:
                 np.copyto(state[1], state[0])
                 return state
 
-            def np_check(state: tuple[_NP, _NP]) -> None:
-                _same("memcpy", state[1], state[0])
+            def np_check(state: tuple[NP, NP]) -> None:
+                check_same("memcpy", state[1], state[0])
 
             return np_setup, np_run, np_check
 
@@ -656,21 +652,22 @@ class ShapeBench:
             return src, out
 
         def mx_check(result: tuple[mx.array, mx.array]) -> None:
-            _same("copy", to_numpy(result[1]), to_numpy(result[0]))
+            check_same("copy", to_numpy(result[1]), to_numpy(result[0]))
 
         return source, mx_run, mx_check
 
-    def _merge(self, impl: _Impl) -> _Parts:
+    def _merge(self, impl: Impl) -> _Parts:
         def check(batch: Any) -> None:
             held = impl.rows(batch)
-            _equal("merge: row count", len(held), self.shape.batch)
+            check_equal("merge: row count", len(held), self.shape.batch)
             for b, (k, v) in enumerate(held):
-                _same(f"merge: row {b} keys", k, self.data.np("keys")[b])
-                _same(f"merge: row {b} values", v, self.data.np("values")[b])
+                expected_k, expected_v = self._expected_row(b, self.shape.tokens, 0)
+                check_same(f"merge: row {b} keys", k, expected_k)
+                check_same(f"merge: row {b} values", v, expected_v)
 
         return lambda: self._equal_rows(impl), impl.merge, check
 
-    def _merge_step(self, impl: _Impl) -> _Parts:
+    def _merge_step(self, impl: Impl) -> _Parts:
         step_keys = impl.array(self.data.step_keys)
         step_values = impl.array(self.data.step_values)
 
@@ -684,22 +681,25 @@ class ShapeBench:
 
         return lambda: self._equal_rows(impl), run, check
 
-    def _join(self, impl: _Impl) -> _Parts:
+    def _join(self, impl: Impl) -> _Parts:
         def setup() -> tuple[Any, Any]:
             return self._live(impl), self._joiner(impl)
 
         def run(state: tuple[Any, Any]) -> Any:
             return impl.join(*state)
 
+        first = self.shape.tokens - self._held(self.shape.tokens)
+
         def check(batch: Any) -> None:
             held = impl.rows(batch)
             self._check_rows(held[:-1], range(self.shape.batch), "join")
-            _same("join: new row keys", held[-1][0], self.data.np("join_keys")[0])
-            _same("join: new row values", held[-1][1], self.data.np("join_values")[0])
+            check_same("join: new row keys", held[-1][0], self.data.np("join_keys")[0, :, first:])
+            new_values = self.data.np("join_values")[0, :, first:]
+            check_same("join: new row values", held[-1][1], new_values)
 
         return setup, run, check
 
-    def _filter(self, impl: _Impl, op: str) -> _Parts:
+    def _filter(self, impl: Impl, op: str) -> _Parts:
         keep = self.keep(op)
 
         def run(batch: Any) -> Any:
@@ -710,13 +710,13 @@ class ShapeBench:
 
         return lambda: self._live(impl), run, check
 
-    def _filter_half(self, impl: _Impl) -> _Parts:
+    def _filter_half(self, impl: Impl) -> _Parts:
         return self._filter(impl, "filter-half")
 
-    def _filter_one(self, impl: _Impl) -> _Parts:
+    def _filter_one(self, impl: Impl) -> _Parts:
         return self._filter(impl, "filter-one")
 
-    def _extract(self, impl: _Impl) -> _Parts:
+    def _extract(self, impl: Impl) -> _Parts:
         row = self.shape.batch // 2
 
         def run(batch: Any) -> Any:
@@ -725,17 +725,17 @@ class ShapeBench:
         def check(cache: Any) -> None:
             keys, values = impl.serial_data(cache)
             k, v = self._expected_row(row, self.shape.tokens, 1)
-            _same("extract: keys", keys, k)
-            _same("extract: values", values, v)
+            check_same("extract: keys", keys, k)
+            check_same("extract: values", values, v)
 
         return lambda: self._cached(impl.name, "live", lambda: self._live(impl)), run, check
 
-    def _stepping(self, impl: _Impl, op: str) -> Callable[[], _Live]:
+    def _stepping(self, impl: Impl, op: str) -> Callable[[], Live]:
         """Setup of ``update`` and ``decode``: one ragged live batch, reused step after step."""
         lengths = self.shape.ragged
 
-        def setup() -> _Live:
-            live: _Live = self._cached(impl.name, op, lambda: _Live(self._live(impl, lengths), 1))
+        def setup() -> Live:
+            live: Live = self._cached(impl.name, op, lambda: Live(self._live(impl, lengths), 1))
             if live.steps > 200:  # stay clear of a capacity crossing
                 self._cache.pop((impl.name, op))
                 return setup()
@@ -743,43 +743,43 @@ class ShapeBench:
 
         return setup
 
-    def _update(self, impl: _Impl) -> _Parts:
+    def _update(self, impl: Impl) -> _Parts:
         lengths = self.shape.ragged
         keys, values = impl.array(self.data.step_keys), impl.array(self.data.step_values)
 
-        def run(live: _Live) -> _Live:
+        def run(live: Live) -> Live:
             impl.update(live.batch, keys, values)
             live.steps += 1
             return live
 
-        def check(live: _Live) -> None:
+        def check(live: Live) -> None:
             held = impl.rows(live.batch)
-            _equal("update: row count", len(held), len(lengths))
+            check_equal("update: row count", len(held), len(lengths))
             for b, n in enumerate(lengths):
                 k, v = self._expected_row(b, n, live.steps)
-                _same(f"update: row {b} keys", held[b][0], k)
-                _same(f"update: row {b} values", held[b][1], v)
+                check_same(f"update: row {b} keys", held[b][0], k)
+                check_same(f"update: row {b} values", held[b][1], v)
 
         return self._stepping(impl, "update"), run, check
 
-    def _decode(self, impl: _Impl) -> _Parts:
+    def _decode(self, impl: Impl) -> _Parts:
         lengths = self.shape.ragged
         queries = impl.array(self.data.queries)
         keys, values = impl.array(self.data.step_keys), impl.array(self.data.step_values)
 
-        def run(live: _Live) -> tuple[Any, int, tuple[int, ...]]:
+        def run(live: Live) -> tuple[Any, int, tuple[int, ...]]:
             out = impl.decode(live.batch, queries, keys, values, self.data.scale)
             live.steps += 1
             return out, live.steps, tuple(int(x) for x in np.array(live.batch.offset))
 
         def check(result: tuple[Any, int, tuple[int, ...]]) -> None:
             out, steps, offsets = result
-            _equal("decode: row offsets", offsets, tuple(n + steps for n in lengths))
+            check_equal("decode: row offsets", offsets, tuple(n + steps for n in lengths))
             got = to_numpy(out).astype(np.float32)
             q = self.data.np("queries")
             for b, n in enumerate(lengths):
                 k, v = self._expected_row(b, n, steps)
-                expected = _attention(q[b], k, v, self.data.scale)
+                expected = reference_attention(q[b], k, v, self.data.scale)
                 if not np.allclose(got[b], expected, rtol=2e-2, atol=2e-3):
                     worst = float(np.max(np.abs(got[b] - expected)))
                     raise BenchCheckError(
@@ -789,160 +789,7 @@ class ShapeBench:
         return self._stepping(impl, "decode"), run, check
 
 
-# -- timing and the table ------------------------------------------------------------
-
-
-def _time_once(workload: Workload) -> tuple[float, Any]:
-    state = workload.setup()
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        start = time.perf_counter()
-        result = workload.run(state)
-        elapsed = time.perf_counter() - start
-    finally:
-        if enabled:
-            gc.enable()
-    return elapsed, result
-
-
-def time_workloads(
-    workloads: Sequence[Workload], *, repeats: Sequence[int], warmups: int
-) -> list[float | BenchCheckError]:
-    """Median milliseconds of each workload's timed runs, the workloads interleaved.
-
-    Round ``r`` runs every workload once (while it has runs left), so drift of
-    the machine's state (allocator, caches, neighbours) spreads over all of
-    them instead of favouring whichever runs first. The last run of each is
-    checked; a wrong result comes back as its :class:`BenchCheckError`.
-    """
-    times: list[list[float]] = [[] for _ in workloads]
-    outcome: list[BenchCheckError | None] = [None] * len(workloads)
-    for r in range(warmups + max(repeats, default=0)):
-        for i, workload in enumerate(workloads):
-            total = warmups + repeats[i]
-            if r >= total:
-                continue
-            elapsed, result = _time_once(workload)
-            if r >= warmups:
-                times[i].append(elapsed)
-            if r == total - 1:
-                try:
-                    workload.check(result)
-                except BenchCheckError as error:
-                    outcome[i] = error
-            del result
-    return [
-        error if error is not None else 1e3 * statistics.median(t)
-        for error, t in zip(outcome, times, strict=True)
-    ]
-
-
-def time_workload(workload: Workload, *, repeats: int, warmups: int) -> float:
-    """Median milliseconds of ``repeats`` timed runs after ``warmups``; checks the last result."""
-    (outcome,) = time_workloads([workload], repeats=[repeats], warmups=warmups)
-    if isinstance(outcome, BenchCheckError):
-        raise outcome
-    return outcome
-
-
-def _ms(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.3f}" if value < 1 else f"{value:.2f}" if value < 100 else f"{value:.0f}"
-
-
-def _gbps(moved: int, ms: float | None) -> str:
-    return "-" if not ms else f"{moved / (ms * 1e-3) / 1e9:.1f}"
-
-
-_COLUMNS = (
-    "op",
-    "B",
-    "L",
-    "kvrows ms",
-    "mlx-lm ms",
-    "ratio",
-    "copy ms",
-    "memcpy ms",
-    "reference ms",
-    "MB moved",
-    "GB/s kvrows",
-    "GB/s mlx-lm",
-    "GB/s copy",
-)
-
-
-def _cells(row: _Row) -> list[str]:
-    kv, lm = row.ms("kvrows"), row.ms("mlx-lm")
-    ratio = f"{lm / kv:.2f}" if kv and lm else "-"
-    ref = row.timings.get("reference")
-    return [
-        row.op,
-        str(row.shape.batch),
-        str(row.shape.tokens),
-        _ms(kv),
-        _ms(lm),
-        ratio,
-        _ms(row.ms("copy")),
-        _ms(row.ms("memcpy")),
-        "skipped" if ref is not None and ref.ms is None else _ms(row.ms("reference")),
-        f"{row.bytes_moved / 1e6:.1f}",
-        _gbps(row.bytes_moved, kv),
-        _gbps(row.bytes_moved, lm),
-        _gbps(row.bytes_moved, row.ms("copy")),
-    ]
-
-
-def format_table(rows: Sequence[_Row]) -> str:
-    """A Markdown table, one line per operation and shape."""
-    return markdown_table(_COLUMNS, [_cells(r) for r in rows])
-
-
-def markdown_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
-    """A right-aligned Markdown table of ``header`` and the ``body`` lines."""
-    lines = [tuple(header), *(tuple(line) for line in body)]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-
-    def fmt(cells: Sequence[str]) -> str:
-        return "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-
-    rule = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
-    return "\n".join([fmt(lines[0]), rule, *(fmt(line) for line in lines[1:])])
-
-
-#: Ratios within this fraction below 1 are reported as parity (run-to-run noise).
-PARITY_BAND = 0.05
-
-
-def _verdict(rows: Sequence[_Row]) -> list[str]:
-    """The issue's targets, against this run's medians (information, never an exit status)."""
-    misses: list[str] = []
-    parity: list[str] = []
-    for row in rows:
-        kv, lm = row.ms("kvrows"), row.ms("mlx-lm")
-        if kv and lm and lm / kv < 1:
-            entry = f"{row.op} {row.shape.label} ({lm / kv:.2f}x)"
-            (parity if lm / kv >= 1 - PARITY_BAND else misses).append(entry)
-    lines = [
-        "target: every operation at least as fast as mlx-lm: "
-        + ("met" if not misses else "missed by " + ", ".join(misses))
-    ]
-    if parity:
-        lines.append(f"  within {PARITY_BAND:.0%} (noise) below parity: " + ", ".join(parity))
-    for row in rows:
-        kv, lm = row.ms("kvrows"), row.ms("mlx-lm")
-        if row.op == "join" and row.shape.batch == 16 and kv and lm:
-            state = "met" if lm / kv >= 3 else "missed"
-            lines.append(
-                f"target: join into B=16 at least 3x faster: {state} at {row.shape.label} "
-                f"({lm / kv:.1f}x)"
-            )
-    return lines
-
-
-_NOTES = """\
+NOTES = """\
 ratio = mlx-lm ms / kvrows ms (> 1: kvrows faster). GB/s = MB moved / time.
 MB moved (valid K+V bytes read + written; T = one token's K+V bytes):
   merge 2*B*L*T; merge-step 2*B*L*T + B*T; join 2*L*T (the new row only);
@@ -957,86 +804,37 @@ update: make_mask(1) + update_and_fetch, no attention, on the decode batch.
 decode: ragged rows (L down to about L/2 tokens), make_mask(1) + update_and_fetch + attention,
   32 query heads over 8 KV heads; kvrows.optimized.attend vs mx.fast.scaled_dot_product_attention.
 reference: kvrows.reference (NumPy), for context; skipped where B*L > {limit}.
-Linux CPU backend: large fresh buffers are page-faulted (~2.5 GB/s); see the kvrows.bench
+Linux CPU backend: large fresh buffers are page-faulted (~2.5 GB/s); see the kvrows.app.bench.plain
   docstring for MALLOC_MMAP_THRESHOLD_, which removes that cost for both implementations."""
 
 
-def _version(package: str) -> str:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return "?"
+def _verdict(results: Sequence[Result]) -> list[str]:
+    """The issue's targets, against this run's medians (information, never an exit status)."""
+    lines = parity_verdict(results)
+    for result in results:
+        op, shape = result.key
+        kv, lm = result.ms("kvrows"), result.ms("mlx-lm")
+        if op == "join" and shape.batch == 16 and kv and lm:
+            state = "met" if lm / kv >= 3 else "missed"
+            lines.append(
+                f"target: join into B=16 at least 3x faster: {state} at {shape.label} "
+                f"({lm / kv:.1f}x)"
+            )
+    return lines
 
 
-def run_bench(
-    quick: bool = False,
-    repeats: int | None = None,
-    *,
-    shapes: Sequence[Shape] | None = None,
-    out: TextIO | None = None,
-) -> int:
-    """Time every operation at every shape, print the table; 0 unless a result was wrong."""
-    stream = out if out is not None else sys.stdout
+def family(*, quick: bool = False, shapes: Sequence[Shape] | None = None) -> Family:
+    """The plain family's table: every operation at every shape."""
     chosen = tuple(shapes) if shapes is not None else QUICK_SHAPES if quick else FULL_SHAPES
-    timed = repeats if repeats is not None else 2 if quick else 7
-    if timed < 1:
-        raise ValueError(f"repeats must be >= 1, got {timed}")
-    warmups = 1 if quick else 2
-    print(
-        f"kvrows bench: plain family, one layer, mlx {_version('mlx')}, "
-        f"mlx-lm {_version('mlx-lm')}, on "
-        f"{mx.default_device()}; median of {timed} after {warmups} warm-up(s)",
-        file=stream,
-        flush=True,
+
+    def cases() -> Iterator[Case]:
+        for shape in chosen:
+            yield from ShapeBench(shape).cases()
+
+    return Family(
+        "plain",
+        "one layer",
+        [Table(ShapeBench.header(Shape.columns), cases())],
+        NOTES.format(limit=REFERENCE_MAX_TOKENS),
+        _verdict,
     )
-    rows: list[_Row] = []
-    failures: list[str] = []
-    for shape in chosen:
-        bench = ShapeBench(shape)
-        for op in OPERATIONS:
-            row = _Row(op, shape, bench.bytes_moved(op))
-            impls = [impl for impl in IMPLEMENTATIONS if bench.runs(impl)]
-            row.timings.update(
-                (impl, Timing(None, "skipped")) for impl in IMPLEMENTATIONS if impl not in impls
-            )
-            if not quick:
-                print(f"  {shape.label} {op}", file=sys.stderr, flush=True)
-            outcomes = time_workloads(
-                [bench.workload(op, impl) for impl in impls],
-                repeats=[min(timed, 3) if impl == "reference" else timed for impl in impls],
-                warmups=warmups,
-            )
-            for impl, outcome in zip(impls, outcomes, strict=True):
-                if isinstance(outcome, BenchCheckError):
-                    failures.append(f"{op} {shape.label} {impl}: {outcome}")
-                    row.timings[impl] = Timing(None, "wrong")
-                else:
-                    row.timings[impl] = Timing(outcome)
-            rows.append(row)
-            bench.release()
-        del bench
-        gc.collect()
-        mx.clear_cache()
-    print(format_table(rows), file=stream)
-    print(_NOTES.format(limit=REFERENCE_MAX_TOKENS), file=stream)
-    for line in _verdict(rows):
-        print(line, file=stream)
-    for failure in failures:
-        print(f"WRONG RESULT: {failure}", file=stream)
-    stream.flush()
-    return 1 if failures else 0
-
-
-# -- the helpers other families' benchmarks build on (kvrows.bench_affine, kvrows.bench_ring) --
-
-Impl = _Impl
-KvrowsImpl = _Kvrows
-MlxLmImpl = _MlxLm
-BenchData = _Data
-Live = _Live
-check_same = _same
-check_equal = _equal
-reference_attention = _attention
-format_ms = _ms
-format_gbps = _gbps
-package_version = _version

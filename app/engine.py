@@ -30,9 +30,10 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 
-from kvrows.errors import CapacityError, InvalidInputError
-from kvrows.models import KvStorageScheme, make_kvrows_cache
+from kvrows.app.models import make_kvrows_cache
+from kvrows.errors import CapacityError, InvalidInputError, LayoutStateError
 from kvrows.protocols import BatchableCache, Cache
+from kvrows.schemes import KvStorageScheme
 from kvrows.table import (
     RowAdmission,
     filter_layout_rows,
@@ -82,7 +83,12 @@ class EngineStats:
     generated: int = 0
     seconds: float = 0.0
     steps: int = 0
+    #: The largest count of KV bytes the engine held (``nbytes`` of its layouts, the serial
+    #: caches in transit and the prefix cache), sampled at step boundaries.
     peak_kv_bytes: int = 0
+    #: The largest growth of MLX active memory over the run's non-KV baseline, sampled at
+    #: the same points: what the KV state really occupies, views and pinned buffers included.
+    peak_active_kv_bytes: int = 0
     kv_bytes_per_token: int = 0
     prefix_hits: int = 0
     prefix_hit_tokens: int = 0
@@ -101,6 +107,11 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the published caches hold."""
+        return sum(cache.nbytes for caches in self._entries.values() for cache in caches)
 
     def publish(self, tokens: Sequence[int], caches: list[Cache]) -> None:
         if tokens:
@@ -181,21 +192,30 @@ class Engine:
         self.keep_logits = keep_logits
         self.prefix_cache = PrefixCache() if use_prefix_cache else None
         self.progress = progress
-        self.admission = self._probe_admission()
+        self.admission = self._admission()
 
-    def _probe_admission(self) -> RowAdmission:
-        """Projected bytes per row, read from layouts that hold one probe token."""
+    def _admission(self) -> RowAdmission:
+        """Projected bytes per row, from the decode layouts of fresh caches.
+
+        ``make_kvrows_cache`` declares the KV geometry, so the layouts answer without a
+        token; where a storage does not know it yet (the model's config does not say, or
+        the storage cannot take a declaration), one probe token runs through the model.
+        """
         caches = make_kvrows_cache(self.model, self.scheme)
-        self.model(mx.array([[0]]), cache=caches)
-        layouts: list[Cache] = []
+        layouts: list[BatchableCache] = []
         for cache in caches:
             layout = owned_cache_layout(cache)
             if layout is None:
                 raise InvalidInputError(f"{cache.signature()} joins no row layout")
-            layout.merge_rows([cache])
             layouts.append(layout)
         admission = row_admission(layouts)
         assert admission is not None
+        try:
+            admission.bytes(1)
+        except LayoutStateError:
+            self.model(mx.array([[0]]), cache=caches)
+            for layout, cache in zip(layouts, caches, strict=True):
+                layout.merge_rows([cache])
         return admission
 
     def projected_bytes(self, request: Request) -> int:
@@ -216,6 +236,24 @@ class Engine:
         cohort_layouts: list[BatchableCache] = []
         running: list[_Row] = []
         decode_layouts: list[BatchableCache] = []
+
+        def kv_bytes() -> int:
+            """KV bytes held now: layouts, serial caches in transit, the prefix cache."""
+            held = sum(x.nbytes for x in cohort_layouts + decode_layouts)
+            held += sum(c.nbytes for row in cohort + running for c in row.caches)
+            return held + (self.prefix_cache.nbytes if self.prefix_cache is not None else 0)
+
+        def sample() -> None:
+            """At a step boundary: evaluate what the step left lazy (merges, filters), so
+            freed buffers go now, then take both counts."""
+            mx.eval([x.state for x in cohort_layouts + decode_layouts])
+            stats.peak_kv_bytes = max(stats.peak_kv_bytes, kv_bytes())
+            stats.peak_active_kv_bytes = max(
+                stats.peak_active_kv_bytes, mx.get_active_memory() - baseline
+            )
+
+        # Memory that is not KV state (weights, the probe): active now, less what is KV.
+        baseline = mx.get_active_memory() - kv_bytes()
         start = time.perf_counter()
         step = 0
         finished = shown = 0
@@ -279,15 +317,11 @@ class Engine:
                     if joining:
                         decode_layouts = self._join(decode_layouts, joining, prefill=False)
                         running.extend(joining)
-            stats.peak_kv_bytes = max(
-                stats.peak_kv_bytes, sum(x.nbytes for x in cohort_layouts + decode_layouts)
-            )
+            sample()
             # 3. one decode step for the running rows
             if running:
                 leaving = self._decode_step(running, decode_layouts)
-                stats.peak_kv_bytes = max(
-                    stats.peak_kv_bytes, sum(x.nbytes for x in cohort_layouts + decode_layouts)
-                )
+                sample()
                 if leaving:
                     for row in leaving:
                         index = running.index(row)
@@ -301,6 +335,7 @@ class Engine:
             if self.progress and (finished != shown or step % 16 == 0):
                 shown = finished
                 _progress(finished, len(requests), step)
+        sample()
         stats.seconds = time.perf_counter() - start
         stats.steps = step
         if self.progress:

@@ -6,10 +6,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from kvrows.app.bench import FAMILIES
+
 __all__ = ["BENCH_FAMILIES", "main"]
 
 #: What ``kvrows bench --family`` accepts.
-BENCH_FAMILIES = ("plain", "affine", "rotating", "engine", "all")
+BENCH_FAMILIES = (*FAMILIES, "all")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -66,33 +68,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _bench(family: str, *, quick: bool, repeats: int | None) -> int:
-    """Run one family's benchmark (or all of them); 0 unless a result was wrong."""
-    if family == "all":
-        statuses = [
-            _bench(one, quick=quick, repeats=repeats) for one in BENCH_FAMILIES if one != "all"
-        ]
-        return max(statuses)
-    if family == "plain":
-        from kvrows.bench import run_bench
-
-        return int(run_bench(quick=quick, repeats=repeats))
-    if family == "affine":
-        from kvrows.bench_affine import run_affine_bench
-
-        return int(run_affine_bench(quick=quick, repeats=repeats))
-    if family == "rotating":
-        from kvrows.bench_ring import run_ring_bench
-
-        return int(run_ring_bench(quick=quick, repeats=repeats))
-    from kvrows.bench_engine import print_engine_bench, run_engine_bench
-
-    rows = run_engine_bench(max_batches=(1, 4), requests=4) if quick else run_engine_bench()
-    print_engine_bench(rows)
-    sys.stdout.flush()
-    return 0 if all(row.same_tokens for row in rows) else 1
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "conform":
@@ -100,9 +75,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return int(run_conformance(profile=args.profile, families=args.family, seed=args.seed))
     if args.command == "bench":
-        return _bench(args.family, quick=args.quick, repeats=args.repeats)
+        from kvrows.app.bench import run
+
+        return run(args.family, quick=args.quick, repeats=args.repeats)
     if args.command == "demo":
-        from kvrows.demo import run_demo
+        from kvrows.app.demo import run_demo
 
         return int(
             run_demo(
@@ -114,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress=not args.quiet,
             )
         )
-    from kvrows.example import run_example
+    from kvrows.app.example import run_example
 
     return int(run_example())
 

@@ -1,0 +1,40 @@
+"""``kvrows bench``: every family's benchmarks through one runner (:mod:`.runner`).
+
+Each family module supplies only its cases and a ``family(quick=...)`` that returns
+them as a :class:`~kvrows.app.bench.runner.Family`:
+
+* :mod:`.plain`: the plain family's row operations against mlx-lm's ``BatchKVCache``,
+  a plain copy of the same bytes and the NumPy reference;
+* :mod:`.affine`: quantize throughput, the affine layout's row operations against the
+  plain layout, decode attention against mlx-lm's kernels;
+* :mod:`.ring`: the sliding-window family against mlx-lm's ``BatchRotatingKVCache``;
+* :mod:`.engine`: the engine's throughput against mlx-lm's ``BatchGenerator``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the runner imports MLX; the CLI reads FAMILIES without it
+    from kvrows.app.bench.runner import Family
+
+__all__ = ["FAMILIES", "family", "run"]
+
+#: ``kvrows bench --family`` names, in run order, and the module of each.
+FAMILIES = {"plain": "plain", "affine": "affine", "rotating": "ring", "engine": "engine"}
+
+
+def family(name: str, *, quick: bool = False) -> Family:
+    """The family called ``name`` (see :data:`FAMILIES`) at its quick or full shapes."""
+    module = importlib.import_module(f"kvrows.app.bench.{FAMILIES[name]}")
+    made: Family = module.family(quick=quick)
+    return made
+
+
+def run(name: str, *, quick: bool = False, repeats: int | None = None) -> int:
+    """Run family ``name``, or every family for ``"all"``; 0 unless a result was wrong."""
+    from kvrows.app.bench.runner import run_family
+
+    names = list(FAMILIES) if name == "all" else [name]
+    return max(run_family(family(n, quick=quick), quick=quick, repeats=repeats) for n in names)

@@ -1,0 +1,143 @@
+"""kvrows caches inside unmodified mlx-lm models, and the embedded tiny models.
+
+``make_kvrows_cache(model, scheme)`` builds a model's per-layer caches from a storage
+scheme (:class:`kvrows.schemes.KvStorageScheme`): the model's own ``make_cache()`` names
+each layer's mlx-lm cache class, the composition table (``kvrows.compositions``) names
+the kvrows serial storage that serves that class under the layer's codec, and the storage
+is built from the one codec spec the scheme carries and the layer's token geometry, with
+the KV geometry declared (:func:`kv_geometry`) so projected bytes are known before the
+first token. ``tiny_model(arch)`` builds the embedded random-weight float32 models the
+demo and the tests run on (no download).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+import kvrows.optimized as kv
+from kvrows.compositions import Composition, serial_for_peer
+from kvrows.errors import InvalidInputError
+from kvrows.schemes import CodecSpec, GeometrySpec, Growing, KvStorageScheme, Ring
+from kvrows.validation import KvGeometry
+
+__all__ = ["ARCHITECTURES", "kv_geometry", "make_kvrows_cache", "tiny_model"]
+
+ARCHITECTURES = ("llama", "gemma3")
+
+
+def kv_geometry(model: Any) -> KvGeometry | None:
+    """The KV heads, head dim and dtype every attention layer of ``model`` stores, from its
+    config (``num_key_value_heads``, ``head_dim`` or ``hidden_size / num_attention_heads``)
+    and its first floating-point weight's dtype. ``None`` where the config does not say or
+    keys and values may differ in width (MLA: ``kv_lora_rank``, ``v_head_dim``): the
+    storages then learn the geometry from their first token.
+    """
+    args: Any = getattr(model, "args", object())
+    if any(hasattr(args, name) for name in ("kv_lora_rank", "v_head_dim", "qk_rope_head_dim")):
+        return None
+    heads = getattr(args, "num_key_value_heads", None)
+    dim = getattr(args, "head_dim", None)
+    if dim is None and getattr(args, "num_attention_heads", None):
+        dim = getattr(args, "hidden_size", 0) // args.num_attention_heads
+    from mlx.utils import tree_flatten
+
+    dtype = next(
+        (
+            str(item[1].dtype).rsplit(".", 1)[-1]
+            for item in tree_flatten(model.parameters())
+            if isinstance(item[1], mx.array) and mx.issubdtype(item[1].dtype, mx.floating)
+        ),
+        None,
+    )
+    if not heads or not dim or dtype is None:
+        return None
+    return KvGeometry(heads=int(heads), key_dim=int(dim), value_dim=int(dim), dtype=dtype)
+
+
+def _token_geometry(entry: Composition, layer: Any) -> GeometrySpec:
+    """The token geometry of mlx-lm cache ``layer`` as the composition ``entry`` stores it."""
+    if entry.geometry == "ring":
+        return Ring(max_size=int(layer.max_size), keep=int(getattr(layer, "keep", 0)))
+    if entry.geometry == "growing":
+        return Growing()
+    raise InvalidInputError(f"{entry.name}: {entry.geometry} geometry is not implemented yet")
+
+
+def _build(
+    entry: Composition, codec: CodecSpec, geometry: GeometrySpec, declared: KvGeometry | None
+) -> Any:
+    cls: Any = getattr(kv, entry.name)
+    if hasattr(cls, "from_specs"):
+        return cls.from_specs(codec, geometry, geometry=declared)
+    # Until the implementations build from specs: the constructor's positional parameters
+    # (mlx-lm's order), read off the specs; ``keep`` is 0 (``Ring`` refuses sinks).
+    values = {**codec.parameters(), **geometry.parameters()}
+    return cls(*(values[name] for name in entry.params if name != "keep"))
+
+
+def make_kvrows_cache(model: Any, scheme: KvStorageScheme | None = None) -> list[Any]:
+    """The model's per-layer caches as kvrows optimized storages under ``scheme``."""
+    import mlx_lm.models.cache as peer
+
+    scheme = scheme or KvStorageScheme()
+    template = model.make_cache() if hasattr(model, "make_cache") else None
+    if template is None:
+        template = [peer.KVCache() for _ in model.layers]  # type: ignore[no-untyped-call]
+    declared = kv_geometry(model)
+    caches: list[Any] = []
+    for index, layer in enumerate(template):
+        codec = scheme.codec_for_layer(index)
+        entry = serial_for_peer(type(layer).__name__, codec)
+        caches.append(_build(entry, codec, _token_geometry(entry, layer), declared))
+    return caches
+
+
+def tiny_model(arch: str, *, seed: int = 0, vocab: int = 256) -> Any:
+    """A small random-weight float32 mlx-lm model of ``arch`` (``llama`` or ``gemma3``)."""
+    if arch == "llama":
+        from mlx_lm.models import llama
+
+        model: Any = llama.Model(
+            llama.ModelArgs(
+                model_type="llama",
+                hidden_size=128,
+                num_hidden_layers=4,
+                intermediate_size=256,
+                num_attention_heads=8,
+                num_key_value_heads=2,
+                head_dim=64,
+                rms_norm_eps=1e-5,
+                vocab_size=vocab,
+                tie_word_embeddings=True,
+            )
+        )
+    elif arch == "gemma3":
+        from mlx_lm.models import gemma3_text
+
+        model = gemma3_text.Model(
+            gemma3_text.ModelArgs(
+                model_type="gemma3_text",
+                hidden_size=128,
+                num_hidden_layers=4,
+                intermediate_size=256,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=64,
+                vocab_size=vocab,
+                sliding_window=16,
+                sliding_window_pattern=2,
+                query_pre_attn_scalar=64,
+            )
+        )
+    else:
+        raise InvalidInputError(f"unknown architecture {arch!r}: expected one of {ARCHITECTURES}")
+    mx.random.seed(seed)
+    from mlx.utils import tree_map
+
+    params = tree_map(lambda p: mx.random.normal(p.shape) * 0.08, model.parameters())
+    model.update(params)
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
