@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 
-from kvrows.compositions import landed
+from kvrows.compositions import composition, landed, layouts_of
 from kvrows.conformance.arrays import from_mlx, to_mlx
 
 Planes = tuple[Any, ...]
@@ -271,23 +271,46 @@ class Family:
         raise KeyError(f"family {self.name!r} has no layout {name!r}")
 
 
-_PLAIN_RINGS = ("BatchedRotatingCache", "RaggedRotatingRows")
-_AFFINE_RINGS = ("BatchedRotatingQuantCache", "RotatingAffineLayout")
+def derived_layouts(serial: str, tolerance_key: str = "") -> tuple[LayoutSpec, ...]:
+    """The machines' layouts of ``serial``'s rows, read off the composition table.
+
+    Roles: the roles of ``serial``'s entry that name the layout; rows share one write
+    column when the arrangement is ``shared`` and roll back per row when it is
+    ``ragged``; mlx-lm mirrors a layout (and twins the serial caches) where the table
+    names a parity class. Every layout merges rows of its siblings (the other layouts of
+    the same storage).
+    """
+    storage = composition(serial)
+    layouts = layouts_of(serial)
+    siblings = tuple(c.name for c in layouts)
+    specs = []
+    for entry in layouts:
+        roles = tuple(
+            role
+            for role, target in (storage.roles.items() if storage.roles else ())
+            if target == entry.name
+        )
+        specs.append(
+            LayoutSpec(
+                entry.name,
+                roles or ("decode",),
+                shared_column=entry.shared_column,
+                trim_rows=entry.arrangement == "ragged",
+                peer=entry.parity is not None,
+                serial_peer=storage.parity is not None,
+                serial=serial,
+                tolerance_key=tolerance_key,
+                siblings=siblings,
+            )
+        )
+    return tuple(specs)
+
 
 FAMILIES: dict[str, Family] = {
     "plain": Family(
         name="plain",
         serial="KVCache",
-        layouts=(
-            LayoutSpec("PaddedKVRows", ("decode",), shared_column=True, trim_rows=False, peer=True),
-            LayoutSpec(
-                "BatchedKVCache",
-                ("prefill", "verify"),
-                shared_column=False,
-                trim_rows=True,
-                peer=False,
-            ),
-        ),
+        layouts=derived_layouts("KVCache"),
         tolerance_key="plain",
         peer=_plain_peer,
         description="plain (unquantized) full-attention KV",
@@ -298,18 +321,7 @@ FAMILIES: dict[str, Family] = {
     "affine": Family(
         name="affine",
         serial="QuantizedKVCache",
-        layouts=(
-            LayoutSpec(
-                "PaddedQuantKVRows", ("decode",), shared_column=True, trim_rows=False, peer=False
-            ),
-            LayoutSpec(
-                "BatchedQuantizedKVCache",
-                ("prefill", "verify"),
-                shared_column=False,
-                trim_rows=True,
-                peer=False,
-            ),
-        ),
+        layouts=derived_layouts("QuantizedKVCache"),
         tolerance_key="affine",
         peer=_affine_peer,
         description="affine-quantized full-attention KV at every (bits, group size)",
@@ -322,46 +334,8 @@ FAMILIES: dict[str, Family] = {
     "rotating": Family(
         name="rotating",
         serial="RotatingKVCache",
-        layouts=(
-            LayoutSpec(
-                "BatchedRotatingCache",
-                ("decode",),
-                shared_column=True,
-                trim_rows=False,
-                peer=True,
-                siblings=_PLAIN_RINGS,
-            ),
-            LayoutSpec(
-                "RaggedRotatingRows",
-                ("prefill", "verify"),
-                shared_column=False,
-                trim_rows=True,
-                peer=False,
-                siblings=_PLAIN_RINGS,
-            ),
-            LayoutSpec(
-                "BatchedRotatingQuantCache",
-                ("decode",),
-                shared_column=True,
-                trim_rows=False,
-                peer=False,
-                serial_peer=False,
-                serial="RotatingQuantizedKVCache",
-                tolerance_key="rotating-affine",
-                siblings=_AFFINE_RINGS,
-            ),
-            LayoutSpec(
-                "RotatingAffineLayout",
-                ("prefill", "verify"),
-                shared_column=True,
-                trim_rows=False,
-                peer=False,
-                serial_peer=False,
-                serial="RotatingQuantizedKVCache",
-                tolerance_key="rotating-affine",
-                siblings=_AFFINE_RINGS,
-            ),
-        ),
+        layouts=derived_layouts("RotatingKVCache")
+        + derived_layouts("RotatingQuantizedKVCache", tolerance_key="rotating-affine"),
         tolerance_key="rotating",
         peer=_ring_peer,
         description="sliding-window rings (plain and affine): serial, decode and prefill layouts",

@@ -37,6 +37,7 @@ __all__ = [
     "bind_arguments",
     "composition",
     "landed",
+    "layouts_of",
     "register_compositions",
     "serial_for_peer",
 ]
@@ -71,8 +72,9 @@ class Composition:
     parameters; ``serial``: the serial storage a layout's rows extract into; ``roles``:
     the storage's row-layout table entry (``None``: no entry, so the layout has no
     verify sibling and serves as its own decode and prefill layout); ``peers``: the
-    mlx-lm cache classes whose layers this serial storage serves; ``issue``: the issue
-    that adds a planned class (``None``: landed).
+    mlx-lm cache classes whose layers this serial storage serves; ``parity``: the mlx-lm
+    class that holds the same state, bit for bit (the conformance suite's third oracle);
+    ``issue``: the issue that adds a planned class (``None``: landed).
     """
 
     name: str
@@ -85,6 +87,7 @@ class Composition:
     roles: Roles | None = None
     modifiers: frozenset[Modifier] = field(default_factory=frozenset)
     peers: tuple[str, ...] = ()
+    parity: str | None = None
     issue: int | None = None
     summary: str = ""
 
@@ -180,12 +183,13 @@ COMPOSITIONS: tuple[Composition, ...] = (
                 summary="prefill/verify layout of the plain ring: each row its own window"),
     Composition(name="BatchedRotatingCache", codec="plain", geometry="ring", arrangement="shared",
                 signature="kv:rotating-plain", params=_RING, serial="RotatingKVCache",
-                peers=("BatchRotatingKVCache",),
+                parity="BatchRotatingKVCache",
                 summary="decode layout of the plain ring (mlx-lm BatchRotatingKVCache)"),
     Composition(name="RotatingKVCache", codec="plain", geometry="ring", arrangement="serial",
                 signature="kv:rotating-plain", params=_RING,
                 roles=Roles("BatchedRotatingCache", "RaggedRotatingRows", "RaggedRotatingRows"),
-                peers=("RotatingKVCache",), summary="serial plain sliding-window ring"),
+                peers=("RotatingKVCache",), parity="RotatingKVCache",
+                summary="serial plain sliding-window ring"),
     # -- TurboQuant and delayed full attention (issues 11, 12) -----------------------
     Composition(name="DelayedTurboQuantKVCache", codec="turbo", geometry="growing",
                 arrangement="ragged", signature="kv:delayed-turbo", serial="TurboQuantKVCache",
@@ -229,14 +233,14 @@ COMPOSITIONS: tuple[Composition, ...] = (
                 signature="kv:quant:{bits}:{group_size}", params=_AFFINE,
                 roles=Roles("PaddedQuantKVRows", "BatchedQuantizedKVCache",
                             "BatchedQuantizedKVCache"),
-                peers=("KVCache", "QuantizedKVCache"),
+                peers=("KVCache", "QuantizedKVCache"), parity="QuantizedKVCache",
                 summary="serial affine full attention"),
     _plain_growing("PaddedKVRows", "shared", "kv:padded-rows", serial="KVCache",
-                   peers=("BatchKVCache",),
+                   parity="BatchKVCache",
                    summary="decode layout of KVCache (mlx-lm BatchKVCache)"),
     _plain_growing("KVCache", "serial", "kv:plain",
                    roles=Roles("PaddedKVRows", "BatchedKVCache", "BatchedKVCache"),
-                   peers=("KVCache",), summary="serial plain full attention"),
+                   peers=("KVCache",), parity="KVCache", summary="serial plain full attention"),
 )  # fmt: skip
 
 _BY_NAME: dict[str, Composition] = {c.name: c for c in COMPOSITIONS}
@@ -253,6 +257,15 @@ def composition(name: str) -> Composition:
 def landed() -> tuple[Composition, ...]:
     """The compositions both implementations provide today, in table order."""
     return tuple(c for c in COMPOSITIONS if c.is_landed)
+
+
+def layouts_of(serial: str) -> tuple[Composition, ...]:
+    """The landed layouts whose rows extract into ``serial``, decode layout first."""
+    order = {"shared": 0, "ragged": 1}
+    rows = [c for c in landed() if c.serial == serial]
+    roles = composition(serial).roles
+    decode = None if roles is None else roles.decode
+    return tuple(sorted(rows, key=lambda c: (c.name != decode, order.get(c.arrangement, 2))))
 
 
 def serial_composition(entry: Composition) -> Composition:

@@ -307,3 +307,12 @@ def test_every_role_of_every_landed_class_is_the_one_the_table_names(
         assert layout is not cache and layout.batch_size == 0, (name, role)
         # the layout carries the storage's codec and window parameters
         assert layout.signature() == composition(expected.__name__).signature.format(**_EXAMPLE)
+
+
+def test_every_landed_class_is_driven_by_a_conformance_machine() -> None:
+    from kvrows.conformance.families import FAMILIES
+
+    layouts = {spec.name for fam in FAMILIES.values() for spec in fam.layouts}
+    serials = {spec.serial or fam.serial for fam in FAMILIES.values() for spec in fam.layouts}
+    assert layouts == {c.name for c in landed() if c.is_layout}
+    assert serials == {c.name for c in landed() if not c.is_layout}
