@@ -171,19 +171,7 @@ class Storage(PlaneHolder):
         *,
         geometry: KvGeometry | None = None,
     ) -> _S:
-        # Not ``cls(codec=..., token_geometry=...)``: the core's bind_arguments still asks
-        # for the positional parameters (max_size) when the specs are given.
-        entry = cls.composition
-        if codec_spec.kind != entry.codec or token_geometry.kind != entry.geometry:
-            raise InvalidInputError(
-                f"{entry.name} is {entry.codec}/{entry.geometry}, "
-                f"got {codec_spec!r} and {token_geometry!r}"
-            )
-        if geometry is not None and not isinstance(geometry, KvGeometry):
-            raise InvalidInputError(f"geometry must be a KvGeometry, got {type(geometry).__name__}")
-        fresh = cls.__new__(cls)
-        fresh._setup(codec_spec, token_geometry, geometry)
-        return fresh
+        return cls(codec=codec_spec, token_geometry=token_geometry, geometry=geometry)
 
     @classmethod
     def _spawn(cls: type[_S], like: Storage) -> _S:
@@ -486,11 +474,13 @@ class Layout(Storage):
         geometries: list[KvGeometry | None] = [self._geometry]
         for source in rows:
             if not isinstance(source, Storage) or not self._accepts(source):
-                described = source._describe() if isinstance(source, Storage) else None
-                if described is None:
-                    described = (
-                        source.signature() if isinstance(source, Cache) else type(source).__name__
-                    )
+                described = (
+                    source._describe()
+                    if isinstance(source, Storage)
+                    else source.signature()
+                    if isinstance(source, Cache)
+                    else type(source).__name__
+                )
                 raise IncompatibleRowsError(f"{self._describe()} cannot merge {described}")
             incoming.extend(source._row_windows())
             geometries.append(source.geometry)
