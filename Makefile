@@ -34,8 +34,11 @@ typecheck: install
 	cd tests && ../$(BIN)/mypy --config-file ../pyproject.toml .
 	cd benchmarks && ../$(BIN)/mypy --config-file ../pyproject.toml .
 
+# Two workers: CI runs on two cores, and the conformance machines are CPU-bound.
+PYTEST_WORKERS ?= 2
+
 pytest: install
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS)
 
 test: lint typecheck pytest
 

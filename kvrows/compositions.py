@@ -143,6 +143,7 @@ COMPOSITIONS: tuple[Composition, ...] = (
     Composition(name="DelayedRotatingQuantizedKVCache", codec="affine", geometry="ring",
                 arrangement="ragged", signature="kv:delayed-rotating-quant",
                 params=_RING_AFFINE, serial="RotatingQuantizedKVCache",
+                roles=Roles(SELF, SELF, SELF),
                 modifiers=frozenset({"delayed", "speculative"}), issue=11,
                 summary="ring rows that convert to affine at their own boundary"),
     # -- affine rings ----------------------------------------------------------------
@@ -293,7 +294,17 @@ def bind_arguments(
             f"{entry.name} has no parameter {', '.join(unknown)}; "
             f"it takes {', '.join(entry.params) or 'no parameters'}"
         )
-    given: dict[str, object] = {**_DEFAULTS, **values}
+    implied: dict[str, int] = {}  # what the given specs already say
+    for spec, kinds in ((codec_spec, (Plain, Affine, Turbo)), (geometry_spec, (Growing, Ring))):
+        if spec is None:
+            continue
+        if not isinstance(spec, kinds):
+            raise InvalidInputError(f"{entry.name} cannot be built from {spec!r}")
+        implied.update(spec.parameters())
+    clash = sorted(set(values) & set(implied))
+    if clash:
+        raise InvalidInputError(f"{entry.name} got {', '.join(clash)} twice (argument and spec)")
+    given: dict[str, object] = {**_DEFAULTS, **implied, **values}
     numbers: dict[str, int] = {}
     for name in entry.params:
         if name not in given:

@@ -48,7 +48,7 @@ from kvrows.errors import (
 )
 from kvrows.optimized.codecs import AffineCodec, PlainCodec, Planes, dtype_name, make_codec
 from kvrows.protocols import Cache, Mask
-from kvrows.schemes import Affine, CodecSpec, GeometrySpec, Growing, Plain, Ring
+from kvrows.schemes import CodecSpec, GeometrySpec
 from kvrows.validation import (
     KvGeometry,
     as_count,
@@ -148,19 +148,7 @@ class Storage(PlaneHolder):
 
     # -- construction ---------------------------------------------------------------------
     def __init__(self, *args: object, **kwargs: object) -> None:
-        entry = self.composition
-        # The core's bind_arguments asks for every positional parameter even when a spec
-        # given as codec= / token_geometry= carries it: let the spec supply them.
-        given = set(entry.params[: len(args)]) | set(kwargs)
-        for key in ("codec", "token_geometry"):
-            spec = kwargs.get(key)
-            if isinstance(spec, Plain | Affine | Growing | Ring):
-                kwargs.update(
-                    (name, value)
-                    for name, value in spec.parameters().items()
-                    if name in entry.params and name not in given
-                )
-        codec_spec, token_geometry, geometry = bind_arguments(entry, args, kwargs)
+        codec_spec, token_geometry, geometry = bind_arguments(self.composition, args, kwargs)
         self._setup(codec_spec, token_geometry, geometry)
 
     @classmethod

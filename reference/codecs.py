@@ -1,25 +1,43 @@
-"""How the reference stores one token's vector: the codec axis.
+"""How the reference stores one token's vector: the codec axis, and attention.
 
-A codec turns a ``[B, H, T, D]`` block into a tuple of *planes*, each an
-array whose axis 2 is the token axis. Every codec groups along the feature
-axis only, so slicing, padding and concatenating planes along tokens never
-re-encodes a byte: the row arrangements below are written once, over planes.
+A codec turns a ``[B, H, T, D]`` block into a tuple of *planes*, each an array whose
+axis 2 is the token axis. Every codec groups along the feature axis only, so slicing,
+padding and concatenating planes along tokens never re-encodes a byte: the row
+machinery (``kvrows.reference.rows``) is written once, over planes.
+
+Both codecs implement ``kvrows.codec.Codec``; ``attend`` dispatches through
+``cache.codec.attend``. The reference's attention is one dense kernel,
+``softmax(where(mask, q·kᵀ·scale, min)) · v`` in float32 with GQA by repeating heads;
+the affine codec dequantizes (bit-exactly as ``mx.dequantize`` on the CPU) and runs it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
-from kvrows.affine_geometry import groups, packed_width, validate_codec, validate_params
+from kvrows.affine_geometry import validate_codec
+from kvrows.codec import DTYPE_SIZES, PlaneSpec, codec_plane_specs
 from kvrows.errors import InvalidInputError
+from kvrows.protocols import Cache, HasCodec, Mask
 from kvrows.reference import affine_codec
+from kvrows.schemes import Affine, CodecSpec, Plain
 from kvrows.validation import KvGeometry
 
-__all__ = ["AffineCodec", "Codec", "PlainCodec", "Planes", "dtype_name", "numpy_dtype"]
+__all__ = [
+    "AffineCodec",
+    "Codec",
+    "PlainCodec",
+    "Planes",
+    "attend",
+    "attention",
+    "dtype_name",
+    "make_codec",
+    "numpy_dtype",
+]
 
 Planes = tuple[npt.NDArray[Any], ...]
 
@@ -27,6 +45,7 @@ _DTYPES: dict[str, Any] = {
     "float16": np.float16,
     "bfloat16": ml_dtypes.bfloat16,
     "float32": np.float32,
+    "uint32": np.uint32,
 }
 
 
@@ -44,45 +63,99 @@ def dtype_name(array: object) -> str:
     return str(array.dtype.name)
 
 
-class Codec(Protocol):
-    """Encode a block into planes, and read planes back."""
+# -- attention ---------------------------------------------------------------------------
+
+
+def _visible(mask: Mask, batch: int, queries: int, keys: int) -> npt.NDArray[np.bool_]:
+    if mask is None:
+        return np.ones((1, 1, queries, keys), dtype=bool)
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise InvalidInputError(f"mask must be None, 'causal' or a boolean array, got {mask!r}")
+        rows = np.arange(queries)[:, None] + (keys - queries)
+        return (np.arange(keys)[None, :] <= rows)[None, None]
+    array = np.asarray(mask)
+    if array.dtype != np.bool_:
+        raise InvalidInputError(f"a mask array must be boolean, got {array.dtype}")
+    if array.ndim == 2:
+        array = array[None, None]
+    if array.ndim != 4 or array.shape[-2:] != (queries, keys) or array.shape[0] not in (1, batch):
+        raise InvalidInputError(
+            f"mask of shape {array.shape} does not fit {batch} rows, {queries} queries, {keys} keys"
+        )
+    return array
+
+
+def attention(
+    queries: npt.NDArray[Any],
+    keys: npt.NDArray[Any],
+    values: npt.NDArray[Any],
+    mask: Mask,
+    scale: float,
+) -> npt.NDArray[Any]:
+    """Attention of ``[B, Hq, N, D]`` queries over ``[B, Hkv, S, D]`` keys (GQA by repeating heads)."""
+    dtype_name(queries)
+    if queries.ndim != 4 or keys.ndim != 4 or values.ndim != 4:
+        raise InvalidInputError("queries, keys and values must be [B, H, T, D]")
+    batch, q_heads, n, _ = queries.shape
+    kv_heads, s = keys.shape[1], keys.shape[2]
+    if q_heads % kv_heads:
+        raise InvalidInputError(f"{q_heads} query heads do not group over {kv_heads} KV heads")
+    repeat = q_heads // kv_heads
+    k = np.repeat(keys.astype(np.float32), repeat, axis=1)
+    v = np.repeat(values.astype(np.float32), repeat, axis=1)
+    scores = np.einsum("bhnd,bhsd->bhns", queries.astype(np.float32), k) * np.float32(scale)
+    scores = np.where(_visible(mask, batch, n, s), scores, np.finfo(np.float32).min)
+    scores -= scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores)
+    weights /= weights.sum(axis=-1, keepdims=True)
+    out: npt.NDArray[Any] = np.einsum("bhns,bhsd->bhnd", weights, v).astype(queries.dtype)
+    return out
+
+
+def attend(queries: npt.NDArray[Any], cache: Cache, mask: Mask, scale: float) -> npt.NDArray[Any]:
+    """Attention of ``queries`` over everything ``cache`` holds now, through its codec."""
+    dtype_name(queries)
+    if not isinstance(cache, HasCodec):
+        raise InvalidInputError(f"attend needs a kvrows storage, got {type(cache).__name__}")
+    codec: Codec = cache.codec
+    return codec.attend(queries, *cache.fetch(), mask, scale)
+
+
+# -- codecs ------------------------------------------------------------------------------
+
+
+class _Planes:
+    """What both codecs answer from their spec alone."""
+
+    spec: CodecSpec
 
     @property
     def key(self) -> str:
         """Identity of the codec and its parameters (rows of different keys never mix)."""
-        ...
+        return self.spec.key
 
-    def check(self, geometry: KvGeometry) -> None:
-        """Raise ``InvalidInputError`` if this codec cannot store heads of ``geometry``."""
-        ...
-
-    def encode(self, block: npt.NDArray[Any]) -> Planes: ...
-
-    def decode(self, planes: Planes, dtype: str) -> npt.NDArray[Any]:
-        """The stored values as a ``dtype`` array."""
-        ...
-
-    def dense(self, fetched: Any) -> npt.NDArray[Any]:
-        """What ``fetched`` (an ``update_and_fetch`` result) holds, as a dense array."""
-        ...
-
-    def fetched(self, planes: Planes) -> Any:
-        """What ``update_and_fetch`` hands to attention for these planes."""
-        ...
-
-    def empty(self, rows: int, heads: int, dim: int, dtype: str) -> Planes:
-        """Zero-token planes of this geometry."""
-        ...
+    def plane_specs(self, name: str, dim: int, dtype: str) -> tuple[PlaneSpec, ...]:
+        return codec_plane_specs(self.spec, name, dim, dtype)
 
     def token_bytes(self, heads: int, dim: int, dtype: str) -> int:
         """Bytes one token of one row occupies."""
-        ...
+        specs = self.plane_specs("t", dim, dtype)
+        return heads * sum(DTYPE_SIZES[p.dtype] * p.width for p in specs)
+
+    def zeros(self, rows: int, heads: int, columns: int, dim: int, dtype: str) -> Planes:
+        """Zero planes of ``columns`` tokens (the padding a read shows)."""
+        return tuple(
+            np.zeros((rows, heads, columns, p.width), dtype=numpy_dtype(p.dtype))
+            for p in self.plane_specs("t", dim, dtype)
+        )
 
 
-class PlainCodec:
+class PlainCodec(_Planes):
     """Unquantized storage in the activation dtype: one plane, the block itself."""
 
-    key = "plain"
+    def __init__(self) -> None:
+        self.spec: CodecSpec = Plain()
 
     def check(self, geometry: KvGeometry) -> None:
         return None
@@ -90,24 +163,20 @@ class PlainCodec:
     def encode(self, block: npt.NDArray[Any]) -> Planes:
         return (np.array(block, copy=True),)
 
-    def decode(self, planes: Planes, dtype: str) -> npt.NDArray[Any]:
+    def decode(self, planes: Planes) -> npt.NDArray[Any]:
+        """The stored values."""
         return planes[0]
-
-    def dense(self, fetched: Any) -> npt.NDArray[Any]:
-        array: npt.NDArray[Any] = fetched
-        return array
 
     def fetched(self, planes: Planes) -> Any:
         return planes[0]
 
-    def empty(self, rows: int, heads: int, dim: int, dtype: str) -> Planes:
-        return (np.zeros((rows, heads, 0, dim), dtype=numpy_dtype(dtype)),)
+    def attend(
+        self, queries: Any, keys: Any, values: Any, mask: Mask, scale: float
+    ) -> npt.NDArray[Any]:
+        return attention(queries, keys, values, mask, scale)
 
-    def token_bytes(self, heads: int, dim: int, dtype: str) -> int:
-        return heads * dim * int(numpy_dtype(dtype).itemsize)
 
-
-class AffineCodec:
+class AffineCodec(_Planes):
     """MLX affine group quantization: planes ``(packed uint32, scales, biases)``.
 
     Quantizes each new token once, on append; row operations move codes, scales and
@@ -115,11 +184,10 @@ class AffineCodec:
     planes as a tuple, mlx-lm's quantized-cache convention.
     """
 
-    def __init__(self, group_size: int, bits: int) -> None:
-        validate_params(group_size, bits)
+    def __init__(self, group_size: int = 64, bits: int = 8) -> None:
+        self.spec = Affine(bits=bits, group_size=group_size)
         self.group_size = group_size
         self.bits = bits
-        self.key = f"affine:{bits}:{group_size}"
 
     def check(self, geometry: KvGeometry) -> None:
         for name, dim in (("key", geometry.key_dim), ("value", geometry.value_dim)):
@@ -131,26 +199,27 @@ class AffineCodec:
     def encode(self, block: npt.NDArray[Any]) -> Planes:
         return affine_codec.quantize(block, self.group_size, self.bits)
 
-    def decode(self, planes: Planes, dtype: str) -> npt.NDArray[Any]:
+    def decode(self, planes: Planes) -> npt.NDArray[Any]:
+        """The stored values, dequantized exactly as ``mx.dequantize`` on the CPU."""
         packed, scales, biases = planes
         return affine_codec.dequantize(packed, scales, biases, self.group_size, self.bits)
-
-    def dense(self, fetched: Any) -> npt.NDArray[Any]:
-        return self.decode(tuple(fetched), "")
 
     def fetched(self, planes: Planes) -> Any:
         return tuple(planes)
 
-    def empty(self, rows: int, heads: int, dim: int, dtype: str) -> Planes:
-        scale_dtype = numpy_dtype(dtype)
-        return (
-            np.zeros((rows, heads, 0, packed_width(dim, self.bits)), dtype=np.uint32),
-            np.zeros((rows, heads, 0, groups(dim, self.group_size)), dtype=scale_dtype),
-            np.zeros((rows, heads, 0, groups(dim, self.group_size)), dtype=scale_dtype),
-        )
+    def attend(
+        self, queries: Any, keys: Any, values: Any, mask: Mask, scale: float
+    ) -> npt.NDArray[Any]:
+        return attention(queries, self.decode(keys), self.decode(values), mask, scale)
 
-    def token_bytes(self, heads: int, dim: int, dtype: str) -> int:
-        itemsize = int(numpy_dtype(dtype).itemsize)
-        return heads * (
-            4 * packed_width(dim, self.bits) + 2 * itemsize * groups(dim, self.group_size)
-        )
+
+Codec = PlainCodec | AffineCodec
+
+
+def make_codec(spec: CodecSpec) -> Codec:
+    """The reference codec for ``spec``."""
+    if isinstance(spec, Affine):
+        return AffineCodec(spec.group_size, spec.bits)
+    if isinstance(spec, Plain):
+        return PlainCodec()
+    raise InvalidInputError(f"the reference does not implement the {spec.kind} codec yet")

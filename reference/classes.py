@@ -1,0 +1,148 @@
+"""The reference's public classes: one thin declaration per landed composition.
+
+Each names its composition (``kvrows.compositions``): the codec, the token geometry and
+the arrangement come from there, and the row machinery (``rows.py``) with the geometry's
+hooks (``growing.py``, ``ring.py``) does the rest. The mixins add what mlx-lm reads off
+an affine storage (``bits``, ``group_size``) or a ring (``max_size``, ``keep``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from kvrows.common import AffineParameters
+from kvrows.compositions import composition, landed
+from kvrows.errors import KvRowsError
+from kvrows.reference.ring import RingParameters
+from kvrows.reference.rows import RowLayout, SerialStorage, Storage
+
+__all__ = [
+    "BatchedKVCache",
+    "BatchedQuantizedKVCache",
+    "BatchedRotatingCache",
+    "BatchedRotatingQuantCache",
+    "KVCache",
+    "PaddedKVRows",
+    "PaddedQuantKVRows",
+    "QuantizedKVCache",
+    "RaggedRotatingRows",
+    "RotatingAffineLayout",
+    "RotatingKVCache",
+    "RotatingQuantizedKVCache",
+    "declared_classes",
+]
+
+# -- full attention ------------------------------------------------------------------------
+
+
+class KVCache(SerialStorage):
+    """Serial plain full attention (``spec/KVCache.md``)."""
+
+    composition = composition("KVCache")
+
+
+class PaddedKVRows(RowLayout):
+    """Decode layout of ``KVCache``: one write column (``spec/PaddedKVRows.md``)."""
+
+    composition = composition("PaddedKVRows")
+    serial_class = KVCache
+
+
+class BatchedKVCache(RowLayout):
+    """Prefill/verify layout of ``KVCache``: ragged rows (``spec/BatchedKVCache.md``)."""
+
+    composition = composition("BatchedKVCache")
+    serial_class = KVCache
+
+
+class QuantizedKVCache(AffineParameters, SerialStorage):
+    """Serial affine full attention (``spec/QuantizedKVCache.md``)."""
+
+    composition = composition("QuantizedKVCache")
+
+
+class PaddedQuantKVRows(AffineParameters, RowLayout):
+    """Decode layout of ``QuantizedKVCache`` (``spec/PaddedQuantKVRows.md``)."""
+
+    composition = composition("PaddedQuantKVRows")
+    serial_class = QuantizedKVCache
+
+
+class BatchedQuantizedKVCache(AffineParameters, RowLayout):
+    """Prefill/verify layout of ``QuantizedKVCache`` (``spec/BatchedQuantizedKVCache.md``)."""
+
+    composition = composition("BatchedQuantizedKVCache")
+    serial_class = QuantizedKVCache
+
+
+# -- sliding window ---------------------------------------------------------------------------
+
+
+class RotatingKVCache(RingParameters, SerialStorage):
+    """Serial plain ring (``spec/RotatingKVCache.md``)."""
+
+    composition = composition("RotatingKVCache")
+
+
+class BatchedRotatingCache(RingParameters, RowLayout):
+    """Decode layout of ``RotatingKVCache`` (``spec/BatchedRotatingCache.md``)."""
+
+    composition = composition("BatchedRotatingCache")
+    serial_class = RotatingKVCache
+
+
+class RaggedRotatingRows(RingParameters, RowLayout):
+    """Prefill/verify layout of ``RotatingKVCache`` (``spec/RaggedRotatingRows.md``)."""
+
+    composition = composition("RaggedRotatingRows")
+    serial_class = RotatingKVCache
+
+
+class RotatingQuantizedKVCache(AffineParameters, RingParameters, SerialStorage):
+    """Serial affine ring (``spec/RotatingQuantizedKVCache.md``)."""
+
+    composition = composition("RotatingQuantizedKVCache")
+
+
+class BatchedRotatingQuantCache(AffineParameters, RingParameters, RowLayout):
+    """Decode layout of ``RotatingQuantizedKVCache`` (``spec/BatchedRotatingQuantCache.md``)."""
+
+    composition = composition("BatchedRotatingQuantCache")
+    serial_class = RotatingQuantizedKVCache
+
+
+class RotatingAffineLayout(AffineParameters, RingParameters, RowLayout):
+    """Prefill/verify layout of ``RotatingQuantizedKVCache`` (``spec/RotatingAffineLayout.md``)."""
+
+    composition = composition("RotatingAffineLayout")
+    serial_class = RotatingQuantizedKVCache
+
+
+def _checked(cls: type[Storage]) -> type[Storage]:
+    """``cls`` as its composition wants it: the declaration agrees with the table, and the
+    composition's modifiers (delayed, speculative: they wrap a layout) are applied here."""
+    entry = cls.composition
+    agrees = (
+        issubclass(cls, RowLayout) == entry.is_layout
+        and issubclass(cls, AffineParameters) == (entry.codec == "affine")
+        and issubclass(cls, RingParameters) == (entry.geometry == "ring")
+        and (not issubclass(cls, RowLayout) or cls.serial_class.composition.name == entry.serial)
+    )
+    if not agrees:
+        raise KvRowsError(f"{cls.__name__} does not declare its composition {entry}")
+    if entry.modifiers:
+        raise KvRowsError(f"{cls.__name__}: the {sorted(entry.modifiers)} modifiers are planned")
+    return cls
+
+
+def declared_classes() -> Mapping[str, type[Storage]]:
+    """Every public class of this module, by composition name (what ``__init__`` registers)."""
+    found = {
+        value.composition.name: _checked(value)
+        for value in globals().values()
+        if isinstance(value, type) and issubclass(value, Storage) and "composition" in vars(value)
+    }
+    missing = [c.name for c in landed() if c.name not in found]
+    if missing:
+        raise KvRowsError(f"the reference lacks {', '.join(missing)}")
+    return found

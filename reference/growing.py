@@ -1,0 +1,131 @@
+"""Full attention: the growing token geometry's hooks (``spec/KVCache.md``,
+``spec/PaddedKVRows.md``, ``spec/BatchedKVCache.md``).
+
+A row keeps every token it was given; its window is all of them. A layout places its
+rows with left padding: a merge right-aligns the incoming rows to ``W = max(current
+width, longest incoming row)`` and grows the pads of the rows already there by what
+the width grew; each row appends at its own end (with a shared write column every end
+is the same column; ragged rows drift apart once they are trimmed apart); a filter drops
+the padding every survivor shares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from kvrows.compositions import Arrangement
+from kvrows.errors import NotTrimmableError
+from kvrows.protocols import Mask
+from kvrows.reference.rows import Placement, Row
+from kvrows.schemes import GeometrySpec, Growing
+
+__all__ = ["GrowingAxis", "PaddedRows"]
+
+
+def _visible(
+    pads: Sequence[int], ends: Sequence[int], n: int, window: int | None
+) -> npt.NDArray[np.bool_]:
+    """``[B, 1, n, max(ends) + n]``: row ``b``'s query ``i`` sits at column ``ends[b] + i``
+    and sees ``[pads[b], ends[b] + i]`` (only its last ``window`` columns with a window)."""
+    pad = np.array(pads, dtype=np.int64)[:, None, None, None]
+    end = np.array(ends, dtype=np.int64)[:, None, None, None]
+    columns = np.arange(max(ends, default=0) + n)[None, None, None, :]
+    queries = end + np.arange(n)[None, None, :, None]
+    visible: npt.NDArray[np.bool_] = (columns <= queries) & (columns >= pad)
+    if window is not None:
+        visible &= queries < columns + window
+    return visible
+
+
+class GrowingAxis:
+    """Every token is kept; the window is the whole row."""
+
+    cap: int | None = None
+    empty_rows_keep_geometry: bool = True
+
+    def __init__(self, spec: Growing) -> None:
+        self.spec: GeometrySpec = spec
+
+    def history(self, row: Row, n: int) -> int:
+        return row.retained
+
+    def window(self, row: Row) -> int:
+        return row.retained
+
+    def cuttable(self, offset: int) -> bool:
+        return True
+
+    def serial_mask(self, offset: int, n: int, window: int | None, return_array: bool) -> Mask:
+        """mlx-lm's policy: ``None`` for one token, ``"causal"`` for a block, an array
+        ``[n, offset + n]`` when a window or ``return_array`` asks for one."""
+        if window is None and not return_array:
+            return None if n == 1 else "causal"
+        visible: npt.NDArray[np.bool_] = _visible([0], [offset], n, window)[0, 0]
+        return visible
+
+    def place(self, arrangement: Arrangement) -> Placement:
+        return PaddedRows(shared=arrangement == "shared")
+
+
+class PaddedRows:
+    """Row ``b`` occupies columns ``[pad[b], pad[b] + retained[b])``; ``shared``: every row
+    ends at the same column (so rows trim together)."""
+
+    def __init__(self, *, shared: bool) -> None:
+        self.shared = shared
+
+    def columns(self, rows: Sequence[Row]) -> tuple[int, list[tuple[int, int]], int]:
+        width = max((r.pad + r.retained for r in rows), default=0)
+        return width, [(r.pad, r.retained) for r in rows], 0
+
+    def fetchable(self, rows: Sequence[Row]) -> bool:
+        return bool(rows)
+
+    def mask(self, rows: Sequence[Row], n: int, window: int | None, return_array: bool) -> Mask:
+        pads = [r.pad for r in rows]
+        ends = [r.pad + r.retained for r in rows]
+        uniform = not any(pads) and len(set(ends)) <= 1
+        if uniform and window is None and not return_array:
+            return None if n == 1 else "causal"
+        return _visible(pads, ends, n, window)
+
+    def advance(self, rows: Sequence[Row], n: int) -> None:
+        return None
+
+    def join(self, rows: Sequence[Row], running: int) -> None:
+        width = max((r.pad + r.retained for r in rows[:running]), default=0)
+        target = max([width, *(r.retained for r in rows[running:])])
+        for row in rows[:running]:
+            row.pad += target - width
+        for row in rows[running:]:
+            row.pad = target - row.retained
+
+    def filter(self, rows: Sequence[Row]) -> None:
+        shared = min((r.pad for r in rows), default=0)
+        for row in rows:
+            row.pad -= shared
+
+    def check_trim(self, rows: Sequence[Row], counts: Sequence[int]) -> None:
+        for b, (row, count) in enumerate(zip(rows, counts, strict=True)):
+            if count > row.retained:
+                raise NotTrimmableError(
+                    f"cannot trim {count} tokens from row {b}, which holds {row.retained}"
+                )
+        if self.shared and len(set(counts)) > 1:
+            raise NotTrimmableError("rows sharing one write column must trim together")
+
+    def trimmed(self, rows: Sequence[Row], counts: Sequence[int]) -> None:
+        return None
+
+    def trimmable(self, rows: Sequence[Row]) -> bool:
+        return True
+
+    def check(self, rows: Sequence[Row]) -> None:
+        assert all(r.pad >= 0 for r in rows)
+        if rows:
+            assert min(r.pad for r in rows) == 0, "some row must start at column 0"
+        if self.shared:
+            assert len({r.pad + r.retained for r in rows}) <= 1, "rows must share the write column"

@@ -1,0 +1,583 @@
+"""The reference's row machinery: every storage and layout is a list of compact rows.
+
+This is the executable specification, so it says what a layout *means* rather than how a
+fast one moves bytes: each request's row is its own compact arrays (:class:`Row`: the
+tokens it retains, oldest first, and its position), and the batch a read returns is
+assembled from them on every read. There is no origin, no slot and no capacity.
+
+The code is written once, over three axes (``spec/contract.md``):
+
+* the **codec** (``kvrows.reference.codecs``) turns a block into planes and back;
+* the **token geometry** (:class:`TokenAxis`: ``growing.py``, ``ring.py``) says what a row
+  keeps when a block is appended and which of its tokens are its window, and places the
+  rows of a layout in the batch a read returns (:class:`Placement`, one per arrangement);
+* the **arrangement** (the composition's ``serial`` / ``shared`` / ``ragged``) picks the
+  class here (:class:`SerialStorage` for one request, :class:`RowLayout` for several)
+  and the placement.
+
+Everything else, the argument checks, the compatibility test for merged rows, the
+validate-once templates of ``update_and_fetch`` / ``merge_rows`` / ``filter_rows`` /
+``extract_row``, per-row trims and ``check_valid``, is here, once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, Self
+
+import numpy as np
+import numpy.typing as npt
+
+from kvrows.codec import PlaneSpec
+from kvrows.common import check_counts, row_bytes
+from kvrows.compositions import Arrangement, Composition, bind_arguments
+from kvrows.errors import (
+    EMPTY_LAYOUT_UPDATE,
+    NOTHING_TO_FETCH,
+    IncompatibleRowsError,
+    InvalidInputError,
+    LayoutStateError,
+    NotTrimmableError,
+    self_merge_message,
+)
+from kvrows.protocols import Cache, Mask
+from kvrows.reference.codecs import Codec, Planes, dtype_name, make_codec
+from kvrows.schemes import CodecSpec, GeometrySpec
+from kvrows.validation import (
+    KvGeometry,
+    as_count,
+    check_block,
+    check_keep,
+    check_row,
+    check_window,
+    common_geometry,
+)
+
+__all__ = ["Placement", "Row", "RowLayout", "SerialStorage", "Storage", "TokenAxis"]
+
+
+def newest(planes: Planes, count: int) -> Planes:
+    """Copies of the newest ``count`` tokens of ``planes`` (token axis 2)."""
+    length = int(planes[0].shape[2])
+    return tuple(np.array(p[:, :, length - min(count, length) :], copy=True) for p in planes)
+
+
+def concat(first: Planes | None, second: Planes) -> Planes:
+    """``second`` appended to ``first`` along the token axis."""
+    if first is None:
+        return second
+    return tuple(np.concatenate([a, b], axis=2) for a, b in zip(first, second, strict=True))
+
+
+@dataclass
+class Row:
+    """One request: the tokens it retains, oldest first, and where it stands.
+
+    ``keys`` / ``values``: the retained tokens' planes ``[1, H, retained, ·]`` (``None``
+    before its first token); ``offset``: tokens ever appended (the next token's
+    position); ``pad``: what the layout reports as the row's ``left_pad``.
+    """
+
+    keys: Planes | None = None
+    values: Planes | None = None
+    offset: int = 0
+    pad: int = 0
+
+    @property
+    def retained(self) -> int:
+        return 0 if self.keys is None else int(self.keys[0].shape[2])
+
+    def newest(self, count: int) -> Row:
+        """An independent row holding this one's newest ``count`` tokens, at its offset."""
+        if self.keys is None or self.values is None or count == 0:
+            return Row(offset=self.offset, pad=self.pad)
+        return Row(newest(self.keys, count), newest(self.values, count), self.offset, self.pad)
+
+    def append(self, keys: Planes, values: Planes, history: int) -> None:
+        """Keep the newest ``history`` tokens, then append the block."""
+        n = int(keys[0].shape[2])
+        kept = self.newest(history)
+        self.keys, self.values = concat(kept.keys, keys), concat(kept.values, values)
+        self.offset += n
+
+    def trim(self, count: int) -> None:
+        """Forget the newest ``count`` retained tokens."""
+        if count and self.keys is not None and self.values is not None:
+            keep = self.retained - count
+            self.keys = tuple(np.array(p[:, :, :keep], copy=True) for p in self.keys)
+            self.values = tuple(np.array(p[:, :, :keep], copy=True) for p in self.values)
+        self.offset -= count
+
+    @property
+    def planes(self) -> Planes:
+        return (self.keys or ()) + (self.values or ())
+
+
+class Placement(Protocol):
+    """Where a layout's rows sit in the batch a read returns (one per arrangement).
+
+    ``columns`` gives the image's width, each row's ``(start, shown)`` (its newest
+    ``shown`` retained tokens fill ``[start, start + shown)`` in temporal order) and the
+    roll that turns the temporal image into the physical one. The other hooks keep the
+    placement's own bookkeeping (and ``Row.pad``) in step with the rows.
+    """
+
+    def columns(self, rows: Sequence[Row]) -> tuple[int, list[tuple[int, int]], int]: ...
+
+    def fetchable(self, rows: Sequence[Row]) -> bool: ...
+
+    def mask(self, rows: Sequence[Row], n: int, window: int | None, return_array: bool) -> Mask: ...
+
+    def advance(self, rows: Sequence[Row], n: int) -> None:
+        """Before every row takes a block of ``n`` tokens."""
+        ...
+
+    def join(self, rows: Sequence[Row], running: int) -> None:
+        """After a merge: ``rows[:running]`` were there, the rest joined (all cut)."""
+        ...
+
+    def filter(self, rows: Sequence[Row]) -> None:
+        """After a filter: ``rows`` are the survivors, in their new order."""
+        ...
+
+    def check_trim(self, rows: Sequence[Row], counts: Sequence[int]) -> None:
+        """Raise ``NotTrimmableError`` unless row ``b`` may forget ``counts[b]`` tokens."""
+        ...
+
+    def trimmed(self, rows: Sequence[Row], counts: Sequence[int]) -> None: ...
+
+    def trimmable(self, rows: Sequence[Row]) -> bool: ...
+
+    def check(self, rows: Sequence[Row]) -> None:
+        """Assert the placement's invariants."""
+        ...
+
+
+class TokenAxis(Protocol):
+    """How a token geometry organises a row's token axis: the geometry's hooks."""
+
+    spec: GeometrySpec
+    #: Most positions a row stores (``None``: unbounded); ``projected_bytes`` caps there.
+    cap: int | None
+    #: Whether a row extracted before its first token keeps the layout's KV geometry.
+    empty_rows_keep_geometry: bool
+
+    def history(self, row: Row, n: int) -> int:
+        """How many of its retained tokens a row keeps before it appends ``n`` more."""
+        ...
+
+    def window(self, row: Row) -> int:
+        """How many of a row's newest tokens are its window (what extraction keeps)."""
+        ...
+
+    def cuttable(self, offset: int) -> bool:
+        """Whether a row at ``offset`` may still forget tokens (or publish a prefix)."""
+        ...
+
+    def serial_mask(self, offset: int, n: int, window: int | None, return_array: bool) -> Mask:
+        """A serial storage's mask (mlx-lm's policy for this geometry)."""
+        ...
+
+    def place(self, arrangement: Arrangement) -> Placement: ...
+
+
+def make_axis(spec: GeometrySpec) -> TokenAxis:
+    """The hooks of the token geometry ``spec``."""
+    from kvrows.reference.growing import GrowingAxis
+    from kvrows.reference.ring import RingAxis
+    from kvrows.schemes import Growing
+
+    return GrowingAxis(spec) if isinstance(spec, Growing) else RingAxis(spec)
+
+
+def _image(
+    codec: Codec,
+    geometry: KvGeometry,
+    rows: Sequence[Row],
+    which: str,
+    columns: tuple[int, list[tuple[int, int]], int],
+) -> Planes:
+    """The batch of ``which`` ("keys" / "values") planes a read returns."""
+    width, spans, roll = columns
+    dim = geometry.key_dim if which == "keys" else geometry.value_dim
+    out = codec.zeros(len(rows), geometry.heads, width, dim, geometry.dtype)
+    for b, (row, (start, shown)) in enumerate(zip(rows, spans, strict=True)):
+        held = row.keys if which == "keys" else row.values
+        if held is None or not shown:
+            continue
+        for dst, src in zip(out, held, strict=True):
+            dst[b, :, start : start + shown] = src[0, :, src.shape[2] - shown :]
+    return tuple(np.roll(p, roll, axis=2) for p in out)
+
+
+class Storage:
+    """What every reference storage and layout is: a codec, a token geometry, rows.
+
+    A public class names its composition (``kvrows.compositions``); the constructor takes
+    that composition's parameters (mlx-lm's positional order), or ``codec=`` /
+    ``token_geometry=`` specs, and ``geometry=KvGeometry(...)`` to declare the KV heads
+    before the first token.
+    """
+
+    composition: ClassVar[Composition]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        codec_spec, token_geometry, declared = bind_arguments(self.composition, args, kwargs)
+        self.codec: Codec = make_codec(codec_spec)
+        self._token_geometry = token_geometry
+        self._axis = make_axis(token_geometry)
+        self._geometry: KvGeometry | None = declared
+        self._rows: list[Row] = []
+
+    @classmethod
+    def from_specs(
+        cls,
+        codec_spec: CodecSpec,
+        token_geometry: GeometrySpec,
+        *,
+        geometry: KvGeometry | None = None,
+    ) -> Self:
+        """An empty instance built from frozen specs (the row-layout table's factories)."""
+        return cls(codec=codec_spec, token_geometry=token_geometry, geometry=geometry)
+
+    # -- identity ------------------------------------------------------------------------
+    @property
+    def codec_spec(self) -> CodecSpec:
+        return self.codec.spec
+
+    @property
+    def token_geometry(self) -> GeometrySpec:
+        return self._token_geometry
+
+    @property
+    def geometry(self) -> KvGeometry | None:
+        return self._geometry
+
+    def signature(self) -> str:
+        return self.composition.signature_for(self.codec_spec, self._token_geometry)
+
+    def plane_specs(self) -> tuple[PlaneSpec, ...]:
+        """The planes every row holds: the keys' planes, then the values'."""
+        g = self._geometry
+        if g is None:
+            return ()
+        return self.codec.plane_specs("keys", g.key_dim, g.dtype) + self.codec.plane_specs(
+            "values", g.value_dim, g.dtype
+        )
+
+    # -- what it holds --------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        return sum(int(p.nbytes) for row in self._rows for p in row.planes)
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        return tuple(p for row in self._rows for p in row.planes)
+
+    @property
+    def state_needs_dispose(self) -> bool:
+        return False
+
+    # -- the templates ---------------------------------------------------------------------
+    def _columns(self) -> tuple[int, list[tuple[int, int]], int]:
+        raise NotImplementedError
+
+    def _fetchable(self) -> bool:
+        raise NotImplementedError
+
+    def _advance(self, n: int) -> None:
+        """Bookkeeping before every row takes a block of ``n`` tokens."""
+
+    def fetch(self) -> tuple[Any, Any]:
+        """The keys and values attention reads now (assembled from the rows)."""
+        geometry = self._geometry
+        if geometry is None or not self._fetchable():
+            raise LayoutStateError(NOTHING_TO_FETCH)
+        columns = self._columns()
+        return (
+            self.codec.fetched(_image(self.codec, geometry, self._rows, "keys", columns)),
+            self.codec.fetched(_image(self.codec, geometry, self._rows, "values", columns)),
+        )
+
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        """Validate the block once, encode it once, append row ``b``'s share to row ``b``."""
+        geometry = check_block(
+            keys.shape if isinstance(keys, np.ndarray) else (),
+            values.shape if isinstance(values, np.ndarray) else (),
+            dtype_name(keys),
+            dtype_name(values),
+            rows=len(self._rows) or None,
+            geometry=self._geometry,
+        )
+        self.codec.check(geometry)
+        new_k, new_v = self.codec.encode(keys), self.codec.encode(values)
+        n = int(keys.shape[2])
+        if not self._rows:  # a serial storage learns its rows from its first block
+            self._rows = [Row() for _ in range(int(keys.shape[0]))]
+        self._advance(n)
+        for b, row in enumerate(self._rows):
+            row.append(
+                tuple(p[b : b + 1] for p in new_k),
+                tuple(p[b : b + 1] for p in new_v),
+                self._axis.history(row, n),
+            )
+        self._geometry = geometry
+        return self.fetch()
+
+    def _window(self, row: Row) -> tuple[Planes, Planes] | None:
+        """Copies of ``row``'s window in temporal order (``None`` before its first token)."""
+        if row.offset == 0 or row.keys is None:
+            return None
+        cut = row.newest(self._axis.window(row))
+        assert cut.keys is not None and cut.values is not None
+        return cut.keys, cut.values
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self._token_geometry}, offsets="
+            f"{[r.offset for r in self._rows]}, retained={[r.retained for r in self._rows]}, "
+            f"pads={[r.pad for r in self._rows]})"
+        )
+
+
+class SerialStorage(Storage):
+    """One request (shape-generic in ``B``: every row takes every block): the one-row case.
+
+    Reads stack the rows' retained tokens; ``offset`` is an int.
+    """
+
+    @property
+    def offset(self) -> int:
+        return self._rows[0].offset if self._rows else 0
+
+    @property
+    def rows(self) -> int:
+        """Batch rows held (0 before the first append)."""
+        return len(self._rows)
+
+    @property
+    def retained(self) -> int:
+        return self._rows[0].retained if self._rows else 0
+
+    def _columns(self) -> tuple[int, list[tuple[int, int]], int]:
+        return self.retained, [(0, self.retained)] * len(self._rows), 0
+
+    def _fetchable(self) -> bool:
+        return bool(self._rows)
+
+    def make_mask(
+        self, n: int, *, return_array: bool = False, window_size: int | None = None
+    ) -> Mask:
+        count = as_count(n, "n", minimum=1)
+        return self._axis.serial_mask(self.offset, count, check_window(window_size), return_array)
+
+    def is_trimmable(self) -> bool:
+        return self._axis.cuttable(self.offset)
+
+    def trim(self, n: int) -> int:
+        """Forget the newest ``n`` positions (at most ``offset``)."""
+        count = as_count(n, "n")
+        if count and not self.is_trimmable():
+            raise NotTrimmableError(
+                f"a ring that has wrapped (offset {self.offset} >= window "
+                f"{self._axis.cap}) cannot be trimmed: the overwritten tokens are gone"
+            )
+        count = min(count, self.offset)
+        for row in self._rows:
+            row.trim(count)
+        return count
+
+    def check_valid(self) -> None:
+        assert len({(r.offset, r.retained) for r in self._rows}) <= 1, "rows move together"
+        assert all(r.retained <= r.offset for r in self._rows)
+
+    # -- read-only views for tests and conformance -------------------------------------------
+    def planes(self) -> tuple[Planes, Planes] | None:
+        """Every retained token's key and value planes, rows stacked (``None`` when empty)."""
+        if not self._rows:
+            return None
+        keys = [r.keys for r in self._rows if r.keys is not None]
+        values = [r.values for r in self._rows if r.values is not None]
+        return _stack(keys), _stack(values)
+
+    def window(self) -> tuple[Planes, Planes] | None:
+        """The newest ``min(offset, window)`` tokens' planes in temporal order."""
+        windows = [self._window(row) for row in self._rows]
+        if not windows or any(w is None for w in windows):
+            return None
+        return _stack([w[0] for w in windows if w]), _stack([w[1] for w in windows if w])
+
+    def adopt(self, row: Row, geometry: KvGeometry | None) -> SerialStorage:
+        """Make this (empty) storage hold ``row`` (used by extraction)."""
+        if self._rows:
+            raise LayoutStateError("adopt needs an empty cache")
+        self._rows = [] if row.keys is None else [row]
+        self._geometry = geometry
+        return self
+
+
+def _stack(planes: Sequence[Planes]) -> Planes:
+    return tuple(np.concatenate(list(ps), axis=0) for ps in zip(*planes, strict=True))
+
+
+class RowLayout(Storage):
+    """Several requests' rows of one layer; ``composition.arrangement`` places them.
+
+    ``merge_rows`` borrows its sources (their rows are copied, cut to their window),
+    ``filter_rows`` keeps rows in a given order, ``extract_row`` hands out an independent
+    serial storage of the composition's ``serial`` class.
+    """
+
+    #: The serial class rows extract into (set by the class declarations).
+    serial_class: ClassVar[type[SerialStorage]]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._place = self._axis.place(self.composition.arrangement)
+
+    # -- what the layout holds ---------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return len(self._rows)
+
+    @property
+    def row_offsets(self) -> tuple[int, ...]:
+        return tuple(row.offset for row in self._rows)
+
+    @property
+    def retained(self) -> tuple[int, ...]:
+        return tuple(row.retained for row in self._rows)
+
+    @property
+    def left_pad(self) -> tuple[int, ...]:
+        return tuple(row.pad for row in self._rows)
+
+    @property
+    def offset(self) -> npt.NDArray[np.int32]:
+        return np.array(self.row_offsets, dtype=np.int32)
+
+    @property
+    def width(self) -> int:
+        """Columns a read returns."""
+        return self._columns()[0]
+
+    @property
+    def max_tokens(self) -> float:
+        return math.inf
+
+    def make_empty_batch(self) -> RowLayout:
+        return type(self).from_specs(self.codec_spec, self._token_geometry)
+
+    def can_publish_row(self, row: int, tokens: int) -> bool:
+        offset = self._rows[check_row(row, self.batch_size)].offset
+        count = as_count(tokens, "tokens")
+        return count == offset or (count < offset and self._axis.cuttable(offset))
+
+    def projected_bytes(self, tokens: int) -> int:
+        return row_bytes(self.codec, self._geometry, tokens, self._axis.cap)
+
+    # -- reads -----------------------------------------------------------------------------
+    def _columns(self) -> tuple[int, list[tuple[int, int]], int]:
+        return self._place.columns(self._rows)
+
+    def _fetchable(self) -> bool:
+        return self._place.fetchable(self._rows)
+
+    def make_mask(
+        self, n: int, *, return_array: bool = False, window_size: int | None = None
+    ) -> Mask:
+        count = as_count(n, "n", minimum=1)
+        return self._place.mask(self._rows, count, check_window(window_size), return_array)
+
+    def row_window(self, row: int) -> tuple[Planes, Planes] | None:
+        """Row ``row``'s window in temporal order (``None`` before its first token)."""
+        return self._window(self._rows[check_row(row, self.batch_size)])
+
+    row_planes = row_window
+
+    # -- writes ----------------------------------------------------------------------------
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        if not self._rows:
+            raise LayoutStateError(EMPTY_LAYOUT_UPDATE)
+        return super().update_and_fetch(keys, values)
+
+    def _advance(self, n: int) -> None:
+        self._place.advance(self._rows, n)
+
+    def _accepts(self, source: object) -> bool:
+        return (
+            isinstance(source, Storage)
+            and source.codec.key == self.codec.key
+            and source.token_geometry == self._token_geometry
+        )
+
+    def _cut(self, row: Row) -> Row:
+        return row.newest(self._axis.window(row))
+
+    def merge_rows(self, rows: Sequence[Any]) -> None:
+        """Form the batch (empty layout) or join ``rows`` (running layout)."""
+        if isinstance(rows, str | bytes | Cache) or not isinstance(rows, Sequence):
+            raise InvalidInputError("merge_rows takes a sequence of caches")
+        if any(s is self for s in rows) or len({id(s) for s in rows}) != len(rows):
+            raise IncompatibleRowsError(self_merge_message(self.signature()))
+        incoming: list[Row] = []
+        for source in rows:
+            if not self._accepts(source):
+                described = source.signature() if hasattr(source, "signature") else type(source)
+                raise IncompatibleRowsError(
+                    f"{self.signature()} cannot merge {described}: rows join a layout of "
+                    f"the same codec ({self.codec.key}) and token geometry "
+                    f"({self._token_geometry})"
+                )
+            if isinstance(source, RowLayout) or source._rows:
+                incoming.extend(self._cut(row) for row in source._rows)
+            else:
+                incoming.append(Row())  # a serial storage with no token is one empty row
+        geometry = common_geometry([self._geometry, *(s.geometry for s in rows)])
+        if not incoming:
+            return
+        running = [self._cut(row) for row in self._rows]
+        self._rows = running + incoming
+        self._place.join(self._rows, len(running))
+        self._geometry = geometry
+
+    def filter_rows(self, keep: Sequence[int]) -> None:
+        """Keep the rows ``keep``, in that order."""
+        order = check_keep(keep, self.batch_size)
+        self._rows = [self._rows[i] for i in order]
+        self._place.filter(self._rows)
+
+    def extract_row(self, row: int) -> SerialStorage:
+        """An independent serial storage holding row ``row``'s window."""
+        entry = self._rows[check_row(row, self.batch_size)]
+        serial = self.serial_class.from_specs(self.codec_spec, self._token_geometry)
+        keep = entry.offset > 0 or self._axis.empty_rows_keep_geometry
+        held = self._cut(entry) if entry.offset > 0 else Row()
+        return serial.adopt(held, self._geometry if keep else None)
+
+    # -- trims -----------------------------------------------------------------------------
+    def is_trimmable(self) -> bool:
+        return self._place.trimmable(self._rows)
+
+    def trim(self, n: int) -> int:
+        """Forget every row's newest ``n`` tokens."""
+        count = as_count(n, "n")
+        return self._trim([count] * self.batch_size) if self._rows else 0
+
+    def trim_rows(self, counts: Sequence[int]) -> int:
+        """Forget ``counts[b]`` newest tokens of row ``b``; returns the largest count."""
+        return self._trim(check_counts(counts, self.batch_size))
+
+    def _trim(self, counts: Sequence[int]) -> int:
+        self._place.check_trim(self._rows, counts)
+        for row, count in zip(self._rows, counts, strict=True):
+            row.trim(count)
+        self._place.trimmed(self._rows, counts)
+        return max(counts, default=0)
+
+    def check_valid(self) -> None:
+        """Assert the layout's invariants (tests and conformance)."""
+        assert all(0 <= row.retained <= row.offset for row in self._rows)
+        self._place.check(self._rows)

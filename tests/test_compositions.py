@@ -1,0 +1,309 @@
+"""The core's tables as data: schemes, the composition table, constructors, the contract page."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+import kvrows
+import kvrows.optimized as optimized
+import kvrows.reference as reference
+from kvrows.codec import codec_plane_specs, codec_token_bytes
+from kvrows.compositions import (
+    COMPOSITIONS,
+    SELF,
+    bind_arguments,
+    composition,
+    landed,
+    serial_for_peer,
+)
+from kvrows.errors import InvalidInputError
+from kvrows.schemes import Affine, Growing, KvStorageScheme, Plain, Ring, Turbo
+from kvrows.table import (
+    is_batchable,
+    owned_cache_layout,
+    prefill_cache_layout,
+    target_cache_layout,
+    target_row_layout_factory,
+)
+from kvrows.validation import KvGeometry
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- schemes -----------------------------------------------------------------------------
+
+
+def test_schemes_are_frozen_keyword_only_and_validated() -> None:
+    spec = Affine(bits=4, group_size=32)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.bits = 8  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        Affine(4, 32)  # type: ignore[call-arg]
+    with pytest.raises(InvalidInputError, match="bits"):
+        Affine(bits=7)
+    with pytest.raises(InvalidInputError, match="group size"):
+        Affine(group_size=48)
+    with pytest.raises(InvalidInputError, match="k_bits"):
+        Turbo(k_bits=3)
+    with pytest.raises(InvalidInputError, match="v_bits"):
+        Turbo(v_bits=6)
+    with pytest.raises(InvalidInputError, match="max_size"):
+        Ring(max_size=0)
+    with pytest.raises(InvalidInputError, match="sink tokens"):
+        Ring(max_size=8, keep=2)
+
+
+@pytest.mark.parametrize(
+    ("text", "codec"),
+    [
+        ("plain", Plain()),
+        ("affine8", Affine(bits=8, group_size=64)),
+        ("affine4", Affine(bits=4, group_size=64)),
+        ("affine4:32", Affine(bits=4, group_size=32)),
+        ("turbo-k8v3", Turbo(k_bits=8, v_bits=3)),
+    ],
+)
+def test_scheme_names_parse_to_one_frozen_codec_spec(text: str, codec: object) -> None:
+    scheme = KvStorageScheme.parse(text)
+    assert scheme.codec == codec
+    assert KvStorageScheme.parse(scheme.name).codec == codec  # the name round-trips
+
+
+@pytest.mark.parametrize("text", ["", "affine", "affine9", "affinex", "turbo-k8", "bf16", "4bit"])
+def test_unknown_scheme_names_are_refused(text: str) -> None:
+    if text == "affine":  # a bare "affine" means the 8-bit default
+        assert KvStorageScheme.parse(text).codec == Affine()
+        return
+    with pytest.raises(InvalidInputError):
+        KvStorageScheme.parse(text)
+
+
+def test_per_layer_codecs_and_start() -> None:
+    scheme = KvStorageScheme(codec=Affine(bits=8), layers=((0, Plain()),), quantized_kv_start=64)
+    assert scheme.codec_for_layer(0) == Plain()
+    assert scheme.codec_for_layer(3) == Affine(bits=8)
+    assert scheme.name == "affine8:64,0=plain@64"
+    with pytest.raises(InvalidInputError, match="two codecs"):
+        KvStorageScheme(layers=((1, Plain()), (1, Affine())))
+
+
+def test_codec_bytes_come_from_the_plane_specs() -> None:
+    # plain: one plane of D values; affine: D*bits/32 uint32 words + a scale and a bias a group
+    assert codec_token_bytes(Plain(), 2, 64, "bfloat16") == 2 * 64 * 2
+    assert codec_token_bytes(Affine(bits=4, group_size=32), 2, 64, "float16") == 2 * (
+        4 * (64 * 4 // 32) + 2 * 2 * (64 // 32)
+    )
+    names = [p.name for p in codec_plane_specs(Affine(), "keys", 128, "float16")]
+    assert names == ["keys", "keys.scales", "keys.biases"]
+    with pytest.raises(InvalidInputError, match="turbo"):
+        codec_plane_specs(Turbo(), "keys", 128, "float16")
+
+
+# -- the composition table ----------------------------------------------------------------
+
+
+def test_the_table_names_every_seed_class_once() -> None:
+    names = [c.name for c in COMPOSITIONS]
+    assert len(names) == len(set(names)) == 26
+    assert len(landed()) == 12
+    assert len([c for c in COMPOSITIONS if not c.is_landed]) == 14
+    for entry in COMPOSITIONS:
+        if entry.serial is not None:
+            assert composition(entry.serial).arrangement == "serial", entry.name
+        for _, role in entry.roles.items() if entry.roles else ():
+            if role != SELF:
+                assert composition(role).is_layout, (entry.name, role)
+                # a landed storage never hands its rows to a planned layout
+                assert composition(role).is_landed or not entry.is_landed, (entry.name, role)
+
+
+def test_constructor_arguments_bind_in_mlx_lm_order() -> None:
+    ring = composition("RotatingQuantizedKVCache")
+    assert bind_arguments(ring, (16, 32, 4), {}) == (
+        Affine(bits=4, group_size=32),
+        Ring(max_size=16),
+        None,
+    )
+    assert bind_arguments(ring, (16,), {"bits": 4})[0] == Affine(bits=4, group_size=64)
+    heads = KvGeometry(2, 64, 64, "float16")
+    assert bind_arguments(composition("KVCache"), (), {"geometry": heads}) == (
+        Plain(),
+        Growing(),
+        heads,
+    )
+    spec = Affine(bits=2, group_size=128)
+    assert bind_arguments(composition("QuantizedKVCache"), (), {"codec": spec})[0] is spec
+    window = Ring(max_size=4)
+    assert bind_arguments(ring, (), {"codec": spec, "token_geometry": window}) == (
+        spec,
+        window,
+        None,
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "kwargs", "message"),
+    [
+        ("RotatingKVCache", (), {}, "needs max_size"),
+        ("KVCache", (1,), {}, "at most 0 positional"),
+        ("QuantizedKVCache", (64,), {"group_size": 32}, "twice"),
+        ("QuantizedKVCache", (), {"max_size": 8}, "no parameter max_size"),
+        ("RotatingKVCache", (True,), {}, "integer"),
+        ("RotatingKVCache", (8.0,), {}, "integer"),
+        ("RotatingKVCache", (0,), {}, "max_size"),
+        ("QuantizedKVCache", (), {"bits": 7}, "bits"),
+        ("KVCache", (), {"codec": Affine()}, "stores the plain codec"),
+        ("KVCache", (), {"token_geometry": Ring(max_size=4)}, "growing geometry"),
+        ("KVCache", (), {"geometry": (2, 64, 64, "float16")}, "KvGeometry"),
+        ("RotatingKVCache", (8,), {"token_geometry": Ring(max_size=4)}, "max_size twice"),
+        ("QuantizedKVCache", (), {"codec": "affine"}, "cannot be built from"),
+    ],
+)
+def test_bad_constructor_arguments_say_what_was_expected(
+    name: str, args: tuple[object, ...], kwargs: dict[str, object], message: str
+) -> None:
+    with pytest.raises(InvalidInputError, match=message):
+        bind_arguments(composition(name), args, kwargs)
+
+
+def test_signatures_are_formatted_from_the_specs() -> None:
+    affine, ring = Affine(bits=4, group_size=32), Ring(max_size=16)
+    assert composition("QuantizedKVCache").signature_for(affine, Growing()) == "kv:quant:4:32"
+    assert (
+        composition("RotatingAffineLayout").signature_for(affine, ring)
+        == "kv:rotating-affine:16:32:4"
+    )
+    assert composition("RaggedRotatingRows").signature_for(Plain(), ring) == (
+        "kv:ragged-rotating:16"
+    )
+
+
+def test_mlx_lm_layers_map_to_one_serial_storage_per_codec() -> None:
+    assert serial_for_peer("KVCache", Plain()).name == "KVCache"
+    assert serial_for_peer("KVCache", Affine()).name == "QuantizedKVCache"
+    assert serial_for_peer("RotatingKVCache", Plain()).name == "RotatingKVCache"
+    assert serial_for_peer("RotatingKVCache", Affine()).name == "RotatingQuantizedKVCache"
+    with pytest.raises(InvalidInputError, match="turbo"):
+        serial_for_peer("KVCache", Turbo())
+    with pytest.raises(InvalidInputError, match="ArraysCache"):
+        serial_for_peer("ArraysCache", Plain())  # planned (issue 14), not landed
+
+
+# -- the contract page --------------------------------------------------------------------
+
+
+def _contract_rows() -> dict[str, list[str]]:
+    text = (ROOT / "spec" / "contract.md").read_text()
+    section = text[text.index("## 0.") : text.index("## 1.")]
+    rows: dict[str, list[str]] = {}
+    for line in section.splitlines():
+        match = re.match(r"\| `(\w+)` \|(.*)\|$", line)
+        if match:
+            rows[match.group(1)] = [cell.strip() for cell in match.group(2).split("|")]
+    return rows
+
+
+def test_the_contract_page_shows_the_table_as_it_is() -> None:
+    rows = _contract_rows()
+    assert list(rows) == [c.name for c in COMPOSITIONS]  # same classes, lookup order
+    for entry in COMPOSITIONS:
+        codec, geometry, arrangement, modifiers, roles, status = rows[entry.name]
+        assert (codec, geometry, arrangement) == (entry.codec, entry.geometry, entry.arrangement)
+        assert modifiers == (", ".join(sorted(entry.modifiers)) or "—"), entry.name
+        expected_roles = (
+            "—"
+            if entry.roles is None
+            else " / ".join("own" if r == SELF else f"`{r}`" for _, r in entry.roles.items())
+        )
+        assert roles == expected_roles, entry.name
+        assert status == ("landed" if entry.is_landed else f"issue {entry.issue}"), entry.name
+
+
+def test_the_signature_table_matches_the_compositions() -> None:
+    text = (ROOT / "spec" / "contract.md").read_text()
+    section = text[text.index("## 5.") : text.index("## 6.")]
+    documented = dict(re.findall(r"\| `(\w+)` \| `([^`]+)`", section))
+    placeholders = {k: f"<{k}>" for k in ("bits", "group_size", "max_size", "keep")}
+    for entry in landed():
+        assert documented[entry.name] == entry.signature.format(**placeholders), entry.name
+
+
+# -- the package -----------------------------------------------------------------------------
+
+
+def test_import_kvrows_exposes_the_contract() -> None:
+    for name in (
+        "owned_cache_layout",
+        "publish_row",
+        "row_admission",
+        "BatchableCache",
+        "KvRowsError",
+        "Affine",
+        "KvStorageScheme",
+        "COMPOSITIONS",
+        "lease_cache_states",
+    ):
+        assert name in kvrows.__all__ and hasattr(kvrows, name), name
+
+
+def test_the_implementations_import_from_the_repository_root() -> None:
+    # The checkout's kvrows/ folder must not shadow the installed subpackages.
+    result = subprocess.run(
+        [sys.executable, "-c", "import kvrows.optimized, kvrows.reference, kvrows.conformance"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+# -- both implementations against the table ----------------------------------------------
+
+_EXAMPLE = {"max_size": 8, "group_size": 32, "bits": 4}
+
+
+def _instance(impl: ModuleType, name: str) -> Any:
+    entry = composition(name)
+    kwargs = {p: _EXAMPLE[p] for p in entry.params if p in _EXAMPLE}
+    return getattr(impl, name)(**kwargs)
+
+
+@pytest.mark.parametrize("impl", [optimized, reference], ids=["optimized", "reference"])
+@pytest.mark.parametrize("name", [c.name for c in landed()])
+def test_every_role_of_every_landed_class_is_the_one_the_table_names(
+    impl: ModuleType, name: str
+) -> None:
+    entry = composition(name)
+    cache = _instance(impl, name)
+    assert type(cache) is getattr(impl, name)
+    assert cache.signature() == entry.signature.format(**_EXAMPLE)
+    assert is_batchable(cache) == entry.is_layout
+    if entry.roles is None:
+        # no entry: a decode layout serves as its own decode/prefill layout and has no verify
+        assert entry.is_layout
+        own: type = getattr(impl, name)
+        assert type(owned_cache_layout(cache)) is own
+        assert type(prefill_cache_layout(cache)) is own
+        assert target_row_layout_factory(cache) is None
+        return
+    built: dict[str, Any] = {
+        "decode": owned_cache_layout(cache),
+        "prefill": prefill_cache_layout(cache),
+        "verify": target_cache_layout(cache),
+    }
+    for role, target in entry.roles.items():
+        layout = built[role]
+        expected = type(cache) if target == SELF else getattr(impl, target)
+        assert type(layout) is expected, (name, role)
+        assert layout is not cache and layout.batch_size == 0, (name, role)
+        # the layout carries the storage's codec and window parameters
+        assert layout.signature() == composition(expected.__name__).signature.format(**_EXAMPLE)
