@@ -94,6 +94,18 @@ class RingGeometry(Storage):
     def _check_geometry(self) -> None:
         return None
 
+    def _keep(self, order: list[int]) -> None:
+        """Gather the kept rows; a ring keeps its padding (its columns are its window)."""
+        if (
+            self._keys is not None
+            and self._values is not None
+            and order != list(range(len(self._pads)))
+        ):
+            index = mx.array(order)
+            self._keys = tuple(p[index] for p in self._keys)
+            self._values = tuple(p[index] for p in self._values)
+        self._pads = [self._pads[i] for i in order]
+
 
 class SharedRing(RingGeometry):
     """One ring index for every row: serial rings and shared-column ring layouts.
@@ -233,18 +245,6 @@ class SharedRing(RingGeometry):
             for plane, src in zip(out, held, strict=True):
                 plane[row : row + 1, :, width - length :] = src
         return out
-
-    def _keep(self, order: list[int]) -> None:
-        """A ring keeps its padding (its columns are its window)."""
-        if (
-            self._keys is not None
-            and self._values is not None
-            and order != list(range(len(self._pads)))
-        ):
-            index = mx.array(order)
-            self._keys = tuple(p[index] for p in self._keys)
-            self._values = tuple(p[index] for p in self._values)
-        self._pads = [self._pads[i] for i in order]
 
     def _check_trim(self, counts: Sequence[int]) -> None:
         if not self.is_trimmable():
@@ -429,16 +429,8 @@ class RaggedRing(RingGeometry):
         self._pads = [0] * len(everything)
 
     def _keep(self, order: list[int]) -> None:
-        if (
-            self._keys is not None
-            and self._values is not None
-            and order != list(range(len(self._retained)))
-        ):
-            index = mx.array(order)
-            self._keys = tuple(p[index] for p in self._keys)
-            self._values = tuple(p[index] for p in self._values)
+        super()._keep(order)
         self._retained = [self._retained[i] for i in order]
-        self._pads = [0] * len(order)
 
     def _check_trim(self, counts: Sequence[int]) -> None:
         for b, (count, offset) in enumerate(zip(counts, self._offsets, strict=True)):

@@ -174,6 +174,8 @@ class Storage(PlaneHolder):
         self.codec_spec, self.token_geometry = codec_spec, token_geometry
         self.codec = make_codec(codec_spec)
         self._geometry = geometry
+        self._pads_of: list[int] | None = None  # the pads list ``_pads_array`` copies
+        self._pads_array = mx.array([], dtype=mx.int32)
         self._clear()
 
     def _clear(self) -> None:
@@ -184,14 +186,14 @@ class Storage(PlaneHolder):
         self._reset_geometry()
 
     def _changed(self) -> None:
-        """The rows changed: drop what was derived from them (device copies)."""
+        """The positions changed: drop their device copy."""
         self._offset_array: mx.array | None = None
-        self._pads_array: mx.array | None = None
 
     def pads_array(self) -> mx.array:
-        """The left pads on the device (for masks), cached until the next change."""
-        if self._pads_array is None:
-            self._pads_array = mx.array(self._pads)
+        """The left pads on the device (for masks), cached while the pads stay the same
+        list (every change rebinds ``_pads``; a decode step keeps it)."""
+        if self._pads_of is not self._pads:
+            self._pads_of, self._pads_array = self._pads, mx.array(self._pads)
         return self._pads_array
 
     # -- identity -------------------------------------------------------------------------
