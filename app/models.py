@@ -69,12 +69,7 @@ def _build(
     entry: Composition, codec: CodecSpec, geometry: GeometrySpec, declared: KvGeometry | None
 ) -> Any:
     cls: Any = getattr(kv, entry.name)
-    if hasattr(cls, "from_specs"):
-        return cls.from_specs(codec, geometry, geometry=declared)
-    # Until the implementations build from specs: the constructor's positional parameters
-    # (mlx-lm's order), read off the specs; ``keep`` is 0 (``Ring`` refuses sinks).
-    values = {**codec.parameters(), **geometry.parameters()}
-    return cls(*(values[name] for name in entry.params if name != "keep"))
+    return cls.from_specs(codec, geometry, geometry=declared)
 
 
 def make_kvrows_cache(model: Any, scheme: KvStorageScheme | None = None) -> list[Any]:

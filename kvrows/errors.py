@@ -21,7 +21,10 @@ __all__ = [
     "NotBatchableError",
     "NotTrimmableError",
     "RowIndexError",
+    "incompatible_merge_message",
     "self_merge_message",
+    "trim_past_row_message",
+    "wrapped_ring_message",
 ]
 
 
@@ -84,3 +87,31 @@ def self_merge_message(layout: str) -> str:
         f"{layout} cannot merge itself or a source given twice: "
         "merge_rows takes caches the layout does not already hold"
     )
+
+
+def incompatible_merge_message(
+    layout: str, source: object, codec_key: str, token_geometry: object
+) -> str:
+    """``merge_rows`` given a source whose rows cannot join the layout."""
+    signature = getattr(source, "signature", None)
+    described = signature() if callable(signature) else type(source).__name__
+    source_geometry = getattr(source, "token_geometry", None)
+    if source_geometry is not None:
+        described = f"{described} ({source_geometry})"
+    return (
+        f"{layout} cannot merge {described}: rows join a layout of the same codec "
+        f"({codec_key}) and token geometry ({token_geometry})"
+    )
+
+
+def wrapped_ring_message(what: str, window: int) -> str:
+    """A trim or rollback of ring tokens that the window has already overwritten."""
+    return (
+        f"{what} has wrapped past its window of {window}: "
+        "the overwritten tokens are gone and cannot be trimmed"
+    )
+
+
+def trim_past_row_message(count: int, row: int, holds: int) -> str:
+    """A trim or rollback of more tokens than a row holds."""
+    return f"cannot trim {count} tokens from row {row}, which holds {holds}"

@@ -1,21 +1,35 @@
-"""How the optimized implementation stores one token's vector: the codec axis.
+"""The codec axis on MLX: how one token's vector is stored, read and attended over.
 
-Mirrors ``kvrows.reference.codecs`` on MLX arrays: a codec turns a
-``[B, H, T, D]`` block into planes whose axis 2 is the token axis, so token
-surgery (slice, pad, gather, scatter) is written once over planes.
+Both codecs implement ``kvrows.codec.Codec``: a ``[B, H, T, D]`` block becomes planes whose
+axis 2 is the token axis, so the row machinery moves planes without re-encoding a byte, and
+``attend`` dispatches through the codec that owns its kernel (``mx.fast`` SDPA for plain
+planes, ``mx.quantized_matmul`` straight over affine planes, as mlx-lm's quantized attention
+does: no dequantized copy of the cache is made).
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from functools import cache
+from typing import Any
 
 import mlx.core as mx
 
-from kvrows.affine_geometry import groups, packed_width, validate_codec, validate_params
+from kvrows.affine_geometry import groups, packed_width, validate_codec
+from kvrows.codec import PlaneSpec, codec_plane_specs, codec_token_bytes
 from kvrows.errors import InvalidInputError
+from kvrows.protocols import Mask
+from kvrows.schemes import Affine, CodecSpec, Plain
 from kvrows.validation import KvGeometry
 
-__all__ = ["AffineCodec", "Codec", "PlainCodec", "Planes", "dtype_name", "mlx_dtype"]
+__all__ = [
+    "AffineCodec",
+    "PlainCodec",
+    "Planes",
+    "dtype_name",
+    "make_codec",
+    "mlx_dtype",
+    "quantized_attention",
+]
 
 Planes = tuple[mx.array, ...]
 
@@ -41,56 +55,53 @@ def dtype_name(array: object) -> str:
     return str(array.dtype).rsplit(".", 1)[-1]
 
 
-class Codec(Protocol):
-    """Encode a block into planes, and describe the planes' shapes."""
+class _CodecBase:
+    """What both codecs answer from their spec."""
+
+    spec: CodecSpec
 
     @property
-    def key(self) -> str: ...
+    def key(self) -> str:
+        return self.spec.key
 
-    def check(self, geometry: KvGeometry) -> None:
-        """Raise ``InvalidInputError`` if this codec cannot store heads of ``geometry``."""
-        ...
+    def plane_specs(self, name: str, dim: int, dtype: str) -> tuple[PlaneSpec, ...]:
+        return codec_plane_specs(self.spec, name, dim, dtype)
 
-    def encode(self, block: mx.array) -> Planes: ...
-
-    def fetched(self, planes: Planes) -> Any: ...
-
-    def zeros(self, rows: int, heads: int, columns: int, dim: int, dtype: str) -> Planes:
-        """Zero planes of ``columns`` tokens."""
-        ...
-
-    def token_bytes(self, heads: int, dim: int, dtype: str) -> int: ...
+    def token_bytes(self, heads: int, dim: int, dtype: str) -> int:
+        return codec_token_bytes(self.spec, heads, dim, dtype)
 
 
-class PlainCodec:
+class PlainCodec(_CodecBase):
     """Unquantized storage in the activation dtype: one plane, the block itself."""
 
-    key = "plain"
+    def __init__(self, spec: Plain | None = None) -> None:
+        self.spec = spec or Plain()
 
     def check(self, geometry: KvGeometry) -> None:
         return None
 
-    def encode(self, block: mx.array) -> Planes:
+    def encode(self, block: Any) -> Planes:
         return (block,)
 
-    def fetched(self, planes: Planes) -> Any:
+    def fetched(self, planes: tuple[Any, ...]) -> Any:
         return planes[0]
 
     def zeros(self, rows: int, heads: int, columns: int, dim: int, dtype: str) -> Planes:
         return (mx.zeros((rows, heads, columns, dim), dtype=mlx_dtype(dtype)),)
 
-    def token_bytes(self, heads: int, dim: int, dtype: str) -> int:
-        return heads * dim * mlx_dtype(dtype).size
+    def attend(self, queries: Any, keys: Any, values: Any, mask: Any, scale: float) -> Any:
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
-class AffineCodec:
+class AffineCodec(_CodecBase):
     """MLX affine group quantization (``mx.quantize``): planes ``(packed, scales, biases)``."""
 
-    def __init__(self, group_size: int, bits: int) -> None:
-        validate_params(group_size, bits)
-        self.group_size = group_size
-        self.bits = bits
-        self.key = f"affine:{bits}:{group_size}"
+    spec: Affine
+
+    def __init__(self, spec: Affine) -> None:
+        self.spec = spec
+        self.group_size = spec.group_size
+        self.bits = spec.bits
 
     def check(self, geometry: KvGeometry) -> None:
         for name, dim in (("key", geometry.key_dim), ("value", geometry.value_dim)):
@@ -99,13 +110,13 @@ class AffineCodec:
             except InvalidInputError as error:
                 raise InvalidInputError(f"{name} head dim {dim}: {error}") from None
 
-    def encode(self, block: mx.array) -> Planes:
+    def encode(self, block: Any) -> Planes:
         packed, scales, biases = mx.quantize(
             block, group_size=self.group_size, bits=self.bits, mode="affine"
         )
         return packed, scales, biases
 
-    def fetched(self, planes: Planes) -> Any:
+    def fetched(self, planes: tuple[Any, ...]) -> Any:
         return tuple(planes)
 
     def zeros(self, rows: int, heads: int, columns: int, dim: int, dtype: str) -> Planes:
@@ -117,8 +128,70 @@ class AffineCodec:
             mx.zeros((rows, heads, columns, count), dtype=scale_dtype),
         )
 
-    def token_bytes(self, heads: int, dim: int, dtype: str) -> int:
-        itemsize = mlx_dtype(dtype).size
-        return heads * (
-            4 * packed_width(dim, self.bits) + 2 * itemsize * groups(dim, self.group_size)
+    def attend(self, queries: Any, keys: Any, values: Any, mask: Any, scale: float) -> Any:
+        return quantized_attention(queries, keys, values, mask, scale, self.group_size, self.bits)
+
+
+@cache
+def make_codec(spec: CodecSpec) -> PlainCodec | AffineCodec:
+    """The codec a spec names (one shared instance per spec: codecs hold no state)."""
+    if isinstance(spec, Plain):
+        return PlainCodec(spec)
+    if isinstance(spec, Affine):
+        return AffineCodec(spec)
+    raise InvalidInputError(f"the optimized implementation has no {spec.kind} codec yet")
+
+
+def _boolean_mask(mask: Mask, queries: int, keys: int) -> mx.array | None:
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        rows = mx.arange(queries)[:, None] + (keys - queries)
+        return mx.arange(keys)[None, :] <= rows
+    if not isinstance(mask, mx.array) or mask.dtype != mx.bool_:
+        raise InvalidInputError("a mask array must be a boolean mlx array")
+    return mask
+
+
+def quantized_attention(
+    queries: mx.array,
+    keys: tuple[mx.array, ...],
+    values: tuple[mx.array, ...],
+    mask: Mask,
+    scale: float,
+    group_size: int,
+    bits: int,
+) -> mx.array:
+    """Attention over affine planes with ``mx.quantized_matmul`` (GQA by a head-group axis).
+
+    On the CPU backend ``quantized_matmul`` accumulates half-precision inputs in low
+    precision (about 7% off, and 5x slower than float32 there): the queries go in as
+    float32 and the output comes back in their dtype.
+    """
+    dtype = queries.dtype
+    if dtype != mx.float32 and mx.default_device() == mx.cpu:
+        out = quantized_attention(
+            queries.astype(mx.float32), keys, values, mask, scale, group_size, bits
         )
+        return out.astype(dtype)
+    batch, q_heads, n, dim = queries.shape
+    kv_heads, s = keys[0].shape[1], keys[0].shape[2]
+    if q_heads % kv_heads:
+        raise InvalidInputError(f"{q_heads} query heads do not group over {kv_heads} KV heads")
+    repeat = q_heads // kv_heads
+    q = (queries * scale).reshape(batch, kv_heads, repeat, n, dim)
+    k_packed, k_scales, k_biases = (mx.expand_dims(p, 2) for p in keys)
+    v_packed, v_scales, v_biases = (mx.expand_dims(p, 2) for p in values)
+    scores = mx.quantized_matmul(
+        q, k_packed, k_scales, k_biases, transpose=True, group_size=group_size, bits=bits
+    )
+    visible = _boolean_mask(mask, n, s)
+    if visible is not None:
+        if visible.ndim == 4:  # [B, 1, N, S] -> [B, 1, 1, N, S] over the head-group axis
+            visible = mx.expand_dims(visible, 2)
+        scores = mx.where(visible, scores, mx.finfo(scores.dtype).min)
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    out = mx.quantized_matmul(
+        weights, v_packed, v_scales, v_biases, transpose=False, group_size=group_size, bits=bits
+    )
+    return out.reshape(batch, q_heads, n, -1)

@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvrows.compositions import Arrangement
-from kvrows.errors import NotTrimmableError
+from kvrows.errors import NotTrimmableError, trim_past_row_message
 from kvrows.protocols import Mask
 from kvrows.reference.rows import Placement, Row
 from kvrows.schemes import GeometrySpec, Growing
@@ -111,9 +111,7 @@ class PaddedRows:
     def check_trim(self, rows: Sequence[Row], counts: Sequence[int]) -> None:
         for b, (row, count) in enumerate(zip(rows, counts, strict=True)):
             if count > row.retained:
-                raise NotTrimmableError(
-                    f"cannot trim {count} tokens from row {b}, which holds {row.retained}"
-                )
+                raise NotTrimmableError(trim_past_row_message(count, b, row.retained))
         if self.shared and len(set(counts)) > 1:
             raise NotTrimmableError("rows sharing one write column must trim together")
 

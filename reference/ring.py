@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvrows.compositions import Arrangement
-from kvrows.errors import NotTrimmableError
+from kvrows.errors import NotTrimmableError, trim_past_row_message, wrapped_ring_message
 from kvrows.protocols import Mask
 from kvrows.reference.rows import Placement, Row
 from kvrows.schemes import GeometrySpec, Ring
@@ -163,8 +163,9 @@ class SharedRing:
             raise NotTrimmableError("rows sharing one write column must trim together")
         if not self.trimmable(rows):
             raise NotTrimmableError(
-                f"a ring that has wrapped ({self.total} columns written, window "
-                f"{self.axis.max_size}) cannot be trimmed"
+                wrapped_ring_message(
+                    f"a ring with {self.total} columns written", self.axis.max_size
+                )
             )
         shortest = min(min(row.offset for row in rows), self.total)
         if counts[0] > shortest:
@@ -222,10 +223,10 @@ class RaggedRing:
         for b, (count, row) in enumerate(zip(counts, rows, strict=True)):
             if count and not self.axis.cuttable(row.offset):
                 raise NotTrimmableError(
-                    f"row {b} has wrapped (offset {row.offset} >= window {self.axis.max_size})"
+                    wrapped_ring_message(f"row {b} at offset {row.offset}", self.axis.max_size)
                 )
             if count > row.offset:
-                raise NotTrimmableError(f"cannot trim {count} tokens from row {b} ({row.offset})")
+                raise NotTrimmableError(trim_past_row_message(count, b, row.offset))
 
     def trimmed(self, rows: Sequence[Row], counts: Sequence[int]) -> None:
         return None

@@ -40,7 +40,9 @@ from kvrows.errors import (
     InvalidInputError,
     LayoutStateError,
     NotTrimmableError,
+    incompatible_merge_message,
     self_merge_message,
+    wrapped_ring_message,
 )
 from kvrows.protocols import Cache, Mask
 from kvrows.reference.codecs import Codec, Planes, dtype_name, make_codec
@@ -381,8 +383,7 @@ class SerialStorage(Storage):
         count = as_count(n, "n")
         if count and not self.is_trimmable():
             raise NotTrimmableError(
-                f"a ring that has wrapped (offset {self.offset} >= window "
-                f"{self._axis.cap}) cannot be trimmed: the overwritten tokens are gone"
+                wrapped_ring_message(f"a ring at offset {self.offset}", self._axis.cap or 0)
             )
         count = min(count, self.offset)
         for row in self._rows:
@@ -525,11 +526,10 @@ class RowLayout(Storage):
         incoming: list[Row] = []
         for source in rows:
             if not self._accepts(source):
-                described = source.signature() if hasattr(source, "signature") else type(source)
                 raise IncompatibleRowsError(
-                    f"{self.signature()} cannot merge {described}: rows join a layout of "
-                    f"the same codec ({self.codec.key}) and token geometry "
-                    f"({self._token_geometry})"
+                    incompatible_merge_message(
+                        self.signature(), source, self.codec.key, self._token_geometry
+                    )
                 )
             if isinstance(source, RowLayout) or source._rows:
                 incoming.extend(self._cut(row) for row in source._rows)

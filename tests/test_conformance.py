@@ -394,55 +394,64 @@ def test_divergence_a2_quantized_attention_reshapes_to_the_key_dim() -> None:
         )
 
 
-# ------------------------------------------ messages the machines do not compare yet
+# ------------------------------------------------------------- one message per error
 
 
 def _empty_fetch(module: Any) -> None:
     module.RotatingKVCache(4).fetch()
 
 
+def _empty_layout_fetch(module: Any) -> None:
+    module.BatchedKVCache().fetch()
+
+
 def _foreign_merge(module: Any) -> None:
     module.PaddedKVRows().merge_rows([object()])
 
 
-#: One call per temporary entry of MESSAGE_EXCEPTIONS that raises in both implementations.
-MESSAGE_PROBES = {"fetch() of": _empty_fetch, "merge_rows of": _foreign_merge}
+def _other_window_merge(module: Any) -> None:
+    module.RaggedRotatingRows(8).merge_rows([module.RotatingKVCache(4)])
 
 
-def test_message_exceptions_are_still_needed() -> None:
-    """Each temporary entry of MESSAGE_EXCEPTIONS names messages that still differ: once
-    the implementations say the same thing, this fails and the entry goes."""
+def _self_merge(module: Any) -> None:
+    layout = module.BatchedKVCache()
+    layout.merge_rows([layout])
+
+
+@pytest.mark.parametrize(
+    "probe", [_empty_fetch, _empty_layout_fetch, _foreign_merge, _other_window_merge, _self_merge]
+)
+def test_both_implementations_say_the_same_thing(probe: Any) -> None:
+    """The messages the machines compare, on the cases they reach least often."""
     import kvrows.optimized as O
     import kvrows.reference as R
     from kvrows.conformance.machines import MESSAGE_EXCEPTIONS
     from kvrows.errors import KvRowsError
 
-    permanent = {"the other implementation's arrays"}
-    assert set(MESSAGE_EXCEPTIONS) == permanent | set(MESSAGE_PROBES)
-    for part, probe in MESSAGE_PROBES.items():
-        messages, kinds = [], []
-        for module in (R, O):
-            with pytest.raises(KvRowsError) as caught:
-                probe(module)
-            messages.append(str(caught.value))
-            kinds.append(type(caught.value))
-        assert kinds[0] is kinds[1], (part, kinds)
-        assert messages[0] != messages[1], f"{part!r}: both say {messages[0]!r}; drop the entry"
+    assert set(MESSAGE_EXCEPTIONS) == {"the other implementation's arrays"}
+    raised = []
+    for module in (R, O):
+        with pytest.raises(KvRowsError) as caught:
+            probe(module)
+        raised.append((type(caught.value), str(caught.value)))
+    assert raised[0] == raised[1]
 
 
-def test_known_differences_are_still_there() -> None:
-    """Each entry of KNOWN_DIFFERENCES still holds: once the implementations agree, this
-    fails and the entry (and its exemption in the machine) goes."""
+def test_table_layouts_declare_their_storage_geometry() -> None:
+    """A layout the row-layout table makes for a cache that knows its geometry declares it,
+    in both implementations, so projected_bytes answers before any row joins."""
     import kvrows.optimized as O
     import kvrows.reference as R
     from kvrows import table
-    from kvrows.conformance.machines import KNOWN_DIFFERENCES
 
-    assert set(KNOWN_DIFFERENCES) == {"table-layout-geometry"}
-    geometries = []
     for module, block in ((R, np.ones((1, 1, 1, 8), np.float32)), (O, mx.ones((1, 1, 1, 8)))):
         cache = module.KVCache()
         cache.update_and_fetch(block, block)
-        layout: Any = table.prefill_cache_layout(cache)
-        geometries.append(layout.geometry)
-    assert geometries[0] != geometries[1], f"both table layouts know {geometries[0]}"
+        for get in (
+            table.owned_cache_layout,
+            table.prefill_cache_layout,
+            table.target_cache_layout,
+        ):
+            layout: Any = get(cache)
+            assert layout.geometry == cache.geometry
+            assert layout.projected_bytes(3) == 3 * 2 * 8 * 4

@@ -112,11 +112,6 @@ def test_peak_kv_bytes_match_active_memory(llama: Any, scheme: str) -> None:
     assert _peak_within(stats), (stats.peak_kv_bytes, stats.peak_active_kv_bytes)
 
 
-@pytest.mark.xfail(
-    reason="needs compact evaluated rows from extract_row/publish_row (issue 8 §7, being "
-    "fixed in optimized/): a published row that is a lazy slice pins its batch buffer",
-    strict=False,
-)
 def test_peak_kv_bytes_match_active_memory_with_prefix_cache(llama: Any) -> None:
     engine = Engine(llama, max_batch=4)
     _, stats = engine.run(builtin_trace(6))
@@ -138,11 +133,7 @@ class _Counting:
 
 
 def test_admission_runs_no_probe_when_the_geometry_is_declared(llama: Any) -> None:
-    if any(cache.geometry is None for cache in make_kvrows_cache(llama)):
-        pytest.skip(
-            "the storages do not take a declared KV geometry yet (from_specs, issue 8 §3); "
-            "until they do the engine probes with one token"
-        )
+    assert all(cache.geometry is not None for cache in make_kvrows_cache(llama))
     counting = _Counting(llama)
     engine = Engine(counting)
     assert counting.calls == 0

@@ -22,14 +22,15 @@ from kvrows.conformance.machines import machine_class
 from kvrows.conformance.profiles import profile_settings
 from kvrows.conformance.stats import Stats
 from kvrows.optimized.attention import attend as optimized_attend
-from kvrows.optimized.plain import BatchedKVCache, PaddedKVRows
-from kvrows.optimized.quantized import (
+from kvrows.optimized.classes import (
+    BatchedKVCache,
     BatchedQuantizedKVCache,
+    PaddedKVRows,
     PaddedQuantKVRows,
     QuantizedKVCache,
 )
-from kvrows.optimized.ring import BatchedRotatingCache as RingBatchedRotatingCache
-from kvrows.optimized.storage import FullAttentionCache
+from kvrows.optimized.classes import BatchedRotatingCache as RingBatchedRotatingCache
+from kvrows.optimized.rows import Serial
 from kvrows.protocols import Cache, Mask
 from kvrows.validation import as_count, check_keep
 
@@ -177,8 +178,9 @@ class ExtractRequantizes(PaddedQuantKVRows):
     """An extracted row is dequantized and quantized again: the values look the same, but
     re-quantizing is not the identity on codes, scales and biases."""
 
-    def extract_row(self, row: int) -> FullAttentionCache:
+    def extract_row(self, row: int) -> Serial:
         cache = super().extract_row(row)
+        assert isinstance(cache, QuantizedKVCache)
         held = cache.planes()
         if held is None:
             return cache
@@ -192,7 +194,7 @@ class ExtractRequantizes(PaddedQuantKVRows):
             return tuple(mx.quantize(dense, group_size=self.group_size, bits=self.bits))
 
         fresh = QuantizedKVCache(self.group_size, self.bits)
-        return fresh.adopt(again(held[0]), again(held[1]), cache.geometry)
+        return fresh.adopt(again(held[0]), again(held[1]), cache.offset, cache.geometry)
 
 
 AFFINE_MUTANTS = [
@@ -252,16 +254,14 @@ class RingExtractsTheOldestWindow(RingBatchedRotatingCache):
     max_size)`` retained tokens, not the newest: wrong right after a block, when the
     buffer holds more than the window (semantics bug 9.2.6 of the seed engine)."""
 
-    def row_window(self, row: int) -> tuple[tuple[mx.array, ...], tuple[mx.array, ...]] | None:
-        held = super().row_window(row)
-        if held is None or self._keys is None or self._values is None:
+    def _window(self, planes: tuple[mx.array, ...], row: int | None) -> tuple[mx.array, ...] | None:
+        held = super()._window(planes, row)
+        if held is None or row is None:
             return held
-        keys, values = self._chronological(self._keys), self._chronological(self._values)
-        start, count = max(0, self.left_pad[row]), int(held[0][0].shape[2])
-        return (  # MUTATION (the window is the newest `count` columns, not the first)
-            tuple(p[row : row + 1, :, start : start + count] for p in keys),
-            tuple(p[row : row + 1, :, start : start + count] for p in values),
-        )
+        ordered = self._chronological(tuple(p[row : row + 1] for p in planes))
+        start, count = max(0, self.left_pad[row]), int(held[0].shape[2])
+        # MUTATION (the window is the newest `count` columns, not the first)
+        return tuple(p[:, :, start : start + count] for p in ordered)
 
 
 class RingBlockMaskFromStaleIndex(RingBatchedRotatingCache):
@@ -319,7 +319,7 @@ class ExtractReadsTheLayout(PaddedKVRows):
     """An extracted row still reads the layout's buffer (a view, not its own arrays): the
     layout's next steps show through it."""
 
-    def extract_row(self, row: int) -> FullAttentionCache:
+    def extract_row(self, row: int) -> Serial:
         cache = super().extract_row(row)
         layout = self
 

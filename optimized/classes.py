@@ -1,0 +1,109 @@
+"""The optimized implementation's public classes: one declaration per landed composition.
+
+Each class is a geometry (``growing.py``, ``ring.py``) plus an arrangement (``rows.py``),
+plus ``bits``/``group_size`` when its codec is affine; it names its entry of the
+composition table (``kvrows.compositions``), which gives its constructor parameters, its
+signature and its roles. ``Storage.__init_subclass__`` checks that the bases agree with
+the entry, and ``kvrows.optimized`` registers every declared class with one call.
+"""
+
+from __future__ import annotations
+
+from kvrows.common import AffineParameters
+from kvrows.compositions import composition
+from kvrows.optimized.growing import GrowingGeometry
+from kvrows.optimized.ring import RaggedRing, SharedRing
+from kvrows.optimized.rows import Layout, Serial
+
+__all__ = [
+    "BatchedKVCache",
+    "BatchedQuantizedKVCache",
+    "BatchedRotatingCache",
+    "BatchedRotatingQuantCache",
+    "KVCache",
+    "PaddedKVRows",
+    "PaddedQuantKVRows",
+    "QuantizedKVCache",
+    "RaggedRotatingRows",
+    "RotatingAffineLayout",
+    "RotatingKVCache",
+    "RotatingQuantizedKVCache",
+]
+
+# -- full attention ----------------------------------------------------------------------
+
+
+class KVCache(GrowingGeometry, Serial):
+    """Serial plain full-attention cache (``spec/KVCache.md``)."""
+
+    composition = composition("KVCache")
+
+
+class PaddedKVRows(GrowingGeometry, Layout):
+    """Decode layout of ``KVCache``: rows share one write column (``spec/PaddedKVRows.md``)."""
+
+    composition = composition("PaddedKVRows")
+
+
+class BatchedKVCache(GrowingGeometry, Layout):
+    """Prefill/verify layout of ``KVCache``: ragged rows (``spec/BatchedKVCache.md``)."""
+
+    composition = composition("BatchedKVCache")
+
+
+class QuantizedKVCache(AffineParameters, GrowingGeometry, Serial):
+    """Serial affine-quantized full-attention cache (``spec/QuantizedKVCache.md``)."""
+
+    composition = composition("QuantizedKVCache")
+
+
+class PaddedQuantKVRows(AffineParameters, GrowingGeometry, Layout):
+    """Decode layout of ``QuantizedKVCache``: one write column (``spec/PaddedQuantKVRows.md``)."""
+
+    composition = composition("PaddedQuantKVRows")
+
+
+class BatchedQuantizedKVCache(AffineParameters, GrowingGeometry, Layout):
+    """Prefill/verify layout of ``QuantizedKVCache``: ragged (``spec/BatchedQuantizedKVCache.md``)."""
+
+    composition = composition("BatchedQuantizedKVCache")
+
+
+# -- sliding window ----------------------------------------------------------------------
+
+
+class RotatingKVCache(SharedRing, Serial):
+    """Serial plain sliding-window cache (``spec/RotatingKVCache.md``)."""
+
+    composition = composition("RotatingKVCache")
+
+
+class BatchedRotatingCache(SharedRing, Layout):
+    """Decode layout of ``RotatingKVCache`` (``spec/BatchedRotatingCache.md``)."""
+
+    composition = composition("BatchedRotatingCache")
+
+
+class RaggedRotatingRows(RaggedRing, Layout):
+    """Prefill/verify layout of ``RotatingKVCache``: ragged rings (``spec/RaggedRotatingRows.md``)."""
+
+    composition = composition("RaggedRotatingRows")
+
+
+class RotatingQuantizedKVCache(AffineParameters, SharedRing, Serial):
+    """Serial affine-quantized ring (``spec/RotatingQuantizedKVCache.md``)."""
+
+    composition = composition("RotatingQuantizedKVCache")
+
+
+class BatchedRotatingQuantCache(AffineParameters, SharedRing, Layout):
+    """Decode layout of ``RotatingQuantizedKVCache`` (``spec/BatchedRotatingQuantCache.md``)."""
+
+    composition = composition("BatchedRotatingQuantCache")
+
+
+class RotatingAffineLayout(AffineParameters, SharedRing, Layout):
+    """Prefill/verify layout of ``RotatingQuantizedKVCache``: aligned rotating rows
+    (``spec/RotatingAffineLayout.md``)."""
+
+    composition = composition("RotatingAffineLayout")

@@ -1,0 +1,217 @@
+"""The growing geometry (full attention): the token axis grows with every append.
+
+Physical design (``spec/PaddedKVRows.md`` has the diagrams):
+
+* one preallocated buffer per plane, ``[slots, H, capacity, ·]``; rows live in
+  slots ``0 .. B-1``; a layout keeps a few spare slots so a join writes only the new
+  row (a serial storage keeps none: its slots are its block's rows);
+* a column *origin*: logical column 0 is physical column ``origin``. Dropping the
+  padding every survivor shares (filter) moves the origin instead of the bytes, and a
+  join that needs more left padding takes it from the columns left of the origin when
+  there are enough;
+* appends are slice writes (every row at the same column) or one scatter (ragged
+  rows), in place when MLX can donate the buffer; capacity grows in steps of 256
+  columns with one copy of the used columns.
+
+A serial storage is the one-arrangement case of the same hooks: no padding, origin 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from kvrows.optimized.codecs import Planes
+from kvrows.optimized.rows import RowWindow, Serial, Storage, spare_slots
+from kvrows.protocols import Mask
+from kvrows.validation import KvGeometry, round_up
+
+__all__ = ["GrowingGeometry"]
+
+
+class GrowingGeometry(Storage):
+    """Hooks of the growing geometry, for the serial, shared and ragged arrangements."""
+
+    geometry_kind = "growing"
+    arrangements = frozenset({"serial", "shared", "ragged"})
+
+    _origin: int
+
+    def _reset_geometry(self) -> None:
+        self._origin = 0
+
+    # -- what it holds ----------------------------------------------------------------
+    @property
+    def width(self) -> int:
+        """Columns from the origin to the furthest row end."""
+        return max((p + n for p, n in zip(self._pads, self._offsets, strict=True)), default=0)
+
+    @property
+    def slots(self) -> int:
+        return 0 if self._keys is None else int(self._keys[0].shape[0])
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._keys is None else int(self._keys[0].shape[2])
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    # -- hooks ------------------------------------------------------------------------
+    def _visible(self, planes: Planes) -> Planes:
+        start, batch = self._origin, len(self._offsets)
+        return tuple(p[:batch, :, start : start + self.width] for p in planes)
+
+    def _window(self, planes: Planes, row: int | None) -> Planes | None:
+        if row is None:
+            start, stop = self._origin, self._origin + self.width
+            return tuple(p[:, :, start:stop] for p in planes)
+        start = self._origin + self._pads[row]
+        stop = start + self._offsets[row]
+        return tuple(p[row : row + 1, :, start:stop] for p in planes)
+
+    def _append(self, keys: Planes, values: Planes, n: int, geometry: KvGeometry) -> None:
+        serial = isinstance(self, Serial)
+        origin = self._origin
+        ends = [origin + p + t for p, t in zip(self._pads, self._offsets, strict=True)]
+        width = max(ends) - origin
+        if self._keys is None or origin + width + n > self.capacity:
+            # A layout keeps one spare column; the origin is 0 afterwards.
+            self._reallocate(round_up(width + n + (0 if serial else 1)), shift=0)
+            ends = [p + t for p, t in zip(self._pads, self._offsets, strict=True)]
+        assert self._keys is not None and self._values is not None
+        batch = len(self._offsets)
+        if len(set(ends)) == 1:
+            start = ends[0]
+            for planes, block in ((self._keys, keys), (self._values, values)):
+                for plane, encoded in zip(planes, block, strict=True):
+                    plane[:batch, :, start : start + n] = encoded
+        else:
+            rows = mx.arange(batch)[:, None]
+            columns = mx.array(ends)[:, None] + mx.arange(n)[None, :]
+            for planes, block in ((self._keys, keys), (self._values, values)):
+                for plane, encoded in zip(planes, block, strict=True):
+                    plane[rows, :, columns] = mx.swapaxes(encoded, 1, 2)
+
+    def _reallocate(self, capacity: int, *, shift: int, slots: int | None = None) -> None:
+        """New buffers of ``capacity`` columns; active rows move right by ``shift`` columns."""
+        geometry = self._geometry
+        assert geometry is not None
+        batch, width, origin = len(self._offsets), self.width, self._origin
+        least = batch if isinstance(self, Serial) else spare_slots(batch)
+        slots = max(slots or 0, least)
+
+        def moved(old: Planes | None, dim: int) -> Planes:
+            fresh = self.codec.zeros(slots, geometry.heads, capacity, dim, geometry.dtype)
+            if old is None or width == 0:
+                return fresh
+            for new, plane in zip(fresh, old, strict=True):
+                new[:batch, :, shift : shift + width] = plane[:batch, :, origin : origin + width]
+            return fresh
+
+        self._keys = moved(self._keys, geometry.key_dim)
+        self._values = moved(self._values, geometry.value_dim)
+        self._origin = 0
+
+    def _place(self, incoming: list[RowWindow], geometry: KvGeometry | None) -> None:
+        """Rows are right-aligned to ``W = max(width, longest new row)``. A join writes only
+        the new rows when a slot is free and the left padding it needs fits left of the
+        origin; otherwise the running rows are copied once into larger buffers."""
+        width = self.width
+        tokens = [0 if k is None else int(k[0].shape[2]) for k, _, _ in incoming]
+        target = max([width, *tokens])
+        grow = target - width
+        batch = len(self._offsets)
+        joined = batch + len(incoming)
+        if geometry is not None:
+            fits = self._keys is not None and joined <= self.slots and grow <= self._origin
+            if fits:
+                self._origin -= grow
+            else:
+                self._reallocate(round_up(target + 1), shift=grow, slots=spare_slots(joined))
+            assert self._keys is not None and self._values is not None
+            end = self._origin + target
+            for slot, ((keys, values, _), count) in enumerate(
+                zip(incoming, tokens, strict=True), start=batch
+            ):
+                if keys is None or values is None or count == 0:
+                    continue  # nothing to write (and MLX faults on empty scatters)
+                for planes, new in ((self._keys, keys), (self._values, values)):
+                    for plane, src in zip(planes, new, strict=True):
+                        plane[slot : slot + 1, :, end - count : end] = src
+        self._pads = [p + grow for p in self._pads] + [target - t for t in tokens]
+
+    def _keep(self, order: list[int]) -> None:
+        """The shared left padding is dropped by moving the origin."""
+        shared = min(self._pads[i] for i in order)
+        if self._keys is not None and self._values is not None and order != list(range(len(order))):
+            # Gather whole slots (contiguous) into fresh planes, keeping a few spare slots
+            # for the next join; a scatter into the live planes would copy them anyway.
+            slots = spare_slots(len(order))
+            index = mx.array(order + [order[-1]] * (slots - len(order)))
+            self._keys = tuple(mx.take(p, index, axis=0) for p in self._keys)
+            self._values = tuple(mx.take(p, index, axis=0) for p in self._values)
+        self._pads = [self._pads[i] - shared for i in order]
+        self._origin += shared
+        if self._keys is not None and self.slots > 2 * spare_slots(len(order)):
+            # Release the slots a large retirement left behind.
+            self._reallocate(round_up(self.width + 1), shift=0)
+
+    def _check_trim(self, counts: Sequence[int]) -> None:
+        return None
+
+    def _forget(self, counts: Sequence[int]) -> None:
+        return None
+
+    def _adopt(self, keys: Planes, values: Planes, offset: int) -> None:
+        self._origin = 0
+
+    def _check_geometry(self) -> None:
+        assert all(p >= 0 for p in self._pads)
+        if self._offsets:
+            assert min(self._pads) == 0, "some row must start at column 0"
+        if self.composition.shared_column:
+            ends = {p + t for p, t in zip(self._pads, self._offsets, strict=True)}
+            assert len(ends) <= 1, "rows must share the write column"
+        if self._keys is not None:
+            assert len(self._offsets) <= self.slots
+            assert self._origin + self.width <= self.capacity
+
+    # -- masks ------------------------------------------------------------------------
+    def _serial_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
+        """mlx-lm's policy: ``None`` for one token, ``"causal"`` for a block, an array when
+        a window or ``return_array`` asks for one."""
+        if window is None and not return_array:
+            return None if n == 1 else "causal"
+        offset = self._offsets[0] if self._offsets else 0
+        columns = mx.arange(offset + n)[None, :]
+        queries = mx.arange(offset, offset + n)[:, None]
+        visible = columns <= queries
+        if window is not None:
+            visible = visible & (queries < columns + window)
+        return visible
+
+    def _layout_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
+        ends = [p + t for p, t in zip(self._pads, self._offsets, strict=True)]
+        aligned = len(set(ends)) <= 1
+        if aligned and not any(self._pads) and window is None and not return_array:
+            return None if n == 1 else "causal"
+        width = max(ends, default=0)
+        pads = self.pads_array()
+        columns = mx.arange(width + n)
+        if aligned:
+            # One write column: a per-row pad test, and one causal block all rows share.
+            visible = (columns[None, :] >= pads[:, None])[:, None, None, :]
+            queries = mx.arange(width, width + n)[:, None]
+            if n > 1:
+                visible = visible & (columns[None, :] <= queries)
+            if window is not None:
+                visible = visible & (queries < columns[None, :] + window)
+            return visible
+        grid = columns[None, None, :]
+        queries = (mx.array(ends)[:, None] + mx.arange(n)[None, :])[:, :, None]
+        ragged = (grid <= queries) & (grid >= pads[:, None, None])
+        if window is not None:
+            ragged = ragged & (queries < grid + window)
+        return ragged[:, None]

@@ -1,0 +1,547 @@
+"""The row machinery of the optimized implementation: written once, whatever the geometry.
+
+A storage is a composition (``kvrows.compositions``) of a codec, a token geometry and a row
+arrangement. This module owns everything that does not depend on the geometry:
+
+* construction from the composition table (``bind_arguments``, ``from_specs``), the
+  codec, the identity (``signature``, ``plane_specs``), the planes held (``state``,
+  ``nbytes``);
+* the per-row bookkeeping: each row's position (``row_offsets``) and left padding, kept
+  as host-side Python ints so a step never synchronises with the device to plan writes;
+* template operations that validate once and then call the geometry's hooks:
+  ``update_and_fetch`` (block checks -> codec check -> ``_append``), ``fetch``,
+  ``make_mask``, ``trim`` / ``trim_rows`` (counts -> ``_check_trim`` -> ``_forget``),
+  ``merge_rows`` (argument, self-merge and compatibility checks -> every source's rows
+  as windows in time order -> ``_place``), ``filter_rows`` (``_keep``), ``extract_row``
+  (``_window`` -> an owned, evaluated copy -> the serial storage's ``_adopt``),
+  ``check_valid``.
+
+The two arrangements are :class:`Serial` (one request; the rows of a serial storage are
+the rows of its blocks, all at one position) and :class:`Layout` (rows joined from
+several requests; ``composition.shared_column`` says whether they share one write
+column). A geometry (``growing.py``, ``ring.py``) is a class that supplies only the hooks
+(see :class:`Storage`); a public class is a geometry plus an arrangement
+(``classes.py``). Modifiers (delayed, speculative) will wrap a layout: see
+:meth:`Storage.__init_subclass__`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, ClassVar, TypeAlias, TypeVar
+
+import mlx.core as mx
+
+from kvrows.codec import PlaneSpec
+from kvrows.common import PlaneHolder, check_counts, row_bytes
+from kvrows.compositions import Composition, bind_arguments
+from kvrows.errors import (
+    EMPTY_LAYOUT_UPDATE,
+    NOTHING_TO_FETCH,
+    IncompatibleRowsError,
+    InvalidInputError,
+    KvRowsError,
+    LayoutStateError,
+    NotTrimmableError,
+    incompatible_merge_message,
+    self_merge_message,
+    trim_past_row_message,
+    wrapped_ring_message,
+)
+from kvrows.optimized.codecs import AffineCodec, PlainCodec, Planes, dtype_name, make_codec
+from kvrows.protocols import Cache, Mask, RingGeometry
+from kvrows.schemes import CodecSpec, GeometrySpec
+from kvrows.validation import (
+    KvGeometry,
+    as_count,
+    check_block,
+    check_keep,
+    check_row,
+    check_window,
+    common_geometry,
+)
+
+__all__ = ["Layout", "RowWindow", "Serial", "Storage", "owned", "spare_slots"]
+
+#: One row handed from a source to a merge: its key planes and value planes in time order
+#: (views, ``[1, H, T, ·]``; ``None`` when it holds no token) and its position.
+RowWindow: TypeAlias = tuple[Planes | None, Planes | None, int]
+
+_S = TypeVar("_S", bound="Storage")
+
+#: Every public class, by composition name (filled by ``Storage.__init_subclass__``).
+DECLARED: dict[str, type[Storage]] = {}
+
+
+def owned(view: mx.array) -> mx.array:
+    """An owned compact copy of ``view`` (never a view pinning a batch buffer)."""
+    # A row slice is contiguous only when it spans whole planes of one head; then
+    # mx.contiguous would alias, so force a copy through a concatenate.
+    if view.shape[1] == 1:
+        return mx.concatenate([view, view[:, :, :0]], axis=2)
+    return mx.contiguous(view)
+
+
+def spare_slots(rows: int) -> int:
+    """Row slots a layout allocates for ``rows`` rows: an eighth spare, at least one.
+
+    Spare slots let a join write only the new row; MLX zero-fills them, so each costs
+    its bytes at merge and filter time (the trade-off ``kvrows bench`` shows)."""
+    return rows + max(1, rows // 8)
+
+
+def _shape(value: object) -> tuple[int, ...]:
+    return tuple(value.shape) if isinstance(value, mx.array) else ()
+
+
+class Storage(PlaneHolder):
+    """What every storage is, serial or layout, whatever its geometry.
+
+    Geometry hooks (a geometry class overrides each; the templates call them after
+    validating): ``_reset_geometry()`` (forget the geometry's own state),
+    ``_append(keys, values, n, geometry)`` (write an encoded block; the row positions
+    advance afterwards), ``_visible(planes)`` (what ``fetch`` returns, per plane tuple),
+    ``_window(planes, row)`` (row ``row``'s stored tokens in time order, or every row's
+    when ``row`` is ``None`` on a serial storage; ``None`` when nothing is held),
+    ``_place(incoming, geometry)`` (join rows; the positions are appended afterwards),
+    ``_keep(order)`` (keep rows), ``_check_trim(counts)`` / ``_forget(counts)``,
+    ``_adopt(keys, values, offset)`` (a serial storage takes an extracted window),
+    ``_serial_mask`` / ``_layout_mask``, ``is_trimmable``.
+    """
+
+    composition: ClassVar[Composition]
+    #: The geometry kind a geometry class implements, and the arrangements it supports.
+    geometry_kind: ClassVar[str]
+    arrangements: ClassVar[frozenset[str]]
+    #: Whether an extracted empty row keeps the layout's KV geometry (growing: yes; ring:
+    #: no, as in the reference; to unify in both implementations at once).
+    empty_rows_keep_geometry: ClassVar[bool] = True
+    #: The arrangement a base class implements (``Serial`` / ``Layout``).
+    arrangement_kinds: ClassVar[frozenset[str]]
+
+    codec: PlainCodec | AffineCodec
+    codec_spec: CodecSpec
+    token_geometry: GeometrySpec
+    _keys: Planes | None
+    _values: Planes | None
+    _geometry: KvGeometry | None
+    _offsets: list[int]
+    _pads: list[int]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        entry = cls.__dict__.get("composition")
+        if entry is None:
+            return  # a base, a geometry, or a subclass of a public class (tests' mutants)
+        if entry.geometry != cls.geometry_kind or entry.arrangement not in (
+            cls.arrangements & cls.arrangement_kinds
+        ):
+            raise KvRowsError(
+                f"{cls.__name__}: {entry.name} is {entry.geometry}/{entry.arrangement}, "
+                f"the class is {cls.geometry_kind}/{sorted(cls.arrangement_kinds)}"
+            )
+        if (entry.codec == "affine") != hasattr(cls, "bits"):
+            raise KvRowsError(f"{cls.__name__}: bits/group_size must exist iff it is affine")
+        # Modifiers (delayed, speculative) wrap a layout: the issue that adds them applies
+        # its wrapper here, from ``entry.modifiers``, so classes stay one declaration each.
+        if entry.modifiers:
+            raise KvRowsError(f"{entry.name}: modifiers {sorted(entry.modifiers)} not built yet")
+        DECLARED[entry.name] = cls
+
+    # -- construction ---------------------------------------------------------------------
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        codec_spec, token_geometry, geometry = bind_arguments(self.composition, args, kwargs)
+        self._setup(codec_spec, token_geometry, geometry)
+
+    @classmethod
+    def from_specs(
+        cls: type[_S],
+        codec_spec: CodecSpec,
+        token_geometry: GeometrySpec,
+        *,
+        geometry: KvGeometry | None = None,
+    ) -> _S:
+        return cls(codec=codec_spec, token_geometry=token_geometry, geometry=geometry)
+
+    @classmethod
+    def _spawn(cls: type[_S], like: Storage) -> _S:
+        """An empty instance with ``like``'s (already validated) specs."""
+        fresh = cls.__new__(cls)
+        fresh._setup(like.codec_spec, like.token_geometry, None)
+        return fresh
+
+    def _setup(
+        self, codec_spec: CodecSpec, token_geometry: GeometrySpec, geometry: KvGeometry | None
+    ) -> None:
+        self.codec_spec, self.token_geometry = codec_spec, token_geometry
+        self.codec = make_codec(codec_spec)
+        self._geometry = geometry
+        self._pads_of: list[int] | None = None  # the pads list ``_pads_array`` copies
+        self._pads_array = mx.array([], dtype=mx.int32)
+        self._clear()
+
+    def _clear(self) -> None:
+        """Hold no row and no buffer (the KV geometry, once known, is kept)."""
+        self._keys = self._values = None
+        self._offsets, self._pads = [], []
+        self._changed()
+        self._reset_geometry()
+
+    def _changed(self) -> None:
+        """The positions changed: drop their device copy."""
+        self._offset_array: mx.array | None = None
+
+    def pads_array(self) -> mx.array:
+        """The left pads on the device (for masks), cached while the pads stay the same
+        list (every change rebinds ``_pads``; a decode step keeps it)."""
+        if self._pads_of is not self._pads:
+            self._pads_of, self._pads_array = self._pads, mx.array(self._pads)
+        return self._pads_array
+
+    # -- identity -------------------------------------------------------------------------
+    @property
+    def geometry(self) -> KvGeometry | None:
+        return self._geometry
+
+    def signature(self) -> str:
+        return self.composition.signature_for(self.codec_spec, self.token_geometry)
+
+    def plane_specs(self) -> tuple[PlaneSpec, ...]:
+        """The planes held: the keys' then the values' (none before the geometry is known)."""
+        g = self._geometry
+        if g is None:
+            return ()
+        return self.codec.plane_specs("keys", g.key_dim, g.dtype) + self.codec.plane_specs(
+            "values", g.value_dim, g.dtype
+        )
+
+    def _accepts(self, source: object) -> bool:
+        return (
+            isinstance(source, Storage)
+            and source.token_geometry == self.token_geometry
+            and source.codec.key == self.codec.key
+        )
+
+    # -- the templates --------------------------------------------------------------------
+    def _block_rows(self) -> int | None:
+        raise NotImplementedError
+
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        rows = self._block_rows()
+        geometry = check_block(
+            _shape(keys),
+            _shape(values),
+            dtype_name(keys),
+            dtype_name(values),
+            rows=rows,
+            geometry=self._geometry,
+        )
+        self.codec.check(geometry)
+        self._geometry = geometry
+        if not self._offsets:  # a serial storage's first block sets its rows
+            batch = int(keys.shape[0])
+            self._offsets, self._pads = [0] * batch, [0] * batch
+        n = int(keys.shape[2])
+        self._append(self.codec.encode(keys), self.codec.encode(values), n, geometry)
+        self._offsets = [o + n for o in self._offsets]
+        self._changed()
+        return self.fetch()
+
+    def fetch(self) -> tuple[Any, Any]:
+        if self._keys is None or self._values is None:
+            raise LayoutStateError(NOTHING_TO_FETCH)
+        return (
+            self.codec.fetched(self._visible(self._keys)),
+            self.codec.fetched(self._visible(self._values)),
+        )
+
+    def _window_pair(self, row: int | None) -> tuple[Planes, Planes] | None:
+        if self._keys is None or self._values is None:
+            return None
+        keys = self._window(self._keys, row)
+        values = self._window(self._values, row)
+        return None if keys is None or values is None else (keys, values)
+
+    def _row_windows(self) -> list[RowWindow]:
+        """Every row this storage holds, as a merge takes it."""
+        raise NotImplementedError
+
+    def _each_row(self) -> list[RowWindow]:
+        """Every row's window, one by one (a layout's rows)."""
+        rows: list[RowWindow] = []
+        for b, offset in enumerate(self._offsets):
+            held = self._window_pair(b)
+            rows.append((None, None, offset) if held is None else (held[0], held[1], offset))
+        return rows
+
+    def make_mask(
+        self, n: int, *, return_array: bool = False, window_size: int | None = None
+    ) -> Mask:
+        return self._mask(as_count(n, "n", minimum=1), return_array, check_window(window_size))
+
+    def _mask(self, n: int, return_array: bool, window: int | None) -> Mask:
+        raise NotImplementedError
+
+    # -- geometry hooks -------------------------------------------------------------------
+    def _reset_geometry(self) -> None:
+        raise NotImplementedError
+
+    def _append(self, keys: Planes, values: Planes, n: int, geometry: KvGeometry) -> None:
+        raise NotImplementedError
+
+    def _visible(self, planes: Planes) -> Planes:
+        raise NotImplementedError
+
+    def _window(self, planes: Planes, row: int | None) -> Planes | None:
+        raise NotImplementedError
+
+    def _place(self, incoming: list[RowWindow], geometry: KvGeometry | None) -> None:
+        raise NotImplementedError
+
+    def _keep(self, order: list[int]) -> None:
+        raise NotImplementedError
+
+    def _check_trim(self, counts: Sequence[int]) -> None:
+        raise NotImplementedError
+
+    def _forget(self, counts: Sequence[int]) -> None:
+        raise NotImplementedError
+
+    def _adopt(self, keys: Planes, values: Planes, offset: int) -> None:
+        raise NotImplementedError
+
+    def _serial_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
+        raise NotImplementedError
+
+    def _layout_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
+        raise NotImplementedError
+
+    def _check_geometry(self) -> None:
+        raise NotImplementedError
+
+    def is_trimmable(self) -> bool:
+        raise NotImplementedError
+
+
+class Serial(Storage):
+    """One request: the rows of its blocks, all at one position (``offset`` is an int)."""
+
+    arrangement_kinds = frozenset({"serial"})
+
+    @property
+    def offset(self) -> int:
+        return self._offsets[0] if self._offsets else 0
+
+    @property
+    def rows(self) -> int:
+        return len(self._offsets)
+
+    def _block_rows(self) -> int | None:
+        return self.rows or None
+
+    def _mask(self, n: int, return_array: bool, window: int | None) -> Mask:
+        return self._serial_mask(n, return_array, window)
+
+    def _row_windows(self) -> list[RowWindow]:
+        held = self._window_pair(None)
+        offset = self.offset
+        if held is None or int(held[0][0].shape[2]) == 0:
+            return [(None, None, offset)] * max(1, self.rows)
+        keys, values = held
+        return [
+            (tuple(p[b : b + 1] for p in keys), tuple(p[b : b + 1] for p in values), offset)
+            for b in range(self.rows)
+        ]
+
+    def trim(self, n: int) -> int:
+        count = as_count(n, "n")
+        if count and not self.is_trimmable():
+            raise NotTrimmableError(
+                wrapped_ring_message(
+                    f"a ring at offset {self.offset}",
+                    self.max_size if isinstance(self, RingGeometry) else self.offset,
+                )
+            )
+        count = min(count, self.offset)
+        if count:
+            self._forget([count] * self.rows)
+            self._offsets = [o - count for o in self._offsets]
+        return count
+
+    def adopt(
+        self: _S, keys: Planes, values: Planes, offset: int, geometry: KvGeometry | None
+    ) -> _S:
+        """Make this (empty) storage hold ``keys``/``values`` (owned, compact, in time order)
+        as the newest tokens below position ``offset``."""
+        if self._keys is not None:
+            raise LayoutStateError("adopt needs an empty cache")
+        rows = int(keys[0].shape[0])
+        self._keys, self._values, self._geometry = keys, values, geometry
+        self._offsets, self._pads = [offset] * rows, [0] * rows
+        self._changed()
+        self._adopt(keys, values, offset)
+        return self
+
+    def planes(self) -> tuple[Planes, Planes] | None:
+        """Views of the stored key and value planes in time order, ``[B, H, T, ·]``."""
+        return self._window_pair(None)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(offset={self.offset}, rows={self.rows})"
+
+
+class Layout(Storage):
+    """Several requests' rows in one set of batched planes."""
+
+    arrangement_kinds = frozenset({"shared", "ragged"})
+
+    # -- what the layout holds ------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return len(self._offsets)
+
+    @property
+    def row_offsets(self) -> tuple[int, ...]:
+        return tuple(self._offsets)
+
+    @property
+    def left_pad(self) -> tuple[int, ...]:
+        return tuple(self._pads)
+
+    @property
+    def offset(self) -> mx.array:
+        """Per-row positions, one device array until the next change (models read it in
+        every layer)."""
+        if self._offset_array is None:
+            self._offset_array = mx.array(self._offsets, dtype=mx.int32)
+        return self._offset_array
+
+    @property
+    def max_tokens(self) -> float:
+        return math.inf
+
+    def can_publish_row(self, row: int, tokens: int) -> bool:
+        index = check_row(row, self.batch_size)
+        return as_count(tokens, "tokens") <= self._offsets[index]
+
+    def row_planes(self, row: int) -> tuple[Planes, Planes] | None:
+        """Views of row ``row``'s key and value planes in time order, ``[1, H, T, ·]``
+        (``None`` when it holds no token)."""
+        index = check_row(row, self.batch_size)
+        return None if self._offsets[index] == 0 else self._window_pair(index)
+
+    def make_empty_batch(self: _S) -> _S:
+        return type(self)._spawn(self)
+
+    def _block_rows(self) -> int | None:
+        if not self._offsets:
+            raise LayoutStateError(EMPTY_LAYOUT_UPDATE)
+        return self.batch_size
+
+    def _mask(self, n: int, return_array: bool, window: int | None) -> Mask:
+        return self._layout_mask(n, return_array, window)
+
+    def _row_windows(self) -> list[RowWindow]:
+        return self._each_row()
+
+    def projected_bytes(self, tokens: int) -> int:
+        return row_bytes(self.codec, self._geometry, tokens)
+
+    # -- row operations -------------------------------------------------------------------
+    def merge_rows(self, rows: Sequence[Cache]) -> None:
+        """Form the batch from ``rows`` (empty layout) or join them (running layout).
+
+        Borrows the sources: each gives its rows as windows in time order, and the
+        geometry places them (``_place``). Refuses the layout itself and a source given
+        twice before anything changes."""
+        if isinstance(rows, Cache | str | bytes) or not isinstance(rows, Sequence):
+            raise InvalidInputError("merge_rows takes a sequence of caches")
+        seen: set[int] = set()
+        for source in rows:
+            if source is self or id(source) in seen:
+                raise IncompatibleRowsError(self_merge_message(self.signature()))
+            seen.add(id(source))
+        incoming: list[RowWindow] = []
+        geometries: list[KvGeometry | None] = [self._geometry]
+        for source in rows:
+            if not isinstance(source, Storage) or not self._accepts(source):
+                raise IncompatibleRowsError(
+                    incompatible_merge_message(
+                        self.signature(), source, self.codec.key, self.token_geometry
+                    )
+                )
+            incoming.extend(source._row_windows())
+            geometries.append(source.geometry)
+        geometry = common_geometry(geometries)
+        if not incoming:
+            return
+        self._geometry = geometry
+        self._place(incoming, geometry)
+        self._offsets = self._offsets + [offset for _, _, offset in incoming]
+        self._changed()
+
+    def filter_rows(self, keep: Sequence[int]) -> None:
+        """Keep rows ``keep`` (any subset, in the given order), in place."""
+        order = check_keep(keep, self.batch_size)
+        if not order:
+            self._clear()
+            return
+        self._offsets = [self._offsets[i] for i in order]
+        self._keep(order)
+        self._changed()
+
+    def extract_row(self, row: int) -> Serial:
+        """An independent serial storage holding row ``row``: owned, compact, evaluated
+        arrays (a lazy slice would pin this layout's buffers and make its next in-place
+        write copy them)."""
+        index = check_row(row, self.batch_size)
+        serial = DECLARED[self.composition.serial or self.composition.name]
+        assert issubclass(serial, Serial)
+        cache = serial._spawn(self)
+        held = self._window_pair(index)
+        if held is None or int(held[0][0].shape[2]) == 0:
+            if self.empty_rows_keep_geometry:
+                cache._geometry = self._geometry
+            return cache
+        keys = tuple(owned(p) for p in held[0])
+        values = tuple(owned(p) for p in held[1])
+        mx.eval(*keys, *values)
+        return cache.adopt(keys, values, self._offsets[index], self._geometry)
+
+    def trim(self, n: int) -> int:
+        count = as_count(n, "n")
+        return self._trim_rows([count] * self.batch_size) if self._offsets else 0
+
+    def trim_rows(self, counts: Sequence[int]) -> int:
+        """Forget ``counts[b]`` newest tokens of row ``b`` (per-row rollback).
+
+        Rows sharing one write column can only trim equal counts. Returns the largest count.
+        """
+        return self._trim_rows(check_counts(counts, self.batch_size))
+
+    def _trim_rows(self, counts: Sequence[int]) -> int:
+        if not any(counts):
+            return 0
+        self._check_trim(counts)
+        for b, (tokens, count) in enumerate(zip(self._offsets, counts, strict=True)):
+            if count > tokens:
+                raise NotTrimmableError(trim_past_row_message(count, b, tokens))
+        if self.composition.shared_column and len(set(counts)) > 1:
+            raise NotTrimmableError("rows sharing one write column must trim together")
+        self._forget(counts)
+        self._offsets = [t - c for t, c in zip(self._offsets, counts, strict=True)]
+        self._changed()
+        return max(counts)
+
+    def check_valid(self) -> None:
+        """Assert the layout's invariants (for tests)."""
+        assert len(self._pads) == len(self._offsets)
+        assert all(t >= 0 for t in self._offsets)
+        self._check_geometry()
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(rows={self.batch_size}, row_offsets={self.row_offsets}, "
+            f"left_pad={self.left_pad})"
+        )

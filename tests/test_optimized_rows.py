@@ -1,0 +1,208 @@
+"""The optimized row machinery: composition plumbing and the issue-8 defects, each with a test.
+
+Self-merge refused, one message for an empty fetch, extracted rows that own compact
+evaluated arrays (active memory), ``offset`` cached until the next change, and caches that
+never keep or write into the caller's arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kvrows.optimized as kv
+from kvrows.codec import Codec
+from kvrows.compositions import composition, landed
+from kvrows.errors import (
+    EMPTY_LAYOUT_UPDATE,
+    NOTHING_TO_FETCH,
+    IncompatibleRowsError,
+    InvalidInputError,
+    LayoutStateError,
+    self_merge_message,
+)
+from kvrows.optimized.rows import DECLARED, Layout, Serial
+from kvrows.schemes import Affine, Growing, Plain, Ring
+from kvrows.validation import KvGeometry
+
+
+@pytest.fixture(autouse=True)
+def _cpu() -> Iterator[None]:
+    with mx.stream(mx.cpu):
+        yield
+
+
+def _block(rows: int, tokens: int, heads: int = 2, dim: int = 64, seed: int = 0) -> mx.array:
+    return mx.random.normal((rows, heads, tokens, dim), key=mx.random.key(seed)).astype(mx.float16)
+
+
+def _args(name: str) -> tuple[int, ...]:
+    """Positional constructor arguments (mlx-lm's order) for a small instance."""
+    values = {"max_size": 8, "group_size": 32, "bits": 4, "keep": 0}
+    return tuple(values[p] for p in composition(name).params if p != "keep")
+
+
+def _serial(name: str, tokens: int, seed: int = 0) -> Serial:
+    entry = composition(name)
+    cache = DECLARED[entry.serial or entry.name](*_args(entry.serial or entry.name))
+    assert isinstance(cache, Serial)
+    if tokens:
+        block = _block(1, tokens, seed=seed)
+        cache.update_and_fetch(block, block)
+    return cache
+
+
+LAYOUTS = [c.name for c in landed() if c.is_layout]
+
+
+def test_every_landed_composition_is_one_declared_class() -> None:
+    assert sorted(DECLARED) == sorted(c.name for c in landed())
+    for entry in landed():
+        cls = getattr(kv, entry.name)
+        assert cls is DECLARED[entry.name] and cls.composition is entry
+        assert issubclass(cls, Layout if entry.is_layout else Serial)
+        instance = cls(*_args(entry.name))
+        assert isinstance(instance.codec, Codec)
+        assert hasattr(instance, "bits") == (entry.codec == "affine")
+        assert hasattr(instance, "max_size") == (entry.geometry == "ring")
+        assert instance.signature() == entry.signature_for(
+            instance.codec_spec, instance.token_geometry
+        )
+        again = cls.from_specs(instance.codec_spec, instance.token_geometry)
+        assert type(again) is cls and again.signature() == instance.signature()
+        assert instance.plane_specs() == ()
+
+
+def test_specs_and_declared_geometry() -> None:
+    geometry = KvGeometry(heads=2, key_dim=64, value_dim=64, dtype="float16")
+    layout = kv.PaddedQuantKVRows(32, 4, geometry=geometry)
+    assert layout.codec_spec == Affine(bits=4, group_size=32)
+    assert layout.token_geometry == Growing()
+    assert (layout.bits, layout.group_size) == (4, 32)
+    assert layout.projected_bytes(10) == 10 * 2 * layout.codec.token_bytes(2, 64, "float16")
+    assert [p.name for p in layout.plane_specs()] == [
+        "keys",
+        "keys.scales",
+        "keys.biases",
+        "values",
+        "values.scales",
+        "values.biases",
+    ]
+    ring = kv.RotatingKVCache(token_geometry=Ring(max_size=16), codec=Plain())
+    assert (ring.max_size, ring.keep, ring.signature()) == (16, 0, "kv:rotating-plain")
+    ring_layout = kv.RaggedRotatingRows.from_specs(Plain(), Ring(max_size=16), geometry=geometry)
+    assert ring_layout.projected_bytes(100) == ring_layout.projected_bytes(16)
+    with pytest.raises(LayoutStateError):
+        kv.PaddedKVRows().projected_bytes(1)
+    with pytest.raises(InvalidInputError):
+        kv.KVCache.from_specs(Affine(), Growing())
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_self_merge_and_a_source_twice_are_refused(name: str) -> None:
+    layout = DECLARED[name](*_args(name))
+    assert isinstance(layout, Layout)
+    first, second = _serial(name, 3, seed=1), _serial(name, 5, seed=2)
+    layout.merge_rows([first, second])
+    before = (layout.row_offsets, layout.left_pad, [np.array(p) for p in layout.state])
+    message = self_merge_message(layout.signature())
+    with pytest.raises(IncompatibleRowsError) as caught:
+        layout.merge_rows([layout])
+    assert str(caught.value) == message
+    with pytest.raises(IncompatibleRowsError, match="given twice"):
+        layout.merge_rows([first, first])
+    other = layout.make_empty_batch()
+    other.merge_rows([first])
+    with pytest.raises(IncompatibleRowsError):
+        layout.merge_rows([other, other])
+    assert other.batch_size == 1
+    after = (layout.row_offsets, layout.left_pad, [np.array(p) for p in layout.state])
+    assert after[:2] == before[:2] and layout.batch_size == 2
+    for a, b in zip(after[2], before[2], strict=True):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("name", [c.name for c in landed()])
+def test_one_message_for_an_empty_fetch(name: str) -> None:
+    cache = DECLARED[name](*_args(name))
+    with pytest.raises(LayoutStateError) as caught:
+        cache.fetch()
+    assert str(caught.value) == NOTHING_TO_FETCH
+    if isinstance(cache, Layout):
+        block = _block(1, 1)
+        with pytest.raises(LayoutStateError) as caught:
+            cache.update_and_fetch(block, block)
+        assert str(caught.value) == EMPTY_LAYOUT_UPDATE
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_offset_is_cached_until_the_next_change(name: str) -> None:
+    layout = DECLARED[name](*_args(name))
+    assert isinstance(layout, Layout)
+    layout.merge_rows([_serial(name, 3, seed=1), _serial(name, 5, seed=2)])
+    first = layout.offset
+    assert layout.offset is first and first.tolist() == [3, 5]
+    block = _block(2, 1)
+    layout.update_and_fetch(block, block)
+    assert layout.offset is not first and layout.offset.tolist() == [4, 6]
+    assert first.tolist() == [3, 5]  # rebound, never mutated
+    for change in (
+        lambda: layout.merge_rows([_serial(name, 2, seed=3)]),
+        lambda: layout.filter_rows([2, 0]),
+        lambda: layout.trim(1),
+    ):
+        held = layout.offset
+        change()
+        assert layout.offset is not held
+        assert layout.offset.tolist() == list(layout.row_offsets)
+
+
+def test_extracted_rows_own_compact_evaluated_arrays() -> None:
+    """Six extracts from a B=16 layout, each followed by a step, keep only their own bytes
+    alive (a lazy slice would pin the batch buffer, and the step would copy it)."""
+    layout = kv.PaddedKVRows()
+    layout.merge_rows([_serial("PaddedKVRows", 200 - 4 * b, seed=b) for b in range(16)])
+    step = _block(16, 1)
+    layout.update_and_fetch(step, step)
+    mx.eval(layout.state)
+    start = mx.get_active_memory()
+    kept = []
+    for row in range(6):
+        kept.append(layout.extract_row(row))
+        layout.update_and_fetch(step, step)
+        mx.eval(layout.state)
+    extracted = sum(cache.nbytes for cache in kept)
+    assert extracted == sum(2 * 2 * 64 * 2 * (201 - 3 * b) for b in range(6))  # b + 1 steps
+    assert mx.get_active_memory() - start <= extracted + 64 * 1024
+    assert layout.nbytes > 10 * extracted / 6  # the batch buffer was not what was kept
+
+
+@pytest.mark.parametrize("name", [c.name for c in landed()])
+def test_caches_never_keep_or_write_the_callers_arrays(name: str) -> None:
+    """The first block of exactly ``max_size`` tokens into a ring used to become the ring's
+    buffer itself; the next single-token write then changed the caller's array."""
+    cache = DECLARED[name](*_args(name))
+    rows = 1
+    if isinstance(cache, Layout):
+        cache.merge_rows([_serial(name, 0), _serial(name, 0)])
+        rows = 2
+    keys, values = _block(rows, 8, seed=1), _block(rows, 8, seed=2)
+    saved = (np.array(keys), np.array(values))
+    cache.update_and_fetch(keys, values)
+    for seed in range(3, 12):
+        token = _block(rows, 1, seed=seed)
+        cache.update_and_fetch(token, token)
+        mx.eval(cache.state)
+    assert np.array_equal(np.array(keys), saved[0])
+    assert np.array_equal(np.array(values), saved[1])
+
+
+@pytest.mark.parametrize("name", ["KVCache", "QuantizedKVCache"])
+def test_attention_returns_the_queries_dtype(name: str) -> None:
+    cache = _serial(name, 5)
+    queries = _block(1, 1, heads=4)
+    out = kv.attend(queries, cache, None, 0.125)
+    assert out.dtype == mx.float16 and out.shape == (1, 4, 1, 64)
