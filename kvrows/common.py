@@ -7,14 +7,13 @@ conformance suite (byte projections, count validation, codec parameters).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 from kvrows.errors import InvalidInputError, LayoutStateError
-from kvrows.validation import KvGeometry, as_count, check_row
+from kvrows.validation import KvGeometry, as_count
 
-__all__ = ["AffineParameters", "PlaneHolder", "RingRows", "check_counts", "row_bytes"]
+__all__ = ["AffineParameters", "PlaneHolder", "check_counts", "row_bytes"]
 
 
 class PlaneHolder:
@@ -78,37 +77,3 @@ def check_counts(counts: object, batch_size: int) -> list[int]:
             f"trim_rows needs {batch_size} counts (one per row), got {len(counts)}"
         )
     return [as_count(c, f"counts[{i}]") for i, c in enumerate(counts)]
-
-
-class RingRows:
-    """What every ring layout answers the same way, whatever it stores: rows hold any number
-    of positions, project at most ``max_size`` of them, and publish a prefix only before the
-    ring wraps (a wrapped ring cannot be cut back)."""
-
-    max_size: int
-    codec: Any
-    _geometry: KvGeometry | None
-
-    @property
-    def batch_size(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def row_offsets(self) -> tuple[int, ...]:
-        raise NotImplementedError
-
-    @property
-    def geometry(self) -> KvGeometry | None:
-        return self._geometry
-
-    @property
-    def max_tokens(self) -> float:
-        return math.inf
-
-    def can_publish_row(self, row: int, tokens: int) -> bool:
-        offset = self.row_offsets[check_row(row, self.batch_size)]
-        count = as_count(tokens, "tokens")
-        return count == offset or (count < offset < self.max_size)
-
-    def projected_bytes(self, tokens: int) -> int:
-        return row_bytes(self.codec, self._geometry, tokens, self.max_size)
