@@ -8,12 +8,15 @@ conformance suite (byte projections, count validation, codec parameters).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar, Self
 
+from kvrows.codec import PlaneSpec
+from kvrows.compositions import Composition
 from kvrows.errors import InvalidInputError, LayoutStateError
+from kvrows.schemes import CodecSpec, GeometrySpec
 from kvrows.validation import KvGeometry, as_count
 
-__all__ = ["AffineParameters", "PlaneHolder", "check_counts", "row_bytes"]
+__all__ = ["AffineParameters", "ComposedIdentity", "PlaneHolder", "check_counts", "row_bytes"]
 
 
 class PlaneHolder:
@@ -35,6 +38,63 @@ class PlaneHolder:
     @property
     def state_needs_dispose(self) -> bool:
         return False
+
+
+class ComposedIdentity:
+    """What a storage is, read off its composition and specs (the ``Composed`` protocol).
+
+    Both implementations' storages inherit it: it reads only the specs and the KV
+    geometry, so sharing it keeps the reference an independent oracle of everything the
+    conformance suite compares (``signature()`` is checked against the composition table
+    and the contract page instead).
+    """
+
+    composition: ClassVar[Composition]
+    codec: Any
+    _token_geometry: GeometrySpec
+    _geometry: KvGeometry | None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Each implementation binds its arguments (``compositions.bind_arguments``)."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_specs(
+        cls,
+        codec_spec: CodecSpec,
+        token_geometry: GeometrySpec,
+        *,
+        geometry: KvGeometry | None = None,
+    ) -> Self:
+        """An empty instance built from frozen specs (the row-layout table's factories)."""
+        return cls(codec=codec_spec, token_geometry=token_geometry, geometry=geometry)
+
+    @property
+    def codec_spec(self) -> CodecSpec:
+        spec: CodecSpec = self.codec.spec
+        return spec
+
+    @property
+    def token_geometry(self) -> GeometrySpec:
+        return self._token_geometry
+
+    @property
+    def geometry(self) -> KvGeometry | None:
+        """The KV geometry, once declared or learnt from the first token."""
+        return self._geometry
+
+    def signature(self) -> str:
+        return self.composition.signature_for(self.codec_spec, self._token_geometry)
+
+    def plane_specs(self) -> tuple[PlaneSpec, ...]:
+        """The planes every row holds: the keys' planes, then the values' (none before the
+        KV geometry is known)."""
+        g = self._geometry
+        if g is None:
+            return ()
+        keys: tuple[PlaneSpec, ...] = self.codec.plane_specs("keys", g.key_dim, g.dtype)
+        values: tuple[PlaneSpec, ...] = self.codec.plane_specs("values", g.value_dim, g.dtype)
+        return keys + values
 
 
 class AffineParameters:

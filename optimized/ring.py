@@ -56,15 +56,16 @@ class RingGeometry(Storage):
 
     geometry_kind = "ring"
     empty_rows_keep_geometry = False
-    token_geometry: Ring
 
     @property
     def max_size(self) -> int:
-        return self.token_geometry.max_size
+        assert isinstance(self._token_geometry, Ring)
+        return self._token_geometry.max_size
 
     @property
     def keep(self) -> int:
-        return self.token_geometry.keep
+        assert isinstance(self._token_geometry, Ring)
+        return self._token_geometry.keep
 
     def can_publish_row(self, row: int, tokens: int) -> bool:
         """A prefix is publishable only before the ring wraps (a wrapped ring cannot be cut

@@ -33,8 +33,7 @@ from typing import Any, ClassVar, TypeAlias, TypeVar
 
 import mlx.core as mx
 
-from kvrows.codec import PlaneSpec
-from kvrows.common import PlaneHolder, check_counts, row_bytes
+from kvrows.common import ComposedIdentity, PlaneHolder, check_counts, row_bytes
 from kvrows.compositions import Composition, bind_arguments
 from kvrows.errors import (
     EMPTY_LAYOUT_UPDATE,
@@ -95,7 +94,7 @@ def _shape(value: object) -> tuple[int, ...]:
     return tuple(value.shape) if isinstance(value, mx.array) else ()
 
 
-class Storage(PlaneHolder):
+class Storage(ComposedIdentity, PlaneHolder):
     """What every storage is, serial or layout, whatever its geometry.
 
     Geometry hooks (a geometry class overrides each; the templates call them after
@@ -121,8 +120,6 @@ class Storage(PlaneHolder):
     arrangement_kinds: ClassVar[frozenset[str]]
 
     codec: PlainCodec | AffineCodec
-    codec_spec: CodecSpec
-    token_geometry: GeometrySpec
     _keys: Planes | None
     _values: Planes | None
     _geometry: KvGeometry | None
@@ -155,16 +152,6 @@ class Storage(PlaneHolder):
         self._setup(codec_spec, token_geometry, geometry)
 
     @classmethod
-    def from_specs(
-        cls: type[_S],
-        codec_spec: CodecSpec,
-        token_geometry: GeometrySpec,
-        *,
-        geometry: KvGeometry | None = None,
-    ) -> _S:
-        return cls(codec=codec_spec, token_geometry=token_geometry, geometry=geometry)
-
-    @classmethod
     def _spawn(cls: type[_S], like: Storage) -> _S:
         """An empty instance with ``like``'s (already validated) specs."""
         fresh = cls.__new__(cls)
@@ -174,7 +161,7 @@ class Storage(PlaneHolder):
     def _setup(
         self, codec_spec: CodecSpec, token_geometry: GeometrySpec, geometry: KvGeometry | None
     ) -> None:
-        self.codec_spec, self.token_geometry = codec_spec, token_geometry
+        self._token_geometry = token_geometry
         self.codec = make_codec(codec_spec)
         self._geometry = geometry
         self._pads_of: list[int] | None = None  # the pads list ``_pads_array`` copies
@@ -198,23 +185,6 @@ class Storage(PlaneHolder):
         if self._pads_of is not self._pads:
             self._pads_of, self._pads_array = self._pads, mx.array(self._pads)
         return self._pads_array
-
-    # -- identity -------------------------------------------------------------------------
-    @property
-    def geometry(self) -> KvGeometry | None:
-        return self._geometry
-
-    def signature(self) -> str:
-        return self.composition.signature_for(self.codec_spec, self.token_geometry)
-
-    def plane_specs(self) -> tuple[PlaneSpec, ...]:
-        """The planes held: the keys' then the values' (none before the geometry is known)."""
-        g = self._geometry
-        if g is None:
-            return ()
-        return self.codec.plane_specs("keys", g.key_dim, g.dtype) + self.codec.plane_specs(
-            "values", g.value_dim, g.dtype
-        )
 
     def _accepts(self, source: object) -> bool:
         return (

@@ -25,13 +25,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, Self
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from kvrows.codec import PlaneSpec
-from kvrows.common import check_counts, row_bytes
+from kvrows.common import ComposedIdentity, check_counts, row_bytes
 from kvrows.compositions import Arrangement, Composition, bind_arguments
 from kvrows.errors import (
     EMPTY_LAYOUT_UPDATE,
@@ -46,7 +45,7 @@ from kvrows.errors import (
 )
 from kvrows.protocols import Cache, Mask
 from kvrows.reference.codecs import Codec, Planes, dtype_name, make_codec
-from kvrows.schemes import CodecSpec, GeometrySpec
+from kvrows.schemes import GeometrySpec
 from kvrows.validation import (
     KvGeometry,
     as_count,
@@ -214,7 +213,7 @@ def _image(
     return tuple(np.roll(p, roll, axis=2) for p in out)
 
 
-class Storage:
+class Storage(ComposedIdentity):
     """What every reference storage and layout is: a codec, a token geometry, rows.
 
     A public class names its composition (``kvrows.compositions``); the constructor takes
@@ -232,42 +231,6 @@ class Storage:
         self._axis = make_axis(token_geometry)
         self._geometry: KvGeometry | None = declared
         self._rows: list[Row] = []
-
-    @classmethod
-    def from_specs(
-        cls,
-        codec_spec: CodecSpec,
-        token_geometry: GeometrySpec,
-        *,
-        geometry: KvGeometry | None = None,
-    ) -> Self:
-        """An empty instance built from frozen specs (the row-layout table's factories)."""
-        return cls(codec=codec_spec, token_geometry=token_geometry, geometry=geometry)
-
-    # -- identity ------------------------------------------------------------------------
-    @property
-    def codec_spec(self) -> CodecSpec:
-        return self.codec.spec
-
-    @property
-    def token_geometry(self) -> GeometrySpec:
-        return self._token_geometry
-
-    @property
-    def geometry(self) -> KvGeometry | None:
-        return self._geometry
-
-    def signature(self) -> str:
-        return self.composition.signature_for(self.codec_spec, self._token_geometry)
-
-    def plane_specs(self) -> tuple[PlaneSpec, ...]:
-        """The planes every row holds: the keys' planes, then the values'."""
-        g = self._geometry
-        if g is None:
-            return ()
-        return self.codec.plane_specs("keys", g.key_dim, g.dtype) + self.codec.plane_specs(
-            "values", g.value_dim, g.dtype
-        )
 
     # -- what it holds --------------------------------------------------------------------
     @property
