@@ -24,7 +24,14 @@ from kvrows.errors import InvalidInputError
 from kvrows.schemes import Affine, CodecSpec, Plain
 from kvrows.validation import KvGeometry
 
-__all__ = ["DTYPE_SIZES", "Codec", "PlaneSpec", "codec_plane_specs", "codec_token_bytes"]
+__all__ = [
+    "DTYPE_SIZES",
+    "Codec",
+    "CodecLayout",
+    "PlaneSpec",
+    "codec_plane_specs",
+    "codec_token_bytes",
+]
 
 #: Bytes per element of every dtype a plane may have.
 DTYPE_SIZES: dict[str, int] = {
@@ -117,3 +124,22 @@ def codec_token_bytes(spec: CodecSpec, heads: int, dim: int, dtype: str) -> int:
         DTYPE_SIZES[plane.dtype] * plane.width
         for plane in codec_plane_specs(spec, name="t", dim=dim, dtype=dtype)
     )
+
+
+class CodecLayout:
+    """What a codec answers from its spec alone, whatever its array library: its key, its
+    planes and its bytes per token (both implementations' codecs inherit it)."""
+
+    spec: CodecSpec
+
+    @property
+    def key(self) -> str:
+        """Identity of the codec and its parameters (rows of different keys never mix)."""
+        return self.spec.key
+
+    def plane_specs(self, name: str, dim: int, dtype: str) -> tuple[PlaneSpec, ...]:
+        return codec_plane_specs(self.spec, name, dim, dtype)
+
+    def token_bytes(self, heads: int, dim: int, dtype: str) -> int:
+        """Bytes one token of one row occupies."""
+        return codec_token_bytes(self.spec, heads, dim, dtype)

@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 
 from kvrows.affine_geometry import groups, packed_width, validate_codec
-from kvrows.codec import PlaneSpec, codec_plane_specs, codec_token_bytes
+from kvrows.codec import CodecLayout
 from kvrows.errors import InvalidInputError
 from kvrows.protocols import Mask
 from kvrows.schemes import Affine, CodecSpec, Plain
@@ -55,23 +55,7 @@ def dtype_name(array: object) -> str:
     return str(array.dtype).rsplit(".", 1)[-1]
 
 
-class _CodecBase:
-    """What both codecs answer from their spec."""
-
-    spec: CodecSpec
-
-    @property
-    def key(self) -> str:
-        return self.spec.key
-
-    def plane_specs(self, name: str, dim: int, dtype: str) -> tuple[PlaneSpec, ...]:
-        return codec_plane_specs(self.spec, name, dim, dtype)
-
-    def token_bytes(self, heads: int, dim: int, dtype: str) -> int:
-        return codec_token_bytes(self.spec, heads, dim, dtype)
-
-
-class PlainCodec(_CodecBase):
+class PlainCodec(CodecLayout):
     """Unquantized storage in the activation dtype: one plane, the block itself."""
 
     def __init__(self, spec: Plain | None = None) -> None:
@@ -93,7 +77,7 @@ class PlainCodec(_CodecBase):
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
-class AffineCodec(_CodecBase):
+class AffineCodec(CodecLayout):
     """MLX affine group quantization (``mx.quantize``): planes ``(packed, scales, biases)``."""
 
     spec: Affine

@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvrows.affine_geometry import validate_codec
-from kvrows.codec import DTYPE_SIZES, PlaneSpec, codec_plane_specs
+from kvrows.codec import CodecLayout
 from kvrows.errors import InvalidInputError
 from kvrows.protocols import Cache, HasCodec, Mask
 from kvrows.reference import affine_codec
@@ -125,23 +125,8 @@ def attend(queries: npt.NDArray[Any], cache: Cache, mask: Mask, scale: float) ->
 # -- codecs ------------------------------------------------------------------------------
 
 
-class _Planes:
-    """What both codecs answer from their spec alone."""
-
-    spec: CodecSpec
-
-    @property
-    def key(self) -> str:
-        """Identity of the codec and its parameters (rows of different keys never mix)."""
-        return self.spec.key
-
-    def plane_specs(self, name: str, dim: int, dtype: str) -> tuple[PlaneSpec, ...]:
-        return codec_plane_specs(self.spec, name, dim, dtype)
-
-    def token_bytes(self, heads: int, dim: int, dtype: str) -> int:
-        """Bytes one token of one row occupies."""
-        specs = self.plane_specs("t", dim, dtype)
-        return heads * sum(DTYPE_SIZES[p.dtype] * p.width for p in specs)
+class _ZeroPlanes(CodecLayout):
+    """Zero planes from the spec's plane layout, for both reference codecs."""
 
     def zeros(self, rows: int, heads: int, columns: int, dim: int, dtype: str) -> Planes:
         """Zero planes of ``columns`` tokens (the padding a read shows)."""
@@ -151,7 +136,7 @@ class _Planes:
         )
 
 
-class PlainCodec(_Planes):
+class PlainCodec(_ZeroPlanes):
     """Unquantized storage in the activation dtype: one plane, the block itself."""
 
     def __init__(self) -> None:
@@ -176,7 +161,7 @@ class PlainCodec(_Planes):
         return attention(queries, keys, values, mask, scale)
 
 
-class AffineCodec(_Planes):
+class AffineCodec(_ZeroPlanes):
     """MLX affine group quantization: planes ``(packed uint32, scales, biases)``.
 
     Quantizes each new token once, on append; row operations move codes, scales and
