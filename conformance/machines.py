@@ -71,7 +71,7 @@ from kvrows.conformance.families import CONSTRUCTORS, Family, Impl, LayoutSpec, 
 from kvrows.conformance.parity import DIVERGENCES
 from kvrows.conformance.stats import Stats
 from kvrows.conformance.tolerances import compare, tolerance
-from kvrows.errors import KvRowsError, NoRowLayoutError, NotTrimmableError
+from kvrows.errors import IncompatibleRowsError, KvRowsError, NoRowLayoutError, NotTrimmableError
 
 __all__ = [
     "BASE_CHECKS",
@@ -1593,6 +1593,18 @@ class ConformanceMachine(RuleBasedStateMachine):
                 lambda impl, lay: lay.merge_rows(self._new(impl, serial)),
                 "V0",
                 None,
+            ),
+            (
+                "merge_rows of the layout itself",
+                lambda impl, lay: lay.merge_rows([lay]),
+                "V0",
+                IncompatibleRowsError,
+            ),
+            (
+                "merge_rows of one source twice",
+                lambda impl, lay: lay.merge_rows([src := self._new(impl, serial), src]),
+                "V0",
+                IncompatibleRowsError,
             ),
             (
                 "merge_rows of a foreign object",

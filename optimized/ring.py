@@ -55,7 +55,6 @@ class RingGeometry(Storage):
     """What both ring designs share: the window, and what a ring layout answers."""
 
     geometry_kind = "ring"
-    empty_rows_keep_geometry = False
 
     @property
     def max_size(self) -> int:

@@ -113,9 +113,6 @@ class Storage(ComposedIdentity, PlaneHolder):
     #: The geometry kind a geometry class implements, and the arrangements it supports.
     geometry_kind: ClassVar[str]
     arrangements: ClassVar[frozenset[str]]
-    #: Whether an extracted empty row keeps the layout's KV geometry (growing: yes; ring:
-    #: no, as in the reference; to unify in both implementations at once).
-    empty_rows_keep_geometry: ClassVar[bool] = True
     #: The arrangement a base class implements (``Serial`` / ``Layout``).
     arrangement_kinds: ClassVar[frozenset[str]]
 
@@ -471,8 +468,7 @@ class Layout(Storage):
         cache = serial._spawn(self)
         held = self._window_pair(index)
         if held is None or int(held[0][0].shape[2]) == 0:
-            if self.empty_rows_keep_geometry:
-                cache._geometry = self._geometry
+            cache._geometry = self._geometry  # an empty row still knows its geometry
             return cache
         keys = tuple(owned(p) for p in held[0])
         values = tuple(owned(p) for p in held[1])

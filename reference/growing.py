@@ -44,7 +44,6 @@ class GrowingAxis:
     """Every token is kept; the window is the whole row."""
 
     cap: int | None = None
-    empty_rows_keep_geometry: bool = True
 
     def __init__(self, spec: Growing) -> None:
         self.spec: GeometrySpec = spec

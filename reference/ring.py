@@ -63,8 +63,6 @@ class RingParameters:
 class RingAxis:
     """The newest ``max_size`` positions are kept (``max_size - 1 + n`` right after a block)."""
 
-    empty_rows_keep_geometry: bool = False  # as the optimized ring: an empty row forgets it
-
     def __init__(self, spec: Ring) -> None:
         self.spec: GeometrySpec = spec
         self.max_size = spec.max_size

@@ -162,8 +162,6 @@ class TokenAxis(Protocol):
     spec: GeometrySpec
     #: Most positions a row stores (``None``: unbounded); ``projected_bytes`` caps there.
     cap: int | None
-    #: Whether a row extracted before its first token keeps the layout's KV geometry.
-    empty_rows_keep_geometry: bool
 
     def history(self, row: Row, n: int) -> int:
         """How many of its retained tokens a row keeps before it appends ``n`` more."""
@@ -516,9 +514,8 @@ class RowLayout(Storage):
         """An independent serial storage holding row ``row``'s window."""
         entry = self._rows[check_row(row, self.batch_size)]
         serial = self.serial_class.from_specs(self.codec_spec, self._token_geometry)
-        keep = entry.offset > 0 or self._axis.empty_rows_keep_geometry
         held = self._cut(entry) if entry.offset > 0 else Row()
-        return serial.adopt(held, self._geometry if keep else None)
+        return serial.adopt(held, self._geometry)  # an empty row still knows its geometry
 
     # -- trims -----------------------------------------------------------------------------
     def is_trimmable(self) -> bool:
