@@ -155,20 +155,23 @@ class SharedRing:
             self.holds = False
 
     def check_trim(self, rows: Sequence[Row], counts: Sequence[int]) -> None:
+        # The optimized implementation's order: the wrap, each row's count, then equal counts.
         if not any(counts):
             return
-        if len(set(counts)) > 1:
-            raise NotTrimmableError("rows sharing one write column must trim together")
         if not self.trimmable(rows):
             raise NotTrimmableError(
                 wrapped_ring_message(
                     f"a ring with {self.total} columns written", self.axis.max_size
                 )
             )
-        shortest = min(min(row.offset for row in rows), self.total)
-        if counts[0] > shortest:
+        for b, (count, row) in enumerate(zip(counts, rows, strict=True)):
+            if count > row.offset:
+                raise NotTrimmableError(trim_past_row_message(count, b, row.offset))
+        if len(set(counts)) > 1:
+            raise NotTrimmableError("rows sharing one write column must trim together")
+        if counts[0] > self.total:
             raise NotTrimmableError(
-                f"cannot trim {counts[0]} tokens: a row holds only {shortest} in this ring"
+                f"cannot trim {counts[0]} tokens from a ring with {self.total} columns written"
             )
 
     def trimmed(self, rows: Sequence[Row], counts: Sequence[int]) -> None:
