@@ -72,6 +72,7 @@ from kvrows.conformance.parity import DIVERGENCES
 from kvrows.conformance.stats import Stats
 from kvrows.conformance.tolerances import compare, tolerance
 from kvrows.errors import IncompatibleRowsError, KvRowsError, NoRowLayoutError, NotTrimmableError
+from kvrows.protocols import RowTrimmable
 
 __all__ = [
     "BASE_CHECKS",
@@ -452,9 +453,9 @@ class ConformanceMachine(RuleBasedStateMachine):
         """Serial caches have mlx-lm twins in this example."""
         return self.peer is not None and self.spec.serial_peer and not self.g.mlx_lm_width_bug
 
-    def _both_have(self, slot: Slot, method: str) -> bool:
-        """Both implementations' layouts offer ``method`` (an optional capability)."""
-        return all(callable(getattr(lay, method, None)) for lay in (slot.ref, slot.opt))
+    def _both_trim_rows(self, slot: Slot) -> bool:
+        """Both implementations' layouts roll back per row (the ``RowTrimmable`` capability)."""
+        return all(isinstance(lay, RowTrimmable) for lay in (slot.ref, slot.opt))
 
     def _parity(self, slot: Slot) -> bool:
         return self.peer is not None and self.spec.peer and slot.mirrored
@@ -1273,7 +1274,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         if not trimmable:
             return
         n = data.draw(ks.counts_up_to(min(t.tokens for t in slot.rows)), label="n")
-        equal_counts = self._both_have(slot, "trim_rows") and data.draw(
+        equal_counts = self._both_trim_rows(slot) and data.draw(
             st.booleans(), label="as trim_rows of equal counts"
         )
         note(f"trim: layout {slot.ident} {slot.opt!r} trim({n}){' as trim_rows' * equal_counts}")
@@ -1500,7 +1501,7 @@ class ConformanceMachine(RuleBasedStateMachine):
                         NotTrimmableError,
                     )
                 )
-            has_trim_rows = self._both_have(slot, "trim_rows")
+            has_trim_rows = self._both_trim_rows(slot)
             if has_trim_rows and self.spec.shared_column and rows >= 2 and shortest >= 1:
                 unequal = [0] * (rows - 1) + [1]
                 cases.append(

@@ -25,7 +25,7 @@ from typing import Any, Literal, TypeAlias
 from kvrows.errors import InvalidInputError, KvRowsError
 from kvrows.protocols import BatchableCache
 from kvrows.schemes import Affine, CodecSpec, GeometrySpec, Growing, Plain, Ring, Turbo
-from kvrows.table import register_row_layouts
+from kvrows.table import own_empty_batch, register_row_layouts
 from kvrows.validation import KvGeometry
 
 __all__ = [
@@ -268,11 +268,6 @@ def layouts_of(serial: str) -> tuple[Composition, ...]:
     return tuple(sorted(rows, key=lambda c: (c.name != decode, order.get(c.arrangement, 2))))
 
 
-def serial_composition(entry: Composition) -> Composition:
-    """The serial storage ``entry``'s rows extract into (itself when serial)."""
-    return entry if entry.serial is None else composition(entry.serial)
-
-
 _DEFAULTS: dict[str, int] = {"group_size": 64, "bits": 8, "keep": 0}
 
 
@@ -357,12 +352,7 @@ def _geometry_spec(entry: Composition, numbers: Mapping[str, int]) -> GeometrySp
 
 def _role_factory(classes: Mapping[str, type], role: str) -> Callable[[Any], BatchableCache]:
     if role == SELF:
-
-        def own(cache: Any) -> BatchableCache:
-            layout: BatchableCache = cache.make_empty_batch()
-            return layout
-
-        return own
+        return own_empty_batch
     target: Any = classes[role]
 
     def build(cache: Any) -> BatchableCache:

@@ -24,6 +24,7 @@ __all__ = [
     "extract_sole_row",
     "filter_layout_rows",
     "is_batchable",
+    "own_empty_batch",
     "owned_cache_layout",
     "owned_cache_layout_factory",
     "prefill_cache_layout",
@@ -75,7 +76,8 @@ def register_row_layouts(
     _ROW_LAYOUTS.insert(position, entry)
 
 
-def _own_empty_batch(cache: Any) -> BatchableCache:
+def own_empty_batch(cache: Any) -> BatchableCache:
+    """A batchable cache's own empty batch (the role of a layout in its own entry)."""
     layout: BatchableCache = cache.make_empty_batch()
     return layout
 
@@ -83,7 +85,7 @@ def _own_empty_batch(cache: Any) -> BatchableCache:
 def register_own_empty_batch(storage: type) -> None:
     """A layout's own entry: all three roles are its empty batch."""
     register_row_layouts(
-        storage, decode=_own_empty_batch, prefill=_own_empty_batch, verify=_own_empty_batch
+        storage, decode=own_empty_batch, prefill=own_empty_batch, verify=own_empty_batch
     )
 
 

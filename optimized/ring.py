@@ -22,6 +22,7 @@ Two physical designs, one per arrangement family (``spec/RotatingKVCache.md``,
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 
@@ -49,6 +50,30 @@ def _columns(planes: Planes, start: int, stop: int | None = None) -> Planes:
 
 def _concat(first: Planes, second: Planes) -> Planes:
     return tuple(mx.concatenate([a, b], axis=2) for a, b in zip(first, second, strict=True))
+
+
+def _stacked(
+    codec: Any,
+    rows: list[RowWindow],
+    lengths: list[int],
+    columns: int,
+    geometry: KvGeometry,
+    *,
+    right_aligned: bool,
+) -> tuple[Planes, Planes]:
+    """Fresh key and value planes of ``columns`` tokens holding ``rows`` (their windows in
+    time order), each right-aligned to ``columns`` or left-aligned at column 0."""
+    count, heads, dtype = len(rows), geometry.heads, geometry.dtype
+    keys = codec.zeros(count, heads, columns, geometry.key_dim, dtype)
+    values = codec.zeros(count, heads, columns, geometry.value_dim, dtype)
+    for row, ((k, v, _), length) in enumerate(zip(rows, lengths, strict=True)):
+        if k is None or v is None or length == 0:
+            continue
+        start = columns - length if right_aligned else 0
+        for planes, src in ((keys, k), (values, v)):
+            for plane, piece in zip(planes, src, strict=True):
+                plane[row : row + 1, :, start : start + length] = piece
+    return keys, values
 
 
 class RingGeometry(Storage):
@@ -217,31 +242,12 @@ class SharedRing(RingGeometry):
         if width == 0 or geometry is None:
             self._keys = self._values = None
         else:
-            self._keys = self._stack(
-                [k for k, _, _ in everything], lengths, width, geometry, geometry.key_dim
-            )
-            self._values = self._stack(
-                [v for _, v, _ in everything], lengths, width, geometry, geometry.value_dim
+            self._keys, self._values = _stacked(
+                self.codec, everything, lengths, width, geometry, right_aligned=True
             )
         self._pads = [width - n for n in lengths]
         self._idx = self._total = width
         self._rotated = False
-
-    def _stack(
-        self,
-        planes: list[Planes | None],
-        lengths: list[int],
-        width: int,
-        geometry: KvGeometry,
-        dim: int,
-    ) -> Planes:
-        out = self.codec.zeros(len(planes), geometry.heads, width, dim, geometry.dtype)
-        for row, (held, length) in enumerate(zip(planes, lengths, strict=True)):
-            if held is None:
-                continue
-            for plane, src in zip(out, held, strict=True):
-                plane[row : row + 1, :, width - length :] = src
-        return out
 
     def _check_trim(self, counts: Sequence[int]) -> None:
         if not self.is_trimmable():
@@ -407,20 +413,9 @@ class RaggedRing(RingGeometry):
         if geometry is None or width == 0:
             self._keys = self._values = None
         else:
-            capacity, rows = round_up(width + 1), len(everything)
-            keys = self.codec.zeros(
-                rows, geometry.heads, capacity, geometry.key_dim, geometry.dtype
+            self._keys, self._values = _stacked(
+                self.codec, everything, lengths, round_up(width + 1), geometry, right_aligned=False
             )
-            values = self.codec.zeros(
-                rows, geometry.heads, capacity, geometry.value_dim, geometry.dtype
-            )
-            for row, ((k, v, _), length) in enumerate(zip(everything, lengths, strict=True)):
-                if k is None or v is None:
-                    continue
-                for planes, src in ((keys, k), (values, v)):
-                    for plane, piece in zip(planes, src, strict=True):
-                        plane[row : row + 1, :, :length] = piece
-            self._keys, self._values = keys, values
         self._retained = lengths
         self._pads = [0] * len(everything)
 

@@ -46,10 +46,9 @@ from kvrows.errors import (
     incompatible_merge_message,
     self_merge_message,
     trim_past_row_message,
-    wrapped_ring_message,
 )
 from kvrows.optimized.codecs import AffineCodec, PlainCodec, Planes, dtype_name, make_codec
-from kvrows.protocols import Cache, Mask, RingGeometry
+from kvrows.protocols import Cache, Mask
 from kvrows.schemes import CodecSpec, GeometrySpec
 from kvrows.validation import (
     KvGeometry,
@@ -323,13 +322,8 @@ class Serial(Storage):
 
     def trim(self, n: int) -> int:
         count = as_count(n, "n")
-        if count and not self.is_trimmable():
-            raise NotTrimmableError(
-                wrapped_ring_message(
-                    f"a ring at offset {self.offset}",
-                    self.max_size if isinstance(self, RingGeometry) else self.offset,
-                )
-            )
+        if count:
+            self._check_trim([count] * self.rows)  # a wrapped ring refuses
         count = min(count, self.offset)
         if count:
             self._forget([count] * self.rows)

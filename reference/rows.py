@@ -344,7 +344,9 @@ class SerialStorage(Storage):
         count = as_count(n, "n")
         if count and not self.is_trimmable():
             raise NotTrimmableError(
-                wrapped_ring_message(f"a ring at offset {self.offset}", self._axis.cap or 0)
+                wrapped_ring_message(
+                    f"a ring with {self.offset} columns written", self._axis.cap or 0
+                )
             )
         count = min(count, self.offset)
         for row in self._rows:
