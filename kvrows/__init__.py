@@ -30,6 +30,7 @@ from kvrows.errors import (
     NotBatchableError,
     NotTrimmableError,
     RowIndexError,
+    UnsupportedStateError,
 )
 from kvrows.leases import StateLease, lease_cache_state, lease_cache_states
 from kvrows.protocols import (
@@ -111,6 +112,7 @@ __all__ = [
     "StateDisposer",
     "StateLease",
     "Turbo",
+    "UnsupportedStateError",
     "composition",
     "extract_sole_row",
     "filter_layout_rows",

@@ -21,6 +21,7 @@ __all__ = [
     "NotBatchableError",
     "NotTrimmableError",
     "RowIndexError",
+    "UnsupportedStateError",
     "incompatible_merge_message",
     "self_merge_message",
     "trim_past_row_message",
@@ -58,6 +59,10 @@ class MixedPrecisionReadError(KvRowsError):
 
 class CorruptStateError(KvRowsError):
     """Restored or adopted state violates the storage's invariants."""
+
+
+class UnsupportedStateError(KvRowsError):
+    """Saved state this version cannot read: an unknown class or signature, or a newer format."""
 
 
 class LayoutStateError(KvRowsError):
