@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from kvrows.common import AffineParameters
 from kvrows.compositions import composition
+from kvrows.optimized.batch_dropin import LayoutBatchOps, SerialMerge
+from kvrows.optimized.dropin import LayoutDropIn, SerialDropIn
 from kvrows.optimized.growing import GrowingGeometry
 from kvrows.optimized.ring import RaggedRing, SharedRing
 from kvrows.optimized.rows import Layout, Serial
@@ -33,37 +35,39 @@ __all__ = [
 # -- full attention ----------------------------------------------------------------------
 
 
-class KVCache(GrowingGeometry, Serial):
+class KVCache(SerialDropIn, SerialMerge, GrowingGeometry, Serial):
     """Serial plain full-attention cache (``spec/KVCache.md``)."""
 
     composition = composition("KVCache")
 
 
-class PaddedKVRows(GrowingGeometry, Layout):
+class PaddedKVRows(LayoutDropIn, LayoutBatchOps, GrowingGeometry, Layout):
     """Decode layout of ``KVCache``: rows share one write column (``spec/PaddedKVRows.md``)."""
 
     composition = composition("PaddedKVRows")
 
 
-class BatchedKVCache(GrowingGeometry, Layout):
+class BatchedKVCache(LayoutDropIn, LayoutBatchOps, GrowingGeometry, Layout):
     """Prefill/verify layout of ``KVCache``: ragged rows (``spec/BatchedKVCache.md``)."""
 
     composition = composition("BatchedKVCache")
 
 
-class QuantizedKVCache(AffineParameters, GrowingGeometry, Serial):
+class QuantizedKVCache(SerialDropIn, SerialMerge, AffineParameters, GrowingGeometry, Serial):
     """Serial affine-quantized full-attention cache (``spec/QuantizedKVCache.md``)."""
 
     composition = composition("QuantizedKVCache")
 
 
-class PaddedQuantKVRows(AffineParameters, GrowingGeometry, Layout):
+class PaddedQuantKVRows(LayoutDropIn, LayoutBatchOps, AffineParameters, GrowingGeometry, Layout):
     """Decode layout of ``QuantizedKVCache``: one write column (``spec/PaddedQuantKVRows.md``)."""
 
     composition = composition("PaddedQuantKVRows")
 
 
-class BatchedQuantizedKVCache(AffineParameters, GrowingGeometry, Layout):
+class BatchedQuantizedKVCache(
+    LayoutDropIn, LayoutBatchOps, AffineParameters, GrowingGeometry, Layout
+):
     """Prefill/verify layout of ``QuantizedKVCache``: ragged (``spec/BatchedQuantizedKVCache.md``)."""
 
     composition = composition("BatchedQuantizedKVCache")
@@ -72,37 +76,37 @@ class BatchedQuantizedKVCache(AffineParameters, GrowingGeometry, Layout):
 # -- sliding window ----------------------------------------------------------------------
 
 
-class RotatingKVCache(SharedRing, Serial):
+class RotatingKVCache(SerialDropIn, SerialMerge, SharedRing, Serial):
     """Serial plain sliding-window cache (``spec/RotatingKVCache.md``)."""
 
     composition = composition("RotatingKVCache")
 
 
-class BatchedRotatingCache(SharedRing, Layout):
+class BatchedRotatingCache(LayoutDropIn, LayoutBatchOps, SharedRing, Layout):
     """Decode layout of ``RotatingKVCache`` (``spec/BatchedRotatingCache.md``)."""
 
     composition = composition("BatchedRotatingCache")
 
 
-class RaggedRotatingRows(RaggedRing, Layout):
+class RaggedRotatingRows(LayoutDropIn, LayoutBatchOps, RaggedRing, Layout):
     """Prefill/verify layout of ``RotatingKVCache``: ragged rings (``spec/RaggedRotatingRows.md``)."""
 
     composition = composition("RaggedRotatingRows")
 
 
-class RotatingQuantizedKVCache(AffineParameters, SharedRing, Serial):
+class RotatingQuantizedKVCache(SerialDropIn, SerialMerge, AffineParameters, SharedRing, Serial):
     """Serial affine-quantized ring (``spec/RotatingQuantizedKVCache.md``)."""
 
     composition = composition("RotatingQuantizedKVCache")
 
 
-class BatchedRotatingQuantCache(AffineParameters, SharedRing, Layout):
+class BatchedRotatingQuantCache(LayoutDropIn, LayoutBatchOps, AffineParameters, SharedRing, Layout):
     """Decode layout of ``RotatingQuantizedKVCache`` (``spec/BatchedRotatingQuantCache.md``)."""
 
     composition = composition("BatchedRotatingQuantCache")
 
 
-class RotatingAffineLayout(AffineParameters, SharedRing, Layout):
+class RotatingAffineLayout(LayoutDropIn, LayoutBatchOps, AffineParameters, SharedRing, Layout):
     """Prefill/verify layout of ``RotatingQuantizedKVCache``: aligned rotating rows
     (``spec/RotatingAffineLayout.md``)."""
 
