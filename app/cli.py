@@ -61,6 +61,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--kv-budget", type=int, default=None, help="KV byte budget")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
+    demo.add_argument(
+        "--prefix-store",
+        default=None,
+        metavar="DIR",
+        help="also save published rows to an on-disk prefix store in DIR and load prefixes "
+        "from it (run twice with the same DIR: the second run reports disk hits and the "
+        "prefill time saved)",
+    )
+    demo.add_argument(
+        "--prefix-store-bytes",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="byte budget of the prefix store directory (least recently used rows are "
+        "evicted; default 256 MiB)",
+    )
 
     commands.add_parser(
         "example", help="merge, decode, filter and extract rows, and say what happened"
@@ -79,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run(args.family, quick=args.quick, repeats=args.repeats)
     if args.command == "demo":
-        from kvrows.app.demo import run_demo
+        from kvrows.app.demo import PREFIX_STORE_BYTES, run_demo
 
         return int(
             run_demo(
@@ -89,6 +105,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 max_batch=args.max_batch,
                 kv_budget=args.kv_budget,
                 progress=not args.quiet,
+                prefix_store=args.prefix_store,
+                prefix_store_bytes=(
+                    PREFIX_STORE_BYTES
+                    if args.prefix_store_bytes is None
+                    else args.prefix_store_bytes
+                ),
             )
         )
     from kvrows.app.example import run_example

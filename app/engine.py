@@ -16,10 +16,15 @@ Lifecycle of a request (``spec/engine.md``):
    between steps; each step feeds every running row its last token;
 5. it finishes on a stop token or ``max_tokens``; its row is published to the prefix
    cache (keyed by the tokens its KV covers) and leaves the batch.
+
+With a ``kvrows.persist.prefix_store.PrefixStore`` the published rows are also saved to
+disk (at a block boundary), and admission takes the longest usable prefix from memory
+first, then from disk when the disk holds a longer one: rows survive a restart.
 """
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +36,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvrows.app.models import make_kvrows_cache
-from kvrows.errors import CapacityError, InvalidInputError, LayoutStateError
+from kvrows.errors import CapacityError, InvalidInputError, KvRowsError, LayoutStateError
+from kvrows.persist.prefix_store import PrefixStore, reusable_copies
 from kvrows.protocols import BatchableCache, Cache
 from kvrows.schemes import KvStorageScheme
 from kvrows.table import (
@@ -43,7 +49,14 @@ from kvrows.table import (
     row_admission,
 )
 
-__all__ = ["Engine", "EngineStats", "PrefixCache", "Request", "RequestResult"]
+__all__ = [
+    "Engine",
+    "EngineStats",
+    "PrefixCache",
+    "Request",
+    "RequestResult",
+    "model_fingerprint",
+]
 
 
 @dataclass(frozen=True)
@@ -69,6 +82,8 @@ class RequestResult:
     tokens: list[int] = field(default_factory=list)
     logits: list[npt.NDArray[np.float32]] = field(default_factory=list)
     prefix_hit_tokens: int = 0
+    #: Of ``prefix_hit_tokens``, those loaded from the disk prefix store.
+    store_hit_tokens: int = 0
     time_to_first_token: float = 0.0
     tokens_per_second: float = 0.0
     finish_reason: str = ""
@@ -93,10 +108,57 @@ class EngineStats:
     prefix_hits: int = 0
     prefix_hit_tokens: int = 0
     rejected: int = 0
+    #: Prompt tokens the model computed in prefill chunks, and the seconds those took
+    #: (evaluated, so the time is the work's).
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    #: Requests whose prefix came from the disk prefix store, and the tokens it gave.
+    store_hits: int = 0
+    store_hit_tokens: int = 0
+    #: Seconds spent looking up and loading from the store, and saving to it.
+    store_read_seconds: float = 0.0
+    store_write_seconds: float = 0.0
+    #: Rows saved to the store, and saves that failed (the engine runs on without them).
+    store_writes: int = 0
+    store_errors: int = 0
 
     @property
     def tokens_per_second(self) -> float:
         return self.generated / self.seconds if self.seconds else 0.0
+
+    @property
+    def prefill_seconds_per_token(self) -> float:
+        """This run's measured prefill cost of one prompt token."""
+        return self.prefill_seconds / self.prefill_tokens if self.prefill_tokens else 0.0
+
+    @property
+    def store_prefill_seconds_saved(self) -> float:
+        """Prefill time the store's tokens would have cost at this run's measured rate."""
+        return self.store_hit_tokens * self.prefill_seconds_per_token
+
+    def add(self, other: EngineStats) -> None:
+        """Fold another run's totals into these (peaks take the larger)."""
+        for name in (
+            "requests",
+            "generated",
+            "seconds",
+            "steps",
+            "prefix_hits",
+            "prefix_hit_tokens",
+            "rejected",
+            "prefill_tokens",
+            "prefill_seconds",
+            "store_hits",
+            "store_hit_tokens",
+            "store_read_seconds",
+            "store_write_seconds",
+            "store_writes",
+            "store_errors",
+        ):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.peak_kv_bytes = max(self.peak_kv_bytes, other.peak_kv_bytes)
+        self.peak_active_kv_bytes = max(self.peak_active_kv_bytes, other.peak_active_kv_bytes)
+        self.kv_bytes_per_token = self.kv_bytes_per_token or other.kv_bytes_per_token
 
 
 class PrefixCache:
@@ -130,26 +192,37 @@ class PrefixCache:
             usable = min(common, limit)
             if usable <= 0 or (best is not None and usable <= best[0]):
                 continue
-            copies = _copies(caches, usable)
+            copies = reusable_copies(caches, usable)
             if copies is not None:
                 best = (usable, copies)
         return best
 
 
-def _copies(caches: list[Cache], tokens: int) -> list[Cache] | None:
-    """Owned copies of published serial caches, cut back to ``tokens`` positions."""
-    out: list[Cache] = []
-    for cache in caches:
-        layout = owned_cache_layout(cache)
-        if layout is None:
-            return None
-        layout.merge_rows([cache])
-        if not layout.can_publish_row(0, tokens):
-            return None
-        copy = layout.extract_row(0)
-        copy.trim(int(copy.offset) - tokens)
-        out.append(copy)
-    return out
+def model_fingerprint(model: Any, scheme: KvStorageScheme) -> str:
+    """A digest naming a model and a storage scheme, to seed a ``PrefixStore``.
+
+    It covers the model's class and config, the per-layer cache signatures under
+    ``scheme``, and every parameter's name, shape, dtype and up to 256 values spread over
+    it (hashing every weight of a large checkpoint would cost seconds per GB)."""
+    from mlx.utils import tree_flatten
+
+    digest = hashlib.sha256()
+    digest.update(f"{type(model).__module__}.{type(model).__qualname__}\n".encode())
+    args = getattr(model, "args", None)
+    if args is not None and hasattr(args, "__dict__"):
+        digest.update(repr(sorted(vars(args).items(), key=lambda kv: kv[0])).encode())
+    signatures = [cache.signature() for cache in make_kvrows_cache(model, scheme)]
+    digest.update(f"{scheme.name}|{'|'.join(signatures)}\n".encode())
+    parameters = tree_flatten(model.parameters(), destination={})
+    assert isinstance(parameters, dict)
+    for name, array in sorted(parameters.items()):
+        flat = array.reshape(-1)
+        sample = flat[:: max(1, flat.size // 256)]
+        if sample.dtype == mx.bfloat16:
+            sample = sample.view(mx.uint16)
+        digest.update(f"{name}|{array.dtype}|{tuple(array.shape)}|".encode())
+        digest.update(np.array(sample).tobytes())
+    return f"{scheme.name}:{digest.hexdigest()}"
 
 
 @dataclass
@@ -180,6 +253,7 @@ class Engine:
         prefill_chunk: int = 64,
         keep_logits: bool = False,
         use_prefix_cache: bool = True,
+        prefix_store: PrefixStore | None = None,
         progress: bool = False,
     ) -> None:
         if max_batch < 1 or prefill_chunk < 1:
@@ -191,8 +265,11 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.keep_logits = keep_logits
         self.prefix_cache = PrefixCache() if use_prefix_cache else None
+        self.prefix_store = prefix_store
         self.progress = progress
         self.admission = self._admission()
+        self._signatures = [c.signature() for c in make_kvrows_cache(model, self.scheme)]
+        self._stats = EngineStats()
 
     def _admission(self) -> RowAdmission:
         """Projected bytes per row, from the decode layouts of fresh caches.
@@ -231,6 +308,7 @@ class Engine:
         waiting = sorted(requests, key=lambda r: r.arrival)
         results = {r.rid: RequestResult(r.rid, len(r.prompt)) for r in requests}
         stats = EngineStats(requests=len(requests))
+        self._stats = stats
         stats.kv_bytes_per_token = self.admission.bytes(1)
         cohort: list[_Row] = []
         cohort_layouts: list[BatchableCache] = []
@@ -303,7 +381,9 @@ class Engine:
                 cohort.extend(admitted)
             # 2. one prefill chunk for the cohort
             if cohort:
+                started = time.perf_counter()
                 done = self._prefill_chunk(cohort, cohort_layouts)
+                stats.prefill_seconds += time.perf_counter() - started
                 if done:
                     keep = [i for i, row in enumerate(cohort) if row not in done]
                     for layout in cohort_layouts:
@@ -344,6 +424,8 @@ class Engine:
         stats.generated = sum(len(r.tokens) for r in out)
         stats.prefix_hits = sum(1 for r in out if r.prefix_hit_tokens)
         stats.prefix_hit_tokens = sum(r.prefix_hit_tokens for r in out)
+        stats.store_hits = sum(1 for r in out if r.store_hit_tokens)
+        stats.store_hit_tokens = sum(r.store_hit_tokens for r in out)
         return out, stats
 
     # -- pieces ----------------------------------------------------------------------------
@@ -354,7 +436,17 @@ class Engine:
             hit = self.prefix_cache.lookup(request.prompt)
             if hit is not None:
                 fed, caches = hit
-                result.prefix_hit_tokens = fed
+        if self.prefix_store is not None:
+            started = time.perf_counter()
+            # Only a longer prefix than memory's is worth a load (and one token stays).
+            found = self.prefix_store.longest(
+                request.prompt, limit=len(request.prompt) - 1, beyond=fed
+            )
+            if found is not None and [c.signature() for c in found[1]] == self._signatures:
+                fed, caches = found
+                result.store_hit_tokens = fed
+            self._stats.store_read_seconds += time.perf_counter() - started
+        result.prefix_hit_tokens = fed
         return _Row(request, result, caches, fed, mx.random.key(request.seed), time.perf_counter())
 
     def _join(
@@ -379,6 +471,9 @@ class Engine:
         n = min(self.prefill_chunk, min(len(row.request.prompt) - row.fed for row in cohort))
         ids = mx.array([list(row.request.prompt[row.fed : row.fed + n]) for row in cohort])
         logits = self.model(ids, cache=layouts)[:, -1, :]
+        # Evaluated here so the prefill time is measured (the step boundary would anyway).
+        mx.eval(logits, [layout.state for layout in layouts])
+        self._stats.prefill_tokens += n * len(cohort)
         done: list[_Row] = []
         finishing: list[int] = []
         for b, row in enumerate(cohort):
@@ -442,18 +537,30 @@ class Engine:
     def _retire_serial(self, row: _Row) -> None:
         """A row that finished on its first token: its serial caches are published as is."""
         self._close_timing(row)
-        if self.prefix_cache is not None:
-            self.prefix_cache.publish(self._covered(row), row.caches)
+        self._publish(self._covered(row), row.caches)
         row.caches = []
 
     def _retire(self, row: _Row, layouts: list[BatchableCache], index: int) -> None:
         self._close_timing(row)
-        if self.prefix_cache is None:
+        if self.prefix_cache is None and self.prefix_store is None:
             return
         covered = self._covered(row)
         published = [publish_row(layout, index, len(covered)) for layout in layouts]
         if all(cache is not None for cache in published):
-            self.prefix_cache.publish(covered, [c for c in published if c is not None])
+            self._publish(covered, [c for c in published if c is not None])
+
+    def _publish(self, covered: tuple[int, ...], caches: list[Cache]) -> None:
+        """To the prefix cache, and to the disk store (a failed save is counted, and the
+        engine runs on: the store is a cache)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.publish(covered, caches)
+        if self.prefix_store is not None:
+            started = time.perf_counter()
+            try:
+                self._stats.store_writes += self.prefix_store.put(covered, caches) > 0
+            except (KvRowsError, OSError):
+                self._stats.store_errors += 1
+            self._stats.store_write_seconds += time.perf_counter() - started
 
 
 def _progress(done: int, total: int, step: int) -> None:

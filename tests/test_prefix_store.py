@@ -21,11 +21,15 @@ import numpy as np
 import pytest
 
 import kvrows.persist.prefix_store as prefix_store
+from kvrows.app.demo import builtin_trace, check_invariance
+from kvrows.app.engine import Engine, model_fingerprint
+from kvrows.app.models import tiny_model
 from kvrows.errors import CorruptStateError, InvalidInputError
 from kvrows.optimized import KVCache, RotatingKVCache
 from kvrows.persist.files import read_verified, write_atomic
 from kvrows.persist.prefix_store import PrefixStore, reusable_copies, servable_prefixes
 from kvrows.protocols import Cache
+from kvrows.schemes import KvStorageScheme
 
 HEADS, DIM, LAYERS = 2, 4, 2
 
@@ -406,3 +410,27 @@ def test_several_processes_share_one_store(tmp_path: Path) -> None:
     assert store.nbytes <= budget
     assert len(store) < sum(report["puts"] for report in reports)  # eviction ran
     assert not [n for n in os.listdir(directory / "entries") if n.startswith(".")]
+
+
+# -- the engine across restarts ----------------------------------------------------------
+def test_the_engine_reuses_stored_rows_after_a_restart(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    scheme = KvStorageScheme()
+    trace = builtin_trace(6)
+
+    def engine() -> Engine:  # a fresh engine: an empty in-memory prefix cache
+        store = _store(tmp_path, fingerprint=model_fingerprint(model, scheme))
+        return Engine(
+            model, scheme, max_batch=4, prefill_chunk=16, keep_logits=True, prefix_store=store
+        )
+
+    first, cold = engine().run(trace)
+    assert cold.store_writes > 0 and cold.store_hits == 0
+    second, warm = engine().run(trace)
+    assert warm.store_hits > 0 and warm.store_hit_tokens > 0
+    assert warm.prefill_tokens == cold.prefill_tokens - (
+        warm.prefix_hit_tokens - cold.prefix_hit_tokens
+    )
+    assert [r.tokens for r in second] == [r.tokens for r in first]
+    report = check_invariance(model, scheme, trace, second, 16)  # against solo runs
+    assert report.steps > 0 and report.mismatches == 0 and report.beyond_tolerance == 0
