@@ -31,6 +31,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 
 from kvrows.errors import InvalidInputError, KvRowsError, UnsupportedStateError
@@ -422,6 +423,7 @@ class PrefixStore:
                         self._remove_locked(key)  # corrupt: a miss, and gone
                     return None
         caches, metadata = loaded
+        mx.eval([cache.state for cache in caches])  # owned and read now, not from the file later
         stored = _parse_tokens(metadata.get(TOKENS_KEY, ""))
         if (
             stored is None
