@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 import numpy as np
@@ -75,7 +76,7 @@ def read_safetensors(path: str | os.PathLike[str]) -> tuple[dict[str, mx.array],
         loaded = mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError, OSError) as error:
         raise CorruptStateError(f"{path}: not a readable safetensors file ({error})") from error
-    arrays, metadata = loaded  # type: ignore[misc]
+    arrays, metadata = cast(tuple[dict[str, mx.array], dict[str, str]], loaded)
     return dict(arrays), dict(metadata)
 
 
