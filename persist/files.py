@@ -102,7 +102,7 @@ _DTYPE_TAGS = {
 # ".<target name>.<pid>.<16 hex digits>.tmp.safetensors"
 _TEMPORARY_NAME = re.compile(r"^\..*\.\d+\.[0-9a-f]{16}" + re.escape(TEMPORARY_SUFFIX) + r"$")
 
-# A temporary's name keeps at most this much of the target's name (names are <= 255 bytes).
+# A temporary's name keeps at most this many bytes of the target's (names are <= 255 bytes).
 _NAME_KEPT = 120
 
 # A safetensors file opens with its header's length, a little-endian u64.
@@ -262,7 +262,8 @@ def _check_text(text: str, what: str) -> None:
 def _temporary_name(target_name: str) -> str:
     # pid for the sweeper's and a reader's eye; 64 random bits (os.urandom, thread-safe)
     # so threads and processes never collide; O_EXCL below makes sure.
-    return f".{target_name[:_NAME_KEPT]}.{os.getpid()}.{secrets.token_hex(8)}{TEMPORARY_SUFFIX}"
+    kept = os.fsdecode(os.fsencode(target_name)[:_NAME_KEPT])
+    return f".{kept}.{os.getpid()}.{secrets.token_hex(8)}{TEMPORARY_SUFFIX}"
 
 
 def _open_temporary(temporary: Path) -> BinaryIO:
