@@ -199,7 +199,8 @@ def write_atomic(
             raise _write_error(target, error) from error
         if isinstance(error, RuntimeError):  # MLX's own write failures carry no errno
             raise StateWriteError(
-                f"could not write {target}: {error}; the file is unchanged"
+                f"could not write {target}: {error}; the file is unchanged and no "
+                "temporary file is left"
             ) from error
         raise
     try:
@@ -476,7 +477,7 @@ def _check_layout(source: Path, handle: BinaryIO, size: int) -> None:
         raise corrupt("the header is not one JSON object (optionally space padded)")
     try:
         header = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
-    except (UnicodeDecodeError, ValueError) as error:
+    except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
         raise corrupt(f"the header is not valid UTF-8 JSON ({error})") from error
     if not isinstance(header, dict):
         raise corrupt("the header is not a JSON object")

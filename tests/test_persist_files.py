@@ -829,5 +829,6 @@ def test_garbage_is_refused(tmp_path: Path) -> None:
         struct.pack("<Q", 17) + b'{"__metadata__":1}',
         _rewrite_header(struct.pack("<Q", 2) + b"{}", lambda h: h.update(a={"dtype": "F32"})),
         b"PK\x03\x04 a zip file, not safetensors",
+        struct.pack("<Q", 200_006) + b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}",
     ]:
         _refused(scratch, data)
