@@ -324,7 +324,7 @@ class Engine:
         def sample() -> None:
             """At a step boundary: evaluate what the step left lazy (merges, filters), so
             freed buffers go now, then take both counts."""
-            mx.eval([x.state for x in cohort_layouts + decode_layouts])
+            mx.eval([x.held_arrays() for x in cohort_layouts + decode_layouts])
             stats.peak_kv_bytes = max(stats.peak_kv_bytes, kv_bytes())
             stats.peak_active_kv_bytes = max(
                 stats.peak_active_kv_bytes, mx.get_active_memory() - baseline

@@ -72,6 +72,7 @@ from kvrows.conformance.parity import DIVERGENCES
 from kvrows.conformance.stats import Stats
 from kvrows.conformance.tolerances import compare, tolerance
 from kvrows.errors import IncompatibleRowsError, KvRowsError, NoRowLayoutError, NotTrimmableError
+from kvrows.forms import rows_of_state, unpack_state
 from kvrows.protocols import RowTrimmable
 
 __all__ = [
@@ -207,6 +208,13 @@ def expand(mask: Any, batch: int, n: int, keys: int) -> npt.NDArray[np.bool_]:
     if isinstance(mask, mx.array | np.ndarray) and mask.ndim == 1:
         mask = mask[None]
     return expand_mask(mask, batch, n, keys)
+
+
+def _state_concat(parts: list[Any]) -> Any:
+    """Planes joined on the token axis, NumPy or MLX alike."""
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts, axis=2)
+    return mx.concatenate(parts, axis=2)
 
 
 def planes_bytes(planes: Planes | None) -> Any:
@@ -1191,6 +1199,52 @@ class ConformanceMachine(RuleBasedStateMachine):
             self.pool.append(copy)
         else:
             self._hold_out(f"extract_row({b}) of layout {slot.ident}", got_ref, got_opt)
+
+    def _state_rows(self, impl: Impl, cache: Any) -> list[tuple[int, Any, Any]]:
+        """The rows ``cache.state`` holds, canonical: position and time-ordered planes."""
+        entry = cache.composition
+        fields = unpack_state(entry, cache.state)
+        keep = getattr(cache.token_geometry, "keep", 0)
+        rows = rows_of_state(entry, fields, _state_concat, keep=keep)
+        return [
+            (
+                offset,
+                None if keys is None else planes_bytes(tuple(impl.to_numpy(p) for p in keys)),
+                None if values is None else planes_bytes(tuple(impl.to_numpy(p) for p in values)),
+            )
+            for keys, values, offset in rows
+        ]
+
+    @precondition(lambda self: bool(self.pool) or bool(self.slots))
+    @rule(data=st.data())
+    def save_restore(self, data: st.DataObject) -> None:
+        """Both implementations' ``state`` describe the same rows (the reference's is the
+        canonical form), and every cache goes on as ``type(cache).from_state(state)``."""
+        items: list[Track | Slot] = [*self.pool, *self.slots]
+        item = self._pick(data, items, "cache to save and restore")
+        note(f"save_restore: {'request' if isinstance(item, Track) else 'layout'} {item.ident}")
+        self._op("save_restore", item)
+        self._exact(
+            f"state rows of {type(item.opt).__name__}",
+            self._state_rows(self.opt_impl, item.opt),
+            self._state_rows(self.ref_impl, item.ref),
+        )
+        keep = getattr(item.ref.token_geometry, "keep", 0)
+        restored = [
+            type(c).from_state(c.state, keep=keep, geometry=c.geometry)
+            for c in (item.ref, item.opt)
+        ]
+        for cache, copy in zip((item.ref, item.opt), restored, strict=True):
+            self._exact(
+                f"{type(cache).__name__} restored from its state",
+                (copy.signature(), repr(copy.geometry)),
+                (cache.signature(), repr(cache.geometry)),
+            )
+        item.ref, item.opt = restored
+        if isinstance(item, Slot):
+            # A layout is rebuilt through merge_rows: same rows, fresh physical columns,
+            # which an mlx-lm mirror does not follow.
+            item.mirrored = False
 
     def _hold_out(self, what: str, got_ref: Any, got_opt: Any) -> None:
         """Remember an extracted/published cache: it must keep what it holds now."""

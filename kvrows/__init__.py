@@ -30,6 +30,8 @@ from kvrows.errors import (
     NotBatchableError,
     NotTrimmableError,
     RowIndexError,
+    StateReadError,
+    StateWriteError,
     UnsupportedStateError,
 )
 from kvrows.leases import StateLease, lease_cache_state, lease_cache_states
@@ -111,6 +113,8 @@ __all__ = [
     "SpeculativeRowLayout",
     "StateDisposer",
     "StateLease",
+    "StateReadError",
+    "StateWriteError",
     "Turbo",
     "UnsupportedStateError",
     "composition",

@@ -21,6 +21,8 @@ __all__ = [
     "NotBatchableError",
     "NotTrimmableError",
     "RowIndexError",
+    "StateReadError",
+    "StateWriteError",
     "UnsupportedStateError",
     "incompatible_merge_message",
     "self_merge_message",
@@ -63,6 +65,17 @@ class CorruptStateError(KvRowsError):
 
 class UnsupportedStateError(KvRowsError):
     """Saved state this version cannot read: an unknown class or signature, or a newer format."""
+
+
+class StateWriteError(KvRowsError, OSError):
+    """Saving state to a file failed (no space, no permission, an I/O error); ``errno``
+    is the OS's. The target file is unchanged and no temporary file is left."""
+
+
+class StateReadError(KvRowsError, OSError):
+    """A saved-state file could not be opened or read (missing, no permission, an I/O
+    error); ``errno`` is the OS's. A file that opens but is damaged is a
+    ``CorruptStateError``."""
 
 
 class LayoutStateError(KvRowsError):

@@ -52,7 +52,13 @@ class Cache(Protocol):
 
     @property
     def state(self) -> tuple[Any, ...]:
-        """The arrays to evaluate at a chunk boundary (borrowed unless ``state_needs_dispose``)."""
+        """The saved-state form of the cache's class (``kvrows.forms``: mlx-lm's form where
+        mlx-lm has the class); evaluable; borrowed unless ``state_needs_dispose``."""
+        ...
+
+    def held_arrays(self) -> tuple[Any, ...]:
+        """The buffers the cache holds, borrowed: what to evaluate at a chunk boundary
+        (``state`` may build a copy)."""
         ...
 
     @property

@@ -175,6 +175,44 @@ class Storage(ComposedIdentity, PlaneHolder):
         """The positions changed: drop their device copy."""
         self._offset_array: mx.array | None = None
 
+    def held_arrays(self) -> tuple[Any, ...]:
+        """The buffers held, borrowed (to evaluate at a chunk boundary; ``state`` may copy)."""
+        return (self._keys or ()) + (self._values or ())
+
+    # -- saved state (forms: ``kvrows.forms``; mechanics: ``optimized/forms.py``) -----------
+    @property
+    def state(self) -> tuple[Any, ...]:
+        """The cache's state in mlx-lm's form for its class (``kvrows.forms``): views of
+        the held columns plus the scalars; evaluable with ``mx.eval``."""
+        from kvrows.optimized.forms import state_of
+
+        return state_of(self)
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        """Hold ``value`` (a state of this class); on error nothing changes."""
+        from kvrows.optimized.forms import restore_state
+
+        keep = getattr(self.token_geometry, "keep", 0)
+        fresh = restore_state(type(self), value, keep=keep, geometry=self._geometry)
+        self.__dict__.clear()
+        self.__dict__.update(fresh.__dict__)
+
+    @classmethod
+    def from_state(
+        cls: type[_S],
+        state: Any,
+        meta_state: Any = None,
+        *,
+        keep: int | None = None,
+        geometry: KvGeometry | None = None,
+    ) -> _S:
+        """A new cache holding ``state`` (mlx-lm's ``from_state``; ``meta_state`` reads
+        mlx-lm's older two-part form; ``keep``: a ring layout's sink tokens)."""
+        from kvrows.optimized.forms import restore_state
+
+        return restore_state(cls, state, meta_state, keep=keep, geometry=geometry)
+
     def pads_array(self) -> mx.array:
         """The left pads on the device (for masks), cached while the pads stay the same
         list (every change rebinds ``_pads``; a decode step keeps it)."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -57,6 +57,9 @@ from kvrows.validation import (
 )
 
 __all__ = ["Placement", "Row", "RowLayout", "SerialStorage", "Storage", "TokenAxis"]
+
+
+_T = TypeVar("_T", bound="Storage")
 
 
 def newest(planes: Planes, count: int) -> Planes:
@@ -235,9 +238,38 @@ class Storage(ComposedIdentity):
     def nbytes(self) -> int:
         return sum(int(p.nbytes) for row in self._rows for p in row.planes)
 
+    def held_arrays(self) -> tuple[Any, ...]:
+        """Every array the rows hold (for byte and aliasing checks)."""
+        return tuple(p for row in self._rows for p in row.planes)
+
     @property
     def state(self) -> tuple[Any, ...]:
-        return tuple(p for row in self._rows for p in row.planes)
+        """The canonical state form (``kvrows.forms``; ``reference/forms.py``)."""
+        from kvrows.reference.forms import state_of
+
+        return state_of(self)
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        from kvrows.reference.forms import restore_state
+
+        keep = getattr(self.token_geometry, "keep", 0)
+        fresh = restore_state(type(self), value, keep=keep, geometry=self._geometry)
+        self.__dict__.clear()
+        self.__dict__.update(fresh.__dict__)
+
+    @classmethod
+    def from_state(
+        cls: type[_T],
+        state: Any,
+        meta_state: Any = None,
+        *,
+        keep: int | None = None,
+        geometry: KvGeometry | None = None,
+    ) -> _T:
+        from kvrows.reference.forms import restore_state
+
+        return restore_state(cls, state, meta_state, keep=keep, geometry=geometry)
 
     @property
     def state_needs_dispose(self) -> bool:

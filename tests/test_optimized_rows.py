@@ -107,7 +107,7 @@ def test_self_merge_and_a_source_twice_are_refused(name: str) -> None:
     assert isinstance(layout, Layout)
     first, second = _serial(name, 3, seed=1), _serial(name, 5, seed=2)
     layout.merge_rows([first, second])
-    before = (layout.row_offsets, layout.left_pad, [np.array(p) for p in layout.state])
+    before = (layout.row_offsets, layout.left_pad, [np.array(p) for p in layout.held_arrays()])
     message = self_merge_message(layout.signature())
     with pytest.raises(IncompatibleRowsError) as caught:
         layout.merge_rows([layout])
@@ -119,7 +119,7 @@ def test_self_merge_and_a_source_twice_are_refused(name: str) -> None:
     with pytest.raises(IncompatibleRowsError):
         layout.merge_rows([other, other])
     assert other.batch_size == 1
-    after = (layout.row_offsets, layout.left_pad, [np.array(p) for p in layout.state])
+    after = (layout.row_offsets, layout.left_pad, [np.array(p) for p in layout.held_arrays()])
     assert after[:2] == before[:2] and layout.batch_size == 2
     for a, b in zip(after[2], before[2], strict=True):
         assert np.array_equal(a, b)
@@ -167,13 +167,13 @@ def test_extracted_rows_own_compact_evaluated_arrays() -> None:
     layout.merge_rows([_serial("PaddedKVRows", 200 - 4 * b, seed=b) for b in range(16)])
     step = _block(16, 1)
     layout.update_and_fetch(step, step)
-    mx.eval(layout.state)
+    mx.eval(layout.held_arrays())
     start = mx.get_active_memory()
     kept = []
     for row in range(6):
         kept.append(layout.extract_row(row))
         layout.update_and_fetch(step, step)
-        mx.eval(layout.state)
+        mx.eval(layout.held_arrays())
     extracted = sum(cache.nbytes for cache in kept)
     assert extracted == sum(2 * 2 * 64 * 2 * (201 - 3 * b) for b in range(6))  # b + 1 steps
     assert mx.get_active_memory() - start <= extracted + 64 * 1024
@@ -195,7 +195,7 @@ def test_caches_never_keep_or_write_the_callers_arrays(name: str) -> None:
     for seed in range(3, 12):
         token = _block(rows, 1, seed=seed)
         cache.update_and_fetch(token, token)
-        mx.eval(cache.state)
+        mx.eval(cache.held_arrays())
     assert np.array_equal(np.array(keys), saved[0])
     assert np.array_equal(np.array(values), saved[1])
 

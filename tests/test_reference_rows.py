@@ -98,13 +98,15 @@ def test_self_merge_raises_and_changes_nothing(name: str) -> None:
     layout = _make(name)
     first, second = _serial(layout, 3), _serial(layout, 5)
     layout.merge_rows([first, second])
-    before = (layout.row_offsets, layout.left_pad, [p.copy() for p in layout.state])
+    before = (layout.row_offsets, layout.left_pad, [p.copy() for p in layout.held_arrays()])
     for sources in ([layout], [first, layout], [first, first]):
         with pytest.raises(IncompatibleRowsError) as caught:
             layout.merge_rows(sources)
         assert str(caught.value) == self_merge_message(layout.signature())
         assert (layout.row_offsets, layout.left_pad) == before[:2]
-        assert all(np.array_equal(a, b) for a, b in zip(layout.state, before[2], strict=True))
+        assert all(
+            np.array_equal(a, b) for a, b in zip(layout.held_arrays(), before[2], strict=True)
+        )
     assert layout.batch_size == 2 and first.offset == 3
 
 
@@ -170,12 +172,12 @@ def test_rows_own_their_arrays(name: str) -> None:
     block = _block(2, 6)
     layout.update_and_fetch(block, block)
     extracted = layout.extract_row(0)
-    before = [p.copy() for p in layout.state]
-    held = [p.copy() for p in extracted.state]
+    before = [p.copy() for p in layout.held_arrays()]
+    held = [p.copy() for p in extracted.held_arrays()]
     block[...] = 0
-    assert all(np.array_equal(a, b) for a, b in zip(layout.state, before, strict=True))
+    assert all(np.array_equal(a, b) for a, b in zip(layout.held_arrays(), before, strict=True))
     step = _block(2, 1)
     layout.update_and_fetch(step, step)
-    for array in extracted.state:
-        assert not any(np.shares_memory(array, p) for p in layout.state)
-    assert all(np.array_equal(a, b) for a, b in zip(extracted.state, held, strict=True))
+    for array in extracted.held_arrays():
+        assert not any(np.shares_memory(array, p) for p in layout.held_arrays())
+    assert all(np.array_equal(a, b) for a, b in zip(extracted.held_arrays(), held, strict=True))

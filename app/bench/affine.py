@@ -295,13 +295,13 @@ class _AffineRows(KvrowsImpl):
     def serial(self, keys: Any, values: Any) -> Any:
         cache = optimized.QuantizedKVCache(self.group_size, self.bits)
         cache.update_and_fetch(keys, values)
-        self.sync(cache.state)
+        self.sync(cache.held_arrays())
         return cache
 
     def merge(self, rows: Sequence[Any]) -> Any:
         layout = optimized.PaddedQuantKVRows(self.group_size, self.bits)
         layout.merge_rows(rows)
-        self.sync(layout.state)
+        self.sync(layout.held_arrays())
         return layout
 
     def rows(self, batch: Any) -> list[tuple[NP, NP]]:
@@ -392,7 +392,7 @@ class AttentionBench:
             layout.merge_rows(rows)
             mask = layout.make_mask(1)
             layout.update_and_fetch(self.data.step_keys, self.data.step_values)
-            mx.eval(layout.state, mask)
+            mx.eval(layout.held_arrays(), mask)
             self._live[storage] = (layout, mask)
         return self._live[storage]
 

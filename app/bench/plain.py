@@ -287,31 +287,31 @@ class KvrowsImpl(Impl):
     def serial(self, keys: Any, values: Any) -> Any:
         cache = self.module.KVCache()
         cache.update_and_fetch(keys, values)
-        self.sync(cache.state)
+        self.sync(cache.held_arrays())
         return cache
 
     def batch_state(self, batch: Any) -> tuple[Any, ...]:
-        return tuple(batch.state)
+        return tuple(batch.held_arrays())
 
     def merge(self, rows: Sequence[Any]) -> Any:
         layout = self.module.PaddedKVRows()
         layout.merge_rows(rows)
-        self.sync(layout.state)
+        self.sync(layout.held_arrays())
         return layout
 
     def join(self, batch: Any, joiner: Any) -> Any:
         batch.merge_rows([joiner])
-        self.sync(batch.state)
+        self.sync(batch.held_arrays())
         return batch
 
     def filter(self, batch: Any, keep: list[int]) -> Any:
         batch.filter_rows(keep)
-        self.sync(batch.state)
+        self.sync(batch.held_arrays())
         return batch
 
     def extract(self, batch: Any, row: int) -> Any:
         cache = batch.extract_row(row)
-        self.sync(cache.state)
+        self.sync(cache.held_arrays())
         return cache
 
     def step(self, batch: Any, keys: Any, values: Any) -> None:

@@ -149,13 +149,13 @@ class _RingKvrows(KvrowsImpl):
     def serial(self, keys: Any, values: Any) -> Any:
         cache = optimized.RotatingKVCache(self.window)
         _feed(cache, keys, values)
-        self.sync(cache.state)
+        self.sync(cache.held_arrays())
         return cache
 
     def merge(self, rows: Sequence[Any]) -> Any:
         layout = optimized.BatchedRotatingCache(self.window)
         layout.merge_rows(rows)
-        self.sync(layout.state)
+        self.sync(layout.held_arrays())
         return layout
 
     def rows(self, batch: Any) -> list[tuple[NP, NP]]:

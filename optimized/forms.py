@@ -1,0 +1,216 @@
+"""``state`` and ``from_state`` of the optimized classes (the forms are ``kvrows.forms``).
+
+``state`` hands out views of the held columns (what ``generate_step`` evaluates after a
+prefill chunk) except where a layout's rows do not share one end column, which takes a
+right-aligned copy. ``from_state`` restores a serial storage column for column (a ring
+keeps its physical order and write index, so the next update fetches exactly what the
+saved cache would have); a layout is rebuilt from its rows through ``merge_rows``, so its
+rows hold the same tokens at the same positions in a fresh physical arrangement.
+Restored arrays are owned, compact and evaluated.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import mlx.core as mx
+
+from kvrows.errors import InvalidInputError
+from kvrows.forms import (
+    StateRow,
+    codec_from_fields,
+    geometry_from_fields,
+    kv_geometry_of,
+    legacy_state,
+    pack_state,
+    rows_of_state,
+    state_form,
+    unpack_state,
+)
+from kvrows.optimized.codecs import Planes, dtype_name
+from kvrows.optimized.ring import SharedRing, _stacked
+from kvrows.optimized.rows import DECLARED, Layout, Serial, Storage, owned
+from kvrows.schemes import Ring
+from kvrows.validation import KvGeometry
+
+__all__ = ["restore_state", "state_of"]
+
+_S = TypeVar("_S", bound=Storage)
+
+
+def _joined(planes: list[Any]) -> Any:
+    return mx.concatenate(planes, axis=2)
+
+
+def _field(storage: Storage, planes: Planes | None) -> Any:
+    """A plane tuple as the form holds it: the array itself for the plain codec."""
+    if planes is None:
+        return None
+    return planes if storage.codec.key != "plain" else planes[0]
+
+
+def _tail(storage: Storage) -> dict[str, Any]:
+    params = storage.codec_spec.parameters()
+    return {"group_size": params["group_size"], "bits": params["bits"]} if params else {}
+
+
+def _ring_params(storage: Storage) -> dict[str, int]:
+    spec = storage.token_geometry
+    assert isinstance(spec, Ring)
+    return {"max_size": spec.max_size, "keep": spec.keep}
+
+
+def _int32(values: list[int]) -> mx.array:
+    return mx.array(values, dtype=mx.int32)
+
+
+def state_of(storage: Storage) -> tuple[Any, ...]:
+    """``storage``'s state in its ``kvrows.forms`` form."""
+    entry = storage.composition
+    fields: dict[str, Any] = {**_tail(storage)}
+    keys, values = storage._keys, storage._values
+    held = keys is not None and values is not None
+    if isinstance(storage, Serial):
+        fields["offset"] = storage.offset
+        if entry.geometry == "ring":
+            assert isinstance(storage, SharedRing)
+            fields.update(_ring_params(storage), idx=storage._idx if held else 0)
+            visible = (storage._visible(keys), storage._visible(values)) if held else None  # type: ignore[arg-type]
+        else:
+            visible = storage.planes()
+        fields["keys"] = _field(storage, None if visible is None else visible[0])
+        fields["values"] = _field(storage, None if visible is None else visible[1])
+        return pack_state(entry, fields)
+    assert isinstance(storage, Layout)
+    offsets = list(storage._offsets)
+    if entry.geometry == "ring":
+        fields["max_size"] = _ring_params(storage)["max_size"]
+    if isinstance(storage, SharedRing):
+        pads = list(storage._pads)
+        fields.update(total=storage._total, idx=storage._idx, rotated=storage._rotated)
+        visible = (storage._visible(keys), storage._visible(values)) if held else None  # type: ignore[arg-type]
+    else:
+        ends = {p + t for p, t in zip(storage._pads, offsets, strict=True)}
+        if held and len(ends) == 1 and entry.geometry == "growing":
+            pads, width = list(storage._pads), ends.pop()
+            visible = (storage._visible(keys), storage._visible(values))  # type: ignore[arg-type]
+        else:
+            rows = storage._each_row()
+            lengths = [0 if k is None else int(k[0].shape[2]) for k, _, _ in rows]
+            width = max(lengths, default=0)
+            pads = [width - n for n in lengths]
+            geometry = storage.geometry
+            visible = (
+                _stacked(storage.codec, rows, lengths, width, geometry, right_aligned=True)
+                if width and geometry is not None
+                else None
+            )
+        fields["idx"] = width
+        if entry.geometry == "ring":
+            fields.update(total=max(offsets, default=0), rotated=False)
+    fields.update(offset=_int32(offsets), left_padding=_int32(pads))
+    fields["keys"] = _field(storage, None if visible is None else visible[0])
+    fields["values"] = _field(storage, None if visible is None else visible[1])
+    return pack_state(entry, fields)
+
+
+def _geometry_of(codec: Any, keys: Planes, values: Planes) -> KvGeometry:
+    dtype = dtype_name(keys[-1] if len(keys) > 1 else keys[0])
+    return kv_geometry_of(codec, keys, values, dtype)
+
+
+def _as_planes(value: Any, count: int, name: str) -> Planes:
+    planes = tuple(value) if isinstance(value, tuple | list) else (value,)
+    if len(planes) != count or not all(isinstance(p, mx.array) and p.ndim == 4 for p in planes):
+        raise InvalidInputError(
+            f"state {name} must be {count} mx.array plane(s) [B, H, T, ·], got {value!r}"
+        )
+    return planes
+
+
+def restore_state(
+    cls: type[_S],
+    state: Any,
+    meta_state: Any = None,
+    *,
+    keep: int | None = None,
+    geometry: KvGeometry | None = None,
+) -> _S:
+    """A new ``cls`` holding ``state`` (``meta_state``: mlx-lm's older two-part form).
+    ``keep`` is a ring layout's sink count (not in the form); ``geometry`` the declared KV
+    geometry of an empty state."""
+    entry = cls.composition
+    form = state_form(entry)
+    legacy = isinstance(state, tuple | list) and len(state) != len(form.fields)
+    if meta_state is not None and legacy:  # mlx-lm's older (state, meta_state) pair
+        state = legacy_state(form.file_class, state, meta_state)
+    fields = unpack_state(entry, state)
+    codec_spec = codec_from_fields(entry, fields)
+    token_geometry = geometry_from_fields(entry, fields, keep=keep)
+    count = 3 if codec_spec.kind == "affine" else 1
+    fresh = cls.from_specs(codec_spec, token_geometry)
+    if fields["keys"] is None:
+        fresh._geometry = geometry
+        if isinstance(fresh, Layout):
+            serial = DECLARED[entry.serial or entry.name]
+            empties: list[Any] = [
+                serial.from_specs(codec_spec, token_geometry)
+                for _ in rows_of_state(entry, fields, _joined, keep=keep or 0)
+            ]
+            for empty in empties:
+                empty._geometry = geometry
+            fresh.merge_rows(empties)
+        return fresh
+    keys = _as_planes(fields["keys"], count, "keys")
+    values = _as_planes(fields["values"], count, "values")
+    fields["keys"], fields["values"] = keys, values
+    kv = _geometry_of(codec_spec, keys, values)
+    fresh.codec.check(kv)
+    if isinstance(fresh, Serial):
+        return _restore_serial(fresh, fields, kv)
+    rows = rows_of_state(entry, fields, _joined, keep=keep or 0)
+    serial_cls = DECLARED[entry.serial or entry.name]
+    sources: list[Any] = [
+        _serial_row(serial_cls, codec_spec, token_geometry, row, kv) for row in rows
+    ]
+    assert isinstance(fresh, Layout)
+    fresh._geometry = kv
+    fresh.merge_rows(sources)
+    return fresh
+
+
+def _serial_row(
+    cls: type[Storage], codec: Any, token_geometry: Any, row: StateRow, kv: KvGeometry
+) -> Storage:
+    serial = cls.from_specs(codec, token_geometry)
+    keys, values, offset = row
+    if keys is None or values is None:
+        serial._geometry = kv
+        if offset:  # a row whose window is empty still stands at its position
+            raise InvalidInputError(f"state row at position {offset} holds no token")
+        return serial
+    assert isinstance(serial, Serial)
+    owned_keys = tuple(owned(p) for p in keys)
+    owned_values = tuple(owned(p) for p in values)
+    mx.eval(*owned_keys, *owned_values)
+    return serial.adopt(owned_keys, owned_values, offset, kv)
+
+
+def _restore_serial(fresh: _S, fields: dict[str, Any], kv: KvGeometry) -> _S:
+    """Column for column: the held columns (owned), the position, a ring's write index."""
+    offset = fields["offset"]
+    keys, values = fields["keys"], fields["values"]
+    held = min(offset, int(keys[0].shape[2]))
+    if offset < 0 or (fresh.composition.geometry == "growing" and held != offset):
+        raise InvalidInputError(f"state offset {offset} but keys hold {keys[0].shape[2]} columns")
+    owned_keys = tuple(owned(p[:, :, :held]) for p in keys)
+    owned_values = tuple(owned(p[:, :, :held]) for p in values)
+    mx.eval(*owned_keys, *owned_values)
+    assert isinstance(fresh, Serial)
+    fresh.adopt(owned_keys, owned_values, offset, kv)
+    if isinstance(fresh, SharedRing):
+        idx = fields["idx"]
+        if not 0 <= idx <= held:
+            raise InvalidInputError(f"ring state: idx {idx} outside [0, {held}]")
+        fresh._idx, fresh._rotated = idx, idx < held
+    return fresh

@@ -1,0 +1,306 @@
+"""Prompt-cache files: lists of caches of either implementation, in mlx-lm's file format.
+
+A file is a safetensors file (written by ``persist.files.write_atomic``: atomic, fsynced,
+checksummed) laid out as mlx-lm 0.32.2's ``save_prompt_cache`` lays it out:
+
+* arrays: ``"<layer>.<field>[.<plane>]"``, the flattened ``state`` of each cache (a
+  scalar field becomes a 0-d array, ``None`` an empty one);
+* metadata: ``"0.<key>"`` the user's metadata, ``"1.<layer>"`` each layer's class name,
+  ``"2.0" = ""`` then ``"2.<n>.0"`` / ``"2.<n>.1"`` the array name and kind
+  (``scalar`` / ``none``) of each non-array field;
+* kvrows' own entries under the user prefix, so mlx-lm still parses the file:
+  ``"0.kvrows"`` (JSON: format version and, per layer, the composition, signature, codec,
+  token geometry and KV geometry) and ``"0.kvrows_checksum"``.
+
+So mlx-lm's ``load_prompt_cache`` reads kvrows' files of the classes it has (their class
+names are mlx-lm's: ``kvrows.forms.FILE_CLASSES``) and kvrows' ``load_prompt_cache``
+reads mlx-lm's files (without a checksum to check) as well as its own. mlx-lm's older
+format (``meta_state`` strings) is read too. See ``spec/persistence.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, cast
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from kvrows.errors import CorruptStateError, InvalidInputError, UnsupportedStateError
+from kvrows.forms import (
+    FILE_CLASSES,
+    FORMAT_VERSION,
+    composition_named,
+    state_form,
+)
+from kvrows.persist.files import CHECKSUM_KEY, read_safetensors, read_verified, write_atomic
+from kvrows.validation import KvGeometry
+
+__all__ = ["KVROWS_KEY", "load_prompt_cache", "save_prompt_cache"]
+
+#: The metadata entry holding kvrows' description of the file's layers.
+KVROWS_KEY = "0.kvrows"
+_RESERVED = {KVROWS_KEY[2:], CHECKSUM_KEY[2:]}
+
+Implementation = Literal["optimized", "reference"]
+
+
+def _to_mx(value: Any) -> mx.array:
+    if isinstance(value, mx.array):
+        return value
+    array = np.asarray(value)
+    if array.dtype.name == "bfloat16":  # ml_dtypes' bfloat16: MLX takes its bits
+        return mx.array(array.view(np.uint16)).view(mx.bfloat16)
+    return mx.array(array)
+
+
+def _to_numpy(value: mx.array) -> Any:
+    if value.dtype == mx.bfloat16:
+        import ml_dtypes
+
+        return np.array(value.view(mx.uint16)).view(ml_dtypes.bfloat16)
+    return np.array(value)
+
+
+def _layer_record(cache: Any) -> dict[str, Any]:
+    geometry: KvGeometry | None = cache.geometry
+    return {
+        "composition": cache.composition.name,
+        "signature": cache.signature(),
+        "codec": {"kind": cache.codec_spec.kind, **cache.codec_spec.parameters()},
+        "token_geometry": {
+            "kind": cache.token_geometry.kind,
+            **cache.token_geometry.parameters(),
+        },
+        "kv": None if geometry is None else vars(geometry).copy(),
+    }
+
+
+def save_prompt_cache(
+    path: str | os.PathLike[str],
+    caches: Sequence[Any],
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Write ``caches`` (one per layer; storages or layouts of either implementation) to
+    ``path``, atomically. Nothing is written if any cache or metadata entry is refused."""
+    if isinstance(caches, str | bytes) or not isinstance(caches, Sequence):
+        raise InvalidInputError("save_prompt_cache takes a list of caches, one per layer")
+    user = dict(metadata or {})
+    for key, value in user.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise InvalidInputError(f"metadata must map str to str, got {key!r}: {value!r}")
+        if key in _RESERVED or "." in key:
+            raise InvalidInputError(
+                f"metadata key {key!r} is reserved or contains '.' (kvrows uses 'kvrows*')"
+            )
+    layers, classes, states = [], [], []
+    for index, cache in enumerate(caches):
+        entry = getattr(cache, "composition", None)
+        if entry is None:
+            raise InvalidInputError(
+                f"layer {index}: {type(cache).__name__} is not a kvrows cache; "
+                "use mlx-lm's save_prompt_cache for mlx-lm's classes"
+            )
+        form = state_form(entry)  # UnsupportedStateError for a class without a form
+        layers.append(_layer_record(cache))
+        classes.append(form.file_class)
+        states.append(cache.state)
+    arrays: dict[str, mx.array] = {}
+    scalars: list[Any] = [""]
+    flattened = cast(list[tuple[str, Any]], tree_flatten(states))
+    for name, value in flattened:
+        if value is None:
+            scalars.append((name, "none"))
+            arrays[name] = mx.array([])
+        elif isinstance(value, bool | int | float):
+            scalars.append((name, "scalar"))
+            arrays[name] = mx.array(value)
+        else:
+            arrays[name] = _to_mx(value)
+    description = {"format": FORMAT_VERSION, "layers": layers}
+    flat = dict(tree_flatten([{**user, "kvrows": json.dumps(description)}, classes, scalars]))
+    write_atomic(path, arrays, {key: str(value) for key, value in flat.items()})
+
+
+def _grouped(metadata: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    """Flattened metadata split into its three top-level groups (``"0"``, ``"1"``, ``"2"``)."""
+    groups: dict[str, dict[str, str]] = {"0": {}, "1": {}, "2": {}}
+    for key, value in metadata.items():
+        head, _, tail = key.partition(".")
+        if head not in groups or not tail:
+            raise CorruptStateError(f"unexpected metadata entry {key!r}")
+        groups[head][tail] = value
+    return groups
+
+
+def _listed(group: Mapping[str, str], what: str) -> list[str]:
+    if sorted(group, key=lambda k: int(k) if k.isdigit() else -1) != [
+        str(i) for i in range(len(group))
+    ]:
+        raise CorruptStateError(f"{what} entries are not a list: {sorted(group)}")
+    return [group[str(i)] for i in range(len(group))]
+
+
+def _nested(items: Mapping[str, Any]) -> list[Any]:
+    """Arrays named ``"<layer>.<field>[.<plane>]"`` as per-layer nested lists."""
+    root: dict[str, Any] = {}
+    for name, value in items.items():
+        node = root
+        parts = name.split(".")
+        if not all(p.isdigit() for p in parts):
+            raise CorruptStateError(f"unexpected array name {name!r}")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise CorruptStateError(f"array name {name!r} clashes with another")
+        node[parts[-1]] = value
+
+    def build(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        count = len(node)
+        if sorted(node, key=int) != [str(i) for i in range(count)]:
+            raise CorruptStateError(f"array names are not a dense list: {sorted(node)}")
+        return tuple(build(node[str(i)]) for i in range(count))
+
+    return list(build(root)) if root else []
+
+
+def _implementation_classes(implementation: Implementation) -> Mapping[str, type[Any]]:
+    if implementation == "optimized":
+        import kvrows.optimized  # noqa: F401  (declares and registers every class)
+        from kvrows.optimized.rows import DECLARED
+
+        return DECLARED
+    if implementation == "reference":
+        from kvrows.reference.classes import declared_classes
+
+        return declared_classes()
+    raise InvalidInputError(
+        f"implementation must be 'optimized' or 'reference', got {implementation!r}"
+    )
+
+
+def load_prompt_cache(
+    path: str | os.PathLike[str],
+    *,
+    return_metadata: bool = False,
+    implementation: Implementation = "optimized",
+) -> Any:
+    """The caches saved in ``path`` (kvrows' files and mlx-lm's), as ``implementation``'s
+    classes; with ``return_metadata``, ``(caches, user_metadata)``. A kvrows file is
+    checksummed; any problem raises ``CorruptStateError`` / ``UnsupportedStateError``
+    and nothing is returned."""
+    classes_by_name = _implementation_classes(implementation)
+    arrays, metadata = read_safetensors(path)
+    if CHECKSUM_KEY in metadata:
+        arrays, metadata = read_verified(path)
+    try:
+        groups = _grouped(metadata)
+        legacy = groups["2"].get("0") != ""
+        if legacy:  # mlx-lm's older layout: meta_states, user metadata, class names
+            meta_list: list[Any] = _nested(groups["0"])
+            user, class_names = dict(groups["1"]), _listed(groups["2"], "class")
+        else:
+            user, class_names = dict(groups["0"]), _listed(groups["1"], "class")
+            meta_list = [None] * len(class_names)
+    except CorruptStateError as error:
+        raise CorruptStateError(f"{path}: {error}") from None
+    description = None
+    if "kvrows" in user:
+        try:
+            description = json.loads(user.pop("kvrows"))
+        except json.JSONDecodeError as error:
+            raise CorruptStateError(f"{path}: unreadable kvrows metadata ({error})") from None
+        version = description.get("format") if isinstance(description, dict) else None
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise UnsupportedStateError(
+                f"{path}: kvrows state format {version!r}; this kvrows reads up to "
+                f"{FORMAT_VERSION}: upgrade kvrows"
+            )
+    user.pop(CHECKSUM_KEY[2:], None)
+    if not legacy:
+        for key, kind in _scalar_entries(groups["2"]):
+            if key not in arrays:
+                raise CorruptStateError(f"{path}: scalar entry {key!r} names no array")
+            if kind == "none":
+                arrays[key] = None  # type: ignore[assignment]
+            elif kind == "scalar":
+                arrays[key] = arrays[key].item()  # type: ignore[assignment]
+            else:
+                raise CorruptStateError(f"{path}: unknown scalar kind {kind!r}")
+    states = _nested(arrays)
+    if len(states) != len(class_names):
+        raise CorruptStateError(
+            f"{path}: {len(class_names)} layer classes but {len(states)} layer states"
+        )
+    layers = description["layers"] if description else [None] * len(class_names)
+    if len(layers) != len(class_names):
+        raise CorruptStateError(f"{path}: kvrows metadata describes {len(layers)} layers")
+    caches = [
+        _restore(classes_by_name, name, state, meta, record, implementation, path)
+        for name, state, meta, record in zip(class_names, states, meta_list, layers, strict=True)
+    ]
+    return (caches, user) if return_metadata else caches
+
+
+def _scalar_entries(group: Mapping[str, str]) -> list[tuple[str, str]]:
+    entries = []
+    index = 1
+    while f"{index}.0" in group:
+        entries.append((group[f"{index}.0"], group.get(f"{index}.1", "")))
+        index += 1
+    return entries
+
+
+def _restore(
+    classes_by_name: Mapping[str, type[Any]],
+    file_class: str,
+    state: Any,
+    meta_state: Any,
+    record: Mapping[str, Any] | None,
+    implementation: Implementation,
+    path: object,
+) -> Any:
+    if record is not None:
+        name = record.get("composition")
+        keep = record.get("token_geometry", {}).get("keep", 0)
+    else:
+        name = FILE_CLASSES.get(file_class)
+        keep = 0
+        if name is None:
+            raise UnsupportedStateError(
+                f"{path}: kvrows cannot load mlx-lm's {file_class} (no kvrows storage for it)"
+            )
+    if not isinstance(name, str) or name not in classes_by_name:
+        composition_named(str(name))  # names an unknown class: UnsupportedStateError
+        raise UnsupportedStateError(
+            f"{path}: {name} is not landed in the {implementation} implementation"
+        )
+    cls = classes_by_name[name]
+    if state_form(cls.composition).file_class != file_class:
+        raise CorruptStateError(
+            f"{path}: layer class {file_class!r} does not match kvrows' {name} form"
+        )
+    if implementation == "reference":
+        state = _map_arrays(state, _to_numpy)
+    try:
+        kv = record.get("kv") if record is not None else None
+        geometry = KvGeometry(**kv) if isinstance(kv, dict) else None
+        restored = cls.from_state(state, meta_state, keep=keep, geometry=geometry)
+    except (InvalidInputError, TypeError) as error:
+        raise CorruptStateError(f"{path}: {file_class} state is inconsistent: {error}") from None
+    if record is not None and restored.signature() != record.get("signature"):
+        raise CorruptStateError(
+            f"{path}: restored {restored.signature()} but the file says {record.get('signature')}"
+        )
+    return restored
+
+
+def _map_arrays(tree: Any, function: Any) -> Any:
+    if isinstance(tree, tuple | list):
+        return tuple(_map_arrays(item, function) for item in tree)
+    return function(tree) if isinstance(tree, mx.array) else tree

@@ -1,0 +1,165 @@
+"""``state`` and ``from_state`` of the reference classes (the forms are ``kvrows.forms``).
+
+The reference holds rows, not buffers, so its state is the canonical form: a serial
+ring's retained tokens in temporal order (``idx`` = the count), a layout's rows
+right-aligned in temporal order (a ring layout unrotated, ``total`` the furthest row
+position). The optimized state of the same cache may differ in physical column order;
+the conformance suite compares the rows both forms hold (``kvrows.forms.rows_of_state``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from kvrows.errors import InvalidInputError
+from kvrows.forms import (
+    codec_from_fields,
+    geometry_from_fields,
+    kv_geometry_of,
+    legacy_state,
+    pack_state,
+    rows_of_state,
+    state_form,
+    unpack_state,
+)
+from kvrows.reference.codecs import Planes, dtype_name
+from kvrows.reference.rows import Row, RowLayout, SerialStorage, Storage
+from kvrows.schemes import Ring
+from kvrows.validation import KvGeometry
+
+__all__ = ["restore_state", "state_of"]
+
+_S = TypeVar("_S", bound=Storage)
+
+
+def _joined(planes: list[Any]) -> Any:
+    return np.concatenate(planes, axis=2)
+
+
+def _field(storage: Storage, planes: Planes | None) -> Any:
+    if planes is None:
+        return None
+    return planes if storage.codec.key != "plain" else planes[0]
+
+
+def _int32(values: list[int]) -> npt.NDArray[np.int32]:
+    return np.array(values, dtype=np.int32)
+
+
+def _right_aligned(storage: Storage, rows: list[Row], width: int) -> tuple[Planes, Planes]:
+    geometry = storage.geometry
+    assert geometry is not None
+    batch, heads, dtype = len(rows), geometry.heads, geometry.dtype
+    keys = storage.codec.zeros(batch, heads, width, geometry.key_dim, dtype)
+    values = storage.codec.zeros(batch, heads, width, geometry.value_dim, dtype)
+    for b, row in enumerate(rows):
+        if row.keys is None or row.values is None:
+            continue
+        start = width - row.retained
+        for planes, held in ((keys, row.keys), (values, row.values)):
+            for plane, piece in zip(planes, held, strict=True):
+                plane[b : b + 1, :, start:width] = piece
+    return keys, values
+
+
+def state_of(storage: Storage) -> tuple[Any, ...]:
+    """``storage``'s state in its canonical ``kvrows.forms`` form."""
+    entry = storage.composition
+    fields: dict[str, Any] = dict(storage.codec_spec.parameters())
+    spec = storage.token_geometry
+    if isinstance(spec, Ring):
+        fields["max_size"] = spec.max_size
+    if isinstance(storage, SerialStorage):
+        held = storage.planes()
+        fields["offset"] = storage.offset
+        if isinstance(spec, Ring):
+            fields.update(keep=spec.keep, idx=storage.retained)
+        fields["keys"] = _field(storage, None if held is None else held[0])
+        fields["values"] = _field(storage, None if held is None else held[1])
+        return pack_state(entry, fields)
+    assert isinstance(storage, RowLayout)
+    rows = [storage._cut(row) for row in storage._rows]
+    width = max((row.retained for row in rows), default=0)
+    stacked = _right_aligned(storage, rows, width) if width else None
+    offsets = [row.offset for row in storage._rows]
+    fields.update(
+        offset=_int32(offsets),
+        left_padding=_int32([width - row.retained for row in rows]),
+        idx=width,
+        keys=_field(storage, None if stacked is None else stacked[0]),
+        values=_field(storage, None if stacked is None else stacked[1]),
+    )
+    if isinstance(spec, Ring):
+        fields.update(total=max(offsets, default=0), rotated=False)
+    return pack_state(entry, fields)
+
+
+def _as_planes(value: Any, count: int, name: str) -> Planes:
+    planes = tuple(value) if isinstance(value, tuple | list) else (value,)
+    if len(planes) != count or not all(isinstance(p, np.ndarray) and p.ndim == 4 for p in planes):
+        raise InvalidInputError(
+            f"state {name} must be {count} NumPy plane(s) [B, H, T, ·], got {value!r}"
+        )
+    return planes
+
+
+def _copied(planes: tuple[Any, ...]) -> Planes:
+    return tuple(np.array(p, copy=True) for p in planes)
+
+
+def restore_state(
+    cls: type[_S],
+    state: Any,
+    meta_state: Any = None,
+    *,
+    keep: int | None = None,
+    geometry: KvGeometry | None = None,
+) -> _S:
+    """A new ``cls`` holding ``state`` (see ``optimized/forms.py`` for the parameters)."""
+    entry = cls.composition
+    form = state_form(entry)
+    legacy = isinstance(state, tuple | list) and len(state) != len(form.fields)
+    if meta_state is not None and legacy:  # mlx-lm's older (state, meta_state) pair
+        state = legacy_state(form.file_class, state, meta_state)
+    fields = unpack_state(entry, state)
+    codec_spec = codec_from_fields(entry, fields)
+    token_geometry = geometry_from_fields(entry, fields, keep=keep)
+    fresh = cls.from_specs(codec_spec, token_geometry)
+    kv = geometry
+    if fields["keys"] is not None:
+        count = 3 if codec_spec.kind == "affine" else 1
+        fields["keys"] = _as_planes(fields["keys"], count, "keys")
+        fields["values"] = _as_planes(fields["values"], count, "values")
+        scale = fields["keys"][-1] if count > 1 else fields["keys"][0]
+        kv = kv_geometry_of(codec_spec, fields["keys"], fields["values"], dtype_name(scale))
+        fresh.codec.check(kv)
+    rows = rows_of_state(entry, fields, _joined, keep=keep or 0)
+    fresh._geometry = kv
+    if isinstance(fresh, SerialStorage):
+        offset = fields["offset"]
+        if fields["keys"] is not None and (
+            offset < 0 or (entry.geometry == "growing" and rows[0][0] is not None
+                           and int(rows[0][0][0].shape[2]) != offset)
+        ):  # fmt: skip
+            raise InvalidInputError(f"state offset {offset} disagrees with the keys it holds")
+        fresh._rows = [
+            Row(_copied(k), _copied(v), offset)
+            for k, v, _ in rows
+            if k is not None and v is not None
+        ]
+        return fresh
+    assert isinstance(fresh, RowLayout)
+    sources = []
+    for keys, values, offset in rows:
+        serial = fresh.serial_class.from_specs(codec_spec, token_geometry)
+        serial._geometry = kv
+        if keys is not None and values is not None:
+            serial._rows = [Row(_copied(keys), _copied(values), offset)]
+        elif offset:
+            raise InvalidInputError(f"state row at position {offset} holds no token")
+        sources.append(serial)
+    fresh.merge_rows(sources)
+    return fresh
