@@ -12,7 +12,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +21,14 @@ import numpy as np
 import pytest
 
 import kvrows.persist.prefix_store as prefix_store
+from kvrows.app.cli import main
 from kvrows.app.demo import builtin_trace, check_invariance
 from kvrows.app.engine import Engine, model_fingerprint
 from kvrows.app.models import tiny_model
 from kvrows.errors import CorruptStateError, InvalidInputError
 from kvrows.optimized import KVCache, RotatingKVCache
-from kvrows.persist.files import read_verified, write_atomic
 from kvrows.persist.prefix_store import PrefixStore, reusable_copies, servable_prefixes
+from kvrows.persist.prompt_cache import load_prompt_cache
 from kvrows.protocols import Cache
 from kvrows.schemes import KvStorageScheme
 
@@ -80,30 +81,8 @@ def _identical(caches: Sequence[Cache], tokens: Sequence[int]) -> bool:
     return True
 
 
-# -- a payload writer for plain serial caches (the store takes any save/load pair) ----------
-def stub_save(path: Path, caches: Sequence[Cache], metadata: Mapping[str, str]) -> None:
-    arrays: dict[str, mx.array] = {}
-    for layer, cache in enumerate(caches):
-        held = _held(cache)
-        arrays[f"{layer}.keys"] = mx.array(held[0])
-        arrays[f"{layer}.values"] = mx.array(held[1])
-    write_atomic(path, arrays, {**metadata, "layers": str(len(caches))})
-
-
-def stub_load(path: Path) -> tuple[list[Cache], dict[str, str]]:
-    arrays, metadata = read_verified(path)
-    caches: list[Cache] = []
-    for layer in range(int(metadata.pop("layers"))):
-        cache = KVCache()
-        cache.update_and_fetch(arrays[f"{layer}.keys"], arrays[f"{layer}.values"])
-        caches.append(cache)
-    return caches, metadata
-
-
 def _store(directory: Path, **kw: Any) -> PrefixStore:
     kw.setdefault("byte_budget", 1 << 30)
-    kw.setdefault("save", stub_save)
-    kw.setdefault("load", stub_load)
     return PrefixStore(directory, **kw)
 
 
@@ -292,7 +271,7 @@ def test_a_corrupt_entry_is_a_miss_and_is_removed(tmp_path: Path, damage: str) -
         data = bytearray(b"not a safetensors file")
     path.write_bytes(bytes(data))
     with pytest.raises(CorruptStateError):
-        stub_load(path)
+        load_prompt_cache(path)
     assert store.longest((*tokens[:16], 0)) is None  # through a marker
     assert store.longest(tokens) is None
     assert not path.exists() and len(store) == 0
@@ -305,7 +284,8 @@ def test_a_corrupt_entry_is_a_miss_and_is_removed(tmp_path: Path, damage: str) -
 def test_a_reader_that_loses_a_race_with_eviction_misses(tmp_path: Path) -> None:
     def evicted_first(path: Path) -> tuple[list[Cache], dict[str, str]]:
         path.unlink()  # another process evicts the entry between lookup and load
-        return stub_load(path)
+        caches, metadata = load_prompt_cache(path, return_metadata=True)
+        return caches, metadata
 
     tokens = _tokens(13, 16)
     _store(tmp_path, block_tokens=8).put(tokens, _row(tokens))
@@ -344,7 +324,11 @@ sys.path.insert(0, {tests!r})
 import test_prefix_store as t
 while not os.path.exists({start!r}):  # start together, once every process has imported
     time.sleep(0.01)
-print(json.dumps(t.worker({directory!r}, {seed}, {rounds}, {budget})))
+print(json.dumps(t.worker({directory!r}, {seed}, {rounds}, {budget})), flush=True)
+# Skip interpreter teardown: on this VM about one process in fifty aborted after its work
+# was done ("terminate called without an active exception": a native thread, most likely
+# MLX's, still joinable at exit), which says nothing about the store.
+os._exit(0)
 """
 
 
@@ -401,7 +385,7 @@ def test_several_processes_share_one_store(tmp_path: Path) -> None:
     reports = []
     for process in processes:
         out, err = process.communicate(timeout=120)
-        assert process.returncode == 0, err
+        assert process.returncode == 0, (out, err)
         reports.append(json.loads(out.strip().splitlines()[-1]))
     assert all(report["bad"] == 0 for report in reports), reports
     assert sum(report["hits"] for report in reports) > 0, reports
@@ -434,3 +418,24 @@ def test_the_engine_reuses_stored_rows_after_a_restart(tmp_path: Path) -> None:
     assert [r.tokens for r in second] == [r.tokens for r in first]
     report = check_invariance(model, scheme, trace, second, 16)  # against solo runs
     assert report.steps > 0 and report.mismatches == 0 and report.beyond_tolerance == 0
+
+
+def test_kvrows_demo_twice_with_one_prefix_store(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["demo", "--quiet", "--scheme", "plain", "--requests", "4"]
+    argv += ["--prefix-store", str(tmp_path)]
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    assert main(argv) == 0  # a new engine: only the disk remembers the first run
+    second = capsys.readouterr().out
+
+    def store_rows(out: str) -> dict[str, list[str]]:
+        table = out.split("prefix store ")[1].splitlines()[3:]
+        return {line.split()[0]: line.split() for line in table[:2]}
+
+    assert store_rows(first)["llama"][2] == "0"  # nothing on disk yet
+    llama = store_rows(second)["llama"]
+    assert int(llama[2]) > 0 and llama[5] != "-"  # disk hits, measured against run one
+    for out in (first, second):
+        assert out.count("PASS") == 2 and "FAIL" not in out  # tokens are the solo runs'
