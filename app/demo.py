@@ -222,7 +222,6 @@ def _store_row(
         f"{stats.prefill_seconds:.3f}",
         baseline,
         saved,
-        f"{stats.store_prefill_seconds_saved:.3f}",
         f"{stats.store_read_seconds:.3f}",
         f"{stats.store_writes} ({stats.store_write_seconds:.3f} s)",
     ]
@@ -236,7 +235,6 @@ STORE_HEADER = [
     "prefill s",
     "cold prefill s",
     "saved s",
-    "est. saved s",
     "disk read s",
     "rows saved",
 ]
@@ -344,9 +342,8 @@ def _print_store(
         " at start), and its tokens; prefill tok / prefill s: prompt tokens the model"
         " computed and the seconds that took (evaluated); cold prefill s: the same"
         " configuration's last run that loaded nothing from disk (recorded in"
-        f" {COLD_RUNS}); saved s: cold prefill s - prefill s, measured; est. saved s: the"
-        " disk tokens at this run's ms per prefill token; disk read s: lookups and loads"
-        " (outside the prefill time). Rows are saved at block boundaries (16 tokens); a"
+        f" {COLD_RUNS}); saved s: cold prefill s - prefill s; disk read s: lookups and"
+        " loads (outside the prefill time). Rows are saved at block boundaries (16 tokens); a"
         " sliding-window ring that has wrapped cannot be cut back to one, so the"
         " sliding-window model saves few rows and loads none here."
     )

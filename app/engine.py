@@ -131,11 +131,6 @@ class EngineStats:
         """This run's measured prefill cost of one prompt token."""
         return self.prefill_seconds / self.prefill_tokens if self.prefill_tokens else 0.0
 
-    @property
-    def store_prefill_seconds_saved(self) -> float:
-        """Prefill time the store's tokens would have cost at this run's measured rate."""
-        return self.store_hit_tokens * self.prefill_seconds_per_token
-
     def add(self, other: EngineStats) -> None:
         """Fold another run's totals into these (peaks take the larger)."""
         for name in (

@@ -436,6 +436,8 @@ def test_kvrows_demo_twice_with_one_prefix_store(
 
     assert store_rows(first)["llama"][2] == "0"  # nothing on disk yet
     llama = store_rows(second)["llama"]
-    assert int(llama[2]) > 0 and llama[5] != "-"  # disk hits, measured against run one
+    # disk hits, fewer prompt tokens computed, and the saving measured against run one
+    assert int(llama[2]) > 0 and int(llama[5]) < int(store_rows(first)["llama"][5])
+    assert float(llama[7]) - float(llama[6]) == pytest.approx(float(llama[8]), abs=2e-3)
     for out in (first, second):
         assert out.count("PASS") == 2 and "FAIL" not in out  # tokens are the solo runs'
