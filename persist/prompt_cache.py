@@ -36,7 +36,7 @@ from kvrows.forms import (
     composition_named,
     state_form,
 )
-from kvrows.persist.files import CHECKSUM_KEY, read_safetensors, read_verified, write_atomic
+from kvrows.persist.files import CHECKSUM_KEY, checksum, read_safetensors, write_atomic
 from kvrows.validation import KvGeometry
 
 __all__ = ["KVROWS_KEY", "load_prompt_cache", "save_prompt_cache"]
@@ -192,12 +192,14 @@ def load_prompt_cache(
 ) -> Any:
     """The caches saved in ``path`` (kvrows' files and mlx-lm's), as ``implementation``'s
     classes; with ``return_metadata``, ``(caches, user_metadata)``. A kvrows file is
-    checksummed; any problem raises ``CorruptStateError`` / ``UnsupportedStateError``
-    and nothing is returned."""
+    checksummed (mlx-lm's files carry no checksum: only their structure is checked); any
+    problem raises ``CorruptStateError`` / ``UnsupportedStateError`` (``StateReadError``
+    when the file cannot be read) and nothing is returned."""
     classes_by_name = _implementation_classes(implementation)
     arrays, metadata = read_safetensors(path)
-    if CHECKSUM_KEY in metadata:
-        arrays, metadata = read_verified(path)
+    recorded = metadata.get(CHECKSUM_KEY)
+    if recorded is not None and checksum(arrays, metadata) != recorded:
+        raise CorruptStateError(f"{path}: checksum mismatch: the file is corrupt or was altered")
     try:
         groups = _grouped(metadata)
         legacy = groups["2"].get("0") != ""
