@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -75,7 +75,7 @@ def _row_count(source: Storage) -> int:
     return max(1, source.rows)
 
 
-def _sources(caches: object) -> Sequence[Cache]:
+def _sources(caches: object) -> Sequence[object]:
     """``caches`` as mlx-lm's ``merge`` takes them: a non-empty list, one cache per request."""
     if isinstance(caches, Cache | str | bytes) or not isinstance(caches, Sequence):
         raise InvalidInputError(
@@ -95,7 +95,7 @@ class SerialMerge(Serial):
     """``merge(caches)`` from a serial class, as mlx-lm's generator calls it."""
 
     @classmethod
-    def merge(cls, caches: Sequence[Cache]) -> Layout:
+    def merge(cls, caches: Sequence[object]) -> LayoutBatchOps:
         """A new layout holding the rows of ``caches`` (each left unchanged), in order.
 
         Every cache must be a ``cls`` with the same codec, token geometry and KV geometry
@@ -111,7 +111,7 @@ class SerialMerge(Serial):
         layout = merge_layout_class(cls.composition).from_specs(
             first.codec_spec, first.token_geometry, geometry=first.geometry
         )
-        layout.merge_rows(caches)
+        layout.merge_rows(cast(Sequence[Cache], caches))
         return layout
 
 
@@ -204,7 +204,7 @@ class LayoutBatchOps(Layout):
 
     # -- mlx-lm's names -----------------------------------------------------------------
     @classmethod
-    def merge(cls, caches: Sequence[Cache]) -> LayoutBatchOps:
+    def merge(cls, caches: Sequence[object]) -> LayoutBatchOps:
         """A new layout of this class holding the rows of ``caches`` (serial caches or
         layouts of the same codec, token geometry and KV geometry), each left unchanged."""
         first = _sources(caches)[0]
@@ -213,10 +213,10 @@ class LayoutBatchOps(Layout):
                 f"{cls.__name__}.merge takes kvrows caches, got {type(first).__name__}"
             )
         layout = cls.from_specs(first.codec_spec, first.token_geometry, geometry=first.geometry)
-        layout.merge_rows(caches)
+        layout.merge_rows(cast(Sequence[Cache], caches))
         return layout
 
-    def extend(self, other: Cache) -> None:
+    def extend(self, other: object) -> None:
         """Append ``other``'s rows after this layout's, in place (``other`` is unchanged;
         either side may hold no rows). ``other`` is a layout or serial cache of the same
         codec, token geometry and KV geometry (``IncompatibleRowsError`` otherwise)."""
@@ -224,7 +224,7 @@ class LayoutBatchOps(Layout):
             raise IncompatibleRowsError(
                 f"{type(self).__name__}.extend takes a kvrows cache, got {type(other).__name__}"
             )
-        self.merge_rows([other])
+        self.merge_rows([cast(Cache, other)])
 
     def filter(self, batch_indices: object) -> None:
         """Keep rows ``batch_indices`` (a list or 1-D integer ``mx.array`` of distinct
@@ -251,9 +251,9 @@ class LayoutBatchOps(Layout):
     def prepare(
         self,
         *,
-        left_padding: Sequence[int] | None = None,
-        lengths: Sequence[int] | None = None,
-        right_padding: Sequence[int] | None = None,
+        left_padding: Sequence[int] | mx.array | None = None,
+        lengths: Sequence[int] | mx.array | None = None,
+        right_padding: Sequence[int] | mx.array | None = None,
     ) -> None:
         """Announce padded blocks.
 

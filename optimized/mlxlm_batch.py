@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import mlx.core as mx
+
 from kvrows.compositions import Composition
 from kvrows.errors import InvalidInputError, KvRowsError
-from kvrows.optimized.batch_dropin import _counts
+from kvrows.optimized.batch_dropin import LayoutBatchOps, _counts
 from kvrows.optimized.classes import BatchedKVCache, RaggedRotatingRows
 from kvrows.optimized.rows import DECLARED, Layout, Serial
 
@@ -32,8 +34,11 @@ def _left_padding(left_padding: object) -> list[int]:
         raise InvalidInputError(
             f"left_padding must be a list with one pad count per row, got {left_padding!r}"
         )
-    length = len(left_padding) if isinstance(left_padding, Sequence) else -1
-    return _counts(left_padding, "left_padding", length if length >= 0 else 0)
+    if isinstance(left_padding, mx.array):
+        length = left_padding.size
+    else:
+        length = len(left_padding) if isinstance(left_padding, Sequence) else 0
+    return _counts(left_padding, "left_padding", length)
 
 
 class _PaddedRows:
@@ -56,7 +61,9 @@ class BatchKVCache(_PaddedRows, BatchedKVCache):
     first ``left_padding[b]`` tokens row ``b`` receives are padding (``offset`` reads
     ``-left_padding`` until then)."""
 
-    def __init__(self, left_padding: Sequence[int] | None = None, **specs: object) -> None:
+    def __init__(
+        self, left_padding: Sequence[int] | mx.array | None = None, **specs: object
+    ) -> None:
         lead = _left_padding(left_padding)
         super().__init__(**specs)
         self._start_rows(lead)
@@ -71,7 +78,7 @@ class BatchRotatingKVCache(_PaddedRows, RaggedRotatingRows):
     def __init__(
         self,
         max_size: int | None = None,
-        left_padding: Sequence[int] | None = None,
+        left_padding: Sequence[int] | mx.array | None = None,
         **specs: object,
     ) -> None:
         lead = _left_padding(left_padding)
@@ -82,18 +89,18 @@ class BatchRotatingKVCache(_PaddedRows, RaggedRotatingRows):
 
 
 #: The layouts ``merge`` returns instead of a composition's own prefill layout.
-_MLXLM_NAMED: dict[str, type[Layout]] = {
+_MLXLM_NAMED: dict[str, type[LayoutBatchOps]] = {
     "BatchedKVCache": BatchKVCache,
     "RaggedRotatingRows": BatchRotatingKVCache,
 }
 
 
-def merge_layout_class(entry: Composition) -> type[Layout]:
+def merge_layout_class(entry: Composition) -> type[LayoutBatchOps]:
     """The layout a serial storage's ``merge`` returns: its prefill layout (mlx-lm's name
     where mlx-lm has the class)."""
     if entry.roles is None:
         raise KvRowsError(f"{entry.name} has no row layouts to merge into")
     name = entry.roles.prefill
     layout = _MLXLM_NAMED.get(name) or DECLARED[name]
-    assert issubclass(layout, Layout)
+    assert issubclass(layout, LayoutBatchOps)
     return layout
