@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 
@@ -52,6 +52,15 @@ from kvrows.protocols import Cache, Mask
 from kvrows.validation import as_count, check_keep
 
 __all__ = ["LayoutBatchOps", "SerialMerge"]
+
+# The mixins are plain classes at run time, so that in a public class they come before
+# the geometry without dragging ``Layout`` / ``Serial`` ahead of it in the MRO; the type
+# checker sees the arrangement they are mixed into.
+if TYPE_CHECKING:
+    _LayoutBase = Layout
+    _SerialBase = Serial
+else:
+    _LayoutBase = _SerialBase = object
 
 
 def _counts(values: object, name: str, rows: int) -> list[int]:
@@ -91,7 +100,7 @@ def _drop_retained(ring: RaggedRing, counts: list[int]) -> None:
     ring._retained = [r - c for r, c in zip(ring._retained, counts, strict=True)]
 
 
-class SerialMerge(Serial):
+class SerialMerge(_SerialBase):
     """``merge(caches)`` from a serial class, as mlx-lm's generator calls it."""
 
     @classmethod
@@ -140,7 +149,7 @@ class _Plan:
     tail: list[int]
 
 
-class LayoutBatchOps(Layout):
+class LayoutBatchOps(_LayoutBase):
     """mlx-lm's in-place batch operations on a layout, and its padded blocks."""
 
     _lead: list[int]
