@@ -325,6 +325,40 @@ def test_left_padding_longer_than_the_first_block() -> None:
     decode_and_block(tokens, mine, peers, 2, steps=2)
 
 
+LAYOUTS = [
+    (kv.KVCache, kv.BatchKVCache),
+    (kv.KVCache, kv.PaddedKVRows),
+    (lambda: kv.RotatingKVCache(WINDOW), kv.BatchRotatingKVCache),
+    (lambda: kv.RotatingKVCache(WINDOW), kv.BatchedRotatingCache),
+    (lambda: kv.QuantizedKVCache(32, 4), kv.BatchedQuantizedKVCache),
+    (lambda: kv.RotatingQuantizedKVCache(WINDOW, 32, 4), kv.RotatingAffineLayout),
+]
+LAYOUT_IDS = ["ragged", "shared", "ragged-ring", "shared-ring", "affine", "affine-ring"]
+
+
+@pytest.mark.parametrize(("make", "layout"), LAYOUTS, ids=LAYOUT_IDS)
+def test_left_padded_blocks_on_every_layout_match_solo_replay(
+    make: Callable[[], Any], layout: Any
+) -> None:
+    # Two rows with history, joined by two fresh rows whose first blocks are left-padded
+    # (the pads travel with their rows through extend).
+    tokens = Tokens()
+    chunks = history(tokens, [5, 0], singles=2)
+    cache = layout.from_specs(make().codec_spec, make().token_geometry)
+    cache.merge_rows(serials(make, chunks))
+    padded = layout.from_specs(make().codec_spec, make().token_geometry)
+    padded.merge_rows([make(), make()])
+    padded.prepare(left_padding=[1, 3])
+    cache.extend(padded)
+    assert offsets(cache) == [5, 0, -1, -3]
+    solo = Solo(make, [*chunks, [], []])
+    ids = [tokens.take(4) for _ in range(4)]
+    got = real(feed(cache, ids), [range(4), range(4), range(1, 4), range(3, 4)])
+    assert got == solo.feed([ids[0], ids[1], ids[2][1:], ids[3][3:]])
+    assert offsets(cache) == [9, 4, 3, 1]
+    decode_and_block(tokens, cache, solo, 4, steps=7, then_block=2)
+
+
 @pytest.mark.parametrize(
     "bad",
     [[-1], [True], 3, [1.5], "12", [[1]]],
@@ -543,18 +577,7 @@ def _padded_run(
     cache.finalize()
 
 
-@pytest.mark.parametrize(
-    ("make", "layout"),
-    [
-        (kv.KVCache, kv.BatchKVCache),
-        (kv.KVCache, kv.PaddedKVRows),
-        (lambda: kv.RotatingKVCache(WINDOW), kv.BatchRotatingKVCache),
-        (lambda: kv.RotatingKVCache(WINDOW), kv.BatchedRotatingCache),
-        (lambda: kv.QuantizedKVCache(32, 4), kv.BatchedQuantizedKVCache),
-        (lambda: kv.RotatingQuantizedKVCache(WINDOW, 32, 4), kv.RotatingAffineLayout),
-    ],
-    ids=["ragged", "shared", "ragged-ring", "shared-ring", "affine", "affine-ring"],
-)
+@pytest.mark.parametrize(("make", "layout"), LAYOUTS, ids=LAYOUT_IDS)
 def test_right_padded_runs_match_solo_replay(make: Callable[[], Any], layout: Any) -> None:
     """Every layout forgets its pads exactly, over runs of one or several updates."""
     tokens = Tokens()
