@@ -140,10 +140,9 @@ class _Run:
 
 @dataclass(frozen=True)
 class _Plan:
-    """What one update of ``n`` tokens is, per row: ``front`` left pads, then ``real``
+    """What one update is, per row: ``front`` left pads, then ``real``
     tokens, then ``tail`` right pads."""
 
-    n: int
     front: list[int]
     real: list[int]
     tail: list[int]
@@ -330,7 +329,7 @@ class LayoutBatchOps(_LayoutBase):
             tail.append(t)
         if isinstance(self, RingGeometry):
             self._check_ring_plan(n, real, tail)
-        return _Plan(n, front, real, tail)
+        return _Plan(front, real, tail)
 
     def _check_ring_plan(self, n: int, real: list[int], tail: list[int]) -> None:
         assert isinstance(self, RingGeometry)
