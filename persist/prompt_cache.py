@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, cast
 
@@ -68,6 +69,7 @@ def _to_numpy(value: mx.array) -> Any:
 def _layer_record(cache: Any) -> dict[str, Any]:
     geometry: KvGeometry | None = cache.geometry
     return {
+        "class": type(cache).__name__,
         "composition": cache.composition.name,
         "signature": cache.signature(),
         "codec": {"kind": cache.codec_spec.kind, **cache.codec_spec.parameters()},
@@ -282,7 +284,7 @@ def _restore(
         raise UnsupportedStateError(
             f"{path}: {name} is not landed in the {implementation} implementation"
         )
-    cls = classes_by_name[name]
+    cls = _drop_in(classes_by_name[name], record.get("class") if record else file_class)
     if state_form(cls.composition).file_class != file_class:
         raise CorruptStateError(
             f"{path}: layer class {file_class!r} does not match kvrows' {name} form"
@@ -300,6 +302,18 @@ def _restore(
             f"{path}: restored {restored.signature()} but the file says {record.get('signature')}"
         )
     return restored
+
+
+def _drop_in(cls: type[Any], class_name: object) -> type[Any]:
+    """The composition's class, or the drop-in subclass the file names (mlx-lm's
+    ``BatchKVCache`` / ``BatchRotatingKVCache``) when the implementation has it."""
+    if not isinstance(class_name, str) or class_name == cls.__name__:
+        return cls
+    module = sys.modules.get(cls.__module__.rsplit(".", 1)[0])
+    candidate = getattr(module, class_name, None)
+    if isinstance(candidate, type) and issubclass(candidate, cls):
+        return candidate
+    return cls
 
 
 def _map_arrays(tree: Any, function: Any) -> Any:
