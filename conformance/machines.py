@@ -422,6 +422,9 @@ class ConformanceMachine(RuleBasedStateMachine):
         self._ids = itertools.count()
         self._draws = itertools.count()
         self._dirty: set[int] = set()
+        #: Counters choosing which filtered layouts and extracted rows go on restored from
+        #: their saved state.
+        self._filters = self._kept_extracts = 0
         self._invariants = 0
         self._clean = True
         self._steps_at_start = self.stats.steps
@@ -1151,6 +1154,12 @@ class ConformanceMachine(RuleBasedStateMachine):
         kept = [slot.rows[i] for i in keep]
         dropped = [t for t in slot.rows if all(t is not k for k in kept)]
         slot.rows = kept
+        self._filters += 1
+        if self._filters % 4 == 0:  # every fourth filter (no draw: the search is unchanged)
+            # A layout is rebuilt through merge_rows: same rows, fresh physical columns,
+            # which an mlx-lm mirror does not follow.
+            slot.ref, slot.opt = self._restored(f"layout {slot.ident}", slot.ref, slot.opt)
+            slot.mirrored = False
         for track in dropped:
             if len(self.pool) < self.limits.pool:
                 self.pool.append(track)
@@ -1179,6 +1188,10 @@ class ConformanceMachine(RuleBasedStateMachine):
             else:
                 twin = self._peer_extract(slot.lm, b, track)
         if len(self.pool) < self.limits.pool and data.draw(st.booleans(), label="keep as request"):
+            self._kept_extracts += 1
+            if self._kept_extracts % 2 == 0:  # every other kept row (no draw)
+                # A serial cache restores column for column: its mlx-lm twin still follows.
+                got_ref, got_opt = self._restored(f"extract_row({b})", got_ref, got_opt)
             # A row holding no token extracts as an empty cache that keeps the layout's
             # geometry (spec/contract.md §1; both answers were compared above).
             copy = Track(
@@ -1215,36 +1228,33 @@ class ConformanceMachine(RuleBasedStateMachine):
             for keys, values, offset in rows
         ]
 
-    @precondition(lambda self: bool(self.pool) or bool(self.slots))
-    @rule(data=st.data())
-    def save_restore(self, data: st.DataObject) -> None:
+    def _check_state(self, what: str, ref_cache: Any, opt_cache: Any) -> None:
         """Both implementations' ``state`` describe the same rows (the reference's is the
-        canonical form), and every cache goes on as ``type(cache).from_state(state)``."""
-        items: list[Track | Slot] = [*self.pool, *self.slots]
-        item = self._pick(data, items, "cache to save and restore")
-        note(f"save_restore: {'request' if isinstance(item, Track) else 'layout'} {item.ident}")
-        self._op("save_restore", item)
+        canonical form; the optimized may keep its physical column order)."""
         self._exact(
-            f"state rows of {type(item.opt).__name__}",
-            self._state_rows(self.opt_impl, item.opt),
-            self._state_rows(self.ref_impl, item.ref),
+            f"{what}: rows of the saved state",
+            self._state_rows(self.opt_impl, opt_cache),
+            self._state_rows(self.ref_impl, ref_cache),
         )
-        keep = getattr(item.ref.token_geometry, "keep", 0)
-        restored = [
+        self.stats.check("state")
+
+    def _restored(self, what: str, ref_cache: Any, opt_cache: Any) -> tuple[Any, Any]:
+        """``type(c).from_state(c.state)`` of both, after checking their states agree; the
+        machine then goes on with the restored caches (every later check applies)."""
+        self._check_state(what, ref_cache, opt_cache)
+        keep = getattr(ref_cache.token_geometry, "keep", 0)
+        pair = tuple(
             type(c).from_state(c.state, keep=keep, geometry=c.geometry)
-            for c in (item.ref, item.opt)
-        ]
-        for cache, copy in zip((item.ref, item.opt), restored, strict=True):
+            for c in (ref_cache, opt_cache)
+        )
+        for cache, copy in zip((ref_cache, opt_cache), pair, strict=True):
             self._exact(
-                f"{type(cache).__name__} restored from its state",
+                f"{what}: {type(cache).__name__} restored from its state",
                 (copy.signature(), repr(copy.geometry)),
                 (cache.signature(), repr(cache.geometry)),
             )
-        item.ref, item.opt = restored
-        if isinstance(item, Slot):
-            # A layout is rebuilt through merge_rows: same rows, fresh physical columns,
-            # which an mlx-lm mirror does not follow.
-            item.mirrored = False
+        self.stats.check("save_restore")
+        return pair[0], pair[1]
 
     def _hold_out(self, what: str, got_ref: Any, got_opt: Any) -> None:
         """Remember an extracted/published cache: it must keep what it holds now."""
@@ -1853,8 +1863,10 @@ class ConformanceMachine(RuleBasedStateMachine):
     def _check_everything(self) -> None:
         for track in self.pool:
             self._check_request(track)
+            self._check_state(f"request {track.ident}", track.ref, track.opt)
         for slot in self.slots:
             self._check_slot(slot)
+            self._check_state(f"layout {slot.ident}", slot.ref, slot.opt)
         self._check_independence()
         self.stats.check("full check")
 

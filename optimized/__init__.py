@@ -8,8 +8,9 @@ from kvrows.compositions import register_compositions
 from kvrows.optimized import classes
 from kvrows.optimized.attention import attend
 from kvrows.optimized.classes import *  # noqa: F403
+from kvrows.optimized.mlxlm_batch import BatchKVCache, BatchRotatingKVCache
 from kvrows.optimized.rows import DECLARED
 
-__all__ = [*classes.__all__, "attend"]
+__all__ = [*classes.__all__, "BatchKVCache", "BatchRotatingKVCache", "attend"]
 
 register_compositions(DECLARED)

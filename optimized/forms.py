@@ -108,10 +108,19 @@ def state_of(storage: Storage) -> tuple[Any, ...]:
         fields["idx"] = width
         if entry.geometry == "ring":
             fields.update(total=max(offsets, default=0), rotated=False)
+    pending = list(getattr(storage, "pending_left_padding", ()))
+    if not held and any(pending):  # mlx-lm's left-padded empty batch: offset = -pads
+        offsets = [o - p for o, p in zip(offsets, pending, strict=True)]
+        pads = [a + p for a, p in zip(pads, pending, strict=True)]
     fields.update(offset=_int32(offsets), left_padding=_int32(pads))
     fields["keys"] = _field(storage, None if visible is None else visible[0])
     fields["values"] = _field(storage, None if visible is None else visible[1])
     return pack_state(entry, fields)
+
+
+def rows_offsets(fields: dict[str, Any]) -> list[int]:
+    offsets = fields["offset"]
+    return [int(o) for o in (offsets.tolist() if hasattr(offsets, "tolist") else offsets)]
 
 
 def _geometry_of(codec: Any, keys: Planes, values: Planes) -> KvGeometry:
@@ -160,6 +169,12 @@ def restore_state(
             for empty in empties:
                 empty._geometry = geometry
             fresh.merge_rows(empties)
+            pending = [max(0, -o) for o in rows_offsets(fields)]
+            if any(pending):  # rows announced with left padding (mlx-lm's empty batch)
+                prepare = getattr(fresh, "prepare", None)
+                if prepare is None:
+                    raise InvalidInputError(f"{entry.name} takes no pending left padding")
+                prepare(left_padding=pending)
         return fresh
     keys = _as_planes(fields["keys"], count, "keys")
     values = _as_planes(fields["values"], count, "values")

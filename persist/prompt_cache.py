@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, cast
 
@@ -36,7 +37,7 @@ from kvrows.forms import (
     composition_named,
     state_form,
 )
-from kvrows.persist.files import CHECKSUM_KEY, read_safetensors, read_verified, write_atomic
+from kvrows.persist.files import CHECKSUM_KEY, checksum, read_safetensors, write_atomic
 from kvrows.validation import KvGeometry
 
 __all__ = ["KVROWS_KEY", "load_prompt_cache", "save_prompt_cache"]
@@ -68,6 +69,7 @@ def _to_numpy(value: mx.array) -> Any:
 def _layer_record(cache: Any) -> dict[str, Any]:
     geometry: KvGeometry | None = cache.geometry
     return {
+        "class": type(cache).__name__,
         "composition": cache.composition.name,
         "signature": cache.signature(),
         "codec": {"kind": cache.codec_spec.kind, **cache.codec_spec.parameters()},
@@ -192,12 +194,14 @@ def load_prompt_cache(
 ) -> Any:
     """The caches saved in ``path`` (kvrows' files and mlx-lm's), as ``implementation``'s
     classes; with ``return_metadata``, ``(caches, user_metadata)``. A kvrows file is
-    checksummed; any problem raises ``CorruptStateError`` / ``UnsupportedStateError``
-    and nothing is returned."""
+    checksummed (mlx-lm's files carry no checksum: only their structure is checked); any
+    problem raises ``CorruptStateError`` / ``UnsupportedStateError`` (``StateReadError``
+    when the file cannot be read) and nothing is returned."""
     classes_by_name = _implementation_classes(implementation)
     arrays, metadata = read_safetensors(path)
-    if CHECKSUM_KEY in metadata:
-        arrays, metadata = read_verified(path)
+    recorded = metadata.get(CHECKSUM_KEY)
+    if recorded is not None and checksum(arrays, metadata) != recorded:
+        raise CorruptStateError(f"{path}: checksum mismatch: the file is corrupt or was altered")
     try:
         groups = _grouped(metadata)
         legacy = groups["2"].get("0") != ""
@@ -280,7 +284,7 @@ def _restore(
         raise UnsupportedStateError(
             f"{path}: {name} is not landed in the {implementation} implementation"
         )
-    cls = classes_by_name[name]
+    cls = _drop_in(classes_by_name[name], record.get("class") if record else file_class)
     if state_form(cls.composition).file_class != file_class:
         raise CorruptStateError(
             f"{path}: layer class {file_class!r} does not match kvrows' {name} form"
@@ -298,6 +302,18 @@ def _restore(
             f"{path}: restored {restored.signature()} but the file says {record.get('signature')}"
         )
     return restored
+
+
+def _drop_in(cls: type[Any], class_name: object) -> type[Any]:
+    """The composition's class, or the drop-in subclass the file names (mlx-lm's
+    ``BatchKVCache`` / ``BatchRotatingKVCache``) when the implementation has it."""
+    if not isinstance(class_name, str) or class_name == cls.__name__:
+        return cls
+    module = sys.modules.get(cls.__module__.rsplit(".", 1)[0])
+    candidate = getattr(module, class_name, None)
+    if isinstance(candidate, type) and issubclass(candidate, cls):
+        return candidate
+    return cls
 
 
 def _map_arrays(tree: Any, function: Any) -> Any:
