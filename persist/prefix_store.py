@@ -11,7 +11,7 @@ Directory layout (``spec/prefix-store.md``)::
 
     DIR/.lock                          advisory lock (fcntl.flock) for every change
     DIR/entries/<hash>.safetensors     an entry: the caches of the first m blocks
-    DIR/entries/<hash>.chain           the hashes of its blocks 1 .. m-1 (for eviction)
+    DIR/entries/<hash>.chain           the block hashes it marked (eviction removes them)
     DIR/blocks/<hash_j>/<hash>         marker: entry <hash> can serve the first j blocks
 
 Writers (``put``, eviction, removal of a corrupt entry) hold the lock; readers do not. A
@@ -104,6 +104,8 @@ def servable_prefixes(caches: Sequence[Cache], lengths: Sequence[int]) -> set[in
 def reusable_copies(caches: Sequence[Cache], tokens: int) -> list[Cache] | None:
     """Owned copies of serial ``caches`` cut to their first ``tokens`` positions, or
     ``None`` when some layer cannot serve that prefix (``servable_prefixes``)."""
+    if tokens <= 0:
+        return None
     out: list[Cache] = []
     for cache in caches:
         if isinstance(cache, ReusableOffset) and tokens < int(cache.minimum_reusable_offset):
@@ -112,7 +114,7 @@ def reusable_copies(caches: Sequence[Cache], tokens: int) -> list[Cache] | None:
         if layout is None:
             return None
         layout.merge_rows([cache])
-        if tokens <= 0 or not layout.can_publish_row(0, tokens):
+        if not layout.can_publish_row(0, tokens):
             return None
         copy = layout.extract_row(0)
         copy.trim(int(copy.offset) - tokens)
