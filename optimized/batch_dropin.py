@@ -433,8 +433,11 @@ class LayoutBatchOps(_LayoutBase):
         count = as_count(n, "n", minimum=1)
         if count == 1 or not any(lead):
             return super().make_mask(count, return_array=return_array, window_size=window_size)
-        # Hide the block's left pads from every query but the pad's own (a row of pads
-        # holds nothing else, and a query that sees nothing is ill-defined).
+        # Hide the block's left pads from every query. With the plain codec a pad query
+        # then sees nothing, as in mlx-lm (MLX's fused attention answers such a row with
+        # finite values, discarded anyway); the affine codec's attention is a softmax over
+        # -inf there (NaN, which a later layer's masked pad values would spread), so with
+        # it a pad query sees its own column.
         visible = super().make_mask(count, return_array=True, window_size=window_size)
         assert isinstance(visible, mx.array)
         width = int(visible.shape[-1])
@@ -442,7 +445,9 @@ class LayoutBatchOps(_LayoutBase):
         front = mx.array([min(count, p) for p in lead])[:, None, None]
         columns = mx.arange(width)[None, None, :]
         queries = mx.arange(count)[None, :, None]
-        hidden = (columns >= starts) & (columns < starts + front) & (columns != starts + queries)
+        hidden = (columns >= starts) & (columns < starts + front)
+        if self.codec.key != "plain":
+            hidden = hidden & (columns != starts + queries)
         return visible & ~hidden[:, None]
 
     def _block_starts(self, n: int) -> list[int]:
