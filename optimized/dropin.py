@@ -34,6 +34,7 @@ from kvrows.optimized.growing import GrowingGeometry
 from kvrows.optimized.ring import RingGeometry
 from kvrows.optimized.rows import DECLARED, Layout, Serial, Storage
 from kvrows.schemes import Affine
+from kvrows.validation import STEP
 
 __all__ = ["LayoutDropIn", "SerialDropIn"]
 
@@ -152,6 +153,18 @@ class _PlainCodecOnly:
         return MethodType(self._method, instance)
 
 
+def _growth_step(self: Storage) -> int:
+    """Columns the buffers grow by (mlx-lm's ``step``): fixed at 256 in kvrows."""
+    return STEP
+
+
+def _refuse_step(self: Storage, value: object) -> None:
+    raise InvalidInputError(
+        f"{type(self).__name__}.step is fixed at {STEP}: kvrows grows its buffers in steps "
+        "of 256 columns and has no per-cache setting"
+    )
+
+
 def _to_quantized(self: Storage, group_size: int = 64, bits: int = 4) -> Storage:
     """An independent affine copy holding the same tokens (mlx-lm's defaults: group 64,
     4 bits); the source is unchanged. Its arrays are owned and evaluated."""
@@ -197,6 +210,7 @@ class SerialDropIn(Serial):
         return self._keys is None
 
     to_quantized = _PlainCodecOnly(_to_quantized)
+    step = property(_growth_step, _refuse_step)
 
 
 class LayoutDropIn(Layout):
@@ -241,3 +255,4 @@ class LayoutDropIn(Layout):
         return self._keys is None
 
     to_quantized = _PlainCodecOnly(_to_quantized)
+    step = property(_growth_step, _refuse_step)

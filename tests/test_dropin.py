@@ -415,3 +415,16 @@ def test_never_attribute_error() -> None:
             getattr(cache, member)
         with pytest.raises(KvRowsError):
             cache.keys_and_values()
+
+
+def test_step_is_the_growth_step() -> None:
+    """mlx-lm's ``step`` (its test grows a cache by ``cache.step`` tokens) reads 256."""
+    cache, theirs = kv.KVCache(), peer.KVCache()
+    assert cache.step == theirs.step == 256
+    block = _blocks(70, (cache.step + 1,))[0]
+    cache.update_and_fetch(*block)
+    theirs.update_and_fetch(*block)
+    assert cache.capacity == theirs.keys.shape[2] == 512  # the same growth
+    with pytest.raises(InvalidInputError, match="fixed"):
+        cache.step = 512
+    assert cache.step == 256
