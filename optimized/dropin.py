@@ -32,7 +32,7 @@ from kvrows.errors import InvalidInputError, LayoutStateError
 from kvrows.optimized.codecs import AffineCodec, make_codec
 from kvrows.optimized.growing import GrowingGeometry
 from kvrows.optimized.ring import RingGeometry
-from kvrows.optimized.rows import DECLARED, Layout, Serial, Storage
+from kvrows.optimized.rows import DECLARED, Storage
 from kvrows.schemes import Affine
 from kvrows.validation import STEP
 
@@ -171,7 +171,7 @@ def _to_quantized(self: Storage, group_size: int = 64, bits: int = 4) -> Storage
     return _quantized(self, group_size, bits)
 
 
-class SerialDropIn(Serial):
+class SerialDropIn(Storage):
     """mlx-lm's single-sequence cache methods on a serial storage."""
 
     @property
@@ -200,9 +200,8 @@ class SerialDropIn(Serial):
 
     def size(self) -> int:
         """Tokens held: ``offset``, at most ``max_size`` for a ring (mlx-lm's ``size()``)."""
-        if isinstance(self, RingGeometry):
-            return min(self.offset, self.max_size)
-        return self.offset
+        offset = self._offsets[0] if self._offsets else 0
+        return min(offset, self.max_size) if isinstance(self, RingGeometry) else offset
 
     def empty(self) -> bool:
         """Whether no buffer exists yet (mlx-lm: ``keys is None``; a cache trimmed to zero
@@ -213,7 +212,7 @@ class SerialDropIn(Serial):
     step = property(_growth_step, _refuse_step)
 
 
-class LayoutDropIn(Layout):
+class LayoutDropIn(Storage):
     """mlx-lm's cache methods on a layout (the batch API is ``batch_dropin.py``'s)."""
 
     @property

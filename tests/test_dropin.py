@@ -428,3 +428,17 @@ def test_step_is_the_growth_step() -> None:
     with pytest.raises(InvalidInputError, match="fixed"):
         cache.step = 512
     assert cache.step == 256
+
+
+def test_the_mixins_do_not_reorder_the_geometry() -> None:
+    """The drop-in mixins sit in front of each class without changing which geometry or
+    arrangement method wins (a ring's ``projected_bytes`` stays the ring's)."""
+    from kvrows.optimized.batch_dropin import LayoutBatchOps, SerialMerge
+    from kvrows.optimized.dropin import LayoutDropIn, SerialDropIn
+
+    mixins = (SerialDropIn, LayoutDropIn, SerialMerge, LayoutBatchOps)
+    for entry in landed():
+        cls: Any = getattr(kv, entry.name)
+        bases = tuple(b for b in cls.__bases__ if b not in mixins)
+        bare = type("Bare", bases, {})
+        assert [c for c in cls.__mro__[1:] if c not in mixins] == list(bare.__mro__[1:])
