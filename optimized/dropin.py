@@ -29,7 +29,7 @@ import mlx.core as mx
 
 from kvrows.compositions import affine_counterpart
 from kvrows.errors import InvalidInputError, LayoutStateError
-from kvrows.optimized.codecs import AffineCodec, make_codec
+from kvrows.optimized.codecs import PlainCodec, make_codec
 from kvrows.optimized.growing import GrowingGeometry
 from kvrows.optimized.ring import RingGeometry
 from kvrows.optimized.rows import DECLARED, Storage
@@ -72,12 +72,12 @@ def _write_held(cache: Storage, side: str, value: object) -> None:
             f"{name} cannot be written on a cache that holds no tokens (it reads None): "
             "append tokens through update_and_fetch first"
         )
-    if isinstance(cache.codec, AffineCodec):
+    if not isinstance(cache.codec, PlainCodec):
         raise InvalidInputError(
-            f"{name} is read-only on an affine storage: its (packed, scales, biases) planes "
-            "are the codec's encoding of the tokens update_and_fetch appended, and a written "
-            "triple cannot be checked to be one; keep this layer plain (a KvStorageScheme "
-            "layer override) if the model writes its keys or values"
+            f"{name} is read-only on a {cache.codec_spec.kind} storage: its planes are the "
+            "codec's encoding of the tokens update_and_fetch appended, and written planes "
+            "cannot be checked to be one; keep this layer plain (a KvStorageScheme layer "
+            "override) if the model writes its keys or values"
         )
     if value is None:
         raise InvalidInputError(
@@ -112,8 +112,8 @@ def _quantized(cache: Storage, group_size: int, bits: int) -> Storage:
         raise InvalidInputError(
             f"{name} has no affine counterpart with its token geometry and arrangement "
             f"({cache.composition.geometry}/{cache.composition.arrangement}); extract its "
-            "rows (extract_row), convert each with to_quantized, and merge them into the "
-            "affine ring's layout"
+            "rows (extract_row), convert each with to_quantized, and merge them into an "
+            "affine layout"
         )
     codec = make_codec(spec)
     if cache.geometry is not None:
