@@ -34,6 +34,7 @@ __all__ = [
     "Arrangement",
     "Composition",
     "Roles",
+    "affine_counterpart",
     "bind_arguments",
     "composition",
     "landed",
@@ -394,3 +395,32 @@ def serial_for_peer(peer: str, codec: CodecSpec) -> Composition:
         if entry.arrangement == "serial" and peer in entry.peers and entry.codec == codec.kind:
             return entry
     raise InvalidInputError(f"no kvrows storage serves mlx-lm {peer} under the {codec.kind} codec")
+
+
+def _roles_for_serial(entry: Composition) -> frozenset[str]:
+    """The roles a layout fills for its serial storage (empty for a serial storage)."""
+    owner = None if entry.serial is None else composition(entry.serial).roles
+    if owner is None:
+        return frozenset()
+    return frozenset(role for role, target in owner.items() if target == entry.name)
+
+
+def affine_counterpart(name: str) -> Composition | None:
+    """The landed affine composition that holds what ``name`` holds, quantized
+    (``to_quantized``): same token geometry and arrangement, no modifiers, and, where
+    several qualify, the one filling the same roles for its serial storage
+    (``BatchedRotatingCache`` -> ``BatchedRotatingQuantCache``, both decode layouts).
+    ``None`` when the table has no such composition."""
+    entry = composition(name)
+    candidates = [
+        c
+        for c in landed()
+        if c.codec == "affine"
+        and c.geometry == entry.geometry
+        and c.arrangement == entry.arrangement
+        and not c.modifiers
+    ]
+    if len(candidates) > 1:
+        roles = _roles_for_serial(entry)
+        candidates = [c for c in candidates if _roles_for_serial(c) == roles]
+    return candidates[0] if len(candidates) == 1 else None
