@@ -113,11 +113,13 @@ class SerialMerge(_SerialBase):
         from kvrows.optimized.mlxlm_batch import merge_layout_class
 
         first = _sources(caches)[0]
-        if not isinstance(first, cls):
+        # Like mlx-lm's (whose ``merge`` ignores the class it is called on), the caches
+        # decide: ``KVCache.merge(rings)`` batches rings.
+        if not isinstance(first, SerialMerge) or not isinstance(first, Storage):
             raise IncompatibleRowsError(
-                f"{cls.__name__}.merge takes {cls.__name__} caches, got {type(first).__name__}"
+                f"{cls.__name__}.merge takes kvrows serial caches, got {type(first).__name__}"
             )
-        layout = merge_layout_class(cls.composition).from_specs(
+        layout = merge_layout_class(first.composition).from_specs(
             first.codec_spec, first.token_geometry, geometry=first.geometry
         )
         layout.merge_rows(cast(Sequence[Cache], caches))

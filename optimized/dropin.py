@@ -240,6 +240,14 @@ class LayoutDropIn(Storage):
         """``(keys, values)`` as attention reads them (``LayoutStateError`` when empty)."""
         return self.fetch()
 
+    @property
+    def left_padding(self) -> mx.array:
+        """mlx-lm's per-row left padding, int32 ``[B]``: the columns before each row's
+        oldest token in what ``fetch`` returns (``left_pad``), plus the pads a row announced
+        by ``BatchKVCache(left_padding)`` / ``prepare`` has yet to receive. Read-only."""
+        pending = getattr(self, "pending_left_padding", ()) or (0,) * len(self._pads)
+        return mx.array([p + q for p, q in zip(self._pads, pending, strict=True)], dtype=mx.int32)
+
     def size(self) -> int:
         """The key columns attention reads, at most ``max_size`` for a ring (mlx-lm:
         ``BatchKVCache.size()`` is its write column, ``BatchRotatingKVCache.size()`` is
