@@ -8,7 +8,7 @@ conformance suite (byte projections, count validation, codec parameters).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, TypeVar
 
 from kvrows.codec import PlaneSpec
 from kvrows.compositions import Composition
@@ -16,7 +16,14 @@ from kvrows.errors import InvalidInputError, LayoutStateError
 from kvrows.schemes import CodecSpec, GeometrySpec
 from kvrows.validation import KvGeometry, as_count
 
-__all__ = ["AffineParameters", "ComposedIdentity", "PlaneHolder", "check_counts", "row_bytes"]
+__all__ = [
+    "AffineParameters",
+    "ComposedIdentity",
+    "PlaneHolder",
+    "SavedState",
+    "check_counts",
+    "row_bytes",
+]
 
 
 class PlaneHolder:
@@ -137,3 +144,56 @@ def check_counts(counts: object, batch_size: int) -> list[int]:
             f"trim_rows needs {batch_size} counts (one per row), got {len(counts)}"
         )
     return [as_count(c, f"counts[{i}]") for i, c in enumerate(counts)]
+
+
+_Saved = TypeVar("_Saved", bound="SavedState")
+
+
+class SavedState:
+    """``state`` (getter and setter) and ``from_state``, over each implementation's
+    ``_state()`` / ``_restore(...)`` (``optimized/forms.py``, ``reference/forms.py``; the
+    forms are ``kvrows.forms``)."""
+
+    _geometry: KvGeometry | None
+    token_geometry: GeometrySpec
+
+    def _state(self) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    @classmethod
+    def _restore(
+        cls: type[_Saved],
+        state: Any,
+        meta_state: Any,
+        keep: int | None,
+        geometry: KvGeometry | None,
+    ) -> _Saved:
+        raise NotImplementedError
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        """The cache's state in its class's form (``kvrows.forms``: mlx-lm's form where
+        mlx-lm has the class); evaluable with ``mx.eval``."""
+        return self._state()
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        """Hold ``value`` (a state of this class); a refused value changes nothing."""
+        keep = getattr(self.token_geometry, "keep", 0)
+        fresh = type(self)._restore(value, None, keep, self._geometry)
+        self.__dict__.clear()
+        self.__dict__.update(fresh.__dict__)
+
+    @classmethod
+    def from_state(
+        cls: type[_Saved],
+        state: Any,
+        meta_state: Any = None,
+        *,
+        keep: int | None = None,
+        geometry: KvGeometry | None = None,
+    ) -> _Saved:
+        """A new cache holding ``state`` (mlx-lm's ``from_state``; ``meta_state`` reads
+        mlx-lm's older two-part form; ``keep``: a ring layout's sink tokens, which mlx-lm's
+        batch form lacks; ``geometry``: the KV geometry of an empty state)."""
+        return cls._restore(state, meta_state, keep, geometry)

@@ -42,6 +42,7 @@ from kvrows.validation import KvGeometry
 __all__ = [
     "FILE_CLASSES",
     "FORMAT_VERSION",
+    "ParsedState",
     "StateForm",
     "StateRow",
     "chronological",
@@ -51,6 +52,7 @@ __all__ = [
     "kv_geometry_of",
     "legacy_state",
     "pack_state",
+    "parse_state",
     "rows_of_state",
     "state_form",
     "unpack_state",
@@ -298,3 +300,33 @@ def legacy_state(file_class: str, state: Sequence[Any], meta_state: Any) -> tupl
     if file_class == "BatchKVCache" and len(state) == 4:
         return (*state, width)
     raise UnsupportedStateError(f"cannot read a {file_class} state with meta_state {meta_state!r}")
+
+
+@dataclass(frozen=True)
+class ParsedState:
+    """A checked state: its fields by name, its codec and token geometry, the plane count
+    of ``keys`` / ``values`` (3 for the affine triple)."""
+
+    fields: dict[str, Any]
+    codec: CodecSpec
+    token_geometry: GeometrySpec
+    planes: int
+
+
+def parse_state(
+    entry: Composition, state: Any, meta_state: Any = None, *, keep: int | None = None
+) -> ParsedState:
+    """``state`` (or mlx-lm's older ``(state, meta_state)`` pair) checked against
+    ``entry``'s form: what both implementations' ``from_state`` start from."""
+    form = state_form(entry)
+    legacy = isinstance(state, tuple | list) and len(state) != len(form.fields)
+    if meta_state is not None and legacy:
+        state = legacy_state(form.file_class, state, meta_state)
+    fields = unpack_state(entry, state)
+    codec = codec_from_fields(entry, fields)
+    return ParsedState(
+        fields,
+        codec,
+        geometry_from_fields(entry, fields, keep=keep),
+        3 if isinstance(codec, Affine) else 1,
+    )

@@ -18,14 +18,10 @@ import mlx.core as mx
 from kvrows.errors import InvalidInputError
 from kvrows.forms import (
     StateRow,
-    codec_from_fields,
-    geometry_from_fields,
     kv_geometry_of,
-    legacy_state,
     pack_state,
+    parse_state,
     rows_of_state,
-    state_form,
-    unpack_state,
 )
 from kvrows.optimized.codecs import Planes, dtype_name
 from kvrows.optimized.ring import SharedRing, _stacked
@@ -149,14 +145,9 @@ def restore_state(
     ``keep`` is a ring layout's sink count (not in the form); ``geometry`` the declared KV
     geometry of an empty state."""
     entry = cls.composition
-    form = state_form(entry)
-    legacy = isinstance(state, tuple | list) and len(state) != len(form.fields)
-    if meta_state is not None and legacy:  # mlx-lm's older (state, meta_state) pair
-        state = legacy_state(form.file_class, state, meta_state)
-    fields = unpack_state(entry, state)
-    codec_spec = codec_from_fields(entry, fields)
-    token_geometry = geometry_from_fields(entry, fields, keep=keep)
-    count = 3 if codec_spec.kind == "affine" else 1
+    parsed = parse_state(entry, state, meta_state, keep=keep)
+    fields, codec_spec, token_geometry = parsed.fields, parsed.codec, parsed.token_geometry
+    count = parsed.planes
     fresh = cls.from_specs(codec_spec, token_geometry)
     if fields["keys"] is None:
         fresh._geometry = geometry

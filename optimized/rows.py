@@ -33,7 +33,7 @@ from typing import Any, ClassVar, TypeAlias, TypeVar
 
 import mlx.core as mx
 
-from kvrows.common import ComposedIdentity, PlaneHolder, check_counts, row_bytes
+from kvrows.common import ComposedIdentity, PlaneHolder, SavedState, check_counts, row_bytes
 from kvrows.compositions import Composition, bind_arguments
 from kvrows.errors import (
     EMPTY_LAYOUT_UPDATE,
@@ -93,7 +93,7 @@ def _shape(value: object) -> tuple[int, ...]:
     return tuple(value.shape) if isinstance(value, mx.array) else ()
 
 
-class Storage(ComposedIdentity, PlaneHolder):
+class Storage(SavedState, ComposedIdentity, PlaneHolder):
     """What every storage is, serial or layout, whatever its geometry.
 
     Geometry hooks (a geometry class overrides each; the templates call them after
@@ -179,36 +179,16 @@ class Storage(ComposedIdentity, PlaneHolder):
         """The buffers held, borrowed (to evaluate at a chunk boundary; ``state`` may copy)."""
         return (self._keys or ()) + (self._values or ())
 
-    # -- saved state (forms: ``kvrows.forms``; mechanics: ``optimized/forms.py``) -----------
-    @property
-    def state(self) -> tuple[Any, ...]:
-        """The cache's state in mlx-lm's form for its class (``kvrows.forms``): views of
-        the held columns plus the scalars; evaluable with ``mx.eval``."""
+    # -- saved state (``SavedState``; mechanics: ``optimized/forms.py``) ---------------------
+    def _state(self) -> tuple[Any, ...]:
         from kvrows.optimized.forms import state_of
 
         return state_of(self)
 
-    @state.setter
-    def state(self, value: Any) -> None:
-        """Hold ``value`` (a state of this class); on error nothing changes."""
-        from kvrows.optimized.forms import restore_state
-
-        keep = getattr(self.token_geometry, "keep", 0)
-        fresh = restore_state(type(self), value, keep=keep, geometry=self._geometry)
-        self.__dict__.clear()
-        self.__dict__.update(fresh.__dict__)
-
     @classmethod
-    def from_state(
-        cls: type[_S],
-        state: Any,
-        meta_state: Any = None,
-        *,
-        keep: int | None = None,
-        geometry: KvGeometry | None = None,
+    def _restore(
+        cls: type[_S], state: Any, meta_state: Any, keep: int | None, geometry: KvGeometry | None
     ) -> _S:
-        """A new cache holding ``state`` (mlx-lm's ``from_state``; ``meta_state`` reads
-        mlx-lm's older two-part form; ``keep``: a ring layout's sink tokens)."""
         from kvrows.optimized.forms import restore_state
 
         return restore_state(cls, state, meta_state, keep=keep, geometry=geometry)

@@ -16,14 +16,10 @@ import numpy.typing as npt
 
 from kvrows.errors import InvalidInputError
 from kvrows.forms import (
-    codec_from_fields,
-    geometry_from_fields,
     kv_geometry_of,
-    legacy_state,
     pack_state,
+    parse_state,
     rows_of_state,
-    state_form,
-    unpack_state,
 )
 from kvrows.reference.codecs import Planes, dtype_name
 from kvrows.reference.rows import Row, RowLayout, SerialStorage, Storage
@@ -120,17 +116,12 @@ def restore_state(
 ) -> _S:
     """A new ``cls`` holding ``state`` (see ``optimized/forms.py`` for the parameters)."""
     entry = cls.composition
-    form = state_form(entry)
-    legacy = isinstance(state, tuple | list) and len(state) != len(form.fields)
-    if meta_state is not None and legacy:  # mlx-lm's older (state, meta_state) pair
-        state = legacy_state(form.file_class, state, meta_state)
-    fields = unpack_state(entry, state)
-    codec_spec = codec_from_fields(entry, fields)
-    token_geometry = geometry_from_fields(entry, fields, keep=keep)
+    parsed = parse_state(entry, state, meta_state, keep=keep)
+    fields, codec_spec, token_geometry = parsed.fields, parsed.codec, parsed.token_geometry
+    count = parsed.planes
     fresh = cls.from_specs(codec_spec, token_geometry)
     kv = geometry
     if fields["keys"] is not None:
-        count = 3 if codec_spec.kind == "affine" else 1
         fields["keys"] = _as_planes(fields["keys"], count, "keys")
         fields["values"] = _as_planes(fields["values"], count, "values")
         scale = fields["keys"][-1] if count > 1 else fields["keys"][0]

@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from kvrows.common import ComposedIdentity, check_counts, row_bytes
+from kvrows.common import ComposedIdentity, SavedState, check_counts, row_bytes
 from kvrows.compositions import Arrangement, Composition, bind_arguments
 from kvrows.errors import (
     EMPTY_LAYOUT_UPDATE,
@@ -214,7 +214,7 @@ def _image(
     return tuple(np.roll(p, roll, axis=2) for p in out)
 
 
-class Storage(ComposedIdentity):
+class Storage(SavedState, ComposedIdentity):
     """What every reference storage and layout is: a codec, a token geometry, rows.
 
     A public class names its composition (``kvrows.compositions``); the constructor takes
@@ -242,30 +242,15 @@ class Storage(ComposedIdentity):
         """Every array the rows hold (for byte and aliasing checks)."""
         return tuple(p for row in self._rows for p in row.planes)
 
-    @property
-    def state(self) -> tuple[Any, ...]:
+    def _state(self) -> tuple[Any, ...]:
         """The canonical state form (``kvrows.forms``; ``reference/forms.py``)."""
         from kvrows.reference.forms import state_of
 
         return state_of(self)
 
-    @state.setter
-    def state(self, value: Any) -> None:
-        from kvrows.reference.forms import restore_state
-
-        keep = getattr(self.token_geometry, "keep", 0)
-        fresh = restore_state(type(self), value, keep=keep, geometry=self._geometry)
-        self.__dict__.clear()
-        self.__dict__.update(fresh.__dict__)
-
     @classmethod
-    def from_state(
-        cls: type[_T],
-        state: Any,
-        meta_state: Any = None,
-        *,
-        keep: int | None = None,
-        geometry: KvGeometry | None = None,
+    def _restore(
+        cls: type[_T], state: Any, meta_state: Any, keep: int | None, geometry: KvGeometry | None
     ) -> _T:
         from kvrows.reference.forms import restore_state
 
