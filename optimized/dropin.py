@@ -171,8 +171,9 @@ def _to_quantized(self: Storage, group_size: int = 64, bits: int = 4) -> Storage
     return _quantized(self, group_size, bits)
 
 
-class SerialDropIn(Storage):
-    """mlx-lm's single-sequence cache methods on a serial storage."""
+class _HeldPlanes(Storage):
+    """``keys`` / ``values`` / ``keys_and_values()``: what attention reads, serial or layout
+    (plain storages also take writes of the same shape; see ``_write_held``)."""
 
     @property
     def keys(self) -> Any:
@@ -198,11 +199,6 @@ class SerialDropIn(Storage):
         """``(keys, values)`` as attention reads them (``LayoutStateError`` when empty)."""
         return self.fetch()
 
-    def size(self) -> int:
-        """Tokens held: ``offset``, at most ``max_size`` for a ring (mlx-lm's ``size()``)."""
-        offset = self._offsets[0] if self._offsets else 0
-        return min(offset, self.max_size) if isinstance(self, RingGeometry) else offset
-
     def empty(self) -> bool:
         """Whether no buffer exists yet (mlx-lm: ``keys is None``; a cache trimmed to zero
         tokens keeps its buffer and is not empty)."""
@@ -212,33 +208,17 @@ class SerialDropIn(Storage):
     step = property(_growth_step, _refuse_step)
 
 
-class LayoutDropIn(Storage):
+class SerialDropIn(_HeldPlanes):
+    """mlx-lm's single-sequence cache methods on a serial storage."""
+
+    def size(self) -> int:
+        """Tokens held: ``offset``, at most ``max_size`` for a ring (mlx-lm's ``size()``)."""
+        offset = self._offsets[0] if self._offsets else 0
+        return min(offset, self.max_size) if isinstance(self, RingGeometry) else offset
+
+
+class LayoutDropIn(_HeldPlanes):
     """mlx-lm's cache methods on a layout (the batch API is ``batch_dropin.py``'s)."""
-
-    @property
-    def keys(self) -> Any:
-        """The keys attention reads (``fetch()[0]``, ``[B, H, width, ·]``); ``None`` before
-        any buffer exists."""
-        held = _held(self)
-        return None if held is None else held[0]
-
-    @keys.setter
-    def keys(self, value: object) -> None:
-        _write_held(self, "keys", value)
-
-    @property
-    def values(self) -> Any:
-        """The values attention reads (``fetch()[1]``); ``None`` before any buffer exists."""
-        held = _held(self)
-        return None if held is None else held[1]
-
-    @values.setter
-    def values(self, value: object) -> None:
-        _write_held(self, "values", value)
-
-    def keys_and_values(self) -> tuple[Any, Any]:
-        """``(keys, values)`` as attention reads them (``LayoutStateError`` when empty)."""
-        return self.fetch()
 
     @property
     def left_padding(self) -> mx.array:
@@ -256,10 +236,3 @@ class LayoutDropIn(Storage):
             return 0
         width = int(self._visible(self._keys)[0].shape[2])
         return min(width, self.max_size) if isinstance(self, RingGeometry) else width
-
-    def empty(self) -> bool:
-        """Whether no buffer exists (no rows, or only rows that hold nothing)."""
-        return self._keys is None
-
-    to_quantized = _PlainCodecOnly(_to_quantized)
-    step = property(_growth_step, _refuse_step)

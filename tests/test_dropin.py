@@ -434,9 +434,9 @@ def test_the_mixins_do_not_reorder_the_geometry() -> None:
     """The drop-in mixins sit in front of each class without changing which geometry or
     arrangement method wins (a ring's ``projected_bytes`` stays the ring's)."""
     from kvrows.optimized.batch_dropin import LayoutBatchOps, SerialMerge
-    from kvrows.optimized.dropin import LayoutDropIn, SerialDropIn
+    from kvrows.optimized.dropin import LayoutDropIn, SerialDropIn, _HeldPlanes
 
-    mixins = (SerialDropIn, LayoutDropIn, SerialMerge, LayoutBatchOps)
+    mixins = (SerialDropIn, LayoutDropIn, _HeldPlanes, SerialMerge, LayoutBatchOps)
     for entry in landed():
         cls: Any = getattr(kv, entry.name)
         bases = tuple(b for b in cls.__bases__ if b not in mixins)
