@@ -130,12 +130,18 @@ class RingGeometry(Storage):
 
 
 def positions_mask(
-    columns: Sequence[Sequence[int]], queries: Sequence[int], n: int, keep: int, recent: int
+    columns: Sequence[Sequence[int]],
+    queries: Sequence[int],
+    n: int,
+    keep: int,
+    recent: int,
+    width: int | None = None,
 ) -> mx.array:
     """``[B, n, S]``: row ``b``'s query ``i`` (position ``queries[b] + i``) sees column ``c``
     holding position ``columns[b][c]`` (-1: none) when it is at most its own and is a sink
     (``< keep``) or among its newest ``recent`` positions."""
-    width = len(columns[0]) if columns else 0
+    if width is None:
+        width = len(columns[0]) if columns else 0
     held = mx.array([list(c) for c in columns] if width else [[]] * len(columns), mx.int32)
     held = held.reshape(len(columns), 1, width)
     query = (mx.array(list(queries), mx.int32)[:, None] + mx.arange(n)[None, :])[:, :, None]
@@ -540,10 +546,10 @@ class SharedRing(RingGeometry):
         query sees its row's sinks and newest ``reach`` positions."""
         keep, span = self.keep, self.span
         sinks = [max(0, min(n, keep - o)) for o in self._offsets]
-        written = n - min(sinks)
+        written = n - min(sinks, default=0)
         shown = self._shown()
         active = min(shown, span - 1) + written if written else shown
-        lead = max(min(keep, o + n) for o in self._offsets)
+        lead = max((min(keep, o + n) for o in self._offsets), default=0)
         if written and n == 1:
             rotated = self._rotated or self._idx >= span
             index = (0 if self._idx >= span else self._idx) + 1
@@ -559,7 +565,7 @@ class SharedRing(RingGeometry):
                 [*range(head), *[-1] * (lead - head), *(_roll(ring, index) if rotated else ring)]
             )
         recent = reach(window, self.max_size, keep)
-        return positions_mask(columns, self._offsets, n, keep, recent)[:, None]
+        return positions_mask(columns, self._offsets, n, keep, recent, lead + active)[:, None]
 
     def __repr__(self) -> str:
         return (

@@ -49,12 +49,18 @@ def reach(window: int | None, max_size: int, keep: int) -> int:
 
 
 def _sees(
-    columns: Sequence[Sequence[int]], queries: Sequence[int], n: int, keep: int, recent: int
+    columns: Sequence[Sequence[int]],
+    queries: Sequence[int],
+    n: int,
+    keep: int,
+    recent: int,
+    width: int | None = None,
 ) -> npt.NDArray[np.bool_]:
     """``[B, 1, n, S]``: row ``b``'s query ``i`` (position ``queries[b] + i``) sees column
     ``c`` holding position ``columns[b][c]`` (-1: no token) when that position is at most
     its own and is a sink (``< keep``) or among its newest ``recent``."""
-    width = len(columns[0]) if columns else 0
+    if width is None:
+        width = len(columns[0]) if columns else 0
     held = np.array(columns, dtype=np.int64).reshape(len(columns), width)[:, None, None, :]
     query = (np.array(queries, dtype=np.int64)[:, None] + np.arange(n)[None, :])[:, None, :, None]
     visible: npt.NDArray[np.bool_] = (
@@ -189,7 +195,7 @@ class SharedRing:
             ring = np.roll([-1] * (active - shown) + list(range(offset - shown, offset)), phase)
             columns.append([*range(sinks), *[-1] * (lead - sinks), *ring.tolist()])
         recent = reach(window, self.axis.max_size, keep)
-        return _sees(columns, [row.offset for row in rows], n, keep, recent)
+        return _sees(columns, [row.offset for row in rows], n, keep, recent, lead + active)
 
     def advance(self, rows: Sequence[Row], n: int) -> None:
         written = self._ring_step(rows, n)
