@@ -17,6 +17,13 @@ Two physical designs, one per arrangement family (``spec/RotatingKVCache.md``,
 * :class:`RaggedRing` (ragged ring layouts): every row keeps its retained tokens
   left-aligned in temporal order and appends at its own end, with the serial ring's
   retention rule per row, so rows advance (and roll back) independently.
+
+Sink tokens (``Ring(max_size, keep)``, ``spec/RotatingKVCache.md`` §1.1): a row's first
+``keep`` positions are never evicted. :class:`SharedRing` keeps them in a sink block of
+``lead`` columns before the ring (each row's left-aligned; the ring has ``max_size -
+keep`` columns and its index wraps to ``keep`` in buffer terms, mlx-lm's serial layout);
+:class:`RaggedRing` keeps them at the start of each row and slides only the rest. Masks
+with sinks are built from the position each column holds.
 """
 
 from __future__ import annotations
@@ -74,6 +81,19 @@ def _stacked(
             for plane, piece in zip(planes, src, strict=True):
                 plane[row : row + 1, :, start : start + length] = piece
     return keys, values
+
+
+def _split(rows: list[RowWindow], heads: list[int], *, sinks: bool) -> list[RowWindow]:
+    """Each row's first ``heads[b]`` tokens (``sinks``) or the rest."""
+    parts: list[RowWindow] = []
+    for (keys, values, offset), head in zip(rows, heads, strict=True):
+        if keys is None or values is None:
+            parts.append((None, None, offset))
+        elif sinks:
+            parts.append((_columns(keys, 0, head), _columns(values, 0, head), offset))
+        else:
+            parts.append((_columns(keys, head), _columns(values, head), offset))
+    return parts
 
 
 class RingGeometry(Storage):
@@ -245,7 +265,7 @@ class SharedRing(RingGeometry):
     def _append(self, keys: Planes, values: Planes, n: int, geometry: KvGeometry) -> None:
         sinks = [max(0, min(n, self.keep - o)) for o in self._offsets]
         fewest = min(sinks)
-        if sinks[0] or any(sinks):
+        if any(sinks):
             self._write_sinks(keys, values, n, sinks, geometry)
         if fewest == n:
             return  # every row's tokens were sinks: the ring does not move
@@ -393,20 +413,12 @@ class SharedRing(RingGeometry):
         if lead + width == 0 or geometry is None:
             self._keys = self._values = None
         else:
-            ring = [
-                (None, None, o) if k is None or v is None else (_columns(k, h), _columns(v, h), o)
-                for (k, v, o), h in zip(everything, heads, strict=True)
-            ]
+            ring = _split(everything, heads, sinks=False)
             self._keys, self._values = _stacked(
                 self.codec, ring, tails, width, geometry, right_aligned=True
             )
             if lead:
-                sinks = [
-                    (None, None, o)
-                    if k is None or v is None
-                    else (_columns(k, 0, h), _columns(v, 0, h), o)
-                    for (k, v, o), h in zip(everything, heads, strict=True)
-                ]
+                sinks = _split(everything, heads, sinks=True)
                 sink_k, sink_v = _stacked(
                     self.codec, sinks, heads, lead, geometry, right_aligned=False
                 )
@@ -421,9 +433,7 @@ class SharedRing(RingGeometry):
 
     def _keep(self, order: list[int]) -> None:
         super()._keep(order)
-        if self.keep:
-            offsets = self._offsets  # already the survivors' (the template filters first)
-            assert len(offsets) == len(order)
+        if self.keep:  # the offsets are already the survivors'
             self._narrow_sinks()
 
     def _check_trim(self, counts: Sequence[int]) -> None:
@@ -719,13 +729,13 @@ class RaggedRing(RingGeometry):
         after = self._after(n)
         if self.keep:
             width = max(after, default=0)
-            columns = []
+            positions = []
             for offset, held in zip(self._offsets, after, strict=True):
                 head = min(self.keep, offset + n, held)
                 mine = [*range(head), *range(offset + n - held + head, offset + n)]
-                columns.append(mine + [-1] * (width - held))
+                positions.append(mine + [-1] * (width - held))
             recent = reach(window, self.max_size, self.keep)
-            return positions_mask(columns, self._offsets, n, self.keep, recent)[:, None]
+            return positions_mask(positions, self._offsets, n, self.keep, recent)[:, None]
         columns = mx.arange(max(after, default=0))[None, None, :]
         queries = (mx.array(after)[:, None] - n + mx.arange(n)[None, :])[:, :, None]
         visible = (columns <= queries) & (queries < columns + size)

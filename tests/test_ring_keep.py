@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
-import mlx_lm.models.cache as peer
+import mlx_lm.models.cache as mlx_lm_cache
 import numpy as np
 import pytest
 
@@ -24,6 +24,8 @@ import kvrows.reference as R
 from kvrows.app.models import make_kvrows_cache, tiny_model
 from kvrows.errors import IncompatibleRowsError, InvalidInputError
 from kvrows.schemes import Ring
+
+peer: Any = mlx_lm_cache  # mlx-lm is untyped
 
 SERIAL_STEPS = (3, 1, 1, 1, 1, 1, 1, 4, 1, 1, 1, 1, 2, 1, 1, 9, 1, 1)  # wraps, blocks past it
 
@@ -139,7 +141,7 @@ def test_window_size_counts_the_sinks() -> None:
 def test_one_query_masks_have_mlx_lm_shape() -> None:
     """``make_mask(1, window_size=w)`` on a serial ring: 1-D ``[S]`` like mlx-lm's."""
     theirs = peer.RotatingKVCache(6)
-    ours = [O.RotatingKVCache(6), R.RotatingKVCache(6)]
+    ours: list[Any] = [O.RotatingKVCache(6), R.RotatingKVCache(6)]
     for position in range(9):
         block = _block(position, 1)
         want = theirs.make_mask(1, window_size=3)
@@ -148,7 +150,7 @@ def test_one_query_masks_have_mlx_lm_shape() -> None:
             assert (got is None) == (want is None)
             if want is not None:
                 assert np.array(got).shape == tuple(want.shape) == (min(position + 1, 6),)
-            cache.update_and_fetch(*(2 * ((block,) if cache is ours[1] else (mx.array(block),))))
+            _feed(R if cache is ours[1] else O, cache, block)
         theirs.update_and_fetch(mx.array(block), mx.array(block))
     assert np.array(ours[0].make_mask(1, return_array=True)).shape == (6,)
 
@@ -182,7 +184,8 @@ def _window_positions(impl: Any, cache: Any) -> list[int]:
         return []
     keys = window[0]
     if len(keys) > 1:  # affine: dequantize the codes
-        keys = mx.dequantize(*(mx.array(p) for p in keys), group_size=32, bits=8)
+        codes, scales, biases = (mx.array(p) for p in keys)
+        keys = mx.dequantize(codes, scales, biases, group_size=32, bits=8)
     else:
         keys = keys[0]
     return [round(float(x)) % 1000 - 1 for x in np.array(keys)[0, 0, :, 0]]
@@ -243,7 +246,7 @@ def test_mlx_lm_batch_ring_loses_keep() -> None:
     block = mx.array(_block(0, 6))
     ring.update_and_fetch(block, block)
     assert peer.BatchRotatingKVCache.merge([ring]).extract(0).keep == 0
-    layout = O.BatchedRotatingCache(4, keep=2)
+    layout: Any = O.BatchedRotatingCache(4, keep=2)
     layout.merge_rows([O.RotatingKVCache(4, keep=2)])
     assert layout.extract_row(0).keep == 2
 
