@@ -74,6 +74,11 @@ class RingMachine(ConformanceMachine):
             return ks.geometries(dims=(32, 64), codecs=codecs, windows=sizes, keeps=keeps)
         return ks.geometries(windows=sizes, keeps=keeps)
 
+    def teardown(self) -> None:
+        if self.geo is not None and self.stats.steps > self._steps_at_start:
+            self.stats.variant("sink tokens" if self.g.keep else "no sink tokens")
+        super().teardown()
+
     @property
     def window(self) -> int:
         assert self.g.max_size is not None

@@ -79,6 +79,8 @@ def test_rotating_family(layout: str) -> None:
         assert stats.checks[oracle] > 0, f"oracle {oracle!r} never ran: {dict(stats.checks)}"
     unknown = set(stats.skips) - set(DIVERGENCES)
     assert not unknown, f"parity skips without a documented reason: {unknown}"
+    # Rings with and without sink tokens (keep) both ran.
+    assert stats.variants["sink tokens"] > 0 and stats.variants["no sink tokens"] > 0
     compared = {quantity for quantity, _ in stats.errors}
     expected = {"kv.stored", "kv.fetched", "kv.solo", "attention", "attention.solo"}
     if spec.serial_peer:
