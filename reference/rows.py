@@ -107,11 +107,6 @@ class Row:
         """The sink positions the row holds (its oldest retained tokens)."""
         return min(self.sinks, self.offset, self.retained)
 
-    def positions(self) -> list[int]:
-        """The position of each retained token, oldest first."""
-        head = self.held_sinks
-        return [*range(head), *range(self.offset - self.retained + head, self.offset)]
-
     def newest(self, count: int) -> Row:
         """An independent row holding ``count`` of this one's tokens, at its offset: its
         sinks (up to ``count``) and then its newest."""
@@ -127,7 +122,7 @@ class Row:
         )
 
     def append(self, keys: Planes, values: Planes, history: int) -> None:
-        """Keep the newest ``history`` tokens, then append the block."""
+        """Keep ``history`` tokens (sinks first, then the newest), then append the block."""
         n = int(keys[0].shape[2])
         kept = self.newest(history)
         self.keys, self.values = concat(kept.keys, keys), concat(kept.values, values)
