@@ -239,6 +239,10 @@ class SharedRing(RingGeometry):
             return _concat(self._ring(planes, self._idx), self._ring(planes, 0, self._idx))
         return self._ring(planes, 0, self._idx)
 
+    def _chronological(self, planes: Planes) -> Planes:
+        """The buffer's used columns in temporal order (the sinks, then the ring)."""
+        return self._with_sinks(self._sinks(planes), self._ring_chronological(planes))
+
     def _with_sinks(self, sinks: Planes, ring: Planes) -> Planes:
         return _concat(sinks, ring) if int(sinks[0].shape[2]) else ring
 
