@@ -442,8 +442,11 @@ class SharedRing(RingGeometry):
 
     def _check_trim(self, counts: Sequence[int]) -> None:
         if not self.is_trimmable():
+            # A serial ring counts every position it was written; a layout its ring columns.
+            serial = self.composition.arrangement == "serial"
+            written = self._total + (self._lead if serial else 0)
             raise NotTrimmableError(
-                wrapped_ring_message(f"a ring with {self._total} columns written", self.max_size)
+                wrapped_ring_message(f"a ring with {written} columns written", self.max_size)
             )
 
     def _forget(self, counts: Sequence[int]) -> None:
