@@ -197,7 +197,7 @@ def _ring_kv(cache: Any) -> Fetched:
 def _ring_peer() -> PeerSpec:
     lm = _lm_cache()
     return PeerSpec(
-        serial=lambda g: lm.RotatingKVCache(g.max_size),
+        serial=lambda g: lm.RotatingKVCache(g.max_size, g.keep),
         batch=lm.BatchRotatingKVCache,
         attention=_lm_attention,
         serial_kv=_ring_kv,

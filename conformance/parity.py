@@ -81,6 +81,22 @@ DIVERGENCES: dict[str, Divergence] = {
             "planes are compared, only its attention output is not",
         ),
         Divergence(
+            "B7",
+            "rings with sink tokens (keep > 0) in a batch",
+            "BatchRotatingKVCache has no keep: merge and extract drop the sinks (#1631)",
+            "every ring layout keeps each row's sinks through merge, filter and extract; the "
+            "layout has no mlx-lm mirror (its serial twins still have theirs)",
+        ),
+        Divergence(
+            "K1",
+            "rings with sink tokens: a block (N > 1) past the window, or a window_size",
+            "RotatingKVCache.make_mask slides the window over the buffer's columns, sinks "
+            "included: later queries of a block stop seeing the sinks; window_size ignores them",
+            "every query sees its row's sinks and its newest max_size - keep positions "
+            "(window_size - keep, at least 1); the stored tokens are compared, the mask and "
+            "attention are not",
+        ),
+        Divergence(
             "B9",
             "rings: a multi-token update of a BatchRotatingKVCache whose ring has wrapped",
             "make_mask trims from the pre-reordering _idx: it hides the oldest valid token of "

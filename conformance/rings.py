@@ -48,11 +48,16 @@ def windows(role: str = "decode") -> st.SearchStrategy[int]:
     return st.one_of(st.integers(4, 8), st.integers(4, 8), st.sampled_from((12, 16, 32)))
 
 
-def _lm_ring(max_size: int) -> Any:
+def keeps(max_size: int) -> st.SearchStrategy[int]:
+    """Sink tokens: none in about two examples of three, else 1 to 3 (below the window)."""
+    return st.one_of(st.just(0), st.just(0), st.integers(1, min(3, max_size - 1)))
+
+
+def _lm_ring(max_size: int, keep: int = 0) -> Any:
     from mlx_lm.models import cache
 
     lm: Any = cache
-    return lm.RotatingKVCache(max_size)
+    return lm.RotatingKVCache(max_size, keep)
 
 
 class RingMachine(ConformanceMachine):
@@ -66,8 +71,13 @@ class RingMachine(ConformanceMachine):
         sizes = windows(cls.spec.role)
         if CONSTRUCTORS[cls.spec.name][1]:
             codecs = tuple((bits, group) for bits in SUPPORTED_BITS for group in (32, 64))
-            return ks.geometries(dims=(32, 64), codecs=codecs, windows=sizes)
-        return ks.geometries(windows=sizes)
+            return ks.geometries(dims=(32, 64), codecs=codecs, windows=sizes, keeps=keeps)
+        return ks.geometries(windows=sizes, keeps=keeps)
+
+    def teardown(self) -> None:
+        if self.geo is not None and self.stats.steps > self._steps_at_start:
+            self.stats.variant("sink tokens" if self.g.keep else "no sink tokens")
+        super().teardown()
 
     @property
     def window(self) -> int:
@@ -102,6 +112,13 @@ class RingMachine(ConformanceMachine):
         )
 
     # ------------------------------------------------------------------ mlx-lm
+    def _parity(self, slot: Slot) -> bool:
+        """mlx-lm's batch ring has no sinks (``B7``): no mirror of a layout with ``keep``."""
+        if self.g.keep and self.peer is not None and self.spec.peer:
+            self._skip("B7", "BatchRotatingKVCache has no keep: no mirror of this layout")
+            return False
+        return super()._parity(slot)
+
     def _peer_divergence(self, slot: Slot, n: int) -> str | None:
         return "B9" if n > 1 and slot.opt.ring_state[2] else None
 
@@ -133,7 +150,7 @@ class RingMachine(ConformanceMachine):
         if slot.rows:
             self._skip("R1", "join: mlx-lm extend keeps its geometry; re-merge the mirror")
             if slot.lm is None or slot.lm.keys is None:
-                running = [_lm_ring(self.window) for _ in slot.rows]
+                running = [_lm_ring(self.window, self.g.keep) for _ in slot.rows]
             else:
                 running = [slot.lm.extract(b) for b in range(len(slot.rows))]
         slot.lm = self.peer.batch.merge([*running, *twins])
@@ -164,7 +181,7 @@ class RingMachine(ConformanceMachine):
     def _compact(self, keys: Any, values: Any, offset: int) -> Any:
         """An mlx-lm ring holding ``keys``/``values`` (the newest window, in temporal order),
         its index at the end: the layout kvrows' extracted ring has."""
-        twin = _lm_ring(self.window)
+        twin = _lm_ring(self.window, self.g.keep)
         if int(keys.shape[2]):
             twin.keys, twin.values = mx.contiguous(keys), mx.contiguous(values)
         twin.offset, twin._idx = offset, int(keys.shape[2])
@@ -175,20 +192,23 @@ class RingMachine(ConformanceMachine):
         ring = self._replay(track).lm
         keep = self.g.kept(track.tokens)
         if keep == 0 or ring.keys is None:
-            return _lm_ring(self.window)
-        keys, values = ring.keys, ring.values
-        if ring._idx < ring.offset and ring._idx < keys.shape[2]:
-            keys = mx.concatenate([keys[..., ring._idx :, :], keys[..., : ring._idx, :]], axis=2)
-            values = mx.concatenate(
-                [values[..., ring._idx :, :], values[..., : ring._idx, :]], axis=2
-            )
-        else:
-            keys, values = keys[..., : ring._idx, :], values[..., : ring._idx, :]
-        return self._compact(
-            keys[..., keys.shape[2] - keep :, :],
-            values[..., values.shape[2] - keep :, :],
-            track.tokens,
-        )
+            return _lm_ring(self.window, self.g.keep)
+        sinks = min(self.g.keep, track.tokens)
+
+        def window(planes: Any) -> Any:
+            """mlx-lm's temporal order (its sinks stay first), cut to kvrows' window."""
+            idx = ring._idx
+            if idx < ring.offset and idx < planes.shape[2]:
+                planes = mx.concatenate(
+                    [planes[..., :sinks, :], planes[..., idx:, :], planes[..., sinks:idx, :]],
+                    axis=2,
+                )
+            else:
+                planes = planes[..., :idx, :]
+            tail = planes[..., planes.shape[2] - keep + sinks :, :]
+            return mx.concatenate([planes[..., :sinks, :], tail], axis=2) if sinks else tail
+
+        return self._compact(window(ring.keys), window(ring.values), track.tokens)
 
     # ------------------------------------------------------------- bad input
     def _extra_layout_cases(self, slot: Slot) -> list[Case]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +36,8 @@ __all__ = [
 class Geometry:
     """One example's shapes (KV heads, query heads, head dims, dtype) and the storage
     parameters the family draws: a ring's window ``max_size`` (``None``: full attention)
-    and an affine codec's ``bits`` / ``group_size`` (``bits == 0``: plain)."""
+    and sink tokens ``keep``, and an affine codec's ``bits`` / ``group_size`` (``bits ==
+    0``: plain)."""
 
     dtype: str
     heads: int
@@ -45,6 +47,7 @@ class Geometry:
     max_size: int | None = None
     bits: int = 0
     group_size: int = 0
+    keep: int = 0
 
     @property
     def scale(self) -> float:
@@ -61,6 +64,12 @@ class Geometry:
     def kept(self, tokens: int) -> int:
         """Tokens a store of ``tokens`` positions holds: all, or a ring's newest window."""
         return tokens if self.max_size is None else min(tokens, self.max_size)
+
+    def positions(self, tokens: int, held: int) -> list[int]:
+        """The positions a store of ``tokens`` positions holding ``held`` of them keeps,
+        oldest first: a ring's first ``keep`` (sinks), then its newest."""
+        head = min(self.keep, tokens, held)
+        return [*range(head), *range(tokens - held + head, tokens)]
 
     def wrapped(self, tokens: int) -> bool:
         """A ring holding ``tokens`` positions has forgotten one (it cannot be trimmed)."""
@@ -103,6 +112,7 @@ class Geometry:
 
     def __str__(self) -> str:
         ring = f", window {self.max_size}" if self.max_size is not None else ""
+        ring += f" keep {self.keep}" if self.keep else ""
         return (
             f"{self.dtype}, {self.heads} KV heads, {self.query_heads} query heads, "
             f"dims {self.key_dim}/{self.value_dim}, {self.codec}{ring}"
@@ -116,20 +126,25 @@ def geometries(
     dims: tuple[int, ...] = (8, 16),
     codecs: tuple[tuple[int, int], ...] = (),
     windows: st.SearchStrategy[int] | None = None,
+    keeps: Callable[[int], st.SearchStrategy[int]] | None = None,
 ) -> Geometry:
-    """Shapes, then (when given) a codec ``(bits, group_size)`` and a ring window. An
-    affine codec takes head dims of ``dims`` that its group divides."""
+    """Shapes, then (when given) a codec ``(bits, group_size)``, a ring window and its
+    sink tokens (``keeps(max_size)``). An affine codec takes head dims of ``dims`` that its
+    group divides."""
     dtype = draw(st.sampled_from(DTYPES), label="dtype")
     heads = draw(st.sampled_from((1, 2, 4)), label="heads")
     group = draw(st.sampled_from((1, 2)), label="query heads per KV head")
     max_size = draw(windows, label="max_size") if windows is not None else None
+    keep = draw(keeps(max_size), label="keep") if keeps is not None and max_size else 0
     bits = group_size = 0
     if codecs:
         bits, group_size = draw(st.sampled_from(codecs), label="(bits, group size)")
         dims = tuple(d for d in dims if d % group_size == 0)
     key_dim = draw(st.sampled_from(dims), label="key_dim")
     value_dim = draw(st.sampled_from((key_dim, *dims)), label="value_dim")
-    return Geometry(dtype, heads, heads * group, key_dim, value_dim, max_size, bits, group_size)
+    return Geometry(
+        dtype, heads, heads * group, key_dim, value_dim, max_size, bits, group_size, keep
+    )
 
 
 seeds = st.integers(0, 2**32 - 1)

@@ -130,10 +130,12 @@ class Growing:
 
 @dataclass(frozen=True, kw_only=True)
 class Ring:
-    """Sliding window: the newest ``max_size`` positions are kept.
+    """Sliding window of ``max_size`` positions, the first ``keep`` of them sink tokens.
 
-    ``keep`` (sink tokens that never rotate out, mlx-lm's ``keep``) must be 0 until the
-    drop-in issue adds sink tokens to the ring family.
+    A row's first ``keep`` positions (mlx-lm's ``keep``, StreamingLLM's attention sinks)
+    are never evicted; the window slides over the rest, so a row holds its sinks and its
+    newest ``max_size - keep`` other positions (``spec/RotatingKVCache.md`` §1).
+    ``0 <= keep < max_size``.
     """
 
     max_size: int
@@ -141,11 +143,12 @@ class Ring:
     kind: ClassVar[str] = "ring"
 
     def __post_init__(self) -> None:
-        as_count(self.max_size, "max_size", minimum=1)
+        size = as_count(self.max_size, "max_size", minimum=1)
         keep = as_count(self.keep, "keep")
-        if keep:
+        if keep >= size:
             raise InvalidInputError(
-                f"rings with sink tokens (keep={keep}) are not supported yet: use keep=0"
+                f"keep (sink tokens) must be smaller than max_size: got keep={keep}, "
+                f"max_size={size}; expected 0 <= keep < max_size"
             )
 
     def parameters(self) -> dict[str, int]:

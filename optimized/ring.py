@@ -17,6 +17,13 @@ Two physical designs, one per arrangement family (``spec/RotatingKVCache.md``,
 * :class:`RaggedRing` (ragged ring layouts): every row keeps its retained tokens
   left-aligned in temporal order and appends at its own end, with the serial ring's
   retention rule per row, so rows advance (and roll back) independently.
+
+Sink tokens (``Ring(max_size, keep)``, ``spec/RotatingKVCache.md`` §1.1): a row's first
+``keep`` positions are never evicted. :class:`SharedRing` keeps them in a sink block of
+``lead`` columns before the ring (each row's left-aligned; the ring has ``max_size -
+keep`` columns and its index wraps to ``keep`` in buffer terms, mlx-lm's serial layout);
+:class:`RaggedRing` keeps them at the start of each row and slides only the rest. Masks
+with sinks are built from the position each column holds.
 """
 
 from __future__ import annotations
@@ -76,6 +83,19 @@ def _stacked(
     return keys, values
 
 
+def _split(rows: list[RowWindow], heads: list[int], *, sinks: bool) -> list[RowWindow]:
+    """Each row's first ``heads[b]`` tokens (``sinks``) or the rest."""
+    parts: list[RowWindow] = []
+    for (keys, values, offset), head in zip(rows, heads, strict=True):
+        if keys is None or values is None:
+            parts.append((None, None, offset))
+        elif sinks:
+            parts.append((_columns(keys, 0, head), _columns(values, 0, head), offset))
+        else:
+            parts.append((_columns(keys, head), _columns(values, head), offset))
+    return parts
+
+
 class RingGeometry(Storage):
     """What both ring designs share: the window, and what a ring layout answers."""
 
@@ -129,21 +149,64 @@ class RingGeometry(Storage):
         self._pads = [self._pads[i] for i in order]
 
 
+def positions_mask(
+    columns: Sequence[Sequence[int]],
+    queries: Sequence[int],
+    n: int,
+    keep: int,
+    recent: int,
+    width: int | None = None,
+) -> mx.array:
+    """``[B, n, S]``: row ``b``'s query ``i`` (position ``queries[b] + i``) sees column ``c``
+    holding position ``columns[b][c]`` (-1: none) when it is at most its own and is a sink
+    (``< keep``) or among its newest ``recent`` positions."""
+    if width is None:
+        width = len(columns[0]) if columns else 0
+    held = mx.array([list(c) for c in columns] if width else [[]] * len(columns), mx.int32)
+    held = held.reshape(len(columns), 1, width)
+    query = (mx.array(list(queries), mx.int32)[:, None] + mx.arange(n)[None, :])[:, :, None]
+    return (held >= 0) & (held <= query) & ((held < keep) | (query - held < recent))
+
+
+def reach(window: int | None, max_size: int, keep: int) -> int:
+    """Newest positions (itself included) a query sees besides the sinks: ``window_size or
+    max_size`` counts the sinks, and a query always sees itself."""
+    win = window or max_size
+    return win if keep == 0 else max(1, win - keep)
+
+
+def _roll(values: list[int], shift: int) -> list[int]:
+    if not values:
+        return values
+    shift %= len(values)
+    return values[len(values) - shift :] + values[: len(values) - shift]
+
+
 class SharedRing(RingGeometry):
     """One ring index for every row: serial rings and shared-column ring layouts.
 
     Host-side state: per-row ``offsets`` and ``pads``, the ring index ``idx``, the
-    columns written since the last merge ``total``, and ``rotated``."""
+    columns written since the last merge ``total``, and ``rotated``. With ``keep`` the
+    buffer starts with a sink block of ``lead`` columns (row ``b``'s first
+    ``min(keep, offset)`` tokens, left-aligned) and the ring after it has
+    ``max_size - keep`` columns (mlx-lm's serial layout: its index wraps to ``keep``);
+    ``idx``, ``total`` and the pads count ring columns."""
 
     arrangements = frozenset({"serial", "shared"})
 
     _idx: int
     _total: int
     _rotated: bool
+    _lead: int
 
     def _reset_geometry(self) -> None:
-        self._idx = self._total = 0
+        self._idx = self._total = self._lead = 0
         self._rotated = False
+
+    @property
+    def span(self) -> int:
+        """The ring's columns (the sinks have their own)."""
+        return self.max_size - self.keep
 
     @property
     def ring_state(self) -> tuple[int, int, bool]:
@@ -152,70 +215,174 @@ class SharedRing(RingGeometry):
 
     @property
     def ring_index(self) -> int:
-        return self._idx
+        """The write column in the buffer (mlx-lm's ``_idx``)."""
+        return self._lead + self._idx
+
+    @property
+    def ring_length(self) -> int:
+        return self.buffer_length - self._lead
 
     def is_trimmable(self) -> bool:
-        return self._total < self.max_size
+        return self._total < self.span
+
+    def _sinks_of(self, offset: int) -> int:
+        return min(self.keep, offset)
+
+    def _ring(self, planes: Planes, start: int = 0, stop: int | None = None) -> Planes:
+        """Columns ``[start, stop)`` of the ring (after the sink block)."""
+        end = None if stop is None else self._lead + stop
+        return _columns(planes, self._lead + start, end)
+
+    def _ring_chronological(self, planes: Planes) -> Planes:
+        """The ring's used columns in temporal order."""
+        if self._rotated:
+            return _concat(self._ring(planes, self._idx), self._ring(planes, 0, self._idx))
+        return self._ring(planes, 0, self._idx)
 
     def _chronological(self, planes: Planes) -> Planes:
-        """The buffer's used columns in temporal order."""
-        if self._rotated:
-            return _concat(_columns(planes, self._idx), _columns(planes, 0, self._idx))
-        return _columns(planes, 0, self._idx)
+        """The buffer's used columns in temporal order (the sinks, then the ring)."""
+        return self._with_sinks(self._sinks(planes), self._ring_chronological(planes))
+
+    def _with_sinks(self, sinks: Planes, ring: Planes) -> Planes:
+        return _concat(sinks, ring) if int(sinks[0].shape[2]) else ring
+
+    def _shown(self) -> int:
+        """Ring columns a read returns."""
+        return min(self._total, self.ring_length)
 
     def _visible(self, planes: Planes) -> Planes:
-        return _columns(planes, 0, min(self._total, self.buffer_length))
+        return _columns(planes, 0, self._lead + self._shown())
 
     def _window(self, planes: Planes, row: int | None) -> Planes | None:
         index = 0 if row is None else row
         # Cut the row out first: reordering the whole ring would copy every row.
-        held = self._chronological(
-            planes if row is None else tuple(p[row : row + 1] for p in planes)
-        )
+        mine = planes if row is None else tuple(p[row : row + 1] for p in planes)
+        held = self._ring_chronological(mine)
         active = int(held[0].shape[2])
-        start = max(0, self._pads[index], active - min(self._offsets[index], self.max_size))
-        return None if start >= active else _columns(held, start, active)
+        offset = self._offsets[index]
+        sinks = self._sinks_of(offset)
+        start = max(0, self._pads[index], active - (min(offset, self.max_size) - sinks))
+        if sinks == 0:
+            return None if start >= active else _columns(held, start, active)
+        return self._with_sinks(_columns(mine, 0, sinks), _columns(held, start, active))
 
     def _append(self, keys: Planes, values: Planes, n: int, geometry: KvGeometry) -> None:
+        sinks = [max(0, min(n, self.keep - o)) for o in self._offsets]
+        fewest = min(sinks)
+        if any(sinks):
+            self._write_sinks(keys, values, n, sinks, geometry)
+        if fewest == n:
+            return  # every row's tokens were sinks: the ring does not move
+        if fewest:
+            keys = self._ring_part(keys, sinks, fewest)
+            values = self._ring_part(values, sinks, fewest)
         if n == 1:
             self._write_token(keys, values, geometry)
         else:
             self._write_block(keys, values)
-        self._total += n
+        if any(s > fewest for s in sinks):
+            self._pads = [p + s - fewest for p, s in zip(self._pads, sinks, strict=True)]
+        self._total += n - fewest
+
+    def _ring_part(self, planes: Planes, sinks: list[int], fewest: int) -> Planes:
+        """The block's columns from ``fewest`` on; a row's own sinks among them zeroed (a
+        row with more sinks in the block leaves its first new ring columns empty)."""
+        cut = _columns(planes, fewest)
+        if all(s == fewest for s in sinks):
+            return cut
+        empty = mx.arange(int(cut[0].shape[2]))[None, :] < (mx.array(sinks) - fewest)[:, None]
+        empty = empty[:, None, :, None]
+        return tuple(mx.where(empty, mx.zeros_like(p), p) for p in cut)
+
+    def _write_sinks(
+        self, keys: Planes, values: Planes, n: int, sinks: list[int], geometry: KvGeometry
+    ) -> None:
+        """Row ``b``'s first ``sinks[b]`` new tokens go to its sink columns."""
+        lead = max(min(self.keep, o + n) for o in self._offsets)
+        if lead > self._lead:
+            self._widen_sinks(lead, geometry)
+        assert self._keys is not None and self._values is not None
+        if len(set(self._offsets)) == 1:  # one write for every row (a serial ring)
+            start, count = self._offsets[0], sinks[0]
+            for planes, new in ((self._keys, keys), (self._values, values)):
+                for plane, encoded in zip(planes, new, strict=True):
+                    plane[:, :, start : start + count] = encoded[:, :, :count]
+            return
+        for b, (start, count) in enumerate(zip(self._offsets, sinks, strict=True)):
+            if count:
+                for planes, new in ((self._keys, keys), (self._values, values)):
+                    for plane, encoded in zip(planes, new, strict=True):
+                        plane[b : b + 1, :, start : start + count] = encoded[b : b + 1, :, :count]
+
+    def _widen_sinks(self, lead: int, geometry: KvGeometry) -> None:
+        """Grow the sink block to ``lead`` columns (only while every row is shorter than
+        ``keep``: rare and small)."""
+        rows, heads, extra = len(self._offsets), geometry.heads, lead - self._lead
+        zeros_k = self.codec.zeros(rows, heads, extra, geometry.key_dim, geometry.dtype)
+        zeros_v = self.codec.zeros(rows, heads, extra, geometry.value_dim, geometry.dtype)
+        if self._keys is None or self._values is None:
+            self._keys, self._values = zeros_k, zeros_v
+        else:
+            cut = self._lead
+            self._keys = _concat(
+                _concat(_columns(self._keys, 0, cut), zeros_k), _columns(self._keys, cut)
+            )
+            self._values = _concat(
+                _concat(_columns(self._values, 0, cut), zeros_v), _columns(self._values, cut)
+            )
+        self._lead = lead
+
+    def _narrow_sinks(self) -> None:
+        """Drop sink columns no row holds any more (after a filter or a trim)."""
+        lead = max((self._sinks_of(o) for o in self._offsets), default=0)
+        if lead < self._lead and self._keys is not None and self._values is not None:
+            self._keys = _concat(_columns(self._keys, 0, lead), _columns(self._keys, self._lead))
+            self._values = _concat(
+                _columns(self._values, 0, lead), _columns(self._values, self._lead)
+            )
+        self._lead = min(lead, self._lead)
 
     def _write_token(self, new_k: Planes, new_v: Planes, geometry: KvGeometry) -> None:
         prev = self._total
         if (
             self._keys is None
             or self._values is None
-            or (prev >= self.buffer_length and self.buffer_length < self.max_size)
+            or (prev >= self.ring_length and self.ring_length < self.span)
         ):
-            grow = min(STEP, self.max_size - prev)
+            grow = min(STEP, self.span - prev)
             rows, heads = len(self._offsets), geometry.heads
             zeros_k = self.codec.zeros(rows, heads, grow, geometry.key_dim, geometry.dtype)
             zeros_v = self.codec.zeros(rows, heads, grow, geometry.value_dim, geometry.dtype)
             if self._keys is None or self._values is None:
                 self._keys, self._values = zeros_k, zeros_v
             else:
-                self._keys = _concat(_columns(self._keys, 0, prev), zeros_k)
-                self._values = _concat(_columns(self._values, 0, prev), zeros_v)
+                self._keys = _concat(_columns(self._keys, 0, self._lead + prev), zeros_k)
+                self._values = _concat(_columns(self._values, 0, self._lead + prev), zeros_v)
             self._idx = prev
         assert self._keys is not None and self._values is not None
-        overshoot = self.buffer_length - self.max_size
+        overshoot = self.ring_length - self.span
         if overshoot > 0:
-            self._keys = _columns(self._keys, overshoot)
-            self._values = _columns(self._values, overshoot)
-            self._idx = self.max_size
+            self._keys = self._with_sinks(
+                self._sinks(self._keys), self._ring(self._keys, overshoot)
+            )
+            self._values = self._with_sinks(
+                self._sinks(self._values), self._ring(self._values, overshoot)
+            )
+            self._idx = self.span
             self._pads = [p - overshoot for p in self._pads]
-        if self._idx == self.max_size:
+        if self._idx == self.span:
             self._rotated = True
             self._idx = 0
         if self._rotated:
             self._pads = [p - 1 for p in self._pads]
+        column = self._lead + self._idx
         for planes, new in ((self._keys, new_k), (self._values, new_v)):
             for plane, encoded in zip(planes, new, strict=True):
-                plane[:, :, self._idx : self._idx + 1] = encoded
+                plane[:, :, column : column + 1] = encoded
         self._idx += 1
+
+    def _sinks(self, planes: Planes) -> Planes:
+        return _columns(planes, 0, self._lead)
 
     def _write_block(self, new_k: Planes, new_v: Planes) -> None:
         if self._keys is None or self._values is None:
@@ -224,53 +391,121 @@ class SharedRing(RingGeometry):
             self._keys = tuple(owned(p) for p in new_k)
             self._values = tuple(owned(p) for p in new_v)
         else:
-            keys, values = self._chronological(self._keys), self._chronological(self._values)
-            drop = max(0, int(keys[0].shape[2]) - self.max_size + 1)
-            self._keys = _concat(_columns(keys, drop), new_k)
-            self._values = _concat(_columns(values, drop), new_v)
+            keys = self._ring_chronological(self._keys)
+            values = self._ring_chronological(self._values)
+            drop = max(0, int(keys[0].shape[2]) - self.span + 1)
+            sink_k, sink_v = self._sinks(self._keys), self._sinks(self._values)
+            self._keys = self._with_sinks(sink_k, _concat(_columns(keys, drop), new_k))
+            self._values = self._with_sinks(sink_v, _concat(_columns(values, drop), new_v))
             self._pads = [p - drop for p in self._pads]
         self._rotated = False
-        self._idx = self.buffer_length
+        self._idx = self.ring_length
 
     def _place(self, incoming: list[RowWindow], geometry: KvGeometry | None) -> None:
-        """Every row (running and new) is re-aligned: each contributes its newest
-        ``min(offset, max_size)`` tokens in temporal order, right-aligned to the longest;
-        the ring restarts unrotated at that width."""
+        """Every row (running and new) is re-aligned: each contributes its window in
+        temporal order, its sinks left-aligned in the sink block and the rest right-aligned
+        to the longest; the ring restarts unrotated at that width."""
         everything = self._each_row() + incoming
         lengths = [0 if k is None else int(k[0].shape[2]) for k, _, _ in everything]
-        width = max(lengths)
-        if width == 0 or geometry is None:
+        heads = [
+            min(self.keep, offset, length)
+            for (_, _, offset), length in zip(everything, lengths, strict=True)
+        ]
+        lead = max(heads)
+        tails = [length - head for length, head in zip(lengths, heads, strict=True)]
+        width = max(tails)
+        if lead + width == 0 or geometry is None:
             self._keys = self._values = None
         else:
+            ring = _split(everything, heads, sinks=False)
             self._keys, self._values = _stacked(
-                self.codec, everything, lengths, width, geometry, right_aligned=True
+                self.codec, ring, tails, width, geometry, right_aligned=True
             )
-        self._pads = [width - n for n in lengths]
+            if lead:
+                sinks = _split(everything, heads, sinks=True)
+                sink_k, sink_v = _stacked(
+                    self.codec, sinks, heads, lead, geometry, right_aligned=False
+                )
+                self._keys, self._values = (
+                    _concat(sink_k, self._keys),
+                    _concat(sink_v, self._values),
+                )
+        self._lead = lead
+        self._pads = [width - n for n in tails]
         self._idx = self._total = width
         self._rotated = False
 
+    def _keep(self, order: list[int]) -> None:
+        super()._keep(order)
+        if self.keep:  # the offsets are already the survivors'
+            self._narrow_sinks()
+
     def _check_trim(self, counts: Sequence[int]) -> None:
         if not self.is_trimmable():
+            # A serial ring counts every position it was written; a layout its ring columns.
+            serial = self.composition.arrangement == "serial"
+            written = self._total + (self._lead if serial else 0)
             raise NotTrimmableError(
-                wrapped_ring_message(f"a ring with {self._total} columns written", self.max_size)
+                wrapped_ring_message(f"a ring with {written} columns written", self.max_size)
             )
 
     def _forget(self, counts: Sequence[int]) -> None:
-        self._total -= counts[0]
-        self._idx -= counts[0]
+        count = counts[0]
+        if not self.keep:
+            self._total -= count
+            self._idx -= count
+            return
+        # Every row's ring tokens end at the last ring column: the newest columns go, and
+        # a row with fewer ring tokens than the count loses sinks too.
+        ring = min(count, self._shown())
+        self._total -= ring
+        self._idx -= ring
+        after = [o - count for o in self._offsets]
+        self._pads = [self._shown() - min(o - self._sinks_of(o), self._shown()) for o in after]
+        if (
+            self._keys is not None
+            and self._values is not None
+            and any(self._sinks_of(o) < self._lead for o in after)
+        ):
+            keep_column = (
+                mx.arange(self._lead)[None, :]
+                < mx.array([self._sinks_of(o) for o in after])[:, None]
+            )
+            keep_column = keep_column[:, None, :, None]
+            self._keys = self._zero_sinks(self._keys, keep_column)
+            self._values = self._zero_sinks(self._values, keep_column)
+            lead = max((self._sinks_of(o) for o in after), default=0)
+            if lead < self._lead:
+                self._keys = _concat(
+                    _columns(self._keys, 0, lead), _columns(self._keys, self._lead)
+                )
+                self._values = _concat(
+                    _columns(self._values, 0, lead), _columns(self._values, self._lead)
+                )
+                self._lead = lead
+
+    def _zero_sinks(self, planes: Planes, kept: mx.array) -> Planes:
+        sinks = tuple(mx.where(kept, p, mx.zeros_like(p)) for p in self._sinks(planes))
+        return _concat(sinks, self._ring(planes))
 
     def _adopt(self, keys: Planes, values: Planes, offset: int) -> None:
-        self._idx, self._total, self._rotated = int(keys[0].shape[2]), offset, False
+        length = int(keys[0].shape[2])
+        self._lead = min(self.keep, offset, length)
+        self._idx, self._total, self._rotated = length - self._lead, offset - self._lead, False
 
     def _check_geometry(self) -> None:
-        assert 0 <= self._idx <= max(self.buffer_length, self._total)
+        assert 0 <= self._idx <= max(self.ring_length, self._total)
+        assert self._lead == max((self._sinks_of(o) for o in self._offsets), default=0)
         if self._keys is not None:
             assert int(self._keys[0].shape[0]) == len(self._offsets)
 
     # -- masks ------------------------------------------------------------------------
     def _serial_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
         """mlx-lm's ring policy: a block gets its windowed causal mask; one token needs none
-        unless a window narrower than the ring is asked for."""
+        unless a window narrower than the ring is asked for (then ``[S]``, mlx-lm's shape,
+        in the ring's physical order)."""
+        if self.keep:
+            return self._serial_sink_mask(n, return_array, window)
         size = window or self.max_size
         offset = self._total
         if n > 1:
@@ -280,15 +515,32 @@ class SharedRing(RingGeometry):
             return "causal"
         keys = min(offset + 1, self.max_size)
         if size < self.max_size and offset >= size:
-            visible = (mx.arange(keys) >= keys - size)[None, :]
+            visible = mx.arange(keys) >= keys - size
             shift = (0 if self._idx >= self.max_size else self._idx) + 1
             return mx.roll(visible, shift, -1)
         if return_array:
-            return mx.ones((1, keys), dtype=mx.bool_)
+            return mx.ones((keys,), dtype=mx.bool_)
         return None
+
+    def _serial_sink_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
+        """With sinks: every query sees the sinks and its newest ``reach`` positions."""
+        recent = reach(window, self.max_size, self.keep)
+        offset = self._offsets[0] if self._offsets else 0
+        after = min(offset, self.max_size - 1) + n
+        if after <= self.keep + recent and not return_array:
+            return None if n == 1 else "causal"
+        head = min(self.keep, offset + n)
+        held = [*range(head), *range(offset + n - after + head, offset + n)]
+        if n == 1 and offset >= self.keep:  # written in place: the ring part rolls
+            shift = (0 if self._idx >= self.span else self._idx) + 1
+            held = held[:head] + _roll(held[head:], shift)
+        visible = positions_mask([held], [offset], n, self.keep, recent)[0]
+        return visible[0] if n == 1 else visible
 
     def _layout_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
         """The windowed mask for the next ``n`` tokens, in the ring's physical column order."""
+        if self.keep:
+            return self._layout_sink_mask(n, window)
         size = window or self.max_size
         block = n > 1
         history_len = min(self.max_size - 1, self._total)
@@ -306,11 +558,37 @@ class SharedRing(RingGeometry):
             visible = mx.roll(visible, shift, -1)
         return visible[:, None]
 
+    def _layout_sink_mask(self, n: int, window: int | None) -> Mask:
+        """With sinks: the positions each column will hold after the update, then every
+        query sees its row's sinks and newest ``reach`` positions."""
+        keep, span = self.keep, self.span
+        sinks = [max(0, min(n, keep - o)) for o in self._offsets]
+        written = n - min(sinks, default=0)
+        shown = self._shown()
+        active = min(shown, span - 1) + written if written else shown
+        lead = max((min(keep, o + n) for o in self._offsets), default=0)
+        if written and n == 1:
+            rotated = self._rotated or self._idx >= span
+            index = (0 if self._idx >= span else self._idx) + 1
+        else:
+            rotated, index = self._rotated and not written, self._idx
+        columns = []
+        for offset, pad, own in zip(self._offsets, self._pads, sinks, strict=True):
+            have = shown - max(0, pad)  # the row's ring tokens now
+            now = min(have, span - 1) + n - own if written else have
+            ring = [-1] * (active - now) + list(range(offset + n - now, offset + n))
+            head = min(keep, offset + n)
+            columns.append(
+                [*range(head), *[-1] * (lead - head), *(_roll(ring, index) if rotated else ring)]
+            )
+        recent = reach(window, self.max_size, keep)
+        return positions_mask(columns, self._offsets, n, keep, recent, lead + active)[:, None]
+
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(max_size={self.max_size}, row_offsets={tuple(self._offsets)}, "
-            f"left_pad={tuple(self._pads)}, idx={self._idx}, total={self._total}, "
-            f"rotated={self._rotated})"
+            f"{type(self).__name__}(max_size={self.max_size}, keep={self.keep}, "
+            f"row_offsets={tuple(self._offsets)}, left_pad={tuple(self._pads)}, "
+            f"idx={self._idx}, total={self._total}, rotated={self._rotated}, lead={self._lead})"
         )
 
 
@@ -345,11 +623,20 @@ class RaggedRing(RingGeometry):
 
     def _window(self, planes: Planes, row: int | None) -> Planes | None:
         assert row is not None
-        held = self._retained[row]
+        held, offset = self._retained[row], self._offsets[row]
         if held == 0:
             return None
-        start = held - min(held, self._offsets[row], self.max_size)
-        return tuple(p[row : row + 1, :, start:held] for p in planes)
+        count = min(held, offset, self.max_size)
+        sinks = min(self.keep, offset, count)
+        if sinks == 0 or count == held:
+            return tuple(p[row : row + 1, :, held - count : held] for p in planes)
+        return tuple(
+            mx.concatenate(
+                [p[row : row + 1, :, :sinks], p[row : row + 1, :, held - count + sinks : held]],
+                axis=2,
+            )
+            for p in planes
+        )
 
     def _after(self, n: int) -> list[int]:
         if n == 1:
@@ -362,7 +649,12 @@ class RaggedRing(RingGeometry):
         if self._keys is not None and self._values is not None and any(drops):
             # Slide every row left by its own count in one gather.
             width = max(self._retained)
-            index = mx.minimum(mx.arange(width)[None, :] + mx.array(drops)[:, None], width - 1)
+            column = mx.arange(width)[None, :]
+            moved = column + mx.array(drops)[:, None]
+            if self.keep:  # a row's sinks stay where they are
+                sinks = mx.array([min(self.keep, o) for o in self._offsets])[:, None]
+                moved = mx.where(column < sinks, column, moved)
+            index = mx.minimum(moved, width - 1)
             index = index[:, None, :, None]
             self._keys = self._slid(self._keys, index, width)
             self._values = self._slid(self._values, index, width)
@@ -438,9 +730,19 @@ class RaggedRing(RingGeometry):
         assert all(0 <= r <= o for r, o in zip(self._retained, self._offsets, strict=True))
 
     def _layout_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
-        """Row ``b``'s query ``i`` sits at column ``retained'[b] - n + i`` and sees its window."""
+        """Row ``b``'s query ``i`` sits at column ``retained'[b] - n + i`` and sees its window
+        (with sinks: its row's sinks and its newest ``reach`` positions)."""
         size = window or self.max_size
         after = self._after(n)
+        if self.keep:
+            width = max(after, default=0)
+            positions = []
+            for offset, held in zip(self._offsets, after, strict=True):
+                head = min(self.keep, offset + n, held)
+                mine = [*range(head), *range(offset + n - held + head, offset + n)]
+                positions.append(mine + [-1] * (width - held))
+            recent = reach(window, self.max_size, self.keep)
+            return positions_mask(positions, self._offsets, n, self.keep, recent)[:, None]
         columns = mx.arange(max(after, default=0))[None, None, :]
         queries = (mx.array(after)[:, None] - n + mx.arange(n)[None, :])[:, :, None]
         visible = (columns <= queries) & (queries < columns + size)
@@ -448,6 +750,6 @@ class RaggedRing(RingGeometry):
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(max_size={self.max_size}, row_offsets={tuple(self._offsets)}, "
-            f"retained={self.retained})"
+            f"{type(self).__name__}(max_size={self.max_size}, keep={self.keep}, "
+            f"row_offsets={tuple(self._offsets)}, retained={self.retained})"
         )

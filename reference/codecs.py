@@ -77,6 +77,8 @@ def _visible(mask: Mask, batch: int, queries: int, keys: int) -> npt.NDArray[np.
     array = np.asarray(mask)
     if array.dtype != np.bool_:
         raise InvalidInputError(f"a mask array must be boolean, got {array.dtype}")
+    if array.ndim == 1:  # one query's mask ``[S]`` (a serial ring's, mlx-lm's shape)
+        array = array[None]
     if array.ndim == 2:
         array = array[None, None]
     if array.ndim != 4 or array.shape[-2:] != (queries, keys) or array.shape[0] not in (1, batch):

@@ -83,6 +83,9 @@ class PaddedRows:
     def fetchable(self, rows: Sequence[Row]) -> bool:
         return bool(rows)
 
+    def lead(self, rows: Sequence[Row]) -> int:
+        return 0
+
     def mask(self, rows: Sequence[Row], n: int, window: int | None, return_array: bool) -> Mask:
         pads = [r.pad for r in rows]
         ends = [r.pad + r.retained for r in rows]

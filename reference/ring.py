@@ -2,16 +2,19 @@
 ``spec/BatchedRotatingCache.md``, ``spec/RaggedRotatingRows.md``).
 
 The reference keeps no ring: a row holds the tokens it retains in temporal order. Before
-it appends ``n`` tokens it keeps its newest ``max_size - 1`` (so one token leaves the
-newest ``max_size``, and a block's first query still sees a whole window while the row
-briefly holds ``max_size - 1 + n``). A row's window is its newest
-``min(offset, max_size)`` tokens: what extraction and merging keep.
+it appends ``n`` tokens it keeps ``max_size - 1`` of them (so one token leaves
+``max_size``, and a block's first query still sees a whole window while the row briefly
+holds ``max_size - 1 + n``): its first ``keep`` (sink tokens, never evicted) and its
+newest others (``Row.newest``). A row's window is its sinks and newest, ``min(offset,
+max_size)`` tokens: what extraction and merging keep. Masks are computed from the
+positions each column holds: a query sees the sinks and its newest ``reach`` positions.
 
 Two placements: **shared** (one ring of ``active`` columns every row writes at once,
-mlx-lm's ``BatchRotatingKVCache``: row ``b``'s newest ``min(retained, active)`` tokens
-fill the last columns of the temporal image, which the physical one rolls by ``phase``;
-``left_pad`` follows mlx-lm's bookkeeping and goes negative once pads are overwritten),
-and **ragged** (each row left-aligned at column 0, appending at its own end).
+mlx-lm's ``BatchRotatingKVCache``: row ``b``'s newest ``min(retained, active)`` non-sink
+tokens fill the last columns of the temporal image, which the physical one rolls by
+``phase``; with ``keep`` a sink block of each row's sinks comes first; ``left_pad``
+follows mlx-lm's bookkeeping and goes negative once pads are overwritten), and
+**ragged** (each row left-aligned at column 0, sinks first, appending at its own end).
 """
 
 from __future__ import annotations
@@ -31,17 +34,37 @@ from kvrows.schemes import GeometrySpec, Ring
 __all__ = ["RaggedRing", "RingAxis", "RingParameters", "SharedRing"]
 
 
-def _visible(
-    ends: Sequence[int], firsts: Sequence[int], n: int, window: int, size: int
+def held_positions(offset: int, retained: int, keep: int) -> list[int]:
+    """The positions a ring row holding ``retained`` of ``offset`` tokens keeps, oldest
+    first: its first ``min(keep, offset)`` (sinks), then a run of its newest."""
+    head = min(keep, offset, retained)
+    return [*range(head), *range(offset - retained + head, offset)]
+
+
+def reach(window: int | None, max_size: int, keep: int) -> int:
+    """How many of its newest positions (itself included) a query sees besides the sinks:
+    ``window_size or max_size`` counts the sinks, and a query always sees itself."""
+    win = window or max_size
+    return win if keep == 0 else max(1, win - keep)
+
+
+def _sees(
+    columns: Sequence[Sequence[int]],
+    queries: Sequence[int],
+    n: int,
+    keep: int,
+    recent: int,
+    width: int | None = None,
 ) -> npt.NDArray[np.bool_]:
-    """``[B, 1, n, size]``: row ``b``'s query ``i`` sits at column ``ends[b] - n + i`` and
-    sees the columns of its window from ``firsts[b]`` on (temporal order)."""
-    end = np.array(ends, dtype=np.int64)[:, None, None, None]
-    first = np.array(firsts, dtype=np.int64)[:, None, None, None]
-    queries = end - n + np.arange(n)[None, None, :, None]
-    columns = np.arange(size)[None, None, None, :]
+    """``[B, 1, n, S]``: row ``b``'s query ``i`` (position ``queries[b] + i``) sees column
+    ``c`` holding position ``columns[b][c]`` (-1: no token) when that position is at most
+    its own and is a sink (``< keep``) or among its newest ``recent``."""
+    if width is None:
+        width = len(columns[0]) if columns else 0
+    held = np.array(columns, dtype=np.int64).reshape(len(columns), width)[:, None, None, :]
+    query = (np.array(queries, dtype=np.int64)[:, None] + np.arange(n)[None, :])[:, None, :, None]
     visible: npt.NDArray[np.bool_] = (
-        (columns <= queries) & (columns > queries - window) & (columns >= first)
+        (held >= 0) & (held <= query) & ((held < keep) | (query - held < recent))
     )
     return visible
 
@@ -61,11 +84,13 @@ class RingParameters:
 
 
 class RingAxis:
-    """The newest ``max_size`` positions are kept (``max_size - 1 + n`` right after a block)."""
+    """The newest ``max_size`` positions are kept (``max_size - 1 + n`` right after a
+    block), the first ``keep`` of a row's positions (sinks) always among them."""
 
     def __init__(self, spec: Ring) -> None:
         self.spec: GeometrySpec = spec
         self.max_size = spec.max_size
+        self.keep = spec.keep
         self.cap: int | None = spec.max_size
 
     def history(self, row: Row, n: int) -> int:
@@ -83,71 +108,113 @@ class RingAxis:
 
     def serial_mask(self, offset: int, n: int, window: int | None, return_array: bool) -> Mask:
         """mlx-lm's ring policy: ``None`` / ``"causal"`` while every query sees its whole
-        history, else (or with ``return_array``) the windowed causal array ``[n, S]``."""
-        win = window or self.max_size
+        history, else (or with ``return_array``) the array ``[n, S]`` (``[S]`` for one
+        query, mlx-lm's shape), columns in temporal order."""
+        recent = reach(window, self.max_size, self.keep)
         after = self.after(offset, n)  # a serial ring retains at least min(offset, max_size - 1)
-        if after <= win and not return_array:
+        if after <= self.keep + recent and not return_array:
             return None if n == 1 else "causal"
-        visible: npt.NDArray[np.bool_] = _visible([after], [0], n, win, after)[0, 0]
-        return visible
+        columns = held_positions(offset + n, after, self.keep)
+        visible: npt.NDArray[np.bool_] = _sees([columns], [offset], n, self.keep, recent)[0, 0]
+        return visible[0] if n == 1 else visible
 
     def place(self, arrangement: Arrangement) -> Placement:
         return SharedRing(self) if arrangement == "shared" else RaggedRing(self)
 
 
+def _ring_held(row: Row) -> int:
+    """A row's retained tokens that are not sinks (what a shared ring's columns hold)."""
+    return row.retained - row.held_sinks
+
+
 class SharedRing:
-    """One ring every row writes at once, from three integers: ``active`` (columns a read
-    returns), ``phase`` (the physical column of the oldest once the ring has wrapped) and
-    ``total`` (columns written since the last merge)."""
+    """One ring every row writes at once, from three integers: ``active`` (ring columns a
+    read returns), ``phase`` (the physical column of the oldest once the ring has wrapped)
+    and ``total`` (ring columns written since the last merge).
+
+    With ``keep`` the ring holds only the rows' non-sink tokens and has ``max_size - keep``
+    columns; a sink block of ``lead`` columns (each row's sinks left-aligned) comes first.
+    A block's tokens that are a row's sinks go to the sink block, and the ring takes
+    ``n - min(sinks in the block)`` columns: a row with more sinks in the block leaves
+    its first new ring columns empty (they count as its padding)."""
 
     def __init__(self, axis: RingAxis) -> None:
         self.axis = axis
+        self.span = axis.max_size - axis.keep  # the ring's columns
         self.active = self.phase = self.total = 0
         self.holds = False  # a ring exists (some row held a token since the merge)
 
-    def _phase_after(self, n: int) -> int:
+    def _sinks_in(self, row: Row, n: int) -> int:
+        """How many of the next ``n`` tokens of ``row`` are sinks."""
+        return max(0, min(n, self.axis.keep - row.offset))
+
+    def _ring_step(self, rows: Sequence[Row], n: int) -> int:
+        """Ring columns a block of ``n`` tokens writes."""
+        return n - min((self._sinks_in(row, n) for row in rows), default=0)
+
+    def _after(self, columns: int, written: int) -> int:
+        return min(columns, self.span - 1) + written if written else columns
+
+    def _phase_after(self, n: int, written: int) -> int:
+        if not written:
+            return self.phase
         if n > 1:
             return 0
-        if self.active >= self.axis.max_size:  # full: the write replaces the oldest column
-            start = 0 if self.active > self.axis.max_size else self.phase
-            return (start + 1) % self.axis.max_size
+        if self.active >= self.span:  # full: the write replaces the oldest column
+            start = 0 if self.active > self.span else self.phase
+            return (start + 1) % self.span
         return self.phase
 
+    def lead(self, rows: Sequence[Row]) -> int:
+        return max((row.held_sinks for row in rows), default=0)
+
     def columns(self, rows: Sequence[Row]) -> tuple[int, list[tuple[int, int]], int]:
+        lead = self.lead(rows)
         spans = []
         for row in rows:
-            shown = min(row.retained, self.active)
-            spans.append((self.active - shown, shown))
-        return self.active, spans, self.phase
+            shown = min(_ring_held(row), self.active)
+            spans.append((lead + self.active - shown, shown))
+        return lead + self.active, spans, self.phase
 
     def fetchable(self, rows: Sequence[Row]) -> bool:
         return self.holds
 
     def mask(self, rows: Sequence[Row], n: int, window: int | None, return_array: bool) -> Mask:
-        """Query ``i`` sees the keys of its window that hold its row's real tokens."""
-        size = self.axis.after(self.active, n)
-        real = [min(self.axis.after(row.retained, n), size) for row in rows]
-        visible = _visible([size] * len(rows), [size - r for r in real], n,
-                           window or self.axis.max_size, size)  # fmt: skip
-        rolled: npt.NDArray[np.bool_] = np.roll(visible, self._phase_after(n), axis=3)
-        return rolled
+        """Query ``i`` of row ``b`` sees the columns holding its row's sinks and newest
+        positions (``reach``), in the physical order the next read returns."""
+        keep = self.axis.keep
+        written = self._ring_step(rows, n)
+        active = self._after(self.active, written)
+        afters = [(row.offset + n, self.axis.after(row.retained, n)) for row in rows]
+        lead = max((min(keep, o, r) for o, r in afters), default=0)
+        phase = self._phase_after(n, written)
+        columns = []
+        for offset, retained in afters:
+            sinks = min(keep, offset, retained)
+            shown = min(retained - sinks, active)
+            ring = np.roll([-1] * (active - shown) + list(range(offset - shown, offset)), phase)
+            columns.append([*range(sinks), *[-1] * (lead - sinks), *ring.tolist()])
+        recent = reach(window, self.axis.max_size, keep)
+        return _sees(columns, [row.offset for row in rows], n, keep, recent, lead + active)
 
     def advance(self, rows: Sequence[Row], n: int) -> None:
-        dropped = max(0, self.active - self.axis.max_size + 1)
+        written = self._ring_step(rows, n)
+        fewest = n - written
+        dropped = max(0, self.active - self.span + 1) if written else 0
         for row in rows:
-            row.pad -= dropped
-        self.active, self.phase = self.axis.after(self.active, n), self._phase_after(n)
-        self.total += n
+            row.pad += self._sinks_in(row, n) - fewest - dropped
+        self.active, self.phase = self._after(self.active, written), self._phase_after(n, written)
+        self.total += written
         self.holds = True
 
     def join(self, rows: Sequence[Row], running: int) -> None:
-        """Every row is re-aligned to the longest window."""
-        width = max(row.retained for row in rows)
+        """Every row is re-aligned to the longest ring part; the sinks to the sink block."""
+        width = max(_ring_held(row) for row in rows)
         for row in rows:
-            row.pad = width - row.retained
+            row.pad = width - _ring_held(row)
         self.active = self.total = width
         self.phase = 0
-        self.holds = width > 0
+        self.holds = any(row.retained for row in rows)
 
     def filter(self, rows: Sequence[Row]) -> None:
         if not rows:
@@ -169,28 +236,35 @@ class SharedRing:
                 raise NotTrimmableError(trim_past_row_message(count, b, row.offset))
         if len(set(counts)) > 1:
             raise NotTrimmableError("rows sharing one write column must trim together")
-        if counts[0] > self.total:
+        if min(counts[0], self.active) > self.total:
             raise NotTrimmableError(
                 f"cannot trim {counts[0]} tokens from a ring with {self.total} columns written"
             )
 
     def trimmed(self, rows: Sequence[Row], counts: Sequence[int]) -> None:
-        count = max(counts, default=0)
+        """Every row's ring tokens end at the last column: the newest columns go (a row
+        with fewer ring tokens than the count also loses sinks)."""
+        count = min(max(counts, default=0), self.active)
+        if not count:
+            return
         self.active -= count
         self.total -= count
+        for row in rows:
+            row.pad = self.active - min(_ring_held(row), self.active)
 
     def trimmable(self, rows: Sequence[Row]) -> bool:
-        return self.total < self.axis.max_size
+        return self.total < self.span
 
     def check(self, rows: Sequence[Row]) -> None:
         """The mlx-lm style pads agree with the rows' retained tokens."""
         for row in rows:
-            shown = min(row.retained, self.active)
+            shown = min(_ring_held(row), self.active)
             assert max(0, row.pad) == self.active - shown, (row, self.active)
 
 
 class RaggedRing:
-    """Each row its own ring, left-aligned: row ``b`` at columns ``[0, retained[b])``."""
+    """Each row its own ring, left-aligned: row ``b`` at columns ``[0, retained[b])``
+    (its sinks first)."""
 
     def __init__(self, axis: RingAxis) -> None:
         self.axis = axis
@@ -200,14 +274,23 @@ class RaggedRing:
         width = max((row.retained for row in rows), default=0)
         return width, [(0, row.retained) for row in rows], 0
 
+    def lead(self, rows: Sequence[Row]) -> int:
+        return 0
+
     def fetchable(self, rows: Sequence[Row]) -> bool:
         return bool(rows) and self.holds
 
     def mask(self, rows: Sequence[Row], n: int, window: int | None, return_array: bool) -> Mask:
-        """Row ``b``'s query ``i`` sits at column ``after[b] - n + i`` and sees its window."""
-        after = [self.axis.after(row.retained, n) for row in rows]
-        return _visible(after, [0] * len(rows), n, window or self.axis.max_size,
-                        max(after, default=0))  # fmt: skip
+        """Row ``b``'s query ``i`` sits at column ``after[b] - n + i`` and sees its sinks and
+        its newest positions."""
+        keep = self.axis.keep
+        held = [
+            held_positions(row.offset + n, self.axis.after(row.retained, n), keep) for row in rows
+        ]
+        width = max((len(h) for h in held), default=0)
+        columns = [h + [-1] * (width - len(h)) for h in held]
+        recent = reach(window, self.axis.max_size, keep)
+        return _sees(columns, [row.offset for row in rows], n, keep, recent)
 
     def advance(self, rows: Sequence[Row], n: int) -> None:
         self.holds = True

@@ -45,7 +45,7 @@ from kvrows.errors import (
 )
 from kvrows.protocols import Cache, Mask
 from kvrows.reference.codecs import Codec, Planes, dtype_name, make_codec
-from kvrows.schemes import GeometrySpec
+from kvrows.schemes import GeometrySpec, Ring
 from kvrows.validation import (
     KvGeometry,
     as_count,
@@ -75,32 +75,57 @@ def concat(first: Planes | None, second: Planes) -> Planes:
     return tuple(np.concatenate([a, b], axis=2) for a, b in zip(first, second, strict=True))
 
 
+def _sinks_and_newest(planes: Planes, head: int, count: int) -> Planes:
+    """Copies of the oldest ``head`` tokens followed by the newest ``count - head``."""
+    if head == 0:
+        return newest(planes, count)
+    length = int(planes[0].shape[2])
+    tail = max(0, min(count, length) - head)
+    return tuple(np.concatenate([p[:, :, :head], p[:, :, length - tail :]], axis=2) for p in planes)
+
+
 @dataclass
 class Row:
     """One request: the tokens it retains, oldest first, and where it stands.
 
     ``keys`` / ``values``: the retained tokens' planes ``[1, H, retained, ·]`` (``None``
     before its first token); ``offset``: tokens ever appended (the next token's
-    position); ``pad``: what the layout reports as the row's ``left_pad``.
+    position); ``pad``: what the layout reports as the row's ``left_pad``; ``sinks``: a
+    ring's ``keep``, the first positions that are never evicted (0 elsewhere). The row
+    retains its first ``min(sinks, offset)`` positions, then a run of its newest ones.
     """
 
     keys: Planes | None = None
     values: Planes | None = None
     offset: int = 0
     pad: int = 0
+    sinks: int = 0
 
     @property
     def retained(self) -> int:
         return 0 if self.keys is None else int(self.keys[0].shape[2])
 
+    @property
+    def held_sinks(self) -> int:
+        """The sink positions the row holds (its oldest retained tokens)."""
+        return min(self.sinks, self.offset, self.retained)
+
     def newest(self, count: int) -> Row:
-        """An independent row holding this one's newest ``count`` tokens, at its offset."""
+        """An independent row holding ``count`` of this one's tokens, at its offset: its
+        sinks (up to ``count``) and then its newest."""
         if self.keys is None or self.values is None or count == 0:
-            return Row(offset=self.offset, pad=self.pad)
-        return Row(newest(self.keys, count), newest(self.values, count), self.offset, self.pad)
+            return Row(offset=self.offset, pad=self.pad, sinks=self.sinks)
+        head = min(self.held_sinks, count)
+        return Row(
+            _sinks_and_newest(self.keys, head, count),
+            _sinks_and_newest(self.values, head, count),
+            self.offset,
+            self.pad,
+            self.sinks,
+        )
 
     def append(self, keys: Planes, values: Planes, history: int) -> None:
-        """Keep the newest ``history`` tokens, then append the block."""
+        """Keep ``history`` tokens (sinks first, then the newest), then append the block."""
         n = int(keys[0].shape[2])
         kept = self.newest(history)
         self.keys, self.values = concat(kept.keys, keys), concat(kept.values, values)
@@ -131,6 +156,10 @@ class Placement(Protocol):
     def columns(self, rows: Sequence[Row]) -> tuple[int, list[tuple[int, int]], int]: ...
 
     def fetchable(self, rows: Sequence[Row]) -> bool: ...
+
+    def lead(self, rows: Sequence[Row]) -> int:
+        """Columns of a sink block before the rolled columns (0 but for rings with keep)."""
+        ...
 
     def mask(self, rows: Sequence[Row], n: int, window: int | None, return_array: bool) -> Mask: ...
 
@@ -200,18 +229,27 @@ def _image(
     rows: Sequence[Row],
     which: str,
     columns: tuple[int, list[tuple[int, int]], int],
+    lead: int = 0,
 ) -> Planes:
-    """The batch of ``which`` ("keys" / "values") planes a read returns."""
+    """The batch of ``which`` ("keys" / "values") planes a read returns.
+
+    ``lead``: a sink block first (a shared ring with ``keep``): row ``b``'s sinks sit
+    left-aligned in columns ``[0, lead)`` and only the columns after it roll."""
     width, spans, roll = columns
     dim = geometry.key_dim if which == "keys" else geometry.value_dim
     out = codec.zeros(len(rows), geometry.heads, width, dim, geometry.dtype)
     for b, (row, (start, shown)) in enumerate(zip(rows, spans, strict=True)):
         held = row.keys if which == "keys" else row.values
-        if held is None or not shown:
+        if held is None:
             continue
+        head = row.held_sinks if lead else 0
         for dst, src in zip(out, held, strict=True):
-            dst[b, :, start : start + shown] = src[0, :, src.shape[2] - shown :]
-    return tuple(np.roll(p, roll, axis=2) for p in out)
+            dst[b, :, :head] = src[0, :, :head]
+            if shown:
+                dst[b, :, start : start + shown] = src[0, :, src.shape[2] - shown :]
+    return tuple(
+        np.concatenate([p[:, :, :lead], np.roll(p[:, :, lead:], roll, axis=2)], axis=2) for p in out
+    )
 
 
 class Storage(SavedState, ComposedIdentity):
@@ -232,6 +270,8 @@ class Storage(SavedState, ComposedIdentity):
         self._axis = make_axis(token_geometry)
         self._geometry: KvGeometry | None = declared
         self._rows: list[Row] = []
+        #: A ring's sink tokens (``keep``), 0 for every other geometry.
+        self._sinks = token_geometry.keep if isinstance(token_geometry, Ring) else 0
 
     # -- what it holds --------------------------------------------------------------------
     @property
@@ -267,6 +307,10 @@ class Storage(SavedState, ComposedIdentity):
     def _fetchable(self) -> bool:
         raise NotImplementedError
 
+    def _lead(self) -> int:
+        """Columns of the sink block the read image starts with (shared rings only)."""
+        return 0
+
     def _advance(self, n: int) -> None:
         """Bookkeeping before every row takes a block of ``n`` tokens."""
 
@@ -275,10 +319,10 @@ class Storage(SavedState, ComposedIdentity):
         geometry = self._geometry
         if geometry is None or not self._fetchable():
             raise LayoutStateError(NOTHING_TO_FETCH)
-        columns = self._columns()
+        columns, lead = self._columns(), self._lead()
         return (
-            self.codec.fetched(_image(self.codec, geometry, self._rows, "keys", columns)),
-            self.codec.fetched(_image(self.codec, geometry, self._rows, "values", columns)),
+            self.codec.fetched(_image(self.codec, geometry, self._rows, "keys", columns, lead)),
+            self.codec.fetched(_image(self.codec, geometry, self._rows, "values", columns, lead)),
         )
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
@@ -295,7 +339,7 @@ class Storage(SavedState, ComposedIdentity):
         new_k, new_v = self.codec.encode(keys), self.codec.encode(values)
         n = int(keys.shape[2])
         if not self._rows:  # a serial storage learns its rows from its first block
-            self._rows = [Row() for _ in range(int(keys.shape[0]))]
+            self._rows = [Row(sinks=self._sinks) for _ in range(int(keys.shape[0]))]
         self._advance(n)
         for b, row in enumerate(self._rows):
             row.append(
@@ -466,6 +510,9 @@ class RowLayout(Storage):
     def _fetchable(self) -> bool:
         return self._place.fetchable(self._rows)
 
+    def _lead(self) -> int:
+        return self._place.lead(self._rows)
+
     def make_mask(
         self, n: int, *, return_array: bool = False, window_size: int | None = None
     ) -> Mask:
@@ -514,7 +561,7 @@ class RowLayout(Storage):
             if isinstance(source, RowLayout) or source._rows:
                 incoming.extend(self._cut(row) for row in source._rows)
             else:
-                incoming.append(Row())  # a serial storage with no token is one empty row
+                incoming.append(Row(sinks=self._sinks))  # a serial storage with no token
         geometry = common_geometry([self._geometry, *(s.geometry for s in rows)])
         if not incoming:
             return
@@ -533,7 +580,7 @@ class RowLayout(Storage):
         """An independent serial storage holding row ``row``'s window."""
         entry = self._rows[check_row(row, self.batch_size)]
         serial = self.serial_class.from_specs(self.codec_spec, self._token_geometry)
-        held = self._cut(entry) if entry.offset > 0 else Row()
+        held = self._cut(entry) if entry.offset > 0 else Row(sinks=self._sinks)
         return serial.adopt(held, self._geometry)  # an empty row still knows its geometry
 
     # -- trims -----------------------------------------------------------------------------

@@ -58,7 +58,7 @@ def test_schemes_are_frozen_keyword_only_and_validated() -> None:
     with pytest.raises(InvalidInputError, match="max_size"):
         Ring(max_size=0)
     with pytest.raises(InvalidInputError, match="sink tokens"):
-        Ring(max_size=8, keep=2)
+        Ring(max_size=8, keep=8)  # keep < max_size: the window needs a column
 
 
 @pytest.mark.parametrize(

@@ -79,6 +79,8 @@ def test_rotating_family(layout: str) -> None:
         assert stats.checks[oracle] > 0, f"oracle {oracle!r} never ran: {dict(stats.checks)}"
     unknown = set(stats.skips) - set(DIVERGENCES)
     assert not unknown, f"parity skips without a documented reason: {unknown}"
+    # Rings with and without sink tokens (keep) both ran.
+    assert stats.variants["sink tokens"] > 0 and stats.variants["no sink tokens"] > 0
     compared = {quantity for quantity, _ in stats.errors}
     expected = {"kv.stored", "kv.fetched", "kv.solo", "attention", "attention.solo"}
     if spec.serial_peer:
@@ -117,15 +119,22 @@ def test_the_family_budget_scales_the_profile() -> None:
 
 
 def test_expected_visible_matches_the_spec_examples() -> None:
+    def seen(*args: int | None) -> list[list[int]]:
+        return expected_visible(*args)  # type: ignore[arg-type]
+
     # spec/RotatingKVCache.md §2: the block t9 t10 t11 at window 6 (9 tokens before it).
-    assert expected_visible(9, 3, 6, 6) == [range(4, 10), range(5, 11), range(6, 12)]
+    assert seen(9, 3, 6, 6) == [list(range(4, 10)), list(range(5, 11)), list(range(6, 12))]
     # One token on a full ring sees the whole window; a narrower window_size hides more.
-    assert expected_visible(8, 1, 6, 6) == [range(3, 9)]
-    assert expected_visible(8, 1, 2, 6) == [range(7, 9)]
+    assert seen(8, 1, 6, 6) == [list(range(3, 9))]
+    assert seen(8, 1, 2, 6) == [[7, 8]]
     # A window_size wider than the ring sees only what the ring keeps.
-    assert expected_visible(8, 1, 10, 6) == [range(3, 9)]
+    assert seen(8, 1, 10, 6) == [list(range(3, 9))]
     # A fresh ring: a block sees its own causal prefix.
-    assert expected_visible(0, 3, 6, 6) == [range(0, 1), range(0, 2), range(0, 3)]
+    assert seen(0, 3, 6, 6) == [[0], [0, 1], [0, 1, 2]]
+    # Sinks (spec/RotatingKVCache.md §1.1): keep 2 of window 6, a block of 3 after 9 tokens.
+    assert seen(9, 3, None, 6, 2) == [[0, 1, 6, 7, 8, 9], [0, 1, 7, 8, 9, 10], [0, 1, 8, 9, 10, 11]]
+    # A window_size counts the sinks (and a query always sees itself).
+    assert seen(9, 1, 3, 6, 2) == [[0, 1, 9]]
 
 
 # ----------------------------------------------------------- tagged ring vectors
