@@ -268,7 +268,9 @@ def rows_of_state(
         active, limit = idx, None
     rows: list[StateRow] = []
     for b, (offset, pad) in enumerate(zip(offsets, pads, strict=True)):
-        window = offset if limit is None else min(offset, limit)
+        # A row keeps its newest ``max_size`` columns (what a merge keeps); kvrows' own
+        # form of a ring with sinks holds each row exactly (mlx-lm's batch ring has none).
+        window = offset if limit is None or keep else min(offset, limit)
         start = max(0, pad, active - window)
         if limit is None and (offset < 0 or active - pad != offset):
             raise InvalidInputError(

@@ -17,7 +17,7 @@ exactly (``spec/mlx-lm-batch-api.md`` §3):
 
 * **left padding** (``BatchKVCache(left_padding)``, ``prepare(left_padding=…)``): the
   first ``lead[b]`` tokens row ``b`` receives are pads. Each layout keeps those counts
-  (``_lead``) on rows that hold nothing yet; ``offset`` reads ``-lead`` like mlx-lm's, so
+  (``_pending_pads``) on rows that hold nothing yet; ``offset`` reads ``-lead`` like mlx-lm's, so
   the real tokens' RoPE positions start at 0; ``make_mask`` hides the pad columns of the
   block; after the update the pads are forgotten from the front of the row (the growing
   geometry marks them as left padding, a shared ring as columns before the oldest token,
@@ -153,21 +153,21 @@ class _Plan:
 class LayoutBatchOps(_LayoutBase):
     """mlx-lm's in-place batch operations on a layout, and its padded blocks."""
 
-    _lead: list[int]
+    _pending_pads: list[int]
     _run: _Run | None
 
     # -- per-row padding state, kept aligned with the rows ------------------------------
     def _clear(self) -> None:
         super()._clear()
-        self._lead, self._run = [], None
+        self._pending_pads, self._run = [], None
 
     def _leads(self) -> list[int]:
         """The pending left pads, one per row (re-synchronised if a row operation outside
         this mixin replaced the rows)."""
-        lead = getattr(self, "_lead", [])
+        lead = getattr(self, "_pending_pads", [])
         if len(lead) != len(self._offsets):
-            self._lead, self._run = [0] * len(self._offsets), None
-        return self._lead
+            self._pending_pads, self._run = [0] * len(self._offsets), None
+        return self._pending_pads
 
     @property
     def pending_left_padding(self) -> tuple[int, ...]:
@@ -200,7 +200,7 @@ class LayoutBatchOps(_LayoutBase):
         lead, before = self._leads(), self.batch_size
         super().merge_rows(rows)
         added = self.batch_size - before
-        self._lead = lead + (incoming if len(incoming) == added else [0] * added)
+        self._pending_pads = lead + (incoming if len(incoming) == added else [0] * added)
         self._changed()
 
     def filter_rows(self, keep: Sequence[int]) -> None:
@@ -208,7 +208,7 @@ class LayoutBatchOps(_LayoutBase):
         super().filter_rows(keep)
         if self.batch_size:
             order = check_keep(keep, len(lead))
-            self._lead = [lead[i] for i in order]
+            self._pending_pads = [lead[i] for i in order]
             self._run = None if run is None else run.kept(order)
             self._changed()
 
@@ -285,7 +285,7 @@ class LayoutBatchOps(_LayoutBase):
         if (padded_right or (lead is not None and any(lead))) and self._run is not None:
             raise LayoutStateError("a right-padded run is in progress: call finalize() first")
         if lead is not None and any(lead):
-            self._lead = [a + b for a, b in zip(self._leads(), lead, strict=True)]
+            self._pending_pads = [a + b for a, b in zip(self._leads(), lead, strict=True)]
             self._changed()
         if padded_right:
             assert right is not None
@@ -369,7 +369,7 @@ class LayoutBatchOps(_LayoutBase):
         if any(front):
             self._forget_front(front)
         self._offsets = [t - f - r for t, f, r in zip(self._offsets, front, tail, strict=True)]
-        self._lead = [p - f for p, f in zip(self._leads(), front, strict=True)]
+        self._pending_pads = [p - f for p, f in zip(self._leads(), front, strict=True)]
         run = self._run
         if run is not None:
             real = (

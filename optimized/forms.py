@@ -70,7 +70,7 @@ def state_of(storage: Storage) -> tuple[Any, ...]:
         fields["offset"] = storage.offset
         if entry.geometry == "ring":
             assert isinstance(storage, SharedRing)
-            fields.update(_ring_params(storage), idx=storage._idx if held else 0)
+            fields.update(_ring_params(storage), idx=storage.ring_index if held else 0)
             visible = (storage._visible(keys), storage._visible(values)) if held else None  # type: ignore[arg-type]
         else:
             visible = storage.planes()
@@ -81,7 +81,7 @@ def state_of(storage: Storage) -> tuple[Any, ...]:
     offsets = list(storage._offsets)
     if entry.geometry == "ring":
         fields["max_size"] = _ring_params(storage)["max_size"]
-    if isinstance(storage, SharedRing):
+    if isinstance(storage, SharedRing) and storage.keep == 0:  # mlx-lm's physical form
         pads = list(storage._pads)
         fields.update(total=storage._total, idx=storage._idx, rotated=storage._rotated)
         visible = (storage._visible(keys), storage._visible(values)) if held else None  # type: ignore[arg-type]
@@ -218,5 +218,8 @@ def _restore_serial(fresh: _S, fields: dict[str, Any], kv: KvGeometry) -> _S:
         idx = fields["idx"]
         if not 0 <= idx <= held:
             raise InvalidInputError(f"ring state: idx {idx} outside [0, {held}]")
-        fresh._idx, fresh._rotated = idx, idx < held
+        if idx < fresh._lead:
+            raise InvalidInputError(f"ring state: idx {idx} inside the {fresh._lead} sink columns")
+        # ``idx`` counts the sink columns (mlx-lm's); the geometry's index is the ring's.
+        fresh._idx, fresh._rotated = idx - fresh._lead, idx < held
     return fresh

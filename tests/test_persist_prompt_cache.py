@@ -35,9 +35,9 @@ LAYOUTS = [name for name, cls in DECLARED.items() if cls.composition.is_layout]
 DIM = 64
 
 
-def _args(name: str) -> tuple[int, ...]:
+def _args(name: str, keep: int = 0) -> tuple[int, ...]:
     entry = DECLARED[name].composition
-    values = {"max_size": 6, "group_size": 32, "bits": 4, "keep": 0}
+    values = {"max_size": 6, "group_size": 32, "bits": 4, "keep": keep}
     return tuple(values[p] for p in entry.params)
 
 
@@ -81,25 +81,29 @@ def _native(impl: Any, block: np.ndarray[Any, Any], dtype: str) -> Any:
     return block.astype(dtype)
 
 
-def _filled(impl: Any, name: str, sizes: list[int], seed: int, dtype: str = "float32") -> Any:
+def _filled(
+    impl: Any, name: str, sizes: list[int], seed: int, dtype: str = "float32", keep: int = 0
+) -> Any:
     """A serial cache of class ``name`` after appending blocks of ``sizes`` tokens."""
-    cache = impl.__dict__[name](*_args(name))
+    cache = impl.__dict__[name](*_args(name, keep))
     for block in _blocks(np.random.default_rng(seed), sizes, dtype):
         native = _native(impl, block, dtype)
         cache.update_and_fetch(native, native)
     return cache
 
 
-def _layout(impl: Any, name: str, rows: list[list[int]], seed: int, dtype: str) -> Any:
+def _layout(
+    impl: Any, name: str, rows: list[list[int]], seed: int, dtype: str, keep: int = 0
+) -> Any:
     entry = DECLARED[name].composition
     serial = entry.serial or next(
         c.composition.name
         for c in DECLARED.values()
         if c.composition.roles and name in {role for _, role in c.composition.roles.items()}
     )
-    layout = impl.__dict__[name](*_args(name))
+    layout = impl.__dict__[name](*_args(name, keep))
     layout.merge_rows(
-        [_filled(impl, serial, sizes, seed + i, dtype) for i, sizes in enumerate(rows)]
+        [_filled(impl, serial, sizes, seed + i, dtype, keep) for i, sizes in enumerate(rows)]
     )
     return layout
 
@@ -116,6 +120,7 @@ sizes_strategy = st.lists(st.integers(1, 9), min_size=0, max_size=4)
     sizes=sizes_strategy,
     seed=st.integers(0, 2**16),
     dtype=st.sampled_from(["float32", "float16", "bfloat16"]),
+    sinks=st.sampled_from([0, 0, 2]),
     source=st.sampled_from(["reference", "optimized"]),
     target=st.sampled_from(["reference", "optimized"]),
 )
@@ -125,11 +130,13 @@ def test_serial_round_trip_is_bit_exact(
     sizes: list[int],
     seed: int,
     dtype: str,
+    sinks: int,
     source: str,
     target: str,
 ) -> None:
     impls = {"reference": reference, "optimized": optimized}
-    cache = _filled(impls[source], name, sizes, seed, dtype)
+    keep = sinks if "Rotating" in name else 0
+    cache = _filled(impls[source], name, sizes, seed, dtype, keep)
     path = tmp_path_factory.mktemp("rt") / "cache.safetensors"
     save_prompt_cache(path, [cache], {"who": "test"})
     (loaded,), metadata = load_prompt_cache(path, return_metadata=True, implementation=target)  # type: ignore[arg-type]
@@ -147,6 +154,7 @@ def test_serial_round_trip_is_bit_exact(
     name=st.sampled_from(LAYOUTS),
     rows=st.lists(st.lists(st.integers(1, 8), min_size=0, max_size=3), min_size=1, max_size=3),
     seed=st.integers(0, 2**16),
+    sinks=st.sampled_from([0, 0, 2]),
     source=st.sampled_from(["reference", "optimized"]),
     target=st.sampled_from(["reference", "optimized"]),
 )
@@ -155,11 +163,13 @@ def test_layout_round_trip_keeps_every_row(
     name: str,
     rows: list[list[int]],
     seed: int,
+    sinks: int,
     source: str,
     target: str,
 ) -> None:
     impls = {"reference": reference, "optimized": optimized}
-    layout = _layout(impls[source], name, rows, seed, "float32")
+    keep = sinks if DECLARED[name].composition.geometry == "ring" else 0
+    layout = _layout(impls[source], name, rows, seed, "float32", keep)
     path = tmp_path_factory.mktemp("rt") / "layout.safetensors"
     save_prompt_cache(path, [layout])
     (loaded,) = load_prompt_cache(path, implementation=target)  # type: ignore[arg-type]
@@ -189,6 +199,8 @@ def _lm_pair(kind: str) -> tuple[Any, Any]:
         return lm.KVCache(), optimized.KVCache()
     if kind == "ring":
         return lm.RotatingKVCache(6), optimized.RotatingKVCache(6)
+    if kind == "ring-sinks":
+        return lm.RotatingKVCache(6, keep=2), optimized.RotatingKVCache(6, keep=2)
     return lm.QuantizedKVCache(32, 4), optimized.QuantizedKVCache(32, 4)
 
 
@@ -198,7 +210,7 @@ def _fetch_equal(a: Any, b: Any) -> bool:
     return bool(mx.array_equal(a, b).item())
 
 
-@pytest.mark.parametrize("kind", ["plain", "ring", "quantized"])
+@pytest.mark.parametrize("kind", ["plain", "ring", "ring-sinks", "quantized"])
 @pytest.mark.parametrize("direction", ["kvrows->mlx-lm", "mlx-lm->kvrows"])
 def test_files_interoperate_with_mlx_lm(tmp_path: Path, kind: str, direction: str) -> None:
     """Same appends into mlx-lm's class and kvrows'; one saves, the other's loader reads;
