@@ -129,6 +129,8 @@ def restore_state(
         fresh.codec.check(kv)
     rows = rows_of_state(entry, fields, _joined, keep=keep or 0)
     fresh._geometry = kv
+    # A ring row never evicts its first ``keep`` positions (its sinks).
+    sinks = token_geometry.keep if isinstance(token_geometry, Ring) else 0
     if isinstance(fresh, SerialStorage):
         offset = fields["offset"]
         if fields["keys"] is not None and (
@@ -137,7 +139,7 @@ def restore_state(
         ):  # fmt: skip
             raise InvalidInputError(f"state offset {offset} disagrees with the keys it holds")
         fresh._rows = [
-            Row(_copied(k), _copied(v), offset)
+            Row(_copied(k), _copied(v), offset, sinks=sinks)
             for k, v, _ in rows
             if k is not None and v is not None
         ]
@@ -148,7 +150,7 @@ def restore_state(
         serial = fresh.serial_class.from_specs(codec_spec, token_geometry)
         serial._geometry = kv
         if keys is not None and values is not None:
-            serial._rows = [Row(_copied(keys), _copied(values), offset)]
+            serial._rows = [Row(_copied(keys), _copied(values), offset, sinks=sinks)]
         elif offset:
             raise InvalidInputError(f"state row at position {offset} holds no token")
         sources.append(serial)
