@@ -1889,7 +1889,8 @@ class ConformanceMachine(RuleBasedStateMachine):
         if final:
             # Both implementations' saved states describe the same rows (restores check
             # it as they go; every example ends with every cache's).
-            for item in [*self.pool, *self.slots]:
+            items: list[Track | Slot] = [*self.pool, *self.slots]
+            for item in items:
                 self._check_state(f"{type(item).__name__.lower()} {item.ident}", item.ref, item.opt)
         self._check_independence()
         self.stats.check("full check")
