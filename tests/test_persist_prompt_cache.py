@@ -359,3 +359,35 @@ def test_from_state_refuses_malformed_states() -> None:
     with pytest.raises(InvalidInputError):
         cache.state = (keys, None, offset)
     assert state_rows(cache) == before  # a refused setter changed nothing
+
+
+def test_ring_batch_files_interoperate_with_mlx_lm(tmp_path: Path) -> None:
+    """A shared-column ring layout saves as mlx-lm's ``BatchRotatingKVCache`` (same
+    physical form): loaded by mlx-lm, its next decode steps read what kvrows' read."""
+    rng = np.random.default_rng(4)
+    rows = [
+        _filled(optimized, "RotatingKVCache", sizes, seed=i) for i, sizes in enumerate([[8], [3]])
+    ]
+    layout = optimized.BatchedRotatingCache(6)
+    layout.merge_rows(rows)
+    for _ in range(4):  # wrap the shared ring
+        block = mx.array(rng.standard_normal((2, 2, 1, DIM)).astype(np.float32))
+        layout.update_and_fetch(block, block)
+    path = str(tmp_path / "rings.safetensors")
+    save_prompt_cache(path, [layout])
+    (theirs,) = lm.load_prompt_cache(path)
+    assert type(theirs).__name__ == "BatchRotatingKVCache"
+    assert theirs.offset.tolist() == list(layout.row_offsets)
+    # mlx-lm's own loaded BatchRotatingKVCache lacks ``_lengths`` and cannot update (its
+    # from_state skips __init__; a file mlx-lm saved itself fails the same way).
+    assert not hasattr(theirs, "_lengths")
+    theirs._lengths = None
+    for _ in range(3):
+        assert mx.array_equal(theirs.make_mask(1), layout.make_mask(1)).item()
+        block = mx.array(rng.standard_normal((2, 2, 1, DIM)).astype(np.float32))
+        got, want = theirs.update_and_fetch(block, block), layout.update_and_fetch(block, block)
+        assert _fetch_equal(got[0], want[0]) and _fetch_equal(got[1], want[1])
+    lm.save_prompt_cache(path, [theirs])
+    (back,) = load_prompt_cache(path)
+    assert back.row_offsets == layout.row_offsets
+    assert state_rows(back) == state_rows(layout)
