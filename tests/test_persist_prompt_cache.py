@@ -383,7 +383,9 @@ def test_ring_batch_files_interoperate_with_mlx_lm(tmp_path: Path) -> None:
     assert not hasattr(theirs, "_lengths")
     theirs._lengths = None
     for _ in range(3):
-        assert mx.array_equal(theirs.make_mask(1), layout.make_mask(1)).item()
+        ours = layout.make_mask(1)
+        assert isinstance(ours, mx.array)
+        assert mx.array_equal(theirs.make_mask(1), ours).item()
         block = mx.array(rng.standard_normal((2, 2, 1, DIM)).astype(np.float32))
         got, want = theirs.update_and_fetch(block, block), layout.update_and_fetch(block, block)
         assert _fetch_equal(got[0], want[0]) and _fetch_equal(got[1], want[1])
