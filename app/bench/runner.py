@@ -111,7 +111,9 @@ class Timing:
 
 def _time_once(workload: Workload) -> tuple[float, Any]:
     state = workload.setup()
-    gc.collect()
+    # The collector is off while timing; collect what the last runs left (young
+    # generations: a full pass over a test process's heap cost more than the timings).
+    gc.collect(1)
     enabled = gc.isenabled()
     gc.disable()
     try:
