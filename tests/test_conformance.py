@@ -239,7 +239,7 @@ def test_runner_runs_the_affine_family() -> None:
     """``kvrows conform --family affine``: the family's own machine factory and budget."""
 
     family = FAMILIES["affine"]
-    assert family_settings(family, "ci").max_examples == round(115 * family.examples)
+    assert family_settings(family, "ci").max_examples == round(150 * family.examples)
     assert family_settings(family, "ci", max_examples=3).max_examples == 3
     results = run_machines(["affine"], profile="ci", max_examples=3, stateful_step_count=8)
     assert [(r.family, r.layout) for r in results] == [
