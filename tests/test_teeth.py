@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import mlx.core as mx
 import pytest
+from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvrows.conformance.families import FAMILIES, Impl, optimized_impl
@@ -126,7 +127,18 @@ MUTANTS = [
 ]
 
 
-def _run(layout: str, mutant: type | None) -> Stats:
+#: The unmutated controls: the same machine with the real classes must pass. The family
+#: tests (tests/test_conformance*.py) run this machine class on these layouts with the full
+#: CI budget, so a control only has to show the teeth configuration is not failing by
+#: itself: a short run.
+CONTROL_EXAMPLES = 15
+
+
+def _teeth(examples: int | None) -> settings:
+    return profile_settings("teeth", **({} if examples is None else {"max_examples": examples}))
+
+
+def _run(layout: str, mutant: type | None, examples: int | None = None) -> Stats:
     family = FAMILIES["plain"]
     stats = Stats(family.name, layout)
     optimized = optimized_impl()
@@ -135,7 +147,7 @@ def _run(layout: str, mutant: type | None) -> Stats:
         optimized = optimized.with_classes({layout: mutant})
         name = f"Teeth{mutant.__name__}"
     machine = machine_class(family, layout, stats=stats, optimized=optimized, name=name)
-    run_state_machine_as_test(machine, settings=profile_settings("teeth"))
+    run_state_machine_as_test(machine, settings=_teeth(examples))
     return stats
 
 
@@ -149,7 +161,7 @@ def test_the_machine_catches(layout: str, mutant: type) -> None:
 
 @pytest.mark.parametrize("layout", ["PaddedKVRows", "BatchedKVCache"])
 def test_the_unmutated_implementation_passes(layout: str) -> None:
-    stats = _run(layout, None)
+    stats = _run(layout, None, CONTROL_EXAMPLES)
     assert stats.examples > 0
 
 
@@ -203,7 +215,7 @@ AFFINE_MUTANTS = [
 ]
 
 
-def _run_affine(layout: str, mutant: type | None) -> Stats:
+def _run_affine(layout: str, mutant: type | None, examples: int | None = None) -> Stats:
     family = FAMILIES["affine"]
     stats = Stats(family.name, layout)
     optimized = optimized_impl()
@@ -212,7 +224,7 @@ def _run_affine(layout: str, mutant: type | None) -> Stats:
         optimized = optimized.with_classes({layout: mutant})
         name = f"Teeth{mutant.__name__}"
     machine = machine_class(family, layout, stats=stats, optimized=optimized, name=name)
-    run_state_machine_as_test(machine, settings=profile_settings("teeth"))
+    run_state_machine_as_test(machine, settings=_teeth(examples))
     return stats
 
 
@@ -227,7 +239,7 @@ def test_the_affine_machine_catches(layout: str, mutant: type) -> None:
 
 @pytest.mark.parametrize("layout", ["PaddedQuantKVRows", "BatchedQuantizedKVCache"])
 def test_the_unmutated_affine_implementation_passes(layout: str) -> None:
-    stats = _run_affine(layout, None)
+    stats = _run_affine(layout, None, CONTROL_EXAMPLES)
     assert stats.examples > 0
 
 
@@ -287,7 +299,7 @@ RING_MUTANTS = [
 ]
 
 
-def _run_ring(mutant: type | None) -> Stats:
+def _run_ring(mutant: type | None, examples: int | None = None) -> Stats:
     layout = "BatchedRotatingCache"
     family = FAMILIES["rotating"]
     stats = Stats(family.name, layout)
@@ -297,7 +309,7 @@ def _run_ring(mutant: type | None) -> Stats:
         optimized = optimized.with_classes({layout: mutant})
         name = f"Teeth{mutant.__name__}"
     machine = machine_class(family, layout, stats=stats, optimized=optimized, name=name)
-    run_state_machine_as_test(machine, settings=profile_settings("teeth"))
+    run_state_machine_as_test(machine, settings=_teeth(examples))
     return stats
 
 
@@ -309,7 +321,7 @@ def test_the_ring_machine_catches(mutant: type) -> None:
 
 
 def test_the_unmutated_ring_implementation_passes() -> None:
-    assert _run_ring(None).examples > 0
+    assert _run_ring(None, CONTROL_EXAMPLES).examples > 0
 
 
 # ------------------------------------- the gaps issue 8 closed (in the base machine)
@@ -391,7 +403,7 @@ def _run_family(family_name: str, layout: str, optimized: Impl, name: str) -> St
     family = FAMILIES[family_name]
     stats = Stats(family.name, layout)
     machine = machine_class(family, layout, stats=stats, optimized=optimized, name=name)
-    run_state_machine_as_test(machine, settings=profile_settings("teeth"))
+    run_state_machine_as_test(machine, settings=_teeth(None))
     return stats
 
 
