@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvrows.compositions import COMPOSITIONS, Composition
+from kvrows.compositions import Composition
 from kvrows.errors import InvalidInputError, UnsupportedStateError
 from kvrows.schemes import Affine, CodecSpec, GeometrySpec, Growing, Plain, Ring
 from kvrows.validation import KvGeometry
@@ -47,7 +47,6 @@ __all__ = [
     "StateRow",
     "chronological",
     "codec_from_fields",
-    "composition_named",
     "geometry_from_fields",
     "kv_geometry_of",
     "legacy_state",
@@ -179,13 +178,6 @@ def kv_geometry_of(
             dtype,
         )
     return KvGeometry(heads, int(keys[0].shape[3]), int(values[0].shape[3]), dtype)
-
-
-def composition_named(name: str) -> Composition:
-    for entry in COMPOSITIONS:
-        if entry.name == name:
-            return entry
-    raise UnsupportedStateError(f"unknown class {name!r} in saved state")
 
 
 def _planes(value: Any) -> tuple[Any, ...] | None:

@@ -182,12 +182,15 @@ def restore_state(
     assert isinstance(fresh, Layout)
     fresh._geometry = kv
     fresh.merge_rows(sources)
+    mx.eval(*fresh.held_arrays())  # owned by the layout, evaluated: nothing pins the state
     return fresh
 
 
 def _serial_row(
     cls: type[Storage], codec: Any, token_geometry: Any, row: StateRow, kv: KvGeometry
 ) -> Storage:
+    """A transient merge source holding one state row as views: ``merge_rows`` copies
+    them into the layout's own buffers, so copying them here too would copy twice."""
     serial = cls.from_specs(codec, token_geometry)
     keys, values, offset = row
     if keys is None or values is None:
@@ -196,10 +199,7 @@ def _serial_row(
             raise InvalidInputError(f"state row at position {offset} holds no token")
         return serial
     assert isinstance(serial, Serial)
-    owned_keys = tuple(owned(p) for p in keys)
-    owned_values = tuple(owned(p) for p in values)
-    mx.eval(*owned_keys, *owned_values)
-    return serial.adopt(owned_keys, owned_values, offset, kv)
+    return serial.adopt(keys, values, offset, kv)
 
 
 def _restore_serial(fresh: _S, fields: dict[str, Any], kv: KvGeometry) -> _S:

@@ -30,11 +30,11 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from kvrows.compositions import composition
 from kvrows.errors import CorruptStateError, InvalidInputError, UnsupportedStateError
 from kvrows.forms import (
     FILE_CLASSES,
     FORMAT_VERSION,
-    composition_named,
     state_form,
 )
 from kvrows.persist.files import CHECKSUM_KEY, checksum, read_safetensors, write_atomic
@@ -280,7 +280,10 @@ def _restore(
                 f"{path}: kvrows cannot load mlx-lm's {file_class} (no kvrows storage for it)"
             )
     if not isinstance(name, str) or name not in classes_by_name:
-        composition_named(str(name))  # names an unknown class: UnsupportedStateError
+        try:
+            composition(str(name))
+        except KeyError:
+            raise UnsupportedStateError(f"{path}: unknown class {name!r} in saved state") from None
         raise UnsupportedStateError(
             f"{path}: {name} is not landed in the {implementation} implementation"
         )
