@@ -271,14 +271,17 @@ class Family:
         raise KeyError(f"family {self.name!r} has no layout {name!r}")
 
 
-def derived_layouts(serial: str, tolerance_key: str = "") -> tuple[LayoutSpec, ...]:
+def derived_layouts(
+    serial: str, tolerance_key: str = "", verify_only: str = "skip"
+) -> tuple[LayoutSpec, ...]:
     """The machines' layouts of ``serial``'s rows, read off the composition table.
 
     Roles: the roles of ``serial``'s entry that name the layout; rows share one write
     column when the arrangement is ``shared`` and roll back per row when it is
     ``ragged``; mlx-lm mirrors a layout (and twins the serial caches) where the table
     names a parity class. Every layout merges rows of its siblings (the other layouts of
-    the same storage).
+    the same storage). Layouts that serve only the verify role are left to the speculative
+    family unless ``verify_only="keep"``.
     """
     storage = composition(serial)
     layouts = layouts_of(serial)
@@ -290,6 +293,8 @@ def derived_layouts(serial: str, tolerance_key: str = "") -> tuple[LayoutSpec, .
             for role, target in (storage.roles.items() if storage.roles else ())
             if target == entry.name
         )
+        if roles == ("verify",) and verify_only == "skip":
+            continue  # a verify-only layout: the speculative family drives it
         specs.append(
             LayoutSpec(
                 entry.name,

@@ -154,41 +154,43 @@ COMPOSITIONS: tuple[Composition, ...] = (
     Composition(name="RotatingAffineLayout", codec="affine", geometry="ring",
                 arrangement="shared", signature="kv:rotating-affine:{max_size}:{group_size}:{bits}",
                 params=_RING_AFFINE, serial="RotatingQuantizedKVCache",
-                roles=Roles(SELF, SELF, SELF),
-                summary="prefill/verify layout of the affine ring"),
+                roles=Roles(SELF, SELF, "SpeculativeRotatingAffineLayout"),
+                summary="prefill layout of the affine ring"),
     Composition(name="BatchedRotatingQuantCache", codec="affine", geometry="ring",
                 arrangement="shared", signature="kv:rotating-quant:{bits}:{group_size}",
                 params=_RING_AFFINE, serial="RotatingQuantizedKVCache",
-                roles=Roles(SELF, SELF, "RotatingAffineLayout"),
+                roles=Roles(SELF, SELF, "SpeculativeRotatingAffineLayout"),
                 summary="decode layout of the affine ring"),
     Composition(name="SpeculativeRotatingAffineLayout", codec="affine", geometry="ring",
-                arrangement="ragged", signature="kv:speculative-rotating-affine",
+                arrangement="ragged",
+                signature="kv:speculative-rotating-affine:{max_size}:{group_size}:{bits}",
                 params=_RING_AFFINE, serial="RotatingQuantizedKVCache",
-                roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"speculative"}), issue=10,
+                roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"speculative"}),
                 summary="verify layout of the affine ring: per-row rollback across the window"),
     Composition(name="RotatingQuantizedKVCache", codec="affine", geometry="ring",
                 arrangement="serial", signature="kv:rotating-quant:{bits}:{group_size}",
                 params=_RING_AFFINE,
                 roles=Roles("BatchedRotatingQuantCache", "RotatingAffineLayout",
-                            "RotatingAffineLayout"),
+                            "SpeculativeRotatingAffineLayout"),
                 peers=("RotatingKVCache",), summary="serial affine sliding-window ring"),
     # -- plain rings -----------------------------------------------------------------
     Composition(name="SpeculativeRotatingKVCache", codec="plain", geometry="ring",
-                arrangement="ragged", signature="kv:speculative-rotating", params=_RING,
+                arrangement="ragged", signature="kv:speculative-rotating:{max_size}", params=_RING,
                 serial="RotatingKVCache", roles=Roles(SELF, SELF, SELF),
-                modifiers=frozenset({"speculative"}), issue=10,
+                modifiers=frozenset({"speculative"}),
                 summary="verify layout of the plain ring: per-row rollback across the window"),
     Composition(name="RaggedRotatingRows", codec="plain", geometry="ring", arrangement="ragged",
                 signature="kv:ragged-rotating:{max_size}", params=_RING, serial="RotatingKVCache",
-                roles=Roles(SELF, SELF, SELF),
-                summary="prefill/verify layout of the plain ring: each row its own window"),
+                roles=Roles(SELF, SELF, "SpeculativeRotatingKVCache"),
+                summary="prefill layout of the plain ring: each row its own window"),
     Composition(name="BatchedRotatingCache", codec="plain", geometry="ring", arrangement="shared",
                 signature="kv:rotating-plain", params=_RING, serial="RotatingKVCache",
                 parity="BatchRotatingKVCache",
                 summary="decode layout of the plain ring (mlx-lm BatchRotatingKVCache)"),
     Composition(name="RotatingKVCache", codec="plain", geometry="ring", arrangement="serial",
                 signature="kv:rotating-plain", params=_RING,
-                roles=Roles("BatchedRotatingCache", "RaggedRotatingRows", "RaggedRotatingRows"),
+                roles=Roles("BatchedRotatingCache", "RaggedRotatingRows",
+                            "SpeculativeRotatingKVCache"),
                 peers=("RotatingKVCache",), parity="RotatingKVCache",
                 summary="serial plain sliding-window ring"),
     # -- TurboQuant and delayed full attention (issues 11, 12) -----------------------
@@ -207,11 +209,12 @@ COMPOSITIONS: tuple[Composition, ...] = (
                 summary="TurboQuant rows, all three roles"),
     # -- plain and affine full attention ---------------------------------------------
     _plain_growing("BatchedKVCache", "ragged", "kv:batched-positions", serial="KVCache",
-                   roles=Roles(SELF, SELF, SELF),
+                   roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"speculative"}),
                    summary="prefill/verify layout of KVCache: ragged rows"),
     Composition(name="BatchedQuantizedKVCache", codec="affine", geometry="growing",
                 arrangement="ragged", signature="kv:batched-quant:{bits}:{group_size}",
                 params=_AFFINE, serial="QuantizedKVCache", roles=Roles(SELF, SELF, SELF),
+                modifiers=frozenset({"speculative"}),
                 summary="prefill/verify layout of QuantizedKVCache: ragged rows"),
     # -- recurrent (issue 14) --------------------------------------------------------
     Composition(name="BatchedSSMCache", codec="state", geometry="recurrent",
@@ -407,7 +410,7 @@ def _roles_for_serial(entry: Composition) -> frozenset[str]:
 
 def affine_counterpart(name: str) -> Composition | None:
     """The landed affine composition that holds what ``name`` holds, quantized
-    (``to_quantized``): same token geometry and arrangement, no modifiers, and, where
+    (``to_quantized``): same token geometry, arrangement and modifiers, and, where
     several qualify, the one filling the same roles for its serial storage
     (``BatchedRotatingCache`` -> ``BatchedRotatingQuantCache``, both decode layouts).
     ``None`` when the table has no such composition."""
@@ -418,7 +421,7 @@ def affine_counterpart(name: str) -> Composition | None:
         if c.codec == "affine"
         and c.geometry == entry.geometry
         and c.arrangement == entry.arrangement
-        and not c.modifiers
+        and c.modifiers == entry.modifiers
     ]
     if len(candidates) > 1:
         roles = _roles_for_serial(entry)

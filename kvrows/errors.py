@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "EMPTY_LAYOUT_UPDATE",
     "NOTHING_TO_FETCH",
+    "SPECULATIVE_INVALID",
     "CapacityError",
     "CorruptStateError",
     "IncompatibleRowsError",
@@ -21,10 +22,13 @@ __all__ = [
     "NotBatchableError",
     "NotTrimmableError",
     "RowIndexError",
+    "SpeculativeRoundError",
+    "SpeculativeStateInvalidError",
     "StateReadError",
     "StateWriteError",
     "UnsupportedStateError",
     "incompatible_merge_message",
+    "ring_rollback_message",
     "self_merge_message",
     "trim_past_row_message",
     "wrapped_ring_message",
@@ -82,6 +86,18 @@ class LayoutStateError(KvRowsError):
     """The operation is not valid in the layout's current state."""
 
 
+class SpeculativeRoundError(LayoutStateError):
+    """The speculative round protocol was used out of order: a second ``spec_round_begin``,
+    a commit or rollback without a round or without its verify block, a second block, or
+    a row operation (merge, filter, extract, trim) in the middle of a round. Nothing
+    changed."""
+
+
+class SpeculativeStateInvalidError(KvRowsError):
+    """An append or a rollback failed inside a speculative round: the layout's state is
+    undefined and every later call refuses (discard the layout)."""
+
+
 class NoRowLayoutError(KvRowsError):
     """The row-layout table has no layout of the asked role for this storage."""
 
@@ -97,6 +113,10 @@ NOTHING_TO_FETCH = "the cache holds no tokens yet: nothing to fetch"
 
 #: ``update_and_fetch`` on a layout that holds no rows.
 EMPTY_LAYOUT_UPDATE = "an empty layout takes no update: merge rows into it first"
+
+
+#: Every call on a layout whose speculative round failed half-way.
+SPECULATIVE_INVALID = "speculative state is invalid and must be discarded"
 
 
 def self_merge_message(layout: str) -> str:
@@ -133,3 +153,12 @@ def wrapped_ring_message(what: str, window: int) -> str:
 def trim_past_row_message(count: int, row: int, holds: int) -> str:
     """A trim or rollback of more tokens than a row holds."""
     return f"cannot trim {count} tokens from row {row}, which holds {holds}"
+
+
+def ring_rollback_message(row: int, offset: int, retained: int, count: int, window: int) -> str:
+    """A per-row trim of a ragged ring that would leave the row short of its window."""
+    return (
+        f"cannot trim {count} tokens from row {row} at offset {offset}: it retains its "
+        f"newest {retained}, and its window of {window} before them is already overwritten "
+        "(a ring rolls back only tokens of its latest block)"
+    )

@@ -107,7 +107,8 @@ def state_form(entry: Composition) -> StateForm:
     """The state form of a landed composition (``UnsupportedStateError`` for others)."""
     fields = (_LAYOUT if entry.is_layout else _SERIAL).get(entry.geometry)
     tail = _CODEC_TAIL.get(entry.codec)
-    if fields is None or tail is None or entry.modifiers:
+    # A speculative layout outside a round holds what its unmodified layout holds.
+    if fields is None or tail is None or entry.modifiers - {"speculative"}:
         raise UnsupportedStateError(
             f"{entry.name} has no saved-state form yet (issue {entry.issue or '?'} adds it)"
         )

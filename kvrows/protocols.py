@@ -155,21 +155,30 @@ class BatchableCache(Cache, Protocol):
 
 @runtime_checkable
 class SpeculativeRowLayout(BatchableCache, Protocol):
-    """A verify layout: append a draft block for every row, then accept or roll back.
+    """A verify layout: one round appends a verify block for every row, then keeps it or
+    rolls each row back to its accepted prefix (``spec/speculative.md``).
 
-    Declared here; implemented by the speculative-decoding issue.
+    The block is ``[pending, draft_1 … draft_d]`` (``d + 1`` tokens per row); a round with
+    ``d = 0`` is not opened. Rejected tokens leave no trace: never visible to a later
+    query, never extracted, never published. Merge, filter, extract and trim refuse while
+    a round is open.
     """
 
-    def begin_round(self) -> None:
-        """Record every row's coverage before the draft block is appended."""
+    @property
+    def spec_round_open(self) -> bool:
+        """Whether a round has begun and is not yet committed or rolled back."""
         ...
 
-    def accept(self, counts: Sequence[int]) -> None:
-        """Keep ``counts[b]`` of row ``b``'s drafted tokens; rejected tokens leave no trace."""
+    def spec_round_begin(self) -> None:
+        """Open a round (before the verify block is appended)."""
         ...
 
-    def rollback(self) -> None:
-        """Undo the whole round."""
+    def spec_round_commit(self) -> None:
+        """Every row accepted every draft."""
+        ...
+
+    def spec_round_rollback(self, keep: int | Sequence[int]) -> None:
+        """Row ``b`` keeps the first ``keep[b]`` tokens of the block (``1..d + 1``)."""
         ...
 
 

@@ -16,6 +16,7 @@ from kvrows.optimized.dropin import LayoutDropIn, SerialDropIn
 from kvrows.optimized.growing import GrowingGeometry
 from kvrows.optimized.ring import RaggedRing, SharedRing
 from kvrows.optimized.rows import Layout, Serial
+from kvrows.optimized.speculative import SpeculativeLayout
 
 __all__ = [
     "BatchedKVCache",
@@ -30,6 +31,8 @@ __all__ = [
     "RotatingAffineLayout",
     "RotatingKVCache",
     "RotatingQuantizedKVCache",
+    "SpeculativeRotatingAffineLayout",
+    "SpeculativeRotatingKVCache",
 ]
 
 # -- full attention ----------------------------------------------------------------------
@@ -47,8 +50,9 @@ class PaddedKVRows(LayoutDropIn, LayoutBatchOps, GrowingGeometry, Layout):
     composition = composition("PaddedKVRows")
 
 
-class BatchedKVCache(LayoutDropIn, LayoutBatchOps, GrowingGeometry, Layout):
-    """Prefill/verify layout of ``KVCache``: ragged rows (``spec/BatchedKVCache.md``)."""
+class BatchedKVCache(SpeculativeLayout, LayoutDropIn, LayoutBatchOps, GrowingGeometry, Layout):
+    """Prefill/verify layout of ``KVCache``: ragged rows with verify rounds
+    (``spec/BatchedKVCache.md``)."""
 
     composition = composition("BatchedKVCache")
 
@@ -66,7 +70,7 @@ class PaddedQuantKVRows(LayoutDropIn, LayoutBatchOps, AffineParameters, GrowingG
 
 
 class BatchedQuantizedKVCache(
-    LayoutDropIn, LayoutBatchOps, AffineParameters, GrowingGeometry, Layout
+    SpeculativeLayout, LayoutDropIn, LayoutBatchOps, AffineParameters, GrowingGeometry, Layout
 ):
     """Prefill/verify layout of ``QuantizedKVCache``: ragged (``spec/BatchedQuantizedKVCache.md``)."""
 
@@ -89,9 +93,18 @@ class BatchedRotatingCache(LayoutDropIn, LayoutBatchOps, SharedRing, Layout):
 
 
 class RaggedRotatingRows(LayoutDropIn, LayoutBatchOps, RaggedRing, Layout):
-    """Prefill/verify layout of ``RotatingKVCache``: ragged rings (``spec/RaggedRotatingRows.md``)."""
+    """Prefill layout of ``RotatingKVCache``: ragged rings (``spec/RaggedRotatingRows.md``)."""
 
     composition = composition("RaggedRotatingRows")
+
+
+class SpeculativeRotatingKVCache(
+    SpeculativeLayout, LayoutDropIn, LayoutBatchOps, RaggedRing, Layout
+):
+    """Verify layout of ``RotatingKVCache``: ragged rings with verify rounds that roll back
+    across the window (``spec/SpeculativeRotatingKVCache.md``)."""
+
+    composition = composition("SpeculativeRotatingKVCache")
 
 
 class RotatingQuantizedKVCache(SerialDropIn, SerialMerge, AffineParameters, SharedRing, Serial):
@@ -107,7 +120,16 @@ class BatchedRotatingQuantCache(LayoutDropIn, LayoutBatchOps, AffineParameters, 
 
 
 class RotatingAffineLayout(LayoutDropIn, LayoutBatchOps, AffineParameters, SharedRing, Layout):
-    """Prefill/verify layout of ``RotatingQuantizedKVCache``: aligned rotating rows
+    """Prefill layout of ``RotatingQuantizedKVCache``: aligned rotating rows
     (``spec/RotatingAffineLayout.md``)."""
 
     composition = composition("RotatingAffineLayout")
+
+
+class SpeculativeRotatingAffineLayout(
+    SpeculativeLayout, LayoutDropIn, LayoutBatchOps, AffineParameters, RaggedRing, Layout
+):
+    """Verify layout of ``RotatingQuantizedKVCache``: ragged affine rings with verify rounds
+    (``spec/SpeculativeRotatingKVCache.md``)."""
+
+    composition = composition("SpeculativeRotatingAffineLayout")

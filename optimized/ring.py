@@ -34,7 +34,12 @@ from typing import Any
 import mlx.core as mx
 
 from kvrows.common import row_bytes
-from kvrows.errors import NotTrimmableError, wrapped_ring_message
+from kvrows.errors import (
+    NotTrimmableError,
+    ring_rollback_message,
+    trim_past_row_message,
+    wrapped_ring_message,
+)
 from kvrows.optimized.codecs import Planes
 from kvrows.optimized.rows import RowWindow, Storage, owned
 from kvrows.protocols import Mask
@@ -716,10 +721,16 @@ class RaggedRing(RingGeometry):
         self._retained = [self._retained[i] for i in order]
 
     def _check_trim(self, counts: Sequence[int]) -> None:
-        for b, (count, offset) in enumerate(zip(counts, self._offsets, strict=True)):
-            if count and offset >= self.max_size:
+        """A row may forget tokens while it keeps its whole window before them: always
+        before it wraps, and after a block for the block's tokens but its first (a block
+        keeps ``max_size - 1`` history tokens: what a speculative rollback needs)."""
+        rows = zip(counts, self._offsets, self._retained, strict=True)
+        for b, (count, offset, held) in enumerate(rows):
+            if count > offset:
+                raise NotTrimmableError(trim_past_row_message(count, b, offset))
+            if count and held - count < min(offset - count, self.max_size):
                 raise NotTrimmableError(
-                    wrapped_ring_message(f"row {b} at offset {offset}", self.max_size)
+                    ring_rollback_message(b, offset, held, count, self.max_size)
                 )
 
     def _forget(self, counts: Sequence[int]) -> None:

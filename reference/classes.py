@@ -15,6 +15,7 @@ from kvrows.compositions import composition, landed
 from kvrows.errors import KvRowsError
 from kvrows.reference.ring import RingParameters
 from kvrows.reference.rows import RowLayout, SerialStorage, Storage
+from kvrows.reference.speculative import SpeculativeLayout
 
 __all__ = [
     "BatchedKVCache",
@@ -29,6 +30,8 @@ __all__ = [
     "RotatingAffineLayout",
     "RotatingKVCache",
     "RotatingQuantizedKVCache",
+    "SpeculativeRotatingAffineLayout",
+    "SpeculativeRotatingKVCache",
     "declared_classes",
 ]
 
@@ -48,8 +51,9 @@ class PaddedKVRows(RowLayout):
     serial_class = KVCache
 
 
-class BatchedKVCache(RowLayout):
-    """Prefill/verify layout of ``KVCache``: ragged rows (``spec/BatchedKVCache.md``)."""
+class BatchedKVCache(SpeculativeLayout):
+    """Prefill/verify layout of ``KVCache``: ragged rows with verify rounds
+    (``spec/BatchedKVCache.md``)."""
 
     composition = composition("BatchedKVCache")
     serial_class = KVCache
@@ -68,7 +72,7 @@ class PaddedQuantKVRows(AffineParameters, RowLayout):
     serial_class = QuantizedKVCache
 
 
-class BatchedQuantizedKVCache(AffineParameters, RowLayout):
+class BatchedQuantizedKVCache(AffineParameters, SpeculativeLayout):
     """Prefill/verify layout of ``QuantizedKVCache`` (``spec/BatchedQuantizedKVCache.md``)."""
 
     composition = composition("BatchedQuantizedKVCache")
@@ -92,9 +96,17 @@ class BatchedRotatingCache(RingParameters, RowLayout):
 
 
 class RaggedRotatingRows(RingParameters, RowLayout):
-    """Prefill/verify layout of ``RotatingKVCache`` (``spec/RaggedRotatingRows.md``)."""
+    """Prefill layout of ``RotatingKVCache`` (``spec/RaggedRotatingRows.md``)."""
 
     composition = composition("RaggedRotatingRows")
+    serial_class = RotatingKVCache
+
+
+class SpeculativeRotatingKVCache(RingParameters, SpeculativeLayout):
+    """Verify layout of ``RotatingKVCache``: ragged rings with verify rounds that roll back
+    across the window (``spec/SpeculativeRotatingKVCache.md``)."""
+
+    composition = composition("SpeculativeRotatingKVCache")
     serial_class = RotatingKVCache
 
 
@@ -112,9 +124,17 @@ class BatchedRotatingQuantCache(AffineParameters, RingParameters, RowLayout):
 
 
 class RotatingAffineLayout(AffineParameters, RingParameters, RowLayout):
-    """Prefill/verify layout of ``RotatingQuantizedKVCache`` (``spec/RotatingAffineLayout.md``)."""
+    """Prefill layout of ``RotatingQuantizedKVCache`` (``spec/RotatingAffineLayout.md``)."""
 
     composition = composition("RotatingAffineLayout")
+    serial_class = RotatingQuantizedKVCache
+
+
+class SpeculativeRotatingAffineLayout(AffineParameters, RingParameters, SpeculativeLayout):
+    """Verify layout of ``RotatingQuantizedKVCache``: ragged affine rings with verify rounds
+    (``spec/SpeculativeRotatingKVCache.md``)."""
+
+    composition = composition("SpeculativeRotatingAffineLayout")
     serial_class = RotatingQuantizedKVCache
 
 
@@ -130,8 +150,11 @@ def _checked(cls: type[Storage]) -> type[Storage]:
     )
     if not agrees:
         raise KvRowsError(f"{cls.__name__} does not declare its composition {entry}")
-    if entry.modifiers:
-        raise KvRowsError(f"{cls.__name__}: the {sorted(entry.modifiers)} modifiers are planned")
+    if issubclass(cls, SpeculativeLayout) != ("speculative" in entry.modifiers):
+        raise KvRowsError(f"{cls.__name__}: the speculative modifier is SpeculativeLayout")
+    planned = entry.modifiers - {"speculative"}
+    if planned:
+        raise KvRowsError(f"{cls.__name__}: the {sorted(planned)} modifiers are planned")
     return cls
 
 

@@ -26,7 +26,12 @@ import numpy as np
 import numpy.typing as npt
 
 from kvrows.compositions import Arrangement
-from kvrows.errors import NotTrimmableError, trim_past_row_message, wrapped_ring_message
+from kvrows.errors import (
+    NotTrimmableError,
+    ring_rollback_message,
+    trim_past_row_message,
+    wrapped_ring_message,
+)
 from kvrows.protocols import Mask
 from kvrows.reference.rows import Placement, Row
 from kvrows.schemes import GeometrySpec, Ring
@@ -304,13 +309,17 @@ class RaggedRing:
         self.holds = self.holds and bool(rows)
 
     def check_trim(self, rows: Sequence[Row], counts: Sequence[int]) -> None:
+        """A row may forget its newest tokens while what it retains still holds the whole
+        window of the position it goes back to (after a block: the block's tokens but its
+        first; never a token the ring already evicted)."""
+        size = self.axis.max_size
         for b, (count, row) in enumerate(zip(counts, rows, strict=True)):
-            if count and not self.axis.cuttable(row.offset):
-                raise NotTrimmableError(
-                    wrapped_ring_message(f"row {b} at offset {row.offset}", self.axis.max_size)
-                )
             if count > row.offset:
                 raise NotTrimmableError(trim_past_row_message(count, b, row.offset))
+            if count and row.retained - count < min(row.offset - count, size):
+                raise NotTrimmableError(
+                    ring_rollback_message(b, row.offset, row.retained, count, size)
+                )
 
     def trimmed(self, rows: Sequence[Row], counts: Sequence[int]) -> None:
         return None

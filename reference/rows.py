@@ -558,6 +558,8 @@ class RowLayout(Storage):
                         self.signature(), source, self.codec.key, self._token_geometry
                     )
                 )
+            if isinstance(source, RowLayout):
+                source.lend_rows()
             if isinstance(source, RowLayout) or source._rows:
                 incoming.extend(self._cut(row) for row in source._rows)
             else:
@@ -569,6 +571,10 @@ class RowLayout(Storage):
         self._rows = running + incoming
         self._place.join(self._rows, len(running))
         self._geometry = geometry
+
+    def lend_rows(self) -> None:
+        """Called before another layout merges this one's rows (a layout in the middle of
+        a speculative round refuses)."""
 
     def filter_rows(self, keep: Sequence[int]) -> None:
         """Keep the rows ``keep``, in that order."""
