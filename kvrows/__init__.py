@@ -30,6 +30,8 @@ from kvrows.errors import (
     NotBatchableError,
     NotTrimmableError,
     RowIndexError,
+    SpeculativeRoundError,
+    SpeculativeStateInvalidError,
     StateReadError,
     StateWriteError,
     UnsupportedStateError,
@@ -59,6 +61,7 @@ from kvrows.schemes import (
     Ring,
     Turbo,
 )
+from kvrows.speculative import RowRound
 from kvrows.table import (
     RowAdmission,
     extract_sole_row,
@@ -108,9 +111,12 @@ __all__ = [
     "Roles",
     "RowAdmission",
     "RowIndexError",
+    "RowRound",
     "RowTrimmable",
     "SelfChecking",
+    "SpeculativeRoundError",
     "SpeculativeRowLayout",
+    "SpeculativeStateInvalidError",
     "StateDisposer",
     "StateLease",
     "StateReadError",
