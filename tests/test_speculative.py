@@ -308,6 +308,31 @@ def test_singleton_across_the_window_boundary(impl_name: str, kind: str, prompt:
         assert _affine_bytes(row) == _affine_window_bytes(_solo(impl, history))
 
 
+@pytest.mark.parametrize("prompt", [3, 9])
+@pytest.mark.parametrize("impl_name", IMPLS)
+def test_rounds_keep_the_sink_tokens(impl_name: str, prompt: int) -> None:
+    """``RotatingKVCache(6, keep=2)``: a rollback across the window keeps the row's two
+    sinks and its newest 4 accepted tokens."""
+    impl = IMPLS[impl_name]
+    source = impl.RotatingKVCache(6, keep=2)
+    history = list(range(1, prompt + 1))
+    _append(impl, source, [history])
+    layout = _verify_layout(source)
+    assert isinstance(layout, impl.SpeculativeRotatingKVCache) and layout.keep == 2
+    layout.merge_rows([source])
+    for rejected in ([-1, -2, -3], [-4, -5], [-6, -7, -8]):
+        token = history[-1] + 1
+        layout.spec_round_begin()
+        _append(impl, layout, [[token, *rejected]])
+        layout.spec_round_rollback(1)
+        mask = layout.make_mask(1, return_array=True)
+        keys, _ = _append(impl, layout, [[token + 1]])
+        history += [token, token + 1]
+        newest = [history[0], history[1], *history[2:][-4:]]
+        assert _visible(layout, mask, keys, 1) == [newest]
+        assert _held_tags(layout.extract_row(0)) == newest
+
+
 # -- the issue's example: a ragged ring trims while it keeps its window --------------------
 
 
