@@ -460,6 +460,11 @@ def _row_operations(kind: str) -> list[Misuse]:
         ("trim_rows", SpeculativeRoundError, lambda impl, lay: lay.trim_rows([1, 0])),
         ("state", SpeculativeRoundError, lambda impl, lay: lay.state),
         (
+            "restoring state",
+            SpeculativeRoundError,
+            lambda impl, lay: setattr(lay, "state", _layout(impl, kind).state),
+        ),
+        (
             "a merge source",
             SpeculativeRoundError,
             lambda impl, lay: _merged_into_another(impl, kind, lay),
@@ -562,6 +567,7 @@ INVALID_LATER: list[Callable[[Any, Any], object]] = [
     lambda impl, lay: lay.trim_rows([1, 0]),
     lambda impl, lay: lay.can_publish_row(0, 1),
     lambda impl, lay: lay.state,
+    lambda impl, lay: setattr(lay, "state", lay.make_empty_batch().state),
 ]
 
 
