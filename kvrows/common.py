@@ -160,6 +160,10 @@ class SavedState:
     def _state(self) -> tuple[Any, ...]:
         raise NotImplementedError
 
+    def _before_restore(self) -> None:
+        """Called before the ``state`` setter replaces everything (a verify layout in the
+        middle of a round, or invalidated, refuses)."""
+
     @classmethod
     def _restore(
         cls: type[_Saved],
@@ -179,6 +183,7 @@ class SavedState:
     @state.setter
     def state(self, value: Any) -> None:
         """Hold ``value`` (a state of this class); a refused value changes nothing."""
+        self._before_restore()
         keep = getattr(self.token_geometry, "keep", 0)
         fresh = type(self)._restore(value, None, keep, self._geometry)
         self.__dict__.clear()

@@ -164,6 +164,11 @@ class SpeculativeRounds:
         self._spec_block = tuple(a - b for a, b in zip(self.row_offsets, before, strict=True))
         return result
 
+    def _before_restore(self) -> None:
+        """The ``state`` setter would silently drop an open round, or revive an invalid
+        layout."""
+        self._spec_guard("restoring state")
+
     def _spec_failing(self, step: Callable[[], _R]) -> _R:
         try:
             return step()
