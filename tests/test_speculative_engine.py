@@ -1,0 +1,140 @@
+"""Speculative decoding in the engine: a draft proposes, the target verifies in its verify
+layouts, and the greedy output is the non-speculative engine's, token for token.
+
+The tiny models are float32 with random weights; the verify forward reads ``d + 1``
+positions at once where plain decode reads one, so logits may differ in the last bits:
+the token checks rely on the trace having no near-tie (each comparison also checks the
+logits against a solo replay within the demo's tolerance, so a tie would show).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvrows.app.demo import builtin_trace, check_invariance
+from kvrows.app.engine import Engine, Request
+from kvrows.app.models import draft_model, make_kvrows_cache, tiny_model
+from kvrows.errors import InvalidInputError
+from kvrows.protocols import RingGeometry
+from kvrows.schemes import KvStorageScheme
+
+TRACE = builtin_trace(4)
+
+
+@pytest.fixture(scope="module")
+def llama() -> Any:
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def gemma3() -> Any:
+    return tiny_model("gemma3")
+
+
+def _tokens(results: Any) -> dict[str, list[int]]:
+    return {r.rid: r.tokens for r in results}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("scheme", ["plain", "affine8"])
+def test_speculative_greedy_tokens_equal_plain_decoding(
+    arch: str, scheme: str, llama: Any, gemma3: Any
+) -> None:
+    target = llama if arch == "llama" else gemma3
+    storage = KvStorageScheme.parse(scheme)
+    plain, _ = Engine(target, storage, max_batch=4, prefill_chunk=16).run(TRACE)
+    engine = Engine(
+        target,
+        storage,
+        max_batch=4,
+        prefill_chunk=16,
+        keep_logits=True,
+        draft_model=draft_model(target),
+        draft_tokens=3,
+    )
+    results, stats = engine.run(TRACE)
+    assert _tokens(results) == _tokens(plain)
+    # Speculation happened: drafts were accepted, so rows gained more than a token per
+    # target forward, and the counts add up.
+    assert 0 < stats.accepted <= stats.drafted
+    assert stats.tokens_per_row_forward > 1
+    first_tokens = sum(1 for r in results if r.tokens)
+    assert stats.decode_tokens == stats.generated - first_tokens
+    assert stats.decode_tokens == stats.row_forwards + stats.accepted
+    # Every kept logit row is the one its token came from (a solo serial replay).
+    report = check_invariance(target, storage, TRACE, results, 16)
+    assert report.mismatches == 0 and report.steps == stats.generated
+    if storage.codec.kind == "plain":
+        assert report.beyond_tolerance == 0, report
+
+
+def test_gemma3_rounds_cross_the_window(gemma3: Any) -> None:
+    """The sliding layers (window 16) are rings in their verify layouts; rows run rounds
+    long past the window, with per-row acceptance."""
+    rings = [isinstance(c, RingGeometry) for c in make_kvrows_cache(gemma3)]
+    assert any(rings) and not all(rings)
+    long = [Request(f"w{i}", tuple((5 * j + i) % 256 for j in range(20 + i)), 24) for i in range(3)]
+    plain, _ = Engine(gemma3, max_batch=3, prefill_chunk=8).run(long)
+    engine = Engine(gemma3, max_batch=3, prefill_chunk=8, draft_model=draft_model(gemma3))
+    results, stats = engine.run(long)
+    assert _tokens(results) == _tokens(plain)
+    assert stats.accepted > 0
+
+
+def test_stop_tokens_and_lengths_cap_acceptance(llama: Any) -> None:
+    """A row never emits past ``max_tokens`` or a stop token, even when drafts run on."""
+    plain, _ = Engine(llama, max_batch=4).run(TRACE)
+    stops = [
+        Request(r.rid, r.prompt, 24, stop=frozenset({p.tokens[min(3, len(p.tokens) - 1)]}))
+        for r, p in zip(TRACE, plain, strict=True)
+    ]
+    expected, _ = Engine(llama, max_batch=4).run(stops)
+    got, _ = Engine(llama, max_batch=4, draft_model=draft_model(llama), draft_tokens=4).run(stops)
+    assert _tokens(got) == _tokens(expected)
+    assert [r.finish_reason for r in got] == [r.finish_reason for r in expected]
+    assert all(len(r.tokens) <= 24 for r in got)
+
+
+def test_tempered_rows_draw_what_plain_decoding_draws(llama: Any) -> None:
+    """A tempered row accepts no draft and samples its own key's next subkey."""
+    mixed = [
+        Request(r.rid, r.prompt, r.max_tokens, temperature=0.8 if i % 2 else 0.0, seed=i)
+        for i, r in enumerate(TRACE)
+    ]
+    plain, _ = Engine(llama, max_batch=3).run(mixed)
+    spec, _ = Engine(llama, max_batch=3, draft_model=draft_model(llama)).run(mixed)
+    assert _tokens(spec) == _tokens(plain)
+
+
+def test_published_rows_hold_only_accepted_tokens(llama: Any) -> None:
+    """A follow-up reuses a speculative row from the prefix cache and gets the tokens a
+    cold engine gives (a published row holding a rejected draft would change them)."""
+    first = Request("a", tuple(range(30)), 10)
+    engine = Engine(llama, max_batch=2, draft_model=draft_model(llama))
+    (result,), _ = engine.run([first])
+    follow = Request("b", first.prompt + tuple(result.tokens) + (1, 2, 3), 8)
+    (reused,), stats = engine.run([follow])
+    assert reused.prefix_hit_tokens == len(first.prompt) + len(result.tokens) - 1
+    (cold,), _ = Engine(llama, max_batch=2, use_prefix_cache=False).run([follow])
+    assert reused.tokens == cold.tokens
+
+
+def test_draft_model_is_a_truncated_copy(llama: Any, gemma3: Any) -> None:
+    draft = draft_model(llama)
+    assert len(draft.layers) == 1 and draft.args.vocab_size == llama.args.vocab_size
+    assert (draft.model.embed_tokens.weight == llama.model.embed_tokens.weight).all()
+    assert len(draft_model(gemma3).layers) == 2  # one local and one global layer
+    with pytest.raises(InvalidInputError):
+        draft_model(gemma3, layers=1)
+    with pytest.raises(InvalidInputError):
+        draft_model(llama, layers=5)
+
+
+def test_bad_draft_options(llama: Any) -> None:
+    draft = draft_model(llama)
+    with pytest.raises(InvalidInputError):
+        Engine(llama, draft_model=draft, draft_tokens=0)
+    with pytest.raises(InvalidInputError):
+        Engine(llama, draft_model=tiny_model("llama", vocab=128))
