@@ -299,7 +299,7 @@ class Engine:
             vocabularies = {_vocabulary(m) for m in (model, draft_model)}
             if len(vocabularies) != 1:
                 raise InvalidInputError(
-                    f"the draft's vocabulary differs from the target's: {sorted(vocabularies)}"
+                    f"the draft's vocabulary differs from the target's: {sorted(map(str, vocabularies))}"
                 )
         self.model = model
         self.scheme = scheme or KvStorageScheme()
@@ -518,6 +518,7 @@ class Engine:
         if not layouts or layouts[0].batch_size == 0:
             made: list[BatchableCache] = []
             for cache in rows[0].caches:
+                layout: BatchableCache | None
                 if prefill:
                     layout = prefill_cache_layout(cache)
                 elif self.draft_model is not None:  # speculative rounds run in verify layouts
@@ -738,7 +739,8 @@ class _Drafter:
                 block = mx.array([tokens[start : start + self.chunk]])
                 logits = self.model(block, cache=caches)
             assert logits is not None
-            self.next.append(int(mx.argmax(logits[0, -1]).item()))
+            token: int = mx.argmax(logits[0, -1]).item()  # type: ignore[assignment]
+            self.next.append(token)
             serial.append(caches)
         if not self.layouts or self.layouts[0].batch_size == 0:
             self.layouts = [target_cache_layout(cache) for cache in serial[0]]

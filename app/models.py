@@ -166,11 +166,14 @@ def draft_model(target: Any, layers: int | None = None) -> Any:
             f"the target alternates {pattern} kinds of layer: a draft needs at least {pattern}"
         )
     changes: dict[str, Any] = {"num_hidden_layers": count}
-    if isinstance(getattr(args, "layer_types", None), list):
-        changes["layer_types"] = args.layer_types[:count]
-    draft: Any = type(target)(dataclasses.replace(args, **changes))
-    kept: list[tuple[str, mx.array]] = []
-    for name, weight in tree_flatten(target.parameters()):
+    layer_types = getattr(args, "layer_types", None)
+    if isinstance(layer_types, list):
+        changes["layer_types"] = layer_types[:count]
+    config: Any = dataclasses.replace(args, **changes)  # type: ignore[type-var]
+    draft: Any = type(target)(config)
+    kept: list[tuple[str, Any]] = []
+    named: list[tuple[str, Any]] = tree_flatten(target.parameters())  # type: ignore[assignment]
+    for name, weight in named:
         parts = name.split(".")
         if "layers" in parts:
             at = parts.index("layers") + 1
