@@ -41,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
         choices=BENCH_FAMILIES,
         default="plain",
         help="plain (default), affine, rotating, engine (throughput against mlx-lm's "
-        "BatchGenerator) or all of them",
+        "BatchGenerator), speculative (the engine with a draft model, against mlx-lm's "
+        "speculative generation) or all of them",
     )
 
     demo = commands.add_parser("demo", help="continuous batching on the embedded models")

@@ -138,3 +138,25 @@ def test_bad_draft_options(llama: Any) -> None:
         Engine(llama, draft_model=draft, draft_tokens=0)
     with pytest.raises(InvalidInputError):
         Engine(llama, draft_model=tiny_model("llama", vocab=128))
+
+
+def test_speculative_bench_smoke_run() -> None:
+    """``kvrows bench --family speculative`` runs end to end on one small case; its check
+    refuses tokens that are not the greedy ones."""
+    import io
+
+    from kvrows.app.bench import speculative
+    from kvrows.app.bench.runner import BenchCheckError, run_family
+
+    family = speculative.family(archs=("llama",), max_batches=(1,), requests=1)
+    out = io.StringIO()
+    assert run_family(family, quick=True, repeats=1, out=out) == 0
+    text = out.getvalue()
+    assert "WRONG RESULT" not in text
+    rows = [[c.strip() for c in r.strip("|").split("|")] for r in text.splitlines() if "|" in r]
+    (cells,) = [row for row in rows if row[0] == "llama"]
+    assert cells[-2] == "True" and int(cells[3]) > 0
+    case = speculative._case("llama", None, None, [], 1, 3, 64, {"r00": [1, 2, 3]})
+    case.workloads["kvrows spec"].check({"r00": [1, 2, 3]})
+    with pytest.raises(BenchCheckError, match="r00"):
+        case.workloads["kvrows spec"].check({"r00": [1, 2]})
