@@ -594,10 +594,13 @@ class Engine:
             self._sample(running, logits)
             self._count_forward(rows, rows)
             return [row for row in running if self._finished(row)]
-        drafts = drafter.propose(d)
+        proposed = drafter.propose(d)
         target_round.begin(d)
-        logits = self.model(mx.concatenate([pending, mx.array(drafts)], axis=1), cache=layouts)
-        greedy: list[list[int]] = mx.argmax(logits, axis=-1).tolist()  # type: ignore[assignment]
+        logits = self.model(mx.concatenate([pending, proposed], axis=1), cache=layouts)
+        chosen = mx.argmax(logits, axis=-1)
+        mx.eval(proposed, chosen)
+        drafts: list[list[int]] = proposed.tolist()  # type: ignore[assignment]
+        greedy: list[list[int]] = chosen.tolist()  # type: ignore[assignment]
         accepted: list[int] = []
         for b, row in enumerate(running):
             limit = min(d, room[b]) if row.request.temperature <= 0 else 0
@@ -752,8 +755,9 @@ class _Drafter:
             filter_layout_rows(layout, keep)
         self.next = [self.next[i] for i in keep]
 
-    def propose(self, d: int) -> list[list[int]]:
-        """``d`` greedy draft tokens per row; the draft's state is unchanged afterwards."""
+    def propose(self, d: int) -> mx.array:
+        """``d`` greedy draft tokens per row, ``[rows, d]`` (left lazy: the target's
+        forward joins the same graph); the draft's state is unchanged afterwards."""
         proposals = [mx.array(self.next)]
         if d > 1:
             caches: list[BatchableCache] = []
@@ -770,8 +774,7 @@ class _Drafter:
             for layout, ring in zip(self.layouts, self.rings, strict=True):
                 if not ring:
                     layout.trim(d - 1)
-        drafts: list[list[int]] = mx.stack(proposals, axis=1).tolist()  # type: ignore[assignment]
-        return drafts
+        return mx.stack(proposals, axis=1).astype(mx.int32)
 
     def absorb(self, block: list[list[int]], accepted: list[int]) -> None:
         """Append ``block`` (row ``b``: its emitted tokens first, any tokens after) as one

@@ -115,7 +115,7 @@ def test_published_rows_hold_only_accepted_tokens(llama: Any) -> None:
     engine = Engine(llama, max_batch=2, draft_model=draft_model(llama))
     (result,), _ = engine.run([first])
     follow = Request("b", first.prompt + tuple(result.tokens) + (1, 2, 3), 8)
-    (reused,), stats = engine.run([follow])
+    (reused,), _ = engine.run([follow])
     assert reused.prefix_hit_tokens == len(first.prompt) + len(result.tokens) - 1
     (cold,), _ = Engine(llama, max_batch=2, use_prefix_cache=False).run([follow])
     assert reused.tokens == cold.tokens
