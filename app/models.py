@@ -180,6 +180,11 @@ def draft_model(target: Any, layers: int | None = None) -> Any:
             if at < len(parts) and parts[at].isdigit() and int(parts[at]) >= count:
                 continue
         kept.append((name, weight))
-    draft.load_weights(kept)
+    try:
+        draft.load_weights(kept)
+    except ValueError as error:  # e.g. a quantized checkpoint's scales and biases
+        raise InvalidInputError(
+            f"cannot copy {type(target).__name__}'s weights into a {count}-layer draft: {error}"
+        ) from error
     mx.eval(draft.parameters())
     return draft

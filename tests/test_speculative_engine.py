@@ -148,7 +148,7 @@ def test_speculative_bench_smoke_run() -> None:
     from kvrows.app.bench import speculative
     from kvrows.app.bench.runner import BenchCheckError, run_family
 
-    family = speculative.family(archs=("llama",), max_batches=(1,), requests=1)
+    family = speculative.family(quick=True, archs=("llama",), requests=1)
     out = io.StringIO()
     assert run_family(family, quick=True, repeats=1, out=out) == 0
     text = out.getvalue()

@@ -163,6 +163,7 @@ def _case(
         return [
             [
                 arch,
+                str(len(draft.layers)) if draft is not None else "-",
                 str(max_batch),
                 str(drafts),
                 str(generated),
@@ -178,17 +179,19 @@ def _case(
             ]
         ]
 
+    layers = len(draft.layers) if draft is not None else 0
     return Case(
-        f"speculative {arch} max batch {max_batch}",
+        f"speculative {arch} draft {layers} layers max batch {max_batch}",
         workloads,
         lines,
-        key=(arch, max_batch),
+        key=(arch, layers, max_batch),
         skipped=skipped,
     )
 
 
 HEADER = [
     "model",
+    "draft layers",
     "max batch",
     "d",
     "generated",
@@ -204,33 +207,45 @@ HEADER = [
 ]
 
 
+#: Draft layers per model in the full run: the default truncated copy (``None``), and for
+#: llama the whole target as its own draft (every draft accepted: the verify path's
+#: best case).
+FULL_DRAFTS: dict[str, tuple[int | None, ...]] = {"llama": (None, 4), "gemma3": (None,)}
+
+
 def family(
     *,
     quick: bool = False,
     archs: Sequence[str] = ("llama", "gemma3"),
     max_batches: Sequence[int] | None = None,
     requests: int | None = None,
+    max_tokens: int | None = None,
     drafts: int = 3,
     chunk: int = 64,
+    draft_layers: Mapping[str, Sequence[int | None]] | None = None,
 ) -> Family:
     """Speculative decoding at max batch 1 (against mlx-lm) and 8 (kvrows only)."""
     batches = tuple(max_batches or ((1,) if quick else (1, 8)))
     count = requests or (3 if quick else 8)
+    length = max_tokens or (8 if quick else 32)
+    layer_choices = draft_layers or ({} if quick else FULL_DRAFTS)
 
     def cases() -> Iterator[Case]:
-        trace = [Request(r.rid, r.prompt, r.max_tokens) for r in builtin_trace(count, seed=3)]
+        trace = [Request(r.rid, r.prompt, length) for r in builtin_trace(count, seed=3)]
         for arch in archs:
             model = tiny_model(arch)
-            draft = draft_model(model)
             expected, _ = mlx_lm_generate_serial(model, trace, chunk)
-            for max_batch in batches:
-                yield _case(arch, model, draft, trace, max_batch, drafts, chunk, expected)
+            for layers in layer_choices.get(arch, (None,)):
+                draft = draft_model(model, layers)
+                for max_batch in batches:
+                    yield _case(arch, model, draft, trace, max_batch, drafts, chunk, expected)
 
     notes = (
         f"the embedded tiny models (float32, greedy), draft = the target's first layers\n"
-        f"  (llama 1 of 4, gemma3 2 of 4), d = {drafts} drafts per round, {count} requests\n"
-        f"  arriving at once, prefill chunk {chunk}, prefix cache off; tok/s = generated\n"
-        "  tokens / the run's median time (kvrows: the whole trace at max batch rows;\n"
+        f"  (llama 1 of 4, gemma3 2 of 4; llama 4 of 4: the target as its own draft),\n"
+        f"  d = {drafts} drafts per round, {count} requests of {length} tokens arriving at\n"
+        f"  once, prefill chunk {chunk}, prefix cache off; tok/s = generated tokens /\n"
+        "  the run's median time (kvrows: the whole trace at max batch rows;\n"
         "  mlx-lm: one request after the other, batch 1). kvrows accepted = accepted /\n"
         "  proposed drafts; tok/row-forward = tokens a row gains per target decode forward\n"
         "  (1 without a draft; first tokens come from the prefill); mlx-lm tok/forward =\n"
