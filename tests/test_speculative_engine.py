@@ -81,6 +81,57 @@ def test_gemma3_rounds_cross_the_window(gemma3: Any) -> None:
     results, stats = engine.run(long)
     assert _tokens(results) == _tokens(plain)
     assert stats.accepted > 0
+    # The target as its own draft proposes exactly the target's tokens only if the
+    # draft's own rings (scratch proposals, rolled-back absorb rounds) hold exactly the
+    # accepted tokens across the window: every draft is accepted.
+    selfish = Engine(gemma3, max_batch=3, prefill_chunk=8, draft_model=draft_model(gemma3, 4))
+    results, stats = selfish.run(long)
+    assert _tokens(results) == _tokens(plain)
+    assert stats.accepted == stats.drafted > 0
+
+
+def _replayed_acceptance(
+    draft: Any, request: Request, output: list[int], drafts: int
+) -> tuple[int, int]:
+    """Drafts proposed and accepted for ``request`` alone, replayed without kvrows: each
+    round the draft reads the committed tokens afresh through mlx-lm's own caches and
+    proposes greedily; ``output`` (the target's greedy tokens) says what it accepts."""
+    import mlx.core as mx
+
+    proposed = accepted = 0
+    emitted = 1  # the first token comes from the prefill
+    while emitted < request.max_tokens:
+        d = min(drafts, request.max_tokens - emitted - 1)
+        if d == 0:
+            emitted += 1
+            continue
+        cache = draft.make_cache()
+        logits = draft(mx.array([[*request.prompt, *output[:emitted]]]), cache=cache)
+        proposals: list[int] = []
+        for _ in range(d):
+            proposals.append(int(mx.argmax(logits[0, -1]).item()))
+            logits = draft(mx.array([[proposals[-1]]]), cache=cache)
+        a = 0
+        while a < d and proposals[a] == output[emitted + a]:
+            a += 1
+        proposed, accepted, emitted = proposed + d, accepted + a, emitted + a + 1
+    return proposed, accepted
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_draft_state_matches_a_serial_replay(arch: str, llama: Any, gemma3: Any) -> None:
+    """The draft's own layouts hold exactly the accepted tokens after every round (its
+    proposals are those of a fresh serial draft over the committed tokens): the engine
+    accepts exactly as many drafts as the replay."""
+    target = llama if arch == "llama" else gemma3
+    draft = draft_model(target)
+    request = Request("r", tuple((3 * j + 3) % 256 for j in range(21)), 28)
+    (plain,), _ = Engine(target, max_batch=1).run([request])
+    (result,), stats = Engine(target, max_batch=1, draft_model=draft).run([request])
+    assert result.tokens == plain.tokens
+    expected = _replayed_acceptance(draft, request, plain.tokens, 3)
+    assert (stats.drafted, stats.accepted) == expected
+    assert 0 < stats.accepted < stats.drafted  # rounds with partial acceptance
 
 
 def test_stop_tokens_and_lengths_cap_acceptance(llama: Any) -> None:
