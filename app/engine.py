@@ -21,7 +21,7 @@ With a ``kvrows.persist.prefix_store.PrefixStore`` the published rows are also s
 disk (at a block boundary), and admission takes the longest usable prefix from memory
 first, then from disk when the disk holds a longer one: rows survive a restart.
 
-With a ``draft_model`` the decode step is a speculative round (``spec/engine.md`` §9): the
+With a ``draft_model`` the decode step is a speculative round (``spec/engine.md`` §11): the
 draft proposes ``d`` tokens per row, the target runs one forward over ``[pending, drafts]``
 through its verify layouts (``target_cache_layout``) inside a ``kvrows.speculative.RowRound``,
 and each row keeps its longest matching prefix plus the target's own next token.
@@ -298,8 +298,9 @@ class Engine:
                 )
             vocabularies = {_vocabulary(m) for m in (model, draft_model)}
             if len(vocabularies) != 1:
+                sizes = ", ".join(sorted(map(str, vocabularies)))
                 raise InvalidInputError(
-                    f"the draft's vocabulary differs from the target's: {sorted(map(str, vocabularies))}"
+                    f"the draft's vocabulary differs from the target's: sizes {sizes}"
                 )
         self.model = model
         self.scheme = scheme or KvStorageScheme()
@@ -573,7 +574,7 @@ class Engine:
     def _speculative_step(
         self, running: list[_Row], layouts: list[BatchableCache], drafter: _Drafter
     ) -> list[_Row]:
-        """One speculative round for every running row (``spec/engine.md`` §9).
+        """One speculative round for every running row (``spec/engine.md`` §11).
 
         ``d`` drafts per row (fewer when no row has room for ``d + 1`` more tokens); the
         target verifies ``[pending, drafts]`` in one forward inside a ``RowRound``. Row
