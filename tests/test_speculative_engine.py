@@ -208,3 +208,16 @@ def test_speculative_bench_smoke_run() -> None:
     case.workloads["kvrows spec"].check({"r00": [1, 2, 3]})
     with pytest.raises(BenchCheckError, match="r00"):
         case.workloads["kvrows spec"].check({"r00": [1, 2]})
+
+
+def test_kvrows_demo_speculative(capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvrows demo --speculative`` passes on both models and says what it measured."""
+    from kvrows.app import cli
+
+    argv = ["demo", "--speculative", "--scheme", "plain", "--requests", "2", "--quiet"]
+    assert cli.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines if line.startswith(("llama ", "gemma3 "))]
+    assert [row[0] for row in rows] == ["llama", "gemma3"]
+    assert all(row[-1] == "PASS" for row in rows)
+    assert [row[2] for row in rows] == ["1", "2"]  # the draft's layers
