@@ -41,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
         choices=BENCH_FAMILIES,
         default="plain",
         help="plain (default), affine, rotating, engine (throughput against mlx-lm's "
-        "BatchGenerator) or all of them",
+        "BatchGenerator), speculative (the engine with a draft model, against mlx-lm's "
+        "speculative generation) or all of them",
     )
 
     demo = commands.add_parser("demo", help="continuous batching on the embedded models")
@@ -78,6 +79,23 @@ def _parser() -> argparse.ArgumentParser:
         "evicted; default 256 MiB)",
     )
 
+    demo.add_argument(
+        "--speculative",
+        action="store_true",
+        help="run the trace with and without a draft model (the target's first layers) and "
+        "check that speculative decoding gives the same greedy tokens",
+    )
+    demo.add_argument(
+        "--draft-tokens", type=int, default=3, help="draft tokens per round (--speculative)"
+    )
+    demo.add_argument(
+        "--draft-layers",
+        type=int,
+        default=None,
+        help="target layers the draft keeps (--speculative; default: the fewest that keep "
+        "every kind of layer)",
+    )
+
     commands.add_parser(
         "example", help="merge, decode, filter and extract rows, and say what happened"
     )
@@ -94,6 +112,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvrows.app.bench import run
 
         return run(args.family, quick=args.quick, repeats=args.repeats)
+    if args.command == "demo" and args.speculative:
+        from kvrows.app.demo import run_speculative_demo
+
+        return int(
+            run_speculative_demo(
+                model_path=args.model,
+                schemes=args.scheme,
+                requests=args.requests,
+                max_batch=args.max_batch,
+                draft_tokens=args.draft_tokens,
+                draft_layers=args.draft_layers,
+                progress=not args.quiet,
+            )
+        )
     if args.command == "demo":
         from kvrows.app.demo import PREFIX_STORE_BYTES, run_demo
 

@@ -20,6 +20,11 @@ Lifecycle of a request (``spec/engine.md``):
 With a ``kvrows.persist.prefix_store.PrefixStore`` the published rows are also saved to
 disk (at a block boundary), and admission takes the longest usable prefix from memory
 first, then from disk when the disk holds a longer one: rows survive a restart.
+
+With a ``draft_model`` the decode step is a speculative round (``spec/engine.md`` §11): the
+draft proposes ``d`` tokens per row, the target runs one forward over ``[pending, drafts]``
+through its verify layouts (``target_cache_layout``) inside a ``kvrows.speculative.RowRound``,
+and each row keeps its longest matching prefix plus the target's own next token.
 """
 
 from __future__ import annotations
@@ -38,8 +43,9 @@ import numpy.typing as npt
 from kvrows.app.models import make_kvrows_cache
 from kvrows.errors import CapacityError, InvalidInputError, KvRowsError, LayoutStateError
 from kvrows.persist.prefix_store import PrefixStore, reusable_copies
-from kvrows.protocols import BatchableCache, Cache
+from kvrows.protocols import BatchableCache, Cache, RingGeometry
 from kvrows.schemes import KvStorageScheme
+from kvrows.speculative import RowRound
 from kvrows.table import (
     RowAdmission,
     filter_layout_rows,
@@ -47,6 +53,7 @@ from kvrows.table import (
     prefill_cache_layout,
     publish_row,
     row_admission,
+    target_cache_layout,
 )
 
 __all__ = [
@@ -121,6 +128,27 @@ class EngineStats:
     #: Rows saved to the store, and saves that failed (the engine runs on without them).
     store_writes: int = 0
     store_errors: int = 0
+    #: Decode steps (one target forward each: a plain step or a speculative round), the
+    #: rows they served (``Σ`` rows per step) and the tokens they produced (first tokens,
+    #: sampled from the prefill, are not counted).
+    target_forwards: int = 0
+    row_forwards: int = 0
+    decode_tokens: int = 0
+    #: Speculative decoding: draft tokens proposed to rows that could take them, those the
+    #: target accepted, and the draft model's forwards (prefills excluded).
+    drafted: int = 0
+    accepted: int = 0
+    draft_forwards: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over proposed draft tokens (0 without a draft)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_row_forward(self) -> float:
+        """Tokens one row gains per target forward: 1 without a draft."""
+        return self.decode_tokens / self.row_forwards if self.row_forwards else 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -149,6 +177,12 @@ class EngineStats:
             "store_write_seconds",
             "store_writes",
             "store_errors",
+            "target_forwards",
+            "row_forwards",
+            "decode_tokens",
+            "drafted",
+            "accepted",
+            "draft_forwards",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.peak_kv_bytes = max(self.peak_kv_bytes, other.peak_kv_bytes)
@@ -250,9 +284,24 @@ class Engine:
         use_prefix_cache: bool = True,
         prefix_store: PrefixStore | None = None,
         progress: bool = False,
+        draft_model: Any = None,
+        draft_tokens: int = 3,
     ) -> None:
         if max_batch < 1 or prefill_chunk < 1:
             raise InvalidInputError("max_batch and prefill_chunk must be >= 1")
+        if draft_model is not None:
+            if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int):
+                raise InvalidInputError(f"draft_tokens must be an integer, got {draft_tokens!r}")
+            if draft_tokens < 1:
+                raise InvalidInputError(
+                    f"draft_tokens must be >= 1 with a draft, got {draft_tokens}"
+                )
+            vocabularies = {_vocabulary(m) for m in (model, draft_model)}
+            if len(vocabularies) != 1:
+                sizes = ", ".join(sorted(map(str, vocabularies)))
+                raise InvalidInputError(
+                    f"the draft's vocabulary differs from the target's: sizes {sizes}"
+                )
         self.model = model
         self.scheme = scheme or KvStorageScheme()
         self.max_batch = max_batch
@@ -262,18 +311,21 @@ class Engine:
         self.prefix_cache = PrefixCache() if use_prefix_cache else None
         self.prefix_store = prefix_store
         self.progress = progress
-        self.admission = self._admission()
+        self.draft_model = draft_model
+        self.draft_tokens = draft_tokens
+        self.admission = self._admission(model)
+        self.draft_admission = None if draft_model is None else self._admission(draft_model)
         self._signatures = [c.signature() for c in make_kvrows_cache(model, self.scheme)]
         self._stats = EngineStats()
 
-    def _admission(self) -> RowAdmission:
-        """Projected bytes per row, from the decode layouts of fresh caches.
+    def _admission(self, model: Any) -> RowAdmission:
+        """Projected bytes per row of ``model``, from the decode layouts of fresh caches.
 
         ``make_kvrows_cache`` declares the KV geometry, so the layouts answer without a
         token; where a storage does not know it yet (the model's config does not say, or
         the storage cannot take a declaration), one probe token runs through the model.
         """
-        caches = make_kvrows_cache(self.model, self.scheme)
+        caches = make_kvrows_cache(model, self.scheme)
         layouts: list[BatchableCache] = []
         for cache in caches:
             layout = owned_cache_layout(cache)
@@ -285,13 +337,16 @@ class Engine:
         try:
             admission.bytes(1)
         except LayoutStateError:
-            self.model(mx.array([[0]]), cache=caches)
+            model(mx.array([[0]]), cache=caches)
             for layout, cache in zip(layouts, caches, strict=True):
                 layout.merge_rows([cache])
         return admission
 
     def projected_bytes(self, request: Request) -> int:
-        return self.admission.bytes(len(request.prompt) + request.max_tokens)
+        """The row's KV bytes at its longest (the draft's rows included)."""
+        tokens = len(request.prompt) + request.max_tokens
+        draft = 0 if self.draft_admission is None else self.draft_admission.bytes(tokens)
+        return self.admission.bytes(tokens) + draft
 
     # -- the loop -------------------------------------------------------------------------
     def run(self, requests: Sequence[Request]) -> tuple[list[RequestResult], EngineStats]:
@@ -309,17 +364,23 @@ class Engine:
         cohort_layouts: list[BatchableCache] = []
         running: list[_Row] = []
         decode_layouts: list[BatchableCache] = []
+        drafter = None
+        if self.draft_model is not None:
+            drafter = _Drafter(self.draft_model, self.scheme, self.prefill_chunk, stats)
 
         def kv_bytes() -> int:
-            """KV bytes held now: layouts, serial caches in transit, the prefix cache."""
-            held = sum(x.nbytes for x in cohort_layouts + decode_layouts)
+            """KV bytes held now: layouts (the draft's too), serial caches in transit, the
+            prefix cache."""
+            draft = [] if drafter is None else drafter.layouts
+            held = sum(x.nbytes for x in cohort_layouts + decode_layouts + draft)
             held += sum(c.nbytes for row in cohort + running for c in row.caches)
             return held + (self.prefix_cache.nbytes if self.prefix_cache is not None else 0)
 
         def sample() -> None:
             """At a step boundary: evaluate what the step left lazy (merges, filters), so
             freed buffers go now, then take both counts."""
-            mx.eval([x.held_arrays() for x in cohort_layouts + decode_layouts])
+            draft = [] if drafter is None else drafter.layouts
+            mx.eval([x.held_arrays() for x in cohort_layouts + decode_layouts + draft])
             stats.peak_kv_bytes = max(stats.peak_kv_bytes, kv_bytes())
             stats.peak_active_kv_bytes = max(
                 stats.peak_active_kv_bytes, mx.get_active_memory() - baseline
@@ -390,12 +451,17 @@ class Engine:
                             self._retire_serial(row)
                             finished += 1
                     if joining:
+                        if drafter is not None:
+                            drafter.join(joining)
                         decode_layouts = self._join(decode_layouts, joining, prefill=False)
                         running.extend(joining)
             sample()
             # 3. one decode step for the running rows
             if running:
-                leaving = self._decode_step(running, decode_layouts)
+                if drafter is None:
+                    leaving = self._decode_step(running, decode_layouts)
+                else:
+                    leaving = self._speculative_step(running, decode_layouts, drafter)
                 sample()
                 if leaving:
                     for row in leaving:
@@ -405,6 +471,8 @@ class Engine:
                     keep = [i for i, row in enumerate(running) if row not in leaving]
                     for layout in decode_layouts:
                         filter_layout_rows(layout, keep)
+                    if drafter is not None:
+                        drafter.filter(keep)
                     running = [running[i] for i in keep]
             step += 1
             if self.progress and (finished != shown or step % 16 == 0):
@@ -451,7 +519,13 @@ class Engine:
         if not layouts or layouts[0].batch_size == 0:
             made: list[BatchableCache] = []
             for cache in rows[0].caches:
-                layout = prefill_cache_layout(cache) if prefill else owned_cache_layout(cache)
+                layout: BatchableCache | None
+                if prefill:
+                    layout = prefill_cache_layout(cache)
+                elif self.draft_model is not None:  # speculative rounds run in verify layouts
+                    layout = target_cache_layout(cache)
+                else:
+                    layout = owned_cache_layout(cache)
                 if layout is None:
                     raise InvalidInputError(f"{cache.signature()} joins no row layout")
                 made.append(layout)
@@ -489,7 +563,79 @@ class Engine:
         ids = mx.array([[row.next_input] for row in running])
         logits = self.model(ids, cache=layouts)[:, -1, :]
         self._sample(running, logits)
+        self._count_forward(len(running), len(running))
         return [row for row in running if self._finished(row)]
+
+    def _count_forward(self, rows: int, tokens: int) -> None:
+        self._stats.target_forwards += 1
+        self._stats.row_forwards += rows
+        self._stats.decode_tokens += tokens
+
+    def _speculative_step(
+        self, running: list[_Row], layouts: list[BatchableCache], drafter: _Drafter
+    ) -> list[_Row]:
+        """One speculative round for every running row (``spec/engine.md`` §11).
+
+        ``d`` drafts per row (fewer when no row has room for ``d + 1`` more tokens); the
+        target verifies ``[pending, drafts]`` in one forward inside a ``RowRound``. Row
+        ``b`` accepts its longest prefix of drafts equal to the target's greedy tokens,
+        capped so it never passes ``max_tokens`` or a stop token (so the KV it keeps is
+        exactly what it emits), and emits them plus the target's token after them. A
+        tempered row accepts none and samples the first position with its own key: its
+        draws are those of a plain decode step."""
+        rows = len(running)
+        room = [row.request.max_tokens - len(row.result.tokens) - 1 for row in running]
+        d = min(self.draft_tokens, max(room))
+        target_round = RowRound(layouts)
+        pending = mx.array([[row.next_input] for row in running])
+        if d == 0:  # every row ends with this token: a plain step, no draft
+            target_round.begin(0)
+            logits = self.model(pending, cache=layouts)[:, -1, :]
+            target_round.resolve([0] * rows)
+            self._sample(running, logits)
+            self._count_forward(rows, rows)
+            return [row for row in running if self._finished(row)]
+        proposed = drafter.propose(d)
+        target_round.begin(d)
+        logits = self.model(mx.concatenate([pending, proposed], axis=1), cache=layouts)
+        chosen = mx.argmax(logits, axis=-1)
+        mx.eval(proposed, chosen)
+        drafts: list[list[int]] = proposed.tolist()  # type: ignore[assignment]
+        greedy: list[list[int]] = chosen.tolist()  # type: ignore[assignment]
+        accepted: list[int] = []
+        for b, row in enumerate(running):
+            limit = min(d, room[b]) if row.request.temperature <= 0 else 0
+            a = 0
+            while (
+                a < limit
+                and drafts[b][a] == greedy[b][a]
+                and drafts[b][a] not in row.request.stop  # a stop token ends the row
+            ):
+                a += 1
+            accepted.append(a)
+            self._stats.drafted += limit
+            self._stats.accepted += a
+        target_round.resolve(accepted)
+        kept = np.array(logits.astype(mx.float32)) if self.keep_logits else None
+        emitted: list[list[int]] = []
+        for b, row in enumerate(running):
+            tokens = greedy[b][: accepted[b] + 1]
+            if row.request.temperature > 0:
+                row.key, sub = mx.random.split(row.key)
+                drawn = mx.random.categorical(logits[b, 0] / row.request.temperature, key=sub)
+                tokens = [int(drawn.tolist())]  # type: ignore[arg-type]
+            if kept is not None:
+                row.result.logits.extend(kept[b, : len(tokens)])
+            row.result.tokens.extend(tokens)
+            row.next_input = tokens[-1]
+            emitted.append(tokens)
+        self._count_forward(rows, sum(len(t) for t in emitted))
+        leaving = [row for row in running if self._finished(row)]
+        if len(leaving) < rows:  # the draft catches up on what the rows that stay emitted
+            drafter.absorb(
+                [t + g[len(t) :] for t, g in zip(emitted, greedy, strict=True)], accepted
+            )
+        return leaving
 
     def _sample(self, rows: list[_Row], logits: mx.array) -> None:
         """One token per row from ``logits`` ``[rows, vocab]``: greedy rows in one argmax,
@@ -556,6 +702,92 @@ class Engine:
             except (KvRowsError, OSError):
                 self._stats.store_errors += 1
             self._stats.store_write_seconds += time.perf_counter() - started
+
+
+def _vocabulary(model: Any) -> int | None:
+    args = getattr(model, "args", None)
+    size = getattr(args, "vocab_size", None)
+    return int(size) if size is not None else None
+
+
+class _Drafter:
+    """The draft model's side of speculative decoding: its rows in its own verify layouts
+    (``target_cache_layout`` of its serial caches), in the running batch's row order.
+
+    Invariant between rounds: a row's draft KV covers what the target's covers plus the
+    pending token, and ``next[b]`` is the draft's greedy token after it (its first
+    proposal). A round proposes ``d`` tokens: ``next`` and ``d - 1`` more forwards, on the
+    layouts themselves for growing layers (trimmed back afterwards) and on a scratch copy
+    for ring layers (a ring that has wrapped cannot forget single-token appends). After
+    the target's verdict, :meth:`absorb` appends the rows' emitted tokens as one verify
+    block inside a ``RowRound`` and keeps ``accepted + 1`` of them: the same rollback the
+    target's layouts do, and the next ``next`` comes from the same forward.
+    """
+
+    def __init__(self, model: Any, scheme: KvStorageScheme, chunk: int, stats: EngineStats):
+        self.model, self.scheme, self.chunk, self.stats = model, scheme, chunk, stats
+        self.layouts: list[BatchableCache] = []
+        self.next: list[int] = []
+        fresh = make_kvrows_cache(model, scheme)
+        self.rings = [isinstance(cache, RingGeometry) for cache in fresh]
+
+    def join(self, rows: list[_Row]) -> None:
+        """Prefill each joining row's prompt and first token through the draft (serial
+        caches), then merge them into the draft layouts."""
+        serial: list[list[Cache]] = []
+        for row in rows:
+            tokens = [*row.request.prompt, row.next_input]
+            caches: list[Cache] = make_kvrows_cache(self.model, self.scheme)
+            logits = None
+            for start in range(0, len(tokens), self.chunk):
+                block = mx.array([tokens[start : start + self.chunk]])
+                logits = self.model(block, cache=caches)
+            assert logits is not None
+            token: int = mx.argmax(logits[0, -1]).item()  # type: ignore[assignment]
+            self.next.append(token)
+            serial.append(caches)
+        if not self.layouts or self.layouts[0].batch_size == 0:
+            self.layouts = [target_cache_layout(cache) for cache in serial[0]]
+        for layer, layout in enumerate(self.layouts):
+            layout.merge_rows([caches[layer] for caches in serial])
+
+    def filter(self, keep: list[int]) -> None:
+        for layout in self.layouts:
+            filter_layout_rows(layout, keep)
+        self.next = [self.next[i] for i in keep]
+
+    def propose(self, d: int) -> mx.array:
+        """``d`` greedy draft tokens per row, ``[rows, d]`` (left lazy: the target's
+        forward joins the same graph); the draft's state is unchanged afterwards."""
+        proposals = [mx.array(self.next)]
+        if d > 1:
+            caches: list[BatchableCache] = []
+            for layout, ring in zip(self.layouts, self.rings, strict=True):
+                if ring:
+                    scratch = layout.make_empty_batch()
+                    scratch.merge_rows([layout])  # borrowed: the layout is unchanged
+                    layout = scratch
+                caches.append(layout)
+            for _ in range(d - 1):
+                logits = self.model(proposals[-1][:, None], cache=caches)[:, -1, :]
+                proposals.append(mx.argmax(logits, axis=-1))
+                self.stats.draft_forwards += 1
+            for layout, ring in zip(self.layouts, self.rings, strict=True):
+                if not ring:
+                    layout.trim(d - 1)
+        return mx.stack(proposals, axis=1).astype(mx.int32)
+
+    def absorb(self, block: list[list[int]], accepted: list[int]) -> None:
+        """Append ``block`` (row ``b``: its emitted tokens first, any tokens after) as one
+        verify block and keep ``accepted[b] + 1`` tokens of row ``b``."""
+        rows = len(block)
+        draft_round = RowRound(self.layouts)
+        draft_round.begin(len(block[0]) - 1)
+        logits = self.model(mx.array(block), cache=self.layouts)
+        last = logits[mx.arange(rows), mx.array(accepted)]
+        self.next = mx.argmax(last, axis=-1).tolist()  # type: ignore[assignment]
+        draft_round.resolve(accepted)
+        self.stats.draft_forwards += 1
 
 
 def _progress(done: int, total: int, step: int) -> None:

@@ -7,11 +7,14 @@ the kvrows serial storage that serves that class under the layer's codec, and th
 is built from the one codec spec the scheme carries and the layer's token geometry, with
 the KV geometry declared (:func:`kv_geometry`) so projected bytes are known before the
 first token. ``tiny_model(arch)`` builds the embedded random-weight float32 models the
-demo and the tests run on (no download).
+demo and the tests run on (no download); ``draft_model(target)`` a speculative draft of the
+same architecture and vocabulary: a truncated copy of the target (its embedding, first
+layers, final norm and head).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import mlx.core as mx
@@ -22,7 +25,7 @@ from kvrows.errors import InvalidInputError
 from kvrows.schemes import CodecSpec, GeometrySpec, Growing, KvStorageScheme, Ring
 from kvrows.validation import KvGeometry
 
-__all__ = ["ARCHITECTURES", "kv_geometry", "make_kvrows_cache", "tiny_model"]
+__all__ = ["ARCHITECTURES", "draft_model", "kv_geometry", "make_kvrows_cache", "tiny_model"]
 
 ARCHITECTURES = ("llama", "gemma3")
 
@@ -136,3 +139,52 @@ def tiny_model(arch: str, *, seed: int = 0, vocab: int = 256) -> Any:
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     return model
+
+
+def draft_model(target: Any, layers: int | None = None) -> Any:
+    """A speculative draft for ``target``: the same class, config and vocabulary with only
+    its first ``layers`` transformer layers, sharing the target's own weights (embedding,
+    those layers, final norm, head), so it agrees with the target often enough to accept.
+
+    ``layers`` defaults to the fewest that keep every kind of layer the target has (gemma3
+    needs one window of its local/global pattern: 2 for the tiny model; llama 1).
+    """
+    from mlx.utils import tree_flatten
+
+    args: Any = getattr(target, "args", None)
+    if args is None or not dataclasses.is_dataclass(args) or not hasattr(target, "layers"):
+        raise InvalidInputError(
+            f"{type(target).__name__} has no dataclass config and layer list to truncate"
+        )
+    total = len(target.layers)
+    pattern = int(getattr(args, "sliding_window_pattern", 1) or 1)
+    count = min(total, pattern) if layers is None else layers
+    if not 1 <= count <= total:
+        raise InvalidInputError(f"a draft keeps 1..{total} of the target's layers, got {count}")
+    if count < min(total, pattern):
+        raise InvalidInputError(
+            f"the target alternates {pattern} kinds of layer: a draft needs at least {pattern}"
+        )
+    changes: dict[str, Any] = {"num_hidden_layers": count}
+    layer_types = getattr(args, "layer_types", None)
+    if isinstance(layer_types, list):
+        changes["layer_types"] = layer_types[:count]
+    config: Any = dataclasses.replace(args, **changes)  # type: ignore[type-var]
+    draft: Any = type(target)(config)
+    kept: list[tuple[str, Any]] = []
+    named: list[tuple[str, Any]] = tree_flatten(target.parameters())  # type: ignore[assignment]
+    for name, weight in named:
+        parts = name.split(".")
+        if "layers" in parts:
+            at = parts.index("layers") + 1
+            if at < len(parts) and parts[at].isdigit() and int(parts[at]) >= count:
+                continue
+        kept.append((name, weight))
+    try:
+        draft.load_weights(kept)
+    except ValueError as error:  # e.g. a quantized checkpoint's scales and biases
+        raise InvalidInputError(
+            f"cannot copy {type(target).__name__}'s weights into a {count}-layer draft: {error}"
+        ) from error
+    mx.eval(draft.parameters())
+    return draft

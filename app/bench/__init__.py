@@ -8,7 +8,9 @@ them as a :class:`~kvrows.app.bench.runner.Family`:
 * :mod:`.affine`: quantize throughput, the affine layout's row operations against the
   plain layout, decode attention against mlx-lm's kernels;
 * :mod:`.ring`: the sliding-window family against mlx-lm's ``BatchRotatingKVCache``;
-* :mod:`.engine`: the engine's throughput against mlx-lm's ``BatchGenerator``.
+* :mod:`.engine`: the engine's throughput against mlx-lm's ``BatchGenerator``;
+* :mod:`.speculative`: the engine with a draft model against itself without one and
+  against mlx-lm's serial speculative generation.
 """
 
 from __future__ import annotations
@@ -22,7 +24,13 @@ if TYPE_CHECKING:  # the runner imports MLX; the CLI reads FAMILIES without it
 __all__ = ["FAMILIES", "family", "run"]
 
 #: ``kvrows bench --family`` names, in run order, and the module of each.
-FAMILIES = {"plain": "plain", "affine": "affine", "rotating": "ring", "engine": "engine"}
+FAMILIES = {
+    "plain": "plain",
+    "affine": "affine",
+    "rotating": "ring",
+    "engine": "engine",
+    "speculative": "speculative",
+}
 
 
 def family(name: str, *, quick: bool = False) -> Family:
