@@ -391,7 +391,7 @@ FAMILIES: dict[str, Family] = {
         peer=_plain_peer,
         description="speculative verify rounds (commit / per-row rollback) on every verify "
         "layout, rings across the window",
-        examples=0.1,
+        examples=0.3,
     ),
 }
 

@@ -49,7 +49,6 @@ from hypothesis.stateful import precondition, rule
 from kvrows import table
 from kvrows.conformance import strategies as ks
 from kvrows.conformance.affine import AffineMachine
-from kvrows.conformance.arrays import to_mlx
 from kvrows.conformance.families import Impl
 from kvrows.conformance.machines import (
     Case,
@@ -72,6 +71,7 @@ from kvrows.errors import (
 from kvrows.speculative import RowRound
 
 __all__ = [
+    "ACCEPTANCE",
     "MAX_DRAFTS",
     "SPECULATIVE_CHECKS",
     "SpeculativeAffineMachine",
@@ -445,8 +445,16 @@ class SpeculativeMachine(ConformanceMachine):
         )
 
     def _rebuilt_twin(self, track: Track) -> Any:
-        """A twin for a row whose mlx-lm twin kept rejected drafts (``B10``)."""
-        return self._twin_for(track)
+        """A twin for a row whose mlx-lm twin kept rejected drafts (``B10``): a fresh
+        mlx-lm cache fed the row's history (its accepted appends and its trims)."""
+        assert self.peer is not None
+        twin = self.peer.serial(self.g)
+        for kind, keys, values in track.history:
+            if kind == "append":
+                twin.update_and_fetch(self._lm_copy(keys), self._lm_copy(values))
+            else:
+                twin.trim(keys)
+        return twin
 
     # ------------------------------------------------------------------ misuse
     def _misuse(
@@ -659,9 +667,3 @@ class SpeculativeRingMachine(SpeculativeMachine, RingMachine):
     @classmethod
     def window_sizes(cls) -> st.SearchStrategy[int]:
         return speculative_windows()
-
-    def _rebuilt_twin(self, track: Track) -> Any:
-        """The row's kept window, compacted as mlx-lm would hold it (cheaper than a replay)."""
-        view = self._model_view(track)
-        half = len(view) // 2
-        return self._compact(to_mlx(view[0]), to_mlx(view[half]), track.tokens)
