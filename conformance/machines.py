@@ -1647,15 +1647,25 @@ class ConformanceMachine(RuleBasedStateMachine):
                 ]
                 wrapped = [b for b, t in enumerate(slot.rows) if g.wrapped(t.tokens)]
                 if wrapped:
-                    one = [1 if b == wrapped[0] else 0 for b in range(rows)]
-                    cases.append(
-                        (
-                            f"trim_rows({one}) of a wrapped row",
-                            lambda impl, lay: lay.trim_rows(one),
-                            "V0",
-                            None,
+                    # A wrapped row trims only while it keeps the whole window of the position
+                    # it goes back to (a block keeps max_size - 1 history tokens): the first
+                    # count it cannot afford.
+                    b, offset = wrapped[0], slot.rows[wrapped[0]].tokens
+                    held = slot.ref.retained[b]
+                    window = g.max_size or 0
+                    refused = [
+                        c for c in range(1, offset + 1) if held - c < min(offset - c, window)
+                    ]
+                    if refused:
+                        one = [refused[0] if r == b else 0 for r in range(rows)]
+                        cases.append(
+                            (
+                                f"trim_rows({one}) past a wrapped row's window",
+                                lambda impl, lay: lay.trim_rows(one),
+                                "V0",
+                                None,
+                            )
                         )
-                    )
             cases.append(
                 ("filter naming a row twice", lambda impl, lay: lay.filter_rows([0, 0]), "V0", None)
             )

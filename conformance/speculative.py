@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 from hypothesis import note
@@ -194,12 +195,19 @@ class SpeculativeMachine(ConformanceMachine):
         for _ in range(count):
             self._round(slot, data, through_row_round)
 
-    def _round(self, slot: Slot, data: st.DataObject, through_row_round: bool) -> None:
+    def _round(
+        self,
+        slot: Slot,
+        data: st.DataObject,
+        through_row_round: bool,
+        drafts: st.SearchStrategy[int] | None = None,
+        acceptance: tuple[str, ...] = ACCEPTANCE,
+    ) -> None:
         g = self.g
         rows = len(slot.rows)
-        d = data.draw(st.integers(0, MAX_DRAFTS), label="drafts")
+        d = data.draw(drafts or self._drafts(slot), label="drafts")
         n = d + 1
-        kind = "d0" if d == 0 else data.draw(st.sampled_from(ACCEPTANCE), label="acceptance")
+        kind = "d0" if d == 0 else data.draw(st.sampled_from(acceptance), label="acceptance")
         keep = {
             "d0": lambda: [1] * rows,
             "all": lambda: [n] * rows,
@@ -246,8 +254,11 @@ class SpeculativeMachine(ConformanceMachine):
             for b, start in enumerate(before):
                 if keep[b] < n and start + n > g.max_size:
                     self.stats.check("rollback on a wrapped row")
-                    if start < g.max_size:
+                    if start < g.max_size:  # the block took the row past its window
                         self.stats.check("round across the window")
+
+    def _drafts(self, slot: Slot) -> st.SearchStrategy[int]:
+        return st.integers(0, MAX_DRAFTS)
 
     def _resolve(
         self,
@@ -667,3 +678,41 @@ class SpeculativeRingMachine(SpeculativeMachine, RingMachine):
     @classmethod
     def window_sizes(cls) -> st.SearchStrategy[int]:
         return speculative_windows()
+
+    def _crossing(self, slot: Slot) -> list[int]:
+        """Drafts that take a row from below its window past it (``d = W - tokens``)."""
+        window = self.window
+        return sorted({window - t.tokens for t in slot.rows if 0 < window - t.tokens <= MAX_DRAFTS})
+
+    def _drafts(self, slot: Slot) -> st.SearchStrategy[int]:
+        crossing = self._crossing(slot)
+        drafts = super()._drafts(slot)
+        return st.one_of(drafts, st.sampled_from(crossing)) if crossing else drafts
+
+    @precondition(lambda self: self.geo is not None and any(self._crossing(s) for s in self.slots))
+    @rule(data=st.data())
+    def round_across_the_window(self, data: st.DataObject) -> None:
+        """A round whose block takes a row past its window, then rolls back."""
+        slot = self._pick(data, [s for s in self.slots if self._crossing(s)], "layout")
+        through = data.draw(st.booleans(), label="through RowRound")
+        self._op("round_across_the_window", slot)
+        drafts = st.sampled_from(self._crossing(slot))
+        self._round(slot, data, through, drafts, ("unequal", "equal", "none"))
+
+    def _rebuilt_twin(self, track: Track) -> Any:
+        """``B10``: the twin is re-synced from the row's serial ring (the optimized one's
+        buffer, offset and ring index): mlx-lm's ring holding the accepted tokens where
+        kvrows holds them, which the request's physical comparisons need (an extracted
+        row is compact, a replayed one would not be)."""
+        assert self.peer is not None
+        twin = self.peer.serial(self.g)
+        if track.tokens:
+            keys, values = track.opt.fetch()
+            twin.keys, twin.values = mx.contiguous(keys), mx.contiguous(values)
+        twin.offset, twin._idx = track.tokens, int(track.opt.ring_index)
+        return twin
+
+    def teardown(self) -> None:
+        if self.geo is not None and self.stats.steps > self._steps_at_start:
+            self.stats.variant("window 1" if self.window == 1 else "window > 1")
+        super().teardown()
