@@ -585,11 +585,7 @@ class SpeculativeMachine(ConformanceMachine):
                 ),
             ]
             cases += [
-                (
-                    f"spec_round_rollback with keep {text}",
-                    lambda impl, lay, rr, bad=bad: lay.spec_round_rollback(bad),
-                    bad_input,
-                )
+                (f"spec_round_rollback with keep {text}", _rollback_with(bad), bad_input)
                 for text, bad in bad_keeps
             ]
         if rounds[0] is not None:
@@ -645,6 +641,10 @@ class SpeculativeMachine(ConformanceMachine):
                 )
             )
         return cases + super()._extra_layout_cases(slot)
+
+
+def _rollback_with(keep: object) -> Callable[[Impl, Any, RowRound | None], object]:
+    return lambda impl, lay, rr: lay.spec_round_rollback(keep)
 
 
 def _append_block(cache: Any, block: tuple[Any, Any]) -> object:

@@ -155,11 +155,12 @@ def test_divergence_b10_a_full_ring_keeps_rejected_drafts() -> None:
     for mod, arr in ((R, np.array), (O, mx.array)):
         serial = mod.RotatingKVCache(4)
         serial.update_and_fetch(arr(_tags([1, 2, 3])), arr(_tags([1, 2, 3])))
-        layout = table.target_cache_layout(serial)
+        layout: Any = table.target_cache_layout(serial)
         layout.merge_rows([serial])
         layout.spec_round_begin()
         layout.update_and_fetch(arr(_tags([4, 5, 6])), arr(_tags([4, 5, 6])))
         layout.spec_round_rollback(1)
         assert layout.row_offsets == (4,)
-        window = layout.extract_row(0).window()
+        extracted: Any = layout.extract_row(0)
+        window = extracted.window()
         assert np.array(window[0][0])[0, 0, :, 0].astype(int).tolist() == [1, 2, 3, 4]
