@@ -391,7 +391,9 @@ FAMILIES: dict[str, Family] = {
         peer=_plain_peer,
         description="speculative verify rounds (commit / per-row rollback) on every verify "
         "layout, rings across the window",
-        examples=0.3,
+        # Each example runs rounds with a solo replay per row, round misuse and mlx-lm's
+        # rollback: 33 examples per layout keep the family near 40 s on two workers.
+        examples=0.22,
     ),
 }
 

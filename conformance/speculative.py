@@ -205,7 +205,7 @@ class SpeculativeMachine(ConformanceMachine):
     ) -> None:
         g = self.g
         rows = len(slot.rows)
-        d = data.draw(drafts or self._drafts(slot), label="drafts")
+        d = data.draw(self._drafts(slot) if drafts is None else drafts, label="drafts")
         n = d + 1
         kind = "d0" if d == 0 else data.draw(st.sampled_from(acceptance), label="acceptance")
         keep = {
