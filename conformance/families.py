@@ -39,6 +39,7 @@ __all__ = [
     "family",
     "optimized_impl",
     "reference_impl",
+    "speculative_layouts",
 ]
 
 
@@ -229,6 +230,8 @@ class LayoutSpec:
     ``serial_peer``: the serial caches have mlx-lm twins (``PeerSpec.serial``).
     ``serial`` / ``tolerance_key``: when not the family's (a family of two codecs).
     ``siblings``: other layouts whose rows this one merges (side sources of a merge).
+    ``machine`` / ``peer_spec``: this layout's machine base and mlx-lm peer when not the
+    family's (a family over several storages: the speculative family).
     """
 
     name: str
@@ -240,6 +243,8 @@ class LayoutSpec:
     serial: str = ""
     tolerance_key: str = ""
     siblings: tuple[str, ...] = ()
+    machine: Callable[[], type[Any]] | None = None
+    peer_spec: Callable[[], PeerSpec] | None = None
 
     @property
     def role(self) -> str:
@@ -311,6 +316,33 @@ def derived_layouts(
     return tuple(specs)
 
 
+def _speculative_machine(name: str) -> Callable[[], type[Any]]:
+    def machine() -> type[Any]:
+        from kvrows.conformance import speculative
+
+        cls: type[Any] = getattr(speculative, name)
+        return cls
+
+    return machine
+
+
+def speculative_layouts() -> tuple[LayoutSpec, ...]:
+    """Every storage's verify layout (the table's verify role), on its storage's machine
+    with the rounds, its tolerance key and its mlx-lm peer."""
+    storages = (
+        ("KVCache", "plain", _plain_peer, "SpeculativeMachine"),
+        ("QuantizedKVCache", "affine", _affine_peer, "SpeculativeAffineMachine"),
+        ("RotatingKVCache", "rotating", _ring_peer, "SpeculativeRingMachine"),
+        ("RotatingQuantizedKVCache", "rotating-affine", _ring_peer, "SpeculativeRingMachine"),
+    )
+    return tuple(
+        replace(spec, machine=_speculative_machine(machine), peer_spec=peer)
+        for serial, key, peer, machine in storages
+        for spec in derived_layouts(serial, tolerance_key=key, verify_only="keep")
+        if "verify" in spec.roles
+    )
+
+
 FAMILIES: dict[str, Family] = {
     "plain": Family(
         name="plain",
@@ -348,6 +380,20 @@ FAMILIES: dict[str, Family] = {
         # An example drives four implementations of a ring (reference, optimized, mlx-lm
         # twins and the model) through every wrap.
         examples=0.35,
+    ),
+    # Verify rounds on every storage's verify layout (two codecs, two geometries): each
+    # layout names its serial class, machine, tolerance key and mlx-lm peer.
+    "speculative": Family(
+        name="speculative",
+        serial="KVCache",
+        layouts=speculative_layouts(),
+        tolerance_key="plain",
+        peer=_plain_peer,
+        description="speculative verify rounds (commit / per-row rollback) on every verify "
+        "layout, rings across the window",
+        # Each example runs rounds with a solo replay per row, round misuse and mlx-lm's
+        # rollback: 33 examples per layout keep the family near 40 s on two workers.
+        examples=0.22,
     ),
 }
 

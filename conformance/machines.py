@@ -972,11 +972,21 @@ class ConformanceMachine(RuleBasedStateMachine):
         target.rows.extend(copies)
 
     def _step(self, slot: Slot, n: int, rng: np.random.Generator, form: ks.MaskForm) -> None:
-        ref, opt, g = self.ref_impl, self.opt_impl, self.g
-        rows = len(slot.rows)
+        rows, g = len(slot.rows), self.g
         keys = self._block(rng, rows, n, g.key_dim)
         values = self._block(rng, rows, n, g.value_dim)
         queries = self._queries(rng, rows, n)
+        outputs = self._layout_step(slot, keys, values, queries, form)
+        self._solo_step(slot, keys, values, queries, form, outputs)
+
+    def _layout_step(
+        self, slot: Slot, keys: Array, values: Array, queries: Array, form: ks.MaskForm
+    ) -> tuple[Array, Array]:
+        """Append one block to every row of a layout in both implementations (and its
+        mlx-lm mirror): fetched planes, masks, visibility, attention. Returns both
+        implementations' attention outputs; the rows' solo caches are not touched."""
+        ref, opt, g = self.ref_impl, self.opt_impl, self.g
+        rows, n = len(slot.rows), int(keys.shape[2])
         positions = [t.tokens for t in slot.rows]
         handle = slot.opt.offset
         self._exact(
@@ -1057,7 +1067,21 @@ class ConformanceMachine(RuleBasedStateMachine):
                 )
                 self._close("attention.mlx_lm", f"{what} attention", out_opt, opt.to_numpy(out_lm))
                 self.stats.check("mlx-lm step")
-        # Solo replay: each row's serial caches take the same block; same attention output.
+        return out_ref, out_opt
+
+    def _solo_step(
+        self,
+        slot: Slot,
+        keys: Array,
+        values: Array,
+        queries: Array,
+        form: ks.MaskForm,
+        outputs: tuple[Array, Array],
+    ) -> None:
+        """Solo replay: each row's serial caches take the same block; same attention output."""
+        ref, opt = self.ref_impl, self.opt_impl
+        rows, n, kw = len(slot.rows), int(keys.shape[2]), form.kwargs()
+        out_ref, out_opt = outputs
         for b, track in enumerate(slot.rows):
             kb, vb, qb = keys[b : b + 1], values[b : b + 1], queries[b : b + 1]
             solo_masks = track.ref.make_mask(n, **kw), track.opt.make_mask(n, **kw)
@@ -1623,15 +1647,25 @@ class ConformanceMachine(RuleBasedStateMachine):
                 ]
                 wrapped = [b for b, t in enumerate(slot.rows) if g.wrapped(t.tokens)]
                 if wrapped:
-                    one = [1 if b == wrapped[0] else 0 for b in range(rows)]
-                    cases.append(
-                        (
-                            f"trim_rows({one}) of a wrapped row",
-                            lambda impl, lay: lay.trim_rows(one),
-                            "V0",
-                            None,
+                    # A wrapped row trims only while it keeps the whole window of the position
+                    # it goes back to (a block keeps max_size - 1 history tokens): the first
+                    # count it cannot afford.
+                    b, offset = wrapped[0], slot.rows[wrapped[0]].tokens
+                    held = slot.ref.retained[b]
+                    window = g.max_size or 0
+                    refused = [
+                        c for c in range(1, offset + 1) if held - c < min(offset - c, window)
+                    ]
+                    if refused:
+                        one = [refused[0] if r == b else 0 for r in range(rows)]
+                        cases.append(
+                            (
+                                f"trim_rows({one}) past a wrapped row's window",
+                                lambda impl, lay: lay.trim_rows(one),
+                                "V0",
+                                None,
+                            )
                         )
-                    )
             cases.append(
                 ("filter naming a row twice", lambda impl, lay: lay.filter_rows([0, 0]), "V0", None)
             )
@@ -2208,15 +2242,15 @@ def machine_class(
     from kvrows.conformance.families import optimized_impl, reference_impl
 
     spec = family.layout(layout)
-    base: type[ConformanceMachine] = (
-        family.machine() if family.machine is not None else ConformanceMachine
-    )
+    make_base = spec.machine or family.machine
+    base: type[ConformanceMachine] = make_base() if make_base is not None else ConformanceMachine
+    make_peer = spec.peer_spec or family.peer
     attrs: dict[str, Any] = {
         "family": family,
         "spec": spec,
         "ref_impl": reference or reference_impl(),
         "opt_impl": optimized or optimized_impl(),
-        "peer": family.peer() if (parity and family.peer is not None) else None,
+        "peer": make_peer() if (parity and make_peer is not None) else None,
         "stats": stats or Stats(family.name, layout),
         "limits": limits or Limits(),
         "enforce": enforce,

@@ -105,6 +105,17 @@ DIVERGENCES: dict[str, Divergence] = {
             "step's mlx-lm mask must be a subset of kvrows'; fetched columns still compared",
         ),
         Divergence(
+            "B10",
+            "speculative rounds on a ring: rolling back rejected drafts once the ring has "
+            "reached its window (offset >= max_size after the verify block)",
+            "RotatingKVCache.is_trimmable() is False, so speculative decoding's "
+            "trim_prompt_cache trims nothing: the rejected drafts stay in the ring (later "
+            "queries attend to them)",
+            "every verify layout forgets the rejected drafts, across the window too (a verify "
+            "block keeps max_size - 1 history tokens); the row's mlx-lm twin is rebuilt from "
+            "its accepted tokens",
+        ),
+        Divergence(
             "B11",
             "rings: trim(n > 0) of a ring that has wrapped (offset / _offset >= max_size)",
             "RotatingKVCache.trim and BatchRotatingKVCache.trim ignore is_trimmable() and move "

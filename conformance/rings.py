@@ -50,6 +50,8 @@ def windows(role: str = "decode") -> st.SearchStrategy[int]:
 
 def keeps(max_size: int) -> st.SearchStrategy[int]:
     """Sink tokens: none in about two examples of three, else 1 to 3 (below the window)."""
+    if max_size < 2:
+        return st.just(0)  # a window of one token has no room for a sink
     return st.one_of(st.just(0), st.just(0), st.integers(1, min(3, max_size - 1)))
 
 
@@ -67,8 +69,13 @@ class RingMachine(ConformanceMachine):
     row_view = "row_window"
 
     @classmethod
+    def window_sizes(cls) -> st.SearchStrategy[int]:
+        """The example's ring window (``max_size``)."""
+        return windows(cls.spec.role)
+
+    @classmethod
     def geometries(cls) -> st.SearchStrategy[ks.Geometry]:
-        sizes = windows(cls.spec.role)
+        sizes = cls.window_sizes()
         if CONSTRUCTORS[cls.spec.name][1]:
             codecs = tuple((bits, group) for bits in SUPPORTED_BITS for group in (32, 64))
             return ks.geometries(dims=(32, 64), codecs=codecs, windows=sizes, keeps=keeps)

@@ -19,6 +19,9 @@ Conventions (see ``spec/contract.md``):
 
 from __future__ import annotations
 
+import inspect
+import typing
+from abc import ABCMeta
 from collections.abc import Sequence
 from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
@@ -41,8 +44,27 @@ __all__ = [
 Mask: TypeAlias = Literal["causal"] | Any | None
 
 
+class _StaticMembers(typing._ProtocolMeta):
+    """``isinstance`` against a runtime protocol looks its members up statically (Python
+    3.12's rule). Python 3.11 evaluates properties, so a property that refuses (a verify
+    layout's ``state`` in the middle of a speculative round) escaped from ``isinstance``."""
+
+    def __instancecheck__(cls, instance: object) -> bool:
+        if not getattr(cls, "_is_runtime_protocol", False):
+            return super().__instancecheck__(instance)
+        members = getattr(cls, "__protocol_attrs__", None)
+        if members is None:
+            members = typing._get_protocol_attrs(cls)  # type: ignore[attr-defined]
+        sentinel = object()
+        if all(
+            inspect.getattr_static(instance, name, sentinel) is not sentinel for name in members
+        ):
+            return True
+        return ABCMeta.__instancecheck__(cls, instance)
+
+
 @runtime_checkable
-class Cache(Protocol):
+class Cache(Protocol, metaclass=_StaticMembers):
     """One layer's attention (or recurrent) state of one or more requests."""
 
     @property

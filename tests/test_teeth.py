@@ -22,6 +22,7 @@ from kvrows.conformance.families import FAMILIES, Impl, optimized_impl
 from kvrows.conformance.machines import machine_class
 from kvrows.conformance.profiles import profile_settings
 from kvrows.conformance.stats import Stats
+from kvrows.errors import NotTrimmableError
 from kvrows.optimized.attention import attend as optimized_attend
 from kvrows.optimized.classes import (
     BatchedKVCache,
@@ -29,6 +30,7 @@ from kvrows.optimized.classes import (
     PaddedKVRows,
     PaddedQuantKVRows,
     QuantizedKVCache,
+    SpeculativeRotatingKVCache,
 )
 from kvrows.optimized.classes import BatchedRotatingCache as RingBatchedRotatingCache
 from kvrows.optimized.rows import Serial
@@ -449,3 +451,85 @@ def test_the_role_check_catches_a_wrong_verify_layout() -> None:
             verify=entry.verify,
         )
     assert "the table's verify layout" in str(caught.value), str(caught.value)
+
+
+# ------------------------------------------------------ speculative family (verify rounds)
+
+
+class RollbackLeaksARejectedToken(BatchedKVCache):
+    """A round's rollback forgets one rejected token fewer on the last row that rejected
+    any: that row keeps a draft the target model refused."""
+
+    def _spec_forget(self, counts: Sequence[int]) -> None:
+        leaked = list(counts)
+        last = max((b for b, count in enumerate(leaked) if count), default=None)
+        if last is not None:
+            leaked[last] -= 1  # MUTATION (every rejected token must be forgotten)
+        super()._spec_forget(leaked)
+
+
+class RingRollbackRefusedPastTheWindow(SpeculativeRotatingKVCache):
+    """The ragged ring's old rule: a row that has reached its window refuses to roll back,
+    so a round that crosses the window cannot reject a draft."""
+
+    def _check_trim(self, counts: Sequence[int]) -> None:
+        for count, offset in zip(counts, self.row_offsets, strict=True):
+            if count and offset >= self.max_size:
+                # MUTATION (a verify block keeps max_size - 1 history tokens: it may roll back)
+                raise NotTrimmableError("a wrapped ring row cannot be trimmed")
+        super()._check_trim(counts)
+
+
+class RingRollbackLosesAWindowToken(SpeculativeRotatingKVCache):
+    """A rollback on a row that has reached its window also forgets its oldest retained
+    token: the row's window comes back one token short."""
+
+    def _forget(self, counts: Sequence[int]) -> None:
+        super()._forget(counts)
+        self._retained = [
+            held - 1 if count and offset >= self.max_size and held else held  # MUTATION
+            for held, count, offset in zip(self._retained, counts, self.row_offsets, strict=True)
+        ]
+
+
+SPECULATIVE_MUTANTS = [
+    pytest.param("BatchedKVCache", RollbackLeaksARejectedToken, id="rollback-leaks-a-draft"),
+    pytest.param(
+        "SpeculativeRotatingKVCache",
+        RingRollbackRefusedPastTheWindow,
+        id="ring-rollback-refused-past-the-window",
+    ),
+    pytest.param(
+        "SpeculativeRotatingKVCache",
+        RingRollbackLosesAWindowToken,
+        id="ring-rollback-loses-a-window-token",
+    ),
+]
+
+
+def _run_speculative(layout: str, mutant: type | None, examples: int | None = None) -> Stats:
+    family = FAMILIES["speculative"]
+    stats = Stats(family.name, layout)
+    optimized = optimized_impl()
+    name = f"TeethSpeculative{layout}Unmutated"
+    if mutant is not None:
+        optimized = optimized.with_classes({layout: mutant})
+        name = f"Teeth{mutant.__name__}"
+    machine = machine_class(family, layout, stats=stats, optimized=optimized, name=name)
+    run_state_machine_as_test(machine, settings=_teeth(examples))
+    return stats
+
+
+@pytest.mark.parametrize(("layout", "mutant"), SPECULATIVE_MUTANTS)
+def test_the_speculative_machine_catches(layout: str, mutant: type) -> None:
+    with pytest.raises(AssertionError) as caught:
+        _run_speculative(layout, mutant)
+    assert "Failing test case" in "\n".join(getattr(caught.value, "__notes__", []))
+    if mutant is RingRollbackRefusedPastTheWindow:
+        # A valid rollback that raises is the machine's failure, not the mutant's crash.
+        assert "resolving a round" in str(caught.value), str(caught.value)
+
+
+@pytest.mark.parametrize("layout", ["BatchedKVCache", "SpeculativeRotatingKVCache"])
+def test_the_unmutated_speculative_implementation_passes(layout: str) -> None:
+    assert _run_speculative(layout, None, CONTROL_EXAMPLES).examples > 0
