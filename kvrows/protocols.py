@@ -44,21 +44,35 @@ __all__ = [
 Mask: TypeAlias = Literal["causal"] | Any | None
 
 
+#: (protocol, class) -> the protocol's members the class lacks (instances may set them).
+_LACKING: dict[tuple[type, type], frozenset[str]] = {}
+
+
 class _StaticMembers(typing._ProtocolMeta):
     """``isinstance`` against a runtime protocol looks its members up statically (Python
     3.12's rule). Python 3.11 evaluates properties, so a property that refuses (a verify
-    layout's ``state`` in the middle of a speculative round) escaped from ``isinstance``."""
+    layout's ``state`` in the middle of a speculative round) escaped from ``isinstance``,
+    and one that builds something (``state``) was built on every check. What a class lacks
+    is remembered per class (the checks run on every table call)."""
 
     def __instancecheck__(cls, instance: object) -> bool:
         if not getattr(cls, "_is_runtime_protocol", False):
             return super().__instancecheck__(instance)
-        members = getattr(cls, "__protocol_attrs__", None)
-        if members is None:
-            members = typing._get_protocol_attrs(cls)  # type: ignore[attr-defined]
-        sentinel = object()
-        if all(
-            inspect.getattr_static(instance, name, sentinel) is not sentinel for name in members
-        ):
+        key = (cls, type(instance))
+        lacking = _LACKING.get(key)
+        if lacking is None:
+            members = getattr(cls, "__protocol_attrs__", None)
+            if members is None:
+                members = typing._get_protocol_attrs(cls)  # type: ignore[attr-defined]
+            missing = object()
+            lacking = frozenset(
+                m for m in members if inspect.getattr_static(type(instance), m, missing) is missing
+            )
+            _LACKING[key] = lacking
+        if not lacking:
+            return True
+        # Members an instance sets itself (mlx-lm's caches set ``offset``).
+        if all(m in getattr(instance, "__dict__", ()) for m in lacking):
             return True
         return ABCMeta.__instancecheck__(cls, instance)
 
