@@ -140,11 +140,14 @@ def _teeth(examples: int | None) -> settings:
     return profile_settings("teeth", **({} if examples is None else {"max_examples": examples}))
 
 
-def _run(layout: str, mutant: type | None, examples: int | None = None) -> Stats:
-    family = FAMILIES["plain"]
+def _run(
+    layout: str, mutant: type | None, examples: int | None = None, family_name: str = "plain"
+) -> Stats:
+    """Run ``family_name``'s machine on ``layout``, the optimized class replaced by ``mutant``."""
+    family = FAMILIES[family_name]
     stats = Stats(family.name, layout)
     optimized = optimized_impl()
-    name = f"Teeth{layout}Unmutated"
+    name = f"Teeth{family_name.title()}{layout}Unmutated"
     if mutant is not None:
         optimized = optimized.with_classes({layout: mutant})
         name = f"Teeth{mutant.__name__}"
@@ -218,16 +221,7 @@ AFFINE_MUTANTS = [
 
 
 def _run_affine(layout: str, mutant: type | None, examples: int | None = None) -> Stats:
-    family = FAMILIES["affine"]
-    stats = Stats(family.name, layout)
-    optimized = optimized_impl()
-    name = f"TeethAffine{layout}Unmutated"
-    if mutant is not None:
-        optimized = optimized.with_classes({layout: mutant})
-        name = f"Teeth{mutant.__name__}"
-    machine = machine_class(family, layout, stats=stats, optimized=optimized, name=name)
-    run_state_machine_as_test(machine, settings=_teeth(examples))
-    return stats
+    return _run(layout, mutant, examples, "affine")
 
 
 @pytest.mark.parametrize(("layout", "mutant"), AFFINE_MUTANTS)
@@ -302,17 +296,7 @@ RING_MUTANTS = [
 
 
 def _run_ring(mutant: type | None, examples: int | None = None) -> Stats:
-    layout = "BatchedRotatingCache"
-    family = FAMILIES["rotating"]
-    stats = Stats(family.name, layout)
-    optimized = optimized_impl()
-    name = "TeethRingUnmutated"
-    if mutant is not None:
-        optimized = optimized.with_classes({layout: mutant})
-        name = f"Teeth{mutant.__name__}"
-    machine = machine_class(family, layout, stats=stats, optimized=optimized, name=name)
-    run_state_machine_as_test(machine, settings=_teeth(examples))
-    return stats
+    return _run("BatchedRotatingCache", mutant, examples, "rotating")
 
 
 @pytest.mark.parametrize("mutant", RING_MUTANTS)
@@ -508,16 +492,7 @@ SPECULATIVE_MUTANTS = [
 
 
 def _run_speculative(layout: str, mutant: type | None, examples: int | None = None) -> Stats:
-    family = FAMILIES["speculative"]
-    stats = Stats(family.name, layout)
-    optimized = optimized_impl()
-    name = f"TeethSpeculative{layout}Unmutated"
-    if mutant is not None:
-        optimized = optimized.with_classes({layout: mutant})
-        name = f"Teeth{mutant.__name__}"
-    machine = machine_class(family, layout, stats=stats, optimized=optimized, name=name)
-    run_state_machine_as_test(machine, settings=_teeth(examples))
-    return stats
+    return _run(layout, mutant, examples, "speculative")
 
 
 @pytest.mark.parametrize(("layout", "mutant"), SPECULATIVE_MUTANTS)
