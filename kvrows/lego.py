@@ -309,15 +309,23 @@ class Bf16First:
 def lego_arguments(
     name: str, max_size: object, group_size: object, bits: object, keep: object, start: object
 ) -> tuple[Affine, GeometrySpec, int]:
-    """The constructor arguments of a lego as specs (``max_size is None``: full attention)."""
-    quantization = Affine(
-        bits=_int(bits, "bits", name), group_size=_int(group_size, "group_size", name)
-    )
-    if max_size is None:
+    """The constructor arguments of a lego as specs (``max_size is None``: full attention);
+    a refused argument names the class."""
+    try:
+        quantization = Affine(
+            bits=_int(bits, "bits", name), group_size=_int(group_size, "group_size", name)
+        )
         geometry: GeometrySpec = Growing()
-    else:
-        geometry = Ring(max_size=_int(max_size, "max_size", name), keep=_int(keep, "keep", name))
-    return quantization, geometry, as_count(start, "start")
+        if max_size is not None:
+            geometry = Ring(
+                max_size=_int(max_size, "max_size", name), keep=_int(keep, "keep", name)
+            )
+        return quantization, geometry, as_count(start, "start")
+    except InvalidInputError as error:
+        message = str(error)
+        if message.startswith(f"{name}:"):
+            raise
+        raise InvalidInputError(f"{name}: {message}") from None
 
 
 def _int(value: object, what: str, name: str) -> int:
