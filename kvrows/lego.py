@@ -237,11 +237,13 @@ class Bf16First:
         this append reaches it (its reads stay plain), quantized afterwards. A refused
         block changes nothing."""
         storage = self._storage
+        reads: tuple[Any, Any]
         if self.converted:
             reads = storage.update_and_fetch(keys, values)
             self._reads_quantized = True
             return reads
-        key_shape, value_shape = getattr(keys, "shape", ()), getattr(values, "shape", ())
+        key_shape: tuple[int, ...] = tuple(getattr(keys, "shape", ()))
+        value_shape: tuple[int, ...] = tuple(getattr(values, "shape", ()))
         if len(key_shape) == 4 and len(value_shape) == 4:
             # Refuse head dims the codec cannot take before the plain append happens.
             self._check_dims(int(key_shape[3]), int(value_shape[3]), self._quantization)

@@ -289,8 +289,10 @@ def test_state_round_trips_as_the_current_storage(
         assert _same(_stored(restored), _stored(storage)) and restored.offset == lego.offset
         path = tmp_path / f"lego-{stop}.safetensors"
         save_prompt_cache(path, [storage])
-        implementation = "optimized" if impl is opt else "reference"
-        (loaded,) = load_prompt_cache(path, implementation=implementation)
+        if impl is opt:
+            (loaded,) = load_prompt_cache(path, implementation="optimized")
+        else:
+            (loaded,) = load_prompt_cache(path, implementation="reference")
         assert type(loaded) is type(storage) and loaded.signature() == lego.signature()
         assert _same(_stored(loaded), _stored(storage))
         again = lego.composed.over(loaded, minimum_reusable_offset=lego.minimum_reusable_offset)
