@@ -341,6 +341,13 @@ def test_generation_equals_mlx_lm_quantized_kv_start(
     for (_, a), (_, b) in zip(got, expected, strict=True):
         np.testing.assert_array_equal(a, b)
     assert all(c.converted for c in legos)
+    # A lego has no to_quantized: mlx-lm's kv_bits leaves it to convert itself.
+    assert not hasattr(legos[0], "to_quantized")
+    again = make_kvrows_cache(llama, scheme)
+    options = {"kv_bits": bits, "kv_group_size": 64, "quantized_kv_start": start}
+    both = _steps(llama, prompt, again, prefill_step_size=prefill_step, **options)
+    assert [t for t, _ in both] == [t for t, _ in expected]
+    assert all(type(c) is opt.Bf16FirstQuantizedKVCache for c in again)
 
 
 def test_make_kvrows_cache_builds_rotating_legos() -> None:
