@@ -28,6 +28,7 @@ from kvrows.app.models import make_kvrows_cache, tiny_model
 from kvrows.errors import InvalidInputError
 from kvrows.lego import conversion_due
 from kvrows.persist.prompt_cache import load_prompt_cache, save_prompt_cache
+from kvrows.protocols import AppendLimited, Cache, ReusableOffset
 from kvrows.reference.lego import to_affine
 from kvrows.schemes import Affine, KvStorageScheme
 
@@ -200,6 +201,8 @@ def test_plain_phase_trims_and_limits_appends(impl: ModuleType) -> None:
     lego.trim(3)
     assert lego.max_append_tokens() == 4 and lego.minimum_reusable_offset == 0
     assert lego.signature() == "kv:plain" and lego.is_trimmable()
+    assert isinstance(lego, AppendLimited) and isinstance(lego, ReusableOffset)
+    assert isinstance(lego, Cache)
     zero = _lego(impl, True, 4, 0)
     assert zero.max_append_tokens() == math.inf and not zero.converted  # empty stays plain
 
@@ -357,8 +360,14 @@ def test_make_kvrows_cache_builds_rotating_legos() -> None:
     kinds = {type(c).__name__ for c in caches}
     assert kinds == {"Bf16FirstQuantizedKVCache", "Bf16FirstRotatingQuantizedKVCache"}
     prompt = mx.array(np.arange(20) % 256, dtype=mx.uint32)
-    tokens = [int(t) for t, _ in lm.generate_step(prompt, gemma, prompt_cache=caches, max_tokens=3)]
-    assert len(tokens) == 3 and all(c.converted for c in caches)
-    assert all(c.start == 3 for c in caches)
+    got = _steps(gemma, prompt, caches, prefill_step_size=8)
+    assert all(c.converted for c in caches) and all(c.start == 3 for c in caches)
+    # Oracle: mlx-lm's own conversion (kv_bits) driving kvrows' plain storages, whose
+    # to_quantized converts rings too (mlx-lm's own rings cannot).
+    options = {"kv_bits": 4, "kv_group_size": 64, "quantized_kv_start": 3}
+    expected = _steps(gemma, prompt, make_kvrows_cache(gemma), prefill_step_size=8, **options)
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    for (_, a), (_, b) in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(a, b)
     plain = make_kvrows_cache(gemma, KvStorageScheme(quantized_kv_start=3))
     assert {type(c).__name__ for c in plain} == {"KVCache", "RotatingKVCache"}
