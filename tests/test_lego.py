@@ -31,6 +31,7 @@ from kvrows.persist.prompt_cache import load_prompt_cache, save_prompt_cache
 from kvrows.protocols import AppendLimited, Cache, ReusableOffset
 from kvrows.reference.lego import to_affine
 from kvrows.schemes import Affine, KvStorageScheme
+from kvrows.validation import KvGeometry
 
 lm: Any = importlib.import_module("mlx_lm.generate")
 peer: Any = cache_module
@@ -48,11 +49,11 @@ SEQUENCES = (
 )
 
 
-def _block(rng: np.random.Generator, n: int) -> tuple[Any, Any]:
+def _block(rng: np.random.Generator, n: int, dtype: Any = np.float32) -> tuple[Any, Any]:
     shape = (1, HEADS, n, DIM)
     return (
-        rng.standard_normal(shape).astype(np.float32),
-        rng.standard_normal(shape).astype(np.float32),
+        rng.standard_normal(shape).astype(dtype),
+        rng.standard_normal(shape).astype(dtype),
     )
 
 
@@ -142,21 +143,23 @@ def test_lego_equals_plain_then_convert(
     assert lego.max_append_tokens() == math.inf
 
 
+@pytest.mark.parametrize("dtype", (np.float32, np.float16), ids=("float32", "float16"))
 @pytest.mark.parametrize("ring", (False, True), ids=("full", "ring"))
 @pytest.mark.parametrize("bits", (4, 8))
 @pytest.mark.parametrize(("start", "sizes", "converts_at"), SEQUENCES)
 def test_reference_and_optimized_store_the_same_bytes(
-    ring: bool, bits: int, start: int, sizes: Sequence[int], converts_at: int
+    ring: bool, bits: int, start: int, sizes: Sequence[int], converts_at: int, dtype: Any
 ) -> None:
     rng = np.random.default_rng(7)
     legos = {impl: _lego(impl, ring, bits, start) for impl in IMPLEMENTATIONS}
     for n in sizes:
-        k, v = _block(rng, n)
+        k, v = _block(rng, n, dtype)
         reads = [lego.update_and_fetch(_to_impl(i, k), _to_impl(i, v)) for i, lego in legos.items()]
         if not ring:  # a ring's read order is physical in one, temporal in the other
             assert _same(reads[0], reads[1])
         assert _same(_stored(legos[opt].storage), _stored(legos[ref].storage))
         assert legos[opt].signature() == legos[ref].signature()
+        assert legos[opt].converted == legos[ref].converted == (legos[opt].offset >= converts_at)
 
 
 @pytest.mark.parametrize("ring", (False, True), ids=("full", "ring"))
@@ -268,6 +271,10 @@ def test_invalid_arguments(impl: ModuleType) -> None:
         impl.Bf16FirstRotatingQuantizedKVCache(4, 64, 8, 4)
     with pytest.raises(InvalidInputError, match="max_size"):
         impl.Bf16FirstRotatingQuantizedKVCache(0)
+    with pytest.raises(InvalidInputError, match="geometry must be a KvGeometry"):
+        impl.Bf16FirstQuantizedKVCache(64, 8, 0, geometry=(2, 64))
+    with pytest.raises(InvalidInputError, match="key head dim 48"):
+        impl.Bf16FirstQuantizedKVCache(64, 8, 0, geometry=KvGeometry(2, 48, 48, "float32"))
     # A head dim the codec cannot take is refused before the plain append: nothing changes.
     lego = _lego(impl, False, 4, 5)
     odd = np.zeros((1, HEADS, 2, 48), np.float32)
