@@ -87,7 +87,10 @@ class Bf16First:
                 f"got {token_geometry!r}"
             )
         if geometry is not None and not isinstance(geometry, KvGeometry):
-            raise InvalidInputError(f"geometry must be a KvGeometry, got {type(geometry).__name__}")
+            raise InvalidInputError(
+                f"{type(self).__name__}: geometry must be a KvGeometry, "
+                f"got {type(geometry).__name__}"
+            )
         if geometry is not None:
             self._check_dims(geometry.key_dim, geometry.value_dim, quantization)
         self._quantization = quantization

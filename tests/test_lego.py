@@ -304,6 +304,8 @@ def test_state_round_trips_as_the_current_storage(
         else:
             (loaded,) = load_prompt_cache(path, implementation="reference")
         assert type(loaded) is type(storage) and loaded.signature() == lego.signature()
+        with pytest.raises(InvalidInputError, match=r"save lego\.storage"):
+            save_prompt_cache(tmp_path / "refused.safetensors", [lego])
         assert _same(_stored(loaded), _stored(storage))
         again = lego.composed.over(loaded, minimum_reusable_offset=lego.minimum_reusable_offset)
         for k, v in blocks[stop:]:
