@@ -380,3 +380,24 @@ def test_make_kvrows_cache_builds_rotating_legos() -> None:
         np.testing.assert_array_equal(a, b)
     plain = make_kvrows_cache(gemma, KvStorageScheme(quantized_kv_start=3))
     assert {type(c).__name__ for c in plain} == {"KVCache", "RotatingKVCache"}
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=("optimized", "reference"))
+def test_a_storage_quantized_from_token_zero_reads_differently(impl: ModuleType) -> None:
+    """Bug 9.3.11: the lego's first chunk is read plain; ``QuantizedKVCache`` from token 0
+    is another composition whose first read is quantized (it dequantizes to other values)."""
+    rng = np.random.default_rng(6)
+    k, v = _block(rng, 5)
+    lego = _lego(impl, False, 4, 0)
+    reads = lego.update_and_fetch(_to_impl(impl, k), _to_impl(impl, v))
+    np.testing.assert_array_equal(np.asarray(reads[0]), k)  # plain: the tokens themselves
+    direct = impl.QuantizedKVCache(64, 4)
+    triples = direct.update_and_fetch(_to_impl(impl, k), _to_impl(impl, v))
+    assert len(_np(triples)) == 6 and lego.converted
+    # What the converted lego stores is what the direct storage stores: only the first
+    # read differs.
+    assert _same(_stored(lego.storage), _stored(direct))
+    decoded = np.asarray(
+        mx.dequantize(*(mx.array(np.asarray(p)) for p in triples[0]), group_size=64, bits=4)
+    )
+    assert np.max(np.abs(decoded - k)) > 0
