@@ -397,7 +397,6 @@ def test_a_storage_quantized_from_token_zero_reads_differently(impl: ModuleType)
     # What the converted lego stores is what the direct storage stores: only the first
     # read differs.
     assert _same(_stored(lego.storage), _stored(direct))
-    decoded = np.asarray(
-        mx.dequantize(*(mx.array(np.asarray(p)) for p in triples[0]), group_size=64, bits=4)
-    )
+    packed, scales, biases = (mx.array(np.asarray(p)) for p in triples[0])
+    decoded = np.asarray(mx.dequantize(packed, scales, biases, group_size=64, bits=4))
     assert np.max(np.abs(decoded - k)) > 0
