@@ -22,7 +22,7 @@ import mlx.core as mx
 import kvrows.optimized as kv
 from kvrows.compositions import Composition, serial_for_peer
 from kvrows.errors import InvalidInputError
-from kvrows.schemes import CodecSpec, GeometrySpec, Growing, KvStorageScheme, Ring
+from kvrows.schemes import Affine, CodecSpec, GeometrySpec, Growing, KvStorageScheme, Ring
 from kvrows.validation import KvGeometry
 
 __all__ = ["ARCHITECTURES", "draft_model", "kv_geometry", "make_kvrows_cache", "tiny_model"]
@@ -76,7 +76,12 @@ def _build(
 
 
 def make_kvrows_cache(model: Any, scheme: KvStorageScheme | None = None) -> list[Any]:
-    """The model's per-layer caches as kvrows optimized storages under ``scheme``."""
+    """The model's per-layer caches as kvrows optimized storages under ``scheme``.
+
+    With ``scheme.quantized_kv_start`` set, each affine layer gets a bf16-first storage
+    (``Bf16FirstQuantizedKVCache`` / ``Bf16FirstRotatingQuantizedKVCache``) that stays
+    plain until an append reaches that many tokens (``spec/bf16-first.md``); other
+    codecs ignore the boundary."""
     import mlx_lm.models.cache as peer
 
     scheme = scheme or KvStorageScheme()
@@ -88,8 +93,21 @@ def make_kvrows_cache(model: Any, scheme: KvStorageScheme | None = None) -> list
     for index, layer in enumerate(template):
         codec = scheme.codec_for_layer(index)
         entry = serial_for_peer(type(layer).__name__, codec)
-        caches.append(_build(entry, codec, _token_geometry(entry, layer), declared))
+        geometry = _token_geometry(entry, layer)
+        if scheme.quantized_kv_start is not None and isinstance(codec, Affine):
+            caches.append(_lego(codec, geometry, scheme.quantized_kv_start, declared))
+        else:
+            caches.append(_build(entry, codec, geometry, declared))
     return caches
+
+
+def _lego(codec: Affine, geometry: GeometrySpec, start: int, declared: KvGeometry | None) -> Any:
+    """The bf16-first storage of an affine layer with a conversion boundary."""
+    if isinstance(geometry, Ring):
+        return kv.Bf16FirstRotatingQuantizedKVCache(
+            geometry.max_size, codec.group_size, codec.bits, geometry.keep, start, geometry=declared
+        )
+    return kv.Bf16FirstQuantizedKVCache(codec.group_size, codec.bits, start, geometry=declared)
 
 
 def tiny_model(arch: str, *, seed: int = 0, vocab: int = 256) -> Any:

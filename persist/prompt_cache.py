@@ -37,6 +37,7 @@ from kvrows.forms import (
     FORMAT_VERSION,
     state_form,
 )
+from kvrows.lego import Bf16First
 from kvrows.persist.files import CHECKSUM_KEY, checksum, read_safetensors, write_atomic
 from kvrows.validation import KvGeometry
 
@@ -101,6 +102,12 @@ def save_prompt_cache(
     layers, classes, states = [], [], []
     for index, cache in enumerate(caches):
         entry = getattr(cache, "composition", None)
+        if isinstance(cache, Bf16First):
+            raise InvalidInputError(
+                f"layer {index}: a {type(cache).__name__} is saved as its current storage: "
+                "save lego.storage and wrap the loaded storage with lego.composed.over(...) "
+                "(spec/bf16-first.md)"
+            )
         if entry is None:
             raise InvalidInputError(
                 f"layer {index}: {type(cache).__name__} is not a kvrows cache; "

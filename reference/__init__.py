@@ -2,7 +2,7 @@
 
 ``classes.py`` declares the public classes (one per landed composition), ``rows.py`` is
 the row machinery they share, ``growing.py`` and ``ring.py`` the token geometries' hooks,
-``codecs.py`` the codecs and attention, ``affine_codec.py`` ``mx.quantize`` in NumPy.
+``codecs.py`` the codecs and attention, ``affine_codec.py`` ``mx.quantize`` in NumPy; ``lego.py`` the bf16-first wrappers.
 """
 
 from kvrows.compositions import register_compositions
@@ -10,7 +10,14 @@ from kvrows.reference.classes import *  # noqa: F403  (the public classes)
 from kvrows.reference.classes import __all__ as _classes
 from kvrows.reference.classes import declared_classes
 from kvrows.reference.codecs import attend, attention
+from kvrows.reference.lego import Bf16FirstQuantizedKVCache, Bf16FirstRotatingQuantizedKVCache
 
-__all__ = [*_classes, "attend", "attention"]
+__all__ = [
+    *_classes,
+    "Bf16FirstQuantizedKVCache",
+    "Bf16FirstRotatingQuantizedKVCache",
+    "attend",
+    "attention",
+]
 
 register_compositions(declared_classes())

@@ -1,0 +1,339 @@
+"""Bf16-first storages ("legos"): plain storage that converts itself to affine once.
+
+A lego is the serial storage a quantized scheme with a bf16-first boundary composes for
+one layer (``spec/bf16-first.md``). It wraps one storage of the composition table at a
+time: the plain serial storage (``KVCache`` / ``RotatingKVCache``) until an append leaves
+it holding ``offset >= start and offset != 0`` tokens, then that storage's affine
+counterpart (``QuantizedKVCache`` / ``RotatingQuantizedKVCache``). The converting append
+is read in plain precision (what it returns); the storage converts before the append
+returns; every later append is quantized. The first append is therefore always plain,
+even with ``start == 0`` (mlx-lm converts after the forward that filled the cache). The
+conversion is irreversible: trimming below ``start`` keeps the affine storage.
+
+Legos are not composition-table entries: they are the seed's wrappers around table
+storages, so everything a storage reports (``signature()``, ``state``, ``offset``,
+``nbytes``, ...) is the current storage's, and a saved lego is its storage's form.
+
+This module holds the array-free logic once; each implementation (``optimized/lego.py``,
+``reference/lego.py``) supplies its two storage classes and its conversion.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+from kvrows.affine_geometry import validate_codec
+from kvrows.errors import InvalidInputError
+from kvrows.schemes import Affine, GeometrySpec, Growing, Plain, Ring
+from kvrows.validation import KvGeometry, as_count
+
+__all__ = ["Bf16First", "LegoComposition", "conversion_due", "lego_arguments"]
+
+
+def conversion_due(offset: int, start: int) -> bool:
+    """Whether a plain lego holding ``offset`` tokens after an append converts now."""
+    return offset >= start and offset != 0
+
+
+class LegoComposition:
+    """``lego.composed``: hand the storage out (``release``) or wrap one (``over``)."""
+
+    def __init__(self, lego: Bf16First) -> None:
+        self._lego = lego
+
+    def release(self) -> Any:
+        """The lego's current storage, now the caller's; the lego is back to its
+        constructed, empty state (plain, nothing held)."""
+        lego = self._lego
+        storage = lego._storage
+        lego._reset()
+        return storage
+
+    def over(self, storage: Any, *, minimum_reusable_offset: int | None = None) -> Bf16First:
+        """A lego of the same parameters holding ``storage``: in its plain phase when
+        ``storage`` is the plain serial class, converted when it is the affine one (same
+        codec parameters and token geometry). ``minimum_reusable_offset`` of a converted
+        storage defaults to its offset when ``start > 0`` (the conversion point is not
+        recorded in a storage, and its offset is the conservative bound), else 0."""
+        lego = self._lego
+        fresh = lego._like()
+        fresh._adopt(storage, minimum_reusable_offset)
+        return fresh
+
+
+class Bf16First:
+    """The lego's wrapper logic over one storage (see the module docstring).
+
+    Implementations set ``plain_class`` / ``affine_class`` per geometry and implement
+    ``_convert``. Arguments follow the wrapped affine class's positional order, then
+    ``start``.
+    """
+
+    #: The plain serial class and its affine counterpart (set by each implementation).
+    plain_class: ClassVar[type[Any]]
+    affine_class: ClassVar[type[Any]]
+
+    def __init__(
+        self,
+        quantization: Affine,
+        token_geometry: GeometrySpec,
+        start: int,
+        geometry: KvGeometry | None = None,
+    ) -> None:
+        if not isinstance(token_geometry, Growing | Ring):
+            raise InvalidInputError(
+                f"{type(self).__name__} takes a Growing() or Ring(...) token geometry, "
+                f"got {token_geometry!r}"
+            )
+        if geometry is not None and not isinstance(geometry, KvGeometry):
+            raise InvalidInputError(
+                f"{type(self).__name__}: geometry must be a KvGeometry, "
+                f"got {type(geometry).__name__}"
+            )
+        if geometry is not None:
+            self._check_dims(geometry.key_dim, geometry.value_dim, quantization)
+        self._quantization = quantization
+        self._token_geometry = token_geometry
+        self._start = as_count(start, "start")
+        self._declared = geometry
+        self._reset()
+
+    # -- the implementation's part ----------------------------------------------------------
+    def _convert(self, storage: Any) -> Any:
+        """``storage`` (plain) as its affine counterpart: same tokens, same positions."""
+        raise NotImplementedError
+
+    # -- state ---------------------------------------------------------------------------------
+    def _reset(self) -> None:
+        self._storage: Any = self.plain_class.from_specs(
+            Plain(), self._token_geometry, geometry=self._declared
+        )
+        self._minimum_reusable_offset = 0
+        #: Whether the last append returned quantized reads (mlx-lm reads ``bits`` then).
+        self._reads_quantized = False
+
+    def _like(self) -> Bf16First:
+        """An empty lego of the same parameters."""
+        fresh = object.__new__(type(self))
+        Bf16First.__init__(
+            fresh, self._quantization, self._token_geometry, self._start, self._declared
+        )
+        return fresh
+
+    def _adopt(self, storage: Any, minimum_reusable_offset: int | None) -> None:
+        name = type(self).__name__
+        if type(storage) is self.affine_class:
+            if storage.codec_spec != self._quantization:
+                raise InvalidInputError(
+                    f"{name}.composed.over: the storage is {storage.codec_spec.name}, "
+                    f"this lego converts to {self._quantization.name}"
+                )
+            converted = True
+        elif type(storage) is self.plain_class:
+            converted = False
+        else:
+            raise InvalidInputError(
+                f"{name}.composed.over takes a {self.plain_class.__name__} or a "
+                f"{self.affine_class.__name__} of the same implementation, got "
+                f"{type(storage).__module__}.{type(storage).__name__}"
+            )
+        if storage.token_geometry != self._token_geometry:
+            raise InvalidInputError(
+                f"{name}.composed.over: the storage's token geometry is "
+                f"{storage.token_geometry!r}, this lego's is {self._token_geometry!r}"
+            )
+        if minimum_reusable_offset is None:
+            minimum = int(storage.offset) if converted and self._start > 0 else 0
+        else:
+            minimum = as_count(minimum_reusable_offset, "minimum_reusable_offset")
+            if not converted and minimum:
+                raise InvalidInputError(
+                    f"{name}.composed.over: a plain storage has no minimum_reusable_offset "
+                    f"(got {minimum}); only a converted one records it"
+                )
+        self._storage = storage
+        self._minimum_reusable_offset = minimum
+        self._reads_quantized = converted
+
+    @staticmethod
+    def _check_dims(key_dim: int, value_dim: int, quantization: Affine) -> None:
+        for side, dim in (("key", key_dim), ("value", value_dim)):
+            try:
+                validate_codec(dim, quantization.group_size, quantization.bits)
+            except InvalidInputError as error:
+                raise InvalidInputError(
+                    f"{side} head dim {dim} cannot be converted to {quantization.name}: {error}"
+                ) from None
+
+    # -- what the lego is ----------------------------------------------------------------------
+    @property
+    def start(self) -> int:
+        """The bf16-first boundary: the offset at which an append converts."""
+        return self._start
+
+    @property
+    def quantization(self) -> Affine:
+        """The affine codec the lego converts to (``bits`` / ``group_size`` are readable
+        only while reads are quantized: see ``bits``)."""
+        return self._quantization
+
+    @property
+    def token_geometry(self) -> GeometrySpec:
+        return self._token_geometry
+
+    @property
+    def storage(self) -> Any:
+        """The current storage (borrowed: the lego keeps using it)."""
+        return self._storage
+
+    @property
+    def converted(self) -> bool:
+        """Whether the storage is the affine one (irreversible)."""
+        return type(self._storage) is self.affine_class
+
+    @property
+    def minimum_reusable_offset(self) -> int:
+        """With ``start > 0``, the offset at conversion (prefix reuse must not trim below
+        it); 0 before conversion and with ``start == 0``."""
+        return self._minimum_reusable_offset
+
+    def max_append_tokens(self) -> float:
+        """Tokens the next append may add without passing the conversion point:
+        ``start - offset`` while plain below ``start``, else unlimited."""
+        offset = int(self._storage.offset)
+        if not self.converted and offset < self._start:
+            return self._start - offset
+        return math.inf
+
+    @property
+    def composed(self) -> LegoComposition:
+        """``release()`` / ``over(storage)`` (``spec/bf16-first.md``)."""
+        return LegoComposition(self)
+
+    @property
+    def bits(self) -> int:
+        """The affine bits, visible only while the last append returned quantized reads:
+        mlx-lm's attention asks ``hasattr(cache, "bits")`` right after
+        ``update_and_fetch`` to pick its quantized path, and the converting append
+        returns plain keys and values."""
+        if not self._reads_quantized:
+            raise AttributeError(
+                f"{type(self).__name__} reads plain keys and values now (bits appears once "
+                "an append returns quantized ones)"
+            )
+        return self._quantization.bits
+
+    @property
+    def group_size(self) -> int:
+        """The affine group size, visible exactly when ``bits`` is."""
+        if not self._reads_quantized:
+            raise AttributeError(
+                f"{type(self).__name__} reads plain keys and values now (group_size appears "
+                "once an append returns quantized ones)"
+            )
+        return self._quantization.group_size
+
+    # -- the storage's surface -----------------------------------------------------------------
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        """Append a block; plain while below ``start``, converting before returning when
+        this append reaches it (its reads stay plain), quantized afterwards. A refused
+        block changes nothing."""
+        storage = self._storage
+        reads: tuple[Any, Any]
+        if self.converted:
+            reads = storage.update_and_fetch(keys, values)
+            self._reads_quantized = True
+            return reads
+        key_shape: tuple[int, ...] = tuple(getattr(keys, "shape", ()))
+        value_shape: tuple[int, ...] = tuple(getattr(values, "shape", ()))
+        if len(key_shape) == 4 and len(value_shape) == 4:
+            # Refuse head dims the codec cannot take before the plain append happens.
+            self._check_dims(int(key_shape[3]), int(value_shape[3]), self._quantization)
+        reads = storage.update_and_fetch(keys, values)
+        offset = int(storage.offset)
+        if conversion_due(offset, self._start):
+            self._storage = self._convert(storage)
+            self._minimum_reusable_offset = offset if self._start > 0 else 0
+        self._reads_quantized = False
+        return reads
+
+    @property
+    def offset(self) -> Any:
+        return self._storage.offset
+
+    @property
+    def state(self) -> Any:
+        """The current storage's state (a saved lego is its storage's form)."""
+        return self._storage.state
+
+    @property
+    def state_needs_dispose(self) -> bool:
+        return bool(self._storage.state_needs_dispose)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._storage.nbytes)
+
+    @property
+    def geometry(self) -> KvGeometry | None:
+        geometry: KvGeometry | None = self._storage.geometry
+        return geometry
+
+    def signature(self) -> str:
+        return str(self._storage.signature())
+
+    def fetch(self) -> tuple[Any, Any]:
+        reads: tuple[Any, Any] = self._storage.fetch()
+        return reads
+
+    def make_mask(
+        self, n: int, *, return_array: bool = False, window_size: int | None = None
+    ) -> Any:
+        return self._storage.make_mask(n, return_array=return_array, window_size=window_size)
+
+    def is_trimmable(self) -> bool:
+        return bool(self._storage.is_trimmable())
+
+    def trim(self, n: int) -> int:
+        """Forget the newest ``n`` tokens; a converted lego stays converted."""
+        return int(self._storage.trim(n))
+
+    def held_arrays(self) -> tuple[Any, ...]:
+        held: tuple[Any, ...] = self._storage.held_arrays()
+        return held
+
+    def __repr__(self) -> str:
+        phase = "converted" if self.converted else "plain"
+        return (
+            f"{type(self).__name__}({self._quantization.name}, {self._token_geometry}, "
+            f"start={self._start}, {phase}, offset={self.offset})"
+        )
+
+
+def lego_arguments(
+    name: str, max_size: object, group_size: object, bits: object, keep: object, start: object
+) -> tuple[Affine, GeometrySpec, int]:
+    """The constructor arguments of a lego as specs (``max_size is None``: full attention);
+    a refused argument names the class."""
+    try:
+        quantization = Affine(
+            bits=_int(bits, "bits", name), group_size=_int(group_size, "group_size", name)
+        )
+        geometry: GeometrySpec = Growing()
+        if max_size is not None:
+            geometry = Ring(
+                max_size=_int(max_size, "max_size", name), keep=_int(keep, "keep", name)
+            )
+        return quantization, geometry, as_count(start, "start")
+    except InvalidInputError as error:
+        message = str(error)
+        if message.startswith(f"{name}:"):
+            raise
+        raise InvalidInputError(f"{name}: {message}") from None
+
+
+def _int(value: object, what: str, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInputError(f"{name}: {what} must be an integer, got {value!r}")
+    return value

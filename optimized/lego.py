@@ -1,0 +1,101 @@
+"""The optimized bf16-first storages (``kvrows.lego``; ``spec/bf16-first.md``).
+
+Conversion is the plain storage's ``to_quantized`` (``dropin.py``): every plane quantized
+whole, a ring keeping its phase, the result owned and evaluated. Beyond the lego's own
+surface, what mlx-lm's models read off a cache (``keys``, ``values``,
+``keys_and_values()``, ``size()``, ``empty()``, a ring's ``max_size`` / ``keep``) is the
+current storage's. A lego has no ``to_quantized``: ``generate(kv_bits=...)`` leaves it
+alone (it converts itself).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvrows.lego import Bf16First, lego_arguments
+from kvrows.optimized.classes import (
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    RotatingQuantizedKVCache,
+)
+from kvrows.validation import KvGeometry
+
+__all__ = ["Bf16FirstQuantizedKVCache", "Bf16FirstRotatingQuantizedKVCache"]
+
+
+class _OptimizedLego(Bf16First):
+    def _convert(self, storage: Any) -> Any:
+        q = self._quantization
+        return storage.to_quantized(group_size=q.group_size, bits=q.bits)
+
+    @property
+    def keys(self) -> Any:
+        """What attention reads of the keys (the current storage's ``keys``)."""
+        return self._storage.keys
+
+    @property
+    def values(self) -> Any:
+        """What attention reads of the values (the current storage's ``values``)."""
+        return self._storage.values
+
+    def keys_and_values(self) -> tuple[Any, Any]:
+        held: tuple[Any, Any] = self._storage.keys_and_values()
+        return held
+
+    def size(self) -> int:
+        return int(self._storage.size())
+
+    def empty(self) -> bool:
+        return bool(self._storage.empty())
+
+
+class Bf16FirstQuantizedKVCache(_OptimizedLego):
+    """Full attention: ``KVCache`` until the append that reaches ``start``, then
+    ``QuantizedKVCache`` (arguments: ``QuantizedKVCache``'s, then ``start``)."""
+
+    plain_class = KVCache
+    affine_class = QuantizedKVCache
+
+    def __init__(
+        self,
+        group_size: int = 64,
+        bits: int = 8,
+        start: int = 0,
+        *,
+        geometry: KvGeometry | None = None,
+    ) -> None:
+        spec, tokens, first = lego_arguments(type(self).__name__, None, group_size, bits, 0, start)
+        super().__init__(spec, tokens, first, geometry)
+
+
+class Bf16FirstRotatingQuantizedKVCache(_OptimizedLego):
+    """Sliding window: ``RotatingKVCache`` until the append that reaches ``start``, then
+    ``RotatingQuantizedKVCache`` holding the same ring (arguments:
+    ``RotatingQuantizedKVCache``'s, then ``start``)."""
+
+    plain_class = RotatingKVCache
+    affine_class = RotatingQuantizedKVCache
+
+    def __init__(
+        self,
+        max_size: int,
+        group_size: int = 64,
+        bits: int = 8,
+        keep: int = 0,
+        start: int = 0,
+        *,
+        geometry: KvGeometry | None = None,
+    ) -> None:
+        spec, tokens, first = lego_arguments(
+            type(self).__name__, max_size, group_size, bits, keep, start
+        )
+        super().__init__(spec, tokens, first, geometry)
+
+    @property
+    def max_size(self) -> int:
+        return int(self._storage.max_size)
+
+    @property
+    def keep(self) -> int:
+        return int(self._storage.keep)

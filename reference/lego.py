@@ -1,0 +1,99 @@
+"""The reference's bf16-first storages (``kvrows.lego``; ``spec/bf16-first.md``).
+
+Conversion encodes each row's retained plain planes with the reference affine codec
+(``affine_codec.py``, ``mx.quantize`` in NumPy): groups run along the head dim, so each
+token's encoding is independent of its neighbours and equals what an affine storage fed
+the same tokens holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvrows.errors import InvalidInputError
+from kvrows.lego import Bf16First, lego_arguments
+from kvrows.reference.classes import (
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    RotatingQuantizedKVCache,
+)
+from kvrows.reference.rows import Row, SerialStorage
+from kvrows.schemes import Affine
+from kvrows.validation import KvGeometry
+
+__all__ = ["Bf16FirstQuantizedKVCache", "Bf16FirstRotatingQuantizedKVCache", "to_affine"]
+
+
+def to_affine(storage: SerialStorage, spec: Affine, affine_class: type[SerialStorage]) -> Any:
+    """A new ``affine_class`` storage holding ``storage``'s tokens at the same positions,
+    each row's retained planes encoded with ``spec``; ``storage`` is unchanged."""
+    if storage.codec_spec.kind != "plain":
+        raise InvalidInputError(
+            f"{type(storage).__name__} is {storage.codec_spec.name}: only a plain storage "
+            "converts to affine"
+        )
+    fresh = affine_class.from_specs(spec, storage.token_geometry, geometry=storage.geometry)
+    rows = []
+    for row in storage._rows:
+        keys = None if row.keys is None else fresh.codec.encode(row.keys[0])
+        values = None if row.values is None else fresh.codec.encode(row.values[0])
+        rows.append(Row(keys, values, row.offset, row.pad, row.sinks))
+    fresh._rows = rows
+    return fresh
+
+
+class _ReferenceLego(Bf16First):
+    def _convert(self, storage: Any) -> Any:
+        return to_affine(storage, self._quantization, self.affine_class)
+
+
+class Bf16FirstQuantizedKVCache(_ReferenceLego):
+    """Full attention: ``KVCache`` until the append that reaches ``start``, then
+    ``QuantizedKVCache`` (arguments: ``QuantizedKVCache``'s, then ``start``)."""
+
+    plain_class = KVCache
+    affine_class = QuantizedKVCache
+
+    def __init__(
+        self,
+        group_size: int = 64,
+        bits: int = 8,
+        start: int = 0,
+        *,
+        geometry: KvGeometry | None = None,
+    ) -> None:
+        spec, tokens, first = lego_arguments(type(self).__name__, None, group_size, bits, 0, start)
+        super().__init__(spec, tokens, first, geometry)
+
+
+class Bf16FirstRotatingQuantizedKVCache(_ReferenceLego):
+    """Sliding window: ``RotatingKVCache`` until the append that reaches ``start``, then
+    ``RotatingQuantizedKVCache`` holding the same window (arguments:
+    ``RotatingQuantizedKVCache``'s, then ``start``)."""
+
+    plain_class = RotatingKVCache
+    affine_class = RotatingQuantizedKVCache
+
+    def __init__(
+        self,
+        max_size: int,
+        group_size: int = 64,
+        bits: int = 8,
+        keep: int = 0,
+        start: int = 0,
+        *,
+        geometry: KvGeometry | None = None,
+    ) -> None:
+        spec, tokens, first = lego_arguments(
+            type(self).__name__, max_size, group_size, bits, keep, start
+        )
+        super().__init__(spec, tokens, first, geometry)
+
+    @property
+    def max_size(self) -> int:
+        return int(self._storage.max_size)
+
+    @property
+    def keep(self) -> int:
+        return int(self._storage.keep)
