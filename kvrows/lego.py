@@ -28,7 +28,14 @@ from kvrows.errors import InvalidInputError
 from kvrows.schemes import Affine, GeometrySpec, Growing, Plain, Ring
 from kvrows.validation import KvGeometry, as_count
 
-__all__ = ["Bf16First", "LegoComposition", "conversion_due", "lego_arguments"]
+__all__ = [
+    "Bf16First",
+    "FullAttentionLego",
+    "LegoComposition",
+    "SlidingWindowLego",
+    "conversion_due",
+    "lego_arguments",
+]
 
 
 def conversion_due(offset: int, start: int) -> bool:
@@ -309,6 +316,50 @@ class Bf16First:
             f"{type(self).__name__}({self._quantization.name}, {self._token_geometry}, "
             f"start={self._start}, {phase}, offset={self.offset})"
         )
+
+
+class FullAttentionLego(Bf16First):
+    """The full-attention lego's constructor: ``QuantizedKVCache``'s arguments, then
+    ``start`` (each implementation names its storage classes)."""
+
+    def __init__(
+        self,
+        group_size: int = 64,
+        bits: int = 8,
+        start: int = 0,
+        *,
+        geometry: KvGeometry | None = None,
+    ) -> None:
+        spec, tokens, first = lego_arguments(type(self).__name__, None, group_size, bits, 0, start)
+        super().__init__(spec, tokens, first, geometry)
+
+
+class SlidingWindowLego(Bf16First):
+    """The sliding-window lego's constructor: ``RotatingQuantizedKVCache``'s arguments,
+    then ``start``; ``max_size`` and ``keep`` read off the current ring."""
+
+    def __init__(
+        self,
+        max_size: int,
+        group_size: int = 64,
+        bits: int = 8,
+        keep: int = 0,
+        start: int = 0,
+        *,
+        geometry: KvGeometry | None = None,
+    ) -> None:
+        spec, tokens, first = lego_arguments(
+            type(self).__name__, max_size, group_size, bits, keep, start
+        )
+        super().__init__(spec, tokens, first, geometry)
+
+    @property
+    def max_size(self) -> int:
+        return int(self._storage.max_size)
+
+    @property
+    def keep(self) -> int:
+        return int(self._storage.keep)
 
 
 def lego_arguments(

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvrows.lego import Bf16First, lego_arguments
+from kvrows.lego import Bf16First, FullAttentionLego, SlidingWindowLego
 from kvrows.optimized.classes import (
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
     RotatingQuantizedKVCache,
 )
-from kvrows.validation import KvGeometry
 
 __all__ = ["Bf16FirstQuantizedKVCache", "Bf16FirstRotatingQuantizedKVCache"]
 
@@ -50,52 +49,18 @@ class _OptimizedLego(Bf16First):
         return bool(self._storage.empty())
 
 
-class Bf16FirstQuantizedKVCache(_OptimizedLego):
+class Bf16FirstQuantizedKVCache(_OptimizedLego, FullAttentionLego):
     """Full attention: ``KVCache`` until the append that reaches ``start``, then
     ``QuantizedKVCache`` (arguments: ``QuantizedKVCache``'s, then ``start``)."""
 
     plain_class = KVCache
     affine_class = QuantizedKVCache
 
-    def __init__(
-        self,
-        group_size: int = 64,
-        bits: int = 8,
-        start: int = 0,
-        *,
-        geometry: KvGeometry | None = None,
-    ) -> None:
-        spec, tokens, first = lego_arguments(type(self).__name__, None, group_size, bits, 0, start)
-        super().__init__(spec, tokens, first, geometry)
 
-
-class Bf16FirstRotatingQuantizedKVCache(_OptimizedLego):
+class Bf16FirstRotatingQuantizedKVCache(_OptimizedLego, SlidingWindowLego):
     """Sliding window: ``RotatingKVCache`` until the append that reaches ``start``, then
     ``RotatingQuantizedKVCache`` holding the same ring (arguments:
     ``RotatingQuantizedKVCache``'s, then ``start``)."""
 
     plain_class = RotatingKVCache
     affine_class = RotatingQuantizedKVCache
-
-    def __init__(
-        self,
-        max_size: int,
-        group_size: int = 64,
-        bits: int = 8,
-        keep: int = 0,
-        start: int = 0,
-        *,
-        geometry: KvGeometry | None = None,
-    ) -> None:
-        spec, tokens, first = lego_arguments(
-            type(self).__name__, max_size, group_size, bits, keep, start
-        )
-        super().__init__(spec, tokens, first, geometry)
-
-    @property
-    def max_size(self) -> int:
-        return int(self._storage.max_size)
-
-    @property
-    def keep(self) -> int:
-        return int(self._storage.keep)

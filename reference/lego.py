@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvrows.errors import InvalidInputError
-from kvrows.lego import Bf16First, lego_arguments
+from kvrows.lego import Bf16First, FullAttentionLego, SlidingWindowLego
 from kvrows.reference.classes import (
     KVCache,
     QuantizedKVCache,
@@ -20,7 +20,6 @@ from kvrows.reference.classes import (
 )
 from kvrows.reference.rows import Row, SerialStorage
 from kvrows.schemes import Affine
-from kvrows.validation import KvGeometry
 
 __all__ = ["Bf16FirstQuantizedKVCache", "Bf16FirstRotatingQuantizedKVCache", "to_affine"]
 
@@ -48,52 +47,18 @@ class _ReferenceLego(Bf16First):
         return to_affine(storage, self._quantization, self.affine_class)
 
 
-class Bf16FirstQuantizedKVCache(_ReferenceLego):
+class Bf16FirstQuantizedKVCache(_ReferenceLego, FullAttentionLego):
     """Full attention: ``KVCache`` until the append that reaches ``start``, then
     ``QuantizedKVCache`` (arguments: ``QuantizedKVCache``'s, then ``start``)."""
 
     plain_class = KVCache
     affine_class = QuantizedKVCache
 
-    def __init__(
-        self,
-        group_size: int = 64,
-        bits: int = 8,
-        start: int = 0,
-        *,
-        geometry: KvGeometry | None = None,
-    ) -> None:
-        spec, tokens, first = lego_arguments(type(self).__name__, None, group_size, bits, 0, start)
-        super().__init__(spec, tokens, first, geometry)
 
-
-class Bf16FirstRotatingQuantizedKVCache(_ReferenceLego):
+class Bf16FirstRotatingQuantizedKVCache(_ReferenceLego, SlidingWindowLego):
     """Sliding window: ``RotatingKVCache`` until the append that reaches ``start``, then
     ``RotatingQuantizedKVCache`` holding the same window (arguments:
     ``RotatingQuantizedKVCache``'s, then ``start``)."""
 
     plain_class = RotatingKVCache
     affine_class = RotatingQuantizedKVCache
-
-    def __init__(
-        self,
-        max_size: int,
-        group_size: int = 64,
-        bits: int = 8,
-        keep: int = 0,
-        start: int = 0,
-        *,
-        geometry: KvGeometry | None = None,
-    ) -> None:
-        spec, tokens, first = lego_arguments(
-            type(self).__name__, max_size, group_size, bits, keep, start
-        )
-        super().__init__(spec, tokens, first, geometry)
-
-    @property
-    def max_size(self) -> int:
-        return int(self._storage.max_size)
-
-    @property
-    def keep(self) -> int:
-        return int(self._storage.keep)
