@@ -103,7 +103,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run a command; a refused argument (a ``KvRowsError``) is one line on stderr, exit 2."""
+    from kvrows.errors import KvRowsError
+
     args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except KvRowsError as error:
+        print(f"kvrows {args.command}: {error}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "conform":
         from kvrows.conformance.runner import run_conformance
 

@@ -302,6 +302,13 @@ class Engine:
                 raise InvalidInputError(
                     f"the draft's vocabulary differs from the target's: sizes {sizes}"
                 )
+        if scheme is not None and scheme.quantized_kv_start is not None:
+            raise InvalidInputError(
+                f"scheme {scheme.name}: the engine batches every row, and rows that convert "
+                "at their own quantized_kv_start need the delayed layouts, which are not built "
+                "yet (spec/DelayedQuantizedKVCache.md); use the serial bf16-first caches "
+                "(make_kvrows_cache) or a scheme without a start"
+            )
         self.model = model
         self.scheme = scheme or KvStorageScheme()
         self.max_batch = max_batch

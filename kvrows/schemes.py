@@ -200,10 +200,31 @@ class KvStorageScheme:
 
     @classmethod
     def parse(cls, text: str) -> KvStorageScheme:
-        """``plain``, ``affine8``, ``affine4:32``, ``turbo-k8v3``."""
+        """A scheme from its ``name``: a codec (``plain``, ``affine8``, ``affine4:32``,
+        ``turbo-k8v3``), then optional per-layer codecs (``,0=plain,5=affine8``), then an
+        optional bf16-first start (``@512``): ``affine4:32,0=plain@512``."""
         if not isinstance(text, str):
             raise InvalidInputError(f"a KV scheme name is a string, got {type(text).__name__}")
-        return cls(codec=_parse_codec(text))
+        body, at, start_text = text.partition("@")
+        start: int | None = None
+        if at:
+            if not start_text.isdigit():
+                raise InvalidInputError(
+                    f"KV scheme {text!r}: the start after @ must be a token count, "
+                    f"got {start_text!r}"
+                )
+            start = int(start_text)
+        default, *overrides = body.split(",")
+        layers: list[tuple[int, CodecSpec]] = []
+        for override in overrides:
+            index, equals, codec = override.partition("=")
+            if not equals or not index.isdigit():
+                raise InvalidInputError(
+                    f"KV scheme {text!r}: a per-layer codec is <layer>=<codec> with a "
+                    f"layer index >= 0, got {override!r}"
+                )
+            layers.append((int(index), _parse_codec(codec)))
+        return cls(codec=_parse_codec(default), layers=tuple(layers), quantized_kv_start=start)
 
     def codec_for_layer(self, index: int) -> CodecSpec:
         """The codec layer ``index`` stores its KV with."""

@@ -95,6 +95,38 @@ def test_per_layer_codecs_and_start() -> None:
         KvStorageScheme(layers=((1, Plain()), (1, Affine())))
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("affine8:64,0=plain@64", KvStorageScheme(
+            codec=Affine(bits=8), layers=((0, Plain()),), quantized_kv_start=64)),
+        ("affine4@0", KvStorageScheme(codec=Affine(bits=4), quantized_kv_start=0)),
+        ("plain,2=affine4:32,5=affine8", KvStorageScheme(
+            layers=((2, Affine(bits=4, group_size=32)), (5, Affine(bits=8))))),
+    ],
+)  # fmt: skip
+def test_a_scheme_parses_from_its_name(text: str, expected: KvStorageScheme) -> None:
+    scheme = KvStorageScheme.parse(text)
+    assert scheme == expected
+    assert KvStorageScheme.parse(scheme.name) == scheme  # every name round-trips
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("affine8@", "token count"),
+        ("affine8@x", "token count"),
+        ("affine8,plain", "<layer>=<codec>"),
+        ("affine8,-1=plain", "<layer>=<codec>"),
+        ("affine8,0=bf16", "unknown KV scheme"),
+        ("affine8,0=plain,0=affine4", "two codecs"),
+    ],
+)
+def test_bad_scheme_texts_say_what_was_expected(text: str, message: str) -> None:
+    with pytest.raises(InvalidInputError, match=message):
+        KvStorageScheme.parse(text)
+
+
 def test_codec_bytes_come_from_the_plane_specs() -> None:
     # plain: one plane of D values; affine: D*bits/32 uint32 words + a scale and a bias a group
     assert codec_token_bytes(Plain(), 2, 64, "bfloat16") == 2 * 64 * 2
