@@ -33,7 +33,7 @@ import hashlib
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import mlx.core as mx
@@ -161,33 +161,16 @@ class EngineStats:
 
     def add(self, other: EngineStats) -> None:
         """Fold another run's totals into these (peaks take the larger)."""
-        for name in (
-            "requests",
-            "generated",
-            "seconds",
-            "steps",
-            "prefix_hits",
-            "prefix_hit_tokens",
-            "rejected",
-            "prefill_tokens",
-            "prefill_seconds",
-            "store_hits",
-            "store_hit_tokens",
-            "store_read_seconds",
-            "store_write_seconds",
-            "store_writes",
-            "store_errors",
-            "target_forwards",
-            "row_forwards",
-            "decode_tokens",
-            "drafted",
-            "accepted",
-            "draft_forwards",
-        ):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for entry in fields(self):
+            if entry.name not in _NOT_SUMMED:
+                setattr(self, entry.name, getattr(self, entry.name) + getattr(other, entry.name))
         self.peak_kv_bytes = max(self.peak_kv_bytes, other.peak_kv_bytes)
         self.peak_active_kv_bytes = max(self.peak_active_kv_bytes, other.peak_active_kv_bytes)
         self.kv_bytes_per_token = self.kv_bytes_per_token or other.kv_bytes_per_token
+
+
+#: ``EngineStats`` fields ``add`` does not sum: peaks and a per-token constant.
+_NOT_SUMMED = frozenset({"peak_kv_bytes", "peak_active_kv_bytes", "kv_bytes_per_token"})
 
 
 class PrefixCache:
@@ -548,7 +531,7 @@ class Engine:
         ids = mx.array([list(row.request.prompt[row.fed : row.fed + n]) for row in cohort])
         logits = self.model(ids, cache=layouts)[:, -1, :]
         # Evaluated here so the prefill time is measured (the step boundary would anyway).
-        mx.eval(logits, [layout.state for layout in layouts])
+        mx.eval(logits, [layout.held_arrays() for layout in layouts])
         self._stats.prefill_tokens += n * len(cohort)
         done: list[_Row] = []
         finishing: list[int] = []

@@ -1079,32 +1079,44 @@ class ConformanceMachine(RuleBasedStateMachine):
         outputs: tuple[Array, Array],
     ) -> None:
         """Solo replay: each row's serial caches take the same block; same attention output."""
-        ref, opt = self.ref_impl, self.opt_impl
-        rows, n, kw = len(slot.rows), int(keys.shape[2]), form.kwargs()
+        rows = len(slot.rows)
         out_ref, out_opt = outputs
         for b, track in enumerate(slot.rows):
             kb, vb, qb = keys[b : b + 1], values[b : b + 1], queries[b : b + 1]
-            solo_masks = track.ref.make_mask(n, **kw), track.opt.make_mask(n, **kw)
-            for impl, cache in ((ref, track.ref), (opt, track.opt)):
-                cache.update_and_fetch(self._give(impl, kb, "solo"), self._give(impl, vb, "solo"))
-            solo_ref = self._attend(ref, qb, track.ref, solo_masks[0], f"row {b} solo")
-            solo_opt = self._attend(opt, qb, track.opt, solo_masks[1], f"row {b} solo")
-            self._close(
-                "attention.solo",
-                f"reference row {b} vs its serial cache",
-                out_ref[b : b + 1],
-                solo_ref,
-            )
-            self._close(
-                "attention.solo",
-                f"optimized row {b} vs its serial cache",
-                out_opt[b : b + 1],
-                solo_opt,
+            self._solo_row(
+                track, kb, vb, qb, form, (out_ref[b : b + 1], out_opt[b : b + 1]), f"row {b}"
             )
             if track.lm is not None:
                 track.lm.update_and_fetch(self._lm_copy(kb), self._lm_copy(vb))
-            self._record_append(track, kb, vb)
         self.stats.check("solo attention", rows)
+
+    def _solo_row(
+        self,
+        track: Track,
+        keys: Array,
+        values: Array,
+        queries: Array,
+        form: ks.MaskForm,
+        expected: tuple[Array, Array],
+        what: str,
+    ) -> None:
+        """A row's serial caches (both implementations) take ``keys``/``values``; their
+        attention for ``queries`` equals ``expected`` (the layout row's, reference and
+        optimized), and the row's model records the append."""
+        ref, opt, kw = self.ref_impl, self.opt_impl, form.kwargs()
+        n = int(keys.shape[2])
+        masks = track.ref.make_mask(n, **kw), track.opt.make_mask(n, **kw)
+        for impl, cache in ((ref, track.ref), (opt, track.opt)):
+            cache.update_and_fetch(self._give(impl, keys, "solo"), self._give(impl, values, "solo"))
+        solo_ref = self._attend(ref, queries, track.ref, masks[0], f"{what} solo")
+        solo_opt = self._attend(opt, queries, track.opt, masks[1], f"{what} solo")
+        self._close(
+            "attention.solo", f"reference {what} vs its serial cache", expected[0], solo_ref
+        )
+        self._close(
+            "attention.solo", f"optimized {what} vs its serial cache", expected[1], solo_opt
+        )
+        self._record_append(track, keys, values)
 
     def _step_parity(
         self,

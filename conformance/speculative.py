@@ -332,8 +332,6 @@ class SpeculativeMachine(ConformanceMachine):
     ) -> None:
         """Each row's serial caches take only its accepted tokens; the accepted queries'
         attention in the layout equals theirs; the mlx-lm twin runs mlx-lm's round."""
-        ref, opt = self.ref_impl, self.opt_impl
-        kw = form.kwargs()
         out_ref, out_opt = outputs
         n = int(keys.shape[2])
         for b, track in enumerate(slot.rows):
@@ -350,25 +348,12 @@ class SpeculativeMachine(ConformanceMachine):
                 k,
                 form,
             )
-            masks = track.ref.make_mask(k, **kw), track.opt.make_mask(k, **kw)
-            for impl, cache in ((ref, track.ref), (opt, track.opt)):
-                cache.update_and_fetch(self._give(impl, kb, "solo"), self._give(impl, vb, "solo"))
-            what = f"row {b} ({before[b]} tokens, keep {k} of {n})"
-            solo_ref = self._attend(ref, qb, track.ref, masks[0], f"{what} solo")
-            solo_opt = self._attend(opt, qb, track.opt, masks[1], f"{what} solo")
-            self._close(
-                "attention.solo",
-                f"reference {what} vs its serial cache of the accepted tokens",
+            what = f"row {b} ({before[b]} tokens, keep {k} of {n}: the accepted tokens)"
+            expected = (
                 np.ascontiguousarray(out_ref[b : b + 1, :, :k]),
-                solo_ref,
-            )
-            self._close(
-                "attention.solo",
-                f"optimized {what} vs its serial cache of the accepted tokens",
                 np.ascontiguousarray(out_opt[b : b + 1, :, :k]),
-                solo_opt,
             )
-            self._record_append(track, kb, vb)
+            self._solo_row(track, kb, vb, qb, form, expected, what)
             if rebuild:
                 track.lm = self._rebuilt_twin(track)
             elif track.lm is not None:

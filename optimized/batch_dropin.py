@@ -44,9 +44,7 @@ from kvrows.errors import (
     InvalidInputError,
     LayoutStateError,
 )
-from kvrows.optimized.codecs import Planes
-from kvrows.optimized.growing import GrowingGeometry
-from kvrows.optimized.ring import RaggedRing, RingGeometry, SharedRing
+from kvrows.optimized.ring import RingGeometry, SharedRing
 from kvrows.optimized.rows import Layout, Serial, Storage
 from kvrows.protocols import Cache, Mask
 from kvrows.validation import as_count, check_keep
@@ -93,11 +91,6 @@ def _sources(caches: object) -> Sequence[object]:
     if not caches:
         raise InvalidInputError("merge needs at least one cache")
     return caches
-
-
-def _drop_retained(ring: RaggedRing, counts: list[int]) -> None:
-    """A ragged ring's rows hold ``counts`` fewer columns."""
-    ring._retained = [r - c for r, c in zip(ring._retained, counts, strict=True)]
 
 
 class SerialMerge(_SerialBase):
@@ -365,9 +358,9 @@ class LayoutBatchOps(_LayoutBase):
         """Forget each row's pads of the update just appended (front, then tail)."""
         front, tail = plan.front, plan.tail
         if any(tail):
-            self._forget_tail(tail)
+            self._forget_tail_pads(tail)
         if any(front):
-            self._forget_front(front)
+            self._forget_front_pads(front)
         self._offsets = [t - f - r for t, f, r in zip(self._offsets, front, tail, strict=True)]
         self._pending_pads = [p - f for p, f in zip(self._leads(), front, strict=True)]
         run = self._run
@@ -380,53 +373,6 @@ class LayoutBatchOps(_LayoutBase):
             pads = [p - t for p, t in zip(run.pads, tail, strict=True)]
             self._run = _Run(real if real is not None else [0] * len(pads), pads)
         self._changed()
-
-    def _forget_tail(self, tail: list[int]) -> None:
-        if isinstance(self, RaggedRing):
-            _drop_retained(self, tail)
-        elif isinstance(self, SharedRing):
-            assert self._keys is not None and self._values is not None
-            self._roll_right(0, self.buffer_length, tail)
-            self._pads = [p + t for p, t in zip(self._pads, tail, strict=True)]
-        elif isinstance(self, GrowingGeometry) and self.composition.shared_column:
-            # Width before the trim: the rows still share one end column.
-            start = self._origin
-            self._roll_right(start, start + self.width, tail)
-            self._pads = [p + t for p, t in zip(self._pads, tail, strict=True)]
-        # Ragged growing rows: the trim of the row positions is all there is to do.
-
-    def _forget_front(self, front: list[int]) -> None:
-        if isinstance(self, RaggedRing):
-            width = max(self._retained)
-            index = mx.minimum(mx.arange(width)[None, :] + mx.array(front)[:, None], width - 1)
-            assert self._keys is not None and self._values is not None
-            self._keys = RaggedRing._slid(self._keys, index[:, None, :, None], width)
-            self._values = RaggedRing._slid(self._values, index[:, None, :, None], width)
-            _drop_retained(self, front)
-            return
-        pads = [p + f for p, f in zip(self._pads, front, strict=True)]
-        if isinstance(self, GrowingGeometry):
-            # Keep some row at the origin: the padding every row shares moves the origin.
-            shared = min(pads)
-            pads = [p - shared for p in pads]
-            self._origin += shared
-        self._pads = pads
-
-    def _roll_right(self, start: int, stop: int, shifts: list[int]) -> None:
-        """Rotate each row's columns ``[start, stop)`` right by its shift: its trailing
-        pads wrap round to the front, where the row's left padding then covers them."""
-        assert self._keys is not None and self._values is not None
-        rows, width = len(shifts), stop - start
-        index = (mx.arange(width)[None, :] - mx.array(shifts)[:, None]) % width
-        index = index[:, None, :, None]
-
-        def rolled(planes: Planes) -> None:
-            for plane in planes:
-                region = plane[:rows, :, start:stop]
-                plane[:rows, :, start:stop] = mx.take_along_axis(region, index, axis=2)
-
-        rolled(self._keys)
-        rolled(self._values)
 
     def make_mask(
         self, n: int, *, return_array: bool = False, window_size: int | None = None
@@ -451,11 +397,3 @@ class LayoutBatchOps(_LayoutBase):
         if self.codec.key != "plain":
             hidden = hidden & (columns != starts + queries)
         return visible & ~hidden[:, None]
-
-    def _block_starts(self, n: int) -> list[int]:
-        """The mask column of each row's first token of the next ``n``-token block."""
-        if isinstance(self, RaggedRing):
-            return [a - n for a in self._after(n)]
-        if isinstance(self, SharedRing):
-            return [min(self.max_size - 1, self._total)] * self.batch_size
-        return [p + t for p, t in zip(self._pads, self._offsets, strict=True)]

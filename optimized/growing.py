@@ -158,6 +158,23 @@ class GrowingGeometry(Storage):
             # Release the slots a large retirement left behind.
             self._reallocate(round_up(self.width + 1), shift=0)
 
+    def _forget_tail_pads(self, tail: list[int]) -> None:
+        if self.composition.shared_column:
+            # Width before the trim: the rows still share one end column.
+            self._roll_right(self._origin, self._origin + self.width, tail)
+            self._pads = [p + t for p, t in zip(self._pads, tail, strict=True)]
+        # Ragged rows: the trim of the row positions is all there is to do.
+
+    def _forget_front_pads(self, front: list[int]) -> None:
+        pads = [p + f for p, f in zip(self._pads, front, strict=True)]
+        # Keep some row at the origin: the padding every row shares moves the origin.
+        shared = min(pads)
+        self._pads = [p - shared for p in pads]
+        self._origin += shared
+
+    def _block_starts(self, n: int) -> list[int]:
+        return [p + t for p, t in zip(self._pads, self._offsets, strict=True)]
+
     def _check_trim(self, counts: Sequence[int]) -> None:
         return None
 

@@ -445,6 +445,16 @@ class SharedRing(RingGeometry):
         if self.keep:  # the offsets are already the survivors'
             self._narrow_sinks()
 
+    def _forget_tail_pads(self, tail: list[int]) -> None:
+        self._roll_right(0, self.buffer_length, tail)
+        self._pads = [p + t for p, t in zip(self._pads, tail, strict=True)]
+
+    def _forget_front_pads(self, front: list[int]) -> None:
+        self._pads = [p + f for p, f in zip(self._pads, front, strict=True)]
+
+    def _block_starts(self, n: int) -> list[int]:
+        return [min(self.max_size - 1, self._total)] * len(self._offsets)
+
     def _check_trim(self, counts: Sequence[int]) -> None:
         if not self.is_trimmable():
             # A serial ring counts every position it was written; a layout its ring columns.
@@ -719,6 +729,21 @@ class RaggedRing(RingGeometry):
     def _keep(self, order: list[int]) -> None:
         super()._keep(order)
         self._retained = [self._retained[i] for i in order]
+
+    def _forget_tail_pads(self, tail: list[int]) -> None:
+        self._forget(tail)
+
+    def _forget_front_pads(self, front: list[int]) -> None:
+        """Slide each row left over its leading pads."""
+        width = max(self._retained)
+        index = mx.minimum(mx.arange(width)[None, :] + mx.array(front)[:, None], width - 1)
+        assert self._keys is not None and self._values is not None
+        self._keys = self._slid(self._keys, index[:, None, :, None], width)
+        self._values = self._slid(self._values, index[:, None, :, None], width)
+        self._forget(front)
+
+    def _block_starts(self, n: int) -> list[int]:
+        return [a - n for a in self._after(n)]
 
     def _check_trim(self, counts: Sequence[int]) -> None:
         """A row may forget tokens while it keeps its whole window before them: always

@@ -311,6 +311,32 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     def is_trimmable(self) -> bool:
         raise NotImplementedError
 
+    # Padded blocks (mlx-lm's batch API, ``batch_dropin.py``): each row's pads of the block
+    # just appended are forgotten, the trailing ones and then the leading ones.
+    def _forget_tail_pads(self, tail: list[int]) -> None:
+        """Row ``b``'s last ``tail[b]`` appended columns were pads (positions not yet
+        moved)."""
+        raise NotImplementedError
+
+    def _forget_front_pads(self, front: list[int]) -> None:
+        """Row ``b``'s first ``front[b]`` columns of the block were pads."""
+        raise NotImplementedError
+
+    def _block_starts(self, n: int) -> list[int]:
+        """The mask column of each row's first token of the next ``n``-token block."""
+        raise NotImplementedError
+
+    def _roll_right(self, start: int, stop: int, shifts: list[int]) -> None:
+        """Rotate each row's columns ``[start, stop)`` right by its shift: its trailing
+        pads wrap round to the front, where the row's left padding then covers them."""
+        assert self._keys is not None and self._values is not None
+        rows, width = len(shifts), stop - start
+        index = (mx.arange(width)[None, :] - mx.array(shifts)[:, None]) % width
+        index = index[:, None, :, None]
+        for plane in (*self._keys, *self._values):
+            region = plane[:rows, :, start:stop]
+            plane[:rows, :, start:stop] = mx.take_along_axis(region, index, axis=2)
+
 
 class Serial(Storage):
     """One request: the rows of its blocks, all at one position (``offset`` is an int)."""
