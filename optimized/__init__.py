@@ -9,6 +9,7 @@ from kvrows.compositions import register_compositions
 from kvrows.optimized import classes
 from kvrows.optimized.attention import attend
 from kvrows.optimized.classes import *  # noqa: F403
+from kvrows.optimized.delayed import DelayedQuantizedKVCache, DelayedRotatingQuantizedKVCache
 from kvrows.optimized.lego import Bf16FirstQuantizedKVCache, Bf16FirstRotatingQuantizedKVCache
 from kvrows.optimized.mlxlm_batch import BatchKVCache, BatchRotatingKVCache
 from kvrows.optimized.rows import DECLARED
@@ -19,6 +20,8 @@ __all__ = [
     "BatchRotatingKVCache",
     "Bf16FirstQuantizedKVCache",
     "Bf16FirstRotatingQuantizedKVCache",
+    "DelayedQuantizedKVCache",
+    "DelayedRotatingQuantizedKVCache",
     "attend",
 ]
 

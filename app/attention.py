@@ -1,0 +1,126 @@
+"""Row attention inside unmodified mlx-lm models: mixed-precision delayed rows.
+
+An mlx-lm attention layer calls ``scaled_dot_product_attention(q, keys, values, cache=…,
+scale=…, mask=…)``, a function each model module imports by name from
+``mlx_lm.models.base``; it picks one codec for the whole batch. While a delayed layout
+(``kvrows.delayed``) holds plain and converted rows together, each row must attend with
+its own codec. :func:`row_attention` rebinds that imported name, in the modules of the
+model's layers (and in ``mlx_lm.models.base``), to :func:`dispatch` for as long as the
+scope is open, and opens ``kvrows.delayed.row_reads()`` so mixed layouts answer with a
+pending pair. ``dispatch`` hands a pending pair to its layout's ``attend_rows`` (each
+group through mlx-lm's own function, with the group's own reads and mask) and passes
+every other call to mlx-lm's function unchanged, so other caches and models compute
+exactly as before. Scopes nest and are reference-counted; the last one to close restores
+every module. A model whose layers do not use mlx-lm's function cannot be hooked
+(``InvalidInputError``); one that calls ``mx.fast.scaled_dot_product_attention`` itself
+gets the pending pair and fails loudly.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+from kvrows.delayed import RowAttentionPending, row_reads
+from kvrows.errors import InvalidInputError
+from kvrows.schemes import Affine
+
+__all__ = ["dispatch", "hookable_modules", "row_attention"]
+
+_NAME = "scaled_dot_product_attention"
+_lock = threading.Lock()
+_depth = 0
+_patched: list[ModuleType] = []
+
+
+def _original() -> Any:
+    from mlx_lm.models import base
+
+    original = getattr(base, "_kvrows_original_sdpa", None)
+    if original is None:
+        original = getattr(base, _NAME)
+        base._kvrows_original_sdpa = original  # type: ignore[attr-defined]
+    return original
+
+
+class _GroupCache:
+    """What mlx-lm's function reads off a cache: ``bits`` / ``group_size`` for an affine
+    group (its quantized path), nothing for a plain one."""
+
+    def __init__(self, codec: Any) -> None:
+        if isinstance(codec, Affine):
+            self.bits = codec.bits
+            self.group_size = codec.group_size
+
+
+def dispatch(
+    queries: Any,
+    keys: Any,
+    values: Any,
+    cache: Any,
+    scale: float,
+    mask: Any,
+    sinks: Any = None,
+) -> Any:
+    """mlx-lm's attention, or each row group's own when ``keys`` is a pending pair."""
+    original = _original()
+    if not isinstance(keys, RowAttentionPending):
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    def attend(q: Any, group: Any, k: Any, v: Any, group_mask: Any, s: float) -> Any:
+        return original(
+            q, k, v, cache=_GroupCache(group.codec_spec), scale=s, mask=group_mask, sinks=sinks
+        )
+
+    return keys.layout.attend_rows(queries, scale, attend, pending=keys)
+
+
+def hookable_modules(model: Any) -> list[ModuleType]:
+    """The modules of ``model``'s layers that call mlx-lm's attention by its imported name."""
+    original = _original()
+    found: dict[str, ModuleType] = {}
+    modules = model.modules() if hasattr(model, "modules") else []
+    for module in modules:
+        name = type(module).__module__
+        python_module = sys.modules.get(name)
+        if python_module is None or name in found:
+            continue
+        if getattr(python_module, _NAME, None) in (original, dispatch):
+            found[name] = python_module
+    return list(found.values())
+
+
+@contextmanager
+def row_attention(model: Any) -> Iterator[None]:
+    """Inside, delayed layouts with mixed rows attend row group by row group in ``model``."""
+    from mlx_lm.models import base
+
+    modules = hookable_modules(model)
+    if not modules:
+        raise InvalidInputError(
+            f"{type(model).__name__} does not call mlx-lm's scaled_dot_product_attention: "
+            "its delayed layers cannot attend mixed-precision rows (run without a bf16-first "
+            "start, or one row at a time)"
+        )
+    global _depth
+    with _lock:
+        original = _original()
+        for module in [base, *modules]:
+            if getattr(module, _NAME, None) is original:
+                setattr(module, _NAME, dispatch)
+                _patched.append(module)
+        _depth += 1
+    try:
+        with row_reads():
+            yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                for module in _patched:
+                    setattr(module, _NAME, original)
+                _patched.clear()

@@ -1,0 +1,920 @@
+"""Delayed layouts: rows that convert to affine at their own bf16-first boundary.
+
+A delayed layout (``spec/DelayedQuantizedKVCache.md``,
+``spec/DelayedRotatingQuantizedKVCache.md``) holds the rows of a batch whose serial storage
+is a bf16-first lego (``kvrows.lego``): each row stays plain until its own offset reaches
+``start`` and converts exactly where its solo lego would. This module is the array-free
+logic, shared by both implementations; each supplies its two ragged **groups** (the plain
+and the affine layout of its token geometry), its row conversion and three array hooks.
+
+* **Groups.** Plain rows live in the plain group, converted rows in the affine group, each
+  in batch order (a row's slot is its rank among its group's rows). Every group is an
+  existing, conformance-tested ragged layout, so appends, masks, trims, filters and
+  extraction are theirs.
+* **Positions** (full attention): one ragged record (``left_pad``), kept by the ragged
+  rules (a merge right-aligns at the widest end, a filter strips the shared padding, a trim
+  never moves padding); each group holds its rows at the record's columns minus one
+  group-wide shift (``align_rows``), so a model that builds one mask from another layer's
+  ragged layout reads the same columns here. Ring rows keep their own columns.
+* **Conversion** happens at boundaries only: after an append (its read is made first, as
+  the lego's), after a merge, at the end of a round, at ``end_prefill`` and for the rows
+  ``commit_prefill`` names; never inside a round or while prefilling.
+* **Reads.** All plain: the plain group's. All converted ("packed"): the affine group's
+  (its triples; ``bits`` appears). Mixed: each group appends its rows' slices and the
+  layout returns a :class:`RowAttentionPending` pair; :meth:`DelayedRows.attend_rows`
+  attends each group with its own codec and mask. Only inside :func:`row_reads` (the
+  row-attention scope a caller opens); outside one a mixed read raises
+  ``MixedPrecisionReadError`` and changes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from functools import partial
+from typing import Any, ClassVar, Literal
+
+from kvrows.common import check_counts
+from kvrows.compositions import Composition
+from kvrows.errors import (
+    EMPTY_LAYOUT_UPDATE,
+    IncompatibleRowsError,
+    InvalidInputError,
+    LayoutStateError,
+    MixedPrecisionReadError,
+    NotTrimmableError,
+    RowIndexError,
+    UnsupportedStateError,
+)
+from kvrows.lego import Bf16First, conversion_due, lego_arguments
+from kvrows.schemes import Affine, GeometrySpec, Growing, Plain
+from kvrows.speculative import SpeculativeRounds, check_keep_vector
+from kvrows.validation import KvGeometry, as_count, check_keep, check_row
+
+__all__ = [
+    "MIXED_READ",
+    "DelayedFullAttention",
+    "DelayedRows",
+    "DelayedSlidingWindow",
+    "GroupAttend",
+    "RowAttentionPending",
+    "delayed_layout_for",
+    "row_reads",
+    "row_reads_active",
+]
+
+#: What a plain read of mixed rows raises (the seed's words).
+MIXED_READ = (
+    "mixed precision rows use their attention state: this read needs raw keys and values "
+    "of one precision (open kvrows.delayed.row_reads(), or kvrows.app.attention.row_attention "
+    "for an mlx-lm model, so each row attends with its own codec)"
+)
+
+Phase = Literal["empty", "plain", "mixed", "packed"]
+PLAIN, AFFINE = 0, 1
+
+#: ``attend(queries, group, keys, values, mask, scale)``: one group's attention.
+GroupAttend = Callable[[Any, Any, Any, Any, Any, float], Any]
+
+_ROW_READS: ContextVar[int] = ContextVar("kvrows_row_reads", default=0)
+
+
+@contextmanager
+def row_reads() -> Iterator[None]:
+    """Inside, a delayed layout with mixed rows answers ``update_and_fetch`` with a
+    :class:`RowAttentionPending` pair, whose attention ``attend_rows`` computes (the
+    caller promises to attend through it). Nests."""
+    token = _ROW_READS.set(_ROW_READS.get() + 1)
+    try:
+        yield
+    finally:
+        _ROW_READS.reset(token)
+
+
+def row_reads_active() -> bool:
+    return _ROW_READS.get() > 0
+
+
+class RowAttentionPending:
+    """What a mixed read returns as both keys and values: a handle, not arrays. Its
+    attention is ``layout.attend_rows(queries, scale, ...)``; anything else a model does
+    with it (reshape, index, ...) fails loudly instead of computing something else."""
+
+    __slots__ = ("_generation", "_layout")
+
+    def __init__(self, layout: DelayedRows, generation: int) -> None:
+        object.__setattr__(self, "_layout", layout)
+        object.__setattr__(self, "_generation", generation)
+
+    @property
+    def layout(self) -> DelayedRows:
+        layout: DelayedRows = object.__getattribute__(self, "_layout")
+        return layout
+
+    @property
+    def generation(self) -> int:
+        generation: int = object.__getattribute__(self, "_generation")
+        return generation
+
+    def __getattr__(self, name: str) -> Any:
+        raise MixedPrecisionReadError(
+            f"{MIXED_READ}; this model read .{name} of the pending pair itself"
+        )
+
+    def __repr__(self) -> str:
+        return f"RowAttentionPending({type(self.layout).__name__}, read {self.generation})"
+
+
+class _Part:
+    """One group's share of a mixed read: its batch rows, its mask (made before the append)
+    and what its append returned."""
+
+    __slots__ = ("group", "mask", "reads", "rows")
+
+    def __init__(self, rows: list[int], group: Any, mask: Any, reads: tuple[Any, Any]) -> None:
+        self.rows, self.group, self.mask, self.reads = rows, group, mask, reads
+
+
+def _default_group_attend(
+    queries: Any, group: Any, keys: Any, values: Any, mask: Any, scale: float
+) -> Any:
+    return group.codec.attend(queries, keys, values, mask, scale)
+
+
+#: lego class -> the delayed layout class of its implementation (filled as classes are made).
+_DELAYED_FOR_LEGO: dict[type[Any], type[DelayedRows]] = {}
+
+
+def delayed_layout_for(lego: Bf16First) -> type[DelayedRows]:
+    """The delayed layout class that holds rows of ``lego``'s class."""
+    try:
+        return _DELAYED_FOR_LEGO[type(lego)]
+    except KeyError:
+        raise InvalidInputError(
+            f"{type(lego).__name__} has no delayed layout (no implementation registered one)"
+        ) from None
+
+
+class DelayedRows(SpeculativeRounds):
+    """The delayed layout's logic (see the module docstring).
+
+    An implementation's class sets ``composition``, ``plain_group_class``,
+    ``affine_group_class``, ``lego_class`` and implements :meth:`_convert_row`,
+    :meth:`_take_rows`, :meth:`_combine_rows`, :meth:`_positions` and
+    :meth:`_record_mask`.
+    """
+
+    composition: ClassVar[Composition]
+    plain_group_class: ClassVar[type[Any]]
+    affine_group_class: ClassVar[type[Any]]
+    #: The implementation's serial lego of this geometry (its plain and affine classes are
+    #: the serial storages rows extract into).
+    lego_class: ClassVar[type[Bf16First]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "lego_class" in vars(cls):
+            _DELAYED_FOR_LEGO[cls.lego_class] = cls
+
+    # -- the implementation's part ---------------------------------------------------------
+    def _convert_row(self, storage: Any) -> Any:
+        """A plain serial storage as its affine counterpart (the lego's conversion)."""
+        raise NotImplementedError
+
+    def _take_rows(self, array: Any, rows: Sequence[int]) -> Any:
+        """``array[rows]`` along the batch axis (an owned copy is not required)."""
+        raise NotImplementedError
+
+    def _combine_rows(self, parts: Sequence[Any], order: Sequence[int]) -> Any:
+        """``parts`` concatenated along the batch axis hold rows ``order``; return them in
+        batch order."""
+        raise NotImplementedError
+
+    def _positions(self, offsets: Sequence[int]) -> Any:
+        """``offset``: the per-row positions as the implementation's array."""
+        raise NotImplementedError
+
+    def _record_mask(
+        self, n: int, return_array: bool, window: int | None
+    ) -> Any:  # pragma: no cover - the implementations override
+        """The ragged mask of the position record (full attention, mixed rows)."""
+        raise NotImplementedError
+
+    # -- construction ----------------------------------------------------------------------
+    def _setup(
+        self,
+        quantization: Affine,
+        token_geometry: GeometrySpec,
+        start: int,
+        geometry: KvGeometry | None,
+    ) -> None:
+        if geometry is not None and not isinstance(geometry, KvGeometry):
+            raise InvalidInputError(
+                f"{type(self).__name__}: geometry must be a KvGeometry, "
+                f"got {type(geometry).__name__}"
+            )
+        if geometry is not None:
+            Bf16First._check_dims(geometry.key_dim, geometry.value_dim, quantization)
+        self._quantization = quantization
+        self._token_geometry = token_geometry
+        self._start = start
+        self._declared = geometry
+        self._full_attention = isinstance(token_geometry, Growing)
+        self._clear()
+
+    def _clear(self) -> None:
+        declared = self._declared
+        self._groups: tuple[Any, Any] = (
+            self.plain_group_class.from_specs(Plain(), self._token_geometry, geometry=declared),
+            self.affine_group_class.from_specs(
+                self._quantization, self._token_geometry, geometry=declared
+            ),
+        )
+        self._group_of: list[int] = []  # PLAIN / AFFINE per batch row
+        self._converted_at: list[int | None] = []
+        self._pads: list[int] = []  # the position record (full attention)
+        self._compose: Callable[..., Any] | None = None
+        self._prefilling = False
+        self._reads_quantized = False
+        self._generation = 0
+        self._pending: list[_Part] | None = None
+
+    @classmethod
+    def from_specs(
+        cls,
+        codec: Any,
+        token_geometry: GeometrySpec,
+        *,
+        geometry: KvGeometry | None = None,
+        start: int = 0,
+    ) -> DelayedRows:
+        """A layout from specs (``start`` is not a codec or geometry parameter)."""
+        if not isinstance(codec, Affine):
+            raise InvalidInputError(f"{cls.__name__} converts to an affine codec, got {codec!r}")
+        fresh = object.__new__(cls)
+        fresh._setup(codec, token_geometry, as_count(start, "start"), geometry)
+        return fresh
+
+    def make_empty_batch(self) -> DelayedRows:
+        fresh = object.__new__(type(self))
+        fresh._setup(self._quantization, self._token_geometry, self._start, self._declared)
+        return fresh
+
+    # -- what it is ------------------------------------------------------------------------
+    @property
+    def start(self) -> int:
+        return self._start
+
+    @property
+    def quantization(self) -> Affine:
+        return self._quantization
+
+    @property
+    def codec_spec(self) -> Affine:
+        return self._quantization
+
+    @property
+    def token_geometry(self) -> GeometrySpec:
+        return self._token_geometry
+
+    @property
+    def geometry(self) -> KvGeometry | None:
+        for group in self._groups:
+            if group.geometry is not None:
+                found: KvGeometry = group.geometry
+                return found
+        return self._declared
+
+    @property
+    def codec(self) -> Any:
+        """The codec reads come in now: plain while every row is plain, else affine (mixed
+        reads go through ``attend_rows``)."""
+        return self._groups[PLAIN if self.phase in ("empty", "plain") else AFFINE].codec
+
+    def signature(self) -> str:
+        q = self._quantization
+        return self.composition.signature.format(
+            bits=q.bits, group_size=q.group_size, start=self._start,
+            **self._token_geometry.parameters(),
+        )  # fmt: skip
+
+    @property
+    def phase(self) -> Phase:
+        """``empty``; ``plain`` (no row converted); ``mixed``; ``packed`` (every row
+        converted: the affine group is the whole layout)."""
+        if not self._group_of:
+            return "empty"
+        converted = sum(self._group_of)
+        if converted == 0:
+            return "plain"
+        return "packed" if converted == len(self._group_of) else "mixed"
+
+    @property
+    def converted_at(self) -> tuple[int | None, ...]:
+        """Per row, the offset at which it converted (``None``: plain; 0 with ``start ==
+        0``; a storage merged converted records its offset, the conservative bound)."""
+        return tuple(self._converted_at)
+
+    @property
+    def prefilling(self) -> bool:
+        return self._prefilling
+
+    @property
+    def groups(self) -> tuple[Any, Any]:
+        """The plain and the affine group (borrowed, for inspection and tests)."""
+        return self._groups
+
+    def _members(self, group: int) -> list[int]:
+        return [b for b, g in enumerate(self._group_of) if g == group]
+
+    def _slot(self, row: int) -> int:
+        group = self._group_of[row]
+        return sum(1 for g in self._group_of[:row] if g == group)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._group_of)
+
+    @property
+    def row_offsets(self) -> tuple[int, ...]:
+        offsets = [g.row_offsets for g in self._groups]
+        seen = [0, 0]
+        out = []
+        for group in self._group_of:
+            out.append(offsets[group][seen[group]])
+            seen[group] += 1
+        return tuple(out)
+
+    @property
+    def left_pad(self) -> tuple[int, ...]:
+        if self._full_attention:
+            return tuple(self._pads)
+        pads = [g.left_pad for g in self._groups]
+        seen = [0, 0]
+        out = []
+        for group in self._group_of:
+            out.append(pads[group][seen[group]])
+            seen[group] += 1
+        return tuple(out)
+
+    @property
+    def offset(self) -> Any:
+        return self._positions(self.row_offsets)
+
+    @property
+    def max_tokens(self) -> float:
+        return math.inf
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(g.nbytes) for g in self._groups)
+
+    def held_arrays(self) -> tuple[Any, ...]:
+        return tuple(a for g in self._groups for a in g.held_arrays())
+
+    @property
+    def state_needs_dispose(self) -> bool:
+        return False
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        self._spec_guard("reading state")
+        return (*self._groups[PLAIN].state, *self._groups[AFFINE].state)
+
+    @state.setter
+    def state(self, value: tuple[Any, ...]) -> None:
+        raise UnsupportedStateError(
+            f"{type(self).__name__} restores through its persistence form "
+            "(kvrows.persist), not the state setter"
+        )
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    @property
+    def minimum_reusable_offset(self) -> int:
+        """The largest conversion offset of any row (a prefix below it was plain in some
+        row: reusing it would skip that row's conversion)."""
+        return max((c or 0 for c in self._converted_at), default=0)
+
+    def max_append_tokens(self) -> float:
+        """Tokens the next append may add without passing any plain row's boundary."""
+        limits = [
+            self._start - offset
+            for offset, group in zip(self.row_offsets, self._group_of, strict=True)
+            if group == PLAIN and offset < self._start
+        ]
+        return min(limits, default=math.inf)
+
+    @property
+    def bits(self) -> int:
+        """Visible only while the last append returned quantized reads (mlx-lm's attention
+        asks ``hasattr(cache, "bits")`` to pick its quantized path)."""
+        if not self._reads_quantized:
+            raise AttributeError(
+                f"{type(self).__name__} did not return quantized reads on its last append"
+            )
+        return self._quantization.bits
+
+    @property
+    def group_size(self) -> int:
+        if not self._reads_quantized:
+            raise AttributeError(
+                f"{type(self).__name__} did not return quantized reads on its last append"
+            )
+        return self._quantization.group_size
+
+    # -- appends and reads -----------------------------------------------------------------
+    def make_mask(
+        self, n: int, *, return_array: bool = False, window_size: int | None = None
+    ) -> Any:
+        self._spec_usable()
+        phase = self.phase
+        if phase in ("empty", "plain"):
+            return self._groups[PLAIN].make_mask(
+                n, return_array=return_array, window_size=window_size
+            )
+        if phase == "packed":
+            return self._groups[AFFINE].make_mask(
+                n, return_array=return_array, window_size=window_size
+            )
+        # Mixed: attend_rows applies each group's own mask; the record's mask serves the
+        # model's other layers that share this one.
+        count = as_count(n, "n", minimum=1)
+        if not self._full_attention:
+            return None
+        return self._record_mask(count, return_array, window_size)
+
+    def _check_block(self, keys: Any, values: Any) -> None:
+        shapes = [tuple(getattr(a, "shape", ())) for a in (keys, values)]
+        if any(len(s) != 4 for s in shapes):
+            raise InvalidInputError(
+                f"keys and values must be [B, H, N, D] arrays, got shapes {shapes[0]} and "
+                f"{shapes[1]}"
+            )
+        key_shape, value_shape = shapes
+        if key_shape[0] != self.batch_size or value_shape[0] != self.batch_size:
+            raise InvalidInputError(
+                f"the block has {key_shape[0]} rows, the layout {self.batch_size}"
+            )
+        Bf16First._check_dims(int(key_shape[3]), int(value_shape[3]), self._quantization)
+
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        """Append a block to every row. All plain or all converted: the group's read. Mixed
+        (inside :func:`row_reads`): each group appends its rows and a pending pair comes
+        back (outside one: ``MixedPrecisionReadError``, nothing changed). After the append
+        (not inside a round or a prefill), rows that reached ``start`` convert."""
+        self._spec_usable()
+        if not self._group_of:
+            raise LayoutStateError(EMPTY_LAYOUT_UPDATE)
+        self._check_block(keys, values)
+        phase = self.phase
+        if phase == "mixed" and not row_reads_active():
+            raise MixedPrecisionReadError(MIXED_READ)
+
+        def append() -> tuple[Any, Any]:
+            if phase == "plain":
+                reads: tuple[Any, Any] = self._groups[PLAIN].update_and_fetch(keys, values)
+            elif phase == "packed":
+                reads = self._groups[AFFINE].update_and_fetch(keys, values)
+            else:
+                reads = self._mixed_append(keys, values)
+            self._generation += 1
+            if phase != "mixed":
+                self._pending = None
+            self._reads_quantized = phase == "packed"
+            return reads
+
+        reads = self._spec_append(append)
+        if not self.spec_round_open:
+            self._advance()
+        return reads
+
+    def _mixed_append(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        n = int(keys.shape[2])
+        parts: list[_Part] = []
+        for index, group in enumerate(self._groups):
+            rows = self._members(index)
+            mask = group.make_mask(n, return_array=True)
+            parts.append(_Part(rows, group, mask, (self._take_rows(keys, rows),
+                                                    self._take_rows(values, rows))))  # fmt: skip
+        for part in parts:
+            part.reads = part.group.update_and_fetch(*part.reads)
+        self._pending = parts
+        pending = RowAttentionPending(self, self._generation + 1)
+        return pending, pending
+
+    @property
+    def reads_pending(self) -> bool:
+        """Whether the last append returned a pending pair (mixed rows)."""
+        return self._pending is not None
+
+    def attend_rows(
+        self,
+        queries: Any,
+        scale: float,
+        attend: GroupAttend | None = None,
+        pending: RowAttentionPending | None = None,
+    ) -> Any:
+        """The attention of ``queries`` ``[B, Hq, N, D]`` over the last mixed read: each
+        group's rows with its own codec, reads and mask (``attend``: one group's attention,
+        by default its codec's). ``pending``, when given, must be the last read's."""
+        parts = self._pending
+        if parts is None:
+            raise MixedPrecisionReadError(
+                "attend_rows needs the pending pair of a mixed read: the last append did "
+                "not return one"
+            )
+        if pending is not None and (
+            pending.layout is not self or pending.generation != self._generation
+        ):
+            raise MixedPrecisionReadError(
+                "this pending pair is stale: a later append replaced it (attend right after "
+                "the append that returned it)"
+            )
+        shape = tuple(getattr(queries, "shape", ()))
+        if len(shape) != 4 or shape[0] != self.batch_size:
+            raise InvalidInputError(
+                f"queries must be [B={self.batch_size}, Hq, N, D], got shape {shape}"
+            )
+        run = attend or _default_group_attend
+        outputs, order = [], []
+        for part in parts:
+            if not part.rows:
+                continue
+            rows_queries = self._take_rows(queries, part.rows)
+            outputs.append(run(rows_queries, part.group, *part.reads, part.mask, scale))
+            order.extend(part.rows)
+        return self._combine_rows(outputs, order)
+
+    def fetch(self) -> tuple[Any, Any]:
+        self._spec_usable()
+        phase = self.phase
+        if phase == "mixed":
+            raise MixedPrecisionReadError(MIXED_READ)
+        reads: tuple[Any, Any] = self._groups[AFFINE if phase == "packed" else PLAIN].fetch()
+        return reads
+
+    # -- conversion --------------------------------------------------------------------------
+    def _due(self, rows: Sequence[int] | None = None) -> list[int]:
+        offsets = self.row_offsets
+        candidates = range(self.batch_size) if rows is None else rows
+        return [
+            b
+            for b in candidates
+            if self._group_of[b] == PLAIN and conversion_due(offsets[b], self._start)
+        ]
+
+    def _advance(self) -> None:
+        """Convert every due row (not while prefilling or inside a round)."""
+        if self._prefilling or self.spec_round_open:
+            return
+        self._convert(self._due())
+
+    def _convert(self, rows: Sequence[int]) -> None:
+        """Move ``rows`` (plain, due) to the affine group, encoded as the lego encodes."""
+        if not rows:
+            return
+        plain, affine = self._groups
+        offsets = self.row_offsets
+        converted = [self._convert_row(plain.extract_row(self._slot(b))) for b in rows]
+        moving = set(rows)
+        plain_rows = self._members(PLAIN)
+        plain.filter_rows([s for s, b in enumerate(plain_rows) if b not in moving])
+        affine_before = self._members(AFFINE)
+        affine.merge_rows(converted)
+        for b in rows:
+            self._group_of[b] = AFFINE
+            self._converted_at[b] = offsets[b] if self._start > 0 else 0
+        # The affine group keeps batch order: the merged rows went to its end.
+        arrived = affine_before + list(rows)
+        order = [arrived.index(b) for b in self._members(AFFINE)]
+        if order != list(range(len(order))):
+            affine.filter_rows(order)
+        self._align_groups()
+
+    def _align_groups(self) -> None:
+        """Each group at the record's columns minus one shift (full attention)."""
+        if not self._full_attention:
+            return
+        for index, group in enumerate(self._groups):
+            rows = self._members(index)
+            if not rows:
+                continue
+            pads = [self._pads[b] for b in rows]
+            shift = min(pads)
+            wanted = tuple(p - shift for p in pads)
+            if tuple(group.left_pad) != wanted:
+                group.align_rows(wanted)
+
+    # -- prefill maintenance ----------------------------------------------------------------
+    def begin_prefill(self) -> None:
+        """Appends past a row's boundary convert nothing until ``commit_prefill`` /
+        ``end_prefill``."""
+        self._spec_guard("begin_prefill")
+        self._prefilling = True
+
+    def commit_prefill(self, indices: Sequence[int]) -> None:
+        """Convert the listed rows now if due (each at its own planned chunk end)."""
+        self._spec_guard("commit_prefill")
+        if isinstance(indices, str | bytes) or not isinstance(indices, Sequence):
+            raise InvalidInputError(f"commit_prefill takes a sequence of rows, got {indices!r}")
+        rows: list[int] = []
+        for value in indices:
+            if isinstance(value, bool) or not hasattr(value, "__index__"):
+                raise RowIndexError(f"rows must be integers, got {value!r}")
+            row = operator.index(value)
+            if not 0 <= row < self.batch_size:
+                raise RowIndexError(f"row {row} is outside 0..{self.batch_size - 1}")
+            if row in rows:
+                raise RowIndexError(f"row {row} is listed twice")
+            rows.append(row)
+        self._convert(self._due(sorted(rows)))
+
+    def end_prefill(self) -> None:
+        """Back to converting at every boundary; due rows convert now."""
+        self._spec_guard("end_prefill")
+        self._prefilling = False
+        self._advance()
+
+    # -- rounds ------------------------------------------------------------------------------
+    def _open_groups(self) -> list[Any]:
+        return [g for g in self._groups if g.batch_size]
+
+    def spec_round_begin(self) -> None:
+        super().spec_round_begin()
+        for group in self._open_groups():
+            self._spec_failing(group.spec_round_begin)
+
+    def spec_round_commit(self) -> None:
+        self._spec_block_of("spec_round_commit")
+        for group in self._open_groups():
+            self._spec_failing(group.spec_round_commit)
+        self._spec_before = self._spec_block = None
+        self._advance()
+
+    def spec_round_rollback(self, keep: int | Sequence[int]) -> None:
+        blocks = self._spec_block_of("spec_round_rollback")
+        counts = check_keep_vector(keep, blocks)
+        for index, group in enumerate(self._groups):
+            rows = self._members(index)
+            if rows:
+                self._spec_failing(partial(group.spec_round_rollback, [counts[b] for b in rows]))
+        self._spec_before = self._spec_block = None
+        self._advance()
+
+    def can_publish_row(self, row: int, tokens: int) -> bool:
+        self._spec_usable()
+        index = check_row(row, self.batch_size)
+        return as_count(tokens, "tokens") <= self.row_offsets[index] and not self.spec_round_open
+
+    # -- membership --------------------------------------------------------------------------
+    def _plan(self, source: Any) -> list[tuple[Any, int, list[int | None]]]:
+        """``source`` as what the groups merge: (storage or layout, group, per-row
+        ``converted_at``), in row order."""
+        name = type(self).__name__
+        q, tokens = self._quantization, self._token_geometry
+        if isinstance(source, DelayedRows):
+            if type(source) is not type(self) or (
+                source.quantization,
+                source.token_geometry,
+                source.start,
+            ) != (q, tokens, self._start):
+                raise IncompatibleRowsError(
+                    f"{name}({q.name}, start={self._start}) cannot merge rows of "
+                    f"{type(source).__name__}({source.quantization.name}, "
+                    f"start={source.start}): codec, geometry and start must match"
+                )
+            source._spec_guard("extract_row")
+            return [
+                (
+                    source._groups[source._group_of[b]].extract_row(source._slot(b)),
+                    source._group_of[b],
+                    [source._converted_at[b]],
+                )
+                for b in range(source.batch_size)
+            ]
+        if isinstance(source, Bf16First):
+            if type(source) is not self.lego_class or (
+                source.quantization,
+                source.token_geometry,
+                source.start,
+            ) != (q, tokens, self._start):
+                raise IncompatibleRowsError(
+                    f"{name}({q.name}, {tokens}, start={self._start}) cannot merge "
+                    f"{source!r}: a lego of this implementation with the same codec, "
+                    "geometry and start"
+                )
+            if source.converted:
+                return [(source.storage, AFFINE, [source.minimum_reusable_offset])]
+            return [(source.storage, PLAIN, [None])]
+        spec = getattr(source, "codec_spec", None)
+        if spec == Plain():
+            group = PLAIN
+        elif spec == q:
+            group = AFFINE
+        else:
+            raise IncompatibleRowsError(
+                f"{name} merges plain or {q.name} rows (legos, serial storages, ragged "
+                f"layouts), got {type(source).__name__}"
+                + ("" if spec is None else f" ({spec.name})")
+            )
+        counts = self._row_counts(source)
+        conv: list[int | None] = (
+            [None] * len(counts)
+            if group == PLAIN
+            else [c if self._start > 0 else 0 for c in counts]
+        )
+        return [(source, group, conv)] if counts else []
+
+    def merge_rows(self, rows: Sequence[Any]) -> None:
+        """Join ``rows``: legos (released), serial plain / affine storages, rows of ragged
+        layouts of either codec, rows of a delayed layout of the same parameters. Validated
+        whole before anything moves; plain rows already past ``start`` convert at once
+        (not while prefilling)."""
+        self._spec_guard("merge_rows")
+        if isinstance(rows, str | bytes) or not isinstance(rows, Sequence):
+            raise InvalidInputError("merge_rows takes a sequence of caches")
+        seen: set[int] = set()
+        for source in rows:
+            if source is self or id(source) in seen:
+                raise IncompatibleRowsError(
+                    f"{self.signature()}: a layout cannot merge itself, nor a source twice"
+                )
+            seen.add(id(source))
+        plans = [entry for source in rows for entry in self._plan(source)]
+        old_offsets = self.row_offsets
+        plain = self._groups[PLAIN]
+        before = plain.batch_size
+        try:
+            for index, group in enumerate(self._groups):
+                sources = [s for s, g, _ in plans if g == index]
+                if sources:
+                    group.merge_rows(sources)
+        except BaseException:
+            # Undo the plain group's join (a filter back to its rows strips what it grew).
+            if plain.batch_size != before:
+                plain.filter_rows(list(range(before)))
+            raise
+        offsets = [t for storage, _, _ in plans for t in self._row_counts(storage)]
+        for _, group_index, conv in plans:
+            self._group_of.extend([group_index] * len(conv))
+            self._converted_at.extend(conv)
+        if self._full_attention:
+            # The ragged rule: every row right-aligned at the widest end.
+            width = max((p + t for p, t in zip(self._pads, old_offsets, strict=True)), default=0)
+            target = max([width, *offsets])
+            grow = target - width
+            self._pads = [p + grow for p in self._pads] + [target - t for t in offsets]
+        for source in rows:
+            if isinstance(source, Bf16First):
+                if self._compose is None:
+                    self._compose = source.composed.over
+                source.composed.release()
+        self._pending = None
+        self._align_groups()
+        self._advance()
+
+    @staticmethod
+    def _row_counts(storage: Any) -> list[int]:
+        offsets = getattr(storage, "row_offsets", None)
+        return [int(storage.offset)] if offsets is None else [int(o) for o in offsets]
+
+    def filter_rows(self, keep: Sequence[int]) -> None:
+        """Keep rows ``keep`` (any subset, any order)."""
+        self._spec_guard("filter_rows")
+        order = check_keep(keep, self.batch_size)
+        if not order:
+            self._clear_rows()
+            return
+        slots = [self._slot(b) for b in range(self.batch_size)]
+        for index, group in enumerate(self._groups):
+            group_keep = [slots[b] for b in order if self._group_of[b] == index]
+            if group_keep:
+                group.filter_rows(group_keep)
+            elif group.batch_size:
+                group.filter_rows([])
+        self._group_of = [self._group_of[b] for b in order]
+        self._converted_at = [self._converted_at[b] for b in order]
+        if self._full_attention:
+            pads = [self._pads[b] for b in order]
+            shared = min(pads)
+            self._pads = [p - shared for p in pads]
+        self._pending = None
+        self._align_groups()
+
+    def _clear_rows(self) -> None:
+        compose = self._compose
+        prefilling = self._prefilling
+        self._clear()
+        self._compose, self._prefilling = compose, prefilling
+
+    def extract_row(self, row: int) -> Any:
+        """Row ``row`` as its serial storage (owned, compact, evaluated), wrapped as its
+        lego (plain or converted phase) when the rows came from legos."""
+        self._spec_guard("extract_row")
+        index = check_row(row, self.batch_size)
+        group = self._group_of[index]
+        storage = self._groups[group].extract_row(self._slot(index))
+        if self._compose is None:
+            return storage
+        converted_at = self._converted_at[index]
+        return self._compose(
+            storage, minimum_reusable_offset=None if converted_at is None else converted_at
+        )
+
+    def trim(self, n: int) -> int:
+        count = as_count(n, "n")
+        return self.trim_rows([count] * self.batch_size) if self._group_of else 0
+
+    def trim_rows(self, counts: Sequence[int]) -> int:
+        """Forget ``counts[b]`` newest tokens of row ``b`` (converted rows stay converted)."""
+        self._spec_guard("trim_rows")
+        checked = check_counts(counts, self.batch_size)
+        offsets = self.row_offsets
+        for b, (count, tokens) in enumerate(zip(checked, offsets, strict=True)):
+            if count > tokens:
+                raise NotTrimmableError(
+                    f"cannot trim {count} tokens from row {b}: it holds {tokens}"
+                )
+        if not any(checked):
+            return 0
+        for index, group in enumerate(self._groups):
+            rows = self._members(index)
+            if rows:
+                group.trim_rows([checked[b] for b in rows])
+        self._pending = None
+        return max(checked)
+
+    def check_valid(self) -> None:
+        """Assert the layout's invariants (for tests)."""
+        plain, affine = self._groups
+        assert plain.batch_size == len(self._members(PLAIN))
+        assert affine.batch_size == len(self._members(AFFINE))
+        assert len(self._converted_at) == self.batch_size
+        for g, c in zip(self._group_of, self._converted_at, strict=True):
+            assert (g == PLAIN) == (c is None)
+        for group in self._groups:
+            group.check_valid()
+        if self._full_attention:
+            assert len(self._pads) == self.batch_size
+            if self._pads:
+                assert min(self._pads) == 0
+            for index, group in enumerate(self._groups):
+                rows = self._members(index)
+                if rows:
+                    shift = min(self._pads[b] for b in rows)
+                    assert tuple(group.left_pad) == tuple(self._pads[b] - shift for b in rows)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self._quantization.name}, {self._token_geometry}, "
+            f"start={self._start}, {self.phase}, row_offsets={self.row_offsets}, "
+            f"converted_at={self.converted_at})"
+        )
+
+
+class DelayedFullAttention(DelayedRows):
+    """``DelayedQuantizedKVCache(group_size=64, bits=8, start=0)``: the lego's arguments."""
+
+    def __init__(
+        self,
+        group_size: int = 64,
+        bits: int = 8,
+        start: int = 0,
+        *,
+        geometry: KvGeometry | None = None,
+    ) -> None:
+        spec, tokens, first = lego_arguments(type(self).__name__, None, group_size, bits, 0, start)
+        self._setup(spec, tokens, first, geometry)
+
+
+class DelayedSlidingWindow(DelayedRows):
+    """``DelayedRotatingQuantizedKVCache(max_size, group_size=64, bits=8, keep=0,
+    start=0)``: the ring lego's arguments."""
+
+    def __init__(
+        self,
+        max_size: int,
+        group_size: int = 64,
+        bits: int = 8,
+        keep: int = 0,
+        start: int = 0,
+        *,
+        geometry: KvGeometry | None = None,
+    ) -> None:
+        spec, tokens, first = lego_arguments(
+            type(self).__name__, max_size, group_size, bits, keep, start
+        )
+        self._setup(spec, tokens, first, geometry)
+
+    @property
+    def max_size(self) -> int:
+        return int(self._token_geometry.parameters()["max_size"])
+
+    @property
+    def keep(self) -> int:
+        return int(self._token_geometry.parameters()["keep"])

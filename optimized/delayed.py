@@ -1,0 +1,75 @@
+"""The optimized delayed layouts (``kvrows.delayed``; ``spec/DelayedQuantizedKVCache.md``).
+
+The groups are this implementation's ragged layouts with rounds (``BatchedKVCache`` /
+``BatchedQuantizedKVCache``; ``SpeculativeRotatingKVCache`` /
+``SpeculativeRotatingAffineLayout``), a row converts with the lego's conversion
+(``to_quantized``), and a mixed read gathers each group's rows with ``mx.take``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from kvrows.compositions import composition
+from kvrows.delayed import DelayedFullAttention, DelayedRows, DelayedSlidingWindow
+from kvrows.optimized.classes import (
+    BatchedKVCache,
+    BatchedQuantizedKVCache,
+    SpeculativeRotatingAffineLayout,
+    SpeculativeRotatingKVCache,
+)
+from kvrows.optimized.lego import Bf16FirstQuantizedKVCache, Bf16FirstRotatingQuantizedKVCache
+from kvrows.schemes import Growing, Plain
+
+__all__ = ["DelayedQuantizedKVCache", "DelayedRotatingQuantizedKVCache"]
+
+
+class _OptimizedDelayed(DelayedRows):
+    def _convert_row(self, storage: Any) -> Any:
+        q = self._quantization
+        return storage.to_quantized(group_size=q.group_size, bits=q.bits)
+
+    def _take_rows(self, array: Any, rows: Sequence[int]) -> Any:
+        if list(rows) == list(range(int(array.shape[0]))):
+            return array
+        return mx.take(array, mx.array(list(rows), dtype=mx.int32), axis=0)
+
+    def _combine_rows(self, parts: Sequence[Any], order: Sequence[int]) -> Any:
+        joined = parts[0] if len(parts) == 1 else mx.concatenate(list(parts), axis=0)
+        inverse = sorted(range(len(order)), key=lambda i: order[i])
+        if inverse == list(range(len(order))):
+            return joined
+        return mx.take(joined, mx.array(inverse, dtype=mx.int32), axis=0)
+
+    def _positions(self, offsets: Sequence[int]) -> Any:
+        return mx.array(list(offsets), dtype=mx.int32)
+
+    def _record_mask(self, n: int, return_array: bool, window: int | None) -> Any:
+        # A positions-only ragged layout answers the record's mask (its rule, not a copy).
+        positions = BatchedKVCache.from_specs(Plain(), Growing())
+        positions._pads = list(self._pads)
+        positions._offsets = list(self.row_offsets)
+        return positions._layout_mask(n, return_array, window)
+
+
+class DelayedQuantizedKVCache(_OptimizedDelayed, DelayedFullAttention):
+    """Full-attention rows that convert to affine at their own ``start``
+    (``spec/DelayedQuantizedKVCache.md``)."""
+
+    composition = composition("DelayedQuantizedKVCache")
+    plain_group_class = BatchedKVCache
+    affine_group_class = BatchedQuantizedKVCache
+    lego_class = Bf16FirstQuantizedKVCache
+
+
+class DelayedRotatingQuantizedKVCache(_OptimizedDelayed, DelayedSlidingWindow):
+    """Ring rows that convert to affine at their own ``start``
+    (``spec/DelayedRotatingQuantizedKVCache.md``)."""
+
+    composition = composition("DelayedRotatingQuantizedKVCache")
+    plain_group_class = SpeculativeRotatingKVCache
+    affine_group_class = SpeculativeRotatingAffineLayout
+    lego_class = Bf16FirstRotatingQuantizedKVCache
