@@ -37,7 +37,7 @@ from contextvars import ContextVar
 from functools import partial
 from typing import Any, ClassVar, Literal
 
-from kvrows.common import check_counts
+from kvrows.common import check_counts, row_bytes
 from kvrows.compositions import Composition
 from kvrows.errors import (
     EMPTY_LAYOUT_UPDATE,
@@ -371,6 +371,19 @@ class DelayedRows(SpeculativeRounds):
     @property
     def nbytes(self) -> int:
         return sum(int(g.nbytes) for g in self._groups)
+
+    def projected_bytes(self, tokens: int) -> int:
+        """The most a row holds on its way to ``tokens`` positions: plain below ``start``;
+        from it, the larger of the plain row just before converting and the affine row now
+        (rings hold at most ``max_size`` positions of either)."""
+        count = as_count(tokens, "tokens")
+        plain, affine = self._groups
+        cap = self._token_geometry.parameters().get("max_size")
+        geometry = self.geometry
+        if count < self._start:
+            return row_bytes(plain.codec, geometry, count, cap)
+        before = row_bytes(plain.codec, geometry, self._start - 1, cap) if self._start else 0
+        return max(before, row_bytes(affine.codec, geometry, count, cap))
 
     def held_arrays(self) -> tuple[Any, ...]:
         return tuple(a for g in self._groups for a in g.held_arrays())
