@@ -20,6 +20,7 @@ __all__ = [
     "as_count",
     "check_block",
     "check_keep",
+    "check_left_pad",
     "check_row",
     "check_window",
     "common_geometry",
@@ -145,3 +146,22 @@ def check_keep(keep: object, batch_size: int) -> list[int]:
     if len(set(rows)) != len(rows):
         raise RowIndexError(f"keep names a row twice: {rows}")
     return rows
+
+
+def check_left_pad(left_pad: object, batch_size: int) -> list[int]:
+    """One left pad per row for ``align_rows``: non-negative integers, and some row at
+    column 0 when there are rows (a layout keeps no column every row leaves empty)."""
+    if isinstance(left_pad, str | bytes) or not isinstance(left_pad, Sequence):
+        raise InvalidInputError(
+            f"align_rows takes one left pad per row (a sequence of integers), got {left_pad!r}"
+        )
+    if len(left_pad) != batch_size:
+        raise InvalidInputError(
+            f"align_rows needs {batch_size} left pads (one per row), got {len(left_pad)}"
+        )
+    pads = [as_count(p, f"left_pad[{b}]") for b, p in enumerate(left_pad)]
+    if pads and min(pads) != 0:
+        raise InvalidInputError(
+            f"some row must start at column 0: min(left_pad) must be 0, got {min(pads)}"
+        )
+    return pads

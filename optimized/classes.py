@@ -13,7 +13,7 @@ from kvrows.common import AffineParameters
 from kvrows.compositions import composition
 from kvrows.optimized.batch_dropin import LayoutBatchOps, SerialMerge
 from kvrows.optimized.dropin import LayoutDropIn, SerialDropIn
-from kvrows.optimized.growing import GrowingGeometry
+from kvrows.optimized.growing import GrowingGeometry, RowAlignment
 from kvrows.optimized.ring import RaggedRing, SharedRing
 from kvrows.optimized.rows import Layout, Serial
 from kvrows.optimized.speculative import SpeculativeLayout
@@ -50,7 +50,9 @@ class PaddedKVRows(LayoutDropIn, LayoutBatchOps, GrowingGeometry, Layout):
     composition = composition("PaddedKVRows")
 
 
-class BatchedKVCache(SpeculativeLayout, LayoutDropIn, LayoutBatchOps, GrowingGeometry, Layout):
+class BatchedKVCache(
+    RowAlignment, SpeculativeLayout, LayoutDropIn, LayoutBatchOps, GrowingGeometry, Layout
+):
     """Prefill/verify layout of ``KVCache``: ragged rows with verify rounds
     (``spec/BatchedKVCache.md``)."""
 
@@ -70,7 +72,13 @@ class PaddedQuantKVRows(LayoutDropIn, LayoutBatchOps, AffineParameters, GrowingG
 
 
 class BatchedQuantizedKVCache(
-    SpeculativeLayout, LayoutDropIn, LayoutBatchOps, AffineParameters, GrowingGeometry, Layout
+    RowAlignment,
+    SpeculativeLayout,
+    LayoutDropIn,
+    LayoutBatchOps,
+    AffineParameters,
+    GrowingGeometry,
+    Layout,
 ):
     """Prefill/verify layout of ``QuantizedKVCache``: ragged (``spec/BatchedQuantizedKVCache.md``)."""
 

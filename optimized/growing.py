@@ -14,20 +14,27 @@ Physical design (``spec/PaddedKVRows.md`` has the diagrams):
   columns with one copy of the used columns.
 
 A serial storage is the one-arrangement case of the same hooks: no padding, origin 0.
+The ragged layouts also take :class:`RowAlignment` (``align_rows``: re-lay rows at given
+pads).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from kvrows.errors import KvRowsError
 from kvrows.optimized.codecs import Planes
 from kvrows.optimized.rows import RowWindow, Serial, Storage, spare_slots
 from kvrows.protocols import Mask
-from kvrows.validation import KvGeometry, round_up
+from kvrows.validation import KvGeometry, check_left_pad, round_up
 
-__all__ = ["GrowingGeometry"]
+if TYPE_CHECKING:
+    from kvrows.optimized.speculative import SpeculativeLayout
+
+__all__ = ["GrowingGeometry", "RowAlignment"]
 
 
 class GrowingGeometry(Storage):
@@ -158,6 +165,39 @@ class GrowingGeometry(Storage):
             # Release the slots a large retirement left behind.
             self._reallocate(round_up(self.width + 1), shift=0)
 
+    def _align(self, pads: list[int]) -> None:
+        """Re-lay row ``b`` at column ``pads[b]`` (positions unchanged): one gather of every
+        row's tokens into fresh planes (spare slots and a spare column, as ``_reallocate``),
+        so the columns a row does not cover read as zeros; the origin is 0 afterwards."""
+        geometry = self._geometry
+        if self._keys is None or self._values is None or geometry is None:
+            self._pads = pads  # no planes yet: only the bookkeeping moves
+            return
+        batch, origin = len(self._offsets), self._origin
+        width = max((p + t for p, t in zip(pads, self._offsets, strict=True)), default=0)
+        columns = mx.arange(width)[None, :]
+        start = mx.array(pads)[:, None]
+        covered = (columns >= start) & (columns < start + mx.array(self._offsets)[:, None])
+        # Physical column each new column reads (0 where the row has no token there).
+        shift = mx.array([origin + old - new for old, new in zip(self._pads, pads, strict=True)])
+        source = mx.where(covered, columns + shift[:, None], 0)[:, None, :, None]
+        covered = covered[:, None, :, None]
+        slots, capacity = spare_slots(batch), round_up(width + 1)
+
+        def aligned(old: Planes, dim: int) -> Planes:
+            fresh = self.codec.zeros(slots, geometry.heads, capacity, dim, geometry.dtype)
+            if width == 0:
+                return fresh  # every row is empty (and MLX faults on empty gathers)
+            for new, plane in zip(fresh, old, strict=True):
+                rows = mx.take_along_axis(plane[:batch], source, axis=2)
+                new[:batch, :, :width] = mx.where(covered, rows, mx.zeros_like(rows))
+            return fresh
+
+        self._keys = aligned(self._keys, geometry.key_dim)
+        self._values = aligned(self._values, geometry.value_dim)
+        self._origin = 0
+        self._pads = pads
+
     def _forget_tail_pads(self, tail: list[int]) -> None:
         if self.composition.shared_column:
             # Width before the trim: the rows still share one end column.
@@ -232,3 +272,37 @@ class GrowingGeometry(Storage):
         if window is not None:
             ragged = ragged & (queries < grid + window)
         return ragged[:, None]
+
+
+# A mixin over a speculative ragged growing layout: at run time it must not bring the
+# layout's bases ahead of the public class's own order.
+if TYPE_CHECKING:
+
+    class _RaggedGrowingLayout(SpeculativeLayout):
+        def _align(self, pads: list[int]) -> None: ...  # the growing geometry's
+else:
+    _RaggedGrowingLayout = object
+
+
+class RowAlignment(_RaggedGrowingLayout):
+    """``align_rows`` for the ragged growing layouts (``BatchedKVCache``,
+    ``BatchedQuantizedKVCache``); listed first among a public class's bases. Shared-column
+    layouts and rings do not take it (``__init_subclass__`` refuses them)."""
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        entry = cls.__dict__.get("composition")
+        if entry is not None and (entry.geometry != "growing" or entry.arrangement != "ragged"):
+            # Checked before the class is registered (a refused class leaves no trace).
+            raise KvRowsError(f"{cls.__name__}: align_rows is for ragged growing layouts only")
+        super().__init_subclass__(**kwargs)
+
+    def align_rows(self, left_pad: Sequence[int]) -> None:
+        """Re-lay every row so that its first token sits at column ``left_pad[b]``: its
+        tokens' bytes and its position are unchanged (``spec/BatchedKVCache.md`` §3).
+
+        Raises ``InvalidInputError`` (not one non-negative int per row, or no row at column
+        0) and ``SpeculativeRoundError`` (a round is open) before anything changes."""
+        self._spec_guard("align_rows")
+        pads = check_left_pad(left_pad, self.batch_size)
+        if pads != self._pads:
+            self._align(pads)

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from kvrows.common import AffineParameters
 from kvrows.compositions import composition, landed
 from kvrows.errors import KvRowsError
+from kvrows.reference.growing import RowAlignment
 from kvrows.reference.ring import RingParameters
 from kvrows.reference.rows import RowLayout, SerialStorage, Storage
 from kvrows.reference.speculative import SpeculativeLayout
@@ -51,7 +52,7 @@ class PaddedKVRows(RowLayout):
     serial_class = KVCache
 
 
-class BatchedKVCache(SpeculativeLayout):
+class BatchedKVCache(RowAlignment, SpeculativeLayout):
     """Prefill/verify layout of ``KVCache``: ragged rows with verify rounds
     (``spec/BatchedKVCache.md``)."""
 
@@ -72,7 +73,7 @@ class PaddedQuantKVRows(AffineParameters, RowLayout):
     serial_class = QuantizedKVCache
 
 
-class BatchedQuantizedKVCache(AffineParameters, SpeculativeLayout):
+class BatchedQuantizedKVCache(AffineParameters, RowAlignment, SpeculativeLayout):
     """Prefill/verify layout of ``QuantizedKVCache`` (``spec/BatchedQuantizedKVCache.md``)."""
 
     composition = composition("BatchedQuantizedKVCache")

@@ -6,23 +6,29 @@ rows with left padding: a merge right-aligns the incoming rows to ``W = max(curr
 width, longest incoming row)`` and grows the pads of the rows already there by what
 the width grew; each row appends at its own end (with a shared write column every end
 is the same column; ragged rows drift apart once they are trimmed apart); a filter drops
-the padding every survivor shares.
+the padding every survivor shares. The ragged layouts also take :class:`RowAlignment`
+(``align_rows``: re-lay rows at given pads).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
 from kvrows.compositions import Arrangement
-from kvrows.errors import NotTrimmableError, trim_past_row_message
+from kvrows.errors import KvRowsError, NotTrimmableError, trim_past_row_message
 from kvrows.protocols import Mask
 from kvrows.reference.rows import Placement, Row
 from kvrows.schemes import GeometrySpec, Growing
+from kvrows.validation import check_left_pad
 
-__all__ = ["GrowingAxis", "PaddedRows"]
+if TYPE_CHECKING:
+    from kvrows.reference.speculative import SpeculativeLayout
+
+__all__ = ["GrowingAxis", "PaddedRows", "RowAlignment"]
 
 
 def _visible(
@@ -129,3 +135,36 @@ class PaddedRows:
             assert min(r.pad for r in rows) == 0, "some row must start at column 0"
         if self.shared:
             assert len({r.pad + r.retained for r in rows}) <= 1, "rows must share the write column"
+
+
+# A mixin over a speculative ragged growing layout, listed ahead of SpeculativeLayout in a
+# public class's bases (at run time it adds no base of its own).
+if TYPE_CHECKING:
+    _RaggedGrowingLayout = SpeculativeLayout
+else:
+    _RaggedGrowingLayout = object
+
+
+class RowAlignment(_RaggedGrowingLayout):
+    """``align_rows`` for the ragged growing layouts (``BatchedKVCache``,
+    ``BatchedQuantizedKVCache``). Shared-column layouts and rings do not take it
+    (``__init_subclass__`` refuses them)."""
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        entry = cls.__dict__.get("composition")
+        if entry is not None and (entry.geometry != "growing" or entry.arrangement != "ragged"):
+            # Checked before the class is registered (a refused class leaves no trace).
+            raise KvRowsError(f"{cls.__name__}: align_rows is for ragged growing layouts only")
+        super().__init_subclass__(**kwargs)
+
+    def align_rows(self, left_pad: Sequence[int]) -> None:
+        """Re-lay every row so that its first token sits at column ``left_pad[b]``: a row
+        is its own compact arrays, so only where the read places it changes (its tokens and
+        position do not; ``spec/BatchedKVCache.md`` §3).
+
+        Raises ``InvalidInputError`` (not one non-negative int per row, or no row at column
+        0) and ``SpeculativeRoundError`` (a round is open) before anything changes."""
+        self._spec_guard("align_rows")
+        pads = check_left_pad(left_pad, self.batch_size)
+        for row, pad in zip(self._rows, pads, strict=True):
+            row.pad = pad
