@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from kvrows.codec import Codec
+from kvrows.delayed import DelayedRows
 from kvrows.errors import InvalidInputError
 from kvrows.protocols import Cache, HasCodec, Mask
 
@@ -12,9 +13,13 @@ __all__ = ["attend"]
 
 
 def attend(queries: mx.array, cache: Cache, mask: Mask, scale: float) -> mx.array:
-    """Attention of ``[B, Hq, N, D]`` queries over everything ``cache`` holds now."""
+    """Attention of ``[B, Hq, N, D]`` queries over everything ``cache`` holds now (a
+    delayed layout's last mixed read: each row group through its own codec and mask)."""
     if not isinstance(queries, mx.array):
         raise InvalidInputError(f"queries must be an mlx array, got {type(queries).__name__}")
+    if isinstance(cache, DelayedRows) and cache.reads_pending:
+        pending: mx.array = cache.attend_rows(queries, scale)
+        return pending
     if isinstance(mask, str) and mask != "causal":
         raise InvalidInputError(f"mask must be None, 'causal' or a boolean array, got {mask!r}")
     if not isinstance(cache, HasCodec):

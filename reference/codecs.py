@@ -21,6 +21,7 @@ import numpy.typing as npt
 
 from kvrows.affine_geometry import validate_codec
 from kvrows.codec import CodecLayout
+from kvrows.delayed import DelayedRows
 from kvrows.errors import InvalidInputError
 from kvrows.protocols import Cache, HasCodec, Mask
 from kvrows.reference import affine_codec
@@ -116,8 +117,12 @@ def attention(
 
 
 def attend(queries: npt.NDArray[Any], cache: Cache, mask: Mask, scale: float) -> npt.NDArray[Any]:
-    """Attention of ``queries`` over everything ``cache`` holds now, through its codec."""
+    """Attention of ``queries`` over everything ``cache`` holds now, through its codec (a
+    delayed layout's last mixed read: each row group through its own codec and mask)."""
     dtype_name(queries)
+    if isinstance(cache, DelayedRows) and cache.reads_pending:
+        out: npt.NDArray[Any] = cache.attend_rows(queries, scale)
+        return out
     if not isinstance(cache, HasCodec):
         raise InvalidInputError(f"attend needs a kvrows storage, got {type(cache).__name__}")
     codec: Codec = cache.codec
