@@ -1,0 +1,155 @@
+"""``kvrows.app.attention.row_attention``: mlx-lm's attention dispatch for mixed rows.
+
+Oracles: the same model run without the scope (bit-identical for every cache that is not
+a mixed delayed layout), mlx-lm's own function object (restored exactly), and each row's
+solo run over its serial lego (mixed decode within the conformance tolerance).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+import kvrows.optimized as opt
+from kvrows.app.attention import dispatch, row_attention
+from kvrows.app.models import make_kvrows_cache, tiny_model
+from kvrows.conformance.arrays import as_numpy
+from kvrows.conformance.tolerances import compare, tolerance
+from kvrows.errors import InvalidInputError
+from kvrows.maintenance import create_kv_maintenance
+from kvrows.schemes import Affine, KvStorageScheme, Plain
+
+base: Any = importlib.import_module("mlx_lm.models.base")
+llama: Any = importlib.import_module("mlx_lm.models.llama")
+ORIGINAL = base.scaled_dot_product_attention
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return tiny_model("llama")
+
+
+def _tokens(seed: int, n: int) -> mx.array:
+    return mx.array(np.random.default_rng(seed).integers(0, 256, size=(1, n)))
+
+
+def _serial_logits(model: Any, scoped: bool) -> np.ndarray:
+    caches = make_kvrows_cache(model)
+    steps = [_tokens(1, 5), _tokens(2, 1), _tokens(3, 1)]
+    out = []
+    for tokens in steps:
+        if scoped:
+            with row_attention(model):
+                logits = model(tokens, cache=caches)
+        else:
+            logits = model(tokens, cache=caches)
+        out.append(as_numpy(logits[:, -1]))
+    return np.concatenate(out)
+
+
+def _batched_logits(model: Any, scoped: bool) -> np.ndarray:
+    rows = []
+    for seed, n in ((4, 3), (5, 7)):
+        caches = make_kvrows_cache(model)
+        model(_tokens(seed, n), cache=caches)
+        rows.append(caches)
+    layers = []
+    for index in range(len(rows[0])):
+        layout = opt.BatchedKVCache.from_specs(Plain(), rows[0][index].token_geometry)
+        layout.merge_rows([row[index] for row in rows])
+        layers.append(layout)
+    step = mx.array([[7], [9]])
+    if scoped:
+        with row_attention(model):
+            logits = model(step, cache=layers)
+    else:
+        logits = model(step, cache=layers)
+    return as_numpy(logits)
+
+
+def test_scope_leaves_plain_runs_bit_identical(model: Any) -> None:
+    plain = _serial_logits(model, scoped=False)
+    assert plain.tobytes() == _serial_logits(model, scoped=True).tobytes()
+    batched = _batched_logits(model, scoped=False)
+    assert batched.tobytes() == _batched_logits(model, scoped=True).tobytes()
+
+
+def test_nested_scopes_restore_mlx_lm_once_the_last_closes(model: Any) -> None:
+    assert llama.scaled_dot_product_attention is ORIGINAL
+    with row_attention(model):
+        assert llama.scaled_dot_product_attention is dispatch
+        assert base.scaled_dot_product_attention is dispatch
+        with row_attention(model):
+            assert llama.scaled_dot_product_attention is dispatch
+        assert llama.scaled_dot_product_attention is dispatch
+    assert llama.scaled_dot_product_attention is ORIGINAL
+    assert base.scaled_dot_product_attention is ORIGINAL
+    with pytest.raises(RuntimeError, match="inside"):
+        with row_attention(model):
+            with row_attention(model):
+                raise RuntimeError("inside")
+    assert llama.scaled_dot_product_attention is ORIGINAL
+    assert base.scaled_dot_product_attention is ORIGINAL
+
+
+def test_model_without_mlx_lm_attention_is_refused() -> None:
+    with pytest.raises(InvalidInputError):
+        with row_attention(nn.Linear(2, 2)):
+            pass  # pragma: no cover - never entered
+    assert base.scaled_dot_product_attention is ORIGINAL
+
+
+def _prefill(model: Any, caches: list[Any], tokens: mx.array, scheme: KvStorageScheme) -> Any:
+    """Prefill in chunks cut at the maintenance limit (as the engine does)."""
+    maintenance = create_kv_maintenance(scheme)
+    position, logits = 0, None
+    total = int(tokens.shape[1])
+    while position < total:
+        limit = maintenance.max_append_tokens(caches)
+        end = total if limit == float("inf") else min(total, position + int(limit))
+        logits = model(tokens[:, position:end], cache=caches)
+        position = end
+    return logits
+
+
+def test_full_attention_mixed_decode_equals_solo_runs(model: Any) -> None:
+    scheme = KvStorageScheme(codec=Affine(bits=8, group_size=32), quantized_kv_start=6)
+    maintenance = create_kv_maintenance(scheme)
+    prompts = [_tokens(10, 3), _tokens(11, 9)]
+    solo_logits: list[list[np.ndarray]] = []
+    solo_tokens: list[list[int]] = []
+    for prompt in prompts:
+        caches = make_kvrows_cache(model, scheme)
+        logits = _prefill(model, caches, prompt, scheme)
+        rows, picks = [], []
+        for _ in range(6):
+            token = int(mx.argmax(logits[0, -1]).item())
+            picks.append(token)
+            logits = model(mx.array([[token]]), cache=caches)
+            rows.append(as_numpy(logits[0, -1]))
+        solo_logits.append(rows)
+        solo_tokens.append(picks)
+    batch_rows = []
+    for prompt in prompts:
+        caches = make_kvrows_cache(model, scheme)
+        _prefill(model, caches, prompt, scheme)
+        batch_rows.append(maintenance.prepare_batch(caches))
+    layers = batch_rows[0]
+    for index, layout in enumerate(layers):
+        layout.merge_rows([batch_rows[1][index]])
+    assert layers[0].phase == "mixed" and layers[0].converted_at == (None, 6)
+    tol = tolerance("affine", "attention.solo", "float32")
+    with row_attention(model):
+        for step in range(6):
+            tokens = mx.array([[solo_tokens[0][step]], [solo_tokens[1][step]]])
+            logits = as_numpy(model(tokens, cache=layers)[:, -1])
+            for b in range(2):
+                ok, error = compare(logits[b], solo_logits[b][step], tol)
+                assert ok, (step, b, error)
+                assert int(np.argmax(logits[b])) == int(np.argmax(solo_logits[b][step]))
+    assert layers[0].phase == "packed" and layers[0].converted_at == (6, 6)
