@@ -1,0 +1,197 @@
+"""DelayedRotatingQuantizedKVCache in a sliding-window model (semantics.md §4.16).
+
+The four adoption cases (chunks, start; window 8) prefilled through the delayed layouts
+inside ``row_attention`` and decoded 8 steps equal each row's solo run over serial legos
+(logits within tolerance, greedy tokens equal, extracted bytes equal); two rows decode
+together mixed; a round rolled back across the window in the mixed phase keeps each row
+equal to its solo run fed only the kept tokens.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kvrows.optimized as opt
+from kvrows.app.attention import row_attention
+from kvrows.app.models import make_kvrows_cache
+from kvrows.conformance.arrays import as_numpy
+from kvrows.maintenance import create_kv_maintenance
+from kvrows.schemes import KvStorageScheme
+
+gemma3: Any = importlib.import_module("mlx_lm.models.gemma3_text")
+WINDOW = 8
+#: Logits of a row vs its solo run: the same arithmetic per row, other accumulation
+#: orders (masked columns, ring phase) only, carried through the model's layers (measured:
+#: float32 ~1.2e-6, float16 ~2e-2, bfloat16 ~1e-1).
+LOGIT_TOLERANCE = {"float32": 1e-5, "float16": 5e-2, "bfloat16": 2.5e-1}
+CASES = (  # (prefill chunks, start): semantics.md §4.16
+    ((11, 1), 14),  # tail-split prefill past the window
+    ((12,), 14),  # one block past the window
+    ((5, 1), 9),  # within the window, converting after the wrap
+    ((6, 6, 1), 6),  # converted in prefill before adoption
+)
+
+_MODELS: dict[str, Any] = {}
+
+
+def _model(dtype: str) -> Any:
+    """A tiny gemma3 (4Q/2KV/D64, window 8, sliding and global layers) in ``dtype``."""
+    if dtype not in _MODELS:
+        model = gemma3.Model(
+            gemma3.ModelArgs(
+                model_type="gemma3_text",
+                hidden_size=64,
+                num_hidden_layers=2,
+                intermediate_size=128,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=64,
+                vocab_size=128,
+                sliding_window=WINDOW,
+                sliding_window_pattern=2,
+                query_pre_attn_scalar=64,
+            )
+        )
+        mx.random.seed(3)
+        from mlx.utils import tree_map
+
+        model.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.08, model.parameters()))
+        model.set_dtype(getattr(mx, dtype))
+        mx.eval(model.parameters())
+        _MODELS[dtype] = model
+    return _MODELS[dtype]
+
+
+def _scheme(bits: int, start: int) -> KvStorageScheme:
+    return KvStorageScheme.parse(f"affine{bits}:32@{start}")
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 128, size=n)]
+
+
+def _ring_bytes(cache: Any) -> list[Any]:
+    """A full ring's planes in temporal order (oldest first): a ring row of a layout may
+    sit at another ring phase than its serial ring, with the same bytes per position."""
+    storage = getattr(cache, "storage", cache)
+    assert int(storage.offset) >= WINDOW and storage.keep == 0
+    shift = int(storage._idx) % WINDOW
+
+    def flat(node: Any) -> list[Any]:
+        if isinstance(node, tuple | list):
+            return [a for item in node for a in flat(item)]
+        if not isinstance(node, mx.array):
+            return []  # ring bookkeeping (its phase); the offset is compared below
+        planes = as_numpy(node)
+        return [np.roll(planes, -shift, axis=2).tobytes()]
+
+    return [storage.codec_spec.name, int(storage.offset), *flat(storage.state)]
+
+
+def _solo(model: Any, scheme: KvStorageScheme, chunks: Sequence[list[int]], steps: int
+          ) -> tuple[list[Any], list[np.ndarray], list[int]]:  # fmt: skip
+    """The serial lego run: prefill chunks, then greedy decode; logits and tokens."""
+    caches = make_kvrows_cache(model, scheme)
+    logits = None
+    for chunk in chunks:
+        logits = model(mx.array([chunk]), cache=caches)
+    assert logits is not None
+    rows, picks = [], []
+    for _ in range(steps):
+        token = int(mx.argmax(logits[0, -1]).item())
+        picks.append(token)
+        logits = model(mx.array([[token]]), cache=caches)
+        rows.append(as_numpy(logits[0, -1].astype(mx.float32)))
+    return caches, rows, picks
+
+
+def _close(actual: np.ndarray, expected: np.ndarray, dtype: str) -> bool:
+    return bool(np.max(np.abs(actual - expected)) <= LOGIT_TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype,bits", [("float16", 4), ("bfloat16", 8)])
+@pytest.mark.parametrize("chunks,start", CASES, ids=["11+1@14", "12@14", "5+1@9", "6+6+1@6"])
+def test_adoption_cases_equal_the_solo_run(
+    dtype: str, bits: int, chunks: tuple[int, ...], start: int
+) -> None:
+    model = _model(dtype)
+    scheme = _scheme(bits, start)
+    prompt = _prompt(start, sum(chunks))
+    cut = [prompt[sum(chunks[:i]) : sum(chunks[: i + 1])] for i in range(len(chunks))]
+    solo_caches, solo_logits, solo_tokens = _solo(model, scheme, cut, 8)
+    caches = create_kv_maintenance(scheme).prepare_prefill(make_kvrows_cache(model, scheme))
+    assert isinstance(caches[0], opt.DelayedRotatingQuantizedKVCache)
+    assert isinstance(caches[1], opt.DelayedQuantizedKVCache)
+    with row_attention(model):
+        for chunk in cut:
+            logits = model(mx.array([chunk]), cache=caches)
+        for step in range(8):
+            token = int(mx.argmax(logits[0, -1]).item())
+            assert token == solo_tokens[step]
+            logits = model(mx.array([[token]]), cache=caches)
+            row = as_numpy(logits[0, -1].astype(mx.float32))
+            assert _close(row, solo_logits[step], dtype), step
+    for layout, solo in zip(caches, solo_caches, strict=True):
+        assert layout.converted_at == (solo.minimum_reusable_offset,)
+    # The first layer's keys and values come from the embeddings alone, so its bytes are
+    # exact; deeper layers see attention outputs that differ in accumulation order.
+    assert _ring_bytes(caches[0].extract_row(0)) == _ring_bytes(solo_caches[0])
+
+
+def _batch(model: Any, scheme: KvStorageScheme, prompts: Sequence[list[int]]) -> list[Any]:
+    maintenance = create_kv_maintenance(scheme)
+    rows = []
+    for prompt in prompts:
+        caches = make_kvrows_cache(model, scheme)
+        model(mx.array([prompt]), cache=caches)
+        rows.append(maintenance.prepare_batch(caches))
+    for index, layout in enumerate(rows[0]):
+        layout.merge_rows([row[index] for row in rows[1:]])
+    return rows[0]
+
+
+def test_two_rows_decode_mixed_and_roll_back_across_the_window() -> None:
+    dtype = "float32"
+    model = _model(dtype)
+    scheme = _scheme(8, 9)
+    prompts = [_prompt(1, 6), _prompt(2, 12)]
+    layers = _batch(model, scheme, prompts)
+    assert layers[0].phase == "mixed" and layers[0].converted_at == (None, 12)
+    solos = [make_kvrows_cache(model, scheme) for _ in prompts]
+    for solo, prompt in zip(solos, prompts, strict=True):
+        model(mx.array([prompt]), cache=solo)
+    feed = [[5], [7]]
+
+    def solo_step(b: int, tokens: list[int]) -> np.ndarray:
+        logits = model(mx.array([tokens]), cache=solos[b])
+        return as_numpy(logits[0, -1])
+
+    with row_attention(model):
+        for step in range(4):  # row 0 converts at 9 after its third step
+            logits = as_numpy(model(mx.array(feed), cache=layers)[:, -1])
+            for b in range(2):
+                assert _close(logits[b], solo_step(b, feed[b]), dtype), (step, b)
+            feed = [[int(np.argmax(logits[b]))] for b in range(2)]
+        assert layers[0].converted_at == (9, 12)
+        # A round of 3 tokens (offsets 10 and 16: both rows past the window), rolled back
+        # to keep [1, 2]; then each row equals its solo run fed the kept tokens only.
+        block = [[3, 4, 5], [6, 7, 8]]
+        for layout in layers:
+            layout.spec_round_begin()
+        model(mx.array(block), cache=layers)
+        for layout in layers:
+            layout.spec_round_rollback([1, 2])
+        for b, keep in enumerate((1, 2)):
+            solo_step(b, block[b][:keep])
+        assert layers[0].row_offsets == (11, 18)
+        logits = as_numpy(model(mx.array(feed), cache=layers)[:, -1])
+        for b in range(2):
+            assert _close(logits[b], solo_step(b, feed[b]), dtype), b
+    for b in range(2):
+        assert _ring_bytes(layers[0].extract_row(b)) == _ring_bytes(solos[b][0])
