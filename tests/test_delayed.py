@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from types import ModuleType
 from typing import Any
 
@@ -338,7 +339,7 @@ class _Rows:
     def check(self) -> None:
         first, second = self.snapshot()
         assert first == second
-        (offsets, pads, converted, phase, limit, reusable, planes) = first
+        (offsets, _pads, converted, _phase, limit, reusable, planes) = first
         assert len(offsets) == len(self.solo)
         for b, solo in enumerate(self.solo):
             assert offsets[b] == int(solo.offset)
@@ -364,6 +365,9 @@ def _merge_sources(rows: _Rows, data: st.DataObject, rng: np.random.Generator) -
             for block in blocks:
                 _append(ref, storage, block, block)
             solo = solo.composed.over(storage)
+        elif kind == "plain":  # a plain storage past start converts at the merge
+            whole = np.concatenate(blocks, axis=2)
+            _append(ref, solo, whole, whole)
         else:
             for block in blocks:
                 _append(ref, solo, block, block)
@@ -402,6 +406,10 @@ def _append_all(rows: _Rows, n: int, rng: np.random.Generator, keep: list[int] |
         count = n if keep is None else keep[b]
         part = np.ascontiguousarray(block[b : b + 1, :, :count])
         _append(ref, solo, part, part)
+
+
+def _call(name: str, argument: Any, layout: Any) -> Any:
+    return getattr(layout, name)(argument)
 
 
 def _refused(rows: _Rows, call: Callable[[Any], Any]) -> None:
@@ -450,10 +458,10 @@ def test_random_sequences_match_solo_legos(
             for solo, count in zip(rows.solo, counts, strict=True):
                 solo.trim(count)
         elif op == "bad" and size:
-            offsets = rows.layouts["ref"].row_offsets
-            _refused(rows, lambda layout: layout.trim_rows([o + 1 for o in offsets]))
-            _refused(rows, lambda layout: layout.filter_rows([size]))
-            _refused(rows, lambda layout: layout.commit_prefill([size]))
+            over = [o + 1 for o in rows.layouts["ref"].row_offsets]
+            _refused(rows, partial(_call, "trim_rows", over))
+            _refused(rows, partial(_call, "filter_rows", [size]))
+            _refused(rows, partial(_call, "commit_prefill", [size]))
             if rows.layouts["ref"].phase == "mixed":
                 block = _block(rng, size, 1, "float32")
                 for name, impl in IMPLS.items():

@@ -104,7 +104,7 @@ def _solo(model: Any, scheme: KvStorageScheme, chunks: Sequence[list[int]], step
     assert logits is not None
     rows, picks = [], []
     for _ in range(steps):
-        token = int(mx.argmax(logits[0, -1]).item())
+        token = int(np.argmax(as_numpy(logits[0, -1].astype(mx.float32))))
         picks.append(token)
         logits = model(mx.array([[token]]), cache=caches)
         rows.append(as_numpy(logits[0, -1].astype(mx.float32)))
@@ -132,7 +132,7 @@ def test_adoption_cases_equal_the_solo_run(
         for chunk in cut:
             logits = model(mx.array([chunk]), cache=caches)
         for step in range(8):
-            token = int(mx.argmax(logits[0, -1]).item())
+            token = int(np.argmax(as_numpy(logits[0, -1].astype(mx.float32))))
             assert token == solo_tokens[step]
             logits = model(mx.array([[token]]), cache=caches)
             row = as_numpy(logits[0, -1].astype(mx.float32))

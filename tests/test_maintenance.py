@@ -108,8 +108,8 @@ def test_section_9_3_2_vector(impl: Any, prepared: bool) -> None:
 
     def converted() -> list[bool]:
         return [
-            bool(getattr(c, "converted", False)) or getattr(c, "converted_at", (None,))[0]
-            is not None
+            bool(getattr(c, "converted", False))
+            or getattr(c, "converted_at", (None,))[0] is not None
             for c in caches
         ]
 

@@ -11,7 +11,6 @@ import importlib
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -25,6 +24,7 @@ from kvrows.maintenance import create_kv_maintenance
 from kvrows.schemes import Affine, KvStorageScheme, Plain
 
 base: Any = importlib.import_module("mlx_lm.models.base")
+nn: Any = importlib.import_module("mlx.nn")
 llama: Any = importlib.import_module("mlx_lm.models.llama")
 ORIGINAL = base.scaled_dot_product_attention
 
@@ -89,18 +89,15 @@ def test_nested_scopes_restore_mlx_lm_once_the_last_closes(model: Any) -> None:
         assert llama.scaled_dot_product_attention is dispatch
     assert llama.scaled_dot_product_attention is ORIGINAL
     assert base.scaled_dot_product_attention is ORIGINAL
-    with pytest.raises(RuntimeError, match="inside"):
-        with row_attention(model):
-            with row_attention(model):
-                raise RuntimeError("inside")
+    with pytest.raises(RuntimeError, match="inside"), row_attention(model), row_attention(model):
+        raise RuntimeError("inside")
     assert llama.scaled_dot_product_attention is ORIGINAL
     assert base.scaled_dot_product_attention is ORIGINAL
 
 
 def test_model_without_mlx_lm_attention_is_refused() -> None:
-    with pytest.raises(InvalidInputError):
-        with row_attention(nn.Linear(2, 2)):
-            pass  # pragma: no cover - never entered
+    with pytest.raises(InvalidInputError), row_attention(nn.Linear(2, 2)):
+        pass  # pragma: no cover - never entered
     assert base.scaled_dot_product_attention is ORIGINAL
 
 
@@ -128,7 +125,7 @@ def test_full_attention_mixed_decode_equals_solo_runs(model: Any) -> None:
         logits = _prefill(model, caches, prompt, scheme)
         rows, picks = [], []
         for _ in range(6):
-            token = int(mx.argmax(logits[0, -1]).item())
+            token = int(np.argmax(as_numpy(logits[0, -1])))
             picks.append(token)
             logits = model(mx.array([[token]]), cache=caches)
             rows.append(as_numpy(logits[0, -1]))
