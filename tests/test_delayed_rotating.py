@@ -27,9 +27,9 @@ from kvrows.schemes import KvStorageScheme
 gemma3: Any = importlib.import_module("mlx_lm.models.gemma3_text")
 WINDOW = 8
 #: Logits of a row vs its solo run: the same arithmetic per row, other accumulation
-#: orders (masked columns, ring phase) only, carried through the model's layers (measured:
-#: float32 ~1.2e-6, float16 ~2e-2, bfloat16 ~1e-1).
-LOGIT_TOLERANCE = {"float32": 1e-5, "float16": 5e-2, "bfloat16": 2.5e-1}
+#: orders (masked columns, ring phase) only, carried through the model's layers (largest
+#: seen over these cases: float32 1.2e-6, float16 0.021, bfloat16 0.047; about twice that).
+LOGIT_TOLERANCE = {"float32": 1e-5, "float16": 4e-2, "bfloat16": 1e-1}
 CASES = (  # (prefill chunks, start): semantics.md §4.16
     ((11, 1), 14),  # tail-split prefill past the window
     ((12,), 14),  # one block past the window
@@ -37,25 +37,26 @@ CASES = (  # (prefill chunks, start): semantics.md §4.16
     ((6, 6, 1), 6),  # converted in prefill before adoption
 )
 
-_MODELS: dict[str, Any] = {}
+_MODELS: dict[tuple[str, tuple[int, int, int]], Any] = {}
+SMALL, WIDE = (4, 2, 64), (8, 4, 128)  # query heads, KV heads, head dim
 
 
-def _model(dtype: str) -> Any:
-    """A tiny gemma3 (4Q/2KV/D64, window 8, sliding and global layers) in ``dtype``."""
-    if dtype not in _MODELS:
+def _model(dtype: str, heads: tuple[int, int, int] = SMALL) -> Any:
+    """A tiny gemma3 (window 8, a sliding and a global layer) in ``dtype``."""
+    if (dtype, heads) not in _MODELS:
         model = gemma3.Model(
             gemma3.ModelArgs(
                 model_type="gemma3_text",
                 hidden_size=64,
                 num_hidden_layers=2,
                 intermediate_size=128,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=64,
+                num_attention_heads=heads[0],
+                num_key_value_heads=heads[1],
+                head_dim=heads[2],
                 vocab_size=128,
                 sliding_window=WINDOW,
                 sliding_window_pattern=2,
-                query_pre_attn_scalar=64,
+                query_pre_attn_scalar=heads[2],
             )
         )
         mx.random.seed(3)
@@ -64,8 +65,8 @@ def _model(dtype: str) -> Any:
         model.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.08, model.parameters()))
         model.set_dtype(getattr(mx, dtype))
         mx.eval(model.parameters())
-        _MODELS[dtype] = model
-    return _MODELS[dtype]
+        _MODELS[dtype, heads] = model
+    return _MODELS[dtype, heads]
 
 
 def _scheme(bits: int, start: int) -> KvStorageScheme:
@@ -94,33 +95,47 @@ def _ring_bytes(cache: Any) -> list[Any]:
     return [storage.codec_spec.name, int(storage.offset), *flat(storage.state)]
 
 
-def _solo(model: Any, scheme: KvStorageScheme, chunks: Sequence[list[int]], steps: int
-          ) -> tuple[list[Any], list[np.ndarray], list[int]]:  # fmt: skip
-    """The serial lego run: prefill chunks, then greedy decode; logits and tokens."""
+def _solo(
+    model: Any, scheme: KvStorageScheme, chunks: Sequence[list[int]], steps: int
+) -> tuple[list[Any], list[np.ndarray], list[int]]:
+    """The serial lego run: prefill chunks, then greedy decode. Logits: the prefill's last
+    and each step's (``steps + 1``); tokens: the greedy pick from each but the last."""
     caches = make_kvrows_cache(model, scheme)
-    logits = None
     for chunk in chunks:
         logits = model(mx.array([chunk]), cache=caches)
-    assert logits is not None
-    rows, picks = [], []
+    rows = [_last(logits)]
+    picks = []
     for _ in range(steps):
-        token = int(np.argmax(as_numpy(logits[0, -1].astype(mx.float32))))
-        picks.append(token)
-        logits = model(mx.array([[token]]), cache=caches)
-        rows.append(as_numpy(logits[0, -1].astype(mx.float32)))
+        picks.append(int(np.argmax(rows[-1])))
+        rows.append(_last(model(mx.array([[picks[-1]]]), cache=caches)))
     return caches, rows, picks
+
+
+def _last(logits: Any) -> np.ndarray:
+    return as_numpy(logits[0, -1].astype(mx.float32))
+
+
+def _clear_pick(expected: np.ndarray, dtype: str) -> bool:
+    """Whether the solo run's greedy pick is clear of the runner-up by more than twice the
+    logit tolerance (else a rounding difference may flip a near tie)."""
+    top = np.sort(expected)[-2:]
+    return bool(top[1] - top[0] > 2 * LOGIT_TOLERANCE[dtype])
 
 
 def _close(actual: np.ndarray, expected: np.ndarray, dtype: str) -> bool:
     return bool(np.max(np.abs(actual - expected)) <= LOGIT_TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("dtype,bits", [("float16", 4), ("bfloat16", 8)])
+@pytest.mark.parametrize(
+    "dtype,bits,heads",
+    [("float16", 4, SMALL), ("bfloat16", 8, SMALL), ("bfloat16", 4, WIDE)],
+    ids=["f16-kv4", "bf16-kv8", "bf16-kv4-8q4kvd128"],
+)
 @pytest.mark.parametrize("chunks,start", CASES, ids=["11+1@14", "12@14", "5+1@9", "6+6+1@6"])
 def test_adoption_cases_equal_the_solo_run(
-    dtype: str, bits: int, chunks: tuple[int, ...], start: int
+    dtype: str, bits: int, heads: tuple[int, int, int], chunks: tuple[int, ...], start: int
 ) -> None:
-    model = _model(dtype)
+    model = _model(dtype, heads)
     scheme = _scheme(bits, start)
     prompt = _prompt(start, sum(chunks))
     cut = [prompt[sum(chunks[:i]) : sum(chunks[: i + 1])] for i in range(len(chunks))]
@@ -131,12 +146,15 @@ def test_adoption_cases_equal_the_solo_run(
     with row_attention(model):
         for chunk in cut:
             logits = model(mx.array([chunk]), cache=caches)
-        for step in range(8):
-            token = int(np.argmax(as_numpy(logits[0, -1].astype(mx.float32))))
-            assert token == solo_tokens[step]
-            logits = model(mx.array([[token]]), cache=caches)
-            row = as_numpy(logits[0, -1].astype(mx.float32))
+        for step in range(9):
+            row = _last(logits)
             assert _close(row, solo_logits[step], dtype), step
+            if step == 8:
+                break
+            if _clear_pick(solo_logits[step], dtype):
+                assert int(np.argmax(row)) == solo_tokens[step], step
+            # Both runs continue with the solo run's token (teacher forcing).
+            logits = model(mx.array([[solo_tokens[step]]]), cache=caches)
     for layout, solo in zip(caches, solo_caches, strict=True):
         assert layout.converted_at == (solo.minimum_reusable_offset,)
     # The first layer's keys and values come from the embeddings alone, so its bytes are
