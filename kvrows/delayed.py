@@ -163,8 +163,8 @@ class DelayedRows(SpeculativeRounds):
 
     An implementation's class sets ``composition``, ``plain_group_class``,
     ``affine_group_class``, ``lego_class`` and implements :meth:`_convert_row`,
-    :meth:`_take_rows`, :meth:`_combine_rows`, :meth:`_positions` and
-    :meth:`_record_mask`.
+    :meth:`_take_rows`, :meth:`_combine_rows`, :meth:`_positions`,
+    :meth:`_record_mask` and :meth:`_widen_mask`.
     """
 
     composition: ClassVar[Composition]
@@ -201,6 +201,11 @@ class DelayedRows(SpeculativeRounds):
         self, n: int, return_array: bool, window: int | None
     ) -> Any:  # pragma: no cover - the implementations override
         """The ragged mask of the position record (full attention, mixed rows)."""
+        raise NotImplementedError
+
+    def _widen_mask(self, mask: Any, rows: int, n: int, width: int) -> Any:
+        """A boolean ``mask`` of one group as ``[rows, 1, n, width]``, the added columns
+        (on the right) hidden."""
         raise NotImplementedError
 
     # -- construction ----------------------------------------------------------------------
@@ -454,12 +459,26 @@ class DelayedRows(SpeculativeRounds):
             return self._groups[AFFINE].make_mask(
                 n, return_array=return_array, window_size=window_size
             )
-        # Mixed: attend_rows applies each group's own mask; the record's mask serves the
-        # model's other layers that share this one.
+        # Mixed: attend_rows applies each group's own mask; this one serves the model's
+        # other layers that share it (a model builds one mask per attention kind).
         count = as_count(n, "n", minimum=1)
         if not self._full_attention:
-            return None
+            return self._rows_mask(count, window_size)
         return self._record_mask(count, return_array, window_size)
+
+    def _rows_mask(self, n: int, window: int | None) -> Any:
+        """Ring rows (mixed): each row's mask from its group, in batch order. A ragged ring
+        row's columns are its own (from column 0), so the rows of both groups form the
+        mask a plain ragged ring of the same rows gives (narrower groups padded with
+        hidden columns): the other sliding layers of the model read it."""
+        parts, order = [], []
+        for index, group in enumerate(self._groups):
+            rows = self._members(index)
+            mask = group.make_mask(n, return_array=True, window_size=window)
+            parts.append((mask, len(rows)))
+            order.extend(rows)
+        width = max(int(mask.shape[-1]) for mask, _ in parts)
+        return self._combine_rows([self._widen_mask(m, r, n, width) for m, r in parts], order)
 
     def _check_block(self, keys: Any, values: Any) -> None:
         shapes = [tuple(getattr(a, "shape", ())) for a in (keys, values)]

@@ -7,7 +7,9 @@ request's per-layer caches and return a new list (the input list is not changed)
 * ``prepare_prefill``: with a bf16-first boundary (``quantized_kv_start`` set), every
   affine layer's lego goes into a one-row delayed layout (``kvrows.delayed``) of the
   lego's implementation, so a prefill cohort converts each row at its own ``start``;
-  other layers are kept. Without a boundary the list is unchanged.
+  plain serial rings go into a one-row ragged ring of the delayed ring's plain rows (a
+  model shares one mask among its sliding layers, so they must share one column
+  convention); other layers are kept. Without a boundary the list is unchanged.
 * ``prepare_batch``: with ``start > 0`` the same (rows below ``start`` keep arriving);
   with ``start == 0`` each lego is replaced by its storage (``composed.release()``): every
   lego converted after its first append, so its storage joins the ordinary layouts.
@@ -30,7 +32,7 @@ from kvrows.delayed import delayed_layout_for
 from kvrows.errors import InvalidInputError
 from kvrows.lego import Bf16First
 from kvrows.protocols import AppendLimited
-from kvrows.schemes import Affine, KvStorageScheme
+from kvrows.schemes import Affine, KvStorageScheme, Plain, Ring
 
 __all__ = ["KvMaintenance", "create_kv_maintenance"]
 
@@ -82,9 +84,12 @@ class KvMaintenance:
     def _delayed(self, caches: list[Any]) -> list[Any]:
         # Every layout is built (and every lego checked) before any lego is released.
         made: list[tuple[int, Any]] = []
+        ring_rows: type[Any] | None = None
         for index, cache in enumerate(caches):
             if isinstance(cache, Bf16First):
                 layout_class = delayed_layout_for(cache)
+                if isinstance(cache.token_geometry, Ring):
+                    ring_rows = layout_class.plain_group_class
                 made.append(
                     (
                         index,
@@ -96,11 +101,34 @@ class KvMaintenance:
                         ),
                     )
                 )
+        if ring_rows is not None:
+            # A model builds one mask for all its sliding layers: plain serial rings join
+            # the ragged ring of the delayed ring's plain rows, whose columns (each row
+            # from column 0) the delayed ring's masks follow in every phase.
+            for index, cache in enumerate(caches):
+                if _plain_serial_ring(cache):
+                    made.append(
+                        (
+                            index,
+                            ring_rows.from_specs(
+                                Plain(), cache.token_geometry, geometry=cache.geometry
+                            ),
+                        )
+                    )
         out = list(caches)
         for index, layout in made:
             layout.merge_rows([caches[index]])
             out[index] = layout
         return out
+
+
+def _plain_serial_ring(cache: Any) -> bool:
+    """A plain serial ring storage of kvrows (not a layout, not mlx-lm's)."""
+    return (
+        getattr(cache, "codec_spec", None) == Plain()
+        and isinstance(getattr(cache, "token_geometry", None), Ring)
+        and not hasattr(cache, "row_offsets")
+    )
 
 
 def _caches(caches: Sequence[Any]) -> list[Any]:

@@ -54,6 +54,13 @@ class _OptimizedDelayed(DelayedRows):
         positions._offsets = list(self.row_offsets)
         return positions._layout_mask(n, return_array, window)
 
+    def _widen_mask(self, mask: Any, rows: int, n: int, width: int) -> Any:
+        full = mx.broadcast_to(mask, (rows, 1, n, int(mask.shape[-1])))
+        extra = width - int(mask.shape[-1])
+        if extra == 0:
+            return full
+        return mx.concatenate([full, mx.zeros((rows, 1, n, extra), dtype=mx.bool_)], axis=-1)
+
 
 class DelayedQuantizedKVCache(_OptimizedDelayed, DelayedFullAttention):
     """Full-attention rows that convert to affine at their own ``start``

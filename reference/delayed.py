@@ -52,6 +52,12 @@ class _ReferenceDelayed(DelayedRows):
             return None if n == 1 else "causal"
         return _visible(pads, ends, n, window)
 
+    def _widen_mask(self, mask: Any, rows: int, n: int, width: int) -> Any:
+        array = np.asarray(mask, dtype=bool)
+        full = np.broadcast_to(array, (rows, 1, n, array.shape[-1]))
+        extra = width - array.shape[-1]
+        return np.concatenate([full, np.zeros((rows, 1, n, extra), dtype=bool)], axis=-1)
+
 
 class DelayedQuantizedKVCache(_ReferenceDelayed, DelayedFullAttention):
     """Full-attention rows that convert to affine at their own ``start``

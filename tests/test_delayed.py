@@ -27,7 +27,7 @@ from kvrows.conformance.tolerances import compare, tolerance
 from kvrows.delayed import RowAttentionPending, row_reads
 from kvrows.errors import KvRowsError, MixedPrecisionReadError, RowIndexError
 from kvrows.reference.lego import to_affine
-from kvrows.schemes import Affine
+from kvrows.schemes import Affine, Plain, Ring
 
 IMPLS: dict[str, ModuleType] = {"ref": ref, "opt": opt}
 HEADS, DIM, GROUP = 2, 64, 32
@@ -319,6 +319,37 @@ def test_pending_pair_misuse_is_refused(impl: ModuleType) -> None:
         _ = fresh.shape
     with pytest.raises(MixedPrecisionReadError):
         fresh.reshape(1)
+
+
+# -- ring masks ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", [ref, opt], ids=["ref", "opt"])
+@pytest.mark.parametrize("start", [4, 9])
+def test_ring_mask_is_the_plain_ragged_rings_in_every_phase(impl: ModuleType, start: int) -> None:
+    """A model shares its sliding mask among layers: the delayed ring's mask (plain, mixed
+    and packed) equals a plain ragged ring's holding the same rows."""
+    rng = np.random.default_rng(start)
+    lengths = [7, 1, 10, 3] if start == 4 else [7, 1, 5, 3]
+    rings = [impl.RotatingKVCache(WINDOW) for _ in range(2 * len(lengths))]
+    for b, count in enumerate(lengths):
+        block = _block(rng, 1, count, "float32")
+        _append(impl, rings[b], block, block)
+        _append(impl, rings[len(lengths) + b], block, block)
+    layout = impl.DelayedRotatingQuantizedKVCache(WINDOW, GROUP, 8, 0, start)
+    layout.merge_rows(rings[: len(lengths)])
+    plain = impl.SpeculativeRotatingKVCache.from_specs(Plain(), Ring(max_size=WINDOW, keep=0))
+    plain.merge_rows(rings[len(lengths) :])
+    phases = set()
+    for step in range(9):
+        n = 2 if step % 3 == 0 else 1
+        phases.add(layout.phase)
+        mine = as_numpy(layout.make_mask(n, return_array=True))
+        theirs = as_numpy(plain.make_mask(n, return_array=True))
+        shape = (len(lengths), 1, n, theirs.shape[-1])
+        assert np.array_equal(np.broadcast_to(mine, shape), np.broadcast_to(theirs, shape))
+        block = _block(rng, len(lengths), n, "float32")
+        _mixed_append(layout, _to(impl, block), _to(impl, block), _to(impl, block))
+        _append(impl, plain, block, block)
+    assert phases == ({"mixed", "packed"} if start == 4 else {"plain", "mixed", "packed"})
 
 
 # -- 7. random operation sequences ---------------------------------------------------------------

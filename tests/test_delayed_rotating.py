@@ -19,10 +19,11 @@ import pytest
 
 import kvrows.optimized as opt
 from kvrows.app.attention import row_attention
-from kvrows.app.models import make_kvrows_cache
+from kvrows.app.models import make_kvrows_cache, tiny_model
 from kvrows.conformance.arrays import as_numpy
 from kvrows.maintenance import create_kv_maintenance
 from kvrows.schemes import KvStorageScheme
+from kvrows.table import owned_cache_layout
 
 gemma3: Any = importlib.import_module("mlx_lm.models.gemma3_text")
 WINDOW = 8
@@ -169,9 +170,14 @@ def _batch(model: Any, scheme: KvStorageScheme, prompts: Sequence[list[int]]) ->
         caches = make_kvrows_cache(model, scheme)
         model(mx.array([prompt]), cache=caches)
         rows.append(maintenance.prepare_batch(caches))
-    for index, layout in enumerate(rows[0]):
-        layout.merge_rows([row[index] for row in rows[1:]])
-    return rows[0]
+    layers = []
+    for index, first in enumerate(rows[0]):
+        # A one-row layout is its own batch; a serial storage joins its decode layout.
+        layout = first if hasattr(first, "row_offsets") else owned_cache_layout(first)
+        assert layout is not None
+        layout.merge_rows([row[index] for row in rows if row[index] is not layout])
+        layers.append(layout)
+    return layers
 
 
 def test_two_rows_decode_mixed_and_roll_back_across_the_window() -> None:
@@ -213,3 +219,39 @@ def test_two_rows_decode_mixed_and_roll_back_across_the_window() -> None:
             assert _close(logits[b], solo_step(b, feed[b]), dtype), b
     for b in range(2):
         assert _ring_bytes(layers[0].extract_row(b)) == _ring_bytes(solos[b][0])
+
+
+_TINY: list[Any] = []
+
+
+def _gemma3() -> Any:
+    """kvrows' tiny gemma3 (4 layers: sliding layers 0 and 2 share one mask)."""
+    if not _TINY:
+        _TINY.append(tiny_model("gemma3"))
+    return _TINY[0]
+
+
+@pytest.mark.parametrize(
+    "text", ["affine8:32,2=plain@6", "affine8:32,0=plain@6", "affine8:32,2=plain@20"]
+)
+def test_plain_and_delayed_sliding_layers_share_one_mask(text: str) -> None:
+    """gemma3 builds one sliding mask (from layer 0) for every sliding layer: with some
+    sliding layers plain and some delayed, every phase (plain, mixed, packed) still gives
+    each row its solo run."""
+    model = _gemma3()
+    scheme = KvStorageScheme.parse(text)
+    prompts = [_prompt(3, 3), _prompt(4, 9)]
+    layers = _batch(model, scheme, prompts)
+    solos = [make_kvrows_cache(model, scheme) for _ in prompts]
+    for solo, prompt in zip(solos, prompts, strict=True):
+        model(mx.array([prompt]), cache=solo)
+    phases = set()
+    with row_attention(model):
+        for step in range(4):
+            phases.add(next(c.phase for c in layers if hasattr(c, "phase")))
+            feed = [[5 + step], [9 + step]]
+            logits = as_numpy(model(mx.array(feed), cache=layers)[:, -1])
+            for b in range(2):
+                expected = _last(model(mx.array([feed[b]]), cache=solos[b]))
+                assert _close(logits[b], expected, "float32"), (step, b)
+    assert phases == ({"plain"} if text.endswith("@20") else {"mixed", "packed"})

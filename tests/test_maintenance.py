@@ -146,3 +146,24 @@ def test_prepare_batch_keeps_non_lego_layers() -> None:
     batch = maintenance.prepare_batch(caches)
     assert batch[0] is caches[0]
     assert all(isinstance(c, opt.DelayedQuantizedKVCache) for c in batch[1:])
+
+
+@pytest.mark.parametrize("impl", [ref, opt], ids=["ref", "opt"])
+def test_plain_rings_join_the_delayed_rings_columns(impl: Any) -> None:
+    """A model shares one sliding mask: with a delayed ring in the list, a plain serial ring
+    goes into a one-row ragged ring of the delayed ring's plain rows (its rows copied, the
+    input untouched); without one, it stays as it is."""
+    scheme = KvStorageScheme.parse("affine8:32,1=plain@6")
+    maintenance = create_kv_maintenance(scheme)
+    rng = np.random.default_rng(2)
+    ring = impl.RotatingKVCache(8)
+    block = rng.standard_normal((1, 2, 3, 64)).astype(np.float32)
+    data = mx.array(block) if impl is opt else block
+    ring.update_and_fetch(data, data)
+    caches = [impl.Bf16FirstRotatingQuantizedKVCache(8, 32, 8, 0, 6), ring, impl.KVCache()]
+    for prepared in (maintenance.prepare_prefill(caches), maintenance.prepare_batch(caches)):
+        assert type(prepared[1]) is impl.DelayedRotatingQuantizedKVCache.plain_group_class
+        assert prepared[1].row_offsets == (3,) and int(ring.offset) == 3
+        assert prepared[2] is caches[2]
+    alone = [impl.Bf16FirstQuantizedKVCache(32, 8, 6), ring]
+    assert maintenance.prepare_batch(alone)[1] is ring
