@@ -487,6 +487,42 @@ def _append_all(rows: _Rows, n: int, rng: np.random.Generator, keep: list[int] |
         _append(ref, solo, part, part)
 
 
+def _prefill(rows: _Rows, data: st.DataObject, rng: np.random.Generator) -> None:
+    """Prefill maintenance: appends past the boundary convert nothing until a row is
+    committed or the prefill ends; each row's solo lego gets the tokens it received since
+    its last conversion chance as one chunk (it converts at that chunk's end)."""
+    size = len(rows.solo)
+    held: list[list[np.ndarray]] = [[] for _ in range(size)]
+
+    def flush(b: int) -> None:
+        if held[b]:
+            chunk = np.concatenate(held[b], axis=2)
+            _append(ref, rows.solo[b], chunk, chunk)
+            held[b] = []
+
+    for layout in rows.layouts.values():
+        layout.begin_prefill()
+    for _ in range(data.draw(st.integers(1, 3))):
+        n = data.draw(st.integers(1, 4))
+        block = _block(rng, size, n, "float32")
+        for name, impl in IMPLS.items():
+            _mixed_append(rows.layouts[name], _to(impl, block), _to(impl, block), _to(impl, block))
+        for b in range(size):
+            held[b].append(np.ascontiguousarray(block[b : b + 1]))
+        committed = data.draw(st.lists(st.integers(0, size - 1), unique=True, max_size=size))
+        for layout in rows.layouts.values():
+            layout.commit_prefill(committed)
+        for b in committed:
+            flush(b)
+        first, second = rows.snapshot()
+        assert first == second
+    for layout in rows.layouts.values():
+        layout.end_prefill()
+        assert not layout.prefilling
+    for b in range(size):
+        flush(b)
+
+
 def _call(name: str, argument: Any, layout: Any) -> Any:
     return getattr(layout, name)(argument)
 
@@ -515,7 +551,9 @@ def test_random_sequences_match_solo_legos(
     _merge_sources(rows, data, rng)
     rows.check()
     for _ in range(data.draw(st.integers(1, 7))):
-        op = data.draw(st.sampled_from(["merge", "append", "round", "filter", "trim", "bad"]))
+        op = data.draw(
+            st.sampled_from(["merge", "append", "round", "filter", "trim", "prefill", "bad"])
+        )
         size = len(rows.solo)
         limit = rows.layouts["ref"].max_append_tokens()
         if op == "merge":
@@ -543,6 +581,8 @@ def test_random_sequences_match_solo_legos(
                 layout.trim_rows(counts)
             for solo, count in zip(rows.solo, counts, strict=True):
                 solo.trim(count)
+        elif op == "prefill" and size:
+            _prefill(rows, data, rng)
         elif op == "bad" and size:
             over = [o + 1 for o in rows.layouts["ref"].row_offsets]
             _refused(rows, partial(_call, "trim_rows", over))
