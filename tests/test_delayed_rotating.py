@@ -183,10 +183,10 @@ def _batch(model: Any, scheme: KvStorageScheme, prompts: Sequence[list[int]]) ->
 def test_two_rows_decode_mixed_and_roll_back_across_the_window() -> None:
     dtype = "float32"
     model = _model(dtype)
-    scheme = _scheme(8, 9)
-    prompts = [_prompt(1, 6), _prompt(2, 12)]
+    scheme = _scheme(8, 12)
+    prompts = [_prompt(1, 6), _prompt(2, 13)]
     layers = _batch(model, scheme, prompts)
-    assert layers[0].phase == "mixed" and layers[0].converted_at == (None, 12)
+    assert layers[0].phase == "mixed" and layers[0].converted_at == (None, 13)
     solos = [make_kvrows_cache(model, scheme) for _ in prompts]
     for solo, prompt in zip(solos, prompts, strict=True):
         model(mx.array([prompt]), cache=solo)
@@ -196,15 +196,20 @@ def test_two_rows_decode_mixed_and_roll_back_across_the_window() -> None:
         logits = model(mx.array([tokens]), cache=solos[b])
         return as_numpy(logits[0, -1])
 
-    with row_attention(model):
-        for step in range(4):  # row 0 converts at 9 after its third step
+    def decode(steps: int) -> None:
+        nonlocal feed
+        for step in range(steps):
             logits = as_numpy(model(mx.array(feed), cache=layers)[:, -1])
             for b in range(2):
                 assert _close(logits[b], solo_step(b, feed[b]), dtype), (step, b)
             feed = [[int(np.argmax(logits[b]))] for b in range(2)]
-        assert layers[0].converted_at == (9, 12)
-        # A round of 3 tokens (offsets 10 and 16: both rows past the window), rolled back
-        # to keep [1, 2]; then each row equals its solo run fed the kept tokens only.
+
+    with row_attention(model):
+        decode(3)
+        assert layers[0].row_offsets == (9, 16) and layers[0].phase == "mixed"
+        # A round of 3 tokens in the mixed phase (row 0 would reach 12 = start inside it;
+        # row 1 is past the window), rolled back to keep [1, 2]: nothing converts, and each
+        # row equals its solo run fed the kept tokens only.
         block = [[3, 4, 5], [6, 7, 8]]
         for layout in layers:
             layout.spec_round_begin()
@@ -213,10 +218,12 @@ def test_two_rows_decode_mixed_and_roll_back_across_the_window() -> None:
             layout.spec_round_rollback([1, 2])
         for b, keep in enumerate((1, 2)):
             solo_step(b, block[b][:keep])
-        assert layers[0].row_offsets == (11, 18)
-        logits = as_numpy(model(mx.array(feed), cache=layers)[:, -1])
+        assert layers[0].row_offsets == (10, 18) and layers[0].phase == "mixed"
+        decode(3)  # row 0 converts at 12
+    for layout, solo_layer in ((layers[0], 0), (layers[1], 1)):
+        assert layout.converted_at == (12, 13) and layout.phase == "packed"
         for b in range(2):
-            assert _close(logits[b], solo_step(b, feed[b]), dtype), b
+            assert solos[b][solo_layer].minimum_reusable_offset == (12, 13)[b]
     for b in range(2):
         assert _ring_bytes(layers[0].extract_row(b)) == _ring_bytes(solos[b][0])
 
