@@ -357,27 +357,31 @@ class _Rows:
     """Both layouts and, per row, a solo reference lego fed the same committed tokens
     (``ring``: the sliding-window layout over rings of ``WINDOW``)."""
 
-    def __init__(self, bits: int, start: int, ring: bool) -> None:
-        self.bits, self.start, self.ring = bits, start, ring
+    def __init__(self, bits: int, start: int, ring: bool, keep: int = 0) -> None:
+        self.bits, self.start, self.ring, self.keep = bits, start, ring, keep
         self.layouts = {name: self.layout(impl) for name, impl in IMPLS.items()}
         self.solo: list[Any] = []
 
     def layout(self, impl: ModuleType) -> Any:
         if self.ring:
-            return impl.DelayedRotatingQuantizedKVCache(WINDOW, GROUP, self.bits, 0, self.start)
+            return impl.DelayedRotatingQuantizedKVCache(
+                WINDOW, GROUP, self.bits, self.keep, self.start
+            )
         return impl.DelayedQuantizedKVCache(GROUP, self.bits, self.start)
 
     def lego(self, impl: ModuleType) -> Any:
         if self.ring:
-            return impl.Bf16FirstRotatingQuantizedKVCache(WINDOW, GROUP, self.bits, 0, self.start)
+            return impl.Bf16FirstRotatingQuantizedKVCache(
+                WINDOW, GROUP, self.bits, self.keep, self.start
+            )
         return impl.Bf16FirstQuantizedKVCache(GROUP, self.bits, self.start)
 
     def plain(self, impl: ModuleType) -> Any:
-        return impl.RotatingKVCache(WINDOW) if self.ring else impl.KVCache()
+        return impl.RotatingKVCache(WINDOW, self.keep) if self.ring else impl.KVCache()
 
     def affine(self, impl: ModuleType) -> Any:
         if self.ring:
-            return impl.RotatingQuantizedKVCache(WINDOW, GROUP, self.bits)
+            return impl.RotatingQuantizedKVCache(WINDOW, GROUP, self.bits, self.keep)
         return impl.QuantizedKVCache(GROUP, self.bits)
 
     def planes(self, cache: Any) -> list[Any]:
@@ -547,7 +551,8 @@ def test_random_sequences_match_solo_legos(
     ring: bool, bits: int, start: int, seed: int, data: st.DataObject
 ) -> None:
     rng = np.random.default_rng(seed)
-    rows = _Rows(bits, start, ring)
+    keep = data.draw(st.sampled_from([0, 0, 2])) if ring else 0  # sink tokens, sometimes
+    rows = _Rows(bits, start, ring, keep)
     _merge_sources(rows, data, rng)
     rows.check()
     for _ in range(data.draw(st.integers(1, 7))):
