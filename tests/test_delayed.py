@@ -551,8 +551,8 @@ def test_random_sequences_match_solo_legos(
     ring: bool, bits: int, start: int, seed: int, data: st.DataObject
 ) -> None:
     rng = np.random.default_rng(seed)
-    keep = data.draw(st.sampled_from([0, 0, 2])) if ring else 0  # sink tokens, sometimes
-    rows = _Rows(bits, start, ring, keep)
+    sinks = data.draw(st.sampled_from([0, 0, 2])) if ring else 0  # the ring's keep, sometimes
+    rows = _Rows(bits, start, ring, sinks)
     _merge_sources(rows, data, rng)
     rows.check()
     for _ in range(data.draw(st.integers(1, 7))):
