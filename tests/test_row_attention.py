@@ -150,3 +150,38 @@ def test_full_attention_mixed_decode_equals_solo_runs(model: Any) -> None:
                 assert ok, (step, b, error)
                 assert int(np.argmax(logits[b])) == int(np.argmax(solo_logits[b][step]))
     assert layers[0].phase == "packed" and layers[0].converted_at == (6, 6)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_multi_token_blocks_over_mixed_rows_equal_solo_runs(arch: str) -> None:
+    """Blocks of 3, 2, 1 and 4 tokens to rows of 3 and 9 tokens (start 10): every
+    position's logits equal each row's solo lego run, from the plain phase through the
+    mixed one (row 1 converts at 12 after the first block, row 0 at 13 after the last)."""
+    model = tiny_model(arch)
+    scheme = KvStorageScheme.parse("affine4:32@10")
+    maintenance = create_kv_maintenance(scheme)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12]]
+    solos, rows = [], []
+    for prompt in prompts:
+        solo = make_kvrows_cache(model, scheme)
+        _prefill(model, solo, mx.array([prompt]), scheme)
+        solos.append(solo)
+        caches = make_kvrows_cache(model, scheme)
+        _prefill(model, caches, mx.array([prompt]), scheme)
+        rows.append(maintenance.prepare_batch(caches))
+    layers = rows[0]
+    for index, layout in enumerate(layers):
+        layout.merge_rows([rows[1][index]])
+    tol = tolerance("affine", "attention.solo", "float32")
+    phases = []
+    with row_attention(model):
+        for step, n in enumerate((3, 2, 1, 4)):
+            phases.append(layers[0].phase)
+            block = [[20 + step + j for j in range(n)], [40 + step + j for j in range(n)]]
+            logits = as_numpy(model(mx.array(block), cache=layers))
+            for b in range(2):
+                expected = as_numpy(model(mx.array([block[b]]), cache=solos[b])[0])
+                ok, error = compare(logits[b], expected, tol)
+                assert ok, (step, b, error)
+    assert phases == ["plain", "mixed", "mixed", "mixed"]
+    assert layers[0].converted_at == (13, 12) and layers[0].phase == "packed"
