@@ -180,10 +180,9 @@ def _nested(items: Mapping[str, Any]) -> list[Any]:
 
 def _implementation_classes(implementation: Implementation) -> Mapping[str, type[Any]]:
     if implementation == "optimized":
-        import kvrows.optimized  # noqa: F401  (declares and registers every class)
-        from kvrows.optimized.rows import DECLARED
+        from kvrows.optimized import declared_classes as optimized_classes
 
-        return DECLARED
+        return optimized_classes()
     if implementation == "reference":
         from kvrows.reference.classes import declared_classes
 
