@@ -29,6 +29,7 @@ from kvrows.errors import (
     InvalidInputError,
     NotTrimmableError,
     SpeculativeRoundError,
+    UnsupportedStateError,
 )
 from kvrows.forms import DELAYED_PLAIN, rows_of_state, state_form, unpack_state
 from kvrows.lego import Bf16First
@@ -386,10 +387,67 @@ def test_a_trimmed_row_may_sit_below_its_conversion() -> None:
     assert record(again) == record(layout) and rows(again) == rows(layout)
 
 
-def test_a_lego_is_still_saved_as_its_storage() -> None:
-    lego = _row(optimized, False, 5, 3, 1, lego=True)
-    with pytest.raises(InvalidInputError, match="saved as its current storage"):
-        save_prompt_cache("/nonexistent/never.safetensors", [lego])
+def _lego_reads(impl: Any, lego: Any, seed: int, tokens: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    keys, values = (_native(impl, rng.standard_normal((1, 2, tokens, DIM))) for _ in range(2))
+    got = lego.update_and_fetch(keys, values)
+    planes = [p for side in got for p in (side if isinstance(side, tuple) else (side,))]
+    return [_numpy(p).tobytes() for p in planes]
+
+
+@pytest.mark.parametrize("ring", [False, True])
+@pytest.mark.parametrize("tokens", [3, 6])  # saved plain (start 5), saved converted at 6
+@pytest.mark.parametrize("source", sorted(IMPLS))
+def test_a_lego_saves_as_its_storage_and_loads_as_the_lego(
+    tmp_path: Path, ring: bool, tokens: int, source: str
+) -> None:
+    impl = IMPLS[source]
+    lego = _row(impl, ring, 5, tokens, 4, lego=True)
+    path = tmp_path / "lego.safetensors"
+    save_prompt_cache(path, [lego])
+    for target in sorted(IMPLS):
+        (loaded,) = load_prompt_cache(path, implementation=target)  # type: ignore[arg-type]
+        assert type(loaded) is getattr(IMPLS[target], type(lego).__name__)
+        assert (loaded.converted, loaded.start, loaded.minimum_reusable_offset) == (
+            lego.converted,
+            5,
+            lego.minimum_reusable_offset,
+        )
+        assert rows(loaded.storage) == rows(lego.storage)
+    (again,) = load_prompt_cache(path, implementation=source)  # type: ignore[arg-type]
+    for seed, count in ((7, 2), (8, 1)):  # the plain one converts on the first of these
+        assert _lego_reads(impl, again, seed, count) == _lego_reads(impl, lego, seed, count)
+        assert again.converted == lego.converted
+    assert again.minimum_reusable_offset == lego.minimum_reusable_offset == {3: 5, 6: 6}[tokens]
+    assert rows(again.storage) == rows(lego.storage)
+
+
+def _set_lego(key: str, value: Any) -> Any:
+    def edit(_: Any, description: dict[str, Any]) -> None:
+        description["layers"][0]["lego"][key] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("tokens", "edit", "error", "message"),
+    [
+        (3, _set_lego("class", "FancyLego"), UnsupportedStateError, "FancyLego"),
+        (3, _set_lego("class", "KVCache"), UnsupportedStateError, "KVCache"),
+        (3, _set_lego("minimum_reusable_offset", 2), CorruptStateError, "plain storage"),
+        (6, _set_lego("bits", 8), CorruptStateError, "converts to affine8"),
+        (6, _set_lego("start", -1), CorruptStateError, "start"),
+        (6, _set_lego("class", "Bf16FirstRotatingQuantizedKVCache"), CorruptStateError, "fit"),
+    ],
+)
+def test_a_corrupt_lego_record_is_refused(
+    tmp_path: Path, tokens: int, edit: Any, error: type[Exception], message: str
+) -> None:
+    path = tmp_path / "lego.safetensors"
+    save_prompt_cache(path, [_row(optimized, False, 5, tokens, 4, lego=True)])
+    _rewritten(path, edit)
+    with pytest.raises(error, match=message):
+        load_prompt_cache(path)
 
 
 def test_no_state_inside_a_round() -> None:
