@@ -290,7 +290,8 @@ def derived_layouts(
     """
     storage = composition(serial)
     layouts = layouts_of(serial)
-    siblings = tuple(c.name for c in layouts)
+    # The delayed layouts hold rows of two codecs: their own family drives them.
+    siblings = tuple(c.name for c in layouts if "delayed" not in c.modifiers)
     specs = []
     for entry in layouts:
         roles = tuple(
@@ -300,6 +301,8 @@ def derived_layouts(
         )
         if roles == ("verify",) and verify_only == "skip":
             continue  # a verify-only layout: the speculative family drives it
+        if "delayed" in entry.modifiers:
+            continue  # rows of two codecs: the delayed family drives it
         specs.append(
             LayoutSpec(
                 entry.name,

@@ -149,7 +149,7 @@ COMPOSITIONS: tuple[Composition, ...] = (
                 signature="kv:delayed-rotating-quant:{max_size}:{bits}:{group_size}:{start}",
                 params=(*_RING_AFFINE, "start"), serial="RotatingQuantizedKVCache",
                 roles=Roles(SELF, SELF, SELF),
-                modifiers=frozenset({"delayed", "speculative"}), issue=11,
+                modifiers=frozenset({"delayed", "speculative"}),
                 summary="ring rows that convert to affine at their own boundary"),
     # -- affine rings ----------------------------------------------------------------
     Composition(name="RotatingAffineLayout", codec="affine", geometry="ring",
@@ -203,7 +203,7 @@ COMPOSITIONS: tuple[Composition, ...] = (
                 arrangement="ragged", signature="kv:delayed-quant:{bits}:{group_size}:{start}",
                 params=(*_AFFINE, "start"),
                 serial="QuantizedKVCache", roles=Roles(SELF, SELF, SELF),
-                modifiers=frozenset({"delayed", "speculative"}), issue=11,
+                modifiers=frozenset({"delayed", "speculative"}),
                 summary="rows that convert to affine at their own boundary"),
     Composition(name="BatchedTurboQuantKVCache", codec="turbo", geometry="growing",
                 arrangement="ragged", signature="kv:batched-turbo", serial="TurboQuantKVCache",
@@ -375,15 +375,20 @@ def register_compositions(classes: Mapping[str, type]) -> None:
 
     Every landed composition must be in ``classes``; each class must name its
     composition (``cls.composition.name``) and build from specs
-    (``cls.from_specs(codec, token_geometry, geometry=…)``).
+    (``cls.from_specs(codec, token_geometry, geometry=…)``); a delayed layout's groups
+    and lego must agree with its entry. A refused call registers nothing.
     """
     missing = [c.name for c in landed() if c.name not in classes]
     if missing:
         raise KvRowsError(f"the implementation lacks {', '.join(missing)}")
-    for entry in reversed(landed()):  # the table keeps subclasses ahead of their bases
+    for entry in landed():  # all checked before anything is registered
         cls: Any = classes[entry.name]
         if getattr(cls, "composition", None) is not entry:
             raise KvRowsError(f"{cls.__name__} does not declare the {entry.name} composition")
+        if "delayed" in entry.modifiers:
+            _check_delayed(entry, cls)
+    for entry in reversed(landed()):  # the table keeps subclasses ahead of their bases
+        cls = classes[entry.name]
         if entry.roles is None:
             continue
         register_row_layouts(
@@ -391,6 +396,28 @@ def register_compositions(classes: Mapping[str, type]) -> None:
             decode=_role_factory(classes, entry.roles.decode),
             prefill=_role_factory(classes, entry.roles.prefill),
             verify=_role_factory(classes, entry.roles.verify),
+        )
+
+
+def _check_delayed(entry: Composition, cls: Any) -> None:
+    """A delayed layout's parts agree with its entry: a plain and an affine ragged group of
+    its token geometry, the affine one holding rows of its serial storage, and the serial
+    lego that converts into that serial storage."""
+    plain = getattr(getattr(cls, "plain_group_class", None), "composition", None)
+    affine = getattr(getattr(cls, "affine_group_class", None), "composition", None)
+    lego = getattr(getattr(cls, "lego_class", None), "affine_class", None)
+    agrees = (
+        isinstance(plain, Composition)
+        and isinstance(affine, Composition)
+        and (plain.codec, affine.codec) == ("plain", entry.codec)
+        and {(g.geometry, g.arrangement) for g in (plain, affine)} == {(entry.geometry, "ragged")}
+        and affine.serial == entry.serial
+        and getattr(lego, "composition", None) is _BY_NAME.get(str(entry.serial))
+    )
+    if not agrees:
+        raise KvRowsError(
+            f"{cls.__name__}: a delayed layout needs a plain and an {entry.codec} ragged "
+            f"{entry.geometry} group and a lego converting to {entry.serial}"
         )
 
 

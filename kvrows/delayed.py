@@ -47,8 +47,9 @@ from kvrows.errors import (
     MixedPrecisionReadError,
     NotTrimmableError,
     RowIndexError,
-    UnsupportedStateError,
+    self_merge_message,
 )
+from kvrows.forms import DELAYED_PLAIN, delayed_state, parse_delayed_state
 from kvrows.lego import Bf16First, conversion_due, lego_arguments
 from kvrows.schemes import Affine, GeometrySpec, Growing, Plain
 from kvrows.speculative import SpeculativeRounds, check_keep_vector
@@ -397,17 +398,86 @@ class DelayedRows(SpeculativeRounds):
     def state_needs_dispose(self) -> bool:
         return False
 
+    # -- saved state (``kvrows.forms``; ``spec/persistence.md`` §1.1) ----------------------
     @property
     def state(self) -> tuple[Any, ...]:
+        """The plain group's state, the affine group's, then the row record: ``start``,
+        ``converted_at`` (``DELAYED_PLAIN`` for a plain row), ``left_pad`` (full attention;
+        empty for rings), ``prefilling``, ``composed`` (rows extract as legos), a ring's
+        ``keep``."""
         self._spec_guard("reading state")
-        return (*self._groups[PLAIN].state, *self._groups[AFFINE].state)
+        marks = [DELAYED_PLAIN if c is None else c for c in self._converted_at]
+        record: dict[str, Any] = {
+            "start": self._start,
+            "converted_at": self._positions(marks),  # an int32 vector, as positions are
+            "left_pad": self._positions(self._pads if self._full_attention else []),
+            "prefilling": self._prefilling,
+            "composed": self._compose is not None,
+            "keep": self._token_geometry.parameters().get("keep", 0),
+        }
+        plain, affine = (group.state for group in self._groups)
+        return delayed_state(self.composition, plain, affine, record)
 
     @state.setter
     def state(self, value: tuple[Any, ...]) -> None:
-        raise UnsupportedStateError(
-            f"{type(self).__name__} restores through its persistence form "
-            "(kvrows.persist), not the state setter"
+        """Hold ``value`` (a state of this class); a refused value changes nothing."""
+        self._spec_guard("restoring state")
+        keep = self._token_geometry.parameters().get("keep")
+        fresh = type(self).from_state(value, keep=keep, geometry=self._declared)
+        self.__dict__.clear()
+        self.__dict__.update(fresh.__dict__)
+
+    @classmethod
+    def from_state(
+        cls,
+        state: Any,
+        meta_state: Any = None,
+        *,
+        keep: int | None = None,
+        geometry: KvGeometry | None = None,
+    ) -> DelayedRows:
+        """A new layout holding ``state``: each group restored from its own form, the row
+        record checked against them (``kvrows.forms.parse_delayed_state``), the groups
+        re-laid at the record's columns; built from legos, its rows extract as legos of
+        this implementation again. ``InvalidInputError`` names any fault. ``geometry``
+        declares the KV geometry of an empty state; ``meta_state`` (mlx-lm's older form)
+        does not apply."""
+        if meta_state is not None:
+            raise InvalidInputError(f"{cls.__name__} has no two-part (meta_state) form")
+        parts = parse_delayed_state(cls.composition, state, keep=keep)
+        plain, affine = (
+            group.from_state(saved, keep=parts.keep, geometry=geometry)
+            for group, saved in (
+                (cls.plain_group_class, parts.plain_state),
+                (cls.affine_group_class, parts.affine_state),
+            )
         )
+        if plain.token_geometry != affine.token_geometry:
+            raise InvalidInputError(
+                f"{cls.__name__} state: the groups' windows differ "
+                f"({plain.token_geometry} and {affine.token_geometry})"
+            )
+        if None not in (plain.geometry, affine.geometry) and plain.geometry != affine.geometry:
+            raise InvalidInputError(
+                f"{cls.__name__} state: the groups hold different KV geometries "
+                f"({plain.geometry} and {affine.geometry})"
+            )
+        fresh = cls.from_specs(
+            affine.codec_spec, affine.token_geometry, geometry=geometry, start=parts.start
+        )
+        fresh._groups = (plain, affine)
+        fresh._converted_at = parts.converted_at
+        fresh._group_of = [PLAIN if c is None else AFFINE for c in fresh._converted_at]
+        fresh._pads = parts.left_pad
+        fresh._prefilling = bool(parts.record["prefilling"])
+        if parts.record["composed"]:
+            lego = object.__new__(cls.lego_class)  # the layout's own parameters
+            Bf16First.__init__(
+                lego, fresh._quantization, fresh._token_geometry, fresh._start, geometry
+            )
+            fresh._compose = lego.composed.over
+        fresh._align_groups()
+        return fresh
 
     def is_trimmable(self) -> bool:
         return True
@@ -773,9 +843,7 @@ class DelayedRows(SpeculativeRounds):
         seen: set[int] = set()
         for source in rows:
             if source is self or id(source) in seen:
-                raise IncompatibleRowsError(
-                    f"{self.signature()}: a layout cannot merge itself, nor a source twice"
-                )
+                raise IncompatibleRowsError(self_merge_message(self.signature()))
             seen.add(id(source))
         plans = [entry for source in rows for entry in self._plan(source)]
         old_offsets = self.row_offsets

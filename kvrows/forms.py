@@ -21,6 +21,10 @@ and write kvrows states for the classes it has (``FILE_CLASSES`` names them), an
 reads mlx-lm's. A ring layout's ``keep`` is not in mlx-lm's batch form (its bug B7):
 kvrows' files carry it in their metadata, and ``from_state`` takes it as a parameter.
 
+A **delayed** layout (``kvrows.delayed``) holds its plain group's layout form, then its
+affine group's, then its row record: ``start, converted_at[B], left_pad[B], prefilling,
+composed`` (a ring's also ``keep``); see ``spec/persistence.md`` §1.1.
+
 Layout forms are right-aligned: row ``b``'s tokens sit in columns
 ``[left_padding[b], idx)`` (a ring layout in its physical order, see
 ``spec/persistence.md``). This module is array-library free: it names and checks the
@@ -34,23 +38,28 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvrows.compositions import Composition
+from kvrows.compositions import Composition, landed
 from kvrows.errors import InvalidInputError, UnsupportedStateError
 from kvrows.schemes import Affine, CodecSpec, GeometrySpec, Growing, Plain, Ring
 from kvrows.validation import KvGeometry
 
 __all__ = [
+    "DELAYED_PLAIN",
     "FILE_CLASSES",
     "FORMAT_VERSION",
+    "DelayedParts",
     "ParsedState",
     "StateForm",
     "StateRow",
     "chronological",
     "codec_from_fields",
+    "delayed_groups",
+    "delayed_state",
     "geometry_from_fields",
     "kv_geometry_of",
     "legacy_state",
     "pack_state",
+    "parse_delayed_state",
     "parse_state",
     "rows_of_state",
     "state_form",
@@ -103,8 +112,47 @@ class StateForm:
     file_class: str
 
 
+#: A delayed layout's row record, after its two groups' forms (a ring adds ``keep``).
+_DELAYED_RECORD = ("start", "converted_at", "left_pad", "prefilling", "composed")
+#: ``converted_at`` of a row that has not converted (it sits in the plain group).
+DELAYED_PLAIN = -1
+
+
+def delayed_groups(entry: Composition) -> tuple[Composition, Composition]:
+    """The plain and the affine group of a delayed layout: the landed ragged layouts of its
+    token geometry with its other modifiers (``BatchedKVCache`` and
+    ``BatchedQuantizedKVCache`` for ``DelayedQuantizedKVCache``)."""
+    groups = []
+    for codec in ("plain", entry.codec):
+        found = [
+            c
+            for c in landed()
+            if (c.codec, c.geometry, c.arrangement) == (codec, entry.geometry, "ragged")
+            and c.modifiers == entry.modifiers - {"delayed"}
+        ]
+        if len(found) != 1:
+            raise UnsupportedStateError(f"{entry.name} has no single {codec} group layout")
+        groups.append(found[0])
+    return groups[0], groups[1]
+
+
+def _delayed_form(entry: Composition) -> StateForm:
+    """Each group's fields (prefixed ``plain.`` / ``affine.``), then the row record."""
+    plain, affine = (state_form(group).fields for group in delayed_groups(entry))
+    ring = ("keep",) if entry.geometry == "ring" else ()
+    fields = (
+        *(f"plain.{name}" for name in plain),
+        *(f"affine.{name}" for name in affine),
+        *_DELAYED_RECORD,
+        *ring,
+    )
+    return StateForm(entry.name, fields, entry.name)
+
+
 def state_form(entry: Composition) -> StateForm:
     """The state form of a landed composition (``UnsupportedStateError`` for others)."""
+    if "delayed" in entry.modifiers and entry.is_landed:
+        return _delayed_form(entry)
     fields = (_LAYOUT if entry.is_layout else _SERIAL).get(entry.geometry)
     tail = _CODEC_TAIL.get(entry.codec)
     # A speculative layout outside a round holds what its unmodified layout holds.
@@ -123,7 +171,11 @@ def _integer(name: str, value: object) -> int:
 
 
 def unpack_state(entry: Composition, state: object) -> dict[str, Any]:
-    """``state`` checked against ``entry``'s form, by field name (scalars as ints)."""
+    """``state`` checked against ``entry``'s form, by field name (scalars as ints; a
+    delayed layout's: ``"plain"`` and ``"affine"``, each group's fields, and its record)."""
+    if "delayed" in entry.modifiers:
+        parts = parse_delayed_state(entry, state)
+        return {"plain": parts.plain, "affine": parts.affine, **parts.record}
     form = state_form(entry)
     if not isinstance(state, Sequence) or isinstance(state, str | bytes):
         raise InvalidInputError(f"{entry.name} state must be a tuple {form.fields}, got {state!r}")
@@ -224,6 +276,8 @@ def rows_of_state(
     """The rows a (checked) state holds, as ``merge_rows`` / ``extract_row`` see them:
     each row's tokens in time order and its position. ``concat`` joins planes along the
     token axis (``np.concatenate`` / ``mx.concatenate`` with ``axis=2``)."""
+    if "delayed" in entry.modifiers:
+        return _delayed_rows(entry, values, concat)
     keys, vals = _planes(values["keys"]), _planes(values["values"])
     if not entry.is_layout:
         offset = values["offset"]
@@ -325,3 +379,151 @@ def parse_state(
         geometry_from_fields(entry, fields, keep=keep),
         3 if isinstance(codec, Affine) else 1,
     )
+
+
+# -------------------------------------------------------------------------------- delayed
+
+
+@dataclass(frozen=True)
+class DelayedParts:
+    """A checked delayed-layout state: each group's state (its own form, a tuple), its
+    fields by name, and the row record. ``converted_at[b]`` is ``None`` for a plain row;
+    a row's group follows from it, and its slot from its rank among its group's rows."""
+
+    plain: dict[str, Any]
+    affine: dict[str, Any]
+    plain_state: tuple[Any, ...]
+    affine_state: tuple[Any, ...]
+    record: dict[str, Any]
+
+    @property
+    def start(self) -> int:
+        return int(self.record["start"])
+
+    @property
+    def converted_at(self) -> list[int | None]:
+        return list(self.record["converted_at"])
+
+    @property
+    def left_pad(self) -> list[int]:
+        return list(self.record["left_pad"])
+
+    @property
+    def keep(self) -> int:
+        return int(self.record.get("keep", 0))
+
+
+def delayed_state(
+    entry: Composition,
+    plain_state: Sequence[Any],
+    affine_state: Sequence[Any],
+    record: Mapping[str, Any],
+) -> tuple[Any, ...]:
+    """A delayed layout's state: its groups' states, then its record (``start``,
+    ``converted_at`` with ``DELAYED_PLAIN`` for plain rows, ``left_pad``, ``prefilling``,
+    ``composed``, a ring's ``keep``; arrays as the implementation makes them)."""
+    names = (*_DELAYED_RECORD, *(("keep",) if entry.geometry == "ring" else ()))
+    return (*plain_state, *affine_state, *(record[name] for name in names))
+
+
+def _flag(name: str, value: object) -> bool:
+    """A bool field (a 0-d array of a bool or 0/1 too, as a file may hold it)."""
+    item = value.item() if hasattr(value, "item") else value
+    if isinstance(item, bool):
+        return item
+    if isinstance(item, int) and item in (0, 1):
+        return bool(item)
+    raise InvalidInputError(f"state field {name} must be a bool, got {value!r}")
+
+
+def parse_delayed_state(
+    entry: Composition, state: object, *, keep: int | None = None
+) -> DelayedParts:
+    """A delayed layout's ``state`` checked whole (``InvalidInputError`` naming the fault):
+    its length, each group's form, the record's types, the row table against the groups
+    (one ``converted_at`` per row, as many plain rows as the plain group holds), each
+    plain row short of its conversion unless the layout was prefilling, and the position
+    record (full attention: one pad per row, the smallest 0; rings: none). ``keep``, when
+    given, must be the state's."""
+    form = state_form(entry)
+    if not isinstance(state, Sequence) or isinstance(state, str | bytes):
+        raise InvalidInputError(f"{entry.name} state must be a tuple {form.fields}, got {state!r}")
+    if len(state) != len(form.fields):
+        raise InvalidInputError(
+            f"{entry.name} state has {len(form.fields)} fields (its plain group's, its affine "
+            f"group's, then {form.fields[-len(_DELAYED_RECORD) - (entry.geometry == 'ring') :]}), "
+            f"got {len(state)}"
+        )
+    plain_entry, affine_entry = delayed_groups(entry)
+    width = len(state_form(plain_entry).fields)
+    split = width + len(state_form(affine_entry).fields)
+    plain_state, affine_state = tuple(state[:width]), tuple(state[width:split])
+    plain = unpack_state(plain_entry, plain_state)
+    affine = unpack_state(affine_entry, affine_state)
+    raw = dict(zip(form.fields[split:], state[split:], strict=True))
+    start = _integer("start", raw["start"])
+    if start < 0:
+        raise InvalidInputError(f"{entry.name} state: start {start} is negative")
+    marks = _ints(raw["converted_at"], "converted_at")
+    if any(m < DELAYED_PLAIN for m in marks):
+        raise InvalidInputError(
+            f"{entry.name} state: converted_at {marks}: each is an offset >= 0, or "
+            f"{DELAYED_PLAIN} for a plain row"
+        )
+    converted = [None if m == DELAYED_PLAIN else m for m in marks]
+    plain_offsets = _ints(plain["offset"], "plain.offset")
+    affine_offsets = _ints(affine["offset"], "affine.offset")
+    plain_rows = sum(1 for c in converted if c is None)
+    if (plain_rows, len(converted) - plain_rows) != (len(plain_offsets), len(affine_offsets)):
+        raise InvalidInputError(
+            f"{entry.name} state: the row table has {plain_rows} plain and "
+            f"{len(converted) - plain_rows} converted rows, the groups hold "
+            f"{len(plain_offsets)} and {len(affine_offsets)}"
+        )
+    prefilling = _flag("prefilling", raw["prefilling"])
+    ranks = iter(plain_offsets)
+    for b, mark in enumerate(converted):
+        if mark is not None:
+            continue
+        offset = max(0, next(ranks))
+        if not prefilling and offset >= start and offset != 0:  # kvrows.lego.conversion_due
+            raise InvalidInputError(
+                f"{entry.name} state: plain row {b} holds {offset} tokens, past start "
+                f"{start}, outside a prefill: it would have converted"
+            )
+    pads = _ints(raw["left_pad"], "left_pad")
+    if entry.geometry == "growing":
+        if len(pads) != len(converted) or (pads and min(pads) != 0):
+            raise InvalidInputError(
+                f"{entry.name} state: left_pad {pads} must hold one pad >= 0 per row "
+                f"({len(converted)}), the smallest 0"
+            )
+    elif pads:
+        raise InvalidInputError(
+            f"{entry.name} state: a ring keeps no position record, got left_pad {pads}"
+        )
+    record: dict[str, Any] = {
+        "start": start,
+        "converted_at": converted,
+        "left_pad": pads,
+        "prefilling": prefilling,
+        "composed": _flag("composed", raw["composed"]),
+    }
+    if entry.geometry == "ring":
+        record["keep"] = _integer("keep", raw["keep"])
+        if keep is not None and keep != record["keep"]:
+            raise InvalidInputError(
+                f"{entry.name} state: keep {record['keep']}, but {keep} was asked for"
+            )
+    return DelayedParts(plain, affine, plain_state, affine_state, record)
+
+
+def _delayed_rows(entry: Composition, values: Mapping[str, Any], concat: Any) -> list[StateRow]:
+    """A delayed state's rows in batch order: each group's rows, by the row table."""
+    plain_entry, affine_entry = delayed_groups(entry)
+    keep = int(values.get("keep", 0))
+    by_group = [
+        iter(rows_of_state(plain_entry, values["plain"], concat, keep=keep)),
+        iter(rows_of_state(affine_entry, values["affine"], concat, keep=keep)),
+    ]
+    return [next(by_group[mark is not None]) for mark in values["converted_at"]]

@@ -1,9 +1,14 @@
 """kvrows.optimized: the MLX implementation of every landed composition.
 
-``classes`` declares one class per composition (``lego`` adds the bf16-first wrappers
-around table storages, which are not table entries); this module registers every declared
-class in the row-layout table with one call (the roles come from the composition table).
+``classes`` declares one class per storage composition (``lego`` adds the bf16-first
+wrappers around table storages, which are not table entries; ``delayed`` the delayed
+layouts, each over two ragged layouts); this module registers every declared class
+(``declared_classes()``) in the row-layout table with one call (the roles come from the
+composition table).
 """
+
+from collections.abc import Mapping
+from typing import Any
 
 from kvrows.compositions import register_compositions
 from kvrows.optimized import classes
@@ -23,6 +28,15 @@ __all__ = [
     "DelayedQuantizedKVCache",
     "DelayedRotatingQuantizedKVCache",
     "attend",
+    "declared_classes",
 ]
 
-register_compositions(DECLARED)
+
+def declared_classes() -> Mapping[str, type[Any]]:
+    """Every public class, by composition name: the row storages (``rows.DECLARED``) and
+    the delayed layouts, which compose two of them (what this module registers)."""
+    delayed = (DelayedQuantizedKVCache, DelayedRotatingQuantizedKVCache)
+    return {**DECLARED, **{cls.composition.name: cls for cls in delayed}}
+
+
+register_compositions(declared_classes())

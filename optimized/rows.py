@@ -68,7 +68,8 @@ RowWindow: TypeAlias = tuple[Planes | None, Planes | None, int]
 
 _S = TypeVar("_S", bound="Storage")
 
-#: Every public class, by composition name (filled by ``Storage.__init_subclass__``).
+#: Every public storage class, by composition name (filled by ``Storage.__init_subclass__``;
+#: ``kvrows.optimized.declared_classes()`` adds the delayed layouts, built on two of them).
 DECLARED: dict[str, type[Storage]] = {}
 
 

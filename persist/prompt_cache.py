@@ -12,6 +12,10 @@ checksummed) laid out as mlx-lm 0.32.2's ``save_prompt_cache`` lays it out:
   ``"0.kvrows"`` (JSON: format version and, per layer, the composition, signature, codec,
   token geometry and KV geometry) and ``"0.kvrows_checksum"``.
 
+A bf16-first lego is saved as its current storage, its layer record adding ``lego``
+(its class, codec, ``start``, ``minimum_reusable_offset``) so kvrows' loader wraps the
+storage back into the lego; mlx-lm reads the storage.
+
 So mlx-lm's ``load_prompt_cache`` reads kvrows' files of the classes it has (their class
 names are mlx-lm's: ``kvrows.forms.FILE_CLASSES``) and kvrows' ``load_prompt_cache``
 reads mlx-lm's files (without a checksum to check) as well as its own. mlx-lm's older
@@ -20,6 +24,7 @@ format (``meta_state`` strings) is read too. See ``spec/persistence.md``.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -39,6 +44,7 @@ from kvrows.forms import (
 )
 from kvrows.lego import Bf16First
 from kvrows.persist.files import CHECKSUM_KEY, checksum, read_safetensors, write_atomic
+from kvrows.schemes import Affine
 from kvrows.validation import KvGeometry
 
 __all__ = ["KVROWS_KEY", "load_prompt_cache", "save_prompt_cache"]
@@ -82,13 +88,48 @@ def _layer_record(cache: Any) -> dict[str, Any]:
     }
 
 
+def _lego_record(lego: Bf16First) -> dict[str, Any]:
+    """What wraps a saved storage back into its lego: the class, the codec it converts to,
+    ``start`` and the recorded conversion point."""
+    return {
+        "class": type(lego).__name__,
+        **lego.quantization.parameters(),
+        "start": lego.start,
+        "minimum_reusable_offset": lego.minimum_reusable_offset,
+    }
+
+
+def _as_lego(storage: Any, saved: object, implementation: Implementation, path: object) -> Any:
+    """``storage`` wrapped as the lego ``saved`` describes (``_lego_record``), of
+    ``implementation``'s lego class of that name."""
+    package = importlib.import_module(f"kvrows.{implementation}")
+    name = saved.get("class") if isinstance(saved, dict) else None
+    cls = getattr(package, name, None) if isinstance(name, str) else None
+    if not (isinstance(cls, type) and issubclass(cls, Bf16First)):
+        raise UnsupportedStateError(f"{path}: unknown lego class {name!r} in saved state")
+    assert isinstance(saved, dict)
+    try:
+        quantization = Affine(bits=saved["bits"], group_size=saved["group_size"])
+        lego = object.__new__(cls)  # the saved parameters, then the storage adopted
+        Bf16First.__init__(
+            lego, quantization, storage.token_geometry, saved["start"], storage.geometry
+        )
+        return lego.composed.over(storage, minimum_reusable_offset=saved["minimum_reusable_offset"])
+    except (InvalidInputError, KeyError, TypeError) as error:
+        raise CorruptStateError(
+            f"{path}: the lego record {saved} does not fit its {type(storage).__name__}: {error}"
+        ) from None
+
+
 def save_prompt_cache(
     path: str | os.PathLike[str],
     caches: Sequence[Any],
     metadata: Mapping[str, str] | None = None,
 ) -> None:
-    """Write ``caches`` (one per layer; storages or layouts of either implementation) to
-    ``path``, atomically. Nothing is written if any cache or metadata entry is refused."""
+    """Write ``caches`` (one per layer; storages, legos or layouts of either
+    implementation) to ``path``, atomically. Nothing is written if any cache or metadata
+    entry is refused. A lego is saved as its current storage (mlx-lm reads that) plus a
+    ``lego`` record that kvrows' loader wraps it back with."""
     if isinstance(caches, str | bytes) or not isinstance(caches, Sequence):
         raise InvalidInputError("save_prompt_cache takes a list of caches, one per layer")
     user = dict(metadata or {})
@@ -100,14 +141,10 @@ def save_prompt_cache(
                 f"metadata key {key!r} is reserved or contains '.' (kvrows uses 'kvrows*')"
             )
     layers, classes, states = [], [], []
-    for index, cache in enumerate(caches):
+    for index, layer in enumerate(caches):
+        # A lego is saved as its current storage plus what makes it a lego (its record).
+        cache = layer.storage if isinstance(layer, Bf16First) else layer
         entry = getattr(cache, "composition", None)
-        if isinstance(cache, Bf16First):
-            raise InvalidInputError(
-                f"layer {index}: a {type(cache).__name__} is saved as its current storage: "
-                "save lego.storage and wrap the loaded storage with lego.composed.over(...) "
-                "(spec/bf16-first.md)"
-            )
         if entry is None:
             raise InvalidInputError(
                 f"layer {index}: {type(cache).__name__} is not a kvrows cache; "
@@ -115,6 +152,8 @@ def save_prompt_cache(
             )
         form = state_form(entry)  # UnsupportedStateError for a class without a form
         layers.append(_layer_record(cache))
+        if isinstance(layer, Bf16First):
+            layers[-1]["lego"] = _lego_record(layer)
         classes.append(form.file_class)
         states.append(cache.state)
     arrays: dict[str, mx.array] = {}
@@ -180,10 +219,9 @@ def _nested(items: Mapping[str, Any]) -> list[Any]:
 
 def _implementation_classes(implementation: Implementation) -> Mapping[str, type[Any]]:
     if implementation == "optimized":
-        import kvrows.optimized  # noqa: F401  (declares and registers every class)
-        from kvrows.optimized.rows import DECLARED
+        from kvrows.optimized import declared_classes as optimized_classes
 
-        return DECLARED
+        return optimized_classes()
     if implementation == "reference":
         from kvrows.reference.classes import declared_classes
 
@@ -311,6 +349,8 @@ def _restore(
         raise CorruptStateError(
             f"{path}: restored {restored.signature()} but the file says {record.get('signature')}"
         )
+    if record is not None and "lego" in record:
+        return _as_lego(restored, record["lego"], implementation, path)
     return restored
 
 

@@ -9,9 +9,11 @@ an affine storage (``bits``, ``group_size``) or a ring (``max_size``, ``keep``).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from kvrows.common import AffineParameters
 from kvrows.compositions import composition, landed
+from kvrows.delayed import DelayedRows, DelayedSlidingWindow
 from kvrows.errors import KvRowsError
 from kvrows.reference.growing import RowAlignment
 from kvrows.reference.ring import RingParameters
@@ -139,10 +141,18 @@ class SpeculativeRotatingAffineLayout(AffineParameters, RingParameters, Speculat
     serial_class = RotatingQuantizedKVCache
 
 
-def _checked(cls: type[Storage]) -> type[Storage]:
+def _checked(cls: type[Any]) -> type[Any]:
     """``cls`` as its composition wants it: the declaration agrees with the table, and the
-    composition's modifiers (delayed, speculative: they wrap a layout) are applied here."""
+    composition's modifiers are applied (speculative: ``SpeculativeLayout`` wraps a
+    layout; delayed: a ``kvrows.delayed.DelayedRows`` over two such layouts, whose parts
+    ``register_compositions`` checks)."""
     entry = cls.composition
+    if "delayed" in entry.modifiers:
+        if not issubclass(cls, DelayedRows) or issubclass(cls, DelayedSlidingWindow) != (
+            entry.geometry == "ring"
+        ):
+            raise KvRowsError(f"{cls.__name__}: the delayed modifier is a DelayedRows layout")
+        return cls
     agrees = (
         issubclass(cls, RowLayout) == entry.is_layout
         and issubclass(cls, AffineParameters) == (entry.codec == "affine")
@@ -153,18 +163,21 @@ def _checked(cls: type[Storage]) -> type[Storage]:
         raise KvRowsError(f"{cls.__name__} does not declare its composition {entry}")
     if issubclass(cls, SpeculativeLayout) != ("speculative" in entry.modifiers):
         raise KvRowsError(f"{cls.__name__}: the speculative modifier is SpeculativeLayout")
-    planned = entry.modifiers - {"speculative"}
-    if planned:
-        raise KvRowsError(f"{cls.__name__}: the {sorted(planned)} modifiers are planned")
     return cls
 
 
-def declared_classes() -> Mapping[str, type[Storage]]:
-    """Every public class of this module, by composition name (what ``__init__`` registers)."""
+def declared_classes() -> Mapping[str, type[Any]]:
+    """Every public class of the reference, by composition name (what ``__init__``
+    registers): this module's and the delayed layouts (``reference/delayed.py``)."""
+    from kvrows.reference import delayed  # it builds on this module's classes
+
+    candidates = [*globals().values(), *vars(delayed).values()]
     found = {
         value.composition.name: _checked(value)
-        for value in globals().values()
-        if isinstance(value, type) and issubclass(value, Storage) and "composition" in vars(value)
+        for value in candidates
+        if isinstance(value, type)
+        and issubclass(value, Storage | DelayedRows)
+        and "composition" in vars(value)
     }
     missing = [c.name for c in landed() if c.name not in found]
     if missing:

@@ -145,8 +145,8 @@ def test_codec_bytes_come_from_the_plane_specs() -> None:
 def test_the_table_names_every_seed_class_once() -> None:
     names = [c.name for c in COMPOSITIONS]
     assert len(names) == len(set(names)) == 26
-    assert len(landed()) == 14
-    assert len([c for c in COMPOSITIONS if not c.is_landed]) == 12
+    assert len(landed()) == 16
+    assert len([c for c in COMPOSITIONS if not c.is_landed]) == 10
     for entry in COMPOSITIONS:
         if entry.serial is not None:
             assert composition(entry.serial).arrangement == "serial", entry.name
@@ -263,7 +263,7 @@ def test_the_signature_table_matches_the_compositions() -> None:
     text = (ROOT / "spec" / "contract.md").read_text()
     section = text[text.index("## 5.") : text.index("## 6.")]
     documented = dict(re.findall(r"\| `(\w+)` \| `([^`]+)`", section))
-    placeholders = {k: f"<{k}>" for k in ("bits", "group_size", "max_size", "keep")}
+    placeholders = {k: f"<{k}>" for k in ("bits", "group_size", "max_size", "keep", "start")}
     for entry in landed():
         assert documented[entry.name] == entry.signature.format(**placeholders), entry.name
 
@@ -300,7 +300,7 @@ def test_the_implementations_import_from_the_repository_root() -> None:
 
 # -- both implementations against the table ----------------------------------------------
 
-_EXAMPLE = {"max_size": 8, "group_size": 32, "bits": 4}
+_EXAMPLE = {"max_size": 8, "group_size": 32, "bits": 4, "start": 3}
 
 
 def _instance(impl: ModuleType, name: str) -> Any:

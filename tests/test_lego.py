@@ -304,8 +304,15 @@ def test_state_round_trips_as_the_current_storage(
         else:
             (loaded,) = load_prompt_cache(path, implementation="reference")
         assert type(loaded) is type(storage) and loaded.signature() == lego.signature()
-        with pytest.raises(InvalidInputError, match=r"save lego\.storage"):
-            save_prompt_cache(tmp_path / "refused.safetensors", [lego])
+        # The lego itself saves as its storage plus its lego record, and loads as the lego.
+        save_prompt_cache(tmp_path / f"whole-{stop}.safetensors", [lego])
+        (whole,) = load_prompt_cache(
+            tmp_path / f"whole-{stop}.safetensors",
+            implementation="optimized" if impl is opt else "reference",
+        )
+        assert type(whole) is type(lego) and whole.converted == lego.converted
+        assert (whole.start, whole.minimum_reusable_offset) == (5, lego.minimum_reusable_offset)
+        assert _same(_stored(whole.storage), _stored(storage))
         assert _same(_stored(loaded), _stored(storage))
         again = lego.composed.over(loaded, minimum_reusable_offset=lego.minimum_reusable_offset)
         for k, v in blocks[stop:]:

@@ -16,6 +16,7 @@ import pytest
 import kvrows.optimized as kv
 from kvrows.codec import Codec
 from kvrows.compositions import composition, landed
+from kvrows.delayed import DelayedRows
 from kvrows.errors import (
     EMPTY_LAYOUT_UPDATE,
     NOTHING_TO_FETCH,
@@ -39,15 +40,26 @@ def _block(rows: int, tokens: int, heads: int = 2, dim: int = 64, seed: int = 0)
     return mx.random.normal((rows, heads, tokens, dim), key=mx.random.key(seed)).astype(mx.float16)
 
 
+#: Every public class by composition name: the row storages and the delayed layouts.
+CLASSES = kv.declared_classes()
+
+
 def _args(name: str) -> tuple[int, ...]:
-    """Positional constructor arguments (mlx-lm's order) for a small instance."""
-    values = {"max_size": 8, "group_size": 32, "bits": 4, "keep": 0}
-    return tuple(values[p] for p in composition(name).params if p != "keep")
+    """Positional constructor arguments (mlx-lm's order) for a small instance (a delayed
+    layout's rows convert from their fifth token)."""
+    values = {"max_size": 8, "group_size": 32, "bits": 4, "keep": 0, "start": 5}
+    return tuple(values[p] for p in composition(name).params)
 
 
 def _serial(name: str, tokens: int, seed: int = 0) -> Serial:
     entry = composition(name)
-    cache = DECLARED[entry.serial or entry.name](*_args(entry.serial or entry.name))
+    serial = entry.serial or entry.name
+    if "delayed" in entry.modifiers:  # its rows arrive plain and convert at their start
+        cache = CLASSES[name].lego_class.plain_class(
+            *_args(serial)[:1] if "max_size" in entry.params else ()
+        )
+    else:
+        cache = DECLARED[serial](*_args(serial))
     assert isinstance(cache, Serial)
     if tokens:
         block = _block(1, tokens, seed=seed)
@@ -59,8 +71,21 @@ LAYOUTS = [c.name for c in landed() if c.is_layout]
 
 
 def test_every_landed_composition_is_one_declared_class() -> None:
-    assert sorted(DECLARED) == sorted(c.name for c in landed())
-    for entry in landed():
+    assert sorted(CLASSES) == sorted(c.name for c in landed())
+    delayed = {c.name for c in landed() if "delayed" in c.modifiers}
+    assert delayed == {"DelayedQuantizedKVCache", "DelayedRotatingQuantizedKVCache"}
+    for name in delayed:  # two groups of row storages (kvrows.delayed), no storage itself
+        layout_cls = getattr(kv, name)
+        assert layout_cls is CLASSES[name] and layout_cls.composition is composition(name)
+        assert issubclass(layout_cls, DelayedRows) and name not in DECLARED
+        layout = layout_cls(*_args(name))
+        assert layout.signature() == composition(name).signature.format(
+            start=5, **layout.codec_spec.parameters(), **layout.token_geometry.parameters()
+        )
+        built = layout_cls.from_specs(layout.codec_spec, layout.token_geometry, start=5)
+        assert type(built) is layout_cls and built.signature() == layout.signature()
+    assert sorted(DECLARED) == sorted(c.name for c in landed() if c.name not in delayed)
+    for entry in (c for c in landed() if c.name not in delayed):
         cls = getattr(kv, entry.name)
         assert cls is DECLARED[entry.name] and cls.composition is entry
         assert issubclass(cls, Layout if entry.is_layout else Serial)
@@ -103,8 +128,7 @@ def test_specs_and_declared_geometry() -> None:
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_self_merge_and_a_source_twice_are_refused(name: str) -> None:
-    layout = DECLARED[name](*_args(name))
-    assert isinstance(layout, Layout)
+    layout = CLASSES[name](*_args(name))
     first, second = _serial(name, 3, seed=1), _serial(name, 5, seed=2)
     layout.merge_rows([first, second])
     before = (layout.row_offsets, layout.left_pad, [np.array(p) for p in layout.held_arrays()])
@@ -127,18 +151,20 @@ def test_self_merge_and_a_source_twice_are_refused(name: str) -> None:
 
 @pytest.mark.parametrize("name", [c.name for c in landed()])
 def test_one_message_for_an_empty_fetch(name: str) -> None:
-    cache = DECLARED[name](*_args(name))
+    cache = CLASSES[name](*_args(name))
     with pytest.raises(LayoutStateError) as caught:
         cache.fetch()
     assert str(caught.value) == NOTHING_TO_FETCH
-    if isinstance(cache, Layout):
+    if composition(name).is_layout:
         block = _block(1, 1)
         with pytest.raises(LayoutStateError) as caught:
             cache.update_and_fetch(block, block)
         assert str(caught.value) == EMPTY_LAYOUT_UPDATE
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
+# Not the delayed layouts: their ``offset`` is built from the groups' rows on each read
+# (kvrows.delayed), not a cached array of the row machinery.
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if n in DECLARED])
 def test_offset_is_cached_until_the_next_change(name: str) -> None:
     layout = DECLARED[name](*_args(name))
     assert isinstance(layout, Layout)
@@ -184,9 +210,9 @@ def test_extracted_rows_own_compact_evaluated_arrays() -> None:
 def test_caches_never_keep_or_write_the_callers_arrays(name: str) -> None:
     """The first block of exactly ``max_size`` tokens into a ring used to become the ring's
     buffer itself; the next single-token write then changed the caller's array."""
-    cache = DECLARED[name](*_args(name))
+    cache = CLASSES[name](*_args(name))
     rows = 1
-    if isinstance(cache, Layout):
+    if composition(name).is_layout:
         cache.merge_rows([_serial(name, 0), _serial(name, 0)])
         rows = 2
     keys, values = _block(rows, 8, seed=1), _block(rows, 8, seed=2)

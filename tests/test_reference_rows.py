@@ -11,16 +11,18 @@ import pytest
 
 import kvrows.reference as reference
 from kvrows.codec import DTYPE_SIZES, Codec, PlaneSpec
-from kvrows.compositions import composition, landed
+from kvrows.compositions import composition, landed, register_compositions
+from kvrows.delayed import DelayedRows
 from kvrows.errors import (
     EMPTY_LAYOUT_UPDATE,
     NOTHING_TO_FETCH,
     IncompatibleRowsError,
+    KvRowsError,
     LayoutStateError,
     NotTrimmableError,
     self_merge_message,
 )
-from kvrows.reference.classes import declared_classes
+from kvrows.reference.classes import _checked, declared_classes
 from kvrows.reference.rows import RowLayout, SerialStorage
 from kvrows.schemes import Affine, Growing, Plain, Ring
 from kvrows.validation import KvGeometry
@@ -35,7 +37,9 @@ def _args(name: str) -> tuple[int, ...]:
 
 
 def _make(name: str) -> Any:
-    return getattr(reference, name)(*_args(name))
+    # A delayed layout's rows convert from their fifth token (rows of 3 and 5: mixed).
+    start = {"start": 5} if "delayed" in composition(name).modifiers else {}
+    return getattr(reference, name)(*_args(name), **start)
 
 
 def _block(rows: int, tokens: int, dim: int = 64) -> npt.NDArray[Any]:
@@ -43,7 +47,10 @@ def _block(rows: int, tokens: int, dim: int = 64) -> npt.NDArray[Any]:
 
 
 def _serial(layout: Any, tokens: int) -> Any:
-    cache = layout.serial_class.from_specs(layout.codec_spec, layout.token_geometry)
+    if isinstance(layout, DelayedRows):  # its rows arrive plain
+        cache = layout.lego_class.plain_class.from_specs(Plain(), layout.token_geometry)
+    else:
+        cache = layout.serial_class.from_specs(layout.codec_spec, layout.token_geometry)
     if tokens:
         block = _block(1, tokens)
         cache.update_and_fetch(block, block)
@@ -56,11 +63,42 @@ def test_every_landed_composition_is_one_declared_class() -> None:
     for name, cls in classes.items():
         assert cls is getattr(reference, name)
         assert cls.composition is composition(name)
+        if "delayed" in cls.composition.modifiers:  # two groups of row layouts
+            assert issubclass(cls, DelayedRows)
+            assert issubclass(cls.plain_group_class, RowLayout)
+            assert issubclass(cls.affine_group_class, RowLayout)
+            continue
         assert issubclass(cls, RowLayout) == composition(name).is_layout
         assert issubclass(cls, SerialStorage) != composition(name).is_layout
 
 
-@pytest.mark.parametrize("name", [c.name for c in landed()])
+def test_the_delayed_modifier_is_checked() -> None:
+    class Misdeclared(reference.DelayedQuantizedKVCache):
+        composition = composition("DelayedRotatingQuantizedKVCache")
+
+    with pytest.raises(KvRowsError, match="delayed modifier"):
+        _checked(Misdeclared)
+    with pytest.raises(KvRowsError, match="plain and an affine ragged ring group"):
+        register_compositions({**declared_classes(), Misdeclared.composition.name: Misdeclared})
+
+
+def test_delayed_signature_and_specs() -> None:
+    for name in ("DelayedQuantizedKVCache", "DelayedRotatingQuantizedKVCache"):
+        cache = _make(name)
+        assert cache.signature() == composition(name).signature.format(
+            start=5, **cache.codec_spec.parameters(), **cache.token_geometry.parameters()
+        )
+        geometry = KvGeometry(2, 64, 64, "float16")
+        again = type(cache).from_specs(
+            cache.codec_spec, cache.token_geometry, geometry=geometry, start=5
+        )
+        assert again.signature() == cache.signature() and again.geometry == geometry
+        with pytest.raises(LayoutStateError):
+            cache.projected_bytes(1)
+
+
+# The row storages' interface (plane specs); the delayed layouts hold no planes themselves.
+@pytest.mark.parametrize("name", [c.name for c in landed() if "delayed" not in c.modifiers])
 def test_specs_signature_and_planes(name: str) -> None:
     cache = _make(name)
     entry = composition(name)
