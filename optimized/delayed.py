@@ -14,7 +14,8 @@ from typing import Any
 import mlx.core as mx
 
 from kvrows.compositions import composition
-from kvrows.delayed import DelayedFullAttention, DelayedRows, DelayedSlidingWindow
+from kvrows.delayed import MIXED_READ, DelayedFullAttention, DelayedRows, DelayedSlidingWindow
+from kvrows.errors import MixedPrecisionReadError
 from kvrows.optimized.classes import (
     BatchedKVCache,
     BatchedQuantizedKVCache,
@@ -46,6 +47,40 @@ class _OptimizedDelayed(DelayedRows):
 
     def _positions(self, offsets: Sequence[int]) -> Any:
         return mx.array(list(offsets), dtype=mx.int32)
+
+    # -- mlx-lm's read surface (``spec/mlx-lm-drop-in.md``): the group rows are read from -----
+    def _read_group(self, what: str) -> Any:
+        if self.phase == "mixed":
+            raise MixedPrecisionReadError(
+                f"{MIXED_READ}; .{what} has no one buffer while rows are mixed"
+            )
+        return self._groups[1 if self.phase == "packed" else 0]
+
+    @property
+    def keys(self) -> Any:
+        """The keys attention reads (the plain or, once packed, the affine group's)."""
+        return self._read_group("keys").keys
+
+    @property
+    def values(self) -> Any:
+        """The values attention reads (the plain or, once packed, the affine group's)."""
+        return self._read_group("values").values
+
+    def keys_and_values(self) -> tuple[Any, Any]:
+        return self.fetch()
+
+    @property
+    def left_padding(self) -> Any:
+        """mlx-lm's per-row left padding, int32 ``[B]`` (the layout's ``left_pad``)."""
+        return mx.array(list(self.left_pad), dtype=mx.int32)
+
+    def size(self) -> int:
+        """The key columns attention reads (mixed: the widest group's)."""
+        return max(int(group.size()) for group in self._groups)
+
+    def empty(self) -> bool:
+        """Whether no group holds a buffer yet."""
+        return all(group.empty() for group in self._groups)
 
     def _record_mask(self, n: int, return_array: bool, window: int | None) -> Any:
         # A positions-only ragged layout answers the record's mask (its rule, not a copy).

@@ -17,7 +17,8 @@ import pytest
 
 import kvrows.optimized as kv
 from kvrows.compositions import affine_counterpart, landed
-from kvrows.errors import InvalidInputError, KvRowsError, LayoutStateError
+from kvrows.delayed import row_reads
+from kvrows.errors import InvalidInputError, KvRowsError, LayoutStateError, MixedPrecisionReadError
 
 peer: Any = peer_module  # mlx-lm is untyped
 HEADS, DIM = 2, 64
@@ -168,9 +169,8 @@ def _layout(name: str, seed: int) -> Any:
 
 
 #: The drop-in surface's classes: every landed class but the delayed layouts, whose rows sit
-#: in two groups of different codecs, so there is no one ``keys`` / ``values`` buffer to
-#: read or write (models reach them through ``update_and_fetch`` and row attention,
-#: ``spec/DelayedQuantizedKVCache.md``).
+#: in two groups of different codecs, so there is no one buffer to write (their reads follow
+#: the phase: ``test_delayed_layout_reads``).
 DROP_INS = [c for c in landed() if "delayed" not in c.modifiers]
 LAYOUTS = sorted(c.name for c in DROP_INS if c.is_layout)
 PLAIN_LAYOUTS = sorted(c.name for c in DROP_INS if c.is_layout and c.codec == "plain")
@@ -447,3 +447,31 @@ def test_the_mixins_do_not_reorder_the_geometry() -> None:
         bases = tuple(b for b in cls.__bases__ if b not in mixins)
         bare = type("Bare", bases, {})
         assert [c for c in cls.__mro__[1:] if c not in mixins] == list(bare.__mro__[1:])
+
+
+@pytest.mark.parametrize("name", ["DelayedQuantizedKVCache", "DelayedRotatingQuantizedKVCache"])
+def test_delayed_layout_reads(name: str) -> None:
+    """The read surface follows the phase: the plain group's, then (packed) the affine
+    group's; mixed rows have no one buffer and refuse."""
+    ring = "Rotat" in name
+    params: dict[str, int] = {"max_size": WINDOW} if ring else {}
+    layout: Any = getattr(kv, name)(**params, group_size=32, bits=4, start=6)
+    assert layout.empty() and layout.size() == 0 and layout.keys is None
+    serial: Any = kv.RotatingKVCache if ring else kv.KVCache
+    layout.merge_rows(
+        [_feed(serial(**params), _blocks(30 + i, (n,))) for i, n in enumerate((2, 4))]
+    )
+    assert layout.phase == "plain"
+    assert _same(layout.keys_and_values(), layout.fetch())
+    assert _same(layout.keys, layout.groups[0].keys) and layout.size() == layout.groups[0].size()
+    assert layout.left_padding.tolist() == list(layout.left_pad)
+    layout.update_and_fetch(*_blocks(31, (2,), rows=2)[0])  # row 1 reaches 6: mixed
+    assert layout.phase == "mixed"
+    for read in (lambda: layout.keys, lambda: layout.values, layout.keys_and_values):
+        with pytest.raises(MixedPrecisionReadError):
+            read()
+    with row_reads():
+        layout.update_and_fetch(*_blocks(32, (2,), rows=2)[0])
+    assert layout.phase == "packed"
+    assert _same(layout.keys_and_values(), layout.groups[1].fetch())
+    assert not layout.empty()
