@@ -31,6 +31,7 @@ import numpy as np
 
 from kvrows.app.engine import Engine, EngineStats, Request, RequestResult, model_fingerprint
 from kvrows.app.models import ARCHITECTURES, draft_model, make_kvrows_cache, tiny_model
+from kvrows.maintenance import create_kv_maintenance
 from kvrows.persist.prefix_store import PrefixStore
 from kvrows.protocols import RingGeometry
 from kvrows.schemes import KvStorageScheme
@@ -91,14 +92,35 @@ def follow_ups(
 
 
 def solo_logits(
-    model: Any, scheme: KvStorageScheme, request: Request, tokens: Sequence[int], chunk: int
+    model: Any,
+    scheme: KvStorageScheme,
+    request: Request,
+    tokens: Sequence[int],
+    chunk: int,
+    *,
+    cuts: Sequence[int] | None = None,
+    prefix: int = 0,
 ) -> list[np.ndarray[Any, Any]]:
-    """The request alone, through serial caches, teacher-forced with ``tokens``."""
+    """The request alone, through serial caches (legos under a bf16-first scheme),
+    teacher-forced with ``tokens``. The prompt's first ``prefix`` tokens (a prefix hit's)
+    and, without ``cuts``, the rest go in chunks of ``chunk`` cut at the conversion boundary
+    (``max_append_tokens``); ``cuts`` are the batch row's own chunks after the prefix
+    (``RequestResult.prefill_chunks``)."""
     caches = make_kvrows_cache(model, scheme)
+    maintenance = create_kv_maintenance(scheme)
     prompt = request.prompt
+
     logits = None
-    for start in range(0, len(prompt), chunk):
-        logits = model(mx.array([list(prompt[start : start + chunk])]), cache=caches)
+    fed = 0
+    plan = list(cuts) if cuts is not None else None
+    while fed < len(prompt):
+        if fed < prefix or plan is None:
+            end = prefix if fed < prefix else len(prompt)
+            step = int(min(chunk, end - fed, maintenance.max_append_tokens(caches)))
+        else:
+            step = plan.pop(0)
+        logits = model(mx.array([list(prompt[fed : fed + step])]), cache=caches)
+        fed += step
     assert logits is not None
     out = [np.array(logits[0, -1].astype(mx.float32))]
     for token in tokens[:-1]:
@@ -137,14 +159,22 @@ def check_invariance(
 ) -> InvarianceReport:
     caches = make_kvrows_cache(model, scheme)
     quantized_rings = any(
-        isinstance(cache, RingGeometry) and scheme.codec_for_layer(i).kind != "plain"
+        isinstance(cache, RingGeometry) and scheme.codec_for_layer(i, len(caches)).kind != "plain"
         for i, cache in enumerate(caches)
     )
     report = InvarianceReport(quantized_rings=quantized_rings)
     for request, result in zip(requests, results, strict=True):
         if result.error:
             continue
-        solo = solo_logits(model, scheme, request, result.tokens, chunk)
+        solo = solo_logits(
+            model,
+            scheme,
+            request,
+            result.tokens,
+            chunk,
+            cuts=result.prefill_chunks,
+            prefix=result.prefix_hit_tokens,
+        )
         for batch, alone, token in zip(result.logits, solo, result.tokens, strict=True):
             report.steps += 1
             diff = float(np.abs(batch - alone).max())
