@@ -19,6 +19,7 @@ speculative decoding gives the plain engine's greedy tokens, token for token.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -40,6 +41,7 @@ __all__ = [
     "InvarianceReport",
     "builtin_trace",
     "check_invariance",
+    "parse_scheme",
     "run_demo",
     "run_speculative_demo",
     "solo_logits",
@@ -49,6 +51,15 @@ TOLERANCE = 1e-4
 SCHEMES = ("plain", "affine8", "affine4")
 #: The demo's default byte budget for ``--prefix-store``.
 PREFIX_STORE_BYTES = 256 * 1024 * 1024
+
+
+def parse_scheme(text: str, kv_start: int | None = None) -> KvStorageScheme:
+    """The scheme named ``text``, with ``kv_start`` (``--kv-start``) as its
+    ``quantized_kv_start`` when given (it replaces an ``@N`` in the name)."""
+    scheme = KvStorageScheme.parse(text)
+    if kv_start is None:
+        return scheme
+    return dataclasses.replace(scheme, quantized_kv_start=kv_start)
 
 
 def builtin_trace(count: int = 12, *, vocab: int = 256, seed: int = 0) -> list[Request]:
@@ -326,6 +337,7 @@ def run_speculative_demo(
     draft_tokens: int = 3,
     draft_layers: int | None = None,
     progress: bool = True,
+    kv_start: int | None = None,
 ) -> int:
     """The trace (first wave and follow-ups) with and without a draft, per model and scheme;
     1 if any request's greedy tokens differ or the speculative logits fail the solo check."""
@@ -336,7 +348,7 @@ def run_speculative_demo(
         first = builtin_trace(requests, vocab=min(vocab, 256))
         draft = draft_model(model, draft_layers)
         for scheme_name in schemes or SCHEMES:
-            scheme = KvStorageScheme.parse(scheme_name)
+            scheme = parse_scheme(scheme_name, kv_start)
             runs: list[tuple[list[RequestResult], EngineStats]] = []
             for speculative in (False, True):
                 engine = Engine(
@@ -403,6 +415,7 @@ def run_demo(
     progress: bool = True,
     prefix_store: str | None = None,
     prefix_store_bytes: int = PREFIX_STORE_BYTES,
+    kv_start: int | None = None,
 ) -> int:
     """Run the trace under each scheme and print the table; 1 if any invariance check fails.
 
@@ -418,7 +431,7 @@ def run_demo(
         vocab = int(model.args.vocab_size) if hasattr(model, "args") else 256
         first = builtin_trace(requests, vocab=min(vocab, 256))
         for scheme_name in schemes or SCHEMES:
-            scheme = KvStorageScheme.parse(scheme_name)
+            scheme = parse_scheme(scheme_name, kv_start)
             store = None
             if prefix_store is not None:
                 store = PrefixStore(

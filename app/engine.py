@@ -380,6 +380,12 @@ class Engine:
             layout: BatchableCache | None
             if isinstance(cache, DelayedRows):
                 layout = cache
+            elif self.maintenance.converts_later:
+                # Beside delayed layouts (whose groups are the verify layouts), the other
+                # layers take the verify layouts too: a model that builds one mask from
+                # one layer for all its sliding-window layers (gemma3) needs every ring
+                # layer to hold its rows at the same physical columns.
+                layout = target_cache_layout(cache)
             elif prefill:
                 layout = prefill_cache_layout(cache)
             elif self.draft_model is not None:

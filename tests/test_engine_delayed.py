@@ -203,3 +203,19 @@ def test_a_model_the_hook_cannot_reach_is_refused_with_a_batch() -> None:
 
     with pytest.raises(InvalidInputError, match="kv-start"):
         Engine(Opaque(), SCHEME, max_batch=2)
+
+
+def test_a_per_layer_scheme_with_a_start_on_rings_and_full_layers(
+    models: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gemma3 with its first (a ring) and last (full attention) layers plain: the plain ring
+    must keep the delayed ring's physical columns, since gemma3 builds every sliding
+    layer's mask from its first layer."""
+    mixed = _MixedReads(monkeypatch)
+    model = models["gemma3"]
+    scheme = KvStorageScheme.parse(f"affine8:32,0=plain,-1=plain@{START}")
+    trace = [*_trace(), Request("long", tuple(range(40, 61)), 6, 3)]  # past the window (16)
+    engine = Engine(model, scheme, max_batch=3, prefill_chunk=4, keep_logits=True)
+    results, _ = engine.run(trace)
+    _check_against_solo(model, scheme, trace, results, 4)
+    assert mixed.calls > 0
