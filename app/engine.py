@@ -242,7 +242,7 @@ def reusable_lego_copies(caches: Sequence[Cache], tokens: int) -> list[Cache] | 
     for cache, copy in zip(caches, copies, strict=True):
         if isinstance(cache, Bf16First):
             minimum = cache.minimum_reusable_offset if cache.converted else None
-            copy = cache.composed.over(copy, minimum_reusable_offset=minimum)  # type: ignore[assignment]
+            copy = cache.composed.over(copy, minimum_reusable_offset=minimum)
         out.append(copy)
     return out
 
@@ -792,7 +792,7 @@ def _as_legos(caches: list[Cache], fresh: list[Cache]) -> list[Cache]:
     out: list[Cache] = []
     for cache, lego in zip(caches, fresh, strict=True):
         if isinstance(lego, Bf16First) and not isinstance(cache, Bf16First):
-            cache = lego.composed.over(cache)  # type: ignore[assignment]
+            cache = lego.composed.over(cache)
         out.append(cache)
     return out
 

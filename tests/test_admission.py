@@ -157,4 +157,5 @@ def test_delayed_admission_projects_the_peak_a_row_reaches(scheme: str) -> None:
         assert abs(projected - held) <= 0.01 * held, (scheme, tokens, projected, held)
         converted = [layer.converted_at[0] for layer, d in zip(prepared, delayed, strict=True) if d]
         start = storage.quantized_kv_start
+        assert start is not None
         assert all((c is not None) == (tokens >= start) for c in converted)

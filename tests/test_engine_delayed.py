@@ -219,3 +219,20 @@ def test_a_per_layer_scheme_with_a_start_on_rings_and_full_layers(
     results, _ = engine.run(trace)
     _check_against_solo(model, scheme, trace, results, 4)
     assert mixed.calls > 0
+
+
+def test_the_delayed_bench_runs_its_three_ways() -> None:
+    """A tiny ``kvrows bench --family delayed --kv-start 8``: per-row equals the solo runs
+    (else the family reports a wrong result), whole-cache converts rows off their point."""
+    import io
+
+    from kvrows.app.bench.delayed import family
+    from kvrows.app.bench.runner import run_family
+
+    out = io.StringIO()
+    assert run_family(family(quick=True, starts=(8,)), quick=True, out=out) == 0
+    rows = [line.split("|")[1:-1] for line in out.getvalue().splitlines() if "|     8 |" in line]
+    by_run = {cells[1].strip(): [c.strip() for c in cells] for cells in rows}
+    assert set(by_run) == {"per-row", "whole-cache", "solo"}
+    assert float(by_run["per-row"][6]) <= TOLERANCE
+    assert float(by_run["whole-cache"][6]) > TOLERANCE

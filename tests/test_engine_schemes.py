@@ -67,4 +67,4 @@ def test_a_duplicate_literal_index_is_refused() -> None:
     with pytest.raises(InvalidInputError, match="two codecs"):
         KvStorageScheme(layers=((-1, Plain()), (-1, Affine())))
     with pytest.raises(InvalidInputError, match="integer"):
-        KvStorageScheme(layers=((True, Plain()),))  # type: ignore[arg-type]
+        KvStorageScheme(layers=((True, Plain()),))
