@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from kvrows.app.bench.delayed import WholeCacheEngine, compare, solo_run, trace
 from kvrows.app.bench.delayed import Run as BenchRun
+from kvrows.app.bench.delayed import WholeCacheEngine, compare, solo_run, trace
 from kvrows.app.engine import Engine
 from kvrows.app.models import tiny_model
 from kvrows.schemes import KvStorageScheme
