@@ -53,7 +53,7 @@ from kvrows.app.models import make_kvrows_cache
 from kvrows.delayed import DelayedRows
 from kvrows.errors import CapacityError, InvalidInputError, KvRowsError, LayoutStateError
 from kvrows.lego import Bf16First
-from kvrows.maintenance import create_kv_maintenance
+from kvrows.maintenance import KvMaintenance, create_kv_maintenance
 from kvrows.persist.prefix_store import PrefixStore, reusable_copies
 from kvrows.protocols import BatchableCache, Cache, ReusableOffset, RingGeometry
 from kvrows.schemes import KvStorageScheme
@@ -351,7 +351,8 @@ class Engine:
 
     def _admission(self, model: Any) -> RowAdmission:
         """Projected bytes per row of ``model``, from the running batch's layouts of fresh
-        caches (``decode_layouts``: delayed layouts for a bf16-first scheme).
+        caches (``_new_layouts`` of ``prepare_batch``: delayed layouts under a bf16-first
+        scheme).
 
         ``make_kvrows_cache`` declares the KV geometry, so the layouts answer without a
         token; where a storage does not know it yet (the model's config does not say, or
@@ -581,19 +582,7 @@ class Engine:
             )
             first = prepare(rows[0].caches)
             layouts = self._new_layouts(first, prefill=prefill)
-        for layer, layout in enumerate(layouts):
-            sources: list[Any] = []
-            for index, row in enumerate(rows):
-                if index == 0 and first is not None:
-                    if first[layer] is not layout:  # a delayed layout holds the row already
-                        sources.append(first[layer])
-                    continue
-                cache = row.caches[layer]
-                if isinstance(cache, Bf16First) and not isinstance(layout, DelayedRows):
-                    cache = self.maintenance.prepare_batch([cache])[0]  # start 0: its storage
-                sources.append(cache)
-            if sources:
-                layout.merge_rows(sources)
+        _merge_prepared(self.maintenance, layouts, first, [row.caches for row in rows])
         for row in rows:
             row.caches = []  # the layout holds the row now; the serial copies are released
         return layouts
@@ -785,6 +774,31 @@ class Engine:
             self._stats.store_write_seconds += time.perf_counter() - started
 
 
+def _merge_prepared(
+    maintenance: KvMaintenance,
+    layouts: Sequence[BatchableCache],
+    first: list[Any] | None,
+    rows: Sequence[Sequence[Cache]],
+) -> None:
+    """Merge each row's per-layer caches into ``layouts``. ``first``: the first row's
+    prepared caches when ``layouts`` were just made from them (a delayed layout holds that
+    row already). A lego joins a delayed layout as it is (the layout releases it) and an
+    ordinary layout as its storage (``start == 0``: ``prepare_batch`` releases it)."""
+    for layer, layout in enumerate(layouts):
+        sources: list[Any] = []
+        for index, caches in enumerate(rows):
+            if index == 0 and first is not None:
+                if first[layer] is not layout:
+                    sources.append(first[layer])
+                continue
+            cache = caches[layer]
+            if isinstance(cache, Bf16First) and not isinstance(layout, DelayedRows):
+                cache = maintenance.prepare_batch([cache])[0]
+            sources.append(cache)
+        if sources:
+            layout.merge_rows(sources)
+
+
 def _as_legos(caches: list[Cache], fresh: list[Cache]) -> list[Cache]:
     """A prefix hit's caches with every bf16-first layer a lego again: a row published from
     ordinary decode layouts (``start == 0``) or loaded from disk holds the lego's storage,
@@ -857,19 +871,7 @@ class _Drafter:
                 cache if isinstance(cache, DelayedRows) else target_cache_layout(cache)
                 for cache in first
             ]
-        for layer, layout in enumerate(self.layouts):
-            sources: list[Any] = []
-            for index, caches in enumerate(serial):
-                if index == 0 and first is not None:
-                    if first[layer] is not layout:
-                        sources.append(first[layer])
-                    continue
-                cache = caches[layer]
-                if isinstance(cache, Bf16First) and not isinstance(layout, DelayedRows):
-                    cache = maintenance.prepare_batch([cache])[0]
-                sources.append(cache)
-            if sources:
-                layout.merge_rows(sources)
+        _merge_prepared(maintenance, self.layouts, first, serial)
 
     def filter(self, keep: list[int]) -> None:
         for layout in self.layouts:
