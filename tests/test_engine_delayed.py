@@ -236,3 +236,15 @@ def test_the_delayed_bench_runs_its_three_ways() -> None:
     assert set(by_run) == {"per-row", "whole-cache", "solo"}
     assert float(by_run["per-row"][6]) <= TOLERANCE
     assert float(by_run["whole-cache"][6]) > TOLERANCE
+
+
+def test_kvrows_demo_with_a_kv_start_passes_its_invariance_check(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvrows.app.cli import main
+
+    argv = ["demo", "--scheme", "affine8:32,-1=plain", "--kv-start", "20", "--requests", "3"]
+    assert main([*argv, "--quiet"]) == 0
+    table = capsys.readouterr().out
+    rows = [line.split() for line in table.splitlines() if "affine8:32,-1=plain@20" in line]
+    assert len(rows) == 2 and all(row[-1] == "PASS" for row in rows)  # llama and gemma3
