@@ -42,7 +42,16 @@ def _parser() -> argparse.ArgumentParser:
         default="plain",
         help="plain (default), affine, rotating, engine (throughput against mlx-lm's "
         "BatchGenerator), speculative (the engine with a draft model, against mlx-lm's "
-        "speculative generation) or all of them",
+        "speculative generation), delayed (per-row against whole-cache conversion at each "
+        "--kv-start) or all of them",
+    )
+    bench.add_argument(
+        "--kv-start",
+        type=int,
+        action="append",
+        default=None,
+        metavar="N",
+        help="the delayed family's quantized_kv_start (repeatable; default 0, 64 and 512)",
     )
 
     demo = commands.add_parser("demo", help="continuous batching on the embedded models")
@@ -51,7 +60,18 @@ def _parser() -> argparse.ArgumentParser:
         "--scheme",
         action="append",
         default=None,
-        help="plain, affine8, affine4 or affine<bits>:<group> (repeatable)",
+        help="plain, affine8, affine4 or affine<bits>:<group>, with per-layer codecs "
+        "(affine4:32,0=plain,-1=plain: a negative layer counts from the last) and an "
+        "optional bf16-first start (@N) (repeatable)",
+    )
+    demo.add_argument(
+        "--kv-start",
+        type=int,
+        default=None,
+        metavar="N",
+        help="keep the first N tokens of every row in plain precision and quantize from "
+        "there, each row at its own offset (sets every scheme's quantized_kv_start, like "
+        "mlx-lm's --quantized-kv-start)",
     )
     demo.add_argument("--requests", type=int, default=12, help="requests in the first wave")
     demo.add_argument(
@@ -122,7 +142,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "bench":
         from kvrows.app.bench import run
 
-        return run(args.family, quick=args.quick, repeats=args.repeats)
+        return run(args.family, quick=args.quick, repeats=args.repeats, kv_starts=args.kv_start)
     if args.command == "demo" and args.speculative:
         from kvrows.app.demo import run_speculative_demo
 
@@ -135,6 +155,7 @@ def _run(args: argparse.Namespace) -> int:
                 draft_tokens=args.draft_tokens,
                 draft_layers=args.draft_layers,
                 progress=not args.quiet,
+                kv_start=args.kv_start,
             )
         )
     if args.command == "demo":
@@ -148,6 +169,7 @@ def _run(args: argparse.Namespace) -> int:
                 max_batch=args.max_batch,
                 kv_budget=args.kv_budget,
                 progress=not args.quiet,
+                kv_start=args.kv_start,
                 prefix_store=args.prefix_store,
                 prefix_store_bytes=(
                     PREFIX_STORE_BYTES

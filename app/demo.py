@@ -19,6 +19,7 @@ speculative decoding gives the plain engine's greedy tokens, token for token.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -31,6 +32,7 @@ import numpy as np
 
 from kvrows.app.engine import Engine, EngineStats, Request, RequestResult, model_fingerprint
 from kvrows.app.models import ARCHITECTURES, draft_model, make_kvrows_cache, tiny_model
+from kvrows.maintenance import create_kv_maintenance
 from kvrows.persist.prefix_store import PrefixStore
 from kvrows.protocols import RingGeometry
 from kvrows.schemes import KvStorageScheme
@@ -39,6 +41,7 @@ __all__ = [
     "InvarianceReport",
     "builtin_trace",
     "check_invariance",
+    "parse_scheme",
     "run_demo",
     "run_speculative_demo",
     "solo_logits",
@@ -48,6 +51,15 @@ TOLERANCE = 1e-4
 SCHEMES = ("plain", "affine8", "affine4")
 #: The demo's default byte budget for ``--prefix-store``.
 PREFIX_STORE_BYTES = 256 * 1024 * 1024
+
+
+def parse_scheme(text: str, kv_start: int | None = None) -> KvStorageScheme:
+    """The scheme named ``text``, with ``kv_start`` (``--kv-start``) as its
+    ``quantized_kv_start`` when given (it replaces an ``@N`` in the name)."""
+    scheme = KvStorageScheme.parse(text)
+    if kv_start is None:
+        return scheme
+    return dataclasses.replace(scheme, quantized_kv_start=kv_start)
 
 
 def builtin_trace(count: int = 12, *, vocab: int = 256, seed: int = 0) -> list[Request]:
@@ -91,14 +103,35 @@ def follow_ups(
 
 
 def solo_logits(
-    model: Any, scheme: KvStorageScheme, request: Request, tokens: Sequence[int], chunk: int
+    model: Any,
+    scheme: KvStorageScheme,
+    request: Request,
+    tokens: Sequence[int],
+    chunk: int,
+    *,
+    cuts: Sequence[int] | None = None,
+    prefix: int = 0,
 ) -> list[np.ndarray[Any, Any]]:
-    """The request alone, through serial caches, teacher-forced with ``tokens``."""
+    """The request alone, through serial caches (legos under a bf16-first scheme),
+    teacher-forced with ``tokens``. The prompt's first ``prefix`` tokens (a prefix hit's)
+    and, without ``cuts``, the rest go in chunks of ``chunk`` cut at the conversion boundary
+    (``max_append_tokens``); ``cuts`` are the batch row's own chunks after the prefix
+    (``RequestResult.prefill_chunks``)."""
     caches = make_kvrows_cache(model, scheme)
+    maintenance = create_kv_maintenance(scheme)
     prompt = request.prompt
+
     logits = None
-    for start in range(0, len(prompt), chunk):
-        logits = model(mx.array([list(prompt[start : start + chunk])]), cache=caches)
+    fed = 0
+    plan = list(cuts) if cuts is not None else None
+    while fed < len(prompt):
+        if fed < prefix or plan is None:
+            end = prefix if fed < prefix else len(prompt)
+            step = int(min(chunk, end - fed, maintenance.max_append_tokens(caches)))
+        else:
+            step = plan.pop(0)
+        logits = model(mx.array([list(prompt[fed : fed + step])]), cache=caches)
+        fed += step
     assert logits is not None
     out = [np.array(logits[0, -1].astype(mx.float32))]
     for token in tokens[:-1]:
@@ -137,14 +170,22 @@ def check_invariance(
 ) -> InvarianceReport:
     caches = make_kvrows_cache(model, scheme)
     quantized_rings = any(
-        isinstance(cache, RingGeometry) and scheme.codec_for_layer(i).kind != "plain"
+        isinstance(cache, RingGeometry) and scheme.codec_for_layer(i, len(caches)).kind != "plain"
         for i, cache in enumerate(caches)
     )
     report = InvarianceReport(quantized_rings=quantized_rings)
     for request, result in zip(requests, results, strict=True):
         if result.error:
             continue
-        solo = solo_logits(model, scheme, request, result.tokens, chunk)
+        solo = solo_logits(
+            model,
+            scheme,
+            request,
+            result.tokens,
+            chunk,
+            cuts=result.prefill_chunks,
+            prefix=result.prefix_hit_tokens,
+        )
         for batch, alone, token in zip(result.logits, solo, result.tokens, strict=True):
             report.steps += 1
             diff = float(np.abs(batch - alone).max())
@@ -296,6 +337,7 @@ def run_speculative_demo(
     draft_tokens: int = 3,
     draft_layers: int | None = None,
     progress: bool = True,
+    kv_start: int | None = None,
 ) -> int:
     """The trace (first wave and follow-ups) with and without a draft, per model and scheme;
     1 if any request's greedy tokens differ or the speculative logits fail the solo check."""
@@ -306,7 +348,7 @@ def run_speculative_demo(
         first = builtin_trace(requests, vocab=min(vocab, 256))
         draft = draft_model(model, draft_layers)
         for scheme_name in schemes or SCHEMES:
-            scheme = KvStorageScheme.parse(scheme_name)
+            scheme = parse_scheme(scheme_name, kv_start)
             runs: list[tuple[list[RequestResult], EngineStats]] = []
             for speculative in (False, True):
                 engine = Engine(
@@ -373,6 +415,7 @@ def run_demo(
     progress: bool = True,
     prefix_store: str | None = None,
     prefix_store_bytes: int = PREFIX_STORE_BYTES,
+    kv_start: int | None = None,
 ) -> int:
     """Run the trace under each scheme and print the table; 1 if any invariance check fails.
 
@@ -388,7 +431,7 @@ def run_demo(
         vocab = int(model.args.vocab_size) if hasattr(model, "args") else 256
         first = builtin_trace(requests, vocab=min(vocab, 256))
         for scheme_name in schemes or SCHEMES:
-            scheme = KvStorageScheme.parse(scheme_name)
+            scheme = parse_scheme(scheme_name, kv_start)
             store = None
             if prefix_store is not None:
                 store = PrefixStore(

@@ -21,6 +21,12 @@ With a ``kvrows.persist.prefix_store.PrefixStore`` the published rows are also s
 disk (at a block boundary), and admission takes the longest usable prefix from memory
 first, then from disk when the disk holds a longer one: rows survive a restart.
 
+Under a scheme with a bf16-first boundary (``quantized_kv_start``, ``spec/engine.md`` §12) a
+request's affine layers are legos; :func:`kvrows.maintenance.create_kv_maintenance` puts them in
+delayed layouts (each row converts at its own ``start``), prefill chunks are cut at
+``max_append_tokens`` so a row converts exactly where its solo run does, and every forward
+over a delayed layout runs inside ``kvrows.app.attention.row_attention``.
+
 With a ``draft_model`` the decode step is a speculative round (``spec/engine.md`` §11): the
 draft proposes ``d`` tokens per row, the target runs one forward over ``[pending, drafts]``
 through its verify layouts (``target_cache_layout``) inside a ``kvrows.speculative.RowRound``,
@@ -30,9 +36,11 @@ and each row keeps its longest matching prefix plus the target's own next token.
 from __future__ import annotations
 
 import hashlib
+import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -40,10 +48,14 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 
+from kvrows.app.attention import hookable_modules, row_attention
 from kvrows.app.models import make_kvrows_cache
+from kvrows.delayed import DelayedRows
 from kvrows.errors import CapacityError, InvalidInputError, KvRowsError, LayoutStateError
+from kvrows.lego import Bf16First
+from kvrows.maintenance import KvMaintenance, create_kv_maintenance
 from kvrows.persist.prefix_store import PrefixStore, reusable_copies
-from kvrows.protocols import BatchableCache, Cache, RingGeometry
+from kvrows.protocols import BatchableCache, Cache, ReusableOffset, RingGeometry
 from kvrows.schemes import KvStorageScheme
 from kvrows.speculative import RowRound
 from kvrows.table import (
@@ -95,6 +107,9 @@ class RequestResult:
     tokens_per_second: float = 0.0
     finish_reason: str = ""
     error: str | None = None
+    #: The prompt chunks the model computed for this row, in order (after any prefix hit):
+    #: a solo replay driven with the same cuts converts and rounds as the batch did.
+    prefill_chunks: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -204,10 +219,32 @@ class PrefixCache:
             usable = min(common, limit)
             if usable <= 0 or (best is not None and usable <= best[0]):
                 continue
-            copies = reusable_copies(caches, usable)
+            copies = reusable_lego_copies(caches, usable)
             if copies is not None:
                 best = (usable, copies)
         return best
+
+
+def reusable_lego_copies(caches: Sequence[Cache], tokens: int) -> list[Cache] | None:
+    """``reusable_copies`` that also takes bf16-first legos: a lego layer is copied through
+    its storage and handed back as a lego of the same phase (``composed.over``); a cut
+    below a lego's ``minimum_reusable_offset`` (the offset it converted at) is refused,
+    since a fresh run holds that prefix in plain precision."""
+    storages: list[Cache] = []
+    for cache in caches:
+        if isinstance(cache, ReusableOffset) and tokens < int(cache.minimum_reusable_offset):
+            return None
+        storages.append(cache.storage if isinstance(cache, Bf16First) else cache)
+    copies = reusable_copies(storages, tokens)
+    if copies is None:
+        return None
+    out: list[Cache] = []
+    for cache, copy in zip(caches, copies, strict=True):
+        if isinstance(cache, Bf16First):
+            minimum = cache.minimum_reusable_offset if cache.converted else None
+            copy = cache.composed.over(copy, minimum_reusable_offset=minimum)
+        out.append(copy)
+    return out
 
 
 def model_fingerprint(model: Any, scheme: KvStorageScheme) -> str:
@@ -285,15 +322,19 @@ class Engine:
                 raise InvalidInputError(
                     f"the draft's vocabulary differs from the target's: sizes {sizes}"
                 )
-        if scheme is not None and scheme.quantized_kv_start is not None:
-            raise InvalidInputError(
-                f"scheme {scheme.name}: the engine batches every row, and rows that convert "
-                "at their own quantized_kv_start need the delayed layouts, which are not built "
-                "yet (spec/DelayedQuantizedKVCache.md); use the serial bf16-first caches "
-                "(make_kvrows_cache) or a scheme without a start"
-            )
+        maintenance = create_kv_maintenance(scheme or KvStorageScheme())
+        if maintenance.converts_later and max_batch > 1:
+            for each in (model, draft_model):
+                if each is not None and not hookable_modules(each):
+                    raise InvalidInputError(
+                        f"scheme {maintenance.scheme.name}: {type(each).__name__} does not "
+                        "call mlx-lm's scaled_dot_product_attention, so rows that convert at "
+                        "their own quantized_kv_start cannot attend together; run without a "
+                        "start (no --kv-start) or with max_batch 1"
+                    )
         self.model = model
         self.scheme = scheme or KvStorageScheme()
+        self.maintenance = maintenance
         self.max_batch = max_batch
         self.kv_budget = kv_budget
         self.prefill_chunk = prefill_chunk
@@ -309,28 +350,53 @@ class Engine:
         self._stats = EngineStats()
 
     def _admission(self, model: Any) -> RowAdmission:
-        """Projected bytes per row of ``model``, from the decode layouts of fresh caches.
+        """Projected bytes per row of ``model``, from the running batch's layouts of fresh
+        caches (``_new_layouts`` of ``prepare_batch``: delayed layouts under a bf16-first
+        scheme).
 
         ``make_kvrows_cache`` declares the KV geometry, so the layouts answer without a
         token; where a storage does not know it yet (the model's config does not say, or
         the storage cannot take a declaration), one probe token runs through the model.
         """
         caches = make_kvrows_cache(model, self.scheme)
-        layouts: list[BatchableCache] = []
-        for cache in caches:
-            layout = owned_cache_layout(cache)
-            if layout is None:
-                raise InvalidInputError(f"{cache.signature()} joins no row layout")
-            layouts.append(layout)
+        layouts = self._new_layouts(self.maintenance.prepare_batch(caches), prefill=False)
         admission = row_admission(layouts)
         assert admission is not None
         try:
             admission.bytes(1)
         except LayoutStateError:
-            model(mx.array([[0]]), cache=caches)
-            for layout, cache in zip(layouts, caches, strict=True):
+            probe = make_kvrows_cache(model, self.scheme)
+            model(mx.array([[0]]), cache=probe)
+            for layout, cache in zip(layouts, probe, strict=True):
                 layout.merge_rows([cache])
         return admission
+
+    def _new_layouts(self, prepared: Sequence[Any], *, prefill: bool) -> list[BatchableCache]:
+        """Layouts for one request's prepared caches (``prepare_prefill`` /
+        ``prepare_batch``): a delayed layout is its own (it holds the row already); other
+        layers get the prefill layout, or the decode layout (the verify layout with a draft
+        model, whose rounds run there)."""
+        out: list[BatchableCache] = []
+        for cache in prepared:
+            layout: BatchableCache | None
+            if isinstance(cache, DelayedRows):
+                layout = cache
+            elif self.maintenance.converts_later:
+                # Beside delayed layouts (whose groups are the verify layouts), the other
+                # layers take the verify layouts too: a model that builds one mask from
+                # one layer for all its sliding-window layers (gemma3) needs every ring
+                # layer to hold its rows at the same physical columns.
+                layout = target_cache_layout(cache)
+            elif prefill:
+                layout = prefill_cache_layout(cache)
+            elif self.draft_model is not None:
+                layout = target_cache_layout(cache)
+            else:
+                layout = owned_cache_layout(cache)
+            if layout is None:
+                raise InvalidInputError(f"{cache.signature()} joins no row layout")
+            out.append(layout)
+        return out
 
     def projected_bytes(self, request: Request) -> int:
         """The row's KV bytes at its longest (the draft's rows included)."""
@@ -356,7 +422,7 @@ class Engine:
         decode_layouts: list[BatchableCache] = []
         drafter = None
         if self.draft_model is not None:
-            drafter = _Drafter(self.draft_model, self.scheme, self.prefill_chunk, stats)
+            drafter = _Drafter(self, self.draft_model, stats)
 
         def kv_bytes() -> int:
             """KV bytes held now: layouts (the draft's too), serial caches in transit, the
@@ -500,36 +566,49 @@ class Engine:
                 result.store_hit_tokens = fed
             self._stats.store_read_seconds += time.perf_counter() - started
         result.prefix_hit_tokens = fed
+        if fed:
+            caches = _as_legos(caches, make_kvrows_cache(self.model, self.scheme))
         return _Row(request, result, caches, fed, mx.random.key(request.seed), time.perf_counter())
 
     def _join(
         self, layouts: list[BatchableCache], rows: list[_Row], *, prefill: bool
     ) -> list[BatchableCache]:
-        """Merge ``rows``' per-layer serial caches into ``layouts`` (made on first use)."""
+        """Merge ``rows``' per-layer serial caches into ``layouts`` (made on first use from
+        the first row's prepared caches: ``prepare_prefill`` / ``prepare_batch``)."""
+        first: list[Any] | None = None
         if not layouts or layouts[0].batch_size == 0:
-            made: list[BatchableCache] = []
-            for cache in rows[0].caches:
-                layout: BatchableCache | None
-                if prefill:
-                    layout = prefill_cache_layout(cache)
-                elif self.draft_model is not None:  # speculative rounds run in verify layouts
-                    layout = target_cache_layout(cache)
-                else:
-                    layout = owned_cache_layout(cache)
-                if layout is None:
-                    raise InvalidInputError(f"{cache.signature()} joins no row layout")
-                made.append(layout)
-            layouts = made
-        for layer, layout in enumerate(layouts):
-            layout.merge_rows([row.caches[layer] for row in rows])
+            prepare = (
+                self.maintenance.prepare_prefill if prefill else self.maintenance.prepare_batch
+            )
+            first = prepare(rows[0].caches)
+            layouts = self._new_layouts(first, prefill=prefill)
+        _merge_prepared(self.maintenance, layouts, first, [row.caches for row in rows])
         for row in rows:
             row.caches = []  # the layout holds the row now; the serial copies are released
         return layouts
 
+    def _forward(self, model: Any, ids: mx.array, layouts: Sequence[Any]) -> mx.array:
+        """``model(ids, cache=layouts)``, inside the row-attention hook when some layer is a
+        delayed layout (its rows may be mixed: each attends with its own codec)."""
+        with self._row_attention(model, layouts):
+            logits: mx.array = model(ids, cache=layouts)
+        return logits
+
+    @staticmethod
+    @contextmanager
+    def _row_attention(model: Any, layouts: Sequence[Any]) -> Iterator[None]:
+        hooked = any(isinstance(layout, DelayedRows) for layout in layouts)
+        with row_attention(model) if hooked else nullcontext():
+            yield
+
     def _prefill_chunk(self, cohort: list[_Row], layouts: list[BatchableCache]) -> list[_Row]:
         n = min(self.prefill_chunk, min(len(row.request.prompt) - row.fed for row in cohort))
+        # Cut at the next conversion boundary: each row converts exactly at its start.
+        boundary = self.maintenance.max_append_tokens(layouts)
+        if not math.isinf(boundary):
+            n = min(n, int(boundary))
         ids = mx.array([list(row.request.prompt[row.fed : row.fed + n]) for row in cohort])
-        logits = self.model(ids, cache=layouts)[:, -1, :]
+        logits = self._forward(self.model, ids, layouts)[:, -1, :]
         # Evaluated here so the prefill time is measured (the step boundary would anyway).
         mx.eval(logits, [layout.held_arrays() for layout in layouts])
         self._stats.prefill_tokens += n * len(cohort)
@@ -537,6 +616,7 @@ class Engine:
         finishing: list[int] = []
         for b, row in enumerate(cohort):
             row.fed += n
+            row.result.prefill_chunks.append(n)
             if row.fed == len(row.request.prompt):
                 row.caches = [layout.extract_row(b) for layout in layouts]
                 finishing.append(b)
@@ -551,7 +631,7 @@ class Engine:
 
     def _decode_step(self, running: list[_Row], layouts: list[BatchableCache]) -> list[_Row]:
         ids = mx.array([[row.next_input] for row in running])
-        logits = self.model(ids, cache=layouts)[:, -1, :]
+        logits = self._forward(self.model, ids, layouts)[:, -1, :]
         self._sample(running, logits)
         self._count_forward(len(running), len(running))
         return [row for row in running if self._finished(row)]
@@ -580,14 +660,14 @@ class Engine:
         pending = mx.array([[row.next_input] for row in running])
         if d == 0:  # every row ends with this token: a plain step, no draft
             target_round.begin(0)
-            logits = self.model(pending, cache=layouts)[:, -1, :]
+            logits = self._forward(self.model, pending, layouts)[:, -1, :]
             target_round.resolve([0] * rows)
             self._sample(running, logits)
             self._count_forward(rows, rows)
             return [row for row in running if self._finished(row)]
         proposed = drafter.propose(d)
         target_round.begin(d)
-        logits = self.model(mx.concatenate([pending, proposed], axis=1), cache=layouts)
+        logits = self._forward(self.model, mx.concatenate([pending, proposed], axis=1), layouts)
         chosen = mx.argmax(logits, axis=-1)
         mx.eval(proposed, chosen)
         drafts: list[list[int]] = proposed.tolist()  # type: ignore[assignment]
@@ -694,6 +774,43 @@ class Engine:
             self._stats.store_write_seconds += time.perf_counter() - started
 
 
+def _merge_prepared(
+    maintenance: KvMaintenance,
+    layouts: Sequence[BatchableCache],
+    first: list[Any] | None,
+    rows: Sequence[Sequence[Cache]],
+) -> None:
+    """Merge each row's per-layer caches into ``layouts``. ``first``: the first row's
+    prepared caches when ``layouts`` were just made from them (a delayed layout holds that
+    row already). A lego joins a delayed layout as it is (the layout releases it) and an
+    ordinary layout as its storage (``start == 0``: ``prepare_batch`` releases it)."""
+    for layer, layout in enumerate(layouts):
+        sources: list[Any] = []
+        for index, caches in enumerate(rows):
+            if index == 0 and first is not None:
+                if first[layer] is not layout:
+                    sources.append(first[layer])
+                continue
+            cache = caches[layer]
+            if isinstance(cache, Bf16First) and not isinstance(layout, DelayedRows):
+                cache = maintenance.prepare_batch([cache])[0]
+            sources.append(cache)
+        if sources:
+            layout.merge_rows(sources)
+
+
+def _as_legos(caches: list[Cache], fresh: list[Cache]) -> list[Cache]:
+    """A prefix hit's caches with every bf16-first layer a lego again: a row published from
+    ordinary decode layouts (``start == 0``) or loaded from disk holds the lego's storage,
+    which ``composed.over`` wraps in a lego of the scheme's parameters."""
+    out: list[Cache] = []
+    for cache, lego in zip(caches, fresh, strict=True):
+        if isinstance(lego, Bf16First) and not isinstance(cache, Bf16First):
+            cache = lego.composed.over(cache)
+        out.append(cache)
+    return out
+
+
 def _vocabulary(model: Any) -> int | None:
     args = getattr(model, "args", None)
     size = getattr(args, "vocab_size", None)
@@ -714,32 +831,47 @@ class _Drafter:
     target's layouts do, and the next ``next`` comes from the same forward.
     """
 
-    def __init__(self, model: Any, scheme: KvStorageScheme, chunk: int, stats: EngineStats):
-        self.model, self.scheme, self.chunk, self.stats = model, scheme, chunk, stats
+    def __init__(self, engine: Engine, model: Any, stats: EngineStats):
+        self.engine, self.model, self.stats = engine, model, stats
+        self.scheme, self.chunk = engine.scheme, engine.prefill_chunk
         self.layouts: list[BatchableCache] = []
         self.next: list[int] = []
-        fresh = make_kvrows_cache(model, scheme)
-        self.rings = [isinstance(cache, RingGeometry) for cache in fresh]
+        fresh = make_kvrows_cache(model, self.scheme)
+        # Layers a proposal runs on a scratch copy of: rings (a wrapped ring cannot forget
+        # single-token appends) and delayed layouts (an append past start converts a row,
+        # and a conversion cannot be trimmed away).
+        self.scratch = [isinstance(cache, RingGeometry | Bf16First) for cache in fresh]
+
+    def _forward(self, ids: mx.array, caches: Sequence[Any]) -> mx.array:
+        return self.engine._forward(self.model, ids, caches)
 
     def join(self, rows: list[_Row]) -> None:
         """Prefill each joining row's prompt and first token through the draft (serial
-        caches), then merge them into the draft layouts."""
+        caches, chunks cut at the conversion boundary), then merge them into the draft
+        layouts."""
+        maintenance = self.engine.maintenance
         serial: list[list[Cache]] = []
         for row in rows:
             tokens = [*row.request.prompt, row.next_input]
             caches: list[Cache] = make_kvrows_cache(self.model, self.scheme)
             logits = None
-            for start in range(0, len(tokens), self.chunk):
-                block = mx.array([tokens[start : start + self.chunk]])
-                logits = self.model(block, cache=caches)
+            fed = 0
+            while fed < len(tokens):
+                n = min(self.chunk, len(tokens) - fed, maintenance.max_append_tokens(caches))
+                logits = self.model(mx.array([tokens[fed : fed + int(n)]]), cache=caches)
+                fed += int(n)
             assert logits is not None
             token: int = mx.argmax(logits[0, -1]).item()  # type: ignore[assignment]
             self.next.append(token)
             serial.append(caches)
+        first: list[Any] | None = None
         if not self.layouts or self.layouts[0].batch_size == 0:
-            self.layouts = [target_cache_layout(cache) for cache in serial[0]]
-        for layer, layout in enumerate(self.layouts):
-            layout.merge_rows([caches[layer] for caches in serial])
+            first = maintenance.prepare_batch(serial[0])
+            self.layouts = [
+                cache if isinstance(cache, DelayedRows) else target_cache_layout(cache)
+                for cache in first
+            ]
+        _merge_prepared(maintenance, self.layouts, first, serial)
 
     def filter(self, keep: list[int]) -> None:
         for layout in self.layouts:
@@ -752,18 +884,18 @@ class _Drafter:
         proposals = [mx.array(self.next)]
         if d > 1:
             caches: list[BatchableCache] = []
-            for layout, ring in zip(self.layouts, self.rings, strict=True):
-                if ring:
+            for layout, copied in zip(self.layouts, self.scratch, strict=True):
+                if copied:
                     scratch = layout.make_empty_batch()
                     scratch.merge_rows([layout])  # borrowed: the layout is unchanged
                     layout = scratch
                 caches.append(layout)
             for _ in range(d - 1):
-                logits = self.model(proposals[-1][:, None], cache=caches)[:, -1, :]
+                logits = self._forward(proposals[-1][:, None], caches)[:, -1, :]
                 proposals.append(mx.argmax(logits, axis=-1))
                 self.stats.draft_forwards += 1
-            for layout, ring in zip(self.layouts, self.rings, strict=True):
-                if not ring:
+            for layout, copied in zip(self.layouts, self.scratch, strict=True):
+                if not copied:
                     layout.trim(d - 1)
         return mx.stack(proposals, axis=1).astype(mx.int32)
 
@@ -773,7 +905,7 @@ class _Drafter:
         rows = len(block)
         draft_round = RowRound(self.layouts)
         draft_round.begin(len(block[0]) - 1)
-        logits = self.model(mx.array(block), cache=self.layouts)
+        logits = self._forward(mx.array(block), self.layouts)
         last = logits[mx.arange(rows), mx.array(accepted)]
         self.next = mx.argmax(last, axis=-1).tolist()  # type: ignore[assignment]
         draft_round.resolve(accepted)

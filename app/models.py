@@ -89,6 +89,7 @@ def make_kvrows_cache(model: Any, scheme: KvStorageScheme | None = None) -> list
     if template is None:
         template = [peer.KVCache() for _ in model.layers]  # type: ignore[no-untyped-call]
     declared = kv_geometry(model)
+    scheme = scheme.resolve(len(template))  # negative layer indices count from the last
     caches: list[Any] = []
     for index, layer in enumerate(template):
         codec = scheme.codec_for_layer(index)

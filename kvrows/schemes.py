@@ -180,6 +180,8 @@ class KvStorageScheme:
     """How a model's attention layers store their KV.
 
     ``codec`` is every layer's codec unless ``layers`` names another for a layer index;
+    a negative index counts from the last layer (``-1``: the last), resolved against the
+    model's layer count (:meth:`resolve`) when its caches are made.
     ``quantized_kv_start`` (``None``: quantize from the first token) is the bf16-first
     boundary of the delayed modifier.
     """
@@ -191,7 +193,10 @@ class KvStorageScheme:
     def __post_init__(self) -> None:
         seen: set[int] = set()
         for index, _ in self.layers:
-            as_count(index, "layer index")
+            if isinstance(index, bool) or not isinstance(index, int):
+                raise InvalidInputError(
+                    f"a layer index is an integer (negative: from the last layer), got {index!r}"
+                )
             if index in seen:
                 raise InvalidInputError(f"layer {index} has two codecs in the scheme")
             seen.add(index)
@@ -201,8 +206,9 @@ class KvStorageScheme:
     @classmethod
     def parse(cls, text: str) -> KvStorageScheme:
         """A scheme from its ``name``: a codec (``plain``, ``affine8``, ``affine4:32``,
-        ``turbo-k8v3``), then optional per-layer codecs (``,0=plain,5=affine8``), then an
-        optional bf16-first start (``@512``): ``affine4:32,0=plain@512``."""
+        ``turbo-k8v3``), then optional per-layer codecs (``,0=plain,5=affine8``; a negative
+        index counts from the last layer: ``,-1=plain``), then an optional bf16-first start
+        (``@512``): ``affine4:32,0=plain,-1=plain@512``."""
         if not isinstance(text, str):
             raise InvalidInputError(f"a KV scheme name is a string, got {type(text).__name__}")
         body, at, start_text = text.partition("@")
@@ -218,17 +224,44 @@ class KvStorageScheme:
         layers: list[tuple[int, CodecSpec]] = []
         for override in overrides:
             index, equals, codec = override.partition("=")
-            if not equals or not index.isdigit():
+            if not equals or not index.removeprefix("-").isdigit():
                 raise InvalidInputError(
-                    f"KV scheme {text!r}: a per-layer codec is <layer>=<codec> with a "
-                    f"layer index >= 0, got {override!r}"
+                    f"KV scheme {text!r}: a per-layer codec is <layer>=<codec> with an "
+                    f"integer layer index (negative: from the last layer), got {override!r}"
                 )
             layers.append((int(index), _parse_codec(codec)))
         return cls(codec=_parse_codec(default), layers=tuple(layers), quantized_kv_start=start)
 
-    def codec_for_layer(self, index: int) -> CodecSpec:
-        """The codec layer ``index`` stores its KV with."""
-        for layer, codec in self.layers:
+    def resolve(self, layer_count: int) -> KvStorageScheme:
+        """This scheme for a model of ``layer_count`` layers: negative layer indices counted
+        from the last layer. An index outside the model, or two entries naming one layer,
+        raise ``InvalidInputError``."""
+        count = as_count(layer_count, "layer_count")
+        resolved: dict[int, int] = {}
+        layers: list[tuple[int, CodecSpec]] = []
+        for index, codec in self.layers:
+            layer = index + count if index < 0 else index
+            if not 0 <= layer < count:
+                raise InvalidInputError(
+                    f"KV scheme {self.name}: layer {index} is outside a model of {count} "
+                    f"layers (expected {-count}..{count - 1})"
+                )
+            if layer in resolved:
+                raise InvalidInputError(
+                    f"KV scheme {self.name}: layers {resolved[layer]} and {index} are both "
+                    f"layer {layer} of a model of {count} layers"
+                )
+            resolved[layer] = index
+            layers.append((layer, codec))
+        return KvStorageScheme(
+            codec=self.codec, layers=tuple(layers), quantized_kv_start=self.quantized_kv_start
+        )
+
+    def codec_for_layer(self, index: int, layer_count: int | None = None) -> CodecSpec:
+        """The codec layer ``index`` stores its KV with (negative entries need the model's
+        ``layer_count`` to resolve; without it only non-negative entries are matched)."""
+        layers = self.layers if layer_count is None else self.resolve(layer_count).layers
+        for layer, codec in layers:
             if layer == index:
                 return codec
         return self.codec

@@ -5,11 +5,15 @@ sliding-window rings and full-attention layers), each role's layouts."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import mlx.core as mx
 import pytest
 
+from kvrows.app.engine import Engine
 from kvrows.app.models import make_kvrows_cache, tiny_model
+from kvrows.delayed import DelayedRows
+from kvrows.maintenance import create_kv_maintenance
 from kvrows.schemes import Affine, KvStorageScheme, Plain
 from kvrows.table import (
     owned_cache_layout,
@@ -91,3 +95,67 @@ def test_a_mixed_scheme_bills_each_layer_by_its_own_codec() -> None:
     each = [layout.projected_bytes(tokens) for layout in layouts]
     # a 4-bit layer holds about a quarter of a float16 one (plus its scales and biases)
     assert each[0] > 3 * max(each[1:])
+
+
+# -- bf16-first schemes: the delayed layouts project the peak a row reaches ----------------
+
+DELAYED_SCHEMES = {
+    "affine8@5": KvStorageScheme.parse("affine8@5"),
+    "affine4:32@12": KvStorageScheme.parse("affine4:32@12"),
+    # the first layer plain (a sliding ring in gemma3), the others 4-bit from token 7
+    "per-layer@7": KvStorageScheme.parse("affine4,0=plain@7"),
+}
+
+
+def _running_layouts(model: object, scheme: KvStorageScheme) -> tuple[list[Any], list[Any]]:
+    """What the engine's running batch holds for one fresh request: ``prepare_batch``'s
+    layouts (delayed layouts holding the row) and the request's serial caches."""
+    caches = make_kvrows_cache(model, scheme)
+    prepared = create_kv_maintenance(scheme).prepare_batch(caches)
+    return prepared, caches
+
+
+@pytest.mark.parametrize("scheme", list(DELAYED_SCHEMES))
+def test_delayed_admission_projects_the_peak_a_row_reaches(scheme: str) -> None:
+    model = tiny_model("gemma3")
+    storage = DELAYED_SCHEMES[scheme]
+    engine = Engine(model, storage, max_batch=2)
+    previous = -1
+    for tokens in (1, 4, 16, 40):  # below, at and past each start; past the window (16)
+        prepared, caches = _running_layouts(model, storage)
+        delayed = [isinstance(layer, DelayedRows) for layer in prepared]
+        assert any(delayed) and (scheme != "per-layer@7" or not delayed[0])
+        peaks = [0] * len(prepared)
+        for position in range(tokens):  # one token at a time: every boundary is visited
+            for index, layer in enumerate(prepared):
+                geometry = caches[index].geometry
+                shape = (1, geometry.heads, 1, geometry.key_dim)
+                key = mx.random.key(index + 1000 * position)
+                keys = mx.random.normal(shape, key=key).astype(getattr(mx, geometry.dtype))
+                layer.update_and_fetch(keys, keys * 0.5)
+                if delayed[index]:  # what the layout holds for the row, compact
+                    peaks[index] = max(peaks[index], layer.extract_row(0).nbytes)
+        layouts: list[Any] = []
+        for index, layer in enumerate(prepared):
+            if delayed[index]:
+                layouts.append(layer)
+                continue
+            layout = owned_cache_layout(layer)
+            assert layout is not None
+            layout.merge_rows([layer])
+            peaks[index] = layout.extract_row(0).nbytes  # growing or capped: the end is the peak
+            layouts.append(layout)
+        admission = row_admission(layouts)
+        assert admission is not None
+        projected = admission.bytes(tokens)
+        assert projected == engine.admission.bytes(tokens)  # the engine bills the same
+        # additive over layers, and monotone in tokens
+        assert projected == sum(layout.projected_bytes(tokens) for layout in layouts)
+        assert projected >= previous
+        previous = projected
+        held = sum(peaks)
+        assert abs(projected - held) <= 0.01 * held, (scheme, tokens, projected, held)
+        converted = [layer.converted_at[0] for layer, d in zip(prepared, delayed, strict=True) if d]
+        start = storage.quantized_kv_start
+        assert start is not None
+        assert all((c is not None) == (tokens >= start) for c in converted)

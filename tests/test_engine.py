@@ -88,13 +88,13 @@ def test_temperature_sampling_is_per_request_and_batch_independent(llama: Any) -
     assert [r.tokens for r in together] == [r.tokens for r in alone]
 
 
-def test_a_scheme_with_a_start_is_refused_until_the_delayed_layouts_exist(llama: Any) -> None:
+def test_a_scheme_the_model_cannot_resolve_is_refused(llama: Any) -> None:
     from kvrows.app.cli import main
 
-    scheme = KvStorageScheme.parse("affine8@16")
-    with pytest.raises(InvalidInputError, match="delayed layouts"):
+    scheme = KvStorageScheme.parse("affine8,-9=plain@16")
+    with pytest.raises(InvalidInputError, match="outside a model of 4 layers"):
         Engine(llama, scheme)
-    assert main(["demo", "--scheme", "affine8@16", "--quiet"]) == 2  # one line, no traceback
+    assert main(["demo", "--scheme", "affine8,-9=plain", "--quiet"]) == 2  # one line
 
 
 def test_bad_requests(llama: Any) -> None:

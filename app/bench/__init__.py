@@ -10,13 +10,16 @@ them as a :class:`~kvrows.app.bench.runner.Family`:
 * :mod:`.ring`: the sliding-window family against mlx-lm's ``BatchRotatingKVCache``;
 * :mod:`.engine`: the engine's throughput against mlx-lm's ``BatchGenerator``;
 * :mod:`.speculative`: the engine with a draft model against itself without one and
-  against mlx-lm's serial speculative generation.
+  against mlx-lm's serial speculative generation;
+* :mod:`.delayed`: bf16-first schemes: per-row conversion (delayed layouts) against
+  whole-cache conversion (mlx-lm's rule) and the solo runs, at each ``quantized_kv_start``.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the runner imports MLX; the CLI reads FAMILIES without it
     from kvrows.app.bench.runner import Family
@@ -30,19 +33,33 @@ FAMILIES = {
     "rotating": "ring",
     "engine": "engine",
     "speculative": "speculative",
+    "delayed": "delayed",
 }
 
 
-def family(name: str, *, quick: bool = False) -> Family:
-    """The family called ``name`` (see :data:`FAMILIES`) at its quick or full shapes."""
+def family(name: str, *, quick: bool = False, **options: Any) -> Family:
+    """The family called ``name`` (see :data:`FAMILIES`) at its quick or full shapes
+    (``options``: the family's own, e.g. the delayed family's ``starts``)."""
     module = importlib.import_module(f"kvrows.app.bench.{FAMILIES[name]}")
-    made: Family = module.family(quick=quick)
+    made: Family = module.family(quick=quick, **options)
     return made
 
 
-def run(name: str, *, quick: bool = False, repeats: int | None = None) -> int:
-    """Run family ``name``, or every family for ``"all"``; 0 unless a result was wrong."""
+def run(
+    name: str,
+    *,
+    quick: bool = False,
+    repeats: int | None = None,
+    kv_starts: Sequence[int] | None = None,
+) -> int:
+    """Run family ``name``, or every family for ``"all"``; 0 unless a result was wrong.
+    ``kv_starts``: the delayed family's starts (``kvrows bench --kv-start N``)."""
     from kvrows.app.bench.runner import run_family
 
     names = list(FAMILIES) if name == "all" else [name]
-    return max(run_family(family(n, quick=quick), quick=quick, repeats=repeats) for n in names)
+    status = 0
+    for each in names:
+        options = {"starts": kv_starts} if each == "delayed" and kv_starts else {}
+        made = family(each, quick=quick, **options)
+        status = max(status, run_family(made, quick=quick, repeats=repeats))
+    return status
