@@ -55,7 +55,7 @@ from kvrows.errors import CapacityError, InvalidInputError, KvRowsError, LayoutS
 from kvrows.lego import Bf16First
 from kvrows.maintenance import KvMaintenance, create_kv_maintenance
 from kvrows.persist.prefix_store import PrefixStore, reusable_copies
-from kvrows.protocols import BatchableCache, Cache, ReusableOffset, RingGeometry
+from kvrows.protocols import BatchableCache, Cache, RingGeometry
 from kvrows.schemes import KvStorageScheme
 from kvrows.speculative import RowRound
 from kvrows.table import (
@@ -219,32 +219,25 @@ class PrefixCache:
             usable = min(common, limit)
             if usable <= 0 or (best is not None and usable <= best[0]):
                 continue
-            copies = reusable_lego_copies(caches, usable)
+            copies = reusable_copies(caches, usable)
             if copies is not None:
                 best = (usable, copies)
         return best
 
 
-def reusable_lego_copies(caches: Sequence[Cache], tokens: int) -> list[Cache] | None:
-    """``reusable_copies`` that also takes bf16-first legos: a lego layer is copied through
-    its storage and handed back as a lego of the same phase (``composed.over``); a cut
-    below a lego's ``minimum_reusable_offset`` (the offset it converted at) is refused,
-    since a fresh run holds that prefix in plain precision."""
-    storages: list[Cache] = []
-    for cache in caches:
-        if isinstance(cache, ReusableOffset) and tokens < int(cache.minimum_reusable_offset):
-            return None
-        storages.append(cache.storage if isinstance(cache, Bf16First) else cache)
-    copies = reusable_copies(storages, tokens)
-    if copies is None:
-        return None
-    out: list[Cache] = []
-    for cache, copy in zip(caches, copies, strict=True):
-        if isinstance(cache, Bf16First):
-            minimum = cache.minimum_reusable_offset if cache.converted else None
-            copy = cache.composed.over(copy, minimum_reusable_offset=minimum)
-        out.append(copy)
-    return out
+def _signatures_of(cache: Cache) -> frozenset[str]:
+    """The signatures a stored layer may have to stand in for a fresh ``cache``: its own,
+    and for a bf16-first lego also its converted storage's."""
+    if isinstance(cache, Bf16First):
+        converted = cache.affine_class.from_specs(cache.quantization, cache.token_geometry)
+        return frozenset({cache.signature(), converted.signature()})
+    return frozenset({cache.signature()})
+
+
+def _fits(caches: Sequence[Cache], signatures: Sequence[frozenset[str]]) -> bool:
+    return len(caches) == len(signatures) and all(
+        cache.signature() in allowed for cache, allowed in zip(caches, signatures, strict=True)
+    )
 
 
 def model_fingerprint(model: Any, scheme: KvStorageScheme) -> str:
@@ -346,7 +339,7 @@ class Engine:
         self.draft_tokens = draft_tokens
         self.admission = self._admission(model)
         self.draft_admission = None if draft_model is None else self._admission(draft_model)
-        self._signatures = [c.signature() for c in make_kvrows_cache(model, self.scheme)]
+        self._signatures = [_signatures_of(c) for c in make_kvrows_cache(model, self.scheme)]
         self._stats = EngineStats()
 
     def _admission(self, model: Any) -> RowAdmission:
@@ -561,7 +554,7 @@ class Engine:
             found = self.prefix_store.longest(
                 request.prompt, limit=len(request.prompt) - 1, beyond=fed
             )
-            if found is not None and [c.signature() for c in found[1]] == self._signatures:
+            if found is not None and _fits(found[1], self._signatures):
                 fed, caches = found
                 result.store_hit_tokens = fed
             self._stats.store_read_seconds += time.perf_counter() - started

@@ -35,6 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvrows.errors import InvalidInputError, KvRowsError, UnsupportedStateError
+from kvrows.lego import Bf16First
 from kvrows.protocols import Cache, ReusableOffset
 from kvrows.table import owned_cache_layout
 
@@ -85,39 +86,47 @@ def servable_prefixes(caches: Sequence[Cache], lengths: Sequence[int]) -> set[in
 
     A layer serves ``t`` positions when its decode layout allows publishing its row at
     ``t`` (``can_publish_row``: a wrapped ring only at its full length) and ``t`` is not
-    below its ``minimum_reusable_offset`` (a delayed storage's prefix before conversion is
-    not what a fresh run would hold). The caches are only borrowed."""
+    below its ``minimum_reusable_offset`` (a converted bf16-first lego's prefix before its
+    conversion is not what a fresh run would hold). A lego is judged by its storage. The
+    caches are only borrowed."""
     servable = {t for t in lengths if t > 0}
     for cache in caches:
         if not servable:
             break
         if isinstance(cache, ReusableOffset):
             servable = {t for t in servable if t >= int(cache.minimum_reusable_offset)}
-        layout = owned_cache_layout(cache)
+        storage = cache.storage if isinstance(cache, Bf16First) else cache
+        layout = owned_cache_layout(storage)
         if layout is None:
             return set()
-        layout.merge_rows([cache])
+        layout.merge_rows([storage])
         servable = {t for t in servable if layout.can_publish_row(0, t)}
     return servable
 
 
 def reusable_copies(caches: Sequence[Cache], tokens: int) -> list[Cache] | None:
     """Owned copies of serial ``caches`` cut to their first ``tokens`` positions, or
-    ``None`` when some layer cannot serve that prefix (``servable_prefixes``)."""
+    ``None`` when some layer cannot serve that prefix (``servable_prefixes``). A lego is
+    copied through its storage and comes back as a lego of the same phase
+    (``composed.over``, its ``minimum_reusable_offset`` kept)."""
     if tokens <= 0:
         return None
     out: list[Cache] = []
     for cache in caches:
         if isinstance(cache, ReusableOffset) and tokens < int(cache.minimum_reusable_offset):
             return None
-        layout = owned_cache_layout(cache)
+        storage = cache.storage if isinstance(cache, Bf16First) else cache
+        layout = owned_cache_layout(storage)
         if layout is None:
             return None
-        layout.merge_rows([cache])
+        layout.merge_rows([storage])
         if not layout.can_publish_row(0, tokens):
             return None
         copy = layout.extract_row(0)
         copy.trim(int(copy.offset) - tokens)
+        if isinstance(cache, Bf16First):
+            minimum = cache.minimum_reusable_offset if cache.converted else None
+            copy = cache.composed.over(copy, minimum_reusable_offset=minimum)
         out.append(copy)
     return out
 

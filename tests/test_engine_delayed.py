@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 from kvrows.app.demo import solo_logits
-from kvrows.app.engine import Engine, Request, RequestResult, reusable_lego_copies
+from kvrows.app.engine import Engine, Request, RequestResult
 from kvrows.app.models import draft_model, make_kvrows_cache, tiny_model
 from kvrows.delayed import DelayedRows
 from kvrows.errors import InvalidInputError
 from kvrows.lego import Bf16First
+from kvrows.persist.prefix_store import reusable_copies
 from kvrows.schemes import KvStorageScheme
 
 START = 6
@@ -187,8 +188,8 @@ def test_prefix_copies_never_cut_below_the_conversion_point(models: dict[str, An
     model(mx.array([list(range(START))]), cache=caches)  # converts at exactly START
     model(mx.array([[7, 8, 9]]), cache=caches)
     assert all(c.converted and c.minimum_reusable_offset == START for c in caches)
-    assert reusable_lego_copies(caches, START - 1) is None
-    copies = reusable_lego_copies(caches, START + 1)
+    assert reusable_copies(caches, START - 1) is None
+    copies = reusable_copies(caches, START + 1)
     assert copies is not None
     for copy, cache in zip(copies, caches, strict=True):
         assert isinstance(copy, Bf16First) and copy.converted

@@ -397,9 +397,12 @@ def test_several_processes_share_one_store(tmp_path: Path) -> None:
 
 
 # -- the engine across restarts ----------------------------------------------------------
-def test_the_engine_reuses_stored_rows_after_a_restart(tmp_path: Path) -> None:
+@pytest.mark.parametrize("scheme_name", ["plain", "affine8:32@6"])
+def test_the_engine_reuses_stored_rows_after_a_restart(tmp_path: Path, scheme_name: str) -> None:
+    """Also under a bf16-first start: stored legos (converted past the start) come back as
+    legos and stand in for fresh ones."""
     model = tiny_model("llama")
-    scheme = KvStorageScheme()
+    scheme = KvStorageScheme.parse(scheme_name)
     trace = builtin_trace(6)
 
     def engine() -> Engine:  # a fresh engine: an empty in-memory prefix cache
