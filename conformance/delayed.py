@@ -1100,6 +1100,10 @@ class DelayedMachine(RuleBasedStateMachine):
             moved.kind = "plain" if track.converted_at is None else "affine"
         self.pool.append(moved)
         self._check_slot(slot)
+        if moved.kind == "lego" and data.draw(st.booleans(), label="goes on at once"):
+            self._op("lego_append")
+            self._pool_chunk(moved, data, self._rng(data), 8)
+            self._check_request(moved)
 
     def _check_extracted(self, what: str, got: list[Any], track: Track) -> None:
         """An extracted row equals its solo lego: bytes, offset, codec phase, conversion."""

@@ -435,9 +435,9 @@ FAMILIES: dict[str, Family] = {
         description="delayed layouts: rows convert to affine at their own start, mixed reads, "
         "prefill maintenance, rounds, solo legos",
         machine=_delayed_machine,
-        # Each example runs solo legos in both implementations for every row: 45 examples
-        # per layout keep the family near 20 s on one core.
-        examples=0.3,
+        # Each example runs solo legos in both implementations for every row: 75 examples
+        # per layout keep the family near 25 s on one core.
+        examples=0.5,
     ),
 }
 
