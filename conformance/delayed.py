@@ -36,7 +36,8 @@ head dim 64, float16/bfloat16, 1-2 KV heads (1-2 query heads each); layouts hold
 * ``prefill_crossing``: ``begin_prefill()``, a chunk that takes rows past ``start``,
   then ``commit_prefill`` of some of them and ``end_prefill()``;
 * ``round``: ``spec_round_begin()``, a verify block, then commit or rollback with an int
-  or a per-row keep (misuse inside the round sometimes: refused, nothing changes);
+  or a per-row keep, or the same through ``kvrows.speculative.RowRound`` (misuse inside
+  the round sometimes: refused, nothing changes);
 * ``filter`` (any subset, any order), ``extract`` (the row leaves the layout and goes
   on as a solo lego or storage, or is only compared), ``trim_rows``;
 * ``invalid``: a bad call (mixed reads outside ``row_reads()``, ``fetch()`` of mixed
@@ -49,11 +50,16 @@ head dim 64, float16/bfloat16, 1-2 KV heads (1-2 query heads each); layouts hold
 * reference vs optimized after every rule: ``row_offsets``, ``left_pad``,
   ``converted_at``, ``phase``, ``max_append_tokens()``, ``minimum_reusable_offset``,
   positions, ``projected_bytes``, masks, the reads of plain and packed appends at the
-  columns some query sees (exact), attention outputs (the affine tolerance);
+  columns some query sees (exact), whether ``bits`` is readable (after a packed read
+  only), attention outputs (the affine tolerance). A mixed read is attended through
+  ``Impl.attend`` (routed to ``attend_rows``); a plain or packed one through the codec
+  of its reads, as a model attends the returned keys and values, and ``Impl.attend``
+  must then agree exactly unless the append converted rows (it fetches again, and
+  would read their new quantized planes where the append read plain ones);
 * a model of each layout: the ragged position record (``left_pad``: a merge right-aligns
   at the widest end, a filter strips the shared padding, trims never move it),
   ``row_offsets``, ``converted_at``, ``phase``, ``max_append_tokens()``,
-  ``minimum_reusable_offset``;
+  ``minimum_reusable_offset``; mixed full-attention rows' ``make_mask`` is the record's;
 * solo replay: each row has a serial lego in each implementation driven with the row's
   own chunks (a round: its accepted tokens, so the lego converts at the first round
   boundary where its committed offset reaches ``start``; a lego fed the whole verify
@@ -104,6 +110,7 @@ from kvrows.errors import (
     UnsupportedStateError,
 )
 from kvrows.lego import Bf16First, conversion_due
+from kvrows.speculative import RowRound
 
 __all__ = [
     "DELAYED_CHECKS",
@@ -138,6 +145,7 @@ DELAYED_CHECKS = (
     "round on mixed rows",
     "extract mid-conversion",
     "round misuse",
+    "RowRound",
     "error types",
     "error messages",
 )
@@ -705,11 +713,12 @@ class DelayedMachine(RuleBasedStateMachine):
         inside: bool,
         label: str,
         *,
-        prefill: bool = False,
+        replay: bool = True,
     ) -> tuple[Array, Array, Array, list[Array]]:
         """Append ``n`` tokens to every row in both implementations: masks, reads and
         attention, reference vs optimized. Returns the block, the queries and both
-        outputs. The rows' solo legos are not touched."""
+        outputs. ``replay``: the rows take the block now (the solo legos too, then the
+        layout against the model); else the caller does (a round, a prefill chunk)."""
         g = self.g
         rows = len(slot.rows)
         keys, values = self._block(rng, rows, n), self._block(rng, rows, n)
@@ -759,7 +768,7 @@ class DelayedMachine(RuleBasedStateMachine):
             "attention", f"{what}: attention (optimized vs reference)", outputs[1], outputs[0]
         )
         self.stats.check("reference vs optimized")
-        if prefill:
+        if not replay:
             return keys, values, queries, outputs
         before = [t.converted_at for t in slot.rows]
         for t in slot.rows:
@@ -944,7 +953,7 @@ class DelayedMachine(RuleBasedStateMachine):
         )
         before = [t.converted_at for t in slot.rows]
         keys, values, queries, outputs = self._append(
-            slot, n, self._rng(data), True, "prefill chunk", prefill=True
+            slot, n, self._rng(data), True, "prefill chunk", replay=False
         )
         for t in slot.rows:
             t.tokens += n
@@ -1001,18 +1010,31 @@ class DelayedMachine(RuleBasedStateMachine):
         self._op(f"round:{kind}")
         if slot.ref.phase == "mixed":
             self.stats.check("round on mixed rows")
-        for lay in (slot.ref, slot.opt):
-            lay.spec_round_begin()
+        # The layout's own calls, or the seed's row transaction over it.
+        rounds = (
+            [RowRound([slot.ref]), RowRound([slot.opt])]
+            if data.draw(st.booleans(), label="through RowRound")
+            else None
+        )
+        if rounds is not None:
+            for row_round in rounds:
+                row_round.begin(d)
+            self.stats.check("RowRound")
+        else:
+            for lay in (slot.ref, slot.opt):
+                lay.spec_round_begin()
         if data.draw(st.booleans(), label="misuse"):
             self._misuse(slot, data)
         before = [t.converted_at for t in slot.rows]
         keys, values, queries, outputs = self._append(
-            slot, n, self._rng(data), True, "verify block", prefill=True
+            slot, n, self._rng(data), True, "verify block", replay=False
         )
         if data.draw(st.booleans(), label="misuse after the block"):
             self._misuse(slot, data)
         as_int = len(set(keep)) == 1 and data.draw(st.booleans(), label="keep as an int")
-        for lay in (slot.ref, slot.opt):
+        for row_round in rounds or ():
+            row_round.resolve([k - 1 for k in keep])
+        for lay in (slot.ref, slot.opt) if rounds is None else ():
             if kind == "all":
                 lay.spec_round_commit()
             else:
