@@ -395,6 +395,28 @@ class DelayedMachine(RuleBasedStateMachine):
             return self._cls(impl, "KVCache")()
         return self._cls(impl, "QuantizedKVCache")(g.group_size, width)
 
+    def _other_geometry(self, impl: Impl, kind: str) -> Any:
+        """A lego or plain storage holding a token, of the other token geometry (a ring of
+        8 for full attention, full attention for a ring)."""
+        g = self.g
+        if kind == "lego":
+            cache = (
+                self._cls(impl, "Bf16FirstQuantizedKVCache")(g.group_size, g.bits, g.start)
+                if self.ring
+                else self._cls(impl, "Bf16FirstRotatingQuantizedKVCache")(
+                    8, g.group_size, g.bits, 0, g.start
+                )
+            )
+        else:
+            cache = (
+                self._cls(impl, "KVCache")() if self.ring else self._cls(impl, "RotatingKVCache")(8)
+            )
+        block = impl.to_native(
+            random_block(np.random.default_rng(3), (1, g.heads, 1, g.dim), g.dtype)
+        )
+        cache.update_and_fetch(block, block)
+        return cache
+
     def _codec(self, impl: Impl, quantized: bool) -> Any:
         return self._storage(impl, "affine" if quantized else "plain").codec
 
@@ -1060,6 +1082,10 @@ class DelayedMachine(RuleBasedStateMachine):
             ("end_prefill in a round", lambda impl, lay: lay.end_prefill()),
             ("a second spec_round_begin", lambda impl, lay: lay.spec_round_begin()),
             ("state in a round", lambda impl, lay: lay.state),
+            (
+                "merging the layout's rows into another in a round",
+                lambda impl, lay: self._layout(impl).merge_rows([lay]),
+            ),
         ]
         label, call = self._pick(data, cases, "misuse")
         note(f"  misuse in the round: {label}")
@@ -1164,10 +1190,13 @@ class DelayedMachine(RuleBasedStateMachine):
             else data.draw(ks.counts_up_to(min(t.tokens, 6)), label=f"count {b}")
             for b, t in enumerate(slot.rows)
         ]
-        note(f"trim_rows: layout {slot.ident} {slot.opt!r} counts {counts}")
-        self._op("trim_rows")
+        # Sometimes one count for every row, through trim(n).
+        whole = len(set(counts)) == 1 and data.draw(st.booleans(), label="as trim(n)")
+        note(f"trim_rows: layout {slot.ident} {slot.opt!r} counts {counts} (trim(n): {whole})")
+        self._op("trim" if whole else "trim_rows")
         for impl, lay in zip(self.impls, (slot.ref, slot.opt), strict=True):
-            self._exact(f"trim_rows return ({impl.name})", lay.trim_rows(counts), max(counts))
+            got = lay.trim(counts[0]) if whole else lay.trim_rows(counts)
+            self._exact(f"trim return ({impl.name})", got, max(counts))
         for t, count in zip(slot.rows, counts, strict=True):
             if count:
                 t.tokens -= count
@@ -1252,6 +1281,16 @@ class DelayedMachine(RuleBasedStateMachine):
                 IncompatibleRowsError,
             ),
             ("merge_rows of a string", lambda impl, lay: lay.merge_rows("rows"), InvalidInputError),
+            (
+                "merge_rows of a lego of the other token geometry",
+                lambda impl, lay: lay.merge_rows([self._other_geometry(impl, "lego")]),
+                IncompatibleRowsError,
+            ),
+            (
+                "merge_rows of a plain storage of the other token geometry",
+                lambda impl, lay: lay.merge_rows([self._other_geometry(impl, "plain")]),
+                IncompatibleRowsError,
+            ),
             (
                 "spec_round_commit without a round",
                 lambda impl, lay: lay.spec_round_commit(),
