@@ -36,6 +36,7 @@ __all__ = [
     "Impl",
     "LayoutSpec",
     "PeerSpec",
+    "delayed_layouts",
     "family",
     "optimized_impl",
     "reference_impl",
@@ -319,6 +320,33 @@ def derived_layouts(
     return tuple(specs)
 
 
+def _delayed_machine() -> type[Any]:
+    from kvrows.conformance.delayed import DelayedMachine
+
+    return DelayedMachine
+
+
+def delayed_layouts() -> tuple[LayoutSpec, ...]:
+    """The delayed layouts (each serves every role of its lego's rows; no mlx-lm peer)."""
+    roles = ("decode", "prefill", "verify")
+    return tuple(
+        LayoutSpec(
+            name,
+            roles,
+            shared_column=False,
+            trim_rows=True,
+            peer=False,
+            serial_peer=False,
+            serial=serial,
+            tolerance_key=key,
+        )
+        for name, serial, key in (
+            ("DelayedQuantizedKVCache", "QuantizedKVCache", "affine"),
+            ("DelayedRotatingQuantizedKVCache", "RotatingQuantizedKVCache", "rotating-affine"),
+        )
+    )
+
+
 def _speculative_machine(name: str) -> Callable[[], type[Any]]:
     def machine() -> type[Any]:
         from kvrows.conformance import speculative
@@ -397,6 +425,20 @@ FAMILIES: dict[str, Family] = {
         # Each example runs rounds with a solo replay per row, round misuse and mlx-lm's
         # rollback: 33 examples per layout keep the family near 40 s on two workers.
         examples=0.22,
+    ),
+    # Delayed layouts (rows that convert to affine at their own boundary), full attention
+    # and rings: their own machine (``conformance.delayed``) with solo legos.
+    "delayed": Family(
+        name="delayed",
+        serial="QuantizedKVCache",
+        layouts=delayed_layouts(),
+        tolerance_key="affine",
+        description="delayed layouts: rows convert to affine at their own start, mixed reads, "
+        "prefill maintenance, rounds, solo legos",
+        machine=_delayed_machine,
+        # Each example runs solo legos in both implementations for every row: 75 examples
+        # per layout keep the family near 25 s on one core.
+        examples=0.5,
     ),
 }
 

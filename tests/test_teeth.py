@@ -22,6 +22,7 @@ from kvrows.conformance.families import FAMILIES, Impl, optimized_impl
 from kvrows.conformance.machines import machine_class
 from kvrows.conformance.profiles import profile_settings
 from kvrows.conformance.stats import Stats
+from kvrows.delayed import DelayedRows
 from kvrows.errors import NotTrimmableError
 from kvrows.optimized.attention import attend as optimized_attend
 from kvrows.optimized.classes import (
@@ -33,6 +34,7 @@ from kvrows.optimized.classes import (
     SpeculativeRotatingKVCache,
 )
 from kvrows.optimized.classes import BatchedRotatingCache as RingBatchedRotatingCache
+from kvrows.optimized.delayed import DelayedQuantizedKVCache, DelayedRotatingQuantizedKVCache
 from kvrows.optimized.rows import Serial
 from kvrows.protocols import Cache, Mask
 from kvrows.validation import as_count, check_keep
@@ -508,3 +510,56 @@ def test_the_speculative_machine_catches(layout: str, mutant: type) -> None:
 @pytest.mark.parametrize("layout", ["BatchedKVCache", "SpeculativeRotatingKVCache"])
 def test_the_unmutated_speculative_implementation_passes(layout: str) -> None:
     assert _run_speculative(layout, None, CONTROL_EXAMPLES).examples > 0
+
+
+# ------------------------------------------- delayed family (rows that convert at start)
+
+
+def _due_one_token_early(layout: DelayedRows, rows: Sequence[int] | None) -> list[int]:
+    offsets = layout.row_offsets
+    candidates = range(layout.batch_size) if rows is None else rows
+    return [
+        b
+        for b in candidates
+        if layout.converted_at[b] is None
+        and offsets[b] >= layout.start - 1  # MUTATION (the rule is offset >= start)
+        and offsets[b] != 0
+    ]
+
+
+class ConvertsOneTokenEarly(DelayedQuantizedKVCache):
+    """A row converts at the boundary where its offset reaches ``start - 1``."""
+
+    def _due(self, rows: Sequence[int] | None = None) -> list[int]:
+        return _due_one_token_early(self, rows)
+
+
+class RingConvertsOneTokenEarly(DelayedRotatingQuantizedKVCache):
+    """A ring row converts at the boundary where its offset reaches ``start - 1``."""
+
+    def _due(self, rows: Sequence[int] | None = None) -> list[int]:
+        return _due_one_token_early(self, rows)
+
+
+DELAYED_MUTANTS = [
+    pytest.param("DelayedQuantizedKVCache", ConvertsOneTokenEarly, id="converts-one-token-early"),
+    pytest.param(
+        "DelayedRotatingQuantizedKVCache",
+        RingConvertsOneTokenEarly,
+        id="ring-converts-one-token-early",
+    ),
+]
+
+
+@pytest.mark.parametrize(("layout", "mutant"), DELAYED_MUTANTS)
+def test_the_delayed_machine_catches(layout: str, mutant: type) -> None:
+    with pytest.raises(AssertionError) as caught:
+        _run(layout, mutant, family_name="delayed")
+    assert "Failing test case" in "\n".join(getattr(caught.value, "__notes__", []))
+    # Caught by the conversion oracles (converted_at / a row's codec), not by a crash.
+    assert "convert" in str(caught.value), str(caught.value)
+
+
+@pytest.mark.parametrize("layout", ["DelayedQuantizedKVCache", "DelayedRotatingQuantizedKVCache"])
+def test_the_unmutated_delayed_implementation_passes(layout: str) -> None:
+    assert _run(layout, None, CONTROL_EXAMPLES, "delayed").examples > 0

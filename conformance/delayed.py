@@ -1,0 +1,1439 @@
+"""The delayed family's machine: rows that convert to affine at their own boundary.
+
+``DelayedQuantizedKVCache`` and ``DelayedRotatingQuantizedKVCache`` (``kvrows.delayed``)
+hold rows of two codecs at once: each row is plain until its own offset reaches
+``start`` and affine afterwards, exactly as its serial bf16-first lego
+(``kvrows.lego``) would be. This module drives both layouts in both implementations.
+
+**Why its own machine.** The base machine (``conformance.machines``) is built around one
+serial class per family and a model that encodes every token with that one codec: its
+views (``row_planes``), fetches, masks and mlx-lm mirror all assume a row's planes have
+one codec for its whole life. A delayed row changes codec at its conversion, a mixed
+layout refuses ``fetch()`` and answers appends with pending pairs, and its serial
+counterpart is a lego (two storages in turn), so nearly every base rule would need
+replacing. This machine is a focused ``RuleBasedStateMachine`` that reuses the base
+machinery (``Impl``, the exact NumPy/MLX conversions, ``Stats``, the tolerance table,
+``strategies.keep_lists``, the mask expansion and column helpers) and is registered as
+a :class:`~kvrows.conformance.families.Family` like every other, so ``kvrows conform
+--family delayed``, the profiles, the budgets and the teeth runner work unchanged.
+
+**Drawn** per example: the layout's geometry (full attention, or a ring of ``max_size``
+4..16 with ``keep`` 0..2 sinks), ``start`` in 0..40, ``bits`` 4/8, ``group_size`` 32/64,
+head dim 64, float16/bfloat16, 1-2 KV heads (1-2 query heads each); layouts hold 1-4 rows.
+
+**Rules.**
+
+* ``new_request``: a serial lego (prefilled with chunks cut at its
+  ``max_append_tokens()``, sometimes one chunk crossing ``start``), or a plain or affine
+  serial storage fed random chunks; both implementations, compared on every append;
+* ``lego_append``: a lego in the pool (new, or a row extracted earlier) takes a chunk;
+* ``merge``: pool requests join a layout (new or running), directly or through a side
+  delayed layout (rows extracted from it, converted ones included); legos are
+  released, storages and the side layout borrowed and unchanged;
+* ``step``: an append on every row (1 token, or a chunk capped at
+  ``max_append_tokens()``, sometimes crossing), inside ``row_reads()`` (outside it when
+  no row is mixed), attended through each ``Impl.attend``;
+* ``prefill_crossing``: ``begin_prefill()``, a chunk that takes rows past ``start``,
+  then ``commit_prefill`` of some of them and ``end_prefill()``;
+* ``round``: ``spec_round_begin()``, a verify block, then commit or rollback with an int
+  or a per-row keep, or the same through ``kvrows.speculative.RowRound`` (misuse inside
+  the round sometimes: refused, nothing changes);
+* ``filter`` (any subset, any order), ``extract`` (the row leaves the layout and goes
+  on as a solo lego or storage, or is only compared), ``trim_rows``;
+* ``invalid``: a bad call (mixed reads outside ``row_reads()``, ``fetch()`` of mixed
+  rows, ``attend_rows`` without a pending read, bad blocks, incompatible merges, bad
+  keeps, rows and counts, round calls without a round, the state setter): the same
+  ``KvRowsError`` type and message in both implementations, nothing changes.
+
+**Oracles.**
+
+* reference vs optimized after every rule: ``row_offsets``, ``left_pad``,
+  ``converted_at``, ``phase``, ``max_append_tokens()``, ``minimum_reusable_offset``,
+  positions, ``projected_bytes``, masks, the reads of plain and packed appends at the
+  columns some query sees (exact), whether ``bits`` is readable (after a packed read
+  only), attention outputs (the affine tolerance). A mixed read is attended through
+  ``Impl.attend`` (routed to ``attend_rows``); a plain or packed one through the codec
+  of its reads, as a model attends the returned keys and values, and ``Impl.attend``
+  must then agree exactly unless the append converted rows (it fetches again, and
+  would read their new quantized planes where the append read plain ones);
+* a model of each layout: the ragged position record (``left_pad``: a merge right-aligns
+  at the widest end, a filter strips the shared padding, trims never move it),
+  ``row_offsets``, ``converted_at``, ``phase``, ``max_append_tokens()``,
+  ``minimum_reusable_offset``; mixed full-attention rows' ``make_mask`` is the record's;
+* solo replay: each row has a serial lego in each implementation driven with the row's
+  own chunks (a round: its accepted tokens, so the lego converts at the first round
+  boundary where its committed offset reaches ``start``; a lego fed the whole verify
+  block would convert on a rejected tail). A row's attention equals its lego's (exactly
+  in the optimized implementation before the row converts; else the solo tolerance);
+  an extracted row's planes equal the lego's byte for byte; ``converted_at[b]`` is the
+  offset at which the lego converted. A plain or affine storage merged past ``start``
+  converts at the merge: its lego is an affine storage fed the same chunks, with
+  ``minimum_reusable_offset`` the merge offset.
+
+``Stats.checks`` counts the cases that matter ("mixed read", "conversion mid-batch",
+"conversion at a round boundary", "crossing chunk in prefill", "packed read", ...);
+``tests/test_conformance_delayed.py`` requires each.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, ClassVar
+
+import numpy as np
+import numpy.typing as npt
+from hypothesis import note
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvrows.conformance import strategies as ks
+from kvrows.conformance.arrays import expand_mask, random_block
+from kvrows.conformance.families import Family, Impl, LayoutSpec
+from kvrows.conformance.machines import Limits, planes_bytes, planes_of, take_columns, view_planes
+from kvrows.conformance.stats import Stats
+from kvrows.conformance.tolerances import EXACT, Tolerance, compare, tolerance
+from kvrows.delayed import row_reads
+from kvrows.errors import (
+    IncompatibleRowsError,
+    InvalidInputError,
+    KvRowsError,
+    LayoutStateError,
+    MixedPrecisionReadError,
+    NotTrimmableError,
+    RowIndexError,
+    SpeculativeRoundError,
+    UnsupportedStateError,
+)
+from kvrows.lego import Bf16First, conversion_due
+from kvrows.speculative import RowRound
+
+__all__ = [
+    "DELAYED_CHECKS",
+    "DelayedGeometry",
+    "DelayedMachine",
+]
+
+Array = npt.NDArray[Any]
+Planes = tuple[Array, ...]
+#: A bad call: (label, call(impl, layout), the error type the contract names).
+BadCall = tuple[str, Callable[[Impl, Any], object], type[KvRowsError]]
+
+#: The checks (``Stats.checks`` keys) a delayed machine must have run in CI.
+DELAYED_CHECKS = (
+    "reference vs optimized",
+    "layout model",
+    "solo replay",
+    "solo attention",
+    "exact before conversion",
+    "extracted row bytes",
+    "converted_at",
+    "mixed read",
+    "mixed read that converted rows",
+    "packed read",
+    "Impl.attend of plain and packed reads",
+    "conversion mid-batch",
+    "conversion at a round boundary",
+    "conversion at merge",
+    "crossing chunk in prefill",
+    "commit_prefill converts a listed row",
+    "a crossed row waits for end_prefill",
+    "round on mixed rows",
+    "extract mid-conversion",
+    "round misuse",
+    "RowRound",
+    "error types",
+    "error messages",
+)
+
+#: Rows a layout holds at most, requests in the pool, layouts at once.
+MAX_ROWS, MAX_POOL, MAX_LAYOUTS = 4, 4, 2
+#: Drafts per round (a verify block of ``d + 1`` tokens).
+MAX_DRAFTS = 4
+HEAD_DIM = 64
+
+
+@dataclass(frozen=True)
+class DelayedGeometry:
+    """One example's parameters: shapes, codec, boundary and (rings) window."""
+
+    dtype: str
+    heads: int
+    query_heads: int
+    bits: int
+    group_size: int
+    start: int
+    max_size: int | None = None
+    keep: int = 0
+    dim: int = HEAD_DIM
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.dim)
+
+    @property
+    def ring(self) -> bool:
+        return self.max_size is not None
+
+    def __str__(self) -> str:
+        ring = f", window {self.max_size} keep {self.keep}" if self.ring else ""
+        return (
+            f"{self.dtype}, {self.heads} KV heads x{self.query_heads // self.heads}, "
+            f"bits={self.bits} group={self.group_size}, start {self.start}{ring}"
+        )
+
+
+@st.composite
+def delayed_geometries(draw: st.DrawFn, ring: bool) -> DelayedGeometry:
+    dtype = draw(st.sampled_from(("float16", "bfloat16")), label="dtype")
+    heads = draw(st.sampled_from((1, 2)), label="heads")
+    per = draw(st.sampled_from((1, 2)), label="query heads per KV head")
+    bits = draw(st.sampled_from((4, 8)), label="bits")
+    group = draw(st.sampled_from((32, 64)), label="group size")
+    # Small starts convert within a few tokens; large ones hold plain rows long.
+    start = draw(st.one_of(st.integers(0, 8), st.integers(0, 40)), label="start")
+    max_size = keep = None
+    if ring:
+        max_size = draw(st.integers(4, 16), label="max_size")
+        keep = draw(st.integers(0, 2), label="keep")
+    return DelayedGeometry(dtype, heads, heads * per, bits, group, start, max_size, keep or 0)
+
+
+@dataclass
+class Track:
+    """One request: what the pool holds (a lego or a serial storage, in each
+    implementation) and its solo replay (a lego per implementation), or its chunks until
+    a storage's solo lego is built at its merge."""
+
+    ident: int
+    kind: str  # "lego", "plain" or "affine": what the pool object is
+    ref: Any = None
+    opt: Any = None
+    solo_ref: Any = None
+    solo_opt: Any = None
+    tokens: int = 0
+    #: The offset at which the solo lego converted (``None``: plain; 0 with start 0).
+    converted_at: int | None = None
+    chunks: list[tuple[Array, Array]] = field(default_factory=list)
+    #: A row that left a layout (it goes on taking chunks as a solo lego).
+    extracted: bool = False
+
+
+@dataclass
+class Slot:
+    """One delayed layout in both implementations, its rows and its position record."""
+
+    ident: int
+    ref: Any
+    opt: Any
+    rows: list[Track]
+    pads: list[int] = field(default_factory=list)
+
+
+def _package_class(impl: Impl, name: str) -> type:
+    """``impl``'s class ``name``: from its table (a mutant replaces one there), else from
+    the implementation's package (legos and layouts the composition table has not landed)."""
+    found = impl.classes.get(name)
+    if found is not None:
+        return found
+    package = importlib.import_module(".".join(impl.cls("KVCache").__module__.split(".")[:2]))
+    cls: type = getattr(package, name)
+    return cls
+
+
+def _raised(impl: Impl, label: str, call: Callable[[], object]) -> KvRowsError:
+    """The ``KvRowsError`` ``call()`` raises (anything else is a failure)."""
+    try:
+        call()
+    except KvRowsError as error:
+        return error
+    except Exception as error:
+        raise AssertionError(
+            f"{impl.name}: {label} raised {type(error).__name__} ({error}), not a KvRowsError"
+        ) from error
+    raise AssertionError(f"{impl.name}: {label} did not raise")
+
+
+class DelayedMachine(RuleBasedStateMachine):
+    """Both delayed layouts, both implementations, solo legos (see the module docstring)."""
+
+    family: ClassVar[Family]
+    spec: ClassVar[LayoutSpec]
+    ref_impl: ClassVar[Impl]
+    opt_impl: ClassVar[Impl]
+    peer: ClassVar[Any]
+    stats: ClassVar[Stats]
+    limits: ClassVar[Limits]
+    enforce: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.geo: DelayedGeometry | None = None
+        self.pool: list[Track] = []
+        self.slots: list[Slot] = []
+        self._ids = itertools.count()
+        self._draws = itertools.count()
+        self._steps_at_start = self.stats.steps
+
+    @property
+    def ring(self) -> bool:
+        return self.spec.name == "DelayedRotatingQuantizedKVCache"
+
+    @initialize(data=st.data())
+    def setup(self, data: st.DataObject) -> None:
+        self.geo = data.draw(delayed_geometries(self.ring), label="geometry")
+        note(f"geometry: {self.geo}")
+
+    def teardown(self) -> None:
+        if self.geo is not None and self.stats.steps > self._steps_at_start:
+            for slot in self.slots:
+                self._check_slot(slot, rows=True)
+            g = self.g
+            self.stats.variant(f"bits={g.bits} group={g.group_size}")
+            self.stats.variant("start 0" if g.start == 0 else "start > 0")
+            self.stats.example_done()
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def g(self) -> DelayedGeometry:
+        assert self.geo is not None
+        return self.geo
+
+    @property
+    def impls(self) -> tuple[Impl, Impl]:
+        return self.ref_impl, self.opt_impl
+
+    def _op(self, name: str) -> None:
+        self.stats.op(name)
+
+    def _exact(self, what: str, actual: object, expected: object) -> None:
+        if actual != expected:
+            raise AssertionError(f"{what}: got {actual!r}, expected {expected!r}")
+
+    def _close(
+        self, quantity: str, what: str, actual: Array, expected: Array, tol: Tolerance | None = None
+    ) -> None:
+        g = self.g
+        chosen = tol if tol is not None else tolerance(self.spec.tolerance_key, quantity, g.dtype)
+        ok, error = compare(actual, expected, chosen)
+        ratio = 0.0
+        if not chosen.exact and actual.shape == expected.shape and actual.size:
+            wide = expected.astype(np.float64)
+            bound = chosen.atol + chosen.rtol * np.abs(wide)
+            ratio = float(np.max(np.abs(actual.astype(np.float64) - wide) / bound))
+        self.stats.error(quantity, g.dtype, chosen, error, ratio)
+        if ok or (not self.enforce and quantity.startswith("attention")):
+            return
+        raise AssertionError(
+            f"{what}: {quantity} differs beyond {chosen.describe()} (max |diff| = {error:g}; "
+            f"shapes {actual.shape} / {expected.shape}, dtypes {actual.dtype} / {expected.dtype})"
+        )
+
+    def _same_views(
+        self, quantity: str, what: str, got: Planes | None, want: Planes | None
+    ) -> None:
+        """Two time-ordered views hold the same tokens, byte for byte (no planes and empty
+        planes both hold none)."""
+        if got is None or want is None:
+            empty = [x is None or int(x[0].shape[2]) == 0 for x in (got, want)]
+            self._exact(f"{what}: both hold no token", empty, [True, True])
+            return
+        self._exact(f"{what}: plane count", len(got), len(want))
+        for i, (a, e) in enumerate(zip(got, want, strict=True)):
+            self._close(quantity, f"{what} plane {i}", a, e)
+
+    def _pick(self, data: st.DataObject, items: Sequence[Any], label: str) -> Any:
+        return items[data.draw(st.integers(0, len(items) - 1), label=label)]
+
+    def _rng(self, data: st.DataObject) -> np.random.Generator:
+        return np.random.default_rng([data.draw(ks.seeds, label="seed"), next(self._draws)])
+
+    def _block(
+        self, rng: np.random.Generator, rows: int, n: int, heads: int | None = None
+    ) -> Array:
+        g = self.g
+        return random_block(rng, (rows, heads or g.heads, n, g.dim), g.dtype)
+
+    # -- classes of an implementation ---------------------------------------------------------
+    def _cls(self, impl: Impl, name: str) -> type:
+        return _package_class(impl, name)
+
+    def _layout(self, impl: Impl, start: int | None = None) -> Any:
+        g = self.g
+        first = g.start if start is None else start
+        if self.ring:
+            return self._cls(impl, "DelayedRotatingQuantizedKVCache")(
+                g.max_size, g.group_size, g.bits, g.keep, first
+            )
+        return self._cls(impl, "DelayedQuantizedKVCache")(g.group_size, g.bits, first)
+
+    def _lego(self, impl: Impl, start: int | None = None, bits: int | None = None) -> Any:
+        g = self.g
+        first = g.start if start is None else start
+        width = g.bits if bits is None else bits
+        if self.ring:
+            return self._cls(impl, "Bf16FirstRotatingQuantizedKVCache")(
+                g.max_size, g.group_size, width, g.keep, first
+            )
+        return self._cls(impl, "Bf16FirstQuantizedKVCache")(g.group_size, width, first)
+
+    def _storage(self, impl: Impl, kind: str, bits: int | None = None) -> Any:
+        """A serial storage of this geometry: ``plain`` or ``affine``."""
+        g = self.g
+        width = g.bits if bits is None else bits
+        if self.ring:
+            if kind == "plain":
+                return self._cls(impl, "RotatingKVCache")(g.max_size, keep=g.keep)
+            return self._cls(impl, "RotatingQuantizedKVCache")(
+                g.max_size, g.group_size, width, keep=g.keep
+            )
+        if kind == "plain":
+            return self._cls(impl, "KVCache")()
+        return self._cls(impl, "QuantizedKVCache")(g.group_size, width)
+
+    def _other_geometry(self, impl: Impl, kind: str) -> Any:
+        """A lego or plain storage holding a token, of the other token geometry (a ring of
+        8 for full attention, full attention for a ring)."""
+        g = self.g
+        if kind == "lego":
+            cache = (
+                self._cls(impl, "Bf16FirstQuantizedKVCache")(g.group_size, g.bits, g.start)
+                if self.ring
+                else self._cls(impl, "Bf16FirstRotatingQuantizedKVCache")(
+                    8, g.group_size, g.bits, 0, g.start
+                )
+            )
+        else:
+            cache = (
+                self._cls(impl, "KVCache")() if self.ring else self._cls(impl, "RotatingKVCache")(8)
+            )
+        block = impl.to_native(
+            random_block(np.random.default_rng(3), (1, g.heads, 1, g.dim), g.dtype)
+        )
+        cache.update_and_fetch(block, block)
+        return cache
+
+    def _codec(self, impl: Impl, quantized: bool) -> Any:
+        return self._storage(impl, "affine" if quantized else "plain").codec
+
+    def _view(self, impl: Impl, cache: Any) -> Planes | None:
+        """A serial storage's (or lego's) tokens in time order, keys' planes then values'."""
+        storage = cache.storage if isinstance(cache, Bf16First) else cache
+        held = storage.window() if self.ring else storage.planes()
+        return view_planes(impl, held)
+
+    # -- the model ----------------------------------------------------------------------------
+    def _due(self, track: Track) -> bool:
+        return track.converted_at is None and conversion_due(track.tokens, self.g.start)
+
+    def _mark_converted(self, track: Track) -> None:
+        track.converted_at = track.tokens if self.g.start > 0 else 0
+
+    def _expected(self, slot: Slot) -> tuple[Any, ...]:
+        """What the model says a layout reports."""
+        g = self.g
+        converted = [t.converted_at for t in slot.rows]
+        count = sum(c is not None for c in converted)
+        rows = len(slot.rows)
+        phase = (
+            "empty"
+            if not rows
+            else "plain"
+            if count == 0
+            else "packed"
+            if count == rows
+            else "mixed"
+        )
+        limits = [
+            g.start - t.tokens for t in slot.rows if t.converted_at is None and t.tokens < g.start
+        ]
+        return (
+            rows,
+            tuple(t.tokens for t in slot.rows),
+            tuple(converted),
+            phase,
+            min(limits, default=math.inf),
+            max((c or 0 for c in converted), default=0),
+        )
+
+    def _observed(self, layout: Any) -> tuple[Any, ...]:
+        return (
+            layout.batch_size,
+            tuple(layout.row_offsets),
+            tuple(layout.converted_at),
+            layout.phase,
+            layout.max_append_tokens(),
+            layout.minimum_reusable_offset,
+        )
+
+    # -- snapshots (nothing changed) ----------------------------------------------------------
+    def _snapshot(self, impl: Impl, cache: Any) -> tuple[Any, ...]:
+        if isinstance(cache, Bf16First) or not hasattr(cache, "converted_at"):
+            storage = cache.storage if isinstance(cache, Bf16First) else cache
+            return (repr(cache), int(storage.offset), planes_bytes(self._view(impl, storage)))
+        held = tuple((tuple(a.shape), impl.to_numpy(a).tobytes()) for a in cache.held_arrays())
+        return (
+            repr(cache),
+            tuple(cache.row_offsets),
+            tuple(cache.left_pad),
+            tuple(cache.converted_at),
+            int(cache.nbytes),
+            cache.prefilling,
+            cache.spec_round_open,
+            cache.reads_pending,
+            held,
+        )
+
+    def _everything(self) -> list[tuple[Any, ...]]:
+        out = []
+        for t in self.pool:
+            out.append(self._snapshot(self.ref_impl, t.ref))
+            out.append(self._snapshot(self.opt_impl, t.opt))
+        for s in self.slots:
+            out.append(self._snapshot(self.ref_impl, s.ref))
+            out.append(self._snapshot(self.opt_impl, s.opt))
+        return out
+
+    def _same_error(
+        self,
+        label: str,
+        errors: Sequence[KvRowsError],
+        expected: type[KvRowsError] | None,
+        slot: Slot | None = None,
+    ) -> None:
+        ref, opt = errors
+        self._exact(f"{label}: error types (reference, optimized)", type(opt), type(ref))
+        if expected is not None:
+            self._exact(f"{label}: the error type the contract names", type(ref), expected)
+        messages = [str(ref), str(opt)]
+        if slot is not None:
+            # Messages name the layout's class: a mutant's subclass answers as the layout.
+            messages = [
+                m.replace(type(lay).__name__, self.spec.name)
+                for m, lay in zip(messages, (slot.ref, slot.opt), strict=True)
+            ]
+        self._exact(f"{label}: error messages (optimized vs reference)", messages[1], messages[0])
+        self.stats.check("error types")
+        self.stats.check("error messages")
+
+    # ------------------------------------------------------------------ requests
+    @precondition(lambda self: self.geo is not None and len(self.pool) < MAX_POOL)
+    @rule(data=st.data())
+    def new_request(self, data: st.DataObject) -> None:
+        """A lego prefilled by chunks cut at ``max_append_tokens()`` (sometimes one chunk
+        crosses ``start``), or a plain or affine serial storage fed random chunks."""
+        g = self.g
+        kind = data.draw(st.sampled_from(("lego", "lego", "plain", "affine")), label="kind")
+        near = st.integers(max(0, g.start - 6), g.start + 4)
+        length = data.draw(st.one_of(near, st.integers(0, g.start + 6)), label="prompt length")
+        track = Track(next(self._ids), kind)
+        if kind == "lego":
+            track.ref, track.opt = self._lego(self.ref_impl), self._lego(self.opt_impl)
+            track.solo_ref, track.solo_opt = self._lego(self.ref_impl), self._lego(self.opt_impl)
+        else:
+            track.ref = self._storage(self.ref_impl, kind)
+            track.opt = self._storage(self.opt_impl, kind)
+        note(f"new_request {track.ident}: {kind}, {length} tokens")
+        self._op(f"new_request:{kind}")
+        rng = self._rng(data)
+        while track.tokens < length:
+            left = length - track.tokens
+            self._pool_chunk(track, data, rng, left)
+        self.pool.append(track)
+
+    def _pool_chunk(
+        self, track: Track, data: st.DataObject, rng: np.random.Generator, most: int
+    ) -> None:
+        """One chunk appended to a pool request (and its solo legos)."""
+        limit = track.ref.max_append_tokens() if track.kind == "lego" else math.inf
+        self._exact(
+            f"request {track.ident} max_append_tokens (optimized)",
+            track.opt.max_append_tokens() if track.kind == "lego" else math.inf,
+            limit,
+        )
+        drawn = data.draw(st.integers(1, 8), label="chunk")
+        crossing = limit < most and data.draw(st.integers(0, 4), label="cross") == 0
+        n = min(drawn, most) if crossing or limit == math.inf else min(drawn, most, int(limit))
+        if crossing and n > limit:
+            self.stats.check("crossing chunk in a lego")
+        keys, values = self._block(rng, 1, n), self._block(rng, 1, n)
+        what = f"request {track.ident} ({track.kind}) chunk of {n} onto {track.tokens}"
+        caches = [(self.ref_impl, track.ref), (self.opt_impl, track.opt)]
+        if track.solo_ref is not None:
+            caches += [(self.ref_impl, track.solo_ref), (self.opt_impl, track.solo_opt)]
+        for impl, cache in caches:
+            cache.update_and_fetch(impl.to_native(keys), impl.to_native(values))
+        # What each holds in time order (a serial ring's reads come in its own column order).
+        views = [self._view(impl, cache) for impl, cache in caches]
+        names = ["optimized", "the reference's solo lego", "the optimized solo lego"]
+        for name, view in zip(names, views[1:], strict=False):
+            self._same_views("kv.solo" if "solo" in name else "kv.fetched",
+                             f"{what}: {name} vs the reference", view, views[0])  # fmt: skip
+        track.chunks.append((keys, values))
+        track.tokens += n
+        if track.kind == "lego" and track.converted_at is None and track.ref.converted:
+            self._mark_converted(track)
+        if track.kind == "lego":
+            self._exact(
+                f"{what}: converted (reference, optimized)",
+                (track.ref.converted, track.opt.converted),
+                (track.converted_at is not None,) * 2,
+            )
+
+    @precondition(lambda self: any(t.kind == "lego" and t.extracted for t in self.pool))
+    @rule(data=st.data())
+    def lego_append(self, data: st.DataObject) -> None:
+        """A row extracted as a lego goes on: one more chunk (and its solo legos)."""
+        track = self._pick(
+            data, [t for t in self.pool if t.kind == "lego" and t.extracted], "request"
+        )
+        self._op("lego_append")
+        self._pool_chunk(track, data, self._rng(data), 8)
+        self._check_request(track)
+
+    def _solo_for(self, track: Track) -> None:
+        """A storage's solo legos, built at its merge: a lego fed its chunks (plain, not
+        due), or a lego over an affine storage fed its chunks (affine, or plain past
+        ``start``: the layout converts it at the merge)."""
+        g = self.g
+        if track.solo_ref is not None:
+            if track.kind == "affine":
+                # A converted storage records its offset at the merge (the conservative
+                # bound): its lego now says the same.
+                minimum = track.tokens if g.start > 0 else 0
+                track.solo_ref, track.solo_opt = (
+                    solo.composed.over(solo.composed.release(), minimum_reusable_offset=minimum)
+                    for solo in (track.solo_ref, track.solo_opt)
+                )
+                track.converted_at = minimum
+            return
+        affine = track.kind == "affine" or conversion_due(track.tokens, g.start)
+        solos = []
+        for impl in self.impls:
+            lego = self._lego(impl)
+            if affine:
+                storage = self._storage(impl, "affine")
+                for keys, values in track.chunks:
+                    storage.update_and_fetch(impl.to_native(keys), impl.to_native(values))
+                minimum = track.tokens if g.start > 0 else 0
+                lego = lego.composed.over(storage, minimum_reusable_offset=minimum)
+            else:
+                for keys, values in track.chunks:
+                    lego.update_and_fetch(impl.to_native(keys), impl.to_native(values))
+                self._exact(f"request {track.ident}'s solo lego stays plain", lego.converted, False)
+            solos.append(lego)
+        track.solo_ref, track.solo_opt = solos
+        if affine:
+            if track.kind == "plain":
+                self.stats.check("conversion at merge")
+            self._mark_converted(track)
+
+    # ------------------------------------------------------------------ merges
+    def _new_slot(self) -> Slot:
+        slot = Slot(next(self._ids), self._layout(self.ref_impl), self._layout(self.opt_impl), [])
+        self.slots.append(slot)
+        return slot
+
+    @precondition(lambda self: bool(self.pool))
+    @rule(data=st.data())
+    def merge(self, data: st.DataObject) -> None:
+        """Pool requests join a layout (new or running), directly or through a side
+        delayed layout; legos are released, everything else borrowed."""
+        targets = [s for s in self.slots if len(s.rows) < MAX_ROWS]
+        new = len(self.slots) < MAX_LAYOUTS and data.draw(st.booleans(), label="new layout")
+        if not targets and not new:
+            return
+        slot = self._new_slot() if new or not targets else self._pick(data, targets, "layout")
+        room = MAX_ROWS - len(slot.rows)
+        count = data.draw(st.integers(1, min(room, len(self.pool))), label="sources")
+        picked = list(data.draw(st.permutations(self.pool), label="order"))[:count]
+        side = data.draw(st.booleans(), label="via a side layout")
+        note(
+            f"merge: layout {slot.ident} {slot.opt!r} <- requests "
+            f"{[(t.ident, t.kind, t.tokens) for t in picked]}{' via a side layout' if side else ''}"
+        )
+        self._op("join" if slot.rows else "merge")
+        for t in picked:
+            self._solo_for(t)
+        was_mixed = slot.ref.phase == "mixed"
+        if side:
+            sources = []
+            for impl, attr in ((self.ref_impl, "ref"), (self.opt_impl, "opt")):
+                lay = self._layout(impl)
+                lay.merge_rows([getattr(t, attr) for t in picked])
+                sources.append([lay])
+            self.stats.check("merge of a delayed layout")
+        else:
+            sources = [[t.ref for t in picked], [t.opt for t in picked]]
+        borrowed = [
+            (impl, s) for impl, group in zip(self.impls, sources, strict=True) for s in group
+            if not isinstance(s, Bf16First)
+        ]  # fmt: skip
+        before = [self._snapshot(impl, s) for impl, s in borrowed]
+        slot.ref.merge_rows(sources[0])
+        slot.opt.merge_rows(sources[1])
+        self._exact(
+            "merge sources that are not legos are borrowed and unchanged",
+            [self._snapshot(impl, s) for impl, s in borrowed],
+            before,
+        )
+        for t in picked:
+            if t.kind == "lego":
+                for lego in (t.ref, t.opt):
+                    self._exact(
+                        f"request {t.ident}'s lego is released by the merge",
+                        (int(lego.offset), lego.converted),
+                        (0, False),
+                    )
+            self.pool.remove(t)
+            t.ref = t.opt = None
+        self._merge_pads(slot, [t.tokens for t in picked])
+        slot.rows.extend(picked)
+        if was_mixed or any(t.converted_at is not None for t in picked):
+            self.stats.check("merge into mixed rows")
+        self._check_slot(slot)
+
+    def _merge_pads(self, slot: Slot, offsets: list[int]) -> None:
+        """The ragged rule: every row right-aligned at the widest end."""
+        if self.ring:
+            return
+        width = max((p + t.tokens for p, t in zip(slot.pads, slot.rows, strict=True)), default=0)
+        target = max([width, *offsets])
+        grow = target - width
+        slot.pads = [p + grow for p in slot.pads] + [target - t for t in offsets]
+
+    # ------------------------------------------------------------------ appends
+    @precondition(lambda self: any(s.rows for s in self.slots))
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        """An append on every row: a decode token, or a chunk capped at
+        ``max_append_tokens()`` (sometimes crossing ``start``)."""
+        slot = self._pick(data, [s for s in self.slots if s.rows], "layout")
+        limit = slot.ref.max_append_tokens()
+        multi = data.draw(st.booleans(), label="chunk")
+        n = data.draw(st.integers(2, 6), label="N") if multi else 1
+        if n > limit and data.draw(st.integers(0, 3), label="cross") != 0:
+            n = max(1, int(limit))
+        crossing = n > limit
+        inside = slot.ref.phase == "mixed" or data.draw(st.booleans(), label="in row_reads")
+        self._op("decode_step" if n == 1 else "multi_step")
+        rng = self._rng(data)
+        self._append(slot, n, rng, inside, "step")
+        if crossing:
+            self.stats.check("crossing append outside prefill")
+        self._check_slot(slot)
+
+    def _append(
+        self,
+        slot: Slot,
+        n: int,
+        rng: np.random.Generator,
+        inside: bool,
+        label: str,
+        *,
+        replay: bool = True,
+    ) -> tuple[Array, Array, Array, list[Array]]:
+        """Append ``n`` tokens to every row in both implementations: masks, reads and
+        attention, reference vs optimized. Returns the block, the queries and both
+        outputs. ``replay``: the rows take the block now (the solo legos too, then the
+        layout against the model); else the caller does (a round, a prefill chunk)."""
+        g = self.g
+        rows = len(slot.rows)
+        keys, values = self._block(rng, rows, n), self._block(rng, rows, n)
+        queries = self._block(rng, rows, n, g.query_heads)
+        phase = slot.ref.phase
+        what = f"layout {slot.ident} {label} of {n} ({phase}) {slot.opt!r}"
+        note(f"{label}: layout {slot.ident} {slot.opt!r}, {n} tokens, row_reads {inside}")
+        form = {"return_array": bool(next(self._draws) % 2)}
+        masks = [lay.make_mask(n, **form) for lay in (slot.ref, slot.opt)]
+        self._masks_equal(f"{what}: masks (optimized vs reference)", masks, rows, n)
+        if phase == "mixed" and not self.ring:
+            self._record_mask(what, slot, _as_mask(self.ref_impl, masks[0]), n)
+        outputs = []
+        reads = []
+        converted = tuple(slot.ref.converted_at)
+        for impl, lay, mask in zip(self.impls, (slot.ref, slot.opt), masks, strict=True):
+            k, v, q = impl.to_native(keys), impl.to_native(values), impl.to_native(queries)
+            codec = lay.codec  # the codec of this append's reads (plain or packed)
+            if inside:
+                with row_reads():
+                    got = lay.update_and_fetch(k, v)
+                    out = self._attend(impl, lay, codec, q, got, mask, phase)
+            else:
+                got = lay.update_and_fetch(k, v)
+                out = self._attend(impl, lay, codec, q, got, mask, phase)
+            reads.append(got)
+            outputs.append(impl.to_numpy(out))
+        self._exact(
+            f"{what}: reads pending (reference, optimized)",
+            (slot.ref.reads_pending, slot.opt.reads_pending),
+            (phase == "mixed",) * 2,
+        )
+        quantized = [hasattr(lay, "bits") for lay in (slot.ref, slot.opt)]
+        self._exact(
+            f"{what}: bits readable (reference, optimized)", quantized, [phase == "packed"] * 2
+        )
+        if phase == "mixed":
+            self.stats.check("mixed read")
+            if tuple(slot.ref.converted_at) != converted:
+                # attend_rows ran after the append converted rows (its reads were kept).
+                self.stats.check("mixed read that converted rows")
+        else:
+            if phase == "packed":
+                self.stats.check("packed read")
+            self._compare_reads(what, reads, masks, rows, n)
+        self._close(
+            "attention", f"{what}: attention (optimized vs reference)", outputs[1], outputs[0]
+        )
+        self.stats.check("reference vs optimized")
+        if not replay:
+            return keys, values, queries, outputs
+        before = [t.converted_at for t in slot.rows]
+        for t in slot.rows:
+            t.tokens += n
+        self._solo(slot, keys, values, queries, outputs, [n] * rows, before)
+        self._advance(slot, before)
+        return keys, values, queries, outputs
+
+    def _attend(
+        self, impl: Impl, lay: Any, codec: Any, queries: Any, reads: Any, mask: Any, phase: str
+    ) -> Any:
+        """A mixed read's attention through ``impl.attend`` (it routes the pending pair to
+        ``attend_rows``); a plain or packed read's through its codec over the reads, as a
+        model attends: ``impl.attend`` fetches again, and after an append that converted
+        rows the layout holds quantized planes where the reads were plain. When nothing
+        converted, ``impl.attend`` must give the same output."""
+        if phase == "mixed":
+            return impl.attend(queries, lay, mask, self.g.scale)
+        out = codec.attend(queries, *reads, mask, self.g.scale)
+        if lay.phase == phase and not lay.spec_round_open:
+            again = impl.attend(queries, lay, mask, self.g.scale)
+            self._close(
+                "attention.solo.plain",
+                f"{impl.name} attend() of a {phase} layout vs its codec over the reads",
+                impl.to_numpy(again),
+                impl.to_numpy(out),
+                EXACT,
+            )
+            self.stats.check("Impl.attend of plain and packed reads")
+        return out
+
+    def _record_mask(self, what: str, slot: Slot, mask: Any, n: int) -> None:
+        """Mixed full-attention rows: the mask (for the model's other layers) is the
+        position record's: row ``b``'s token ``j`` at column ``left_pad[b] + j``, and query
+        ``i`` sees the row's columns up to its own position."""
+        ends = [p + t.tokens + n for p, t in zip(slot.pads, slot.rows, strict=True)]
+        columns = int(mask.shape[-1]) if isinstance(mask, np.ndarray) else max(ends)
+        got = expand_mask(mask, len(slot.rows), n, columns)
+        want = np.zeros_like(got)
+        for b, (pad, track) in enumerate(zip(slot.pads, slot.rows, strict=True)):
+            for i in range(n):
+                want[b, 0, i, pad : pad + track.tokens + i + 1] = True
+        self._exact(
+            f"{what}: the mixed rows' mask is the position record's", got.tolist(), want.tolist()
+        )
+        self.stats.check("record mask")
+
+    def _masks_equal(self, what: str, masks: list[Any], rows: int, n: int) -> None:
+        """Both masks select the same keys (compared as booleans when either is an array)."""
+        ref, opt = _as_mask(self.ref_impl, masks[0]), _as_mask(self.opt_impl, masks[1])
+        arrays = [m for m in (ref, opt) if isinstance(m, np.ndarray)]
+        if not arrays:
+            self._exact(what, opt, ref)
+            return
+        columns = int(arrays[0].shape[-1])
+        self._exact(
+            what,
+            expand_mask(opt, rows, n, columns).tolist(),
+            expand_mask(ref, rows, n, columns).tolist(),
+        )
+
+    def _compare_reads(
+        self, what: str, reads: list[tuple[Any, Any]], masks: list[Any], rows: int, n: int
+    ) -> None:
+        """Plain or packed reads, reference vs optimized, at the columns some query sees."""
+        planes = [
+            (planes_of(impl, got[0]), planes_of(impl, got[1]))
+            for impl, got in zip(self.impls, reads, strict=True)
+        ]
+        (k_ref, v_ref), (k_opt, v_opt) = planes
+        self._exact(
+            f"{what}: read shapes (optimized vs reference)",
+            [p.shape for p in k_opt + v_opt],
+            [p.shape for p in k_ref + v_ref],
+        )
+        columns = int(k_ref[0].shape[2])
+        expanded = expand_mask(_as_mask(self.ref_impl, masks[0]), rows, n, columns)
+        seen: npt.NDArray[np.bool_] = np.any(expanded, axis=(1, 2))
+        for b in range(rows):
+            cols = np.flatnonzero(seen[b]).tolist()
+            for name, got, want in (("keys", k_opt, k_ref), ("values", v_opt, v_ref)):
+                for i, (a, e) in enumerate(
+                    zip(take_columns(got, b, cols), take_columns(want, b, cols), strict=True)
+                ):
+                    self._close("kv.fetched", f"{what}: read {name} row {b} plane {i}", a, e)
+
+    def _solo(
+        self,
+        slot: Slot,
+        keys: Array,
+        values: Array,
+        queries: Array,
+        outputs: list[Array],
+        accepted: list[int],
+        before: list[int | None],
+        *,
+        round_block: bool = False,
+    ) -> None:
+        """Each row's solo legos take the row's first ``accepted[b]`` tokens of the block;
+        their attention equals the layout row's for those queries (exactly in the
+        optimized implementation while the row reads plain, outside rounds)."""
+        for b, track in enumerate(slot.rows):
+            k = accepted[b]
+            kb, vb, qb = keys[b : b + 1, :, :k], values[b : b + 1, :, :k], queries[b : b + 1, :, :k]
+            what = f"layout {slot.ident} row {b} (request {track.ident}, {k} tokens)"
+            for impl, solo, out in zip(
+                self.impls, (track.solo_ref, track.solo_opt), outputs, strict=True
+            ):
+                plain = not solo.converted
+                self._exact(
+                    f"{what}: plain before the append ({impl.name})", plain, before[b] is None
+                )
+                mask = solo.make_mask(k)
+                got = solo.update_and_fetch(impl.to_native(np.ascontiguousarray(kb)),
+                                            impl.to_native(np.ascontiguousarray(vb)))  # fmt: skip
+                quantized = isinstance(got[0], tuple | list)
+                self._exact(f"{what}: the lego's read is quantized", quantized, not plain)
+                codec = self._codec(impl, quantized)
+                solo_out = impl.to_numpy(
+                    codec.attend(impl.to_native(np.ascontiguousarray(qb)), *got, mask, self.g.scale)
+                )
+                row_out = np.ascontiguousarray(out[b : b + 1, :, :k])
+                if plain and not round_block and impl is self.opt_impl:
+                    self._close(
+                        "attention.solo.plain",
+                        f"{what}: optimized attention vs its plain solo lego",
+                        row_out,
+                        solo_out,
+                        EXACT,
+                    )
+                    self.stats.check("exact before conversion")
+                else:
+                    self._close(
+                        "attention.solo", f"{what}: {impl.name} attention vs its solo lego",
+                        row_out, solo_out,
+                    )  # fmt: skip
+            if track.solo_ref.converted and track.converted_at is None:
+                self._exact(
+                    f"{what}: both solo legos converted",
+                    track.solo_opt.converted,
+                    True,
+                )
+                track.converted_at = track.solo_ref.minimum_reusable_offset
+            self._exact(
+                f"{what}: the solo lego's conversion offset",
+                track.solo_ref.minimum_reusable_offset,
+                (track.converted_at or 0) if self.g.start > 0 else 0,
+            )
+        self.stats.check("solo attention", len(slot.rows))
+        self.stats.check("solo replay")
+
+    def _advance(self, slot: Slot, before: list[int | None]) -> None:
+        """After a boundary (the model's due rows converted: their solo legos say so),
+        the layout against the model."""
+        fresh = [
+            b for b, t in enumerate(slot.rows) if before[b] is None and t.converted_at is not None
+        ]
+        if fresh and any(t.converted_at is None for t in slot.rows):
+            self.stats.check("conversion mid-batch")
+        self._check_slot(slot)
+
+    # ------------------------------------------------------------------ prefill maintenance
+    @precondition(lambda self: any(s.rows for s in self.slots))
+    @rule(data=st.data())
+    def prefill_crossing(self, data: st.DataObject) -> None:
+        """``begin_prefill()``, a chunk that takes plain rows past ``start`` (nothing
+        converts), ``commit_prefill`` of some of them, then ``end_prefill()``."""
+        slot = self._pick(data, [s for s in self.slots if s.rows], "layout")
+        g = self.g
+        plain = [t for t in slot.rows if t.converted_at is None]
+        reach = [g.start - t.tokens for t in plain if t.tokens < g.start] or [1]
+        # Mostly a chunk that takes the nearest plain row to start or past it.
+        low, high = min(reach), max(1, min(10, max(reach) + 2))
+        n = data.draw(st.integers(min(low, high), high), label="N")
+        self._op("prefill_crossing")
+        for lay in (slot.ref, slot.opt):
+            lay.begin_prefill()
+        self._exact(
+            "prefilling (reference, optimized)",
+            (slot.ref.prefilling, slot.opt.prefilling),
+            (True, True),
+        )
+        before = [t.converted_at for t in slot.rows]
+        keys, values, queries, outputs = self._append(
+            slot, n, self._rng(data), True, "prefill chunk", replay=False
+        )
+        for t in slot.rows:
+            t.tokens += n
+        self._exact(
+            "nothing converts while prefilling (reference, optimized)",
+            (tuple(slot.ref.converted_at), tuple(slot.opt.converted_at)),
+            (tuple(before),) * 2,
+        )
+        # The solo legos convert at the crossing chunk; the layout at the commit.
+        crossed = [b for b, t in enumerate(slot.rows) if t.converted_at is None and self._due(t)]
+        if crossed:
+            self.stats.check("crossing chunk in prefill")
+        pending = [t.converted_at for t in slot.rows]
+        self._solo(slot, keys, values, queries, outputs, [n] * len(slot.rows), before)
+        committed = [t.converted_at for t in slot.rows]
+        for t, c in zip(slot.rows, pending, strict=True):
+            t.converted_at = c  # the layout converts them at the commit
+        listed = [b for b in range(len(slot.rows)) if data.draw(st.booleans(), label=f"commit {b}")]
+        for lay in (slot.ref, slot.opt):
+            lay.commit_prefill(listed)
+        for b in listed:
+            slot.rows[b].converted_at = committed[b]
+        if any(b in crossed for b in listed):
+            self.stats.check("commit_prefill converts a listed row")
+        if any(b not in listed for b in crossed):
+            self.stats.check("a crossed row waits for end_prefill")
+        self._check_slot(slot, solos=False)
+        for lay in (slot.ref, slot.opt):
+            lay.end_prefill()
+        for t, c in zip(slot.rows, committed, strict=True):
+            t.converted_at = c
+        self._advance(slot, before)
+
+    # ------------------------------------------------------------------ rounds
+    @precondition(lambda self: any(s.rows for s in self.slots))
+    @rule(data=st.data())
+    def spec_round(self, data: st.DataObject) -> None:
+        """``spec_round_begin()``, a verify block, then commit or a rollback (int or per
+        row); rows convert at the round's end when their committed offset reached ``start``."""
+        slot = self._pick(data, [s for s in self.slots if s.rows], "layout")
+        rows = len(slot.rows)
+        d = data.draw(st.integers(1, MAX_DRAFTS), label="drafts")
+        n = d + 1
+        kind = data.draw(st.sampled_from(("unequal", "equal", "all", "none")), label="acceptance")
+        keep = {
+            "all": lambda: [n] * rows,
+            "none": lambda: [1] * rows,
+            "equal": lambda: [data.draw(st.integers(1, n), label="keep")] * rows,
+            "unequal": lambda: [
+                data.draw(st.integers(1, n), label=f"keep {b}") for b in range(rows)
+            ],
+        }[kind]()
+        note(f"round: layout {slot.ident} {slot.opt!r}, d={d}, {kind}, keep {keep}")
+        self._op(f"round:{kind}")
+        if slot.ref.phase == "mixed":
+            self.stats.check("round on mixed rows")
+        # The layout's own calls, or the seed's row transaction over it.
+        rounds = (
+            [RowRound([slot.ref]), RowRound([slot.opt])]
+            if data.draw(st.booleans(), label="through RowRound")
+            else None
+        )
+        if rounds is not None:
+            for row_round in rounds:
+                row_round.begin(d)
+            self.stats.check("RowRound")
+        else:
+            for lay in (slot.ref, slot.opt):
+                lay.spec_round_begin()
+        if data.draw(st.booleans(), label="misuse"):
+            self._misuse(slot, data)
+        before = [t.converted_at for t in slot.rows]
+        keys, values, queries, outputs = self._append(
+            slot, n, self._rng(data), True, "verify block", replay=False
+        )
+        if data.draw(st.booleans(), label="misuse after the block"):
+            self._misuse(slot, data)
+        as_int = len(set(keep)) == 1 and data.draw(st.booleans(), label="keep as an int")
+        for row_round in rounds or ():
+            row_round.resolve([k - 1 for k in keep])
+        for lay in (slot.ref, slot.opt) if rounds is None else ():
+            if kind == "all":
+                lay.spec_round_commit()
+            else:
+                lay.spec_round_rollback(keep[0] if as_int else list(keep))
+        for t, k in zip(slot.rows, keep, strict=True):
+            t.tokens += k
+        self._solo(slot, keys, values, queries, outputs, keep, before, round_block=True)
+        if any(
+            b is None and t.converted_at is not None for b, t in zip(before, slot.rows, strict=True)
+        ):
+            self.stats.check("conversion at a round boundary")
+        self._advance(slot, before)
+
+    def _misuse(self, slot: Slot, data: st.DataObject) -> None:
+        rows = len(slot.rows)
+        cases: list[tuple[str, Callable[[Impl, Any], object]]] = [
+            ("merge_rows in a round", lambda impl, lay: lay.merge_rows([self._lego(impl)])),
+            ("filter_rows in a round", lambda impl, lay: lay.filter_rows(list(range(rows)))),
+            ("extract_row(0) in a round", lambda impl, lay: lay.extract_row(0)),
+            ("trim_rows in a round", lambda impl, lay: lay.trim_rows([0] * rows)),
+            ("begin_prefill in a round", lambda impl, lay: lay.begin_prefill()),
+            ("commit_prefill in a round", lambda impl, lay: lay.commit_prefill([])),
+            ("end_prefill in a round", lambda impl, lay: lay.end_prefill()),
+            ("a second spec_round_begin", lambda impl, lay: lay.spec_round_begin()),
+            ("state in a round", lambda impl, lay: lay.state),
+            (
+                "merging the layout's rows into another in a round",
+                lambda impl, lay: self._layout(impl).merge_rows([lay]),
+            ),
+        ]
+        label, call = self._pick(data, cases, "misuse")
+        note(f"  misuse in the round: {label}")
+        before = self._everything()
+        errors = [
+            _raised(impl, label, partial(call, impl, lay))
+            for impl, lay in zip(self.impls, (slot.ref, slot.opt), strict=True)
+        ]
+        self._same_error(label, errors, SpeculativeRoundError, slot)
+        self._exact(f"{label}: nothing changed", self._everything(), before)
+        self.stats.check("round misuse")
+
+    # ------------------------------------------------------------------ membership
+    @precondition(lambda self: bool(self.slots))
+    @rule(data=st.data())
+    def filter_rows(self, data: st.DataObject) -> None:
+        """Keep any subset of the rows, in any order."""
+        slot = self._pick(data, self.slots, "layout")
+        kind, keep = data.draw(ks.keep_lists(tuple(t.tokens for t in slot.rows)), label="keep")
+        note(f"filter: layout {slot.ident} {slot.opt!r} keep {keep} ({kind})")
+        self._op(f"filter:{kind}")
+        if slot.ref.phase == "mixed":
+            self.stats.check("filter of mixed rows")
+        slot.ref.filter_rows(keep)
+        slot.opt.filter_rows(keep)
+        self._filter_model(slot, keep)
+        self._check_slot(slot)
+
+    def _filter_model(self, slot: Slot, keep: list[int]) -> None:
+        slot.rows = [slot.rows[b] for b in keep]
+        if not self.ring:
+            pads = [slot.pads[b] for b in keep]
+            shared = min(pads, default=0)
+            slot.pads = [p - shared for p in pads]
+
+    @precondition(lambda self: any(s.rows for s in self.slots))
+    @rule(data=st.data())
+    def extract(self, data: st.DataObject) -> None:
+        """Extract a row: compared with its solo lego; it then leaves the layout and goes
+        on as a request (a lego when the layout's rows came from legos), or stays."""
+        slot = self._pick(data, [s for s in self.slots if s.rows], "layout")
+        b = data.draw(st.integers(0, len(slot.rows) - 1), label="row")
+        track = slot.rows[b]
+        note(f"extract: layout {slot.ident} row {b} {slot.opt!r}")
+        self._op("extract")
+        if slot.ref.phase == "mixed":
+            self.stats.check("extract mid-conversion")
+        got = [lay.extract_row(b) for lay in (slot.ref, slot.opt)]
+        self._check_extracted(f"layout {slot.ident} extract_row({b})", got, track)
+        moves = len(self.pool) < MAX_POOL and data.draw(st.booleans(), label="the row leaves")
+        if not moves:
+            return
+        keep = [i for i in range(len(slot.rows)) if i != b]
+        slot.ref.filter_rows(keep)
+        slot.opt.filter_rows(keep)
+        self._filter_model(slot, keep)
+        moved = Track(track.ident, "lego", got[0], got[1], track.solo_ref, track.solo_opt,
+                      track.tokens, track.converted_at, extracted=True)  # fmt: skip
+        if not isinstance(got[0], Bf16First):
+            moved.kind = "plain" if track.converted_at is None else "affine"
+        self.pool.append(moved)
+        self._check_slot(slot)
+        if moved.kind == "lego" and data.draw(st.booleans(), label="goes on at once"):
+            self._op("lego_append")
+            self._pool_chunk(moved, data, self._rng(data), 8)
+            self._check_request(moved)
+
+    def _check_extracted(self, what: str, got: list[Any], track: Track) -> None:
+        """An extracted row equals its solo lego: bytes, offset, codec phase, conversion."""
+        legos = [isinstance(x, Bf16First) for x in got]
+        self._exact(f"{what}: legos (reference, optimized)", legos[1], legos[0])
+        converted = track.converted_at is not None
+        for impl, cache, solo in zip(
+            self.impls, got, (track.solo_ref, track.solo_opt), strict=True
+        ):
+            storage = cache.storage if isinstance(cache, Bf16First) else cache
+            self._exact(f"{what} ({impl.name}) offset", int(storage.offset), track.tokens)
+            if isinstance(cache, Bf16First):
+                self._exact(
+                    f"{what} ({impl.name}): converted, minimum_reusable_offset",
+                    (cache.converted, cache.minimum_reusable_offset),
+                    (converted, solo.minimum_reusable_offset),
+                )
+            self._exact(
+                f"{what} ({impl.name}) storage class",
+                type(storage).__name__,
+                type(solo.storage).__name__,
+            )
+            mine, want = self._view(impl, storage), self._view(impl, solo)
+            self._same_views("kv.solo", f"{what} ({impl.name}) vs its solo lego", mine, want)
+        self.stats.check("extracted row bytes")
+
+    @precondition(lambda self: any(s.rows for s in self.slots))
+    @rule(data=st.data())
+    def trim_rows(self, data: st.DataObject) -> None:
+        """Per-row trims (a ring row only before it wraps); converted rows stay converted."""
+        slot = self._pick(data, [s for s in self.slots if s.rows], "layout")
+        g = self.g
+        counts = [
+            0
+            if g.max_size is not None and t.tokens >= g.max_size
+            else data.draw(ks.counts_up_to(min(t.tokens, 6)), label=f"count {b}")
+            for b, t in enumerate(slot.rows)
+        ]
+        # Sometimes one count for every row, through trim(n).
+        whole = len(set(counts)) == 1 and data.draw(st.booleans(), label="as trim(n)")
+        note(f"trim_rows: layout {slot.ident} {slot.opt!r} counts {counts} (trim(n): {whole})")
+        self._op("trim" if whole else "trim_rows")
+        for impl, lay in zip(self.impls, (slot.ref, slot.opt), strict=True):
+            got = lay.trim(counts[0]) if whole else lay.trim_rows(counts)
+            self._exact(f"trim return ({impl.name})", got, max(counts))
+        for t, count in zip(slot.rows, counts, strict=True):
+            if count:
+                t.tokens -= count
+                for solo in (t.solo_ref, t.solo_opt):
+                    solo.trim(count)
+                if t.converted_at is not None and t.tokens < g.start:
+                    self.stats.check("converted row trimmed below start")
+        self._check_slot(slot)
+
+    # ------------------------------------------------------------------ bad calls
+    @precondition(lambda self: bool(self.slots))
+    @rule(data=st.data())
+    def invalid(self, data: st.DataObject) -> None:
+        """A bad call: the same ``KvRowsError`` type and message in both, nothing changes."""
+        slot = self._pick(data, self.slots, "layout")
+        label, call, expected = self._pick(data, self._bad_calls(slot), "bad call")
+        note(f"invalid: layout {slot.ident} {slot.opt!r}: {label}")
+        self._op("invalid")
+        before = self._everything()
+        errors = [
+            _raised(impl, label, partial(call, impl, lay))
+            for impl, lay in zip(self.impls, (slot.ref, slot.opt), strict=True)
+        ]
+        self._same_error(label, errors, expected, slot)
+        self._exact(f"{label}: nothing changed", self._everything(), before)
+
+    def _bad_calls(self, slot: Slot) -> list[BadCall]:
+        g = self.g
+        rows = len(slot.rows)
+        rng = np.random.default_rng(7)
+
+        def block(impl: Impl, batch: int, dim: int = HEAD_DIM) -> tuple[Any, Any]:
+            shape = (batch, g.heads, 1, dim)
+            return (impl.to_native(random_block(rng, shape, g.dtype)),
+                    impl.to_native(random_block(rng, shape, g.dtype)))  # fmt: skip
+
+        def filled_lego(impl: Impl, start: int) -> Any:
+            lego = self._lego(impl, start=start)
+            lego.update_and_fetch(*block(impl, 1))
+            return lego
+
+        def other_impl(impl: Impl) -> Impl:
+            return self.opt_impl if impl is self.ref_impl else self.ref_impl
+
+        other_start = g.start + 1
+        cases: list[BadCall] = [
+            (
+                "merge_rows of itself",
+                lambda impl, lay: lay.merge_rows([lay]),
+                IncompatibleRowsError,
+            ),
+            (
+                f"merge_rows of a lego of start {other_start}",
+                lambda impl, lay: lay.merge_rows([filled_lego(impl, other_start)]),
+                IncompatibleRowsError,
+            ),
+            (
+                "merge_rows of a valid lego and a lego of another start",
+                lambda impl, lay: lay.merge_rows(
+                    [filled_lego(impl, g.start), filled_lego(impl, other_start)]
+                ),
+                IncompatibleRowsError,
+            ),
+            (
+                "merge_rows of a lego of another bit width",
+                lambda impl, lay: lay.merge_rows([self._lego(impl, bits=12 - g.bits)]),
+                IncompatibleRowsError,
+            ),
+            (
+                "merge_rows of the other implementation's lego",
+                lambda impl, lay: lay.merge_rows([self._lego(other_impl(impl))]),
+                IncompatibleRowsError,
+            ),
+            (
+                f"merge_rows of a delayed layout of start {other_start}",
+                lambda impl, lay: lay.merge_rows([self._layout(impl, start=other_start)]),
+                IncompatibleRowsError,
+            ),
+            (
+                "merge_rows of an affine storage of another bit width",
+                lambda impl, lay: lay.merge_rows([self._storage(impl, "affine", bits=12 - g.bits)]),
+                IncompatibleRowsError,
+            ),
+            ("merge_rows of a string", lambda impl, lay: lay.merge_rows("rows"), InvalidInputError),
+            (
+                "merge_rows of a lego of the other token geometry",
+                lambda impl, lay: lay.merge_rows([self._other_geometry(impl, "lego")]),
+                IncompatibleRowsError,
+            ),
+            (
+                "merge_rows of a plain storage of the other token geometry",
+                lambda impl, lay: lay.merge_rows([self._other_geometry(impl, "plain")]),
+                IncompatibleRowsError,
+            ),
+            (
+                "spec_round_commit without a round",
+                lambda impl, lay: lay.spec_round_commit(),
+                SpeculativeRoundError,
+            ),
+            (
+                "spec_round_rollback(1) without a round",
+                lambda impl, lay: lay.spec_round_rollback(1),
+                SpeculativeRoundError,
+            ),
+            (
+                "the state setter",
+                lambda impl, lay: setattr(lay, "state", lay.state),
+                UnsupportedStateError,
+            ),
+            (f"extract_row({rows})", lambda impl, lay: lay.extract_row(rows), RowIndexError),
+            (
+                f"commit_prefill([{rows}])",
+                lambda impl, lay: lay.commit_prefill([rows]),
+                RowIndexError,
+            ),
+            ("commit_prefill('0')", lambda impl, lay: lay.commit_prefill("0"), InvalidInputError),
+            (f"filter_rows([{rows}])", lambda impl, lay: lay.filter_rows([rows]), RowIndexError),
+        ]
+        if not rows:
+            cases.append(
+                (
+                    "update_and_fetch on a layout without rows",
+                    lambda impl, lay: lay.update_and_fetch(*block(impl, 1)),
+                    LayoutStateError,
+                )
+            )
+            return cases
+        cases += [
+            (
+                f"a block of {rows + 1} rows",
+                lambda impl, lay: lay.update_and_fetch(*block(impl, rows + 1)),
+                InvalidInputError,
+            ),
+            (
+                "a block of head dim 48 (no group divides it)",
+                lambda impl, lay: lay.update_and_fetch(*block(impl, rows, 48)),
+                InvalidInputError,
+            ),
+            ("filter_rows([0, 0])", lambda impl, lay: lay.filter_rows([0, 0]), RowIndexError),
+            (
+                "trim_rows past a row's tokens",
+                lambda impl, lay: lay.trim_rows([t.tokens + 1 for t in slot.rows]),
+                NotTrimmableError,
+            ),
+            (
+                f"trim_rows with {rows + 1} counts",
+                lambda impl, lay: lay.trim_rows([0] * (rows + 1)),
+                InvalidInputError,
+            ),
+            ("commit_prefill([0, 0])", lambda impl, lay: lay.commit_prefill([0, 0]), RowIndexError),
+        ]
+        if slot.ref.phase == "mixed":
+            cases += [
+                (
+                    "a mixed read outside row_reads()",
+                    lambda impl, lay: lay.update_and_fetch(*block(impl, rows)),
+                    MixedPrecisionReadError,
+                ),
+                ("fetch() of mixed rows", lambda impl, lay: lay.fetch(), MixedPrecisionReadError),
+            ]
+        if not slot.ref.reads_pending:
+            queries = random_block(rng, (rows, g.query_heads, 1, g.dim), g.dtype)
+            cases.append(
+                (
+                    "attend_rows without a pending mixed read",
+                    lambda impl, lay: lay.attend_rows(impl.to_native(queries), g.scale),
+                    MixedPrecisionReadError,
+                )
+            )
+        return cases
+
+    # ------------------------------------------------------------------ oracles
+    @invariant()
+    def check_oracles(self) -> None:
+        if self.geo is None:
+            return
+        for track in self.pool:
+            self._check_request(track)
+
+    def _check_request(self, track: Track) -> None:
+        """A pool lego against its solo lego (offset, phase) in both implementations."""
+        if track.kind != "lego":
+            return
+        for impl, lego in zip(self.impls, (track.ref, track.opt), strict=True):
+            self._exact(
+                f"request {track.ident} ({impl.name}): offset, converted",
+                (int(lego.offset), lego.converted),
+                (track.tokens, track.converted_at is not None),
+            )
+
+    def _check_slot(self, slot: Slot, *, rows: bool = False, solos: bool = True) -> None:
+        """Reference vs optimized vs the model; ``rows``: every row's bytes vs its lego;
+        ``solos``: the solo legos converted where the layout did (not between a prefill
+        chunk and its commit)."""
+        what = f"layout {slot.ident} {slot.opt!r}"
+        observed = [self._observed(lay) for lay in (slot.ref, slot.opt)]
+        self._exact(f"{what}: reference vs optimized", observed[1], observed[0])
+        self._exact(f"{what}: vs the model", observed[0], self._expected(slot))
+        pads = [tuple(lay.left_pad) for lay in (slot.ref, slot.opt)]
+        self._exact(f"{what}: left_pad (optimized vs reference)", pads[1], pads[0])
+        if not self.ring:
+            self._exact(f"{what}: left_pad vs the position record", pads[0], tuple(slot.pads))
+        positions = [impl.to_numpy(lay.offset).tolist() for impl, lay in
+                     zip(self.impls, (slot.ref, slot.opt), strict=True)]  # fmt: skip
+        self._exact(f"{what}: positions", positions, [[t.tokens for t in slot.rows]] * 2)
+        for lay in (slot.ref, slot.opt):
+            lay.check_valid()
+        probes = (0, self.g.start, self.g.start + 7)
+        self._exact(
+            f"{what}: projected_bytes (optimized vs reference)",
+            [_answer(slot.opt.projected_bytes, t) for t in probes],
+            [_answer(slot.ref.projected_bytes, t) for t in probes],
+        )
+        for t in slot.rows if solos else ():
+            self._exact(
+                f"{what}: request {t.ident}'s solo legos converted",
+                (t.solo_ref.converted, t.solo_opt.converted),
+                (t.converted_at is not None,) * 2,
+            )
+        self.stats.check("reference vs optimized")
+        self.stats.check("layout model")
+        self.stats.check("converted_at", len(slot.rows))
+        if rows:
+            for b, track in enumerate(slot.rows):
+                got = [lay.extract_row(b) for lay in (slot.ref, slot.opt)]
+                self._check_extracted(f"{what} row {b} at teardown", got, track)
+
+
+def _answer(call: Callable[[int], object], value: int) -> object:
+    """``call(value)``, or the name of the ``KvRowsError`` it raised."""
+    try:
+        return call(value)
+    except KvRowsError as error:
+        return type(error).__name__
+
+
+def _as_mask(impl: Impl, mask: Any) -> Any:
+    if mask is None or isinstance(mask, str):
+        return mask
+    return impl.to_numpy(mask)
