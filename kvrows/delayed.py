@@ -247,6 +247,8 @@ class DelayedRows(SpeculativeRounds):
         self._reads_quantized = False
         self._generation = 0
         self._pending: list[_Part] | None = None
+        #: The last plain or packed read and its group (``attend_last_read``).
+        self._last: tuple[Any, tuple[Any, Any]] | None = None
 
     @classmethod
     def from_specs(
@@ -578,15 +580,16 @@ class DelayedRows(SpeculativeRounds):
             raise MixedPrecisionReadError(MIXED_READ)
 
         def append() -> tuple[Any, Any]:
-            if phase == "plain":
-                reads: tuple[Any, Any] = self._groups[PLAIN].update_and_fetch(keys, values)
-            elif phase == "packed":
-                reads = self._groups[AFFINE].update_and_fetch(keys, values)
-            else:
+            # Drop the last read first: a read held across the write would make the
+            # group's in-place append copy its buffers.
+            self._forget_reads()
+            if phase == "mixed":
                 reads = self._mixed_append(keys, values)
+            else:
+                group = self._groups[AFFINE if phase == "packed" else PLAIN]
+                reads = group.update_and_fetch(keys, values)
+                self._last = (group, reads)
             self._generation += 1
-            if phase != "mixed":
-                self._pending = None
             self._reads_quantized = phase == "packed"
             return reads
 
@@ -613,6 +616,23 @@ class DelayedRows(SpeculativeRounds):
     def reads_pending(self) -> bool:
         """Whether the last append returned a pending pair (mixed rows)."""
         return self._pending is not None
+
+    def _forget_reads(self) -> None:
+        self._pending = None
+        self._last = None
+
+    def attend_last_read(self, queries: Any, mask: Any, scale: float) -> Any:
+        """Attention of ``queries`` over what the last append returned (``None`` when no
+        append has been made since the rows last changed): a mixed read through
+        :meth:`attend_rows`; a plain or packed read through its group's codec with
+        ``mask``, also when the append then converted rows (its read stays the one the
+        model attended, as the serial lego's does)."""
+        if self._pending is not None:
+            return self.attend_rows(queries, scale)
+        if self._last is None:
+            return None
+        group, reads = self._last
+        return group.codec.attend(queries, *reads, mask, scale)
 
     def attend_rows(
         self,
@@ -874,7 +894,7 @@ class DelayedRows(SpeculativeRounds):
                 if self._compose is None:
                     self._compose = source.composed.over
                 source.composed.release()
-        self._pending = None
+        self._forget_reads()
         self._align_groups()
         self._advance()
 
@@ -903,7 +923,7 @@ class DelayedRows(SpeculativeRounds):
             pads = [self._pads[b] for b in order]
             shared = min(pads)
             self._pads = [p - shared for p in pads]
-        self._pending = None
+        self._forget_reads()
         self._align_groups()
 
     def _clear_rows(self) -> None:
@@ -946,7 +966,7 @@ class DelayedRows(SpeculativeRounds):
             rows = self._members(index)
             if rows:
                 group.trim_rows([checked[b] for b in rows])
-        self._pending = None
+        self._forget_reads()
         return max(checked)
 
     def check_valid(self) -> None:

@@ -14,12 +14,13 @@ __all__ = ["attend"]
 
 def attend(queries: mx.array, cache: Cache, mask: Mask, scale: float) -> mx.array:
     """Attention of ``[B, Hq, N, D]`` queries over everything ``cache`` holds now (a
-    delayed layout's last mixed read: each row group through its own codec and mask)."""
+    delayed layout: what its last append returned, a mixed read row group by row group)."""
     if not isinstance(queries, mx.array):
         raise InvalidInputError(f"queries must be an mlx array, got {type(queries).__name__}")
-    if isinstance(cache, DelayedRows) and cache.reads_pending:
-        pending: mx.array = cache.attend_rows(queries, scale)
-        return pending
+    if isinstance(cache, DelayedRows):
+        last: mx.array | None = cache.attend_last_read(queries, mask, scale)
+        if last is not None:
+            return last
     if isinstance(mask, str) and mask != "causal":
         raise InvalidInputError(f"mask must be None, 'causal' or a boolean array, got {mask!r}")
     if not isinstance(cache, HasCodec):

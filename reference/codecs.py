@@ -118,11 +118,12 @@ def attention(
 
 def attend(queries: npt.NDArray[Any], cache: Cache, mask: Mask, scale: float) -> npt.NDArray[Any]:
     """Attention of ``queries`` over everything ``cache`` holds now, through its codec (a
-    delayed layout's last mixed read: each row group through its own codec and mask)."""
+    delayed layout: what its last append returned, a mixed read row group by row group)."""
     dtype_name(queries)
-    if isinstance(cache, DelayedRows) and cache.reads_pending:
-        out: npt.NDArray[Any] = cache.attend_rows(queries, scale)
-        return out
+    if isinstance(cache, DelayedRows):
+        last: npt.NDArray[Any] | None = cache.attend_last_read(queries, mask, scale)
+        if last is not None:
+            return last
     if not isinstance(cache, HasCodec):
         raise InvalidInputError(f"attend needs a kvrows storage, got {type(cache).__name__}")
     codec: Codec = cache.codec
