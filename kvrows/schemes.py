@@ -14,6 +14,7 @@ modifier; filled in by the delayed-quantization issue).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, TypeAlias
 
@@ -202,6 +203,26 @@ class KvStorageScheme:
             seen.add(index)
         if self.quantized_kv_start is not None:
             as_count(self.quantized_kv_start, "quantized_kv_start")
+
+    @classmethod
+    def per_layer(
+        cls,
+        layers: Mapping[int, CodecSpec],
+        *,
+        default: CodecSpec | None = None,
+        quantized_kv_start: int | None = None,
+    ) -> KvStorageScheme:
+        """The seed's per-layer form: the listed layers' codecs (negative indices count
+        from the last layer), every other layer ``default`` (plain)."""
+        if not isinstance(layers, Mapping):
+            raise InvalidInputError(
+                f"per_layer takes a mapping of layer index to codec, got {type(layers).__name__}"
+            )
+        return cls(
+            codec=Plain() if default is None else default,
+            layers=tuple(layers.items()),
+            quantized_kv_start=quantized_kv_start,
+        )
 
     @classmethod
     def parse(cls, text: str) -> KvStorageScheme:

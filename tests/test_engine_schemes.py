@@ -68,3 +68,18 @@ def test_a_duplicate_literal_index_is_refused() -> None:
         KvStorageScheme(layers=((-1, Plain()), (-1, Affine())))
     with pytest.raises(InvalidInputError, match="integer"):
         KvStorageScheme(layers=((True, Plain()),))
+
+
+def test_the_seed_per_layer_form() -> None:
+    """``per_layer``: listed layers' codecs, the rest plain (or ``default``); the same
+    scheme the text form names."""
+    q4, q8 = Affine(bits=4, group_size=32), Affine(bits=8, group_size=64)
+    scheme = KvStorageScheme.per_layer({0: q4, -1: q8}, quantized_kv_start=3)
+    assert scheme == KvStorageScheme.parse("plain,0=affine4:32,-1=affine8:64@3")
+    assert [scheme.codec_for_layer(i, 3) for i in range(3)] == [q4, Plain(), q8]
+    kept = KvStorageScheme.per_layer({0: Plain(), -1: Plain()}, default=q4)
+    assert kept.codec_for_layer(1, 3) == q4 and kept.codec_for_layer(2, 3) == Plain()
+    with pytest.raises(InvalidInputError, match="mapping"):
+        KvStorageScheme.per_layer([(0, q4)])  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="layer index"):
+        KvStorageScheme.per_layer({"0": q4})  # type: ignore[dict-item]
