@@ -384,7 +384,7 @@ FAMILIES: dict[str, Family] = {
         description="plain (unquantized) full-attention KV",
         # Long prompts (past 256 columns) and every check on every append: 80% of the
         # profile keeps the CI profile near a minute per layout on one core.
-        examples=0.8,
+        examples=0.65,
     ),
     "affine": Family(
         name="affine",
@@ -410,7 +410,7 @@ FAMILIES: dict[str, Family] = {
         machine=_ring_machine,
         # An example drives four implementations of a ring (reference, optimized, mlx-lm
         # twins and the model) through every wrap.
-        examples=0.35,
+        examples=0.3,
     ),
     # Verify rounds on every storage's verify layout (two codecs, two geometries): each
     # layout names its serial class, machine, tolerance key and mlx-lm peer.
@@ -438,7 +438,7 @@ FAMILIES: dict[str, Family] = {
         machine=_delayed_machine,
         # Each example runs solo legos in both implementations for every row: 75 examples
         # per layout keep the family near 25 s on one core.
-        examples=0.5,
+        examples=0.4,
     ),
 }
 
