@@ -213,7 +213,8 @@ def test_affine_codec_sweep(codec: tuple[int, int], layout: str) -> None:
         name=f"AffineSweep{layout}Bits{codec[0]}Group{codec[1]}",
     )
     settings = profile_settings(
-        max_examples=max(4, profile.max_examples // 40), stateful_step_count=max(20, profile.steps // 2)
+        max_examples=max(4, profile.max_examples // 40),
+        stateful_step_count=max(20, profile.steps // 2),
     )
     run_state_machine_as_test(machine, settings=settings)
     assert stats.examples > 0
