@@ -38,7 +38,7 @@ typecheck: install
 PYTEST_WORKERS ?= 2
 
 pytest: install
-	$(BIN)/pytest -q -n $(PYTEST_WORKERS)
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist worksteal
 
 test: lint typecheck pytest
 

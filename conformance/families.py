@@ -269,6 +269,9 @@ class Family:
     #: The share of the profile's ``max_examples`` the family's machines run (an example of
     #: a costlier family takes longer; ``runner.family_settings`` applies it).
     examples: float = 1.0
+    #: The share of the profile's steps per example (long sequences cost more than
+    #: linearly: the pool and layouts grow); ``runner.family_settings`` applies it.
+    steps: float = 1.0
 
     def layout(self, name: str) -> LayoutSpec:
         for spec in self.layouts:
@@ -384,7 +387,8 @@ FAMILIES: dict[str, Family] = {
         description="plain (unquantized) full-attention KV",
         # Long prompts (past 256 columns) and every check on every append: 80% of the
         # profile keeps the CI profile near a minute per layout on one core.
-        examples=0.65,
+        examples=0.9,
+        steps=0.9,
     ),
     "affine": Family(
         name="affine",
@@ -397,6 +401,7 @@ FAMILIES: dict[str, Family] = {
         # Six planes per row and quantized attention: an example costs about twice a
         # plain one.
         examples=0.3,
+        steps=0.9,
     ),
     # Sliding-window rings, both codecs: each layout names its serial ring and codec.
     "rotating": Family(
@@ -410,7 +415,7 @@ FAMILIES: dict[str, Family] = {
         machine=_ring_machine,
         # An example drives four implementations of a ring (reference, optimized, mlx-lm
         # twins and the model) through every wrap.
-        examples=0.3,
+        examples=0.35,
     ),
     # Verify rounds on every storage's verify layout (two codecs, two geometries): each
     # layout names its serial class, machine, tolerance key and mlx-lm peer.
@@ -425,6 +430,7 @@ FAMILIES: dict[str, Family] = {
         # Each example runs rounds with a solo replay per row, round misuse and mlx-lm's
         # rollback: 33 examples per layout keep the family near 40 s on two workers.
         examples=0.22,
+        steps=0.9,
     ),
     # Delayed layouts (rows that convert to affine at their own boundary), full attention
     # and rings: their own machine (``conformance.delayed``) with solo legos.
@@ -438,7 +444,7 @@ FAMILIES: dict[str, Family] = {
         machine=_delayed_machine,
         # Each example runs solo legos in both implementations for every row: 75 examples
         # per layout keep the family near 25 s on one core.
-        examples=0.4,
+        examples=0.5,
     ),
 }
 

@@ -90,12 +90,16 @@ def family_settings(
     family: Family, profile: str | None = None, **overrides: object
 ) -> hypothesis.settings:
     """``profile``'s settings for ``family``'s machines: ``max_examples`` scaled by
-    ``family.examples`` unless ``overrides`` name it."""
+    ``family.examples`` and the steps per example by ``family.steps``, each unless
+    ``overrides`` name it."""
     base = profile_settings(profile, **overrides)
-    if "max_examples" in overrides or family.examples == 1.0:
-        return base
-    scaled = max(1, round(base.max_examples * family.examples))
-    return hypothesis.settings(base, max_examples=scaled)
+    if "max_examples" not in overrides and family.examples != 1.0:
+        scaled = max(1, round(base.max_examples * family.examples))
+        base = hypothesis.settings(base, max_examples=scaled)
+    if "stateful_step_count" not in overrides and family.steps != 1.0:
+        steps = max(1, round(base.stateful_step_count * family.steps))
+        base = hypothesis.settings(base, stateful_step_count=steps)
+    return base
 
 
 def run_machines(
