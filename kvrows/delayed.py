@@ -50,7 +50,7 @@ from kvrows.errors import (
     self_merge_message,
 )
 from kvrows.forms import DELAYED_PLAIN, delayed_state, parse_delayed_state
-from kvrows.lego import Bf16First, conversion_due, lego_arguments
+from kvrows.lego import Bf16First, ConversionBoundary, conversion_due, lego_arguments
 from kvrows.schemes import Affine, GeometrySpec, Growing, Plain
 from kvrows.speculative import SpeculativeRounds, check_keep_vector
 from kvrows.validation import KvGeometry, as_count, check_keep, check_row
@@ -159,7 +159,7 @@ def delayed_layout_for(lego: Bf16First) -> type[DelayedRows]:
         ) from None
 
 
-class DelayedRows(SpeculativeRounds):
+class DelayedRows(ConversionBoundary, SpeculativeRounds):
     """The delayed layout's logic (see the module docstring).
 
     An implementation's class sets ``composition``, ``plain_group_class``,
@@ -273,20 +273,8 @@ class DelayedRows(SpeculativeRounds):
 
     # -- what it is ------------------------------------------------------------------------
     @property
-    def start(self) -> int:
-        return self._start
-
-    @property
-    def quantization(self) -> Affine:
-        return self._quantization
-
-    @property
     def codec_spec(self) -> Affine:
         return self._quantization
-
-    @property
-    def token_geometry(self) -> GeometrySpec:
-        return self._token_geometry
 
     @property
     def geometry(self) -> KvGeometry | None:
@@ -498,24 +486,6 @@ class DelayedRows(SpeculativeRounds):
             if group == PLAIN and offset < self._start
         ]
         return min(limits, default=math.inf)
-
-    @property
-    def bits(self) -> int:
-        """Visible only while the last append returned quantized reads (mlx-lm's attention
-        asks ``hasattr(cache, "bits")`` to pick its quantized path)."""
-        if not self._reads_quantized:
-            raise AttributeError(
-                f"{type(self).__name__} did not return quantized reads on its last append"
-            )
-        return self._quantization.bits
-
-    @property
-    def group_size(self) -> int:
-        if not self._reads_quantized:
-            raise AttributeError(
-                f"{type(self).__name__} did not return quantized reads on its last append"
-            )
-        return self._quantization.group_size
 
     # -- appends and reads -----------------------------------------------------------------
     def make_mask(

@@ -30,6 +30,7 @@ from kvrows.validation import KvGeometry, as_count
 
 __all__ = [
     "Bf16First",
+    "ConversionBoundary",
     "FullAttentionLego",
     "LegoComposition",
     "SlidingWindowLego",
@@ -69,7 +70,51 @@ class LegoComposition:
         return fresh
 
 
-class Bf16First:
+class ConversionBoundary:
+    """What a lego and a delayed layout share: the affine codec they convert to, the token
+    geometry, the boundary ``start``, and ``bits`` / ``group_size`` visible only while the
+    last append returned quantized reads (mlx-lm's attention asks ``hasattr(cache,
+    "bits")`` right after ``update_and_fetch`` to pick its quantized path, and a converting
+    append returns plain keys and values)."""
+
+    _quantization: Affine
+    _token_geometry: GeometrySpec
+    _start: int
+    _reads_quantized: bool
+
+    @property
+    def start(self) -> int:
+        """The bf16-first boundary: the offset at which a row converts."""
+        return self._start
+
+    @property
+    def quantization(self) -> Affine:
+        """The affine codec rows convert to."""
+        return self._quantization
+
+    @property
+    def token_geometry(self) -> GeometrySpec:
+        return self._token_geometry
+
+    def _quantized_reads(self, what: str) -> None:
+        if not self._reads_quantized:
+            raise AttributeError(
+                f"{type(self).__name__} reads plain keys and values now ({what} appears once "
+                "an append returns quantized ones)"
+            )
+
+    @property
+    def bits(self) -> int:
+        self._quantized_reads("bits")
+        return self._quantization.bits
+
+    @property
+    def group_size(self) -> int:
+        self._quantized_reads("group_size")
+        return self._quantization.group_size
+
+
+class Bf16First(ConversionBoundary):
     """The lego's wrapper logic over one storage (see the module docstring).
 
     Implementations set ``plain_class`` / ``affine_class`` per geometry and implement
@@ -175,21 +220,6 @@ class Bf16First:
 
     # -- what the lego is ----------------------------------------------------------------------
     @property
-    def start(self) -> int:
-        """The bf16-first boundary: the offset at which an append converts."""
-        return self._start
-
-    @property
-    def quantization(self) -> Affine:
-        """The affine codec the lego converts to (``bits`` / ``group_size`` are readable
-        only while reads are quantized: see ``bits``)."""
-        return self._quantization
-
-    @property
-    def token_geometry(self) -> GeometrySpec:
-        return self._token_geometry
-
-    @property
     def storage(self) -> Any:
         """The current storage (borrowed: the lego keeps using it)."""
         return self._storage
@@ -217,29 +247,6 @@ class Bf16First:
     def composed(self) -> LegoComposition:
         """``release()`` / ``over(storage)`` (``spec/bf16-first.md``)."""
         return LegoComposition(self)
-
-    @property
-    def bits(self) -> int:
-        """The affine bits, visible only while the last append returned quantized reads:
-        mlx-lm's attention asks ``hasattr(cache, "bits")`` right after
-        ``update_and_fetch`` to pick its quantized path, and the converting append
-        returns plain keys and values."""
-        if not self._reads_quantized:
-            raise AttributeError(
-                f"{type(self).__name__} reads plain keys and values now (bits appears once "
-                "an append returns quantized ones)"
-            )
-        return self._quantization.bits
-
-    @property
-    def group_size(self) -> int:
-        """The affine group size, visible exactly when ``bits`` is."""
-        if not self._reads_quantized:
-            raise AttributeError(
-                f"{type(self).__name__} reads plain keys and values now (group_size appears "
-                "once an append returns quantized ones)"
-            )
-        return self._quantization.group_size
 
     # -- the storage's surface -----------------------------------------------------------------
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
