@@ -17,11 +17,11 @@ array type (NumPy in the reference, MLX in the optimized one).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
 from kvrows.affine_geometry import groups, packed_width
 from kvrows.errors import InvalidInputError
-from kvrows.schemes import Affine, CodecSpec, Plain
+from kvrows.schemes import Affine, CodecSpec, Plain, Turbo
 from kvrows.validation import KvGeometry
 
 __all__ = [
@@ -29,6 +29,10 @@ __all__ = [
     "Codec",
     "CodecLayout",
     "PlaneSpec",
+    "Role",
+    "TURBO_GROUP",
+    "TURBO_HEAD_DIMS",
+    "check_turbo_dim",
     "codec_plane_specs",
     "codec_token_bytes",
 ]
@@ -42,6 +46,24 @@ DTYPE_SIZES: dict[str, int] = {
     "uint8": 1,
     "int8": 1,
 }
+
+
+#: Which tensor of a KV pair a block is. Plain and affine store both alike; TurboQuant
+#: stores keys (asymmetric affine) and values (rotated Lloyd-Max) differently, so every
+#: codec operation that depends on the layout takes the role (default ``"keys"``).
+Role: TypeAlias = Literal["keys", "values"]
+
+#: TurboQuant: head dims it stores, and the group size of its scales (``spec/turbo-codec.md``).
+TURBO_HEAD_DIMS: tuple[int, ...] = (64, 128, 256, 512)
+TURBO_GROUP = 32
+
+
+def check_turbo_dim(dim: int) -> None:
+    """Raise ``InvalidInputError`` unless TurboQuant stores heads of ``dim``."""
+    if dim not in TURBO_HEAD_DIMS:
+        raise InvalidInputError(
+            f"TurboQuant stores head dims {TURBO_HEAD_DIMS}, got {dim}"
+        )
 
 
 @dataclass(frozen=True)
@@ -78,24 +100,28 @@ class Codec(Protocol):
         """Raise ``InvalidInputError`` if this codec cannot store heads of ``geometry``."""
         ...
 
-    def encode(self, block: Any) -> tuple[Any, ...]:
-        """The planes storing ``block`` (``[B, H, T, D]``), token axis 2."""
+    def encode(self, block: Any, role: Role = "keys") -> tuple[Any, ...]:
+        """The planes storing ``block`` (``[B, H, T, D]``) as ``role``, token axis 2."""
         ...
 
-    def fetched(self, planes: tuple[Any, ...]) -> Any:
-        """What ``update_and_fetch`` returns for these planes (an array, or the planes)."""
+    def fetched(self, planes: tuple[Any, ...], role: Role = "keys") -> Any:
+        """What ``update_and_fetch`` returns for ``role``'s planes (an array, or the planes)."""
         ...
 
-    def zeros(self, rows: int, heads: int, columns: int, dim: int, dtype: str) -> tuple[Any, ...]:
-        """Zero planes of ``columns`` tokens for ``rows`` rows."""
+    def zeros(
+        self, rows: int, heads: int, columns: int, dim: int, dtype: str, role: Role = "keys"
+    ) -> tuple[Any, ...]:
+        """Zero planes of ``columns`` tokens for ``rows`` rows of ``role``."""
         ...
 
-    def plane_specs(self, name: str, dim: int, dtype: str) -> tuple[PlaneSpec, ...]:
-        """The planes one ``[·, H, ·, dim]`` tensor named ``name`` is stored as."""
+    def plane_specs(
+        self, name: str, dim: int, dtype: str, role: Role = "keys"
+    ) -> tuple[PlaneSpec, ...]:
+        """The planes one ``[·, H, ·, dim]`` tensor named ``name`` of ``role`` is stored as."""
         ...
 
-    def token_bytes(self, heads: int, dim: int, dtype: str) -> int:
-        """Bytes one token of one row takes for a tensor of ``heads`` x ``dim``."""
+    def token_bytes(self, heads: int, dim: int, dtype: str, role: Role = "keys") -> int:
+        """Bytes one token of one row takes for a ``role`` tensor of ``heads`` x ``dim``."""
         ...
 
     def attend(self, queries: Any, keys: Any, values: Any, mask: Any, scale: float) -> Any:
@@ -104,8 +130,11 @@ class Codec(Protocol):
         ...
 
 
-def codec_plane_specs(spec: CodecSpec, name: str, dim: int, dtype: str) -> tuple[PlaneSpec, ...]:
-    """The planes ``spec`` stores a ``[·, H, T, dim]`` tensor of ``dtype`` as (token axis 2)."""
+def codec_plane_specs(
+    spec: CodecSpec, name: str, dim: int, dtype: str, role: Role = "keys"
+) -> tuple[PlaneSpec, ...]:
+    """The planes ``spec`` stores a ``[·, H, T, dim]`` ``role`` tensor of ``dtype`` as
+    (token axis 2)."""
     if isinstance(spec, Plain):
         return (PlaneSpec(name, 2, dtype, dim),)
     if isinstance(spec, Affine):
@@ -115,14 +144,30 @@ def codec_plane_specs(spec: CodecSpec, name: str, dim: int, dtype: str) -> tuple
             PlaneSpec(f"{name}.scales", 2, dtype, count),
             PlaneSpec(f"{name}.biases", 2, dtype, count),
         )
+    if isinstance(spec, Turbo):
+        count = dim // TURBO_GROUP
+        if role == "keys":  # kIdx, kScales, kZeros (8-bit: int8 unpacked)
+            codes = "int8" if spec.k_bits == 8 else "uint8"
+            return (
+                PlaneSpec(name, 2, codes, dim * spec.k_bits // 8),
+                PlaneSpec(f"{name}.scales", 2, "float16", count),
+                PlaneSpec(f"{name}.zeros", 2, "float16", count),
+            )
+        return (  # vPacked, vScales
+            PlaneSpec(name, 2, "uint8", dim * spec.v_bits // 8),
+            PlaneSpec(f"{name}.scales", 2, "float16", count),
+        )
     raise InvalidInputError(f"no storage implements the {spec.kind} codec yet")
 
 
-def codec_token_bytes(spec: CodecSpec, heads: int, dim: int, dtype: str) -> int:
-    """Bytes one token of one row takes under ``spec`` for ``heads`` x ``dim`` values."""
+def codec_token_bytes(
+    spec: CodecSpec, heads: int, dim: int, dtype: str, role: Role = "keys"
+) -> int:
+    """Bytes one token of one row takes under ``spec`` for ``heads`` x ``dim`` ``role``
+    values."""
     return heads * sum(
         DTYPE_SIZES[plane.dtype] * plane.width
-        for plane in codec_plane_specs(spec, name="t", dim=dim, dtype=dtype)
+        for plane in codec_plane_specs(spec, name="t", dim=dim, dtype=dtype, role=role)
     )
 
 
@@ -137,9 +182,11 @@ class CodecLayout:
         """Identity of the codec and its parameters (rows of different keys never mix)."""
         return self.spec.key
 
-    def plane_specs(self, name: str, dim: int, dtype: str) -> tuple[PlaneSpec, ...]:
-        return codec_plane_specs(self.spec, name, dim, dtype)
+    def plane_specs(
+        self, name: str, dim: int, dtype: str, role: Role = "keys"
+    ) -> tuple[PlaneSpec, ...]:
+        return codec_plane_specs(self.spec, name, dim, dtype, role)
 
-    def token_bytes(self, heads: int, dim: int, dtype: str) -> int:
+    def token_bytes(self, heads: int, dim: int, dtype: str, role: Role = "keys") -> int:
         """Bytes one token of one row occupies."""
-        return codec_token_bytes(self.spec, heads, dim, dtype)
+        return codec_token_bytes(self.spec, heads, dim, dtype, role)

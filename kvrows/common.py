@@ -21,6 +21,7 @@ __all__ = [
     "ComposedIdentity",
     "PlaneHolder",
     "SavedState",
+    "TurboParameters",
     "check_counts",
     "row_bytes",
 ]
@@ -100,8 +101,24 @@ class ComposedIdentity:
         if g is None:
             return ()
         keys: tuple[PlaneSpec, ...] = self.codec.plane_specs("keys", g.key_dim, g.dtype)
-        values: tuple[PlaneSpec, ...] = self.codec.plane_specs("values", g.value_dim, g.dtype)
+        values: tuple[PlaneSpec, ...] = self.codec.plane_specs(
+            "values", g.value_dim, g.dtype, "values"
+        )
         return keys + values
+
+
+class TurboParameters:
+    """``k_bits`` and ``v_bits`` of a cache over the TurboQuant codec."""
+
+    codec: Any
+
+    @property
+    def k_bits(self) -> int:
+        return int(self.codec.k_bits)
+
+    @property
+    def v_bits(self) -> int:
+        return int(self.codec.v_bits)
 
 
 class AffineParameters:
@@ -129,8 +146,8 @@ def row_bytes(
             "(geometry=KvGeometry(...)) or append a token first"
         )
     per_token = codec.token_bytes(
-        geometry.heads, geometry.key_dim, geometry.dtype
-    ) + codec.token_bytes(geometry.heads, geometry.value_dim, geometry.dtype)
+        geometry.heads, geometry.key_dim, geometry.dtype, "keys"
+    ) + codec.token_bytes(geometry.heads, geometry.value_dim, geometry.dtype, "values")
     stored = count if cap is None else int(min(count, cap))
     return int(per_token) * stored
 

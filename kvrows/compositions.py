@@ -120,6 +120,7 @@ def _plain_growing(
 
 _AFFINE = ("group_size", "bits")
 _RING = ("max_size", "keep")
+_TURBO = ("k_bits", "v_bits")
 _RING_AFFINE = ("max_size", "group_size", "bits", "keep")
 
 #: The seed's classes in the seed's ``ROW_LAYOUTS`` order (subclasses first), landed and
@@ -206,8 +207,9 @@ COMPOSITIONS: tuple[Composition, ...] = (
                 modifiers=frozenset({"delayed", "speculative"}),
                 summary="rows that convert to affine at their own boundary"),
     Composition(name="BatchedTurboQuantKVCache", codec="turbo", geometry="growing",
-                arrangement="ragged", signature="kv:batched-turbo", serial="TurboQuantKVCache",
-                roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"speculative"}), issue=12,
+                arrangement="ragged", signature="kv:batched-turboquant:{k_bits}:{v_bits}",
+                params=_TURBO, serial="TurboQuantKVCache",
+                roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"speculative"}),
                 summary="TurboQuant rows, all three roles"),
     # -- plain and affine full attention ---------------------------------------------
     _plain_growing("BatchedKVCache", "ragged", "kv:batched-positions", serial="KVCache",
@@ -224,10 +226,10 @@ COMPOSITIONS: tuple[Composition, ...] = (
                 roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"speculative"}), issue=14,
                 summary="recurrent rows: snapshot + replay rollback"),
     Composition(name="TurboQuantKVCache", codec="turbo", geometry="growing", arrangement="serial",
-                signature="kv:turbo",
+                signature="kv:turboquant:{k_bits}:{v_bits}", params=_TURBO,
                 roles=Roles("BatchedTurboQuantKVCache", "BatchedTurboQuantKVCache",
                             "BatchedTurboQuantKVCache"),
-                issue=12, summary="serial TurboQuant full attention"),
+                peers=("KVCache",), summary="serial TurboQuant full attention"),
     Composition(name="SSMCache", codec="state", geometry="recurrent", arrangement="serial",
                 signature="ssm", roles=Roles("BatchedSSMCache", "BatchedSSMCache", "BatchedSSMCache"),
                 peers=("ArraysCache", "MambaCache"), issue=14,
@@ -274,7 +276,7 @@ def layouts_of(serial: str) -> tuple[Composition, ...]:
     return tuple(sorted(rows, key=lambda c: (c.name != decode, order.get(c.arrangement, 2))))
 
 
-_DEFAULTS: dict[str, int] = {"group_size": 64, "bits": 8, "keep": 0}
+_DEFAULTS: dict[str, int] = {"group_size": 64, "bits": 8, "keep": 0, "k_bits": 8, "v_bits": 3}
 
 
 def bind_arguments(
@@ -345,6 +347,8 @@ def _codec_spec(entry: Composition, numbers: Mapping[str, int]) -> CodecSpec:
         return Affine(bits=numbers["bits"], group_size=numbers["group_size"])
     if entry.codec == "plain":
         return Plain()
+    if entry.codec == "turbo":
+        return Turbo(k_bits=numbers["k_bits"], v_bits=numbers["v_bits"])
     raise InvalidInputError(f"{entry.name} ({entry.codec} codec) is not implemented yet")
 
 

@@ -9,7 +9,7 @@ the entry, and ``kvrows.optimized`` registers every declared class with one call
 
 from __future__ import annotations
 
-from kvrows.common import AffineParameters
+from kvrows.common import AffineParameters, TurboParameters
 from kvrows.compositions import composition
 from kvrows.optimized.batch_dropin import LayoutBatchOps, SerialMerge
 from kvrows.optimized.dropin import LayoutDropIn, SerialDropIn
@@ -33,6 +33,8 @@ __all__ = [
     "RotatingQuantizedKVCache",
     "SpeculativeRotatingAffineLayout",
     "SpeculativeRotatingKVCache",
+    "TurboQuantKVCache",
+    "BatchedTurboQuantKVCache",
 ]
 
 # -- full attention ----------------------------------------------------------------------
@@ -83,6 +85,27 @@ class BatchedQuantizedKVCache(
     """Prefill/verify layout of ``QuantizedKVCache``: ragged (``spec/BatchedQuantizedKVCache.md``)."""
 
     composition = composition("BatchedQuantizedKVCache")
+
+
+class TurboQuantKVCache(SerialDropIn, SerialMerge, TurboParameters, GrowingGeometry, Serial):
+    """Serial TurboQuant full attention (``spec/TurboQuantKVCache.md``)."""
+
+    composition = composition("TurboQuantKVCache")
+
+
+class BatchedTurboQuantKVCache(
+    RowAlignment,
+    SpeculativeLayout,
+    LayoutDropIn,
+    LayoutBatchOps,
+    TurboParameters,
+    GrowingGeometry,
+    Layout,
+):
+    """TurboQuant rows in all three roles: ragged, with verify rounds
+    (``spec/BatchedTurboQuantKVCache.md``)."""
+
+    composition = composition("BatchedTurboQuantKVCache")
 
 
 # -- sliding window ----------------------------------------------------------------------

@@ -15,16 +15,19 @@ from typing import Any
 import mlx.core as mx
 
 from kvrows.affine_geometry import groups, packed_width, validate_codec
-from kvrows.codec import CodecLayout
+from kvrows.codec import CodecLayout, Role, check_turbo_dim
 from kvrows.errors import InvalidInputError
 from kvrows.protocols import Mask
-from kvrows.schemes import Affine, CodecSpec, Plain
+from kvrows.optimized import turbo_codec
+from kvrows.schemes import Affine, CodecSpec, Plain, Turbo
 from kvrows.validation import KvGeometry
 
 __all__ = [
     "AffineCodec",
     "PlainCodec",
     "Planes",
+    "TurboCodec",
+    "eager_attention",
     "dtype_name",
     "make_codec",
     "mlx_dtype",
@@ -64,13 +67,15 @@ class PlainCodec(CodecLayout):
     def check(self, geometry: KvGeometry) -> None:
         return None
 
-    def encode(self, block: Any) -> Planes:
+    def encode(self, block: Any, role: Role = "keys") -> Planes:
         return (block,)
 
-    def fetched(self, planes: tuple[Any, ...]) -> Any:
+    def fetched(self, planes: tuple[Any, ...], role: Role = "keys") -> Any:
         return planes[0]
 
-    def zeros(self, rows: int, heads: int, columns: int, dim: int, dtype: str) -> Planes:
+    def zeros(
+        self, rows: int, heads: int, columns: int, dim: int, dtype: str, role: Role = "keys"
+    ) -> Planes:
         return (mx.zeros((rows, heads, columns, dim), dtype=mlx_dtype(dtype)),)
 
     def attend(self, queries: Any, keys: Any, values: Any, mask: Any, scale: float) -> Any:
@@ -94,16 +99,18 @@ class AffineCodec(CodecLayout):
             except InvalidInputError as error:
                 raise InvalidInputError(f"{name} head dim {dim}: {error}") from None
 
-    def encode(self, block: Any) -> Planes:
+    def encode(self, block: Any, role: Role = "keys") -> Planes:
         packed, scales, biases = mx.quantize(
             block, group_size=self.group_size, bits=self.bits, mode="affine"
         )
         return packed, scales, biases
 
-    def fetched(self, planes: tuple[Any, ...]) -> Any:
+    def fetched(self, planes: tuple[Any, ...], role: Role = "keys") -> Any:
         return tuple(planes)
 
-    def zeros(self, rows: int, heads: int, columns: int, dim: int, dtype: str) -> Planes:
+    def zeros(
+        self, rows: int, heads: int, columns: int, dim: int, dtype: str, role: Role = "keys"
+    ) -> Planes:
         scale_dtype = mlx_dtype(dtype)
         width, count = packed_width(dim, self.bits), groups(dim, self.group_size)
         return (
@@ -116,13 +123,95 @@ class AffineCodec(CodecLayout):
         return quantized_attention(queries, keys, values, mask, scale, self.group_size, self.bits)
 
 
+_PLANE_DTYPES: dict[str, mx.Dtype] = {**_DTYPES, "uint8": mx.uint8, "int8": mx.int8}
+
+
+class TurboCodec(CodecLayout):
+    """TurboQuant (``spec/turbo-codec.md``): keys as planes ``(kIdx, kScales, kZeros)``,
+    values as ``(vPacked, vScales)``; codes and scales bit-identical to the reference's.
+
+    A read returns keys dequantized and values **still rotated**, both bfloat16; ``attend``
+    runs ``mx.fast`` SDPA over them and un-rotates the output once per query row, so no
+    full-precision copy of V is made. :func:`eager_attention` decodes V first (the oracle).
+    """
+
+    spec: Turbo
+
+    def __init__(self, spec: Turbo) -> None:
+        self.spec = spec
+        self.k_bits = spec.k_bits
+        self.v_bits = spec.v_bits
+
+    def check(self, geometry: KvGeometry) -> None:
+        for name, dim in (("key", geometry.key_dim), ("value", geometry.value_dim)):
+            try:
+                check_turbo_dim(dim)
+            except InvalidInputError as error:
+                raise InvalidInputError(f"{name} head dim {dim}: {error}") from None
+
+    def encode(self, block: Any, role: Role = "keys") -> Planes:
+        if role == "keys":
+            return turbo_codec.encode_keys(block, self.k_bits)
+        return turbo_codec.encode_values(block, self.v_bits)
+
+    def decode(self, planes: Planes, role: Role = "keys") -> mx.array:
+        """``role``'s tokens fully decoded, float32 (values un-rotated: the eager path)."""
+        if role == "keys":
+            return turbo_codec.decode_keys(*planes, self.k_bits)
+        return turbo_codec.decode_values(*planes, self.v_bits)
+
+    def fetched(self, planes: tuple[Any, ...], role: Role = "keys") -> Any:
+        if role == "keys":
+            return turbo_codec.decode_keys(*planes, self.k_bits).astype(mx.bfloat16)
+        return turbo_codec.rotated_values(*planes, self.v_bits).astype(mx.bfloat16)
+
+    def zeros(
+        self, rows: int, heads: int, columns: int, dim: int, dtype: str, role: Role = "keys"
+    ) -> Planes:
+        return tuple(
+            mx.zeros((rows, heads, columns, p.width), dtype=_PLANE_DTYPES[p.dtype])
+            for p in self.plane_specs("t", dim, dtype, role)
+        )
+
+    def attend(self, queries: Any, keys: Any, values: Any, mask: Any, scale: float) -> Any:
+        """Deferred V: SDPA over the keys and the rotated values, then the output
+        un-rotated (float32 Hadamard, then the signs, cast back to the queries' dtype)."""
+        out = _sdpa(queries, keys, values, mask, scale)
+        return turbo_codec.unrotate(out)
+
+
+def _sdpa(queries: mx.array, keys: mx.array, values: mx.array, mask: Any, scale: float) -> Any:
+    dtype = queries.dtype
+    return mx.fast.scaled_dot_product_attention(
+        queries, keys.astype(dtype), values.astype(dtype), scale=scale, mask=mask
+    )
+
+
+def eager_attention(
+    codec: TurboCodec,
+    queries: mx.array,
+    key_planes: Planes,
+    value_planes: Planes,
+    mask: Any,
+    scale: float,
+) -> mx.array:
+    """The eager oracle of :meth:`TurboCodec.attend`: keys and values fully decoded
+    (bfloat16, as a read returns them), then SDPA."""
+    keys = codec.decode(key_planes, "keys").astype(mx.bfloat16)
+    values = codec.decode(value_planes, "values").astype(mx.bfloat16)
+    out: mx.array = _sdpa(queries, keys, values, mask, scale)
+    return out
+
+
 @cache
-def make_codec(spec: CodecSpec) -> PlainCodec | AffineCodec:
+def make_codec(spec: CodecSpec) -> PlainCodec | AffineCodec | TurboCodec:
     """The codec a spec names (one shared instance per spec: codecs hold no state)."""
     if isinstance(spec, Plain):
         return PlainCodec(spec)
     if isinstance(spec, Affine):
         return AffineCodec(spec)
+    if isinstance(spec, Turbo):
+        return TurboCodec(spec)
     raise InvalidInputError(f"the optimized implementation has no {spec.kind} codec yet")
 
 

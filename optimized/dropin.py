@@ -84,7 +84,7 @@ def _write_held(cache: Storage, side: str, value: object) -> None:
             f"{name} cannot be set to None on a cache holding tokens: forget tokens with "
             "trim(n), or build a new cache"
         )
-    current = cache.codec.fetched(cache._visible(planes))
+    current = cache.codec.fetched(cache._visible(planes), "keys" if side == "keys" else "values")
     if not isinstance(value, mx.array) or value.shape != current.shape:
         got = f"shape {tuple(value.shape)}" if isinstance(value, mx.array) else type(value)
         raise InvalidInputError(
@@ -124,8 +124,8 @@ def _quantized(cache: Storage, group_size: int, bits: int) -> Storage:
         if attribute not in _NOT_COPIED:
             setattr(fresh, attribute, copy.deepcopy(value))
     if cache._keys is not None and cache._values is not None:
-        fresh._keys = codec.encode(cache._keys[0])
-        fresh._values = codec.encode(cache._values[0])
+        fresh._keys = codec.encode(cache._keys[0], "keys")
+        fresh._values = codec.encode(cache._values[0], "values")
         mx.eval(*fresh._keys, *fresh._values)
     fresh._changed()
     return fresh

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from kvrows.codec import Role
 from kvrows.errors import KvRowsError
 from kvrows.optimized.codecs import Planes
 from kvrows.optimized.rows import RowWindow, Serial, Storage, spare_slots
@@ -109,16 +110,16 @@ class GrowingGeometry(Storage):
         least = batch if isinstance(self, Serial) else spare_slots(batch)
         slots = max(slots or 0, least)
 
-        def moved(old: Planes | None, dim: int) -> Planes:
-            fresh = self.codec.zeros(slots, geometry.heads, capacity, dim, geometry.dtype)
+        def moved(old: Planes | None, dim: int, role: Role) -> Planes:
+            fresh = self.codec.zeros(slots, geometry.heads, capacity, dim, geometry.dtype, role)
             if old is None or width == 0:
                 return fresh
             for new, plane in zip(fresh, old, strict=True):
                 new[:batch, :, shift : shift + width] = plane[:batch, :, origin : origin + width]
             return fresh
 
-        self._keys = moved(self._keys, geometry.key_dim)
-        self._values = moved(self._values, geometry.value_dim)
+        self._keys = moved(self._keys, geometry.key_dim, "keys")
+        self._values = moved(self._values, geometry.value_dim, "values")
         self._origin = 0
 
     def _place(self, incoming: list[RowWindow], geometry: KvGeometry | None) -> None:
@@ -184,8 +185,8 @@ class GrowingGeometry(Storage):
         covered = covered[:, None, :, None]
         slots, capacity = spare_slots(batch), round_up(width + 1)
 
-        def aligned(old: Planes, dim: int) -> Planes:
-            fresh = self.codec.zeros(slots, geometry.heads, capacity, dim, geometry.dtype)
+        def aligned(old: Planes, dim: int, role: Role) -> Planes:
+            fresh = self.codec.zeros(slots, geometry.heads, capacity, dim, geometry.dtype, role)
             if width == 0:
                 return fresh  # every row is empty (and MLX faults on empty gathers)
             for new, plane in zip(fresh, old, strict=True):
@@ -193,8 +194,8 @@ class GrowingGeometry(Storage):
                 new[:batch, :, :width] = mx.where(covered, rows, mx.zeros_like(rows))
             return fresh
 
-        self._keys = aligned(self._keys, geometry.key_dim)
-        self._values = aligned(self._values, geometry.value_dim)
+        self._keys = aligned(self._keys, geometry.key_dim, "keys")
+        self._values = aligned(self._values, geometry.value_dim, "values")
         self._origin = 0
         self._pads = pads
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from kvrows.codec import Role
 from kvrows.common import row_bytes
 from kvrows.errors import (
     NotTrimmableError,
@@ -76,8 +77,8 @@ def _stacked(
     """Fresh key and value planes of ``columns`` tokens holding ``rows`` (their windows in
     time order), each right-aligned to ``columns`` or left-aligned at column 0."""
     count, heads, dtype = len(rows), geometry.heads, geometry.dtype
-    keys = codec.zeros(count, heads, columns, geometry.key_dim, dtype)
-    values = codec.zeros(count, heads, columns, geometry.value_dim, dtype)
+    keys = codec.zeros(count, heads, columns, geometry.key_dim, dtype, "keys")
+    values = codec.zeros(count, heads, columns, geometry.value_dim, dtype, "values")
     for row, ((k, v, _), length) in enumerate(zip(rows, lengths, strict=True)):
         if k is None or v is None or length == 0:
             continue
@@ -323,8 +324,10 @@ class SharedRing(RingGeometry):
         """Grow the sink block to ``lead`` columns (only while every row is shorter than
         ``keep``: rare and small)."""
         rows, heads, extra = len(self._offsets), geometry.heads, lead - self._lead
-        zeros_k = self.codec.zeros(rows, heads, extra, geometry.key_dim, geometry.dtype)
-        zeros_v = self.codec.zeros(rows, heads, extra, geometry.value_dim, geometry.dtype)
+        zeros_k = self.codec.zeros(rows, heads, extra, geometry.key_dim, geometry.dtype, "keys")
+        zeros_v = self.codec.zeros(
+            rows, heads, extra, geometry.value_dim, geometry.dtype, "values"
+        )
         if self._keys is None or self._values is None:
             self._keys, self._values = zeros_k, zeros_v
         else:
@@ -356,8 +359,12 @@ class SharedRing(RingGeometry):
         ):
             grow = min(STEP, self.span - prev)
             rows, heads = len(self._offsets), geometry.heads
-            zeros_k = self.codec.zeros(rows, heads, grow, geometry.key_dim, geometry.dtype)
-            zeros_v = self.codec.zeros(rows, heads, grow, geometry.value_dim, geometry.dtype)
+            zeros_k = self.codec.zeros(
+                rows, heads, grow, geometry.key_dim, geometry.dtype, "keys"
+            )
+            zeros_v = self.codec.zeros(
+                rows, heads, grow, geometry.value_dim, geometry.dtype, "values"
+            )
             if self._keys is None or self._values is None:
                 self._keys, self._values = zeros_k, zeros_v
             else:
@@ -701,16 +708,16 @@ class RaggedRing(RingGeometry):
         rows, heads = len(self._offsets), geometry.heads
         width = max(self._retained)
 
-        def grown(old: Planes | None, dim: int) -> Planes:
-            fresh = self.codec.zeros(rows, heads, capacity, dim, geometry.dtype)
+        def grown(old: Planes | None, dim: int, role: Role) -> Planes:
+            fresh = self.codec.zeros(rows, heads, capacity, dim, geometry.dtype, role)
             if old is None or width == 0:
                 return fresh
             for new, plane in zip(fresh, old, strict=True):
                 new[:, :, :width] = plane[:, :, :width]
             return fresh
 
-        self._keys = grown(self._keys, geometry.key_dim)
-        self._values = grown(self._values, geometry.value_dim)
+        self._keys = grown(self._keys, geometry.key_dim, "keys")
+        self._values = grown(self._values, geometry.value_dim, "values")
 
     def _place(self, incoming: list[RowWindow], geometry: KvGeometry | None) -> None:
         """Each row (running and new) keeps its newest window, left-aligned."""

@@ -47,7 +47,14 @@ from kvrows.errors import (
     self_merge_message,
     trim_past_row_message,
 )
-from kvrows.optimized.codecs import AffineCodec, PlainCodec, Planes, dtype_name, make_codec
+from kvrows.optimized.codecs import (
+    AffineCodec,
+    PlainCodec,
+    Planes,
+    TurboCodec,
+    dtype_name,
+    make_codec,
+)
 from kvrows.protocols import Cache, Mask
 from kvrows.schemes import CodecSpec, GeometrySpec
 from kvrows.validation import (
@@ -116,7 +123,7 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     #: The arrangement a base class implements (``Serial`` / ``Layout``).
     arrangement_kinds: ClassVar[frozenset[str]]
 
-    codec: PlainCodec | AffineCodec
+    codec: PlainCodec | AffineCodec | TurboCodec
     _keys: Planes | None
     _values: Planes | None
     _geometry: KvGeometry | None
@@ -232,7 +239,9 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             batch = int(keys.shape[0])
             self._offsets, self._pads = [0] * batch, [0] * batch
         n = int(keys.shape[2])
-        self._append(self.codec.encode(keys), self.codec.encode(values), n, geometry)
+        self._append(
+            self.codec.encode(keys, "keys"), self.codec.encode(values, "values"), n, geometry
+        )
         self._offsets = [o + n for o in self._offsets]
         self._changed()
         return self.fetch()
@@ -241,8 +250,8 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         if self._keys is None or self._values is None:
             raise LayoutStateError(NOTHING_TO_FETCH)
         return (
-            self.codec.fetched(self._visible(self._keys)),
-            self.codec.fetched(self._visible(self._values)),
+            self.codec.fetched(self._visible(self._keys), "keys"),
+            self.codec.fetched(self._visible(self._values), "values"),
         )
 
     def _window_pair(self, row: int | None) -> tuple[Planes, Planes] | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvrows.common import AffineParameters
+from kvrows.common import AffineParameters, TurboParameters
 from kvrows.compositions import composition, landed
 from kvrows.delayed import DelayedRows, DelayedSlidingWindow
 from kvrows.errors import KvRowsError
@@ -35,6 +35,8 @@ __all__ = [
     "RotatingQuantizedKVCache",
     "SpeculativeRotatingAffineLayout",
     "SpeculativeRotatingKVCache",
+    "TurboQuantKVCache",
+    "BatchedTurboQuantKVCache",
     "declared_classes",
 ]
 
@@ -80,6 +82,20 @@ class BatchedQuantizedKVCache(AffineParameters, RowAlignment, SpeculativeLayout)
 
     composition = composition("BatchedQuantizedKVCache")
     serial_class = QuantizedKVCache
+
+
+class TurboQuantKVCache(TurboParameters, SerialStorage):
+    """Serial TurboQuant full attention (``spec/TurboQuantKVCache.md``)."""
+
+    composition = composition("TurboQuantKVCache")
+
+
+class BatchedTurboQuantKVCache(TurboParameters, RowAlignment, SpeculativeLayout):
+    """TurboQuant rows in all three roles: ragged, with verify rounds
+    (``spec/BatchedTurboQuantKVCache.md``)."""
+
+    composition = composition("BatchedTurboQuantKVCache")
+    serial_class = TurboQuantKVCache
 
 
 # -- sliding window ---------------------------------------------------------------------------

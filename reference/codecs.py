@@ -20,12 +20,12 @@ import numpy as np
 import numpy.typing as npt
 
 from kvrows.affine_geometry import validate_codec
-from kvrows.codec import CodecLayout
+from kvrows.codec import CodecLayout, Role, check_turbo_dim
 from kvrows.delayed import DelayedRows
 from kvrows.errors import InvalidInputError
 from kvrows.protocols import Cache, HasCodec, Mask
-from kvrows.reference import affine_codec
-from kvrows.schemes import Affine, CodecSpec, Plain
+from kvrows.reference import affine_codec, turbo_codec
+from kvrows.schemes import Affine, CodecSpec, Plain, Turbo
 from kvrows.validation import KvGeometry
 
 __all__ = [
@@ -33,9 +33,11 @@ __all__ = [
     "Codec",
     "PlainCodec",
     "Planes",
+    "TurboCodec",
     "attend",
     "attention",
     "dtype_name",
+    "eager_attention",
     "make_codec",
     "numpy_dtype",
 ]
@@ -47,6 +49,8 @@ _DTYPES: dict[str, Any] = {
     "bfloat16": ml_dtypes.bfloat16,
     "float32": np.float32,
     "uint32": np.uint32,
+    "uint8": np.uint8,
+    "int8": np.int8,
 }
 
 
@@ -136,11 +140,13 @@ def attend(queries: npt.NDArray[Any], cache: Cache, mask: Mask, scale: float) ->
 class _ZeroPlanes(CodecLayout):
     """Zero planes from the spec's plane layout, for both reference codecs."""
 
-    def zeros(self, rows: int, heads: int, columns: int, dim: int, dtype: str) -> Planes:
+    def zeros(
+        self, rows: int, heads: int, columns: int, dim: int, dtype: str, role: Role = "keys"
+    ) -> Planes:
         """Zero planes of ``columns`` tokens (the padding a read shows)."""
         return tuple(
             np.zeros((rows, heads, columns, p.width), dtype=numpy_dtype(p.dtype))
-            for p in self.plane_specs("t", dim, dtype)
+            for p in self.plane_specs("t", dim, dtype, role)
         )
 
 
@@ -153,14 +159,14 @@ class PlainCodec(_ZeroPlanes):
     def check(self, geometry: KvGeometry) -> None:
         return None
 
-    def encode(self, block: npt.NDArray[Any]) -> Planes:
+    def encode(self, block: npt.NDArray[Any], role: Role = "keys") -> Planes:
         return (np.array(block, copy=True),)
 
     def decode(self, planes: Planes) -> npt.NDArray[Any]:
         """The stored values."""
         return planes[0]
 
-    def fetched(self, planes: Planes) -> Any:
+    def fetched(self, planes: Planes, role: Role = "keys") -> Any:
         return planes[0]
 
     def attend(
@@ -189,7 +195,7 @@ class AffineCodec(_ZeroPlanes):
             except InvalidInputError as error:
                 raise InvalidInputError(f"{name} head dim {dim}: {error}") from None
 
-    def encode(self, block: npt.NDArray[Any]) -> Planes:
+    def encode(self, block: npt.NDArray[Any], role: Role = "keys") -> Planes:
         return affine_codec.quantize(block, self.group_size, self.bits)
 
     def decode(self, planes: Planes) -> npt.NDArray[Any]:
@@ -197,7 +203,7 @@ class AffineCodec(_ZeroPlanes):
         packed, scales, biases = planes
         return affine_codec.dequantize(packed, scales, biases, self.group_size, self.bits)
 
-    def fetched(self, planes: Planes) -> Any:
+    def fetched(self, planes: Planes, role: Role = "keys") -> Any:
         return tuple(planes)
 
     def attend(
@@ -206,7 +212,70 @@ class AffineCodec(_ZeroPlanes):
         return attention(queries, self.decode(keys), self.decode(values), mask, scale)
 
 
-Codec = PlainCodec | AffineCodec
+class TurboCodec(_ZeroPlanes):
+    """TurboQuant (``spec/turbo-codec.md``): keys as planes ``(kIdx, kScales, kZeros)``,
+    values as ``(vPacked, vScales)``.
+
+    A read returns keys dequantized and values **still rotated**, both bfloat16 (the
+    deferred-V read); ``attend`` runs attention over them and un-rotates the output once
+    per query row. :func:`eager_attention` is the oracle that decodes V first.
+    """
+
+    spec: Turbo
+
+    def __init__(self, spec: Turbo) -> None:
+        self.spec = spec
+        self.k_bits = spec.k_bits
+        self.v_bits = spec.v_bits
+
+    def check(self, geometry: KvGeometry) -> None:
+        for name, dim in (("key", geometry.key_dim), ("value", geometry.value_dim)):
+            try:
+                check_turbo_dim(dim)
+            except InvalidInputError as error:
+                raise InvalidInputError(f"{name} head dim {dim}: {error}") from None
+
+    def encode(self, block: npt.NDArray[Any], role: Role = "keys") -> Planes:
+        if role == "keys":
+            return turbo_codec.encode_keys(block, self.k_bits)
+        return turbo_codec.encode_values(block, self.v_bits)
+
+    def decode(self, planes: Planes, role: Role = "keys") -> npt.NDArray[Any]:
+        """``role``'s tokens fully decoded, float32 (values un-rotated: the eager path)."""
+        if role == "keys":
+            return turbo_codec.decode_keys(*planes, self.k_bits)
+        return turbo_codec.decode_values(*planes, self.v_bits)
+
+    def fetched(self, planes: Planes, role: Role = "keys") -> Any:
+        if role == "keys":
+            keys = turbo_codec.decode_keys(*planes, self.k_bits)
+            return keys.astype(ml_dtypes.bfloat16)
+        return turbo_codec.rotated_values(*planes, self.v_bits).astype(ml_dtypes.bfloat16)
+
+    def attend(
+        self, queries: Any, keys: Any, values: Any, mask: Mask, scale: float
+    ) -> npt.NDArray[Any]:
+        """Deferred V: attention over the keys and the rotated values, then the output
+        un-rotated (float32 Hadamard, then the signs, cast back to the queries' dtype)."""
+        return turbo_codec.unrotate(attention(queries, keys, values, mask, scale))
+
+
+def eager_attention(
+    codec: TurboCodec,
+    queries: npt.NDArray[Any],
+    key_planes: Planes,
+    value_planes: Planes,
+    mask: Mask,
+    scale: float,
+) -> npt.NDArray[Any]:
+    """The eager oracle of :meth:`TurboCodec.attend`: keys and values fully decoded
+    (bfloat16, as a read returns them), then plain attention."""
+    keys = codec.decode(key_planes, "keys").astype(ml_dtypes.bfloat16)
+    values = codec.decode(value_planes, "values").astype(ml_dtypes.bfloat16)
+    return attention(queries, keys, values, mask, scale)
+
+
+Codec = PlainCodec | AffineCodec | TurboCodec
 
 
 def make_codec(spec: CodecSpec) -> Codec:
@@ -215,4 +284,6 @@ def make_codec(spec: CodecSpec) -> Codec:
         return AffineCodec(spec.group_size, spec.bits)
     if isinstance(spec, Plain):
         return PlainCodec()
+    if isinstance(spec, Turbo):
+        return TurboCodec(spec)
     raise InvalidInputError(f"the reference does not implement the {spec.kind} codec yet")

@@ -49,8 +49,8 @@ def _right_aligned(storage: Storage, rows: list[Row], width: int) -> tuple[Plane
     geometry = storage.geometry
     assert geometry is not None
     batch, heads, dtype = len(rows), geometry.heads, geometry.dtype
-    keys = storage.codec.zeros(batch, heads, width, geometry.key_dim, dtype)
-    values = storage.codec.zeros(batch, heads, width, geometry.value_dim, dtype)
+    keys = storage.codec.zeros(batch, heads, width, geometry.key_dim, dtype, "keys")
+    values = storage.codec.zeros(batch, heads, width, geometry.value_dim, dtype, "values")
     for b, row in enumerate(rows):
         if row.keys is None or row.values is None:
             continue

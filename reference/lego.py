@@ -35,8 +35,8 @@ def to_affine(storage: SerialStorage, spec: Affine, affine_class: type[SerialSto
     fresh = affine_class.from_specs(spec, storage.token_geometry, geometry=storage.geometry)
     rows = []
     for row in storage._rows:
-        keys = None if row.keys is None else fresh.codec.encode(row.keys[0])
-        values = None if row.values is None else fresh.codec.encode(row.values[0])
+        keys = None if row.keys is None else fresh.codec.encode(row.keys[0], "keys")
+        values = None if row.values is None else fresh.codec.encode(row.values[0], "values")
         rows.append(Row(keys, values, row.offset, row.pad, row.sinks))
     fresh._rows = rows
     return fresh

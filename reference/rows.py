@@ -30,6 +30,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from kvrows.codec import Role
 from kvrows.common import ComposedIdentity, SavedState, check_counts, row_bytes
 from kvrows.compositions import Arrangement, Composition, bind_arguments
 from kvrows.errors import (
@@ -237,7 +238,8 @@ def _image(
     left-aligned in columns ``[0, lead)`` and only the columns after it roll."""
     width, spans, roll = columns
     dim = geometry.key_dim if which == "keys" else geometry.value_dim
-    out = codec.zeros(len(rows), geometry.heads, width, dim, geometry.dtype)
+    role: Role = "keys" if which == "keys" else "values"
+    out = codec.zeros(len(rows), geometry.heads, width, dim, geometry.dtype, role)
     for b, (row, (start, shown)) in enumerate(zip(rows, spans, strict=True)):
         held = row.keys if which == "keys" else row.values
         if held is None:
@@ -321,8 +323,12 @@ class Storage(SavedState, ComposedIdentity):
             raise LayoutStateError(NOTHING_TO_FETCH)
         columns, lead = self._columns(), self._lead()
         return (
-            self.codec.fetched(_image(self.codec, geometry, self._rows, "keys", columns, lead)),
-            self.codec.fetched(_image(self.codec, geometry, self._rows, "values", columns, lead)),
+            self.codec.fetched(
+                _image(self.codec, geometry, self._rows, "keys", columns, lead), "keys"
+            ),
+            self.codec.fetched(
+                _image(self.codec, geometry, self._rows, "values", columns, lead), "values"
+            ),
         )
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
@@ -336,7 +342,7 @@ class Storage(SavedState, ComposedIdentity):
             geometry=self._geometry,
         )
         self.codec.check(geometry)
-        new_k, new_v = self.codec.encode(keys), self.codec.encode(values)
+        new_k, new_v = self.codec.encode(keys, "keys"), self.codec.encode(values, "values")
         n = int(keys.shape[2])
         if not self._rows:  # a serial storage learns its rows from its first block
             self._rows = [Row(sinks=self._sinks) for _ in range(int(keys.shape[0]))]

@@ -1,0 +1,173 @@
+"""TurboQuant on MLX: the same float32 steps as ``kvrows.reference.turbo_codec``, in the
+same order, so the codes and scales agree bit for bit on the CPU (``spec/turbo-codec.md``).
+
+The value transform is ``mx.hadamard_transform``: on the CPU it computes the reference's
+float32 butterfly bit for bit (``tests/test_turbo_codec.py`` checks it, since the codes are
+decided by comparisons that one ulp could flip).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import mlx.core as mx
+
+from kvrows.codec import TURBO_GROUP, check_turbo_dim
+from kvrows.errors import InvalidInputError
+from kvrows.schemes import TURBO_KEY_BITS, TURBO_VALUE_BITS
+from kvrows.turbo_tables import BOUNDARIES, CENTROIDS, SIGN_BITS
+
+__all__ = [
+    "decode_keys",
+    "decode_values",
+    "encode_keys",
+    "encode_values",
+    "hadamard",
+    "pack_codes",
+    "rotated_values",
+    "signs",
+    "unpack_codes",
+    "unrotate",
+]
+
+EPSILON = 1e-8
+_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
+
+
+@cache
+def signs(dim: int) -> mx.array:
+    """The fixed sign vector of head dim ``dim`` (float32 ±1)."""
+    check_turbo_dim(dim)
+    return mx.array([1.0 if c == "1" else -1.0 for c in SIGN_BITS[dim]], dtype=mx.float32)
+
+
+@cache
+def codebook(bits: int) -> tuple[mx.array, mx.array]:
+    """``(centroids, boundaries)`` float32 of the ``bits``-bit Lloyd-Max table."""
+    if bits not in TURBO_VALUE_BITS:
+        raise InvalidInputError(f"v_bits must be one of {TURBO_VALUE_BITS}, got {bits!r}")
+    return (
+        mx.array(CENTROIDS[bits], dtype=mx.float32),
+        mx.array(BOUNDARIES[bits], dtype=mx.float32),
+    )
+
+
+def _floats(x: object, name: str) -> mx.array:
+    if not isinstance(x, mx.array):
+        raise InvalidInputError(f"{name} must be an mlx array, got {type(x).__name__}")
+    if x.dtype not in _FLOATS:
+        raise InvalidInputError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
+    if x.ndim < 1:
+        raise InvalidInputError(f"{name} needs a head-dim axis, got a scalar")
+    check_turbo_dim(int(x.shape[-1]))
+    return x.astype(mx.float32)
+
+
+def hadamard(x: mx.array) -> mx.array:
+    """Orthonormal Walsh-Hadamard transform of float32 ``[..., D]`` (Sylvester order,
+    scale ``1/√D``): equal, bit for bit, to the reference's butterfly."""
+    return mx.hadamard_transform(x, scale=1 / math.sqrt(int(x.shape[-1])))
+
+
+def _group_sum(x: mx.array) -> mx.array:
+    width = int(x.shape[-1])
+    while width > 1:
+        width //= 2
+        x = x[..., :width] + x[..., width:]
+    return x[..., 0]
+
+
+def _grouped(x: mx.array) -> mx.array:
+    return x.reshape(*x.shape[:-1], int(x.shape[-1]) // TURBO_GROUP, TURBO_GROUP)
+
+
+def pack_codes(codes: mx.array, bits: int) -> mx.array:
+    """``[..., D]`` codes as a little-endian bitstream of ``D·bits/8`` bytes (8 bits: as is)."""
+    codes = codes.astype(mx.uint8)
+    if bits == 8:
+        return codes
+    dim = int(codes.shape[-1])
+    stream = mx.right_shift(codes[..., None], mx.arange(bits, dtype=mx.uint8)) & 1
+    stream = stream.reshape(*codes.shape[:-1], dim * bits // 8, 8).astype(mx.uint8)
+    return mx.sum(mx.left_shift(stream, mx.arange(8, dtype=mx.uint8)), axis=-1).astype(mx.uint8)
+
+
+def unpack_codes(packed: mx.array, bits: int) -> mx.array:
+    """The uint8 codes of a ``pack_codes`` bitstream."""
+    if bits == 8:
+        return packed.astype(mx.uint8)
+    width = int(packed.shape[-1])
+    stream = mx.right_shift(packed[..., None], mx.arange(8, dtype=mx.uint8)) & 1
+    stream = stream.reshape(*packed.shape[:-1], width * 8 // bits, bits).astype(mx.uint8)
+    return mx.sum(mx.left_shift(stream, mx.arange(bits, dtype=mx.uint8)), axis=-1).astype(
+        mx.uint8
+    )
+
+
+def encode_keys(x: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
+    """``(kIdx, kScales, kZeros)`` of float ``[..., D]`` keys at ``bits`` ∈ {2, 4, 5, 8}."""
+    if bits not in TURBO_KEY_BITS:
+        raise InvalidInputError(f"k_bits must be one of {TURBO_KEY_BITS}, got {bits!r}")
+    groups = _grouped(_floats(x, "keys"))
+    zero_f = mx.array(0.0, dtype=mx.float32)
+    high = mx.max(groups, axis=-1) + zero_f
+    low = mx.min(groups, axis=-1) + zero_f
+    epsilon = mx.array(EPSILON, dtype=mx.float32)
+    if bits == 8:
+        scale = (high - low) / mx.array(254.0, dtype=mx.float32)
+        step = scale + epsilon
+        zero = mx.round((high + low) / (mx.array(2.0, dtype=mx.float32) * step))
+        least, most = -127, 127
+    else:
+        most = 2**bits - 1
+        scale = (high - low) / mx.array(float(most), dtype=mx.float32)
+        step = scale + epsilon
+        zero = mx.round(low / step)
+        least = 0
+    codes = mx.clip(mx.round(groups / step[..., None] - zero[..., None]), least, most)
+    constant = high == low
+    codes = mx.where(constant[..., None] | mx.isnan(codes), zero_f, codes)
+    scale = mx.where(constant, low, scale)
+    zero = mx.where(constant, mx.array(1.0, dtype=mx.float32), zero)
+    flat = codes.reshape(x.shape)
+    stored = flat.astype(mx.int8) if bits == 8 else pack_codes(flat.astype(mx.uint8), bits)
+    return stored, scale.astype(mx.float16), zero.astype(mx.float16)
+
+
+def decode_keys(codes: mx.array, scales: mx.array, zeros: mx.array, bits: int) -> mx.array:
+    """Keys ``(idx + zero)·scale`` in float32 (the caller casts)."""
+    idx = codes.astype(mx.float32) if bits == 8 else unpack_codes(codes, bits).astype(mx.float32)
+    groups = _grouped(idx)
+    out = (groups + zeros.astype(mx.float32)[..., None]) * scales.astype(mx.float32)[..., None]
+    return out.reshape(idx.shape)
+
+
+def encode_values(x: mx.array, bits: int) -> tuple[mx.array, mx.array]:
+    """``(vPacked, vScales)`` of float ``[..., D]`` values at ``bits`` ∈ {2, 3, 4, 5, 8}."""
+    _, boundaries = codebook(bits)
+    floats = _floats(x, "values")
+    rotated = _grouped(hadamard(floats * signs(int(x.shape[-1]))))
+    scale = mx.sqrt(_group_sum(rotated * rotated) * mx.array(1 / TURBO_GROUP, dtype=mx.float32))
+    normal = rotated / (scale + mx.array(EPSILON, dtype=mx.float32))[..., None]
+    codes = mx.sum(normal[..., None] > boundaries, axis=-1).astype(mx.uint8)
+    return pack_codes(codes.reshape(x.shape), bits), scale.astype(mx.float16)
+
+
+def rotated_values(packed: mx.array, scales: mx.array, bits: int) -> mx.array:
+    """Values still rotated, ``centroids[idx]·scale`` in float32 (the deferred-V read)."""
+    centroids, _ = codebook(bits)
+    idx = unpack_codes(packed, bits)
+    groups = _grouped(centroids[idx])
+    return (groups * scales.astype(mx.float32)[..., None]).reshape(idx.shape)
+
+
+def unrotate(x: mx.array) -> mx.array:
+    """Undo the value rotation on ``[..., D]``: float32 Hadamard, then the signs; ``x``'s dtype."""
+    return (hadamard(x.astype(mx.float32)) * signs(int(x.shape[-1]))).astype(x.dtype)
+
+
+def decode_values(packed: mx.array, scales: mx.array, bits: int) -> mx.array:
+    """Values fully decoded (eager), float32."""
+    rotated = rotated_values(packed, scales, bits)
+    return hadamard(rotated) * signs(int(rotated.shape[-1]))

@@ -1,0 +1,223 @@
+"""TurboQuant in NumPy: the executable definition of the codec (``spec/turbo-codec.md``).
+
+Keys: asymmetric affine per 32-element group, in float32 (no rotation). Values: sign flip,
+orthonormal Walsh-Hadamard transform, per-group RMS scale, Lloyd-Max codes of a unit
+normal. Every step is written as explicit float32 operations in a fixed order (a butterfly
+for the transform, a halving tree for the group sums) so that ``kvrows.optimized``'s MLX
+codec computes the same bits on the CPU.
+
+Functions take ``[..., D]`` arrays (D in ``TURBO_HEAD_DIMS``); codes and scales come back
+with the leading axes unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import numpy.typing as npt
+
+from kvrows.codec import TURBO_GROUP, check_turbo_dim
+from kvrows.errors import InvalidInputError
+from kvrows.schemes import TURBO_KEY_BITS, TURBO_VALUE_BITS
+from kvrows.turbo_tables import BOUNDARIES, CENTROIDS, SIGN_BITS
+
+__all__ = [
+    "decode_keys",
+    "decode_values",
+    "encode_keys",
+    "encode_values",
+    "hadamard",
+    "pack_codes",
+    "rotated_values",
+    "signs",
+    "unpack_codes",
+    "unrotate",
+]
+
+Array = npt.NDArray[Any]
+
+#: Added to every scale before dividing by it (vllm-metal's reference constant).
+EPSILON = np.float32(1e-8)
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
+@cache
+def signs(dim: int) -> Array:
+    """The fixed sign vector of head dim ``dim`` (float32 ±1)."""
+    check_turbo_dim(dim)
+    bits = np.array([int(c) for c in SIGN_BITS[dim]], dtype=np.float32)
+    out: Array = bits * np.float32(2) - np.float32(1)
+    out.setflags(write=False)
+    return out
+
+
+@cache
+def codebook(bits: int) -> tuple[Array, Array]:
+    """``(centroids, boundaries)`` float32 of the ``bits``-bit Lloyd-Max table."""
+    if bits not in TURBO_VALUE_BITS:
+        raise InvalidInputError(f"v_bits must be one of {TURBO_VALUE_BITS}, got {bits!r}")
+    centroids = np.array(CENTROIDS[bits], dtype=np.float32)
+    boundaries = np.array(BOUNDARIES[bits], dtype=np.float32)
+    centroids.setflags(write=False)
+    boundaries.setflags(write=False)
+    return centroids, boundaries
+
+
+def _floats(x: object, name: str) -> Array:
+    if not isinstance(x, np.ndarray):
+        raise InvalidInputError(f"{name} must be a NumPy array, got {type(x).__name__}")
+    if x.dtype not in _FLOATS:
+        raise InvalidInputError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
+    if x.ndim < 1:
+        raise InvalidInputError(f"{name} needs a head-dim axis, got a scalar")
+    check_turbo_dim(int(x.shape[-1]))
+    return x.astype(np.float32)
+
+
+def hadamard(x: Array) -> Array:
+    """Orthonormal Walsh-Hadamard transform (Sylvester order) of float32 ``[..., D]``:
+    a radix-2 butterfly (pairs ``i``, ``i + h`` for ``h = 1, 2, 4, …``), then ``× 1/√D``
+    rounded to float32 once. An involution up to rounding."""
+    dim = int(x.shape[-1])
+    lead = x.shape[:-1]
+    h = 1
+    while h < dim:
+        blocks = x.reshape(*lead, dim // (2 * h), 2, h)
+        a, b = blocks[..., 0, :], blocks[..., 1, :]
+        x = np.stack([a + b, a - b], axis=-2).reshape(*lead, dim)
+        h *= 2
+    out: Array = x * np.float32(1 / math.sqrt(dim))
+    return out
+
+
+def _group_sum(x: Array) -> Array:
+    """Sum over the last axis (32) by halving: ``x[:16] + x[16:]``, then 8, 4, 2, 1."""
+    width = int(x.shape[-1])
+    while width > 1:
+        width //= 2
+        x = x[..., :width] + x[..., width:]
+    return x[..., 0]
+
+
+def _grouped(x: Array) -> Array:
+    return x.reshape(*x.shape[:-1], x.shape[-1] // TURBO_GROUP, TURBO_GROUP)
+
+
+def pack_codes(codes: Array, bits: int) -> Array:
+    """``[..., D]`` codes below ``2**bits`` as a little-endian bitstream, ``D·bits/8`` bytes
+    (code ``i`` in bits ``[i·bits, i·bits + bits)``); 8 bits: the codes as uint8."""
+    codes = codes.astype(np.uint8)
+    if bits == 8:
+        return codes
+    dim = int(codes.shape[-1])
+    stream = (codes[..., None] >> np.arange(bits, dtype=np.uint8)) & np.uint8(1)
+    stream = stream.reshape(*codes.shape[:-1], dim * bits // 8, 8)
+    packed: Array = np.sum(stream << np.arange(8, dtype=np.uint8), axis=-1, dtype=np.uint8)
+    return packed
+
+
+def unpack_codes(packed: Array, bits: int) -> Array:
+    """The uint8 codes of a ``pack_codes`` bitstream."""
+    if bits == 8:
+        return packed.astype(np.uint8)
+    width = int(packed.shape[-1])
+    stream = (packed[..., None] >> np.arange(8, dtype=np.uint8)) & np.uint8(1)
+    stream = stream.reshape(*packed.shape[:-1], width * 8 // bits, bits)
+    codes: Array = np.sum(stream << np.arange(bits, dtype=np.uint8), axis=-1, dtype=np.uint8)
+    return codes
+
+
+# -- keys ----------------------------------------------------------------------------------
+
+
+def encode_keys(x: Array, bits: int) -> tuple[Array, Array, Array]:
+    """``(kIdx, kScales, kZeros)`` of float ``[..., D]`` keys at ``bits`` ∈ {2, 4, 5, 8}."""
+    if bits not in TURBO_KEY_BITS:
+        raise InvalidInputError(f"k_bits must be one of {TURBO_KEY_BITS}, got {bits!r}")
+    groups = _grouped(_floats(x, "keys"))
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        return _encode_keys(x, groups, bits)
+
+
+def _encode_keys(x: Array, groups: Array, bits: int) -> tuple[Array, Array, Array]:
+    zero_f = np.float32(0)
+    # ``+ 0``: a -0 extreme becomes +0, whatever order the reduction met the zeros in.
+    high = groups.max(axis=-1) + zero_f
+    low = groups.min(axis=-1) + zero_f
+    if bits == 8:
+        scale = (high - low) / np.float32(254)
+        step = scale + EPSILON
+        zero = np.round((high + low) / (np.float32(2) * step))
+        least, most = -127, 127
+    else:
+        most = 2**bits - 1
+        scale = (high - low) / np.float32(most)
+        step = scale + EPSILON
+        zero = np.round(low / step)
+        least = 0
+    codes = np.clip(np.round(groups / step[..., None] - zero[..., None]), least, most)
+    constant = high == low  # guarded: stored as scale c, zero 1, codes 0 (decodes to c)
+    codes = np.where(constant[..., None] | np.isnan(codes), np.float32(0), codes)
+    scale = np.where(constant, low, scale)
+    zero = np.where(constant, np.float32(1), zero)
+    flat = codes.reshape(*x.shape)
+    stored = flat.astype(np.int8) if bits == 8 else pack_codes(flat.astype(np.uint8), bits)
+    return stored, scale.astype(np.float16), zero.astype(np.float16)
+
+
+def decode_keys(codes: Array, scales: Array, zeros: Array, bits: int) -> Array:
+    """Keys ``(idx + zero)·scale`` in float32 (the caller casts)."""
+    idx = codes.astype(np.float32) if bits == 8 else unpack_codes(codes, bits).astype(np.float32)
+    groups = _grouped(idx)
+    out = (groups + zeros.astype(np.float32)[..., None]) * scales.astype(np.float32)[..., None]
+    result: Array = out.reshape(idx.shape)
+    return result
+
+
+# -- values --------------------------------------------------------------------------------
+
+
+def encode_values(x: Array, bits: int) -> tuple[Array, Array]:
+    """``(vPacked, vScales)`` of float ``[..., D]`` values at ``bits`` ∈ {2, 3, 4, 5, 8}."""
+    _, boundaries = codebook(bits)
+    floats = _floats(x, "values")
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        return _encode_values(x, floats, bits, boundaries)
+
+
+def _encode_values(
+    x: Array, floats: Array, bits: int, boundaries: Array
+) -> tuple[Array, Array]:
+    rotated = _grouped(hadamard(floats * signs(int(x.shape[-1]))))
+    scale = np.sqrt(_group_sum(rotated * rotated) * np.float32(1 / TURBO_GROUP))
+    normal = rotated / (scale + EPSILON)[..., None]
+    codes = np.sum(normal[..., None] > boundaries, axis=-1, dtype=np.uint8)
+    return pack_codes(codes.reshape(x.shape), bits), scale.astype(np.float16)
+
+
+def rotated_values(packed: Array, scales: Array, bits: int) -> Array:
+    """Values still rotated, ``centroids[idx]·scale`` in float32 (the deferred-V read)."""
+    centroids, _ = codebook(bits)
+    idx = unpack_codes(packed, bits)
+    groups = _grouped(centroids[idx])
+    out: Array = (groups * scales.astype(np.float32)[..., None]).reshape(idx.shape)
+    return out
+
+
+def unrotate(x: Array) -> Array:
+    """Undo the value rotation on ``[..., D]``: float32 Hadamard, then the signs; returns
+    ``x``'s dtype."""
+    floats = x.astype(np.float32)
+    out: Array = (hadamard(floats) * signs(int(x.shape[-1]))).astype(x.dtype)
+    return out
+
+
+def decode_values(packed: Array, scales: Array, bits: int) -> Array:
+    """Values fully decoded (eager): Hadamard of the rotated values, then the signs, float32."""
+    rotated = rotated_values(packed, scales, bits)
+    out: Array = hadamard(rotated) * signs(int(rotated.shape[-1]))
+    return out
