@@ -26,12 +26,12 @@ from kvrows.validation import KvGeometry
 
 __all__ = [
     "DTYPE_SIZES",
+    "TURBO_GROUP",
+    "TURBO_HEAD_DIMS",
     "Codec",
     "CodecLayout",
     "PlaneSpec",
     "Role",
-    "TURBO_GROUP",
-    "TURBO_HEAD_DIMS",
     "check_turbo_dim",
     "codec_plane_specs",
     "codec_token_bytes",
@@ -61,9 +61,7 @@ TURBO_GROUP = 32
 def check_turbo_dim(dim: int) -> None:
     """Raise ``InvalidInputError`` unless TurboQuant stores heads of ``dim``."""
     if dim not in TURBO_HEAD_DIMS:
-        raise InvalidInputError(
-            f"TurboQuant stores head dims {TURBO_HEAD_DIMS}, got {dim}"
-        )
+        raise InvalidInputError(f"TurboQuant stores head dims {TURBO_HEAD_DIMS}, got {dim}")
 
 
 @dataclass(frozen=True)

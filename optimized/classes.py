@@ -23,6 +23,7 @@ __all__ = [
     "BatchedQuantizedKVCache",
     "BatchedRotatingCache",
     "BatchedRotatingQuantCache",
+    "BatchedTurboQuantKVCache",
     "KVCache",
     "PaddedKVRows",
     "PaddedQuantKVRows",
@@ -34,7 +35,6 @@ __all__ = [
     "SpeculativeRotatingAffineLayout",
     "SpeculativeRotatingKVCache",
     "TurboQuantKVCache",
-    "BatchedTurboQuantKVCache",
 ]
 
 # -- full attention ----------------------------------------------------------------------

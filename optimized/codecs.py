@@ -17,8 +17,8 @@ import mlx.core as mx
 from kvrows.affine_geometry import groups, packed_width, validate_codec
 from kvrows.codec import CodecLayout, Role, check_turbo_dim
 from kvrows.errors import InvalidInputError
-from kvrows.protocols import Mask
 from kvrows.optimized import turbo_codec
+from kvrows.protocols import Mask
 from kvrows.schemes import Affine, CodecSpec, Plain, Turbo
 from kvrows.validation import KvGeometry
 
@@ -27,8 +27,8 @@ __all__ = [
     "PlainCodec",
     "Planes",
     "TurboCodec",
-    "eager_attention",
     "dtype_name",
+    "eager_attention",
     "make_codec",
     "mlx_dtype",
     "quantized_attention",
@@ -157,13 +157,15 @@ class TurboCodec(CodecLayout):
     def decode(self, planes: Planes, role: Role = "keys") -> mx.array:
         """``role``'s tokens fully decoded, float32 (values un-rotated: the eager path)."""
         if role == "keys":
-            return turbo_codec.decode_keys(*planes, self.k_bits)
-        return turbo_codec.decode_values(*planes, self.v_bits)
+            return turbo_codec.decode_keys(planes[0], planes[1], planes[2], self.k_bits)
+        return turbo_codec.decode_values(planes[0], planes[1], self.v_bits)
 
     def fetched(self, planes: tuple[Any, ...], role: Role = "keys") -> Any:
         if role == "keys":
-            return turbo_codec.decode_keys(*planes, self.k_bits).astype(mx.bfloat16)
-        return turbo_codec.rotated_values(*planes, self.v_bits).astype(mx.bfloat16)
+            return turbo_codec.decode_keys(planes[0], planes[1], planes[2], self.k_bits).astype(
+                mx.bfloat16
+            )
+        return turbo_codec.rotated_values(planes[0], planes[1], self.v_bits).astype(mx.bfloat16)
 
     def zeros(
         self, rows: int, heads: int, columns: int, dim: int, dtype: str, role: Role = "keys"

@@ -325,9 +325,7 @@ class SharedRing(RingGeometry):
         ``keep``: rare and small)."""
         rows, heads, extra = len(self._offsets), geometry.heads, lead - self._lead
         zeros_k = self.codec.zeros(rows, heads, extra, geometry.key_dim, geometry.dtype, "keys")
-        zeros_v = self.codec.zeros(
-            rows, heads, extra, geometry.value_dim, geometry.dtype, "values"
-        )
+        zeros_v = self.codec.zeros(rows, heads, extra, geometry.value_dim, geometry.dtype, "values")
         if self._keys is None or self._values is None:
             self._keys, self._values = zeros_k, zeros_v
         else:
@@ -359,9 +357,7 @@ class SharedRing(RingGeometry):
         ):
             grow = min(STEP, self.span - prev)
             rows, heads = len(self._offsets), geometry.heads
-            zeros_k = self.codec.zeros(
-                rows, heads, grow, geometry.key_dim, geometry.dtype, "keys"
-            )
+            zeros_k = self.codec.zeros(rows, heads, grow, geometry.key_dim, geometry.dtype, "keys")
             zeros_v = self.codec.zeros(
                 rows, heads, grow, geometry.value_dim, geometry.dtype, "values"
             )

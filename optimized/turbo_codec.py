@@ -78,6 +78,13 @@ def _group_sum(x: mx.array) -> mx.array:
     return x[..., 0]
 
 
+def _half(x: mx.array) -> mx.array:
+    """float32 -> float16, every NaN as the reference's ``NAN16`` (0x7D00)."""
+    return mx.where(
+        mx.isnan(x), mx.array(0x7D00, dtype=mx.uint16).view(mx.float16), x.astype(mx.float16)
+    )
+
+
 def _grouped(x: mx.array) -> mx.array:
     return x.reshape(*x.shape[:-1], int(x.shape[-1]) // TURBO_GROUP, TURBO_GROUP)
 
@@ -100,9 +107,7 @@ def unpack_codes(packed: mx.array, bits: int) -> mx.array:
     width = int(packed.shape[-1])
     stream = mx.right_shift(packed[..., None], mx.arange(8, dtype=mx.uint8)) & 1
     stream = stream.reshape(*packed.shape[:-1], width * 8 // bits, bits).astype(mx.uint8)
-    return mx.sum(mx.left_shift(stream, mx.arange(bits, dtype=mx.uint8)), axis=-1).astype(
-        mx.uint8
-    )
+    return mx.sum(mx.left_shift(stream, mx.arange(bits, dtype=mx.uint8)), axis=-1).astype(mx.uint8)
 
 
 def encode_keys(x: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
@@ -132,7 +137,7 @@ def encode_keys(x: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
     zero = mx.where(constant, mx.array(1.0, dtype=mx.float32), zero)
     flat = codes.reshape(x.shape)
     stored = flat.astype(mx.int8) if bits == 8 else pack_codes(flat.astype(mx.uint8), bits)
-    return stored, scale.astype(mx.float16), zero.astype(mx.float16)
+    return stored, _half(scale), _half(zero)
 
 
 def decode_keys(codes: mx.array, scales: mx.array, zeros: mx.array, bits: int) -> mx.array:
@@ -151,7 +156,7 @@ def encode_values(x: mx.array, bits: int) -> tuple[mx.array, mx.array]:
     scale = mx.sqrt(_group_sum(rotated * rotated) * mx.array(1 / TURBO_GROUP, dtype=mx.float32))
     normal = rotated / (scale + mx.array(EPSILON, dtype=mx.float32))[..., None]
     codes = mx.sum(normal[..., None] > boundaries, axis=-1).astype(mx.uint8)
-    return pack_codes(codes.reshape(x.shape), bits), scale.astype(mx.float16)
+    return pack_codes(codes.reshape(x.shape), bits), _half(scale)
 
 
 def rotated_values(packed: mx.array, scales: mx.array, bits: int) -> mx.array:

@@ -25,6 +25,7 @@ __all__ = [
     "BatchedQuantizedKVCache",
     "BatchedRotatingCache",
     "BatchedRotatingQuantCache",
+    "BatchedTurboQuantKVCache",
     "KVCache",
     "PaddedKVRows",
     "PaddedQuantKVRows",
@@ -36,7 +37,6 @@ __all__ = [
     "SpeculativeRotatingAffineLayout",
     "SpeculativeRotatingKVCache",
     "TurboQuantKVCache",
-    "BatchedTurboQuantKVCache",
     "declared_classes",
 ]
 

@@ -243,14 +243,16 @@ class TurboCodec(_ZeroPlanes):
     def decode(self, planes: Planes, role: Role = "keys") -> npt.NDArray[Any]:
         """``role``'s tokens fully decoded, float32 (values un-rotated: the eager path)."""
         if role == "keys":
-            return turbo_codec.decode_keys(*planes, self.k_bits)
-        return turbo_codec.decode_values(*planes, self.v_bits)
+            return turbo_codec.decode_keys(planes[0], planes[1], planes[2], self.k_bits)
+        return turbo_codec.decode_values(planes[0], planes[1], self.v_bits)
 
     def fetched(self, planes: Planes, role: Role = "keys") -> Any:
         if role == "keys":
-            keys = turbo_codec.decode_keys(*planes, self.k_bits)
+            keys = turbo_codec.decode_keys(planes[0], planes[1], planes[2], self.k_bits)
             return keys.astype(ml_dtypes.bfloat16)
-        return turbo_codec.rotated_values(*planes, self.v_bits).astype(ml_dtypes.bfloat16)
+        return turbo_codec.rotated_values(planes[0], planes[1], self.v_bits).astype(
+            ml_dtypes.bfloat16
+        )
 
     def attend(
         self, queries: Any, keys: Any, values: Any, mask: Mask, scale: float

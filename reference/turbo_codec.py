@@ -42,6 +42,9 @@ Array = npt.NDArray[Any]
 
 #: Added to every scale before dividing by it (vllm-metal's reference constant).
 EPSILON = np.float32(1e-8)
+#: The float16 a NaN scale or zero is stored as (MLX's conversion of a positive NaN):
+#: one NaN bit pattern whatever sign or payload the float32 NaN had.
+NAN16 = np.uint16(0x7D00).view(np.float16)
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
 
@@ -80,7 +83,7 @@ def _floats(x: object, name: str) -> Array:
 
 def hadamard(x: Array) -> Array:
     """Orthonormal Walsh-Hadamard transform (Sylvester order) of float32 ``[..., D]``:
-    a radix-2 butterfly (pairs ``i``, ``i + h`` for ``h = 1, 2, 4, …``), then ``× 1/√D``
+    a radix-2 butterfly (pairs ``i``, ``i + h`` for ``h = 1, 2, 4, …``), then ``* 1/√D``
     rounded to float32 once. An involution up to rounding."""
     dim = int(x.shape[-1])
     lead = x.shape[:-1]
@@ -103,6 +106,12 @@ def _group_sum(x: Array) -> Array:
     return x[..., 0]
 
 
+def _half(x: Array) -> Array:
+    """float32 -> float16, every NaN as :data:`NAN16`."""
+    out: Array = np.where(np.isnan(x), NAN16, x.astype(np.float16))
+    return out
+
+
 def _grouped(x: Array) -> Array:
     return x.reshape(*x.shape[:-1], x.shape[-1] // TURBO_GROUP, TURBO_GROUP)
 
@@ -114,9 +123,11 @@ def pack_codes(codes: Array, bits: int) -> Array:
     if bits == 8:
         return codes
     dim = int(codes.shape[-1])
-    stream = (codes[..., None] >> np.arange(bits, dtype=np.uint8)) & np.uint8(1)
+    stream: Array = (codes[..., None] >> np.arange(bits, dtype=np.uint8)) & np.uint8(1)
     stream = stream.reshape(*codes.shape[:-1], dim * bits // 8, 8)
-    packed: Array = np.sum(stream << np.arange(8, dtype=np.uint8), axis=-1, dtype=np.uint8)
+    packed: Array = np.asarray(
+        np.sum(stream << np.arange(8, dtype=np.uint8), axis=-1, dtype=np.uint8)
+    )
     return packed
 
 
@@ -125,9 +136,11 @@ def unpack_codes(packed: Array, bits: int) -> Array:
     if bits == 8:
         return packed.astype(np.uint8)
     width = int(packed.shape[-1])
-    stream = (packed[..., None] >> np.arange(8, dtype=np.uint8)) & np.uint8(1)
+    stream: Array = (packed[..., None] >> np.arange(8, dtype=np.uint8)) & np.uint8(1)
     stream = stream.reshape(*packed.shape[:-1], width * 8 // bits, bits)
-    codes: Array = np.sum(stream << np.arange(bits, dtype=np.uint8), axis=-1, dtype=np.uint8)
+    codes: Array = np.asarray(
+        np.sum(stream << np.arange(bits, dtype=np.uint8), axis=-1, dtype=np.uint8)
+    )
     return codes
 
 
@@ -166,14 +179,15 @@ def _encode_keys(x: Array, groups: Array, bits: int) -> tuple[Array, Array, Arra
     zero = np.where(constant, np.float32(1), zero)
     flat = codes.reshape(*x.shape)
     stored = flat.astype(np.int8) if bits == 8 else pack_codes(flat.astype(np.uint8), bits)
-    return stored, scale.astype(np.float16), zero.astype(np.float16)
+    return stored, _half(scale), _half(zero)
 
 
 def decode_keys(codes: Array, scales: Array, zeros: Array, bits: int) -> Array:
     """Keys ``(idx + zero)·scale`` in float32 (the caller casts)."""
     idx = codes.astype(np.float32) if bits == 8 else unpack_codes(codes, bits).astype(np.float32)
     groups = _grouped(idx)
-    out = (groups + zeros.astype(np.float32)[..., None]) * scales.astype(np.float32)[..., None]
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf scales decode to NaN/inf
+        out = (groups + zeros.astype(np.float32)[..., None]) * scales.astype(np.float32)[..., None]
     result: Array = out.reshape(idx.shape)
     return result
 
@@ -189,14 +203,12 @@ def encode_values(x: Array, bits: int) -> tuple[Array, Array]:
         return _encode_values(x, floats, bits, boundaries)
 
 
-def _encode_values(
-    x: Array, floats: Array, bits: int, boundaries: Array
-) -> tuple[Array, Array]:
+def _encode_values(x: Array, floats: Array, bits: int, boundaries: Array) -> tuple[Array, Array]:
     rotated = _grouped(hadamard(floats * signs(int(x.shape[-1]))))
     scale = np.sqrt(_group_sum(rotated * rotated) * np.float32(1 / TURBO_GROUP))
     normal = rotated / (scale + EPSILON)[..., None]
-    codes = np.sum(normal[..., None] > boundaries, axis=-1, dtype=np.uint8)
-    return pack_codes(codes.reshape(x.shape), bits), scale.astype(np.float16)
+    codes = np.asarray(np.sum(normal[..., None] > boundaries, axis=-1, dtype=np.uint8))
+    return pack_codes(codes.reshape(x.shape), bits), _half(scale)
 
 
 def rotated_values(packed: Array, scales: Array, bits: int) -> Array:
