@@ -48,7 +48,12 @@ def _same(a: Any, b: Any) -> bool:
     """Bit-identical arrays, or tuples of them (affine triples)."""
     if isinstance(a, tuple | list) or isinstance(b, tuple | list):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(np.array(a), np.array(b))
+    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(_np(a), _np(b))
+
+
+def _np(a: Any) -> Any:
+    """An mlx array as NumPy, bit-exact (bfloat16, which NumPy lacks, as its bits)."""
+    return np.array(a.view(mx.uint16)) if a.dtype == mx.bfloat16 else np.array(a)
 
 
 def _snapshot(cache: Any) -> Any:
@@ -56,7 +61,7 @@ def _snapshot(cache: Any) -> Any:
     held = None if cache.empty() else cache.keys_and_values()
     return (
         repr(cache),
-        None if held is None else tuple(np.array(p) for p in _flat(held)),
+        None if held is None else tuple(_np(p) for p in _flat(held)),
         cache.size(),
     )
 

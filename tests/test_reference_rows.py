@@ -110,7 +110,7 @@ def test_specs_signature_and_planes(name: str) -> None:
     assert again.signature() == cache.signature() and again.geometry == geometry
     specs = again.plane_specs()
     assert all(isinstance(p, PlaneSpec) and p.token_axis == 2 for p in specs)
-    assert len(specs) == (2 if entry.codec == "plain" else 6)
+    assert len(specs) == {"plain": 2, "affine": 6, "turbo": 5}[entry.codec]
     if entry.is_layout:
         stored = min(10, 6) if entry.geometry == "ring" else 10
         per_token = 2 * sum(DTYPE_SIZES[p.dtype] * p.width for p in specs)  # 2 heads
