@@ -1,4 +1,6 @@
-"""Row attention inside unmodified mlx-lm models: mixed-precision delayed rows.
+"""Row attention inside unmodified mlx-lm models: mixed-precision delayed rows, and
+codecs that defer part of the read (TurboQuant's rotated values, ``Codec.defers_values``:
+``dispatch`` hands those to the cache's codec, which un-rotates the output).
 
 An mlx-lm attention layer calls ``scaled_dot_product_attention(q, keys, values, cache=…,
 scale=…, mask=…)``, a function each model module imports by name from
@@ -68,6 +70,15 @@ def dispatch(
 ) -> Any:
     """mlx-lm's attention, or each row group's own when ``keys`` is a pending pair."""
     original = _original()
+    codec = getattr(cache, "codec", None)
+    if getattr(codec, "defers_values", False) and not isinstance(keys, RowAttentionPending):
+        # The read returned values the codec must finish (TurboQuant: rotated values, the
+        # output un-rotated once per query row): its own attention, not mlx-lm's.
+        if sinks is not None:
+            raise InvalidInputError(
+                f"{type(cache).__name__}: attention sinks over deferred values are not supported"
+            )
+        return codec.attend(queries, keys, values, mask, scale)  # type: ignore[union-attr]
     if not isinstance(keys, RowAttentionPending):
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 

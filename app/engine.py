@@ -590,7 +590,11 @@ class Engine:
     @staticmethod
     @contextmanager
     def _row_attention(model: Any, layouts: Sequence[Any]) -> Iterator[None]:
-        hooked = any(isinstance(layout, DelayedRows) for layout in layouts)
+        hooked = any(
+            isinstance(layout, DelayedRows)
+            or getattr(getattr(layout, "codec", None), "defers_values", False)
+            for layout in layouts
+        )
         with row_attention(model) if hooked else nullcontext():
             yield
 

@@ -22,7 +22,16 @@ import mlx.core as mx
 import kvrows.optimized as kv
 from kvrows.compositions import Composition, serial_for_peer
 from kvrows.errors import InvalidInputError
-from kvrows.schemes import Affine, CodecSpec, GeometrySpec, Growing, KvStorageScheme, Ring
+from kvrows.schemes import (
+    Affine,
+    CodecSpec,
+    GeometrySpec,
+    Growing,
+    KvStorageScheme,
+    Plain,
+    Ring,
+    Turbo,
+)
 from kvrows.validation import KvGeometry
 
 __all__ = ["ARCHITECTURES", "draft_model", "kv_geometry", "make_kvrows_cache", "tiny_model"]
@@ -81,7 +90,10 @@ def make_kvrows_cache(model: Any, scheme: KvStorageScheme | None = None) -> list
     With ``scheme.quantized_kv_start`` set, each affine layer gets a bf16-first storage
     (``Bf16FirstQuantizedKVCache`` / ``Bf16FirstRotatingQuantizedKVCache``) that stays
     plain until an append reaches that many tokens (``spec/bf16-first.md``); other
-    codecs ignore the boundary."""
+    codecs ignore the boundary. A TurboQuant scheme stores the full-attention layers as
+    ``TurboQuantKVCache`` and keeps sliding-window layers plain rings; its reads return
+    rotated values, so run the model inside ``kvrows.app.attention.row_attention(model)``
+    (the engine does), which un-rotates each attention output."""
     import mlx_lm.models.cache as peer
 
     scheme = scheme or KvStorageScheme()
@@ -93,6 +105,8 @@ def make_kvrows_cache(model: Any, scheme: KvStorageScheme | None = None) -> list
     caches: list[Any] = []
     for index, layer in enumerate(template):
         codec = scheme.codec_for_layer(index)
+        if isinstance(codec, Turbo) and isinstance(layer, peer.RotatingKVCache):
+            codec = Plain()  # TurboQuant is full attention only: sliding layers stay plain
         entry = serial_for_peer(type(layer).__name__, codec)
         geometry = _token_geometry(entry, layer)
         if scheme.quantized_kv_start is not None and isinstance(codec, Affine):

@@ -17,7 +17,7 @@ array type (NumPy in the reference, MLX in the optimized one).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, TypeAlias, runtime_checkable
 
 from kvrows.affine_geometry import groups, packed_width
 from kvrows.errors import InvalidInputError
@@ -82,7 +82,14 @@ class PlaneSpec:
 
 @runtime_checkable
 class Codec(Protocol):
-    """How one token's vector is stored, read and attended over."""
+    """How one token's vector is stored, read and attended over.
+
+    ``defers_values``: the values a read returns are not the values (TurboQuant returns
+    them still rotated), so only this codec's ``attend`` computes attention over them
+    correctly; a caller that runs its own attention kernel (mlx-lm's) must route through
+    ``attend`` (``kvrows.app.attention.dispatch`` does)."""
+
+    defers_values: bool
 
     @property
     def spec(self) -> CodecSpec:
@@ -174,6 +181,7 @@ class CodecLayout:
     planes and its bytes per token (both implementations' codecs inherit it)."""
 
     spec: CodecSpec
+    defers_values: ClassVar[bool] = False
 
     @property
     def key(self) -> str:

@@ -136,6 +136,7 @@ class TurboCodec(CodecLayout):
     """
 
     spec: Turbo
+    defers_values = True
 
     def __init__(self, spec: Turbo) -> None:
         self.spec = spec

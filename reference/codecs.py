@@ -222,6 +222,7 @@ class TurboCodec(_ZeroPlanes):
     """
 
     spec: Turbo
+    defers_values = True
 
     def __init__(self, spec: Turbo) -> None:
         self.spec = spec
