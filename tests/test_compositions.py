@@ -270,8 +270,7 @@ def test_the_signature_table_matches_the_compositions() -> None:
     section = text[text.index("## 5.") : text.index("## 6.")]
     documented = dict(re.findall(r"\| `(\w+)` \| `([^`]+)`", section))
     placeholders = {
-        k: f"<{k}>"
-        for k in ("bits", "group_size", "max_size", "keep", "start", "k_bits", "v_bits")
+        k: f"<{k}>" for k in ("bits", "group_size", "max_size", "keep", "start", "k_bits", "v_bits")
     }
     for entry in landed():
         assert documented[entry.name] == entry.signature.format(**placeholders), entry.name
