@@ -165,7 +165,7 @@ def test_layouts_agree_across_implementations_and_rounds_roll_back() -> None:
 @pytest.mark.parametrize("impl", [ref, opt], ids=["reference", "optimized"])
 def test_deferred_attention_through_attend_matches_the_eager_oracle(impl: Any) -> None:
     to = (lambda a: a) if impl is ref else to_mx
-    eager = ref_eager if impl is ref else opt_eager
+    eager: Any = ref_eager if impl is ref else opt_eager
     cache = impl.TurboQuantKVCache(8, 3)
     cache.update_and_fetch(to(block(1, 12, 0)), to(block(1, 12, 1)))
     queries = to(
