@@ -120,8 +120,12 @@ def test_declared_geometry(model: Any) -> None:
     assert (geometry.heads, geometry.key_dim, geometry.dtype) == (2, 64, "float32")
 
 
-def test_schemes_without_a_storage_are_refused(model: Any) -> None:
+def test_turbo_schemes_store_full_attention_layers_only(model: Any) -> None:
     with pytest.raises(InvalidInputError):
-        KvStorageScheme.parse("turbo")
-    with pytest.raises(InvalidInputError, match="turbo"):
-        make_kvrows_cache(model, KvStorageScheme.parse("turbo-k8v3"))
+        KvStorageScheme.parse("turbo")  # a width pair is required (turbo-k8v3)
+    ours = make_kvrows_cache(model, KvStorageScheme.parse("turbo-k8v3"))
+    for cache, layer in zip(ours, model.make_cache(), strict=True):
+        expected = (
+            "RotatingKVCache" if isinstance(layer, peer.RotatingKVCache) else "TurboQuantKVCache"
+        )
+        assert type(cache).__name__ == expected
