@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from types import ModuleType
 from typing import Any
 
-from kvrows.delayed import RowAttentionPending, row_reads
+from kvrows.delayed import DelayedRows, RowAttentionPending, row_reads
 from kvrows.errors import InvalidInputError
 from kvrows.schemes import Affine
 
-__all__ = ["dispatch", "hookable_modules", "row_attention"]
+__all__ = ["attention_scope", "dispatch", "hookable_modules", "needs_hook", "row_attention"]
 
 _NAME = "scaled_dot_product_attention"
 _lock = threading.Lock()
@@ -135,3 +135,21 @@ def row_attention(model: Any) -> Iterator[None]:
                 for module in _patched:
                     setattr(module, _NAME, original)
                 _patched.clear()
+
+
+def needs_hook(caches: Sequence[Any]) -> bool:
+    """Whether a forward over ``caches`` must run inside :func:`row_attention`: some layer is
+    a delayed layout (mixed rows) or reads deferred values (``Codec.defers_values``)."""
+    return any(
+        isinstance(cache, DelayedRows)
+        or getattr(getattr(cache, "codec", None), "defers_values", False)
+        for cache in caches
+    )
+
+
+@contextmanager
+def attention_scope(model: Any, caches: Sequence[Any]) -> Iterator[None]:
+    """:func:`row_attention` around a forward of ``model`` over ``caches`` when they need it
+    (:func:`needs_hook`), nothing otherwise."""
+    with row_attention(model) if needs_hook(caches) else nullcontext():
+        yield

@@ -30,6 +30,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from kvrows.app.attention import attention_scope
 from kvrows.app.engine import Engine, EngineStats, Request, RequestResult, model_fingerprint
 from kvrows.app.models import ARCHITECTURES, draft_model, make_kvrows_cache, tiny_model
 from kvrows.maintenance import create_kv_maintenance
@@ -130,12 +131,14 @@ def solo_logits(
             step = int(min(chunk, end - fed, maintenance.max_append_tokens(caches)))
         else:
             step = plan.pop(0)
-        logits = model(mx.array([list(prompt[fed : fed + step])]), cache=caches)
+        with attention_scope(model, caches):
+            logits = model(mx.array([list(prompt[fed : fed + step])]), cache=caches)
         fed += step
     assert logits is not None
     out = [np.array(logits[0, -1].astype(mx.float32))]
     for token in tokens[:-1]:
-        logits = model(mx.array([[token]]), cache=caches)
+        with attention_scope(model, caches):
+            logits = model(mx.array([[token]]), cache=caches)
         out.append(np.array(logits[0, -1].astype(mx.float32)))
     return out
 

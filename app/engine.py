@@ -40,7 +40,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -48,7 +48,7 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 
-from kvrows.app.attention import hookable_modules, row_attention
+from kvrows.app.attention import attention_scope, hookable_modules
 from kvrows.app.models import make_kvrows_cache
 from kvrows.delayed import DelayedRows
 from kvrows.errors import CapacityError, InvalidInputError, KvRowsError, LayoutStateError
@@ -590,12 +590,7 @@ class Engine:
     @staticmethod
     @contextmanager
     def _row_attention(model: Any, layouts: Sequence[Any]) -> Iterator[None]:
-        hooked = any(
-            isinstance(layout, DelayedRows)
-            or getattr(getattr(layout, "codec", None), "defers_values", False)
-            for layout in layouts
-        )
-        with row_attention(model) if hooked else nullcontext():
+        with attention_scope(model, layouts):
             yield
 
     def _prefill_chunk(self, cohort: list[_Row], layouts: list[BatchableCache]) -> list[_Row]:

@@ -204,3 +204,18 @@ def test_sliding_layers_stay_plain_rings_under_turbo() -> None:
     caches = make_kvrows_cache(tiny_model("gemma3"), KvStorageScheme.parse("turbo-k8v3"))
     names = [type(c).__name__ for c in caches]
     assert "TurboQuantKVCache" in names and "RotatingKVCache" in names
+
+
+def test_engine_batch_matches_solo_under_turbo() -> None:
+    from kvrows.app.demo import builtin_trace, check_invariance
+    from kvrows.app.engine import Engine
+
+    model = tiny_model("llama")
+    storage = KvStorageScheme.parse("turbo-k8v3")
+    trace = builtin_trace(4)
+    results, stats = Engine(model, storage, max_batch=4, prefill_chunk=16, keep_logits=True).run(
+        trace
+    )
+    assert stats.generated == sum(r.max_tokens for r in trace)
+    report = check_invariance(model, storage, trace, results, 16)
+    assert report.mismatches == 0 and report.beyond_tolerance == 0, report
