@@ -387,7 +387,7 @@ FAMILIES: dict[str, Family] = {
         description="plain (unquantized) full-attention KV",
         # Long prompts (past 256 columns) and every check on every append: 80% of the
         # profile keeps the CI profile near a minute per layout on one core.
-        examples=0.9,
+        examples=0.65,
         steps=0.9,
     ),
     "affine": Family(
@@ -400,7 +400,7 @@ FAMILIES: dict[str, Family] = {
         machine=_affine_machine,
         # Six planes per row and quantized attention: an example costs about twice a
         # plain one.
-        examples=0.3,
+        examples=0.28,
         steps=0.9,
     ),
     # Sliding-window rings, both codecs: each layout names its serial ring and codec.
