@@ -30,6 +30,7 @@ from kvrows.errors import (
 )
 from kvrows.forms import TURBO_STATE_DTYPE, rows_of_state, state_form, unpack_state
 from kvrows.persist.files import read_safetensors, write_atomic
+from kvrows.persist.prefix_store import PrefixStore
 from kvrows.persist.prompt_cache import KVROWS_KEY, load_prompt_cache, save_prompt_cache
 from kvrows.reference import turbo_codec
 from kvrows.validation import KvGeometry
@@ -66,7 +67,7 @@ def _numpy(array: Any) -> np.ndarray[Any, Any]:
 
 
 def _bytes(planes: Any) -> list[tuple[str, tuple[int, ...], bytes]]:
-    """Each plane's dtype, shape and bytes (a plane tuple, or a nested state)."""
+    """Each plane's dtype, shape and bytes."""
     return [(str(_numpy(p).dtype), tuple(p.shape), _numpy(p).tobytes()) for p in planes]
 
 
@@ -224,8 +225,6 @@ def test_from_state_and_the_setter_round_trip(name: str) -> None:
         _native(impl, keys, "bfloat16"), _native(impl, values, "bfloat16")
     )
     assert _fetch_equal(got, want)
-    # restored arrays are the cache's own: the state it came from may go away
-    assert all(p is not q for p, q in zip(restored.state[0], cache.state[0], strict=True))
 
 
 @pytest.mark.parametrize("name", sorted(IMPLS))
@@ -273,21 +272,43 @@ def test_a_restored_layout_decodes_as_the_saved_one(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", sorted(IMPLS))
 def test_no_state_inside_a_verify_round(name: str) -> None:
-    built = layout(IMPLS[name], [[3], [4]], seed=40)
-    before = state_rows(built)
+    """Inside a round ``state`` and its setter refuse; after a rollback the state holds
+    what a layout that appended only the kept tokens holds (the oracle)."""
+    impl = IMPLS[name]
+    built, oracle = layout(impl, [[3], [4]], seed=40), layout(impl, [[3], [4]], seed=40)
+    block = _block(2, 3, 64, 41)
     built.spec_round_begin()
-    keys = _native(IMPLS[name], _block(2, 2, 64, 41), "float32")
-    built.update_and_fetch(keys, keys)
+    built.update_and_fetch(_native(impl, block, "float32"), _native(impl, block, "float32"))
     with pytest.raises(SpeculativeRoundError):
         _ = built.state
     with pytest.raises(SpeculativeRoundError):
-        built.state = layout(IMPLS[name], [[1]], seed=42).state
-    built.spec_round_rollback([1, 1])
-    built.spec_round_commit() if built.spec_round_open else None
-    assert [r[0] for r in state_rows(built)] == [4, 5]
-    assert state_rows(built)[0][1] is not None and before[0][0] == 3
+        built.state = oracle.state
+    built.spec_round_rollback(1)
+    kept = _native(impl, block[:, :, :1], "float32")
+    oracle.update_and_fetch(kept, kept)
+    assert built.row_offsets == oracle.row_offsets == (4, 5)
+    assert state_rows(built) == state_rows(oracle)
     again = type(built).from_state(built.state)
-    assert state_rows(again) == state_rows(built)
+    assert state_rows(again) == state_rows(oracle)
+
+
+def test_the_prefix_store_serves_turbo_rows(tmp_path: Path) -> None:
+    """A stored turbo row cut at a block boundary comes back as the bytes of a cache that
+    appended only that prefix (the oracle), ready to go on."""
+    keys, values = _block(1, 10, 64, 70), _block(1, 10, 64, 71)
+    full, prefix = opt.TurboQuantKVCache(), opt.TurboQuantKVCache()
+    full.update_and_fetch(mx.array(keys), mx.array(values))
+    prefix.update_and_fetch(mx.array(keys[:, :, :8]), mx.array(values[:, :, :8]))
+    store = PrefixStore(tmp_path, byte_budget=1 << 20, block_tokens=4)
+    tokens = list(range(10))
+    assert store.put(tokens, [full]) == 8
+    found = store.longest(tokens)
+    assert found is not None
+    matched, (loaded,) = found
+    assert matched == 8 and type(loaded) is opt.TurboQuantKVCache
+    assert loaded.geometry == full.geometry and state_rows(loaded) == state_rows(prefix)
+    step = (mx.array(keys[:, :, 8:9]), mx.array(values[:, :, 8:9]))
+    assert _fetch_equal(loaded.update_and_fetch(*step), prefix.update_and_fetch(*step))
 
 
 # -- refusals ----------------------------------------------------------------------------
@@ -411,26 +432,32 @@ def test_a_declared_geometry_must_agree_with_the_planes(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(IMPLS))
 def test_layout_states_beyond_their_planes_are_refused(name: str) -> None:
     impl = IMPLS[name]
-    keys, values, offsets, pads, idx, k_bits, v_bits = layout(impl, [[3], [5]], seed=8).state
-    array = (
-        (lambda v: mx.array(v, dtype=mx.int32))
-        if impl is opt
-        else (lambda v: np.array(v, dtype=np.int32))
-    )
+    built = layout(impl, [[3], [5]], seed=8)
+    keys, values, offsets, pads, idx, k_bits, v_bits = built.state
+    assert (offsets.tolist(), pads.tolist(), idx) == ([3, 5], [2, 0], 5)
+
+    def int32(values: list[int]) -> Any:
+        return mx.array(values, dtype=mx.int32) if impl is opt else np.array(values, np.int32)
+
+    one_row = (tuple(p[:1] for p in keys), tuple(p[:1] for p in values))
     cases = {
-        "idx past the columns": (keys, values, array([5, 7]), array([2, 0]), 7, k_bits, v_bits),
-        "an offset past its columns": (keys, values, array([4, 5]), pads, idx, k_bits, v_bits),
-        "one offset for two rows": (keys, values, array([5]), array([0]), idx, k_bits, v_bits),
-        "another row count": (
-            tuple(p[:1] for p in keys), tuple(p[:1] for p in values), offsets, pads, idx,
-            k_bits, v_bits,
+        "idx 7 outside the 5 columns": (
+            keys, values, int32([5, 7]), int32([2, 0]), 7, k_bits, v_bits,
         ),
-        "v_bits 5 over v3 planes": (keys, values, offsets, pads, idx, k_bits, 5),
+        "offset 4 disagrees with its columns": (
+            keys, values, int32([4, 5]), pads, idx, k_bits, v_bits,
+        ),
+        "keys hold 2 rows, offsets 1": (keys, values, int32([5]), int32([0]), idx, k_bits, v_bits),
+        "keys hold 1 rows, offsets 2": (*one_row, offsets, pads, idx, k_bits, v_bits),
+        "vPacked holds 24 bytes per token": (keys, values, offsets, pads, idx, k_bits, 5),
     }  # fmt: skip
-    for case, bad in cases.items():
-        with pytest.raises(InvalidInputError):
+    before = state_rows(built)
+    for message, bad in cases.items():
+        with pytest.raises(InvalidInputError, match=message):
             impl.BatchedTurboQuantKVCache.from_state(bad)
-            pytest.fail(case)
+        with pytest.raises(InvalidInputError, match=message):
+            built.state = bad
+    assert state_rows(built) == before
 
 
 # -- corrupt files -----------------------------------------------------------------------
