@@ -14,7 +14,9 @@ ring, layout         ``keys, values, offset[B], left_padding[B], max_size, total
 ===================  ==============================================================
 
 The affine codec makes ``keys`` / ``values`` the ``(packed, scales, biases)`` triples of
-``mx.quantize`` and appends ``group_size, bits``. Those are exactly the forms of mlx-lm
+``mx.quantize`` and appends ``group_size, bits``; TurboQuant makes them ``(kIdx, kScales,
+kZeros)`` and ``(vPacked, vScales)`` (``TURBO_PLANES``: the order is a persistence
+contract) and appends ``k_bits, v_bits`` (``spec/persistence.md`` §1.2). Those are exactly the forms of mlx-lm
 0.32.2's ``KVCache``, ``RotatingKVCache``, ``QuantizedKVCache``, ``BatchKVCache`` and
 ``BatchRotatingKVCache``, so mlx-lm's ``save_prompt_cache`` / ``load_prompt_cache`` read
 and write kvrows states for the classes it has (``FILE_CLASSES`` names them), and kvrows
@@ -34,19 +36,22 @@ fields; each implementation turns them into arrays.
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvrows.codec import TURBO_HEAD_DIMS, Role, codec_plane_specs
 from kvrows.compositions import Composition, landed
 from kvrows.errors import InvalidInputError, UnsupportedStateError
-from kvrows.schemes import Affine, CodecSpec, GeometrySpec, Growing, Plain, Ring
-from kvrows.validation import KvGeometry
+from kvrows.schemes import Affine, CodecSpec, GeometrySpec, Growing, Plain, Ring, Turbo
+from kvrows.validation import FLOAT_DTYPES, KvGeometry
 
 __all__ = [
     "DELAYED_PLAIN",
     "FILE_CLASSES",
     "FORMAT_VERSION",
+    "TURBO_PLANES",
+    "TURBO_STATE_DTYPE",
     "DelayedParts",
     "ParsedState",
     "StateForm",
@@ -55,14 +60,17 @@ __all__ = [
     "codec_from_fields",
     "delayed_groups",
     "delayed_state",
+    "describe_planes",
     "geometry_from_fields",
     "kv_geometry_of",
     "legacy_state",
     "pack_state",
     "parse_delayed_state",
     "parse_state",
+    "plane_counts",
     "rows_of_state",
     "state_form",
+    "stored_geometry",
     "unpack_state",
 ]
 
@@ -79,7 +87,7 @@ _LAYOUT = {
         "keys", "values", "offset", "left_padding", "max_size", "total", "idx", "rotated",
     ),
 }  # fmt: skip
-_CODEC_TAIL = {"plain": (), "affine": ("group_size", "bits")}
+_CODEC_TAIL = {"plain": (), "affine": ("group_size", "bits"), "turbo": ("k_bits", "v_bits")}
 
 #: mlx-lm's class for each form it has: (geometry, arrangement is a layout, codec).
 _MLX_LM_CLASSES = {
@@ -184,7 +192,7 @@ def unpack_state(entry: Composition, state: object) -> dict[str, Any]:
             f"{entry.name} state has {len(form.fields)} fields {form.fields}, got {len(state)}"
         )
     values = dict(zip(form.fields, state, strict=True))
-    for name in ("keep", "max_size", "idx", "total", "group_size", "bits"):
+    for name in ("keep", "max_size", "idx", "total", "group_size", "bits", "k_bits", "v_bits"):
         if name in values:
             values[name] = _integer(name, values[name])
     if "offset" in values and not entry.is_layout:
@@ -202,8 +210,11 @@ def pack_state(entry: Composition, values: Mapping[str, Any]) -> tuple[Any, ...]
 
 
 def codec_from_fields(entry: Composition, values: Mapping[str, Any]) -> CodecSpec:
+    """The codec a state's fields describe (``InvalidInputError`` for widths it refuses)."""
     if entry.codec == "affine":
         return Affine(bits=values["bits"], group_size=values["group_size"])
+    if entry.codec == "turbo":
+        return Turbo(k_bits=values["k_bits"], v_bits=values["v_bits"])
     return Plain()
 
 
@@ -214,6 +225,28 @@ def geometry_from_fields(
     if entry.geometry != "ring":
         return Growing()
     return Ring(max_size=values["max_size"], keep=values.get("keep", keep or 0))
+
+
+#: A head dim every codec stores (``plane_counts`` only counts its planes).
+_PROBE_DIM = 128
+
+
+def plane_counts(codec: CodecSpec) -> tuple[int, int]:
+    """How many planes a state's ``keys`` and ``values`` hold under ``codec``: 1 and 1
+    plain, 3 and 3 affine, 3 and 2 TurboQuant (kIdx, kScales, kZeros; vPacked, vScales)."""
+    return (
+        len(codec_plane_specs(codec, "keys", _PROBE_DIM, "float16", "keys")),
+        len(codec_plane_specs(codec, "values", _PROBE_DIM, "float16", "values")),
+    )
+
+
+#: A TurboQuant state's planes in the order it holds them (``keys``, then ``values``): the
+#: persistence contract of ``spec/turbo-codec.md`` (semantics §2.3).
+TURBO_PLANES = ("kIdx", "kScales", "kZeros", "vPacked", "vScales")
+
+#: The dtype a TurboQuant state is restored with when nothing declares it: its planes do
+#: not record the activations' dtype (bfloat16 is what the codec fetches).
+TURBO_STATE_DTYPE = "bfloat16"
 
 
 def kv_geometry_of(
@@ -230,7 +263,94 @@ def kv_geometry_of(
             int(values[0].shape[3]) * 32 // codec.bits,
             dtype,
         )
+    if isinstance(codec, Turbo):
+        # ``D * bits / 8`` code bytes per token (8-bit keys: one int8 per element).
+        dims = []
+        for name, plane, bits in (
+            ("kIdx", keys[0], codec.k_bits),
+            ("vPacked", values[0], codec.v_bits),
+        ):
+            width = int(plane.shape[3])
+            if width * 8 % bits:
+                raise InvalidInputError(
+                    f"state plane {name} holds {width} bytes per token: not a head dim at "
+                    f"{bits} bits (D x {bits} / 8 bytes)"
+                )
+            dims.append(width * 8 // bits)
+        return KvGeometry(heads, dims[0], dims[1], dtype)
     return KvGeometry(heads, int(keys[0].shape[3]), int(values[0].shape[3]), dtype)
+
+
+def stored_geometry(
+    codec: CodecSpec,
+    keys: Sequence[Any],
+    values: Sequence[Any],
+    dtype_of: Callable[[Any], str],
+    declared: KvGeometry | None = None,
+) -> KvGeometry:
+    """The KV geometry of a state's planes (``plane_counts`` of them, 4-D arrays), each
+    plane checked against what ``codec`` stores (``InvalidInputError`` naming it): one
+    ``[B, H, T]`` for all, each its width and dtype (``kvrows.codec.codec_plane_specs``).
+    ``dtype_of`` names an array's dtype (each implementation's ``dtype_name``).
+
+    The activations' dtype is the planes' own (the plain plane, the affine scales);
+    TurboQuant's planes do not carry it, so it is ``declared``'s (a file's record, the
+    cache the ``state`` setter replaces) or ``TURBO_STATE_DTYPE``; a ``declared`` geometry
+    whose heads or head dims disagree with TurboQuant planes is refused."""
+    if isinstance(codec, Turbo):
+        dtype = TURBO_STATE_DTYPE if declared is None else declared.dtype
+    else:
+        dtype = dtype_of(keys[-1])
+    if dtype not in FLOAT_DTYPES:
+        raise InvalidInputError(
+            f"state planes hold {dtype} activations, expected one of {FLOAT_DTYPES}"
+        )
+    kv = kv_geometry_of(codec, keys, values, dtype)
+    if isinstance(codec, Turbo):
+        for name, dim in (("key", kv.key_dim), ("value", kv.value_dim)):
+            if dim not in TURBO_HEAD_DIMS:
+                raise InvalidInputError(
+                    f"state planes hold a {name} head dim of {dim}; TurboQuant stores "
+                    f"{TURBO_HEAD_DIMS}"
+                )
+    lead = tuple(int(n) for n in keys[0].shape[:3])
+    labels = iter(TURBO_PLANES if isinstance(codec, Turbo) else ())
+    roles: tuple[tuple[Role, Sequence[Any], int], ...] = (
+        ("keys", keys, kv.key_dim),
+        ("values", values, kv.value_dim),
+    )
+    for role, planes, dim in roles:
+        specs = codec_plane_specs(codec, role, dim, dtype, role)
+        for plane, spec in zip(planes, specs, strict=True):
+            label = next(labels, spec.name)
+            shape, expected = tuple(int(n) for n in plane.shape), (*lead, spec.width)
+            if shape != expected or dtype_of(plane) != spec.dtype:
+                raise InvalidInputError(
+                    f"state plane {label} is {dtype_of(plane)} {list(shape)}, expected "
+                    f"{spec.dtype} {list(expected)} ({codec.name}, head dim {dim})"
+                )
+    if (
+        isinstance(codec, Turbo)
+        and declared is not None
+        and (declared.heads, declared.key_dim, declared.value_dim)
+        != (kv.heads, kv.key_dim, kv.value_dim)
+    ):
+        raise InvalidInputError(
+            f"state planes hold {kv.describe()} but the declared geometry is {declared.describe()}"
+        )
+    return kv
+
+
+def describe_planes(value: object) -> str:
+    """What a state field holds, briefly (for messages: arrays by type and shape)."""
+    items = tuple(value) if isinstance(value, tuple | list) else (value,)
+
+    def one(item: object) -> str:
+        shape = getattr(item, "shape", None)
+        kind = f"{type(item).__module__}.{type(item).__name__}"
+        return f"{kind} {list(shape)}" if shape is not None else f"{kind} {item!r:.40}"
+
+    return f"{len(items)}: {', '.join(one(item) for item in items)}"
 
 
 def _planes(value: Any) -> tuple[Any, ...] | None:
@@ -307,6 +427,10 @@ def rows_of_state(
         return [(None, None, max(0, o)) for o in offsets]
     if int(keys[0].shape[0]) != len(offsets):
         raise InvalidInputError(f"state keys hold {keys[0].shape[0]} rows, offsets {len(offsets)}")
+    if entry.geometry != "ring" and not 0 <= idx <= int(keys[0].shape[2]):
+        raise InvalidInputError(
+            f"state idx {idx} outside the {int(keys[0].shape[2])} columns its planes hold"
+        )
     if entry.geometry == "ring":
         keys = chronological(keys, idx, values["rotated"], keep, concat)
         vals = chronological(vals, idx, values["rotated"], keep, concat)
@@ -353,13 +477,14 @@ def legacy_state(file_class: str, state: Sequence[Any], meta_state: Any) -> tupl
 
 @dataclass(frozen=True)
 class ParsedState:
-    """A checked state: its fields by name, its codec and token geometry, the plane count
-    of ``keys`` / ``values`` (3 for the affine triple)."""
+    """A checked state: its fields by name, its codec and token geometry, the plane counts
+    of ``keys`` and ``values`` (``plane_counts``: 3 and 3 for the affine triples)."""
 
     fields: dict[str, Any]
     codec: CodecSpec
     token_geometry: GeometrySpec
-    planes: int
+    key_planes: int
+    value_planes: int
 
 
 def parse_state(
@@ -377,7 +502,7 @@ def parse_state(
         fields,
         codec,
         geometry_from_fields(entry, fields, keep=keep),
-        3 if isinstance(codec, Affine) else 1,
+        *plane_counts(codec),
     )
 
 

@@ -18,10 +18,11 @@ import mlx.core as mx
 from kvrows.errors import InvalidInputError
 from kvrows.forms import (
     StateRow,
-    kv_geometry_of,
+    describe_planes,
     pack_state,
     parse_state,
     rows_of_state,
+    stored_geometry,
 )
 from kvrows.optimized.codecs import Planes, dtype_name
 from kvrows.optimized.ring import SharedRing, _stacked
@@ -46,8 +47,8 @@ def _field(storage: Storage, planes: Planes | None) -> Any:
 
 
 def _tail(storage: Storage) -> dict[str, Any]:
-    params = storage.codec_spec.parameters()
-    return {"group_size": params["group_size"], "bits": params["bits"]} if params else {}
+    """The codec's fields (affine ``group_size, bits``; TurboQuant ``k_bits, v_bits``)."""
+    return dict(storage.codec_spec.parameters())
 
 
 def _ring_params(storage: Storage) -> dict[str, int]:
@@ -119,16 +120,12 @@ def rows_offsets(fields: dict[str, Any]) -> list[int]:
     return [int(o) for o in (offsets.tolist() if hasattr(offsets, "tolist") else offsets)]
 
 
-def _geometry_of(codec: Any, keys: Planes, values: Planes) -> KvGeometry:
-    dtype = dtype_name(keys[-1] if len(keys) > 1 else keys[0])
-    return kv_geometry_of(codec, keys, values, dtype)
-
-
 def _as_planes(value: Any, count: int, name: str) -> Planes:
     planes = tuple(value) if isinstance(value, tuple | list) else (value,)
     if len(planes) != count or not all(isinstance(p, mx.array) and p.ndim == 4 for p in planes):
         raise InvalidInputError(
-            f"state {name} must be {count} mx.array plane(s) [B, H, T, ·], got {value!r}"
+            f"state {name} must be {count} mx.array plane(s) [B, H, T, ·], "
+            f"got {describe_planes(value)}"
         )
     return planes
 
@@ -147,7 +144,6 @@ def restore_state(
     entry = cls.composition
     parsed = parse_state(entry, state, meta_state, keep=keep)
     fields, codec_spec, token_geometry = parsed.fields, parsed.codec, parsed.token_geometry
-    count = parsed.planes
     fresh = cls.from_specs(codec_spec, token_geometry)
     if fields["keys"] is None:
         fresh._geometry = geometry
@@ -167,10 +163,10 @@ def restore_state(
                     raise InvalidInputError(f"{entry.name} takes no pending left padding")
                 prepare(left_padding=pending)
         return fresh
-    keys = _as_planes(fields["keys"], count, "keys")
-    values = _as_planes(fields["values"], count, "values")
+    keys = _as_planes(fields["keys"], parsed.key_planes, "keys")
+    values = _as_planes(fields["values"], parsed.value_planes, "values")
     fields["keys"], fields["values"] = keys, values
-    kv = _geometry_of(codec_spec, keys, values)
+    kv = stored_geometry(codec_spec, keys, values, dtype_name, geometry)
     fresh.codec.check(kv)
     if isinstance(fresh, Serial):
         return _restore_serial(fresh, fields, kv)

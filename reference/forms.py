@@ -16,10 +16,11 @@ import numpy.typing as npt
 
 from kvrows.errors import InvalidInputError
 from kvrows.forms import (
-    kv_geometry_of,
+    describe_planes,
     pack_state,
     parse_state,
     rows_of_state,
+    stored_geometry,
 )
 from kvrows.reference.codecs import Planes, dtype_name
 from kvrows.reference.rows import Row, RowLayout, SerialStorage, Storage
@@ -97,7 +98,8 @@ def _as_planes(value: Any, count: int, name: str) -> Planes:
     planes = tuple(value) if isinstance(value, tuple | list) else (value,)
     if len(planes) != count or not all(isinstance(p, np.ndarray) and p.ndim == 4 for p in planes):
         raise InvalidInputError(
-            f"state {name} must be {count} NumPy plane(s) [B, H, T, ·], got {value!r}"
+            f"state {name} must be {count} NumPy plane(s) [B, H, T, ·], "
+            f"got {describe_planes(value)}"
         )
     return planes
 
@@ -118,14 +120,12 @@ def restore_state(
     entry = cls.composition
     parsed = parse_state(entry, state, meta_state, keep=keep)
     fields, codec_spec, token_geometry = parsed.fields, parsed.codec, parsed.token_geometry
-    count = parsed.planes
     fresh = cls.from_specs(codec_spec, token_geometry)
     kv = geometry
     if fields["keys"] is not None:
-        fields["keys"] = _as_planes(fields["keys"], count, "keys")
-        fields["values"] = _as_planes(fields["values"], count, "values")
-        scale = fields["keys"][-1] if count > 1 else fields["keys"][0]
-        kv = kv_geometry_of(codec_spec, fields["keys"], fields["values"], dtype_name(scale))
+        fields["keys"] = _as_planes(fields["keys"], parsed.key_planes, "keys")
+        fields["values"] = _as_planes(fields["values"], parsed.value_planes, "values")
+        kv = stored_geometry(codec_spec, fields["keys"], fields["values"], dtype_name, geometry)
         fresh.codec.check(kv)
     rows = rows_of_state(entry, fields, _joined, keep=keep or 0)
     fresh._geometry = kv

@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx_lm.models.cache as mlx_lm_cache
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import kvrows.optimized as optimized
@@ -30,14 +30,20 @@ from kvrows.persist.prompt_cache import KVROWS_KEY, load_prompt_cache, save_prom
 #: mlx-lm's cache module (untyped).
 lm: Any = mlx_lm_cache
 
-SERIALS = ["KVCache", "QuantizedKVCache", "RotatingKVCache", "RotatingQuantizedKVCache"]
+SERIALS = [
+    "KVCache",
+    "QuantizedKVCache",
+    "RotatingKVCache",
+    "RotatingQuantizedKVCache",
+    "TurboQuantKVCache",
+]
 LAYOUTS = [name for name, cls in DECLARED.items() if cls.composition.is_layout]
 DIM = 64
 
 
 def _args(name: str, keep: int = 0) -> tuple[int, ...]:
     entry = DECLARED[name].composition
-    values = {"max_size": 6, "group_size": 32, "bits": 4, "keep": keep}
+    values = {"max_size": 6, "group_size": 32, "bits": 4, "keep": keep, "k_bits": 4, "v_bits": 3}
     return tuple(values[p] for p in entry.params)
 
 
@@ -157,6 +163,15 @@ def test_serial_round_trip_is_bit_exact(
     sinks=st.sampled_from([0, 0, 2]),
     source=st.sampled_from(["reference", "optimized"]),
     target=st.sampled_from(["reference", "optimized"]),
+)
+# The derandomized draws need not reach every layout: the TurboQuant one, always.
+@example(
+    name="BatchedTurboQuantKVCache",
+    rows=[[3, 2], [], [4]],
+    seed=1,
+    sinks=0,
+    source="reference",
+    target="optimized",
 )
 def test_layout_round_trip_keeps_every_row(
     tmp_path_factory: pytest.TempPathFactory,
