@@ -90,8 +90,9 @@ def make_kvrows_cache(model: Any, scheme: KvStorageScheme | None = None) -> list
     With ``scheme.quantized_kv_start`` set, each affine or TurboQuant layer gets a
     bf16-first storage (``Bf16FirstQuantizedKVCache`` / ``Bf16FirstRotatingQuantizedKVCache``
     / ``Bf16FirstTurboQuantKVCache``) that stays plain until an append reaches that many
-    tokens (``spec/bf16-first.md``); plain layers ignore the boundary. A TurboQuant scheme stores the full-attention layers as
-    ``TurboQuantKVCache`` and keeps sliding-window layers plain rings; its reads return
+    tokens (``spec/bf16-first.md``); plain layers ignore the boundary. A TurboQuant scheme
+    stores the full-attention layers as ``TurboQuantKVCache`` (or its lego) and keeps
+    sliding-window layers plain rings; its reads return
     rotated values, so run the model inside ``kvrows.app.attention.row_attention(model)``
     (the engine does), which un-rotates each attention output."""
     import mlx_lm.models.cache as peer

@@ -3,10 +3,12 @@ boundary.
 
 A delayed layout (``spec/DelayedQuantizedKVCache.md``,
 ``spec/DelayedRotatingQuantizedKVCache.md``, ``spec/DelayedTurboQuantKVCache.md``) holds
-the rows of a batch whose serial storage is a bf16-first lego (``kvrows.lego``): each row stays plain until its own offset reaches
-``start`` and converts exactly where its solo lego would. This module is the array-free
-logic, shared by both implementations; each supplies its two ragged **groups** (the plain
-and the converted layout of its token geometry: affine, or TurboQuant for full attention), its row conversion and three array hooks.
+the rows of a batch whose serial storage is a bf16-first lego (``kvrows.lego``): each row
+stays plain until its own offset reaches ``start`` and converts exactly where its solo
+lego would. This module is the array-free logic, shared by both implementations; each
+supplies its two ragged **groups** (the plain and the converted layout of its token
+geometry: affine, or TurboQuant for full attention), its row conversion and three array
+hooks. The converted ("affine") group's codec is the target spec's (``kvrows.lego.Target``).
 
 * **Groups.** Plain rows live in the plain group, converted rows in the affine group, each
   in batch order (a row's slot is its rank among its group's rows). Every group is an
