@@ -29,7 +29,8 @@ from typing import Any
 
 from kvrows.delayed import DelayedRows, RowAttentionPending, row_reads
 from kvrows.errors import InvalidInputError
-from kvrows.schemes import Affine
+from kvrows.lego import Bf16First
+from kvrows.schemes import Affine, Turbo
 
 __all__ = ["attention_scope", "dispatch", "hookable_modules", "needs_hook", "row_attention"]
 
@@ -70,7 +71,9 @@ def dispatch(
 ) -> Any:
     """mlx-lm's attention, or each row group's own when ``keys`` is a pending pair."""
     original = _original()
-    codec = getattr(cache, "codec", None)
+    # A lego or delayed layout names the codec of the read it just returned (a converting
+    # append reads plain); other storages read through their codec.
+    codec = getattr(cache, "last_read_codec", None) or getattr(cache, "codec", None)
     if getattr(codec, "defers_values", False) and not isinstance(keys, RowAttentionPending):
         # The read returned values the codec must finish (TurboQuant: rotated values, the
         # output un-rotated once per query row): its own attention, not mlx-lm's.
@@ -83,6 +86,13 @@ def dispatch(
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     def attend(q: Any, group: Any, k: Any, v: Any, group_mask: Any, s: float) -> Any:
+        if group.codec.defers_values:  # a TurboQuant group: its codec finishes the values
+            if sinks is not None:
+                raise InvalidInputError(
+                    f"{type(group).__name__}: attention sinks over deferred values are not "
+                    "supported"
+                )
+            return group.codec.attend(q, k, v, group_mask, s)
         return original(
             q, k, v, cache=_GroupCache(group.codec_spec), scale=s, mask=group_mask, sinks=sinks
         )
@@ -139,9 +149,11 @@ def row_attention(model: Any) -> Iterator[None]:
 
 def needs_hook(caches: Sequence[Any]) -> bool:
     """Whether a forward over ``caches`` must run inside :func:`row_attention`: some layer is
-    a delayed layout (mixed rows) or reads deferred values (``Codec.defers_values``)."""
+    a delayed layout (mixed rows), a lego that converts to TurboQuant, or reads deferred
+    values (``Codec.defers_values``)."""
     return any(
         isinstance(cache, DelayedRows)
+        or (isinstance(cache, Bf16First) and isinstance(cache.quantization, Turbo))
         or getattr(getattr(cache, "codec", None), "defers_values", False)
         for cache in caches
     )

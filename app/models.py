@@ -87,11 +87,12 @@ def _build(
 def make_kvrows_cache(model: Any, scheme: KvStorageScheme | None = None) -> list[Any]:
     """The model's per-layer caches as kvrows optimized storages under ``scheme``.
 
-    With ``scheme.quantized_kv_start`` set, each affine layer gets a bf16-first storage
-    (``Bf16FirstQuantizedKVCache`` / ``Bf16FirstRotatingQuantizedKVCache``) that stays
-    plain until an append reaches that many tokens (``spec/bf16-first.md``); other
-    codecs ignore the boundary. A TurboQuant scheme stores the full-attention layers as
-    ``TurboQuantKVCache`` and keeps sliding-window layers plain rings; its reads return
+    With ``scheme.quantized_kv_start`` set, each affine or TurboQuant layer gets a
+    bf16-first storage (``Bf16FirstQuantizedKVCache`` / ``Bf16FirstRotatingQuantizedKVCache``
+    / ``Bf16FirstTurboQuantKVCache``) that stays plain until an append reaches that many
+    tokens (``spec/bf16-first.md``); plain layers ignore the boundary. A TurboQuant scheme
+    stores the full-attention layers as ``TurboQuantKVCache`` (or its lego) and keeps
+    sliding-window layers plain rings; its reads return
     rotated values, so run the model inside ``kvrows.app.attention.row_attention(model)``
     (the engine does), which un-rotates each attention output."""
     import mlx_lm.models.cache as peer
@@ -109,15 +110,19 @@ def make_kvrows_cache(model: Any, scheme: KvStorageScheme | None = None) -> list
             codec = Plain()  # TurboQuant is full attention only: sliding layers stay plain
         entry = serial_for_peer(type(layer).__name__, codec)
         geometry = _token_geometry(entry, layer)
-        if scheme.quantized_kv_start is not None and isinstance(codec, Affine):
+        if scheme.quantized_kv_start is not None and isinstance(codec, Affine | Turbo):
             caches.append(_lego(codec, geometry, scheme.quantized_kv_start, declared))
         else:
             caches.append(_build(entry, codec, geometry, declared))
     return caches
 
 
-def _lego(codec: Affine, geometry: GeometrySpec, start: int, declared: KvGeometry | None) -> Any:
-    """The bf16-first storage of an affine layer with a conversion boundary."""
+def _lego(
+    codec: Affine | Turbo, geometry: GeometrySpec, start: int, declared: KvGeometry | None
+) -> Any:
+    """The bf16-first storage of an affine or TurboQuant layer with a conversion boundary."""
+    if isinstance(codec, Turbo):
+        return kv.Bf16FirstTurboQuantKVCache(codec.k_bits, codec.v_bits, start, geometry=declared)
     if isinstance(geometry, Ring):
         return kv.Bf16FirstRotatingQuantizedKVCache(
             geometry.max_size, codec.group_size, codec.bits, geometry.keep, start, geometry=declared

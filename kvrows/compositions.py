@@ -197,9 +197,10 @@ COMPOSITIONS: tuple[Composition, ...] = (
                 summary="serial plain sliding-window ring"),
     # -- TurboQuant and delayed full attention (issues 11, 12) -----------------------
     Composition(name="DelayedTurboQuantKVCache", codec="turbo", geometry="growing",
-                arrangement="ragged", signature="kv:delayed-turbo", serial="TurboQuantKVCache",
+                arrangement="ragged", signature="kv:delayed-turboquant:{k_bits}:{v_bits}:{start}",
+                params=(*_TURBO, "start"), serial="TurboQuantKVCache",
                 roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"delayed", "speculative"}),
-                issue=12, summary="rows that convert to TurboQuant at their own boundary"),
+                summary="rows that convert to TurboQuant at their own boundary"),
     Composition(name="DelayedQuantizedKVCache", codec="affine", geometry="growing",
                 arrangement="ragged", signature="kv:delayed-quant:{bits}:{group_size}:{start}",
                 params=(*_AFFINE, "start"),

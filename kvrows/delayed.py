@@ -1,11 +1,14 @@
-"""Delayed layouts: rows that convert to affine at their own bf16-first boundary.
+"""Delayed layouts: rows that convert to affine or TurboQuant at their own bf16-first
+boundary.
 
 A delayed layout (``spec/DelayedQuantizedKVCache.md``,
-``spec/DelayedRotatingQuantizedKVCache.md``) holds the rows of a batch whose serial storage
-is a bf16-first lego (``kvrows.lego``): each row stays plain until its own offset reaches
-``start`` and converts exactly where its solo lego would. This module is the array-free
-logic, shared by both implementations; each supplies its two ragged **groups** (the plain
-and the affine layout of its token geometry), its row conversion and three array hooks.
+``spec/DelayedRotatingQuantizedKVCache.md``, ``spec/DelayedTurboQuantKVCache.md``) holds
+the rows of a batch whose serial storage is a bf16-first lego (``kvrows.lego``): each row
+stays plain until its own offset reaches ``start`` and converts exactly where its solo
+lego would. This module is the array-free logic, shared by both implementations; each
+supplies its two ragged **groups** (the plain and the converted layout of its token
+geometry: affine, or TurboQuant for full attention), its row conversion and three array
+hooks. The converted ("affine") group's codec is the target spec's (``kvrows.lego.Target``).
 
 * **Groups.** Plain rows live in the plain group, converted rows in the affine group, each
   in batch order (a row's slot is its rank among its group's rows). Every group is an
@@ -47,11 +50,20 @@ from kvrows.errors import (
     MixedPrecisionReadError,
     NotTrimmableError,
     RowIndexError,
+    UnsupportedStateError,
     self_merge_message,
 )
 from kvrows.forms import DELAYED_PLAIN, delayed_state, parse_delayed_state
-from kvrows.lego import Bf16First, ConversionBoundary, conversion_due, lego_arguments
-from kvrows.schemes import Affine, GeometrySpec, Growing, Plain
+from kvrows.lego import (
+    Bf16First,
+    ConversionBoundary,
+    Target,
+    check_target,
+    conversion_due,
+    lego_arguments,
+    turbo_lego_arguments,
+)
+from kvrows.schemes import GeometrySpec, Growing, Plain, Turbo
 from kvrows.speculative import SpeculativeRounds, check_keep_vector
 from kvrows.validation import KvGeometry, as_count, check_keep, check_row
 
@@ -60,6 +72,7 @@ __all__ = [
     "DelayedFullAttention",
     "DelayedRows",
     "DelayedSlidingWindow",
+    "DelayedTurboRows",
     "GroupAttend",
     "RowAttentionPending",
     "delayed_layout_for",
@@ -212,11 +225,12 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
     # -- construction ----------------------------------------------------------------------
     def _setup(
         self,
-        quantization: Affine,
+        quantization: Target,
         token_geometry: GeometrySpec,
         start: int,
         geometry: KvGeometry | None,
     ) -> None:
+        quantization = check_target(type(self).__name__, quantization, token_geometry)
         if geometry is not None and not isinstance(geometry, KvGeometry):
             raise InvalidInputError(
                 f"{type(self).__name__}: geometry must be a KvGeometry, "
@@ -260,8 +274,9 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
         start: int = 0,
     ) -> DelayedRows:
         """A layout from specs (``start`` is not a codec or geometry parameter)."""
-        if not isinstance(codec, Affine):
-            raise InvalidInputError(f"{cls.__name__} converts to an affine codec, got {codec!r}")
+        kind = cls.composition.codec
+        if getattr(codec, "kind", None) != kind:
+            raise InvalidInputError(f"{cls.__name__} converts to the {kind} codec, got {codec!r}")
         fresh = object.__new__(cls)
         fresh._setup(codec, token_geometry, as_count(start, "start"), geometry)
         return fresh
@@ -273,7 +288,7 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
 
     # -- what it is ------------------------------------------------------------------------
     @property
-    def codec_spec(self) -> Affine:
+    def codec_spec(self) -> Target:
         return self._quantization
 
     @property
@@ -286,14 +301,20 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
 
     @property
     def codec(self) -> Any:
-        """The codec reads come in now: plain while every row is plain, else affine (mixed
-        reads go through ``attend_rows``)."""
+        """The codec reads come in now: plain while every row is plain, else the converted
+        group's (mixed reads go through ``attend_rows``)."""
         return self._groups[PLAIN if self.phase in ("empty", "plain") else AFFINE].codec
 
+    @property
+    def last_read_codec(self) -> Any:
+        """The codec of what the last plain or packed append returned (the append that
+        converted rows read plain); ``None`` without one (a mixed read: ``attend_rows``).
+        Attention of that read goes through it (``kvrows.app.attention.dispatch``)."""
+        return None if self._last is None else self._last[0].codec
+
     def signature(self) -> str:
-        q = self._quantization
         return self.composition.signature.format(
-            bits=q.bits, group_size=q.group_size, start=self._start,
+            start=self._start, **self._quantization.parameters(),
             **self._token_geometry.parameters(),
         )  # fmt: skip
 
@@ -396,6 +417,11 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
         empty for rings), ``prefilling``, ``composed`` (rows extract as legos), a ring's
         ``keep``."""
         self._spec_guard("reading state")
+        if isinstance(self._quantization, Turbo):
+            raise UnsupportedStateError(
+                f"{type(self).__name__} has no saved-state form yet (its TurboQuant group's "
+                "form is not in the codec table): extract its rows to save them"
+            )
         marks = [DELAYED_PLAIN if c is None else c for c in self._converted_at]
         record: dict[str, Any] = {
             "start": self._start,
@@ -434,6 +460,8 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
         does not apply."""
         if meta_state is not None:
             raise InvalidInputError(f"{cls.__name__} has no two-part (meta_state) form")
+        if cls.composition.codec == "turbo":
+            raise UnsupportedStateError(f"{cls.__name__} has no saved-state form yet")
         parts = parse_delayed_state(cls.composition, state, keep=keep)
         plain, affine = (
             group.from_state(saved, keep=parts.keep, geometry=geometry)
@@ -980,6 +1008,22 @@ class DelayedFullAttention(DelayedRows):
     ) -> None:
         spec, tokens, first = lego_arguments(type(self).__name__, None, group_size, bits, 0, start)
         self._setup(spec, tokens, first, geometry)
+
+
+class DelayedTurboRows(DelayedRows):
+    """``DelayedTurboQuantKVCache(k_bits=8, v_bits=3, start=0)``: the TurboQuant lego's
+    arguments (full attention only)."""
+
+    def __init__(
+        self,
+        k_bits: int = 8,
+        v_bits: int = 3,
+        start: int = 0,
+        *,
+        geometry: KvGeometry | None = None,
+    ) -> None:
+        spec, first = turbo_lego_arguments(type(self).__name__, k_bits, v_bits, start)
+        self._setup(spec, Growing(), first, geometry)
 
 
 class DelayedSlidingWindow(DelayedRows):

@@ -21,11 +21,12 @@ This module holds the array-free logic once; each implementation (``optimized/le
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeAlias
 
 from kvrows.affine_geometry import validate_codec
+from kvrows.codec import check_turbo_dim
 from kvrows.errors import InvalidInputError
-from kvrows.schemes import Affine, GeometrySpec, Growing, Plain, Ring
+from kvrows.schemes import Affine, GeometrySpec, Growing, Plain, Ring, Turbo
 from kvrows.validation import KvGeometry, as_count
 
 __all__ = [
@@ -34,9 +35,44 @@ __all__ = [
     "FullAttentionLego",
     "LegoComposition",
     "SlidingWindowLego",
+    "Target",
+    "TurboLego",
+    "check_target_dims",
     "conversion_due",
     "lego_arguments",
+    "turbo_lego_arguments",
 ]
+
+#: The codec a bf16-first row converts to.
+Target: TypeAlias = Affine | Turbo
+
+
+def check_target_dims(key_dim: int, value_dim: int, target: Target) -> None:
+    """Refuse head dims ``target`` cannot store (affine: a group size that divides them;
+    TurboQuant: its head dims), naming the side."""
+    for side, dim in (("key", key_dim), ("value", value_dim)):
+        try:
+            if isinstance(target, Affine):
+                validate_codec(dim, target.group_size, target.bits)
+            else:
+                check_turbo_dim(dim)
+        except InvalidInputError as error:
+            raise InvalidInputError(
+                f"{side} head dim {dim} cannot be converted to {target.name}: {error}"
+            ) from None
+
+
+def check_target(name: str, target: object, token_geometry: GeometrySpec) -> Target:
+    """``target`` as a conversion codec of ``token_geometry`` (TurboQuant is full attention
+    only: sliding layers stay plain rings under it)."""
+    if not isinstance(target, Affine | Turbo):
+        raise InvalidInputError(f"{name} converts to an affine or TurboQuant codec, got {target!r}")
+    if isinstance(target, Turbo) and not isinstance(token_geometry, Growing):
+        raise InvalidInputError(
+            f"{name}: TurboQuant is full attention only (a Growing() token geometry), got "
+            f"{token_geometry!r}"
+        )
+    return target
 
 
 def conversion_due(offset: int, start: int) -> bool:
@@ -71,13 +107,15 @@ class LegoComposition:
 
 
 class ConversionBoundary:
-    """What a lego and a delayed layout share: the affine codec they convert to, the token
-    geometry, the boundary ``start``, and ``bits`` / ``group_size`` visible only while the
-    last append returned quantized reads (mlx-lm's attention asks ``hasattr(cache,
-    "bits")`` right after ``update_and_fetch`` to pick its quantized path, and a converting
-    append returns plain keys and values)."""
+    """What a lego and a delayed layout share: the codec they convert to (affine or
+    TurboQuant), the token geometry, the boundary ``start``, and, for an affine target only,
+    ``bits`` / ``group_size`` visible only while the last append returned quantized reads
+    (mlx-lm's attention asks ``hasattr(cache, "bits")`` right after ``update_and_fetch`` to
+    pick its quantized path, and a converting append returns plain keys and values). A
+    TurboQuant target never shows them: its reads defer the values, so they go through
+    the codec's own attention (``kvrows.app.attention.dispatch``), not mlx-lm's."""
 
-    _quantization: Affine
+    _quantization: Target
     _token_geometry: GeometrySpec
     _start: int
     _reads_quantized: bool
@@ -88,47 +126,52 @@ class ConversionBoundary:
         return self._start
 
     @property
-    def quantization(self) -> Affine:
-        """The affine codec rows convert to."""
+    def quantization(self) -> Target:
+        """The codec rows convert to."""
         return self._quantization
 
     @property
     def token_geometry(self) -> GeometrySpec:
         return self._token_geometry
 
-    def _quantized_reads(self, what: str) -> None:
+    def _quantized_reads(self, what: str) -> Affine:
+        if not isinstance(self._quantization, Affine):
+            raise AttributeError(
+                f"{type(self).__name__} converts to {self._quantization.name}: {what} is an "
+                "affine parameter (TurboQuant reads attend through the codec)"
+            )
         if not self._reads_quantized:
             raise AttributeError(
                 f"{type(self).__name__} reads plain keys and values now ({what} appears once "
                 "an append returns quantized ones)"
             )
+        return self._quantization
 
     @property
     def bits(self) -> int:
-        self._quantized_reads("bits")
-        return self._quantization.bits
+        return self._quantized_reads("bits").bits
 
     @property
     def group_size(self) -> int:
-        self._quantized_reads("group_size")
-        return self._quantization.group_size
+        return self._quantized_reads("group_size").group_size
 
 
 class Bf16First(ConversionBoundary):
     """The lego's wrapper logic over one storage (see the module docstring).
 
     Implementations set ``plain_class`` / ``affine_class`` per geometry and implement
-    ``_convert``. Arguments follow the wrapped affine class's positional order, then
+    ``_convert``. Arguments follow the wrapped converted class's positional order, then
     ``start``.
     """
 
-    #: The plain serial class and its affine counterpart (set by each implementation).
+    #: The plain serial class and its converted counterpart (``affine_class``: the affine
+    #: or TurboQuant serial class; set by each implementation).
     plain_class: ClassVar[type[Any]]
     affine_class: ClassVar[type[Any]]
 
     def __init__(
         self,
-        quantization: Affine,
+        quantization: Target,
         token_geometry: GeometrySpec,
         start: int,
         geometry: KvGeometry | None = None,
@@ -143,6 +186,7 @@ class Bf16First(ConversionBoundary):
                 f"{type(self).__name__}: geometry must be a KvGeometry, "
                 f"got {type(geometry).__name__}"
             )
+        quantization = check_target(type(self).__name__, quantization, token_geometry)
         if geometry is not None:
             self._check_dims(geometry.key_dim, geometry.value_dim, quantization)
         self._quantization = quantization
@@ -153,7 +197,7 @@ class Bf16First(ConversionBoundary):
 
     # -- the implementation's part ----------------------------------------------------------
     def _convert(self, storage: Any) -> Any:
-        """``storage`` (plain) as its affine counterpart: same tokens, same positions."""
+        """``storage`` (plain) as its converted counterpart: same tokens, same positions."""
         raise NotImplementedError
 
     # -- state ---------------------------------------------------------------------------------
@@ -164,6 +208,8 @@ class Bf16First(ConversionBoundary):
         self._minimum_reusable_offset = 0
         #: Whether the last append returned quantized reads (mlx-lm reads ``bits`` then).
         self._reads_quantized = False
+        #: The codec of what the last append returned (``None``: the storage's).
+        self._read_codec: Any = None
 
     def _like(self) -> Bf16First:
         """An empty lego of the same parameters."""
@@ -207,16 +253,11 @@ class Bf16First(ConversionBoundary):
         self._storage = storage
         self._minimum_reusable_offset = minimum
         self._reads_quantized = converted
+        self._read_codec = None
 
     @staticmethod
-    def _check_dims(key_dim: int, value_dim: int, quantization: Affine) -> None:
-        for side, dim in (("key", key_dim), ("value", value_dim)):
-            try:
-                validate_codec(dim, quantization.group_size, quantization.bits)
-            except InvalidInputError as error:
-                raise InvalidInputError(
-                    f"{side} head dim {dim} cannot be converted to {quantization.name}: {error}"
-                ) from None
+    def _check_dims(key_dim: int, value_dim: int, quantization: Target) -> None:
+        check_target_dims(key_dim, value_dim, quantization)
 
     # -- what the lego is ----------------------------------------------------------------------
     @property
@@ -225,8 +266,15 @@ class Bf16First(ConversionBoundary):
         return self._storage
 
     @property
+    def last_read_codec(self) -> Any:
+        """The codec of what the last append returned (the converting append read plain;
+        ``None`` before any append): attention of that read goes through it (a TurboQuant
+        read defers its values, ``kvrows.app.attention.dispatch``)."""
+        return self._read_codec
+
+    @property
     def converted(self) -> bool:
-        """Whether the storage is the affine one (irreversible)."""
+        """Whether the storage is the converted one (irreversible)."""
         return type(self._storage) is self.affine_class
 
     @property
@@ -258,6 +306,7 @@ class Bf16First(ConversionBoundary):
         if self.converted:
             reads = storage.update_and_fetch(keys, values)
             self._reads_quantized = True
+            self._read_codec = storage.codec
             return reads
         key_shape: tuple[int, ...] = tuple(getattr(keys, "shape", ()))
         value_shape: tuple[int, ...] = tuple(getattr(values, "shape", ()))
@@ -270,6 +319,7 @@ class Bf16First(ConversionBoundary):
             self._storage = self._convert(storage)
             self._minimum_reusable_offset = offset if self._start > 0 else 0
         self._reads_quantized = False
+        self._read_codec = storage.codec
         return reads
 
     @property
@@ -367,6 +417,37 @@ class SlidingWindowLego(Bf16First):
     @property
     def keep(self) -> int:
         return int(self._storage.keep)
+
+
+class TurboLego(Bf16First):
+    """The TurboQuant lego's constructor: ``TurboQuantKVCache``'s arguments (``k_bits``,
+    ``v_bits``), then ``start``; full attention only."""
+
+    def __init__(
+        self,
+        k_bits: int = 8,
+        v_bits: int = 3,
+        start: int = 0,
+        *,
+        geometry: KvGeometry | None = None,
+    ) -> None:
+        spec, first = turbo_lego_arguments(type(self).__name__, k_bits, v_bits, start)
+        super().__init__(spec, Growing(), first, geometry)
+
+
+def turbo_lego_arguments(
+    name: str, k_bits: object, v_bits: object, start: object
+) -> tuple[Turbo, int]:
+    """A TurboQuant lego's (or delayed layout's) arguments as a spec and ``start``; a
+    refused argument names the class."""
+    try:
+        spec = Turbo(k_bits=_int(k_bits, "k_bits", name), v_bits=_int(v_bits, "v_bits", name))
+        return spec, as_count(start, "start")
+    except InvalidInputError as error:
+        message = str(error)
+        if message.startswith(f"{name}:"):
+            raise
+        raise InvalidInputError(f"{name}: {message}") from None
 
 
 def lego_arguments(

@@ -5,7 +5,7 @@
 request's per-layer caches and return a new list (the input list is not changed):
 
 * ``prepare_prefill``: with a bf16-first boundary (``quantized_kv_start`` set), every
-  affine layer's lego goes into a one-row delayed layout (``kvrows.delayed``) of the
+  affine or TurboQuant layer's lego goes into a one-row delayed layout (``kvrows.delayed``) of the
   lego's implementation, so a prefill cohort converts each row at its own ``start``;
   plain serial rings go into a one-row ragged ring of the delayed ring's plain rows (a
   model shares one mask among its sliding layers, so they must share one column
@@ -32,7 +32,7 @@ from kvrows.delayed import delayed_layout_for
 from kvrows.errors import InvalidInputError
 from kvrows.lego import Bf16First
 from kvrows.protocols import AppendLimited
-from kvrows.schemes import Affine, KvStorageScheme, Plain, Ring
+from kvrows.schemes import Affine, KvStorageScheme, Plain, Ring, Turbo
 
 __all__ = ["KvMaintenance", "create_kv_maintenance"]
 
@@ -45,12 +45,12 @@ class KvMaintenance:
 
     @property
     def converts_later(self) -> bool:
-        """Whether some layer is bf16-first (an affine codec with a start)."""
+        """Whether some layer is bf16-first (an affine or TurboQuant codec with a start)."""
         scheme = self.scheme
         if scheme.quantized_kv_start is None:
             return False
         codecs = [scheme.codec, *(codec for _, codec in scheme.layers)]
-        return any(isinstance(codec, Affine) for codec in codecs)
+        return any(isinstance(codec, Affine | Turbo) for codec in codecs)
 
     def prepare_prefill(self, caches: Sequence[Any]) -> list[Any]:
         """The request's layers for a prefill cohort: legos in one-row delayed layouts."""

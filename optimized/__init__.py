@@ -14,8 +14,16 @@ from kvrows.compositions import register_compositions
 from kvrows.optimized import classes
 from kvrows.optimized.attention import attend
 from kvrows.optimized.classes import *  # noqa: F403
-from kvrows.optimized.delayed import DelayedQuantizedKVCache, DelayedRotatingQuantizedKVCache
-from kvrows.optimized.lego import Bf16FirstQuantizedKVCache, Bf16FirstRotatingQuantizedKVCache
+from kvrows.optimized.delayed import (
+    DelayedQuantizedKVCache,
+    DelayedRotatingQuantizedKVCache,
+    DelayedTurboQuantKVCache,
+)
+from kvrows.optimized.lego import (
+    Bf16FirstQuantizedKVCache,
+    Bf16FirstRotatingQuantizedKVCache,
+    Bf16FirstTurboQuantKVCache,
+)
 from kvrows.optimized.mlxlm_batch import BatchKVCache, BatchRotatingKVCache
 from kvrows.optimized.rows import DECLARED
 
@@ -25,8 +33,10 @@ __all__ = [
     "BatchRotatingKVCache",
     "Bf16FirstQuantizedKVCache",
     "Bf16FirstRotatingQuantizedKVCache",
+    "Bf16FirstTurboQuantKVCache",
     "DelayedQuantizedKVCache",
     "DelayedRotatingQuantizedKVCache",
+    "DelayedTurboQuantKVCache",
     "attend",
     "declared_classes",
 ]
@@ -35,7 +45,7 @@ __all__ = [
 def declared_classes() -> Mapping[str, type[Any]]:
     """Every public class, by composition name: the row storages (``rows.DECLARED``) and
     the delayed layouts, which compose two of them (what this module registers)."""
-    delayed = (DelayedQuantizedKVCache, DelayedRotatingQuantizedKVCache)
+    delayed = (DelayedQuantizedKVCache, DelayedRotatingQuantizedKVCache, DelayedTurboQuantKVCache)
     return {**DECLARED, **{cls.composition.name: cls for cls in delayed}}
 
 

@@ -14,24 +14,39 @@ from typing import Any
 import mlx.core as mx
 
 from kvrows.compositions import composition
-from kvrows.delayed import MIXED_READ, DelayedFullAttention, DelayedRows, DelayedSlidingWindow
+from kvrows.delayed import (
+    MIXED_READ,
+    DelayedFullAttention,
+    DelayedRows,
+    DelayedSlidingWindow,
+    DelayedTurboRows,
+)
 from kvrows.errors import MixedPrecisionReadError
 from kvrows.optimized.classes import (
     BatchedKVCache,
     BatchedQuantizedKVCache,
+    BatchedTurboQuantKVCache,
     SpeculativeRotatingAffineLayout,
     SpeculativeRotatingKVCache,
 )
-from kvrows.optimized.lego import Bf16FirstQuantizedKVCache, Bf16FirstRotatingQuantizedKVCache
+from kvrows.optimized.lego import (
+    Bf16FirstQuantizedKVCache,
+    Bf16FirstRotatingQuantizedKVCache,
+    Bf16FirstTurboQuantKVCache,
+    convert,
+)
 from kvrows.schemes import Growing, Plain
 
-__all__ = ["DelayedQuantizedKVCache", "DelayedRotatingQuantizedKVCache"]
+__all__ = [
+    "DelayedQuantizedKVCache",
+    "DelayedRotatingQuantizedKVCache",
+    "DelayedTurboQuantKVCache",
+]
 
 
 class _OptimizedDelayed(DelayedRows):
     def _convert_row(self, storage: Any) -> Any:
-        q = self._quantization
-        return storage.to_quantized(group_size=q.group_size, bits=q.bits)
+        return convert(storage, self._quantization, self.lego_class.affine_class)
 
     def _take_rows(self, array: Any, rows: Sequence[int]) -> Any:
         if list(rows) == list(range(int(array.shape[0]))):
@@ -115,3 +130,13 @@ class DelayedRotatingQuantizedKVCache(_OptimizedDelayed, DelayedSlidingWindow):
     plain_group_class = SpeculativeRotatingKVCache
     affine_group_class = SpeculativeRotatingAffineLayout
     lego_class = Bf16FirstRotatingQuantizedKVCache
+
+
+class DelayedTurboQuantKVCache(_OptimizedDelayed, DelayedTurboRows):
+    """Full-attention rows that convert to TurboQuant at their own ``start``
+    (``spec/DelayedTurboQuantKVCache.md``)."""
+
+    composition = composition("DelayedTurboQuantKVCache")
+    plain_group_class = BatchedKVCache
+    affine_group_class = BatchedTurboQuantKVCache
+    lego_class = Bf16FirstTurboQuantKVCache

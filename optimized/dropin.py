@@ -33,10 +33,10 @@ from kvrows.optimized.codecs import PlainCodec, make_codec
 from kvrows.optimized.growing import GrowingGeometry
 from kvrows.optimized.ring import RingGeometry
 from kvrows.optimized.rows import DECLARED, Storage
-from kvrows.schemes import Affine
+from kvrows.schemes import Affine, Turbo
 from kvrows.validation import STEP
 
-__all__ = ["LayoutDropIn", "SerialDropIn"]
+__all__ = ["LayoutDropIn", "SerialDropIn", "encoded_copy"]
 
 #: Instance attributes ``to_quantized`` does not copy: the codec and planes (re-encoded),
 #: the specs and KV geometry (given to the constructor), and device caches of host state.
@@ -115,10 +115,17 @@ def _quantized(cache: Storage, group_size: int, bits: int) -> Storage:
             "rows (extract_row), convert each with to_quantized, and merge them into an "
             "affine layout"
         )
+    return encoded_copy(cache, spec, DECLARED[entry.name])
+
+
+def encoded_copy(cache: Storage, spec: Affine | Turbo, target: type[Storage]) -> Storage:
+    """``cache`` (plain) held by ``target`` (its counterpart over ``spec``): every plane
+    encoded whole and the host state copied, owned and evaluated; ``cache`` is unchanged.
+    Each token's encoding depends on that token only, so the copy holds what ``target``
+    fed the same tokens holds (TurboQuant's ``fromKVCache``; the bf16-first conversion)."""
     codec = make_codec(spec)
     if cache.geometry is not None:
-        codec.check(cache.geometry)  # head dims that the group size divides
-    target = DECLARED[entry.name]
+        codec.check(cache.geometry)  # head dims the codec stores
     fresh = target.from_specs(spec, cache.token_geometry, geometry=cache.geometry)
     for attribute, value in vars(cache).items():
         if attribute not in _NOT_COPIED:

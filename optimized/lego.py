@@ -12,21 +12,36 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvrows.lego import Bf16First, FullAttentionLego, SlidingWindowLego
+from kvrows.lego import Bf16First, FullAttentionLego, SlidingWindowLego, Target, TurboLego
 from kvrows.optimized.classes import (
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
     RotatingQuantizedKVCache,
+    TurboQuantKVCache,
 )
+from kvrows.optimized.dropin import encoded_copy
+from kvrows.schemes import Affine
 
-__all__ = ["Bf16FirstQuantizedKVCache", "Bf16FirstRotatingQuantizedKVCache"]
+__all__ = [
+    "Bf16FirstQuantizedKVCache",
+    "Bf16FirstRotatingQuantizedKVCache",
+    "Bf16FirstTurboQuantKVCache",
+    "convert",
+]
+
+
+def convert(storage: Any, target: Target, converted_class: type[Any]) -> Any:
+    """The bf16-first conversion of a plain storage: affine through its ``to_quantized``,
+    TurboQuant by encoding its planes into ``converted_class`` (``fromKVCache``)."""
+    if isinstance(target, Affine):
+        return storage.to_quantized(group_size=target.group_size, bits=target.bits)
+    return encoded_copy(storage, target, converted_class)
 
 
 class _OptimizedLego(Bf16First):
     def _convert(self, storage: Any) -> Any:
-        q = self._quantization
-        return storage.to_quantized(group_size=q.group_size, bits=q.bits)
+        return convert(storage, self._quantization, self.affine_class)
 
     @property
     def keys(self) -> Any:
@@ -64,3 +79,12 @@ class Bf16FirstRotatingQuantizedKVCache(_OptimizedLego, SlidingWindowLego):
 
     plain_class = RotatingKVCache
     affine_class = RotatingQuantizedKVCache
+
+
+class Bf16FirstTurboQuantKVCache(_OptimizedLego, TurboLego):
+    """Full attention: ``KVCache`` until the append that reaches ``start``, then
+    ``TurboQuantKVCache`` holding the same tokens (arguments: ``TurboQuantKVCache``'s, then
+    ``start``)."""
+
+    plain_class = KVCache
+    affine_class = TurboQuantKVCache

@@ -10,15 +10,25 @@ from kvrows.reference.classes import *  # noqa: F403  (the public classes)
 from kvrows.reference.classes import __all__ as _classes
 from kvrows.reference.classes import declared_classes
 from kvrows.reference.codecs import attend, attention
-from kvrows.reference.delayed import DelayedQuantizedKVCache, DelayedRotatingQuantizedKVCache
-from kvrows.reference.lego import Bf16FirstQuantizedKVCache, Bf16FirstRotatingQuantizedKVCache
+from kvrows.reference.delayed import (
+    DelayedQuantizedKVCache,
+    DelayedRotatingQuantizedKVCache,
+    DelayedTurboQuantKVCache,
+)
+from kvrows.reference.lego import (
+    Bf16FirstQuantizedKVCache,
+    Bf16FirstRotatingQuantizedKVCache,
+    Bf16FirstTurboQuantKVCache,
+)
 
 __all__ = [
     *_classes,
     "Bf16FirstQuantizedKVCache",
     "Bf16FirstRotatingQuantizedKVCache",
+    "Bf16FirstTurboQuantKVCache",
     "DelayedQuantizedKVCache",
     "DelayedRotatingQuantizedKVCache",
+    "DelayedTurboQuantKVCache",
     "attend",
     "attention",
 ]

@@ -13,10 +13,16 @@ from typing import Any
 import numpy as np
 
 from kvrows.compositions import composition
-from kvrows.delayed import DelayedFullAttention, DelayedRows, DelayedSlidingWindow
+from kvrows.delayed import (
+    DelayedFullAttention,
+    DelayedRows,
+    DelayedSlidingWindow,
+    DelayedTurboRows,
+)
 from kvrows.reference.classes import (
     BatchedKVCache,
     BatchedQuantizedKVCache,
+    BatchedTurboQuantKVCache,
     SpeculativeRotatingAffineLayout,
     SpeculativeRotatingKVCache,
 )
@@ -24,10 +30,15 @@ from kvrows.reference.growing import _visible
 from kvrows.reference.lego import (
     Bf16FirstQuantizedKVCache,
     Bf16FirstRotatingQuantizedKVCache,
+    Bf16FirstTurboQuantKVCache,
     to_affine,
 )
 
-__all__ = ["DelayedQuantizedKVCache", "DelayedRotatingQuantizedKVCache"]
+__all__ = [
+    "DelayedQuantizedKVCache",
+    "DelayedRotatingQuantizedKVCache",
+    "DelayedTurboQuantKVCache",
+]
 
 
 class _ReferenceDelayed(DelayedRows):
@@ -77,3 +88,13 @@ class DelayedRotatingQuantizedKVCache(_ReferenceDelayed, DelayedSlidingWindow):
     plain_group_class = SpeculativeRotatingKVCache
     affine_group_class = SpeculativeRotatingAffineLayout
     lego_class = Bf16FirstRotatingQuantizedKVCache
+
+
+class DelayedTurboQuantKVCache(_ReferenceDelayed, DelayedTurboRows):
+    """Full-attention rows that convert to TurboQuant at their own ``start``
+    (``spec/DelayedTurboQuantKVCache.md``)."""
+
+    composition = composition("DelayedTurboQuantKVCache")
+    plain_group_class = BatchedKVCache
+    affine_group_class = BatchedTurboQuantKVCache
+    lego_class = Bf16FirstTurboQuantKVCache

@@ -11,26 +11,31 @@ from __future__ import annotations
 from typing import Any
 
 from kvrows.errors import InvalidInputError
-from kvrows.lego import Bf16First, FullAttentionLego, SlidingWindowLego
+from kvrows.lego import Bf16First, FullAttentionLego, SlidingWindowLego, Target, TurboLego
 from kvrows.reference.classes import (
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
     RotatingQuantizedKVCache,
+    TurboQuantKVCache,
 )
 from kvrows.reference.rows import Row, SerialStorage
-from kvrows.schemes import Affine
 
-__all__ = ["Bf16FirstQuantizedKVCache", "Bf16FirstRotatingQuantizedKVCache", "to_affine"]
+__all__ = [
+    "Bf16FirstQuantizedKVCache",
+    "Bf16FirstRotatingQuantizedKVCache",
+    "Bf16FirstTurboQuantKVCache",
+    "to_affine",
+]
 
 
-def to_affine(storage: SerialStorage, spec: Affine, affine_class: type[SerialStorage]) -> Any:
-    """A new ``affine_class`` storage holding ``storage``'s tokens at the same positions,
-    each row's retained planes encoded with ``spec``; ``storage`` is unchanged."""
+def to_affine(storage: SerialStorage, spec: Target, affine_class: type[SerialStorage]) -> Any:
+    """A new ``affine_class`` storage (affine or TurboQuant, over ``spec``) holding
+    ``storage``'s tokens at the same positions, each row's retained planes encoded with
+    ``spec``'s codec; ``storage`` is unchanged."""
     if storage.codec_spec.kind != "plain":
         raise InvalidInputError(
-            f"{type(storage).__name__} is {storage.codec_spec.name}: only a plain storage "
-            "converts to affine"
+            f"{type(storage).__name__} is {storage.codec_spec.name}: only a plain storage converts"
         )
     fresh = affine_class.from_specs(spec, storage.token_geometry, geometry=storage.geometry)
     rows = []
@@ -62,3 +67,12 @@ class Bf16FirstRotatingQuantizedKVCache(_ReferenceLego, SlidingWindowLego):
 
     plain_class = RotatingKVCache
     affine_class = RotatingQuantizedKVCache
+
+
+class Bf16FirstTurboQuantKVCache(_ReferenceLego, TurboLego):
+    """Full attention: ``KVCache`` until the append that reaches ``start``, then
+    ``TurboQuantKVCache`` holding the same tokens (arguments: ``TurboQuantKVCache``'s, then
+    ``start``)."""
+
+    plain_class = KVCache
+    affine_class = TurboQuantKVCache
