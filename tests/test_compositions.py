@@ -354,8 +354,5 @@ def test_every_landed_class_is_driven_by_a_conformance_machine() -> None:
 
     layouts = {spec.name for fam in FAMILIES.values() for spec in fam.layouts}
     serials = {spec.serial or fam.serial for fam in FAMILIES.values() for spec in fam.layouts}
-    # The turbo family is the conformance issue's (issue 12 follow-up); until it lands the
-    # turbo classes are driven by tests/test_turbo_storage.py only.
-    pending = {"TurboQuantKVCache", "BatchedTurboQuantKVCache"}
-    assert layouts == {c.name for c in landed() if c.is_layout} - pending
-    assert serials == {c.name for c in landed() if not c.is_layout} - pending
+    assert layouts == {c.name for c in landed() if c.is_layout}
+    assert serials == {c.name for c in landed() if not c.is_layout}
