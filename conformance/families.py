@@ -323,6 +323,12 @@ def derived_layouts(
     return tuple(specs)
 
 
+def _turbo_machine() -> type[Any]:
+    from kvrows.conformance.turbo import TurboMachine
+
+    return TurboMachine
+
+
 def _delayed_machine() -> type[Any]:
     from kvrows.conformance.delayed import DelayedMachine
 
@@ -431,6 +437,27 @@ FAMILIES: dict[str, Family] = {
         # rollback: 33 examples per layout keep the family near 40 s on two workers.
         examples=0.22,
         steps=0.9,
+    ),
+    # TurboQuant: serial caches and their one layout in all three roles (verify rounds
+    # included), codes and scales exact, deferred-V attention against the eager oracle.
+    # No mlx-lm peer: mlx-lm has no TurboQuant cache.
+    "turbo": Family(
+        name="turbo",
+        serial="TurboQuantKVCache",
+        layouts=derived_layouts("TurboQuantKVCache"),
+        tolerance_key="turbo",
+        peer=None,
+        description="TurboQuant full attention at every (k_bits, v_bits) and head dim: "
+        "serial, the layout in every role with verify rounds, deferred vs eager V",
+        notes=(
+            "no mlx-lm peer (mlx-lm has no TurboQuant cache): reference vs optimized, solo "
+            "replay and the eager-V oracle only",
+            "state checks skipped while the storages have no saved-state form "
+            "(TurboMachine.state_pending)",
+        ),
+        machine=_turbo_machine,
+        examples=0.08,
+        steps=1.0,
     ),
     # Delayed layouts (rows that convert to affine at their own boundary), full attention
     # and rings: their own machine (``conformance.delayed``) with solo legos.

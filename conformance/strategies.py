@@ -36,8 +36,9 @@ __all__ = [
 class Geometry:
     """One example's shapes (KV heads, query heads, head dims, dtype) and the storage
     parameters the family draws: a ring's window ``max_size`` (``None``: full attention)
-    and sink tokens ``keep``, and an affine codec's ``bits`` / ``group_size`` (``bits ==
-    0``: plain)."""
+    and sink tokens ``keep``, an affine codec's ``bits`` / ``group_size`` (``bits ==
+    0``: plain), or a TurboQuant codec's ``k_bits`` / ``v_bits`` (``k_bits == 0``: not
+    turbo)."""
 
     dtype: str
     heads: int
@@ -48,6 +49,8 @@ class Geometry:
     bits: int = 0
     group_size: int = 0
     keep: int = 0
+    k_bits: int = 0
+    v_bits: int = 0
 
     @property
     def scale(self) -> float:
@@ -58,7 +61,13 @@ class Geometry:
         return self.bits > 0
 
     @property
+    def turbo(self) -> bool:
+        return self.k_bits > 0
+
+    @property
     def codec(self) -> str:
+        if self.turbo:
+            return f"turbo k{self.k_bits}v{self.v_bits}"
         return f"bits={self.bits} group={self.group_size}" if self.affine else "plain"
 
     def kept(self, tokens: int) -> int:
@@ -88,6 +97,12 @@ class Geometry:
     def token_bytes(self) -> int:
         """Bytes one token of one row occupies (the spec's formula, not the code's)."""
         itemsize = 4 if self.dtype == "float32" else 2
+        if self.turbo:
+            # Keys: D·k/8 code bytes, float16 scale and zero per 32; values: D·v/8 code
+            # bytes, a float16 scale per 32 (spec/turbo-codec.md), whatever the dtype.
+            keys = self.key_dim * self.k_bits // 8 + 2 * 2 * self.key_dim // 32
+            values = self.value_dim * self.v_bits // 8 + 2 * self.value_dim // 32
+            return self.heads * (keys + values)
         if not self.affine:
             return self.heads * (self.key_dim + self.value_dim) * itemsize
         per_dim = [d * self.bits // 8 + 2 * itemsize * d // self.group_size for d in self.dims]

@@ -63,6 +63,8 @@ QUANTITIES: dict[str, str] = {
     "attention": "attention output of one step, reference vs optimized",
     "attention.solo": "a row's attention output vs its serial cache's, same implementation",
     "attention.mlx_lm": "optimized attention vs mlx-lm's cache + scaled_dot_product_attention",
+    "attention.eager": "deferred-V attention vs the eager oracle (values decoded first), same "
+    "implementation",
 }
 
 #: Attention outputs, reference (NumPy, float32 accumulation, one rounding to the
@@ -156,6 +158,42 @@ for _dtype in DTYPES:
     TOLERANCES[("rotating", "attention.mlx_lm", _dtype)] = EXACT
     TOLERANCES[("rotating-affine", "attention", _dtype)] = _RING_AFFINE_ATTENTION[_dtype]
     TOLERANCES[("rotating-affine", "attention.solo", _dtype)] = _SOLO[_dtype]
+
+#: TurboQuant family (``TurboQuantKVCache``, ``BatchedTurboQuantKVCache``). Codes and scales
+#: (the planes), decoded keys and rotated values (the read) are exact: both codecs run the
+#: same float32 steps (spec/turbo-codec.md). attention (reference vs optimized, both
+#: deferred): the plain attention error in the rotated basis, carried through the float32
+#: un-rotation (orthonormal: it moves the error, does not grow it) and one more rounding to
+#: the dtype: twice plain's bounds. attention.solo: a rounding flip before the un-rotation
+#: spreads over the head dim and the output is rounded again: ``atol`` 2^-10 / 2^-7 (half
+#: types), ``rtol`` 2 eps. attention.eager (deferred vs eager, same implementation): the
+#: two paths round V to bfloat16 in different bases (eager: the decoded values, up to half
+#: a bfloat16 ulp of |v| < 8, so 2^-5 absolute; deferred: the rotated ones, spread by the
+#: un-rotation), so ``atol`` 2^-5 and ``rtol`` 2^-7 whatever the output dtype (bfloat16
+#: outputs: 2^-4 / 2^-5, one more bfloat16 rounding each side). Measured over five seeds
+#: (spec/tolerances.md §2): every largest error/bound ratio below 0.45.
+_TURBO_ATTENTION = {
+    "float32": Tolerance(atol=1e-5, rtol=1e-5),
+    "float16": Tolerance(atol=2.0**-7, rtol=2.0**-8),
+    "bfloat16": Tolerance(atol=2.0**-4, rtol=2.0**-5),
+}
+_TURBO_SOLO = {
+    "float32": Tolerance(atol=1e-5, rtol=1e-5),
+    "float16": Tolerance(atol=2.0**-10, rtol=2.0**-9),
+    "bfloat16": Tolerance(atol=2.0**-7, rtol=2.0**-6),
+}
+_TURBO_EAGER = {
+    "float32": Tolerance(atol=2.0**-5, rtol=2.0**-7),
+    "float16": Tolerance(atol=2.0**-5, rtol=2.0**-7),
+    "bfloat16": Tolerance(atol=2.0**-4, rtol=2.0**-5),
+}
+for _dtype in DTYPES:
+    TOLERANCES[("turbo", "kv.stored", _dtype)] = EXACT
+    TOLERANCES[("turbo", "kv.fetched", _dtype)] = EXACT
+    TOLERANCES[("turbo", "kv.solo", _dtype)] = EXACT
+    TOLERANCES[("turbo", "attention", _dtype)] = _TURBO_ATTENTION[_dtype]
+    TOLERANCES[("turbo", "attention.solo", _dtype)] = _TURBO_SOLO[_dtype]
+    TOLERANCES[("turbo", "attention.eager", _dtype)] = _TURBO_EAGER[_dtype]
 
 #: Compared with ``==`` only, in every family.
 ALWAYS_EXACT = (

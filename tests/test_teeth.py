@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from typing import Any
 
 import mlx.core as mx
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
+from kvrows.codec import Role
 from kvrows.conformance.families import FAMILIES, Impl, optimized_impl
 from kvrows.conformance.machines import machine_class
 from kvrows.conformance.profiles import profile_settings
@@ -28,16 +30,19 @@ from kvrows.optimized.attention import attend as optimized_attend
 from kvrows.optimized.classes import (
     BatchedKVCache,
     BatchedQuantizedKVCache,
+    BatchedTurboQuantKVCache,
     PaddedKVRows,
     PaddedQuantKVRows,
     QuantizedKVCache,
     SpeculativeRotatingKVCache,
 )
 from kvrows.optimized.classes import BatchedRotatingCache as RingBatchedRotatingCache
+from kvrows.optimized.codecs import TurboCodec
 from kvrows.optimized.delayed import DelayedQuantizedKVCache, DelayedRotatingQuantizedKVCache
 from kvrows.optimized.rows import Serial
 from kvrows.protocols import Cache, Mask
-from kvrows.validation import as_count, check_keep
+from kvrows.schemes import CodecSpec, GeometrySpec, Turbo
+from kvrows.validation import KvGeometry, as_count, check_keep
 
 
 @pytest.fixture(autouse=True)
@@ -563,3 +568,71 @@ def test_the_delayed_machine_catches(layout: str, mutant: type) -> None:
 @pytest.mark.parametrize("layout", ["DelayedQuantizedKVCache", "DelayedRotatingQuantizedKVCache"])
 def test_the_unmutated_delayed_implementation_passes(layout: str) -> None:
     assert _run(layout, None, CONTROL_EXAMPLES, "delayed").examples > 0
+
+
+# ---------------------------------------------------- turbo family (TurboQuant codec)
+
+
+def _flip_first(dim: int) -> mx.array:
+    """``+1`` everywhere but ``-1`` at entry 0: the sign vector times this one is the
+    sign vector with its first entry wrong."""
+    return mx.concatenate([mx.array([-1.0]), mx.ones((dim - 1,))]).astype(mx.float32)
+
+
+class WrongSignCodec(TurboCodec):
+    """The value rotation's sign vector has one wrong entry, in the encoder and in the
+    un-rotation alike: the round trip is right (deferred attention still equals eager), but
+    the stored value codes are not the reference's."""
+
+    def encode(self, block: Any, role: Role = "keys") -> tuple[mx.array, ...]:
+        if role == "values":
+            block = block.astype(mx.float32) * _flip_first(int(block.shape[-1]))  # MUTATION
+        return super().encode(block, role)
+
+    def attend(self, queries: Any, keys: Any, values: Any, mask: Any, scale: float) -> Any:
+        out = super().attend(queries, keys, values, mask, scale)
+        return out * _flip_first(int(out.shape[-1])).astype(out.dtype)  # MUTATION
+
+
+class SkipsUnrotationCodec(TurboCodec):
+    """Deferred-V attention returns the output still in the rotated basis."""
+
+    def attend(self, queries: Any, keys: Any, values: Any, mask: Any, scale: float) -> Any:
+        return mx.fast.scaled_dot_product_attention(  # MUTATION (the output is not un-rotated)
+            queries,
+            keys.astype(queries.dtype),
+            values.astype(queries.dtype),
+            scale=scale,
+            mask=mask,
+        )
+
+
+def _turbo_layout_with(codec: type[TurboCodec]) -> type[BatchedTurboQuantKVCache]:
+    """The optimized TurboQuant layout encoding and attending with ``codec``."""
+
+    class Mutant(BatchedTurboQuantKVCache):
+        def _setup(
+            self, codec_spec: CodecSpec, token_geometry: GeometrySpec, geometry: KvGeometry | None
+        ) -> None:
+            super()._setup(codec_spec, token_geometry, geometry)
+            assert isinstance(codec_spec, Turbo)
+            self.codec = codec(codec_spec)
+
+    Mutant.__name__ = Mutant.__qualname__ = f"BatchedTurboQuantKVCacheWith{codec.__name__}"
+    return Mutant
+
+
+TURBO_MUTANTS = [
+    pytest.param(WrongSignCodec, "differs beyond exact", id="wrong-sign-entry"),
+    pytest.param(SkipsUnrotationCodec, "attention differs beyond", id="skips-unrotation"),
+]
+
+
+@pytest.mark.parametrize(("codec", "oracle"), TURBO_MUTANTS)
+def test_the_turbo_machine_catches(codec: type[TurboCodec], oracle: str) -> None:
+    with pytest.raises(AssertionError) as caught:
+        _run("BatchedTurboQuantKVCache", _turbo_layout_with(codec), family_name="turbo")
+    assert "Failing test case" in "\n".join(getattr(caught.value, "__notes__", []))
+    # Caught by the oracle that must catch it: the wrong sign by the exact stored or read
+    # (its round trip is right), the missing un-rotation by attention vs the reference.
+    assert oracle in str(caught.value), str(caught.value)
