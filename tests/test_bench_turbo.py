@@ -18,6 +18,7 @@ from kvrows.app.bench import FAMILIES, turbo
 from kvrows.app.bench.plain import Shape
 from kvrows.app.bench.runner import BenchCheckError, run_family
 from kvrows.app.models import tiny_model
+from kvrows.schemes import KvStorageScheme
 
 TINY = turbo.TurboShapes(
     vectors=256,
@@ -80,7 +81,7 @@ def test_every_table_is_printed_and_checked(report: str) -> None:
     assert [r["v_bits"] for r in values] == ["1", "2", "3", "4", "5", "8"]
     assert values[0]["MSE"] == "not a width"  # 1 bit is not a codec width
     assert [r["scheme"] for r in sizes] == [
-        turbo.KvStorageScheme.parse(n).name for n in turbo.BYTES_SCHEMES
+        KvStorageScheme.parse(n).name for n in turbo.BYTES_SCHEMES
     ]
     assert all(r["checked"] == "yes" for r in sizes)
     assert [r["scheme"] for r in quality] == [

@@ -62,7 +62,7 @@ from kvrows.app.models import tiny_model
 from kvrows.codec import TURBO_GROUP, codec_token_bytes
 from kvrows.compositions import serial_for_peer
 from kvrows.optimized import turbo_codec as optimized_codec
-from kvrows.optimized.codecs import make_codec
+from kvrows.optimized.codecs import TurboCodec, eager_attention, make_codec
 from kvrows.reference import turbo_codec as reference_codec
 from kvrows.schemes import (
     TURBO_VALUE_BITS,
@@ -426,7 +426,7 @@ class PlainRecord:
             k = mx.repeat(k, group, axis=1)
             scores = (q @ k.swapaxes(-1, -2)) * layer.scale
             weights = mx.softmax(mx.where(layer.mask, scores, -mx.inf), axis=-1)
-            peaks.append(float(mx.mean(mx.max(weights, axis=-1)).item()))
+            peaks.append(float(np.array(mx.mean(mx.max(weights, axis=-1)))))
         return float(np.mean(peaks)) if peaks else math.nan
 
 
@@ -548,10 +548,12 @@ def _layer_attention(codec: CodecSpec, layer: LayerRecord) -> tuple[mx.array, fl
     gap = None
     if isinstance(codec, Turbo):
         key_planes, value_planes = cache.planes()
-        eager = optimized.codecs.eager_attention(
-            make_codec(codec), layer.queries, key_planes, value_planes, layer.mask, layer.scale
+        turbo_codec = make_codec(codec)
+        assert isinstance(turbo_codec, TurboCodec)
+        eager = eager_attention(
+            turbo_codec, layer.queries, key_planes, value_planes, layer.mask, layer.scale
         )
-        gap = float(mx.max(_relative(out, eager)).item())
+        gap = float(np.array(mx.max(_relative(out, eager))))
     return out, gap
 
 
@@ -729,7 +731,7 @@ class DecodeBench:
         s = self.shape
         return sum(
             codec_token_bytes(codec, s.heads, s.head_dim, s.dtype, r) for r in ("keys", "values")
-        )  # type: ignore[arg-type]
+        )
 
     def bytes_stored(self, storage: str) -> int:
         """The planes one step reads: every row over the layout's width."""
