@@ -43,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
         help="plain (default), affine, rotating, engine (throughput against mlx-lm's "
         "BatchGenerator), speculative (the engine with a draft model, against mlx-lm's "
         "speculative generation), delayed (per-row against whole-cache conversion at each "
-        "--kv-start) or all of them",
+        "--kv-start), turbo (TurboQuant quality against the paper and plain, bytes per "
+        "token, decode attention time) or all of them",
     )
     bench.add_argument(
         "--kv-start",
@@ -60,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
         "--scheme",
         action="append",
         default=None,
-        help="plain, affine8, affine4 or affine<bits>:<group>, with per-layer codecs "
+        help="plain, affine8, affine4, affine<bits>:<group>, turbo (TurboQuant k8v3) or "
+        "turbo:k<bits>v<bits> (turbo:k4v3), with per-layer codecs "
         "(affine4:32,0=plain,-1=plain: a negative layer counts from the last) and an "
         "optional bf16-first start (@N) (repeatable)",
     )

@@ -89,7 +89,7 @@ TURBO_VALUE_BITS: tuple[int, ...] = (2, 3, 4, 5, 8)
 class Turbo:
     """TurboQuant: affine keys at ``k_bits``, rotated Lloyd-Max values at ``v_bits``.
 
-    Declared so schemes can name it; no storage implements it until the TurboQuant issue.
+    The defaults (k8v3) are what the bare scheme name ``turbo`` means.
     """
 
     k_bits: int = 8
@@ -166,13 +166,16 @@ def _parse_codec(text: str) -> CodecSpec:
         bits, _, group = (text[len("affine") :] or "8").partition(":")
         if bits.isdigit() and (group == "" or group.isdigit()):
             return Affine(bits=int(bits), group_size=int(group or 64))
-    if text.startswith("turbo-k") and "v" in text[len("turbo-k") :]:
-        k_bits, _, v_bits = text[len("turbo-k") :].partition("v")
-        if k_bits.isdigit() and v_bits.isdigit():
-            return Turbo(k_bits=int(k_bits), v_bits=int(v_bits))
+    if text == "turbo":
+        return Turbo()  # the default pair, k8v3
+    for prefix in ("turbo-k", "turbo:k"):  # turbo-k4v3 (its name) or turbo:k4v3
+        if text.startswith(prefix) and "v" in text[len(prefix) :]:
+            k_bits, _, v_bits = text[len(prefix) :].partition("v")
+            if k_bits.isdigit() and v_bits.isdigit():
+                return Turbo(k_bits=int(k_bits), v_bits=int(v_bits))
     raise InvalidInputError(
         f"unknown KV scheme {text!r}: expected plain, affine<bits>[:<group>] "
-        "(affine8, affine4:32) or turbo-k<bits>v<bits>"
+        "(affine8, affine4:32), turbo (k8v3) or turbo-k<bits>v<bits> / turbo:k<bits>v<bits>"
     )
 
 
@@ -227,7 +230,7 @@ class KvStorageScheme:
     @classmethod
     def parse(cls, text: str) -> KvStorageScheme:
         """A scheme from its ``name``: a codec (``plain``, ``affine8``, ``affine4:32``,
-        ``turbo-k8v3``), then optional per-layer codecs (``,0=plain,5=affine8``; a negative
+        ``turbo-k8v3``, also written ``turbo:k8v3``; bare ``turbo`` is k8v3), then optional per-layer codecs (``,0=plain,5=affine8``; a negative
         index counts from the last layer: ``,-1=plain``), then an optional bf16-first start
         (``@512``): ``affine4:32,0=plain,-1=plain@512``."""
         if not isinstance(text, str):

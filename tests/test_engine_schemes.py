@@ -1,4 +1,5 @@
-"""Per-layer schemes with negative layer indices, resolved against the model's layers."""
+"""Per-layer schemes with negative layer indices, resolved against the model's layers; the
+TurboQuant scheme names (``turbo``, ``turbo-k4v3``, ``turbo:k4v3``) and the demo under them."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ from typing import Any
 
 import pytest
 
+from kvrows.app import demo
+from kvrows.app.engine import Engine
 from kvrows.app.models import make_kvrows_cache, tiny_model
 from kvrows.errors import InvalidInputError
-from kvrows.schemes import Affine, KvStorageScheme, Plain
+from kvrows.schemes import Affine, KvStorageScheme, Plain, Turbo
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +86,96 @@ def test_the_seed_per_layer_form() -> None:
         KvStorageScheme.per_layer([(0, q4)])  # type: ignore[arg-type]
     with pytest.raises(InvalidInputError, match="layer index"):
         KvStorageScheme.per_layer({"0": q4})  # type: ignore[dict-item]
+
+
+# -- TurboQuant names ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "codec"),
+    [
+        ("turbo", Turbo(k_bits=8, v_bits=3)),  # the bare name: k8v3
+        ("turbo-k4v3", Turbo(k_bits=4, v_bits=3)),
+        ("turbo:k4v3", Turbo(k_bits=4, v_bits=3)),
+        ("turbo:k8v8", Turbo(k_bits=8, v_bits=8)),
+        ("turbo:k2v2", Turbo(k_bits=2, v_bits=2)),
+    ],
+)
+def test_turbo_names_parse_to_their_widths(text: str, codec: Turbo) -> None:
+    scheme = KvStorageScheme.parse(text)
+    assert scheme.codec == codec
+    assert scheme.name == f"turbo-k{codec.k_bits}v{codec.v_bits}"
+    assert KvStorageScheme.parse(scheme.name) == scheme  # the canonical name round-trips
+
+
+def test_turbo_names_compose_with_layers_and_a_start() -> None:
+    scheme = KvStorageScheme.parse("turbo:k4v3,0=plain,-1=turbo@16")
+    assert scheme == KvStorageScheme(
+        codec=Turbo(k_bits=4, v_bits=3),
+        layers=((0, Plain()), (-1, Turbo())),
+        quantized_kv_start=16,
+    )
+    assert KvStorageScheme.parse(scheme.name) == scheme
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("turbo:", "unknown KV scheme"),
+        ("turbo:k4", "unknown KV scheme"),
+        ("turbo:k4v", "unknown KV scheme"),
+        ("turbo:4:3", "unknown KV scheme"),
+        ("turbo-", "unknown KV scheme"),
+        ("turbok8v3", "unknown KV scheme"),
+        ("turbo:k3v3", "k_bits must be one of"),
+        ("turbo:k8v1", "v_bits must be one of"),
+        ("turbo-k8v6", "v_bits must be one of"),
+    ],
+)
+def test_bad_turbo_names_say_what_was_expected(text: str, message: str) -> None:
+    with pytest.raises(InvalidInputError, match=message):
+        KvStorageScheme.parse(text)
+
+
+def test_the_turbo_alias_builds_turbo_layers(gemma3: Any) -> None:
+    """gemma3's full-attention layers under k8v3, its sliding layers plain rings."""
+    caches = make_kvrows_cache(gemma3, KvStorageScheme.parse("turbo"))
+    assert [c.signature() for c in caches] == [
+        c.signature() for c in make_kvrows_cache(gemma3, KvStorageScheme.parse("turbo-k8v3"))
+    ]
+    kinds = [type(c).__name__ for c in caches]
+    assert kinds == ["RotatingKVCache", "TurboQuantKVCache"] * 2
+    assert caches[1].codec_spec == Turbo(k_bits=8, v_bits=3)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_demo_invariance_under_turbo(arch: str) -> None:
+    """The demo's batch-invariance check under ``turbo``: llama (no rings) must match its
+    solo runs within the tolerance; gemma3's rings feed its TurboQuant layers, so a
+    last-bit ring-order difference may flip a key code: counted, not failed."""
+    model = tiny_model(arch)
+    scheme = demo.parse_scheme("turbo")
+    requests = demo.builtin_trace(4)
+    results, _ = Engine(model, scheme, max_batch=3, prefill_chunk=16, keep_logits=True).run(
+        requests
+    )
+    report = demo.check_invariance(model, scheme, requests, results, 16)
+    assert report.steps == sum(len(r.tokens) for r in results) > 0
+    assert report.quantized_with_rings == (arch == "gemma3")
+    assert report.mismatches == 0 and report.ok
+    if arch == "llama":
+        assert report.beyond_tolerance == 0
+
+
+def test_demo_invariance_fails_a_turbo_row_that_drifts() -> None:
+    """Without rings nothing excuses a difference: a batch logit off by more than the
+    tolerance fails the report (llama, turbo)."""
+    model = tiny_model("llama")
+    scheme = demo.parse_scheme("turbo")
+    requests = demo.builtin_trace(2)
+    results, _ = Engine(model, scheme, max_batch=2, prefill_chunk=16, keep_logits=True).run(
+        requests
+    )
+    results[0].logits[0] = results[0].logits[0] + 1e-3
+    report = demo.check_invariance(model, scheme, requests, results, 16)
+    assert report.beyond_tolerance >= 1 and not report.ok

@@ -11,7 +11,6 @@ import pytest
 
 import kvrows.optimized as kv
 from kvrows.app.models import ARCHITECTURES, kv_geometry, make_kvrows_cache, tiny_model
-from kvrows.errors import InvalidInputError
 from kvrows.schemes import Affine, KvStorageScheme, Plain
 from kvrows.table import owned_cache_layout
 
@@ -121,9 +120,7 @@ def test_declared_geometry(model: Any) -> None:
 
 
 def test_turbo_schemes_store_full_attention_layers_only(model: Any) -> None:
-    with pytest.raises(InvalidInputError):
-        KvStorageScheme.parse("turbo")  # a width pair is required (turbo-k8v3)
-    ours = make_kvrows_cache(model, KvStorageScheme.parse("turbo-k8v3"))
+    ours = make_kvrows_cache(model, KvStorageScheme.parse("turbo"))  # k8v3
     for cache, layer in zip(ours, model.make_cache(), strict=True):
         expected = (
             "RotatingKVCache" if isinstance(layer, peer.RotatingKVCache) else "TurboQuantKVCache"

@@ -12,7 +12,9 @@ them as a :class:`~kvrows.app.bench.runner.Family`:
 * :mod:`.speculative`: the engine with a draft model against itself without one and
   against mlx-lm's serial speculative generation;
 * :mod:`.delayed`: bf16-first schemes: per-row conversion (delayed layouts) against
-  whole-cache conversion (mlx-lm's rule) and the solo runs, at each ``quantized_kv_start``.
+  whole-cache conversion (mlx-lm's rule) and the solo runs, at each ``quantized_kv_start``;
+* :mod:`.turbo`: TurboQuant's value distortion against the paper, bytes per token of every
+  scheme, teacher-forced quality against plain on the tiny models, decode attention cost.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ FAMILIES = {
     "engine": "engine",
     "speculative": "speculative",
     "delayed": "delayed",
+    "turbo": "turbo",
 }
 
 
