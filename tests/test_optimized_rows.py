@@ -74,7 +74,11 @@ LAYOUTS = [c.name for c in landed() if c.is_layout]
 def test_every_landed_composition_is_one_declared_class() -> None:
     assert sorted(CLASSES) == sorted(c.name for c in landed())
     delayed = {c.name for c in landed() if "delayed" in c.modifiers}
-    assert delayed == {"DelayedQuantizedKVCache", "DelayedRotatingQuantizedKVCache"}
+    assert delayed == {
+        "DelayedQuantizedKVCache",
+        "DelayedRotatingQuantizedKVCache",
+        "DelayedTurboQuantKVCache",
+    }
     for name in delayed:  # two groups of row storages (kvrows.delayed), no storage itself
         layout_cls = getattr(kv, name)
         assert layout_cls is CLASSES[name] and layout_cls.composition is composition(name)
