@@ -50,7 +50,6 @@ from kvrows.errors import (
     MixedPrecisionReadError,
     NotTrimmableError,
     RowIndexError,
-    UnsupportedStateError,
     self_merge_message,
 )
 from kvrows.forms import DELAYED_PLAIN, delayed_state, parse_delayed_state
@@ -63,7 +62,7 @@ from kvrows.lego import (
     lego_arguments,
     turbo_lego_arguments,
 )
-from kvrows.schemes import GeometrySpec, Growing, Plain, Turbo
+from kvrows.schemes import GeometrySpec, Growing, Plain
 from kvrows.speculative import SpeculativeRounds, check_keep_vector
 from kvrows.validation import KvGeometry, as_count, check_keep, check_row
 
@@ -417,11 +416,6 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
         empty for rings), ``prefilling``, ``composed`` (rows extract as legos), a ring's
         ``keep``."""
         self._spec_guard("reading state")
-        if isinstance(self._quantization, Turbo):
-            raise UnsupportedStateError(
-                f"{type(self).__name__} has no saved-state form yet (its TurboQuant group's "
-                "form is not in the codec table): extract its rows to save them"
-            )
         marks = [DELAYED_PLAIN if c is None else c for c in self._converted_at]
         record: dict[str, Any] = {
             "start": self._start,
@@ -460,15 +454,14 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
         does not apply."""
         if meta_state is not None:
             raise InvalidInputError(f"{cls.__name__} has no two-part (meta_state) form")
-        if cls.composition.codec == "turbo":
-            raise UnsupportedStateError(f"{cls.__name__} has no saved-state form yet")
         parts = parse_delayed_state(cls.composition, state, keep=keep)
-        plain, affine = (
-            group.from_state(saved, keep=parts.keep, geometry=geometry)
-            for group, saved in (
-                (cls.plain_group_class, parts.plain_state),
-                (cls.affine_group_class, parts.affine_state),
-            )
+        plain = cls.plain_group_class.from_state(
+            parts.plain_state, keep=parts.keep, geometry=geometry
+        )
+        # A TurboQuant group's planes do not record the activation dtype (its scales are
+        # float16 whatever it is): the plain group's rows, when there are any, say it.
+        affine = cls.affine_group_class.from_state(
+            parts.affine_state, keep=parts.keep, geometry=geometry or plain.geometry
         )
         if plain.token_geometry != affine.token_geometry:
             raise InvalidInputError(

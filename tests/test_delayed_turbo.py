@@ -13,7 +13,7 @@ import pytest
 from kvrows import optimized as opt
 from kvrows import reference as ref
 from kvrows.delayed import row_reads
-from kvrows.errors import InvalidInputError, UnsupportedStateError
+from kvrows.errors import InvalidInputError
 
 IMPLS = ((opt, mx.array, np.asarray), (ref, lambda x: x, np.asarray))
 SCALE = 0.125
@@ -134,8 +134,6 @@ def test_refusals() -> None:
         assert lego.offset == 0
         layout = module.DelayedTurboQuantKVCache(8, 3, 2)
         layout.merge_rows([module.Bf16FirstTurboQuantKVCache(8, 3, 2)])
-        with pytest.raises(UnsupportedStateError):
-            layout.state  # noqa: B018
         affine = module.Bf16FirstQuantizedKVCache(64, 8, 2)
         with pytest.raises(Exception, match="cannot merge"):
             layout.merge_rows([affine])
@@ -203,3 +201,37 @@ def test_engine_runs_turbo_with_a_start_as_solo_lego_runs_do(
                 worst = max(worst, float(np.abs(batch - alone).max()))
         assert calls["turbo"] > solo_turbo  # the solo legos read turbo too
     assert worst <= 1e-4, worst
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_state_round_trip_of_mixed_rows(dtype: type) -> None:
+    """The saved form holds both groups and the row record; the restored layout takes the
+    plain group's activation dtype for its TurboQuant group, and both go on identically."""
+    rng = np.random.default_rng(3)
+    blocks: list[Any] = [rng.standard_normal((1, 2, n, 64)).astype(dtype) for n in (2, 6)]
+    step: Any = rng.standard_normal((2, 2, 1, 64)).astype(dtype)
+    for module, native, _ in IMPLS:
+        legos = [module.Bf16FirstTurboQuantKVCache(8, 3, 5) for _ in blocks]
+        for lego, block in zip(legos, blocks, strict=True):
+            lego.update_and_fetch(native(block), native(block))
+        layout = module.DelayedTurboQuantKVCache(8, 3, 5)
+        layout.merge_rows(legos)
+        restored = type(layout).from_state(layout.state)
+        assert restored.phase == layout.phase == "mixed"
+        assert restored.row_offsets == layout.row_offsets
+        assert restored.converted_at == layout.converted_at == (None, 6)
+        with row_reads():
+            for cache in (layout, restored):
+                cache.update_and_fetch(native(step), native(step))
+        for a, b in zip(_leaves(layout.state), _leaves(restored.state), strict=True):
+            if hasattr(a, "shape"):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            else:
+                assert a == b
+
+
+def _leaves(state: Any) -> list[Any]:
+    """A nested state's arrays and scalars, in order."""
+    if isinstance(state, tuple | list):
+        return [leaf for part in state for leaf in _leaves(part)]
+    return [state]
