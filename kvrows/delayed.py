@@ -346,9 +346,25 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
     def _members(self, group: int) -> list[int]:
         return [b for b, g in enumerate(self._group_of) if g == group]
 
+    def _slots(self) -> list[int]:
+        """Each batch row's index inside its group (one pass)."""
+        seen = [0, 0]
+        slots = []
+        for group in self._group_of:
+            slots.append(seen[group])
+            seen[group] += 1
+        return slots
+
     def _slot(self, row: int) -> int:
         group = self._group_of[row]
         return sum(1 for g in self._group_of[:row] if g == group)
+
+    def _in_batch_order(self, per_group: Sequence[Sequence[int]]) -> tuple[int, ...]:
+        """A per-row quantity given per group, in batch order."""
+        return tuple(
+            per_group[group][slot]
+            for group, slot in zip(self._group_of, self._slots(), strict=True)
+        )
 
     @property
     def batch_size(self) -> int:
@@ -356,29 +372,23 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
 
     @property
     def row_offsets(self) -> tuple[int, ...]:
-        offsets = [g.row_offsets for g in self._groups]
-        seen = [0, 0]
-        out = []
-        for group in self._group_of:
-            out.append(offsets[group][seen[group]])
-            seen[group] += 1
-        return tuple(out)
+        return self._in_batch_order([g.row_offsets for g in self._groups])
 
     @property
     def left_pad(self) -> tuple[int, ...]:
         if self._full_attention:
             return tuple(self._pads)
-        pads = [g.left_pad for g in self._groups]
-        seen = [0, 0]
-        out = []
-        for group in self._group_of:
-            out.append(pads[group][seen[group]])
-            seen[group] += 1
-        return tuple(out)
+        return self._in_batch_order([g.left_pad for g in self._groups])
 
     @property
     def offset(self) -> Any:
-        return self._positions(self.row_offsets)
+        """Per-row positions as one array, kept until they change (models read it in
+        every layer of every forward)."""
+        offsets = self.row_offsets
+        cached = getattr(self, "_offset_of", None)
+        if cached is None or cached[0] != offsets:
+            self._offset_of = (offsets, self._positions(offsets))
+        return self._offset_of[1]
 
     @property
     def max_tokens(self) -> float:
@@ -901,7 +911,7 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
         if not order:
             self._clear_rows()
             return
-        slots = [self._slot(b) for b in range(self.batch_size)]
+        slots = self._slots()
         for index, group in enumerate(self._groups):
             group_keep = [slots[b] for b in order if self._group_of[b] == index]
             if group_keep:
