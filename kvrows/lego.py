@@ -21,6 +21,8 @@ This module holds the array-free logic once; each implementation (``optimized/le
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar, TypeAlias
 
 from kvrows.affine_geometry import validate_codec
@@ -440,14 +442,9 @@ def turbo_lego_arguments(
 ) -> tuple[Turbo, int]:
     """A TurboQuant lego's (or delayed layout's) arguments as a spec and ``start``; a
     refused argument names the class."""
-    try:
+    with _naming(name):
         spec = Turbo(k_bits=_int(k_bits, "k_bits", name), v_bits=_int(v_bits, "v_bits", name))
         return spec, as_count(start, "start")
-    except InvalidInputError as error:
-        message = str(error)
-        if message.startswith(f"{name}:"):
-            raise
-        raise InvalidInputError(f"{name}: {message}") from None
 
 
 def lego_arguments(
@@ -455,7 +452,7 @@ def lego_arguments(
 ) -> tuple[Affine, GeometrySpec, int]:
     """The constructor arguments of a lego as specs (``max_size is None``: full attention);
     a refused argument names the class."""
-    try:
+    with _naming(name):
         quantization = Affine(
             bits=_int(bits, "bits", name), group_size=_int(group_size, "group_size", name)
         )
@@ -465,6 +462,13 @@ def lego_arguments(
                 max_size=_int(max_size, "max_size", name), keep=_int(keep, "keep", name)
             )
         return quantization, geometry, as_count(start, "start")
+
+
+@contextmanager
+def _naming(name: str) -> Iterator[None]:
+    """A refused constructor argument's message starts with the class's name."""
+    try:
+        yield
     except InvalidInputError as error:
         message = str(error)
         if message.startswith(f"{name}:"):
