@@ -25,8 +25,9 @@ rounds. The base machine does the rest; this subclass supplies:
   layouts, each refused with ``IncompatibleRowsError``; head dims the codec does not
   store, refused with ``InvalidInputError`` before anything changes.
 
-No mlx-lm peer: mlx-lm has no TurboQuant cache. No saved state: the storages have no
-persistence form yet (``state_pending``), so the state checks are skipped until it lands.
+No mlx-lm peer: mlx-lm has no TurboQuant cache. Saved states are checked as in every
+family (both implementations describe the same rows; the machine goes on with restored
+caches).
 """
 
 from __future__ import annotations
@@ -83,10 +84,6 @@ class TurboMachine(SpeculativeMachine):
     module docstring)."""
 
     codecs: ClassVar[tuple[tuple[int, int], ...]] = CODECS
-    state_pending: ClassVar[str | None] = (
-        "TurboQuant storages have no saved-state form yet (state raises "
-        "UnsupportedStateError until the persistence work adds one)"
-    )
 
     @classmethod
     def geometries(cls) -> st.SearchStrategy[ks.Geometry]:

@@ -62,7 +62,10 @@ def test_turbo_family(layout: str) -> None:
     assert stats.examples >= settings.max_examples // 2, f"only {stats.examples} examples ran"
     missing = EXPECTED_OPS - set(stats.ops)
     assert not missing, f"operations never exercised: {sorted(missing)} (ran {dict(stats.ops)})"
-    for oracle in (*BASE_CHECKS, *SPECULATIVE_CHECKS, *TURBO_CHECKS, "solo attention"):
+    # Saved states too: both implementations describe the same rows, and the machine goes
+    # on with the restored caches.
+    oracles = (*BASE_CHECKS, *SPECULATIVE_CHECKS, *TURBO_CHECKS, "solo attention", "state")
+    for oracle in (*oracles, "save_restore"):
         assert stats.checks[oracle] > 0, f"oracle {oracle!r} never ran: {dict(stats.checks)}"
     compared = {quantity for quantity, _ in stats.errors}
     expected = {"kv.stored", "kv.fetched", "kv.solo", "attention", "attention.solo"}
