@@ -89,25 +89,48 @@ def _grouped(x: mx.array) -> mx.array:
     return x.reshape(*x.shape[:-1], int(x.shape[-1]) // TURBO_GROUP, TURBO_GROUP)
 
 
+def _chunk_word(bits: int) -> mx.Dtype:
+    """The unsigned word that holds 8 codes of ``bits`` (``bits`` bytes of the stream)."""
+    return mx.uint32 if bits * 8 <= 32 else mx.uint64
+
+
 def pack_codes(codes: mx.array, bits: int) -> mx.array:
-    """``[..., D]`` codes as a little-endian bitstream of ``D·bits/8`` bytes (8 bits: as is)."""
+    """``[..., D]`` codes as a little-endian bitstream of ``D·bits/8`` bytes (8 bits: as is).
+
+    Word-wise, not bit-wise: 8 codes fill ``bits`` bytes exactly, so each run of 8 codes is
+    shifted into one word whose little-endian bytes are that run's share of the stream."""
     codes = codes.astype(mx.uint8)
     if bits == 8:
         return codes
     dim = int(codes.shape[-1])
-    stream = mx.right_shift(codes[..., None], mx.arange(bits, dtype=mx.uint8)) & 1
-    stream = stream.reshape(*codes.shape[:-1], dim * bits // 8, 8).astype(mx.uint8)
-    return mx.sum(mx.left_shift(stream, mx.arange(8, dtype=mx.uint8)), axis=-1).astype(mx.uint8)
+    word = _chunk_word(bits)
+    runs = codes.reshape(*codes.shape[:-1], dim // 8, 8).astype(word)
+    packed = mx.sum(mx.left_shift(runs, mx.arange(0, 8 * bits, bits, dtype=word)), axis=-1)
+    shifts = mx.arange(0, 8 * bits, 8, dtype=word)
+    stream = (mx.right_shift(packed[..., None], shifts) & 0xFF).astype(mx.uint8)
+    return stream.reshape(*codes.shape[:-1], dim * bits // 8)
 
 
 def unpack_codes(packed: mx.array, bits: int) -> mx.array:
-    """The uint8 codes of a ``pack_codes`` bitstream."""
+    """The uint8 codes of a ``pack_codes`` bitstream.
+
+    Widths that divide a byte shift each byte once per code; 3 and 5 bits gather each run
+    of ``bits`` bytes into one word first (an OR per byte: cheaper than a reduction)."""
     if bits == 8:
         return packed.astype(mx.uint8)
     width = int(packed.shape[-1])
-    stream = mx.right_shift(packed[..., None], mx.arange(8, dtype=mx.uint8)) & 1
-    stream = stream.reshape(*packed.shape[:-1], width * 8 // bits, bits).astype(mx.uint8)
-    return mx.sum(mx.left_shift(stream, mx.arange(bits, dtype=mx.uint8)), axis=-1).astype(mx.uint8)
+    mask = (1 << bits) - 1
+    if 8 % bits == 0:
+        shifts = mx.arange(0, 8, bits, dtype=mx.uint8)
+        codes = mx.right_shift(packed[..., None], shifts) & mask
+        return codes.reshape(*packed.shape[:-1], width * 8 // bits)
+    word = _chunk_word(bits)
+    chunks = packed.reshape(*packed.shape[:-1], width // bits, bits)
+    run = chunks[..., 0].astype(word)
+    for byte in range(1, bits):
+        run = run | mx.left_shift(chunks[..., byte].astype(word), mx.array(8 * byte, dtype=word))
+    codes = mx.right_shift(run[..., None], mx.arange(0, 8 * bits, bits, dtype=word)) & mask
+    return codes.astype(mx.uint8).reshape(*packed.shape[:-1], width * 8 // bits)
 
 
 def encode_keys(x: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
