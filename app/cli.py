@@ -1,4 +1,4 @@
-"""The ``kvrows`` command line: ``demo``, ``conform``, ``bench`` and ``example``."""
+"""The ``kvrows`` command line: ``demo``, ``conform``, ``bench``, ``example`` and ``classes``."""
 
 from __future__ import annotations
 
@@ -121,6 +121,9 @@ def _parser() -> argparse.ArgumentParser:
     commands.add_parser(
         "example", help="merge, decode, filter and extract rows, and say what happened"
     )
+    commands.add_parser(
+        "classes", help="every seed class: its axes, status, conformance family and spec page"
+    )
     return parser
 
 
@@ -180,6 +183,10 @@ def _run(args: argparse.Namespace) -> int:
                 ),
             )
         )
+    if args.command == "classes":
+        from kvrows.app.classes import run_classes
+
+        return run_classes()
     from kvrows.app.example import run_example
 
     return int(run_example())
