@@ -54,7 +54,7 @@ def _status(entry: Composition, families: tuple[str, ...]) -> str:
 def class_rows() -> list[tuple[str, ...]]:
     """One row per seed class, in the table's order: name, codec, geometry, arrangement,
     status, conformance families, spec page."""
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for entry in COMPOSITIONS:
         families = families_of(entry.name) if entry.is_landed else ()
         page = spec_page(entry.name)
