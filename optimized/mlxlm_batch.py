@@ -23,7 +23,7 @@ from kvrows.compositions import Composition
 from kvrows.errors import InvalidInputError, KvRowsError
 from kvrows.forms import parse_state
 from kvrows.optimized.batch_dropin import LayoutBatchOps, _counts
-from kvrows.optimized.classes import BatchedKVCache, RaggedRotatingRows
+from kvrows.optimized.classes import BatchedKVCache, BatchedRotatingCache
 from kvrows.optimized.rows import DECLARED, Layout, Serial
 from kvrows.protocols import Cache
 from kvrows.validation import KvGeometry
@@ -144,8 +144,10 @@ class BatchKVCache(_PaddedRows, BatchedKVCache):
         return fresh
 
 
-class BatchRotatingKVCache(_PaddedRows, RaggedRotatingRows):
-    """mlx-lm's ``BatchRotatingKVCache``: ragged ring rows, each with its own window.
+class BatchRotatingKVCache(_PaddedRows, BatchedRotatingCache):
+    """mlx-lm's ``BatchRotatingKVCache``: one shared ring (every row writes the same
+    physical column), so its keys, values, ``left_padding`` and masks are in mlx-lm's
+    physical columns; kvrows' masks stay exact where mlx-lm's hide a real token (B9).
 
     ``BatchRotatingKVCache(max_size, left_padding)``: as :class:`BatchKVCache`, with a
     window of ``max_size`` tokens per row."""
