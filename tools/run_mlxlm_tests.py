@@ -141,20 +141,24 @@ def _copy_tests(folder: Path, checkout: Path | None, mirror: Path, rev: str) -> 
     return f"{mirror} @ {commit}"
 
 
-def _outcomes(report: Path) -> dict[str, str]:
-    """Test id -> ``pass`` / ``fail`` / ``error`` / ``skip`` from a JUnit XML report."""
+def _outcomes(report: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """Test id -> ``pass`` / ``fail`` / ``error`` / ``skip`` from a JUnit XML report, and
+    test id -> the first line of its failure message."""
     results: dict[str, str] = {}
+    messages: dict[str, str] = {}
     for case in ElementTree.parse(report).getroot().iter("testcase"):
         name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
         outcome = "pass"
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
                 outcome = {"failure": "fail", "error": "error", "skipped": "skip"}[child.tag]
+                if child.tag != "skipped":
+                    messages[name] = (child.get("message") or "").splitlines()[0][:160]
         results[name] = outcome
-    return results
+    return results, messages
 
 
-def _run(folder: Path, rebind: bool, extra: list[str]) -> dict[str, str]:
+def _run(folder: Path, rebind: bool, extra: list[str]) -> tuple[dict[str, str], dict[str, str]]:
     report = folder / ("kvrows.xml" if rebind else "mlx-lm.xml")
     env = dict(os.environ, KVROWS_MLXLM_REBIND="1" if rebind else "0")
     command = [
@@ -197,8 +201,8 @@ def main() -> int:
         (folder / "conftest.py").write_text(CONFTEST.format(names=REBOUND))
         (folder / "pytest.ini").write_text("[pytest]\n")
         extra = ["-k", args.keyword] if args.keyword else []
-        baseline = _run(folder, rebind=False, extra=extra)
-        rebound = _run(folder, rebind=True, extra=extra)
+        baseline, baseline_messages = _run(folder, rebind=False, extra=extra)
+        rebound, rebound_messages = _run(folder, rebind=True, extra=extra)
     finally:
         if args.keep:
             print(f"-- kept {folder}")
@@ -223,6 +227,11 @@ def main() -> int:
             f"{label}: {len(results)} tests, {counts['pass']} passed, {counts['fail']} failed, "
             f"{counts['error']} errors, {counts['skip']} skipped"
         )
+    for name in names:
+        if rebound.get(name) != baseline.get(name):
+            for label, messages in (("mlx-lm", baseline_messages), ("kvrows", rebound_messages)):
+                if name in messages:
+                    print(f"  {name} [{label}]: {messages[name]}")
     regressions = [n for n in names if baseline.get(n) == "pass" and rebound.get(n) != "pass"]
     if regressions:
         print("pass with mlx-lm's classes, not with kvrows':", ", ".join(regressions))
