@@ -1,12 +1,15 @@
-"""mlx-lm's batch cache classes, built on kvrows' ragged layouts.
+"""mlx-lm's batch cache classes, built on kvrows' layouts, in mlx-lm's columns.
 
 ``BatchKVCache(left_padding)`` and ``BatchRotatingKVCache(max_size, left_padding)`` take
 mlx-lm's constructor arguments and are what ``KVCache.merge`` / ``RotatingKVCache.merge``
-return, so code (and saved files) that name mlx-lm's classes find them. They are
-``BatchedKVCache`` / ``RaggedRotatingRows`` (each row appends at its own end), so a
-right-padded prefill is forgotten exactly by trimming each row. The batch operations
-themselves are ``LayoutBatchOps`` (``batch_dropin.py``); the semantics and the mlx-lm
-bugs they avoid are ``spec/mlx-lm-batch-api.md``.
+return, so code (and saved files) that name mlx-lm's classes find them.
+``BatchKVCache`` is a ``BatchedKVCache`` (ragged rows, so a right-padded prefill is
+forgotten by trimming each row) that keeps the pad columns every row shares, as
+mlx-lm's does; ``BatchRotatingKVCache`` is a ``BatchedRotatingCache`` (one shared ring,
+mlx-lm's bookkeeping). Both present mlx-lm's physical columns where mlx-lm's own tests
+look (``spec/mlx-lm-batch-api.md`` §3.3). The batch operations themselves are
+``LayoutBatchOps`` (``batch_dropin.py``); the semantics and the mlx-lm bugs they avoid
+are ``spec/mlx-lm-batch-api.md``.
 
 This module is separate from ``batch_dropin.py`` because ``classes.py`` imports the
 mixins from there, and these classes subclass ``classes.py``'s.
