@@ -22,7 +22,8 @@ or with ``git show`` from a bare mirror) into a temporary folder next to a gener
 In both runs ``mlx_lm.utils.load`` (the tests download a Qwen model) is replaced by the
 embedded ``tiny_model("llama")`` and a byte-level tokenizer built in memory, so nothing
 is downloaded. The script prints one row per test with both outcomes and the totals, and
-exits 1 when a test passes on mlx-lm's classes and not on kvrows'.
+exits 1 when a test passes on mlx-lm's classes and not on kvrows', other than the
+deliberate differences listed in ``KEPT_DIFFERENCES``.
 
 Not part of CI: mlx-lm's tests are not installed with it (``spec/mlx-lm-drop-in.md`` §5
 records the last result).
@@ -41,6 +42,12 @@ from pathlib import Path
 
 MIRROR = Path("/work/.mirror/ml-explore+mlx-lm/repo")
 TEST_FILES = ("tests/test_prompt_cache.py", "tests/test_models.py")
+#: Tests that pass on mlx-lm's classes and deliberately not on kvrows' (the reason is
+#: ``spec/mlx-lm-drop-in.md`` §5); any other such test makes the script exit 1.
+KEPT_DIFFERENCES = {
+    "TestPromptCache::test_batch_rotating_kv_cache": "its last assertion is mlx-lm's B9 mask",
+    "TestPromptCache::test_save_load_batch_caches": "a 4-row block into a 2-row cache is refused",
+}
 REBOUND = (
     "KVCache",
     "RotatingKVCache",
@@ -233,9 +240,10 @@ def main() -> int:
                 if name in messages:
                     print(f"  {name} [{label}]: {messages[name]}")
     regressions = [n for n in names if baseline.get(n) == "pass" and rebound.get(n) != "pass"]
-    if regressions:
-        print("pass with mlx-lm's classes, not with kvrows':", ", ".join(regressions))
-    return 1 if regressions else 0
+    for name in regressions:
+        reason = KEPT_DIFFERENCES.get(name)
+        print(f"pass with mlx-lm's classes only: {name} ({reason or 'NOT EXPECTED'})")
+    return 1 if any(n not in KEPT_DIFFERENCES for n in regressions) else 0
 
 
 if __name__ == "__main__":
