@@ -4,10 +4,11 @@ Two mixins (``classes.py`` mixes them into every optimized class):
 
 * :class:`SerialMerge` gives every serial storage mlx-lm's ``merge(caches)`` classmethod
   (``_merge_caches`` calls it through an instance). It returns the storage's *prefill*
-  layout (ragged rows for the growing geometry and the plain ring), which supports
-  everything the generator then does: right-padded prefill, decode, join, leave. Plain
-  full attention and plain rings get :class:`~kvrows.optimized.mlxlm_batch.BatchKVCache` /
-  :class:`~kvrows.optimized.mlxlm_batch.BatchRotatingKVCache`, which carry mlx-lm's names.
+  layout (ragged rows for the growing geometry), which supports everything the
+  generator then does: right-padded prefill, decode, join, leave. Plain full attention
+  and plain rings get :class:`~kvrows.optimized.mlxlm_batch.BatchKVCache` /
+  :class:`~kvrows.optimized.mlxlm_batch.BatchRotatingKVCache` (a shared ring), which
+  carry mlx-lm's names and columns.
 * :class:`LayoutBatchOps` gives every layout ``extend``, ``filter``, ``extract``,
   ``prepare`` and ``finalize`` under mlx-lm's names, on top of kvrows' row operations
   (``merge_rows``, ``filter_rows``, ``extract_row``).

@@ -205,7 +205,7 @@ def test_merge_of_rings_is_mlx_lm_batch_rotating_kv_cache() -> None:
     chunks = history(tokens, [9, 2, 0], singles=4)  # row 0 has wrapped its window
     ours = kv.RotatingKVCache.merge(serials(lambda: kv.RotatingKVCache(WINDOW), chunks))
     theirs = peer.RotatingKVCache.merge(serials(lambda: peer.RotatingKVCache(WINDOW), chunks))
-    assert type(ours) is kv.BatchRotatingKVCache and isinstance(ours, kv.RaggedRotatingRows)
+    assert type(ours) is kv.BatchRotatingKVCache and isinstance(ours, kv.BatchedRotatingCache)
     assert offsets(ours) == offsets(theirs) == [9, 2, 0]
     decode_and_block(tokens, ours, theirs, 3, steps=8)
 
