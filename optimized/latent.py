@@ -1,0 +1,277 @@
+"""The optimized latent caches (``spec/MLACache.md``, ``spec/EncodedLatentCache.md``).
+
+One right-justified buffer per plane, ``[B, 1, width, ·]`` at exact width (an append
+concatenates, as the seed's): every row's next token is column ``width``. A merge
+left-pads each source's buffers to the new width; a filter takes rows and slices off the
+common padding; an extract copies one row's columns; a ragged rollback rolls each row
+right by its rejected count (the rejected tail wraps to the left as padding, hidden by
+the mask) with one gather, then slices off the common padding. The latent is encoded
+once per append for the whole batch; nothing is ever decoded and re-encoded. The
+control flow and every argument check are the core's (``kvrows.latent.LatentRows``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from kvrows.compositions import composition
+from kvrows.errors import InvalidInputError
+from kvrows.latent import LatentCodec, LatentRows, encoded_codec
+from kvrows.optimized.codecs import TurboCodec, dtype_name, make_codec, mlx_dtype
+from kvrows.optimized.rows import owned
+from kvrows.schemes import Affine, Plain, Turbo
+
+__all__ = ["EncodedLatentCache", "MLACache"]
+
+Planes = tuple[mx.array, ...]
+
+
+def _cat(first: mx.array | None, second: mx.array) -> mx.array:
+    return second if first is None else mx.concatenate([first, second], axis=2)
+
+
+def _pad_left(array: mx.array, columns: int) -> mx.array:
+    if columns == 0:
+        return array
+    return mx.pad(array, [(0, 0), (0, 0), (columns, 0), (0, 0)])
+
+
+class _LatentOptimized(LatentRows):
+    """The optimized array hooks over right-justified batch buffers."""
+
+    def _impl_init(self) -> None:
+        self._planes: Planes | None = None  # the latent as the codec stores it
+        self._rope: mx.array | None = None
+        self._index: mx.array | None = None
+        self._exact: mx.array | None = None  # while some row reads its latent exact
+
+    @property
+    def _role(self) -> Any:
+        return "values" if isinstance(self.latent_codec, Turbo) else "keys"
+
+    def _impl_shape_dtype(self, array: Any, what: str) -> tuple[tuple[int, ...], str]:
+        try:
+            dtype = dtype_name(array)
+        except InvalidInputError as error:
+            raise InvalidInputError(f"{type(self).__name__}: {what}: {error}") from None
+        return tuple(int(n) for n in array.shape), dtype
+
+    def _impl_as4(self, array: Any) -> Any:
+        return mx.expand_dims(array, 1)
+
+    def _impl_as3(self, array: Any) -> Any:
+        return array[:, 0]
+
+    def _buffers(self) -> list[mx.array | None]:
+        return [*(self._planes or ()), self._rope, self._index, self._exact]
+
+    def _set_buffers(self, arrays: Sequence[mx.array | None]) -> None:
+        count = len(self._planes or ())
+        planes = tuple(a for a in arrays[:count] if a is not None)
+        self._planes = planes or None
+        self._rope, self._index, self._exact = arrays[count], arrays[count + 1], arrays[count + 2]
+
+    def _impl_append(self, latent: Any, rope: Any, index: Any | None, exact: bool) -> None:
+        planes = make_codec(self.latent_codec).encode(latent, self._role)
+        held = self._planes or (None,) * len(planes)
+        self._planes = tuple(_cat(h, p) for h, p in zip(held, planes, strict=True))
+        self._rope = _cat(self._rope, rope)
+        if index is not None:
+            self._index = _cat(self._index, index)
+        if exact and not isinstance(self.latent_codec, Plain):
+            if self._exact is None and self._rope.shape[2] > latent.shape[2]:
+                # rows that read exact joined with no exact columns held: zeros (never read)
+                columns = int(self._rope.shape[2]) - int(latent.shape[2])
+                self._exact = mx.zeros((latent.shape[0], 1, columns, latent.shape[3]), latent.dtype)
+            self._exact = _cat(self._exact, latent)
+
+    def _decoded(self) -> mx.array:
+        assert self._planes is not None and self._dtype is not None
+        codec = make_codec(self.latent_codec)
+        if isinstance(self.latent_codec, Plain):
+            return self._planes[0]
+        if isinstance(codec, TurboCodec):
+            decoded = codec.decode(self._planes, "values")
+        else:
+            assert isinstance(self.latent_codec, Affine)
+            packed, scales, biases = self._planes
+            decoded = mx.dequantize(
+                packed, scales, biases, group_size=self.latent_codec.group_size,
+                bits=self.latent_codec.bits, mode="affine",
+            )  # fmt: skip
+        return decoded.astype(mlx_dtype(self._dtype))
+
+    def _impl_read(self, reads_exact: Sequence[bool]) -> tuple[Any, Any, Any | None]:
+        assert self._rope is not None
+        latent = self._decoded()
+        if not isinstance(self.latent_codec, Plain) and any(reads_exact):
+            assert self._exact is not None
+            rows = mx.array(list(reads_exact))[:, None, None, None]
+            latent = mx.where(rows, self._exact, latent)
+        return latent, self._rope, self._index
+
+    def _empty_buffers(self, rows: int, columns: int) -> list[mx.array | None]:
+        """Zero buffers of ``columns`` tokens (planes, rope, index, exact)."""
+        assert self._widths is not None and self._dtype is not None
+        rank, rope = self._widths
+        dtype = mlx_dtype(self._dtype)
+        codec = make_codec(self.latent_codec)
+        planes = codec.zeros(rows, 1, columns, rank, self._dtype, self._role)
+        index = self.options.index_head_dim
+        return [
+            *planes,
+            mx.zeros((rows, 1, columns, rope), dtype),
+            None if index is None else mx.zeros((rows, 1, columns, index), dtype),
+            None if isinstance(self.latent_codec, Plain) else mx.zeros((rows, 1, columns, rank), dtype),
+        ]
+
+    def _impl_merge(self, sources: Sequence[Any]) -> None:
+        width = max(s.width for s in sources)
+        widths = next((s._widths for s in sources if s._widths), None)
+        dtype = next((s._dtype for s in sources if s._dtype), None)
+        if width == 0 or widths is None or dtype is None:
+            self._impl_init()
+            return
+        self._widths, self._dtype = widths, dtype
+        parts: list[list[mx.array | None]] = []
+        for source in sources:
+            rows = max(1, source.batch_size)
+            if source._rope is None:
+                parts.append(self._empty_buffers(rows, width))
+                continue
+            held = source._buffers()
+            zeros = self._empty_buffers(rows, int(source._rope.shape[2]))
+            held[-1] = held[-1] if held[-1] is not None else zeros[-1]
+            parts.append([None if a is None else _pad_left(a, width - source.width) for a in held])
+        needs_exact = not all(c for s in sources for c in (s._converted or [False]))
+        merged = [
+            None if column[0] is None else mx.concatenate(list(column), axis=0)  # type: ignore[arg-type]
+            for column in zip(*parts, strict=True)
+        ]
+        if not needs_exact:
+            merged[-1] = None
+        count = len(merged) - 3
+        self._planes = tuple(a for a in merged[:count] if a is not None)
+        self._rope, self._index, self._exact = merged[count], merged[count + 1], merged[count + 2]
+        mx.eval(*(a for a in self._buffers() if a is not None))
+
+    def _impl_filter(self, keep: Sequence[int]) -> None:
+        if self._rope is None:
+            return
+        offsets = [self._offsets[r] for r in keep]
+        drop = self.width - max(offsets)
+        rows = mx.array(keep)
+        self._set_buffers(
+            [None if a is None else mx.take(a, rows, axis=0)[:, :, drop:] for a in self._buffers()]
+        )
+        if max(offsets) == 0:
+            self._impl_init()
+            return
+        mx.eval(*(a for a in self._buffers() if a is not None))
+
+    def _impl_take_row(self, source: Any, row: int) -> None:
+        if source._rope is None or source._offsets[row] == 0:
+            return
+        start = source.width - source._offsets[row]
+        self._planes = tuple(owned(p[row : row + 1, :, start:]) for p in source._planes)
+        self._rope = owned(source._rope[row : row + 1, :, start:])
+        if source._index is not None:
+            self._index = owned(source._index[row : row + 1, :, start:])
+        if source._exact is not None:
+            self._exact = owned(source._exact[row : row + 1, :, start:])
+        mx.eval(*(a for a in self._buffers() if a is not None))
+
+    def _impl_forget(self, counts: Sequence[int]) -> None:
+        if self._rope is None:
+            return
+        width = self.width
+        new_width = max(o - c for o, c in zip(self._offsets, counts, strict=True))
+        if new_width == 0:
+            self._impl_init()
+            return
+        if len(set(counts)) == 1:  # every row the same: a plain cut of the newest columns
+            cut = width - counts[0]
+            self._set_buffers([None if a is None else a[:, :, :cut] for a in self._buffers()])
+        else:  # roll row b right by counts[b], then drop the common padding
+            shift = width - new_width
+            columns = mx.arange(new_width)[None, :] + shift - mx.array(list(counts))[:, None]
+            source = (columns % width).astype(mx.int32)[:, None, :, None]
+
+            def rolled(a: mx.array) -> mx.array:
+                index = mx.broadcast_to(source, (a.shape[0], 1, new_width, a.shape[3]))
+                return mx.take_along_axis(a, index, axis=2)
+
+            self._set_buffers([None if a is None else rolled(a) for a in self._buffers()])
+        mx.eval(*(a for a in self._buffers() if a is not None))
+
+    def _impl_drop_exact(self) -> None:
+        self._exact = None
+
+    def _impl_nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self._buffers() if a is not None)
+
+    def _impl_mask(self, n: int, window_size: int | None) -> Any:
+        width = self.width
+        columns = mx.arange(width + n)[None, None, None, :]
+        queries = mx.arange(n)[None, None, :, None]
+        pads = mx.array(list(self.left_pad))[:, None, None, None]
+        visible = (columns >= pads) & (columns <= width + queries)
+        if window_size is not None:
+            visible = visible & (width + queries - columns < window_size)
+        return visible
+
+    def _impl_offsets(self) -> Any:
+        return mx.array(self._offsets, dtype=mx.int32)
+
+    def planes(self) -> tuple[Planes, mx.array | None, mx.array | None, mx.array | None]:
+        """The stored buffers: latent codec planes, rope, index, exact latent."""
+        return self._planes or (), self._rope, self._index, self._exact
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        self._spec_guard("saving state")
+        return tuple(a for a in self._buffers() if a is not None)
+
+
+class MLACache(_LatentOptimized):
+    """MLA latent + rope (+ DSA index) planes (``spec/MLACache.md``)."""
+
+    composition = composition("MLACache")
+
+
+class EncodedLatentCache(_LatentOptimized):
+    """The latent plane through a codec, rope and index exact, bf16-first per row
+    (``spec/EncodedLatentCache.md``)."""
+
+    composition = composition("EncodedLatentCache")
+
+    def __init__(
+        self,
+        kv_lora_rank: object = None,
+        rope_head_dim: object = None,
+        index_head_dim: object = None,
+        max_tokens: object = None,
+        role: object = "target",
+        *,
+        codec: LatentCodec | None = None,
+        bits: int | None = None,
+        group_size: int | None = None,
+        start: int = 0,
+    ) -> None:
+        self.latent_codec, self.start = encoded_codec(
+            type(self).__name__, codec, bits, group_size, start
+        )
+        super().__init__(kv_lora_rank, rope_head_dim, index_head_dim, max_tokens, role)
+
+    def _new_empty(self) -> EncodedLatentCache:
+        o = self.options
+        return type(self)(
+            o.kv_lora_rank, o.rope_head_dim, o.index_head_dim, o.max_tokens, o.role,
+            codec=self.latent_codec, start=self.start,
+        )  # fmt: skip
+
+    def signature(self) -> str:
+        return f"kv:mla-encoded:{self.options.signature_role}:{self.latent_codec.key}:{self.start}"
