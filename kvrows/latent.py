@@ -359,13 +359,15 @@ class LatentRows(SpeculativeRounds):
 
     # -- appends --------------------------------------------------------------------------
     def _checked_blocks(
-        self, latent: Any, rope: Any, index: Any | None
+        self, latent: Any, rope: Any, index: Any | None, *, staged: bool = False
     ) -> tuple[Any, Any, Any | None, bool, str, int, int]:
+        """The blocks checked against the cache (``staged``: the index block comes later,
+        see ``LatentCacheList``)."""
         name = type(self).__name__
         blocks = [("latent", latent), ("rope", rope)]
         if index is not None:
             blocks.append(("index", index))
-        if (index is not None) != self.options.dsa:
+        if (index is not None) != self.options.dsa and not staged:
             raise InvalidInputError(
                 f"{name}: an index block is required exactly when the cache is declared with "
                 f"index_head_dim (declared: {self.options.index_head_dim}, "

@@ -113,6 +113,38 @@ class _LatentOptimized(LatentRows):
             latent = mx.where(rows, self._exact, latent)
         return latent, self._rope, self._index
 
+    def preview(self, latent: mx.array, rope: mx.array) -> tuple[mx.array, mx.array]:
+        """What ``append(latent, rope, index)`` will return for the latent and rope
+        (``[B, 1, width + N, ·]``), changing nothing: the drop-in hands it to the model's
+        MLA layer before the layer has computed the index block."""
+        self._spec_usable()
+        latent, rope, _, four, _, _, _ = self._checked_blocks(latent, rope, None, staged=True)
+        if not four:
+            raise InvalidInputError(f"{type(self).__name__}.preview takes [B, 1, N, W] blocks")
+        reads_exact = [not c for c in self._converted] or [True] * int(latent.shape[0])
+        block = latent
+        if not isinstance(self.latent_codec, Plain):
+            dtype = latent.dtype
+            codec, planes = make_codec(self.latent_codec), ()
+            planes = codec.encode(latent, self._role)
+            if isinstance(codec, TurboCodec):
+                decoded = codec.decode(planes, "values")
+            else:
+                assert isinstance(self.latent_codec, Affine)
+                decoded = mx.dequantize(
+                    *planes, group_size=self.latent_codec.group_size,
+                    bits=self.latent_codec.bits, mode="affine",
+                )  # fmt: skip
+            rows = mx.array(reads_exact)[:, None, None, None]
+            block = mx.where(rows, latent, decoded.astype(dtype))
+        if self._rope is None:
+            return block, rope
+        held_latent, held_rope, _ = self._impl_read(reads_exact)
+        return (
+            mx.concatenate([held_latent, block], axis=2),
+            mx.concatenate([held_rope, rope], axis=2),
+        )
+
     def _empty_buffers(self, rows: int, columns: int) -> list[mx.array | None]:
         """Zero buffers of ``columns`` tokens (planes, rope, index, exact)."""
         assert self._widths is not None and self._dtype is not None

@@ -1,0 +1,105 @@
+"""Tiny random-weight MLA models (mlx-lm ``deepseek_v32`` / ``glm_moe_dsa``) and their
+kvrows latent caches (``spec/MLACache.md`` §3). No download: the models are built from
+mlx-lm's own ``ModelArgs`` with small widths."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from kvrows.errors import InvalidInputError
+from kvrows.latent import LatentCodec
+from kvrows.optimized.latent import EncodedLatentCache, MLACache
+from kvrows.optimized.latent_dropin import LatentCacheList
+from kvrows.schemes import Plain
+
+__all__ = ["LATENT_ARCHITECTURES", "is_latent_model", "make_latent_cache", "tiny_latent_model"]
+
+LATENT_ARCHITECTURES = ("deepseek_v32", "glm_moe_dsa")
+
+_COMMON: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "index_head_dim": 32,
+    "index_n_heads": 2,
+    "index_topk": 8,  # prompts past 8 tokens take the sparse path
+    "intermediate_size": 128,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_shared_experts": None,
+    "n_routed_experts": None,
+    "routed_scaling_factor": 1.0,
+    "kv_lora_rank": 64,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "qk_nope_head_dim": 32,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "norm_topk_prob": True,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_experts_per_tok": 1,
+    "moe_layer_freq": 1,
+    "first_k_dense_replace": 0,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6,
+    "attention_bias": False,
+}
+
+
+def tiny_latent_model(arch: str, *, seed: int = 0, vocab: int = 256) -> Any:
+    """A small random-weight float32 MLA model of ``arch`` (DSA indexer included)."""
+    args = {**_COMMON, "vocab_size": vocab}
+    if arch == "deepseek_v32":
+        from mlx_lm.models import deepseek_v32
+
+        model: Any = deepseek_v32.Model(
+            deepseek_v32.ModelArgs(model_type="deepseek_v32", rope_theta=10000.0, **args)
+        )
+    elif arch == "glm_moe_dsa":
+        from mlx_lm.models import glm_moe_dsa
+
+        model = glm_moe_dsa.Model(
+            glm_moe_dsa.ModelArgs(
+                model_type="glm_moe_dsa", rope_parameters={"rope_theta": 10000.0}, **args
+            )
+        )
+    else:
+        raise InvalidInputError(
+            f"unknown MLA architecture {arch!r}: expected one of {LATENT_ARCHITECTURES}"
+        )
+    mx.random.seed(seed)
+    from mlx.utils import tree_map
+
+    model.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.08, model.parameters()))
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+def is_latent_model(model: Any) -> bool:
+    """Whether ``model``'s layers cache an MLA latent through ``CacheList`` pairs."""
+    args = getattr(model, "args", None)
+    return hasattr(args, "kv_lora_rank") and hasattr(args, "index_head_dim")
+
+
+def make_latent_cache(
+    model: Any, codec: LatentCodec | None = None, start: int = 0
+) -> list[LatentCacheList]:
+    """One :class:`LatentCacheList` per layer of an MLA model: ``MLACache`` (plain codec)
+    or ``EncodedLatentCache`` (``codec`` affine or TurboQuant, bf16-first at ``start``)."""
+    if not is_latent_model(model):
+        raise InvalidInputError(f"{type(model).__name__} is not an MLA model with an indexer")
+    args = model.args
+    geometry = (args.kv_lora_rank, args.qk_rope_head_dim, args.index_head_dim)
+    caches: list[LatentCacheList] = []
+    for _ in model.layers:
+        if codec is None or isinstance(codec, Plain):
+            caches.append(LatentCacheList(MLACache(*geometry)))
+        else:
+            caches.append(LatentCacheList(EncodedLatentCache(*geometry, codec=codec, start=start)))
+    return caches
