@@ -490,6 +490,15 @@ class LatentRows(SpeculativeRounds):
             raise InvalidInputError(f"{type(self).__name__} has no DSA index plane")
         return self._fetch_all()[2]
 
+    def current(self) -> tuple[Any, Any, Any]:
+        """What a read of the stored tokens returns now (``[B, 1, width, ·]`` latent,
+        rope, index or ``None``): each row's latent exact until it converted, then decoded.
+        The append that converts a row still read it exact (``fetch`` keeps that read)."""
+        self._spec_usable()
+        if self.width == 0:
+            raise LayoutStateError(NOTHING_TO_FETCH)
+        return self._impl_read([not c for c in self._converted])
+
     def _fetch_all(self) -> tuple[Any, Any, Any]:
         self._spec_usable()
         if self._last is None:
@@ -616,6 +625,8 @@ class LatentRows(SpeculativeRounds):
         self._spec_guard("extract_row")
         index = check_row(row, self.batch_size)
         other = self._sibling()
+        if self._offsets[index] == 0:
+            return other  # an empty row extracts into an empty cache (the seed's rule)
         other._impl_take_row(self, index)
         other._offsets = [self._offsets[index]]
         other._converted = [self._converted[index]]
