@@ -315,6 +315,17 @@ class LatentRows(SpeculativeRounds):
     def nbytes(self) -> int:
         return self._impl_nbytes()
 
+    @property
+    def state_needs_dispose(self) -> bool:
+        return False
+
+    def held_arrays(self) -> tuple[Any, ...]:
+        """Every array the cache holds (what a lease or an evaluation touches)."""
+        return self._impl_held()
+
+    def _impl_held(self) -> tuple[Any, ...]:
+        raise NotImplementedError
+
     def plane_specs(self) -> tuple[PlaneSpec, ...]:
         if self._widths is None or self._dtype is None:
             return ()

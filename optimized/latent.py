@@ -242,6 +242,9 @@ class _LatentOptimized(LatentRows):
     def _impl_drop_exact(self) -> None:
         self._exact = None
 
+    def _impl_held(self) -> tuple[Any, ...]:
+        return tuple(a for a in self._buffers() if a is not None)
+
     def _impl_nbytes(self) -> int:
         return sum(int(a.nbytes) for a in self._buffers() if a is not None)
 

@@ -169,6 +169,13 @@ class _LatentReference(LatentRows):
     def _impl_drop_exact(self) -> None:
         self._rows = [replace(r, exact=None) for r in self._rows]
 
+    def _impl_held(self) -> tuple[Any, ...]:
+        held: list[Array] = []
+        for row in self._rows:
+            arrays = [*(row.planes or ()), row.rope, row.index, row.exact]
+            held += [a for a in arrays if a is not None]
+        return tuple(held)
+
     def _impl_nbytes(self) -> int:
         total = 0
         for row in self._rows:
