@@ -36,7 +36,7 @@ from hypothesis import note
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from kvrows.conformance.arrays import from_mlx, to_mlx
-from kvrows.conformance.families import Family, Impl, LayoutSpec, PeerSpec
+from kvrows.conformance.families import Family, Impl, LayoutSpec, PeerSpec, _lm_cache
 from kvrows.conformance.stats import Stats
 from kvrows.errors import KvRowsError
 from kvrows.schemes import Affine, Turbo
@@ -162,9 +162,8 @@ class LatentMachine(RuleBasedStateMachine):
     def _lm_twins(self) -> tuple[Any, Any] | None:
         if self.encoded or self.peer is None:
             return None
-        from mlx_lm.models.cache import KVCache
-
-        return KVCache(), KVCache()
+        lm: Any = _lm_cache()
+        return lm.KVCache(), lm.KVCache()
 
     # -- appends --------------------------------------------------------------------------
     def _append_all(
@@ -181,7 +180,9 @@ class LatentMachine(RuleBasedStateMachine):
                 results.append(cache.append(latent, rope, index))
         return results
 
-    def _lm_append(self, twins: tuple[Any, Any] | None, blocks: tuple[Array, ...]) -> None:
+    def _lm_append(
+        self, twins: tuple[Any, Any] | None, blocks: tuple[Array, Array, Array | None]
+    ) -> None:
         if twins is None:
             return
         latent, rope, index = blocks
@@ -240,11 +241,10 @@ class LatentMachine(RuleBasedStateMachine):
         layout.solos = [self._solo_of(r) for r in chosen]
         twins = [r.lm for r in chosen]
         if all(t is not None and t[0].offset > 0 for t in twins):
-            from mlx_lm.models.cache import BatchKVCache
-
+            batch: Any = _lm_cache().BatchKVCache
             layout.lm = (
-                BatchKVCache.merge([t[0] for t in twins if t is not None]),
-                BatchKVCache.merge([t[1] for t in twins if t is not None])
+                batch.merge([t[0] for t in twins if t is not None]),
+                batch.merge([t[1] for t in twins if t is not None])
                 if self.c.index is not None
                 else None,
             )
@@ -296,22 +296,21 @@ class LatentMachine(RuleBasedStateMachine):
     def _rebuild_lm(self, layout: _Layout) -> None:
         """mlx-lm has no per-row rollback: its oracle is a merge of each row's accepted
         tokens (what the rolled layout must equal)."""
-        from mlx_lm.models.cache import BatchKVCache, KVCache
-
+        lm: Any = _lm_cache()
         pairs = []
         for solo in layout.solos:
             if solo.width == 0:
                 layout.lm = None
                 return
             latent, rope, index = (None if a is None else to_mlx(a) for a in self._solo_read(solo))
-            twin, index_twin = KVCache(), KVCache()
+            twin, index_twin = lm.KVCache(), lm.KVCache()
             twin.update_and_fetch(latent, rope)
             if index is not None:
                 index_twin.update_and_fetch(index, index)
             pairs.append((twin, index_twin))
         layout.lm = (
-            BatchKVCache.merge([p[0] for p in pairs]),
-            BatchKVCache.merge([p[1] for p in pairs]) if self.c.index is not None else None,
+            lm.BatchKVCache.merge([p[0] for p in pairs]),
+            lm.BatchKVCache.merge([p[1] for p in pairs]) if self.c.index is not None else None,
         )
         self.stats.check("mlx-lm rollback rebuild")
 
@@ -524,7 +523,9 @@ class LatentMachine(RuleBasedStateMachine):
             held = from_mlx(o)
             self._exact(f"{what} {name} shape", held.shape, r.shape)
             for b, pad in enumerate(pads or (0,) * r.shape[0]):
-                self._close(f"{what} {name} row {b}", held[b, :, pad:], r[b, :, pad:], name == "latent")
+                self._close(
+                    f"{what} {name} row {b}", held[b, :, pad:], r[b, :, pad:], name == "latent"
+                )
         self.stats.check("reference")
 
     def _close(self, what: str, got: Array, want: Array, decoded: bool) -> None:
@@ -572,15 +573,19 @@ class LatentMachine(RuleBasedStateMachine):
         self._exact(f"{what} mask", mask_opt.tolist(), mask_ref.tolist())
 
     def _same_planes(self, what: str, ref: Any, opt: Any) -> None:
-        """The stored codec planes, row by row over each row's columns, bit-exact."""
-        opt_planes, opt_rope, _, _ = opt.planes()
-        for b, (planes, rope, _, _) in enumerate(ref.planes()):
+        """The stored planes (codec planes, rope, index), row by row over each row's
+        columns, bit-exact."""
+        opt_planes, opt_rope, opt_index, _ = opt.planes()
+        for b, (planes, rope, index, _) in enumerate(ref.planes()):
             if rope is None:
                 continue
             pad = opt.left_pad[b]
-            for p_ref, p_opt in zip(planes, opt_planes, strict=True):
+            pairs = [*zip(planes, opt_planes, strict=True), (rope, opt_rope)]
+            if index is not None:
+                pairs.append((index, opt_index))
+            for p_ref, p_opt in pairs:
                 held = from_mlx(p_opt[b : b + 1, :, pad:])
-                self._exact(f"{what} row {b} latent plane", held.tobytes(), p_ref.tobytes())
+                self._exact(f"{what} row {b} stored plane", held.tobytes(), p_ref.tobytes())
         self.stats.check("planes")
 
     def _same_rows(self, what: str, got: Any, solo: Any, b: int) -> None:
@@ -588,7 +593,10 @@ class LatentMachine(RuleBasedStateMachine):
         if solo.width:
             self._exact(f"{what} converted", got.converted, solo.converted)
             for name, g, s in zip(
-                ("latent", "rope", "index"), self._solo_read(got), self._solo_read(solo), strict=True
+                ("latent", "rope", "index"),
+                self._solo_read(got),
+                self._solo_read(solo),
+                strict=True,
             ):
                 if s is not None:
                     self._close(f"{what} {name}", g, s, False)
@@ -608,16 +616,24 @@ class LatentMachine(RuleBasedStateMachine):
         for b, solo in enumerate(layout.solos):
             pad = ref.left_pad[b]
             self._exact(f"row {b} offset vs solo", ref.row_offsets[b], solo.width)
-            self._exact(f"row {b} converted vs solo", ref.converted[b], (solo.converted or (False,))[0])
+            self._exact(
+                f"row {b} converted vs solo", ref.converted[b], (solo.converted or (False,))[0]
+            )
             if solo.width == 0:
                 continue
-            for name, got, want in zip(("latent", "rope", "index"), reads, self._solo_read(solo), strict=True):
+            for name, got, want in zip(
+                ("latent", "rope", "index"), reads, self._solo_read(solo), strict=True
+            ):
                 if want is not None and got is not None:
                     self._close(f"row {b} {name} vs solo", got[b : b + 1, :, pad:], want, False)
         self.stats.check("solo")
         if layout.lm is not None:
             twin, index_twin = layout.lm
-            self._exact("mlx-lm left padding", [int(p) for p in np.array(twin.left_padding)], list(ref.left_pad))
+            self._exact(
+                "mlx-lm left padding",
+                [int(p) for p in np.array(twin.left_padding)],
+                list(ref.left_pad),
+            )
             self._exact("mlx-lm write column", int(twin._idx), ref.width)
             for b in range(ref.batch_size):
                 pad = ref.left_pad[b]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, TypeVar
 
 from kvrows.affine_geometry import validate_codec
-from kvrows.codec import DTYPE_SIZES, PlaneSpec, check_turbo_dim, codec_plane_specs
+from kvrows.codec import DTYPE_SIZES, PlaneSpec, Role, check_turbo_dim, codec_plane_specs
 from kvrows.errors import (
     NOTHING_TO_FETCH,
     CapacityError,
@@ -154,7 +154,7 @@ def latent_plane_specs(
     codec: LatentCodec, rank: int, rope: int, index: int | None, dtype: str
 ) -> tuple[PlaneSpec, ...]:
     """The planes a latent cache holds (token axis 2), the warm-up exact plane excluded."""
-    role = "values" if isinstance(codec, Turbo) else "keys"
+    role: Role = "values" if isinstance(codec, Turbo) else "keys"
     planes = (
         *codec_plane_specs(codec, "latent", rank, dtype, role),
         PlaneSpec("rope", 2, dtype, rope),

@@ -125,14 +125,15 @@ class _LatentOptimized(LatentRows):
         block = latent
         if not isinstance(self.latent_codec, Plain):
             dtype = latent.dtype
-            codec, planes = make_codec(self.latent_codec), ()
+            codec = make_codec(self.latent_codec)
             planes = codec.encode(latent, self._role)
             if isinstance(codec, TurboCodec):
                 decoded = codec.decode(planes, "values")
             else:
                 assert isinstance(self.latent_codec, Affine)
+                packed, scales, biases = planes
                 decoded = mx.dequantize(
-                    *planes, group_size=self.latent_codec.group_size,
+                    packed, scales, biases, group_size=self.latent_codec.group_size,
                     bits=self.latent_codec.bits, mode="affine",
                 )  # fmt: skip
             rows = mx.array(reads_exact)[:, None, None, None]
@@ -157,7 +158,9 @@ class _LatentOptimized(LatentRows):
             *planes,
             mx.zeros((rows, 1, columns, rope), dtype),
             None if index is None else mx.zeros((rows, 1, columns, index), dtype),
-            None if isinstance(self.latent_codec, Plain) else mx.zeros((rows, 1, columns, rank), dtype),
+            None
+            if isinstance(self.latent_codec, Plain)
+            else mx.zeros((rows, 1, columns, rank), dtype),
         ]
 
     def _impl_merge(self, sources: Sequence[Any]) -> None:
@@ -180,7 +183,7 @@ class _LatentOptimized(LatentRows):
             parts.append([None if a is None else _pad_left(a, width - source.width) for a in held])
         needs_exact = not all(c for s in sources for c in (s._converted or [False]))
         merged = [
-            None if column[0] is None else mx.concatenate(list(column), axis=0)  # type: ignore[arg-type]
+            None if column[0] is None else mx.concatenate([a for a in column if a is not None], 0)
             for column in zip(*parts, strict=True)
         ]
         if not needs_exact:
@@ -195,7 +198,7 @@ class _LatentOptimized(LatentRows):
             return
         offsets = [self._offsets[r] for r in keep]
         drop = self.width - max(offsets)
-        rows = mx.array(keep)
+        rows = mx.array(list(keep))
         self._set_buffers(
             [None if a is None else mx.take(a, rows, axis=0)[:, :, drop:] for a in self._buffers()]
         )

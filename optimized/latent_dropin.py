@@ -60,6 +60,9 @@ class _View:
     def is_trimmable(self) -> bool:
         return self._owner.is_trimmable()
 
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        raise NotImplementedError
+
     def __bool__(self) -> bool:
         return True
 
@@ -84,7 +87,8 @@ class _LatentView(_View):
 
     @property
     def keys(self) -> mx.array:
-        return self._owner.cache.fetch()[0]
+        held: mx.array = self._owner.cache.fetch()[0]
+        return held
 
     @keys.setter
     def keys(self, value: Any) -> None:
@@ -94,7 +98,8 @@ class _LatentView(_View):
 
     @property
     def values(self) -> mx.array:
-        return self._owner.cache.fetch()[1]
+        held: mx.array = self._owner.cache.fetch()[1]
+        return held
 
     @values.setter
     def values(self, value: Any) -> None:
@@ -117,7 +122,8 @@ class _IndexView(_View):
 
     @property
     def keys(self) -> mx.array:
-        return self._owner.cache.fetch_index()
+        held: mx.array = self._owner.cache.fetch_index()
+        return held
 
     @keys.setter
     def keys(self, value: Any) -> None:
@@ -125,7 +131,8 @@ class _IndexView(_View):
 
     @property
     def values(self) -> mx.array:
-        return self._owner.cache.fetch_index()
+        held: mx.array = self._owner.cache.fetch_index()
+        return held
 
     @values.setter
     def values(self, value: Any) -> None:

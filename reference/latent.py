@@ -18,11 +18,17 @@ import numpy as np
 import numpy.typing as npt
 
 from kvrows.compositions import composition
-from kvrows.latent import LatentCodec, LatentRows, encoded_codec
-from kvrows.reference.codecs import AffineCodec, PlainCodec, TurboCodec, dtype_name, make_codec
-from kvrows.reference.codecs import numpy_dtype
-from kvrows.schemes import Affine, Plain, Turbo
 from kvrows.errors import InvalidInputError
+from kvrows.latent import LatentCodec, LatentRows, encoded_codec
+from kvrows.reference.codecs import (
+    AffineCodec,
+    PlainCodec,
+    TurboCodec,
+    dtype_name,
+    make_codec,
+    numpy_dtype,
+)
+from kvrows.schemes import Plain, Turbo
 
 __all__ = ["EncodedLatentCache", "MLACache"]
 
@@ -250,4 +256,3 @@ class EncodedLatentCache(_LatentReference):
 
     def signature(self) -> str:
         return f"kv:mla-encoded:{self.options.signature_role}:{self.latent_codec.key}:{self.start}"
-

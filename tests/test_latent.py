@@ -81,8 +81,12 @@ def test_bytes_table() -> None:
 @pytest.mark.parametrize("impl", [ref, opt], ids=["reference", "optimized"])
 def test_roles_signatures_and_max_tokens(impl: Any) -> None:
     cache = impl.MLACache()
-    for layout in (owned_cache_layout(cache), prefill_cache_layout(cache), target_cache_layout(cache)):
-        assert type(layout) is impl.MLACache and layout.batch_size == 0
+    for layout in (
+        owned_cache_layout(cache),
+        prefill_cache_layout(cache),
+        target_cache_layout(cache),
+    ):
+        assert type(layout) is impl.MLACache and layout is not None and layout.batch_size == 0
     assert impl.MLACache(index_head_dim=INDEX).signature() == "kv:mla:target:dsa"
     assert impl.MLACache(role="mtp").signature() == "kv:mla:mtp"
     assert cache.max_tokens == float("inf")
@@ -193,18 +197,24 @@ def test_the_other_implementations_arrays_are_refused() -> None:
 
 
 @pytest.mark.parametrize(
-    "codec", [Affine(bits=8, group_size=64), Affine(bits=4, group_size=32), Turbo(k_bits=8, v_bits=4)]
+    "codec",
+    [Affine(bits=8, group_size=64), Affine(bits=4, group_size=32), Turbo(k_bits=8, v_bits=4)],
 )
 def test_encoded_bf16_first_rule(codec: Any) -> None:
     """start = 4: the prompt of 3 reads exact; the append reaching 5 still reads exact and
     converts; the next read is decoded, its codes those of the reference codec."""
-    caches = [ref.EncodedLatentCache(codec=codec, start=4), opt.EncodedLatentCache(codec=codec, start=4)]
+    caches: list[Any] = [
+        ref.EncodedLatentCache(codec=codec, start=4),
+        opt.EncodedLatentCache(codec=codec, start=4),
+    ]
     prompt, second, third = _blocks(1, 3, 1), _blocks(1, 2, 2), _blocks(1, 1, 3)
     history = np.concatenate([prompt[0], second[0], third[0]], axis=2)
     for cache in caches:
         convert = (lambda a: a) if isinstance(cache, ref.EncodedLatentCache) else mx.array
         got = cache.update_and_fetch(*(convert(b) for b in prompt))[0]
-        assert np.array_equal(np.asarray(got) if convert is not mx.array else from_mlx(got), prompt[0])
+        assert np.array_equal(
+            np.asarray(got) if convert is not mx.array else from_mlx(got), prompt[0]
+        )
         assert cache.converted == (False,)
         got = cache.update_and_fetch(*(convert(b) for b in second))[0]
         got = got if convert is not mx.array else from_mlx(got)
@@ -217,7 +227,7 @@ def test_encoded_bf16_first_rule(codec: Any) -> None:
             want = affine_codec.dequantize(packed, scales, biases, codec.group_size, codec.bits)
             assert np.array_equal(got, want.astype(np.float32))
         assert cache.held_arrays()  # the exact latent is gone once every row reads encoded
-        planes = cache.planes()
+        planes: Any = cache.planes()
         exact = planes[0][3] if isinstance(cache, ref.EncodedLatentCache) else planes[3]
         assert exact is None
 
@@ -238,7 +248,7 @@ def test_encoded_rows_move_bytes_without_reencoding() -> None:
     layout.update_and_fetch(*_mx(block))
     layout.spec_round_rollback([3, 1])
     layout.filter_rows([1, 0])
-    row = layout.extract_row(0)
+    row: Any = layout.extract_row(0)
     solo = opt.EncodedLatentCache(codec=codec)
     solo.update_and_fetch(*_mx(_blocks(1, 2, 2)))
     solo.update_and_fetch(*_mx(tuple(b[1:2, :, :1] for b in block)))
