@@ -33,7 +33,7 @@ from kvrows.errors import (
     NotTrimmableError,
     self_merge_message,
 )
-from kvrows.schemes import Affine, Plain, Turbo
+from kvrows.schemes import Affine, Growing, Plain, Turbo
 from kvrows.speculative import SpeculativeRounds
 from kvrows.validation import as_count, check_keep, check_row
 
@@ -41,6 +41,7 @@ __all__ = [
     "DEEPSEEK_V3_BF16_BYTES",
     "FLASHMLA_FP8_BYTES",
     "FLOAT_DTYPES",
+    "LATENT_FIELDS",
     "LatentCodec",
     "LatentOptions",
     "LatentRole",
@@ -656,9 +657,209 @@ class LatentRows(SpeculativeRounds):
         assert not self._offsets or min(self.left_pad) == 0
         assert self.width <= self.max_tokens
 
+    # -- saved state (``kvrows.forms.LATENT_FIELDS``) -----------------------------------
+    @property
+    def codec_spec(self) -> LatentCodec:
+        return self.latent_codec
+
+    @property
+    def token_geometry(self) -> Growing:
+        """The latent token axis grows (no window); a persistence record reads it."""
+        return Growing()
+
+    @property
+    def geometry(self) -> None:
+        """No KV head geometry: the widths are in the state (``kv_lora_rank`` …)."""
+        return None
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        """``LATENT_FIELDS``: the planes right-justified ``[B, 1, width, ·]`` (the latent as
+        its codec planes; ``index`` / ``exact`` ``None`` when absent), the rows, the
+        declaration and the codec."""
+        self._spec_guard("saving state")
+        planes, rope, index, exact = self._impl_state_planes()
+        codec = self.latent_codec
+        o = self.options
+        rank, rope_width = self._widths or (o.kv_lora_rank, o.rope_head_dim)
+        return (
+            planes, rope, index, exact,
+            self._impl_int_array(self._offsets), self._impl_int_array(
+                [int(c) for c in self._converted]),
+            rank, rope_width, o.index_head_dim, o.max_tokens, 0 if o.role == "target" else 1,
+            codec.bits if isinstance(codec, Affine) else None,
+            codec.group_size if isinstance(codec, Affine) else None,
+            codec.k_bits if isinstance(codec, Turbo) else None,
+            codec.v_bits if isinstance(codec, Turbo) else None,
+            self.start,
+        )  # fmt: skip
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._spec_guard("restoring state")
+        restored = type(self).from_state(value)
+        if restored.signature() != self.signature():
+            raise InvalidInputError(
+                f"{type(self).__name__}: the state is a {restored.signature()} cache, this is "
+                f"{self.signature()}"
+            )
+        vars(self).update(vars(restored))
+
+    @classmethod
+    def from_state(
+        cls: type[_L], state: Any, meta_state: Any = None, *, keep: Any = None,
+        geometry: Any = None,
+    ) -> _L:  # fmt: skip
+        """A cache holding ``state`` (``InvalidInputError`` when it is inconsistent)."""
+        name = cls.__name__
+        if isinstance(state, str | bytes) or not isinstance(state, Sequence):
+            raise InvalidInputError(f"{name}.from_state takes the state tuple")
+        if len(state) != len(LATENT_FIELDS):
+            raise InvalidInputError(
+                f"{name}: a latent state has {len(LATENT_FIELDS)} fields, got {len(state)}"
+            )
+        fields = dict(zip(LATENT_FIELDS, state, strict=True))
+        role = {0: "target", 1: "mtp"}.get(_scalar(fields["role"], "role"))
+        if role is None:
+            raise InvalidInputError(f"{name}: role must be 0 (target) or 1 (mtp)")
+        cache = cls._from_fields(fields, role)
+        cache._restore_fields(fields)
+        return cache
+
+    @classmethod
+    def _from_fields(cls: type[_L], fields: dict[str, Any], role: str) -> _L:
+        def optional(key: str) -> int | None:
+            value = fields[key]
+            return None if value is None else _scalar(value, key)
+
+        cache = cls(
+            optional("kv_lora_rank"), optional("rope_head_dim"), optional("index_head_dim"),
+            optional("max_tokens"), role,
+        )  # fmt: skip
+        codec = _state_codec(
+            optional("bits"), optional("group_size"), optional("k_bits"), optional("v_bits")
+        )
+        start = _scalar(fields["start"], "start")
+        if codec != cache.latent_codec or (start != cache.start and codec != Plain()):
+            cache._set_codec(codec, start)
+        return cache
+
+    def _set_codec(self, codec: LatentCodec, start: int) -> None:
+        raise InvalidInputError(
+            f"{type(self).__name__} stores the plain latent; the state is {codec.key}"
+        )
+
+    def _restore_fields(self, fields: dict[str, Any]) -> None:
+        name = type(self).__name__
+        offsets = [int(v) for v in self._impl_ints(fields["offset"], "offset")]
+        converted = [int(v) for v in self._impl_ints(fields["converted"], "converted")]
+        if len(converted) != len(offsets) or any(c not in (0, 1) for c in converted):
+            raise InvalidInputError(f"{name}: converted must hold one 0/1 flag per row")
+        if any(o < 0 for o in offsets) or (isinstance(self.latent_codec, Plain) and any(converted)):
+            raise InvalidInputError(f"{name}: negative offsets or converted plain rows")
+        width = max(offsets, default=0)
+        if width > self.max_tokens:
+            raise InvalidInputError(f"{name}: rows past max_tokens")
+        self._offsets, self._converted = offsets, [bool(c) for c in converted]
+        if width == 0:
+            return
+        widths = (self.options.kv_lora_rank, self.options.rope_head_dim)
+        if widths[0] is None or widths[1] is None:
+            raise InvalidInputError(f"{name}: a state with tokens must record its widths")
+        self._widths = (widths[0], widths[1])
+        planes = fields["latent"]
+        if isinstance(planes, str | bytes) or not isinstance(planes, Sequence):
+            raise InvalidInputError(f"{name}: latent must be the codec's planes")
+        exact = fields["exact"]
+        needs_exact = not isinstance(self.latent_codec, Plain) and not all(self._converted)
+        if (exact is not None) != needs_exact:
+            raise InvalidInputError(
+                f"{name}: the exact latent is held exactly while some row reads exact"
+            )
+        self._dtype = self._impl_restore(
+            tuple(planes), fields["rope"], fields["index"], exact, len(offsets), width
+        )
+
+    # state hooks (each implementation)
+    def _impl_state_planes(self) -> tuple[Any, Any, Any, Any]:
+        raise NotImplementedError
+
+    def _impl_int_array(self, values: Sequence[int]) -> Any:
+        raise NotImplementedError
+
+    def _impl_ints(self, value: Any, what: str) -> list[int]:
+        raise NotImplementedError
+
+    def _impl_restore(
+        self, planes: tuple[Any, ...], rope: Any, index: Any, exact: Any, rows: int, width: int
+    ) -> str:
+        """Check and adopt right-justified planes of ``rows`` x ``width``; return the dtype."""
+        raise NotImplementedError
+
+    def _check_restored(
+        self, shapes: Sequence[tuple[str, tuple[int, ...], str]], rows: int, width: int
+    ) -> str:
+        """Shared shape/dtype checks of restored planes against the plane specs."""
+        name = type(self).__name__
+        dtype = next((d for n, _, d in shapes if n == "rope"), "")
+        if dtype not in FLOAT_DTYPES:
+            raise InvalidInputError(f"{name}: rope must be a float plane, got {dtype}")
+        assert self._widths is not None
+        specs = {
+            p.name: p
+            for p in latent_plane_specs(
+                self.latent_codec, *self._widths, self.options.index_head_dim, dtype
+            )
+        }
+        specs["exact"] = PlaneSpec("exact", 2, dtype, self._widths[0])
+        seen = [n for n, _, _ in shapes]
+        expected = [n for n in specs if n != "exact"] + (["exact"] if "exact" in seen else [])
+        if sorted(seen) != sorted(expected):
+            raise InvalidInputError(f"{name}: planes {seen}, expected {expected}")
+        for plane, shape, plane_dtype in shapes:
+            spec = specs[plane]
+            if shape != (rows, 1, width, spec.width) or plane_dtype != spec.dtype:
+                raise InvalidInputError(
+                    f"{name}: plane {plane} is {shape} {plane_dtype}, expected "
+                    f"{(rows, 1, width, spec.width)} {spec.dtype}"
+                )
+        return dtype
+
     def lend_rows(self) -> None:
         self._spec_guard("merging this cache's rows into another")
 
     @staticmethod
     def count(value: object, name: str) -> int:
         return operator.index(as_count(value, name))
+
+
+#: A latent cache's saved state, in order (``spec/persistence.md``): planes, rows, the
+#: declaration, the codec.
+LATENT_FIELDS = (
+    "latent", "rope", "index", "exact", "offset", "converted",
+    "kv_lora_rank", "rope_head_dim", "index_head_dim", "max_tokens", "role",
+    "bits", "group_size", "k_bits", "v_bits", "start",
+)  # fmt: skip
+
+
+def _scalar(value: object, what: str) -> int:
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInputError(f"state field {what} must be an integer, got {value!r}")
+    return value
+
+
+def _state_codec(
+    bits: int | None, group_size: int | None, k_bits: int | None, v_bits: int | None
+) -> LatentCodec:
+    if bits is not None and group_size is not None and k_bits is None and v_bits is None:
+        return Affine(bits=bits, group_size=group_size)
+    if k_bits is not None and v_bits is not None and bits is None and group_size is None:
+        return Turbo(k_bits=k_bits, v_bits=v_bits)
+    if bits is None and group_size is None and k_bits is None and v_bits is None:
+        return Plain()
+    raise InvalidInputError(
+        f"state codec fields must be affine (bits, group_size) or turbo (k_bits, v_bits), got "
+        f"{(bits, group_size, k_bits, v_bits)}"
+    )

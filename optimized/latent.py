@@ -268,10 +268,53 @@ class _LatentOptimized(LatentRows):
         """The stored buffers: latent codec planes, rope, index, exact latent."""
         return self._planes or (), self._rope, self._index, self._exact
 
-    @property
-    def state(self) -> tuple[Any, ...]:
-        self._spec_guard("saving state")
-        return tuple(a for a in self._buffers() if a is not None)
+    def _impl_state_planes(self) -> tuple[Any, Any, Any, Any]:
+        if self._rope is None:
+            return None, None, None, None
+        exact = self._exact if not all(self._converted) else None
+        return self._planes or (), self._rope, self._index, exact
+
+    def _impl_int_array(self, values: Sequence[int]) -> Any:
+        return mx.array(list(values), dtype=mx.int32)
+
+    def _impl_ints(self, value: Any, what: str) -> list[int]:
+        if not isinstance(value, mx.array) or value.ndim != 1:
+            raise InvalidInputError(f"{type(self).__name__}: {what} must be a 1-D mlx int array")
+        if value.size and not mx.issubdtype(value.dtype, mx.integer):
+            raise InvalidInputError(f"{type(self).__name__}: {what} must hold integers")
+        listed: list[int] = value.tolist()  # type: ignore[assignment]
+        return listed
+
+    def _impl_restore(
+        self, planes: tuple[Any, ...], rope: Any, index: Any, exact: Any, rows: int, width: int
+    ) -> str:
+        codec = make_codec(self.latent_codec)
+        assert self._widths is not None
+        names = [
+            p.name for p in codec.plane_specs("latent", self._widths[0], "float32", self._role)
+        ]
+        if len(names) != len(planes):
+            raise InvalidInputError(
+                f"{type(self).__name__}: the latent has {len(names)} planes, got {len(planes)}"
+            )
+        named = [*zip(names, planes, strict=True), ("rope", rope)]
+        if index is not None:
+            named.append(("index", index))
+        if exact is not None:
+            named.append(("exact", exact))
+        for plane_name, array in named:
+            if not isinstance(array, mx.array):
+                raise InvalidInputError(
+                    f"{type(self).__name__}: plane {plane_name} must be an mlx array"
+                )
+        shapes = [(n, tuple(int(d) for d in a.shape), dtype_name(a)) for n, a in named]
+        dtype = self._check_restored(shapes, rows, width)
+        self._planes = tuple(owned(p) for p in planes)
+        self._rope = owned(rope)
+        self._index = None if index is None else owned(index)
+        self._exact = None if exact is None else owned(exact)
+        mx.eval(*(a for a in self._buffers() if a is not None))
+        return dtype
 
 
 class MLACache(_LatentOptimized):
@@ -313,3 +356,8 @@ class EncodedLatentCache(_LatentOptimized):
 
     def signature(self) -> str:
         return f"kv:mla-encoded:{self.options.signature_role}:{self.latent_codec.key}:{self.start}"
+
+    def _set_codec(self, codec: LatentCodec, start: int) -> None:
+        if isinstance(codec, Plain):
+            raise InvalidInputError(f"{type(self).__name__}: the state holds a plain latent")
+        self.latent_codec, self.start = encoded_codec(type(self).__name__, codec, None, None, start)

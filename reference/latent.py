@@ -209,11 +209,90 @@ class _LatentReference(LatentRows):
             for r in self._rows
         ]
 
-    @property
-    def state(self) -> tuple[Any, ...]:
-        self._spec_guard("saving state")
-        fetched = self._impl_read([False] * self.batch_size) if self.width else None
-        return () if fetched is None else tuple(a for a in fetched if a is not None)
+    def _impl_state_planes(self) -> tuple[Any, Any, Any, Any]:
+        if self.width == 0:
+            return None, None, None, None
+        assert self._widths is not None and self._dtype is not None
+        width, rank = self.width, self._widths[0]
+        empty = self._codec.zeros(1, 1, 0, rank, self._dtype, self._role)
+
+        def batch(arrays: list[Array]) -> Array:
+            return np.concatenate([_pad_left(a, width - a.shape[2]) for a in arrays], 0)
+
+        count = len(empty)
+        planes = tuple(batch([(r.planes or empty)[k] for r in self._rows]) for k in range(count))
+        dtype = numpy_dtype(self._dtype)
+
+        def plane(get: Any, dim: int) -> Array:
+            return batch([get(r) if get(r) is not None else np.zeros((1, 1, 0, dim), dtype)
+                          for r in self._rows])  # fmt: skip
+
+        rope = plane(lambda r: r.rope, self._widths[1])
+        index = None
+        if self.options.index_head_dim is not None:
+            index = plane(lambda r: r.index, self.options.index_head_dim)
+        exact = None
+        if not isinstance(self.latent_codec, Plain) and not all(self._converted):
+            exact = batch(
+                [
+                    r.exact if r.exact is not None and not c else np.zeros((1, 1, 0, rank), dtype)
+                    for r, c in zip(self._rows, self._converted, strict=True)
+                ]
+            )
+        return planes, rope, index, exact
+
+    def _impl_int_array(self, values: Sequence[int]) -> Any:
+        return np.array(list(values), dtype=np.int32)
+
+    def _impl_ints(self, value: Any, what: str) -> list[int]:
+        array = np.asarray(value)
+        if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+            raise InvalidInputError(f"{type(self).__name__}: {what} must be a 1-D int array")
+        return [int(v) for v in array.tolist()]
+
+    def _impl_restore(
+        self, planes: tuple[Any, ...], rope: Any, index: Any, exact: Any, rows: int, width: int
+    ) -> str:
+        assert self._widths is not None
+        specs = self._codec.plane_specs("latent", self._widths[0], "float32", self._role)
+        if len(specs) != len(planes):
+            raise InvalidInputError(
+                f"{type(self).__name__}: the latent has {len(specs)} planes, got {len(planes)}"
+            )
+        named = [(spec.name, plane) for spec, plane in zip(specs, planes, strict=True)]
+        named += [("rope", rope)]
+        if index is not None:
+            named.append(("index", index))
+        if exact is not None:
+            named.append(("exact", exact))
+        shapes = []
+        for plane_name, array in named:
+            if not isinstance(array, np.ndarray):
+                raise InvalidInputError(
+                    f"{type(self).__name__}: plane {plane_name} must be a NumPy array"
+                )
+            shapes.append((plane_name, tuple(int(n) for n in array.shape), array.dtype.name))
+        dtype = self._check_restored(shapes, rows, width)
+        restored = []
+        for b, offset in enumerate(self._offsets):
+            if offset == 0:
+                restored.append(_Row())
+                continue
+            pad = width - offset
+
+            def cut(a: Array, b: int = b, pad: int = pad) -> Array:
+                return np.array(a[b : b + 1, :, pad:], copy=True)
+
+            restored.append(
+                _Row(
+                    tuple(cut(p) for p in planes),
+                    cut(rope),
+                    None if index is None else cut(index),
+                    None if exact is None or self._converted[b] else cut(exact),
+                )
+            )
+        self._rows = restored
+        return dtype
 
 
 class MLACache(_LatentReference):
@@ -256,3 +335,10 @@ class EncodedLatentCache(_LatentReference):
 
     def signature(self) -> str:
         return f"kv:mla-encoded:{self.options.signature_role}:{self.latent_codec.key}:{self.start}"
+
+    def _set_codec(self, codec: LatentCodec, start: int) -> None:
+        self.latent_codec, self.start = encoded_codec(
+            type(self).__name__, None if isinstance(codec, Plain) else codec, None, None, start
+        )
+        if isinstance(codec, Plain):
+            raise InvalidInputError(f"{type(self).__name__}: the state holds a plain latent")
