@@ -11,15 +11,18 @@ exists for was reached.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import mlx.core as mx
 import pytest
+from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvrows.conformance.families import FAMILIES
+import kvrows.optimized as opt
+from kvrows.conformance.families import FAMILIES, optimized_impl
 from kvrows.conformance.latent import LATENT_CHECKS
 from kvrows.conformance.machines import machine_class
+from kvrows.conformance.profiles import profile_settings
 from kvrows.conformance.runner import family_settings
 from kvrows.conformance.stats import Stats
 
@@ -65,3 +68,38 @@ def test_latent_family(layout: str) -> None:
     if layout == "EncodedLatentCache":
         assert stats.checks["mixed conversion"] > 0
         assert {v.split()[0].split(":")[0] for v in stats.variants} == {"affine", "turbo"}
+
+
+# -- teeth: planted bugs the machine must catch ------------------------------------------
+
+
+class RollbackCutsTheShortestCount(opt.MLACache):
+    """A ragged rollback that forgets the smallest rejected count on every row: the rows
+    that rejected more keep rejected tokens."""
+
+    def _impl_forget(self, counts: Sequence[int]) -> None:
+        super()._impl_forget([min(counts)] * len(counts))  # MUTATION
+
+
+class ConvertsBeforeStart(opt.EncodedLatentCache):
+    """Reads a row's latent decoded from its first append on, whatever ``start`` says."""
+
+    def _converts(self, offset: int) -> bool:
+        return offset != 0  # MUTATION
+
+
+@pytest.mark.parametrize(
+    ("layout", "mutant"),
+    [("MLACache", RollbackCutsTheShortestCount), ("EncodedLatentCache", ConvertsBeforeStart)],
+)
+def test_the_latent_machine_catches(layout: str, mutant: type) -> None:
+    stats = Stats(FAMILY.name, layout)
+    optimized = optimized_impl().with_classes({layout: mutant})
+    machine = machine_class(
+        FAMILY, layout, stats=stats, optimized=optimized, name=f"Teeth{mutant.__name__}"
+    )
+    with pytest.raises(AssertionError) as caught:
+        run_state_machine_as_test(
+            machine, settings=settings(profile_settings("teeth"), max_examples=12)
+        )
+    assert "Failing test case" in "\n".join(getattr(caught.value, "__notes__", []))
