@@ -21,7 +21,7 @@ from kvrows.app.latent_models import (
 )
 from kvrows.errors import InvalidInputError, LayoutStateError
 from kvrows.optimized import LatentCacheList, MLACache
-from kvrows.schemes import Affine, Turbo
+from kvrows.schemes import Affine, Plain, Turbo
 
 PROMPT = [5, 7, 9, 11, 13, 2, 3, 4, 5, 6, 7, 8]  # past index_topk = 8: the sparse path
 
@@ -151,3 +151,20 @@ def test_the_list_refuses_misuse(models: dict[str, Any]) -> None:
     assert caches.cache.width == 0  # nothing is stored until the index block arrives
     with pytest.raises(InvalidInputError, match="DSA"):
         LatentCacheList(MLACache())[1]
+
+
+def test_the_mla_demo_loop_is_batch_invariant(models: dict[str, Any]) -> None:
+    """The demo's loop (prefill alone, join, decode, retire): every request alone gives its
+    batch tokens, under the plain and an encoded latent (bf16-first at 4)."""
+    from kvrows.app.latent_demo import check_latent_invariance, run_latent_trace
+
+    model = models["deepseek_v32"]
+    prompts = [("a", PROMPT, 4), ("b", [9, 8, 7], 2), ("c", PROMPT[:5], 3)]
+    for codec in (None, Affine(bits=4, group_size=32)):
+        chosen: Any = codec if codec is not None else Plain()
+        run = run_latent_trace(model, chosen, prompts, max_batch=2, start=4)
+        assert [len(run.tokens[rid]) for rid, _, _ in prompts] == [4, 2, 3]
+        assert run.peak_rows == 2
+        check_latent_invariance(model, chosen, prompts, run, start=4)
+        assert run.steps == 9 and run.mismatches == 0
+        assert run.max_logit_diff < 1e-5
