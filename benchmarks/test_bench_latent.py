@@ -53,9 +53,10 @@ def _blocks(length: int, seed: int) -> tuple[mx.array, mx.array]:
 
 def _serial(impl: str, latent: mx.array, rope: mx.array) -> Any:
     if impl == "mlx-lm":
-        from mlx_lm.models.cache import KVCache
+        from mlx_lm.models import cache as peer
 
-        cache: Any = KVCache()
+        serial: Any = peer.KVCache
+        cache: Any = serial()
     elif impl == "mla":
         cache = MLACache()
     else:
@@ -67,9 +68,10 @@ def _serial(impl: str, latent: mx.array, rope: mx.array) -> Any:
 
 def _merge(impl: str, rows: list[Any]) -> Any:
     if impl == "mlx-lm":
-        from mlx_lm.models.cache import BatchKVCache
+        from mlx_lm.models import cache as peer
 
-        merged: Any = BatchKVCache.merge(rows)
+        batch: Any = peer.BatchKVCache
+        merged: Any = batch.merge(rows)
         mx.eval(merged.keys, merged.values)
         return merged
     layout = rows[0].make_empty_batch()
