@@ -12,9 +12,15 @@ from kvrows.errors import InvalidInputError
 from kvrows.latent import LatentCodec
 from kvrows.optimized.latent import EncodedLatentCache, MLACache
 from kvrows.optimized.latent_dropin import LatentCacheList
-from kvrows.schemes import Plain
+from kvrows.schemes import Affine, KvStorageScheme, Plain, Turbo
 
-__all__ = ["LATENT_ARCHITECTURES", "is_latent_model", "make_latent_cache", "tiny_latent_model"]
+__all__ = [
+    "LATENT_ARCHITECTURES",
+    "is_latent_model",
+    "latent_caches_for_scheme",
+    "make_latent_cache",
+    "tiny_latent_model",
+]
 
 LATENT_ARCHITECTURES = ("deepseek_v32", "glm_moe_dsa")
 
@@ -102,4 +108,22 @@ def make_latent_cache(
             caches.append(LatentCacheList(MLACache(*geometry)))
         else:
             caches.append(LatentCacheList(EncodedLatentCache(*geometry, codec=codec, start=start)))
+    return caches
+
+
+def latent_caches_for_scheme(model: Any, scheme: KvStorageScheme) -> list[LatentCacheList]:
+    """``make_kvrows_cache`` for an MLA model: each layer's codec from ``scheme`` (plain:
+    ``MLACache``; affine or TurboQuant: ``EncodedLatentCache`` of that latent codec, bf16-first
+    at ``scheme.quantized_kv_start``, else 0: the first append of a row reads exact)."""
+    args = model.args
+    geometry = (args.kv_lora_rank, args.qk_rope_head_dim, args.index_head_dim)
+    resolved = scheme.resolve(len(model.layers))
+    start = resolved.quantized_kv_start or 0
+    caches: list[LatentCacheList] = []
+    for index in range(len(model.layers)):
+        codec = resolved.codec_for_layer(index)
+        if isinstance(codec, Affine | Turbo):
+            caches.append(LatentCacheList(EncodedLatentCache(*geometry, codec=codec, start=start)))
+        else:
+            caches.append(LatentCacheList(MLACache(*geometry)))
     return caches

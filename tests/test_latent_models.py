@@ -168,3 +168,18 @@ def test_the_mla_demo_loop_is_batch_invariant(models: dict[str, Any]) -> None:
         check_latent_invariance(model, chosen, prompts, run, start=4)
         assert run.steps == 9 and run.mismatches == 0
         assert run.max_logit_diff < 1e-5
+
+
+def test_make_kvrows_cache_serves_mla_models(models: dict[str, Any]) -> None:
+    """The app's one entry point builds latent caches for an MLA model, per scheme."""
+    from kvrows.app.models import make_kvrows_cache
+    from kvrows.schemes import KvStorageScheme
+
+    model = models["glm_moe_dsa"]
+    plain = make_kvrows_cache(model)
+    assert all(isinstance(c, LatentCacheList) for c in plain)
+    assert _same(
+        model(mx.array([PROMPT]), cache=plain), model(mx.array([PROMPT]), cache=model.make_cache())
+    )
+    encoded = make_kvrows_cache(model, KvStorageScheme.parse("affine4"))
+    assert encoded[0].signature() == "kv:mla-encoded:target:dsa:affine:4:64:0"
