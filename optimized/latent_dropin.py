@@ -182,6 +182,24 @@ class LatentCacheList:
             raise LayoutStateError("LatentCacheList: cannot trim while a latent block waits")
         return self.cache.trim(n)
 
+    # the round protocol of the cache (``kvrows.speculative.RowRound`` drives a list of these)
+    @property
+    def row_offsets(self) -> tuple[int, ...]:
+        return self.cache.row_offsets
+
+    @property
+    def spec_round_open(self) -> bool:
+        return bool(self.cache.spec_round_open)
+
+    def spec_round_begin(self) -> None:
+        self.cache.spec_round_begin()
+
+    def spec_round_commit(self) -> None:
+        self.cache.spec_round_commit()
+
+    def spec_round_rollback(self, keep: Any) -> None:
+        self.cache.spec_round_rollback(keep)
+
     def size(self) -> int:
         return int(self.cache.width)
 

@@ -101,11 +101,12 @@ def test_verify_round_in_the_model_equals_the_accepted_run(models: dict[str, Any
         model(mx.array([p]), cache=c)
     batch = _merged(rows)
     block = [[21, 22, 23], [31, 32, 33]]
-    for layer in batch:
-        layer.cache.spec_round_begin()
+    from kvrows.speculative import RowRound
+
+    round_ = RowRound(batch)  # the seed's row transaction over every layer's list
+    round_.begin(2)
     model(mx.array(block), cache=batch)
-    for layer in batch:
-        layer.cache.spec_round_rollback([1, 3])
+    round_.resolve([0, 2])  # accepted drafts: keep 1 and 3 tokens of the block
     got = model(mx.array([[40], [41]]), cache=batch)
     for b, (p, keep, nxt) in enumerate(zip(prompts, (1, 3), (40, 41), strict=True)):
         alone = make_latent_cache(model)
