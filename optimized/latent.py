@@ -3,9 +3,9 @@
 One right-justified buffer per plane, ``[B, 1, width, ·]`` at exact width (an append
 concatenates, as the seed's): every row's next token is column ``width``. A merge
 left-pads each source's buffers to the new width; a filter takes rows and slices off the
-common padding; an extract copies one row's columns; a ragged rollback rolls each row
-right by its rejected count (the rejected tail wraps to the left as padding, hidden by
-the mask) with one gather, then slices off the common padding. The latent is encoded
+common padding; an extract copies one row's columns; a ragged rollback moves each row
+right by its rejected count and drops the common padding (the seed's roll), as one slice
+per row: each row's window of the new width ending at its new end. The latent is encoded
 once per append for the whole batch; nothing is ever decoded and re-encoded. The
 control flow and every argument check are the core's (``kvrows.latent.LatentRows``).
 """
@@ -230,14 +230,19 @@ class _LatentOptimized(LatentRows):
         if len(set(counts)) == 1:  # every row the same: a plain cut of the newest columns
             cut = width - counts[0]
             self._set_buffers([None if a is None else a[:, :, :cut] for a in self._buffers()])
-        else:  # roll row b right by counts[b], then drop the common padding
-            shift = width - new_width
-            columns = mx.arange(new_width)[None, :] + shift - mx.array(list(counts))[:, None]
-            source = (columns % width).astype(mx.int32)[:, None, :, None]
-
+        else:
+            # Row b's kept tokens end at column width - counts[b]; the new width is the
+            # longest kept row. The seed rolls each row right by its count and drops the
+            # common padding; the visible columns of that are each row's window of
+            # new_width columns ending at its new end: one slice per row (columns before
+            # a row's window are padding: zeros here, the rolled-out tail in the seed).
             def rolled(a: mx.array) -> mx.array:
-                index = mx.broadcast_to(source, (a.shape[0], 1, new_width, a.shape[3]))
-                return mx.take_along_axis(a, index, axis=2)
+                rows = []
+                for b, count in enumerate(counts):
+                    end = width - count
+                    start = end - new_width
+                    rows.append(_pad_left(a[b : b + 1, :, max(0, start) : end], max(0, -start)))
+                return mx.concatenate(rows, axis=0)
 
             self._set_buffers([None if a is None else rolled(a) for a in self._buffers()])
         mx.eval(*(a for a in self._buffers() if a is not None))

@@ -135,7 +135,7 @@ def test_ragged_rollback_vector() -> None:
         mask = layout.make_mask(1)
         mask = mask if isinstance(mask, np.ndarray) else from_mlx(mask)
         assert mask[:, 0, 0].tolist() == [[True] * 7, [False] + [True] * 6]
-    # the optimized moved the rolled-out token into the padding column, not a copy of zeros
+    # the optimized buffers are exactly the new width (the common padding dropped)
     assert layouts[1]._planes[0].shape[2] == 6
 
 
