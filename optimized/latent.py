@@ -29,8 +29,23 @@ __all__ = ["EncodedLatentCache", "MLACache"]
 Planes = tuple[mx.array, ...]
 
 
-def _cat(first: mx.array | None, second: mx.array) -> mx.array:
-    return second if first is None else mx.concatenate([first, second], axis=2)
+#: Token columns a buffer grows by (mlx-lm's ``KVCache.step``).
+STEP = 256
+
+
+def _write(buffer: mx.array | None, block: mx.array, used: int) -> mx.array:
+    """``buffer`` (``used`` columns held) with ``block`` written at column ``used``, grown in
+    ``STEP`` columns when it is full. The new columns go into a buffer the cache allocated
+    (never into an array a caller holds: reads and states are slices)."""
+    n = int(block.shape[2])
+    if buffer is None or used + n > int(buffer.shape[2]):
+        capacity = -(-(used + n) // STEP) * STEP
+        grown = mx.zeros((block.shape[0], 1, capacity, block.shape[3]), dtype=block.dtype)
+        if buffer is not None and used:
+            grown[:, :, :used, :] = buffer[:, :, :used, :]
+        buffer = grown
+    buffer[:, :, used : used + n, :] = block
+    return buffer
 
 
 def _pad_left(array: mx.array, columns: int) -> mx.array:
@@ -75,29 +90,35 @@ class _LatentOptimized(LatentRows):
         self._rope, self._index, self._exact = arrays[count], arrays[count + 1], arrays[count + 2]
 
     def _impl_append(self, latent: Any, rope: Any, index: Any | None, exact: bool) -> None:
+        used = self.width  # the core updates the offsets after this hook
         planes = make_codec(self.latent_codec).encode(latent, self._role)
         held = self._planes or (None,) * len(planes)
-        self._planes = tuple(_cat(h, p) for h, p in zip(held, planes, strict=True))
-        self._rope = _cat(self._rope, rope)
+        self._planes = tuple(_write(h, p, used) for h, p in zip(held, planes, strict=True))
+        self._rope = _write(self._rope, rope, used)
         if index is not None:
-            self._index = _cat(self._index, index)
+            self._index = _write(self._index, index, used)
         if exact and not isinstance(self.latent_codec, Plain):
-            if self._exact is None and self._rope.shape[2] > latent.shape[2]:
-                # rows that read exact joined with no exact columns held: zeros (never read)
-                columns = int(self._rope.shape[2]) - int(latent.shape[2])
-                self._exact = mx.zeros((latent.shape[0], 1, columns, latent.shape[3]), latent.dtype)
-            self._exact = _cat(self._exact, latent)
+            # rows that read exact joined with no exact columns held: zeros (never read)
+            self._exact = _write(self._exact, latent, used)
+
+    def _valid(self, array: mx.array) -> mx.array:
+        """``array``'s columns that hold tokens (a buffer has capacity past ``width``)."""
+        return array[:, :, : self.width]
+
+    def _valid_buffers(self) -> list[mx.array | None]:
+        return [None if a is None else self._valid(a) for a in self._buffers()]
 
     def _decoded(self) -> mx.array:
         assert self._planes is not None and self._dtype is not None
         codec = make_codec(self.latent_codec)
+        planes = tuple(self._valid(p) for p in self._planes)
         if isinstance(self.latent_codec, Plain):
-            return self._planes[0]
+            return planes[0]
         if isinstance(codec, TurboCodec):
-            decoded = codec.decode(self._planes, "values")
+            decoded = codec.decode(planes, "values")
         else:
             assert isinstance(self.latent_codec, Affine)
-            packed, scales, biases = self._planes
+            packed, scales, biases = planes
             decoded = mx.dequantize(
                 packed, scales, biases, group_size=self.latent_codec.group_size,
                 bits=self.latent_codec.bits, mode="affine",
@@ -110,8 +131,9 @@ class _LatentOptimized(LatentRows):
         if not isinstance(self.latent_codec, Plain) and any(reads_exact):
             assert self._exact is not None
             rows = mx.array(list(reads_exact))[:, None, None, None]
-            latent = mx.where(rows, self._exact, latent)
-        return latent, self._rope, self._index
+            latent = mx.where(rows, self._valid(self._exact), latent)
+        index = None if self._index is None else self._valid(self._index)
+        return latent, self._valid(self._rope), index
 
     def preview(self, latent: mx.array, rope: mx.array) -> tuple[mx.array, mx.array]:
         """What ``append(latent, rope, index)`` will return for the latent and rope
@@ -177,8 +199,8 @@ class _LatentOptimized(LatentRows):
             if source._rope is None:
                 parts.append(self._empty_buffers(rows, width))
                 continue
-            held = source._buffers()
-            zeros = self._empty_buffers(rows, int(source._rope.shape[2]))
+            held = source._valid_buffers()
+            zeros = self._empty_buffers(rows, source.width)
             held[-1] = held[-1] if held[-1] is not None else zeros[-1]
             parts.append([None if a is None else _pad_left(a, width - source.width) for a in held])
         needs_exact = not all(c for s in sources for c in (s._converted or [False]))
@@ -200,7 +222,10 @@ class _LatentOptimized(LatentRows):
         drop = self.width - max(offsets)
         rows = mx.array(list(keep))
         self._set_buffers(
-            [None if a is None else mx.take(a, rows, axis=0)[:, :, drop:] for a in self._buffers()]
+            [
+                None if a is None else mx.take(a, rows, axis=0)[:, :, drop:]
+                for a in self._valid_buffers()
+            ]
         )
         if max(offsets) == 0:
             self._impl_init()
@@ -210,13 +235,13 @@ class _LatentOptimized(LatentRows):
     def _impl_take_row(self, source: Any, row: int) -> None:
         if source._rope is None or source._offsets[row] == 0:
             return
-        start = source.width - source._offsets[row]
-        self._planes = tuple(owned(p[row : row + 1, :, start:]) for p in source._planes)
-        self._rope = owned(source._rope[row : row + 1, :, start:])
+        start, end = source.width - source._offsets[row], source.width
+        self._planes = tuple(owned(p[row : row + 1, :, start:end]) for p in source._planes)
+        self._rope = owned(source._rope[row : row + 1, :, start:end])
         if source._index is not None:
-            self._index = owned(source._index[row : row + 1, :, start:])
+            self._index = owned(source._index[row : row + 1, :, start:end])
         if source._exact is not None:
-            self._exact = owned(source._exact[row : row + 1, :, start:])
+            self._exact = owned(source._exact[row : row + 1, :, start:end])
         mx.eval(*(a for a in self._buffers() if a is not None))
 
     def _impl_forget(self, counts: Sequence[int]) -> None:
@@ -251,7 +276,7 @@ class _LatentOptimized(LatentRows):
         self._exact = None
 
     def _impl_held(self) -> tuple[Any, ...]:
-        return tuple(a for a in self._buffers() if a is not None)
+        return tuple(a for a in self._valid_buffers() if a is not None)
 
     def _impl_nbytes(self) -> int:
         return sum(int(a.nbytes) for a in self._buffers() if a is not None)
@@ -270,14 +295,20 @@ class _LatentOptimized(LatentRows):
         return mx.array(self._offsets, dtype=mx.int32)
 
     def planes(self) -> tuple[Planes, mx.array | None, mx.array | None, mx.array | None]:
-        """The stored buffers: latent codec planes, rope, index, exact latent."""
-        return self._planes or (), self._rope, self._index, self._exact
+        """The stored columns: latent codec planes, rope, index, exact latent."""
+        planes, rope, index, exact = self._valid_buffers()[:-3], *self._valid_buffers()[-3:]
+        return tuple(a for a in planes if a is not None), rope, index, exact
 
     def _impl_state_planes(self) -> tuple[Any, Any, Any, Any]:
         if self._rope is None:
             return None, None, None, None
-        exact = self._exact if not all(self._converted) else None
-        return self._planes or (), self._rope, self._index, exact
+        planes, rope, index, exact = self._planes or (), self._rope, self._index, self._exact
+        return (
+            tuple(self._valid(p) for p in planes),
+            self._valid(rope),
+            None if index is None else self._valid(index),
+            None if exact is None or all(self._converted) else self._valid(exact),
+        )
 
     def _impl_int_array(self, values: Sequence[int]) -> Any:
         return mx.array(list(values), dtype=mx.int32)

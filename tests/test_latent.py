@@ -255,3 +255,43 @@ def test_encoded_rows_move_bytes_without_reencoding() -> None:
     for mine, theirs in zip(row.planes()[0], solo.planes()[0], strict=True):
         assert np.array_equal(from_mlx(mine), from_mlx(theirs))
     assert row.converted == solo.converted == (True,)
+
+
+@pytest.mark.parametrize("codec", [None, Affine(bits=4, group_size=32)], ids=["mla", "encoded"])
+def test_reads_and_states_never_change_later(codec: Any) -> None:
+    """The optimized writes appends into its own capacity buffers: a read, a state, the
+    held arrays and the caller's blocks stay what they were through later appends, a
+    rollback and a filter."""
+    caches = [
+        opt.MLACache() if codec is None else opt.EncodedLatentCache(codec=codec, start=3)
+        for _ in range(2)
+    ]
+    first = _mx(_blocks(1, 3, 1))
+    kept = [np.array(from_mlx(b)) for b in first]
+    for cache, seed in zip(caches, (1, 2), strict=True):
+        cache.update_and_fetch(*_mx(_blocks(1, 3, seed)))
+    layout = caches[0].make_empty_batch()
+    layout.merge_rows(caches)
+    block = _mx(_blocks(2, 2, 3))
+    read = [from_mlx(a).copy() for a in layout.update_and_fetch(*block)]
+    handed = layout.update_and_fetch(*block)
+    state = layout.state
+    held = layout.held_arrays()
+    frozen = (
+        [from_mlx(a).copy() for a in handed],
+        [from_mlx(a).copy() for a in held],
+        [from_mlx(a).copy() for a in state[1:3] if a is not None],
+    )
+    for n in (1, 300):  # the second outgrows the first 256-column buffer
+        layout.update_and_fetch(*_mx(_blocks(2, n, 4 + n)))
+    layout.spec_round_begin()
+    layout.update_and_fetch(*_mx(_blocks(2, 3, 9)))
+    layout.spec_round_rollback([1, 3])
+    layout.filter_rows([1])
+    assert [from_mlx(a).tolist() for a in handed] == [a.tolist() for a in frozen[0]]
+    assert [from_mlx(a).tolist() for a in held] == [a.tolist() for a in frozen[1]]
+    assert [from_mlx(a).tolist() for a in state[1:3] if a is not None] == [
+        a.tolist() for a in frozen[2]
+    ]
+    assert all(np.array_equal(from_mlx(b), k) for b, k in zip(first, kept, strict=True))
+    assert read[0].shape[2] == 5 and layout.row_offsets == (311,)
