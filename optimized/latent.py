@@ -1,7 +1,8 @@
 """The optimized latent caches (``spec/MLACache.md``, ``spec/EncodedLatentCache.md``).
 
-One right-justified buffer per plane, ``[B, 1, width, ·]`` at exact width (an append
-concatenates, as the seed's): every row's next token is column ``width``. A merge
+One right-justified buffer per plane, ``[B, 1, capacity, ·]`` holding ``width`` columns
+(an append writes at column ``width``, growing the buffer in ``STEP`` columns as mlx-lm's
+``KVCache`` does; the seed concatenated): every row's next token is column ``width``. A merge
 left-pads each source's buffers to the new width; a filter takes rows and slices off the
 common padding; an extract copies one row's columns; a ragged rollback moves each row
 right by its rejected count and drops the common padding (the seed's roll), as one slice
