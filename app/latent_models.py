@@ -16,6 +16,7 @@ from kvrows.schemes import Affine, KvStorageScheme, Plain, Turbo
 
 __all__ = [
     "LATENT_ARCHITECTURES",
+    "LATENT_PLAIN_ARCHITECTURES",
     "is_latent_model",
     "latent_caches_for_scheme",
     "make_latent_cache",
@@ -23,6 +24,8 @@ __all__ = [
 ]
 
 LATENT_ARCHITECTURES = ("deepseek_v32", "glm_moe_dsa")
+#: MLA models whose layers cache only the latent and the rope key in one mlx-lm KVCache.
+LATENT_PLAIN_ARCHITECTURES = ("deepseek_v3",)
 
 _COMMON: dict[str, Any] = {
     "vocab_size": 256,
@@ -66,6 +69,17 @@ def tiny_latent_model(arch: str, *, seed: int = 0, vocab: int = 256) -> Any:
         model: Any = deepseek_v32.Model(
             deepseek_v32.ModelArgs(model_type="deepseek_v32", rope_theta=10000.0, **args)
         )
+    elif arch == "deepseek_v3":
+        from mlx_lm.models import deepseek_v3
+
+        fields = deepseek_v3.ModelArgs.__dataclass_fields__
+        model = deepseek_v3.Model(
+            deepseek_v3.ModelArgs(
+                model_type="deepseek_v3",
+                rope_theta=10000.0,
+                **{k: v for k, v in args.items() if k in fields},
+            )
+        )
     elif arch == "glm_moe_dsa":
         from mlx_lm.models import glm_moe_dsa
 
@@ -88,42 +102,52 @@ def tiny_latent_model(arch: str, *, seed: int = 0, vocab: int = 256) -> Any:
 
 
 def is_latent_model(model: Any) -> bool:
-    """Whether ``model``'s layers cache an MLA latent through ``CacheList`` pairs."""
-    args = getattr(model, "args", None)
-    return hasattr(args, "kv_lora_rank") and hasattr(args, "index_head_dim")
+    """Whether ``model``'s layers cache an MLA latent: through ``CacheList`` pairs with a
+    DSA indexer (``deepseek_v32``, ``glm_moe_dsa``) or one ``KVCache`` (``deepseek_v3``)."""
+    args: Any = getattr(model, "args", None)
+    if not hasattr(args, "kv_lora_rank"):
+        return False
+    return hasattr(args, "index_head_dim") or args.model_type in LATENT_PLAIN_ARCHITECTURES
 
 
-def make_latent_cache(
-    model: Any, codec: LatentCodec | None = None, start: int = 0
-) -> list[LatentCacheList]:
+def _geometry(model: Any) -> tuple[int, int, int | None]:
+    args = model.args
+    return args.kv_lora_rank, args.qk_rope_head_dim, getattr(args, "index_head_dim", None)
+
+
+def _layer(cache: MLACache | EncodedLatentCache) -> Any:
+    """The object a layer takes: the pair for a DSA layer, else item 0 alone."""
+    pair = LatentCacheList(cache)
+    return pair if cache.options.dsa else pair[0]
+
+
+def make_latent_cache(model: Any, codec: LatentCodec | None = None, start: int = 0) -> list[Any]:
     """One :class:`LatentCacheList` per layer of an MLA model: ``MLACache`` (plain codec)
     or ``EncodedLatentCache`` (``codec`` affine or TurboQuant, bf16-first at ``start``)."""
     if not is_latent_model(model):
-        raise InvalidInputError(f"{type(model).__name__} is not an MLA model with an indexer")
-    args = model.args
-    geometry = (args.kv_lora_rank, args.qk_rope_head_dim, args.index_head_dim)
-    caches: list[LatentCacheList] = []
+        raise InvalidInputError(f"{type(model).__name__} is not an MLA model kvrows serves")
+    geometry = _geometry(model)
+    caches: list[Any] = []
     for _ in model.layers:
         if codec is None or isinstance(codec, Plain):
-            caches.append(LatentCacheList(MLACache(*geometry)))
+            caches.append(_layer(MLACache(*geometry)))
         else:
-            caches.append(LatentCacheList(EncodedLatentCache(*geometry, codec=codec, start=start)))
+            caches.append(_layer(EncodedLatentCache(*geometry, codec=codec, start=start)))
     return caches
 
 
-def latent_caches_for_scheme(model: Any, scheme: KvStorageScheme) -> list[LatentCacheList]:
+def latent_caches_for_scheme(model: Any, scheme: KvStorageScheme) -> list[Any]:
     """``make_kvrows_cache`` for an MLA model: each layer's codec from ``scheme`` (plain:
     ``MLACache``; affine or TurboQuant: ``EncodedLatentCache`` of that latent codec, bf16-first
     at ``scheme.quantized_kv_start``, else 0: the first append of a row reads exact)."""
-    args = model.args
-    geometry = (args.kv_lora_rank, args.qk_rope_head_dim, args.index_head_dim)
+    geometry = _geometry(model)
     resolved = scheme.resolve(len(model.layers))
     start = resolved.quantized_kv_start or 0
-    caches: list[LatentCacheList] = []
+    caches: list[Any] = []
     for index in range(len(model.layers)):
         codec = resolved.codec_for_layer(index)
         if isinstance(codec, Affine | Turbo):
-            caches.append(LatentCacheList(EncodedLatentCache(*geometry, codec=codec, start=start)))
+            caches.append(_layer(EncodedLatentCache(*geometry, codec=codec, start=start)))
         else:
-            caches.append(LatentCacheList(MLACache(*geometry)))
+            caches.append(_layer(MLACache(*geometry)))
     return caches

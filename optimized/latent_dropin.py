@@ -7,7 +7,9 @@ layer call. :class:`LatentCacheList` serves such a layer with one latent cache
 (``MLACache`` or ``EncodedLatentCache``, declared with the index width): item 0 returns
 what the cache will hold (``preview``) and keeps the pair until item 1 brings the index
 block; then all three planes are appended at once, so the index plane never lags.
-A model without an indexer (``index_head_dim`` not declared) appends at item 0.
+A model without an indexer (``index_head_dim`` not declared) appends at item 0; such a
+model (mlx-lm ``deepseek_v3``: one ``KVCache`` per layer holding ``kv_latent`` and
+``k_pe``) takes item 0 alone as its layer cache (``LatentCacheList(cache)[0]``).
 """
 
 from __future__ import annotations
@@ -59,6 +61,25 @@ class _View:
 
     def is_trimmable(self) -> bool:
         return self._owner.is_trimmable()
+
+    def trim(self, n: int) -> int:
+        return self._owner.trim(n)
+
+    @property
+    def cache(self) -> Latent:
+        """The latent cache behind the view."""
+        return self._owner.cache
+
+    @property
+    def state(self) -> Any:
+        return self._owner.state
+
+    @property
+    def nbytes(self) -> int:
+        return self._owner.nbytes
+
+    def signature(self) -> str:
+        return self._owner.signature()
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         raise NotImplementedError
@@ -168,7 +189,9 @@ class LatentCacheList:
 
     @property
     def state(self) -> Any:
-        return self.cache.state
+        """The arrays to evaluate (mlx-lm's generate evaluates every cache's ``state``);
+        save ``self.cache`` for a persistent form."""
+        return self.cache.held_arrays()
 
     @property
     def nbytes(self) -> int:

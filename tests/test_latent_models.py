@@ -184,3 +184,29 @@ def test_make_kvrows_cache_serves_mla_models(models: dict[str, Any]) -> None:
     )
     encoded = make_kvrows_cache(model, KvStorageScheme.parse("affine4"))
     assert encoded[0].signature() == "kv:mla-encoded:target:dsa:affine:4:64:0"
+
+
+def test_deepseek_v3_layers_take_the_plain_latent(models: dict[str, Any]) -> None:
+    """deepseek_v3 caches the latent and the rope key in one KVCache per layer: an MLACache
+    without DSA (item 0 of its list) gives mlx-lm's logits, serial and merged."""
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+    from kvrows.app.models import make_kvrows_cache
+
+    model = tiny_latent_model("deepseek_v3")
+    prompts = [PROMPT, [9, 8, 7]]
+    theirs = [make_prompt_cache(model) for _ in prompts]
+    mine = [make_kvrows_cache(model) for _ in prompts]
+    assert mine[0][0].signature() == "kv:mla:target"
+    for p, t, m in zip(prompts, theirs, mine, strict=True):
+        assert _same(model(mx.array([p]), cache=t), model(mx.array([p]), cache=m))
+    merge: Any = BatchKVCache.merge
+    batch_theirs = [merge(list(layer)) for layer in zip(*theirs, strict=True)]
+    batch_mine = []
+    for layer in zip(*mine, strict=True):
+        layout = layer[0].cache.make_empty_batch()
+        layout.merge_rows([view.cache for view in layer])
+        batch_mine.append(LatentCacheList(layout)[0])
+    for tokens in ([[3], [4]], [[5], [6]]):
+        step = mx.array(tokens)
+        assert _same(model(step, cache=batch_mine), model(step, cache=batch_theirs))
