@@ -295,3 +295,19 @@ def test_reads_and_states_never_change_later(codec: Any) -> None:
     ]
     assert all(np.array_equal(from_mlx(b), k) for b, k in zip(first, kept, strict=True))
     assert read[0].shape[2] == 5 and layout.row_offsets == (311,)
+
+
+def test_row_admission_over_latent_layers() -> None:
+    """The seed's rowAdmission: bytes add over layers (the spec page's 1,152 + 656 per token
+    at DeepSeek-V3's geometry) and the context bound is the smallest max_tokens."""
+    from kvrows.table import row_admission
+
+    bf16 = mx.bfloat16
+    plain = opt.MLACache(512, 64, None, 4096)
+    encoded = opt.EncodedLatentCache(512, 64, codec=Affine(bits=8, group_size=128))
+    for cache in (plain, encoded):
+        cache.update_and_fetch(mx.zeros((1, 1, 3, 512), bf16), mx.zeros((1, 1, 3, 64), bf16))
+    admission = row_admission([plain, encoded])
+    assert admission is not None
+    assert admission.bytes(10) == 10 * (1152 + 656)
+    assert admission.max_tokens == 4096
