@@ -118,6 +118,13 @@ def _parser() -> argparse.ArgumentParser:
         "every kind of layer)",
     )
 
+    demo.add_argument(
+        "--mla",
+        action="store_true",
+        help="the tiny MLA models (deepseek_v32, glm_moe_dsa) on latent caches, with the "
+        "batch-invariance check (schemes: plain, affine8, affine4, turbo-v4)",
+    )
+
     commands.add_parser(
         "example", help="merge, decode, filter and extract rows, and say what happened"
     )
@@ -148,6 +155,17 @@ def _run(args: argparse.Namespace) -> int:
         from kvrows.app.bench import run
 
         return run(args.family, quick=args.quick, repeats=args.repeats, kv_starts=args.kv_start)
+    if args.command == "demo" and args.mla:
+        from kvrows.app.latent_demo import run_latent_demo
+
+        return int(
+            run_latent_demo(
+                schemes=args.scheme,
+                requests=args.requests,
+                max_batch=args.max_batch,
+                kv_start=args.kv_start,
+            )
+        )
     if args.command == "demo" and args.speculative:
         from kvrows.app.demo import run_speculative_demo
 

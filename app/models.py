@@ -98,6 +98,10 @@ def make_kvrows_cache(model: Any, scheme: KvStorageScheme | None = None) -> list
     import mlx_lm.models.cache as peer
 
     scheme = scheme or KvStorageScheme()
+    from kvrows.app.latent_models import is_latent_model, latent_caches_for_scheme
+
+    if is_latent_model(model):  # MLA layers: latent caches (spec/MLACache.md §3)
+        return latent_caches_for_scheme(model, scheme)
     template = model.make_cache() if hasattr(model, "make_cache") else None
     if template is None:
         template = [peer.KVCache() for _ in model.layers]  # type: ignore[no-untyped-call]

@@ -38,6 +38,7 @@ __all__ = [
     "PeerSpec",
     "delayed_layouts",
     "family",
+    "latent_layouts",
     "optimized_impl",
     "reference_impl",
     "speculative_layouts",
@@ -383,6 +384,30 @@ def speculative_layouts() -> tuple[LayoutSpec, ...]:
     )
 
 
+def _latent_machine() -> type[Any]:
+    from kvrows.conformance.latent import LatentMachine
+
+    return LatentMachine
+
+
+def latent_layouts() -> tuple[LayoutSpec, ...]:
+    """The latent caches: each its own serial storage and its own layout in every role
+    (mlx-lm parity for ``MLACache``: its ``KVCache``/``BatchKVCache`` pairs hold the same)."""
+    return tuple(
+        LayoutSpec(
+            name,
+            ("decode", "prefill", "verify"),
+            shared_column=True,
+            trim_rows=True,
+            peer=name == "MLACache",
+            serial_peer=name == "MLACache",
+            serial=name,
+            tolerance_key="latent",
+        )
+        for name in ("MLACache", "EncodedLatentCache")
+    )
+
+
 FAMILIES: dict[str, Family] = {
     "plain": Family(
         name="plain",
@@ -473,6 +498,22 @@ FAMILIES: dict[str, Family] = {
         # Each example runs solo legos in both implementations for every row: 75 examples
         # per layout keep the family near 25 s on one core.
         examples=0.5,
+    ),
+    # MLA latent state (issue 14): MLACache and EncodedLatentCache, each its own serial
+    # storage and layout; their own machine (``conformance.latent``).
+    "latent": Family(
+        name="latent",
+        serial="MLACache",
+        layouts=latent_layouts(),
+        tolerance_key="latent",
+        peer=_plain_peer,
+        description="MLA latent caches (latent + rope + DSA index planes; affine/TurboQuant "
+        "latent, bf16-first): rows, rounds, solo replay, mlx-lm KVCache pairs",
+        machine=_latent_machine,
+        # Every bad input is tried on each ``invalid`` step; 22 examples of 24 steps per
+        # class keep the family near 8 s on one core.
+        examples=0.15,
+        steps=0.6,
     ),
 }
 

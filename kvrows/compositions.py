@@ -135,12 +135,16 @@ COMPOSITIONS: tuple[Composition, ...] = (
                 modifiers=frozenset({"speculative"}), issue=13,
                 summary="block-table rows: row operations move no KV bytes"),
     # -- latent (issue 14) -----------------------------------------------------------
-    Composition(name="MLACache", codec="latent", geometry="latent", arrangement="ragged",
-                signature="mla", roles=Roles(SELF, SELF, SELF), issue=14,
-                summary="latent + rope planes on one token axis"),
+    Composition(name="MLACache", codec="latent", geometry="latent", arrangement="shared",
+                signature="kv:mla:target", roles=Roles(SELF, SELF, SELF),
+                modifiers=frozenset({"speculative"}),
+                summary="latent + rope (+ DSA index) planes on one token axis, rows "
+                        "right-justified, ragged rollback by roll"),
     Composition(name="EncodedLatentCache", codec="latent", geometry="latent",
-                arrangement="ragged", signature="mla:encoded", roles=Roles(SELF, SELF, SELF),
-                issue=14, summary="latent planes through a codec"),
+                arrangement="shared", signature="kv:mla-encoded:target:affine:8:64:0",
+                roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"speculative"}),
+                summary="the latent plane through an affine or TurboQuant codec, bf16-first "
+                        "per row; rope and index exact"),
     Composition(name="PagedLatentCache", codec="latent", geometry="paged", arrangement="ragged",
                 signature="mla:paged", roles=Roles(SELF, SELF, SELF), issue=14,
                 summary="latent planes in a block pool"),

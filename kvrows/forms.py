@@ -43,6 +43,7 @@ from typing import Any
 from kvrows.codec import TURBO_HEAD_DIMS, Role, codec_plane_specs
 from kvrows.compositions import Composition, landed
 from kvrows.errors import InvalidInputError, UnsupportedStateError
+from kvrows.latent import LATENT_FIELDS
 from kvrows.schemes import Affine, CodecSpec, GeometrySpec, Growing, Plain, Ring, Turbo
 from kvrows.validation import FLOAT_DTYPES, KvGeometry
 
@@ -161,6 +162,8 @@ def state_form(entry: Composition) -> StateForm:
     """The state form of a landed composition (``UnsupportedStateError`` for others)."""
     if "delayed" in entry.modifiers and entry.is_landed:
         return _delayed_form(entry)
+    if entry.geometry == "latent" and entry.is_landed:  # its own form (kvrows.latent)
+        return StateForm(entry.name, LATENT_FIELDS, entry.name)
     fields = (_LAYOUT if entry.is_layout else _SERIAL).get(entry.geometry)
     tail = _CODEC_TAIL.get(entry.codec)
     # A speculative layout outside a round holds what its unmodified layout holds.

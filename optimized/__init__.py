@@ -19,6 +19,8 @@ from kvrows.optimized.delayed import (
     DelayedRotatingQuantizedKVCache,
     DelayedTurboQuantKVCache,
 )
+from kvrows.optimized.latent import EncodedLatentCache, MLACache
+from kvrows.optimized.latent_dropin import LatentCacheList
 from kvrows.optimized.lego import (
     Bf16FirstQuantizedKVCache,
     Bf16FirstRotatingQuantizedKVCache,
@@ -37,6 +39,9 @@ __all__ = [
     "DelayedQuantizedKVCache",
     "DelayedRotatingQuantizedKVCache",
     "DelayedTurboQuantKVCache",
+    "EncodedLatentCache",
+    "LatentCacheList",
+    "MLACache",
     "attend",
     "declared_classes",
 ]
@@ -46,7 +51,8 @@ def declared_classes() -> Mapping[str, type[Any]]:
     """Every public class, by composition name: the row storages (``rows.DECLARED``) and
     the delayed layouts, which compose two of them (what this module registers)."""
     delayed = (DelayedQuantizedKVCache, DelayedRotatingQuantizedKVCache, DelayedTurboQuantKVCache)
-    return {**DECLARED, **{cls.composition.name: cls for cls in delayed}}
+    latent = (MLACache, EncodedLatentCache)  # latent state: its own row machinery
+    return {**DECLARED, **{cls.composition.name: cls for cls in (*delayed, *latent)}}
 
 
 register_compositions(declared_classes())

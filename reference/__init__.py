@@ -15,6 +15,7 @@ from kvrows.reference.delayed import (
     DelayedRotatingQuantizedKVCache,
     DelayedTurboQuantKVCache,
 )
+from kvrows.reference.latent import EncodedLatentCache, MLACache
 from kvrows.reference.lego import (
     Bf16FirstQuantizedKVCache,
     Bf16FirstRotatingQuantizedKVCache,
@@ -29,6 +30,8 @@ __all__ = [
     "DelayedQuantizedKVCache",
     "DelayedRotatingQuantizedKVCache",
     "DelayedTurboQuantKVCache",
+    "EncodedLatentCache",
+    "MLACache",
     "attend",
     "attention",
 ]

@@ -195,6 +195,9 @@ def declared_classes() -> Mapping[str, type[Any]]:
         and issubclass(value, Storage | DelayedRows)
         and "composition" in vars(value)
     }
+    from kvrows.reference import latent  # latent state: its own row machinery
+
+    found |= {cls.composition.name: cls for cls in (latent.MLACache, latent.EncodedLatentCache)}
     missing = [c.name for c in landed() if c.name not in found]
     if missing:
         raise KvRowsError(f"the reference lacks {', '.join(missing)}")

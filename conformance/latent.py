@@ -1,0 +1,649 @@
+"""The latent family's machine: ``MLACache`` and ``EncodedLatentCache`` (``spec/MLACache.md``).
+
+A latent cache is its own serial storage and its own layout, with three planes where a
+KV storage has two, one shared write column, merges only into an empty cache, and (the
+encoded variant) reads that depend on each row's bf16-first boundary. The base machine's
+rules drive ``[B, H, N, D]`` key/value storages; this machine drives latent caches with
+the same oracles and the same runner interface (``machines.machine_class`` builds it
+from the family, ``kvrows conform --family latent`` runs it):
+
+* **reference vs optimized**: after every operation both hold the same rows (offsets,
+  padding, converted flags) and return the same reads; stored codec planes bit-exact;
+* **solo replay**: every row of a layout equals a reference cache of one row that saw the
+  same appends and rollbacks (bit-exact: reads of a row never depend on its neighbours);
+* **mlx-lm parity** (``MLACache``): mlx-lm's ``KVCache`` / ``BatchKVCache`` holding the
+  latent as keys and the rope as values (and a second pair for the index plane, as
+  ``deepseek_v32`` does) hold the same visible columns, the same offsets and padding;
+* **bad inputs** raise the same ``KvRowsError`` subclass in both implementations and
+  change nothing (wrong plane widths, ranks, dtypes, rows; a missing or unexpected index
+  block; past ``max_tokens``; a merge into a non-empty cache; bad keep lists; trims past a
+  row; rounds misused).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import hypothesis.strategies as st
+import ml_dtypes
+import mlx.core as mx
+import numpy as np
+import numpy.typing as npt
+from hypothesis import note
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+
+from kvrows.conformance.arrays import from_mlx, to_mlx
+from kvrows.conformance.families import Family, Impl, LayoutSpec, PeerSpec, _lm_cache
+from kvrows.conformance.stats import Stats
+from kvrows.errors import KvRowsError
+from kvrows.schemes import Affine, Turbo
+
+__all__ = ["LATENT_CHECKS", "LatentMachine"]
+
+Array = npt.NDArray[Any]
+
+#: Oracles every run of the family must reach (the CI test asserts them).
+LATENT_CHECKS = ("reference", "solo", "planes", "bad input unchanged")
+
+_CODECS: tuple[Affine | Turbo, ...] = (
+    Affine(bits=8, group_size=64),
+    Affine(bits=4, group_size=32),
+    Turbo(k_bits=8, v_bits=4),
+    Turbo(k_bits=8, v_bits=3),
+)
+
+
+@dataclass
+class _Config:
+    rank: int
+    rope: int
+    index: int | None
+    dtype: str
+    max_tokens: int | None
+    codec: Affine | Turbo | None
+    start: int
+
+
+@dataclass
+class _Request:
+    """One request's caches: reference, optimized, its reference solo twin, and mlx-lm's."""
+
+    ident: int
+    ref: Any
+    opt: Any
+    lm: tuple[Any, Any] | None = None  # (latent+rope KVCache, index KVCache)
+
+
+@dataclass
+class _Layout:
+    ref: Any
+    opt: Any
+    solos: list[Any] = field(default_factory=list)  # one reference 1-row cache per row
+    lm: tuple[Any, Any] | None = None  # BatchKVCache pair
+
+
+def _np_dtype(name: str) -> Any:
+    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+class LatentMachine(RuleBasedStateMachine):
+    """Conformance of a latent cache class (both implementations, solo, mlx-lm)."""
+
+    family: ClassVar[Family]
+    spec: ClassVar[LayoutSpec]
+    ref_impl: ClassVar[Impl]
+    opt_impl: ClassVar[Impl]
+    peer: ClassVar[PeerSpec | None]
+    stats: ClassVar[Stats]
+    limits: ClassVar[Any]
+    enforce: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cfg: _Config | None = None
+        self.requests: list[_Request] = []
+        self.layout: _Layout | None = None
+        self._ids = itertools.count()
+        self._steps_at_start = self.stats.steps
+        self._rng = np.random.default_rng(0)
+        self._invalid_left = 2
+
+    # -- set-up ---------------------------------------------------------------------------
+    @property
+    def encoded(self) -> bool:
+        return self.spec.name == "EncodedLatentCache"
+
+    @initialize(data=st.data())
+    def setup(self, data: st.DataObject) -> None:
+        codec = data.draw(st.sampled_from(_CODECS), label="codec") if self.encoded else None
+        self.cfg = _Config(
+            rank=64,
+            rope=data.draw(st.sampled_from((8, 16)), label="rope"),
+            index=data.draw(st.sampled_from((None, 16)), label="index"),
+            dtype=data.draw(st.sampled_from(("float32", "bfloat16")), label="dtype"),
+            max_tokens=data.draw(st.sampled_from((None, 40)), label="max_tokens"),
+            codec=codec,
+            start=data.draw(st.sampled_from((0, 3, 9)), label="start") if self.encoded else 0,
+        )
+        self._rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+        note(f"config: {self.cfg}")
+
+    def teardown(self) -> None:
+        if self.stats.steps > self._steps_at_start:
+            if self.cfg is not None:
+                codec = "plain" if self.cfg.codec is None else self.cfg.codec.key
+                self.stats.variant(f"{codec} dsa={self.cfg.index is not None}")
+            self.stats.example_done()
+
+    @property
+    def c(self) -> _Config:
+        assert self.cfg is not None
+        return self.cfg
+
+    def _new(self, impl: Impl) -> Any:
+        cls: Any = impl.cls(self.spec.name)
+        args = (self.c.rank, self.c.rope, self.c.index, self.c.max_tokens)
+        if self.c.codec is None:
+            return cls(*args)
+        return cls(*args, codec=self.c.codec, start=self.c.start)
+
+    def _blocks(self, rows: int, n: int) -> tuple[Array, Array, Array | None]:
+        dtype = _np_dtype(self.c.dtype)
+
+        def draw(width: int) -> Array:
+            return self._rng.standard_normal((rows, 1, n, width)).astype(np.float32).astype(dtype)
+
+        index = None if self.c.index is None else draw(self.c.index)
+        return draw(self.c.rank), draw(self.c.rope), index
+
+    def _lm_twins(self) -> tuple[Any, Any] | None:
+        if self.encoded or self.peer is None:
+            return None
+        lm: Any = _lm_cache()
+        return lm.KVCache(), lm.KVCache()
+
+    # -- appends --------------------------------------------------------------------------
+    def _append_all(
+        self,
+        pairs: list[tuple[Impl, Any]],
+        blocks: tuple[Array, Array, Array | None],
+    ) -> list[Any]:
+        results = []
+        for impl, cache in pairs:
+            latent, rope, index = (None if b is None else impl.to_native(b) for b in blocks)
+            if index is None:
+                results.append(cache.append(latent, rope))
+            else:
+                results.append(cache.append(latent, rope, index))
+        return results
+
+    def _lm_append(
+        self, twins: tuple[Any, Any] | None, blocks: tuple[Array, Array, Array | None]
+    ) -> None:
+        if twins is None:
+            return
+        latent, rope, index = blocks
+        twins[0].update_and_fetch(to_mlx(latent), to_mlx(rope))
+        if index is not None:
+            twins[1].update_and_fetch(to_mlx(index), to_mlx(index))
+
+    # -- rules ----------------------------------------------------------------------------
+    @precondition(lambda self: self.cfg is not None and len(self.requests) < 4)
+    @rule(data=st.data())
+    def new_request(self, data: st.DataObject) -> None:
+        self.stats.op("new_request")
+        request = _Request(next(self._ids), self._new(self.ref_impl), self._new(self.opt_impl))
+        request.lm = self._lm_twins()
+        self.requests.append(request)
+        n = data.draw(st.integers(0, 7), label="prompt")
+        if n:
+            self._prefill(request, n)
+        self._check_request(request)
+
+    def _prefill(self, request: _Request, n: int) -> None:
+        blocks = self._blocks(1, n)
+        if request.ref.width + n > (self.c.max_tokens or 10**9):
+            return
+        got_ref, got_opt = self._append_all(
+            [(self.ref_impl, request.ref), (self.opt_impl, request.opt)], blocks
+        )
+        self._same_read("append read", got_ref, got_opt)
+        self._lm_append(request.lm, blocks)
+
+    @precondition(lambda self: bool(self.requests))
+    @rule(data=st.data())
+    def prefill_chunk(self, data: st.DataObject) -> None:
+        self.stats.op("prefill_chunk")
+        request = data.draw(st.sampled_from(self.requests), label="request")
+        self._prefill(request, data.draw(st.integers(1, 5), label="chunk"))
+        self._check_request(request)
+
+    @precondition(lambda self: len(self.requests) > 1 and self.layout is None)
+    @rule(data=st.data())
+    def merge(self, data: st.DataObject) -> None:
+        self.stats.op("merge")
+        if data.draw(st.booleans(), label="several rows"):
+            chosen = self.requests[-3:]  # the newest requests, several rows at once
+        else:
+            chosen = data.draw(
+                st.lists(st.sampled_from(self.requests), min_size=1, max_size=3, unique_by=id),
+                label="rows",
+            )
+        before = [self._snapshot(r.ref) for r in chosen]
+        layout = _Layout(chosen[0].ref.make_empty_batch(), chosen[0].opt.make_empty_batch())
+        layout.ref.merge_rows([r.ref for r in chosen])
+        layout.opt.merge_rows([r.opt for r in chosen])
+        for request, snap in zip(chosen, before, strict=True):
+            self._exact("merge source unchanged", self._snapshot(request.ref), snap)
+        layout.solos = [self._solo_of(r) for r in chosen]
+        twins = [r.lm for r in chosen]
+        if all(t is not None and t[0].offset > 0 for t in twins):
+            batch: Any = _lm_cache().BatchKVCache
+            layout.lm = (
+                batch.merge([t[0] for t in twins if t is not None]),
+                batch.merge([t[1] for t in twins if t is not None])
+                if self.c.index is not None
+                else None,
+            )
+        self.layout = layout
+        for request in chosen:
+            self.requests.remove(request)
+        self._check_layout()
+
+    def _solo_of(self, request: _Request) -> Any:
+        """A reference one-row cache holding what the request holds (its own copy)."""
+        if request.ref.batch_size == 0:
+            return self._new(self.ref_impl)
+        return request.ref.extract_row(0)
+
+    def _layout_step(self, n: int, round_keep: list[int] | None) -> None:
+        layout = self.layout
+        assert layout is not None
+        rows = layout.ref.batch_size
+        if layout.ref.width + n > (self.c.max_tokens or 10**9):
+            return
+        blocks = self._blocks(rows, n)
+        if round_keep is not None:
+            layout.ref.spec_round_begin()
+            layout.opt.spec_round_begin()
+        got_ref, got_opt = self._append_all(
+            [(self.ref_impl, layout.ref), (self.opt_impl, layout.opt)], blocks
+        )
+        self._same_read("layout append read", got_ref, got_opt, layout.ref.left_pad)
+        for b, solo in enumerate(layout.solos):
+            row = tuple(None if x is None else x[b : b + 1] for x in blocks)
+            self._append_all([(self.ref_impl, solo)], row)  # type: ignore[arg-type]
+        self._lm_append(layout.lm, blocks)
+        if round_keep is None:
+            return
+        if len(set(round_keep)) == 1 and round_keep[0] == n:
+            layout.ref.spec_round_commit()
+            layout.opt.spec_round_commit()
+            self.stats.op("round:commit")
+            return
+        layout.ref.spec_round_rollback(round_keep)
+        layout.opt.spec_round_rollback(round_keep)
+        self.stats.op("round:unequal" if len(set(round_keep)) > 1 else "round:equal")
+        for solo, keep in zip(layout.solos, round_keep, strict=True):
+            if n - keep:
+                solo.trim(n - keep)
+        if layout.lm is not None:
+            self._rebuild_lm(layout)
+
+    def _rebuild_lm(self, layout: _Layout) -> None:
+        """mlx-lm has no per-row rollback: its oracle is a merge of each row's accepted
+        tokens (what the rolled layout must equal)."""
+        lm: Any = _lm_cache()
+        pairs = []
+        for solo in layout.solos:
+            if solo.width == 0:
+                layout.lm = None
+                return
+            latent, rope, index = (None if a is None else to_mlx(a) for a in self._solo_read(solo))
+            twin, index_twin = lm.KVCache(), lm.KVCache()
+            twin.update_and_fetch(latent, rope)
+            if index is not None:
+                index_twin.update_and_fetch(index, index)
+            pairs.append((twin, index_twin))
+        layout.lm = (
+            lm.BatchKVCache.merge([p[0] for p in pairs]),
+            lm.BatchKVCache.merge([p[1] for p in pairs]) if self.c.index is not None else None,
+        )
+        self.stats.check("mlx-lm rollback rebuild")
+
+    @precondition(lambda self: self.layout is not None)
+    @rule(data=st.data())
+    def decode_step(self, data: st.DataObject) -> None:
+        self.stats.op("decode_step")
+        self._layout_step(data.draw(st.integers(1, 3), label="N"), None)
+        self._check_layout()
+
+    @precondition(lambda self: self.layout is not None)
+    @rule(data=st.data())
+    def spec_round(self, data: st.DataObject) -> None:
+        self.stats.op("spec_rounds")
+        assert self.layout is not None
+        n = data.draw(st.integers(2, 4), label="block")
+        rows = self.layout.ref.batch_size
+        if rows > 1 and data.draw(st.integers(0, 3), label="unequal") > 0:
+            keep = [1 + (b * 7 + n) % n for b in range(rows)]  # rows keep different counts
+            keep = data.draw(st.permutations(keep), label="keep")
+        else:
+            keep = [data.draw(st.integers(1, n), label="keep")] * rows
+        self._layout_step(n, keep)
+        self._check_layout()
+
+    @precondition(lambda self: self.layout is not None)
+    @rule(data=st.data())
+    def filter_layout(self, data: st.DataObject) -> None:
+        self.stats.op("filter")
+        layout = self.layout
+        assert layout is not None
+        rows = list(range(layout.ref.batch_size))
+        keep = data.draw(st.permutations(rows), label="order")[
+            : data.draw(st.integers(1, len(rows)), label="survivors")
+        ]
+        layout.ref.filter_rows(keep)
+        layout.opt.filter_rows(keep)
+        layout.solos = [layout.solos[r] for r in keep]
+        if layout.lm is not None:
+            pads = [int(p) for p in np.array(layout.lm[0].left_padding)[keep]]
+            if min(pads) > 0 and layout.lm[0].keys is None:
+                layout.lm = None
+            else:
+                for twin in layout.lm:
+                    if twin is not None:
+                        twin.filter(mx.array(keep))
+        self._exact("filter drops the common padding", min(layout.ref.left_pad), 0)
+        self._check_layout()
+
+    @precondition(lambda self: self.layout is not None and len(self.requests) < 4)
+    @rule(data=st.data())
+    def extract(self, data: st.DataObject) -> None:
+        self.stats.op("extract")
+        layout = self.layout
+        assert layout is not None
+        b = data.draw(st.integers(0, layout.ref.batch_size - 1), label="row")
+        request = _Request(next(self._ids), layout.ref.extract_row(b), layout.opt.extract_row(b))
+        self._same_rows("extract vs solo", request.ref, layout.solos[b], 0)
+        if layout.lm is not None and not self.encoded:
+            twin = layout.lm[0].extract(b)
+            index_twin = layout.lm[1].extract(b) if layout.lm[1] is not None else None
+            request.lm = (twin, index_twin if index_twin is not None else self._lm_twins()[1])  # type: ignore[index]
+        else:
+            request.lm = None
+        self.requests.append(request)
+        self._check_request(request)
+        if data.draw(st.booleans(), label="retire layout"):
+            self.layout = None
+
+    @precondition(lambda self: self.layout is not None)
+    @rule(data=st.data())
+    def trim(self, data: st.DataObject) -> None:
+        self.stats.op("trim")
+        layout = self.layout
+        assert layout is not None
+        n = data.draw(st.integers(0, min(layout.ref.row_offsets)), label="trim")
+        self._exact("trim count", (layout.ref.trim(n), layout.opt.trim(n)), (n, n))
+        for solo in layout.solos:
+            solo.trim(n)
+        if layout.lm is not None:
+            for twin in layout.lm:
+                if twin is not None:
+                    twin.trim(n)
+        self._check_layout()
+
+    @precondition(lambda self: self.cfg is not None and self._invalid_left > 0)
+    @rule(data=st.data())
+    def invalid(self, data: st.DataObject) -> None:
+        """Every bad call raises the same error in both implementations and changes nothing
+        (each step tries them all; two such steps per example)."""
+        self.stats.op("invalid")
+        self._invalid_left -= 1
+        target = self.layout if self.layout is not None else None
+        if target is None:
+            if not self.requests:
+                return
+            request = data.draw(st.sampled_from(self.requests), label="request")
+            ref, opt = request.ref, request.opt
+        else:
+            ref, opt = target.ref, target.opt
+        for label, call in self._bad_cases(ref):
+            before = (self._snapshot(ref), self._snapshot_opt(opt))
+            errors = []
+            for impl, cache in ((self.ref_impl, ref), (self.opt_impl, opt)):
+                try:
+                    call(impl, cache)
+                except KvRowsError as error:
+                    errors.append(type(error).__name__)
+                else:
+                    errors.append("no error")
+            self._exact(f"{label}: both raise the same error", errors[0], errors[1])
+            if errors[0] == "no error":
+                raise AssertionError(f"{label}: accepted")
+            self._exact(f"{label}: reference unchanged", self._snapshot(ref), before[0])
+            self._exact(f"{label}: optimized unchanged", self._snapshot_opt(opt), before[1])
+            self.stats.check("bad input unchanged")
+            self.stats.op(f"bad:{label}")
+
+    def _bad_cases(self, cache: Any) -> list[tuple[str, Callable[[Impl, Any], Any]]]:
+        rows = max(1, cache.batch_size)
+        c = self.c
+
+        def append(blocks: tuple[Any, ...]) -> Callable[[Impl, Any], Any]:
+            def call(impl: Impl, target: Any) -> Any:
+                native = [None if b is None else impl.to_native(b) for b in blocks]
+                return target.append(*native)
+
+            return call
+
+        good = self._blocks(rows, 1)
+        dtype = _np_dtype(c.dtype)
+        wrong_width = (good[0][..., :-8], good[1], good[2])
+        wrong_rope = (good[0], np.zeros((rows, 1, 1, c.rope + 2), dtype), good[2])
+        rank5 = (good[0][None], good[1][None], None if good[2] is None else good[2][None])
+        other = "float16" if c.dtype != "float16" else "float32"
+        wrong_dtype = tuple(None if b is None else b.astype(_np_dtype(other)) for b in good)
+        dsa = (
+            (good[0], good[1], None)
+            if c.index is not None
+            else (good[0], good[1], np.zeros((rows, 1, 1, 16), dtype))
+        )
+        cases: list[tuple[str, Callable[[Impl, Any], Any]]] = [
+            ("latent width", append(wrong_width)),
+            ("rope width", append(wrong_rope)),
+            ("rank", append(rank5)),
+            ("dtype", append(wrong_dtype)),
+            ("dsa mismatch", append(dsa)),
+            ("trim past shortest", lambda impl, t: t.trim(min(t.row_offsets, default=0) + 1)),
+            ("filter duplicate", lambda impl, t: t.filter_rows([0, 0])),
+            ("filter empty", lambda impl, t: t.filter_rows([])),
+            ("extract out of range", lambda impl, t: t.extract_row(rows)),
+            ("rollback without round", lambda impl, t: t.spec_round_rollback(1)),
+            ("merge into non-empty", lambda impl, t: t.merge_rows([t.make_empty_batch()])),
+            ("foreign array", lambda impl, t: t.append(np.zeros(1), np.zeros(1))),
+        ]
+        if cache.batch_size:
+            more = self._blocks(rows + 1, 1)
+            cases.append(("wrong rows", append(more)))
+        if c.index is not None and cache.batch_size:
+            bad_index = (good[0], good[1], np.zeros((rows, 1, 1, c.index + 1), dtype))
+            cases.append(("index width", append(bad_index)))
+        if c.max_tokens is not None:
+            n = c.max_tokens - cache.width + 1
+            cases.append(("past max_tokens", append(self._blocks(rows, n))))
+        if not cache.batch_size:  # a merge into an empty cache is fine: not a bad input
+            cases = [x for x in cases if x[0] != "merge into non-empty"]
+        if cache.dtype is None:  # the first append chooses the dtype
+            cases = [x for x in cases if x[0] != "dtype"]
+        return cases
+
+    # -- checks ---------------------------------------------------------------------------
+    def _exact(self, what: str, actual: object, expected: object) -> None:
+        if actual != expected:
+            raise AssertionError(f"{what}: got {actual!r}, expected {expected!r}")
+
+    def _np(self, impl: Impl, array: Any) -> Array | None:
+        return None if array is None else impl.to_numpy(array)
+
+    def _snapshot(self, cache: Any) -> tuple[Any, ...]:
+        read = self._solo_read(cache) if cache.width else ()
+        return (
+            cache.row_offsets,
+            cache.left_pad,
+            cache.converted,
+            tuple(None if a is None else a.tobytes() for a in read),
+        )
+
+    def _snapshot_opt(self, cache: Any) -> tuple[Any, ...]:
+        read = cache.current() if cache.width else ()
+        return (
+            cache.row_offsets,
+            cache.left_pad,
+            cache.converted,
+            tuple(None if a is None else from_mlx(a).tobytes() for a in read),
+        )
+
+    def _solo_read(self, cache: Any) -> tuple[Any, Any, Any]:
+        latent, rope, index = cache.current()
+        return latent, rope, index
+
+    def _same_read(
+        self, what: str, got_ref: Any, got_opt: Any, pads: tuple[int, ...] | None = None
+    ) -> None:
+        """Both reads agree on every row's visible columns (padding is unspecified: the
+        optimized rollback leaves rolled-out tokens there, hidden by the mask)."""
+        for name, r, o in zip(("latent", "rope", "index"), got_ref, got_opt, strict=True):
+            if r is None or o is None:
+                self._exact(f"{what} {name} presence", o is None, r is None)
+                continue
+            held = from_mlx(o)
+            self._exact(f"{what} {name} shape", held.shape, r.shape)
+            for b, pad in enumerate(pads or (0,) * r.shape[0]):
+                self._close(f"{what} {name} row {b}", held[b, :, pad:], r[b, :, pad:])
+        self.stats.check("reference")
+
+    def _close(self, what: str, got: Array, want: Array) -> None:
+        """Byte-exact: the decoded latent too (the TurboQuant decode of both implementations
+        agrees bit for bit; the deep profile never saw a difference)."""
+        self._exact(f"{what} shape", got.shape, want.shape)
+        if got.tobytes() != want.tobytes():
+            diff = np.max(np.abs(got.astype(np.float32) - want.astype(np.float32)))
+            raise AssertionError(f"{what}: differs (max {diff})")
+
+    def _check_request(self, request: _Request) -> None:
+        ref, opt = request.ref, request.opt
+        self._same_state("request", ref, opt)
+        if ref.width and request.lm is not None and not self.encoded:
+            twin, index_twin = request.lm
+            self._exact("mlx-lm offset", int(twin.offset), ref.width)
+            latent, rope, index = self._solo_read(ref)
+            self._close("mlx-lm latent", from_mlx(twin.keys[:, :, : twin.offset]), latent)
+            self._close("mlx-lm rope", from_mlx(twin.values[:, :, : twin.offset]), rope)
+            if index is not None:
+                held = from_mlx(index_twin.keys[:, :, : index_twin.offset])
+                self._close("mlx-lm index", held, index)
+            self.stats.check("mlx-lm")
+
+    def _same_state(self, what: str, ref: Any, opt: Any) -> None:
+        self._exact(f"{what} row offsets", opt.row_offsets, ref.row_offsets)
+        self._exact(f"{what} left pad", opt.left_pad, ref.left_pad)
+        self._exact(f"{what} converted", opt.converted, ref.converted)
+        self._exact(f"{what} signature", opt.signature(), ref.signature())
+        self._exact(f"{what} bytes per token", opt.bytes_per_token(), ref.bytes_per_token())
+        ref.check_valid()
+        opt.check_valid()
+        if not ref.width:
+            return
+        self._same_read(what, self._solo_read(ref), self._solo_read(opt), ref.left_pad)
+        self._same_planes(what, ref, opt)
+        n = 2
+        mask_ref = np.asarray(ref.make_mask(n, return_array=True))
+        mask_opt = from_mlx(opt.make_mask(n, return_array=True))
+        self._exact(f"{what} mask", mask_opt.tolist(), mask_ref.tolist())
+
+    def _same_planes(self, what: str, ref: Any, opt: Any) -> None:
+        """The stored planes (codec planes, rope, index), row by row over each row's
+        columns, bit-exact."""
+        opt_planes, opt_rope, opt_index, _ = opt.planes()
+        for b, (planes, rope, index, _) in enumerate(ref.planes()):
+            if rope is None:
+                continue
+            pad = opt.left_pad[b]
+            pairs = [*zip(planes, opt_planes, strict=True), (rope, opt_rope)]
+            if index is not None:
+                pairs.append((index, opt_index))
+            for p_ref, p_opt in pairs:
+                held = from_mlx(p_opt[b : b + 1, :, pad:])
+                self._exact(f"{what} row {b} stored plane", held.tobytes(), p_ref.tobytes())
+        self.stats.check("planes")
+
+    def _same_rows(self, what: str, got: Any, solo: Any, b: int) -> None:
+        self._exact(f"{what} width", got.width, solo.width)
+        if solo.width:
+            self._exact(f"{what} converted", got.converted, solo.converted)
+            for name, g, s in zip(
+                ("latent", "rope", "index"),
+                self._solo_read(got),
+                self._solo_read(solo),
+                strict=True,
+            ):
+                if s is not None:
+                    self._close(f"{what} {name}", g, s)
+        self.stats.check("solo")
+
+    def _check_layout(self) -> None:
+        layout = self.layout
+        assert layout is not None
+        ref, opt = layout.ref, layout.opt
+        self._same_state("layout", ref, opt)
+        self._exact("layout solos", len(layout.solos), ref.batch_size)
+        if not ref.width:
+            return
+        if any(ref.converted) and not all(ref.converted):
+            self.stats.check("mixed conversion")  # rows reading exact beside encoded ones
+        reads = self._solo_read(ref)
+        for b, solo in enumerate(layout.solos):
+            pad = ref.left_pad[b]
+            self._exact(f"row {b} offset vs solo", ref.row_offsets[b], solo.width)
+            self._exact(
+                f"row {b} converted vs solo", ref.converted[b], (solo.converted or (False,))[0]
+            )
+            if solo.width == 0:
+                continue
+            for name, got, want in zip(
+                ("latent", "rope", "index"), reads, self._solo_read(solo), strict=True
+            ):
+                if want is not None and got is not None:
+                    self._close(f"row {b} {name} vs solo", got[b : b + 1, :, pad:], want)
+        self.stats.check("solo")
+        if layout.lm is not None:
+            twin, index_twin = layout.lm
+            self._exact(
+                "mlx-lm left padding",
+                [int(p) for p in np.array(twin.left_padding)],
+                list(ref.left_pad),
+            )
+            self._exact("mlx-lm write column", int(twin._idx), ref.width)
+            for b in range(ref.batch_size):
+                pad = ref.left_pad[b]
+                self._close(
+                    f"mlx-lm row {b} latent",
+                    from_mlx(twin.keys[b : b + 1, :, pad : twin._idx]),
+                    reads[0][b : b + 1, :, pad:],
+                )
+                self._close(
+                    f"mlx-lm row {b} rope",
+                    from_mlx(twin.values[b : b + 1, :, pad : twin._idx]),
+                    reads[1][b : b + 1, :, pad:],
+                )
+                if index_twin is not None and reads[2] is not None:
+                    self._close(
+                        f"mlx-lm row {b} index",
+                        from_mlx(index_twin.keys[b : b + 1, :, pad : index_twin._idx]),
+                        reads[2][b : b + 1, :, pad:],
+                    )
+            self.stats.check("mlx-lm")

@@ -1,0 +1,344 @@
+"""The reference's latent caches (``spec/MLACache.md``, ``spec/EncodedLatentCache.md``).
+
+What a latent layout *means*: every row is its own compact planes (``_Row``: the latent
+as the codec stores it, the rope and index planes exact, and the exact latent while the
+row reads exact), each row's latent encoded on its own, and the right-justified batch a
+read returns is assembled from the rows on every read. A rollback cuts each row's tail;
+there is no roll, no shared buffer and no capacity. The control flow and every argument
+check are the core's (``kvrows.latent.LatentRows``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvrows.compositions import composition
+from kvrows.errors import InvalidInputError
+from kvrows.latent import LatentCodec, LatentRows, encoded_codec
+from kvrows.reference.codecs import (
+    AffineCodec,
+    PlainCodec,
+    TurboCodec,
+    dtype_name,
+    make_codec,
+    numpy_dtype,
+)
+from kvrows.schemes import Plain, Turbo
+
+__all__ = ["EncodedLatentCache", "MLACache"]
+
+Array = npt.NDArray[Any]
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One request's tokens, oldest first (``None`` before its first token)."""
+
+    planes: tuple[Array, ...] | None = None
+    rope: Array | None = None
+    index: Array | None = None
+    exact: Array | None = None
+
+    @property
+    def tokens(self) -> int:
+        return 0 if self.rope is None else int(self.rope.shape[2])
+
+    def cut(self, keep: int) -> _Row:
+        """The row's oldest ``keep`` tokens (copies)."""
+        if self.rope is None:
+            return self
+
+        def head(a: Array | None) -> Array | None:
+            return None if a is None else np.array(a[:, :, :keep], copy=True)
+
+        assert self.planes is not None
+        return _Row(
+            tuple(np.array(p[:, :, :keep], copy=True) for p in self.planes),
+            head(self.rope),
+            head(self.index),
+            head(self.exact),
+        )
+
+    def copy(self) -> _Row:
+        return self.cut(self.tokens)
+
+
+def _cat(first: Array | None, second: Array) -> Array:
+    return np.array(second, copy=True) if first is None else np.concatenate([first, second], 2)
+
+
+def _pad_left(array: Array, columns: int) -> Array:
+    return np.pad(array, ((0, 0), (0, 0), (columns, 0), (0, 0)))
+
+
+class _LatentReference(LatentRows):
+    """The reference's array hooks over compact rows."""
+
+    def _impl_init(self) -> None:
+        self._rows: list[_Row] = []
+
+    @property
+    def _codec(self) -> PlainCodec | AffineCodec | TurboCodec:
+        return make_codec(self.latent_codec)
+
+    @property
+    def _role(self) -> Any:
+        return "values" if isinstance(self.latent_codec, Turbo) else "keys"
+
+    def _impl_shape_dtype(self, array: Any, what: str) -> tuple[tuple[int, ...], str]:
+        try:
+            dtype = dtype_name(array)
+        except InvalidInputError as error:
+            raise InvalidInputError(f"{type(self).__name__}: {what}: {error}") from None
+        return tuple(int(n) for n in array.shape), dtype
+
+    def _impl_as4(self, array: Any) -> Any:
+        return array[:, None]
+
+    def _impl_as3(self, array: Any) -> Any:
+        return array[:, 0]
+
+    def _impl_append(self, latent: Any, rope: Any, index: Any | None, exact: bool) -> None:
+        rows = int(latent.shape[0])
+        if not self._rows:
+            self._rows = [_Row() for _ in range(rows)]
+        codec, plain = self._codec, isinstance(self.latent_codec, Plain)
+        new_rows = []
+        for b, row in enumerate(self._rows):
+            planes = codec.encode(np.array(latent[b : b + 1], copy=True), self._role)
+            held = row.planes or (None,) * len(planes)
+            keeps_exact = not plain and not self._converted[b]
+            new_rows.append(
+                _Row(
+                    tuple(_cat(h, p) for h, p in zip(held, planes, strict=True)),
+                    _cat(row.rope, rope[b : b + 1]),
+                    None if index is None else _cat(row.index, index[b : b + 1]),
+                    _cat(row.exact, latent[b : b + 1]) if keeps_exact else None,
+                )
+            )
+        self._rows = new_rows
+
+    def _decode(self, row: _Row) -> Array:
+        assert row.planes is not None and self._dtype is not None
+        codec = self._codec
+        if isinstance(codec, TurboCodec):
+            decoded = codec.decode(row.planes, "values")
+        else:
+            decoded = codec.decode(row.planes)
+        return np.asarray(decoded).astype(numpy_dtype(self._dtype))
+
+    def _impl_read(self, reads_exact: Sequence[bool]) -> tuple[Any, Any, Any | None]:
+        assert self._widths is not None and self._dtype is not None
+        width, dtype = self.width, numpy_dtype(self._dtype)
+        rank, rope_width = self._widths
+        latents, ropes, indexes = [], [], []
+        for row, exact in zip(self._rows, reads_exact, strict=True):
+            pad = width - row.tokens
+            if row.rope is None:
+                latents.append(np.zeros((1, 1, width, rank), dtype))
+                ropes.append(np.zeros((1, 1, width, rope_width), dtype))
+                if self.options.index_head_dim is not None:
+                    indexes.append(np.zeros((1, 1, width, self.options.index_head_dim), dtype))
+                continue
+            if isinstance(self.latent_codec, Plain):
+                assert row.planes is not None
+                dense = row.planes[0]
+            elif exact:
+                assert row.exact is not None
+                dense = row.exact
+            else:
+                dense = self._decode(row)
+            latents.append(_pad_left(dense, pad))
+            ropes.append(_pad_left(row.rope, pad))
+            if row.index is not None:
+                indexes.append(_pad_left(row.index, pad))
+        index = np.concatenate(indexes, 0) if indexes else None
+        return np.concatenate(latents, 0), np.concatenate(ropes, 0), index
+
+    def _impl_merge(self, sources: Sequence[Any]) -> None:
+        self._rows = [row.copy() for s in sources for row in (s._rows or [_Row()])]
+
+    def _impl_filter(self, keep: Sequence[int]) -> None:
+        self._rows = [self._rows[r] for r in keep]
+
+    def _impl_take_row(self, source: Any, row: int) -> None:
+        self._rows = [source._rows[row].copy()]
+
+    def _impl_forget(self, counts: Sequence[int]) -> None:
+        self._rows = [r.cut(r.tokens - c) for r, c in zip(self._rows, counts, strict=True)]
+
+    def _impl_drop_exact(self) -> None:
+        self._rows = [replace(r, exact=None) for r in self._rows]
+
+    def _impl_held(self) -> tuple[Any, ...]:
+        held: list[Array] = []
+        for row in self._rows:
+            arrays = [*(row.planes or ()), row.rope, row.index, row.exact]
+            held += [a for a in arrays if a is not None]
+        return tuple(held)
+
+    def _impl_nbytes(self) -> int:
+        total = 0
+        for row in self._rows:
+            arrays = [*(row.planes or ()), row.rope, row.index, row.exact]
+            total += sum(int(a.nbytes) for a in arrays if a is not None)
+        return total
+
+    def _impl_mask(self, n: int, window_size: int | None) -> Any:
+        width = self.width
+        columns = np.arange(width + n)[None, None, None, :]
+        queries = np.arange(n)[None, None, :, None]
+        pads = np.array(self.left_pad)[:, None, None, None]
+        visible = (columns >= pads) & (columns <= width + queries)
+        if window_size is not None:
+            visible &= width + queries - columns < window_size
+        return np.broadcast_to(visible, (self.batch_size, 1, n, width + n)).copy()
+
+    def _impl_offsets(self) -> Any:
+        return np.array(self._offsets, dtype=np.int32)
+
+    def planes(self) -> list[tuple[tuple[Array, ...], Array, Array | None, Array | None]]:
+        """Each row's stored planes (latent codec planes, rope, index, exact latent)."""
+        return [
+            (r.planes or (), r.rope, r.index, r.exact)  # type: ignore[misc]
+            for r in self._rows
+        ]
+
+    def _impl_state_planes(self) -> tuple[Any, Any, Any, Any]:
+        if self.width == 0:
+            return None, None, None, None
+        assert self._widths is not None and self._dtype is not None
+        width, rank = self.width, self._widths[0]
+        empty = self._codec.zeros(1, 1, 0, rank, self._dtype, self._role)
+
+        def batch(arrays: list[Array]) -> Array:
+            return np.concatenate([_pad_left(a, width - a.shape[2]) for a in arrays], 0)
+
+        count = len(empty)
+        planes = tuple(batch([(r.planes or empty)[k] for r in self._rows]) for k in range(count))
+        dtype = numpy_dtype(self._dtype)
+
+        def plane(get: Any, dim: int) -> Array:
+            return batch([get(r) if get(r) is not None else np.zeros((1, 1, 0, dim), dtype)
+                          for r in self._rows])  # fmt: skip
+
+        rope = plane(lambda r: r.rope, self._widths[1])
+        index = None
+        if self.options.index_head_dim is not None:
+            index = plane(lambda r: r.index, self.options.index_head_dim)
+        exact = None
+        if not isinstance(self.latent_codec, Plain) and not all(self._converted):
+            exact = batch(
+                [
+                    r.exact if r.exact is not None and not c else np.zeros((1, 1, 0, rank), dtype)
+                    for r, c in zip(self._rows, self._converted, strict=True)
+                ]
+            )
+        return planes, rope, index, exact
+
+    def _impl_int_array(self, values: Sequence[int]) -> Any:
+        return np.array(list(values), dtype=np.int32)
+
+    def _impl_ints(self, value: Any, what: str) -> list[int]:
+        array = np.asarray(value)
+        if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+            raise InvalidInputError(f"{type(self).__name__}: {what} must be a 1-D int array")
+        return [int(v) for v in array.tolist()]
+
+    def _impl_restore(
+        self, planes: tuple[Any, ...], rope: Any, index: Any, exact: Any, rows: int, width: int
+    ) -> str:
+        assert self._widths is not None
+        specs = self._codec.plane_specs("latent", self._widths[0], "float32", self._role)
+        if len(specs) != len(planes):
+            raise InvalidInputError(
+                f"{type(self).__name__}: the latent has {len(specs)} planes, got {len(planes)}"
+            )
+        named = [(spec.name, plane) for spec, plane in zip(specs, planes, strict=True)]
+        named += [("rope", rope)]
+        if index is not None:
+            named.append(("index", index))
+        if exact is not None:
+            named.append(("exact", exact))
+        shapes = []
+        for plane_name, array in named:
+            if not isinstance(array, np.ndarray):
+                raise InvalidInputError(
+                    f"{type(self).__name__}: plane {plane_name} must be a NumPy array"
+                )
+            shapes.append((plane_name, tuple(int(n) for n in array.shape), array.dtype.name))
+        dtype = self._check_restored(shapes, rows, width)
+        restored = []
+        for b, offset in enumerate(self._offsets):
+            if offset == 0:
+                restored.append(_Row())
+                continue
+            pad = width - offset
+
+            def cut(a: Array, b: int = b, pad: int = pad) -> Array:
+                return np.array(a[b : b + 1, :, pad:], copy=True)
+
+            restored.append(
+                _Row(
+                    tuple(cut(p) for p in planes),
+                    cut(rope),
+                    None if index is None else cut(index),
+                    None if exact is None or self._converted[b] else cut(exact),
+                )
+            )
+        self._rows = restored
+        return dtype
+
+
+class MLACache(_LatentReference):
+    """MLA latent + rope (+ DSA index) planes, float dtype fixed by the first append
+    (``spec/MLACache.md``)."""
+
+    composition = composition("MLACache")
+
+
+class EncodedLatentCache(_LatentReference):
+    """The latent plane through a codec, rope and index exact, bf16-first per row
+    (``spec/EncodedLatentCache.md``)."""
+
+    composition = composition("EncodedLatentCache")
+
+    def __init__(
+        self,
+        kv_lora_rank: object = None,
+        rope_head_dim: object = None,
+        index_head_dim: object = None,
+        max_tokens: object = None,
+        role: object = "target",
+        *,
+        codec: LatentCodec | None = None,
+        bits: int | None = None,
+        group_size: int | None = None,
+        start: int = 0,
+    ) -> None:
+        self.latent_codec, self.start = encoded_codec(
+            type(self).__name__, codec, bits, group_size, start
+        )
+        super().__init__(kv_lora_rank, rope_head_dim, index_head_dim, max_tokens, role)
+
+    def _new_empty(self) -> EncodedLatentCache:
+        o = self.options
+        return type(self)(
+            o.kv_lora_rank, o.rope_head_dim, o.index_head_dim, o.max_tokens, o.role,
+            codec=self.latent_codec, start=self.start,
+        )  # fmt: skip
+
+    def signature(self) -> str:
+        return f"kv:mla-encoded:{self.options.signature_role}:{self.latent_codec.key}:{self.start}"
+
+    def _set_codec(self, codec: LatentCodec, start: int) -> None:
+        self.latent_codec, self.start = encoded_codec(
+            type(self).__name__, None if isinstance(codec, Plain) else codec, None, None, start
+        )
+        if isinstance(codec, Plain):
+            raise InvalidInputError(f"{type(self).__name__}: the state holds a plain latent")

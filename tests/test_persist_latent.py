@@ -1,0 +1,149 @@
+"""Saved state of the latent caches (``kvrows.latent.LATENT_FIELDS``, ``spec/persistence.md``).
+
+Oracles: the cache that was saved (a restored cache reads the same bytes and continues
+the same), the other implementation (a file loads into either), and refusals of
+inconsistent states that leave the target unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kvrows.optimized as opt
+import kvrows.reference as ref
+from kvrows.conformance.arrays import from_mlx
+from kvrows.errors import CorruptStateError, InvalidInputError
+from kvrows.forms import state_form
+from kvrows.latent import LATENT_FIELDS
+from kvrows.persist.prompt_cache import load_prompt_cache, save_prompt_cache
+from kvrows.schemes import Affine, Turbo
+
+CODECS: list[Any] = [None, Affine(bits=4, group_size=32), Turbo(k_bits=8, v_bits=3)]
+
+
+@pytest.fixture(autouse=True)
+def _cpu() -> Iterator[None]:
+    with mx.stream(mx.cpu):
+        yield
+
+
+def _np(value: Any) -> Any:
+    return from_mlx(value) if isinstance(value, mx.array) else np.asarray(value)
+
+
+def _filled(impl: Any, codec: Any, seed: int = 0) -> Any:
+    """Three rows (5, 2 and 0 tokens), DSA, start 3: rows read exact and encoded."""
+    convert = (lambda a: a) if impl is ref else mx.array
+    rng = np.random.default_rng(seed)
+    rows = []
+    for n in (5, 2, 0):
+        cache = impl.MLACache(64, 16, 32) if codec is None else (
+            impl.EncodedLatentCache(64, 16, 32, codec=codec, start=3)
+        )  # fmt: skip
+        if n:
+            blocks = [rng.standard_normal((1, 1, n, w)).astype(np.float32) for w in (64, 16, 32)]
+            cache.append(*(convert(b) for b in blocks))
+        rows.append(cache)
+    layout = rows[0].make_empty_batch()
+    layout.merge_rows(rows)
+    return layout
+
+
+def _reads(cache: Any) -> list[Any]:
+    return [None if a is None else _np(a) for a in cache.current()]
+
+
+def _same_rows(a: Any, b: Any) -> None:
+    assert (a.row_offsets, a.left_pad, a.converted) == (b.row_offsets, b.left_pad, b.converted)
+    assert a.signature() == b.signature()
+    for x, y, pad in zip(_reads(a), _reads(b), [a.left_pad] * 3, strict=True):
+        if x is None:
+            assert y is None
+            continue
+        for row, p in enumerate(pad):
+            assert np.array_equal(x[row, :, p:], y[row, :, p:])
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=["plain", "affine", "turbo"])
+@pytest.mark.parametrize("impl", [ref, opt], ids=["reference", "optimized"])
+def test_state_round_trip_and_continue(impl: Any, codec: Any) -> None:
+    cache = _filled(impl, codec)
+    state = cache.state
+    assert len(state) == len(LATENT_FIELDS)
+    assert state_form(cache.composition).fields == LATENT_FIELDS
+    back = type(cache).from_state(state)
+    _same_rows(back, cache)
+    convert = (lambda a: a) if impl is ref else mx.array
+    blocks = [np.full((3, 1, 1, w), 0.5, np.float32) for w in (64, 16, 32)]
+    for target in (cache, back):
+        target.append(*(convert(b) for b in blocks))
+    _same_rows(back, cache)
+    # start 3: rows at 6 and 3 tokens read encoded from now on (a plain latent never does)
+    assert back.converted == ((False,) * 3 if codec is None else (True, True, False))
+    other = type(cache).from_state(cache.state)  # the setter: same signature
+    fresh = _filled(impl, codec, seed=1)
+    fresh.state = other.state
+    _same_rows(fresh, cache)
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=["plain", "affine", "turbo"])
+def test_files_load_into_either_implementation(tmp_path: Path, codec: Any) -> None:
+    path = tmp_path / "latent.safetensors"
+    saved = [_filled(opt, codec), opt.MLACache()]
+    save_prompt_cache(path, saved)
+    mine = load_prompt_cache(path)
+    _same_rows(mine[0], saved[0])
+    assert mine[1].batch_size == 0 and mine[1].signature() == "kv:mla:target"
+    theirs = load_prompt_cache(path, implementation="reference")
+    twin = _filled(ref, codec)
+    assert (theirs[0].row_offsets, theirs[0].converted) == (twin.row_offsets, twin.converted)
+    for got, want in zip(_reads(theirs[0]), _reads(twin), strict=True):
+        if want is not None:
+            for row, pad in enumerate(twin.left_pad):
+                assert np.array_equal(got[row, :, pad:], want[row, :, pad:])
+    data = bytearray(path.read_bytes())
+    data[-20] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptStateError):
+        load_prompt_cache(path)
+
+
+@pytest.mark.parametrize("impl", [ref, opt], ids=["reference", "optimized"])
+def test_inconsistent_states_are_refused(impl: Any) -> None:
+    good = _filled(impl, Affine(bits=4, group_size=32)).state
+    plain = _filled(impl, None).state
+    ints = (lambda v: np.array(v, np.int32)) if impl is ref else (lambda v: mx.array(v, mx.int32))
+
+    def changed(base: tuple[Any, ...], **fields: Any) -> tuple[Any, ...]:
+        values = dict(zip(LATENT_FIELDS, base, strict=True))
+        values.update(fields)
+        return tuple(values[name] for name in LATENT_FIELDS)
+
+    bad = [
+        good[:-1],  # a field short
+        changed(good, offset=ints([5, 2, 7])),  # a row past the planes' width
+        changed(good, converted=ints([1, 0, 2])),  # a flag that is not 0/1
+        changed(good, exact=None),  # rows read exact with no exact latent
+        changed(good, latent=good[0][:2]),  # affine planes missing
+        changed(good, rope=good[2]),  # the rope plane of the index's width
+        changed(good, role=5),
+        changed(good, bits=4, group_size=None),
+        changed(plain, converted=ints([1, 0, 0])),  # a plain latent never converts
+    ]
+    for state in bad:
+        with pytest.raises(InvalidInputError):
+            impl.EncodedLatentCache.from_state(state)
+    with pytest.raises(InvalidInputError):
+        impl.MLACache.from_state(good)  # an encoded state into the plain cache
+    target = _filled(impl, None)
+    before = _reads(target)
+    with pytest.raises(InvalidInputError):
+        target.state = good  # another signature: refused, unchanged
+    for a, b in zip(_reads(target), before, strict=True):
+        assert (a is None and b is None) or np.array_equal(a, b)
