@@ -25,12 +25,15 @@ from kvrows.optimized.lego import (
     Bf16FirstTurboQuantKVCache,
 )
 from kvrows.optimized.mlxlm_batch import BatchKVCache, BatchRotatingKVCache
+from kvrows.optimized.recurrent import BatchedSSMCache, SSMCache
 from kvrows.optimized.rows import DECLARED
 
 __all__ = [
     *classes.__all__,
     "BatchKVCache",
     "BatchRotatingKVCache",
+    "BatchedSSMCache",
+    "SSMCache",
     "Bf16FirstQuantizedKVCache",
     "Bf16FirstRotatingQuantizedKVCache",
     "Bf16FirstTurboQuantKVCache",
@@ -46,7 +49,8 @@ def declared_classes() -> Mapping[str, type[Any]]:
     """Every public class, by composition name: the row storages (``rows.DECLARED``) and
     the delayed layouts, which compose two of them (what this module registers)."""
     delayed = (DelayedQuantizedKVCache, DelayedRotatingQuantizedKVCache, DelayedTurboQuantKVCache)
-    return {**DECLARED, **{cls.composition.name: cls for cls in delayed}}
+    recurrent = (SSMCache, BatchedSSMCache)  # recurrent state: its own row machinery
+    return {**DECLARED, **{cls.composition.name: cls for cls in (*delayed, *recurrent)}}
 
 
 register_compositions(declared_classes())

@@ -20,6 +20,7 @@ from kvrows.reference.lego import (
     Bf16FirstRotatingQuantizedKVCache,
     Bf16FirstTurboQuantKVCache,
 )
+from kvrows.reference.recurrent import BatchedSSMCache, SSMCache
 
 __all__ = [
     *_classes,
@@ -29,6 +30,8 @@ __all__ = [
     "DelayedQuantizedKVCache",
     "DelayedRotatingQuantizedKVCache",
     "DelayedTurboQuantKVCache",
+    "BatchedSSMCache",
+    "SSMCache",
     "attend",
     "attention",
 ]
