@@ -1,0 +1,121 @@
+"""Tiny random-weight recurrent models from mlx-lm configs (no download), and the
+recurrent geometry a model's config declares.
+
+``tiny_hybrid_model("qwen3_next")`` is Qwen3-Next's hybrid layout (gated DeltaNet layers
+with a full-attention layer every second layer, MoE MLPs); ``tiny_hybrid_model("mamba2")``
+a pure Mamba2 SSM. Their ``make_cache()`` gives mlx-lm's ``ArraysCache`` for the
+recurrent layers, which ``kvrows.app.models.make_kvrows_cache`` serves with ``SSMCache``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from kvrows.errors import InvalidInputError
+from kvrows.recurrent import RecurrentGeometry
+
+__all__ = ["HYBRID_ARCHITECTURES", "recurrent_geometry", "tiny_hybrid_model"]
+
+HYBRID_ARCHITECTURES = ("qwen3_next", "mamba2")
+
+
+def tiny_hybrid_model(arch: str, *, seed: int = 0, vocab: int = 256) -> Any:
+    """A small random-weight float32 mlx-lm model of ``arch`` (``qwen3_next`` or ``mamba2``)."""
+    model: Any
+    if arch == "qwen3_next":
+        from mlx_lm.models import qwen3_next
+
+        model = qwen3_next.Model(
+            qwen3_next.ModelArgs(
+                model_type="qwen3_next",
+                hidden_size=64,
+                num_hidden_layers=4,
+                intermediate_size=128,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=32,
+                linear_num_value_heads=4,
+                linear_num_key_heads=2,
+                linear_key_head_dim=32,
+                linear_value_head_dim=16,
+                linear_conv_kernel_dim=4,
+                num_experts=4,
+                num_experts_per_tok=2,
+                decoder_sparse_step=1,
+                shared_expert_intermediate_size=64,
+                mlp_only_layers=[],
+                moe_intermediate_size=64,
+                rms_norm_eps=1e-6,
+                vocab_size=vocab,
+                rope_theta=10000.0,
+                partial_rotary_factor=0.5,
+                max_position_embeddings=512,
+                tie_word_embeddings=True,
+                full_attention_interval=2,
+            )
+        )
+    elif arch == "mamba2":
+        from mlx_lm.models import mamba2
+
+        model = mamba2.Model(
+            mamba2.ModelArgs(
+                model_type="mamba2",
+                num_heads=8,
+                head_dim=16,
+                vocab_size=vocab,
+                hidden_size=64,
+                intermediate_size=128,
+                state_size=16,
+                num_hidden_layers=3,
+                layer_norm_epsilon=1e-5,
+                conv_kernel=4,
+                n_groups=2,
+                use_bias=False,
+                use_conv_bias=True,
+                tie_word_embeddings=True,
+                time_step_limit=(0.001, 100.0),
+                time_step_rank="auto",
+            )
+        )
+    else:
+        raise InvalidInputError(
+            f"unknown recurrent architecture {arch!r}: expected one of {HYBRID_ARCHITECTURES}"
+        )
+    mx.random.seed(seed)
+    from mlx.utils import tree_map
+
+    params = tree_map(lambda p: mx.random.normal(p.shape) * 0.08, model.parameters())
+    model.update(params)
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+def recurrent_geometry(model: Any) -> RecurrentGeometry | None:
+    """The planes every recurrent layer of ``model`` holds, from its config: gated
+    DeltaNet (``linear_*`` fields: conv ``(K - 1, 2 * Hk * Dk + Hv * Dv)`` in the
+    activation dtype, recurrent ``(Hv, Dv, Dk)`` float32); ``None`` where the config does
+    not say (Mamba2's SSD state takes the dtype its computation yields: the cache learns
+    it from the layer's first write)."""
+    args: Any = getattr(model, "args", object())
+    names = ("linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim")
+    if not all(hasattr(args, name) for name in (*names, "linear_value_head_dim")):
+        return None
+    from mlx.utils import tree_flatten
+
+    dtype = next(
+        (
+            str(item[1].dtype).rsplit(".", 1)[-1]
+            for item in tree_flatten(model.parameters())
+            if isinstance(item[1], mx.array) and mx.issubdtype(item[1].dtype, mx.floating)
+        ),
+        None,
+    )
+    if dtype is None:
+        return None
+    hv, hk = int(args.linear_num_value_heads), int(args.linear_num_key_heads)
+    dk, dv = int(args.linear_key_head_dim), int(args.linear_value_head_dim)
+    kernel = int(args.linear_conv_kernel_dim)
+    return RecurrentGeometry((kernel - 1, 2 * hk * dk + hv * dv), dtype, (hv, dv, dk), "float32")
