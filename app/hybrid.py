@@ -16,7 +16,12 @@ import mlx.core as mx
 from kvrows.errors import InvalidInputError
 from kvrows.recurrent import RecurrentGeometry
 
-__all__ = ["HYBRID_ARCHITECTURES", "recurrent_geometry", "tiny_hybrid_model"]
+__all__ = [
+    "HYBRID_ARCHITECTURES",
+    "record_recurrent_layers",
+    "recurrent_geometry",
+    "tiny_hybrid_model",
+]
 
 HYBRID_ARCHITECTURES = ("qwen3_next", "mamba2")
 
@@ -119,3 +124,43 @@ def recurrent_geometry(model: Any) -> RecurrentGeometry | None:
     dk, dv = int(args.linear_key_head_dim), int(args.linear_value_head_dim)
     kernel = int(args.linear_conv_kernel_dim)
     return RecurrentGeometry((kernel - 1, 2 * hk * dk + hv * dv), dtype, (hv, dv, dk), "float32")
+
+
+class _RecordingLayer:
+    """A recurrent mixer that, as a verify round's forward, hands its input and a replay
+    to a ``BatchedSSMCache`` (the replay runs the same mixer over a prefix of that input,
+    masked per row by the cache: ``spec_round_rollback``). Not a module: the layer keeps
+    the mixer among its children, so the parameter tree is unchanged."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        if cache is not None and getattr(cache, "spec_round_awaits_record", False):
+            inner = self.inner
+
+            def replay(target: Any, prefix: mx.array) -> object:
+                return inner(prefix, target.make_mask(prefix.shape[1]), target)
+
+            cache.spec_round_record(replay, x)
+        out: mx.array = self.inner(x, mask, cache)
+        return out
+
+
+#: The attribute each recurrent architecture's layers keep their mixer under.
+_MIXERS = ("linear_attn", "mixer")
+
+
+def record_recurrent_layers(model: Any) -> int:
+    """Wrap every recurrent mixer of ``model`` (in place) so verify rounds on
+    ``BatchedSSMCache`` can roll back (snapshot + replay); returns how many were wrapped.
+    The wrapped model computes exactly what it did (the wrapper only records)."""
+    wrapped = 0
+    for layer in model.layers:
+        for name in _MIXERS:
+            mixer = getattr(layer, name, None)
+            if mixer is None or isinstance(mixer, _RecordingLayer):
+                continue
+            setattr(layer, name, _RecordingLayer(mixer))
+            wrapped += 1
+    return wrapped

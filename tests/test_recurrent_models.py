@@ -15,10 +15,16 @@ import numpy as np
 import pytest
 
 import kvrows.optimized as kv
-from kvrows.app.hybrid import HYBRID_ARCHITECTURES, recurrent_geometry, tiny_hybrid_model
+from kvrows.app.hybrid import (
+    HYBRID_ARCHITECTURES,
+    record_recurrent_layers,
+    recurrent_geometry,
+    tiny_hybrid_model,
+)
 from kvrows.app.models import make_kvrows_cache
 from kvrows.recurrent import RecurrentRows
-from kvrows.table import owned_cache_layout
+from kvrows.speculative import RowRound
+from kvrows.table import owned_cache_layout, target_cache_layout
 
 generate: Any = importlib.import_module("mlx_lm.generate")
 
@@ -150,3 +156,42 @@ def test_geometry_is_declared_from_the_config() -> None:
     layout = owned_cache_layout(cache)
     assert layout is not None and layout.projected_bytes(0) == g.row_bytes()
     assert recurrent_geometry(tiny_hybrid_model("mamba2")) is None  # learnt at the first write
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_verify_round_rolls_back_to_the_accepted_run(arch: str) -> None:
+    """A verify round through the model's own layers (``record_recurrent_layers``): each
+    row's state and next logits after a per-row rollback equal a solo run that saw only
+    the accepted tokens (mlx-lm's layers replay the accepted prefix, masked per row)."""
+    model = tiny_hybrid_model(arch)
+    assert record_recurrent_layers(model) > 0
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 256, (1, n)) for n in (5, 9, 3)]
+    rows = []
+    for prompt in prompts:
+        caches = make_kvrows_cache(model)
+        model(mx.array(prompt), cache=caches)
+        rows.append(caches)
+    layers: list[Any] = []
+    for index in range(len(rows[0])):
+        layout = target_cache_layout(rows[0][index])
+        layout.merge_rows([row[index] for row in rows])
+        layers.append(layout)
+    drafts, accepted = 3, [0, 3, 1]
+    block = rng.integers(0, 256, (3, drafts + 1))
+    round_ = RowRound(layers)
+    round_.begin(drafts)
+    model(mx.array(block), cache=layers)
+    round_.resolve(accepted)
+    following = rng.integers(0, 256, (3, 1))
+    logits = model(mx.array(following), cache=layers)
+    for b, (prompt, count) in enumerate(zip(prompts, accepted, strict=True)):
+        solo = make_kvrows_cache(model)
+        model(mx.array(prompt), cache=solo)
+        model(mx.array(block[b : b + 1, : count + 1]), cache=solo)
+        assert _same(logits[b : b + 1], model(mx.array(following[b : b + 1]), cache=solo))
+        for layout, alone in zip(layers, solo, strict=True):
+            if isinstance(alone, kv.SSMCache):
+                row = layout.extract_row(b)
+                assert _same(row[0], alone[0]) and _same(row[1], alone[1])
+                assert row.offset == alone.offset == prompt.shape[1] + count + 2
