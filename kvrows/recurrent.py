@@ -552,15 +552,23 @@ class RecurrentRows:
         self.__dict__.update(fresh.__dict__)
 
     @classmethod
-    def from_state(cls, state: Any, meta_state: Any = None, **_: Any) -> Self:
-        """A new cache holding ``state`` (refused, changing nothing, when it does not fit)."""
+    def from_state(
+        cls,
+        state: Any,
+        meta_state: Any = None,
+        *,
+        geometry: RecurrentGeometry | None = None,
+        **_: Any,
+    ) -> Self:
+        """A new cache holding ``state`` (refused, changing nothing, when it does not fit);
+        ``geometry`` declares the planes of a state that holds none (a file's record)."""
         name = cls.composition.name
         if isinstance(state, str | bytes) or not isinstance(state, Sequence) or len(state) != 3:
             raise InvalidInputError(
                 f"{name} state must be (conv, recurrent, offset), got {state!r}"
             )
         conv, recurrent, offset = state
-        fresh = cls()
+        fresh = cls(geometry=geometry)
         if cls.is_layout:
             if hasattr(offset, "tolist"):
                 offset = fresh._ints_of(offset)
@@ -579,6 +587,10 @@ class RecurrentRows:
             fresh._offsets = offsets
             return fresh
         kinds = [fresh._check_free(i, p) for i, p in enumerate((conv, recurrent))]
+        if geometry is not None and kinds != fresh._kinds:
+            raise InvalidInputError(
+                f"{name} state: planes {kinds} do not match the declared {geometry.describe()}"
+            )
         rows = {fresh._shape(conv)[0], fresh._shape(recurrent)[0]}
         if len(rows) != 1 or (cls.is_layout and rows != {len(offsets)}):
             raise InvalidInputError(
