@@ -32,7 +32,9 @@ import numpy as np
 
 from kvrows.app.attention import attention_scope
 from kvrows.app.engine import Engine, EngineStats, Request, RequestResult, model_fingerprint
+from kvrows.app.hybrid import HYBRID_ARCHITECTURES, tiny_hybrid_model
 from kvrows.app.models import ARCHITECTURES, draft_model, make_kvrows_cache, tiny_model
+from kvrows.errors import InvalidInputError
 from kvrows.maintenance import create_kv_maintenance
 from kvrows.persist.prefix_store import PrefixStore
 from kvrows.protocols import RingGeometry
@@ -312,7 +314,20 @@ def _print_table(rows: list[list[str]], header: list[str] | None = None) -> None
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
 
 
-def _models(model_path: str | None) -> list[tuple[str, Any]]:
+def _models(model_path: str | None, *, hybrid: bool = True) -> list[tuple[str, Any]]:
+    """The models to run: a checkpoint directory, one built-in tiny architecture by name
+    (``llama``, ``gemma3``, ``qwen3_next``, ``mamba2``), ``hybrid`` (the two recurrent
+    ones), or by default the attention ones (``llama``, ``gemma3``). ``hybrid`` false
+    refuses the recurrent ones (the engine's draft cannot yet run on recurrent layers)."""
+    if model_path == "hybrid" or model_path in HYBRID_ARCHITECTURES:
+        if not hybrid:
+            raise InvalidInputError(
+                f"{model_path}: speculative decoding does not run recurrent models yet"
+            )
+        names = HYBRID_ARCHITECTURES if model_path == "hybrid" else (model_path,)
+        return [(name, tiny_hybrid_model(name)) for name in names]
+    if model_path in ARCHITECTURES:
+        return [(model_path, tiny_model(model_path))]
     if model_path is not None:
         from mlx_lm import load
 
@@ -354,7 +369,7 @@ def run_speculative_demo(
     1 if any request's greedy tokens differ or the speculative logits fail the solo check."""
     rows: list[list[str]] = []
     failed = False
-    for name, model in _models(model_path):
+    for name, model in _models(model_path, hybrid=False):
         vocab = int(model.args.vocab_size) if hasattr(model, "args") else 256
         first = builtin_trace(requests, vocab=min(vocab, 256))
         draft = draft_model(model, draft_layers)

@@ -40,7 +40,7 @@ def tiny_hybrid_model(arch: str, *, seed: int = 0, vocab: int = 256) -> Any:
                 intermediate_size=128,
                 num_attention_heads=4,
                 num_key_value_heads=2,
-                head_dim=32,
+                head_dim=64,  # a TurboQuant head dim
                 linear_num_value_heads=4,
                 linear_num_key_heads=2,
                 linear_key_head_dim=32,
@@ -161,6 +161,8 @@ def record_recurrent_layers(model: Any) -> int:
             mixer = getattr(layer, name, None)
             if mixer is None or isinstance(mixer, _RecordingLayer):
                 continue
-            setattr(layer, name, _RecordingLayer(mixer))
+            # Past mlx's Module.__setattr__, which would drop the mixer from the layer's
+            # children: the call finds the wrapper, the parameter tree still the mixer.
+            object.__setattr__(layer, name, _RecordingLayer(mixer))
             wrapped += 1
     return wrapped

@@ -515,9 +515,11 @@ class RecurrentRows:
         return False
 
     def trim(self, n: int) -> int:
-        """Recurrent state cannot forget tokens (a rollback replays instead)."""
+        """Recurrent state cannot forget tokens (a rollback replays instead): ``trim(0)``
+        returns 0, any other count raises ``NotTrimmableError``."""
         self._spec_guard("trim (use spec_round_rollback)")
-        as_count(n, "n")
+        if as_count(n, "n") == 0:
+            return 0
         raise NotTrimmableError(
             f"{self.composition.name} is not trimmable: recurrent state is a running summary "
             "of every token (roll back a verify round with spec_round_rollback)"

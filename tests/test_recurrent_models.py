@@ -195,3 +195,20 @@ def test_verify_round_rolls_back_to_the_accepted_run(arch: str) -> None:
                 row = layout.extract_row(b)
                 assert _same(row[0], alone[0]) and _same(row[1], alone[1])
                 assert row.offset == alone.offset == prompt.shape[1] + count + 2
+
+
+def test_kvrows_demo_runs_the_recurrent_models(capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvrows demo --model hybrid``: the engine batches, prefix-caches (rows publish at
+    their exact coverage) and passes the batch-invariance check on both models."""
+    from kvrows.app.cli import main
+
+    assert (
+        main(["demo", "--model", "hybrid", "--scheme", "plain", "--requests", "3", "--quiet"]) == 0
+    )
+    table = capsys.readouterr().out
+    rows = [
+        line.split()
+        for line in table.splitlines()
+        if line.split()[:2] in (["qwen3_next", "plain"], ["mamba2", "plain"])
+    ]
+    assert len(rows) == 2 and all(row[-1] == "PASS" for row in rows), table
