@@ -40,7 +40,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from kvrows.conformance.arrays import from_mlx, to_mlx
 from kvrows.conformance.families import Family, Impl, LayoutSpec
 from kvrows.conformance.stats import Stats
-from kvrows.conformance.tolerances import EXACT, TOLERANCES, Tolerance, compare
+from kvrows.conformance.tolerances import TOLERANCES, compare
 from kvrows.errors import (
     IncompatibleRowsError,
     InvalidInputError,
@@ -67,18 +67,6 @@ RECURRENT_CHECKS = (
     "state round trip",
     "rollback vs accepted-only run",
 )
-
-#: The recurrent plane and the layer's output, reference (NumPy float32, step by step) vs
-#: optimized (MLX float32): the same arithmetic in another reduction order; the state stays
-#: O(1) (gated decay, normalized keys), so a few float32 ulps per step, accumulated.
-RECURRENT_TOLERANCE = Tolerance(atol=1e-5, rtol=1e-4)
-for _dtype in ("float32", "float16", "bfloat16"):
-    TOLERANCES[("recurrent", "state.conv", _dtype)] = EXACT
-    TOLERANCES[("recurrent", "state.solo", _dtype)] = EXACT
-    TOLERANCES[("recurrent", "state.mlx_lm", _dtype)] = EXACT
-TOLERANCES[("recurrent", "state.recurrent", "float32")] = RECURRENT_TOLERANCE
-TOLERANCES[("recurrent", "output", "float32")] = RECURRENT_TOLERANCE
-TOLERANCES[("recurrent", "output.solo", "float32")] = EXACT
 
 _DTYPES = ("bfloat16", "float16", "float32")
 
