@@ -51,11 +51,17 @@ class _MlxRows(RecurrentRows):
 
     @staticmethod
     def _concat(parts: list[Any]) -> Any:
-        return _owned(mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0])
+        if len(parts) == 1:
+            return _owned(parts[0])
+        joined = mx.concatenate(parts, axis=0)  # a new buffer: nothing to copy again
+        mx.eval(joined)
+        return joined
 
     @staticmethod
     def _take(value: Any, rows: list[int]) -> Any:
-        return _owned(mx.take(value, mx.array(rows, dtype=mx.int32), axis=0))
+        taken = mx.take(value, mx.array(rows, dtype=mx.int32), axis=0)  # a gather: new buffer
+        mx.eval(taken)
+        return taken
 
     @staticmethod
     def _zeros(shape: tuple[int, ...], dtype: str) -> Any:
