@@ -359,3 +359,29 @@ def test_table_roles_and_geometry(impl: str) -> None:
     assert not serial.is_trimmable()
     with pytest.raises(LayoutStateError):
         side.module.BatchedSSMCache().projected_bytes(1)
+
+
+def test_an_extracted_row_does_not_pin_the_batch() -> None:
+    """(semantics §9.4.5) After extracting the last row of B in {1, 2, 4, 8} and dropping the
+    layout, what stays alive is the row's own bytes: an extract is an owned copy."""
+    import gc
+
+    for rows in (1, 2, 4, 8):
+        layout = opt.BatchedSSMCache()
+        serials = []
+        for _ in range(rows):
+            serial = opt.SSMCache()
+            serial[0] = mx.ones((1, K - 1, 512), mx.bfloat16)
+            serial[1] = mx.ones((1, 8, 64, 64), mx.float32)
+            serials.append(serial)
+        layout.merge_rows(serials)
+        del serials, serial
+        gc.collect()
+        mx.eval(layout.held_arrays())
+        start = mx.get_active_memory()
+        row = layout.extract_row(rows - 1)
+        batch_bytes = layout.nbytes
+        del layout
+        gc.collect()
+        assert mx.get_active_memory() - start <= row.nbytes + 4096 - batch_bytes, rows
+        assert row.nbytes == (K - 1) * 512 * 2 + 8 * 64 * 64 * 4
