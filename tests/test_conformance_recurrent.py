@@ -11,17 +11,18 @@ compared quantity, every activation dtype, and the bad inputs.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import mlx.core as mx
 import pytest
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvrows.conformance.families import FAMILIES
+from kvrows.conformance.families import FAMILIES, optimized_impl
 from kvrows.conformance.machines import machine_class
 from kvrows.conformance.recurrent import RECURRENT_CHECKS, RecurrentMachine
 from kvrows.conformance.runner import family_settings, format_report, run_machines
 from kvrows.conformance.stats import Stats
+from kvrows.optimized.recurrent import BatchedSSMCache
 
 FAMILY = FAMILIES["recurrent"]
 
@@ -84,3 +85,42 @@ def test_runner_runs_the_recurrent_family() -> None:
     assert [(r.family, r.layout) for r in results] == [("recurrent", "BatchedSSMCache")]
     assert all(r.passed for r in results), [r.failure for r in results]
     assert "BatchedSSMCache" in format_report(results, "ci")
+
+
+# -- teeth: planted bugs in the optimized layout are caught ------------------------------
+
+
+class _NoReplay(BatchedSSMCache):
+    """Rollback restores the snapshot and moves the positions, but replays nothing."""
+
+    def _spec_forget(self, counts: Sequence[int]) -> None:
+        assert self._snapshot is not None and self._spec_block is not None
+        planes, offsets = self._snapshot
+        self._planes = list(planes)
+        self._offsets = [
+            o + b - c for o, b, c in zip(offsets, self._spec_block, counts, strict=True)
+        ]
+
+
+class _PublishesCutRows(BatchedSSMCache):
+    """A row publishes at any coverage it has reached."""
+
+    def can_publish_row(self, row: int, tokens: int) -> bool:
+        return self[0] is not None and self.row_offsets[row] >= tokens
+
+
+class _FilterKeepsOrder(BatchedSSMCache):
+    """Filter keeps the named rows in ascending order, not the order asked."""
+
+    def filter_rows(self, keep: Sequence[int]) -> None:
+        super().filter_rows(sorted(keep))
+
+
+@pytest.mark.parametrize("mutant", [_NoReplay, _PublishesCutRows, _FilterKeepsOrder])
+def test_the_machine_catches_planted_bugs(mutant: type[BatchedSSMCache]) -> None:
+    impl = optimized_impl().with_classes({"BatchedSSMCache": mutant}, name=mutant.__name__)
+    machine = machine_class(
+        FAMILY, "BatchedSSMCache", optimized=impl, name=f"Teeth{mutant.__name__}"
+    )
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(machine, settings=family_settings(FAMILY, "teeth"))
