@@ -310,7 +310,7 @@ class RecurrentMachine(RuleBasedStateMachine):
         build = {"decode": owned_cache_layout, "prefill": prefill_cache_layout}.get(
             role, target_cache_layout
         )
-        table = build(serial)
+        table: Any = build(serial)
         assert type(table).__name__ == "BatchedSSMCache" and table.batch_size == 0, role
         self.stats.check("table roles")
         return impl.new("BatchedSSMCache")
