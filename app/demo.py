@@ -32,9 +32,8 @@ import numpy as np
 
 from kvrows.app.attention import attention_scope
 from kvrows.app.engine import Engine, EngineStats, Request, RequestResult, model_fingerprint
-from kvrows.app.hybrid import HYBRID_ARCHITECTURES, tiny_hybrid_model
+from kvrows.app.hybrid import HYBRID_ARCHITECTURES, record_recurrent_layers, tiny_hybrid_model
 from kvrows.app.models import ARCHITECTURES, draft_model, make_kvrows_cache, tiny_model
-from kvrows.errors import InvalidInputError
 from kvrows.maintenance import create_kv_maintenance
 from kvrows.persist.prefix_store import PrefixStore
 from kvrows.protocols import RingGeometry
@@ -314,16 +313,12 @@ def _print_table(rows: list[list[str]], header: list[str] | None = None) -> None
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
 
 
-def _models(model_path: str | None, *, hybrid: bool = True) -> list[tuple[str, Any]]:
+def _models(model_path: str | None) -> list[tuple[str, Any]]:
     """The models to run: a checkpoint directory, one built-in tiny architecture by name
     (``llama``, ``gemma3``, ``qwen3_next``, ``mamba2``), ``hybrid`` (the two recurrent
-    ones), or by default the attention ones (``llama``, ``gemma3``). ``hybrid`` false
-    refuses the recurrent ones (the engine's draft cannot yet run on recurrent layers)."""
+    ones), or by default the attention ones (``llama``, ``gemma3``). Recurrent mixers are
+    wrapped to record verify rounds (``record_recurrent_layers``; nothing else changes)."""
     if model_path == "hybrid" or model_path in HYBRID_ARCHITECTURES:
-        if not hybrid:
-            raise InvalidInputError(
-                f"{model_path}: speculative decoding does not run recurrent models yet"
-            )
         names = HYBRID_ARCHITECTURES if model_path == "hybrid" else (model_path,)
         return [(name, tiny_hybrid_model(name)) for name in names]
     if model_path in ARCHITECTURES:
@@ -332,6 +327,7 @@ def _models(model_path: str | None, *, hybrid: bool = True) -> list[tuple[str, A
         from mlx_lm import load
 
         loaded = load(model_path)
+        record_recurrent_layers(loaded[0])
         return [(model_path, loaded[0])]
     return [(arch, tiny_model(arch)) for arch in ARCHITECTURES]
 
@@ -369,10 +365,11 @@ def run_speculative_demo(
     1 if any request's greedy tokens differ or the speculative logits fail the solo check."""
     rows: list[list[str]] = []
     failed = False
-    for name, model in _models(model_path, hybrid=False):
+    for name, model in _models(model_path):
         vocab = int(model.args.vocab_size) if hasattr(model, "args") else 256
         first = builtin_trace(requests, vocab=min(vocab, 256))
         draft = draft_model(model, draft_layers)
+        record_recurrent_layers(draft)
         for scheme_name in schemes or SCHEMES:
             scheme = parse_scheme(scheme_name, kv_start)
             runs: list[tuple[list[RequestResult], EngineStats]] = []

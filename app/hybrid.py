@@ -27,7 +27,8 @@ HYBRID_ARCHITECTURES = ("qwen3_next", "mamba2")
 
 
 def tiny_hybrid_model(arch: str, *, seed: int = 0, vocab: int = 256) -> Any:
-    """A small random-weight float32 mlx-lm model of ``arch`` (``qwen3_next`` or ``mamba2``)."""
+    """A small random-weight float32 mlx-lm model of ``arch`` (``qwen3_next`` or ``mamba2``),
+    its recurrent mixers wrapped by :func:`record_recurrent_layers`."""
     model: Any
     if arch == "qwen3_next":
         from mlx_lm.models import qwen3_next
@@ -95,6 +96,7 @@ def tiny_hybrid_model(arch: str, *, seed: int = 0, vocab: int = 256) -> Any:
     model.update(params)
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
+    record_recurrent_layers(model)  # verify rounds on its recurrent layers can roll back
     return model
 
 

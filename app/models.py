@@ -202,7 +202,12 @@ def draft_model(target: Any, layers: int | None = None) -> Any:
             f"{type(target).__name__} has no dataclass config and layer list to truncate"
         )
     total = len(target.layers)
-    pattern = int(getattr(args, "sliding_window_pattern", 1) or 1)
+    # one window of local/global layers (gemma3), or of linear/full attention (qwen3_next)
+    pattern = int(
+        getattr(args, "sliding_window_pattern", None)
+        or getattr(args, "full_attention_interval", None)
+        or 1
+    )
     count = min(total, pattern) if layers is None else layers
     if not 1 <= count <= total:
         raise InvalidInputError(f"a draft keeps 1..{total} of the target's layers, got {count}")
