@@ -56,7 +56,13 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     demo = commands.add_parser("demo", help="continuous batching on the embedded models")
-    demo.add_argument("--model", default=None, help="a local mlx-lm checkpoint directory")
+    demo.add_argument(
+        "--model",
+        default=None,
+        help="a local mlx-lm checkpoint directory, a built-in tiny architecture (llama, "
+        "gemma3, qwen3_next, mamba2), or hybrid (the two recurrent ones; default: llama "
+        "and gemma3)",
+    )
     demo.add_argument(
         "--scheme",
         action="append",

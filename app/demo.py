@@ -32,6 +32,7 @@ import numpy as np
 
 from kvrows.app.attention import attention_scope
 from kvrows.app.engine import Engine, EngineStats, Request, RequestResult, model_fingerprint
+from kvrows.app.hybrid import HYBRID_ARCHITECTURES, record_recurrent_layers, tiny_hybrid_model
 from kvrows.app.models import ARCHITECTURES, draft_model, make_kvrows_cache, tiny_model
 from kvrows.maintenance import create_kv_maintenance
 from kvrows.persist.prefix_store import PrefixStore
@@ -313,10 +314,20 @@ def _print_table(rows: list[list[str]], header: list[str] | None = None) -> None
 
 
 def _models(model_path: str | None) -> list[tuple[str, Any]]:
+    """The models to run: a checkpoint directory, one built-in tiny architecture by name
+    (``llama``, ``gemma3``, ``qwen3_next``, ``mamba2``), ``hybrid`` (the two recurrent
+    ones), or by default the attention ones (``llama``, ``gemma3``). Recurrent mixers are
+    wrapped to record verify rounds (``record_recurrent_layers``; nothing else changes)."""
+    if model_path == "hybrid" or model_path in HYBRID_ARCHITECTURES:
+        names = HYBRID_ARCHITECTURES if model_path == "hybrid" else (model_path,)
+        return [(name, tiny_hybrid_model(name)) for name in names]
+    if model_path in ARCHITECTURES:
+        return [(model_path, tiny_model(model_path))]
     if model_path is not None:
         from mlx_lm import load
 
         loaded = load(model_path)
+        record_recurrent_layers(loaded[0])
         return [(model_path, loaded[0])]
     return [(arch, tiny_model(arch)) for arch in ARCHITECTURES]
 
@@ -358,6 +369,7 @@ def run_speculative_demo(
         vocab = int(model.args.vocab_size) if hasattr(model, "args") else 256
         first = builtin_trace(requests, vocab=min(vocab, 256))
         draft = draft_model(model, draft_layers)
+        record_recurrent_layers(draft)
         for scheme_name in schemes or SCHEMES:
             scheme = parse_scheme(scheme_name, kv_start)
             runs: list[tuple[list[RequestResult], EngineStats]] = []

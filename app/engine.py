@@ -830,9 +830,12 @@ class _Drafter:
         self.next: list[int] = []
         fresh = make_kvrows_cache(model, self.scheme)
         # Layers a proposal runs on a scratch copy of: rings (a wrapped ring cannot forget
-        # single-token appends) and delayed layouts (an append past start converts a row,
-        # and a conversion cannot be trimmed away).
-        self.scratch = [isinstance(cache, RingGeometry | Bf16First) for cache in fresh]
+        # single-token appends), delayed layouts (an append past start converts a row,
+        # and a conversion cannot be trimmed away) and recurrent state (never trimmable).
+        self.scratch = [
+            isinstance(cache, RingGeometry | Bf16First) or not cache.is_trimmable()
+            for cache in fresh
+        ]
 
     def _forward(self, ids: mx.array, caches: Sequence[Any]) -> mx.array:
         return self.engine._forward(self.model, ids, caches)

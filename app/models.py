@@ -20,7 +20,8 @@ from typing import Any
 import mlx.core as mx
 
 import kvrows.optimized as kv
-from kvrows.compositions import Composition, serial_for_peer
+from kvrows.app.hybrid import recurrent_geometry
+from kvrows.compositions import Composition, composition, serial_for_peer
 from kvrows.errors import InvalidInputError
 from kvrows.schemes import (
     Affine,
@@ -37,6 +38,9 @@ from kvrows.validation import KvGeometry
 __all__ = ["ARCHITECTURES", "draft_model", "kv_geometry", "make_kvrows_cache", "tiny_model"]
 
 ARCHITECTURES = ("llama", "gemma3")
+
+#: mlx-lm's recurrent caches (``ArraysCache``): ``SSMCache`` serves them under every scheme.
+_RECURRENT_PEERS = composition("SSMCache").peers
 
 
 def kv_geometry(model: Any) -> KvGeometry | None:
@@ -109,6 +113,9 @@ def make_kvrows_cache(model: Any, scheme: KvStorageScheme | None = None) -> list
     scheme = scheme.resolve(len(template))  # negative layer indices count from the last
     caches: list[Any] = []
     for index, layer in enumerate(template):
+        if type(layer).__name__ in _RECURRENT_PEERS:  # recurrent state: no KV codec applies
+            caches.append(kv.SSMCache(geometry=recurrent_geometry(model)))
+            continue
         codec = scheme.codec_for_layer(index)
         if isinstance(codec, Turbo) and isinstance(layer, peer.RotatingKVCache):
             codec = Plain()  # TurboQuant is full attention only: sliding layers stay plain
@@ -199,7 +206,12 @@ def draft_model(target: Any, layers: int | None = None) -> Any:
             f"{type(target).__name__} has no dataclass config and layer list to truncate"
         )
     total = len(target.layers)
-    pattern = int(getattr(args, "sliding_window_pattern", 1) or 1)
+    # one window of local/global layers (gemma3), or of linear/full attention (qwen3_next)
+    pattern = int(
+        getattr(args, "sliding_window_pattern", None)
+        or getattr(args, "full_attention_interval", None)
+        or 1
+    )
     count = min(total, pattern) if layers is None else layers
     if not 1 <= count <= total:
         raise InvalidInputError(f"a draft keeps 1..{total} of the target's layers, got {count}")

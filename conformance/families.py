@@ -336,6 +336,12 @@ def _delayed_machine() -> type[Any]:
     return DelayedMachine
 
 
+def _recurrent_machine() -> type[Any]:
+    from kvrows.conformance.recurrent import RecurrentMachine
+
+    return RecurrentMachine
+
+
 def delayed_layouts() -> tuple[LayoutSpec, ...]:
     """The delayed layouts (each serves every role of its lego's rows; no mlx-lm peer)."""
     roles = ("decode", "prefill", "verify")
@@ -514,6 +520,30 @@ FAMILIES: dict[str, Family] = {
         # class keep the family near 8 s on one core.
         examples=0.15,
         steps=0.6,
+    ),
+    # Recurrent state (SSM / gated DeltaNet): rows of SSMCache in BatchedSSMCache, every
+    # role, verify rounds by snapshot + replay; its own machine (no token axis, no attention
+    # read: ``conformance.recurrent``), mlx-lm's ArraysCache as the parity twin.
+    "recurrent": Family(
+        name="recurrent",
+        serial="SSMCache",
+        layouts=(
+            LayoutSpec(
+                "BatchedSSMCache",
+                ("decode", "prefill", "verify"),
+                shared_column=False,
+                trim_rows=False,
+                peer=True,
+                serial="SSMCache",
+                tolerance_key="recurrent",
+            ),
+        ),
+        tolerance_key="recurrent",
+        description="recurrent state (conv + float32 state, layer-written): rows, padded runs, "
+        "snapshot + replay rounds, mlx-lm ArraysCache parity",
+        machine=_recurrent_machine,
+        examples=0.2,
+        steps=0.75,
     ),
 }
 

@@ -195,6 +195,20 @@ for _dtype in DTYPES:
     TOLERANCES[("turbo", "attention.solo", _dtype)] = _TURBO_SOLO[_dtype]
     TOLERANCES[("turbo", "attention.eager", _dtype)] = _TURBO_EAGER[_dtype]
 
+#: Recurrent state (``conformance.recurrent``): the conv plane is copied inputs (exact);
+#: the recurrent plane and the layer's output are float32 whatever the activation dtype
+#: (one row per dtype all the same), reference (NumPy, step by step) vs optimized (MLX):
+#: the same float32 arithmetic in another reduction order. Largest seen in 80 examples:
+#: 4.8e-7 (state), 1.8e-7 (output).
+_RECURRENT = Tolerance(atol=1e-5, rtol=1e-5)
+for _dtype in DTYPES:
+    TOLERANCES[("recurrent", "state.conv", _dtype)] = EXACT
+    TOLERANCES[("recurrent", "state.solo", _dtype)] = EXACT
+    TOLERANCES[("recurrent", "state.mlx_lm", _dtype)] = EXACT
+    TOLERANCES[("recurrent", "state.recurrent", _dtype)] = _RECURRENT
+    TOLERANCES[("recurrent", "output", _dtype)] = _RECURRENT
+    TOLERANCES[("recurrent", "output.solo", _dtype)] = EXACT
+
 #: Compared with ``==`` only, in every family.
 ALWAYS_EXACT = (
     "batch_size",

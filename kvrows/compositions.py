@@ -228,7 +228,7 @@ COMPOSITIONS: tuple[Composition, ...] = (
     # -- recurrent (issue 14) --------------------------------------------------------
     Composition(name="BatchedSSMCache", codec="state", geometry="recurrent",
                 arrangement="ragged", signature="ssm:batched", serial="SSMCache",
-                roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"speculative"}), issue=14,
+                roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"speculative"}),
                 summary="recurrent rows: snapshot + replay rollback"),
     Composition(name="TurboQuantKVCache", codec="turbo", geometry="growing", arrangement="serial",
                 signature="kv:turboquant:{k_bits}:{v_bits}", params=_TURBO,
@@ -237,7 +237,7 @@ COMPOSITIONS: tuple[Composition, ...] = (
                 peers=("KVCache",), summary="serial TurboQuant full attention"),
     Composition(name="SSMCache", codec="state", geometry="recurrent", arrangement="serial",
                 signature="ssm", roles=Roles("BatchedSSMCache", "BatchedSSMCache", "BatchedSSMCache"),
-                peers=("ArraysCache", "MambaCache"), issue=14,
+                peers=("ArraysCache", "MambaCache"),
                 summary="conv + recurrent state, updated by the layer"),
     Composition(name="PaddedQuantKVRows", codec="affine", geometry="growing", arrangement="shared",
                 signature="kv:padded-rows-quant:{bits}:{group_size}", params=_AFFINE,

@@ -88,6 +88,7 @@ _LAYOUT = {
         "keys", "values", "offset", "left_padding", "max_size", "total", "idx", "rotated",
     ),
 }  # fmt: skip
+_RECURRENT = ("conv", "recurrent", "offset")
 _CODEC_TAIL = {"plain": (), "affine": ("group_size", "bits"), "turbo": ("k_bits", "v_bits")}
 
 #: mlx-lm's class for each form it has: (geometry, arrangement is a layout, codec).
@@ -164,6 +165,10 @@ def state_form(entry: Composition) -> StateForm:
         return _delayed_form(entry)
     if entry.geometry == "latent" and entry.is_landed:  # its own form (kvrows.latent)
         return StateForm(entry.name, LATENT_FIELDS, entry.name)
+    if entry.geometry == "recurrent" and entry.is_landed:
+        # Recurrent state (kvrows.recurrent): the planes and the coverage (a layout's per
+        # row). mlx-lm's ArraysCache form has no coverage, so the file class is kvrows'.
+        return StateForm(entry.name, _RECURRENT, entry.name)
     fields = (_LAYOUT if entry.is_layout else _SERIAL).get(entry.geometry)
     tail = _CODEC_TAIL.get(entry.codec)
     # A speculative layout outside a round holds what its unmodified layout holds.

@@ -27,12 +27,15 @@ from kvrows.optimized.lego import (
     Bf16FirstTurboQuantKVCache,
 )
 from kvrows.optimized.mlxlm_batch import BatchKVCache, BatchRotatingKVCache
+from kvrows.optimized.recurrent import BatchedSSMCache, SSMCache
 from kvrows.optimized.rows import DECLARED
 
 __all__ = [
     *classes.__all__,
     "BatchKVCache",
     "BatchRotatingKVCache",
+    "BatchedSSMCache",
+    "SSMCache",
     "Bf16FirstQuantizedKVCache",
     "Bf16FirstRotatingQuantizedKVCache",
     "Bf16FirstTurboQuantKVCache",
@@ -52,7 +55,9 @@ def declared_classes() -> Mapping[str, type[Any]]:
     the delayed layouts, which compose two of them (what this module registers)."""
     delayed = (DelayedQuantizedKVCache, DelayedRotatingQuantizedKVCache, DelayedTurboQuantKVCache)
     latent = (MLACache, EncodedLatentCache)  # latent state: its own row machinery
-    return {**DECLARED, **{cls.composition.name: cls for cls in (*delayed, *latent)}}
+    recurrent = (SSMCache, BatchedSSMCache)  # recurrent state: its own row machinery
+    found = (*delayed, *latent, *recurrent)
+    return {**DECLARED, **{cls.composition.name: cls for cls in found}}
 
 
 register_compositions(declared_classes())

@@ -44,6 +44,7 @@ from kvrows.forms import (
 )
 from kvrows.lego import Bf16First
 from kvrows.persist.files import CHECKSUM_KEY, checksum, read_safetensors, write_atomic
+from kvrows.recurrent import RecurrentGeometry
 from kvrows.schemes import Affine
 from kvrows.validation import KvGeometry
 
@@ -341,9 +342,11 @@ def _restore(
         state = _map_arrays(state, _to_numpy)
     try:
         kv = record.get("kv") if record is not None else None
-        geometry = KvGeometry(**kv) if isinstance(kv, dict) else None
+        geometry: Any = None
+        if isinstance(kv, dict):
+            geometry = _recurrent_geometry(kv) if "conv_shape" in kv else KvGeometry(**kv)
         restored = cls.from_state(state, meta_state, keep=keep, geometry=geometry)
-    except (InvalidInputError, TypeError) as error:
+    except (InvalidInputError, TypeError, KeyError) as error:
         raise CorruptStateError(f"{path}: {file_class} state is inconsistent: {error}") from None
     if record is not None and restored.signature() != record.get("signature"):
         raise CorruptStateError(
@@ -352,6 +355,16 @@ def _restore(
     if record is not None and "lego" in record:
         return _as_lego(restored, record["lego"], implementation, path)
     return restored
+
+
+def _recurrent_geometry(saved: Mapping[str, Any]) -> RecurrentGeometry:
+    """A recurrent cache's geometry from its layer record (JSON made its tuples lists)."""
+    return RecurrentGeometry(
+        tuple(saved["conv_shape"]),
+        saved["conv_dtype"],
+        tuple(saved["state_shape"]),
+        saved["state_dtype"],
+    )
 
 
 def _drop_in(cls: type[Any], class_name: object) -> type[Any]:

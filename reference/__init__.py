@@ -21,6 +21,7 @@ from kvrows.reference.lego import (
     Bf16FirstRotatingQuantizedKVCache,
     Bf16FirstTurboQuantKVCache,
 )
+from kvrows.reference.recurrent import BatchedSSMCache, SSMCache
 
 __all__ = [
     *_classes,
@@ -32,6 +33,8 @@ __all__ = [
     "DelayedTurboQuantKVCache",
     "EncodedLatentCache",
     "MLACache",
+    "BatchedSSMCache",
+    "SSMCache",
     "attend",
     "attention",
 ]

@@ -185,7 +185,10 @@ def _checked(cls: type[Any]) -> type[Any]:
 def declared_classes() -> Mapping[str, type[Any]]:
     """Every public class of the reference, by composition name (what ``__init__``
     registers): this module's and the delayed layouts (``reference/delayed.py``)."""
-    from kvrows.reference import delayed  # it builds on this module's classes
+    from kvrows.reference import (
+        delayed,  # it builds on this module's classes
+        recurrent,  # recurrent state: its own row machinery
+    )
 
     candidates = [*globals().values(), *vars(delayed).values()]
     found = {
@@ -198,6 +201,8 @@ def declared_classes() -> Mapping[str, type[Any]]:
     from kvrows.reference import latent  # latent state: its own row machinery
 
     found |= {cls.composition.name: cls for cls in (latent.MLACache, latent.EncodedLatentCache)}
+
+    found |= {cls.composition.name: cls for cls in (recurrent.SSMCache, recurrent.BatchedSSMCache)}
     missing = [c.name for c in landed() if c.name not in found]
     if missing:
         raise KvRowsError(f"the reference lacks {', '.join(missing)}")

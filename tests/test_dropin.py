@@ -176,8 +176,13 @@ def _layout(name: str, seed: int) -> Any:
 #: The drop-in surface's classes: every landed class but the delayed layouts, whose rows sit
 #: in two groups of different codecs, so there is no one buffer to write (their reads follow
 #: the phase: ``test_delayed_layout_reads``).
-DROP_INS = [c for c in landed() if "delayed" not in c.modifiers and c.geometry != "latent"]
-# (latent caches reach mlx-lm's MLA layers through LatentCacheList: tests/test_latent_models.py)
+DROP_INS = [
+    c
+    for c in landed()
+    if "delayed" not in c.modifiers and c.geometry not in ("latent", "recurrent")
+]
+# (latent caches reach mlx-lm's MLA layers through LatentCacheList: tests/test_latent_models.py;
+# recurrent state is ArraysCache's drop-in: tests/test_recurrent_models.py)
 LAYOUTS = sorted(c.name for c in DROP_INS if c.is_layout)
 PLAIN_LAYOUTS = sorted(c.name for c in DROP_INS if c.is_layout and c.codec == "plain")
 

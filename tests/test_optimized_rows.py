@@ -68,9 +68,10 @@ def _serial(name: str, tokens: int, seed: int = 0) -> Serial:
     return cache
 
 
-LAYOUTS = [c.name for c in landed() if c.is_layout and c.geometry != "latent"]
-#: Token KV storages (latent state has its own row machinery: tests/test_latent.py).
-KV_LANDED = [c for c in landed() if c.geometry != "latent"]
+#: Token KV storages (latent and recurrent state have their own row machinery:
+#: tests/test_latent.py, tests/test_recurrent.py).
+KV_LANDED = [c for c in landed() if c.geometry not in ("latent", "recurrent")]
+LAYOUTS = [c.name for c in KV_LANDED if c.is_layout]
 
 
 def test_every_landed_composition_is_one_declared_class() -> None:

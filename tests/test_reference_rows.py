@@ -28,8 +28,9 @@ from kvrows.schemes import Affine, Growing, Plain, Ring
 from kvrows.validation import KvGeometry
 
 RNG = np.random.default_rng(11)
-#: Token KV storages (latent state has its own row machinery: tests/test_latent.py).
-KV_LANDED = [c for c in landed() if c.geometry != "latent"]
+#: Token KV storages (latent and recurrent state have their own row machinery:
+#: tests/test_latent.py, tests/test_recurrent.py).
+KV_LANDED = [c for c in landed() if c.geometry not in ("latent", "recurrent")]
 LAYOUTS = [c.name for c in KV_LANDED if c.is_layout]
 SERIALS = [c.name for c in KV_LANDED if not c.is_layout]
 
@@ -70,7 +71,7 @@ def test_every_landed_composition_is_one_declared_class() -> None:
             assert issubclass(cls.plain_group_class, RowLayout)
             assert issubclass(cls.affine_group_class, RowLayout)
             continue
-        if cls.composition.geometry == "latent":  # kvrows.latent's row machinery
+        if cls.composition.geometry in ("latent", "recurrent"):  # their own row machinery
             continue
         assert issubclass(cls, RowLayout) == composition(name).is_layout
         assert issubclass(cls, SerialStorage) != composition(name).is_layout

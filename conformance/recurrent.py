@@ -1,0 +1,657 @@
+"""The recurrent family's state machine: ``SSMCache`` rows in ``BatchedSSMCache``.
+
+Recurrent state has no token axis, no keys and values and no attention read, so this
+machine is not the base machine's subclass (that machine compares stored K/V, masks over
+key columns and attention outputs); it keeps the base machine's discipline and its
+pieces: the same ``Stats`` counters, implementations (``Impl``), tolerance table, and the
+same bad-input rule (both implementations raise the same error with the same message,
+and nothing changes). Each example draws a geometry (activation dtype, conv kernel, key
+and value heads and dims) and a gated DeltaNet layer; the layer (each implementation's
+``gated_delta_forward``) writes the planes, as mlx-lm's layers do.
+
+Oracles, after every rule that touched something:
+
+* **reference vs optimized**: conv planes byte-identical (they are copied inputs),
+  recurrent planes and the layer's outputs within the recurrent tolerance;
+* **solo replay**: every row of a layout (extracted) byte-identical to the serial cache
+  that saw only that row's real tokens (padded runs, joins, filters, rolled-back rounds),
+  in each implementation;
+* **mlx-lm parity**: mlx-lm's own ``ArraysCache`` (serial, and batched: ``merge``,
+  ``extend``, ``filter``, ``extract``, ``prepare(lengths=…)``) driven by the optimized
+  layer holds the optimized planes byte for byte (a rolled-back round is mirrored by
+  restoring its planes and replaying the accepted prefix, masked);
+* rows publish only at their exact coverage; saved states round-trip bit for bit.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import hypothesis.strategies as st
+import mlx.core as mx
+import numpy as np
+import numpy.typing as npt
+from hypothesis import note
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+
+from kvrows.conformance.arrays import from_mlx, to_mlx
+from kvrows.conformance.families import Family, Impl, LayoutSpec
+from kvrows.conformance.stats import Stats
+from kvrows.conformance.tolerances import TOLERANCES, compare
+from kvrows.errors import (
+    IncompatibleRowsError,
+    InvalidInputError,
+    KvRowsError,
+    NotTrimmableError,
+    RowIndexError,
+    SpeculativeRoundError,
+)
+from kvrows.table import owned_cache_layout, prefill_cache_layout, publish_row, target_cache_layout
+
+__all__ = ["RECURRENT_CHECKS", "RecurrentMachine"]
+
+Array = npt.NDArray[Any]
+
+#: The checks (``Stats.checks`` keys) every recurrent machine must run.
+RECURRENT_CHECKS = (
+    "reference vs optimized",
+    "solo replay",
+    "mlx-lm parity",
+    "error types",
+    "error messages",
+    "unchanged after an error",
+    "publish at exact coverage",
+    "state round trip",
+    "rollback vs accepted-only run",
+    "table roles",
+)
+
+_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """One example's layer: activation dtype, conv kernel, heads and dims."""
+
+    dtype: str
+    kernel: int
+    key_heads: int
+    key_dim: int
+    value_heads: int
+    value_dim: int
+
+    @property
+    def channels(self) -> int:
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    def describe(self) -> str:
+        return (
+            f"{self.dtype} K={self.kernel} Hk={self.key_heads} Dk={self.key_dim} "
+            f"Hv={self.value_heads} Dv={self.value_dim}"
+        )
+
+
+@dataclass
+class Row:
+    """One request: its serial caches in both implementations and mlx-lm's twin. In the
+    pool they *are* the request; inside a layout, the row's solo replay."""
+
+    ident: int
+    ref: Any
+    opt: Any
+    lm: Any
+    tokens: int = 0
+
+
+@dataclass
+class Group:
+    """One layout in both implementations, its mlx-lm twin and its rows' solo replays."""
+
+    ident: int
+    ref: Any
+    opt: Any
+    lm: Any
+    rows: list[Row] = field(default_factory=list)
+
+
+def _lm_cache() -> Any:
+    from mlx_lm.models import cache
+
+    return cache
+
+
+class RecurrentMachine(RuleBasedStateMachine):
+    """Rules over a pool of requests and up to two layouts (see the module docstring)."""
+
+    family: ClassVar[Family]
+    spec: ClassVar[LayoutSpec]
+    ref_impl: ClassVar[Impl]
+    opt_impl: ClassVar[Impl]
+    peer: ClassVar[Any]
+    stats: ClassVar[Stats]
+    limits: ClassVar[Any]
+    enforce: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.geo: Geometry | None = None
+        self.pool: list[Row] = []
+        self.groups: list[Group] = []
+        self._ids = itertools.count()
+        self._rng = np.random.default_rng(0)
+        self._layers: dict[str, Callable[..., Any]] = {}
+        self._steps_at_start = self.stats.steps
+        #: Per-example caps on the rules that never change the world's shape.
+        self._calls = {"invalid": 0, "state": 0}
+
+    # ------------------------------------------------------------------ set-up
+    @initialize(data=st.data())
+    def setup(self, data: st.DataObject) -> None:
+        key_heads = data.draw(st.sampled_from((1, 2)), label="key heads")
+        geo = Geometry(
+            dtype=data.draw(st.sampled_from(_DTYPES), label="dtype"),
+            kernel=data.draw(st.integers(2, 4), label="kernel"),
+            key_heads=key_heads,
+            key_dim=data.draw(st.sampled_from((4, 8)), label="key dim"),
+            value_heads=key_heads * data.draw(st.sampled_from((1, 2)), label="ratio"),
+            value_dim=data.draw(st.sampled_from((4, 8)), label="value dim"),
+        )
+        self.geo = geo
+        self._rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+        note(f"geometry: {geo.describe()}")
+        self.stats.variant(geo.dtype)
+        from kvrows.optimized import recurrent as opt_rec
+        from kvrows.reference import recurrent as ref_rec
+
+        w = self._rng.standard_normal((geo.channels, geo.kernel)).astype(np.float32) * 0.5
+        a_log = self._rng.standard_normal(geo.value_heads).astype(np.float32) * 0.3
+        dt_bias = self._rng.standard_normal(geo.value_heads).astype(np.float32) * 0.3
+        dims = (geo.key_heads, geo.key_dim, geo.value_heads, geo.value_dim)
+        ref_params = ref_rec.GatedDeltaParams(w, a_log, dt_bias, *dims)
+        opt_params = opt_rec.GatedDeltaParams(
+            mx.array(w), mx.array(a_log), mx.array(dt_bias), *dims
+        )
+        self._layers = {
+            "reference": lambda cache, *xs: ref_rec.gated_delta_forward(ref_params, cache, *xs),
+            "optimized": lambda cache, *xs: opt_rec.gated_delta_forward(opt_params, cache, *xs),
+        }
+
+    def teardown(self) -> None:
+        if self.geo is not None:
+            for row in self.pool:
+                self._check_row(row)
+            for group in self.groups:
+                self._check_group(group)
+            self.stats.example_done()
+
+    # ------------------------------------------------------------------ helpers
+    def _new(self, impl: Impl, name: str) -> Any:
+        return impl.cls(name)()
+
+    def _inputs(self, rows: int, n: int) -> tuple[Array, Array, Array]:
+        g = self.geo
+        assert g is not None
+        dtype = np.dtype(_numpy_dtype(g.dtype))
+        qkv = self._rng.standard_normal((rows, n, g.channels)).astype(dtype)
+        a = self._rng.standard_normal((rows, n, g.value_heads)).astype(dtype)
+        b = self._rng.standard_normal((rows, n, g.value_heads)).astype(dtype)
+        return qkv, a, b
+
+    def _run(self, impl: str, cache: Any, inputs: Sequence[Array]) -> Array:
+        given = [np.array(x, copy=True) if impl == "reference" else to_mlx(x) for x in inputs]
+        out = self._layers[impl](cache, *given)
+        return _numpy(out)
+
+    def _run_lm(self, cache: Any, inputs: Sequence[Array]) -> None:
+        self._layers["optimized"](cache, *(to_mlx(x) for x in inputs))
+
+    def _compare(self, quantity: str, what: str, actual: Array, expected: Array) -> None:
+        tol = TOLERANCES[("recurrent", quantity, str(expected.dtype.name))]
+        ok, error = compare(actual, expected, tol)
+        scale = tol.atol + tol.rtol * float(np.abs(expected.astype(np.float64)).max(initial=0))
+        self.stats.error(
+            quantity, str(expected.dtype.name), tol, error, error / scale if scale else 0.0
+        )
+        if self.enforce:
+            assert ok, f"{what}: {quantity} differs by {error} ({tol.describe()})"
+
+    def _planes(self, cache: Any) -> tuple[Array, Array] | None:
+        conv, state = cache[0], cache[1]
+        if conv is None:
+            assert state is None, "one plane without the other"
+            return None
+        return _numpy(conv), _numpy(state)
+
+    def _same_planes(self, what: str, got: Any, want: Any, quantity: str) -> None:
+        a, b = self._planes(got), self._planes(want)
+        if a is None or b is None:
+            assert (a is None and b is None) or (quantity == "state.solo" and _zero(a or b)), (
+                f"{what}: planes held by one side only"
+            )
+            return
+        self._compare(quantity, f"{what} conv", a[0], b[0])
+        self._compare(quantity, f"{what} recurrent", a[1], b[1])
+
+    def _ref_vs_opt(self, what: str, ref: Any, opt: Any) -> None:
+        a, b = self._planes(ref), self._planes(opt)
+        assert (a is None) == (b is None), f"{what}: planes held by one implementation only"
+        if a is not None and b is not None:
+            self._compare("state.conv", f"{what} conv", b[0], a[0])
+            self._compare("state.recurrent", f"{what} recurrent", b[1], a[1])
+        self.stats.check("reference vs optimized")
+
+    # ------------------------------------------------------------------ oracles
+    def _check_row(self, row: Row) -> None:
+        self._ref_vs_opt(f"request {row.ident}", row.ref, row.opt)
+        assert row.ref.offset == row.opt.offset == row.tokens, (
+            f"request {row.ident}: offsets {row.ref.offset}, {row.opt.offset}, want {row.tokens}"
+        )
+        self._same_planes(f"request {row.ident} vs mlx-lm", row.opt, row.lm, "state.mlx_lm")
+        self.stats.check("mlx-lm parity")
+        row.ref.check_valid()
+        row.opt.check_valid()
+
+    def _check_group(self, group: Group) -> None:
+        what = f"layout {group.ident}"
+        want = tuple(r.tokens for r in group.rows)
+        assert group.ref.row_offsets == group.opt.row_offsets == want, (
+            f"{what}: row offsets {group.ref.row_offsets} / {group.opt.row_offsets}, want {want}"
+        )
+        assert group.ref.group_offset == group.opt.group_offset == max(want, default=0)
+        self._ref_vs_opt(what, group.ref, group.opt)
+        self._same_planes(f"{what} vs mlx-lm", group.opt, group.lm, "state.mlx_lm")
+        self.stats.check("mlx-lm parity")
+        for b, row in enumerate(group.rows):
+            for impl, layout, solo in (
+                ("reference", group.ref, row.ref),
+                ("optimized", group.opt, row.opt),
+            ):
+                extracted = layout.extract_row(b)
+                self._same_planes(f"{what} row {b} ({impl}) vs solo", extracted, solo, "state.solo")
+                assert extracted.offset == solo.offset == row.tokens
+        self.stats.check("solo replay")
+        group.ref.check_valid()
+        group.opt.check_valid()
+
+    # ------------------------------------------------------------------ rules
+    @precondition(lambda self: len(self.pool) < 4)
+    @rule()
+    def new_request(self) -> None:
+        self.stats.op("new_request")
+        row = Row(
+            next(self._ids),
+            self._new(self.ref_impl, "SSMCache"),
+            self._new(self.opt_impl, "SSMCache"),
+            _lm_cache().ArraysCache(2),
+        )
+        self.pool.append(row)
+
+    @precondition(lambda self: bool(self.pool))
+    @rule(data=st.data())
+    def prefill_chunk(self, data: st.DataObject) -> None:
+        self.stats.op("prefill_chunk")
+        row = data.draw(st.sampled_from(self.pool), label="request")
+        n = data.draw(st.integers(1, 6), label="chunk")
+        inputs = self._inputs(1, n)
+        y_ref = self._run("reference", row.ref, inputs)
+        y_opt = self._run("optimized", row.opt, inputs)
+        self._run_lm(row.lm, inputs)
+        row.tokens += n
+        self._compare("output", f"request {row.ident} output", y_opt, y_ref)
+        self._check_row(row)
+
+    def _layout(self, data: st.DataObject, impl: Impl, serial: Any) -> Any:
+        """A new layout of ``impl``'s class (a mutant in the teeth tests), after checking
+        that the row-layout table gives that class in the drawn role."""
+        role = data.draw(st.sampled_from(("decode", "prefill", "verify")), label="role")
+        build = {"decode": owned_cache_layout, "prefill": prefill_cache_layout}.get(
+            role, target_cache_layout
+        )
+        table: Any = build(serial)
+        assert type(table).__name__ == "BatchedSSMCache" and table.batch_size == 0, role
+        self.stats.check("table roles")
+        return impl.new("BatchedSSMCache")
+
+    @precondition(lambda self: bool(self.pool) and len(self.groups) < 2)
+    @rule(data=st.data())
+    def merge(self, data: st.DataObject) -> None:
+        self.stats.op("merge")
+        most = min(3, len(self.pool))
+        # most rows first: multi-row layouts are what the row operations and rounds need
+        count = data.draw(st.integers(1, most).map(lambda c: most + 1 - c), label="rows")
+        rows = [self.pool.pop(data.draw(st.integers(0, len(self.pool) - 1))) for _ in range(count)]
+        ref = self._layout(data, self.ref_impl, rows[0].ref)
+        opt = self._layout(data, self.opt_impl, rows[0].opt)
+        ref.merge_rows([r.ref for r in rows])
+        opt.merge_rows([r.opt for r in rows])
+        lm = _lm_cache().ArraysCache.merge([r.lm for r in rows])
+        group = Group(next(self._ids), ref, opt, lm, rows)
+        self.groups.append(group)
+        self._check_group(group)
+
+    @precondition(lambda self: bool(self.pool) and bool(self.groups))
+    @rule(data=st.data())
+    def join(self, data: st.DataObject) -> None:
+        self.stats.op("join")
+        group = data.draw(st.sampled_from(self.groups), label="layout")
+        row = self.pool.pop(data.draw(st.integers(0, len(self.pool) - 1), label="request"))
+        group.ref.merge_rows([row.ref])
+        group.opt.merge_rows([row.opt])
+        joined = _lm_cache().ArraysCache.merge([row.lm])
+        if group.rows:
+            group.lm.extend(joined)
+        else:  # an ArraysCache without planes counts one row: extend would add a zero row
+            group.lm = joined
+        group.rows.append(row)
+        self._check_group(group)
+
+    def _steppable(self) -> list[Group]:
+        return [g for g in self.groups if g.rows]
+
+    @precondition(lambda self: bool(self._steppable()))
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        """One block for every row: decode (1), a multi-token block, or a right-padded run
+        (``prepare(lengths=…)``: row ``b`` takes its first ``lengths[b]`` tokens)."""
+        group = data.draw(st.sampled_from(self._steppable()), label="layout")
+        n = data.draw(st.sampled_from((3, 1, 2, 1, 5)), label="block")
+        # padded runs first: they are what makes rows of one layout differ in coverage
+        padded = n > 1 and not data.draw(st.booleans(), label="unpadded")
+        self.stats.op("padded_step" if padded else ("decode_step" if n == 1 else "multi_step"))
+        rows = len(group.rows)
+        lengths = (
+            [data.draw(st.integers(0, n), label=f"length {b}") for b in range(rows)]
+            if padded
+            else [n] * rows
+        )
+        inputs = self._inputs(rows, n)
+        if padded:
+            for layout in (group.ref, group.opt):
+                layout.prepare(lengths=lengths, right_padding=[n - k for k in lengths])
+            group.lm.prepare(lengths=lengths)
+        y_ref = self._run("reference", group.ref, inputs)
+        y_opt = self._run("optimized", group.opt, inputs)
+        self._run_lm(group.lm, inputs)
+        if padded:
+            for layout in (group.ref, group.opt, group.lm):
+                layout.finalize()
+        for b, row in enumerate(group.rows):
+            k = lengths[b]
+            if k:
+                part = [x[b : b + 1, :k] for x in inputs]
+                solo_ref = self._run("reference", row.ref, part)
+                solo_opt = self._run("optimized", row.opt, part)
+                self._run_lm(row.lm, part)
+                self._compare(
+                    "output.solo", f"row {b} output (optimized)", y_opt[b : b + 1, :k], solo_opt
+                )
+                self._compare(
+                    "output.solo", f"row {b} output (reference)", y_ref[b : b + 1, :k], solo_ref
+                )
+                self._compare("output", f"row {b} output", y_opt[b, :k], y_ref[b, :k])
+            row.tokens += k
+        self._check_group(group)
+
+    @precondition(lambda self: bool(self.groups))
+    @rule(data=st.data())
+    def filter_layout(self, data: st.DataObject) -> None:
+        self.stats.op("filter")
+        group = data.draw(st.sampled_from(self.groups), label="layout")
+        longest = max((r.tokens for r in group.rows), default=0)
+        longest_leaves: bool = data.draw(st.booleans(), label="the longest row leaves")
+        keep: list[int]
+        if group.rows and longest_leaves:
+            # the rows holding the most tokens leave (one of them when all tie); the rest
+            # stay in reverse order
+            shorter = [b for b, r in enumerate(group.rows) if r.tokens < longest]
+            keep = list(reversed(shorter or range(1, len(group.rows))))
+        else:
+            keep = data.draw(
+                st.permutations(range(len(group.rows))).flatmap(
+                    lambda order: st.integers(0, len(order)).map(lambda k: list(order[:k]))
+                ),
+                label="keep",
+            )
+            if data.draw(st.booleans(), label="reversed"):
+                keep.reverse()
+        group.ref.filter_rows(keep)
+        group.opt.filter_rows(keep)
+        if keep:
+            group.lm.filter(mx.array(keep, dtype=mx.int32))
+        else:
+            group.lm = _lm_cache().ArraysCache(2)
+        group.rows = [group.rows[b] for b in keep]
+        if group.rows and max(r.tokens for r in group.rows) < longest:
+            self.stats.op("filter:longest left")
+        self._check_group(group)
+
+    @precondition(lambda self: any(g.rows for g in self.groups) and len(self.pool) < 5)
+    @rule(data=st.data())
+    def extract(self, data: st.DataObject) -> None:
+        self.stats.op("extract")
+        group = data.draw(st.sampled_from([g for g in self.groups if g.rows]), label="layout")
+        b = data.draw(st.integers(0, len(group.rows) - 1), label="row")
+        solo = group.rows[b]
+        row = Row(
+            next(self._ids),
+            group.ref.extract_row(b),
+            group.opt.extract_row(b),
+            # mlx-lm's extract subscripts every plane (None before the first write)
+            group.lm.extract(b) if group.lm[0] is not None else _lm_cache().ArraysCache(2),
+            solo.tokens,
+        )
+        for impl, got, want in (("reference", row.ref, solo.ref), ("optimized", row.opt, solo.opt)):
+            self._same_planes(f"extracted row ({impl}) vs solo", got, want, "state.solo")
+        self.stats.check("solo replay")
+        self.pool.append(row)
+        self._check_row(row)
+
+    @precondition(lambda self: any(g.rows for g in self.groups))
+    @rule(data=st.data())
+    def publish(self, data: st.DataObject) -> None:
+        """A row publishes at its exact coverage only (recurrent state cannot be cut)."""
+        self.stats.op("publish")
+        group = data.draw(st.sampled_from([g for g in self.groups if g.rows]), label="layout")
+        b = data.draw(st.integers(0, len(group.rows) - 1), label="row")
+        tokens = group.rows[b].tokens
+        for layout in (group.ref, group.opt):
+            before = self._fingerprint(layout)
+            written = layout[0] is not None
+            published = publish_row(layout, b, tokens)
+            assert (published is not None) == written, "a written row publishes at its coverage"
+            if tokens:
+                assert publish_row(layout, b, tokens - 1) is None, "a cut recurrent row published"
+                self.stats.op("publish:cut refused")
+            assert publish_row(layout, b, tokens + 1) is None
+            assert self._fingerprint(layout) == before, "publishing changed the layout"
+        self.stats.check("publish at exact coverage")
+
+    @precondition(lambda self: any(g.rows for g in self.groups))
+    @rule(data=st.data())
+    def spec_round(self, data: st.DataObject) -> None:
+        """A verify round: a block of ``d + 1`` tokens, then commit (every row kept all)
+        or roll back to ``keep[b]`` tokens per row (snapshot + replay)."""
+        group = data.draw(st.sampled_from([g for g in self.groups if g.rows]), label="layout")
+        d = data.draw(st.integers(1, 3), label="drafts")
+        rows = len(group.rows)
+        kind = data.draw(st.sampled_from(("unequal", "commit", "uniform")), label="outcome")
+        if kind == "commit":
+            keep = [d + 1] * rows
+        elif kind == "uniform" or rows == 1:
+            keep = [data.draw(st.integers(1, d), label="keep")] * rows
+            kind = "uniform"
+        else:
+            keep = [data.draw(st.integers(1, d + 1), label=f"keep {b}") for b in range(rows)]
+            if len(set(keep)) == 1:  # an unequal round needs two counts: row 0 keeps fewer
+                keep[0] = 1 if keep[0] > 1 else 2
+        self.stats.op("spec_rounds")
+        self.stats.op(f"round:{kind}")
+        inputs = self._inputs(rows, d + 1)
+        for impl, layout in (("reference", group.ref), ("optimized", group.opt)):
+            layout.spec_round_begin()
+            self._run(impl, layout, inputs)
+            assert not layout.can_publish_row(0, layout.row_offsets[0])
+            if kind == "commit":
+                layout.spec_round_commit()
+            else:
+                layout.spec_round_rollback(keep if kind == "unequal" else keep[0])
+            assert not layout.spec_round_open
+        # mlx-lm's twin (no rounds): only the accepted prefix, masked per row
+        group.lm.prepare(lengths=keep)
+        self._run_lm(group.lm, [x[:, : max(keep)] for x in inputs])
+        group.lm.finalize()
+        for b, row in enumerate(group.rows):
+            part = [x[b : b + 1, : keep[b]] for x in inputs]
+            self._run("reference", row.ref, part)
+            self._run("optimized", row.opt, part)
+            self._run_lm(row.lm, part)
+            row.tokens += keep[b]
+        self._check_group(group)
+        self.stats.check("rollback vs accepted-only run")
+
+    @precondition(
+        lambda self: (
+            (bool(self.pool) or any(g.rows for g in self.groups)) and self._calls["state"] < 3
+        )
+    )
+    @rule(data=st.data())
+    def round_trip(self, data: st.DataObject) -> None:
+        """``state`` -> ``from_state``: the same planes bit for bit; the restored cache goes
+        on in place of the original."""
+        self.stats.op("state")
+        self._calls["state"] += 1
+        targets: list[Row | Group] = [*self.pool, *(g for g in self.groups if g.rows)]
+        target = data.draw(st.sampled_from(targets), label="cache")
+        for side in ("ref", "opt"):
+            cache = getattr(target, side)
+            restored = type(cache).from_state(cache.state)
+            assert self._fingerprint(restored) == self._fingerprint(cache), "state round trip"
+            setattr(target, side, restored)
+        self.stats.check("state round trip")
+
+    # ------------------------------------------------------------------ bad inputs
+    def _fingerprint(self, cache: Any) -> tuple[Any, ...]:
+        planes = tuple(
+            None if p is None else (_numpy(p).dtype.name, _numpy(p).shape, _numpy(p).tobytes())
+            for p in cache.cache
+        )
+        offsets = cache.row_offsets if hasattr(cache, "row_offsets") else (cache.offset,)
+        return planes, tuple(offsets)
+
+    def _cases(
+        self, layout: bool, rows: int, written: bool
+    ) -> list[tuple[str, Callable[[Impl, Any], object], type[KvRowsError]]]:
+        g = self.geo
+        assert g is not None
+        dtype = np.dtype(_numpy_dtype(g.dtype))
+        batch = max(rows, 1)
+
+        def give(impl: Impl, array: Array) -> Any:
+            return impl.to_native(array)
+
+        conv_bad = np.zeros((batch, g.kernel, g.channels), dtype)
+        state_bad = np.zeros((batch, g.value_heads, g.value_dim, g.key_dim + 1), np.float32)
+        cases: list[tuple[str, Callable[[Impl, Any], object], type[KvRowsError]]] = [
+            ("trim", lambda impl, c: c.trim(1), NotTrimmableError),
+            ("plane index 2", lambda i, c: c.__setitem__(2, give(i, conv_bad)), InvalidInputError),
+            (
+                "the update of a KV cache",
+                lambda i, c: c.update_and_fetch(None, None),
+                InvalidInputError,
+            ),
+            ("a corrupt state", lambda i, c: type(c).from_state((None, None)), InvalidInputError),
+        ]
+        if written:  # the planes' shapes are known: a plane of another shape is refused
+            cases += [
+                (
+                    "conv plane of the wrong window",
+                    lambda i, c: c.__setitem__(0, give(i, conv_bad)),
+                    InvalidInputError,
+                ),
+                (
+                    "recurrent plane of the wrong shape",
+                    lambda i, c: c.__setitem__(1, give(i, state_bad)),
+                    InvalidInputError,
+                ),
+            ]
+        if layout:
+            cases += [
+                ("filter naming a row twice", lambda i, c: c.filter_rows([0, 0]), RowIndexError),
+                ("extract past the rows", lambda i, c: c.extract_row(rows), RowIndexError),
+                ("merge into itself", lambda i, c: c.merge_rows([c]), InvalidInputError),
+                (
+                    "rollback without a round",
+                    lambda i, c: c.spec_round_rollback(1),
+                    SpeculativeRoundError,
+                ),
+                (
+                    "prepare with the wrong row count",
+                    lambda i, c: c.prepare(lengths=[1] * (rows + 1)),
+                    InvalidInputError,
+                ),
+                (
+                    "merge the other implementation's rows",
+                    lambda i, c: c.merge_rows(
+                        [(self.opt_impl if i is self.ref_impl else self.ref_impl).new("SSMCache")]
+                    ),
+                    IncompatibleRowsError,
+                ),
+            ]
+        return cases
+
+    @precondition(lambda self: self._calls["invalid"] < 4)
+    @rule(data=st.data())
+    def invalid(self, data: st.DataObject) -> None:
+        """A bad input: both implementations raise the contract's error with the same
+        message (array-type names aside), and nothing changes."""
+        self.stats.op("invalid")
+        self._calls["invalid"] += 1
+        targets: list[Row | Group] = [*self.pool, *self.groups]
+        if not targets:
+            return
+        target = data.draw(st.sampled_from(targets), label="target")
+        is_layout = isinstance(target, Group)
+        rows = len(target.rows) if isinstance(target, Group) else 1
+        label, call, expected = data.draw(
+            st.sampled_from(self._cases(is_layout, rows, target.ref[0] is not None)), label="case"
+        )
+        self.stats.op(f"invalid:{label}")
+        errors: list[BaseException] = []
+        for impl, cache in ((self.ref_impl, target.ref), (self.opt_impl, target.opt)):
+            before = self._fingerprint(cache)
+            try:
+                call(impl, cache)
+            except KvRowsError as error:
+                errors.append(error)
+            else:
+                raise AssertionError(f"{label}: {impl.name} did not raise")
+            assert self._fingerprint(cache) == before, f"{label}: {impl.name} changed the cache"
+        self.stats.check("unchanged after an error")
+        ref_error, opt_error = errors
+        assert type(ref_error) is type(opt_error) is expected, (label, ref_error, opt_error)
+        self.stats.check("error types")
+        assert _normalized(str(ref_error)) == _normalized(str(opt_error)), (ref_error, opt_error)
+        self.stats.check("error messages")
+
+
+def _normalized(message: str) -> str:
+    """Messages name the implementation's array type; the rest must match word for word."""
+    return message.replace("NumPy", "<array>").replace("MLX", "<array>")
+
+
+def _numpy(array: Any) -> Array:
+    return from_mlx(array) if isinstance(array, mx.array) else np.asarray(array)
+
+
+def _numpy_dtype(name: str) -> Any:
+    from kvrows.reference.codecs import numpy_dtype
+
+    return numpy_dtype(name)
+
+
+def _zero(planes: tuple[Array, Array] | None) -> bool:
+    """A row that saw no token holds zero planes once it shares a layout's buffers."""
+    return planes is not None and not np.any(planes[0]) and not np.any(planes[1])

@@ -1,0 +1,904 @@
+"""Recurrent (SSM) state: ``SSMCache`` and ``BatchedSSMCache``, array-free.
+
+A recurrent layer (gated DeltaNet in Qwen3-Next / Qwen3.5, Mamba2's SSD) keeps two planes
+per row and no token axis: a **conv** plane ``[B, K-1, C]`` (the last ``K - 1`` inputs of
+the depthwise causal convolution, activation dtype) and a **recurrent** plane
+``[B, ...]`` (the running state, ``[B, Hv, Dv, Dk]`` float32 for gated DeltaNet). The
+*layer* computes both and hands them to the cache (mlx-lm's ``ArraysCache`` protocol:
+``cache[0] = conv``, ``cache[1] = state``, ``cache.advance(S)``); the cache counts each
+row's tokens (``row_offsets``), moves rows (merge concatenates, filter takes, extract
+copies one row), and masks padded batches (``prepare`` / ``make_mask`` / ``lengths``).
+
+Nothing can be cut from a recurrent row: it is not trimmable, and a row is published only
+at exactly the coverage it holds. A verify round rolls back by **snapshot and replay**:
+``spec_round_begin`` keeps the planes (arrays are never written in place, so keeping them
+is free), the layer records the verify forward's per-position inputs and a replay
+callable (``spec_round_record``), and ``spec_round_rollback(keep)`` restores the snapshot
+and replays the first ``keep[b]`` tokens of row ``b`` through the layer, with a mask
+hiding the rest. See ``spec/SSMCache.md`` and ``spec/BatchedSSMCache.md``.
+
+:class:`RecurrentRows` is the whole row machinery, over a handful of array hooks each
+implementation supplies (``kvrows.reference.recurrent``, ``kvrows.optimized.recurrent``):
+the bookkeeping is ints and shapes, so both implementations share it, and the
+conformance suite compares what the hooks and the layers compute.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Self
+
+from kvrows.codec import PlaneSpec
+from kvrows.compositions import Composition
+from kvrows.errors import (
+    IncompatibleRowsError,
+    InvalidInputError,
+    LayoutStateError,
+    NotTrimmableError,
+    SpeculativeRoundError,
+)
+from kvrows.speculative import SpeculativeRounds, check_keep_vector
+from kvrows.validation import FLOAT_DTYPES, as_count, check_keep, check_row
+
+__all__ = [
+    "CONV",
+    "RECURRENT",
+    "Recurrent",
+    "RecurrentGeometry",
+    "RecurrentLayout",
+    "RecurrentRounds",
+    "RecurrentRows",
+    "Replay",
+    "State",
+    "valid_counts",
+]
+
+#: Plane indices (mlx-lm's ``ArraysCache`` order).
+CONV = 0
+RECURRENT = 1
+
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+#: ``replay(cache, *inputs)``: run the layer's forward over ``inputs`` (per-position
+#: arrays ``[B, S, ...]``) on ``cache``, honouring ``cache.make_mask`` / ``cache.lengths``
+#: (masked positions leave the state unchanged) and ending with ``cache.advance(S)``.
+Replay = Callable[..., object]
+
+
+@dataclass(frozen=True, kw_only=True)
+class State:
+    """The codec of recurrent state: planes stored as the layer writes them."""
+
+    kind: ClassVar[str] = "state"
+
+    @property
+    def key(self) -> str:
+        return "state"
+
+    @property
+    def name(self) -> str:
+        return "state"
+
+    def parameters(self) -> dict[str, int]:
+        return {}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recurrent:
+    """The recurrent geometry: constant-size state per row, no token axis."""
+
+    kind: ClassVar[str] = "recurrent"
+
+    def parameters(self) -> dict[str, int]:
+        return {}
+
+
+@dataclass(frozen=True)
+class RecurrentGeometry:
+    """What every row of one recurrent layer holds: the conv plane's ``(K - 1, C)`` and
+    dtype, and the recurrent plane's per-row shape and dtype."""
+
+    conv_shape: tuple[int, int]
+    conv_dtype: str
+    state_shape: tuple[int, ...]
+    state_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if len(self.conv_shape) != 2 or not all(
+            isinstance(n, int) and n >= 1 for n in self.conv_shape
+        ):
+            raise InvalidInputError(
+                f"conv_shape must be (K - 1, channels), positive ints, got {self.conv_shape!r}"
+            )
+        if not self.state_shape or not all(isinstance(n, int) and n >= 1 for n in self.state_shape):
+            raise InvalidInputError(
+                f"state_shape must be the recurrent plane's per-row shape, got {self.state_shape!r}"
+            )
+        for what, dtype in (("conv_dtype", self.conv_dtype), ("state_dtype", self.state_dtype)):
+            if dtype not in FLOAT_DTYPES:
+                raise InvalidInputError(f"{what} must be one of {FLOAT_DTYPES}, got {dtype!r}")
+
+    def plane_specs(self) -> tuple[PlaneSpec, PlaneSpec]:
+        return (
+            PlaneSpec("conv", None, self.conv_dtype, self.conv_shape[-1]),
+            PlaneSpec("recurrent", None, self.state_dtype, self.state_shape[-1]),
+        )
+
+    def row_bytes(self) -> int:
+        """Bytes one row holds (constant in tokens)."""
+        conv = math.prod(self.conv_shape) * _ITEMSIZE[self.conv_dtype]
+        return conv + math.prod(self.state_shape) * _ITEMSIZE[self.state_dtype]
+
+    def describe(self) -> str:
+        return (
+            f"conv {self.conv_shape} {self.conv_dtype}, recurrent {self.state_shape} "
+            f"{self.state_dtype}"
+        )
+
+
+#: Per plane: (per-row shape, dtype name) once known.
+_PlaneKind = tuple[tuple[int, ...], str]
+
+
+def valid_counts(n: int, rows: int, lengths: list[int] | None, left: list[int] | None) -> list[int]:
+    """Real tokens each row takes from a block of ``n``: positions ``t`` with
+    ``left[b] <= t < lengths[b]`` (no padding: all ``n``)."""
+    counts = []
+    for b in range(rows):
+        end = n if lengths is None else max(0, min(n, lengths[b]))
+        start = 0 if left is None else max(0, min(n, left[b]))
+        counts.append(max(0, end - start))
+    return counts
+
+
+class RecurrentRows:
+    """Recurrent state of one layer for one request (serial) or several (a layout).
+
+    The implementation supplies the array hooks (``_is_native`` … ``_bool_array``) and
+    ``_serial_class`` / ``_layout_class``; everything else is here.
+    """
+
+    composition: ClassVar[Composition]
+    #: Whether the class is a row layout (``BatchedSSMCache``) or serial (``SSMCache``).
+    is_layout: ClassVar[bool]
+    #: The array type the implementation takes (for messages).
+    array_name: ClassVar[str]
+
+    _planes: list[Any]
+    _kinds: list[_PlaneKind | None]
+    _offsets: list[int]
+    _serial_rows: int
+    _lengths: list[int] | None
+    _left: list[int] | None
+
+    # -- array hooks ----------------------------------------------------------------------
+    @staticmethod
+    def _is_native(value: object) -> bool:
+        raise NotImplementedError
+
+    @staticmethod
+    def _shape(value: Any) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    @staticmethod
+    def _dtype(value: Any) -> str:
+        raise NotImplementedError
+
+    @staticmethod
+    def _concat(parts: list[Any]) -> Any:
+        """An owned array: ``parts`` concatenated along the row axis."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _take(value: Any, rows: list[int]) -> Any:
+        """An owned array of the rows ``rows`` of ``value``."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _zeros(shape: tuple[int, ...], dtype: str) -> Any:
+        raise NotImplementedError
+
+    @staticmethod
+    def _int_array(values: list[int]) -> Any:
+        raise NotImplementedError
+
+    @staticmethod
+    def _bool_array(values: list[list[bool]]) -> Any:
+        raise NotImplementedError
+
+    @staticmethod
+    def _ints_of(value: Any) -> list[int]:
+        """A native int vector as Python ints."""
+        raise NotImplementedError
+
+    @classmethod
+    def _serial_class(cls) -> type[RecurrentRows]:
+        raise NotImplementedError
+
+    @classmethod
+    def _layout_class(cls) -> type[RecurrentRows]:
+        raise NotImplementedError
+
+    # -- rounds (the layout's ``RecurrentRounds`` overrides these) ------------------------
+    def _spec_guard(self, what: str) -> None:
+        """Refuse a row operation in the middle of a round (serial: nothing to refuse)."""
+
+    def _spec_usable(self) -> None:
+        """Refuse everything on an invalidated layout (serial: never invalid)."""
+
+    def _round_append(self, append: Callable[[], None]) -> None:
+        append()
+
+    def _round_write(self) -> None:
+        """Refuse a plane write the round cannot take (serial: always takes it)."""
+
+    # -- construction ---------------------------------------------------------------------
+    def __init__(self, *, geometry: RecurrentGeometry | None = None) -> None:
+        if geometry is not None and not isinstance(geometry, RecurrentGeometry):
+            raise InvalidInputError(
+                f"geometry must be a RecurrentGeometry, got {type(geometry).__name__}"
+            )
+        self._planes = [None, None]
+        self._kinds = [None, None]
+        if geometry is not None:
+            self._kinds = [
+                (geometry.conv_shape, geometry.conv_dtype),
+                (geometry.state_shape, geometry.state_dtype),
+            ]
+        self._offsets = [] if self.is_layout else [0]
+        self._serial_rows = 1
+        self._lengths = self._left = None
+
+    @classmethod
+    def from_specs(
+        cls,
+        codec_spec: object,
+        token_geometry: object,
+        *,
+        geometry: RecurrentGeometry | None = None,
+    ) -> Self:
+        """An empty instance (the row-layout table's role factories)."""
+        if not isinstance(codec_spec, State) or not isinstance(token_geometry, Recurrent):
+            raise InvalidInputError(
+                f"{cls.composition.name} is built from State() and Recurrent(), got "
+                f"{codec_spec!r} and {token_geometry!r}"
+            )
+        return cls(geometry=geometry)
+
+    def _spawn_like(self, cls: type[RecurrentRows]) -> Any:
+        fresh = cls(geometry=self.geometry)
+        fresh._kinds = list(self._kinds)
+        return fresh
+
+    # -- identity -------------------------------------------------------------------------
+    @property
+    def codec_spec(self) -> State:
+        return State()
+
+    @property
+    def codec(self) -> State:
+        return State()
+
+    @property
+    def token_geometry(self) -> Recurrent:
+        return Recurrent()
+
+    @property
+    def geometry(self) -> RecurrentGeometry | None:
+        """The planes' per-row shapes and dtypes, once declared or learnt from both planes."""
+        conv, state = self._kinds
+        if conv is None or state is None:
+            return None
+        (k, c) = conv[0]
+        return RecurrentGeometry((k, c), conv[1], state[0], state[1])
+
+    def signature(self) -> str:
+        return self.composition.signature
+
+    def plane_specs(self) -> tuple[PlaneSpec, ...]:
+        g = self.geometry
+        return () if g is None else g.plane_specs()
+
+    # -- sizes and positions --------------------------------------------------------------
+    @property
+    def _rows(self) -> int:
+        return len(self._offsets) if self.is_layout else self._serial_rows
+
+    def _row_offsets(self) -> tuple[int, ...]:
+        if self.is_layout:
+            return tuple(self._offsets)
+        return (self._offsets[0],) * self._serial_rows
+
+    @property
+    def offset(self) -> Any:
+        """Serial: tokens seen. Layout: per-row positions (an int array, the contract's
+        convention; ``group_offset`` is the longest row's)."""
+        if self.is_layout:
+            return self._int_array(list(self._offsets))
+        return self._offsets[0]
+
+    @property
+    def group_offset(self) -> int:
+        """The longest row's coverage (0 without rows)."""
+        return max(self._offsets, default=0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(p.nbytes) for p in self._planes if p is not None)
+
+    def held_arrays(self) -> tuple[Any, ...]:
+        return tuple(p for p in self._planes if p is not None)
+
+    @property
+    def state_needs_dispose(self) -> bool:
+        return False
+
+    def empty(self) -> bool:
+        """mlx-lm's ``empty()``: no plane written yet."""
+        return self._planes[CONV] is None
+
+    def size(self) -> int:
+        return 0
+
+    # -- the planes, mlx-lm's ArraysCache protocol ----------------------------------------
+    @property
+    def cache(self) -> list[Any]:
+        """The planes, ``[conv, recurrent]`` (a copy of the list; ``None`` where unwritten)."""
+        return list(self._planes)
+
+    def __getitem__(self, index: int) -> Any:
+        self._spec_usable()
+        return self._planes[self._plane_index(index)]
+
+    def __setitem__(self, index: int, value: Any) -> None:
+        """The layer writes a plane: ``[B, K-1, C]`` conv or ``[B, ...]`` recurrent, every
+        row at once, with the per-row shape and dtype the cache already holds."""
+        self._spec_usable()
+        i = self._plane_index(index)
+        kind = self._check_plane(i, value)
+        self._round_write()
+        self._planes[i] = value
+        self._kinds[i] = kind
+        if not self.is_layout:
+            self._serial_rows = self._shape(value)[0]
+
+    @staticmethod
+    def _plane_index(index: object) -> int:
+        value = None if isinstance(index, bool) else getattr(index, "__index__", None)
+        number = value() if callable(value) else None
+        if number not in (0, 1):
+            raise InvalidInputError(
+                f"a recurrent cache holds planes 0 (conv) and 1 (recurrent), got index {index!r}"
+            )
+        return int(number)
+
+    def _check_plane(self, i: int, value: Any) -> _PlaneKind:
+        name = ("conv", "recurrent")[i]
+        if not self._is_native(value):
+            raise InvalidInputError(
+                f"the {name} plane must be a {self.array_name} array, got {type(value).__name__}"
+            )
+        if self.is_layout and not self._offsets:
+            raise LayoutStateError("an empty layout takes no plane: merge rows into it first")
+        shape = self._shape(value)
+        dtype = self._dtype(value)
+        if (i == CONV and len(shape) != 3) or len(shape) < 2:
+            want = "[B, K-1, C]" if i == CONV else "[B, ...] (rank >= 2)"
+            raise InvalidInputError(f"the {name} plane must be {want}, got shape {shape}")
+        if dtype not in FLOAT_DTYPES:
+            raise InvalidInputError(f"the {name} plane must be one of {FLOAT_DTYPES}, got {dtype}")
+        if self._rows_fixed() and shape[0] != self._rows:
+            raise InvalidInputError(
+                f"the {name} plane must hold {self._rows} rows (one per row of the cache), "
+                f"got {shape[0]}"
+            )
+        known = self._kinds[i]
+        kind = (tuple(shape[1:]), dtype)
+        if known is not None and known != kind:
+            raise InvalidInputError(
+                f"the {name} plane holds rows of shape {known[0]} {known[1]}, got {kind[0]} "
+                f"{kind[1]}"
+            )
+        return kind
+
+    def _rows_fixed(self) -> bool:
+        """Whether the row count is settled (a layout's rows; a serial cache's once written)."""
+        return self.is_layout or any(p is not None for p in self._planes)
+
+    # -- padding and advancing (mlx-lm's names) -------------------------------------------
+    @property
+    def lengths(self) -> Any:
+        """Per-row real tokens still to come in the padded run (``None``: no run)."""
+        return None if self._lengths is None else self._int_array(list(self._lengths))
+
+    @property
+    def left_padding(self) -> Any:
+        """Per-row pad tokens still to come at the front of the run (``None``: none)."""
+        return None if self._left is None else self._int_array(list(self._left))
+
+    def prepare(
+        self,
+        *,
+        lengths: Sequence[int] | None = None,
+        left_padding: Sequence[int] | None = None,
+        right_padding: Sequence[int] | None = None,
+    ) -> None:
+        """A padded run follows: row ``b``'s tokens ``left_padding[b] <= t < lengths[b]``
+        are real (``right_padding`` is implied by ``lengths`` and ignored)."""
+        self._spec_guard("prepare")
+        if not self.is_layout:
+            raise InvalidInputError(
+                f"{self.composition.name} holds one request: padded runs are a layout's "
+                "(BatchedSSMCache)"
+            )
+        rows = self._rows
+        parsed: list[list[int] | None] = []
+        for name, values in (("lengths", lengths), ("left_padding", left_padding)):
+            if values is None:
+                parsed.append(None)
+                continue
+            if hasattr(values, "tolist") and not isinstance(values, Sequence):
+                values = values.tolist()
+            if isinstance(values, str | bytes) or not isinstance(values, Sequence):
+                raise InvalidInputError(f"{name} must be one count per row, got {values!r}")
+            if len(values) != rows:
+                raise InvalidInputError(
+                    f"{name} needs {rows} counts (one per row), got {len(values)}"
+                )
+            parsed.append([as_count(v, f"{name}[{b}]") for b, v in enumerate(values)])
+        self._lengths, self._left = parsed
+
+    def finalize(self) -> None:
+        """The padded run is over."""
+        self._spec_usable()
+        self._lengths = self._left = None
+
+    def make_mask(
+        self, n: int, *, return_array: bool = False, window_size: int | None = None
+    ) -> Any:
+        """``[B, n]`` bool (``True``: a real token) during a padded run, else ``None``."""
+        self._spec_usable()
+        count = as_count(n, "n", minimum=1)
+        if self._lengths is None and self._left is None and not return_array:
+            return None
+        rows = self._rows
+        end = self._lengths or [count] * rows
+        start = self._left or [0] * rows
+        return self._bool_array(
+            [[start[b] <= t < end[b] for t in range(count)] for b in range(rows)]
+        )
+
+    def advance(self, n: int) -> None:
+        """The layer consumed ``n`` positions: each row gains its real ones."""
+        self._spec_usable()
+        count = as_count(n, "n")
+        rows = self._rows
+        if self.is_layout and not rows:
+            raise LayoutStateError("an empty layout takes no update: merge rows into it first")
+        gained = valid_counts(count, rows, self._lengths, self._left)
+        if any(gained) and (self._planes[CONV] is None or self._planes[RECURRENT] is None):
+            raise LayoutStateError(
+                "advance before the layer wrote both planes: write cache[0] (conv) and "
+                "cache[1] (recurrent) first"
+            )
+        if not self.is_layout and len(set(gained)) > 1:
+            raise InvalidInputError("a serial recurrent cache advances every row alike")
+
+        def step() -> None:
+            if self.is_layout:
+                self._offsets = [o + g for o, g in zip(self._offsets, gained, strict=True)]
+            else:
+                self._offsets = [self._offsets[0] + gained[0]]
+            if self._lengths is not None:
+                self._lengths = [v - count for v in self._lengths]
+            if self._left is not None:
+                self._left = [v - count for v in self._left]
+
+        self._round_append(step)
+
+    # -- token operations do not apply ----------------------------------------------------
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        raise InvalidInputError(
+            f"{self.composition.name} holds recurrent state, written by the layer "
+            "(cache[0] = conv, cache[1] = recurrent, advance(n)): it takes no keys and values"
+        )
+
+    def fetch(self) -> tuple[Any, Any]:
+        raise LayoutStateError(
+            f"{self.composition.name} holds recurrent state, not keys and values: read "
+            "cache[0] and cache[1]"
+        )
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def trim(self, n: int) -> int:
+        """Recurrent state cannot forget tokens (a rollback replays instead): ``trim(0)``
+        returns 0, any other count raises ``NotTrimmableError``."""
+        self._spec_guard("trim (use spec_round_rollback)")
+        if as_count(n, "n") == 0:
+            return 0
+        raise NotTrimmableError(
+            f"{self.composition.name} is not trimmable: recurrent state is a running summary "
+            "of every token (roll back a verify round with spec_round_rollback)"
+        )
+
+    # -- row operations -------------------------------------------------------------------
+    @classmethod
+    def merge(cls, caches: Sequence[Any]) -> Any:
+        """mlx-lm's ``merge``: a new ``BatchedSSMCache`` holding ``caches``' rows."""
+        if isinstance(caches, str | bytes) or not isinstance(caches, Sequence) or not caches:
+            raise InvalidInputError("merge takes a non-empty sequence of caches")
+        first = caches[0]
+        if not isinstance(first, RecurrentRows):
+            raise IncompatibleRowsError(f"merge takes recurrent caches, got {type(first).__name__}")
+        layout = first._spawn_like(cls._layout_class())
+        layout.merge_rows(caches)
+        return layout
+
+    # -- saved state: (conv, recurrent, offset) -------------------------------------------
+    @property
+    def state(self) -> tuple[Any, ...]:
+        """``(conv, recurrent, offset)``: offset an int (serial) or one per row (layout)."""
+        self._spec_guard("state")
+        offset = self._int_array(list(self._offsets)) if self.is_layout else self._offsets[0]
+        return (self._planes[CONV], self._planes[RECURRENT], offset)
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._spec_guard("restoring state")
+        fresh = type(self).from_state(value)
+        self.__dict__.clear()
+        self.__dict__.update(fresh.__dict__)
+
+    @classmethod
+    def from_state(
+        cls,
+        state: Any,
+        meta_state: Any = None,
+        *,
+        geometry: RecurrentGeometry | None = None,
+        **_: Any,
+    ) -> Self:
+        """A new cache holding ``state`` (refused, changing nothing, when it does not fit);
+        ``geometry`` declares the planes of a state that holds none (a file's record)."""
+        name = cls.composition.name
+        if isinstance(state, str | bytes) or not isinstance(state, Sequence) or len(state) != 3:
+            raise InvalidInputError(
+                f"{name} state must be (conv, recurrent, offset), got {state!r}"
+            )
+        conv, recurrent, offset = state
+        fresh = cls(geometry=geometry)
+        if cls.is_layout:
+            if hasattr(offset, "tolist"):
+                offset = fresh._ints_of(offset)
+            if isinstance(offset, str | bytes) or not isinstance(offset, Sequence):
+                raise InvalidInputError(f"{name} state offset must be one count per row")
+            offsets = [as_count(v, f"offset[{b}]") for b, v in enumerate(offset)]
+        else:
+            if hasattr(offset, "item") and not isinstance(offset, int):
+                offset = offset.item()
+            offsets = [as_count(offset, "offset")]
+        if (conv is None) != (recurrent is None):
+            raise InvalidInputError(f"{name} state: conv and recurrent must both be set or None")
+        if conv is None:
+            if any(offsets):
+                raise InvalidInputError(f"{name} state: rows with tokens need both planes")
+            fresh._offsets = offsets
+            return fresh
+        kinds = [fresh._check_free(i, p) for i, p in enumerate((conv, recurrent))]
+        if geometry is not None and kinds != fresh._kinds:
+            raise InvalidInputError(
+                f"{name} state: planes {kinds} do not match the declared {geometry.describe()}"
+            )
+        rows = {fresh._shape(conv)[0], fresh._shape(recurrent)[0]}
+        if len(rows) != 1 or (cls.is_layout and rows != {len(offsets)}):
+            raise InvalidInputError(
+                f"{name} state: the planes and offsets disagree on the rows ({sorted(rows)} "
+                f"planes, {len(offsets)} offsets)"
+            )
+        fresh._planes = [conv, recurrent]
+        fresh._kinds = list(kinds)
+        fresh._offsets = offsets
+        fresh._serial_rows = rows.pop()
+        return fresh
+
+    def _check_free(self, i: int, value: Any) -> _PlaneKind:
+        """A plane's checks without the row count (a state sets the rows)."""
+        name = ("conv", "recurrent")[i]
+        if not self._is_native(value):
+            raise InvalidInputError(
+                f"the {name} plane must be a {self.array_name} array, got {type(value).__name__}"
+            )
+        shape, dtype = self._shape(value), self._dtype(value)
+        if (i == CONV and len(shape) != 3) or len(shape) < 2 or dtype not in FLOAT_DTYPES:
+            raise InvalidInputError(f"the {name} plane has an invalid shape/dtype {shape} {dtype}")
+        return (tuple(shape[1:]), dtype)
+
+    # -- invariants -----------------------------------------------------------------------
+    def check_valid(self) -> None:
+        """Both planes or neither, one row count, the known kinds, no negative offset."""
+        conv, recurrent = self._planes
+        if (conv is None) != (recurrent is None):
+            raise LayoutStateError("one plane written without the other")
+        if any(o < 0 for o in self._offsets):
+            raise LayoutStateError(f"negative offsets {self._offsets}")
+        for i, plane in enumerate(self._planes):
+            if plane is None:
+                continue
+            shape = self._shape(plane)
+            if shape[0] != self._rows:
+                raise LayoutStateError(f"plane {i} holds {shape[0]} rows, the cache {self._rows}")
+            if self._kinds[i] != (tuple(shape[1:]), self._dtype(plane)):
+                raise LayoutStateError(f"plane {i} does not match its recorded kind")
+        if conv is None and any(self._offsets):
+            raise LayoutStateError("rows with tokens but no planes")
+
+
+class RecurrentLayout(RecurrentRows):
+    """The row-layout members (``BatchableCache``) of ``BatchedSSMCache``."""
+
+    @property
+    def batch_size(self) -> int:
+        return self._rows
+
+    @property
+    def row_offsets(self) -> tuple[int, ...]:
+        return tuple(self._offsets)
+
+    @property
+    def left_pad(self) -> tuple[int, ...]:
+        """No token axis, so nothing is ever padded on the left."""
+        return (0,) * self._rows
+
+    @property
+    def max_tokens(self) -> float:
+        return math.inf
+
+    def projected_bytes(self, tokens: int) -> int:
+        """Bytes a row needs: the state's, whatever ``tokens``."""
+        as_count(tokens, "tokens")
+        g = self.geometry
+        if g is None:
+            raise LayoutStateError(
+                "projected_bytes needs the recurrent geometry: declare it at construction "
+                "(geometry=RecurrentGeometry(...)) or let the layer write both planes first"
+            )
+        return g.row_bytes()
+
+    def make_empty_batch(self) -> Any:
+        """An empty ``BatchedSSMCache`` with this cache's geometry."""
+        self._spec_usable()
+        return self._spawn_like(self._layout_class())
+
+    def merge_rows(self, rows: Sequence[Any]) -> None:
+        """Join ``rows`` (recurrent caches of this implementation) after the rows held:
+        planes concatenate along the row axis; a source without planes adds zero rows."""
+        self._spec_guard("merge_rows")
+        if isinstance(rows, str | bytes) or not isinstance(rows, Sequence) or not rows:
+            raise InvalidInputError("merge_rows takes a non-empty sequence of caches")
+        if self._lengths is not None or self._left is not None:
+            raise LayoutStateError("merge_rows during a padded run: finalize() it first")
+        sources: list[RecurrentRows] = []
+        for source in rows:
+            if source is self:
+                raise InvalidInputError(
+                    f"cannot merge a {self.composition.name} into itself: extract its rows first"
+                )
+            if not isinstance(source, RecurrentRows) or source.array_name != self.array_name:
+                raise IncompatibleRowsError(
+                    f"{self.composition.name} merges recurrent caches of the same implementation "
+                    f"({self.array_name} arrays), got {type(source).__name__}"
+                )
+            source._spec_guard("merging this layout's rows into another")
+            if source._lengths is not None or source._left is not None:
+                raise LayoutStateError("a source in a padded run cannot be merged: finalize it")
+            sources.append(source)
+        kinds = list(self._kinds)
+        for source in sources:
+            for i, kind in enumerate(source._kinds):
+                if kind is None:
+                    continue
+                if kinds[i] is not None and kinds[i] != kind:
+                    raise IncompatibleRowsError(
+                        f"cannot merge recurrent rows of different geometries: "
+                        f"{('conv', 'recurrent')[i]} plane {kinds[i]} vs {kind}"
+                    )
+                kinds[i] = kind
+        parts: list[list[tuple[Any, int]]] = [[], []]
+        offsets = list(self._offsets)
+        held: list[tuple[RecurrentRows, int]] = (
+            [(self, len(self._offsets))] if self._offsets else []
+        )
+        held += [(s, s._rows) for s in sources]
+        for owner, count in held:
+            for i in (CONV, RECURRENT):
+                parts[i].append((owner._planes[i], count))
+        for source in sources:
+            offsets += source._row_offsets()
+        planes: list[Any] = []
+        for i in (CONV, RECURRENT):
+            if all(p is None for p, _ in parts[i]):
+                planes.append(None)
+                continue
+            kind = kinds[i]
+            assert kind is not None
+            pieces = [
+                p if p is not None else self._zeros((count, *kind[0]), kind[1])
+                for p, count in parts[i]
+            ]
+            planes.append(self._concat(pieces))
+        self._planes, self._kinds, self._offsets = planes, kinds, offsets
+
+    def filter_rows(self, keep: Sequence[int]) -> None:
+        """Keep the rows ``keep`` (any subset, in the given order)."""
+        self._spec_guard("filter_rows")
+        order = check_keep(keep, self._rows)
+        if self._lengths is not None or self._left is not None:
+            raise LayoutStateError("filter_rows during a padded run: finalize() it first")
+        if not order:
+            self._planes = [None, None]
+            self._offsets = []
+            return
+        self._planes = [None if p is None else self._take(p, order) for p in self._planes]
+        self._offsets = [self._offsets[b] for b in order]
+
+    def extract_row(self, row: int) -> Any:
+        """An owned serial ``SSMCache`` holding row ``row`` (its own coverage)."""
+        self._spec_guard("extract_row")
+        index = check_row(row, self._rows)
+        serial = self._spawn_like(self._serial_class())
+        serial._planes = [None if p is None else self._take(p, [index]) for p in self._planes]
+        serial._offsets = [self._offsets[index]]
+        return serial
+
+    def can_publish_row(self, row: int, tokens: int) -> bool:
+        """Only at exactly the row's coverage: recurrent state cannot be cut."""
+        self._spec_usable()
+        index = check_row(row, self._rows)
+        count = as_count(tokens, "tokens")
+        written = self._planes[CONV] is not None and self._planes[RECURRENT] is not None
+        return written and self._offsets[index] == count
+
+    def extend(self, other: Any) -> None:
+        """mlx-lm's ``extend``: join ``other``'s rows."""
+        self.merge_rows([other])
+
+    def filter(self, batch_indices: Any) -> None:
+        """mlx-lm's ``filter``."""
+        if hasattr(batch_indices, "tolist"):
+            batch_indices = batch_indices.tolist()
+        self.filter_rows(batch_indices)
+
+    def extract(self, idx: int) -> Any:
+        """mlx-lm's ``extract``."""
+        return self.extract_row(idx)
+
+
+class RecurrentRounds(SpeculativeRounds):
+    """The ``speculative`` modifier on recurrent rows: snapshot + replay (mixed in ahead
+    of :class:`RecurrentRows` in ``BatchedSSMCache``).
+
+    ``spec_round_begin`` keeps the planes and positions; the layer's verify forward
+    records its per-position inputs and a replay (``spec_round_record``) and writes the
+    block; ``spec_round_rollback(keep)`` restores the snapshot and replays the first
+    ``keep[b]`` tokens of each row through the layer with the rest masked, so each row's
+    state is the one a run that saw only the accepted tokens computes.
+    """
+
+    _snapshot: tuple[list[Any], list[int]] | None = None
+    _record: tuple[Replay, tuple[Any, ...]] | None = None
+    _replaying: bool = False
+
+    def spec_round_begin(self) -> None:
+        rows: Any = self
+        if rows._lengths is not None or rows._left is not None:
+            raise LayoutStateError("a verify round cannot open during a padded run: finalize it")
+        super().spec_round_begin()
+        self._snapshot = (list(rows._planes), list(rows._offsets))
+        self._record = None
+
+    @property
+    def spec_round_awaits_record(self) -> bool:
+        """Whether the layer's next forward is a round's verify block that should record
+        its inputs (a round is open, nothing appended or recorded, no replay running)."""
+        return (
+            self.spec_round_open
+            and self._spec_block is None
+            and self._record is None
+            and not self._replaying
+        )
+
+    def spec_round_record(self, replay: Replay, *inputs: Any) -> None:
+        """The verify forward's per-position inputs (each ``[B, S, ...]``) and the replay
+        that runs the layer over a prefix of them."""
+        self._spec_usable()
+        if not self.spec_round_open:
+            raise SpeculativeRoundError("spec_round_record without spec_round_begin")
+        if self._record is not None:
+            raise SpeculativeRoundError("the round's verify forward already recorded its inputs")
+        if not callable(replay):
+            raise InvalidInputError(f"replay must be callable, got {type(replay).__name__}")
+        rows: Any = self
+        if not inputs:
+            raise InvalidInputError("spec_round_record needs the layer's per-position inputs")
+        for j, x in enumerate(inputs):
+            if not rows._is_native(x):
+                raise InvalidInputError(
+                    f"inputs[{j}] must be a {rows.array_name} array, got {type(x).__name__}"
+                )
+            shape = rows._shape(x)
+            if len(shape) < 2 or shape[0] != rows._rows:
+                raise InvalidInputError(
+                    f"inputs[{j}] must be [B={rows._rows}, S, ...], got shape {shape}"
+                )
+        self._record = (replay, tuple(inputs))
+
+    def spec_round_commit(self) -> None:
+        super().spec_round_commit()
+        self._snapshot = self._record = None
+
+    def spec_round_rollback(self, keep: int | Sequence[int]) -> None:
+        blocks = self._spec_block_of("spec_round_rollback")
+        counts = check_keep_vector(keep, blocks)
+        if counts != list(blocks):
+            if self._record is None:
+                raise SpeculativeRoundError(
+                    "spec_round_rollback before the verify forward recorded its inputs "
+                    "(spec_round_record): nothing to replay"
+                )
+            span = self._record_span()
+            if span != max(blocks):
+                raise SpeculativeRoundError(
+                    f"the recorded inputs cover {span} positions, the verify block {max(blocks)}"
+                )
+        super().spec_round_rollback(counts)
+        self._snapshot = self._record = None
+
+    def _record_span(self) -> int:
+        assert self._record is not None
+        rows: Any = self
+        return int(rows._shape(self._record[1][0])[1])
+
+    def _spec_forget(self, counts: Sequence[int]) -> None:
+        rows: Any = self
+        assert self._snapshot is not None and self._record is not None
+        blocks = self._spec_block or ()
+        keep = [block - c for block, c in zip(blocks, counts, strict=True)]
+        planes, offsets = self._snapshot
+        replay, inputs = self._record
+        rows._planes, rows._offsets = list(planes), list(offsets)
+        span = max(keep)
+        self._replaying = True
+        try:
+            rows._lengths, rows._left = list(keep), None
+            replay(self, *(x[:, :span] for x in inputs))
+        finally:
+            self._replaying = False
+            rows._lengths = rows._left = None
+        expected = [o + k for o, k in zip(offsets, keep, strict=True)]
+        if rows._offsets != expected:
+            raise LayoutStateError(
+                f"the replay left rows at {rows._offsets}, expected {expected} "
+                "(it must advance over the inputs it was given)"
+            )
+
+    # -- the hooks RecurrentRows calls ----------------------------------------------------
+    def _round_append(self, append: Callable[[], None]) -> None:
+        if self._replaying:
+            append()
+            return
+        self._spec_append(append)
+
+    def _round_write(self) -> None:
+        self._spec_usable()
+        if self.spec_round_open and self._spec_block is not None and not self._replaying:
+            raise SpeculativeRoundError(
+                "a speculative round takes one verify block: commit or roll back before the next"
+            )
+
+    def can_publish_row(self, row: int, tokens: int) -> bool:
+        published: bool = super().can_publish_row(row, tokens)  # type: ignore[misc]
+        return published and not self.spec_round_open

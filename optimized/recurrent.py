@@ -1,0 +1,200 @@
+"""Recurrent state in the MLX implementation: ``SSMCache``, ``BatchedSSMCache`` and a
+gated DeltaNet layer that drives them (``spec/SSMCache.md``).
+
+The row machinery is the core's (``kvrows.recurrent.RecurrentRows``); this module gives
+it MLX arrays. Everything that leaves a cache (an extracted row, a merged or filtered
+plane) is an owned, evaluated compact copy, never a view pinning a batch buffer. The same
+classes are the drop-in for mlx-lm's ``ArraysCache`` in its hybrid and SSM models
+(``qwen3_next``, ``mamba2``…): the layers write ``cache[0]`` / ``cache[1]``, read
+``cache.lengths`` and call ``cache.advance(S)`` and ``cache.make_mask(S)``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from kvrows.compositions import composition
+from kvrows.errors import InvalidInputError
+from kvrows.optimized.codecs import dtype_name
+from kvrows.recurrent import CONV, RECURRENT, RecurrentLayout, RecurrentRounds, RecurrentRows
+
+__all__ = ["BatchedSSMCache", "GatedDeltaParams", "SSMCache", "gated_delta_forward"]
+
+_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+def _owned(array: mx.array) -> mx.array:
+    """An evaluated compact copy (a concatenate never aliases its input)."""
+    copy = mx.concatenate([array, array[:0]], axis=0)
+    mx.eval(copy)
+    return copy
+
+
+class _MlxRows(RecurrentRows):
+    array_name = "MLX"
+
+    @staticmethod
+    def _is_native(value: object) -> bool:
+        return isinstance(value, mx.array)
+
+    @staticmethod
+    def _shape(value: Any) -> tuple[int, ...]:
+        return tuple(int(n) for n in value.shape)
+
+    @staticmethod
+    def _dtype(value: Any) -> str:
+        return dtype_name(value)
+
+    @staticmethod
+    def _concat(parts: list[Any]) -> Any:
+        if len(parts) == 1:
+            return _owned(parts[0])
+        joined = mx.concatenate(parts, axis=0)  # a new buffer: nothing to copy again
+        mx.eval(joined)
+        return joined
+
+    @staticmethod
+    def _take(value: Any, rows: list[int]) -> Any:
+        taken = mx.take(value, mx.array(rows, dtype=mx.int32), axis=0)  # a gather: new buffer
+        mx.eval(taken)
+        return taken
+
+    @staticmethod
+    def _zeros(shape: tuple[int, ...], dtype: str) -> Any:
+        return mx.zeros(shape, dtype=_DTYPES[dtype])
+
+    @staticmethod
+    def _int_array(values: list[int]) -> Any:
+        return mx.array(values, dtype=mx.int32)
+
+    @staticmethod
+    def _bool_array(values: list[list[bool]]) -> Any:
+        rows = len(values)
+        width = len(values[0]) if values else 0
+        return mx.array([v for row in values for v in row], dtype=mx.bool_).reshape(rows, width)
+
+    @staticmethod
+    def _ints_of(value: Any) -> list[int]:
+        return [int(v) for v in value.reshape(-1).tolist()]
+
+    @classmethod
+    def _serial_class(cls) -> type[RecurrentRows]:
+        return SSMCache
+
+    @classmethod
+    def _layout_class(cls) -> type[RecurrentRows]:
+        return BatchedSSMCache
+
+
+class SSMCache(_MlxRows):
+    """Serial recurrent state of one layer (conv + recurrent planes, written by the layer;
+    not trimmable); mlx-lm's ``ArraysCache(2)`` drop-in: ``spec/SSMCache.md``."""
+
+    composition = composition("SSMCache")
+    is_layout = False
+
+
+class BatchedSSMCache(RecurrentRounds, RecurrentLayout, _MlxRows):
+    """The row layout of ``SSMCache`` in all three roles, with snapshot + replay verify
+    rounds: ``spec/BatchedSSMCache.md``."""
+
+    composition = composition("BatchedSSMCache")
+    is_layout = True
+
+
+# -- the layer ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GatedDeltaParams:
+    """One gated DeltaNet layer's weights (float32) and head layout (the reference's
+    ``GatedDeltaParams`` in MLX arrays)."""
+
+    conv_weight: mx.array
+    a_log: mx.array
+    dt_bias: mx.array
+    key_heads: int
+    key_dim: int
+    value_heads: int
+    value_dim: int
+
+    @property
+    def kernel(self) -> int:
+        return int(self.conv_weight.shape[1])
+
+    @property
+    def channels(self) -> int:
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+
+def _rms(x: mx.array, eps: float) -> mx.array:
+    return x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def gated_delta_forward(
+    params: GatedDeltaParams, cache: Any, qkv: mx.array, a: mx.array, b: mx.array
+) -> mx.array:
+    """The reference's ``gated_delta_forward`` in MLX (same masking, same conv-plane rule,
+    float32 recurrence step by step)."""
+    if qkv.ndim != 3 or qkv.shape[-1] != params.channels:
+        raise InvalidInputError(f"qkv must be [B, S, {params.channels}], got {qkv.shape}")
+    rows, span, channels = (int(n) for n in qkv.shape)
+    hv, dv, hk, dk, kernel = (
+        params.value_heads, params.value_dim, params.key_heads, params.key_dim, params.kernel,
+    )  # fmt: skip
+    if cache is not None and getattr(cache, "spec_round_awaits_record", False):
+        cache.spec_round_record(functools.partial(gated_delta_forward, params), qkv, a, b)
+    mask = None if cache is None else cache.make_mask(span)
+    x = qkv if mask is None else mx.where(mask[..., None], qkv, mx.zeros((), qkv.dtype))
+    held = None if cache is None else cache[CONV]
+    if held is None:
+        held = mx.zeros((rows, kernel - 1, channels), dtype=qkv.dtype)
+    window = mx.concatenate([held, x], axis=1)
+    lengths = None if cache is None else cache.lengths
+    if lengths is None:
+        new_conv = window[:, span:]
+    else:
+        ends = mx.clip(lengths, 0, span)
+        positions = (ends[:, None] + mx.arange(kernel - 1))[..., None]
+        new_conv = mx.take_along_axis(window, positions, axis=1)
+    f = window.astype(mx.float32)
+    w = params.conv_weight.astype(mx.float32)
+    acc = f[:, 0:span] * w[:, 0]
+    for j in range(1, kernel):
+        acc = acc + f[:, j : j + span] * w[:, j]
+    out = acc * mx.sigmoid(acc)
+    q = out[..., : hk * dk].reshape(rows, span, hk, dk)
+    k = out[..., hk * dk : 2 * hk * dk].reshape(rows, span, hk, dk)
+    v = out[..., 2 * hk * dk :].reshape(rows, span, hv, dv)
+    q = _rms(q, 1e-6) * (1.0 / dk)
+    k = _rms(k, 1e-6) * (dk**-0.5)
+    repeat = hv // hk
+    if repeat > 1:
+        q, k = mx.repeat(q, repeat, axis=2), mx.repeat(k, repeat, axis=2)
+    g = mx.exp(
+        -mx.exp(params.a_log.astype(mx.float32))
+        * mx.logaddexp(mx.zeros((), mx.float32), a.astype(mx.float32) + params.dt_bias)
+    )
+    beta = mx.sigmoid(b.astype(mx.float32))
+    state = None if cache is None else cache[RECURRENT]
+    if state is None:
+        state = mx.zeros((rows, hv, dv, dk), dtype=mx.float32)
+    ys = []
+    for t in range(span):
+        decayed = state * g[:, t, :, None, None]
+        memory = mx.sum(decayed * k[:, t, :, None, :], axis=-1)
+        delta = (v[:, t] - memory) * beta[:, t, :, None]
+        updated = decayed + k[:, t, :, None, :] * delta[..., None]
+        ys.append(mx.sum(updated * q[:, t, :, None, :], axis=-1))
+        state = updated if mask is None else mx.where(mask[:, t, None, None, None], updated, state)
+    if cache is not None:
+        conv_plane, state_plane = mx.contiguous(new_conv), state
+        mx.eval(conv_plane, state_plane)
+        cache[CONV] = conv_plane
+        cache[RECURRENT] = state_plane
+        cache.advance(span)
+    return mx.stack(ys, axis=1)

@@ -1,0 +1,198 @@
+"""Recurrent state in the NumPy reference: ``SSMCache``, ``BatchedSSMCache`` and a gated
+DeltaNet layer that drives them (``spec/SSMCache.md``).
+
+The row machinery is the core's (``kvrows.recurrent.RecurrentRows``); this module gives
+it NumPy arrays (bf16 through ``ml_dtypes``; every operation returns a fresh array, never
+a view of a cache's buffer) and writes the layer the caches are tested with:
+:func:`gated_delta_forward`, the recurrence of Qwen3-Next's linear attention in float32,
+step by step, with padded rows masked so a masked position leaves a row's state as it was.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvrows.compositions import composition
+from kvrows.errors import InvalidInputError
+from kvrows.recurrent import CONV, RECURRENT, RecurrentLayout, RecurrentRounds, RecurrentRows
+from kvrows.reference.codecs import numpy_dtype
+
+__all__ = ["BatchedSSMCache", "GatedDeltaParams", "SSMCache", "gated_delta_forward"]
+
+Array = npt.NDArray[Any]
+
+
+class _NumpyRows(RecurrentRows):
+    array_name = "NumPy"
+
+    @staticmethod
+    def _is_native(value: object) -> bool:
+        return isinstance(value, np.ndarray)
+
+    @staticmethod
+    def _shape(value: Any) -> tuple[int, ...]:
+        return tuple(int(n) for n in value.shape)
+
+    @staticmethod
+    def _dtype(value: Any) -> str:
+        return str(value.dtype.name)
+
+    @staticmethod
+    def _concat(parts: list[Any]) -> Any:
+        return np.concatenate(parts, axis=0)  # always a new array
+
+    @staticmethod
+    def _take(value: Any, rows: list[int]) -> Any:
+        return np.ascontiguousarray(value[np.asarray(rows, dtype=np.int64)])
+
+    @staticmethod
+    def _zeros(shape: tuple[int, ...], dtype: str) -> Any:
+        return np.zeros(shape, dtype=numpy_dtype(dtype))
+
+    @staticmethod
+    def _int_array(values: list[int]) -> Any:
+        return np.asarray(values, dtype=np.int32)
+
+    @staticmethod
+    def _bool_array(values: list[list[bool]]) -> Any:
+        return np.asarray(values, dtype=np.bool_).reshape(len(values), -1)
+
+    @staticmethod
+    def _ints_of(value: Any) -> list[int]:
+        return [int(v) for v in np.asarray(value).reshape(-1)]
+
+    def __setitem__(self, index: int, value: Any) -> None:
+        # Own the plane: a caller writing into its array later must not reach the cache.
+        super().__setitem__(index, np.array(value, copy=True) if self._is_native(value) else value)
+
+    @classmethod
+    def _serial_class(cls) -> type[RecurrentRows]:
+        return SSMCache
+
+    @classmethod
+    def _layout_class(cls) -> type[RecurrentRows]:
+        return BatchedSSMCache
+
+
+class SSMCache(_NumpyRows):
+    """Serial recurrent state of one layer (conv + recurrent planes, written by the layer;
+    not trimmable): ``spec/SSMCache.md``."""
+
+    composition = composition("SSMCache")
+    is_layout = False
+
+
+class BatchedSSMCache(RecurrentRounds, RecurrentLayout, _NumpyRows):
+    """The row layout of ``SSMCache`` in all three roles, with snapshot + replay verify
+    rounds: ``spec/BatchedSSMCache.md``."""
+
+    composition = composition("BatchedSSMCache")
+    is_layout = True
+
+
+# -- the layer ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GatedDeltaParams:
+    """One gated DeltaNet layer's weights (float32) and head layout.
+
+    ``conv_weight [C, K]`` (``C = 2 * key_heads * key_dim + value_heads * value_dim``),
+    ``a_log [Hv]``, ``dt_bias [Hv]``; ``value_heads`` a multiple of ``key_heads``."""
+
+    conv_weight: Array
+    a_log: Array
+    dt_bias: Array
+    key_heads: int
+    key_dim: int
+    value_heads: int
+    value_dim: int
+
+    @property
+    def kernel(self) -> int:
+        return int(self.conv_weight.shape[1])
+
+    @property
+    def channels(self) -> int:
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+
+def _silu(x: Array) -> Array:
+    return x / (np.float32(1) + np.exp(-x))
+
+
+def _rms(x: Array, eps: float) -> Array:
+    scale: Array = np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
+    return x / scale
+
+
+def gated_delta_forward(
+    params: GatedDeltaParams, cache: Any, qkv: Array, a: Array, b: Array
+) -> Array:
+    """One gated DeltaNet forward over ``S`` positions: ``qkv [B, S, C]`` (the pre-conv
+    projections, activation dtype), ``a``, ``b`` ``[B, S, Hv]``. Reads and writes
+    ``cache`` (``None``: no state kept); returns ``y [B, S, Hv, Dv]`` float32.
+
+    During a padded run (``cache.make_mask``) masked positions feed zeros to the conv, do
+    not change the recurrent state, and each row's new conv plane is the ``K - 1`` inputs
+    ending at its last real token. In a verify round it records its inputs for the replay.
+    """
+    if qkv.ndim != 3 or qkv.shape[-1] != params.channels:
+        raise InvalidInputError(f"qkv must be [B, S, {params.channels}], got {qkv.shape}")
+    rows, span, channels = (int(n) for n in qkv.shape)
+    hv, dv, hk, dk, kernel = (
+        params.value_heads, params.value_dim, params.key_heads, params.key_dim, params.kernel,
+    )  # fmt: skip
+    if cache is not None and getattr(cache, "spec_round_awaits_record", False):
+        cache.spec_round_record(functools.partial(gated_delta_forward, params), qkv, a, b)
+    mask = None if cache is None else cache.make_mask(span)
+    x = qkv if mask is None else np.where(mask[..., None], qkv, np.zeros((), qkv.dtype))
+    held = None if cache is None else cache[CONV]
+    if held is None:
+        held = np.zeros((rows, kernel - 1, channels), dtype=qkv.dtype)
+    window = np.concatenate([held, x], axis=1)
+    lengths = None if cache is None else cache.lengths
+    if lengths is None:
+        new_conv = window[:, span:]
+    else:
+        ends = np.clip(np.asarray(lengths), 0, span)
+        new_conv = np.stack([window[r, e : e + kernel - 1] for r, e in enumerate(ends)])
+    f = window.astype(np.float32)
+    w = params.conv_weight.astype(np.float32)
+    acc = f[:, 0:span] * w[:, 0]
+    for j in range(1, kernel):
+        acc = acc + f[:, j : j + span] * w[:, j]
+    out = _silu(acc)
+    q = out[..., : hk * dk].reshape(rows, span, hk, dk)
+    k = out[..., hk * dk : 2 * hk * dk].reshape(rows, span, hk, dk)
+    v = out[..., 2 * hk * dk :].reshape(rows, span, hv, dv)
+    q = _rms(q, 1e-6) * np.float32(1.0 / dk)
+    k = _rms(k, 1e-6) * np.float32(dk**-0.5)
+    repeat = hv // hk
+    q, k = np.repeat(q, repeat, axis=2), np.repeat(k, repeat, axis=2)
+    g = np.exp(
+        -np.exp(params.a_log.astype(np.float32))
+        * np.logaddexp(np.float32(0), a.astype(np.float32) + params.dt_bias.astype(np.float32))
+    ).astype(np.float32)
+    beta = (np.float32(1) / (np.float32(1) + np.exp(-b.astype(np.float32)))).astype(np.float32)
+    state = None if cache is None else cache[RECURRENT]
+    if state is None:
+        state = np.zeros((rows, hv, dv, dk), dtype=np.float32)
+    ys = []
+    for t in range(span):
+        decayed = state * g[:, t, :, None, None]
+        memory = np.sum(decayed * k[:, t, :, None, :], axis=-1)
+        delta = (v[:, t] - memory) * beta[:, t, :, None]
+        updated = decayed + k[:, t, :, None, :] * delta[..., None]
+        ys.append(np.sum(updated * q[:, t, :, None, :], axis=-1))
+        state = updated if mask is None else np.where(mask[:, t, None, None, None], updated, state)
+    if cache is not None:
+        cache[CONV] = np.ascontiguousarray(new_conv)
+        cache[RECURRENT] = state.astype(np.float32)
+        cache.advance(span)
+    return np.stack(ys, axis=1).astype(np.float32)

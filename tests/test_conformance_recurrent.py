@@ -1,0 +1,126 @@
+"""The recurrent family's conformance machine (``kvrows.conformance.recurrent``).
+
+``BatchedSSMCache`` (the layout of ``SSMCache``'s rows in all three roles) runs its machine
+under the selected profile, scaled by the family's example budget: requests prefilled by a
+gated DeltaNet layer, merged, joined, stepped (decode, blocks, right-padded runs),
+filtered, extracted, published, verified in rounds (commit, uniform and unequal rollback)
+and saved, against the reference, a solo replay per row and mlx-lm's ``ArraysCache``. The
+tests check that nothing was skipped silently: every operation, every oracle, every
+compared quantity, every activation dtype, and the bad inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import mlx.core as mx
+import pytest
+from hypothesis.stateful import run_state_machine_as_test
+
+from kvrows.conformance.families import FAMILIES, optimized_impl
+from kvrows.conformance.machines import machine_class
+from kvrows.conformance.recurrent import RECURRENT_CHECKS, RecurrentMachine
+from kvrows.conformance.runner import family_settings, format_report, run_machines
+from kvrows.conformance.stats import Stats
+from kvrows.optimized.recurrent import BatchedSSMCache
+
+FAMILY = FAMILIES["recurrent"]
+
+EXPECTED_OPS = {
+    "new_request",
+    "prefill_chunk",
+    "merge",
+    "join",
+    "decode_step",
+    "multi_step",
+    "padded_step",
+    "filter",
+    "filter:longest left",
+    "extract",
+    "publish",
+    "publish:cut refused",
+    "spec_rounds",
+    "round:commit",
+    "round:unequal",
+    "state",
+    "invalid",
+    "invalid:trim",
+}
+
+
+@pytest.fixture(autouse=True)
+def _cpu() -> Iterator[None]:
+    with mx.stream(mx.cpu):
+        yield
+
+
+def test_recurrent_family() -> None:
+    settings = family_settings(FAMILY)
+    stats = Stats(FAMILY.name, "BatchedSSMCache")
+    run_state_machine_as_test(
+        machine_class(FAMILY, "BatchedSSMCache", stats=stats), settings=settings
+    )
+    assert stats.examples >= settings.max_examples // 2, f"only {stats.examples} examples ran"
+    missing = EXPECTED_OPS - set(stats.ops)
+    assert not missing, f"operations never exercised: {sorted(missing)} (ran {dict(stats.ops)})"
+    for oracle in RECURRENT_CHECKS:
+        assert stats.checks[oracle] > 0, f"oracle {oracle!r} never ran: {dict(stats.checks)}"
+    compared = {quantity for quantity, _ in stats.errors}
+    expected = {"state.conv", "state.recurrent", "state.solo", "state.mlx_lm", "output"}
+    expected |= {"output.solo"}
+    assert expected <= compared, f"quantities never compared: {expected - compared}"
+    assert set(stats.variants) == {"bfloat16", "float16", "float32"}, dict(stats.variants)
+    assert not stats.skips, dict(stats.skips)
+
+
+def test_the_family_drives_both_recurrent_classes() -> None:
+    assert [spec.name for spec in FAMILY.layouts] == ["BatchedSSMCache"]
+    spec = FAMILY.layout("BatchedSSMCache")
+    assert spec.roles == ("decode", "prefill", "verify") and spec.serial == "SSMCache"
+    assert FAMILY.machine is not None and FAMILY.machine() is RecurrentMachine
+
+
+def test_runner_runs_the_recurrent_family() -> None:
+    results = run_machines(["recurrent"], profile="ci", max_examples=2, stateful_step_count=6)
+    assert [(r.family, r.layout) for r in results] == [("recurrent", "BatchedSSMCache")]
+    assert all(r.passed for r in results), [r.failure for r in results]
+    assert "BatchedSSMCache" in format_report(results, "ci")
+
+
+# -- teeth: planted bugs in the optimized layout are caught ------------------------------
+
+
+class _NoReplay(BatchedSSMCache):
+    """Rollback restores the snapshot and moves the positions, but replays nothing."""
+
+    def _spec_forget(self, counts: Sequence[int]) -> None:
+        assert self._snapshot is not None and self._spec_block is not None
+        planes, offsets = self._snapshot
+        self._planes = list(planes)
+        self._offsets = [
+            o + b - c for o, b, c in zip(offsets, self._spec_block, counts, strict=True)
+        ]
+
+
+class _PublishesCutRows(BatchedSSMCache):
+    """A row publishes at any coverage it has reached."""
+
+    def can_publish_row(self, row: int, tokens: int) -> bool:
+        return self[0] is not None and self.row_offsets[row] >= tokens
+
+
+class _FilterKeepsOrder(BatchedSSMCache):
+    """Filter keeps the named rows in ascending order, not the order asked."""
+
+    def filter_rows(self, keep: Sequence[int]) -> None:
+        super().filter_rows(sorted(keep))
+
+
+@pytest.mark.parametrize("mutant", [_NoReplay, _PublishesCutRows, _FilterKeepsOrder])
+def test_the_machine_catches_planted_bugs(mutant: type[BatchedSSMCache]) -> None:
+    impl = optimized_impl().with_classes({"BatchedSSMCache": mutant}, name=mutant.__name__)
+    machine = machine_class(
+        FAMILY, "BatchedSSMCache", optimized=impl, name=f"Teeth{mutant.__name__}"
+    )
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(machine, settings=family_settings(FAMILY, "teeth"))

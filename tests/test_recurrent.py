@@ -1,0 +1,387 @@
+"""SSMCache and BatchedSSMCache in both implementations (``spec/SSMCache.md``,
+``spec/BatchedSSMCache.md``): the layer-driven update against the reference, rows against
+their solo runs, snapshot + replay rollback bit for bit against a run that saw only the
+accepted tokens, and bad inputs that raise and change nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import ml_dtypes
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kvrows.optimized as opt
+import kvrows.reference as ref
+from kvrows.conformance.arrays import from_mlx, to_mlx
+from kvrows.errors import (
+    IncompatibleRowsError,
+    InvalidInputError,
+    KvRowsError,
+    LayoutStateError,
+    NotTrimmableError,
+    RowIndexError,
+    SpeculativeRoundError,
+)
+from kvrows.optimized import recurrent as opt_rec
+from kvrows.recurrent import RecurrentGeometry
+from kvrows.reference import recurrent as ref_rec
+from kvrows.table import owned_cache_layout, prefill_cache_layout, publish_row, target_cache_layout
+
+HK, DK, HV, DV, K = 1, 8, 2, 4, 4
+C = 2 * HK * DK + HV * DV
+BF16 = ml_dtypes.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _cpu() -> Iterator[None]:
+    with mx.stream(mx.cpu):
+        yield
+
+
+def _params(seed: int = 0) -> tuple[ref_rec.GatedDeltaParams, opt_rec.GatedDeltaParams]:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((C, K)).astype(np.float32) * 0.5
+    a_log = rng.standard_normal(HV).astype(np.float32) * 0.3
+    dt_bias = rng.standard_normal(HV).astype(np.float32) * 0.3
+    dims = (HK, DK, HV, DV)
+    return (
+        ref_rec.GatedDeltaParams(w, a_log, dt_bias, *dims),
+        opt_rec.GatedDeltaParams(mx.array(w), mx.array(a_log), mx.array(dt_bias), *dims),
+    )
+
+
+def _inputs(rng: np.random.Generator, rows: int, n: int) -> tuple[np.ndarray, ...]:
+    qkv = rng.standard_normal((rows, n, C)).astype(BF16)
+    a = rng.standard_normal((rows, n, HV)).astype(BF16)
+    b = rng.standard_normal((rows, n, HV)).astype(BF16)
+    return qkv, a, b
+
+
+IMPLS = ("reference", "optimized")
+
+
+class Side:
+    """One implementation: its classes, its layer and its arrays."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        p_ref, p_opt = _params()
+        self.module: Any = ref if name == "reference" else opt
+        self.forward: Any = (
+            ref_rec.gated_delta_forward if name == "reference" else opt_rec.gated_delta_forward
+        )
+        self.params: Any = p_ref if name == "reference" else p_opt
+
+    def give(self, array: np.ndarray) -> Any:
+        return np.array(array, copy=True) if self.name == "reference" else to_mlx(array)
+
+    def run(self, cache: Any, inputs: tuple[np.ndarray, ...]) -> Any:
+        return self.forward(self.params, cache, *(self.give(x) for x in inputs))
+
+    @staticmethod
+    def np(array: Any) -> np.ndarray:
+        return from_mlx(array) if isinstance(array, mx.array) else np.asarray(array)
+
+
+def _planes(side: Side, cache: Any) -> tuple[np.ndarray, np.ndarray]:
+    return side.np(cache[0]), side.np(cache[1])
+
+
+def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def _solo(side: Side, blocks: list[tuple[np.ndarray, ...]]) -> Any:
+    cache = side.module.SSMCache()
+    for block in blocks:
+        side.run(cache, block)
+    return cache
+
+
+def test_serial_layer_matches_the_reference() -> None:
+    rng = np.random.default_rng(1)
+    blocks = [_inputs(rng, 1, n) for n in (5, 1, 1, 3)]
+    caches = {name: _solo(Side(name), blocks) for name in IMPLS}
+    r_conv, r_state = _planes(Side("reference"), caches["reference"])
+    o_conv, o_state = _planes(Side("optimized"), caches["optimized"])
+    assert _bits_equal(r_conv, o_conv)  # the conv plane is copied inputs: exact
+    assert r_conv.dtype == BF16 and r_state.dtype == np.float32
+    np.testing.assert_allclose(r_state, o_state, rtol=1e-5, atol=1e-6)
+    assert caches["reference"].offset == caches["optimized"].offset == 10
+    assert r_conv.shape == (1, K - 1, C) and r_state.shape == (1, HV, DV, DK)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_padded_prefill_rows_equal_their_solo_runs(impl: str) -> None:
+    side = Side(impl)
+    rng = np.random.default_rng(2)
+    lengths = [6, 2, 0, 4]
+    block = _inputs(rng, 4, 6)
+    layout = side.module.BatchedSSMCache()
+    layout.merge_rows([side.module.SSMCache() for _ in lengths])
+    layout.prepare(lengths=lengths, right_padding=[6 - n for n in lengths])
+    side.run(layout, block)
+    layout.finalize()
+    assert layout.row_offsets == tuple(lengths)
+    layout.check_valid()
+    for b, n in enumerate(lengths):
+        solo = _solo(side, [tuple(x[b : b + 1, :n] for x in block)] if n else [])
+        row = layout.extract_row(b)
+        if n == 0:
+            # a row that saw nothing holds the zero state, as its solo cache (which holds none)
+            assert not np.any(_planes(side, row)[1]) and row.offset == 0
+            continue
+        for got, want in zip(_planes(side, row), _planes(side, solo), strict=True):
+            assert _bits_equal(got, want), (impl, b)
+        assert row.offset == solo.offset == n
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_merge_filter_extract_against_solo_rows(impl: str) -> None:
+    side = Side(impl)
+    rng = np.random.default_rng(3)
+    blocks = [[_inputs(rng, 1, n)] for n in (3, 7, 1)]
+    solos = [_solo(side, bl) for bl in blocks]
+    empty = side.module.SSMCache()
+    layout: Any = owned_cache_layout(solos[0])
+    assert type(layout).__name__ == "BatchedSSMCache"
+    layout.merge_rows([solos[0], empty])
+    layout.merge_rows([solos[1], solos[2]])
+    assert layout.row_offsets == (3, 0, 7, 1) and layout.group_offset == 7
+    # the empty source joined as zero rows of the known geometry
+    assert not np.any(_planes(side, layout)[1][1])
+    # a decode step for every row, then the same step solo
+    step = _inputs(rng, 4, 1)
+    side.run(layout, step)
+    for b, solo in zip((0, 2, 3), (solos[0], solos[1], solos[2]), strict=True):
+        side.run(solo, tuple(x[b : b + 1] for x in step))
+        for got, want in zip(
+            _planes(side, layout.extract_row(b)), _planes(side, solo), strict=True
+        ):
+            assert _bits_equal(got[0:1], want)
+    # the longest row leaves: the group's offset drops to the survivors' longest
+    layout.filter_rows([3, 0])
+    assert layout.row_offsets == (2, 4) and layout.group_offset == 4
+    extracted = layout.extract_row(1)
+    for got, want in zip(_planes(side, extracted), _planes(side, solos[0]), strict=True):
+        assert _bits_equal(got, want)
+    # extraction is independent of the layout
+    before = _planes(side, extracted)
+    side.run(layout, _inputs(rng, 2, 1))
+    layout.filter_rows([])
+    assert layout.batch_size == 0 and layout[0] is None
+    assert all(_bits_equal(a, b) for a, b in zip(_planes(side, extracted), before, strict=True))
+    assert extracted.offset == 4
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_rollback_replays_bit_identical_to_the_accepted_run(impl: str) -> None:
+    side = Side(impl)
+    rng = np.random.default_rng(4)
+    prompts = [_inputs(rng, 1, n) for n in (4, 2, 5)]
+    layout: Any = target_cache_layout(side.module.SSMCache())
+    layout.merge_rows([_solo(side, [p]) for p in prompts])
+    d = 3
+    verify = _inputs(rng, 3, d + 1)
+    layout.spec_round_begin()
+    side.run(layout, verify)
+    assert layout.row_offsets == (8, 6, 9)
+    assert not layout.can_publish_row(0, 8)  # unverified tokens
+    keep = [1, 4, 2]
+    layout.spec_round_rollback(keep)
+    assert layout.row_offsets == (5, 6, 7) and not layout.spec_round_open
+    for b, (prompt, k) in enumerate(zip(prompts, keep, strict=True)):
+        solo = _solo(side, [prompt, tuple(x[b : b + 1, :k] for x in verify)])
+        for got, want in zip(
+            _planes(side, layout.extract_row(b)), _planes(side, solo), strict=True
+        ):
+            assert _bits_equal(got, want), (impl, b)
+        assert layout.can_publish_row(b, solo.offset)
+        assert not layout.can_publish_row(b, solo.offset - 1)
+    # a committed round keeps everything; a uniform rollback works too
+    layout.spec_round_begin()
+    side.run(layout, _inputs(rng, 3, 2))
+    layout.spec_round_commit()
+    assert layout.row_offsets == (7, 8, 9)
+    layout.spec_round_begin()
+    side.run(layout, _inputs(rng, 3, 3))
+    layout.spec_round_rollback(1)
+    assert layout.row_offsets == (8, 9, 10)
+
+
+def test_rollback_ref_and_opt_agree() -> None:
+    rng = np.random.default_rng(5)
+    prompt = _inputs(rng, 2, 3)
+    verify = _inputs(rng, 2, 4)
+    got = []
+    for name in IMPLS:
+        side = Side(name)
+        layout = side.module.BatchedSSMCache()
+        layout.merge_rows([side.module.SSMCache(), side.module.SSMCache()])
+        side.run(layout, prompt)
+        layout.spec_round_begin()
+        side.run(layout, verify)
+        layout.spec_round_rollback([2, 3])
+        got.append(_planes(side, layout))
+    assert _bits_equal(got[0][0], got[1][0])
+    np.testing.assert_allclose(got[0][1], got[1][1], rtol=1e-5, atol=1e-6)
+
+
+def _snapshot(side: Side, cache: Any) -> tuple[Any, ...]:
+    planes = tuple(None if p is None else side.np(p).tobytes() for p in cache.cache)
+    return planes, tuple(getattr(cache, "row_offsets", (cache.offset,)))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bad_inputs_raise_and_change_nothing(impl: str) -> None:
+    side = Side(impl)
+    rng = np.random.default_rng(6)
+    serial = _solo(side, [_inputs(rng, 1, 3)])
+    layout = side.module.BatchedSSMCache()
+    layout.merge_rows([serial, _solo(side, [_inputs(rng, 1, 5)])])
+    cases: list[tuple[Any, Any, type[KvRowsError]]] = [
+        (serial, lambda c: c.trim(1), NotTrimmableError),
+        (layout, lambda c: c.trim(1), NotTrimmableError),
+        (
+            serial,
+            lambda c: c.__setitem__(0, side.give(np.zeros((1, K, C), BF16))),
+            InvalidInputError,
+        ),
+        (
+            serial,
+            lambda c: c.__setitem__(0, side.give(np.zeros((1, K - 1, C), np.float32))),
+            InvalidInputError,
+        ),
+        (
+            serial,
+            lambda c: c.__setitem__(1, side.give(np.zeros((2, HV, DV, DK), np.float32))),
+            InvalidInputError,
+        ),
+        (
+            serial,
+            lambda c: c.__setitem__(2, side.give(np.zeros((1, 2), np.float32))),
+            InvalidInputError,
+        ),
+        (
+            layout,
+            lambda c: c.__setitem__(1, side.give(np.zeros((2, HV, DK, DV + 1), np.float32))),
+            InvalidInputError,
+        ),
+        (
+            layout,
+            lambda c: c.__setitem__(
+                0, np.zeros((2, K - 1, C)) if impl == "optimized" else mx.zeros((2, K - 1, C))
+            ),
+            InvalidInputError,
+        ),
+        (layout, lambda c: c.filter_rows([0, 0]), RowIndexError),
+        (layout, lambda c: c.extract_row(2), RowIndexError),
+        (layout, lambda c: c.merge_rows([layout]), InvalidInputError),
+        (
+            layout,
+            lambda c: c.merge_rows([(ref if impl == "optimized" else opt).SSMCache()]),
+            IncompatibleRowsError,
+        ),
+        (layout, lambda c: c.prepare(lengths=[1]), InvalidInputError),
+        (layout, lambda c: c.update_and_fetch(None, None), InvalidInputError),
+        (layout, lambda c: c.spec_round_rollback(1), SpeculativeRoundError),
+        (layout, lambda c: c.spec_round_commit(), SpeculativeRoundError),
+    ]
+    for target, call, error in cases:
+        before = _snapshot(side, target)
+        with pytest.raises(error):
+            call(target)
+        assert _snapshot(side, target) == before
+    # a geometry clash on merge
+    other = side.module.SSMCache()
+    other[0] = side.give(np.zeros((1, K - 1, C + 1), BF16))
+    before = _snapshot(side, layout)
+    with pytest.raises(IncompatibleRowsError):
+        layout.merge_rows([other])
+    assert _snapshot(side, layout) == before
+    # publishing a cut recurrent row: refused, nothing changes
+    assert publish_row(layout, 1, 4) is None and publish_row(layout, 1, 5) is not None
+    assert _snapshot(side, layout) == before
+    # rollback before the forward recorded its inputs: refused, the round stays open
+    layout.spec_round_begin()
+    with pytest.raises(SpeculativeRoundError):
+        layout.merge_rows([side.module.SSMCache()])
+    with pytest.raises(SpeculativeRoundError):
+        layout.extract_row(0)
+    layout[0] = layout[0]  # a layer writing planes without recording
+    layout[1] = layout[1]
+    layout.advance(2)
+    with pytest.raises(SpeculativeRoundError, match="recorded"):
+        layout.spec_round_rollback([1, 2])
+    assert layout.spec_round_open and layout.row_offsets == (5, 7)
+    layout.spec_round_commit()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_state_round_trip_and_corrupt_states(impl: str) -> None:
+    side = Side(impl)
+    rng = np.random.default_rng(7)
+    serial = _solo(side, [_inputs(rng, 1, 3)])
+    layout = side.module.BatchedSSMCache()
+    layout.merge_rows([serial, side.module.SSMCache(), _solo(side, [_inputs(rng, 1, 2)])])
+    for cache in (serial, layout, side.module.SSMCache(), side.module.BatchedSSMCache()):
+        back = type(cache).from_state(cache.state)
+        assert _snapshot(side, back) == _snapshot(side, cache)
+        assert back.signature() == cache.signature()
+    conv, state, offset = layout.state
+    for bad in (
+        (conv, state),
+        (conv, None, offset),
+        (conv, state[:2], offset),
+        (conv, state, [1, 2]),
+        (conv[..., :1, :, :] if False else conv[:, :, None], state, offset),
+    ):
+        with pytest.raises(InvalidInputError):
+            type(layout).from_state(bad)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_table_roles_and_geometry(impl: str) -> None:
+    side = Side(impl)
+    g = RecurrentGeometry((K - 1, C), "bfloat16", (HV, DV, DK))
+    serial = side.module.SSMCache(geometry=g)
+    for role in (owned_cache_layout, prefill_cache_layout, target_cache_layout):
+        layout: Any = role(serial)
+        assert type(layout) is side.module.BatchedSSMCache
+        assert layout.geometry == g
+        assert layout.projected_bytes(0) == layout.projected_bytes(10_000) == g.row_bytes()
+    assert (
+        serial.signature() == "ssm" and side.module.BatchedSSMCache().signature() == "ssm:batched"
+    )
+    assert not serial.is_trimmable()
+    with pytest.raises(LayoutStateError):
+        side.module.BatchedSSMCache().projected_bytes(1)
+
+
+def test_an_extracted_row_does_not_pin_the_batch() -> None:
+    """(semantics §9.4.5) After extracting the last row of B in {1, 2, 4, 8} and dropping the
+    layout, what stays alive is the row's own bytes: an extract is an owned copy."""
+    import gc
+
+    for rows in (1, 2, 4, 8):
+        layout = opt.BatchedSSMCache()
+        serials = []
+        for _ in range(rows):
+            serial = opt.SSMCache()
+            serial[0] = mx.ones((1, K - 1, 512), mx.bfloat16)
+            serial[1] = mx.ones((1, 8, 64, 64), mx.float32)
+            serials.append(serial)
+        layout.merge_rows(serials)
+        del serials, serial
+        gc.collect()
+        mx.eval(layout.held_arrays())
+        start = mx.get_active_memory()
+        row = layout.extract_row(rows - 1)
+        batch_bytes = layout.nbytes
+        del layout
+        gc.collect()
+        assert mx.get_active_memory() - start <= row.nbytes + 4096 - batch_bytes, rows
+        assert row.nbytes == (K - 1) * 512 * 2 + 8 * 64 * 64 * 4

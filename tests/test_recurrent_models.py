@@ -1,0 +1,233 @@
+"""SSMCache / BatchedSSMCache inside unmodified mlx-lm recurrent models (``qwen3_next``:
+gated DeltaNet + full attention; ``mamba2``: pure SSM): the same logits as mlx-lm's own
+``ArraysCache`` serially, after a batch merge (decode, filter, extract), and through mlx-lm's
+own ``BatchGenerator`` (right-padded prefill chunks, joins, retirements)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm.models.cache as peer
+import numpy as np
+import pytest
+
+import kvrows.optimized as kv
+from kvrows.app.hybrid import (
+    HYBRID_ARCHITECTURES,
+    record_recurrent_layers,
+    recurrent_geometry,
+    tiny_hybrid_model,
+)
+from kvrows.app.models import make_kvrows_cache
+from kvrows.recurrent import RecurrentRows
+from kvrows.speculative import RowRound
+from kvrows.table import owned_cache_layout, target_cache_layout
+
+generate: Any = importlib.import_module("mlx_lm.generate")
+
+
+@pytest.fixture(autouse=True)
+def _cpu() -> Iterator[None]:
+    with mx.stream(mx.cpu):
+        yield
+
+
+@pytest.fixture(scope="module", params=HYBRID_ARCHITECTURES)
+def model(request: pytest.FixtureRequest) -> Any:
+    return tiny_hybrid_model(request.param)
+
+
+def _same(a: mx.array, b: mx.array) -> bool:
+    return bool(mx.array_equal(a, b).item())
+
+
+def test_serial_logits_match_mlx_lm(model: Any) -> None:
+    ours, theirs = make_kvrows_cache(model), model.make_cache()
+    recurrent = [c for c in ours if isinstance(c, kv.SSMCache)]
+    assert recurrent
+    for mine, their in zip(ours, theirs, strict=True):
+        assert isinstance(mine, kv.SSMCache) == (type(their) is peer.ArraysCache)
+    tokens = mx.array(np.random.default_rng(1).integers(0, 256, (1, 32)))
+    position = 0
+    for n in (7, 13, 1, 1, 5, 1, 4):
+        a = model(tokens[:, position : position + n], cache=ours)
+        b = model(tokens[:, position : position + n], cache=theirs)
+        assert _same(a, b)  # the same arrays through the same ops: bit for bit
+        position += n
+    for mine, their in zip(ours, theirs, strict=True):
+        if isinstance(mine, kv.SSMCache):
+            assert mine.offset == position
+            assert _same(mine[0], their[0]) and _same(mine[1], their[1])
+            mine.check_valid()
+
+
+def test_batched_logits_match_mlx_lm_merge(model: Any) -> None:
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 256, (1, n)) for n in (9, 21, 4)]
+    ours_rows, their_rows = [], []
+    for prompt in prompts:
+        ours, theirs = make_kvrows_cache(model), model.make_cache()
+        model(mx.array(prompt), cache=ours)
+        model(mx.array(prompt), cache=theirs)
+        ours_rows.append(ours)
+        their_rows.append(theirs)
+    layers: list[Any] = []
+    for index in range(len(ours_rows[0])):
+        layout = owned_cache_layout(ours_rows[0][index])
+        assert layout is not None
+        layout.merge_rows([row[index] for row in ours_rows])
+        layers.append(layout)
+    theirs_batch = [
+        type(their_rows[0][i]).merge([row[i] for row in their_rows])
+        for i in range(len(their_rows[0]))
+    ]
+    for step in range(6):
+        tokens = mx.array(rng.integers(0, 256, (len(layers[0].row_offsets), 1)))
+        assert _same(model(tokens, cache=layers), model(tokens, cache=theirs_batch))
+        if step == 2:  # the longest row leaves
+            for layer in (*layers, *theirs_batch):
+                layer.filter([2, 0])  # mlx-lm's name, on both
+    recurrent = [c for c in layers if isinstance(c, kv.BatchedSSMCache)]
+    assert recurrent and all(c.row_offsets == (10, 15) and c.group_offset == 15 for c in recurrent)
+    # an extracted row goes on alone exactly as mlx-lm's extracted row
+    ours_row = [layer.extract_row(1) for layer in layers]
+    their_row = [layer.extract(1) for layer in theirs_batch]
+    tokens = mx.array([[5, 6, 7]])
+    assert _same(model(tokens, cache=ours_row), model(tokens, cache=their_row))
+
+
+LENGTHS = [5, 23, 2, 11, 9]
+MAX_TOKENS = [6, 3, 7, 4, 5]
+PROMPTS = [[(7 * i + 3 * j) % 200 + 1 for j in range(n)] for i, n in enumerate(LENGTHS)]
+
+
+def _run_generator(model: Any, caches: list[list[Any]] | None = None) -> dict[str, Any]:
+    generator = generate.BatchGenerator(
+        model, completion_batch_size=3, prefill_batch_size=2, prefill_step_size=8
+    )
+    uids = generator.insert(PROMPTS, MAX_TOKENS, caches=caches)
+    tokens: dict[int, list[int]] = {uid: [] for uid in uids}
+    finished: dict[int, list[Any]] = {}
+    while responses := generator.next_generated():
+        for response in responses:
+            tokens[response.uid].append(response.token)
+            if response.finish_reason is not None:
+                finished[response.uid] = response.prompt_cache
+    generator.close()
+    return {"tokens": [tokens[u] for u in uids], "caches": [finished[u] for u in uids]}
+
+
+def test_batch_generator_matches_mlx_lm_caches(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Right-padded prefill chunks (``prepare(lengths=…)``, ``make_mask``, ``lengths``,
+    ``advance``), cohort joins (``extend``), retirements (``extract``, ``filter``)."""
+    theirs = _run_generator(model)
+    padded: list[int] = []
+    original = RecurrentRows.prepare
+
+    def counting(self: RecurrentRows, **kwargs: Any) -> None:
+        if kwargs.get("lengths") is not None and len(set(kwargs["lengths"])) > 1:
+            padded.append(1)
+        original(self, **kwargs)
+
+    monkeypatch.setattr(RecurrentRows, "prepare", counting)
+    ours = _run_generator(model, caches=[make_kvrows_cache(model) for _ in PROMPTS])
+    assert padded, "ragged prompt chunks must have reached the recurrent layouts"
+    assert ours["tokens"] == theirs["tokens"]
+    assert [len(t) for t in ours["tokens"]] == MAX_TOKENS
+    for mine, peers in zip(ours["caches"], theirs["caches"], strict=True):
+        recurrent = [(m, p) for m, p in zip(mine, peers, strict=True) if isinstance(m, kv.SSMCache)]
+        assert recurrent
+        for m, p in recurrent:
+            # the finished row's state is mlx-lm's, bit for bit, and it counted its tokens
+            assert _same(m[0], p[0]) and _same(m[1], p[1])
+        assert len({m.offset for m, _ in recurrent}) == 1
+
+
+def test_geometry_is_declared_from_the_config() -> None:
+    qwen = tiny_hybrid_model("qwen3_next")
+    g = recurrent_geometry(qwen)
+    assert g is not None and g.conv_shape == (3, 2 * 2 * 32 + 4 * 16)
+    assert g.state_shape == (4, 16, 32) and g.state_dtype == "float32"
+    cache = make_kvrows_cache(qwen)[0]
+    assert isinstance(cache, kv.SSMCache) and cache.geometry == g
+    layout = owned_cache_layout(cache)
+    assert layout is not None and layout.projected_bytes(0) == g.row_bytes()
+    assert recurrent_geometry(tiny_hybrid_model("mamba2")) is None  # learnt at the first write
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_verify_round_rolls_back_to_the_accepted_run(arch: str) -> None:
+    """A verify round through the model's own layers (``record_recurrent_layers``): each
+    row's state and next logits after a per-row rollback equal a solo run that saw only
+    the accepted tokens (mlx-lm's layers replay the accepted prefix, masked per row)."""
+    model = tiny_hybrid_model(arch)
+    assert record_recurrent_layers(model) == 0  # the tiny models come wrapped
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 256, (1, n)) for n in (5, 9, 3)]
+    rows = []
+    for prompt in prompts:
+        caches = make_kvrows_cache(model)
+        model(mx.array(prompt), cache=caches)
+        rows.append(caches)
+    layers: list[Any] = []
+    for index in range(len(rows[0])):
+        layout = target_cache_layout(rows[0][index])
+        layout.merge_rows([row[index] for row in rows])
+        layers.append(layout)
+    drafts, accepted = 3, [0, 3, 1]
+    block = rng.integers(0, 256, (3, drafts + 1))
+    round_ = RowRound(layers)
+    round_.begin(drafts)
+    model(mx.array(block), cache=layers)
+    round_.resolve(accepted)
+    following = rng.integers(0, 256, (3, 1))
+    logits = model(mx.array(following), cache=layers)
+    for b, (prompt, count) in enumerate(zip(prompts, accepted, strict=True)):
+        solo = make_kvrows_cache(model)
+        model(mx.array(prompt), cache=solo)
+        model(mx.array(block[b : b + 1, : count + 1]), cache=solo)
+        assert _same(logits[b : b + 1], model(mx.array(following[b : b + 1]), cache=solo))
+        for layout, alone in zip(layers, solo, strict=True):
+            if isinstance(alone, kv.SSMCache):
+                row = layout.extract_row(b)
+                assert _same(row[0], alone[0]) and _same(row[1], alone[1])
+                assert row.offset == alone.offset == prompt.shape[1] + count + 2
+
+
+def test_kvrows_demo_runs_the_recurrent_models(capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvrows demo --model hybrid``: the engine batches, prefix-caches (rows publish at
+    their exact coverage) and passes the batch-invariance check on both models."""
+    from kvrows.app.cli import main
+
+    assert (
+        main(["demo", "--model", "hybrid", "--scheme", "plain", "--requests", "3", "--quiet"]) == 0
+    )
+    table = capsys.readouterr().out
+    rows = [
+        line.split()
+        for line in table.splitlines()
+        if line.split()[:2] in (["qwen3_next", "plain"], ["mamba2", "plain"])
+    ]
+    assert len(rows) == 2 and all(row[-1] == "PASS" for row in rows), table
+
+
+def test_kvrows_demo_speculative_on_the_recurrent_models(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--speculative``: the draft proposes on scratch copies of its recurrent layouts
+    (they cannot trim), the target's verify rounds roll back by replay, and every request's
+    greedy tokens equal the engine's without a draft."""
+    from kvrows.app.cli import main
+
+    argv = ["demo", "--speculative", "--model", "hybrid", "--scheme", "plain"]
+    assert main([*argv, "--requests", "2", "--quiet"]) == 0
+    table = capsys.readouterr().out
+    rows = [
+        line.split()
+        for line in table.splitlines()
+        if line.split()[:1] in (["qwen3_next"], ["mamba2"])
+    ]
+    assert len(rows) == 2 and all(row[-1] == "PASS" for row in rows), table
