@@ -352,8 +352,9 @@ class DelayedMachine(RuleBasedStateMachine):
         note(f"geometry: {self.geo}")
 
     def teardown(self) -> None:
-        # Hypothesis tears down in a ``finally``: after a failed rule the model is
-        # mid-update, and a check here would replace the rule's error with its own.
+        # Hypothesis tears down in a ``finally``: after a failed rule, or a rule it stopped
+        # mid-draw (``StopTest``: the example is discarded), the model is mid-update, and a
+        # check here would replace that exception with its own.
         failing = sys.exc_info()[1] is not None
         if self.geo is not None and self.stats.steps > self._steps_at_start and not failing:
             for slot in self.slots:
