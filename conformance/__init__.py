@@ -7,9 +7,9 @@ Modules (imported as needed; nothing heavy runs at package import):
 * ``machines``: the one state machine and ``machine_class(family, layout, ...)``;
 * ``affine``: the affine family's hooks (one (bits, group size) per example);
 * ``rings``: the rotating family's hooks (a window; serial ring, shared and ragged layouts);
-* ``delayed``: the delayed family's own machine (rows that convert to affine at their
-  own ``start``: solo legos per row, the position record, mixed reads, prefill
-  maintenance, rounds);
+* ``delayed``: the delayed families' own machine (rows that convert to affine, or to
+  TurboQuant in ``delayed-turbo``, at their own ``start``: solo legos per row, the
+  position record, mixed reads, prefill maintenance, rounds, deferred vs eager V);
 * ``speculative``: the speculative family's rules (verify rounds on every verify layout,
   solo replay of accepted tokens, mlx-lm's rollback, round misuse);
 * ``strategies``: Hypothesis strategies (geometries, prompts, chunks, keep lists);

@@ -1,9 +1,11 @@
-"""The delayed family's machine: rows that convert to affine at their own boundary.
+"""The delayed families' machine: rows that convert to a codec at their own boundary.
 
-``DelayedQuantizedKVCache`` and ``DelayedRotatingQuantizedKVCache`` (``kvrows.delayed``)
-hold rows of two codecs at once: each row is plain until its own offset reaches
-``start`` and affine afterwards, exactly as its serial bf16-first lego
-(``kvrows.lego``) would be. This module drives both layouts in both implementations.
+``DelayedQuantizedKVCache``, ``DelayedRotatingQuantizedKVCache`` (the ``delayed`` family)
+and ``DelayedTurboQuantKVCache`` (``delayed-turbo``) (``kvrows.delayed``) hold rows of two
+codecs at once: each row is plain until its own offset reaches ``start`` and affine (or
+TurboQuant) afterwards, exactly as its serial bf16-first lego (``kvrows.lego``) would be.
+This module drives the three layouts in both implementations; the layout's composition
+entry says which codec (affine, turbo) and token geometry (growing, ring) an example uses.
 
 **Why its own machine.** The base machine (``conformance.machines``) is built around one
 serial class per family and a model that encodes every token with that one codec: its
@@ -18,14 +20,16 @@ a :class:`~kvrows.conformance.families.Family` like every other, so ``kvrows con
 --family delayed``, the profiles, the budgets and the teeth runner work unchanged.
 
 **Drawn** per example: the layout's geometry (full attention, or a ring of ``max_size``
-4..16 with ``keep`` 0..2 sinks), ``start`` in 0..40, ``bits`` 4/8, ``group_size`` 32/64,
-head dim 64, float16/bfloat16, 1-2 KV heads (1-2 query heads each); layouts hold 1-4 rows.
+4..16 with ``keep`` 0..2 sinks), ``start`` in 0..40, the target codec (affine: ``bits``
+4/8, ``group_size`` 32/64, head dim 64; TurboQuant: any ``(k_bits, v_bits)``, head dim
+64/128/256), float16/bfloat16, 1-2 KV heads (1-2 query heads each); layouts hold 1-4 rows.
 
 **Rules.**
 
 * ``new_request``: a serial lego (prefilled with chunks cut at its
-  ``max_append_tokens()``, sometimes one chunk crossing ``start``), or a plain or affine
-  serial storage fed random chunks; both implementations, compared on every append;
+  ``max_append_tokens()``, sometimes one chunk crossing ``start``), or a plain or
+  converted (affine / TurboQuant) serial storage fed random chunks; both
+  implementations, compared on every append;
 * ``lego_append``: a lego in the pool (new, or a row extracted earlier) takes a chunk;
 * ``merge``: pool requests join a layout (new or running), directly or through a side
   delayed layout (rows extracted from it, converted ones included); legos are
@@ -42,16 +46,19 @@ head dim 64, float16/bfloat16, 1-2 KV heads (1-2 query heads each); layouts hold
   on as a solo lego or storage, or is only compared), ``trim_rows``;
 * ``invalid``: a bad call (mixed reads outside ``row_reads()``, ``fetch()`` of mixed
   rows, ``attend_rows`` without a pending read, bad blocks, incompatible merges, bad
-  keeps, rows and counts, round calls without a round, a truncated state): the same
-  ``KvRowsError`` type and message in both implementations, nothing changes.
+  keeps, rows and counts, round calls without a round, a truncated state; TurboQuant:
+  affine legos and storages too): the same ``KvRowsError`` type and message in both
+  implementations, nothing changes.
 
 **Oracles.**
 
 * reference vs optimized after every rule: ``row_offsets``, ``left_pad``,
   ``converted_at``, ``phase``, ``max_append_tokens()``, ``minimum_reusable_offset``,
   positions, ``projected_bytes``, masks, the reads of plain and packed appends at the
-  columns some query sees (exact), whether ``bits`` is readable (after a packed read
-  only), attention outputs (the affine tolerance). A mixed read is attended through
+  columns some query sees (exact; a TurboQuant packed read: keys decoded, values still
+  rotated), whether ``bits`` is readable (after an affine packed read only, never for
+  TurboQuant), attention outputs (the target's tolerance key: ``affine``,
+  ``rotating-affine`` or ``turbo``). A mixed read is attended through
   ``Impl.attend`` (routed to ``attend_rows``); a plain or packed one through the codec
   of its reads, as a model attends the returned keys and values, and ``Impl.attend``
   must then agree exactly unless the append converted rows (it fetches again, and
@@ -66,13 +73,18 @@ head dim 64, float16/bfloat16, 1-2 KV heads (1-2 query heads each); layouts hold
   block would convert on a rejected tail). A row's attention equals its lego's (exactly
   in the optimized implementation before the row converts; else the solo tolerance);
   an extracted row's planes equal the lego's byte for byte; ``converted_at[b]`` is the
-  offset at which the lego converted. A plain or affine storage merged past ``start``
-  converts at the merge: its lego is an affine storage fed the same chunks, with
-  ``minimum_reusable_offset`` the merge offset.
+  offset at which the lego converted. A plain or converted storage merged past ``start``
+  converts at the merge: its lego is a converted storage fed the same chunks, with
+  ``minimum_reusable_offset`` the merge offset;
+* deferred vs eager V (TurboQuant): a converted row's attention (read from a packed or a
+  mixed read, where only the turbo group's output is un-rotated) equals
+  ``eager_attention`` of the same implementation over its solo storage's planes (values
+  decoded before attention), within ``attention.eager``.
 
 ``Stats.checks`` counts the cases that matter ("mixed read", "conversion mid-batch",
 "conversion at a round boundary", "crossing chunk in prefill", "packed read", ...);
-``tests/test_conformance_delayed.py`` requires each.
+``tests/test_conformance_delayed.py`` and ``tests/test_conformance_delayed_turbo.py``
+require each (:data:`DELAYED_CHECKS`, :data:`DELAYED_TURBO_CHECKS`).
 """
 
 from __future__ import annotations
@@ -80,6 +92,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -91,6 +104,7 @@ from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvrows.compositions import composition
 from kvrows.conformance import strategies as ks
 from kvrows.conformance.arrays import expand_mask, random_block
 from kvrows.conformance.families import Family, Impl, LayoutSpec
@@ -108,11 +122,13 @@ from kvrows.errors import (
     RowIndexError,
     SpeculativeRoundError,
 )
-from kvrows.lego import Bf16First, conversion_due
+from kvrows.lego import Bf16First, Target, conversion_due
+from kvrows.schemes import TURBO_KEY_BITS, TURBO_VALUE_BITS, Affine, Turbo
 from kvrows.speculative import RowRound
 
 __all__ = [
     "DELAYED_CHECKS",
+    "DELAYED_TURBO_CHECKS",
     "DelayedGeometry",
     "DelayedMachine",
 ]
@@ -149,22 +165,32 @@ DELAYED_CHECKS = (
     "error messages",
 )
 
+#: The checks a delayed TurboQuant machine adds (``DelayedTurboQuantKVCache``).
+DELAYED_TURBO_CHECKS = (
+    "deferred vs eager",
+    "deferred vs eager of a mixed read",
+)
+
 #: Rows a layout holds at most, requests in the pool, layouts at once.
 MAX_ROWS, MAX_POOL, MAX_LAYOUTS = 4, 4, 2
 #: Drafts per round (a verify block of ``d + 1`` tokens).
 MAX_DRAFTS = 4
 HEAD_DIM = 64
+#: Every TurboQuant codec, ``(k_bits, v_bits)``.
+TURBO_CODECS: tuple[tuple[int, int], ...] = tuple(
+    (k, v) for k in TURBO_KEY_BITS for v in TURBO_VALUE_BITS
+)
 
 
 @dataclass(frozen=True)
 class DelayedGeometry:
-    """One example's parameters: shapes, codec, boundary and (rings) window."""
+    """One example's parameters: shapes, the codec rows convert to, boundary and (rings)
+    window."""
 
     dtype: str
     heads: int
     query_heads: int
-    bits: int
-    group_size: int
+    target: Target
     start: int
     max_size: int | None = None
     keep: int = 0
@@ -178,28 +204,54 @@ class DelayedGeometry:
     def ring(self) -> bool:
         return self.max_size is not None
 
+    @property
+    def turbo(self) -> bool:
+        return isinstance(self.target, Turbo)
+
+    @property
+    def codec_name(self) -> str:
+        """The target as the stats' variants and notes name it."""
+        t = self.target
+        if isinstance(t, Affine):
+            return f"bits={t.bits} group={t.group_size}"
+        return f"turbo k{t.k_bits}v{t.v_bits}"
+
     def __str__(self) -> str:
         ring = f", window {self.max_size} keep {self.keep}" if self.ring else ""
         return (
             f"{self.dtype}, {self.heads} KV heads x{self.query_heads // self.heads}, "
-            f"bits={self.bits} group={self.group_size}, start {self.start}{ring}"
+            f"head dim {self.dim}, {self.codec_name}, start {self.start}{ring}"
         )
 
 
+#: Head dims a TurboQuant example draws (the codec's, but 512: the turbo family covers it).
+TURBO_DIMS = (64, 64, 128, 256)
+
+
 @st.composite
-def delayed_geometries(draw: st.DrawFn, ring: bool) -> DelayedGeometry:
+def delayed_geometries(draw: st.DrawFn, ring: bool, turbo: bool = False) -> DelayedGeometry:
+    """An example's geometry: an affine target (bits 4/8, group 32/64, head dim 64) or a
+    TurboQuant one (any ``(k_bits, v_bits)``, head dims 64..256); rings affine only."""
     dtype = draw(st.sampled_from(("float16", "bfloat16")), label="dtype")
     heads = draw(st.sampled_from((1, 2)), label="heads")
     per = draw(st.sampled_from((1, 2)), label="query heads per KV head")
-    bits = draw(st.sampled_from((4, 8)), label="bits")
-    group = draw(st.sampled_from((32, 64)), label="group size")
+    target: Target
+    dim = HEAD_DIM
+    if turbo:
+        k_bits, v_bits = draw(st.sampled_from(TURBO_CODECS), label="(k_bits, v_bits)")
+        target = Turbo(k_bits=k_bits, v_bits=v_bits)
+        dim = draw(st.sampled_from(TURBO_DIMS), label="head dim")
+    else:
+        bits = draw(st.sampled_from((4, 8)), label="bits")
+        group = draw(st.sampled_from((32, 64)), label="group size")
+        target = Affine(bits=bits, group_size=group)
     # Small starts convert within a few tokens; large ones hold plain rows long.
     start = draw(st.one_of(st.integers(0, 8), st.integers(0, 40)), label="start")
     max_size = keep = None
     if ring:
         max_size = draw(st.integers(4, 16), label="max_size")
         keep = draw(st.integers(0, 2), label="keep")
-    return DelayedGeometry(dtype, heads, heads * per, bits, group, start, max_size, keep or 0)
+    return DelayedGeometry(dtype, heads, heads * per, target, start, max_size, keep or 0, dim)
 
 
 @dataclass
@@ -209,7 +261,7 @@ class Track:
     a storage's solo lego is built at its merge."""
 
     ident: int
-    kind: str  # "lego", "plain" or "affine": what the pool object is
+    kind: str  # "lego", "plain" or the target's kind ("affine", "turbo"): the pool object
     ref: Any = None
     opt: Any = None
     solo_ref: Any = None
@@ -258,7 +310,7 @@ def _raised(impl: Impl, label: str, call: Callable[[], object]) -> KvRowsError:
 
 
 class DelayedMachine(RuleBasedStateMachine):
-    """Both delayed layouts, both implementations, solo legos (see the module docstring)."""
+    """The delayed layouts, both implementations, solo legos (see the module docstring)."""
 
     family: ClassVar[Family]
     spec: ClassVar[LayoutSpec]
@@ -277,22 +329,40 @@ class DelayedMachine(RuleBasedStateMachine):
         self._ids = itertools.count()
         self._draws = itertools.count()
         self._steps_at_start = self.stats.steps
+        #: The phase of the layout before the last append (``_append``).
+        self._read_phase = "empty"
 
     @property
     def ring(self) -> bool:
-        return self.spec.name == "DelayedRotatingQuantizedKVCache"
+        return composition(self.spec.name).geometry == "ring"
+
+    @property
+    def turbo(self) -> bool:
+        """The layout's rows convert to TurboQuant (else affine)."""
+        return composition(self.spec.name).codec == "turbo"
+
+    @property
+    def converted_kind(self) -> str:
+        """The kind of a converted serial storage: ``affine`` or ``turbo``."""
+        return "turbo" if self.turbo else "affine"
 
     @initialize(data=st.data())
     def setup(self, data: st.DataObject) -> None:
-        self.geo = data.draw(delayed_geometries(self.ring), label="geometry")
+        self.geo = data.draw(delayed_geometries(self.ring, self.turbo), label="geometry")
         note(f"geometry: {self.geo}")
 
     def teardown(self) -> None:
-        if self.geo is not None and self.stats.steps > self._steps_at_start:
+        # Hypothesis tears down in a ``finally``: after a failed rule, or a rule it stopped
+        # mid-draw (``StopTest``: the example is discarded), the model is mid-update, and a
+        # check here would replace that exception with its own.
+        failing = sys.exc_info()[1] is not None
+        if self.geo is not None and self.stats.steps > self._steps_at_start and not failing:
             for slot in self.slots:
                 self._check_slot(slot, rows=True)
             g = self.g
-            self.stats.variant(f"bits={g.bits} group={g.group_size}")
+            self.stats.variant(g.codec_name)
+            if g.turbo:
+                self.stats.check(f"head dim {g.dim}")
             self.stats.variant("start 0" if g.start == 0 else "start > 0")
             self.stats.example_done()
 
@@ -361,49 +431,86 @@ class DelayedMachine(RuleBasedStateMachine):
     def _cls(self, impl: Impl, name: str) -> type:
         return _package_class(impl, name)
 
+    def _names(self) -> tuple[str, str, str, str]:
+        """This geometry's class names: the delayed layout, its lego, the plain serial
+        storage and the converted one."""
+        if self.turbo:
+            return (
+                "DelayedTurboQuantKVCache",
+                "Bf16FirstTurboQuantKVCache",
+                "KVCache",
+                "TurboQuantKVCache",
+            )
+        if self.ring:
+            return (
+                "DelayedRotatingQuantizedKVCache",
+                "Bf16FirstRotatingQuantizedKVCache",
+                "RotatingKVCache",
+                "RotatingQuantizedKVCache",
+            )
+        return (
+            "DelayedQuantizedKVCache",
+            "Bf16FirstQuantizedKVCache",
+            "KVCache",
+            "QuantizedKVCache",
+        )
+
+    def _target_args(self, target: Target | None) -> tuple[int, ...]:
+        """The constructors' codec arguments: ``(group_size, bits)`` or ``(k_bits, v_bits)``."""
+        t = self.g.target if target is None else target
+        if isinstance(t, Affine):
+            return (t.group_size, t.bits)
+        return (t.k_bits, t.v_bits)
+
+    def _other_target(self, side: str = "values") -> Target:
+        """This example's target at another bit width (TurboQuant: of ``side``)."""
+        t = self.g.target
+        if isinstance(t, Affine):
+            return Affine(bits=12 - t.bits, group_size=t.group_size)
+        if side == "keys":
+            return Turbo(k_bits=next(k for k in TURBO_KEY_BITS if k != t.k_bits), v_bits=t.v_bits)
+        return Turbo(k_bits=t.k_bits, v_bits=next(v for v in TURBO_VALUE_BITS if v != t.v_bits))
+
     def _layout(self, impl: Impl, start: int | None = None) -> Any:
         g = self.g
         first = g.start if start is None else start
+        cls = self._cls(impl, self._names()[0])
         if self.ring:
-            return self._cls(impl, "DelayedRotatingQuantizedKVCache")(
-                g.max_size, g.group_size, g.bits, g.keep, first
-            )
-        return self._cls(impl, "DelayedQuantizedKVCache")(g.group_size, g.bits, first)
+            return cls(g.max_size, *self._target_args(None), g.keep, first)
+        return cls(*self._target_args(None), first)
 
-    def _lego(self, impl: Impl, start: int | None = None, bits: int | None = None) -> Any:
+    def _lego(self, impl: Impl, start: int | None = None, target: Target | None = None) -> Any:
         g = self.g
         first = g.start if start is None else start
-        width = g.bits if bits is None else bits
+        cls = self._cls(impl, self._names()[1])
         if self.ring:
-            return self._cls(impl, "Bf16FirstRotatingQuantizedKVCache")(
-                g.max_size, g.group_size, width, g.keep, first
-            )
-        return self._cls(impl, "Bf16FirstQuantizedKVCache")(g.group_size, width, first)
+            return cls(g.max_size, *self._target_args(target), g.keep, first)
+        return cls(*self._target_args(target), first)
 
-    def _storage(self, impl: Impl, kind: str, bits: int | None = None) -> Any:
-        """A serial storage of this geometry: ``plain`` or ``affine``."""
+    def _storage(self, impl: Impl, kind: str, target: Target | None = None) -> Any:
+        """A serial storage of this geometry: ``plain``, or converted (any other kind)."""
         g = self.g
-        width = g.bits if bits is None else bits
-        if self.ring:
-            if kind == "plain":
-                return self._cls(impl, "RotatingKVCache")(g.max_size, keep=g.keep)
-            return self._cls(impl, "RotatingQuantizedKVCache")(
-                g.max_size, g.group_size, width, keep=g.keep
-            )
+        _, _, plain, converted = self._names()
         if kind == "plain":
-            return self._cls(impl, "KVCache")()
-        return self._cls(impl, "QuantizedKVCache")(g.group_size, width)
+            if self.ring:
+                return self._cls(impl, plain)(g.max_size, keep=g.keep)
+            return self._cls(impl, plain)()
+        if self.ring:
+            return self._cls(impl, converted)(g.max_size, *self._target_args(target), keep=g.keep)
+        return self._cls(impl, converted)(*self._target_args(target))
 
     def _other_geometry(self, impl: Impl, kind: str) -> Any:
-        """A lego or plain storage holding a token, of the other token geometry (a ring of
-        8 for full attention, full attention for a ring)."""
+        """A lego or plain storage holding a token, of the other token geometry (an affine
+        ring of 8 for full attention, full attention for a ring)."""
         g = self.g
+        # A TurboQuant layout has no ring lego: an affine one of this example's start.
+        affine = Affine(bits=8, group_size=64) if self.turbo else None
         if kind == "lego":
             cache = (
-                self._cls(impl, "Bf16FirstQuantizedKVCache")(g.group_size, g.bits, g.start)
+                self._cls(impl, "Bf16FirstQuantizedKVCache")(*self._target_args(None), g.start)
                 if self.ring
                 else self._cls(impl, "Bf16FirstRotatingQuantizedKVCache")(
-                    8, g.group_size, g.bits, 0, g.start
+                    8, *self._target_args(affine), 0, g.start
                 )
             )
         else:
@@ -416,8 +523,22 @@ class DelayedMachine(RuleBasedStateMachine):
         cache.update_and_fetch(block, block)
         return cache
 
+    def _other_codec(self, impl: Impl, kind: str) -> Any:
+        """A full-attention affine lego (``lego``) or ``QuantizedKVCache`` holding a
+        token: another codec for a TurboQuant layout."""
+        g = self.g
+        if kind == "lego":
+            cache = self._cls(impl, "Bf16FirstQuantizedKVCache")(64, 8, g.start)
+        else:
+            cache = self._cls(impl, "QuantizedKVCache")(64, 8)
+        block = impl.to_native(
+            random_block(np.random.default_rng(4), (1, g.heads, 1, g.dim), g.dtype)
+        )
+        cache.update_and_fetch(block, block)
+        return cache
+
     def _codec(self, impl: Impl, quantized: bool) -> Any:
-        return self._storage(impl, "affine" if quantized else "plain").codec
+        return self._storage(impl, self.converted_kind if quantized else "plain").codec
 
     def _view(self, impl: Impl, cache: Any) -> Planes | None:
         """A serial storage's (or lego's) tokens in time order, keys' planes then values'."""
@@ -524,9 +645,11 @@ class DelayedMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def new_request(self, data: st.DataObject) -> None:
         """A lego prefilled by chunks cut at ``max_append_tokens()`` (sometimes one chunk
-        crosses ``start``), or a plain or affine serial storage fed random chunks."""
+        crosses ``start``), or a plain or converted (affine, TurboQuant) serial storage fed
+        random chunks."""
         g = self.g
-        kind = data.draw(st.sampled_from(("lego", "lego", "plain", "affine")), label="kind")
+        kinds = ("lego", "lego", "plain", self.converted_kind)
+        kind = data.draw(st.sampled_from(kinds), label="kind")
         near = st.integers(max(0, g.start - 6), g.start + 4)
         length = data.draw(st.one_of(near, st.integers(0, g.start + 6)), label="prompt length")
         track = Track(next(self._ids), kind)
@@ -596,11 +719,11 @@ class DelayedMachine(RuleBasedStateMachine):
 
     def _solo_for(self, track: Track) -> None:
         """A storage's solo legos, built at its merge: a lego fed its chunks (plain, not
-        due), or a lego over an affine storage fed its chunks (affine, or plain past
+        due), or a lego over a converted storage fed its chunks (converted, or plain past
         ``start``: the layout converts it at the merge)."""
         g = self.g
         if track.solo_ref is not None:
-            if track.kind == "affine":
+            if track.kind == self.converted_kind:
                 # A converted storage records its offset at the merge (the conservative
                 # bound): its lego now says the same.
                 minimum = track.tokens if g.start > 0 else 0
@@ -610,12 +733,12 @@ class DelayedMachine(RuleBasedStateMachine):
                 )
                 track.converted_at = minimum
             return
-        affine = track.kind == "affine" or conversion_due(track.tokens, g.start)
+        affine = track.kind == self.converted_kind or conversion_due(track.tokens, g.start)
         solos = []
         for impl in self.impls:
             lego = self._lego(impl)
             if affine:
-                storage = self._storage(impl, "affine")
+                storage = self._storage(impl, self.converted_kind)
                 for keys, values in track.chunks:
                     storage.update_and_fetch(impl.to_native(keys), impl.to_native(values))
                 minimum = track.tokens if g.start > 0 else 0
@@ -745,6 +868,7 @@ class DelayedMachine(RuleBasedStateMachine):
         keys, values = self._block(rng, rows, n), self._block(rng, rows, n)
         queries = self._block(rng, rows, n, g.query_heads)
         phase = slot.ref.phase
+        self._read_phase = phase
         what = f"layout {slot.ident} {label} of {n} ({phase}) {slot.opt!r}"
         note(f"{label}: layout {slot.ident} {slot.opt!r}, {n} tokens, row_reads {inside}")
         form = {"return_array": bool(next(self._draws) % 2)}
@@ -772,9 +896,12 @@ class DelayedMachine(RuleBasedStateMachine):
             (slot.ref.reads_pending, slot.opt.reads_pending),
             (phase == "mixed",) * 2,
         )
+        # mlx-lm's quantized attention asks for ``bits``: affine packed reads only.
         quantized = [hasattr(lay, "bits") for lay in (slot.ref, slot.opt)]
         self._exact(
-            f"{what}: bits readable (reference, optimized)", quantized, [phase == "packed"] * 2
+            f"{what}: bits readable (reference, optimized)",
+            quantized,
+            [phase == "packed" and not self.turbo] * 2,
         )
         if phase == "mixed":
             self.stats.check("mixed read")
@@ -890,7 +1017,9 @@ class DelayedMachine(RuleBasedStateMachine):
     ) -> None:
         """Each row's solo legos take the row's first ``accepted[b]`` tokens of the block;
         their attention equals the layout row's for those queries (exactly in the
-        optimized implementation while the row reads plain, outside rounds)."""
+        optimized implementation while the row reads plain, outside rounds). A converted
+        TurboQuant row's attention also equals the eager oracle over its solo storage's
+        planes (:meth:`_check_eager`)."""
         for b, track in enumerate(slot.rows):
             k = accepted[b]
             kb, vb, qb = keys[b : b + 1, :, :k], values[b : b + 1, :, :k], queries[b : b + 1, :, :k]
@@ -905,13 +1034,20 @@ class DelayedMachine(RuleBasedStateMachine):
                 mask = solo.make_mask(k)
                 got = solo.update_and_fetch(impl.to_native(np.ascontiguousarray(kb)),
                                             impl.to_native(np.ascontiguousarray(vb)))  # fmt: skip
-                quantized = isinstance(got[0], tuple | list)
+                # An affine read is the planes' triples; a TurboQuant one is two arrays (keys
+                # decoded, values still rotated) whose codec defers the values.
+                quantized = (
+                    bool(solo.last_read_codec.defers_values)
+                    if self.turbo
+                    else isinstance(got[0], tuple | list)
+                )
                 self._exact(f"{what}: the lego's read is quantized", quantized, not plain)
                 codec = self._codec(impl, quantized)
-                solo_out = impl.to_numpy(
-                    codec.attend(impl.to_native(np.ascontiguousarray(qb)), *got, mask, self.g.scale)
-                )
+                q_native = impl.to_native(np.ascontiguousarray(qb))
+                solo_out = impl.to_numpy(codec.attend(q_native, *got, mask, self.g.scale))
                 row_out = np.ascontiguousarray(out[b : b + 1, :, :k])
+                if quantized and self.turbo:
+                    self._check_eager(f"{what} ({impl.name})", impl, solo, q_native, mask, row_out)
                 if plain and not round_block and impl is self.opt_impl:
                     self._close(
                         "attention.solo.plain",
@@ -940,6 +1076,27 @@ class DelayedMachine(RuleBasedStateMachine):
             )
         self.stats.check("solo attention", len(slot.rows))
         self.stats.check("solo replay")
+
+    def _check_eager(
+        self, what: str, impl: Impl, solo: Any, queries: Any, mask: Any, row_out: Array
+    ) -> None:
+        """Deferred vs eager V: a converted TurboQuant row's attention (its values read
+        rotated, the output un-rotated) equals ``eager_attention`` of the same
+        implementation over its solo storage's planes (values decoded before attention)."""
+        module = importlib.import_module(".".join(type(solo).__module__.split(".")[:2]) + ".codecs")
+        held = solo.storage.planes()
+        expected = module.eager_attention(
+            module.TurboCodec(self.g.target), queries, held[0], held[1], mask, self.g.scale
+        )
+        self._close(
+            "attention.eager",
+            f"{what}: deferred-V attention vs eager over the solo planes",
+            row_out,
+            impl.to_numpy(expected),
+        )
+        self.stats.check("deferred vs eager")
+        if self._read_phase == "mixed":
+            self.stats.check("deferred vs eager of a mixed read")
 
     def _advance(self, slot: Slot, before: list[int | None]) -> None:
         """After a boundary (the model's due rows converted: their solo legos say so),
@@ -1144,7 +1301,7 @@ class DelayedMachine(RuleBasedStateMachine):
         moved = Track(track.ident, "lego", got[0], got[1], track.solo_ref, track.solo_opt,
                       track.tokens, track.converted_at, extracted=True)  # fmt: skip
         if not isinstance(got[0], Bf16First):
-            moved.kind = "plain" if track.converted_at is None else "affine"
+            moved.kind = "plain" if track.converted_at is None else self.converted_kind
         self.pool.append(moved)
         self._check_slot(slot)
         if moved.kind == "lego" and data.draw(st.booleans(), label="goes on at once"):
@@ -1227,7 +1384,7 @@ class DelayedMachine(RuleBasedStateMachine):
         rows = len(slot.rows)
         rng = np.random.default_rng(7)
 
-        def block(impl: Impl, batch: int, dim: int = HEAD_DIM) -> tuple[Any, Any]:
+        def block(impl: Impl, batch: int, dim: int = g.dim) -> tuple[Any, Any]:
             shape = (batch, g.heads, 1, dim)
             return (impl.to_native(random_block(rng, shape, g.dtype)),
                     impl.to_native(random_block(rng, shape, g.dtype)))  # fmt: skip
@@ -1261,7 +1418,7 @@ class DelayedMachine(RuleBasedStateMachine):
             ),
             (
                 "merge_rows of a lego of another bit width",
-                lambda impl, lay: lay.merge_rows([self._lego(impl, bits=12 - g.bits)]),
+                lambda impl, lay: lay.merge_rows([self._lego(impl, target=self._other_target())]),
                 IncompatibleRowsError,
             ),
             (
@@ -1275,8 +1432,10 @@ class DelayedMachine(RuleBasedStateMachine):
                 IncompatibleRowsError,
             ),
             (
-                "merge_rows of an affine storage of another bit width",
-                lambda impl, lay: lay.merge_rows([self._storage(impl, "affine", bits=12 - g.bits)]),
+                f"merge_rows of a {self.converted_kind} storage of another bit width",
+                lambda impl, lay: lay.merge_rows(
+                    [self._storage(impl, self.converted_kind, self._other_target("keys"))]
+                ),
                 IncompatibleRowsError,
             ),
             ("merge_rows of a string", lambda impl, lay: lay.merge_rows("rows"), InvalidInputError),
@@ -1314,6 +1473,19 @@ class DelayedMachine(RuleBasedStateMachine):
             ("commit_prefill('0')", lambda impl, lay: lay.commit_prefill("0"), InvalidInputError),
             (f"filter_rows([{rows}])", lambda impl, lay: lay.filter_rows([rows]), RowIndexError),
         ]
+        if self.turbo:
+            cases += [
+                (
+                    "merge_rows of an affine lego (another codec)",
+                    lambda impl, lay: lay.merge_rows([self._other_codec(impl, "lego")]),
+                    IncompatibleRowsError,
+                ),
+                (
+                    "merge_rows of an affine QuantizedKVCache (another codec)",
+                    lambda impl, lay: lay.merge_rows([self._other_codec(impl, "storage")]),
+                    IncompatibleRowsError,
+                ),
+            ]
         if not rows:
             cases.append(
                 (
@@ -1330,7 +1502,9 @@ class DelayedMachine(RuleBasedStateMachine):
                 InvalidInputError,
             ),
             (
-                "a block of head dim 48 (no group divides it)",
+                "a block of head dim 48 (not a TurboQuant head dim)"
+                if self.turbo
+                else "a block of head dim 48 (no group divides it)",
                 lambda impl, lay: lay.update_and_fetch(*block(impl, rows, 48)),
                 InvalidInputError,
             ),

@@ -342,9 +342,17 @@ def _recurrent_machine() -> type[Any]:
     return RecurrentMachine
 
 
-def delayed_layouts() -> tuple[LayoutSpec, ...]:
-    """The delayed layouts (each serves every role of its lego's rows; no mlx-lm peer)."""
+def delayed_layouts(codec: str = "affine") -> tuple[LayoutSpec, ...]:
+    """The delayed layouts converting to ``codec`` (``affine`` or ``turbo``; each serves
+    every role of its lego's rows; no mlx-lm peer)."""
     roles = ("decode", "prefill", "verify")
+    layouts = {
+        "affine": (
+            ("DelayedQuantizedKVCache", "QuantizedKVCache", "affine"),
+            ("DelayedRotatingQuantizedKVCache", "RotatingQuantizedKVCache", "rotating-affine"),
+        ),
+        "turbo": (("DelayedTurboQuantKVCache", "TurboQuantKVCache", "turbo"),),
+    }[codec]
     return tuple(
         LayoutSpec(
             name,
@@ -356,10 +364,7 @@ def delayed_layouts() -> tuple[LayoutSpec, ...]:
             serial=serial,
             tolerance_key=key,
         )
-        for name, serial, key in (
-            ("DelayedQuantizedKVCache", "QuantizedKVCache", "affine"),
-            ("DelayedRotatingQuantizedKVCache", "RotatingQuantizedKVCache", "rotating-affine"),
-        )
+        for name, serial, key in layouts
     )
 
 
@@ -544,6 +549,20 @@ FAMILIES: dict[str, Family] = {
         machine=_recurrent_machine,
         examples=0.2,
         steps=0.75,
+    ),
+    # The delayed machine with rows that convert to TurboQuant (full attention only):
+    # codes and scales exact, attention within the turbo tolerances, deferred vs eager V.
+    "delayed-turbo": Family(
+        name="delayed-turbo",
+        serial="TurboQuantKVCache",
+        layouts=delayed_layouts("turbo"),
+        tolerance_key="turbo",
+        description="delayed TurboQuant layout: rows convert to TurboQuant at their own start, "
+        "mixed reads attended per group, prefill maintenance, rounds, solo legos, eager V",
+        notes=("no mlx-lm peer (mlx-lm has no TurboQuant cache)",),
+        machine=_delayed_machine,
+        # One layout, solo legos for every row: 38 examples keep it near 8 s on one core.
+        examples=0.25,
     ),
 }
 

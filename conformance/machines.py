@@ -1624,10 +1624,15 @@ class ConformanceMachine(RuleBasedStateMachine):
         elif what == "full attention":
             name = "QuantizedKVCache" if affine else "KVCache"
         elif what == "other codec":
+            # The serial storage of the other codec (plain <-> affine) and the same token
+            # geometry: a storage, never a layout (the table lists layouts of every codec).
+            other = "plain" if affine else "affine"
             name = next(
                 n
                 for n, traits in CONSTRUCTORS.items()
-                if traits == (ring, not affine) and n.endswith("Cache")
+                if traits[0] == ring
+                and composition(n).arrangement == "serial"
+                and composition(n).codec == other
             )
             key_dim = value_dim = 32 if not affine else key_dim
         elif what == "other bits":

@@ -354,9 +354,6 @@ def test_every_landed_class_is_driven_by_a_conformance_machine() -> None:
 
     layouts = {spec.name for fam in FAMILIES.values() for spec in fam.layouts}
     serials = {spec.serial or fam.serial for fam in FAMILIES.values() for spec in fam.layouts}
-    # The delayed turbo layout is driven by tests/test_delayed_turbo.py until the delayed
-    # family takes the turbo codec.
-    pending = {"DelayedTurboQuantKVCache"}
-    assert layouts == {c.name for c in landed() if c.is_layout} - pending
+    assert layouts == {c.name for c in landed() if c.is_layout}
     # a latent cache is its own serial storage (its family names it as its own serial)
     assert serials - layouts == {c.name for c in landed() if not c.is_layout}

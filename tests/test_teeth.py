@@ -24,7 +24,7 @@ from kvrows.conformance.families import FAMILIES, Impl, optimized_impl
 from kvrows.conformance.machines import machine_class
 from kvrows.conformance.profiles import profile_settings
 from kvrows.conformance.stats import Stats
-from kvrows.delayed import DelayedRows
+from kvrows.delayed import DelayedRows, GroupAttend, RowAttentionPending
 from kvrows.errors import NotTrimmableError
 from kvrows.optimized.attention import attend as optimized_attend
 from kvrows.optimized.classes import (
@@ -38,7 +38,11 @@ from kvrows.optimized.classes import (
 )
 from kvrows.optimized.classes import BatchedRotatingCache as RingBatchedRotatingCache
 from kvrows.optimized.codecs import TurboCodec
-from kvrows.optimized.delayed import DelayedQuantizedKVCache, DelayedRotatingQuantizedKVCache
+from kvrows.optimized.delayed import (
+    DelayedQuantizedKVCache,
+    DelayedRotatingQuantizedKVCache,
+    DelayedTurboQuantKVCache,
+)
 from kvrows.optimized.rows import Serial
 from kvrows.protocols import Cache, Mask
 from kvrows.schemes import CodecSpec, GeometrySpec, Turbo
@@ -163,10 +167,15 @@ def _run(
     return stats
 
 
+#: Mutants the teeth profile's derandomized examples miss, and a budget whose examples
+#: catch them (Hypothesis draws other examples for another ``max_examples``).
+MUTANT_EXAMPLES: dict[type, int] = {FilterOffByOne: 150}
+
+
 @pytest.mark.parametrize(("layout", "mutant"), MUTANTS)
 def test_the_machine_catches(layout: str, mutant: type) -> None:
     with pytest.raises(AssertionError) as caught:
-        _run(layout, mutant)
+        _run(layout, mutant, MUTANT_EXAMPLES.get(mutant))
     # An oracle caught it (not a crash inside the mutant), and Hypothesis says how.
     assert "Failing test case" in "\n".join(getattr(caught.value, "__notes__", []))
 
@@ -636,3 +645,54 @@ def test_the_turbo_machine_catches(codec: type[TurboCodec], oracle: str) -> None
     # Caught by the oracle that must catch it: the wrong sign by the exact stored or read
     # (its round trip is right), the missing un-rotation by attention vs the reference.
     assert oracle in str(caught.value), str(caught.value)
+
+
+# ------------------------------------ delayed-turbo family (rows that convert to TurboQuant)
+
+
+class MixedReadSkipsUnrotation(DelayedTurboQuantKVCache):
+    """A mixed read attends the TurboQuant group's rows over their rotated values and never
+    un-rotates that group's output (plain groups, plain and packed reads are right)."""
+
+    def attend_rows(
+        self,
+        queries: Any,
+        scale: float,
+        attend: GroupAttend | None = None,
+        pending: RowAttentionPending | None = None,
+    ) -> Any:
+        def group_attend(
+            rows_queries: Any, group: Any, keys: Any, values: Any, mask: Any, scale: float
+        ) -> Any:
+            if group.codec.defers_values:
+                return mx.fast.scaled_dot_product_attention(  # MUTATION (not un-rotated)
+                    rows_queries,
+                    keys.astype(rows_queries.dtype),
+                    values.astype(rows_queries.dtype),
+                    scale=scale,
+                    mask=mask,
+                )
+            return (attend or _plain_group_attend)(rows_queries, group, keys, values, mask, scale)
+
+        return super().attend_rows(queries, scale, group_attend, pending)
+
+
+def _plain_group_attend(
+    queries: Any, group: Any, keys: Any, values: Any, mask: Any, scale: float
+) -> Any:
+    return group.codec.attend(queries, keys, values, mask, scale)
+
+
+def test_the_delayed_turbo_machine_catches_a_mixed_read_without_unrotation() -> None:
+    with pytest.raises(AssertionError) as caught:
+        _run("DelayedTurboQuantKVCache", MixedReadSkipsUnrotation, family_name="delayed-turbo")
+    assert "Failing test case" in "\n".join(getattr(caught.value, "__notes__", []))
+    # Caught on a mixed read's attention (vs the reference), not by a crash.
+    message = str(caught.value)
+    assert "(mixed)" in message and "attention differs" in message, message
+
+
+def test_the_unmutated_delayed_turbo_implementation_passes() -> None:
+    # A third of the controls' budget: the family test runs this machine in full.
+    stats = _run("DelayedTurboQuantKVCache", None, CONTROL_EXAMPLES // 3, "delayed-turbo")
+    assert stats.examples > 0 and stats.checks["mixed read"] > 0, dict(stats.checks)
