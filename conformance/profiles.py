@@ -34,7 +34,7 @@ class Profile:
 PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (
-        Profile("ci", max_examples=150, steps=40, derandomize=True, description="CI: minutes"),
+        Profile("ci", max_examples=150, steps=34, derandomize=True, description="CI: minutes"),
         Profile("deep", max_examples=600, steps=60, derandomize=False, description="deep: long"),
         Profile("teeth", max_examples=60, steps=25, derandomize=True, shrink=False),
     )
