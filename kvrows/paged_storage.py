@@ -118,6 +118,10 @@ class PlaneOps(Protocol):
         """A layout's ``offset``: the per-row positions array."""
         ...
 
+    def row_slice(self, plane: Any, row: int, start: int, stop: int) -> Any:
+        """An owned copy of ``plane[row : row + 1, :, start:stop]``."""
+        ...
+
 
 @dataclass(eq=False)
 class BlockTable:
@@ -673,7 +677,7 @@ class PagedKvRowsBase(SpeculativeRounds, _PagedBase):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._rows: list[BlockTable] = []  # mutated in place: the finalizer holds it
-        self._finalizer: weakref.finalize | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
         if self._pool is not None:
             self._watch()
 

@@ -91,6 +91,9 @@ class NumpyPlaneOps:
     def offsets(self, values: Sequence[int]) -> Any:
         return np.array(list(values), dtype=np.int32)
 
+    def row_slice(self, plane: Any, row: int, start: int, stop: int) -> Any:
+        return np.array(plane[row : row + 1, :, start:stop], copy=True)
+
 
 class BlockPool(BlockPoolBase):
     """One layer's blocks in NumPy planes (``spec/paged-pool.md``)."""
