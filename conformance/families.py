@@ -323,6 +323,12 @@ def derived_layouts(
     return tuple(specs)
 
 
+def _paged_machine() -> type[Any]:
+    from kvrows.conformance.paged import PagedMachine
+
+    return PagedMachine
+
+
 def _turbo_machine() -> type[Any]:
     from kvrows.conformance.turbo import TurboMachine
 
@@ -472,6 +478,22 @@ FAMILIES: dict[str, Family] = {
         # Each example runs solo legos in both implementations for every row: 75 examples
         # per layout keep the family near 25 s on one core.
         examples=0.5,
+    ),
+    # Paged KV (issue 13): PagedKVCache rows in PagedKvRows (every role, verify rounds),
+    # bit-exact with the contiguous model; the pools' invariants after every rule.
+    "paged": Family(
+        name="paged",
+        serial="PagedKVCache",
+        layouts=derived_layouts("PagedKVCache", verify_only="keep"),
+        tolerance_key="plain",
+        peer=None,
+        description="paged KV: block tables into shared pools, rows by reference, verify "
+        "rounds, copy on write, bit-exact with the contiguous KV",
+        notes=("no mlx-lm peer (mlx-lm has no paged cache): reference vs optimized, the "
+               "contiguous model and solo replay",),
+        machine=_paged_machine,
+        examples=0.1,
+        steps=0.8,
     ),
 }
 

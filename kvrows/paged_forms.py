@@ -21,8 +21,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvrows.codec import codec_plane_specs
+from kvrows.compositions import composition
 from kvrows.errors import CorruptStateError
-from kvrows.forms import TURBO_STATE_DTYPE
+from kvrows.forms import TURBO_STATE_DTYPE, state_form
 from kvrows.schemes import Affine, CodecSpec, Plain, Turbo
 from kvrows.validation import FLOAT_DTYPES, KvGeometry
 
@@ -31,8 +32,8 @@ if TYPE_CHECKING:
 
 __all__ = ["PAGED_LAYOUT_FIELDS", "PAGED_SERIAL_FIELDS", "codec_named", "restore_state", "state_of"]
 
-PAGED_SERIAL_FIELDS = ("keys", "values", "offset", "block_size", "codec")
-PAGED_LAYOUT_FIELDS = ("keys", "values", "offset", "left_padding", "idx", "block_size", "codec")
+PAGED_SERIAL_FIELDS = state_form(composition("PagedKVCache")).fields
+PAGED_LAYOUT_FIELDS = state_form(composition("PagedKvRows")).fields
 
 
 def codec_named(name: object) -> CodecSpec:
@@ -77,29 +78,32 @@ def state_of(cache: Any) -> tuple[Any, ...]:
     if isinstance(cache, PagedKvRowsBase):
         offsets = list(cache.row_offsets)
         width = max(offsets, default=0)
+        keys: tuple[Any, ...] | None
+        values: tuple[Any, ...] | None
         if pool is None or width == 0 or cache._geometry is None:
-            keys, values = (), ()
+            keys, values = None, None
         else:
             keys, values = pool.gather(cache._rows, cache.left_pad, width)
         pads = [width - o for o in offsets]
         return (keys, values, ops.offsets(offsets), ops.offsets(pads), width,
                 cache.block_size, name)  # fmt: skip
     planes = cache.planes()
-    keys, values = ((), ()) if planes is None else planes
-    return keys, values, cache.offset, cache.block_size, name
+    if planes is None:
+        return None, None, cache.offset, cache.block_size, name
+    return planes[0], planes[1], cache.offset, cache.block_size, name
 
 
 def _check_planes(
     planes: object, spec: CodecSpec, role: str, shape: Any, rows: int, width: int
 ) -> tuple[Any, ...]:
     """``planes`` as a tuple of ``[rows, H, width, ·]`` arrays, as many as ``spec`` stores."""
+    if width == 0:
+        if planes is not None:
+            raise CorruptStateError(f"an empty state holds no {role} planes (None)")
+        return ()
     if not isinstance(planes, tuple | list):
         raise CorruptStateError(f"state field {role} must be a tuple of planes")
     planes = tuple(planes)
-    if width == 0:
-        if planes:
-            raise CorruptStateError(f"an empty state holds no {role} planes")
-        return planes
     expected = len(codec_plane_specs(spec, role, 64, "float32", _role(role)))
     if len(planes) != expected:
         raise CorruptStateError(

@@ -278,6 +278,13 @@ class BlockPoolBase:
         self._tables[id(table)] = table
         return table
 
+    def adopt_empty(self, tables: Sequence[BlockTable]) -> None:
+        """Make empty tables made before the pool existed live tables of this pool."""
+        for table in tables:
+            if id(table) not in self._tables:
+                assert not table.blocks and table.offset == 0
+                self._tables[id(table)] = table
+
     def share(self, table: BlockTable) -> BlockTable:
         """A second table holding what ``table`` holds (no byte moves)."""
         return self.open_table(table.blocks, table.offset)
@@ -713,6 +720,11 @@ class PagedKvRowsBase(SpeculativeRounds, _PagedBase):
     def max_tokens(self) -> float:
         return math.inf
 
+    @property
+    def width(self) -> int:
+        """Columns a read returns (the longest row)."""
+        return max(self.row_offsets, default=0)
+
     def block_tables(self) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(t.blocks) for t in self._rows)
 
@@ -779,6 +791,8 @@ class PagedKvRowsBase(SpeculativeRounds, _PagedBase):
             raise LayoutStateError(EMPTY_LAYOUT_UPDATE)
         geometry = self._check(keys, values, len(self._rows))
         pool = self._ensure_pool(geometry)
+        pool.adopt_empty(self._rows)
+        self._watch()
         pool.append(
             self._rows, self.codec.encode(keys, "keys"), self.codec.encode(values, "values")
         )
@@ -822,10 +836,14 @@ class PagedKvRowsBase(SpeculativeRounds, _PagedBase):
         pool = self._pool
         if pool is None:
             pool = next((p for p, _ in incoming if p is not None), None)
-        if pool is None:  # only empty serial caches: rows of no position, no pool yet
-            if geometry is None:
-                raise LayoutStateError("merge_rows needs the KV geometry of its rows")
-            pool = self.pool_class(self.codec_spec, block_size=self.block_size, geometry=geometry)
+        if pool is None:  # only empty serial caches with no pool yet: rows of no position
+            if geometry is not None:
+                pool = self.pool_class(
+                    self.codec_spec, block_size=self.block_size, geometry=geometry
+                )
+            else:  # the tables join a pool at the first write
+                self._rows.extend(BlockTable() for _ in incoming)
+                return
         if geometry is not None:
             pool.learn(geometry)
         foreign = [
@@ -841,6 +859,7 @@ class PagedKvRowsBase(SpeculativeRounds, _PagedBase):
                 joined.append(pool.share(table))
             else:
                 joined.append(next(copies))
+        pool.adopt_empty(self._rows)  # rows joined before any pool existed
         self._pool = pool
         self._watch()
         self._rows.extend(joined)

@@ -25,6 +25,7 @@ from kvrows.optimized.lego import (
     Bf16FirstTurboQuantKVCache,
 )
 from kvrows.optimized.mlxlm_batch import BatchKVCache, BatchRotatingKVCache
+from kvrows.optimized.paged import BlockPool, PagedKVCache, PagedKvRows
 from kvrows.optimized.rows import DECLARED
 
 __all__ = [
@@ -37,6 +38,9 @@ __all__ = [
     "DelayedQuantizedKVCache",
     "DelayedRotatingQuantizedKVCache",
     "DelayedTurboQuantKVCache",
+    "BlockPool",
+    "PagedKVCache",
+    "PagedKvRows",
     "attend",
     "declared_classes",
 ]
@@ -46,7 +50,8 @@ def declared_classes() -> Mapping[str, type[Any]]:
     """Every public class, by composition name: the row storages (``rows.DECLARED``) and
     the delayed layouts, which compose two of them (what this module registers)."""
     delayed = (DelayedQuantizedKVCache, DelayedRotatingQuantizedKVCache, DelayedTurboQuantKVCache)
-    return {**DECLARED, **{cls.composition.name: cls for cls in delayed}}
+    paged = (PagedKVCache, PagedKvRows)
+    return {**DECLARED, **{cls.composition.name: cls for cls in (*delayed, *paged)}}
 
 
 register_compositions(declared_classes())

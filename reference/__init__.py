@@ -20,6 +20,7 @@ from kvrows.reference.lego import (
     Bf16FirstRotatingQuantizedKVCache,
     Bf16FirstTurboQuantKVCache,
 )
+from kvrows.reference.paged import BlockPool, PagedKVCache, PagedKvRows
 
 __all__ = [
     *_classes,
@@ -29,6 +30,9 @@ __all__ = [
     "DelayedQuantizedKVCache",
     "DelayedRotatingQuantizedKVCache",
     "DelayedTurboQuantKVCache",
+    "BlockPool",
+    "PagedKVCache",
+    "PagedKvRows",
     "attend",
     "attention",
 ]

@@ -195,6 +195,9 @@ def declared_classes() -> Mapping[str, type[Any]]:
         and issubclass(value, Storage | DelayedRows)
         and "composition" in vars(value)
     }
+    from kvrows.reference import paged  # the paged storages (``kvrows.paged_storage``)
+
+    found.update({cls.composition.name: cls for cls in (paged.PagedKVCache, paged.PagedKvRows)})
     missing = [c.name for c in landed() if c.name not in found]
     if missing:
         raise KvRowsError(f"the reference lacks {', '.join(missing)}")
