@@ -489,8 +489,10 @@ FAMILIES: dict[str, Family] = {
         peer=None,
         description="paged KV: block tables into shared pools, rows by reference, verify "
         "rounds, copy on write, bit-exact with the contiguous KV",
-        notes=("no mlx-lm peer (mlx-lm has no paged cache): reference vs optimized, the "
-               "contiguous model and solo replay",),
+        notes=(
+            "no mlx-lm peer (mlx-lm has no paged cache): reference vs optimized, the "
+            "contiguous model and solo replay",
+        ),
         machine=_paged_machine,
         examples=0.1,
         steps=0.8,
