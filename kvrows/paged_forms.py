@@ -151,12 +151,12 @@ def restore_state(
         ):
             raise CorruptStateError("row offsets and left padding must end every row at idx")
     else:
-        offsets = [_int("offset", values["offset"])]
-        pads = [0]
-        width = offsets[0]
-        rows = 1
+        width = _int("offset", values["offset"])
         if width < 0:
             raise CorruptStateError(f"offset must be >= 0, got {width}")
+        held = values["keys"]
+        rows = ops.shape(held[0])[0] if isinstance(held, tuple | list) and held else 1
+        offsets, pads = [width] * rows, [0] * rows
     keys = _check_planes(values["keys"], spec, "keys", ops.shape, rows, width)
     vals = _check_planes(values["values"], spec, "values", ops.shape, rows, width)
     learnt = geometry if width == 0 else _geometry_of(spec, keys, vals, ops, geometry)
@@ -188,7 +188,7 @@ def restore_state(
         cache._watch()
         cache._rows.extend(tables)
     else:
-        cache._adopt(tables[0])
+        cache._adopt(tables)
     return cache
 
 

@@ -428,7 +428,7 @@ class BlockPoolBase:
             return None
         cache = self.cache_class(pool=self)
         cache._geometry = self._geometry
-        cache._adopt(self.open_table(hits, len(hits) * self.block_size))
+        cache._adopt([self.open_table(hits, len(hits) * self.block_size)])
         return cache
 
     def evict_cached(self, count: int) -> int:
@@ -580,64 +580,76 @@ class _PagedBase(SavedState, ComposedIdentity):
 
 
 class PagedKVCacheBase(_PagedBase):
-    """One request's block table into a pool (``spec/PagedKVCache.md``): a serial store of
-    one row (``B = 1``), bit-exact with ``KVCache`` on the same tokens."""
+    """A request's block table into a pool (``spec/PagedKVCache.md``): a serial store,
+    bit-exact with ``KVCache`` on the same tokens. Shape-generic in ``B`` as every serial
+    storage (each row of a block is one table; every row takes every block), though a
+    request is one row: prefix registration and lookups are per request (``B = 1``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._table: BlockTable | None = None
-        self._fetched: tuple[Any, Any] | None = None
-        if self._pool is not None:
-            self._adopt(self._pool.open_table())
+        self._rows: list[BlockTable] = []  # mutated in place: the finalizer holds it
+        self._finalizer: weakref.finalize[Any, Any] | None = None
 
-    def _adopt(self, table: BlockTable) -> None:
-        """Hold ``table`` (a live table of the pool); released when this cache is collected."""
+    def _adopt(self, tables: Sequence[BlockTable]) -> None:
+        """Hold ``tables`` (live tables of the pool) instead of what it held; they are
+        released when this cache is collected."""
         assert self._pool is not None
-        if self._table is not None:
-            self._pool.close_tables([self._table])
-        self._table = table
-        weakref.finalize(self, _release_tables, weakref.ref(self._pool), [table])
+        self._pool.close_tables(self._rows)
+        self._rows[:] = tables
+        if self._finalizer is None:
+            self._finalizer = weakref.finalize(
+                self, _release_tables, weakref.ref(self._pool), self._rows
+            )
 
     def _tables(self) -> list[BlockTable]:
-        return [] if self._table is None else [self._table]
+        return list(self._rows)
 
     @property
     def offset(self) -> int:
-        return 0 if self._table is None else self._table.offset
+        return self._rows[0].offset if self._rows else 0
 
     @property
     def rows(self) -> int:
-        return 1 if self.offset else 0
+        """Batch rows held (0 before the first append)."""
+        return len(self._rows)
 
     @property
     def block_table(self) -> tuple[int, ...]:
         """The physical blocks holding this request's positions, in logical order."""
-        return () if self._table is None else tuple(self._table.blocks)
+        return tuple(self._request().blocks) if self._rows else ()
+
+    def _request(self) -> BlockTable:
+        if len(self._rows) != 1:
+            raise LayoutStateError(
+                f"the cache holds {len(self._rows)} rows; a request's table is one row's"
+            )
+        return self._rows[0]
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
-        """Append one request's ``[1, H, n, D]`` block (split at block boundaries)."""
-        geometry = self._check(keys, values, 1)
+        """Append ``[B, H, n, D]`` (split at block boundaries); the first block sets ``B``."""
+        geometry = self._check(keys, values, len(self._rows) or None)
         pool = self._ensure_pool(geometry)
-        if self._table is None:
-            self._adopt(pool.open_table())
-        assert self._table is not None
+        if not self._rows:
+            rows = self.pool_class.ops.shape(keys)[0]
+            self._adopt([pool.open_table() for _ in range(rows)])
         pool.append(
-            [self._table], self.codec.encode(keys, "keys"), self.codec.encode(values, "values")
+            self._rows, self.codec.encode(keys, "keys"), self.codec.encode(values, "values")
         )
         self._geometry = geometry
         return self.fetch()
 
     def fetch(self) -> tuple[Any, Any]:
-        if self._pool is None or self._table is None or self._table.offset == 0:
+        planes = self.planes()
+        if planes is None:
             raise LayoutStateError(NOTHING_TO_FETCH)
-        keys, values = self._pool.gather([self._table], [0], self._table.offset)
-        return self.codec.fetched(keys, "keys"), self.codec.fetched(values, "values")
+        return self.codec.fetched(planes[0], "keys"), self.codec.fetched(planes[1], "values")
 
     def planes(self) -> tuple[Planes, Planes] | None:
-        """The held positions' key and value planes in logical order (``None`` when empty)."""
-        if self._pool is None or self._table is None or self._table.offset == 0:
+        """The held positions' key and value planes in logical order, rows stacked
+        (``None`` when empty)."""
+        if self._pool is None or not self._rows or self.offset == 0:
             return None
-        return self._pool.gather([self._table], [0], self._table.offset)
+        return self._pool.gather(self._rows, [0] * len(self._rows), self.offset)
 
     def make_mask(
         self, n: int, *, return_array: bool = False, window_size: int | None = None
@@ -654,24 +666,29 @@ class PagedKVCacheBase(_PagedBase):
     def trim(self, n: int) -> int:
         """Forget the newest ``n`` positions (at most ``offset``); frees now-empty blocks."""
         count = min(as_count(n, "n"), self.offset)
-        if count and self._pool is not None and self._table is not None:
-            self._pool.trim(self._table, count)
+        if count and self._pool is not None:
+            for table in self._rows:
+                self._pool.trim(table, count)
         return count
 
     def register_prefix(self, token_ids: Sequence[int]) -> int:
         """Cache the full blocks ``token_ids`` (the ids of this request's first positions,
         at most ``offset`` of them) covers; returns how many blocks are cached."""
-        if self._pool is None or self._table is None:
+        if self._pool is None or not self._rows:
             raise LayoutStateError("an empty cache has no block to register")
-        return self._pool.register_prefix(self._table, token_ids)
+        return self._pool.register_prefix(self._request(), token_ids)
 
     def check_valid(self) -> None:
-        if self._table is not None and self._pool is not None:
-            assert id(self._table) in self._pool._tables or not self._table.blocks
-            assert len(self._table.blocks) == math.ceil(self._table.offset / self.block_size)
+        assert len({t.offset for t in self._rows}) <= 1, "rows move together"
+        for table in self._rows:
+            assert self._pool is not None and id(table) in self._pool._tables
+            assert len(table.blocks) == math.ceil(table.offset / self.block_size)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(offset={self.offset}, blocks={list(self.block_table)})"
+        return (
+            f"{type(self).__name__}(offset={self.offset}, "
+            f"blocks={[list(t.blocks) for t in self._rows]})"
+        )
 
 
 class PagedKvRowsBase(SpeculativeRounds, _PagedBase):
@@ -827,10 +844,10 @@ class PagedKvRowsBase(SpeculativeRounds, _PagedBase):
         geometry = common_geometry([self._geometry, *(s.geometry for s in rows)])
         incoming: list[tuple[BlockPoolBase | None, BlockTable | None]] = []
         for source in rows:
-            if isinstance(source, PagedKvRowsBase):
+            if isinstance(source, PagedKvRowsBase) or source._rows:
                 incoming += [(source._pool, t) for t in source._rows]
             else:
-                incoming.append((source._pool, source._table))
+                incoming.append((source._pool, None))
         if not incoming:
             return
         pool = self._pool
@@ -883,8 +900,8 @@ class PagedKvRowsBase(SpeculativeRounds, _PagedBase):
             pool=self._pool, codec=self.codec_spec, token_geometry=self._token_geometry
         )
         serial._geometry = self._geometry
-        if self._pool is not None:
-            serial._adopt(self._pool.share(table))
+        if self._pool is not None and table.offset:
+            serial._adopt([self._pool.share(table)])
         return serial
 
     def register_prefix(self, row: int, token_ids: Sequence[int]) -> int:

@@ -4,7 +4,6 @@ attention and extracted rows must be equal (bit-exact); refusals change nothing.
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Any
 
 import mlx.core as mx
@@ -17,6 +16,7 @@ from kvrows.errors import (
     CorruptStateError,
     IncompatibleRowsError,
     InvalidInputError,
+    LayoutStateError,
     NotTrimmableError,
     PoolExhaustedError,
     SpeculativeRoundError,
@@ -301,13 +301,13 @@ def test_invalid_arguments_are_refused(impl: Any) -> None:
     with pytest.raises(InvalidInputError):
         module.PagedKVCache(4)
     cache = module.PagedKVCache(pool=pool)
-    with pytest.raises(InvalidInputError):  # one request per serial cache
-        cache.update_and_fetch(
-            native(np.zeros((2, H, 1, D), np.float32)), native(np.zeros((2, H, 1, D), np.float32))
-        )
-    assert cache.offset == 0
-    assert module.PagedKvRows(pool=pool).projected_bytes(5) if pool.geometry else True
-
-
-def _module(name: str) -> ModuleType:
-    return rpaged if name == "reference" else opaged
+    two = native(np.ones((2, H, 5, D), np.float32))
+    cache.update_and_fetch(two, two)  # shape-generic in B: one table per row
+    assert cache.rows == 2 and pool.bytes_written == 2 * 5 * pool.token_bytes
+    with pytest.raises(LayoutStateError):  # a prefix is one request's
+        cache.register_prefix([1, 2, 3, 4])
+    with pytest.raises(InvalidInputError):  # B is fixed by the first block
+        one = native(np.ones((1, H, 1, D), np.float32))
+        cache.update_and_fetch(one, one)
+    assert cache.offset == 5
+    assert module.PagedKvRows(pool=pool).projected_bytes(5) == 2 * 4 * pool.token_bytes
