@@ -61,4 +61,4 @@ class PagedMachine(SpeculativeMachine):
                 self._exact(f"{what} projected_bytes{ts}, no geometry yet", got, doubled)
             answers.append(got)
         self._exact(f"layout {slot.ident} projected_bytes (both)", answers[1], answers[0])
-        self.stats.check("admission in blocks")
+        self.stats.check("admission")

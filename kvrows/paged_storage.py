@@ -442,6 +442,10 @@ class BlockPoolBase:
             assert len(table.blocks) == self._blocks_for(table.offset), "no empty tail block"
 
 
+def _first(fetched: Any) -> Any:
+    return fetched[0] if isinstance(fetched, tuple) else fetched
+
+
 def _token_ids(token_ids: object) -> list[int]:
     if isinstance(token_ids, str | bytes):
         raise InvalidInputError("token_ids must be a sequence of integers")
@@ -573,6 +577,54 @@ class _PagedBase(SavedState, ComposedIdentity):
 
         return restore_state(cls, state, geometry)
 
+    # -- mlx-lm's read surface (``spec/mlx-lm-drop-in.md``): reads only ------------------
+    def _held(self) -> tuple[Any, Any] | None:
+        raise NotImplementedError
+
+    @property
+    def keys(self) -> Any:
+        """The fetched keys (``None`` while empty). Read-only: a block pool is shared."""
+        held = self._held()
+        return None if held is None else held[0]
+
+    @keys.setter
+    def keys(self, value: object) -> None:
+        self._refuse_write("keys", value)
+
+    @property
+    def values(self) -> Any:
+        """The fetched values (``None`` while empty). Read-only: a block pool is shared."""
+        held = self._held()
+        return None if held is None else held[1]
+
+    @values.setter
+    def values(self, value: object) -> None:
+        self._refuse_write("values", value)
+
+    def _refuse_write(self, name: str, value: object) -> None:
+        if self._held() is None:
+            if value is None:
+                return  # an empty cache's None written back
+            raise LayoutStateError(
+                f"{type(self).__name__} holds no tokens: write {name} through update_and_fetch"
+            )
+        raise InvalidInputError(
+            f"{type(self).__name__}.{name} is read-only: its blocks live in a shared pool, "
+            "written through update_and_fetch only"
+        )
+
+    def keys_and_values(self) -> tuple[Any, Any]:
+        """What ``fetch()`` returns (``LayoutStateError`` while empty)."""
+        return self.fetch()
+
+    def empty(self) -> bool:
+        return self._held() is None
+
+    def size(self) -> int:
+        """Columns a read returns."""
+        held = self._held()
+        return 0 if held is None else int(self.pool_class.ops.shape(_first(held[0]))[2])
+
     def release(self) -> None:
         """Give every block back to the pool now (the cache then holds nothing)."""
         if self._pool is not None:
@@ -637,6 +689,9 @@ class PagedKVCacheBase(_PagedBase):
         )
         self._geometry = geometry
         return self.fetch()
+
+    def _held(self) -> tuple[Any, Any] | None:
+        return None if self.planes() is None else self.fetch()
 
     def fetch(self) -> tuple[Any, Any]:
         planes = self.planes()
@@ -771,6 +826,11 @@ class PagedKvRowsBase(SpeculativeRounds, _PagedBase):
         return math.ceil(count / self.block_size) * self.block_size * int(per_token)
 
     # -- reads ---------------------------------------------------------------------------
+    def _held(self) -> tuple[Any, Any] | None:
+        if self._pool is None or not any(self.row_offsets):
+            return None
+        return self.fetch()
+
     def fetch(self) -> tuple[Any, Any]:
         self._spec_usable()
         if self._pool is None or not self._rows or not any(self.row_offsets):
