@@ -55,17 +55,20 @@ __all__ = [
     "BlockTable",
     "PagedKVCacheBase",
     "PagedKvRowsBase",
+    "Piece",
     "PlaneOps",
 ]
 
 Planes = tuple[Any, ...]
+#: One write of a token run into one block: ``(block, start, count, row, token)``.
+Piece = tuple[int, int, int, int, int]
 
 
 class PlaneOps(Protocol):
     """What an implementation does with arrays for the paged storages.
 
     Pool planes are ``[num_blocks, H, block_size, w]``; a token slot is ``(block,
-    within)``. ``scatter`` and ``copy_slots`` return the updated planes (an implementation
+    within)``. ``scatter`` and ``copy_block`` return the updated planes (an implementation
     may update in place and return the same tuple)."""
 
     def make_codec(self, spec: CodecSpec) -> Any: ...
@@ -76,36 +79,25 @@ class PlaneOps(Protocol):
 
     def concat_blocks(self, old: Planes, new: Planes) -> Planes: ...
 
-    def scatter(
-        self,
-        planes: Planes,
-        blocks: Sequence[int],
-        within: Sequence[int],
-        source: Planes,
-        rows: Sequence[int],
-        tokens: Sequence[int],
-    ) -> Planes:
-        """``planes[blocks[t], :, within[t]] = source[rows[t], :, tokens[t]]``."""
+    def scatter(self, planes: Planes, pieces: Sequence[Piece], source: Planes) -> Planes:
+        """For each piece ``(block, start, count, row, token)``:
+        ``planes[block, :, start : start + count] = source[row, :, token : token + count]``
+        (``source``: ``[B, H, n, w]``)."""
         ...
 
-    def copy_slots(
-        self,
-        planes: Planes,
-        blocks: Sequence[int],
-        within: Sequence[int],
-        from_blocks: Sequence[int],
-        from_within: Sequence[int],
-    ) -> Planes: ...
+    def copy_block(self, planes: Planes, target: int, origin: int, count: int) -> Planes:
+        """``planes[target, :, :count] = planes[origin, :, :count]``."""
+        ...
 
     def gather(
         self,
         planes: Planes,
-        slots: Sequence[tuple[Sequence[int], Sequence[int]]],
+        rows: Sequence[tuple[Sequence[int], int]],
         pads: Sequence[int],
         width: int,
     ) -> Planes:
-        """``[B, H, width, w]``: row ``b``'s slots at columns ``[pads[b], width)``, zeros
-        before them; compact, owned arrays."""
+        """``[B, H, width, w]``: row ``b``'s first ``count`` positions (its ``blocks`` in
+        order) at columns ``[pads[b], width)``, zeros before them; compact, owned arrays."""
         ...
 
     def mask(self, pads: Sequence[int], end: int, n: int, window: int | None, serial: bool) -> Any:
@@ -130,14 +122,17 @@ class BlockTable:
     blocks: list[int] = field(default_factory=list)
     offset: int = 0
 
-    def slots(
-        self, block_size: int, start: int = 0, stop: int | None = None
-    ) -> tuple[list[int], list[int]]:
-        end = self.offset if stop is None else stop
-        return (
-            [self.blocks[p // block_size] for p in range(start, end)],
-            [p % block_size for p in range(start, end)],
-        )
+    def pieces(self, block_size: int, start: int, count: int, row: int = 0) -> list[Piece]:
+        """Positions ``start .. start + count - 1`` as writes into their blocks, fed from
+        tokens ``0 .. count - 1`` of source row ``row``."""
+        out: list[Piece] = []
+        position = start
+        while position < start + count:
+            within = position % block_size
+            length = min(block_size - within, start + count - position)
+            out.append((self.blocks[position // block_size], within, length, row, position - start))
+            position += length
+        return out
 
 
 def _release_tables(pool_ref: weakref.ref[BlockPoolBase], tables: list[BlockTable]) -> None:
@@ -314,23 +309,16 @@ class BlockPoolBase:
             plans.append((cow, self._blocks_for(table.offset + n) - len(table.blocks)))
         fresh = ledger.allocate(sum(int(cow) + new for cow, new in plans))
         assert self._keys is not None and self._values is not None
-        blocks: list[int] = []
-        within: list[int] = []
-        rows: list[int] = []
-        tokens: list[int] = []
+        pieces: list[Piece] = []
         for b, (table, (cow, new)) in enumerate(zip(tables, plans, strict=True)):
             if cow:
                 self._copy_tail(table, fresh.pop())
             table.blocks.extend(fresh[:new])
             del fresh[:new]
-            dest_blocks, dest_within = table.slots(bs, table.offset, table.offset + n)
-            blocks += dest_blocks
-            within += dest_within
-            rows += [b] * n
-            tokens += list(range(n))
+            pieces += table.pieces(bs, table.offset, n, b)
             table.offset += n
-        self._keys = self.ops.scatter(self._keys, blocks, within, keys, rows, tokens)
-        self._values = self.ops.scatter(self._values, blocks, within, values, rows, tokens)
+        self._keys = self.ops.scatter(self._keys, pieces, keys)
+        self._values = self.ops.scatter(self._values, pieces, values)
         ledger.bytes_written += len(tables) * n * self.token_bytes
 
     def _copy_tail(self, table: BlockTable, target: int) -> None:
@@ -338,10 +326,8 @@ class BlockPoolBase:
         assert self._keys is not None and self._values is not None
         fill = table.offset % self.block_size
         old = table.blocks[-1]
-        dest = ([target] * fill, list(range(fill)))
-        src = ([old] * fill, list(range(fill)))
-        self._keys = self.ops.copy_slots(self._keys, *dest, *src)
-        self._values = self.ops.copy_slots(self._values, *dest, *src)
+        self._keys = self.ops.copy_block(self._keys, target, old, fill)
+        self._values = self.ops.copy_block(self._values, target, old, fill)
         self.ledger.release([old])
         table.blocks[-1] = target
         self.ledger.bytes_copied += fill * self.token_bytes
@@ -366,10 +352,9 @@ class BlockPoolBase:
         """Write ``[1, H, n, ·]`` planes into ``table``'s already allocated blocks."""
         assert self._keys is not None and self._values is not None
         n = self.ops.shape(keys[0])[2]
-        blocks, within = BlockTable(table.blocks, n).slots(self.block_size)
-        rows, tokens = [0] * n, list(range(n))
-        self._keys = self.ops.scatter(self._keys, blocks, within, keys, rows, tokens)
-        self._values = self.ops.scatter(self._values, blocks, within, values, rows, tokens)
+        pieces = table.pieces(self.block_size, 0, n)
+        self._keys = self.ops.scatter(self._keys, pieces, keys)
+        self._values = self.ops.scatter(self._values, pieces, values)
         table.offset = n
         self.ledger.bytes_copied += n * self.token_bytes
 
@@ -387,10 +372,10 @@ class BlockPoolBase:
         """``[B, H, width, ·]`` key and value planes: row ``b``'s positions in logical
         order at columns ``[pads[b], width)``."""
         assert self._keys is not None and self._values is not None
-        slots = [t.slots(self.block_size) for t in tables]
+        rows = [(t.blocks, t.offset) for t in tables]
         return (
-            self.ops.gather(self._keys, slots, pads, width),
-            self.ops.gather(self._values, slots, pads, width),
+            self.ops.gather(self._keys, rows, pads, width),
+            self.ops.gather(self._values, rows, pads, width),
         )
 
     # -- the prefix cache ----------------------------------------------------------------

@@ -14,7 +14,13 @@ import numpy as np
 import numpy.typing as npt
 
 from kvrows.compositions import composition
-from kvrows.paged_storage import BlockPoolBase, PagedKVCacheBase, PagedKvRowsBase, Planes
+from kvrows.paged_storage import (
+    BlockPoolBase,
+    PagedKVCacheBase,
+    PagedKvRowsBase,
+    Piece,
+    Planes,
+)
 from kvrows.reference.codecs import dtype_name, make_codec
 from kvrows.schemes import CodecSpec
 
@@ -36,46 +42,32 @@ class NumpyPlaneOps:
     def concat_blocks(self, old: Planes, new: Planes) -> Planes:
         return tuple(np.concatenate([a, b], axis=0) for a, b in zip(old, new, strict=True))
 
-    def scatter(
-        self,
-        planes: Planes,
-        blocks: Sequence[int],
-        within: Sequence[int],
-        source: Planes,
-        rows: Sequence[int],
-        tokens: Sequence[int],
-    ) -> Planes:
+    def scatter(self, planes: Planes, pieces: Sequence[Piece], source: Planes) -> Planes:
         for plane, src in zip(planes, source, strict=True):
-            for b, w, r, t in zip(blocks, within, rows, tokens, strict=True):
-                plane[b, :, w] = src[r, :, t]
+            for block, start, count, row, token in pieces:
+                plane[block, :, start : start + count] = src[row, :, token : token + count]
         return planes
 
-    def copy_slots(
-        self,
-        planes: Planes,
-        blocks: Sequence[int],
-        within: Sequence[int],
-        from_blocks: Sequence[int],
-        from_within: Sequence[int],
-    ) -> Planes:
+    def copy_block(self, planes: Planes, target: int, origin: int, count: int) -> Planes:
         for plane in planes:
-            for b, w, fb, fw in zip(blocks, within, from_blocks, from_within, strict=True):
-                plane[b, :, w] = plane[fb, :, fw]
+            plane[target, :, :count] = plane[origin, :, :count]
         return planes
 
     def gather(
         self,
         planes: Planes,
-        slots: Sequence[tuple[Sequence[int], Sequence[int]]],
+        rows: Sequence[tuple[Sequence[int], int]],
         pads: Sequence[int],
         width: int,
     ) -> Planes:
         out: list[npt.NDArray[Any]] = []
         for plane in planes:
-            image = np.zeros((len(slots), plane.shape[1], width, plane.shape[3]), plane.dtype)
-            for row, ((blocks, within), pad) in enumerate(zip(slots, pads, strict=True)):
-                for column, (b, w) in enumerate(zip(blocks, within, strict=True)):
-                    image[row, :, pad + column] = plane[b, :, w]
+            size = plane.shape[2]
+            image = np.zeros((len(rows), plane.shape[1], width, plane.shape[3]), plane.dtype)
+            for b, ((blocks, count), pad) in enumerate(zip(rows, pads, strict=True)):
+                for position in range(count):
+                    block = blocks[position // size]
+                    image[b, :, pad + position] = plane[block, :, position % size]
             out.append(image)
         return tuple(out)
 
