@@ -566,6 +566,9 @@ class _PagedBase(SavedState, ComposedIdentity):
     def _held(self) -> tuple[Any, Any] | None:
         raise NotImplementedError
 
+    def fetch(self) -> tuple[Any, Any]:
+        raise NotImplementedError
+
     @property
     def keys(self) -> Any:
         """The fetched keys (``None`` while empty). Read-only: a block pool is shared."""

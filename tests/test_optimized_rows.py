@@ -53,7 +53,7 @@ def _args(name: str) -> tuple[int, ...]:
     return tuple(values[p] for p in composition(name).params)
 
 
-def _serial(name: str, tokens: int, seed: int = 0) -> Serial:
+def _serial(name: str, tokens: int, seed: int = 0) -> Serial | PagedKVCacheBase:
     entry = composition(name)
     serial = entry.serial or entry.name
     if "delayed" in entry.modifiers:  # its rows arrive plain and convert at their start
