@@ -4,8 +4,8 @@ A block table means nothing outside its pool, so a paged state holds what the ta
 reads, compact and in logical order, plus what rebuilds the tables:
 
 * ``PagedKVCache``: ``keys, values, offset, block_size, codec`` (``keys`` / ``values``:
-  the codec's planes ``[1, H, offset, ·]``; ``codec``: the codec's name, ``plain``,
-  ``affine4:32``, ``turbo-k8v3``);
+  the codec's planes ``[B, H, offset, ·]``; ``codec``: ``(kind, a, b)``, see
+  :func:`codec_field`);
 * ``PagedKvRows``: ``keys, values, offset[B], left_padding[B], idx, block_size, codec``,
   right-aligned as every layout form (row ``b`` in columns ``[left_padding[b], idx)``).
 
@@ -30,26 +30,47 @@ from kvrows.validation import FLOAT_DTYPES, KvGeometry
 if TYPE_CHECKING:
     from kvrows.paged_storage import BlockPoolBase
 
-__all__ = ["PAGED_LAYOUT_FIELDS", "PAGED_SERIAL_FIELDS", "codec_named", "restore_state", "state_of"]
+__all__ = [
+    "PAGED_LAYOUT_FIELDS",
+    "PAGED_SERIAL_FIELDS",
+    "codec_field",
+    "codec_named",
+    "restore_state",
+    "state_of",
+]
 
 PAGED_SERIAL_FIELDS = state_form(composition("PagedKVCache")).fields
 PAGED_LAYOUT_FIELDS = state_form(composition("PagedKvRows")).fields
 
 
-def codec_named(name: object) -> CodecSpec:
+#: The ``codec`` field: ``(kind, a, b)``, ``kind`` 0 plain (0, 0), 1 affine (bits,
+#: group_size), 2 TurboQuant (k_bits, v_bits): integers, so files carry it as scalars.
+def codec_field(spec: CodecSpec) -> tuple[int, int, int]:
+    """The saved ``codec`` field of ``spec``."""
+    if isinstance(spec, Affine):
+        return 1, spec.bits, spec.group_size
+    if isinstance(spec, Turbo):
+        return 2, spec.k_bits, spec.v_bits
+    return 0, 0, 0
+
+
+def codec_named(field: object) -> CodecSpec:
     """The codec spec a saved ``codec`` field names (``CorruptStateError`` otherwise)."""
+    if hasattr(field, "tolist"):
+        field = field.tolist()
+    if not isinstance(field, Sequence) or isinstance(field, str | bytes) or len(field) != 3:
+        raise CorruptStateError(f"the state's codec field must be (kind, a, b), got {field!r}")
+    kind, a, b = (_int("codec", v) for v in field)
     try:
-        if name == "plain":
+        if kind == 0 and a == b == 0:
             return Plain()
-        if isinstance(name, str) and name.startswith("affine"):
-            bits, _, group = name[len("affine") :].partition(":")
-            return Affine(bits=int(bits), group_size=int(group))
-        if isinstance(name, str) and name.startswith("turbo-k"):
-            k_bits, _, v_bits = name[len("turbo-k") :].partition("v")
-            return Turbo(k_bits=int(k_bits), v_bits=int(v_bits))
+        if kind == 1:
+            return Affine(bits=a, group_size=b)
+        if kind == 2:
+            return Turbo(k_bits=a, v_bits=b)
     except (ValueError, TypeError) as error:
-        raise CorruptStateError(f"the state names an unknown codec {name!r}: {error}") from None
-    raise CorruptStateError(f"the state names an unknown codec {name!r}")
+        raise CorruptStateError(f"the state names an unknown codec {field!r}: {error}") from None
+    raise CorruptStateError(f"the state names an unknown codec {field!r}")
 
 
 def _int(name: str, value: object) -> int:
@@ -74,7 +95,7 @@ def state_of(cache: Any) -> tuple[Any, ...]:
 
     pool = cache.pool
     ops = cache.pool_class.ops
-    name = cache.codec_spec.name
+    name = codec_field(cache.codec_spec)
     if isinstance(cache, PagedKvRowsBase):
         offsets = list(cache.row_offsets)
         width = max(offsets, default=0)

@@ -282,7 +282,8 @@ def test_state_round_trip_is_bit_exact_and_corrupt_states_are_refused(
     state = list(cache.state)
     for corrupt in (
         (*state[:2], 8, *state[3:]),  # offset past the planes
-        (*state[:4], "affine3:7"),  # a codec that does not exist
+        (*state[:4], (1, 3, 7)),  # a codec that does not exist (affine 3 bits)
+        (*state[:4], "plain"),  # not a (kind, a, b) field
         (*state[:3], 0, state[4]),  # block size 0
         (state[1], state[0], *state[2:]) if codec.kind == "turbo" else tuple(state[:4]),
     ):
@@ -311,3 +312,31 @@ def test_invalid_arguments_are_refused(impl: Any) -> None:
         cache.update_and_fetch(one, one)
     assert cache.offset == 5
     assert module.PagedKvRows(pool=pool).projected_bytes(5) == 2 * 4 * pool.token_bytes
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.kind)
+def test_prompt_cache_files_round_trip(tmp_path: Any, codec: CodecSpec) -> None:
+    from kvrows.persist.prompt_cache import load_prompt_cache, save_prompt_cache
+
+    rng = np.random.default_rng(8)
+    pool = opaged.BlockPool(codec, block_size=4)
+    cache = opaged.PagedKVCache(pool=pool)
+    k, v = _block(rng, 1, 9)
+    cache.update_and_fetch(mx.array(k), mx.array(v))
+    layout = opaged.PagedKvRows(pool=pool)
+    layout.merge_rows([cache, opaged.PagedKVCache(pool=pool)])
+    path = tmp_path / "paged.safetensors"
+    save_prompt_cache(path, [cache, layout])
+    for implementation, numpy in (("optimized", from_mlx), ("reference", np.asarray)):
+        serial, rows = load_prompt_cache(path, implementation=implementation)
+        assert serial.offset == 9 and rows.row_offsets == (9, 0)
+        assert _same(
+            serial.planes(),
+            tuple(tuple(from_mlx(p) for p in side) for side in cache.planes()),
+            numpy,
+        )
+        assert _same(
+            rows.row_window(0),
+            tuple(tuple(from_mlx(p) for p in side) for side in layout.row_window(0)),
+            numpy,
+        )
