@@ -4,7 +4,7 @@ attention and extracted rows must be equal (bit-exact); refusals change nothing.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import mlx.core as mx
 import numpy as np
@@ -327,16 +327,22 @@ def test_prompt_cache_files_round_trip(tmp_path: Any, codec: CodecSpec) -> None:
     layout.merge_rows([cache, opaged.PagedKVCache(pool=pool)])
     path = tmp_path / "paged.safetensors"
     save_prompt_cache(path, [cache, layout])
-    for implementation, numpy in (("optimized", from_mlx), ("reference", np.asarray)):
+    held, row = cache.planes(), layout.row_window(0)
+    assert held is not None and row is not None
+    impls: tuple[tuple[Literal["optimized", "reference"], Any], ...] = (
+        ("optimized", from_mlx),
+        ("reference", np.asarray),
+    )
+    for implementation, numpy in impls:
         serial, rows = load_prompt_cache(path, implementation=implementation)
         assert serial.offset == 9 and rows.row_offsets == (9, 0)
         assert _same(
             serial.planes(),
-            tuple(tuple(from_mlx(p) for p in side) for side in cache.planes()),
+            tuple(tuple(from_mlx(p) for p in side) for side in held),
             numpy,
         )
         assert _same(
             rows.row_window(0),
-            tuple(tuple(from_mlx(p) for p in side) for side in layout.row_window(0)),
+            tuple(tuple(from_mlx(p) for p in side) for side in row),
             numpy,
         )
