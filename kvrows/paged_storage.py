@@ -495,6 +495,7 @@ class _PagedBase(SavedState, ComposedIdentity):
     composition: ClassVar[Composition]
     pool_class: ClassVar[type[BlockPoolBase]]
     _token_geometry: Any
+    _rows: list[BlockTable]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         spec, paged, declared, pool = _bind(type(self), args, kwargs)
@@ -614,9 +615,10 @@ class _PagedBase(SavedState, ComposedIdentity):
         return 0 if held is None else int(self.pool_class.ops.shape(_first(held[0]))[2])
 
     def release(self) -> None:
-        """Give every block back to the pool now (the cache then holds nothing)."""
+        """Give every block back to the pool now (the cache then holds no row)."""
         if self._pool is not None:
             self._pool.close_tables(self._tables())
+        self._rows.clear()
 
 
 class PagedKVCacheBase(_PagedBase):
