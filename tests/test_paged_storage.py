@@ -204,13 +204,20 @@ def test_prefix_sharing_holds_a_shared_prompt_once(impl: Any) -> None:
     k, v = _block(rng, 1, 1)
     hit.update_and_fetch(native(k), native(v))  # a fresh tail block, the shared ones untouched
     assert pool.bytes_written - written == pool.token_bytes and pool.bytes_copied == 0
+    prefix = first.block_table[:3]
     for cache in (first, hit, exact):
         cache.release()
     pool.check_valid()
     assert pool.ledger.referenced_count == 0 and pool.ledger.cached_count == 3
-    # released tail first: the prefix's last block is evicted first
-    cached = [b for b in pool.ledger.free_order() if pool.ledger.hash_of(b) is not None]
-    assert cached[0] == first.block_table[2] if first.block_table else True
+    # Released tail first: the cached blocks are evicted tail first, after every block
+    # that caches nothing.
+    order = pool.ledger.free_order()
+    cached = [b for b in order if pool.ledger.hash_of(b) is not None]
+    assert cached == [prefix[2], prefix[1], prefix[0]]
+    assert order[-3:] == tuple(cached)
+    taken = pool.ledger.allocate(len(order) - 2)  # takes every uncached block, then evicts
+    assert pool.ledger.hash_of(prefix[2]) is None and prefix[2] in taken
+    assert pool.ledger.cached_count == 2
 
 
 @pytest.mark.parametrize("impl", IMPLS)
