@@ -329,6 +329,12 @@ def _paged_machine() -> type[Any]:
     return PagedMachine
 
 
+def _paged_affine_machine() -> type[Any]:
+    from kvrows.conformance.paged import PagedAffineMachine
+
+    return PagedAffineMachine
+
+
 def _turbo_machine() -> type[Any]:
     from kvrows.conformance.turbo import TurboMachine
 
@@ -494,8 +500,22 @@ FAMILIES: dict[str, Family] = {
             "contiguous model and solo replay",
         ),
         machine=_paged_machine,
+        # About 5 s on one core in CI (15 examples).
         examples=0.1,
-        steps=0.8,
+        steps=0.7,
+    ),
+    # The same rows over affine pools: one affine codec per example, codes exact.
+    "paged-affine": Family(
+        name="paged-affine",
+        serial="PagedKVCache",
+        layouts=derived_layouts("PagedKVCache", tolerance_key="affine", verify_only="keep"),
+        tolerance_key="affine",
+        peer=None,
+        description="paged KV over affine pools at every (bits, group size)",
+        machine=_paged_affine_machine,
+        # About 4 s on one core in CI (6 examples: quantized attention is slow on the CPU).
+        examples=0.04,
+        steps=0.6,
     ),
 }
 

@@ -18,10 +18,13 @@ from typing import Any
 from hypothesis.stateful import invariant
 
 from kvrows import table
+from kvrows.compositions import composition
+from kvrows.conformance.families import Impl
 from kvrows.conformance.machines import Slot, _answer
-from kvrows.conformance.speculative import SpeculativeMachine
+from kvrows.conformance.speculative import SpeculativeAffineMachine, SpeculativeMachine
+from kvrows.schemes import Affine
 
-__all__ = ["PagedMachine"]
+__all__ = ["PagedAffineMachine", "PagedMachine"]
 
 
 class PagedMachine(SpeculativeMachine):
@@ -62,3 +65,17 @@ class PagedMachine(SpeculativeMachine):
             answers.append(got)
         self._exact(f"layout {slot.ident} projected_bytes (both)", answers[1], answers[0])
         self.stats.check("admission")
+
+
+class PagedAffineMachine(PagedMachine, SpeculativeAffineMachine):
+    """The paged machine over affine pools: one affine codec per example (the affine
+    machine's draw), every paged cache built with ``codec=Affine(...)``; stored codes
+    compared exactly."""
+
+    def _new(self, impl: Impl, name: str, **changes: int) -> Any:
+        if composition(name).geometry != "paged":  # a foreign cache of an invalid case
+            return super()._new(impl, name, **changes)
+        g = self.g
+        bits = changes.get("bits", g.bits or 8)
+        group_size = changes.get("group_size", g.group_size or 32)
+        return impl.cls(name)(codec=Affine(bits=bits, group_size=group_size))

@@ -125,7 +125,7 @@ def _check_planes(
     if not isinstance(planes, tuple | list):
         raise CorruptStateError(f"state field {role} must be a tuple of planes")
     planes = tuple(planes)
-    expected = len(codec_plane_specs(spec, role, 64, "float32", _role(role)))
+    expected = len(codec_plane_specs(spec, role, 128, "float32", _role(role)))  # any codec
     if len(planes) != expected:
         raise CorruptStateError(
             f"{spec.name} stores {role} as {expected} planes, got {len(planes)}"

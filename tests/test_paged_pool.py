@@ -15,8 +15,8 @@ from kvrows.optimized.paged import BlockPool, PagedKvRows
 from kvrows.paged_storage import BlockTable
 from kvrows.schemes import Plain
 
-#: CI share (about 1 s each on one core).
-EXAMPLES = 12
+#: CI share: about 3 s on one core for the four runs.
+EXAMPLES = 8
 STEPS = 30
 
 
