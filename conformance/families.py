@@ -324,6 +324,18 @@ def derived_layouts(
     return tuple(specs)
 
 
+def _paged_machine() -> type[Any]:
+    from kvrows.conformance.paged import PagedMachine
+
+    return PagedMachine
+
+
+def _paged_affine_machine() -> type[Any]:
+    from kvrows.conformance.paged import PagedAffineMachine
+
+    return PagedAffineMachine
+
+
 def _turbo_machine() -> type[Any]:
     from kvrows.conformance.turbo import TurboMachine
 
@@ -564,6 +576,38 @@ FAMILIES: dict[str, Family] = {
         machine=_delayed_machine,
         # One layout, solo legos for every row: 38 examples keep it near 8 s on one core.
         examples=0.25,
+    ),
+    # Paged KV (issue 13): PagedKVCache rows in PagedKvRows (every role, verify rounds),
+    # bit-exact with the contiguous model; the pools' invariants after every rule.
+    "paged": Family(
+        name="paged",
+        serial="PagedKVCache",
+        layouts=derived_layouts("PagedKVCache", verify_only="keep"),
+        tolerance_key="plain",
+        peer=None,
+        description="paged KV: block tables into shared pools, rows by reference, verify "
+        "rounds, copy on write, bit-exact with the contiguous KV",
+        notes=(
+            "no mlx-lm peer (mlx-lm has no paged cache): reference vs optimized, the "
+            "contiguous model and solo replay",
+        ),
+        machine=_paged_machine,
+        # About 5 s on one core in CI (15 examples).
+        examples=0.1,
+        steps=0.7,
+    ),
+    # The same rows over affine pools: one affine codec per example, codes exact.
+    "paged-affine": Family(
+        name="paged-affine",
+        serial="PagedKVCache",
+        layouts=derived_layouts("PagedKVCache", tolerance_key="affine", verify_only="keep"),
+        tolerance_key="affine",
+        peer=None,
+        description="paged KV over affine pools at every (bits, group size)",
+        machine=_paged_affine_machine,
+        # About 4 s on one core in CI (6 examples: quantized attention is slow on the CPU).
+        examples=0.04,
+        steps=0.6,
     ),
 }
 

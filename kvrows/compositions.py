@@ -129,10 +129,10 @@ COMPOSITIONS: tuple[Composition, ...] = (
     # -- paged (issue 13) ------------------------------------------------------------
     Composition(name="PagedKVCache", codec="any", geometry="paged", arrangement="serial",
                 signature="kv:paged", roles=Roles("PagedKvRows", "PagedKvRows", "PagedKvRows"),
-                issue=13, summary="one request's block table into a shared block pool"),
+                summary="one request's block table into a shared block pool"),
     Composition(name="PagedKvRows", codec="any", geometry="paged", arrangement="ragged",
                 signature="kv:paged-rows", serial="PagedKVCache", roles=Roles(SELF, SELF, SELF),
-                modifiers=frozenset({"speculative"}), issue=13,
+                modifiers=frozenset({"speculative"}),
                 summary="block-table rows: row operations move no KV bytes"),
     # -- latent (issue 14) -----------------------------------------------------------
     Composition(name="MLACache", codec="latent", geometry="latent", arrangement="shared",

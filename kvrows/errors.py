@@ -21,6 +21,7 @@ __all__ = [
     "NoRowLayoutError",
     "NotBatchableError",
     "NotTrimmableError",
+    "PoolExhaustedError",
     "RowIndexError",
     "SpeculativeRoundError",
     "SpeculativeStateInvalidError",
@@ -162,3 +163,8 @@ def ring_rollback_message(row: int, offset: int, retained: int, count: int, wind
         f"newest {retained}, and its window of {window} before them is already overwritten "
         "(a ring rolls back only tokens of its latest block)"
     )
+
+
+class PoolExhaustedError(CapacityError):
+    """A block pool cannot take the blocks an append asks for without growing past its
+    byte limit (``kvrows.paged``); nothing changed."""

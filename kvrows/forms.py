@@ -90,6 +90,12 @@ _LAYOUT = {
 }  # fmt: skip
 _RECURRENT = ("conv", "recurrent", "offset")
 _CODEC_TAIL = {"plain": (), "affine": ("group_size", "bits"), "turbo": ("k_bits", "v_bits")}
+#: Paged storages (any codec): the logical KV, compact, then what rebuilds block tables
+#: (``kvrows.paged_forms``; ``codec``: the codec's name).
+_PAGED = {
+    False: ("keys", "values", "offset", "block_size", "codec"),
+    True: ("keys", "values", "offset", "left_padding", "idx", "block_size", "codec"),
+}
 
 #: mlx-lm's class for each form it has: (geometry, arrangement is a layout, codec).
 _MLX_LM_CLASSES = {
@@ -169,6 +175,8 @@ def state_form(entry: Composition) -> StateForm:
         # Recurrent state (kvrows.recurrent): the planes and the coverage (a layout's per
         # row). mlx-lm's ArraysCache form has no coverage, so the file class is kvrows'.
         return StateForm(entry.name, _RECURRENT, entry.name)
+    if entry.geometry == "paged" and entry.is_landed:
+        return StateForm(entry.name, _PAGED[entry.is_layout], entry.name)
     fields = (_LAYOUT if entry.is_layout else _SERIAL).get(entry.geometry)
     tail = _CODEC_TAIL.get(entry.codec)
     # A speculative layout outside a round holds what its unmodified layout holds.

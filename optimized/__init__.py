@@ -27,6 +27,7 @@ from kvrows.optimized.lego import (
     Bf16FirstTurboQuantKVCache,
 )
 from kvrows.optimized.mlxlm_batch import BatchKVCache, BatchRotatingKVCache
+from kvrows.optimized.paged import BlockPool, PagedKVCache, PagedKvRows
 from kvrows.optimized.recurrent import BatchedSSMCache, SSMCache
 from kvrows.optimized.rows import DECLARED
 
@@ -42,9 +43,12 @@ __all__ = [
     "DelayedQuantizedKVCache",
     "DelayedRotatingQuantizedKVCache",
     "DelayedTurboQuantKVCache",
+    "BlockPool",
     "EncodedLatentCache",
     "LatentCacheList",
     "MLACache",
+    "PagedKVCache",
+    "PagedKvRows",
     "attend",
     "declared_classes",
 ]
@@ -56,7 +60,8 @@ def declared_classes() -> Mapping[str, type[Any]]:
     delayed = (DelayedQuantizedKVCache, DelayedRotatingQuantizedKVCache, DelayedTurboQuantKVCache)
     latent = (MLACache, EncodedLatentCache)  # latent state: its own row machinery
     recurrent = (SSMCache, BatchedSSMCache)  # recurrent state: its own row machinery
-    found = (*delayed, *latent, *recurrent)
+    paged = (PagedKVCache, PagedKvRows)  # block tables into a pool (paged_storage)
+    found = (*delayed, *latent, *recurrent, *paged)
     return {**DECLARED, **{cls.composition.name: cls for cls in found}}
 
 

@@ -21,6 +21,7 @@ from kvrows.reference.lego import (
     Bf16FirstRotatingQuantizedKVCache,
     Bf16FirstTurboQuantKVCache,
 )
+from kvrows.reference.paged import BlockPool, PagedKVCache, PagedKvRows
 from kvrows.reference.recurrent import BatchedSSMCache, SSMCache
 
 __all__ = [
@@ -35,6 +36,9 @@ __all__ = [
     "MLACache",
     "BatchedSSMCache",
     "SSMCache",
+    "BlockPool",
+    "PagedKVCache",
+    "PagedKvRows",
     "attend",
     "attention",
 ]

@@ -203,6 +203,9 @@ def declared_classes() -> Mapping[str, type[Any]]:
     found |= {cls.composition.name: cls for cls in (latent.MLACache, latent.EncodedLatentCache)}
 
     found |= {cls.composition.name: cls for cls in (recurrent.SSMCache, recurrent.BatchedSSMCache)}
+    from kvrows.reference import paged  # the paged storages (``kvrows.paged_storage``)
+
+    found.update({cls.composition.name: cls for cls in (paged.PagedKVCache, paged.PagedKvRows)})
     missing = [c.name for c in landed() if c.name not in found]
     if missing:
         raise KvRowsError(f"the reference lacks {', '.join(missing)}")

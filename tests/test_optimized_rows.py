@@ -26,6 +26,7 @@ from kvrows.errors import (
     self_merge_message,
 )
 from kvrows.optimized.rows import DECLARED, Layout, Serial
+from kvrows.paged_storage import PagedKVCacheBase, PagedKvRowsBase
 from kvrows.schemes import Affine, Growing, Plain, Ring
 from kvrows.validation import KvGeometry
 
@@ -52,7 +53,7 @@ def _args(name: str) -> tuple[int, ...]:
     return tuple(values[p] for p in composition(name).params)
 
 
-def _serial(name: str, tokens: int, seed: int = 0) -> Serial:
+def _serial(name: str, tokens: int, seed: int = 0) -> Serial | PagedKVCacheBase:
     entry = composition(name)
     serial = entry.serial or entry.name
     if "delayed" in entry.modifiers:  # its rows arrive plain and convert at their start
@@ -60,8 +61,8 @@ def _serial(name: str, tokens: int, seed: int = 0) -> Serial:
             *_args(serial)[:1] if "max_size" in entry.params else ()
         )
     else:
-        cache = DECLARED[serial](*_args(serial))
-    assert isinstance(cache, Serial)
+        cache = CLASSES[serial](*_args(serial))
+    assert isinstance(cache, Serial | PagedKVCacheBase)
     if tokens:
         block = _block(1, tokens, seed=seed)
         cache.update_and_fetch(block, block)
@@ -92,8 +93,12 @@ def test_every_landed_composition_is_one_declared_class() -> None:
         )
         built = layout_cls.from_specs(layout.codec_spec, layout.token_geometry, start=5)
         assert type(built) is layout_cls and built.signature() == layout.signature()
-    assert sorted(DECLARED) == sorted(c.name for c in KV_LANDED if c.name not in delayed)
-    for entry in (c for c in KV_LANDED if c.name not in delayed):
+    paged = {c.name for c in KV_LANDED if c.geometry == "paged"}  # block tables (paged_storage)
+    for name in paged:
+        assert CLASSES[name] is getattr(kv, name) and name not in DECLARED
+        assert issubclass(CLASSES[name], PagedKvRowsBase | PagedKVCacheBase)
+    assert sorted(DECLARED) == sorted(c.name for c in KV_LANDED if c.name not in delayed | paged)
+    for entry in (c for c in KV_LANDED if c.name not in delayed | paged):
         cls = getattr(kv, entry.name)
         assert cls is DECLARED[entry.name] and cls.composition is entry
         assert issubclass(cls, Layout if entry.is_layout else Serial)

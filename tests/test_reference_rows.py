@@ -22,6 +22,7 @@ from kvrows.errors import (
     NotTrimmableError,
     self_merge_message,
 )
+from kvrows.paged_storage import PagedKVCacheBase, PagedKvRowsBase
 from kvrows.reference.classes import _checked, declared_classes
 from kvrows.reference.rows import RowLayout, SerialStorage
 from kvrows.schemes import Affine, Growing, Plain, Ring
@@ -73,6 +74,10 @@ def test_every_landed_composition_is_one_declared_class() -> None:
             continue
         if cls.composition.geometry in ("latent", "recurrent"):  # their own row machinery
             continue
+        if cls.composition.geometry == "paged":  # block tables into a pool (paged_storage)
+            base = PagedKvRowsBase if composition(name).is_layout else PagedKVCacheBase
+            assert issubclass(cls, base)
+            continue
         assert issubclass(cls, RowLayout) == composition(name).is_layout
         assert issubclass(cls, SerialStorage) != composition(name).is_layout
 
@@ -115,9 +120,11 @@ def test_specs_signature_and_planes(name: str) -> None:
     assert again.signature() == cache.signature() and again.geometry == geometry
     specs = again.plane_specs()
     assert all(isinstance(p, PlaneSpec) and p.token_axis == 2 for p in specs)
-    assert len(specs) == {"plain": 2, "affine": 6, "turbo": 5}[entry.codec]
+    assert len(specs) == {"plain": 2, "affine": 6, "turbo": 5}[cache.codec_spec.kind]
     if entry.is_layout:
         stored = min(10, 6) if entry.geometry == "ring" else 10
+        if entry.geometry == "paged":  # whole blocks
+            stored = -(-10 // again.block_size) * again.block_size
         per_token = 2 * sum(DTYPE_SIZES[p.dtype] * p.width for p in specs)  # 2 heads
         assert again.projected_bytes(10) == stored * per_token
         with pytest.raises(LayoutStateError):
@@ -207,7 +214,10 @@ def test_shared_ring_trims_together_and_attention_keeps_the_queries_dtype() -> N
     assert out.dtype == np.float32 and out.shape == (2, 2, 1, 64)
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
+# Paged rows share their pool's planes by design (extraction moves no byte); that an
+# extracted row keeps its KV while the layout writes is the pool machine's invariant
+# (tests/test_paged_pool.py).
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if composition(n).geometry != "paged"])
 def test_rows_own_their_arrays(name: str) -> None:
     """Neither the caller's blocks nor an extracted row share memory with the layout."""
     layout = _make(name)

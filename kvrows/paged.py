@@ -1,0 +1,306 @@
+"""Paged KV bookkeeping, array-free: the block ledger of a shared pool and its hash chain.
+
+A **block pool** (one per layer, ``spec/paged-pool.md``) holds ``[num_blocks, H,
+block_size, ·]`` planes; which block belongs to whom is this module's business and reads
+only Python ints, so both implementations (NumPy and MLX pools) share it:
+
+* every block has a **reference count**: the number of live block tables holding it;
+* the **free queue** holds exactly the blocks with count 0, in the order they are taken
+  (an ``OrderedDict``: O(1) pop at the head, remove from the middle, append at the tail);
+  a block released unhashed goes to the head (it caches nothing), a hashed one to the
+  tail, so cached blocks are evicted least recently used first, and a request released
+  in reverse table order has its tail blocks evicted before its prefix;
+* a full block may carry a **hash**: ``sha256(parent hash | token ids | extra keys)``
+  (hashlib: stable across processes); the pool maps hash -> block (no de-duplication:
+  a block id never changes under a live table) and block -> hash. Taking a hashed free
+  block for a new owner evicts its hash;
+* allocation grows the pool (``x1.5``, at least what is asked) up to ``max_blocks``, then
+  raises :class:`~kvrows.errors.PoolExhaustedError` with nothing changed;
+* the ledger counts the KV bytes moved through the pool: written by appends, copied by
+  copy on write and by merges of rows that live elsewhere. Row operations on block
+  tables move none.
+
+:meth:`BlockLedger.check_valid` asserts the invariants of ``spec/paged-pool.md`` §4.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kvrows.errors import InvalidInputError, PoolExhaustedError
+from kvrows.validation import as_count
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "ROOT_HASH",
+    "BlockLedger",
+    "Paged",
+    "block_hash",
+    "chain_hashes",
+    "growth_target",
+]
+
+#: Tokens per block by default (vLLM's default; ``spec/paged-pool.md`` §1 says why).
+DEFAULT_BLOCK_SIZE = 16
+
+#: The parent hash of a request's first block.
+ROOT_HASH = b"\x00" * 32
+
+
+@dataclass(frozen=True, kw_only=True)
+class Paged:
+    """The paged token geometry: positions live in blocks of ``block_size`` tokens."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kind: ClassVar[str] = "paged"
+
+    def __post_init__(self) -> None:
+        as_count(self.block_size, "block_size", minimum=1)
+
+    def parameters(self) -> dict[str, int]:
+        return {}
+
+
+def block_hash(parent: bytes, tokens: Sequence[int], extra: str) -> bytes:
+    """The hash of one full block: its parent's hash, its token ids and the extra keys
+    (the pool's codec key and block size: a plain block never serves an affine pool)."""
+    digest = hashlib.sha256()
+    digest.update(parent)
+    digest.update(len(tokens).to_bytes(4, "little"))
+    for token in tokens:
+        digest.update(int(token).to_bytes(8, "little", signed=True))
+    digest.update(extra.encode())
+    return digest.digest()
+
+
+def chain_hashes(tokens: Sequence[int], block_size: int, extra: str, blocks: int) -> list[bytes]:
+    """The hashes of the first ``blocks`` full blocks of ``tokens``."""
+    hashes: list[bytes] = []
+    parent = ROOT_HASH
+    for j in range(blocks):
+        parent = block_hash(parent, tokens[j * block_size : (j + 1) * block_size], extra)
+        hashes.append(parent)
+    return hashes
+
+
+def growth_target(current: int, needed: int, limit: int | None) -> int:
+    """The block count a pool of ``current`` blocks grows to so that it holds ``needed``:
+    ``x1.5`` (at least ``needed``), capped at ``limit``; raises ``PoolExhaustedError`` when
+    even ``limit`` is too few."""
+    if limit is not None and needed > limit:
+        raise PoolExhaustedError(
+            f"the pool needs {needed} blocks but may hold at most {limit} (its byte limit); "
+            "free requests or raise max_bytes"
+        )
+    target = max(needed, math.ceil(current * 1.5), 1)
+    return target if limit is None else min(target, limit)
+
+
+class BlockLedger:
+    """Reference counts, free queue and hash maps of one pool's blocks.
+
+    ``grow``: called with the new block count before the ledger counts the new blocks
+    (the array planes grow there; if it raises, nothing changed). ``max_blocks``: the most
+    blocks the pool may hold (``None``: unbounded). ``extra``: the extra keys of every
+    block hash (the pool's codec key and block size).
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int = 0,
+        *,
+        max_blocks: int | None = None,
+        grow: Callable[[int], None] | None = None,
+        extra: str = "",
+    ) -> None:
+        self.block_size = as_count(block_size, "block_size", minimum=1)
+        self.max_blocks = None if max_blocks is None else as_count(max_blocks, "max_blocks")
+        count = as_count(num_blocks, "num_blocks")
+        if self.max_blocks is not None and count > self.max_blocks:
+            raise InvalidInputError(f"num_blocks {count} exceeds max_blocks {self.max_blocks}")
+        self._grow = grow
+        #: The extra keys every block hash of this pool includes.
+        self.extra = extra
+        self._refs: list[int] = [0] * count
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(count))
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        self._tokens_of: dict[int, tuple[int, ...]] = {}
+        self._parent_of: dict[int, bytes] = {}
+        #: KV bytes appends wrote into the pool.
+        self.bytes_written = 0
+        #: KV bytes copied inside or into the pool (copy on write, foreign merges).
+        self.bytes_copied = 0
+
+    # -- reading -------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self._refs)
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    @property
+    def referenced_count(self) -> int:
+        return sum(1 for r in self._refs if r > 0)
+
+    @property
+    def cached_count(self) -> int:
+        """Hashed blocks (referenced or free)."""
+        return len(self._hash_of)
+
+    def ref(self, block: int) -> int:
+        return self._refs[block]
+
+    def hash_of(self, block: int) -> bytes | None:
+        return self._hash_of.get(block)
+
+    def tokens_of(self, block: int) -> tuple[int, ...] | None:
+        """The token ids that produced a hashed block's hash."""
+        return self._tokens_of.get(block)
+
+    def block_of(self, digest: bytes) -> int | None:
+        return self._block_of.get(digest)
+
+    def free_order(self) -> tuple[int, ...]:
+        """The free queue, next block taken first."""
+        return tuple(self._free)
+
+    def writable(self, block: int) -> bool:
+        """Whether one owner may write the block in place (held once, caches nothing)."""
+        return self._refs[block] == 1 and block not in self._hash_of
+
+    # -- allocation and release ----------------------------------------------------------
+    def ensure(self, count: int) -> None:
+        """Grow until ``count`` blocks are free (raises ``PoolExhaustedError``, nothing changed)."""
+        short = count - len(self._free)
+        if short <= 0:
+            return
+        target = growth_target(self.num_blocks, self.num_blocks + short, self.max_blocks)
+        if self._grow is not None:
+            self._grow(target)
+        fresh = range(self.num_blocks, target)
+        self._refs.extend(0 for _ in fresh)
+        for b in reversed(fresh):  # fresh blocks are taken before cached ones
+            self._free[b] = None
+            self._free.move_to_end(b, last=False)
+
+    def allocate(self, count: int) -> list[int]:
+        """Take ``count`` blocks from the head of the free queue (each now held once); a
+        taken block's hash is evicted."""
+        self.ensure(count)
+        taken: list[int] = []
+        for _ in range(count):
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
+            self._refs[block] = 1
+            taken.append(block)
+        return taken
+
+    def touch(self, blocks: Iterable[int]) -> None:
+        """One more table holds each of ``blocks`` (a prefix hit or a shared row)."""
+        for block in blocks:
+            if self._refs[block] == 0:
+                del self._free[block]
+            self._refs[block] += 1
+
+    def release(self, blocks: Iterable[int]) -> None:
+        """One table fewer holds each of ``blocks``, in the given order (callers release a
+        table tail first, so its tail is evicted first)."""
+        for block in blocks:
+            if self._refs[block] <= 0:
+                raise AssertionError(f"block {block} released more often than held")
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free[block] = None
+                if block not in self._hash_of:
+                    self._free.move_to_end(block, last=False)
+
+    # -- the prefix cache ----------------------------------------------------------------
+    def register(self, block: int, parent: bytes, tokens: Sequence[int]) -> bytes:
+        """Record that held, full ``block`` holds ``tokens`` after the block hashed
+        ``parent``; returns the block's hash. When another block already caches that hash,
+        this one stays private (no de-duplication: block ids under live tables never
+        change). A block already cached under another hash is refused."""
+        if self._refs[block] <= 0:
+            raise AssertionError(f"block {block} is registered while free")
+        if len(tokens) != self.block_size:
+            raise AssertionError(f"only full blocks are hashed, got {len(tokens)} tokens")
+        digest = block_hash(parent, tokens, self.extra)
+        known = self._hash_of.get(block)
+        if known is not None:
+            if known != digest:
+                raise InvalidInputError(
+                    f"block {block} is cached under other token ids than the ones given"
+                )
+            return digest
+        if digest in self._block_of:
+            return digest
+        self._hash_of[block] = digest
+        self._block_of[digest] = block
+        self._parent_of[block] = parent
+        self._tokens_of[block] = tuple(int(t) for t in tokens)
+        return digest
+
+    def lookup(self, digests: Sequence[bytes]) -> list[int]:
+        """The blocks caching the longest leading run of ``digests``."""
+        found: list[int] = []
+        for digest in digests:
+            block = self._block_of.get(digest)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def evict_cached(self, count: int) -> int:
+        """Drop the hashes of up to ``count`` free cached blocks, least recently used first;
+        returns how many were dropped."""
+        dropped = 0
+        for block in list(self._free):
+            if dropped == count:
+                break
+            if block in self._hash_of:
+                self._evict(block)
+                self._free.move_to_end(block, last=False)
+                dropped += 1
+        return dropped
+
+    def _evict(self, block: int) -> None:
+        digest = self._hash_of.pop(block, None)
+        if digest is not None:
+            del self._block_of[digest]
+            del self._tokens_of[block]
+            del self._parent_of[block]
+
+    # -- invariants ----------------------------------------------------------------------
+    def check_valid(self, tables: Iterable[Sequence[int]] | None = None) -> None:
+        """Assert the ledger's invariants; with ``tables`` (every live block table), also
+        that each block's count is the number of tables holding it."""
+        refs = self._refs
+        assert all(r >= 0 for r in refs), "negative reference count"
+        assert len(self._free) + self.referenced_count == self.num_blocks, "conservation"
+        assert all((refs[b] == 0) == (b in self._free) for b in range(len(refs))), (
+            "a block is free exactly when no table holds it"
+        )
+        assert all(0 <= b < len(refs) for b in self._free)
+        assert set(self._block_of.values()) == set(self._hash_of), "hash maps agree"
+        assert all(self._block_of[d] == b for b, d in self._hash_of.items()), "hash maps agree"
+        assert set(self._tokens_of) == set(self._hash_of)
+        assert all(len(t) == self.block_size for t in self._tokens_of.values()), "full blocks"
+        assert all(
+            block_hash(self._parent_of[b], t, self.extra) == self._hash_of[b]
+            for b, t in self._tokens_of.items()
+        ), "a cached block's hash is not the hash of the tokens that produced it"
+        if tables is not None:
+            counted = [0] * len(refs)
+            for table in tables:
+                for block in table:
+                    counted[block] += 1
+            assert counted == refs, "a reference count is not the number of tables holding it"

@@ -1,0 +1,260 @@
+"""The saved-state forms of the paged storages (``spec/persistence.md``, ``kvrows.forms``).
+
+A block table means nothing outside its pool, so a paged state holds what the table
+reads, compact and in logical order, plus what rebuilds the tables:
+
+* ``PagedKVCache``: ``keys, values, offset, block_size, codec`` (``keys`` / ``values``:
+  the codec's planes ``[B, H, offset, ·]``; ``codec``: ``(kind, a, b)``, see
+  :func:`codec_field`);
+* ``PagedKvRows``: ``keys, values, offset[B], left_padding[B], idx, block_size, codec``,
+  right-aligned as every layout form (row ``b`` in columns ``[left_padding[b], idx)``).
+
+Loading writes the positions into fresh blocks of a private pool (or of ``pool``): the
+round trip is bit-exact in the logical KV; block ids and the prefix cache are not saved
+(a loaded request publishes its prefix again if it wants it shared).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvrows.codec import codec_plane_specs
+from kvrows.compositions import composition
+from kvrows.errors import CorruptStateError
+from kvrows.forms import TURBO_STATE_DTYPE, state_form
+from kvrows.schemes import Affine, CodecSpec, Plain, Turbo
+from kvrows.validation import FLOAT_DTYPES, KvGeometry
+
+if TYPE_CHECKING:
+    from kvrows.paged_storage import BlockPoolBase
+
+__all__ = [
+    "PAGED_LAYOUT_FIELDS",
+    "PAGED_SERIAL_FIELDS",
+    "codec_field",
+    "codec_named",
+    "restore_state",
+    "state_of",
+]
+
+PAGED_SERIAL_FIELDS = state_form(composition("PagedKVCache")).fields
+PAGED_LAYOUT_FIELDS = state_form(composition("PagedKvRows")).fields
+
+
+#: The ``codec`` field: ``(kind, a, b)``, ``kind`` 0 plain (0, 0), 1 affine (bits,
+#: group_size), 2 TurboQuant (k_bits, v_bits): integers, so files carry it as scalars.
+def codec_field(spec: CodecSpec) -> tuple[int, int, int]:
+    """The saved ``codec`` field of ``spec``."""
+    if isinstance(spec, Affine):
+        return 1, spec.bits, spec.group_size
+    if isinstance(spec, Turbo):
+        return 2, spec.k_bits, spec.v_bits
+    return 0, 0, 0
+
+
+def codec_named(field: object) -> CodecSpec:
+    """The codec spec a saved ``codec`` field names (``CorruptStateError`` otherwise)."""
+    if hasattr(field, "tolist"):
+        field = field.tolist()
+    if not isinstance(field, Sequence) or isinstance(field, str | bytes) or len(field) != 3:
+        raise CorruptStateError(f"the state's codec field must be (kind, a, b), got {field!r}")
+    kind, a, b = (_int("codec", v) for v in field)
+    try:
+        if kind == 0 and a == b == 0:
+            return Plain()
+        if kind == 1:
+            return Affine(bits=a, group_size=b)
+        if kind == 2:
+            return Turbo(k_bits=a, v_bits=b)
+    except (ValueError, TypeError) as error:
+        raise CorruptStateError(f"the state names an unknown codec {field!r}: {error}") from None
+    raise CorruptStateError(f"the state names an unknown codec {field!r}")
+
+
+def _int(name: str, value: object) -> int:
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+        value = value.item()
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise CorruptStateError(f"state field {name} must be an integer, got {value!r}")
+    return operator.index(value)
+
+
+def _ints(name: str, value: object, count: int) -> list[int]:
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if not isinstance(value, Sequence) or len(value) != count:
+        raise CorruptStateError(f"state field {name} must hold {count} integers")
+    return [_int(f"{name}[{i}]", v) for i, v in enumerate(value)]
+
+
+def state_of(cache: Any) -> tuple[Any, ...]:
+    """``cache``'s state in its form (compact, owned arrays)."""
+    from kvrows.paged_storage import PagedKvRowsBase
+
+    pool = cache.pool
+    ops = cache.pool_class.ops
+    name = codec_field(cache.codec_spec)
+    if isinstance(cache, PagedKvRowsBase):
+        offsets = list(cache.row_offsets)
+        width = max(offsets, default=0)
+        keys: tuple[Any, ...] | None
+        values: tuple[Any, ...] | None
+        if pool is None or width == 0 or cache._geometry is None:
+            keys, values = None, None
+        else:
+            keys, values = pool.gather(cache._rows, cache.left_pad, width)
+        pads = [width - o for o in offsets]
+        return (keys, values, ops.offsets(offsets), ops.offsets(pads), width,
+                cache.block_size, name)  # fmt: skip
+    planes = cache.planes()
+    if planes is None:
+        return None, None, cache.offset, cache.block_size, name
+    return planes[0], planes[1], cache.offset, cache.block_size, name
+
+
+def _check_planes(
+    planes: object, spec: CodecSpec, role: str, shape: Any, rows: int, width: int
+) -> tuple[Any, ...]:
+    """``planes`` as a tuple of ``[rows, H, width, ·]`` arrays, as many as ``spec`` stores."""
+    if width == 0:
+        if planes is not None:
+            raise CorruptStateError(f"an empty state holds no {role} planes (None)")
+        return ()
+    if not isinstance(planes, tuple | list):
+        raise CorruptStateError(f"state field {role} must be a tuple of planes")
+    planes = tuple(planes)
+    expected = len(codec_plane_specs(spec, role, 128, "float32", _role(role)))  # any codec
+    if len(planes) != expected:
+        raise CorruptStateError(
+            f"{spec.name} stores {role} as {expected} planes, got {len(planes)}"
+        )
+    for plane in planes:
+        dims = shape(plane)
+        if len(dims) != 4 or dims[0] != rows or dims[2] != width:
+            raise CorruptStateError(
+                f"{role} planes must be [{rows}, H, {width}, ·], got {tuple(dims)}"
+            )
+    return planes
+
+
+def _role(name: str) -> Any:
+    return "keys" if name == "keys" else "values"
+
+
+def restore_state(
+    cls: Any, state: Any, geometry: KvGeometry | None, pool: BlockPoolBase | None = None
+) -> Any:
+    """A new ``cls`` holding ``state`` (in ``pool`` when given, else a private pool)."""
+    from kvrows.paged_storage import BlockTable, PagedKvRowsBase
+
+    layout = issubclass(cls, PagedKvRowsBase)
+    fields = PAGED_LAYOUT_FIELDS if layout else PAGED_SERIAL_FIELDS
+    if not isinstance(state, tuple | list) or len(state) != len(fields):
+        raise CorruptStateError(f"a {cls.__name__} state holds {', '.join(fields)}")
+    values = dict(zip(fields, state, strict=True))
+    spec = codec_named(values["codec"])
+    block_size = _int("block_size", values["block_size"])
+    if block_size < 1:
+        raise CorruptStateError(f"block_size must be positive, got {block_size}")
+    ops = cls.pool_class.ops
+    if layout:
+        listed = (
+            values["offset"].tolist() if hasattr(values["offset"], "tolist") else values["offset"]
+        )
+        rows = len(listed) if isinstance(listed, Sequence) else -1
+        offsets = _ints("offset", listed, rows)
+        pads = _ints("left_padding", values["left_padding"], rows)
+        width = _int("idx", values["idx"])
+        if any(o < 0 for o in offsets) or any(
+            p + o != width for p, o in zip(pads, offsets, strict=True)
+        ):
+            raise CorruptStateError("row offsets and left padding must end every row at idx")
+    else:
+        width = _int("offset", values["offset"])
+        if width < 0:
+            raise CorruptStateError(f"offset must be >= 0, got {width}")
+        held = values["keys"]
+        rows = ops.shape(held[0])[0] if isinstance(held, tuple | list) and held else 1
+        offsets, pads = [width] * rows, [0] * rows
+    keys = _check_planes(values["keys"], spec, "keys", ops.shape, rows, width)
+    vals = _check_planes(values["values"], spec, "values", ops.shape, rows, width)
+    learnt = geometry if width == 0 else _geometry_of(spec, keys, vals, ops, geometry)
+    if pool is not None and (pool.codec_spec != spec or pool.block_size != block_size):
+        raise CorruptStateError("the state's codec or block size is not the pool's")
+    cache = cls(pool=pool, codec=spec, block_size=block_size, geometry=learnt)
+    if width == 0:
+        if layout:
+            target = cache._pool or cache.pool_class(spec, block_size=block_size, geometry=learnt)
+            cache._pool = target
+            cache._watch()
+            cache._rows.extend(target.open_table() for _ in range(rows))
+        return cache
+    target = cache._ensure_pool(learnt)
+    tables: list[BlockTable] = []
+    for b, (offset, pad) in enumerate(zip(offsets, pads, strict=True)):
+        count = -(-offset // block_size)
+        table = target.open_table()
+        table.blocks.extend(target.ledger.allocate(count))
+        if offset:
+            row_k = tuple(ops.row_slice(p, b, pad, width) for p in keys)
+            row_v = tuple(ops.row_slice(p, b, pad, width) for p in vals)
+            target.append_into(table, row_k, row_v)
+        tables.append(table)
+    target.ledger.bytes_copied -= sum(offsets) * target.token_bytes  # a load writes, not copies
+    target.ledger.bytes_written += sum(offsets) * target.token_bytes
+    cache._geometry = learnt
+    if layout:
+        cache._watch()
+        cache._rows.extend(tables)
+    else:
+        cache._adopt(tables)
+    return cache
+
+
+def _geometry_of(
+    spec: CodecSpec, keys: tuple[Any, ...], values: tuple[Any, ...], ops: Any,
+    declared: KvGeometry | None,
+) -> KvGeometry:  # fmt: skip
+    """The KV geometry the planes imply (the declared one must agree)."""
+    heads, key_width, value_width = (
+        ops.shape(keys[0])[1],
+        ops.shape(keys[0])[3],
+        ops.shape(values[0])[3],
+    )
+    if isinstance(spec, Plain):
+        geometry = KvGeometry(heads, key_width, value_width, ops.dtype_name(keys[0]))
+    elif isinstance(spec, Affine):  # packed uint32 codes; the scales carry the dtype
+        per_word = 32 // spec.bits
+        geometry = KvGeometry(
+            heads, key_width * per_word, value_width * per_word, ops.dtype_name(keys[1])
+        )
+    elif declared is not None:
+        geometry = declared
+    else:  # TurboQuant planes do not say the activation dtype
+        geometry = KvGeometry(
+            heads, key_width * 8 // spec.k_bits, value_width * 8 // spec.v_bits,
+            TURBO_STATE_DTYPE,
+        )  # fmt: skip
+    if geometry.dtype not in FLOAT_DTYPES:
+        raise CorruptStateError(f"the state's dtype {geometry.dtype} is not a float dtype")
+    if declared is not None and declared != geometry:
+        raise CorruptStateError(f"the state holds {geometry.describe()}, not {declared.describe()}")
+    for role, planes, dim in (
+        ("keys", keys, geometry.key_dim),
+        ("values", values, geometry.value_dim),
+    ):
+        specs = codec_plane_specs(spec, role, dim, geometry.dtype, _role(role))
+        for plane, plane_spec in zip(planes, specs, strict=True):
+            dims = ops.shape(plane)
+            if dims[1] != geometry.heads or dims[3] != plane_spec.width:
+                raise CorruptStateError(
+                    f"{plane_spec.name} must be [·, {geometry.heads}, ·, {plane_spec.width}], "
+                    f"got {tuple(dims)}"
+                )
+            if ops.dtype_name(plane) != plane_spec.dtype:
+                raise CorruptStateError(
+                    f"{plane_spec.name} must be {plane_spec.dtype}, got {ops.dtype_name(plane)}"
+                )
+    return geometry
