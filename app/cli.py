@@ -55,6 +55,14 @@ def _parser() -> argparse.ArgumentParser:
         help="the delayed family's quantized_kv_start (repeatable; default 0, 64 and 512)",
     )
 
+    bench.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="the engine family's serving trace: also write its latency distributions as a "
+        "PNG (only if matplotlib is installed; the text histograms are always printed)",
+    )
+
     demo = commands.add_parser("demo", help="continuous batching on the embedded models")
     demo.add_argument("--model", default=None, help="a local mlx-lm checkpoint directory")
     demo.add_argument(
@@ -144,7 +152,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "bench":
         from kvrows.app.bench import run
 
-        return run(args.family, quick=args.quick, repeats=args.repeats, kv_starts=args.kv_start)
+        return run(
+            args.family,
+            quick=args.quick,
+            repeats=args.repeats,
+            kv_starts=args.kv_start,
+            plot=args.plot,
+        )
     if args.command == "demo" and args.speculative:
         from kvrows.app.demo import run_speculative_demo
 

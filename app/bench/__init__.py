@@ -54,15 +54,19 @@ def run(
     quick: bool = False,
     repeats: int | None = None,
     kv_starts: Sequence[int] | None = None,
+    plot: str | None = None,
 ) -> int:
     """Run family ``name``, or every family for ``"all"``; 0 unless a result was wrong.
-    ``kv_starts``: the delayed family's starts (``kvrows bench --kv-start N``)."""
+    ``kv_starts``: the delayed family's starts (``kvrows bench --kv-start N``); ``plot``:
+    the engine family's latency PNG (``kvrows bench --plot FILE``)."""
     from kvrows.app.bench.runner import run_family
 
     names = list(FAMILIES) if name == "all" else [name]
     status = 0
     for each in names:
-        options = {"starts": kv_starts} if each == "delayed" and kv_starts else {}
+        options: dict[str, Any] = {"starts": kv_starts} if each == "delayed" and kv_starts else {}
+        if each == "engine" and plot is not None:
+            options["plot"] = plot
         made = family(each, quick=quick, **options)
         status = max(status, run_family(made, quick=quick, repeats=repeats))
     return status
