@@ -578,13 +578,16 @@ class Engine:
             step += 1
             if self.progress and (finished != shown or step % 16 == 0):
                 shown = finished
-                _progress(finished, len(requests), step)
+                generated = sum(len(r.tokens) for r in results.values())
+                _progress(finished, len(requests), step, generated, time.perf_counter() - start)
         if pipeline is not None:
             finished += pipeline.read_settled(everything=True)
         sample()
         stats.seconds = time.perf_counter() - start
         stats.steps = step
         if self.progress:
+            generated = sum(len(r.tokens) for r in results.values())
+            _progress(finished, len(requests), step, generated, stats.seconds)
             sys.stderr.write("\n")
         out = [results[r.rid] for r in requests]
         stats.generated = sum(len(r.tokens) for r in out)
@@ -1062,10 +1065,13 @@ class _Drafter:
         self.stats.draft_forwards += 1
 
 
-def _progress(done: int, total: int, step: int) -> None:
+def _progress(done: int, total: int, step: int, generated: int, seconds: float) -> None:
+    """One line on stderr, rewritten in place: requests done, step, tokens and their rate."""
     width = 30
     filled = width * done // max(total, 1)
+    rate = generated / seconds if seconds > 0 else 0.0
     sys.stderr.write(
-        f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} requests, step {step}"
+        f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} requests, step {step}, "
+        f"{generated} tok, {rate:.1f} tok/s, {seconds:.1f} s "
     )
     sys.stderr.flush()

@@ -109,3 +109,13 @@ def test_batch_changes_while_a_step_is_in_flight(
     cold = Engine(model, max_batch=1, use_prefix_cache=False, pipelined=False)
     (expected,), _ = cold.run([follow])
     assert reused.tokens == expected.tokens
+
+
+def test_progress_line_counts_requests_and_tokens(
+    models: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    engine = Engine(models["llama"], max_batch=2, progress=True)
+    requests = [Request(f"p{i}", (1, 2, 3 + i), 3) for i in range(2)]
+    engine.run(requests)
+    last = [line for line in capsys.readouterr().err.split("\r") if line.strip()][-1]
+    assert "2/2 requests" in last and "6 tok," in last and "tok/s" in last
