@@ -56,6 +56,12 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     bench.add_argument(
+        "--contexts",
+        default=None,
+        metavar="LO-HI",
+        help="the engine family's serving trace: document lengths in tokens (default 2048-8192)",
+    )
+    bench.add_argument(
         "--plot",
         default=None,
         metavar="PNG",
@@ -158,6 +164,7 @@ def _run(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             kv_starts=args.kv_start,
             plot=args.plot,
+            contexts=args.contexts,
         )
     if args.command == "demo" and args.speculative:
         from kvrows.app.demo import run_speculative_demo

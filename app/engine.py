@@ -107,6 +107,9 @@ class RequestResult:
     tokens_per_second: float = 0.0
     finish_reason: str = ""
     error: str | None = None
+    #: Seconds from arrival (the step it became visible) to admission: the wait in the
+    #: queue, which ``time_to_first_token`` (from admission) does not count.
+    queue_seconds: float = 0.0
     #: The prompt chunks the model computed for this row, in order (after any prefix hit):
     #: a solo replay driven with the same cuts converts and rounds as the batch did.
     prefill_chunks: list[int] = field(default_factory=list)
@@ -618,7 +621,9 @@ class Engine:
         result.prefix_hit_tokens = fed
         if fed:
             caches = _as_legos(caches, make_kvrows_cache(self.model, self.scheme))
-        return _Row(request, result, caches, fed, mx.random.key(request.seed), time.perf_counter())
+        admitted = time.perf_counter()
+        result.queue_seconds = admitted - arrived_at
+        return _Row(request, result, caches, fed, mx.random.key(request.seed), admitted)
 
     def _join(
         self, layouts: list[BatchableCache], rows: list[_Row], *, prefill: bool

@@ -196,11 +196,12 @@ def serve_kvrows(
         prefix_hit_tokens=stats.prefix_hit_tokens,
     )
     for result in results:
-        metrics.ttft.append(result.time_to_first_token)
+        first = result.queue_seconds + result.time_to_first_token  # from arrival
+        metrics.ttft.append(first)
         after = len(result.tokens) - 1
         decode = after / result.tokens_per_second if result.tokens_per_second else 0.0
         metrics.tpot.append(decode / after if after else 0.0)
-        metrics.latency.append(result.time_to_first_token + decode)
+        metrics.latency.append(first + decode)
     return {r.rid: r.tokens for r in results}, metrics
 
 
