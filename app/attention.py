@@ -27,9 +27,11 @@ from contextlib import contextmanager, nullcontext
 from types import ModuleType
 from typing import Any
 
+from kvrows.app.ring_order import in_time_order
 from kvrows.delayed import DelayedRows, RowAttentionPending, row_reads
 from kvrows.errors import InvalidInputError
 from kvrows.lego import Bf16First
+from kvrows.optimized.ring import SharedRing
 from kvrows.schemes import Affine, Turbo
 
 __all__ = ["attention_scope", "dispatch", "hookable_modules", "needs_hook", "row_attention"]
@@ -83,6 +85,9 @@ def dispatch(
             )
         return codec.attend(queries, keys, values, mask, scale)  # type: ignore[union-attr]
     if not isinstance(keys, RowAttentionPending):
+        # A wrapped shared ring reads in its own phase's order: time order instead, so a row
+        # sums its window in one order alone and in a batch (kvrows.app.ring_order).
+        keys, values, mask = in_time_order(cache, keys, values, mask)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     def attend(q: Any, group: Any, k: Any, v: Any, group_mask: Any, s: float) -> Any:
@@ -149,10 +154,11 @@ def row_attention(model: Any) -> Iterator[None]:
 
 def needs_hook(caches: Sequence[Any]) -> bool:
     """Whether a forward over ``caches`` must run inside :func:`row_attention`: some layer is
-    a delayed layout (mixed rows), a lego that converts to TurboQuant, or reads deferred
-    values (``Codec.defers_values``)."""
+    a delayed layout (mixed rows), a shared ring (read in time order), a lego that converts
+    to TurboQuant, or reads deferred values (``Codec.defers_values``)."""
     return any(
-        isinstance(cache, DelayedRows)
+        isinstance(cache, DelayedRows | SharedRing)
+        or (isinstance(cache, Bf16First) and isinstance(cache.storage, SharedRing))
         or (isinstance(cache, Bf16First) and isinstance(cache.quantization, Turbo))
         or getattr(getattr(cache, "codec", None), "defers_values", False)
         for cache in caches

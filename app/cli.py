@@ -55,6 +55,20 @@ def _parser() -> argparse.ArgumentParser:
         help="the delayed family's quantized_kv_start (repeatable; default 0, 64 and 512)",
     )
 
+    bench.add_argument(
+        "--contexts",
+        default=None,
+        metavar="LO-HI",
+        help="the engine family's serving trace: document lengths in tokens (default 2048-8192)",
+    )
+    bench.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="the engine family's serving trace: also write its latency distributions as a "
+        "PNG (only if matplotlib is installed; the text histograms are always printed)",
+    )
+
     demo = commands.add_parser("demo", help="continuous batching on the embedded models")
     demo.add_argument(
         "--model",
@@ -160,7 +174,14 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "bench":
         from kvrows.app.bench import run
 
-        return run(args.family, quick=args.quick, repeats=args.repeats, kv_starts=args.kv_start)
+        return run(
+            args.family,
+            quick=args.quick,
+            repeats=args.repeats,
+            kv_starts=args.kv_start,
+            plot=args.plot,
+            contexts=args.contexts,
+        )
     if args.command == "demo" and args.mla:
         from kvrows.app.latent_demo import run_latent_demo
 

@@ -107,6 +107,9 @@ class RequestResult:
     tokens_per_second: float = 0.0
     finish_reason: str = ""
     error: str | None = None
+    #: Seconds from arrival (the step it became visible) to admission: the wait in the
+    #: queue, which ``time_to_first_token`` (from admission) does not count.
+    queue_seconds: float = 0.0
     #: The prompt chunks the model computed for this row, in order (after any prefix hit):
     #: a solo replay driven with the same cuts converts and rounds as the batch did.
     prefill_chunks: list[int] = field(default_factory=list)
@@ -277,6 +280,23 @@ class _Row:
     arrived_at: float
     first_at: float = 0.0
     next_input: int = 0
+    #: Tokens sampled for the row, read or still in flight (pipelined decode reads them one
+    #: step late): ``sampled - 1`` decode steps have fed its KV.
+    sampled: int = 0
+    #: Pipelined decode: a stop token was read for the row (it leaves at the next boundary;
+    #: tokens sampled for it after the stop are dropped).
+    stopped: bool = False
+
+
+@dataclass
+class _Flight:
+    """One pipelined decode step whose tokens are not read yet: the rows it served (its
+    batch order), their sampled tokens ``[B]`` and, with ``keep_logits``, the logits
+    ``[B, vocab]`` (float32), all on the device, evaluation started (``mx.async_eval``)."""
+
+    rows: list[_Row]
+    tokens: mx.array
+    logits: mx.array | None
 
 
 Sampler = Callable[[mx.array, _Row], int]
@@ -299,6 +319,7 @@ class Engine:
         progress: bool = False,
         draft_model: Any = None,
         draft_tokens: int = 3,
+        pipelined: bool = True,
     ) -> None:
         if max_batch < 1 or prefill_chunk < 1:
             raise InvalidInputError("max_batch and prefill_chunk must be >= 1")
@@ -337,6 +358,11 @@ class Engine:
         self.progress = progress
         self.draft_model = draft_model
         self.draft_tokens = draft_tokens
+        #: Decode steps overlap (``spec/engine.md`` §6.1): step t+1's graph is built while
+        #: step t evaluates and tokens are read one step late. ``False``: every step is
+        #: evaluated and read before the next (the synchronous oracle). Speculative rounds
+        #: (a draft model) read their verdict every round: they always run synchronously.
+        self.pipelined = bool(pipelined)
         self.admission = self._admission(model)
         self.draft_admission = None if draft_model is None else self._admission(draft_model)
         self._signatures = [_signatures_of(c) for c in make_kvrows_cache(model, self.scheme)]
@@ -416,6 +442,7 @@ class Engine:
         drafter = None
         if self.draft_model is not None:
             drafter = _Drafter(self, self.draft_model, stats)
+        pipeline = _Pipeline(self) if self.pipelined and drafter is None else None
 
         def kv_bytes() -> int:
             """KV bytes held now: layouts (the draft's too), serial caches in transit, the
@@ -425,12 +452,16 @@ class Engine:
             held += sum(c.nbytes for row in cohort + running for c in row.caches)
             return held + (self.prefix_cache.nbytes if self.prefix_cache is not None else 0)
 
-        def sample() -> None:
+        def sample(evaluate: bool = True) -> None:
             """At a step boundary: evaluate what the step left lazy (merges, filters), so
-            freed buffers go now, then take both counts."""
+            freed buffers go now, then take both counts. A pipelined boundary where the
+            batch did not change does not evaluate (that would wait for the step in flight)
+            and takes only the count: active memory there holds that step's working set."""
             draft = [] if drafter is None else drafter.layouts
-            mx.eval([x.held_arrays() for x in cohort_layouts + decode_layouts + draft])
             stats.peak_kv_bytes = max(stats.peak_kv_bytes, kv_bytes())
+            if not evaluate:
+                return
+            mx.eval([x.held_arrays() for x in cohort_layouts + decode_layouts + draft])
             stats.peak_active_kv_bytes = max(
                 stats.peak_active_kv_bytes, mx.get_active_memory() - baseline
             )
@@ -441,6 +472,7 @@ class Engine:
         step = 0
         finished = shown = 0
         arrived: dict[str, float] = {}
+        changed = False  # pipelined: the batch changed since the last evaluated boundary
         while waiting or cohort or running:
             now = time.perf_counter()
             for request in waiting:
@@ -485,6 +517,7 @@ class Engine:
                 cohort_layouts = self._join(cohort_layouts, admitted, prefill=True)
                 cohort.extend(admitted)
             # 2. one prefill chunk for the cohort
+            prefilled = bool(cohort)
             if cohort:
                 started = time.perf_counter()
                 done = self._prefill_chunk(cohort, cohort_layouts)
@@ -504,33 +537,60 @@ class Engine:
                             drafter.join(joining)
                         decode_layouts = self._join(decode_layouts, joining, prefill=False)
                         running.extend(joining)
-            sample()
+                        if pipeline is not None:
+                            pipeline.join(joining)
+                            changed = True
+            # A prefill chunk has waited for the device already: its boundary evaluates.
+            if pipeline is None or changed or prefilled:
+                sample()
+                changed = False
+            else:
+                sample(evaluate=False)
             # 3. one decode step for the running rows
-            if running:
+            if pipeline is not None:
+                # Built and started now, read at the next boundary; the previous step's
+                # tokens are read while this one evaluates.
+                if running:
+                    pipeline.launch(running, decode_layouts)
+                finished += pipeline.read_settled()
+                leaving = pipeline.leaving(running)
+                sample(evaluate=bool(leaving))
+            elif running:
                 if drafter is None:
                     leaving = self._decode_step(running, decode_layouts)
                 else:
                     leaving = self._speculative_step(running, decode_layouts, drafter)
                 sample()
-                if leaving:
-                    for row in leaving:
-                        index = running.index(row)
-                        self._retire(row, decode_layouts, index)
-                        finished += 1
-                    keep = [i for i, row in enumerate(running) if row not in leaving]
-                    for layout in decode_layouts:
-                        filter_layout_rows(layout, keep)
-                    if drafter is not None:
-                        drafter.filter(keep)
-                    running = [running[i] for i in keep]
+            else:
+                leaving = []
+            if leaving:
+                for row in leaving:
+                    index = running.index(row)
+                    self._retire(row, decode_layouts, index)
+                    if pipeline is None or row.result.finish_reason:
+                        finished += 1  # else it finishes when its last token is read
+                keep = [i for i, row in enumerate(running) if row not in leaving]
+                for layout in decode_layouts:
+                    filter_layout_rows(layout, keep)
+                if drafter is not None:
+                    drafter.filter(keep)
+                if pipeline is not None:
+                    pipeline.filter(keep)
+                    changed = True
+                running = [running[i] for i in keep]
             step += 1
             if self.progress and (finished != shown or step % 16 == 0):
                 shown = finished
-                _progress(finished, len(requests), step)
+                generated = sum(len(r.tokens) for r in results.values())
+                _progress(finished, len(requests), step, generated, time.perf_counter() - start)
+        if pipeline is not None:
+            finished += pipeline.read_settled(everything=True)
         sample()
         stats.seconds = time.perf_counter() - start
         stats.steps = step
         if self.progress:
+            generated = sum(len(r.tokens) for r in results.values())
+            _progress(finished, len(requests), step, generated, stats.seconds)
             sys.stderr.write("\n")
         out = [results[r.rid] for r in requests]
         stats.generated = sum(len(r.tokens) for r in out)
@@ -561,7 +621,9 @@ class Engine:
         result.prefix_hit_tokens = fed
         if fed:
             caches = _as_legos(caches, make_kvrows_cache(self.model, self.scheme))
-        return _Row(request, result, caches, fed, mx.random.key(request.seed), time.perf_counter())
+        admitted = time.perf_counter()
+        result.queue_seconds = admitted - arrived_at
+        return _Row(request, result, caches, fed, mx.random.key(request.seed), admitted)
 
     def _join(
         self, layouts: list[BatchableCache], rows: list[_Row], *, prefill: bool
@@ -690,6 +752,7 @@ class Engine:
                 row.result.logits.extend(kept[b, : len(tokens)])
             row.result.tokens.extend(tokens)
             row.next_input = tokens[-1]
+            row.sampled += len(tokens)
             emitted.append(tokens)
         self._count_forward(rows, sum(len(t) for t in emitted))
         leaving = [row for row in running if self._finished(row)]
@@ -715,6 +778,23 @@ class Engine:
         for token, row in zip(tokens, rows, strict=True):
             row.result.tokens.append(int(token))
             row.next_input = int(token)
+            row.sampled += 1
+
+    def _sample_on_device(self, rows: list[_Row], logits: mx.array) -> mx.array:
+        """``_sample``'s draws, left on the device: ``[rows]`` tokens, the same operations
+        (one argmax; a tempered row's own next subkey and categorical draw)."""
+        greedy = mx.argmax(logits, axis=-1)
+        if all(row.request.temperature <= 0 for row in rows):
+            return greedy
+        picks: list[mx.array] = []
+        for b, row in enumerate(rows):
+            if row.request.temperature > 0:
+                row.key, sub = mx.random.split(row.key)
+                drawn = mx.random.categorical(logits[b] / row.request.temperature, key=sub)
+                picks.append(drawn.astype(greedy.dtype))
+            else:
+                picks.append(greedy[b])
+        return mx.stack(picks)
 
     @staticmethod
     def _finished(row: _Row) -> bool:
@@ -728,7 +808,9 @@ class Engine:
         return False
 
     def _covered(self, row: _Row) -> tuple[int, ...]:
-        return row.request.prompt + tuple(row.result.tokens[:-1])
+        """The tokens the row's KV holds: its prompt and every generated token fed back (all
+        but the last sampled; a pipelined row that stopped was also fed its stop token)."""
+        return row.request.prompt + tuple(row.result.tokens[: row.sampled - 1])
 
     def _close_timing(self, row: _Row) -> None:
         """Decode rate: tokens after the first over the time since the first."""
@@ -744,7 +826,8 @@ class Engine:
         row.caches = []
 
     def _retire(self, row: _Row, layouts: list[BatchableCache], index: int) -> None:
-        self._close_timing(row)
+        if row.result.finish_reason:  # else its last token is in flight: timed when read
+            self._close_timing(row)
         if self.prefix_cache is None and self.prefix_store is None:
             return
         covered = self._covered(row)
@@ -764,6 +847,89 @@ class Engine:
             except (KvRowsError, OSError):
                 self._stats.store_errors += 1
             self._stats.store_write_seconds += time.perf_counter() - started
+
+
+class _Pipeline:
+    """Pipelined decode (``spec/engine.md`` §6.1): the running rows' next inputs stay on the
+    device (``pending``, ``[B]`` in the running batch's order), each step's graph is built
+    from them and started with ``mx.async_eval``, and its tokens are read one step later,
+    while the next step evaluates. Nothing on this path waits for the device but that read.
+
+    Batch changes happen between steps, on the host's view: rows that join bring their
+    first token (already read: their prefill was evaluated); rows that leave are known
+    before their last token is read (``max_tokens`` reached) or one step after their stop
+    token was read (they were fed it once more; what that step sampled for them is
+    dropped). ``filter`` takes ``pending`` to the kept rows, so no step ever runs a row that
+    has left. A flight keeps its own row list, so a read after a batch change still maps
+    each token to its row."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.pending: mx.array | None = None
+        self.flights: list[_Flight] = []
+
+    def join(self, rows: list[_Row]) -> None:
+        tokens = mx.array([row.next_input for row in rows], dtype=mx.uint32)
+        if self.pending is None or self.pending.size == 0:
+            self.pending = tokens
+        else:
+            self.pending = mx.concatenate([self.pending, tokens])
+
+    def filter(self, keep: list[int]) -> None:
+        assert self.pending is not None
+        self.pending = self.pending[mx.array(keep, dtype=mx.int32)] if keep else None
+
+    def launch(self, running: list[_Row], layouts: list[BatchableCache]) -> None:
+        """Build one decode step for ``running`` (its inputs: ``pending``) and start it."""
+        engine = self.engine
+        assert self.pending is not None and self.pending.size == len(running)
+        logits = engine._forward(engine.model, self.pending[:, None], layouts)[:, -1, :]
+        tokens = engine._sample_on_device(running, logits)
+        kept = logits.astype(mx.float32) if engine.keep_logits else None
+        started = (tokens,) if kept is None else (tokens, kept)
+        mx.async_eval(*started)  # type: ignore[no-untyped-call]
+        self.flights.append(_Flight(list(running), tokens, kept))
+        self.pending = tokens
+        for row in running:
+            row.sampled += 1
+        engine._count_forward(len(running), len(running))
+
+    def read_settled(self, *, everything: bool = False) -> int:
+        """Read every flight but the newest (``everything``: all of them); the rows they
+        finish (length, or a stop among those that left already) count as finished."""
+        finished = 0
+        while len(self.flights) > (0 if everything else 1):
+            flight = self.flights.pop(0)
+            tokens: list[int] = flight.tokens.tolist()  # type: ignore[assignment]
+            kept = None if flight.logits is None else np.array(flight.logits)
+            for b, (row, token) in enumerate(zip(flight.rows, tokens, strict=True)):
+                if row.stopped or row.result.finish_reason:
+                    continue  # sampled after its stop token: dropped
+                row.result.tokens.append(int(token))
+                if kept is not None:
+                    row.result.logits.append(kept[b])
+                row.next_input = int(token)
+                if self.engine._finished(row):
+                    reason: str = row.result.finish_reason
+                    if reason == "stop" and row.sampled > len(row.result.tokens):
+                        row.stopped = True  # still in the batch: it leaves next boundary
+                        row.result.finish_reason = ""
+                    else:
+                        self.engine._close_timing(row)
+                        finished += 1
+        return finished
+
+    def leaving(self, running: list[_Row]) -> list[_Row]:
+        """Rows that leave at this boundary: their last token is sampled (in flight or
+        read), or a stop token was read for them (their finish is recorded now)."""
+        out: list[_Row] = []
+        for row in running:
+            if row.stopped:
+                row.result.finish_reason = "stop"
+                out.append(row)
+            elif row.sampled >= row.request.max_tokens:
+                out.append(row)
+        return out
 
 
 def _merge_prepared(
@@ -907,10 +1073,13 @@ class _Drafter:
         self.stats.draft_forwards += 1
 
 
-def _progress(done: int, total: int, step: int) -> None:
+def _progress(done: int, total: int, step: int, generated: int, seconds: float) -> None:
+    """One line on stderr, rewritten in place: requests done, step, tokens and their rate."""
     width = 30
     filled = width * done // max(total, 1)
+    rate = generated / seconds if seconds > 0 else 0.0
     sys.stderr.write(
-        f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} requests, step {step}"
+        f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} requests, step {step}, "
+        f"{generated} tok, {rate:.1f} tok/s, {seconds:.1f} s "
     )
     sys.stderr.flush()

@@ -115,7 +115,7 @@ def test_ring_bench_prints_every_operation() -> None:
 
 def test_engine_bench_runs_both_and_compares_tokens() -> None:
     out = io.StringIO()
-    family = engine.family(max_batches=(2,), requests=3)
+    family = engine.family(max_batches=(2,), requests=3, serving=False)
     assert run_family(family, quick=True, repeats=1, out=out) == 0
     text = out.getvalue()
     (table,) = _tables(text)

@@ -54,15 +54,37 @@ def run(
     quick: bool = False,
     repeats: int | None = None,
     kv_starts: Sequence[int] | None = None,
+    plot: str | None = None,
+    contexts: str | None = None,
 ) -> int:
     """Run family ``name``, or every family for ``"all"``; 0 unless a result was wrong.
-    ``kv_starts``: the delayed family's starts (``kvrows bench --kv-start N``)."""
+    ``kv_starts``: the delayed family's starts (``kvrows bench --kv-start N``); ``plot``:
+    the engine family's latency PNG (``kvrows bench --plot FILE``); ``contexts``: its
+    serving trace's document lengths, ``"LO-HI"`` (``kvrows bench --contexts 1024-2048``)."""
     from kvrows.app.bench.runner import run_family
 
     names = list(FAMILIES) if name == "all" else [name]
     status = 0
     for each in names:
-        options = {"starts": kv_starts} if each == "delayed" and kv_starts else {}
+        options: dict[str, Any] = {"starts": kv_starts} if each == "delayed" and kv_starts else {}
+        if each == "engine" and plot is not None:
+            options["plot"] = plot
+        if each == "engine" and contexts is not None:
+            options["serving_contexts"] = _span(contexts)
         made = family(each, quick=quick, **options)
         status = max(status, run_family(made, quick=quick, repeats=repeats))
     return status
+
+
+def _span(text: str) -> tuple[int, int]:
+    """``"LO-HI"`` as two token counts, ``1 <= LO <= HI``."""
+    from kvrows.errors import InvalidInputError
+
+    low, _, high = text.partition("-")
+    try:
+        span = (int(low), int(high))
+    except ValueError:
+        span = (0, 0)
+    if not 1 <= span[0] <= span[1]:
+        raise InvalidInputError(f"--contexts takes LO-HI token counts (1024-2048), got {text!r}")
+    return span
