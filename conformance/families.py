@@ -506,8 +506,9 @@ FAMILIES: dict[str, Family] = {
             "replay and the eager-V oracle only",
         ),
         machine=_turbo_machine,
-        examples=0.08,
-        steps=1.0,
+        # An example runs every codec width's planes through verify rounds and the eager
+        # oracle (about 2 s on one core): 10 examples of 34 steps.
+        examples=0.07,
     ),
     # Delayed layouts (rows that convert to affine at their own boundary), full attention
     # and rings: their own machine (``conformance.delayed``) with solo legos.
@@ -519,9 +520,11 @@ FAMILIES: dict[str, Family] = {
         description="delayed layouts: rows convert to affine at their own start, mixed reads, "
         "prefill maintenance, rounds, solo legos",
         machine=_delayed_machine,
-        # Each example runs solo legos in both implementations for every row: 75 examples
-        # per layout keep the family near 25 s on one core.
-        examples=0.5,
+        # Each example runs solo legos in both implementations for every row: 60 examples
+        # of 39 steps per layout (conversions mid-batch need the longer runs) keep the
+        # family near 25 s on one core.
+        examples=0.4,
+        steps=1.15,
     ),
     # MLA latent state (issue 14): MLACache and EncodedLatentCache, each its own serial
     # storage and layout; their own machine (``conformance.latent``).
