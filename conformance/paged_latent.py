@@ -1,0 +1,67 @@
+"""The paged-latent family's machine: ``PagedLatentCache`` (``spec/PagedLatentCache.md``).
+
+The latent machine (``conformance.latent``: requests, prefill chunks, merges, decode
+steps, verify rounds with per-row rollback, filters, extracts, trims, bad inputs) over
+paged latent caches whose rows all live in **one block pool per implementation** (drawn
+block size 2, 3 or 4, so rows cross blocks and share partly filled tails), with:
+
+* **MLACache as the oracle**: every layout row's solo twin is a reference ``MLACache``
+  holding the row's tokens (merged rows, extracted rows, reads after rollbacks compared
+  bit-exact with it), besides the reference vs optimized and mlx-lm ``KVCache`` pair
+  oracles of the latent machine;
+* **the pool's invariants** after every rule (``spec/paged-pool.md`` §4: conservation,
+  free <=> count 0, counts = live tables, no empty tail block); with every row in one
+  pool, merges, filters, extracts and rollbacks only edit tables.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import hypothesis.strategies as st
+from hypothesis import note
+from hypothesis.stateful import initialize, invariant
+
+from kvrows.conformance.families import Impl
+from kvrows.conformance.latent import LatentMachine
+
+__all__ = ["PagedLatentMachine"]
+
+
+class PagedLatentMachine(LatentMachine):
+    """The latent machine on ``PagedLatentCache`` rows in one pool per implementation."""
+
+    @initialize(data=st.data())
+    def setup(self, data: st.DataObject) -> None:
+        super().setup(data)
+        size = data.draw(st.sampled_from((2, 3, 4)), label="block size")
+        self._pools = {
+            impl.name: impl.cls(self.spec.name).pool_class(  # type: ignore[attr-defined]
+                block_size=size, index_head_dim=self.c.index
+            )
+            for impl in (self.ref_impl, self.opt_impl)
+        }
+        note(f"block size {size}")
+
+    def _new(self, impl: Impl) -> Any:
+        cls: Any = impl.cls(self.spec.name)
+        c = self.c
+        return cls(c.rank, c.rope, c.index, c.max_tokens, pool=self._pools[impl.name])
+
+    def _solo_of(self, request: Any) -> Any:
+        """The row's oracle: a reference ``MLACache`` holding the request's tokens."""
+        c = self.c
+        solo = self.ref_impl.cls("MLACache")(c.rank, c.rope, c.index, c.max_tokens)  # type: ignore[call-arg]
+        if request.ref.width:
+            latent, rope, index = request.ref.current()
+            solo.append(latent, rope, index)
+            self.stats.check("MLACache oracle")
+        return solo
+
+    @invariant()
+    def pools_are_sound(self) -> None:
+        pools = getattr(self, "_pools", {})
+        for pool in pools.values():
+            pool.check_valid()
+        if pools:
+            self.stats.check("pool invariants")

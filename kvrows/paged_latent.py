@@ -1,0 +1,515 @@
+"""MLA latent planes in a paged block pool (``spec/PagedLatentCache.md``): the array-free part.
+
+``PagedLatentCache`` is ``MLACache``'s row semantics (``kvrows.latent.LatentRows``: every
+argument check, the row bookkeeping, the rounds, the saved-state form) over the paged
+pool's block tables (``kvrows.paged`` / ``kvrows.paged_storage``: the ledger, reference
+counts, copy on write, prefix hashing). Nothing here is a second pool: a
+:class:`LatentBlockPoolBase` is a ``BlockPoolBase`` whose first plane group holds the
+latent (``[num_blocks, 1, block_size, kv_lora_rank]``) and whose second holds the rope
+plane and, for a DSA target, the index plane. Rows are block tables: a merge of rows of
+the destination's pool shares their tables, filter releases, extract shares one table,
+a rollback trims each row's table (its emptied tail blocks go back); none moves a byte.
+Reads gather each row's blocks and right-justify the rows (the padding is virtual), so a
+read returns exactly what ``MLACache`` returns for the same tokens.
+
+Each implementation supplies the pool's ``PlaneOps`` (NumPy or MLX) and mixes
+:class:`PagedLatentRows` ahead of its latent array hooks (shapes, dtypes, ranks, ints).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Sequence
+from typing import Any, ClassVar, TypeVar
+
+from kvrows.errors import InvalidInputError, LayoutStateError
+from kvrows.latent import (
+    PAGED_LATENT_FIELDS,
+    LATENT_FIELDS,
+    LatentRows,
+    _scalar,
+    check_latent_codec,
+    latent_token_bytes,
+)
+from kvrows.paged import DEFAULT_BLOCK_SIZE, chain_hashes
+from kvrows.paged_storage import BlockPoolBase, BlockTable, Planes, _token_ids
+from kvrows.schemes import CodecSpec, Plain, Turbo
+from kvrows.validation import KvGeometry, as_count
+
+__all__ = ["LatentBlockPoolBase", "PagedLatentRows", "latent_pool_geometry"]
+
+_P = TypeVar("_P", bound="PagedLatentRows")
+
+
+def latent_pool_geometry(rank: int, rope: int, dtype: str) -> KvGeometry:
+    """A latent pool's geometry in the pool's terms: one head, the latent as the first
+    plane group's width, the rope as the second's (the index width is the pool's own)."""
+    return KvGeometry(1, rank, rope, dtype)
+
+
+class LatentBlockPoolBase(BlockPoolBase):
+    """One MLA layer's blocks: the latent (through the pool's codec: plain here) in the
+    first plane group, rope (+ DSA index, ``index_head_dim``) exact in the second."""
+
+    #: The implementation's ``PagedLatentCache`` (what ``lookup_prefix`` returns).
+    latent_cache_class: ClassVar[type[Any]]
+
+    def __init__(
+        self,
+        codec: CodecSpec | None = None,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        num_blocks: int = 0,
+        max_bytes: int | None = None,
+        index_head_dim: int | None = None,
+        geometry: KvGeometry | None = None,
+    ) -> None:
+        self.index_head_dim = (
+            None if index_head_dim is None else as_count(index_head_dim, "index_head_dim", minimum=1)
+        )
+        spec = Plain() if codec is None else codec
+        if not isinstance(spec, Plain):
+            raise InvalidInputError(f"a latent block pool stores the plain latent, got {spec!r}")
+        super().__init__(
+            spec, block_size=block_size, num_blocks=num_blocks, max_bytes=max_bytes,
+            geometry=geometry,
+        )  # fmt: skip
+        self.ledger.extra = f"mla|{self.codec.key}|{self.block_size}|{self.index_head_dim}"
+
+    @property
+    def _latent_role(self) -> Any:
+        return "values" if isinstance(self.codec_spec, Turbo) else "keys"
+
+    def _check_geometry(self, geometry: KvGeometry) -> None:
+        if geometry.heads != 1:
+            raise InvalidInputError(f"a latent pool has one head, got {geometry.describe()}")
+        check_latent_codec(self.codec_spec, geometry.key_dim)  # type: ignore[arg-type]
+
+    @property
+    def token_bytes(self) -> int:
+        g = self._geometry
+        if g is None:
+            raise LayoutStateError("the pool's latent widths are unknown until its first write")
+        return latent_token_bytes(
+            self.codec_spec,  # type: ignore[arg-type]
+            g.key_dim, g.value_dim, self.index_head_dim, g.dtype,
+        )  # fmt: skip
+
+    def _zeros(self, count: int) -> tuple[Planes, Planes]:
+        g = self._geometry
+        assert g is not None
+        bs, plain = self.block_size, self.ops.make_codec(Plain())
+        latent = tuple(self.codec.zeros(count, 1, bs, g.key_dim, g.dtype, self._latent_role))
+        exact = tuple(plain.zeros(count, 1, bs, g.value_dim, g.dtype, "values"))
+        if self.index_head_dim is not None:
+            exact += tuple(plain.zeros(count, 1, bs, self.index_head_dim, g.dtype, "values"))
+        return latent, exact
+
+    def blocks_needed(self, tables: Sequence[BlockTable], rows: int, n: int) -> int:
+        """Blocks an append of ``n`` tokens to ``tables`` (or to ``rows`` new tables) takes,
+        copies on write included."""
+        if not tables:
+            return rows * math.ceil(n / self.block_size)
+        total = 0
+        for table in tables:
+            fill = table.offset % self.block_size
+            cow = fill > 0 and not self.ledger.writable(table.blocks[-1])
+            total += int(cow) + self._blocks_for(table.offset + n) - len(table.blocks)
+        return total
+
+    def lookup_prefix(self, token_ids: Sequence[int]) -> Any:
+        """A new one-row ``PagedLatentCache`` holding the longest run of cached full blocks
+        that starts ``token_ids`` (at most ``len - 1`` positions: the last token is always
+        computed), shared, not copied; ``None`` on a miss."""
+        tokens = _token_ids(token_ids)
+        most = max(len(tokens) - 1, 0) // self.block_size
+        hits = self.ledger.lookup(chain_hashes(tokens, self.block_size, self.ledger.extra, most))
+        if not hits:
+            return None
+        cache: Any = self.latent_cache_class(index_head_dim=self.index_head_dim, pool=self)
+        cache._adopt_rows([self.open_table(hits, len(hits) * self.block_size)])
+        return cache
+
+
+def _release_tables(pool_ref: weakref.ref[BlockPoolBase], tables: list[BlockTable]) -> None:
+    pool = pool_ref()
+    if pool is not None:
+        pool.close_tables(tables)
+
+
+class PagedLatentRows(LatentRows):
+    """``MLACache``'s rows over block tables into a latent block pool (the storage hooks
+    of ``LatentRows``). The implementation mixes this ahead of its latent array hooks."""
+
+    pool_class: ClassVar[type[LatentBlockPoolBase]]
+
+    def __init__(
+        self,
+        kv_lora_rank: object = None,
+        rope_head_dim: object = None,
+        index_head_dim: object = None,
+        max_tokens: object = None,
+        role: object = "target",
+        *,
+        pool: LatentBlockPoolBase | None = None,
+        block_size: object = None,
+    ) -> None:
+        name = type(self).__name__
+        if pool is not None and not isinstance(pool, self.pool_class):
+            raise InvalidInputError(f"{name}: pool must be a {self.pool_class.__name__}")
+        size = None if block_size is None else as_count(block_size, "block_size", minimum=1)
+        if pool is not None:
+            if size is not None and size != pool.block_size:
+                raise InvalidInputError(
+                    f"{name}: the pool's blocks hold {pool.block_size} tokens, not {size}"
+                )
+            size = pool.block_size
+        self._block_size = size or DEFAULT_BLOCK_SIZE
+        self._pool = pool
+        self._rows: list[BlockTable] = []  # mutated in place: the finalizer holds it
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+        super().__init__(kv_lora_rank, rope_head_dim, index_head_dim, max_tokens, role)
+        if pool is not None:
+            if pool.index_head_dim != self.options.index_head_dim:
+                raise InvalidInputError(
+                    f"{name}: the pool holds index planes of width {pool.index_head_dim}, "
+                    f"declared {self.options.index_head_dim}"
+                )
+            self._adopt_pool_geometry()
+
+    # -- the pool --------------------------------------------------------------------------
+    @property
+    def pool(self) -> LatentBlockPoolBase | None:
+        """The pool this cache's tables point into (``None`` before a cache built without
+        one first writes)."""
+        return self._pool
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    def block_tables(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(t.blocks) for t in self._rows)
+
+    def _adopt_pool_geometry(self) -> None:
+        g = None if self._pool is None else self._pool.geometry
+        if g is None:
+            return
+        declared = (self.options.kv_lora_rank, self.options.rope_head_dim)
+        if any(d is not None and d != h for d, h in zip(declared, (g.key_dim, g.value_dim))):
+            raise InvalidInputError(
+                f"{type(self).__name__}: the pool holds latent {g.key_dim} and rope "
+                f"{g.value_dim}, declared {declared}"
+            )
+        self._widths, self._dtype = (g.key_dim, g.value_dim), g.dtype
+
+    def _watch(self) -> None:
+        assert self._pool is not None
+        if self._finalizer is None:
+            self._finalizer = weakref.finalize(
+                self, _release_tables, weakref.ref(self._pool), self._rows
+            )
+
+    def _adopt_rows(self, tables: Sequence[BlockTable]) -> None:
+        """Hold ``tables`` (live tables of the pool, one row each, prefix hits)."""
+        assert self._pool is not None
+        self._watch()
+        self._rows.extend(tables)
+        self._offsets = [t.offset for t in tables]
+        self._converted = [False] * len(tables)
+        self._adopt_pool_geometry()
+
+    def _new_empty(self: _P) -> _P:
+        o = self.options
+        return type(self)(
+            o.kv_lora_rank, o.rope_head_dim, o.index_head_dim, o.max_tokens, o.role,
+            pool=self._pool, block_size=self._block_size,
+        )  # fmt: skip
+
+    def _merge_key(self) -> tuple[object, ...]:
+        return (*super()._merge_key(), self._block_size)
+
+    def signature(self) -> str:
+        return f"kv:mla-paged:{self.options.signature_role}"
+
+    def release(self) -> None:
+        """Give every block back to the pool now (the cache then holds no row)."""
+        self._spec_guard("release")
+        if self._pool is not None:
+            self._pool.close_tables(list(self._rows))
+        self._rows.clear()
+        self._offsets, self._converted, self._last = [], [], None
+
+    def register_prefix(self, row: int, token_ids: Sequence[int]) -> int:
+        """Cache row ``row``'s full blocks that ``token_ids`` covers (refused in a round:
+        its newest positions are unverified drafts); returns how many are cached."""
+        from kvrows.validation import check_row
+
+        self._spec_guard("register_prefix")
+        table = self._rows[check_row(row, self.batch_size)]
+        if self._pool is None:
+            raise LayoutStateError("an empty row has no block to register")
+        return self._pool.register_prefix(table, token_ids)
+
+    # -- appends ---------------------------------------------------------------------------
+    def _checked_blocks(
+        self, latent: Any, rope: Any, index: Any | None, *, staged: bool = False
+    ) -> tuple[Any, Any, Any | None, bool, str, int, int]:
+        checked = super()._checked_blocks(latent, rope, index, staged=staged)
+        _, _, _, _, dtype, rows, n = checked
+        pool = self._pool
+        if pool is not None and pool.geometry is not None:
+            g = pool.geometry
+            rank, rope_width = self._widths or (g.key_dim, g.value_dim)
+            if (rank, rope_width, dtype) != (g.key_dim, g.value_dim, g.dtype):
+                raise InvalidInputError(
+                    f"{type(self).__name__}: the pool holds {g.dtype} latent {g.key_dim} and "
+                    f"rope {g.value_dim}, got {dtype} {rank} and {rope_width}"
+                )
+            if not staged:  # take every block the append needs now (nothing changes)
+                pool.ledger.ensure(pool.blocks_needed(self._rows, rows, n))
+        return checked
+
+    def _ensure_pool(self) -> LatentBlockPoolBase:
+        assert self._widths is not None and self._dtype is not None
+        geometry = latent_pool_geometry(*self._widths, self._dtype)
+        if self._pool is None:
+            self._pool = self.pool_class(
+                block_size=self._block_size,
+                index_head_dim=self.options.index_head_dim,
+                geometry=geometry,
+            )
+        else:
+            self._pool.learn(geometry)
+        self._pool.adopt_empty(self._rows)
+        self._watch()
+        return self._pool
+
+    def _impl_init(self) -> None:
+        pass  # the tables live from construction (the finalizer holds the list)
+
+    def _impl_append(self, latent: Any, rope: Any, index: Any | None, exact: bool) -> None:
+        pool = self._ensure_pool()
+        if not self._rows:
+            self._rows.extend(pool.open_table() for _ in range(int(latent.shape[0])))
+        exacts = (rope,) if index is None else (rope, index)
+        pool.append(self._rows, tuple(pool.codec.encode(latent, pool._latent_role)), exacts)
+
+    def _gathered(self, tables: Sequence[BlockTable], pads: Sequence[int], width: int) -> Any:
+        assert self._pool is not None
+        latent, exacts = self._pool.gather(tables, pads, width)
+        return latent, exacts[0], exacts[1] if len(exacts) > 1 else None
+
+    def _impl_read(self, reads_exact: Sequence[bool]) -> tuple[Any, Any, Any | None]:
+        latent, rope, index = self._gathered(self._rows, self.left_pad, self.width)
+        return latent[0], rope, index
+
+    # -- row operations: block tables only -------------------------------------------------
+    def _impl_merge(self, sources: Sequence[Any]) -> None:
+        pool = self._pool or next((s._pool for s in sources if s._pool is not None), None)
+        if pool is None:  # only caches that never wrote: rows of no position, no pool yet
+            self._rows.extend(BlockTable() for s in sources for _ in (s._rows or [None]))
+            return
+        for source in sources:  # a pool of other widths refuses before anything changes
+            if source._pool is not None and source._pool.geometry is not None:
+                pool.learn(source._pool.geometry)
+        foreign = [
+            (s._pool, t) for s in sources for t in s._rows
+            if s._pool is not None and s._pool is not pool and t.offset
+        ]  # fmt: skip
+        copies = iter(pool.copy_in(foreign))  # every block at once: exhaustion changes nothing
+        joined: list[BlockTable] = []
+        for source in sources:
+            for table in source._rows or [None]:
+                if table is None or (source._pool is not pool and table.offset == 0):
+                    joined.append(pool.open_table())
+                elif source._pool is pool:
+                    joined.append(pool.share(table))
+                else:
+                    joined.append(next(copies))
+        pool.adopt_empty(self._rows)
+        self._pool = pool
+        self._watch()
+        self._rows.extend(joined)
+
+    def _impl_filter(self, keep: Sequence[int]) -> None:
+        kept = [self._rows[r] for r in keep]
+        dropped = [t for i, t in enumerate(self._rows) if i not in set(keep)]
+        if self._pool is not None:
+            self._pool.close_tables(dropped)
+        self._rows[:] = kept
+
+    def _impl_take_row(self, source: Any, row: int) -> None:
+        pool = source._pool
+        assert pool is not None
+        self._pool = pool
+        self._watch()
+        self._rows.append(pool.share(source._rows[row]))
+
+    def _impl_forget(self, counts: Sequence[int]) -> None:
+        if self._pool is None:
+            return
+        for table, count in zip(self._rows, counts, strict=True):
+            if count:
+                self._pool.trim(table, count)
+
+    def _impl_drop_exact(self) -> None:
+        pass  # the plain latent keeps no exact copy
+
+    def _impl_nbytes(self) -> int:
+        pool = self._pool
+        if pool is None or pool.geometry is None:
+            return 0
+        return sum(len(t.blocks) for t in self._rows) * pool.bytes_per_block
+
+    def _impl_held(self) -> tuple[Any, ...]:
+        return () if self._pool is None else self._pool.held_arrays()
+
+    def projected_bytes(self, tokens: int) -> int:
+        """Bytes one row of ``tokens`` positions takes: whole blocks (capped at
+        ``max_tokens``)."""
+        count = as_count(tokens, "tokens")
+        count = int(min(count, self.max_tokens))
+        return math.ceil(count / self._block_size) * self._block_size * self.bytes_per_token()
+
+    def check_valid(self) -> None:
+        super().check_valid()
+        assert len(self._rows) == len(self._offsets), "one block table per row"
+        for table, offset in zip(self._rows, self._offsets, strict=True):
+            assert table.offset == offset, "a table holds its row's positions"
+            assert len(table.blocks) == math.ceil(offset / self._block_size), "no empty tail"
+            assert self._pool is None or not offset or id(table) in self._pool._tables
+
+    # -- reads of the stored planes --------------------------------------------------------
+    def row_planes(self) -> list[tuple[tuple[Any, ...], Any, Any, None]]:
+        """Each row's stored planes in logical order (latent planes, rope, index, ``None``:
+        no exact copy); ``((), None, None, None)`` for a row with no position."""
+        out: list[tuple[tuple[Any, ...], Any, Any, None]] = []
+        for table in self._rows:
+            if not table.offset:
+                out.append(((), None, None, None))
+                continue
+            latent, rope, index = self._gathered([table], [0], table.offset)
+            out.append((tuple(latent), rope, index, None))
+        return out
+
+    def batch_planes(self) -> tuple[tuple[Any, ...], Any, Any, None]:
+        """The rows' stored planes right-justified (``[B, 1, width, ·]``), as a read."""
+        if not self.width:
+            return (), None, None, None
+        latent, rope, index = self._gathered(self._rows, self.left_pad, self.width)
+        return tuple(latent), rope, index, None
+
+    # -- saved state (``kvrows.latent.PAGED_LATENT_FIELDS``) --------------------------------
+    @property
+    def state(self) -> tuple[Any, ...]:
+        """``LATENT_FIELDS`` (the logical planes, right-justified, compact) and the block
+        size; block ids and hashes are not saved."""
+        return (*LatentRows.state.fget(self), self._block_size)  # type: ignore[attr-defined]
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._spec_guard("restoring state")
+        restored = type(self).from_state(value)
+        if restored.signature() != self.signature():
+            raise InvalidInputError(
+                f"{type(self).__name__}: the state is a {restored.signature()} cache, this is "
+                f"{self.signature()}"
+            )
+        self.release()
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        if restored._finalizer is not None:
+            restored._finalizer.detach()  # this cache takes over the restored tables
+        vars(self).update(vars(restored))
+        self._finalizer = None
+        if self._pool is not None:
+            self._watch()
+
+    @classmethod
+    def from_state(
+        cls: type[_P], state: Any, meta_state: Any = None, *, keep: Any = None,
+        geometry: Any = None,
+    ) -> _P:  # fmt: skip
+        """A cache holding ``state`` in a private pool (``InvalidInputError`` when it is
+        inconsistent)."""
+        name = cls.__name__
+        if isinstance(state, str | bytes) or not isinstance(state, Sequence):
+            raise InvalidInputError(f"{name}.from_state takes the state tuple")
+        if len(state) != len(PAGED_LATENT_FIELDS):
+            raise InvalidInputError(
+                f"{name}: a paged latent state has {len(PAGED_LATENT_FIELDS)} fields, got "
+                f"{len(state)}"
+            )
+        size = _scalar(state[-1], "block_size")
+        if size < 1:
+            raise InvalidInputError(f"{name}: block_size must be >= 1, got {size}")
+        fields = dict(zip(LATENT_FIELDS, state[:-1], strict=True))
+        role = {0: "target", 1: "mtp"}.get(_scalar(fields["role"], "role"))
+        if role is None:
+            raise InvalidInputError(f"{name}: role must be 0 (target) or 1 (mtp)")
+
+        def optional(key: str) -> int | None:
+            value = fields[key]
+            return None if value is None else _scalar(value, key)
+
+        if any(optional(k) is not None for k in ("bits", "group_size", "k_bits", "v_bits")):
+            raise InvalidInputError(f"{name} stores the plain latent; the state names a codec")
+        if _scalar(fields["start"], "start") != 0:
+            raise InvalidInputError(f"{name}: a plain latent's start is 0")
+        cache = cls(
+            optional("kv_lora_rank"), optional("rope_head_dim"), optional("index_head_dim"),
+            optional("max_tokens"), role, block_size=size,
+        )  # fmt: skip
+        cache._restore_fields(fields)
+        return cache
+
+    def _impl_state_planes(self) -> tuple[Any, Any, Any, Any]:
+        if not self.width:
+            return None, None, None, None
+        return self.batch_planes()
+
+    def _native_shape(self, array: Any, what: str) -> tuple[int, ...]:
+        shape = self.pool_class.ops.shape(array)
+        if len(shape) != 4:
+            raise InvalidInputError(
+                f"{type(self).__name__}: plane {what} must be a 4-D array of this "
+                f"implementation, got {type(array).__name__}"
+            )
+        return shape
+
+    def _impl_restore(
+        self, planes: tuple[Any, ...], rope: Any, index: Any, exact: Any, rows: int, width: int
+    ) -> str:
+        ops = self.pool_class.ops
+        if len(planes) != 1:
+            raise InvalidInputError(
+                f"{type(self).__name__}: the plain latent is one plane, got {len(planes)}"
+            )
+        named = [("latent", planes[0]), ("rope", rope)]
+        if index is not None:
+            named.append(("index", index))
+        if exact is not None:
+            named.append(("exact", exact))
+        shapes = [(n, self._native_shape(a, n), ops.dtype_name(a)) for n, a in named]
+        dtype = self._check_restored(shapes, rows, width)
+        self._dtype = dtype
+        pool = self._ensure_pool()
+        exacts = [rope] if index is None else [rope, index]
+        written = 0
+        for b, offset in enumerate(self._offsets):
+            table = pool.open_table()
+            self._rows.append(table)
+            table.blocks.extend(pool.ledger.allocate(math.ceil(offset / self._block_size)))
+            if offset:
+                pad = width - offset
+                pool.append_into(
+                    table,
+                    (ops.row_slice(planes[0], b, pad, width),),
+                    tuple(ops.row_slice(p, b, pad, width) for p in exacts),
+                )
+                written += offset * pool.token_bytes
+        pool.ledger.bytes_copied -= written  # a load writes, it does not copy
+        pool.ledger.bytes_written += written
+        return dtype
