@@ -51,7 +51,8 @@ class PagedLatentMachine(LatentMachine):
     def _solo_of(self, request: Any) -> Any:
         """The row's oracle: a reference ``MLACache`` holding the request's tokens."""
         c = self.c
-        solo = self.ref_impl.cls("MLACache")(c.rank, c.rope, c.index, c.max_tokens)  # type: ignore[call-arg]
+        mla: Any = self.ref_impl.cls("MLACache")
+        solo = mla(c.rank, c.rope, c.index, c.max_tokens)
         if request.ref.width:
             latent, rope, index = request.ref.current()
             solo.append(latent, rope, index)

@@ -25,8 +25,8 @@ from typing import Any, ClassVar, TypeVar
 
 from kvrows.errors import InvalidInputError, LayoutStateError
 from kvrows.latent import (
-    PAGED_LATENT_FIELDS,
     LATENT_FIELDS,
+    PAGED_LATENT_FIELDS,
     LatentRows,
     _scalar,
     check_latent_codec,
@@ -66,7 +66,9 @@ class LatentBlockPoolBase(BlockPoolBase):
         geometry: KvGeometry | None = None,
     ) -> None:
         self.index_head_dim = (
-            None if index_head_dim is None else as_count(index_head_dim, "index_head_dim", minimum=1)
+            None
+            if index_head_dim is None
+            else as_count(index_head_dim, "index_head_dim", minimum=1)
         )
         spec = Plain() if codec is None else codec
         if not isinstance(spec, Plain):
@@ -84,7 +86,7 @@ class LatentBlockPoolBase(BlockPoolBase):
     def _check_geometry(self, geometry: KvGeometry) -> None:
         if geometry.heads != 1:
             raise InvalidInputError(f"a latent pool has one head, got {geometry.describe()}")
-        check_latent_codec(self.codec_spec, geometry.key_dim)  # type: ignore[arg-type]
+        check_latent_codec(self.codec_spec, geometry.key_dim)
 
     @property
     def token_bytes(self) -> int:
@@ -92,7 +94,7 @@ class LatentBlockPoolBase(BlockPoolBase):
         if g is None:
             raise LayoutStateError("the pool's latent widths are unknown until its first write")
         return latent_token_bytes(
-            self.codec_spec,  # type: ignore[arg-type]
+            self.codec_spec,
             g.key_dim, g.value_dim, self.index_head_dim, g.dtype,
         )  # fmt: skip
 
@@ -167,7 +169,7 @@ class PagedLatentRows(LatentRows):
             size = pool.block_size
         self._block_size = size or DEFAULT_BLOCK_SIZE
         self._pool = pool
-        self._rows: list[BlockTable] = []  # mutated in place: the finalizer holds it
+        self._tables: list[BlockTable] = []  # mutated in place: the finalizer holds it
         self._finalizer: weakref.finalize[Any, Any] | None = None
         super().__init__(kv_lora_rank, rope_head_dim, index_head_dim, max_tokens, role)
         if pool is not None:
@@ -190,14 +192,17 @@ class PagedLatentRows(LatentRows):
         return self._block_size
 
     def block_tables(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(tuple(t.blocks) for t in self._rows)
+        return tuple(tuple(t.blocks) for t in self._tables)
 
     def _adopt_pool_geometry(self) -> None:
         g = None if self._pool is None else self._pool.geometry
         if g is None:
             return
         declared = (self.options.kv_lora_rank, self.options.rope_head_dim)
-        if any(d is not None and d != h for d, h in zip(declared, (g.key_dim, g.value_dim))):
+        if any(
+            d is not None and d != h
+            for d, h in zip(declared, (g.key_dim, g.value_dim), strict=True)
+        ):
             raise InvalidInputError(
                 f"{type(self).__name__}: the pool holds latent {g.key_dim} and rope "
                 f"{g.value_dim}, declared {declared}"
@@ -208,14 +213,14 @@ class PagedLatentRows(LatentRows):
         assert self._pool is not None
         if self._finalizer is None:
             self._finalizer = weakref.finalize(
-                self, _release_tables, weakref.ref(self._pool), self._rows
+                self, _release_tables, weakref.ref(self._pool), self._tables
             )
 
     def _adopt_rows(self, tables: Sequence[BlockTable]) -> None:
         """Hold ``tables`` (live tables of the pool, one row each, prefix hits)."""
         assert self._pool is not None
         self._watch()
-        self._rows.extend(tables)
+        self._tables.extend(tables)
         self._offsets = [t.offset for t in tables]
         self._converted = [False] * len(tables)
         self._adopt_pool_geometry()
@@ -237,8 +242,8 @@ class PagedLatentRows(LatentRows):
         """Give every block back to the pool now (the cache then holds no row)."""
         self._spec_guard("release")
         if self._pool is not None:
-            self._pool.close_tables(list(self._rows))
-        self._rows.clear()
+            self._pool.close_tables(list(self._tables))
+        self._tables.clear()
         self._offsets, self._converted, self._last = [], [], None
 
     def register_prefix(self, row: int, token_ids: Sequence[int]) -> int:
@@ -247,7 +252,7 @@ class PagedLatentRows(LatentRows):
         from kvrows.validation import check_row
 
         self._spec_guard("register_prefix")
-        table = self._rows[check_row(row, self.batch_size)]
+        table = self._tables[check_row(row, self.batch_size)]
         if self._pool is None:
             raise LayoutStateError("an empty row has no block to register")
         return self._pool.register_prefix(table, token_ids)
@@ -268,7 +273,7 @@ class PagedLatentRows(LatentRows):
                     f"rope {g.value_dim}, got {dtype} {rank} and {rope_width}"
                 )
             if not staged:  # take every block the append needs now (nothing changes)
-                pool.ledger.ensure(pool.blocks_needed(self._rows, rows, n))
+                pool.ledger.ensure(pool.blocks_needed(self._tables, rows, n))
         return checked
 
     def _ensure_pool(self) -> LatentBlockPoolBase:
@@ -282,7 +287,7 @@ class PagedLatentRows(LatentRows):
             )
         else:
             self._pool.learn(geometry)
-        self._pool.adopt_empty(self._rows)
+        self._pool.adopt_empty(self._tables)
         self._watch()
         return self._pool
 
@@ -291,10 +296,10 @@ class PagedLatentRows(LatentRows):
 
     def _impl_append(self, latent: Any, rope: Any, index: Any | None, exact: bool) -> None:
         pool = self._ensure_pool()
-        if not self._rows:
-            self._rows.extend(pool.open_table() for _ in range(int(latent.shape[0])))
+        if not self._tables:
+            self._tables.extend(pool.open_table() for _ in range(int(latent.shape[0])))
         exacts = (rope,) if index is None else (rope, index)
-        pool.append(self._rows, tuple(pool.codec.encode(latent, pool._latent_role)), exacts)
+        pool.append(self._tables, tuple(pool.codec.encode(latent, pool._latent_role)), exacts)
 
     def _gathered(self, tables: Sequence[BlockTable], pads: Sequence[int], width: int) -> Any:
         assert self._pool is not None
@@ -302,55 +307,55 @@ class PagedLatentRows(LatentRows):
         return latent, exacts[0], exacts[1] if len(exacts) > 1 else None
 
     def _impl_read(self, reads_exact: Sequence[bool]) -> tuple[Any, Any, Any | None]:
-        latent, rope, index = self._gathered(self._rows, self.left_pad, self.width)
+        latent, rope, index = self._gathered(self._tables, self.left_pad, self.width)
         return latent[0], rope, index
 
     # -- row operations: block tables only -------------------------------------------------
     def _impl_merge(self, sources: Sequence[Any]) -> None:
         pool = self._pool or next((s._pool for s in sources if s._pool is not None), None)
         if pool is None:  # only caches that never wrote: rows of no position, no pool yet
-            self._rows.extend(BlockTable() for s in sources for _ in (s._rows or [None]))
+            self._tables.extend(BlockTable() for s in sources for _ in (s._tables or [None]))
             return
         for source in sources:  # a pool of other widths refuses before anything changes
             if source._pool is not None and source._pool.geometry is not None:
                 pool.learn(source._pool.geometry)
         foreign = [
-            (s._pool, t) for s in sources for t in s._rows
+            (s._pool, t) for s in sources for t in s._tables
             if s._pool is not None and s._pool is not pool and t.offset
         ]  # fmt: skip
         copies = iter(pool.copy_in(foreign))  # every block at once: exhaustion changes nothing
         joined: list[BlockTable] = []
         for source in sources:
-            for table in source._rows or [None]:
+            for table in source._tables or [None]:
                 if table is None or (source._pool is not pool and table.offset == 0):
                     joined.append(pool.open_table())
                 elif source._pool is pool:
                     joined.append(pool.share(table))
                 else:
                     joined.append(next(copies))
-        pool.adopt_empty(self._rows)
+        pool.adopt_empty(self._tables)
         self._pool = pool
         self._watch()
-        self._rows.extend(joined)
+        self._tables.extend(joined)
 
     def _impl_filter(self, keep: Sequence[int]) -> None:
-        kept = [self._rows[r] for r in keep]
-        dropped = [t for i, t in enumerate(self._rows) if i not in set(keep)]
+        kept = [self._tables[r] for r in keep]
+        dropped = [t for i, t in enumerate(self._tables) if i not in set(keep)]
         if self._pool is not None:
             self._pool.close_tables(dropped)
-        self._rows[:] = kept
+        self._tables[:] = kept
 
     def _impl_take_row(self, source: Any, row: int) -> None:
         pool = source._pool
         assert pool is not None
         self._pool = pool
         self._watch()
-        self._rows.append(pool.share(source._rows[row]))
+        self._tables.append(pool.share(source._tables[row]))
 
     def _impl_forget(self, counts: Sequence[int]) -> None:
         if self._pool is None:
             return
-        for table, count in zip(self._rows, counts, strict=True):
+        for table, count in zip(self._tables, counts, strict=True):
             if count:
                 self._pool.trim(table, count)
 
@@ -361,7 +366,7 @@ class PagedLatentRows(LatentRows):
         pool = self._pool
         if pool is None or pool.geometry is None:
             return 0
-        return sum(len(t.blocks) for t in self._rows) * pool.bytes_per_block
+        return sum(len(t.blocks) for t in self._tables) * pool.bytes_per_block
 
     def _impl_held(self) -> tuple[Any, ...]:
         return () if self._pool is None else self._pool.held_arrays()
@@ -375,8 +380,8 @@ class PagedLatentRows(LatentRows):
 
     def check_valid(self) -> None:
         super().check_valid()
-        assert len(self._rows) == len(self._offsets), "one block table per row"
-        for table, offset in zip(self._rows, self._offsets, strict=True):
+        assert len(self._tables) == len(self._offsets), "one block table per row"
+        for table, offset in zip(self._tables, self._offsets, strict=True):
             assert table.offset == offset, "a table holds its row's positions"
             assert len(table.blocks) == math.ceil(offset / self._block_size), "no empty tail"
             assert self._pool is None or not offset or id(table) in self._pool._tables
@@ -386,7 +391,7 @@ class PagedLatentRows(LatentRows):
         """Each row's stored planes in logical order (latent planes, rope, index, ``None``:
         no exact copy); ``((), None, None, None)`` for a row with no position."""
         out: list[tuple[tuple[Any, ...], Any, Any, None]] = []
-        for table in self._rows:
+        for table in self._tables:
             if not table.offset:
                 out.append(((), None, None, None))
                 continue
@@ -398,7 +403,7 @@ class PagedLatentRows(LatentRows):
         """The rows' stored planes right-justified (``[B, 1, width, ·]``), as a read."""
         if not self.width:
             return (), None, None, None
-        latent, rope, index = self._gathered(self._rows, self.left_pad, self.width)
+        latent, rope, index = self._gathered(self._tables, self.left_pad, self.width)
         return tuple(latent), rope, index, None
 
     # -- saved state (``kvrows.latent.PAGED_LATENT_FIELDS``) --------------------------------
@@ -500,7 +505,7 @@ class PagedLatentRows(LatentRows):
         written = 0
         for b, offset in enumerate(self._offsets):
             table = pool.open_table()
-            self._rows.append(table)
+            self._tables.append(table)
             table.blocks.extend(pool.ledger.allocate(math.ceil(offset / self._block_size)))
             if offset:
                 pad = width - offset

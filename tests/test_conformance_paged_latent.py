@@ -68,7 +68,7 @@ class ForgetsTheTailBlock(opt.PagedLatentCache):
     def _impl_forget(self, counts: Sequence[int]) -> None:
         if self._pool is None:
             return
-        for table, count in zip(self._rows, counts, strict=True):
+        for table, count in zip(self._tables, counts, strict=True):
             table.offset -= count  # MUTATION: blocks are never released
 
 

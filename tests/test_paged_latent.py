@@ -283,7 +283,7 @@ def test_mla_models_give_mlx_lm_logits() -> None:
             model(step, cache=o)
         dsa = arch == "deepseek_v32"
 
-        def merged(caches: list[list[Any]]) -> list[Any]:
+        def merged(caches: list[list[Any]], dsa: bool = dsa) -> list[Any]:
             layers = []
             for per_row in zip(*caches, strict=True):
                 layout = per_row[0].cache.make_empty_batch()
