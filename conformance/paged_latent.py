@@ -16,6 +16,7 @@ block size 2, 3 or 4, so rows cross blocks and share partly filled tails), with:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import hypothesis.strategies as st
@@ -58,6 +59,17 @@ class PagedLatentMachine(LatentMachine):
             solo.append(latent, rope, index)
             self.stats.check("MLACache oracle")
         return solo
+
+    def _bad_cases(self, cache: Any) -> list[tuple[str, Callable[[Impl, Any], Any]]]:
+        """The latent machine's bad inputs, and rows of another block size joining."""
+        c = self.c
+
+        def other_block_size(impl: Impl, target: Any) -> Any:
+            cls: Any = impl.cls(self.spec.name)
+            foreign = cls(c.rank, c.rope, c.index, c.max_tokens, block_size=target.block_size + 1)
+            return target.make_empty_batch().merge_rows([target, foreign])
+
+        return [*super()._bad_cases(cache), ("other block size", other_block_size)]
 
     @invariant()
     def pools_are_sound(self) -> None:

@@ -38,6 +38,7 @@ EXPECTED_OPS = {
     "trim",
     "invalid",
     "bad:dsa mismatch",
+    "bad:other block size",
 }
 
 
