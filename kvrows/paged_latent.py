@@ -416,7 +416,7 @@ class PagedLatentRows(LatentRows):
     @state.setter
     def state(self, value: Any) -> None:
         self._spec_guard("restoring state")
-        restored = type(self).from_state(value)
+        restored = type(self).from_state(value, pool=self._pool)
         if restored.signature() != self.signature():
             raise InvalidInputError(
                 f"{type(self).__name__}: the state is a {restored.signature()} cache, this is "
@@ -435,10 +435,11 @@ class PagedLatentRows(LatentRows):
     @classmethod
     def from_state(
         cls: type[_P], state: Any, meta_state: Any = None, *, keep: Any = None,
-        geometry: Any = None,
+        geometry: Any = None, pool: LatentBlockPoolBase | None = None,
     ) -> _P:  # fmt: skip
-        """A cache holding ``state`` in a private pool (``InvalidInputError`` when it is
-        inconsistent)."""
+        """A cache holding ``state`` in fresh blocks of ``pool`` (default: a private pool;
+        ``InvalidInputError`` when the state is inconsistent or not the pool's, and
+        ``PoolExhaustedError`` when the pool cannot take it, the pool unchanged)."""
         name = cls.__name__
         if isinstance(state, str | bytes) or not isinstance(state, Sequence):
             raise InvalidInputError(f"{name}.from_state takes the state tuple")
@@ -465,7 +466,7 @@ class PagedLatentRows(LatentRows):
             raise InvalidInputError(f"{name}: a plain latent's start is 0")
         cache = cls(
             optional("kv_lora_rank"), optional("rope_head_dim"), optional("index_head_dim"),
-            optional("max_tokens"), role, block_size=size,
+            optional("max_tokens"), role, pool=pool, block_size=size,
         )  # fmt: skip
         cache._restore_fields(fields)
         return cache
@@ -502,11 +503,14 @@ class PagedLatentRows(LatentRows):
         self._dtype = dtype
         pool = self._ensure_pool()
         exacts = [rope] if index is None else [rope, index]
+        counts = [math.ceil(offset / self._block_size) for offset in self._offsets]
+        fresh = pool.ledger.allocate(sum(counts))  # all at once: a refusal changes nothing
         written = 0
-        for b, offset in enumerate(self._offsets):
+        for b, (offset, count) in enumerate(zip(self._offsets, counts, strict=True)):
             table = pool.open_table()
+            table.blocks.extend(fresh[:count])  # allocated blocks are held once: this table's
+            del fresh[:count]
             self._tables.append(table)
-            table.blocks.extend(pool.ledger.allocate(math.ceil(offset / self._block_size)))
             if offset:
                 pad = width - offset
                 pool.append_into(

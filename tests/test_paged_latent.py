@@ -212,8 +212,14 @@ def test_state_round_trip_and_refusals(impl: Any, tmp_path: Path) -> None:
     back.same()
     assert back.paged.pool is not pool and back.paged.block_size == 3
     back.append(2)  # it continues as the saved cache would
-    layout.paged.state = back.paged.state  # the setter: same signature
+    layout.paged.state = back.paged.state  # the setter: into the cache's own pool
     Twins(impl, layout.paged, layout.mla, layout.rng).same()
+    assert layout.paged.pool is pool
+    tight = impl.LatentBlockPool(block_size=3, index_head_dim=WIDTHS[2], max_bytes=1)
+    with pytest.raises(PoolExhaustedError):
+        impl.PagedLatentCache.from_state(state, pool=tight)
+    tight.check_valid()
+    assert tight.ledger.referenced_count == 0
     ints = (lambda v: np.array(v, np.int32)) if impl is ref else (lambda v: mx.array(v, mx.int32))
     fields = dict(zip(PAGED_LATENT_FIELDS, state, strict=True))
     for bad in (
