@@ -103,6 +103,8 @@ def test_rows_equal_mla_cache_and_move_no_byte(impl: Any) -> None:
     written = pool.bytes_written
     layout = _merged(rows)
     assert pool.bytes_copied == 0 and pool.bytes_written == written  # tables shared
+    assert layout.paged.projected_bytes(5) == 6 * sum(WIDTHS) * 4  # whole blocks
+    assert layout.paged.nbytes == (2 + 1 + 0 + 3) * pool.bytes_per_block
     assert layout.paged.block_tables()[:2] == (rows[0].paged.block_tables()[0],
                                                rows[1].paged.block_tables()[0])  # fmt: skip
     layout.same()
