@@ -567,8 +567,8 @@ FAMILIES: dict[str, Family] = {
         description="MLA latent planes in a block pool: MLACache's rows as block tables, "
         "rounds, MLACache and mlx-lm KVCache pairs as oracles, pool invariants",
         machine=_paged_latent_machine,
-        # About 5 s on one core in CI (37 examples).
-        examples=0.15,
+        # About 5 s on one core in CI (about 55 examples).
+        examples=0.25,
         steps=0.6,
     ),
     # Recurrent state (SSM / gated DeltaNet): rows of SSMCache in BatchedSSMCache, every
