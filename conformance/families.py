@@ -564,11 +564,12 @@ FAMILIES: dict[str, Family] = {
         ),
         tolerance_key="latent",
         peer=_plain_peer,
-        description="MLA latent planes in a block pool: MLACache's rows as block tables, "
-        "rounds, MLACache and mlx-lm KVCache pairs as oracles, pool invariants",
+        description="MLA latent planes in a block pool (plain; affine/TurboQuant latent, "
+        "bf16-first): MLACache's rows as block tables, rounds, MLACache and mlx-lm KVCache "
+        "pairs as oracles, pool invariants",
         machine=_paged_latent_machine,
-        # About 5 s on one core in CI (about 55 examples).
-        examples=0.25,
+        # Half the examples plain, half encoded: about 5 s on one core in CI.
+        examples=0.2,
         steps=0.6,
     ),
     # Recurrent state (SSM / gated DeltaNet): rows of SSMCache in BatchedSSMCache, every

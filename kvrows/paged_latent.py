@@ -23,18 +23,22 @@ import weakref
 from collections.abc import Sequence
 from typing import Any, ClassVar, TypeVar
 
+from kvrows.codec import Role, codec_plane_specs
 from kvrows.errors import InvalidInputError, LayoutStateError
 from kvrows.latent import (
     LATENT_FIELDS,
     PAGED_LATENT_FIELDS,
+    LatentCodec,
     LatentRows,
     _scalar,
+    _state_codec,
     check_latent_codec,
+    encoded_codec,
     latent_token_bytes,
 )
 from kvrows.paged import DEFAULT_BLOCK_SIZE, chain_hashes
 from kvrows.paged_storage import BlockPoolBase, BlockTable, Planes, _token_ids
-from kvrows.schemes import CodecSpec, Plain, Turbo
+from kvrows.schemes import Affine, CodecSpec, Plain, Turbo
 from kvrows.validation import KvGeometry, as_count
 
 __all__ = ["LatentBlockPoolBase", "PagedLatentRows", "latent_pool_geometry"]
@@ -49,8 +53,9 @@ def latent_pool_geometry(rank: int, rope: int, dtype: str) -> KvGeometry:
 
 
 class LatentBlockPoolBase(BlockPoolBase):
-    """One MLA layer's blocks: the latent (through the pool's codec: plain here) in the
-    first plane group, rope (+ DSA index, ``index_head_dim``) exact in the second."""
+    """One MLA layer's blocks: the latent (through the pool's codec: plain, affine or
+    TurboQuant's value planes) in the first plane group, rope (+ DSA index,
+    ``index_head_dim``) exact in the second."""
 
     #: The implementation's ``PagedLatentCache`` (what ``lookup_prefix`` returns).
     latent_cache_class: ClassVar[type[Any]]
@@ -71,8 +76,10 @@ class LatentBlockPoolBase(BlockPoolBase):
             else as_count(index_head_dim, "index_head_dim", minimum=1)
         )
         spec = Plain() if codec is None else codec
-        if not isinstance(spec, Plain):
-            raise InvalidInputError(f"a latent block pool stores the plain latent, got {spec!r}")
+        if not isinstance(spec, Plain | Affine | Turbo):
+            raise InvalidInputError(
+                f"a latent block pool stores the latent plain, Affine or Turbo, got {spec!r}"
+            )
         super().__init__(
             spec, block_size=block_size, num_blocks=num_blocks, max_bytes=max_bytes,
             geometry=geometry,
@@ -156,8 +163,14 @@ class PagedLatentRows(LatentRows):
         *,
         pool: LatentBlockPoolBase | None = None,
         block_size: object = None,
+        codec: LatentCodec | None = None,
+        start: object = 0,
     ) -> None:
         name = type(self).__name__
+        if codec is not None and not isinstance(codec, Plain):
+            self.latent_codec, self.start = encoded_codec(name, codec, None, None, start)
+        elif as_count(start, "start"):
+            raise InvalidInputError(f"{name}: start applies to an encoded latent only")
         if pool is not None and not isinstance(pool, self.pool_class):
             raise InvalidInputError(f"{name}: pool must be a {self.pool_class.__name__}")
         size = None if block_size is None else as_count(block_size, "block_size", minimum=1)
@@ -167,7 +180,15 @@ class PagedLatentRows(LatentRows):
                     f"{name}: the pool's blocks hold {pool.block_size} tokens, not {size}"
                 )
             size = pool.block_size
+            if pool.codec_spec != self.latent_codec:
+                raise InvalidInputError(
+                    f"{name}: the pool stores the latent {pool.codec_spec!r}, not "
+                    f"{self.latent_codec!r}"
+                )
         self._block_size = size or DEFAULT_BLOCK_SIZE
+        #: Each row's exact latent ``[1, 1, t, R]`` while it reads exact (an encoded latent's
+        #: bf16-first warm-up, kept beside the pool: it lives until the row converts).
+        self._warm: list[Any | None] = []
         self._pool = pool
         self._tables: list[BlockTable] = []  # mutated in place: the finalizer holds it
         self._finalizer: weakref.finalize[Any, Any] | None = None
@@ -221,6 +242,7 @@ class PagedLatentRows(LatentRows):
         assert self._pool is not None
         self._watch()
         self._tables.extend(tables)
+        self._warm = [None] * len(tables)
         self._offsets = [t.offset for t in tables]
         self._converted = [False] * len(tables)
         self._adopt_pool_geometry()
@@ -229,14 +251,25 @@ class PagedLatentRows(LatentRows):
         o = self.options
         return type(self)(
             o.kv_lora_rank, o.rope_head_dim, o.index_head_dim, o.max_tokens, o.role,
-            pool=self._pool, block_size=self._block_size,
+            pool=self._pool, block_size=self._block_size, codec=self._codec_arg(),
+            start=self.start,
         )  # fmt: skip
+
+    def _codec_arg(self) -> LatentCodec | None:
+        return None if isinstance(self.latent_codec, Plain) else self.latent_codec
+
+    @property
+    def encoded(self) -> bool:
+        return not isinstance(self.latent_codec, Plain)
 
     def _merge_key(self) -> tuple[object, ...]:
         return (*super()._merge_key(), self._block_size)
 
     def signature(self) -> str:
-        return f"kv:mla-paged:{self.options.signature_role}"
+        role = self.options.signature_role
+        if not self.encoded:
+            return f"kv:mla-paged:{role}"
+        return f"kv:mla-paged:{role}:{self.latent_codec.key}:{self.start}"
 
     def release(self) -> None:
         """Give every block back to the pool now (the cache then holds no row)."""
@@ -244,7 +277,7 @@ class PagedLatentRows(LatentRows):
         if self._pool is not None:
             self._pool.close_tables(list(self._tables))
         self._tables.clear()
-        self._offsets, self._converted, self._last = [], [], None
+        self._offsets, self._converted, self._warm, self._last = [], [], [], None
 
     def register_prefix(self, row: int, token_ids: Sequence[int]) -> int:
         """Cache row ``row``'s full blocks that ``token_ids`` covers (refused in a round:
@@ -281,6 +314,7 @@ class PagedLatentRows(LatentRows):
         geometry = latent_pool_geometry(*self._widths, self._dtype)
         if self._pool is None:
             self._pool = self.pool_class(
+                self.latent_codec,
                 block_size=self._block_size,
                 index_head_dim=self.options.index_head_dim,
                 geometry=geometry,
@@ -298,8 +332,14 @@ class PagedLatentRows(LatentRows):
         pool = self._ensure_pool()
         if not self._tables:
             self._tables.extend(pool.open_table() for _ in range(int(latent.shape[0])))
+            self._warm = [None] * len(self._tables)
         exacts = (rope,) if index is None else (rope, index)
         pool.append(self._tables, tuple(pool.codec.encode(latent, pool._latent_role)), exacts)
+        if self.encoded:  # rows still reading exact keep their exact latent
+            self._warm = [
+                None if done else self._warm_cat(held, latent, b)
+                for b, (held, done) in enumerate(zip(self._warm, self._converted, strict=True))
+            ]
 
     def _gathered(self, tables: Sequence[BlockTable], pads: Sequence[int], width: int) -> Any:
         assert self._pool is not None
@@ -308,13 +348,38 @@ class PagedLatentRows(LatentRows):
 
     def _impl_read(self, reads_exact: Sequence[bool]) -> tuple[Any, Any, Any | None]:
         latent, rope, index = self._gathered(self._tables, self.left_pad, self.width)
-        return latent[0], rope, index
+        if not self.encoded:
+            return latent[0], rope, index
+        overlay = [w if exact else None for w, exact in zip(self._warm, reads_exact, strict=True)]
+        return self._overlay(self._decode_latent(latent), overlay), rope, index
+
+    # -- the implementation's array helpers (encoded latent) -----------------------------
+    def _warm_cat(self, held: Any | None, block: Any, row: int) -> Any:
+        """``held`` (``[1, 1, t, R]`` or ``None``) and ``block[row]`` along the tokens (owned)."""
+        raise NotImplementedError
+
+    def _warm_cut(self, held: Any, keep: int) -> Any:
+        """``held``'s first ``keep`` tokens (owned)."""
+        raise NotImplementedError
+
+    def _decode_latent(self, planes: Sequence[Any]) -> Any:
+        """The dense latent of gathered codec planes, in the cache's dtype."""
+        raise NotImplementedError
+
+    def _overlay(self, dense: Any, rows: Sequence[Any | None]) -> Any:
+        """``dense`` ``[B, 1, W, R]`` with row ``b``'s last columns replaced by ``rows[b]``."""
+        raise NotImplementedError
+
+    def _stack_warm(self, rows: Sequence[Any | None], width: int) -> Any:
+        """Right-justified ``[B, 1, width, R]`` of ``rows`` (zeros where ``None``)."""
+        raise NotImplementedError
 
     # -- row operations: block tables only -------------------------------------------------
     def _impl_merge(self, sources: Sequence[Any]) -> None:
         pool = self._pool or next((s._pool for s in sources if s._pool is not None), None)
         if pool is None:  # only caches that never wrote: rows of no position, no pool yet
             self._tables.extend(BlockTable() for s in sources for _ in (s._tables or [None]))
+            self._warm = [None] * len(self._tables)
             return
         for source in sources:  # a pool of other widths refuses before anything changes
             if source._pool is not None and source._pool.geometry is not None:
@@ -337,6 +402,7 @@ class PagedLatentRows(LatentRows):
         self._pool = pool
         self._watch()
         self._tables.extend(joined)
+        self._warm = [w for s in sources for w in (s._warm or [None])]
 
     def _impl_filter(self, keep: Sequence[int]) -> None:
         kept = [self._tables[r] for r in keep]
@@ -344,6 +410,7 @@ class PagedLatentRows(LatentRows):
         if self._pool is not None:
             self._pool.close_tables(dropped)
         self._tables[:] = kept
+        self._warm = [self._warm[r] for r in keep]
 
     def _impl_take_row(self, source: Any, row: int) -> None:
         pool = source._pool
@@ -351,6 +418,7 @@ class PagedLatentRows(LatentRows):
         self._pool = pool
         self._watch()
         self._tables.append(pool.share(source._tables[row]))
+        self._warm = [source._warm[row]]  # owned arrays, never written in place
 
     def _impl_forget(self, counts: Sequence[int]) -> None:
         if self._pool is None:
@@ -358,15 +426,20 @@ class PagedLatentRows(LatentRows):
         for table, count in zip(self._tables, counts, strict=True):
             if count:
                 self._pool.trim(table, count)
+        self._warm = [
+            None if w is None or not t.offset else self._warm_cut(w, t.offset) if c else w
+            for w, t, c in zip(self._warm, self._tables, counts, strict=True)
+        ]
 
     def _impl_drop_exact(self) -> None:
-        pass  # the plain latent keeps no exact copy
+        self._warm = [None] * len(self._warm)
 
     def _impl_nbytes(self) -> int:
         pool = self._pool
         if pool is None or pool.geometry is None:
             return 0
-        return sum(len(t.blocks) for t in self._tables) * pool.bytes_per_block
+        warm = sum(int(w.nbytes) for w in self._warm if w is not None)
+        return sum(len(t.blocks) for t in self._tables) * pool.bytes_per_block + warm
 
     def _impl_held(self) -> tuple[Any, ...]:
         return () if self._pool is None else self._pool.held_arrays()
@@ -385,6 +458,12 @@ class PagedLatentRows(LatentRows):
             assert table.offset == offset, "a table holds its row's positions"
             assert len(table.blocks) == math.ceil(offset / self._block_size), "no empty tail"
             assert self._pool is None or not offset or id(table) in self._pool._tables
+        assert len(self._warm) == len(self._offsets), "one warm-up slot per row"
+        for warm, offset, done in zip(self._warm, self._offsets, self._converted, strict=True):
+            if self.encoded and not done and offset:
+                assert warm is not None and int(warm.shape[2]) == offset, "exact while warm"
+            if not self.encoded:
+                assert warm is None, "a plain latent keeps no exact copy"
 
     # -- reads of the stored planes --------------------------------------------------------
     def row_planes(self) -> list[tuple[tuple[Any, ...], Any, Any, None]]:
@@ -460,13 +539,14 @@ class PagedLatentRows(LatentRows):
             value = fields[key]
             return None if value is None else _scalar(value, key)
 
-        if any(optional(k) is not None for k in ("bits", "group_size", "k_bits", "v_bits")):
-            raise InvalidInputError(f"{name} stores the plain latent; the state names a codec")
-        if _scalar(fields["start"], "start") != 0:
-            raise InvalidInputError(f"{name}: a plain latent's start is 0")
+        codec = _state_codec(
+            optional("bits"), optional("group_size"), optional("k_bits"), optional("v_bits")
+        )
         cache = cls(
             optional("kv_lora_rank"), optional("rope_head_dim"), optional("index_head_dim"),
             optional("max_tokens"), role, pool=pool, block_size=size,
+            codec=None if isinstance(codec, Plain) else codec,
+            start=_scalar(fields["start"], "start"),
         )  # fmt: skip
         cache._restore_fields(fields)
         return cache
@@ -474,7 +554,14 @@ class PagedLatentRows(LatentRows):
     def _impl_state_planes(self) -> tuple[Any, Any, Any, Any]:
         if not self.width:
             return None, None, None, None
-        return self.batch_planes()
+        planes, rope, index, _ = self.batch_planes()
+        exact = None
+        if self.encoded and not all(self._converted):
+            warm = [
+                None if done else w for w, done in zip(self._warm, self._converted, strict=True)
+            ]
+            exact = self._stack_warm(warm, self.width)
+        return planes, rope, index, exact
 
     def _native_shape(self, array: Any, what: str) -> tuple[int, ...]:
         shape = self.pool_class.ops.shape(array)
@@ -489,11 +576,19 @@ class PagedLatentRows(LatentRows):
         self, planes: tuple[Any, ...], rope: Any, index: Any, exact: Any, rows: int, width: int
     ) -> str:
         ops = self.pool_class.ops
-        if len(planes) != 1:
-            raise InvalidInputError(
-                f"{type(self).__name__}: the plain latent is one plane, got {len(planes)}"
+        assert self._widths is not None
+        role: Role = "values" if isinstance(self.latent_codec, Turbo) else "keys"
+        names = [
+            p.name
+            for p in codec_plane_specs(
+                self.latent_codec, "latent", self._widths[0], "float32", role
             )
-        named = [("latent", planes[0]), ("rope", rope)]
+        ]
+        if len(planes) != len(names):
+            raise InvalidInputError(
+                f"{type(self).__name__}: the latent is {len(names)} planes, got {len(planes)}"
+            )
+        named = [*zip(names, planes, strict=True), ("rope", rope)]
         if index is not None:
             named.append(("index", index))
         if exact is not None:
@@ -515,10 +610,16 @@ class PagedLatentRows(LatentRows):
                 pad = width - offset
                 pool.append_into(
                     table,
-                    (ops.row_slice(planes[0], b, pad, width),),
+                    tuple(ops.row_slice(p, b, pad, width) for p in planes),
                     tuple(ops.row_slice(p, b, pad, width) for p in exacts),
                 )
                 written += offset * pool.token_bytes
+        self._warm = [
+            ops.row_slice(exact, b, width - offset, width)
+            if exact is not None and offset and not done
+            else None
+            for b, (offset, done) in enumerate(zip(self._offsets, self._converted, strict=True))
+        ]
         pool.ledger.bytes_copied -= written  # a load writes, it does not copy
         pool.ledger.bytes_written += written
         return dtype

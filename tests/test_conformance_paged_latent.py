@@ -60,6 +60,8 @@ def test_paged_latent_family() -> None:
     assert not missing, f"oracles never reached: {sorted(missing)}"
     assert any("dsa=True" in v for v in stats.variants)
     assert any("dsa=False" in v for v in stats.variants)
+    assert {v.split()[0].split(":")[0] for v in stats.variants} == {"plain", "affine", "turbo"}
+    assert stats.checks["mixed conversion"] > 0
 
 
 class ForgetsTheTailBlock(opt.PagedLatentCache):

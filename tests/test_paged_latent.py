@@ -26,6 +26,7 @@ from kvrows.errors import (
     SpeculativeRoundError,
 )
 from kvrows.latent import PAGED_LATENT_FIELDS
+from kvrows.schemes import Affine, Turbo
 
 IMPLS = [ref, opt]
 IDS = ["reference", "optimized"]
@@ -63,6 +64,7 @@ class Twins:
     def same(self, got: Any = None, want: Any = None) -> None:
         paged, mla = self.paged, self.mla
         assert (paged.row_offsets, paged.left_pad) == (mla.row_offsets, mla.left_pad)
+        assert paged.converted == mla.converted
         paged.check_valid()
         if paged.pool is not None:
             paged.pool.check_valid()
@@ -252,6 +254,53 @@ def test_state_round_trip_and_refusals(impl: Any, tmp_path: Path) -> None:
         path.write_bytes(bytes(data))
         with pytest.raises(CorruptStateError):
             load_prompt_cache(path)
+
+
+@pytest.mark.parametrize(
+    ("codec", "start"),
+    [(Affine(bits=4, group_size=32), 3), (Turbo(k_bits=8, v_bits=3), 0)],
+    ids=["affine4-start3", "turbo3-start0"],
+)
+@pytest.mark.parametrize("impl", IMPLS, ids=IDS)
+def test_an_encoded_latent_equals_encoded_latent_cache(impl: Any, codec: Any, start: int) -> None:
+    """The latent through a codec, bf16-first at ``start``: every read, converted flag and
+    saved state as ``EncodedLatentCache``'s; the blocks hold codes, the warm-up exact
+    latent lives beside the pool only while a row reads exact."""
+    pool = impl.LatentBlockPool(codec, block_size=3, index_head_dim=WIDTHS[2])
+    rng = np.random.default_rng(3)
+    rows = []
+    for n in (5, 2, 0, 1):
+        paged = impl.PagedLatentCache(*WIDTHS, pool=pool, codec=codec, start=start)
+        twins = Twins(impl, paged, impl.EncodedLatentCache(*WIDTHS, codec=codec, start=start), rng)
+        if n:
+            twins.append(n)
+        rows.append(twins)
+    assert rows[0].paged.signature() == f"kv:mla-paged:target:dsa:{codec.key}:{start}"
+    layout = _merged(rows)
+    layout.same()
+    for step in (1, 2):
+        layout.append(step)
+    layout.paged.spec_round_begin()
+    layout.mla.spec_round_begin()
+    layout.append(3)
+    layout.paged.spec_round_rollback([1, 3, 2, 1])
+    layout.mla.spec_round_rollback([1, 3, 2, 1])
+    layout.same()
+    assert any(layout.paged.converted)
+    layout.paged.filter_rows([3, 1])
+    layout.mla.filter_rows([3, 1])
+    layout.same()
+    extracted = Twins(impl, layout.paged.extract_row(1), layout.mla.extract_row(1), layout.rng)
+    extracted.same()
+    extracted.append(1)
+    back = Twins(impl, impl.PagedLatentCache.from_state(layout.paged.state), layout.mla, rng)
+    back.same()
+    back.append(2)
+    with pytest.raises(InvalidInputError):
+        impl.PagedLatentCache(*WIDTHS, pool=pool)  # the pool stores the encoded latent
+    plain = impl.PagedLatentCache(*WIDTHS, pool=impl.LatentBlockPool(index_head_dim=WIDTHS[2]))
+    with pytest.raises(IncompatibleRowsError):
+        layout.paged.make_empty_batch().merge_rows([plain])
 
 
 # -- the MLA models ---------------------------------------------------------------------
