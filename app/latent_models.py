@@ -139,22 +139,38 @@ def make_latent_cache(model: Any, codec: LatentCodec | None = None, start: int =
     return caches
 
 
-def latent_pools(model: Any, block_size: int = 16) -> list[LatentBlockPool]:
-    """One latent block pool per layer of an MLA model (shared by every request)."""
+def latent_pools(
+    model: Any, block_size: int = 16, codec: LatentCodec | None = None
+) -> list[LatentBlockPool]:
+    """One latent block pool per layer of an MLA model (shared by every request); the
+    latent plain, or through ``codec`` (affine or TurboQuant)."""
     index = _geometry(model)[2]
-    return [LatentBlockPool(block_size=block_size, index_head_dim=index) for _ in model.layers]
+    return [
+        LatentBlockPool(codec, block_size=block_size, index_head_dim=index) for _ in model.layers
+    ]
 
 
-def make_paged_latent_cache(model: Any, pools: list[LatentBlockPool] | None = None) -> list[Any]:
-    """One request's layer caches over ``pools`` (``latent_pools``; private pools when
-    ``None``): a :class:`PagedLatentCache` per layer behind a ``LatentCacheList``."""
+def make_paged_latent_cache(
+    model: Any, pools: list[LatentBlockPool] | None = None, start: int = 0
+) -> list[Any]:
+    """One request's layer caches over ``pools`` (``latent_pools``; private plain pools
+    when ``None``): a :class:`PagedLatentCache` per layer behind a ``LatentCacheList``, its
+    latent codec the pool's (bf16-first at ``start`` when encoded)."""
     if not is_latent_model(model):
         raise InvalidInputError(f"{type(model).__name__} is not an MLA model kvrows serves")
     chosen = pools if pools is not None else latent_pools(model)
     if len(chosen) != len(model.layers):
         raise InvalidInputError(f"one pool per layer: {len(model.layers)}, got {len(chosen)}")
     geometry = _geometry(model)
-    return [_layer(PagedLatentCache(*geometry, pool=pool)) for pool in chosen]
+    caches = []
+    for pool in chosen:
+        codec = pool.codec_spec
+        encoded = isinstance(codec, Affine | Turbo)
+        cache = PagedLatentCache(
+            *geometry, pool=pool, codec=codec if encoded else None, start=start if encoded else 0
+        )
+        caches.append(_layer(cache))
+    return caches
 
 
 def latent_caches_for_scheme(model: Any, scheme: KvStorageScheme) -> list[Any]:

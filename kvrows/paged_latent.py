@@ -362,8 +362,8 @@ class PagedLatentRows(LatentRows):
         """``held``'s first ``keep`` tokens (owned)."""
         raise NotImplementedError
 
-    def _decode_latent(self, planes: Sequence[Any]) -> Any:
-        """The dense latent of gathered codec planes, in the cache's dtype."""
+    def _decode_latent(self, planes: Sequence[Any], dtype: str | None = None) -> Any:
+        """The dense latent of gathered codec planes, in ``dtype`` (default the cache's)."""
         raise NotImplementedError
 
     def _overlay(self, dense: Any, rows: Sequence[Any | None]) -> Any:

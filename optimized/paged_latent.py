@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from kvrows.compositions import composition
 from kvrows.errors import InvalidInputError
-from kvrows.optimized.codecs import TurboCodec, make_codec, mlx_dtype
+from kvrows.optimized.codecs import TurboCodec, dtype_name, make_codec, mlx_dtype
 from kvrows.optimized.latent import _LatentOptimized
 from kvrows.optimized.paged import MlxPlaneOps
 from kvrows.optimized.rows import owned
@@ -52,11 +52,10 @@ class PagedLatentCache(PagedLatentRows, _LatentOptimized):
             raise InvalidInputError(f"{type(self).__name__}.preview takes [B, 1, N, W] blocks")
         block = latent
         if self.encoded:  # rows that read encoded see the block as it will be stored
-            dtype = latent.dtype
             planes = make_codec(self.latent_codec).encode(latent, self._role)
             reads_exact = [not c for c in self._converted] or [True] * int(latent.shape[0])
             rows = mx.array(reads_exact)[:, None, None, None]
-            block = mx.where(rows, latent, self._decode_latent(planes).astype(dtype))
+            block = mx.where(rows, latent, self._decode_latent(planes, dtype_name(latent)))
         if not self.width:
             return block, rope
         held_latent, held_rope, _ = self._impl_read([not c for c in self._converted])
@@ -76,8 +75,9 @@ class PagedLatentCache(PagedLatentRows, _LatentOptimized):
         mx.eval(cut)
         return cut
 
-    def _decode_latent(self, planes: Sequence[Any]) -> Any:
-        assert self._dtype is not None
+    def _decode_latent(self, planes: Sequence[Any], dtype: str | None = None) -> Any:
+        dtype = dtype or self._dtype
+        assert dtype is not None
         codec = make_codec(self.latent_codec)
         if isinstance(codec, TurboCodec):
             decoded = codec.decode(tuple(planes), "values")
@@ -88,7 +88,7 @@ class PagedLatentCache(PagedLatentRows, _LatentOptimized):
                 packed, scales, biases, group_size=self.latent_codec.group_size,
                 bits=self.latent_codec.bits, mode="affine",
             )  # fmt: skip
-        return decoded.astype(mlx_dtype(self._dtype))
+        return decoded.astype(mlx_dtype(dtype))
 
     def _overlay(self, dense: Any, rows: Sequence[Any | None]) -> Any:
         if all(row is None for row in rows):

@@ -46,14 +46,15 @@ class PagedLatentCache(PagedLatentRows, _LatentReference):
     def _warm_cut(self, held: Any, keep: int) -> Any:
         return np.array(held[:, :, :keep], copy=True)
 
-    def _decode_latent(self, planes: Sequence[Any]) -> Any:
-        assert self._dtype is not None
+    def _decode_latent(self, planes: Sequence[Any], dtype: str | None = None) -> Any:
+        dtype = dtype or self._dtype
+        assert dtype is not None
         codec = make_codec(self.latent_codec)
         if isinstance(codec, TurboCodec):
             decoded = codec.decode(tuple(planes), "values")
         else:
             decoded = codec.decode(tuple(planes))
-        return np.asarray(decoded).astype(numpy_dtype(self._dtype))
+        return np.asarray(decoded).astype(numpy_dtype(dtype))
 
     def _overlay(self, dense: Any, rows: Sequence[Any | None]) -> Any:
         out = np.array(dense, copy=True)

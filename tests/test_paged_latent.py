@@ -355,3 +355,22 @@ def test_mla_models_give_mlx_lm_logits() -> None:
             assert _same(model(step, cache=batch_mine), model(step, cache=batch_oracle))
         for pool in pools:
             pool.check_valid()
+
+
+def test_an_encoded_paged_latent_in_the_model_equals_encoded_latent_cache() -> None:
+    from kvrows.app.latent_models import (
+        latent_pools,
+        make_latent_cache,
+        make_paged_latent_cache,
+        tiny_latent_model,
+    )
+
+    model = tiny_latent_model("deepseek_v32")
+    codec = Affine(bits=4, group_size=32)
+    mine = make_paged_latent_cache(model, latent_pools(model, 4, codec), start=5)
+    oracle = make_latent_cache(model, codec, start=5)
+    assert mine[0].signature() == "kv:mla-paged:target:dsa:affine:4:32:5"
+    for tokens in (PROMPT, [3], [4, 5]):
+        block = mx.array([tokens])
+        assert _same(model(block, cache=mine), model(block, cache=oracle))
+    assert mine[0].cache.converted == (True,)
