@@ -10,7 +10,10 @@ plane and, for a DSA target, the index plane. Rows are block tables: a merge of 
 the destination's pool shares their tables, filter releases, extract shares one table,
 a rollback trims each row's table (its emptied tail blocks go back); none moves a byte.
 Reads gather each row's blocks and right-justify the rows (the padding is virtual), so a
-read returns exactly what ``MLACache`` returns for the same tokens.
+read returns exactly what ``MLACache`` returns for the same tokens. Through a codec (the
+pool's: affine, or TurboQuant's value planes) the blocks hold the latent's codes and a
+read decodes them; a row still in its bf16-first warm-up keeps its exact latent beside the
+pool (``_warm``), as ``EncodedLatentCache`` does, and reads it until it converts.
 
 Each implementation supplies the pool's ``PlaneOps`` (NumPy or MLX) and mixes
 :class:`PagedLatentRows` ahead of its latent array hooks (shapes, dtypes, ranks, ints).
