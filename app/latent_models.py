@@ -12,6 +12,7 @@ from kvrows.errors import InvalidInputError
 from kvrows.latent import LatentCodec
 from kvrows.optimized.latent import EncodedLatentCache, MLACache
 from kvrows.optimized.latent_dropin import LatentCacheList
+from kvrows.optimized.paged_latent import LatentBlockPool, PagedLatentCache
 from kvrows.schemes import Affine, KvStorageScheme, Plain, Turbo
 
 __all__ = [
@@ -19,7 +20,9 @@ __all__ = [
     "LATENT_PLAIN_ARCHITECTURES",
     "is_latent_model",
     "latent_caches_for_scheme",
+    "latent_pools",
     "make_latent_cache",
+    "make_paged_latent_cache",
     "tiny_latent_model",
 ]
 
@@ -115,7 +118,7 @@ def _geometry(model: Any) -> tuple[int, int, int | None]:
     return args.kv_lora_rank, args.qk_rope_head_dim, getattr(args, "index_head_dim", None)
 
 
-def _layer(cache: MLACache | EncodedLatentCache) -> Any:
+def _layer(cache: MLACache | EncodedLatentCache | PagedLatentCache) -> Any:
     """The object a layer takes: the pair for a DSA layer, else item 0 alone."""
     pair = LatentCacheList(cache)
     return pair if cache.options.dsa else pair[0]
@@ -133,6 +136,40 @@ def make_latent_cache(model: Any, codec: LatentCodec | None = None, start: int =
             caches.append(_layer(MLACache(*geometry)))
         else:
             caches.append(_layer(EncodedLatentCache(*geometry, codec=codec, start=start)))
+    return caches
+
+
+def latent_pools(
+    model: Any, block_size: int = 16, codec: LatentCodec | None = None
+) -> list[LatentBlockPool]:
+    """One latent block pool per layer of an MLA model (shared by every request); the
+    latent plain, or through ``codec`` (affine or TurboQuant)."""
+    index = _geometry(model)[2]
+    return [
+        LatentBlockPool(codec, block_size=block_size, index_head_dim=index) for _ in model.layers
+    ]
+
+
+def make_paged_latent_cache(
+    model: Any, pools: list[LatentBlockPool] | None = None, start: int = 0
+) -> list[Any]:
+    """One request's layer caches over ``pools`` (``latent_pools``; private plain pools
+    when ``None``): a :class:`PagedLatentCache` per layer behind a ``LatentCacheList``, its
+    latent codec the pool's (bf16-first at ``start`` when encoded)."""
+    if not is_latent_model(model):
+        raise InvalidInputError(f"{type(model).__name__} is not an MLA model kvrows serves")
+    chosen = pools if pools is not None else latent_pools(model)
+    if len(chosen) != len(model.layers):
+        raise InvalidInputError(f"one pool per layer: {len(model.layers)}, got {len(chosen)}")
+    geometry = _geometry(model)
+    caches = []
+    for pool in chosen:
+        codec = pool.codec_spec
+        encoded = isinstance(codec, Affine | Turbo)
+        cache = PagedLatentCache(
+            *geometry, pool=pool, codec=codec if encoded else None, start=start if encoded else 0
+        )
+        caches.append(_layer(cache))
     return caches
 
 

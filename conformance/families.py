@@ -413,6 +413,12 @@ def _latent_machine() -> type[Any]:
     return LatentMachine
 
 
+def _paged_latent_machine() -> type[Any]:
+    from kvrows.conformance.paged_latent import PagedLatentMachine
+
+    return PagedLatentMachine
+
+
 def latent_layouts() -> tuple[LayoutSpec, ...]:
     """The latent caches: each its own serial storage and its own layout in every role
     (mlx-lm parity for ``MLACache``: its ``KVCache``/``BatchKVCache`` pairs hold the same)."""
@@ -540,6 +546,33 @@ FAMILIES: dict[str, Family] = {
         # Every bad input is tried on each ``invalid`` step; 22 examples of 24 steps per
         # class keep the family near 8 s on one core.
         examples=0.15,
+        steps=0.6,
+    ),
+    # MLA latent planes in a block pool (issue 14): PagedLatentCache rows in one pool per
+    # implementation, MLACache as every row's oracle (``conformance.paged_latent``).
+    "paged-latent": Family(
+        name="paged-latent",
+        serial="PagedLatentCache",
+        layouts=(
+            LayoutSpec(
+                "PagedLatentCache",
+                ("decode", "prefill", "verify"),
+                shared_column=True,
+                trim_rows=True,
+                peer=True,
+                serial_peer=True,
+                serial="PagedLatentCache",
+                tolerance_key="latent",
+            ),
+        ),
+        tolerance_key="latent",
+        peer=_plain_peer,
+        description="MLA latent planes in a block pool (plain; affine/TurboQuant latent, "
+        "bf16-first): MLACache's rows as block tables, rounds, MLACache and mlx-lm KVCache "
+        "pairs as oracles, pool invariants",
+        machine=_paged_latent_machine,
+        # Half the examples plain, half encoded: about 5 s on one core in CI.
+        examples=0.2,
         steps=0.6,
     ),
     # Recurrent state (SSM / gated DeltaNet): rows of SSMCache in BatchedSSMCache, every

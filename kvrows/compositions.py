@@ -146,8 +146,10 @@ COMPOSITIONS: tuple[Composition, ...] = (
                 summary="the latent plane through an affine or TurboQuant codec, bf16-first "
                         "per row; rope and index exact"),
     Composition(name="PagedLatentCache", codec="latent", geometry="paged", arrangement="ragged",
-                signature="mla:paged", roles=Roles(SELF, SELF, SELF), issue=14,
-                summary="latent planes in a block pool"),
+                signature="kv:mla-paged:target", roles=Roles(SELF, SELF, SELF),
+                modifiers=frozenset({"speculative"}),
+                summary="MLACache's rows as block tables into a latent block pool: row "
+                        "operations move no byte"),
     # -- delayed and speculative rings (issues 10, 11) -------------------------------
     Composition(name="DelayedRotatingQuantizedKVCache", codec="affine", geometry="ring",
                 arrangement="ragged",

@@ -43,7 +43,7 @@ from typing import Any
 from kvrows.codec import TURBO_HEAD_DIMS, Role, codec_plane_specs
 from kvrows.compositions import Composition, landed
 from kvrows.errors import InvalidInputError, UnsupportedStateError
-from kvrows.latent import LATENT_FIELDS
+from kvrows.latent import LATENT_FIELDS, PAGED_LATENT_FIELDS
 from kvrows.schemes import Affine, CodecSpec, GeometrySpec, Growing, Plain, Ring, Turbo
 from kvrows.validation import FLOAT_DTYPES, KvGeometry
 
@@ -175,6 +175,8 @@ def state_form(entry: Composition) -> StateForm:
         # Recurrent state (kvrows.recurrent): the planes and the coverage (a layout's per
         # row). mlx-lm's ArraysCache form has no coverage, so the file class is kvrows'.
         return StateForm(entry.name, _RECURRENT, entry.name)
+    if entry.codec == "latent" and entry.geometry == "paged" and entry.is_landed:
+        return StateForm(entry.name, PAGED_LATENT_FIELDS, entry.name)  # kvrows.paged_latent
     if entry.geometry == "paged" and entry.is_landed:
         return StateForm(entry.name, _PAGED[entry.is_layout], entry.name)
     fields = (_LAYOUT if entry.is_layout else _SERIAL).get(entry.geometry)

@@ -42,6 +42,7 @@ __all__ = [
     "FLASHMLA_FP8_BYTES",
     "FLOAT_DTYPES",
     "LATENT_FIELDS",
+    "PAGED_LATENT_FIELDS",
     "LatentCodec",
     "LatentOptions",
     "LatentRole",
@@ -840,6 +841,10 @@ LATENT_FIELDS = (
     "kv_lora_rank", "rope_head_dim", "index_head_dim", "max_tokens", "role",
     "bits", "group_size", "k_bits", "v_bits", "start",
 )  # fmt: skip
+
+
+#: ``PagedLatentCache``'s saved state: the latent fields, then its block size.
+PAGED_LATENT_FIELDS = (*LATENT_FIELDS, "block_size")
 
 
 def _scalar(value: object, what: str) -> int:

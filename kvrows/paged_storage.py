@@ -234,7 +234,7 @@ class BlockPoolBase:
                     f"the pool holds {self._geometry.describe()}, got {geometry.describe()}"
                 )
             return
-        self.codec.check(geometry)
+        self._check_geometry(geometry)
         self._geometry = geometry
         if self.max_bytes is not None:
             limit = self.max_bytes // self.bytes_per_block
@@ -247,6 +247,10 @@ class BlockPoolBase:
             self.ledger.max_blocks = limit
         if self._initial:
             self.ledger.ensure(self._initial)
+
+    def _check_geometry(self, geometry: KvGeometry) -> None:
+        """Refuse a geometry the pool's codec cannot store (a latent pool checks its own)."""
+        self.codec.check(geometry)
 
     def _zeros(self, count: int) -> tuple[Planes, Planes]:
         g = self._geometry

@@ -28,6 +28,7 @@ from kvrows.optimized.lego import (
 )
 from kvrows.optimized.mlxlm_batch import BatchKVCache, BatchRotatingKVCache
 from kvrows.optimized.paged import BlockPool, PagedKVCache, PagedKvRows
+from kvrows.optimized.paged_latent import LatentBlockPool, PagedLatentCache
 from kvrows.optimized.recurrent import BatchedSSMCache, SSMCache
 from kvrows.optimized.rows import DECLARED
 
@@ -49,6 +50,8 @@ __all__ = [
     "MLACache",
     "PagedKVCache",
     "PagedKvRows",
+    "LatentBlockPool",
+    "PagedLatentCache",
     "attend",
     "declared_classes",
 ]
@@ -60,7 +63,7 @@ def declared_classes() -> Mapping[str, type[Any]]:
     delayed = (DelayedQuantizedKVCache, DelayedRotatingQuantizedKVCache, DelayedTurboQuantKVCache)
     latent = (MLACache, EncodedLatentCache)  # latent state: its own row machinery
     recurrent = (SSMCache, BatchedSSMCache)  # recurrent state: its own row machinery
-    paged = (PagedKVCache, PagedKvRows)  # block tables into a pool (paged_storage)
+    paged = (PagedKVCache, PagedKvRows, PagedLatentCache)  # block tables into a pool
     found = (*delayed, *latent, *recurrent, *paged)
     return {**DECLARED, **{cls.composition.name: cls for cls in found}}
 

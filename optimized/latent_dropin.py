@@ -4,7 +4,7 @@ mlx-lm's ``deepseek_v32`` (and ``glm_moe_dsa``, its subclass) gives each layer a
 ``CacheList(KVCache, KVCache)``: item 0 takes ``update_and_fetch(kv_latent, k_pe)``, item
 1 (the sparse-attention indexer) ``update_and_fetch(k, k)`` a moment later in the same
 layer call. :class:`LatentCacheList` serves such a layer with one latent cache
-(``MLACache`` or ``EncodedLatentCache``, declared with the index width): item 0 returns
+(``MLACache``, ``EncodedLatentCache`` or ``PagedLatentCache``, declared with the index width): item 0 returns
 what the cache will hold (``preview``) and keeps the pair until item 1 brings the index
 block; then all three planes are appended at once, so the index plane never lags.
 A model without an indexer (``index_head_dim`` not declared) appends at item 0; such a
@@ -20,10 +20,11 @@ import mlx.core as mx
 
 from kvrows.errors import InvalidInputError, LayoutStateError
 from kvrows.optimized.latent import EncodedLatentCache, MLACache
+from kvrows.optimized.paged_latent import PagedLatentCache
 
 __all__ = ["LatentCacheList"]
 
-Latent = MLACache | EncodedLatentCache
+Latent = MLACache | EncodedLatentCache | PagedLatentCache
 
 
 class _View:
@@ -166,9 +167,10 @@ class LatentCacheList:
     of mlx-lm's ``CacheList``, over one latent cache."""
 
     def __init__(self, cache: Latent) -> None:
-        if not isinstance(cache, MLACache | EncodedLatentCache):
+        if not isinstance(cache, MLACache | EncodedLatentCache | PagedLatentCache):
             raise InvalidInputError(
-                f"LatentCacheList holds an optimized MLACache or EncodedLatentCache, got "
+                f"LatentCacheList holds an optimized MLACache, EncodedLatentCache or "
+                f"PagedLatentCache, got "
                 f"{type(cache).__name__}"
             )
         self.cache = cache

@@ -22,6 +22,7 @@ from kvrows.reference.lego import (
     Bf16FirstTurboQuantKVCache,
 )
 from kvrows.reference.paged import BlockPool, PagedKVCache, PagedKvRows
+from kvrows.reference.paged_latent import LatentBlockPool, PagedLatentCache
 from kvrows.reference.recurrent import BatchedSSMCache, SSMCache
 
 __all__ = [
@@ -39,6 +40,8 @@ __all__ = [
     "BlockPool",
     "PagedKVCache",
     "PagedKvRows",
+    "LatentBlockPool",
+    "PagedLatentCache",
     "attend",
     "attention",
 ]

@@ -206,6 +206,9 @@ def declared_classes() -> Mapping[str, type[Any]]:
     from kvrows.reference import paged  # the paged storages (``kvrows.paged_storage``)
 
     found.update({cls.composition.name: cls for cls in (paged.PagedKVCache, paged.PagedKvRows)})
+    from kvrows.reference import paged_latent  # MLA latent planes in a block pool
+
+    found[paged_latent.PagedLatentCache.composition.name] = paged_latent.PagedLatentCache
     missing = [c.name for c in landed() if c.name not in found]
     if missing:
         raise KvRowsError(f"the reference lacks {', '.join(missing)}")

@@ -179,7 +179,9 @@ def _layout(name: str, seed: int) -> Any:
 DROP_INS = [
     c
     for c in landed()
-    if "delayed" not in c.modifiers and c.geometry not in ("latent", "recurrent")
+    if "delayed" not in c.modifiers
+    and c.geometry not in ("latent", "recurrent")
+    and c.codec != "latent"
 ]
 # (latent caches reach mlx-lm's MLA layers through LatentCacheList: tests/test_latent_models.py;
 # recurrent state is ArraysCache's drop-in: tests/test_recurrent_models.py)

@@ -1,0 +1,114 @@
+"""The optimized ``PagedLatentCache`` (``spec/PagedLatentCache.md``): MLA latent planes in an
+MLX block pool.
+
+The row semantics are ``MLACache``'s (``kvrows.latent.LatentRows``), the block bookkeeping
+the paged core's (``kvrows.paged_latent``); this module binds them to the MLX plane
+operations of ``optimized/paged.py`` (one slice write per run of whole blocks, whole blocks
+taken on reads) and the optimized latent's array hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from kvrows.compositions import composition
+from kvrows.errors import InvalidInputError
+from kvrows.optimized.codecs import TurboCodec, dtype_name, make_codec, mlx_dtype
+from kvrows.optimized.latent import _LatentOptimized
+from kvrows.optimized.paged import MlxPlaneOps
+from kvrows.optimized.rows import owned
+from kvrows.paged_latent import LatentBlockPoolBase, PagedLatentRows
+from kvrows.schemes import Affine
+
+__all__ = ["LatentBlockPool", "PagedLatentCache"]
+
+
+class LatentBlockPool(LatentBlockPoolBase):
+    """One MLA layer's blocks in MLX planes."""
+
+    ops = MlxPlaneOps()
+
+
+class PagedLatentCache(PagedLatentRows, _LatentOptimized):
+    """MLA latent + rope (+ DSA index) planes in a block pool, ``MLACache``'s rows
+    (``spec/PagedLatentCache.md``)."""
+
+    composition = composition("PagedLatentCache")
+    pool_class = LatentBlockPool
+
+    def planes(self) -> Any:
+        """The stored planes right-justified (``MLACache``'s optimized form)."""
+        return self.batch_planes()
+
+    def preview(self, latent: mx.array, rope: mx.array) -> tuple[mx.array, mx.array]:
+        """What ``append(latent, rope, index)`` will return for the latent and rope,
+        changing nothing (the drop-in's staged DSA append)."""
+        self._spec_usable()
+        latent, rope, _, four, _, _, _ = self._checked_blocks(latent, rope, None, staged=True)
+        if not four:
+            raise InvalidInputError(f"{type(self).__name__}.preview takes [B, 1, N, W] blocks")
+        block = latent
+        if self.encoded:  # rows that read encoded see the block as it will be stored
+            planes = make_codec(self.latent_codec).encode(latent, self._role)
+            reads_exact = [not c for c in self._converted] or [True] * int(latent.shape[0])
+            rows = mx.array(reads_exact)[:, None, None, None]
+            block = mx.where(rows, latent, self._decode_latent(planes, dtype_name(latent)))
+        if not self.width:
+            return block, rope
+        held_latent, held_rope, _ = self._impl_read([not c for c in self._converted])
+        return (
+            mx.concatenate([held_latent, block], axis=2),
+            mx.concatenate([held_rope, rope], axis=2),
+        )
+
+    def _warm_cat(self, held: Any | None, block: Any, row: int) -> Any:
+        part = block[row : row + 1]
+        joined = owned(part if held is None else mx.concatenate([held, part], axis=2))
+        mx.eval(joined)
+        return joined
+
+    def _warm_cut(self, held: Any, keep: int) -> Any:
+        cut = owned(held[:, :, :keep])
+        mx.eval(cut)
+        return cut
+
+    def _decode_latent(self, planes: Sequence[Any], dtype: str | None = None) -> Any:
+        dtype = dtype or self._dtype
+        assert dtype is not None
+        codec = make_codec(self.latent_codec)
+        if isinstance(codec, TurboCodec):
+            decoded = codec.decode(tuple(planes), "values")
+        else:
+            assert isinstance(self.latent_codec, Affine)
+            packed, scales, biases = planes
+            decoded = mx.dequantize(
+                packed, scales, biases, group_size=self.latent_codec.group_size,
+                bits=self.latent_codec.bits, mode="affine",
+            )  # fmt: skip
+        return decoded.astype(mlx_dtype(dtype))
+
+    def _overlay(self, dense: Any, rows: Sequence[Any | None]) -> Any:
+        if all(row is None for row in rows):
+            return dense
+        width = int(dense.shape[2])
+        parts = []
+        for b, row in enumerate(rows):
+            if row is None:
+                parts.append(dense[b : b + 1])
+                continue
+            pad = width - int(row.shape[2])
+            parts.append(row if not pad else mx.concatenate([dense[b : b + 1, :, :pad], row], 2))
+        return mx.concatenate(parts, axis=0)
+
+    def _stack_warm(self, rows: Sequence[Any | None], width: int) -> Any:
+        assert self._widths is not None and self._dtype is not None
+        zeros = mx.zeros((len(rows), 1, width, self._widths[0]), mlx_dtype(self._dtype))
+        stacked = owned(self._overlay(zeros, rows))
+        mx.eval(stacked)
+        return stacked
+
+
+LatentBlockPool.latent_cache_class = PagedLatentCache

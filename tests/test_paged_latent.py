@@ -1,0 +1,376 @@
+"""``PagedLatentCache`` (``spec/PagedLatentCache.md``): MLA latent planes in a block pool.
+
+Oracles: ``MLACache`` of the same implementation given the same tokens and row
+operations (every read bit-exact), the pool's ledger (counts, invariants, bytes copied),
+mlx-lm's own caches in the MLA models (logits bit for bit), the saved cache (round trip).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kvrows.optimized as opt
+import kvrows.reference as ref
+from kvrows.conformance.arrays import from_mlx
+from kvrows.errors import (
+    CorruptStateError,
+    IncompatibleRowsError,
+    InvalidInputError,
+    PoolExhaustedError,
+    SpeculativeRoundError,
+)
+from kvrows.latent import PAGED_LATENT_FIELDS
+from kvrows.schemes import Affine, Turbo
+
+IMPLS = [ref, opt]
+IDS = ["reference", "optimized"]
+WIDTHS = (64, 16, 32)  # kv_lora_rank, rope_head_dim, index_head_dim
+
+
+@pytest.fixture(autouse=True)
+def _cpu() -> Iterator[None]:
+    with mx.stream(mx.cpu):
+        yield
+
+
+def _np(value: Any) -> Any:
+    return from_mlx(value) if isinstance(value, mx.array) else np.asarray(value)
+
+
+def _native(impl: Any) -> Callable[[Any], Any]:
+    return (lambda a: a) if impl is ref else mx.array
+
+
+class Twins:
+    """A paged cache and an ``MLACache`` driven alike; every read compared bit for bit."""
+
+    def __init__(self, impl: Any, paged: Any, mla: Any, rng: np.random.Generator) -> None:
+        self.impl, self.paged, self.mla, self.rng = impl, paged, mla, rng
+
+    def append(self, n: int) -> None:
+        rows = max(1, self.mla.batch_size)
+        blocks = [self.rng.standard_normal((rows, 1, n, w)).astype(np.float32) for w in WIDTHS]
+        native = _native(self.impl)
+        got = self.paged.append(*(native(b) for b in blocks))
+        want = self.mla.append(*(native(b) for b in blocks))
+        self.same(got, want)
+
+    def same(self, got: Any = None, want: Any = None) -> None:
+        paged, mla = self.paged, self.mla
+        assert (paged.row_offsets, paged.left_pad) == (mla.row_offsets, mla.left_pad)
+        assert paged.converted == mla.converted
+        paged.check_valid()
+        if paged.pool is not None:
+            paged.pool.check_valid()
+        if not mla.width:
+            return
+        got = got or paged.current()
+        want = want or mla.current()
+        for g, w in zip(got, want, strict=True):
+            for b, pad in enumerate(mla.left_pad):  # padding columns are unspecified
+                assert np.array_equal(_np(g)[b, :, pad:], _np(w)[b, :, pad:])
+        mask = (paged.make_mask(2, return_array=True), mla.make_mask(2, return_array=True))
+        assert _np(mask[0]).tolist() == _np(mask[1]).tolist()
+
+
+def _requests(impl: Any, pool: Any, prompts: tuple[int, ...], seed: int = 0) -> list[Twins]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in prompts:
+        twins = Twins(impl, impl.PagedLatentCache(*WIDTHS, pool=pool), impl.MLACache(*WIDTHS), rng)
+        if n:
+            twins.append(n)
+        out.append(twins)
+    return out
+
+
+def _merged(rows: list[Twins]) -> Twins:
+    paged = rows[0].paged.make_empty_batch()
+    paged.merge_rows([r.paged for r in rows])
+    mla = rows[0].mla.make_empty_batch()
+    mla.merge_rows([r.mla for r in rows])
+    return Twins(rows[0].impl, paged, mla, rows[0].rng)
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=IDS)
+def test_rows_equal_mla_cache_and_move_no_byte(impl: Any) -> None:
+    pool = impl.LatentBlockPool(block_size=3, index_head_dim=WIDTHS[2])
+    rows = _requests(impl, pool, (5, 2, 0, 7))
+    written = pool.bytes_written
+    layout = _merged(rows)
+    assert pool.bytes_copied == 0 and pool.bytes_written == written  # tables shared
+    assert layout.paged.projected_bytes(5) == 6 * sum(WIDTHS) * 4  # whole blocks
+    assert layout.paged.nbytes == (2 + 1 + 0 + 3) * pool.bytes_per_block
+    assert layout.paged.block_tables()[:2] == (rows[0].paged.block_tables()[0],
+                                               rows[1].paged.block_tables()[0])  # fmt: skip
+    layout.same()
+    for n in (1, 2):
+        layout.append(n)
+    # rows 0 and 1 shared partly filled tails with their requests: copied on write, once each
+    assert pool.bytes_copied == (5 % 3 + 2 % 3 + 7 % 3) * pool.token_bytes
+    for twins in rows:  # the requests never see the layout's writes
+        twins.same()
+    for keep in ([1, 3, 2, 3], [2, 2, 2, 2]):  # a ragged rollback, then a uniform one
+        layout.paged.spec_round_begin()
+        layout.mla.spec_round_begin()
+        layout.append(3)
+        copied = pool.bytes_copied
+        layout.paged.spec_round_rollback(keep)
+        layout.mla.spec_round_rollback(keep)
+        assert pool.bytes_copied == copied
+        layout.same()
+    copied = pool.bytes_copied
+    layout.paged.filter_rows([2, 0, 3])
+    layout.mla.filter_rows([2, 0, 3])
+    layout.same()
+    extracted = Twins(impl, layout.paged.extract_row(1), layout.mla.extract_row(1), layout.rng)
+    extracted.same()
+    assert extracted.paged.block_tables()[0] == layout.paged.block_tables()[1]
+    assert pool.bytes_copied == copied  # filter and extract edit tables only
+    layout.paged.trim_rows([1, 0, 2])
+    layout.mla.trim_rows([1, 0, 2])
+    layout.same()
+    extracted.append(2)
+    layout.append(1)  # the shared row diverged: each wrote its own tail
+    layout.same()
+    extracted.same()
+    held = pool.ledger.referenced_count
+    for twins in (*rows, layout, extracted):
+        twins.paged.release()
+    assert pool.ledger.referenced_count == 0 < held
+    pool.check_valid()
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=IDS)
+def test_rows_of_other_pools_are_copied_and_nothing_changes_when_refused(impl: Any) -> None:
+    a, b = (impl.LatentBlockPool(block_size=2, index_head_dim=WIDTHS[2]) for _ in range(2))
+    rows = _requests(impl, a, (3,)) + _requests(impl, b, (4,), seed=1)
+    layout = _merged(rows)
+    assert a.bytes_copied == 4 * a.token_bytes and b.bytes_copied == 0
+    layout.same()
+    layout.append(1)
+    other_size = impl.PagedLatentCache(*WIDTHS, block_size=4)
+    other_size.append(*(_native(impl)(np.zeros((1, 1, 1, w), np.float32)) for w in WIDTHS))
+    empty = layout.paged.make_empty_batch()
+    held = [a.ledger.ref(block) for block in range(a.num_blocks)]
+    with pytest.raises(IncompatibleRowsError):
+        empty.merge_rows([rows[0].paged, other_size])
+    assert empty.batch_size == 0 and [a.ledger.ref(x) for x in range(a.num_blocks)] == held
+    with pytest.raises(InvalidInputError):
+        impl.PagedLatentCache(*WIDTHS, pool=a, block_size=4)
+    with pytest.raises(InvalidInputError):
+        impl.PagedLatentCache(64, 16, None, pool=a)  # the pool holds index planes
+    half = _native(impl)(np.zeros((1, 1, 1, 64), np.float16))
+    fresh = impl.PagedLatentCache(*WIDTHS, pool=a)
+    assert fresh.dtype == "float32"  # the pool's widths and dtype are the cache's
+    with pytest.raises(InvalidInputError):
+        fresh.append(half, half[..., :16], half[..., :32])
+    assert fresh.batch_size == 0
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=IDS)
+def test_an_exhausted_pool_refuses_with_nothing_changed(impl: Any) -> None:
+    per_block = 2 * (64 + 16 + 32) * 4  # two float32 tokens of latent, rope and index
+    pool = impl.LatentBlockPool(block_size=2, index_head_dim=WIDTHS[2], max_bytes=3 * per_block)
+    twins = _requests(impl, pool, (3,))[0]
+    before = _np(twins.paged.current()[0])
+    with pytest.raises(PoolExhaustedError):
+        twins.append(4)  # 7 tokens need 4 blocks
+    assert twins.paged.row_offsets == (3,) and np.array_equal(_np(twins.paged.current()[0]), before)
+    assert pool.bytes_per_block == per_block
+    pool.check_valid()
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=IDS)
+def test_prefix_blocks_are_hashed_and_shared(impl: Any) -> None:
+    pool = impl.LatentBlockPool(block_size=2, index_head_dim=WIDTHS[2])
+    twins = _requests(impl, pool, (5,))[0]
+    ids = [3, 1, 4, 1, 5]
+    assert twins.paged.register_prefix(0, ids) == 2
+    hit = pool.lookup_prefix([*ids[:4], 9])
+    assert hit is not None and hit.row_offsets == (4,)
+    assert hit.block_tables()[0] == twins.paged.block_tables()[0][:2]
+    for got, want in zip(hit.current(), twins.paged.current(), strict=True):
+        assert np.array_equal(_np(got), _np(want)[:, :, :4])
+    assert pool.lookup_prefix([7, 7, 7]) is None
+    twins.paged.spec_round_begin()
+    with pytest.raises(SpeculativeRoundError):
+        twins.paged.register_prefix(0, ids)
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=IDS)
+def test_state_round_trip_and_refusals(impl: Any, tmp_path: Path) -> None:
+    from kvrows.persist.prompt_cache import load_prompt_cache, save_prompt_cache
+
+    pool = impl.LatentBlockPool(block_size=3, index_head_dim=WIDTHS[2])
+    layout = _merged(_requests(impl, pool, (5, 2, 0)))
+    state = layout.paged.state
+    assert len(state) == len(PAGED_LATENT_FIELDS) and state[-1] == 3
+    back = Twins(impl, impl.PagedLatentCache.from_state(state), layout.mla, layout.rng)
+    back.same()
+    assert back.paged.pool is not pool and back.paged.block_size == 3
+    back.append(2)  # it continues as the saved cache would
+    layout.paged.state = back.paged.state  # the setter: into the cache's own pool
+    Twins(impl, layout.paged, layout.mla, layout.rng).same()
+    assert layout.paged.pool is pool
+    tight = impl.LatentBlockPool(block_size=3, index_head_dim=WIDTHS[2], max_bytes=1)
+    with pytest.raises(PoolExhaustedError):
+        impl.PagedLatentCache.from_state(state, pool=tight)
+    tight.check_valid()
+    assert tight.ledger.referenced_count == 0
+    ints = (lambda v: np.array(v, np.int32)) if impl is ref else (lambda v: mx.array(v, mx.int32))
+    fields = dict(zip(PAGED_LATENT_FIELDS, state, strict=True))
+    for bad in (
+        {"block_size": 0},
+        {"offset": ints([5, 2, 9])},
+        {"bits": 4, "group_size": 32},
+        {"latent": (fields["latent"][0], fields["latent"][0])},
+        {"rope": fields["index"]},
+    ):
+        corrupt = tuple({**fields, **bad}[name] for name in PAGED_LATENT_FIELDS)
+        with pytest.raises(InvalidInputError):
+            impl.PagedLatentCache.from_state(corrupt)
+    before = layout.paged.row_offsets
+    with pytest.raises(InvalidInputError):
+        layout.paged.state = impl.MLACache(*WIDTHS).state  # another form: unchanged
+    assert layout.paged.row_offsets == before
+    if impl is opt:  # prompt-cache files (MLX arrays)
+        path = tmp_path / "paged_latent.safetensors"
+        save_prompt_cache(path, [layout.paged])
+        for implementation in ("optimized", "reference"):
+            loaded = load_prompt_cache(path, implementation=implementation)[0]
+            assert loaded.row_offsets == layout.paged.row_offsets
+            for got, want in zip(loaded.current(), layout.paged.current(), strict=True):
+                for b, pad in enumerate(layout.paged.left_pad):
+                    assert np.array_equal(_np(got)[b, :, pad:], _np(want)[b, :, pad:])
+        data = bytearray(path.read_bytes())
+        data[-20] ^= 0x01
+        path.write_bytes(bytes(data))
+        with pytest.raises(CorruptStateError):
+            load_prompt_cache(path)
+
+
+@pytest.mark.parametrize(
+    ("codec", "start"),
+    [(Affine(bits=4, group_size=32), 3), (Turbo(k_bits=8, v_bits=3), 0)],
+    ids=["affine4-start3", "turbo3-start0"],
+)
+@pytest.mark.parametrize("impl", IMPLS, ids=IDS)
+def test_an_encoded_latent_equals_encoded_latent_cache(impl: Any, codec: Any, start: int) -> None:
+    """The latent through a codec, bf16-first at ``start``: every read, converted flag and
+    saved state as ``EncodedLatentCache``'s; the blocks hold codes, the warm-up exact
+    latent lives beside the pool only while a row reads exact."""
+    pool = impl.LatentBlockPool(codec, block_size=3, index_head_dim=WIDTHS[2])
+    rng = np.random.default_rng(3)
+    rows = []
+    for n in (5, 2, 0, 1):
+        paged = impl.PagedLatentCache(*WIDTHS, pool=pool, codec=codec, start=start)
+        twins = Twins(impl, paged, impl.EncodedLatentCache(*WIDTHS, codec=codec, start=start), rng)
+        if n:
+            twins.append(n)
+        rows.append(twins)
+    assert rows[0].paged.signature() == f"kv:mla-paged:target:dsa:{codec.key}:{start}"
+    layout = _merged(rows)
+    layout.same()
+    for step in (1, 2):
+        layout.append(step)
+    layout.paged.spec_round_begin()
+    layout.mla.spec_round_begin()
+    layout.append(3)
+    layout.paged.spec_round_rollback([1, 3, 2, 1])
+    layout.mla.spec_round_rollback([1, 3, 2, 1])
+    layout.same()
+    assert any(layout.paged.converted)
+    layout.paged.filter_rows([3, 1])
+    layout.mla.filter_rows([3, 1])
+    layout.same()
+    extracted = Twins(impl, layout.paged.extract_row(1), layout.mla.extract_row(1), layout.rng)
+    extracted.same()
+    extracted.append(1)
+    back = Twins(impl, impl.PagedLatentCache.from_state(layout.paged.state), layout.mla, rng)
+    back.same()
+    back.append(2)
+    with pytest.raises(InvalidInputError):
+        impl.PagedLatentCache(*WIDTHS, pool=pool)  # the pool stores the encoded latent
+    plain = impl.PagedLatentCache(*WIDTHS, pool=impl.LatentBlockPool(index_head_dim=WIDTHS[2]))
+    with pytest.raises(IncompatibleRowsError):
+        layout.paged.make_empty_batch().merge_rows([plain])
+
+
+# -- the MLA models ---------------------------------------------------------------------
+
+PROMPT = [5, 7, 9, 11, 13, 2, 3, 4, 5, 6, 7, 8]  # past index_topk = 8: the sparse path
+
+
+def _same(a: mx.array, b: mx.array) -> bool:
+    return bool(mx.array_equal(a, b).item())
+
+
+def test_mla_models_give_mlx_lm_logits() -> None:
+    """deepseek_v32 (DSA, CacheList pairs) and deepseek_v3 (one KVCache per layer) on paged
+    latent caches of shared pools: mlx-lm's logits serial, and MLACache's merged."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvrows.app.latent_models import (
+        latent_pools,
+        make_latent_cache,
+        make_paged_latent_cache,
+        tiny_latent_model,
+    )
+
+    for arch in ("deepseek_v32", "deepseek_v3"):
+        model = tiny_latent_model(arch)
+        pools = latent_pools(model, block_size=4)
+        prompts = [PROMPT, [9, 8, 7]]
+        theirs = [make_prompt_cache(model) for _ in prompts]
+        mine = [make_paged_latent_cache(model, pools) for _ in prompts]
+        oracle = [make_latent_cache(model) for _ in prompts]
+        for p, t, m, o in zip(prompts, theirs, mine, oracle, strict=True):
+            got = model(mx.array([p]), cache=m)
+            assert _same(got, model(mx.array([p]), cache=t))
+            model(mx.array([p]), cache=o)
+            step = mx.array([[3]])
+            assert _same(model(step, cache=m), model(step, cache=t))
+            model(step, cache=o)
+        dsa = arch == "deepseek_v32"
+
+        def merged(caches: list[list[Any]], dsa: bool = dsa) -> list[Any]:
+            layers = []
+            for per_row in zip(*caches, strict=True):
+                layout = per_row[0].cache.make_empty_batch()
+                layout.merge_rows([c.cache for c in per_row])
+                pair = opt.LatentCacheList(layout)
+                layers.append(pair if dsa else pair[0])
+            return layers
+
+        batch_mine, batch_oracle = merged(mine), merged(oracle)
+        for tokens in ([[3], [4]], [[5], [6]]):
+            step = mx.array(tokens)
+            assert _same(model(step, cache=batch_mine), model(step, cache=batch_oracle))
+        for pool in pools:
+            pool.check_valid()
+
+
+def test_an_encoded_paged_latent_in_the_model_equals_encoded_latent_cache() -> None:
+    from kvrows.app.latent_models import (
+        latent_pools,
+        make_latent_cache,
+        make_paged_latent_cache,
+        tiny_latent_model,
+    )
+
+    model = tiny_latent_model("deepseek_v32")
+    codec = Affine(bits=4, group_size=32)
+    mine = make_paged_latent_cache(model, latent_pools(model, 4, codec), start=5)
+    oracle = make_latent_cache(model, codec, start=5)
+    assert mine[0].signature() == "kv:mla-paged:target:dsa:affine:4:32:5"
+    for tokens in (PROMPT, [3], [4, 5]):
+        block = mx.array([tokens])
+        assert _same(model(block, cache=mine), model(block, cache=oracle))
+    assert mine[0].cache.converted == (True,)
