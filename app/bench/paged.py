@@ -56,7 +56,17 @@ from kvrows.validation import KvGeometry
 
 lm_cache: Any = importlib.import_module("mlx_lm.models.cache")
 
-__all__ = ["FULL_SHAPES", "OPERATIONS", "QUICK_SHAPES", "PagedShape", "family"]
+__all__ = [
+    "CI_SHAPES",
+    "FULL_SHAPES",
+    "IMPLS",
+    "OPERATIONS",
+    "QUICK_SHAPES",
+    "PagedShape",
+    "append_cases",
+    "family",
+    "shape_cases",
+]
 
 OPERATIONS = ("merge", "filter", "extract", "join", "decode")
 IMPLS = ("paged", "contiguous", "mlx-lm")
@@ -164,7 +174,8 @@ def _expect(data: _Data, source: int, what: str, got: tuple[Any, Any]) -> None:
         raise BenchCheckError(f"{what}: row {source} is not the input data")
 
 
-def _cases(shape: PagedShape) -> Iterator[Case]:
+def shape_cases(shape: PagedShape) -> Iterator[Case]:
+    """One case per operation at ``shape`` (its data generated once, shared)."""
     data = _Data(shape)
     b, t, tb = shape.batch, shape.tokens, shape.token_bytes
     kept = list(range(1, b, 2))
@@ -200,7 +211,7 @@ def _cases(shape: PagedShape) -> Iterator[Case]:
                 before[0] = data.moved()
                 return None
 
-            def run(_: Any) -> Any:
+            def run(state: Any) -> Any:
                 return counted(_merge(impl, rows[:b]))
 
             def check(result: Any) -> None:
@@ -210,7 +221,8 @@ def _cases(shape: PagedShape) -> Iterator[Case]:
         elif op == "filter":
             setup = live
 
-            def run(batch: Any) -> Any:
+            def run(state: Any) -> Any:
+                batch = state
                 if impl == "mlx-lm":
                     batch.filter(kept)
                 else:
@@ -224,7 +236,8 @@ def _cases(shape: PagedShape) -> Iterator[Case]:
         elif op == "extract":
             setup = live
 
-            def run(batch: Any) -> Any:
+            def run(state: Any) -> Any:
+                batch = state
                 if impl == "mlx-lm":
                     cache = batch.extract(b // 2)
                     mx.eval(cache.keys, cache.values)
@@ -262,7 +275,8 @@ def _cases(shape: PagedShape) -> Iterator[Case]:
         else:  # decode
             setup = live
 
-            def run(batch: Any) -> Any:
+            def run(state: Any) -> Any:
+                batch = state
                 mask = batch.make_mask(1)
                 k, v = batch.update_and_fetch(data.step_keys, data.step_values)
                 out = mx.fast.scaled_dot_product_attention(
@@ -306,7 +320,8 @@ def _cases(shape: PagedShape) -> Iterator[Case]:
         yield Case(f"{op} {shape.label}", loads, lines, key=(op, shape))
 
 
-def _append_cases(shapes: Sequence[PagedShape]) -> Iterator[Case]:
+def append_cases(shapes: Sequence[PagedShape]) -> Iterator[Case]:
+    """One append case per distinct ``(L, H, D)`` of ``shapes``."""
     seen: set[tuple[int, int, int]] = set()
     for shape in shapes:
         key = (shape.tokens, shape.heads, shape.head_dim)
@@ -409,7 +424,7 @@ def family(*, quick: bool = False, shapes: Sequence[PagedShape] | None = None) -
 
     def row_cases() -> Iterator[Case]:
         for shape in chosen:
-            yield from _cases(shape)
+            yield from shape_cases(shape)
 
     return Family(
         name="paged",
@@ -441,7 +456,7 @@ def family(*, quick: bool = False, shapes: Sequence[PagedShape] | None = None) -
                     "memcpy GB/s",
                     "paged/memcpy",
                 ],
-                _append_cases(chosen),
+                append_cases(chosen),
                 title="append into a reused pool",
             ),
         ],
