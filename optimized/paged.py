@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from kvrows.compositions import composition
 from kvrows.optimized.codecs import dtype_name, make_codec
@@ -50,6 +51,19 @@ def _runs(pieces: Sequence[Piece], size: int) -> list[tuple[Piece, int]]:
     return runs
 
 
+def _host_views(planes: Planes) -> list[np.ndarray[Any, Any]] | None:
+    """Writable NumPy views of the pool's planes on the CPU backend (``None`` elsewhere, or
+    for a dtype NumPy lacks): the planes are evaluated, owned by the pool alone and read
+    only through evaluated copies (gathers), so writing their buffers in place is what an
+    MLX slice update with buffer donation does, without its slow copy kernel."""
+    if mx.default_device() != mx.cpu or any(p.dtype == mx.bfloat16 for p in planes):
+        return None
+    views = [np.asarray(p) for p in planes]
+    if not all(v.flags.writeable and v.flags.c_contiguous for v in views):
+        return None
+    return views
+
+
 class MlxPlaneOps:
     """The paged plane operations on MLX arrays."""
 
@@ -72,6 +86,22 @@ class MlxPlaneOps:
         # (MLX's indexed scatter on the CPU runs at a tenth of a slice write's speed).
         size = int(planes[0].shape[2])
         runs = _runs(pieces, size)
+        views = _host_views(planes)
+        if views is not None:
+            # The CPU backend: NumPy writes into the pool's own buffers (MLX's slice update
+            # copies at about a tenth of memcpy's speed there; this runs near memcpy's).
+            for view, src in zip(views, source, strict=True):
+                data = np.asarray(src)
+                heads, width = view.shape[1], view.shape[3]
+                for (block, start, count, row, token), whole in runs:
+                    if whole:
+                        piece = data[row, :, token : token + whole * size]
+                        view[block : block + whole] = piece.reshape(
+                            heads, whole, size, width
+                        ).transpose(1, 0, 2, 3)
+                    else:
+                        view[block, :, start : start + count] = data[row, :, token : token + count]
+            return planes
         for plane, src in zip(planes, source, strict=True):
             heads, width = int(plane.shape[1]), int(plane.shape[3])
             for (block, start, count, row, token), whole in runs:
@@ -86,6 +116,11 @@ class MlxPlaneOps:
         return planes
 
     def copy_block(self, planes: Planes, target: int, origin: int, count: int) -> Planes:
+        views = _host_views(planes)
+        if views is not None:
+            for view in views:
+                view[target, :, :count] = view[origin, :, :count]
+            return planes
         for plane in planes:
             plane[target, :, :count] = plane[origin, :, :count]
         mx.eval(*planes)
