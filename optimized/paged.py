@@ -52,6 +52,18 @@ def _runs(pieces: Sequence[Piece], size: int) -> list[tuple[Piece, int]]:
     return runs
 
 
+#: NumPy dtype strings of the plane dtypes the CPU write path serves.
+_MX_DTYPES = {
+    np.dtype(np.float16).str: mx.float16,
+    np.dtype(np.float32).str: mx.float32,
+    np.dtype(np.uint32).str: mx.uint32,
+    np.dtype(np.uint8).str: mx.uint8,
+    np.dtype(np.int8).str: mx.int8,
+    np.dtype(np.uint16).str: mx.uint16,
+    np.dtype(np.int32).str: mx.int32,
+}
+
+
 def _host_views(planes: Planes) -> list[np.ndarray[Any, Any]] | None:
     """Writable NumPy views of the pool's planes on the CPU backend (``None`` elsewhere, or
     for a dtype NumPy lacks): the planes are evaluated, owned by the pool alone and read
@@ -60,9 +72,47 @@ def _host_views(planes: Planes) -> list[np.ndarray[Any, Any]] | None:
     if mx.default_device() != mx.cpu or any(p.dtype == mx.bfloat16 for p in planes):
         return None
     views = [np.asarray(p) for p in planes]
-    if not all(v.flags.writeable and v.flags.c_contiguous for v in views):
+    if not all(
+        v.flags.writeable and v.flags.c_contiguous and v.dtype.str in _MX_DTYPES for v in views
+    ):
         return None
     return views
+
+
+def _host_gather(
+    views: Sequence[np.ndarray[Any, Any]],
+    rows: Sequence[tuple[Sequence[int], int]],
+    pads: Sequence[int],
+    width: int,
+) -> Planes:
+    """The CPU backend's gather: fresh zeroed MLX arrays filled in place through NumPy, one
+    strided copy per run of consecutive blocks (MLX's take + transpose + concatenate +
+    stack copied the batch's KV several times over at slice-update speed)."""
+    out = []
+    for view in views:
+        heads, size, dim = view.shape[1], view.shape[2], view.shape[3]
+        image = mx.zeros((len(rows), heads, width, dim), dtype=_MX_DTYPES[view.dtype.str])
+        mx.eval(image)
+        target = np.asarray(image)
+        if not (target.flags.writeable and target.flags.c_contiguous):  # not its own buffer
+            image = mx.array(np.zeros(target.shape, dtype=target.dtype))
+            target = np.asarray(image)
+        for b, ((blocks, count), pad) in enumerate(zip(rows, pads, strict=True)):
+            full, tail = divmod(count, size)
+            j = 0
+            while j < full:  # runs of consecutive whole blocks
+                run = 1
+                while j + run < full and blocks[j + run] == blocks[j] + run:
+                    run += 1
+                start = pad + j * size
+                dest = target[b, :, start : start + run * size].reshape(heads, run, size, dim)
+                dest[...] = view[blocks[j] : blocks[j] + run].transpose(1, 0, 2, 3)
+                j += run
+            if tail:
+                start = pad + full * size
+                target[b, :, start : start + tail] = view[blocks[full], :, :tail]
+        out.append(image)
+    return tuple(out)
 
 
 class MlxPlaneOps:
@@ -136,6 +186,9 @@ class MlxPlaneOps:
     ) -> Planes:
         # Each row's blocks are taken whole along axis 0, laid out in logical order and cut
         # to its positions; pad columns are zeros.
+        views = _host_views(planes)
+        if views is not None:
+            return _host_gather(views, rows, pads, width)
         out = []
         for plane in planes:
             heads, dim = int(plane.shape[1]), int(plane.shape[3])
