@@ -4,8 +4,8 @@ The bookkeeping is the core's (``kvrows.paged``, ``kvrows.paged_storage``). Here
 plane operation is one MLX op over index arrays: an append scatters all rows' tokens into
 their slots with one indexed update per plane, a read gathers every row's slots with one
 take (pad columns masked to zero). The pool is allocated once and grows by whole block
-ranges; appends write into it in place (on the CPU backend through NumPy views of its
-buffers: ``_host_views`` says why).
+ranges; appends write into it in place. On the CPU backend writes and reads go through
+NumPy views of the buffers instead (``_host_views`` / ``_host_gather`` say why).
 """
 
 from __future__ import annotations
