@@ -139,6 +139,14 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     demo.add_argument(
+        "--paged",
+        action="store_true",
+        help="the engine's paged option (one block pool per layer, rows by block table, "
+        "prefix blocks shared by hash): the trace with the invariance check, and a "
+        "shared-prefix trace's peak KV bytes and tokens/s against the contiguous layouts "
+        "(schemes: plain, affine8, turbo)",
+    )
+    demo.add_argument(
         "--mla",
         action="store_true",
         help="the tiny MLA models (deepseek_v32, glm_moe_dsa) on latent caches, with the "
@@ -191,6 +199,19 @@ def _run(args: argparse.Namespace) -> int:
                 requests=args.requests,
                 max_batch=args.max_batch,
                 kv_start=args.kv_start,
+            )
+        )
+    if args.command == "demo" and args.paged:
+        from kvrows.app.paged_demo import run_paged_demo
+
+        return int(
+            run_paged_demo(
+                model_path=args.model,
+                schemes=args.scheme,
+                requests=args.requests,
+                max_batch=args.max_batch,
+                kv_budget=args.kv_budget,
+                progress=not args.quiet,
             )
         )
     if args.command == "demo" and args.speculative:

@@ -50,10 +50,13 @@ import numpy.typing as npt
 
 from kvrows.app.attention import attention_scope, hookable_modules
 from kvrows.app.models import make_kvrows_cache
+from kvrows.app.paged_engine import PagedLayers
 from kvrows.delayed import DelayedRows
 from kvrows.errors import CapacityError, InvalidInputError, KvRowsError, LayoutStateError
 from kvrows.lego import Bf16First
 from kvrows.maintenance import KvMaintenance, create_kv_maintenance
+from kvrows.optimized.paged import PagedKVCache
+from kvrows.paged import DEFAULT_BLOCK_SIZE
 from kvrows.persist.prefix_store import PrefixStore, reusable_copies
 from kvrows.protocols import BatchableCache, Cache, RingGeometry
 from kvrows.schemes import KvStorageScheme
@@ -209,10 +212,13 @@ class PrefixCache:
         if tokens:
             self._entries[tuple(tokens)] = caches
 
-    def lookup(self, prompt: Sequence[int]) -> tuple[int, list[Cache]] | None:
-        """The longest usable prefix of ``prompt`` (leaving one token to compute), as copies."""
+    def lookup(
+        self, prompt: Sequence[int], *, limit: int | None = None
+    ) -> tuple[int, list[Cache]] | None:
+        """The longest usable prefix of ``prompt`` (leaving one token to compute; at most
+        ``limit`` tokens), as copies."""
         best: tuple[int, list[Cache]] | None = None
-        limit = len(prompt) - 1
+        limit = len(prompt) - 1 if limit is None else min(limit, len(prompt) - 1)
         for key, caches in self._entries.items():
             common = 0
             for a, b in zip(key, prompt, strict=False):
@@ -320,6 +326,8 @@ class Engine:
         draft_model: Any = None,
         draft_tokens: int = 3,
         pipelined: bool = True,
+        paged: bool = False,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
         if max_batch < 1 or prefill_chunk < 1:
             raise InvalidInputError("max_batch and prefill_chunk must be >= 1")
@@ -363,6 +371,21 @@ class Engine:
         #: evaluated and read before the next (the synchronous oracle). Speculative rounds
         #: (a draft model) read their verdict every round: they always run synchronously.
         self.pipelined = bool(pipelined)
+        #: The paged option (``spec/engine.md`` §14): one block pool per full-attention
+        #: layer, shared by every request; ``None``: contiguous layouts.
+        self.paged: PagedLayers | None = None
+        if paged:
+            if maintenance.converts_later:
+                raise InvalidInputError(
+                    f"scheme {maintenance.scheme.name}: a bf16-first start (quantized_kv_start) "
+                    "has no paged layout; run paged without --kv-start"
+                )
+            self.paged = PagedLayers(
+                lambda: make_kvrows_cache(model, self.scheme), block_size=block_size
+            )
+        #: Paged admission: per running request, the bytes of its prefix blocks that other
+        #: rows held when it was admitted (counted once: by them); reset when a row leaves.
+        self._shared_credit: dict[str, int] = {}
         self.admission = self._admission(model)
         self.draft_admission = None if draft_model is None else self._admission(draft_model)
         self._signatures = [_signatures_of(c) for c in make_kvrows_cache(model, self.scheme)]
@@ -377,7 +400,9 @@ class Engine:
         token; where a storage does not know it yet (the model's config does not say, or
         the storage cannot take a declaration), one probe token runs through the model.
         """
-        caches = make_kvrows_cache(model, self.scheme)
+        caches = (
+            self._fresh_caches() if model is self.model else make_kvrows_cache(model, self.scheme)
+        )
         layouts = self._new_layouts(self.maintenance.prepare_batch(caches), prefill=False)
         admission = row_admission(layouts)
         assert admission is not None
@@ -385,6 +410,11 @@ class Engine:
             admission.bytes(1)
         except LayoutStateError:
             probe = make_kvrows_cache(model, self.scheme)
+            if model is self.model and self.paged is not None:
+                probe = [
+                    PagedKVCache() if p is not None else c
+                    for c, p in zip(probe, self.paged.pools, strict=True)
+                ]
             model(mx.array([[0]]), cache=probe)
             for layout, cache in zip(layouts, probe, strict=True):
                 layout.merge_rows([cache])
@@ -418,10 +448,29 @@ class Engine:
         return out
 
     def projected_bytes(self, request: Request) -> int:
-        """The row's KV bytes at its longest (the draft's rows included)."""
+        """The row's KV bytes at its longest (the draft's rows included). Paged: whole
+        blocks, less the prefix blocks other running rows hold (counted once, by them)."""
         tokens = len(request.prompt) + request.max_tokens
         draft = 0 if self.draft_admission is None else self.draft_admission.bytes(tokens)
-        return self.admission.bytes(tokens) + draft
+        credit = 0
+        if self.paged is not None:
+            credit = self._shared_credit.get(request.rid, -1)
+            if credit < 0:  # not admitted yet: what its lookup would share now
+                credit = self.paged.shared_credit(request.prompt)
+        return self.admission.bytes(tokens) + draft - credit
+
+    def _fresh_caches(self) -> list[Cache]:
+        """A request's fresh per-layer caches (paged layers: empty caches of their pool)."""
+        if self.paged is not None:
+            return self.paged.caches()
+        return make_kvrows_cache(self.model, self.scheme)
+
+    def _held_kv_bytes(self, caches: Sequence[Cache]) -> int:
+        """``Σ nbytes`` of layouts and caches; paged layers are counted by their pools
+        (a block shared by several tables once, cached free blocks included)."""
+        if self.paged is None:
+            return sum(c.nbytes for c in caches)
+        return self.paged.unpaged_bytes(caches) + self.paged.held_bytes()
 
     # -- the loop -------------------------------------------------------------------------
     def run(self, requests: Sequence[Request]) -> tuple[list[RequestResult], EngineStats]:
@@ -448,8 +497,12 @@ class Engine:
             """KV bytes held now: layouts (the draft's too), serial caches in transit, the
             prefix cache."""
             draft = [] if drafter is None else drafter.layouts
-            held = sum(x.nbytes for x in cohort_layouts + decode_layouts + draft)
-            held += sum(c.nbytes for row in cohort + running for c in row.caches)
+            held = self._held_kv_bytes(
+                cohort_layouts
+                + decode_layouts
+                + draft
+                + [c for r in cohort + running for c in r.caches]
+            )
             return held + (self.prefix_cache.nbytes if self.prefix_cache is not None else 0)
 
         def sample(evaluate: bool = True) -> None:
@@ -602,13 +655,22 @@ class Engine:
 
     # -- pieces ----------------------------------------------------------------------------
     def _admit(self, request: Request, result: RequestResult, arrived_at: float) -> _Row:
-        caches: list[Cache] = make_kvrows_cache(self.model, self.scheme)
+        caches: list[Cache] = self._fresh_caches()
         fed = 0
-        if self.prefix_cache is not None:
+        if self.paged is not None:
+            self._shared_credit[request.rid] = self.paged.shared_credit(request.prompt)
+            if self.prefix_cache is not None:
+                cache = self.prefix_cache
+                hit = self.paged.lookup(
+                    request.prompt, lambda limit: cache.lookup(request.prompt, limit=limit)
+                )
+                if hit is not None:
+                    fed, caches = hit
+        elif self.prefix_cache is not None:
             hit = self.prefix_cache.lookup(request.prompt)
             if hit is not None:
                 fed, caches = hit
-        if self.prefix_store is not None:
+        if self.prefix_store is not None and self.paged is None:
             started = time.perf_counter()
             # Only a longer prefix than memory's is worth a load (and one token stays).
             found = self.prefix_store.longest(
@@ -822,12 +884,32 @@ class Engine:
     def _retire_serial(self, row: _Row) -> None:
         """A row that finished on its first token: its serial caches are published as is."""
         self._close_timing(row)
-        self._publish(self._covered(row), row.caches)
+        if self.paged is not None:
+            self._shared_credit.clear()  # a row leaves: the rows it shared with count theirs
+            if self.prefix_cache is not None:
+                self.paged.publish_serial(row.caches, self._covered(row))
+                if self.paged.mixed:
+                    self._publish(self._covered(row), self.paged.unpaged_layers(row.caches))
+        else:
+            self._publish(self._covered(row), row.caches)
         row.caches = []
 
     def _retire(self, row: _Row, layouts: list[BatchableCache], index: int) -> None:
         if row.result.finish_reason:  # else its last token is in flight: timed when read
             self._close_timing(row)
+        if self.paged is not None:
+            self._shared_credit.clear()  # a row leaves: the rows it shared with count theirs
+            if self.prefix_cache is None:
+                return
+            covered = self._covered(row)
+            self.paged.publish_rows(layouts, index, covered)
+            if self.paged.mixed:
+                others = [
+                    publish_row(x, index, len(covered)) for x in self.paged.unpaged_layers(layouts)
+                ]
+                if all(cache is not None for cache in others):
+                    self._publish(covered, [c for c in others if c is not None])
+            return
         if self.prefix_cache is None and self.prefix_store is None:
             return
         covered = self._covered(row)

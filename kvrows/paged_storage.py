@@ -523,6 +523,22 @@ class _PagedBase(SavedState, ComposedIdentity):
     def state_needs_dispose(self) -> bool:
         return False
 
+    # mlx-lm's attention reads ``bits`` / ``group_size`` off an affine cache (its quantized
+    # path); other codecs have neither (``hasattr`` is false).
+    @property
+    def bits(self) -> int:
+        return int(self._affine_parameter("bits"))
+
+    @property
+    def group_size(self) -> int:
+        return int(self._affine_parameter("group_size"))
+
+    def _affine_parameter(self, name: str) -> Any:
+        spec = self.codec_spec
+        if getattr(spec, "kind", None) != "affine":
+            raise AttributeError(f"{type(self).__name__} over {spec!r} has no {name}")
+        return getattr(spec, name)
+
     def _ensure_pool(self, geometry: KvGeometry) -> BlockPoolBase:
         if self._pool is None:
             self._pool = self.pool_class(

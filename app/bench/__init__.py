@@ -14,7 +14,9 @@ them as a :class:`~kvrows.app.bench.runner.Family`:
 * :mod:`.delayed`: bf16-first schemes: per-row conversion (delayed layouts) against
   whole-cache conversion (mlx-lm's rule) and the solo runs, at each ``quantized_kv_start``;
 * :mod:`.turbo`: TurboQuant's value distortion against the paper, bytes per token of every
-  scheme, teacher-forced quality against plain on the tiny models, decode attention cost.
+  scheme, teacher-forced quality against plain on the tiny models, decode attention cost;
+* :mod:`.paged`: block-table row operations and the paged decode step against the
+  contiguous layouts and mlx-lm, append into a reused pool against memcpy.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ FAMILIES = {
     "speculative": "speculative",
     "delayed": "delayed",
     "turbo": "turbo",
+    "paged": "paged",
 }
 
 

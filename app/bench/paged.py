@@ -1,0 +1,464 @@
+"""The paged family: block-table row operations against the contiguous layouts and mlx-lm.
+
+Shared by ``kvrows bench --family paged`` and ``benchmarks/test_bench_paged.py``.
+
+One attention layer, float16, ``H`` KV heads of dim ``D`` (the plain family's 8 x 128 by
+default), block size 16. Implementations:
+
+* ``paged``: ``kvrows.optimized.PagedKvRows`` over one ``BlockPool`` holding every row (the
+  serial rows are ``PagedKVCache`` s of that pool, prefilled once);
+* ``contiguous``: ``kvrows.optimized.PaddedKVRows`` over ``KVCache`` rows;
+* ``mlx-lm``: ``BatchKVCache.merge`` / ``extend`` / ``filter`` / ``extract`` over mlx-lm
+  ``KVCache`` rows.
+
+Operations: ``merge`` (``B`` rows of ``L`` tokens into a batch), ``filter`` (a live batch
+keeps its odd rows), ``extract`` (row ``B//2`` as a serial cache), ``join`` (one row of
+``L`` tokens joins a live batch of ``B``), ``decode`` (one step on the live batch:
+``make_mask(1)``, ``update_and_fetch`` of one token per row and attention of ``4·H`` query
+heads: the paged read gathers every row's blocks). ``bytes`` is what the operation moves:
+for ``paged`` the pool's counters (``bytes_copied`` + ``bytes_written`` difference: 0 for
+the row operations, the ``B`` new tokens for decode), for the others the bytes a compacting
+copy moves (``2·B·L·T`` for merge, and so on; ``T`` = bytes of one token's K and V).
+
+The append table: one row of ``L`` tokens appended into a pool allocated once and reused
+(``BlockPool.append``) against ``numpy.copyto`` of the same bytes into a pre-touched buffer
+(the CPU's practical ceiling) and a fresh contiguous ``KVCache.update_and_fetch``.
+
+Every timed call ends with ``mx.eval`` of what it produced; setup is not timed; the last
+result of each workload is checked (tables, row contents, counters).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+import kvrows.optimized as optimized
+from kvrows.app.bench.runner import (
+    BenchCheckError,
+    Case,
+    Family,
+    Table,
+    Timing,
+    Workload,
+    check_equal,
+    format_gbps,
+    ratio,
+    to_numpy,
+)
+from kvrows.optimized.paged import BlockPool, PagedKVCache, PagedKvRows
+from kvrows.validation import KvGeometry
+
+lm_cache: Any = importlib.import_module("mlx_lm.models.cache")
+
+__all__ = [
+    "CI_SHAPES",
+    "FULL_SHAPES",
+    "IMPLS",
+    "OPERATIONS",
+    "QUICK_SHAPES",
+    "PagedShape",
+    "append_cases",
+    "family",
+    "shape_cases",
+]
+
+OPERATIONS = ("merge", "filter", "extract", "join", "decode")
+IMPLS = ("paged", "contiguous", "mlx-lm")
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class PagedShape:
+    batch: int
+    tokens: int
+    heads: int = 8
+    head_dim: int = 128
+
+    @property
+    def token_bytes(self) -> int:
+        return 2 * self.heads * self.head_dim * 2
+
+    @property
+    def label(self) -> str:
+        return f"B={self.batch} L={self.tokens}"
+
+
+FULL_SHAPES = tuple(PagedShape(b, t) for b in (4, 16, 64) for t in (1024, 4096))
+QUICK_SHAPES = (PagedShape(4, 256, heads=4, head_dim=64), PagedShape(16, 256, heads=4, head_dim=64))
+#: ``benchmarks/`` without ``KVROWS_BENCH_FULL=1`` and the smoke test: seconds.
+CI_SHAPES = (PagedShape(3, 40, heads=2, head_dim=32),)
+
+
+class _Data:
+    """One shape's inputs and its serial rows in all three implementations."""
+
+    def __init__(self, shape: PagedShape) -> None:
+        b, h, t, d = shape.batch, shape.heads, shape.tokens, shape.head_dim
+        seeds = mx.random.split(mx.random.key(0), 6)
+        self.keys = mx.random.normal((b + 1, h, t, d), key=seeds[0]).astype(mx.float16)
+        self.values = mx.random.normal((b + 1, h, t, d), key=seeds[1]).astype(mx.float16)
+        self.step_keys = mx.random.normal((b, h, 1, d), key=seeds[2]).astype(mx.float16)
+        self.step_values = mx.random.normal((b, h, 1, d), key=seeds[3]).astype(mx.float16)
+        self.queries = mx.random.normal((b, 4 * h, 1, d), key=seeds[4]).astype(mx.float16)
+        self.scale = 1.0 / float(np.sqrt(d))
+        mx.eval(self.keys, self.values, self.step_keys, self.step_values, self.queries)
+        self.shape = shape
+        geometry = KvGeometry(h, d, d, "float16")
+        blocks = (b + 2) * (-(-(t + 2) // BLOCK_SIZE)) + 8
+        self.pool = BlockPool(block_size=BLOCK_SIZE, num_blocks=blocks, geometry=geometry)
+        self.rows: dict[str, list[Any]] = {name: [] for name in IMPLS}
+        for r in range(b + 1):
+            k, v = self.keys[r : r + 1], self.values[r : r + 1]
+            paged = PagedKVCache(pool=self.pool)
+            paged.update_and_fetch(k, v)
+            flat = optimized.KVCache()
+            flat.update_and_fetch(k, v)
+            peer = lm_cache.KVCache()
+            peer.update_and_fetch(k, v)
+            mx.eval(flat.held_arrays(), peer.keys, peer.values)
+            for name, cache in zip(IMPLS, (paged, flat, peer), strict=True):
+                self.rows[name].append(cache)
+
+    def moved(self) -> int:
+        return self.pool.bytes_copied + self.pool.bytes_written
+
+
+def _merge(impl: str, rows: Sequence[Any]) -> Any:
+    if impl == "mlx-lm":
+        batch = lm_cache.BatchKVCache.merge(list(rows))
+        mx.eval(batch.keys, batch.values, batch.offset, batch.left_padding)
+        return batch
+    layout = PagedKvRows() if impl == "paged" else optimized.PaddedKVRows()
+    layout.merge_rows(list(rows))
+    mx.eval(layout.held_arrays())
+    return layout
+
+
+def _sync(impl: str, batch: Any) -> None:
+    if impl == "mlx-lm":
+        mx.eval(batch.keys, batch.values, batch.offset, batch.left_padding)
+    else:
+        mx.eval(batch.held_arrays())
+
+
+def _row_data(impl: str, batch: Any, row: int) -> tuple[Any, Any]:
+    """Row ``row``'s valid keys and values ``[H, n, D]`` (NumPy), read back for checks."""
+    if impl == "mlx-lm":
+        pad = int(batch.left_padding[row].item())
+        end = int(batch._idx)
+        return to_numpy(batch.keys[row, :, pad:end]), to_numpy(batch.values[row, :, pad:end])
+    keys, values = (to_numpy(x) for x in batch.fetch())
+    pad = batch.left_pad[row]
+    return keys[row, :, pad:], values[row, :, pad:]
+
+
+def _serial_data(impl: str, cache: Any) -> tuple[Any, Any]:
+    if impl == "mlx-lm":
+        n = int(cache.offset)
+        return to_numpy(cache.keys[0, :, :n]), to_numpy(cache.values[0, :, :n])
+    keys, values = (to_numpy(x) for x in cache.fetch())
+    return keys[0], values[0]
+
+
+def _expect(data: _Data, source: int, what: str, got: tuple[Any, Any]) -> None:
+    n = got[0].shape[1]
+    keys = to_numpy(data.keys[source, :, :n])
+    values = to_numpy(data.values[source, :, :n])
+    if not (np.array_equal(got[0], keys) and np.array_equal(got[1], values)):
+        raise BenchCheckError(f"{what}: row {source} is not the input data")
+
+
+def shape_cases(shape: PagedShape) -> Iterator[Case]:
+    """One case per operation at ``shape`` (its data generated once, shared)."""
+    data = _Data(shape)
+    b, t, tb = shape.batch, shape.tokens, shape.token_bytes
+    kept = list(range(1, b, 2))
+    copied = {
+        "merge": 2 * b * t * tb,
+        "filter": 2 * len(kept) * t * tb,
+        "extract": 2 * t * tb,
+        "join": 2 * t * tb,
+        "decode": sum(2 * (t + 1) * tb for _ in range(b)) + b * tb,
+    }
+
+    # What the pool's counters must see: nothing for the row operations; for decode the B
+    # new tokens, and a copy of each row's partly filled tail first (the live batch shares
+    # it with the serial row: copy on write).
+    paged_moved = {op: 0 for op in OPERATIONS}
+    paged_moved["decode"] = b * tb + b * (t % BLOCK_SIZE) * tb
+
+    def workload(op: str, impl: str) -> Workload:
+        rows = data.rows[impl]
+        before = [0]
+
+        def live() -> Any:
+            batch = _merge(impl, rows[:b])
+            before[0] = data.moved()
+            return batch
+
+        def counted(result: Any) -> Any:
+            return result, data.moved() - before[0]
+
+        if op == "merge":
+
+            def setup() -> Any:
+                before[0] = data.moved()
+                return None
+
+            def run(state: Any) -> Any:
+                return counted(_merge(impl, rows[:b]))
+
+            def check(result: Any) -> None:
+                for r in (0, b - 1):
+                    _expect(data, r, f"merge {impl}", _row_data(impl, result[0], r))
+
+        elif op == "filter":
+            setup = live
+
+            def run(state: Any) -> Any:
+                batch = state
+                if impl == "mlx-lm":
+                    batch.filter(kept)
+                else:
+                    batch.filter_rows(kept)
+                _sync(impl, batch)
+                return counted(batch)
+
+            def check(result: Any) -> None:
+                _expect(data, kept[-1], f"filter {impl}", _row_data(impl, result[0], len(kept) - 1))
+
+        elif op == "extract":
+            setup = live
+
+            def run(state: Any) -> Any:
+                batch = state
+                if impl == "mlx-lm":
+                    cache = batch.extract(b // 2)
+                    mx.eval(cache.keys, cache.values)
+                else:
+                    cache = batch.extract_row(b // 2)
+                    mx.eval(cache.held_arrays())
+                return counted(cache)
+
+            def check(result: Any) -> None:
+                _expect(data, b // 2, f"extract {impl}", _serial_data(impl, result[0]))
+
+        elif op == "join":
+
+            def setup() -> Any:
+                batch = live()
+                joiner = rows[b]
+                if impl == "mlx-lm":
+                    joiner = lm_cache.BatchKVCache.merge([joiner])
+                    mx.eval(joiner.keys, joiner.values)
+                before[0] = data.moved()
+                return batch, joiner
+
+            def run(state: Any) -> Any:
+                batch, joiner = state
+                if impl == "mlx-lm":
+                    batch.extend(joiner)
+                else:
+                    batch.merge_rows([joiner])
+                _sync(impl, batch)
+                return counted(batch)
+
+            def check(result: Any) -> None:
+                _expect(data, b, f"join {impl}", _row_data(impl, result[0], b))
+
+        else:  # decode
+            setup = live
+
+            def run(state: Any) -> Any:
+                batch = state
+                mask = batch.make_mask(1)
+                k, v = batch.update_and_fetch(data.step_keys, data.step_values)
+                out = mx.fast.scaled_dot_product_attention(
+                    data.queries, k, v, scale=data.scale, mask=mask
+                )
+                mx.eval(out)
+                return counted(out)
+
+            def check(result: Any) -> None:
+                if result[0].shape != (b, 4 * shape.heads, 1, shape.head_dim):
+                    raise BenchCheckError(f"decode {impl}: output shape {result[0].shape}")
+
+        def checked(result: Any) -> None:
+            check(result)
+            if impl == "paged":
+                check_equal(f"{op} paged bytes moved", result[1], paged_moved[op])
+
+        return Workload(op, impl, shape, copied[op], setup, run, checked)
+
+    for op in OPERATIONS:
+        loads = {impl: workload(op, impl) for impl in IMPLS}
+
+        def lines(timings: Mapping[str, Timing], op: str = op) -> list[list[str]]:
+            paged = timings["paged"].ms
+            moved = paged_moved[op]
+            return [
+                [
+                    op,
+                    str(b),
+                    str(t),
+                    timings["paged"].cell,
+                    timings["contiguous"].cell,
+                    timings["mlx-lm"].cell,
+                    str(moved),
+                    str(copied[op]),
+                    ratio(timings["contiguous"].ms, paged),
+                    ratio(timings["mlx-lm"].ms, paged),
+                ]
+            ]
+
+        yield Case(f"{op} {shape.label}", loads, lines, key=(op, shape))
+
+
+def append_cases(shapes: Sequence[PagedShape]) -> Iterator[Case]:
+    """One append case per distinct ``(L, H, D)`` of ``shapes``."""
+    seen: set[tuple[int, int, int]] = set()
+    for shape in shapes:
+        key = (shape.tokens, shape.heads, shape.head_dim)
+        if key in seen:
+            continue
+        seen.add(key)
+        h, t, d = shape.heads, shape.tokens, shape.head_dim
+        seeds = mx.random.split(mx.random.key(1), 2)
+        keys = mx.random.normal((1, h, t, d), key=seeds[0]).astype(mx.float16)
+        values = mx.random.normal((1, h, t, d), key=seeds[1]).astype(mx.float16)
+        mx.eval(keys, values)
+        nbytes = 2 * int(keys.nbytes)
+        pool = BlockPool(
+            block_size=BLOCK_SIZE,
+            num_blocks=2 * (-(-t // BLOCK_SIZE)),
+            geometry=KvGeometry(h, d, d, "float16"),
+        )
+        source = np.concatenate([to_numpy(keys).ravel(), to_numpy(values).ravel()])
+        target = np.empty_like(source)
+        np.copyto(target, source)  # pre-touched
+
+        def append(_: Any, pool: BlockPool = pool, k: Any = keys, v: Any = values) -> Any:
+            table = pool.open_table()
+            pool.append([table], (k,), (v,))
+            return pool, table
+
+        def check_append(result: Any, k: Any = keys) -> None:
+            pool, table = result
+            got, _ = pool.gather([table], [0], table.offset)
+            pool.close_tables([table])
+            if not np.array_equal(to_numpy(got[0]), to_numpy(k)):
+                raise BenchCheckError("paged append: the pool does not hold the keys")
+
+        def copy(_: Any, s: Any = source, o: Any = target) -> Any:
+            np.copyto(o, s)
+            return o
+
+        def check_copy(result: Any, s: Any = source) -> None:
+            if not np.array_equal(result, s):
+                raise BenchCheckError("memcpy: wrong bytes")
+
+        def fresh(_: Any, k: Any = keys, v: Any = values) -> Any:
+            cache = optimized.KVCache()
+            cache.update_and_fetch(k, v)
+            mx.eval(cache.held_arrays())
+            return cache
+
+        def check_fresh(result: Any, k: Any = keys) -> None:
+            if not np.array_equal(to_numpy(result.fetch()[0]), to_numpy(k)):
+                raise BenchCheckError("contiguous append: wrong keys")
+
+        def release(pool: BlockPool = pool) -> None:
+            pool.close_tables(list(pool.live_tables()))
+
+        def setup(pool: BlockPool = pool) -> Any:
+            pool.close_tables(list(pool.live_tables()))
+            return None
+
+        loads = {
+            "paged": Workload("append", "paged", shape, nbytes, setup, append, check_append),
+            "memcpy": Workload("append", "memcpy", shape, nbytes, lambda: None, copy, check_copy),
+            "contiguous": Workload(
+                "append", "contiguous", shape, nbytes, lambda: None, fresh, check_fresh
+            ),
+        }
+
+        def lines(
+            timings: Mapping[str, Timing], nbytes: int = nbytes, t: int = t
+        ) -> list[list[str]]:
+            paged, memcpy = timings["paged"].ms, timings["memcpy"].ms
+            return [
+                [
+                    str(t),
+                    str(nbytes),
+                    timings["paged"].cell,
+                    format_gbps(nbytes, paged),
+                    format_gbps(nbytes, timings["contiguous"].ms),
+                    format_gbps(nbytes, memcpy),
+                    ratio(memcpy, paged),
+                ]
+            ]
+
+        yield Case(f"append L={t}", loads, lines, release=release)
+
+
+NOTES = """\
+paged: PagedKvRows over one BlockPool (block size 16) holding every row; contiguous:
+PaddedKVRows over KVCache rows; mlx-lm: BatchKVCache merge/filter/extract/extend. ms: median
+wall time; paged bytes: KV bytes the pool's counters saw move (bytes_copied + bytes_written;
+checked: 0 for the row operations, the B new tokens for decode); copy bytes: what a
+compacting layout moves for the same operation. decode = make_mask(1) + update_and_fetch of
+one token per row + SDPA: the paged read gathers every row's blocks into a fresh [B, H, W, D]
+array each step (mx.take of whole blocks per row), which a contiguous layout does not do.
+append: one row of L tokens written into a pool allocated once (memory already touched)
+against numpy.copyto of the same bytes into a pre-touched buffer and a fresh KVCache."""
+
+
+def family(*, quick: bool = False, shapes: Sequence[PagedShape] | None = None) -> Family:
+    chosen = tuple(shapes) if shapes is not None else QUICK_SHAPES if quick else FULL_SHAPES
+
+    def row_cases() -> Iterator[Case]:
+        for shape in chosen:
+            yield from shape_cases(shape)
+
+    return Family(
+        name="paged",
+        subject="block-table row operations vs the contiguous layouts and mlx-lm",
+        tables=[
+            Table(
+                [
+                    "op",
+                    "B",
+                    "L",
+                    "paged ms",
+                    "contiguous ms",
+                    "mlx-lm ms",
+                    "paged bytes",
+                    "copy bytes",
+                    "contiguous/paged",
+                    "mlx-lm/paged",
+                ],
+                row_cases(),
+                title="row operations and the decode step",
+            ),
+            Table(
+                [
+                    "L",
+                    "bytes",
+                    "paged ms",
+                    "paged GB/s",
+                    "contiguous GB/s",
+                    "memcpy GB/s",
+                    "paged/memcpy",
+                ],
+                append_cases(chosen),
+                title="append into a reused pool",
+            ),
+        ],
+        notes=NOTES,
+    )
