@@ -63,3 +63,21 @@ def test_a_bf16_first_row_is_reused_only_after_it_leaves(models: dict[str, Any])
     assert results[1].prefix_hit_tokens == 0
     report = check_invariance(models["llama"], storage, [a, b], results, CHUNK)
     assert report.ok and report.max_logit_diff == 0.0 and report.steps > 0, report
+
+
+def test_gemma3_rows_converting_on_a_decode_step_are_bit_identical(
+    models: dict[str, Any],
+) -> None:
+    """gemma3 (rings of 16) under a start of 20: rows convert on a single-token decode append
+    after their rings wrapped. The solo lego reads that step from the plain ring it just
+    replaced (``read_storage``), in time order as the batch does: logits bit-identical."""
+    storage = KvStorageScheme.parse("affine8:32@20")
+    requests = [
+        Request(f"c{i}", tuple((11 * i + 7 * j + 2) % 256 for j in range(length)), 9, at)
+        for i, (length, at) in enumerate([(17, 0), (13, 0), (15, 2)])
+    ]
+    engine = Engine(models["gemma3"], storage, max_batch=3, prefill_chunk=CHUNK, keep_logits=True)
+    results, _ = engine.run(requests)
+    report = check_invariance(models["gemma3"], storage, requests, results, CHUNK)
+    assert not report.excused
+    assert report.ok and report.max_logit_diff == 0.0 and report.steps > 0, report
