@@ -33,8 +33,8 @@ def test_a_prompt_is_reused_while_its_row_still_decodes(
     models: dict[str, Any], model: str, scheme: str
 ) -> None:
     """``b`` reuses a's whole prompt before ``a`` has finished (and published its longer
-    row); both give what they give alone, bit for bit against their solo runs. gemma3's
-    rings of 16 have wrapped in a's 24-token prompt: reusable whole."""
+    row); both give their solo runs' tokens and logits, bit for bit. gemma3's rings of 16
+    have wrapped in a's 24-token prompt: reusable whole."""
     net, storage = models[model], KvStorageScheme.parse(scheme)
     a, b = _pair()
     engine = Engine(net, storage, max_batch=2, prefill_chunk=CHUNK, keep_logits=True)
@@ -44,10 +44,6 @@ def test_a_prompt_is_reused_while_its_row_still_decodes(
     assert first.admitted_step + a.max_tokens > b.arrival  # a still decoded then
     assert second.prefix_hit_tokens == len(a.prompt) and stats.prefix_hits == 1
     assert second.prefill_chunks == [len(b.prompt) - len(a.prompt)]
-    for request, result in zip((a, b), results, strict=True):
-        cold = Engine(net, storage, max_batch=1, prefill_chunk=CHUNK, use_prefix_cache=False)
-        (alone,), _ = cold.run([Request(request.rid, request.prompt, request.max_tokens)])
-        assert result.tokens == alone.tokens
     report = check_invariance(net, storage, [a, b], results, CHUNK)
     assert report.ok and report.max_logit_diff == 0.0 and report.steps > 0, report
 
