@@ -11,7 +11,8 @@ Lifecycle of a request (``spec/engine.md``):
    the byte budget (a request that can never fit is rejected; a running row is never
    evicted); its cache starts from the longest usable prefix in the prefix cache;
 3. it prefills in a cohort through the prefill layouts, a chunk per engine step (every
-   cohort row advances by the same chunk, at most the shortest remaining prompt);
+   cohort row advances by the same chunk, at most the shortest remaining prompt); when
+   its prompt is done its prompt's KV is published to the prefix cache;
 4. when its prompt is done it samples its first token and joins the decode layouts
    between steps; each step feeds every running row its last token;
 5. it finishes on a stop token or ``max_tokens``; its row is published to the prefix
@@ -586,6 +587,8 @@ class Engine:
                             self._retire_serial(row)
                             finished += 1
                     if joining:
+                        for row in joining:
+                            self._publish_prompt(row)
                         if drafter is not None:
                             drafter.join(joining)
                         decode_layouts = self._join(decode_layouts, joining, prefill=False)
@@ -718,27 +721,38 @@ class Engine:
             yield
 
     def _prefill_chunk(self, cohort: list[_Row], layouts: list[BatchableCache]) -> list[_Row]:
+        """One prefill forward for the cohort (``spec/engine.md`` §5): every row advances by
+        the same chunk, at most the shortest remaining prompt, cut at the next conversion
+        boundary. (Per-row chunks in a right-padded block measured slower on the serving
+        trace: each pad costs a real token's compute; benchmarks/RESULTS.md.)"""
         n = min(self.prefill_chunk, min(len(row.request.prompt) - row.fed for row in cohort))
         # Cut at the next conversion boundary: each row converts exactly at its start.
         boundary = self.maintenance.max_append_tokens(layouts)
         if not math.isinf(boundary):
             n = min(n, int(boundary))
         ids = mx.array([list(row.request.prompt[row.fed : row.fed + n]) for row in cohort])
-        logits = self._forward(self.model, ids, layouts)[:, -1, :]
+        hidden = self._forward(self.model, ids, layouts)
+        finishing = [b for b, row in enumerate(cohort) if row.fed + n == len(row.request.prompt)]
         # Evaluated here so the prefill time is measured (the step boundary would anyway).
-        mx.eval(logits, [layout.held_arrays() for layout in layouts])
+        # Logits only when some row finishes its prompt: else evaluating the layouts alone
+        # leaves the last layer's attention and the head out of the graph (as mlx-lm's
+        # prompt processing does).
+        logits = None
+        if finishing:
+            logits = hidden[mx.array(finishing), -1]
+        held = [layout.held_arrays() for layout in layouts]
+        mx.eval(held if logits is None else (logits, held))
+        del hidden
         self._stats.prefill_tokens += n * len(cohort)
         done: list[_Row] = []
-        finishing: list[int] = []
         for b, row in enumerate(cohort):
             row.fed += n
             row.result.prefill_chunks.append(n)
-            if row.fed == len(row.request.prompt):
+            if b in finishing:
                 row.caches = [layout.extract_row(b) for layout in layouts]
-                finishing.append(b)
                 done.append(row)
-        if finishing:
-            self._sample(done, logits[mx.array(finishing)])
+        if logits is not None:
+            self._sample(done, logits)
             now = time.perf_counter()
             for row in done:
                 row.first_at = now
@@ -916,6 +930,16 @@ class Engine:
         published = [publish_row(layout, index, len(covered)) for layout in layouts]
         if all(cache is not None for cache in published):
             self._publish(covered, [c for c in published if c is not None])
+
+    def _publish_prompt(self, row: _Row) -> None:
+        """A row whose prompt is done publishes its prompt's KV to the prefix cache before
+        it decodes, so requests admitted meanwhile reuse it (a row publishes again, longer,
+        when it leaves). Its serial caches are published as they are: merging them into the
+        decode layouts leaves them unchanged. Not for legos, which a decode join releases,
+        and not to the disk store (it saves the row when it leaves)."""
+        if self.prefix_cache is None or any(isinstance(c, Bf16First) for c in row.caches):
+            return
+        self.prefix_cache.publish(row.request.prompt, list(row.caches))
 
     def _publish(self, covered: tuple[int, ...], caches: list[Cache]) -> None:
         """To the prefix cache, and to the disk store (a failed save is counted, and the

@@ -29,11 +29,10 @@ __all__ = ["in_time_order", "rotated_ring"]
 
 
 def _ring_of(cache: Any) -> Any:
-    """The storage whose read ``cache`` returned: a bf16-first lego's current storage,
-    unless its last append converted it (that read came from the plain storage before)."""
+    """The storage whose read ``cache`` returned: a bf16-first lego's ``read_storage`` (the
+    plain ring on the append that converted it)."""
     if isinstance(cache, Bf16First):
-        just_converted = cache.converted and cache.last_read_codec is not cache.storage.codec
-        return None if just_converted else cache.storage
+        return cache.read_storage
     return cache
 
 

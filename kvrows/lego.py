@@ -212,6 +212,8 @@ class Bf16First(ConversionBoundary):
         self._reads_quantized = False
         #: The codec of what the last append returned (``None``: the storage's).
         self._read_codec: Any = None
+        #: The plain storage the converting append read from (``None``: the current one).
+        self._read_from: Any = None
 
     def _like(self) -> Bf16First:
         """An empty lego of the same parameters."""
@@ -256,6 +258,7 @@ class Bf16First(ConversionBoundary):
         self._minimum_reusable_offset = minimum
         self._reads_quantized = converted
         self._read_codec = None
+        self._read_from = None
 
     @staticmethod
     def _check_dims(key_dim: int, value_dim: int, quantization: Target) -> None:
@@ -273,6 +276,14 @@ class Bf16First(ConversionBoundary):
         ``None`` before any append): attention of that read goes through it (a TurboQuant
         read defers its values, ``kvrows.app.attention.dispatch``)."""
         return self._read_codec
+
+    @property
+    def read_storage(self) -> Any:
+        """The storage the last append's read came from (borrowed): the plain one on the
+        converting append (replaced by the converted one since; kept until the next
+        append), else the current one. A ring's read order is that storage's phase
+        (``kvrows.app.ring_order``)."""
+        return self._storage if self._read_from is None else self._read_from
 
     @property
     def converted(self) -> bool:
@@ -309,6 +320,7 @@ class Bf16First(ConversionBoundary):
             reads = storage.update_and_fetch(keys, values)
             self._reads_quantized = True
             self._read_codec = storage.codec
+            self._read_from = None
             return reads
         key_shape: tuple[int, ...] = tuple(getattr(keys, "shape", ()))
         value_shape: tuple[int, ...] = tuple(getattr(values, "shape", ()))
@@ -317,9 +329,11 @@ class Bf16First(ConversionBoundary):
             self._check_dims(int(key_shape[3]), int(value_shape[3]), self._quantization)
         reads = storage.update_and_fetch(keys, values)
         offset = int(storage.offset)
+        self._read_from = None
         if conversion_due(offset, self._start):
             self._storage = self._convert(storage)
             self._minimum_reusable_offset = offset if self._start > 0 else 0
+            self._read_from = storage
         self._reads_quantized = False
         self._read_codec = storage.codec
         return reads
