@@ -939,7 +939,15 @@ class Engine:
         and not to the disk store (it saves the row when it leaves)."""
         if self.prefix_cache is None or any(isinstance(c, Bf16First) for c in row.caches):
             return
-        self.prefix_cache.publish(row.request.prompt, list(row.caches))
+        prompt = row.request.prompt
+        if self.paged is not None:
+            # Paged layers register the prompt's full blocks in their pools (referenced by
+            # the row, never copied); only the other layers go to the prefix cache.
+            self.paged.publish_serial(row.caches, prompt)
+            if self.paged.mixed:
+                self.prefix_cache.publish(prompt, self.paged.unpaged_layers(row.caches))
+            return
+        self.prefix_cache.publish(prompt, list(row.caches))
 
     def _publish(self, covered: tuple[int, ...], caches: list[Cache]) -> None:
         """To the prefix cache, and to the disk store (a failed save is counted, and the
