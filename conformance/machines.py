@@ -2119,11 +2119,19 @@ class ConformanceMachine(RuleBasedStateMachine):
             label = f"{what} fetch() of an empty {type(track.ref).__name__}"
             self._same_error(label, got[0], got[1])
         same_order = fetched[0] is not None and planes_bytes(fetched[0]) == planes_bytes(fetched[1])
-        for n, form in ks.CHECKED_MASKS:
-            kw = form.kwargs()
+        masks = [
+            (
+                track.ref.make_mask(n, **form.kwargs()),
+                track.opt.make_mask(n, **form.kwargs()),
+                None if track.lm is None else track.lm.make_mask(n, **form.mlx_lm_kwargs()),
+            )
+            for n, form in ks.CHECKED_MASKS
+        ]
+        evaluate([m for trio in masks for m in trio])
+        for (n, form), (m_ref, m_opt, m_lm) in zip(ks.CHECKED_MASKS, masks, strict=True):
             keys = g.retained(track.tokens, n)
-            e_ref = expand(track.ref.make_mask(n, **kw), 1, n, keys)
-            e_opt = expand(track.opt.make_mask(n, **kw), 1, n, keys)
+            e_ref = expand(m_ref, 1, n, keys)
+            e_opt = expand(m_opt, 1, n, keys)
             if same_order:
                 self._masks_equal(f"{what} make_mask({n}, {form})", [e_ref, e_opt])
             else:  # rings read in another order: the same number of visible keys per query
@@ -2133,7 +2141,7 @@ class ConformanceMachine(RuleBasedStateMachine):
                     e_ref.sum(axis=-1).tolist(),
                 )
             if track.lm is not None:
-                e_lm = expand(track.lm.make_mask(n, **form.mlx_lm_kwargs()), 1, n, keys)
+                e_lm = expand(m_lm, 1, n, keys)
                 if self.g.keep and not np.array_equal(e_opt, e_lm):
                     self._skip("K1", f"{what} make_mask({n}, {form}): mlx-lm slides over sinks")
                 else:
@@ -2196,14 +2204,21 @@ class ConformanceMachine(RuleBasedStateMachine):
         lm = slot.lm if self._parity(slot) else None
         fetched = self._check_fetch(slot, what, tokens)
         width = int(fetched[0][0].shape[2]) if fetched is not None else 0
-        for n, form in ks.CHECKED_MASKS:
-            kw = form.kwargs()
-            m_ref, m_opt = r.make_mask(n, **kw), o.make_mask(n, **kw)
+        made = [
+            (
+                r.make_mask(n, **form.kwargs()),
+                o.make_mask(n, **form.kwargs()),
+                lm.make_mask(n, **form.mlx_lm_kwargs()) if lm is not None and rows else None,
+            )
+            for n, form in ks.CHECKED_MASKS
+        ]
+        evaluate([m for trio in made for m in trio])
+        for (n, form), (m_ref, m_opt, m_lm) in zip(ks.CHECKED_MASKS, made, strict=True):
             keys = int(np.shape(m_ref)[-1]) if isinstance(m_ref, np.ndarray) else width + n
             masks = [expand(m_ref, rows, n, keys), expand(m_opt, rows, n, keys)]
             self._masks_equal(f"{what} make_mask({n}, {form})", masks)
             if lm is not None and rows:
-                e_lm = expand(lm.make_mask(n, **form.mlx_lm_kwargs()), rows, n, keys)
+                e_lm = expand(m_lm, rows, n, keys)
                 code = self._peer_divergence(slot, n)
                 if code is not None and not np.array_equal(masks[1], e_lm):
                     self._exact(
