@@ -50,7 +50,8 @@ def from_mlx(array: mx.array) -> npt.NDArray[Any]:
     if array.dtype == mx.bfloat16:
         # NumPy has no bfloat16 buffer format: copy the bits of a row-contiguous buffer
         # (no new MLX op to evaluate), else of a contiguous uint16 view.
-        buffer = memoryview(array) if array.size else None
+        # (MLX arrays export the buffer protocol; its stubs do not say so.)
+        buffer = memoryview(array) if array.size else None  # type: ignore[arg-type]
         if buffer is not None and buffer.c_contiguous:
             bits = np.frombuffer(buffer.cast("B"), dtype=np.uint16).reshape(array.shape).copy()
         else:
