@@ -48,7 +48,14 @@ def to_mlx(array: npt.NDArray[Any]) -> mx.array:
 def from_mlx(array: mx.array) -> npt.NDArray[Any]:
     """An MLX array as a NumPy array with the same dtype and bits."""
     if array.dtype == mx.bfloat16:
-        bits = np.array(mx.contiguous(array).view(mx.uint16))
+        # NumPy has no bfloat16 buffer format: copy the bits of a row-contiguous buffer
+        # (no new MLX op to evaluate), else of a contiguous uint16 view.
+        # (MLX arrays export the buffer protocol; its stubs do not say so.)
+        buffer = memoryview(array) if array.size else None  # type: ignore[arg-type]
+        if buffer is not None and buffer.c_contiguous:
+            bits = np.frombuffer(buffer.cast("B"), dtype=np.uint16).reshape(array.shape).copy()
+        else:
+            bits = np.array(mx.contiguous(array).view(mx.uint16))
         return bits.view(NUMPY_DTYPES["bfloat16"])
     return np.array(array)
 

@@ -178,9 +178,23 @@ class Slot:
 
 
 # ------------------------------------------------------------------ array helpers
+def evaluate(arrays: Sequence[Any]) -> None:
+    """Evaluate the MLX arrays among ``arrays`` in one ``mx.eval``: each conversion to
+    NumPy would otherwise wait on the MLX stream once per array (values unchanged)."""
+    pending = [a for a in arrays if isinstance(a, mx.array)]
+    if len(pending) > 1:
+        mx.eval(*pending)
+
+
+def _flat(fetched: Any) -> list[Any]:
+    """A fetch answer's arrays (a plane, or a tuple of planes, per tensor)."""
+    return [p for part in fetched for p in (part if isinstance(part, tuple | list) else (part,))]
+
+
 def planes_of(impl: Impl, fetched: Any) -> Planes:
     """An ``update_and_fetch`` / ``fetch`` answer as NumPy planes (affine: the triple)."""
     if isinstance(fetched, tuple | list):
+        evaluate(fetched)
         return tuple(impl.to_numpy(p) for p in fetched)
     return (impl.to_numpy(fetched),)
 
@@ -189,7 +203,9 @@ def view_planes(impl: Impl, held: Any) -> Planes | None:
     """``(key planes, value planes)`` (or ``None``) as one NumPy tuple: keys', values'."""
     if held is None:
         return None
-    return tuple(impl.to_numpy(p) for group in held for p in group)
+    arrays = [p for group in held for p in group]
+    evaluate(arrays)
+    return tuple(impl.to_numpy(p) for p in arrays)
 
 
 def column_ids(planes: Planes, row: int) -> list[bytes]:
@@ -255,9 +271,9 @@ def _last_rows(mask: Any, m: int) -> Any:
 def snapshot(cache: Any, impl: Impl, view: str, row_view: str) -> tuple[Any, ...]:
     """Everything observable about a cache or layout (public surface and ``repr``)."""
     try:
-        fetched: Any = planes_bytes(
-            tuple(p for part in cache.fetch() for p in planes_of(impl, part))
-        )
+        parts = cache.fetch()
+        evaluate(_flat(parts))
+        fetched: Any = planes_bytes(tuple(p for part in parts for p in planes_of(impl, part)))
     except KvRowsError as error:
         fetched = type(error).__name__
     base = (
@@ -270,10 +286,9 @@ def snapshot(cache: Any, impl: Impl, view: str, row_view: str) -> tuple[Any, ...
         fetched,
     )
     if table.is_batchable(cache):
-        rows = tuple(
-            planes_bytes(view_planes(impl, getattr(cache, row_view)(b)))
-            for b in range(cache.batch_size)
-        )
+        held = [getattr(cache, row_view)(b) for b in range(cache.batch_size)]
+        evaluate([p for h in held if h is not None for group in h for p in group])
+        rows = tuple(planes_bytes(view_planes(impl, h)) for h in held)
         offsets = tuple(int(x) for x in impl.to_numpy(cache.offset).tolist())
         return (*base, cache.batch_size, cache.row_offsets, cache.left_pad, offsets, rows)
     return (*base, int(cache.offset), planes_bytes(view_planes(impl, getattr(cache, view)())))
@@ -452,6 +467,12 @@ class ConformanceMachine(RuleBasedStateMachine):
         self._filters = self._kept_extracts = 0
         self._invariants = 0
         self._clean = True
+        #: ``_fetched_dtypes()`` of the geometry it was computed for.
+        self._dtypes_of: tuple[ks.Geometry | None, list[str]] = (None, [])
+        #: ``_encoded`` answers (for one geometry) and ``_positions`` answers (the planes
+        #: object kept, so its id is not reused while remembered).
+        self._encodings: tuple[ks.Geometry | None, dict[Any, Planes]] = (None, {})
+        self._position_memo: dict[int, tuple[Planes, dict[bytes, int]]] = {}
         self._steps_at_start = self.stats.steps
         #: (label, implementation, the array handed over, the machine's pristine copy).
         self._inputs: deque[tuple[str, Impl, Any, Array]] = deque(maxlen=48)
@@ -571,6 +592,29 @@ class ConformanceMachine(RuleBasedStateMachine):
 
         return tuple(quantize(block, self.g.group_size, self.g.bits))
 
+    def _encoded(self, block: Array, role: Role = "keys") -> Planes:
+        """:meth:`_encode`, remembered by the block's bytes: a block's planes are needed for
+        its visibility check, the model and the solo replay (the codec is deterministic)."""
+        key = (role, str(block.dtype), block.shape, block.tobytes())
+        if self._encodings[0] is not self.geo or len(self._encodings[1]) > 256:
+            self._encodings = (self.geo, {})
+        memo = self._encodings[1]
+        if key not in memo:
+            memo[key] = self._encode(block, role)
+        return memo[key]
+
+    def _positions(self, model_keys: Planes) -> dict[bytes, int]:
+        """``{token id: position}`` of a run of model key planes (the bytes of each column
+        of their fetched form), remembered for the same planes object."""
+        if len(self._position_memo) > 64:
+            self._position_memo.clear()
+        hit = self._position_memo.get(id(model_keys))
+        if hit is None or hit[0] is not model_keys:
+            ids = column_ids(self._fetched_form(model_keys), 0)
+            hit = (model_keys, {token: p for p, token in enumerate(ids)})
+            self._position_memo[id(model_keys)] = hit
+        return hit[1]
+
     def _fetched_form(self, planes: Planes, role: Role = "keys") -> Planes:
         """What a read returns for a run of ``role`` tokens stored as ``planes`` (the
         model's planes as a fetch shows them; plain and affine: the planes themselves).
@@ -646,8 +690,8 @@ class ConformanceMachine(RuleBasedStateMachine):
         )
 
     def _record_append(self, track: Track, keys: Array, values: Array) -> None:
-        track.keys = _cat(track.keys, self._encode(keys))
-        track.values = _cat(track.values, self._encode(values, "values"))
+        track.keys = _cat(track.keys, self._encoded(keys))
+        track.values = _cat(track.values, self._encoded(values, "values"))
         track.appended = track.geometry_known = True
         track.history.append(("append", keys, values))
 
@@ -697,8 +741,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         """
         seen: list[list[int]] = []
         for b, model_keys, before in rows:
-            ids = column_ids(self._fetched_form(model_keys), 0)
-            position = {token: p for p, token in enumerate(ids)}
+            position = self._positions(model_keys)
             found = np.array([position.get(x, -1) for x in column_ids(fetched_keys, b)])
             expected = expected_visible(before, n, window, self.g.max_size, self.g.keep)
             visible_any = np.zeros(len(found), dtype=bool)
@@ -727,7 +770,9 @@ class ConformanceMachine(RuleBasedStateMachine):
 
     def _fetch_dtypes(self, what: str, *fetched: Planes) -> None:
         """Fetched planes have the dtypes :meth:`_fetched_dtypes` names."""
-        want = self._fetched_dtypes()
+        if self._dtypes_of[0] is not self.geo:  # one answer per example's geometry
+            self._dtypes_of = (self.geo, self._fetched_dtypes())
+        want = self._dtypes_of[1]
         for planes in fetched:
             self._exact(f"{what}: fetched dtypes", [str(p.dtype) for p in planes], want)
         self.stats.check("dtypes")
@@ -753,6 +798,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             fk, fv = cache.update_and_fetch(
                 self._give(impl, keys, what), self._give(impl, values, what)
             )
+            evaluate(_flat((fk, fv)))
             fetched.append((planes_of(impl, fk), planes_of(impl, fv)))
         self._fetch_dtypes(what, *fetched[0], *fetched[1])
         return fetched
@@ -775,7 +821,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         s_ref, s_opt = int(keys_ref[0].shape[2]), int(keys_opt[0].shape[2])
         self._exact(f"{what}: columns read (reference, optimized)", s_opt, s_ref)
         exp_ref, exp_opt = expand(masks[0], 1, n, s_ref), expand(masks[1], 1, n, s_opt)
-        rows = [(0, _cat(track.keys, self._encode(keys)), before)]
+        rows = [(0, _cat(track.keys, self._encoded(keys)), before)]
         self._visibility(f"{what} (reference)", keys_ref, exp_ref, rows, n, form.window_size)
         self._visibility(f"{what} (optimized)", keys_opt, exp_opt, rows, n, form.window_size)
         if planes_bytes(keys_opt + values_opt) == planes_bytes(keys_ref + values_ref):
@@ -1066,7 +1112,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         exp_ref, exp_opt = expand(mask_ref, rows, n, s), expand(mask_opt, rows, n, s)
         self._masks_equal(what, [exp_ref, exp_opt])
         model = [
-            (b, _cat(t.keys, self._encode(keys[b : b + 1])), t.tokens)
+            (b, _cat(t.keys, self._encoded(keys[b : b + 1])), t.tokens)
             for b, t in enumerate(slot.rows)
         ]
         seen = self._visibility(
@@ -2024,6 +2070,7 @@ class ConformanceMachine(RuleBasedStateMachine):
     def _check_independence(self) -> None:
         """The caller's arrays never change after a call; extracted and published caches
         keep what they held while the layouts go on."""
+        evaluate([native for _, _, native, _ in self._inputs])
         for label, impl, native, pristine in self._inputs:
             got = impl.to_numpy(native)
             if got.tobytes() != pristine.tobytes():
@@ -2072,11 +2119,19 @@ class ConformanceMachine(RuleBasedStateMachine):
             label = f"{what} fetch() of an empty {type(track.ref).__name__}"
             self._same_error(label, got[0], got[1])
         same_order = fetched[0] is not None and planes_bytes(fetched[0]) == planes_bytes(fetched[1])
-        for n, form in ks.CHECKED_MASKS:
-            kw = form.kwargs()
+        masks = [
+            (
+                track.ref.make_mask(n, **form.kwargs()),
+                track.opt.make_mask(n, **form.kwargs()),
+                None if track.lm is None else track.lm.make_mask(n, **form.mlx_lm_kwargs()),
+            )
+            for n, form in ks.CHECKED_MASKS
+        ]
+        evaluate([m for trio in masks for m in trio])
+        for (n, form), (m_ref, m_opt, m_lm) in zip(ks.CHECKED_MASKS, masks, strict=True):
             keys = g.retained(track.tokens, n)
-            e_ref = expand(track.ref.make_mask(n, **kw), 1, n, keys)
-            e_opt = expand(track.opt.make_mask(n, **kw), 1, n, keys)
+            e_ref = expand(m_ref, 1, n, keys)
+            e_opt = expand(m_opt, 1, n, keys)
             if same_order:
                 self._masks_equal(f"{what} make_mask({n}, {form})", [e_ref, e_opt])
             else:  # rings read in another order: the same number of visible keys per query
@@ -2086,7 +2141,7 @@ class ConformanceMachine(RuleBasedStateMachine):
                     e_ref.sum(axis=-1).tolist(),
                 )
             if track.lm is not None:
-                e_lm = expand(track.lm.make_mask(n, **form.mlx_lm_kwargs()), 1, n, keys)
+                e_lm = expand(m_lm, 1, n, keys)
                 if self.g.keep and not np.array_equal(e_opt, e_lm):
                     self._skip("K1", f"{what} make_mask({n}, {form}): mlx-lm slides over sinks")
                 else:
@@ -2108,6 +2163,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             keys, values = cache.fetch()
         except KvRowsError as error:
             return error
+        evaluate(_flat((keys, values)))
         planes = (*planes_of(impl, keys), *planes_of(impl, values))
         half = len(planes) // 2
         self._fetch_dtypes("fetch()", planes[:half], planes[half:])
@@ -2148,14 +2204,21 @@ class ConformanceMachine(RuleBasedStateMachine):
         lm = slot.lm if self._parity(slot) else None
         fetched = self._check_fetch(slot, what, tokens)
         width = int(fetched[0][0].shape[2]) if fetched is not None else 0
-        for n, form in ks.CHECKED_MASKS:
-            kw = form.kwargs()
-            m_ref, m_opt = r.make_mask(n, **kw), o.make_mask(n, **kw)
+        made = [
+            (
+                r.make_mask(n, **form.kwargs()),
+                o.make_mask(n, **form.kwargs()),
+                lm.make_mask(n, **form.mlx_lm_kwargs()) if lm is not None and rows else None,
+            )
+            for n, form in ks.CHECKED_MASKS
+        ]
+        evaluate([m for trio in made for m in trio])
+        for (n, form), (m_ref, m_opt, m_lm) in zip(ks.CHECKED_MASKS, made, strict=True):
             keys = int(np.shape(m_ref)[-1]) if isinstance(m_ref, np.ndarray) else width + n
             masks = [expand(m_ref, rows, n, keys), expand(m_opt, rows, n, keys)]
             self._masks_equal(f"{what} make_mask({n}, {form})", masks)
             if lm is not None and rows:
-                e_lm = expand(lm.make_mask(n, **form.mlx_lm_kwargs()), rows, n, keys)
+                e_lm = expand(m_lm, rows, n, keys)
                 code = self._peer_divergence(slot, n)
                 if code is not None and not np.array_equal(masks[1], e_lm):
                     self._exact(
@@ -2257,8 +2320,7 @@ class ConformanceMachine(RuleBasedStateMachine):
     def _token_columns(self, planes: Planes, b: int, track: Track) -> list[tuple[int, int]]:
         """(column, position) of every token of ``track`` in row ``b`` of fetched planes."""
         half = len(planes) // 2
-        ids = column_ids(self._fetched_form(track.keys), 0)
-        position = {token: p for p, token in enumerate(ids)}
+        position = self._positions(track.keys)
         found = column_ids(planes[:half], b)
         return [(c, position[x]) for c, x in enumerate(found) if x in position]
 

@@ -392,7 +392,7 @@ class SpeculativeMachine(ConformanceMachine):
         else:
             model_keys = tuple(
                 np.concatenate([p, e], axis=2)
-                for p, e in zip(track.keys, self._encode(keys), strict=True)
+                for p, e in zip(track.keys, self._encoded(keys), strict=True)
             )
             exp_lm = expand(mask_lm, 1, n, int(k_lm[0].shape[2]))
             self._visibility(what, k_lm, exp_lm, [(0, model_keys, before)], n, form.window_size)

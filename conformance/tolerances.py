@@ -248,6 +248,8 @@ def compare(
     """
     if actual.shape != expected.shape:
         return False, float("inf")
+    if tol.exact and actual.dtype == expected.dtype and actual.tobytes() == expected.tobytes():
+        return True, 0.0  # what the exact branch below answers, without the float64 diff
     wide_a = actual.astype(np.float64)
     wide_e = expected.astype(np.float64)
     diff = np.abs(wide_a - wide_e)

@@ -117,32 +117,43 @@ class TurboMachine(SpeculativeMachine):
         return ["bfloat16"]  # whatever the activation dtype (spec/turbo-codec.md)
 
     # --------------------------------------------------------- deferred vs eager V
+    def _models(
+        self, rows: Sequence[tuple[int, Track, Array, Array]]
+    ) -> list[tuple[int, tuple[Planes, Planes], dict[bytes, int]]]:
+        """Each row's model key and value planes after the append, and its ``{token id:
+        position}`` (the same for both implementations' reads)."""
+        models = []
+        for b, track, keys, values in rows:
+            model = (
+                tuple(
+                    np.concatenate([p, e], axis=2)
+                    for p, e in zip(track.keys, self._encoded(keys), strict=True)
+                ),
+                tuple(
+                    np.concatenate([p, e], axis=2)
+                    for p, e in zip(track.values, self._encoded(values, "values"), strict=True)
+                ),
+            )
+            ids = column_ids(self._fetched_form(model[0]), 0)
+            models.append((b, model, {token: p for p, token in enumerate(ids)}))
+        return models
+
     def _image(
-        self, fetched_keys: Planes, rows: Sequence[tuple[int, Track, Array, Array]]
+        self,
+        fetched_keys: Planes,
+        models: Sequence[tuple[int, tuple[Planes, Planes], dict[bytes, int]]],
     ) -> tuple[Planes, Planes]:
         """The model's key and value planes laid out in the read's columns: each column
         that holds a token of its row (identified by its decoded key) gets the token's
         planes, every other column zero planes (the mask hides them)."""
         batch, columns = int(fetched_keys[0].shape[0]), int(fetched_keys[0].shape[2])
         image: list[list[Array]] = [[], []]
-        for b, track, keys, values in rows:
-            model = (
-                tuple(
-                    np.concatenate([p, e], axis=2)
-                    for p, e in zip(track.keys, self._encode(keys), strict=True)
-                ),
-                tuple(
-                    np.concatenate([p, e], axis=2)
-                    for p, e in zip(track.values, self._encode(values, "values"), strict=True)
-                ),
-            )
+        for b, model, position in models:
             if not image[0]:
                 for side, planes in enumerate(model):
                     image[side] = [
                         np.zeros((batch, p.shape[1], columns, p.shape[3]), p.dtype) for p in planes
                     ]
-            ids = column_ids(self._fetched_form(model[0]), 0)
-            position = {token: p for p, token in enumerate(ids)}
             for c, token in enumerate(column_ids(fetched_keys, b)):
                 p = position.get(token)
                 if p is None:
@@ -173,8 +184,9 @@ class TurboMachine(SpeculativeMachine):
             (self.ref_impl, ref_codecs.TurboCodec(spec), ref_codecs.eager_attention),
             (self.opt_impl, opt_codecs.TurboCodec(spec), opt_codecs.eager_attention),
         )
+        models = self._models(rows)
         for (impl, codec, eager), out, keys in zip(oracles, outputs, fetched_keys, strict=True):
-            image_keys, image_values = self._image(keys, rows)
+            image_keys, image_values = self._image(keys, models)
             expected = eager(
                 codec,
                 impl.to_native(queries),
