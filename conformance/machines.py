@@ -1350,7 +1350,7 @@ class ConformanceMachine(RuleBasedStateMachine):
                 twin = self._peer_extract(slot.lm, b, track)
         if len(self.pool) < self.limits.pool and data.draw(st.booleans(), label="keep as request"):
             self._kept_extracts += 1
-            if self._kept_extracts % 2 == 0:  # every other kept row (no draw)
+            if self._kept_extracts % 2 == 1:  # every other kept row, the first included (no draw)
                 # A serial cache restores column for column: its mlx-lm twin still follows.
                 got_ref, got_opt = self._restored(f"extract_row({b})", got_ref, got_opt)
             # A row holding no token extracts as an empty cache that keeps the layout's
