@@ -1048,7 +1048,13 @@ class DelayedMachine(RuleBasedStateMachine):
                 row_out = np.ascontiguousarray(out[b : b + 1, :, :k])
                 if quantized and self.turbo:
                     self._check_eager(f"{what} ({impl.name})", impl, solo, q_native, mask, row_out)
-                if plain and not round_block and impl is self.opt_impl:
+                # A wrapped serial ring reads a single token's step in physical order (the
+                # window rotated by its phase) where the layout reads each row in time
+                # order: the same terms summed in another order, so not bit for bit.
+                wrapped = (
+                    self.g.max_size is not None and k == 1 and int(solo.offset) > self.g.max_size
+                )
+                if plain and not round_block and impl is self.opt_impl and not wrapped:
                     self._close(
                         "attention.solo.plain",
                         f"{what}: optimized attention vs its plain solo lego",

@@ -152,7 +152,9 @@ def test_cli_bench_all_runs_every_family(
 
     monkeypatch.setattr(bench, "family", fake)
     assert cli.main(["bench", "--family", "all", "--quick", "--repeats", "1"]) == 1
-    assert calls == ["plain", "affine", "rotating", "engine", "speculative", "delayed", "turbo"]
+    assert calls == [
+        "plain", "affine", "rotating", "engine", "speculative", "delayed", "turbo", "paged"
+    ]  # fmt: skip
     text = capsys.readouterr().out
     assert "WRONG RESULT: op affine kvrows: planted" in text
     assert [line[0] for table in _tables(text) for line in table[1:]] == calls
