@@ -27,7 +27,7 @@ from kvrows.conformance.arrays import expand_mask, from_mlx, to_mlx
 from kvrows.conformance.families import FAMILIES
 from kvrows.conformance.machines import BASE_CHECKS, machine_class
 from kvrows.conformance.parity import DIVERGENCES
-from kvrows.conformance.profiles import active_profile, profile_settings
+from kvrows.conformance.profiles import PROFILES, active_profile, profile_settings
 from kvrows.conformance.runner import (
     family_settings,
     format_report,
@@ -252,7 +252,8 @@ def test_runner_runs_the_affine_family() -> None:
     """``kvrows conform --family affine``: the family's own machine factory and budget."""
 
     family = FAMILIES["affine"]
-    assert family_settings(family, "ci").max_examples == round(150 * family.examples)
+    ci_examples = PROFILES["ci"].max_examples
+    assert family_settings(family, "ci").max_examples == round(ci_examples * family.examples)
     assert family_settings(family, "ci", max_examples=3).max_examples == 3
     results = run_machines(["affine"], profile="ci", max_examples=3, stateful_step_count=8)
     assert [(r.family, r.layout) for r in results] == [
