@@ -124,12 +124,15 @@ def solo_logits(
     *,
     cuts: Sequence[int] | None = None,
     prefix: int = 0,
+    first_cut: int | None = None,
 ) -> list[np.ndarray[Any, Any]]:
     """The request alone, through serial caches (legos under a bf16-first scheme),
     teacher-forced with ``tokens``. The prompt's first ``prefix`` tokens (a prefix hit's)
     and, without ``cuts``, the rest go in chunks of ``chunk`` cut at the conversion boundary
     (``max_append_tokens``); ``cuts`` are the batch row's own chunks after the prefix
-    (``RequestResult.prefill_chunks``)."""
+    (``RequestResult.prefill_chunks``). ``first_cut``: the first append of the row the
+    prefix came from (under a start of 0 a lego's first append reads plain whatever its
+    size, so the prefix's first chunk must be the one its tokens were computed in)."""
     caches = make_kvrows_cache(model, scheme)
     maintenance = create_kv_maintenance(scheme)
     prompt = request.prompt
@@ -141,6 +144,8 @@ def solo_logits(
         if fed < prefix or plan is None:
             end = prefix if fed < prefix else len(prompt)
             step = int(min(chunk, end - fed, maintenance.max_append_tokens(caches)))
+            if fed == 0 and first_cut is not None:
+                step = min(step, first_cut)
         else:
             step = plan.pop(0)
         with attention_scope(model, caches):
@@ -183,6 +188,34 @@ class InvarianceReport:
         return self.excused or self.beyond_tolerance == 0
 
 
+def _first_appends(
+    requests: Sequence[Request], results: Sequence[RequestResult]
+) -> list[int | None]:
+    """Each row's first append: its own first prefill chunk, or under a prefix hit the
+    first append of the earlier row (trace order) sharing the longest prefix with it,
+    whose cached tokens it reused (``None``: not known)."""
+    out: list[int | None] = []
+    cached: list[tuple[int, ...]] = []
+    for request, result in zip(requests, results, strict=True):
+        prompt = tuple(request.prompt)
+        first: int | None = None
+        if result.prefix_hit_tokens == 0:
+            first = result.prefill_chunks[0] if result.prefill_chunks else None
+        else:
+            best = 0
+            for index, tokens in enumerate(cached):
+                shared = 0
+                for mine, theirs in zip(prompt, tokens, strict=False):
+                    if mine != theirs:
+                        break
+                    shared += 1
+                if shared >= result.prefix_hit_tokens and shared > best:
+                    best, first = shared, out[index]
+        out.append(first)
+        cached.append(prompt + tuple(result.tokens))
+    return out
+
+
 def check_invariance(
     model: Any,
     scheme: KvStorageScheme,
@@ -207,7 +240,8 @@ def check_invariance(
         tolerance=tolerance,
         excused=rings and quantized and scheme.quantized_kv_start == 0,
     )
-    for request, result in zip(requests, results, strict=True):
+    first_appends = _first_appends(requests, results)
+    for request, result, first_cut in zip(requests, results, first_appends, strict=True):
         if result.error:
             continue
         solo = solo_logits(
@@ -218,6 +252,7 @@ def check_invariance(
             chunk,
             cuts=result.prefill_chunks,
             prefix=result.prefix_hit_tokens,
+            first_cut=first_cut,
         )
         for batch, alone, token in zip(result.logits, solo, result.tokens, strict=True):
             report.steps += 1
