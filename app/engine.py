@@ -900,12 +900,8 @@ class Engine:
         self._close_timing(row)
         if self.paged is not None:
             self._shared_credit.clear()  # a row leaves: the rows it shared with count theirs
-            if self.prefix_cache is not None:
-                self.paged.publish_serial(row.caches, self._covered(row))
-                if self.paged.mixed:
-                    self._publish(self._covered(row), self.paged.unpaged_layers(row.caches))
-        else:
-            self._publish(self._covered(row), row.caches)
+        if self.paged is None or self.prefix_cache is not None:
+            self._publish_serial(self._covered(row), row.caches, to_store=True)
         row.caches = []
 
     def _retire(self, row: _Row, layouts: list[BatchableCache], index: int) -> None:
@@ -939,21 +935,30 @@ class Engine:
         and not to the disk store (it saves the row when it leaves)."""
         if self.prefix_cache is None or any(isinstance(c, Bf16First) for c in row.caches):
             return
-        prompt = row.request.prompt
-        if self.paged is not None:
-            # Paged layers register the prompt's full blocks in their pools (referenced by
-            # the row, never copied); only the other layers go to the prefix cache.
-            self.paged.publish_serial(row.caches, prompt)
-            if self.paged.mixed:
-                self.prefix_cache.publish(prompt, self.paged.unpaged_layers(row.caches))
+        self._publish_serial(row.request.prompt, row.caches, to_store=False)
+
+    def _publish_serial(
+        self, covered: tuple[int, ...], caches: list[Cache], *, to_store: bool
+    ) -> None:
+        """Serial caches published as they are: paged layers register their full blocks in
+        their pools (referenced, never copied), the other layers go to the prefix cache
+        (``to_store``: and to the disk store, :meth:`_publish`)."""
+        publish = self._publish if to_store else self._publish_cached
+        if self.paged is None:
+            publish(covered, list(caches))
             return
-        self.prefix_cache.publish(prompt, list(row.caches))
+        self.paged.publish_serial(caches, covered)
+        if self.paged.mixed:
+            publish(covered, self.paged.unpaged_layers(caches))
+
+    def _publish_cached(self, covered: tuple[int, ...], caches: list[Cache]) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.publish(covered, caches)
 
     def _publish(self, covered: tuple[int, ...], caches: list[Cache]) -> None:
         """To the prefix cache, and to the disk store (a failed save is counted, and the
         engine runs on: the store is a cache)."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.publish(covered, caches)
+        self._publish_cached(covered, caches)
         if self.prefix_store is not None:
             started = time.perf_counter()
             try:

@@ -165,14 +165,11 @@ class PagedLayers:
     def held_bytes(self) -> int:
         """KV bytes the pools hold: blocks live tables reference, each counted once, and
         cached free blocks (the prefix cache's share)."""
-        total = 0
-        for pool in self._paged_pools():
-            ledger = pool.ledger
-            if pool.geometry is None:
-                continue
-            cached_free = sum(1 for b in ledger.free_order() if ledger.hash_of(b) is not None)
-            total += (ledger.referenced_count + cached_free) * pool.bytes_per_block
-        return total
+        return sum(
+            pool.ledger.held_count * pool.bytes_per_block
+            for pool in self._paged_pools()
+            if pool.geometry is not None
+        )
 
     def allocated_bytes(self) -> int:
         """Bytes of the pools' planes (growth slack included)."""

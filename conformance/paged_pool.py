@@ -257,6 +257,8 @@ class PoolMachine(RuleBasedStateMachine):
     def evict(self, count: int) -> None:
         ledger = self.pool.ledger
         cached_free = [b for b in ledger.free_order() if ledger.hash_of(b) is not None]
+        # held_count, derived from the free queue and the hashes, counts them block by block
+        assert ledger.held_count == ledger.referenced_count + len(cached_free)
         dropped = self.pool.evict_cached(count)
         assert dropped == min(count, len(cached_free))
         for block in cached_free[:dropped]:  # least recently used first

@@ -152,6 +152,14 @@ class BlockLedger:
         return sum(1 for r in self._refs if r > 0)
 
     @property
+    def held_count(self) -> int:
+        """Blocks whose KV the pool keeps: referenced by a table, or free but cached (the
+        prefix cache's share). Counted from the free queue and the hashes, not block by
+        block, so a caller may ask on every step."""
+        cached_free = sum(1 for b in self._hash_of if self._refs[b] == 0)
+        return self.num_blocks - len(self._free) + cached_free
+
+    @property
     def cached_count(self) -> int:
         """Hashed blocks (referenced or free)."""
         return len(self._hash_of)
