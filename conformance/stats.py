@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvrows.conformance.tolerances import Tolerance
@@ -39,6 +39,23 @@ class Stats:
     variants: Counter[str] = field(default_factory=Counter)
     errors: dict[tuple[str, str], ErrorRecord] = field(default_factory=dict)
     on_example: Callable[[Stats], None] | None = None
+
+    def require(
+        self,
+        min_examples: int,
+        *,
+        ops: Iterable[str] = (),
+        ran: Iterable[str] | None = None,
+        oracles: Iterable[str] = (),
+    ) -> None:
+        """Fail (``AssertionError``) unless the run did what a family's CI test expects: at
+        least ``min_examples`` examples, every one of ``ops`` exercised (``ran``: the ops as
+        the test counts them, default :attr:`ops`), every one of ``oracles`` checked."""
+        assert self.examples >= min_examples, f"only {self.examples} examples ran"
+        missing = set(ops) - set(self.ops if ran is None else ran)
+        assert not missing, f"operations never exercised: {sorted(missing)} (ran {dict(self.ops)})"
+        for oracle in oracles:
+            assert self.checks[oracle] > 0, f"oracle {oracle!r} never ran: {dict(self.checks)}"
 
     def op(self, name: str) -> None:
         self.ops[name] += 1

@@ -64,11 +64,11 @@ def test_delayed_turbo_family() -> None:
     settings = family_settings(FAMILY)
     stats = Stats(FAMILY.name, LAYOUT)
     run_state_machine_as_test(machine_class(FAMILY, LAYOUT, stats=stats), settings=settings)
-    assert stats.examples >= settings.max_examples // 2, f"only {stats.examples} examples ran"
-    missing = EXPECTED_OPS - set(stats.ops)
-    assert not missing, f"operations never exercised: {sorted(missing)} (ran {dict(stats.ops)})"
-    for oracle in (*DELAYED_CHECKS, *DELAYED_TURBO_CHECKS, "record mask"):
-        assert stats.checks[oracle] > 0, f"oracle {oracle!r} never ran: {dict(stats.checks)}"
+    stats.require(
+        settings.max_examples // 2,
+        ops=EXPECTED_OPS,
+        oracles=(*DELAYED_CHECKS, *DELAYED_TURBO_CHECKS, "record mask"),
+    )
     compared = {quantity for quantity, _ in stats.errors}
     expected = {"kv.fetched", "kv.solo", "attention", "attention.solo", "attention.solo.plain"}
     expected |= {"attention.eager"}

@@ -52,9 +52,7 @@ def test_paged_family() -> None:
     settings = family_settings(FAMILY)
     stats = Stats(FAMILY.name, "PagedKvRows")
     run_state_machine_as_test(machine_class(FAMILY, "PagedKvRows", stats=stats), settings=settings)
-    assert stats.examples >= settings.max_examples // 2, f"only {stats.examples} examples ran"
-    missing = EXPECTED_OPS - set(stats.ops)
-    assert not missing, f"operations never exercised: {sorted(missing)} (ran {dict(stats.ops)})"
+    stats.require(settings.max_examples // 2, ops=EXPECTED_OPS)
     assert stats.ops["spec_rounds"] + stats.ops["row_rounds"] > 0, dict(stats.ops)
     rollbacks = ("round:none", "round:equal", "round:unequal")
     assert sum(stats.ops[op] for op in rollbacks) > 0, dict(stats.ops)

@@ -60,11 +60,7 @@ def test_recurrent_family() -> None:
     run_state_machine_as_test(
         machine_class(FAMILY, "BatchedSSMCache", stats=stats), settings=settings
     )
-    assert stats.examples >= settings.max_examples // 2, f"only {stats.examples} examples ran"
-    missing = EXPECTED_OPS - set(stats.ops)
-    assert not missing, f"operations never exercised: {sorted(missing)} (ran {dict(stats.ops)})"
-    for oracle in RECURRENT_CHECKS:
-        assert stats.checks[oracle] > 0, f"oracle {oracle!r} never ran: {dict(stats.checks)}"
+    stats.require(settings.max_examples // 2, ops=EXPECTED_OPS, oracles=RECURRENT_CHECKS)
     compared = {quantity for quantity, _ in stats.errors}
     expected = {"state.conv", "state.recurrent", "state.solo", "state.mlx_lm", "output"}
     expected |= {"output.solo"}

@@ -70,11 +70,11 @@ def test_speculative_family(layout: str) -> None:
     stats = Stats(FAMILY.name, layout)
     run_state_machine_as_test(machine_class(FAMILY, layout, stats=stats), settings=settings)
     spec = FAMILY.layout(layout)
-    assert stats.examples >= settings.max_examples // 2, f"only {stats.examples} examples ran"
-    missing = EXPECTED_OPS - set(stats.ops)
-    assert not missing, f"operations never exercised: {sorted(missing)} (ran {dict(stats.ops)})"
-    for oracle in (*BASE_CHECKS, *SPECULATIVE_CHECKS, "solo attention", "RowRound"):
-        assert stats.checks[oracle] > 0, f"oracle {oracle!r} never ran: {dict(stats.checks)}"
+    stats.require(
+        settings.max_examples // 2,
+        ops=EXPECTED_OPS,
+        oracles=(*BASE_CHECKS, *SPECULATIVE_CHECKS, "solo attention", "RowRound"),
+    )
     unknown = set(stats.skips) - set(DIVERGENCES)
     assert not unknown, f"parity skips without a documented reason: {unknown}"
     compared = {quantity for quantity, _ in stats.errors}

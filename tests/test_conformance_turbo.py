@@ -59,9 +59,7 @@ def test_turbo_family(layout: str) -> None:
     settings = family_settings(FAMILY)
     stats = Stats(FAMILY.name, layout)
     run_state_machine_as_test(machine_class(FAMILY, layout, stats=stats), settings=settings)
-    assert stats.examples >= settings.max_examples // 2, f"only {stats.examples} examples ran"
-    missing = EXPECTED_OPS - set(stats.ops)
-    assert not missing, f"operations never exercised: {sorted(missing)} (ran {dict(stats.ops)})"
+    stats.require(settings.max_examples // 2, ops=EXPECTED_OPS)
     # Saved states too: both implementations describe the same rows, and the machine goes
     # on with the restored caches.
     oracles = (*BASE_CHECKS, *SPECULATIVE_CHECKS, *TURBO_CHECKS, "solo attention", "state")
