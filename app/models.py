@@ -35,7 +35,14 @@ from kvrows.schemes import (
 )
 from kvrows.validation import KvGeometry
 
-__all__ = ["ARCHITECTURES", "draft_model", "kv_geometry", "make_kvrows_cache", "tiny_model"]
+__all__ = [
+    "ARCHITECTURES",
+    "draft_model",
+    "kv_geometry",
+    "make_kvrows_cache",
+    "tiny_model",
+    "tiny_model_and_tokenizer",
+]
 
 ARCHITECTURES = ("llama", "gemma3")
 
@@ -188,6 +195,15 @@ def tiny_model(arch: str, *, seed: int = 0, vocab: int = 256) -> Any:
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     return model
+
+
+def tiny_model_and_tokenizer(arch: str, *, seed: int = 0) -> tuple[Any, Any]:
+    """``tiny_model(arch)`` and its built-in byte-level tokenizer
+    (:func:`kvrows.app.tiny_tokenizer.tiny_tokenizer`): what mlx-lm's ``load`` returns for a
+    checkpoint, with no download. The weights are random, so the text is noise."""
+    from kvrows.app.tiny_tokenizer import BYTE_VOCAB, tiny_tokenizer
+
+    return tiny_model(arch, seed=seed, vocab=BYTE_VOCAB), tiny_tokenizer()
 
 
 def draft_model(target: Any, layers: int | None = None) -> Any:
