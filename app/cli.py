@@ -2,8 +2,8 @@
 
 Every option is checked when the command line is parsed, before any work, and a refusal
 names the option; whatever escapes a command as an exception is one line on stderr.
-Exit status: 0 done, 1 a check failed (or work was not done: rejected requests), 2 refused
-or broken (a bad option, a model that cannot load, an I/O error).
+Exit status: 0 done, 1 a check failed (a wrong result, or work not done: rejected
+requests), 2 refused or broken (a bad option, a model that cannot load, an I/O error).
 """
 
 from __future__ import annotations
@@ -245,7 +245,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get(TRACEBACK_VARIABLE):
             raise
         print(f"{command}: {_one_line(error)}", file=sys.stderr)
-        return 2
+        return 1 if _failed_check(error) else 2
+
+
+def _failed_check(error: BaseException) -> bool:
+    """A benchmark's result check that failed (a wrong result: exit 1, not 2). The runner
+    is looked up, not imported: it imports MLX, and a run that raised has loaded it."""
+    runner = sys.modules.get("kvrows.app.bench.runner")
+    return runner is not None and isinstance(error, runner.BenchCheckError)
 
 
 def _one_line(error: BaseException) -> str:
@@ -275,6 +282,13 @@ def _check(args: argparse.Namespace) -> None:
 
 def _check_conform(args: argparse.Namespace) -> None:
     from kvrows.conformance.families import FAMILIES as CONFORMANCE_FAMILIES
+    from kvrows.conformance.profiles import active_profile
+
+    if args.profile is None:
+        try:
+            active_profile()
+        except ValueError as error:
+            raise CommandLineError(f"$KVROWS_PROFILE: {error}") from error
 
     unknown = [name for name in args.family or () if name not in CONFORMANCE_FAMILIES]
     if unknown:

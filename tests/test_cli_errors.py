@@ -134,6 +134,14 @@ def test_model_paths_that_are_not_models_say_which(
     assert ran == []
 
 
+def test_a_bad_profile_variable_is_refused(
+    monkeypatch: pytest.MonkeyPatch, ran: list[Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("KVROWS_PROFILE", "bogus")
+    _refused(["conform"], capsys, "KVROWS_PROFILE", "bogus", "ci")
+    assert ran == []
+
+
 def test_plot_names_the_extra_when_matplotlib_is_missing(
     monkeypatch: pytest.MonkeyPatch, ran: list[Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -179,6 +187,20 @@ def test_an_unexpected_error_is_one_line(
     monkeypatch.setenv(cli.TRACEBACK_VARIABLE, "1")
     with pytest.raises(RuntimeError):
         cli.main(["classes"])
+
+
+def test_a_failed_check_that_escapes_exits_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvrows.app.bench.runner import BenchCheckError
+
+    def fail(args: Any) -> int:
+        raise BenchCheckError("decode: 3 of 8 values differ")
+
+    monkeypatch.setattr(cli, "_run", fail)
+    assert cli.main(["bench"]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "BenchCheckError" in line and "3 of 8 values differ" in line
 
 
 def test_a_store_path_that_cannot_be_a_directory_is_one_line(
