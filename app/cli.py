@@ -158,7 +158,11 @@ def _parser() -> argparse.ArgumentParser:
         help="KV byte budget (a request that can never fit is rejected: the run reports it "
         "and exits 1)",
     )
-    demo.add_argument("--quiet", action="store_true", help="no progress bar")
+    demo.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no per-request progress bar (a line per model and scheme still goes to stderr)",
+    )
     demo.add_argument(
         "--prefix-store",
         default=None,
@@ -256,8 +260,8 @@ def _failed_check(error: BaseException) -> bool:
 
 
 def _one_line(error: BaseException) -> str:
-    """``error`` as one line: its type (where the message alone would not say what
-    happened) and its message's first line."""
+    """``error`` as one line: its type, and its message's first line (an ``OSError``: the
+    file and the OS's reason)."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else ""
     kind = type(error).__name__
     if isinstance(error, OSError) and error.filename is not None and error.strerror:
