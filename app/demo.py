@@ -477,7 +477,9 @@ def run_speculative_demo(
         try:
             draft = draft_model(model, draft_layers)
         except InvalidInputError as error:
-            raise InvalidInputError(f"--draft-layers: {error}") from error
+            if draft_layers is None:
+                raise
+            raise InvalidInputError(f"--draft-layers {draft_layers}: {error}") from error
         record_recurrent_layers(draft)
         for scheme_index, scheme_name in enumerate(names):
             scheme = parse_scheme(scheme_name, kv_start)
