@@ -1,10 +1,19 @@
-"""The ``kvrows`` command line: ``demo``, ``conform``, ``bench``, ``example`` and ``classes``."""
+"""The ``kvrows`` command line: ``demo``, ``conform``, ``bench``, ``example`` and ``classes``.
+
+Every option is checked when the command line is parsed, before any work, and a refusal
+names the option; whatever escapes a command as an exception is one line on stderr.
+Exit status: 0 done, 1 a check failed (a wrong result, or work not done: rejected
+requests), 2 refused or broken (a bad option, a model that cannot load, an I/O error).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from kvrows.app.bench import FAMILIES
 
@@ -13,9 +22,46 @@ __all__ = ["BENCH_FAMILIES", "main"]
 #: What ``kvrows bench --family`` accepts.
 BENCH_FAMILIES = (*FAMILIES, "all")
 
+#: Set to show the traceback of an unexpected error instead of its one line.
+TRACEBACK_VARIABLE = "KVROWS_TRACEBACK"
+
+
+class CommandLineError(Exception):
+    """A refused command line (a bad value, an unsupported combination): one line, exit 2.
+    ``prog``: the (sub)command it belongs to, where the parser knows it before ``main``."""
+
+    def __init__(self, message: str, prog: str | None = None) -> None:
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a refusal is raised (``main`` prints it as one line) instead of usage
+    and ``sys.exit``, so a caller in-process gets an exit status back."""
+
+    def error(self, message: str) -> NoReturn:
+        raise CommandLineError(f"{message} (see {self.prog} --help)", prog=self.prog)
+
+
+def _integer(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer ``>= low``; argparse prefixes the option's name."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer >= {low}, got {text!r}"
+            ) from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvrows", description=__doc__)
+    parser = _Parser(prog="kvrows", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
     conform = commands.add_parser("conform", help="run the conformance state machines")
@@ -35,7 +81,9 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="time row operations against mlx-lm and a copy")
     bench.add_argument("--quick", action="store_true", help="small shapes, few repeats")
-    bench.add_argument("--repeats", type=int, default=None, help="timed repeats per operation")
+    bench.add_argument(
+        "--repeats", type=_integer(1), default=None, help="timed repeats per operation"
+    )
     bench.add_argument(
         "--family",
         choices=BENCH_FAMILIES,
@@ -48,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--kv-start",
-        type=int,
+        type=_integer(0),
         action="append",
         default=None,
         metavar="N",
@@ -66,7 +114,8 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="PNG",
         help="the engine family's serving trace: also write its latency distributions as a "
-        "PNG (only if matplotlib is installed; the text histograms are always printed)",
+        "PNG (needs matplotlib: pip install 'kvrows[plot]'; the text histograms are always "
+        "printed)",
     )
 
     demo = commands.add_parser("demo", help="continuous batching on the embedded models")
@@ -88,22 +137,32 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--kv-start",
-        type=int,
+        type=_integer(0),
         default=None,
         metavar="N",
         help="keep the first N tokens of every row in plain precision and quantize from "
         "there, each row at its own offset (sets every scheme's quantized_kv_start, like "
         "mlx-lm's --quantized-kv-start)",
     )
-    demo.add_argument("--requests", type=int, default=12, help="requests in the first wave")
+    demo.add_argument("--requests", type=_integer(1), default=12, help="requests in the first wave")
     demo.add_argument(
         "--max-batch",
-        type=int,
+        type=_integer(1),
         default=8,
         help="most rows in flight at once (prefilling and decoding)",
     )
-    demo.add_argument("--kv-budget", type=int, default=None, help="KV byte budget")
-    demo.add_argument("--quiet", action="store_true", help="no progress bar")
+    demo.add_argument(
+        "--kv-budget",
+        type=_integer(1),
+        default=None,
+        help="KV byte budget (a request that can never fit is rejected: the run reports it "
+        "and exits 1)",
+    )
+    demo.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no per-request progress bar (a line per model and scheme still goes to stderr)",
+    )
     demo.add_argument(
         "--prefix-store",
         default=None,
@@ -114,7 +173,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--prefix-store-bytes",
-        type=int,
+        type=_integer(1),
         default=None,
         metavar="BYTES",
         help="byte budget of the prefix store directory (least recently used rows are "
@@ -128,11 +187,14 @@ def _parser() -> argparse.ArgumentParser:
         "check that speculative decoding gives the same greedy tokens",
     )
     demo.add_argument(
-        "--draft-tokens", type=int, default=3, help="draft tokens per round (--speculative)"
+        "--draft-tokens",
+        type=_integer(1),
+        default=None,
+        help="draft tokens per round (--speculative; default 3)",
     )
     demo.add_argument(
         "--draft-layers",
-        type=int,
+        type=_integer(1),
         default=None,
         help="target layers the draft keeps (--speculative; default: the fewest that keep "
         "every kind of layer)",
@@ -163,15 +225,171 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run a command; a refused argument (a ``KvRowsError``) is one line on stderr, exit 2."""
+    """Run a command. A refused command line, a refused argument (a ``KvRowsError``) or any
+    other error that escapes is one line on stderr and exit status 2 (set
+    ``KVROWS_TRACEBACK=1`` for the traceback of an unexpected one); an interrupt is 130."""
     from kvrows.errors import KvRowsError
 
-    args = _parser().parse_args(argv)
+    command = "kvrows"
     try:
+        args = _parser().parse_args(argv)
+        command = f"kvrows {args.command}"
+        _check(args)
         return _run(args)
-    except KvRowsError as error:
-        print(f"kvrows {args.command}: {error}", file=sys.stderr)
+    except CommandLineError as error:
+        print(f"{error.prog or command}: {error}", file=sys.stderr)
         return 2
+    except KvRowsError as error:
+        print(f"{command}: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        if os.environ.get(TRACEBACK_VARIABLE):
+            raise
+        print(f"{command}: {_one_line(error)}", file=sys.stderr)
+        return 1 if _failed_check(error) else 2
+
+
+def _failed_check(error: BaseException) -> bool:
+    """A benchmark's result check that failed (a wrong result: exit 1, not 2). The runner
+    is looked up, not imported: it imports MLX, and a run that raised has loaded it."""
+    runner = sys.modules.get("kvrows.app.bench.runner")
+    return runner is not None and isinstance(error, runner.BenchCheckError)
+
+
+def _one_line(error: BaseException) -> str:
+    """``error`` as one line: its type, and its message's first line (an ``OSError``: the
+    file and the OS's reason)."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    kind = type(error).__name__
+    if isinstance(error, OSError) and error.filename is not None and error.strerror:
+        text = f"{error.filename}: {error.strerror}"
+    return (
+        f"{kind}: {text} (set {TRACEBACK_VARIABLE}=1 for the traceback)"
+        if text
+        else f"{kind} (set {TRACEBACK_VARIABLE}=1 for the traceback)"
+    )
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Refuse, before any work, what the parser's types cannot see: option combinations a
+    command does not support, names only known at run time, missing optional packages."""
+    if args.command == "conform":
+        _check_conform(args)
+    elif args.command == "bench":
+        _check_bench(args)
+    elif args.command == "demo":
+        _check_demo(args)
+
+
+def _check_conform(args: argparse.Namespace) -> None:
+    from kvrows.conformance.families import FAMILIES as CONFORMANCE_FAMILIES
+    from kvrows.conformance.profiles import active_profile
+
+    if args.profile is None:
+        try:
+            active_profile()
+        except ValueError as error:
+            raise CommandLineError(f"$KVROWS_PROFILE: {error}") from error
+
+    unknown = [name for name in args.family or () if name not in CONFORMANCE_FAMILIES]
+    if unknown:
+        raise CommandLineError(
+            f"argument --family: unknown {', '.join(map(repr, unknown))}; "
+            f"known: {', '.join(sorted(CONFORMANCE_FAMILIES))}"
+        )
+
+
+def _check_bench(args: argparse.Namespace) -> None:
+    """Each family's own option needs that family (or ``all``) to run."""
+    for option, value, owner in (
+        ("--kv-start", args.kv_start, "delayed"),
+        ("--contexts", args.contexts, "engine"),
+        ("--plot", args.plot, "engine"),
+    ):
+        if value is not None and args.family not in (owner, "all"):
+            raise CommandLineError(
+                f"argument {option}: applies to --family {owner} (or all), "
+                f"not --family {args.family}"
+            )
+    if args.contexts is not None:
+        from kvrows.app.bench import _span
+
+        _span(args.contexts)
+    if args.plot is not None:
+        if importlib.util.find_spec("matplotlib") is None:
+            raise CommandLineError(
+                "argument --plot: needs matplotlib, which is not installed: "
+                "pip install 'kvrows[plot]'"
+            )
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder):
+            raise CommandLineError(f"argument --plot: no such directory {folder}")
+
+
+#: ``kvrows demo`` options that only some modes use, with the modes that take each.
+_DEMO_MODE_OPTIONS = (
+    ("--model", "model", ("main", "paged", "speculative")),
+    ("--kv-budget", "kv_budget", ("main", "paged")),
+    ("--kv-start", "kv_start", ("main", "speculative", "mla")),
+    ("--prefix-store", "prefix_store", ("main",)),
+    ("--prefix-store-bytes", "prefix_store_bytes", ("main",)),
+    ("--draft-tokens", "draft_tokens", ("speculative",)),
+    ("--draft-layers", "draft_layers", ("speculative",)),
+)
+
+
+def _check_demo(args: argparse.Namespace) -> None:
+    from kvrows.errors import KvRowsError
+
+    modes = [flag for flag in ("paged", "speculative", "mla") if getattr(args, flag)]
+    if len(modes) > 1:
+        raise CommandLineError(
+            f"--{modes[0]} and --{modes[1]} are separate demos: choose one of them"
+        )
+    mode = modes[0] if modes else "main"
+    for option, attribute, takes in _DEMO_MODE_OPTIONS:
+        if getattr(args, attribute) is not None and mode not in takes:
+            where = "the main demo" if mode == "main" else f"--{mode}"
+            users = " or ".join("the main demo" if m == "main" else f"--{m}" for m in takes)
+            raise CommandLineError(f"argument {option}: {where} does not take it (only {users})")
+    if args.prefix_store_bytes is not None and args.prefix_store is None:
+        raise CommandLineError("argument --prefix-store-bytes: needs --prefix-store DIR")
+    store = args.prefix_store
+    if store is not None and os.path.exists(store) and not os.path.isdir(store):
+        raise CommandLineError(f"argument --prefix-store: {store} is a file, not a directory")
+    if args.model is not None:
+        from kvrows.app.models import check_model
+
+        try:
+            check_model(args.model)
+        except KvRowsError as error:
+            raise CommandLineError(f"argument --model: {error}") from error
+    for name in args.scheme or ():
+        try:
+            _check_scheme(name, mode)
+        except KvRowsError as error:
+            raise CommandLineError(f"argument --scheme: {error}") from error
+
+
+def _check_scheme(name: str, mode: str) -> None:
+    """``name`` parses as a scheme of ``mode`` (the model may still refuse it: a layer
+    index past its last layer is known only once the model is)."""
+    from kvrows.errors import InvalidInputError
+
+    if mode == "mla":
+        from kvrows.app.latent_demo import LATENT_SCHEMES
+
+        if name not in LATENT_SCHEMES:
+            raise InvalidInputError(
+                f"--mla runs the latent schemes {', '.join(LATENT_SCHEMES)}, got {name!r}"
+            )
+        return
+    from kvrows.schemes import KvStorageScheme
+
+    KvStorageScheme.parse(name)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -223,7 +441,7 @@ def _run(args: argparse.Namespace) -> int:
                 schemes=args.scheme,
                 requests=args.requests,
                 max_batch=args.max_batch,
-                draft_tokens=args.draft_tokens,
+                draft_tokens=3 if args.draft_tokens is None else args.draft_tokens,
                 draft_layers=args.draft_layers,
                 progress=not args.quiet,
                 kv_start=args.kv_start,

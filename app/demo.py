@@ -23,6 +23,7 @@ import dataclasses
 import json
 import os
 import random
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,14 @@ import numpy as np
 from kvrows.app.attention import attention_scope
 from kvrows.app.engine import Engine, EngineStats, Request, RequestResult, model_fingerprint
 from kvrows.app.hybrid import HYBRID_ARCHITECTURES, record_recurrent_layers, tiny_hybrid_model
-from kvrows.app.models import ARCHITECTURES, draft_model, make_kvrows_cache, tiny_model
+from kvrows.app.models import (
+    ARCHITECTURES,
+    check_model,
+    draft_model,
+    make_kvrows_cache,
+    tiny_model,
+)
+from kvrows.errors import InvalidInputError
 from kvrows.maintenance import create_kv_maintenance
 from kvrows.persist.prefix_store import PrefixStore
 from kvrows.protocols import RingGeometry
@@ -260,13 +268,53 @@ def check_invariance(
     return report
 
 
+def rejected(results: Sequence[RequestResult]) -> list[RequestResult]:
+    """The requests an engine refused (never ran: their work is not in the table)."""
+    return [r for r in results if r.finish_reason == "rejected"]
+
+
+def rejection_line(arch: str, scheme: str, results: Sequence[RequestResult]) -> str | None:
+    """How many of ``results`` were rejected and why (the first one's reason), or ``None``."""
+    refused = rejected(results)
+    if not refused:
+        return None
+    return (
+        f"{arch} {scheme}: {len(refused)} of {len(results)} requests rejected, "
+        f"the first because {refused[0].error}"
+    )
+
+
+def print_rejections(lines: Sequence[str]) -> None:
+    """After a table: each configuration's rejections, and that the run did not do them."""
+    if not lines:
+        return
+    print("\nREJECTED requests (not run, so not checked; exit status 1):")
+    for line in lines:
+        print(f"  {line}")
+
+
+def verdict(ok: bool, refused: int) -> str:
+    """A row's verdict: a failed check, else rejected requests (work not done), else PASS."""
+    return "FAIL" if not ok else "REJECTED" if refused else "PASS"
+
+
+def stage(index: int, total: int, text: str) -> None:
+    """One line on stderr as each configuration starts (also under ``--quiet``, which
+    drops only the per-request progress bar): a long run shows where it is."""
+    print(f"kvrows demo [{index}/{total}] {text}", file=sys.stderr, flush=True)
+
+
 def _row(
-    arch: str, scheme: KvStorageScheme, stats: EngineStats, report: InvarianceReport
+    arch: str,
+    scheme: KvStorageScheme,
+    stats: EngineStats,
+    report: InvarianceReport,
+    refused: int = 0,
 ) -> list[str]:
     return [
         arch,
         scheme.name,
-        str(stats.requests),
+        f"{stats.requests} ({refused} rejected)" if refused else str(stats.requests),
         str(stats.generated),
         f"{stats.tokens_per_second:.1f}",
         str(stats.kv_bytes_per_token),
@@ -275,7 +323,7 @@ def _row(
         f"{stats.prefix_hits} ({stats.prefix_hit_tokens} tok)",
         f"{report.max_logit_diff:.1e} ({report.beyond_tolerance} > tol)",
         f"{report.mismatches}/{report.steps} ({report.near_ties} ties)",
-        "PASS" if report.ok else "FAIL",
+        verdict(report.ok, refused),
     ]
 
 
@@ -372,9 +420,16 @@ def _models(model_path: str | None) -> list[tuple[str, Any]]:
     if model_path in ARCHITECTURES:
         return [(model_path, tiny_model(model_path))]
     if model_path is not None:
+        check_model(model_path)  # a local directory: mlx-lm never reaches for the Hub
         from mlx_lm import load
 
-        loaded = load(model_path)
+        try:
+            loaded = load(model_path)
+        except Exception as error:  # a damaged or unsupported checkpoint: say which
+            first = (str(error).strip().splitlines() or [""])[0]
+            raise InvalidInputError(
+                f"cannot load the model in {model_path}: {type(error).__name__}: {first}"
+            ) from error
         record_recurrent_layers(loaded[0])
         return [(model_path, loaded[0])]
     return [(arch, tiny_model(arch)) for arch in ARCHITECTURES]
@@ -412,14 +467,27 @@ def run_speculative_demo(
     """The trace (first wave and follow-ups) with and without a draft, per model and scheme;
     1 if any request's greedy tokens differ or the speculative logits fail the solo check."""
     rows: list[list[str]] = []
+    refusals: list[str] = []
     failed = False
-    for name, model in _models(model_path):
+    models = _models(model_path)
+    names = list(schemes or SCHEMES)
+    for model_index, (name, model) in enumerate(models):
         vocab = int(model.args.vocab_size) if hasattr(model, "args") else 256
         first = builtin_trace(requests, vocab=min(vocab, 256))
-        draft = draft_model(model, draft_layers)
+        try:
+            draft = draft_model(model, draft_layers)
+        except InvalidInputError as error:
+            if draft_layers is None:
+                raise
+            raise InvalidInputError(f"--draft-layers {draft_layers}: {error}") from error
         record_recurrent_layers(draft)
-        for scheme_name in schemes or SCHEMES:
+        for scheme_index, scheme_name in enumerate(names):
             scheme = parse_scheme(scheme_name, kv_start)
+            stage(
+                model_index * len(names) + scheme_index + 1,
+                len(models) * len(names),
+                f"{name} {scheme.name}: the trace without, then with a draft",
+            )
             runs: list[tuple[list[RequestResult], EngineStats]] = []
             for speculative in (False, True):
                 engine = Engine(
@@ -442,7 +510,11 @@ def run_speculative_demo(
             report = check_invariance(
                 model, scheme, first + second, spec, prefill_chunk, tolerance=TOLERANCE
             )
-            failed |= not same or not report.ok
+            refused = len(rejected(plain + spec))
+            line = rejection_line(name, scheme.name, plain + spec)
+            if line is not None:
+                refusals.append(line)
+            failed |= not same or not report.ok or refused > 0
             speedup = spec_stats.tokens_per_second / max(plain_stats.tokens_per_second, 1e-9)
             rows.append(
                 [
@@ -459,7 +531,7 @@ def run_speculative_demo(
                     f"{spec_stats.tokens_per_second:.1f}",
                     f"{speedup:.2f}",
                     f"{report.max_logit_diff:.1e} ({report.beyond_tolerance} > tol)",
-                    "PASS" if same and report.ok else "FAIL",
+                    verdict(same and report.ok, refused),
                 ]
             )
     _print_table(rows, SPECULATIVE_HEADER)
@@ -474,6 +546,7 @@ def run_speculative_demo(
         " the plain engine's, and every kept logit row is within the tolerance of a solo"
         " replay (affine sliding-window rows: counted, not failed, as in the main demo)."
     )
+    print_rejections(refusals)
     return 1 if failed else 0
 
 
@@ -496,15 +569,22 @@ def run_demo(
     and loads prefixes from it (one store per model and scheme, told apart by their
     fingerprints), and a second table reports what the store gave."""
     models = _models(model_path)
+    names = list(schemes or SCHEMES)
     rows: list[list[str]] = []
     store_rows: list[list[str]] = []
     stores: list[PrefixStore] = []
+    refusals: list[str] = []
     failed = False
-    for name, model in models:
+    for model_index, (name, model) in enumerate(models):
         vocab = int(model.args.vocab_size) if hasattr(model, "args") else 256
         first = builtin_trace(requests, vocab=min(vocab, 256))
-        for scheme_name in schemes or SCHEMES:
+        for scheme_index, scheme_name in enumerate(names):
             scheme = parse_scheme(scheme_name, kv_start)
+            stage(
+                model_index * len(names) + scheme_index + 1,
+                len(models) * len(names),
+                f"{name} {scheme.name}: the trace, then its solo replays",
+            )
             store = None
             if prefix_store is not None:
                 store = PrefixStore(
@@ -535,8 +615,12 @@ def run_demo(
                 prefill_chunk,
                 tolerance=MODEL_TOLERANCES.get(name, EXACT),
             )
-            failed |= not report.ok
-            rows.append(_row(name, scheme, stats, report))
+            refused = len(rejected(results + more))
+            line = rejection_line(name, scheme.name, results + more)
+            if line is not None:
+                refusals.append(line)
+            failed |= not report.ok or refused > 0
+            rows.append(_row(name, scheme, stats, report, refused))
             if prefix_store is not None:
                 key = f"{name}|{scheme.name}|{requests}|{max_batch}|{kv_budget}|{prefill_chunk}"
                 cold = _cold_runs(prefix_store).get(key)
@@ -555,6 +639,7 @@ def run_demo(
         " scan multiplies matrices whose CPU kernel sums in another order at another batch"
         " size."
     )
+    print_rejections(refusals)
     if prefix_store is not None:
         _print_store(prefix_store, prefix_store_bytes, stores, store_rows)
     return 1 if failed else 0

@@ -15,12 +15,14 @@ layers, final norm and head).
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import os
 from typing import Any
 
 import mlx.core as mx
 
 import kvrows.optimized as kv
-from kvrows.app.hybrid import recurrent_geometry
+from kvrows.app.hybrid import HYBRID_ARCHITECTURES, recurrent_geometry
 from kvrows.compositions import Composition, composition, serial_for_peer
 from kvrows.errors import InvalidInputError
 from kvrows.schemes import (
@@ -37,6 +39,8 @@ from kvrows.validation import KvGeometry
 
 __all__ = [
     "ARCHITECTURES",
+    "BUILTIN_MODELS",
+    "check_model",
     "draft_model",
     "kv_geometry",
     "make_kvrows_cache",
@@ -45,6 +49,48 @@ __all__ = [
 ]
 
 ARCHITECTURES = ("llama", "gemma3")
+#: What ``kvrows demo --model`` takes besides a checkpoint directory: the embedded tiny
+#: models by architecture, and ``hybrid`` (both recurrent ones).
+BUILTIN_MODELS = (*ARCHITECTURES, *HYBRID_ARCHITECTURES, "hybrid")
+
+
+def check_model(name: str) -> None:
+    """Refuse a model name that is neither built in (:data:`BUILTIN_MODELS`) nor a local
+    mlx-lm checkpoint directory (``config.json`` and ``model*.safetensors``), saying which:
+    no such directory, not a model directory, or a built-in name misspelt. Nothing is
+    downloaded: a name that is not a directory here never reaches the Hugging Face Hub."""
+    if name in BUILTIN_MODELS:
+        return
+    builtin = ", ".join(BUILTIN_MODELS)
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise InvalidInputError(
+                f"{name} is not a model directory: it has no config.json (an mlx-lm "
+                "checkpoint holds config.json and model*.safetensors)"
+            )
+        if not any(
+            entry.startswith("model") and entry.endswith(".safetensors")
+            for entry in os.listdir(path)
+        ):
+            raise InvalidInputError(
+                f"{name} is not a model directory: it has no model*.safetensors weights"
+            )
+        return
+    if os.path.exists(path):
+        raise InvalidInputError(f"{name} is a file, not a model directory")
+    if os.sep in name or "/" in name or name.startswith((".", "~")):
+        raise InvalidInputError(
+            f"no such directory {name} (a model is a local mlx-lm checkpoint directory, "
+            f"or a built-in: {builtin}; nothing is downloaded)"
+        )
+    close = difflib.get_close_matches(name, BUILTIN_MODELS, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    raise InvalidInputError(
+        f"unknown model {name!r}{hint}: the built-in models are {builtin}; "
+        "anything else is a local mlx-lm checkpoint directory"
+    )
+
 
 #: mlx-lm's recurrent caches (``ArraysCache``): ``SSMCache`` serves them under every scheme.
 _RECURRENT_PEERS = composition("SSMCache").peers

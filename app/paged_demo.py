@@ -28,6 +28,11 @@ from kvrows.app.demo import (
     check_invariance,
     follow_ups,
     parse_scheme,
+    print_rejections,
+    rejected,
+    rejection_line,
+    stage,
+    verdict,
 )
 from kvrows.app.engine import Engine, EngineStats, Request, RequestResult
 
@@ -113,13 +118,23 @@ def run_paged_demo(
     engine's tokens differ from the contiguous engine's."""
     rows: list[list[str]] = []
     shared_rows: list[list[str]] = []
+    refusals: list[str] = []
     failed = False
-    for name, model in _models(model_path):
+    models = _models(model_path)
+    names = list(schemes or PAGED_SCHEMES)
+    for model_index, (name, model) in enumerate(models):
         vocab = min(int(model.args.vocab_size) if hasattr(model, "args") else 256, 256)
         first = builtin_trace(requests, vocab=vocab)
-        for scheme_name in schemes or PAGED_SCHEMES:
+        for scheme_index, scheme_name in enumerate(names):
             scheme = parse_scheme(scheme_name)
+            stage(
+                model_index * len(names) + scheme_index + 1,
+                len(models) * len(names),
+                f"{name} {scheme.name}: the trace contiguous and paged, its solo replays, "
+                f"then the {system_tokens}-token shared-prefix trace",
+            )
             tokens: list[list[list[int]]] = []
+            refused = 0
             for paged in (False, True):
                 engine = Engine(
                     model,
@@ -136,6 +151,16 @@ def run_paged_demo(
                 more, more_stats = engine.run(second)
                 stats.add(more_stats)
                 tokens.append([r.tokens for r in results + more])
+                refused = max(refused, len(rejected(results + more)))
+                line = rejection_line(
+                    name, f"{scheme.name} {'paged' if paged else 'contiguous'}", results + more
+                )
+                if line is not None:
+                    refusals.append(line)
+            # Paged admission reserves whole blocks: one token's share of a block is its cost,
+            # as the contiguous tables count it (not a whole block per position).
+            block = engine.paged.block_size if engine.paged is not None else 1
+            stats.kv_bytes_per_token = engine.admission.bytes(block) // block
             # results, more, stats: the paged run's (the last)
             report = check_invariance(
                 model,
@@ -146,9 +171,9 @@ def run_paged_demo(
                 tolerance=MODEL_TOLERANCES.get(name, EXACT),
             )
             same = tokens[0] == tokens[1]
-            failed |= not report.ok or not same
-            row = _row(name, scheme, stats, report)
-            row[-1] = "PASS" if report.ok and same else "FAIL"
+            failed |= not report.ok or not same or refused > 0
+            row = _row(name, scheme, stats, report, refused)
+            row[-1] = verdict(report.ok and same, refused)
             rows.append(row)
             trace = shared_prefix_trace(shared_requests, system=system_tokens, vocab=vocab)
             runs: list[tuple[list[RequestResult], EngineStats, float]] = []
@@ -175,6 +200,7 @@ def run_paged_demo(
         " the solo run through contiguous serial caches, and every request's tokens the"
         " contiguous engine's."
     )
+    print_rejections(refusals)
     print()
     _print_table(shared_rows, SHARED_HEADER)
     print(

@@ -64,6 +64,14 @@ def run(
     ``kv_starts``: the delayed family's starts (``kvrows bench --kv-start N``); ``plot``:
     the engine family's latency PNG (``kvrows bench --plot FILE``); ``contexts``: its
     serving trace's document lengths, ``"LO-HI"`` (``kvrows bench --contexts 1024-2048``)."""
+    from kvrows.errors import InvalidInputError
+
+    # Refused before any family builds its sources (that alone takes seconds).
+    if name != "all" and name not in FAMILIES:
+        raise InvalidInputError(f"unknown bench family {name!r}; known: {', '.join(FAMILIES)}")
+    if repeats is not None and repeats < 1:
+        raise InvalidInputError(f"--repeats must be >= 1, got {repeats}")
+    spans = None if contexts is None else _span(contexts)
     from kvrows.app.bench.runner import run_family
 
     names = list(FAMILIES) if name == "all" else [name]
@@ -72,8 +80,8 @@ def run(
         options: dict[str, Any] = {"starts": kv_starts} if each == "delayed" and kv_starts else {}
         if each == "engine" and plot is not None:
             options["plot"] = plot
-        if each == "engine" and contexts is not None:
-            options["serving_contexts"] = _span(contexts)
+        if each == "engine" and spans is not None:
+            options["serving_contexts"] = spans
         made = family(each, quick=quick, **options)
         status = max(status, run_family(made, quick=quick, repeats=repeats))
     return status

@@ -28,6 +28,8 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 
+from kvrows.errors import InvalidInputError
+
 __all__ = [
     "BenchCheckError",
     "Case",
@@ -277,7 +279,7 @@ def run_family(
     stream = out if out is not None else sys.stdout
     timed = repeats if repeats is not None else family.repeats[not quick]
     if timed < 1:
-        raise ValueError(f"repeats must be >= 1, got {timed}")
+        raise InvalidInputError(f"repeats must be >= 1, got {timed}")
     warmups = family.warmups[not quick]
     print(
         f"kvrows bench: {family.name} family, {family.subject}, mlx {package_version('mlx')}, "
