@@ -22,6 +22,7 @@ from kvrows.app.hybrid import (
     tiny_hybrid_model,
 )
 from kvrows.app.models import make_kvrows_cache
+from kvrows.errors import InvalidInputError
 from kvrows.recurrent import RecurrentRows
 from kvrows.speculative import RowRound
 from kvrows.table import owned_cache_layout, target_cache_layout
@@ -231,3 +232,48 @@ def test_kvrows_demo_speculative_on_the_recurrent_models(
         if line.split()[:1] in (["qwen3_next"], ["mamba2"])
     ]
     assert len(rows) == 2 and all(row[-1] == "PASS" for row in rows), table
+
+
+class _Stub:
+    """A model's cache surface only: ``model_type`` and the templates its ``make_cache``
+    builds (copied from the mlx-lm module of that name, 0.32.2)."""
+
+    def __init__(self, model_type: str, templates: list[Any]) -> None:
+        self.model_type = model_type
+        self.layers = templates
+        self._templates = templates
+
+    def make_cache(self) -> list[Any]:
+        return self._templates
+
+    def parameters(self) -> dict[str, Any]:
+        return {}
+
+
+@pytest.mark.parametrize(
+    ("model_type", "templates", "named"),
+    [
+        ("lfm2", [peer.KVCache(), peer.ArraysCache(size=1)], "ArraysCache(size=1)"),
+        ("rwkv7", [peer.ArraysCache(size=3)], "ArraysCache(size=3)"),
+        ("kimi_linear", [peer.ArraysCache(size=4), peer.KVCache()], "ArraysCache(size=4)"),
+        ("bailing_moe_linear", [peer.ArraysCache(size=1), peer.KVCache()], "ArraysCache(size=1)"),
+        (
+            "baichuan_m1",
+            [peer.CacheList(peer.ArraysCache(size=2), peer.KVCache())],
+            "CacheList",
+        ),
+    ],
+)
+def test_unserved_recurrent_models_are_refused_up_front(
+    model_type: str, templates: list[Any], named: str
+) -> None:
+    """SSMCache holds two planes: any other recurrent cache is refused when the caches are
+    built (naming the model and the class), not at the first forward."""
+    with pytest.raises(InvalidInputError) as refused:
+        make_kvrows_cache(_Stub(model_type, templates))
+    assert model_type in str(refused.value) and named in str(refused.value)
+
+
+def test_two_plane_arrays_cache_is_served() -> None:
+    caches = make_kvrows_cache(_Stub("mamba", [peer.ArraysCache(size=2), peer.KVCache()]))
+    assert isinstance(caches[0], kv.SSMCache) and isinstance(caches[1], kv.KVCache)
