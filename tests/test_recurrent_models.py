@@ -277,3 +277,65 @@ def test_unserved_recurrent_models_are_refused_up_front(
 def test_two_plane_arrays_cache_is_served() -> None:
     caches = make_kvrows_cache(_Stub("mamba", [peer.ArraysCache(size=2), peer.KVCache()]))
     assert isinstance(caches[0], kv.SSMCache) and isinstance(caches[1], kv.KVCache)
+
+
+def _mask_of(mask: Any) -> list[list[bool]] | None:
+    return None if mask is None else np.asarray(mask).astype(bool).tolist()
+
+
+@pytest.mark.parametrize("implementation", ["optimized", "reference"])
+def test_make_mask_matches_mlx_lm_arrays_cache(implementation: str) -> None:
+    """``make_mask`` answers what mlx-lm's ``ArraysCache.make_mask`` answers, ``None`` or
+    the same booleans, through mlx-lm's batch life cycle: a merge of empty caches (mlx-lm
+    sets ``left_padding`` to zeros, so its masks are all-true arrays until ``finalize``),
+    ``advance``, a right-padded ``prepare``, ``filter``, ``extend``, and a merge of written
+    caches (``None``)."""
+    ours_module: Any = importlib.import_module(f"kvrows.{implementation}")
+    to_native: Any = mx.array if implementation == "optimized" else np.asarray
+
+    def planes(cache: Any, rows: int) -> None:
+        native = mx.array if isinstance(cache, peer.ArraysCache) else to_native
+        cache[0] = native(np.zeros((rows, 3, 4), np.float32))
+        cache[1] = native(np.zeros((rows, 2, 2), np.float32))
+
+    def written(cls: Any) -> Any:
+        cache = cls() if cls is not peer.ArraysCache else cls(2)
+        planes(cache, 1)
+        cache.advance(2)
+        return cache
+
+    ours_cls, theirs_cls = ours_module.SSMCache, peer.ArraysCache
+    checks: list[tuple[str, Any, Any]] = []
+
+    def check(label: str, ours: Any, theirs: Any, n: int) -> None:
+        checks.append((label, _mask_of(ours.make_mask(n)), _mask_of(theirs.make_mask(n))))
+
+    check("serial", ours_cls(), theirs_cls(2), 3)
+    ours = ours_cls.merge([ours_cls(), ours_cls(), ours_cls()])
+    theirs = theirs_cls.merge([theirs_cls(2), theirs_cls(2), theirs_cls(2)])
+    check("merged empty", ours, theirs, 3)
+    for cache in (ours, theirs):
+        planes(cache, 3)
+        cache.advance(3)
+    check("advanced", ours, theirs, 1)
+    for cache in (ours, theirs):
+        cache.prepare(lengths=[2, 4, 1], right_padding=[2, 0, 3])
+    check("right-padded", ours, theirs, 4)
+    for cache in (ours, theirs):
+        planes(cache, 3)
+        cache.advance(4)
+    check("after the padded chunk", ours, theirs, 2)
+    for cache in (ours, theirs):
+        cache.finalize()
+    check("finalized", ours, theirs, 2)
+    ours = ours_cls.merge([written(ours_cls), ours_cls()])
+    theirs = theirs_cls.merge([written(theirs_cls), theirs_cls(2)])
+    check("merged written", ours, theirs, 2)
+    ours.extend(ours_cls.merge([ours_cls()]))
+    theirs.extend(theirs_cls.merge([theirs_cls(2)]))
+    check("extended by a merged empty", ours, theirs, 2)
+    for cache in (ours, theirs):
+        cache.filter([2, 0])
+    check("filtered", ours, theirs, 1)
+    for label, mine, expected in checks:
+        assert mine == expected, label
