@@ -26,7 +26,7 @@ conformance suite compares what the hooks and the layers compute.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
@@ -355,6 +355,13 @@ class RecurrentRows:
     def __getitem__(self, index: int) -> Any:
         self._spec_usable()
         return self._planes[self._plane_index(index)]
+
+    def __iter__(self) -> Iterator[Any]:
+        """The two planes, so ``conv, state = cache`` unpacks as on mlx-lm's ``ArraysCache``
+        (kimi_k3's layer does; iterating through ``__getitem__`` would hit the refused
+        index 2 instead of stopping)."""
+        self._spec_usable()
+        return iter(list(self._planes))
 
     def __setitem__(self, index: int, value: Any) -> None:
         """The layer writes a plane: ``[B, K-1, C]`` conv or ``[B, ...]`` recurrent, every

@@ -339,3 +339,20 @@ def test_make_mask_matches_mlx_lm_arrays_cache(implementation: str) -> None:
     check("filtered", ours, theirs, 1)
     for label, mine, expected in checks:
         assert mine == expected, label
+
+
+@pytest.mark.parametrize("implementation", ["optimized", "reference"])
+def test_planes_unpack_as_mlx_lm_arrays_cache(implementation: str) -> None:
+    """``conv, state = cache`` (kimi_k3's layer) unpacks the two planes, ``None`` before
+    the layer wrote them, as mlx-lm's ``ArraysCache(2)`` does."""
+    ours_module: Any = importlib.import_module(f"kvrows.{implementation}")
+    to_native: Any = mx.array if implementation == "optimized" else np.asarray
+    ours, theirs = ours_module.SSMCache(), peer.ArraysCache(2)
+    conv, state = ours
+    assert (conv, state) == tuple(theirs) == (None, None)
+    conv_plane, state_plane = np.ones((1, 3, 4), np.float32), np.full((1, 2, 2), 2, np.float32)
+    ours[0], ours[1] = to_native(conv_plane), to_native(state_plane)
+    conv, state = ours
+    assert np.array_equal(np.asarray(conv), conv_plane)
+    assert np.array_equal(np.asarray(state), state_plane)
+    assert len(list(ours)) == len(list(theirs)) == 2
