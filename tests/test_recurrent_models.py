@@ -28,6 +28,7 @@ from kvrows.speculative import RowRound
 from kvrows.table import owned_cache_layout, target_cache_layout
 
 generate: Any = importlib.import_module("mlx_lm.generate")
+mlx_cache: Any = peer  # mlx-lm is untyped
 
 
 @pytest.fixture(autouse=True)
@@ -253,13 +254,21 @@ class _Stub:
 @pytest.mark.parametrize(
     ("model_type", "templates", "named"),
     [
-        ("lfm2", [peer.KVCache(), peer.ArraysCache(size=1)], "ArraysCache(size=1)"),
-        ("rwkv7", [peer.ArraysCache(size=3)], "ArraysCache(size=3)"),
-        ("kimi_linear", [peer.ArraysCache(size=4), peer.KVCache()], "ArraysCache(size=4)"),
-        ("bailing_moe_linear", [peer.ArraysCache(size=1), peer.KVCache()], "ArraysCache(size=1)"),
+        ("lfm2", [mlx_cache.KVCache(), mlx_cache.ArraysCache(size=1)], "ArraysCache(size=1)"),
+        ("rwkv7", [mlx_cache.ArraysCache(size=3)], "ArraysCache(size=3)"),
+        (
+            "kimi_linear",
+            [mlx_cache.ArraysCache(size=4), mlx_cache.KVCache()],
+            "ArraysCache(size=4)",
+        ),
+        (
+            "bailing_moe_linear",
+            [mlx_cache.ArraysCache(size=1), mlx_cache.KVCache()],
+            "ArraysCache(size=1)",
+        ),
         (
             "baichuan_m1",
-            [peer.CacheList(peer.ArraysCache(size=2), peer.KVCache())],
+            [mlx_cache.CacheList(mlx_cache.ArraysCache(size=2), mlx_cache.KVCache())],
             "CacheList",
         ),
     ],
@@ -275,7 +284,7 @@ def test_unserved_recurrent_models_are_refused_up_front(
 
 
 def test_two_plane_arrays_cache_is_served() -> None:
-    caches = make_kvrows_cache(_Stub("mamba", [peer.ArraysCache(size=2), peer.KVCache()]))
+    caches = make_kvrows_cache(_Stub("mamba", [mlx_cache.ArraysCache(size=2), mlx_cache.KVCache()]))
     assert isinstance(caches[0], kv.SSMCache) and isinstance(caches[1], kv.KVCache)
 
 
@@ -294,17 +303,17 @@ def test_make_mask_matches_mlx_lm_arrays_cache(implementation: str) -> None:
     to_native: Any = mx.array if implementation == "optimized" else np.asarray
 
     def planes(cache: Any, rows: int) -> None:
-        native = mx.array if isinstance(cache, peer.ArraysCache) else to_native
+        native = mx.array if isinstance(cache, mlx_cache.ArraysCache) else to_native
         cache[0] = native(np.zeros((rows, 3, 4), np.float32))
         cache[1] = native(np.zeros((rows, 2, 2), np.float32))
 
     def written(cls: Any) -> Any:
-        cache = cls() if cls is not peer.ArraysCache else cls(2)
+        cache = cls() if cls is not mlx_cache.ArraysCache else cls(2)
         planes(cache, 1)
         cache.advance(2)
         return cache
 
-    ours_cls, theirs_cls = ours_module.SSMCache, peer.ArraysCache
+    ours_cls, theirs_cls = ours_module.SSMCache, mlx_cache.ArraysCache
     checks: list[tuple[str, Any, Any]] = []
 
     def check(label: str, ours: Any, theirs: Any, n: int) -> None:
@@ -347,7 +356,7 @@ def test_planes_unpack_as_mlx_lm_arrays_cache(implementation: str) -> None:
     the layer wrote them, as mlx-lm's ``ArraysCache(2)`` does."""
     ours_module: Any = importlib.import_module(f"kvrows.{implementation}")
     to_native: Any = mx.array if implementation == "optimized" else np.asarray
-    ours, theirs = ours_module.SSMCache(), peer.ArraysCache(2)
+    ours, theirs = ours_module.SSMCache(), mlx_cache.ArraysCache(2)
     conv, state = ours
     assert (conv, state) == tuple(theirs) == (None, None)
     conv_plane, state_plane = np.ones((1, 3, 4), np.float32), np.full((1, 2, 2), 2, np.float32)
