@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest conform conform-deep bench clean install
+.PHONY: demo test lint typecheck pytest conform conform-deep bench clean install mlxlm-tests
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -57,3 +57,9 @@ bench: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache .hypothesis
+
+# mlx-lm's own cache and model tests (from the installed version's sdist, fetched once into
+# build/mlxlm-tests/) on mlx-lm's classes, then with kvrows' drop-ins rebound: not in CI
+# (about a minute on two cores); spec/mlx-lm-drop-in.md §5 lists the expected differences.
+mlxlm-tests: install
+	$(BIN)/python tools/mlxlm_tests/run.py

@@ -165,6 +165,7 @@ def make_kvrows_cache(model: Any, scheme: KvStorageScheme | None = None) -> list
     declared = kv_geometry(model)
     scheme = scheme.resolve(len(template))  # negative layer indices count from the last
     caches: list[Any] = []
+    _refuse_unserved_recurrent(model, template)  # before anything is built
     for index, layer in enumerate(template):
         if type(layer).__name__ in _RECURRENT_PEERS:  # recurrent state: no KV codec applies
             caches.append(kv.SSMCache(geometry=recurrent_geometry(model)))
@@ -172,13 +173,40 @@ def make_kvrows_cache(model: Any, scheme: KvStorageScheme | None = None) -> list
         codec = scheme.codec_for_layer(index)
         if isinstance(codec, Turbo) and isinstance(layer, peer.RotatingKVCache):
             codec = Plain()  # TurboQuant is full attention only: sliding layers stay plain
-        entry = serial_for_peer(type(layer).__name__, codec)
+        try:
+            entry = serial_for_peer(type(layer).__name__, codec)
+        except InvalidInputError as refused:
+            raise InvalidInputError(f"{_model_name(model)}, layer {index}: {refused}") from refused
         geometry = _token_geometry(entry, layer)
         if scheme.quantized_kv_start is not None and isinstance(codec, Affine | Turbo):
             caches.append(_lego(codec, geometry, scheme.quantized_kv_start, declared))
         else:
             caches.append(_build(entry, codec, geometry, declared))
     return caches
+
+
+def _model_name(model: Any) -> str:
+    """The model's ``model_type`` (its mlx-lm module name where the config has none)."""
+    name = getattr(getattr(model, "args", None), "model_type", None)
+    name = name or getattr(model, "model_type", None)
+    return str(name or type(model).__module__.rsplit(".", 1)[-1])
+
+
+def _refuse_unserved_recurrent(model: Any, template: list[Any]) -> None:
+    """Refuse, up front, a recurrent layer ``SSMCache`` cannot hold: it takes exactly two
+    planes (conv ``[B, K-1, C]``, recurrent ``[B, ...]``), so an ``ArraysCache`` of
+    another size (lfm2: 1, rwkv7: 3, kimi_linear: 4, bailing_moe_linear: 1) would
+    otherwise fail inside the model's first forward with a message about planes."""
+    for index, layer in enumerate(template):
+        if type(layer).__name__ not in _RECURRENT_PEERS:
+            continue
+        planes = len(getattr(layer, "cache", ()))
+        if planes != 2:
+            raise InvalidInputError(
+                f"{_model_name(model)}, layer {index}: no kvrows storage serves mlx-lm "
+                f"{type(layer).__name__}(size={planes}): SSMCache holds exactly two planes "
+                "(conv [B, K-1, C], recurrent [B, ...]); run this model on mlx-lm's own caches"
+            )
 
 
 def _lego(

@@ -26,7 +26,7 @@ conformance suite compares what the hooks and the layers compute.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
@@ -172,6 +172,10 @@ class RecurrentRows:
     _serial_rows: int
     _lengths: list[int] | None
     _left: list[int] | None
+    #: mlx-lm's ``ArraysCache.merge`` of caches that are all empty sets ``left_padding`` to
+    #: zeros, kept (only ever <= 0) until ``finalize``: its ``make_mask`` then answers an
+    #: all-true ``[B, n]`` array where it otherwise answers ``None``; so does the drop-in.
+    _mask_every_row: bool = False
 
     # -- array hooks ----------------------------------------------------------------------
     @staticmethod
@@ -352,6 +356,13 @@ class RecurrentRows:
         self._spec_usable()
         return self._planes[self._plane_index(index)]
 
+    def __iter__(self) -> Iterator[Any]:
+        """The two planes, so ``conv, state = cache`` unpacks as on mlx-lm's ``ArraysCache``
+        (kimi_k3's layer does; iterating through ``__getitem__`` would hit the refused
+        index 2 instead of stopping)."""
+        self._spec_usable()
+        return iter(list(self._planes))
+
     def __setitem__(self, index: int, value: Any) -> None:
         """The layer writes a plane: ``[B, K-1, C]`` conv or ``[B, ...]`` recurrent, every
         row at once, with the per-row shape and dtype the cache already holds."""
@@ -454,14 +465,17 @@ class RecurrentRows:
         """The padded run is over."""
         self._spec_usable()
         self._lengths = self._left = None
+        self._mask_every_row = False
 
     def make_mask(
         self, n: int, *, return_array: bool = False, window_size: int | None = None
     ) -> Any:
-        """``[B, n]`` bool (``True``: a real token) during a padded run, else ``None``."""
+        """``[B, n]`` bool (``True``: a real token) during a padded run or after mlx-lm's
+        ``merge`` of empty caches (all true, as mlx-lm's), else ``None``."""
         self._spec_usable()
         count = as_count(n, "n", minimum=1)
-        if self._lengths is None and self._left is None and not return_array:
+        padded = self._lengths is not None or self._left is not None
+        if not padded and not return_array and not self._mask_every_row:
             return None
         rows = self._rows
         end = self._lengths or [count] * rows
@@ -536,6 +550,7 @@ class RecurrentRows:
             raise IncompatibleRowsError(f"merge takes recurrent caches, got {type(first).__name__}")
         layout = first._spawn_like(cls._layout_class())
         layout.merge_rows(caches)
+        layout._mask_every_row = all(c.empty() for c in caches)
         return layout
 
     # -- saved state: (conv, recurrent, offset) -------------------------------------------
@@ -765,6 +780,7 @@ class RecurrentLayout(RecurrentRows):
     def extend(self, other: Any) -> None:
         """mlx-lm's ``extend``: join ``other``'s rows."""
         self.merge_rows([other])
+        self._mask_every_row = self._mask_every_row or other._mask_every_row
 
     def filter(self, batch_indices: Any) -> None:
         """mlx-lm's ``filter``."""

@@ -488,3 +488,64 @@ def test_delayed_layout_reads(name: str) -> None:
     assert layout.phase == "packed"
     assert _same(layout.keys_and_values(), layout.groups[1].fetch())
     assert not layout.empty()
+
+
+def _spec_mapping_rows() -> tuple[list[str], list[list[str]]]:
+    """spec/mlx-lm-drop-in.md §3's mapping table: the scheme names of its header and its
+    rows' cells."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "spec" / "mlx-lm-drop-in.md").read_text()
+    section = text[text.index("## 3. ") : text.index("## 4. ")]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    header = next(i for i, line in enumerate(lines) if line.startswith("| mlx-lm template |"))
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[header:]]
+    schemes = [c.strip("`") for c in cells[0][2:]]
+    return schemes, cells[2:]  # past the header and its |---| rule
+
+
+class _TemplateModel:
+    """A model's cache surface only: the spec row's template as its one layer."""
+
+    model_type = "spec_row"
+
+    def __init__(self, template: Any) -> None:
+        self.layers = [template]
+        self._template = template
+
+    def make_cache(self) -> list[Any]:
+        return [self._template]
+
+    def parameters(self) -> dict[str, Any]:
+        return {}
+
+
+def test_spec_mapping_table_is_make_kvrows_cache() -> None:
+    """Each row of the spec's table, its template built as written there, gets the class
+    (and ``keep``) or the refusal the table says under each column's scheme."""
+    import re
+
+    from kvrows.app.models import make_kvrows_cache
+    from kvrows.schemes import KvStorageScheme
+
+    schemes, rows = _spec_mapping_rows()
+    assert schemes == ["plain", "affine", "turbo-k4v4"] and len(rows) >= 8
+    for row in rows:
+        expression = re.fullmatch(r"`([^`]+)`", row[0])
+        assert expression, f"the template cell {row[0]!r} is not one code span"
+        for scheme_name, cell in zip(schemes, row[2:], strict=True):
+            # a fresh template each time: mlx-lm's constructors, as the spec writes them
+            template = eval(expression.group(1), dict(vars(peer)))
+            model = _TemplateModel(template)
+            scheme = KvStorageScheme.parse(scheme_name)
+            where = f"{row[0]} under {scheme_name}"
+            if cell.startswith("refused"):
+                with pytest.raises(InvalidInputError, match="spec_row, layer 0"):
+                    make_kvrows_cache(model, scheme)
+                continue
+            named = re.match(r"`(\w+)`", cell)
+            assert named, f"{where}: the cell {cell!r} names no class"
+            (cache,) = make_kvrows_cache(model, scheme)
+            assert type(cache).__name__ == named.group(1), where
+            keep = re.search(r"`keep=(\d+)`", cell)
+            assert int(getattr(cache, "keep", 0)) == (int(keep.group(1)) if keep else 0), where

@@ -22,11 +22,13 @@ from kvrows.app.hybrid import (
     tiny_hybrid_model,
 )
 from kvrows.app.models import make_kvrows_cache
+from kvrows.errors import InvalidInputError
 from kvrows.recurrent import RecurrentRows
 from kvrows.speculative import RowRound
 from kvrows.table import owned_cache_layout, target_cache_layout
 
 generate: Any = importlib.import_module("mlx_lm.generate")
+mlx_cache: Any = peer  # mlx-lm is untyped
 
 
 @pytest.fixture(autouse=True)
@@ -231,3 +233,135 @@ def test_kvrows_demo_speculative_on_the_recurrent_models(
         if line.split()[:1] in (["qwen3_next"], ["mamba2"])
     ]
     assert len(rows) == 2 and all(row[-1] == "PASS" for row in rows), table
+
+
+class _Stub:
+    """A model's cache surface only: ``model_type`` and the templates its ``make_cache``
+    builds (copied from the mlx-lm module of that name, 0.32.2)."""
+
+    def __init__(self, model_type: str, templates: list[Any]) -> None:
+        self.model_type = model_type
+        self.layers = templates
+        self._templates = templates
+
+    def make_cache(self) -> list[Any]:
+        return self._templates
+
+    def parameters(self) -> dict[str, Any]:
+        return {}
+
+
+@pytest.mark.parametrize(
+    ("model_type", "templates", "named"),
+    [
+        ("lfm2", [mlx_cache.KVCache(), mlx_cache.ArraysCache(size=1)], "ArraysCache(size=1)"),
+        ("rwkv7", [mlx_cache.ArraysCache(size=3)], "ArraysCache(size=3)"),
+        (
+            "kimi_linear",
+            [mlx_cache.ArraysCache(size=4), mlx_cache.KVCache()],
+            "ArraysCache(size=4)",
+        ),
+        (
+            "bailing_moe_linear",
+            [mlx_cache.ArraysCache(size=1), mlx_cache.KVCache()],
+            "ArraysCache(size=1)",
+        ),
+        (
+            "baichuan_m1",
+            [mlx_cache.CacheList(mlx_cache.ArraysCache(size=2), mlx_cache.KVCache())],
+            "CacheList",
+        ),
+    ],
+)
+def test_unserved_recurrent_models_are_refused_up_front(
+    model_type: str, templates: list[Any], named: str
+) -> None:
+    """SSMCache holds two planes: any other recurrent cache is refused when the caches are
+    built (naming the model and the class), not at the first forward."""
+    with pytest.raises(InvalidInputError) as refused:
+        make_kvrows_cache(_Stub(model_type, templates))
+    assert model_type in str(refused.value) and named in str(refused.value)
+
+
+def test_two_plane_arrays_cache_is_served() -> None:
+    caches = make_kvrows_cache(_Stub("mamba", [mlx_cache.ArraysCache(size=2), mlx_cache.KVCache()]))
+    assert isinstance(caches[0], kv.SSMCache) and isinstance(caches[1], kv.KVCache)
+
+
+def _mask_of(mask: Any) -> list[list[bool]] | None:
+    return None if mask is None else np.asarray(mask).astype(bool).tolist()
+
+
+@pytest.mark.parametrize("implementation", ["optimized", "reference"])
+def test_make_mask_matches_mlx_lm_arrays_cache(implementation: str) -> None:
+    """``make_mask`` answers what mlx-lm's ``ArraysCache.make_mask`` answers, ``None`` or
+    the same booleans, through mlx-lm's batch life cycle: a merge of empty caches (mlx-lm
+    sets ``left_padding`` to zeros, so its masks are all-true arrays until ``finalize``),
+    ``advance``, a right-padded ``prepare``, ``filter``, ``extend``, and a merge of written
+    caches (``None``)."""
+    ours_module: Any = importlib.import_module(f"kvrows.{implementation}")
+    to_native: Any = mx.array if implementation == "optimized" else np.asarray
+
+    def planes(cache: Any, rows: int) -> None:
+        native = mx.array if isinstance(cache, mlx_cache.ArraysCache) else to_native
+        cache[0] = native(np.zeros((rows, 3, 4), np.float32))
+        cache[1] = native(np.zeros((rows, 2, 2), np.float32))
+
+    def written(cls: Any) -> Any:
+        cache = cls() if cls is not mlx_cache.ArraysCache else cls(2)
+        planes(cache, 1)
+        cache.advance(2)
+        return cache
+
+    ours_cls, theirs_cls = ours_module.SSMCache, mlx_cache.ArraysCache
+    checks: list[tuple[str, Any, Any]] = []
+
+    def check(label: str, ours: Any, theirs: Any, n: int) -> None:
+        checks.append((label, _mask_of(ours.make_mask(n)), _mask_of(theirs.make_mask(n))))
+
+    check("serial", ours_cls(), theirs_cls(2), 3)
+    ours = ours_cls.merge([ours_cls(), ours_cls(), ours_cls()])
+    theirs = theirs_cls.merge([theirs_cls(2), theirs_cls(2), theirs_cls(2)])
+    check("merged empty", ours, theirs, 3)
+    for cache in (ours, theirs):
+        planes(cache, 3)
+        cache.advance(3)
+    check("advanced", ours, theirs, 1)
+    for cache in (ours, theirs):
+        cache.prepare(lengths=[2, 4, 1], right_padding=[2, 0, 3])
+    check("right-padded", ours, theirs, 4)
+    for cache in (ours, theirs):
+        planes(cache, 3)
+        cache.advance(4)
+    check("after the padded chunk", ours, theirs, 2)
+    for cache in (ours, theirs):
+        cache.finalize()
+    check("finalized", ours, theirs, 2)
+    ours = ours_cls.merge([written(ours_cls), ours_cls()])
+    theirs = theirs_cls.merge([written(theirs_cls), theirs_cls(2)])
+    check("merged written", ours, theirs, 2)
+    ours.extend(ours_cls.merge([ours_cls()]))
+    theirs.extend(theirs_cls.merge([theirs_cls(2)]))
+    check("extended by a merged empty", ours, theirs, 2)
+    for cache in (ours, theirs):
+        cache.filter([2, 0])
+    check("filtered", ours, theirs, 1)
+    for label, mine, expected in checks:
+        assert mine == expected, label
+
+
+@pytest.mark.parametrize("implementation", ["optimized", "reference"])
+def test_planes_unpack_as_mlx_lm_arrays_cache(implementation: str) -> None:
+    """``conv, state = cache`` (kimi_k3's layer) unpacks the two planes, ``None`` before
+    the layer wrote them, as mlx-lm's ``ArraysCache(2)`` does."""
+    ours_module: Any = importlib.import_module(f"kvrows.{implementation}")
+    to_native: Any = mx.array if implementation == "optimized" else np.asarray
+    ours, theirs = ours_module.SSMCache(), mlx_cache.ArraysCache(2)
+    conv, state = ours
+    assert (conv, state) == tuple(theirs) == (None, None)
+    conv_plane, state_plane = np.ones((1, 3, 4), np.float32), np.full((1, 2, 2), 2, np.float32)
+    ours[0], ours[1] = to_native(conv_plane), to_native(state_plane)
+    conv, state = ours
+    assert np.array_equal(np.asarray(conv), conv_plane)
+    assert np.array_equal(np.asarray(state), state_plane)
+    assert len(list(ours)) == len(list(theirs)) == 2
