@@ -97,7 +97,10 @@ def check_block(
     if n < 1:
         raise InvalidInputError(f"an update must append at least one token, got N={n}")
     if b < 1 or h < 1 or d < 1 or dv < 1:
-        raise InvalidInputError(f"B, H, D and Dv must be positive, got {tuple(key_shape)}")
+        raise InvalidInputError(
+            f"B, H, D and Dv must be positive, got B={b}, H={h}, D={d}, Dv={dv} "
+            f"(keys {tuple(key_shape)}, values {tuple(value_shape)})"
+        )
     if key_dtype != value_dtype:
         raise InvalidInputError(f"keys are {key_dtype} but values are {value_dtype}")
     if key_dtype not in FLOAT_DTYPES:

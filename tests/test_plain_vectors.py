@@ -183,3 +183,14 @@ def test_serial_trim_clamps_and_reports(impl: ModuleType) -> None:
     assert cache.trim(10) == 3 and cache.offset == 0
     with pytest.raises(InvalidInputError):
         cache.trim(-1)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_an_empty_value_dimension_is_named(impl: ModuleType) -> None:
+    """A zero value width is refused with the value dimension named, not the key shape alone."""
+    cache = impl.KVCache()
+    keys = _to(impl, np.zeros((1, 1, 2, 8), np.float32))
+    values = _to(impl, np.zeros((1, 1, 2, 0), np.float32))
+    with pytest.raises(InvalidInputError, match=r"Dv=0"):
+        cache.update_and_fetch(keys, values)
+    assert cache.offset == 0
