@@ -581,7 +581,7 @@ class RecurrentMachine(RuleBasedStateMachine):
             cases += [
                 ("filter naming a row twice", lambda i, c: c.filter_rows([0, 0]), RowIndexError),
                 ("extract past the rows", lambda i, c: c.extract_row(rows), RowIndexError),
-                ("merge into itself", lambda i, c: c.merge_rows([c]), InvalidInputError),
+                ("merge into itself", lambda i, c: c.merge_rows([c]), IncompatibleRowsError),
                 (
                     "rollback without a round",
                     lambda i, c: c.spec_round_rollback(1),

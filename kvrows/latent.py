@@ -579,6 +579,8 @@ class LatentRows(SpeculativeRounds):
         name = type(self).__name__
         if isinstance(rows, str | bytes) or not isinstance(rows, Sequence) or not rows:
             raise InvalidInputError(f"{name}.merge_rows needs a non-empty sequence of caches")
+        if any(s is self for s in rows) or len({id(s) for s in rows}) != len(rows):
+            raise IncompatibleRowsError(self_merge_message(self.signature()))
         if self._offsets:
             raise LayoutStateError(
                 f"{name}.merge_rows: the destination must be empty (it holds "
@@ -588,8 +590,6 @@ class LatentRows(SpeculativeRounds):
         widths = {s._widths for s in sources if isinstance(s, LatentRows) and s._widths}
         dtypes = {s._dtype for s in sources if isinstance(s, LatentRows) and s._dtype}
         for source in sources:
-            if source is self:
-                raise InvalidInputError(self_merge_message(name))
             if type(source) is not type(self) or source._merge_key() != self._merge_key():
                 raise IncompatibleRowsError(
                     f"{name}.merge_rows takes {name}s declared as this one "

@@ -38,6 +38,7 @@ from kvrows.errors import (
     LayoutStateError,
     NotTrimmableError,
     SpeculativeRoundError,
+    self_merge_message,
 )
 from kvrows.speculative import SpeculativeRounds, check_keep_vector
 from kvrows.validation import FLOAT_DTYPES, as_count, check_keep, check_row
@@ -694,14 +695,12 @@ class RecurrentLayout(RecurrentRows):
         self._spec_guard("merge_rows")
         if isinstance(rows, str | bytes) or not isinstance(rows, Sequence) or not rows:
             raise InvalidInputError("merge_rows takes a non-empty sequence of caches")
+        if any(s is self for s in rows) or len({id(s) for s in rows}) != len(rows):
+            raise IncompatibleRowsError(self_merge_message(self.signature()))
         if self._lengths is not None or self._left is not None:
             raise LayoutStateError("merge_rows during a padded run: finalize() it first")
         sources: list[RecurrentRows] = []
         for source in rows:
-            if source is self:
-                raise InvalidInputError(
-                    f"cannot merge a {self.composition.name} into itself: extract its rows first"
-                )
             if not isinstance(source, RecurrentRows) or source.array_name != self.array_name:
                 raise IncompatibleRowsError(
                     f"{self.composition.name} merges recurrent caches of the same implementation "

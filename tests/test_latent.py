@@ -25,6 +25,7 @@ from kvrows.errors import (
     KvRowsError,
     LayoutStateError,
     SpeculativeRoundError,
+    self_merge_message,
 )
 from kvrows.latent import (
     DEEPSEEK_V3_BF16_BYTES,
@@ -186,6 +187,13 @@ def test_bad_inputs_change_nothing(impl: Any) -> None:
     with pytest.raises(IncompatibleRowsError):
         empty.merge_rows([cache, impl.MLACache()])  # DSA and no DSA
     assert empty.batch_size == 0
+    # The contract's self-merge refusal, with the shared message, also on a held layout.
+    for target, sources in ((empty, [empty]), (empty, [cache, cache]), (cache, [cache])):
+        with pytest.raises(IncompatibleRowsError) as caught:
+            target.merge_rows(sources)
+        assert str(caught.value) == self_merge_message(target.signature())
+    assert empty.batch_size == 0
+    assert (cache.row_offsets, [np.array(a).tobytes() for a in cache.held_arrays()]) == before
 
 
 def test_the_other_implementations_arrays_are_refused() -> None:

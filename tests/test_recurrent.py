@@ -279,7 +279,8 @@ def test_bad_inputs_raise_and_change_nothing(impl: str) -> None:
         ),
         (layout, lambda c: c.filter_rows([0, 0]), RowIndexError),
         (layout, lambda c: c.extract_row(2), RowIndexError),
-        (layout, lambda c: c.merge_rows([layout]), InvalidInputError),
+        (layout, lambda c: c.merge_rows([layout]), IncompatibleRowsError),  # contract: self-merge
+        (layout, lambda c: c.merge_rows([serial, serial]), IncompatibleRowsError),  # given twice
         (
             layout,
             lambda c: c.merge_rows([(ref if impl == "optimized" else opt).SSMCache()]),
