@@ -191,12 +191,14 @@ def restore_state(
             cache._watch()
             cache._rows.extend(target.open_table() for _ in range(rows))
         return cache
-    target = cache._ensure_pool(learnt)
+    counts = [-(-offset // block_size) for offset in offsets]
+    target = cache._ensure_pool(learnt, sum(counts))
+    fresh = target.ledger.allocate(sum(counts))  # all at once: a refusal changes nothing
     tables: list[BlockTable] = []
-    for b, (offset, pad) in enumerate(zip(offsets, pads, strict=True)):
-        count = -(-offset // block_size)
+    for b, (offset, pad, count) in enumerate(zip(offsets, pads, counts, strict=True)):
         table = target.open_table()
-        table.blocks.extend(target.ledger.allocate(count))
+        table.blocks.extend(fresh[:count])  # allocated blocks are held once: this table's
+        del fresh[:count]
         if offset:
             row_k = tuple(ops.row_slice(p, b, pad, width) for p in keys)
             row_v = tuple(ops.row_slice(p, b, pad, width) for p in vals)
