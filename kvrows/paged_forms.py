@@ -227,11 +227,12 @@ def _geometry_of(
     )
     if isinstance(spec, Plain):
         geometry = KvGeometry(heads, key_width, value_width, ops.dtype_name(keys[0]))
-    elif isinstance(spec, Affine):  # packed uint32 codes; the scales carry the dtype
-        per_word = 32 // spec.bits
+    elif isinstance(spec, Affine):  # codes packed bit after bit in uint32 words (3, 5 and
+        # 6 bits cross words); the scales carry the dtype
         geometry = KvGeometry(
-            heads, key_width * per_word, value_width * per_word, ops.dtype_name(keys[1])
-        )
+            heads, key_width * 32 // spec.bits, value_width * 32 // spec.bits,
+            ops.dtype_name(keys[1]),
+        )  # fmt: skip
     elif declared is not None:
         geometry = declared
     else:  # TurboQuant planes do not say the activation dtype

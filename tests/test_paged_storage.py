@@ -408,6 +408,20 @@ def test_state_round_trip_is_bit_exact_and_corrupt_states_are_refused(
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bits", [3, 5, 6])
+def test_states_of_codes_that_cross_words_round_trip(impl: Any, bits: int) -> None:
+    """Affine codes of 3, 5 and 6 bits are packed across uint32 words: a state's key width
+    is ``words * 32 / bits``, not ``words * (32 // bits)``."""
+    _, module, native, numpy = impl
+    codec = Affine(bits=bits, group_size=32)
+    cache = module.PagedKVCache(pool=module.BlockPool(codec, block_size=4))
+    cache.update_and_fetch(*(native(x) for x in _block(np.random.default_rng(12), 1, 5)))
+    loaded = module.PagedKVCache.from_state(cache.state)
+    assert loaded.geometry == cache.geometry == KvGeometry(H, D, D, "float32")
+    assert _same(loaded.planes(), cache.planes(), numpy)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_invalid_arguments_are_refused(impl: Any) -> None:
     _, module, native, _ = impl
     pool = module.BlockPool(block_size=4)
