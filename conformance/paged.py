@@ -46,7 +46,14 @@ from kvrows.conformance.speculative import (
 from kvrows.errors import PoolExhaustedError
 from kvrows.schemes import Affine
 
-__all__ = ["PagedAffineMachine", "PagedMachine"]
+__all__ = [
+    "HEADROOMS",
+    "PagedAffineMachine",
+    "PagedMachine",
+    "accounting",
+    "byte_limited",
+    "freeze_collector",
+]
 
 #: Blocks a pool may grow by while an operation runs at its byte limit (0: none), and
 #: ``None``: an example without a limit.
@@ -63,6 +70,37 @@ def accounting(pool: Any) -> tuple[Any, ...]:
         tuple(ledger.ref(b) for b in range(ledger.num_blocks)), ledger.cached_count,
         len(pool.live_tables()), pool.bytes_written, pool.bytes_copied,
     )  # fmt: skip
+
+
+def freeze_collector() -> bool:
+    """Collect, then leave every object alive now out of later collections (the machine
+    thaws them at teardown): a limited append collects first, so that whether a pool runs
+    out never depends on when the collector gives back an unreachable cache's blocks, and
+    that collection then scans only the example's own objects."""
+    gc.collect()
+    gc.freeze()
+    return True
+
+
+@contextmanager
+def byte_limited(
+    pools: Sequence[Any], headroom: int, block_bytes: Callable[[Any], int]
+) -> Iterator[None]:
+    """Each pool may hold ``headroom`` blocks more than it holds now (a pool without
+    geometry: ``headroom`` blocks of ``block_bytes(pool)`` bytes in all) until the block
+    exits; the machines' pools have no byte limit otherwise."""
+    for pool in pools:
+        assert pool.max_bytes is None and pool.ledger.max_blocks is None
+        if pool.geometry is None:  # it learns its limit from max_bytes with its geometry
+            pool.max_bytes = headroom * block_bytes(pool)
+        else:
+            pool.ledger.max_blocks = pool.num_blocks + headroom
+            pool.max_bytes = pool.ledger.max_blocks * pool.bytes_per_block
+    try:
+        yield
+    finally:
+        for pool in pools:
+            pool.max_bytes = pool.ledger.max_blocks = None
 
 
 class PagedMachine(SpeculativeMachine):
@@ -104,6 +142,14 @@ class PagedMachine(SpeculativeMachine):
         self.shared = data.draw(st.booleans(), label="one pool")
         self._shared_pools: dict[str, Any] = {}
         note(f"appends run with a headroom of {self.headroom} blocks, one pool: {self.shared}")
+        self._frozen = freeze_collector() if self.headroom is not None else False
+
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        finally:
+            if getattr(self, "_frozen", False):
+                gc.unfreeze()
 
     def _new(self, impl: Impl, name: str, **changes: int) -> Any:
         return self._in_shared_pool(impl, name, changes, super()._new(impl, name, **changes))
@@ -127,21 +173,8 @@ class PagedMachine(SpeculativeMachine):
 
     @contextmanager
     def _limited(self, pools: Sequence[Any], headroom: int) -> Iterator[None]:
-        """Each pool may hold ``headroom`` blocks more than it holds now (a pool without
-        geometry: ``headroom`` blocks in all), until the block exits; the machine's pools
-        have no byte limit otherwise."""
-        for pool in pools:
-            assert pool.max_bytes is None and pool.ledger.max_blocks is None
-            if pool.geometry is None:  # it learns its limit from max_bytes with its geometry
-                pool.max_bytes = headroom * pool.block_size * self.g.token_bytes()
-            else:
-                pool.ledger.max_blocks = pool.num_blocks + headroom
-                pool.max_bytes = pool.ledger.max_blocks * pool.bytes_per_block
-        try:
+        with byte_limited(pools, headroom, lambda pool: pool.block_size * self.g.token_bytes()):
             yield
-        finally:
-            for pool in pools:
-                pool.max_bytes = pool.ledger.max_blocks = None
 
     def _under_pressure(
         self, what: str, pairs: Sequence[tuple[Any, Any]], headroom: int,
@@ -156,6 +189,7 @@ class PagedMachine(SpeculativeMachine):
             for index in (0, 1)
         ]
         limited = list({id(p): p for side in pools for p in side}.values())
+        gc.collect()  # unreachable caches give their blocks back now, not in between
         collecting = gc.isenabled()
         gc.disable()  # a collected cache's finalizer would release blocks in between
         try:
