@@ -266,10 +266,10 @@ class PagedMachine(SpeculativeMachine):
         op = data.draw(st.sampled_from(self._pressured()), label="operation under pressure")
         headroom = data.draw(st.sampled_from(HEADROOMS[:-1]), label="headroom")
         note(f"pool_pressure: {op}, headroom {headroom} blocks")
-        self.stats.op(f"pressure:{op}")
         if op == "merge":
             self._pressured_merge(data, headroom)
             return
+        self.stats.op(f"pressure:{op}")
         every = [p for index in (0, 1) for p in self._pools(index)]
         with self._limited(every, headroom):
             rule_of = {
@@ -278,7 +278,7 @@ class PagedMachine(SpeculativeMachine):
                 "filter": self.filter_layout,
                 "trim_rows": self.trim_rows,
             }
-            rule_of[op](data)  # fmt: skip
+            rule_of[op](data)
 
     def _pressured_merge(self, data: st.DataObject, headroom: int) -> None:
         """Free requests join a layout (rows of another pool are copied into its pool)."""
