@@ -14,11 +14,18 @@ block size 2, 3 or 4, so rows cross blocks and share partly filled tails), with:
   ``EncodedLatentCache``);
 * **the pool's invariants** after every rule (``spec/paged-pool.md`` §4: conservation,
   free <=> count 0, counts = live tables, no empty tail block); with every row in one
-  pool, merges, filters, extracts and rollbacks only edit tables.
+  pool, merges, filters, extracts and rollbacks only edit tables;
+* **byte-limited pools**: an example draws a headroom (0-2 blocks, or no limit) and
+  every append under test (prefill chunks, layout steps, verify blocks) runs with the
+  pools limited to what they hold plus the headroom (``conformance.paged``). Both
+  implementations must refuse at the same points, a refusal must leave both caches and
+  both pools' accounting unchanged (a refused verify block: its round still open), and
+  the append then goes in without the limit.
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -27,13 +34,19 @@ from hypothesis import note
 from hypothesis.stateful import initialize, invariant
 
 from kvrows.conformance.families import Impl
-from kvrows.conformance.latent import _CODECS, LatentMachine
+from kvrows.conformance.latent import _CODECS, Array, LatentMachine
+from kvrows.conformance.paged import HEADROOMS, accounting, byte_limited, freeze_collector
+from kvrows.errors import PoolExhaustedError
+from kvrows.latent import latent_token_bytes
 
 __all__ = ["PagedLatentMachine"]
 
 
 class PagedLatentMachine(LatentMachine):
     """The latent machine on ``PagedLatentCache`` rows in one pool per implementation."""
+
+    #: This example's headroom in blocks (``None``: no byte limit).
+    headroom: int | None = None
 
     @property
     def encoded(self) -> bool:
@@ -53,7 +66,68 @@ class PagedLatentMachine(LatentMachine):
             )
             for impl in (self.ref_impl, self.opt_impl)
         }
-        note(f"codec {codec}, start {self.c.start}, block size {size}")
+        self.headroom = data.draw(st.sampled_from(HEADROOMS), label="headroom")
+        note(f"codec {codec}, start {self.c.start}, block size {size}, headroom {self.headroom}")
+        self._frozen = freeze_collector() if self.headroom is not None else False
+
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        finally:
+            if getattr(self, "_frozen", False):
+                gc.unfreeze()
+
+    def _append_all(
+        self, pairs: list[tuple[Impl, Any]], blocks: tuple[Array, Array, Array | None]
+    ) -> list[Any]:
+        """An append under test (both implementations) meets the example's byte limit: a
+        refusal is checked, then the append goes in without the limit (a solo's runs free)."""
+        if self.headroom is None or len(pairs) != 2:
+            return super()._append_all(pairs, blocks)
+        (_, ref), (_, opt) = pairs
+        pools = list(self._pools.values())
+        c = self.c
+
+        def block_bytes(pool: Any) -> int:
+            token = latent_token_bytes(pool.codec_spec, c.rank, c.rope, c.index, c.dtype)
+            return int(pool.block_size) * token
+
+        def state() -> tuple[Any, ...]:
+            # The rows and tables (what they hold is the oracles' business: the append
+            # goes in after a refusal and every read is then compared with the solos).
+            return (
+                *((c.row_offsets, c.left_pad, c.converted, c.block_tables()) for c in (ref, opt)),
+                [accounting(pool) for pool in pools],
+            )  # fmt: skip
+
+        gc.collect()  # unreachable caches give their blocks back now, not in between
+        collecting = gc.isenabled()
+        gc.disable()  # a collected cache's finalizer would release blocks in between
+        try:
+            before = state()
+            outcomes: list[Any] = []
+            with byte_limited(pools, self.headroom, block_bytes):
+                for pair in pairs:
+                    try:
+                        outcomes.extend(super()._append_all([pair], blocks))
+                    except PoolExhaustedError as error:
+                        outcomes.append(error)
+            refused = [isinstance(o, PoolExhaustedError) for o in outcomes]
+            after = state() if any(refused) else before
+        finally:
+            if collecting:
+                gc.enable()
+        self._exact("appends refused past the byte limit (optimized)", refused[1], refused[0])
+        self.stats.check("pool pressure")
+        if not refused[0]:
+            return outcomes
+        self._exact("refusal messages (optimized)", str(outcomes[1]), str(outcomes[0]))
+        self._exact("caches and pools unchanged after a refused append", after, before)
+        self._exact("a refused block's round (optimized)", opt.spec_round_open, ref.spec_round_open)
+        self.stats.check("exhaustion refused")
+        if ref.spec_round_open:
+            self.stats.check("round usable after a refused block")
+        return super()._append_all(pairs, blocks)
 
     def _new(self, impl: Impl) -> Any:
         cls: Any = impl.cls(self.spec.name)
@@ -64,8 +138,14 @@ class PagedLatentMachine(LatentMachine):
     def _solo_of(self, request: Any) -> Any:
         """The row's oracle: a reference ``MLACache`` holding the request's tokens (an
         encoded latent: the reference's own extract, replayed alone)."""
-        if self.encoded:
-            return super()._solo_of(request)
+        if self.encoded:  # the reference's own extract, in a pool of its own: the two
+            # implementations' pools then hold the same tables (a byte limit meets both alike)
+            solo = super()._solo_of(request)
+            cls: Any = self.ref_impl.cls(self.spec.name)
+            if not solo.batch_size:
+                c = self.c
+                return cls(c.rank, c.rope, c.index, c.max_tokens, codec=c.codec, start=c.start)
+            return cls.from_state(solo.state)
         c = self.c
         mla: Any = self.ref_impl.cls("MLACache")
         solo = mla(c.rank, c.rope, c.index, c.max_tokens)

@@ -92,14 +92,25 @@ class PoolMachine(RuleBasedStateMachine):
     # -- helpers -------------------------------------------------------------------------
     def _append(self, cache: Any, tokens: list[int], start: int) -> bool:
         keys, values = kv_of(tokens, start, len(tokens))
-        before = cache.offset, cache.block_table, self.pool.ledger.free_order()
+        before = cache.rows, cache.offset, cache.block_table, self._accounting()
         try:
             cache.update_and_fetch(self.to_native(keys), self.to_native(values))
         except PoolExhaustedError:
-            assert (cache.offset, cache.block_table, self.pool.ledger.free_order()) == before
+            got = cache.rows, cache.offset, cache.block_table, self._accounting()
+            assert got == before, "a refused append changed the cache or the pool"
             STATS["exhausted"] += 1
             return False
         return True
+
+    def _accounting(self) -> tuple[Any, ...]:
+        """What a refused call leaves as it was: the free queue, every count, the held and
+        cached blocks, the live tables and the bytes moved."""
+        ledger = self.pool.ledger
+        return (
+            ledger.free_order(), tuple(ledger.ref(b) for b in range(ledger.num_blocks)),
+            ledger.held_count, ledger.cached_count, len(self.pool.live_tables()),
+            self.pool.bytes_written, self.pool.bytes_copied,
+        )  # fmt: skip
 
     def _expected_planes(self, tokens: list[int]) -> tuple[Any, Any]:
         keys, values = kv_of(tokens, 0, len(tokens))
@@ -172,13 +183,23 @@ class PoolMachine(RuleBasedStateMachine):
         layout.spec_round_begin()
         drafted = tokens + block
         keys, values = kv_of(drafted, len(tokens), len(drafted))
+        before = layout.row_offsets, layout.block_tables(), self._accounting()
         try:
             layout.update_and_fetch(self.to_native(keys), self.to_native(values))
-        except PoolExhaustedError:  # the layout is invalid now: it and its blocks go
-            layout.release()
-            if not keep_source:  # the request went with it
-                del self.live[rid], self.tokens[rid], self.full_before[rid]
-            return
+        except PoolExhaustedError:  # refused, nothing changed: the round waits for its block
+            got = layout.row_offsets, layout.block_tables(), self._accounting()
+            assert got == before, "a refused verify block changed the layout or the pool"
+            assert layout.spec_round_open
+            STATS["verify block refused"] += 1
+            pending = kv_of(tokens + block[:1], len(tokens), len(tokens) + 1)
+            try:  # the pending token alone
+                layout.update_and_fetch(*(self.to_native(x) for x in pending))
+            except PoolExhaustedError:
+                layout.release()
+                if not keep_source:  # the request went with it
+                    del self.live[rid], self.tokens[rid], self.full_before[rid]
+                return
+            block = block[:1]
         finally:
             if self.pool.bytes_copied > copied:
                 STATS["copy on write"] += 1

@@ -42,6 +42,7 @@ __all__ = [
     "Paged",
     "block_hash",
     "chain_hashes",
+    "check_limit",
     "growth_target",
 ]
 
@@ -88,15 +89,21 @@ def chain_hashes(tokens: Sequence[int], block_size: int, extra: str, blocks: int
     return hashes
 
 
-def growth_target(current: int, needed: int, limit: int | None) -> int:
-    """The block count a pool of ``current`` blocks grows to so that it holds ``needed``:
-    ``x1.5`` (at least ``needed``), capped at ``limit``; raises ``PoolExhaustedError`` when
-    even ``limit`` is too few."""
+def check_limit(needed: int, limit: int | None) -> None:
+    """Raise ``PoolExhaustedError`` when a pool must hold ``needed`` blocks but its byte
+    limit allows ``limit``."""
     if limit is not None and needed > limit:
         raise PoolExhaustedError(
             f"the pool needs {needed} blocks but may hold at most {limit} (its byte limit); "
             "free requests or raise max_bytes"
         )
+
+
+def growth_target(current: int, needed: int, limit: int | None) -> int:
+    """The block count a pool of ``current`` blocks grows to so that it holds ``needed``:
+    ``x1.5`` (at least ``needed``), capped at ``limit``; raises ``PoolExhaustedError`` when
+    even ``limit`` is too few."""
+    check_limit(needed, limit)
     target = max(needed, math.ceil(current * 1.5), 1)
     return target if limit is None else min(target, limit)
 

@@ -191,12 +191,14 @@ def restore_state(
             cache._watch()
             cache._rows.extend(target.open_table() for _ in range(rows))
         return cache
-    target = cache._ensure_pool(learnt)
+    counts = [-(-offset // block_size) for offset in offsets]
+    target = cache._ensure_pool(learnt, sum(counts))
+    fresh = target.ledger.allocate(sum(counts))  # all at once: a refusal changes nothing
     tables: list[BlockTable] = []
-    for b, (offset, pad) in enumerate(zip(offsets, pads, strict=True)):
-        count = -(-offset // block_size)
+    for b, (offset, pad, count) in enumerate(zip(offsets, pads, counts, strict=True)):
         table = target.open_table()
-        table.blocks.extend(target.ledger.allocate(count))
+        table.blocks.extend(fresh[:count])  # allocated blocks are held once: this table's
+        del fresh[:count]
         if offset:
             row_k = tuple(ops.row_slice(p, b, pad, width) for p in keys)
             row_v = tuple(ops.row_slice(p, b, pad, width) for p in vals)
@@ -225,11 +227,12 @@ def _geometry_of(
     )
     if isinstance(spec, Plain):
         geometry = KvGeometry(heads, key_width, value_width, ops.dtype_name(keys[0]))
-    elif isinstance(spec, Affine):  # packed uint32 codes; the scales carry the dtype
-        per_word = 32 // spec.bits
+    elif isinstance(spec, Affine):  # codes packed bit after bit in uint32 words (3, 5 and
+        # 6 bits cross words); the scales carry the dtype
         geometry = KvGeometry(
-            heads, key_width * per_word, value_width * per_word, ops.dtype_name(keys[1])
-        )
+            heads, key_width * 32 // spec.bits, value_width * 32 // spec.bits,
+            ops.dtype_name(keys[1]),
+        )  # fmt: skip
     elif declared is not None:
         geometry = declared
     else:  # TurboQuant planes do not say the activation dtype

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from kvrows.codec import Role, codec_plane_specs
-from kvrows.errors import InvalidInputError, LayoutStateError
+from kvrows.errors import InvalidInputError, LayoutStateError, PoolExhaustedError
 from kvrows.latent import (
     LATENT_FIELDS,
     PAGED_LATENT_FIELDS,
@@ -47,6 +47,7 @@ from kvrows.validation import KvGeometry, as_count
 __all__ = ["LatentBlockPoolBase", "PagedLatentRows", "latent_pool_geometry"]
 
 _P = TypeVar("_P", bound="PagedLatentRows")
+_R = TypeVar("_R")
 
 
 def latent_pool_geometry(rank: int, rope: int, dtype: str) -> KvGeometry:
@@ -300,6 +301,13 @@ class PagedLatentRows(LatentRows):
         checked = super()._checked_blocks(latent, rope, index, staged=staged)
         _, _, _, _, dtype, rows, n = checked
         pool = self._pool
+        if pool is not None and pool.geometry is None and not staged:
+            # A given pool learns its widths from this write, and refuses it past its byte
+            # limit before it learns them (every table is empty: all blocks are new).
+            widths = (self._impl_shape_dtype(latent, "latent")[0][-1],
+                      self._impl_shape_dtype(rope, "rope")[0][-1])  # fmt: skip
+            room = pool.blocks_needed(self._tables, rows, n)
+            pool.learn(latent_pool_geometry(*widths, dtype), room=room)
         if pool is not None and pool.geometry is not None:
             g = pool.geometry
             rank, rope_width = self._widths or (g.key_dim, g.value_dim)
@@ -312,7 +320,21 @@ class PagedLatentRows(LatentRows):
                 pool.ledger.ensure(pool.blocks_needed(self._tables, rows, n))
         return checked
 
-    def _ensure_pool(self) -> LatentBlockPoolBase:
+    def _spec_failing(self, step: Callable[[], _R]) -> _R:
+        """A failure inside a round invalidates the cache, but for an exhausted pool: the
+        blocks are taken before anything changes, so the round stays as it was (open,
+        before its block)."""
+        try:
+            return step()
+        except PoolExhaustedError:
+            raise
+        except BaseException:
+            self._spec_invalid = True
+            raise
+
+    def _ensure_pool(self, room: int = 0) -> LatentBlockPoolBase:
+        """The pool, knowing the cache's widths; ``room``: the blocks the write that teaches
+        a given pool its widths takes (refused past its byte limit before it learns)."""
         assert self._widths is not None and self._dtype is not None
         geometry = latent_pool_geometry(*self._widths, self._dtype)
         if self._pool is None:
@@ -323,7 +345,7 @@ class PagedLatentRows(LatentRows):
                 geometry=geometry,
             )
         else:
-            self._pool.learn(geometry)
+            self._pool.learn(geometry, room=room)
         self._pool.adopt_empty(self._tables)
         self._watch()
         return self._pool
@@ -384,13 +406,14 @@ class PagedLatentRows(LatentRows):
             self._tables.extend(BlockTable() for s in sources for _ in (s._tables or [None]))
             self._warm = [None] * len(self._tables)
             return
-        for source in sources:  # a pool of other widths refuses before anything changes
-            if source._pool is not None and source._pool.geometry is not None:
-                pool.learn(source._pool.geometry)
         foreign = [
             (s._pool, t) for s in sources for t in s._tables
             if s._pool is not None and s._pool is not pool and t.offset
         ]  # fmt: skip
+        room = sum(math.ceil(t.offset / pool.block_size) for _, t in foreign)
+        for source in sources:  # a pool of other widths refuses before anything changes
+            if source._pool is not None and source._pool.geometry is not None:
+                pool.learn(source._pool.geometry, room=room)
         copies = iter(pool.copy_in(foreign))  # every block at once: exhaustion changes nothing
         joined: list[BlockTable] = []
         for source in sources:
@@ -599,9 +622,9 @@ class PagedLatentRows(LatentRows):
         shapes = [(n, self._native_shape(a, n), ops.dtype_name(a)) for n, a in named]
         dtype = self._check_restored(shapes, rows, width)
         self._dtype = dtype
-        pool = self._ensure_pool()
-        exacts = [rope] if index is None else [rope, index]
         counts = [math.ceil(offset / self._block_size) for offset in self._offsets]
+        pool = self._ensure_pool(room=sum(counts))
+        exacts = [rope] if index is None else [rope, index]
         fresh = pool.ledger.allocate(sum(counts))  # all at once: a refusal changes nothing
         written = 0
         for b, (offset, count) in enumerate(zip(self._offsets, counts, strict=True)):

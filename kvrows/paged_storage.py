@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from kvrows.common import ComposedIdentity, SavedState, check_counts
 from kvrows.compositions import Composition
@@ -33,10 +33,18 @@ from kvrows.errors import (
     InvalidInputError,
     LayoutStateError,
     NotTrimmableError,
+    PoolExhaustedError,
     self_merge_message,
     trim_past_row_message,
 )
-from kvrows.paged import DEFAULT_BLOCK_SIZE, ROOT_HASH, BlockLedger, Paged, chain_hashes
+from kvrows.paged import (
+    DEFAULT_BLOCK_SIZE,
+    ROOT_HASH,
+    BlockLedger,
+    Paged,
+    chain_hashes,
+    check_limit,
+)
 from kvrows.protocols import Cache, Mask
 from kvrows.schemes import CodecSpec, Plain
 from kvrows.speculative import SpeculativeRounds
@@ -60,6 +68,7 @@ __all__ = [
 ]
 
 Planes = tuple[Any, ...]
+_R = TypeVar("_R")
 #: One write of a token run into one block: ``(block, start, count, row, token)``.
 Piece = tuple[int, int, int, int, int]
 
@@ -226,8 +235,10 @@ class BlockPoolBase:
         return tuple(self._tables.values())
 
     # -- geometry and growth -------------------------------------------------------------
-    def learn(self, geometry: KvGeometry) -> None:
-        """Fix the KV geometry (first write or declaration); refuses another one."""
+    def learn(self, geometry: KvGeometry, *, room: int = 0) -> None:
+        """Fix the KV geometry (first write or declaration); refuses another one. ``room``:
+        the blocks the write that teaches it takes; a byte limit that cannot hold them
+        raises ``PoolExhaustedError`` before the pool learns anything."""
         if self._geometry is not None:
             if geometry != self._geometry:
                 raise InvalidInputError(
@@ -244,6 +255,9 @@ class BlockPoolBase:
                     f"max_bytes {self.max_bytes} holds {limit} blocks, fewer than num_blocks "
                     f"{self._initial}"
                 )
+            if limit < room:
+                self._geometry = None
+                check_limit(room, limit)
             self.ledger.max_blocks = limit
         if self._initial:
             self.ledger.ensure(self._initial)
@@ -324,6 +338,16 @@ class BlockPoolBase:
         self._keys = self.ops.scatter(self._keys, pieces, keys)
         self._values = self.ops.scatter(self._values, pieces, values)
         ledger.bytes_written += len(tables) * n * self.token_bytes
+
+    def open_written(self, keys: Planes, values: Planes) -> list[BlockTable]:
+        """New live tables, one per row of the encoded block ``keys`` / ``values``, holding
+        it: every block is taken before a table opens (``PoolExhaustedError`` with nothing
+        changed)."""
+        tables = [BlockTable() for _ in range(self.ops.shape(keys[0])[0])]
+        self.append(tables, keys, values)
+        for table in tables:
+            self._tables[id(table)] = table
+        return tables
 
     def _copy_tail(self, table: BlockTable, target: int) -> None:
         """Copy the partly filled tail of ``table`` into ``target``, which replaces it."""
@@ -539,14 +563,22 @@ class _PagedBase(SavedState, ComposedIdentity):
             raise AttributeError(f"{type(self).__name__} over {spec!r} has no {name}")
         return getattr(spec, name)
 
-    def _ensure_pool(self, geometry: KvGeometry) -> BlockPoolBase:
+    def _ensure_pool(self, geometry: KvGeometry, room: int = 0) -> BlockPoolBase:
+        """The pool, knowing ``geometry``; ``room``: the blocks the write that teaches a
+        given pool its geometry takes (refused past its byte limit before it learns)."""
         if self._pool is None:
             self._pool = self.pool_class(
                 self.codec_spec, block_size=self.block_size, geometry=geometry
             )
         else:
-            self._pool.learn(geometry)
+            self._pool.learn(geometry, room=room)
         return self._pool
+
+    def _room(self, keys: Any, rows: int) -> int:
+        """Blocks an append of ``keys`` takes in a pool that holds none yet (a pool without
+        geometry: every table is empty), ``rows`` tables (0: one per row of ``keys``)."""
+        shape = self.pool_class.ops.shape(keys)
+        return (rows or shape[0]) * math.ceil(shape[2] / self.block_size)
 
     def _check(self, keys: Any, values: Any, rows: int | None) -> KvGeometry:
         ops = self.pool_class.ops
@@ -688,15 +720,16 @@ class PagedKVCacheBase(_PagedBase):
         return self._rows[0]
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
-        """Append ``[B, H, n, D]`` (split at block boundaries); the first block sets ``B``."""
+        """Append ``[B, H, n, D]`` (split at block boundaries); the first block sets ``B``.
+        An exhausted pool refuses (``PoolExhaustedError``) with nothing changed: the first
+        block's tables open only once its blocks are taken."""
         geometry = self._check(keys, values, len(self._rows) or None)
-        pool = self._ensure_pool(geometry)
-        if not self._rows:
-            rows = self.pool_class.ops.shape(keys)[0]
-            self._adopt([pool.open_table() for _ in range(rows)])
-        pool.append(
-            self._rows, self.codec.encode(keys, "keys"), self.codec.encode(values, "values")
-        )
+        pool = self._ensure_pool(geometry, self._room(keys, len(self._rows)))
+        encoded = self.codec.encode(keys, "keys"), self.codec.encode(values, "values")
+        if self._rows:
+            pool.append(self._rows, *encoded)
+        else:
+            self._adopt(pool.open_written(*encoded))
         self._geometry = geometry
         return self.fetch()
 
@@ -873,11 +906,23 @@ class PagedKvRowsBase(SpeculativeRounds, _PagedBase):
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
         return self._spec_append(lambda: self._update(keys, values))
 
+    def _spec_failing(self, step: Callable[[], _R]) -> _R:
+        """A failure inside a round invalidates the layout, but for an exhausted pool: it
+        refuses before any block or table changes, so the round stays as it was (open,
+        before its block: free blocks or append a shorter block, then resolve it)."""
+        try:
+            return step()
+        except PoolExhaustedError:
+            raise
+        except BaseException:
+            self._spec_invalid = True
+            raise
+
     def _update(self, keys: Any, values: Any) -> tuple[Any, Any]:
         if not self._rows:
             raise LayoutStateError(EMPTY_LAYOUT_UPDATE)
         geometry = self._check(keys, values, len(self._rows))
-        pool = self._ensure_pool(geometry)
+        pool = self._ensure_pool(geometry, self._room(keys, len(self._rows)))
         pool.adopt_empty(self._rows)
         self._watch()
         pool.append(
@@ -931,12 +976,12 @@ class PagedKvRowsBase(SpeculativeRounds, _PagedBase):
             else:  # the tables join a pool at the first write
                 self._rows.extend(BlockTable() for _ in incoming)
                 return
-        if geometry is not None:
-            pool.learn(geometry)
         foreign = [
             (p, t) for p, t in incoming if p is not None and p is not pool and t is not None
             and t.offset
         ]  # fmt: skip
+        if geometry is not None:  # copies into a pool that learns here: within its limit
+            pool.learn(geometry, room=sum(pool._blocks_for(t.offset) for _, t in foreign))
         copies = iter(pool.copy_in(foreign))
         joined: list[BlockTable] = []
         for source_pool, table in incoming:

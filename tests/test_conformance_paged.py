@@ -5,7 +5,9 @@ speculative machine under the selected profile, scaled by the family's example b
 serial caches and layout rows merged, joined, stepped, verified in rounds, filtered,
 extracted, published, trimmed and saved, against the reference, the contiguous model
 (the same bytes as ``KVCache``) and a solo replay per row, with the pools' invariants
-after every rule. The test checks nothing was skipped silently.
+after every rule, in byte-limited pools that run out at random points (a refusal must
+be the same in both implementations and change nothing). The test checks nothing was
+skipped silently.
 """
 
 from __future__ import annotations
@@ -62,6 +64,11 @@ def test_paged_family() -> None:
     compared = {quantity for quantity, _ in stats.errors}
     assert {"kv.stored", "kv.fetched", "kv.solo", "attention"} <= compared, compared
     assert not stats.skips, dict(stats.skips)
+    # Byte-limited pools: appends (verify blocks included) were refused, alike and with
+    # nothing changed, and the rounds went on.
+    assert stats.ops["exhausted:append"] > 0, dict(stats.ops)
+    for oracle in ("pool invariants", "exhaustion refused", "round usable after a refused block"):
+        assert stats.checks[oracle] > 0, f"oracle {oracle!r} never ran: {dict(stats.checks)}"
 
 
 def test_paged_affine_family() -> None:

@@ -3,8 +3,9 @@
 ``PagedLatentCache`` runs the latent machine with every row in one block pool per
 implementation: against the reference, a reference ``MLACache`` per row (the oracle) and
 mlx-lm's ``KVCache`` / ``BatchKVCache`` pairs, the pool's invariants after every rule; bad
-inputs raise the same error in both implementations and change nothing. The test checks
-that nothing was skipped silently.
+inputs raise the same error in both implementations and change nothing; pools limited
+at random points refuse alike and change nothing. The test checks that nothing was
+skipped silently.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def test_paged_latent_family() -> None:
     assert any("dsa=False" in v for v in stats.variants)
     assert {v.split()[0].split(":")[0] for v in stats.variants} == {"plain", "affine", "turbo"}
     assert stats.checks["mixed conversion"] > 0
+    # Byte-limited pools: appends were refused alike, with nothing changed.
+    assert stats.checks["exhaustion refused"] > 0, dict(stats.checks)
 
 
 class ForgetsTheTailBlock(opt.PagedLatentCache):

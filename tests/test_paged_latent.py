@@ -188,6 +188,32 @@ def test_an_exhausted_pool_refuses_with_nothing_changed(impl: Any) -> None:
 
 
 @pytest.mark.parametrize("impl", IMPLS, ids=IDS)
+def test_an_exhausted_pool_refuses_a_first_append_and_a_verify_block(impl: Any) -> None:
+    """A pool without widths refuses a first append past its byte limit before it learns
+    them and before the cache takes a row; in a round the refused block leaves the round
+    open before its block (a shorter block then goes in and commits)."""
+    per_block = 2 * (64 + 16 + 32) * 4
+    pool = impl.LatentBlockPool(block_size=2, index_head_dim=WIDTHS[2], max_bytes=3 * per_block)
+    twins = _requests(impl, pool, (0,))[0]
+    with pytest.raises(PoolExhaustedError):
+        twins.append(7)  # 4 blocks (the paged cache refuses before its twin appends)
+    assert (twins.paged.batch_size, pool.geometry, pool.live_tables()) == (0, None, ())
+    twins.append(3)
+    twins.paged.spec_round_begin()
+    twins.mla.spec_round_begin()
+    held = (pool.ledger.free_order(), pool.num_blocks, twins.paged.block_tables())
+    with pytest.raises(PoolExhaustedError):
+        twins.append(4)  # 4 blocks in all, the limit is 3
+    assert (pool.ledger.free_order(), pool.num_blocks, twins.paged.block_tables()) == held
+    assert twins.paged.spec_round_open
+    twins.same()
+    twins.append(1)
+    twins.paged.spec_round_commit()
+    twins.mla.spec_round_commit()
+    twins.same()
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=IDS)
 def test_prefix_blocks_are_hashed_and_shared(impl: Any) -> None:
     pool = impl.LatentBlockPool(block_size=2, index_head_dim=WIDTHS[2])
     twins = _requests(impl, pool, (5,))[0]

@@ -32,7 +32,8 @@ def test_pool_machines() -> None:
                 settings=profile_settings(max_examples=EXAMPLES, stateful_step_count=STEPS),
             )
     for event in ("hits", "copy on write", "rollbacks", "batches", "cached blocks",
-                  "draft publish refused", "exhausted", "evicted", "forgotten"):  # fmt: skip
+                  "draft publish refused", "exhausted", "verify block refused", "evicted",
+                  "forgotten"):  # fmt: skip
         assert STATS[event] > 0, (event, dict(STATS))
 
 

@@ -239,6 +239,115 @@ def test_pool_exhaustion_changes_nothing(impl: Any) -> None:
     pool.check_valid()
 
 
+def _accounting(pool: Any) -> tuple[Any, ...]:
+    """Everything a refused call must leave as it was in a pool."""
+    ledger = pool.ledger
+    return (
+        pool.geometry, ledger.num_blocks, ledger.free_order(), ledger.held_count,
+        [ledger.ref(b) for b in range(ledger.num_blocks)], ledger.cached_count,
+        len(pool.live_tables()), pool.bytes_written, pool.bytes_copied,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("declared", [True, False], ids=["geometry", "no-geometry"])
+def test_a_refused_first_append_opens_no_table(impl: Any, declared: bool) -> None:
+    """The first append of a block that does not fit is refused before any table opens
+    (and before a pool without geometry learns one): the cache still holds no row, and
+    the next block sets ``B``."""
+    _, module, native, _ = impl
+    rng = np.random.default_rng(9)
+    per_block = 4 * 2 * H * D * 4
+    geometry = KvGeometry(H, D, D, "float32") if declared else None
+    pool = module.BlockPool(block_size=4, max_bytes=2 * per_block, geometry=geometry)
+    cache = module.PagedKVCache(pool=pool)
+    before = _accounting(pool)
+    k, v = _block(rng, 1, 9)  # 3 blocks
+    with pytest.raises(PoolExhaustedError):
+        cache.update_and_fetch(native(k), native(v))
+    fresh = module.PagedKVCache(pool=pool)
+    assert (cache.rows, cache.offset, repr(cache)) == (0, 0, repr(fresh))
+    assert _accounting(pool) == before
+    k, v = _block(rng, 2, 3)  # two rows of one block each: fits
+    cache.update_and_fetch(native(k), native(v))
+    assert (cache.rows, cache.offset) == (2, 3)
+    pool.check_valid()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_refused_verify_block_keeps_the_round(impl: Any) -> None:
+    """An exhausted pool refuses a round's verify block with nothing changed and the round
+    still open before its block: a shorter block then goes in and the round resolves."""
+    _, module, native, numpy = impl
+    rng = np.random.default_rng(10)
+    per_block = 4 * 2 * H * D * 4
+    pool = module.BlockPool(block_size=4, max_bytes=5 * per_block)
+    rows = [module.PagedKVCache(pool=pool) for _ in range(2)]
+    for cache, n in zip(rows, (5, 2), strict=True):
+        cache.update_and_fetch(*(native(x) for x in _block(rng, 1, n)))
+    layout = module.PagedKvRows(pool=pool)
+    layout.merge_rows(rows)  # 3 blocks held, 2 more may grow
+    for resolve in ("rollback", "commit"):
+        layout.spec_round_begin()
+        before, held = _accounting(pool), (layout.row_offsets, repr(layout))
+        fetched = layout.fetch()
+        k, v = _block(rng, 2, 8)  # 4 new blocks (and, while shared, 2 tails copied)
+        with pytest.raises(PoolExhaustedError):
+            layout.update_and_fetch(native(k), native(v))
+        assert _accounting(pool) == before and (layout.row_offsets, repr(layout)) == held
+        assert layout.spec_round_open and _same(layout.fetch(), fetched, numpy)
+        with pytest.raises(SpeculativeRoundError):  # the round still waits for its block
+            layout.spec_round_commit()
+        k, v = _block(rng, 2, 1)
+        layout.update_and_fetch(native(k), native(v))
+        if resolve == "rollback":
+            layout.spec_round_rollback(1)
+        else:
+            layout.spec_round_commit()
+        assert not layout.spec_round_open and layout.row_offsets == (
+            (6, 3) if resolve == "rollback" else (7, 4)
+        )
+        for cache in rows:  # the second pass: the layout's tails are its own now
+            cache.release()
+        rows = []
+    pool.check_valid()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_refused_copies_into_a_pool_change_nothing(impl: Any) -> None:
+    """A merge of another pool's rows and a state loaded into a given pool take every block
+    first: past the byte limit they are refused with the pool as it was (a pool without
+    geometry does not learn one, no table is left open)."""
+    _, module, native, _ = impl
+    from kvrows.paged_forms import restore_state
+
+    rng = np.random.default_rng(11)
+    per_block = 4 * 2 * H * D * 4
+    other = module.BlockPool(block_size=4)
+    sources = [module.PagedKVCache(pool=other) for _ in range(2)]
+    for cache in sources:
+        cache.update_and_fetch(*(native(x) for x in _block(rng, 1, 6)))  # 2 blocks each
+    tight = module.BlockPool(block_size=4, max_bytes=3 * per_block)
+    layout = module.PagedKvRows(pool=tight)
+    before = _accounting(tight)
+    with pytest.raises(PoolExhaustedError):
+        layout.merge_rows(sources)
+    assert _accounting(tight) == before and layout.batch_size == 0
+    state = module.PagedKvRows.from_state(_merged(module, sources).state).state
+    with pytest.raises(PoolExhaustedError):
+        restore_state(module.PagedKvRows, state, None, tight)
+    assert _accounting(tight) == before
+    layout.merge_rows(sources[:1])  # one row fits
+    assert layout.row_offsets == (6,) and tight.geometry is not None
+    tight.check_valid()
+
+
+def _merged(module: Any, sources: list[Any]) -> Any:
+    layout = module.PagedKvRows(block_size=4)
+    layout.merge_rows(sources)
+    return layout
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_merges_copy_foreign_pools_and_refuse_contiguous_rows(impl: Any) -> None:
     package, module, native, numpy = impl
@@ -296,6 +405,20 @@ def test_state_round_trip_is_bit_exact_and_corrupt_states_are_refused(
     ):
         with pytest.raises(CorruptStateError):
             module.PagedKVCache.from_state(corrupt)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bits", [3, 5, 6])
+def test_states_of_codes_that_cross_words_round_trip(impl: Any, bits: int) -> None:
+    """Affine codes of 3, 5 and 6 bits are packed across uint32 words: a state's key width
+    is ``words * 32 / bits``, not ``words * (32 // bits)``."""
+    _, module, native, numpy = impl
+    codec = Affine(bits=bits, group_size=32)
+    cache = module.PagedKVCache(pool=module.BlockPool(codec, block_size=4))
+    cache.update_and_fetch(*(native(x) for x in _block(np.random.default_rng(12), 1, 5)))
+    loaded = module.PagedKVCache.from_state(cache.state)
+    assert loaded.geometry == cache.geometry == KvGeometry(H, D, D, "float32")
+    assert _same(loaded.planes(), cache.planes(), numpy)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
