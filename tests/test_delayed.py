@@ -367,7 +367,8 @@ def test_ring_rows_publish_only_prefixes_their_solo_ring_can_be_cut_to(
     covers only its whole length (its solo ring refuses the trim), plain or converted;
     ``None`` otherwise."""
     rng = np.random.default_rng(start)
-    rings, solos = [], []
+    rings: list[Any] = []
+    solos: list[Any] = []
     for count in lengths:
         block = _block(rng, 1, count, "float32")
         for pool in (rings, solos):
