@@ -32,8 +32,9 @@ __all__ = [
 ]
 
 EPSILON = 1e-8
-#: The largest finite float16 (the reference's ``HALF_MAX``).
-HALF_MAX = 65504.0
+#: The reference's ``HALF_MAX`` (largest finite float16) and ``HALF_OVERFLOW`` (the
+#: smallest magnitude float16 rounds to ±inf).
+HALF_MAX, HALF_OVERFLOW = 65504.0, 65520.0
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 
@@ -159,7 +160,7 @@ def encode_keys(x: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
     # The reference's guards: constant or float16-overflowing-zero groups are stored flat
     # at their midpoint; a finite scale beyond float16 saturates.
     constant = high == low
-    flat = constant | (mx.abs(zero) > HALF_MAX)
+    flat = constant | (mx.abs(zero) >= HALF_OVERFLOW)
     middle = mx.where(constant, low, low + (high - low) / mx.array(2.0, dtype=mx.float32))
     codes = mx.where(flat[..., None] | mx.isnan(codes), zero_f, codes)
     scale = mx.where(flat, middle, scale)

@@ -45,8 +45,10 @@ EPSILON = np.float32(1e-8)
 #: The float16 a NaN scale or zero is stored as (MLX's conversion of a positive NaN):
 #: one NaN bit pattern whatever sign or payload the float32 NaN had.
 NAN16 = np.uint16(0x7D00).view(np.float16)
-#: The largest finite float16: a key scale or zero beyond it would be stored as ±inf.
+#: The largest finite float16 (a finite key scale beyond it saturates to it).
 HALF_MAX = np.float32(65504)
+#: The smallest magnitude float16 rounds to ±inf (a key zero this large is not stored).
+HALF_OVERFLOW = np.float32(65520)
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
 
@@ -179,7 +181,7 @@ def _encode_keys(x: Array, groups: Array, bits: int) -> tuple[Array, Array, Arra
     # overflow float16 (its keys would decode to inf, its attention to NaN), is stored
     # flat: scale = its midpoint, zero 1, codes 0, decoding to float16(midpoint).
     constant = high == low
-    flat = constant | (np.abs(zero) > HALF_MAX)
+    flat = constant | (np.abs(zero) >= HALF_OVERFLOW)
     middle = np.where(constant, low, low + (high - low) / np.float32(2))
     codes = np.where(flat[..., None] | np.isnan(codes), np.float32(0), codes)
     scale = np.where(flat, middle, scale)
