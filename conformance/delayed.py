@@ -43,7 +43,8 @@ a :class:`~kvrows.conformance.families.Family` like every other, so ``kvrows con
   or a per-row keep, or the same through ``kvrows.speculative.RowRound`` (misuse inside
   the round sometimes: refused, nothing changes);
 * ``filter`` (any subset, any order), ``extract`` (the row leaves the layout and goes
-  on as a solo lego or storage, or is only compared), ``trim_rows``;
+  on as a solo lego or storage, or is only compared; before it leaves, the row is asked
+  to publish each count around 0, its offset and the ring's ``max_size``), ``trim_rows``;
 * ``invalid``: a bad call (mixed reads outside ``row_reads()``, ``fetch()`` of mixed
   rows, ``attend_rows`` without a pending read, bad blocks, incompatible merges, bad
   keeps, rows and counts, round calls without a round, a truncated state; TurboQuant:
@@ -72,7 +73,10 @@ a :class:`~kvrows.conformance.families.Family` like every other, so ``kvrows con
   boundary where its committed offset reaches ``start``; a lego fed the whole verify
   block would convert on a rejected tail). A row's attention equals its lego's (exactly
   in the optimized implementation before the row converts; else the solo tolerance);
-  an extracted row's planes equal the lego's byte for byte; ``converted_at[b]`` is the
+  an extracted row's planes equal the lego's byte for byte; ``can_publish_row(b, t)``
+  holds exactly when the solo lego covers ``t`` (all its tokens, or fewer while it is
+  trimmable: a ring before it wraps), ``publish_row`` returns ``None`` otherwise, and a
+  published row cut back to ``t`` equals the lego's first ``t``; ``converted_at[b]`` is the
   offset at which the lego converted. A plain or converted storage merged past ``start``
   converts at the merge: its lego is a converted storage fed the same chunks, with
   ``minimum_reusable_offset`` the merge offset;
@@ -104,11 +108,19 @@ from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvrows import table
 from kvrows.compositions import composition
 from kvrows.conformance import strategies as ks
 from kvrows.conformance.arrays import expand_mask, random_block
 from kvrows.conformance.families import Family, Impl, LayoutSpec
-from kvrows.conformance.machines import Limits, planes_bytes, planes_of, take_columns, view_planes
+from kvrows.conformance.machines import (
+    Limits,
+    planes_bytes,
+    planes_of,
+    publish_counts,
+    take_columns,
+    view_planes,
+)
 from kvrows.conformance.stats import Stats
 from kvrows.conformance.tolerances import EXACT, Tolerance, compare, tolerance
 from kvrows.delayed import row_reads
@@ -159,6 +171,8 @@ DELAYED_CHECKS = (
     "a crossed row waits for end_prefill",
     "round on mixed rows",
     "extract mid-conversion",
+    "published prefix",
+    "publish past",
     "round misuse",
     "RowRound",
     "error types",
@@ -331,6 +345,8 @@ class DelayedMachine(RuleBasedStateMachine):
         self._steps_at_start = self.stats.steps
         #: The phase of the layout before the last append (``_append``).
         self._read_phase = "empty"
+        #: Publishes of a shorter prefix so far (``_publish`` takes the covered ones in turn).
+        self._publishes = 0
 
     @property
     def ring(self) -> bool:
@@ -1286,8 +1302,9 @@ class DelayedMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(s.rows for s in self.slots))
     @rule(data=st.data())
     def extract(self, data: st.DataObject) -> None:
-        """Extract a row: compared with its solo lego; it then leaves the layout and goes
-        on as a request (a lego when the layout's rows came from legos), or stays."""
+        """Extract a row: compared with its solo lego, and published covering a drawn
+        count (``_publish``); it then leaves the layout and goes on as a request (a lego
+        when the layout's rows came from legos), or stays."""
         slot = self._pick(data, [s for s in self.slots if s.rows], "layout")
         b = data.draw(st.integers(0, len(slot.rows) - 1), label="row")
         track = slot.rows[b]
@@ -1297,6 +1314,7 @@ class DelayedMachine(RuleBasedStateMachine):
             self.stats.check("extract mid-conversion")
         got = [lay.extract_row(b) for lay in (slot.ref, slot.opt)]
         self._check_extracted(f"layout {slot.ident} extract_row({b})", got, track)
+        self._publish(slot, b)
         moves = len(self.pool) < MAX_POOL and data.draw(st.booleans(), label="the row leaves")
         if not moves:
             return
@@ -1314,6 +1332,58 @@ class DelayedMachine(RuleBasedStateMachine):
             self._op("lego_append")
             self._pool_chunk(moved, data, self._rng(data), 8)
             self._check_request(moved)
+
+    def _publish(self, slot: Slot, b: int) -> None:
+        """``table.publish_row``: the row (as ``extract_row`` gives it) when it covers
+        ``tokens``, else ``None``. The row's solo lego says what it covers: all its tokens,
+        or a shorter prefix while it can still be trimmed (a ring row: before it wraps).
+
+        Every count where the answer changes (``publish_counts``) is asked; of the shorter
+        prefixes the row covers, one in turn is published and, cut back to it, must equal
+        its solo lego's first tokens (the whole row is what ``extract`` just checked).
+        Nothing is drawn: a draw here would move the derandomized CI examples off the rare
+        cases the family's test requires."""
+        track = slot.rows[b]
+        self._op("publish")
+        shorter: list[int] = []
+        for tokens in publish_counts(track.tokens, self.g.max_size):
+            covers = tokens == track.tokens or (
+                tokens < track.tokens and track.solo_ref.is_trimmable()
+            )
+            what = f"layout {slot.ident} publish_row({b}, {tokens}) of {track.tokens} tokens"
+            for impl, lay in zip(self.impls, (slot.ref, slot.opt), strict=True):
+                answer = lay.can_publish_row(b, tokens)
+                self._exact(f"{what}: can_publish_row ({impl.name})", answer, covers)
+                if not covers:
+                    refused = table.publish_row(lay, b, tokens)
+                    self._exact(f"{what}: returns None ({impl.name})", refused, None)
+            if not covers:
+                self.stats.check("publish refused" if tokens <= track.tokens else "publish past")
+            elif tokens < track.tokens:
+                shorter.append(tokens)
+        if not shorter:
+            return
+        tokens = shorter[self._publishes % len(shorter)]
+        self._publishes += 1
+        what = f"layout {slot.ident} publish_row({b}, {tokens}) of {track.tokens} tokens"
+        note(f"publish: {what}")
+        published = [table.publish_row(lay, b, tokens) for lay in (slot.ref, slot.opt)]
+        got = [cache for cache in published if cache is not None]
+        self._exact(f"{what}: published (reference, optimized)", len(got), 2)
+        self._check_extracted(what, got, track)
+        count = track.tokens - tokens
+        for impl, cache, solo in zip(
+            self.impls, got, (track.solo_ref, track.solo_opt), strict=True
+        ):
+            self._exact(f"{what} ({impl.name}): trim return", cache.trim(count), count)
+            storage = cache.storage if isinstance(cache, Bf16First) else cache
+            self._exact(f"{what} ({impl.name}): offset once cut", int(storage.offset), tokens)
+            full = self._view(impl, solo)
+            want = None if full is None else tuple(p[:, :, :tokens] for p in full)
+            mine = self._view(impl, storage)
+            label = f"{what} cut back ({impl.name}) vs its solo lego"
+            self._same_views("kv.solo", label, mine, want)
+        self.stats.check("published prefix")
 
     def _check_extracted(self, what: str, got: list[Any], track: Track) -> None:
         """An extracted row equals its solo lego: bytes, offset, codec phase, conversion."""

@@ -790,9 +790,15 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
         self._advance()
 
     def can_publish_row(self, row: int, tokens: int) -> bool:
+        """What the row's group says: a ring row that wrapped covers only its whole length
+        (its extracted ring could not be cut back)."""
         self._spec_usable()
         index = check_row(row, self.batch_size)
-        return as_count(tokens, "tokens") <= self.row_offsets[index] and not self.spec_round_open
+        count = as_count(tokens, "tokens")
+        if self.spec_round_open:
+            return False
+        group: bool = self._groups[self._group_of[index]].can_publish_row(self._slot(index), count)
+        return group
 
     # -- membership --------------------------------------------------------------------------
     def _plan(self, source: Any) -> list[tuple[Any, int, list[int | None]]]:

@@ -32,6 +32,9 @@ __all__ = [
 ]
 
 EPSILON = 1e-8
+#: The reference's ``HALF_MAX`` (largest finite float16) and ``HALF_OVERFLOW`` (the
+#: smallest magnitude float16 rounds to ±inf).
+HALF_MAX, HALF_OVERFLOW = 65504.0, 65520.0
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 
@@ -154,10 +157,15 @@ def encode_keys(x: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
         zero = mx.round(low / step)
         least = 0
     codes = mx.clip(mx.round(groups / step[..., None] - zero[..., None]), least, most)
+    # The reference's guards: constant or float16-overflowing-zero groups are stored flat
+    # at their midpoint; a finite scale beyond float16 saturates.
     constant = high == low
-    codes = mx.where(constant[..., None] | mx.isnan(codes), zero_f, codes)
-    scale = mx.where(constant, low, scale)
-    zero = mx.where(constant, mx.array(1.0, dtype=mx.float32), zero)
+    flat = constant | (mx.abs(zero) >= HALF_OVERFLOW)
+    middle = mx.where(constant, low, low + (high - low) / mx.array(2.0, dtype=mx.float32))
+    codes = mx.where(flat[..., None] | mx.isnan(codes), zero_f, codes)
+    scale = mx.where(flat, middle, scale)
+    zero = mx.where(flat, mx.array(1.0, dtype=mx.float32), zero)
+    scale = mx.where(mx.isfinite(scale), mx.clip(scale, -HALF_MAX, HALF_MAX), scale)
     flat = codes.reshape(x.shape)
     stored = flat.astype(mx.int8) if bits == 8 else pack_codes(flat.astype(mx.uint8), bits)
     return stored, _half(scale), _half(zero)

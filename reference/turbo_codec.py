@@ -45,6 +45,10 @@ EPSILON = np.float32(1e-8)
 #: The float16 a NaN scale or zero is stored as (MLX's conversion of a positive NaN):
 #: one NaN bit pattern whatever sign or payload the float32 NaN had.
 NAN16 = np.uint16(0x7D00).view(np.float16)
+#: The largest finite float16 (a finite key scale beyond it saturates to it).
+HALF_MAX = np.float32(65504)
+#: The smallest magnitude float16 rounds to ±inf (a key zero this large is not stored).
+HALF_OVERFLOW = np.float32(65520)
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
 
@@ -173,10 +177,17 @@ def _encode_keys(x: Array, groups: Array, bits: int) -> tuple[Array, Array, Arra
         zero = np.round(low / step)
         least = 0
     codes = np.clip(np.round(groups / step[..., None] - zero[..., None]), least, most)
-    constant = high == low  # guarded: stored as scale c, zero 1, codes 0 (decodes to c)
-    codes = np.where(constant[..., None] | np.isnan(codes), np.float32(0), codes)
-    scale = np.where(constant, low, scale)
-    zero = np.where(constant, np.float32(1), zero)
+    # Guarded (spec §2): a constant group, or a nearly constant one whose zero would
+    # overflow float16 (its keys would decode to inf, its attention to NaN), is stored
+    # flat: scale = its midpoint, zero 1, codes 0, decoding to float16(midpoint).
+    constant = high == low
+    flat = constant | (np.abs(zero) >= HALF_OVERFLOW)
+    middle = np.where(constant, low, low + (high - low) / np.float32(2))
+    codes = np.where(flat[..., None] | np.isnan(codes), np.float32(0), codes)
+    scale = np.where(flat, middle, scale)
+    zero = np.where(flat, np.float32(1), zero)
+    # A finite scale beyond float16 (keys beyond its range) saturates instead of inf.
+    scale = np.where(np.isfinite(scale), np.clip(scale, -HALF_MAX, HALF_MAX), scale)
     flat = codes.reshape(*x.shape)
     stored = flat.astype(np.int8) if bits == 8 else pack_codes(flat.astype(np.uint8), bits)
     return stored, _half(scale), _half(zero)

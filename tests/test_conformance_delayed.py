@@ -41,6 +41,7 @@ EXPECTED_OPS = {
     "multi_step",
     "prefill_crossing",
     "extract",
+    "publish",
     "trim_rows",
     "invalid",
     "round:all",
@@ -70,6 +71,9 @@ def test_delayed_family(layout: str) -> None:
     if layout == "DelayedQuantizedKVCache":
         # Mixed full-attention rows answer make_mask with the position record's mask.
         assert stats.checks["record mask"] > 0, dict(stats.checks)
+    else:
+        # A wrapped ring row refused a publish of a shorter prefix.
+        assert stats.checks["publish refused"] > 0, dict(stats.checks)
     assert not stats.skips, dict(stats.skips)
 
 

@@ -44,6 +44,7 @@ EXPECTED_OPS = {
     "multi_step",
     "prefill_crossing",
     "extract",
+    "publish",
     "trim_rows",
     "invalid",
     "round:all",

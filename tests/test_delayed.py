@@ -28,6 +28,7 @@ from kvrows.delayed import RowAttentionPending, row_reads
 from kvrows.errors import KvRowsError, MixedPrecisionReadError, RowIndexError
 from kvrows.reference.lego import to_affine
 from kvrows.schemes import Affine, Plain, Ring
+from kvrows.table import publish_row
 
 IMPLS: dict[str, ModuleType] = {"ref": ref, "opt": opt}
 HEADS, DIM, GROUP = 2, 64, 32
@@ -350,6 +351,42 @@ def test_ring_mask_is_the_plain_ragged_rings_in_every_phase(impl: ModuleType, st
         _mixed_append(layout, _to(impl, block), _to(impl, block), _to(impl, block))
         _append(impl, plain, block, block)
     assert phases == ({"mixed", "packed"} if start == 4 else {"plain", "mixed", "packed"})
+
+
+@pytest.mark.parametrize("impl", [ref, opt], ids=["ref", "opt"])
+@pytest.mark.parametrize(
+    "start,lengths,converted",
+    [(12, [10, 5, 14], [None, None, 14]), (4, [6, 10, 2], [6, 10, None])],
+    ids=["plain-wrapped", "converted-wrapped"],
+)
+def test_ring_rows_publish_only_prefixes_their_solo_ring_can_be_cut_to(
+    impl: ModuleType, start: int, lengths: list[int], converted: list[int | None]
+) -> None:
+    """``publish_row`` (contract §4) hands out a row only when it covers ``tokens``: cut
+    back to ``tokens``, the published ring holds exactly them. A ring row that wrapped
+    covers only its whole length (its solo ring refuses the trim), plain or converted;
+    ``None`` otherwise."""
+    rng = np.random.default_rng(start)
+    rings: list[Any] = []
+    solos: list[Any] = []
+    for count in lengths:
+        block = _block(rng, 1, count, "float32")
+        for pool in (rings, solos):
+            ring = impl.RotatingKVCache(WINDOW)
+            _append(impl, ring, block, block)
+            pool.append(ring)
+    layout = impl.DelayedRotatingQuantizedKVCache(WINDOW, GROUP, 8, 0, start)
+    layout.merge_rows(rings)
+    assert layout.converted_at == tuple(converted)
+    for b, (count, solo) in enumerate(zip(lengths, solos, strict=True)):
+        for tokens in sorted({0, count - 1, count, count + 1, WINDOW - 1, WINDOW, WINDOW + 1}):
+            coverable = tokens == count or (tokens < count and solo.is_trimmable())
+            assert layout.can_publish_row(b, tokens) == coverable, (b, count, tokens)
+            published = publish_row(layout, b, tokens)
+            assert (published is not None) == coverable, (b, count, tokens)
+            if published is not None:
+                assert published.trim(count - tokens) == count - tokens
+                assert published.offset == tokens
 
 
 # -- 7. random operation sequences ---------------------------------------------------------------

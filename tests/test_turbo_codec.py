@@ -18,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvrows.codec import TURBO_HEAD_DIMS, codec_token_bytes
+from kvrows.conformance.profiles import active_profile, profile_settings
 from kvrows.errors import InvalidInputError
 from kvrows.optimized import codecs as opt_codecs
 from kvrows.optimized import turbo_codec as opt
@@ -274,3 +275,70 @@ def test_codebooks_are_lloyd_max_fixed_points_of_the_unit_normal(bits: int) -> N
     for centroid, lo, hi in zip(CENTROIDS[bits], edges[:-1], edges[1:], strict=True):
         mean = (pdf(lo) - pdf(hi)) / (cdf(hi) - cdf(lo))
         assert abs(mean - centroid) < 2e-4 * max(1.0, abs(centroid))
+
+
+#: Magnitudes of the nearly constant key groups: float16's range, and far beyond it for
+#: the dtypes that reach there (float32 / bfloat16 keys whose float16 scale must saturate).
+_HALF_RANGE = 6e4
+
+
+@st.composite
+def nearly_constant_keys(draw: st.DrawFn) -> npt.NDArray[Any]:
+    """``[1, 64]`` keys of one dtype: each 32-group a value ``c`` plus 0-3 ulps (of the
+    dtype) per element, so the group's range is a few ulps of a possibly large mean."""
+    dtype = NP_DTYPES[draw(st.sampled_from(tuple(NP_DTYPES)), label="dtype")]
+    beyond = dtype != np.float16 and draw(st.booleans(), label="beyond float16")
+    top = 1e37 if beyond else _HALF_RANGE
+    groups = []
+    for _ in range(2):
+        magnitude = draw(st.floats(1e-3, top), label="magnitude")
+        sign = draw(st.sampled_from([1.0, -1.0]), label="sign")
+        ulps = draw(st.lists(st.integers(0, 3), min_size=32, max_size=32), label="ulps")
+        base = np.full(32, sign * magnitude, dtype=np.float32).astype(dtype)
+        word = np.uint32 if dtype == np.float32 else np.uint16
+        # Adding to the bit pattern moves the magnitude up by that many ulps (same sign).
+        nudged = base.view(word) + np.array(ulps, dtype=word)
+        groups.append(nudged.view(dtype))
+    return np.concatenate(groups)[None, :]
+
+
+@profile_settings(max_examples=60 if active_profile().name == "ci" else 600)
+@given(keys=nearly_constant_keys(), k_bits=st.sampled_from(TURBO_KEY_BITS))
+def test_nearly_constant_key_groups_decode_finite_and_attend_without_nan(
+    keys: npt.NDArray[Any], k_bits: int
+) -> None:
+    # The overflow this guards: {300, 300.25} in float16 at 8 bits has a zero of ~3e5,
+    # stored as float16 inf; its keys decoded to inf and attention over them to NaN.
+    encoded = ref.encode_keys(keys, k_bits)
+    for mine, theirs in zip(encoded, opt.encode_keys(to_mx(keys), k_bits), strict=True):
+        assert same_bytes(mine, theirs)
+    _, scales, zeros = encoded
+    assert np.all(np.isfinite(scales)) and np.all(np.isfinite(zeros))
+    decoded = ref.decode_keys(*encoded, k_bits)
+    assert np.all(np.isfinite(decoded))
+    exact = keys.astype(np.float32)
+    for group in (slice(0, 32), slice(32, 64)):
+        original, got = exact[0, group], decoded[0, group]
+        center = float(np.abs(original).max())
+        if center <= _HALF_RANGE:
+            # within the group's range plus float16's relative precision of the mean
+            bound = float(original.max() - original.min()) + center / 512 + 1e-3
+            assert float(np.abs(got - original).max()) <= bound
+    spec = Turbo(k_bits=k_bits, v_bits=3)
+    queries = np.full((1, 1, 1, 64), 1e-3, dtype=np.float32)
+    # token 0 holds the nearly constant keys, token 1 ordinary ones; ordinary values
+    ordinary = np.linspace(-1, 1, 64, dtype=np.float32)[None]
+    key_block = np.concatenate([exact, ordinary])[None, None]
+    value_block = np.concatenate([ordinary, -ordinary])[None, None]
+    for codecs, to in ((ref_codecs, lambda a: a), (opt_codecs, mx.array)):
+        codec: Any = codecs.make_codec(spec)
+        key_planes = codec.encode(to(key_block), "keys")
+        value_planes = codec.encode(to(value_block), "values")
+        out = codec.attend(
+            to(queries),
+            codec.fetched(key_planes, "keys"),
+            codec.fetched(value_planes, "values"),
+            None,
+            1.0,
+        )
+        assert np.all(np.isfinite(np.array(out)))
