@@ -319,7 +319,16 @@ def load_prompt_cache(
         raise CorruptStateError(
             f"{path}: {len(class_names)} layer classes but {len(states)} layer states"
         )
-    layers = description["layers"] if description else [None] * len(class_names)
+    layers = description.get("layers") if description else [None] * len(class_names)
+    if description and not (
+        isinstance(layers, list)
+        and all(
+            isinstance(record, dict) and isinstance(record.get("token_geometry", {}), dict)
+            for record in layers
+        )
+    ):
+        # Only a file written with a valid checksum gets here: a damaged one is refused.
+        raise CorruptStateError(f"{path}: kvrows metadata's layers are not a list of records")
     if len(layers) != len(class_names):
         raise CorruptStateError(f"{path}: kvrows metadata describes {len(layers)} layers")
     caches = [

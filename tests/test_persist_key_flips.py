@@ -20,7 +20,7 @@ import pytest
 from kvrows.conformance.profiles import active_profile
 from kvrows.errors import CorruptStateError, InvalidInputError
 from kvrows.optimized import KVCache
-from kvrows.persist.files import CHECKSUM_KEY
+from kvrows.persist.files import CHECKSUM_KEY, read_safetensors, write_atomic
 from kvrows.persist.prefix_store import PrefixStore
 from kvrows.persist.prompt_cache import KVROWS_KEY, load_prompt_cache, save_prompt_cache
 from kvrows.protocols import Cache
@@ -214,3 +214,26 @@ def test_an_entry_without_a_checksum_is_a_miss(tmp_path: Path) -> None:
     caches = load_prompt_cache(path)  # a whole, valid mlx-lm file with the same rows
     assert _same_rows(caches, [_cache()])
     assert store.longest(TOKENS) is None and not path.exists()
+
+
+@pytest.mark.parametrize(
+    "layers", [None, "KVCache", ["KVCache"], [{"token_geometry": "ring"}]], ids=repr
+)
+def test_a_checksummed_description_of_the_wrong_shape_is_corrupt(
+    saved: bytes, tmp_path: Path, layers: object
+) -> None:
+    """A whole file (valid checksum) whose description's layers are not records: refused
+    as ``CorruptStateError``, not a ``KeyError`` / ``AttributeError`` that a prefix store
+    lookup would let out."""
+    path = tmp_path / "odd.safetensors"
+    path.write_bytes(saved)
+    arrays, metadata = read_safetensors(path)
+    description = json.loads(metadata[KVROWS_KEY])
+    if layers is None:
+        del description["layers"]
+    else:
+        description["layers"] = layers
+    metadata[KVROWS_KEY] = json.dumps(description)
+    write_atomic(path, arrays, metadata)  # stamped with a valid checksum
+    with pytest.raises(CorruptStateError, match="layers"):
+        load_prompt_cache(path)
