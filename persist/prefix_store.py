@@ -97,8 +97,12 @@ def _default_load(path: Path) -> tuple[list[Cache], dict[str, str]]:
 
 
 def _describe(error: OSError) -> str:
-    name = errno_codes.errorcode.get(error.errno or 0, "")
-    return f"{error.strerror or error} ({name})" if name else str(error)
+    """The OS error as "read-only file system (EROFS)", or the error itself without errno."""
+    name = errno_codes.errorcode.get(error.errno or 0)
+    if name is None:
+        return str(error)
+    text = os.strerror(error.errno or 0)
+    return f"{text[:1].lower()}{text[1:]} ({name})"
 
 
 def _exists(path: Path) -> bool:
@@ -293,7 +297,7 @@ class PrefixStore:
         self._warn_once(
             "read-only",
             f"prefix store {self.directory} is read-only ({_describe(error)} while {doing}): "
-            "it serves the entries it holds but saves, evicts and refreshes recency no more",
+            "it serves the entries it holds but no longer saves, evicts or refreshes recency",
         )
         return True
 
@@ -309,7 +313,7 @@ class PrefixStore:
             if not self._note_unwritable(error, doing):
                 self._warn_once(
                     "repair",
-                    f"prefix store {self.directory}: {doing} failed ({error}); damaged or "
+                    f"prefix store {self.directory}: {doing} failed: {error}; damaged or "
                     "stale entries are skipped as misses but not removed",
                 )
             return fallback
@@ -350,6 +354,8 @@ class PrefixStore:
                     f"put: layer {layer} covers {cache.offset} positions; the tokens are "
                     f"{len(tokens)} (a row must cover exactly its tokens)"
                 )
+        if self.read_only:
+            return 0  # said when it became read-only
         size = self.block_tokens
         boundaries = [j * size for j in range(1, len(tokens) // size + 1)]
         servable = servable_prefixes(caches, boundaries[-1:])
@@ -371,8 +377,6 @@ class PrefixStore:
             VERSION_KEY: FORMAT_VERSION,
         }
         marked = [hashes[t // size - 1] for t in sorted(levels)]
-        if self.read_only:
-            return 0
         try:
             with self._locked():
                 self._remove_markers(key)  # an entry replaced under the same key
@@ -554,9 +558,14 @@ class PrefixStore:
 
     def _recheck_locked(self, key: str, path: Path) -> tuple[list[Cache], dict[str, str]] | None:
         """Under the lock: entry ``key`` loaded again, or None and, if it is still there
-        and corrupt (not another version's), removed."""
+        and corrupt, removed. Kept: another version's file (``UnsupportedStateError``) and
+        one this process cannot read (an ``OSError``: permission, I/O), not known corrupt."""
         loaded, error = self._load_or_error(path)
-        if loaded is None and path.exists() and not isinstance(error, UnsupportedStateError):
+        if (
+            loaded is None
+            and path.exists()
+            and not isinstance(error, UnsupportedStateError | OSError)
+        ):
             self._remove_locked(key)  # corrupt: a miss, and gone
         return loaded
 

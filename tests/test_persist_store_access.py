@@ -139,7 +139,7 @@ def test_a_read_only_store_serves_hits_and_skips_writes(
         assert hit is not None and _holds(hit[1], TOKENS)
     assert len(caught) == 1 and store.read_only
     message = str(caught[0].message)
-    assert str(tmp_path) in message and os.strerror(code) in message
+    assert str(tmp_path) in message and os.strerror(code).lower() in message.lower()
     assert _snapshot(tmp_path) == before
 
 
@@ -260,3 +260,36 @@ def test_kvrows_demo_on_a_read_only_store(
     table = out.split("prefix store ")[1].splitlines()[3:]
     rows = {line.split()[0]: line.split() for line in table[:2] if line.split()}
     assert int(rows["llama"][2]) > 0  # disk hits, from a read-only store
+
+
+# -- entries this process cannot read -----------------------------------------------------
+def test_an_entry_this_process_cannot_read_is_a_miss_and_kept(tmp_path: Path) -> None:
+    """Not known to be corrupt, so not deleted (before: deleted as corrupt)."""
+    store = PrefixStore(tmp_path, byte_budget=1 << 20, block_tokens=BLOCK)
+    assert store.put(TOKENS, _row(TOKENS)) == 4
+
+    def unreadable(path: Path) -> tuple[list[Cache], dict[str, str]]:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+    reader = PrefixStore(tmp_path, byte_budget=1 << 20, block_tokens=BLOCK, load=unreadable)
+    before = _snapshot(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert reader.longest(TOKENS) is None
+    assert _snapshot(tmp_path) == before
+    hit = store.longest(TOKENS)
+    assert hit is not None and _holds(hit[1], TOKENS)
+
+
+def test_a_directory_in_place_of_an_entry_is_a_miss(tmp_path: Path) -> None:
+    """Before: IsADirectoryError out of ``longest`` (removing it as a corrupt file)."""
+    store = PrefixStore(tmp_path, byte_budget=1 << 20, block_tokens=BLOCK)
+    assert store.put(TOKENS, _row(TOKENS)) == 4
+    entry = _entry(store, TOKENS)
+    entry.unlink()
+    entry.mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert store.longest(TOKENS) is None
+        assert store.longest((*TOKENS[:2], 0, 0)) is None
+    assert entry.is_dir()
