@@ -10,16 +10,17 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx_lm.models.cache as mlx_lm_cache
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from kvrows.conformance.profiles import active_profile
 from kvrows.errors import CorruptStateError, InvalidInputError
-from kvrows.optimized import KVCache
+from kvrows.optimized import KVCache, QuantizedKVCache, RotatingKVCache
 from kvrows.persist.files import CHECKSUM_KEY, read_safetensors, write_atomic
 from kvrows.persist.prefix_store import PrefixStore
 from kvrows.persist.prompt_cache import KVROWS_KEY, load_prompt_cache, save_prompt_cache
@@ -60,20 +61,26 @@ def _key_name_bits(data: bytes, key: str) -> list[tuple[int, int]]:
     return [(p, b) for p in range(start, start + len(key.encode())) for b in range(8)]
 
 
-def _data_bits(data: bytes) -> list[tuple[int, int]]:
-    """The data section's bits: all of them in the deep profile, one bit per byte (each
-    of the eight positions in turn) otherwise; the data is guarded by the checksum alone,
-    so a sample shows it is asked."""
-    start = _header_length(data)
-    if active_profile().name == "deep":
-        return [(p, b) for p in range(start, len(data)) for b in range(8)]
-    return [(p, p % 8) for p in range(start, len(data))]
-
-
 def _all_bits(data: bytes) -> list[tuple[int, int]]:
-    """Every bit of the header (length and JSON), and the data bits of ``_data_bits``."""
-    header = [(p, b) for p in range(_header_length(data)) for b in range(8)]
-    return header + _data_bits(data)
+    """Every bit of the file: header length, header JSON and data."""
+    return [(p, b) for p in range(len(data)) for b in range(8)]
+
+
+def _rows(kind: str) -> list[Cache]:
+    """``one layer``: the tiny plain layer (CI sweeps every bit of its file in a second
+    or two). ``three kinds`` (deep profile): plain, quantized and ring layers, so more
+    forms' metadata and planes are flipped."""
+    if kind == "one layer":
+        return [_cache()]
+    keys = mx.array(np.linspace(-1, 1, 64, dtype=np.float32).reshape(1, 1, 2, 32))
+    layers: list[Any] = [KVCache(), QuantizedKVCache(32, 4), RotatingKVCache(4)]
+    for layer in layers:
+        layer.update_and_fetch(keys, -keys)
+    return layers
+
+
+#: The files the exhaustive sweeps flip: more in the deep profile.
+KINDS = ["one layer"] + (["three kinds"] if active_profile().name == "deep" else [])
 
 
 @pytest.fixture(scope="module")
@@ -83,13 +90,13 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     return path.read_bytes()
 
 
-def test_every_single_bit_flip_is_refused_by_load_prompt_cache(
-    saved: bytes, tmp_path: Path
-) -> None:
-    """Every bit of the header and the data's sample (all of it in the deep profile),
-    flipped alone: ``CorruptStateError``. Before the fix, 105 of the 136 flips of the
-    checksum key's name loaded, unverified."""
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_single_bit_flip_is_refused_by_load_prompt_cache(tmp_path: Path, kind: str) -> None:
+    """Every bit of the file flipped alone: ``CorruptStateError``. Before the fix, 105 of
+    the 136 flips of the checksum key's name loaded, unverified."""
     path = tmp_path / "damaged.safetensors"
+    save_prompt_cache(path, _rows(kind), {"model": "tiny"})
+    saved = path.read_bytes()
     messages: set[str] = set()
     for position, bit in _all_bits(saved):
         path.write_bytes(_flipped(saved, position, bit))
@@ -178,23 +185,27 @@ def _entry(store: PrefixStore) -> Path:
 
 
 def _same_rows(found: list[Cache], expected: list[Cache]) -> bool:
-    return all(
-        all(mx.array_equal(a, b).item() for a, b in zip(x.state, y.state, strict=True))
-        for x, y in zip(found, expected, strict=True)
+    """Every array of every layer's state equal (quantized planes are nested tuples)."""
+    flat_found = cast(list[tuple[str, Any]], tree_flatten([c.state for c in found]))
+    flat_expected = cast(list[tuple[str, Any]], tree_flatten([c.state for c in expected]))
+    return [name for name, _ in flat_found] == [name for name, _ in flat_expected] and all(
+        mx.array_equal(a, b).item()
+        for (_, a), (_, b) in zip(flat_found, flat_expected, strict=True)
     )
 
 
-def test_every_single_bit_flip_of_an_entry_is_a_miss_and_removed(tmp_path: Path) -> None:
-    """Each bit of the header and the data's sample (all in the deep profile) flipped
-    alone in a stored entry: the lookup misses and the entry is deleted as corrupt (a miss
-    alone could be a token mismatch; the deletion says the loader refused it). Before the
-    fix a flip in the checksum key's name was a hit, the file unverified."""
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_single_bit_flip_of_an_entry_is_a_miss_and_removed(tmp_path: Path, kind: str) -> None:
+    """Each bit of a stored entry flipped alone: the lookup misses and the entry is
+    deleted as corrupt (a miss alone could be a token mismatch; the deletion says the
+    loader refused it). Before the fix a flip in the checksum key's name was a hit, the
+    file unverified."""
     store = PrefixStore(tmp_path, byte_budget=1 << 20, block_tokens=2)
-    assert store.put(TOKENS, [_cache()]) == 2
+    assert store.put(TOKENS, _rows(kind)) == 2
     path = _entry(store)
     saved = path.read_bytes()
     hit = store.longest(TOKENS)
-    assert hit is not None and hit[0] == 2 and _same_rows(hit[1], [_cache()])
+    assert hit is not None and hit[0] == 2 and _same_rows(hit[1], _rows(kind))
     for position, bit in _all_bits(saved):
         path.write_bytes(_flipped(saved, position, bit))
         assert store.longest(TOKENS) is None, (position, bit)
