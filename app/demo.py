@@ -361,9 +361,12 @@ def _record_cold_run(directory: str, key: str, stats: EngineStats) -> None:
     runs = _cold_runs(directory)
     runs[key] = {"prefill_tokens": stats.prefill_tokens, "prefill_seconds": stats.prefill_seconds}
     temporary = os.path.join(directory, f".{COLD_RUNS}.{os.getpid()}")
-    with open(temporary, "w") as handle:
-        json.dump(runs, handle, indent=1, sort_keys=True)
-    os.replace(temporary, os.path.join(directory, COLD_RUNS))
+    try:
+        with open(temporary, "w") as handle:
+            json.dump(runs, handle, indent=1, sort_keys=True)
+        os.replace(temporary, os.path.join(directory, COLD_RUNS))
+    except OSError:
+        return  # a read-only store: no baseline kept (the store has said it is read-only)
 
 
 def _store_row(

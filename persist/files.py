@@ -3,7 +3,9 @@
 ``write_atomic`` saves through MLX's ``mx.save_safetensors`` into a fresh temporary file
 in the target's directory, fsyncs it, renames it over the target and fsyncs the
 directory: a reader sees the old file or the new one, never a partial one, and a failed
-write leaves the target as it was and no temporary behind (``StateWriteError``).
+write leaves the target as it was and no temporary behind (``StateWriteError``). A
+temporary's name records its writer (pid and pid space), so each write first removes the
+temporaries of its target that killed writers left (``remove_stale_temporaries``).
 ``CHECKSUM_KEY`` in the metadata holds a SHA-256 digest of every array (name, dtype,
 shape, bytes) and every other metadata entry. ``read_verified`` checks the file's
 structure (safetensors' own rules, which MLX's loader does not all enforce), loads it,
@@ -17,12 +19,14 @@ The protocol, the checksum's byte format and the failure model are in
 from __future__ import annotations
 
 import errno as errno_codes
+import functools
 import hashlib
 import json
 import math
 import os
 import re
 import secrets
+import socket
 import struct
 import sys
 import time
@@ -45,11 +49,13 @@ from kvrows.errors import (
 
 __all__ = [
     "CHECKSUM_KEY",
+    "STALE_TEMPORARY_SECONDS",
     "TEMPORARY_SUFFIX",
     "checksum",
     "is_temporary",
     "read_safetensors",
     "read_verified",
+    "remove_stale_temporaries",
     "sweep_temporaries",
     "write_atomic",
 ]
@@ -99,8 +105,16 @@ _DTYPE_TAGS = {
     mx.complex64: "C64",
 }
 
-# ".<target name>.<pid>.<16 hex digits>.tmp.safetensors"
-_TEMPORARY_NAME = re.compile(r"^\..*\.\d+\.[0-9a-f]{16}" + re.escape(TEMPORARY_SUFFIX) + r"$")
+#: A temporary whose writer cannot be checked (another host or pid space, or a name
+#: without its pid space) is stale once it is this old (seconds since its last change).
+STALE_TEMPORARY_SECONDS = 600.0
+
+# What follows ".<target name>." in a temporary's name: "<pid>-<pid space>.<16 hex
+# digits>.tmp.safetensors" (before the pid space was recorded: "<pid>.<16 hex>...").
+_TEMPORARY_TAIL = re.compile(
+    r"(?P<pid>\d+)(?:-(?P<space>[0-9a-f]{8}))?\.[0-9a-f]{16}" + re.escape(TEMPORARY_SUFFIX)
+)
+_TEMPORARY_NAME = re.compile(r"\.(?P<target>.*)\." + _TEMPORARY_TAIL.pattern)
 
 # A temporary's name keeps at most this many bytes of the target's (names are <= 255 bytes).
 _NAME_KEPT = 120
@@ -181,6 +195,7 @@ def write_atomic(
     target = _as_path(path, "write_atomic")
     _check_arrays(arrays, "write_atomic")
     _check_metadata(metadata, "write_atomic")
+    remove_stale_temporaries(target)  # first: frees their space for this write
     stamped = {key: value for key, value in metadata.items() if key != CHECKSUM_KEY}
     stamped[CHECKSUM_KEY] = _digest(arrays, stamped)
     temporary = target.with_name(_temporary_name(target.name))
@@ -261,10 +276,35 @@ def _check_text(text: str, what: str) -> None:
 
 
 def _temporary_name(target_name: str) -> str:
-    # pid for the sweeper's and a reader's eye; 64 random bits (os.urandom, thread-safe)
-    # so threads and processes never collide; O_EXCL below makes sure.
-    kept = os.fsdecode(os.fsencode(target_name)[:_NAME_KEPT])
-    return f".{kept}.{os.getpid()}.{secrets.token_hex(8)}{TEMPORARY_SUFFIX}"
+    # pid and pid space: a later writer of the target can tell whether this writer is
+    # gone; 64 random bits (os.urandom, thread-safe) so threads and processes never
+    # collide; O_EXCL below makes sure.
+    return (
+        f"{_temporary_prefix(target_name)}{os.getpid()}-{_pid_space()}."
+        f"{secrets.token_hex(8)}{TEMPORARY_SUFFIX}"
+    )
+
+
+def _temporary_prefix(target_name: str) -> str:
+    """What every temporary of ``target_name`` starts with: "." + its name (at most
+    ``_NAME_KEPT`` bytes) + "."."""
+    return f".{os.fsdecode(os.fsencode(target_name)[:_NAME_KEPT])}."
+
+
+@functools.cache
+def _pid_space() -> str:
+    """8 hex digits naming the space this process's pid belongs to: the host name, the
+    boot and the pid namespace (where the OS tells them), so a pid read from a temporary's
+    name is checked only where it names the same process."""
+    parts = [socket.gethostname()]
+    for source in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
+        try:
+            parts.append(
+                os.readlink(source) if source.endswith("/pid") else Path(source).read_text()
+            )
+        except OSError:
+            parts.append("")
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:8]
 
 
 def _open_temporary(temporary: Path) -> BinaryIO:
@@ -337,7 +377,57 @@ def _write_error(target: Path, error: OSError, *, replaced: bool = False) -> Sta
 
 def is_temporary(name: str | os.PathLike[str]) -> bool:
     """Whether a file name is one of ``write_atomic``'s temporaries (never a saved file)."""
-    return _TEMPORARY_NAME.match(Path(name).name) is not None
+    return _TEMPORARY_NAME.fullmatch(Path(name).name) is not None
+
+
+def _writer_gone(pid: int, space: str | None) -> bool | None:
+    """Whether the process that named a temporary is gone: True, False (alive, maybe
+    this process's other thread), or None when this process cannot tell (another host or
+    pid space, a name without its pid space, or Windows, where kill(pid, 0) terminates)."""
+    if space is None or space != _pid_space() or sys.platform == "win32":
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's
+    except (OSError, OverflowError):
+        return None
+    return False
+
+
+def remove_stale_temporaries(path: str | os.PathLike[str]) -> list[Path]:
+    """Remove the temporaries of target ``path`` (in its directory) that killed writers
+    left, and return them: those whose writer process is gone, and those whose writer
+    cannot be checked (``_writer_gone``) once ``STALE_TEMPORARY_SECONDS`` old. Best
+    effort: a directory that cannot be listed, or a file that cannot be removed, is left
+    as it is. ``write_atomic`` calls it before each write."""
+    target = _as_path(path, "remove_stale_temporaries")
+    prefix = _temporary_prefix(target.name)
+    cutoff = time.time() - STALE_TEMPORARY_SECONDS
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(target.parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(prefix):
+            continue
+        match = _TEMPORARY_TAIL.fullmatch(entry.name, len(prefix))
+        if match is None:
+            continue
+        try:
+            gone = _writer_gone(int(match["pid"]), match["space"])
+            if gone is False or not entry.is_file(follow_symlinks=False):
+                continue
+            if gone is None and entry.stat(follow_symlinks=False).st_mtime > cutoff:
+                continue
+            os.unlink(entry.path)
+        except OSError:
+            continue  # gone meanwhile, or not ours to remove: left
+        removed.append(Path(entry.path))
+    return removed
 
 
 def sweep_temporaries(directory: str | os.PathLike[str], older_than: float = 3600.0) -> list[Path]:

@@ -18,23 +18,31 @@ Writers (``put``, eviction, removal of a corrupt entry) hold the lock; readers d
 file is replaced by an atomic rename, so a reader loads a whole entry or finds none; a
 reader that loses a race with eviction sees a miss, and an entry that fails to load while
 its file is still there is re-checked under the lock and deleted if it is corrupt.
+
+A store whose directory cannot be written (mounted read-only, no permission) still serves
+hits: the first refused write makes it read-only, said once (``PrefixStoreWarning``), and
+from then on it skips recency, saves, eviction and repairs. A lock that cannot be opened
+(e.g. ``.lock`` is a directory) costs a reader its repairs, with a warning, never an error.
 """
 
 from __future__ import annotations
 
+import errno as errno_codes
 import fcntl
 import hashlib
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import mlx.core as mx
 import numpy as np
 
-from kvrows.errors import InvalidInputError, KvRowsError, UnsupportedStateError
+from kvrows.errors import InvalidInputError, KvRowsError, StateWriteError, UnsupportedStateError
 from kvrows.lego import Bf16First
 from kvrows.protocols import Cache, ReusableOffset
 from kvrows.table import owned_cache_layout
@@ -43,6 +51,7 @@ __all__ = [
     "FORMAT_VERSION",
     "LoadPayload",
     "PrefixStore",
+    "PrefixStoreWarning",
     "SavePayload",
     "StoredEntry",
     "reusable_copies",
@@ -61,6 +70,15 @@ SavePayload = Callable[[Path, Sequence[Cache], Mapping[str, str]], None]
 LoadPayload = Callable[[Path], tuple[list[Cache], dict[str, str]]]
 
 _SUFFIX = ".safetensors"
+_T = TypeVar("_T")
+
+# What a write into a read-only mount or a directory this process may not change raises.
+_READ_ONLY_ERRNOS = frozenset({errno_codes.EROFS, errno_codes.EACCES, errno_codes.EPERM})
+
+
+class PrefixStoreWarning(RuntimeWarning):
+    """The store skipped something it could not do (a read-only directory, a lock that
+    cannot be opened); lookups and the caller go on."""
 
 
 def _default_save(path: Path, caches: Sequence[Cache], metadata: Mapping[str, str]) -> None:
@@ -72,8 +90,27 @@ def _default_save(path: Path, caches: Sequence[Cache], metadata: Mapping[str, st
 def _default_load(path: Path) -> tuple[list[Cache], dict[str, str]]:
     from kvrows.persist.prompt_cache import load_prompt_cache
 
-    caches, metadata = load_prompt_cache(path, return_metadata=True)
+    # require_checksum: an entry is always kvrows' own file, so one without a checksum
+    # (e.g. its checksum key's name damaged) is refused, never loaded unverified.
+    caches, metadata = load_prompt_cache(path, return_metadata=True, require_checksum=True)
     return list(caches), dict(metadata)
+
+
+def _describe(error: OSError) -> str:
+    """The OS error as "read-only file system (EROFS)", or the error itself without errno."""
+    name = errno_codes.errorcode.get(error.errno or 0)
+    if name is None:
+        return str(error)
+    text = os.strerror(error.errno or 0)
+    return f"{text[:1].lower()}{text[1:]} ({name})"
+
+
+def _exists(path: Path) -> bool:
+    """``path.exists()``, but an unreadable path (EACCES...) is absent rather than an error."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
 
 
 def _block_hash(previous: bytes, block: Sequence[int]) -> bytes:
@@ -165,7 +202,8 @@ class PrefixStore:
     recency). ``fingerprint`` names the model and storage scheme the rows belong to; it
     seeds the hash chain and is checked on every load. ``save`` / ``load`` write and read
     one entry's caches with metadata (default: ``kvrows.persist.prompt_cache``); ``clock``
-    gives the recency stamps (seconds)."""
+    gives the recency stamps (seconds). ``read_only`` becomes true once the directory
+    refuses a write (see the module's docstring)."""
 
     def __init__(
         self,
@@ -194,13 +232,17 @@ class PrefixStore:
         self._entries = self.directory / "entries"
         self._blocks = self.directory / "blocks"
         self._lock_path = self.directory / ".lock"
+        self.read_only = False
+        self._warned: set[str] = set()
         try:
             self._entries.mkdir(parents=True, exist_ok=True)
             self._blocks.mkdir(exist_ok=True)
         except OSError as error:
-            raise InvalidInputError(
-                f"prefix store directory {self.directory} cannot be used: {error}"
-            ) from error
+            # A read-only directory that exists is a store with nothing to add to.
+            if not (self.directory.is_dir() and self._note_unwritable(error, "creating")):
+                raise InvalidInputError(
+                    f"prefix store directory {self.directory} cannot be used: {error}"
+                ) from error
         self._seed = hashlib.sha256(
             f"kvrows-prefix-store-v{FORMAT_VERSION}\0{fingerprint}".encode()
         ).digest()
@@ -224,24 +266,81 @@ class PrefixStore:
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        handle = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        """The store's exclusive lock; a lock file that cannot be opened raises
+        ``StateWriteError`` (errno kept) naming it."""
+        try:
+            handle = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            wrapped = StateWriteError(
+                f"prefix store lock {self._lock_path} cannot be opened: "
+                f"{_describe(error)}; nothing was changed"
+            )
+            wrapped.errno = error.errno
+            raise wrapped from error
         try:
             fcntl.flock(handle, fcntl.LOCK_EX)
             yield
         finally:
             os.close(handle)  # closing releases the lock
 
+    def _warn_once(self, topic: str, message: str) -> None:
+        if topic not in self._warned:
+            self._warned.add(topic)
+            warnings.warn(message, PrefixStoreWarning, stacklevel=4)
+
+    def _note_unwritable(self, error: OSError, doing: str) -> bool:
+        """Whether ``error`` says the directory cannot be written; if so the store is
+        read-only from now on, which is said once."""
+        if error.errno not in _READ_ONLY_ERRNOS:
+            return False
+        self.read_only = True
+        self._warn_once(
+            "read-only",
+            f"prefix store {self.directory} is read-only ({_describe(error)} while {doing}): "
+            "it serves the entries it holds but no longer saves, evicts or refreshes recency",
+        )
+        return True
+
+    def _repair(self, action: Callable[[], _T], fallback: _T, doing: str) -> _T:
+        """A reader's ``action`` under the lock, or ``fallback`` when the store is
+        read-only or the lock or the action fails (said once): never raises."""
+        if self.read_only:
+            return fallback
+        try:
+            with self._locked():
+                return action()
+        except OSError as error:
+            if not self._note_unwritable(error, doing):
+                self._warn_once(
+                    "repair",
+                    f"prefix store {self.directory}: {doing} failed: {error}; damaged or "
+                    "stale entries are skipped as misses but not removed",
+                )
+            return fallback
+
     def _touch(self, path: Path) -> None:
+        """Refresh ``path``'s recency; best effort (recency only orders eviction)."""
+        if self.read_only:
+            return
         stamp = int(self._clock() * 1e9)
-        with suppress(FileNotFoundError):  # evicted meanwhile: nothing to refresh
+        try:
             os.utime(path, ns=(stamp, stamp))
+        except FileNotFoundError:
+            pass  # evicted meanwhile: nothing to refresh
+        except OSError as error:
+            if not self._note_unwritable(error, "refreshing recency"):
+                self._warn_once(
+                    "recency",
+                    f"prefix store {self.directory}: cannot refresh recency ({error})",
+                )
 
     # -- writing --------------------------------------------------------------------------
     def put(self, tokens: Sequence[int], caches: Sequence[Cache]) -> int:
         """Store the prefix of ``tokens`` that ends at the last block boundary the caches
         can be cut to; ``caches`` (per-layer serial caches, each covering exactly
         ``len(tokens)`` positions) are only read. Returns the tokens stored (0: nothing,
-        when no boundary is servable or the entry alone exceeds the budget)."""
+        when no boundary is servable, the entry alone exceeds the budget, or the store is
+        read-only: then a ``PrefixStoreWarning`` says so once and nothing is written)."""
         tokens = _check_tokens(tokens, "put")
         if not caches:
             raise InvalidInputError("put: no caches given; expected one serial cache per layer")
@@ -255,6 +354,8 @@ class PrefixStore:
                     f"put: layer {layer} covers {cache.offset} positions; the tokens are "
                     f"{len(tokens)} (a row must cover exactly its tokens)"
                 )
+        if self.read_only:
+            return 0  # said when it became read-only
         size = self.block_tokens
         boundaries = [j * size for j in range(1, len(tokens) // size + 1)]
         servable = servable_prefixes(caches, boundaries[-1:])
@@ -276,17 +377,22 @@ class PrefixStore:
             VERSION_KEY: FORMAT_VERSION,
         }
         marked = [hashes[t // size - 1] for t in sorted(levels)]
-        with self._locked():
-            self._remove_markers(key)  # an entry replaced under the same key
-            path = self._entry_path(key)
-            self._save(path, row, metadata)
-            self._touch(path)
-            self._write_chain(key, marked)
-            for block in marked:
-                (self._blocks / block).mkdir(exist_ok=True)
-                (self._blocks / block / key).touch()
-            self._evict_locked()
-            return stored if path.exists() else 0
+        try:
+            with self._locked():
+                self._remove_markers(key)  # an entry replaced under the same key
+                path = self._entry_path(key)
+                self._save(path, row, metadata)
+                self._touch(path)
+                self._write_chain(key, marked)
+                for block in marked:
+                    (self._blocks / block).mkdir(exist_ok=True)
+                    (self._blocks / block / key).touch()
+                self._evict_locked()
+                return stored if path.exists() else 0
+        except OSError as error:  # StateWriteError is one too
+            if self._note_unwritable(error, "saving an entry"):
+                return 0
+            raise
 
     def _write_chain(self, key: str, hashes: list[str]) -> None:
         target = self._chain_path(key)
@@ -404,7 +510,7 @@ class PrefixStore:
             yield block
         try:
             marked = os.listdir(self._blocks / block)
-        except (FileNotFoundError, NotADirectoryError):
+        except OSError:  # none, not a directory, unreadable: no longer entries to offer
             return
         stamped: list[tuple[int, str]] = []
         for key in marked:
@@ -414,6 +520,8 @@ class PrefixStore:
                 stamped.append((os.stat(self._entry_path(key)).st_mtime_ns, key))
             except FileNotFoundError:
                 dangling.append((block, key))
+            except OSError:
+                continue  # unreadable: not a candidate
         for _, key in sorted(stamped, reverse=True):
             tried.add(key)
             yield key
@@ -421,18 +529,18 @@ class PrefixStore:
     def _try_load(self, key: str, prefix: tuple[int, ...]) -> list[Cache] | None:
         """Entry ``key``'s caches cut to ``len(prefix)``, if it really holds ``prefix``."""
         path = self._entry_path(key)
-        if not path.exists():
+        if not _exists(path):
             return None
         loaded, _ = self._load_or_error(path)
         if loaded is None:
-            if not path.exists():
+            if not _exists(path):
                 return None  # lost a race with eviction: a miss
-            with self._locked():  # no writer can replace or evict it while we look again
-                loaded, error = self._load_or_error(path)
-                if loaded is None:
-                    if path.exists() and not isinstance(error, UnsupportedStateError):
-                        self._remove_locked(key)  # corrupt: a miss, and gone
-                    return None
+            # Under the lock no writer can replace or evict it while we look again.
+            loaded = self._repair(
+                lambda: self._recheck_locked(key, path), None, "removing a damaged entry"
+            )
+            if loaded is None:
+                return None
         caches, metadata = loaded
         mx.eval([cache.state for cache in caches])  # owned and read now, not from the file later
         stored = _parse_tokens(metadata.get(TOKENS_KEY, ""))
@@ -448,6 +556,19 @@ class PrefixStore:
             return caches if servable_prefixes(caches, [len(prefix)]) else None
         return reusable_copies(caches, len(prefix))
 
+    def _recheck_locked(self, key: str, path: Path) -> tuple[list[Cache], dict[str, str]] | None:
+        """Under the lock: entry ``key`` loaded again, or None and, if it is still there
+        and corrupt, removed. Kept: another version's file (``UnsupportedStateError``) and
+        one this process cannot read (an ``OSError``: permission, I/O), not known corrupt."""
+        loaded, error = self._load_or_error(path)
+        if (
+            loaded is None
+            and path.exists()
+            and not isinstance(error, UnsupportedStateError | OSError)
+        ):
+            self._remove_locked(key)  # corrupt: a miss, and gone
+        return loaded
+
     def _load_or_error(
         self, path: Path
     ) -> tuple[tuple[list[Cache], dict[str, str]] | None, Exception | None]:
@@ -462,10 +583,13 @@ class PrefixStore:
         """Remove markers whose entry was found missing (checked again under the lock)."""
         if not dangling:
             return
-        with self._locked():
+
+        def forget() -> None:
             for block, key in dangling:
                 if not self._entry_path(key).exists():
                     self._forget_marker(block, key)
+
+        self._repair(forget, None, "removing stale markers")
 
     def clear(self) -> None:
         """Delete every entry (under the lock)."""

@@ -12,6 +12,10 @@ checksummed) laid out as mlx-lm 0.32.2's ``save_prompt_cache`` lays it out:
   ``"0.kvrows"`` (JSON: format version and, per layer, the composition, signature, codec,
   token geometry and KV geometry) and ``"0.kvrows_checksum"``.
 
+A file with ``"0.kvrows"`` must carry a matching ``"0.kvrows_checksum"``, and a metadata
+key one bit away from either is damage, not an mlx-lm file's entry: so no single flipped
+bit lets a kvrows file load unverified (``spec/persistence.md`` §3).
+
 A bf16-first lego is saved as its current storage, its layer record adding ``lego``
 (its class, codec, ``start``, ``minimum_reusable_offset``) so kvrows' loader wraps the
 storage back into the lego; mlx-lm reads the storage.
@@ -53,6 +57,30 @@ __all__ = ["KVROWS_KEY", "load_prompt_cache", "save_prompt_cache"]
 #: The metadata entry holding kvrows' description of the file's layers.
 KVROWS_KEY = "0.kvrows"
 _RESERVED = {KVROWS_KEY[2:], CHECKSUM_KEY[2:]}
+_RESERVED_KEYS = (KVROWS_KEY, CHECKSUM_KEY)
+
+
+def _one_bit_apart(key: str, reserved: str) -> bool:
+    """Whether ``key``'s UTF-8 bytes differ from ``reserved``'s in exactly one bit."""
+    found, wanted = key.encode(), reserved.encode()
+    if len(found) != len(wanted):
+        return False
+    return sum((a ^ b).bit_count() for a, b in zip(found, wanted, strict=True)) == 1
+
+
+def _damaged_reserved_key(metadata: Mapping[str, str]) -> tuple[str, str] | None:
+    """A metadata key one flipped bit away from a kvrows key, and that key; else None.
+
+    Such a key is what a flip in a reserved key's name leaves: taken at face value it
+    would make a kvrows file pass for an mlx-lm one (no checksum asked) and land in the
+    user's metadata. ``save_prompt_cache`` refuses these names, so kvrows never writes
+    one; an mlx-lm file holding one is refused too (a cost of the guard)."""
+    for key in metadata:
+        for reserved in _RESERVED_KEYS:
+            if _one_bit_apart(key, reserved):
+                return key, reserved
+    return None
+
 
 Implementation = Literal["optimized", "reference"]
 
@@ -137,9 +165,10 @@ def save_prompt_cache(
     for key, value in user.items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise InvalidInputError(f"metadata must map str to str, got {key!r}: {value!r}")
-        if key in _RESERVED or "." in key:
+        if key in _RESERVED or "." in key or _damaged_reserved_key({f"0.{key}": ""}):
             raise InvalidInputError(
-                f"metadata key {key!r} is reserved or contains '.' (kvrows uses 'kvrows*')"
+                f"metadata key {key!r} is reserved, one bit from a reserved key, or contains "
+                "'.' (kvrows uses 'kvrows' and 'kvrows_checksum')"
             )
     layers, classes, states = [], [], []
     for index, layer in enumerate(caches):
@@ -237,17 +266,20 @@ def load_prompt_cache(
     *,
     return_metadata: bool = False,
     implementation: Implementation = "optimized",
+    require_checksum: bool = False,
 ) -> Any:
     """The caches saved in ``path`` (kvrows' files and mlx-lm's), as ``implementation``'s
     classes; with ``return_metadata``, ``(caches, user_metadata)``. A kvrows file is
-    checksummed (mlx-lm's files carry no checksum: only their structure is checked); any
-    problem raises ``CorruptStateError`` / ``UnsupportedStateError`` (``StateReadError``
-    when the file cannot be read) and nothing is returned."""
+    checksummed (mlx-lm's files carry no checksum: only their structure is checked); a
+    file with kvrows' description but no checksum, or a metadata key one bit from a kvrows
+    key, is corrupt. ``require_checksum`` refuses a file without a checksum (mlx-lm's
+    too). Any problem raises ``CorruptStateError`` / ``UnsupportedStateError``
+    (``StateReadError`` when the file cannot be read) and nothing is returned."""
     classes_by_name = _implementation_classes(implementation)
+    if not isinstance(require_checksum, bool):
+        raise InvalidInputError(f"require_checksum must be a bool, got {require_checksum!r}")
     arrays, metadata = read_safetensors(path)
-    recorded = metadata.get(CHECKSUM_KEY)
-    if recorded is not None and checksum(arrays, metadata) != recorded:
-        raise CorruptStateError(f"{path}: checksum mismatch: the file is corrupt or was altered")
+    _verify(path, arrays, metadata, require_checksum)
     try:
         groups = _grouped(metadata)
         legacy = groups["2"].get("0") != ""
@@ -287,7 +319,16 @@ def load_prompt_cache(
         raise CorruptStateError(
             f"{path}: {len(class_names)} layer classes but {len(states)} layer states"
         )
-    layers = description["layers"] if description else [None] * len(class_names)
+    layers = description.get("layers") if description else [None] * len(class_names)
+    if description and not (
+        isinstance(layers, list)
+        and all(
+            isinstance(record, dict) and isinstance(record.get("token_geometry", {}), dict)
+            for record in layers
+        )
+    ):
+        # Only a file written with a valid checksum gets here: a damaged one is refused.
+        raise CorruptStateError(f"{path}: kvrows metadata's layers are not a list of records")
     if len(layers) != len(class_names):
         raise CorruptStateError(f"{path}: kvrows metadata describes {len(layers)} layers")
     caches = [
@@ -295,6 +336,37 @@ def load_prompt_cache(
         for name, state, meta, record in zip(class_names, states, meta_list, layers, strict=True)
     ]
     return (caches, user) if return_metadata else caches
+
+
+def _verify(
+    path: object, arrays: Mapping[str, mx.array], metadata: Mapping[str, str], required: bool
+) -> None:
+    """Refuse (``CorruptStateError``) a file whose checksum is missing where it must be
+    present, or does not match; see the module's docstring."""
+    damaged = _damaged_reserved_key(metadata)
+    if damaged is not None:
+        raise CorruptStateError(
+            f"{path}: metadata key {damaged[0]!r} is one bit from kvrows' {damaged[1]!r}: "
+            "a kvrows file with a damaged key"
+        )
+    recorded = metadata.get(CHECKSUM_KEY)
+    if recorded is None:
+        if KVROWS_KEY in metadata:
+            raise CorruptStateError(
+                f"{path}: kvrows metadata ({KVROWS_KEY!r}) without its checksum "
+                f"({CHECKSUM_KEY!r}): the file is damaged or was edited"
+            )
+        if required:
+            raise CorruptStateError(
+                f"{path}: no checksum ({CHECKSUM_KEY!r}): not a file kvrows wrote, or damaged"
+            )
+        return
+    try:
+        actual = checksum(arrays, metadata)
+    except InvalidInputError:  # an array of a dtype kvrows never writes (float64)
+        actual = None
+    if actual != recorded:
+        raise CorruptStateError(f"{path}: checksum mismatch: the file is corrupt or was altered")
 
 
 def _scalar_entries(group: Mapping[str, str]) -> list[tuple[str, str]]:

@@ -42,6 +42,7 @@ from kvrows.errors import (
 from kvrows.persist import files
 from kvrows.persist.files import (
     CHECKSUM_KEY,
+    STALE_TEMPORARY_SECONDS,
     TEMPORARY_SUFFIX,
     checksum,
     is_temporary,
@@ -559,6 +560,64 @@ def test_a_writer_killed_mid_write_leaves_a_whole_file(
     assert sweep_temporaries(tmp_path, older_than=3600) == [temporary]
     assert os.listdir(tmp_path) == ["state.safetensors"]
     assert read_verified(path)[1]["0.version"] == "1"
+
+
+@pytest.mark.parametrize("stage", ["mid-write", "before-rename"])
+def test_a_write_removes_the_temporaries_its_killed_writers_left(
+    tmp_path: Path, stage: str
+) -> None:
+    """A killed writer's temporary, seconds old (before: kept until a sweep an hour later):
+    its name records the writer's pid and pid space, the writer is gone, so the next write
+    of the target removes it."""
+    path = tmp_path / "state.safetensors"
+    lines = _kill_at(path, stage)
+    (leftover,) = _temporaries(tmp_path)
+    assert lines[1].endswith(leftover)
+    write_atomic(path, version(3), version_metadata(3))
+    assert os.listdir(tmp_path) == ["state.safetensors"]
+    assert read_verified(path)[1]["0.version"] == "3"
+    pid, space = leftover.removeprefix(".state.safetensors.").split(".")[0].split("-")
+    assert space == files._pid_space()  # the killed process shared this pid space
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid), 0)
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_write_keeps_live_young_and_other_targets_temporaries(tmp_path: Path) -> None:
+    """What the write of ``state.safetensors`` removes: its temporaries whose writer is
+    gone; where the writer cannot be checked (another pid space, or a name without one),
+    only those at least STALE_TEMPORARY_SECONDS old. Kept: a live writer's (this process's
+    other threads), young uncheckable ones, other targets' and look-alikes."""
+    here, dead, live = files._pid_space(), _dead_pid(), os.getpid()
+    elsewhere = "0" * 8 if here != "0" * 8 else "1" * 8
+    stale = STALE_TEMPORARY_SECONDS + 60
+    cases = {  # name: (age in seconds, removed)
+        f".state.safetensors.{dead}-{here}.0123456789abcdef": (0, True),
+        f".state.safetensors.{live}-{here}.0123456789abcdef": (10 * stale, False),
+        f".state.safetensors.{dead}-{elsewhere}.1123456789abcdef": (0, False),
+        f".state.safetensors.{dead}-{elsewhere}.2123456789abcdef": (stale, True),
+        f".state.safetensors.{dead}.3123456789abcdef": (0, False),  # older names
+        f".state.safetensors.{dead}.4123456789abcdef": (stale, True),
+        f".other.safetensors.{dead}-{here}.0123456789abcdef": (stale, False),
+        f".state.safetensors.x.{dead}-{here}.0123456789abcdef": (stale, False),
+        f".state.safetensors.{dead}-{here}.0123456789ABCDEF": (stale, False),
+    }
+    now = time.time()
+    for name, (age, _) in cases.items():
+        path = tmp_path / (name + TEMPORARY_SUFFIX)
+        path.write_bytes(b"x")
+        os.utime(path, (now - age, now - age))
+    write_atomic(tmp_path / "state.safetensors", small_version(), {})
+    left = set(os.listdir(tmp_path))
+    for name, (_, removed) in cases.items():
+        assert ((name + TEMPORARY_SUFFIX) not in left) is removed, name
+    assert "state.safetensors" in left
 
 
 # A writer that rewrites the target forever, alternating versions of different sizes.
