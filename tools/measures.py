@@ -168,9 +168,7 @@ def _class_info(module: _Module, node: ast.ClassDef) -> _ClassInfo:
             kind = item.value.value
         if isinstance(item, ast.FunctionDef) and item.name == "key":
             has_key = True
-    decorators = [
-        d for d in (_dotted(x.func if isinstance(x, ast.Call) else x) for x in node.decorator_list)
-    ]
+    decorators = [_dotted(d.func if isinstance(d, ast.Call) else d) for d in node.decorator_list]
     return _ClassInfo(
         qualname=f"{module.name}.{node.name}",
         path=module.path,
