@@ -36,6 +36,7 @@ __all__ = [
     "Roles",
     "affine_counterpart",
     "bind_arguments",
+    "codec_spec_for",
     "composition",
     "landed",
     "layouts_of",
@@ -337,7 +338,7 @@ def bind_arguments(
             raise InvalidInputError(f"{name} must be an integer, got {value!r}")
         numbers[name] = operator.index(value)
     if codec_spec is None:
-        codec_spec = _codec_spec(entry, numbers)
+        codec_spec = codec_spec_for(entry, numbers)
     if geometry_spec is None:
         geometry_spec = _geometry_spec(entry, numbers)
     if not isinstance(codec_spec, Plain | Affine | Turbo) or codec_spec.kind != entry.codec:
@@ -349,7 +350,9 @@ def bind_arguments(
     return codec_spec, geometry_spec, declared
 
 
-def _codec_spec(entry: Composition, numbers: Mapping[str, int]) -> CodecSpec:
+def codec_spec_for(entry: Composition, numbers: Mapping[str, int]) -> CodecSpec:
+    """``entry``'s codec spec from its parameters (``numbers``: the codec's
+    ``parameters()``, extra keys ignored); ``KeyError`` if one is missing."""
     if entry.codec == "affine":
         return Affine(bits=numbers["bits"], group_size=numbers["group_size"])
     if entry.codec == "plain":

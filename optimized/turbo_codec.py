@@ -185,6 +185,9 @@ def encode_values(x: mx.array, bits: int) -> tuple[mx.array, mx.array]:
     floats = _floats(x, "values")
     rotated = _grouped(hadamard(floats * signs(int(x.shape[-1]))))
     scale = mx.sqrt(_group_sum(rotated * rotated) * mx.array(1 / TURBO_GROUP, dtype=mx.float32))
+    # The reference's guard: a group of finite values saturates its scale to HALF_MAX.
+    finite = mx.all(mx.isfinite(floats), axis=-1)[..., None]
+    scale = mx.where(finite, mx.minimum(scale, mx.array(HALF_MAX, dtype=mx.float32)), scale)
     normal = rotated / (scale + mx.array(EPSILON, dtype=mx.float32))[..., None]
     codes = mx.sum(normal[..., None] > boundaries, axis=-1).astype(mx.uint8)
     return pack_codes(codes.reshape(x.shape), bits), _half(scale)

@@ -39,7 +39,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from kvrows.compositions import composition
+from kvrows.compositions import codec_spec_for, composition
 from kvrows.errors import CorruptStateError, InvalidInputError, UnsupportedStateError
 from kvrows.forms import (
     FILE_CLASSES,
@@ -49,7 +49,6 @@ from kvrows.forms import (
 from kvrows.lego import Bf16First
 from kvrows.persist.files import CHECKSUM_KEY, checksum, read_safetensors, write_atomic
 from kvrows.recurrent import RecurrentGeometry
-from kvrows.schemes import Affine
 from kvrows.validation import KvGeometry
 
 __all__ = ["KVROWS_KEY", "load_prompt_cache", "save_prompt_cache"]
@@ -138,7 +137,9 @@ def _as_lego(storage: Any, saved: object, implementation: Implementation, path: 
         raise UnsupportedStateError(f"{path}: unknown lego class {name!r} in saved state")
     assert isinstance(saved, dict)
     try:
-        quantization = Affine(bits=saved["bits"], group_size=saved["group_size"])
+        # The record holds the target codec's parameters; the lego class says which codec
+        # (affine or TurboQuant) they belong to.
+        quantization = codec_spec_for(cls.affine_class.composition, saved)
         lego = object.__new__(cls)  # the saved parameters, then the storage adopted
         Bf16First.__init__(
             lego, quantization, storage.token_geometry, saved["start"], storage.geometry

@@ -217,6 +217,13 @@ def encode_values(x: Array, bits: int) -> tuple[Array, Array]:
 def _encode_values(x: Array, floats: Array, bits: int, boundaries: Array) -> tuple[Array, Array]:
     rotated = _grouped(hadamard(floats * signs(int(x.shape[-1]))))
     scale = np.sqrt(_group_sum(rotated * rotated) * np.float32(1 / TURBO_GROUP))
+    # A group of a finite vector whose RMS float16 cannot hold (float16 values near its
+    # maximum gathered by the rotation, or larger float32 / bfloat16 values, whose squares
+    # may overflow float32) saturates to HALF_MAX, as key scales do: clipped but finite,
+    # never an inf scale that decodes to inf and attends to NaN. A vector holding NaN or
+    # ±inf keeps its scales (the rotation spreads them over the whole vector).
+    finite = np.all(np.isfinite(floats), axis=-1)[..., None]
+    scale = np.where(finite, np.minimum(scale, HALF_MAX), scale)
     normal = rotated / (scale + EPSILON)[..., None]
     codes = np.asarray(np.sum(normal[..., None] > boundaries, axis=-1, dtype=np.uint8))
     return pack_codes(codes.reshape(x.shape), bits), _half(scale)

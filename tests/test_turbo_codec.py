@@ -342,3 +342,52 @@ def test_nearly_constant_key_groups_decode_finite_and_attend_without_nan(
             1.0,
         )
         assert np.all(np.isfinite(np.array(out)))
+
+
+@st.composite
+def large_values(draw: st.DrawFn) -> npt.NDArray[Any]:
+    """``[1, 64]`` finite values of one dtype, large enough that a rotated group's RMS may
+    pass float16's maximum (float16 near 65504), or its square float32's (up to 1e37)."""
+    dtype = NP_DTYPES[draw(st.sampled_from(tuple(NP_DTYPES)), label="dtype")]
+    top = 6.5e4 if dtype == np.float16 else 1e37
+    magnitude = draw(st.floats(1e3, top), label="magnitude")
+    signs_drawn = draw(st.lists(st.sampled_from([1.0, -1.0]), min_size=64, max_size=64))
+    spread = draw(st.lists(st.floats(0.5, 1.0), min_size=64, max_size=64), label="spread")
+    values = np.array(signs_drawn, np.float32) * np.array(spread, np.float32) * magnitude
+    return values.astype(dtype)[None, :]
+
+
+@profile_settings(max_examples=40 if active_profile().name == "ci" else 400)
+@given(values=large_values(), v_bits=st.sampled_from(TURBO_VALUE_BITS))
+def test_large_finite_values_keep_finite_scales_and_attend_without_nan(
+    values: npt.NDArray[Any], v_bits: int
+) -> None:
+    # The overflow this guards: float16 values near 65504 that the rotation gathers into
+    # one group have an RMS float16 rounds to inf; such values decoded to inf and attention
+    # over them to NaN.
+    encoded = ref.encode_values(values, v_bits)
+    for mine, theirs in zip(encoded, opt.encode_values(to_mx(values), v_bits), strict=True):
+        assert same_bytes(mine, theirs)
+    assert np.all(np.isfinite(encoded[1]))
+    assert np.all(np.isfinite(ref.decode_values(*encoded, v_bits)))
+    spec = Turbo(k_bits=8, v_bits=v_bits)
+    keys = np.linspace(-1, 1, 64, dtype=np.float32)[None, None, None]
+    queries = np.full((1, 1, 1, 64), 1e-3, dtype=np.float32)
+    for codecs, to in ((ref_codecs, lambda a: a), (opt_codecs, mx.array)):
+        codec: Any = codecs.make_codec(spec)
+        out = codec.attend(
+            to(queries),
+            codec.fetched(codec.encode(to(keys), "keys"), "keys"),
+            codec.fetched(codec.encode(to(values[None, None]), "values"), "values"),
+            None,
+            1.0,
+        )
+        assert np.all(np.isfinite(np.array(out)))
+
+
+def test_float16_values_near_the_maximum_once_overflowed_the_scale() -> None:
+    # A hand-built case: 64 float16 values of 60000 whose signs match the rotation's
+    # sign vector are, after it, one spike per 64-Hadamard: RMS 60000·√64/√32 ≈ 84853.
+    values = (60000 * ref.signs(64)).astype(np.float16)[None, :]
+    _, scales = ref.encode_values(values, 3)
+    assert np.all(np.isfinite(scales)) and float(scales.max()) == 65504.0
