@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Self, TypeVar
 
 from kvrows.codec import PlaneSpec
 from kvrows.compositions import Composition
-from kvrows.errors import InvalidInputError, LayoutStateError
+from kvrows.errors import PROJECTED_BYTES_NEEDS_GEOMETRY, InvalidInputError, LayoutStateError
 from kvrows.schemes import CodecSpec, GeometrySpec
 from kvrows.validation import KvGeometry, as_count
 
@@ -141,10 +141,7 @@ def row_bytes(
     """Bytes one row needs to hold ``tokens`` positions (at most ``cap`` of them stored)."""
     count = as_count(tokens, "tokens")
     if geometry is None:
-        raise LayoutStateError(
-            "projected_bytes needs the KV geometry: declare it at construction "
-            "(geometry=KvGeometry(...)) or append a token first"
-        )
+        raise LayoutStateError(PROJECTED_BYTES_NEEDS_GEOMETRY)
     per_token = codec.token_bytes(
         geometry.heads, geometry.key_dim, geometry.dtype, "keys"
     ) + codec.token_bytes(geometry.heads, geometry.value_dim, geometry.dtype, "values")

@@ -22,7 +22,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
-from kvrows.errors import InvalidInputError, KvRowsError
+from kvrows.errors import (
+    InvalidInputError,
+    KvRowsError,
+    not_a_geometry_message,
+    not_an_integer_message,
+)
 from kvrows.protocols import BatchableCache
 from kvrows.schemes import Affine, CodecSpec, GeometrySpec, Growing, Plain, Ring, Turbo
 from kvrows.table import own_empty_batch, register_row_layouts
@@ -300,7 +305,7 @@ def bind_arguments(
     values: dict[str, object] = dict(kwargs)
     declared = values.pop("geometry", None)
     if declared is not None and not isinstance(declared, KvGeometry):
-        raise InvalidInputError(f"geometry must be a KvGeometry, got {type(declared).__name__}")
+        raise InvalidInputError(not_a_geometry_message(type(declared).__name__))
     codec_spec = values.pop("codec", None)
     geometry_spec = values.pop("token_geometry", None)
     if len(args) > len(entry.params):
@@ -335,7 +340,7 @@ def bind_arguments(
             raise InvalidInputError(f"{entry.name} needs {name}")
         value = given[name]
         if isinstance(value, bool) or not hasattr(value, "__index__"):
-            raise InvalidInputError(f"{name} must be an integer, got {value!r}")
+            raise InvalidInputError(not_an_integer_message(name, value))
         numbers[name] = operator.index(value)
     if codec_spec is None:
         codec_spec = codec_spec_for(entry, numbers)

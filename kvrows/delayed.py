@@ -44,12 +44,14 @@ from kvrows.common import check_counts, row_bytes
 from kvrows.compositions import Composition
 from kvrows.errors import (
     EMPTY_LAYOUT_UPDATE,
+    MERGE_NEEDS_SEQUENCE,
     IncompatibleRowsError,
     InvalidInputError,
     LayoutStateError,
     MixedPrecisionReadError,
     NotTrimmableError,
     RowIndexError,
+    not_a_geometry_message,
     self_merge_message,
 )
 from kvrows.forms import DELAYED_PLAIN, delayed_state, parse_delayed_state
@@ -232,8 +234,7 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
         quantization = check_target(type(self).__name__, quantization, token_geometry)
         if geometry is not None and not isinstance(geometry, KvGeometry):
             raise InvalidInputError(
-                f"{type(self).__name__}: geometry must be a KvGeometry, "
-                f"got {type(geometry).__name__}"
+                f"{type(self).__name__}: {not_a_geometry_message(type(geometry).__name__)}"
             )
         if geometry is not None:
             Bf16First._check_dims(geometry.key_dim, geometry.value_dim, quantization)
@@ -866,7 +867,7 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
         (not while prefilling)."""
         self._spec_guard("merge_rows")
         if isinstance(rows, str | bytes) or not isinstance(rows, Sequence):
-            raise InvalidInputError("merge_rows takes a sequence of caches")
+            raise InvalidInputError(MERGE_NEEDS_SEQUENCE)
         seen: set[int] = set()
         for source in rows:
             if source is self or id(source) in seen:

@@ -8,8 +8,16 @@ expected. A call that raises leaves every cache it touched unchanged.
 from __future__ import annotations
 
 __all__ = [
+    "ADOPT_NEEDS_EMPTY",
+    "AFFINE_SCALAR_INPUT",
     "EMPTY_LAYOUT_UPDATE",
+    "EMPTY_ROW_NO_BLOCK",
+    "MERGE_NEEDS_SEQUENCE",
     "NOTHING_TO_FETCH",
+    "ONE_VERIFY_BLOCK",
+    "PACKED_SCALAR_INPUT",
+    "PROJECTED_BYTES_NEEDS_GEOMETRY",
+    "SHARED_COLUMN_TRIM",
     "SPECULATIVE_INVALID",
     "CapacityError",
     "CorruptStateError",
@@ -28,10 +36,35 @@ __all__ = [
     "StateReadError",
     "StateWriteError",
     "UnsupportedStateError",
+    "affine_input_dtype_message",
+    "align_rows_message",
+    "attend_storage_message",
+    "empty_state_row_message",
+    "from_state_tuple_message",
+    "head_dim_message",
+    "head_grouping_message",
     "incompatible_merge_message",
+    "latent_planes_message",
+    "latent_role_message",
+    "mask_message",
+    "not_a_geometry_message",
+    "not_an_integer_message",
+    "packed_codes_dtype_message",
+    "packed_shapes_message",
+    "packed_width_message",
+    "plain_latent_state_message",
+    "preview_blocks_message",
+    "qkv_shape_message",
     "ring_rollback_message",
+    "ring_state_index_message",
+    "scales_biases_dtype_message",
     "self_merge_message",
+    "speculative_modifier_message",
+    "state_signature_message",
     "trim_past_row_message",
+    "turbo_bits_message",
+    "turbo_input_dtype_message",
+    "turbo_scalar_input_message",
     "wrapped_ring_message",
 ]
 
@@ -168,3 +201,178 @@ def ring_rollback_message(row: int, offset: int, retained: int, count: int, wind
 class PoolExhaustedError(CapacityError):
     """A block pool cannot take the blocks an append asks for without growing past its
     byte limit (``kvrows.paged``); nothing changed."""
+
+
+# Messages raised in more than one file, each written once here so that the copies cannot
+# drift (tests/test_error_messages.py refuses a literal message repeated across files).
+
+# -- row machinery -------------------------------------------------------------------------
+
+#: ``merge_rows`` given something that is not a sequence of caches.
+MERGE_NEEDS_SEQUENCE = "merge_rows takes a sequence of caches"
+
+#: A serial storage asked to adopt a row while it already holds one (extraction).
+ADOPT_NEEDS_EMPTY = "adopt needs an empty cache"
+
+#: A trim of some, not all, of the rows that write into one shared column.
+SHARED_COLUMN_TRIM = "rows sharing one write column must trim together"
+
+#: ``projected_bytes`` of a cache that has neither a declared geometry nor a token.
+PROJECTED_BYTES_NEEDS_GEOMETRY = (
+    "projected_bytes needs the KV geometry: declare it at construction "
+    "(geometry=KvGeometry(...)) or append a token first"
+)
+
+#: ``register_prefix`` of a paged row that holds no block yet.
+EMPTY_ROW_NO_BLOCK = "an empty row has no block to register"
+
+#: A second verify block appended in one speculative round.
+ONE_VERIFY_BLOCK = "a speculative round takes one verify block: commit or roll back before the next"
+
+
+def speculative_modifier_message(name: str) -> str:
+    """A class whose composition entry's speculative modifier disagrees with its being a
+    ``SpeculativeLayout``."""
+    return f"{name}: the speculative modifier is SpeculativeLayout"
+
+
+def align_rows_message(name: str) -> str:
+    """The align-rows mixin declared on a class that is not a ragged growing layout."""
+    return f"{name}: align_rows is for ragged growing layouts only"
+
+
+# -- arguments -----------------------------------------------------------------------------
+
+
+def not_an_integer_message(what: str, value: object) -> str:
+    """A count, size or state field that is not an integer (``bool`` included)."""
+    return f"{what} must be an integer, got {value!r}"
+
+
+def not_a_geometry_message(got: str) -> str:
+    """A ``geometry=`` argument that is not a ``KvGeometry``; ``got`` describes it."""
+    return f"geometry must be a KvGeometry, got {got}"
+
+
+# -- persisted state -----------------------------------------------------------------------
+
+
+def empty_state_row_message(offset: int) -> str:
+    """A state row with a non-zero offset but no keys or values."""
+    return f"state row at position {offset} holds no token"
+
+
+def ring_state_index_message(idx: int, held: int) -> str:
+    """A ring's state whose write index lies outside the tokens it holds."""
+    return f"ring state: idx {idx} outside [0, {held}]"
+
+
+def state_signature_message(owner: str, restored: str, signature: str) -> str:
+    """A latent cache's ``state`` set from the state of a differently declared cache."""
+    return f"{owner}: the state is a {restored} cache, this is {signature}"
+
+
+def from_state_tuple_message(name: str) -> str:
+    """A latent cache's ``from_state`` given something that is not a state tuple."""
+    return f"{name}.from_state takes the state tuple"
+
+
+def latent_role_message(name: str) -> str:
+    """A latent state whose role field is neither target nor MTP."""
+    return f"{name}: role must be 0 (target) or 1 (mtp)"
+
+
+def latent_planes_message(owner: str, planes: int, got: int) -> str:
+    """A latent restore given a number of planes other than its codec's."""
+    return f"{owner}: the latent has {planes} planes, got {got}"
+
+
+def plain_latent_state_message(owner: str) -> str:
+    """A converting latent cache given the state of a plain (unconverted) latent."""
+    return f"{owner}: the state holds a plain latent"
+
+
+# -- attention -----------------------------------------------------------------------------
+
+
+def mask_message(mask: object) -> str:
+    """An attention mask that is not None, ``"causal"`` or a boolean array."""
+    return f"mask must be None, 'causal' or a boolean array, got {mask!r}"
+
+
+def head_grouping_message(q_heads: int, kv_heads: int) -> str:
+    """Query heads that are not a multiple of the KV heads."""
+    return f"{q_heads} query heads do not group over {kv_heads} KV heads"
+
+
+def attend_storage_message(cache: object) -> str:
+    """``attend`` given something that is not a kvrows storage."""
+    return f"attend needs a kvrows storage, got {type(cache).__name__}"
+
+
+def preview_blocks_message(owner: str) -> str:
+    """A latent ``preview`` given blocks that are not ``[B, 1, N, W]``."""
+    return f"{owner}.preview takes [B, 1, N, W] blocks"
+
+
+def qkv_shape_message(channels: int, shape: object) -> str:
+    """A recurrent conv step given ``qkv`` that is not ``[B, S, channels]``."""
+    return f"qkv must be [B, S, {channels}], got {shape}"
+
+
+# -- codecs --------------------------------------------------------------------------------
+
+
+def head_dim_message(name: str, dim: int, error: object) -> str:
+    """A codec that cannot encode the key or value head dim (``error`` says why)."""
+    return f"{name} head dim {dim}: {error}"
+
+
+def affine_input_dtype_message(name: str, dtype: object) -> str:
+    """Affine ``quantize`` input, or scales, that are not float32, float16 or bfloat16."""
+    return f"{name} must be float32, float16 or bfloat16, got dtype {dtype}"
+
+
+#: Affine ``quantize`` given a scalar.
+AFFINE_SCALAR_INPUT = "x must have at least one axis (the head dim), got a scalar"
+
+#: Affine ``dequantize`` given scalar packed codes or scales.
+PACKED_SCALAR_INPUT = "packed codes and scales need at least one axis"
+
+
+def packed_codes_dtype_message(dtype: object) -> str:
+    """Affine ``dequantize`` given packed codes that are not uint32."""
+    return f"packed codes must be uint32, got dtype {dtype}"
+
+
+def scales_biases_dtype_message(scales: object, biases: object) -> str:
+    """Affine ``dequantize`` given scales and biases of different dtypes."""
+    return f"scales and biases must share a dtype, got {scales} and {biases}"
+
+
+def packed_shapes_message(packed: object, scales: object, biases: object) -> str:
+    """Affine ``dequantize`` given packed codes, scales and biases whose shapes disagree."""
+    return f"shapes of packed {packed}, scales {scales} and biases {biases} do not match"
+
+
+def packed_width_message(width: int, groups: int, group_size: int, bits: int, words: int) -> str:
+    """Affine ``dequantize`` given packed codes of the wrong width for the scales."""
+    return (
+        f"packed width {width} does not match {groups} groups of "
+        f"{group_size} at {bits} bits (expected {words} words)"
+    )
+
+
+def turbo_bits_message(field: str, allowed: object, bits: object) -> str:
+    """A TurboQuant ``k_bits`` or ``v_bits`` (``field``) outside the ``allowed`` widths."""
+    return f"{field} must be one of {allowed}, got {bits!r}"
+
+
+def turbo_input_dtype_message(name: str, dtype: object) -> str:
+    """TurboQuant encode input that is not float32, float16 or bfloat16."""
+    return f"{name} must be float32, float16 or bfloat16, got {dtype}"
+
+
+def turbo_scalar_input_message(name: str) -> str:
+    """TurboQuant encode input that is a scalar."""
+    return f"{name} needs a head-dim axis, got a scalar"

@@ -42,7 +42,12 @@ from typing import Any
 
 from kvrows.codec import TURBO_HEAD_DIMS, Role, codec_plane_specs
 from kvrows.compositions import Composition, landed
-from kvrows.errors import InvalidInputError, UnsupportedStateError
+from kvrows.errors import (
+    InvalidInputError,
+    UnsupportedStateError,
+    not_an_integer_message,
+    ring_state_index_message,
+)
 from kvrows.latent import LATENT_FIELDS, PAGED_LATENT_FIELDS
 from kvrows.schemes import Affine, CodecSpec, GeometrySpec, Growing, Plain, Ring, Turbo
 from kvrows.validation import FLOAT_DTYPES, KvGeometry
@@ -192,7 +197,7 @@ def state_form(entry: Composition) -> StateForm:
 
 def _integer(name: str, value: object) -> int:
     if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise InvalidInputError(f"state field {name} must be an integer, got {value!r}")
+        raise InvalidInputError(not_an_integer_message(f"state field {name}", value))
     return operator.index(value)
 
 
@@ -425,7 +430,7 @@ def rows_of_state(
         if entry.geometry == "ring":
             idx, sink = values["idx"], values["keep"]
             if not 0 <= idx <= held:
-                raise InvalidInputError(f"ring state: idx {idx} outside [0, {held}]")
+                raise InvalidInputError(ring_state_index_message(idx, held))
             keys = chronological(_cut(keys, None, 0, held), idx, idx < held, sink, concat)
             vals = chronological(_cut(vals, None, 0, held), idx, idx < held, sink, concat)
         else:

@@ -31,7 +31,11 @@ from kvrows.errors import (
     InvalidInputError,
     LayoutStateError,
     NotTrimmableError,
+    from_state_tuple_message,
+    latent_role_message,
+    not_an_integer_message,
     self_merge_message,
+    state_signature_message,
 )
 from kvrows.schemes import Affine, Growing, Plain, Turbo
 from kvrows.speculative import SpeculativeRounds
@@ -701,8 +705,7 @@ class LatentRows(SpeculativeRounds):
         restored = type(self).from_state(value)
         if restored.signature() != self.signature():
             raise InvalidInputError(
-                f"{type(self).__name__}: the state is a {restored.signature()} cache, this is "
-                f"{self.signature()}"
+                state_signature_message(type(self).__name__, restored.signature(), self.signature())
             )
         vars(self).update(vars(restored))
 
@@ -714,7 +717,7 @@ class LatentRows(SpeculativeRounds):
         """A cache holding ``state`` (``InvalidInputError`` when it is inconsistent)."""
         name = cls.__name__
         if isinstance(state, str | bytes) or not isinstance(state, Sequence):
-            raise InvalidInputError(f"{name}.from_state takes the state tuple")
+            raise InvalidInputError(from_state_tuple_message(name))
         if len(state) != len(LATENT_FIELDS):
             raise InvalidInputError(
                 f"{name}: a latent state has {len(LATENT_FIELDS)} fields, got {len(state)}"
@@ -722,7 +725,7 @@ class LatentRows(SpeculativeRounds):
         fields = dict(zip(LATENT_FIELDS, state, strict=True))
         role = {0: "target", 1: "mtp"}.get(_scalar(fields["role"], "role"))
         if role is None:
-            raise InvalidInputError(f"{name}: role must be 0 (target) or 1 (mtp)")
+            raise InvalidInputError(latent_role_message(name))
         cache = cls._from_fields(fields, role)
         cache._restore_fields(fields)
         return cache
@@ -851,7 +854,7 @@ def _scalar(value: object, what: str) -> int:
     if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidInputError(f"state field {what} must be an integer, got {value!r}")
+        raise InvalidInputError(not_an_integer_message(f"state field {what}", value))
     return value
 
 

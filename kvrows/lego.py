@@ -27,7 +27,7 @@ from typing import Any, ClassVar, TypeAlias
 
 from kvrows.affine_geometry import validate_codec
 from kvrows.codec import check_turbo_dim
-from kvrows.errors import InvalidInputError
+from kvrows.errors import InvalidInputError, not_a_geometry_message
 from kvrows.schemes import Affine, GeometrySpec, Growing, Plain, Ring, Turbo
 from kvrows.validation import KvGeometry, as_count
 
@@ -185,8 +185,7 @@ class Bf16First(ConversionBoundary):
             )
         if geometry is not None and not isinstance(geometry, KvGeometry):
             raise InvalidInputError(
-                f"{type(self).__name__}: geometry must be a KvGeometry, "
-                f"got {type(geometry).__name__}"
+                f"{type(self).__name__}: {not_a_geometry_message(type(geometry).__name__)}"
             )
         quantization = check_target(type(self).__name__, quantization, token_geometry)
         if geometry is not None:

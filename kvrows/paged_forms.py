@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvrows.codec import codec_plane_specs
 from kvrows.compositions import composition
-from kvrows.errors import CorruptStateError
+from kvrows.errors import CorruptStateError, not_an_integer_message
 from kvrows.forms import TURBO_STATE_DTYPE, state_form
 from kvrows.schemes import Affine, CodecSpec, Plain, Turbo
 from kvrows.validation import FLOAT_DTYPES, KvGeometry
@@ -77,7 +77,7 @@ def _int(name: str, value: object) -> int:
     if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
         value = value.item()
     if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise CorruptStateError(f"state field {name} must be an integer, got {value!r}")
+        raise CorruptStateError(not_an_integer_message(f"state field {name}", value))
     return operator.index(value)
 
 

@@ -27,7 +27,15 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from kvrows.codec import Role, codec_plane_specs
-from kvrows.errors import InvalidInputError, LayoutStateError, PoolExhaustedError
+from kvrows.errors import (
+    EMPTY_ROW_NO_BLOCK,
+    InvalidInputError,
+    LayoutStateError,
+    PoolExhaustedError,
+    from_state_tuple_message,
+    latent_role_message,
+    state_signature_message,
+)
 from kvrows.latent import (
     LATENT_FIELDS,
     PAGED_LATENT_FIELDS,
@@ -291,7 +299,7 @@ class PagedLatentRows(LatentRows):
         self._spec_guard("register_prefix")
         table = self._tables[check_row(row, self.batch_size)]
         if self._pool is None:
-            raise LayoutStateError("an empty row has no block to register")
+            raise LayoutStateError(EMPTY_ROW_NO_BLOCK)
         return self._pool.register_prefix(table, token_ids)
 
     # -- appends ---------------------------------------------------------------------------
@@ -524,8 +532,7 @@ class PagedLatentRows(LatentRows):
         restored = type(self).from_state(value, pool=self._pool)
         if restored.signature() != self.signature():
             raise InvalidInputError(
-                f"{type(self).__name__}: the state is a {restored.signature()} cache, this is "
-                f"{self.signature()}"
+                state_signature_message(type(self).__name__, restored.signature(), self.signature())
             )
         self.release()
         if self._finalizer is not None:
@@ -547,7 +554,7 @@ class PagedLatentRows(LatentRows):
         ``PoolExhaustedError`` when the pool cannot take it, the pool unchanged)."""
         name = cls.__name__
         if isinstance(state, str | bytes) or not isinstance(state, Sequence):
-            raise InvalidInputError(f"{name}.from_state takes the state tuple")
+            raise InvalidInputError(from_state_tuple_message(name))
         if len(state) != len(PAGED_LATENT_FIELDS):
             raise InvalidInputError(
                 f"{name}: a paged latent state has {len(PAGED_LATENT_FIELDS)} fields, got "
@@ -559,7 +566,7 @@ class PagedLatentRows(LatentRows):
         fields = dict(zip(LATENT_FIELDS, state[:-1], strict=True))
         role = {0: "target", 1: "mtp"}.get(_scalar(fields["role"], "role"))
         if role is None:
-            raise InvalidInputError(f"{name}: role must be 0 (target) or 1 (mtp)")
+            raise InvalidInputError(latent_role_message(name))
 
         def optional(key: str) -> int | None:
             value = fields[key]

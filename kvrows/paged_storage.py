@@ -28,12 +28,16 @@ from kvrows.common import ComposedIdentity, SavedState, check_counts
 from kvrows.compositions import Composition
 from kvrows.errors import (
     EMPTY_LAYOUT_UPDATE,
+    EMPTY_ROW_NO_BLOCK,
+    MERGE_NEEDS_SEQUENCE,
     NOTHING_TO_FETCH,
+    PROJECTED_BYTES_NEEDS_GEOMETRY,
     IncompatibleRowsError,
     InvalidInputError,
     LayoutStateError,
     NotTrimmableError,
     PoolExhaustedError,
+    not_a_geometry_message,
     self_merge_message,
     trim_past_row_message,
 )
@@ -495,7 +499,7 @@ def _bind(
     if pool is not None and not isinstance(pool, cls.pool_class):
         raise InvalidInputError(f"pool must be a {cls.pool_class.__name__}, got {pool!r}")
     if declared is not None and not isinstance(declared, KvGeometry):
-        raise InvalidInputError(f"geometry must be a KvGeometry, got {declared!r}")
+        raise InvalidInputError(not_a_geometry_message(repr(declared)))
     if geometry_spec is not None and not isinstance(geometry_spec, Paged):
         raise InvalidInputError(f"{cls.__name__} has paged geometry, got {geometry_spec!r}")
     if codec is not None and not hasattr(codec, "key"):
@@ -859,10 +863,7 @@ class PagedKvRowsBase(SpeculativeRounds, _PagedBase):
         count = as_count(tokens, "tokens")
         g = self._geometry
         if g is None:
-            raise LayoutStateError(
-                "projected_bytes needs the KV geometry: declare it at construction "
-                "(geometry=KvGeometry(...)) or append a token first"
-            )
+            raise LayoutStateError(PROJECTED_BYTES_NEEDS_GEOMETRY)
         per_token = self.codec.token_bytes(
             g.heads, g.key_dim, g.dtype, "keys"
         ) + self.codec.token_bytes(g.heads, g.value_dim, g.dtype, "values")
@@ -944,7 +945,7 @@ class PagedKvRowsBase(SpeculativeRounds, _PagedBase):
         reference (no byte moves); rows of another pool are copied into fresh blocks."""
         self._spec_guard("merge_rows")
         if isinstance(rows, str | bytes | Cache) or not isinstance(rows, Sequence):
-            raise InvalidInputError("merge_rows takes a sequence of caches")
+            raise InvalidInputError(MERGE_NEEDS_SEQUENCE)
         if any(s is self for s in rows) or len({id(s) for s in rows}) != len(rows):
             raise IncompatibleRowsError(self_merge_message(self.signature()))
         for source in rows:
@@ -1025,7 +1026,7 @@ class PagedKvRowsBase(SpeculativeRounds, _PagedBase):
         self._spec_guard("register_prefix")
         table = self._rows[check_row(row, self.batch_size)]
         if self._pool is None:
-            raise LayoutStateError("an empty row has no block to register")
+            raise LayoutStateError(EMPTY_ROW_NO_BLOCK)
         return self._pool.register_prefix(table, token_ids)
 
     # -- trims ---------------------------------------------------------------------------

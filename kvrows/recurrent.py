@@ -33,6 +33,7 @@ from typing import Any, ClassVar, Self
 from kvrows.codec import PlaneSpec
 from kvrows.compositions import Composition
 from kvrows.errors import (
+    ONE_VERIFY_BLOCK,
     IncompatibleRowsError,
     InvalidInputError,
     LayoutStateError,
@@ -910,9 +911,7 @@ class RecurrentRounds(SpeculativeRounds):
     def _round_write(self) -> None:
         self._spec_usable()
         if self.spec_round_open and self._spec_block is not None and not self._replaying:
-            raise SpeculativeRoundError(
-                "a speculative round takes one verify block: commit or roll back before the next"
-            )
+            raise SpeculativeRoundError(ONE_VERIFY_BLOCK)
 
     def can_publish_row(self, row: int, tokens: int) -> bool:
         published: bool = super().can_publish_row(row, tokens)  # type: ignore[misc]

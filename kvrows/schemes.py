@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, TypeAlias
 
 from kvrows.affine_geometry import validate_params
-from kvrows.errors import InvalidInputError
+from kvrows.errors import InvalidInputError, turbo_bits_message
 from kvrows.validation import as_count
 
 __all__ = [
@@ -98,11 +98,9 @@ class Turbo:
 
     def __post_init__(self) -> None:
         if self.k_bits not in TURBO_KEY_BITS or isinstance(self.k_bits, bool):
-            raise InvalidInputError(f"k_bits must be one of {TURBO_KEY_BITS}, got {self.k_bits!r}")
+            raise InvalidInputError(turbo_bits_message("k_bits", TURBO_KEY_BITS, self.k_bits))
         if self.v_bits not in TURBO_VALUE_BITS or isinstance(self.v_bits, bool):
-            raise InvalidInputError(
-                f"v_bits must be one of {TURBO_VALUE_BITS}, got {self.v_bits!r}"
-            )
+            raise InvalidInputError(turbo_bits_message("v_bits", TURBO_VALUE_BITS, self.v_bits))
 
     @property
     def key(self) -> str:

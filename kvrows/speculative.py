@@ -23,12 +23,14 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvrows.errors import (
+    ONE_VERIFY_BLOCK,
     SPECULATIVE_INVALID,
     InvalidInputError,
     KvRowsError,
     LayoutStateError,
     SpeculativeRoundError,
     SpeculativeStateInvalidError,
+    not_an_integer_message,
 )
 
 __all__ = ["RowRound", "SpeculativeRounds", "check_accepted", "check_keep_vector"]
@@ -38,7 +40,7 @@ _R = TypeVar("_R")
 
 def _integer(value: object, what: str) -> int:
     if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise InvalidInputError(f"{what} must be an integer, got {value!r}")
+        raise InvalidInputError(not_an_integer_message(what, value))
     return operator.index(value)
 
 
@@ -156,9 +158,7 @@ class SpeculativeRounds:
         if self._spec_before is None:
             return append()
         if self._spec_block is not None:
-            raise SpeculativeRoundError(
-                "a speculative round takes one verify block: commit or roll back before the next"
-            )
+            raise SpeculativeRoundError(ONE_VERIFY_BLOCK)
         before = self.row_offsets
         result = self._spec_failing(append)
         self._spec_block = tuple(a - b for a, b in zip(self.row_offsets, before, strict=True))

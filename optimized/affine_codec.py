@@ -10,7 +10,16 @@ from __future__ import annotations
 import mlx.core as mx
 
 from kvrows.affine_geometry import groups, packed_width, validate_codec, validate_params
-from kvrows.errors import InvalidInputError
+from kvrows.errors import (
+    AFFINE_SCALAR_INPUT,
+    PACKED_SCALAR_INPUT,
+    InvalidInputError,
+    affine_input_dtype_message,
+    packed_codes_dtype_message,
+    packed_shapes_message,
+    packed_width_message,
+    scales_biases_dtype_message,
+)
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -28,7 +37,7 @@ SUPPORTED_DTYPES: tuple[mx.Dtype, ...] = (mx.float32, mx.float16, mx.bfloat16)
 
 def _check_dtype(name: str, dtype: mx.Dtype) -> None:
     if dtype not in SUPPORTED_DTYPES:
-        raise InvalidInputError(f"{name} must be float32, float16 or bfloat16, got dtype {dtype}")
+        raise InvalidInputError(affine_input_dtype_message(name, dtype))
 
 
 def quantize(x: mx.array, group_size: int, bits: int) -> tuple[mx.array, mx.array, mx.array]:
@@ -41,7 +50,7 @@ def quantize(x: mx.array, group_size: int, bits: int) -> tuple[mx.array, mx.arra
         raise InvalidInputError(f"x must be an mx.array, got {type(x).__name__}")
     _check_dtype("x", x.dtype)
     if x.ndim < 1:
-        raise InvalidInputError("x must have at least one axis (the head dim), got a scalar")
+        raise InvalidInputError(AFFINE_SCALAR_INPUT)
     validate_codec(x.shape[-1], group_size, bits)
     w = x[None] if x.ndim == 1 else x
     packed, scales, biases = mx.quantize(w, group_size=group_size, bits=bits, mode="affine")
@@ -58,26 +67,22 @@ def dequantize(
         if not isinstance(a, mx.array):
             raise InvalidInputError(f"{name} must be an mx.array, got {type(a).__name__}")
     if packed.dtype != mx.uint32:
-        raise InvalidInputError(f"packed codes must be uint32, got dtype {packed.dtype}")
+        raise InvalidInputError(packed_codes_dtype_message(packed.dtype))
     _check_dtype("scales", scales.dtype)
     if biases.dtype != scales.dtype:
-        raise InvalidInputError(
-            f"scales and biases must share a dtype, got {scales.dtype} and {biases.dtype}"
-        )
+        raise InvalidInputError(scales_biases_dtype_message(scales.dtype, biases.dtype))
     if packed.ndim < 1 or scales.ndim < 1:
-        raise InvalidInputError("packed codes and scales need at least one axis")
+        raise InvalidInputError(PACKED_SCALAR_INPUT)
     if scales.shape != biases.shape or packed.shape[:-1] != scales.shape[:-1]:
-        raise InvalidInputError(
-            f"shapes of packed {packed.shape}, scales {scales.shape} and biases "
-            f"{biases.shape} do not match"
-        )
+        raise InvalidInputError(packed_shapes_message(packed.shape, scales.shape, biases.shape))
     validate_params(group_size, bits)
     head_dim = group_size * scales.shape[-1]
     validate_codec(head_dim, group_size, bits)
     if packed.shape[-1] != packed_width(head_dim, bits):
         raise InvalidInputError(
-            f"packed width {packed.shape[-1]} does not match {scales.shape[-1]} groups of "
-            f"{group_size} at {bits} bits (expected {packed_width(head_dim, bits)} words)"
+            packed_width_message(
+                packed.shape[-1], scales.shape[-1], group_size, bits, packed_width(head_dim, bits)
+            )
         )
     if packed.ndim == 1:
         return dequantize(packed[None], scales[None], biases[None], group_size, bits)[0]

@@ -6,7 +6,7 @@ import mlx.core as mx
 
 from kvrows.codec import Codec
 from kvrows.delayed import DelayedRows
-from kvrows.errors import InvalidInputError
+from kvrows.errors import InvalidInputError, attend_storage_message, mask_message
 from kvrows.protocols import Cache, HasCodec, Mask
 
 __all__ = ["attend"]
@@ -22,9 +22,9 @@ def attend(queries: mx.array, cache: Cache, mask: Mask, scale: float) -> mx.arra
         if last is not None:
             return last
     if isinstance(mask, str) and mask != "causal":
-        raise InvalidInputError(f"mask must be None, 'causal' or a boolean array, got {mask!r}")
+        raise InvalidInputError(mask_message(mask))
     if not isinstance(cache, HasCodec):
-        raise InvalidInputError(f"attend needs a kvrows storage, got {type(cache).__name__}")
+        raise InvalidInputError(attend_storage_message(cache))
     codec: Codec = cache.codec
     keys, values = cache.fetch()
     out: mx.array = codec.attend(queries, keys, values, mask, scale)

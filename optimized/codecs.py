@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from kvrows.affine_geometry import groups, packed_width, validate_codec
 from kvrows.codec import CodecLayout, Role, check_turbo_dim
-from kvrows.errors import InvalidInputError
+from kvrows.errors import InvalidInputError, head_dim_message, head_grouping_message
 from kvrows.optimized import turbo_codec
 from kvrows.protocols import Mask
 from kvrows.schemes import Affine, CodecSpec, Plain, Turbo
@@ -97,7 +97,7 @@ class AffineCodec(CodecLayout):
             try:
                 validate_codec(dim, self.group_size, self.bits)
             except InvalidInputError as error:
-                raise InvalidInputError(f"{name} head dim {dim}: {error}") from None
+                raise InvalidInputError(head_dim_message(name, dim, error)) from None
 
     def encode(self, block: Any, role: Role = "keys") -> Planes:
         packed, scales, biases = mx.quantize(
@@ -148,7 +148,7 @@ class TurboCodec(CodecLayout):
             try:
                 check_turbo_dim(dim)
             except InvalidInputError as error:
-                raise InvalidInputError(f"{name} head dim {dim}: {error}") from None
+                raise InvalidInputError(head_dim_message(name, dim, error)) from None
 
     def encode(self, block: Any, role: Role = "keys") -> Planes:
         if role == "keys":
@@ -253,7 +253,7 @@ def quantized_attention(
     batch, q_heads, n, dim = queries.shape
     kv_heads, s = keys[0].shape[1], keys[0].shape[2]
     if q_heads % kv_heads:
-        raise InvalidInputError(f"{q_heads} query heads do not group over {kv_heads} KV heads")
+        raise InvalidInputError(head_grouping_message(q_heads, kv_heads))
     repeat = q_heads // kv_heads
     q = (queries * scale).reshape(batch, kv_heads, repeat, n, dim)
     k_packed, k_scales, k_biases = (mx.expand_dims(p, 2) for p in keys)

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import mlx.core as mx
 
-from kvrows.errors import InvalidInputError
+from kvrows.errors import InvalidInputError, empty_state_row_message, ring_state_index_message
 from kvrows.forms import (
     StateRow,
     describe_planes,
@@ -192,7 +192,7 @@ def _serial_row(
     if keys is None or values is None:
         serial._geometry = kv
         if offset:  # a row whose window is empty still stands at its position
-            raise InvalidInputError(f"state row at position {offset} holds no token")
+            raise InvalidInputError(empty_state_row_message(offset))
         return serial
     assert isinstance(serial, Serial)
     return serial.adopt(keys, values, offset, kv)
@@ -213,7 +213,7 @@ def _restore_serial(fresh: _S, fields: dict[str, Any], kv: KvGeometry) -> _S:
     if isinstance(fresh, SharedRing):
         idx = fields["idx"]
         if not 0 <= idx <= held:
-            raise InvalidInputError(f"ring state: idx {idx} outside [0, {held}]")
+            raise InvalidInputError(ring_state_index_message(idx, held))
         if idx < fresh._lead:
             raise InvalidInputError(f"ring state: idx {idx} inside the {fresh._lead} sink columns")
         # ``idx`` counts the sink columns (mlx-lm's); the geometry's index is the ring's.

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from kvrows.codec import Role
-from kvrows.errors import KvRowsError
+from kvrows.errors import KvRowsError, align_rows_message
 from kvrows.optimized.codecs import Planes
 from kvrows.optimized.rows import RowWindow, Serial, Storage, spare_slots
 from kvrows.protocols import Mask
@@ -294,7 +294,7 @@ class RowAlignment(_RaggedGrowingLayout):
         entry = cls.__dict__.get("composition")
         if entry is not None and (entry.geometry != "growing" or entry.arrangement != "ragged"):
             # Checked before the class is registered (a refused class leaves no trace).
-            raise KvRowsError(f"{cls.__name__}: align_rows is for ragged growing layouts only")
+            raise KvRowsError(align_rows_message(cls.__name__))
         super().__init_subclass__(**kwargs)
 
     def align_rows(self, left_pad: Sequence[int]) -> None:

@@ -19,7 +19,12 @@ from typing import Any
 import mlx.core as mx
 
 from kvrows.compositions import composition
-from kvrows.errors import InvalidInputError
+from kvrows.errors import (
+    InvalidInputError,
+    latent_planes_message,
+    plain_latent_state_message,
+    preview_blocks_message,
+)
 from kvrows.latent import LatentCodec, LatentRows, encoded_codec
 from kvrows.optimized.codecs import TurboCodec, dtype_name, make_codec, mlx_dtype
 from kvrows.optimized.rows import owned
@@ -143,7 +148,7 @@ class _LatentOptimized(LatentRows):
         self._spec_usable()
         latent, rope, _, four, _, _, _ = self._checked_blocks(latent, rope, None, staged=True)
         if not four:
-            raise InvalidInputError(f"{type(self).__name__}.preview takes [B, 1, N, W] blocks")
+            raise InvalidInputError(preview_blocks_message(type(self).__name__))
         reads_exact = [not c for c in self._converted] or [True] * int(latent.shape[0])
         block = latent
         if not isinstance(self.latent_codec, Plain):
@@ -332,7 +337,7 @@ class _LatentOptimized(LatentRows):
         ]
         if len(names) != len(planes):
             raise InvalidInputError(
-                f"{type(self).__name__}: the latent has {len(names)} planes, got {len(planes)}"
+                latent_planes_message(type(self).__name__, len(names), len(planes))
             )
         named = [*zip(names, planes, strict=True), ("rope", rope)]
         if index is not None:
@@ -396,5 +401,5 @@ class EncodedLatentCache(_LatentOptimized):
 
     def _set_codec(self, codec: LatentCodec, start: int) -> None:
         if isinstance(codec, Plain):
-            raise InvalidInputError(f"{type(self).__name__}: the state holds a plain latent")
+            raise InvalidInputError(plain_latent_state_message(type(self).__name__))
         self.latent_codec, self.start = encoded_codec(type(self).__name__, codec, None, None, start)

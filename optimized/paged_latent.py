@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 
 from kvrows.compositions import composition
-from kvrows.errors import InvalidInputError
+from kvrows.errors import InvalidInputError, preview_blocks_message
 from kvrows.optimized.codecs import TurboCodec, dtype_name, make_codec, mlx_dtype
 from kvrows.optimized.latent import _LatentOptimized
 from kvrows.optimized.paged import MlxPlaneOps
@@ -49,7 +49,7 @@ class PagedLatentCache(PagedLatentRows, _LatentOptimized):
         self._spec_usable()
         latent, rope, _, four, _, _, _ = self._checked_blocks(latent, rope, None, staged=True)
         if not four:
-            raise InvalidInputError(f"{type(self).__name__}.preview takes [B, 1, N, W] blocks")
+            raise InvalidInputError(preview_blocks_message(type(self).__name__))
         block = latent
         if self.encoded:  # rows that read encoded see the block as it will be stored
             planes = make_codec(self.latent_codec).encode(latent, self._role)

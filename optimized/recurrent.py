@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from kvrows.compositions import composition
-from kvrows.errors import InvalidInputError
+from kvrows.errors import InvalidInputError, qkv_shape_message
 from kvrows.optimized.codecs import dtype_name
 from kvrows.recurrent import CONV, RECURRENT, RecurrentLayout, RecurrentRounds, RecurrentRows
 
@@ -141,7 +141,7 @@ def gated_delta_forward(
     """The reference's ``gated_delta_forward`` in MLX (same masking, same conv-plane rule,
     float32 recurrence step by step)."""
     if qkv.ndim != 3 or qkv.shape[-1] != params.channels:
-        raise InvalidInputError(f"qkv must be [B, S, {params.channels}], got {qkv.shape}")
+        raise InvalidInputError(qkv_shape_message(params.channels, qkv.shape))
     rows, span, channels = (int(n) for n in qkv.shape)
     hv, dv, hk, dk, kernel = (
         params.value_heads, params.value_dim, params.key_heads, params.key_dim, params.kernel,

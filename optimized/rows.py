@@ -36,8 +36,11 @@ import mlx.core as mx
 from kvrows.common import ComposedIdentity, PlaneHolder, SavedState, check_counts, row_bytes
 from kvrows.compositions import Composition, bind_arguments
 from kvrows.errors import (
+    ADOPT_NEEDS_EMPTY,
     EMPTY_LAYOUT_UPDATE,
+    MERGE_NEEDS_SEQUENCE,
     NOTHING_TO_FETCH,
+    SHARED_COLUMN_TRIM,
     IncompatibleRowsError,
     InvalidInputError,
     KvRowsError,
@@ -45,6 +48,7 @@ from kvrows.errors import (
     NotTrimmableError,
     incompatible_merge_message,
     self_merge_message,
+    speculative_modifier_message,
     trim_past_row_message,
 )
 from kvrows.optimized.codecs import (
@@ -148,7 +152,7 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         # first among its bases (``optimized/speculative.py``).
         speculative = any(base.__name__ == "SpeculativeLayout" for base in cls.__mro__)
         if speculative != ("speculative" in entry.modifiers):
-            raise KvRowsError(f"{entry.name}: the speculative modifier is SpeculativeLayout")
+            raise KvRowsError(speculative_modifier_message(entry.name))
         planned = entry.modifiers - {"speculative"}
         if planned:
             raise KvRowsError(f"{entry.name}: modifiers {sorted(planned)} not built yet")
@@ -394,7 +398,7 @@ class Serial(Storage):
         """Make this (empty) storage hold ``keys``/``values`` (owned, compact, in time order)
         as the newest tokens below position ``offset``."""
         if self._keys is not None:
-            raise LayoutStateError("adopt needs an empty cache")
+            raise LayoutStateError(ADOPT_NEEDS_EMPTY)
         rows = int(keys[0].shape[0])
         self._keys, self._values, self._geometry = keys, values, geometry
         self._offsets, self._pads = [offset] * rows, [0] * rows
@@ -475,7 +479,7 @@ class Layout(Storage):
         geometry places them (``_place``). Refuses the layout itself and a source given
         twice before anything changes."""
         if isinstance(rows, Cache | str | bytes) or not isinstance(rows, Sequence):
-            raise InvalidInputError("merge_rows takes a sequence of caches")
+            raise InvalidInputError(MERGE_NEEDS_SEQUENCE)
         seen: set[int] = set()
         for source in rows:
             if source is self or id(source) in seen:
@@ -546,7 +550,7 @@ class Layout(Storage):
             if count > tokens:
                 raise NotTrimmableError(trim_past_row_message(count, b, tokens))
         if self.composition.shared_column and len(set(counts)) > 1:
-            raise NotTrimmableError("rows sharing one write column must trim together")
+            raise NotTrimmableError(SHARED_COLUMN_TRIM)
         self._forget(counts)
         self._offsets = [t - c for t, c in zip(self._offsets, counts, strict=True)]
         self._changed()

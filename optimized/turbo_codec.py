@@ -14,7 +14,12 @@ from functools import cache
 import mlx.core as mx
 
 from kvrows.codec import TURBO_GROUP, check_turbo_dim
-from kvrows.errors import InvalidInputError
+from kvrows.errors import (
+    InvalidInputError,
+    turbo_bits_message,
+    turbo_input_dtype_message,
+    turbo_scalar_input_message,
+)
 from kvrows.schemes import TURBO_KEY_BITS, TURBO_VALUE_BITS
 from kvrows.turbo_tables import BOUNDARIES, CENTROIDS, SIGN_BITS
 
@@ -49,7 +54,7 @@ def signs(dim: int) -> mx.array:
 def codebook(bits: int) -> tuple[mx.array, mx.array]:
     """``(centroids, boundaries)`` float32 of the ``bits``-bit Lloyd-Max table."""
     if bits not in TURBO_VALUE_BITS:
-        raise InvalidInputError(f"v_bits must be one of {TURBO_VALUE_BITS}, got {bits!r}")
+        raise InvalidInputError(turbo_bits_message("v_bits", TURBO_VALUE_BITS, bits))
     return (
         mx.array(CENTROIDS[bits], dtype=mx.float32),
         mx.array(BOUNDARIES[bits], dtype=mx.float32),
@@ -60,9 +65,9 @@ def _floats(x: object, name: str) -> mx.array:
     if not isinstance(x, mx.array):
         raise InvalidInputError(f"{name} must be an mlx array, got {type(x).__name__}")
     if x.dtype not in _FLOATS:
-        raise InvalidInputError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
+        raise InvalidInputError(turbo_input_dtype_message(name, x.dtype))
     if x.ndim < 1:
-        raise InvalidInputError(f"{name} needs a head-dim axis, got a scalar")
+        raise InvalidInputError(turbo_scalar_input_message(name))
     check_turbo_dim(int(x.shape[-1]))
     return x.astype(mx.float32)
 
@@ -139,7 +144,7 @@ def unpack_codes(packed: mx.array, bits: int) -> mx.array:
 def encode_keys(x: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
     """``(kIdx, kScales, kZeros)`` of float ``[..., D]`` keys at ``bits`` ∈ {2, 4, 5, 8}."""
     if bits not in TURBO_KEY_BITS:
-        raise InvalidInputError(f"k_bits must be one of {TURBO_KEY_BITS}, got {bits!r}")
+        raise InvalidInputError(turbo_bits_message("k_bits", TURBO_KEY_BITS, bits))
     groups = _grouped(_floats(x, "keys"))
     zero_f = mx.array(0.0, dtype=mx.float32)
     high = mx.max(groups, axis=-1) + zero_f

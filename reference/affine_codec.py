@@ -77,7 +77,16 @@ import numpy as np
 import numpy.typing as npt
 
 from kvrows.affine_geometry import groups, packed_width, validate_codec, validate_params
-from kvrows.errors import InvalidInputError
+from kvrows.errors import (
+    AFFINE_SCALAR_INPUT,
+    PACKED_SCALAR_INPUT,
+    InvalidInputError,
+    affine_input_dtype_message,
+    packed_codes_dtype_message,
+    packed_shapes_message,
+    packed_width_message,
+    scales_biases_dtype_message,
+)
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -103,7 +112,7 @@ _F16_NAN = np.uint16(0x7D00)  # MLX's _MLX_Float16(float) for a NaN, plus the si
 
 def _check_dtype(name: str, dtype: np.dtype[Any]) -> None:
     if dtype not in SUPPORTED_DTYPES:
-        raise InvalidInputError(f"{name} must be float32, float16 or bfloat16, got dtype {dtype}")
+        raise InvalidInputError(affine_input_dtype_message(name, dtype))
 
 
 def _to_mlx_dtype(x: npt.NDArray[np.float32], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
@@ -154,7 +163,7 @@ def quantize(
     w = np.asarray(x)
     _check_dtype("x", w.dtype)
     if w.ndim < 1:
-        raise InvalidInputError("x must have at least one axis (the head dim), got a scalar")
+        raise InvalidInputError(AFFINE_SCALAR_INPUT)
     head_dim = w.shape[-1]
     validate_codec(head_dim, group_size, bits)
     lead = w.shape[:-1]
@@ -202,25 +211,22 @@ def dequantize(
     s = np.asarray(scales)
     b = np.asarray(biases)
     if wq.dtype != np.uint32:
-        raise InvalidInputError(f"packed codes must be uint32, got dtype {wq.dtype}")
+        raise InvalidInputError(packed_codes_dtype_message(wq.dtype))
     _check_dtype("scales", s.dtype)
     if b.dtype != s.dtype:
-        raise InvalidInputError(
-            f"scales and biases must share a dtype, got {s.dtype} and {b.dtype}"
-        )
+        raise InvalidInputError(scales_biases_dtype_message(s.dtype, b.dtype))
     if wq.ndim < 1 or s.ndim < 1:
-        raise InvalidInputError("packed codes and scales need at least one axis")
+        raise InvalidInputError(PACKED_SCALAR_INPUT)
     if s.shape != b.shape or wq.shape[:-1] != s.shape[:-1]:
-        raise InvalidInputError(
-            f"shapes of packed {wq.shape}, scales {s.shape} and biases {b.shape} do not match"
-        )
+        raise InvalidInputError(packed_shapes_message(wq.shape, s.shape, b.shape))
     validate_params(group_size, bits)
     head_dim = group_size * s.shape[-1]
     validate_codec(head_dim, group_size, bits)
     if wq.shape[-1] != packed_width(head_dim, bits):
         raise InvalidInputError(
-            f"packed width {wq.shape[-1]} does not match {s.shape[-1]} groups of "
-            f"{group_size} at {bits} bits (expected {packed_width(head_dim, bits)} words)"
+            packed_width_message(
+                wq.shape[-1], s.shape[-1], group_size, bits, packed_width(head_dim, bits)
+            )
         )
 
     lead = s.shape[:-1]

@@ -14,7 +14,7 @@ from typing import Any
 from kvrows.common import AffineParameters, TurboParameters
 from kvrows.compositions import composition, landed
 from kvrows.delayed import DelayedRows, DelayedSlidingWindow
-from kvrows.errors import KvRowsError
+from kvrows.errors import KvRowsError, speculative_modifier_message
 from kvrows.reference.growing import RowAlignment
 from kvrows.reference.ring import RingParameters
 from kvrows.reference.rows import RowLayout, SerialStorage, Storage
@@ -178,7 +178,7 @@ def _checked(cls: type[Any]) -> type[Any]:
     if not agrees:
         raise KvRowsError(f"{cls.__name__} does not declare its composition {entry}")
     if issubclass(cls, SpeculativeLayout) != ("speculative" in entry.modifiers):
-        raise KvRowsError(f"{cls.__name__}: the speculative modifier is SpeculativeLayout")
+        raise KvRowsError(speculative_modifier_message(cls.__name__))
     return cls
 
 

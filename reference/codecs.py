@@ -22,7 +22,13 @@ import numpy.typing as npt
 from kvrows.affine_geometry import validate_codec
 from kvrows.codec import CodecLayout, Role, check_turbo_dim
 from kvrows.delayed import DelayedRows
-from kvrows.errors import InvalidInputError
+from kvrows.errors import (
+    InvalidInputError,
+    attend_storage_message,
+    head_dim_message,
+    head_grouping_message,
+    mask_message,
+)
 from kvrows.protocols import Cache, HasCodec, Mask
 from kvrows.reference import affine_codec, turbo_codec
 from kvrows.schemes import Affine, CodecSpec, Plain, Turbo
@@ -76,7 +82,7 @@ def _visible(mask: Mask, batch: int, queries: int, keys: int) -> npt.NDArray[np.
         return np.ones((1, 1, queries, keys), dtype=bool)
     if isinstance(mask, str):
         if mask != "causal":
-            raise InvalidInputError(f"mask must be None, 'causal' or a boolean array, got {mask!r}")
+            raise InvalidInputError(mask_message(mask))
         rows = np.arange(queries)[:, None] + (keys - queries)
         return (np.arange(keys)[None, :] <= rows)[None, None]
     array = np.asarray(mask)
@@ -107,7 +113,7 @@ def attention(
     batch, q_heads, n, _ = queries.shape
     kv_heads, s = keys.shape[1], keys.shape[2]
     if q_heads % kv_heads:
-        raise InvalidInputError(f"{q_heads} query heads do not group over {kv_heads} KV heads")
+        raise InvalidInputError(head_grouping_message(q_heads, kv_heads))
     repeat = q_heads // kv_heads
     k = np.repeat(keys.astype(np.float32), repeat, axis=1)
     v = np.repeat(values.astype(np.float32), repeat, axis=1)
@@ -129,7 +135,7 @@ def attend(queries: npt.NDArray[Any], cache: Cache, mask: Mask, scale: float) ->
         if last is not None:
             return last
     if not isinstance(cache, HasCodec):
-        raise InvalidInputError(f"attend needs a kvrows storage, got {type(cache).__name__}")
+        raise InvalidInputError(attend_storage_message(cache))
     codec: Codec = cache.codec
     return codec.attend(queries, *cache.fetch(), mask, scale)
 
@@ -193,7 +199,7 @@ class AffineCodec(_ZeroPlanes):
             try:
                 validate_codec(dim, self.group_size, self.bits)
             except InvalidInputError as error:
-                raise InvalidInputError(f"{name} head dim {dim}: {error}") from None
+                raise InvalidInputError(head_dim_message(name, dim, error)) from None
 
     def encode(self, block: npt.NDArray[Any], role: Role = "keys") -> Planes:
         return affine_codec.quantize(block, self.group_size, self.bits)
@@ -234,7 +240,7 @@ class TurboCodec(_ZeroPlanes):
             try:
                 check_turbo_dim(dim)
             except InvalidInputError as error:
-                raise InvalidInputError(f"{name} head dim {dim}: {error}") from None
+                raise InvalidInputError(head_dim_message(name, dim, error)) from None
 
     def encode(self, block: npt.NDArray[Any], role: Role = "keys") -> Planes:
         if role == "keys":

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from kvrows.errors import InvalidInputError
+from kvrows.errors import InvalidInputError, empty_state_row_message
 from kvrows.forms import (
     describe_planes,
     pack_state,
@@ -152,7 +152,7 @@ def restore_state(
         if keys is not None and values is not None:
             serial._rows = [Row(_copied(keys), _copied(values), offset, sinks=sinks)]
         elif offset:
-            raise InvalidInputError(f"state row at position {offset} holds no token")
+            raise InvalidInputError(empty_state_row_message(offset))
         sources.append(serial)
     fresh.merge_rows(sources)
     return fresh

@@ -19,7 +19,13 @@ import numpy as np
 import numpy.typing as npt
 
 from kvrows.compositions import Arrangement
-from kvrows.errors import KvRowsError, NotTrimmableError, trim_past_row_message
+from kvrows.errors import (
+    SHARED_COLUMN_TRIM,
+    KvRowsError,
+    NotTrimmableError,
+    align_rows_message,
+    trim_past_row_message,
+)
 from kvrows.protocols import Mask
 from kvrows.reference.rows import Placement, Row
 from kvrows.schemes import GeometrySpec, Growing
@@ -121,7 +127,7 @@ class PaddedRows:
             if count > row.retained:
                 raise NotTrimmableError(trim_past_row_message(count, b, row.retained))
         if self.shared and len(set(counts)) > 1:
-            raise NotTrimmableError("rows sharing one write column must trim together")
+            raise NotTrimmableError(SHARED_COLUMN_TRIM)
 
     def trimmed(self, rows: Sequence[Row], counts: Sequence[int]) -> None:
         return None
@@ -154,7 +160,7 @@ class RowAlignment(_RaggedGrowingLayout):
         entry = cls.__dict__.get("composition")
         if entry is not None and (entry.geometry != "growing" or entry.arrangement != "ragged"):
             # Checked before the class is registered (a refused class leaves no trace).
-            raise KvRowsError(f"{cls.__name__}: align_rows is for ragged growing layouts only")
+            raise KvRowsError(align_rows_message(cls.__name__))
         super().__init_subclass__(**kwargs)
 
     def align_rows(self, left_pad: Sequence[int]) -> None:

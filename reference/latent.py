@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvrows.compositions import composition
-from kvrows.errors import InvalidInputError
+from kvrows.errors import InvalidInputError, latent_planes_message, plain_latent_state_message
 from kvrows.latent import LatentCodec, LatentRows, encoded_codec
 from kvrows.reference.codecs import (
     AffineCodec,
@@ -257,7 +257,7 @@ class _LatentReference(LatentRows):
         specs = self._codec.plane_specs("latent", self._widths[0], "float32", self._role)
         if len(specs) != len(planes):
             raise InvalidInputError(
-                f"{type(self).__name__}: the latent has {len(specs)} planes, got {len(planes)}"
+                latent_planes_message(type(self).__name__, len(specs), len(planes))
             )
         named = [(spec.name, plane) for spec, plane in zip(specs, planes, strict=True)]
         named += [("rope", rope)]
@@ -341,4 +341,4 @@ class EncodedLatentCache(_LatentReference):
             type(self).__name__, None if isinstance(codec, Plain) else codec, None, None, start
         )
         if isinstance(codec, Plain):
-            raise InvalidInputError(f"{type(self).__name__}: the state holds a plain latent")
+            raise InvalidInputError(plain_latent_state_message(type(self).__name__))

@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvrows.compositions import composition
-from kvrows.errors import InvalidInputError
+from kvrows.errors import InvalidInputError, qkv_shape_message
 from kvrows.recurrent import CONV, RECURRENT, RecurrentLayout, RecurrentRounds, RecurrentRows
 from kvrows.reference.codecs import numpy_dtype
 
@@ -143,7 +143,7 @@ def gated_delta_forward(
     ending at its last real token. In a verify round it records its inputs for the replay.
     """
     if qkv.ndim != 3 or qkv.shape[-1] != params.channels:
-        raise InvalidInputError(f"qkv must be [B, S, {params.channels}], got {qkv.shape}")
+        raise InvalidInputError(qkv_shape_message(params.channels, qkv.shape))
     rows, span, channels = (int(n) for n in qkv.shape)
     hv, dv, hk, dk, kernel = (
         params.value_heads, params.value_dim, params.key_heads, params.key_dim, params.kernel,

@@ -27,6 +27,7 @@ import numpy.typing as npt
 
 from kvrows.compositions import Arrangement
 from kvrows.errors import (
+    SHARED_COLUMN_TRIM,
     NotTrimmableError,
     ring_rollback_message,
     trim_past_row_message,
@@ -240,7 +241,7 @@ class SharedRing:
             if count > row.offset:
                 raise NotTrimmableError(trim_past_row_message(count, b, row.offset))
         if len(set(counts)) > 1:
-            raise NotTrimmableError("rows sharing one write column must trim together")
+            raise NotTrimmableError(SHARED_COLUMN_TRIM)
         if min(counts[0], self.active) > self.total:
             raise NotTrimmableError(
                 f"cannot trim {counts[0]} tokens from a ring with {self.total} columns written"

@@ -34,7 +34,9 @@ from kvrows.codec import Role
 from kvrows.common import ComposedIdentity, SavedState, check_counts, row_bytes
 from kvrows.compositions import Arrangement, Composition, bind_arguments
 from kvrows.errors import (
+    ADOPT_NEEDS_EMPTY,
     EMPTY_LAYOUT_UPDATE,
+    MERGE_NEEDS_SEQUENCE,
     NOTHING_TO_FETCH,
     IncompatibleRowsError,
     InvalidInputError,
@@ -443,7 +445,7 @@ class SerialStorage(Storage):
     def adopt(self, row: Row, geometry: KvGeometry | None) -> SerialStorage:
         """Make this (empty) storage hold ``row`` (used by extraction)."""
         if self._rows:
-            raise LayoutStateError("adopt needs an empty cache")
+            raise LayoutStateError(ADOPT_NEEDS_EMPTY)
         self._rows = [] if row.keys is None else [row]
         self._geometry = geometry
         return self
@@ -553,7 +555,7 @@ class RowLayout(Storage):
     def merge_rows(self, rows: Sequence[Any]) -> None:
         """Form the batch (empty layout) or join ``rows`` (running layout)."""
         if isinstance(rows, str | bytes | Cache) or not isinstance(rows, Sequence):
-            raise InvalidInputError("merge_rows takes a sequence of caches")
+            raise InvalidInputError(MERGE_NEEDS_SEQUENCE)
         if any(s is self for s in rows) or len({id(s) for s in rows}) != len(rows):
             raise IncompatibleRowsError(self_merge_message(self.signature()))
         incoming: list[Row] = []

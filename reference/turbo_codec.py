@@ -21,7 +21,12 @@ import numpy as np
 import numpy.typing as npt
 
 from kvrows.codec import TURBO_GROUP, check_turbo_dim
-from kvrows.errors import InvalidInputError
+from kvrows.errors import (
+    InvalidInputError,
+    turbo_bits_message,
+    turbo_input_dtype_message,
+    turbo_scalar_input_message,
+)
 from kvrows.schemes import TURBO_KEY_BITS, TURBO_VALUE_BITS
 from kvrows.turbo_tables import BOUNDARIES, CENTROIDS, SIGN_BITS
 
@@ -66,7 +71,7 @@ def signs(dim: int) -> Array:
 def codebook(bits: int) -> tuple[Array, Array]:
     """``(centroids, boundaries)`` float32 of the ``bits``-bit Lloyd-Max table."""
     if bits not in TURBO_VALUE_BITS:
-        raise InvalidInputError(f"v_bits must be one of {TURBO_VALUE_BITS}, got {bits!r}")
+        raise InvalidInputError(turbo_bits_message("v_bits", TURBO_VALUE_BITS, bits))
     centroids = np.array(CENTROIDS[bits], dtype=np.float32)
     boundaries = np.array(BOUNDARIES[bits], dtype=np.float32)
     centroids.setflags(write=False)
@@ -78,9 +83,9 @@ def _floats(x: object, name: str) -> Array:
     if not isinstance(x, np.ndarray):
         raise InvalidInputError(f"{name} must be a NumPy array, got {type(x).__name__}")
     if x.dtype not in _FLOATS:
-        raise InvalidInputError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
+        raise InvalidInputError(turbo_input_dtype_message(name, x.dtype))
     if x.ndim < 1:
-        raise InvalidInputError(f"{name} needs a head-dim axis, got a scalar")
+        raise InvalidInputError(turbo_scalar_input_message(name))
     check_turbo_dim(int(x.shape[-1]))
     return x.astype(np.float32)
 
@@ -154,7 +159,7 @@ def unpack_codes(packed: Array, bits: int) -> Array:
 def encode_keys(x: Array, bits: int) -> tuple[Array, Array, Array]:
     """``(kIdx, kScales, kZeros)`` of float ``[..., D]`` keys at ``bits`` ∈ {2, 4, 5, 8}."""
     if bits not in TURBO_KEY_BITS:
-        raise InvalidInputError(f"k_bits must be one of {TURBO_KEY_BITS}, got {bits!r}")
+        raise InvalidInputError(turbo_bits_message("k_bits", TURBO_KEY_BITS, bits))
     groups = _grouped(_floats(x, "keys"))
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         return _encode_keys(x, groups, bits)
