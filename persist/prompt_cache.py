@@ -46,7 +46,7 @@ from kvrows.forms import (
     FORMAT_VERSION,
     state_form,
 )
-from kvrows.lego import Bf16First
+from kvrows.lego import Bf16First, check_target
 from kvrows.persist.files import CHECKSUM_KEY, checksum, read_safetensors, write_atomic
 from kvrows.recurrent import RecurrentGeometry
 from kvrows.validation import KvGeometry
@@ -139,7 +139,11 @@ def _as_lego(storage: Any, saved: object, implementation: Implementation, path: 
     try:
         # The record holds the target codec's parameters; the lego class says which codec
         # (affine or TurboQuant) they belong to.
-        quantization = codec_spec_for(cls.affine_class.composition, saved)
+        quantization = check_target(
+            cls.__name__,
+            codec_spec_for(cls.affine_class.composition, saved),
+            storage.token_geometry,
+        )
         lego = object.__new__(cls)  # the saved parameters, then the storage adopted
         Bf16First.__init__(
             lego, quantization, storage.token_geometry, saved["start"], storage.geometry
