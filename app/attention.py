@@ -28,11 +28,9 @@ from types import ModuleType
 from typing import Any
 
 from kvrows.app.ring_order import in_time_order
-from kvrows.delayed import DelayedRows, RowAttentionPending, row_reads
+from kvrows.delayed import row_reads
 from kvrows.errors import InvalidInputError
-from kvrows.lego import Bf16First
-from kvrows.optimized.ring import SharedRing
-from kvrows.schemes import Affine, Turbo
+from kvrows.protocols import PendingRows, RowAttention
 
 __all__ = ["attention_scope", "dispatch", "hookable_modules", "needs_hook", "row_attention"]
 
@@ -53,13 +51,13 @@ def _original() -> Any:
 
 
 class _GroupCache:
-    """What mlx-lm's function reads off a cache: ``bits`` / ``group_size`` for an affine
-    group (its quantized path), nothing for a plain one."""
+    """What mlx-lm's function reads off a cache: the codec spec's parameters, so
+    ``bits`` / ``group_size`` for an affine group (its quantized path), nothing for a plain
+    one (a group whose codec defers values attends through its codec, never here)."""
 
     def __init__(self, codec: Any) -> None:
-        if isinstance(codec, Affine):
-            self.bits = codec.bits
-            self.group_size = codec.group_size
+        for name, value in codec.parameters().items():
+            setattr(self, name, value)
 
 
 def dispatch(
@@ -76,7 +74,7 @@ def dispatch(
     # A lego or delayed layout names the codec of the read it just returned (a converting
     # append reads plain); other storages read through their codec.
     codec = getattr(cache, "last_read_codec", None) or getattr(cache, "codec", None)
-    if getattr(codec, "defers_values", False) and not isinstance(keys, RowAttentionPending):
+    if getattr(codec, "defers_values", False) and not isinstance(keys, PendingRows):
         # The read returned values the codec must finish (TurboQuant: rotated values, the
         # output un-rotated once per query row): its own attention, not mlx-lm's.
         if sinks is not None:
@@ -84,7 +82,7 @@ def dispatch(
                 f"{type(cache).__name__}: attention sinks over deferred values are not supported"
             )
         return codec.attend(queries, keys, values, mask, scale)  # type: ignore[union-attr]
-    if not isinstance(keys, RowAttentionPending):
+    if not isinstance(keys, PendingRows):
         # A wrapped shared ring reads in its own phase's order: time order instead, so a row
         # sums its window in one order alone and in a batch (kvrows.app.ring_order).
         keys, values, mask = in_time_order(cache, keys, values, mask)
@@ -153,13 +151,12 @@ def row_attention(model: Any) -> Iterator[None]:
 
 
 def needs_hook(caches: Sequence[Any]) -> bool:
-    """Whether a forward over ``caches`` must run inside :func:`row_attention`: some layer is
-    a delayed layout (mixed rows), a shared ring (read in time order), a lego that converts
-    to TurboQuant, or reads deferred values (``Codec.defers_values``)."""
+    """Whether a forward over ``caches`` must run inside :func:`row_attention`: some layer
+    says it needs it (``RowAttention``: a delayed layout's mixed rows, a shared ring read in
+    time order, a lego that converts to TurboQuant) or reads deferred values
+    (``Codec.defers_values``)."""
     return any(
-        isinstance(cache, DelayedRows | SharedRing)
-        or (isinstance(cache, Bf16First) and isinstance(cache.storage, SharedRing))
-        or (isinstance(cache, Bf16First) and isinstance(cache.quantization, Turbo))
+        (isinstance(cache, RowAttention) and cache.needs_row_attention)
         or getattr(getattr(cache, "codec", None), "defers_values", False)
         for cache in caches
     )

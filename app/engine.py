@@ -52,14 +52,12 @@ import numpy.typing as npt
 from kvrows.app.attention import attention_scope, hookable_modules
 from kvrows.app.models import make_kvrows_cache
 from kvrows.app.paged_engine import PagedLayers
-from kvrows.delayed import DelayedRows
 from kvrows.errors import CapacityError, InvalidInputError, KvRowsError, LayoutStateError
-from kvrows.lego import Bf16First
 from kvrows.maintenance import KvMaintenance, create_kv_maintenance
-from kvrows.optimized.paged import PagedKVCache
+from kvrows.optimized import PagedKVCache
 from kvrows.paged import DEFAULT_BLOCK_SIZE
 from kvrows.persist.prefix_store import PrefixStore, reusable_copies
-from kvrows.protocols import BatchableCache, Cache, RingGeometry
+from kvrows.protocols import BatchableCache, Cache, Converting, Handover, RingGeometry
 from kvrows.schemes import KvStorageScheme
 from kvrows.speculative import RowRound
 from kvrows.table import (
@@ -238,9 +236,9 @@ class PrefixCache:
 def _signatures_of(cache: Cache) -> frozenset[str]:
     """The signatures a stored layer may have to stand in for a fresh ``cache``: its own,
     and for a bf16-first lego also its converted storage's."""
-    if isinstance(cache, Bf16First):
-        converted = cache.affine_class.from_specs(cache.quantization, cache.token_geometry)
-        return frozenset({cache.signature(), converted.signature()})
+    if isinstance(cache, Handover):
+        signatures: frozenset[str] = cache.composed.storage_signatures()
+        return signatures
     return frozenset({cache.signature()})
 
 
@@ -429,7 +427,7 @@ class Engine:
         out: list[BatchableCache] = []
         for cache in prepared:
             layout: BatchableCache | None
-            if isinstance(cache, DelayedRows):
+            if isinstance(cache, Converting):
                 layout = cache
             elif self.maintenance.converts_later:
                 # Beside delayed layouts (whose groups are the verify layouts), the other
@@ -933,7 +931,7 @@ class Engine:
         when it leaves). Its serial caches are published as they are: merging them into the
         decode layouts leaves them unchanged. Not for legos, which a decode join releases,
         and not to the disk store (it saves the row when it leaves)."""
-        if self.prefix_cache is None or any(isinstance(c, Bf16First) for c in row.caches):
+        if self.prefix_cache is None or any(isinstance(c, Handover) for c in row.caches):
             return
         self._publish_serial(row.request.prompt, row.caches, to_store=False)
 
@@ -1069,7 +1067,7 @@ def _merge_prepared(
                     sources.append(first[layer])
                 continue
             cache = caches[layer]
-            if isinstance(cache, Bf16First) and not isinstance(layout, DelayedRows):
+            if isinstance(cache, Handover) and not isinstance(layout, Converting):
                 cache = maintenance.prepare_batch([cache])[0]
             sources.append(cache)
         if sources:
@@ -1082,7 +1080,7 @@ def _as_legos(caches: list[Cache], fresh: list[Cache]) -> list[Cache]:
     which ``composed.over`` wraps in a lego of the scheme's parameters."""
     out: list[Cache] = []
     for cache, lego in zip(caches, fresh, strict=True):
-        if isinstance(lego, Bf16First) and not isinstance(cache, Bf16First):
+        if isinstance(lego, Handover) and not isinstance(cache, Handover):
             cache = lego.composed.over(cache)
         out.append(cache)
     return out
@@ -1118,7 +1116,7 @@ class _Drafter:
         # single-token appends), delayed layouts (an append past start converts a row,
         # and a conversion cannot be trimmed away) and recurrent state (never trimmable).
         self.scratch = [
-            isinstance(cache, RingGeometry | Bf16First) or not cache.is_trimmable()
+            isinstance(cache, RingGeometry | Handover) or not cache.is_trimmable()
             for cache in fresh
         ]
 
@@ -1148,7 +1146,7 @@ class _Drafter:
         if not self.layouts or self.layouts[0].batch_size == 0:
             first = maintenance.prepare_batch(serial[0])
             self.layouts = [
-                cache if isinstance(cache, DelayedRows) else target_cache_layout(cache)
+                cache if isinstance(cache, Converting) else target_cache_layout(cache)
                 for cache in first
             ]
         _merge_prepared(maintenance, self.layouts, first, serial)

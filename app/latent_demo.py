@@ -29,7 +29,7 @@ from kvrows.latent import (
     LatentCodec,
     latent_token_bytes,
 )
-from kvrows.optimized.latent_dropin import LatentCacheList
+from kvrows.optimized import LatentCacheList
 from kvrows.schemes import Affine, Plain, Turbo
 
 __all__ = ["LATENT_SCHEMES", "LatentRun", "run_latent_demo", "run_latent_trace"]

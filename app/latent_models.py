@@ -10,9 +10,13 @@ import mlx.core as mx
 
 from kvrows.errors import InvalidInputError
 from kvrows.latent import LatentCodec
-from kvrows.optimized.latent import EncodedLatentCache, MLACache
-from kvrows.optimized.latent_dropin import LatentCacheList
-from kvrows.optimized.paged_latent import LatentBlockPool, PagedLatentCache
+from kvrows.optimized import (
+    EncodedLatentCache,
+    LatentBlockPool,
+    LatentCacheList,
+    MLACache,
+    PagedLatentCache,
+)
 from kvrows.schemes import Affine, KvStorageScheme, Plain, Turbo
 
 __all__ = [

@@ -26,10 +26,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvrows.errors import InvalidInputError
-from kvrows.lego import Bf16First
-from kvrows.optimized.paged import BlockPool, PagedKVCache, PagedKvRows
+from kvrows.optimized import BlockPool, PagedKVCache
 from kvrows.paged import DEFAULT_BLOCK_SIZE, chain_hashes
-from kvrows.protocols import Cache
+from kvrows.protocols import BatchableCache, Cache, Handover, PagedRows
 
 __all__ = ["PAGED_CODECS", "PagedLayers", "pageable"]
 
@@ -41,7 +40,7 @@ def pageable(cache: Any) -> bool:
     """Whether a fresh serial cache's layer goes paged: full attention (a growing token
     geometry) under a codec the pool stores; bf16-first legos, rings and recurrent state
     do not."""
-    if isinstance(cache, Bf16First):
+    if isinstance(cache, Handover):
         return False
     geometry = getattr(cache, "token_geometry", None)
     codec = getattr(cache, "codec_spec", None)
@@ -147,14 +146,20 @@ class PagedLayers:
     def publish_rows(self, layouts: Sequence[Any], row: int, covered: Sequence[int]) -> None:
         """Register row ``row``'s full blocks of ``covered`` in each paged layer's pool."""
         for layout in layouts:
-            if isinstance(layout, PagedKvRows) and layout.batch_size > row:
+            if (
+                isinstance(layout, PagedRows)
+                and isinstance(layout, BatchableCache)
+                and layout.batch_size > row
+            ):
                 layout.register_prefix(row, list(covered))
 
     def publish_serial(self, caches: Sequence[Any], covered: Sequence[int]) -> None:
         """Register a serial row's full blocks (a row that finished on its first token)."""
         for cache in caches:
-            if isinstance(cache, PagedKVCache) and cache.rows == 1:
-                cache.register_prefix(list(covered))
+            if isinstance(cache, PagedRows) and not isinstance(cache, BatchableCache):
+                serial: Any = cache  # a serial paged cache: ``rows`` is its batch rows
+                if serial.rows == 1:
+                    cache.register_prefix(list(covered))
 
     def unpaged_layers(self, caches: Sequence[Any]) -> list[Any]:
         """The layers of ``caches`` that are not paged (what the ``PrefixCache`` keeps of a
@@ -178,4 +183,4 @@ class PagedLayers:
     @staticmethod
     def unpaged_bytes(caches: Iterable[Any]) -> int:
         """``nbytes`` of the caches and layouts that are not paged (the pools count those)."""
-        return sum(c.nbytes for c in caches if not isinstance(c, PagedKVCache | PagedKvRows))
+        return sum(c.nbytes for c in caches if not isinstance(c, PagedRows))

@@ -615,6 +615,12 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
         return pending, pending
 
     @property
+    def needs_row_attention(self) -> bool:
+        """Always: mixed rows attend group by group (``attend_rows``) inside
+        ``kvrows.app.attention.row_attention``."""
+        return True
+
+    @property
     def reads_pending(self) -> bool:
         """Whether the last append returned a pending pair (mixed rows)."""
         return self._pending is not None

@@ -23,11 +23,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, ClassVar, TypeAlias
+from typing import Any, ClassVar, TypeAlias, cast
 
 from kvrows.affine_geometry import validate_codec
 from kvrows.codec import check_turbo_dim
 from kvrows.errors import InvalidInputError, not_a_geometry_message
+from kvrows.protocols import RowAttention, TimeOrderedReads
 from kvrows.schemes import Affine, GeometrySpec, Growing, Plain, Ring, Turbo
 from kvrows.validation import KvGeometry, as_count
 
@@ -107,6 +108,13 @@ class LegoComposition:
         fresh._adopt(storage, minimum_reusable_offset)
         return fresh
 
+    def storage_signatures(self) -> frozenset[str]:
+        """The signatures of the storages ``over`` takes: the plain one (the lego's own)
+        and the converted one (a stored row of either may stand in for a fresh lego)."""
+        lego = self._lego
+        converted = lego.affine_class.from_specs(lego.quantization, lego.token_geometry)
+        return frozenset({lego.signature(), converted.signature()})
+
 
 class ConversionBoundary:
     """What a lego and a delayed layout share: the codec they convert to (affine or
@@ -136,8 +144,14 @@ class ConversionBoundary:
     def token_geometry(self) -> GeometrySpec:
         return self._token_geometry
 
+    @property
+    def converts_to_deferred_values(self) -> bool:
+        """Whether the target codec's reads defer their values (TurboQuant: attention goes
+        through the codec, ``kvrows.app.attention.dispatch``)."""
+        return not isinstance(self._quantization, Affine)
+
     def _quantized_reads(self, what: str) -> Affine:
-        if not isinstance(self._quantization, Affine):
+        if self.converts_to_deferred_values:
             raise AttributeError(
                 f"{type(self).__name__} converts to {self._quantization.name}: {what} is an "
                 "affine parameter (TurboQuant reads attend through the codec)"
@@ -147,7 +161,7 @@ class ConversionBoundary:
                 f"{type(self).__name__} reads plain keys and values now ({what} appears once "
                 "an append returns quantized ones)"
             )
-        return self._quantization
+        return cast(Affine, self._quantization)
 
     @property
     def bits(self) -> int:
@@ -283,6 +297,24 @@ class Bf16First(ConversionBoundary):
         append), else the current one. A ring's read order is that storage's phase
         (``kvrows.app.ring_order``)."""
         return self._storage if self._read_from is None else self._read_from
+
+    @property
+    def needs_row_attention(self) -> bool:
+        """Whether a forward must run inside ``kvrows.app.attention.row_attention``: the
+        storage needs it (a shared ring reads in time order there) or the lego converts to a
+        codec whose reads defer their values (the codec's own attention)."""
+        storage = self._storage
+        return self.converts_to_deferred_values or (
+            isinstance(storage, RowAttention) and storage.needs_row_attention
+        )
+
+    def reads_in_time_order(self, keys: Any, values: Any, mask: Any) -> tuple[Any, Any, Any]:
+        """The last read in time order: through the storage it came from (``read_storage``,
+        the plain ring on the converting append)."""
+        storage = self.read_storage
+        if isinstance(storage, TimeOrderedReads):
+            return storage.reads_in_time_order(keys, values, mask)
+        return keys, values, mask
 
     @property
     def converted(self) -> bool:

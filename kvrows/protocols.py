@@ -30,14 +30,22 @@ __all__ = [
     "BatchableCache",
     "Cache",
     "Composed",
+    "Converting",
+    "Handover",
     "HasCodec",
+    "LatentAppend",
     "Mask",
+    "PagedRows",
+    "PendingRows",
     "ReusableOffset",
     "RingGeometry",
+    "RowAttention",
     "RowTrimmable",
     "SelfChecking",
     "SpeculativeRowLayout",
     "StateDisposer",
+    "StateWritten",
+    "TimeOrderedReads",
 ]
 
 #: ``None``, ``"causal"`` or a boolean array (``True`` = may attend).
@@ -298,3 +306,142 @@ class Composed(Protocol):
     def geometry(self) -> Any:
         """The KV geometry (``KvGeometry``) once declared or learnt, else ``None``."""
         ...
+
+
+# -- the app's capabilities (spec/contract.md §0.10): asked instead of concrete types -----
+
+
+@runtime_checkable
+class Converting(BatchableCache, Protocol):
+    """A row layout whose rows convert to a quantized codec at ``start`` (the delayed
+    layouts): it holds a request's row from its prefill on (it is its own layout), and its
+    prefill converts rows only where ``commit_prefill`` says. Today the conversion state
+    (``start``, ``converted_at``, ``phase``) sits on the layout itself."""
+
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def converted_at(self) -> tuple[int | None, ...]: ...
+
+    @property
+    def phase(self) -> str: ...
+
+    @property
+    def last_read_codec(self) -> Any:
+        """The codec of what the last append returned (``None``: a mixed read)."""
+        ...
+
+    def begin_prefill(self) -> None: ...
+
+    def commit_prefill(self, indices: Sequence[int]) -> None: ...
+
+    def end_prefill(self) -> None: ...
+
+
+@runtime_checkable
+class Handover(Protocol):
+    """A wrapper over one serial storage that hands it out and wraps one again (the
+    bf16-first lego): ``composed.release()``, ``composed.over(storage)`` and
+    ``composed.storage_signatures()`` (the signatures of the storages ``over`` takes)."""
+
+    @property
+    def composed(self) -> Any: ...
+
+    @property
+    def storage(self) -> Any:
+        """The current storage (borrowed)."""
+        ...
+
+    @property
+    def converted(self) -> bool:
+        """Whether the storage is the converted one."""
+        ...
+
+    @property
+    def minimum_reusable_offset(self) -> int: ...
+
+
+@runtime_checkable
+class RowAttention(Protocol):
+    """A cache whose reads must be attended inside ``kvrows.app.attention.row_attention``
+    when ``needs_row_attention``: mixed-precision rows (each group through its own codec),
+    a shared ring's reads put in time order, a conversion to a codec that defers values."""
+
+    @property
+    def needs_row_attention(self) -> bool: ...
+
+
+@runtime_checkable
+class PendingRows(Protocol):
+    """What a mixed read returns in place of keys and values: attention goes row group by
+    row group through ``layout.attend_rows(..., pending=this)``."""
+
+    @property
+    def layout(self) -> Any: ...
+
+    @property
+    def generation(self) -> int: ...
+
+
+@runtime_checkable
+class TimeOrderedReads(Protocol):
+    """A cache whose last read can be put in time order (a wrapped shared ring reads its
+    window rotated by its phase): the same summation order alone and in a batch."""
+
+    def reads_in_time_order(self, keys: Any, values: Any, mask: Any) -> tuple[Any, Any, Any]:
+        """The last read's ``keys``, ``values`` (arrays or tuples of planes) and ``mask`` in
+        time order; unchanged when they already are."""
+        ...
+
+
+@runtime_checkable
+class PagedRows(Protocol):
+    """A cache or layout whose tokens live in a block pool's blocks (paged)."""
+
+    @property
+    def pool(self) -> Any: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    def register_prefix(self, *args: Any) -> int:
+        """Register full blocks under their tokens' chain hashes (a layout names the row)."""
+        ...
+
+    def release(self) -> None: ...
+
+
+@runtime_checkable
+class LatentAppend(Protocol):
+    """An MLA cache: appends a latent, a rope plane and an optional indexer plane."""
+
+    def append(self, latent: Any, rope: Any, index: Any | None = None) -> tuple[Any, Any, Any]: ...
+
+    def fetch_index(self) -> Any: ...
+
+
+@runtime_checkable
+class StateWritten(Protocol):
+    """Recurrent state (mlx-lm's ``ArraysCache``): planes written by index, padded runs
+    prepared and finalized, no token axis."""
+
+    def __setitem__(self, index: int, value: Any) -> None: ...
+
+    def advance(self, n: int) -> None: ...
+
+    def prepare(
+        self,
+        *,
+        lengths: Sequence[int] | None = None,
+        left_padding: Sequence[int] | None = None,
+        right_padding: Sequence[int] | None = None,
+    ) -> None: ...
+
+    def finalize(self) -> None: ...
+
+    @property
+    def lengths(self) -> Any: ...
+
+    @property
+    def left_padding(self) -> Any: ...

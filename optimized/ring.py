@@ -188,6 +188,22 @@ def _roll(values: list[int], shift: int) -> list[int]:
     return values[len(values) - shift :] + values[: len(values) - shift]
 
 
+def _in_time_order(array: Any, lead: int, idx: int, axis: int) -> Any:
+    """Columns ``[sinks | ring[idx:] | ring[:idx]]`` of ``array`` along ``axis``."""
+    width = int(array.shape[axis])
+
+    def cut(start: int, stop: int) -> mx.array:
+        index = [slice(None)] * array.ndim
+        index[axis] = slice(start, stop)
+        part: mx.array = array[tuple(index)]
+        return part
+
+    parts = [cut(lead + idx, width), cut(lead, lead + idx)]
+    if lead:
+        parts.insert(0, cut(0, lead))
+    return mx.concatenate(parts, axis=axis)
+
+
 class SharedRing(RingGeometry):
     """One ring index for every row: serial rings and shared-column ring layouts.
 
@@ -227,6 +243,35 @@ class SharedRing(RingGeometry):
     @property
     def ring_length(self) -> int:
         return self.buffer_length - self._lead
+
+    @property
+    def needs_row_attention(self) -> bool:
+        """Always: a forward over a shared ring attends inside ``row_attention``, which puts
+        a wrapped ring's reads in time order (``reads_in_time_order``)."""
+        return True
+
+    def reads_in_time_order(self, keys: Any, values: Any, mask: Any) -> tuple[Any, Any, Any]:
+        """``keys``, ``values`` (arrays or tuples of planes) and ``mask`` as the last read
+        returned them, in time order (sinks first) once the ring has wrapped: a row sums its
+        window in one order alone and in a batch (``spec/engine.md`` §8). Unchanged when
+        not wrapped, and for a read of more columns than the ring holds (a block: already
+        in order)."""
+        idx, _, rotated = self.ring_state
+        if not rotated:
+            return keys, values, mask
+        lead = self.ring_index - idx
+        first = keys[0] if isinstance(keys, tuple) else keys
+        if int(first.shape[2]) != lead + self.ring_length or idx == 0:
+            return keys, values, mask
+
+        def planes(x: Any) -> Any:
+            if isinstance(x, tuple):
+                return tuple(_in_time_order(p, lead, idx, 2) for p in x)
+            return _in_time_order(x, lead, idx, 2)
+
+        if isinstance(mask, mx.array) and mask.ndim >= 1:
+            mask = _in_time_order(mask, lead, idx, mask.ndim - 1)
+        return planes(keys), planes(values), mask
 
     def is_trimmable(self) -> bool:
         return self._total < self.span

@@ -43,8 +43,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvrows.errors import InvalidInputError, KvRowsError, StateWriteError, UnsupportedStateError
-from kvrows.lego import Bf16First
-from kvrows.protocols import Cache, ReusableOffset
+from kvrows.protocols import Cache, Handover, ReusableOffset
 from kvrows.table import owned_cache_layout
 
 __all__ = [
@@ -132,7 +131,7 @@ def servable_prefixes(caches: Sequence[Cache], lengths: Sequence[int]) -> set[in
             break
         if isinstance(cache, ReusableOffset):
             servable = {t for t in servable if t >= int(cache.minimum_reusable_offset)}
-        storage = cache.storage if isinstance(cache, Bf16First) else cache
+        storage = cache.storage if isinstance(cache, Handover) else cache
         layout = owned_cache_layout(storage)
         if layout is None:
             return set()
@@ -152,7 +151,7 @@ def reusable_copies(caches: Sequence[Cache], tokens: int) -> list[Cache] | None:
     for cache in caches:
         if isinstance(cache, ReusableOffset) and tokens < int(cache.minimum_reusable_offset):
             return None
-        storage = cache.storage if isinstance(cache, Bf16First) else cache
+        storage = cache.storage if isinstance(cache, Handover) else cache
         layout = owned_cache_layout(storage)
         if layout is None:
             return None
@@ -161,7 +160,7 @@ def reusable_copies(caches: Sequence[Cache], tokens: int) -> list[Cache] | None:
             return None
         copy = layout.extract_row(0)
         copy.trim(int(copy.offset) - tokens)
-        if isinstance(cache, Bf16First):
+        if isinstance(cache, Handover):
             minimum = cache.minimum_reusable_offset if cache.converted else None
             copy = cache.composed.over(copy, minimum_reusable_offset=minimum)
         out.append(copy)

@@ -48,6 +48,7 @@ from kvrows.forms import (
 )
 from kvrows.lego import Bf16First, check_target
 from kvrows.persist.files import CHECKSUM_KEY, checksum, read_safetensors, write_atomic
+from kvrows.protocols import Handover
 from kvrows.recurrent import RecurrentGeometry
 from kvrows.validation import KvGeometry
 
@@ -116,7 +117,7 @@ def _layer_record(cache: Any) -> dict[str, Any]:
     }
 
 
-def _lego_record(lego: Bf16First) -> dict[str, Any]:
+def _lego_record(lego: Any) -> dict[str, Any]:
     """What wraps a saved storage back into its lego: the class, the codec it converts to,
     ``start`` and the recorded conversion point."""
     return {
@@ -178,7 +179,7 @@ def save_prompt_cache(
     layers, classes, states = [], [], []
     for index, layer in enumerate(caches):
         # A lego is saved as its current storage plus what makes it a lego (its record).
-        cache = layer.storage if isinstance(layer, Bf16First) else layer
+        cache = layer.storage if isinstance(layer, Handover) else layer
         entry = getattr(cache, "composition", None)
         if entry is None:
             raise InvalidInputError(
@@ -187,7 +188,7 @@ def save_prompt_cache(
             )
         form = state_form(entry)  # UnsupportedStateError for a class without a form
         layers.append(_layer_record(cache))
-        if isinstance(layer, Bf16First):
+        if isinstance(layer, Handover):
             layers[-1]["lego"] = _lego_record(layer)
         classes.append(form.file_class)
         states.append(cache.state)
@@ -258,7 +259,7 @@ def _implementation_classes(implementation: Implementation) -> Mapping[str, type
 
         return optimized_classes()
     if implementation == "reference":
-        from kvrows.reference.classes import declared_classes
+        from kvrows.reference import declared_classes
 
         return declared_classes()
     raise InvalidInputError(

@@ -84,3 +84,97 @@ def test_the_resolver_sees_every_import_form() -> None:
 @pytest.mark.parametrize("path", sorted(CORE.rglob("*.py")), ids=lambda p: str(p.relative_to(CORE)))
 def test_core_module_imports_no_mlx_implementation_or_app(path: Path) -> None:
     assert _violations(path) == []
+
+
+# -- the application: public names only (issue 23, spec/contract.md §0.10) -----------------
+
+ROOT = CORE.parent
+
+#: The application's folders and the packages they install as.
+APPLICATION = {"app": "kvrows.app", "persist": "kvrows.persist"}
+
+#: The implementations whose ``__all__`` the application may import from.
+IMPLEMENTATIONS = ("kvrows.reference", "kvrows.optimized")
+
+#: The codec benchmarks time the codec modules themselves (quantize, encode, the eager
+#: attention), which the implementations do not export.
+CODEC_BENCHMARKS = {
+    "app/bench/affine.py": {"kvrows.optimized.affine_codec", "kvrows.reference.affine_codec"},
+    "app/bench/turbo.py": {
+        "kvrows.optimized.codecs",
+        "kvrows.optimized.turbo_codec",
+        "kvrows.reference.turbo_codec",
+    },
+}
+
+
+def _application_files() -> list[Path]:
+    return sorted(path for folder in APPLICATION for path in (ROOT / folder).rglob("*.py"))
+
+
+def _application_package(path: Path) -> str:
+    folder, *rest = path.relative_to(ROOT).parent.parts
+    return ".".join([APPLICATION[folder], *rest])
+
+
+def private_implementation_imports(
+    modules: list[tuple[int, str]], public: dict[str, set[str]]
+) -> list[tuple[int, str]]:
+    """The imports of ``modules`` that reach inside an implementation: a module below
+    ``kvrows.reference`` / ``kvrows.optimized`` that is not a name of its ``__all__``
+    (``from kvrows.optimized import X`` resolves to ``kvrows.optimized.X`` too)."""
+    found = []
+    for line, module in modules:
+        for root in IMPLEMENTATIONS:
+            if module.startswith(root + "."):
+                name, *deeper = module[len(root) + 1 :].split(".")
+                if deeper or name not in public[root]:
+                    found.append((line, module))
+    return found
+
+
+@pytest.fixture(scope="module")
+def public_names() -> dict[str, set[str]]:
+    import importlib
+
+    return {root: set(importlib.import_module(root).__all__) for root in IMPLEMENTATIONS}
+
+
+def test_the_private_import_check_sees_internals() -> None:
+    public = {"kvrows.reference": {"KVCache"}, "kvrows.optimized": {"KVCache", "attend"}}
+    source = (
+        "from kvrows.optimized import KVCache, attend\n"
+        "import kvrows.optimized as optimized\n"
+        "from kvrows.reference import KVCache\n"
+        "from kvrows.optimized.paged import PagedKVCache\n"
+        "from kvrows.optimized import ring\n"
+        "import kvrows.reference.classes\n"
+        "from kvrows.lego import Bf16First\n"
+    )
+    found = private_implementation_imports(imported_modules(source, "kvrows.app"), public)
+    assert sorted(found) == [
+        (4, "kvrows.optimized.paged"),
+        (4, "kvrows.optimized.paged.PagedKVCache"),
+        (5, "kvrows.optimized.ring"),
+        (6, "kvrows.reference.classes"),
+    ]
+
+
+@pytest.mark.parametrize("path", _application_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_application_imports_only_public_implementation_names(
+    path: Path, public_names: dict[str, set[str]]
+) -> None:
+    allowed = CODEC_BENCHMARKS.get(str(path.relative_to(ROOT)), set())
+    found = private_implementation_imports(
+        imported_modules(path.read_text(), _application_package(path)), public_names
+    )
+    private = sorted(
+        f"{path.relative_to(ROOT)}:{line}: imports {module}"
+        for line, module in found
+        if not any(module == m or module.startswith(m + ".") for m in allowed)
+    )
+    assert private == [], (
+        "the application (app/, persist/) imports the core, kvrows.protocols and the "
+        "__all__ of kvrows.reference / kvrows.optimized; ask a capability of "
+        "kvrows.protocols instead of an implementation's class (spec/contract.md §0.10)"
+    )

@@ -51,7 +51,7 @@ from kvrows.app.bench.runner import (
     ratio,
     to_numpy,
 )
-from kvrows.optimized.paged import BlockPool, PagedKVCache, PagedKvRows
+from kvrows.optimized import BlockPool, PagedKVCache, PagedKvRows
 from kvrows.validation import KvGeometry
 
 lm_cache: Any = importlib.import_module("mlx_lm.models.cache")
