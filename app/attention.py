@@ -74,7 +74,8 @@ def dispatch(
     # A lego or delayed layout names the codec of the read it just returned (a converting
     # append reads plain); other storages read through their codec.
     codec = getattr(cache, "last_read_codec", None) or getattr(cache, "codec", None)
-    if getattr(codec, "defers_values", False) and not isinstance(keys, PendingRows):
+    pending = isinstance(keys, PendingRows)
+    if getattr(codec, "defers_values", False) and not pending:
         # The read returned values the codec must finish (TurboQuant: rotated values, the
         # output un-rotated once per query row): its own attention, not mlx-lm's.
         if sinks is not None:
@@ -82,7 +83,7 @@ def dispatch(
                 f"{type(cache).__name__}: attention sinks over deferred values are not supported"
             )
         return codec.attend(queries, keys, values, mask, scale)  # type: ignore[union-attr]
-    if not isinstance(keys, PendingRows):
+    if not pending:
         # A wrapped shared ring reads in its own phase's order: time order instead, so a row
         # sums its window in one order alone and in a batch (kvrows.app.ring_order).
         keys, values, mask = in_time_order(cache, keys, values, mask)

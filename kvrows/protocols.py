@@ -340,7 +340,7 @@ class Converting(BatchableCache, Protocol):
 
 
 @runtime_checkable
-class Handover(Protocol):
+class Handover(Protocol, metaclass=_StaticMembers):
     """A wrapper over one serial storage that hands it out and wraps one again (the
     bf16-first lego): ``composed.release()``, ``composed.over(storage)`` and
     ``composed.storage_signatures()`` (the signatures of the storages ``over`` takes)."""
@@ -363,7 +363,7 @@ class Handover(Protocol):
 
 
 @runtime_checkable
-class RowAttention(Protocol):
+class RowAttention(Protocol, metaclass=_StaticMembers):
     """A cache whose reads must be attended inside ``kvrows.app.attention.row_attention``
     when ``needs_row_attention``: mixed-precision rows (each group through its own codec),
     a shared ring's reads put in time order, a conversion to a codec that defers values."""
@@ -373,7 +373,7 @@ class RowAttention(Protocol):
 
 
 @runtime_checkable
-class PendingRows(Protocol):
+class PendingRows(Protocol, metaclass=_StaticMembers):
     """What a mixed read returns in place of keys and values: attention goes row group by
     row group through ``layout.attend_rows(..., pending=this)``."""
 
@@ -385,7 +385,7 @@ class PendingRows(Protocol):
 
 
 @runtime_checkable
-class TimeOrderedReads(Protocol):
+class TimeOrderedReads(Protocol, metaclass=_StaticMembers):
     """A cache whose last read can be put in time order (a wrapped shared ring reads its
     window rotated by its phase): the same summation order alone and in a batch."""
 
@@ -396,7 +396,7 @@ class TimeOrderedReads(Protocol):
 
 
 @runtime_checkable
-class PagedRows(Protocol):
+class PagedRows(Protocol, metaclass=_StaticMembers):
     """A cache or layout whose tokens live in a block pool's blocks (paged)."""
 
     @property
@@ -413,7 +413,7 @@ class PagedRows(Protocol):
 
 
 @runtime_checkable
-class LatentAppend(Protocol):
+class LatentAppend(Protocol, metaclass=_StaticMembers):
     """An MLA cache: appends a latent, a rope plane and an optional indexer plane."""
 
     def append(self, latent: Any, rope: Any, index: Any | None = None) -> tuple[Any, Any, Any]: ...
@@ -422,7 +422,7 @@ class LatentAppend(Protocol):
 
 
 @runtime_checkable
-class StateWritten(Protocol):
+class StateWritten(Protocol, metaclass=_StaticMembers):
     """Recurrent state (mlx-lm's ``ArraysCache``): planes written by index, padded runs
     prepared and finalized, no token axis."""
 

@@ -179,3 +179,30 @@ def test_a_mixed_read_is_a_pending_pair() -> None:
     assert isinstance(keys, PendingRows) and keys.layout is layout
     assert not isinstance(mx.zeros((1,)), PendingRows)
     assert not isinstance((mx.zeros((1,)), mx.zeros((1,))), PendingRows)
+
+
+PROPERTIES = [Converting, Handover, PagedRows, PendingRows, RowAttention, StateWritten]
+
+
+@pytest.mark.parametrize("protocol", PROPERTIES, ids=lambda p: p.__name__)
+def test_asking_a_capability_evaluates_no_property(protocol: type) -> None:
+    # Python 3.11's runtime protocols evaluate properties (hasattr): one that refuses (a
+    # layout's state inside a speculative round) would escape from isinstance, and one
+    # that builds something would build it on every ask. The members are looked up on
+    # the class instead (kvrows.protocols._StaticMembers).
+    def refuse(self: object) -> Any:
+        raise AssertionError("isinstance evaluated a property")
+
+    def method(self: object, *args: object, **kwargs: object) -> None:
+        return None
+
+    members: dict[str, Any] = {}
+    for name in dir(protocol):
+        member = getattr(protocol, name, None)
+        if isinstance(member, property):
+            members[name] = property(refuse)
+        elif name in {"__setitem__"} or (callable(member) and not name.startswith("_")):
+            members[name] = method
+    assert any(isinstance(m, property) for m in members.values())
+    probe = type("Probe", (), members)()
+    assert isinstance(probe, protocol)
