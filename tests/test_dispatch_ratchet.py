@@ -89,7 +89,8 @@ BASELINE_TOTAL = 238
 ADVICE = (
     "Ask a capability instead of a type: a protocol of kvrows.protocols (HasCodec, "
     "RingGeometry, Composed, RowTrimmable, AppendLimited, ReusableOffset, StateDisposer, "
-    "SelfChecking, BatchableCache), a member of the codec (kvrows.codec.Codec: key, "
+    "SelfChecking, BatchableCache, Converting, Handover, RowAttention, PendingRows, "
+    "TimeOrderedReads, PagedRows, LatentAppend, StateWritten), a member of the codec (kvrows.codec.Codec: key, "
     "parameters, plane specs) or of the composition entry; a branch on codec kinds belongs "
     "in the codec modules, one on geometry kinds in the geometry modules (spec/measures.md). "
     "Sites of each file that grew:"
