@@ -25,8 +25,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar, TypeAlias
 
-from kvrows.affine_geometry import validate_codec
-from kvrows.codec import check_turbo_dim
+from kvrows.codec import CodecSpec
+from kvrows.codecs import is_codec_spec
 from kvrows.errors import InvalidInputError, not_a_geometry_message
 from kvrows.schemes import Affine, GeometrySpec, Growing, Plain, Ring, Turbo
 from kvrows.validation import KvGeometry, as_count
@@ -45,8 +45,8 @@ __all__ = [
     "turbo_lego_arguments",
 ]
 
-#: The codec a bf16-first row converts to.
-Target: TypeAlias = Affine | Turbo
+#: The codec a bf16-first row converts to: any that encodes (``CodecSpec.encodes``).
+Target: TypeAlias = CodecSpec
 
 
 def check_target_dims(key_dim: int, value_dim: int, target: Target) -> None:
@@ -54,10 +54,7 @@ def check_target_dims(key_dim: int, value_dim: int, target: Target) -> None:
     TurboQuant: its head dims), naming the side."""
     for side, dim in (("key", key_dim), ("value", value_dim)):
         try:
-            if isinstance(target, Affine):
-                validate_codec(dim, target.group_size, target.bits)
-            else:
-                check_turbo_dim(dim)
+            target.check_head_dim(dim)
         except InvalidInputError as error:
             raise InvalidInputError(
                 f"{side} head dim {dim} cannot be converted to {target.name}: {error}"
@@ -67,13 +64,9 @@ def check_target_dims(key_dim: int, value_dim: int, target: Target) -> None:
 def check_target(name: str, target: object, token_geometry: GeometrySpec) -> Target:
     """``target`` as a conversion codec of ``token_geometry`` (TurboQuant is full attention
     only: sliding layers stay plain rings under it)."""
-    if not isinstance(target, Affine | Turbo):
+    if not is_codec_spec(target) or not target.encodes:
         raise InvalidInputError(f"{name} converts to an affine or TurboQuant codec, got {target!r}")
-    if isinstance(target, Turbo) and not isinstance(token_geometry, Growing):
-        raise InvalidInputError(
-            f"{name}: TurboQuant is full attention only (a Growing() token geometry), got "
-            f"{token_geometry!r}"
-        )
+    target.check_token_geometry(name, token_geometry)
     return target
 
 
@@ -136,8 +129,8 @@ class ConversionBoundary:
     def token_geometry(self) -> GeometrySpec:
         return self._token_geometry
 
-    def _quantized_reads(self, what: str) -> Affine:
-        if not isinstance(self._quantization, Affine):
+    def _quantized_reads(self, what: str) -> int:
+        if self._quantization.reads != "affine":  # only mlx-lm's quantized path asks
             raise AttributeError(
                 f"{type(self).__name__} converts to {self._quantization.name}: {what} is an "
                 "affine parameter (TurboQuant reads attend through the codec)"
@@ -147,15 +140,15 @@ class ConversionBoundary:
                 f"{type(self).__name__} reads plain keys and values now ({what} appears once "
                 "an append returns quantized ones)"
             )
-        return self._quantization
+        return self._quantization.parameters()[what]
 
     @property
     def bits(self) -> int:
-        return self._quantized_reads("bits").bits
+        return self._quantized_reads("bits")
 
     @property
     def group_size(self) -> int:
-        return self._quantized_reads("group_size").group_size
+        return self._quantized_reads("group_size")
 
 
 class Bf16First(ConversionBoundary):
