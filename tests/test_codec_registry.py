@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import ModuleType
 from typing import ClassVar, Self
 
 import pytest
@@ -235,3 +236,66 @@ def test_a_kind_or_a_tag_registers_once(halved: type[Halved]) -> None:
     with pytest.raises(KvRowsError, match="two codec specs register the tag 99"):
         register_codec(SameTag)
     assert "same-tag-test" not in CODECS
+
+
+# -- the array codecs of each implementation ------------------------------------------------
+
+
+def _implementations() -> list[tuple[str, ModuleType]]:
+    from kvrows.optimized import codecs as optimized_codecs
+    from kvrows.reference import codecs as reference_codecs
+
+    return [("reference", reference_codecs), ("optimized", optimized_codecs)]
+
+
+@pytest.mark.parametrize("spec", EXAMPLES, ids=str)
+def test_each_implementation_builds_the_codec_a_spec_names(spec: object) -> None:
+    assert is_codec_spec(spec)
+    for name, module in _implementations():
+        assert set(module.IMPLEMENTATIONS) == set(CODECS), name
+        codec = module.make_codec(spec)
+        assert codec.spec == spec and codec.key == spec.key, name
+        assert codec.defers_values == (spec.reads == "own"), name
+
+
+def test_an_array_codec_checks_head_dims_through_its_spec() -> None:
+    from kvrows.validation import KvGeometry
+
+    for name, module in _implementations():
+        module.make_codec(Plain()).check(KvGeometry(2, 48, 40, "float16"))
+        with pytest.raises(InvalidInputError) as caught:
+            module.make_codec(Turbo()).check(KvGeometry(2, 128, 96, "bfloat16"))
+        assert str(caught.value) == (
+            "value head dim 96: TurboQuant stores head dims (64, 128, 256, 512), got 96"
+        ), name
+        with pytest.raises(InvalidInputError, match=r"^key head dim 48: "):
+            module.make_codec(Affine(bits=4, group_size=32)).check(KvGeometry(2, 48, 64, "float16"))
+
+
+def test_a_kind_without_an_array_codec_is_refused(halved: type[Halved]) -> None:
+    messages = {
+        "reference": "the reference does not implement the halved-test codec yet",
+        "optimized": "the optimized implementation has no halved-test codec yet",
+    }
+    for name, module in _implementations():
+        with pytest.raises(InvalidInputError) as caught:
+            module.make_codec(Halved())
+        assert str(caught.value) == messages[name]
+
+
+def test_a_new_array_codec_module_plugs_in(halved: type[Halved]) -> None:
+    for name, module in _implementations():
+        before = dict(module.IMPLEMENTATIONS)
+        try:
+
+            @module.implements("halved-test")
+            class HalvedCodec:
+                def __init__(self, spec: Halved) -> None:
+                    self.spec = spec
+
+            assert isinstance(module.make_codec(Halved(step=4)), HalvedCodec), name
+            with pytest.raises(KvRowsError, match="implement the halved-test codec"):
+                module.implements("halved-test")(type("Other", (), {}))
+        finally:
+            module.IMPLEMENTATIONS.clear()
+            module.IMPLEMENTATIONS.update(before)
