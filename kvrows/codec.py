@@ -223,6 +223,10 @@ class Codec(Protocol):
         """What ``update_and_fetch`` returns for ``role``'s planes (an array, or the planes)."""
         ...
 
+    def decode(self, planes: tuple[Any, ...], role: Role = "keys") -> Any:
+        """``role``'s stored tokens, decoded (TurboQuant: values un-rotated, float32)."""
+        ...
+
     def zeros(
         self, rows: int, heads: int, columns: int, dim: int, dtype: str, role: Role = "keys"
     ) -> tuple[Any, ...]:

@@ -299,3 +299,31 @@ def test_a_new_array_codec_module_plugs_in(halved: type[Halved]) -> None:
         finally:
             module.IMPLEMENTATIONS.clear()
             module.IMPLEMENTATIONS.update(before)
+
+
+def test_every_registered_array_codec_is_a_codec() -> None:
+    from kvrows.codec import Codec
+
+    for name, module in _implementations():
+        for kind in module.IMPLEMENTATIONS:
+            assert isinstance(module.make_codec(CODECS[kind]()), Codec), (name, kind)
+
+
+@pytest.mark.parametrize("spec", EXAMPLES, ids=str)
+@pytest.mark.parametrize("role", ["keys", "values"])
+def test_the_twins_decode_the_same_planes_alike(spec: object, role: Role) -> None:
+    import mlx.core as mx
+    import numpy as np
+
+    from kvrows.optimized.codecs import make_codec as optimized_codec
+    from kvrows.reference.codecs import make_codec as reference_codec
+
+    assert is_codec_spec(spec)
+    block = np.random.default_rng(7).standard_normal((1, 2, 3, 128)).astype(np.float16)
+    reference, optimized = reference_codec(spec), optimized_codec(spec)
+    planes = reference.encode(block, role)
+    for ours, theirs in zip(planes, optimized.encode(mx.array(block), role), strict=True):
+        np.testing.assert_array_equal(ours, np.array(theirs))
+    decoded = reference.decode(planes, role)
+    twin = optimized.decode(tuple(mx.array(p) for p in planes), role)
+    np.testing.assert_array_equal(decoded, np.array(twin.astype(mx.float32)).astype(decoded.dtype))

@@ -18,6 +18,7 @@ import pkgutil
 from functools import cache
 from typing import TypeAlias
 
+from kvrows.codec import Codec as CodecProtocol
 from kvrows.codec import CodecSpec
 from kvrows.optimized.codecs.affine import AffineCodec, quantized_attention
 from kvrows.optimized.codecs.common import Planes, dtype_name, mlx_dtype
@@ -43,8 +44,8 @@ __all__ = [
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     importlib.import_module(f"{__name__}.{_module}")
 
-#: The optimized array codecs, for the callers that use more than ``kvrows.codec.Codec``.
-Codec: TypeAlias = PlainCodec | AffineCodec | TurboCodec
+#: What every array codec answers (``kvrows.codec.Codec``): callers never ask which it is.
+Codec: TypeAlias = CodecProtocol
 
 
 @cache

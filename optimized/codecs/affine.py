@@ -38,6 +38,13 @@ class AffineCodec(CodecLayout):
     def fetched(self, planes: tuple[Any, ...], role: Role = "keys") -> Any:
         return tuple(planes)
 
+    def decode(self, planes: Planes, role: Role = "keys") -> mx.array:
+        """The stored values, ``mx.dequantize``d."""
+        packed, scales, biases = planes
+        return mx.dequantize(
+            packed, scales, biases, group_size=self.group_size, bits=self.bits, mode="affine"
+        )
+
     def zeros(
         self, rows: int, heads: int, columns: int, dim: int, dtype: str, role: Role = "keys"
     ) -> Planes:

@@ -27,6 +27,10 @@ class PlainCodec(CodecLayout):
     def fetched(self, planes: tuple[Any, ...], role: Role = "keys") -> Any:
         return planes[0]
 
+    def decode(self, planes: Planes, role: Role = "keys") -> mx.array:
+        """The stored values."""
+        return planes[0]
+
     def zeros(
         self, rows: int, heads: int, columns: int, dim: int, dtype: str, role: Role = "keys"
     ) -> Planes:

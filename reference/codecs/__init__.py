@@ -18,6 +18,7 @@ import importlib
 import pkgutil
 from typing import TypeAlias
 
+from kvrows.codec import Codec as CodecProtocol
 from kvrows.codec import CodecSpec
 from kvrows.reference.codecs.affine import AffineCodec
 from kvrows.reference.codecs.common import Planes, attend, attention, dtype_name, numpy_dtype
@@ -44,8 +45,8 @@ __all__ = [
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     importlib.import_module(f"{__name__}.{_module}")
 
-#: The reference's array codecs, for the callers that use more than ``kvrows.codec.Codec``.
-Codec: TypeAlias = PlainCodec | AffineCodec | TurboCodec
+#: What every array codec answers (``kvrows.codec.Codec``): callers never ask which it is.
+Codec: TypeAlias = CodecProtocol
 
 
 def make_codec(spec: CodecSpec) -> Codec:

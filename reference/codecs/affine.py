@@ -35,7 +35,7 @@ class AffineCodec(ZeroPlanes):
     def encode(self, block: npt.NDArray[Any], role: Role = "keys") -> Planes:
         return affine_codec.quantize(block, self.group_size, self.bits)
 
-    def decode(self, planes: Planes) -> npt.NDArray[Any]:
+    def decode(self, planes: Planes, role: Role = "keys") -> npt.NDArray[Any]:
         """The stored values, dequantized exactly as ``mx.dequantize`` on the CPU."""
         packed, scales, biases = planes
         return affine_codec.dequantize(packed, scales, biases, self.group_size, self.bits)

@@ -26,7 +26,7 @@ class PlainCodec(ZeroPlanes):
     def encode(self, block: npt.NDArray[Any], role: Role = "keys") -> Planes:
         return (np.array(block, copy=True),)
 
-    def decode(self, planes: Planes) -> npt.NDArray[Any]:
+    def decode(self, planes: Planes, role: Role = "keys") -> npt.NDArray[Any]:
         """The stored values."""
         return planes[0]
 
