@@ -228,7 +228,7 @@ class DelayedGeometry:
         t = self.target
         if isinstance(t, Affine):
             return f"bits={t.bits} group={t.group_size}"
-        return f"turbo k{t.k_bits}v{t.v_bits}"
+        return "turbo k{k_bits}v{v_bits}".format(**t.parameters())
 
     def __str__(self) -> str:
         ring = f", window {self.max_size} keep {self.keep}" if self.ring else ""
@@ -474,18 +474,17 @@ class DelayedMachine(RuleBasedStateMachine):
     def _target_args(self, target: Target | None) -> tuple[int, ...]:
         """The constructors' codec arguments: ``(group_size, bits)`` or ``(k_bits, v_bits)``."""
         t = self.g.target if target is None else target
-        if isinstance(t, Affine):
-            return (t.group_size, t.bits)
-        return (t.k_bits, t.v_bits)
+        return tuple(t.tail().values())  # the constructors take the state tail's order
 
     def _other_target(self, side: str = "values") -> Target:
         """This example's target at another bit width (TurboQuant: of ``side``)."""
         t = self.g.target
         if isinstance(t, Affine):
             return Affine(bits=12 - t.bits, group_size=t.group_size)
+        k_bits, v_bits = t.parameters()["k_bits"], t.parameters()["v_bits"]
         if side == "keys":
-            return Turbo(k_bits=next(k for k in TURBO_KEY_BITS if k != t.k_bits), v_bits=t.v_bits)
-        return Turbo(k_bits=t.k_bits, v_bits=next(v for v in TURBO_VALUE_BITS if v != t.v_bits))
+            return Turbo(k_bits=next(k for k in TURBO_KEY_BITS if k != k_bits), v_bits=v_bits)
+        return Turbo(k_bits=k_bits, v_bits=next(v for v in TURBO_VALUE_BITS if v != v_bits))
 
     def _layout(self, impl: Impl, start: int | None = None) -> Any:
         g = self.g

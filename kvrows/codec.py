@@ -16,12 +16,11 @@ array type (NumPy in the reference, MLX in the optimized one).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Protocol, TypeAlias, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, Self, TypeAlias, runtime_checkable
 
-from kvrows.affine_geometry import groups, packed_width
-from kvrows.errors import InvalidInputError
-from kvrows.schemes import Affine, CodecSpec, Plain, Turbo
+from kvrows.errors import InvalidInputError, head_dim_message
 from kvrows.validation import KvGeometry
 
 __all__ = [
@@ -30,7 +29,9 @@ __all__ = [
     "TURBO_HEAD_DIMS",
     "Codec",
     "CodecLayout",
+    "CodecSpec",
     "PlaneSpec",
+    "Reads",
     "Role",
     "check_turbo_dim",
     "codec_plane_specs",
@@ -80,6 +81,115 @@ class PlaneSpec:
     width: int
 
 
+#: How attention over a read goes (``spec/contract.md`` §0.2): ``"dense"`` one array per
+#: tensor, any kernel; ``"affine"`` mlx-lm's quantized path, which finds ``bits`` /
+#: ``group_size`` on the cache; ``"own"`` only the codec's ``attend`` is right.
+Reads: TypeAlias = Literal["dense", "affine", "own"]
+
+
+class CodecSpec(Protocol):
+    """A frozen codec spec: what one codec kind and its parameters are, array-free.
+
+    Each kind lives in its own module of ``kvrows.codecs`` and registers itself there
+    (``register_codec``); nothing outside the codec modules tests which kind a spec is:
+    callers ask these members (``spec/contract.md`` §0.2, §0.10)."""
+
+    #: Registry key (``CODECS[kind]``) and the composition table's codec kind.
+    kind: ClassVar[str]
+    #: Scheme names it parses (examples for the CLI; each parses to this kind).
+    names: ClassVar[tuple[str, ...]]
+    #: How its scheme names are written, for the message refusing an unknown one.
+    syntax: ClassVar[str]
+    #: The fields a saved state appends after its planes, in order.
+    state_tail: ClassVar[tuple[str, ...]]
+    #: Stores something other than the activations (what a bf16-first row converts to).
+    encodes: ClassVar[bool]
+    #: How attention over its reads goes (:data:`Reads`).
+    reads: ClassVar[Reads]
+    #: The kind's integer tag: stable, unique, in the order the kinds were added (the
+    #: registry's order). A paged state saves it, with the parameters of
+    #: ``paged_fields`` in two integer slots (an unused slot holds 0).
+    tag: ClassVar[int]
+    paged_fields: ClassVar[tuple[str, ...]]
+    #: The plane of a stored tensor whose dtype is the activations' (``None``: no plane
+    #: carries it, so a saved state's dtype comes from elsewhere).
+    dtype_plane: ClassVar[int | None]
+    #: The names a saved state's planes go by in messages, keys' then values' (empty:
+    #: the plane specs' names).
+    plane_labels: ClassVar[tuple[str, ...]]
+
+    @property
+    def key(self) -> str:
+        """The codec identity rows must share to join one layout."""
+        ...
+
+    @property
+    def name(self) -> str:
+        """The scheme's name on the command line."""
+        ...
+
+    def parameters(self) -> dict[str, int]:
+        """Its constructor parameters (a preset's signature formats with them)."""
+        ...
+
+    def signature_part(self) -> str:
+        """What a signature says of this codec (``"affine:8:64"``)."""
+        ...
+
+    def tail(self) -> dict[str, int]:
+        """The :attr:`state_tail` fields' values, in order."""
+        ...
+
+    @classmethod
+    def from_tail(cls, fields: Mapping[str, Any]) -> Self:
+        """The spec a saved state's tail fields describe (validated on construction)."""
+        ...
+
+    @classmethod
+    def from_parameters(cls, numbers: Mapping[str, Any]) -> Self:
+        """The spec of these :meth:`parameters` (extra keys ignored; ``KeyError`` if one
+        is missing)."""
+        ...
+
+    @classmethod
+    def parse(cls, text: str) -> Self | None:
+        """The spec one scheme word names, ``None`` when the word is not of this kind."""
+        ...
+
+    def plane_specs(
+        self, name: str, dim: int, dtype: str, role: Role = "keys"
+    ) -> tuple[PlaneSpec, ...]:
+        """The planes a ``[·, H, T, dim]`` ``role`` tensor of ``dtype`` is stored as
+        (token axis 2)."""
+        ...
+
+    def check_head_dim(self, dim: int) -> None:
+        """Raise ``InvalidInputError`` unless this codec stores heads of ``dim``."""
+        ...
+
+    def head_dim(self, width: int, role: Role) -> int:
+        """The head dim of a ``role`` tensor whose first plane is ``width`` wide."""
+        ...
+
+    def check_plane_width(self, label: str, width: int, role: Role) -> None:
+        """Raise ``InvalidInputError`` if a first ``role`` plane (``label``) of ``width``
+        is no head dim's."""
+        ...
+
+    def check_stored_head_dim(self, side: str, dim: int) -> None:
+        """Raise ``InvalidInputError`` if saved planes of a ``side`` (key, value) head dim
+        of ``dim`` cannot be this codec's (when the planes alone do not rule it out)."""
+        ...
+
+    def check_token_geometry(self, owner: str, token_geometry: object) -> None:
+        """Raise ``InvalidInputError`` (naming ``owner``) unless rows of this token
+        geometry may be stored with this codec."""
+        ...
+
+    def __hash__(self) -> int:  # frozen: specs key caches (one array codec per spec)
+        ...
+
+
 @runtime_checkable
 class Codec(Protocol):
     """How one token's vector is stored, read and attended over.
@@ -113,6 +223,10 @@ class Codec(Protocol):
         """What ``update_and_fetch`` returns for ``role``'s planes (an array, or the planes)."""
         ...
 
+    def decode(self, planes: tuple[Any, ...], role: Role = "keys") -> Any:
+        """``role``'s stored tokens, decoded (TurboQuant: values un-rotated, float32)."""
+        ...
+
     def zeros(
         self, rows: int, heads: int, columns: int, dim: int, dtype: str, role: Role = "keys"
     ) -> tuple[Any, ...]:
@@ -140,29 +254,7 @@ def codec_plane_specs(
 ) -> tuple[PlaneSpec, ...]:
     """The planes ``spec`` stores a ``[·, H, T, dim]`` ``role`` tensor of ``dtype`` as
     (token axis 2)."""
-    if isinstance(spec, Plain):
-        return (PlaneSpec(name, 2, dtype, dim),)
-    if isinstance(spec, Affine):
-        count = groups(dim, spec.group_size)
-        return (
-            PlaneSpec(name, 2, "uint32", packed_width(dim, spec.bits)),
-            PlaneSpec(f"{name}.scales", 2, dtype, count),
-            PlaneSpec(f"{name}.biases", 2, dtype, count),
-        )
-    if isinstance(spec, Turbo):
-        count = dim // TURBO_GROUP
-        if role == "keys":  # kIdx, kScales, kZeros (8-bit: int8 unpacked)
-            codes = "int8" if spec.k_bits == 8 else "uint8"
-            return (
-                PlaneSpec(name, 2, codes, dim * spec.k_bits // 8),
-                PlaneSpec(f"{name}.scales", 2, "float16", count),
-                PlaneSpec(f"{name}.zeros", 2, "float16", count),
-            )
-        return (  # vPacked, vScales
-            PlaneSpec(name, 2, "uint8", dim * spec.v_bits // 8),
-            PlaneSpec(f"{name}.scales", 2, "float16", count),
-        )
-    raise InvalidInputError(f"no storage implements the {spec.kind} codec yet")
+    return spec.plane_specs(name, dim, dtype, role)
 
 
 def codec_token_bytes(
@@ -187,6 +279,14 @@ class CodecLayout:
     def key(self) -> str:
         """Identity of the codec and its parameters (rows of different keys never mix)."""
         return self.spec.key
+
+    def check(self, geometry: KvGeometry) -> None:
+        """Raise ``InvalidInputError`` if the spec cannot store heads of ``geometry``."""
+        for name, dim in (("key", geometry.key_dim), ("value", geometry.value_dim)):
+            try:
+                self.spec.check_head_dim(dim)
+            except InvalidInputError as error:
+                raise InvalidInputError(head_dim_message(name, dim, error)) from None
 
     def plane_specs(
         self, name: str, dim: int, dtype: str, role: Role = "keys"

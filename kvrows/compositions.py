@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
+from kvrows.codec import CodecSpec
+from kvrows.codecs import CODECS, is_codec_spec
 from kvrows.errors import (
     InvalidInputError,
     KvRowsError,
@@ -29,7 +31,7 @@ from kvrows.errors import (
     not_an_integer_message,
 )
 from kvrows.protocols import BatchableCache
-from kvrows.schemes import Affine, CodecSpec, GeometrySpec, Growing, Plain, Ring, Turbo
+from kvrows.schemes import GeometrySpec, Growing, Ring
 from kvrows.table import own_empty_batch, register_row_layouts
 from kvrows.validation import KvGeometry
 
@@ -324,12 +326,14 @@ def bind_arguments(
             f"it takes {', '.join(entry.params) or 'no parameters'}"
         )
     implied: dict[str, int] = {}  # what the given specs already say
-    for spec, kinds in ((codec_spec, (Plain, Affine, Turbo)), (geometry_spec, (Growing, Ring))):
-        if spec is None:
-            continue
-        if not isinstance(spec, kinds):
-            raise InvalidInputError(f"{entry.name} cannot be built from {spec!r}")
-        implied.update(spec.parameters())
+    if codec_spec is not None:
+        if not is_codec_spec(codec_spec):
+            raise InvalidInputError(f"{entry.name} cannot be built from {codec_spec!r}")
+        implied.update(codec_spec.parameters())
+    if geometry_spec is not None:
+        if not isinstance(geometry_spec, Growing | Ring):
+            raise InvalidInputError(f"{entry.name} cannot be built from {geometry_spec!r}")
+        implied.update(geometry_spec.parameters())
     clash = sorted(set(values) & set(implied))
     if clash:
         raise InvalidInputError(f"{entry.name} got {', '.join(clash)} twice (argument and spec)")
@@ -346,7 +350,7 @@ def bind_arguments(
         codec_spec = codec_spec_for(entry, numbers)
     if geometry_spec is None:
         geometry_spec = _geometry_spec(entry, numbers)
-    if not isinstance(codec_spec, Plain | Affine | Turbo) or codec_spec.kind != entry.codec:
+    if not is_codec_spec(codec_spec) or codec_spec.kind != entry.codec:
         raise InvalidInputError(f"{entry.name} stores the {entry.codec} codec, got {codec_spec!r}")
     if not isinstance(geometry_spec, Growing | Ring) or geometry_spec.kind != entry.geometry:
         raise InvalidInputError(
@@ -358,13 +362,10 @@ def bind_arguments(
 def codec_spec_for(entry: Composition, numbers: Mapping[str, int]) -> CodecSpec:
     """``entry``'s codec spec from its parameters (``numbers``: the codec's
     ``parameters()``, extra keys ignored); ``KeyError`` if one is missing."""
-    if entry.codec == "affine":
-        return Affine(bits=numbers["bits"], group_size=numbers["group_size"])
-    if entry.codec == "plain":
-        return Plain()
-    if entry.codec == "turbo":
-        return Turbo(k_bits=numbers["k_bits"], v_bits=numbers["v_bits"])
-    raise InvalidInputError(f"{entry.name} ({entry.codec} codec) is not implemented yet")
+    codec = CODECS.get(entry.codec)
+    if codec is None:
+        raise InvalidInputError(f"{entry.name} ({entry.codec} codec) is not implemented yet")
+    return codec.from_parameters(numbers)
 
 
 def _geometry_spec(entry: Composition, numbers: Mapping[str, int]) -> GeometrySpec:

@@ -40,7 +40,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvrows.codec import TURBO_HEAD_DIMS, Role, codec_plane_specs
+from kvrows.codec import CodecSpec, Role, codec_plane_specs
+from kvrows.codecs import CODECS, codec_from_tail
+from kvrows.codecs.turbo import TURBO_PLANES
 from kvrows.compositions import Composition, landed
 from kvrows.errors import (
     InvalidInputError,
@@ -49,7 +51,7 @@ from kvrows.errors import (
     ring_state_index_message,
 )
 from kvrows.latent import LATENT_FIELDS, PAGED_LATENT_FIELDS
-from kvrows.schemes import Affine, CodecSpec, GeometrySpec, Growing, Plain, Ring, Turbo
+from kvrows.schemes import GeometrySpec, Growing, Ring
 from kvrows.validation import FLOAT_DTYPES, KvGeometry
 
 __all__ = [
@@ -94,7 +96,6 @@ _LAYOUT = {
     ),
 }  # fmt: skip
 _RECURRENT = ("conv", "recurrent", "offset")
-_CODEC_TAIL = {"plain": (), "affine": ("group_size", "bits"), "turbo": ("k_bits", "v_bits")}
 #: Paged storages (any codec): the logical KV, compact, then what rebuilds block tables
 #: (``kvrows.paged_forms``; ``codec``: the codec's name).
 _PAGED = {
@@ -185,7 +186,8 @@ def state_form(entry: Composition) -> StateForm:
     if entry.geometry == "paged" and entry.is_landed:
         return StateForm(entry.name, _PAGED[entry.is_layout], entry.name)
     fields = (_LAYOUT if entry.is_layout else _SERIAL).get(entry.geometry)
-    tail = _CODEC_TAIL.get(entry.codec)
+    codec = CODECS.get(entry.codec)  # its fields append the codec's tail
+    tail = None if codec is None else codec.state_tail
     # A speculative layout outside a round holds what its unmodified layout holds.
     if fields is None or tail is None or entry.modifiers - {"speculative"}:
         raise UnsupportedStateError(
@@ -234,11 +236,7 @@ def pack_state(entry: Composition, values: Mapping[str, Any]) -> tuple[Any, ...]
 
 def codec_from_fields(entry: Composition, values: Mapping[str, Any]) -> CodecSpec:
     """The codec a state's fields describe (``InvalidInputError`` for widths it refuses)."""
-    if entry.codec == "affine":
-        return Affine(bits=values["bits"], group_size=values["group_size"])
-    if entry.codec == "turbo":
-        return Turbo(k_bits=values["k_bits"], v_bits=values["v_bits"])
-    return Plain()
+    return codec_from_tail(entry.codec, values)
 
 
 def geometry_from_fields(
@@ -263,10 +261,6 @@ def plane_counts(codec: CodecSpec) -> tuple[int, int]:
     )
 
 
-#: A TurboQuant state's planes in the order it holds them (``keys``, then ``values``): the
-#: persistence contract of ``spec/turbo-codec.md`` (semantics §2.3).
-TURBO_PLANES = ("kIdx", "kScales", "kZeros", "vPacked", "vScales")
-
 #: The dtype a TurboQuant state is restored with when nothing declares it: its planes do
 #: not record the activations' dtype (bfloat16 is what the codec fetches).
 TURBO_STATE_DTYPE = "bfloat16"
@@ -278,30 +272,17 @@ def kv_geometry_of(
     """The KV geometry of stored planes (``keys``/``values``: the codec's plane tuples,
     ``[B, H, T, ·]``; ``dtype``: the floating dtype they were written from)."""
     heads = int(keys[0].shape[1])
-    if isinstance(codec, Affine):
-        # ``D * bits / 32`` packed words per token: the head dim is words x 32 / bits.
-        return KvGeometry(
-            heads,
-            int(keys[0].shape[3]) * 32 // codec.bits,
-            int(values[0].shape[3]) * 32 // codec.bits,
-            dtype,
-        )
-    if isinstance(codec, Turbo):
-        # ``D * bits / 8`` code bytes per token (8-bit keys: one int8 per element).
-        dims = []
-        for name, plane, bits in (
-            ("kIdx", keys[0], codec.k_bits),
-            ("vPacked", values[0], codec.v_bits),
-        ):
-            width = int(plane.shape[3])
-            if width * 8 % bits:
-                raise InvalidInputError(
-                    f"state plane {name} holds {width} bytes per token: not a head dim at "
-                    f"{bits} bits (D x {bits} / 8 bytes)"
-                )
-            dims.append(width * 8 // bits)
-        return KvGeometry(heads, dims[0], dims[1], dtype)
-    return KvGeometry(heads, int(keys[0].shape[3]), int(values[0].shape[3]), dtype)
+    labels = codec.plane_labels
+    firsts: tuple[tuple[Role, Any, str], ...] = (
+        ("keys", keys[0], labels[0] if labels else "keys"),
+        ("values", values[0], labels[plane_counts(codec)[0]] if labels else "values"),
+    )
+    dims = []
+    for role, plane, label in firsts:
+        width = int(plane.shape[3])
+        codec.check_plane_width(label, width, role)
+        dims.append(codec.head_dim(width, role))
+    return KvGeometry(heads, dims[0], dims[1], dtype)
 
 
 def stored_geometry(
@@ -320,7 +301,8 @@ def stored_geometry(
     TurboQuant's planes do not carry it, so it is ``declared``'s (a file's record, the
     cache the ``state`` setter replaces) or ``TURBO_STATE_DTYPE``; a ``declared`` geometry
     whose heads or head dims disagree with TurboQuant planes is refused."""
-    if isinstance(codec, Turbo):
+    carried = codec.dtype_plane is not None  # else TurboQuant's: the planes lack it
+    if not carried:
         dtype = TURBO_STATE_DTYPE if declared is None else declared.dtype
     else:
         dtype = dtype_of(keys[-1])
@@ -329,15 +311,10 @@ def stored_geometry(
             f"state planes hold {dtype} activations, expected one of {FLOAT_DTYPES}"
         )
     kv = kv_geometry_of(codec, keys, values, dtype)
-    if isinstance(codec, Turbo):
-        for name, dim in (("key", kv.key_dim), ("value", kv.value_dim)):
-            if dim not in TURBO_HEAD_DIMS:
-                raise InvalidInputError(
-                    f"state planes hold a {name} head dim of {dim}; TurboQuant stores "
-                    f"{TURBO_HEAD_DIMS}"
-                )
+    for name, dim in (("key", kv.key_dim), ("value", kv.value_dim)):
+        codec.check_stored_head_dim(name, dim)
     lead = tuple(int(n) for n in keys[0].shape[:3])
-    labels = iter(TURBO_PLANES if isinstance(codec, Turbo) else ())
+    labels = iter(codec.plane_labels)
     roles: tuple[tuple[Role, Sequence[Any], int], ...] = (
         ("keys", keys, kv.key_dim),
         ("values", values, kv.value_dim),
@@ -353,7 +330,7 @@ def stored_geometry(
                     f"{spec.dtype} {list(expected)} ({codec.name}, head dim {dim})"
                 )
     if (
-        isinstance(codec, Turbo)
+        not carried
         and declared is not None
         and (declared.heads, declared.key_dim, declared.value_dim)
         != (kv.heads, kv.key_dim, kv.value_dim)

@@ -23,7 +23,14 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, TypeVar
 
 from kvrows.affine_geometry import validate_codec
-from kvrows.codec import DTYPE_SIZES, PlaneSpec, Role, check_turbo_dim, codec_plane_specs
+from kvrows.codec import (
+    DTYPE_SIZES,
+    CodecSpec,
+    PlaneSpec,
+    Role,
+    check_turbo_dim,
+    codec_plane_specs,
+)
 from kvrows.errors import (
     NOTHING_TO_FETCH,
     CapacityError,
@@ -58,7 +65,7 @@ __all__ = [
 ]
 
 LatentRole: TypeAlias = Literal["target", "mtp"]
-LatentCodec: TypeAlias = Plain | Affine | Turbo
+LatentCodec: TypeAlias = CodecSpec  # the latent plane takes any codec
 
 #: DeepSeek-V3 caches 576 values (512 latent + 64 rope) per token per layer: 1,152 bytes in
 #: bf16; FlashMLA's FP8 layout stores them in 656 (512 fp8 + 4 fp32 scales + 64 bf16).

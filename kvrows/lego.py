@@ -23,10 +23,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, ClassVar, TypeAlias, cast
+from typing import Any, ClassVar, TypeAlias
 
-from kvrows.affine_geometry import validate_codec
-from kvrows.codec import check_turbo_dim
+from kvrows.codec import CodecSpec
+from kvrows.codecs import is_codec_spec
 from kvrows.errors import InvalidInputError, not_a_geometry_message
 from kvrows.protocols import RowAttention, TimeOrderedReads
 from kvrows.schemes import Affine, GeometrySpec, Growing, Plain, Ring, Turbo
@@ -46,8 +46,8 @@ __all__ = [
     "turbo_lego_arguments",
 ]
 
-#: The codec a bf16-first row converts to.
-Target: TypeAlias = Affine | Turbo
+#: The codec a bf16-first row converts to: any that encodes (``CodecSpec.encodes``).
+Target: TypeAlias = CodecSpec
 
 
 def check_target_dims(key_dim: int, value_dim: int, target: Target) -> None:
@@ -55,10 +55,7 @@ def check_target_dims(key_dim: int, value_dim: int, target: Target) -> None:
     TurboQuant: its head dims), naming the side."""
     for side, dim in (("key", key_dim), ("value", value_dim)):
         try:
-            if isinstance(target, Affine):
-                validate_codec(dim, target.group_size, target.bits)
-            else:
-                check_turbo_dim(dim)
+            target.check_head_dim(dim)
         except InvalidInputError as error:
             raise InvalidInputError(
                 f"{side} head dim {dim} cannot be converted to {target.name}: {error}"
@@ -68,13 +65,9 @@ def check_target_dims(key_dim: int, value_dim: int, target: Target) -> None:
 def check_target(name: str, target: object, token_geometry: GeometrySpec) -> Target:
     """``target`` as a conversion codec of ``token_geometry`` (TurboQuant is full attention
     only: sliding layers stay plain rings under it)."""
-    if not isinstance(target, Affine | Turbo):
+    if not is_codec_spec(target) or not target.encodes:
         raise InvalidInputError(f"{name} converts to an affine or TurboQuant codec, got {target!r}")
-    if isinstance(target, Turbo) and not isinstance(token_geometry, Growing):
-        raise InvalidInputError(
-            f"{name}: TurboQuant is full attention only (a Growing() token geometry), got "
-            f"{token_geometry!r}"
-        )
+    target.check_token_geometry(name, token_geometry)
     return target
 
 
@@ -148,10 +141,10 @@ class ConversionBoundary:
     def converts_to_deferred_values(self) -> bool:
         """Whether the target codec's reads defer their values (TurboQuant: attention goes
         through the codec, ``kvrows.app.attention.dispatch``)."""
-        return not isinstance(self._quantization, Affine)
+        return self._quantization.reads != "affine"
 
-    def _quantized_reads(self, what: str) -> Affine:
-        if self.converts_to_deferred_values:
+    def _quantized_reads(self, what: str) -> int:
+        if self.converts_to_deferred_values:  # only mlx-lm's quantized path asks
             raise AttributeError(
                 f"{type(self).__name__} converts to {self._quantization.name}: {what} is an "
                 "affine parameter (TurboQuant reads attend through the codec)"
@@ -161,15 +154,15 @@ class ConversionBoundary:
                 f"{type(self).__name__} reads plain keys and values now ({what} appears once "
                 "an append returns quantized ones)"
             )
-        return cast(Affine, self._quantization)
+        return self._quantization.parameters()[what]
 
     @property
     def bits(self) -> int:
-        return self._quantized_reads("bits").bits
+        return self._quantized_reads("bits")
 
     @property
     def group_size(self) -> int:
-        return self._quantized_reads("group_size").group_size
+        return self._quantized_reads("group_size")
 
 
 class Bf16First(ConversionBoundary):

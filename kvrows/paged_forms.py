@@ -20,11 +20,11 @@ import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvrows.codec import codec_plane_specs
+from kvrows.codec import CodecSpec, codec_plane_specs
+from kvrows.codecs import CODECS
 from kvrows.compositions import composition
 from kvrows.errors import CorruptStateError, not_an_integer_message
 from kvrows.forms import TURBO_STATE_DTYPE, state_form
-from kvrows.schemes import Affine, CodecSpec, Plain, Turbo
 from kvrows.validation import FLOAT_DTYPES, KvGeometry
 
 if TYPE_CHECKING:
@@ -43,15 +43,14 @@ PAGED_SERIAL_FIELDS = state_form(composition("PagedKVCache")).fields
 PAGED_LAYOUT_FIELDS = state_form(composition("PagedKvRows")).fields
 
 
-#: The ``codec`` field: ``(kind, a, b)``, ``kind`` 0 plain (0, 0), 1 affine (bits,
-#: group_size), 2 TurboQuant (k_bits, v_bits): integers, so files carry it as scalars.
+#: The ``codec`` field: ``(kind, a, b)``, ``kind`` the codec's ``tag`` (0 plain (0, 0), 1
+#: affine (bits, group_size), 2 TurboQuant (k_bits, v_bits)), ``a, b`` its
+#: ``paged_fields`` (0 where it has fewer): integers, so files carry it as scalars.
 def codec_field(spec: CodecSpec) -> tuple[int, int, int]:
     """The saved ``codec`` field of ``spec``."""
-    if isinstance(spec, Affine):
-        return 1, spec.bits, spec.group_size
-    if isinstance(spec, Turbo):
-        return 2, spec.k_bits, spec.v_bits
-    return 0, 0, 0
+    parameters = spec.parameters()
+    a, b = (*(parameters[name] for name in spec.paged_fields), 0, 0)[:2]
+    return spec.tag, a, b
 
 
 def codec_named(field: object) -> CodecSpec:
@@ -61,15 +60,16 @@ def codec_named(field: object) -> CodecSpec:
     if not isinstance(field, Sequence) or isinstance(field, str | bytes) or len(field) != 3:
         raise CorruptStateError(f"the state's codec field must be (kind, a, b), got {field!r}")
     kind, a, b = (_int("codec", v) for v in field)
-    try:
-        if kind == 0 and a == b == 0:
-            return Plain()
-        if kind == 1:
-            return Affine(bits=a, group_size=b)
-        if kind == 2:
-            return Turbo(k_bits=a, v_bits=b)
-    except (ValueError, TypeError) as error:
-        raise CorruptStateError(f"the state names an unknown codec {field!r}: {error}") from None
+    for codec in CODECS.values():
+        names = codec.paged_fields
+        if codec.tag != kind or any((a, b)[len(names) :]):  # an unused slot holds 0
+            continue
+        try:
+            return codec.from_parameters(dict(zip(names, (a, b), strict=False)))
+        except (ValueError, TypeError) as error:
+            raise CorruptStateError(
+                f"the state names an unknown codec {field!r}: {error}"
+            ) from None
     raise CorruptStateError(f"the state names an unknown codec {field!r}")
 
 
@@ -225,21 +225,13 @@ def _geometry_of(
         ops.shape(keys[0])[3],
         ops.shape(values[0])[3],
     )
-    if isinstance(spec, Plain):
-        geometry = KvGeometry(heads, key_width, value_width, ops.dtype_name(keys[0]))
-    elif isinstance(spec, Affine):  # codes packed bit after bit in uint32 words (3, 5 and
-        # 6 bits cross words); the scales carry the dtype
-        geometry = KvGeometry(
-            heads, key_width * 32 // spec.bits, value_width * 32 // spec.bits,
-            ops.dtype_name(keys[1]),
-        )  # fmt: skip
+    dims = spec.head_dim(key_width, "keys"), spec.head_dim(value_width, "values")
+    if spec.dtype_plane is not None:  # the plane that carries the activations' dtype
+        geometry = KvGeometry(heads, *dims, ops.dtype_name(keys[spec.dtype_plane]))
     elif declared is not None:
         geometry = declared
     else:  # TurboQuant planes do not say the activation dtype
-        geometry = KvGeometry(
-            heads, key_width * 8 // spec.k_bits, value_width * 8 // spec.v_bits,
-            TURBO_STATE_DTYPE,
-        )  # fmt: skip
+        geometry = KvGeometry(heads, *dims, TURBO_STATE_DTYPE)
     if geometry.dtype not in FLOAT_DTYPES:
         raise CorruptStateError(f"the state's dtype {geometry.dtype} is not a float dtype")
     if declared is not None and declared != geometry:

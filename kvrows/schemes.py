@@ -1,5 +1,8 @@
 """Storage schemes as data: the codec axis and the token-geometry axis, as frozen specs.
 
+The codec specs live one per module in ``kvrows.codecs`` (re-exported here, so every
+``from kvrows.schemes import Affine`` keeps working); the geometry specs live here.
+
 A *codec spec* says how one token's vector is stored (``Plain()``, ``Affine(bits=…,
 group_size=…)``, ``Turbo(k_bits=…, v_bits=…)``); a *geometry spec* says how the token axis
 is organised (``Growing()``, ``Ring(max_size=…)``). Both are frozen, keyword-only and
@@ -18,8 +21,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, TypeAlias
 
-from kvrows.affine_geometry import validate_params
-from kvrows.errors import InvalidInputError, turbo_bits_message
+from kvrows.codec import CodecSpec
+from kvrows.codecs import TURBO_KEY_BITS, TURBO_VALUE_BITS, Affine, Plain, Turbo, parse_codec
+from kvrows.errors import InvalidInputError
 from kvrows.validation import as_count
 
 __all__ = [
@@ -34,87 +38,6 @@ __all__ = [
     "Ring",
     "Turbo",
 ]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Plain:
-    """Unquantized storage in the activation dtype."""
-
-    kind: ClassVar[str] = "plain"
-
-    @property
-    def key(self) -> str:
-        """The codec identity rows must share to join one layout."""
-        return "plain"
-
-    @property
-    def name(self) -> str:
-        """The scheme's name on the command line."""
-        return "plain"
-
-    def parameters(self) -> dict[str, int]:
-        return {}
-
-
-@dataclass(frozen=True, kw_only=True)
-class Affine:
-    """MLX affine group quantization (``mx.quantize``): ``bits`` per value, one scale and
-    one bias per ``group_size`` values."""
-
-    bits: int = 8
-    group_size: int = 64
-    kind: ClassVar[str] = "affine"
-
-    def __post_init__(self) -> None:
-        validate_params(self.group_size, self.bits)
-
-    @property
-    def key(self) -> str:
-        return f"affine:{self.bits}:{self.group_size}"
-
-    @property
-    def name(self) -> str:
-        return f"affine{self.bits}:{self.group_size}"
-
-    def parameters(self) -> dict[str, int]:
-        return {"bits": self.bits, "group_size": self.group_size}
-
-
-#: TurboQuant key and value bit widths (``spec/`` once the TurboQuant issue lands).
-TURBO_KEY_BITS: tuple[int, ...] = (2, 4, 5, 8)
-TURBO_VALUE_BITS: tuple[int, ...] = (2, 3, 4, 5, 8)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Turbo:
-    """TurboQuant: affine keys at ``k_bits``, rotated Lloyd-Max values at ``v_bits``.
-
-    The defaults (k8v3) are what the bare scheme name ``turbo`` means.
-    """
-
-    k_bits: int = 8
-    v_bits: int = 3
-    kind: ClassVar[str] = "turbo"
-
-    def __post_init__(self) -> None:
-        if self.k_bits not in TURBO_KEY_BITS or isinstance(self.k_bits, bool):
-            raise InvalidInputError(turbo_bits_message("k_bits", TURBO_KEY_BITS, self.k_bits))
-        if self.v_bits not in TURBO_VALUE_BITS or isinstance(self.v_bits, bool):
-            raise InvalidInputError(turbo_bits_message("v_bits", TURBO_VALUE_BITS, self.v_bits))
-
-    @property
-    def key(self) -> str:
-        return f"turbo:{self.k_bits}:{self.v_bits}"
-
-    @property
-    def name(self) -> str:
-        return f"turbo-k{self.k_bits}v{self.v_bits}"
-
-    def parameters(self) -> dict[str, int]:
-        return {"k_bits": self.k_bits, "v_bits": self.v_bits}
-
-
-CodecSpec: TypeAlias = Plain | Affine | Turbo
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,26 +78,6 @@ class Ring:
 
 
 GeometrySpec: TypeAlias = Growing | Ring
-
-
-def _parse_codec(text: str) -> CodecSpec:
-    if text == "plain":
-        return Plain()
-    if text.startswith("affine"):
-        bits, _, group = (text[len("affine") :] or "8").partition(":")
-        if bits.isdigit() and (group == "" or group.isdigit()):
-            return Affine(bits=int(bits), group_size=int(group or 64))
-    if text == "turbo":
-        return Turbo()  # the default pair, k8v3
-    for prefix in ("turbo-k", "turbo:k"):  # turbo-k4v3 (its name) or turbo:k4v3
-        if text.startswith(prefix) and "v" in text[len(prefix) :]:
-            k_bits, _, v_bits = text[len(prefix) :].partition("v")
-            if k_bits.isdigit() and v_bits.isdigit():
-                return Turbo(k_bits=int(k_bits), v_bits=int(v_bits))
-    raise InvalidInputError(
-        f"unknown KV scheme {text!r}: expected plain, affine<bits>[:<group>] "
-        "(affine8, affine4:32), turbo (k8v3) or turbo-k<bits>v<bits> / turbo:k<bits>v<bits>"
-    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -251,8 +154,8 @@ class KvStorageScheme:
                     f"KV scheme {text!r}: a per-layer codec is <layer>=<codec> with an "
                     f"integer layer index (negative: from the last layer), got {override!r}"
                 )
-            layers.append((int(index), _parse_codec(codec)))
-        return cls(codec=_parse_codec(default), layers=tuple(layers), quantized_kv_start=start)
+            layers.append((int(index), parse_codec(codec)))
+        return cls(codec=parse_codec(default), layers=tuple(layers), quantized_kv_start=start)
 
     def resolve(self, layer_count: int) -> KvStorageScheme:
         """This scheme for a model of ``layer_count`` layers: negative layer indices counted

@@ -33,7 +33,7 @@ from kvrows.optimized.codecs import PlainCodec, make_codec
 from kvrows.optimized.growing import GrowingGeometry
 from kvrows.optimized.ring import RingGeometry
 from kvrows.optimized.rows import DECLARED, Storage
-from kvrows.schemes import Affine, Turbo
+from kvrows.schemes import Affine, CodecSpec
 from kvrows.validation import STEP
 
 __all__ = ["LayoutDropIn", "SerialDropIn", "encoded_copy"]
@@ -118,7 +118,7 @@ def _quantized(cache: Storage, group_size: int, bits: int) -> Storage:
     return encoded_copy(cache, spec, DECLARED[entry.name])
 
 
-def encoded_copy(cache: Storage, spec: Affine | Turbo, target: type[Storage]) -> Storage:
+def encoded_copy(cache: Storage, spec: CodecSpec, target: type[Storage]) -> Storage:
     """``cache`` (plain) held by ``target`` (its counterpart over ``spec``): every plane
     encoded whole and the host state copied, owned and evaluated; ``cache`` is unchanged.
     Each token's encoding depends on that token only, so the copy holds what ``target``

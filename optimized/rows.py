@@ -51,14 +51,7 @@ from kvrows.errors import (
     speculative_modifier_message,
     trim_past_row_message,
 )
-from kvrows.optimized.codecs import (
-    AffineCodec,
-    PlainCodec,
-    Planes,
-    TurboCodec,
-    dtype_name,
-    make_codec,
-)
+from kvrows.optimized.codecs import Codec, Planes, dtype_name, make_codec
 from kvrows.protocols import Cache, Mask
 from kvrows.schemes import CodecSpec, GeometrySpec
 from kvrows.validation import (
@@ -127,7 +120,7 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     #: The arrangement a base class implements (``Serial`` / ``Layout``).
     arrangement_kinds: ClassVar[frozenset[str]]
 
-    codec: PlainCodec | AffineCodec | TurboCodec
+    codec: Codec
     _keys: Planes | None
     _values: Planes | None
     _geometry: KvGeometry | None

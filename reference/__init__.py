@@ -2,7 +2,7 @@
 
 ``classes.py`` declares the public classes (one per landed composition), ``rows.py`` is
 the row machinery they share, ``growing.py`` and ``ring.py`` the token geometries' hooks,
-``codecs.py`` the codecs and attention, ``affine_codec.py`` ``mx.quantize`` in NumPy; ``lego.py`` the bf16-first wrappers.
+``codecs/`` the codecs (one module per kind) and attention, ``affine_codec.py`` ``mx.quantize`` in NumPy; ``lego.py`` the bf16-first wrappers.
 """
 
 from kvrows.compositions import register_compositions

@@ -20,14 +20,7 @@ import numpy.typing as npt
 from kvrows.compositions import composition
 from kvrows.errors import InvalidInputError, latent_planes_message, plain_latent_state_message
 from kvrows.latent import LatentCodec, LatentRows, encoded_codec
-from kvrows.reference.codecs import (
-    AffineCodec,
-    PlainCodec,
-    TurboCodec,
-    dtype_name,
-    make_codec,
-    numpy_dtype,
-)
+from kvrows.reference.codecs import Codec, TurboCodec, dtype_name, make_codec, numpy_dtype
 from kvrows.schemes import Plain, Turbo
 
 __all__ = ["EncodedLatentCache", "MLACache"]
@@ -83,7 +76,7 @@ class _LatentReference(LatentRows):
         self._rows: list[_Row] = []
 
     @property
-    def _codec(self) -> PlainCodec | AffineCodec | TurboCodec:
+    def _codec(self) -> Codec:
         return make_codec(self.latent_codec)
 
     @property

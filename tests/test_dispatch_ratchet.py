@@ -49,18 +49,18 @@ BASELINE: dict[str, int] = {
     "app/latent_models.py": 3,
     "app/models.py": 6,
     "app/paged_engine.py": 1,
-    "conformance/delayed.py": 17,
+    "conformance/delayed.py": 16,
     "conformance/families.py": 3,
     "conformance/latent.py": 1,
     "conformance/paged.py": 1,
     "conformance/recurrent.py": 1,
-    "kvrows/compositions.py": 11,
+    "kvrows/compositions.py": 6,
     "kvrows/delayed.py": 6,
-    "kvrows/forms.py": 26,
-    "kvrows/latent.py": 15,
-    "kvrows/lego.py": 7,
+    "kvrows/forms.py": 17,
+    "kvrows/latent.py": 14,
+    "kvrows/lego.py": 2,
     "kvrows/maintenance.py": 5,
-    "kvrows/paged_forms.py": 6,
+    "kvrows/paged_forms.py": 2,
     "kvrows/paged_latent.py": 7,
     "kvrows/paged_storage.py": 5,
     "kvrows/recurrent.py": 4,
@@ -84,7 +84,7 @@ BASELINE: dict[str, int] = {
 }
 
 #: The sum of :data:`BASELINE`: the issue's "before".
-BASELINE_TOTAL = 238
+BASELINE_TOTAL = 213
 
 ADVICE = (
     "Ask a capability instead of a type: a protocol of kvrows.protocols (HasCodec, "

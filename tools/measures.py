@@ -60,6 +60,16 @@ CODEC_MODULES = frozenset(
     }
 )
 
+#: Packages whose every module owns a codec (one module per kind: the spec in
+#: ``kvrows/codecs/``, its array work in each implementation's ``codecs/``).
+CODEC_PACKAGES = ("kvrows/codecs/", "reference/codecs/", "optimized/codecs/")
+
+
+def is_codec_module(path: str) -> bool:
+    """Whether the module at ``path`` (relative, POSIX) owns a codec."""
+    return path in CODEC_MODULES or path.startswith(CODEC_PACKAGES)
+
+
 #: Modules that own a token geometry (growing, ring) in each implementation.
 GEOMETRY_MODULES = frozenset(
     {
@@ -311,7 +321,7 @@ class Project:
                 return CODEC if ancestor.has_key else GEOMETRY
         if any(d.rpartition(".")[2] in ("dataclass", "NamedTuple") for d in info.decorators):
             return None  # a value (a composition, a scheme, a geometry of shapes, an entry)
-        if info.path in CODEC_MODULES:
+        if is_codec_module(info.path):
             return CODEC
         if info.path.split("/")[0] not in STORAGE_FOLDERS:
             return None  # a class of the app or the suite
@@ -490,11 +500,12 @@ def dispatch_sites(root: Path, project: Project | None = None) -> list[Site]:
     """Every dispatch on a codec kind or a concrete storage type (and geometry spec) in
     ``DISPATCH_FOLDERS`` outside the codec and geometry modules, sorted by file and line."""
     project = project or Project(root)
-    excluded = CODEC_MODULES | GEOMETRY_MODULES
     sites = {
         s
         for m in project.modules.values()
-        if m.path.split("/")[0] in DISPATCH_FOLDERS and m.path not in excluded
+        if m.path.split("/")[0] in DISPATCH_FOLDERS
+        and not is_codec_module(m.path)
+        and m.path not in GEOMETRY_MODULES
         for s in _sites_in(project, m)
     }
     return sorted(sites)

@@ -692,7 +692,7 @@ def _layout(codec: CodecSpec) -> Any:
         return optimized.PaddedKVRows()
     if isinstance(codec, Affine):
         return optimized.PaddedQuantKVRows(codec.group_size, codec.bits)
-    return optimized.BatchedTurboQuantKVCache(codec.k_bits, codec.v_bits)
+    return optimized.BatchedTurboQuantKVCache(**codec.parameters())
 
 
 def _decoded(codec: CodecSpec, tokens: NP, role: str) -> NP:
@@ -706,11 +706,12 @@ def _decoded(codec: CodecSpec, tokens: NP, role: str) -> NP:
         return to_numpy(
             mx.dequantize(*planes, group_size=codec.group_size, bits=codec.bits).astype(mx.float32)
         )
+    bits = codec.parameters()  # TurboQuant's k_bits, v_bits
     if role == "keys":
-        codes, scales, zeros = reference_codec.encode_keys(tokens, codec.k_bits)
-        return reference_codec.decode_keys(codes, scales, zeros, codec.k_bits)
-    packed, scales = reference_codec.encode_values(tokens, codec.v_bits)
-    return reference_codec.decode_values(packed, scales, codec.v_bits)
+        codes, scales, zeros = reference_codec.encode_keys(tokens, bits["k_bits"])
+        return reference_codec.decode_keys(codes, scales, zeros, bits["k_bits"])
+    packed, scales = reference_codec.encode_values(tokens, bits["v_bits"])
+    return reference_codec.decode_values(packed, scales, bits["v_bits"])
 
 
 class DecodeBench:

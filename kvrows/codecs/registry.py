@@ -1,0 +1,107 @@
+"""The codec registry: every codec spec kind, by its ``kind`` (``spec/contract.md`` §0.2).
+
+Each module of ``kvrows.codecs`` registers its spec with :func:`register_codec`; the
+package imports every module it holds, so a new codec is a new module and edits no
+registry. These lookups are the only place a codec kind is looked up by its name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any, ClassVar, Self, TypeGuard, TypeVar
+
+from kvrows.codec import CodecSpec, Role
+from kvrows.errors import InvalidInputError, KvRowsError
+
+__all__ = [
+    "CODECS",
+    "SpecParts",
+    "codec_from_tail",
+    "is_codec_spec",
+    "parse_codec",
+    "register_codec",
+]
+
+#: Every registered codec spec class by its ``kind``, in the order of their ``tag``s (so
+#: the order never depends on which module was imported first).
+CODECS: dict[str, type[CodecSpec]] = {}
+
+#: A codec spec class (the decorator hands the class back, its type kept).
+SpecClass = TypeVar("SpecClass", bound=type[CodecSpec])
+
+
+def register_codec(spec: SpecClass) -> SpecClass:
+    """Class decorator: register ``spec`` under its ``kind`` (a kind registers once)."""
+    kind, tag = spec.kind, spec.tag
+    if CODECS.get(kind, spec) is not spec:
+        raise KvRowsError(f"two codec specs register the kind {kind!r}")
+    if any(other.tag == tag for other in CODECS.values() if other is not spec):
+        raise KvRowsError(f"two codec specs register the tag {tag}")
+    registered: dict[str, type[CodecSpec]] = {**CODECS, kind: spec}
+    ordered = sorted(registered.items(), key=lambda item: item[1].tag)
+    CODECS.clear()
+    CODECS.update(ordered)
+    return spec
+
+
+def is_codec_spec(value: object) -> TypeGuard[CodecSpec]:
+    """Whether ``value`` is a spec of a registered codec kind."""
+    kind = getattr(type(value), "kind", None)
+    return isinstance(kind, str) and CODECS.get(kind) is type(value)
+
+
+def parse_codec(text: str) -> CodecSpec:
+    """The codec spec one scheme word names (``plain``, ``affine4:32``, ``turbo-k4v3``)."""
+    for spec in CODECS.values():
+        parsed = spec.parse(text)
+        if parsed is not None:
+            return parsed
+    raise InvalidInputError(
+        f"unknown KV scheme {text!r}: expected {', '.join(s.syntax for s in CODECS.values())}"
+    )
+
+
+def codec_from_tail(kind: str, values: Mapping[str, Any]) -> CodecSpec:
+    """The ``kind`` codec spec a saved state's tail fields (``values``) describe."""
+    spec = CODECS.get(kind)
+    if spec is None:
+        raise InvalidInputError(f"no codec of kind {kind!r}: expected one of {tuple(CODECS)}")
+    return spec.from_tail(values)
+
+
+class SpecParts:
+    """What every codec spec derives from its dataclass fields and ``state_tail``."""
+
+    state_tail: ClassVar[tuple[str, ...]]
+
+    @property
+    def key(self) -> str:
+        raise NotImplementedError
+
+    def signature_part(self) -> str:
+        return self.key
+
+    def tail(self) -> dict[str, int]:
+        values: dict[str, int] = {name: getattr(self, name) for name in self.state_tail}
+        return values
+
+    @classmethod
+    def from_tail(cls, values: Mapping[str, Any]) -> Self:
+        return cls(**{name: values[name] for name in cls.state_tail})
+
+    @classmethod
+    def from_parameters(cls, numbers: Mapping[str, Any]) -> Self:
+        return cls(**{field.name: numbers[field.name] for field in fields(cls)})  # type: ignore[arg-type]
+
+    def check_head_dim(self, dim: int) -> None:
+        return None
+
+    def check_plane_width(self, label: str, width: int, role: Role) -> None:
+        return None
+
+    def check_stored_head_dim(self, side: str, dim: int) -> None:
+        return None
+
+    def check_token_geometry(self, owner: str, token_geometry: object) -> None:
+        return None

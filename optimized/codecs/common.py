@@ -1,0 +1,44 @@
+"""What every optimized codec shares: plane dtypes and ``mx.fast`` attention."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from kvrows.errors import InvalidInputError
+
+__all__ = ["PLANE_DTYPES", "Planes", "dtype_name", "mlx_dtype", "sdpa"]
+
+Planes = tuple[mx.array, ...]
+
+_DTYPES: dict[str, mx.Dtype] = {
+    "float16": mx.float16,
+    "bfloat16": mx.bfloat16,
+    "float32": mx.float32,
+}
+
+
+def mlx_dtype(name: str) -> mx.Dtype:
+    """The MLX dtype for a dtype name."""
+    return _DTYPES[name]
+
+
+def dtype_name(array: object) -> str:
+    """``array``'s dtype name, refusing anything that is not an MLX array."""
+    if not isinstance(array, mx.array):
+        raise InvalidInputError(
+            f"the optimized implementation takes mlx arrays, got "
+            f"{type(array).__module__}.{type(array).__name__}"
+        )
+    return str(array.dtype).rsplit(".", 1)[-1]
+
+
+PLANE_DTYPES: dict[str, mx.Dtype] = {**_DTYPES, "uint8": mx.uint8, "int8": mx.int8}
+
+
+def sdpa(queries: mx.array, keys: mx.array, values: mx.array, mask: Any, scale: float) -> Any:
+    dtype = queries.dtype
+    return mx.fast.scaled_dot_product_attention(
+        queries, keys.astype(dtype), values.astype(dtype), scale=scale, mask=mask
+    )

@@ -1,0 +1,77 @@
+"""The TurboQuant codec in the reference (``spec/turbo-codec.md``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy.typing as npt
+
+from kvrows.codec import Role
+from kvrows.codecs import Turbo
+from kvrows.protocols import Mask
+from kvrows.reference import turbo_codec
+from kvrows.reference.codecs.common import Planes, ZeroPlanes, attention
+from kvrows.reference.codecs.registry import implements
+
+__all__ = ["TurboCodec", "eager_attention"]
+
+
+@implements("turbo")
+class TurboCodec(ZeroPlanes):
+    """TurboQuant (``spec/turbo-codec.md``): keys as planes ``(kIdx, kScales, kZeros)``,
+    values as ``(vPacked, vScales)``.
+
+    A read returns keys dequantized and values **still rotated**, both bfloat16 (the
+    deferred-V read); ``attend`` runs attention over them and un-rotates the output once
+    per query row. :func:`eager_attention` is the oracle that decodes V first.
+    """
+
+    spec: Turbo
+    defers_values = True
+
+    def __init__(self, spec: Turbo) -> None:
+        self.spec = spec
+        self.k_bits = spec.k_bits
+        self.v_bits = spec.v_bits
+
+    def encode(self, block: npt.NDArray[Any], role: Role = "keys") -> Planes:
+        if role == "keys":
+            return turbo_codec.encode_keys(block, self.k_bits)
+        return turbo_codec.encode_values(block, self.v_bits)
+
+    def decode(self, planes: Planes, role: Role = "keys") -> npt.NDArray[Any]:
+        """``role``'s tokens fully decoded, float32 (values un-rotated: the eager path)."""
+        if role == "keys":
+            return turbo_codec.decode_keys(planes[0], planes[1], planes[2], self.k_bits)
+        return turbo_codec.decode_values(planes[0], planes[1], self.v_bits)
+
+    def fetched(self, planes: Planes, role: Role = "keys") -> Any:
+        if role == "keys":
+            keys = turbo_codec.decode_keys(planes[0], planes[1], planes[2], self.k_bits)
+            return keys.astype(ml_dtypes.bfloat16)
+        return turbo_codec.rotated_values(planes[0], planes[1], self.v_bits).astype(
+            ml_dtypes.bfloat16
+        )
+
+    def attend(
+        self, queries: Any, keys: Any, values: Any, mask: Mask, scale: float
+    ) -> npt.NDArray[Any]:
+        """Deferred V: attention over the keys and the rotated values, then the output
+        un-rotated (float32 Hadamard, then the signs, cast back to the queries' dtype)."""
+        return turbo_codec.unrotate(attention(queries, keys, values, mask, scale))
+
+
+def eager_attention(
+    codec: TurboCodec,
+    queries: npt.NDArray[Any],
+    key_planes: Planes,
+    value_planes: Planes,
+    mask: Mask,
+    scale: float,
+) -> npt.NDArray[Any]:
+    """The eager oracle of :meth:`TurboCodec.attend`: keys and values fully decoded
+    (bfloat16, as a read returns them), then plain attention."""
+    keys = codec.decode(key_planes, "keys").astype(ml_dtypes.bfloat16)
+    values = codec.decode(value_planes, "values").astype(ml_dtypes.bfloat16)
+    return attention(queries, keys, values, mask, scale)
