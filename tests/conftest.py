@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-#: Test files whose tests take seconds to tens of seconds each (the conformance machines
-#: and the teeth runs).
-_LONG = ("test_conformance", "test_teeth")
+#: Test files whose tests take seconds to tens of seconds each (the conformance machines,
+#: the teeth runs, the pool machines and the draw-order check).
+_LONG = ("test_conformance", "test_teeth", "test_paged_pool", "test_profiles")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -27,6 +27,7 @@ from kvrows import table
 from kvrows.conformance.families import FAMILIES
 from kvrows.conformance.machines import BASE_CHECKS, machine_class
 from kvrows.conformance.parity import DIVERGENCES
+from kvrows.conformance.profiles import active_profile
 from kvrows.conformance.runner import family_settings, format_report, run_machines
 from kvrows.conformance.speculative import ACCEPTANCE, SPECULATIVE_CHECKS
 from kvrows.conformance.stats import Stats
@@ -64,9 +65,16 @@ def _cpu() -> Iterator[None]:
         yield
 
 
+#: Layouts whose CI examples (derandomized) reach every operation only with more than the
+#: family's budget (33): the plain ring extracts first at 40.
+CI_EXAMPLES = {"SpeculativeRotatingKVCache": 40}
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_speculative_family(layout: str) -> None:
     settings = family_settings(FAMILY)
+    if active_profile().name == "ci" and layout in CI_EXAMPLES:
+        settings = family_settings(FAMILY, max_examples=CI_EXAMPLES[layout])
     stats = Stats(FAMILY.name, layout)
     run_state_machine_as_test(machine_class(FAMILY, layout, stats=stats), settings=settings)
     spec = FAMILY.layout(layout)
