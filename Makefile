@@ -15,12 +15,9 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	touch $(STAMP)
 
 # Strict editable installs link the files that exist at install time, so a
-# cheap re-link runs before every target that imports the package (once: `make test`
-# tells its inner make that it has run).
+# cheap re-link runs before every target that imports the package.
 install: $(STAMP)
-ifndef KVROWS_RELINKED
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e . --config-settings editable_mode=strict >/dev/null
-endif
 
 demo: install
 	$(BIN)/kvrows demo
@@ -47,12 +44,7 @@ pytest: install
 	# every machine (set iteration order feeds some draws).
 	PYTHONHASHSEED=0 $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist worksteal
 
-# Lint first (a second; a style error stops here), then types beside the tests: mypy's one
-# busy core shares the two with pytest's workers instead of running alone before them
-# (about 10 s less on two cores). Make waits for both and fails if either fails;
-# --output-sync prints each one's output whole.
-test: lint
-	$(MAKE) --no-print-directory -j2 --output-sync=target KVROWS_RELINKED=1 typecheck pytest
+test: lint typecheck pytest
 
 conform: install
 	$(BIN)/kvrows conform --profile ci
