@@ -10,6 +10,7 @@ import pytest
 from kvrows.app import demo
 from kvrows.app.engine import Engine
 from kvrows.app.models import make_kvrows_cache, tiny_model
+from kvrows.codec import CodecSpec
 from kvrows.errors import InvalidInputError
 from kvrows.schemes import Affine, KvStorageScheme, Plain, Turbo
 
@@ -30,12 +31,13 @@ def test_negative_layer_indices_parse_and_round_trip() -> None:
     assert KvStorageScheme.parse(scheme.name) == scheme
     resolved = scheme.resolve(4)
     assert resolved.layers == ((0, Plain()), (3, Plain()))
-    assert [scheme.codec_for_layer(i, 4) for i in range(4)] == [
+    expected: list[CodecSpec] = [
         Plain(),
         Affine(bits=4, group_size=32),
         Affine(bits=4, group_size=32),
         Plain(),
     ]
+    assert [scheme.codec_for_layer(i, 4) for i in range(4)] == expected
 
 
 def test_the_caches_follow_the_resolved_layers(gemma3: Any) -> None:
@@ -79,7 +81,8 @@ def test_the_seed_per_layer_form() -> None:
     q4, q8 = Affine(bits=4, group_size=32), Affine(bits=8, group_size=64)
     scheme = KvStorageScheme.per_layer({0: q4, -1: q8}, quantized_kv_start=3)
     assert scheme == KvStorageScheme.parse("plain,0=affine4:32,-1=affine8:64@3")
-    assert [scheme.codec_for_layer(i, 3) for i in range(3)] == [q4, Plain(), q8]
+    per_layer: list[CodecSpec] = [q4, Plain(), q8]
+    assert [scheme.codec_for_layer(i, 3) for i in range(3)] == per_layer
     kept = KvStorageScheme.per_layer({0: Plain(), -1: Plain()}, default=q4)
     assert kept.codec_for_layer(1, 3) == q4 and kept.codec_for_layer(2, 3) == Plain()
     with pytest.raises(InvalidInputError, match="mapping"):
