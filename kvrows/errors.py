@@ -47,6 +47,7 @@ __all__ = [
     "latent_planes_message",
     "latent_role_message",
     "mask_message",
+    "no_array_codec_message",
     "not_a_geometry_message",
     "not_an_integer_message",
     "packed_codes_dtype_message",
@@ -151,6 +152,11 @@ EMPTY_LAYOUT_UPDATE = "an empty layout takes no update: merge rows into it first
 
 #: Every call on a layout whose speculative round failed half-way.
 SPECULATIVE_INVALID = "speculative state is invalid and must be discarded"
+
+
+def no_array_codec_message(implementation: str, kind: str) -> str:
+    """``make_codec`` of a registered codec kind the implementation has no array codec for."""
+    return f"the {implementation} has no {kind} codec yet"
 
 
 def self_merge_message(layout: str) -> str:

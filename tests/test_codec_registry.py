@@ -274,7 +274,7 @@ def test_an_array_codec_checks_head_dims_through_its_spec() -> None:
 
 def test_a_kind_without_an_array_codec_is_refused(halved: type[Halved]) -> None:
     messages = {
-        "reference": "the reference does not implement the halved-test codec yet",
+        "reference": "the reference has no halved-test codec yet",
         "optimized": "the optimized implementation has no halved-test codec yet",
     }
     for name, module in _implementations():
