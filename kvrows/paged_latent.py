@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar, TypeVar
 
 from kvrows.codec import Role, codec_plane_specs
@@ -328,17 +328,9 @@ class PagedLatentRows(LatentRows):
                 pool.ledger.ensure(pool.blocks_needed(self._tables, rows, n))
         return checked
 
-    def _spec_failing(self, step: Callable[[], _R]) -> _R:
-        """A failure inside a round invalidates the cache, but for an exhausted pool: the
-        blocks are taken before anything changes, so the round stays as it was (open,
-        before its block)."""
-        try:
-            return step()
-        except PoolExhaustedError:
-            raise
-        except BaseException:
-            self._spec_invalid = True
-            raise
+    #: An exhausted pool refuses before any block or table changes: the round stays open,
+    #: before its block (free blocks or append a shorter one, then resolve it).
+    _spec_refused_unchanged = (PoolExhaustedError,)
 
     def _ensure_pool(self, room: int = 0) -> LatentBlockPoolBase:
         """The pool, knowing the cache's widths; ``room``: the blocks the write that teaches

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -907,17 +907,9 @@ class PagedKvRowsBase(SpeculativeRounds, _PagedBase):
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
         return self._spec_append(lambda: self._update(keys, values))
 
-    def _spec_failing(self, step: Callable[[], _R]) -> _R:
-        """A failure inside a round invalidates the layout, but for an exhausted pool: it
-        refuses before any block or table changes, so the round stays as it was (open,
-        before its block: free blocks or append a shorter block, then resolve it)."""
-        try:
-            return step()
-        except PoolExhaustedError:
-            raise
-        except BaseException:
-            self._spec_invalid = True
-            raise
+    #: An exhausted pool refuses before any block or table changes: the round stays open,
+    #: before its block (free blocks or append a shorter one, then resolve it).
+    _spec_refused_unchanged = (PoolExhaustedError,)
 
     def _update(self, keys: Any, values: Any) -> tuple[Any, Any]:
         if not self._rows:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from kvrows.errors import (
     ONE_VERIFY_BLOCK,
@@ -169,9 +169,16 @@ class SpeculativeRounds:
         layout."""
         self._spec_guard("restoring state")
 
+    #: Errors a layout raises before anything in it changes, so a round they interrupt
+    #: stays usable (a paged layout's ``PoolExhaustedError``: its blocks are taken before
+    #: any table or byte moves); every other failure inside a round invalidates it.
+    _spec_refused_unchanged: ClassVar[tuple[type[BaseException], ...]] = ()
+
     def _spec_failing(self, step: Callable[[], _R]) -> _R:
         try:
             return step()
+        except self._spec_refused_unchanged:
+            raise
         except BaseException:
             self._spec_invalid = True
             raise
