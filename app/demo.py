@@ -41,6 +41,7 @@ from kvrows.app.models import (
     make_kvrows_cache,
     tiny_model,
 )
+from kvrows.codecs import is_codec_spec
 from kvrows.errors import InvalidInputError
 from kvrows.maintenance import create_kv_maintenance
 from kvrows.persist.prefix_store import PrefixStore
@@ -235,7 +236,8 @@ def check_invariance(
         getattr(cache, "codec_spec", None) or scheme.codec_for_layer(i, len(caches))
         for i, cache in enumerate(caches)
     ]
-    quantized = any(codec.kind != "plain" for codec in stored)
+    # Recurrent state (no KV codec) is stored as written: it quantizes nothing.
+    quantized = any(is_codec_spec(codec) and codec.encodes for codec in stored)
     report = InvarianceReport(
         quantized_with_rings=rings and quantized,
         tolerance=tolerance,

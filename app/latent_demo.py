@@ -59,7 +59,7 @@ class LatentRun:
 
 
 def _caches(model: Any, codec: LatentCodec, start: int) -> list[LatentCacheList]:
-    return make_latent_cache(model, None if isinstance(codec, Plain) else codec, start)
+    return make_latent_cache(model, codec if codec.encodes else None, start)
 
 
 def _joined(batch: list[LatentCacheList] | None, row: list[LatentCacheList]) -> list[Any]:

@@ -17,7 +17,7 @@ from kvrows.optimized import (
     MLACache,
     PagedLatentCache,
 )
-from kvrows.schemes import Affine, KvStorageScheme, Plain, Turbo
+from kvrows.schemes import KvStorageScheme
 
 __all__ = [
     "LATENT_ARCHITECTURES",
@@ -136,7 +136,7 @@ def make_latent_cache(model: Any, codec: LatentCodec | None = None, start: int =
     geometry = _geometry(model)
     caches: list[Any] = []
     for _ in model.layers:
-        if codec is None or isinstance(codec, Plain):
+        if codec is None or not codec.encodes:
             caches.append(_layer(MLACache(*geometry)))
         else:
             caches.append(_layer(EncodedLatentCache(*geometry, codec=codec, start=start)))
@@ -169,7 +169,7 @@ def make_paged_latent_cache(
     caches = []
     for pool in chosen:
         codec = pool.codec_spec
-        encoded = isinstance(codec, Affine | Turbo)
+        encoded = codec.encodes
         cache = PagedLatentCache(
             *geometry, pool=pool, codec=codec if encoded else None, start=start if encoded else 0
         )
@@ -187,7 +187,7 @@ def latent_caches_for_scheme(model: Any, scheme: KvStorageScheme) -> list[Any]:
     caches: list[Any] = []
     for index in range(len(model.layers)):
         codec = resolved.codec_for_layer(index)
-        if isinstance(codec, Affine | Turbo):
+        if codec.encodes:
             caches.append(_layer(EncodedLatentCache(*geometry, codec=codec, start=start)))
         else:
             caches.append(_layer(MLACache(*geometry)))

@@ -23,18 +23,15 @@ import mlx.core as mx
 
 import kvrows.optimized as kv
 from kvrows.app.hybrid import HYBRID_ARCHITECTURES, recurrent_geometry
-from kvrows.compositions import Composition, composition, serial_for_peer
-from kvrows.errors import InvalidInputError
-from kvrows.schemes import (
-    Affine,
-    CodecSpec,
-    GeometrySpec,
-    Growing,
-    KvStorageScheme,
-    Plain,
-    Ring,
-    Turbo,
+from kvrows.compositions import (
+    Composition,
+    bind_arguments,
+    composition,
+    landed,
+    serial_for_peer,
 )
+from kvrows.errors import InvalidInputError
+from kvrows.schemes import CodecSpec, GeometrySpec, KvStorageScheme, Plain
 from kvrows.validation import KvGeometry
 
 __all__ = [
@@ -125,13 +122,32 @@ def kv_geometry(model: Any) -> KvGeometry | None:
     return KvGeometry(heads=int(heads), key_dim=int(dim), value_dim=int(dim), dtype=dtype)
 
 
-def _token_geometry(entry: Composition, layer: Any) -> GeometrySpec:
-    """The token geometry of mlx-lm cache ``layer`` as the composition ``entry`` stores it."""
-    if entry.geometry == "ring":
-        return Ring(max_size=int(layer.max_size), keep=int(getattr(layer, "keep", 0)))
-    if entry.geometry == "growing":
-        return Growing()
-    raise InvalidInputError(f"{entry.name}: {entry.geometry} geometry is not implemented yet")
+def _token_geometry(entry: Composition, codec: CodecSpec, layer: Any) -> GeometrySpec:
+    """The token geometry of mlx-lm cache ``layer`` as the composition ``entry`` stores it
+    under ``codec``: the entry's parameters the codec does not give (a ring's ``max_size``
+    and ``keep``) read off the layer, which names them as mlx-lm's constructors do."""
+    given = codec.parameters()
+    numbers = {
+        name: int(getattr(layer, name))
+        for name in entry.params
+        if name not in given and hasattr(layer, name)
+    }
+    _, geometry, _ = bind_arguments(entry, (), {**numbers, "codec": codec})
+    return geometry
+
+
+def _layer_codec(codec: CodecSpec, layer: Any) -> CodecSpec:
+    """``codec``, or plain where ``codec`` refuses the layer's token geometry: TurboQuant
+    is full attention only, so a model's sliding layers stay plain rings under it."""
+    try:
+        plain = serial_for_peer(type(layer).__name__, Plain())
+    except InvalidInputError:
+        return codec  # no storage serves the layer: the codec's own lookup says so
+    try:
+        codec.check_token_geometry(plain.name, _token_geometry(plain, Plain(), layer))
+    except InvalidInputError:
+        return Plain()
+    return codec
 
 
 def _build(
@@ -170,16 +186,14 @@ def make_kvrows_cache(model: Any, scheme: KvStorageScheme | None = None) -> list
         if type(layer).__name__ in _RECURRENT_PEERS:  # recurrent state: no KV codec applies
             caches.append(kv.SSMCache(geometry=recurrent_geometry(model)))
             continue
-        codec = scheme.codec_for_layer(index)
-        if isinstance(codec, Turbo) and isinstance(layer, peer.RotatingKVCache):
-            codec = Plain()  # TurboQuant is full attention only: sliding layers stay plain
+        codec = _layer_codec(scheme.codec_for_layer(index), layer)
         try:
             entry = serial_for_peer(type(layer).__name__, codec)
         except InvalidInputError as refused:
             raise InvalidInputError(f"{_model_name(model)}, layer {index}: {refused}") from refused
-        geometry = _token_geometry(entry, layer)
-        if scheme.quantized_kv_start is not None and isinstance(codec, Affine | Turbo):
-            caches.append(_lego(codec, geometry, scheme.quantized_kv_start, declared))
+        geometry = _token_geometry(entry, codec, layer)
+        if scheme.quantized_kv_start is not None and codec.encodes:
+            caches.append(_lego(entry, codec, geometry, scheme.quantized_kv_start, declared))
         else:
             caches.append(_build(entry, codec, geometry, declared))
     return caches
@@ -210,16 +224,23 @@ def _refuse_unserved_recurrent(model: Any, template: list[Any]) -> None:
 
 
 def _lego(
-    codec: Affine | Turbo, geometry: GeometrySpec, start: int, declared: KvGeometry | None
+    entry: Composition,
+    codec: CodecSpec,
+    geometry: GeometrySpec,
+    start: int,
+    declared: KvGeometry | None,
 ) -> Any:
-    """The bf16-first storage of an affine or TurboQuant layer with a conversion boundary."""
-    if isinstance(codec, Turbo):
-        return kv.Bf16FirstTurboQuantKVCache(codec.k_bits, codec.v_bits, start, geometry=declared)
-    if isinstance(geometry, Ring):
-        return kv.Bf16FirstRotatingQuantizedKVCache(
-            geometry.max_size, codec.group_size, codec.bits, geometry.keep, start, geometry=declared
-        )
-    return kv.Bf16FirstQuantizedKVCache(codec.group_size, codec.bits, start, geometry=declared)
+    """The bf16-first storage of an encoding layer with a conversion boundary: the lego of
+    the delayed layout whose rows extract into ``entry`` (the table's serial storage), built
+    from ``entry``'s parameters by name, then ``start``."""
+    delayed = next(
+        (c for c in landed() if "delayed" in c.modifiers and c.serial == entry.name), None
+    )
+    if delayed is None:
+        raise InvalidInputError(f"{entry.name} has no bf16-first storage (quantized_kv_start)")
+    lego: Any = getattr(kv, delayed.name).lego_class
+    numbers = {**codec.parameters(), **geometry.parameters()}
+    return lego(**{name: numbers[name] for name in entry.params}, start=start, geometry=declared)
 
 
 def tiny_model(arch: str, *, seed: int = 0, vocab: int = 256) -> Any:

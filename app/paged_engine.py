@@ -25,28 +25,28 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from kvrows.codecs import CODECS, is_codec_spec
 from kvrows.errors import InvalidInputError
 from kvrows.optimized import BlockPool, PagedKVCache
 from kvrows.paged import DEFAULT_BLOCK_SIZE, chain_hashes
-from kvrows.protocols import BatchableCache, Cache, Handover, PagedRows
+from kvrows.protocols import BatchableCache, Cache, Handover, PagedRows, RingGeometry
 
 __all__ = ["PAGED_CODECS", "PagedLayers", "pageable"]
 
-#: The codec kinds a block pool stores.
-PAGED_CODECS = frozenset({"plain", "affine", "turbo"})
+#: The codec kinds a block pool stores: every registered one (a pool builds its codec
+#: from the spec through the implementation's codec registry).
+PAGED_CODECS = frozenset(CODECS)
 
 
 def pageable(cache: Any) -> bool:
-    """Whether a fresh serial cache's layer goes paged: full attention (a growing token
-    geometry) under a codec the pool stores; bf16-first legos, rings and recurrent state
-    do not."""
+    """Whether a fresh serial cache's layer goes paged: full attention (a token geometry
+    that is no sliding window) under a codec the pool stores; bf16-first legos, rings and
+    recurrent state (no KV codec) do not."""
     if isinstance(cache, Handover):
         return False
-    geometry = getattr(cache, "token_geometry", None)
+    tokens = getattr(cache, "token_geometry", None) is not None
     codec = getattr(cache, "codec_spec", None)
-    return getattr(geometry, "kind", None) == "growing" and getattr(codec, "kind", None) in (
-        PAGED_CODECS
-    )
+    return tokens and not isinstance(cache, RingGeometry) and is_codec_spec(codec)
 
 
 class PagedLayers:

@@ -7,10 +7,12 @@ from typing import Any
 
 import pytest
 
+import kvrows.optimized as kv
 from kvrows.app.demo import builtin_trace, check_invariance, follow_ups
 from kvrows.app.engine import Engine, Request
 from kvrows.app.models import tiny_model
 from kvrows.app.paged_demo import shared_prefix_trace
+from kvrows.app.paged_engine import pageable
 from kvrows.errors import InvalidInputError
 from kvrows.optimized.paged import BlockPool
 from kvrows.schemes import KvStorageScheme
@@ -91,3 +93,22 @@ def test_admission_counts_shared_prefix_blocks_once(llama: Any) -> None:
 def test_paged_refuses_a_bf16_first_start(llama: Any) -> None:
     with pytest.raises(InvalidInputError, match="paged"):
         Engine(llama, KvStorageScheme.parse("affine8@8"), paged=True)
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "paged"),
+    [
+        ("KVCache", (), True),
+        ("QuantizedKVCache", (32, 4), True),
+        ("TurboQuantKVCache", (4, 3), True),
+        ("RotatingKVCache", (8,), False),  # a sliding window
+        ("RotatingQuantizedKVCache", (8,), False),
+        ("Bf16FirstQuantizedKVCache", (), False),  # hands its storage over at the boundary
+        ("Bf16FirstTurboQuantKVCache", (), False),
+        ("SSMCache", (), False),  # recurrent state: no token axis, no KV codec
+    ],
+)
+def test_only_full_attention_kv_layers_go_paged(
+    name: str, args: tuple[int, ...], paged: bool
+) -> None:
+    assert pageable(getattr(kv, name)(*args)) is paged

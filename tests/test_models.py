@@ -11,7 +11,7 @@ import pytest
 
 import kvrows.optimized as kv
 from kvrows.app.models import ARCHITECTURES, kv_geometry, make_kvrows_cache, tiny_model
-from kvrows.schemes import Affine, KvStorageScheme, Plain
+from kvrows.schemes import Affine, CodecSpec, KvStorageScheme, Plain, Turbo
 from kvrows.table import owned_cache_layout
 
 TOLERANCE = 1e-5  # float32 models; in practice the logits are bit-identical
@@ -126,3 +126,52 @@ def test_turbo_schemes_store_full_attention_layers_only(model: Any) -> None:
             "RotatingKVCache" if isinstance(layer, peer.RotatingKVCache) else "TurboQuantKVCache"
         )
         assert type(cache).__name__ == expected
+
+
+class _SinkRingModel:
+    """A model whose ``make_cache()`` names a ring with sink tokens (``keep=2``), then a
+    full-attention layer: what the tiny models (``keep=0``) never exercise."""
+
+    layers = (None, None)
+
+    def make_cache(self) -> list[Any]:
+        return [peer.RotatingKVCache(max_size=8, keep=2), peer.KVCache()]  # type: ignore[no-untyped-call]
+
+    def parameters(self) -> dict[str, Any]:
+        return {}
+
+
+_Q4 = Affine(bits=4, group_size=32)
+_K4V3 = Turbo(k_bits=4, v_bits=3)
+
+
+@pytest.mark.parametrize(
+    ("text", "ring", "full"),
+    [
+        ("affine4:32", ("RotatingQuantizedKVCache", _Q4, None), ("QuantizedKVCache", _Q4, None)),
+        (
+            "affine4:32@5",
+            ("Bf16FirstRotatingQuantizedKVCache", _Q4, 5),
+            ("Bf16FirstQuantizedKVCache", _Q4, 5),
+        ),
+        # TurboQuant is full attention only: the ring stays a plain ring, start or not.
+        (
+            "turbo-k4v3@3",
+            ("RotatingKVCache", Plain(), None),
+            ("Bf16FirstTurboQuantKVCache", _K4V3, 3),
+        ),
+    ],
+)
+def test_layer_storages_take_the_ring_and_codec_parameters_whole(
+    text: str, ring: tuple[str, CodecSpec, int | None], full: tuple[str, CodecSpec, int | None]
+) -> None:
+    """Each layer's storage class, its ring's ``max_size`` and ``keep`` read off the
+    mlx-lm layer, its codec's parameters and its bf16-first ``start`` from the scheme."""
+    caches = make_kvrows_cache(_SinkRingModel(), KvStorageScheme.parse(text))
+    assert [type(c).__name__ for c in caches] == [ring[0], full[0]]
+    assert (caches[0].max_size, caches[0].keep) == (8, 2)
+    for cache, (_, codec, start) in zip(caches, (ring, full), strict=True):
+        if start is None:
+            assert cache.codec_spec == codec
+        else:  # a bf16-first lego: plain until ``start`` tokens, then ``codec``
+            assert (cache.quantization, cache.start) == (codec, start)

@@ -39,15 +39,23 @@ from kvrows.app.bench.runner import BenchCheckError, Case, Family, Table, Timing
 from kvrows.app.demo import solo_logits
 from kvrows.app.engine import Engine, EngineStats, Request, RequestResult, _Row
 from kvrows.app.models import make_kvrows_cache, tiny_model
+from kvrows.compositions import affine_counterpart
 from kvrows.maintenance import create_kv_maintenance
 from kvrows.protocols import BatchableCache
-from kvrows.schemes import Affine, KvStorageScheme, Plain
+from kvrows.schemes import CodecSpec, KvStorageScheme, Plain
 
 __all__ = ["SoloRun", "WholeCacheEngine", "compare", "family", "solo_run", "trace"]
 
 #: Per-row conversion against the solo run: float32 rounding of batched vs solo sums.
 TOLERANCE = 1e-4
 SCHEME = "affine4:64"
+
+
+def _converts_whole(codec: CodecSpec) -> bool:
+    """Whether mlx-lm converts a whole layer to ``codec``: a plain storage's
+    ``to_quantized`` reaches the codec of its counterpart in the composition table only."""
+    counterpart = affine_counterpart("KVCache")
+    return counterpart is not None and codec.kind == counterpart.codec
 
 
 class WholeCacheEngine(Engine):
@@ -69,8 +77,8 @@ class WholeCacheEngine(Engine):
         count = len(make_kvrows_cache(model, plain))
         self.codecs = [scheme.codec_for_layer(i, count) for i in range(count)]
 
-    def _due(self, layout: BatchableCache, codec: Any) -> bool:
-        if not isinstance(codec, Affine) or getattr(layout, "codec_spec", None) != Plain():
+    def _due(self, layout: BatchableCache, codec: CodecSpec) -> bool:
+        if not _converts_whole(codec) or getattr(layout, "codec_spec", None) != Plain():
             return False
         longest = max((int(t) for t in getattr(layout, "row_offsets", ())), default=0)
         return longest > 0 and longest >= self.convert_at
@@ -80,8 +88,8 @@ class WholeCacheEngine(Engine):
         if not layouts or layouts[0].batch_size == 0:
             return
         for index, (layout, codec) in enumerate(zip(layouts, self.codecs, strict=True)):
-            if isinstance(codec, Affine) and self._due(layout, codec):
-                layouts[index] = layout.to_quantized(codec.group_size, codec.bits)  # type: ignore[attr-defined]
+            if self._due(layout, codec):
+                layouts[index] = layout.to_quantized(**codec.parameters())  # type: ignore[attr-defined]
 
     def _join(
         self, layouts: list[BatchableCache], rows: list[_Row], *, prefill: bool
@@ -90,7 +98,7 @@ class WholeCacheEngine(Engine):
         # and every joining row (mlx-lm holds one cache per layer, one codec for all rows).
         held = bool(layouts) and layouts[0].batch_size > 0
         for index, codec in enumerate(self.codecs):
-            if not isinstance(codec, Affine):
+            if not _converts_whole(codec):
                 continue
             members = [row.caches[index] for row in rows]
             if held:
@@ -98,11 +106,11 @@ class WholeCacheEngine(Engine):
             if not any(getattr(m, "codec_spec", None) == codec for m in members):
                 continue
             if held and getattr(layouts[index], "codec_spec", None) == Plain():
-                layouts[index] = layouts[index].to_quantized(codec.group_size, codec.bits)  # type: ignore[attr-defined]
+                layouts[index] = layouts[index].to_quantized(**codec.parameters())  # type: ignore[attr-defined]
             for row in rows:
                 if getattr(row.caches[index], "codec_spec", None) == Plain():
                     row.caches[index] = row.caches[index].to_quantized(  # type: ignore[attr-defined]
-                        codec.group_size, codec.bits
+                        **codec.parameters()
                     )
         made = super()._join(layouts, rows, prefill=prefill)
         self._convert(made)

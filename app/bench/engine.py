@@ -139,9 +139,12 @@ def _case(model: Any, trace: list[Request], max_batch: int, chunk: int) -> Case:
     return Case(f"engine max batch {max_batch}", workloads, lines, key=max_batch)
 
 
+#: The scheme whose greedy tokens must be mlx-lm's: the default one, storing the
+#: activations as they are.
+EXACT_SCHEME = KvStorageScheme().name
 #: The schemes the serving trace runs kvrows under (mlx-lm's BatchGenerator batches plain
 #: caches only: its side is always plain).
-SERVING_SCHEMES = ("plain", "affine8", "affine4", "turbo")
+SERVING_SCHEMES = (EXACT_SCHEME, "affine8", "affine4", "turbo")
 
 
 def _serving_case(
@@ -160,9 +163,9 @@ def _serving_case(
     def check(name: str) -> Callable[[Tokens], None]:
         def checked(tokens: Tokens) -> None:
             seen[name] = tokens
-            pair = {"mlx-lm", "plain"}
-            if name in pair and pair <= set(seen) and seen["mlx-lm"] != seen["plain"]:
-                differ = sorted(r for r in tokens if seen["mlx-lm"][r] != seen["plain"][r])
+            pair = {"mlx-lm", EXACT_SCHEME}
+            if name in pair and pair <= set(seen) and seen["mlx-lm"] != seen[EXACT_SCHEME]:
+                differ = sorted(r for r in tokens if seen["mlx-lm"][r] != seen[EXACT_SCHEME][r])
                 raise BenchCheckError(f"plain greedy tokens differ from mlx-lm's for {differ}")
 
         return checked
@@ -207,8 +210,8 @@ def _serving_case(
             if ours is None or theirs is None:
                 continue
             same = "-"
-            if scheme == "plain" and "plain" in seen and "mlx-lm" in seen:
-                same = str(seen["plain"] == seen["mlx-lm"])
+            if scheme == EXACT_SCHEME and EXACT_SCHEME in seen and "mlx-lm" in seen:
+                same = str(seen[EXACT_SCHEME] == seen["mlx-lm"])
             out.append(
                 [
                     str(max_batch),
@@ -295,7 +298,7 @@ def family(
     serving_chunk = 64 if quick else 512
     outputs = (2, 4, 8) if quick else (16, 32, 64)
     rows = serving_batches or ((2,) if quick else (16, 1))
-    chosen = tuple(schemes or (("plain", "affine4") if quick else SERVING_SCHEMES))
+    chosen = tuple(schemes or ((EXACT_SCHEME, "affine4") if quick else SERVING_SCHEMES))
     summary: dict[str, ServingMetrics] = {}
 
     def model() -> Any:

@@ -69,7 +69,9 @@ __all__ = [
 ]
 
 OPERATIONS = ("merge", "filter", "extract", "join", "decode")
-IMPLS = ("paged", "contiguous", "mlx-lm")
+#: The implementations a case times, by their column label (labels, not geometry kinds).
+PAGED, CONTIGUOUS, MLX_LM = "paged", "contiguous", "mlx-lm"
+IMPLS = (PAGED, CONTIGUOUS, MLX_LM)
 BLOCK_SIZE = 16
 
 
@@ -134,7 +136,7 @@ def _merge(impl: str, rows: Sequence[Any]) -> Any:
         batch = lm_cache.BatchKVCache.merge(list(rows))
         mx.eval(batch.keys, batch.values, batch.offset, batch.left_padding)
         return batch
-    layout = PagedKvRows() if impl == "paged" else optimized.PaddedKVRows()
+    layout = PagedKvRows() if impl == PAGED else optimized.PaddedKVRows()
     layout.merge_rows(list(rows))
     mx.eval(layout.held_arrays())
     return layout
@@ -291,7 +293,7 @@ def shape_cases(shape: PagedShape) -> Iterator[Case]:
 
         def checked(result: Any) -> None:
             check(result)
-            if impl == "paged":
+            if impl == PAGED:
                 check_equal(f"{op} paged bytes moved", result[1], paged_moved[op])
 
         return Workload(op, impl, shape, copied[op], setup, run, checked)

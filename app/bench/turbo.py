@@ -59,20 +59,14 @@ from kvrows.app.bench.runner import (
     to_numpy,
 )
 from kvrows.app.models import tiny_model
-from kvrows.codec import TURBO_GROUP, codec_token_bytes
-from kvrows.compositions import serial_for_peer
+from kvrows.codec import TURBO_GROUP, Codec, Role, codec_token_bytes
+from kvrows.compositions import composition, serial_for_peer
 from kvrows.optimized import turbo_codec as optimized_codec
-from kvrows.optimized.codecs import TurboCodec, eager_attention, make_codec
+from kvrows.optimized.codecs import make_codec
+from kvrows.optimized.codecs.common import sdpa
+from kvrows.reference import codecs as reference_codecs
 from kvrows.reference import turbo_codec as reference_codec
-from kvrows.schemes import (
-    TURBO_VALUE_BITS,
-    Affine,
-    CodecSpec,
-    Growing,
-    KvStorageScheme,
-    Plain,
-    Turbo,
-)
+from kvrows.schemes import TURBO_VALUE_BITS, CodecSpec, Growing, KvStorageScheme
 from kvrows.turbo_tables import BOUNDARIES, CENTROIDS
 
 __all__ = [
@@ -325,6 +319,23 @@ def _serial(codec: CodecSpec) -> Any:
     return getattr(optimized, entry.name).from_specs(codec, Growing())
 
 
+def _defers_values(codec: CodecSpec) -> bool:
+    """Whether ``codec``'s reads hold values its attention finishes (TurboQuant's rotated
+    values): the codecs with an eager path to measure the deferred one against."""
+    return make_codec(codec).defers_values
+
+
+def _eager_attention(
+    codec: Codec, queries: mx.array, key_planes: Any, value_planes: Any, mask: Any, scale: float
+) -> mx.array:
+    """The eager oracle of ``codec.attend``: keys and values fully decoded (bfloat16, as a
+    read returns them), then SDPA."""
+    keys = codec.decode(key_planes, "keys").astype(mx.bfloat16)
+    values = codec.decode(value_planes, "values").astype(mx.bfloat16)
+    out: mx.array = sdpa(queries, keys, values, mask, scale)
+    return out
+
+
 def _stored_bytes(cache: Any) -> int:
     held = cache.planes()
     planes = [*held[0], *held[1]] if isinstance(held[0], tuple) else [*held]
@@ -546,12 +557,10 @@ def _layer_attention(codec: CodecSpec, layer: LayerRecord) -> tuple[mx.array, fl
     cache.update_and_fetch(layer.keys, layer.values)
     out = optimized.attend(layer.queries, cache, layer.mask, layer.scale)
     gap = None
-    if isinstance(codec, Turbo):
+    if _defers_values(codec):
         key_planes, value_planes = cache.planes()
-        turbo_codec = make_codec(codec)
-        assert isinstance(turbo_codec, TurboCodec)
-        eager = eager_attention(
-            turbo_codec, layer.queries, key_planes, value_planes, layer.mask, layer.scale
+        eager = _eager_attention(
+            make_codec(codec), layer.queries, key_planes, value_planes, layer.mask, layer.scale
         )
         gap = float(np.array(mx.max(_relative(out, eager))))
     return out, gap
@@ -587,7 +596,7 @@ def quality_run(
         attention_max=float(error.max()),
         seconds=seconds,
         plain_logit_diff=(
-            float(np.abs(logits - record.logits).max()) if isinstance(scheme.codec, Plain) else None
+            float(np.abs(logits - record.logits).max()) if not scheme.codec.encodes else None
         ),
         deferred_vs_eager=max(gaps) if gaps else None,
     )
@@ -687,31 +696,22 @@ def _softmax(x: NP) -> NP:
 
 
 def _layout(codec: CodecSpec) -> Any:
-    """The decode layout a batch of ``codec`` rows runs in."""
-    if isinstance(codec, Plain):
-        return optimized.PaddedKVRows()
-    if isinstance(codec, Affine):
-        return optimized.PaddedQuantKVRows(codec.group_size, codec.bits)
-    return optimized.BatchedTurboQuantKVCache(**codec.parameters())
+    """The decode layout a batch of ``codec`` rows runs in: the decode role of its serial
+    full-attention storage in the composition table."""
+    roles = serial_for_peer("KVCache", codec).roles
+    if roles is None:
+        raise ValueError(f"no decode layout batches {codec.name} rows")
+    decode = composition(roles.decode)
+    return getattr(optimized, decode.name).from_specs(codec, Growing())
 
 
-def _decoded(codec: CodecSpec, tokens: NP, role: str) -> NP:
+def _decoded(codec: CodecSpec, tokens: NP, role: Role) -> NP:
     """``tokens`` ``[H, T, D]`` as ``codec`` gives them back, float32 (the oracle's input):
-    plain as they are, affine through ``mx.dequantize``, TurboQuant through the NumPy
-    reference codec (values fully decoded)."""
-    if isinstance(codec, Plain):
-        return tokens.astype(np.float32)
-    if isinstance(codec, Affine):
-        planes = mx.quantize(mx.array(tokens), group_size=codec.group_size, bits=codec.bits)
-        return to_numpy(
-            mx.dequantize(*planes, group_size=codec.group_size, bits=codec.bits).astype(mx.float32)
-        )
-    bits = codec.parameters()  # TurboQuant's k_bits, v_bits
-    if role == "keys":
-        codes, scales, zeros = reference_codec.encode_keys(tokens, bits["k_bits"])
-        return reference_codec.decode_keys(codes, scales, zeros, bits["k_bits"])
-    packed, scales = reference_codec.encode_values(tokens, bits["v_bits"])
-    return reference_codec.decode_values(packed, scales, bits["v_bits"])
+    encoded and decoded by the NumPy reference codec (affine as ``mx.dequantize`` gives
+    it, TurboQuant's values fully decoded)."""
+    oracle = reference_codecs.make_codec(codec)
+    decoded: NP = np.asarray(oracle.decode(oracle.encode(tokens, role), role), np.float32)
+    return decoded
 
 
 class DecodeBench:
@@ -771,7 +771,7 @@ class DecodeBench:
                 out = optimized.attend(queries, state[0], state[1], scale)
                 mx.eval(out)
                 return out
-        elif impl == "eager" and isinstance(codec, Turbo):
+        elif impl == "eager" and _defers_values(codec):
 
             def run(state: tuple[Any, Any]) -> Any:
                 keys, rotated = state[0].fetch()
@@ -828,7 +828,7 @@ def _decode_cases(shape: Shape, storages: Sequence[str]) -> Iterator[Case]:
     """One case: every storage's step timed together (interleaved), so the ratios compare
     timings taken under the same machine state."""
     bench = DecodeBench(shape)
-    eager = next((s for s in storages if isinstance(_codec(s), Turbo)), None)
+    eager = next((s for s in storages if _defers_values(_codec(s))), None)
     workloads = {f"attend {s}": bench.workload(s, "attend") for s in storages}
     if eager is not None:
         workloads[f"eager {eager}"] = bench.workload(eager, "eager")
