@@ -30,8 +30,8 @@ from kvrows.errors import (
     not_a_geometry_message,
     not_an_integer_message,
 )
+from kvrows.geometries import GEOMETRIES, GeometrySpec, is_geometry_spec
 from kvrows.protocols import BatchableCache
-from kvrows.schemes import GeometrySpec, Growing, Ring
 from kvrows.table import own_empty_batch, register_row_layouts
 from kvrows.validation import KvGeometry
 
@@ -331,7 +331,7 @@ def bind_arguments(
             raise InvalidInputError(f"{entry.name} cannot be built from {codec_spec!r}")
         implied.update(codec_spec.parameters())
     if geometry_spec is not None:
-        if not isinstance(geometry_spec, Growing | Ring):
+        if not is_geometry_spec(geometry_spec):
             raise InvalidInputError(f"{entry.name} cannot be built from {geometry_spec!r}")
         implied.update(geometry_spec.parameters())
     clash = sorted(set(values) & set(implied))
@@ -352,7 +352,7 @@ def bind_arguments(
         geometry_spec = _geometry_spec(entry, numbers)
     if not is_codec_spec(codec_spec) or codec_spec.kind != entry.codec:
         raise InvalidInputError(f"{entry.name} stores the {entry.codec} codec, got {codec_spec!r}")
-    if not isinstance(geometry_spec, Growing | Ring) or geometry_spec.kind != entry.geometry:
+    if not is_geometry_spec(geometry_spec) or geometry_spec.kind != entry.geometry:
         raise InvalidInputError(
             f"{entry.name} has {entry.geometry} geometry, got {geometry_spec!r}"
         )
@@ -369,11 +369,12 @@ def codec_spec_for(entry: Composition, numbers: Mapping[str, int]) -> CodecSpec:
 
 
 def _geometry_spec(entry: Composition, numbers: Mapping[str, int]) -> GeometrySpec:
-    if entry.geometry == "ring":
-        return Ring(max_size=numbers["max_size"], keep=numbers["keep"])
-    if entry.geometry == "growing":
-        return Growing()
-    raise InvalidInputError(f"{entry.name} ({entry.geometry} geometry) is not implemented yet")
+    """``entry``'s geometry spec from its parameters (``numbers``: the geometry's
+    ``parameters()``, extra keys ignored)."""
+    geometry = GEOMETRIES.get(entry.geometry)
+    if geometry is None:
+        raise InvalidInputError(f"{entry.name} ({entry.geometry} geometry) is not implemented yet")
+    return geometry.from_parameters(numbers)
 
 
 def _role_factory(classes: Mapping[str, type], role: str) -> Callable[[Any], BatchableCache]:

@@ -55,6 +55,7 @@ from kvrows.errors import (
     self_merge_message,
 )
 from kvrows.forms import DELAYED_PLAIN, delayed_state, parse_delayed_state
+from kvrows.geometries import is_geometry_spec
 from kvrows.lego import (
     Bf16First,
     ConversionBoundary,
@@ -242,7 +243,8 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
         self._token_geometry = token_geometry
         self._start = start
         self._declared = geometry
-        self._full_attention = isinstance(token_geometry, Growing)
+        # Rows right-aligned with a position record, unless each row wraps from column 0.
+        self._full_attention = is_geometry_spec(token_geometry) and not token_geometry.wraps
         self._clear()
 
     def _clear(self) -> None:
