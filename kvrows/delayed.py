@@ -407,7 +407,7 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
         (rings hold at most ``max_size`` positions of either)."""
         count = as_count(tokens, "tokens")
         plain, affine = self._groups
-        cap = self._token_geometry.parameters().get("max_size")
+        cap = self._token_geometry.cap()
         geometry = self.geometry
         if count < self._start:
             return row_bytes(plain.codec, geometry, count, cap)
@@ -436,7 +436,11 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
             "left_pad": self._positions(self._pads if self._full_attention else []),
             "prefilling": self._prefilling,
             "composed": self._compose is not None,
-            "keep": self._token_geometry.parameters().get("keep", 0),
+            # What the groups' layout forms omit (a ring's keep).
+            **{
+                name: self._token_geometry.parameters()[name]
+                for name in self._token_geometry.layout_form_omits
+            },
         }
         plain, affine = (group.state for group in self._groups)
         return delayed_state(self.composition, plain, affine, record)
