@@ -17,9 +17,10 @@ each coming class plugs in, registered by nobody yet.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal, TypeAlias
 
 from kvrows.codec import CodecSpec
@@ -291,7 +292,23 @@ def layouts_of(serial: str) -> tuple[Composition, ...]:
     return tuple(sorted(rows, key=lambda c: (c.name != decode, order.get(c.arrangement, 2))))
 
 
-_DEFAULTS: dict[str, int] = {"group_size": 64, "bits": 8, "keep": 0, "k_bits": 8, "v_bits": 3}
+def _defaults(entry: Composition) -> dict[str, Any]:
+    """The parameters ``entry``'s codec and geometry specs default (affine's ``bits`` 8,
+    ``group_size`` 64; a ring's ``keep`` 0): each spec's own dataclass defaults."""
+    specs = (CODECS.get(entry.codec), GEOMETRIES.get(entry.geometry))
+    return {
+        name: value for spec in specs if spec is not None for name, value in _spec_defaults(spec)
+    }
+
+
+@functools.cache
+def _spec_defaults(spec: type) -> tuple[tuple[str, Any], ...]:
+    # Cached per class: a constructor binds its arguments on every call.
+    return tuple(
+        (spec_field.name, spec_field.default)
+        for spec_field in fields(spec)
+        if spec_field.default is not MISSING
+    )
 
 
 def bind_arguments(
@@ -337,7 +354,7 @@ def bind_arguments(
     clash = sorted(set(values) & set(implied))
     if clash:
         raise InvalidInputError(f"{entry.name} got {', '.join(clash)} twice (argument and spec)")
-    given: dict[str, object] = {**_DEFAULTS, **implied, **values}
+    given: dict[str, object] = {**_defaults(entry), **implied, **values}
     numbers: dict[str, int] = {}
     for name in entry.params:
         if name not in given:

@@ -174,6 +174,17 @@ def test_a_new_geometry_module_plugs_in(strided: type[Strided]) -> None:
     assert geometry_from_fields(STRIDED_SERIAL, {"offset": 3, "span": 6}) == spec
 
 
+def test_a_new_geometry_s_defaults_are_its_own(strided: type[Strided]) -> None:
+    # A preset left without the parameter takes the spec's default (span 4), as a ring's
+    # keep defaults to 0 and affine's bits to 8.
+    assert bind_arguments(STRIDED_SERIAL, (), {})[1] == Strided(span=4)
+    codec, built, _ = bind_arguments(STRIDED_LAYOUT, (), {"span": 5})
+    assert (codec, built) == (Affine(bits=8, group_size=64), Strided(span=5))
+    assert bind_arguments(composition("RotatingKVCache"), (6,), {})[1] == Ring(max_size=6)
+    with pytest.raises(InvalidInputError, match="RotatingKVCache needs max_size"):
+        bind_arguments(composition("RotatingKVCache"), (), {})
+
+
 def test_a_new_geometry_s_saved_rows_are_read_as_growing_ones(strided: type[Strided]) -> None:
     # It does not wrap: a layout's row b holds columns [left_padding[b], idx).
     keys = np.array([[[[1.0], [2.0], [3.0]]], [[[0.0], [4.0], [5.0]]]])  # [B, H, T, D]
