@@ -17,9 +17,10 @@ each coming class plugs in, registered by nobody yet.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal, TypeAlias
 
 from kvrows.codec import CodecSpec
@@ -30,8 +31,8 @@ from kvrows.errors import (
     not_a_geometry_message,
     not_an_integer_message,
 )
+from kvrows.geometries import GEOMETRIES, GeometrySpec, is_geometry_spec
 from kvrows.protocols import BatchableCache
-from kvrows.schemes import GeometrySpec, Growing, Ring
 from kvrows.table import own_empty_batch, register_row_layouts
 from kvrows.validation import KvGeometry
 
@@ -291,7 +292,23 @@ def layouts_of(serial: str) -> tuple[Composition, ...]:
     return tuple(sorted(rows, key=lambda c: (c.name != decode, order.get(c.arrangement, 2))))
 
 
-_DEFAULTS: dict[str, int] = {"group_size": 64, "bits": 8, "keep": 0, "k_bits": 8, "v_bits": 3}
+def _defaults(entry: Composition) -> dict[str, Any]:
+    """The parameters ``entry``'s codec and geometry specs default (affine's ``bits`` 8,
+    ``group_size`` 64; a ring's ``keep`` 0): each spec's own dataclass defaults."""
+    specs = (CODECS.get(entry.codec), GEOMETRIES.get(entry.geometry))
+    return {
+        name: value for spec in specs if spec is not None for name, value in _spec_defaults(spec)
+    }
+
+
+@functools.cache
+def _spec_defaults(spec: type) -> tuple[tuple[str, Any], ...]:
+    # Cached per class: a constructor binds its arguments on every call.
+    return tuple(
+        (spec_field.name, spec_field.default)
+        for spec_field in fields(spec)
+        if spec_field.default is not MISSING
+    )
 
 
 def bind_arguments(
@@ -331,13 +348,13 @@ def bind_arguments(
             raise InvalidInputError(f"{entry.name} cannot be built from {codec_spec!r}")
         implied.update(codec_spec.parameters())
     if geometry_spec is not None:
-        if not isinstance(geometry_spec, Growing | Ring):
+        if not is_geometry_spec(geometry_spec):
             raise InvalidInputError(f"{entry.name} cannot be built from {geometry_spec!r}")
         implied.update(geometry_spec.parameters())
     clash = sorted(set(values) & set(implied))
     if clash:
         raise InvalidInputError(f"{entry.name} got {', '.join(clash)} twice (argument and spec)")
-    given: dict[str, object] = {**_DEFAULTS, **implied, **values}
+    given: dict[str, object] = {**_defaults(entry), **implied, **values}
     numbers: dict[str, int] = {}
     for name in entry.params:
         if name not in given:
@@ -352,7 +369,7 @@ def bind_arguments(
         geometry_spec = _geometry_spec(entry, numbers)
     if not is_codec_spec(codec_spec) or codec_spec.kind != entry.codec:
         raise InvalidInputError(f"{entry.name} stores the {entry.codec} codec, got {codec_spec!r}")
-    if not isinstance(geometry_spec, Growing | Ring) or geometry_spec.kind != entry.geometry:
+    if not is_geometry_spec(geometry_spec) or geometry_spec.kind != entry.geometry:
         raise InvalidInputError(
             f"{entry.name} has {entry.geometry} geometry, got {geometry_spec!r}"
         )
@@ -369,11 +386,12 @@ def codec_spec_for(entry: Composition, numbers: Mapping[str, int]) -> CodecSpec:
 
 
 def _geometry_spec(entry: Composition, numbers: Mapping[str, int]) -> GeometrySpec:
-    if entry.geometry == "ring":
-        return Ring(max_size=numbers["max_size"], keep=numbers["keep"])
-    if entry.geometry == "growing":
-        return Growing()
-    raise InvalidInputError(f"{entry.name} ({entry.geometry} geometry) is not implemented yet")
+    """``entry``'s geometry spec from its parameters (``numbers``: the geometry's
+    ``parameters()``, extra keys ignored)."""
+    geometry = GEOMETRIES.get(entry.geometry)
+    if geometry is None:
+        raise InvalidInputError(f"{entry.name} ({entry.geometry} geometry) is not implemented yet")
+    return geometry.from_parameters(numbers)
 
 
 def _role_factory(classes: Mapping[str, type], role: str) -> Callable[[Any], BatchableCache]:

@@ -55,6 +55,7 @@ from kvrows.errors import (
     self_merge_message,
 )
 from kvrows.forms import DELAYED_PLAIN, delayed_state, parse_delayed_state
+from kvrows.geometries import is_geometry_spec
 from kvrows.lego import (
     Bf16First,
     ConversionBoundary,
@@ -242,7 +243,8 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
         self._token_geometry = token_geometry
         self._start = start
         self._declared = geometry
-        self._full_attention = isinstance(token_geometry, Growing)
+        # Rows right-aligned with a position record, unless each row wraps from column 0.
+        self._full_attention = is_geometry_spec(token_geometry) and not token_geometry.wraps
         self._clear()
 
     def _clear(self) -> None:
@@ -405,7 +407,7 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
         (rings hold at most ``max_size`` positions of either)."""
         count = as_count(tokens, "tokens")
         plain, affine = self._groups
-        cap = self._token_geometry.parameters().get("max_size")
+        cap = self._token_geometry.cap()
         geometry = self.geometry
         if count < self._start:
             return row_bytes(plain.codec, geometry, count, cap)
@@ -434,7 +436,11 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
             "left_pad": self._positions(self._pads if self._full_attention else []),
             "prefilling": self._prefilling,
             "composed": self._compose is not None,
-            "keep": self._token_geometry.parameters().get("keep", 0),
+            # What the groups' layout forms omit (a ring's keep).
+            **{
+                name: self._token_geometry.parameters()[name]
+                for name in self._token_geometry.layout_form_omits
+            },
         }
         plain, affine = (group.state for group in self._groups)
         return delayed_state(self.composition, plain, affine, record)

@@ -50,8 +50,8 @@ from kvrows.errors import (
     not_an_integer_message,
     ring_state_index_message,
 )
+from kvrows.geometries import GEOMETRIES, GeometrySpec
 from kvrows.latent import LATENT_FIELDS, PAGED_LATENT_FIELDS
-from kvrows.schemes import GeometrySpec, Growing, Ring
 from kvrows.validation import FLOAT_DTYPES, KvGeometry
 
 __all__ = [
@@ -85,16 +85,9 @@ __all__ = [
 #: The version of kvrows' saved-state format. A file from a newer version is refused.
 FORMAT_VERSION = 1
 
-_SERIAL = {
-    "growing": ("keys", "values", "offset"),
-    "ring": ("keys", "values", "offset", "keep", "max_size", "idx"),
-}
-_LAYOUT = {
-    "growing": ("keys", "values", "offset", "left_padding", "idx"),
-    "ring": (
-        "keys", "values", "offset", "left_padding", "max_size", "total", "idx", "rotated",
-    ),
-}  # fmt: skip
+#: A storage's planes: its form starts with them; the geometry's fields follow
+#: (``GeometrySpec.serial_fields`` / ``layout_fields``), then the codec's tail.
+_PLANES = ("keys", "values")
 _RECURRENT = ("conv", "recurrent", "offset")
 #: Paged storages (any codec): the logical KV, compact, then what rebuilds block tables
 #: (``kvrows.paged_forms``; ``codec``: the codec's name).
@@ -161,12 +154,11 @@ def delayed_groups(entry: Composition) -> tuple[Composition, Composition]:
 def _delayed_form(entry: Composition) -> StateForm:
     """Each group's fields (prefixed ``plain.`` / ``affine.``), then the row record."""
     plain, affine = (state_form(group).fields for group in delayed_groups(entry))
-    ring = ("keep",) if entry.geometry == "ring" else ()
     fields = (
         *(f"plain.{name}" for name in plain),
         *(f"affine.{name}" for name in affine),
         *_DELAYED_RECORD,
-        *ring,
+        *_layout_form_omits(entry),
     )
     return StateForm(entry.name, fields, entry.name)
 
@@ -185,7 +177,12 @@ def state_form(entry: Composition) -> StateForm:
         return StateForm(entry.name, PAGED_LATENT_FIELDS, entry.name)  # kvrows.paged_latent
     if entry.geometry == "paged" and entry.is_landed:
         return StateForm(entry.name, _PAGED[entry.is_layout], entry.name)
-    fields = (_LAYOUT if entry.is_layout else _SERIAL).get(entry.geometry)
+    geometry = GEOMETRIES.get(entry.geometry)
+    fields = (
+        None
+        if geometry is None
+        else _PLANES + (geometry.layout_fields if entry.is_layout else geometry.serial_fields)
+    )
     codec = CODECS.get(entry.codec)  # its fields append the codec's tail
     tail = None if codec is None else codec.state_tail
     # A speculative layout outside a round holds what its unmodified layout holds.
@@ -242,10 +239,24 @@ def codec_from_fields(entry: Composition, values: Mapping[str, Any]) -> CodecSpe
 def geometry_from_fields(
     entry: Composition, values: Mapping[str, Any], *, keep: int | None = None
 ) -> GeometrySpec:
-    """The token geometry a state describes (a ring layout's ``keep`` comes from outside)."""
-    if entry.geometry != "ring":
-        return Growing()
-    return Ring(max_size=values["max_size"], keep=values.get("keep", keep or 0))
+    """The token geometry a state describes (a ring layout's ``keep`` comes from outside:
+    its form omits it)."""
+    return _geometry_of(entry).from_fields({"keep": keep or 0, **values})
+
+
+def _geometry_of(entry: Composition) -> type[GeometrySpec]:
+    """The spec class of ``entry``'s token geometry (``UnsupportedStateError`` for a
+    geometry whose form is not the registered geometries' rule)."""
+    geometry = GEOMETRIES.get(entry.geometry)
+    if geometry is None:
+        raise UnsupportedStateError(f"{entry.name} has no {entry.geometry} geometry spec")
+    return geometry
+
+
+def _layout_form_omits(entry: Composition) -> tuple[str, ...]:
+    """The geometry parameters a delayed layout's record carries: its groups' layout
+    forms omit them (a ring's ``keep``)."""
+    return _geometry_of(entry).layout_form_omits
 
 
 #: A head dim every codec stores (``plane_counts`` only counts its planes).
@@ -398,13 +409,14 @@ def rows_of_state(
     token axis (``np.concatenate`` / ``mx.concatenate`` with ``axis=2``)."""
     if "delayed" in entry.modifiers:
         return _delayed_rows(entry, values, concat)
+    wraps = _geometry_of(entry).wraps  # columns in buffer order, from the write index
     keys, vals = _planes(values["keys"]), _planes(values["values"])
     if not entry.is_layout:
         offset = values["offset"]
         if keys is None or vals is None:
             return []
         held = min(offset, int(keys[0].shape[2]))
-        if entry.geometry == "ring":
+        if wraps:
             idx, sink = values["idx"], values["keep"]
             if not 0 <= idx <= held:
                 raise InvalidInputError(ring_state_index_message(idx, held))
@@ -427,11 +439,11 @@ def rows_of_state(
         return [(None, None, max(0, o)) for o in offsets]
     if int(keys[0].shape[0]) != len(offsets):
         raise InvalidInputError(f"state keys hold {keys[0].shape[0]} rows, offsets {len(offsets)}")
-    if entry.geometry != "ring" and not 0 <= idx <= int(keys[0].shape[2]):
+    if not wraps and not 0 <= idx <= int(keys[0].shape[2]):
         raise InvalidInputError(
             f"state idx {idx} outside the {int(keys[0].shape[2])} columns its planes hold"
         )
-    if entry.geometry == "ring":
+    if wraps:
         keys = chronological(keys, idx, values["rotated"], keep, concat)
         vals = chronological(vals, idx, values["rotated"], keep, concat)
         active, limit = int(keys[0].shape[2]), values["max_size"]
@@ -547,7 +559,7 @@ def delayed_state(
     """A delayed layout's state: its groups' states, then its record (``start``,
     ``converted_at`` with ``DELAYED_PLAIN`` for plain rows, ``left_pad``, ``prefilling``,
     ``composed``, a ring's ``keep``; arrays as the implementation makes them)."""
-    names = (*_DELAYED_RECORD, *(("keep",) if entry.geometry == "ring" else ()))
+    names = (*_DELAYED_RECORD, *_layout_form_omits(entry))
     return (*plain_state, *affine_state, *(record[name] for name in names))
 
 
@@ -571,12 +583,13 @@ def parse_delayed_state(
     record (full attention: one pad per row, the smallest 0; rings: none). ``keep``, when
     given, must be the state's."""
     form = state_form(entry)
+    omitted = _layout_form_omits(entry)
     if not isinstance(state, Sequence) or isinstance(state, str | bytes):
         raise InvalidInputError(f"{entry.name} state must be a tuple {form.fields}, got {state!r}")
     if len(state) != len(form.fields):
         raise InvalidInputError(
             f"{entry.name} state has {len(form.fields)} fields (its plain group's, its affine "
-            f"group's, then {form.fields[-len(_DELAYED_RECORD) - (entry.geometry == 'ring') :]}), "
+            f"group's, then {form.fields[-len(_DELAYED_RECORD) - len(omitted) :]}), "
             f"got {len(state)}"
         )
     plain_entry, affine_entry = delayed_groups(entry)
@@ -617,7 +630,7 @@ def parse_delayed_state(
                 f"{start}, outside a prefill: it would have converted"
             )
     pads = _ints(raw["left_pad"], "left_pad")
-    if entry.geometry == "growing":
+    if not _geometry_of(entry).wraps:  # rows right-aligned: the record holds their pads
         if len(pads) != len(converted) or (pads and min(pads) != 0):
             raise InvalidInputError(
                 f"{entry.name} state: left_pad {pads} must hold one pad >= 0 per row "
@@ -634,12 +647,12 @@ def parse_delayed_state(
         "prefilling": prefilling,
         "composed": _flag("composed", raw["composed"]),
     }
-    if entry.geometry == "ring":
-        record["keep"] = _integer("keep", raw["keep"])
-        if keep is not None and keep != record["keep"]:
-            raise InvalidInputError(
-                f"{entry.name} state: keep {record['keep']}, but {keep} was asked for"
-            )
+    for name in omitted:
+        record[name] = _integer(name, raw[name])
+    if "keep" in omitted and keep is not None and keep != record["keep"]:
+        raise InvalidInputError(
+            f"{entry.name} state: keep {record['keep']}, but {keep} was asked for"
+        )
     return DelayedParts(plain, affine, plain_state, affine_state, record)
 
 

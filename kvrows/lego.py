@@ -28,6 +28,7 @@ from typing import Any, ClassVar, TypeAlias
 from kvrows.codec import CodecSpec
 from kvrows.codecs import is_codec_spec
 from kvrows.errors import InvalidInputError, not_a_geometry_message
+from kvrows.geometries import is_geometry_spec
 from kvrows.protocols import RowAttention, TimeOrderedReads
 from kvrows.schemes import Affine, GeometrySpec, Growing, Plain, Ring, Turbo
 from kvrows.validation import KvGeometry, as_count
@@ -185,7 +186,7 @@ class Bf16First(ConversionBoundary):
         start: int,
         geometry: KvGeometry | None = None,
     ) -> None:
-        if not isinstance(token_geometry, Growing | Ring):
+        if not is_geometry_spec(token_geometry) or not token_geometry.token_axis:
             raise InvalidInputError(
                 f"{type(self).__name__} takes a Growing() or Ring(...) token geometry, "
                 f"got {token_geometry!r}"

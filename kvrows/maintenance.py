@@ -30,9 +30,10 @@ from typing import Any
 
 from kvrows.delayed import delayed_layout_for
 from kvrows.errors import InvalidInputError
+from kvrows.geometries import is_geometry_spec
 from kvrows.lego import Bf16First
 from kvrows.protocols import AppendLimited
-from kvrows.schemes import Affine, KvStorageScheme, Plain, Ring, Turbo
+from kvrows.schemes import Affine, KvStorageScheme, Plain, Turbo
 
 __all__ = ["KvMaintenance", "create_kv_maintenance"]
 
@@ -88,7 +89,7 @@ class KvMaintenance:
         for index, cache in enumerate(caches):
             if isinstance(cache, Bf16First):
                 layout_class = delayed_layout_for(cache)
-                if isinstance(cache.token_geometry, Ring):
+                if cache.token_geometry.wraps:
                     ring_rows = layout_class.plain_group_class
                 made.append(
                     (
@@ -126,9 +127,14 @@ def _plain_serial_ring(cache: Any) -> bool:
     """A plain serial ring storage of kvrows (not a layout, not mlx-lm's)."""
     return (
         getattr(cache, "codec_spec", None) == Plain()
-        and isinstance(getattr(cache, "token_geometry", None), Ring)
+        and _wraps(getattr(cache, "token_geometry", None))
         and not hasattr(cache, "row_offsets")
     )
+
+
+def _wraps(token_geometry: object) -> bool:
+    """A geometry whose rows wrap (a ring): its layers share the model's sliding mask."""
+    return is_geometry_spec(token_geometry) and token_geometry.wraps
 
 
 def _caches(caches: Sequence[Any]) -> list[Any]:

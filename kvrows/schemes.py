@@ -1,7 +1,8 @@
 """Storage schemes as data: the codec axis and the token-geometry axis, as frozen specs.
 
-The codec specs live one per module in ``kvrows.codecs`` (re-exported here, so every
-``from kvrows.schemes import Affine`` keeps working); the geometry specs live here.
+The codec specs live one per module in ``kvrows.codecs``, the geometry specs one per
+module in ``kvrows.geometries`` (both re-exported here, so every ``from kvrows.schemes
+import Affine, Ring`` keeps working).
 
 A *codec spec* says how one token's vector is stored (``Plain()``, ``Affine(bits=…,
 group_size=…)``, ``Turbo(k_bits=…, v_bits=…)``); a *geometry spec* says how the token axis
@@ -19,11 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar, TypeAlias
 
 from kvrows.codec import CodecSpec
 from kvrows.codecs import TURBO_KEY_BITS, TURBO_VALUE_BITS, Affine, Plain, Turbo, parse_codec
 from kvrows.errors import InvalidInputError
+from kvrows.geometries import GeometrySpec, Growing, Ring
 from kvrows.validation import as_count
 
 __all__ = [
@@ -38,46 +39,6 @@ __all__ = [
     "Ring",
     "Turbo",
 ]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Growing:
-    """Full attention: the token axis grows with every append."""
-
-    kind: ClassVar[str] = "growing"
-
-    def parameters(self) -> dict[str, int]:
-        return {}
-
-
-@dataclass(frozen=True, kw_only=True)
-class Ring:
-    """Sliding window of ``max_size`` positions, the first ``keep`` of them sink tokens.
-
-    A row's first ``keep`` positions (mlx-lm's ``keep``, StreamingLLM's attention sinks)
-    are never evicted; the window slides over the rest, so a row holds its sinks and its
-    newest ``max_size - keep`` other positions (``spec/RotatingKVCache.md`` §1).
-    ``0 <= keep < max_size``.
-    """
-
-    max_size: int
-    keep: int = 0
-    kind: ClassVar[str] = "ring"
-
-    def __post_init__(self) -> None:
-        size = as_count(self.max_size, "max_size", minimum=1)
-        keep = as_count(self.keep, "keep")
-        if keep >= size:
-            raise InvalidInputError(
-                f"keep (sink tokens) must be smaller than max_size: got keep={keep}, "
-                f"max_size={size}; expected 0 <= keep < max_size"
-            )
-
-    def parameters(self) -> dict[str, int]:
-        return {"max_size": self.max_size, "keep": self.keep}
-
-
-GeometrySpec: TypeAlias = Growing | Ring
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -223,7 +223,8 @@ def make_axis(spec: GeometrySpec) -> TokenAxis:
     from kvrows.reference.ring import RingAxis
     from kvrows.schemes import Growing
 
-    return GrowingAxis(spec) if isinstance(spec, Growing) else RingAxis(spec)
+    # The union became a protocol (kvrows.geometries): what is not growing is a ring here.
+    return GrowingAxis(spec) if isinstance(spec, Growing) else RingAxis(cast(Ring, spec))
 
 
 def _image(

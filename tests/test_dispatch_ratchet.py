@@ -45,12 +45,12 @@ BASELINE: dict[str, int] = {
     "conformance/latent.py": 1,
     "conformance/paged.py": 1,
     "conformance/recurrent.py": 1,
-    "kvrows/compositions.py": 6,
-    "kvrows/delayed.py": 6,
-    "kvrows/forms.py": 17,
+    "kvrows/compositions.py": 2,
+    "kvrows/delayed.py": 5,
+    "kvrows/forms.py": 8,
     "kvrows/latent.py": 14,
-    "kvrows/lego.py": 2,
-    "kvrows/maintenance.py": 5,
+    "kvrows/lego.py": 1,
+    "kvrows/maintenance.py": 3,
     "kvrows/paged_forms.py": 2,
     "kvrows/paged_latent.py": 7,
     "kvrows/paged_storage.py": 5,
@@ -75,7 +75,7 @@ BASELINE: dict[str, int] = {
 }
 
 #: The sum of :data:`BASELINE`: the issue's "before".
-BASELINE_TOTAL = 185
+BASELINE_TOTAL = 168
 
 ADVICE = (
     "Ask a capability instead of a type: a protocol of kvrows.protocols (HasCodec, "
@@ -154,6 +154,19 @@ SYNTHETIC = {
         def parse(spec):
             return isinstance(spec, Plain)  # a codec module: not counted
     """,
+    "kvrows/geometries/chunked.py": """
+        from dataclasses import dataclass
+        from typing import ClassVar
+
+        from kvrows.schemes import Ring
+
+        @dataclass(frozen=True)
+        class Chunked:
+            kind: ClassVar[str] = "chunked"
+
+        def place(spec):
+            return isinstance(spec, Ring) or spec.kind == "chunked"  # a geometry module: not counted
+    """,
     "kvrows/protocols.py": """
         from typing import Protocol
 
@@ -199,6 +212,7 @@ SYNTHETIC = {
 
         from kvrows import reference as ref
         from kvrows.errors import BadInput
+        from kvrows.geometries.chunked import Chunked
         from kvrows.protocols import HasCodec
         from kvrows.reference.codecs import PlainCodec
         from kvrows.reference.rows import Storage
@@ -228,6 +242,7 @@ SYNTHETIC = {
             either = Plain | Affine | Ring  # site: codec
             m = type(cache) in (Storage, ref.RowLayout)  # site: storage
             n = entry.name.startswith("affine")  # site: codec
+            o = isinstance(spec, Chunked)  # site: geometry-spec
             match entry.geometry:
                 case "ring":  # site: geometry-spec
                     pass
@@ -242,7 +257,7 @@ SYNTHETIC = {
                 type(cache) is type(spec),
                 "plain" == "plain",
                 cache.name == "reference",
-                a, b, c, d, e, f, g, h, i, j, k, m, n, tails, allowed, either,
+                a, b, c, d, e, f, g, h, i, j, k, m, n, o, tails, allowed, either,
             )
     """,
     "tests/test_engine.py": """
@@ -310,7 +325,7 @@ def _marked(root: Path) -> list[tuple[str, int, str]]:
 
 def test_the_detector_finds_each_marked_site_and_nothing_else(synthetic: Path) -> None:
     found = [(s.path, s.line, s.category) for s in measures.dispatch_sites(synthetic)]
-    assert len(_marked(synthetic)) == 19
+    assert len(_marked(synthetic)) == 20
     assert sorted(found) == _marked(synthetic)
 
 

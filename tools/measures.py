@@ -42,8 +42,8 @@ PACKAGES = {
 #: ``tests/`` and ``benchmarks/`` may name concrete classes: they test them.
 DISPATCH_FOLDERS = ("kvrows", "reference", "optimized", "app", "persist", "conformance")
 
-#: Modules that own a codec: its spec (and CLI parsing: ``kvrows/schemes.py`` holds the
-#: codec and geometry specs and parses them), parameters, tables and array work. A
+#: Modules that own a codec: its spec (and CLI parsing: ``kvrows/schemes.py`` re-exports
+#: the codec and geometry specs and parses schemes), parameters, tables and array work. A
 #: dispatch on codec kinds belongs here and nowhere else.
 CODEC_MODULES = frozenset(
     {
@@ -79,6 +79,20 @@ GEOMETRY_MODULES = frozenset(
         "optimized/ring.py",
     }
 )
+
+#: Packages whose every module owns a token geometry (one module per kind: the spec and
+#: the registry in ``kvrows/geometries/``, the hooks in each implementation's
+#: ``geometries/``).
+GEOMETRY_PACKAGES = ("kvrows/geometries/", "reference/geometries/", "optimized/geometries/")
+
+#: The package of the geometry specs (their classes are specs, not storage types).
+GEOMETRY_SPEC_PACKAGE = "kvrows/geometries/"
+
+
+def is_geometry_module(path: str) -> bool:
+    """Whether the module at ``path`` (relative, POSIX) owns a token geometry."""
+    return path in GEOMETRY_MODULES or path.startswith(GEOMETRY_PACKAGES)
+
 
 #: Folders whose classes are storages, layouts, their geometries, mixins and modifiers.
 STORAGE_FOLDERS = ("kvrows", "reference", "optimized")
@@ -323,6 +337,8 @@ class Project:
             return None  # a value (a composition, a scheme, a geometry of shapes, an entry)
         if is_codec_module(info.path):
             return CODEC
+        if info.path.startswith(GEOMETRY_SPEC_PACKAGE):
+            return GEOMETRY  # the registry's base of the specs (hooks are storage types)
         if info.path.split("/")[0] not in STORAGE_FOLDERS:
             return None  # a class of the app or the suite
         return STORAGE
@@ -505,7 +521,7 @@ def dispatch_sites(root: Path, project: Project | None = None) -> list[Site]:
         for m in project.modules.values()
         if m.path.split("/")[0] in DISPATCH_FOLDERS
         and not is_codec_module(m.path)
-        and m.path not in GEOMETRY_MODULES
+        and not is_geometry_module(m.path)
         for s in _sites_in(project, m)
     }
     return sorted(sites)
