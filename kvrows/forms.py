@@ -409,7 +409,10 @@ def rows_of_state(
     token axis (``np.concatenate`` / ``mx.concatenate`` with ``axis=2``)."""
     if "delayed" in entry.modifiers:
         return _delayed_rows(entry, values, concat)
-    wraps = _geometry_of(entry).wraps  # columns in buffer order, from the write index
+    # Columns in buffer order, from the write index. A paged entry's geometry is a
+    # placement, not a registered geometry (yet: step 3): its rows are growing ones.
+    geometry = GEOMETRIES.get(entry.geometry)
+    wraps = geometry is not None and geometry.wraps
     keys, vals = _planes(values["keys"]), _planes(values["values"])
     if not entry.is_layout:
         offset = values["offset"]
