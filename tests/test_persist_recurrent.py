@@ -20,9 +20,9 @@ from kvrows.conformance.arrays import from_mlx, to_mlx
 from kvrows.errors import CorruptStateError
 from kvrows.forms import state_form
 from kvrows.persist.prompt_cache import load_prompt_cache, save_prompt_cache
-from kvrows.recurrent import RecurrentGeometry
+from kvrows.recurrent import StateShapes
 
-GEOMETRY = RecurrentGeometry((3, 12), "bfloat16", (2, 4, 8))
+GEOMETRY = StateShapes.from_v1((3, 12), "bfloat16", (2, 4, 8))
 
 
 @pytest.fixture(autouse=True)

@@ -26,7 +26,7 @@ from kvrows.errors import (
     SpeculativeRoundError,
 )
 from kvrows.optimized import recurrent as opt_rec
-from kvrows.recurrent import RecurrentGeometry
+from kvrows.recurrent import StateShapes
 from kvrows.reference import recurrent as ref_rec
 from kvrows.table import owned_cache_layout, prefill_cache_layout, publish_row, target_cache_layout
 
@@ -334,11 +334,12 @@ def test_state_round_trip_and_corrupt_states(impl: str) -> None:
         assert back.signature() == cache.signature()
     conv, state, offset = layout.state
     for bad in (
-        (conv, state),
+        (offset,),  # no plane
+        (conv, state),  # the last field is the offsets: a plane is not one count per row
         (conv, None, offset),
         (conv, state[:2], offset),
         (conv, state, [1, 2]),
-        (conv[..., :1, :, :] if False else conv[:, :, None], state, offset),
+        (conv[:, 0, 0], state, offset),  # a plane without a per-row axis
     ):
         with pytest.raises(InvalidInputError):
             type(layout).from_state(bad)
@@ -347,7 +348,7 @@ def test_state_round_trip_and_corrupt_states(impl: str) -> None:
 @pytest.mark.parametrize("impl", IMPLS)
 def test_table_roles_and_geometry(impl: str) -> None:
     side = Side(impl)
-    g = RecurrentGeometry((K - 1, C), "bfloat16", (HV, DV, DK))
+    g = StateShapes.from_v1((K - 1, C), "bfloat16", (HV, DV, DK))
     serial = side.module.SSMCache(geometry=g)
     for role in (owned_cache_layout, prefill_cache_layout, target_cache_layout):
         layout: Any = role(serial)
