@@ -797,6 +797,11 @@ class RecurrentLayout(RecurrentRows):
                 raise LayoutStateError("a source in a padded run cannot be merged: finalize it")
             sources.append(source)
         kinds = list(self._kinds)
+        if not self._offsets and all(kind is None for kind in kinds):
+            # A layout with no rows and no shapes (the table's roles build one from an
+            # unwritten row: SSMCache(n).geometry is None) takes the sources' plane
+            # count, as mlx-lm's ArraysCache.merge takes the first cache's.
+            kinds = [None] * len(sources[0]._kinds)
         for source in sources:
             if len(source._kinds) != len(kinds):
                 raise IncompatibleRowsError(

@@ -491,3 +491,18 @@ def test_plane_count_errors_change_nothing(impl: str) -> None:
         partial = side.module.SSMCache(3)
         partial[0] = three[0]
         partial.advance(1)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_table_roles_take_rows_of_any_plane_count(impl: str) -> None:
+    """Each table role's layout for an unwritten ``SSMCache(n)`` (its geometry unknown)
+    takes that row and written ones, as mlx-lm's ``ArraysCache.merge`` takes the first
+    cache's plane count; a layout that knows its planes still refuses another count."""
+    side = Side(impl)
+    for role in (owned_cache_layout, prefill_cache_layout, target_cache_layout):
+        layout: Any = role(side.module.SSMCache(3))
+        layout.merge_rows([side.module.SSMCache(3), _written(side, RWKV, 1, 5, 2)])
+        assert layout.row_offsets == (0, 2) and layout.geometry == RWKV
+        layout.check_valid()
+        with pytest.raises(IncompatibleRowsError, match="plane counts: 3 vs 1"):
+            layout.merge_rows([side.module.SSMCache(1)])
