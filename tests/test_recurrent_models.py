@@ -532,3 +532,27 @@ def test_left_padded_batch_logits_match_mlx_lm(arch: str) -> None:
     tokens = mx.array([[5, 6, 7]])
     assert _same(model(tokens, cache=ours_row), model(tokens, cache=their_row))
     assert _same_planes(ours_row, their_row)
+
+
+def test_arrays_cache_models_through_mlx_lm_batch_generator(
+    arrays_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mlx-lm's ``BatchGenerator`` (right-padded prefill chunks, ``merge`` of serial
+    caches, ``CacheList.merge`` for baichuan_m1, joins and retirements) on kvrows caches:
+    mlx-lm's tokens, and each finished row's planes bit for bit."""
+    theirs = _run_generator(arrays_model)
+    padded: list[int] = []
+    original = RecurrentRows.prepare
+
+    def counting(self: RecurrentRows, **kwargs: Any) -> None:
+        if kwargs.get("lengths") is not None and len(set(kwargs["lengths"])) > 1:
+            padded.append(1)
+        original(self, **kwargs)
+
+    monkeypatch.setattr(RecurrentRows, "prepare", counting)
+    ours = _run_generator(arrays_model, caches=[make_kvrows_cache(arrays_model) for _ in PROMPTS])
+    assert padded, "ragged prompt chunks must have reached the recurrent layouts"
+    assert ours["tokens"] == theirs["tokens"]
+    assert [len(t) for t in ours["tokens"]] == MAX_TOKENS
+    for mine, peers in zip(ours["caches"], theirs["caches"], strict=True):
+        assert _same_planes(mine, peers)
