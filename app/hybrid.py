@@ -14,7 +14,7 @@ from typing import Any
 import mlx.core as mx
 
 from kvrows.errors import InvalidInputError
-from kvrows.recurrent import RecurrentGeometry
+from kvrows.recurrent import StateShapes
 
 __all__ = [
     "HYBRID_ARCHITECTURES",
@@ -100,7 +100,7 @@ def tiny_hybrid_model(arch: str, *, seed: int = 0, vocab: int = 256) -> Any:
     return model
 
 
-def recurrent_geometry(model: Any) -> RecurrentGeometry | None:
+def recurrent_geometry(model: Any) -> StateShapes | None:
     """The planes every recurrent layer of ``model`` holds, from its config: gated
     DeltaNet (``linear_*`` fields: conv ``(K - 1, 2 * Hk * Dk + Hv * Dv)`` in the
     activation dtype, recurrent ``(Hv, Dv, Dk)`` float32); ``None`` where the config does
@@ -125,7 +125,7 @@ def recurrent_geometry(model: Any) -> RecurrentGeometry | None:
     hv, hk = int(args.linear_num_value_heads), int(args.linear_num_key_heads)
     dk, dv = int(args.linear_key_head_dim), int(args.linear_value_head_dim)
     kernel = int(args.linear_conv_kernel_dim)
-    return RecurrentGeometry((kernel - 1, 2 * hk * dk + hv * dv), dtype, (hv, dv, dk), "float32")
+    return StateShapes.from_v1((kernel - 1, 2 * hk * dk + hv * dv), dtype, (hv, dv, dk), "float32")
 
 
 class _RecordingLayer:

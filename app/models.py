@@ -181,10 +181,21 @@ def make_kvrows_cache(model: Any, scheme: KvStorageScheme | None = None) -> list
     declared = kv_geometry(model)
     scheme = scheme.resolve(len(template))  # negative layer indices count from the last
     caches: list[Any] = []
-    _refuse_unserved_recurrent(model, template)  # before anything is built
-    for index, layer in enumerate(template):
+    declared_state = recurrent_geometry(model)
+    # mlx-lm's CacheList (baichuan_m1: an ArraysCache(2) and a KV cache per layer): each
+    # part is served as that layer's, then grouped back into a CacheList.
+    parts = [
+        (index, part)
+        for index, layer in enumerate(template)
+        for part in (layer.caches if type(layer).__name__ == "CacheList" else (layer,))
+    ]
+    for index, layer in parts:
         if type(layer).__name__ in _RECURRENT_PEERS:  # recurrent state: no KV codec applies
-            caches.append(kv.SSMCache(geometry=recurrent_geometry(model)))
+            # mlx-lm's ArraysCache(size=n): n planes of any rank (the config declares the
+            # shapes of gated DeltaNet's two; other layers' are learnt at the first write).
+            planes = len(getattr(layer, "cache", ())) or None
+            fits = declared_state is not None and len(declared_state.planes) == planes
+            caches.append(kv.SSMCache(planes, geometry=declared_state if fits else None))
             continue
         codec = _layer_codec(scheme.codec_for_layer(index), layer)
         try:
@@ -196,7 +207,13 @@ def make_kvrows_cache(model: Any, scheme: KvStorageScheme | None = None) -> list
             caches.append(_lego(entry, codec, geometry, scheme.quantized_kv_start, declared))
         else:
             caches.append(_build(entry, codec, geometry, declared))
-    return caches
+    served = iter(caches)
+    return [
+        peer.CacheList(*(next(served) for _ in layer.caches))  # type: ignore[no-untyped-call]
+        if type(layer).__name__ == "CacheList"
+        else next(served)
+        for layer in template
+    ]
 
 
 def _model_name(model: Any) -> str:
@@ -204,23 +221,6 @@ def _model_name(model: Any) -> str:
     name = getattr(getattr(model, "args", None), "model_type", None)
     name = name or getattr(model, "model_type", None)
     return str(name or type(model).__module__.rsplit(".", 1)[-1])
-
-
-def _refuse_unserved_recurrent(model: Any, template: list[Any]) -> None:
-    """Refuse, up front, a recurrent layer ``SSMCache`` cannot hold: it takes exactly two
-    planes (conv ``[B, K-1, C]``, recurrent ``[B, ...]``), so an ``ArraysCache`` of
-    another size (lfm2: 1, rwkv7: 3, kimi_linear: 4, bailing_moe_linear: 1) would
-    otherwise fail inside the model's first forward with a message about planes."""
-    for index, layer in enumerate(template):
-        if type(layer).__name__ not in _RECURRENT_PEERS:
-            continue
-        planes = len(getattr(layer, "cache", ()))
-        if planes != 2:
-            raise InvalidInputError(
-                f"{_model_name(model)}, layer {index}: no kvrows storage serves mlx-lm "
-                f"{type(layer).__name__}(size={planes}): SSMCache holds exactly two planes "
-                "(conv [B, K-1, C], recurrent [B, ...]); run this model on mlx-lm's own caches"
-            )
 
 
 def _lego(

@@ -6,13 +6,16 @@ key columns and attention outputs); it keeps the base machine's discipline and i
 pieces: the same ``Stats`` counters, implementations (``Impl``), tolerance table, and the
 same bad-input rule (both implementations raise the same error with the same message,
 and nothing changes). Each example draws a geometry (activation dtype, conv kernel, key
-and value heads and dims) and a gated DeltaNet layer; the layer (each implementation's
-``gated_delta_forward``) writes the planes, as mlx-lm's layers do.
+and value heads and dims) and a layer that writes the planes, as mlx-lm's layers do:
+gated DeltaNet (each implementation's ``gated_delta_forward``: conv and recurrent
+planes), or a toy layer over 1 to 4 planes of ranks 2 to 4 in drawn dtypes
+(``plane_state_forward``: mlx-lm's ``ArraysCache(size=n)`` of any shape).
 
 Oracles, after every rule that touched something:
 
 * **reference vs optimized**: conv planes byte-identical (they are copied inputs),
-  recurrent planes and the layer's outputs within the recurrent tolerance;
+  recurrent planes and the layer's outputs within the recurrent tolerance; the toy
+  layer's planes byte-identical (one float32 rounding and one cast per step);
 * **solo replay**: every row of a layout (extracted) byte-identical to the serial cache
   that saw only that row's real tokens (padded runs, joins, filters, rolled-back rounds),
   in each implementation;
@@ -25,7 +28,9 @@ Oracles, after every rule that touched something:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -49,6 +54,7 @@ from kvrows.errors import (
     RowIndexError,
     SpeculativeRoundError,
 )
+from kvrows.recurrent import StateShapes
 from kvrows.table import owned_cache_layout, prefill_cache_layout, publish_row, target_cache_layout
 
 __all__ = ["RECURRENT_CHECKS", "RecurrentMachine"]
@@ -74,7 +80,8 @@ _DTYPES = ("bfloat16", "float16", "float32")
 
 @dataclass(frozen=True)
 class Geometry:
-    """One example's layer: activation dtype, conv kernel, heads and dims."""
+    """One example's layer: activation dtype, conv kernel, heads and dims (gated
+    DeltaNet), or the toy layer's planes (``shapes``)."""
 
     dtype: str
     kernel: int
@@ -82,16 +89,34 @@ class Geometry:
     key_dim: int
     value_heads: int
     value_dim: int
+    #: The toy layer's planes; ``None``: gated DeltaNet's conv and recurrent planes.
+    shapes: StateShapes | None = None
 
     @property
     def channels(self) -> int:
+        if self.shapes is not None:  # the toy layer reads one input per plane element
+            return max(math.prod(shape) for shape, _ in self.shapes.planes)
         return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
 
+    @property
+    def planes(self) -> int:
+        return 2 if self.shapes is None else len(self.shapes.planes)
+
     def describe(self) -> str:
+        if self.shapes is not None:
+            return f"{self.dtype} toy layer, {self.shapes.describe()}"
         return (
             f"{self.dtype} K={self.kernel} Hk={self.key_heads} Dk={self.key_dim} "
             f"Hv={self.value_heads} Dv={self.value_dim}"
         )
+
+
+def _plane_shapes(count: int) -> st.SearchStrategy[StateShapes]:
+    """``count`` planes, each of rank 2 to 4 with the row axis (per-row rank 1 to 3)."""
+    shape = st.integers(1, 3).flatmap(lambda r: st.lists(st.integers(1, 3), min_size=r, max_size=r))
+    plane = st.tuples(shape.map(tuple), st.sampled_from(_DTYPES))
+    planes = st.lists(plane, min_size=count, max_size=count)
+    return planes.map(lambda ps: StateShapes(planes=tuple(ps)))
 
 
 @dataclass
@@ -159,8 +184,15 @@ class RecurrentMachine(RuleBasedStateMachine):
             value_heads=key_heads * data.draw(st.sampled_from((1, 2)), label="ratio"),
             value_dim=data.draw(st.sampled_from((4, 8)), label="value dim"),
         )
-        self.geo = geo
         self._rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+        count = data.draw(st.integers(0, 4), label="toy layer planes (0: gated DeltaNet)")
+        if count:
+            geo = dataclasses.replace(geo, shapes=data.draw(_plane_shapes(count), label="planes"))
+        self.geo = geo
+        self.stats.op("layer:gated delta" if geo.shapes is None else f"layer:{geo.planes} planes")
+        if geo.shapes is not None:
+            for shape, _ in geo.shapes.planes:
+                self.stats.op(f"plane rank {len(shape) + 1}")
         note(f"geometry: {geo.describe()}")
         self.stats.variant(geo.dtype)
         from kvrows.optimized import recurrent as opt_rec
@@ -178,6 +210,12 @@ class RecurrentMachine(RuleBasedStateMachine):
             "reference": lambda cache, *xs: ref_rec.gated_delta_forward(ref_params, cache, *xs),
             "optimized": lambda cache, *xs: opt_rec.gated_delta_forward(opt_params, cache, *xs),
         }
+        shapes = geo.shapes
+        if shapes is not None:
+            self._layers = {
+                "reference": lambda cache, x: ref_rec.plane_state_forward(shapes, cache, x),
+                "optimized": lambda cache, x: opt_rec.plane_state_forward(shapes, cache, x),
+            }
 
     def teardown(self) -> None:
         if self.geo is not None:
@@ -189,13 +227,21 @@ class RecurrentMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ helpers
     def _new(self, impl: Impl, name: str) -> Any:
-        return impl.cls(name)()
+        """An empty cache of ``name`` with the example's plane count (``ArraysCache(n)``)."""
+        assert self.geo is not None
+        return impl.cls(name)(self.geo.planes)
 
-    def _inputs(self, rows: int, n: int) -> tuple[Array, Array, Array]:
+    def _lm_new(self) -> Any:
+        assert self.geo is not None
+        return _lm_cache().ArraysCache(self.geo.planes)
+
+    def _inputs(self, rows: int, n: int) -> tuple[Array, ...]:
         g = self.geo
         assert g is not None
         dtype = np.dtype(_numpy_dtype(g.dtype))
         qkv = self._rng.standard_normal((rows, n, g.channels)).astype(dtype)
+        if g.shapes is not None:
+            return (qkv,)
         a = self._rng.standard_normal((rows, n, g.value_heads)).astype(dtype)
         b = self._rng.standard_normal((rows, n, g.value_heads)).astype(dtype)
         return qkv, a, b
@@ -218,12 +264,13 @@ class RecurrentMachine(RuleBasedStateMachine):
         if self.enforce:
             assert ok, f"{what}: {quantity} differs by {error} ({tol.describe()})"
 
-    def _planes(self, cache: Any) -> tuple[Array, Array] | None:
-        conv, state = cache[0], cache[1]
-        if conv is None:
-            assert state is None, "one plane without the other"
+    def _planes(self, cache: Any) -> tuple[Array, ...] | None:
+        assert self.geo is not None
+        planes = [cache[i] for i in range(self.geo.planes)]
+        if planes[0] is None:
+            assert all(p is None for p in planes), "some planes without the others"
             return None
-        return _numpy(conv), _numpy(state)
+        return tuple(_numpy(p) for p in planes)
 
     def _same_planes(self, what: str, got: Any, want: Any, quantity: str) -> None:
         a, b = self._planes(got), self._planes(want)
@@ -232,15 +279,24 @@ class RecurrentMachine(RuleBasedStateMachine):
                 f"{what}: planes held by one side only"
             )
             return
-        self._compare(quantity, f"{what} conv", a[0], b[0])
-        self._compare(quantity, f"{what} recurrent", a[1], b[1])
+        assert len(a) == len(b), f"{what}: {len(a)} planes vs {len(b)}"
+        for i, (mine, theirs) in enumerate(zip(a, b, strict=True)):
+            self._compare(quantity, f"{what} state.{i}", mine, theirs)
 
     def _ref_vs_opt(self, what: str, ref: Any, opt: Any) -> None:
+        assert self.geo is not None
         a, b = self._planes(ref), self._planes(opt)
         assert (a is None) == (b is None), f"{what}: planes held by one implementation only"
         if a is not None and b is not None:
-            self._compare("state.conv", f"{what} conv", b[0], a[0])
-            self._compare("state.recurrent", f"{what} recurrent", b[1], a[1])
+            # gated DeltaNet: copied inputs, then float32 recurrence (another reduction
+            # order); the toy layer: one rounding and one cast per step, exact
+            quantities = (
+                ("state.conv", "state.recurrent")
+                if self.geo.shapes is None
+                else ("state.conv",) * len(a)
+            )
+            for i, (quantity, mine, theirs) in enumerate(zip(quantities, b, a, strict=True)):
+                self._compare(quantity, f"{what} state.{i}", mine, theirs)
         self.stats.check("reference vs optimized")
 
     # ------------------------------------------------------------------ oracles
@@ -285,7 +341,7 @@ class RecurrentMachine(RuleBasedStateMachine):
             next(self._ids),
             self._new(self.ref_impl, "SSMCache"),
             self._new(self.opt_impl, "SSMCache"),
-            _lm_cache().ArraysCache(2),
+            self._lm_new(),
         )
         self.pool.append(row)
 
@@ -313,7 +369,7 @@ class RecurrentMachine(RuleBasedStateMachine):
         table: Any = build(serial)
         assert type(table).__name__ == "BatchedSSMCache" and table.batch_size == 0, role
         self.stats.check("table roles")
-        return impl.new("BatchedSSMCache")
+        return self._new(impl, "BatchedSSMCache")
 
     @precondition(lambda self: bool(self.pool) and len(self.groups) < 2)
     @rule(data=st.data())
@@ -422,7 +478,7 @@ class RecurrentMachine(RuleBasedStateMachine):
         if keep:
             group.lm.filter(mx.array(keep, dtype=mx.int32))
         else:
-            group.lm = _lm_cache().ArraysCache(2)
+            group.lm = self._lm_new()
         group.rows = [group.rows[b] for b in keep]
         if group.rows and max(r.tokens for r in group.rows) < longest:
             self.stats.op("filter:longest left")
@@ -440,7 +496,7 @@ class RecurrentMachine(RuleBasedStateMachine):
             group.ref.extract_row(b),
             group.opt.extract_row(b),
             # mlx-lm's extract subscripts every plane (None before the first write)
-            group.lm.extract(b) if group.lm[0] is not None else _lm_cache().ArraysCache(2),
+            group.lm.extract(b) if group.lm[0] is not None else self._lm_new(),
             solo.tokens,
         )
         for impl, got, want in (("reference", row.ref, solo.ref), ("optimized", row.opt, solo.opt)):
@@ -554,9 +610,18 @@ class RecurrentMachine(RuleBasedStateMachine):
 
         conv_bad = np.zeros((batch, g.kernel, g.channels), dtype)
         state_bad = np.zeros((batch, g.value_heads, g.value_dim, g.key_dim + 1), np.float32)
+        if g.shapes is not None:  # each plane one longer on its first per-row axis
+            (first, first_dtype), (last, last_dtype) = g.shapes.planes[0], g.shapes.planes[-1]
+            conv_bad = np.zeros((batch, first[0] + 1, *first[1:]), _numpy_dtype(first_dtype))
+            state_bad = np.zeros((batch, last[0] + 1, *last[1:]), _numpy_dtype(last_dtype))
+        past = g.planes
         cases: list[tuple[str, Callable[[Impl, Any], object], type[KvRowsError]]] = [
             ("trim", lambda impl, c: c.trim(1), NotTrimmableError),
-            ("plane index 2", lambda i, c: c.__setitem__(2, give(i, conv_bad)), InvalidInputError),
+            (
+                "plane index past the last",
+                lambda i, c: c.__setitem__(past, give(i, conv_bad)),
+                InvalidInputError,
+            ),
             (
                 "the update of a KV cache",
                 lambda i, c: c.update_and_fetch(None, None),
@@ -567,13 +632,13 @@ class RecurrentMachine(RuleBasedStateMachine):
         if written:  # the planes' shapes are known: a plane of another shape is refused
             cases += [
                 (
-                    "conv plane of the wrong window",
+                    "first plane of the wrong shape",
                     lambda i, c: c.__setitem__(0, give(i, conv_bad)),
                     InvalidInputError,
                 ),
                 (
-                    "recurrent plane of the wrong shape",
-                    lambda i, c: c.__setitem__(1, give(i, state_bad)),
+                    "last plane of the wrong shape",
+                    lambda i, c: c.__setitem__(past - 1, give(i, state_bad)),
                     InvalidInputError,
                 ),
             ]
@@ -652,6 +717,6 @@ def _numpy_dtype(name: str) -> Any:
     return numpy_dtype(name)
 
 
-def _zero(planes: tuple[Array, Array] | None) -> bool:
+def _zero(planes: tuple[Array, ...] | None) -> bool:
     """A row that saw no token holds zero planes once it shares a layout's buffers."""
-    return planes is not None and not np.any(planes[0]) and not np.any(planes[1])
+    return planes is not None and not any(np.any(p) for p in planes)

@@ -76,6 +76,7 @@ __all__ = [
     "parse_delayed_state",
     "parse_state",
     "plane_counts",
+    "recurrent_fields",
     "rows_of_state",
     "state_form",
     "stored_geometry",
@@ -88,7 +89,6 @@ FORMAT_VERSION = 1
 #: A storage's planes: its form starts with them; the geometry's fields follow
 #: (``GeometrySpec.serial_fields`` / ``layout_fields``), then the codec's tail.
 _PLANES = ("keys", "values")
-_RECURRENT = ("conv", "recurrent", "offset")
 #: Paged storages (any codec): the logical KV, compact, then what rebuilds block tables
 #: (``kvrows.paged_forms``; ``codec``: the codec's name).
 _PAGED = {
@@ -163,6 +163,13 @@ def _delayed_form(entry: Composition) -> StateForm:
     return StateForm(entry.name, fields, entry.name)
 
 
+def recurrent_fields(planes: int) -> tuple[str, ...]:
+    """A recurrent cache's form: ``(state.0, …, state.{planes-1}, offset)``. Version 1's
+    ``(conv, recurrent, offset)`` is the two-plane form under other names: the tuple, and
+    so a file, is the same."""
+    return (*(f"state.{i}" for i in range(planes)), "offset")
+
+
 def state_form(entry: Composition) -> StateForm:
     """The state form of a landed composition (``UnsupportedStateError`` for others)."""
     if "delayed" in entry.modifiers and entry.is_landed:
@@ -172,7 +179,8 @@ def state_form(entry: Composition) -> StateForm:
     if entry.geometry == "recurrent" and entry.is_landed:
         # Recurrent state (kvrows.recurrent): the planes and the coverage (a layout's per
         # row). mlx-lm's ArraysCache form has no coverage, so the file class is kvrows'.
-        return StateForm(entry.name, _RECURRENT, entry.name)
+        # The plane count is each cache's (recurrent_fields): this is the default two.
+        return StateForm(entry.name, recurrent_fields(2), entry.name)
     if entry.codec == "latent" and entry.geometry == "paged" and entry.is_landed:
         return StateForm(entry.name, PAGED_LATENT_FIELDS, entry.name)  # kvrows.paged_latent
     if entry.geometry == "paged" and entry.is_landed:

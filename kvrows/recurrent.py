@@ -1,13 +1,14 @@
 """Recurrent (SSM) state: ``SSMCache`` and ``BatchedSSMCache``, array-free.
 
-A recurrent layer (gated DeltaNet in Qwen3-Next / Qwen3.5, Mamba2's SSD) keeps two planes
-per row and no token axis: a **conv** plane ``[B, K-1, C]`` (the last ``K - 1`` inputs of
-the depthwise causal convolution, activation dtype) and a **recurrent** plane
-``[B, ...]`` (the running state, ``[B, Hv, Dv, Dk]`` float32 for gated DeltaNet). The
-*layer* computes both and hands them to the cache (mlx-lm's ``ArraysCache`` protocol:
-``cache[0] = conv``, ``cache[1] = state``, ``cache.advance(S)``); the cache counts each
-row's tokens (``row_offsets``), moves rows (merge concatenates, filter takes, extract
-copies one row), and masks padded batches (``prepare`` / ``make_mask`` / ``lengths``).
+A recurrent layer keeps ``N`` planes per row (``state.0`` … ``state.{N-1}``, each
+``[B, *row_shape]`` of any rank) and no token axis: gated DeltaNet (Qwen3-Next) and
+Mamba2 a conv window ``[B, K-1, C]`` and the running state; lfm2 a conv window only;
+rwkv7 two token shifts and a state; kimi_linear three conv windows and a state;
+baichuan_m1 the last key and value. The *layer* computes the planes and hands them to
+the cache (mlx-lm's ``ArraysCache(size=N)`` protocol: ``cache[i] = plane``,
+``cache.advance(S)``); the cache counts each row's tokens (``row_offsets``), moves rows
+(merge concatenates, filter takes, extract copies one row), and masks padded batches
+(``prepare`` / ``make_mask`` / ``lengths``, or ``left_padding`` at construction).
 
 Nothing can be cut from a recurrent row: it is not trimmable, and a row is published only
 at exactly the coverage it holds. A verify round rolls back by **snapshot and replay**:
@@ -26,7 +27,7 @@ conformance suite compares what the hooks and the layers compute.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
@@ -48,18 +49,20 @@ __all__ = [
     "CONV",
     "RECURRENT",
     "Recurrent",
-    "RecurrentGeometry",
     "RecurrentLayout",
     "RecurrentRounds",
     "RecurrentRows",
     "Replay",
     "State",
+    "StateShapes",
     "valid_counts",
 ]
 
-#: Plane indices (mlx-lm's ``ArraysCache`` order).
+#: Plane indices of a gated DeltaNet / Mamba2 layer (mlx-lm's ``ArraysCache(2)`` order).
 CONV = 0
 RECURRENT = 1
+#: Planes a cache built without a size or a geometry holds (mlx-lm's ``ArraysCache(2)``).
+DEFAULT_PLANES = 2
 
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
@@ -97,51 +100,94 @@ class Recurrent:
         return {}
 
 
-@dataclass(frozen=True)
-class RecurrentGeometry:
-    """What every row of one recurrent layer holds: the conv plane's ``(K - 1, C)`` and
-    dtype, and the recurrent plane's per-row shape and dtype."""
+#: One plane's per-row shape and dtype name.
+PlaneShape = tuple[tuple[int, ...], str]
 
-    conv_shape: tuple[int, int]
-    conv_dtype: str
-    state_shape: tuple[int, ...]
-    state_dtype: str = "float32"
+
+def _shape_of(value: object, what: str) -> tuple[int, ...]:
+    """A per-row shape (positive ints, at least one axis; JSON lists accepted)."""
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence) or not value:
+        raise InvalidInputError(f"{what} must be a per-row shape of positive ints, got {value!r}")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in value):
+        raise InvalidInputError(f"{what} must be a per-row shape of positive ints, got {value!r}")
+    return tuple(value)
+
+
+def _dtype_of(value: object, what: str) -> str:
+    if value not in FLOAT_DTYPES:
+        raise InvalidInputError(f"{what} must be one of {FLOAT_DTYPES}, got {value!r}")
+    return str(value)
+
+
+@dataclass(frozen=True)
+class StateShapes:
+    """What every row of one recurrent layer holds: per plane (``state.i``), its per-row
+    shape (any rank, without the row axis) and dtype."""
+
+    planes: tuple[PlaneShape, ...]
 
     def __post_init__(self) -> None:
-        if len(self.conv_shape) != 2 or not all(
-            isinstance(n, int) and n >= 1 for n in self.conv_shape
-        ):
+        planes = self.planes
+        if isinstance(planes, str | bytes) or not isinstance(planes, Sequence) or not planes:
             raise InvalidInputError(
-                f"conv_shape must be (K - 1, channels), positive ints, got {self.conv_shape!r}"
+                f"planes must be one (row_shape, dtype) per plane, at least one, got {planes!r}"
             )
-        if not self.state_shape or not all(isinstance(n, int) and n >= 1 for n in self.state_shape):
-            raise InvalidInputError(
-                f"state_shape must be the recurrent plane's per-row shape, got {self.state_shape!r}"
+        parsed = []
+        for i, plane in enumerate(planes):
+            if isinstance(plane, str | bytes) or not isinstance(plane, Sequence) or len(plane) != 2:
+                raise InvalidInputError(f"planes[{i}] must be (row_shape, dtype), got {plane!r}")
+            parsed.append(
+                (
+                    _shape_of(plane[0], f"planes[{i}] row_shape"),
+                    _dtype_of(plane[1], f"planes[{i}] dtype"),
+                )
             )
-        for what, dtype in (("conv_dtype", self.conv_dtype), ("state_dtype", self.state_dtype)):
-            if dtype not in FLOAT_DTYPES:
-                raise InvalidInputError(f"{what} must be one of {FLOAT_DTYPES}, got {dtype!r}")
+        # Normalized, so a record read back from JSON (lists) equals the declared one.
+        object.__setattr__(self, "planes", tuple(parsed))
 
-    def plane_specs(self) -> tuple[PlaneSpec, PlaneSpec]:
-        return (
-            PlaneSpec("conv", None, self.conv_dtype, self.conv_shape[-1]),
-            PlaneSpec("recurrent", None, self.state_dtype, self.state_shape[-1]),
+    @classmethod
+    def from_v1(
+        cls,
+        conv_shape: Sequence[int],
+        conv_dtype: str,
+        state_shape: Sequence[int],
+        state_dtype: str = "float32",
+    ) -> StateShapes:
+        """The two planes of a version-1 record: conv ``(K - 1, C)`` and recurrent state."""
+        if isinstance(conv_shape, str | bytes) or len(conv_shape) != 2:
+            raise InvalidInputError(
+                f"conv_shape must be (K - 1, channels), positive ints, got {conv_shape!r}"
+            )
+        return cls(planes=((tuple(conv_shape), conv_dtype), (tuple(state_shape), state_dtype)))
+
+    @classmethod
+    def from_record(cls, saved: Mapping[str, Any]) -> StateShapes:
+        """The shapes a file's layer record holds: ``planes`` (this version) or version 1's
+        ``conv_shape``, ``conv_dtype``, ``state_shape``, ``state_dtype``."""
+        if "planes" in saved:
+            return cls(planes=saved["planes"])
+        return cls.from_v1(
+            saved["conv_shape"], saved["conv_dtype"], saved["state_shape"], saved["state_dtype"]
+        )
+
+    def plane_specs(self) -> tuple[PlaneSpec, ...]:
+        return tuple(
+            PlaneSpec(f"state.{i}", None, dtype, shape[-1])
+            for i, (shape, dtype) in enumerate(self.planes)
         )
 
     def row_bytes(self) -> int:
         """Bytes one row holds (constant in tokens)."""
-        conv = math.prod(self.conv_shape) * _ITEMSIZE[self.conv_dtype]
-        return conv + math.prod(self.state_shape) * _ITEMSIZE[self.state_dtype]
+        return sum(math.prod(shape) * _ITEMSIZE[dtype] for shape, dtype in self.planes)
 
     def describe(self) -> str:
-        return (
-            f"conv {self.conv_shape} {self.conv_dtype}, recurrent {self.state_shape} "
-            f"{self.state_dtype}"
+        return ", ".join(
+            f"state.{i} {shape} {dtype}" for i, (shape, dtype) in enumerate(self.planes)
         )
 
 
 #: Per plane: (per-row shape, dtype name) once known.
-_PlaneKind = tuple[tuple[int, ...], str]
+_PlaneKind = PlaneShape
 
 
 def valid_counts(n: int, rows: int, lengths: list[int] | None, left: list[int] | None) -> list[int]:
@@ -241,21 +287,49 @@ class RecurrentRows:
         """Refuse a plane write the round cannot take (serial: always takes it)."""
 
     # -- construction ---------------------------------------------------------------------
-    def __init__(self, *, geometry: RecurrentGeometry | None = None) -> None:
-        if geometry is not None and not isinstance(geometry, RecurrentGeometry):
+    def __init__(
+        self,
+        size: int | None = None,
+        left_padding: Sequence[int] | None = None,
+        *,
+        geometry: StateShapes | None = None,
+    ) -> None:
+        """mlx-lm's ``ArraysCache(size, left_padding=None)``: ``size`` planes (else the
+        ``geometry``'s count, else two); ``left_padding`` (a layout's) makes one row per
+        count, at offset 0, whose first ``left_padding[b]`` positions are padding."""
+        name = self.composition.name
+        if geometry is not None and not isinstance(geometry, StateShapes):
             raise InvalidInputError(
-                f"geometry must be a RecurrentGeometry, got {type(geometry).__name__}"
+                f"geometry must be a StateShapes, got {type(geometry).__name__}"
             )
-        self._planes = [None, None]
-        self._kinds = [None, None]
-        if geometry is not None:
-            self._kinds = [
-                (geometry.conv_shape, geometry.conv_dtype),
-                (geometry.state_shape, geometry.state_dtype),
-            ]
+        if size is not None:
+            size = as_count(size, "size", minimum=1)
+            if geometry is not None and len(geometry.planes) != size:
+                raise InvalidInputError(
+                    f"{name}(size={size}) cannot take a geometry of {len(geometry.planes)} planes"
+                )
+        count = len(geometry.planes) if geometry is not None else size or DEFAULT_PLANES
+        self._planes = [None] * count
+        self._kinds = [None] * count if geometry is None else list(geometry.planes)
         self._offsets = [] if self.is_layout else [0]
         self._serial_rows = 1
         self._lengths = self._left = None
+        if left_padding is None:
+            return
+        if hasattr(left_padding, "tolist") and not isinstance(left_padding, Sequence):
+            left_padding = left_padding.tolist()
+        if isinstance(left_padding, str | bytes) or not isinstance(left_padding, Sequence):
+            raise InvalidInputError(f"left_padding must be one count per row, got {left_padding!r}")
+        if not left_padding:  # mlx-lm's ArraysCache takes an empty list as no padding
+            return
+        if not self.is_layout:
+            raise InvalidInputError(
+                f"{name} holds one request: left_padding is a layout's "
+                "(BatchedSSMCache(size, left_padding=...))"
+            )
+        pads = [as_count(v, f"left_padding[{b}]") for b, v in enumerate(left_padding)]
+        self._offsets = [0] * len(pads)
+        self._left = pads
 
     @classmethod
     def from_specs(
@@ -263,7 +337,7 @@ class RecurrentRows:
         codec_spec: object,
         token_geometry: object,
         *,
-        geometry: RecurrentGeometry | None = None,
+        geometry: StateShapes | None = None,
     ) -> Self:
         """An empty instance (the row-layout table's role factories)."""
         if not isinstance(codec_spec, State) or not isinstance(token_geometry, Recurrent):
@@ -274,7 +348,7 @@ class RecurrentRows:
         return cls(geometry=geometry)
 
     def _spawn_like(self, cls: type[RecurrentRows]) -> Any:
-        fresh = cls(geometry=self.geometry)
+        fresh = cls(len(self._planes))
         fresh._kinds = list(self._kinds)
         return fresh
 
@@ -292,13 +366,12 @@ class RecurrentRows:
         return Recurrent()
 
     @property
-    def geometry(self) -> RecurrentGeometry | None:
-        """The planes' per-row shapes and dtypes, once declared or learnt from both planes."""
-        conv, state = self._kinds
-        if conv is None or state is None:
+    def geometry(self) -> StateShapes | None:
+        """The planes' per-row shapes and dtypes, once declared or learnt from every plane."""
+        kinds = self._kinds
+        if any(kind is None for kind in kinds):
             return None
-        (k, c) = conv[0]
-        return RecurrentGeometry((k, c), conv[1], state[0], state[1])
+        return StateShapes(planes=tuple(kind for kind in kinds if kind is not None))
 
     def signature(self) -> str:
         return self.composition.signature
@@ -343,7 +416,7 @@ class RecurrentRows:
 
     def empty(self) -> bool:
         """mlx-lm's ``empty()``: no plane written yet."""
-        return self._planes[CONV] is None
+        return self._planes[0] is None
 
     def size(self) -> int:
         return 0
@@ -351,7 +424,7 @@ class RecurrentRows:
     # -- the planes, mlx-lm's ArraysCache protocol ----------------------------------------
     @property
     def cache(self) -> list[Any]:
-        """The planes, ``[conv, recurrent]`` (a copy of the list; ``None`` where unwritten)."""
+        """The planes, ``[state.0, …]`` (a copy of the list; ``None`` where unwritten)."""
         return list(self._planes)
 
     def __getitem__(self, index: int) -> Any:
@@ -359,15 +432,15 @@ class RecurrentRows:
         return self._planes[self._plane_index(index)]
 
     def __iter__(self) -> Iterator[Any]:
-        """The two planes, so ``conv, state = cache`` unpacks as on mlx-lm's ``ArraysCache``
+        """The planes, so ``conv, state = cache`` unpacks as on mlx-lm's ``ArraysCache``
         (kimi_k3's layer does; iterating through ``__getitem__`` would hit the refused
-        index 2 instead of stopping)."""
+        index ``N`` instead of stopping)."""
         self._spec_usable()
         return iter(list(self._planes))
 
     def __setitem__(self, index: int, value: Any) -> None:
-        """The layer writes a plane: ``[B, K-1, C]`` conv or ``[B, ...]`` recurrent, every
-        row at once, with the per-row shape and dtype the cache already holds."""
+        """The layer writes plane ``index``: ``[B, ...]``, every row at once, with the
+        per-row shape and dtype the cache already holds for that plane."""
         self._spec_usable()
         i = self._plane_index(index)
         kind = self._check_plane(i, value)
@@ -377,18 +450,19 @@ class RecurrentRows:
         if not self.is_layout:
             self._serial_rows = self._shape(value)[0]
 
-    @staticmethod
-    def _plane_index(index: object) -> int:
+    def _plane_index(self, index: object) -> int:
         value = None if isinstance(index, bool) else getattr(index, "__index__", None)
         number = value() if callable(value) else None
-        if number not in (0, 1):
+        count = len(self._planes)
+        if not isinstance(number, int) or not 0 <= number < count:
             raise InvalidInputError(
-                f"a recurrent cache holds planes 0 (conv) and 1 (recurrent), got index {index!r}"
+                f"this recurrent cache holds planes 0 to {count - 1} (ArraysCache(size={count})), "
+                f"got index {index!r}"
             )
-        return int(number)
+        return number
 
     def _check_plane(self, i: int, value: Any) -> _PlaneKind:
-        name = ("conv", "recurrent")[i]
+        name = f"state.{i}"
         if not self._is_native(value):
             raise InvalidInputError(
                 f"the {name} plane must be a {self.array_name} array, got {type(value).__name__}"
@@ -397,9 +471,10 @@ class RecurrentRows:
             raise LayoutStateError("an empty layout takes no plane: merge rows into it first")
         shape = self._shape(value)
         dtype = self._dtype(value)
-        if (i == CONV and len(shape) != 3) or len(shape) < 2:
-            want = "[B, K-1, C]" if i == CONV else "[B, ...] (rank >= 2)"
-            raise InvalidInputError(f"the {name} plane must be {want}, got shape {shape}")
+        if len(shape) < 2:
+            raise InvalidInputError(
+                f"the {name} plane must be [B, ...] (rank >= 2), got shape {shape}"
+            )
         if dtype not in FLOAT_DTYPES:
             raise InvalidInputError(f"the {name} plane must be one of {FLOAT_DTYPES}, got {dtype}")
         if self._rows_fixed() and shape[0] != self._rows:
@@ -494,10 +569,10 @@ class RecurrentRows:
         if self.is_layout and not rows:
             raise LayoutStateError("an empty layout takes no update: merge rows into it first")
         gained = valid_counts(count, rows, self._lengths, self._left)
-        if any(gained) and (self._planes[CONV] is None or self._planes[RECURRENT] is None):
+        if any(gained) and any(p is None for p in self._planes):
             raise LayoutStateError(
-                "advance before the layer wrote both planes: write cache[0] (conv) and "
-                "cache[1] (recurrent) first"
+                f"advance before the layer wrote every plane: write cache[0] to "
+                f"cache[{len(self._planes) - 1}] first"
             )
         if not self.is_layout and len(set(gained)) > 1:
             raise InvalidInputError("a serial recurrent cache advances every row alike")
@@ -518,13 +593,13 @@ class RecurrentRows:
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
         raise InvalidInputError(
             f"{self.composition.name} holds recurrent state, written by the layer "
-            "(cache[0] = conv, cache[1] = recurrent, advance(n)): it takes no keys and values"
+            "(cache[i] = plane, advance(n)): it takes no keys and values"
         )
 
     def fetch(self) -> tuple[Any, Any]:
         raise LayoutStateError(
             f"{self.composition.name} holds recurrent state, not keys and values: read "
-            "cache[0] and cache[1]"
+            "its planes cache[0], cache[1], …"
         )
 
     def is_trimmable(self) -> bool:
@@ -555,13 +630,14 @@ class RecurrentRows:
         layout._mask_every_row = all(c.empty() for c in caches)
         return layout
 
-    # -- saved state: (conv, recurrent, offset) -------------------------------------------
+    # -- saved state: (state.0, …, state.{N-1}, offset) ------------------------------------
     @property
     def state(self) -> tuple[Any, ...]:
-        """``(conv, recurrent, offset)``: offset an int (serial) or one per row (layout)."""
+        """``(state.0, …, state.{N-1}, offset)``: offset an int (serial) or one per row
+        (layout). Two planes are version 1's ``(conv, recurrent, offset)``, unchanged."""
         self._spec_guard("state")
         offset = self._int_array(list(self._offsets)) if self.is_layout else self._offsets[0]
-        return (self._planes[CONV], self._planes[RECURRENT], offset)
+        return (*self._planes, offset)
 
     @state.setter
     def state(self, value: Any) -> None:
@@ -576,18 +652,23 @@ class RecurrentRows:
         state: Any,
         meta_state: Any = None,
         *,
-        geometry: RecurrentGeometry | None = None,
+        geometry: StateShapes | None = None,
         **_: Any,
     ) -> Self:
         """A new cache holding ``state`` (refused, changing nothing, when it does not fit);
         ``geometry`` declares the planes of a state that holds none (a file's record)."""
         name = cls.composition.name
-        if isinstance(state, str | bytes) or not isinstance(state, Sequence) or len(state) != 3:
+        if isinstance(state, str | bytes) or not isinstance(state, Sequence) or len(state) < 2:
             raise InvalidInputError(
-                f"{name} state must be (conv, recurrent, offset), got {state!r}"
+                f"{name} state must be (state.0, …, state.{{N-1}}, offset), N >= 1, got {state!r}"
             )
-        conv, recurrent, offset = state
-        fresh = cls(geometry=geometry)
+        planes, offset = list(state[:-1]), state[-1]
+        if geometry is not None and len(geometry.planes) != len(planes):
+            raise InvalidInputError(
+                f"{name} state holds {len(planes)} planes, the declared geometry "
+                f"{len(geometry.planes)} ({geometry.describe()})"
+            )
+        fresh = cls(len(planes), geometry=geometry)
         if cls.is_layout:
             if hasattr(offset, "tolist"):
                 offset = fresh._ints_of(offset)
@@ -598,25 +679,25 @@ class RecurrentRows:
             if hasattr(offset, "item") and not isinstance(offset, int):
                 offset = offset.item()
             offsets = [as_count(offset, "offset")]
-        if (conv is None) != (recurrent is None):
-            raise InvalidInputError(f"{name} state: conv and recurrent must both be set or None")
-        if conv is None:
+        if len({p is None for p in planes}) > 1:
+            raise InvalidInputError(f"{name} state: the planes must all be set or all None")
+        if planes[0] is None:
             if any(offsets):
-                raise InvalidInputError(f"{name} state: rows with tokens need both planes")
+                raise InvalidInputError(f"{name} state: rows with tokens need their planes")
             fresh._offsets = offsets
             return fresh
-        kinds = [fresh._check_free(i, p) for i, p in enumerate((conv, recurrent))]
+        kinds = [fresh._check_free(i, p) for i, p in enumerate(planes)]
         if geometry is not None and kinds != fresh._kinds:
             raise InvalidInputError(
                 f"{name} state: planes {kinds} do not match the declared {geometry.describe()}"
             )
-        rows = {fresh._shape(conv)[0], fresh._shape(recurrent)[0]}
+        rows = {fresh._shape(p)[0] for p in planes}
         if len(rows) != 1 or (cls.is_layout and rows != {len(offsets)}):
             raise InvalidInputError(
                 f"{name} state: the planes and offsets disagree on the rows ({sorted(rows)} "
                 f"planes, {len(offsets)} offsets)"
             )
-        fresh._planes = [conv, recurrent]
+        fresh._planes = planes
         fresh._kinds = list(kinds)
         fresh._offsets = offsets
         fresh._serial_rows = rows.pop()
@@ -624,22 +705,26 @@ class RecurrentRows:
 
     def _check_free(self, i: int, value: Any) -> _PlaneKind:
         """A plane's checks without the row count (a state sets the rows)."""
-        name = ("conv", "recurrent")[i]
+        name = f"state.{i}"
         if not self._is_native(value):
             raise InvalidInputError(
                 f"the {name} plane must be a {self.array_name} array, got {type(value).__name__}"
             )
         shape, dtype = self._shape(value), self._dtype(value)
-        if (i == CONV and len(shape) != 3) or len(shape) < 2 or dtype not in FLOAT_DTYPES:
-            raise InvalidInputError(f"the {name} plane has an invalid shape/dtype {shape} {dtype}")
+        if len(shape) < 2 or dtype not in FLOAT_DTYPES:
+            raise InvalidInputError(
+                f"the {name} plane must be [B, ...] (rank >= 2) of one of {FLOAT_DTYPES}, "
+                f"got {shape} {dtype}"
+            )
         return (tuple(shape[1:]), dtype)
 
     # -- invariants -----------------------------------------------------------------------
     def check_valid(self) -> None:
-        """Both planes or neither, one row count, the known kinds, no negative offset."""
-        conv, recurrent = self._planes
-        if (conv is None) != (recurrent is None):
-            raise LayoutStateError("one plane written without the other")
+        """Every plane or none, one row count, the known kinds, no negative offset."""
+        if len({p is None for p in self._planes}) > 1:
+            raise LayoutStateError("some planes written, others not")
+        if len(self._kinds) != len(self._planes):
+            raise LayoutStateError(f"{len(self._kinds)} plane kinds for {len(self._planes)} planes")
         if any(o < 0 for o in self._offsets):
             raise LayoutStateError(f"negative offsets {self._offsets}")
         for i, plane in enumerate(self._planes):
@@ -650,7 +735,7 @@ class RecurrentRows:
                 raise LayoutStateError(f"plane {i} holds {shape[0]} rows, the cache {self._rows}")
             if self._kinds[i] != (tuple(shape[1:]), self._dtype(plane)):
                 raise LayoutStateError(f"plane {i} does not match its recorded kind")
-        if conv is None and any(self._offsets):
+        if self._planes[0] is None and any(self._offsets):
             raise LayoutStateError("rows with tokens but no planes")
 
 
@@ -681,7 +766,7 @@ class RecurrentLayout(RecurrentRows):
         if g is None:
             raise LayoutStateError(
                 "projected_bytes needs the recurrent geometry: declare it at construction "
-                "(geometry=RecurrentGeometry(...)) or let the layer write both planes first"
+                "(geometry=StateShapes(...)) or let the layer write every plane first"
             )
         return g.row_bytes()
 
@@ -712,29 +797,39 @@ class RecurrentLayout(RecurrentRows):
                 raise LayoutStateError("a source in a padded run cannot be merged: finalize it")
             sources.append(source)
         kinds = list(self._kinds)
+        if not self._offsets and all(kind is None for kind in kinds):
+            # A layout with no rows and no shapes (the table's roles build one from an
+            # unwritten row: SSMCache(n).geometry is None) takes the sources' plane
+            # count, as mlx-lm's ArraysCache.merge takes the first cache's.
+            kinds = [None] * len(sources[0]._kinds)
         for source in sources:
+            if len(source._kinds) != len(kinds):
+                raise IncompatibleRowsError(
+                    f"cannot merge recurrent rows of different plane counts: {len(kinds)} "
+                    f"vs {len(source._kinds)}"
+                )
             for i, kind in enumerate(source._kinds):
                 if kind is None:
                     continue
                 if kinds[i] is not None and kinds[i] != kind:
                     raise IncompatibleRowsError(
                         f"cannot merge recurrent rows of different geometries: "
-                        f"{('conv', 'recurrent')[i]} plane {kinds[i]} vs {kind}"
+                        f"state.{i} plane {kinds[i]} vs {kind}"
                     )
                 kinds[i] = kind
-        parts: list[list[tuple[Any, int]]] = [[], []]
+        parts: list[list[tuple[Any, int]]] = [[] for _ in kinds]
         offsets = list(self._offsets)
         held: list[tuple[RecurrentRows, int]] = (
             [(self, len(self._offsets))] if self._offsets else []
         )
         held += [(s, s._rows) for s in sources]
         for owner, count in held:
-            for i in (CONV, RECURRENT):
-                parts[i].append((owner._planes[i], count))
+            for i, plane in enumerate(owner._planes):
+                parts[i].append((plane, count))
         for source in sources:
             offsets += source._row_offsets()
         planes: list[Any] = []
-        for i in (CONV, RECURRENT):
+        for i in range(len(kinds)):
             if all(p is None for p, _ in parts[i]):
                 planes.append(None)
                 continue
@@ -754,7 +849,7 @@ class RecurrentLayout(RecurrentRows):
         if self._lengths is not None or self._left is not None:
             raise LayoutStateError("filter_rows during a padded run: finalize() it first")
         if not order:
-            self._planes = [None, None]
+            self._planes = [None] * len(self._planes)
             self._offsets = []
             return
         self._planes = [None if p is None else self._take(p, order) for p in self._planes]
@@ -774,7 +869,7 @@ class RecurrentLayout(RecurrentRows):
         self._spec_usable()
         index = check_row(row, self._rows)
         count = as_count(tokens, "tokens")
-        written = self._planes[CONV] is not None and self._planes[RECURRENT] is not None
+        written = all(p is not None for p in self._planes)
         return written and self._offsets[index] == count
 
     def extend(self, other: Any) -> None:

@@ -1,17 +1,18 @@
-"""Recurrent state in the MLX implementation: ``SSMCache``, ``BatchedSSMCache`` and a
-gated DeltaNet layer that drives them (``spec/SSMCache.md``).
+"""Recurrent state in the MLX implementation: ``SSMCache``, ``BatchedSSMCache`` and the
+layers that drive them in tests (``spec/SSMCache.md``).
 
 The row machinery is the core's (``kvrows.recurrent.RecurrentRows``); this module gives
 it MLX arrays. Everything that leaves a cache (an extracted row, a merged or filtered
 plane) is an owned, evaluated compact copy, never a view pinning a batch buffer. The same
-classes are the drop-in for mlx-lm's ``ArraysCache`` in its hybrid and SSM models
-(``qwen3_next``, ``mamba2``…): the layers write ``cache[0]`` / ``cache[1]``, read
-``cache.lengths`` and call ``cache.advance(S)`` and ``cache.make_mask(S)``.
+classes are the drop-in for mlx-lm's ``ArraysCache(size=n)`` in its hybrid and SSM models
+(``qwen3_next``, ``mamba2``, ``lfm2``, ``rwkv7``, ``kimi_linear``…): the layers write
+``cache[i]``, read ``cache.lengths`` and call ``cache.advance(S)`` and ``cache.make_mask(S)``.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,9 +21,22 @@ import mlx.core as mx
 from kvrows.compositions import composition
 from kvrows.errors import InvalidInputError, qkv_shape_message
 from kvrows.optimized.codecs import dtype_name
-from kvrows.recurrent import CONV, RECURRENT, RecurrentLayout, RecurrentRounds, RecurrentRows
+from kvrows.recurrent import (
+    CONV,
+    RECURRENT,
+    RecurrentLayout,
+    RecurrentRounds,
+    RecurrentRows,
+    StateShapes,
+)
 
-__all__ = ["BatchedSSMCache", "GatedDeltaParams", "SSMCache", "gated_delta_forward"]
+__all__ = [
+    "BatchedSSMCache",
+    "GatedDeltaParams",
+    "SSMCache",
+    "gated_delta_forward",
+    "plane_state_forward",
+]
 
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
@@ -91,8 +105,8 @@ class _MlxRows(RecurrentRows):
 
 
 class SSMCache(_MlxRows):
-    """Serial recurrent state of one layer (conv + recurrent planes, written by the layer;
-    not trimmable); mlx-lm's ``ArraysCache(2)`` drop-in: ``spec/SSMCache.md``."""
+    """Serial recurrent state of one layer (``N`` planes written by the layer; not
+    trimmable); mlx-lm's ``ArraysCache(N)`` drop-in: ``spec/SSMCache.md``."""
 
     composition = composition("SSMCache")
     is_layout = False
@@ -196,5 +210,42 @@ def gated_delta_forward(
         mx.eval(conv_plane, state_plane)
         cache[CONV] = conv_plane
         cache[RECURRENT] = state_plane
+        cache.advance(span)
+    return mx.stack(ys, axis=1)
+
+
+def plane_state_forward(shapes: StateShapes, cache: Any, x: mx.array) -> mx.array:
+    """The reference's ``plane_state_forward`` in MLX (the same float32 steps and casts,
+    so the planes agree bit for bit)."""
+    rows, span = int(x.shape[0]), int(x.shape[1])
+    sizes = [math.prod(shape) for shape, _ in shapes.planes]
+    if x.ndim != 3 or x.shape[-1] < max(sizes):
+        raise InvalidInputError(
+            f"x must be [B, S, C] with C >= {max(sizes)} (the largest plane), got {x.shape}"
+        )
+    if cache is not None and getattr(cache, "spec_round_awaits_record", False):
+        cache.spec_round_record(functools.partial(plane_state_forward, shapes), x)
+    mask = None if cache is None else cache.make_mask(span)
+    planes = []
+    for i, (shape, dtype) in enumerate(shapes.planes):
+        held = None if cache is None else cache[i]
+        planes.append(mx.zeros((rows, *shape), dtype=_DTYPES[dtype]) if held is None else held)
+    ys = []
+    for t in range(span):
+        step = x[:, t].astype(mx.float32)
+        for i, ((shape, _), size) in enumerate(zip(shapes.planes, sizes, strict=True)):
+            held = planes[i]
+            update = held.astype(mx.float32) * 0.5 + step[:, :size].reshape(rows, *shape)
+            new = update.astype(held.dtype)
+            if mask is not None:
+                keep = mask[:, t].reshape(rows, *([1] * len(shape)))
+                new = mx.where(keep, new, held)
+            planes[i] = new
+        ys.append(planes[0].astype(mx.float32).reshape(rows, -1))
+    if cache is not None:
+        written = [mx.contiguous(plane) for plane in planes]
+        mx.eval(*written)
+        for i, plane in enumerate(written):
+            cache[i] = plane
         cache.advance(span)
     return mx.stack(ys, axis=1)

@@ -49,7 +49,7 @@ from kvrows.forms import (
 from kvrows.lego import Bf16First, check_target
 from kvrows.persist.files import CHECKSUM_KEY, checksum, read_safetensors, write_atomic
 from kvrows.protocols import Handover
-from kvrows.recurrent import RecurrentGeometry
+from kvrows.recurrent import StateShapes
 from kvrows.validation import KvGeometry
 
 __all__ = ["KVROWS_KEY", "load_prompt_cache", "save_prompt_cache"]
@@ -422,7 +422,8 @@ def _restore(
         kv = record.get("kv") if record is not None else None
         geometry: Any = None
         if isinstance(kv, dict):
-            geometry = _recurrent_geometry(kv) if "conv_shape" in kv else KvGeometry(**kv)
+            recurrent = "planes" in kv or "conv_shape" in kv  # this version's or version 1's
+            geometry = StateShapes.from_record(kv) if recurrent else KvGeometry(**kv)
         restored = cls.from_state(state, meta_state, keep=keep, geometry=geometry)
     except (InvalidInputError, TypeError, KeyError) as error:
         raise CorruptStateError(f"{path}: {file_class} state is inconsistent: {error}") from None
@@ -433,16 +434,6 @@ def _restore(
     if record is not None and "lego" in record:
         return _as_lego(restored, record["lego"], implementation, path)
     return restored
-
-
-def _recurrent_geometry(saved: Mapping[str, Any]) -> RecurrentGeometry:
-    """A recurrent cache's geometry from its layer record (JSON made its tuples lists)."""
-    return RecurrentGeometry(
-        tuple(saved["conv_shape"]),
-        saved["conv_dtype"],
-        tuple(saved["state_shape"]),
-        saved["state_dtype"],
-    )
 
 
 def _drop_in(cls: type[Any], class_name: object) -> type[Any]:

@@ -1,11 +1,12 @@
-"""Recurrent state in the NumPy reference: ``SSMCache``, ``BatchedSSMCache`` and a gated
-DeltaNet layer that drives them (``spec/SSMCache.md``).
+"""Recurrent state in the NumPy reference: ``SSMCache``, ``BatchedSSMCache`` and the
+layers that drive them in tests (``spec/SSMCache.md``).
 
 The row machinery is the core's (``kvrows.recurrent.RecurrentRows``); this module gives
 it NumPy arrays (bf16 through ``ml_dtypes``; every operation returns a fresh array, never
 a view of a cache's buffer) and writes the layer the caches are tested with:
 :func:`gated_delta_forward`, the recurrence of Qwen3-Next's linear attention in float32,
-step by step, with padded rows masked so a masked position leaves a row's state as it was.
+step by step, with padded rows masked so a masked position leaves a row's state as it was;
+and :func:`plane_state_forward`, a toy layer keeping planes of any number and shape.
 """
 
 from __future__ import annotations
@@ -19,10 +20,23 @@ import numpy.typing as npt
 
 from kvrows.compositions import composition
 from kvrows.errors import InvalidInputError, qkv_shape_message
-from kvrows.recurrent import CONV, RECURRENT, RecurrentLayout, RecurrentRounds, RecurrentRows
+from kvrows.recurrent import (
+    CONV,
+    RECURRENT,
+    RecurrentLayout,
+    RecurrentRounds,
+    RecurrentRows,
+    StateShapes,
+)
 from kvrows.reference.codecs import numpy_dtype
 
-__all__ = ["BatchedSSMCache", "GatedDeltaParams", "SSMCache", "gated_delta_forward"]
+__all__ = [
+    "BatchedSSMCache",
+    "GatedDeltaParams",
+    "SSMCache",
+    "gated_delta_forward",
+    "plane_state_forward",
+]
 
 Array = npt.NDArray[Any]
 
@@ -196,3 +210,47 @@ def gated_delta_forward(
         cache[RECURRENT] = state.astype(np.float32)
         cache.advance(span)
     return np.stack(ys, axis=1).astype(np.float32)
+
+
+def plane_state_forward(shapes: StateShapes, cache: Any, x: Array) -> Array:
+    """A toy recurrent layer over the planes ``shapes`` declares (any number, any rank):
+    at each position every plane ``p`` (per-row shape ``R``) becomes
+    ``0.5 * p + x[:, t, :prod(R)]`` (float32, stored in the plane's dtype). ``x`` is
+    ``[B, S, C]`` with ``C`` at least every plane's size. Masked positions (a padded run)
+    leave the planes as they were; in a verify round it records ``x`` for the replay.
+    Returns plane 0 flattened after each position, ``[B, S, prod(R0)]`` float32.
+
+    Every step is one float32 rounding and one cast, so the optimized twin's planes equal
+    these bit for bit."""
+    rows, span = int(x.shape[0]), int(x.shape[1])
+    sizes = [int(np.prod(shape)) for shape, _ in shapes.planes]
+    if x.ndim != 3 or x.shape[-1] < max(sizes):
+        raise InvalidInputError(
+            f"x must be [B, S, C] with C >= {max(sizes)} (the largest plane), got {x.shape}"
+        )
+    if cache is not None and getattr(cache, "spec_round_awaits_record", False):
+        cache.spec_round_record(functools.partial(plane_state_forward, shapes), x)
+    mask = None if cache is None else cache.make_mask(span)
+    planes = []
+    for i, (shape, dtype) in enumerate(shapes.planes):
+        held = None if cache is None else cache[i]
+        planes.append(np.zeros((rows, *shape), numpy_dtype(dtype)) if held is None else held)
+    ys = []
+    for t in range(span):
+        step = x[:, t].astype(np.float32)
+        for i, ((shape, _), size) in enumerate(zip(shapes.planes, sizes, strict=True)):
+            held = planes[i]
+            update = held.astype(np.float32) * np.float32(0.5) + step[:, :size].reshape(
+                rows, *shape
+            )
+            new = update.astype(held.dtype)
+            if mask is not None:
+                keep = mask[:, t].reshape(rows, *([1] * len(shape)))
+                new = np.where(keep, new, held)
+            planes[i] = new
+        ys.append(planes[0].astype(np.float32).reshape(rows, -1))
+    if cache is not None:
+        for i, plane in enumerate(planes):
+            cache[i] = np.ascontiguousarray(plane)
+        cache.advance(span)
+    return np.stack(ys, axis=1)

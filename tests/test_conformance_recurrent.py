@@ -2,11 +2,12 @@
 
 ``BatchedSSMCache`` (the layout of ``SSMCache``'s rows in all three roles) runs its machine
 under the selected profile, scaled by the family's example budget: requests prefilled by a
-gated DeltaNet layer, merged, joined, stepped (decode, blocks, right-padded runs),
-filtered, extracted, published, verified in rounds (commit, uniform and unequal rollback)
-and saved, against the reference, a solo replay per row and mlx-lm's ``ArraysCache``. The
-tests check that nothing was skipped silently: every operation, every oracle, every
-compared quantity, every activation dtype, and the bad inputs.
+gated DeltaNet layer or a toy layer over 1 to 4 planes of ranks 2 to 4, merged, joined,
+stepped (decode, blocks, right-padded runs), filtered, extracted, published, verified in
+rounds (commit, uniform and unequal rollback) and saved, against the reference, a solo
+replay per row and mlx-lm's ``ArraysCache``. The tests check that nothing was skipped
+silently: every operation, every oracle, every compared quantity, every activation dtype,
+every layer and plane count, and the bad inputs.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ EXPECTED_OPS = {
     "state",
     "invalid",
     "invalid:trim",
+    # the layers: gated DeltaNet, and the toy layer over 1 to 4 planes of ranks 2 to 4
+    "layer:gated delta",
+    *(f"layer:{n} planes" for n in (1, 2, 3, 4)),
+    *(f"plane rank {r}" for r in (2, 3, 4)),
 }
 
 
@@ -56,8 +61,9 @@ def _cpu() -> Iterator[None]:
 
 
 #: The CI profile's derandomized examples first reach a filter that leaves the longest row
-#: and an unequal rollback at 45 (the family's budget is 30): 50, about 2 s on one core.
-CI_EXAMPLES = 50
+#: and an unequal rollback at 45 (the family's budget is 30); since examples also draw the
+#: toy layer's planes, 50 miss the filter and 60 reach it: about 2 s on one core.
+CI_EXAMPLES = 60
 
 
 def test_recurrent_family() -> None:
@@ -119,9 +125,27 @@ class _FilterKeepsOrder(BatchedSSMCache):
         super().filter_rows(sorted(keep))
 
 
-#: The teeth profile's 12 examples reorder no filter the mutant sorts: 40 do (about 1 s).
+class _FilterMovesTwoPlanes(BatchedSSMCache):
+    """Filter moves the rows of the first two planes only (a two-plane machinery's bug):
+    planes 2 and 3 keep the rows they had."""
+
+    def filter_rows(self, keep: Sequence[int]) -> None:
+        later = self._planes[2:]
+        super().filter_rows(keep)
+        if keep:
+            self._planes[2:] = later
+
+
+#: The teeth profile's 12 examples reorder no filter the mutant sorts: 40 do (about 1 s);
+#: a filter changing the rows of a 3- or 4-plane layer takes 60 (about 1 s).
 @pytest.mark.parametrize(
-    ("mutant", "examples"), [(_NoReplay, None), (_PublishesCutRows, None), (_FilterKeepsOrder, 40)]
+    ("mutant", "examples"),
+    [
+        (_NoReplay, None),
+        (_PublishesCutRows, None),
+        (_FilterKeepsOrder, 40),
+        (_FilterMovesTwoPlanes, 60),
+    ],
 )
 def test_the_machine_catches_planted_bugs(
     mutant: type[BatchedSSMCache], examples: int | None

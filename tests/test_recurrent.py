@@ -26,7 +26,7 @@ from kvrows.errors import (
     SpeculativeRoundError,
 )
 from kvrows.optimized import recurrent as opt_rec
-from kvrows.recurrent import RecurrentGeometry
+from kvrows.recurrent import StateShapes
 from kvrows.reference import recurrent as ref_rec
 from kvrows.table import owned_cache_layout, prefill_cache_layout, publish_row, target_cache_layout
 
@@ -334,11 +334,12 @@ def test_state_round_trip_and_corrupt_states(impl: str) -> None:
         assert back.signature() == cache.signature()
     conv, state, offset = layout.state
     for bad in (
-        (conv, state),
+        (offset,),  # no plane
+        (conv, state),  # the last field is the offsets: a plane is not one count per row
         (conv, None, offset),
         (conv, state[:2], offset),
         (conv, state, [1, 2]),
-        (conv[..., :1, :, :] if False else conv[:, :, None], state, offset),
+        (conv[:, 0, 0], state, offset),  # a plane without a per-row axis
     ):
         with pytest.raises(InvalidInputError):
             type(layout).from_state(bad)
@@ -347,7 +348,7 @@ def test_state_round_trip_and_corrupt_states(impl: str) -> None:
 @pytest.mark.parametrize("impl", IMPLS)
 def test_table_roles_and_geometry(impl: str) -> None:
     side = Side(impl)
-    g = RecurrentGeometry((K - 1, C), "bfloat16", (HV, DV, DK))
+    g = StateShapes.from_v1((K - 1, C), "bfloat16", (HV, DV, DK))
     serial = side.module.SSMCache(geometry=g)
     for role in (owned_cache_layout, prefill_cache_layout, target_cache_layout):
         layout: Any = role(serial)
@@ -386,3 +387,122 @@ def test_an_extracted_row_does_not_pin_the_batch() -> None:
         gc.collect()
         assert mx.get_active_memory() - start <= row.nbytes + 4096 - batch_bytes, rows
         assert row.nbytes == (K - 1) * 512 * 2 + 8 * 64 * 64 * 4
+
+
+# -- any number of planes of any rank (mlx-lm's ArraysCache(size=n)) --------------------
+
+#: rwkv7's planes: two token shifts ``[B, 1, D]`` and a state ``[B, H, D, D]``.
+RWKV = StateShapes(planes=(((1, 8), "bfloat16"), ((2, 4, 4), "float32"), ((1, 8), "bfloat16")))
+
+
+def _written(side: Side, shapes: StateShapes, rows: int, seed: int, tokens: int) -> Any:
+    """A serial cache of ``rows`` rows holding random planes of ``shapes``, ``tokens`` seen."""
+    rng = np.random.default_rng(seed)
+    cache = side.module.SSMCache(len(shapes.planes))
+    for i, (shape, dtype) in enumerate(shapes.planes):
+        plane = rng.standard_normal((rows, *shape)).astype(np.float32)
+        cache[i] = side.give(plane.astype(BF16 if dtype == "bfloat16" else np.dtype(dtype)))
+    cache.advance(tokens)
+    return cache
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("count", [1, 3, 4])
+def test_any_plane_count_merges_filters_extracts_and_round_trips(impl: str, count: int) -> None:
+    """``SSMCache(n)``: ``n`` planes unpack, merge (a row without planes joins as zeros),
+    filter in the asked order, extract an owned row and round-trip ``state`` bit for bit,
+    in both implementations."""
+    side = Side(impl)
+    shapes = StateShapes(planes=tuple(((2, 3)[: 1 + i % 2], "float32") for i in range(count)))
+    first, second = _written(side, shapes, 1, 1, 3), _written(side, shapes, 1, 2, 5)
+    assert len(list(first)) == count and first.geometry == shapes
+    owned = owned_cache_layout(first)
+    assert owned is not None and first.nbytes == shapes.row_bytes() == owned.projected_bytes(9)
+    layout = side.module.BatchedSSMCache(count)
+    layout.merge_rows([first, side.module.SSMCache(count), second])
+    assert layout.row_offsets == (3, 0, 5) and layout.geometry == shapes
+    for i in range(count):
+        plane = side.np(layout[i])
+        assert _bits_equal(plane[0:1], side.np(first[i])) and not np.any(plane[1])
+        assert _bits_equal(plane[2:3], side.np(second[i]))
+    layout.filter_rows([2, 0])
+    row = layout.extract_row(0)
+    assert row.offset == 5 and all(
+        _bits_equal(side.np(row[i]), side.np(second[i])) for i in range(count)
+    )
+    back = type(layout).from_state(layout.state)
+    assert len(layout.state) == count + 1 and back.row_offsets == (5, 3)
+    assert all(_bits_equal(side.np(back[i]), side.np(layout[i])) for i in range(count))
+    back.check_valid()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_left_padding_at_construction_masks_like_mlx_lm(impl: str) -> None:
+    """``BatchedSSMCache(n, left_padding=...)`` (mlx-lm's ``ArraysCache(n, left_padding=...)``):
+    one row per count at offset 0, the first ``left_padding[b]`` positions masked, each row
+    advancing by its real tokens; ``finalize`` ends the padding."""
+    import mlx_lm.models.cache as peer
+
+    side = Side(impl)
+    ours = side.module.BatchedSSMCache(3, [2, 0, 3])
+    theirs: Any = peer.ArraysCache(3, left_padding=[2, 0, 3])
+    assert ours.batch_size == 3 and ours.row_offsets == (0, 0, 0)
+    mask = np.asarray(ours.make_mask(4))
+    assert mask.tolist() == np.asarray(theirs.make_mask(4)).tolist()
+    for i, (shape, dtype) in enumerate(RWKV.planes):
+        ours[i] = side.give(np.zeros((3, *shape), BF16 if dtype == "bfloat16" else np.float32))
+    ours.advance(4)
+    theirs.advance(4)
+    assert ours.row_offsets == (2, 4, 1) and ours.geometry == RWKV
+    assert np.asarray(ours.make_mask(2)).tolist() == np.asarray(theirs.make_mask(2)).tolist()
+    ours.finalize()
+    assert ours.make_mask(2) is None and ours.left_padding is None
+    assert side.module.BatchedSSMCache(2, []).batch_size == 0  # mlx-lm: [] is no padding
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_plane_count_errors_change_nothing(impl: str) -> None:
+    """Bad plane counts and indices raise the contract's errors and change nothing."""
+    side = Side(impl)
+    three = _written(side, RWKV, 1, 3, 2)
+    before = [side.np(p).tobytes() for p in three]
+    cases: list[tuple[Any, type[KvRowsError], str]] = [
+        (lambda: three.__setitem__(3, three[0]), InvalidInputError, "planes 0 to 2"),
+        (lambda: three.__setitem__(-1, three[0]), InvalidInputError, "planes 0 to 2"),
+        (lambda: three.__setitem__(2, three[1]), InvalidInputError, "state.2"),
+        (lambda: side.module.SSMCache(0), InvalidInputError, "size"),
+        (lambda: side.module.SSMCache(2, geometry=RWKV), InvalidInputError, "3 planes"),
+        (lambda: side.module.SSMCache(3, [1]), InvalidInputError, "layout"),
+        (lambda: side.module.BatchedSSMCache(3, [1, -1]), InvalidInputError, "left_padding"),
+        (lambda: type(three).from_state((None, 0), geometry=RWKV), InvalidInputError, "3"),
+        (lambda: StateShapes(planes=()), InvalidInputError, "at least one"),
+        (lambda: StateShapes(planes=(((0,), "float32"),)), InvalidInputError, "positive"),
+        (lambda: StateShapes(planes=(((2,), "int8"),)), InvalidInputError, "dtype"),
+    ]
+    for call, error, named in cases:
+        with pytest.raises(error, match=named):
+            call()
+    layout = side.module.BatchedSSMCache(3)
+    layout.merge_rows([three])
+    with pytest.raises(IncompatibleRowsError, match="plane counts: 3 vs 2"):
+        layout.merge_rows([_written(side, StateShapes.from_v1((3, 4), "float32", (2, 2)), 1, 4, 1)])
+    assert layout.row_offsets == (2,) and [side.np(p).tobytes() for p in three] == before
+    with pytest.raises(LayoutStateError, match="every plane"):
+        partial = side.module.SSMCache(3)
+        partial[0] = three[0]
+        partial.advance(1)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_table_roles_take_rows_of_any_plane_count(impl: str) -> None:
+    """Each table role's layout for an unwritten ``SSMCache(n)`` (its geometry unknown)
+    takes that row and written ones, as mlx-lm's ``ArraysCache.merge`` takes the first
+    cache's plane count; a layout that knows its planes still refuses another count."""
+    side = Side(impl)
+    for role in (owned_cache_layout, prefill_cache_layout, target_cache_layout):
+        layout: Any = role(side.module.SSMCache(3))
+        layout.merge_rows([side.module.SSMCache(3), _written(side, RWKV, 1, 5, 2)])
+        assert layout.row_offsets == (0, 2) and layout.geometry == RWKV
+        layout.check_valid()
+        with pytest.raises(IncompatibleRowsError, match="plane counts: 3 vs 1"):
+            layout.merge_rows([side.module.SSMCache(1)])

@@ -1,7 +1,10 @@
 """SSMCache / BatchedSSMCache inside unmodified mlx-lm recurrent models (``qwen3_next``:
 gated DeltaNet + full attention; ``mamba2``: pure SSM): the same logits as mlx-lm's own
 ``ArraysCache`` serially, after a batch merge (decode, filter, extract), and through mlx-lm's
-own ``BatchGenerator`` (right-padded prefill chunks, joins, retirements)."""
+own ``BatchGenerator`` (right-padded prefill chunks, joins, retirements). Every other
+``ArraysCache`` shape mlx-lm's models build (lfm2's 1 plane, rwkv7's 3, kimi_linear's 4,
+bailing_moe_linear's GLA state, baichuan_m1's last key and value inside a ``CacheList``):
+the same logits serially and in a left-padded batch (``ArraysCache(n, left_padding=...)``)."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from kvrows.app.hybrid import (
 )
 from kvrows.app.models import make_kvrows_cache
 from kvrows.errors import InvalidInputError
-from kvrows.recurrent import RecurrentRows
+from kvrows.recurrent import RecurrentRows, StateShapes
 from kvrows.speculative import RowRound
 from kvrows.table import owned_cache_layout, target_cache_layout
 
@@ -151,8 +154,9 @@ def test_batch_generator_matches_mlx_lm_caches(model: Any, monkeypatch: pytest.M
 def test_geometry_is_declared_from_the_config() -> None:
     qwen = tiny_hybrid_model("qwen3_next")
     g = recurrent_geometry(qwen)
-    assert g is not None and g.conv_shape == (3, 2 * 2 * 32 + 4 * 16)
-    assert g.state_shape == (4, 16, 32) and g.state_dtype == "float32"
+    assert g == StateShapes(
+        planes=(((3, 2 * 2 * 32 + 4 * 16), "float32"), ((4, 16, 32), "float32"))
+    )
     cache = make_kvrows_cache(qwen)[0]
     assert isinstance(cache, kv.SSMCache) and cache.geometry == g
     layout = owned_cache_layout(cache)
@@ -252,40 +256,47 @@ class _Stub:
 
 
 @pytest.mark.parametrize(
-    ("model_type", "templates", "named"),
+    ("model_type", "templates", "planes"),
     [
-        ("lfm2", [mlx_cache.KVCache(), mlx_cache.ArraysCache(size=1)], "ArraysCache(size=1)"),
-        ("rwkv7", [mlx_cache.ArraysCache(size=3)], "ArraysCache(size=3)"),
-        (
-            "kimi_linear",
-            [mlx_cache.ArraysCache(size=4), mlx_cache.KVCache()],
-            "ArraysCache(size=4)",
-        ),
-        (
-            "bailing_moe_linear",
-            [mlx_cache.ArraysCache(size=1), mlx_cache.KVCache()],
-            "ArraysCache(size=1)",
-        ),
-        (
-            "baichuan_m1",
-            [mlx_cache.CacheList(mlx_cache.ArraysCache(size=2), mlx_cache.KVCache())],
-            "CacheList",
-        ),
+        ("lfm2", [mlx_cache.KVCache(), mlx_cache.ArraysCache(size=1)], [None, 1]),
+        ("rwkv7", [mlx_cache.ArraysCache(size=3)], [3]),
+        ("kimi_linear", [mlx_cache.ArraysCache(size=4), mlx_cache.KVCache()], [4, None]),
+        ("bailing_moe_linear", [mlx_cache.ArraysCache(size=1), mlx_cache.KVCache()], [1, None]),
+        ("mamba", [mlx_cache.ArraysCache(size=2), mlx_cache.KVCache()], [2, None]),
     ],
 )
-def test_unserved_recurrent_models_are_refused_up_front(
-    model_type: str, templates: list[Any], named: str
+def test_every_arrays_cache_size_is_served(
+    model_type: str, templates: list[Any], planes: list[int | None]
 ) -> None:
-    """SSMCache holds two planes: any other recurrent cache is refused when the caches are
-    built (naming the model and the class), not at the first forward."""
+    """``ArraysCache(size=n)`` becomes an ``SSMCache`` of ``n`` planes (a KV layer a KV
+    storage); ``conv, state = cache``-style unpacking sees ``n`` planes."""
+    caches = make_kvrows_cache(_Stub(model_type, templates))
+    for cache, count in zip(caches, planes, strict=True):
+        if count is None:
+            assert isinstance(cache, kv.KVCache)
+        else:
+            assert isinstance(cache, kv.SSMCache) and len(list(cache)) == count
+
+
+def test_cache_list_parts_are_served_and_refused_by_layer() -> None:
+    """baichuan_m1's ``CacheList(ArraysCache(2), KVCache())`` keeps mlx-lm's container
+    around kvrows parts; a part no kvrows storage serves is refused up front, naming the
+    model, the layer and the class."""
+    served = make_kvrows_cache(
+        _Stub(
+            "baichuan_m1", [mlx_cache.CacheList(mlx_cache.ArraysCache(size=2), mlx_cache.KVCache())]
+        )
+    )
+    assert isinstance(served[0], mlx_cache.CacheList)
+    assert isinstance(served[0][0], kv.SSMCache) and isinstance(served[0][1], kv.KVCache)
+    unserved = [
+        mlx_cache.KVCache(),
+        mlx_cache.CacheList(mlx_cache.ArraysCache(size=2), mlx_cache.ChunkedKVCache(8)),
+    ]
     with pytest.raises(InvalidInputError) as refused:
-        make_kvrows_cache(_Stub(model_type, templates))
-    assert model_type in str(refused.value) and named in str(refused.value)
-
-
-def test_two_plane_arrays_cache_is_served() -> None:
-    caches = make_kvrows_cache(_Stub("mamba", [mlx_cache.ArraysCache(size=2), mlx_cache.KVCache()]))
-    assert isinstance(caches[0], kv.SSMCache) and isinstance(caches[1], kv.KVCache)
+        make_kvrows_cache(_Stub("falcon_like", unserved))
+    message = str(refused.value)
+    assert "falcon_like" in message and "layer 1" in message and "ChunkedKVCache" in message
 
 
 def _mask_of(mask: Any) -> list[list[bool]] | None:
@@ -365,3 +376,183 @@ def test_planes_unpack_as_mlx_lm_arrays_cache(implementation: str) -> None:
     assert np.array_equal(np.asarray(conv), conv_plane)
     assert np.array_equal(np.asarray(state), state_plane)
     assert len(list(ours)) == len(list(theirs)) == 2
+
+
+#: mlx-lm models whose ArraysCache is not gated DeltaNet's / Mamba2's two planes.
+ARRAYS_MODELS = ("lfm2", "rwkv7", "kimi_linear", "bailing_moe_linear", "baichuan_m1")
+
+
+def _tiny_arrays_model(arch: str, vocab: int = 128) -> Any:
+    """A small random-weight float32 mlx-lm model of ``arch`` (every layer kind its
+    ``make_cache`` builds: lfm2's conv and attention, kimi_linear's KDA and MLA,
+    bailing_moe_linear's GLA and attention, baichuan_m1's global and sliding layers)."""
+    module: Any = importlib.import_module(f"mlx_lm.models.{arch}")
+    if arch == "lfm2":
+        args = module.ModelArgs(
+            model_type="lfm2", vocab_size=vocab, hidden_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            norm_eps=1e-5, conv_bias=False, conv_L_cache=3, block_dim=32,
+            block_multiple_of=16, block_ffn_dim_multiplier=1.0,
+            block_auto_adjust_ff_dim=False, block_ff_dim=64,
+            layer_types=["conv", "full_attention", "conv"],
+        )  # fmt: skip
+    elif arch == "rwkv7":
+        args = module.ModelArgs(
+            model_type="rwkv7", vocab_size=vocab, hidden_size=32, intermediate_size=64,
+            norm_eps=1e-5, head_dim=16, num_hidden_layers=2, a_low_rank_dim=8,
+            v_low_rank_dim=8, gate_low_rank_dim=8, decay_low_rank_dim=8,
+        )  # fmt: skip
+    elif arch == "kimi_linear":
+        linear = {"num_heads": 2, "head_dim": 16, "short_conv_kernel_size": 4, "kda_layers": [1]}
+        args = module.ModelArgs(
+            model_type="kimi_linear", vocab_size=vocab, hidden_size=32, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=2, intermediate_size=64, head_dim=16,
+            rope_theta=10000.0, rms_norm_eps=1e-5, linear_attn_config=linear,
+            model_max_length=256, num_experts=0, moe_intermediate_size=32, kv_lora_rank=16,
+            qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16,
+        )  # fmt: skip
+    elif arch == "bailing_moe_linear":
+        args = module.ModelArgs(
+            model_type="bailing_moe_linear", hidden_size=32, intermediate_size=64,
+            max_position_embeddings=256, moe_intermediate_size=32, num_experts=4,
+            num_shared_experts=1, norm_topk_prob=True, num_attention_heads=2,
+            num_experts_per_tok=2, num_hidden_layers=2, num_key_value_heads=2,
+            rms_norm_eps=1e-5, rope_theta=10000.0, vocab_size=vocab, first_k_dense_replace=1,
+            layer_group_size=2, group_norm_size=1, head_dim=16,
+        )  # fmt: skip
+    else:
+        args = module.ModelArgs(
+            vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=2, rope_theta=10000.0,
+            sliding_window=8, sliding_window_layers=[1], conv_window=2, rms_norm_eps=1e-5,
+        )  # fmt: skip
+    model = module.Model(args)
+    mx.random.seed(0)
+    from mlx.utils import tree_map
+
+    model.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.08, model.parameters()))
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture(scope="module", params=ARRAYS_MODELS)
+def arrays_model(request: pytest.FixtureRequest) -> Any:
+    return _tiny_arrays_model(request.param)
+
+
+def _arrays_caches(caches: list[Any]) -> list[tuple[Any, ...]]:
+    """Each layer's plane lists (``ArraysCache`` / ``SSMCache``, ``CacheList`` parts too)."""
+    found = []
+    for cache in caches:
+        for part in cache.caches if isinstance(cache, mlx_cache.CacheList) else (cache,):
+            if isinstance(part, RecurrentRows | mlx_cache.ArraysCache):
+                found.append(tuple(part))
+    return found
+
+
+def _same_planes(ours: list[Any], theirs: list[Any]) -> bool:
+    mine, peers = _arrays_caches(ours), _arrays_caches(theirs)
+    assert mine and len(mine) == len(peers)
+    return all(
+        len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+        for a, b in zip(mine, peers, strict=True)
+    )
+
+
+def test_arrays_cache_models_serial_logits_match_mlx_lm(arrays_model: Any) -> None:
+    """``make_kvrows_cache`` serves each ``ArraysCache(size=n)`` (inside a ``CacheList``
+    too) with an ``SSMCache`` of ``n`` planes: mlx-lm's logits and planes, bit for bit."""
+    ours, theirs = make_kvrows_cache(arrays_model), arrays_model.make_cache()
+    assert [type(c) is mlx_cache.CacheList for c in ours] == [
+        type(c) is mlx_cache.CacheList for c in theirs
+    ]
+    tokens = mx.array(np.random.default_rng(1).integers(0, 128, (1, 20)))
+    position = 0
+    for n in (7, 5, 1, 1, 6):
+        chunk = tokens[:, position : position + n]
+        assert _same(arrays_model(chunk, cache=ours), arrays_model(chunk, cache=theirs))
+        position += n
+    assert _same_planes(ours, theirs)
+    for cache in ours:
+        for part in cache.caches if isinstance(cache, mlx_cache.CacheList) else (cache,):
+            if isinstance(part, kv.SSMCache):
+                part.check_valid()
+                assert part.geometry is not None and part.nbytes == sum(p.nbytes for p in part)
+
+
+def _left_padded(template: list[Any], left_padding: list[int], ours: bool) -> list[Any]:
+    """The batch caches of ``template`` for left-padded prompts: mlx-lm's
+    ``ArraysCache(n, left_padding=...)`` / ``BatchKVCache`` / ``BatchRotatingKVCache``,
+    or kvrows' drop-ins of the same construction."""
+    batch = []
+    for layer in template:
+        if isinstance(layer, mlx_cache.CacheList):
+            batch.append(mlx_cache.CacheList(*_left_padded(list(layer.caches), left_padding, ours)))
+        elif isinstance(layer, mlx_cache.ArraysCache):
+            cls: Any = kv.BatchedSSMCache if ours else mlx_cache.ArraysCache
+            batch.append(cls(len(layer.cache), left_padding=left_padding))
+        elif isinstance(layer, mlx_cache.RotatingKVCache):
+            cls = kv.BatchRotatingKVCache if ours else mlx_cache.BatchRotatingKVCache
+            batch.append(cls(layer.max_size, left_padding=left_padding))
+        else:
+            cls = kv.BatchKVCache if ours else mlx_cache.BatchKVCache
+            batch.append(cls(left_padding=left_padding))
+    return batch
+
+
+@pytest.mark.parametrize("arch", [*ARRAYS_MODELS, *HYBRID_ARCHITECTURES])
+def test_left_padded_batch_logits_match_mlx_lm(arch: str) -> None:
+    """A left-padded prompt batch (``ArraysCache(n, left_padding=...)``), decode steps,
+    ``finalize``, a ``filter`` and an ``extract``: mlx-lm's logits and planes, bit for bit."""
+    model = _tiny_arrays_model(arch) if arch in ARRAYS_MODELS else tiny_hybrid_model(arch)
+    rng = np.random.default_rng(4)
+    lengths = [6, 11, 3]
+    pads = [max(lengths) - n for n in lengths]
+    prompts = [
+        [0] * p + rng.integers(1, 128, n).tolist() for p, n in zip(pads, lengths, strict=True)
+    ]
+    ours = _left_padded(model.make_cache(), pads, ours=True)
+    theirs = _left_padded(model.make_cache(), pads, ours=False)
+    assert _same(model(mx.array(prompts), cache=ours), model(mx.array(prompts), cache=theirs))
+    for _ in range(2):
+        step = mx.array(rng.integers(1, 128, (3, 1)))
+        assert _same(model(step, cache=ours), model(step, cache=theirs))
+    assert _same_planes(ours, theirs)
+    for cache in (*ours, *theirs):
+        for part in cache.caches if isinstance(cache, mlx_cache.CacheList) else (cache,):
+            if isinstance(part, kv.BatchedSSMCache | mlx_cache.ArraysCache):
+                part.finalize()  # the padded run is over: mlx-lm's masks become None
+    for cache in (*ours, *theirs):
+        cache.filter([2, 0])
+    step = mx.array(rng.integers(1, 128, (2, 1)))
+    assert _same(model(step, cache=ours), model(step, cache=theirs))
+    ours_row = [cache.extract(1) for cache in ours]
+    their_row = [cache.extract(1) for cache in theirs]
+    tokens = mx.array([[5, 6, 7]])
+    assert _same(model(tokens, cache=ours_row), model(tokens, cache=their_row))
+    assert _same_planes(ours_row, their_row)
+
+
+def test_arrays_cache_models_through_mlx_lm_batch_generator(
+    arrays_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mlx-lm's ``BatchGenerator`` (right-padded prefill chunks, ``merge`` of serial
+    caches, ``CacheList.merge`` for baichuan_m1, joins and retirements) on kvrows caches:
+    mlx-lm's tokens, and each finished row's planes bit for bit."""
+    theirs = _run_generator(arrays_model)
+    padded: list[int] = []
+    original = RecurrentRows.prepare
+
+    def counting(self: RecurrentRows, **kwargs: Any) -> None:
+        if kwargs.get("lengths") is not None and len(set(kwargs["lengths"])) > 1:
+            padded.append(1)
+        original(self, **kwargs)
+
+    monkeypatch.setattr(RecurrentRows, "prepare", counting)
+    ours = _run_generator(arrays_model, caches=[make_kvrows_cache(arrays_model) for _ in PROMPTS])
+    assert padded, "ragged prompt chunks must have reached the recurrent layouts"
+    assert ours["tokens"] == theirs["tokens"]
+    assert [len(t) for t in ours["tokens"]] == MAX_TOKENS
+    for mine, peers in zip(ours["caches"], theirs["caches"], strict=True):
+        assert _same_planes(mine, peers)
