@@ -54,6 +54,7 @@ __all__ = [
     "packed_shapes_message",
     "packed_width_message",
     "plain_latent_state_message",
+    "plane_layer_input_message",
     "preview_blocks_message",
     "qkv_shape_message",
     "ring_rollback_message",
@@ -152,6 +153,11 @@ EMPTY_LAYOUT_UPDATE = "an empty layout takes no update: merge rows into it first
 
 #: Every call on a layout whose speculative round failed half-way.
 SPECULATIVE_INVALID = "speculative state is invalid and must be discarded"
+
+
+def plane_layer_input_message(largest: int, shape: tuple[int, ...]) -> str:
+    """The test layer that writes recurrent planes of any shape, given too narrow an input."""
+    return f"x must be [B, S, C] with C >= {largest} (the largest plane), got {shape}"
 
 
 def no_array_codec_message(implementation: str, kind: str) -> str:

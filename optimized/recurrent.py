@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 
 from kvrows.compositions import composition
-from kvrows.errors import InvalidInputError, qkv_shape_message
+from kvrows.errors import InvalidInputError, plane_layer_input_message, qkv_shape_message
 from kvrows.optimized.codecs import dtype_name
 from kvrows.recurrent import (
     CONV,
@@ -220,9 +220,7 @@ def plane_state_forward(shapes: StateShapes, cache: Any, x: mx.array) -> mx.arra
     rows, span = int(x.shape[0]), int(x.shape[1])
     sizes = [math.prod(shape) for shape, _ in shapes.planes]
     if x.ndim != 3 or x.shape[-1] < max(sizes):
-        raise InvalidInputError(
-            f"x must be [B, S, C] with C >= {max(sizes)} (the largest plane), got {x.shape}"
-        )
+        raise InvalidInputError(plane_layer_input_message(max(sizes), tuple(x.shape)))
     if cache is not None and getattr(cache, "spec_round_awaits_record", False):
         cache.spec_round_record(functools.partial(plane_state_forward, shapes), x)
     mask = None if cache is None else cache.make_mask(span)
