@@ -3,7 +3,8 @@ gated DeltaNet + full attention; ``mamba2``: pure SSM): the same logits as mlx-l
 ``ArraysCache`` serially, after a batch merge (decode, filter, extract), and through mlx-lm's
 own ``BatchGenerator`` (right-padded prefill chunks, joins, retirements). Every other
 ``ArraysCache`` shape mlx-lm's models build (lfm2's 1 plane, rwkv7's 3, kimi_linear's 4,
-bailing_moe_linear's GLA state, baichuan_m1's last key and value inside a ``CacheList``):
+bailing_moe_linear's GLA state, baichuan_m1's last key and value and falcon_h1's Mamba2
+conv and SSM state, each inside a ``CacheList``):
 the same logits serially and in a left-padded batch (``ArraysCache(n, left_padding=...)``)."""
 
 from __future__ import annotations
@@ -379,13 +380,16 @@ def test_planes_unpack_as_mlx_lm_arrays_cache(implementation: str) -> None:
 
 
 #: mlx-lm models whose ArraysCache is not gated DeltaNet's / Mamba2's two planes.
-ARRAYS_MODELS = ("lfm2", "rwkv7", "kimi_linear", "bailing_moe_linear", "baichuan_m1")
+ARRAYS_MODELS = (
+    "lfm2", "rwkv7", "kimi_linear", "bailing_moe_linear", "baichuan_m1", "falcon_h1",
+)  # fmt: skip
 
 
 def _tiny_arrays_model(arch: str, vocab: int = 128) -> Any:
     """A small random-weight float32 mlx-lm model of ``arch`` (every layer kind its
     ``make_cache`` builds: lfm2's conv and attention, kimi_linear's KDA and MLA,
-    bailing_moe_linear's GLA and attention, baichuan_m1's global and sliding layers)."""
+    bailing_moe_linear's GLA and attention, baichuan_m1's global and sliding layers,
+    falcon_h1's Mamba2 and attention side by side in each layer's ``CacheList``)."""
     module: Any = importlib.import_module(f"mlx_lm.models.{arch}")
     if arch == "lfm2":
         args = module.ModelArgs(
@@ -419,6 +423,13 @@ def _tiny_arrays_model(arch: str, vocab: int = 128) -> Any:
             num_experts_per_tok=2, num_hidden_layers=2, num_key_value_heads=2,
             rms_norm_eps=1e-5, rope_theta=10000.0, vocab_size=vocab, first_k_dense_replace=1,
             layer_group_size=2, group_norm_size=1, head_dim=16,
+        )  # fmt: skip
+    elif arch == "falcon_h1":
+        args = module.ModelArgs(
+            vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=16, mamba_d_conv=4,
+            mamba_d_head=8, mamba_d_ssm=32, mamba_d_state=8, mamba_n_heads=4,
+            mamba_n_groups=1, mamba_chunk_size=8, max_position_embeddings=256,
         )  # fmt: skip
     else:
         args = module.ModelArgs(

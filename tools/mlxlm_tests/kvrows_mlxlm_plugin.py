@@ -6,7 +6,7 @@ mlxlm-tests`` (``tools/mlxlm_tests/run.py``) does, twice. Always: mlx-lm's ``loa
 tests download a Qwen model) is replaced by the embedded ``tiny_model("llama")`` and a
 byte-level tokenizer built in memory, so nothing is downloaded. With ``--kvrows-rebind``:
 every mlx-lm cache class with a kvrows counterpart (:data:`REBOUND`, and ``ArraysCache`` of
-two planes, :class:`ArraysCache`) is rebound to ``kvrows.optimized``'s wherever mlx-lm or
+every size, with or without ``left_padding``, :class:`ArraysCache`) is rebound to ``kvrows.optimized``'s wherever mlx-lm or
 a test reads it by name: ``mlx_lm.models.cache`` (so ``make_prompt_cache`` and
 ``load_prompt_cache`` build kvrows classes), ``mlx_lm.generate``, every loaded
 ``mlx_lm.*`` module and the test modules, as a user monkeypatching mlx-lm would.
@@ -27,10 +27,10 @@ import pytest
 REBOUND = ("KVCache", "RotatingKVCache", "QuantizedKVCache", "BatchKVCache", "BatchRotatingKVCache")
 _ORIGINALS: dict[str, Any] = {name: getattr(peer, name) for name in (*REBOUND, "ArraysCache")}
 _DOWNLOAD = mlx_lm.utils.load
-#: Modules that keep mlx-lm's class under a rebound name: baichuan_m1 keeps the last key
-#: and value columns ``[B, H, 1, D]`` in an ``ArraysCache(2)``, not a conv and a recurrent
-#: plane, and ``make_kvrows_cache`` refuses the model (spec/mlx-lm-drop-in.md §3).
-KEPT = {"mlx_lm.models.baichuan_m1": frozenset({"ArraysCache"})}
+#: Modules that keep mlx-lm's class under a rebound name: longcat_flash_ngram keeps the
+#: last token ids (int64, up to n-1 columns) in an ``ArraysCache(1)``, which kvrows'
+#: float planes of a fixed shape do not take (spec/mlx-lm-drop-in.md §5).
+KEPT = {"mlx_lm.models.longcat_flash_ngram": frozenset({"ArraysCache"})}
 
 
 def _tiny_load(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
@@ -52,18 +52,21 @@ def _tiny_load(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
 
 
 class _ArraysCacheType(type):
-    """``ArraysCache(size, left_padding=None)``: kvrows' ``SSMCache`` for the two planes
-    it holds (conv, recurrent); mlx-lm's own class otherwise, which has no kvrows
-    counterpart (another plane count, or a construction-time ``left_padding``)."""
+    """``ArraysCache(size, left_padding=None)``: kvrows' ``SSMCache(size)``, or with a
+    non-empty ``left_padding`` (a batch's) ``BatchedSSMCache(size, left_padding=...)``;
+    every size is served (spec/mlx-lm-drop-in.md §3), baichuan_m1's included; mlx-lm's own
+    class in the :data:`KEPT` modules."""
 
     def __call__(cls, size: int, left_padding: Any = None) -> Any:
         import kvrows.optimized as kv
 
         # a model module imported inside a test reads the rebound name: ask who builds it
         caller = str(sys._getframe(1).f_globals.get("__name__", ""))
-        if size == 2 and not left_padding and "ArraysCache" not in KEPT.get(caller, ()):
-            return kv.SSMCache()
-        return _ORIGINALS["ArraysCache"](size, left_padding=left_padding)
+        if "ArraysCache" in KEPT.get(caller, ()):
+            return _ORIGINALS["ArraysCache"](size, left_padding=left_padding)
+        if left_padding is not None and len(left_padding) > 0:
+            return kv.BatchedSSMCache(size, left_padding=left_padding)
+        return kv.SSMCache(size)
 
     def __instancecheck__(cls, instance: object) -> bool:
         import kvrows.optimized as kv
