@@ -92,6 +92,16 @@ def check_model(name: str) -> None:
 #: mlx-lm's recurrent caches (``ArraysCache``): ``SSMCache`` serves them under every scheme.
 _RECURRENT_PEERS = composition("SSMCache").peers
 
+#: Models whose ``ArraysCache`` is not recurrent state, so ``SSMCache`` cannot serve it,
+#: by ``model_type``: refused before any cache is built (spec/mlx-lm-drop-in.md §3).
+_NOT_STATE_ARRAYS = {
+    "longcat_flash_ngram": (
+        0,
+        "its ArraysCache(size=1) holds the n-gram token ids (int64, a width that grows "
+        "with the context), not recurrent state; kvrows has no class for it",
+    ),
+}
+
 
 def kv_geometry(model: Any) -> KvGeometry | None:
     """The KV heads, head dim and dtype every attention layer of ``model`` stores, from its
@@ -175,6 +185,10 @@ def make_kvrows_cache(model: Any, scheme: KvStorageScheme | None = None) -> list
 
     if is_latent_model(model):  # MLA layers: latent caches (spec/MLACache.md §3)
         return latent_caches_for_scheme(model, scheme)
+    unserved = _NOT_STATE_ARRAYS.get(_model_name(model))
+    if unserved is not None:
+        layer_index, why = unserved
+        raise InvalidInputError(f"{_model_name(model)}, layer {layer_index}: {why}")
     template = model.make_cache() if hasattr(model, "make_cache") else None
     if template is None:
         template = [peer.KVCache() for _ in model.layers]  # type: ignore[no-untyped-call]

@@ -300,6 +300,18 @@ def test_cache_list_parts_are_served_and_refused_by_layer() -> None:
     assert "falcon_like" in message and "layer 1" in message and "ChunkedKVCache" in message
 
 
+def test_token_id_arrays_cache_is_refused_up_front() -> None:
+    """longcat_flash_ngram's first ``ArraysCache(size=1)`` holds n-gram token ids, not
+    recurrent state: refused before any cache is built, naming the model, layer and why
+    (it used to become an ``SSMCache`` that refused the layer's first write)."""
+    template = [mlx_cache.ArraysCache(size=1), mlx_cache.KVCache()]
+    with pytest.raises(InvalidInputError) as refused:
+        make_kvrows_cache(_Stub("longcat_flash_ngram", template))
+    message = str(refused.value)
+    assert message.startswith("longcat_flash_ngram, layer 0: its ArraysCache(size=1)")
+    assert "token ids" in message
+
+
 def _mask_of(mask: Any) -> list[list[bool]] | None:
     return None if mask is None else np.asarray(mask).astype(bool).tolist()
 
