@@ -50,6 +50,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvrows.app.attention import attention_scope, hookable_modules
+from kvrows.app.hybrid import check_speculative_rounds
 from kvrows.app.models import make_kvrows_cache
 from kvrows.app.paged_engine import PagedLayers
 from kvrows.errors import CapacityError, InvalidInputError, KvRowsError, LayoutStateError
@@ -343,6 +344,8 @@ class Engine:
                 raise InvalidInputError(
                     f"the draft's vocabulary differs from the target's: sizes {sizes}"
                 )
+            for each in (model, draft_model):  # recurrent layers roll back by replay
+                check_speculative_rounds(each)
         maintenance = create_kv_maintenance(scheme or KvStorageScheme())
         if maintenance.converts_later and max_batch > 1:
             for each in (model, draft_model):
