@@ -104,10 +104,10 @@ _TINY_CONFIGS: dict[str, dict[str, Any]] = {
 RECURRENT_ARCHITECTURES = tuple(_TINY_CONFIGS)
 
 
-def tiny_hybrid_model(arch: str, *, seed: int = 0, vocab: int = 256) -> Any:
+def tiny_hybrid_model(arch: str, *, seed: int = 0, vocab: int = 256, record: bool = True) -> Any:
     """A small random-weight float32 mlx-lm model of ``arch`` (one of
     :data:`RECURRENT_ARCHITECTURES`), its recurrent layers wrapped by
-    :func:`record_recurrent_layers`."""
+    :func:`record_recurrent_layers` (``record=False``: mlx-lm's model as it is)."""
     config = _TINY_CONFIGS.get(arch)
     if config is None:
         raise InvalidInputError(
@@ -122,7 +122,8 @@ def tiny_hybrid_model(arch: str, *, seed: int = 0, vocab: int = 256) -> Any:
     model.update(params)
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
-    record_recurrent_layers(model)  # verify rounds on its recurrent layers can roll back
+    if record:
+        record_recurrent_layers(model)  # verify rounds on its recurrent layers can roll back
     return model
 
 

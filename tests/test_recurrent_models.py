@@ -398,65 +398,9 @@ ARRAYS_MODELS = (
 
 
 def _tiny_arrays_model(arch: str, vocab: int = 128) -> Any:
-    """A small random-weight float32 mlx-lm model of ``arch`` (every layer kind its
-    ``make_cache`` builds: lfm2's conv and attention, kimi_linear's KDA and MLA,
-    bailing_moe_linear's GLA and attention, baichuan_m1's global and sliding layers,
-    falcon_h1's Mamba2 and attention side by side in each layer's ``CacheList``)."""
-    module: Any = importlib.import_module(f"mlx_lm.models.{arch}")
-    if arch == "lfm2":
-        args = module.ModelArgs(
-            model_type="lfm2", vocab_size=vocab, hidden_size=32, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-            norm_eps=1e-5, conv_bias=False, conv_L_cache=3, block_dim=32,
-            block_multiple_of=16, block_ffn_dim_multiplier=1.0,
-            block_auto_adjust_ff_dim=False, block_ff_dim=64,
-            layer_types=["conv", "full_attention", "conv"],
-        )  # fmt: skip
-    elif arch == "rwkv7":
-        args = module.ModelArgs(
-            model_type="rwkv7", vocab_size=vocab, hidden_size=32, intermediate_size=64,
-            norm_eps=1e-5, head_dim=16, num_hidden_layers=2, a_low_rank_dim=8,
-            v_low_rank_dim=8, gate_low_rank_dim=8, decay_low_rank_dim=8,
-        )  # fmt: skip
-    elif arch == "kimi_linear":
-        linear = {"num_heads": 2, "head_dim": 16, "short_conv_kernel_size": 4, "kda_layers": [1]}
-        args = module.ModelArgs(
-            model_type="kimi_linear", vocab_size=vocab, hidden_size=32, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=2, intermediate_size=64, head_dim=16,
-            rope_theta=10000.0, rms_norm_eps=1e-5, linear_attn_config=linear,
-            model_max_length=256, num_experts=0, moe_intermediate_size=32, kv_lora_rank=16,
-            qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16,
-        )  # fmt: skip
-    elif arch == "bailing_moe_linear":
-        args = module.ModelArgs(
-            model_type="bailing_moe_linear", hidden_size=32, intermediate_size=64,
-            max_position_embeddings=256, moe_intermediate_size=32, num_experts=4,
-            num_shared_experts=1, norm_topk_prob=True, num_attention_heads=2,
-            num_experts_per_tok=2, num_hidden_layers=2, num_key_value_heads=2,
-            rms_norm_eps=1e-5, rope_theta=10000.0, vocab_size=vocab, first_k_dense_replace=1,
-            layer_group_size=2, group_norm_size=1, head_dim=16,
-        )  # fmt: skip
-    elif arch == "falcon_h1":
-        args = module.ModelArgs(
-            vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=1, head_dim=16, mamba_d_conv=4,
-            mamba_d_head=8, mamba_d_ssm=32, mamba_d_state=8, mamba_n_heads=4,
-            mamba_n_groups=1, mamba_chunk_size=8, max_position_embeddings=256,
-        )  # fmt: skip
-    else:
-        args = module.ModelArgs(
-            vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=2, rope_theta=10000.0,
-            sliding_window=8, sliding_window_layers=[1], conv_window=2, rms_norm_eps=1e-5,
-        )  # fmt: skip
-    model = module.Model(args)
-    mx.random.seed(0)
-    from mlx.utils import tree_map
-
-    model.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.08, model.parameters()))
-    model.set_dtype(mx.float32)
-    mx.eval(model.parameters())
-    return model
+    """The app's tiny model of ``arch`` (every layer kind its ``make_cache`` builds), as
+    mlx-lm builds it: no layer wrapped for verify rounds."""
+    return tiny_hybrid_model(arch, vocab=vocab, record=False)
 
 
 @pytest.fixture(scope="module", params=ARRAYS_MODELS)
