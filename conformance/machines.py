@@ -1450,6 +1450,17 @@ class ConformanceMachine(RuleBasedStateMachine):
             return ref_cache, opt_cache
         self._check_state(what, ref_cache, opt_cache)
         keep = getattr(ref_cache.token_geometry, "keep", 0)
+        pads = hasattr(ref_cache, "left_pad") and hasattr(ref_cache, "max_size")  # ring layouts
+        if pads:
+            # Raw, not through rows_of_state: a wrapped ring row's negative pad (mlx-lm's).
+            saved = [
+                unpack_state(c.composition, c.state)["left_padding"] for c in (opt_cache, ref_cache)
+            ]
+            self._exact(
+                f"{what}: saved left_padding",
+                self.opt_impl.to_numpy(saved[0]).tolist(),
+                self.ref_impl.to_numpy(saved[1]).tolist(),
+            )
         pair = tuple(
             type(c).from_state(c.state, keep=keep, geometry=c.geometry)
             for c in (ref_cache, opt_cache)
@@ -1460,6 +1471,18 @@ class ConformanceMachine(RuleBasedStateMachine):
                 (copy.signature(), repr(copy.geometry)),
                 (cache.signature(), repr(cache.geometry)),
             )
+        if pads:
+            self._exact(f"{what}: left_pad restored", pair[1].left_pad, pair[0].left_pad)
+            if ref_cache.row_offsets and max(ref_cache.row_offsets) > 0:
+                columns = int(unpack_state(ref_cache.composition, ref_cache.state)["idx"])
+                if columns <= ref_cache.max_size:  # no block history the load drops
+                    # The load keeps each row's pad but the columns every row pads.
+                    common = max(0, min(ref_cache.left_pad))
+                    self._exact(
+                        f"{what}: left_pad after a load",
+                        pair[0].left_pad,
+                        tuple(pad - common for pad in ref_cache.left_pad),
+                    )
         self.stats.check("save_restore")
         return pair[0], pair[1]
 

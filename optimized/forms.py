@@ -96,6 +96,9 @@ def state_of(storage: Storage) -> tuple[Any, ...]:
             lengths = [0 if k is None else int(k[0].shape[2]) for k, _, _ in rows]
             width = max(lengths, default=0)
             pads = [width - n for n in lengths]
+            saved_pads = getattr(storage, "saved_pads", None)  # a shared ring's hook
+            if saved_pads is not None:
+                pads = saved_pads(pads)
             geometry = storage.geometry
             visible = (
                 _stacked(storage.codec, rows, lengths, width, geometry, right_aligned=True)
@@ -178,6 +181,11 @@ def restore_state(
     assert isinstance(fresh, Layout)
     fresh._geometry = kv
     fresh.merge_rows(sources)
+    restore_pads = getattr(fresh, "restore_pads", None)  # a shared ring's hook
+    if restore_pads is not None:
+        saved = rows_offsets({"offset": fields["left_padding"]})
+        held = [0 if k is None else int(k[0].shape[2]) for k, _, _ in rows]
+        restore_pads(saved, int(keys[0].shape[2]), held)
     mx.eval(*fresh.held_arrays())  # owned by the layout, evaluated: nothing pins the state
     return fresh
 

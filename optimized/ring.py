@@ -276,6 +276,21 @@ class SharedRing(RingGeometry):
     def is_trimmable(self) -> bool:
         return self._total < self.span
 
+    def saved_pads(self, pads: list[int]) -> list[int]:
+        """The ``left_padding`` a canonical (right-aligned) state saves: ``pads`` where a
+        row's live pad is negative is that pad (the row fills the image; mlx-lm saves the
+        pads its ring overwrote and restores them raw)."""
+        return [o if o < 0 else p for p, o in zip(pads, self._pads, strict=True)]
+
+    def restore_pads(self, saved: Sequence[int], columns: int, held: Sequence[int]) -> None:
+        """After a load's merge: each row's pad goes on past 0 by what ``saved`` (over
+        ``columns`` saved columns) says the ring overwrote, and down by the columns of the
+        row the load dropped (a block's history past the window: mlx-lm's trim)."""
+        self._pads = [
+            p + min(0, s) - (columns - max(0, s) - h)
+            for p, s, h in zip(self._pads, saved, held, strict=True)
+        ]
+
     def _sinks_of(self, offset: int) -> int:
         return min(self.keep, offset)
 

@@ -78,19 +78,30 @@ def state_of(storage: Storage) -> tuple[Any, ...]:
         fields["values"] = _field(storage, None if held is None else held[1])
         return pack_state(entry, fields)
     assert isinstance(storage, RowLayout)
-    rows = [storage._cut(row) for row in storage._rows]
-    width = max((row.retained for row in rows), default=0)
-    stacked = _right_aligned(storage, rows, width) if width else None
     offsets = [row.offset for row in storage._rows]
+    place = storage._place
+    image = getattr(place, "saved_image", lambda rows: None)(storage._rows)
+    if image is not None:  # a shared ring without sinks: mlx-lm's form, its live pads
+        width, rows, total = image
+        pads = [row.pad for row in storage._rows]
+    else:
+        rows = [storage._cut(row) for row in storage._rows]
+        width = max((row.retained for row in rows), default=0)
+        pads = [width - row.retained for row in rows]
+        saved_pads = getattr(place, "saved_pads", None)  # a shared ring's hook
+        if saved_pads is not None:
+            pads = saved_pads(storage._rows, pads)
+        total = max(offsets, default=0)
+    stacked = _right_aligned(storage, rows, width) if width else None
     fields.update(
         offset=_int32(offsets),
-        left_padding=_int32([width - row.retained for row in rows]),
+        left_padding=_int32(pads),
         idx=width,
         keys=_field(storage, None if stacked is None else stacked[0]),
         values=_field(storage, None if stacked is None else stacked[1]),
     )
     if isinstance(spec, Ring):
-        fields.update(total=max(offsets, default=0), rotated=False)
+        fields.update(total=total, rotated=False)
     return pack_state(entry, fields)
 
 
@@ -155,4 +166,9 @@ def restore_state(
             raise InvalidInputError(empty_state_row_message(offset))
         sources.append(serial)
     fresh.merge_rows(sources)
+    restore_pads = getattr(fresh._place, "restore_pads", None)  # a shared ring's hook
+    if restore_pads is not None and fields["keys"] is not None:
+        saved = [int(p) for p in np.asarray(fields["left_padding"]).tolist()]
+        held = [0 if keys is None else int(keys[0].shape[2]) for keys, _, _ in rows]
+        restore_pads(fresh._rows, saved, int(fields["keys"][0].shape[2]), held)
     return fresh

@@ -261,6 +261,30 @@ class SharedRing:
     def trimmable(self, rows: Sequence[Row]) -> bool:
         return self.total < self.span
 
+    def saved_image(self, rows: Sequence[Row]) -> tuple[int, list[Row], int] | None:
+        """Without sinks, the state is mlx-lm's ``BatchRotatingKVCache`` form (the
+        optimized one's, unrotated): the ring's ``active`` columns, each row's newest of
+        them, and ``total``. ``None`` with sinks (the canonical form: each row's window)."""
+        if self.axis.keep:
+            return None
+        newest = [row.newest(min(row.retained, self.active)) for row in rows]
+        return self.active, newest, self.total
+
+    def saved_pads(self, rows: Sequence[Row], pads: list[int]) -> list[int]:
+        """The ``left_padding`` a state saves: ``pads`` (the image's), but a row's live
+        pad where it is negative (the row fills the image; mlx-lm saves the pads its ring
+        overwrote and restores them raw)."""
+        return [row.pad if row.pad < 0 else p for p, row in zip(pads, rows, strict=True)]
+
+    def restore_pads(
+        self, rows: Sequence[Row], saved: Sequence[int], columns: int, held: Sequence[int]
+    ) -> None:
+        """After a load's merge: each row's pad goes on past 0 by what ``saved`` (over
+        ``columns`` saved columns) says the ring overwrote, and down by the columns of the
+        row the load dropped (a block's history past the window: mlx-lm's trim)."""
+        for row, pad, count in zip(rows, saved, held, strict=True):
+            row.pad += min(0, pad) - (columns - max(0, pad) - count)
+
     def check(self, rows: Sequence[Row]) -> None:
         """The mlx-lm style pads agree with the rows' retained tokens."""
         for row in rows:

@@ -13,6 +13,7 @@ skips (B9, B11, R1, R2): if mlx-lm fixes one, its test fails and the skip should
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -30,6 +31,8 @@ from kvrows.conformance.profiles import active_profile
 from kvrows.conformance.runner import family_settings, format_report, run_machines
 from kvrows.conformance.stats import Stats
 from kvrows.errors import IncompatibleRowsError, NotTrimmableError
+from kvrows.forms import unpack_state
+from kvrows.persist.prompt_cache import load_prompt_cache, save_prompt_cache
 
 #: mlx-lm is untyped; reach its classes through ``Any``.
 LM: Any = mlx_lm_cache
@@ -493,3 +496,69 @@ def test_fixed_reference_ring_bugs() -> None:
     for mod in (R, O):
         with pytest.raises(LayoutStateError):
             _filtered_to_nothing(mod).fetch()
+
+
+#: The shared-column ring layouts, with the serial ring each row comes from: (layout,
+#: serial, constructor arguments). ``keep=1`` takes the canonical (right-aligned) form.
+WRAPPED_LAYOUTS = [
+    ("BatchedRotatingCache", "RotatingKVCache", {"max_size": 6}),
+    ("BatchedRotatingQuantCache", "RotatingQuantizedKVCache", {"max_size": 6, "keep": 1}),
+    ("RotatingAffineLayout", "RotatingQuantizedKVCache", {"max_size": 6, "keep": 1}),
+]
+
+
+def _wrapped(impl: _Impl, layout: str, serial: str, args: dict[str, int]) -> Any:
+    """The golden batch of §3 after four steps: row 0 has overwritten two of its pads."""
+    quant = "Quant" in serial
+    extra = {"group_size": 32, "bits": 8} if quant else {}
+    dim = 32 if quant else D
+    rows = []
+    for tags in ([1001, 1002, 1003, 1004], [2001, 2002]):
+        ring = getattr(impl.mod, serial)(**args, **extra)
+        ring.update_and_fetch(impl.arr(tags, dim), impl.arr(tags, dim))
+        rows.append(ring)
+    cache = getattr(impl.mod, layout)(**args, **extra)
+    cache.merge_rows(rows)
+    for step in range(4):
+        block = impl.arr([[1005 + step], [2003 + step]], dim)
+        cache.update_and_fetch(block, block)
+    return cache
+
+
+def _saved_pads(cache: Any) -> list[int]:
+    state = unpack_state(cache.composition, cache.state)
+    return np.asarray(np.array(state["left_padding"])).astype(np.int64).tolist()  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(("layout", "serial", "args"), WRAPPED_LAYOUTS)
+def test_a_wrapped_ring_layout_saves_and_restores_its_negative_pads(
+    tmp_path: Path, layout: str, serial: str, args: dict[str, int]
+) -> None:
+    """mlx-lm's ``BatchRotatingKVCache`` saves ``left_padding`` raw (negative once the
+    ring overwrote a row's pads: -2 here, ``GOLDEN`` step 3) and its state setter gives it
+    back; both implementations save the same pads and a load, into either, restores them."""
+    if layout == "BatchedRotatingCache":
+        lm = LM.BatchRotatingKVCache(6, [0, 2])
+        prompt = np.zeros((2, 1, 4, D), dtype=np.float32)
+        lm.update_and_fetch(mx.array(prompt), mx.array(prompt))
+        for _ in range(4):
+            token = mx.zeros((2, 1, 1, D))
+            lm.update_and_fetch(token, token)
+        assert np.array(lm.state[3]).tolist() == [-2, 0]
+    for name in ("reference", "optimized"):
+        impl = _Impl(name)
+        cache = _wrapped(impl, layout, serial, args)
+        live = cache.left_pad
+        assert live[0] < 0  # the case this test is about
+        if layout == "BatchedRotatingCache":
+            assert live == (-2, 0)
+        assert _saved_pads(cache) == list(live), name
+        keep = args.get("keep", 0)
+        restored = type(cache).from_state(cache.state, keep=keep)
+        assert restored.left_pad == live, name
+        path = tmp_path / f"{name}.safetensors"
+        save_prompt_cache(path, [cache])
+        for into in ("reference", "optimized"):
+            (loaded,) = load_prompt_cache(path, implementation=into)
+            assert loaded.left_pad == live, (name, into)
+            assert _saved_pads(loaded) == list(live), (name, into)

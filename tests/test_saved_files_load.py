@@ -114,6 +114,44 @@ def test_a_saved_prompt_cache_file_loads_into_both_implementations(
             _check(list(caches), case["live"][implementation])
 
 
+#: Shared-column ring layouts: ``left_pad`` is mlx-lm's ``left_padding``, negative once a
+#: wrapped ring overwrote a row's pads (a ragged ring reports 0: its rows are left-aligned).
+SHARED_RINGS = {
+    "BatchedRotatingCache", "BatchedRotatingQuantCache", "RotatingAffineLayout",
+    "SpeculativeRotatingAffineLayout",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("case", "saved_by"),
+    [
+        param
+        for param in _files()
+        if any(
+            layer["class"] in SHARED_RINGS
+            for layer in param.values[0]["live"][param.values[1]]["layers"]
+        )
+    ],
+)
+def test_a_loaded_ring_layout_reports_the_saved_pads_raw(
+    case: dict[str, Any], saved_by: Implementation
+) -> None:
+    """The manifest records pads clamped at 0 (a file saved before the fix holds 0 where
+    the live pad was negative); a load must give back the file's ``left_padding`` (state
+    field 3) itself, negative entries included, in either implementation."""
+    path = DATA / case["prompt_cache"][saved_by]
+    arrays = mx.load(str(path))
+    assert isinstance(arrays, dict)
+    layers = case["live"][saved_by]["layers"]
+    with mx.stream(mx.cpu):
+        for implementation in IMPLEMENTATIONS:
+            caches = load_prompt_cache(path, implementation=implementation)
+            for i, (layer, cache) in enumerate(zip(layers, caches, strict=True)):
+                if layer["class"] in SHARED_RINGS:
+                    saved = tuple(int(p) for p in np.asarray(arrays[f"{i}.3"]))
+                    assert cache.left_pad == saved, (implementation, i)
+
+
 @pytest.mark.parametrize("saved_by", IMPLEMENTATIONS)
 def test_saved_prefix_store_entries_are_found_and_load(
     tmp_path: Path, saved_by: Implementation
