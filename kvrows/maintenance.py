@@ -33,7 +33,7 @@ from kvrows.errors import InvalidInputError
 from kvrows.geometries import is_geometry_spec
 from kvrows.lego import Bf16First
 from kvrows.protocols import AppendLimited
-from kvrows.schemes import Affine, KvStorageScheme, Plain, Turbo
+from kvrows.schemes import KvStorageScheme, Plain
 
 __all__ = ["KvMaintenance", "create_kv_maintenance"]
 
@@ -46,12 +46,13 @@ class KvMaintenance:
 
     @property
     def converts_later(self) -> bool:
-        """Whether some layer is bf16-first (an affine or TurboQuant codec with a start)."""
+        """Whether some layer is bf16-first (an encoding codec, affine or TurboQuant, with a
+        start)."""
         scheme = self.scheme
         if scheme.quantized_kv_start is None:
             return False
         codecs = [scheme.codec, *(codec for _, codec in scheme.layers)]
-        return any(isinstance(codec, Affine | Turbo) for codec in codecs)
+        return any(codec.encodes for codec in codecs)
 
     def prepare_prefill(self, caches: Sequence[Any]) -> list[Any]:
         """The request's layers for a prefill cohort: legos in one-row delayed layouts."""

@@ -50,7 +50,7 @@ BASELINE: dict[str, int] = {
     "kvrows/forms.py": 8,
     "kvrows/latent.py": 14,
     "kvrows/lego.py": 1,
-    "kvrows/maintenance.py": 3,
+    "kvrows/maintenance.py": 2,
     "kvrows/paged_forms.py": 2,
     "kvrows/paged_latent.py": 7,
     "kvrows/paged_storage.py": 5,
@@ -75,7 +75,7 @@ BASELINE: dict[str, int] = {
 }
 
 #: The sum of :data:`BASELINE`: the issue's "before".
-BASELINE_TOTAL = 168
+BASELINE_TOTAL = 167
 
 ADVICE = (
     "Ask a capability instead of a type: a protocol of kvrows.protocols (HasCodec, "
