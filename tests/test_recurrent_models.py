@@ -126,9 +126,11 @@ def _run_generator(model: Any, caches: list[list[Any]] | None = None) -> dict[st
     return {"tokens": [tokens[u] for u in uids], "caches": [finished[u] for u in uids]}
 
 
-def test_batch_generator_matches_mlx_lm_caches(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Right-padded prefill chunks (``prepare(lengths=…)``, ``make_mask``, ``lengths``,
-    ``advance``), cohort joins (``extend``), retirements (``extract``, ``filter``)."""
+def _generator_on_both(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """mlx-lm's ``BatchGenerator`` on kvrows caches, then on mlx-lm's: the same tokens, of
+    the asked lengths, with ragged prompt chunks reaching the recurrent layouts."""
     theirs = _run_generator(model)
     padded: list[int] = []
     original = RecurrentRows.prepare
@@ -143,6 +145,13 @@ def test_batch_generator_matches_mlx_lm_caches(model: Any, monkeypatch: pytest.M
     assert padded, "ragged prompt chunks must have reached the recurrent layouts"
     assert ours["tokens"] == theirs["tokens"]
     assert [len(t) for t in ours["tokens"]] == MAX_TOKENS
+    return ours, theirs
+
+
+def test_batch_generator_matches_mlx_lm_caches(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Right-padded prefill chunks (``prepare(lengths=…)``, ``make_mask``, ``lengths``,
+    ``advance``), cohort joins (``extend``), retirements (``extract``, ``filter``)."""
+    ours, theirs = _generator_on_both(model, monkeypatch)
     for mine, peers in zip(ours["caches"], theirs["caches"], strict=True):
         recurrent = [(m, p) for m, p in zip(mine, peers, strict=True) if isinstance(m, kv.SSMCache)]
         assert recurrent
@@ -507,19 +516,6 @@ def test_arrays_cache_models_through_mlx_lm_batch_generator(
     """mlx-lm's ``BatchGenerator`` (right-padded prefill chunks, ``merge`` of serial
     caches, ``CacheList.merge`` for baichuan_m1, joins and retirements) on kvrows caches:
     mlx-lm's tokens, and each finished row's planes bit for bit."""
-    theirs = _run_generator(arrays_model)
-    padded: list[int] = []
-    original = RecurrentRows.prepare
-
-    def counting(self: RecurrentRows, **kwargs: Any) -> None:
-        if kwargs.get("lengths") is not None and len(set(kwargs["lengths"])) > 1:
-            padded.append(1)
-        original(self, **kwargs)
-
-    monkeypatch.setattr(RecurrentRows, "prepare", counting)
-    ours = _run_generator(arrays_model, caches=[make_kvrows_cache(arrays_model) for _ in PROMPTS])
-    assert padded, "ragged prompt chunks must have reached the recurrent layouts"
-    assert ours["tokens"] == theirs["tokens"]
-    assert [len(t) for t in ours["tokens"]] == MAX_TOKENS
+    ours, theirs = _generator_on_both(arrays_model, monkeypatch)
     for mine, peers in zip(ours["caches"], theirs["caches"], strict=True):
         assert _same_planes(mine, peers)
