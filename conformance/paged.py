@@ -48,11 +48,12 @@ from kvrows.schemes import Affine
 
 __all__ = [
     "HEADROOMS",
+    "FrozenCollector",
     "PagedAffineMachine",
     "PagedMachine",
     "accounting",
     "byte_limited",
-    "freeze_collector",
+    "collector_paused",
 ]
 
 #: Blocks a pool may grow by while an operation runs at its byte limit (0: none), and
@@ -72,14 +73,44 @@ def accounting(pool: Any) -> tuple[Any, ...]:
     )  # fmt: skip
 
 
-def freeze_collector() -> bool:
-    """Collect, then leave every object alive now out of later collections (the machine
-    thaws them at teardown): a limited append collects first, so that whether a pool runs
-    out never depends on when the collector gives back an unreachable cache's blocks, and
-    that collection then scans only the example's own objects."""
+class FrozenCollector:
+    """A paged machine's garbage-collector discipline (mixed in before the machine class).
+
+    An example with a byte limit collects, then leaves every object alive at its start out
+    of later collections (:meth:`_freeze_collector`; thawed at teardown), so that the
+    collection before each limited operation (:func:`collector_paused`) scans only the
+    example's own objects."""
+
+    _frozen = False
+
+    def _freeze_collector(self, limited: bool) -> None:
+        if limited:
+            gc.collect()
+            gc.freeze()
+            self._frozen = True
+
+    def teardown(self) -> None:
+        try:
+            super().teardown()  # type: ignore[misc]  # the machine class after this mixin
+        finally:
+            if self._frozen:
+                gc.unfreeze()
+                self._frozen = False
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Collect now, then keep the collector off for the block: whether a pool runs out
+    never depends on when the collector gives back an unreachable cache's blocks (a
+    collected cache's finalizer would release them in between)."""
     gc.collect()
-    gc.freeze()
-    return True
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 @contextmanager
@@ -103,7 +134,7 @@ def byte_limited(
             pool.max_bytes = pool.ledger.max_blocks = None
 
 
-class PagedMachine(SpeculativeMachine):
+class PagedMachine(FrozenCollector, SpeculativeMachine):
     """The speculative machine on paged storages, with the pool invariants."""
 
     def _pools(self, impl_index: int) -> list[Any]:
@@ -142,14 +173,7 @@ class PagedMachine(SpeculativeMachine):
         self.shared = data.draw(st.booleans(), label="one pool")
         self._shared_pools: dict[str, Any] = {}
         note(f"appends run with a headroom of {self.headroom} blocks, one pool: {self.shared}")
-        self._frozen = freeze_collector() if self.headroom is not None else False
-
-    def teardown(self) -> None:
-        try:
-            super().teardown()
-        finally:
-            if getattr(self, "_frozen", False):
-                gc.unfreeze()
+        self._freeze_collector(self.headroom is not None)
 
     def _new(self, impl: Impl, name: str, **changes: int) -> Any:
         return self._in_shared_pool(impl, name, changes, super()._new(impl, name, **changes))
@@ -189,10 +213,7 @@ class PagedMachine(SpeculativeMachine):
             for index in (0, 1)
         ]
         limited = list({id(p): p for side in pools for p in side}.values())
-        gc.collect()  # unreachable caches give their blocks back now, not in between
-        collecting = gc.isenabled()
-        gc.disable()  # a collected cache's finalizer would release blocks in between
-        try:
+        with collector_paused():
             before = self._snapshots(pairs), self._ledgers(pools)
             outcomes: list[Any] = []
             with self._limited(limited, headroom):
@@ -203,9 +224,6 @@ class PagedMachine(SpeculativeMachine):
                         outcomes.append(error)
             refused = [isinstance(o, PoolExhaustedError) for o in outcomes]
             after = (self._snapshots(pairs), self._ledgers(pools)) if any(refused) else before
-        finally:
-            if collecting:
-                gc.enable()
         self._exact(f"{what}, headroom {headroom}: refused (optimized)", refused[1], refused[0])
         self.stats.check("pool pressure")
         if not refused[0]:

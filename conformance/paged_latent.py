@@ -25,7 +25,6 @@ block size 2, 3 or 4, so rows cross blocks and share partly filled tails), with:
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -35,14 +34,20 @@ from hypothesis.stateful import initialize, invariant
 
 from kvrows.conformance.families import Impl
 from kvrows.conformance.latent import _CODECS, Array, LatentMachine
-from kvrows.conformance.paged import HEADROOMS, accounting, byte_limited, freeze_collector
+from kvrows.conformance.paged import (
+    HEADROOMS,
+    FrozenCollector,
+    accounting,
+    byte_limited,
+    collector_paused,
+)
 from kvrows.errors import PoolExhaustedError
 from kvrows.latent import latent_token_bytes
 
 __all__ = ["PagedLatentMachine"]
 
 
-class PagedLatentMachine(LatentMachine):
+class PagedLatentMachine(FrozenCollector, LatentMachine):
     """The latent machine on ``PagedLatentCache`` rows in one pool per implementation."""
 
     #: This example's headroom in blocks (``None``: no byte limit).
@@ -68,14 +73,7 @@ class PagedLatentMachine(LatentMachine):
         }
         self.headroom = data.draw(st.sampled_from(HEADROOMS), label="headroom")
         note(f"codec {codec}, start {self.c.start}, block size {size}, headroom {self.headroom}")
-        self._frozen = freeze_collector() if self.headroom is not None else False
-
-    def teardown(self) -> None:
-        try:
-            super().teardown()
-        finally:
-            if getattr(self, "_frozen", False):
-                gc.unfreeze()
+        self._freeze_collector(self.headroom is not None)
 
     def _append_all(
         self, pairs: list[tuple[Impl, Any]], blocks: tuple[Array, Array, Array | None]
@@ -100,10 +98,7 @@ class PagedLatentMachine(LatentMachine):
                 [accounting(pool) for pool in pools],
             )  # fmt: skip
 
-        gc.collect()  # unreachable caches give their blocks back now, not in between
-        collecting = gc.isenabled()
-        gc.disable()  # a collected cache's finalizer would release blocks in between
-        try:
+        with collector_paused():
             before = state()
             outcomes: list[Any] = []
             with byte_limited(pools, self.headroom, block_bytes):
@@ -114,9 +109,6 @@ class PagedLatentMachine(LatentMachine):
                         outcomes.append(error)
             refused = [isinstance(o, PoolExhaustedError) for o in outcomes]
             after = state() if any(refused) else before
-        finally:
-            if collecting:
-                gc.enable()
         self._exact("appends refused past the byte limit (optimized)", refused[1], refused[0])
         self.stats.check("pool pressure")
         if not refused[0]:
