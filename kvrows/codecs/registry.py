@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Self, TypeGuard, TypeVar
 
 from kvrows.codec import CodecSpec, Role
 from kvrows.errors import InvalidInputError, KvRowsError, no_array_codec_message
+from kvrows.kinds import KindRegistry
 
 __all__ = [
     "CODECS",
@@ -26,30 +27,24 @@ __all__ = [
 
 #: Every registered codec spec class by its ``kind``, in the order of their ``tag``s (so
 #: the order never depends on which module was imported first).
-CODECS: dict[str, type[CodecSpec]] = {}
+_REGISTRY: KindRegistry[CodecSpec] = KindRegistry(
+    "codec", "codec", order=lambda spec: spec.tag, order_name="tag"
+)
+CODECS: dict[str, type[CodecSpec]] = _REGISTRY.classes
 
 #: A codec spec class (the decorator hands the class back, its type kept).
 SpecClass = TypeVar("SpecClass", bound=type[CodecSpec])
 
 
 def register_codec(spec: SpecClass) -> SpecClass:
-    """Class decorator: register ``spec`` under its ``kind`` (a kind registers once)."""
-    kind, tag = spec.kind, spec.tag
-    if CODECS.get(kind, spec) is not spec:
-        raise KvRowsError(f"two codec specs register the kind {kind!r}")
-    if any(other.tag == tag for other in CODECS.values() if other is not spec):
-        raise KvRowsError(f"two codec specs register the tag {tag}")
-    registered: dict[str, type[CodecSpec]] = {**CODECS, kind: spec}
-    ordered = sorted(registered.items(), key=lambda item: item[1].tag)
-    CODECS.clear()
-    CODECS.update(ordered)
-    return spec
+    """Class decorator: register ``spec`` under its ``kind`` (a kind and a tag register
+    once)."""
+    return _REGISTRY.register(spec)
 
 
 def is_codec_spec(value: object) -> TypeGuard[CodecSpec]:
     """Whether ``value`` is a spec of a registered codec kind."""
-    kind = getattr(type(value), "kind", None)
-    return isinstance(kind, str) and CODECS.get(kind) is type(value)
+    return _REGISTRY.holds(value)
 
 
 def parse_codec(text: str) -> CodecSpec:
@@ -65,10 +60,7 @@ def parse_codec(text: str) -> CodecSpec:
 
 def codec_from_tail(kind: str, values: Mapping[str, Any]) -> CodecSpec:
     """The ``kind`` codec spec a saved state's tail fields (``values``) describe."""
-    spec = CODECS.get(kind)
-    if spec is None:
-        raise InvalidInputError(f"no codec of kind {kind!r}: expected one of {tuple(CODECS)}")
-    return spec.from_tail(values)
+    return _REGISTRY.lookup(kind).from_tail(values)
 
 
 class SpecParts:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any, ClassVar, Protocol, Self, TypeGuard, TypeVar
 
-from kvrows.errors import InvalidInputError, KvRowsError
+from kvrows.kinds import KindRegistry
 
 __all__ = [
     "GEOMETRIES",
@@ -65,7 +65,8 @@ class GeometrySpec(Protocol):
 
 #: Every registered geometry spec class by its ``kind``, in the order of their kinds (so the
 #: order never depends on which module was imported first).
-GEOMETRIES: dict[str, type[GeometrySpec]] = {}
+_REGISTRY: KindRegistry[GeometrySpec] = KindRegistry("geometry", "token geometry")
+GEOMETRIES: dict[str, type[GeometrySpec]] = _REGISTRY.classes
 
 #: A geometry spec class (the decorator hands the class back, its type kept).
 SpecClass = TypeVar("SpecClass", bound=type[GeometrySpec])
@@ -73,29 +74,17 @@ SpecClass = TypeVar("SpecClass", bound=type[GeometrySpec])
 
 def register_geometry(spec: SpecClass) -> SpecClass:
     """Class decorator: register ``spec`` under its ``kind`` (a kind registers once)."""
-    kind = spec.kind
-    if GEOMETRIES.get(kind, spec) is not spec:
-        raise KvRowsError(f"two geometry specs register the kind {kind!r}")
-    registered: dict[str, type[GeometrySpec]] = {**GEOMETRIES, kind: spec}
-    GEOMETRIES.clear()
-    GEOMETRIES.update(sorted(registered.items()))
-    return spec
+    return _REGISTRY.register(spec)
 
 
 def is_geometry_spec(value: object) -> TypeGuard[GeometrySpec]:
     """Whether ``value`` is a spec of a registered geometry kind."""
-    kind = getattr(type(value), "kind", None)
-    return isinstance(kind, str) and GEOMETRIES.get(kind) is type(value)
+    return _REGISTRY.holds(value)
 
 
 def geometry_class(kind: str) -> type[GeometrySpec]:
     """The spec class registered for ``kind``."""
-    spec = GEOMETRIES.get(kind)
-    if spec is None:
-        raise InvalidInputError(
-            f"no token geometry of kind {kind!r}: expected one of {tuple(GEOMETRIES)}"
-        )
-    return spec
+    return _REGISTRY.lookup(kind)
 
 
 class SpecParts:
