@@ -33,15 +33,19 @@ hooks. The converted ("affine") group's codec is the target spec's (``kvrows.leg
 from __future__ import annotations
 
 import math
-import operator
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 from kvrows.common import check_counts, row_bytes
 from kvrows.compositions import Composition
+from kvrows.conversion import (
+    MIXED_READ,
+    Phase,
+    RowAttentionPending,
+    row_reads,
+    row_reads_active,
+)
 from kvrows.errors import (
     EMPTY_LAYOUT_UPDATE,
     MERGE_NEEDS_SEQUENCE,
@@ -50,7 +54,6 @@ from kvrows.errors import (
     LayoutStateError,
     MixedPrecisionReadError,
     NotTrimmableError,
-    RowIndexError,
     not_a_geometry_message,
     self_merge_message,
 )
@@ -61,7 +64,6 @@ from kvrows.lego import (
     ConversionBoundary,
     Target,
     check_target,
-    conversion_due,
     lego_arguments,
     turbo_lego_arguments,
 )
@@ -82,66 +84,10 @@ __all__ = [
     "row_reads_active",
 ]
 
-#: What a plain read of mixed rows raises (the seed's words).
-MIXED_READ = (
-    "mixed precision rows use their attention state: this read needs raw keys and values "
-    "of one precision (open kvrows.delayed.row_reads(), or kvrows.app.attention.row_attention "
-    "for an mlx-lm model, so each row attends with its own codec)"
-)
-
-Phase = Literal["empty", "plain", "mixed", "packed"]
 PLAIN, AFFINE = 0, 1
 
 #: ``attend(queries, group, keys, values, mask, scale)``: one group's attention.
 GroupAttend = Callable[[Any, Any, Any, Any, Any, float], Any]
-
-_ROW_READS: ContextVar[int] = ContextVar("kvrows_row_reads", default=0)
-
-
-@contextmanager
-def row_reads() -> Iterator[None]:
-    """Inside, a delayed layout with mixed rows answers ``update_and_fetch`` with a
-    :class:`RowAttentionPending` pair, whose attention ``attend_rows`` computes (the
-    caller promises to attend through it). Nests."""
-    token = _ROW_READS.set(_ROW_READS.get() + 1)
-    try:
-        yield
-    finally:
-        _ROW_READS.reset(token)
-
-
-def row_reads_active() -> bool:
-    return _ROW_READS.get() > 0
-
-
-class RowAttentionPending:
-    """What a mixed read returns as both keys and values: a handle, not arrays. Its
-    attention is ``layout.attend_rows(queries, scale, ...)``; anything else a model does
-    with it (reshape, index, ...) fails loudly instead of computing something else."""
-
-    __slots__ = ("_generation", "_layout")
-
-    def __init__(self, layout: DelayedRows, generation: int) -> None:
-        object.__setattr__(self, "_layout", layout)
-        object.__setattr__(self, "_generation", generation)
-
-    @property
-    def layout(self) -> DelayedRows:
-        layout: DelayedRows = object.__getattribute__(self, "_layout")
-        return layout
-
-    @property
-    def generation(self) -> int:
-        generation: int = object.__getattribute__(self, "_generation")
-        return generation
-
-    def __getattr__(self, name: str) -> Any:
-        raise MixedPrecisionReadError(
-            f"{MIXED_READ}; this model read .{name} of the pending pair itself"
-        )
-
-    def __repr__(self) -> str:
-        return f"RowAttentionPending({type(self.layout).__name__}, read {self.generation})"
 
 
 class _Part:
@@ -239,9 +185,8 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
             )
         if geometry is not None:
             Bf16First._check_dims(geometry.key_dim, geometry.value_dim, quantization)
-        self._quantization = quantization
+        self._conversion = self.conversion_class(quantization, start)
         self._token_geometry = token_geometry
-        self._start = start
         self._declared = geometry
         # Rows right-aligned with a position record, unless each row wraps from column 0.
         self._full_attention = is_geometry_spec(token_geometry) and not token_geometry.wraps
@@ -252,15 +197,13 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
         self._groups: tuple[Any, Any] = (
             self.plain_group_class.from_specs(Plain(), self._token_geometry, geometry=declared),
             self.affine_group_class.from_specs(
-                self._quantization, self._token_geometry, geometry=declared
+                self.quantization, self._token_geometry, geometry=declared
             ),
         )
-        self._group_of: list[int] = []  # PLAIN / AFFINE per batch row
-        self._converted_at: list[int | None] = []
+        #: Per row: its stage (PLAIN / AFFINE, the group it lives in) and conversion point.
+        self._conversion = self.conversion_class(self.quantization, self.start)
         self._pads: list[int] = []  # the position record (full attention)
         self._compose: Callable[..., Any] | None = None
-        self._prefilling = False
-        self._reads_quantized = False
         self._generation = 0
         self._pending: list[_Part] | None = None
         #: The last plain or packed read and its group (``attend_last_read``).
@@ -285,13 +228,13 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
 
     def make_empty_batch(self) -> DelayedRows:
         fresh = object.__new__(type(self))
-        fresh._setup(self._quantization, self._token_geometry, self._start, self._declared)
+        fresh._setup(self.quantization, self._token_geometry, self.start, self._declared)
         return fresh
 
     # -- what it is ------------------------------------------------------------------------
     @property
     def codec_spec(self) -> Target:
-        return self._quantization
+        return self.quantization
 
     @property
     def geometry(self) -> KvGeometry | None:
@@ -316,7 +259,7 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
 
     def signature(self) -> str:
         return self.composition.signature.format(
-            start=self._start, **self._quantization.parameters(),
+            start=self.start, **self.quantization.parameters(),
             **self._token_geometry.parameters(),
         )  # fmt: skip
 
@@ -324,22 +267,17 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
     def phase(self) -> Phase:
         """``empty``; ``plain`` (no row converted); ``mixed``; ``packed`` (every row
         converted: the affine group is the whole layout)."""
-        if not self._group_of:
-            return "empty"
-        converted = sum(self._group_of)
-        if converted == 0:
-            return "plain"
-        return "packed" if converted == len(self._group_of) else "mixed"
+        return self._conversion.phase
 
     @property
     def converted_at(self) -> tuple[int | None, ...]:
         """Per row, the offset at which it converted (``None``: plain; 0 with ``start ==
         0``; a storage merged converted records its offset, the conservative bound)."""
-        return tuple(self._converted_at)
+        return self._conversion.converted_at
 
     @property
     def prefilling(self) -> bool:
-        return self._prefilling
+        return self._conversion.prefilling
 
     @property
     def groups(self) -> tuple[Any, Any]:
@@ -347,41 +285,25 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
         return self._groups
 
     def _members(self, group: int) -> list[int]:
-        return [b for b, g in enumerate(self._group_of) if g == group]
-
-    def _slots(self) -> list[int]:
-        """Each batch row's index inside its group (one pass)."""
-        seen = [0, 0]
-        slots = []
-        for group in self._group_of:
-            slots.append(seen[group])
-            seen[group] += 1
-        return slots
+        return self._conversion.members(group)
 
     def _slot(self, row: int) -> int:
-        group = self._group_of[row]
-        return sum(1 for g in self._group_of[:row] if g == group)
-
-    def _in_batch_order(self, per_group: Sequence[Sequence[int]]) -> tuple[int, ...]:
-        """A per-row quantity given per group, in batch order."""
-        return tuple(
-            per_group[group][slot]
-            for group, slot in zip(self._group_of, self._slots(), strict=True)
-        )
+        """Row ``row``'s index inside its group."""
+        return self._conversion.slots()[row]
 
     @property
     def batch_size(self) -> int:
-        return len(self._group_of)
+        return self._conversion.batch_size
 
     @property
     def row_offsets(self) -> tuple[int, ...]:
-        return self._in_batch_order([g.row_offsets for g in self._groups])
+        return self._conversion.in_batch_order([g.row_offsets for g in self._groups])
 
     @property
     def left_pad(self) -> tuple[int, ...]:
         if self._full_attention:
             return tuple(self._pads)
-        return self._in_batch_order([g.left_pad for g in self._groups])
+        return self._conversion.in_batch_order([g.left_pad for g in self._groups])
 
     @property
     def offset(self) -> Any:
@@ -409,9 +331,9 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
         plain, affine = self._groups
         cap = self._token_geometry.cap()
         geometry = self.geometry
-        if count < self._start:
+        if count < self.start:
             return row_bytes(plain.codec, geometry, count, cap)
-        before = row_bytes(plain.codec, geometry, self._start - 1, cap) if self._start else 0
+        before = row_bytes(plain.codec, geometry, self.start - 1, cap) if self.start else 0
         return max(before, row_bytes(affine.codec, geometry, count, cap))
 
     def held_arrays(self) -> tuple[Any, ...]:
@@ -429,12 +351,12 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
         empty for rings), ``prefilling``, ``composed`` (rows extract as legos), a ring's
         ``keep``."""
         self._spec_guard("reading state")
-        marks = [DELAYED_PLAIN if c is None else c for c in self._converted_at]
+        marks = [DELAYED_PLAIN if c is None else c for c in self.converted_at]
         record: dict[str, Any] = {
-            "start": self._start,
+            "start": self.start,
             "converted_at": self._positions(marks),  # an int32 vector, as positions are
             "left_pad": self._positions(self._pads if self._full_attention else []),
-            "prefilling": self._prefilling,
+            "prefilling": self.prefilling,
             "composed": self._compose is not None,
             # What the groups' layout forms omit (a ring's keep).
             **{
@@ -494,14 +416,17 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
             affine.codec_spec, affine.token_geometry, geometry=geometry, start=parts.start
         )
         fresh._groups = (plain, affine)
-        fresh._converted_at = parts.converted_at
-        fresh._group_of = [PLAIN if c is None else AFFINE for c in fresh._converted_at]
+        fresh._conversion = cls.conversion_class(
+            fresh.quantization,
+            fresh.start,
+            parts.converted_at,
+            prefilling=bool(parts.record["prefilling"]),
+        )
         fresh._pads = parts.left_pad
-        fresh._prefilling = bool(parts.record["prefilling"])
         if parts.record["composed"]:
             lego = object.__new__(cls.lego_class)  # the layout's own parameters
             Bf16First.__init__(
-                lego, fresh._quantization, fresh._token_geometry, fresh._start, geometry
+                lego, fresh.quantization, fresh._token_geometry, fresh.start, geometry
             )
             fresh._compose = lego.composed.over
         fresh._align_groups()
@@ -510,20 +435,9 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
     def is_trimmable(self) -> bool:
         return True
 
-    @property
-    def minimum_reusable_offset(self) -> int:
-        """The largest conversion offset of any row (a prefix below it was plain in some
-        row: reusing it would skip that row's conversion)."""
-        return max((c or 0 for c in self._converted_at), default=0)
-
     def max_append_tokens(self) -> float:
         """Tokens the next append may add without passing any plain row's boundary."""
-        limits = [
-            self._start - offset
-            for offset, group in zip(self.row_offsets, self._group_of, strict=True)
-            if group == PLAIN and offset < self._start
-        ]
-        return min(limits, default=math.inf)
+        return self._conversion.max_append_tokens(self.row_offsets)
 
     # -- appends and reads -----------------------------------------------------------------
     def make_mask(
@@ -572,7 +486,7 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
             raise InvalidInputError(
                 f"the block has {key_shape[0]} rows, the layout {self.batch_size}"
             )
-        Bf16First._check_dims(int(key_shape[3]), int(value_shape[3]), self._quantization)
+        Bf16First._check_dims(int(key_shape[3]), int(value_shape[3]), self.quantization)
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
         """Append a block to every row. All plain or all converted: the group's read. Mixed
@@ -580,7 +494,7 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
         back (outside one: ``MixedPrecisionReadError``, nothing changed). After the append
         (not inside a round or a prefill), rows that reached ``start`` convert."""
         self._spec_usable()
-        if not self._group_of:
+        if not self.batch_size:
             raise LayoutStateError(EMPTY_LAYOUT_UPDATE)
         self._check_block(keys, values)
         phase = self.phase
@@ -598,7 +512,7 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
                 reads = group.update_and_fetch(keys, values)
                 self._last = (group, reads)
             self._generation += 1
-            self._reads_quantized = phase == "packed"
+            self._conversion.note_read(phase == "packed")
             return reads
 
         reads = self._spec_append(append)
@@ -695,20 +609,9 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
         return reads
 
     # -- conversion --------------------------------------------------------------------------
-    def _due(self, rows: Sequence[int] | None = None) -> list[int]:
-        offsets = self.row_offsets
-        candidates = range(self.batch_size) if rows is None else rows
-        return [
-            b
-            for b in candidates
-            if self._group_of[b] == PLAIN and conversion_due(offsets[b], self._start)
-        ]
-
     def _advance(self) -> None:
-        """Convert every due row (not while prefilling or inside a round)."""
-        if self._prefilling or self.spec_round_open:
-            return
-        self._convert(self._due())
+        """Convert every due row (none while prefilling or inside a round)."""
+        self._convert(self._conversion.due(self.row_offsets, round_open=self.spec_round_open))
 
     def _convert(self, rows: Sequence[int]) -> None:
         """Move ``rows`` (plain, due) to the affine group, encoded as the lego encodes."""
@@ -716,15 +619,14 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
             return
         plain, affine = self._groups
         offsets = self.row_offsets
-        converted = [self._convert_row(plain.extract_row(self._slot(b))) for b in rows]
+        slots = self._conversion.slots()
+        converted = [self._convert_row(plain.extract_row(slots[b])) for b in rows]
         moving = set(rows)
         plain_rows = self._members(PLAIN)
         plain.filter_rows([s for s, b in enumerate(plain_rows) if b not in moving])
         affine_before = self._members(AFFINE)
         affine.merge_rows(converted)
-        for b in rows:
-            self._group_of[b] = AFFINE
-            self._converted_at[b] = offsets[b] if self._start > 0 else 0
+        self._conversion.mark(rows, offsets)
         # The affine group keeps batch order: the merged rows went to its end.
         arrived = affine_before + list(rows)
         order = [arrived.index(b) for b in self._members(AFFINE)]
@@ -751,30 +653,17 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
         """Appends past a row's boundary convert nothing until ``commit_prefill`` /
         ``end_prefill``."""
         self._spec_guard("begin_prefill")
-        self._prefilling = True
+        self._conversion.begin_prefill()
 
     def commit_prefill(self, indices: Sequence[int]) -> None:
         """Convert the listed rows now if due (each at its own planned chunk end)."""
         self._spec_guard("commit_prefill")
-        if isinstance(indices, str | bytes) or not isinstance(indices, Sequence):
-            raise InvalidInputError(f"commit_prefill takes a sequence of rows, got {indices!r}")
-        rows: list[int] = []
-        for value in indices:
-            if isinstance(value, bool) or not hasattr(value, "__index__"):
-                raise RowIndexError(f"rows must be integers, got {value!r}")
-            row = operator.index(value)
-            if not 0 <= row < self.batch_size:
-                raise RowIndexError(f"row {row} is outside 0..{self.batch_size - 1}")
-            if row in rows:
-                raise RowIndexError(f"row {row} is listed twice")
-            rows.append(row)
-        self._convert(self._due(sorted(rows)))
+        self._convert(self._conversion.commit_prefill(indices, self.row_offsets))
 
     def end_prefill(self) -> None:
         """Back to converting at every boundary; due rows convert now."""
         self._spec_guard("end_prefill")
-        self._prefilling = False
-        self._advance()
+        self._convert(self._conversion.end_prefill(self.row_offsets))
 
     # -- rounds ------------------------------------------------------------------------------
     def _open_groups(self) -> list[Any]:
@@ -810,32 +699,34 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
         count = as_count(tokens, "tokens")
         if self.spec_round_open:
             return False
-        group: bool = self._groups[self._group_of[index]].can_publish_row(self._slot(index), count)
-        return group
+        group = self._groups[self._conversion.stage(index)]
+        publishes: bool = group.can_publish_row(self._slot(index), count)
+        return publishes
 
     # -- membership --------------------------------------------------------------------------
     def _plan(self, source: Any) -> list[tuple[Any, int, list[int | None]]]:
         """``source`` as what the groups merge: (storage or layout, group, per-row
         ``converted_at``), in row order."""
         name = type(self).__name__
-        q, tokens = self._quantization, self._token_geometry
+        q, tokens = self.quantization, self._token_geometry
         if isinstance(source, DelayedRows):
             if type(source) is not type(self) or (
                 source.quantization,
                 source.token_geometry,
                 source.start,
-            ) != (q, tokens, self._start):
+            ) != (q, tokens, self.start):
                 raise IncompatibleRowsError(
-                    f"{name}({q.name}, start={self._start}) cannot merge rows of "
+                    f"{name}({q.name}, start={self.start}) cannot merge rows of "
                     f"{type(source).__name__}({source.quantization.name}, "
                     f"start={source.start}): codec, geometry and start must match"
                 )
             source._spec_guard("extract_row")
+            record, slots = source._conversion, source._conversion.slots()
             return [
                 (
-                    source._groups[source._group_of[b]].extract_row(source._slot(b)),
-                    source._group_of[b],
-                    [source._converted_at[b]],
+                    source._groups[record.stage(b)].extract_row(slots[b]),
+                    record.stage(b),
+                    [record.converted_at[b]],
                 )
                 for b in range(source.batch_size)
             ]
@@ -844,9 +735,9 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
                 source.quantization,
                 source.token_geometry,
                 source.start,
-            ) != (q, tokens, self._start):
+            ) != (q, tokens, self.start):
                 raise IncompatibleRowsError(
-                    f"{name}({q.name}, {tokens}, start={self._start}) cannot merge "
+                    f"{name}({q.name}, {tokens}, start={self.start}) cannot merge "
                     f"{source!r}: a lego of this implementation with the same codec, "
                     "geometry and start"
                 )
@@ -866,9 +757,7 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
             )
         counts = self._row_counts(source)
         conv: list[int | None] = (
-            [None] * len(counts)
-            if group == PLAIN
-            else [c if self._start > 0 else 0 for c in counts]
+            [None] * len(counts) if group == PLAIN else [self._conversion.point(c) for c in counts]
         )
         return [(source, group, conv)] if counts else []
 
@@ -900,9 +789,8 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
                 plain.filter_rows(list(range(before)))
             raise
         offsets = [t for storage, _, _ in plans for t in self._row_counts(storage)]
-        for _, group_index, conv in plans:
-            self._group_of.extend([group_index] * len(conv))
-            self._converted_at.extend(conv)
+        for _, _, conv in plans:  # a row's group is its stage: plain rows record None
+            self._conversion.join(conv)
         if self._full_attention:
             # The ragged rule: every row right-aligned at the widest end.
             width = max((p + t for p, t in zip(self._pads, old_offsets, strict=True)), default=0)
@@ -930,15 +818,14 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
         if not order:
             self._clear_rows()
             return
-        slots = self._slots()
+        record, slots = self._conversion, self._conversion.slots()
         for index, group in enumerate(self._groups):
-            group_keep = [slots[b] for b in order if self._group_of[b] == index]
+            group_keep = [slots[b] for b in order if record.stage(b) == index]
             if group_keep:
                 group.filter_rows(group_keep)
             elif group.batch_size:
                 group.filter_rows([])
-        self._group_of = [self._group_of[b] for b in order]
-        self._converted_at = [self._converted_at[b] for b in order]
+        record.keep(order)
         if self._full_attention:
             pads = [self._pads[b] for b in order]
             shared = min(pads)
@@ -947,28 +834,28 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
         self._align_groups()
 
     def _clear_rows(self) -> None:
-        compose = self._compose
-        prefilling = self._prefilling
+        compose, prefilling = self._compose, self.prefilling
         self._clear()
-        self._compose, self._prefilling = compose, prefilling
+        self._compose = compose
+        if prefilling:
+            self._conversion.begin_prefill()
 
     def extract_row(self, row: int) -> Any:
         """Row ``row`` as its serial storage (owned, compact, evaluated), wrapped as its
         lego (plain or converted phase) when the rows came from legos."""
         self._spec_guard("extract_row")
         index = check_row(row, self.batch_size)
-        group = self._group_of[index]
-        storage = self._groups[group].extract_row(self._slot(index))
+        storage = self._groups[self._conversion.stage(index)].extract_row(self._slot(index))
         if self._compose is None:
             return storage
-        converted_at = self._converted_at[index]
+        converted_at = self._conversion.converted_at[index]
         return self._compose(
             storage, minimum_reusable_offset=None if converted_at is None else converted_at
         )
 
     def trim(self, n: int) -> int:
         count = as_count(n, "n")
-        return self.trim_rows([count] * self.batch_size) if self._group_of else 0
+        return self.trim_rows([count] * self.batch_size) if self.batch_size else 0
 
     def trim_rows(self, counts: Sequence[int]) -> int:
         """Forget ``counts[b]`` newest tokens of row ``b`` (converted rows stay converted)."""
@@ -994,9 +881,6 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
         plain, affine = self._groups
         assert plain.batch_size == len(self._members(PLAIN))
         assert affine.batch_size == len(self._members(AFFINE))
-        assert len(self._converted_at) == self.batch_size
-        for g, c in zip(self._group_of, self._converted_at, strict=True):
-            assert (g == PLAIN) == (c is None)
         for group in self._groups:
             group.check_valid()
         if self._full_attention:
@@ -1011,8 +895,8 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}({self._quantization.name}, {self._token_geometry}, "
-            f"start={self._start}, {self.phase}, row_offsets={self.row_offsets}, "
+            f"{type(self).__name__}({self.quantization.name}, {self._token_geometry}, "
+            f"start={self.start}, {self.phase}, row_offsets={self.row_offsets}, "
             f"converted_at={self.converted_at})"
         )
 

@@ -31,6 +31,7 @@ from kvrows.codec import (
     check_turbo_dim,
     codec_plane_specs,
 )
+from kvrows.conversion import Conversion
 from kvrows.errors import (
     NOTHING_TO_FETCH,
     CapacityError,
@@ -191,14 +192,17 @@ def _shape(array: Any) -> tuple[int, ...]:
 class LatentRows(SpeculativeRounds):
     """Latent rows: the shared control flow over each implementation's array hooks.
 
-    Host state: ``_offsets`` (one per row), ``_converted`` (row reads its latent decoded;
-    always ``False`` under the plain codec), the learned widths and dtype. The arrays
+    Host state: ``_offsets`` (one per row), ``_conversion`` (the bf16-first record,
+    ``kvrows.conversion.Conversion``: a converted row reads its latent decoded; no row
+    converts under the plain codec), the learned widths and dtype. The arrays
     live in the implementation.
     """
 
     #: The codec of the latent plane (``Plain()`` for ``MLACache``).
     latent_codec: LatentCodec = Plain()
     start: int = 0
+    #: The bf16-first record's class (a test plants a wrong rule through it).
+    conversion_class: type[Conversion] = Conversion
 
     def __init__(
         self,
@@ -212,7 +216,7 @@ class LatentRows(SpeculativeRounds):
             type(self).__name__, kv_lora_rank, rope_head_dim, index_head_dim, max_tokens, role
         )
         self._offsets: list[int] = []
-        self._converted: list[bool] = []
+        self._conversion = self._fresh_record()
         self._dtype: str | None = None
         self._widths: tuple[int, int] | None = None
         if self.options.kv_lora_rank is not None and self.options.rope_head_dim is not None:
@@ -302,7 +306,11 @@ class LatentRows(SpeculativeRounds):
 
     @property
     def converted(self) -> tuple[bool, ...]:
-        return tuple(self._converted)
+        return self._conversion.converted
+
+    def _fresh_record(self, converted_at: Sequence[int | None] = ()) -> Conversion:
+        """A conversion record of this cache's codec and ``start`` holding ``converted_at``."""
+        return self.conversion_class(self.latent_codec, self.start, converted_at)
 
     @property
     def dtype(self) -> str | None:
@@ -476,24 +484,19 @@ class LatentRows(SpeculativeRounds):
             index = None if index is None else self._impl_as4(index)
         if not self._offsets:
             self._offsets = [0] * rows
-            self._converted = [False] * rows
+            self._conversion.join([None] * rows)
         self._widths = (int(_shape(latent)[3]), int(_shape(rope)[3]))
         self._dtype = dtype
-        reads_exact = [not c for c in self._converted]
+        reads_exact = [not c for c in self.converted]
         self._impl_append(latent, rope, index, any(reads_exact))
         self._offsets = [o + n for o in self._offsets]
         fetched = self._impl_read(reads_exact)
-        self._converted = [
-            c or self._converts(o) for c, o in zip(self._converted, self._offsets, strict=True)
-        ]
-        if self._converted and all(self._converted):
+        # Due rows read encoded from the next append on (this one read them exact).
+        self._conversion.mark(self._conversion.due(self._offsets), self._offsets)
+        if self._conversion.phase == "packed":
             self._impl_drop_exact()
         self._last = fetched
         return fetched if four else self._three(fetched)
-
-    def _converts(self, offset: int) -> bool:
-        """Whether a row at ``offset`` reads encoded from its next append on (bf16-first)."""
-        return not isinstance(self.latent_codec, Plain) and offset >= self.start and offset != 0
 
     def _three(self, fetched: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
         latent, rope, index = fetched
@@ -521,14 +524,14 @@ class LatentRows(SpeculativeRounds):
         self._spec_usable()
         if self.width == 0:
             raise LayoutStateError(NOTHING_TO_FETCH)
-        return self._impl_read([not c for c in self._converted])
+        return self._impl_read([not c for c in self.converted])
 
     def _fetch_all(self) -> tuple[Any, Any, Any]:
         self._spec_usable()
         if self._last is None:
             if self.width == 0:
                 raise LayoutStateError(NOTHING_TO_FETCH)
-            self._last = self._impl_read([not c for c in self._converted])
+            self._last = self._impl_read([not c for c in self.converted])
         return self._last
 
     # -- masks ----------------------------------------------------------------------------
@@ -624,7 +627,9 @@ class LatentRows(SpeculativeRounds):
         self._widths = next(iter(widths), None)
         self._dtype = next(iter(dtypes), None)
         self._offsets = [o for s in sources for o in (s._offsets or [0])]
-        self._converted = [c for s in sources for c in (s._converted or [False])]
+        self._conversion = self._fresh_record(
+            [c for s in sources for c in (s._conversion.converted_at or (None,))]
+        )
         self._last = None
 
     def _merge_key(self) -> tuple[object, ...]:
@@ -639,8 +644,8 @@ class LatentRows(SpeculativeRounds):
             raise InvalidInputError(f"{type(self).__name__}.filter_rows needs at least one row")
         self._impl_filter(rows)
         self._offsets = [self._offsets[r] for r in rows]
-        self._converted = [self._converted[r] for r in rows]
-        if all(self._converted):
+        self._conversion.keep(rows)
+        if self._conversion.phase == "packed":
             self._impl_drop_exact()
         self._last = None
 
@@ -653,8 +658,8 @@ class LatentRows(SpeculativeRounds):
             return other  # an empty row extracts into an empty cache (the seed's rule)
         other._impl_take_row(self, index)
         other._offsets = [self._offsets[index]]
-        other._converted = [self._converted[index]]
-        if other._converted[0]:
+        other._conversion = self._conversion.extract(index)
+        if other._conversion.phase == "packed":
             other._impl_drop_exact()
         return other
 
@@ -664,7 +669,7 @@ class LatentRows(SpeculativeRounds):
         return self._offsets[index] == as_count(tokens, "tokens") and not self.spec_round_open
 
     def check_valid(self) -> None:
-        assert len(self._offsets) == len(self._converted)
+        assert len(self._offsets) == self._conversion.batch_size
         assert all(o >= 0 for o in self._offsets)
         assert not self._offsets or min(self.left_pad) == 0
         assert self.width <= self.max_tokens
@@ -697,7 +702,7 @@ class LatentRows(SpeculativeRounds):
         return (
             planes, rope, index, exact,
             self._impl_int_array(self._offsets), self._impl_int_array(
-                [int(c) for c in self._converted]),
+                [int(c) for c in self.converted]),
             rank, rope_width, o.index_head_dim, o.max_tokens, 0 if o.role == "target" else 1,
             codec.bits if isinstance(codec, Affine) else None,
             codec.group_size if isinstance(codec, Affine) else None,
@@ -753,6 +758,7 @@ class LatentRows(SpeculativeRounds):
         start = _scalar(fields["start"], "start")
         if codec != cache.latent_codec or (start != cache.start and codec != Plain()):
             cache._set_codec(codec, start)
+            cache._conversion = cache._fresh_record()
         return cache
 
     def _set_codec(self, codec: LatentCodec, start: int) -> None:
@@ -766,12 +772,19 @@ class LatentRows(SpeculativeRounds):
         converted = [int(v) for v in self._impl_ints(fields["converted"], "converted")]
         if len(converted) != len(offsets) or any(c not in (0, 1) for c in converted):
             raise InvalidInputError(f"{name}: converted must hold one 0/1 flag per row")
-        if any(o < 0 for o in offsets) or (isinstance(self.latent_codec, Plain) and any(converted)):
+        if any(o < 0 for o in offsets) or (not self.latent_codec.encodes and any(converted)):
             raise InvalidInputError(f"{name}: negative offsets or converted plain rows")
         width = max(offsets, default=0)
         if width > self.max_tokens:
             raise InvalidInputError(f"{name}: rows past max_tokens")
-        self._offsets, self._converted = offsets, [bool(c) for c in converted]
+        self._offsets = offsets
+        # A saved row records whether it converted, not where: its offset is the bound.
+        self._conversion = self._fresh_record(
+            [
+                self._conversion.point(o) if c else None
+                for o, c in zip(offsets, converted, strict=True)
+            ]
+        )
         if width == 0:
             return
         widths = (self.options.kv_lora_rank, self.options.rope_head_dim)
@@ -782,7 +795,7 @@ class LatentRows(SpeculativeRounds):
         if isinstance(planes, str | bytes) or not isinstance(planes, Sequence):
             raise InvalidInputError(f"{name}: latent must be the codec's planes")
         exact = fields["exact"]
-        needs_exact = not isinstance(self.latent_codec, Plain) and not all(self._converted)
+        needs_exact = self.latent_codec.encodes and not all(self.converted)
         if (exact is not None) != needs_exact:
             raise InvalidInputError(
                 f"{name}: the exact latent is held exactly while some row reads exact"

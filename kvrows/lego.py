@@ -20,13 +20,13 @@ This module holds the array-free logic once; each implementation (``optimized/le
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar, TypeAlias
 
 from kvrows.codec import CodecSpec
 from kvrows.codecs import is_codec_spec
+from kvrows.conversion import Conversion, conversion_due
 from kvrows.errors import InvalidInputError, not_a_geometry_message
 from kvrows.geometries import is_geometry_spec
 from kvrows.protocols import RowAttention, TimeOrderedReads
@@ -72,11 +72,6 @@ def check_target(name: str, target: object, token_geometry: GeometrySpec) -> Tar
     return target
 
 
-def conversion_due(offset: int, start: int) -> bool:
-    """Whether a plain lego holding ``offset`` tokens after an append converts now."""
-    return offset >= start and offset != 0
-
-
 class LegoComposition:
     """``lego.composed``: hand the storage out (``release``) or wrap one (``over``)."""
 
@@ -111,28 +106,30 @@ class LegoComposition:
 
 
 class ConversionBoundary:
-    """What a lego and a delayed layout share: the codec they convert to (affine or
-    TurboQuant), the token geometry, the boundary ``start``, and, for an affine target only,
-    ``bits`` / ``group_size`` visible only while the last append returned quantized reads
-    (mlx-lm's attention asks ``hasattr(cache, "bits")`` right after ``update_and_fetch`` to
-    pick its quantized path, and a converting append returns plain keys and values). A
-    TurboQuant target never shows them: its reads defer the values, so they go through
-    the codec's own attention (``kvrows.app.attention.dispatch``), not mlx-lm's."""
+    """What a lego and a delayed layout share: the conversion record of their rows
+    (``kvrows.conversion.Conversion``: the codec they convert to, affine or TurboQuant, and
+    the boundary ``start``), the token geometry, and ``bits`` / ``group_size`` under the
+    record's rule: an affine target's, visible only while the last append returned
+    quantized reads (mlx-lm's attention asks ``hasattr(cache, "bits")`` right after
+    ``update_and_fetch`` to pick its quantized path, and a converting append returns plain
+    keys and values). A TurboQuant target never shows them: its reads defer the values, so
+    they go through the codec's own attention (``kvrows.app.attention.dispatch``), not
+    mlx-lm's."""
 
-    _quantization: Target
+    #: The record's class (a test plants a wrong rule through it).
+    conversion_class: ClassVar[type[Conversion]] = Conversion
+    _conversion: Conversion
     _token_geometry: GeometrySpec
-    _start: int
-    _reads_quantized: bool
 
     @property
     def start(self) -> int:
         """The bf16-first boundary: the offset at which a row converts."""
-        return self._start
+        return self._conversion.start
 
     @property
     def quantization(self) -> Target:
         """The codec rows convert to."""
-        return self._quantization
+        return self._conversion.target
 
     @property
     def token_geometry(self) -> GeometrySpec:
@@ -142,28 +139,22 @@ class ConversionBoundary:
     def converts_to_deferred_values(self) -> bool:
         """Whether the target codec's reads defer their values (TurboQuant: attention goes
         through the codec, ``kvrows.app.attention.dispatch``)."""
-        return self._quantization.reads != "affine"
-
-    def _quantized_reads(self, what: str) -> int:
-        if self.converts_to_deferred_values:  # only mlx-lm's quantized path asks
-            raise AttributeError(
-                f"{type(self).__name__} converts to {self._quantization.name}: {what} is an "
-                "affine parameter (TurboQuant reads attend through the codec)"
-            )
-        if not self._reads_quantized:
-            raise AttributeError(
-                f"{type(self).__name__} reads plain keys and values now ({what} appears once "
-                "an append returns quantized ones)"
-            )
-        return self._quantization.parameters()[what]
+        return self._conversion.target.reads != "affine"
 
     @property
     def bits(self) -> int:
-        return self._quantized_reads("bits")
+        return self._conversion.read_parameter(type(self).__name__, "bits")
 
     @property
     def group_size(self) -> int:
-        return self._quantized_reads("group_size")
+        return self._conversion.read_parameter(type(self).__name__, "group_size")
+
+    @property
+    def minimum_reusable_offset(self) -> int:
+        """The largest offset at which a row converted with ``start > 0`` (prefix reuse
+        must not trim below it: that row would skip its conversion); 0 before any row
+        converts and with ``start == 0``."""
+        return self._conversion.minimum_reusable_offset
 
 
 class Bf16First(ConversionBoundary):
@@ -198,9 +189,8 @@ class Bf16First(ConversionBoundary):
         quantization = check_target(type(self).__name__, quantization, token_geometry)
         if geometry is not None:
             self._check_dims(geometry.key_dim, geometry.value_dim, quantization)
-        self._quantization = quantization
+        self._conversion = self.conversion_class(quantization, as_count(start, "start"))
         self._token_geometry = token_geometry
-        self._start = as_count(start, "start")
         self._declared = geometry
         self._reset()
 
@@ -214,9 +204,8 @@ class Bf16First(ConversionBoundary):
         self._storage: Any = self.plain_class.from_specs(
             Plain(), self._token_geometry, geometry=self._declared
         )
-        self._minimum_reusable_offset = 0
-        #: Whether the last append returned quantized reads (mlx-lm reads ``bits`` then).
-        self._reads_quantized = False
+        #: One row: plain, no append read yet.
+        self._conversion = self.conversion_class(self.quantization, self.start, [None])
         #: The codec of what the last append returned (``None``: the storage's).
         self._read_codec: Any = None
         #: The plain storage the converting append read from (``None``: the current one).
@@ -226,17 +215,17 @@ class Bf16First(ConversionBoundary):
         """An empty lego of the same parameters."""
         fresh = object.__new__(type(self))
         Bf16First.__init__(
-            fresh, self._quantization, self._token_geometry, self._start, self._declared
+            fresh, self.quantization, self._token_geometry, self.start, self._declared
         )
         return fresh
 
     def _adopt(self, storage: Any, minimum_reusable_offset: int | None) -> None:
         name = type(self).__name__
         if type(storage) is self.affine_class:
-            if storage.codec_spec != self._quantization:
+            if storage.codec_spec != self.quantization:
                 raise InvalidInputError(
                     f"{name}.composed.over: the storage is {storage.codec_spec.name}, "
-                    f"this lego converts to {self._quantization.name}"
+                    f"this lego converts to {self.quantization.name}"
                 )
             converted = True
         elif type(storage) is self.plain_class:
@@ -253,7 +242,7 @@ class Bf16First(ConversionBoundary):
                 f"{storage.token_geometry!r}, this lego's is {self._token_geometry!r}"
             )
         if minimum_reusable_offset is None:
-            minimum = int(storage.offset) if converted and self._start > 0 else 0
+            minimum = self._conversion.point(int(storage.offset)) if converted else 0
         else:
             minimum = as_count(minimum_reusable_offset, "minimum_reusable_offset")
             if not converted and minimum:
@@ -262,8 +251,9 @@ class Bf16First(ConversionBoundary):
                     f"(got {minimum}); only a converted one records it"
                 )
         self._storage = storage
-        self._minimum_reusable_offset = minimum
-        self._reads_quantized = converted
+        converted_at = minimum if converted else None
+        self._conversion = self.conversion_class(self.quantization, self.start, [converted_at])
+        self._conversion.note_read(converted)
         self._read_codec = None
         self._read_from = None
 
@@ -313,21 +303,12 @@ class Bf16First(ConversionBoundary):
     @property
     def converted(self) -> bool:
         """Whether the storage is the converted one (irreversible)."""
-        return type(self._storage) is self.affine_class
-
-    @property
-    def minimum_reusable_offset(self) -> int:
-        """With ``start > 0``, the offset at conversion (prefix reuse must not trim below
-        it); 0 before conversion and with ``start == 0``."""
-        return self._minimum_reusable_offset
+        return self._conversion.phase == "packed"
 
     def max_append_tokens(self) -> float:
         """Tokens the next append may add without passing the conversion point:
         ``start - offset`` while plain below ``start``, else unlimited."""
-        offset = int(self._storage.offset)
-        if not self.converted and offset < self._start:
-            return self._start - offset
-        return math.inf
+        return self._conversion.max_append_tokens([int(self._storage.offset)])
 
     @property
     def composed(self) -> LegoComposition:
@@ -343,7 +324,7 @@ class Bf16First(ConversionBoundary):
         reads: tuple[Any, Any]
         if self.converted:
             reads = storage.update_and_fetch(keys, values)
-            self._reads_quantized = True
+            self._conversion.note_read(True)
             self._read_codec = storage.codec
             self._read_from = None
             return reads
@@ -351,15 +332,15 @@ class Bf16First(ConversionBoundary):
         value_shape: tuple[int, ...] = tuple(getattr(values, "shape", ()))
         if len(key_shape) == 4 and len(value_shape) == 4:
             # Refuse head dims the codec cannot take before the plain append happens.
-            self._check_dims(int(key_shape[3]), int(value_shape[3]), self._quantization)
+            self._check_dims(int(key_shape[3]), int(value_shape[3]), self.quantization)
         reads = storage.update_and_fetch(keys, values)
-        offset = int(storage.offset)
+        offsets = [int(storage.offset)]
         self._read_from = None
-        if conversion_due(offset, self._start):
+        if due := self._conversion.due(offsets):
             self._storage = self._convert(storage)
-            self._minimum_reusable_offset = offset if self._start > 0 else 0
+            self._conversion.mark(due, offsets)
             self._read_from = storage
-        self._reads_quantized = False
+        self._conversion.note_read(False)
         self._read_codec = storage.codec
         return reads
 
@@ -411,8 +392,8 @@ class Bf16First(ConversionBoundary):
     def __repr__(self) -> str:
         phase = "converted" if self.converted else "plain"
         return (
-            f"{type(self).__name__}({self._quantization.name}, {self._token_geometry}, "
-            f"start={self._start}, {phase}, offset={self.offset})"
+            f"{type(self).__name__}({self.quantization.name}, {self._token_geometry}, "
+            f"start={self.start}, {phase}, offset={self.offset})"
         )
 
 

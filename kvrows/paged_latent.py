@@ -256,7 +256,7 @@ class PagedLatentRows(LatentRows):
         self._tables.extend(tables)
         self._warm = [None] * len(tables)
         self._offsets = [t.offset for t in tables]
-        self._converted = [False] * len(tables)
+        self._conversion = self._fresh_record([None] * len(tables))
         self._adopt_pool_geometry()
 
     def _new_empty(self: _P) -> _P:
@@ -289,7 +289,8 @@ class PagedLatentRows(LatentRows):
         if self._pool is not None:
             self._pool.close_tables(list(self._tables))
         self._tables.clear()
-        self._offsets, self._converted, self._warm, self._last = [], [], [], None
+        self._offsets, self._warm, self._last = [], [], None
+        self._conversion.keep([])
 
     def register_prefix(self, row: int, token_ids: Sequence[int]) -> int:
         """Cache row ``row``'s full blocks that ``token_ids`` covers (refused in a round:
@@ -363,7 +364,7 @@ class PagedLatentRows(LatentRows):
         if self.encoded:  # rows still reading exact keep their exact latent
             self._warm = [
                 None if done else self._warm_cat(held, latent, b)
-                for b, (held, done) in enumerate(zip(self._warm, self._converted, strict=True))
+                for b, (held, done) in enumerate(zip(self._warm, self.converted, strict=True))
             ]
 
     def _gathered(self, tables: Sequence[BlockTable], pads: Sequence[int], width: int) -> Any:
@@ -485,7 +486,7 @@ class PagedLatentRows(LatentRows):
             assert len(table.blocks) == math.ceil(offset / self._block_size), "no empty tail"
             assert self._pool is None or not offset or id(table) in self._pool._tables
         assert len(self._warm) == len(self._offsets), "one warm-up slot per row"
-        for warm, offset, done in zip(self._warm, self._offsets, self._converted, strict=True):
+        for warm, offset, done in zip(self._warm, self._offsets, self.converted, strict=True):
             if self.encoded and not done and offset:
                 assert warm is not None and int(warm.shape[2]) == offset, "exact while warm"
             if not self.encoded:
@@ -581,10 +582,8 @@ class PagedLatentRows(LatentRows):
             return None, None, None, None
         planes, rope, index, _ = self.batch_planes()
         exact = None
-        if self.encoded and not all(self._converted):
-            warm = [
-                None if done else w for w, done in zip(self._warm, self._converted, strict=True)
-            ]
+        if self.encoded and not all(self.converted):
+            warm = [None if done else w for w, done in zip(self._warm, self.converted, strict=True)]
             exact = self._stack_warm(warm, self.width)
         return planes, rope, index, exact
 
@@ -643,7 +642,7 @@ class PagedLatentRows(LatentRows):
             ops.row_slice(exact, b, width - offset, width)
             if exact is not None and offset and not done
             else None
-            for b, (offset, done) in enumerate(zip(self._offsets, self._converted, strict=True))
+            for b, (offset, done) in enumerate(zip(self._offsets, self.converted, strict=True))
         ]
         pool.ledger.bytes_copied -= written  # a load writes, it does not copy
         pool.ledger.bytes_written += written

@@ -14,8 +14,8 @@ from typing import Any
 import mlx.core as mx
 
 from kvrows.compositions import composition
+from kvrows.conversion import MIXED_READ
 from kvrows.delayed import (
-    MIXED_READ,
     DelayedFullAttention,
     DelayedRows,
     DelayedSlidingWindow,
@@ -46,7 +46,7 @@ __all__ = [
 
 class _OptimizedDelayed(DelayedRows):
     def _convert_row(self, storage: Any) -> Any:
-        return convert(storage, self._quantization, self.lego_class.affine_class)
+        return convert(storage, self.quantization, self.lego_class.affine_class)
 
     def _take_rows(self, array: Any, rows: Sequence[int]) -> Any:
         if list(rows) == list(range(int(array.shape[0]))):

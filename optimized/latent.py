@@ -149,7 +149,7 @@ class _LatentOptimized(LatentRows):
         latent, rope, _, four, _, _, _ = self._checked_blocks(latent, rope, None, staged=True)
         if not four:
             raise InvalidInputError(preview_blocks_message(type(self).__name__))
-        reads_exact = [not c for c in self._converted] or [True] * int(latent.shape[0])
+        reads_exact = [not c for c in self.converted] or [True] * int(latent.shape[0])
         block = latent
         if not isinstance(self.latent_codec, Plain):
             dtype = latent.dtype
@@ -209,7 +209,7 @@ class _LatentOptimized(LatentRows):
             zeros = self._empty_buffers(rows, source.width)
             held[-1] = held[-1] if held[-1] is not None else zeros[-1]
             parts.append([None if a is None else _pad_left(a, width - source.width) for a in held])
-        needs_exact = not all(c for s in sources for c in (s._converted or [False]))
+        needs_exact = not all(c for s in sources for c in (s.converted or (False,)))
         merged = [
             None if column[0] is None else mx.concatenate([a for a in column if a is not None], 0)
             for column in zip(*parts, strict=True)
@@ -313,7 +313,7 @@ class _LatentOptimized(LatentRows):
             tuple(self._valid(p) for p in planes),
             self._valid(rope),
             None if index is None else self._valid(index),
-            None if exact is None or all(self._converted) else self._valid(exact),
+            None if exact is None or all(self.converted) else self._valid(exact),
         )
 
     def _impl_int_array(self, values: Sequence[int]) -> Any:

@@ -41,7 +41,7 @@ def convert(storage: Any, target: Target, converted_class: type[Any]) -> Any:
 
 class _OptimizedLego(Bf16First):
     def _convert(self, storage: Any) -> Any:
-        return convert(storage, self._quantization, self.affine_class)
+        return convert(storage, self.quantization, self.affine_class)
 
     @property
     def keys(self) -> Any:

@@ -53,12 +53,12 @@ class PagedLatentCache(PagedLatentRows, _LatentOptimized):
         block = latent
         if self.encoded:  # rows that read encoded see the block as it will be stored
             planes = make_codec(self.latent_codec).encode(latent, self._role)
-            reads_exact = [not c for c in self._converted] or [True] * int(latent.shape[0])
+            reads_exact = [not c for c in self.converted] or [True] * int(latent.shape[0])
             rows = mx.array(reads_exact)[:, None, None, None]
             block = mx.where(rows, latent, self._decode_latent(planes, dtype_name(latent)))
         if not self.width:
             return block, rope
-        held_latent, held_rope, _ = self._impl_read([not c for c in self._converted])
+        held_latent, held_rope, _ = self._impl_read([not c for c in self.converted])
         return (
             mx.concatenate([held_latent, block], axis=2),
             mx.concatenate([held_rope, rope], axis=2),

@@ -43,7 +43,7 @@ __all__ = [
 
 class _ReferenceDelayed(DelayedRows):
     def _convert_row(self, storage: Any) -> Any:
-        return to_affine(storage, self._quantization, self.lego_class.affine_class)
+        return to_affine(storage, self.quantization, self.lego_class.affine_class)
 
     def _take_rows(self, array: Any, rows: Sequence[int]) -> Any:
         return np.ascontiguousarray(array[list(rows)])

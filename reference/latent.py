@@ -105,7 +105,7 @@ class _LatentReference(LatentRows):
         for b, row in enumerate(self._rows):
             planes = codec.encode(np.array(latent[b : b + 1], copy=True), self._role)
             held = row.planes or (None,) * len(planes)
-            keeps_exact = not plain and not self._converted[b]
+            keeps_exact = not plain and not self.converted[b]
             new_rows.append(
                 _Row(
                     tuple(_cat(h, p) for h, p in zip(held, planes, strict=True)),
@@ -225,11 +225,11 @@ class _LatentReference(LatentRows):
         if self.options.index_head_dim is not None:
             index = plane(lambda r: r.index, self.options.index_head_dim)
         exact = None
-        if not isinstance(self.latent_codec, Plain) and not all(self._converted):
+        if not isinstance(self.latent_codec, Plain) and not all(self.converted):
             exact = batch(
                 [
                     r.exact if r.exact is not None and not c else np.zeros((1, 1, 0, rank), dtype)
-                    for r, c in zip(self._rows, self._converted, strict=True)
+                    for r, c in zip(self._rows, self.converted, strict=True)
                 ]
             )
         return planes, rope, index, exact
@@ -281,7 +281,7 @@ class _LatentReference(LatentRows):
                     tuple(cut(p) for p in planes),
                     cut(rope),
                     None if index is None else cut(index),
-                    None if exact is None or self._converted[b] else cut(exact),
+                    None if exact is None or self.converted[b] else cut(exact),
                 )
             )
         self._rows = restored

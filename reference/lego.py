@@ -49,7 +49,7 @@ def to_affine(storage: SerialStorage, spec: Target, affine_class: type[SerialSto
 
 class _ReferenceLego(Bf16First):
     def _convert(self, storage: Any) -> Any:
-        return to_affine(storage, self._quantization, self.affine_class)
+        return to_affine(storage, self.quantization, self.affine_class)
 
 
 class Bf16FirstQuantizedKVCache(_ReferenceLego, FullAttentionLego):

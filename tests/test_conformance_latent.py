@@ -25,6 +25,7 @@ from kvrows.conformance.machines import machine_class
 from kvrows.conformance.profiles import profile_settings
 from kvrows.conformance.runner import family_settings
 from kvrows.conformance.stats import Stats
+from kvrows.conversion import Conversion
 
 FAMILY = FAMILIES["latent"]
 LAYOUTS = [spec.name for spec in FAMILY.layouts]
@@ -81,11 +82,15 @@ class RollbackCutsTheShortestCount(opt.MLACache):
         super()._impl_forget([min(counts)] * len(counts))  # MUTATION
 
 
+class ConversionIgnoringStart(Conversion):
+    def row_due(self, offset: int) -> bool:
+        return offset != 0  # MUTATION
+
+
 class ConvertsBeforeStart(opt.EncodedLatentCache):
     """Reads a row's latent decoded from its first append on, whatever ``start`` says."""
 
-    def _converts(self, offset: int) -> bool:
-        return offset != 0  # MUTATION
+    conversion_class = ConversionIgnoringStart
 
 
 @pytest.mark.parametrize(

@@ -48,7 +48,7 @@ BASELINE: dict[str, int] = {
     "kvrows/compositions.py": 2,
     "kvrows/delayed.py": 5,
     "kvrows/forms.py": 8,
-    "kvrows/latent.py": 14,
+    "kvrows/latent.py": 11,
     "kvrows/lego.py": 1,
     "kvrows/maintenance.py": 2,
     "kvrows/paged_forms.py": 2,
@@ -75,7 +75,7 @@ BASELINE: dict[str, int] = {
 }
 
 #: The sum of :data:`BASELINE`: the issue's "before".
-BASELINE_TOTAL = 167
+BASELINE_TOTAL = 164
 
 ADVICE = (
     "Ask a capability instead of a type: a protocol of kvrows.protocols (HasCodec, "

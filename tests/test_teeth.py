@@ -24,7 +24,8 @@ from kvrows.conformance.families import FAMILIES, Impl, optimized_impl
 from kvrows.conformance.machines import machine_class
 from kvrows.conformance.profiles import profile_settings
 from kvrows.conformance.stats import Stats
-from kvrows.delayed import DelayedRows, GroupAttend, RowAttentionPending
+from kvrows.conversion import Conversion
+from kvrows.delayed import GroupAttend, RowAttentionPending
 from kvrows.errors import NotTrimmableError
 from kvrows.optimized.attention import attend as optimized_attend
 from kvrows.optimized.classes import (
@@ -529,30 +530,21 @@ def test_the_unmutated_speculative_implementation_passes(layout: str) -> None:
 # ------------------------------------------- delayed family (rows that convert at start)
 
 
-def _due_one_token_early(layout: DelayedRows, rows: Sequence[int] | None) -> list[int]:
-    offsets = layout.row_offsets
-    candidates = range(layout.batch_size) if rows is None else rows
-    return [
-        b
-        for b in candidates
-        if layout.converted_at[b] is None
-        and offsets[b] >= layout.start - 1  # MUTATION (the rule is offset >= start)
-        and offsets[b] != 0
-    ]
+class ConversionOneTokenEarly(Conversion):
+    def row_due(self, offset: int) -> bool:
+        return offset >= self.start - 1 and offset != 0  # MUTATION (the rule is offset >= start)
 
 
 class ConvertsOneTokenEarly(DelayedQuantizedKVCache):
     """A row converts at the boundary where its offset reaches ``start - 1``."""
 
-    def _due(self, rows: Sequence[int] | None = None) -> list[int]:
-        return _due_one_token_early(self, rows)
+    conversion_class = ConversionOneTokenEarly
 
 
 class RingConvertsOneTokenEarly(DelayedRotatingQuantizedKVCache):
     """A ring row converts at the boundary where its offset reaches ``start - 1``."""
 
-    def _due(self, rows: Sequence[int] | None = None) -> list[int]:
-        return _due_one_token_early(self, rows)
+    conversion_class = ConversionOneTokenEarly
 
 
 DELAYED_MUTANTS = [
