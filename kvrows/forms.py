@@ -44,6 +44,7 @@ from kvrows.codec import CodecSpec, Role, codec_plane_specs
 from kvrows.codecs import CODECS, codec_from_tail
 from kvrows.codecs.turbo import TURBO_PLANES
 from kvrows.compositions import Composition, landed
+from kvrows.conversion import conversion_due
 from kvrows.errors import (
     InvalidInputError,
     UnsupportedStateError,
@@ -635,7 +636,7 @@ def parse_delayed_state(
         if mark is not None:
             continue
         offset = max(0, next(ranks))
-        if not prefilling and offset >= start and offset != 0:  # kvrows.lego.conversion_due
+        if not prefilling and conversion_due(offset, start):
             raise InvalidInputError(
                 f"{entry.name} state: plain row {b} holds {offset} tokens, past start "
                 f"{start}, outside a prefill: it would have converted"
