@@ -380,7 +380,7 @@ def _check_scheme(name: str, mode: str) -> None:
     from kvrows.errors import InvalidInputError
 
     if mode == "mla":
-        from kvrows.app.latent_demo import LATENT_SCHEMES
+        from kvrows.app.demo import LATENT_SCHEMES
 
         if name not in LATENT_SCHEMES:
             raise InvalidInputError(
@@ -409,7 +409,7 @@ def _run(args: argparse.Namespace) -> int:
             contexts=args.contexts,
         )
     if args.command == "demo" and args.mla:
-        from kvrows.app.latent_demo import run_latent_demo
+        from kvrows.app.demo import run_latent_demo
 
         return int(
             run_latent_demo(
@@ -420,7 +420,7 @@ def _run(args: argparse.Namespace) -> int:
             )
         )
     if args.command == "demo" and args.paged:
-        from kvrows.app.paged_demo import run_paged_demo
+        from kvrows.app.demo import run_paged_demo
 
         return int(
             run_paged_demo(
