@@ -40,7 +40,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -471,6 +471,36 @@ def _models(model_path: str | None) -> list[tuple[str, Any]]:
     return [(str(name), tiny_model(str(name))) for name in names]
 
 
+def _cells(
+    models: Sequence[tuple[str, Any]],
+    schemes: Sequence[str],
+    requests: int,
+    kv_start: int | None,
+    doing: str,
+) -> Iterator[tuple[str, Any, list[Request], KvStorageScheme]]:
+    """Each model and scheme in turn, with the model's first wave of ``requests``; each
+    announced on stderr (``doing``: what runs)."""
+    for model_index, (name, model) in enumerate(models):
+        vocab = int(model.args.vocab_size) if hasattr(model, "args") else 256
+        first = builtin_trace(requests, vocab=min(vocab, 256))
+        for scheme_index, scheme_name in enumerate(schemes):
+            scheme = parse_scheme(scheme_name, kv_start)
+            at = model_index * len(schemes) + scheme_index + 1
+            stage(at, len(models) * len(schemes), f"{name} {scheme.name}: {doing}")
+            yield name, model, first, scheme
+
+
+def _serve(
+    engine: Engine, first: list[Request]
+) -> tuple[list[Request], list[RequestResult], EngineStats]:
+    """``first``, then its follow-ups, on ``engine``: every request, result and the totals."""
+    results, stats = engine.run(first)
+    second = follow_ups(results, first)
+    more, more_stats = engine.run(second)
+    stats.add(more_stats)
+    return first + second, results + more, stats
+
+
 SPECULATIVE_HEADER = [
     "model",
     "scheme",
@@ -506,70 +536,59 @@ def run_speculative_demo(
     refusals: list[str] = []
     failed = False
     models = _models(model_path)
-    names = list(schemes or SCHEMES)
-    for model_index, (name, model) in enumerate(models):
-        vocab = int(model.args.vocab_size) if hasattr(model, "args") else 256
-        first = builtin_trace(requests, vocab=min(vocab, 256))
+    drafts: dict[str, Any] = {}
+    for name, model in models:
         try:
-            draft = draft_model(model, draft_layers)
+            drafts[name] = draft_model(model, draft_layers)
         except InvalidInputError as error:
             if draft_layers is None:
                 raise
             raise InvalidInputError(f"--draft-layers {draft_layers}: {error}") from error
-        record_recurrent_layers(draft)
-        for scheme_index, scheme_name in enumerate(names):
-            scheme = parse_scheme(scheme_name, kv_start)
-            stage(
-                model_index * len(names) + scheme_index + 1,
-                len(models) * len(names),
-                f"{name} {scheme.name}: the trace without, then with a draft",
+        record_recurrent_layers(drafts[name])
+    doing = "the trace without, then with a draft"
+    for name, model, first, scheme in _cells(
+        models, list(schemes or SCHEMES), requests, kv_start, doing
+    ):
+        draft = drafts[name]
+        runs: list[tuple[list[Request], list[RequestResult], EngineStats]] = []
+        for speculative in (False, True):
+            engine = Engine(
+                model,
+                scheme,
+                max_batch=max_batch,
+                prefill_chunk=prefill_chunk,
+                keep_logits=speculative,
+                progress=progress,
+                draft_model=draft if speculative else None,
+                draft_tokens=draft_tokens,
             )
-            runs: list[tuple[list[RequestResult], EngineStats]] = []
-            for speculative in (False, True):
-                engine = Engine(
-                    model,
-                    scheme,
-                    max_batch=max_batch,
-                    prefill_chunk=prefill_chunk,
-                    keep_logits=speculative,
-                    progress=progress,
-                    draft_model=draft if speculative else None,
-                    draft_tokens=draft_tokens,
-                )
-                results, stats = engine.run(first)
-                more, more_stats = engine.run(follow_ups(results, first))
-                stats.add(more_stats)
-                runs.append((results + more, stats))
-            (plain, plain_stats), (spec, spec_stats) = runs
-            same = [r.tokens for r in plain] == [r.tokens for r in spec]
-            second = follow_ups(spec[: len(first)], first)
-            report = check_invariance(
-                model, scheme, first + second, spec, prefill_chunk, tolerance=TOLERANCE
-            )
-            refused = len(rejected(plain + spec))
-            line = rejection_line(name, scheme.name, plain + spec)
-            if line is not None:
-                refusals.append(line)
-            failed |= not same or not report.ok or refused > 0
-            speedup = spec_stats.tokens_per_second / max(plain_stats.tokens_per_second, 1e-9)
-            rows.append(
-                [
-                    name,
-                    scheme.name,
-                    str(len(draft.layers)),
-                    str(draft_tokens),
-                    str(spec_stats.generated),
-                    f"{spec_stats.accepted}/{spec_stats.drafted} "
-                    f"({spec_stats.acceptance_rate:.0%})",
-                    f"{spec_stats.tokens_per_row_forward:.2f}",
-                    f"{plain_stats.target_forwards} -> {spec_stats.target_forwards}",
-                    f"{plain_stats.tokens_per_second:.1f}",
-                    f"{spec_stats.tokens_per_second:.1f}",
-                    f"{speedup:.2f}",
-                    f"{report.max_logit_diff:.1e} ({report.beyond_tolerance} > tol)",
-                    verdict(same and report.ok, refused),
-                ]
-            )
+            runs.append(_serve(engine, first))
+        (_, plain, plain_stats), (served, spec, spec_stats) = runs
+        same = [r.tokens for r in plain] == [r.tokens for r in spec]
+        report = check_invariance(model, scheme, served, spec, prefill_chunk, tolerance=TOLERANCE)
+        refused = len(rejected(plain + spec))
+        line = rejection_line(name, scheme.name, plain + spec)
+        if line is not None:
+            refusals.append(line)
+        failed |= not same or not report.ok or refused > 0
+        speedup = spec_stats.tokens_per_second / max(plain_stats.tokens_per_second, 1e-9)
+        rows.append(
+            [
+                name,
+                scheme.name,
+                str(len(draft.layers)),
+                str(draft_tokens),
+                str(spec_stats.generated),
+                f"{spec_stats.accepted}/{spec_stats.drafted} ({spec_stats.acceptance_rate:.0%})",
+                f"{spec_stats.tokens_per_row_forward:.2f}",
+                f"{plain_stats.target_forwards} -> {spec_stats.target_forwards}",
+                f"{plain_stats.tokens_per_second:.1f}",
+                f"{spec_stats.tokens_per_second:.1f}",
+                f"{speedup:.2f}",
+                f"{report.max_logit_diff:.1e} ({report.beyond_tolerance} > tol)",
+                verdict(same and report.ok, refused),
+            ]
+        )
     _print_table(rows, SPECULATIVE_HEADER)
     print(
         "\nspeculative decoding: each round the draft (the target's first layers, its own"
@@ -604,65 +623,54 @@ def run_demo(
     With ``prefix_store`` (a directory) every engine also saves its published rows there
     and loads prefixes from it (one store per model and scheme, told apart by their
     fingerprints), and a second table reports what the store gave."""
-    models = _models(model_path)
-    names = list(schemes or SCHEMES)
     rows: list[list[str]] = []
     store_rows: list[list[str]] = []
     stores: list[PrefixStore] = []
     refusals: list[str] = []
     failed = False
-    for model_index, (name, model) in enumerate(models):
-        vocab = int(model.args.vocab_size) if hasattr(model, "args") else 256
-        first = builtin_trace(requests, vocab=min(vocab, 256))
-        for scheme_index, scheme_name in enumerate(names):
-            scheme = parse_scheme(scheme_name, kv_start)
-            stage(
-                model_index * len(names) + scheme_index + 1,
-                len(models) * len(names),
-                f"{name} {scheme.name}: the trace, then its solo replays",
+    doing = "the trace, then its solo replays"
+    for name, model, first, scheme in _cells(
+        _models(model_path), list(schemes or SCHEMES), requests, kv_start, doing
+    ):
+        store = None
+        if prefix_store is not None:
+            store = PrefixStore(
+                prefix_store,
+                byte_budget=prefix_store_bytes,
+                fingerprint=model_fingerprint(model, scheme),
             )
-            store = None
-            if prefix_store is not None:
-                store = PrefixStore(
-                    prefix_store,
-                    byte_budget=prefix_store_bytes,
-                    fingerprint=model_fingerprint(model, scheme),
-                )
-                stores.append(store)
-            engine = Engine(
-                model,
-                scheme,
-                max_batch=max_batch,
-                kv_budget=kv_budget,
-                prefill_chunk=prefill_chunk,
-                keep_logits=True,
-                prefix_store=store,
-                progress=progress,
-            )
-            results, stats = engine.run(first)
-            second = follow_ups(results, first)
-            more, more_stats = engine.run(second)
-            stats.add(more_stats)
-            report = check_invariance(
-                model,
-                scheme,
-                first + second,
-                results + more,
-                prefill_chunk,
-                tolerance=MODEL_TOLERANCES.get(name, EXACT),
-            )
-            refused = len(rejected(results + more))
-            line = rejection_line(name, scheme.name, results + more)
-            if line is not None:
-                refusals.append(line)
-            failed |= not report.ok or refused > 0
-            rows.append(_row(name, scheme, stats, report, refused))
-            if prefix_store is not None:
-                key = f"{name}|{scheme.name}|{requests}|{max_batch}|{kv_budget}|{prefill_chunk}"
-                cold = _cold_runs(prefix_store).get(key)
-                store_rows.append(_store_row(name, scheme, stats, cold))
-                if not stats.store_hits:
-                    _record_cold_run(prefix_store, key, stats)
+            stores.append(store)
+        engine = Engine(
+            model,
+            scheme,
+            max_batch=max_batch,
+            kv_budget=kv_budget,
+            prefill_chunk=prefill_chunk,
+            keep_logits=True,
+            prefix_store=store,
+            progress=progress,
+        )
+        served, results, stats = _serve(engine, first)
+        report = check_invariance(
+            model,
+            scheme,
+            served,
+            results,
+            prefill_chunk,
+            tolerance=MODEL_TOLERANCES.get(name, EXACT),
+        )
+        refused = len(rejected(results))
+        line = rejection_line(name, scheme.name, results)
+        if line is not None:
+            refusals.append(line)
+        failed |= not report.ok or refused > 0
+        rows.append(_row(name, scheme, stats, report, refused))
+        if prefix_store is not None:
+            key = f"{name}|{scheme.name}|{requests}|{max_batch}|{kv_budget}|{prefill_chunk}"
+            cold = _cold_runs(prefix_store).get(key)
+            store_rows.append(_store_row(name, scheme, stats, cold))
+            if not stats.store_hits:
+                _record_cold_run(prefix_store, key, stats)
     _print_table(rows)
     print(
         "\nbatch invariance: each request's logits in the batch vs its solo run with the same"
@@ -788,78 +796,70 @@ def run_paged_demo(
     shared_rows: list[list[str]] = []
     refusals: list[str] = []
     failed = False
-    models = _models(model_path)
-    names = list(schemes or PAGED_SCHEMES)
-    for model_index, (name, model) in enumerate(models):
+    doing = (
+        "the trace contiguous and paged, its solo replays, "
+        f"then the {system_tokens}-token shared-prefix trace"
+    )
+    for name, model, first, scheme in _cells(
+        _models(model_path), list(schemes or PAGED_SCHEMES), requests, None, doing
+    ):
         vocab = min(int(model.args.vocab_size) if hasattr(model, "args") else 256, 256)
-        first = builtin_trace(requests, vocab=vocab)
-        for scheme_index, scheme_name in enumerate(names):
-            scheme = parse_scheme(scheme_name)
-            stage(
-                model_index * len(names) + scheme_index + 1,
-                len(models) * len(names),
-                f"{name} {scheme.name}: the trace contiguous and paged, its solo replays, "
-                f"then the {system_tokens}-token shared-prefix trace",
-            )
-            tokens: list[list[list[int]]] = []
-            refused = 0
-            for paged in (False, True):
-                engine = Engine(
-                    model,
-                    scheme,
-                    max_batch=max_batch,
-                    kv_budget=kv_budget,
-                    prefill_chunk=prefill_chunk,
-                    keep_logits=paged,
-                    progress=progress,
-                    paged=paged,
-                )
-                results, stats = engine.run(first)
-                second = follow_ups(results, first)
-                more, more_stats = engine.run(second)
-                stats.add(more_stats)
-                tokens.append([r.tokens for r in results + more])
-                refused = max(refused, len(rejected(results + more)))
-                line = rejection_line(
-                    name, f"{scheme.name} {'paged' if paged else 'contiguous'}", results + more
-                )
-                if line is not None:
-                    refusals.append(line)
-            # Paged admission reserves whole blocks: one token's share of a block is its cost,
-            # as the contiguous tables count it (not a whole block per position).
-            block = engine.paged.block_size if engine.paged is not None else 1
-            stats.kv_bytes_per_token = engine.admission.bytes(block) // block
-            # results, more, stats: the paged run's (the last)
-            report = check_invariance(
+        tokens: list[list[list[int]]] = []
+        refused = 0
+        for paged in (False, True):
+            engine = Engine(
                 model,
                 scheme,
-                first + second,
-                results + more,
-                prefill_chunk,
-                tolerance=MODEL_TOLERANCES.get(name, EXACT),
+                max_batch=max_batch,
+                kv_budget=kv_budget,
+                prefill_chunk=prefill_chunk,
+                keep_logits=paged,
+                progress=progress,
+                paged=paged,
             )
-            same = tokens[0] == tokens[1]
-            failed |= not report.ok or not same or refused > 0
-            row = _row(name, scheme, stats, report, refused)
-            row[-1] = verdict(report.ok and same, refused)
-            rows.append(row)
-            trace = shared_prefix_trace(shared_requests, system=system_tokens, vocab=vocab)
-            runs: list[tuple[list[RequestResult], EngineStats, float]] = []
-            for paged in (False, True):
-                engine = Engine(
-                    model,
-                    scheme,
-                    max_batch=max(max_batch, shared_requests),
-                    prefill_chunk=max(prefill_chunk, 256),
-                    progress=progress,
-                    paged=paged,
-                )
-                started = time.perf_counter()
-                results, stats = engine.run(trace)
-                runs.append((results, stats, time.perf_counter() - started))
-            shared = _shared_row(name, scheme.name, trace, runs)
-            failed |= shared[-1] != "PASS"
-            shared_rows.append(shared)
+            served, results, stats = _serve(engine, first)
+            tokens.append([r.tokens for r in results])
+            refused = max(refused, len(rejected(results)))
+            line = rejection_line(
+                name, f"{scheme.name} {'paged' if paged else 'contiguous'}", results
+            )
+            if line is not None:
+                refusals.append(line)
+        # Paged admission reserves whole blocks: one token's share of a block is its cost,
+        # as the contiguous tables count it (not a whole block per position).
+        block = engine.paged.block_size if engine.paged is not None else 1
+        stats.kv_bytes_per_token = engine.admission.bytes(block) // block
+        # served, results, stats: the paged run's (the last)
+        report = check_invariance(
+            model,
+            scheme,
+            served,
+            results,
+            prefill_chunk,
+            tolerance=MODEL_TOLERANCES.get(name, EXACT),
+        )
+        same = tokens[0] == tokens[1]
+        failed |= not report.ok or not same or refused > 0
+        row = _row(name, scheme, stats, report, refused)
+        row[-1] = verdict(report.ok and same, refused)
+        rows.append(row)
+        trace = shared_prefix_trace(shared_requests, system=system_tokens, vocab=vocab)
+        runs: list[tuple[list[RequestResult], EngineStats, float]] = []
+        for paged in (False, True):
+            engine = Engine(
+                model,
+                scheme,
+                max_batch=max(max_batch, shared_requests),
+                prefill_chunk=max(prefill_chunk, 256),
+                progress=progress,
+                paged=paged,
+            )
+            started = time.perf_counter()
+            results, stats = engine.run(trace)
+            runs.append((results, stats, time.perf_counter() - started))
+        shared = _shared_row(name, scheme.name, trace, runs)
+        failed |= shared[-1] != "PASS"
+        shared_rows.append(shared)
     _print_table(rows, HEADER)
     print(
         "\npaged engine (Engine(paged=True)): one block pool per full-attention layer, rows in"

@@ -259,6 +259,20 @@ _NOT_STATE_ARRAYS = {
 }
 
 
+def _weight_dtype(model: Any) -> str | None:
+    """The dtype of ``model``'s first floating-point weight (its activations'), by name."""
+    from mlx.utils import tree_flatten
+
+    return next(
+        (
+            str(item[1].dtype).rsplit(".", 1)[-1]
+            for item in tree_flatten(model.parameters())
+            if isinstance(item[1], mx.array) and mx.issubdtype(item[1].dtype, mx.floating)
+        ),
+        None,
+    )
+
+
 def kv_geometry(model: Any) -> KvGeometry | None:
     """The KV heads, head dim and dtype every attention layer of ``model`` stores, from its
     config (``num_key_value_heads``, ``head_dim`` or ``hidden_size / num_attention_heads``)
@@ -273,16 +287,7 @@ def kv_geometry(model: Any) -> KvGeometry | None:
     dim = getattr(args, "head_dim", None)
     if dim is None and getattr(args, "num_attention_heads", None):
         dim = getattr(args, "hidden_size", 0) // args.num_attention_heads
-    from mlx.utils import tree_flatten
-
-    dtype = next(
-        (
-            str(item[1].dtype).rsplit(".", 1)[-1]
-            for item in tree_flatten(model.parameters())
-            if isinstance(item[1], mx.array) and mx.issubdtype(item[1].dtype, mx.floating)
-        ),
-        None,
-    )
+    dtype = _weight_dtype(model)
     if not heads or not dim or dtype is None:
         return None
     return KvGeometry(heads=int(heads), key_dim=int(dim), value_dim=int(dim), dtype=dtype)
@@ -522,19 +527,26 @@ def _layer(cache: MLACache | EncodedLatentCache | PagedLatentCache) -> Any:
     return pair if cache.options.dsa else pair[0]
 
 
+def _latent_layers(model: Any, codecs: list[LatentCodec], start: int) -> list[Any]:
+    """Per layer ``MLACache`` (a plain codec) or ``EncodedLatentCache`` (affine or
+    TurboQuant, bf16-first at ``start``), as the layer takes it."""
+    geometry = _geometry(model)
+    return [
+        _layer(
+            EncodedLatentCache(*geometry, codec=codec, start=start)
+            if codec.encodes
+            else MLACache(*geometry)
+        )
+        for codec in codecs
+    ]
+
+
 def make_latent_cache(model: Any, codec: LatentCodec | None = None, start: int = 0) -> list[Any]:
     """One :class:`LatentCacheList` per layer of an MLA model: ``MLACache`` (plain codec)
     or ``EncodedLatentCache`` (``codec`` affine or TurboQuant, bf16-first at ``start``)."""
     if not is_latent_model(model):
         raise InvalidInputError(f"{type(model).__name__} is not an MLA model kvrows serves")
-    geometry = _geometry(model)
-    caches: list[Any] = []
-    for _ in model.layers:
-        if codec is None or not codec.encodes:
-            caches.append(_layer(MLACache(*geometry)))
-        else:
-            caches.append(_layer(EncodedLatentCache(*geometry, codec=codec, start=start)))
-    return caches
+    return _latent_layers(model, [codec or Plain()] * len(model.layers), start)
 
 
 def latent_pools(
@@ -575,17 +587,9 @@ def latent_caches_for_scheme(model: Any, scheme: KvStorageScheme) -> list[Any]:
     """``make_kvrows_cache`` for an MLA model: each layer's codec from ``scheme`` (plain:
     ``MLACache``; affine or TurboQuant: ``EncodedLatentCache`` of that latent codec, bf16-first
     at ``scheme.quantized_kv_start``, else 0: the first append of a row reads exact)."""
-    geometry = _geometry(model)
     resolved = scheme.resolve(len(model.layers))
-    start = resolved.quantized_kv_start or 0
-    caches: list[Any] = []
-    for index in range(len(model.layers)):
-        codec = resolved.codec_for_layer(index)
-        if codec.encodes:
-            caches.append(_layer(EncodedLatentCache(*geometry, codec=codec, start=start)))
-        else:
-            caches.append(_layer(MLACache(*geometry)))
-    return caches
+    codecs = [resolved.codec_for_layer(index) for index in range(len(model.layers))]
+    return _latent_layers(model, codecs, resolved.quantized_kv_start or 0)
 
 
 # -- recurrent models: their planes, and verify rounds that roll back -------------
@@ -601,16 +605,7 @@ def recurrent_geometry(model: Any) -> StateShapes | None:
     names = ("linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim")
     if not all(hasattr(args, name) for name in (*names, "linear_value_head_dim")):
         return None
-    from mlx.utils import tree_flatten
-
-    dtype = next(
-        (
-            str(item[1].dtype).rsplit(".", 1)[-1]
-            for item in tree_flatten(model.parameters())
-            if isinstance(item[1], mx.array) and mx.issubdtype(item[1].dtype, mx.floating)
-        ),
-        None,
-    )
+    dtype = _weight_dtype(model)
     if dtype is None:
         return None
     hv, hk = int(args.linear_num_value_heads), int(args.linear_num_key_heads)
