@@ -44,9 +44,10 @@ other layers (rings) takes a hit only where the ``PrefixCache`` (those layers' p
 serial copies) can cut them to a length the pools cover. :class:`PagedLayers` keeps the
 pools and answers what the engine asks; the engine keeps its loop.
 
-Every model family runs on the one engine through capabilities: recurrent state
-(``StateWritten``) rolls back in verify rounds by replay
-(``kvrows.app.models.check_speculative_rounds``), MLA layers are latent caches.
+Every model family's caches come from ``make_kvrows_cache`` and the engine asks only
+capabilities: recurrent state (``StateWritten``) rolls back in verify rounds by replay
+(``kvrows.app.models.check_speculative_rounds``). MLA models wait for a row layout of
+their latent caches in the table (``kvrows.table``): until then the engine refuses them.
 """
 
 from __future__ import annotations
