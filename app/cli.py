@@ -329,28 +329,43 @@ def _check_bench(args: argparse.Namespace) -> None:
             raise CommandLineError(f"argument --plot: no such directory {folder}")
 
 
-#: ``kvrows demo`` options that only some modes use, with the modes that take each.
+#: ``kvrows demo``'s modes (``--paged``, ...; ``main`` without one) and the function of
+#: ``kvrows.app.demo`` that runs each.
+_DEMOS = {
+    "main": "run_demo",
+    "paged": "run_paged_demo",
+    "speculative": "run_speculative_demo",
+    "mla": "run_latent_demo",
+}
+
+#: ``kvrows demo`` options that only some modes use: the option, its attribute, the
+#: demo function's keyword, and the modes that take it (an option not given is left to
+#: the function's default).
 _DEMO_MODE_OPTIONS = (
-    ("--model", "model", ("main", "paged", "speculative")),
-    ("--kv-budget", "kv_budget", ("main", "paged")),
-    ("--kv-start", "kv_start", ("main", "speculative", "mla")),
-    ("--prefix-store", "prefix_store", ("main",)),
-    ("--prefix-store-bytes", "prefix_store_bytes", ("main",)),
-    ("--draft-tokens", "draft_tokens", ("speculative",)),
-    ("--draft-layers", "draft_layers", ("speculative",)),
+    ("--model", "model", "model_path", ("main", "paged", "speculative")),
+    ("--kv-budget", "kv_budget", "kv_budget", ("main", "paged")),
+    ("--kv-start", "kv_start", "kv_start", ("main", "speculative", "mla")),
+    ("--prefix-store", "prefix_store", "prefix_store", ("main",)),
+    ("--prefix-store-bytes", "prefix_store_bytes", "prefix_store_bytes", ("main",)),
+    ("--draft-tokens", "draft_tokens", "draft_tokens", ("speculative",)),
+    ("--draft-layers", "draft_layers", "draft_layers", ("speculative",)),
 )
 
 
-def _check_demo(args: argparse.Namespace) -> None:
-    from kvrows.errors import KvRowsError
-
+def _demo_mode(args: argparse.Namespace) -> str:
     modes = [flag for flag in ("paged", "speculative", "mla") if getattr(args, flag)]
     if len(modes) > 1:
         raise CommandLineError(
             f"--{modes[0]} and --{modes[1]} are separate demos: choose one of them"
         )
-    mode = modes[0] if modes else "main"
-    for option, attribute, takes in _DEMO_MODE_OPTIONS:
+    return modes[0] if modes else "main"
+
+
+def _check_demo(args: argparse.Namespace) -> None:
+    from kvrows.errors import KvRowsError
+
+    mode = _demo_mode(args)
+    for option, attribute, _, takes in _DEMO_MODE_OPTIONS:
         if getattr(args, attribute) is not None and mode not in takes:
             where = "the main demo" if mode == "main" else f"--{mode}"
             users = " or ".join("the main demo" if m == "main" else f"--{m}" for m in takes)
@@ -380,7 +395,7 @@ def _check_scheme(name: str, mode: str) -> None:
     from kvrows.errors import InvalidInputError
 
     if mode == "mla":
-        from kvrows.app.latent_demo import LATENT_SCHEMES
+        from kvrows.app.demo import LATENT_SCHEMES
 
         if name not in LATENT_SCHEMES:
             raise InvalidInputError(
@@ -408,63 +423,21 @@ def _run(args: argparse.Namespace) -> int:
             plot=args.plot,
             contexts=args.contexts,
         )
-    if args.command == "demo" and args.mla:
-        from kvrows.app.latent_demo import run_latent_demo
-
-        return int(
-            run_latent_demo(
-                schemes=args.scheme,
-                requests=args.requests,
-                max_batch=args.max_batch,
-                kv_start=args.kv_start,
-            )
-        )
-    if args.command == "demo" and args.paged:
-        from kvrows.app.paged_demo import run_paged_demo
-
-        return int(
-            run_paged_demo(
-                model_path=args.model,
-                schemes=args.scheme,
-                requests=args.requests,
-                max_batch=args.max_batch,
-                kv_budget=args.kv_budget,
-                progress=not args.quiet,
-            )
-        )
-    if args.command == "demo" and args.speculative:
-        from kvrows.app.demo import run_speculative_demo
-
-        return int(
-            run_speculative_demo(
-                model_path=args.model,
-                schemes=args.scheme,
-                requests=args.requests,
-                max_batch=args.max_batch,
-                draft_tokens=3 if args.draft_tokens is None else args.draft_tokens,
-                draft_layers=args.draft_layers,
-                progress=not args.quiet,
-                kv_start=args.kv_start,
-            )
-        )
     if args.command == "demo":
-        from kvrows.app.demo import PREFIX_STORE_BYTES, run_demo
+        from kvrows.app import demo
 
+        mode = _demo_mode(args)
+        options = {
+            keyword: getattr(args, attribute)
+            for _, attribute, keyword, takes in _DEMO_MODE_OPTIONS
+            if mode in takes and getattr(args, attribute) is not None
+        }
+        if mode != "mla":  # the latent demo prints no progress
+            options["progress"] = not args.quiet
+        run_demo = getattr(demo, _DEMOS[mode])
         return int(
             run_demo(
-                model_path=args.model,
-                schemes=args.scheme,
-                requests=args.requests,
-                max_batch=args.max_batch,
-                kv_budget=args.kv_budget,
-                progress=not args.quiet,
-                kv_start=args.kv_start,
-                prefix_store=args.prefix_store,
-                prefix_store_bytes=(
-                    PREFIX_STORE_BYTES
-                    if args.prefix_store_bytes is None
-                    else args.prefix_store_bytes
-                ),
+                schemes=args.scheme, requests=args.requests, max_batch=args.max_batch, **options
             )
         )
     if args.command == "classes":

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from kvrows.app import bench, cli
+from kvrows.app.demo import run_paged_demo
 from kvrows.app.models import tiny_model
-from kvrows.app.paged_demo import run_paged_demo
 from kvrows.errors import InvalidInputError
 
 

@@ -8,11 +8,9 @@ from typing import Any
 import pytest
 
 import kvrows.optimized as kv
-from kvrows.app.demo import builtin_trace, check_invariance, follow_ups
-from kvrows.app.engine import Engine, Request
+from kvrows.app.demo import builtin_trace, check_invariance, follow_ups, shared_prefix_trace
+from kvrows.app.engine import Engine, Request, pageable
 from kvrows.app.models import tiny_model
-from kvrows.app.paged_demo import shared_prefix_trace
-from kvrows.app.paged_engine import pageable
 from kvrows.errors import InvalidInputError
 from kvrows.optimized.paged import BlockPool
 from kvrows.schemes import KvStorageScheme

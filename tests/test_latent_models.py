@@ -14,10 +14,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import CacheList
 
-from kvrows.app.latent_models import (
+from kvrows.app.models import (
     LATENT_ARCHITECTURES,
     make_latent_cache,
-    tiny_latent_model,
+    tiny_model,
 )
 from kvrows.errors import InvalidInputError, LayoutStateError
 from kvrows.optimized import LatentCacheList, MLACache
@@ -34,7 +34,7 @@ def _cpu() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def models() -> dict[str, Any]:
-    return {arch: tiny_latent_model(arch) for arch in LATENT_ARCHITECTURES}
+    return {arch: tiny_model(arch) for arch in LATENT_ARCHITECTURES}
 
 
 def _same(a: mx.array, b: mx.array) -> bool:
@@ -157,7 +157,7 @@ def test_the_list_refuses_misuse(models: dict[str, Any]) -> None:
 def test_the_mla_demo_loop_is_batch_invariant(models: dict[str, Any]) -> None:
     """The demo's loop (prefill alone, join, decode, retire): every request alone gives its
     batch tokens, under the plain and an encoded latent (bf16-first at 4)."""
-    from kvrows.app.latent_demo import check_latent_invariance, run_latent_trace
+    from kvrows.app.demo import check_latent_invariance, run_latent_trace
 
     model = models["deepseek_v32"]
     prompts = [("a", PROMPT, 4), ("b", [9, 8, 7], 2), ("c", PROMPT[:5], 3)]
@@ -193,7 +193,7 @@ def test_deepseek_v3_layers_take_the_plain_latent(models: dict[str, Any]) -> Non
 
     from kvrows.app.models import make_kvrows_cache
 
-    model = tiny_latent_model("deepseek_v3")
+    model = tiny_model("deepseek_v3")
     prompts = [PROMPT, [9, 8, 7]]
     theirs = [make_prompt_cache(model) for _ in prompts]
     mine = [make_kvrows_cache(model) for _ in prompts]

@@ -343,15 +343,15 @@ def test_mla_models_give_mlx_lm_logits() -> None:
     latent caches of shared pools: mlx-lm's logits serial, and MLACache's merged."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from kvrows.app.latent_models import (
+    from kvrows.app.models import (
         latent_pools,
         make_latent_cache,
         make_paged_latent_cache,
-        tiny_latent_model,
+        tiny_model,
     )
 
     for arch in ("deepseek_v32", "deepseek_v3"):
-        model = tiny_latent_model(arch)
+        model = tiny_model(arch)
         pools = latent_pools(model, block_size=4)
         prompts = [PROMPT, [9, 8, 7]]
         theirs = [make_prompt_cache(model) for _ in prompts]
@@ -384,14 +384,14 @@ def test_mla_models_give_mlx_lm_logits() -> None:
 
 
 def test_an_encoded_paged_latent_in_the_model_equals_encoded_latent_cache() -> None:
-    from kvrows.app.latent_models import (
+    from kvrows.app.models import (
         latent_pools,
         make_latent_cache,
         make_paged_latent_cache,
-        tiny_latent_model,
+        tiny_model,
     )
 
-    model = tiny_latent_model("deepseek_v32")
+    model = tiny_model("deepseek_v32")
     codec = Affine(bits=4, group_size=32)
     mine = make_paged_latent_cache(model, latent_pools(model, 4, codec), start=5)
     oracle = make_latent_cache(model, codec, start=5)

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 
 import kvrows.optimized as kv
-from kvrows.app.hybrid import (
+from kvrows.app.models import (
     HYBRID_ARCHITECTURES,
+    make_kvrows_cache,
     record_recurrent_layers,
     recurrent_geometry,
-    tiny_hybrid_model,
+    tiny_model,
 )
-from kvrows.app.models import make_kvrows_cache
 from kvrows.errors import InvalidInputError
 from kvrows.recurrent import RecurrentRows, StateShapes
 from kvrows.speculative import RowRound
@@ -43,7 +43,7 @@ def _cpu() -> Iterator[None]:
 
 @pytest.fixture(scope="module", params=HYBRID_ARCHITECTURES)
 def model(request: pytest.FixtureRequest) -> Any:
-    return tiny_hybrid_model(request.param)
+    return tiny_model(request.param)
 
 
 def _same(a: mx.array, b: mx.array) -> bool:
@@ -162,7 +162,7 @@ def test_batch_generator_matches_mlx_lm_caches(model: Any, monkeypatch: pytest.M
 
 
 def test_geometry_is_declared_from_the_config() -> None:
-    qwen = tiny_hybrid_model("qwen3_next")
+    qwen = tiny_model("qwen3_next")
     g = recurrent_geometry(qwen)
     assert g == StateShapes(
         planes=(((3, 2 * 2 * 32 + 4 * 16), "float32"), ((4, 16, 32), "float32"))
@@ -171,7 +171,7 @@ def test_geometry_is_declared_from_the_config() -> None:
     assert isinstance(cache, kv.SSMCache) and cache.geometry == g
     layout = owned_cache_layout(cache)
     assert layout is not None and layout.projected_bytes(0) == g.row_bytes()
-    assert recurrent_geometry(tiny_hybrid_model("mamba2")) is None  # learnt at the first write
+    assert recurrent_geometry(tiny_model("mamba2")) is None  # learnt at the first write
 
 
 @pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
@@ -179,7 +179,7 @@ def test_verify_round_rolls_back_to_the_accepted_run(arch: str) -> None:
     """A verify round through the model's own layers (``record_recurrent_layers``): each
     row's state and next logits after a per-row rollback equal a solo run that saw only
     the accepted tokens (mlx-lm's layers replay the accepted prefix, masked per row)."""
-    model = tiny_hybrid_model(arch)
+    model = tiny_model(arch)
     assert record_recurrent_layers(model) == 0  # the tiny models come wrapped
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 256, (1, n)) for n in (5, 9, 3)]
@@ -409,7 +409,7 @@ ARRAYS_MODELS = (
 def _tiny_arrays_model(arch: str, vocab: int = 128) -> Any:
     """The app's tiny model of ``arch`` (every layer kind its ``make_cache`` builds), as
     mlx-lm builds it: no layer wrapped for verify rounds."""
-    return tiny_hybrid_model(arch, vocab=vocab, record=False)
+    return tiny_model(arch, vocab=vocab, record=False)
 
 
 @pytest.fixture(scope="module", params=ARRAYS_MODELS)
@@ -481,7 +481,7 @@ def _left_padded(template: list[Any], left_padding: list[int], ours: bool) -> li
 def test_left_padded_batch_logits_match_mlx_lm(arch: str) -> None:
     """A left-padded prompt batch (``ArraysCache(n, left_padding=...)``), decode steps,
     ``finalize``, a ``filter`` and an ``extract``: mlx-lm's logits and planes, bit for bit."""
-    model = _tiny_arrays_model(arch) if arch in ARRAYS_MODELS else tiny_hybrid_model(arch)
+    model = _tiny_arrays_model(arch) if arch in ARRAYS_MODELS else tiny_model(arch)
     rng = np.random.default_rng(4)
     lengths = [6, 11, 3]
     pads = [max(lengths) - n for n in lengths]

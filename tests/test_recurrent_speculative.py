@@ -21,8 +21,13 @@ from mlx.utils import tree_flatten, tree_map
 import kvrows.optimized as kv
 from kvrows.app.demo import builtin_trace
 from kvrows.app.engine import Engine
-from kvrows.app.hybrid import check_speculative_rounds, record_recurrent_layers, tiny_hybrid_model
-from kvrows.app.models import draft_model, make_kvrows_cache
+from kvrows.app.models import (
+    check_speculative_rounds,
+    draft_model,
+    make_kvrows_cache,
+    record_recurrent_layers,
+    tiny_model,
+)
 from kvrows.errors import NotTrimmableError
 from kvrows.protocols import StateWritten
 from kvrows.speculative import RowRound
@@ -48,7 +53,7 @@ def _cpu() -> Iterator[None]:
 
 
 def _model(arch: str) -> Any:
-    return tiny_hybrid_model(arch, vocab=128)
+    return tiny_model(arch, vocab=128)
 
 
 def _parts(layer: Any) -> tuple[Any, ...]:
@@ -136,7 +141,7 @@ def test_models_whose_recurrent_layers_cannot_replay_are_refused(arch: str) -> N
 def test_only_the_layers_a_recurrent_state_reaches_are_wrapped() -> None:
     """The probe keeps the wrapper on qwen3_next's gated DeltaNet layer and takes it off
     the attention layer beside it; the parameter tree does not change."""
-    draft = draft_model(tiny_hybrid_model("qwen3_next"))  # a fresh instance: unwrapped
+    draft = draft_model(tiny_model("qwen3_next"))  # a fresh instance: unwrapped
     before = list(dict(tree_flatten(draft.parameters())))
     assert record_recurrent_layers(draft) == 1
     assert record_recurrent_layers(draft) == 0
@@ -148,7 +153,7 @@ def test_only_the_layers_a_recurrent_state_reaches_are_wrapped() -> None:
 def _noisy_copy(arch: str, scale: float) -> Any:
     """``arch``'s tiny model with ``scale`` noise on every weight: a draft that agrees
     with the target often, not always."""
-    draft = tiny_hybrid_model(arch, vocab=128)
+    draft = tiny_model(arch, vocab=128)
     mx.random.seed(5)
     draft.update(tree_map(lambda p: p + mx.random.normal(p.shape) * scale, draft.parameters()))
     return draft
@@ -160,7 +165,7 @@ def test_engine_rounds_on_the_new_recurrent_models_equal_plain_decoding(
 ) -> None:
     """The engine's verify rounds (target and draft layouts, rows accepting different
     counts) give the greedy tokens of the engine without a draft."""
-    model = tiny_hybrid_model(arch, vocab=128)
+    model = tiny_model(arch, vocab=128)
     trace = builtin_trace(3, vocab=128)
     plain, _ = Engine(model, max_batch=3, prefill_chunk=8).run(trace)
     verdicts: list[list[int]] = []
@@ -180,6 +185,6 @@ def test_engine_rounds_on_the_new_recurrent_models_equal_plain_decoding(
 
 
 def test_engine_refuses_a_draft_on_a_model_that_cannot_replay() -> None:
-    model = tiny_hybrid_model("rwkv7", vocab=128)
+    model = tiny_model("rwkv7", vocab=128)
     with pytest.raises(NotTrimmableError, match="rwkv7 cannot run speculative rounds"):
         Engine(model, draft_model=model)

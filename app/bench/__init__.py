@@ -76,12 +76,13 @@ def run(
 
     names = list(FAMILIES) if name == "all" else [name]
     status = 0
+    # The options each family takes, by name (one not given is left to the family).
+    given: dict[str, dict[str, Any]] = {
+        "delayed": {"starts": kv_starts or None},
+        "engine": {"plot": plot, "serving_contexts": spans},
+    }
     for each in names:
-        options: dict[str, Any] = {"starts": kv_starts} if each == "delayed" and kv_starts else {}
-        if each == "engine" and plot is not None:
-            options["plot"] = plot
-        if each == "engine" and spans is not None:
-            options["serving_contexts"] = spans
+        options = {k: v for k, v in given.get(each, {}).items() if v is not None}
         made = family(each, quick=quick, **options)
         status = max(status, run_family(made, quick=quick, repeats=repeats))
     return status
