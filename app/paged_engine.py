@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from kvrows.codecs import CODECS, is_codec_spec
+from kvrows.codecs import is_codec_spec, is_kv_codec, kv_codecs
 from kvrows.errors import InvalidInputError
 from kvrows.optimized import BlockPool, PagedKVCache
 from kvrows.paged import DEFAULT_BLOCK_SIZE, chain_hashes
@@ -33,9 +33,9 @@ from kvrows.protocols import BatchableCache, Cache, Handover, PagedRows, RingGeo
 
 __all__ = ["PAGED_CODECS", "PagedLayers", "pageable"]
 
-#: The codec kinds a block pool stores: every registered one (a pool builds its codec
-#: from the spec through the implementation's codec registry).
-PAGED_CODECS = frozenset(CODECS)
+#: The codec kinds a block pool stores: every registered KV codec (a pool builds its
+#: codec from the spec through the implementation's codec registry).
+PAGED_CODECS = frozenset(kv_codecs())
 
 
 def pageable(cache: Any) -> bool:
@@ -46,7 +46,12 @@ def pageable(cache: Any) -> bool:
         return False
     tokens = getattr(cache, "token_geometry", None) is not None
     codec = getattr(cache, "codec_spec", None)
-    return tokens and not isinstance(cache, RingGeometry) and is_codec_spec(codec)
+    return (
+        tokens
+        and not isinstance(cache, RingGeometry)
+        and is_codec_spec(codec)
+        and is_kv_codec(codec)
+    )
 
 
 class PagedLayers:

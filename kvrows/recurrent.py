@@ -27,11 +27,11 @@ conformance suite compares what the hooks and the layers compute.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar, Self
 
 from kvrows.codec import PlaneSpec
+from kvrows.codecs.state import DEFAULT_PLANES, PlaneShape, State, StateShapes
 from kvrows.compositions import Composition
 from kvrows.errors import (
     ONE_VERIFY_BLOCK,
@@ -42,6 +42,7 @@ from kvrows.errors import (
     SpeculativeRoundError,
     self_merge_message,
 )
+from kvrows.geometries.recurrent import Recurrent, Replay, valid_counts
 from kvrows.speculative import SpeculativeRounds, check_keep_vector
 from kvrows.validation import FLOAT_DTYPES, as_count, check_keep, check_row
 
@@ -61,144 +62,9 @@ __all__ = [
 #: Plane indices of a gated DeltaNet / Mamba2 layer (mlx-lm's ``ArraysCache(2)`` order).
 CONV = 0
 RECURRENT = 1
-#: Planes a cache built without a size or a geometry holds (mlx-lm's ``ArraysCache(2)``).
-DEFAULT_PLANES = 2
-
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
-
-#: ``replay(cache, *inputs)``: run the layer's forward over ``inputs`` (per-position
-#: arrays ``[B, S, ...]``) on ``cache``, honouring ``cache.make_mask`` / ``cache.lengths``
-#: (masked positions leave the state unchanged) and ending with ``cache.advance(S)``.
-Replay = Callable[..., object]
-
-
-@dataclass(frozen=True, kw_only=True)
-class State:
-    """The codec of recurrent state: planes stored as the layer writes them."""
-
-    kind: ClassVar[str] = "state"
-
-    @property
-    def key(self) -> str:
-        return "state"
-
-    @property
-    def name(self) -> str:
-        return "state"
-
-    def parameters(self) -> dict[str, int]:
-        return {}
-
-
-@dataclass(frozen=True, kw_only=True)
-class Recurrent:
-    """The recurrent geometry: constant-size state per row, no token axis."""
-
-    kind: ClassVar[str] = "recurrent"
-
-    def parameters(self) -> dict[str, int]:
-        return {}
-
-
-#: One plane's per-row shape and dtype name.
-PlaneShape = tuple[tuple[int, ...], str]
-
-
-def _shape_of(value: object, what: str) -> tuple[int, ...]:
-    """A per-row shape (positive ints, at least one axis; JSON lists accepted)."""
-    if isinstance(value, str | bytes) or not isinstance(value, Sequence) or not value:
-        raise InvalidInputError(f"{what} must be a per-row shape of positive ints, got {value!r}")
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in value):
-        raise InvalidInputError(f"{what} must be a per-row shape of positive ints, got {value!r}")
-    return tuple(value)
-
-
-def _dtype_of(value: object, what: str) -> str:
-    if value not in FLOAT_DTYPES:
-        raise InvalidInputError(f"{what} must be one of {FLOAT_DTYPES}, got {value!r}")
-    return str(value)
-
-
-@dataclass(frozen=True)
-class StateShapes:
-    """What every row of one recurrent layer holds: per plane (``state.i``), its per-row
-    shape (any rank, without the row axis) and dtype."""
-
-    planes: tuple[PlaneShape, ...]
-
-    def __post_init__(self) -> None:
-        planes = self.planes
-        if isinstance(planes, str | bytes) or not isinstance(planes, Sequence) or not planes:
-            raise InvalidInputError(
-                f"planes must be one (row_shape, dtype) per plane, at least one, got {planes!r}"
-            )
-        parsed = []
-        for i, plane in enumerate(planes):
-            if isinstance(plane, str | bytes) or not isinstance(plane, Sequence) or len(plane) != 2:
-                raise InvalidInputError(f"planes[{i}] must be (row_shape, dtype), got {plane!r}")
-            parsed.append(
-                (
-                    _shape_of(plane[0], f"planes[{i}] row_shape"),
-                    _dtype_of(plane[1], f"planes[{i}] dtype"),
-                )
-            )
-        # Normalized, so a record read back from JSON (lists) equals the declared one.
-        object.__setattr__(self, "planes", tuple(parsed))
-
-    @classmethod
-    def from_v1(
-        cls,
-        conv_shape: Sequence[int],
-        conv_dtype: str,
-        state_shape: Sequence[int],
-        state_dtype: str = "float32",
-    ) -> StateShapes:
-        """The two planes of a version-1 record: conv ``(K - 1, C)`` and recurrent state."""
-        if isinstance(conv_shape, str | bytes) or len(conv_shape) != 2:
-            raise InvalidInputError(
-                f"conv_shape must be (K - 1, channels), positive ints, got {conv_shape!r}"
-            )
-        return cls(planes=((tuple(conv_shape), conv_dtype), (tuple(state_shape), state_dtype)))
-
-    @classmethod
-    def from_record(cls, saved: Mapping[str, Any]) -> StateShapes:
-        """The shapes a file's layer record holds: ``planes`` (this version) or version 1's
-        ``conv_shape``, ``conv_dtype``, ``state_shape``, ``state_dtype``."""
-        if "planes" in saved:
-            return cls(planes=saved["planes"])
-        return cls.from_v1(
-            saved["conv_shape"], saved["conv_dtype"], saved["state_shape"], saved["state_dtype"]
-        )
-
-    def plane_specs(self) -> tuple[PlaneSpec, ...]:
-        return tuple(
-            PlaneSpec(f"state.{i}", None, dtype, shape[-1])
-            for i, (shape, dtype) in enumerate(self.planes)
-        )
-
-    def row_bytes(self) -> int:
-        """Bytes one row holds (constant in tokens)."""
-        return sum(math.prod(shape) * _ITEMSIZE[dtype] for shape, dtype in self.planes)
-
-    def describe(self) -> str:
-        return ", ".join(
-            f"state.{i} {shape} {dtype}" for i, (shape, dtype) in enumerate(self.planes)
-        )
-
 
 #: Per plane: (per-row shape, dtype name) once known.
 _PlaneKind = PlaneShape
-
-
-def valid_counts(n: int, rows: int, lengths: list[int] | None, left: list[int] | None) -> list[int]:
-    """Real tokens each row takes from a block of ``n``: positions ``t`` with
-    ``left[b] <= t < lengths[b]`` (no padding: all ``n``)."""
-    counts = []
-    for b in range(rows):
-        end = n if lengths is None else max(0, min(n, lengths[b]))
-        start = 0 if left is None else max(0, min(n, left[b]))
-        counts.append(max(0, end - start))
-    return counts
 
 
 class RecurrentRows:
@@ -340,7 +206,7 @@ class RecurrentRows:
         geometry: StateShapes | None = None,
     ) -> Self:
         """An empty instance (the row-layout table's role factories)."""
-        if not isinstance(codec_spec, State) or not isinstance(token_geometry, Recurrent):
+        if codec_spec != State() or token_geometry != Recurrent():
             raise InvalidInputError(
                 f"{cls.composition.name} is built from State() and Recurrent(), got "
                 f"{codec_spec!r} and {token_geometry!r}"
