@@ -28,22 +28,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, TypeVar
 
 from kvrows.codec import PlaneSpec
 from kvrows.codecs.state import DEFAULT_PLANES, PlaneShape, State, StateShapes
 from kvrows.compositions import Composition
 from kvrows.errors import (
-    ONE_VERIFY_BLOCK,
     IncompatibleRowsError,
     InvalidInputError,
     LayoutStateError,
     NotTrimmableError,
-    SpeculativeRoundError,
     self_merge_message,
 )
 from kvrows.geometries.recurrent import Recurrent, Replay, valid_counts
-from kvrows.speculative import SpeculativeRounds, check_keep_vector
+from kvrows.speculative import SpeculativeRounds
 from kvrows.validation import FLOAT_DTYPES, as_count, check_keep, check_row
 
 __all__ = [
@@ -51,7 +49,6 @@ __all__ = [
     "RECURRENT",
     "Recurrent",
     "RecurrentLayout",
-    "RecurrentRounds",
     "RecurrentRows",
     "Replay",
     "State",
@@ -65,6 +62,8 @@ RECURRENT = 1
 
 #: Per plane: (per-row shape, dtype name) once known.
 _PlaneKind = PlaneShape
+
+_R = TypeVar("_R")
 
 
 class RecurrentRows:
@@ -139,17 +138,17 @@ class RecurrentRows:
     def _layout_class(cls) -> type[RecurrentRows]:
         raise NotImplementedError
 
-    # -- rounds (the layout's ``RecurrentRounds`` overrides these) ------------------------
+    # -- rounds (the layout's ``SpeculativeRounds`` overrides these) ----------------------
     def _spec_guard(self, what: str) -> None:
         """Refuse a row operation in the middle of a round (serial: nothing to refuse)."""
 
     def _spec_usable(self) -> None:
         """Refuse everything on an invalidated layout (serial: never invalid)."""
 
-    def _round_append(self, append: Callable[[], None]) -> None:
-        append()
+    def _spec_append(self, append: Callable[[], _R]) -> _R:
+        return append()
 
-    def _round_write(self) -> None:
+    def _spec_write(self) -> None:
         """Refuse a plane write the round cannot take (serial: always takes it)."""
 
     # -- construction ---------------------------------------------------------------------
@@ -310,7 +309,7 @@ class RecurrentRows:
         self._spec_usable()
         i = self._plane_index(index)
         kind = self._check_plane(i, value)
-        self._round_write()
+        self._spec_write()
         self._planes[i] = value
         self._kinds[i] = kind
         if not self.is_layout:
@@ -453,7 +452,7 @@ class RecurrentRows:
             if self._left is not None:
                 self._left = [v - count for v in self._left]
 
-        self._round_append(step)
+        self._spec_append(step)
 
     # -- token operations do not apply ----------------------------------------------------
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
@@ -605,8 +604,16 @@ class RecurrentRows:
             raise LayoutStateError("rows with tokens but no planes")
 
 
-class RecurrentLayout(RecurrentRows):
-    """The row-layout members (``BatchableCache``) of ``BatchedSSMCache``."""
+class RecurrentLayout(SpeculativeRounds, RecurrentRows):
+    """The row-layout members (``BatchableCache``) of ``BatchedSSMCache``, with the
+    ``speculative`` modifier's verify rounds by snapshot and replay.
+
+    ``spec_round_begin`` keeps the planes and positions (``_spec_snapshot``); the layer's
+    verify forward records its per-position inputs and a replay (``spec_round_record``)
+    and writes the block; ``spec_round_rollback(keep)`` restores the snapshot and replays
+    the first ``keep[b]`` tokens of each row through the layer with the rest masked, so
+    each row's state is the one a run that saw only the accepted tokens computes.
+    """
 
     @property
     def batch_size(self) -> int:
@@ -731,12 +738,13 @@ class RecurrentLayout(RecurrentRows):
         return serial
 
     def can_publish_row(self, row: int, tokens: int) -> bool:
-        """Only at exactly the row's coverage: recurrent state cannot be cut."""
+        """Only at exactly the row's coverage (recurrent state cannot be cut), and not
+        while a round is open (the row's newest tokens are unverified)."""
         self._spec_usable()
         index = check_row(row, self._rows)
         count = as_count(tokens, "tokens")
         written = all(p is not None for p in self._planes)
-        return written and self._offsets[index] == count
+        return written and self._offsets[index] == count and not self.spec_round_open
 
     def extend(self, other: Any) -> None:
         """mlx-lm's ``extend``: join ``other``'s rows."""
@@ -753,127 +761,34 @@ class RecurrentLayout(RecurrentRows):
         """mlx-lm's ``extract``."""
         return self.extract_row(idx)
 
-
-class RecurrentRounds(SpeculativeRounds):
-    """The ``speculative`` modifier on recurrent rows: snapshot + replay (mixed in ahead
-    of :class:`RecurrentRows` in ``BatchedSSMCache``).
-
-    ``spec_round_begin`` keeps the planes and positions; the layer's verify forward
-    records its per-position inputs and a replay (``spec_round_record``) and writes the
-    block; ``spec_round_rollback(keep)`` restores the snapshot and replays the first
-    ``keep[b]`` tokens of each row through the layer with the rest masked, so each row's
-    state is the one a run that saw only the accepted tokens computes.
-    """
-
-    _snapshot: tuple[list[Any], list[int]] | None = None
-    _record: tuple[Replay, tuple[Any, ...]] | None = None
-    _replaying: bool = False
-
-    def spec_round_begin(self) -> None:
-        rows: Any = self
-        if rows._lengths is not None or rows._left is not None:
+    # -- the speculative modifier's snapshot + replay hooks -------------------------------
+    def _spec_snapshot(self) -> tuple[list[Any], list[int]]:
+        if self._lengths is not None or self._left is not None:
             raise LayoutStateError("a verify round cannot open during a padded run: finalize it")
-        super().spec_round_begin()
-        self._snapshot = (list(rows._planes), list(rows._offsets))
-        self._record = None
+        return (list(self._planes), list(self._offsets))
 
-    @property
-    def spec_round_awaits_record(self) -> bool:
-        """Whether the layer's next forward is a round's verify block that should record
-        its inputs (a round is open, nothing appended or recorded, no replay running)."""
-        return (
-            self.spec_round_open
-            and self._spec_block is None
-            and self._record is None
-            and not self._replaying
-        )
+    def _spec_restore(self, kept: tuple[list[Any], list[int]]) -> None:
+        planes, offsets = kept
+        self._planes, self._offsets = list(planes), list(offsets)
 
-    def spec_round_record(self, replay: Replay, *inputs: Any) -> None:
-        """The verify forward's per-position inputs (each ``[B, S, ...]``) and the replay
-        that runs the layer over a prefix of them."""
-        self._spec_usable()
-        if not self.spec_round_open:
-            raise SpeculativeRoundError("spec_round_record without spec_round_begin")
-        if self._record is not None:
-            raise SpeculativeRoundError("the round's verify forward already recorded its inputs")
-        if not callable(replay):
-            raise InvalidInputError(f"replay must be callable, got {type(replay).__name__}")
-        rows: Any = self
-        if not inputs:
-            raise InvalidInputError("spec_round_record needs the layer's per-position inputs")
-        for j, x in enumerate(inputs):
-            if not rows._is_native(x):
-                raise InvalidInputError(
-                    f"inputs[{j}] must be a {rows.array_name} array, got {type(x).__name__}"
-                )
-            shape = rows._shape(x)
-            if len(shape) < 2 or shape[0] != rows._rows:
-                raise InvalidInputError(
-                    f"inputs[{j}] must be [B={rows._rows}, S, ...], got shape {shape}"
-                )
-        self._record = (replay, tuple(inputs))
+    def _spec_input_span(self, index: int, value: Any) -> int:
+        if not self._is_native(value):
+            raise InvalidInputError(
+                f"inputs[{index}] must be a {self.array_name} array, got {type(value).__name__}"
+            )
+        shape = self._shape(value)
+        if len(shape) < 2 or shape[0] != self._rows:
+            raise InvalidInputError(
+                f"inputs[{index}] must be [B={self._rows}, S, ...], got shape {shape}"
+            )
+        return int(shape[1])
 
-    def spec_round_commit(self) -> None:
-        super().spec_round_commit()
-        self._snapshot = self._record = None
-
-    def spec_round_rollback(self, keep: int | Sequence[int]) -> None:
-        blocks = self._spec_block_of("spec_round_rollback")
-        counts = check_keep_vector(keep, blocks)
-        if counts != list(blocks):
-            if self._record is None:
-                raise SpeculativeRoundError(
-                    "spec_round_rollback before the verify forward recorded its inputs "
-                    "(spec_round_record): nothing to replay"
-                )
-            span = self._record_span()
-            if span != max(blocks):
-                raise SpeculativeRoundError(
-                    f"the recorded inputs cover {span} positions, the verify block {max(blocks)}"
-                )
-        super().spec_round_rollback(counts)
-        self._snapshot = self._record = None
-
-    def _record_span(self) -> int:
-        assert self._record is not None
-        rows: Any = self
-        return int(rows._shape(self._record[1][0])[1])
-
-    def _spec_forget(self, counts: Sequence[int]) -> None:
-        rows: Any = self
-        assert self._snapshot is not None and self._record is not None
-        blocks = self._spec_block or ()
-        keep = [block - c for block, c in zip(blocks, counts, strict=True)]
-        planes, offsets = self._snapshot
-        replay, inputs = self._record
-        rows._planes, rows._offsets = list(planes), list(offsets)
+    def _spec_replay(self, replay: Replay, inputs: tuple[Any, ...], keep: list[int]) -> None:
+        # A padded run whose lengths are the kept counts: the layer leaves each row's state
+        # unchanged past them, and advance() adds only the kept tokens.
         span = max(keep)
-        self._replaying = True
         try:
-            rows._lengths, rows._left = list(keep), None
+            self._lengths, self._left = list(keep), None
             replay(self, *(x[:, :span] for x in inputs))
         finally:
-            self._replaying = False
-            rows._lengths = rows._left = None
-        expected = [o + k for o, k in zip(offsets, keep, strict=True)]
-        if rows._offsets != expected:
-            raise LayoutStateError(
-                f"the replay left rows at {rows._offsets}, expected {expected} "
-                "(it must advance over the inputs it was given)"
-            )
-
-    # -- the hooks RecurrentRows calls ----------------------------------------------------
-    def _round_append(self, append: Callable[[], None]) -> None:
-        if self._replaying:
-            append()
-            return
-        self._spec_append(append)
-
-    def _round_write(self) -> None:
-        self._spec_usable()
-        if self.spec_round_open and self._spec_block is not None and not self._replaying:
-            raise SpeculativeRoundError(ONE_VERIFY_BLOCK)
-
-    def can_publish_row(self, row: int, tokens: int) -> bool:
-        published: bool = super().can_publish_row(row, tokens)  # type: ignore[misc]
-        return published and not self.spec_round_open
+            self._lengths = self._left = None

@@ -25,7 +25,6 @@ from kvrows.recurrent import (
     CONV,
     RECURRENT,
     RecurrentLayout,
-    RecurrentRounds,
     RecurrentRows,
     StateShapes,
 )
@@ -112,7 +111,7 @@ class SSMCache(_MlxRows):
     is_layout = False
 
 
-class BatchedSSMCache(RecurrentRounds, RecurrentLayout, _MlxRows):
+class BatchedSSMCache(RecurrentLayout, _MlxRows):
     """The row layout of ``SSMCache`` in all three roles, with snapshot + replay verify
     rounds: ``spec/BatchedSSMCache.md``."""
 

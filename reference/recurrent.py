@@ -24,7 +24,6 @@ from kvrows.recurrent import (
     CONV,
     RECURRENT,
     RecurrentLayout,
-    RecurrentRounds,
     RecurrentRows,
     StateShapes,
 )
@@ -101,7 +100,7 @@ class SSMCache(_NumpyRows):
     is_layout = False
 
 
-class BatchedSSMCache(RecurrentRounds, RecurrentLayout, _NumpyRows):
+class BatchedSSMCache(RecurrentLayout, _NumpyRows):
     """The row layout of ``SSMCache`` in all three roles, with snapshot + replay verify
     rounds: ``spec/BatchedSSMCache.md``."""
 
