@@ -27,13 +27,14 @@ conformance suite compares what the hooks and the layers compute.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar, Self, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
 
 from kvrows.codec import PlaneSpec
 from kvrows.codecs.state import DEFAULT_PLANES, PlaneShape, State, StateShapes
 from kvrows.compositions import Composition
 from kvrows.errors import (
+    EMPTY_LAYOUT_UPDATE,
     IncompatibleRowsError,
     InvalidInputError,
     LayoutStateError,
@@ -119,10 +120,6 @@ class RecurrentRows:
 
     @staticmethod
     def _int_array(values: list[int]) -> Any:
-        raise NotImplementedError
-
-    @staticmethod
-    def _bool_array(values: list[list[bool]]) -> Any:
         raise NotImplementedError
 
     @staticmethod
@@ -279,41 +276,12 @@ class RecurrentRows:
     def state_needs_dispose(self) -> bool:
         return False
 
-    def empty(self) -> bool:
-        """mlx-lm's ``empty()``: no plane written yet."""
-        return self._planes[0] is None
+    # -- mlx-lm's ArraysCache surface: each implementation's ArraysCacheSurface ----------
+    # (cache, empty, size, __getitem__, __iter__, __setitem__, lengths, left_padding,
+    # prepare, finalize, make_mask, advance); the checks they share are here.
+    if TYPE_CHECKING:
 
-    def size(self) -> int:
-        return 0
-
-    # -- the planes, mlx-lm's ArraysCache protocol ----------------------------------------
-    @property
-    def cache(self) -> list[Any]:
-        """The planes, ``[state.0, …]`` (a copy of the list; ``None`` where unwritten)."""
-        return list(self._planes)
-
-    def __getitem__(self, index: int) -> Any:
-        self._spec_usable()
-        return self._planes[self._plane_index(index)]
-
-    def __iter__(self) -> Iterator[Any]:
-        """The planes, so ``conv, state = cache`` unpacks as on mlx-lm's ``ArraysCache``
-        (kimi_k3's layer does; iterating through ``__getitem__`` would hit the refused
-        index ``N`` instead of stopping)."""
-        self._spec_usable()
-        return iter(list(self._planes))
-
-    def __setitem__(self, index: int, value: Any) -> None:
-        """The layer writes plane ``index``: ``[B, ...]``, every row at once, with the
-        per-row shape and dtype the cache already holds for that plane."""
-        self._spec_usable()
-        i = self._plane_index(index)
-        kind = self._check_plane(i, value)
-        self._spec_write()
-        self._planes[i] = value
-        self._kinds[i] = kind
-        if not self.is_layout:
-            self._serial_rows = self._shape(value)[0]
+        def empty(self) -> bool: ...
 
     def _plane_index(self, index: object) -> int:
         value = None if isinstance(index, bool) else getattr(index, "__index__", None)
@@ -360,26 +328,11 @@ class RecurrentRows:
         """Whether the row count is settled (a layout's rows; a serial cache's once written)."""
         return self.is_layout or any(p is not None for p in self._planes)
 
-    # -- padding and advancing (mlx-lm's names) -------------------------------------------
-    @property
-    def lengths(self) -> Any:
-        """Per-row real tokens still to come in the padded run (``None``: no run)."""
-        return None if self._lengths is None else self._int_array(list(self._lengths))
-
-    @property
-    def left_padding(self) -> Any:
-        """Per-row pad tokens still to come at the front of the run (``None``: none)."""
-        return None if self._left is None else self._int_array(list(self._left))
-
-    def prepare(
-        self,
-        *,
-        lengths: Sequence[int] | None = None,
-        left_padding: Sequence[int] | None = None,
-        right_padding: Sequence[int] | None = None,
-    ) -> None:
-        """A padded run follows: row ``b``'s tokens ``left_padding[b] <= t < lengths[b]``
-        are real (``right_padding`` is implied by ``lengths`` and ignored)."""
+    # -- the checks of a padded run and an advance (the surface applies them) -------------
+    def _check_prepare(
+        self, lengths: Sequence[int] | None, left_padding: Sequence[int] | None
+    ) -> tuple[list[int] | None, list[int] | None]:
+        """``prepare``'s arguments as one count per row each (``None``: not given)."""
         self._spec_guard("prepare")
         if not self.is_layout:
             raise InvalidInputError(
@@ -401,38 +354,16 @@ class RecurrentRows:
                     f"{name} needs {rows} counts (one per row), got {len(values)}"
                 )
             parsed.append([as_count(v, f"{name}[{b}]") for b, v in enumerate(values)])
-        self._lengths, self._left = parsed
+        return parsed[0], parsed[1]
 
-    def finalize(self) -> None:
-        """The padded run is over."""
-        self._spec_usable()
-        self._lengths = self._left = None
-        self._mask_every_row = False
-
-    def make_mask(
-        self, n: int, *, return_array: bool = False, window_size: int | None = None
-    ) -> Any:
-        """``[B, n]`` bool (``True``: a real token) during a padded run or after mlx-lm's
-        ``merge`` of empty caches (all true, as mlx-lm's), else ``None``."""
-        self._spec_usable()
-        count = as_count(n, "n", minimum=1)
-        padded = self._lengths is not None or self._left is not None
-        if not padded and not return_array and not self._mask_every_row:
-            return None
-        rows = self._rows
-        end = self._lengths or [count] * rows
-        start = self._left or [0] * rows
-        return self._bool_array(
-            [[start[b] <= t < end[b] for t in range(count)] for b in range(rows)]
-        )
-
-    def advance(self, n: int) -> None:
-        """The layer consumed ``n`` positions: each row gains its real ones."""
+    def _check_advance(self, n: int) -> tuple[int, list[int]]:
+        """``advance(n)``'s count and the real tokens each row gains
+        (:func:`valid_counts` of the padded run)."""
         self._spec_usable()
         count = as_count(n, "n")
         rows = self._rows
         if self.is_layout and not rows:
-            raise LayoutStateError("an empty layout takes no update: merge rows into it first")
+            raise LayoutStateError(EMPTY_LAYOUT_UPDATE)
         gained = valid_counts(count, rows, self._lengths, self._left)
         if any(gained) and any(p is None for p in self._planes):
             raise LayoutStateError(
@@ -441,18 +372,7 @@ class RecurrentRows:
             )
         if not self.is_layout and len(set(gained)) > 1:
             raise InvalidInputError("a serial recurrent cache advances every row alike")
-
-        def step() -> None:
-            if self.is_layout:
-                self._offsets = [o + g for o, g in zip(self._offsets, gained, strict=True)]
-            else:
-                self._offsets = [self._offsets[0] + gained[0]]
-            if self._lengths is not None:
-                self._lengths = [v - count for v in self._lengths]
-            if self._left is not None:
-                self._left = [v - count for v in self._left]
-
-        self._spec_append(step)
+        return count, gained
 
     # -- token operations do not apply ----------------------------------------------------
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:

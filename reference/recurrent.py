@@ -28,6 +28,7 @@ from kvrows.recurrent import (
     StateShapes,
 )
 from kvrows.reference.codecs import numpy_dtype
+from kvrows.reference.recurrent_surface import ArraysCacheSurface
 
 __all__ = [
     "BatchedSSMCache",
@@ -40,7 +41,7 @@ __all__ = [
 Array = npt.NDArray[Any]
 
 
-class _NumpyRows(RecurrentRows):
+class _NumpyRows(ArraysCacheSurface):
     array_name = "NumPy"
 
     @staticmethod
@@ -72,16 +73,8 @@ class _NumpyRows(RecurrentRows):
         return np.asarray(values, dtype=np.int32)
 
     @staticmethod
-    def _bool_array(values: list[list[bool]]) -> Any:
-        return np.asarray(values, dtype=np.bool_).reshape(len(values), -1)
-
-    @staticmethod
     def _ints_of(value: Any) -> list[int]:
         return [int(v) for v in np.asarray(value).reshape(-1)]
-
-    def __setitem__(self, index: int, value: Any) -> None:
-        # Own the plane: a caller writing into its array later must not reach the cache.
-        super().__setitem__(index, np.array(value, copy=True) if self._is_native(value) else value)
 
     @classmethod
     def _serial_class(cls) -> type[RecurrentRows]:
