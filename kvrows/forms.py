@@ -59,6 +59,7 @@ __all__ = [
     "DELAYED_PLAIN",
     "FILE_CLASSES",
     "FORMAT_VERSION",
+    "FORM_VERSION",
     "TURBO_PLANES",
     "TURBO_STATE_DTYPE",
     "DelayedParts",
@@ -85,7 +86,14 @@ __all__ = [
 ]
 
 #: The version of kvrows' saved-state format. A file from a newer version is refused.
-FORMAT_VERSION = 1
+#: Version 2 records each layer entry's form version (``form``); version 1 files have
+#: none, and every layer of theirs is form 1.
+FORMAT_VERSION = 2
+
+#: The form version of a layer entry each family writes today: 1, the forms of format 1
+#: (``kvrows.forms_v1`` reads where they differ from the §0.6 rule). A family whose writer
+#: switches to the §0.6 rule writes form 2, one family at a time.
+FORM_VERSION = 1
 
 #: Paged storages (any codec): the logical KV, compact, then what rebuilds block tables
 #: (``kvrows.paged_forms``; ``codec``: the codec's name).

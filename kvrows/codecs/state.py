@@ -90,13 +90,9 @@ class StateShapes:
 
     @classmethod
     def from_record(cls, saved: Mapping[str, Any]) -> StateShapes:
-        """The shapes a file's layer record holds: ``planes`` (this version) or version 1's
-        ``conv_shape``, ``conv_dtype``, ``state_shape``, ``state_dtype``."""
-        if "planes" in saved:
-            return cls(planes=saved["planes"])
-        return cls.from_v1(
-            saved["conv_shape"], saved["conv_dtype"], saved["state_shape"], saved["state_dtype"]
-        )
+        """The shapes a file's layer record holds (``planes``; version 1's two-plane
+        record is ``kvrows.forms_v1.state_shapes``)."""
+        return cls(planes=saved["planes"])
 
     def plane_specs(self) -> tuple[PlaneSpec, ...]:
         return tuple(
