@@ -28,7 +28,7 @@ from kvrows.app.hybrid import (
 from kvrows.app.models import make_kvrows_cache
 from kvrows.errors import InvalidInputError
 from kvrows.optimized.recurrent_surface import ArraysCacheSurface
-from kvrows.recurrent import RecurrentRows, StateShapes
+from kvrows.recurrent import StateShapes
 from kvrows.speculative import RowRound
 from kvrows.table import owned_cache_layout, target_cache_layout
 
@@ -423,7 +423,7 @@ def _arrays_caches(caches: list[Any]) -> list[tuple[Any, ...]]:
     found = []
     for cache in caches:
         for part in cache.caches if isinstance(cache, mlx_cache.CacheList) else (cache,):
-            if isinstance(part, RecurrentRows | mlx_cache.ArraysCache):
+            if isinstance(part, ArraysCacheSurface | mlx_cache.ArraysCache):
                 found.append(tuple(part))
     return found
 
