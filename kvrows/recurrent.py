@@ -16,12 +16,18 @@ at exactly the coverage it holds. A verify round rolls back by **snapshot and re
 is free), the layer records the verify forward's per-position inputs and a replay
 callable (``spec_round_record``), and ``spec_round_rollback(keep)`` restores the snapshot
 and replays the first ``keep[b]`` tokens of row ``b`` through the layer, with a mask
-hiding the rest. See ``spec/SSMCache.md`` and ``spec/BatchedSSMCache.md``.
+hiding the rest: the round is ``kvrows.speculative.SpeculativeRounds`` itself, over the
+snapshot + replay hooks :class:`RecurrentLayout` supplies. See ``spec/SSMCache.md`` and
+``spec/BatchedSSMCache.md``.
 
-:class:`RecurrentRows` is the whole row machinery, over a handful of array hooks each
-implementation supplies (``kvrows.reference.recurrent``, ``kvrows.optimized.recurrent``):
-the bookkeeping is ints and shapes, so both implementations share it, and the
-conformance suite compares what the hooks and the layers compute.
+:class:`RecurrentRows` is the row bookkeeping the row machinery will take over
+(``spec/machinery-migration.md`` §4.1): rows, offsets, merge / filter / extract, saved
+state, over a handful of array hooks each implementation supplies
+(``kvrows.reference.recurrent``, ``kvrows.optimized.recurrent``), and the checks of
+mlx-lm's ``ArraysCache`` surface, which each implementation writes itself
+(``ArraysCacheSurface`` in ``kvrows.{reference,optimized}.recurrent_surface``). The specs
+are ``State`` / ``StateShapes`` (``kvrows.codecs.state``) and ``Recurrent`` /
+``valid_counts`` / ``Replay`` (``kvrows.geometries.recurrent``), re-exported here.
 """
 
 from __future__ import annotations

@@ -7,9 +7,12 @@ appended, then ``spec_round_commit()`` (every row accepted every draft) or
 ``1 <= keep[b] <= d + 1``; the rest leave no trace).
 
 :class:`SpeculativeRounds` is the round's state machine, shared by both implementations:
-it reads and writes only Python ints. How a row forgets its rejected tokens is each
-implementation's own (``_spec_forget``: coverage on growing rows, the ring's retained
-block on ring rows), and that is what the conformance suite compares.
+it reads and writes only Python ints and bools. How a row forgets its rejected tokens is
+each implementation's own (``_spec_forget``: coverage on growing rows, the ring's
+retained block on ring rows), or, where the geometry cannot forget (recurrent state), a
+snapshot restored and the kept tokens replayed through the layer (``_spec_snapshot``,
+``_spec_restore``, ``_spec_replay``, with the record ``spec_round_record``), and that is
+what the conformance suite compares.
 
 :class:`RowRound` is the seed's row transaction (``bindRowCacheRollback``) over every
 layer's verify layout: ``begin(d)`` opens a round on every layer only when ``d > 0``,
