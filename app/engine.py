@@ -67,7 +67,7 @@ import numpy.typing as npt
 
 from kvrows.app.attention import attention_scope, hookable_modules
 from kvrows.app.models import check_speculative_rounds, make_kvrows_cache
-from kvrows.codecs import CODECS, is_codec_spec
+from kvrows.codecs import is_codec_spec, is_kv_codec, kv_codecs
 from kvrows.errors import CapacityError, InvalidInputError, KvRowsError, LayoutStateError
 from kvrows.maintenance import KvMaintenance, create_kv_maintenance
 from kvrows.optimized import BlockPool, PagedKVCache
@@ -261,9 +261,9 @@ class PrefixCache:
 
 # -- the paged option -------------------------------------------------------------------
 
-#: The codec kinds a block pool stores: every registered one (a pool builds its codec
+#: The codec kinds a block pool stores: every registered KV codec (a pool builds its codec
 #: from the spec through the implementation's codec registry).
-PAGED_CODECS = frozenset(CODECS)
+PAGED_CODECS = frozenset(kv_codecs())
 
 
 def pageable(cache: Any) -> bool:
@@ -274,7 +274,12 @@ def pageable(cache: Any) -> bool:
         return False
     tokens = getattr(cache, "token_geometry", None) is not None
     codec = getattr(cache, "codec_spec", None)
-    return tokens and not isinstance(cache, RingGeometry) and is_codec_spec(codec)
+    return (
+        tokens
+        and not isinstance(cache, RingGeometry)
+        and is_codec_spec(codec)
+        and is_kv_codec(codec)
+    )
 
 
 class PagedLayers:

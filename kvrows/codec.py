@@ -136,6 +136,12 @@ class CodecSpec(Protocol):
         """What a signature says of this codec (``"affine:8:64"``)."""
         ...
 
+    @classmethod
+    def tensors(cls, shapes: Any = None) -> tuple[str, ...]:
+        """The tensors a caller hands in per token or row (``keys``, ``values``; recurrent
+        state's ``state.0`` … one per plane of ``shapes``, the codec's own ``Shapes``)."""
+        ...
+
     def tail(self) -> dict[str, int]:
         """The :attr:`state_tail` fields' values, in order."""
         ...

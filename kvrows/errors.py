@@ -14,6 +14,7 @@ __all__ = [
     "EMPTY_ROW_NO_BLOCK",
     "MERGE_NEEDS_SEQUENCE",
     "NOTHING_TO_FETCH",
+    "NOTHING_TO_RECORD",
     "ONE_VERIFY_BLOCK",
     "PACKED_SCALAR_INPUT",
     "PROJECTED_BYTES_NEEDS_GEOMETRY",
@@ -239,6 +240,10 @@ PROJECTED_BYTES_NEEDS_GEOMETRY = (
 EMPTY_ROW_NO_BLOCK = "an empty row has no block to register"
 
 #: A second verify block appended in one speculative round.
+#: ``spec_round_record`` on a verify layout that forgets rejected tokens itself.
+NOTHING_TO_RECORD = (
+    "this layout forgets rejected tokens itself: a round records no inputs to replay"
+)
 ONE_VERIFY_BLOCK = "a speculative round takes one verify block: commit or roll back before the next"
 
 

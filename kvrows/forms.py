@@ -42,6 +42,7 @@ from typing import Any
 
 from kvrows.codec import CodecSpec, Role, codec_plane_specs
 from kvrows.codecs import CODECS, codec_from_tail
+from kvrows.codecs.state import state_tensors
 from kvrows.codecs.turbo import TURBO_PLANES
 from kvrows.compositions import Composition, landed
 from kvrows.conversion import conversion_due
@@ -51,7 +52,7 @@ from kvrows.errors import (
     not_an_integer_message,
     ring_state_index_message,
 )
-from kvrows.geometries import GEOMETRIES, GeometrySpec
+from kvrows.geometries import GEOMETRIES, GeometrySpec, Recurrent
 from kvrows.latent import LATENT_FIELDS, PAGED_LATENT_FIELDS
 from kvrows.validation import FLOAT_DTYPES, KvGeometry
 
@@ -59,6 +60,7 @@ __all__ = [
     "DELAYED_PLAIN",
     "FILE_CLASSES",
     "FORMAT_VERSION",
+    "FORM_VERSION",
     "TURBO_PLANES",
     "TURBO_STATE_DTYPE",
     "DelayedParts",
@@ -85,11 +87,15 @@ __all__ = [
 ]
 
 #: The version of kvrows' saved-state format. A file from a newer version is refused.
-FORMAT_VERSION = 1
+#: Version 2 records each layer entry's form version (``form``); version 1 files have
+#: none, and every layer of theirs is form 1.
+FORMAT_VERSION = 2
 
-#: A storage's planes: its form starts with them; the geometry's fields follow
-#: (``GeometrySpec.serial_fields`` / ``layout_fields``), then the codec's tail.
-_PLANES = ("keys", "values")
+#: The form version of a layer entry each family writes today: 1, the forms of format 1
+#: (``kvrows.forms_v1`` reads where they differ from the §0.6 rule). A family whose writer
+#: switches to the §0.6 rule writes form 2, one family at a time.
+FORM_VERSION = 1
+
 #: Paged storages (any codec): the logical KV, compact, then what rebuilds block tables
 #: (``kvrows.paged_forms``; ``codec``: the codec's name).
 _PAGED = {
@@ -165,10 +171,11 @@ def _delayed_form(entry: Composition) -> StateForm:
 
 
 def recurrent_fields(planes: int) -> tuple[str, ...]:
-    """A recurrent cache's form: ``(state.0, …, state.{planes-1}, offset)``. Version 1's
-    ``(conv, recurrent, offset)`` is the two-plane form under other names: the tuple, and
-    so a file, is the same."""
-    return (*(f"state.{i}" for i in range(planes)), "offset")
+    """A recurrent cache's form: ``(state.0, …, state.{planes-1}, offset)``, the state
+    codec's tensors then the recurrent geometry's fields. Version 1's ``(conv, recurrent,
+    offset)`` is the two-plane form under other names: the tuple, and so a file, is the
+    same."""
+    return state_tensors(planes) + Recurrent.serial_fields
 
 
 def state_form(entry: Composition) -> StateForm:
@@ -177,28 +184,25 @@ def state_form(entry: Composition) -> StateForm:
         return _delayed_form(entry)
     if entry.geometry == "latent" and entry.is_landed:  # its own form (kvrows.latent)
         return StateForm(entry.name, LATENT_FIELDS, entry.name)
-    if entry.geometry == "recurrent" and entry.is_landed:
-        # Recurrent state (kvrows.recurrent): the planes and the coverage (a layout's per
-        # row). mlx-lm's ArraysCache form has no coverage, so the file class is kvrows'.
-        # The plane count is each cache's (recurrent_fields): this is the default two.
-        return StateForm(entry.name, recurrent_fields(2), entry.name)
     if entry.codec == "latent" and entry.geometry == "paged" and entry.is_landed:
         return StateForm(entry.name, PAGED_LATENT_FIELDS, entry.name)  # kvrows.paged_latent
     if entry.geometry == "paged" and entry.is_landed:
         return StateForm(entry.name, _PAGED[entry.is_layout], entry.name)
+    # The codec's tensors (a KV codec's keys and values; recurrent state's planes, the
+    # default two: the count is each cache's, recurrent_fields), the geometry's fields, the
+    # codec's tail. mlx-lm's ArraysCache form has no coverage, so a recurrent file class is
+    # kvrows'.
     geometry = GEOMETRIES.get(entry.geometry)
-    fields = (
-        None
-        if geometry is None
-        else _PLANES + (geometry.layout_fields if entry.is_layout else geometry.serial_fields)
-    )
-    codec = CODECS.get(entry.codec)  # its fields append the codec's tail
-    tail = None if codec is None else codec.state_tail
+    codec = CODECS.get(entry.codec)
     # A speculative layout outside a round holds what its unmodified layout holds.
-    if fields is None or tail is None or entry.modifiers - {"speculative"}:
+    if geometry is None or codec is None or entry.modifiers - {"speculative"}:
         raise UnsupportedStateError(
             f"{entry.name} has no saved-state form yet (issue {entry.issue or '?'} adds it)"
         )
+    fields = codec.tensors() + (
+        geometry.layout_fields if entry.is_layout else geometry.serial_fields
+    )
+    tail = codec.state_tail
     peer = _MLX_LM_CLASSES.get((entry.geometry, entry.is_layout, entry.codec))
     return StateForm(entry.name, fields + tail, peer or entry.name)
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvrows.codec import CodecSpec, codec_plane_specs
-from kvrows.codecs import CODECS
+from kvrows.codecs import kv_codecs
 from kvrows.compositions import composition
 from kvrows.errors import CorruptStateError, not_an_integer_message
 from kvrows.forms import TURBO_STATE_DTYPE, state_form
@@ -60,7 +60,7 @@ def codec_named(field: object) -> CodecSpec:
     if not isinstance(field, Sequence) or isinstance(field, str | bytes) or len(field) != 3:
         raise CorruptStateError(f"the state's codec field must be (kind, a, b), got {field!r}")
     kind, a, b = (_int("codec", v) for v in field)
-    for codec in CODECS.values():
+    for codec in kv_codecs().values():
         names = codec.paged_fields
         if codec.tag != kind or any((a, b)[len(names) :]):  # an unused slot holds 0
             continue

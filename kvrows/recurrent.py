@@ -16,33 +16,39 @@ at exactly the coverage it holds. A verify round rolls back by **snapshot and re
 is free), the layer records the verify forward's per-position inputs and a replay
 callable (``spec_round_record``), and ``spec_round_rollback(keep)`` restores the snapshot
 and replays the first ``keep[b]`` tokens of row ``b`` through the layer, with a mask
-hiding the rest. See ``spec/SSMCache.md`` and ``spec/BatchedSSMCache.md``.
+hiding the rest: the round is ``kvrows.speculative.SpeculativeRounds`` itself, over the
+snapshot + replay hooks :class:`RecurrentLayout` supplies. See ``spec/SSMCache.md`` and
+``spec/BatchedSSMCache.md``.
 
-:class:`RecurrentRows` is the whole row machinery, over a handful of array hooks each
-implementation supplies (``kvrows.reference.recurrent``, ``kvrows.optimized.recurrent``):
-the bookkeeping is ints and shapes, so both implementations share it, and the
-conformance suite compares what the hooks and the layers compute.
+:class:`RecurrentRows` is the row bookkeeping the row machinery will take over
+(``spec/machinery-migration.md`` §4.1): rows, offsets, merge / filter / extract, saved
+state, over a handful of array hooks each implementation supplies
+(``kvrows.reference.recurrent``, ``kvrows.optimized.recurrent``), and the checks of
+mlx-lm's ``ArraysCache`` surface, which each implementation writes itself
+(``ArraysCacheSurface`` in ``kvrows.{reference,optimized}.recurrent_surface``). The specs
+are ``State`` / ``StateShapes`` (``kvrows.codecs.state``) and ``Recurrent`` /
+``valid_counts`` / ``Replay`` (``kvrows.geometries.recurrent``), re-exported here.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
 
 from kvrows.codec import PlaneSpec
+from kvrows.codecs.state import DEFAULT_PLANES, PlaneShape, State, StateShapes
 from kvrows.compositions import Composition
 from kvrows.errors import (
-    ONE_VERIFY_BLOCK,
+    EMPTY_LAYOUT_UPDATE,
     IncompatibleRowsError,
     InvalidInputError,
     LayoutStateError,
     NotTrimmableError,
-    SpeculativeRoundError,
     self_merge_message,
 )
-from kvrows.speculative import SpeculativeRounds, check_keep_vector
+from kvrows.geometries.recurrent import Recurrent, Replay, valid_counts
+from kvrows.speculative import SpeculativeRounds
 from kvrows.validation import FLOAT_DTYPES, as_count, check_keep, check_row
 
 __all__ = [
@@ -50,7 +56,6 @@ __all__ = [
     "RECURRENT",
     "Recurrent",
     "RecurrentLayout",
-    "RecurrentRounds",
     "RecurrentRows",
     "Replay",
     "State",
@@ -61,144 +66,11 @@ __all__ = [
 #: Plane indices of a gated DeltaNet / Mamba2 layer (mlx-lm's ``ArraysCache(2)`` order).
 CONV = 0
 RECURRENT = 1
-#: Planes a cache built without a size or a geometry holds (mlx-lm's ``ArraysCache(2)``).
-DEFAULT_PLANES = 2
-
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
-
-#: ``replay(cache, *inputs)``: run the layer's forward over ``inputs`` (per-position
-#: arrays ``[B, S, ...]``) on ``cache``, honouring ``cache.make_mask`` / ``cache.lengths``
-#: (masked positions leave the state unchanged) and ending with ``cache.advance(S)``.
-Replay = Callable[..., object]
-
-
-@dataclass(frozen=True, kw_only=True)
-class State:
-    """The codec of recurrent state: planes stored as the layer writes them."""
-
-    kind: ClassVar[str] = "state"
-
-    @property
-    def key(self) -> str:
-        return "state"
-
-    @property
-    def name(self) -> str:
-        return "state"
-
-    def parameters(self) -> dict[str, int]:
-        return {}
-
-
-@dataclass(frozen=True, kw_only=True)
-class Recurrent:
-    """The recurrent geometry: constant-size state per row, no token axis."""
-
-    kind: ClassVar[str] = "recurrent"
-
-    def parameters(self) -> dict[str, int]:
-        return {}
-
-
-#: One plane's per-row shape and dtype name.
-PlaneShape = tuple[tuple[int, ...], str]
-
-
-def _shape_of(value: object, what: str) -> tuple[int, ...]:
-    """A per-row shape (positive ints, at least one axis; JSON lists accepted)."""
-    if isinstance(value, str | bytes) or not isinstance(value, Sequence) or not value:
-        raise InvalidInputError(f"{what} must be a per-row shape of positive ints, got {value!r}")
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in value):
-        raise InvalidInputError(f"{what} must be a per-row shape of positive ints, got {value!r}")
-    return tuple(value)
-
-
-def _dtype_of(value: object, what: str) -> str:
-    if value not in FLOAT_DTYPES:
-        raise InvalidInputError(f"{what} must be one of {FLOAT_DTYPES}, got {value!r}")
-    return str(value)
-
-
-@dataclass(frozen=True)
-class StateShapes:
-    """What every row of one recurrent layer holds: per plane (``state.i``), its per-row
-    shape (any rank, without the row axis) and dtype."""
-
-    planes: tuple[PlaneShape, ...]
-
-    def __post_init__(self) -> None:
-        planes = self.planes
-        if isinstance(planes, str | bytes) or not isinstance(planes, Sequence) or not planes:
-            raise InvalidInputError(
-                f"planes must be one (row_shape, dtype) per plane, at least one, got {planes!r}"
-            )
-        parsed = []
-        for i, plane in enumerate(planes):
-            if isinstance(plane, str | bytes) or not isinstance(plane, Sequence) or len(plane) != 2:
-                raise InvalidInputError(f"planes[{i}] must be (row_shape, dtype), got {plane!r}")
-            parsed.append(
-                (
-                    _shape_of(plane[0], f"planes[{i}] row_shape"),
-                    _dtype_of(plane[1], f"planes[{i}] dtype"),
-                )
-            )
-        # Normalized, so a record read back from JSON (lists) equals the declared one.
-        object.__setattr__(self, "planes", tuple(parsed))
-
-    @classmethod
-    def from_v1(
-        cls,
-        conv_shape: Sequence[int],
-        conv_dtype: str,
-        state_shape: Sequence[int],
-        state_dtype: str = "float32",
-    ) -> StateShapes:
-        """The two planes of a version-1 record: conv ``(K - 1, C)`` and recurrent state."""
-        if isinstance(conv_shape, str | bytes) or len(conv_shape) != 2:
-            raise InvalidInputError(
-                f"conv_shape must be (K - 1, channels), positive ints, got {conv_shape!r}"
-            )
-        return cls(planes=((tuple(conv_shape), conv_dtype), (tuple(state_shape), state_dtype)))
-
-    @classmethod
-    def from_record(cls, saved: Mapping[str, Any]) -> StateShapes:
-        """The shapes a file's layer record holds: ``planes`` (this version) or version 1's
-        ``conv_shape``, ``conv_dtype``, ``state_shape``, ``state_dtype``."""
-        if "planes" in saved:
-            return cls(planes=saved["planes"])
-        return cls.from_v1(
-            saved["conv_shape"], saved["conv_dtype"], saved["state_shape"], saved["state_dtype"]
-        )
-
-    def plane_specs(self) -> tuple[PlaneSpec, ...]:
-        return tuple(
-            PlaneSpec(f"state.{i}", None, dtype, shape[-1])
-            for i, (shape, dtype) in enumerate(self.planes)
-        )
-
-    def row_bytes(self) -> int:
-        """Bytes one row holds (constant in tokens)."""
-        return sum(math.prod(shape) * _ITEMSIZE[dtype] for shape, dtype in self.planes)
-
-    def describe(self) -> str:
-        return ", ".join(
-            f"state.{i} {shape} {dtype}" for i, (shape, dtype) in enumerate(self.planes)
-        )
-
 
 #: Per plane: (per-row shape, dtype name) once known.
 _PlaneKind = PlaneShape
 
-
-def valid_counts(n: int, rows: int, lengths: list[int] | None, left: list[int] | None) -> list[int]:
-    """Real tokens each row takes from a block of ``n``: positions ``t`` with
-    ``left[b] <= t < lengths[b]`` (no padding: all ``n``)."""
-    counts = []
-    for b in range(rows):
-        end = n if lengths is None else max(0, min(n, lengths[b]))
-        start = 0 if left is None else max(0, min(n, left[b]))
-        counts.append(max(0, end - start))
-    return counts
+_R = TypeVar("_R")
 
 
 class RecurrentRows:
@@ -257,10 +129,6 @@ class RecurrentRows:
         raise NotImplementedError
 
     @staticmethod
-    def _bool_array(values: list[list[bool]]) -> Any:
-        raise NotImplementedError
-
-    @staticmethod
     def _ints_of(value: Any) -> list[int]:
         """A native int vector as Python ints."""
         raise NotImplementedError
@@ -273,17 +141,17 @@ class RecurrentRows:
     def _layout_class(cls) -> type[RecurrentRows]:
         raise NotImplementedError
 
-    # -- rounds (the layout's ``RecurrentRounds`` overrides these) ------------------------
+    # -- rounds (the layout's ``SpeculativeRounds`` overrides these) ----------------------
     def _spec_guard(self, what: str) -> None:
         """Refuse a row operation in the middle of a round (serial: nothing to refuse)."""
 
     def _spec_usable(self) -> None:
         """Refuse everything on an invalidated layout (serial: never invalid)."""
 
-    def _round_append(self, append: Callable[[], None]) -> None:
-        append()
+    def _spec_append(self, append: Callable[[], _R]) -> _R:
+        return append()
 
-    def _round_write(self) -> None:
+    def _spec_write(self) -> None:
         """Refuse a plane write the round cannot take (serial: always takes it)."""
 
     # -- construction ---------------------------------------------------------------------
@@ -340,7 +208,7 @@ class RecurrentRows:
         geometry: StateShapes | None = None,
     ) -> Self:
         """An empty instance (the row-layout table's role factories)."""
-        if not isinstance(codec_spec, State) or not isinstance(token_geometry, Recurrent):
+        if codec_spec != State() or token_geometry != Recurrent():
             raise InvalidInputError(
                 f"{cls.composition.name} is built from State() and Recurrent(), got "
                 f"{codec_spec!r} and {token_geometry!r}"
@@ -414,41 +282,12 @@ class RecurrentRows:
     def state_needs_dispose(self) -> bool:
         return False
 
-    def empty(self) -> bool:
-        """mlx-lm's ``empty()``: no plane written yet."""
-        return self._planes[0] is None
+    # -- mlx-lm's ArraysCache surface: each implementation's ArraysCacheSurface ----------
+    # (cache, empty, size, __getitem__, __iter__, __setitem__, lengths, left_padding,
+    # prepare, finalize, make_mask, advance); the checks they share are here.
+    if TYPE_CHECKING:
 
-    def size(self) -> int:
-        return 0
-
-    # -- the planes, mlx-lm's ArraysCache protocol ----------------------------------------
-    @property
-    def cache(self) -> list[Any]:
-        """The planes, ``[state.0, …]`` (a copy of the list; ``None`` where unwritten)."""
-        return list(self._planes)
-
-    def __getitem__(self, index: int) -> Any:
-        self._spec_usable()
-        return self._planes[self._plane_index(index)]
-
-    def __iter__(self) -> Iterator[Any]:
-        """The planes, so ``conv, state = cache`` unpacks as on mlx-lm's ``ArraysCache``
-        (kimi_k3's layer does; iterating through ``__getitem__`` would hit the refused
-        index ``N`` instead of stopping)."""
-        self._spec_usable()
-        return iter(list(self._planes))
-
-    def __setitem__(self, index: int, value: Any) -> None:
-        """The layer writes plane ``index``: ``[B, ...]``, every row at once, with the
-        per-row shape and dtype the cache already holds for that plane."""
-        self._spec_usable()
-        i = self._plane_index(index)
-        kind = self._check_plane(i, value)
-        self._round_write()
-        self._planes[i] = value
-        self._kinds[i] = kind
-        if not self.is_layout:
-            self._serial_rows = self._shape(value)[0]
+        def empty(self) -> bool: ...
 
     def _plane_index(self, index: object) -> int:
         value = None if isinstance(index, bool) else getattr(index, "__index__", None)
@@ -495,26 +334,11 @@ class RecurrentRows:
         """Whether the row count is settled (a layout's rows; a serial cache's once written)."""
         return self.is_layout or any(p is not None for p in self._planes)
 
-    # -- padding and advancing (mlx-lm's names) -------------------------------------------
-    @property
-    def lengths(self) -> Any:
-        """Per-row real tokens still to come in the padded run (``None``: no run)."""
-        return None if self._lengths is None else self._int_array(list(self._lengths))
-
-    @property
-    def left_padding(self) -> Any:
-        """Per-row pad tokens still to come at the front of the run (``None``: none)."""
-        return None if self._left is None else self._int_array(list(self._left))
-
-    def prepare(
-        self,
-        *,
-        lengths: Sequence[int] | None = None,
-        left_padding: Sequence[int] | None = None,
-        right_padding: Sequence[int] | None = None,
-    ) -> None:
-        """A padded run follows: row ``b``'s tokens ``left_padding[b] <= t < lengths[b]``
-        are real (``right_padding`` is implied by ``lengths`` and ignored)."""
+    # -- the checks of a padded run and an advance (the surface applies them) -------------
+    def _check_prepare(
+        self, lengths: Sequence[int] | None, left_padding: Sequence[int] | None
+    ) -> tuple[list[int] | None, list[int] | None]:
+        """``prepare``'s arguments as one count per row each (``None``: not given)."""
         self._spec_guard("prepare")
         if not self.is_layout:
             raise InvalidInputError(
@@ -536,38 +360,16 @@ class RecurrentRows:
                     f"{name} needs {rows} counts (one per row), got {len(values)}"
                 )
             parsed.append([as_count(v, f"{name}[{b}]") for b, v in enumerate(values)])
-        self._lengths, self._left = parsed
+        return parsed[0], parsed[1]
 
-    def finalize(self) -> None:
-        """The padded run is over."""
-        self._spec_usable()
-        self._lengths = self._left = None
-        self._mask_every_row = False
-
-    def make_mask(
-        self, n: int, *, return_array: bool = False, window_size: int | None = None
-    ) -> Any:
-        """``[B, n]`` bool (``True``: a real token) during a padded run or after mlx-lm's
-        ``merge`` of empty caches (all true, as mlx-lm's), else ``None``."""
-        self._spec_usable()
-        count = as_count(n, "n", minimum=1)
-        padded = self._lengths is not None or self._left is not None
-        if not padded and not return_array and not self._mask_every_row:
-            return None
-        rows = self._rows
-        end = self._lengths or [count] * rows
-        start = self._left or [0] * rows
-        return self._bool_array(
-            [[start[b] <= t < end[b] for t in range(count)] for b in range(rows)]
-        )
-
-    def advance(self, n: int) -> None:
-        """The layer consumed ``n`` positions: each row gains its real ones."""
+    def _check_advance(self, n: int) -> tuple[int, list[int]]:
+        """``advance(n)``'s count and the real tokens each row gains
+        (:func:`valid_counts` of the padded run)."""
         self._spec_usable()
         count = as_count(n, "n")
         rows = self._rows
         if self.is_layout and not rows:
-            raise LayoutStateError("an empty layout takes no update: merge rows into it first")
+            raise LayoutStateError(EMPTY_LAYOUT_UPDATE)
         gained = valid_counts(count, rows, self._lengths, self._left)
         if any(gained) and any(p is None for p in self._planes):
             raise LayoutStateError(
@@ -576,18 +378,7 @@ class RecurrentRows:
             )
         if not self.is_layout and len(set(gained)) > 1:
             raise InvalidInputError("a serial recurrent cache advances every row alike")
-
-        def step() -> None:
-            if self.is_layout:
-                self._offsets = [o + g for o, g in zip(self._offsets, gained, strict=True)]
-            else:
-                self._offsets = [self._offsets[0] + gained[0]]
-            if self._lengths is not None:
-                self._lengths = [v - count for v in self._lengths]
-            if self._left is not None:
-                self._left = [v - count for v in self._left]
-
-        self._round_append(step)
+        return count, gained
 
     # -- token operations do not apply ----------------------------------------------------
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
@@ -739,8 +530,16 @@ class RecurrentRows:
             raise LayoutStateError("rows with tokens but no planes")
 
 
-class RecurrentLayout(RecurrentRows):
-    """The row-layout members (``BatchableCache``) of ``BatchedSSMCache``."""
+class RecurrentLayout(SpeculativeRounds, RecurrentRows):
+    """The row-layout members (``BatchableCache``) of ``BatchedSSMCache``, with the
+    ``speculative`` modifier's verify rounds by snapshot and replay.
+
+    ``spec_round_begin`` keeps the planes and positions (``_spec_snapshot``); the layer's
+    verify forward records its per-position inputs and a replay (``spec_round_record``)
+    and writes the block; ``spec_round_rollback(keep)`` restores the snapshot and replays
+    the first ``keep[b]`` tokens of each row through the layer with the rest masked, so
+    each row's state is the one a run that saw only the accepted tokens computes.
+    """
 
     @property
     def batch_size(self) -> int:
@@ -865,12 +664,13 @@ class RecurrentLayout(RecurrentRows):
         return serial
 
     def can_publish_row(self, row: int, tokens: int) -> bool:
-        """Only at exactly the row's coverage: recurrent state cannot be cut."""
+        """Only at exactly the row's coverage (recurrent state cannot be cut), and not
+        while a round is open (the row's newest tokens are unverified)."""
         self._spec_usable()
         index = check_row(row, self._rows)
         count = as_count(tokens, "tokens")
         written = all(p is not None for p in self._planes)
-        return written and self._offsets[index] == count
+        return written and self._offsets[index] == count and not self.spec_round_open
 
     def extend(self, other: Any) -> None:
         """mlx-lm's ``extend``: join ``other``'s rows."""
@@ -887,127 +687,34 @@ class RecurrentLayout(RecurrentRows):
         """mlx-lm's ``extract``."""
         return self.extract_row(idx)
 
-
-class RecurrentRounds(SpeculativeRounds):
-    """The ``speculative`` modifier on recurrent rows: snapshot + replay (mixed in ahead
-    of :class:`RecurrentRows` in ``BatchedSSMCache``).
-
-    ``spec_round_begin`` keeps the planes and positions; the layer's verify forward
-    records its per-position inputs and a replay (``spec_round_record``) and writes the
-    block; ``spec_round_rollback(keep)`` restores the snapshot and replays the first
-    ``keep[b]`` tokens of each row through the layer with the rest masked, so each row's
-    state is the one a run that saw only the accepted tokens computes.
-    """
-
-    _snapshot: tuple[list[Any], list[int]] | None = None
-    _record: tuple[Replay, tuple[Any, ...]] | None = None
-    _replaying: bool = False
-
-    def spec_round_begin(self) -> None:
-        rows: Any = self
-        if rows._lengths is not None or rows._left is not None:
+    # -- the speculative modifier's snapshot + replay hooks -------------------------------
+    def _spec_snapshot(self) -> tuple[list[Any], list[int]]:
+        if self._lengths is not None or self._left is not None:
             raise LayoutStateError("a verify round cannot open during a padded run: finalize it")
-        super().spec_round_begin()
-        self._snapshot = (list(rows._planes), list(rows._offsets))
-        self._record = None
+        return (list(self._planes), list(self._offsets))
 
-    @property
-    def spec_round_awaits_record(self) -> bool:
-        """Whether the layer's next forward is a round's verify block that should record
-        its inputs (a round is open, nothing appended or recorded, no replay running)."""
-        return (
-            self.spec_round_open
-            and self._spec_block is None
-            and self._record is None
-            and not self._replaying
-        )
+    def _spec_restore(self, kept: tuple[list[Any], list[int]]) -> None:
+        planes, offsets = kept
+        self._planes, self._offsets = list(planes), list(offsets)
 
-    def spec_round_record(self, replay: Replay, *inputs: Any) -> None:
-        """The verify forward's per-position inputs (each ``[B, S, ...]``) and the replay
-        that runs the layer over a prefix of them."""
-        self._spec_usable()
-        if not self.spec_round_open:
-            raise SpeculativeRoundError("spec_round_record without spec_round_begin")
-        if self._record is not None:
-            raise SpeculativeRoundError("the round's verify forward already recorded its inputs")
-        if not callable(replay):
-            raise InvalidInputError(f"replay must be callable, got {type(replay).__name__}")
-        rows: Any = self
-        if not inputs:
-            raise InvalidInputError("spec_round_record needs the layer's per-position inputs")
-        for j, x in enumerate(inputs):
-            if not rows._is_native(x):
-                raise InvalidInputError(
-                    f"inputs[{j}] must be a {rows.array_name} array, got {type(x).__name__}"
-                )
-            shape = rows._shape(x)
-            if len(shape) < 2 or shape[0] != rows._rows:
-                raise InvalidInputError(
-                    f"inputs[{j}] must be [B={rows._rows}, S, ...], got shape {shape}"
-                )
-        self._record = (replay, tuple(inputs))
+    def _spec_input_span(self, index: int, value: Any) -> int:
+        if not self._is_native(value):
+            raise InvalidInputError(
+                f"inputs[{index}] must be a {self.array_name} array, got {type(value).__name__}"
+            )
+        shape = self._shape(value)
+        if len(shape) < 2 or shape[0] != self._rows:
+            raise InvalidInputError(
+                f"inputs[{index}] must be [B={self._rows}, S, ...], got shape {shape}"
+            )
+        return int(shape[1])
 
-    def spec_round_commit(self) -> None:
-        super().spec_round_commit()
-        self._snapshot = self._record = None
-
-    def spec_round_rollback(self, keep: int | Sequence[int]) -> None:
-        blocks = self._spec_block_of("spec_round_rollback")
-        counts = check_keep_vector(keep, blocks)
-        if counts != list(blocks):
-            if self._record is None:
-                raise SpeculativeRoundError(
-                    "spec_round_rollback before the verify forward recorded its inputs "
-                    "(spec_round_record): nothing to replay"
-                )
-            span = self._record_span()
-            if span != max(blocks):
-                raise SpeculativeRoundError(
-                    f"the recorded inputs cover {span} positions, the verify block {max(blocks)}"
-                )
-        super().spec_round_rollback(counts)
-        self._snapshot = self._record = None
-
-    def _record_span(self) -> int:
-        assert self._record is not None
-        rows: Any = self
-        return int(rows._shape(self._record[1][0])[1])
-
-    def _spec_forget(self, counts: Sequence[int]) -> None:
-        rows: Any = self
-        assert self._snapshot is not None and self._record is not None
-        blocks = self._spec_block or ()
-        keep = [block - c for block, c in zip(blocks, counts, strict=True)]
-        planes, offsets = self._snapshot
-        replay, inputs = self._record
-        rows._planes, rows._offsets = list(planes), list(offsets)
+    def _spec_replay(self, replay: Replay, inputs: tuple[Any, ...], keep: list[int]) -> None:
+        # A padded run whose lengths are the kept counts: the layer leaves each row's state
+        # unchanged past them, and advance() adds only the kept tokens.
         span = max(keep)
-        self._replaying = True
         try:
-            rows._lengths, rows._left = list(keep), None
+            self._lengths, self._left = list(keep), None
             replay(self, *(x[:, :span] for x in inputs))
         finally:
-            self._replaying = False
-            rows._lengths = rows._left = None
-        expected = [o + k for o, k in zip(offsets, keep, strict=True)]
-        if rows._offsets != expected:
-            raise LayoutStateError(
-                f"the replay left rows at {rows._offsets}, expected {expected} "
-                "(it must advance over the inputs it was given)"
-            )
-
-    # -- the hooks RecurrentRows calls ----------------------------------------------------
-    def _round_append(self, append: Callable[[], None]) -> None:
-        if self._replaying:
-            append()
-            return
-        self._spec_append(append)
-
-    def _round_write(self) -> None:
-        self._spec_usable()
-        if self.spec_round_open and self._spec_block is not None and not self._replaying:
-            raise SpeculativeRoundError(ONE_VERIFY_BLOCK)
-
-    def can_publish_row(self, row: int, tokens: int) -> bool:
-        published: bool = super().can_publish_row(row, tokens)  # type: ignore[misc]
-        return published and not self.spec_round_open
+            self._lengths = self._left = None

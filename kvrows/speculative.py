@@ -7,9 +7,12 @@ appended, then ``spec_round_commit()`` (every row accepted every draft) or
 ``1 <= keep[b] <= d + 1``; the rest leave no trace).
 
 :class:`SpeculativeRounds` is the round's state machine, shared by both implementations:
-it reads and writes only Python ints. How a row forgets its rejected tokens is each
-implementation's own (``_spec_forget``: coverage on growing rows, the ring's retained
-block on ring rows), and that is what the conformance suite compares.
+it reads and writes only Python ints and bools. How a row forgets its rejected tokens is
+each implementation's own (``_spec_forget``: coverage on growing rows, the ring's
+retained block on ring rows), or, where the geometry cannot forget (recurrent state), a
+snapshot restored and the kept tokens replayed through the layer (``_spec_snapshot``,
+``_spec_restore``, ``_spec_replay``, with the record ``spec_round_record``), and that is
+what the conformance suite compares.
 
 :class:`RowRound` is the seed's row transaction (``bindRowCacheRollback``) over every
 layer's verify layout: ``begin(d)`` opens a round on every layer only when ``d > 0``,
@@ -23,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from kvrows.errors import (
+    NOTHING_TO_RECORD,
     ONE_VERIFY_BLOCK,
     SPECULATIVE_INVALID,
     InvalidInputError,
@@ -87,14 +91,32 @@ class SpeculativeRounds:
     """The round state machine of a verify layout (mixed in ahead of the layout).
 
     The implementation calls ``_spec_guard(what)`` at the top of every row operation,
-    ``_spec_usable()`` at the top of every read, and brackets an append with
-    :meth:`_spec_append`; it supplies ``_spec_forget(counts)`` (forget ``counts[b]``
-    newest tokens of row ``b``, bypassing the guards) and ``row_offsets``.
+    ``_spec_usable()`` at the top of every read, brackets an append with
+    :meth:`_spec_append` (and a write that belongs to the next append with
+    :meth:`_spec_write`), and supplies ``row_offsets`` and how a row forgets its rejected
+    tokens, one of two ways:
+
+    * a storage whose geometry can forget supplies ``_spec_forget(counts)`` (forget
+      ``counts[b]`` newest tokens of row ``b``, bypassing the guards);
+    * a storage whose geometry cannot (recurrent state: a running summary of every token)
+      rolls back by **snapshot and replay**: ``_spec_snapshot()`` keeps what a rollback
+      restores when the round begins (refusing, before anything changes, a round it cannot
+      open), ``_spec_restore(kept)`` puts it back, ``_spec_input_span(j, x)`` checks one
+      per-position input the layer records and ``_spec_replay(replay, inputs, keep)`` runs
+      the layer over the first ``keep[b]`` positions of row ``b`` (the geometry's array
+      work). The layer's verify forward records its inputs and the replay
+      (:meth:`spec_round_record`) while :attr:`spec_round_awaits_record`.
     """
 
     _spec_before: tuple[int, ...] | None = None  # row offsets when the round began
     _spec_block: tuple[int, ...] | None = None  # tokens each row took in the verify block
     _spec_invalid: bool = False
+    #: What ``_spec_snapshot`` kept when the round began (``None``: the storage forgets).
+    _spec_kept: object | None = None
+    #: The verify forward's replay, its per-position inputs and their span.
+    _spec_record: tuple[Callable[..., object], tuple[Any, ...], int] | None = None
+    #: A rollback's replay is running (its append and writes are the rollback's own).
+    _spec_replaying: bool = False
 
     if TYPE_CHECKING:  # the layout's (declared here only for the type checker)
 
@@ -102,6 +124,24 @@ class SpeculativeRounds:
         def row_offsets(self) -> tuple[int, ...]: ...
 
     def _spec_forget(self, counts: Sequence[int]) -> None:
+        raise NotImplementedError
+
+    # -- snapshot + replay hooks (a storage whose geometry cannot forget) ---------------
+    def _spec_snapshot(self) -> object | None:
+        """What a rollback restores (``None``: the storage forgets by ``_spec_forget``)."""
+        return None
+
+    def _spec_restore(self, kept: Any) -> None:
+        raise NotImplementedError
+
+    def _spec_input_span(self, index: int, value: Any) -> int:
+        """Check the per-position input ``inputs[index]`` (``[B, S, ...]``); its ``S``."""
+        raise NotImplementedError
+
+    def _spec_replay(
+        self, replay: Callable[..., object], inputs: tuple[Any, ...], keep: list[int]
+    ) -> None:
+        """Run ``replay`` over the first ``keep[b]`` positions of row ``b`` of ``inputs``."""
         raise NotImplementedError
 
     # -- the protocol --------------------------------------------------------------------
@@ -112,6 +152,7 @@ class SpeculativeRounds:
 
     def spec_round_begin(self) -> None:
         """Open a round: call before the verify block is appended."""
+        kept = self._spec_snapshot()
         self._spec_usable()
         if self._spec_before is not None:
             raise SpeculativeRoundError(
@@ -120,11 +161,43 @@ class SpeculativeRounds:
         if not self.row_offsets:
             raise LayoutStateError("an empty layout has no row to verify: merge rows first")
         self._spec_before, self._spec_block = self.row_offsets, None
+        self._spec_kept, self._spec_record = kept, None
+
+    @property
+    def spec_round_awaits_record(self) -> bool:
+        """Whether the layer's next forward is a round's verify block that should record
+        its inputs (a snapshot round is open, nothing appended or recorded, no replay
+        running)."""
+        return (
+            self._spec_kept is not None
+            and self.spec_round_open
+            and self._spec_block is None
+            and self._spec_record is None
+            and not self._spec_replaying
+        )
+
+    def spec_round_record(self, replay: Callable[..., object], *inputs: Any) -> None:
+        """The verify forward's per-position inputs (each ``[B, S, ...]``) and the replay
+        that runs the layer over a prefix of them."""
+        self._spec_usable()
+        if not self.spec_round_open:
+            raise SpeculativeRoundError("spec_round_record without spec_round_begin")
+        if self._spec_kept is None:
+            raise SpeculativeRoundError(NOTHING_TO_RECORD)
+        if self._spec_record is not None:
+            raise SpeculativeRoundError("the round's verify forward already recorded its inputs")
+        if not callable(replay):
+            raise InvalidInputError(f"replay must be callable, got {type(replay).__name__}")
+        if not inputs:
+            raise InvalidInputError("spec_round_record needs the layer's per-position inputs")
+        spans = [self._spec_input_span(j, x) for j, x in enumerate(inputs)]
+        self._spec_record = (replay, tuple(inputs), spans[0])
 
     def spec_round_commit(self) -> None:
         """Every row accepted every draft: keep the whole block."""
         self._spec_block_of("spec_round_commit")
         self._spec_before = self._spec_block = None
+        self._spec_kept = self._spec_record = None
 
     def spec_round_rollback(self, keep: int | Sequence[int]) -> None:
         """Row ``b`` keeps the first ``keep[b]`` tokens of the verify block (an int: every
@@ -134,8 +207,19 @@ class SpeculativeRounds:
         counts = check_keep_vector(keep, blocks)
         rejected = [block - k for block, k in zip(blocks, counts, strict=True)]
         if any(rejected):
-            self._spec_failing(lambda: self._spec_forget(rejected))
+            if self._spec_kept is None:
+                self._spec_failing(lambda: self._spec_forget(rejected))
+            else:
+                self._spec_check_record(blocks)
+                self._spec_failing(lambda: self._spec_roll_back(counts))
         self._spec_before = self._spec_block = None
+        self._spec_kept = self._spec_record = None
+
+    def can_publish_row(self, row: int, tokens: int) -> bool:
+        """``False`` while a round is open (the row's newest tokens are unverified)."""
+        self._spec_usable()
+        published: bool = super().can_publish_row(row, tokens)  # type: ignore[misc]
+        return published and not self.spec_round_open
 
     # -- what the implementation calls ------------------------------------------------------
     def _spec_usable(self) -> None:
@@ -153,7 +237,9 @@ class SpeculativeRounds:
 
     def _spec_append(self, append: Callable[[], _R]) -> _R:
         """Run an append; inside a round it is the round's one verify block, and a failure
-        invalidates the layout."""
+        invalidates the layout (a rollback's replay appends as the rollback's own)."""
+        if self._spec_replaying:
+            return append()
         self._spec_usable()
         if self._spec_before is None:
             return append()
@@ -163,6 +249,12 @@ class SpeculativeRounds:
         result = self._spec_failing(append)
         self._spec_block = tuple(a - b for a, b in zip(self.row_offsets, before, strict=True))
         return result
+
+    def _spec_write(self) -> None:
+        """Refuse a write for an append the round cannot take (after its verify block)."""
+        self._spec_usable()
+        if self.spec_round_open and self._spec_block is not None and not self._spec_replaying:
+            raise SpeculativeRoundError(ONE_VERIFY_BLOCK)
 
     def _before_restore(self) -> None:
         """The ``state`` setter would silently drop an open round, or revive an invalid
@@ -193,6 +285,38 @@ class SpeculativeRounds:
                 "[pending, drafts…] through update_and_fetch first"
             )
         return self._spec_block
+
+    # -- snapshot + replay -------------------------------------------------------------------
+    def _spec_check_record(self, blocks: tuple[int, ...]) -> None:
+        """A snapshot rollback needs the verify forward's record, over the whole block."""
+        if self._spec_record is None:
+            raise SpeculativeRoundError(
+                "spec_round_rollback before the verify forward recorded its inputs "
+                "(spec_round_record): nothing to replay"
+            )
+        span = self._spec_record[2]
+        if span != max(blocks):
+            raise SpeculativeRoundError(
+                f"the recorded inputs cover {span} positions, the verify block {max(blocks)}"
+            )
+
+    def _spec_roll_back(self, keep: list[int]) -> None:
+        """Restore the snapshot and replay each row's kept tokens through the layer."""
+        assert self._spec_before is not None and self._spec_record is not None
+        before = self._spec_before
+        replay, inputs, _ = self._spec_record
+        self._spec_restore(self._spec_kept)
+        self._spec_replaying = True
+        try:
+            self._spec_replay(replay, inputs, keep)
+        finally:
+            self._spec_replaying = False
+        expected = [o + k for o, k in zip(before, keep, strict=True)]
+        if list(self.row_offsets) != expected:
+            raise LayoutStateError(
+                f"the replay left rows at {list(self.row_offsets)}, expected {expected} "
+                "(it must advance over the inputs it was given)"
+            )
 
 
 class RowRound:

@@ -21,11 +21,11 @@ import mlx.core as mx
 from kvrows.compositions import composition
 from kvrows.errors import InvalidInputError, plane_layer_input_message, qkv_shape_message
 from kvrows.optimized.codecs import dtype_name
+from kvrows.optimized.recurrent_surface import ArraysCacheSurface
 from kvrows.recurrent import (
     CONV,
     RECURRENT,
     RecurrentLayout,
-    RecurrentRounds,
     RecurrentRows,
     StateShapes,
 )
@@ -48,7 +48,7 @@ def _owned(array: mx.array) -> mx.array:
     return copy
 
 
-class _MlxRows(RecurrentRows):
+class _MlxRows(ArraysCacheSurface):
     array_name = "MLX"
 
     @staticmethod
@@ -86,12 +86,6 @@ class _MlxRows(RecurrentRows):
         return mx.array(values, dtype=mx.int32)
 
     @staticmethod
-    def _bool_array(values: list[list[bool]]) -> Any:
-        rows = len(values)
-        width = len(values[0]) if values else 0
-        return mx.array([v for row in values for v in row], dtype=mx.bool_).reshape(rows, width)
-
-    @staticmethod
     def _ints_of(value: Any) -> list[int]:
         return [int(v) for v in value.reshape(-1).tolist()]
 
@@ -112,7 +106,7 @@ class SSMCache(_MlxRows):
     is_layout = False
 
 
-class BatchedSSMCache(RecurrentRounds, RecurrentLayout, _MlxRows):
+class BatchedSSMCache(RecurrentLayout, _MlxRows):
     """The row layout of ``SSMCache`` in all three roles, with snapshot + replay verify
     rounds: ``spec/BatchedSSMCache.md``."""
 

@@ -48,6 +48,7 @@ from kvrows.table import owned_cache_layout
 
 __all__ = [
     "FORMAT_VERSION",
+    "READABLE_VERSIONS",
     "LoadPayload",
     "PrefixStore",
     "PrefixStoreWarning",
@@ -57,8 +58,15 @@ __all__ = [
     "servable_prefixes",
 ]
 
-#: Bumped when the store's directory layout or metadata changes meaning.
-FORMAT_VERSION = "1"
+#: Bumped when the store's directory layout or metadata changes meaning. Version 2: its
+#: entries are prompt-cache files of format 2 (layer entries carry their form version).
+FORMAT_VERSION = "2"
+#: The versions whose entries this store serves: version 1's load through
+#: ``kvrows.forms_v1``, so a store written before the bump keeps its hits.
+READABLE_VERSIONS = ("1", "2")
+#: The version in the key derivation: unchanged since version 1 (the block hashes, and so
+#: the entry paths, are the same), so entries of every readable version are found.
+_KEY_VERSION = "1"
 TOKENS_KEY = "kvrows_prefix_tokens"
 FINGERPRINT_KEY = "kvrows_prefix_fingerprint"
 VERSION_KEY = "kvrows_prefix_version"
@@ -243,7 +251,7 @@ class PrefixStore:
                     f"prefix store directory {self.directory} cannot be used: {error}"
                 ) from error
         self._seed = hashlib.sha256(
-            f"kvrows-prefix-store-v{FORMAT_VERSION}\0{fingerprint}".encode()
+            f"kvrows-prefix-store-v{_KEY_VERSION}\0{fingerprint}".encode()
         ).digest()
 
     # -- keys -----------------------------------------------------------------------------
@@ -546,7 +554,7 @@ class PrefixStore:
         if (
             stored is None
             or metadata.get(FINGERPRINT_KEY) != self.fingerprint
-            or metadata.get(VERSION_KEY) != FORMAT_VERSION
+            or metadata.get(VERSION_KEY) not in READABLE_VERSIONS
             or stored[: len(prefix)] != prefix  # a hash collision, or a replaced entry
             or any(cache.offset != len(stored) for cache in caches)
         ):

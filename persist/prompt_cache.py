@@ -39,10 +39,12 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from kvrows import forms_v1
 from kvrows.compositions import codec_spec_for, composition
 from kvrows.errors import CorruptStateError, InvalidInputError, UnsupportedStateError
 from kvrows.forms import (
     FILE_CLASSES,
+    FORM_VERSION,
     FORMAT_VERSION,
     state_form,
 )
@@ -114,6 +116,7 @@ def _layer_record(cache: Any) -> dict[str, Any]:
             **cache.token_geometry.parameters(),
         },
         "kv": None if geometry is None else vars(geometry).copy(),
+        "form": FORM_VERSION,
     }
 
 
@@ -337,6 +340,13 @@ def load_prompt_cache(
         raise CorruptStateError(f"{path}: kvrows metadata's layers are not a list of records")
     if len(layers) != len(class_names):
         raise CorruptStateError(f"{path}: kvrows metadata describes {len(layers)} layers")
+    for index, record in enumerate(layers):
+        if record is None:
+            continue
+        try:  # every layer's form is one this kvrows reads, before any layer is restored
+            forms_v1.form_version(record)
+        except (CorruptStateError, UnsupportedStateError) as error:
+            raise type(error)(f"{path}: layer {index}: {error}") from None
     caches = [
         _restore(classes_by_name, name, state, meta, record, implementation, path)
         for name, state, meta, record in zip(class_names, states, meta_list, layers, strict=True)
@@ -422,8 +432,12 @@ def _restore(
         kv = record.get("kv") if record is not None else None
         geometry: Any = None
         if isinstance(kv, dict):
-            recurrent = "planes" in kv or "conv_shape" in kv  # this version's or version 1's
-            geometry = StateShapes.from_record(kv) if recurrent else KvGeometry(**kv)
+            if "planes" in kv:  # recurrent state
+                geometry = StateShapes.from_record(kv)
+            elif "conv_shape" in kv:  # version 1's two-plane recurrent record
+                geometry = forms_v1.state_shapes(kv)
+            else:
+                geometry = KvGeometry(**kv)
         restored = cls.from_state(state, meta_state, keep=keep, geometry=geometry)
     except (InvalidInputError, TypeError, KeyError) as error:
         raise CorruptStateError(f"{path}: {file_class} state is inconsistent: {error}") from None

@@ -24,11 +24,11 @@ from kvrows.recurrent import (
     CONV,
     RECURRENT,
     RecurrentLayout,
-    RecurrentRounds,
     RecurrentRows,
     StateShapes,
 )
 from kvrows.reference.codecs import numpy_dtype
+from kvrows.reference.recurrent_surface import ArraysCacheSurface
 
 __all__ = [
     "BatchedSSMCache",
@@ -41,7 +41,7 @@ __all__ = [
 Array = npt.NDArray[Any]
 
 
-class _NumpyRows(RecurrentRows):
+class _NumpyRows(ArraysCacheSurface):
     array_name = "NumPy"
 
     @staticmethod
@@ -73,16 +73,8 @@ class _NumpyRows(RecurrentRows):
         return np.asarray(values, dtype=np.int32)
 
     @staticmethod
-    def _bool_array(values: list[list[bool]]) -> Any:
-        return np.asarray(values, dtype=np.bool_).reshape(len(values), -1)
-
-    @staticmethod
     def _ints_of(value: Any) -> list[int]:
         return [int(v) for v in np.asarray(value).reshape(-1)]
-
-    def __setitem__(self, index: int, value: Any) -> None:
-        # Own the plane: a caller writing into its array later must not reach the cache.
-        super().__setitem__(index, np.array(value, copy=True) if self._is_native(value) else value)
 
     @classmethod
     def _serial_class(cls) -> type[RecurrentRows]:
@@ -101,7 +93,7 @@ class SSMCache(_NumpyRows):
     is_layout = False
 
 
-class BatchedSSMCache(RecurrentRounds, RecurrentLayout, _NumpyRows):
+class BatchedSSMCache(RecurrentLayout, _NumpyRows):
     """The row layout of ``SSMCache`` in all three roles, with snapshot + replay verify
     rounds: ``spec/BatchedSSMCache.md``."""
 

@@ -17,9 +17,13 @@ from kvrows.codecs import (
     CODECS,
     Affine,
     Plain,
+    State,
+    StateShapes,
     Turbo,
     codec_from_tail,
     is_codec_spec,
+    is_kv_codec,
+    kv_codecs,
     parse_codec,
     register_codec,
 )
@@ -40,9 +44,35 @@ EXAMPLES = (
 )
 
 
-def test_the_three_kinds_are_registered_in_tag_order() -> None:
-    assert list(CODECS) == ["plain", "affine", "turbo"]
-    assert [spec.tag for spec in CODECS.values()] == [0, 1, 2]
+def test_the_kinds_are_registered_in_tag_order() -> None:
+    assert list(CODECS) == ["plain", "affine", "turbo", "state"]
+    assert [spec.tag for spec in CODECS.values()] == [0, 1, 2, 3]
+    assert list(kv_codecs()) == ["plain", "affine", "turbo"]
+
+
+def test_the_state_codec_is_no_kv_scheme() -> None:
+    # Recurrent state registers as a codec, but its tensors are no keys and values: it
+    # names no scheme word, the unknown-scheme message leaves it out, no block pool stores
+    # it (paged forms, the engine's paged layers) and its form is its planes.
+    from kvrows.app.engine import PAGED_CODECS
+    from kvrows.compositions import composition
+    from kvrows.forms import state_form
+
+    spec = State()
+    assert is_codec_spec(spec) and not is_kv_codec(spec) and not is_kv_codec(State)
+    assert State.tensors() == ("state.0", "state.1")
+    assert spec.tensors(StateShapes(planes=(((3,), "float32"),))) == ("state.0",)
+    assert "state" not in PAGED_CODECS
+    with pytest.raises(InvalidInputError) as caught:
+        parse_codec("state")
+    assert str(caught.value) == (
+        "unknown KV scheme 'state': expected plain, affine<bits>[:<group>] (affine8, "
+        "affine4:32), turbo (k8v3) or turbo-k<bits>v<bits> / turbo:k<bits>v<bits>"
+    )
+    with pytest.raises(CorruptStateError, match="unknown codec"):
+        codec_named((3, 0, 0))
+    assert state_form(composition("SSMCache")).fields == ("state.0", "state.1", "offset")
+    assert state_form(composition("BatchedSSMCache")).fields == ("state.0", "state.1", "offset")
 
 
 @pytest.mark.parametrize("spec", EXAMPLES, ids=str)
@@ -53,7 +83,7 @@ def test_a_spec_parses_back_from_its_name(spec: object) -> None:
 
 
 def test_every_listed_name_parses_to_its_kind() -> None:
-    for kind, spec in CODECS.items():
+    for kind, spec in kv_codecs().items():
         assert spec.names, kind
         for name in spec.names:
             assert parse_codec(name).kind == kind, name
@@ -206,7 +236,7 @@ def halved() -> Iterator[type[Halved]]:
 
 def test_a_new_codec_module_plugs_in(halved: type[Halved]) -> None:
     spec = Halved(step=4)
-    assert list(CODECS)[-1] == "halved-test"  # after the three, by its tag
+    assert list(CODECS)[-1] == "halved-test"  # after the four, by its tag
     assert is_codec_spec(spec)
     assert parse_codec("halved4") == spec
     assert KvStorageScheme.parse("affine4,0=halved4").codec_for_layer(0) == spec
@@ -252,7 +282,9 @@ def _implementations() -> list[tuple[str, ModuleType]]:
 def test_each_implementation_builds_the_codec_a_spec_names(spec: object) -> None:
     assert is_codec_spec(spec)
     for name, module in _implementations():
-        assert set(module.IMPLEMENTATIONS) == set(CODECS), name
+        # The state codec's array codecs come with recurrent's move onto the row
+        # machinery (spec/machinery-migration.md §4); every KV codec has one.
+        assert set(module.IMPLEMENTATIONS) == set(kv_codecs()), name
         codec = module.make_codec(spec)
         assert codec.spec == spec and codec.key == spec.key, name
         assert codec.defers_values == (spec.reads == "own"), name

@@ -13,6 +13,7 @@ every layer and plane count, and the bad inputs.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -102,13 +103,8 @@ def test_runner_runs_the_recurrent_family() -> None:
 class _NoReplay(BatchedSSMCache):
     """Rollback restores the snapshot and moves the positions, but replays nothing."""
 
-    def _spec_forget(self, counts: Sequence[int]) -> None:
-        assert self._snapshot is not None and self._spec_block is not None
-        planes, offsets = self._snapshot
-        self._planes = list(planes)
-        self._offsets = [
-            o + b - c for o, b, c in zip(offsets, self._spec_block, counts, strict=True)
-        ]
+    def _spec_replay(self, replay: Any, inputs: tuple[Any, ...], keep: list[int]) -> None:
+        self._offsets = [o + k for o, k in zip(self._offsets, keep, strict=True)]
 
 
 class _PublishesCutRows(BatchedSSMCache):

@@ -47,14 +47,14 @@ BASELINE: dict[str, int] = {
     "conformance/recurrent.py": 1,
     "kvrows/compositions.py": 2,
     "kvrows/delayed.py": 5,
-    "kvrows/forms.py": 8,
+    "kvrows/forms.py": 7,
     "kvrows/latent.py": 11,
     "kvrows/lego.py": 1,
     "kvrows/maintenance.py": 2,
     "kvrows/paged_forms.py": 2,
     "kvrows/paged_latent.py": 7,
     "kvrows/paged_storage.py": 5,
-    "kvrows/recurrent.py": 4,
+    "kvrows/recurrent.py": 2,
     "optimized/attention.py": 1,
     "optimized/batch_dropin.py": 12,
     "optimized/dropin.py": 5,
@@ -75,7 +75,7 @@ BASELINE: dict[str, int] = {
 }
 
 #: The sum of :data:`BASELINE`: the issue's "before".
-BASELINE_TOTAL = 164
+BASELINE_TOTAL = 161
 
 ADVICE = (
     "Ask a capability instead of a type: a protocol of kvrows.protocols (HasCodec, "

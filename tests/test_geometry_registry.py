@@ -42,8 +42,8 @@ EXAMPLES: tuple[GeometrySpec, ...] = (
 )
 
 
-def test_the_two_kinds_are_registered_in_kind_order() -> None:
-    assert list(GEOMETRIES) == ["growing", "ring"]
+def test_the_kinds_are_registered_in_kind_order() -> None:
+    assert list(GEOMETRIES) == ["growing", "recurrent", "ring"]
     assert geometry_class("ring") is Ring
     assert SchemesRing is Ring  # kvrows.schemes re-exports the specs
 
@@ -52,7 +52,7 @@ def test_an_unknown_kind_names_the_registered_ones() -> None:
     with pytest.raises(InvalidInputError) as caught:
         geometry_class("chunked")
     assert str(caught.value) == (
-        "no token geometry of kind 'chunked': expected one of ('growing', 'ring')"
+        "no token geometry of kind 'chunked': expected one of ('growing', 'recurrent', 'ring')"
     )
 
 
@@ -158,7 +158,7 @@ def strided() -> Iterator[type[Strided]]:
 
 def test_a_new_geometry_module_plugs_in(strided: type[Strided]) -> None:
     spec = Strided(span=6)
-    assert list(GEOMETRIES) == ["growing", "ring", "strided-test"]
+    assert list(GEOMETRIES) == ["growing", "recurrent", "ring", "strided-test"]
     assert is_geometry_spec(spec)
     # A preset builds it from its parameters, or takes it as a spec.
     assert bind_arguments(STRIDED_SERIAL, (6,), {}) == (Plain(), spec, None)

@@ -22,7 +22,7 @@ import kvrows.optimized as optimized
 import kvrows.reference as reference
 from kvrows.conformance.profiles import active_profile, profile_settings
 from kvrows.errors import CorruptStateError, InvalidInputError, UnsupportedStateError
-from kvrows.forms import FORMAT_VERSION, rows_of_state, unpack_state
+from kvrows.forms import FORM_VERSION, FORMAT_VERSION, rows_of_state, unpack_state
 from kvrows.optimized.rows import DECLARED
 from kvrows.persist.files import read_safetensors, write_atomic
 from kvrows.persist.prompt_cache import KVROWS_KEY, load_prompt_cache, save_prompt_cache
@@ -315,6 +315,59 @@ def test_a_newer_format_is_refused(tmp_path: Path) -> None:
     metadata[KVROWS_KEY] = json.dumps(description)
     write_atomic(path, arrays, metadata)  # a valid checksum over the newer description
     with pytest.raises(UnsupportedStateError, match="upgrade kvrows"):
+        load_prompt_cache(path)
+
+
+def test_a_version_2_file_records_each_layer_form_and_round_trips(tmp_path: Path) -> None:
+    path = tmp_path / "v2.safetensors"
+    plain = _filled(optimized, "KVCache", [3], seed=1)
+    ring = _filled(optimized, "RotatingKVCache", [5], seed=2)
+    save_prompt_cache(path, [plain, ring])
+    _, metadata = read_safetensors(path)
+    description = json.loads(metadata[KVROWS_KEY])
+    assert FORMAT_VERSION == 2 and description["format"] == 2
+    assert [layer["form"] for layer in description["layers"]] == [FORM_VERSION] * 2
+    for implementation in ("optimized", "reference"):
+        loaded = load_prompt_cache(path, implementation=implementation)
+        assert [c.signature() for c in loaded] == [plain.signature(), ring.signature()]
+        assert [c.offset for c in loaded] == [plain.offset, ring.offset]
+        for saved, back in zip((plain, ring), loaded, strict=True):
+            for a, b in zip(saved.state, back.state, strict=True):
+                assert np.array_equal(np.asarray(a), np.asarray(b)), implementation
+
+
+def test_a_layer_without_a_form_version_is_form_1(tmp_path: Path) -> None:
+    path = tmp_path / "formless.safetensors"
+    save_prompt_cache(path, [_filled(optimized, "KVCache", [3], seed=1)])
+    arrays, metadata = read_safetensors(path)
+    description = json.loads(metadata[KVROWS_KEY])
+    del description["layers"][0]["form"]
+    metadata[KVROWS_KEY] = json.dumps(description)
+    write_atomic(path, arrays, metadata)
+    assert load_prompt_cache(path)[0].offset == 3
+
+
+@pytest.mark.parametrize(
+    ("form", "error", "message"),
+    [
+        (FORM_VERSION + 1, UnsupportedStateError, "form version 2; this kvrows reads forms up"),
+        (0, CorruptStateError, "form version must be 1 or more, got 0"),
+        ("1", CorruptStateError, "form version must be an integer, got '1'"),
+    ],
+)
+def test_an_unknown_layer_form_is_refused(
+    tmp_path: Path, form: object, error: type[Exception], message: str
+) -> None:
+    path = tmp_path / "future.safetensors"
+    save_prompt_cache(
+        path, [_filled(optimized, "KVCache", [3], seed=1), _filled(optimized, "KVCache", [2], 2)]
+    )
+    arrays, metadata = read_safetensors(path)
+    description = json.loads(metadata[KVROWS_KEY])
+    description["layers"][1]["form"] = form
+    metadata[KVROWS_KEY] = json.dumps(description)
+    write_atomic(path, arrays, metadata)  # a valid checksum over the newer description
+    with pytest.raises(error, match=r"future\.safetensors: layer 1: .*" + message):
         load_prompt_cache(path)
 
 

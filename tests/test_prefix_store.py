@@ -27,7 +27,14 @@ from kvrows.app.engine import Engine, model_fingerprint
 from kvrows.app.models import tiny_model
 from kvrows.errors import CorruptStateError, InvalidInputError
 from kvrows.optimized import KVCache, RotatingKVCache
-from kvrows.persist.prefix_store import PrefixStore, reusable_copies, servable_prefixes
+from kvrows.persist.files import read_safetensors, write_atomic
+from kvrows.persist.prefix_store import (
+    FORMAT_VERSION,
+    VERSION_KEY,
+    PrefixStore,
+    reusable_copies,
+    servable_prefixes,
+)
 from kvrows.persist.prompt_cache import load_prompt_cache
 from kvrows.protocols import Cache
 from kvrows.schemes import KvStorageScheme
@@ -279,6 +286,27 @@ def test_a_corrupt_entry_is_a_miss_and_is_removed(tmp_path: Path, damage: str) -
     store.put(tokens, _row(tokens))  # and the key is usable again
     hit = store.longest(tokens)
     assert hit is not None and _identical(hit[1], tokens)
+
+
+@pytest.mark.parametrize(("version", "served"), [("1", True), ("2", True), ("3", False)])
+def test_entries_of_the_readable_versions_are_served(
+    tmp_path: Path, version: str, served: bool
+) -> None:
+    """Version 1 entries (written before the format-2 bump) keep their keys and hits; an
+    entry of a version this kvrows does not know is a miss, and kept (another version's)."""
+    store = _store(tmp_path, block_tokens=8)
+    tokens = _tokens(13, 16)
+    store.put(tokens, _row(tokens))
+    (entry,) = store.entries()
+    path = tmp_path / "entries" / f"{entry.key}.safetensors"
+    arrays, metadata = read_safetensors(path)
+    key = f"0.{VERSION_KEY}"  # user metadata: the first group of the flattened tree
+    assert metadata[key] == FORMAT_VERSION == "2"
+    metadata[key] = version
+    write_atomic(path, arrays, metadata)
+    hit = store.longest(tokens)
+    assert (hit is not None) == served
+    assert path.exists() and len(store) == 1
 
 
 def test_a_reader_that_loses_a_race_with_eviction_misses(tmp_path: Path) -> None:

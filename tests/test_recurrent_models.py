@@ -27,7 +27,8 @@ from kvrows.app.models import (
     tiny_model,
 )
 from kvrows.errors import InvalidInputError
-from kvrows.recurrent import RecurrentRows, StateShapes
+from kvrows.optimized.recurrent_surface import ArraysCacheSurface
+from kvrows.recurrent import StateShapes
 from kvrows.speculative import RowRound
 from kvrows.table import owned_cache_layout, target_cache_layout
 
@@ -133,14 +134,14 @@ def _generator_on_both(
     the asked lengths, with ragged prompt chunks reaching the recurrent layouts."""
     theirs = _run_generator(model)
     padded: list[int] = []
-    original = RecurrentRows.prepare
+    original = ArraysCacheSurface.prepare
 
-    def counting(self: RecurrentRows, **kwargs: Any) -> None:
+    def counting(self: ArraysCacheSurface, **kwargs: Any) -> None:
         if kwargs.get("lengths") is not None and len(set(kwargs["lengths"])) > 1:
             padded.append(1)
         original(self, **kwargs)
 
-    monkeypatch.setattr(RecurrentRows, "prepare", counting)
+    monkeypatch.setattr(ArraysCacheSurface, "prepare", counting)
     ours = _run_generator(model, caches=[make_kvrows_cache(model) for _ in PROMPTS])
     assert padded, "ragged prompt chunks must have reached the recurrent layouts"
     assert ours["tokens"] == theirs["tokens"]
@@ -422,7 +423,7 @@ def _arrays_caches(caches: list[Any]) -> list[tuple[Any, ...]]:
     found = []
     for cache in caches:
         for part in cache.caches if isinstance(cache, mlx_cache.CacheList) else (cache,):
-            if isinstance(part, RecurrentRows | mlx_cache.ArraysCache):
+            if isinstance(part, ArraysCacheSurface | mlx_cache.ArraysCache):
                 found.append(tuple(part))
     return found
 

@@ -27,6 +27,7 @@ import kvrows.reference as R
 from kvrows.conformance.arrays import as_numpy, expand_mask
 from kvrows.conformance.profiles import profile_settings
 from kvrows.errors import (
+    NOTHING_TO_RECORD,
     SPECULATIVE_INVALID,
     InvalidInputError,
     KvRowsError,
@@ -750,3 +751,23 @@ def test_an_empty_verify_layout_opens_no_round() -> None:
         assert not layout.spec_round_open
         messages.append(str(caught.value))
     assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("impl_name", IMPLS)
+@pytest.mark.parametrize("kind", ["KVCache", "RotatingKVCache"])
+def test_a_layout_that_forgets_records_no_replay(impl_name: str, kind: str) -> None:
+    """Snapshot + replay is for storages that cannot forget (recurrent state): a KV verify
+    layout's round awaits no record and refuses one, changing nothing."""
+    impl = IMPLS[impl_name]
+    layout = _layout(impl, kind)
+    assert not layout.spec_round_awaits_record
+    layout.spec_round_begin()
+    assert not layout.spec_round_awaits_record
+    before = _snapshot(layout)
+    with pytest.raises(SpeculativeRoundError) as caught:
+        layout.spec_round_record(lambda cache, *inputs: None, _block(impl, 2)[0])
+    assert str(caught.value) == NOTHING_TO_RECORD
+    assert _snapshot(layout) == before and layout.spec_round_open
+    layout.update_and_fetch(*_block(impl, 2))
+    layout.spec_round_rollback(1)
+    assert layout.row_offsets == (4, 6)

@@ -14,22 +14,31 @@ from kvrows.codecs.affine import Affine
 from kvrows.codecs.plain import Plain
 from kvrows.codecs.registry import (
     CODECS,
+    KV_TENSORS,
     codec_from_tail,
     is_codec_spec,
+    is_kv_codec,
+    kv_codecs,
     parse_codec,
     register_codec,
 )
+from kvrows.codecs.state import State, StateShapes
 from kvrows.codecs.turbo import TURBO_KEY_BITS, TURBO_VALUE_BITS, Turbo
 
 __all__ = [
     "CODECS",
+    "KV_TENSORS",
     "TURBO_KEY_BITS",
     "TURBO_VALUE_BITS",
     "Affine",
     "Plain",
+    "State",
+    "StateShapes",
     "Turbo",
     "codec_from_tail",
     "is_codec_spec",
+    "is_kv_codec",
+    "kv_codecs",
     "parse_codec",
     "register_codec",
 ]

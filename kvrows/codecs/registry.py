@@ -17,10 +17,13 @@ from kvrows.kinds import KindRegistry
 
 __all__ = [
     "CODECS",
+    "KV_TENSORS",
     "ArrayCodecs",
     "SpecParts",
     "codec_from_tail",
     "is_codec_spec",
+    "is_kv_codec",
+    "kv_codecs",
     "parse_codec",
     "register_codec",
 ]
@@ -31,6 +34,9 @@ _REGISTRY: KindRegistry[CodecSpec] = KindRegistry(
     "codec", "codec", order=lambda spec: spec.tag, order_name="tag"
 )
 CODECS: dict[str, type[CodecSpec]] = _REGISTRY.classes
+
+#: The tensors of a KV codec: what attention caches hand in per token.
+KV_TENSORS: tuple[str, ...] = ("keys", "values")
 
 #: A codec spec class (the decorator hands the class back, its type kept).
 SpecClass = TypeVar("SpecClass", bound=type[CodecSpec])
@@ -47,14 +53,26 @@ def is_codec_spec(value: object) -> TypeGuard[CodecSpec]:
     return _REGISTRY.holds(value)
 
 
+def is_kv_codec(spec: type[CodecSpec] | CodecSpec) -> bool:
+    """Whether ``spec`` (a class or an instance) stores ``keys`` and ``values`` (a KV
+    scheme, what a block pool stores), asked of its tensors, never of its kind."""
+    return spec.tensors() == KV_TENSORS
+
+
+def kv_codecs() -> dict[str, type[CodecSpec]]:
+    """The registered KV codecs (:func:`is_kv_codec`) by kind, in ``CODECS`` order."""
+    return {kind: spec for kind, spec in CODECS.items() if is_kv_codec(spec)}
+
+
 def parse_codec(text: str) -> CodecSpec:
-    """The codec spec one scheme word names (``plain``, ``affine4:32``, ``turbo-k4v3``)."""
-    for spec in CODECS.values():
+    """The KV codec spec one scheme word names (``plain``, ``affine4:32``, ``turbo-k4v3``)."""
+    schemes = kv_codecs().values()
+    for spec in schemes:
         parsed = spec.parse(text)
         if parsed is not None:
             return parsed
     raise InvalidInputError(
-        f"unknown KV scheme {text!r}: expected {', '.join(s.syntax for s in CODECS.values())}"
+        f"unknown KV scheme {text!r}: expected {', '.join(s.syntax for s in schemes)}"
     )
 
 
@@ -74,6 +92,11 @@ class SpecParts:
 
     def signature_part(self) -> str:
         return self.key
+
+    @classmethod
+    def tensors(cls, shapes: object = None) -> tuple[str, ...]:
+        """The tensors a caller hands in (a KV codec's: ``keys``, ``values``)."""
+        return KV_TENSORS
 
     def tail(self) -> dict[str, int]:
         values: dict[str, int] = {name: getattr(self, name) for name in self.state_tail}

@@ -12,6 +12,7 @@ import importlib
 import pkgutil
 
 from kvrows.geometries.growing import Growing
+from kvrows.geometries.recurrent import Recurrent, Replay, valid_counts
 from kvrows.geometries.registry import (
     GEOMETRIES,
     GeometrySpec,
@@ -25,10 +26,13 @@ __all__ = [
     "GEOMETRIES",
     "GeometrySpec",
     "Growing",
+    "Recurrent",
+    "Replay",
     "Ring",
     "geometry_class",
     "is_geometry_spec",
     "register_geometry",
+    "valid_counts",
 ]
 
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
