@@ -15,8 +15,8 @@ from kvrows.common import AffineParameters, TurboParameters
 from kvrows.compositions import composition, landed
 from kvrows.delayed import DelayedRows, DelayedSlidingWindow
 from kvrows.errors import KvRowsError, speculative_modifier_message
-from kvrows.reference.growing import RowAlignment
-from kvrows.reference.ring import RingParameters
+from kvrows.reference.geometries.growing import RowAlignment
+from kvrows.reference.geometries.ring import RingParameters
 from kvrows.reference.rows import RowLayout, SerialStorage, Storage
 from kvrows.reference.speculative import SpeculativeLayout
 
