@@ -92,12 +92,16 @@ class Implementations:
 
         return register
 
-    def build(self, spec: Any) -> Any:
-        """This implementation's object for ``spec`` (by ``spec.kind``)."""
-        implementation = self.classes.get(spec.kind)
+    def lookup(self, kind: str) -> type[Any]:
+        """The class registered for ``kind``."""
+        implementation = self.classes.get(kind)
         if implementation is None:
             raise InvalidInputError(
-                f"the {self.implementation} has no {self.what} of kind {spec.kind!r}: "
+                f"the {self.implementation} has no {self.what} of kind {kind!r}: "
                 f"expected one of {tuple(self.classes)}"
             )
-        return implementation(spec)
+        return implementation
+
+    def build(self, spec: Any) -> Any:
+        """This implementation's object for ``spec`` (by ``spec.kind``)."""
+        return self.lookup(spec.kind)(spec)

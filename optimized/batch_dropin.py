@@ -45,7 +45,7 @@ from kvrows.errors import (
     InvalidInputError,
     LayoutStateError,
 )
-from kvrows.optimized.ring import RingGeometry, SharedRing
+from kvrows.optimized.geometries.ring import RingGeometry, SharedRing
 from kvrows.optimized.rows import Layout, Serial, Storage, token_count
 from kvrows.protocols import Cache, Mask
 from kvrows.validation import as_count, check_keep

@@ -27,12 +27,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvrows.codec import KV_TENSORS
+from kvrows.codec import KV_TENSORS, Role
 from kvrows.compositions import affine_counterpart
 from kvrows.errors import InvalidInputError, LayoutStateError
 from kvrows.optimized.codecs import PlainCodec, make_codec
-from kvrows.optimized.growing import GrowingGeometry
-from kvrows.optimized.ring import RingGeometry
 from kvrows.optimized.rows import DECLARED, Storage, arrays, token_count
 from kvrows.schemes import Affine, CodecSpec
 from kvrows.validation import STEP
@@ -53,6 +51,11 @@ _NOT_COPIED = frozenset(
         "_offset_array",
     }
 )
+
+
+def _capped(count: int, cap: int | None) -> int:
+    """``count`` at most ``cap`` (a ring's ``max_size``; ``None``: unbounded)."""
+    return count if cap is None else min(count, cap)
 
 
 def _held(cache: Storage) -> tuple[Any, Any] | None:
@@ -85,7 +88,7 @@ def _write_held(cache: Storage, side: str, value: object) -> None:
             f"{name} cannot be set to None on a cache holding tokens: forget tokens with "
             "trim(n), or build a new cache"
         )
-    tensor = "keys" if side == "keys" else "values"
+    tensor: Role = "keys" if side == "keys" else "values"
     planes = held[tensor]
     current = cache.codec.fetched(cache._visible(held)[tensor], tensor)
     if not isinstance(value, mx.array) or value.shape != current.shape:
@@ -99,8 +102,8 @@ def _write_held(cache: Storage, side: str, value: object) -> None:
             f"{name} takes an array of the dtype it holds ({current.dtype}), got {value.dtype}"
         )
     rows, width = int(value.shape[0]), int(value.shape[2])
-    # What attention reads starts at the origin column (growing) or column 0 (rings).
-    start = cache._origin if isinstance(cache, GrowingGeometry) else 0
+    # What attention reads starts at the geometry's first read column (growing: the origin).
+    start = cache._read_start()
     planes[0][:rows, :, start : start + width] = value
 
 
@@ -223,7 +226,7 @@ class SerialDropIn(_HeldPlanes):
     def size(self) -> int:
         """Tokens held: ``offset``, at most ``max_size`` for a ring (mlx-lm's ``size()``)."""
         offset = self._offsets[0] if self._offsets else 0
-        return min(offset, self.max_size) if isinstance(self, RingGeometry) else offset
+        return _capped(offset, self._token_geometry.cap())
 
 
 class LayoutDropIn(_HeldPlanes):
@@ -244,4 +247,4 @@ class LayoutDropIn(_HeldPlanes):
         if self._planes is None:
             return 0
         width = token_count(self._visible(self._planes))
-        return min(width, self.max_size) if isinstance(self, RingGeometry) else width
+        return _capped(width, self._token_geometry.cap())

@@ -25,7 +25,7 @@ from kvrows.forms import (
     stored_geometry,
 )
 from kvrows.optimized.codecs import Planes, dtype_name
-from kvrows.optimized.ring import SharedRing, _stacked
+from kvrows.optimized.geometries.ring import SharedRing, _stacked
 from kvrows.optimized.rows import DECLARED, Layout, Serial, Storage, kv_pair, owned, token_count
 from kvrows.schemes import Ring
 from kvrows.validation import KvGeometry

@@ -19,8 +19,8 @@ arrangement. This module owns everything that does not depend on the geometry:
 The two arrangements are :class:`Serial` (one request; the rows of a serial storage are
 the rows of its blocks, all at one position) and :class:`Layout` (rows joined from
 several requests; ``composition.shared_column`` says whether they share one write
-column). A geometry (``growing.py``, ``ring.py``) is a class that supplies only the hooks
-(see :class:`Storage`); a public class is a geometry plus an arrangement
+column). A geometry (one module per kind in ``geometries/``) is a class that supplies
+only the hooks (see :class:`Storage`); a public class is a geometry plus an arrangement
 (``classes.py``). Modifiers (delayed, speculative) will wrap a layout: see
 :meth:`Storage.__init_subclass__`.
 """
@@ -308,7 +308,7 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             batch = int(keys.shape[0])
             self._offsets, self._pads = [0] * batch, [0] * batch
         n = int(keys.shape[2])
-        block = {
+        block: PlaneSet = {
             t: self.codec.encode(x, t) for t, x in zip(KV_TENSORS, (keys, values), strict=True)
         }
         self._append(block, n, geometry)
@@ -388,6 +388,15 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     def _check_geometry(self) -> None:
         raise NotImplementedError
 
+    def _holds_nothing(self, held: PlaneSet) -> bool:
+        """Whether a window holds no token (a geometry without a token axis: never)."""
+        return token_count(held) == 0
+
+    def _read_start(self) -> int:
+        """The buffer column what ``_visible`` returns starts at (0 unless a geometry
+        keeps an origin)."""
+        return 0
+
     def is_trimmable(self) -> bool:
         raise NotImplementedError
 
@@ -440,7 +449,7 @@ class Serial(Storage):
     def _row_windows(self) -> list[RowWindow]:
         held = self._held_window(None)
         offset = self.offset
-        if held is None or token_count(held) == 0:
+        if held is None or self._holds_nothing(held):
             return [(None, offset)] * max(1, self.rows)
         return [(row_of(held, b), offset) for b in range(self.rows)]
 
@@ -583,7 +592,7 @@ class Layout(Storage):
         assert issubclass(serial, Serial)
         cache = serial._spawn(self)
         held = self._held_window(index)
-        if held is None or token_count(held) == 0:
+        if held is None or self._holds_nothing(held):
             cache._geometry = self._geometry  # an empty row still knows its geometry
             return cache
         copies = mapped(held, owned)

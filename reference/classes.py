@@ -2,7 +2,7 @@
 
 Each names its composition (``kvrows.compositions``): the codec, the token geometry and
 the arrangement come from there, and the row machinery (``rows.py``) with the geometry's
-hooks (``growing.py``, ``ring.py``) does the rest. The mixins add what mlx-lm reads off
+hooks (``geometries/growing.py``, ``geometries/ring.py``) does the rest. The mixins add what mlx-lm reads off
 an affine storage (``bits``, ``group_size``) or a ring (``max_size``, ``keep``).
 """
 

@@ -51,7 +51,7 @@ def _right_aligned(storage: Storage, rows: list[Row], width: int) -> tuple[Plane
     geometry = storage.geometry
     assert geometry is not None
     batch, heads, dtype = len(rows), geometry.heads, geometry.dtype
-    image = {
+    image: PlaneSet = {
         t: storage.codec.zeros(batch, heads, width, kv_dim(geometry, t), dtype, t)
         for t in KV_TENSORS
     }

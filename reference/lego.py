@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvrows.codec import KV_TENSORS
+from kvrows.codec import KV_TENSORS, PlaneSet
 from kvrows.errors import InvalidInputError
 from kvrows.lego import Bf16First, FullAttentionLego, SlidingWindowLego, Target, TurboLego
 from kvrows.reference.classes import (
@@ -41,7 +41,9 @@ def to_affine(storage: SerialStorage, spec: Target, affine_class: type[SerialSto
     fresh = affine_class.from_specs(spec, storage.token_geometry, geometry=storage.geometry)
     rows = []
     for row in storage._rows:
-        planes = {t: fresh.codec.encode(row.planes[t][0], t) for t in KV_TENSORS if row.held}
+        planes: PlaneSet = {
+            t: fresh.codec.encode(row.planes[t][0], t) for t in KV_TENSORS if row.held
+        }
         rows.append(Row(planes, row.offset, row.pad, row.sinks))
     fresh._rows = rows
     return fresh

@@ -8,9 +8,10 @@ assembled from them on every read. There is no origin, no slot and no capacity.
 The code is written once, over three axes (``spec/contract.md``):
 
 * the **codec** (``kvrows.reference.codecs``) turns a block into planes and back;
-* the **geometry** (:class:`TokenAxis`: ``geometries/growing.py``, ``geometries/ring.py``) says what a row
-  keeps when a block is appended and which of its tokens are its window, and places the
-  rows of a layout in the batch a read returns (:class:`Placement`, one per arrangement);
+* the **geometry** (:class:`TokenAxis`, one module per kind in ``geometries/``, chosen by
+  the spec's kind) says what a row keeps when it is written and what of it a merge or an
+  extraction takes, and places the rows of a layout in the batch a read returns
+  (:class:`Placement`, one per arrangement);
 * the **arrangement** (the composition's ``serial`` / ``shared`` / ``ragged``) picks the
   class here (:class:`SerialStorage` for one request, :class:`RowLayout` for several)
   and the placement.
@@ -410,7 +411,7 @@ class Storage(SavedState, ComposedIdentity):
             geometry=self._geometry,
         )
         self.codec.check(geometry)
-        block = {
+        block: PlaneSet = {
             t: self.codec.encode(x, t) for t, x in zip(KV_TENSORS, (keys, values), strict=True)
         }
         n = int(keys.shape[2])

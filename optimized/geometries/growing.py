@@ -27,6 +27,7 @@ import mlx.core as mx
 
 from kvrows.codec import PlaneSet
 from kvrows.errors import KvRowsError, align_rows_message
+from kvrows.optimized.geometries.registry import implements
 from kvrows.optimized.rows import (
     RowWindow,
     Serial,
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = ["GrowingGeometry", "RowAlignment"]
 
 
+@implements("growing")
 class GrowingGeometry(Storage):
     """Hooks of the growing geometry, for the serial, shared and ragged arrangements."""
 
@@ -73,6 +75,9 @@ class GrowingGeometry(Storage):
 
     def is_trimmable(self) -> bool:
         return True
+
+    def _read_start(self) -> int:
+        return self._origin
 
     # -- hooks ------------------------------------------------------------------------
     def _visible(self, planes: PlaneSet) -> PlaneSet:

@@ -42,6 +42,7 @@ from kvrows.errors import (
     wrapped_ring_message,
 )
 from kvrows.optimized.codecs import Planes
+from kvrows.optimized.geometries.registry import implements
 from kvrows.optimized.rows import (
     RowWindow,
     Storage,
@@ -102,6 +103,7 @@ def _split(rows: list[RowWindow], heads: list[int], *, sinks: bool) -> list[RowW
     return parts
 
 
+@implements("ring")
 class RingGeometry(Storage):
     """What both ring designs share: the window, and what a ring layout answers."""
 
