@@ -147,7 +147,9 @@ def arrays(planes: PlaneSet | None) -> tuple[mx.array, ...]:
 
 def token_count(planes: PlaneSet) -> int:
     """Tokens a token geometry's plane set holds (its first plane's token axis)."""
-    return int(next(iter(planes.values()))[0].shape[TOKEN_AXIS])
+    for held in planes.values():
+        return int(held[0].shape[TOKEN_AXIS])
+    return 0
 
 
 def kv_pair(planes: PlaneSet) -> tuple[Planes, Planes]:
@@ -308,8 +310,10 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             batch = int(keys.shape[0])
             self._offsets, self._pads = [0] * batch, [0] * batch
         n = int(keys.shape[2])
+        key_tensor, value_tensor = KV_TENSORS
         block: PlaneSet = {
-            t: self.codec.encode(x, t) for t, x in zip(KV_TENSORS, (keys, values), strict=True)
+            key_tensor: self.codec.encode(keys, key_tensor),
+            value_tensor: self.codec.encode(values, value_tensor),
         }
         self._append(block, n, geometry)
         self._offsets = [o + n for o in self._offsets]
@@ -320,8 +324,11 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         if self._planes is None:
             raise LayoutStateError(NOTHING_TO_FETCH)
         visible = self._visible(self._planes)
-        keys, values = (self.codec.fetched(visible[t], t) for t in KV_TENSORS)
-        return keys, values
+        key_tensor, value_tensor = KV_TENSORS
+        return (
+            self.codec.fetched(visible[key_tensor], key_tensor),
+            self.codec.fetched(visible[value_tensor], value_tensor),
+        )
 
     def _held_window(self, row: int | None) -> PlaneSet | None:
         """Row ``row``'s planes in time order (every row's on a serial storage when

@@ -83,7 +83,8 @@ class GrowingGeometry(Storage):
     def _visible(self, planes: PlaneSet) -> PlaneSet:
         start, batch = self._origin, len(self._offsets)
         stop = start + self.width
-        return mapped(planes, lambda p: p[:batch, :, start:stop])
+        # Every decode step reads this: a comprehension, no per-plane call.
+        return {t: tuple(p[:batch, :, start:stop] for p in held) for t, held in planes.items()}
 
     def _window(self, planes: PlaneSet, row: int | None) -> PlaneSet | None:
         if row is None:
