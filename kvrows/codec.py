@@ -25,17 +25,20 @@ from kvrows.validation import KvGeometry
 
 __all__ = [
     "DTYPE_SIZES",
+    "KV_TENSORS",
     "TURBO_GROUP",
     "TURBO_HEAD_DIMS",
     "Codec",
     "CodecLayout",
     "CodecSpec",
+    "PlaneSet",
     "PlaneSpec",
     "Reads",
     "Role",
     "check_turbo_dim",
     "codec_plane_specs",
     "codec_token_bytes",
+    "kv_dim",
 ]
 
 #: Bytes per element of every dtype a plane may have.
@@ -53,6 +56,19 @@ DTYPE_SIZES: dict[str, int] = {
 #: stores keys (asymmetric affine) and values (rotated Lloyd-Max) differently, so every
 #: codec operation that depends on the layout takes the role (default ``"keys"``).
 Role: TypeAlias = Literal["keys", "values"]
+
+#: The tensors of a KV codec, in the order a block hands them in (``update_and_fetch``).
+KV_TENSORS: tuple[Role, ...] = ("keys", "values")
+
+#: What the row machinery moves: each tensor's planes, in ``plane_specs`` order (contract
+#: §0.1). It never looks at a plane's meaning; each implementation's arrays fill it.
+PlaneSet: TypeAlias = dict[str, tuple[Any, ...]]
+
+
+def kv_dim(geometry: KvGeometry, tensor: str) -> int:
+    """The head dim of a KV tensor (``"keys"``: ``key_dim``, ``"values"``: ``value_dim``)."""
+    return geometry.key_dim if tensor == "keys" else geometry.value_dim
+
 
 #: TurboQuant: head dims it stores, and the group size of its scales (``spec/turbo-codec.md``).
 TURBO_HEAD_DIMS: tuple[int, ...] = (64, 128, 256, 512)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar, Self, TypeVar
 
-from kvrows.codec import PlaneSpec
+from kvrows.codec import PlaneSet, PlaneSpec
 from kvrows.compositions import Composition
 from kvrows.errors import PROJECTED_BYTES_NEEDS_GEOMETRY, InvalidInputError, LayoutStateError
 from kvrows.schemes import CodecSpec, GeometrySpec
@@ -28,20 +28,22 @@ __all__ = [
 
 
 class PlaneHolder:
-    """A cache whose state is its key and value planes (``None`` while it holds nothing)."""
+    """A cache whose state is its plane set (``None`` while it holds nothing)."""
 
-    _keys: tuple[Any, ...] | None
-    _values: tuple[Any, ...] | None
+    _planes: PlaneSet | None
+
+    def _held_planes(self) -> tuple[Any, ...]:
+        return () if self._planes is None else tuple(p for h in self._planes.values() for p in h)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the arrays held, capacity slack included."""
-        return sum(int(p.nbytes) for p in (self._keys or ()) + (self._values or ()))
+        return sum(int(p.nbytes) for p in self._held_planes())
 
     @property
     def state(self) -> tuple[Any, ...]:
         """The arrays to evaluate at a chunk boundary (borrowed)."""
-        return (self._keys or ()) + (self._values or ())
+        return self._held_planes()
 
     @property
     def state_needs_dispose(self) -> bool:

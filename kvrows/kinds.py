@@ -11,7 +11,7 @@ from typing import Any, Generic, TypeVar
 
 from kvrows.errors import InvalidInputError, KvRowsError
 
-__all__ = ["KindRegistry"]
+__all__ = ["Implementations", "KindRegistry"]
 
 Spec = TypeVar("Spec")
 #: A registered class (the decorator hands the class back, its type kept).
@@ -61,3 +61,47 @@ class KindRegistry(Generic[Spec]):
                 f"no {self.noun} of kind {kind!r}: expected one of {tuple(self.classes)}"
             )
         return spec
+
+
+#: A class an implementation registers for a kind (the decorator hands it back, typed).
+ImplementationClass = TypeVar("ImplementationClass", bound=type[Any])
+
+
+class Implementations:
+    """One implementation's classes by spec kind (its geometry hooks): each module of the
+    implementation's package registers its class with :meth:`implements`, and
+    :meth:`build` makes the one a spec's ``kind`` names. Only kinds and classes move
+    here, so the twins share the mechanism and keep their arrays apart."""
+
+    def __init__(self, implementation: str, what: str) -> None:
+        #: How messages name the implementation and what it registers.
+        self.implementation, self.what = implementation, what
+        #: The class of each kind; it is built from the spec alone.
+        self.classes: dict[str, type[Any]] = {}
+
+    def implements(self, kind: str) -> Callable[[ImplementationClass], ImplementationClass]:
+        """Class decorator: this implementation's class of the ``kind`` spec."""
+
+        def register(implementation: ImplementationClass) -> ImplementationClass:
+            if self.classes.get(kind, implementation) is not implementation:
+                raise KvRowsError(
+                    f"two {self.implementation} {self.what} classes implement {kind!r}"
+                )
+            self.classes[kind] = implementation
+            return implementation
+
+        return register
+
+    def lookup(self, kind: str) -> type[Any]:
+        """The class registered for ``kind``."""
+        implementation = self.classes.get(kind)
+        if implementation is None:
+            raise InvalidInputError(
+                f"the {self.implementation} has no {self.what} of kind {kind!r}: "
+                f"expected one of {tuple(self.classes)}"
+            )
+        return implementation
+
+    def build(self, spec: Any) -> Any:
+        """This implementation's object for ``spec`` (by ``spec.kind``)."""
+        return self.lookup(spec.kind)(spec)

@@ -45,8 +45,8 @@ from kvrows.errors import (
     InvalidInputError,
     LayoutStateError,
 )
-from kvrows.optimized.ring import RingGeometry, SharedRing
-from kvrows.optimized.rows import Layout, Serial, Storage
+from kvrows.optimized.geometries.ring import RingGeometry, SharedRing
+from kvrows.optimized.rows import Layout, Serial, Storage, token_count
 from kvrows.protocols import Cache, Mask
 from kvrows.validation import as_count, check_keep
 
@@ -337,8 +337,8 @@ class LayoutBatchOps(_LayoutBase):
         for b, (r, t) in enumerate(zip(real, tail, strict=True)):
             if r or not t:
                 continue
-            held = self._window_pair(b)
-            if held is not None and int(held[0][0].shape[2]) >= self.max_size:
+            held = self._held_window(b)
+            if held is not None and token_count(held) >= self.max_size:
                 raise LayoutStateError(
                     f"row {b} holds a full window of {self.max_size} tokens and would "
                     "receive only padding: its window would evict a real token for a pad"

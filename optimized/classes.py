@@ -1,8 +1,8 @@
 """The optimized implementation's public classes: one declaration per landed composition.
 
-Each class is a geometry (``growing.py``, ``ring.py``) plus an arrangement (``rows.py``),
-plus ``bits``/``group_size`` when its codec is affine; it names its entry of the
-composition table (``kvrows.compositions``), which gives its constructor parameters, its
+Each class is a geometry (``geometries/growing.py``, ``geometries/ring.py``) plus an
+arrangement (``rows.py``), plus ``bits``/``group_size`` when its codec is affine; it names
+its entry of the composition table (``kvrows.compositions``), which gives its constructor parameters, its
 signature and its roles. ``Storage.__init_subclass__`` checks that the bases agree with
 the entry, and ``kvrows.optimized`` registers every declared class with one call.
 """
@@ -13,8 +13,8 @@ from kvrows.common import AffineParameters, TurboParameters
 from kvrows.compositions import composition
 from kvrows.optimized.batch_dropin import LayoutBatchOps, SerialMerge
 from kvrows.optimized.dropin import LayoutDropIn, SerialDropIn
-from kvrows.optimized.growing import GrowingGeometry, RowAlignment
-from kvrows.optimized.ring import RaggedRing, SharedRing
+from kvrows.optimized.geometries.growing import GrowingGeometry, RowAlignment
+from kvrows.optimized.geometries.ring import RaggedRing, SharedRing
 from kvrows.optimized.rows import Layout, Serial
 from kvrows.optimized.speculative import SpeculativeLayout
 

@@ -27,12 +27,11 @@ from typing import Any
 
 import mlx.core as mx
 
+from kvrows.codec import KV_TENSORS, Role
 from kvrows.compositions import affine_counterpart
 from kvrows.errors import InvalidInputError, LayoutStateError
 from kvrows.optimized.codecs import PlainCodec, make_codec
-from kvrows.optimized.growing import GrowingGeometry
-from kvrows.optimized.ring import RingGeometry
-from kvrows.optimized.rows import DECLARED, Storage
+from kvrows.optimized.rows import DECLARED, Storage, arrays, token_count
 from kvrows.schemes import Affine, CodecSpec
 from kvrows.validation import STEP
 
@@ -54,9 +53,14 @@ _NOT_COPIED = frozenset(
 )
 
 
+def _capped(count: int, cap: int | None) -> int:
+    """``count`` at most ``cap`` (a ring's ``max_size``; ``None``: unbounded)."""
+    return count if cap is None else min(count, cap)
+
+
 def _held(cache: Storage) -> tuple[Any, Any] | None:
     """What attention reads, or ``None`` while the cache holds no buffer."""
-    if cache._keys is None or cache._values is None:
+    if cache._planes is None:
         return None
     return cache.fetch()
 
@@ -64,8 +68,8 @@ def _held(cache: Storage) -> tuple[Any, Any] | None:
 def _write_held(cache: Storage, side: str, value: object) -> None:
     """Replace the tokens ``cache.keys`` (``side == "keys"``) or ``cache.values`` reads."""
     name = f"{type(cache).__name__}.{side}"
-    planes = cache._keys if side == "keys" else cache._values
-    if planes is None:
+    held = cache._planes
+    if held is None:
         if value is None:
             return  # an empty cache reads None; writing None back changes nothing
         raise LayoutStateError(
@@ -84,7 +88,9 @@ def _write_held(cache: Storage, side: str, value: object) -> None:
             f"{name} cannot be set to None on a cache holding tokens: forget tokens with "
             "trim(n), or build a new cache"
         )
-    current = cache.codec.fetched(cache._visible(planes), "keys" if side == "keys" else "values")
+    tensor: Role = "keys" if side == "keys" else "values"
+    planes = held[tensor]
+    current = cache.codec.fetched(cache._visible(held)[tensor], tensor)
     if not isinstance(value, mx.array) or value.shape != current.shape:
         got = f"shape {tuple(value.shape)}" if isinstance(value, mx.array) else type(value)
         raise InvalidInputError(
@@ -96,8 +102,8 @@ def _write_held(cache: Storage, side: str, value: object) -> None:
             f"{name} takes an array of the dtype it holds ({current.dtype}), got {value.dtype}"
         )
     rows, width = int(value.shape[0]), int(value.shape[2])
-    # What attention reads starts at the origin column (growing) or column 0 (rings).
-    start = cache._origin if isinstance(cache, GrowingGeometry) else 0
+    # What attention reads starts at the geometry's first read column (growing: the origin).
+    start = cache._read_start()
     planes[0][:rows, :, start : start + width] = value
 
 
@@ -130,10 +136,9 @@ def encoded_copy(cache: Storage, spec: CodecSpec, target: type[Storage]) -> Stor
     for attribute, value in vars(cache).items():
         if attribute not in _NOT_COPIED:
             setattr(fresh, attribute, copy.deepcopy(value))
-    if cache._keys is not None and cache._values is not None:
-        fresh._keys = codec.encode(cache._keys[0], "keys")
-        fresh._values = codec.encode(cache._values[0], "values")
-        mx.eval(*fresh._keys, *fresh._values)
+    if cache._planes is not None:
+        fresh._planes = {t: codec.encode(cache._planes[t][0], t) for t in KV_TENSORS}
+        mx.eval(*arrays(fresh._planes))
     fresh._changed()
     return fresh
 
@@ -209,7 +214,7 @@ class _HeldPlanes(Storage):
     def empty(self) -> bool:
         """Whether no buffer exists yet (mlx-lm: ``keys is None``; a cache trimmed to zero
         tokens keeps its buffer and is not empty)."""
-        return self._keys is None
+        return self._planes is None
 
     to_quantized = _PlainCodecOnly(_to_quantized)
     step = property(_growth_step, _refuse_step)
@@ -221,7 +226,7 @@ class SerialDropIn(_HeldPlanes):
     def size(self) -> int:
         """Tokens held: ``offset``, at most ``max_size`` for a ring (mlx-lm's ``size()``)."""
         offset = self._offsets[0] if self._offsets else 0
-        return min(offset, self.max_size) if isinstance(self, RingGeometry) else offset
+        return _capped(offset, self._token_geometry.cap())
 
 
 class LayoutDropIn(_HeldPlanes):
@@ -239,7 +244,7 @@ class LayoutDropIn(_HeldPlanes):
         """The key columns attention reads, at most ``max_size`` for a ring (mlx-lm:
         ``BatchKVCache.size()`` is its write column, ``BatchRotatingKVCache.size()`` is
         capped at the window)."""
-        if self._keys is None:
+        if self._planes is None:
             return 0
-        width = int(self._visible(self._keys)[0].shape[2])
-        return min(width, self.max_size) if isinstance(self, RingGeometry) else width
+        width = token_count(self._visible(self._planes))
+        return _capped(width, self._token_geometry.cap())

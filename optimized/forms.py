@@ -25,8 +25,8 @@ from kvrows.forms import (
     stored_geometry,
 )
 from kvrows.optimized.codecs import Planes, dtype_name
-from kvrows.optimized.ring import SharedRing, _stacked
-from kvrows.optimized.rows import DECLARED, Layout, Serial, Storage, owned
+from kvrows.optimized.geometries.ring import SharedRing, _stacked
+from kvrows.optimized.rows import DECLARED, Layout, Serial, Storage, kv_pair, owned, token_count
 from kvrows.schemes import Ring
 from kvrows.validation import KvGeometry
 
@@ -65,14 +65,14 @@ def state_of(storage: Storage) -> tuple[Any, ...]:
     """``storage``'s state in its ``kvrows.forms`` form."""
     entry = storage.composition
     fields: dict[str, Any] = {**_tail(storage)}
-    keys, values = storage._keys, storage._values
-    held = keys is not None and values is not None
+    planes = storage._planes
+    held = planes is not None
     if isinstance(storage, Serial):
         fields["offset"] = storage.offset
         if entry.geometry == "ring":
             assert isinstance(storage, SharedRing)
             fields.update(_ring_params(storage), idx=storage.ring_index if held else 0)
-            visible = (storage._visible(keys), storage._visible(values)) if held else None  # type: ignore[arg-type]
+            visible = None if planes is None else kv_pair(storage._visible(planes))
         else:
             visible = storage.planes()
         fields["keys"] = _field(storage, None if visible is None else visible[0])
@@ -85,15 +85,15 @@ def state_of(storage: Storage) -> tuple[Any, ...]:
     if isinstance(storage, SharedRing) and storage.keep == 0:  # mlx-lm's physical form
         pads = list(storage._pads)
         fields.update(total=storage._total, idx=storage._idx, rotated=storage._rotated)
-        visible = (storage._visible(keys), storage._visible(values)) if held else None  # type: ignore[arg-type]
+        visible = None if planes is None else kv_pair(storage._visible(planes))
     else:
         ends = {p + t for p, t in zip(storage._pads, offsets, strict=True)}
-        if held and len(ends) == 1 and entry.geometry == "growing":
+        if planes is not None and len(ends) == 1 and entry.geometry == "growing":
             pads, width = list(storage._pads), ends.pop()
-            visible = (storage._visible(keys), storage._visible(values))  # type: ignore[arg-type]
+            visible = kv_pair(storage._visible(planes))
         else:
             rows = storage._each_row()
-            lengths = [0 if k is None else int(k[0].shape[2]) for k, _, _ in rows]
+            lengths = [0 if h is None else token_count(h) for h, _ in rows]
             width = max(lengths, default=0)
             pads = [width - n for n in lengths]
             saved_pads = getattr(storage, "saved_pads", None)  # a shared ring's hook
@@ -101,7 +101,14 @@ def state_of(storage: Storage) -> tuple[Any, ...]:
                 pads = saved_pads(pads)
             geometry = storage.geometry
             visible = (
-                _stacked(storage.codec, rows, lengths, width, geometry, right_aligned=True)
+                kv_pair(
+                    _stacked(
+                        storage._zeros(len(rows), width, geometry),
+                        rows,
+                        lengths,
+                        right_aligned=True,
+                    )
+                )
                 if width and geometry is not None
                 else None
             )
@@ -203,7 +210,7 @@ def _serial_row(
             raise InvalidInputError(empty_state_row_message(offset))
         return serial
     assert isinstance(serial, Serial)
-    return serial.adopt(keys, values, offset, kv)
+    return serial.adopt({"keys": keys, "values": values}, offset, kv)
 
 
 def _restore_serial(fresh: _S, fields: dict[str, Any], kv: KvGeometry) -> _S:
@@ -217,7 +224,7 @@ def _restore_serial(fresh: _S, fields: dict[str, Any], kv: KvGeometry) -> _S:
     owned_values = tuple(owned(p[:, :, :held]) for p in values)
     mx.eval(*owned_keys, *owned_values)
     assert isinstance(fresh, Serial)
-    fresh.adopt(owned_keys, owned_values, offset, kv)
+    fresh.adopt({"keys": owned_keys, "values": owned_values}, offset, kv)
     if isinstance(fresh, SharedRing):
         idx = fields["idx"]
         if not 0 <= idx <= held:

@@ -102,7 +102,7 @@ class BatchKVCache(_PaddedRows, BatchedKVCache):
         if extra <= 0 or not any(self._offsets):
             return
         pads = [p + extra for p in self._pads]
-        if self._keys is not None and extra <= self._origin:
+        if self._planes is not None and extra <= self._origin:
             self._origin -= extra
             self._pads = pads
         else:
@@ -125,7 +125,7 @@ class BatchKVCache(_PaddedRows, BatchedKVCache):
         # The core invariant "some row starts at column 0" does not hold here: the shared
         # pad columns are kept. The rest does.
         assert all(p >= 0 for p in self._pads)
-        if self._keys is not None:
+        if self._planes is not None:
             assert len(self._offsets) <= self.slots
             assert self._origin + self.width <= self.capacity
 

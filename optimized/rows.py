@@ -19,8 +19,8 @@ arrangement. This module owns everything that does not depend on the geometry:
 The two arrangements are :class:`Serial` (one request; the rows of a serial storage are
 the rows of its blocks, all at one position) and :class:`Layout` (rows joined from
 several requests; ``composition.shared_column`` says whether they share one write
-column). A geometry (``growing.py``, ``ring.py``) is a class that supplies only the hooks
-(see :class:`Storage`); a public class is a geometry plus an arrangement
+column). A geometry (one module per kind in ``geometries/``) is a class that supplies
+only the hooks (see :class:`Storage`); a public class is a geometry plus an arrangement
 (``classes.py``). Modifiers (delayed, speculative) will wrap a layout: see
 :meth:`Storage.__init_subclass__`.
 """
@@ -28,11 +28,12 @@ column). A geometry (``growing.py``, ``ring.py``) is a class that supplies only 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar, TypeAlias, TypeVar
 
 import mlx.core as mx
 
+from kvrows.codec import KV_TENSORS, PlaneSet, kv_dim
 from kvrows.common import ComposedIdentity, PlaneHolder, SavedState, check_counts, row_bytes
 from kvrows.compositions import Composition, bind_arguments
 from kvrows.errors import (
@@ -64,11 +65,29 @@ from kvrows.validation import (
     common_geometry,
 )
 
-__all__ = ["Layout", "RowWindow", "Serial", "Storage", "owned", "spare_slots"]
+__all__ = [
+    "TOKEN_AXIS",
+    "Layout",
+    "RowWindow",
+    "Serial",
+    "Storage",
+    "arrays",
+    "joined",
+    "kv_pair",
+    "mapped",
+    "owned",
+    "paired",
+    "row_of",
+    "spare_slots",
+    "token_count",
+]
 
-#: One row handed from a source to a merge: its key planes and value planes in time order
-#: (views, ``[1, H, T, ·]``; ``None`` when it holds no token) and its position.
-RowWindow: TypeAlias = tuple[Planes | None, Planes | None, int]
+#: One row handed from a source to a merge: its planes in time order (views, ``[1, ...]``:
+#: a token geometry's ``[1, H, T, ·]``; ``None`` when it holds nothing) and its position.
+RowWindow: TypeAlias = tuple[PlaneSet | None, int]
+
+#: The token axis of every plane a token geometry holds (``[rows, H, T, ·]``).
+TOKEN_AXIS = 2
 
 _S = TypeVar("_S", bound="Storage")
 
@@ -94,6 +113,50 @@ def spare_slots(rows: int) -> int:
     return rows + max(1, rows // 8)
 
 
+def mapped(planes: PlaneSet, change: Callable[[mx.array], mx.array]) -> PlaneSet:
+    """``change`` applied to every plane of every tensor."""
+    return {tensor: tuple(change(p) for p in held) for tensor, held in planes.items()}
+
+
+def paired(first: PlaneSet, second: PlaneSet) -> Iterator[tuple[mx.array, mx.array]]:
+    """Each plane of ``first`` with the plane of ``second`` at the same place (a block's
+    planes with the buffers they go to)."""
+    for tensor, held in first.items():
+        yield from zip(held, second[tensor], strict=True)
+
+
+def joined(first: PlaneSet, second: PlaneSet, axis: int = TOKEN_AXIS) -> PlaneSet:
+    """``second`` appended to ``first`` along ``axis`` (tokens; 0: rows)."""
+    return {
+        tensor: tuple(
+            mx.concatenate([a, b], axis=axis) for a, b in zip(held, second[tensor], strict=True)
+        )
+        for tensor, held in first.items()
+    }
+
+
+def row_of(planes: PlaneSet, row: int) -> PlaneSet:
+    """Row ``row`` of a batched plane set (a view, ``[1, ...]``, whatever the rank)."""
+    return {tensor: tuple(p[row : row + 1] for p in held) for tensor, held in planes.items()}
+
+
+def arrays(planes: PlaneSet | None) -> tuple[mx.array, ...]:
+    """Every plane held, tensor by tensor (none for ``None``)."""
+    return () if planes is None else tuple(p for held in planes.values() for p in held)
+
+
+def token_count(planes: PlaneSet) -> int:
+    """Tokens a token geometry's plane set holds (its first plane's token axis)."""
+    for held in planes.values():
+        return int(held[0].shape[TOKEN_AXIS])
+    return 0
+
+
+def kv_pair(planes: PlaneSet) -> tuple[Planes, Planes]:
+    """The key and value planes of a KV plane set (the tests' and conformance's views)."""
+    return planes["keys"], planes["values"]
+
+
 def _shape(value: object) -> tuple[int, ...]:
     return tuple(value.shape) if isinstance(value, mx.array) else ()
 
@@ -101,16 +164,20 @@ def _shape(value: object) -> tuple[int, ...]:
 class Storage(SavedState, ComposedIdentity, PlaneHolder):
     """What every storage is, serial or layout, whatever its geometry.
 
+    It holds ``_planes``: a :data:`PlaneSet` (each tensor's planes, ``None`` before the
+    first write); the templates and hooks iterate over its tensors and never name one.
+
     Geometry hooks (a geometry class overrides each; the templates call them after
     validating): ``_reset_geometry()`` (forget the geometry's own state),
-    ``_append(keys, values, n, geometry)`` (write an encoded block; the row positions
-    advance afterwards), ``_visible(planes)`` (what ``fetch`` returns, per plane tuple),
-    ``_window(planes, row)`` (row ``row``'s stored tokens in time order, or every row's
+    ``_append(block, n, geometry)`` (write an encoded plane set; the row positions
+    advance afterwards), ``_visible(planes)`` (what ``fetch`` returns),
+    ``_window(planes, row)`` (row ``row``'s stored planes in time order, or every row's
     when ``row`` is ``None`` on a serial storage; ``None`` when nothing is held),
     ``_place(incoming, geometry)`` (join rows; the positions are appended afterwards),
     ``_keep(order)`` (keep rows), ``_check_trim(counts)`` / ``_forget(counts)``,
-    ``_adopt(keys, values, offset)`` (a serial storage takes an extracted window),
-    ``_serial_mask`` / ``_layout_mask``, ``is_trimmable``.
+    ``_adopt(planes, offset)`` (a serial storage takes an extracted window),
+    ``_serial_mask`` / ``_layout_mask``, ``is_trimmable``. A geometry without a token
+    axis implements the same hooks over whole rows (axis 0 only).
     """
 
     composition: ClassVar[Composition]
@@ -121,8 +188,7 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     arrangement_kinds: ClassVar[frozenset[str]]
 
     codec: Codec
-    _keys: Planes | None
-    _values: Planes | None
+    _planes: PlaneSet | None
     _geometry: KvGeometry | None
     _offsets: list[int]
     _pads: list[int]
@@ -175,7 +241,7 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
 
     def _clear(self) -> None:
         """Hold no row and no buffer (the KV geometry, once known, is kept)."""
-        self._keys = self._values = None
+        self._planes = None
         self._offsets, self._pads = [], []
         self._changed()
         self._reset_geometry()
@@ -186,7 +252,15 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
 
     def held_arrays(self) -> tuple[Any, ...]:
         """The buffers held, borrowed (to evaluate at a chunk boundary; ``state`` may copy)."""
-        return (self._keys or ()) + (self._values or ())
+        return arrays(self._planes)
+
+    def _zeros(self, rows: int, columns: int, geometry: KvGeometry) -> PlaneSet:
+        """Zero planes of every tensor, ``rows`` rows of ``columns`` tokens."""
+        heads, dtype = geometry.heads, geometry.dtype
+        return {
+            t: self.codec.zeros(rows, heads, columns, kv_dim(geometry, t), dtype, t)
+            for t in KV_TENSORS
+        }
 
     # -- saved state (``SavedState``; mechanics: ``optimized/forms.py``) ---------------------
     def _state(self) -> tuple[Any, ...]:
@@ -236,27 +310,34 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             batch = int(keys.shape[0])
             self._offsets, self._pads = [0] * batch, [0] * batch
         n = int(keys.shape[2])
-        self._append(
-            self.codec.encode(keys, "keys"), self.codec.encode(values, "values"), n, geometry
-        )
+        key_tensor, value_tensor = KV_TENSORS
+        block: PlaneSet = {
+            key_tensor: self.codec.encode(keys, key_tensor),
+            value_tensor: self.codec.encode(values, value_tensor),
+        }
+        self._append(block, n, geometry)
         self._offsets = [o + n for o in self._offsets]
         self._changed()
         return self.fetch()
 
     def fetch(self) -> tuple[Any, Any]:
-        if self._keys is None or self._values is None:
+        if self._planes is None:
             raise LayoutStateError(NOTHING_TO_FETCH)
+        visible = self._visible(self._planes)
+        key_tensor, value_tensor = KV_TENSORS
         return (
-            self.codec.fetched(self._visible(self._keys), "keys"),
-            self.codec.fetched(self._visible(self._values), "values"),
+            self.codec.fetched(visible[key_tensor], key_tensor),
+            self.codec.fetched(visible[value_tensor], value_tensor),
         )
 
+    def _held_window(self, row: int | None) -> PlaneSet | None:
+        """Row ``row``'s planes in time order (every row's on a serial storage when
+        ``row`` is ``None``); ``None`` when nothing is held."""
+        return None if self._planes is None else self._window(self._planes, row)
+
     def _window_pair(self, row: int | None) -> tuple[Planes, Planes] | None:
-        if self._keys is None or self._values is None:
-            return None
-        keys = self._window(self._keys, row)
-        values = self._window(self._values, row)
-        return None if keys is None or values is None else (keys, values)
+        held = self._held_window(row)
+        return None if held is None else kv_pair(held)
 
     def _row_windows(self) -> list[RowWindow]:
         """Every row this storage holds, as a merge takes it."""
@@ -266,8 +347,7 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         """Every row's window, one by one (a layout's rows)."""
         rows: list[RowWindow] = []
         for b, offset in enumerate(self._offsets):
-            held = self._window_pair(b)
-            rows.append((None, None, offset) if held is None else (held[0], held[1], offset))
+            rows.append((self._held_window(b), offset))
         return rows
 
     def make_mask(
@@ -282,13 +362,13 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     def _reset_geometry(self) -> None:
         raise NotImplementedError
 
-    def _append(self, keys: Planes, values: Planes, n: int, geometry: KvGeometry) -> None:
+    def _append(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
         raise NotImplementedError
 
-    def _visible(self, planes: Planes) -> Planes:
+    def _visible(self, planes: PlaneSet) -> PlaneSet:
         raise NotImplementedError
 
-    def _window(self, planes: Planes, row: int | None) -> Planes | None:
+    def _window(self, planes: PlaneSet, row: int | None) -> PlaneSet | None:
         raise NotImplementedError
 
     def _place(self, incoming: list[RowWindow], geometry: KvGeometry | None) -> None:
@@ -303,7 +383,7 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     def _forget(self, counts: Sequence[int]) -> None:
         raise NotImplementedError
 
-    def _adopt(self, keys: Planes, values: Planes, offset: int) -> None:
+    def _adopt(self, planes: PlaneSet, offset: int) -> None:
         raise NotImplementedError
 
     def _serial_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
@@ -314,6 +394,15 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
 
     def _check_geometry(self) -> None:
         raise NotImplementedError
+
+    def _holds_nothing(self, held: PlaneSet) -> bool:
+        """Whether a window holds no token (a geometry without a token axis: never)."""
+        return token_count(held) == 0
+
+    def _read_start(self) -> int:
+        """The buffer column what ``_visible`` returns starts at (0 unless a geometry
+        keeps an origin)."""
+        return 0
 
     def is_trimmable(self) -> bool:
         raise NotImplementedError
@@ -336,11 +425,11 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     def _roll_right(self, start: int, stop: int, shifts: list[int]) -> None:
         """Rotate each row's columns ``[start, stop)`` right by its shift: its trailing
         pads wrap round to the front, where the row's left padding then covers them."""
-        assert self._keys is not None and self._values is not None
+        assert self._planes is not None
         rows, width = len(shifts), stop - start
         index = (mx.arange(width)[None, :] - mx.array(shifts)[:, None]) % width
         index = index[:, None, :, None]
-        for plane in (*self._keys, *self._values):
+        for plane in arrays(self._planes):
             region = plane[:rows, :, start:stop]
             plane[:rows, :, start:stop] = mx.take_along_axis(region, index, axis=2)
 
@@ -365,15 +454,11 @@ class Serial(Storage):
         return self._serial_mask(n, return_array, window)
 
     def _row_windows(self) -> list[RowWindow]:
-        held = self._window_pair(None)
+        held = self._held_window(None)
         offset = self.offset
-        if held is None or int(held[0][0].shape[2]) == 0:
-            return [(None, None, offset)] * max(1, self.rows)
-        keys, values = held
-        return [
-            (tuple(p[b : b + 1] for p in keys), tuple(p[b : b + 1] for p in values), offset)
-            for b in range(self.rows)
-        ]
+        if held is None or self._holds_nothing(held):
+            return [(None, offset)] * max(1, self.rows)
+        return [(row_of(held, b), offset) for b in range(self.rows)]
 
     def trim(self, n: int) -> int:
         count = as_count(n, "n")
@@ -385,18 +470,16 @@ class Serial(Storage):
             self._offsets = [o - count for o in self._offsets]
         return count
 
-    def adopt(
-        self: _S, keys: Planes, values: Planes, offset: int, geometry: KvGeometry | None
-    ) -> _S:
-        """Make this (empty) storage hold ``keys``/``values`` (owned, compact, in time order)
-        as the newest tokens below position ``offset``."""
-        if self._keys is not None:
+    def adopt(self: _S, planes: PlaneSet, offset: int, geometry: KvGeometry | None) -> _S:
+        """Make this (empty) storage hold ``planes`` (owned, compact, in time order) as the
+        newest tokens below position ``offset``."""
+        if self._planes is not None:
             raise LayoutStateError(ADOPT_NEEDS_EMPTY)
-        rows = int(keys[0].shape[0])
-        self._keys, self._values, self._geometry = keys, values, geometry
+        rows = int(next(iter(planes.values()))[0].shape[0])
+        self._planes, self._geometry = planes, geometry
         self._offsets, self._pads = [offset] * rows, [0] * rows
         self._changed()
-        self._adopt(keys, values, offset)
+        self._adopt(planes, offset)
         return self
 
     def planes(self) -> tuple[Planes, Planes] | None:
@@ -494,7 +577,7 @@ class Layout(Storage):
             return
         self._geometry = geometry
         self._place(incoming, geometry)
-        self._offsets = self._offsets + [offset for _, _, offset in incoming]
+        self._offsets = self._offsets + [offset for _, offset in incoming]
         self._changed()
 
     def filter_rows(self, keep: Sequence[int]) -> None:
@@ -515,14 +598,13 @@ class Layout(Storage):
         serial = DECLARED[self.composition.serial or self.composition.name]
         assert issubclass(serial, Serial)
         cache = serial._spawn(self)
-        held = self._window_pair(index)
-        if held is None or int(held[0][0].shape[2]) == 0:
+        held = self._held_window(index)
+        if held is None or self._holds_nothing(held):
             cache._geometry = self._geometry  # an empty row still knows its geometry
             return cache
-        keys = tuple(owned(p) for p in held[0])
-        values = tuple(owned(p) for p in held[1])
-        mx.eval(*keys, *values)
-        return cache.adopt(keys, values, self._offsets[index], self._geometry)
+        copies = mapped(held, owned)
+        mx.eval(*arrays(copies))
+        return cache.adopt(copies, self._offsets[index], self._geometry)
 
     def trim(self, n: int) -> int:
         count = as_count(n, "n")

@@ -1,7 +1,7 @@
 """kvrows.reference: the NumPy executable specification of every storage and layout.
 
 ``classes.py`` declares the public classes (one per landed composition), ``rows.py`` is
-the row machinery they share, ``growing.py`` and ``ring.py`` the token geometries' hooks,
+the row machinery they share, ``geometries/`` the geometries' hooks (one module per kind),
 ``codecs/`` the codecs (one module per kind) and attention, ``affine_codec.py`` ``mx.quantize`` in NumPy; ``lego.py`` the bf16-first wrappers.
 """
 

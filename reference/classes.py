@@ -2,7 +2,7 @@
 
 Each names its composition (``kvrows.compositions``): the codec, the token geometry and
 the arrangement come from there, and the row machinery (``rows.py``) with the geometry's
-hooks (``growing.py``, ``ring.py``) does the rest. The mixins add what mlx-lm reads off
+hooks (``geometries/growing.py``, ``geometries/ring.py``) does the rest. The mixins add what mlx-lm reads off
 an affine storage (``bits``, ``group_size``) or a ring (``max_size``, ``keep``).
 """
 
@@ -15,8 +15,8 @@ from kvrows.common import AffineParameters, TurboParameters
 from kvrows.compositions import composition, landed
 from kvrows.delayed import DelayedRows, DelayedSlidingWindow
 from kvrows.errors import KvRowsError, speculative_modifier_message
-from kvrows.reference.growing import RowAlignment
-from kvrows.reference.ring import RingParameters
+from kvrows.reference.geometries.growing import RowAlignment
+from kvrows.reference.geometries.ring import RingParameters
 from kvrows.reference.rows import RowLayout, SerialStorage, Storage
 from kvrows.reference.speculative import SpeculativeLayout
 

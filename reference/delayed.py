@@ -26,7 +26,7 @@ from kvrows.reference.classes import (
     SpeculativeRotatingAffineLayout,
     SpeculativeRotatingKVCache,
 )
-from kvrows.reference.growing import _visible
+from kvrows.reference.geometries.growing import _visible
 from kvrows.reference.lego import (
     Bf16FirstQuantizedKVCache,
     Bf16FirstRotatingQuantizedKVCache,

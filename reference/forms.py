@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from kvrows.codec import KV_TENSORS, PlaneSet, kv_dim
 from kvrows.errors import InvalidInputError, empty_state_row_message
 from kvrows.forms import (
     describe_planes,
@@ -50,16 +51,16 @@ def _right_aligned(storage: Storage, rows: list[Row], width: int) -> tuple[Plane
     geometry = storage.geometry
     assert geometry is not None
     batch, heads, dtype = len(rows), geometry.heads, geometry.dtype
-    keys = storage.codec.zeros(batch, heads, width, geometry.key_dim, dtype, "keys")
-    values = storage.codec.zeros(batch, heads, width, geometry.value_dim, dtype, "values")
+    image: PlaneSet = {
+        t: storage.codec.zeros(batch, heads, width, kv_dim(geometry, t), dtype, t)
+        for t in KV_TENSORS
+    }
     for b, row in enumerate(rows):
-        if row.keys is None or row.values is None:
-            continue
         start = width - row.retained
-        for planes, held in ((keys, row.keys), (values, row.values)):
-            for plane, piece in zip(planes, held, strict=True):
+        for tensor, held in row.planes.items():
+            for plane, piece in zip(image[tensor], held, strict=True):
                 plane[b : b + 1, :, start:width] = piece
-    return keys, values
+    return image["keys"], image["values"]
 
 
 def state_of(storage: Storage) -> tuple[Any, ...]:
@@ -119,6 +120,11 @@ def _copied(planes: tuple[Any, ...]) -> Planes:
     return tuple(np.array(p, copy=True) for p in planes)
 
 
+def _kv_planes(keys: tuple[Any, ...], values: tuple[Any, ...]) -> PlaneSet:
+    """A row's plane set from a saved state's key and value planes (owned copies)."""
+    return {"keys": _copied(keys), "values": _copied(values)}
+
+
 def restore_state(
     cls: type[_S],
     state: Any,
@@ -141,7 +147,7 @@ def restore_state(
     rows = rows_of_state(entry, fields, _joined, keep=keep or 0)
     fresh._geometry = kv
     # A ring row never evicts its first ``keep`` positions (its sinks).
-    sinks = token_geometry.keep if isinstance(token_geometry, Ring) else 0
+    sinks = fresh._sinks
     if isinstance(fresh, SerialStorage):
         offset = fields["offset"]
         if fields["keys"] is not None and (
@@ -150,7 +156,7 @@ def restore_state(
         ):  # fmt: skip
             raise InvalidInputError(f"state offset {offset} disagrees with the keys it holds")
         fresh._rows = [
-            Row(_copied(k), _copied(v), offset, sinks=sinks)
+            Row(_kv_planes(k, v), offset, sinks=sinks)
             for k, v, _ in rows
             if k is not None and v is not None
         ]
@@ -161,7 +167,7 @@ def restore_state(
         serial = fresh.serial_class.from_specs(codec_spec, token_geometry)
         serial._geometry = kv
         if keys is not None and values is not None:
-            serial._rows = [Row(_copied(keys), _copied(values), offset, sinks=sinks)]
+            serial._rows = [Row(_kv_planes(keys, values), offset, sinks=sinks)]
         elif offset:
             raise InvalidInputError(empty_state_row_message(offset))
         sources.append(serial)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvrows.codec import KV_TENSORS, PlaneSet
 from kvrows.errors import InvalidInputError
 from kvrows.lego import Bf16First, FullAttentionLego, SlidingWindowLego, Target, TurboLego
 from kvrows.reference.classes import (
@@ -40,9 +41,10 @@ def to_affine(storage: SerialStorage, spec: Target, affine_class: type[SerialSto
     fresh = affine_class.from_specs(spec, storage.token_geometry, geometry=storage.geometry)
     rows = []
     for row in storage._rows:
-        keys = None if row.keys is None else fresh.codec.encode(row.keys[0], "keys")
-        values = None if row.values is None else fresh.codec.encode(row.values[0], "values")
-        rows.append(Row(keys, values, row.offset, row.pad, row.sinks))
+        planes: PlaneSet = {
+            t: fresh.codec.encode(row.planes[t][0], t) for t in KV_TENSORS if row.held
+        }
+        rows.append(Row(planes, row.offset, row.pad, row.sinks))
     fresh._rows = rows
     return fresh
 

@@ -8,9 +8,10 @@ assembled from them on every read. There is no origin, no slot and no capacity.
 The code is written once, over three axes (``spec/contract.md``):
 
 * the **codec** (``kvrows.reference.codecs``) turns a block into planes and back;
-* the **token geometry** (:class:`TokenAxis`: ``growing.py``, ``ring.py``) says what a row
-  keeps when a block is appended and which of its tokens are its window, and places the
-  rows of a layout in the batch a read returns (:class:`Placement`, one per arrangement);
+* the **geometry** (:class:`TokenAxis`, one module per kind in ``geometries/``, chosen by
+  the spec's kind) says what a row keeps when it is written and what of it a merge or an
+  extraction takes, and places the rows of a layout in the batch a read returns
+  (:class:`Placement`, one per arrangement);
 * the **arrangement** (the composition's ``serial`` / ``shared`` / ``ragged``) picks the
   class here (:class:`SerialStorage` for one request, :class:`RowLayout` for several)
   and the placement.
@@ -24,13 +25,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, TypeVar, cast
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-from kvrows.codec import Role
+from kvrows.codec import KV_TENSORS, PlaneSet, Role, kv_dim
 from kvrows.common import ComposedIdentity, SavedState, check_counts, row_bytes
 from kvrows.compositions import Arrangement, Composition, bind_arguments
 from kvrows.errors import (
@@ -48,7 +49,7 @@ from kvrows.errors import (
 )
 from kvrows.protocols import Cache, Mask
 from kvrows.reference.codecs import Codec, Planes, dtype_name, make_codec
-from kvrows.schemes import GeometrySpec, Ring
+from kvrows.schemes import GeometrySpec
 from kvrows.validation import (
     KvGeometry,
     as_count,
@@ -59,15 +60,29 @@ from kvrows.validation import (
     common_geometry,
 )
 
-__all__ = ["Placement", "Row", "RowLayout", "SerialStorage", "Storage", "TokenAxis"]
+__all__ = [
+    "Placement",
+    "Row",
+    "RowLayout",
+    "SerialStorage",
+    "Storage",
+    "TokenAxis",
+    "TokenRows",
+    "row_share",
+    "stacked",
+]
 
 
 _T = TypeVar("_T", bound="Storage")
 
 
+#: The token axis of every plane a token geometry holds (``[rows, H, T, ·]``).
+TOKEN_AXIS = 2
+
+
 def newest(planes: Planes, count: int) -> Planes:
-    """Copies of the newest ``count`` tokens of ``planes`` (token axis 2)."""
-    length = int(planes[0].shape[2])
+    """Copies of the newest ``count`` tokens of ``planes``."""
+    length = int(planes[0].shape[TOKEN_AXIS])
     return tuple(np.array(p[:, :, length - min(count, length) :], copy=True) for p in planes)
 
 
@@ -75,76 +90,109 @@ def concat(first: Planes | None, second: Planes) -> Planes:
     """``second`` appended to ``first`` along the token axis."""
     if first is None:
         return second
-    return tuple(np.concatenate([a, b], axis=2) for a, b in zip(first, second, strict=True))
+    return tuple(
+        np.concatenate([a, b], axis=TOKEN_AXIS) for a, b in zip(first, second, strict=True)
+    )
 
 
 def _sinks_and_newest(planes: Planes, head: int, count: int) -> Planes:
     """Copies of the oldest ``head`` tokens followed by the newest ``count - head``."""
     if head == 0:
         return newest(planes, count)
-    length = int(planes[0].shape[2])
+    length = int(planes[0].shape[TOKEN_AXIS])
     tail = max(0, min(count, length) - head)
-    return tuple(np.concatenate([p[:, :, :head], p[:, :, length - tail :]], axis=2) for p in planes)
+    return tuple(
+        np.concatenate([p[:, :, :head], p[:, :, length - tail :]], axis=TOKEN_AXIS) for p in planes
+    )
+
+
+def row_share(block: PlaneSet, b: int) -> PlaneSet:
+    """Row ``b``'s share of a batched plane set (axis 0, whatever the planes' rank)."""
+    return {tensor: tuple(p[b : b + 1] for p in planes) for tensor, planes in block.items()}
+
+
+def stacked(sets: Sequence[PlaneSet]) -> PlaneSet:
+    """One-row plane sets stacked along axis 0 (rows; every set holds the same tensors)."""
+    if not sets:
+        return {}
+    return {
+        tensor: tuple(
+            np.concatenate(list(ps), axis=0) for ps in zip(*(s[tensor] for s in sets), strict=True)
+        )
+        for tensor in sets[0]
+    }
 
 
 @dataclass
 class Row:
-    """One request: the tokens it retains, oldest first, and where it stands.
+    """One request: the planes it holds, oldest token first, and where it stands.
 
-    ``keys`` / ``values``: the retained tokens' planes ``[1, H, retained, ·]`` (``None``
-    before its first token); ``offset``: tokens ever appended (the next token's
-    position); ``pad``: what the layout reports as the row's ``left_pad``; ``sinks``: a
-    ring's ``keep``, the first positions that are never evicted (0 elsewhere). The row
-    retains its first ``min(sinks, offset)`` positions, then a run of its newest ones.
+    ``planes``: each tensor's planes for this row (``[1, ...]``; a token geometry's are
+    ``[1, H, retained, ·]``; empty before its first write); ``offset``: tokens ever
+    appended (the next token's position); ``pad``: what the layout reports as the row's
+    ``left_pad``; ``sinks``: a ring's ``keep``, the first positions that are never evicted
+    (0 elsewhere). A token row retains its first ``min(sinks, offset)`` positions, then a
+    run of its newest ones. The token surgery (``newest``, ``append``, ``trim``) is what
+    token geometries call; a geometry without a token axis copies and replaces whole
+    rows (``copy``, ``planes``), and nothing else here reads a token axis.
     """
 
-    keys: Planes | None = None
-    values: Planes | None = None
+    planes: PlaneSet = field(default_factory=dict)
     offset: int = 0
     pad: int = 0
     sinks: int = 0
 
     @property
+    def held(self) -> bool:
+        """Whether the row holds planes (it was written)."""
+        return bool(self.planes)
+
+    @property
     def retained(self) -> int:
-        return 0 if self.keys is None else int(self.keys[0].shape[2])
+        """Tokens the row holds (a token geometry's; 0 when it holds nothing)."""
+        for planes in self.planes.values():
+            return int(planes[0].shape[TOKEN_AXIS])
+        return 0
 
     @property
     def held_sinks(self) -> int:
         """The sink positions the row holds (its oldest retained tokens)."""
         return min(self.sinks, self.offset, self.retained)
 
+    def arrays(self) -> tuple[Any, ...]:
+        """Every plane the row holds, tensor by tensor."""
+        return tuple(p for planes in self.planes.values() for p in planes)
+
+    def copy(self) -> Row:
+        """An independent copy of the whole row."""
+        planes = {t: tuple(np.array(p, copy=True) for p in ps) for t, ps in self.planes.items()}
+        return Row(planes, self.offset, self.pad, self.sinks)
+
     def newest(self, count: int) -> Row:
         """An independent row holding ``count`` of this one's tokens, at its offset: its
         sinks (up to ``count``) and then its newest."""
-        if self.keys is None or self.values is None or count == 0:
+        if not self.planes or count == 0:
             return Row(offset=self.offset, pad=self.pad, sinks=self.sinks)
         head = min(self.held_sinks, count)
-        return Row(
-            _sinks_and_newest(self.keys, head, count),
-            _sinks_and_newest(self.values, head, count),
-            self.offset,
-            self.pad,
-            self.sinks,
-        )
+        planes = {t: _sinks_and_newest(ps, head, count) for t, ps in self.planes.items()}
+        return Row(planes, self.offset, self.pad, self.sinks)
 
-    def append(self, keys: Planes, values: Planes, history: int) -> None:
+    def append(self, block: PlaneSet, history: int) -> None:
         """Keep ``history`` tokens (sinks first, then the newest), then append the block."""
-        n = int(keys[0].shape[2])
-        kept = self.newest(history)
-        self.keys, self.values = concat(kept.keys, keys), concat(kept.values, values)
+        n = next(int(ps[0].shape[TOKEN_AXIS]) for ps in block.values())
+        kept = self.newest(history).planes
+        self.planes = {t: concat(kept.get(t), ps) for t, ps in block.items()}
         self.offset += n
 
     def trim(self, count: int) -> None:
         """Forget the newest ``count`` retained tokens."""
-        if count and self.keys is not None and self.values is not None:
+        if count and self.planes:
             keep = self.retained - count
-            self.keys = tuple(np.array(p[:, :, :keep], copy=True) for p in self.keys)
-            self.values = tuple(np.array(p[:, :, :keep], copy=True) for p in self.values)
+            self.planes = {
+                t: tuple(np.array(p[:, :, :keep], copy=True) for p in ps)
+                for t, ps in self.planes.items()
+            }
         self.offset -= count
-
-    @property
-    def planes(self) -> Planes:
-        return (self.keys or ()) + (self.values or ())
 
 
 class Placement(Protocol):
@@ -192,18 +240,23 @@ class Placement(Protocol):
 
 
 class TokenAxis(Protocol):
-    """How a token geometry organises a row's token axis: the geometry's hooks."""
+    """A geometry's hooks (``reference/geometries/<kind>.py``, one class per kind,
+    registered with ``@implements(kind)``): what a row keeps when it is written, what of
+    it merges and extraction take, when it may forget or publish, and where rows sit in
+    a read. A geometry without a token axis supplies the same hooks over whole rows."""
 
     spec: GeometrySpec
     #: Most positions a row stores (``None``: unbounded); ``projected_bytes`` caps there.
     cap: int | None
+    #: Positions a row never evicts (a ring's ``keep``; 0 elsewhere): ``Row.sinks``.
+    sinks: int
 
-    def history(self, row: Row, n: int) -> int:
-        """How many of its retained tokens a row keeps before it appends ``n`` more."""
+    def append(self, row: Row, block: PlaneSet, n: int) -> None:
+        """Write row ``row``'s share of a block of ``n`` positions (its offset advances)."""
         ...
 
-    def window(self, row: Row) -> int:
-        """How many of a row's newest tokens are its window (what extraction keeps)."""
+    def cut(self, row: Row) -> Row:
+        """An independent copy of what a merge or an extraction takes of ``row``."""
         ...
 
     def cuttable(self, offset: int) -> bool:
@@ -217,34 +270,50 @@ class TokenAxis(Protocol):
     def place(self, arrangement: Arrangement) -> Placement: ...
 
 
-def make_axis(spec: GeometrySpec) -> TokenAxis:
-    """The hooks of the token geometry ``spec``."""
-    from kvrows.reference.growing import GrowingAxis
-    from kvrows.reference.ring import RingAxis
-    from kvrows.schemes import Growing
+class TokenRows:
+    """``append`` and ``cut`` of a geometry with a token axis, from two counts it
+    answers: ``history`` (retained tokens a row keeps before it appends ``n``) and
+    ``window`` (its newest tokens a merge or an extraction takes)."""
 
-    # The union became a protocol (kvrows.geometries): what is not growing is a ring here.
-    return GrowingAxis(spec) if isinstance(spec, Growing) else RingAxis(cast(Ring, spec))
+    def history(self, row: Row, n: int) -> int:
+        raise NotImplementedError
+
+    def window(self, row: Row) -> int:
+        raise NotImplementedError
+
+    def append(self, row: Row, block: PlaneSet, n: int) -> None:
+        row.append(block, self.history(row, n))
+
+    def cut(self, row: Row) -> Row:
+        return row.newest(self.window(row))
+
+
+def make_axis(spec: GeometrySpec) -> TokenAxis:
+    """The hooks of the geometry ``spec`` (the class registered for its kind)."""
+    from kvrows.reference.geometries import build
+
+    axis: TokenAxis = build(spec)
+    return axis
 
 
 def _image(
     codec: Codec,
     geometry: KvGeometry,
     rows: Sequence[Row],
-    which: str,
+    tensor: Role,
     columns: tuple[int, list[tuple[int, int]], int],
     lead: int = 0,
 ) -> Planes:
-    """The batch of ``which`` ("keys" / "values") planes a read returns.
+    """The batch of ``tensor``'s planes a read returns.
 
     ``lead``: a sink block first (a shared ring with ``keep``): row ``b``'s sinks sit
     left-aligned in columns ``[0, lead)`` and only the columns after it roll."""
     width, spans, roll = columns
-    dim = geometry.key_dim if which == "keys" else geometry.value_dim
-    role: Role = "keys" if which == "keys" else "values"
-    out = codec.zeros(len(rows), geometry.heads, width, dim, geometry.dtype, role)
+    out = codec.zeros(
+        len(rows), geometry.heads, width, kv_dim(geometry, tensor), geometry.dtype, tensor
+    )
     for b, (row, (start, shown)) in enumerate(zip(rows, spans, strict=True)):
-        held = row.keys if which == "keys" else row.values
+        held = row.planes.get(tensor)
         if held is None:
             continue
         head = row.held_sinks if lead else 0
@@ -276,16 +345,16 @@ class Storage(SavedState, ComposedIdentity):
         self._geometry: KvGeometry | None = declared
         self._rows: list[Row] = []
         #: A ring's sink tokens (``keep``), 0 for every other geometry.
-        self._sinks = token_geometry.keep if isinstance(token_geometry, Ring) else 0
+        self._sinks = self._axis.sinks
 
     # -- what it holds --------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        return sum(int(p.nbytes) for row in self._rows for p in row.planes)
+        return sum(int(p.nbytes) for row in self._rows for p in row.arrays())
 
     def held_arrays(self) -> tuple[Any, ...]:
         """Every array the rows hold (for byte and aliasing checks)."""
-        return tuple(p for row in self._rows for p in row.planes)
+        return tuple(p for row in self._rows for p in row.arrays())
 
     def _state(self) -> tuple[Any, ...]:
         """The canonical state form (``kvrows.forms``; ``reference/forms.py``)."""
@@ -325,14 +394,11 @@ class Storage(SavedState, ComposedIdentity):
         if geometry is None or not self._fetchable():
             raise LayoutStateError(NOTHING_TO_FETCH)
         columns, lead = self._columns(), self._lead()
-        return (
-            self.codec.fetched(
-                _image(self.codec, geometry, self._rows, "keys", columns, lead), "keys"
-            ),
-            self.codec.fetched(
-                _image(self.codec, geometry, self._rows, "values", columns, lead), "values"
-            ),
+        keys, values = (
+            self.codec.fetched(_image(self.codec, geometry, self._rows, t, columns, lead), t)
+            for t in KV_TENSORS
         )
+        return keys, values
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
         """Validate the block once, encode it once, append row ``b``'s share to row ``b``."""
@@ -345,27 +411,23 @@ class Storage(SavedState, ComposedIdentity):
             geometry=self._geometry,
         )
         self.codec.check(geometry)
-        new_k, new_v = self.codec.encode(keys, "keys"), self.codec.encode(values, "values")
+        block: PlaneSet = {
+            t: self.codec.encode(x, t) for t, x in zip(KV_TENSORS, (keys, values), strict=True)
+        }
         n = int(keys.shape[2])
         if not self._rows:  # a serial storage learns its rows from its first block
             self._rows = [Row(sinks=self._sinks) for _ in range(int(keys.shape[0]))]
         self._advance(n)
         for b, row in enumerate(self._rows):
-            row.append(
-                tuple(p[b : b + 1] for p in new_k),
-                tuple(p[b : b + 1] for p in new_v),
-                self._axis.history(row, n),
-            )
+            self._axis.append(row, row_share(block, b), n)
         self._geometry = geometry
         return self.fetch()
 
-    def _window(self, row: Row) -> tuple[Planes, Planes] | None:
-        """Copies of ``row``'s window in temporal order (``None`` before its first token)."""
-        if row.offset == 0 or row.keys is None:
+    def _window(self, row: Row) -> PlaneSet | None:
+        """Copies of ``row``'s window in temporal order (``None`` before its first write)."""
+        if row.offset == 0 or not row.held:
             return None
-        cut = row.newest(self._axis.window(row))
-        assert cut.keys is not None and cut.values is not None
-        return cut.keys, cut.values
+        return self._axis.cut(row).planes
 
     def __repr__(self) -> str:
         return (
@@ -428,32 +490,36 @@ class SerialStorage(Storage):
         assert all(r.retained <= r.offset for r in self._rows)
 
     # -- read-only views for tests and conformance -------------------------------------------
-    def planes(self) -> tuple[Planes, Planes] | None:
-        """Every retained token's key and value planes, rows stacked (``None`` when empty)."""
+    def plane_set(self) -> PlaneSet | None:
+        """Every row's planes, rows stacked (``None`` when empty)."""
         if not self._rows:
             return None
-        keys = [r.keys for r in self._rows if r.keys is not None]
-        values = [r.values for r in self._rows if r.values is not None]
-        return _stack(keys), _stack(values)
+        return stacked([r.planes for r in self._rows if r.held])
+
+    def planes(self) -> tuple[Planes, Planes] | None:
+        """Every retained token's key and value planes, rows stacked (``None`` when empty)."""
+        held = self.plane_set()
+        return None if held is None else _kv(held)
 
     def window(self) -> tuple[Planes, Planes] | None:
         """The newest ``min(offset, window)`` tokens' planes in temporal order."""
         windows = [self._window(row) for row in self._rows]
         if not windows or any(w is None for w in windows):
             return None
-        return _stack([w[0] for w in windows if w]), _stack([w[1] for w in windows if w])
+        return _kv(stacked([w for w in windows if w is not None]))
 
     def adopt(self, row: Row, geometry: KvGeometry | None) -> SerialStorage:
         """Make this (empty) storage hold ``row`` (used by extraction)."""
         if self._rows:
             raise LayoutStateError(ADOPT_NEEDS_EMPTY)
-        self._rows = [] if row.keys is None else [row]
+        self._rows = [row] if row.held else []
         self._geometry = geometry
         return self
 
 
-def _stack(planes: Sequence[Planes]) -> Planes:
-    return tuple(np.concatenate(list(ps), axis=0) for ps in zip(*planes, strict=True))
+def _kv(planes: PlaneSet) -> tuple[Planes, Planes]:
+    """The key and value planes of a KV plane set (the tests' and conformance's views)."""
+    return planes["keys"], planes["values"]
 
 
 class RowLayout(Storage):
@@ -530,7 +596,8 @@ class RowLayout(Storage):
 
     def row_window(self, row: int) -> tuple[Planes, Planes] | None:
         """Row ``row``'s window in temporal order (``None`` before its first token)."""
-        return self._window(self._rows[check_row(row, self.batch_size)])
+        held = self._window(self._rows[check_row(row, self.batch_size)])
+        return None if held is None else _kv(held)
 
     row_planes = row_window
 
@@ -551,7 +618,7 @@ class RowLayout(Storage):
         )
 
     def _cut(self, row: Row) -> Row:
-        return row.newest(self._axis.window(row))
+        return self._axis.cut(row)
 
     def merge_rows(self, rows: Sequence[Any]) -> None:
         """Form the batch (empty layout) or join ``rows`` (running layout)."""

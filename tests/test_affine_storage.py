@@ -43,9 +43,7 @@ def test_bytes_follow_the_formula(impl: ModuleType, group: int, bits: int) -> No
     # per element: bits/8 bytes of codes + a float16 scale and bias per group of `group`
     per_token = 2 * 2 * dim * (bits / 8 + 2 * 2 / group)  # K and V, 2 heads
     assert layout.projected_bytes(100) == pytest.approx(100 * per_token)
-    arrays = (
-        layout.held_arrays() if impl is reference else (layout._keys or ()) + (layout._values or ())
-    )
+    arrays = layout.held_arrays()
     held = sum(int(np.array(p).nbytes) for p in arrays)
     assert layout.nbytes == held
     if impl is optimized:

@@ -315,11 +315,11 @@ def test_current_pads_are_a_no_op_and_a_move_copies_once() -> None:
     opt = _build((4, 32), "bfloat16", [6, 2, 4], 1, [0, 0, 2], seed=9)[1]
     opt.filter_rows([1, 2])  # the shared padding moves the origin
     assert opt._origin > 0
-    keys = opt._keys
+    planes = opt._planes
     opt.align_rows(opt.left_pad)
-    assert opt._keys is keys
+    assert opt._planes is planes
     opt.align_rows([3, 0])
-    assert opt._keys is not keys and opt._origin == 0
+    assert opt._planes is not planes and opt._origin == 0
     assert opt.slots > opt.batch_size and opt.capacity > opt.width == 6
 
 

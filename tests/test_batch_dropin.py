@@ -28,7 +28,7 @@ from kvrows.errors import (
     NotTrimmableError,
     RowIndexError,
 )
-from kvrows.optimized.ring import RingGeometry
+from kvrows.optimized.geometries.ring import RingGeometry
 from kvrows.optimized.rows import Layout, Serial
 
 peer: Any = mlx_lm_cache  # untyped

@@ -30,8 +30,8 @@ def _planes(storage: Any) -> list[np.ndarray]:
     offset = int(storage.offset)
     rows = getattr(storage, "_rows", None)
     if rows is not None:
-        return [np.asarray(p)[..., :offset, :] for p in (*rows[0].keys, *rows[0].values)]
-    return [np.asarray(p)[..., :offset, :] for p in (*storage._keys, *storage._values)]
+        return [np.asarray(p)[..., :offset, :] for p in rows[0].arrays()]
+    return [np.asarray(p)[..., :offset, :] for p in storage.held_arrays()]
 
 
 @pytest.mark.parametrize("start", [0, 5])

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvrows.codec import Role
+from kvrows.codec import PlaneSet, Role
 from kvrows.conformance.families import FAMILIES, Impl, optimized_impl
 from kvrows.conformance.machines import machine_class
 from kvrows.conformance.profiles import profile_settings
@@ -44,7 +44,7 @@ from kvrows.optimized.delayed import (
     DelayedRotatingQuantizedKVCache,
     DelayedTurboQuantKVCache,
 )
-from kvrows.optimized.rows import Serial
+from kvrows.optimized.rows import Serial, mapped, row_of, token_count
 from kvrows.protocols import Cache, Mask
 from kvrows.schemes import CodecSpec, GeometrySpec, Turbo
 from kvrows.validation import KvGeometry, as_count, check_keep
@@ -76,11 +76,11 @@ class MergeMissesLastRow(PaddedKVRows):
         before = self.batch_size
         super().merge_rows(rows)
         last = self.batch_size - 1
-        if self.batch_size - before >= 2 and self._keys is not None and self._values is not None:
+        if self.batch_size - before >= 2 and self._planes is not None:
             start = self._origin + self.left_pad[last]
             stop = start + self.row_offsets[last]
             if stop > start:
-                for plane in (*self._keys, *self._values):
+                for plane in self.held_arrays():
                     # MUTATION (these columns should hold the row's tokens)
                     plane[last : last + 1, :, start:stop] = mx.zeros_like(
                         plane[last : last + 1, :, start:stop]
@@ -197,9 +197,9 @@ class MergeZeroesKeyBiases(BatchedQuantizedKVCache):
     def merge_rows(self, rows: Sequence[Cache]) -> None:
         before = self.batch_size
         super().merge_rows(rows)
-        if self._keys is None:
+        if self._planes is None:
             return
-        biases = self._keys[2]
+        biases = self._planes["keys"][2]
         for b in range(before, self.batch_size):
             start = self._origin + self.left_pad[b]
             stop = start + self.row_offsets[b]
@@ -228,7 +228,8 @@ class ExtractRequantizes(PaddedQuantKVRows):
             return tuple(mx.quantize(dense, group_size=self.group_size, bits=self.bits))
 
         fresh = QuantizedKVCache(self.group_size, self.bits)
-        return fresh.adopt(again(held[0]), again(held[1]), cache.offset, cache.geometry)
+        planes = {"keys": again(held[0]), "values": again(held[1])}
+        return fresh.adopt(planes, cache.offset, cache.geometry)
 
 
 AFFINE_MUTANTS = [
@@ -279,14 +280,14 @@ class RingExtractsTheOldestWindow(RingBatchedRotatingCache):
     max_size)`` retained tokens, not the newest: wrong right after a block, when the
     buffer holds more than the window (semantics bug 9.2.6 of the seed engine)."""
 
-    def _window(self, planes: tuple[mx.array, ...], row: int | None) -> tuple[mx.array, ...] | None:
+    def _window(self, planes: PlaneSet, row: int | None) -> PlaneSet | None:
         held = super()._window(planes, row)
         if held is None or row is None:
             return held
-        ordered = self._chronological(tuple(p[row : row + 1] for p in planes))
-        start, count = max(0, self.left_pad[row]), int(held[0].shape[2])
+        ordered = self._chronological(row_of(planes, row))
+        start, count = max(0, self.left_pad[row]), token_count(held)
         # MUTATION (the window is the newest `count` columns, not the first)
-        return tuple(p[:, :, start : start + count] for p in ordered)
+        return mapped(ordered, lambda p: p[:, :, start : start + count])
 
 
 class RingBlockMaskFromStaleIndex(RingBatchedRotatingCache):

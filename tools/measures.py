@@ -70,16 +70,6 @@ def is_codec_module(path: str) -> bool:
     return path in CODEC_MODULES or path.startswith(CODEC_PACKAGES)
 
 
-#: Modules that own a token geometry (growing, ring) in each implementation.
-GEOMETRY_MODULES = frozenset(
-    {
-        "reference/growing.py",
-        "reference/ring.py",
-        "optimized/growing.py",
-        "optimized/ring.py",
-    }
-)
-
 #: Packages whose every module owns a token geometry (one module per kind: the spec and
 #: the registry in ``kvrows/geometries/``, the hooks in each implementation's
 #: ``geometries/``).
@@ -91,7 +81,7 @@ GEOMETRY_SPEC_PACKAGE = "kvrows/geometries/"
 
 def is_geometry_module(path: str) -> bool:
     """Whether the module at ``path`` (relative, POSIX) owns a token geometry."""
-    return path in GEOMETRY_MODULES or path.startswith(GEOMETRY_PACKAGES)
+    return path.startswith(GEOMETRY_PACKAGES)
 
 
 #: Folders whose classes are storages, layouts, their geometries, mixins and modifiers.

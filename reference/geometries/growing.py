@@ -27,7 +27,8 @@ from kvrows.errors import (
     trim_past_row_message,
 )
 from kvrows.protocols import Mask
-from kvrows.reference.rows import Placement, Row
+from kvrows.reference.geometries.registry import implements
+from kvrows.reference.rows import Placement, Row, TokenRows
 from kvrows.schemes import GeometrySpec, Growing
 from kvrows.validation import check_left_pad
 
@@ -52,10 +53,12 @@ def _visible(
     return visible
 
 
-class GrowingAxis:
+@implements("growing")
+class GrowingAxis(TokenRows):
     """Every token is kept; the window is the whole row."""
 
     cap: int | None = None
+    sinks = 0
 
     def __init__(self, spec: Growing) -> None:
         self.spec: GeometrySpec = spec

@@ -34,7 +34,8 @@ from kvrows.errors import (
     wrapped_ring_message,
 )
 from kvrows.protocols import Mask
-from kvrows.reference.rows import Placement, Row
+from kvrows.reference.geometries.registry import implements
+from kvrows.reference.rows import Placement, Row, TokenRows
 from kvrows.schemes import GeometrySpec, Ring
 
 __all__ = ["RaggedRing", "RingAxis", "RingParameters", "SharedRing"]
@@ -89,7 +90,8 @@ class RingParameters:
         return int(self._token_geometry.keep)
 
 
-class RingAxis:
+@implements("ring")
+class RingAxis(TokenRows):
     """The newest ``max_size`` positions are kept (``max_size - 1 + n`` right after a
     block), the first ``keep`` of a row's positions (sinks) always among them."""
 
@@ -98,6 +100,7 @@ class RingAxis:
         self.max_size = spec.max_size
         self.keep = spec.keep
         self.cap: int | None = spec.max_size
+        self.sinks = spec.keep
 
     def history(self, row: Row, n: int) -> int:
         return self.max_size - 1

@@ -25,10 +25,19 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from kvrows.codec import Role
+from kvrows.codec import PlaneSet
 from kvrows.errors import KvRowsError, align_rows_message
-from kvrows.optimized.codecs import Planes
-from kvrows.optimized.rows import RowWindow, Serial, Storage, spare_slots
+from kvrows.optimized.geometries.registry import implements
+from kvrows.optimized.rows import (
+    RowWindow,
+    Serial,
+    Storage,
+    arrays,
+    mapped,
+    paired,
+    spare_slots,
+    token_count,
+)
 from kvrows.protocols import Mask
 from kvrows.validation import KvGeometry, check_left_pad, round_up
 
@@ -38,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = ["GrowingGeometry", "RowAlignment"]
 
 
+@implements("growing")
 class GrowingGeometry(Storage):
     """Hooks of the growing geometry, for the serial, shared and ragged arrangements."""
 
@@ -57,50 +67,53 @@ class GrowingGeometry(Storage):
 
     @property
     def slots(self) -> int:
-        return 0 if self._keys is None else int(self._keys[0].shape[0])
+        return 0 if self._planes is None else int(arrays(self._planes)[0].shape[0])
 
     @property
     def capacity(self) -> int:
-        return 0 if self._keys is None else int(self._keys[0].shape[2])
+        return 0 if self._planes is None else token_count(self._planes)
 
     def is_trimmable(self) -> bool:
         return True
 
-    # -- hooks ------------------------------------------------------------------------
-    def _visible(self, planes: Planes) -> Planes:
-        start, batch = self._origin, len(self._offsets)
-        return tuple(p[:batch, :, start : start + self.width] for p in planes)
+    def _read_start(self) -> int:
+        return self._origin
 
-    def _window(self, planes: Planes, row: int | None) -> Planes | None:
+    # -- hooks ------------------------------------------------------------------------
+    def _visible(self, planes: PlaneSet) -> PlaneSet:
+        start, batch = self._origin, len(self._offsets)
+        stop = start + self.width
+        # Every decode step reads this: a comprehension, no per-plane call.
+        return {t: tuple(p[:batch, :, start:stop] for p in held) for t, held in planes.items()}
+
+    def _window(self, planes: PlaneSet, row: int | None) -> PlaneSet | None:
         if row is None:
             start, stop = self._origin, self._origin + self.width
-            return tuple(p[:, :, start:stop] for p in planes)
-        start = self._origin + self._pads[row]
-        stop = start + self._offsets[row]
-        return tuple(p[row : row + 1, :, start:stop] for p in planes)
+            return mapped(planes, lambda p: p[:, :, start:stop])
+        first = self._origin + self._pads[row]
+        last = first + self._offsets[row]
+        return mapped(planes, lambda p: p[row : row + 1, :, first:last])
 
-    def _append(self, keys: Planes, values: Planes, n: int, geometry: KvGeometry) -> None:
+    def _append(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
         serial = isinstance(self, Serial)
         origin = self._origin
         ends = [origin + p + t for p, t in zip(self._pads, self._offsets, strict=True)]
         width = max(ends) - origin
-        if self._keys is None or origin + width + n > self.capacity:
+        if self._planes is None or origin + width + n > self.capacity:
             # A layout keeps one spare column; the origin is 0 afterwards.
             self._reallocate(round_up(width + n + (0 if serial else 1)), shift=0)
             ends = [p + t for p, t in zip(self._pads, self._offsets, strict=True)]
-        assert self._keys is not None and self._values is not None
+        assert self._planes is not None
         batch = len(self._offsets)
         if len(set(ends)) == 1:
             start = ends[0]
-            for planes, block in ((self._keys, keys), (self._values, values)):
-                for plane, encoded in zip(planes, block, strict=True):
-                    plane[:batch, :, start : start + n] = encoded
+            for plane, encoded in paired(self._planes, block):
+                plane[:batch, :, start : start + n] = encoded
         else:
             rows = mx.arange(batch)[:, None]
             columns = mx.array(ends)[:, None] + mx.arange(n)[None, :]
-            for planes, block in ((self._keys, keys), (self._values, values)):
-                for plane, encoded in zip(planes, block, strict=True):
-                    plane[rows, :, columns] = mx.swapaxes(encoded, 1, 2)
+            for plane, encoded in paired(self._planes, block):
+                plane[rows, :, columns] = mx.swapaxes(encoded, 1, 2)
 
     def _reallocate(self, capacity: int, *, shift: int, slots: int | None = None) -> None:
         """New buffers of ``capacity`` columns; active rows move right by ``shift`` columns."""
@@ -110,16 +123,11 @@ class GrowingGeometry(Storage):
         least = batch if isinstance(self, Serial) else spare_slots(batch)
         slots = max(slots or 0, least)
 
-        def moved(old: Planes | None, dim: int, role: Role) -> Planes:
-            fresh = self.codec.zeros(slots, geometry.heads, capacity, dim, geometry.dtype, role)
-            if old is None or width == 0:
-                return fresh
-            for new, plane in zip(fresh, old, strict=True):
+        fresh = self._zeros(slots, capacity, geometry)
+        if self._planes is not None and width:
+            for new, plane in paired(fresh, self._planes):
                 new[:batch, :, shift : shift + width] = plane[:batch, :, origin : origin + width]
-            return fresh
-
-        self._keys = moved(self._keys, geometry.key_dim, "keys")
-        self._values = moved(self._values, geometry.value_dim, "values")
+        self._planes = fresh
         self._origin = 0
 
     def _place(self, incoming: list[RowWindow], geometry: KvGeometry | None) -> None:
@@ -127,42 +135,40 @@ class GrowingGeometry(Storage):
         the new rows when a slot is free and the left padding it needs fits left of the
         origin; otherwise the running rows are copied once into larger buffers."""
         width = self.width
-        tokens = [0 if k is None else int(k[0].shape[2]) for k, _, _ in incoming]
+        tokens = [0 if held is None else token_count(held) for held, _ in incoming]
         target = max([width, *tokens])
         grow = target - width
         batch = len(self._offsets)
         joined = batch + len(incoming)
         if geometry is not None:
-            fits = self._keys is not None and joined <= self.slots and grow <= self._origin
+            fits = self._planes is not None and joined <= self.slots and grow <= self._origin
             if fits:
                 self._origin -= grow
             else:
                 self._reallocate(round_up(target + 1), shift=grow, slots=spare_slots(joined))
-            assert self._keys is not None and self._values is not None
+            assert self._planes is not None
             end = self._origin + target
-            for slot, ((keys, values, _), count) in enumerate(
+            for slot, ((held, _), count) in enumerate(
                 zip(incoming, tokens, strict=True), start=batch
             ):
-                if keys is None or values is None or count == 0:
+                if held is None or count == 0:
                     continue  # nothing to write (and MLX faults on empty scatters)
-                for planes, new in ((self._keys, keys), (self._values, values)):
-                    for plane, src in zip(planes, new, strict=True):
-                        plane[slot : slot + 1, :, end - count : end] = src
+                for plane, src in paired(self._planes, held):
+                    plane[slot : slot + 1, :, end - count : end] = src
         self._pads = [p + grow for p in self._pads] + [target - t for t in tokens]
 
     def _keep(self, order: list[int]) -> None:
         """The shared left padding is dropped by moving the origin."""
         shared = min(self._pads[i] for i in order)
-        if self._keys is not None and self._values is not None and order != list(range(len(order))):
+        if self._planes is not None and order != list(range(len(order))):
             # Gather whole slots (contiguous) into fresh planes, keeping a few spare slots
             # for the next join; a scatter into the live planes would copy them anyway.
             slots = spare_slots(len(order))
             index = mx.array(order + [order[-1]] * (slots - len(order)))
-            self._keys = tuple(mx.take(p, index, axis=0) for p in self._keys)
-            self._values = tuple(mx.take(p, index, axis=0) for p in self._values)
+            self._planes = mapped(self._planes, lambda p: mx.take(p, index, axis=0))
         self._pads = [self._pads[i] - shared for i in order]
         self._origin += shared
-        if self._keys is not None and self.slots > 2 * spare_slots(len(order)):
+        if self._planes is not None and self.slots > 2 * spare_slots(len(order)):
             # Release the slots a large retirement left behind.
             self._reallocate(round_up(self.width + 1), shift=0)
 
@@ -171,7 +177,7 @@ class GrowingGeometry(Storage):
         row's tokens into fresh planes (spare slots and a spare column, as ``_reallocate``),
         so the columns a row does not cover read as zeros; the origin is 0 afterwards."""
         geometry = self._geometry
-        if self._keys is None or self._values is None or geometry is None:
+        if self._planes is None or geometry is None:
             self._pads = pads  # no planes yet: only the bookkeeping moves
             return
         batch, origin = len(self._offsets), self._origin
@@ -185,17 +191,12 @@ class GrowingGeometry(Storage):
         covered = covered[:, None, :, None]
         slots, capacity = spare_slots(batch), round_up(width + 1)
 
-        def aligned(old: Planes, dim: int, role: Role) -> Planes:
-            fresh = self.codec.zeros(slots, geometry.heads, capacity, dim, geometry.dtype, role)
-            if width == 0:
-                return fresh  # every row is empty (and MLX faults on empty gathers)
-            for new, plane in zip(fresh, old, strict=True):
+        fresh = self._zeros(slots, capacity, geometry)
+        if width:  # every row empty: nothing to gather (and MLX faults on empty gathers)
+            for new, plane in paired(fresh, self._planes):
                 rows = mx.take_along_axis(plane[:batch], source, axis=2)
                 new[:batch, :, :width] = mx.where(covered, rows, mx.zeros_like(rows))
-            return fresh
-
-        self._keys = aligned(self._keys, geometry.key_dim, "keys")
-        self._values = aligned(self._values, geometry.value_dim, "values")
+        self._planes = fresh
         self._origin = 0
         self._pads = pads
 
@@ -222,7 +223,7 @@ class GrowingGeometry(Storage):
     def _forget(self, counts: Sequence[int]) -> None:
         return None
 
-    def _adopt(self, keys: Planes, values: Planes, offset: int) -> None:
+    def _adopt(self, planes: PlaneSet, offset: int) -> None:
         self._origin = 0
 
     def _check_geometry(self) -> None:
@@ -232,7 +233,7 @@ class GrowingGeometry(Storage):
         if self.composition.shared_column:
             ends = {p + t for p, t in zip(self._pads, self._offsets, strict=True)}
             assert len(ends) <= 1, "rows must share the write column"
-        if self._keys is not None:
+        if self._planes is not None:
             assert len(self._offsets) <= self.slots
             assert self._origin + self.width <= self.capacity
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvrows.codec import Role
+from kvrows.codec import PlaneSet
 from kvrows.common import row_bytes
 from kvrows.errors import (
     NotTrimmableError,
@@ -42,7 +42,18 @@ from kvrows.errors import (
     wrapped_ring_message,
 )
 from kvrows.optimized.codecs import Planes
-from kvrows.optimized.rows import RowWindow, Storage, owned
+from kvrows.optimized.geometries.registry import implements
+from kvrows.optimized.rows import (
+    RowWindow,
+    Storage,
+    arrays,
+    joined,
+    mapped,
+    owned,
+    paired,
+    row_of,
+    token_count,
+)
 from kvrows.protocols import Mask
 from kvrows.schemes import Ring
 from kvrows.validation import STEP, KvGeometry, as_count, check_row, round_up
@@ -57,51 +68,43 @@ def window_mask(n: int, offset: int, window: int) -> mx.array:
     return (queries >= columns) & (queries < columns + window)
 
 
-def _columns(planes: Planes, start: int, stop: int | None = None) -> Planes:
-    return tuple(p[:, :, start:stop] for p in planes)
+def _columns(planes: PlaneSet, start: int, stop: int | None = None) -> PlaneSet:
+    # Every ring read slices: a comprehension, no per-plane call.
+    return {t: tuple(p[:, :, start:stop] for p in held) for t, held in planes.items()}
 
 
-def _concat(first: Planes, second: Planes) -> Planes:
-    return tuple(mx.concatenate([a, b], axis=2) for a, b in zip(first, second, strict=True))
+_concat = joined
 
 
 def _stacked(
-    codec: Any,
-    rows: list[RowWindow],
-    lengths: list[int],
-    columns: int,
-    geometry: KvGeometry,
-    *,
-    right_aligned: bool,
-) -> tuple[Planes, Planes]:
-    """Fresh key and value planes of ``columns`` tokens holding ``rows`` (their windows in
+    fresh: PlaneSet, rows: list[RowWindow], lengths: list[int], *, right_aligned: bool
+) -> PlaneSet:
+    """``fresh`` (zero planes of ``columns`` tokens) holding ``rows`` (their windows in
     time order), each right-aligned to ``columns`` or left-aligned at column 0."""
-    count, heads, dtype = len(rows), geometry.heads, geometry.dtype
-    keys = codec.zeros(count, heads, columns, geometry.key_dim, dtype, "keys")
-    values = codec.zeros(count, heads, columns, geometry.value_dim, dtype, "values")
-    for row, ((k, v, _), length) in enumerate(zip(rows, lengths, strict=True)):
-        if k is None or v is None or length == 0:
+    columns = token_count(fresh)
+    for row, ((held, _), length) in enumerate(zip(rows, lengths, strict=True)):
+        if held is None or length == 0:
             continue
         start = columns - length if right_aligned else 0
-        for planes, src in ((keys, k), (values, v)):
-            for plane, piece in zip(planes, src, strict=True):
-                plane[row : row + 1, :, start : start + length] = piece
-    return keys, values
+        for plane, piece in paired(fresh, held):
+            plane[row : row + 1, :, start : start + length] = piece
+    return fresh
 
 
 def _split(rows: list[RowWindow], heads: list[int], *, sinks: bool) -> list[RowWindow]:
     """Each row's first ``heads[b]`` tokens (``sinks``) or the rest."""
     parts: list[RowWindow] = []
-    for (keys, values, offset), head in zip(rows, heads, strict=True):
-        if keys is None or values is None:
-            parts.append((None, None, offset))
+    for (held, offset), head in zip(rows, heads, strict=True):
+        if held is None:
+            parts.append((None, offset))
         elif sinks:
-            parts.append((_columns(keys, 0, head), _columns(values, 0, head), offset))
+            parts.append((_columns(held, 0, head), offset))
         else:
-            parts.append((_columns(keys, head), _columns(values, head), offset))
+            parts.append((_columns(held, head), offset))
     return parts
 
 
+@implements("ring")
 class RingGeometry(Storage):
     """What both ring designs share: the window, and what a ring layout answers."""
 
@@ -129,7 +132,7 @@ class RingGeometry(Storage):
 
     @property
     def buffer_length(self) -> int:
-        return 0 if self._keys is None else int(self._keys[0].shape[2])
+        return 0 if self._planes is None else token_count(self._planes)
 
     def window(self) -> tuple[Planes, Planes] | None:
         """A serial ring's newest ``min(offset, max_size)`` tokens in temporal order."""
@@ -144,14 +147,9 @@ class RingGeometry(Storage):
 
     def _keep(self, order: list[int]) -> None:
         """Gather the kept rows; a ring keeps its padding (its columns are its window)."""
-        if (
-            self._keys is not None
-            and self._values is not None
-            and order != list(range(len(self._pads)))
-        ):
+        if self._planes is not None and order != list(range(len(self._pads))):
             index = mx.array(order)
-            self._keys = tuple(p[index] for p in self._keys)
-            self._values = tuple(p[index] for p in self._values)
+            self._planes = mapped(self._planes, lambda p: p[index])
         self._pads = [self._pads[i] for i in order]
 
 
@@ -294,37 +292,37 @@ class SharedRing(RingGeometry):
     def _sinks_of(self, offset: int) -> int:
         return min(self.keep, offset)
 
-    def _ring(self, planes: Planes, start: int = 0, stop: int | None = None) -> Planes:
+    def _ring(self, planes: PlaneSet, start: int = 0, stop: int | None = None) -> PlaneSet:
         """Columns ``[start, stop)`` of the ring (after the sink block)."""
         end = None if stop is None else self._lead + stop
         return _columns(planes, self._lead + start, end)
 
-    def _ring_chronological(self, planes: Planes) -> Planes:
+    def _ring_chronological(self, planes: PlaneSet) -> PlaneSet:
         """The ring's used columns in temporal order."""
         if self._rotated:
             return _concat(self._ring(planes, self._idx), self._ring(planes, 0, self._idx))
         return self._ring(planes, 0, self._idx)
 
-    def _chronological(self, planes: Planes) -> Planes:
+    def _chronological(self, planes: PlaneSet) -> PlaneSet:
         """The buffer's used columns in temporal order (the sinks, then the ring)."""
         return self._with_sinks(self._sinks(planes), self._ring_chronological(planes))
 
-    def _with_sinks(self, sinks: Planes, ring: Planes) -> Planes:
-        return _concat(sinks, ring) if int(sinks[0].shape[2]) else ring
+    def _with_sinks(self, sinks: PlaneSet, ring: PlaneSet) -> PlaneSet:
+        return _concat(sinks, ring) if token_count(sinks) else ring
 
     def _shown(self) -> int:
         """Ring columns a read returns."""
         return min(self._total, self.ring_length)
 
-    def _visible(self, planes: Planes) -> Planes:
+    def _visible(self, planes: PlaneSet) -> PlaneSet:
         return _columns(planes, 0, self._lead + self._shown())
 
-    def _window(self, planes: Planes, row: int | None) -> Planes | None:
+    def _window(self, planes: PlaneSet, row: int | None) -> PlaneSet | None:
         index = 0 if row is None else row
         # Cut the row out first: reordering the whole ring would copy every row.
-        mine = planes if row is None else tuple(p[row : row + 1] for p in planes)
+        mine = planes if row is None else row_of(planes, row)
         held = self._ring_chronological(mine)
-        active = int(held[0].shape[2])
+        active = token_count(held)
         offset = self._offsets[index]
         sinks = self._sinks_of(offset)
         start = max(0, self._pads[index], active - (min(offset, self.max_size) - sinks))
@@ -332,109 +330,86 @@ class SharedRing(RingGeometry):
             return None if start >= active else _columns(held, start, active)
         return self._with_sinks(_columns(mine, 0, sinks), _columns(held, start, active))
 
-    def _append(self, keys: Planes, values: Planes, n: int, geometry: KvGeometry) -> None:
+    def _append(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
         sinks = [max(0, min(n, self.keep - o)) for o in self._offsets]
         fewest = min(sinks)
         if any(sinks):
-            self._write_sinks(keys, values, n, sinks, geometry)
+            self._write_sinks(block, n, sinks, geometry)
         if fewest == n:
             return  # every row's tokens were sinks: the ring does not move
         if fewest:
-            keys = self._ring_part(keys, sinks, fewest)
-            values = self._ring_part(values, sinks, fewest)
+            block = self._ring_part(block, sinks, fewest)
         if n == 1:
-            self._write_token(keys, values, geometry)
+            self._write_token(block, geometry)
         else:
-            self._write_block(keys, values)
+            self._write_block(block)
         if any(s > fewest for s in sinks):
             self._pads = [p + s - fewest for p, s in zip(self._pads, sinks, strict=True)]
         self._total += n - fewest
 
-    def _ring_part(self, planes: Planes, sinks: list[int], fewest: int) -> Planes:
+    def _ring_part(self, planes: PlaneSet, sinks: list[int], fewest: int) -> PlaneSet:
         """The block's columns from ``fewest`` on; a row's own sinks among them zeroed (a
         row with more sinks in the block leaves its first new ring columns empty)."""
         cut = _columns(planes, fewest)
         if all(s == fewest for s in sinks):
             return cut
-        empty = mx.arange(int(cut[0].shape[2]))[None, :] < (mx.array(sinks) - fewest)[:, None]
+        empty = mx.arange(token_count(cut))[None, :] < (mx.array(sinks) - fewest)[:, None]
         empty = empty[:, None, :, None]
-        return tuple(mx.where(empty, mx.zeros_like(p), p) for p in cut)
+        return mapped(cut, lambda p: mx.where(empty, mx.zeros_like(p), p))
 
-    def _write_sinks(
-        self, keys: Planes, values: Planes, n: int, sinks: list[int], geometry: KvGeometry
-    ) -> None:
+    def _write_sinks(self, block: PlaneSet, n: int, sinks: list[int], geometry: KvGeometry) -> None:
         """Row ``b``'s first ``sinks[b]`` new tokens go to its sink columns."""
         lead = max(min(self.keep, o + n) for o in self._offsets)
         if lead > self._lead:
             self._widen_sinks(lead, geometry)
-        assert self._keys is not None and self._values is not None
+        assert self._planes is not None
         if len(set(self._offsets)) == 1:  # one write for every row (a serial ring)
             start, count = self._offsets[0], sinks[0]
-            for planes, new in ((self._keys, keys), (self._values, values)):
-                for plane, encoded in zip(planes, new, strict=True):
-                    plane[:, :, start : start + count] = encoded[:, :, :count]
+            for plane, encoded in paired(self._planes, block):
+                plane[:, :, start : start + count] = encoded[:, :, :count]
             return
         for b, (start, count) in enumerate(zip(self._offsets, sinks, strict=True)):
             if count:
-                for planes, new in ((self._keys, keys), (self._values, values)):
-                    for plane, encoded in zip(planes, new, strict=True):
-                        plane[b : b + 1, :, start : start + count] = encoded[b : b + 1, :, :count]
+                for plane, encoded in paired(self._planes, block):
+                    plane[b : b + 1, :, start : start + count] = encoded[b : b + 1, :, :count]
 
     def _widen_sinks(self, lead: int, geometry: KvGeometry) -> None:
         """Grow the sink block to ``lead`` columns (only while every row is shorter than
         ``keep``: rare and small)."""
-        rows, heads, extra = len(self._offsets), geometry.heads, lead - self._lead
-        zeros_k = self.codec.zeros(rows, heads, extra, geometry.key_dim, geometry.dtype, "keys")
-        zeros_v = self.codec.zeros(rows, heads, extra, geometry.value_dim, geometry.dtype, "values")
-        if self._keys is None or self._values is None:
-            self._keys, self._values = zeros_k, zeros_v
+        zeros = self._zeros(len(self._offsets), lead - self._lead, geometry)
+        if self._planes is None:
+            self._planes = zeros
         else:
             cut = self._lead
-            self._keys = _concat(
-                _concat(_columns(self._keys, 0, cut), zeros_k), _columns(self._keys, cut)
-            )
-            self._values = _concat(
-                _concat(_columns(self._values, 0, cut), zeros_v), _columns(self._values, cut)
+            self._planes = _concat(
+                _concat(_columns(self._planes, 0, cut), zeros), _columns(self._planes, cut)
             )
         self._lead = lead
 
     def _narrow_sinks(self) -> None:
         """Drop sink columns no row holds any more (after a filter or a trim)."""
         lead = max((self._sinks_of(o) for o in self._offsets), default=0)
-        if lead < self._lead and self._keys is not None and self._values is not None:
-            self._keys = _concat(_columns(self._keys, 0, lead), _columns(self._keys, self._lead))
-            self._values = _concat(
-                _columns(self._values, 0, lead), _columns(self._values, self._lead)
+        if lead < self._lead and self._planes is not None:
+            self._planes = _concat(
+                _columns(self._planes, 0, lead), _columns(self._planes, self._lead)
             )
         self._lead = min(lead, self._lead)
 
-    def _write_token(self, new_k: Planes, new_v: Planes, geometry: KvGeometry) -> None:
+    def _write_token(self, block: PlaneSet, geometry: KvGeometry) -> None:
         prev = self._total
-        if (
-            self._keys is None
-            or self._values is None
-            or (prev >= self.ring_length and self.ring_length < self.span)
-        ):
+        if self._planes is None or (prev >= self.ring_length and self.ring_length < self.span):
             grow = min(STEP, self.span - prev)
-            rows, heads = len(self._offsets), geometry.heads
-            zeros_k = self.codec.zeros(rows, heads, grow, geometry.key_dim, geometry.dtype, "keys")
-            zeros_v = self.codec.zeros(
-                rows, heads, grow, geometry.value_dim, geometry.dtype, "values"
-            )
-            if self._keys is None or self._values is None:
-                self._keys, self._values = zeros_k, zeros_v
+            zeros = self._zeros(len(self._offsets), grow, geometry)
+            if self._planes is None:
+                self._planes = zeros
             else:
-                self._keys = _concat(_columns(self._keys, 0, self._lead + prev), zeros_k)
-                self._values = _concat(_columns(self._values, 0, self._lead + prev), zeros_v)
+                self._planes = _concat(_columns(self._planes, 0, self._lead + prev), zeros)
             self._idx = prev
-        assert self._keys is not None and self._values is not None
+        assert self._planes is not None
         overshoot = self.ring_length - self.span
         if overshoot > 0:
-            self._keys = self._with_sinks(
-                self._sinks(self._keys), self._ring(self._keys, overshoot)
-            )
-            self._values = self._with_sinks(
-                self._sinks(self._values), self._ring(self._values, overshoot)
+            self._planes = self._with_sinks(
+                self._sinks(self._planes), self._ring(self._planes, overshoot)
             )
             self._idx = self.span
             self._pads = [p - overshoot for p in self._pads]
@@ -444,27 +419,23 @@ class SharedRing(RingGeometry):
         if self._rotated:
             self._pads = [p - 1 for p in self._pads]
         column = self._lead + self._idx
-        for planes, new in ((self._keys, new_k), (self._values, new_v)):
-            for plane, encoded in zip(planes, new, strict=True):
-                plane[:, :, column : column + 1] = encoded
+        for plane, encoded in paired(self._planes, block):
+            plane[:, :, column : column + 1] = encoded
         self._idx += 1
 
-    def _sinks(self, planes: Planes) -> Planes:
+    def _sinks(self, planes: PlaneSet) -> PlaneSet:
         return _columns(planes, 0, self._lead)
 
-    def _write_block(self, new_k: Planes, new_v: Planes) -> None:
-        if self._keys is None or self._values is None:
+    def _write_block(self, block: PlaneSet) -> None:
+        if self._planes is None:
             # The block starts the buffer: an owned copy, never the caller's array (a
             # later in-place token write would change it).
-            self._keys = tuple(owned(p) for p in new_k)
-            self._values = tuple(owned(p) for p in new_v)
+            self._planes = mapped(block, owned)
         else:
-            keys = self._ring_chronological(self._keys)
-            values = self._ring_chronological(self._values)
-            drop = max(0, int(keys[0].shape[2]) - self.span + 1)
-            sink_k, sink_v = self._sinks(self._keys), self._sinks(self._values)
-            self._keys = self._with_sinks(sink_k, _concat(_columns(keys, drop), new_k))
-            self._values = self._with_sinks(sink_v, _concat(_columns(values, drop), new_v))
+            ring = self._ring_chronological(self._planes)
+            drop = max(0, token_count(ring) - self.span + 1)
+            sinks = self._sinks(self._planes)
+            self._planes = self._with_sinks(sinks, _concat(_columns(ring, drop), block))
             self._pads = [p - drop for p in self._pads]
         self._rotated = False
         self._idx = self.ring_length
@@ -474,30 +445,28 @@ class SharedRing(RingGeometry):
         temporal order, its sinks left-aligned in the sink block and the rest right-aligned
         to the longest; the ring restarts unrotated at that width."""
         everything = self._each_row() + incoming
-        lengths = [0 if k is None else int(k[0].shape[2]) for k, _, _ in everything]
+        lengths = [0 if held is None else token_count(held) for held, _ in everything]
         heads = [
             min(self.keep, offset, length)
-            for (_, _, offset), length in zip(everything, lengths, strict=True)
+            for (_, offset), length in zip(everything, lengths, strict=True)
         ]
         lead = max(heads)
         tails = [length - head for length, head in zip(lengths, heads, strict=True)]
         width = max(tails)
+        rows = len(everything)
         if lead + width == 0 or geometry is None:
-            self._keys = self._values = None
+            self._planes = None
         else:
             ring = _split(everything, heads, sinks=False)
-            self._keys, self._values = _stacked(
-                self.codec, ring, tails, width, geometry, right_aligned=True
+            self._planes = _stacked(
+                self._zeros(rows, width, geometry), ring, tails, right_aligned=True
             )
             if lead:
                 sinks = _split(everything, heads, sinks=True)
-                sink_k, sink_v = _stacked(
-                    self.codec, sinks, heads, lead, geometry, right_aligned=False
+                sink_block = _stacked(
+                    self._zeros(rows, lead, geometry), sinks, heads, right_aligned=False
                 )
-                self._keys, self._values = (
-                    _concat(sink_k, self._keys),
-                    _concat(sink_v, self._values),
-                )
+                self._planes = _concat(sink_block, self._planes)
         self._lead = lead
         self._pads = [width - n for n in tails]
         self._idx = self._total = width
@@ -540,42 +509,34 @@ class SharedRing(RingGeometry):
         self._idx -= ring
         after = [o - count for o in self._offsets]
         self._pads = [self._shown() - min(o - self._sinks_of(o), self._shown()) for o in after]
-        if (
-            self._keys is not None
-            and self._values is not None
-            and any(self._sinks_of(o) < self._lead for o in after)
-        ):
+        if self._planes is not None and any(self._sinks_of(o) < self._lead for o in after):
             keep_column = (
                 mx.arange(self._lead)[None, :]
                 < mx.array([self._sinks_of(o) for o in after])[:, None]
             )
             keep_column = keep_column[:, None, :, None]
-            self._keys = self._zero_sinks(self._keys, keep_column)
-            self._values = self._zero_sinks(self._values, keep_column)
+            self._planes = self._zero_sinks(self._planes, keep_column)
             lead = max((self._sinks_of(o) for o in after), default=0)
             if lead < self._lead:
-                self._keys = _concat(
-                    _columns(self._keys, 0, lead), _columns(self._keys, self._lead)
-                )
-                self._values = _concat(
-                    _columns(self._values, 0, lead), _columns(self._values, self._lead)
+                self._planes = _concat(
+                    _columns(self._planes, 0, lead), _columns(self._planes, self._lead)
                 )
                 self._lead = lead
 
-    def _zero_sinks(self, planes: Planes, kept: mx.array) -> Planes:
-        sinks = tuple(mx.where(kept, p, mx.zeros_like(p)) for p in self._sinks(planes))
+    def _zero_sinks(self, planes: PlaneSet, kept: mx.array) -> PlaneSet:
+        sinks = mapped(self._sinks(planes), lambda p: mx.where(kept, p, mx.zeros_like(p)))
         return _concat(sinks, self._ring(planes))
 
-    def _adopt(self, keys: Planes, values: Planes, offset: int) -> None:
-        length = int(keys[0].shape[2])
+    def _adopt(self, planes: PlaneSet, offset: int) -> None:
+        length = token_count(planes)
         self._lead = min(self.keep, offset, length)
         self._idx, self._total, self._rotated = length - self._lead, offset - self._lead, False
 
     def _check_geometry(self) -> None:
         assert 0 <= self._idx <= max(self.ring_length, self._total)
         assert self._lead == max((self._sinks_of(o) for o in self._offsets), default=0)
-        if self._keys is not None:
-            assert int(self._keys[0].shape[0]) == len(self._offsets)
+        if self._planes is not None:
+            assert int(arrays(self._planes)[0].shape[0]) == len(self._offsets)
 
     # -- masks ------------------------------------------------------------------------
     def _serial_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
@@ -696,10 +657,10 @@ class RaggedRing(RingGeometry):
     def is_trimmable(self) -> bool:
         return all(o < self.max_size for o in self._offsets)
 
-    def _visible(self, planes: Planes) -> Planes:
+    def _visible(self, planes: PlaneSet) -> PlaneSet:
         return _columns(planes, 0, max(self._retained))
 
-    def _window(self, planes: Planes, row: int | None) -> Planes | None:
+    def _window(self, planes: PlaneSet, row: int | None) -> PlaneSet | None:
         assert row is not None
         held, offset = self._retained[row], self._offsets[row]
         if held == 0:
@@ -707,13 +668,13 @@ class RaggedRing(RingGeometry):
         count = min(held, offset, self.max_size)
         sinks = min(self.keep, offset, count)
         if sinks == 0 or count == held:
-            return tuple(p[row : row + 1, :, held - count : held] for p in planes)
-        return tuple(
-            mx.concatenate(
+            return mapped(planes, lambda p: p[row : row + 1, :, held - count : held])
+        return mapped(
+            planes,
+            lambda p: mx.concatenate(
                 [p[row : row + 1, :, :sinks], p[row : row + 1, :, held - count + sinks : held]],
                 axis=2,
-            )
-            for p in planes
+            ),
         )
 
     def _after(self, n: int) -> list[int]:
@@ -721,10 +682,10 @@ class RaggedRing(RingGeometry):
             return [min(r + 1, self.max_size) for r in self._retained]
         return [min(r, self.max_size - 1) + n for r in self._retained]
 
-    def _append(self, keys: Planes, values: Planes, n: int, geometry: KvGeometry) -> None:
+    def _append(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
         keep = self.max_size if n == 1 else self.max_size - 1
         drops = [max(0, r + (1 if n == 1 else 0) - keep) for r in self._retained]
-        if self._keys is not None and self._values is not None and any(drops):
+        if self._planes is not None and any(drops):
             # Slide every row left by its own count in one gather.
             width = max(self._retained)
             column = mx.arange(width)[None, :]
@@ -734,58 +695,47 @@ class RaggedRing(RingGeometry):
                 moved = mx.where(column < sinks, column, moved)
             index = mx.minimum(moved, width - 1)
             index = index[:, None, :, None]
-            self._keys = self._slid(self._keys, index, width)
-            self._values = self._slid(self._values, index, width)
+            self._planes = self._slid(self._planes, index, width)
         self._retained = [r - d for r, d in zip(self._retained, drops, strict=True)]
         needed = max(self._retained) + n
-        if self._keys is None or self._values is None or needed > self.buffer_length:
+        if self._planes is None or needed > self.buffer_length:
             self._grow(round_up(needed), geometry)
-        assert self._keys is not None and self._values is not None
+        assert self._planes is not None
         if len(set(self._retained)) == 1:
             start = self._retained[0]
-            for planes, new in ((self._keys, keys), (self._values, values)):
-                for plane, encoded in zip(planes, new, strict=True):
-                    plane[:, :, start : start + n] = encoded
+            for plane, encoded in paired(self._planes, block):
+                plane[:, :, start : start + n] = encoded
         else:
             rows = mx.arange(len(self._offsets))[:, None]
             columns = mx.array(self._retained)[:, None] + mx.arange(n)[None, :]
-            for planes, new in ((self._keys, keys), (self._values, values)):
-                for plane, encoded in zip(planes, new, strict=True):
-                    plane[rows, :, columns] = mx.swapaxes(encoded, 1, 2)
+            for plane, encoded in paired(self._planes, block):
+                plane[rows, :, columns] = mx.swapaxes(encoded, 1, 2)
         self._retained = [r + n for r in self._retained]
 
     @staticmethod
-    def _slid(planes: Planes, index: mx.array, width: int) -> Planes:
-        for plane in planes:
+    def _slid(planes: PlaneSet, index: mx.array, width: int) -> PlaneSet:
+        for plane in arrays(planes):
             plane[:, :, :width] = mx.take_along_axis(plane[:, :, :width], index, axis=2)
         return planes
 
     def _grow(self, capacity: int, geometry: KvGeometry) -> None:
-        rows, heads = len(self._offsets), geometry.heads
         width = max(self._retained)
-
-        def grown(old: Planes | None, dim: int, role: Role) -> Planes:
-            fresh = self.codec.zeros(rows, heads, capacity, dim, geometry.dtype, role)
-            if old is None or width == 0:
-                return fresh
-            for new, plane in zip(fresh, old, strict=True):
+        fresh = self._zeros(len(self._offsets), capacity, geometry)
+        if self._planes is not None and width:
+            for new, plane in paired(fresh, self._planes):
                 new[:, :, :width] = plane[:, :, :width]
-            return fresh
-
-        self._keys = grown(self._keys, geometry.key_dim, "keys")
-        self._values = grown(self._values, geometry.value_dim, "values")
+        self._planes = fresh
 
     def _place(self, incoming: list[RowWindow], geometry: KvGeometry | None) -> None:
         """Each row (running and new) keeps its newest window, left-aligned."""
         everything = self._each_row() + incoming
-        lengths = [0 if k is None else int(k[0].shape[2]) for k, _, _ in everything]
+        lengths = [0 if held is None else token_count(held) for held, _ in everything]
         width = max(lengths)
         if geometry is None or width == 0:
-            self._keys = self._values = None
+            self._planes = None
         else:
-            self._keys, self._values = _stacked(
-                self.codec, everything, lengths, round_up(width + 1), geometry, right_aligned=False
-            )
+            fresh = self._zeros(len(everything), round_up(width + 1), geometry)
+            self._planes = _stacked(fresh, everything, lengths, right_aligned=False)
         self._retained = lengths
         self._pads = [0] * len(everything)
 
@@ -800,9 +750,8 @@ class RaggedRing(RingGeometry):
         """Slide each row left over its leading pads."""
         width = max(self._retained)
         index = mx.minimum(mx.arange(width)[None, :] + mx.array(front)[:, None], width - 1)
-        assert self._keys is not None and self._values is not None
-        self._keys = self._slid(self._keys, index[:, None, :, None], width)
-        self._values = self._slid(self._values, index[:, None, :, None], width)
+        assert self._planes is not None
+        self._planes = self._slid(self._planes, index[:, None, :, None], width)
         self._forget(front)
 
     def _block_starts(self, n: int) -> list[int]:
