@@ -58,7 +58,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -98,6 +98,7 @@ __all__ = [
     "machine_class",
     "publish_counts",
     "publish_tokens",
+    "rules_off",
     "snapshot",
 ]
 
@@ -394,6 +395,8 @@ class ConformanceMachine(RuleBasedStateMachine):
     #: While both implementations refuse ``state`` with ``UnsupportedStateError``, the
     #: state and save/restore checks are skipped (``Stats.checks["state form pending"]``).
     state_pending: ClassVar[str | None] = None
+    #: Quantities (prefixes) a calibration run (``enforce=False``) records without enforcing.
+    measured: ClassVar[tuple[str, ...]] = ("attention",)
 
     @classmethod
     def geometries(cls) -> st.SearchStrategy[ks.Geometry]:
@@ -555,17 +558,22 @@ class ConformanceMachine(RuleBasedStateMachine):
         if actual != expected:
             raise AssertionError(f"{what}: got {actual!r}, expected {expected!r}")
 
-    def _close(self, quantity: str, what: str, actual: Array, expected: Array) -> None:
+    def _close(
+        self, quantity: str, what: str, actual: Array, expected: Array, dtype: str | None = None
+    ) -> None:
+        """``actual`` within the tolerance of ``quantity`` at ``dtype`` (default: the
+        example's) of ``expected``; every comparison is recorded in ``Stats.errors``."""
         key = self.spec.tolerance_key or self.family.tolerance_key
-        tol = tolerance(key, quantity, self.g.dtype)
+        dtype = dtype or self.g.dtype
+        tol = tolerance(key, quantity, dtype)
         ok, error = compare(actual, expected, tol)
         ratio = 0.0
         if not tol.exact and actual.shape == expected.shape and actual.size:
             wide = expected.astype(np.float64)
             bound = tol.atol + tol.rtol * np.abs(wide)
             ratio = float(np.max(np.abs(actual.astype(np.float64) - wide) / bound))
-        self.stats.error(quantity, self.g.dtype, tol, error, ratio)
-        if ok or (not self.enforce and quantity.startswith("attention")):
+        self.stats.error(quantity, dtype, tol, error, ratio)
+        if ok or (not self.enforce and quantity.startswith(self.measured)):
             return
         raise AssertionError(
             f"{what}: {quantity} differs beyond {tol.describe()} "
@@ -2101,8 +2109,51 @@ class ConformanceMachine(RuleBasedStateMachine):
         if expected is not None:
             self._exact(f"{label}: the error type the contract names", type(ref), expected)
         if not any(part in label for part in MESSAGE_EXCEPTIONS):
-            self._exact(f"{label}: error messages (optimized vs reference)", str(opt), str(ref))
+            self._exact(
+                f"{label}: error messages (optimized vs reference)",
+                self._message(opt),
+                self._message(ref),
+            )
             self.stats.check("error messages")
+
+    def _message(self, error: BaseException) -> str:
+        """An error's message as :meth:`_same_error` compares it (a family whose messages
+        name the implementation's array type normalizes that name)."""
+        return str(error)
+
+    def _observed(self, impl: Impl, cache: Any) -> Any:
+        """Everything observable about one of ``impl``'s caches (:func:`snapshot` with this
+        machine's views; a family whose storages hold no keys and values overrides it)."""
+        return snapshot(cache, impl, self.serial_view, self.row_view)
+
+    def _both_refuse(
+        self,
+        label: str,
+        call: Callable[[Impl, Any], object],
+        ref_obj: Any,
+        opt_obj: Any,
+        expected: type[KvRowsError] | None = None,
+    ) -> None:
+        """A bad call on ``ref_obj`` and ``opt_obj``: each implementation raises a
+        ``KvRowsError`` (anything else, or nothing, fails), the same one
+        (:meth:`_same_error`), and leaves its object as it was (:meth:`_observed`).
+        For families that bring their own invalid rule (latent, recurrent)."""
+        errors: list[KvRowsError] = []
+        for impl, obj in ((self.ref_impl, ref_obj), (self.opt_impl, opt_obj)):
+            before = self._observed(impl, obj)
+            try:
+                call(impl, obj)
+            except KvRowsError as error:
+                errors.append(error)
+            except Exception as error:  # any other exception is a contract violation
+                raise AssertionError(
+                    f"{impl.name}: {label} raised {type(error).__name__} ({error}), not a KvRowsError"
+                ) from error
+            else:
+                raise AssertionError(f"{impl.name}: {label} did not raise")
+            self._exact(f"{label}: {impl.name} unchanged", self._observed(impl, obj), before)
+        self._same_error(label, errors[0], errors[1], expected)
+        self.stats.check("error types")
 
     # ---------------------------------------------------------------- oracles
     @invariant()
@@ -2444,6 +2495,35 @@ class ConformanceMachine(RuleBasedStateMachine):
             ):
                 self._close("kv.fetched", f"{what} fetch() row {b} plane {i}", a, e)
         return got_ref, got_opt
+
+
+MachineClass = TypeVar("MachineClass", bound=type[ConformanceMachine])
+
+
+def rules_off(*names: str) -> Callable[[MachineClass], MachineClass]:
+    """A class decorator for a family's machine that brings rules of its own (latent,
+    recurrent): the base rules and invariants ``names`` do not run on it.
+
+    Hypothesis runs the methods marked ``@rule`` / ``@invariant``; each name is shadowed by
+    a plain method that refuses to be called, so the family runs its own rules plus the
+    base rules it keeps (a rule it overrides by name replaces the base one)."""
+
+    def decorate(cls: MachineClass) -> MachineClass:
+        for name in names:
+            if not callable(getattr(ConformanceMachine, name, None)):
+                raise AttributeError(f"ConformanceMachine has no rule {name!r}")
+            setattr(cls, name, _rule_off(name))
+        return cls
+
+    return decorate
+
+
+def _rule_off(name: str) -> Callable[..., None]:
+    def off(self: ConformanceMachine, *args: object, **kwargs: object) -> None:
+        raise AssertionError(f"{name} is not a rule of {type(self).__name__}")
+
+    off.__name__ = name
+    return off
 
 
 def machine_class(
