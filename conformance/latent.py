@@ -27,16 +27,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import hypothesis.strategies as st
-import ml_dtypes
 import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 from hypothesis import note
 from hypothesis.stateful import initialize, precondition, rule
 
-from kvrows.conformance.arrays import from_mlx, to_mlx
+from kvrows.conformance.arrays import NUMPY_DTYPES, from_mlx, to_mlx
 from kvrows.conformance.families import Impl, _lm_cache
-from kvrows.conformance.machines import ConformanceMachine, rules_off
+from kvrows.conformance.machines import ConformanceMachine, Request, rules_off
 from kvrows.schemes import Affine, Turbo
 
 __all__ = ["LATENT_CHECKS", "LatentMachine"]
@@ -66,16 +65,6 @@ class _Config:
 
 
 @dataclass
-class _Request:
-    """One request's caches: reference, optimized, its reference solo twin, and mlx-lm's."""
-
-    ident: int
-    ref: Any
-    opt: Any
-    lm: tuple[Any, Any] | None = None  # (latent+rope KVCache, index KVCache)
-
-
-@dataclass
 class _Layout:
     ref: Any
     opt: Any
@@ -83,19 +72,15 @@ class _Layout:
     lm: tuple[Any, Any] | None = None  # BatchKVCache pair
 
 
-def _np_dtype(name: str) -> Any:
-    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
-
-
-@rules_off("trim_request", "merge_layout", "multi_step", "publish", "trim_rows")
-@rules_off("check_oracles")  # every rule checks what it touched
+# every rule checks what it touched: no invariant
+@rules_off("trim_request", "merge_layout", "multi_step", "publish", "trim_rows", "check_oracles")
 class LatentMachine(ConformanceMachine):
     """Conformance of a latent cache class (both implementations, solo, mlx-lm)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.cfg: _Config | None = None
-        self.requests: list[_Request] = []
+        self.requests: list[Request] = []
         self.layout: _Layout | None = None
         self._noise = np.random.default_rng(0)
         self._invalid_left = 2
@@ -140,7 +125,7 @@ class LatentMachine(ConformanceMachine):
         return cls(*args, codec=self.c.codec, start=self.c.start)
 
     def _blocks(self, rows: int, n: int) -> tuple[Array, Array, Array | None]:
-        dtype = _np_dtype(self.c.dtype)
+        dtype = NUMPY_DTYPES[self.c.dtype]
 
         def draw(width: int) -> Array:
             return self._noise.standard_normal((rows, 1, n, width)).astype(np.float32).astype(dtype)
@@ -184,7 +169,7 @@ class LatentMachine(ConformanceMachine):
     @rule(data=st.data())
     def new_request(self, data: st.DataObject) -> None:
         self.stats.op("new_request")
-        request = _Request(
+        request = Request(
             next(self._ids), self._new_latent(self.ref_impl), self._new_latent(self.opt_impl)
         )
         request.lm = self._lm_twins()
@@ -194,7 +179,7 @@ class LatentMachine(ConformanceMachine):
             self._prefill(request, n)
         self._check_latent_request(request)
 
-    def _prefill(self, request: _Request, n: int) -> None:
+    def _prefill(self, request: Request, n: int) -> None:
         blocks = self._blocks(1, n)
         if request.ref.width + n > (self.c.max_tokens or 10**9):
             return
@@ -244,7 +229,7 @@ class LatentMachine(ConformanceMachine):
             self.requests.remove(request)
         self._check_layout()
 
-    def _solo_of(self, request: _Request) -> Any:
+    def _solo_of(self, request: Request) -> Any:
         """A reference one-row cache holding what the request holds (its own copy)."""
         if request.ref.batch_size == 0:
             return self._new_latent(self.ref_impl)
@@ -358,7 +343,7 @@ class LatentMachine(ConformanceMachine):
         layout = self.layout
         assert layout is not None
         b = data.draw(st.integers(0, layout.ref.batch_size - 1), label="row")
-        request = _Request(next(self._ids), layout.ref.extract_row(b), layout.opt.extract_row(b))
+        request = Request(next(self._ids), layout.ref.extract_row(b), layout.opt.extract_row(b))
         self._same_rows("extract vs solo", request.ref, layout.solos[b], 0)
         if layout.lm is not None and not self.encoded:
             twin = layout.lm[0].extract(b)
@@ -419,12 +404,12 @@ class LatentMachine(ConformanceMachine):
             return call
 
         good = self._blocks(rows, 1)
-        dtype = _np_dtype(c.dtype)
+        dtype = NUMPY_DTYPES[c.dtype]
         wrong_width = (good[0][..., :-8], good[1], good[2])
         wrong_rope = (good[0], np.zeros((rows, 1, 1, c.rope + 2), dtype), good[2])
         rank5 = (good[0][None], good[1][None], None if good[2] is None else good[2][None])
         other = "float16" if c.dtype != "float16" else "float32"
-        wrong_dtype = tuple(None if b is None else b.astype(_np_dtype(other)) for b in good)
+        wrong_dtype = tuple(None if b is None else b.astype(NUMPY_DTYPES[other]) for b in good)
         dsa = (
             (good[0], good[1], None)
             if c.index is not None
@@ -505,7 +490,7 @@ class LatentMachine(ConformanceMachine):
             diff = np.max(np.abs(got.astype(np.float32) - want.astype(np.float32)))
             raise AssertionError(f"{what}: differs (max {diff})")
 
-    def _check_latent_request(self, request: _Request) -> None:
+    def _check_latent_request(self, request: Request) -> None:
         ref, opt = request.ref, request.opt
         self._same_state("request", ref, opt)
         if ref.width and request.lm is not None and not self.encoded:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import hypothesis.strategies as st
@@ -43,9 +43,9 @@ import numpy.typing as npt
 from hypothesis import note
 from hypothesis.stateful import initialize, precondition, rule
 
-from kvrows.conformance.arrays import from_mlx, to_mlx
+from kvrows.conformance.arrays import NUMPY_DTYPES, from_mlx, to_mlx
 from kvrows.conformance.families import Impl
-from kvrows.conformance.machines import ConformanceMachine, rules_off
+from kvrows.conformance.machines import ConformanceMachine, Layout, Request, rules_off
 from kvrows.errors import (
     IncompatibleRowsError,
     InvalidInputError,
@@ -119,37 +119,15 @@ def _plane_shapes(count: int) -> st.SearchStrategy[StateShapes]:
     return planes.map(lambda ps: StateShapes(planes=tuple(ps)))
 
 
-@dataclass
-class Row:
-    """One request: its serial caches in both implementations and mlx-lm's twin. In the
-    pool they *are* the request; inside a layout, the row's solo replay."""
-
-    ident: int
-    ref: Any
-    opt: Any
-    lm: Any
-    tokens: int = 0
-
-
-@dataclass
-class Group:
-    """One layout in both implementations, its mlx-lm twin and its rows' solo replays."""
-
-    ident: int
-    ref: Any
-    opt: Any
-    lm: Any
-    rows: list[Row] = field(default_factory=list)
-
-
 def _lm_cache() -> Any:
     from mlx_lm.models import cache
 
     return cache
 
 
+# every rule checks what it touched, teardown everything: no invariant
 @rules_off("trim_request", "merge_layout", "decode_step", "multi_step", "trim", "trim_rows")
-@rules_off("check_oracles")  # every rule checks what it touched; teardown checks all
+@rules_off("check_oracles")
 class RecurrentMachine(ConformanceMachine):
     """Rules over a pool of requests and up to two layouts (see the module docstring)."""
 
@@ -159,8 +137,8 @@ class RecurrentMachine(ConformanceMachine):
     def __init__(self) -> None:
         super().__init__()
         self.layer: Geometry | None = None
-        self.requests: list[Row] = []
-        self.groups: list[Group] = []
+        self.requests: list[Request] = []
+        self.groups: list[Layout] = []
         self._noise = np.random.default_rng(0)
         self._layers: dict[str, Callable[..., Any]] = {}
         #: Per-example caps on the rules that never change the world's shape.
@@ -232,7 +210,7 @@ class RecurrentMachine(ConformanceMachine):
     def _layer_inputs(self, rows: int, n: int) -> tuple[Array, ...]:
         g = self.layer
         assert g is not None
-        dtype = np.dtype(_numpy_dtype(g.dtype))
+        dtype = NUMPY_DTYPES[g.dtype]
         qkv = self._noise.standard_normal((rows, n, g.channels)).astype(dtype)
         if g.shapes is not None:
             return (qkv,)
@@ -288,7 +266,7 @@ class RecurrentMachine(ConformanceMachine):
         self.stats.check("reference vs optimized")
 
     # ------------------------------------------------------------------ oracles
-    def _check_row(self, row: Row) -> None:
+    def _check_row(self, row: Request) -> None:
         self._ref_vs_opt(f"request {row.ident}", row.ref, row.opt)
         assert row.ref.offset == row.opt.offset == row.tokens, (
             f"request {row.ident}: offsets {row.ref.offset}, {row.opt.offset}, want {row.tokens}"
@@ -298,7 +276,7 @@ class RecurrentMachine(ConformanceMachine):
         row.ref.check_valid()
         row.opt.check_valid()
 
-    def _check_group(self, group: Group) -> None:
+    def _check_group(self, group: Layout) -> None:
         what = f"layout {group.ident}"
         want = tuple(r.tokens for r in group.rows)
         assert group.ref.row_offsets == group.opt.row_offsets == want, (
@@ -327,7 +305,7 @@ class RecurrentMachine(ConformanceMachine):
     @rule()
     def new_request(self) -> None:
         self.stats.op("new_request")
-        row = Row(
+        row = Request(
             next(self._ids),
             self._new_state(self.ref_impl, "SSMCache"),
             self._new_state(self.opt_impl, "SSMCache"),
@@ -377,7 +355,7 @@ class RecurrentMachine(ConformanceMachine):
         ref.merge_rows([r.ref for r in rows])
         opt.merge_rows([r.opt for r in rows])
         lm = _lm_cache().ArraysCache.merge([r.lm for r in rows])
-        group = Group(next(self._ids), ref, opt, lm, rows)
+        group = Layout(next(self._ids), ref, opt, lm, rows)
         self.groups.append(group)
         self._check_group(group)
 
@@ -397,7 +375,7 @@ class RecurrentMachine(ConformanceMachine):
         group.rows.append(row)
         self._check_group(group)
 
-    def _steppable_groups(self) -> list[Group]:
+    def _steppable_groups(self) -> list[Layout]:
         return [g for g in self.groups if g.rows]
 
     @precondition(lambda self: bool(self._steppable_groups()))
@@ -484,7 +462,7 @@ class RecurrentMachine(ConformanceMachine):
         group = data.draw(st.sampled_from([g for g in self.groups if g.rows]), label="layout")
         b = data.draw(st.integers(0, len(group.rows) - 1), label="row")
         solo = group.rows[b]
-        row = Row(
+        row = Request(
             next(self._ids),
             group.ref.extract_row(b),
             group.opt.extract_row(b),
@@ -572,7 +550,7 @@ class RecurrentMachine(ConformanceMachine):
         on in place of the original."""
         self.stats.op("state")
         self._calls["state"] += 1
-        targets: list[Row | Group] = [*self.requests, *(g for g in self.groups if g.rows)]
+        targets: list[Request | Layout] = [*self.requests, *(g for g in self.groups if g.rows)]
         target = data.draw(st.sampled_from(targets), label="cache")
         for side, impl in (("ref", self.ref_impl), ("opt", self.opt_impl)):
             cache = getattr(target, side)
@@ -597,7 +575,7 @@ class RecurrentMachine(ConformanceMachine):
     ) -> list[tuple[str, Callable[[Impl, Any], object], type[KvRowsError]]]:
         g = self.layer
         assert g is not None
-        dtype = np.dtype(_numpy_dtype(g.dtype))
+        dtype = NUMPY_DTYPES[g.dtype]
         batch = max(rows, 1)
 
         def give(impl: Impl, array: Array) -> Any:
@@ -607,8 +585,8 @@ class RecurrentMachine(ConformanceMachine):
         state_bad = np.zeros((batch, g.value_heads, g.value_dim, g.key_dim + 1), np.float32)
         if g.shapes is not None:  # each plane one longer on its first per-row axis
             (first, first_dtype), (last, last_dtype) = g.shapes.planes[0], g.shapes.planes[-1]
-            conv_bad = np.zeros((batch, first[0] + 1, *first[1:]), _numpy_dtype(first_dtype))
-            state_bad = np.zeros((batch, last[0] + 1, *last[1:]), _numpy_dtype(last_dtype))
+            conv_bad = np.zeros((batch, first[0] + 1, *first[1:]), NUMPY_DTYPES[first_dtype])
+            state_bad = np.zeros((batch, last[0] + 1, *last[1:]), NUMPY_DTYPES[last_dtype])
         past = g.planes
         cases: list[tuple[str, Callable[[Impl, Any], object], type[KvRowsError]]] = [
             ("trim", lambda impl, c: c.trim(1), NotTrimmableError),
@@ -669,12 +647,12 @@ class RecurrentMachine(ConformanceMachine):
         message (array-type names aside), and nothing changes."""
         self.stats.op("invalid")
         self._calls["invalid"] += 1
-        targets: list[Row | Group] = [*self.requests, *self.groups]
+        targets: list[Request | Layout] = [*self.requests, *self.groups]
         if not targets:
             return
         target = data.draw(st.sampled_from(targets), label="target")
-        is_layout = isinstance(target, Group)
-        rows = len(target.rows) if isinstance(target, Group) else 1
+        is_layout = isinstance(target, Layout)
+        rows = len(target.rows) if isinstance(target, Layout) else 1
         label, call, expected = data.draw(
             st.sampled_from(self._cases(is_layout, rows, target.ref[0] is not None)), label="case"
         )
@@ -689,12 +667,6 @@ class RecurrentMachine(ConformanceMachine):
 
 def _numpy(array: Any) -> Array:
     return from_mlx(array) if isinstance(array, mx.array) else np.asarray(array)
-
-
-def _numpy_dtype(name: str) -> Any:
-    from kvrows.reference.codecs import numpy_dtype
-
-    return numpy_dtype(name)
 
 
 def _zero(planes: tuple[Array, ...] | None) -> bool:
