@@ -5,7 +5,9 @@ KV storage has two, one shared write column, merges only into an empty cache, an
 encoded variant) reads that depend on each row's bf16-first boundary. The base machine's
 rules drive ``[B, H, N, D]`` key/value storages; this machine drives latent caches with
 the same oracles and the same runner interface (``machines.machine_class`` builds it
-from the family, ``kvrows conform --family latent`` runs it):
+from the family, ``kvrows conform --family latent`` runs it). It subclasses the base
+machine, turns off the base rules it replaces (``machines.rules_off``) and reuses its ids,
+counters, world model (``machines.Request``) and bad-input check:
 
 * **reference vs optimized**: after every operation both hold the same rows (offsets,
   padding, converted flags) and return the same reads; stored codec planes bit-exact;
@@ -14,8 +16,8 @@ from the family, ``kvrows conform --family latent`` runs it):
 * **mlx-lm parity** (``MLACache``): mlx-lm's ``KVCache`` / ``BatchKVCache`` holding the
   latent as keys and the rope as values (and a second pair for the index plane, as
   ``deepseek_v32`` does) hold the same visible columns, the same offsets and padding;
-* **bad inputs** raise the same ``KvRowsError`` subclass in both implementations and
-  change nothing (wrong plane widths, ranks, dtypes, rows; a missing or unexpected index
+* **bad inputs** raise the same ``KvRowsError`` subclass with the same message in both
+  implementations (the base machine's ``_both_refuse``) and change nothing (wrong plane widths, ranks, dtypes, rows; a missing or unexpected index
   block; past ``max_tokens``; a merge into a non-empty cache; bad keep lists; trims past a
   row; rounds misused).
 """

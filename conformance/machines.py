@@ -46,7 +46,11 @@ Cost: the invariant checks what the last rule touched and everything every
 A family plugs in with a subclass of hooks and strategies only (see
 ``conformance.affine`` and ``conformance.rings``): its geometry strategy, the
 views of what a serial cache and a layout row hold, its prompt/step/keep
-strategies, its mlx-lm peer's quirks and its extra invalid operations.
+strategies, its mlx-lm peer's quirks and its extra invalid operations. A family
+whose storages hold no keys and values (``conformance.latent``,
+``conformance.recurrent``) turns off the base rules it replaces (:func:`rules_off`)
+and keeps the rest: ids, counters, :class:`Request` / :class:`Layout`, ``_close``
+and ``_both_refuse``.
 :func:`machine_class` makes every machine; it takes the implementations as
 parameters so the teeth tests can inject mutants.
 """

@@ -43,7 +43,7 @@ import numpy.typing as npt
 from hypothesis import note
 from hypothesis.stateful import initialize, precondition, rule
 
-from kvrows.conformance.arrays import NUMPY_DTYPES, from_mlx, to_mlx
+from kvrows.conformance.arrays import NUMPY_DTYPES, as_numpy, to_mlx
 from kvrows.conformance.families import Impl
 from kvrows.conformance.machines import ConformanceMachine, Layout, Request, rules_off
 from kvrows.errors import (
@@ -221,7 +221,7 @@ class RecurrentMachine(ConformanceMachine):
     def _run(self, impl: str, cache: Any, inputs: Sequence[Array]) -> Array:
         given = [np.array(x, copy=True) if impl == "reference" else to_mlx(x) for x in inputs]
         out = self._layers[impl](cache, *given)
-        return _numpy(out)
+        return as_numpy(out)
 
     def _run_lm(self, cache: Any, inputs: Sequence[Array]) -> None:
         self._layers["optimized"](cache, *(to_mlx(x) for x in inputs))
@@ -236,7 +236,7 @@ class RecurrentMachine(ConformanceMachine):
         if planes[0] is None:
             assert all(p is None for p in planes), "some planes without the others"
             return None
-        return tuple(_numpy(p) for p in planes)
+        return tuple(as_numpy(p) for p in planes)
 
     def _same_state_planes(self, what: str, got: Any, want: Any, quantity: str) -> None:
         a, b = self._planes(got), self._planes(want)
@@ -563,10 +563,8 @@ class RecurrentMachine(ConformanceMachine):
 
     # ------------------------------------------------------------------ bad inputs
     def _observed(self, impl: Impl, cache: Any) -> tuple[Any, ...]:
-        planes = tuple(
-            None if p is None else (_numpy(p).dtype.name, _numpy(p).shape, _numpy(p).tobytes())
-            for p in cache.cache
-        )
+        held = [None if p is None else as_numpy(p) for p in cache.cache]
+        planes = tuple(None if p is None else (p.dtype.name, p.shape, p.tobytes()) for p in held)
         offsets = cache.row_offsets if hasattr(cache, "row_offsets") else (cache.offset,)
         return planes, tuple(offsets)
 
@@ -663,10 +661,6 @@ class RecurrentMachine(ConformanceMachine):
     def _message(self, error: BaseException) -> str:
         """Messages name the implementation's array type; the rest must match word for word."""
         return str(error).replace("NumPy", "<array>").replace("MLX", "<array>")
-
-
-def _numpy(array: Any) -> Array:
-    return from_mlx(array) if isinstance(array, mx.array) else np.asarray(array)
 
 
 def _zero(planes: tuple[Array, ...] | None) -> bool:
