@@ -147,14 +147,8 @@ class LatentMachine(ConformanceMachine):
         pairs: list[tuple[Impl, Any]],
         blocks: tuple[Array, Array, Array | None],
     ) -> list[Any]:
-        results = []
-        for impl, cache in pairs:
-            latent, rope, index = (None if b is None else impl.to_native(b) for b in blocks)
-            if index is None:
-                results.append(cache.append(latent, rope))
-            else:
-                results.append(cache.append(latent, rope, index))
-        return results
+        # no index block: ``append(latent, rope)``
+        return [c.append(*(i.to_native(b) for b in blocks if b is not None)) for i, c in pairs]
 
     def _lm_append(
         self, twins: tuple[Any, Any] | None, blocks: tuple[Array, Array, Array | None]
@@ -280,7 +274,7 @@ class LatentMachine(ConformanceMachine):
             if solo.width == 0:
                 layout.lm = None
                 return
-            latent, rope, index = (None if a is None else to_mlx(a) for a in self._solo_read(solo))
+            latent, rope, index = (None if a is None else to_mlx(a) for a in solo.current())
             twin, index_twin = lm.KVCache(), lm.KVCache()
             twin.update_and_fetch(latent, rope)
             if index is not None:
@@ -465,10 +459,6 @@ class LatentMachine(ConformanceMachine):
             tuple(None if a is None else impl.to_numpy(a).tobytes() for a in read),
         )
 
-    def _solo_read(self, cache: Any) -> tuple[Any, Any, Any]:
-        latent, rope, index = cache.current()
-        return latent, rope, index
-
     def _same_read(
         self, what: str, got_ref: Any, got_opt: Any, pads: tuple[int, ...] | None = None
     ) -> None:
@@ -498,7 +488,7 @@ class LatentMachine(ConformanceMachine):
         if ref.width and request.lm is not None and not self.encoded:
             twin, index_twin = request.lm
             self._exact("mlx-lm offset", int(twin.offset), ref.width)
-            latent, rope, index = self._solo_read(ref)
+            latent, rope, index = ref.current()
             self._same_bytes("mlx-lm latent", from_mlx(twin.keys[:, :, : twin.offset]), latent)
             self._same_bytes("mlx-lm rope", from_mlx(twin.values[:, :, : twin.offset]), rope)
             if index is not None:
@@ -516,7 +506,7 @@ class LatentMachine(ConformanceMachine):
         opt.check_valid()
         if not ref.width:
             return
-        self._same_read(what, self._solo_read(ref), self._solo_read(opt), ref.left_pad)
+        self._same_read(what, ref.current(), opt.current(), ref.left_pad)
         self._same_stored_planes(what, ref, opt)
         n = 2
         mask_ref = np.asarray(ref.make_mask(n, return_array=True))
@@ -545,8 +535,8 @@ class LatentMachine(ConformanceMachine):
             self._exact(f"{what} converted", got.converted, solo.converted)
             for name, g, s in zip(
                 ("latent", "rope", "index"),
-                self._solo_read(got),
-                self._solo_read(solo),
+                got.current(),
+                solo.current(),
                 strict=True,
             ):
                 if s is not None:
@@ -563,7 +553,7 @@ class LatentMachine(ConformanceMachine):
             return
         if any(ref.converted) and not all(ref.converted):
             self.stats.check("mixed conversion")  # rows reading exact beside encoded ones
-        reads = self._solo_read(ref)
+        reads = ref.current()
         for b, solo in enumerate(layout.solos):
             pad = ref.left_pad[b]
             self._exact(f"row {b} offset vs solo", ref.row_offsets[b], solo.width)
@@ -573,7 +563,7 @@ class LatentMachine(ConformanceMachine):
             if solo.width == 0:
                 continue
             for name, got, want in zip(
-                ("latent", "rope", "index"), reads, self._solo_read(solo), strict=True
+                ("latent", "rope", "index"), reads, solo.current(), strict=True
             ):
                 if want is not None and got is not None:
                     self._same_bytes(f"row {b} {name} vs solo", got[b : b + 1, :, pad:], want)

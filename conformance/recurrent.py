@@ -576,9 +576,6 @@ class RecurrentMachine(ConformanceMachine):
         dtype = NUMPY_DTYPES[g.dtype]
         batch = max(rows, 1)
 
-        def give(impl: Impl, array: Array) -> Any:
-            return impl.to_native(array)
-
         conv_bad = np.zeros((batch, g.kernel, g.channels), dtype)
         state_bad = np.zeros((batch, g.value_heads, g.value_dim, g.key_dim + 1), np.float32)
         if g.shapes is not None:  # each plane one longer on its first per-row axis
@@ -590,7 +587,7 @@ class RecurrentMachine(ConformanceMachine):
             ("trim", lambda impl, c: c.trim(1), NotTrimmableError),
             (
                 "plane index past the last",
-                lambda i, c: c.__setitem__(past, give(i, conv_bad)),
+                lambda i, c: c.__setitem__(past, i.to_native(conv_bad)),
                 InvalidInputError,
             ),
             (
@@ -604,12 +601,12 @@ class RecurrentMachine(ConformanceMachine):
             cases += [
                 (
                     "first plane of the wrong shape",
-                    lambda i, c: c.__setitem__(0, give(i, conv_bad)),
+                    lambda i, c: c.__setitem__(0, i.to_native(conv_bad)),
                     InvalidInputError,
                 ),
                 (
                     "last plane of the wrong shape",
-                    lambda i, c: c.__setitem__(past - 1, give(i, state_bad)),
+                    lambda i, c: c.__setitem__(past - 1, i.to_native(state_bad)),
                     InvalidInputError,
                 ),
             ]
