@@ -443,12 +443,14 @@ class LatentMachine(ConformanceMachine):
 
     # -- checks ---------------------------------------------------------------------------
     def _message(self, error: BaseException) -> str:
-        """Messages naming a foreign cache name its implementation's module; the rest must
-        match word for word."""
+        """Messages name the cache's class (a mutant's in the teeth tests) and a foreign
+        cache's module; the rest must match word for word."""
         text = str(error)
-        return text.replace("kvrows.optimized.", "kvrows.<impl>.").replace(
-            "kvrows.reference.", "kvrows.<impl>."
-        )
+        for impl in (self.ref_impl, self.opt_impl):
+            cls = impl.cls(self.spec.name)
+            text = text.replace(f"{cls.__module__}.{cls.__qualname__}", "<its class>")
+            text = text.replace(cls.__name__, self.spec.name)
+        return text
 
     def _observed(self, impl: Impl, cache: Any) -> tuple[Any, ...]:
         read = cache.current() if cache.width else ()
