@@ -2103,19 +2103,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         note(f"invalid: {name}: {label}")
         self._op("invalid")
         before = self._everything()
-        errors: list[KvRowsError] = []
-        for impl, obj in ((self.ref_impl, ref_obj), (self.opt_impl, opt_obj)):
-            try:
-                call(impl, obj)
-            except KvRowsError as error:
-                errors.append(error)
-            except Exception as error:  # any other exception is a contract violation
-                raise AssertionError(
-                    f"{impl.name}: {label} raised {type(error).__name__} ({error}), not a KvRowsError"
-                ) from error
-            else:
-                raise AssertionError(f"{impl.name}: {label} did not raise")
-        self._same_error(label, errors[0], errors[1], expected)
+        self._same_error(label, *self._refusals(label, call, ref_obj, opt_obj), expected)
         self._exact(
             f"{label}: every cache unchanged after the failed call", self._everything(), before
         )
@@ -2164,9 +2152,21 @@ class ConformanceMachine(RuleBasedStateMachine):
     ) -> None:
         """A bad call on ``ref_obj`` and ``opt_obj``: both raise the same ``KvRowsError``
         (:meth:`_same_error`) and leave their object as it was (:meth:`_observed`)."""
+        pairs = ((self.ref_impl, ref_obj), (self.opt_impl, opt_obj))
+        before = [self._observed(impl, obj) for impl, obj in pairs]
+        errors = self._refusals(label, call, ref_obj, opt_obj)
+        for (impl, obj), held in zip(pairs, before, strict=True):
+            self._exact(f"{label}: {impl.name} unchanged", self._observed(impl, obj), held)
+        self._same_error(label, *errors, expected)
+        self.stats.check("error types")
+
+    def _refusals(
+        self, label: str, call: Callable[[Impl, Any], object], ref_obj: Any, opt_obj: Any
+    ) -> tuple[KvRowsError, KvRowsError]:
+        """The ``KvRowsError`` each implementation raises for ``call`` (anything else, or
+        nothing, fails)."""
         errors: list[KvRowsError] = []
         for impl, obj in ((self.ref_impl, ref_obj), (self.opt_impl, opt_obj)):
-            before = self._observed(impl, obj)
             try:
                 call(impl, obj)
             except KvRowsError as error:
@@ -2177,9 +2177,7 @@ class ConformanceMachine(RuleBasedStateMachine):
                 ) from error
             else:
                 raise AssertionError(f"{impl.name}: {label} did not raise")
-            self._exact(f"{label}: {impl.name} unchanged", self._observed(impl, obj), before)
-        self._same_error(label, errors[0], errors[1], expected)
-        self.stats.check("error types")
+        return errors[0], errors[1]
 
     # ---------------------------------------------------------------- oracles
     @invariant()
