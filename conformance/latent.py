@@ -5,7 +5,9 @@ KV storage has two, one shared write column, merges only into an empty cache, an
 encoded variant) reads that depend on each row's bf16-first boundary. The base machine's
 rules drive ``[B, H, N, D]`` key/value storages; this machine drives latent caches with
 the same oracles and the same runner interface (``machines.machine_class`` builds it
-from the family, ``kvrows conform --family latent`` runs it):
+from the family, ``kvrows conform --family latent`` runs it). It subclasses the base
+machine, turns off the base rules it replaces (``machines.rules_off``) and reuses its ids,
+counters, world model (``machines.Request``) and bad-input check:
 
 * **reference vs optimized**: after every operation both hold the same rows (offsets,
   padding, converted flags) and return the same reads; stored codec planes bit-exact;
@@ -14,31 +16,28 @@ from the family, ``kvrows conform --family latent`` runs it):
 * **mlx-lm parity** (``MLACache``): mlx-lm's ``KVCache`` / ``BatchKVCache`` holding the
   latent as keys and the rope as values (and a second pair for the index plane, as
   ``deepseek_v32`` does) hold the same visible columns, the same offsets and padding;
-* **bad inputs** raise the same ``KvRowsError`` subclass in both implementations and
-  change nothing (wrong plane widths, ranks, dtypes, rows; a missing or unexpected index
+* **bad inputs** raise the same ``KvRowsError`` subclass with the same message in both
+  implementations (the base machine's ``_both_refuse``) and change nothing (wrong plane widths, ranks, dtypes, rows; a missing or unexpected index
   block; past ``max_tokens``; a merge into a non-empty cache; bad keep lists; trims past a
   row; rounds misused).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import hypothesis.strategies as st
-import ml_dtypes
 import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 from hypothesis import note
-from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+from hypothesis.stateful import initialize, precondition, rule
 
-from kvrows.conformance.arrays import from_mlx, to_mlx
-from kvrows.conformance.families import Family, Impl, LayoutSpec, PeerSpec, _lm_cache
-from kvrows.conformance.stats import Stats
-from kvrows.errors import KvRowsError
+from kvrows.conformance.arrays import NUMPY_DTYPES, from_mlx, to_mlx
+from kvrows.conformance.families import Impl, _lm_cache
+from kvrows.conformance.machines import ConformanceMachine, Request, rules_off
 from kvrows.schemes import Affine, Turbo
 
 __all__ = ["LATENT_CHECKS", "LatentMachine"]
@@ -68,16 +67,6 @@ class _Config:
 
 
 @dataclass
-class _Request:
-    """One request's caches: reference, optimized, its reference solo twin, and mlx-lm's."""
-
-    ident: int
-    ref: Any
-    opt: Any
-    lm: tuple[Any, Any] | None = None  # (latent+rope KVCache, index KVCache)
-
-
-@dataclass
 class _Layout:
     ref: Any
     opt: Any
@@ -85,30 +74,17 @@ class _Layout:
     lm: tuple[Any, Any] | None = None  # BatchKVCache pair
 
 
-def _np_dtype(name: str) -> Any:
-    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
-
-
-class LatentMachine(RuleBasedStateMachine):
+# every rule checks what it touched: no invariant
+@rules_off("trim_request", "merge_layout", "multi_step", "publish", "trim_rows", "check_oracles")
+class LatentMachine(ConformanceMachine):
     """Conformance of a latent cache class (both implementations, solo, mlx-lm)."""
-
-    family: ClassVar[Family]
-    spec: ClassVar[LayoutSpec]
-    ref_impl: ClassVar[Impl]
-    opt_impl: ClassVar[Impl]
-    peer: ClassVar[PeerSpec | None]
-    stats: ClassVar[Stats]
-    limits: ClassVar[Any]
-    enforce: ClassVar[bool] = True
 
     def __init__(self) -> None:
         super().__init__()
         self.cfg: _Config | None = None
-        self.requests: list[_Request] = []
+        self.requests: list[Request] = []
         self.layout: _Layout | None = None
-        self._ids = itertools.count()
-        self._steps_at_start = self.stats.steps
-        self._rng = np.random.default_rng(0)
+        self._noise = np.random.default_rng(0)
         self._invalid_left = 2
 
     # -- set-up ---------------------------------------------------------------------------
@@ -128,7 +104,7 @@ class LatentMachine(RuleBasedStateMachine):
             codec=codec,
             start=data.draw(st.sampled_from((0, 3, 9)), label="start") if self.encoded else 0,
         )
-        self._rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+        self._noise = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
         note(f"config: {self.cfg}")
 
     def teardown(self) -> None:
@@ -143,7 +119,7 @@ class LatentMachine(RuleBasedStateMachine):
         assert self.cfg is not None
         return self.cfg
 
-    def _new(self, impl: Impl) -> Any:
+    def _new_latent(self, impl: Impl) -> Any:
         cls: Any = impl.cls(self.spec.name)
         args = (self.c.rank, self.c.rope, self.c.index, self.c.max_tokens)
         if self.c.codec is None:
@@ -151,10 +127,10 @@ class LatentMachine(RuleBasedStateMachine):
         return cls(*args, codec=self.c.codec, start=self.c.start)
 
     def _blocks(self, rows: int, n: int) -> tuple[Array, Array, Array | None]:
-        dtype = _np_dtype(self.c.dtype)
+        dtype = NUMPY_DTYPES[self.c.dtype]
 
         def draw(width: int) -> Array:
-            return self._rng.standard_normal((rows, 1, n, width)).astype(np.float32).astype(dtype)
+            return self._noise.standard_normal((rows, 1, n, width)).astype(np.float32).astype(dtype)
 
         index = None if self.c.index is None else draw(self.c.index)
         return draw(self.c.rank), draw(self.c.rope), index
@@ -171,14 +147,8 @@ class LatentMachine(RuleBasedStateMachine):
         pairs: list[tuple[Impl, Any]],
         blocks: tuple[Array, Array, Array | None],
     ) -> list[Any]:
-        results = []
-        for impl, cache in pairs:
-            latent, rope, index = (None if b is None else impl.to_native(b) for b in blocks)
-            if index is None:
-                results.append(cache.append(latent, rope))
-            else:
-                results.append(cache.append(latent, rope, index))
-        return results
+        # no index block: ``append(latent, rope)``
+        return [c.append(*(i.to_native(b) for b in blocks if b is not None)) for i, c in pairs]
 
     def _lm_append(
         self, twins: tuple[Any, Any] | None, blocks: tuple[Array, Array, Array | None]
@@ -195,15 +165,17 @@ class LatentMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def new_request(self, data: st.DataObject) -> None:
         self.stats.op("new_request")
-        request = _Request(next(self._ids), self._new(self.ref_impl), self._new(self.opt_impl))
+        request = Request(
+            next(self._ids), self._new_latent(self.ref_impl), self._new_latent(self.opt_impl)
+        )
         request.lm = self._lm_twins()
         self.requests.append(request)
         n = data.draw(st.integers(0, 7), label="prompt")
         if n:
             self._prefill(request, n)
-        self._check_request(request)
+        self._check_latent_request(request)
 
-    def _prefill(self, request: _Request, n: int) -> None:
+    def _prefill(self, request: Request, n: int) -> None:
         blocks = self._blocks(1, n)
         if request.ref.width + n > (self.c.max_tokens or 10**9):
             return
@@ -219,7 +191,7 @@ class LatentMachine(RuleBasedStateMachine):
         self.stats.op("prefill_chunk")
         request = data.draw(st.sampled_from(self.requests), label="request")
         self._prefill(request, data.draw(st.integers(1, 5), label="chunk"))
-        self._check_request(request)
+        self._check_latent_request(request)
 
     @precondition(lambda self: len(self.requests) > 1 and self.layout is None)
     @rule(data=st.data())
@@ -232,12 +204,12 @@ class LatentMachine(RuleBasedStateMachine):
                 st.lists(st.sampled_from(self.requests), min_size=1, max_size=3, unique_by=id),
                 label="rows",
             )
-        before = [self._snapshot(r.ref) for r in chosen]
+        before = [self._observed(self.ref_impl, r.ref) for r in chosen]
         layout = _Layout(chosen[0].ref.make_empty_batch(), chosen[0].opt.make_empty_batch())
         layout.ref.merge_rows([r.ref for r in chosen])
         layout.opt.merge_rows([r.opt for r in chosen])
         for request, snap in zip(chosen, before, strict=True):
-            self._exact("merge source unchanged", self._snapshot(request.ref), snap)
+            self._exact("merge source unchanged", self._observed(self.ref_impl, request.ref), snap)
         layout.solos = [self._solo_of(r) for r in chosen]
         twins = [r.lm for r in chosen]
         if all(t is not None and t[0].offset > 0 for t in twins):
@@ -253,13 +225,13 @@ class LatentMachine(RuleBasedStateMachine):
             self.requests.remove(request)
         self._check_layout()
 
-    def _solo_of(self, request: _Request) -> Any:
+    def _solo_of(self, request: Request) -> Any:
         """A reference one-row cache holding what the request holds (its own copy)."""
         if request.ref.batch_size == 0:
-            return self._new(self.ref_impl)
+            return self._new_latent(self.ref_impl)
         return request.ref.extract_row(0)
 
-    def _layout_step(self, n: int, round_keep: list[int] | None) -> None:
+    def _step_layout(self, n: int, round_keep: list[int] | None) -> None:
         layout = self.layout
         assert layout is not None
         rows = layout.ref.batch_size
@@ -302,7 +274,7 @@ class LatentMachine(RuleBasedStateMachine):
             if solo.width == 0:
                 layout.lm = None
                 return
-            latent, rope, index = (None if a is None else to_mlx(a) for a in self._solo_read(solo))
+            latent, rope, index = (None if a is None else to_mlx(a) for a in solo.current())
             twin, index_twin = lm.KVCache(), lm.KVCache()
             twin.update_and_fetch(latent, rope)
             if index is not None:
@@ -318,7 +290,7 @@ class LatentMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def decode_step(self, data: st.DataObject) -> None:
         self.stats.op("decode_step")
-        self._layout_step(data.draw(st.integers(1, 3), label="N"), None)
+        self._step_layout(data.draw(st.integers(1, 3), label="N"), None)
         self._check_layout()
 
     @precondition(lambda self: self.layout is not None)
@@ -333,7 +305,7 @@ class LatentMachine(RuleBasedStateMachine):
             keep = data.draw(st.permutations(keep), label="keep")
         else:
             keep = [data.draw(st.integers(1, n), label="keep")] * rows
-        self._layout_step(n, keep)
+        self._step_layout(n, keep)
         self._check_layout()
 
     @precondition(lambda self: self.layout is not None)
@@ -367,7 +339,7 @@ class LatentMachine(RuleBasedStateMachine):
         layout = self.layout
         assert layout is not None
         b = data.draw(st.integers(0, layout.ref.batch_size - 1), label="row")
-        request = _Request(next(self._ids), layout.ref.extract_row(b), layout.opt.extract_row(b))
+        request = Request(next(self._ids), layout.ref.extract_row(b), layout.opt.extract_row(b))
         self._same_rows("extract vs solo", request.ref, layout.solos[b], 0)
         if layout.lm is not None and not self.encoded:
             twin = layout.lm[0].extract(b)
@@ -376,7 +348,7 @@ class LatentMachine(RuleBasedStateMachine):
         else:
             request.lm = None
         self.requests.append(request)
-        self._check_request(request)
+        self._check_latent_request(request)
         if data.draw(st.booleans(), label="retire layout"):
             self.layout = None
 
@@ -412,20 +384,7 @@ class LatentMachine(RuleBasedStateMachine):
         else:
             ref, opt = target.ref, target.opt
         for label, call in self._bad_cases(ref):
-            before = (self._snapshot(ref), self._snapshot_opt(opt))
-            errors = []
-            for impl, cache in ((self.ref_impl, ref), (self.opt_impl, opt)):
-                try:
-                    call(impl, cache)
-                except KvRowsError as error:
-                    errors.append(type(error).__name__)
-                else:
-                    errors.append("no error")
-            self._exact(f"{label}: both raise the same error", errors[0], errors[1])
-            if errors[0] == "no error":
-                raise AssertionError(f"{label}: accepted")
-            self._exact(f"{label}: reference unchanged", self._snapshot(ref), before[0])
-            self._exact(f"{label}: optimized unchanged", self._snapshot_opt(opt), before[1])
+            self._both_refuse(label, call, ref, opt)
             self.stats.check("bad input unchanged")
             self.stats.op(f"bad:{label}")
 
@@ -441,12 +400,12 @@ class LatentMachine(RuleBasedStateMachine):
             return call
 
         good = self._blocks(rows, 1)
-        dtype = _np_dtype(c.dtype)
+        dtype = NUMPY_DTYPES[c.dtype]
         wrong_width = (good[0][..., :-8], good[1], good[2])
         wrong_rope = (good[0], np.zeros((rows, 1, 1, c.rope + 2), dtype), good[2])
         rank5 = (good[0][None], good[1][None], None if good[2] is None else good[2][None])
         other = "float16" if c.dtype != "float16" else "float32"
-        wrong_dtype = tuple(None if b is None else b.astype(_np_dtype(other)) for b in good)
+        wrong_dtype = tuple(None if b is None else b.astype(NUMPY_DTYPES[other]) for b in good)
         dsa = (
             (good[0], good[1], None)
             if c.index is not None
@@ -464,7 +423,8 @@ class LatentMachine(RuleBasedStateMachine):
             ("extract out of range", lambda impl, t: t.extract_row(rows)),
             ("rollback without round", lambda impl, t: t.spec_round_rollback(1)),
             ("merge into non-empty", lambda impl, t: t.merge_rows([t.make_empty_batch()])),
-            ("foreign array", lambda impl, t: t.append(np.zeros(1), np.zeros(1))),
+            # (the reference takes NumPy: a block of no shape; the messages differ)
+            ("the other implementation's arrays", lambda i, t: t.append(np.zeros(1), np.zeros(1))),
         ]
         if cache.batch_size:
             more = self._blocks(rows + 1, 1)
@@ -482,34 +442,24 @@ class LatentMachine(RuleBasedStateMachine):
         return cases
 
     # -- checks ---------------------------------------------------------------------------
-    def _exact(self, what: str, actual: object, expected: object) -> None:
-        if actual != expected:
-            raise AssertionError(f"{what}: got {actual!r}, expected {expected!r}")
+    def _message(self, error: BaseException) -> str:
+        """Messages name the cache's class (a mutant's in the teeth tests) and a foreign
+        cache's module; the rest must match word for word."""
+        text = str(error)
+        for impl in (self.ref_impl, self.opt_impl):
+            cls = impl.cls(self.spec.name)
+            text = text.replace(f"{cls.__module__}.{cls.__qualname__}", "<its class>")
+            text = text.replace(cls.__name__, self.spec.name)
+        return text
 
-    def _np(self, impl: Impl, array: Any) -> Array | None:
-        return None if array is None else impl.to_numpy(array)
-
-    def _snapshot(self, cache: Any) -> tuple[Any, ...]:
-        read = self._solo_read(cache) if cache.width else ()
-        return (
-            cache.row_offsets,
-            cache.left_pad,
-            cache.converted,
-            tuple(None if a is None else a.tobytes() for a in read),
-        )
-
-    def _snapshot_opt(self, cache: Any) -> tuple[Any, ...]:
+    def _observed(self, impl: Impl, cache: Any) -> tuple[Any, ...]:
         read = cache.current() if cache.width else ()
         return (
             cache.row_offsets,
             cache.left_pad,
             cache.converted,
-            tuple(None if a is None else from_mlx(a).tobytes() for a in read),
+            tuple(None if a is None else impl.to_numpy(a).tobytes() for a in read),
         )
-
-    def _solo_read(self, cache: Any) -> tuple[Any, Any, Any]:
-        latent, rope, index = cache.current()
-        return latent, rope, index
 
     def _same_read(
         self, what: str, got_ref: Any, got_opt: Any, pads: tuple[int, ...] | None = None
@@ -523,10 +473,10 @@ class LatentMachine(RuleBasedStateMachine):
             held = from_mlx(o)
             self._exact(f"{what} {name} shape", held.shape, r.shape)
             for b, pad in enumerate(pads or (0,) * r.shape[0]):
-                self._close(f"{what} {name} row {b}", held[b, :, pad:], r[b, :, pad:])
+                self._same_bytes(f"{what} {name} row {b}", held[b, :, pad:], r[b, :, pad:])
         self.stats.check("reference")
 
-    def _close(self, what: str, got: Array, want: Array) -> None:
+    def _same_bytes(self, what: str, got: Array, want: Array) -> None:
         """Byte-exact: the decoded latent too (the TurboQuant decode of both implementations
         agrees bit for bit; the deep profile never saw a difference)."""
         self._exact(f"{what} shape", got.shape, want.shape)
@@ -534,18 +484,18 @@ class LatentMachine(RuleBasedStateMachine):
             diff = np.max(np.abs(got.astype(np.float32) - want.astype(np.float32)))
             raise AssertionError(f"{what}: differs (max {diff})")
 
-    def _check_request(self, request: _Request) -> None:
+    def _check_latent_request(self, request: Request) -> None:
         ref, opt = request.ref, request.opt
         self._same_state("request", ref, opt)
         if ref.width and request.lm is not None and not self.encoded:
             twin, index_twin = request.lm
             self._exact("mlx-lm offset", int(twin.offset), ref.width)
-            latent, rope, index = self._solo_read(ref)
-            self._close("mlx-lm latent", from_mlx(twin.keys[:, :, : twin.offset]), latent)
-            self._close("mlx-lm rope", from_mlx(twin.values[:, :, : twin.offset]), rope)
+            latent, rope, index = ref.current()
+            self._same_bytes("mlx-lm latent", from_mlx(twin.keys[:, :, : twin.offset]), latent)
+            self._same_bytes("mlx-lm rope", from_mlx(twin.values[:, :, : twin.offset]), rope)
             if index is not None:
                 held = from_mlx(index_twin.keys[:, :, : index_twin.offset])
-                self._close("mlx-lm index", held, index)
+                self._same_bytes("mlx-lm index", held, index)
             self.stats.check("mlx-lm")
 
     def _same_state(self, what: str, ref: Any, opt: Any) -> None:
@@ -558,14 +508,14 @@ class LatentMachine(RuleBasedStateMachine):
         opt.check_valid()
         if not ref.width:
             return
-        self._same_read(what, self._solo_read(ref), self._solo_read(opt), ref.left_pad)
-        self._same_planes(what, ref, opt)
+        self._same_read(what, ref.current(), opt.current(), ref.left_pad)
+        self._same_stored_planes(what, ref, opt)
         n = 2
         mask_ref = np.asarray(ref.make_mask(n, return_array=True))
         mask_opt = from_mlx(opt.make_mask(n, return_array=True))
         self._exact(f"{what} mask", mask_opt.tolist(), mask_ref.tolist())
 
-    def _same_planes(self, what: str, ref: Any, opt: Any) -> None:
+    def _same_stored_planes(self, what: str, ref: Any, opt: Any) -> None:
         """The stored planes (codec planes, rope, index), row by row over each row's
         columns, bit-exact."""
         opt_planes, opt_rope, opt_index, _ = opt.planes()
@@ -587,12 +537,12 @@ class LatentMachine(RuleBasedStateMachine):
             self._exact(f"{what} converted", got.converted, solo.converted)
             for name, g, s in zip(
                 ("latent", "rope", "index"),
-                self._solo_read(got),
-                self._solo_read(solo),
+                got.current(),
+                solo.current(),
                 strict=True,
             ):
                 if s is not None:
-                    self._close(f"{what} {name}", g, s)
+                    self._same_bytes(f"{what} {name}", g, s)
         self.stats.check("solo")
 
     def _check_layout(self) -> None:
@@ -605,7 +555,7 @@ class LatentMachine(RuleBasedStateMachine):
             return
         if any(ref.converted) and not all(ref.converted):
             self.stats.check("mixed conversion")  # rows reading exact beside encoded ones
-        reads = self._solo_read(ref)
+        reads = ref.current()
         for b, solo in enumerate(layout.solos):
             pad = ref.left_pad[b]
             self._exact(f"row {b} offset vs solo", ref.row_offsets[b], solo.width)
@@ -615,10 +565,10 @@ class LatentMachine(RuleBasedStateMachine):
             if solo.width == 0:
                 continue
             for name, got, want in zip(
-                ("latent", "rope", "index"), reads, self._solo_read(solo), strict=True
+                ("latent", "rope", "index"), reads, solo.current(), strict=True
             ):
                 if want is not None and got is not None:
-                    self._close(f"row {b} {name} vs solo", got[b : b + 1, :, pad:], want)
+                    self._same_bytes(f"row {b} {name} vs solo", got[b : b + 1, :, pad:], want)
         self.stats.check("solo")
         if layout.lm is not None:
             twin, index_twin = layout.lm
@@ -630,18 +580,18 @@ class LatentMachine(RuleBasedStateMachine):
             self._exact("mlx-lm write column", int(twin._idx), ref.width)
             for b in range(ref.batch_size):
                 pad = ref.left_pad[b]
-                self._close(
+                self._same_bytes(
                     f"mlx-lm row {b} latent",
                     from_mlx(twin.keys[b : b + 1, :, pad : twin._idx]),
                     reads[0][b : b + 1, :, pad:],
                 )
-                self._close(
+                self._same_bytes(
                     f"mlx-lm row {b} rope",
                     from_mlx(twin.values[b : b + 1, :, pad : twin._idx]),
                     reads[1][b : b + 1, :, pad:],
                 )
                 if index_twin is not None and reads[2] is not None:
-                    self._close(
+                    self._same_bytes(
                         f"mlx-lm row {b} index",
                         from_mlx(index_twin.keys[b : b + 1, :, pad : index_twin._idx]),
                         reads[2][b : b + 1, :, pad:],

@@ -46,7 +46,11 @@ Cost: the invariant checks what the last rule touched and everything every
 A family plugs in with a subclass of hooks and strategies only (see
 ``conformance.affine`` and ``conformance.rings``): its geometry strategy, the
 views of what a serial cache and a layout row hold, its prompt/step/keep
-strategies, its mlx-lm peer's quirks and its extra invalid operations.
+strategies, its mlx-lm peer's quirks and its extra invalid operations. A family
+whose storages hold no keys and values (``conformance.latent``,
+``conformance.recurrent``) turns off the base rules it replaces (:func:`rules_off`)
+and keeps the rest: ids, counters, :class:`Request` / :class:`Layout`, ``_close``
+and ``_both_refuse``.
 :func:`machine_class` makes every machine; it takes the implementations as
 parameters so the teeth tests can inject mutants.
 """
@@ -58,7 +62,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -91,13 +95,16 @@ __all__ = [
     "FULL_CHECK_EVERY",
     "MESSAGE_EXCEPTIONS",
     "ConformanceMachine",
+    "Layout",
     "Limits",
+    "Request",
     "Slot",
     "Track",
     "expected_visible",
     "machine_class",
     "publish_counts",
     "publish_tokens",
+    "rules_off",
     "snapshot",
 ]
 
@@ -181,6 +188,30 @@ class Slot:
     lm: Any = None
     #: False once a skipped operation left the mirror unable to follow.
     mirrored: bool = True
+
+
+@dataclass
+class Request:
+    """One request of a family that models a request by its token count (latent,
+    recurrent): its caches in both implementations and mlx-lm's twin. In the pool they
+    *are* the request; inside a layout, the row's solo replay."""
+
+    ident: int
+    ref: Any
+    opt: Any
+    lm: Any = None
+    tokens: int = 0
+
+
+@dataclass
+class Layout:
+    """One layout of :class:`Request` rows in both implementations, and mlx-lm's twin."""
+
+    ident: int
+    ref: Any
+    opt: Any
+    lm: Any = None
+    rows: list[Request] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------ array helpers
@@ -394,6 +425,8 @@ class ConformanceMachine(RuleBasedStateMachine):
     #: While both implementations refuse ``state`` with ``UnsupportedStateError``, the
     #: state and save/restore checks are skipped (``Stats.checks["state form pending"]``).
     state_pending: ClassVar[str | None] = None
+    #: Quantities (prefixes) a calibration run (``enforce=False``) records without enforcing.
+    measured: ClassVar[tuple[str, ...]] = ("attention",)
 
     @classmethod
     def geometries(cls) -> st.SearchStrategy[ks.Geometry]:
@@ -555,17 +588,21 @@ class ConformanceMachine(RuleBasedStateMachine):
         if actual != expected:
             raise AssertionError(f"{what}: got {actual!r}, expected {expected!r}")
 
-    def _close(self, quantity: str, what: str, actual: Array, expected: Array) -> None:
+    def _close(
+        self, quantity: str, what: str, actual: Array, expected: Array, dtype: str | None = None
+    ) -> None:
+        """``actual`` within ``quantity``'s tolerance at ``dtype`` (default: the example's)."""
         key = self.spec.tolerance_key or self.family.tolerance_key
-        tol = tolerance(key, quantity, self.g.dtype)
+        dtype = dtype or self.g.dtype
+        tol = tolerance(key, quantity, dtype)
         ok, error = compare(actual, expected, tol)
         ratio = 0.0
         if not tol.exact and actual.shape == expected.shape and actual.size:
             wide = expected.astype(np.float64)
             bound = tol.atol + tol.rtol * np.abs(wide)
             ratio = float(np.max(np.abs(actual.astype(np.float64) - wide) / bound))
-        self.stats.error(quantity, self.g.dtype, tol, error, ratio)
-        if ok or (not self.enforce and quantity.startswith("attention")):
+        self.stats.error(quantity, dtype, tol, error, ratio)
+        if ok or (not self.enforce and quantity.startswith(self.measured)):
             return
         raise AssertionError(
             f"{what}: {quantity} differs beyond {tol.describe()} "
@@ -2066,19 +2103,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         note(f"invalid: {name}: {label}")
         self._op("invalid")
         before = self._everything()
-        errors: list[KvRowsError] = []
-        for impl, obj in ((self.ref_impl, ref_obj), (self.opt_impl, opt_obj)):
-            try:
-                call(impl, obj)
-            except KvRowsError as error:
-                errors.append(error)
-            except Exception as error:  # any other exception is a contract violation
-                raise AssertionError(
-                    f"{impl.name}: {label} raised {type(error).__name__} ({error}), not a KvRowsError"
-                ) from error
-            else:
-                raise AssertionError(f"{impl.name}: {label} did not raise")
-        self._same_error(label, errors[0], errors[1], expected)
+        self._same_error(label, *self._refusals(label, call, ref_obj, opt_obj), expected)
         self._exact(
             f"{label}: every cache unchanged after the failed call", self._everything(), before
         )
@@ -2101,8 +2126,58 @@ class ConformanceMachine(RuleBasedStateMachine):
         if expected is not None:
             self._exact(f"{label}: the error type the contract names", type(ref), expected)
         if not any(part in label for part in MESSAGE_EXCEPTIONS):
-            self._exact(f"{label}: error messages (optimized vs reference)", str(opt), str(ref))
+            self._exact(
+                f"{label}: error messages (optimized vs reference)",
+                self._message(opt),
+                self._message(ref),
+            )
             self.stats.check("error messages")
+
+    def _message(self, error: BaseException) -> str:
+        """An error's message as :meth:`_same_error` compares it (a family whose messages
+        name the implementation's array type normalizes that name)."""
+        return str(error)
+
+    def _observed(self, impl: Impl, cache: Any) -> Any:
+        """Everything observable about one of ``impl``'s caches (a family overrides it)."""
+        return snapshot(cache, impl, self.serial_view, self.row_view)
+
+    def _both_refuse(
+        self,
+        label: str,
+        call: Callable[[Impl, Any], object],
+        ref_obj: Any,
+        opt_obj: Any,
+        expected: type[KvRowsError] | None = None,
+    ) -> None:
+        """A bad call on ``ref_obj`` and ``opt_obj``: both raise the same ``KvRowsError``
+        (:meth:`_same_error`) and leave their object as it was (:meth:`_observed`)."""
+        pairs = ((self.ref_impl, ref_obj), (self.opt_impl, opt_obj))
+        before = [self._observed(impl, obj) for impl, obj in pairs]
+        errors = self._refusals(label, call, ref_obj, opt_obj)
+        for (impl, obj), held in zip(pairs, before, strict=True):
+            self._exact(f"{label}: {impl.name} unchanged", self._observed(impl, obj), held)
+        self._same_error(label, *errors, expected)
+        self.stats.check("error types")
+
+    def _refusals(
+        self, label: str, call: Callable[[Impl, Any], object], ref_obj: Any, opt_obj: Any
+    ) -> tuple[KvRowsError, KvRowsError]:
+        """The ``KvRowsError`` each implementation raises for ``call`` (anything else, or
+        nothing, fails)."""
+        errors: list[KvRowsError] = []
+        for impl, obj in ((self.ref_impl, ref_obj), (self.opt_impl, opt_obj)):
+            try:
+                call(impl, obj)
+            except KvRowsError as error:
+                errors.append(error)
+            except Exception as error:  # any other exception is a contract violation
+                raise AssertionError(
+                    f"{impl.name}: {label} raised {type(error).__name__} ({error}), not a KvRowsError"
+                ) from error
+            else:
+                raise AssertionError(f"{impl.name}: {label} did not raise")
+        return errors[0], errors[1]
 
     # ---------------------------------------------------------------- oracles
     @invariant()
@@ -2444,6 +2519,27 @@ class ConformanceMachine(RuleBasedStateMachine):
             ):
                 self._close("kv.fetched", f"{what} fetch() row {b} plane {i}", a, e)
         return got_ref, got_opt
+
+
+MachineClass = TypeVar("MachineClass", bound=type[ConformanceMachine])
+
+
+def rules_off(*names: str) -> Callable[[MachineClass], MachineClass]:
+    """A class decorator: the base rules (and invariants) ``names`` do not run on a family's
+    machine that brings its own rules (latent, recurrent). Hypothesis runs the methods
+    marked ``@rule`` / ``@invariant``; each name is shadowed by one that is not."""
+
+    def decorate(cls: MachineClass) -> MachineClass:
+        for name in names:
+            getattr(ConformanceMachine, name)  # AttributeError: no such base rule
+            setattr(cls, name, _rule_off)
+        return cls
+
+    return decorate
+
+
+def _rule_off(self: ConformanceMachine, *args: object, **kwargs: object) -> None:
+    raise AssertionError(f"a rule turned off ran on {type(self).__name__}")
 
 
 def machine_class(

@@ -121,7 +121,7 @@ class PagedLatentMachine(FrozenCollector, LatentMachine):
             self.stats.check("round usable after a refused block")
         return super()._append_all(pairs, blocks)
 
-    def _new(self, impl: Impl) -> Any:
+    def _new_latent(self, impl: Impl) -> Any:
         cls: Any = impl.cls(self.spec.name)
         c = self.c
         pool = self._pools[impl.name]

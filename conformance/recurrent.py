@@ -1,11 +1,13 @@
 """The recurrent family's state machine: ``SSMCache`` rows in ``BatchedSSMCache``.
 
 Recurrent state has no token axis, no keys and values and no attention read, so this
-machine is not the base machine's subclass (that machine compares stored K/V, masks over
-key columns and attention outputs); it keeps the base machine's discipline and its
-pieces: the same ``Stats`` counters, implementations (``Impl``), tolerance table, and the
-same bad-input rule (both implementations raise the same error with the same message,
-and nothing changes). Each example draws a geometry (activation dtype, conv kernel, key
+subclass of the base machine (``conformance.machines``) turns off the base rules that
+drive stored K/V, masks over key columns and attention outputs (``rules_off``), and brings
+its own in their place (plane writes, padded runs, record/replay rounds). It keeps the
+base machine's discipline and pieces: its ``Stats`` counters, implementations, ids,
+tolerance comparison (``_close``, at each plane's dtype) and bad-input check
+(``_both_refuse``: both implementations raise the contract's error with the same message,
+array-type names aside, and nothing changes). Each example draws a geometry (activation dtype, conv kernel, key
 and value heads and dims) and a layer that writes the planes, as mlx-lm's layers do:
 gated DeltaNet (each implementation's ``gated_delta_forward``: conv and recurrent
 planes), or a toy layer over 1 to 4 planes of ranks 2 to 4 in drawn dtypes
@@ -29,10 +31,9 @@ Oracles, after every rule that touched something:
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import hypothesis.strategies as st
@@ -40,12 +41,11 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 from hypothesis import note
-from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+from hypothesis.stateful import initialize, precondition, rule
 
-from kvrows.conformance.arrays import from_mlx, to_mlx
-from kvrows.conformance.families import Family, Impl, LayoutSpec
-from kvrows.conformance.stats import Stats
-from kvrows.conformance.tolerances import TOLERANCES, compare
+from kvrows.conformance.arrays import NUMPY_DTYPES, as_numpy, to_mlx
+from kvrows.conformance.families import Impl
+from kvrows.conformance.machines import ConformanceMachine, Layout, Request, rules_off
 from kvrows.errors import (
     IncompatibleRowsError,
     InvalidInputError,
@@ -119,56 +119,28 @@ def _plane_shapes(count: int) -> st.SearchStrategy[StateShapes]:
     return planes.map(lambda ps: StateShapes(planes=tuple(ps)))
 
 
-@dataclass
-class Row:
-    """One request: its serial caches in both implementations and mlx-lm's twin. In the
-    pool they *are* the request; inside a layout, the row's solo replay."""
-
-    ident: int
-    ref: Any
-    opt: Any
-    lm: Any
-    tokens: int = 0
-
-
-@dataclass
-class Group:
-    """One layout in both implementations, its mlx-lm twin and its rows' solo replays."""
-
-    ident: int
-    ref: Any
-    opt: Any
-    lm: Any
-    rows: list[Row] = field(default_factory=list)
-
-
 def _lm_cache() -> Any:
     from mlx_lm.models import cache
 
     return cache
 
 
-class RecurrentMachine(RuleBasedStateMachine):
+# every rule checks what it touched, teardown everything: no invariant
+@rules_off("trim_request", "merge_layout", "decode_step", "multi_step", "trim", "trim_rows")
+@rules_off("check_oracles")
+class RecurrentMachine(ConformanceMachine):
     """Rules over a pool of requests and up to two layouts (see the module docstring)."""
 
-    family: ClassVar[Family]
-    spec: ClassVar[LayoutSpec]
-    ref_impl: ClassVar[Impl]
-    opt_impl: ClassVar[Impl]
-    peer: ClassVar[Any]
-    stats: ClassVar[Stats]
-    limits: ClassVar[Any]
-    enforce: ClassVar[bool] = True
+    #: Calibration runs record the float32 recurrence's errors without enforcing them.
+    measured: ClassVar[tuple[str, ...]] = ("state.recurrent", "output")
 
     def __init__(self) -> None:
         super().__init__()
-        self.geo: Geometry | None = None
-        self.pool: list[Row] = []
-        self.groups: list[Group] = []
-        self._ids = itertools.count()
-        self._rng = np.random.default_rng(0)
+        self.layer: Geometry | None = None
+        self.requests: list[Request] = []
+        self.groups: list[Layout] = []
+        self._noise = np.random.default_rng(0)
         self._layers: dict[str, Callable[..., Any]] = {}
-        self._steps_at_start = self.stats.steps
         #: Per-example caps on the rules that never change the world's shape.
         self._calls = {"invalid": 0, "state": 0}
 
@@ -184,11 +156,11 @@ class RecurrentMachine(RuleBasedStateMachine):
             value_heads=key_heads * data.draw(st.sampled_from((1, 2)), label="ratio"),
             value_dim=data.draw(st.sampled_from((4, 8)), label="value dim"),
         )
-        self._rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+        self._noise = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
         count = data.draw(st.integers(0, 4), label="toy layer planes (0: gated DeltaNet)")
         if count:
             geo = dataclasses.replace(geo, shapes=data.draw(_plane_shapes(count), label="planes"))
-        self.geo = geo
+        self.layer = geo
         self.stats.op("layer:gated delta" if geo.shapes is None else f"layer:{geo.planes} planes")
         if geo.shapes is not None:
             for shape, _ in geo.shapes.planes:
@@ -198,9 +170,9 @@ class RecurrentMachine(RuleBasedStateMachine):
         from kvrows.optimized import recurrent as opt_rec
         from kvrows.reference import recurrent as ref_rec
 
-        w = self._rng.standard_normal((geo.channels, geo.kernel)).astype(np.float32) * 0.5
-        a_log = self._rng.standard_normal(geo.value_heads).astype(np.float32) * 0.3
-        dt_bias = self._rng.standard_normal(geo.value_heads).astype(np.float32) * 0.3
+        w = self._noise.standard_normal((geo.channels, geo.kernel)).astype(np.float32) * 0.5
+        a_log = self._noise.standard_normal(geo.value_heads).astype(np.float32) * 0.3
+        dt_bias = self._noise.standard_normal(geo.value_heads).astype(np.float32) * 0.3
         dims = (geo.key_heads, geo.key_dim, geo.value_heads, geo.value_dim)
         ref_params = ref_rec.GatedDeltaParams(w, a_log, dt_bias, *dims)
         opt_params = opt_rec.GatedDeltaParams(
@@ -218,61 +190,55 @@ class RecurrentMachine(RuleBasedStateMachine):
             }
 
     def teardown(self) -> None:
-        if self.geo is not None:
-            for row in self.pool:
+        if self.layer is not None:
+            for row in self.requests:
                 self._check_row(row)
             for group in self.groups:
                 self._check_group(group)
             self.stats.example_done()
 
     # ------------------------------------------------------------------ helpers
-    def _new(self, impl: Impl, name: str) -> Any:
+    def _new_state(self, impl: Impl, name: str) -> Any:
         """An empty cache of ``name`` with the example's plane count (``ArraysCache(n)``)."""
-        assert self.geo is not None
-        return impl.cls(name)(self.geo.planes)
+        assert self.layer is not None
+        return impl.cls(name)(self.layer.planes)
 
     def _lm_new(self) -> Any:
-        assert self.geo is not None
-        return _lm_cache().ArraysCache(self.geo.planes)
+        assert self.layer is not None
+        return _lm_cache().ArraysCache(self.layer.planes)
 
-    def _inputs(self, rows: int, n: int) -> tuple[Array, ...]:
-        g = self.geo
+    def _layer_inputs(self, rows: int, n: int) -> tuple[Array, ...]:
+        g = self.layer
         assert g is not None
-        dtype = np.dtype(_numpy_dtype(g.dtype))
-        qkv = self._rng.standard_normal((rows, n, g.channels)).astype(dtype)
+        dtype = NUMPY_DTYPES[g.dtype]
+        qkv = self._noise.standard_normal((rows, n, g.channels)).astype(dtype)
         if g.shapes is not None:
             return (qkv,)
-        a = self._rng.standard_normal((rows, n, g.value_heads)).astype(dtype)
-        b = self._rng.standard_normal((rows, n, g.value_heads)).astype(dtype)
+        a = self._noise.standard_normal((rows, n, g.value_heads)).astype(dtype)
+        b = self._noise.standard_normal((rows, n, g.value_heads)).astype(dtype)
         return qkv, a, b
 
     def _run(self, impl: str, cache: Any, inputs: Sequence[Array]) -> Array:
         given = [np.array(x, copy=True) if impl == "reference" else to_mlx(x) for x in inputs]
         out = self._layers[impl](cache, *given)
-        return _numpy(out)
+        return as_numpy(out)
 
     def _run_lm(self, cache: Any, inputs: Sequence[Array]) -> None:
         self._layers["optimized"](cache, *(to_mlx(x) for x in inputs))
 
     def _compare(self, quantity: str, what: str, actual: Array, expected: Array) -> None:
-        tol = TOLERANCES[("recurrent", quantity, str(expected.dtype.name))]
-        ok, error = compare(actual, expected, tol)
-        scale = tol.atol + tol.rtol * float(np.abs(expected.astype(np.float64)).max(initial=0))
-        self.stats.error(
-            quantity, str(expected.dtype.name), tol, error, error / scale if scale else 0.0
-        )
-        if self.enforce:
-            assert ok, f"{what}: {quantity} differs by {error} ({tol.describe()})"
+        """The base comparison, at the tolerance of the plane's own dtype."""
+        self._close(quantity, what, actual, expected, expected.dtype.name)
 
     def _planes(self, cache: Any) -> tuple[Array, ...] | None:
-        assert self.geo is not None
-        planes = [cache[i] for i in range(self.geo.planes)]
+        assert self.layer is not None
+        planes = [cache[i] for i in range(self.layer.planes)]
         if planes[0] is None:
             assert all(p is None for p in planes), "some planes without the others"
             return None
-        return tuple(_numpy(p) for p in planes)
+        return tuple(as_numpy(p) for p in planes)
 
-    def _same_planes(self, what: str, got: Any, want: Any, quantity: str) -> None:
+    def _same_state_planes(self, what: str, got: Any, want: Any, quantity: str) -> None:
         a, b = self._planes(got), self._planes(want)
         if a is None or b is None:
             assert (a is None and b is None) or (quantity == "state.solo" and _zero(a or b)), (
@@ -284,7 +250,7 @@ class RecurrentMachine(RuleBasedStateMachine):
             self._compare(quantity, f"{what} state.{i}", mine, theirs)
 
     def _ref_vs_opt(self, what: str, ref: Any, opt: Any) -> None:
-        assert self.geo is not None
+        assert self.layer is not None
         a, b = self._planes(ref), self._planes(opt)
         assert (a is None) == (b is None), f"{what}: planes held by one implementation only"
         if a is not None and b is not None:
@@ -292,7 +258,7 @@ class RecurrentMachine(RuleBasedStateMachine):
             # order); the toy layer: one rounding and one cast per step, exact
             quantities = (
                 ("state.conv", "state.recurrent")
-                if self.geo.shapes is None
+                if self.layer.shapes is None
                 else ("state.conv",) * len(a)
             )
             for i, (quantity, mine, theirs) in enumerate(zip(quantities, b, a, strict=True)):
@@ -300,17 +266,17 @@ class RecurrentMachine(RuleBasedStateMachine):
         self.stats.check("reference vs optimized")
 
     # ------------------------------------------------------------------ oracles
-    def _check_row(self, row: Row) -> None:
+    def _check_row(self, row: Request) -> None:
         self._ref_vs_opt(f"request {row.ident}", row.ref, row.opt)
         assert row.ref.offset == row.opt.offset == row.tokens, (
             f"request {row.ident}: offsets {row.ref.offset}, {row.opt.offset}, want {row.tokens}"
         )
-        self._same_planes(f"request {row.ident} vs mlx-lm", row.opt, row.lm, "state.mlx_lm")
+        self._same_state_planes(f"request {row.ident} vs mlx-lm", row.opt, row.lm, "state.mlx_lm")
         self.stats.check("mlx-lm parity")
         row.ref.check_valid()
         row.opt.check_valid()
 
-    def _check_group(self, group: Group) -> None:
+    def _check_group(self, group: Layout) -> None:
         what = f"layout {group.ident}"
         want = tuple(r.tokens for r in group.rows)
         assert group.ref.row_offsets == group.opt.row_offsets == want, (
@@ -318,7 +284,7 @@ class RecurrentMachine(RuleBasedStateMachine):
         )
         assert group.ref.group_offset == group.opt.group_offset == max(want, default=0)
         self._ref_vs_opt(what, group.ref, group.opt)
-        self._same_planes(f"{what} vs mlx-lm", group.opt, group.lm, "state.mlx_lm")
+        self._same_state_planes(f"{what} vs mlx-lm", group.opt, group.lm, "state.mlx_lm")
         self.stats.check("mlx-lm parity")
         for b, row in enumerate(group.rows):
             for impl, layout, solo in (
@@ -326,32 +292,34 @@ class RecurrentMachine(RuleBasedStateMachine):
                 ("optimized", group.opt, row.opt),
             ):
                 extracted = layout.extract_row(b)
-                self._same_planes(f"{what} row {b} ({impl}) vs solo", extracted, solo, "state.solo")
+                self._same_state_planes(
+                    f"{what} row {b} ({impl}) vs solo", extracted, solo, "state.solo"
+                )
                 assert extracted.offset == solo.offset == row.tokens
         self.stats.check("solo replay")
         group.ref.check_valid()
         group.opt.check_valid()
 
     # ------------------------------------------------------------------ rules
-    @precondition(lambda self: len(self.pool) < 4)
+    @precondition(lambda self: len(self.requests) < 4)
     @rule()
     def new_request(self) -> None:
         self.stats.op("new_request")
-        row = Row(
+        row = Request(
             next(self._ids),
-            self._new(self.ref_impl, "SSMCache"),
-            self._new(self.opt_impl, "SSMCache"),
+            self._new_state(self.ref_impl, "SSMCache"),
+            self._new_state(self.opt_impl, "SSMCache"),
             self._lm_new(),
         )
-        self.pool.append(row)
+        self.requests.append(row)
 
-    @precondition(lambda self: bool(self.pool))
+    @precondition(lambda self: bool(self.requests))
     @rule(data=st.data())
     def prefill_chunk(self, data: st.DataObject) -> None:
         self.stats.op("prefill_chunk")
-        row = data.draw(st.sampled_from(self.pool), label="request")
+        row = data.draw(st.sampled_from(self.requests), label="request")
         n = data.draw(st.integers(1, 6), label="chunk")
-        inputs = self._inputs(1, n)
+        inputs = self._layer_inputs(1, n)
         y_ref = self._run("reference", row.ref, inputs)
         y_opt = self._run("optimized", row.opt, inputs)
         self._run_lm(row.lm, inputs)
@@ -369,31 +337,34 @@ class RecurrentMachine(RuleBasedStateMachine):
         table: Any = build(serial)
         assert type(table).__name__ == "BatchedSSMCache" and table.batch_size == 0, role
         self.stats.check("table roles")
-        return self._new(impl, "BatchedSSMCache")
+        return self._new_state(impl, "BatchedSSMCache")
 
-    @precondition(lambda self: bool(self.pool) and len(self.groups) < 2)
+    @precondition(lambda self: bool(self.requests) and len(self.groups) < 2)
     @rule(data=st.data())
     def merge(self, data: st.DataObject) -> None:
         self.stats.op("merge")
-        most = min(3, len(self.pool))
+        most = min(3, len(self.requests))
         # most rows first: multi-row layouts are what the row operations and rounds need
         count = data.draw(st.integers(1, most).map(lambda c: most + 1 - c), label="rows")
-        rows = [self.pool.pop(data.draw(st.integers(0, len(self.pool) - 1))) for _ in range(count)]
+        rows = [
+            self.requests.pop(data.draw(st.integers(0, len(self.requests) - 1)))
+            for _ in range(count)
+        ]
         ref = self._layout(data, self.ref_impl, rows[0].ref)
         opt = self._layout(data, self.opt_impl, rows[0].opt)
         ref.merge_rows([r.ref for r in rows])
         opt.merge_rows([r.opt for r in rows])
         lm = _lm_cache().ArraysCache.merge([r.lm for r in rows])
-        group = Group(next(self._ids), ref, opt, lm, rows)
+        group = Layout(next(self._ids), ref, opt, lm, rows)
         self.groups.append(group)
         self._check_group(group)
 
-    @precondition(lambda self: bool(self.pool) and bool(self.groups))
+    @precondition(lambda self: bool(self.requests) and bool(self.groups))
     @rule(data=st.data())
     def join(self, data: st.DataObject) -> None:
         self.stats.op("join")
         group = data.draw(st.sampled_from(self.groups), label="layout")
-        row = self.pool.pop(data.draw(st.integers(0, len(self.pool) - 1), label="request"))
+        row = self.requests.pop(data.draw(st.integers(0, len(self.requests) - 1), label="request"))
         group.ref.merge_rows([row.ref])
         group.opt.merge_rows([row.opt])
         joined = _lm_cache().ArraysCache.merge([row.lm])
@@ -404,15 +375,15 @@ class RecurrentMachine(RuleBasedStateMachine):
         group.rows.append(row)
         self._check_group(group)
 
-    def _steppable(self) -> list[Group]:
+    def _steppable_groups(self) -> list[Layout]:
         return [g for g in self.groups if g.rows]
 
-    @precondition(lambda self: bool(self._steppable()))
+    @precondition(lambda self: bool(self._steppable_groups()))
     @rule(data=st.data())
     def step(self, data: st.DataObject) -> None:
         """One block for every row: decode (1), a multi-token block, or a right-padded run
         (``prepare(lengths=…)``: row ``b`` takes its first ``lengths[b]`` tokens)."""
-        group = data.draw(st.sampled_from(self._steppable()), label="layout")
+        group = data.draw(st.sampled_from(self._steppable_groups()), label="layout")
         n = data.draw(st.sampled_from((3, 1, 2, 1, 5)), label="block")
         # padded runs first: they are what makes rows of one layout differ in coverage
         padded = n > 1 and not data.draw(st.booleans(), label="unpadded")
@@ -423,7 +394,7 @@ class RecurrentMachine(RuleBasedStateMachine):
             if padded
             else [n] * rows
         )
-        inputs = self._inputs(rows, n)
+        inputs = self._layer_inputs(rows, n)
         if padded:
             for layout in (group.ref, group.opt):
                 layout.prepare(lengths=lengths, right_padding=[n - k for k in lengths])
@@ -484,14 +455,14 @@ class RecurrentMachine(RuleBasedStateMachine):
             self.stats.op("filter:longest left")
         self._check_group(group)
 
-    @precondition(lambda self: any(g.rows for g in self.groups) and len(self.pool) < 5)
+    @precondition(lambda self: any(g.rows for g in self.groups) and len(self.requests) < 5)
     @rule(data=st.data())
     def extract(self, data: st.DataObject) -> None:
         self.stats.op("extract")
         group = data.draw(st.sampled_from([g for g in self.groups if g.rows]), label="layout")
         b = data.draw(st.integers(0, len(group.rows) - 1), label="row")
         solo = group.rows[b]
-        row = Row(
+        row = Request(
             next(self._ids),
             group.ref.extract_row(b),
             group.opt.extract_row(b),
@@ -500,9 +471,9 @@ class RecurrentMachine(RuleBasedStateMachine):
             solo.tokens,
         )
         for impl, got, want in (("reference", row.ref, solo.ref), ("optimized", row.opt, solo.opt)):
-            self._same_planes(f"extracted row ({impl}) vs solo", got, want, "state.solo")
+            self._same_state_planes(f"extracted row ({impl}) vs solo", got, want, "state.solo")
         self.stats.check("solo replay")
-        self.pool.append(row)
+        self.requests.append(row)
         self._check_row(row)
 
     @precondition(lambda self: any(g.rows for g in self.groups))
@@ -513,8 +484,8 @@ class RecurrentMachine(RuleBasedStateMachine):
         group = data.draw(st.sampled_from([g for g in self.groups if g.rows]), label="layout")
         b = data.draw(st.integers(0, len(group.rows) - 1), label="row")
         tokens = group.rows[b].tokens
-        for layout in (group.ref, group.opt):
-            before = self._fingerprint(layout)
+        for impl, layout in ((self.ref_impl, group.ref), (self.opt_impl, group.opt)):
+            before = self._observed(impl, layout)
             written = layout[0] is not None
             published = publish_row(layout, b, tokens)
             assert (published is not None) == written, "a written row publishes at its coverage"
@@ -522,7 +493,7 @@ class RecurrentMachine(RuleBasedStateMachine):
                 assert publish_row(layout, b, tokens - 1) is None, "a cut recurrent row published"
                 self.stats.op("publish:cut refused")
             assert publish_row(layout, b, tokens + 1) is None
-            assert self._fingerprint(layout) == before, "publishing changed the layout"
+            assert self._observed(impl, layout) == before, "publishing changed the layout"
         self.stats.check("publish at exact coverage")
 
     @precondition(lambda self: any(g.rows for g in self.groups))
@@ -545,7 +516,7 @@ class RecurrentMachine(RuleBasedStateMachine):
                 keep[0] = 1 if keep[0] > 1 else 2
         self.stats.op("spec_rounds")
         self.stats.op(f"round:{kind}")
-        inputs = self._inputs(rows, d + 1)
+        inputs = self._layer_inputs(rows, d + 1)
         for impl, layout in (("reference", group.ref), ("optimized", group.opt)):
             layout.spec_round_begin()
             self._run(impl, layout, inputs)
@@ -570,7 +541,7 @@ class RecurrentMachine(RuleBasedStateMachine):
 
     @precondition(
         lambda self: (
-            (bool(self.pool) or any(g.rows for g in self.groups)) and self._calls["state"] < 3
+            (bool(self.requests) or any(g.rows for g in self.groups)) and self._calls["state"] < 3
         )
     )
     @rule(data=st.data())
@@ -579,47 +550,44 @@ class RecurrentMachine(RuleBasedStateMachine):
         on in place of the original."""
         self.stats.op("state")
         self._calls["state"] += 1
-        targets: list[Row | Group] = [*self.pool, *(g for g in self.groups if g.rows)]
+        targets: list[Request | Layout] = [*self.requests, *(g for g in self.groups if g.rows)]
         target = data.draw(st.sampled_from(targets), label="cache")
-        for side in ("ref", "opt"):
+        for side, impl in (("ref", self.ref_impl), ("opt", self.opt_impl)):
             cache = getattr(target, side)
             restored = type(cache).from_state(cache.state)
-            assert self._fingerprint(restored) == self._fingerprint(cache), "state round trip"
+            self._exact(
+                "state round trip", self._observed(impl, restored), self._observed(impl, cache)
+            )
             setattr(target, side, restored)
         self.stats.check("state round trip")
 
     # ------------------------------------------------------------------ bad inputs
-    def _fingerprint(self, cache: Any) -> tuple[Any, ...]:
-        planes = tuple(
-            None if p is None else (_numpy(p).dtype.name, _numpy(p).shape, _numpy(p).tobytes())
-            for p in cache.cache
-        )
+    def _observed(self, impl: Impl, cache: Any) -> tuple[Any, ...]:
+        held = [None if p is None else as_numpy(p) for p in cache.cache]
+        planes = tuple(None if p is None else (p.dtype.name, p.shape, p.tobytes()) for p in held)
         offsets = cache.row_offsets if hasattr(cache, "row_offsets") else (cache.offset,)
         return planes, tuple(offsets)
 
     def _cases(
         self, layout: bool, rows: int, written: bool
     ) -> list[tuple[str, Callable[[Impl, Any], object], type[KvRowsError]]]:
-        g = self.geo
+        g = self.layer
         assert g is not None
-        dtype = np.dtype(_numpy_dtype(g.dtype))
+        dtype = NUMPY_DTYPES[g.dtype]
         batch = max(rows, 1)
-
-        def give(impl: Impl, array: Array) -> Any:
-            return impl.to_native(array)
 
         conv_bad = np.zeros((batch, g.kernel, g.channels), dtype)
         state_bad = np.zeros((batch, g.value_heads, g.value_dim, g.key_dim + 1), np.float32)
         if g.shapes is not None:  # each plane one longer on its first per-row axis
             (first, first_dtype), (last, last_dtype) = g.shapes.planes[0], g.shapes.planes[-1]
-            conv_bad = np.zeros((batch, first[0] + 1, *first[1:]), _numpy_dtype(first_dtype))
-            state_bad = np.zeros((batch, last[0] + 1, *last[1:]), _numpy_dtype(last_dtype))
+            conv_bad = np.zeros((batch, first[0] + 1, *first[1:]), NUMPY_DTYPES[first_dtype])
+            state_bad = np.zeros((batch, last[0] + 1, *last[1:]), NUMPY_DTYPES[last_dtype])
         past = g.planes
         cases: list[tuple[str, Callable[[Impl, Any], object], type[KvRowsError]]] = [
             ("trim", lambda impl, c: c.trim(1), NotTrimmableError),
             (
                 "plane index past the last",
-                lambda i, c: c.__setitem__(past, give(i, conv_bad)),
+                lambda i, c: c.__setitem__(past, i.to_native(conv_bad)),
                 InvalidInputError,
             ),
             (
@@ -633,12 +601,12 @@ class RecurrentMachine(RuleBasedStateMachine):
             cases += [
                 (
                     "first plane of the wrong shape",
-                    lambda i, c: c.__setitem__(0, give(i, conv_bad)),
+                    lambda i, c: c.__setitem__(0, i.to_native(conv_bad)),
                     InvalidInputError,
                 ),
                 (
                     "last plane of the wrong shape",
-                    lambda i, c: c.__setitem__(past - 1, give(i, state_bad)),
+                    lambda i, c: c.__setitem__(past - 1, i.to_native(state_bad)),
                     InvalidInputError,
                 ),
             ]
@@ -674,47 +642,22 @@ class RecurrentMachine(RuleBasedStateMachine):
         message (array-type names aside), and nothing changes."""
         self.stats.op("invalid")
         self._calls["invalid"] += 1
-        targets: list[Row | Group] = [*self.pool, *self.groups]
+        targets: list[Request | Layout] = [*self.requests, *self.groups]
         if not targets:
             return
         target = data.draw(st.sampled_from(targets), label="target")
-        is_layout = isinstance(target, Group)
-        rows = len(target.rows) if isinstance(target, Group) else 1
+        is_layout = isinstance(target, Layout)
+        rows = len(target.rows) if isinstance(target, Layout) else 1
         label, call, expected = data.draw(
             st.sampled_from(self._cases(is_layout, rows, target.ref[0] is not None)), label="case"
         )
         self.stats.op(f"invalid:{label}")
-        errors: list[BaseException] = []
-        for impl, cache in ((self.ref_impl, target.ref), (self.opt_impl, target.opt)):
-            before = self._fingerprint(cache)
-            try:
-                call(impl, cache)
-            except KvRowsError as error:
-                errors.append(error)
-            else:
-                raise AssertionError(f"{label}: {impl.name} did not raise")
-            assert self._fingerprint(cache) == before, f"{label}: {impl.name} changed the cache"
+        self._both_refuse(label, call, target.ref, target.opt, expected)
         self.stats.check("unchanged after an error")
-        ref_error, opt_error = errors
-        assert type(ref_error) is type(opt_error) is expected, (label, ref_error, opt_error)
-        self.stats.check("error types")
-        assert _normalized(str(ref_error)) == _normalized(str(opt_error)), (ref_error, opt_error)
-        self.stats.check("error messages")
 
-
-def _normalized(message: str) -> str:
-    """Messages name the implementation's array type; the rest must match word for word."""
-    return message.replace("NumPy", "<array>").replace("MLX", "<array>")
-
-
-def _numpy(array: Any) -> Array:
-    return from_mlx(array) if isinstance(array, mx.array) else np.asarray(array)
-
-
-def _numpy_dtype(name: str) -> Any:
-    from kvrows.reference.codecs import numpy_dtype
-
-    return numpy_dtype(name)
+    def _message(self, error: BaseException) -> str:
+        """Messages name the implementation's array type; the rest must match word for word."""
+        return str(error).replace("NumPy", "<array>").replace("MLX", "<array>")
 
 
 def _zero(planes: tuple[Array, ...] | None) -> bool:
