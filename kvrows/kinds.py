@@ -68,14 +68,19 @@ ImplementationClass = TypeVar("ImplementationClass", bound=type[Any])
 
 
 class Implementations:
-    """One implementation's classes by spec kind (its geometry hooks): each module of the
+    """One implementation's classes by spec kind (its geometry hooks, its array codecs):
+    each module of the
     implementation's package registers its class with :meth:`implements`, and
     :meth:`build` makes the one a spec's ``kind`` names. Only kinds and classes move
     here, so the twins share the mechanism and keep their arrays apart."""
 
-    def __init__(self, implementation: str, what: str) -> None:
+    def __init__(
+        self, implementation: str, what: str, missing: Callable[[str], str] | None = None
+    ) -> None:
         #: How messages name the implementation and what it registers.
         self.implementation, self.what = implementation, what
+        #: The message for a kind nothing implements (``None``: the generic one).
+        self._missing = missing
         #: The class of each kind; it is built from the spec alone.
         self.classes: dict[str, type[Any]] = {}
 
@@ -97,7 +102,9 @@ class Implementations:
         implementation = self.classes.get(kind)
         if implementation is None:
             raise InvalidInputError(
-                f"the {self.implementation} has no {self.what} of kind {kind!r}: "
+                self._missing(kind)
+                if self._missing is not None
+                else f"the {self.implementation} has no {self.what} of kind {kind!r}: "
                 f"expected one of {tuple(self.classes)}"
             )
         return implementation

@@ -7,19 +7,19 @@ registry. These lookups are the only place a codec kind is looked up by its name
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any, ClassVar, Self, TypeGuard, TypeVar
 
 from kvrows.codec import CodecSpec, Role
-from kvrows.errors import InvalidInputError, KvRowsError, no_array_codec_message
-from kvrows.kinds import KindRegistry
+from kvrows.errors import InvalidInputError, no_array_codec_message
+from kvrows.kinds import Implementations, KindRegistry
 
 __all__ = [
     "CODECS",
     "KV_TENSORS",
-    "ArrayCodecs",
     "SpecParts",
+    "array_codecs",
     "codec_from_tail",
     "is_codec_spec",
     "is_kv_codec",
@@ -123,36 +123,12 @@ class SpecParts:
         return None
 
 
-#: An array codec class (the decorator hands the class back, its type kept).
-ArrayCodecClass = TypeVar("ArrayCodecClass", bound=type[Any])
-
-
-class ArrayCodecs:
+def array_codecs(implementation: str) -> Implementations:
     """One implementation's array codec classes by codec kind: each codec module of the
-    implementation registers its class with :meth:`implements`, and :meth:`build` makes
-    the one a spec names. Only kinds and classes move here, no arrays, so the twins share
-    the mechanism and keep their codecs apart."""
-
-    def __init__(self, implementation: str) -> None:
-        #: How messages name the implementation ("reference", "optimized implementation").
-        self.implementation = implementation
-        #: The array codec class of each codec kind; it is built from the spec alone.
-        self.classes: dict[str, type[Any]] = {}
-
-    def implements(self, kind: str) -> Callable[[ArrayCodecClass], ArrayCodecClass]:
-        """Class decorator: this implementation's array codec of the ``kind`` codec."""
-
-        def register(codec: ArrayCodecClass) -> ArrayCodecClass:
-            if self.classes.get(kind, codec) is not codec:
-                raise KvRowsError(f"two {self.implementation} codecs implement the {kind} codec")
-            self.classes[kind] = codec
-            return codec
-
-        return register
-
-    def build(self, spec: CodecSpec) -> Any:
-        """This implementation's array codec for ``spec``."""
-        codec = self.classes.get(spec.kind)
-        if codec is None:
-            raise InvalidInputError(no_array_codec_message(self.implementation, spec.kind))
-        return codec(spec)
+    implementation registers its class with ``implements``, and ``build`` makes the one a
+    spec names (the one registry mechanism, :class:`kvrows.kinds.Implementations`)."""
+    return Implementations(
+        implementation,
+        "array codec",
+        missing=lambda kind: no_array_codec_message(implementation, kind),
+    )
