@@ -35,7 +35,6 @@ Three parts, one layer, 8 KV heads, head dim 128, group size 64, 8 and 4 bits:
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +43,7 @@ import mlx.core as mx
 import numpy as np
 
 import kvrows.optimized as optimized
-from kvrows.app.bench.plain import BenchData, KvrowsImpl, Shape, ShapeBench, reference_attention
+from kvrows.app.bench.plain import BenchData, KvrowsImpl, Shape, ShapeBench
 from kvrows.app.bench.runner import (
     NP,
     BenchCheckError,
@@ -58,11 +57,9 @@ from kvrows.app.bench.runner import (
     ratio,
     to_numpy,
 )
+from kvrows.app.bench.turbo import DecodeBench
 from kvrows.optimized import affine_codec as optimized_codec
 from kvrows.reference import affine_codec as reference_codec
-
-# mlx-lm's attention helpers, untyped: reached through Any.
-lm_base: Any = importlib.import_module("mlx_lm.models.base")
 
 __all__ = [
     "AFFINE_BITS",
@@ -342,138 +339,27 @@ class AffineShapeBench(ShapeBench):
 # -- decode attention ---------------------------------------------------------------------
 
 
-class AttentionBench:
-    """One decode step's attention over a live ragged batch, per storage and implementation."""
+class AttentionBench(DecodeBench):
+    """One decode step's attention over a live ragged batch, per storage (bf16, 8-bit,
+    4-bit: plain and affine schemes) and implementation (kvrows, mlx-lm): the shared
+    decode bench of :mod:`kvrows.app.bench.turbo`, every row checked."""
 
     def __init__(
         self, shape: Shape, group_size: int = GROUP_SIZE, data: BenchData | None = None
     ) -> None:
-        self.shape = shape
-        self.group_size = group_size
-        self.data = data if data is not None else BenchData(shape)
-        self._live: dict[str, tuple[Any, Any]] = {}
-        self._expected: dict[str, NP] = {}
-
-    @property
-    def width(self) -> int:
-        """Columns attention reads: the longest row plus the step's token."""
-        return max(self.shape.ragged) + 1
-
-    def token_bytes(self, storage: str) -> int:
-        bits = _bits_of(storage)
-        if bits is None:
-            return self.shape.token_bytes
-        return _affine_token_bytes(self.shape, bits, self.group_size)
-
-    def bytes_read(self, storage: str) -> int:
-        """The K and V planes attention reads (scales and biases included)."""
-        return self.shape.batch * self.width * self.token_bytes(storage)
-
-    def live(self, storage: str) -> tuple[Any, Any]:
-        """The live batch of ``storage`` after ``make_mask(1)`` + one step, and that mask."""
-        if storage not in self._live:
-            bits = _bits_of(storage)
-            rows = []
-            for b, n in enumerate(self.shape.ragged):
-                cache: Any = (
-                    optimized.KVCache()
-                    if bits is None
-                    else optimized.QuantizedKVCache(self.group_size, bits)
-                )
-                cache.update_and_fetch(
-                    self.data.keys[b : b + 1, :, :n], self.data.values[b : b + 1, :, :n]
-                )
-                rows.append(cache)
-            layout: Any = (
-                optimized.PaddedKVRows()
-                if bits is None
-                else optimized.PaddedQuantKVRows(self.group_size, bits)
-            )
-            layout.merge_rows(rows)
-            mask = layout.make_mask(1)
-            layout.update_and_fetch(self.data.step_keys, self.data.step_values)
-            mx.eval(layout.held_arrays(), mask)
-            self._live[storage] = (layout, mask)
-        return self._live[storage]
-
-    def _held(self, storage: str, name: str) -> NP:
-        """Every row's tokens as attention should see them, ``[B, H, L + 1, D]`` float32."""
-        key = f"{storage}:{name}"
-        if key not in self._expected:
-            step = getattr(self.data, f"step_{name}")
-            tokens = mx.concatenate([getattr(self.data, name), step], axis=2)
-            bits = _bits_of(storage)
-            if bits is not None:
-                planes = mx.quantize(tokens, group_size=self.group_size, bits=bits, mode="affine")
-                tokens = mx.dequantize(*planes, group_size=self.group_size, bits=bits)
-            self._expected[key] = to_numpy(tokens.astype(mx.float32))
-        return self._expected[key]
-
-    def workload(self, storage: str, impl: str) -> Workload:
-        if storage not in ATTENTION_STORAGES:
-            raise ValueError(f"unknown storage {storage!r}")
-        bits = _bits_of(storage)
-        queries, scale, group = self.data.queries, self.data.scale, self.group_size
-        if impl == "kvrows":
-
-            def run(state: tuple[Any, Any]) -> Any:
-                out = optimized.attend(queries, state[0], state[1], scale)
-                mx.eval(out)
-                return out
-        elif impl == "mlx-lm":
-
-            def run(state: tuple[Any, Any]) -> Any:
-                keys, values = state[0].fetch()
-                if bits is None:
-                    out = mx.fast.scaled_dot_product_attention(
-                        queries, keys, values, scale=scale, mask=state[1]
-                    )
-                else:
-                    # It computes ``queries *= scale`` in place: hand it a copy.
-                    out = lm_base.quantized_scaled_dot_product_attention(
-                        mx.array(queries), keys, values, scale, state[1], group, bits
-                    )
-                mx.eval(out)
-                return out
-        else:
-            raise ValueError(f"unknown implementation {impl!r}")
-
-        tolerance = ATTENTION_TOLERANCE[storage]
-
-        def check(out: Any) -> None:
-            got = to_numpy(out).astype(np.float32)
-            check_equal(
-                f"attention {storage} {impl}: output shape",
-                got.shape,
-                (self.shape.batch, self.shape.query_heads, 1, self.shape.head_dim),
-            )
-            keys, values = self._held(storage, "keys"), self._held(storage, "values")
-            q = self.data.np("queries")
-            for b, n in enumerate(self.shape.ragged):
-                columns = [*range(n), keys.shape[2] - 1]  # the row's tokens, then its step
-                expected = reference_attention(
-                    q[b], keys[b][:, columns], values[b][:, columns], scale
-                )
-                error = float(np.linalg.norm(got[b] - expected) / np.linalg.norm(expected))
-                if not error <= tolerance:
-                    raise BenchCheckError(
-                        f"attention {storage} {impl}: row {b} is off by {error:.3g} "
-                        f"(relative L2), more than {tolerance}"
-                    )
-
-        return Workload(
-            f"attention {storage}",
-            impl,
-            self.shape,
-            self.bytes_read(storage),
-            lambda: self.live(storage),
-            run,
-            check,
+        schemes = {
+            label: "plain" if bits is None else f"affine{bits}:{group_size}"
+            for label in ATTENTION_STORAGES
+            for bits in [_bits_of(label)]
+        }
+        super().__init__(
+            shape,
+            data,
+            storages=schemes,
+            tolerance=ATTENTION_TOLERANCE,
+            all_rows=True,
+            op="attention",
         )
-
-    def release(self) -> None:
-        self._live.clear()
-        self._expected.clear()
 
 
 NOTES = """\
