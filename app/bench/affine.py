@@ -282,37 +282,6 @@ class _EncodedData(BenchData):
         return self._numpy[name]
 
 
-class _AffineRows(KvrowsImpl):
-    """``kvrows.optimized``'s ``QuantizedKVCache`` / ``PaddedQuantKVRows``."""
-
-    def __init__(self, group_size: int, bits: int) -> None:
-        self.group_size, self.bits = group_size, bits
-        self.name = f"affine{bits}"
-
-    def serial(self, keys: Any, values: Any) -> Any:
-        cache = optimized.QuantizedKVCache(self.group_size, self.bits)
-        cache.update_and_fetch(keys, values)
-        self.sync(cache.held_arrays())
-        return cache
-
-    def merge(self, rows: Sequence[Any]) -> Any:
-        layout = optimized.PaddedQuantKVRows(self.group_size, self.bits)
-        layout.merge_rows(rows)
-        self.sync(layout.held_arrays())
-        return layout
-
-    def rows(self, batch: Any) -> list[tuple[NP, NP]]:
-        keys, values = (stored_bytes(planes) for planes in batch.fetch())
-        return [
-            (keys[b, :, p : p + n], values[b, :, p : p + n])
-            for b, (p, n) in enumerate(zip(batch.left_pad, batch.row_offsets, strict=True))
-        ]
-
-    def serial_data(self, cache: Any) -> tuple[NP, NP]:
-        keys, values = (stored_bytes(planes) for planes in cache.fetch())
-        return keys[0], values[0]
-
-
 class AffineShapeBench(ShapeBench):
     """The row operations of ``PaddedQuantKVRows`` at one shape and bit width.
 
@@ -327,7 +296,16 @@ class AffineShapeBench(ShapeBench):
         self, shape: Shape, bits: int, group_size: int = GROUP_SIZE, data: BenchData | None = None
     ) -> None:
         self.bits, self.group_size = bits, group_size
-        self.impls = {"affine": _AffineRows(group_size, bits)}
+        # ``kvrows.optimized``'s ``QuantizedKVCache`` / ``PaddedQuantKVRows``, read back
+        # as their stored bytes.
+        self.impls = {
+            "affine": KvrowsImpl(
+                f"affine{bits}",
+                make_serial=lambda: optimized.QuantizedKVCache(group_size, bits),
+                make_batch=lambda: optimized.PaddedQuantKVRows(group_size, bits),
+                planes=stored_bytes,
+            )
+        }
         source = data if data is not None else BenchData(shape)
         super().__init__(shape, _EncodedData(source, group_size, bits))
 

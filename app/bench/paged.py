@@ -125,20 +125,12 @@ class _Data:
         return self.pool.bytes_copied + self.pool.bytes_written
 
 
-class _PagedRows(KvrowsImpl):
-    """``PagedKvRows`` over the pool the serial ``PagedKVCache`` rows live in."""
-
-    name = PAGED
-
-    def merge(self, rows: Sequence[Any]) -> Any:
-        layout = PagedKvRows()
-        layout.merge_rows(list(rows))
-        self.sync(layout.held_arrays())
-        return layout
-
-
 #: How each implementation performs the row operations (the plain family's adapters).
-ADAPTERS: dict[str, Impl] = {PAGED: _PagedRows(), CONTIGUOUS: KvrowsImpl(), MLX_LM: MlxLmImpl()}
+ADAPTERS: dict[str, Impl] = {
+    PAGED: KvrowsImpl(PAGED, make_batch=PagedKvRows),  # over the serial rows' pool
+    CONTIGUOUS: KvrowsImpl(),
+    MLX_LM: MlxLmImpl(),
+}
 
 
 def _expect(data: _Data, source: int, what: str, got: tuple[Any, Any]) -> None:

@@ -225,10 +225,42 @@ class BenchData:
 # -- the implementations ---------------------------------------------------------
 
 
+def fill(cache: Any, keys: Any, values: Any) -> None:
+    """A source row's tokens, as one ``update_and_fetch``."""
+    cache.update_and_fetch(keys, values)
+
+
 class Impl:
-    """How one implementation performs each operation (every method ends evaluated)."""
+    """How one implementation performs each operation (every method ends evaluated).
+
+    Data, not subclasses, say which storage: ``make_serial`` / ``make_batch`` build the
+    serial cache and the batch, ``feed`` puts a source row's tokens in the serial cache,
+    ``read_rows`` (if given) reads a batch's rows back for checks, ``planes`` one fetched
+    plane (the affine family: its stored bytes). A new codec or geometry is a new instance.
+    """
 
     name = ""
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        make_serial: Callable[[], Any] | None = None,
+        make_batch: Callable[[], Any] | None = None,
+        feed: Callable[[Any, Any, Any], None] = fill,
+        read_rows: Callable[[Any], list[tuple[NP, NP]]] | None = None,
+        planes: Callable[[Any], NP] = to_numpy,
+    ) -> None:
+        self.name = name or self.name
+        self.make_serial = make_serial or self._default_serial
+        self.make_batch = make_batch or self._default_batch
+        self.feed, self.read_rows, self.planes = feed, read_rows, planes
+
+    def _default_serial(self) -> Any:
+        raise NotImplementedError
+
+    def _default_batch(self) -> Any:
+        raise NotImplementedError
 
     def array(self, data: mx.array) -> Any:
         return data
@@ -236,31 +268,48 @@ class Impl:
     def sync(self, *arrays: Any) -> None:
         mx.eval(*(a for a in arrays if a is not None and not isinstance(a, str)))
 
-    def serial(self, keys: Any, values: Any) -> Any:
-        raise NotImplementedError
+    def held(self, cache: Any) -> tuple[Any, ...]:
+        """What evaluating a serial cache evaluates."""
+        return (cache.held_arrays(),)
 
     def batch_state(self, batch: Any) -> tuple[Any, ...]:
-        raise NotImplementedError
+        """What evaluating a batch evaluates."""
+        return self.held(batch)
+
+    def serial(self, keys: Any, values: Any) -> Any:
+        cache = self.make_serial()
+        self.feed(cache, keys, values)
+        self.sync(*self.held(cache))
+        return cache
 
     def merge(self, rows: Sequence[Any]) -> Any:
-        raise NotImplementedError
+        layout = self.make_batch()
+        layout.merge_rows(rows)
+        self.sync(*self.batch_state(layout))
+        return layout
 
     def joiner(self, serial: Any) -> Any:
         """What ``join`` takes: the serial cache itself, or a one-row batch (mlx-lm)."""
         return serial
 
     def join(self, batch: Any, joiner: Any) -> Any:
-        raise NotImplementedError
+        batch.merge_rows([joiner])
+        self.sync(*self.batch_state(batch))
+        return batch
 
     def filter(self, batch: Any, keep: list[int]) -> Any:
-        raise NotImplementedError
+        batch.filter_rows(keep)
+        self.sync(*self.batch_state(batch))
+        return batch
 
     def extract(self, batch: Any, row: int) -> Any:
-        raise NotImplementedError
+        cache = batch.extract_row(row)
+        self.sync(*self.held(cache))
+        return cache
 
     def step(self, batch: Any, keys: Any, values: Any) -> None:
         """``update_and_fetch`` of one token per row, no attention (live-batch setup)."""
-        raise NotImplementedError
+        self.sync(*batch.update_and_fetch(keys, values))
 
     def update(self, batch: Any, keys: Any, values: Any) -> None:
         """A decode step's cache work: ``make_mask(1)`` then ``update_and_fetch``."""
@@ -272,50 +321,31 @@ class Impl:
 
     def rows(self, batch: Any) -> list[tuple[NP, NP]]:
         """Every row's valid keys and values ``[H, tokens, D]``, read back for checks."""
-        raise NotImplementedError
+        if self.read_rows is not None:
+            return self.read_rows(batch)
+        keys, values = (self.planes(x) for x in batch.fetch())
+        return [
+            (keys[b, :, p : p + n], values[b, :, p : p + n])
+            for b, (p, n) in enumerate(zip(batch.left_pad, batch.row_offsets, strict=True))
+        ]
 
     def serial_data(self, cache: Any) -> tuple[NP, NP]:
-        raise NotImplementedError
+        keys, values = (self.planes(x) for x in cache.fetch())
+        return keys[0], values[0]
 
 
 class KvrowsImpl(Impl):
-    """``kvrows.optimized`` (MLX); ``kvrows.reference`` reuses it with NumPy arrays."""
+    """``kvrows.optimized`` (MLX) unless told otherwise; ``kvrows.reference`` reuses it
+    with NumPy arrays."""
 
     name = "kvrows"
     module: Any = optimized
 
-    def serial(self, keys: Any, values: Any) -> Any:
-        cache = self.module.KVCache()
-        cache.update_and_fetch(keys, values)
-        self.sync(cache.held_arrays())
-        return cache
+    def _default_serial(self) -> Any:
+        return self.module.KVCache()
 
-    def batch_state(self, batch: Any) -> tuple[Any, ...]:
-        return tuple(batch.held_arrays())
-
-    def merge(self, rows: Sequence[Any]) -> Any:
-        layout = self.module.PaddedKVRows()
-        layout.merge_rows(rows)
-        self.sync(layout.held_arrays())
-        return layout
-
-    def join(self, batch: Any, joiner: Any) -> Any:
-        batch.merge_rows([joiner])
-        self.sync(batch.held_arrays())
-        return batch
-
-    def filter(self, batch: Any, keep: list[int]) -> Any:
-        batch.filter_rows(keep)
-        self.sync(batch.held_arrays())
-        return batch
-
-    def extract(self, batch: Any, row: int) -> Any:
-        cache = batch.extract_row(row)
-        self.sync(cache.held_arrays())
-        return cache
-
-    def step(self, batch: Any, keys: Any, values: Any) -> None:
-        self.sync(*batch.update_and_fetch(keys, values))
+    def _default_batch(self) -> Any:
+        return self.module.PaddedKVRows()
 
     def decode(self, batch: Any, queries: Any, keys: Any, values: Any, scale: float) -> Any:
         mask = batch.make_mask(1)
@@ -323,17 +353,6 @@ class KvrowsImpl(Impl):
         out = self.module.attend(queries, batch, mask, scale)
         self.sync(out, fetched)
         return out
-
-    def rows(self, batch: Any) -> list[tuple[NP, NP]]:
-        keys, values = (to_numpy(x) for x in batch.fetch())
-        return [
-            (keys[b, :, p : p + n], values[b, :, p : p + n])
-            for b, (p, n) in enumerate(zip(batch.left_pad, batch.row_offsets, strict=True))
-        ]
-
-    def serial_data(self, cache: Any) -> tuple[NP, NP]:
-        keys, values = (to_numpy(x) for x in cache.fetch())
-        return keys[0], values[0]
 
 
 class ReferenceImpl(KvrowsImpl):
@@ -348,21 +367,25 @@ class ReferenceImpl(KvrowsImpl):
 
 
 class MlxLmImpl(Impl):
-    """mlx-lm's ``KVCache`` / ``BatchKVCache``."""
+    """mlx-lm's ``KVCache`` / ``BatchKVCache`` unless told otherwise (``make_batch``: the
+    batch class, whose ``merge`` builds it)."""
 
     name = "mlx-lm"
 
-    def serial(self, keys: Any, values: Any) -> Any:
-        cache = lm_cache.KVCache()
-        cache.update_and_fetch(keys, values)
-        self.sync(cache.keys, cache.values)
-        return cache
+    def _default_serial(self) -> Any:
+        return lm_cache.KVCache()
+
+    def _default_batch(self) -> Any:
+        return lm_cache.BatchKVCache
+
+    def held(self, cache: Any) -> tuple[Any, ...]:
+        return (cache.keys, cache.values)
 
     def batch_state(self, batch: Any) -> tuple[Any, ...]:
         return (batch.keys, batch.values, batch.offset, batch.left_padding)
 
     def merge(self, rows: Sequence[Any]) -> Any:
-        batch = lm_cache.BatchKVCache.merge(list(rows))
+        batch = self.make_batch().merge(list(rows))
         self.sync(*self.batch_state(batch))
         return batch
 
@@ -381,7 +404,7 @@ class MlxLmImpl(Impl):
 
     def extract(self, batch: Any, row: int) -> Any:
         cache = batch.extract(row)
-        self.sync(cache.keys, cache.values)
+        self.sync(*self.held(cache))
         return cache
 
     def step(self, batch: Any, keys: Any, values: Any) -> None:
@@ -399,6 +422,8 @@ class MlxLmImpl(Impl):
         return out
 
     def rows(self, batch: Any) -> list[tuple[NP, NP]]:
+        if self.read_rows is not None:
+            return self.read_rows(batch)
         pads = [int(p) for p in batch.left_padding.tolist()]
         end = int(batch._idx)
         keys, values = to_numpy(batch.keys), to_numpy(batch.values)

@@ -35,7 +35,7 @@ a float32 NumPy attention over the window. Copy baselines as in :mod:`kvrows.app
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -140,58 +140,26 @@ def _feed(cache: Any, keys: Any, values: Any) -> None:
         cache.update_and_fetch(keys[:, :, j : j + 1], values[:, :, j : j + 1])
 
 
-class _RingKvrows(KvrowsImpl):
-    """``kvrows.optimized``'s ``RotatingKVCache`` / ``BatchedRotatingCache``."""
-
-    def __init__(self, window: int) -> None:
-        self.window = window
-
-    def serial(self, keys: Any, values: Any) -> Any:
-        cache = optimized.RotatingKVCache(self.window)
-        _feed(cache, keys, values)
-        self.sync(cache.held_arrays())
-        return cache
-
-    def merge(self, rows: Sequence[Any]) -> Any:
-        layout = optimized.BatchedRotatingCache(self.window)
-        layout.merge_rows(rows)
-        self.sync(layout.held_arrays())
-        return layout
-
-    def rows(self, batch: Any) -> list[tuple[NP, NP]]:
+def _kvrows_rows(window: int) -> Callable[[Any], list[tuple[NP, NP]]]:
+    def read(batch: Any) -> list[tuple[NP, NP]]:
         keys, values = (to_numpy(x) for x in batch.fetch())
         index, _, rotated = batch.ring_state
-        return ring_rows(
-            keys, values, batch.left_pad, batch.row_offsets, index, rotated, self.window
-        )
+        return ring_rows(keys, values, batch.left_pad, batch.row_offsets, index, rotated, window)
+
+    return read
 
 
-class _RingMlxLm(MlxLmImpl):
-    """mlx-lm's ``RotatingKVCache`` / ``BatchRotatingKVCache``."""
-
-    def __init__(self, window: int) -> None:
-        self.window = window
-
-    def serial(self, keys: Any, values: Any) -> Any:
-        cache = lm_cache.RotatingKVCache(self.window)
-        _feed(cache, keys, values)
-        self.sync(cache.keys, cache.values)
-        return cache
-
-    def merge(self, rows: Sequence[Any]) -> Any:
-        batch = lm_cache.BatchRotatingKVCache.merge(list(rows))
-        self.sync(*self.batch_state(batch))
-        return batch
-
-    def rows(self, batch: Any) -> list[tuple[NP, NP]]:
+def _mlx_lm_rows(window: int) -> Callable[[Any], list[tuple[NP, NP]]]:
+    def read(batch: Any) -> list[tuple[NP, NP]]:
         visible = min(int(batch._offset), int(batch.keys.shape[2]))
         keys = to_numpy(batch.keys[:, :, :visible])
         values = to_numpy(batch.values[:, :, :visible])
         pads = [int(p) for p in batch.left_padding.tolist()]
         offsets = [int(o) for o in batch.offset.tolist()]
-        return ring_rows(
-            keys, values, pads, offsets, int(batch._idx), bool(batch.rotated), self.window
-        )
+        index, rotated = int(batch._idx), bool(batch.rotated)
+        return ring_rows(keys, values, pads, offsets, index, rotated, window)
+
+    return read
 
 
 class RingShapeBench(ShapeBench):
@@ -202,7 +170,23 @@ class RingShapeBench(ShapeBench):
 
     def __init__(self, shape: RingShape) -> None:
         self.window = shape.window
-        self.impls = {"kvrows": _RingKvrows(shape.window), "mlx-lm": _RingMlxLm(shape.window)}
+        w = shape.window
+        self.impls = {
+            # ``kvrows.optimized``'s ``RotatingKVCache`` / ``BatchedRotatingCache``.
+            "kvrows": KvrowsImpl(
+                make_serial=lambda: optimized.RotatingKVCache(w),
+                make_batch=lambda: optimized.BatchedRotatingCache(w),
+                feed=_feed,
+                read_rows=_kvrows_rows(w),
+            ),
+            # mlx-lm's ``RotatingKVCache`` / ``BatchRotatingKVCache``.
+            "mlx-lm": MlxLmImpl(
+                make_serial=lambda: lm_cache.RotatingKVCache(w),
+                make_batch=lambda: lm_cache.BatchRotatingKVCache,
+                feed=_feed,
+                read_rows=_mlx_lm_rows(w),
+            ),
+        }
         super().__init__(shape)
 
     def _held(self, tokens: int) -> int:
