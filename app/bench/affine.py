@@ -49,6 +49,7 @@ from kvrows.app.bench.runner import (
     BenchCheckError,
     Case,
     Family,
+    Line,
     Table,
     Timing,
     Workload,
@@ -366,21 +367,18 @@ def _quantize_cases(shape: Shape) -> Iterator[Case]:
 
         def lines(
             t: Mapping[str, Timing], bits: int = bits, workloads: dict[str, Workload] = workloads
-        ) -> list[list[str]]:
-            out = []
-            for impl, w in workloads.items():
-                s = w.shape
-                out.append(
-                    [
-                        str(bits),
-                        impl,
-                        f"[{s.batch}, {s.heads}, {s.tokens}, {s.head_dim}]",
-                        t[impl].cell,
-                        f"{w.bytes_moved / 1e6:.1f}",
-                        format_gbps(w.bytes_moved, t[impl].ms),
-                    ]
-                )
-            return out
+        ) -> list[Line]:
+            return [
+                {
+                    "bits": str(bits),
+                    "quantize": impl,
+                    "input": f"[{w.shape.batch}, {w.shape.heads}, {w.shape.tokens}, {w.shape.head_dim}]",
+                    "ms": t[impl].cell,
+                    "MB read": f"{w.bytes_moved / 1e6:.1f}",
+                    "GB/s": format_gbps(w.bytes_moved, t[impl].ms),
+                }
+                for impl, w in workloads.items()
+            ]
 
         yield Case(f"quantize {bits}-bit", workloads, lines, max_repeats={"reference": 3})
 
@@ -406,27 +404,27 @@ def _shape_row_cases(shape: Shape) -> Iterator[Case]:
             for impl in ("affine", "copy", "memcpy"):
                 workloads[f"{impl}{bits}"] = bench.workload(op, impl)
 
-        def lines(t: Mapping[str, Timing], op: str = op) -> list[list[str]]:
+        def lines(t: Mapping[str, Timing], op: str = op) -> list[Line]:
             out = []
             plain_ms, plain_bytes = t["plain"].ms, plain.bytes_moved(op)
             for bits, bench in affine.items():
                 moved, affine_ms = bench.bytes_moved(op), t[f"affine{bits}"].ms
                 out.append(
-                    [
-                        op,
-                        *shape.cells,
-                        str(bits),
-                        t[f"affine{bits}"].cell,
-                        t["plain"].cell,
-                        ratio(plain_ms, affine_ms),
-                        t[f"copy{bits}"].cell,
-                        t[f"memcpy{bits}"].cell,
-                        f"{moved / 1e6:.1f}",
-                        f"{plain_bytes / 1e6:.1f}",
-                        format_gbps(moved, affine_ms),
-                        format_gbps(plain_bytes, plain_ms),
-                        format_gbps(moved, t[f"copy{bits}"].ms),
-                    ]
+                    {
+                        "op": op,
+                        **shape.cells,
+                        "bits": str(bits),
+                        "affine ms": t[f"affine{bits}"].cell,
+                        "plain ms": t["plain"].cell,
+                        "plain/affine": ratio(plain_ms, affine_ms),
+                        "copy ms": t[f"copy{bits}"].cell,
+                        "memcpy ms": t[f"memcpy{bits}"].cell,
+                        "MB moved": f"{moved / 1e6:.1f}",
+                        "MB plain": f"{plain_bytes / 1e6:.1f}",
+                        "GB/s affine": format_gbps(moved, affine_ms),
+                        "GB/s plain": format_gbps(plain_bytes, plain_ms),
+                        "GB/s copy": format_gbps(moved, t[f"copy{bits}"].ms),
+                    }
                 )
             return out
 
@@ -441,23 +439,23 @@ def _attention_cases(shape: Shape) -> Iterator[Case]:
         for impl in ATTENTION_IMPLEMENTATIONS
     }
 
-    def lines(t: Mapping[str, Timing]) -> list[list[str]]:
+    def lines(t: Mapping[str, Timing]) -> list[Line]:
         out = []
         for storage in ATTENTION_STORAGES:
             kv, lm = t[f"kvrows {storage}"].ms, t[f"mlx-lm {storage}"].ms
             read = bench.bytes_read(storage)
             out.append(
-                [
-                    storage,
-                    *shape.cells,
-                    t[f"kvrows {storage}"].cell,
-                    t[f"mlx-lm {storage}"].cell,
-                    ratio(lm, kv),
-                    f"{read / 1e6:.1f}",
-                    format_gbps(read, kv),
-                    format_gbps(read, lm),
-                    ratio(t["kvrows bf16"].ms, kv),
-                ]
+                {
+                    "storage": storage,
+                    **shape.cells,
+                    "kvrows ms": t[f"kvrows {storage}"].cell,
+                    "mlx-lm ms": t[f"mlx-lm {storage}"].cell,
+                    "ratio": ratio(lm, kv),
+                    "MB read": f"{read / 1e6:.1f}",
+                    "GB/s kvrows": format_gbps(read, kv),
+                    "GB/s mlx-lm": format_gbps(read, lm),
+                    "bf16/this": ratio(t["kvrows bf16"].ms, kv),
+                }
             )
         return out
 
@@ -477,47 +475,9 @@ def family(
     if unknown:
         raise ValueError(f"unknown parts {sorted(unknown)}")
     tables = {
-        "quantize": Table(
-            ["bits", "quantize", "input", "ms", "MB read", "GB/s"],
-            _quantize_cases(chosen.quantize),
-            "quantize",
-        ),
-        "rows": Table(
-            [
-                "op",
-                *Shape.columns,
-                *[
-                    "bits",
-                    "affine ms",
-                    "plain ms",
-                    "plain/affine",
-                    "copy ms",
-                    "memcpy ms",
-                    "MB moved",
-                    "MB plain",
-                ],
-                *["GB/s affine", "GB/s plain", "GB/s copy"],
-            ],
-            _row_cases(chosen.rows),
-            "rows",
-        ),
-        "attention": Table(
-            [
-                "storage",
-                *Shape.columns,
-                *[
-                    "kvrows ms",
-                    "mlx-lm ms",
-                    "ratio",
-                    "MB read",
-                    "GB/s kvrows",
-                    "GB/s mlx-lm",
-                    "bf16/this",
-                ],
-            ],
-            _attention_cases(chosen.attention),
-            "attention",
-        ),
+        "quantize": Table(_quantize_cases(chosen.quantize), "quantize"),
+        "rows": Table(_row_cases(chosen.rows), "rows"),
+        "attention": Table(_attention_cases(chosen.attention), "attention"),
     }
     notes = NOTES.format(
         ref_rows=REFERENCE_QUANTIZE_ROWS,

@@ -43,6 +43,7 @@ from kvrows.app.bench.runner import (
     BenchCheckError,
     Case,
     Family,
+    Line,
     Table,
     Timing,
     Workload,
@@ -213,22 +214,21 @@ def shape_cases(shape: PagedShape) -> Iterator[Case]:
     for op in OPERATIONS:
         loads = {impl: workload(op, impl) for impl in IMPLS}
 
-        def lines(timings: Mapping[str, Timing], op: str = op) -> list[list[str]]:
+        def lines(timings: Mapping[str, Timing], op: str = op) -> list[Line]:
             paged = timings["paged"].ms
-            moved = paged_moved[op]
             return [
-                [
-                    op,
-                    str(b),
-                    str(t),
-                    timings["paged"].cell,
-                    timings["contiguous"].cell,
-                    timings["mlx-lm"].cell,
-                    str(moved),
-                    str(copied[op]),
-                    ratio(timings["contiguous"].ms, paged),
-                    ratio(timings["mlx-lm"].ms, paged),
-                ]
+                {
+                    "op": op,
+                    "B": str(b),
+                    "L": str(t),
+                    "paged ms": timings["paged"].cell,
+                    "contiguous ms": timings["contiguous"].cell,
+                    "mlx-lm ms": timings["mlx-lm"].cell,
+                    "paged bytes": str(paged_moved[op]),
+                    "copy bytes": str(copied[op]),
+                    "contiguous/paged": ratio(timings["contiguous"].ms, paged),
+                    "mlx-lm/paged": ratio(timings["mlx-lm"].ms, paged),
+                }
             ]
 
         yield Case(f"{op} {shape.label}", loads, lines, key=(op, shape))
@@ -302,20 +302,18 @@ def append_cases(shapes: Sequence[PagedShape]) -> Iterator[Case]:
             ),
         }
 
-        def lines(
-            timings: Mapping[str, Timing], nbytes: int = nbytes, t: int = t
-        ) -> list[list[str]]:
+        def lines(timings: Mapping[str, Timing], nbytes: int = nbytes, t: int = t) -> list[Line]:
             paged, memcpy = timings["paged"].ms, timings["memcpy"].ms
             return [
-                [
-                    str(t),
-                    str(nbytes),
-                    timings["paged"].cell,
-                    format_gbps(nbytes, paged),
-                    format_gbps(nbytes, timings["contiguous"].ms),
-                    format_gbps(nbytes, memcpy),
-                    ratio(memcpy, paged),
-                ]
+                {
+                    "L": str(t),
+                    "bytes": str(nbytes),
+                    "paged ms": timings["paged"].cell,
+                    "paged GB/s": format_gbps(nbytes, paged),
+                    "contiguous GB/s": format_gbps(nbytes, timings["contiguous"].ms),
+                    "memcpy GB/s": format_gbps(nbytes, memcpy),
+                    "paged/memcpy": ratio(memcpy, paged),
+                }
             ]
 
         yield Case(f"append L={t}", loads, lines, release=release)
@@ -344,35 +342,8 @@ def family(*, quick: bool = False, shapes: Sequence[PagedShape] | None = None) -
         name="paged",
         subject="block-table row operations vs the contiguous layouts and mlx-lm",
         tables=[
-            Table(
-                [
-                    "op",
-                    "B",
-                    "L",
-                    "paged ms",
-                    "contiguous ms",
-                    "mlx-lm ms",
-                    "paged bytes",
-                    "copy bytes",
-                    "contiguous/paged",
-                    "mlx-lm/paged",
-                ],
-                row_cases(),
-                title="row operations and the decode step",
-            ),
-            Table(
-                [
-                    "L",
-                    "bytes",
-                    "paged ms",
-                    "paged GB/s",
-                    "contiguous GB/s",
-                    "memcpy GB/s",
-                    "paged/memcpy",
-                ],
-                append_cases(chosen),
-                title="append into a reused pool",
-            ),
+            Table(row_cases(), "row operations and the decode step"),
+            Table(append_cases(chosen), "append into a reused pool"),
         ],
         notes=NOTES,
     )

@@ -64,7 +64,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -76,6 +76,7 @@ from kvrows.app.bench.runner import (
     BenchCheckError,
     Case,
     Family,
+    Line,
     Result,
     Table,
     Timing,
@@ -150,12 +151,10 @@ class Shape:
         step = self.tokens // (2 * self.batch)
         return tuple(self.tokens - b * step for b in range(self.batch))
 
-    #: The table columns that name a shape, and their cells.
-    columns: ClassVar[tuple[str, ...]] = ("B", "L")
-
     @property
-    def cells(self) -> list[str]:
-        return [str(self.batch), str(self.tokens)]
+    def cells(self) -> Line:
+        """The table columns that name a shape, and their cells."""
+        return {"B": str(self.batch), "L": str(self.tokens)}
 
     @property
     def label(self) -> str:
@@ -583,43 +582,26 @@ class ShapeBench:
             setup, run, check = getattr(self, "_" + op.replace("-", "_"))(self.impls[impl])
         return Workload(op, impl, self.shape, moved, setup, run, check)
 
-    @classmethod
-    def header(cls, shape_columns: Sequence[str]) -> tuple[str, ...]:
-        """The table columns of :meth:`case` lines."""
-        peers = cls.implementations[2:]
-        return (
-            "op",
-            *shape_columns,
-            "kvrows ms",
-            "mlx-lm ms",
-            "ratio",
-            *(f"{impl} ms" for impl in peers),
-            "MB moved",
-            "GB/s kvrows",
-            "GB/s mlx-lm",
-            "GB/s copy",
-        )
-
     def case(self, op: str) -> Case:
         """``op`` by every implementation that runs at this shape, timed together."""
         runs = [impl for impl in self.implementations if self.runs(impl)]
         moved = self.bytes_moved(op)
 
-        def lines(t: Mapping[str, Timing]) -> list[list[str]]:
+        def lines(t: Mapping[str, Timing]) -> list[Line]:
             kv, lm = t["kvrows"].ms, t["mlx-lm"].ms
             return [
-                [
-                    op,
-                    *self.shape.cells,
-                    t["kvrows"].cell,
-                    t["mlx-lm"].cell,
-                    ratio(lm, kv),
-                    *(t[impl].cell for impl in self.implementations[2:]),
-                    f"{moved / 1e6:.1f}",
-                    format_gbps(moved, kv),
-                    format_gbps(moved, lm),
-                    format_gbps(moved, t["copy"].ms),
-                ]
+                {
+                    "op": op,
+                    **self.shape.cells,
+                    "kvrows ms": t["kvrows"].cell,
+                    "mlx-lm ms": t["mlx-lm"].cell,
+                    "ratio": ratio(lm, kv),
+                    **{f"{impl} ms": t[impl].cell for impl in self.implementations[2:]},
+                    "MB moved": f"{moved / 1e6:.1f}",
+                    "GB/s kvrows": format_gbps(moved, kv),
+                    "GB/s mlx-lm": format_gbps(moved, lm),
+                    "GB/s copy": format_gbps(moved, t["copy"].ms),
+                }
             ]
 
         return Case(
@@ -859,7 +841,7 @@ def family(*, quick: bool = False, shapes: Sequence[Shape] | None = None) -> Fam
     return Family(
         "plain",
         "one layer",
-        [Table(ShapeBench.header(Shape.columns), cases())],
+        [Table(cases())],
         NOTES.format(limit=REFERENCE_MAX_TOKENS),
         _verdict,
     )

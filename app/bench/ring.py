@@ -37,7 +37,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -47,6 +47,7 @@ from kvrows.app.bench.runner import (
     NP,
     Case,
     Family,
+    Line,
     Table,
     parity_verdict,
     to_numpy,
@@ -81,11 +82,9 @@ class RingShape(Shape):
 
     window: int = 4096
 
-    columns: ClassVar[tuple[str, ...]] = ("B", "L", "W")
-
     @property
-    def cells(self) -> list[str]:
-        return [*super().cells, str(self.window)]
+    def cells(self) -> Line:
+        return {**super().cells, "W": str(self.window)}
 
     @property
     def label(self) -> str:
@@ -220,7 +219,7 @@ def family(*, quick: bool = False, shapes: Sequence[RingShape] | None = None) ->
     return Family(
         "rotating",
         "one layer",
-        [Table(RingShapeBench.header(RingShape.columns), cases())],
+        [Table(cases())],
         NOTES.format(steps=RING_STEPS),
         parity_verdict,
     )

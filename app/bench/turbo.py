@@ -51,6 +51,7 @@ from kvrows.app.bench.runner import (
     BenchCheckError,
     Case,
     Family,
+    Line,
     Table,
     Timing,
     Workload,
@@ -276,7 +277,7 @@ def _value_cases(vectors: int) -> Iterator[Case]:
     bench = ValueBench(vectors)
     workloads = {f"{bits}": bench.workload(bits) for bits in TURBO_VALUE_BITS}
 
-    def lines(t: Mapping[str, Timing]) -> list[list[str]]:
+    def lines(t: Mapping[str, Timing]) -> list[Line]:
         out = []
         for bits in VALUE_ROWS:
             paper = PAPER_DISTORTION.get(bits)
@@ -287,18 +288,18 @@ def _value_cases(vectors: int) -> Iterator[Case]:
             )
             overhead = 16 / TURBO_GROUP  # one float16 scale per group
             out.append(
-                [
-                    str(bits),
-                    measured,
-                    "-" if paper is None else f"{paper:g}",
-                    "-" if beta is None else f"{beta:.4f}",
-                    f"{codebook_distortion(bits):.4f}",
-                    f"{math.sqrt(3) * math.pi / 2 * 4.0**-bits:.4f}",
-                    ratio(result.mse if result else None, paper),
-                    "-" if result is None else f"{result.norm2:.4f}",
-                    f"{bits + overhead:g}",
-                    "-" if bits == 1 else t[str(bits)].cell,
-                ]
+                {
+                    "v_bits": str(bits),
+                    "MSE": measured,
+                    "paper": "-" if paper is None else f"{paper:g}",
+                    "Beta LM d=128": "-" if beta is None else f"{beta:.4f}",
+                    "Gaussian LM": f"{codebook_distortion(bits):.4f}",
+                    "bound": f"{math.sqrt(3) * math.pi / 2 * 4.0**-bits:.4f}",
+                    "MSE/paper": ratio(result.mse if result else None, paper),
+                    "E norm(x~)^2": "-" if result is None else f"{result.norm2:.4f}",
+                    "bits/coord": f"{bits + overhead:g}",
+                    "ms": "-" if bits == 1 else t[str(bits)].cell,
+                }
             )
         return out
 
@@ -367,21 +368,21 @@ def _bytes_cases(schemes: Sequence[str]) -> Iterator[Case]:
     workloads = {name: workload(name) for name in schemes}
     plain = sum(scheme_bytes("plain"))
 
-    def lines(t: Mapping[str, Timing]) -> list[list[str]]:
+    def lines(t: Mapping[str, Timing]) -> list[Line]:
         out = []
         for name in schemes:
             keys, values = scheme_bytes(name)
             total = keys + values
             out.append(
-                [
-                    _codec(name).name,
-                    str(keys),
-                    str(values),
-                    str(total),
-                    f"{8 * total / (2 * DIM):.3g}",
-                    f"{plain / total:.2f}",
-                    "yes" if t[name].ms is not None else t[name].cell,
-                ]
+                {
+                    "scheme": _codec(name).name,
+                    "K B": str(keys),
+                    "V B": str(values),
+                    "K+V B": str(total),
+                    "bits/elt": f"{8 * total / (2 * DIM):.3g}",
+                    "x smaller": f"{plain / total:.2f}",
+                    "checked": "yes" if t[name].ms is not None else t[name].cell,
+                }
             )
         return out
 
@@ -647,7 +648,7 @@ def _quality_case(arch: str, shapes: TurboShapes, schemes: Sequence[str]) -> Cas
 
         return Workload("quality", name, arch, 0, lambda: None, run, check_quality)
 
-    def lines(t: Mapping[str, Timing]) -> list[list[str]]:
+    def lines(t: Mapping[str, Timing]) -> list[Line]:
         out = []
         for name in schemes:
             run = runs.get(name)
@@ -686,7 +687,7 @@ def _quality_case(arch: str, shapes: TurboShapes, schemes: Sequence[str]) -> Cas
                 "mlx-lm",
             ]
         )
-        return out
+        return [dict(zip(QUALITY_HEADER, line, strict=True)) for line in out]
 
     return Case(f"quality {arch}", {name: workload(name) for name in schemes}, lines)
 
@@ -886,25 +887,24 @@ def _decode_cases(shape: Shape, storages: Sequence[str]) -> Iterator[Case]:
     if eager is not None:
         workloads[f"eager {eager}"] = bench.workload(eager, "eager")
 
-    def lines(t: Mapping[str, Timing]) -> list[list[str]]:
+    def lines(t: Mapping[str, Timing]) -> list[Line]:
         plain = t.get("attend plain")
         affine4 = t.get("attend affine4")
         out = []
         for storage in storages:
             timing = t[f"attend {storage}"]
-            eager_cell = t[f"eager {storage}"].cell if storage == eager else "-"
             out.append(
-                [
-                    _codec(storage).name,
-                    *shape.cells,
-                    str(bench.token_bytes(storage)),
-                    timing.cell,
-                    eager_cell,
-                    ratio(timing.ms, plain.ms if plain else None),
-                    ratio(timing.ms, affine4.ms if affine4 else None),
-                    f"{bench.bytes_read(storage) / 1e6:.1f}",
-                    format_gbps(bench.bytes_read(storage), timing.ms),
-                ]
+                {
+                    "storage": _codec(storage).name,
+                    **shape.cells,
+                    "K+V B/token": str(bench.token_bytes(storage)),
+                    "attend ms": timing.cell,
+                    "eager ms": t[f"eager {storage}"].cell if storage == eager else "-",
+                    "x plain": ratio(timing.ms, plain.ms if plain else None),
+                    "x affine4": ratio(timing.ms, affine4.ms if affine4 else None),
+                    "MB": f"{bench.bytes_read(storage) / 1e6:.1f}",
+                    "GB/s": format_gbps(bench.bytes_read(storage), timing.ms),
+                }
             )
         return out
 
@@ -912,6 +912,20 @@ def _decode_cases(shape: Shape, storages: Sequence[str]) -> Iterator[Case]:
 
 
 # -- the family -------------------------------------------------------------------------------
+
+#: The quality table's columns (its plain-stats line reuses them for other figures).
+QUALITY_HEADER = (
+    "model",
+    "scheme",
+    "attn rel err",
+    "attn rel max",
+    "KL mean",
+    "KL max",
+    "top-1 %",
+    "seed KL",
+    "tok/s",
+    "checked",
+)
 
 #: The parts of the turbo family, in table order.
 PARTS = ("values", "bytes", "quality", "decode")
@@ -960,58 +974,12 @@ def family(
     if unknown:
         raise ValueError(f"unknown parts {sorted(unknown)}")
     tables = {
-        "values": Table(
-            [
-                "v_bits",
-                "MSE",
-                "paper",
-                "Beta LM d=128",
-                "Gaussian LM",
-                "bound",
-                "MSE/paper",
-                "E norm(x~)^2",
-                "bits/coord",
-                "ms",
-            ],
-            _value_cases(chosen.vectors),
-            "values (unit vectors, d = 128)",
-        ),
-        "bytes": Table(
-            ["scheme", "K B", "V B", "K+V B", "bits/elt", "x smaller", "checked"],
-            _bytes_cases(BYTES_SCHEMES),
-            "bytes per token per KV head (D = 128)",
-        ),
+        "values": Table(_value_cases(chosen.vectors), "values (unit vectors, d = 128)"),
+        "bytes": Table(_bytes_cases(BYTES_SCHEMES), "bytes per token per KV head (D = 128)"),
         "quality": Table(
-            [
-                "model",
-                "scheme",
-                "attn rel err",
-                "attn rel max",
-                "KL mean",
-                "KL max",
-                "top-1 %",
-                "seed KL",
-                "tok/s",
-                "checked",
-            ],
-            _quality_cases(chosen, quality_schemes),
-            "quality against plain (teacher-forced)",
+            _quality_cases(chosen, quality_schemes), "quality against plain (teacher-forced)"
         ),
-        "decode": Table(
-            [
-                "storage",
-                *Shape.columns,
-                "K+V B/token",
-                "attend ms",
-                "eager ms",
-                "x plain",
-                "x affine4",
-                "MB",
-                "GB/s",
-            ],
-            _decode_cases(chosen.decode, decode_storages),
-            "decode step attention",
-        ),
+        "decode": Table(_decode_cases(chosen.decode, decode_storages), "decode step attention"),
     }
     notes = NOTES.format(
         vectors=chosen.vectors,
