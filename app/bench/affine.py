@@ -1,6 +1,6 @@
 """Benchmarks of the affine family (issue 3): quantize, row operations, decode attention.
 
-Shared by ``kvrows bench --family affine`` (:func:`run_affine_bench`) and
+Shared by ``kvrows bench --family affine`` and
 ``benchmarks/test_bench_affine.py``; built on :mod:`kvrows.app.bench.plain` (its workloads,
 copy/memcpy baselines and result checks).
 

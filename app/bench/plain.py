@@ -1,54 +1,19 @@
 """Benchmarks of the plain family's row operations against mlx-lm and a plain copy.
 
-Shared by ``kvrows bench`` (:func:`run_bench`) and ``benchmarks/test_bench_plain.py``.
+Shared by ``kvrows bench --family plain`` and ``benchmarks/test_bench_plain.py``.
 
-Operations (one attention layer; 8 KV heads, head dim 128, float16 unless a
-shape says otherwise; ``T`` = bytes of one token's K and V = ``2·H·D·itemsize``):
+One attention layer: 8 KV heads, head dim 128, float16 unless a shape says otherwise.
+The operations (``merge``, ``merge-step``, ``join``, ``filter-half``, ``filter-one``,
+``extract``, ``update``, ``decode``), the bytes each moves and the baselines (``copy``: an
+MLX concatenate of those bytes; ``memcpy``: ``numpy.copyto`` into a pre-touched buffer, the
+CPU's practical ceiling; ``reference``: the NumPy reference, skipped above
+:data:`REFERENCE_MAX_TOKENS` tokens) are stated once, in :data:`NOTES`, which the run prints
+under its table. Every operation is one method of an implementation adapter (:class:`Impl`);
+the other row families (rotating, affine, paged) are adapters of their own storages.
 
-* ``merge``: form a batch of ``B`` rows from ``B`` serial caches of ``L``
-  tokens each (kvrows: ``PaddedKVRows().merge_rows(rows)``; mlx-lm:
-  ``BatchKVCache.merge`` of mlx-lm ``KVCache`` s). Bytes moved: ``2·B·L·T``
-  (every row read once and written once).
-* ``merge-step``: ``merge`` followed by one decode ``update_and_fetch``, the
-  unit mlx-lm's ``BatchGenerator`` performs (its merged buffer is exactly
-  ``L`` columns, so its first step grows it with a full copy; kvrows
-  allocates the step's room at merge). Bytes: ``2·B·L·T + B·T``.
-* ``join``: one new row of ``L`` tokens joins a *live* batch of ``B`` rows
-  (live = merged from ``B`` rows of ``L`` tokens, then one decode step, as in
-  mlx-lm's ``BatchGenerator``). kvrows: ``merge_rows([serial])``; mlx-lm:
-  ``extend`` with a one-row ``BatchKVCache``. Bytes: ``2·L·T`` (only the new
-  row has to move).
-* ``filter-half``: a live batch keeps its odd rows (``B/2`` of them, order
-  kept). ``filter-one``: a live batch drops row 0 (the worst row for an
-  order-keeping compaction). Bytes: ``2·kept·(L+1)·T`` (what a compacting
-  gather of the kept rows moves).
-* ``extract``: row ``B//2`` of a live batch as an independent compact serial
-  cache. Bytes: ``2·(L+1)·T``.
-* ``update``: the cache's share of a decode step, ``make_mask(1)`` and
-  ``update_and_fetch`` of one token per row (no attention), on the ragged
-  decode batch below. Bytes: ``B·T`` (the tokens written).
-* ``decode``: one step on a live batch whose rows are ragged (row ``b`` holds
-  ``L - b·⌊L/2B⌋`` tokens, so both implementations need a padding mask):
-  ``make_mask(1)``, ``update_and_fetch`` of one token per row and attention of
-  32 query heads (kvrows: ``kvrows.optimized.attend``; mlx-lm:
-  ``mx.fast.scaled_dot_product_attention``). Bytes: every valid K/V byte the
-  attention reads plus the ``B`` tokens written, ``Σ(len_b + 2)·T + B·T``.
-
-Baselines, for each operation: ``copy`` is an MLX copy (a concatenate) of an
-array of ``bytes/2`` bytes, so it reads and writes the operation's bytes;
-``memcpy`` is ``numpy.copyto`` of the same into a pre-touched buffer (the CPU's
-practical ceiling); ``reference`` is the NumPy reference implementation, for
-context only, and skipped when ``B·L`` exceeds :data:`REFERENCE_MAX_TOKENS`.
-
-Method: every timed call ends with ``mx.eval`` of everything it produced (the
-layout's state, fetched arrays, attention output). Setup (fresh live batches
-for the in-place operations, fresh inputs) is not timed. The figure is the
-median of ``repeats`` timed calls after warm-ups. After timing, each
-workload's last result is checked against the generated input data, so a
-fast wrong operation is reported, never tabulated as a win. The
-implementations of one operation run interleaved (round ``r`` times each of
-them once), so drift in the machine's state does not favour whichever runs
-first.
+Method: the runner's (:mod:`kvrows.app.bench.runner`); setup (fresh live batches for the
+in-place operations, fresh inputs) is not timed, and each workload's last result is
+checked against the generated input data.
 
 Allocation dominates on Linux's CPU backend: MLX keeps no buffer cache there,
 and glibc serves blocks above its mmap threshold (at most 32 MB) with fresh

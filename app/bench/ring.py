@@ -1,6 +1,6 @@
 """Benchmarks of the sliding-window family (issue 4) against mlx-lm and a plain copy.
 
-Shared by ``kvrows bench --family rotating`` (:func:`run_ring_bench`) and
+Shared by ``kvrows bench --family rotating`` and
 ``benchmarks/test_bench_ring.py``; built on :mod:`kvrows.app.bench.plain` (its workloads,
 copy/memcpy baselines and result checks).
 
@@ -12,19 +12,8 @@ token's K and V). A row's source is a serial ring (kvrows ``RotatingKVCache``, m
 wrapped (its ring index is not at the end of its buffer). A row holds its newest
 ``min(L, W)`` tokens.
 
-* ``merge``: a batch of ``B`` rows from ``B`` serial rings. Bytes: ``2·B·min(L, W)·T``.
-* ``join``: one new row joins a live batch (merged, then one decode step, so at
-  ``L >= W`` the live ring has wrapped); mlx-lm: ``extend`` with a one-row
-  ``BatchRotatingKVCache``. Bytes: ``2·min(L, W)·T`` (only the new row has to move).
-* ``filter-half`` (keep the odd rows), ``filter-one`` (drop row 0). Bytes:
-  ``2·kept·min(L + 1, W)·T``.
-* ``extract``: row ``B//2`` of a live batch as an independent serial ring in temporal
-  order. Bytes: ``2·min(L + 1, W)·T``.
-* ``update``: ``make_mask(1)`` + ``update_and_fetch`` of one token per row on a live
-  ragged batch (rows ``L`` down to about ``L/2``). Bytes: ``B·T``.
-* ``decode``: ``make_mask(1)`` + ``update_and_fetch`` + attention of 32 query heads
-  (kvrows: ``kvrows.optimized.attend``; mlx-lm: ``mx.fast.scaled_dot_product_attention``
-  with its mask) on the same ragged batch. Bytes: ``Σ min(len_b + 2, W)·T + B·T``.
+The operations are the plain family's (:mod:`kvrows.app.bench.plain`) but ``merge-step``;
+what each moves: :data:`NOTES`, printed under the table.
 
 Checks read each layout's raw ring (physical buffer, write index, wrapped flag, per-row
 left padding and positions) back into temporal order and compare every row with the
