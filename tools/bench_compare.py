@@ -62,9 +62,11 @@ with open(out, "w") as handle:
 
 #: (family, case label, implementation) -> milliseconds of each run (None: not timed).
 Samples = dict[tuple[str, str, str], list[float | None]]
+#: What one run recorded: [case label, implementation, milliseconds or None].
+Records = list[tuple[str, str, float | None]]
 
 
-def run_once(checkout: Path, family: str, *, quick: bool, log: Path) -> tuple[int, list[list]]:
+def run_once(checkout: Path, family: str, *, quick: bool, log: Path) -> tuple[int, Records]:
     """One ``kvrows bench --family family`` in ``checkout``: exit status and records."""
     python = checkout / ".venv" / "bin" / "python"
     if not python.exists():
@@ -86,7 +88,8 @@ def run_once(checkout: Path, family: str, *, quick: bool, log: Path) -> tuple[in
         if done.returncode != 0 and out.stat().st_size == 0:
             return done.returncode, []
         data = json.loads(out.read_text())
-        return int(data["status"]) or done.returncode, data["records"]
+        records = [(str(label), str(impl), ms) for label, impl, ms in data["records"]]
+        return int(data["status"]) or done.returncode, records
     finally:
         out.unlink(missing_ok=True)
 
