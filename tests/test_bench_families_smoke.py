@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Mapping
 from typing import Any
 
 import mlx.core as mx
@@ -29,7 +30,9 @@ from kvrows.app.bench.runner import (
     BenchCheckError,
     Case,
     Family,
+    Line,
     Table,
+    Timing,
     Workload,
     run_family,
     to_numpy,
@@ -147,8 +150,12 @@ def test_cli_bench_all_runs_every_family(
         calls.append(name)
         assert quick
         workload = Workload("op", "kvrows", None, 0, lambda: name, lambda s: s, check)
-        case = Case(f"op {name}", {"kvrows": workload}, lambda t: [[name, t["kvrows"].cell]])
-        return Family(name, "fake", [Table(("family", "kvrows ms"), [case])], "notes")
+
+        def lines(t: Mapping[str, Timing]) -> list[Line]:
+            return [{"family": name, "kvrows ms": t["kvrows"].cell}]
+
+        case = Case(f"op {name}", {"kvrows": workload}, lines)
+        return Family(name, "fake", [Table([case])], "notes")
 
     monkeypatch.setattr(bench, "family", fake)
     assert cli.main(["bench", "--family", "all", "--quick", "--repeats", "1"]) == 1

@@ -1,6 +1,6 @@
 """Benchmarks of the affine family (issue 3): quantize, row operations, decode attention.
 
-Shared by ``kvrows bench --family affine`` (:func:`run_affine_bench`) and
+Shared by ``kvrows bench --family affine`` and
 ``benchmarks/test_bench_affine.py``; built on :mod:`kvrows.app.bench.plain` (its workloads,
 copy/memcpy baselines and result checks).
 
@@ -35,7 +35,6 @@ Three parts, one layer, 8 KV heads, head dim 128, group size 64, 8 and 4 bits:
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,12 +43,13 @@ import mlx.core as mx
 import numpy as np
 
 import kvrows.optimized as optimized
-from kvrows.app.bench.plain import BenchData, KvrowsImpl, Shape, ShapeBench, reference_attention
+from kvrows.app.bench.plain import BenchData, KvrowsImpl, Shape, ShapeBench
 from kvrows.app.bench.runner import (
     NP,
     BenchCheckError,
     Case,
     Family,
+    Line,
     Table,
     Timing,
     Workload,
@@ -58,11 +58,9 @@ from kvrows.app.bench.runner import (
     ratio,
     to_numpy,
 )
+from kvrows.app.bench.turbo import DecodeBench
 from kvrows.optimized import affine_codec as optimized_codec
 from kvrows.reference import affine_codec as reference_codec
-
-# mlx-lm's attention helpers, untyped: reached through Any.
-lm_base: Any = importlib.import_module("mlx_lm.models.base")
 
 __all__ = [
     "AFFINE_BITS",
@@ -285,37 +283,6 @@ class _EncodedData(BenchData):
         return self._numpy[name]
 
 
-class _AffineRows(KvrowsImpl):
-    """``kvrows.optimized``'s ``QuantizedKVCache`` / ``PaddedQuantKVRows``."""
-
-    def __init__(self, group_size: int, bits: int) -> None:
-        self.group_size, self.bits = group_size, bits
-        self.name = f"affine{bits}"
-
-    def serial(self, keys: Any, values: Any) -> Any:
-        cache = optimized.QuantizedKVCache(self.group_size, self.bits)
-        cache.update_and_fetch(keys, values)
-        self.sync(cache.held_arrays())
-        return cache
-
-    def merge(self, rows: Sequence[Any]) -> Any:
-        layout = optimized.PaddedQuantKVRows(self.group_size, self.bits)
-        layout.merge_rows(rows)
-        self.sync(layout.held_arrays())
-        return layout
-
-    def rows(self, batch: Any) -> list[tuple[NP, NP]]:
-        keys, values = (stored_bytes(planes) for planes in batch.fetch())
-        return [
-            (keys[b, :, p : p + n], values[b, :, p : p + n])
-            for b, (p, n) in enumerate(zip(batch.left_pad, batch.row_offsets, strict=True))
-        ]
-
-    def serial_data(self, cache: Any) -> tuple[NP, NP]:
-        keys, values = (stored_bytes(planes) for planes in cache.fetch())
-        return keys[0], values[0]
-
-
 class AffineShapeBench(ShapeBench):
     """The row operations of ``PaddedQuantKVRows`` at one shape and bit width.
 
@@ -330,7 +297,16 @@ class AffineShapeBench(ShapeBench):
         self, shape: Shape, bits: int, group_size: int = GROUP_SIZE, data: BenchData | None = None
     ) -> None:
         self.bits, self.group_size = bits, group_size
-        self.impls = {"affine": _AffineRows(group_size, bits)}
+        # ``kvrows.optimized``'s ``QuantizedKVCache`` / ``PaddedQuantKVRows``, read back
+        # as their stored bytes.
+        self.impls = {
+            "affine": KvrowsImpl(
+                f"affine{bits}",
+                make_serial=lambda: optimized.QuantizedKVCache(group_size, bits),
+                make_batch=lambda: optimized.PaddedQuantKVRows(group_size, bits),
+                planes=stored_bytes,
+            )
+        }
         source = data if data is not None else BenchData(shape)
         super().__init__(shape, _EncodedData(source, group_size, bits))
 
@@ -342,138 +318,27 @@ class AffineShapeBench(ShapeBench):
 # -- decode attention ---------------------------------------------------------------------
 
 
-class AttentionBench:
-    """One decode step's attention over a live ragged batch, per storage and implementation."""
+class AttentionBench(DecodeBench):
+    """One decode step's attention over a live ragged batch, per storage (bf16, 8-bit,
+    4-bit: plain and affine schemes) and implementation (kvrows, mlx-lm): the shared
+    decode bench of :mod:`kvrows.app.bench.turbo`, every row checked."""
 
     def __init__(
         self, shape: Shape, group_size: int = GROUP_SIZE, data: BenchData | None = None
     ) -> None:
-        self.shape = shape
-        self.group_size = group_size
-        self.data = data if data is not None else BenchData(shape)
-        self._live: dict[str, tuple[Any, Any]] = {}
-        self._expected: dict[str, NP] = {}
-
-    @property
-    def width(self) -> int:
-        """Columns attention reads: the longest row plus the step's token."""
-        return max(self.shape.ragged) + 1
-
-    def token_bytes(self, storage: str) -> int:
-        bits = _bits_of(storage)
-        if bits is None:
-            return self.shape.token_bytes
-        return _affine_token_bytes(self.shape, bits, self.group_size)
-
-    def bytes_read(self, storage: str) -> int:
-        """The K and V planes attention reads (scales and biases included)."""
-        return self.shape.batch * self.width * self.token_bytes(storage)
-
-    def live(self, storage: str) -> tuple[Any, Any]:
-        """The live batch of ``storage`` after ``make_mask(1)`` + one step, and that mask."""
-        if storage not in self._live:
-            bits = _bits_of(storage)
-            rows = []
-            for b, n in enumerate(self.shape.ragged):
-                cache: Any = (
-                    optimized.KVCache()
-                    if bits is None
-                    else optimized.QuantizedKVCache(self.group_size, bits)
-                )
-                cache.update_and_fetch(
-                    self.data.keys[b : b + 1, :, :n], self.data.values[b : b + 1, :, :n]
-                )
-                rows.append(cache)
-            layout: Any = (
-                optimized.PaddedKVRows()
-                if bits is None
-                else optimized.PaddedQuantKVRows(self.group_size, bits)
-            )
-            layout.merge_rows(rows)
-            mask = layout.make_mask(1)
-            layout.update_and_fetch(self.data.step_keys, self.data.step_values)
-            mx.eval(layout.held_arrays(), mask)
-            self._live[storage] = (layout, mask)
-        return self._live[storage]
-
-    def _held(self, storage: str, name: str) -> NP:
-        """Every row's tokens as attention should see them, ``[B, H, L + 1, D]`` float32."""
-        key = f"{storage}:{name}"
-        if key not in self._expected:
-            step = getattr(self.data, f"step_{name}")
-            tokens = mx.concatenate([getattr(self.data, name), step], axis=2)
-            bits = _bits_of(storage)
-            if bits is not None:
-                planes = mx.quantize(tokens, group_size=self.group_size, bits=bits, mode="affine")
-                tokens = mx.dequantize(*planes, group_size=self.group_size, bits=bits)
-            self._expected[key] = to_numpy(tokens.astype(mx.float32))
-        return self._expected[key]
-
-    def workload(self, storage: str, impl: str) -> Workload:
-        if storage not in ATTENTION_STORAGES:
-            raise ValueError(f"unknown storage {storage!r}")
-        bits = _bits_of(storage)
-        queries, scale, group = self.data.queries, self.data.scale, self.group_size
-        if impl == "kvrows":
-
-            def run(state: tuple[Any, Any]) -> Any:
-                out = optimized.attend(queries, state[0], state[1], scale)
-                mx.eval(out)
-                return out
-        elif impl == "mlx-lm":
-
-            def run(state: tuple[Any, Any]) -> Any:
-                keys, values = state[0].fetch()
-                if bits is None:
-                    out = mx.fast.scaled_dot_product_attention(
-                        queries, keys, values, scale=scale, mask=state[1]
-                    )
-                else:
-                    # It computes ``queries *= scale`` in place: hand it a copy.
-                    out = lm_base.quantized_scaled_dot_product_attention(
-                        mx.array(queries), keys, values, scale, state[1], group, bits
-                    )
-                mx.eval(out)
-                return out
-        else:
-            raise ValueError(f"unknown implementation {impl!r}")
-
-        tolerance = ATTENTION_TOLERANCE[storage]
-
-        def check(out: Any) -> None:
-            got = to_numpy(out).astype(np.float32)
-            check_equal(
-                f"attention {storage} {impl}: output shape",
-                got.shape,
-                (self.shape.batch, self.shape.query_heads, 1, self.shape.head_dim),
-            )
-            keys, values = self._held(storage, "keys"), self._held(storage, "values")
-            q = self.data.np("queries")
-            for b, n in enumerate(self.shape.ragged):
-                columns = [*range(n), keys.shape[2] - 1]  # the row's tokens, then its step
-                expected = reference_attention(
-                    q[b], keys[b][:, columns], values[b][:, columns], scale
-                )
-                error = float(np.linalg.norm(got[b] - expected) / np.linalg.norm(expected))
-                if not error <= tolerance:
-                    raise BenchCheckError(
-                        f"attention {storage} {impl}: row {b} is off by {error:.3g} "
-                        f"(relative L2), more than {tolerance}"
-                    )
-
-        return Workload(
-            f"attention {storage}",
-            impl,
-            self.shape,
-            self.bytes_read(storage),
-            lambda: self.live(storage),
-            run,
-            check,
+        schemes = {
+            label: "plain" if bits is None else f"affine{bits}:{group_size}"
+            for label in ATTENTION_STORAGES
+            for bits in [_bits_of(label)]
+        }
+        super().__init__(
+            shape,
+            data,
+            storages=schemes,
+            tolerance=ATTENTION_TOLERANCE,
+            all_rows=True,
+            op="attention",
         )
-
-    def release(self) -> None:
-        self._live.clear()
-        self._expected.clear()
 
 
 NOTES = """\
@@ -502,21 +367,18 @@ def _quantize_cases(shape: Shape) -> Iterator[Case]:
 
         def lines(
             t: Mapping[str, Timing], bits: int = bits, workloads: dict[str, Workload] = workloads
-        ) -> list[list[str]]:
-            out = []
-            for impl, w in workloads.items():
-                s = w.shape
-                out.append(
-                    [
-                        str(bits),
-                        impl,
-                        f"[{s.batch}, {s.heads}, {s.tokens}, {s.head_dim}]",
-                        t[impl].cell,
-                        f"{w.bytes_moved / 1e6:.1f}",
-                        format_gbps(w.bytes_moved, t[impl].ms),
-                    ]
-                )
-            return out
+        ) -> list[Line]:
+            return [
+                {
+                    "bits": str(bits),
+                    "quantize": impl,
+                    "input": f"[{w.shape.batch}, {w.shape.heads}, {w.shape.tokens}, {w.shape.head_dim}]",
+                    "ms": t[impl].cell,
+                    "MB read": f"{w.bytes_moved / 1e6:.1f}",
+                    "GB/s": format_gbps(w.bytes_moved, t[impl].ms),
+                }
+                for impl, w in workloads.items()
+            ]
 
         yield Case(f"quantize {bits}-bit", workloads, lines, max_repeats={"reference": 3})
 
@@ -542,27 +404,27 @@ def _shape_row_cases(shape: Shape) -> Iterator[Case]:
             for impl in ("affine", "copy", "memcpy"):
                 workloads[f"{impl}{bits}"] = bench.workload(op, impl)
 
-        def lines(t: Mapping[str, Timing], op: str = op) -> list[list[str]]:
+        def lines(t: Mapping[str, Timing], op: str = op) -> list[Line]:
             out = []
             plain_ms, plain_bytes = t["plain"].ms, plain.bytes_moved(op)
             for bits, bench in affine.items():
                 moved, affine_ms = bench.bytes_moved(op), t[f"affine{bits}"].ms
                 out.append(
-                    [
-                        op,
-                        *shape.cells,
-                        str(bits),
-                        t[f"affine{bits}"].cell,
-                        t["plain"].cell,
-                        ratio(plain_ms, affine_ms),
-                        t[f"copy{bits}"].cell,
-                        t[f"memcpy{bits}"].cell,
-                        f"{moved / 1e6:.1f}",
-                        f"{plain_bytes / 1e6:.1f}",
-                        format_gbps(moved, affine_ms),
-                        format_gbps(plain_bytes, plain_ms),
-                        format_gbps(moved, t[f"copy{bits}"].ms),
-                    ]
+                    {
+                        "op": op,
+                        **shape.cells,
+                        "bits": str(bits),
+                        "affine ms": t[f"affine{bits}"].cell,
+                        "plain ms": t["plain"].cell,
+                        "plain/affine": ratio(plain_ms, affine_ms),
+                        "copy ms": t[f"copy{bits}"].cell,
+                        "memcpy ms": t[f"memcpy{bits}"].cell,
+                        "MB moved": f"{moved / 1e6:.1f}",
+                        "MB plain": f"{plain_bytes / 1e6:.1f}",
+                        "GB/s affine": format_gbps(moved, affine_ms),
+                        "GB/s plain": format_gbps(plain_bytes, plain_ms),
+                        "GB/s copy": format_gbps(moved, t[f"copy{bits}"].ms),
+                    }
                 )
             return out
 
@@ -577,23 +439,23 @@ def _attention_cases(shape: Shape) -> Iterator[Case]:
         for impl in ATTENTION_IMPLEMENTATIONS
     }
 
-    def lines(t: Mapping[str, Timing]) -> list[list[str]]:
+    def lines(t: Mapping[str, Timing]) -> list[Line]:
         out = []
         for storage in ATTENTION_STORAGES:
             kv, lm = t[f"kvrows {storage}"].ms, t[f"mlx-lm {storage}"].ms
             read = bench.bytes_read(storage)
             out.append(
-                [
-                    storage,
-                    *shape.cells,
-                    t[f"kvrows {storage}"].cell,
-                    t[f"mlx-lm {storage}"].cell,
-                    ratio(lm, kv),
-                    f"{read / 1e6:.1f}",
-                    format_gbps(read, kv),
-                    format_gbps(read, lm),
-                    ratio(t["kvrows bf16"].ms, kv),
-                ]
+                {
+                    "storage": storage,
+                    **shape.cells,
+                    "kvrows ms": t[f"kvrows {storage}"].cell,
+                    "mlx-lm ms": t[f"mlx-lm {storage}"].cell,
+                    "ratio": ratio(lm, kv),
+                    "MB read": f"{read / 1e6:.1f}",
+                    "GB/s kvrows": format_gbps(read, kv),
+                    "GB/s mlx-lm": format_gbps(read, lm),
+                    "bf16/this": ratio(t["kvrows bf16"].ms, kv),
+                }
             )
         return out
 
@@ -613,47 +475,9 @@ def family(
     if unknown:
         raise ValueError(f"unknown parts {sorted(unknown)}")
     tables = {
-        "quantize": Table(
-            ["bits", "quantize", "input", "ms", "MB read", "GB/s"],
-            _quantize_cases(chosen.quantize),
-            "quantize",
-        ),
-        "rows": Table(
-            [
-                "op",
-                *Shape.columns,
-                *[
-                    "bits",
-                    "affine ms",
-                    "plain ms",
-                    "plain/affine",
-                    "copy ms",
-                    "memcpy ms",
-                    "MB moved",
-                    "MB plain",
-                ],
-                *["GB/s affine", "GB/s plain", "GB/s copy"],
-            ],
-            _row_cases(chosen.rows),
-            "rows",
-        ),
-        "attention": Table(
-            [
-                "storage",
-                *Shape.columns,
-                *[
-                    "kvrows ms",
-                    "mlx-lm ms",
-                    "ratio",
-                    "MB read",
-                    "GB/s kvrows",
-                    "GB/s mlx-lm",
-                    "bf16/this",
-                ],
-            ],
-            _attention_cases(chosen.attention),
-            "attention",
-        ),
+        "quantize": Table(_quantize_cases(chosen.quantize), "quantize"),
+        "rows": Table(_row_cases(chosen.rows), "rows"),
+        "attention": Table(_attention_cases(chosen.attention), "attention"),
     }
     notes = NOTES.format(
         ref_rows=REFERENCE_QUANTIZE_ROWS,

@@ -35,7 +35,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kvrows.app.bench.runner import BenchCheckError, Case, Family, Table, Timing, Workload
+from kvrows.app.bench.runner import BenchCheckError, Case, Family, Line, Table, Timing, Workload
 from kvrows.app.demo import solo_logits
 from kvrows.app.engine import Engine, EngineStats, Request, RequestResult, _Row
 from kvrows.app.models import make_kvrows_cache, tiny_model
@@ -258,6 +258,20 @@ def trace(*, quick: bool = False, vocab: int = 256) -> list[Request]:
     ]
 
 
+#: The table's columns (a run that produced nothing shows "-" in all but the first two).
+HEADER = (
+    "start",
+    "run",
+    "peak KV B",
+    "peak mem B",
+    "prefill tok/s",
+    "decode tok/s",
+    "max |dlogit|",
+    "token mismatches",
+    "trace ms",
+)
+
+
 def _case(
     model: Any,
     scheme: KvStorageScheme,
@@ -318,26 +332,26 @@ def _case(
         ),
     }
 
-    def lines(timings: Mapping[str, Timing]) -> list[list[str]]:
-        out: list[list[str]] = []
+    def lines(timings: Mapping[str, Timing]) -> list[Line]:
+        out: list[Line] = []
         for name in workloads:
+            line = {"start": str(start), "run": name}
             run = seen.get(name)
             if run is None:
-                out.append([str(start), name, *(["-"] * 7)])
+                out.append(line | dict.fromkeys(HEADER[2:], "-"))
                 continue
             deltas = "0 (oracle)" if name == "solo" else f"{max(run.deltas):.1e}"
             out.append(
-                [
-                    str(start),
-                    name,
-                    str(run.peak_kv_bytes),
-                    str(run.peak_memory),
-                    f"{run.prefill_tokens / max(run.prefill_seconds, 1e-9):.0f}",
-                    f"{run.decode_tokens / max(run.decode_seconds, 1e-9):.0f}",
-                    deltas,
-                    "-" if name == "solo" else str(run.mismatches),
-                    timings[name].cell,
-                ]
+                line
+                | {
+                    "peak KV B": str(run.peak_kv_bytes),
+                    "peak mem B": str(run.peak_memory),
+                    "prefill tok/s": f"{run.prefill_tokens / max(run.prefill_seconds, 1e-9):.0f}",
+                    "decode tok/s": f"{run.decode_tokens / max(run.decode_seconds, 1e-9):.0f}",
+                    "max |dlogit|": deltas,
+                    "token mismatches": "-" if name == "solo" else str(run.mismatches),
+                    "trace ms": timings[name].cell,
+                }
             )
         return out
 
@@ -370,17 +384,6 @@ def family(
             )
 
     requests = trace(quick=quick)
-    header = [
-        "start",
-        "run",
-        "peak KV B",
-        "peak mem B",
-        "prefill tok/s",
-        "decode tok/s",
-        "max |dlogit|",
-        "token mismatches",
-        "trace ms",
-    ]
     notes = (
         f"the embedded llama (float32, greedy), scheme {base.codec.name}, {len(requests)} "
         f"requests (prompts {min(len(r.prompt) for r in requests)}-"
@@ -399,7 +402,7 @@ def family(
     return Family(
         "delayed",
         "per-row vs whole-cache conversion",
-        [Table(header, cases())],
+        [Table(cases())],
         notes,
         repeats=(1, 1),
         warmups=(0, 0),

@@ -25,6 +25,7 @@ from kvrows.app.bench.runner import (
     BenchCheckError,
     Case,
     Family,
+    Line,
     Result,
     Table,
     Timing,
@@ -118,22 +119,22 @@ def _case(model: Any, trace: list[Request], max_batch: int, chunk: int) -> Case:
         ),
     }
 
-    def lines(t: Mapping[str, Timing]) -> list[list[str]]:
+    def lines(t: Mapping[str, Timing]) -> list[Line]:
         generated = {n: sum(len(x) for x in seen.get(n, {}).values()) for n in workloads}
         rate = {n: generated[n] / (ms * 1e-3) if (ms := t[n].ms) else 0.0 for n in workloads}
         ours, sync, theirs = rate["kvrows"], rate["kvrows sync"], rate["mlx-lm"]
         same = len(seen) == 3 and seen["kvrows"] == seen["mlx-lm"] == seen["kvrows sync"]
         return [
-            [
-                str(max_batch),
-                str(generated["kvrows"]),
-                f"{ours:.1f}",
-                f"{sync:.1f}",
-                f"{theirs:.1f}",
-                f"{ours / theirs:.2f}" if theirs else "-",
-                f"{sync / theirs:.2f}" if theirs else "-",
-                str(same),
-            ]
+            {
+                "max batch": str(max_batch),
+                "generated": str(generated["kvrows"]),
+                "kvrows tok/s": f"{ours:.1f}",
+                "kvrows sync tok/s": f"{sync:.1f}",
+                "mlx-lm tok/s": f"{theirs:.1f}",
+                "ratio": f"{ours / theirs:.2f}" if theirs else "-",
+                "sync ratio": f"{sync / theirs:.2f}" if theirs else "-",
+                "same tokens": str(same),
+            }
         ]
 
     return Case(f"engine max batch {max_batch}", workloads, lines, key=max_batch)
@@ -202,7 +203,7 @@ def _serving_case(
             "serving", scheme, max_batch, 0, lambda: None, run_kvrows(scheme), check(scheme)
         )
 
-    def lines(_: Mapping[str, Timing]) -> list[list[str]]:
+    def lines(_: Mapping[str, Timing]) -> list[Line]:
         theirs = summary.get(f"mlx-lm (batch {max_batch})")
         out: list[list[str]] = []
         for scheme in schemes:
@@ -232,7 +233,7 @@ def _serving_case(
                     same,
                 ]
             )
-        return out
+        return [dict(zip(SERVING_HEADER, line, strict=True)) for line in out]
 
     return Case(f"serving max batch {max_batch}", workloads, lines, key=("serving", max_batch))
 
@@ -322,17 +323,7 @@ def family(
                 small, trace, max_batch, serving_chunk, kinds, summary, progress=not quick
             )
 
-    header = [
-        "max batch",
-        "generated",
-        "kvrows tok/s",
-        "kvrows sync tok/s",
-        "mlx-lm tok/s",
-        "ratio",
-        "sync ratio",
-        "same tokens",
-    ]
-    tables = [Table(header, cases(), title="demo trace (all requests at once, no prefix cache)")]
+    tables = [Table(cases(), "demo trace (all requests at once, no prefix cache)")]
     notes = (
         f"demo trace: the embedded llama (float32, greedy), {count} requests arriving at once,\n"
         f"  prefill chunk {chunk}, prefix cache off; tok/s = generated tokens / the run's median\n"
@@ -343,8 +334,8 @@ def family(
     if serving:
         tables.append(
             Table(
-                SERVING_HEADER,
                 serving_cases(),
+                header=SERVING_HEADER,
                 title=(
                     f"serving trace ({serving_count} requests, {contexts[0]}-{contexts[1]} token"
                     " contexts, Poisson arrivals, prefix sharing)"

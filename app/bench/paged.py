@@ -30,8 +30,7 @@ result of each workload is checked (tables, row contents, counters).
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,10 +38,12 @@ import mlx.core as mx
 import numpy as np
 
 import kvrows.optimized as optimized
+from kvrows.app.bench.plain import Impl, KvrowsImpl, MlxLmImpl
 from kvrows.app.bench.runner import (
     BenchCheckError,
     Case,
     Family,
+    Line,
     Table,
     Timing,
     Workload,
@@ -53,8 +54,6 @@ from kvrows.app.bench.runner import (
 )
 from kvrows.optimized import BlockPool, PagedKVCache, PagedKvRows
 from kvrows.validation import KvGeometry
-
-lm_cache: Any = importlib.import_module("mlx_lm.models.cache")
 
 __all__ = [
     "CI_SHAPES",
@@ -119,53 +118,20 @@ class _Data:
             k, v = self.keys[r : r + 1], self.values[r : r + 1]
             paged = PagedKVCache(pool=self.pool)
             paged.update_and_fetch(k, v)
-            flat = optimized.KVCache()
-            flat.update_and_fetch(k, v)
-            peer = lm_cache.KVCache()
-            peer.update_and_fetch(k, v)
-            mx.eval(flat.held_arrays(), peer.keys, peer.values)
-            for name, cache in zip(IMPLS, (paged, flat, peer), strict=True):
-                self.rows[name].append(cache)
+            self.rows[PAGED].append(paged)
+            for name in (CONTIGUOUS, MLX_LM):
+                self.rows[name].append(ADAPTERS[name].serial(k, v))
 
     def moved(self) -> int:
         return self.pool.bytes_copied + self.pool.bytes_written
 
 
-def _merge(impl: str, rows: Sequence[Any]) -> Any:
-    if impl == "mlx-lm":
-        batch = lm_cache.BatchKVCache.merge(list(rows))
-        mx.eval(batch.keys, batch.values, batch.offset, batch.left_padding)
-        return batch
-    layout = PagedKvRows() if impl == PAGED else optimized.PaddedKVRows()
-    layout.merge_rows(list(rows))
-    mx.eval(layout.held_arrays())
-    return layout
-
-
-def _sync(impl: str, batch: Any) -> None:
-    if impl == "mlx-lm":
-        mx.eval(batch.keys, batch.values, batch.offset, batch.left_padding)
-    else:
-        mx.eval(batch.held_arrays())
-
-
-def _row_data(impl: str, batch: Any, row: int) -> tuple[Any, Any]:
-    """Row ``row``'s valid keys and values ``[H, n, D]`` (NumPy), read back for checks."""
-    if impl == "mlx-lm":
-        pad = int(batch.left_padding[row].item())
-        end = int(batch._idx)
-        return to_numpy(batch.keys[row, :, pad:end]), to_numpy(batch.values[row, :, pad:end])
-    keys, values = (to_numpy(x) for x in batch.fetch())
-    pad = batch.left_pad[row]
-    return keys[row, :, pad:], values[row, :, pad:]
-
-
-def _serial_data(impl: str, cache: Any) -> tuple[Any, Any]:
-    if impl == "mlx-lm":
-        n = int(cache.offset)
-        return to_numpy(cache.keys[0, :, :n]), to_numpy(cache.values[0, :, :n])
-    keys, values = (to_numpy(x) for x in cache.fetch())
-    return keys[0], values[0]
+#: How each implementation performs the row operations (the plain family's adapters).
+ADAPTERS: dict[str, Impl] = {
+    PAGED: KvrowsImpl(PAGED, make_batch=PagedKvRows),  # over the serial rows' pool
+    CONTIGUOUS: KvrowsImpl(),
+    MLX_LM: MlxLmImpl(),
+}
 
 
 def _expect(data: _Data, source: int, what: str, got: tuple[Any, Any]) -> None:
@@ -174,6 +140,16 @@ def _expect(data: _Data, source: int, what: str, got: tuple[Any, Any]) -> None:
     values = to_numpy(data.values[source, :, :n])
     if not (np.array_equal(got[0], keys) and np.array_equal(got[1], values)):
         raise BenchCheckError(f"{what}: row {source} is not the input data")
+
+
+def _decode(batch: Any, data: _Data) -> Any:
+    """One step: ``make_mask(1)``, ``update_and_fetch`` and ``mx.fast`` SDPA (every
+    implementation reads its K/V the same way: the paged read gathers the blocks)."""
+    mask = batch.make_mask(1)
+    k, v = batch.update_and_fetch(data.step_keys, data.step_values)
+    out = mx.fast.scaled_dot_product_attention(data.queries, k, v, scale=data.scale, mask=mask)
+    mx.eval(out)
+    return out
 
 
 def shape_cases(shape: PagedShape) -> Iterator[Case]:
@@ -195,128 +171,64 @@ def shape_cases(shape: PagedShape) -> Iterator[Case]:
     paged_moved = {op: 0 for op in OPERATIONS}
     paged_moved["decode"] = b * tb + b * (t % BLOCK_SIZE) * tb
 
-    def workload(op: str, impl: str) -> Workload:
-        rows = data.rows[impl]
+    def workload(op: str, name: str) -> Workload:
+        impl, rows = ADAPTERS[name], data.rows[name]
         before = [0]
 
-        def live() -> Any:
-            batch = _merge(impl, rows[:b])
+        def setup() -> Any:
+            state = None if op == "merge" else impl.merge(rows[:b])  # a fresh live batch
+            if op == "join":
+                state = (state, impl.joiner(rows[b]))
             before[0] = data.moved()
-            return batch
+            return state
 
-        def counted(result: Any) -> Any:
-            return result, data.moved() - before[0]
+        runs: dict[str, Callable[[Any], Any]] = {
+            "merge": lambda _: impl.merge(rows[:b]),
+            "filter": lambda batch: impl.filter(batch, kept),
+            "extract": lambda batch: impl.extract(batch, b // 2),
+            "join": lambda state: impl.join(*state),
+            "decode": lambda batch: _decode(batch, data),
+        }
+        # The source rows a result must hold, each with what the result holds there.
+        held: dict[str, Callable[[Any], list[tuple[int, Any]]]] = {
+            "merge": lambda out: [(r, impl.rows(out)[r]) for r in (0, b - 1)],
+            "filter": lambda out: [(kept[-1], impl.rows(out)[len(kept) - 1])],
+            "extract": lambda out: [(b // 2, impl.serial_data(out))],
+            "join": lambda out: [(b, impl.rows(out)[b])],
+            "decode": lambda out: [],
+        }
 
-        if op == "merge":
+        def run(state: Any) -> Any:
+            return runs[op](state), data.moved() - before[0]
 
-            def setup() -> Any:
-                before[0] = data.moved()
-                return None
-
-            def run(state: Any) -> Any:
-                return counted(_merge(impl, rows[:b]))
-
-            def check(result: Any) -> None:
-                for r in (0, b - 1):
-                    _expect(data, r, f"merge {impl}", _row_data(impl, result[0], r))
-
-        elif op == "filter":
-            setup = live
-
-            def run(state: Any) -> Any:
-                batch = state
-                if impl == "mlx-lm":
-                    batch.filter(kept)
-                else:
-                    batch.filter_rows(kept)
-                _sync(impl, batch)
-                return counted(batch)
-
-            def check(result: Any) -> None:
-                _expect(data, kept[-1], f"filter {impl}", _row_data(impl, result[0], len(kept) - 1))
-
-        elif op == "extract":
-            setup = live
-
-            def run(state: Any) -> Any:
-                batch = state
-                if impl == "mlx-lm":
-                    cache = batch.extract(b // 2)
-                    mx.eval(cache.keys, cache.values)
-                else:
-                    cache = batch.extract_row(b // 2)
-                    mx.eval(cache.held_arrays())
-                return counted(cache)
-
-            def check(result: Any) -> None:
-                _expect(data, b // 2, f"extract {impl}", _serial_data(impl, result[0]))
-
-        elif op == "join":
-
-            def setup() -> Any:
-                batch = live()
-                joiner = rows[b]
-                if impl == "mlx-lm":
-                    joiner = lm_cache.BatchKVCache.merge([joiner])
-                    mx.eval(joiner.keys, joiner.values)
-                before[0] = data.moved()
-                return batch, joiner
-
-            def run(state: Any) -> Any:
-                batch, joiner = state
-                if impl == "mlx-lm":
-                    batch.extend(joiner)
-                else:
-                    batch.merge_rows([joiner])
-                _sync(impl, batch)
-                return counted(batch)
-
-            def check(result: Any) -> None:
-                _expect(data, b, f"join {impl}", _row_data(impl, result[0], b))
-
-        else:  # decode
-            setup = live
-
-            def run(state: Any) -> Any:
-                batch = state
-                mask = batch.make_mask(1)
-                k, v = batch.update_and_fetch(data.step_keys, data.step_values)
-                out = mx.fast.scaled_dot_product_attention(
-                    data.queries, k, v, scale=data.scale, mask=mask
-                )
-                mx.eval(out)
-                return counted(out)
-
-            def check(result: Any) -> None:
-                if result[0].shape != (b, 4 * shape.heads, 1, shape.head_dim):
-                    raise BenchCheckError(f"decode {impl}: output shape {result[0].shape}")
-
-        def checked(result: Any) -> None:
-            check(result)
-            if impl == PAGED:
+        def check(result: Any) -> None:
+            for source, got in held[op](result[0]):
+                _expect(data, source, f"{op} {name}", got)
+            if op == "decode" and result[0].shape != (b, 4 * shape.heads, 1, shape.head_dim):
+                raise BenchCheckError(f"decode {name}: output shape {result[0].shape}")
+            if name == PAGED:
                 check_equal(f"{op} paged bytes moved", result[1], paged_moved[op])
 
-        return Workload(op, impl, shape, copied[op], setup, run, checked)
+        return Workload(op, name, shape, copied[op], setup, run, check)
 
     for op in OPERATIONS:
         loads = {impl: workload(op, impl) for impl in IMPLS}
 
-        def lines(timings: Mapping[str, Timing], op: str = op) -> list[list[str]]:
+        def lines(timings: Mapping[str, Timing], op: str = op) -> list[Line]:
             paged = timings["paged"].ms
-            moved = paged_moved[op]
             return [
-                [
-                    op,
-                    str(b),
-                    str(t),
-                    timings["paged"].cell,
-                    timings["contiguous"].cell,
-                    timings["mlx-lm"].cell,
-                    str(moved),
-                    str(copied[op]),
-                    ratio(timings["contiguous"].ms, paged),
-                    ratio(timings["mlx-lm"].ms, paged),
-                ]
+                {
+                    "op": op,
+                    "B": str(b),
+                    "L": str(t),
+                    "paged ms": timings["paged"].cell,
+                    "contiguous ms": timings["contiguous"].cell,
+                    "mlx-lm ms": timings["mlx-lm"].cell,
+                    "paged bytes": str(paged_moved[op]),
+                    "copy bytes": str(copied[op]),
+                    "contiguous/paged": ratio(timings["contiguous"].ms, paged),
+                    "mlx-lm/paged": ratio(timings["mlx-lm"].ms, paged),
+                }
             ]
 
         yield Case(f"{op} {shape.label}", loads, lines, key=(op, shape))
@@ -390,20 +302,18 @@ def append_cases(shapes: Sequence[PagedShape]) -> Iterator[Case]:
             ),
         }
 
-        def lines(
-            timings: Mapping[str, Timing], nbytes: int = nbytes, t: int = t
-        ) -> list[list[str]]:
+        def lines(timings: Mapping[str, Timing], nbytes: int = nbytes, t: int = t) -> list[Line]:
             paged, memcpy = timings["paged"].ms, timings["memcpy"].ms
             return [
-                [
-                    str(t),
-                    str(nbytes),
-                    timings["paged"].cell,
-                    format_gbps(nbytes, paged),
-                    format_gbps(nbytes, timings["contiguous"].ms),
-                    format_gbps(nbytes, memcpy),
-                    ratio(memcpy, paged),
-                ]
+                {
+                    "L": str(t),
+                    "bytes": str(nbytes),
+                    "paged ms": timings["paged"].cell,
+                    "paged GB/s": format_gbps(nbytes, paged),
+                    "contiguous GB/s": format_gbps(nbytes, timings["contiguous"].ms),
+                    "memcpy GB/s": format_gbps(nbytes, memcpy),
+                    "paged/memcpy": ratio(memcpy, paged),
+                }
             ]
 
         yield Case(f"append L={t}", loads, lines, release=release)
@@ -432,35 +342,8 @@ def family(*, quick: bool = False, shapes: Sequence[PagedShape] | None = None) -
         name="paged",
         subject="block-table row operations vs the contiguous layouts and mlx-lm",
         tables=[
-            Table(
-                [
-                    "op",
-                    "B",
-                    "L",
-                    "paged ms",
-                    "contiguous ms",
-                    "mlx-lm ms",
-                    "paged bytes",
-                    "copy bytes",
-                    "contiguous/paged",
-                    "mlx-lm/paged",
-                ],
-                row_cases(),
-                title="row operations and the decode step",
-            ),
-            Table(
-                [
-                    "L",
-                    "bytes",
-                    "paged ms",
-                    "paged GB/s",
-                    "contiguous GB/s",
-                    "memcpy GB/s",
-                    "paged/memcpy",
-                ],
-                append_cases(chosen),
-                title="append into a reused pool",
-            ),
+            Table(row_cases(), "row operations and the decode step"),
+            Table(append_cases(chosen), "append into a reused pool"),
         ],
         notes=NOTES,
     )

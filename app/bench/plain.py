@@ -1,54 +1,19 @@
 """Benchmarks of the plain family's row operations against mlx-lm and a plain copy.
 
-Shared by ``kvrows bench`` (:func:`run_bench`) and ``benchmarks/test_bench_plain.py``.
+Shared by ``kvrows bench --family plain`` and ``benchmarks/test_bench_plain.py``.
 
-Operations (one attention layer; 8 KV heads, head dim 128, float16 unless a
-shape says otherwise; ``T`` = bytes of one token's K and V = ``2·H·D·itemsize``):
+One attention layer: 8 KV heads, head dim 128, float16 unless a shape says otherwise.
+The operations (``merge``, ``merge-step``, ``join``, ``filter-half``, ``filter-one``,
+``extract``, ``update``, ``decode``), the bytes each moves and the baselines (``copy``: an
+MLX concatenate of those bytes; ``memcpy``: ``numpy.copyto`` into a pre-touched buffer, the
+CPU's practical ceiling; ``reference``: the NumPy reference, skipped above
+:data:`REFERENCE_MAX_TOKENS` tokens) are stated once, in :data:`NOTES`, which the run prints
+under its table. Every operation is one method of an implementation adapter (:class:`Impl`);
+the other row families (rotating, affine, paged) are adapters of their own storages.
 
-* ``merge``: form a batch of ``B`` rows from ``B`` serial caches of ``L``
-  tokens each (kvrows: ``PaddedKVRows().merge_rows(rows)``; mlx-lm:
-  ``BatchKVCache.merge`` of mlx-lm ``KVCache`` s). Bytes moved: ``2·B·L·T``
-  (every row read once and written once).
-* ``merge-step``: ``merge`` followed by one decode ``update_and_fetch``, the
-  unit mlx-lm's ``BatchGenerator`` performs (its merged buffer is exactly
-  ``L`` columns, so its first step grows it with a full copy; kvrows
-  allocates the step's room at merge). Bytes: ``2·B·L·T + B·T``.
-* ``join``: one new row of ``L`` tokens joins a *live* batch of ``B`` rows
-  (live = merged from ``B`` rows of ``L`` tokens, then one decode step, as in
-  mlx-lm's ``BatchGenerator``). kvrows: ``merge_rows([serial])``; mlx-lm:
-  ``extend`` with a one-row ``BatchKVCache``. Bytes: ``2·L·T`` (only the new
-  row has to move).
-* ``filter-half``: a live batch keeps its odd rows (``B/2`` of them, order
-  kept). ``filter-one``: a live batch drops row 0 (the worst row for an
-  order-keeping compaction). Bytes: ``2·kept·(L+1)·T`` (what a compacting
-  gather of the kept rows moves).
-* ``extract``: row ``B//2`` of a live batch as an independent compact serial
-  cache. Bytes: ``2·(L+1)·T``.
-* ``update``: the cache's share of a decode step, ``make_mask(1)`` and
-  ``update_and_fetch`` of one token per row (no attention), on the ragged
-  decode batch below. Bytes: ``B·T`` (the tokens written).
-* ``decode``: one step on a live batch whose rows are ragged (row ``b`` holds
-  ``L - b·⌊L/2B⌋`` tokens, so both implementations need a padding mask):
-  ``make_mask(1)``, ``update_and_fetch`` of one token per row and attention of
-  32 query heads (kvrows: ``kvrows.optimized.attend``; mlx-lm:
-  ``mx.fast.scaled_dot_product_attention``). Bytes: every valid K/V byte the
-  attention reads plus the ``B`` tokens written, ``Σ(len_b + 2)·T + B·T``.
-
-Baselines, for each operation: ``copy`` is an MLX copy (a concatenate) of an
-array of ``bytes/2`` bytes, so it reads and writes the operation's bytes;
-``memcpy`` is ``numpy.copyto`` of the same into a pre-touched buffer (the CPU's
-practical ceiling); ``reference`` is the NumPy reference implementation, for
-context only, and skipped when ``B·L`` exceeds :data:`REFERENCE_MAX_TOKENS`.
-
-Method: every timed call ends with ``mx.eval`` of everything it produced (the
-layout's state, fetched arrays, attention output). Setup (fresh live batches
-for the in-place operations, fresh inputs) is not timed. The figure is the
-median of ``repeats`` timed calls after warm-ups. After timing, each
-workload's last result is checked against the generated input data, so a
-fast wrong operation is reported, never tabulated as a win. The
-implementations of one operation run interleaved (round ``r`` times each of
-them once), so drift in the machine's state does not favour whichever runs
-first.
+Method: the runner's (:mod:`kvrows.app.bench.runner`); setup (fresh live batches for the
+in-place operations, fresh inputs) is not timed, and each workload's last result is
+checked against the generated input data.
 
 Allocation dominates on Linux's CPU backend: MLX keeps no buffer cache there,
 and glibc serves blocks above its mmap threshold (at most 32 MB) with fresh
@@ -64,7 +29,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -76,6 +41,7 @@ from kvrows.app.bench.runner import (
     BenchCheckError,
     Case,
     Family,
+    Line,
     Result,
     Table,
     Timing,
@@ -150,12 +116,10 @@ class Shape:
         step = self.tokens // (2 * self.batch)
         return tuple(self.tokens - b * step for b in range(self.batch))
 
-    #: The table columns that name a shape, and their cells.
-    columns: ClassVar[tuple[str, ...]] = ("B", "L")
-
     @property
-    def cells(self) -> list[str]:
-        return [str(self.batch), str(self.tokens)]
+    def cells(self) -> Line:
+        """The table columns that name a shape, and their cells."""
+        return {"B": str(self.batch), "L": str(self.tokens)}
 
     @property
     def label(self) -> str:
@@ -225,10 +189,42 @@ class BenchData:
 # -- the implementations ---------------------------------------------------------
 
 
+def fill(cache: Any, keys: Any, values: Any) -> None:
+    """A source row's tokens, as one ``update_and_fetch``."""
+    cache.update_and_fetch(keys, values)
+
+
 class Impl:
-    """How one implementation performs each operation (every method ends evaluated)."""
+    """How one implementation performs each operation (every method ends evaluated).
+
+    Data, not subclasses, say which storage: ``make_serial`` / ``make_batch`` build the
+    serial cache and the batch, ``feed`` puts a source row's tokens in the serial cache,
+    ``read_rows`` (if given) reads a batch's rows back for checks, ``planes`` one fetched
+    plane (the affine family: its stored bytes). A new codec or geometry is a new instance.
+    """
 
     name = ""
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        make_serial: Callable[[], Any] | None = None,
+        make_batch: Callable[[], Any] | None = None,
+        feed: Callable[[Any, Any, Any], None] = fill,
+        read_rows: Callable[[Any], list[tuple[NP, NP]]] | None = None,
+        planes: Callable[[Any], NP] = to_numpy,
+    ) -> None:
+        self.name = name or self.name
+        self.make_serial = make_serial or self._default_serial
+        self.make_batch = make_batch or self._default_batch
+        self.feed, self.read_rows, self.planes = feed, read_rows, planes
+
+    def _default_serial(self) -> Any:
+        raise NotImplementedError
+
+    def _default_batch(self) -> Any:
+        raise NotImplementedError
 
     def array(self, data: mx.array) -> Any:
         return data
@@ -236,31 +232,48 @@ class Impl:
     def sync(self, *arrays: Any) -> None:
         mx.eval(*(a for a in arrays if a is not None and not isinstance(a, str)))
 
-    def serial(self, keys: Any, values: Any) -> Any:
-        raise NotImplementedError
+    def held(self, cache: Any) -> tuple[Any, ...]:
+        """What evaluating a serial cache evaluates."""
+        return (cache.held_arrays(),)
 
     def batch_state(self, batch: Any) -> tuple[Any, ...]:
-        raise NotImplementedError
+        """What evaluating a batch evaluates."""
+        return self.held(batch)
+
+    def serial(self, keys: Any, values: Any) -> Any:
+        cache = self.make_serial()
+        self.feed(cache, keys, values)
+        self.sync(*self.held(cache))
+        return cache
 
     def merge(self, rows: Sequence[Any]) -> Any:
-        raise NotImplementedError
+        layout = self.make_batch()
+        layout.merge_rows(rows)
+        self.sync(*self.batch_state(layout))
+        return layout
 
     def joiner(self, serial: Any) -> Any:
         """What ``join`` takes: the serial cache itself, or a one-row batch (mlx-lm)."""
         return serial
 
     def join(self, batch: Any, joiner: Any) -> Any:
-        raise NotImplementedError
+        batch.merge_rows([joiner])
+        self.sync(*self.batch_state(batch))
+        return batch
 
     def filter(self, batch: Any, keep: list[int]) -> Any:
-        raise NotImplementedError
+        batch.filter_rows(keep)
+        self.sync(*self.batch_state(batch))
+        return batch
 
     def extract(self, batch: Any, row: int) -> Any:
-        raise NotImplementedError
+        cache = batch.extract_row(row)
+        self.sync(*self.held(cache))
+        return cache
 
     def step(self, batch: Any, keys: Any, values: Any) -> None:
         """``update_and_fetch`` of one token per row, no attention (live-batch setup)."""
-        raise NotImplementedError
+        self.sync(*batch.update_and_fetch(keys, values))
 
     def update(self, batch: Any, keys: Any, values: Any) -> None:
         """A decode step's cache work: ``make_mask(1)`` then ``update_and_fetch``."""
@@ -272,50 +285,31 @@ class Impl:
 
     def rows(self, batch: Any) -> list[tuple[NP, NP]]:
         """Every row's valid keys and values ``[H, tokens, D]``, read back for checks."""
-        raise NotImplementedError
+        if self.read_rows is not None:
+            return self.read_rows(batch)
+        keys, values = (self.planes(x) for x in batch.fetch())
+        return [
+            (keys[b, :, p : p + n], values[b, :, p : p + n])
+            for b, (p, n) in enumerate(zip(batch.left_pad, batch.row_offsets, strict=True))
+        ]
 
     def serial_data(self, cache: Any) -> tuple[NP, NP]:
-        raise NotImplementedError
+        keys, values = (self.planes(x) for x in cache.fetch())
+        return keys[0], values[0]
 
 
 class KvrowsImpl(Impl):
-    """``kvrows.optimized`` (MLX); ``kvrows.reference`` reuses it with NumPy arrays."""
+    """``kvrows.optimized`` (MLX) unless told otherwise; ``kvrows.reference`` reuses it
+    with NumPy arrays."""
 
     name = "kvrows"
     module: Any = optimized
 
-    def serial(self, keys: Any, values: Any) -> Any:
-        cache = self.module.KVCache()
-        cache.update_and_fetch(keys, values)
-        self.sync(cache.held_arrays())
-        return cache
+    def _default_serial(self) -> Any:
+        return self.module.KVCache()
 
-    def batch_state(self, batch: Any) -> tuple[Any, ...]:
-        return tuple(batch.held_arrays())
-
-    def merge(self, rows: Sequence[Any]) -> Any:
-        layout = self.module.PaddedKVRows()
-        layout.merge_rows(rows)
-        self.sync(layout.held_arrays())
-        return layout
-
-    def join(self, batch: Any, joiner: Any) -> Any:
-        batch.merge_rows([joiner])
-        self.sync(batch.held_arrays())
-        return batch
-
-    def filter(self, batch: Any, keep: list[int]) -> Any:
-        batch.filter_rows(keep)
-        self.sync(batch.held_arrays())
-        return batch
-
-    def extract(self, batch: Any, row: int) -> Any:
-        cache = batch.extract_row(row)
-        self.sync(cache.held_arrays())
-        return cache
-
-    def step(self, batch: Any, keys: Any, values: Any) -> None:
-        self.sync(*batch.update_and_fetch(keys, values))
+    def _default_batch(self) -> Any:
+        return self.module.PaddedKVRows()
 
     def decode(self, batch: Any, queries: Any, keys: Any, values: Any, scale: float) -> Any:
         mask = batch.make_mask(1)
@@ -323,17 +317,6 @@ class KvrowsImpl(Impl):
         out = self.module.attend(queries, batch, mask, scale)
         self.sync(out, fetched)
         return out
-
-    def rows(self, batch: Any) -> list[tuple[NP, NP]]:
-        keys, values = (to_numpy(x) for x in batch.fetch())
-        return [
-            (keys[b, :, p : p + n], values[b, :, p : p + n])
-            for b, (p, n) in enumerate(zip(batch.left_pad, batch.row_offsets, strict=True))
-        ]
-
-    def serial_data(self, cache: Any) -> tuple[NP, NP]:
-        keys, values = (to_numpy(x) for x in cache.fetch())
-        return keys[0], values[0]
 
 
 class ReferenceImpl(KvrowsImpl):
@@ -348,21 +331,25 @@ class ReferenceImpl(KvrowsImpl):
 
 
 class MlxLmImpl(Impl):
-    """mlx-lm's ``KVCache`` / ``BatchKVCache``."""
+    """mlx-lm's ``KVCache`` / ``BatchKVCache`` unless told otherwise (``make_batch``: the
+    batch class, whose ``merge`` builds it)."""
 
     name = "mlx-lm"
 
-    def serial(self, keys: Any, values: Any) -> Any:
-        cache = lm_cache.KVCache()
-        cache.update_and_fetch(keys, values)
-        self.sync(cache.keys, cache.values)
-        return cache
+    def _default_serial(self) -> Any:
+        return lm_cache.KVCache()
+
+    def _default_batch(self) -> Any:
+        return lm_cache.BatchKVCache
+
+    def held(self, cache: Any) -> tuple[Any, ...]:
+        return (cache.keys, cache.values)
 
     def batch_state(self, batch: Any) -> tuple[Any, ...]:
         return (batch.keys, batch.values, batch.offset, batch.left_padding)
 
     def merge(self, rows: Sequence[Any]) -> Any:
-        batch = lm_cache.BatchKVCache.merge(list(rows))
+        batch = self.make_batch().merge(list(rows))
         self.sync(*self.batch_state(batch))
         return batch
 
@@ -381,7 +368,7 @@ class MlxLmImpl(Impl):
 
     def extract(self, batch: Any, row: int) -> Any:
         cache = batch.extract(row)
-        self.sync(cache.keys, cache.values)
+        self.sync(*self.held(cache))
         return cache
 
     def step(self, batch: Any, keys: Any, values: Any) -> None:
@@ -399,6 +386,8 @@ class MlxLmImpl(Impl):
         return out
 
     def rows(self, batch: Any) -> list[tuple[NP, NP]]:
+        if self.read_rows is not None:
+            return self.read_rows(batch)
         pads = [int(p) for p in batch.left_padding.tolist()]
         end = int(batch._idx)
         keys, values = to_numpy(batch.keys), to_numpy(batch.values)
@@ -558,43 +547,26 @@ class ShapeBench:
             setup, run, check = getattr(self, "_" + op.replace("-", "_"))(self.impls[impl])
         return Workload(op, impl, self.shape, moved, setup, run, check)
 
-    @classmethod
-    def header(cls, shape_columns: Sequence[str]) -> tuple[str, ...]:
-        """The table columns of :meth:`case` lines."""
-        peers = cls.implementations[2:]
-        return (
-            "op",
-            *shape_columns,
-            "kvrows ms",
-            "mlx-lm ms",
-            "ratio",
-            *(f"{impl} ms" for impl in peers),
-            "MB moved",
-            "GB/s kvrows",
-            "GB/s mlx-lm",
-            "GB/s copy",
-        )
-
     def case(self, op: str) -> Case:
         """``op`` by every implementation that runs at this shape, timed together."""
         runs = [impl for impl in self.implementations if self.runs(impl)]
         moved = self.bytes_moved(op)
 
-        def lines(t: Mapping[str, Timing]) -> list[list[str]]:
+        def lines(t: Mapping[str, Timing]) -> list[Line]:
             kv, lm = t["kvrows"].ms, t["mlx-lm"].ms
             return [
-                [
-                    op,
-                    *self.shape.cells,
-                    t["kvrows"].cell,
-                    t["mlx-lm"].cell,
-                    ratio(lm, kv),
-                    *(t[impl].cell for impl in self.implementations[2:]),
-                    f"{moved / 1e6:.1f}",
-                    format_gbps(moved, kv),
-                    format_gbps(moved, lm),
-                    format_gbps(moved, t["copy"].ms),
-                ]
+                {
+                    "op": op,
+                    **self.shape.cells,
+                    "kvrows ms": t["kvrows"].cell,
+                    "mlx-lm ms": t["mlx-lm"].cell,
+                    "ratio": ratio(lm, kv),
+                    **{f"{impl} ms": t[impl].cell for impl in self.implementations[2:]},
+                    "MB moved": f"{moved / 1e6:.1f}",
+                    "GB/s kvrows": format_gbps(moved, kv),
+                    "GB/s mlx-lm": format_gbps(moved, lm),
+                    "GB/s copy": format_gbps(moved, t["copy"].ms),
+                }
             ]
 
         return Case(
@@ -834,7 +806,7 @@ def family(*, quick: bool = False, shapes: Sequence[Shape] | None = None) -> Fam
     return Family(
         "plain",
         "one layer",
-        [Table(ShapeBench.header(Shape.columns), cases())],
+        [Table(cases())],
         NOTES.format(limit=REFERENCE_MAX_TOKENS),
         _verdict,
     )

@@ -1,6 +1,6 @@
 """Benchmarks of the sliding-window family (issue 4) against mlx-lm and a plain copy.
 
-Shared by ``kvrows bench --family rotating`` (:func:`run_ring_bench`) and
+Shared by ``kvrows bench --family rotating`` and
 ``benchmarks/test_bench_ring.py``; built on :mod:`kvrows.app.bench.plain` (its workloads,
 copy/memcpy baselines and result checks).
 
@@ -12,19 +12,8 @@ token's K and V). A row's source is a serial ring (kvrows ``RotatingKVCache``, m
 wrapped (its ring index is not at the end of its buffer). A row holds its newest
 ``min(L, W)`` tokens.
 
-* ``merge``: a batch of ``B`` rows from ``B`` serial rings. Bytes: ``2·B·min(L, W)·T``.
-* ``join``: one new row joins a live batch (merged, then one decode step, so at
-  ``L >= W`` the live ring has wrapped); mlx-lm: ``extend`` with a one-row
-  ``BatchRotatingKVCache``. Bytes: ``2·min(L, W)·T`` (only the new row has to move).
-* ``filter-half`` (keep the odd rows), ``filter-one`` (drop row 0). Bytes:
-  ``2·kept·min(L + 1, W)·T``.
-* ``extract``: row ``B//2`` of a live batch as an independent serial ring in temporal
-  order. Bytes: ``2·min(L + 1, W)·T``.
-* ``update``: ``make_mask(1)`` + ``update_and_fetch`` of one token per row on a live
-  ragged batch (rows ``L`` down to about ``L/2``). Bytes: ``B·T``.
-* ``decode``: ``make_mask(1)`` + ``update_and_fetch`` + attention of 32 query heads
-  (kvrows: ``kvrows.optimized.attend``; mlx-lm: ``mx.fast.scaled_dot_product_attention``
-  with its mask) on the same ragged batch. Bytes: ``Σ min(len_b + 2, W)·T + B·T``.
+The operations are the plain family's (:mod:`kvrows.app.bench.plain`) but ``merge-step``;
+what each moves: :data:`NOTES`, printed under the table.
 
 Checks read each layout's raw ring (physical buffer, write index, wrapped flag, per-row
 left padding and positions) back into temporal order and compare every row with the
@@ -35,9 +24,9 @@ a float32 NumPy attention over the window. Copy baselines as in :mod:`kvrows.app
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -47,6 +36,7 @@ from kvrows.app.bench.runner import (
     NP,
     Case,
     Family,
+    Line,
     Table,
     parity_verdict,
     to_numpy,
@@ -81,11 +71,9 @@ class RingShape(Shape):
 
     window: int = 4096
 
-    columns: ClassVar[tuple[str, ...]] = ("B", "L", "W")
-
     @property
-    def cells(self) -> list[str]:
-        return [*super().cells, str(self.window)]
+    def cells(self) -> Line:
+        return {**super().cells, "W": str(self.window)}
 
     @property
     def label(self) -> str:
@@ -140,58 +128,26 @@ def _feed(cache: Any, keys: Any, values: Any) -> None:
         cache.update_and_fetch(keys[:, :, j : j + 1], values[:, :, j : j + 1])
 
 
-class _RingKvrows(KvrowsImpl):
-    """``kvrows.optimized``'s ``RotatingKVCache`` / ``BatchedRotatingCache``."""
-
-    def __init__(self, window: int) -> None:
-        self.window = window
-
-    def serial(self, keys: Any, values: Any) -> Any:
-        cache = optimized.RotatingKVCache(self.window)
-        _feed(cache, keys, values)
-        self.sync(cache.held_arrays())
-        return cache
-
-    def merge(self, rows: Sequence[Any]) -> Any:
-        layout = optimized.BatchedRotatingCache(self.window)
-        layout.merge_rows(rows)
-        self.sync(layout.held_arrays())
-        return layout
-
-    def rows(self, batch: Any) -> list[tuple[NP, NP]]:
+def _kvrows_rows(window: int) -> Callable[[Any], list[tuple[NP, NP]]]:
+    def read(batch: Any) -> list[tuple[NP, NP]]:
         keys, values = (to_numpy(x) for x in batch.fetch())
         index, _, rotated = batch.ring_state
-        return ring_rows(
-            keys, values, batch.left_pad, batch.row_offsets, index, rotated, self.window
-        )
+        return ring_rows(keys, values, batch.left_pad, batch.row_offsets, index, rotated, window)
+
+    return read
 
 
-class _RingMlxLm(MlxLmImpl):
-    """mlx-lm's ``RotatingKVCache`` / ``BatchRotatingKVCache``."""
-
-    def __init__(self, window: int) -> None:
-        self.window = window
-
-    def serial(self, keys: Any, values: Any) -> Any:
-        cache = lm_cache.RotatingKVCache(self.window)
-        _feed(cache, keys, values)
-        self.sync(cache.keys, cache.values)
-        return cache
-
-    def merge(self, rows: Sequence[Any]) -> Any:
-        batch = lm_cache.BatchRotatingKVCache.merge(list(rows))
-        self.sync(*self.batch_state(batch))
-        return batch
-
-    def rows(self, batch: Any) -> list[tuple[NP, NP]]:
+def _mlx_lm_rows(window: int) -> Callable[[Any], list[tuple[NP, NP]]]:
+    def read(batch: Any) -> list[tuple[NP, NP]]:
         visible = min(int(batch._offset), int(batch.keys.shape[2]))
         keys = to_numpy(batch.keys[:, :, :visible])
         values = to_numpy(batch.values[:, :, :visible])
         pads = [int(p) for p in batch.left_padding.tolist()]
         offsets = [int(o) for o in batch.offset.tolist()]
-        return ring_rows(
-            keys, values, pads, offsets, int(batch._idx), bool(batch.rotated), self.window
-        )
+        index, rotated = int(batch._idx), bool(batch.rotated)
+        return ring_rows(keys, values, pads, offsets, index, rotated, window)
+
+    return read
 
 
 class RingShapeBench(ShapeBench):
@@ -202,7 +158,23 @@ class RingShapeBench(ShapeBench):
 
     def __init__(self, shape: RingShape) -> None:
         self.window = shape.window
-        self.impls = {"kvrows": _RingKvrows(shape.window), "mlx-lm": _RingMlxLm(shape.window)}
+        w = shape.window
+        self.impls = {
+            # ``kvrows.optimized``'s ``RotatingKVCache`` / ``BatchedRotatingCache``.
+            "kvrows": KvrowsImpl(
+                make_serial=lambda: optimized.RotatingKVCache(w),
+                make_batch=lambda: optimized.BatchedRotatingCache(w),
+                feed=_feed,
+                read_rows=_kvrows_rows(w),
+            ),
+            # mlx-lm's ``RotatingKVCache`` / ``BatchRotatingKVCache``.
+            "mlx-lm": MlxLmImpl(
+                make_serial=lambda: lm_cache.RotatingKVCache(w),
+                make_batch=lambda: lm_cache.BatchRotatingKVCache,
+                feed=_feed,
+                read_rows=_mlx_lm_rows(w),
+            ),
+        }
         super().__init__(shape)
 
     def _held(self, tokens: int) -> int:
@@ -236,7 +208,7 @@ def family(*, quick: bool = False, shapes: Sequence[RingShape] | None = None) ->
     return Family(
         "rotating",
         "one layer",
-        [Table(RingShapeBench.header(RingShape.columns), cases())],
+        [Table(cases())],
         NOTES.format(steps=RING_STEPS),
         parity_verdict,
     )

@@ -1,9 +1,10 @@
 """The one benchmark runner: every family's header, interleaved timing, checks and tables.
 
-A family (:mod:`.plain`, :mod:`.ring`, :mod:`.affine`, :mod:`.engine`) supplies only its
-cases: a :class:`Case` is a group of :class:`Workload` s timed together (interleaved, so
-drift in the machine's state does not favour whichever runs first) and a function that
-turns their timings into table lines. :func:`run_family` prints the header, times every
+A family (:mod:`.plain`, :mod:`.ring`, :mod:`.affine`, :mod:`.engine`, ...) supplies
+only its cases: a :class:`Case` is a group of :class:`Workload` s timed together
+(interleaved, so drift in the machine's state does not favour whichever runs first) and a
+function that turns their timings into table lines, each a mapping of column header to
+cell (a table's header is its lines' keys). :func:`run_family` prints the header, times every
 case, checks each workload's last result (a fast wrong operation is reported, never
 tabulated as a win), prints the tables, the family's notes and verdict, and returns 1 if
 any result was wrong.
@@ -34,6 +35,7 @@ __all__ = [
     "BenchCheckError",
     "Case",
     "Family",
+    "Line",
     "Result",
     "Table",
     "Timing",
@@ -199,6 +201,10 @@ def package_version(package: str) -> str:
 # -- cases, tables, families ------------------------------------------------------------------
 
 
+#: One table line: each column's header and its cell, in column order.
+Line = dict[str, str]
+
+
 @dataclass
 class Case:
     """Workloads timed together, and the table lines their timings make.
@@ -211,7 +217,7 @@ class Case:
 
     label: str
     workloads: Mapping[str, Workload]
-    lines: Callable[[Mapping[str, Timing]], list[list[str]]]
+    lines: Callable[[Mapping[str, Timing]], list[Line]]
     key: Any = None
     skipped: tuple[str, ...] = ()
     max_repeats: Mapping[str, int] = field(default_factory=dict)
@@ -233,11 +239,12 @@ class Result:
 
 @dataclass
 class Table:
-    """A header and the cases that fill it (built lazily, one at a time, to bound memory)."""
+    """The cases that fill a table (built lazily, one at a time, to bound memory); its
+    header is their lines' keys (``header``: for a table whose cases may give no line)."""
 
-    header: Sequence[str]
     cases: Iterable[Case]
     title: str = ""
+    header: Sequence[str] = ()
 
 
 @dataclass
@@ -291,7 +298,7 @@ def run_family(
     failures: list[str] = []
     results: list[Result] = []
     for table in family.tables:
-        lines: list[list[str]] = []
+        lines: list[Line] = []
         for case in table.cases:
             if not quick:
                 print(f"  {case.label}", file=sys.stderr, flush=True)
@@ -317,7 +324,11 @@ def run_family(
             mx.clear_cache()
         if table.title:
             print(f"\n{table.title}:", file=stream)
-        print(markdown_table(table.header, lines), file=stream, flush=True)
+        header = list(table.header or (lines[0] if lines else ()))
+        if any(list(line) != header for line in lines):
+            raise ValueError(f"{family.name}: a line's columns are not the table's {header}")
+        body = [[line[column] for column in header] for line in lines]
+        print(markdown_table(header, body), file=stream, flush=True)
     print(family.notes, file=stream)
     for line in family.verdict(results) if family.verdict else []:
         print(line, file=stream)

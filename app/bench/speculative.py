@@ -26,7 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvrows.app.bench.runner import BenchCheckError, Case, Family, Table, Timing, Workload
+from kvrows.app.bench.runner import BenchCheckError, Case, Family, Line, Table, Timing, Workload
 from kvrows.app.demo import builtin_trace
 from kvrows.app.engine import Engine, EngineStats, Request
 from kvrows.app.models import draft_model, tiny_model
@@ -147,7 +147,7 @@ def _case(
         skipped = ()
     generated = sum(len(tokens) for tokens in expected.values())
 
-    def lines(t: Mapping[str, Timing]) -> list[list[str]]:
+    def lines(t: Mapping[str, Timing]) -> list[Line]:
         def rate(name: str) -> str:
             timing = t.get(name)
             ms = None if timing is None else timing.ms
@@ -161,22 +161,22 @@ def _case(
         if mlx_forwards.get("mlx-lm spec"):
             lm_per_forward = f"{generated / mlx_forwards['mlx-lm spec']:.2f}"
         return [
-            [
-                arch,
-                str(len(draft.layers)) if draft is not None else "-",
-                str(max_batch),
-                str(drafts),
-                str(generated),
-                f"{spec.acceptance_rate:.0%}",
-                f"{spec.tokens_per_row_forward:.2f}",
-                lm_per_forward,
-                rate("kvrows spec"),
-                rate("kvrows plain"),
-                rate("mlx-lm spec"),
-                rate("mlx-lm plain"),
-                str(seen.get("kvrows spec") == expected),
-                lm_same,
-            ]
+            {
+                "model": arch,
+                "draft layers": str(len(draft.layers)) if draft is not None else "-",
+                "max batch": str(max_batch),
+                "d": str(drafts),
+                "generated": str(generated),
+                "kvrows accepted": f"{spec.acceptance_rate:.0%}",
+                "kvrows tok/row-forward": f"{spec.tokens_per_row_forward:.2f}",
+                "mlx-lm tok/forward": lm_per_forward,
+                "kvrows spec tok/s": rate("kvrows spec"),
+                "kvrows plain tok/s": rate("kvrows plain"),
+                "mlx-lm spec tok/s": rate("mlx-lm spec"),
+                "mlx-lm plain tok/s": rate("mlx-lm plain"),
+                "kvrows same": str(seen.get("kvrows spec") == expected),
+                "mlx-lm spec same": lm_same,
+            }
         ]
 
     layers = len(draft.layers) if draft is not None else 0
@@ -187,24 +187,6 @@ def _case(
         key=(arch, layers, max_batch),
         skipped=skipped,
     )
-
-
-HEADER = [
-    "model",
-    "draft layers",
-    "max batch",
-    "d",
-    "generated",
-    "kvrows accepted",
-    "kvrows tok/row-forward",
-    "mlx-lm tok/forward",
-    "kvrows spec tok/s",
-    "kvrows plain tok/s",
-    "mlx-lm spec tok/s",
-    "mlx-lm plain tok/s",
-    "kvrows same",
-    "mlx-lm spec same",
-]
 
 
 #: Draft layers per model in the full run: the default truncated copy (``None``), and for
@@ -255,7 +237,7 @@ def family(
         "  fails the run); mlx-lm spec same: mlx-lm's own speculative tokens do (reported:\n"
         "  False on gemma3, whose full rings keep rejected drafts, B10)."
     )
-    table = Table(HEADER, cases())
+    table = Table(cases())
     return Family(
         "speculative", "speculative decoding", [table], notes, repeats=(1, 3), warmups=(0, 1)
     )

@@ -32,9 +32,10 @@ Four tables:
 
 from __future__ import annotations
 
+import importlib
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,7 @@ from kvrows.app.bench.runner import (
     BenchCheckError,
     Case,
     Family,
+    Line,
     Table,
     Timing,
     Workload,
@@ -68,6 +70,9 @@ from kvrows.reference import codecs as reference_codecs
 from kvrows.reference import turbo_codec as reference_codec
 from kvrows.schemes import TURBO_VALUE_BITS, CodecSpec, Growing, KvStorageScheme
 from kvrows.turbo_tables import BOUNDARIES, CENTROIDS
+
+# mlx-lm's attention helpers, untyped: reached through Any.
+lm_base: Any = importlib.import_module("mlx_lm.models.base")
 
 __all__ = [
     "BETA_DISTORTION",
@@ -272,7 +277,7 @@ def _value_cases(vectors: int) -> Iterator[Case]:
     bench = ValueBench(vectors)
     workloads = {f"{bits}": bench.workload(bits) for bits in TURBO_VALUE_BITS}
 
-    def lines(t: Mapping[str, Timing]) -> list[list[str]]:
+    def lines(t: Mapping[str, Timing]) -> list[Line]:
         out = []
         for bits in VALUE_ROWS:
             paper = PAPER_DISTORTION.get(bits)
@@ -283,18 +288,18 @@ def _value_cases(vectors: int) -> Iterator[Case]:
             )
             overhead = 16 / TURBO_GROUP  # one float16 scale per group
             out.append(
-                [
-                    str(bits),
-                    measured,
-                    "-" if paper is None else f"{paper:g}",
-                    "-" if beta is None else f"{beta:.4f}",
-                    f"{codebook_distortion(bits):.4f}",
-                    f"{math.sqrt(3) * math.pi / 2 * 4.0**-bits:.4f}",
-                    ratio(result.mse if result else None, paper),
-                    "-" if result is None else f"{result.norm2:.4f}",
-                    f"{bits + overhead:g}",
-                    "-" if bits == 1 else t[str(bits)].cell,
-                ]
+                {
+                    "v_bits": str(bits),
+                    "MSE": measured,
+                    "paper": "-" if paper is None else f"{paper:g}",
+                    "Beta LM d=128": "-" if beta is None else f"{beta:.4f}",
+                    "Gaussian LM": f"{codebook_distortion(bits):.4f}",
+                    "bound": f"{math.sqrt(3) * math.pi / 2 * 4.0**-bits:.4f}",
+                    "MSE/paper": ratio(result.mse if result else None, paper),
+                    "E norm(x~)^2": "-" if result is None else f"{result.norm2:.4f}",
+                    "bits/coord": f"{bits + overhead:g}",
+                    "ms": "-" if bits == 1 else t[str(bits)].cell,
+                }
             )
         return out
 
@@ -363,21 +368,21 @@ def _bytes_cases(schemes: Sequence[str]) -> Iterator[Case]:
     workloads = {name: workload(name) for name in schemes}
     plain = sum(scheme_bytes("plain"))
 
-    def lines(t: Mapping[str, Timing]) -> list[list[str]]:
+    def lines(t: Mapping[str, Timing]) -> list[Line]:
         out = []
         for name in schemes:
             keys, values = scheme_bytes(name)
             total = keys + values
             out.append(
-                [
-                    _codec(name).name,
-                    str(keys),
-                    str(values),
-                    str(total),
-                    f"{8 * total / (2 * DIM):.3g}",
-                    f"{plain / total:.2f}",
-                    "yes" if t[name].ms is not None else t[name].cell,
-                ]
+                {
+                    "scheme": _codec(name).name,
+                    "K B": str(keys),
+                    "V B": str(values),
+                    "K+V B": str(total),
+                    "bits/elt": f"{8 * total / (2 * DIM):.3g}",
+                    "x smaller": f"{plain / total:.2f}",
+                    "checked": "yes" if t[name].ms is not None else t[name].cell,
+                }
             )
         return out
 
@@ -643,7 +648,7 @@ def _quality_case(arch: str, shapes: TurboShapes, schemes: Sequence[str]) -> Cas
 
         return Workload("quality", name, arch, 0, lambda: None, run, check_quality)
 
-    def lines(t: Mapping[str, Timing]) -> list[list[str]]:
+    def lines(t: Mapping[str, Timing]) -> list[Line]:
         out = []
         for name in schemes:
             run = runs.get(name)
@@ -682,7 +687,7 @@ def _quality_case(arch: str, shapes: TurboShapes, schemes: Sequence[str]) -> Cas
                 "mlx-lm",
             ]
         )
-        return out
+        return [dict(zip(QUALITY_HEADER, line, strict=True)) for line in out]
 
     return Case(f"quality {arch}", {name: workload(name) for name in schemes}, lines)
 
@@ -715,33 +720,57 @@ def _decoded(codec: CodecSpec, tokens: NP, role: Role) -> NP:
 
 
 class DecodeBench:
-    """One decode step's attention over a live ragged batch of each storage."""
+    """One decode step's attention over a live ragged batch of each storage, by each
+    implementation: the decode tables of this family and of the affine family (a new
+    codec is one more storage, a new kernel one more entry of :data:`DECODE_RUNS`).
 
-    def __init__(self, shape: Shape, data: BenchData | None = None) -> None:
+    ``storages`` names each table label's scheme (a label not there is its own scheme);
+    ``tolerance`` the largest relative L2 error of a checked row per label (default
+    :data:`DECODE_TOLERANCE`); ``all_rows``: check every row, not the first, middle and
+    last; ``op``: the workloads' operation (``"decode"``, the affine family's
+    ``"attention"``).
+    """
+
+    def __init__(
+        self,
+        shape: Shape,
+        data: BenchData | None = None,
+        *,
+        storages: Mapping[str, str] | None = None,
+        tolerance: Mapping[str, float] | None = None,
+        all_rows: bool = False,
+        op: str = "decode",
+    ) -> None:
         self.shape = shape
         self.data = data if data is not None else BenchData(shape)
+        self.storages = dict(storages or {})
+        self.tolerance = dict(tolerance or {})
+        self.all_rows, self.op = all_rows, op
         self._live: dict[str, tuple[Any, Any]] = {}
+
+    def codec(self, storage: str) -> CodecSpec:
+        return _codec(self.storages.get(storage, storage))
 
     @property
     def width(self) -> int:
+        """Columns attention reads: the longest row plus the step's token."""
         return max(self.shape.ragged) + 1
 
     def token_bytes(self, storage: str) -> int:
         """Bytes of one token's keys and values over every KV head."""
-        codec = _codec(storage)
-        s = self.shape
+        codec, s = self.codec(storage), self.shape
         return sum(
             codec_token_bytes(codec, s.heads, s.head_dim, s.dtype, r) for r in ("keys", "values")
         )
 
-    def bytes_stored(self, storage: str) -> int:
-        """The planes one step reads: every row over the layout's width."""
+    def bytes_read(self, storage: str) -> int:
+        """The planes one step reads: every row over the layout's width (scales included)."""
         return self.shape.batch * self.width * self.token_bytes(storage)
 
     def live(self, storage: str) -> tuple[Any, Any]:
         """The batch of ``storage`` after ``make_mask(1)`` and one step, and that mask."""
         if storage not in self._live:
-            codec = _codec(storage)
+            codec = self.codec(storage)
             rows = []
             for b, n in enumerate(self.shape.ragged):
                 cache = _serial(codec)
@@ -758,40 +787,31 @@ class DecodeBench:
         return self._live[storage]
 
     def checked_rows(self) -> list[int]:
-        """Rows the check recomputes in NumPy: the first, middle and last (longest, a middle
-        one, shortest), so a wrong row order or padding mask shows."""
+        """Rows the check recomputes in NumPy: every one, or the first, middle and last
+        (longest, a middle one, shortest), so a wrong row order or padding mask shows."""
+        if self.all_rows:
+            return list(range(self.shape.batch))
         return sorted({0, self.shape.batch // 2, self.shape.batch - 1})
 
     def workload(self, storage: str, impl: str) -> Workload:
-        codec = _codec(storage)
-        queries, scale = self.data.queries, self.data.scale
-        if impl == "attend":
-
-            def run(state: tuple[Any, Any]) -> Any:
-                out = optimized.attend(queries, state[0], state[1], scale)
-                mx.eval(out)
-                return out
-        elif impl == "eager" and _defers_values(codec):
-
-            def run(state: tuple[Any, Any]) -> Any:
-                keys, rotated = state[0].fetch()
-                values = optimized_codec.unrotate(rotated)  # every stored value, decoded
-                out = mx.fast.scaled_dot_product_attention(
-                    queries, keys, values, scale=scale, mask=state[1]
-                )
-                mx.eval(out)
-                return out
-        else:
+        codec = self.codec(storage)
+        attention = DECODE_RUNS.get(impl)
+        if attention is None or (impl == "eager" and not _defers_values(codec)):
             raise ValueError(f"unknown implementation {impl!r} for {storage}")
+        queries, scale = self.data.queries, self.data.scale
+        what = f"{self.op} {storage} {impl}"
+        tolerance = self.tolerance.get(storage, DECODE_TOLERANCE)
+
+        def run(state: tuple[Any, Any]) -> Any:
+            out = attention(codec, queries, state[0], state[1], scale)
+            mx.eval(out)
+            return out
 
         def check(out: Any) -> None:
             got = to_numpy(out).astype(np.float32)
             s = self.shape
-            check_equal(
-                f"decode {storage} {impl}: output shape",
-                got.shape,
-                (s.batch, s.query_heads, 1, s.head_dim),
-            )
+            expected_shape = (s.batch, s.query_heads, 1, s.head_dim)
+            check_equal(f"{what}: output shape", got.shape, expected_shape)
             keys, values, step_keys, step_values = (
                 self.data.np(n) for n in ("keys", "values", "step_keys", "step_values")
             )
@@ -804,17 +824,17 @@ class DecodeBench:
                     q[b], _decoded(codec, k, "keys"), _decoded(codec, v, "values"), scale
                 )
                 error = float(np.linalg.norm(got[b] - expected) / np.linalg.norm(expected))
-                if not error <= DECODE_TOLERANCE:
+                if not error <= tolerance:
                     raise BenchCheckError(
-                        f"decode {storage} {impl}: row {b} is off by {error:.3g} (relative L2), "
-                        f"more than {DECODE_TOLERANCE}"
+                        f"{what}: row {b} is off by {error:.3g} (relative L2), "
+                        f"more than {tolerance}"
                     )
 
         return Workload(
-            f"decode {storage}",
+            f"{self.op} {storage}",
             impl,
             self.shape,
-            self.bytes_stored(storage),
+            self.bytes_read(storage),
             lambda: self.live(storage),
             run,
             check,
@@ -822,6 +842,40 @@ class DecodeBench:
 
     def release(self) -> None:
         self._live.clear()
+
+
+def _attend(codec: CodecSpec, queries: Any, layout: Any, mask: Any, scale: float) -> Any:
+    return optimized.attend(queries, layout, mask, scale)
+
+
+def _mlx_lm_attention(codec: CodecSpec, queries: Any, layout: Any, mask: Any, scale: float) -> Any:
+    """mlx-lm's own kernel on the layout's planes: ``mx.fast`` SDPA over plain ones,
+    ``quantized_scaled_dot_product_attention`` over affine ones."""
+    keys, values = layout.fetch()
+    bits = getattr(codec, "bits", None)  # mlx-lm quantizes affine only (TurboQuant: none)
+    if bits is None:
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    # It computes ``queries *= scale`` in place: hand it a copy.
+    return lm_base.quantized_scaled_dot_product_attention(
+        mx.array(queries), keys, values, scale, mask, getattr(codec, "group_size", None), bits
+    )
+
+
+def _eager(codec: CodecSpec, queries: Any, layout: Any, mask: Any, scale: float) -> Any:
+    """TurboQuant with every stored value un-rotated first, then ``mx.fast`` SDPA."""
+    keys, rotated = layout.fetch()
+    values = optimized_codec.unrotate(rotated)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+#: Who attends in a decode case, by implementation name (``kvrows`` and ``attend`` are
+#: both ``kvrows.optimized.attend``: the affine and turbo tables' names for it).
+DECODE_RUNS: dict[str, Callable[[CodecSpec, Any, Any, Any, float], Any]] = {
+    "kvrows": _attend,
+    "attend": _attend,
+    "mlx-lm": _mlx_lm_attention,
+    "eager": _eager,
+}
 
 
 def _decode_cases(shape: Shape, storages: Sequence[str]) -> Iterator[Case]:
@@ -833,25 +887,24 @@ def _decode_cases(shape: Shape, storages: Sequence[str]) -> Iterator[Case]:
     if eager is not None:
         workloads[f"eager {eager}"] = bench.workload(eager, "eager")
 
-    def lines(t: Mapping[str, Timing]) -> list[list[str]]:
+    def lines(t: Mapping[str, Timing]) -> list[Line]:
         plain = t.get("attend plain")
         affine4 = t.get("attend affine4")
         out = []
         for storage in storages:
             timing = t[f"attend {storage}"]
-            eager_cell = t[f"eager {storage}"].cell if storage == eager else "-"
             out.append(
-                [
-                    _codec(storage).name,
-                    *shape.cells,
-                    str(bench.token_bytes(storage)),
-                    timing.cell,
-                    eager_cell,
-                    ratio(timing.ms, plain.ms if plain else None),
-                    ratio(timing.ms, affine4.ms if affine4 else None),
-                    f"{bench.bytes_stored(storage) / 1e6:.1f}",
-                    format_gbps(bench.bytes_stored(storage), timing.ms),
-                ]
+                {
+                    "storage": _codec(storage).name,
+                    **shape.cells,
+                    "K+V B/token": str(bench.token_bytes(storage)),
+                    "attend ms": timing.cell,
+                    "eager ms": t[f"eager {storage}"].cell if storage == eager else "-",
+                    "x plain": ratio(timing.ms, plain.ms if plain else None),
+                    "x affine4": ratio(timing.ms, affine4.ms if affine4 else None),
+                    "MB": f"{bench.bytes_read(storage) / 1e6:.1f}",
+                    "GB/s": format_gbps(bench.bytes_read(storage), timing.ms),
+                }
             )
         return out
 
@@ -859,6 +912,20 @@ def _decode_cases(shape: Shape, storages: Sequence[str]) -> Iterator[Case]:
 
 
 # -- the family -------------------------------------------------------------------------------
+
+#: The quality table's columns (its plain-stats line reuses them for other figures).
+QUALITY_HEADER = (
+    "model",
+    "scheme",
+    "attn rel err",
+    "attn rel max",
+    "KL mean",
+    "KL max",
+    "top-1 %",
+    "seed KL",
+    "tok/s",
+    "checked",
+)
 
 #: The parts of the turbo family, in table order.
 PARTS = ("values", "bytes", "quality", "decode")
@@ -907,58 +974,12 @@ def family(
     if unknown:
         raise ValueError(f"unknown parts {sorted(unknown)}")
     tables = {
-        "values": Table(
-            [
-                "v_bits",
-                "MSE",
-                "paper",
-                "Beta LM d=128",
-                "Gaussian LM",
-                "bound",
-                "MSE/paper",
-                "E norm(x~)^2",
-                "bits/coord",
-                "ms",
-            ],
-            _value_cases(chosen.vectors),
-            "values (unit vectors, d = 128)",
-        ),
-        "bytes": Table(
-            ["scheme", "K B", "V B", "K+V B", "bits/elt", "x smaller", "checked"],
-            _bytes_cases(BYTES_SCHEMES),
-            "bytes per token per KV head (D = 128)",
-        ),
+        "values": Table(_value_cases(chosen.vectors), "values (unit vectors, d = 128)"),
+        "bytes": Table(_bytes_cases(BYTES_SCHEMES), "bytes per token per KV head (D = 128)"),
         "quality": Table(
-            [
-                "model",
-                "scheme",
-                "attn rel err",
-                "attn rel max",
-                "KL mean",
-                "KL max",
-                "top-1 %",
-                "seed KL",
-                "tok/s",
-                "checked",
-            ],
-            _quality_cases(chosen, quality_schemes),
-            "quality against plain (teacher-forced)",
+            _quality_cases(chosen, quality_schemes), "quality against plain (teacher-forced)"
         ),
-        "decode": Table(
-            [
-                "storage",
-                *Shape.columns,
-                "K+V B/token",
-                "attend ms",
-                "eager ms",
-                "x plain",
-                "x affine4",
-                "MB",
-                "GB/s",
-            ],
-            _decode_cases(chosen.decode, decode_storages),
-            "decode step attention",
-        ),
+        "decode": Table(_decode_cases(chosen.decode, decode_storages), "decode step attention"),
     }
     notes = NOTES.format(
         vectors=chosen.vectors,
