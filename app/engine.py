@@ -77,6 +77,7 @@ from kvrows.protocols import (
     BatchableCache,
     Cache,
     Converting,
+    DropInWrapper,
     Handover,
     PagedRows,
     RingGeometry,
@@ -185,6 +186,8 @@ class EngineStats:
     drafted: int = 0
     accepted: int = 0
     draft_forwards: int = 0
+    #: The most rows (prefilling and decoding) the engine held at once.
+    peak_rows: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -212,11 +215,14 @@ class EngineStats:
                 setattr(self, entry.name, getattr(self, entry.name) + getattr(other, entry.name))
         self.peak_kv_bytes = max(self.peak_kv_bytes, other.peak_kv_bytes)
         self.peak_active_kv_bytes = max(self.peak_active_kv_bytes, other.peak_active_kv_bytes)
+        self.peak_rows = max(self.peak_rows, other.peak_rows)
         self.kv_bytes_per_token = self.kv_bytes_per_token or other.kv_bytes_per_token
 
 
 #: ``EngineStats`` fields ``add`` does not sum: peaks and a per-token constant.
-_NOT_SUMMED = frozenset({"peak_kv_bytes", "peak_active_kv_bytes", "kv_bytes_per_token"})
+_NOT_SUMMED = frozenset(
+    {"peak_kv_bytes", "peak_active_kv_bytes", "peak_rows", "kv_bytes_per_token"}
+)
 
 
 class PrefixCache:
@@ -694,6 +700,7 @@ class Engine:
             and takes only the count: active memory there holds that step's working set."""
             draft = [] if drafter is None else drafter.layouts
             stats.peak_kv_bytes = max(stats.peak_kv_bytes, kv_bytes())
+            stats.peak_rows = max(stats.peak_rows, len(cohort) + len(running))
             if not evaluate:
                 return
             mx.eval([x.held_arrays() for x in cohort_layouts + decode_layouts + draft])
@@ -1258,13 +1265,17 @@ def _merge_prepared(
 
 
 def _as_legos(caches: list[Cache], fresh: list[Cache]) -> list[Cache]:
-    """A prefix hit's caches with every bf16-first layer a lego again: a row published from
-    ordinary decode layouts (``start == 0``) or loaded from disk holds the lego's storage,
-    which ``composed.over`` wraps in a lego of the scheme's parameters."""
+    """A prefix hit's caches in the form the model takes: every bf16-first layer a lego
+    again (a row published from ordinary decode layouts, ``start == 0``, or loaded from disk
+    holds the lego's storage, which ``composed.over`` wraps in a lego of the scheme's
+    parameters), and every layer the model takes through a drop-in (an MLA layer's pair)
+    behind one again (disk holds the cache behind it)."""
     out: list[Cache] = []
     for cache, lego in zip(caches, fresh, strict=True):
         if isinstance(lego, Handover) and not isinstance(cache, Handover):
             cache = lego.composed.over(cache)
+        elif isinstance(lego, DropInWrapper) and not isinstance(cache, DropInWrapper):
+            cache = lego.rewrap(cache)
         out.append(cache)
     return out
 

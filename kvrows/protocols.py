@@ -31,6 +31,7 @@ __all__ = [
     "Cache",
     "Composed",
     "Converting",
+    "DropInWrapper",
     "Handover",
     "HasCodec",
     "LatentAppend",
@@ -419,6 +420,19 @@ class LatentAppend(Protocol, metaclass=_StaticMembers):
     def append(self, latent: Any, rope: Any, index: Any | None = None) -> tuple[Any, Any, Any]: ...
 
     def fetch_index(self) -> Any: ...
+
+
+@runtime_checkable
+class DropInWrapper(Protocol, metaclass=_StaticMembers):
+    """The object an unmodified model takes as a layer's cache, over one kvrows cache
+    (``wrapped``; mlx-lm's MLA ``CacheList`` pair over a latent cache): the row-layout
+    table gives it the layouts of ``wrapped``, each behind ``rewrap`` (a new drop-in of the
+    same form), and it is a row layout itself over a wrapped layout."""
+
+    @property
+    def wrapped(self) -> Any: ...
+
+    def rewrap(self, cache: Any) -> Any: ...
 
 
 @runtime_checkable
