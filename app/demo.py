@@ -26,10 +26,9 @@ block once), MLX active memory and tokens/s, contiguous against paged.
 ``kvrows demo --mla`` (:func:`run_latent_demo`): for each tiny MLA architecture (mlx-lm
 ``deepseek_v32`` and ``glm_moe_dsa``, random weights, DSA indexer included) and each
 latent scheme (``MLACache``, or ``EncodedLatentCache`` with an affine or TurboQuant latent,
-bf16-first at ``--kv-start``), requests of mixed prompt lengths are prefilled alone,
-joined into one right-justified batch per layer, decoded greedily together and retired as
-they finish. Then batch invariance: each request alone, teacher-forced with its batch
-tokens, must give the same greedy tokens (logit differences are reported).
+bf16-first at ``--kv-start``), the trace (at most 8 new tokens a request) runs through the
+same ``Engine`` (``spec/engine.md`` §15), then the same batch-invariance check: greedy
+tokens equal to the solo runs', logits within ``LATENT_TOLERANCE``.
 """
 
 from __future__ import annotations

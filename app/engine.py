@@ -46,8 +46,10 @@ pools and answers what the engine asks; the engine keeps its loop.
 
 Every model family's caches come from ``make_kvrows_cache`` and the engine asks only
 capabilities: recurrent state (``StateWritten``) rolls back in verify rounds by replay
-(``kvrows.app.models.check_speculative_rounds``). MLA models wait for a row layout of
-their latent caches in the table (``kvrows.table``): until then the engine refuses them.
+(``kvrows.app.models.check_speculative_rounds``); an MLA model's layer objects (the latent
+drop-ins, ``DropInWrapper``) join their latent caches' layouts through the table, and a
+prefix loaded from disk is put behind a drop-in again (``spec/engine.md`` §15). MLA
+models are not paged (their layers are no full-attention KV a block pool stores).
 """
 
 from __future__ import annotations
