@@ -48,8 +48,8 @@ Every model family's caches come from ``make_kvrows_cache`` and the engine asks 
 capabilities: recurrent state (``StateWritten``) rolls back in verify rounds by replay
 (``kvrows.app.models.check_speculative_rounds``); an MLA model's layer objects (the latent
 drop-ins, ``DropInWrapper``) join their latent caches' layouts through the table, and a
-prefix loaded from disk is put behind a drop-in again (``spec/engine.md`` §15). MLA
-models are not paged (their layers are no full-attention KV a block pool stores).
+prefix loaded from disk is put behind a drop-in again (``spec/engine.md`` §15); paged,
+each latent layer gets a pool of its own form (``PagedForm``).
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ from kvrows.protocols import (
     Converting,
     DropInWrapper,
     Handover,
+    PagedForm,
     PagedRows,
     RingGeometry,
 )
@@ -295,37 +296,49 @@ class PagedLayers:
     def __init__(self, fresh: Callable[[], list[Any]], *, block_size: int = DEFAULT_BLOCK_SIZE):
         self._fresh = fresh
         template = fresh()
-        self.pools: list[BlockPool | None] = []
+        #: Per layer, what a pool's cache becomes as the model takes it (a drop-in's form).
+        self._forms: list[Callable[[Any], Any]] = [
+            cache.rewrap if isinstance(cache, DropInWrapper) else _as_is for cache in template
+        ]
+        self.pools: list[Any] = []
         for cache in template:
-            if pageable(cache):
+            if isinstance(cache, PagedForm):  # a form with its own pools (MLA latents)
+                self.pools.append(cache.paged_pool(block_size))
+            elif pageable(cache):
                 self.pools.append(
                     BlockPool(cache.codec_spec, block_size=block_size, geometry=cache.geometry)
                 )
             else:
                 self.pools.append(None)
-        if not any(self.pools):
+        if not any(pool is not None for pool in self.pools):
             raise InvalidInputError(
                 "paged: the model has no full-attention layer under a codec a block pool "
-                f"stores ({', '.join(sorted(PAGED_CODECS))})"
+                f"stores ({', '.join(sorted(PAGED_CODECS))}) and no latent layer"
             )
         self.block_size = block_size
         #: Whether some layer is not paged (rings, recurrent state): its prefix hits come
         #: from the engine's ``PrefixCache``.
-        self.mixed = not all(self.pools)
+        self.mixed = not all(pool is not None for pool in self.pools)
 
     # -- caches ----------------------------------------------------------------------------
     def caches(self) -> list[Any]:
-        """A request's fresh caches: paged layers as empty ``PagedKVCache``s of their pool."""
+        """A request's fresh caches: paged layers as empty ``PagedKVCache``s of their pool
+        (a layer with a paged form of its own: that form in its pool)."""
         out: list[Any] = []
         for cache, pool in zip(self._fresh(), self.pools, strict=True):
-            out.append(cache if pool is None else PagedKVCache(pool=pool))
+            if pool is None:
+                out.append(cache)
+            elif isinstance(cache, PagedForm):
+                out.append(cache.in_pool(pool))
+            else:
+                out.append(PagedKVCache(pool=pool))
         return out
 
     def is_paged(self, layer: int) -> bool:
         return self.pools[layer] is not None
 
     # -- the prefix path -------------------------------------------------------------------
-    def _paged_pools(self) -> list[BlockPool]:
+    def _paged_pools(self) -> list[Any]:
         return [pool for pool in self.pools if pool is not None]
 
     def hit_blocks(self, prompt: Sequence[int]) -> list[list[int]]:
@@ -368,11 +381,11 @@ class PagedLayers:
             fed, copies = found
         rest = iter(copies)
         caches: list[Any] = []
-        for pool in self.pools:
+        for pool, form in zip(self.pools, self._forms, strict=True):
             if pool is None:
                 caches.append(next(rest))
                 continue
-            hit = pool.lookup_prefix(list(prompt[: common + 1]))
+            hit = form(pool.lookup_prefix(list(prompt[: common + 1])))
             assert hit is not None and hit.offset == common
             if fed < common:
                 hit.trim(common - fed)  # a partial tail stays shared: copied on its next write
@@ -381,7 +394,7 @@ class PagedLayers:
 
     def publish_rows(self, layouts: Sequence[Any], row: int, covered: Sequence[int]) -> None:
         """Register row ``row``'s full blocks of ``covered`` in each paged layer's pool."""
-        for layout in layouts:
+        for layout in map(_behind, layouts):
             if (
                 isinstance(layout, PagedRows)
                 and isinstance(layout, BatchableCache)
@@ -390,12 +403,18 @@ class PagedLayers:
                 layout.register_prefix(row, list(covered))
 
     def publish_serial(self, caches: Sequence[Any], covered: Sequence[int]) -> None:
-        """Register a serial row's full blocks (a row that finished on its first token)."""
-        for cache in caches:
-            if isinstance(cache, PagedRows) and not isinstance(cache, BatchableCache):
-                serial: Any = cache  # a serial paged cache: ``rows`` is its batch rows
-                if serial.rows == 1:
-                    cache.register_prefix(list(covered))
+        """Register a serial row's full blocks (a row that finished on its first token; a
+        latent cache is its own one-row layout)."""
+        for cache in map(_behind, caches):
+            if not isinstance(cache, PagedRows):
+                continue
+            if isinstance(cache, BatchableCache):
+                if cache.batch_size == 1:
+                    cache.register_prefix(0, list(covered))
+                continue
+            serial: Any = cache  # a serial paged cache: ``rows`` is its batch rows
+            if serial.rows == 1:
+                cache.register_prefix(list(covered))
 
     def unpaged_layers(self, caches: Sequence[Any]) -> list[Any]:
         """The layers of ``caches`` that are not paged (what the ``PrefixCache`` keeps of a
@@ -419,7 +438,25 @@ class PagedLayers:
     @staticmethod
     def unpaged_bytes(caches: Iterable[Any]) -> int:
         """``nbytes`` of the caches and layouts that are not paged (the pools count those)."""
-        return sum(c.nbytes for c in caches if not isinstance(c, PagedRows))
+        return sum(c.nbytes for c in caches if not isinstance(_behind(c), PagedRows))
+
+
+def _probe_cache(cache: Any, pool: Any, block_size: int) -> Any:
+    """A paged layer's probe cache in a private pool (the shared pools stay untouched)."""
+    if pool is None:
+        return cache
+    if isinstance(cache, PagedForm):
+        return cache.in_pool(cache.paged_pool(block_size))
+    return PagedKVCache()
+
+
+def _as_is(cache: Any) -> Any:
+    return cache
+
+
+def _behind(cache: Any) -> Any:
+    """The cache behind a drop-in (the one that holds the blocks), else ``cache``."""
+    return cache.wrapped if isinstance(cache, DropInWrapper) else cache
 
 
 def _signatures_of(cache: Cache) -> frozenset[str]:
@@ -601,8 +638,9 @@ class Engine:
         except LayoutStateError:
             probe = make_kvrows_cache(model, self.scheme)
             if model is self.model and self.paged is not None:
+                block_size = self.paged.block_size
                 probe = [
-                    PagedKVCache() if p is not None else c
+                    _probe_cache(c, p, block_size)
                     for c, p in zip(probe, self.paged.pools, strict=True)
                 ]
             model(mx.array([[0]]), cache=probe)

@@ -36,6 +36,7 @@ __all__ = [
     "HasCodec",
     "LatentAppend",
     "Mask",
+    "PagedForm",
     "PagedRows",
     "PendingRows",
     "ReusableOffset",
@@ -433,6 +434,18 @@ class DropInWrapper(Protocol, metaclass=_StaticMembers):
     def wrapped(self) -> Any: ...
 
     def rewrap(self, cache: Any) -> Any: ...
+
+
+@runtime_checkable
+class PagedForm(Protocol, metaclass=_StaticMembers):
+    """A layer cache with a paged form of its own (a latent drop-in: ``PagedLatentCache``
+    in a latent block pool): the engine's paged option gives such a layer one pool
+    (``paged_pool``) and each request an empty cache of the same form in it
+    (``in_pool``)."""
+
+    def paged_pool(self, block_size: int) -> Any: ...
+
+    def in_pool(self, pool: Any) -> Any: ...
 
 
 @runtime_checkable

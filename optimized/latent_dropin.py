@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from kvrows.errors import InvalidInputError, LayoutStateError, SpeculativeRoundError
 from kvrows.optimized.latent import EncodedLatentCache, MLACache
-from kvrows.optimized.paged_latent import PagedLatentCache
+from kvrows.optimized.paged_latent import LatentBlockPool, PagedLatentCache
 from kvrows.validation import check_keep
 
 __all__ = ["LatentCacheList"]
@@ -131,6 +131,30 @@ class _Rows:
 
     def can_publish_row(self, row: int, tokens: int) -> bool:
         return self.wrapped.can_publish_row(row, tokens)
+
+    # the paged form (``kvrows.protocols.PagedForm``: the engine's paged option)
+    def paged_pool(self, block_size: int) -> LatentBlockPool:
+        """A new latent block pool for this layer: its latent codec, its DSA index width."""
+        cache = self.wrapped
+        codec = cache.latent_codec
+        return LatentBlockPool(
+            codec if codec.encodes else None,
+            block_size=block_size,
+            index_head_dim=cache.options.index_head_dim,
+        )
+
+    def in_pool(self, pool: LatentBlockPool) -> Any:
+        """An empty drop-in of this form over a ``PagedLatentCache`` in ``pool``, of this
+        layer's declaration and codec."""
+        cache = self.wrapped
+        o = cache.options
+        encoded = cache.latent_codec.encodes
+        paged = PagedLatentCache(
+            o.kv_lora_rank, o.rope_head_dim, o.index_head_dim, o.max_tokens, o.role,
+            pool=pool, codec=cache.latent_codec if encoded else None,
+            start=cache.start if encoded else 0,
+        )  # fmt: skip
+        return self.rewrap(paged)
 
     # the round protocol (``kvrows.speculative.RowRound`` drives a list of these)
     @property

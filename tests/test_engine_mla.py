@@ -162,11 +162,49 @@ def test_the_disk_store_keeps_latent_rows(models: dict[str, Any], tmp_path: Any)
     assert loaded[0].tokens == cold[0].tokens
 
 
-def test_paged_is_refused_for_latent_layers(models: dict[str, Any]) -> None:
-    """The paged option pools full-attention KV layers; an MLA model has none (its latent
-    pools are ``kvrows demo --paged``'s future): refused at construction, nothing run."""
+def test_paged_latent_layers_share_prefix_blocks(models: dict[str, Any]) -> None:
+    """``paged=True``: each layer's latent goes into one ``LatentBlockPool`` (the drop-in's
+    ``PagedForm``), shared by every request: the trace's shared system prompts are taken
+    as block hits (the contiguous engine's exact-length hits take none here), the tokens
+    are the contiguous engine's, every step is the solo run's (deepseek_v3 bit for bit),
+    and the pools hold less at the peak."""
+    trace = _trace(8)
+    for arch in ("deepseek_v3", "deepseek_v32"):
+        model = models[arch]
+        scheme = latent_scheme("plain")
+        contiguous, flat = Engine(model, scheme, max_batch=4, prefill_chunk=CHUNK).run(trace)
+        engine = Engine(
+            model, scheme, max_batch=4, prefill_chunk=CHUNK, keep_logits=True, paged=True,
+            block_size=8,
+        )  # fmt: skip
+        results, stats = engine.run(trace)
+        assert [r.tokens for r in results] == [r.tokens for r in contiguous]
+        assert stats.prefix_hits > flat.prefix_hits and stats.prefix_hit_tokens % 8 == 0
+        assert stats.peak_kv_bytes < flat.peak_kv_bytes
+        tolerance = 0.0 if arch == "deepseek_v3" else LATENT_TOLERANCE
+        report = check_invariance(model, scheme, trace, results, CHUNK, tolerance=tolerance)
+        assert report.ok and report.mismatches == 0, (arch, report)
+        assert engine.paged is not None
+        for pool in engine.paged.pools:
+            assert pool.ledger.held_count > 0  # finished rows' blocks stay cached
+
+
+def test_paged_encoded_latents_give_the_contiguous_tokens(models: dict[str, Any]) -> None:
+    """An affine latent pool (start 0): prefix hits at block boundaries, the contiguous
+    engine's tokens. (A hit's blocks were written by the request that computed them, whose
+    first append read the latent exact: a solo replay cut elsewhere rounds differently, so
+    the logits are not compared.) A bf16-first start stays refused under ``paged``."""
+    trace = _trace(8)
+    model = models["deepseek_v32"]
+    scheme = latent_scheme("affine8")
+    contiguous, _ = Engine(model, scheme, max_batch=4, prefill_chunk=CHUNK).run(trace)
+    results, stats = Engine(
+        model, scheme, max_batch=4, prefill_chunk=CHUNK, paged=True, block_size=8
+    ).run(trace)
+    assert stats.prefix_hits > 0
+    assert [r.tokens for r in results] == [r.tokens for r in contiguous]
     with pytest.raises(InvalidInputError, match="paged"):
-        Engine(models["deepseek_v32"], paged=True)
+        Engine(model, latent_scheme("affine8", kv_start=4), paged=True)
 
 
 def test_a_drop_in_layout_refuses_misuse(models: dict[str, Any]) -> None:
