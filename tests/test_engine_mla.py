@@ -20,9 +20,14 @@ from kvrows.app.engine import Engine, Request, model_fingerprint
 from kvrows.app.models import draft_model, make_kvrows_cache, tiny_model
 from kvrows.errors import IncompatibleRowsError, InvalidInputError, LayoutStateError
 from kvrows.persist.prefix_store import PrefixStore
-from kvrows.protocols import BatchableCache, DropInWrapper, SpeculativeRowLayout
+from kvrows.protocols import DropInWrapper, SpeculativeRowLayout
 from kvrows.schemes import KvStorageScheme
-from kvrows.table import owned_cache_layout, prefill_cache_layout, target_cache_layout
+from kvrows.table import (
+    is_batchable,
+    owned_cache_layout,
+    prefill_cache_layout,
+    target_cache_layout,
+)
 
 MLA_MODELS = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 CHUNK = 16
@@ -43,17 +48,24 @@ def _trace(count: int = 6) -> list[Request]:
     return builtin_trace(count)
 
 
+def is_drop_in(cache: object) -> bool:
+    return isinstance(cache, DropInWrapper)
+
+
+def is_verify_layout(cache: object) -> bool:
+    return isinstance(cache, SpeculativeRowLayout)
+
+
 def test_the_table_gives_a_drop_in_its_latent_cache_layouts(models: dict[str, Any]) -> None:
     """Every role's layout is the latent cache's own (its table entry), behind a drop-in of
     the same form; the drop-in is a row layout and a verify layout by capability."""
     for arch in MLA_MODELS:
-        serial = make_kvrows_cache(models[arch])[0]
-        assert isinstance(serial, DropInWrapper)
+        serial: Any = make_kvrows_cache(models[arch])[0]
+        assert is_drop_in(serial)
         for role in (owned_cache_layout, prefill_cache_layout, target_cache_layout):
-            layout = role(serial)
+            layout: Any = role(serial)
             assert layout is not None and type(layout) is type(serial)
-            assert isinstance(layout, SpeculativeRowLayout)
-            assert isinstance(layout, DropInWrapper)
+            assert is_verify_layout(layout) and is_drop_in(layout)
             assert type(layout.wrapped) is type(serial.wrapped)
             assert layout.batch_size == 0 and layout.signature() == serial.signature()
 
@@ -209,13 +221,13 @@ def test_paged_encoded_latents_give_the_contiguous_tokens(models: dict[str, Any]
 
 def test_a_drop_in_layout_refuses_misuse(models: dict[str, Any]) -> None:
     model = models["deepseek_v32"]
-    rows = []
+    rows: list[Any] = []
     for prompt in ([1, 2, 3], [4, 5]):
         caches = make_kvrows_cache(model)
         model(mx.array([prompt]), cache=caches)
         rows.append(caches[0])
-    layout = owned_cache_layout(rows[0])
-    assert isinstance(layout, BatchableCache)
+    layout: Any = owned_cache_layout(rows[0])
+    assert is_batchable(layout) and layout.batch_size == 0
     layout.merge_rows([rows[0]])
     layout.merge_rows([rows[1]])  # joins a running layout: a fresh latent cache behind it
     assert layout.row_offsets == (3, 2) and rows[0].wrapped.batch_size == 1
