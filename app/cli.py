@@ -211,7 +211,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--mla",
         action="store_true",
-        help="the tiny MLA models (deepseek_v32, glm_moe_dsa) on latent caches, with the "
+        help="the tiny MLA models (deepseek_v32, glm_moe_dsa) on latent caches through the engine, with the "
         "batch-invariance check (schemes: plain, affine8, affine4, turbo-v4)",
     )
 

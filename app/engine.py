@@ -46,8 +46,10 @@ pools and answers what the engine asks; the engine keeps its loop.
 
 Every model family's caches come from ``make_kvrows_cache`` and the engine asks only
 capabilities: recurrent state (``StateWritten``) rolls back in verify rounds by replay
-(``kvrows.app.models.check_speculative_rounds``). MLA models wait for a row layout of
-their latent caches in the table (``kvrows.table``): until then the engine refuses them.
+(``kvrows.app.models.check_speculative_rounds``); an MLA model's layer objects (the latent
+drop-ins, ``DropInWrapper``) join their latent caches' layouts through the table, and a
+prefix loaded from disk is put behind a drop-in again (``spec/engine.md`` §15); paged,
+each latent layer gets a pool of its own form (``PagedForm``).
 """
 
 from __future__ import annotations
@@ -77,7 +79,9 @@ from kvrows.protocols import (
     BatchableCache,
     Cache,
     Converting,
+    DropInWrapper,
     Handover,
+    PagedForm,
     PagedRows,
     RingGeometry,
 )
@@ -185,6 +189,8 @@ class EngineStats:
     drafted: int = 0
     accepted: int = 0
     draft_forwards: int = 0
+    #: The most rows (prefilling and decoding) the engine held at once.
+    peak_rows: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -212,11 +218,14 @@ class EngineStats:
                 setattr(self, entry.name, getattr(self, entry.name) + getattr(other, entry.name))
         self.peak_kv_bytes = max(self.peak_kv_bytes, other.peak_kv_bytes)
         self.peak_active_kv_bytes = max(self.peak_active_kv_bytes, other.peak_active_kv_bytes)
+        self.peak_rows = max(self.peak_rows, other.peak_rows)
         self.kv_bytes_per_token = self.kv_bytes_per_token or other.kv_bytes_per_token
 
 
 #: ``EngineStats`` fields ``add`` does not sum: peaks and a per-token constant.
-_NOT_SUMMED = frozenset({"peak_kv_bytes", "peak_active_kv_bytes", "kv_bytes_per_token"})
+_NOT_SUMMED = frozenset(
+    {"peak_kv_bytes", "peak_active_kv_bytes", "peak_rows", "kv_bytes_per_token"}
+)
 
 
 class PrefixCache:
@@ -292,37 +301,49 @@ class PagedLayers:
     def __init__(self, fresh: Callable[[], list[Any]], *, block_size: int = DEFAULT_BLOCK_SIZE):
         self._fresh = fresh
         template = fresh()
-        self.pools: list[BlockPool | None] = []
+        #: Per layer, what a pool's cache becomes as the model takes it (a drop-in's form).
+        self._forms: list[Callable[[Any], Any]] = [
+            cache.rewrap if isinstance(cache, DropInWrapper) else _as_is for cache in template
+        ]
+        self.pools: list[Any] = []
         for cache in template:
-            if pageable(cache):
+            if isinstance(cache, PagedForm):  # a form with its own pools (MLA latents)
+                self.pools.append(cache.paged_pool(block_size))
+            elif pageable(cache):
                 self.pools.append(
                     BlockPool(cache.codec_spec, block_size=block_size, geometry=cache.geometry)
                 )
             else:
                 self.pools.append(None)
-        if not any(self.pools):
+        if not any(pool is not None for pool in self.pools):
             raise InvalidInputError(
                 "paged: the model has no full-attention layer under a codec a block pool "
-                f"stores ({', '.join(sorted(PAGED_CODECS))})"
+                f"stores ({', '.join(sorted(PAGED_CODECS))}) and no latent layer"
             )
         self.block_size = block_size
         #: Whether some layer is not paged (rings, recurrent state): its prefix hits come
         #: from the engine's ``PrefixCache``.
-        self.mixed = not all(self.pools)
+        self.mixed = not all(pool is not None for pool in self.pools)
 
     # -- caches ----------------------------------------------------------------------------
     def caches(self) -> list[Any]:
-        """A request's fresh caches: paged layers as empty ``PagedKVCache``s of their pool."""
+        """A request's fresh caches: paged layers as empty ``PagedKVCache``s of their pool
+        (a layer with a paged form of its own: that form in its pool)."""
         out: list[Any] = []
         for cache, pool in zip(self._fresh(), self.pools, strict=True):
-            out.append(cache if pool is None else PagedKVCache(pool=pool))
+            if pool is None:
+                out.append(cache)
+            elif isinstance(cache, PagedForm):
+                out.append(cache.in_pool(pool))
+            else:
+                out.append(PagedKVCache(pool=pool))
         return out
 
     def is_paged(self, layer: int) -> bool:
         return self.pools[layer] is not None
 
     # -- the prefix path -------------------------------------------------------------------
-    def _paged_pools(self) -> list[BlockPool]:
+    def _paged_pools(self) -> list[Any]:
         return [pool for pool in self.pools if pool is not None]
 
     def hit_blocks(self, prompt: Sequence[int]) -> list[list[int]]:
@@ -365,11 +386,11 @@ class PagedLayers:
             fed, copies = found
         rest = iter(copies)
         caches: list[Any] = []
-        for pool in self.pools:
+        for pool, form in zip(self.pools, self._forms, strict=True):
             if pool is None:
                 caches.append(next(rest))
                 continue
-            hit = pool.lookup_prefix(list(prompt[: common + 1]))
+            hit = form(pool.lookup_prefix(list(prompt[: common + 1])))
             assert hit is not None and hit.offset == common
             if fed < common:
                 hit.trim(common - fed)  # a partial tail stays shared: copied on its next write
@@ -378,7 +399,7 @@ class PagedLayers:
 
     def publish_rows(self, layouts: Sequence[Any], row: int, covered: Sequence[int]) -> None:
         """Register row ``row``'s full blocks of ``covered`` in each paged layer's pool."""
-        for layout in layouts:
+        for layout in map(_behind, layouts):
             if (
                 isinstance(layout, PagedRows)
                 and isinstance(layout, BatchableCache)
@@ -387,12 +408,18 @@ class PagedLayers:
                 layout.register_prefix(row, list(covered))
 
     def publish_serial(self, caches: Sequence[Any], covered: Sequence[int]) -> None:
-        """Register a serial row's full blocks (a row that finished on its first token)."""
-        for cache in caches:
-            if isinstance(cache, PagedRows) and not isinstance(cache, BatchableCache):
-                serial: Any = cache  # a serial paged cache: ``rows`` is its batch rows
-                if serial.rows == 1:
-                    cache.register_prefix(list(covered))
+        """Register a serial row's full blocks (a row that finished on its first token; a
+        latent cache is its own one-row layout)."""
+        for cache in map(_behind, caches):
+            if not isinstance(cache, PagedRows):
+                continue
+            if isinstance(cache, BatchableCache):
+                if cache.batch_size == 1:
+                    cache.register_prefix(0, list(covered))
+                continue
+            serial: Any = cache  # a serial paged cache: ``rows`` is its batch rows
+            if serial.rows == 1:
+                cache.register_prefix(list(covered))
 
     def unpaged_layers(self, caches: Sequence[Any]) -> list[Any]:
         """The layers of ``caches`` that are not paged (what the ``PrefixCache`` keeps of a
@@ -416,7 +443,25 @@ class PagedLayers:
     @staticmethod
     def unpaged_bytes(caches: Iterable[Any]) -> int:
         """``nbytes`` of the caches and layouts that are not paged (the pools count those)."""
-        return sum(c.nbytes for c in caches if not isinstance(c, PagedRows))
+        return sum(c.nbytes for c in caches if not isinstance(_behind(c), PagedRows))
+
+
+def _probe_cache(cache: Any, pool: Any, block_size: int) -> Any:
+    """A paged layer's probe cache in a private pool (the shared pools stay untouched)."""
+    if pool is None:
+        return cache
+    if isinstance(cache, PagedForm):
+        return cache.in_pool(cache.paged_pool(block_size))
+    return PagedKVCache()
+
+
+def _as_is(cache: Any) -> Any:
+    return cache
+
+
+def _behind(cache: Any) -> Any:
+    """The cache behind a drop-in (the one that holds the blocks), else ``cache``."""
+    return cache.wrapped if isinstance(cache, DropInWrapper) else cache
 
 
 def _signatures_of(cache: Cache) -> frozenset[str]:
@@ -598,8 +643,9 @@ class Engine:
         except LayoutStateError:
             probe = make_kvrows_cache(model, self.scheme)
             if model is self.model and self.paged is not None:
+                block_size = self.paged.block_size
                 probe = [
-                    PagedKVCache() if p is not None else c
+                    _probe_cache(c, p, block_size)
                     for c, p in zip(probe, self.paged.pools, strict=True)
                 ]
             model(mx.array([[0]]), cache=probe)
@@ -699,6 +745,7 @@ class Engine:
             and takes only the count: active memory there holds that step's working set."""
             draft = [] if drafter is None else drafter.layouts
             stats.peak_kv_bytes = max(stats.peak_kv_bytes, kv_bytes())
+            stats.peak_rows = max(stats.peak_rows, len(cohort) + len(running))
             if not evaluate:
                 return
             mx.eval([x.held_arrays() for x in cohort_layouts + decode_layouts + draft])
@@ -1263,13 +1310,17 @@ def _merge_prepared(
 
 
 def _as_legos(caches: list[Cache], fresh: list[Cache]) -> list[Cache]:
-    """A prefix hit's caches with every bf16-first layer a lego again: a row published from
-    ordinary decode layouts (``start == 0``) or loaded from disk holds the lego's storage,
-    which ``composed.over`` wraps in a lego of the scheme's parameters."""
+    """A prefix hit's caches in the form the model takes: every bf16-first layer a lego
+    again (a row published from ordinary decode layouts, ``start == 0``, or loaded from disk
+    holds the lego's storage, which ``composed.over`` wraps in a lego of the scheme's
+    parameters), and every layer the model takes through a drop-in (an MLA layer's pair)
+    behind one again (disk holds the cache behind it)."""
     out: list[Cache] = []
     for cache, lego in zip(caches, fresh, strict=True):
         if isinstance(lego, Handover) and not isinstance(cache, Handover):
             cache = lego.composed.over(cache)
+        elif isinstance(lego, DropInWrapper) and not isinstance(cache, DropInWrapper):
+            cache = lego.rewrap(cache)
         out.append(cache)
     return out
 

@@ -148,7 +148,10 @@ class LatentBlockPoolBase(BlockPoolBase):
         hits = self.ledger.lookup(chain_hashes(tokens, self.block_size, self.ledger.extra, most))
         if not hits:
             return None
-        cache: Any = self.latent_cache_class(index_head_dim=self.index_head_dim, pool=self)
+        codec = self.codec_spec if self.codec_spec.encodes else None  # the pool's latent
+        cache: Any = self.latent_cache_class(
+            index_head_dim=self.index_head_dim, pool=self, codec=codec
+        )
         cache._adopt_rows([self.open_table(hits, len(hits) * self.block_size)])
         return cache
 

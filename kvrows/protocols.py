@@ -31,10 +31,12 @@ __all__ = [
     "Cache",
     "Composed",
     "Converting",
+    "DropInWrapper",
     "Handover",
     "HasCodec",
     "LatentAppend",
     "Mask",
+    "PagedForm",
     "PagedRows",
     "PendingRows",
     "ReusableOffset",
@@ -419,6 +421,31 @@ class LatentAppend(Protocol, metaclass=_StaticMembers):
     def append(self, latent: Any, rope: Any, index: Any | None = None) -> tuple[Any, Any, Any]: ...
 
     def fetch_index(self) -> Any: ...
+
+
+@runtime_checkable
+class DropInWrapper(Protocol, metaclass=_StaticMembers):
+    """The object an unmodified model takes as a layer's cache, over one kvrows cache
+    (``wrapped``; mlx-lm's MLA ``CacheList`` pair over a latent cache): the row-layout
+    table gives it the layouts of ``wrapped``, each behind ``rewrap`` (a new drop-in of the
+    same form), and it is a row layout itself over a wrapped layout."""
+
+    @property
+    def wrapped(self) -> Any: ...
+
+    def rewrap(self, cache: Any) -> Any: ...
+
+
+@runtime_checkable
+class PagedForm(Protocol, metaclass=_StaticMembers):
+    """A layer cache with a paged form of its own (a latent drop-in: ``PagedLatentCache``
+    in a latent block pool): the engine's paged option gives such a layer one pool
+    (``paged_pool``) and each request an empty cache of the same form in it
+    (``in_pool``)."""
+
+    def paged_pool(self, block_size: int) -> Any: ...
+
+    def in_pool(self, pool: Any) -> Any: ...
 
 
 @runtime_checkable

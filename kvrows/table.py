@@ -3,7 +3,10 @@
 One table, shared by both implementations; each registers its classes into it
 (``kvrows.reference`` and ``kvrows.optimized`` do so on import). Lookup is
 ``isinstance``, first match wins, and registration keeps a subclass ahead of
-its bases, so the table reads like the seed's ``ROW_LAYOUTS``.
+its bases, so the table reads like the seed's ``ROW_LAYOUTS``. A drop-in
+(``kvrows.protocols.DropInWrapper``: the object an unmodified model takes as a
+layer's cache, over one kvrows cache) joins the layouts of the cache it wraps,
+each behind a new drop-in of its form.
 
 The functions below are the seed's, in Python spelling.
 """
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrows.errors import InvalidInputError, NoRowLayoutError, NotBatchableError
-from kvrows.protocols import BatchableCache, Cache
+from kvrows.protocols import BatchableCache, Cache, DropInWrapper
 
 __all__ = [
     "RowAdmission",
@@ -95,10 +98,32 @@ def registered_entries() -> tuple[RowLayoutEntry, ...]:
 
 
 def _declared(cache: Cache) -> RowLayoutEntry | None:
+    if isinstance(cache, DropInWrapper):
+        return _behind_drop_in(cache)
     for entry in _ROW_LAYOUTS:
         if isinstance(cache, entry.storage):
             return entry
     return None
+
+
+def _behind_drop_in(drop_in: DropInWrapper) -> RowLayoutEntry | None:
+    """The entry of the cache behind ``drop_in``, each role's layout behind a new drop-in
+    of its form (a wrapped layout is itself its own entry's)."""
+    wrapped = drop_in.wrapped
+    entry = _declared(wrapped)
+    if entry is None:
+        return None
+
+    def behind(role: LayoutFactory) -> LayoutFactory:
+        def build(_: Any) -> BatchableCache:
+            layout: BatchableCache = drop_in.rewrap(role(wrapped))
+            return layout
+
+        return build
+
+    return RowLayoutEntry(
+        type(drop_in), behind(entry.decode), behind(entry.prefill), behind(entry.verify)
+    )
 
 
 def is_batchable(cache: object) -> bool:

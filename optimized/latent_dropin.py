@@ -10,28 +10,188 @@ block; then all three planes are appended at once, so the index plane never lags
 A model without an indexer (``index_head_dim`` not declared) appends at item 0; such a
 model (mlx-lm ``deepseek_v3``: one ``KVCache`` per layer holding ``kv_latent`` and
 ``k_pe``) takes item 0 alone as its layer cache (``LatentCacheList(cache)[0]``).
+
+Both layer objects are also row layouts (``kvrows.protocols.BatchableCache`` and
+``SpeculativeRowLayout``) and ``DropInWrapper``s: the row-layout table finds their layouts
+through the latent cache behind them (its own entry), each behind a new drop-in of the same
+form, so the engine batches MLA layers as it batches every other family.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 
-from kvrows.errors import InvalidInputError, LayoutStateError
+from kvrows.errors import InvalidInputError, LayoutStateError, SpeculativeRoundError
 from kvrows.optimized.latent import EncodedLatentCache, MLACache
-from kvrows.optimized.paged_latent import PagedLatentCache
+from kvrows.optimized.paged_latent import LatentBlockPool, PagedLatentCache
+from kvrows.validation import check_keep
 
 __all__ = ["LatentCacheList"]
 
 Latent = MLACache | EncodedLatentCache | PagedLatentCache
 
 
-class _View:
+class _Rows:
+    """The row-layout members of a drop-in, over the latent cache behind it
+    (``wrapped``). ``rewrap`` puts another latent cache behind a new drop-in of the same
+    form. A latent cache merges only into an empty one: joining rows to a running layout
+    merges both into a fresh cache that then stands behind this drop-in (the rows are
+    copied, the sources borrowed, as ``merge_rows`` promises)."""
+
+    @property
+    def wrapped(self) -> Latent:
+        raise NotImplementedError
+
+    def _put_behind(self, cache: Latent) -> None:
+        raise NotImplementedError
+
+    def rewrap(self, cache: Any) -> Any:
+        raise NotImplementedError
+
+    def _idle(self, operation: str) -> None:
+        raise NotImplementedError
+
+    @property
+    def batch_size(self) -> int:
+        return self.wrapped.batch_size
+
+    @property
+    def row_offsets(self) -> tuple[int, ...]:
+        return self.wrapped.row_offsets
+
+    @property
+    def left_pad(self) -> tuple[int, ...]:
+        return self.wrapped.left_pad
+
+    @property
+    def max_tokens(self) -> float:
+        return self.wrapped.max_tokens
+
+    @property
+    def state_needs_dispose(self) -> bool:
+        return False
+
+    def held_arrays(self) -> tuple[Any, ...]:
+        return self.wrapped.held_arrays()
+
+    def fetch(self) -> tuple[Any, Any]:
+        fetched: tuple[Any, Any] = self.wrapped.fetch()
+        return fetched
+
+    def projected_bytes(self, tokens: int) -> int:
+        """The latent cache's projection; while its dtype is unknown (nothing appended or
+        merged yet) ``LayoutStateError``, as ``BatchableCache`` promises (never 0)."""
+        projected = self.wrapped.projected_bytes(tokens)
+        if projected == 0 and tokens > 0:
+            raise LayoutStateError(
+                "the latent cache's bytes per token are unknown until its first append "
+                "(the dtype is learnt from it)"
+            )
+        return projected
+
+    def make_empty_batch(self) -> Any:
+        return self.rewrap(self.wrapped.make_empty_batch())
+
+    def merge_rows(self, rows: Sequence[Any]) -> None:
+        self._idle("merge_rows")
+        if isinstance(rows, str | bytes) or not isinstance(rows, Sequence) or not rows:
+            raise InvalidInputError("merge_rows needs a non-empty sequence of caches")
+        sources = [getattr(row, "wrapped", row) for row in rows]
+        current = self.wrapped
+        if current.batch_size == 0:
+            current.merge_rows(sources)
+            return
+        if any(source is current for source in sources):
+            current.merge_rows(sources)  # refused: a layout cannot take its own rows
+        joined = current.make_empty_batch()
+        joined.merge_rows([current, *sources])
+        self._put_behind(joined)
+
+    def filter_rows(self, keep: Sequence[int]) -> None:
+        """Keep the rows ``keep``; keeping none leaves an empty layout (the last rows of a
+        batch leave) where a latent cache itself refuses."""
+        self._idle("filter_rows")
+        rows = check_keep(keep, self.batch_size)
+        if rows:
+            self.wrapped.filter_rows(rows)
+            return
+        if self.spec_round_open:
+            raise SpeculativeRoundError(
+                "filter_rows in the middle of a speculative round: commit or roll back the "
+                "round first (its verify block holds unverified drafts)"
+            )
+        self._put_behind(self.wrapped.make_empty_batch())
+
+    def extract_row(self, row: int) -> Any:
+        self._idle("extract_row")
+        return self.rewrap(self.wrapped.extract_row(row))
+
+    def can_publish_row(self, row: int, tokens: int) -> bool:
+        return self.wrapped.can_publish_row(row, tokens)
+
+    # the paged form (``kvrows.protocols.PagedForm``: the engine's paged option)
+    def paged_pool(self, block_size: int) -> LatentBlockPool:
+        """A new latent block pool for this layer: its latent codec, its DSA index width."""
+        cache = self.wrapped
+        codec = cache.latent_codec
+        return LatentBlockPool(
+            codec if codec.encodes else None,
+            block_size=block_size,
+            index_head_dim=cache.options.index_head_dim,
+        )
+
+    def in_pool(self, pool: LatentBlockPool) -> Any:
+        """An empty drop-in of this form over a ``PagedLatentCache`` in ``pool``, of this
+        layer's declaration and codec."""
+        cache = self.wrapped
+        o = cache.options
+        encoded = cache.latent_codec.encodes
+        paged = PagedLatentCache(
+            o.kv_lora_rank, o.rope_head_dim, o.index_head_dim, o.max_tokens, o.role,
+            pool=pool, codec=cache.latent_codec if encoded else None,
+            start=cache.start if encoded else 0,
+        )  # fmt: skip
+        return self.rewrap(paged)
+
+    # the round protocol (``kvrows.speculative.RowRound`` drives a list of these)
+    @property
+    def spec_round_open(self) -> bool:
+        return bool(self.wrapped.spec_round_open)
+
+    def spec_round_begin(self) -> None:
+        self.wrapped.spec_round_begin()
+
+    def spec_round_commit(self) -> None:
+        self.wrapped.spec_round_commit()
+
+    def spec_round_rollback(self, keep: Any) -> None:
+        self.wrapped.spec_round_rollback(keep)
+
+
+class _View(_Rows):
     """What the model sees as one mlx-lm cache of the pair."""
+
+    #: Which item of the pair this view is.
+    item = 0
 
     def __init__(self, owner: LatentCacheList) -> None:
         self._owner = owner
+
+    @property
+    def wrapped(self) -> Latent:
+        return self._owner.cache
+
+    def _put_behind(self, cache: Latent) -> None:
+        self._owner.cache = cache
+
+    def rewrap(self, cache: Any) -> Any:
+        return LatentCacheList(cache).caches[self.item]
+
+    def _idle(self, operation: str) -> None:
+        self._owner._idle(operation)
 
     @property
     def offset(self) -> Any:
@@ -131,6 +291,8 @@ class _LatentView(_View):
 class _IndexView(_View):
     """Item 1: the indexer's ``update_and_fetch(k, k)``."""
 
+    item = 1
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         owner = self._owner
         if owner.pending is None:
@@ -162,7 +324,7 @@ class _IndexView(_View):
         return None
 
 
-class LatentCacheList:
+class LatentCacheList(_Rows):
     """One MLA layer's cache for mlx-lm's ``deepseek_v32`` / ``glm_moe_dsa``: items 0 and 1
     of mlx-lm's ``CacheList``, over one latent cache."""
 
@@ -176,6 +338,31 @@ class LatentCacheList:
         self.cache = cache
         self.pending: tuple[mx.array, mx.array] | None = None
         self.caches = (_LatentView(self), _IndexView(self))
+
+    @property
+    def wrapped(self) -> Latent:
+        return self.cache
+
+    def _put_behind(self, cache: Latent) -> None:
+        self.cache = cache
+
+    def rewrap(self, cache: Any) -> Any:
+        return LatentCacheList(cache)
+
+    def _idle(self, operation: str) -> None:
+        if self.pending is not None:
+            raise LayoutStateError(
+                f"LatentCacheList: cannot {operation} while a latent block waits for its index"
+            )
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Item 0's call (a layer that takes the pair calls its items)."""
+        return self.caches[0].update_and_fetch(keys, values)
+
+    def make_mask(
+        self, n: int, *, return_array: bool = False, window_size: int | None = None
+    ) -> Any:
+        return self.caches[0].make_mask(n, return_array=return_array, window_size=window_size)
 
     def __getitem__(self, index: int) -> _View:
         if index == 1 and not self.cache.options.dsa:
@@ -206,24 +393,6 @@ class LatentCacheList:
         if self.pending is not None:
             raise LayoutStateError("LatentCacheList: cannot trim while a latent block waits")
         return self.cache.trim(n)
-
-    # the round protocol of the cache (``kvrows.speculative.RowRound`` drives a list of these)
-    @property
-    def row_offsets(self) -> tuple[int, ...]:
-        return self.cache.row_offsets
-
-    @property
-    def spec_round_open(self) -> bool:
-        return bool(self.cache.spec_round_open)
-
-    def spec_round_begin(self) -> None:
-        self.cache.spec_round_begin()
-
-    def spec_round_commit(self) -> None:
-        self.cache.spec_round_commit()
-
-    def spec_round_rollback(self, keep: Any) -> None:
-        self.cache.spec_round_rollback(keep)
 
     def size(self) -> int:
         return int(self.cache.width)

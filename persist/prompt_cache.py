@@ -50,7 +50,7 @@ from kvrows.forms import (
 )
 from kvrows.lego import Bf16First, check_target
 from kvrows.persist.files import CHECKSUM_KEY, checksum, read_safetensors, write_atomic
-from kvrows.protocols import Handover
+from kvrows.protocols import DropInWrapper, Handover
 from kvrows.recurrent import StateShapes
 from kvrows.validation import KvGeometry
 
@@ -165,8 +165,8 @@ def save_prompt_cache(
     metadata: Mapping[str, str] | None = None,
 ) -> None:
     """Write ``caches`` (one per layer; storages, legos or layouts of either
-    implementation) to ``path``, atomically. Nothing is written if any cache or metadata
-    entry is refused. A lego is saved as its current storage (mlx-lm reads that) plus a
+    implementation; a model's drop-in as the cache behind it) to ``path``, atomically.
+    Nothing is written if any cache or metadata entry is refused. A lego is saved as its current storage (mlx-lm reads that) plus a
     ``lego`` record that kvrows' loader wraps it back with."""
     if isinstance(caches, str | bytes) or not isinstance(caches, Sequence):
         raise InvalidInputError("save_prompt_cache takes a list of caches, one per layer")
@@ -181,6 +181,9 @@ def save_prompt_cache(
             )
     layers, classes, states = [], [], []
     for index, layer in enumerate(caches):
+        # A model's drop-in (an MLA layer's pair) is saved as the cache behind it.
+        if isinstance(layer, DropInWrapper):
+            layer = layer.wrapped
         # A lego is saved as its current storage plus what makes it a lego (its record).
         cache = layer.storage if isinstance(layer, Handover) else layer
         entry = getattr(cache, "composition", None)

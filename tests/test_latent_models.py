@@ -21,7 +21,7 @@ from kvrows.app.models import (
 )
 from kvrows.errors import InvalidInputError, LayoutStateError
 from kvrows.optimized import LatentCacheList, MLACache
-from kvrows.schemes import Affine, Plain, Turbo
+from kvrows.schemes import Affine, Turbo
 
 PROMPT = [5, 7, 9, 11, 13, 2, 3, 4, 5, 6, 7, 8]  # past index_topk = 8: the sparse path
 
@@ -154,21 +154,26 @@ def test_the_list_refuses_misuse(models: dict[str, Any]) -> None:
         LatentCacheList(MLACache())[1]
 
 
-def test_the_mla_demo_loop_is_batch_invariant(models: dict[str, Any]) -> None:
-    """The demo's loop (prefill alone, join, decode, retire): every request alone gives its
-    batch tokens, under the plain and an encoded latent (bf16-first at 4)."""
-    from kvrows.app.demo import check_latent_invariance, run_latent_trace
+def test_the_mla_demo_runs_through_the_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvrows demo --mla``: the engine serves the trace (rows together), and every request
+    alone gives its batch tokens, under the plain and an encoded latent (bf16-first at 4)."""
+    from kvrows.app.demo import run_latent_demo
 
-    model = models["deepseek_v32"]
-    prompts = [("a", PROMPT, 4), ("b", [9, 8, 7], 2), ("c", PROMPT[:5], 3)]
-    for codec in (None, Affine(bits=4, group_size=32)):
-        chosen: Any = codec if codec is not None else Plain()
-        run = run_latent_trace(model, chosen, prompts, max_batch=2, start=4)
-        assert [len(run.tokens[rid]) for rid, _, _ in prompts] == [4, 2, 3]
-        assert run.peak_rows == 2
-        check_latent_invariance(model, chosen, prompts, run, start=4)
-        assert run.steps == 9 and run.mismatches == 0
-        assert run.max_logit_diff < 1e-5
+    status = run_latent_demo(
+        schemes=["plain", "affine4"],
+        requests=4,
+        max_batch=2,
+        kv_start=4,
+        architectures=["deepseek_v32"],
+    )
+    out = capsys.readouterr().out
+    assert status == 0, out
+    rows = [line.split() for line in out.splitlines() if line.startswith("deepseek_v32")]
+    assert [row[1] for row in rows] == ["plain", "affine4"]
+    for row in rows:
+        generated, peak_rows = int(row[3]), int(row[5])
+        assert peak_rows == 2 and row[-2] == f"0/{generated}" and row[-1] == "PASS"
+        assert float(row[-3]) < 1e-5  # max |dlogit|: the last bits only
 
 
 def test_make_kvrows_cache_serves_mla_models(models: dict[str, Any]) -> None:
