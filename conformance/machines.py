@@ -58,7 +58,8 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from functools import partial
+from typing import Any, ClassVar, TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -75,7 +76,7 @@ from kvrows.conformance.arrays import NUMPY_DTYPES, expand_mask, random_block, t
 from kvrows.conformance.families import CONSTRUCTORS, Family, Impl, LayoutSpec, PeerSpec
 from kvrows.conformance.parity import DIVERGENCES
 from kvrows.conformance.stats import Stats
-from kvrows.conformance.tolerances import compare, tolerance
+from kvrows.conformance.tolerances import Tolerance, compare, tolerance
 from kvrows.errors import (
     IncompatibleRowsError,
     KvRowsError,
@@ -98,7 +99,9 @@ __all__ = [
     "machine_class",
     "publish_counts",
     "publish_tokens",
+    "raised",
     "snapshot",
+    "without_rules",
 ]
 
 Array = npt.NDArray[Any]
@@ -106,6 +109,7 @@ Planes = tuple[Array, ...]
 #: An invalid operation: (label, call(impl, target), parity skip code, the error type the
 #: contract names, or ``None`` when only "the same type in both" is specified).
 Case = tuple[str, Callable[[Impl, Any], object], str, type[KvRowsError] | None]
+M = TypeVar("M", bound="ConformanceMachine")
 
 #: The checks (``Stats.checks`` keys) every machine runs, whatever its family.
 BASE_CHECKS = (
@@ -164,6 +168,9 @@ class Track:
     #: The caches know their geometry (an append, or an extracted empty row that kept it).
     geometry_known: bool = False
     history: list[tuple[str, Any, Any]] = field(default_factory=list)
+    #: The request's stage: ``None`` while it holds its first codec's planes, else the
+    #: offset at which it converted to its second (the delayed families' rows).
+    converted_at: int | None = None
 
     @property
     def tokens(self) -> int:
@@ -361,6 +368,33 @@ def _answer(call: Callable[..., Any], *args: Any) -> Any:
         return type(error).__name__
 
 
+def raised(impl: Impl, label: str, call: Callable[[], object]) -> KvRowsError:
+    """The ``KvRowsError`` ``call()`` raises (any other exception, or none, is a failure)."""
+    try:
+        call()
+    except KvRowsError as error:
+        return error
+    except Exception as error:  # any other exception is a contract violation
+        raise AssertionError(
+            f"{impl.name}: {label} raised {type(error).__name__} ({error}), not a KvRowsError"
+        ) from error
+    raise AssertionError(f"{impl.name}: {label} did not raise")
+
+
+def without_rules(*names: str) -> Callable[[type[M]], type[M]]:
+    """A machine class decorator: the base machine's rules ``names`` do not run in the
+    decorated machine (a family whose own rules replace them). Hypothesis collects a
+    machine's rules by attribute, so a name that is no rule is no rule."""
+
+    def apply(cls: type[M]) -> type[M]:
+        for name in names:
+            assert callable(getattr(ConformanceMachine, name, None)), name
+            setattr(cls, name, None)
+        return cls
+
+    return apply
+
+
 def _update_with(make: Callable[[Impl], tuple[Any, Any]]) -> Callable[[Impl, Any], object]:
     """A call that appends ``make(impl)``'s keys and values to a cache."""
     return lambda impl, cache: cache.update_and_fetch(*make(impl))
@@ -555,9 +589,18 @@ class ConformanceMachine(RuleBasedStateMachine):
         if actual != expected:
             raise AssertionError(f"{what}: got {actual!r}, expected {expected!r}")
 
-    def _close(self, quantity: str, what: str, actual: Array, expected: Array) -> None:
+    def _close(
+        self,
+        quantity: str,
+        what: str,
+        actual: Array,
+        expected: Array,
+        chosen: Tolerance | None = None,
+    ) -> None:
+        """``actual`` equals ``expected`` within ``chosen`` (default: the layout's tolerance
+        of ``quantity``); the error is recorded in ``stats`` either way."""
         key = self.spec.tolerance_key or self.family.tolerance_key
-        tol = tolerance(key, quantity, self.g.dtype)
+        tol = chosen if chosen is not None else tolerance(key, quantity, self.g.dtype)
         ok, error = compare(actual, expected, tol)
         ratio = 0.0
         if not tol.exact and actual.shape == expected.shape and actual.size:
@@ -2038,11 +2081,14 @@ class ConformanceMachine(RuleBasedStateMachine):
             )
         return cases + self._extra_serial_cases(track)
 
+    def _snapshot(self, impl: Impl, cache: Any) -> tuple[Any, ...]:
+        """Everything observable about one cache or layout of ``impl`` (:func:`snapshot`)."""
+        return snapshot(cache, impl, self.serial_view, self.row_view)
+
     def _snapshots(self, pairs: Sequence[tuple[Any, Any]]) -> tuple[list[Any], list[Any]]:
         ref, opt = self.ref_impl, self.opt_impl
-        views = (self.serial_view, self.row_view)
-        return [snapshot(r, ref, *views) for r, _ in pairs], [
-            snapshot(o, opt, *views) for _, o in pairs
+        return [self._snapshot(ref, r) for r, _ in pairs], [
+            self._snapshot(opt, o) for _, o in pairs
         ]
 
     def _everything(self) -> tuple[list[Any], list[Any]]:
@@ -2066,18 +2112,10 @@ class ConformanceMachine(RuleBasedStateMachine):
         note(f"invalid: {name}: {label}")
         self._op("invalid")
         before = self._everything()
-        errors: list[KvRowsError] = []
-        for impl, obj in ((self.ref_impl, ref_obj), (self.opt_impl, opt_obj)):
-            try:
-                call(impl, obj)
-            except KvRowsError as error:
-                errors.append(error)
-            except Exception as error:  # any other exception is a contract violation
-                raise AssertionError(
-                    f"{impl.name}: {label} raised {type(error).__name__} ({error}), not a KvRowsError"
-                ) from error
-            else:
-                raise AssertionError(f"{impl.name}: {label} did not raise")
+        errors = [
+            raised(impl, label, partial(call, impl, obj))
+            for impl, obj in ((self.ref_impl, ref_obj), (self.opt_impl, opt_obj))
+        ]
         self._same_error(label, errors[0], errors[1], expected)
         self._exact(
             f"{label}: every cache unchanged after the failed call", self._everything(), before
@@ -2101,8 +2139,16 @@ class ConformanceMachine(RuleBasedStateMachine):
         if expected is not None:
             self._exact(f"{label}: the error type the contract names", type(ref), expected)
         if not any(part in label for part in MESSAGE_EXCEPTIONS):
-            self._exact(f"{label}: error messages (optimized vs reference)", str(opt), str(ref))
+            self._exact(
+                f"{label}: error messages (optimized vs reference)",
+                self._message(opt),
+                self._message(ref),
+            )
             self.stats.check("error messages")
+
+    def _message(self, error: BaseException) -> str:
+        """The message of ``error`` as :meth:`_same_error` compares it."""
+        return str(error)
 
     # ---------------------------------------------------------------- oracles
     @invariant()
