@@ -408,110 +408,75 @@ class DelayedMachine(ConformanceMachine):
     def _cls(self, impl: Impl, name: str) -> type:
         return _package_class(impl, name)
 
-    def _names(self) -> tuple[str, str, str, str]:
-        """This geometry's class names: the delayed layout, its lego, the plain serial
-        storage and the converted one."""
-        if self.turbo:
-            return (
-                "DelayedTurboQuantKVCache",
-                "Bf16FirstTurboQuantKVCache",
-                "KVCache",
-                "TurboQuantKVCache",
-            )
-        if self.ring:
-            return (
-                "DelayedRotatingQuantizedKVCache",
-                "Bf16FirstRotatingQuantizedKVCache",
-                "RotatingKVCache",
-                "RotatingQuantizedKVCache",
-            )
-        return (
-            "DelayedQuantizedKVCache",
-            "Bf16FirstQuantizedKVCache",
-            "KVCache",
-            "QuantizedKVCache",
-        )
-
-    def _target_args(self, target: Target | None) -> tuple[int, ...]:
-        """The constructors' codec arguments: ``(group_size, bits)`` or ``(k_bits, v_bits)``."""
-        t = self.g.target if target is None else target
-        return tuple(t.tail().values())  # the constructors take the state tail's order
-
-    def _other_target(self, side: str = "values") -> Target:
-        """This example's target at another bit width (TurboQuant: of ``side``)."""
-        t = self.g.target
-        if isinstance(t, Affine):
-            return Affine(bits=12 - t.bits, group_size=t.group_size)
-        k_bits, v_bits = t.parameters()["k_bits"], t.parameters()["v_bits"]
-        if side == "keys":
-            return Turbo(k_bits=next(k for k in TURBO_KEY_BITS if k != k_bits), v_bits=v_bits)
-        return Turbo(k_bits=k_bits, v_bits=next(v for v in TURBO_VALUE_BITS if v != v_bits))
-
-    def _layout(self, impl: Impl, start: int | None = None) -> Any:
+    def _make(self, impl: Impl, name: str, table_name: str | None = None, **changes: int) -> Any:
+        """A new ``name`` of ``impl``, its parameters by keyword: those of the composition
+        ``table_name`` (default ``name``; a lego takes its delayed layout's) with this
+        example's values, or ``changes``."""
         g = self.g
-        first = g.start if start is None else start
-        cls = self._cls(impl, self._names()[0])
-        if self.ring:
-            return cls(g.max_size, *self._target_args(None), g.keep, first)
-        return cls(*self._target_args(None), first)
+        values = {"max_size": g.max_size, "keep": g.keep, "group_size": g.group_size,
+                  "bits": g.bits, "k_bits": g.k_bits, "v_bits": g.v_bits, "start": g.start,
+                  **changes}  # fmt: skip
+        params = composition(table_name or name).params
+        return self._cls(impl, name)(**{p: values[p] for p in params})
 
-    def _lego(self, impl: Impl, start: int | None = None, target: Target | None = None) -> Any:
-        g = self.g
-        first = g.start if start is None else start
-        cls = self._cls(impl, self._names()[1])
-        if self.ring:
-            return cls(g.max_size, *self._target_args(target), g.keep, first)
-        return cls(*self._target_args(target), first)
+    def _layout(self, impl: Impl, **changes: int) -> Any:
+        return self._make(impl, self.spec.name, **changes)
 
-    def _storage(self, impl: Impl, kind: str, target: Target | None = None) -> Any:
+    def _lego(self, impl: Impl, **changes: int) -> Any:
+        """This layout's serial counterpart: the lego of its converted storage."""
+        lego = "Bf16First" + composition(self.spec.name).serial
+        return self._make(impl, lego, self.spec.name, **changes)
+
+    def _storage(self, impl: Impl, kind: str, **changes: int) -> Any:
         """A serial storage of this geometry: ``plain``, or converted (any other kind)."""
+        plain = "RotatingKVCache" if self.ring else "KVCache"
+        name = plain if kind == "plain" else composition(self.spec.name).serial
+        return self._make(impl, name, **changes)
+
+    def _other_widths(self, side: str = "values") -> dict[str, int]:
+        """This example's codec at another bit width (TurboQuant: of ``side``)."""
         g = self.g
-        _, _, plain, converted = self._names()
-        if kind == "plain":
-            if self.ring:
-                return self._cls(impl, plain)(g.max_size, keep=g.keep)
-            return self._cls(impl, plain)()
-        if self.ring:
-            return self._cls(impl, converted)(g.max_size, *self._target_args(target), keep=g.keep)
-        return self._cls(impl, converted)(*self._target_args(target))
+        if not g.turbo:
+            return {"bits": 12 - g.bits}
+        if side == "keys":
+            return {"k_bits": next(k for k in TURBO_KEY_BITS if k != g.k_bits)}
+        return {"v_bits": next(v for v in TURBO_VALUE_BITS if v != g.v_bits)}
+
+    def _holding_a_token(self, impl: Impl, cache: Any, seed: int) -> Any:
+        g = self.g
+        block = impl.to_native(
+            random_block(np.random.default_rng(seed), (1, g.heads, 1, g.dim), g.dtype)
+        )
+        cache.update_and_fetch(block, block)
+        return cache
 
     def _other_geometry(self, impl: Impl, kind: str) -> Any:
         """A lego or plain storage holding a token, of the other token geometry (an affine
         ring of 8 for full attention, full attention for a ring)."""
-        g = self.g
         # A TurboQuant layout has no ring lego: an affine one of this example's start.
-        affine = Affine(bits=8, group_size=64) if self.turbo else None
-        if kind == "lego":
-            cache = (
-                self._cls(impl, "Bf16FirstQuantizedKVCache")(*self._target_args(None), g.start)
-                if self.ring
-                else self._cls(impl, "Bf16FirstRotatingQuantizedKVCache")(
-                    8, *self._target_args(affine), 0, g.start
-                )
+        affine = {"group_size": 64, "bits": 8} if self.turbo else {}
+        if kind != "lego":
+            cache = self._make(
+                impl, "KVCache" if self.ring else "RotatingKVCache", max_size=8, keep=0
             )
+        elif self.ring:
+            cache = self._make(impl, "Bf16FirstQuantizedKVCache", "DelayedQuantizedKVCache")
         else:
-            cache = (
-                self._cls(impl, "KVCache")() if self.ring else self._cls(impl, "RotatingKVCache")(8)
-            )
-        block = impl.to_native(
-            random_block(np.random.default_rng(3), (1, g.heads, 1, g.dim), g.dtype)
-        )
-        cache.update_and_fetch(block, block)
-        return cache
+            cache = self._make(
+                impl, "Bf16FirstRotatingQuantizedKVCache", "DelayedRotatingQuantizedKVCache",
+                max_size=8, keep=0, **affine,
+            )  # fmt: skip
+        return self._holding_a_token(impl, cache, 3)
 
     def _other_codec(self, impl: Impl, kind: str) -> Any:
         """A full-attention affine lego (``lego``) or ``QuantizedKVCache`` holding a
         token: another codec for a TurboQuant layout."""
-        g = self.g
-        if kind == "lego":
-            cache = self._cls(impl, "Bf16FirstQuantizedKVCache")(64, 8, g.start)
-        else:
-            cache = self._cls(impl, "QuantizedKVCache")(64, 8)
-        block = impl.to_native(
-            random_block(np.random.default_rng(4), (1, g.heads, 1, g.dim), g.dtype)
-        )
-        cache.update_and_fetch(block, block)
-        return cache
+        lego = kind == "lego"
+        cache = self._make(
+            impl, "Bf16FirstQuantizedKVCache" if lego else "QuantizedKVCache",
+            "DelayedQuantizedKVCache" if lego else None, group_size=64, bits=8,
+        )  # fmt: skip
+        return self._holding_a_token(impl, cache, 4)
 
     def _codec(self, impl: Impl, quantized: bool) -> Any:
         return self._storage(impl, self.converted_kind if quantized else "plain").codec
@@ -583,6 +548,12 @@ class DelayedMachine(ConformanceMachine):
             cache.reads_pending,
             held,
         )
+
+    def _everything(self) -> tuple[list[Any], list[Any]]:
+        """What a bad call could change: the pool's objects and the layouts (a row's solo
+        legos are the machine's own, never handed to a bad call)."""
+        pairs = [(t.ref, t.opt) for t in self.pool] + [(s.ref, s.opt) for s in self.slots]
+        return self._snapshots(pairs)
 
     def _message(self, error: BaseException) -> str:
         """Messages name the layout's class: a mutant's subclass answers as the layout."""
@@ -1433,7 +1404,7 @@ class DelayedMachine(ConformanceMachine):
             ),
             (
                 "merge_rows of a lego of another bit width",
-                lambda impl, lay: lay.merge_rows([self._lego(impl, target=self._other_target())]),
+                lambda impl, lay: lay.merge_rows([self._lego(impl, **self._other_widths())]),
                 IncompatibleRowsError,
             ),
             (
@@ -1449,7 +1420,7 @@ class DelayedMachine(ConformanceMachine):
             (
                 f"merge_rows of a {self.converted_kind} storage of another bit width",
                 lambda impl, lay: lay.merge_rows(
-                    [self._storage(impl, self.converted_kind, self._other_target("keys"))]
+                    [self._storage(impl, self.converted_kind, **self._other_widths("keys"))]
                 ),
                 IncompatibleRowsError,
             ),
