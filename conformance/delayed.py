@@ -4,99 +4,35 @@
 and ``DelayedTurboQuantKVCache`` (``delayed-turbo``) (``kvrows.delayed``) hold rows of two
 codecs at once: each row is plain until its own offset reaches ``start`` and affine (or
 TurboQuant) afterwards, exactly as its serial bf16-first lego (``kvrows.lego``) would be.
-This module drives the three layouts in both implementations; the layout's composition
-entry says which codec (affine, turbo) and token geometry (growing, ring) an example uses.
+The rules, oracles, draws and statistics are specified in ``spec/DelayedQuantizedKVCache.md``
+(Conformance: the ``delayed`` family) and ``spec/DelayedTurboQuantKVCache.md``; each rule's
+docstring says what it drives.
 
 **A subclass of the base machine.** :class:`DelayedMachine` is a
 :class:`~kvrows.conformance.machines.ConformanceMachine` (the only storage root,
-``spec/contract.md`` §0.11): its geometry is the base :class:`~kvrows.conformance.strategies.Geometry`
-with the row boundary ``start`` added, its requests and layouts are the base model's
-(:class:`~kvrows.conformance.machines.Track`: the tokens appended, minus the trims, with
-their history and the request's stage ``converted_at``; :class:`~kvrows.conformance.machines.Slot`
-with the position record), and the base machine compares its errors, snapshots its
-objects (through its ``_snapshot`` hook), measures its tolerances and records its stats.
-A delayed row changes codec at its conversion, a mixed layout refuses ``fetch()`` and
-answers appends with pending pairs, and its serial counterpart is a lego (two storages
-in turn), so the base rules that drive one serial class per family (``decode_step``,
-``multi_step``, ``prefill_chunk``, ``trim_request``, ``merge_layout``,
-``filter_layout``, ``publish``, ``trim``) do not run here (``without_rules``): the rules
-below replace them. ``kvrows conform --family delayed``, the profiles, the budgets and
-the teeth runner work as for every family.
+``spec/contract.md`` §0.11): its geometry is the base ``Geometry`` plus the rows'
+``start``, its requests and layouts are the base model's ``Track`` (the tokens appended,
+minus the trims, their history, the stage ``converted_at``) and ``Slot`` (plus the
+position record), and the base machine compares its errors, snapshots its objects,
+measures its tolerances and records its stats, through hooks (``_message``,
+``_snapshot``). The base rules that drive one serial class per family do not run here
+(``without_rules``): a delayed row changes codec at its conversion, a mixed layout
+refuses ``fetch()`` and answers appends with pending pairs, and its serial counterpart
+is a lego (two storages in turn), so the rules below replace them.
 
-**The conversion rule** is the machine's own, restated from ``spec/bf16-first.md`` (a
+**The conversion rule** is the model's own, restated from ``spec/bf16-first.md`` (a
 plain row holding ``offset`` tokens after a boundary converts when ``offset >= start``
-and ``offset != 0``), never the core's ``kvrows.lego.conversion_due``.
+and ``offset != 0``: :meth:`DelayedGeometry.converts`), never the core's
+``kvrows.lego.conversion_due``.
 
-**Drawn** per example: the layout's geometry (full attention, or a ring of ``max_size``
-4..16 with ``keep`` 0..2 sinks), ``start`` in 0..40, the target codec (affine: ``bits``
-4/8, ``group_size`` 32/64, head dim 64; TurboQuant: any ``(k_bits, v_bits)``, head dim
-64/128/256), float16/bfloat16, 1-2 KV heads (1-2 query heads each); layouts hold 1-4 rows.
-
-**Rules.**
-
-* ``new_request``: a serial lego (prefilled with chunks cut at its
-  ``max_append_tokens()``, sometimes one chunk crossing ``start``), or a plain or
-  converted (affine / TurboQuant) serial storage fed random chunks; both
-  implementations, compared on every append;
-* ``lego_append``: a lego in the pool (new, or a row extracted earlier) takes a chunk;
-* ``merge``: pool requests join a layout (new or running), directly or through a side
-  delayed layout (rows extracted from it, converted ones included); legos are
-  released, storages and the side layout borrowed and unchanged;
-* ``step``: an append on every row (1 token, or a chunk capped at
-  ``max_append_tokens()``, sometimes crossing), inside ``row_reads()`` (outside it when
-  no row is mixed), attended through each ``Impl.attend``;
-* ``prefill_crossing``: ``begin_prefill()``, a chunk that takes rows past ``start``,
-  then ``commit_prefill`` of some of them and ``end_prefill()``;
-* ``round``: ``spec_round_begin()``, a verify block, then commit or rollback with an int
-  or a per-row keep, or the same through ``kvrows.speculative.RowRound`` (misuse inside
-  the round sometimes: refused, nothing changes);
-* ``filter`` (any subset, any order), ``extract`` (the row leaves the layout and goes
-  on as a solo lego or storage, or is only compared; before it leaves, the row is asked
-  to publish each count around 0, its offset and the ring's ``max_size``), ``trim_rows``;
-* ``invalid``: a bad call (mixed reads outside ``row_reads()``, ``fetch()`` of mixed
-  rows, ``attend_rows`` without a pending read, bad blocks, incompatible merges, bad
-  keeps, rows and counts, round calls without a round, a truncated state; TurboQuant:
-  affine legos and storages too): the same ``KvRowsError`` type and message in both
-  implementations, nothing changes.
-
-**Oracles.**
-
-* reference vs optimized after every rule: ``row_offsets``, ``left_pad``,
-  ``converted_at``, ``phase``, ``max_append_tokens()``, ``minimum_reusable_offset``,
-  positions, ``projected_bytes``, masks, the reads of plain and packed appends at the
-  columns some query sees (exact; a TurboQuant packed read: keys decoded, values still
-  rotated), whether ``bits`` is readable (after an affine packed read only, never for
-  TurboQuant), attention outputs (the target's tolerance key: ``affine``,
-  ``rotating-affine`` or ``turbo``). A mixed read is attended through
-  ``Impl.attend`` (routed to ``attend_rows``); a plain or packed one through the codec
-  of its reads, as a model attends the returned keys and values, and ``Impl.attend``
-  must then agree exactly unless the append converted rows (it fetches again, and
-  would read their new quantized planes where the append read plain ones);
-* a model of each layout: the ragged position record (``left_pad``: a merge right-aligns
-  at the widest end, a filter strips the shared padding, trims never move it),
-  ``row_offsets``, ``converted_at``, ``phase``, ``max_append_tokens()``,
-  ``minimum_reusable_offset``; mixed full-attention rows' ``make_mask`` is the record's;
-* solo replay: each row has a serial lego in each implementation driven with the row's
-  own chunks (a round: its accepted tokens, so the lego converts at the first round
-  boundary where its committed offset reaches ``start``; a lego fed the whole verify
-  block would convert on a rejected tail). A row's attention equals its lego's (exactly
-  in the optimized implementation before the row converts; else the solo tolerance);
-  an extracted row's planes equal the lego's byte for byte; ``can_publish_row(b, t)``
-  holds exactly when the solo lego covers ``t`` (all its tokens, or fewer while it is
-  trimmable: a ring before it wraps), ``publish_row`` returns ``None`` otherwise, and a
-  published row cut back to ``t`` equals the lego's first ``t``; ``converted_at[b]`` is the
-  offset at which the lego converted. A plain or converted storage merged past ``start``
-  converts at the merge: its lego is a converted storage fed the same chunks, with
-  ``minimum_reusable_offset`` the merge offset;
-* deferred vs eager V (TurboQuant): a converted row's attention (read from a packed or a
-  mixed read, where only the turbo group's output is un-rotated) equals
-  ``eager_attention`` of the same implementation over its solo storage's planes (values
-  decoded before attention), within ``attention.eager``.
-
-``Stats.checks`` counts the cases that matter ("mixed read", "conversion mid-batch",
-"conversion at a round boundary", "crossing chunk in prefill", "packed read", ...);
-``tests/test_conformance_delayed.py`` and ``tests/test_conformance_delayed_turbo.py``
-require each (:data:`DELAYED_CHECKS`, :data:`DELAYED_TURBO_CHECKS`).
+**Oracles**, in short: reference vs optimized after every rule and on every append
+(masks, reads, attention); the layout model (position record, ``row_offsets``,
+``converted_at``, ``phase``, ``max_append_tokens()``, ``minimum_reusable_offset``);
+solo replay (each row's serial lego per implementation: attention, extracted bytes,
+publishing, the conversion offset); deferred vs eager V (TurboQuant). ``Stats.checks``
+counts the cases that matter; ``tests/test_conformance_delayed.py`` and
+``tests/test_conformance_delayed_turbo.py`` require each (:data:`DELAYED_CHECKS`,
+:data:`DELAYED_TURBO_CHECKS`).
 """
 
 from __future__ import annotations
@@ -280,7 +216,8 @@ class DelayedTrack(Track):
     ``solo_ref``/``solo_opt`` its solo replay legos (a storage's are built at its merge,
     from its history); inside a layout ``ref``/``opt`` are the solo legos too."""
 
-    kind: str = "lego"  # "lego", "plain" or the target's kind ("affine", "turbo")
+    #: What the pool holds: ``"lego"``, ``"plain"`` or the target's kind (``"affine"``, ``"turbo"``).
+    holds: str = "lego"
     solo_ref: Any = None
     solo_opt: Any = None
     #: A row that left a layout (it goes on taking chunks as a solo lego).
@@ -332,12 +269,13 @@ class DelayedMachine(ConformanceMachine):
 
     @property
     def ring(self) -> bool:
-        return composition(self.spec.name).geometry == "ring"
+        """The layout's rows are rings (the example drew a window)."""
+        return self.g.max_size is not None
 
     @property
     def turbo(self) -> bool:
         """The layout's rows convert to TurboQuant (else affine)."""
-        return composition(self.spec.name).codec == "turbo"
+        return self.g.turbo
 
     @property
     def converted_kind(self) -> str:
@@ -395,7 +333,7 @@ class DelayedMachine(ConformanceMachine):
     def _new_request(self, kind: str) -> DelayedTrack:
         g = self.g
         empty = np.zeros((1, g.heads, 0, g.dim), NUMPY_DTYPES[g.dtype])
-        return DelayedTrack(next(self._ids), None, None, None, (empty,), (empty,), kind=kind)
+        return DelayedTrack(next(self._ids), None, None, None, (empty,), (empty,), holds=kind)
 
     def _record_rows(
         self, slot: DelayedSlot, keys: Array, values: Array, counts: list[int]
@@ -609,10 +547,10 @@ class DelayedMachine(ConformanceMachine):
     ) -> None:
         """One chunk appended to a pool request (and its solo legos)."""
         g = self.g
-        limit = track.ref.max_append_tokens() if track.kind == "lego" else math.inf
+        limit = track.ref.max_append_tokens() if track.holds == "lego" else math.inf
         self._exact(
             f"request {track.ident} max_append_tokens (optimized)",
-            track.opt.max_append_tokens() if track.kind == "lego" else math.inf,
+            track.opt.max_append_tokens() if track.holds == "lego" else math.inf,
             limit,
         )
         drawn = data.draw(st.integers(1, 8), label="chunk")
@@ -621,7 +559,7 @@ class DelayedMachine(ConformanceMachine):
         if crossing and n > limit:
             self.stats.check("crossing chunk in a lego")
         keys, values = self._block(rng, 1, n, g.dim), self._block(rng, 1, n, g.dim)
-        what = f"request {track.ident} ({track.kind}) chunk of {n} onto {track.tokens}"
+        what = f"request {track.ident} ({track.holds}) chunk of {n} onto {track.tokens}"
         caches = [(self.ref_impl, track.ref), (self.opt_impl, track.opt)]
         if track.solo_ref is not None:
             caches += [(self.ref_impl, track.solo_ref), (self.opt_impl, track.solo_opt)]
@@ -634,21 +572,21 @@ class DelayedMachine(ConformanceMachine):
             self._same_views("kv.solo" if "solo" in name else "kv.fetched",
                              f"{what}: {name} vs the reference", view, views[0])  # fmt: skip
         self._record_append(track, keys, values)
-        if track.kind == "lego" and track.converted_at is None and track.ref.converted:
+        if track.holds == "lego" and track.converted_at is None and track.ref.converted:
             self._mark_converted(track)
-        if track.kind == "lego":
+        if track.holds == "lego":
             self._exact(
                 f"{what}: converted (reference, optimized)",
                 (track.ref.converted, track.opt.converted),
                 (track.converted_at is not None,) * 2,
             )
 
-    @precondition(lambda self: any(t.kind == "lego" and t.extracted for t in self.pool))
+    @precondition(lambda self: any(t.holds == "lego" and t.extracted for t in self.pool))
     @rule(data=st.data())
     def lego_append(self, data: st.DataObject) -> None:
         """A row extracted as a lego goes on: one more chunk (and its solo legos)."""
         track = self._pick(
-            data, [t for t in self.pool if t.kind == "lego" and t.extracted], "request"
+            data, [t for t in self.pool if t.holds == "lego" and t.extracted], "request"
         )
         self._op("lego_append")
         self._pool_chunk(track, data, self._rng(data), 8)
@@ -660,7 +598,7 @@ class DelayedMachine(ConformanceMachine):
         ``start``: the layout converts it at the merge)."""
         g = self.g
         if track.solo_ref is not None:
-            if track.kind == self.converted_kind:
+            if track.holds == self.converted_kind:
                 # A converted storage records its offset at the merge (the conservative
                 # bound): its lego now says the same.
                 minimum = track.tokens if g.start > 0 else 0
@@ -670,7 +608,7 @@ class DelayedMachine(ConformanceMachine):
                 )
                 track.converted_at = minimum
             return
-        affine = track.kind == self.converted_kind or g.converts(track.tokens)
+        affine = track.holds == self.converted_kind or g.converts(track.tokens)
         # The request's chunks as the pool storage took them (a pool storage is never trimmed).
         chunks = [(keys, values) for what, keys, values in track.history if what == "append"]
         solos = []
@@ -689,7 +627,7 @@ class DelayedMachine(ConformanceMachine):
             solos.append(lego)
         track.solo_ref, track.solo_opt = solos
         if affine:
-            if track.kind == "plain":
+            if track.holds == "plain":
                 self.stats.check("conversion at merge")
             self._mark_converted(track)
 
@@ -716,7 +654,7 @@ class DelayedMachine(ConformanceMachine):
         side = data.draw(st.booleans(), label="via a side layout")
         note(
             f"merge: layout {slot.ident} {slot.opt!r} <- requests "
-            f"{[(t.ident, t.kind, t.tokens) for t in picked]}{' via a side layout' if side else ''}"
+            f"{[(t.ident, t.holds, t.tokens) for t in picked]}{' via a side layout' if side else ''}"
         )
         self._op("join" if slot.rows else "merge")
         for t in picked:
@@ -744,7 +682,7 @@ class DelayedMachine(ConformanceMachine):
             before,
         )
         for t in picked:
-            if t.kind == "lego":
+            if t.holds == "lego":
                 for lego in (t.ref, t.opt):
                     self._exact(
                         f"request {t.ident}'s lego is released by the merge",
@@ -1239,12 +1177,12 @@ class DelayedMachine(ConformanceMachine):
         self._filter_model(slot, keep)
         moved = track  # the request goes on in the pool: it holds what extract_row gave
         moved.ref, moved.opt, moved.extracted = got[0], got[1], True
-        moved.kind = "lego"
+        moved.holds = "lego"
         if not isinstance(got[0], Bf16First):
-            moved.kind = "plain" if track.converted_at is None else self.converted_kind
+            moved.holds = "plain" if track.converted_at is None else self.converted_kind
         self.pool.append(moved)
         self._check_layout(slot)
-        if moved.kind == "lego" and data.draw(st.booleans(), label="goes on at once"):
+        if moved.holds == "lego" and data.draw(st.booleans(), label="goes on at once"):
             self._op("lego_append")
             self._pool_chunk(moved, data, self._rng(data), 8)
             self._check_pool_lego(moved)
@@ -1537,7 +1475,7 @@ class DelayedMachine(ConformanceMachine):
 
     def _check_pool_lego(self, track: DelayedTrack) -> None:
         """A pool lego against its solo lego (offset, phase) in both implementations."""
-        if track.kind != "lego":
+        if track.holds != "lego":
             return
         for impl, lego in zip(self.impls, (track.ref, track.opt), strict=True):
             self._exact(
