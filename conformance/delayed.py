@@ -40,7 +40,7 @@ from __future__ import annotations
 import importlib
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, cast
@@ -229,6 +229,7 @@ class DelayedSlot(Slot):
     """One delayed layout in both implementations, its rows and its position record
     (``pads``: each row's left padding, full attention)."""
 
+    rows: list[DelayedTrack]  # type: ignore[assignment]
     pads: list[int] = field(default_factory=list)
 
 
@@ -346,30 +347,41 @@ class DelayedMachine(ConformanceMachine):
     def _cls(self, impl: Impl, name: str) -> type:
         return _package_class(impl, name)
 
-    def _make(self, impl: Impl, name: str, table_name: str | None = None, **changes: int) -> Any:
+    def _make(
+        self,
+        impl: Impl,
+        name: str,
+        changes: Mapping[str, int] | None = None,
+        table: str | None = None,
+    ) -> Any:
         """A new ``name`` of ``impl``, its parameters by keyword: those of the composition
-        ``table_name`` (default ``name``; a lego takes its delayed layout's) with this
+        ``table`` (default ``name``; a lego takes its delayed layout's) with this
         example's values, or ``changes``."""
         g = self.g
         values = {"max_size": g.max_size, "keep": g.keep, "group_size": g.group_size,
                   "bits": g.bits, "k_bits": g.k_bits, "v_bits": g.v_bits, "start": g.start,
-                  **changes}  # fmt: skip
-        params = composition(table_name or name).params
+                  **(changes or {})}  # fmt: skip
+        params = composition(table or name).params
         return self._cls(impl, name)(**{p: values[p] for p in params})
 
+    @property
+    def _converted_name(self) -> str:
+        """The converted serial storage's class (the layout's composition's ``serial``)."""
+        serial = composition(self.spec.name).serial
+        assert serial is not None, self.spec.name
+        return serial
+
     def _layout(self, impl: Impl, **changes: int) -> Any:
-        return self._make(impl, self.spec.name, **changes)
+        return self._make(impl, self.spec.name, changes)
 
     def _lego(self, impl: Impl, **changes: int) -> Any:
         """This layout's serial counterpart: the lego of its converted storage."""
-        lego = "Bf16First" + composition(self.spec.name).serial
-        return self._make(impl, lego, self.spec.name, **changes)
+        return self._make(impl, "Bf16First" + self._converted_name, changes, self.spec.name)
 
     def _storage(self, impl: Impl, kind: str, **changes: int) -> Any:
         """A serial storage of this geometry: ``plain``, or converted (any other kind)."""
         plain = "RotatingKVCache" if self.ring else "KVCache"
-        name = plain if kind == "plain" else composition(self.spec.name).serial
-        return self._make(impl, name, **changes)
+        return self._make(impl, plain if kind == "plain" else self._converted_name, changes)
 
     def _other_widths(self, side: str = "values") -> dict[str, int]:
         """This example's codec at another bit width (TurboQuant: of ``side``)."""
@@ -394,15 +406,14 @@ class DelayedMachine(ConformanceMachine):
         # A TurboQuant layout has no ring lego: an affine one of this example's start.
         affine = {"group_size": 64, "bits": 8} if self.turbo else {}
         if kind != "lego":
-            cache = self._make(
-                impl, "KVCache" if self.ring else "RotatingKVCache", max_size=8, keep=0
-            )
+            ring = {"max_size": 8, "keep": 0}
+            cache = self._make(impl, "KVCache" if self.ring else "RotatingKVCache", ring)
         elif self.ring:
-            cache = self._make(impl, "Bf16FirstQuantizedKVCache", "DelayedQuantizedKVCache")
+            cache = self._make(impl, "Bf16FirstQuantizedKVCache", table="DelayedQuantizedKVCache")
         else:
             cache = self._make(
-                impl, "Bf16FirstRotatingQuantizedKVCache", "DelayedRotatingQuantizedKVCache",
-                max_size=8, keep=0, **affine,
+                impl, "Bf16FirstRotatingQuantizedKVCache", {"max_size": 8, "keep": 0, **affine},
+                "DelayedRotatingQuantizedKVCache",
             )  # fmt: skip
         return self._holding_a_token(impl, cache, 3)
 
@@ -412,7 +423,7 @@ class DelayedMachine(ConformanceMachine):
         lego = kind == "lego"
         cache = self._make(
             impl, "Bf16FirstQuantizedKVCache" if lego else "QuantizedKVCache",
-            "DelayedQuantizedKVCache" if lego else None, group_size=64, bits=8,
+            {"group_size": 64, "bits": 8}, "DelayedQuantizedKVCache" if lego else None,
         )  # fmt: skip
         return self._holding_a_token(impl, cache, 4)
 
