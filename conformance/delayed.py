@@ -583,7 +583,7 @@ class DelayedMachine(ConformanceMachine):
             self._same_views("kv.solo" if "solo" in name else "kv.fetched",
                              f"{what}: {name} vs the reference", view, views[0])  # fmt: skip
         self._record_append(track, keys, values)
-        if track.holds == "lego" and track.converted_at is None and track.ref.converted:
+        if track.holds == "lego" and self._due(track):  # the model's rule, not the lego's
             self._mark_converted(track)
         if track.holds == "lego":
             self._exact(
@@ -956,13 +956,13 @@ class DelayedMachine(ConformanceMachine):
                         "attention.solo", f"{what}: {impl.name} attention vs its solo lego",
                         row_out, solo_out,
                     )  # fmt: skip
-            if track.solo_ref.converted and track.converted_at is None:
-                self._exact(
-                    f"{what}: both solo legos converted",
-                    track.solo_opt.converted,
-                    True,
-                )
-                track.converted_at = track.solo_ref.minimum_reusable_offset
+            if self._due(track):  # the model's rule: the row converts at this boundary
+                self._mark_converted(track)
+            self._exact(
+                f"{what}: the solo legos converted (reference, optimized)",
+                (track.solo_ref.converted, track.solo_opt.converted),
+                (track.converted_at is not None,) * 2,
+            )
             self._exact(
                 f"{what}: the solo lego's conversion offset",
                 track.solo_ref.minimum_reusable_offset,
