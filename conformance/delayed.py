@@ -267,6 +267,7 @@ class DelayedMachine(ConformanceMachine):
         self._read_phase = "empty"
         #: Publishes of a shorter prefix so far (``_publish`` takes the covered ones in turn).
         self._publishes = 0
+        self._codecs: dict[tuple[str, bool], Any] = {}
 
     @property
     def ring(self) -> bool:
@@ -428,7 +429,13 @@ class DelayedMachine(ConformanceMachine):
         return self._holding_a_token(impl, cache, 4)
 
     def _codec(self, impl: Impl, quantized: bool) -> Any:
-        return self._storage(impl, self.converted_kind if quantized else "plain").codec
+        """The codec of a plain or converted read of ``impl`` (one per example: a codec
+        is a function of the example's parameters)."""
+        key = (impl.name, quantized)
+        if key not in self._codecs:
+            storage = self._storage(impl, self.converted_kind if quantized else "plain")
+            self._codecs[key] = storage.codec
+        return self._codecs[key]
 
     def _view(self, impl: Impl, cache: Any) -> Planes | None:
         """A serial storage's (or lego's) tokens in time order, keys' planes then values'."""
