@@ -62,6 +62,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, ClassVar, TypeVar
 
 import mlx.core as mx
@@ -79,7 +80,7 @@ from kvrows.conformance.arrays import NUMPY_DTYPES, expand_mask, random_block, t
 from kvrows.conformance.families import CONSTRUCTORS, Family, Impl, LayoutSpec, PeerSpec
 from kvrows.conformance.parity import DIVERGENCES
 from kvrows.conformance.stats import Stats
-from kvrows.conformance.tolerances import compare, tolerance
+from kvrows.conformance.tolerances import Tolerance, compare, tolerance
 from kvrows.errors import (
     IncompatibleRowsError,
     KvRowsError,
@@ -104,6 +105,7 @@ __all__ = [
     "machine_class",
     "publish_counts",
     "publish_tokens",
+    "raised",
     "rules_off",
     "snapshot",
 ]
@@ -171,6 +173,9 @@ class Track:
     #: The caches know their geometry (an append, or an extracted empty row that kept it).
     geometry_known: bool = False
     history: list[tuple[str, Any, Any]] = field(default_factory=list)
+    #: The request's stage: ``None`` while it holds its first codec's planes, else the
+    #: offset at which it converted to its second (the delayed families' rows).
+    converted_at: int | None = None
 
     @property
     def tokens(self) -> int:
@@ -392,6 +397,19 @@ def _answer(call: Callable[..., Any], *args: Any) -> Any:
         return type(error).__name__
 
 
+def raised(impl: Impl, label: str, call: Callable[[], object]) -> KvRowsError:
+    """The ``KvRowsError`` ``call()`` raises (any other exception, or none, is a failure)."""
+    try:
+        call()
+    except KvRowsError as error:
+        return error
+    except Exception as error:  # any other exception is a contract violation
+        raise AssertionError(
+            f"{impl.name}: {label} raised {type(error).__name__} ({error}), not a KvRowsError"
+        ) from error
+    raise AssertionError(f"{impl.name}: {label} did not raise")
+
+
 def _update_with(make: Callable[[Impl], tuple[Any, Any]]) -> Callable[[Impl, Any], object]:
     """A call that appends ``make(impl)``'s keys and values to a cache."""
     return lambda impl, cache: cache.update_and_fetch(*make(impl))
@@ -589,12 +607,19 @@ class ConformanceMachine(RuleBasedStateMachine):
             raise AssertionError(f"{what}: got {actual!r}, expected {expected!r}")
 
     def _close(
-        self, quantity: str, what: str, actual: Array, expected: Array, dtype: str | None = None
+        self,
+        quantity: str,
+        what: str,
+        actual: Array,
+        expected: Array,
+        dtype: str | None = None,
+        chosen: Tolerance | None = None,
     ) -> None:
-        """``actual`` within ``quantity``'s tolerance at ``dtype`` (default: the example's)."""
+        """``actual`` equals ``expected`` within ``chosen`` (default: the layout's tolerance
+        of ``quantity`` at ``dtype``, by default the example's); the error is recorded in
+        ``stats`` either way."""
         key = self.spec.tolerance_key or self.family.tolerance_key
-        dtype = dtype or self.g.dtype
-        tol = tolerance(key, quantity, dtype)
+        tol = chosen if chosen is not None else tolerance(key, quantity, dtype or self.g.dtype)
         ok, error = compare(actual, expected, tol)
         ratio = 0.0
         if not tol.exact and actual.shape == expected.shape and actual.size:
@@ -2075,11 +2100,14 @@ class ConformanceMachine(RuleBasedStateMachine):
             )
         return cases + self._extra_serial_cases(track)
 
+    def _snapshot(self, impl: Impl, cache: Any) -> tuple[Any, ...]:
+        """Everything observable about one cache or layout of ``impl`` (:func:`snapshot`)."""
+        return snapshot(cache, impl, self.serial_view, self.row_view)
+
     def _snapshots(self, pairs: Sequence[tuple[Any, Any]]) -> tuple[list[Any], list[Any]]:
         ref, opt = self.ref_impl, self.opt_impl
-        views = (self.serial_view, self.row_view)
-        return [snapshot(r, ref, *views) for r, _ in pairs], [
-            snapshot(o, opt, *views) for _, o in pairs
+        return [self._snapshot(ref, r) for r, _ in pairs], [
+            self._snapshot(opt, o) for _, o in pairs
         ]
 
     def _everything(self) -> tuple[list[Any], list[Any]]:
@@ -2165,19 +2193,8 @@ class ConformanceMachine(RuleBasedStateMachine):
     ) -> tuple[KvRowsError, KvRowsError]:
         """The ``KvRowsError`` each implementation raises for ``call`` (anything else, or
         nothing, fails)."""
-        errors: list[KvRowsError] = []
-        for impl, obj in ((self.ref_impl, ref_obj), (self.opt_impl, opt_obj)):
-            try:
-                call(impl, obj)
-            except KvRowsError as error:
-                errors.append(error)
-            except Exception as error:  # any other exception is a contract violation
-                raise AssertionError(
-                    f"{impl.name}: {label} raised {type(error).__name__} ({error}), not a KvRowsError"
-                ) from error
-            else:
-                raise AssertionError(f"{impl.name}: {label} did not raise")
-        return errors[0], errors[1]
+        ref_error = raised(self.ref_impl, label, partial(call, self.ref_impl, ref_obj))
+        return ref_error, raised(self.opt_impl, label, partial(call, self.opt_impl, opt_obj))
 
     # ---------------------------------------------------------------- oracles
     @invariant()
