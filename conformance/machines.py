@@ -619,7 +619,8 @@ class ConformanceMachine(RuleBasedStateMachine):
         of ``quantity`` at ``dtype``, by default the example's); the error is recorded in
         ``stats`` either way."""
         key = self.spec.tolerance_key or self.family.tolerance_key
-        tol = chosen if chosen is not None else tolerance(key, quantity, dtype or self.g.dtype)
+        dtype = dtype or self.g.dtype
+        tol = chosen if chosen is not None else tolerance(key, quantity, dtype)
         ok, error = compare(actual, expected, tol)
         ratio = 0.0
         if not tol.exact and actual.shape == expected.shape and actual.size:
