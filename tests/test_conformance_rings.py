@@ -151,9 +151,13 @@ def _window_tags(impl: _Impl, ring: Any) -> list[int]:
     return [] if held is None else impl.tags(held[0][0])[0]
 
 
-def _golden_batch(impl: _Impl) -> Any:
+def _golden_batch(impl: _Impl, steps: int = 0) -> Any:
+    """The golden batch of §3, after ``steps`` of its decode steps."""
     layout = impl.mod.BatchedRotatingCache(6)
     layout.merge_rows([impl.ring(6, [1001, 1002, 1003, 1004]), impl.ring(6, [2001, 2002])])
+    for step in range(steps):
+        block = impl.arr([[1005 + step], [2003 + step]])
+        layout.update_and_fetch(block, block)
     return layout
 
 
@@ -215,10 +219,15 @@ def _lm_ring(max_size: int, *blocks: list[int]) -> Any:
     return ring
 
 
-def _lm_golden() -> Any:
-    return LM.BatchRotatingKVCache.merge(
+def _lm_golden(steps: int = 0) -> Any:
+    """mlx-lm's golden batch, after ``steps`` of its decode steps."""
+    batch = LM.BatchRotatingKVCache.merge(
         [_lm_ring(6, [1001, 1002, 1003, 1004]), _lm_ring(6, [2001, 2002])]
     )
+    for step in range(steps):
+        block = mx.array(np.concatenate([_tags_np([1005 + step]), _tags_np([2003 + step])]))
+        batch.update_and_fetch(block, block)
+    return batch
 
 
 def test_golden_wrap_mask_mlx_lm() -> None:
@@ -260,18 +269,10 @@ def test_golden_wrap_mask_affine() -> None:
         assert values[0, 0, :, 0].astype(np.int64).tolist() == list(range(2005, 2011))
 
 
-def _after_step_2(impl: _Impl) -> Any:
-    layout = _golden_batch(impl)
-    for step in range(3):
-        block = impl.arr([[1005 + step], [2003 + step]])
-        layout.update_and_fetch(block, block)
-    return layout
-
-
 @pytest.mark.parametrize("impl", IMPLS)
 def test_block_after_the_wrap(impl: _Impl) -> None:
     """spec/BatchedRotatingCache.md §4 (kvrows' fix of B9)."""
-    layout = _after_step_2(impl)
+    layout = _golden_batch(impl, 3)
     mask = np.asarray(np.array(layout.make_mask(2)))
     rows = [["".join(str(int(x)) for x in q) for q in row[0]] for row in mask]
     assert rows == [["1111110", "0111111"], ["1111110", "0111111"]]
@@ -293,10 +294,7 @@ def test_block_after_the_wrap(impl: _Impl) -> None:
 @pytest.mark.parametrize("impl", IMPLS)
 def test_join_at_another_phase(impl: _Impl) -> None:
     """spec/BatchedRotatingCache.md §6."""
-    layout = _golden_batch(impl)
-    for step in range(4):
-        block = impl.arr([[1005 + step], [2003 + step]])
-        layout.update_and_fetch(block, block)
+    layout = _golden_batch(impl, 4)
     newcomer = impl.ring(6, [3001, 3002, 3003])
     layout.merge_rows([newcomer])
     assert (layout.row_offsets, layout.left_pad) == ((8, 6, 3), (0, 0, 3))
@@ -364,10 +362,7 @@ def test_write_sequences_keep_the_newest_window(impl: _Impl, sequence: list[int 
 
 
 def test_divergence_b9_block_after_wrap_hides_the_oldest_token() -> None:
-    batch = _lm_golden()
-    for step in range(3):
-        block = mx.array(np.concatenate([_tags_np([1005 + step]), _tags_np([2003 + step])]))
-        batch.update_and_fetch(block, block)
+    batch = _lm_golden(3)
     rows = [
         ["".join(str(int(x)) for x in q) for q in row[0]] for row in np.array(batch.make_mask(2))
     ]
@@ -378,10 +373,7 @@ def test_divergence_b11_trim_of_a_wrapped_ring_mutates() -> None:
     ring = _lm_ring(6, [1, 2, 3, 4, 5, 6], [7], [8])
     assert not ring.is_trimmable()
     assert ring.trim(2) == 2 and ring.offset == 6
-    batch = _lm_golden()
-    for step in range(3):
-        block = mx.array(np.concatenate([_tags_np([1005 + step]), _tags_np([2003 + step])]))
-        batch.update_and_fetch(block, block)
+    batch = _lm_golden(3)
     assert not batch.is_trimmable()
     assert batch.trim(1) == 1 and np.array(batch.offset).tolist() == [6, 4]
     for impl in (_Impl("reference"), _Impl("optimized")):
@@ -392,10 +384,7 @@ def test_divergence_b11_trim_of_a_wrapped_ring_mutates() -> None:
 
 
 def test_divergence_r1_extend_keeps_the_running_geometry() -> None:
-    batch = _lm_golden()
-    for step in range(4):
-        block = mx.array(np.concatenate([_tags_np([1005 + step]), _tags_np([2003 + step])]))
-        batch.update_and_fetch(block, block)
+    batch = _lm_golden(4)
     batch.extend(LM.BatchRotatingKVCache.merge([_lm_ring(6, [3001, 3002, 3003])]))
     # kvrows re-merges: total 6 (spec §6); mlx-lm keeps _offset = max(8, 3).
     assert batch._offset == 8 and not batch.is_trimmable()
