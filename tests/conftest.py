@@ -1,8 +1,18 @@
-"""Shared pytest configuration."""
+"""Shared pytest configuration, and the fixtures many test files use."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlx.core as mx
 import pytest
+
+# Under ``--import-mode=importlib`` pytest puts no test folder on ``sys.path``: this one
+# goes there so that test files can import the helper modules beside them
+# (``conformance_helpers``, ``array_helpers``).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 #: Test files whose tests take seconds to tens of seconds each (the conformance machines,
 #: the teeth runs, the pool machines and the draw-order check).
@@ -13,3 +23,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Long tests first: the two workers then share the long ones and finish together,
     instead of one worker running a long machine alone at the end (stable otherwise)."""
     items.sort(key=lambda item: not any(name in item.nodeid for name in _LONG))
+
+
+@pytest.fixture
+def cpu_stream() -> Iterator[None]:
+    """Run the test on MLX's CPU stream, whatever the default device: the specs promise
+    byte-for-byte agreement with the NumPy reference on the CPU backend. A test file opts
+    in with ``pytestmark = pytest.mark.usefixtures("cpu_stream")``."""
+    with mx.stream(mx.cpu):
+        yield

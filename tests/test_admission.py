@@ -4,7 +4,6 @@ sliding-window rings and full-attention layers), each role's layouts."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -36,10 +35,7 @@ ROLES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 def _filled(model: object, scheme: KvStorageScheme, tokens: int) -> list[object]:

@@ -8,7 +8,6 @@ supported bits / group size / dtype and head dims 32..256.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import ml_dtypes
@@ -16,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 import pytest
+from array_helpers import NP_DTYPES, to_mx, to_np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,35 +24,13 @@ from kvrows.errors import InvalidInputError
 from kvrows.optimized import affine_codec as opt
 from kvrows.reference import affine_codec as ref
 
-NP_DTYPES: dict[str, np.dtype[Any]] = {
-    "float32": np.dtype(np.float32),
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-}
 KINDS = ("normal", "offset", "constant", "zeros", "huge", "tiny", "special", "ties", "bits")
 
 
-@pytest.fixture(autouse=True)
-def _cpu_stream() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def to_mx(x: npt.NDArray[Any]) -> mx.array:
-    """NumPy -> MLX, bit-exact (bfloat16 goes through its uint16 bits)."""
-    if x.dtype == ml_dtypes.bfloat16:
-        return mx.array(x.view(np.uint16)).view(mx.bfloat16)
-    return mx.array(x)
-
-
-def to_np(a: mx.array) -> npt.NDArray[Any]:
-    """MLX -> NumPy, bit-exact."""
-    if a.dtype == mx.bfloat16:
-        return np.array(a.view(mx.uint16)).view(ml_dtypes.bfloat16)
-    return np.array(a)
 
 
 def raw(a: npt.NDArray[Any]) -> bytes:

@@ -12,7 +12,7 @@ identified by their key vectors). Refused calls must leave every cache unchanged
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -42,10 +42,7 @@ TABLE[:, 0, 0] = mx.arange(1024).astype(mx.float32)
 Sets = list[list[list[Any]]]  # row -> query -> sorted visible tokens
 
 
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 class Tokens:

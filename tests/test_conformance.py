@@ -13,143 +13,68 @@ fails and the skip should go).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis.stateful import run_state_machine_as_test
+from conformance_helpers import (
+    BASE_OPS,
+    BASE_QUANTITIES,
+    MLX_LM_BATCH_CHECKS,
+    assert_compared,
+    assert_skips_documented,
+    run_base_family,
+    run_family,
+    run_runner,
+)
 from mlx_lm.models import cache as mlx_lm_cache
 
 from kvrows.conformance.arrays import expand_mask, from_mlx, to_mlx
 from kvrows.conformance.families import FAMILIES
-from kvrows.conformance.machines import BASE_CHECKS, machine_class
 from kvrows.conformance.parity import DIVERGENCES
 from kvrows.conformance.profiles import PROFILES, active_profile, profile_settings
-from kvrows.conformance.runner import (
-    family_settings,
-    format_report,
-    run_conformance,
-    run_machines,
-)
-from kvrows.conformance.stats import Stats
+from kvrows.conformance.runner import family_settings, run_conformance
 from kvrows.conformance.tolerances import EXACT, TOLERANCES, Tolerance, compare, tolerance
 
 #: mlx-lm is untyped; reach its classes through ``Any``.
 LM: Any = mlx_lm_cache
 
+pytestmark = pytest.mark.usefixtures("cpu_stream")
+
 SPEC = Path(__file__).resolve().parents[1] / "spec" / "tolerances.md"
 
-#: Operations every machine must have exercised (ragged layouts add trim_rows).
-COMMON_OPS = {
-    "new_request",
-    "prefill_chunk",
-    "trim_request",
-    "merge",
-    "join",
-    "merge_layout",
-    "decode_step",
-    "multi_step",
-    "filter",
-    "extract",
-    "publish",
-    "trim",
-    "invalid",
-}
-
-#: A layout's run must reach at least this many filter kinds (``strategies.keep_lists``:
-#: drop-longest, reorder, none, subset, and padded-rows). Which examples a worker runs
-#: depends on what ran before it in the same process, so demanding every kind of every
-#: layout made the check flaky; the family's layouts together reach every kind.
-FILTER_KINDS = 3
-
-
-def _ops_ran(ops: Mapping[str, int]) -> set[str]:
-    """The operations a run exercised, with ``filter`` standing for enough filter kinds."""
-    ran = {op for op in ops if not op.startswith("filter:")}
-    if len([op for op in ops if op.startswith("filter:")]) >= FILTER_KINDS:
-        ran.add("filter")
-    return ran
-
-
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+#: Operations every plain and affine machine must have exercised.
+COMMON_OPS = BASE_OPS | {"trim"}
 
 
 @pytest.mark.parametrize("layout", [spec.name for spec in FAMILIES["plain"].layouts])
 def test_plain_family(layout: str) -> None:
-    family = FAMILIES["plain"]
-    spec = family.layout(layout)
-    stats = Stats(family.name, layout)
-    settings = family_settings(family)
-    run_state_machine_as_test(machine_class(family, layout, stats=stats), settings=settings)
-    assert stats.examples >= settings.max_examples // 2, f"only {stats.examples} examples ran"
-    expected_ops = COMMON_OPS | ({"trim_rows"} if spec.trim_rows else set())
-    missing = expected_ops - _ops_ran(stats.ops)
-    assert not missing, f"operations never exercised: {sorted(missing)} (ran {dict(stats.ops)})"
-    for oracle in (*BASE_CHECKS, "solo attention"):
-        assert stats.checks[oracle] > 0, f"oracle {oracle!r} never ran: {dict(stats.checks)}"
-    unknown = set(stats.skips) - set(DIVERGENCES)
-    assert not unknown, f"parity skips without a documented reason: {unknown}"
+    spec = FAMILIES["plain"].layout(layout)
+    stats = run_base_family(FAMILIES["plain"], layout, COMMON_OPS)
+    assert_skips_documented(stats)
     if spec.peer:
-        for oracle in (
-            "mlx-lm layout",
-            "mlx-lm step",
-            "mlx-lm merge",
-            "mlx-lm filter",
-            "mlx-lm extract",
-            "mlx-lm trim",
-            "mlx-lm serial",
-        ):
-            assert stats.checks[oracle] > 0, (
-                f"parity check {oracle!r} never ran: {dict(stats.checks)}"
-            )
+        stats.require(0, oracles=(*MLX_LM_BATCH_CHECKS, "mlx-lm trim", "mlx-lm serial"))
         # Skips are the exception: most operations on a mirrored layout were compared.
         assert sum(stats.skips.values()) < stats.checks["mlx-lm layout"]
     else:
         assert not stats.skips, "a layout without an mlx-lm peer cannot skip parity"
-    compared = {quantity for quantity, _ in stats.errors}
-    expected = {"kv.stored", "kv.fetched", "kv.solo", "attention", "attention.solo"}
-    if spec.peer:
-        expected |= {"kv.mlx_lm", "attention.mlx_lm"}
-    assert expected <= compared, f"quantities never compared: {expected - compared}"
+    mirrored = {"kv.mlx_lm", "attention.mlx_lm"} if spec.peer else set()
+    assert_compared(stats, BASE_QUANTITIES | mirrored)
 
 
 @pytest.mark.parametrize("layout", [spec.name for spec in FAMILIES["affine"].layouts])
 def test_affine_family(layout: str) -> None:
     from kvrows.conformance.affine import CODECS
 
-    family = FAMILIES["affine"]
-    spec = family.layout(layout)
-    stats = Stats(family.name, layout)
-    settings = family_settings(family)
-    run_state_machine_as_test(machine_class(family, layout, stats=stats), settings=settings)
-    assert stats.examples >= settings.max_examples // 2, f"only {stats.examples} examples ran"
-    expected_ops = COMMON_OPS | ({"trim_rows"} if spec.trim_rows else set())
-    missing = expected_ops - _ops_ran(stats.ops)
-    assert not missing, f"operations never exercised: {sorted(missing)} (ran {dict(stats.ops)})"
-    for oracle in (*BASE_CHECKS, "solo attention", "mlx-lm serial"):
-        assert stats.checks[oracle] > 0, f"oracle {oracle!r} never ran: {dict(stats.checks)}"
+    stats = run_base_family(FAMILIES["affine"], layout, COMMON_OPS, ["mlx-lm serial"])
     # mlx-lm has no quantized batch: parity is serial, and only the affine skips occur
     # (where exactly: test_affine_parity_skips_are_exactly_where_mlx_lm_fails).
-    assert not spec.peer
+    assert not FAMILIES["affine"].layout(layout).peer
     assert set(stats.skips) <= {"A1", "A2"}, dict(stats.skips)
     assert sum(stats.skips.values()) < stats.checks["mlx-lm serial"]
-    compared = {quantity for quantity, _ in stats.errors}
-    expected = {
-        "kv.stored",
-        "kv.fetched",
-        "kv.solo",
-        "kv.mlx_lm",
-        "attention",
-        "attention.solo",
-        "attention.mlx_lm",
-    }
-    assert expected <= compared, f"quantities never compared: {expected - compared}"
+    assert_compared(stats, BASE_QUANTITIES | {"kv.mlx_lm", "attention.mlx_lm"})
     # Every example ran at one supported codec (test_affine_codec_sweep runs all 18).
     names = {f"bits={bits} group={group}" for bits, group in CODECS}
     assert set(stats.variants) <= names, set(stats.variants) - names
@@ -214,35 +139,25 @@ def test_affine_codec_sweep(codec: tuple[int, int], layout: str) -> None:
     ``test_affine_family`` reaches only part of the 18 codecs in the CI budget (Hypothesis
     mutates an example several times before drawing a new first choice), so each codec
     also gets a few examples of its own (on alternating layouts)."""
-    family = FAMILIES["affine"]
     profile = active_profile()
-    stats = Stats(family.name, layout)
-    machine = machine_class(
-        family,
-        layout,
-        stats=stats,
-        codecs=(codec,),
-        name=f"AffineSweep{layout}Bits{codec[0]}Group{codec[1]}",
-    )
     settings = profile_settings(
         max_examples=max(4, profile.max_examples // 40),
         stateful_step_count=max(20, profile.steps // 2),
     )
-    run_state_machine_as_test(machine, settings=settings)
+    stats, _ = run_family(
+        FAMILIES["affine"],
+        layout,
+        settings,
+        codecs=(codec,),
+        name=f"AffineSweep{layout}Bits{codec[0]}Group{codec[1]}",
+    )
     assert stats.examples > 0
     assert dict(stats.variants) == {f"bits={codec[0]} group={codec[1]}": stats.examples}
-    compared = {quantity for quantity, _ in stats.errors}
-    assert {"kv.stored", "kv.solo", "attention"} <= compared, compared
+    assert_compared(stats, {"kv.stored", "kv.solo", "attention"})
 
 
 def test_runner_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
-    results = run_machines(["plain"], profile="ci", max_examples=3, stateful_step_count=8)
-    assert [(r.family, r.layout) for r in results] == [
-        ("plain", "PaddedKVRows"),
-        ("plain", "BatchedKVCache"),
-    ]
-    assert all(r.passed for r in results), [r.failure for r in results]
-    report = format_report(results, "ci")
+    _, report = run_runner("plain", ["PaddedKVRows", "BatchedKVCache"], 3, 8)
     for word in ("family", "layout", "operations", "examples", "worst error/tol", "PASS"):
         assert word in report
     assert "max error seen vs tolerance" in report
@@ -255,14 +170,9 @@ def test_runner_runs_the_affine_family() -> None:
     ci_examples = PROFILES["ci"].max_examples
     assert family_settings(family, "ci").max_examples == round(ci_examples * family.examples)
     assert family_settings(family, "ci", max_examples=3).max_examples == 3
-    results = run_machines(["affine"], profile="ci", max_examples=3, stateful_step_count=8)
-    assert [(r.family, r.layout) for r in results] == [
-        ("affine", "PaddedQuantKVRows"),
-        ("affine", "BatchedQuantizedKVCache"),
-    ]
-    assert all(r.passed for r in results), [r.failure for r in results]
+    results, report = run_runner("affine", ["PaddedQuantKVRows", "BatchedQuantizedKVCache"], 3, 8)
     assert all(sum(r.stats.variants.values()) == r.stats.examples for r in results)
-    assert "examples per variant: bits=" in format_report(results, "ci")
+    assert "examples per variant: bits=" in report
 
 
 def test_runner_rejects_an_unknown_family(capsys: pytest.CaptureFixture[str]) -> None:

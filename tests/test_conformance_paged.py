@@ -12,18 +12,13 @@ skipped silently.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import mlx.core as mx
 import pytest
-from hypothesis.stateful import run_state_machine_as_test
+from conformance_helpers import assert_compared, run_family
 
 from kvrows.conformance.families import FAMILIES
-from kvrows.conformance.machines import BASE_CHECKS, machine_class
+from kvrows.conformance.machines import BASE_CHECKS
 from kvrows.conformance.paged import PagedAffineMachine, PagedMachine
-from kvrows.conformance.runner import family_settings
 from kvrows.conformance.speculative import SPECULATIVE_CHECKS
-from kvrows.conformance.stats import Stats
 
 FAMILY = FAMILIES["paged"]
 
@@ -40,10 +35,7 @@ EXPECTED_OPS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 def test_paged_family() -> None:
@@ -51,36 +43,28 @@ def test_paged_family() -> None:
     spec = FAMILY.layout("PagedKvRows")
     assert spec.roles == ("decode", "prefill", "verify") and spec.trim_rows
     assert FAMILY.machine is not None and issubclass(FAMILY.machine(), PagedMachine)
-    settings = family_settings(FAMILY)
-    stats = Stats(FAMILY.name, "PagedKvRows")
-    run_state_machine_as_test(machine_class(FAMILY, "PagedKvRows", stats=stats), settings=settings)
-    stats.require(settings.max_examples // 2, ops=EXPECTED_OPS)
+    stats, settings = run_family(FAMILY, "PagedKvRows")
+    oracles = (*BASE_CHECKS, *SPECULATIVE_CHECKS, "state", "save_restore")
+    stats.require(settings.max_examples // 2, ops=EXPECTED_OPS, oracles=oracles)
     assert stats.ops["spec_rounds"] + stats.ops["row_rounds"] > 0, dict(stats.ops)
     rollbacks = ("round:none", "round:equal", "round:unequal")
     assert sum(stats.ops[op] for op in rollbacks) > 0, dict(stats.ops)
-    oracles = (*BASE_CHECKS, *SPECULATIVE_CHECKS, "state", "save_restore")
-    for oracle in oracles:
-        assert stats.checks[oracle] > 0, f"oracle {oracle!r} never ran: {dict(stats.checks)}"
-    compared = {quantity for quantity, _ in stats.errors}
-    assert {"kv.stored", "kv.fetched", "kv.solo", "attention"} <= compared, compared
+    assert_compared(stats, {"kv.stored", "kv.fetched", "kv.solo", "attention"})
     assert not stats.skips, dict(stats.skips)
     # Byte-limited pools: appends (verify blocks included) were refused, alike and with
     # nothing changed, and the rounds went on.
     assert stats.ops["exhausted:append"] > 0, dict(stats.ops)
-    for oracle in ("pool invariants", "exhaustion refused", "round usable after a refused block"):
-        assert stats.checks[oracle] > 0, f"oracle {oracle!r} never ran: {dict(stats.checks)}"
+    stats.require(
+        0, oracles=("pool invariants", "exhaustion refused", "round usable after a refused block")
+    )
 
 
 def test_paged_affine_family() -> None:
     """The same rows over affine pools (one codec per example): codes exact."""
     family = FAMILIES["paged-affine"]
     assert family.machine is not None and issubclass(family.machine(), PagedAffineMachine)
-    settings = family_settings(family)
-    stats = Stats(family.name, "PagedKvRows")
-    machine = machine_class(family, "PagedKvRows", stats=stats)
-    run_state_machine_as_test(machine, settings=settings)
-    assert stats.examples >= settings.max_examples // 2, f"only {stats.examples} examples ran"
+    stats, settings = run_family(family, "PagedKvRows")
+    oracles = ("reference vs optimized", "solo replay", "state", "admission")
+    stats.require(settings.max_examples // 2, oracles=oracles)
     assert len(stats.variants) >= 3 and all(v.startswith("bits=") for v in stats.variants)
-    for oracle in ("reference vs optimized", "solo replay", "state", "admission"):
-        assert stats.checks[oracle] > 0, f"oracle {oracle!r} never ran: {dict(stats.checks)}"
-    assert {"kv.stored", "kv.solo"} <= {quantity for quantity, _ in stats.errors}
+    assert_compared(stats, {"kv.stored", "kv.solo"})

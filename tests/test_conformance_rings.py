@@ -12,24 +12,29 @@ skips (B9, B11, R1, R2): if mlx-lm fixes one, its test fails and the skip should
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis.stateful import run_state_machine_as_test
+from conformance_helpers import (
+    BASE_OPS,
+    BASE_QUANTITIES,
+    MLX_LM_BATCH_CHECKS,
+    assert_compared,
+    assert_skips_documented,
+    run_base_family,
+    run_runner,
+)
 from mlx_lm.models import cache as mlx_lm_cache
 
 import kvrows.optimized as O
 import kvrows.reference as R
 from kvrows.conformance.families import FAMILIES
-from kvrows.conformance.machines import BASE_CHECKS, expected_visible, machine_class
-from kvrows.conformance.parity import DIVERGENCES
+from kvrows.conformance.machines import expected_visible
 from kvrows.conformance.profiles import active_profile
-from kvrows.conformance.runner import family_settings, format_report, run_machines
-from kvrows.conformance.stats import Stats
+from kvrows.conformance.runner import family_settings
 from kvrows.errors import IncompatibleRowsError, NotTrimmableError
 from kvrows.forms import unpack_state
 from kvrows.persist.prompt_cache import load_prompt_cache, save_prompt_cache
@@ -40,40 +45,7 @@ LM: Any = mlx_lm_cache
 FAMILY = FAMILIES["rotating"]
 LAYOUTS = [spec.name for spec in FAMILY.layouts]
 
-COMMON_OPS = {
-    "new_request",
-    "prefill_chunk",
-    "trim_request",
-    "merge",
-    "join",
-    "merge_layout",
-    "decode_step",
-    "multi_step",
-    "filter",
-    "extract",
-    "publish",
-    "invalid",
-}
-
-#: A layout's run must reach at least this many filter kinds (``strategies.keep_lists``:
-#: drop-longest, reorder, none, subset, and padded-rows). Which examples a worker runs
-#: depends on what ran before it in the same process, so demanding every kind of every
-#: layout made the check flaky; the family's layouts together reach every kind.
-FILTER_KINDS = 3
-
-
-def _ops_ran(ops: Mapping[str, int]) -> set[str]:
-    """The operations a run exercised, with ``filter`` standing for enough filter kinds."""
-    ran = {op for op in ops if not op.startswith("filter:")}
-    if len([op for op in ops if op.startswith("filter:")]) >= FILTER_KINDS:
-        ran.add("filter")
-    return ran
-
-
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 # ------------------------------------------------------------------ the machines
@@ -81,37 +53,18 @@ def _cpu() -> Iterator[None]:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_rotating_family(layout: str) -> None:
-    settings = family_settings(FAMILY)
-    examples = settings.max_examples
-    stats = Stats(FAMILY.name, layout)
-    run_state_machine_as_test(machine_class(FAMILY, layout, stats=stats), settings=settings)
+    stats = run_base_family(FAMILY, layout, BASE_OPS)
     spec = FAMILY.layout(layout)
-    assert stats.examples >= examples // 2, f"only {stats.examples} examples ran"
-    expected_ops = COMMON_OPS | ({"trim_rows"} if spec.trim_rows else set())
-    missing = expected_ops - _ops_ran(stats.ops)
-    assert not missing, f"operations never exercised: {sorted(missing)} (ran {dict(stats.ops)})"
-    for oracle in (*BASE_CHECKS, "solo attention"):
-        assert stats.checks[oracle] > 0, f"oracle {oracle!r} never ran: {dict(stats.checks)}"
-    unknown = set(stats.skips) - set(DIVERGENCES)
-    assert not unknown, f"parity skips without a documented reason: {unknown}"
+    assert_skips_documented(stats)
     # Rings with and without sink tokens (keep) both ran.
     assert stats.variants["sink tokens"] > 0 and stats.variants["no sink tokens"] > 0
-    compared = {quantity for quantity, _ in stats.errors}
-    expected = {"kv.stored", "kv.fetched", "kv.solo", "attention", "attention.solo"}
     if spec.serial_peer:
         # Every plain machine drives mlx-lm's serial RotatingKVCache twins.
-        expected |= {"kv.mlx_lm", "attention.mlx_lm"}
         assert stats.checks["mlx-lm serial"] > 0
-    assert expected <= compared, f"quantities never compared: {expected - compared}"
+    mirrored = {"kv.mlx_lm", "attention.mlx_lm"} if spec.serial_peer else set()
+    assert_compared(stats, BASE_QUANTITIES | mirrored)
     if spec.peer:
-        for oracle in (
-            "mlx-lm layout",
-            "mlx-lm step",
-            "mlx-lm merge",
-            "mlx-lm filter",
-            "mlx-lm extract",
-        ):
-            assert stats.checks[oracle] > 0, f"parity check {oracle!r} never ran"
+        stats.require(0, oracles=MLX_LM_BATCH_CHECKS)
         # Joins are re-synced (R1) and wrapped rings refuse trims (B11), every time.
         assert stats.skips["R1"] > 0 and stats.skips["B11"] > 0
         assert stats.skips["B9"] < stats.checks["mlx-lm step"]
@@ -120,10 +73,7 @@ def test_rotating_family(layout: str) -> None:
 
 
 def test_runner_runs_the_rotating_family() -> None:
-    results = run_machines(["rotating"], profile="ci", max_examples=2, stateful_step_count=6)
-    assert [(r.family, r.layout) for r in results] == [("rotating", name) for name in LAYOUTS]
-    assert all(r.passed for r in results), [r.failure for r in results]
-    report = format_report(results, "ci")
+    _, report = run_runner("rotating", LAYOUTS, 2, 6)
     assert "rotating" in report and "RotatingAffineLayout" in report
 
 
@@ -201,9 +151,13 @@ def _window_tags(impl: _Impl, ring: Any) -> list[int]:
     return [] if held is None else impl.tags(held[0][0])[0]
 
 
-def _golden_batch(impl: _Impl) -> Any:
+def _golden_batch(impl: _Impl, steps: int = 0) -> Any:
+    """The golden batch of §3, after ``steps`` of its decode steps."""
     layout = impl.mod.BatchedRotatingCache(6)
     layout.merge_rows([impl.ring(6, [1001, 1002, 1003, 1004]), impl.ring(6, [2001, 2002])])
+    for step in range(steps):
+        block = impl.arr([[1005 + step], [2003 + step]])
+        layout.update_and_fetch(block, block)
     return layout
 
 
@@ -265,10 +219,15 @@ def _lm_ring(max_size: int, *blocks: list[int]) -> Any:
     return ring
 
 
-def _lm_golden() -> Any:
-    return LM.BatchRotatingKVCache.merge(
+def _lm_golden(steps: int = 0) -> Any:
+    """mlx-lm's golden batch, after ``steps`` of its decode steps."""
+    batch = LM.BatchRotatingKVCache.merge(
         [_lm_ring(6, [1001, 1002, 1003, 1004]), _lm_ring(6, [2001, 2002])]
     )
+    for step in range(steps):
+        block = mx.array(np.concatenate([_tags_np([1005 + step]), _tags_np([2003 + step])]))
+        batch.update_and_fetch(block, block)
+    return batch
 
 
 def test_golden_wrap_mask_mlx_lm() -> None:
@@ -310,18 +269,10 @@ def test_golden_wrap_mask_affine() -> None:
         assert values[0, 0, :, 0].astype(np.int64).tolist() == list(range(2005, 2011))
 
 
-def _after_step_2(impl: _Impl) -> Any:
-    layout = _golden_batch(impl)
-    for step in range(3):
-        block = impl.arr([[1005 + step], [2003 + step]])
-        layout.update_and_fetch(block, block)
-    return layout
-
-
 @pytest.mark.parametrize("impl", IMPLS)
 def test_block_after_the_wrap(impl: _Impl) -> None:
     """spec/BatchedRotatingCache.md §4 (kvrows' fix of B9)."""
-    layout = _after_step_2(impl)
+    layout = _golden_batch(impl, 3)
     mask = np.asarray(np.array(layout.make_mask(2)))
     rows = [["".join(str(int(x)) for x in q) for q in row[0]] for row in mask]
     assert rows == [["1111110", "0111111"], ["1111110", "0111111"]]
@@ -343,10 +294,7 @@ def test_block_after_the_wrap(impl: _Impl) -> None:
 @pytest.mark.parametrize("impl", IMPLS)
 def test_join_at_another_phase(impl: _Impl) -> None:
     """spec/BatchedRotatingCache.md §6."""
-    layout = _golden_batch(impl)
-    for step in range(4):
-        block = impl.arr([[1005 + step], [2003 + step]])
-        layout.update_and_fetch(block, block)
+    layout = _golden_batch(impl, 4)
     newcomer = impl.ring(6, [3001, 3002, 3003])
     layout.merge_rows([newcomer])
     assert (layout.row_offsets, layout.left_pad) == ((8, 6, 3), (0, 0, 3))
@@ -414,10 +362,7 @@ def test_write_sequences_keep_the_newest_window(impl: _Impl, sequence: list[int 
 
 
 def test_divergence_b9_block_after_wrap_hides_the_oldest_token() -> None:
-    batch = _lm_golden()
-    for step in range(3):
-        block = mx.array(np.concatenate([_tags_np([1005 + step]), _tags_np([2003 + step])]))
-        batch.update_and_fetch(block, block)
+    batch = _lm_golden(3)
     rows = [
         ["".join(str(int(x)) for x in q) for q in row[0]] for row in np.array(batch.make_mask(2))
     ]
@@ -428,10 +373,7 @@ def test_divergence_b11_trim_of_a_wrapped_ring_mutates() -> None:
     ring = _lm_ring(6, [1, 2, 3, 4, 5, 6], [7], [8])
     assert not ring.is_trimmable()
     assert ring.trim(2) == 2 and ring.offset == 6
-    batch = _lm_golden()
-    for step in range(3):
-        block = mx.array(np.concatenate([_tags_np([1005 + step]), _tags_np([2003 + step])]))
-        batch.update_and_fetch(block, block)
+    batch = _lm_golden(3)
     assert not batch.is_trimmable()
     assert batch.trim(1) == 1 and np.array(batch.offset).tolist() == [6, 4]
     for impl in (_Impl("reference"), _Impl("optimized")):
@@ -442,10 +384,7 @@ def test_divergence_b11_trim_of_a_wrapped_ring_mutates() -> None:
 
 
 def test_divergence_r1_extend_keeps_the_running_geometry() -> None:
-    batch = _lm_golden()
-    for step in range(4):
-        block = mx.array(np.concatenate([_tags_np([1005 + step]), _tags_np([2003 + step])]))
-        batch.update_and_fetch(block, block)
+    batch = _lm_golden(4)
     batch.extend(LM.BatchRotatingKVCache.merge([_lm_ring(6, [3001, 3002, 3003])]))
     # kvrows re-merges: total 6 (spec §6); mlx-lm keeps _offset = max(8, 3).
     assert batch._offset == 8 and not batch.is_trimmable()

@@ -12,25 +12,29 @@ test reproduces, on mlx-lm as installed, the behaviour the parity oracle skips a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis.stateful import run_state_machine_as_test
+from conformance_helpers import (
+    BASE_QUANTITIES,
+    ROW_OPS,
+    assert_compared,
+    assert_skips_documented,
+    run_family,
+    run_runner,
+)
 from mlx_lm.models import cache as mlx_lm_cache
 
 import kvrows.optimized as O
 import kvrows.reference as R
 from kvrows import table
 from kvrows.conformance.families import FAMILIES
-from kvrows.conformance.machines import BASE_CHECKS, machine_class
-from kvrows.conformance.parity import DIVERGENCES
+from kvrows.conformance.machines import BASE_CHECKS
 from kvrows.conformance.profiles import active_profile
-from kvrows.conformance.runner import family_settings, format_report, run_machines
+from kvrows.conformance.runner import family_settings
 from kvrows.conformance.speculative import ACCEPTANCE, SPECULATIVE_CHECKS
-from kvrows.conformance.stats import Stats
 from kvrows.protocols import SpeculativeRowLayout
 
 #: mlx-lm is untyped; reach its classes through ``Any``.
@@ -40,17 +44,7 @@ FAMILY = FAMILIES["speculative"]
 LAYOUTS = [spec.name for spec in FAMILY.layouts]
 
 #: Operations every speculative machine must have exercised.
-EXPECTED_OPS = {
-    "new_request",
-    "merge",
-    "join",
-    "decode_step",
-    "multi_step",
-    "extract",
-    "publish",
-    "trim_rows",
-    "invalid",
-    "spec_rounds",
+EXPECTED_OPS = ROW_OPS | {
     "row_rounds",
     "failed_round",
     "round misuse",
@@ -58,11 +52,7 @@ EXPECTED_OPS = {
     *(f"round:{kind}" for kind in ACCEPTANCE),
 }
 
-
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 #: Layouts whose CI examples (derandomized) reach every operation only with more than the
@@ -75,23 +65,18 @@ def test_speculative_family(layout: str) -> None:
     settings = family_settings(FAMILY)
     if active_profile().name == "ci" and layout in CI_EXAMPLES:
         settings = family_settings(FAMILY, max_examples=CI_EXAMPLES[layout])
-    stats = Stats(FAMILY.name, layout)
-    run_state_machine_as_test(machine_class(FAMILY, layout, stats=stats), settings=settings)
+    stats, _ = run_family(FAMILY, layout, settings)
     spec = FAMILY.layout(layout)
     stats.require(
         settings.max_examples // 2,
         ops=EXPECTED_OPS,
         oracles=(*BASE_CHECKS, *SPECULATIVE_CHECKS, "solo attention", "RowRound"),
     )
-    unknown = set(stats.skips) - set(DIVERGENCES)
-    assert not unknown, f"parity skips without a documented reason: {unknown}"
-    compared = {quantity for quantity, _ in stats.errors}
-    expected = {"kv.stored", "kv.fetched", "kv.solo", "attention", "attention.solo"}
+    assert_skips_documented(stats)
     if spec.serial_peer:
         # Every row's mlx-lm twin ran mlx-lm's own round (block, then trim_prompt_cache).
-        expected |= {"kv.mlx_lm"}
         assert stats.checks["mlx-lm speculative twin"] > 0, dict(stats.checks)
-    assert expected <= compared, f"quantities never compared: {expected - compared}"
+    assert_compared(stats, BASE_QUANTITIES | ({"kv.mlx_lm"} if spec.serial_peer else set()))
     if layout.startswith("SpeculativeRotating"):
         # Rounds rolled back rows that had passed the window, and rows the block took
         # across it.
@@ -133,10 +118,7 @@ def _params(serial: str) -> tuple[int, ...]:
 
 
 def test_runner_runs_the_speculative_family() -> None:
-    results = run_machines(["speculative"], profile="ci", max_examples=2, stateful_step_count=6)
-    assert [(r.family, r.layout) for r in results] == [("speculative", name) for name in LAYOUTS]
-    assert all(r.passed for r in results), [r.failure for r in results]
-    report = format_report(results, "ci")
+    _, report = run_runner("speculative", LAYOUTS, 2, 6)
     assert "SpeculativeRotatingAffineLayout" in report
 
 

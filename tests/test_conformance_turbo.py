@@ -13,62 +13,32 @@ read with padding columns, rolled-back rounds).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import mlx.core as mx
 import pytest
-from hypothesis.stateful import run_state_machine_as_test
+from conformance_helpers import BASE_QUANTITIES, ROW_OPS, assert_compared, run_family, run_runner
 
 from kvrows.codec import TURBO_HEAD_DIMS
 from kvrows.conformance.families import FAMILIES
-from kvrows.conformance.machines import BASE_CHECKS, machine_class
-from kvrows.conformance.runner import family_settings, format_report, run_machines
+from kvrows.conformance.machines import BASE_CHECKS
 from kvrows.conformance.speculative import SPECULATIVE_CHECKS, SpeculativeMachine
-from kvrows.conformance.stats import Stats
 from kvrows.conformance.turbo import CODECS, TURBO_CHECKS, TurboMachine
 
 FAMILY = FAMILIES["turbo"]
 LAYOUTS = [spec.name for spec in FAMILY.layouts]
 
 #: Operations the turbo machine must have exercised.
-EXPECTED_OPS = {
-    "new_request",
-    "prefill_chunk",
-    "merge",
-    "join",
-    "decode_step",
-    "multi_step",
-    "extract",
-    "publish",
-    "trim_rows",
-    "invalid",
-    "spec_rounds",
-    "round:none",
-    "round:unequal",
-}
+EXPECTED_OPS = ROW_OPS | {"prefill_chunk", "round:none", "round:unequal"}
 
-
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_turbo_family(layout: str) -> None:
-    settings = family_settings(FAMILY)
-    stats = Stats(FAMILY.name, layout)
-    run_state_machine_as_test(machine_class(FAMILY, layout, stats=stats), settings=settings)
-    stats.require(settings.max_examples // 2, ops=EXPECTED_OPS)
+    stats, settings = run_family(FAMILY, layout)
     # Saved states too: both implementations describe the same rows, and the machine goes
     # on with the restored caches.
     oracles = (*BASE_CHECKS, *SPECULATIVE_CHECKS, *TURBO_CHECKS, "solo attention", "state")
-    for oracle in (*oracles, "save_restore"):
-        assert stats.checks[oracle] > 0, f"oracle {oracle!r} never ran: {dict(stats.checks)}"
-    compared = {quantity for quantity, _ in stats.errors}
-    expected = {"kv.stored", "kv.fetched", "kv.solo", "attention", "attention.solo"}
-    expected |= {"attention.eager"}
-    assert expected <= compared, f"quantities never compared: {expected - compared}"
+    stats.require(settings.max_examples // 2, ops=EXPECTED_OPS, oracles=(*oracles, "save_restore"))
+    assert_compared(stats, BASE_QUANTITIES | {"attention.eager"})
     # Every example ran at one supported codec, and not always the same one.
     names = {f"turbo k{k}v{v}" for k, v in CODECS}
     assert set(stats.variants) <= names, set(stats.variants) - names
@@ -103,7 +73,5 @@ def test_the_family_drives_both_turbo_storages() -> None:
 
 
 def test_runner_runs_the_turbo_family() -> None:
-    results = run_machines(["turbo"], profile="ci", max_examples=2, stateful_step_count=6)
-    assert [(r.family, r.layout) for r in results] == [("turbo", name) for name in LAYOUTS]
-    assert all(r.passed for r in results), [r.failure for r in results]
-    assert "BatchedTurboQuantKVCache" in format_report(results, "ci")
+    _, report = run_runner("turbo", LAYOUTS, 2, 6)
+    assert "BatchedTurboQuantKVCache" in report

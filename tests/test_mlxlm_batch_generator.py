@@ -18,7 +18,6 @@ ring).
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -39,10 +38,7 @@ MAX_TOKENS = [6, 3, 9, 4, 7, 5]
 PROMPTS = [[(7 * i + 3 * j) % 200 + 1 for j in range(n)] for i, n in enumerate(LENGTHS)]
 
 
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 @pytest.fixture(scope="module")

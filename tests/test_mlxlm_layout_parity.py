@@ -12,7 +12,7 @@ window (``spec/mlx-lm-batch-api.md`` §3.3).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -26,10 +26,7 @@ from kvrows.errors import InvalidInputError
 peer: Any = mlx_lm_cache  # untyped
 
 
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 def block(ids: Sequence[Sequence[float]]) -> mx.array:

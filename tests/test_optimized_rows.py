@@ -7,8 +7,6 @@ never keep or write into the caller's arrays.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -30,11 +28,7 @@ from kvrows.paged_storage import PagedKVCacheBase, PagedKvRowsBase
 from kvrows.schemes import Affine, Growing, Plain, Ring
 from kvrows.validation import KvGeometry
 
-
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 def _block(rows: int, tokens: int, heads: int = 2, dim: int = 64, seed: int = 0) -> mx.array:

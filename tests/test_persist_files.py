@@ -8,6 +8,7 @@ test wrote (compared bit for bit), and processes that are killed or starved for 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import inspect
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO, ClassVar
 
@@ -509,24 +510,35 @@ print("unreachable", flush=True)
 )
 
 
-def _kill_at(path: Path, stage: str) -> list[str]:
+@contextlib.contextmanager
+def _writer_process(script: str, *args: str) -> Iterator[subprocess.Popen[str]]:
+    """``script`` run by a child Python, its stdout piped to the test; on the way out the
+    child is killed if an assertion left it running, and its pipe is closed."""
     writer = subprocess.Popen(
-        [sys.executable, "-c", _STALLING_WRITER, str(path), stage],
-        stdout=subprocess.PIPE,
-        text=True,
+        [sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True
     )
     try:
-        assert writer.stdout is not None
-        lines = [writer.stdout.readline().strip(), writer.stdout.readline().strip()]
-        assert lines[0] == "old written" and lines[1].startswith(stage), lines
-        writer.send_signal(signal.SIGKILL)
-        assert writer.wait(timeout=60) == -signal.SIGKILL
+        yield writer
     finally:
         if writer.poll() is None:  # pragma: no cover - only when an assertion failed
             writer.kill()
             writer.wait()
         if writer.stdout is not None:
             writer.stdout.close()
+
+
+def _kill(writer: subprocess.Popen[str]) -> None:
+    """SIGKILL ``writer`` wherever it is: no handler, no cleanup."""
+    writer.send_signal(signal.SIGKILL)
+    assert writer.wait(timeout=60) == -signal.SIGKILL
+
+
+def _kill_at(path: Path, stage: str) -> list[str]:
+    with _writer_process(_STALLING_WRITER, str(path), stage) as writer:
+        assert writer.stdout is not None
+        lines = [writer.stdout.readline().strip(), writer.stdout.readline().strip()]
+        assert lines[0] == "old written" and lines[1].startswith(stage), lines
+        _kill(writer)
     return lines
 
 
@@ -649,11 +661,8 @@ def test_readers_see_only_whole_files_while_a_writer_rewrites_and_is_killed(
     whatever point it has reached and the target is still whole."""
     path = tmp_path / "state.safetensors"
     expected = {n: version(n, 256 * (1 + 7 * n)) for n in range(2)}
-    writer = subprocess.Popen(
-        [sys.executable, "-c", _REWRITING_WRITER, str(path)], stdout=subprocess.PIPE, text=True
-    )
     seen: list[int] = []
-    try:
+    with _writer_process(_REWRITING_WRITER, str(path)) as writer:
         assert writer.stdout is not None and writer.stdout.readline().strip() == "started"
         deadline = time.monotonic() + 60  # a hang guard, not a measurement
         while time.monotonic() < deadline:
@@ -665,14 +674,7 @@ def test_readers_see_only_whole_files_while_a_writer_rewrites_and_is_killed(
             if len(seen) >= 40 and changes >= 6:
                 break
         assert writer.poll() is None, "the writer died on its own"
-        writer.send_signal(signal.SIGKILL)
-        assert writer.wait(timeout=60) == -signal.SIGKILL
-    finally:
-        if writer.poll() is None:  # pragma: no cover - only when an assertion failed
-            writer.kill()
-            writer.wait()
-        if writer.stdout is not None:
-            writer.stdout.close()
+        _kill(writer)
     assert {0, 1} <= set(seen), seen
     assert sum(1 for a, b in itertools.pairwise(seen) if a != b) >= 6, seen
     found, metadata = read_verified(path)

@@ -7,7 +7,6 @@ inconsistent states that leave the target unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +26,7 @@ from kvrows.schemes import Affine, Turbo
 CODECS: list[Any] = [None, Affine(bits=4, group_size=32), Turbo(k_bits=8, v_bits=3)]
 
 
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 def _np(value: Any) -> Any:

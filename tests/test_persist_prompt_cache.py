@@ -8,6 +8,7 @@ and mlx-lm 0.32.2's own ``save_prompt_cache`` / ``load_prompt_cache`` and cache 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -306,14 +307,20 @@ def test_the_older_mlx_lm_format_is_read(tmp_path: Path) -> None:
 # -- refusals ---------------------------------------------------------------------------
 
 
+def _rewrite_description(path: Path, edit: Callable[[dict[str, Any]], object]) -> None:
+    """Pass the kvrows description of the file at ``path`` through ``edit``, and write the
+    file again with a valid checksum over the new description."""
+    arrays, metadata = read_safetensors(path)
+    description = json.loads(metadata[KVROWS_KEY])
+    edit(description)
+    metadata[KVROWS_KEY] = json.dumps(description)
+    write_atomic(path, arrays, metadata)
+
+
 def test_a_newer_format_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "new.safetensors"
     save_prompt_cache(path, [_filled(optimized, "KVCache", [3], seed=1)])
-    arrays, metadata = read_safetensors(path)
-    description = json.loads(metadata[KVROWS_KEY])
-    description["format"] = FORMAT_VERSION + 1
-    metadata[KVROWS_KEY] = json.dumps(description)
-    write_atomic(path, arrays, metadata)  # a valid checksum over the newer description
+    _rewrite_description(path, lambda description: description.update(format=FORMAT_VERSION + 1))
     with pytest.raises(UnsupportedStateError, match="upgrade kvrows"):
         load_prompt_cache(path)
 
@@ -339,11 +346,7 @@ def test_a_version_2_file_records_each_layer_form_and_round_trips(tmp_path: Path
 def test_a_layer_without_a_form_version_is_form_1(tmp_path: Path) -> None:
     path = tmp_path / "formless.safetensors"
     save_prompt_cache(path, [_filled(optimized, "KVCache", [3], seed=1)])
-    arrays, metadata = read_safetensors(path)
-    description = json.loads(metadata[KVROWS_KEY])
-    del description["layers"][0]["form"]
-    metadata[KVROWS_KEY] = json.dumps(description)
-    write_atomic(path, arrays, metadata)
+    _rewrite_description(path, lambda description: description["layers"][0].pop("form"))
     assert load_prompt_cache(path)[0].offset == 3
 
 
@@ -362,11 +365,7 @@ def test_an_unknown_layer_form_is_refused(
     save_prompt_cache(
         path, [_filled(optimized, "KVCache", [3], seed=1), _filled(optimized, "KVCache", [2], 2)]
     )
-    arrays, metadata = read_safetensors(path)
-    description = json.loads(metadata[KVROWS_KEY])
-    description["layers"][1]["form"] = form
-    metadata[KVROWS_KEY] = json.dumps(description)
-    write_atomic(path, arrays, metadata)  # a valid checksum over the newer description
+    _rewrite_description(path, lambda description: description["layers"][1].update(form=form))
     with pytest.raises(error, match=r"future\.safetensors: layer 1: .*" + message):
         load_prompt_cache(path)
 
@@ -374,11 +373,9 @@ def test_an_unknown_layer_form_is_refused(
 def test_an_unknown_class_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "unknown.safetensors"
     save_prompt_cache(path, [_filled(optimized, "KVCache", [3], seed=1)])
-    arrays, metadata = read_safetensors(path)
-    description = json.loads(metadata[KVROWS_KEY])
-    description["layers"][0]["composition"] = "FancyCache"
-    metadata[KVROWS_KEY] = json.dumps(description)
-    write_atomic(path, arrays, metadata)
+    _rewrite_description(
+        path, lambda description: description["layers"][0].update(composition="FancyCache")
+    )
     with pytest.raises(UnsupportedStateError, match="FancyCache"):
         load_prompt_cache(path)
 

@@ -5,7 +5,6 @@ files refused."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +25,7 @@ from kvrows.recurrent import StateShapes
 GEOMETRY = StateShapes.from_v1((3, 12), "bfloat16", (2, 4, 8))
 
 
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 def _planes(rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +41,7 @@ IMPLS = {"reference": ref, "optimized": opt}
 PLANES = ("kIdx", "kScales", "kZeros", "vPacked", "vScales")
 
 
-@pytest.fixture(autouse=True)
-def _cpu_stream() -> Iterator[None]:
-    """The optimized codec is bit-identical to the reference on the CPU."""
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 def _block(rows: int, tokens: int, dim: int, seed: int) -> np.ndarray[Any, Any]:

@@ -10,7 +10,7 @@ its newest ``max_size - keep`` positions), and a serial ring that saw the same t
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -30,10 +30,7 @@ peer: Any = mlx_lm_cache  # mlx-lm is untyped
 SERIAL_STEPS = (3, 1, 1, 1, 1, 1, 1, 4, 1, 1, 1, 1, 2, 1, 1, 9, 1, 1)  # wraps, blocks past it
 
 
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 def _block(first: int, n: int, rows: int = 1, row_tag: Sequence[int] = (0,)) -> Any:

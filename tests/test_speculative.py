@@ -11,7 +11,7 @@ byte with a serial ring that saw only the accepted tokens (solo replay).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from itertools import count
 from typing import Any
 
@@ -43,10 +43,7 @@ IMPLS = {"reference": R, "optimized": O}
 W = 8  # the seed vectors' window
 
 
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 # -- tagged tokens -----------------------------------------------------------------------

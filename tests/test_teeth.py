@@ -10,18 +10,17 @@ implementation must pass the same budget.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
 import pytest
+from conformance_helpers import run_family
 from hypothesis import settings
-from hypothesis.stateful import run_state_machine_as_test
 
 from kvrows.codec import PlaneSet, Role
 from kvrows.conformance.families import FAMILIES, Impl, optimized_impl
-from kvrows.conformance.machines import machine_class
 from kvrows.conformance.profiles import profile_settings
 from kvrows.conformance.stats import Stats
 from kvrows.conversion import Conversion
@@ -49,11 +48,7 @@ from kvrows.protocols import Cache, Mask
 from kvrows.schemes import CodecSpec, GeometrySpec, Turbo
 from kvrows.validation import KvGeometry, as_count, check_keep
 
-
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 class FilterOffByOne(PaddedKVRows):
@@ -153,19 +148,34 @@ def _teeth(examples: int | None) -> settings:
 
 
 def _run(
-    layout: str, mutant: type | None, examples: int | None = None, family_name: str = "plain"
+    layout: str,
+    mutant: type | None,
+    examples: int | None = None,
+    family_name: str = "plain",
+    *,
+    optimized: Impl | None = None,
+    name: str | None = None,
 ) -> Stats:
-    """Run ``family_name``'s machine on ``layout``, the optimized class replaced by ``mutant``."""
-    family = FAMILIES[family_name]
-    stats = Stats(family.name, layout)
-    optimized = optimized_impl()
-    name = f"Teeth{family_name.title()}{layout}Unmutated"
+    """Run ``family_name``'s machine on ``layout`` under the teeth profile, the optimized
+    class replaced by ``mutant`` (or the implementation by ``optimized``, named ``name``)."""
+    optimized = optimized_impl() if optimized is None else optimized
+    name = name or f"Teeth{family_name.title()}{layout}Unmutated"
     if mutant is not None:
         optimized = optimized.with_classes({layout: mutant})
         name = f"Teeth{mutant.__name__}"
-    machine = machine_class(family, layout, stats=stats, optimized=optimized, name=name)
-    run_state_machine_as_test(machine, settings=_teeth(examples))
-    return stats
+    settings = _teeth(examples)
+    return run_family(FAMILIES[family_name], layout, settings, optimized=optimized, name=name)[0]
+
+
+def _caught(
+    layout: str, mutant: type, examples: int | None = None, family_name: str = "plain"
+) -> str:
+    """Run the machine with ``mutant``: an oracle must catch it (not a crash inside the
+    mutant), and Hypothesis say how; the failure's message."""
+    with pytest.raises(AssertionError) as caught:
+        _run(layout, mutant, examples, family_name)
+    assert "Failing test case" in "\n".join(getattr(caught.value, "__notes__", []))
+    return str(caught.value)
 
 
 #: Mutants the teeth profile's derandomized examples miss, and a budget whose examples
@@ -175,16 +185,27 @@ MUTANT_EXAMPLES: dict[type, int] = {FilterOffByOne: 150}
 
 @pytest.mark.parametrize(("layout", "mutant"), MUTANTS)
 def test_the_machine_catches(layout: str, mutant: type) -> None:
-    with pytest.raises(AssertionError) as caught:
-        _run(layout, mutant, MUTANT_EXAMPLES.get(mutant))
-    # An oracle caught it (not a crash inside the mutant), and Hypothesis says how.
-    assert "Failing test case" in "\n".join(getattr(caught.value, "__notes__", []))
+    _caught(layout, mutant, MUTANT_EXAMPLES.get(mutant))
 
 
-@pytest.mark.parametrize("layout", ["PaddedKVRows", "BatchedKVCache"])
-def test_the_unmutated_implementation_passes(layout: str) -> None:
-    stats = _run(layout, None, CONTROL_EXAMPLES)
-    assert stats.examples > 0
+#: The (family, layout) machines the controls run with the real classes: every one a
+#: mutant above or below plants its bug in (delayed-turbo's control checks more, below).
+CONTROLS = [
+    ("plain", "PaddedKVRows"),
+    ("plain", "BatchedKVCache"),
+    ("affine", "PaddedQuantKVRows"),
+    ("affine", "BatchedQuantizedKVCache"),
+    ("rotating", "BatchedRotatingCache"),
+    ("speculative", "BatchedKVCache"),
+    ("speculative", "SpeculativeRotatingKVCache"),
+    ("delayed", "DelayedQuantizedKVCache"),
+    ("delayed", "DelayedRotatingQuantizedKVCache"),
+]
+
+
+@pytest.mark.parametrize(("family", "layout"), CONTROLS)
+def test_the_unmutated_implementation_passes(family: str, layout: str) -> None:
+    assert _run(layout, None, CONTROL_EXAMPLES, family).examples > 0
 
 
 # ------------------------------------------------------------------ affine family
@@ -238,23 +259,11 @@ AFFINE_MUTANTS = [
 ]
 
 
-def _run_affine(layout: str, mutant: type | None, examples: int | None = None) -> Stats:
-    return _run(layout, mutant, examples, "affine")
-
-
 @pytest.mark.parametrize(("layout", "mutant"), AFFINE_MUTANTS)
 def test_the_affine_machine_catches(layout: str, mutant: type) -> None:
-    with pytest.raises(AssertionError) as caught:
-        _run_affine(layout, mutant)
-    assert "Failing test case" in "\n".join(getattr(caught.value, "__notes__", []))
+    message = _caught(layout, mutant, family_name="affine")
     # The oracle that must catch these: the exact comparison of stored or fetched triples.
-    assert "differs beyond exact" in str(caught.value)
-
-
-@pytest.mark.parametrize("layout", ["PaddedQuantKVRows", "BatchedQuantizedKVCache"])
-def test_the_unmutated_affine_implementation_passes(layout: str) -> None:
-    stats = _run_affine(layout, None, CONTROL_EXAMPLES)
-    assert stats.examples > 0
+    assert "differs beyond exact" in message
 
 
 # ------------------------------------------------------------ rotating family (rings)
@@ -313,19 +322,9 @@ RING_MUTANTS = [
 ]
 
 
-def _run_ring(mutant: type | None, examples: int | None = None) -> Stats:
-    return _run("BatchedRotatingCache", mutant, examples, "rotating")
-
-
 @pytest.mark.parametrize("mutant", RING_MUTANTS)
 def test_the_ring_machine_catches(mutant: type) -> None:
-    with pytest.raises(AssertionError) as caught:
-        _run_ring(mutant)
-    assert "Failing test case" in "\n".join(getattr(caught.value, "__notes__", []))
-
-
-def test_the_unmutated_ring_implementation_passes() -> None:
-    assert _run_ring(None, CONTROL_EXAMPLES).examples > 0
+    _caught("BatchedRotatingCache", mutant, family_name="rotating")
 
 
 # ------------------------------------- the gaps issue 8 closed (in the base machine)
@@ -403,27 +402,23 @@ GAP_MUTANTS = [
 ]
 
 
-def _run_family(family_name: str, layout: str, optimized: Impl, name: str) -> Stats:
-    family = FAMILIES[family_name]
-    stats = Stats(family.name, layout)
-    machine = machine_class(family, layout, stats=stats, optimized=optimized, name=name)
-    run_state_machine_as_test(machine, settings=_teeth(None))
-    return stats
-
-
 @pytest.mark.parametrize(("family", "layout", "mutant", "oracle"), GAP_MUTANTS)
 def test_the_gap_checks_catch(family: str, layout: str, mutant: type, oracle: str) -> None:
-    optimized = optimized_impl().with_classes({layout: mutant})
-    with pytest.raises(AssertionError) as caught:
-        _run_family(family, layout, optimized, f"Teeth{mutant.__name__}")
-    assert "Failing test case" in "\n".join(getattr(caught.value, "__notes__", []))
-    assert oracle in str(caught.value), str(caught.value)
+    message = _caught(layout, mutant, family_name=family)
+    assert oracle in message, message
 
 
 def test_the_dtype_check_catches_float32_attention() -> None:
     optimized = replace(optimized_impl(), attend=_upcast_quantized)
     with pytest.raises(AssertionError) as caught:
-        _run_family("affine", "PaddedQuantKVRows", optimized, "TeethAttentionUpcasts")
+        _run(
+            "PaddedQuantKVRows",
+            None,
+            None,
+            "affine",
+            optimized=optimized,
+            name="TeethAttentionUpcasts",
+        )
     assert "attention dtype" in str(caught.value), str(caught.value)
 
 
@@ -442,9 +437,7 @@ def test_the_role_check_catches_a_wrong_verify_layout() -> None:
     )
     try:
         with pytest.raises(AssertionError) as caught:
-            _run_family(
-                "rotating", "BatchedRotatingQuantCache", optimized_impl(), "TeethWrongVerifyRole"
-            )
+            _run("BatchedRotatingQuantCache", None, None, "rotating", name="TeethWrongVerifyRole")
     finally:
         table.register_row_layouts(
             O.BatchedRotatingQuantCache,
@@ -509,23 +502,12 @@ SPECULATIVE_MUTANTS = [
 ]
 
 
-def _run_speculative(layout: str, mutant: type | None, examples: int | None = None) -> Stats:
-    return _run(layout, mutant, examples, "speculative")
-
-
 @pytest.mark.parametrize(("layout", "mutant"), SPECULATIVE_MUTANTS)
 def test_the_speculative_machine_catches(layout: str, mutant: type) -> None:
-    with pytest.raises(AssertionError) as caught:
-        _run_speculative(layout, mutant)
-    assert "Failing test case" in "\n".join(getattr(caught.value, "__notes__", []))
+    message = _caught(layout, mutant, family_name="speculative")
     if mutant is RingRollbackRefusedPastTheWindow:
         # A valid rollback that raises is the machine's failure, not the mutant's crash.
-        assert "resolving a round" in str(caught.value), str(caught.value)
-
-
-@pytest.mark.parametrize("layout", ["BatchedKVCache", "SpeculativeRotatingKVCache"])
-def test_the_unmutated_speculative_implementation_passes(layout: str) -> None:
-    assert _run_speculative(layout, None, CONTROL_EXAMPLES).examples > 0
+        assert "resolving a round" in message, message
 
 
 # ------------------------------------------- delayed family (rows that convert at start)
@@ -560,16 +542,9 @@ DELAYED_MUTANTS = [
 
 @pytest.mark.parametrize(("layout", "mutant"), DELAYED_MUTANTS)
 def test_the_delayed_machine_catches(layout: str, mutant: type) -> None:
-    with pytest.raises(AssertionError) as caught:
-        _run(layout, mutant, family_name="delayed")
-    assert "Failing test case" in "\n".join(getattr(caught.value, "__notes__", []))
+    message = _caught(layout, mutant, family_name="delayed")
     # Caught by the conversion oracles (converted_at / a row's codec), not by a crash.
-    assert "convert" in str(caught.value), str(caught.value)
-
-
-@pytest.mark.parametrize("layout", ["DelayedQuantizedKVCache", "DelayedRotatingQuantizedKVCache"])
-def test_the_unmutated_delayed_implementation_passes(layout: str) -> None:
-    assert _run(layout, None, CONTROL_EXAMPLES, "delayed").examples > 0
+    assert "convert" in message, message
 
 
 # ---------------------------------------------------- turbo family (TurboQuant codec)
@@ -632,12 +607,10 @@ TURBO_MUTANTS = [
 
 @pytest.mark.parametrize(("codec", "oracle"), TURBO_MUTANTS)
 def test_the_turbo_machine_catches(codec: type[TurboCodec], oracle: str) -> None:
-    with pytest.raises(AssertionError) as caught:
-        _run("BatchedTurboQuantKVCache", _turbo_layout_with(codec), family_name="turbo")
-    assert "Failing test case" in "\n".join(getattr(caught.value, "__notes__", []))
+    message = _caught("BatchedTurboQuantKVCache", _turbo_layout_with(codec), family_name="turbo")
     # Caught by the oracle that must catch it: the wrong sign by the exact stored or read
     # (its round trip is right), the missing un-rotation by attention vs the reference.
-    assert oracle in str(caught.value), str(caught.value)
+    assert oracle in message, message
 
 
 # ------------------------------------ delayed-turbo family (rows that convert to TurboQuant)
@@ -677,11 +650,10 @@ def _plain_group_attend(
 
 
 def test_the_delayed_turbo_machine_catches_a_mixed_read_without_unrotation() -> None:
-    with pytest.raises(AssertionError) as caught:
-        _run("DelayedTurboQuantKVCache", MixedReadSkipsUnrotation, family_name="delayed-turbo")
-    assert "Failing test case" in "\n".join(getattr(caught.value, "__notes__", []))
+    message = _caught(
+        "DelayedTurboQuantKVCache", MixedReadSkipsUnrotation, family_name="delayed-turbo"
+    )
     # Caught on a mixed read's attention (vs the reference), not by a crash.
-    message = str(caught.value)
     assert "(mixed)" in message and "attention differs" in message, message
 
 

@@ -6,14 +6,13 @@ edge cases (constant groups, zeros, ±inf, NaN); bit-packing round trips; the §
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
-import ml_dtypes
 import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 import pytest
+from array_helpers import NP_DTYPES, to_mx, to_np
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -27,30 +26,10 @@ from kvrows.reference import turbo_codec as ref
 from kvrows.schemes import TURBO_KEY_BITS, TURBO_VALUE_BITS, Turbo
 from kvrows.turbo_tables import BOUNDARIES, CENTROIDS
 
-NP_DTYPES: dict[str, np.dtype[Any]] = {
-    "float32": np.dtype(np.float32),
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-}
 KINDS = ("normal", "offset", "constant", "zeros", "tiny", "huge", "special")
 
 
-@pytest.fixture(autouse=True)
-def _cpu_stream() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
-
-
-def to_mx(x: npt.NDArray[Any]) -> mx.array:
-    if x.dtype == ml_dtypes.bfloat16:
-        return mx.array(x.view(np.uint16)).view(mx.bfloat16)
-    return mx.array(x)
-
-
-def to_np(a: mx.array) -> npt.NDArray[Any]:
-    if a.dtype == mx.bfloat16:
-        return np.array(a.view(mx.uint16)).view(ml_dtypes.bfloat16)
-    return np.array(a)
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 def same_bytes(a: npt.NDArray[Any], b: mx.array) -> bool:
@@ -324,20 +303,23 @@ def test_nearly_constant_key_groups_decode_finite_and_attend_without_nan(
             # within the group's range plus float16's relative precision of the mean
             bound = float(original.max() - original.min()) + center / 512 + 1e-3
             assert float(np.abs(got - original).max()) <= bound
-    spec = Turbo(k_bits=k_bits, v_bits=3)
-    queries = np.full((1, 1, 1, 64), 1e-3, dtype=np.float32)
     # token 0 holds the nearly constant keys, token 1 ordinary ones; ordinary values
     ordinary = np.linspace(-1, 1, 64, dtype=np.float32)[None]
     key_block = np.concatenate([exact, ordinary])[None, None]
     value_block = np.concatenate([ordinary, -ordinary])[None, None]
+    _assert_attends_finite(Turbo(k_bits=k_bits, v_bits=3), key_block, value_block)
+
+
+def _assert_attends_finite(spec: Turbo, keys: npt.NDArray[Any], values: npt.NDArray[Any]) -> None:
+    """Both implementations' codecs encode ``keys`` and ``values`` and attend small
+    queries over them to finite outputs."""
+    queries = np.full((1, 1, 1, 64), 1e-3, dtype=np.float32)
     for codecs, to in ((ref_codecs, lambda a: a), (opt_codecs, mx.array)):
         codec: Any = codecs.make_codec(spec)
-        key_planes = codec.encode(to(key_block), "keys")
-        value_planes = codec.encode(to(value_block), "values")
         out = codec.attend(
             to(queries),
-            codec.fetched(key_planes, "keys"),
-            codec.fetched(value_planes, "values"),
+            codec.fetched(codec.encode(to(keys), "keys"), "keys"),
+            codec.fetched(codec.encode(to(values), "values"), "values"),
             None,
             1.0,
         )
@@ -370,19 +352,8 @@ def test_large_finite_values_keep_finite_scales_and_attend_without_nan(
         assert same_bytes(mine, theirs)
     assert np.all(np.isfinite(encoded[1]))
     assert np.all(np.isfinite(ref.decode_values(*encoded, v_bits)))
-    spec = Turbo(k_bits=8, v_bits=v_bits)
     keys = np.linspace(-1, 1, 64, dtype=np.float32)[None, None, None]
-    queries = np.full((1, 1, 1, 64), 1e-3, dtype=np.float32)
-    for codecs, to in ((ref_codecs, lambda a: a), (opt_codecs, mx.array)):
-        codec: Any = codecs.make_codec(spec)
-        out = codec.attend(
-            to(queries),
-            codec.fetched(codec.encode(to(keys), "keys"), "keys"),
-            codec.fetched(codec.encode(to(values[None, None]), "values"), "values"),
-            None,
-            1.0,
-        )
-        assert np.all(np.isfinite(np.array(out)))
+    _assert_attends_finite(Turbo(k_bits=8, v_bits=v_bits), keys, values[None, None])
 
 
 def test_float16_values_near_the_maximum_once_overflowed_the_scale() -> None:

@@ -5,7 +5,6 @@ agrees with the eager oracle, and turbo layers work inside an unmodified mlx-lm 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import ml_dtypes
@@ -25,10 +24,7 @@ from kvrows.schemes import KvStorageScheme
 HEADS, DIM = 2, 64
 
 
-@pytest.fixture(autouse=True)
-def _cpu_stream() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 def block(rows: int, tokens: int, seed: int) -> np.ndarray[Any, Any]:

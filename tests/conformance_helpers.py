@@ -1,0 +1,139 @@
+"""What the conformance test files share: running one machine of a family, the runner's
+smoke run, and the checks that a run skipped nothing silently."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from typing import Any
+
+import hypothesis
+from hypothesis.stateful import run_state_machine_as_test
+
+from kvrows.conformance.families import Family
+from kvrows.conformance.machines import BASE_CHECKS, machine_class
+from kvrows.conformance.parity import DIVERGENCES
+from kvrows.conformance.runner import MachineResult, family_settings, format_report, run_machines
+from kvrows.conformance.stats import Stats
+
+#: The batch-parity checks a layout with an mlx-lm batch peer runs (the plain family's
+#: layouts add trim and serial parity).
+MLX_LM_BATCH_CHECKS = (
+    "mlx-lm layout",
+    "mlx-lm step",
+    "mlx-lm merge",
+    "mlx-lm filter",
+    "mlx-lm extract",
+)
+
+#: Operations every machine of the base families (plain, affine, rotating) must have
+#: exercised (layouts with per-row trims add trim_rows; the plain and affine ones, trim).
+BASE_OPS = frozenset(
+    {
+        "new_request",
+        "prefill_chunk",
+        "trim_request",
+        "merge",
+        "join",
+        "merge_layout",
+        "decode_step",
+        "multi_step",
+        "filter",
+        "extract",
+        "publish",
+        "invalid",
+    }
+)
+
+#: Operations every speculative-style machine (rows trimmed one by one, rounds of verify
+#: blocks) must have exercised, before the ones of its own family.
+ROW_OPS = frozenset(
+    {
+        "new_request",
+        "merge",
+        "join",
+        "decode_step",
+        "multi_step",
+        "extract",
+        "publish",
+        "trim_rows",
+        "invalid",
+        "spec_rounds",
+    }
+)
+
+#: The quantities every machine of the base families compares.
+BASE_QUANTITIES = frozenset({"kv.stored", "kv.fetched", "kv.solo", "attention", "attention.solo"})
+
+#: A layout's run must reach at least this many filter kinds (``strategies.keep_lists``:
+#: drop-longest, reorder, none, subset, and padded-rows). Which examples a worker runs
+#: depends on what ran before it in the same process, so demanding every kind of every
+#: layout made the check flaky; the family's layouts together reach every kind.
+FILTER_KINDS = 3
+
+
+def ops_ran(ops: Mapping[str, int]) -> set[str]:
+    """The operations a run exercised, with ``filter`` standing for enough filter kinds."""
+    ran = {op for op in ops if not op.startswith("filter:")}
+    if len([op for op in ops if op.startswith("filter:")]) >= FILTER_KINDS:
+        ran.add("filter")
+    return ran
+
+
+def run_family(
+    family: Family,
+    layout: str,
+    settings: hypothesis.settings | None = None,
+    **machine_args: Any,
+) -> tuple[Stats, hypothesis.settings]:
+    """Run ``layout``'s machine of ``family`` under ``settings`` (default: the family's
+    settings under the selected profile); the run's statistics, and the settings."""
+    settings = family_settings(family) if settings is None else settings
+    stats = Stats(family.name, layout)
+    machine = machine_class(family, layout, stats=stats, **machine_args)
+    run_state_machine_as_test(machine, settings=settings)
+    return stats, settings
+
+
+def run_base_family(
+    family: Family, layout: str, common_ops: AbstractSet[str], oracles: Iterable[str] = ()
+) -> Stats:
+    """Run ``layout``'s machine of one of the base families (plain, affine, rotating):
+    at least half the examples ran, every one of ``common_ops`` (and ``trim_rows`` where
+    the layout has it; ``filter`` as :func:`ops_ran` counts it), every base oracle, the
+    solo attention and every one of ``oracles``."""
+    stats, settings = run_family(family, layout)
+    expected_ops = set(common_ops) | ({"trim_rows"} if family.layout(layout).trim_rows else set())
+    stats.require(
+        settings.max_examples // 2,
+        ops=expected_ops,
+        ran=ops_ran(stats.ops),
+        oracles=(*BASE_CHECKS, "solo attention", *oracles),
+    )
+    return stats
+
+
+def assert_compared(stats: Stats, expected: Iterable[str]) -> None:
+    """Every quantity of ``expected`` was compared at least once."""
+    compared = {quantity for quantity, _ in stats.errors}
+    missing = set(expected) - compared
+    assert not missing, f"quantities never compared: {missing}"
+
+
+def assert_skips_documented(stats: Stats) -> None:
+    """Every parity skip names a divergence ``kvrows.conformance.parity`` documents."""
+    unknown = set(stats.skips) - set(DIVERGENCES)
+    assert not unknown, f"parity skips without a documented reason: {unknown}"
+
+
+def run_runner(
+    family: str, layouts: Sequence[str], max_examples: int, steps: int
+) -> tuple[list[MachineResult], str]:
+    """``kvrows conform --family <family>`` in small: the runner runs every layout of the
+    family, in order, and each passes; the results and the CI report."""
+    results = run_machines(
+        [family], profile="ci", max_examples=max_examples, stateful_step_count=steps
+    )
+    assert [(r.family, r.layout) for r in results] == [(family, name) for name in layouts]
+    assert all(r.passed for r in results), [r.failure for r in results]
+    return results, format_report(results, "ci")
