@@ -8,11 +8,17 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from hypothesis import settings
 
 # Under ``--import-mode=importlib`` pytest puts no test folder on ``sys.path``: this one
 # goes there so that test files can import the helper modules beside them
 # (``conformance_helpers``, ``array_helpers``).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# Timings never decide a test (a loaded CI machine runs an example 10x slower than a quiet
+# one): every Hypothesis test without a profile of its own runs without a deadline.
+settings.register_profile("kvrows-tests", deadline=None)
+settings.load_profile("kvrows-tests")
 
 #: Test files whose tests take seconds to tens of seconds each (the conformance machines,
 #: the teeth runs, the pool machines and the draw-order check).
