@@ -414,14 +414,23 @@ class Storage(SavedState, ComposedIdentity):
         block: PlaneSet = {
             t: self.codec.encode(x, t) for t, x in zip(KV_TENSORS, (keys, values), strict=True)
         }
-        n = int(keys.shape[2])
+        self._write(block, int(keys.shape[0]), int(keys.shape[2]), geometry)
+        self._geometry = geometry
+        return self.fetch()
+
+    def _write(self, block: PlaneSet, rows: int, n: int, geometry: KvGeometry) -> None:
+        """Row ``b`` takes its share of an encoded block of ``rows`` rows and ``n`` tokens
+        (a placement that also mirrors rows elsewhere, paged, overrides it and may refuse
+        first, changing nothing)."""
         if not self._rows:  # a serial storage learns its rows from its first block
-            self._rows = [Row(sinks=self._sinks) for _ in range(int(keys.shape[0]))]
+            self._rows = [self._new_row() for _ in range(rows)]
         self._advance(n)
         for b, row in enumerate(self._rows):
             self._axis.append(row, row_share(block, b), n)
-        self._geometry = geometry
-        return self.fetch()
+
+    def _new_row(self) -> Row:
+        """A row that holds nothing yet (a placement may keep more per row: paged tables)."""
+        return Row(sinks=self._sinks)
 
     def _window(self, row: Row) -> PlaneSet | None:
         """Copies of ``row``'s window in temporal order (``None`` before its first write)."""
@@ -639,7 +648,7 @@ class RowLayout(Storage):
             if isinstance(source, RowLayout) or source._rows:
                 incoming.extend(self._cut(row) for row in source._rows)
             else:
-                incoming.append(Row(sinks=self._sinks))  # a serial storage with no token
+                incoming.append(self._new_row())  # a serial storage with no token
         geometry = common_geometry([self._geometry, *(s.geometry for s in rows)])
         if not incoming:
             return
@@ -662,7 +671,7 @@ class RowLayout(Storage):
         """An independent serial storage holding row ``row``'s window."""
         entry = self._rows[check_row(row, self.batch_size)]
         serial = self.serial_class.from_specs(self.codec_spec, self._token_geometry)
-        held = self._cut(entry) if entry.offset > 0 else Row(sinks=self._sinks)
+        held = self._cut(entry) if entry.offset > 0 else self._new_row()
         return serial.adopt(held, self._geometry)  # an empty row still knows its geometry
 
     # -- trims -----------------------------------------------------------------------------
