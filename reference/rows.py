@@ -635,21 +635,29 @@ class RowLayout(Storage):
             raise InvalidInputError(MERGE_NEEDS_SEQUENCE)
         if any(s is self for s in rows) or len({id(s) for s in rows}) != len(rows):
             raise IncompatibleRowsError(self_merge_message(self.signature()))
-        incoming: list[Row] = []
         for source in rows:
             if not self._accepts(source):
-                raise IncompatibleRowsError(
-                    incompatible_merge_message(
-                        self.signature(), source, self.codec.key, self._token_geometry
-                    )
-                )
+                raise IncompatibleRowsError(self._merge_refusal(source))
             if isinstance(source, RowLayout):
                 source.lend_rows()
+        geometry = common_geometry([self._geometry, *(s.geometry for s in rows)])
+        self._join(rows, geometry)
+
+    def _merge_refusal(self, source: object) -> str:
+        """Why ``source``'s rows may not join this layout (``_accepts`` said no)."""
+        return incompatible_merge_message(
+            self.signature(), source, self.codec.key, self._token_geometry
+        )
+
+    def _join(self, sources: Sequence[Any], geometry: KvGeometry | None) -> None:
+        """Join the checked ``sources``' rows (cut to their window) after this layout's; a
+        placement that keeps rows elsewhere too (paged) overrides it."""
+        incoming: list[Row] = []
+        for source in sources:
             if isinstance(source, RowLayout) or source._rows:
                 incoming.extend(self._cut(row) for row in source._rows)
             else:
                 incoming.append(self._new_row())  # a serial storage with no token
-        geometry = common_geometry([self._geometry, *(s.geometry for s in rows)])
         if not incoming:
             return
         running = [self._cut(row) for row in self._rows]
