@@ -282,11 +282,11 @@ def _geometry_of(
     ):
         specs = codec_plane_specs(spec, role, dim, geometry.dtype, _role(role))
         for plane, plane_spec in zip(planes, specs, strict=True):
-            dims = shape(plane)
-            if dims[1] != geometry.heads or dims[3] != plane_spec.width:
+            held = shape(plane)
+            if held[1] != geometry.heads or held[3] != plane_spec.width:
                 raise CorruptStateError(
                     f"{plane_spec.name} must be [·, {geometry.heads}, ·, {plane_spec.width}], "
-                    f"got {tuple(dims)}"
+                    f"got {tuple(held)}"
                 )
             if dtype_name(plane) != plane_spec.dtype:
                 raise CorruptStateError(

@@ -58,6 +58,7 @@ from kvrows.paged import (
     DEFAULT_BLOCK_SIZE,
     ROOT_HASH,
     BlockLedger,
+    Paged,
     bind_paged,
     chain_hashes,
     check_limit,
@@ -452,6 +453,7 @@ class PagedRows(Storage):
 
     pool_class: ClassVar[type[BlockPool]] = BlockPool
     _pool: BlockPool | None
+    _paged: Paged
     _finalizer: weakref.finalize[Any, Any] | None
     #: The rows, mutated in place (``_rows`` assigns into it): the finalizer holds it.
     _row_list: list[Row]
@@ -459,6 +461,9 @@ class PagedRows(Storage):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         spec, paged, declared, pool = bind_paged(type(self), args, dict(kwargs))
         self.codec = make_codec(spec)
+        self._paged = paged
+        # The paged spec stands where a geometry spec does (signature, merges, forms): it
+        # is not a registered geometry until the placement joins the composition table.
         self._token_geometry = cast(Any, paged)
         self._axis: TokenAxis = GrowingAxis(Growing())  # a paged row keeps every token
         self._geometry = declared if pool is None or pool.geometry is None else pool.geometry
@@ -467,7 +472,7 @@ class PagedRows(Storage):
         self._pool = pool
         self._finalizer = None
 
-    @property  # type: ignore[override]
+    @property
     def _rows(self) -> list[Row]:
         return self._row_list
 
@@ -494,8 +499,7 @@ class PagedRows(Storage):
 
     @property
     def block_size(self) -> int:
-        size: int = self._token_geometry.block_size
-        return size
+        return self._paged.block_size
 
     @property
     def state_needs_dispose(self) -> bool:
@@ -679,6 +683,7 @@ class PagedRows(Storage):
                 {t: tuple(np.array(p[b : b + 1, :, pad:], copy=True) for p in ps)
                  for t, ps in (("keys", parsed.keys), ("values", parsed.values))} if offset else {},
                 offset,
+                pad,
             )
             for b, (offset, pad) in enumerate(zip(parsed.offsets, parsed.pads, strict=True))
         ]  # fmt: skip
