@@ -678,19 +678,19 @@ class PagedRows(Storage):
         return cache
 
     def _load(self, parsed: PagedState) -> None:
-        rows = [
-            PagedRow(
-                {t: tuple(np.array(p[b : b + 1, :, pad:], copy=True) for p in ps)
-                 for t, ps in (("keys", parsed.keys), ("values", parsed.values))} if offset else {},
-                offset,
-                pad,
-            )
-            for b, (offset, pad) in enumerate(zip(parsed.offsets, parsed.pads, strict=True))
-        ]  # fmt: skip
+        """Hold ``parsed``'s rows: compact copies of their columns, written into fresh
+        blocks (a serial state of no position holds no row)."""
         if parsed.width == 0 and not parsed.layout:
             return
+        rows: list[PagedRow] = []
+        for b, (offset, pad) in enumerate(zip(parsed.offsets, parsed.pads, strict=True)):
+            columns = {"keys": parsed.keys, "values": parsed.values} if offset else {}
+            planes = {
+                t: tuple(np.array(p[b : b + 1, :, pad:]) for p in ps) for t, ps in columns.items()
+            }
+            rows.append(PagedRow(planes, offset, pad))
         learnt = parsed.geometry
-        if parsed.width == 0:
+        if parsed.width == 0:  # rows of no position: the pool may not know its geometry
             pool = self._pool or self.pool_class(
                 parsed.spec, block_size=parsed.block_size, geometry=learnt
             )
@@ -702,9 +702,10 @@ class PagedRows(Storage):
             for row, count in zip(rows, counts, strict=True):
                 row.blocks = fresh[:count]
                 del fresh[:count]
-                if row.offset:
-                    pool.write_rows([row], row.planes, 0)
-            pool.ledger.bytes_written += sum(parsed.offsets) * pool.token_bytes
+                pool.write_rows([row], row.planes, 0)
+            pool.ledger.bytes_written += (
+                sum(parsed.offsets) * pool.token_bytes
+            )  # written, not copied
         self._pool = pool
         for row in rows:
             pool.open(row, touch=False)
