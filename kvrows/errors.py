@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "ADOPT_NEEDS_EMPTY",
     "AFFINE_SCALAR_INPUT",
+    "EMPTY_CACHE_NO_BLOCK",
     "EMPTY_LAYOUT_UPDATE",
     "EMPTY_ROW_NO_BLOCK",
     "MERGE_NEEDS_SEQUENCE",
@@ -17,6 +18,7 @@ __all__ = [
     "NOTHING_TO_RECORD",
     "ONE_VERIFY_BLOCK",
     "PACKED_SCALAR_INPUT",
+    "POOL_GEOMETRY_UNKNOWN",
     "PROJECTED_BYTES_NEEDS_GEOMETRY",
     "SHARED_COLUMN_TRIM",
     "SPECULATIVE_INVALID",
@@ -48,16 +50,25 @@ __all__ = [
     "latent_planes_message",
     "latent_role_message",
     "mask_message",
+    "no_affine_parameter_message",
     "no_array_codec_message",
     "not_a_geometry_message",
     "not_an_integer_message",
     "packed_codes_dtype_message",
     "packed_shapes_message",
     "packed_width_message",
+    "paged_empty_write_message",
+    "paged_merge_message",
+    "paged_read_only_message",
     "plain_latent_state_message",
     "plane_layer_input_message",
+    "pool_geometry_message",
+    "pool_limit_message",
+    "prefix_mismatch_message",
+    "prefix_too_long_message",
     "preview_blocks_message",
     "qkv_shape_message",
+    "request_rows_message",
     "ring_rollback_message",
     "ring_state_index_message",
     "scales_biases_dtype_message",
@@ -238,6 +249,66 @@ PROJECTED_BYTES_NEEDS_GEOMETRY = (
 
 #: ``register_prefix`` of a paged row that holds no block yet.
 EMPTY_ROW_NO_BLOCK = "an empty row has no block to register"
+
+# -- paged placement (both implementations' pools and paged storages) ----------------------
+
+#: ``register_prefix`` of a paged cache that holds no row yet.
+EMPTY_CACHE_NO_BLOCK = "an empty cache has no block to register"
+
+#: A pool's per-token bytes asked before it knows its KV geometry.
+POOL_GEOMETRY_UNKNOWN = "the pool's KV geometry is unknown until its first write"
+
+
+def pool_geometry_message(held: str, got: str) -> str:
+    """A pool that holds one KV geometry given another."""
+    return f"the pool holds {held}, got {got}"
+
+
+def pool_limit_message(max_bytes: int, limit: int, initial: int) -> str:
+    """A pool whose byte limit holds fewer blocks than it is to start with."""
+    return f"max_bytes {max_bytes} holds {limit} blocks, fewer than num_blocks {initial}"
+
+
+def prefix_too_long_message(count: int, offset: int) -> str:
+    """``register_prefix`` given more token ids than the row holds positions."""
+    return f"{count} token ids name more positions than the cache holds ({offset})"
+
+
+def prefix_mismatch_message(block: int) -> str:
+    """``register_prefix`` given ids other than the ones a block already caches."""
+    return f"block {block} of the table caches other token ids than token_ids gives"
+
+
+def no_affine_parameter_message(owner: str, spec: object, name: str) -> str:
+    """``bits`` / ``group_size`` of a paged cache whose codec is not affine."""
+    return f"{owner} over {spec!r} has no {name}"
+
+
+def paged_empty_write_message(owner: str, name: str) -> str:
+    """``keys`` / ``values`` written to an empty paged cache."""
+    return f"{owner} holds no tokens: write {name} through update_and_fetch"
+
+
+def paged_read_only_message(owner: str, name: str) -> str:
+    """``keys`` / ``values`` written to a paged cache that holds tokens."""
+    return (
+        f"{owner}.{name} is read-only: its blocks live in a shared pool, "
+        "written through update_and_fetch only"
+    )
+
+
+def request_rows_message(rows: int) -> str:
+    """A request's block table asked of a paged cache that holds several rows."""
+    return f"the cache holds {rows} rows; a request's table is one row's"
+
+
+def paged_merge_message(signature: str, block_size: int, codec: str, source: str) -> str:
+    """A paged layout given rows of another codec, block size or storage."""
+    return (
+        f"{signature} (block size {block_size}, codec {codec}) cannot take rows of "
+        f"{source}: a paged layout joins paged caches of its codec and block size only"
+    )
+
 
 #: A second verify block appended in one speculative round.
 #: ``spec_round_record`` on a verify layout that forgets rejected tokens itself.

@@ -30,20 +30,23 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from kvrows.errors import InvalidInputError, PoolExhaustedError
-from kvrows.validation import as_count
+from kvrows.errors import InvalidInputError, PoolExhaustedError, not_a_geometry_message
+from kvrows.schemes import CodecSpec, Plain
+from kvrows.validation import KvGeometry, as_count
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "ROOT_HASH",
     "BlockLedger",
     "Paged",
+    "bind_paged",
     "block_hash",
     "chain_hashes",
     "check_limit",
     "growth_target",
+    "token_ids",
 ]
 
 #: Tokens per block by default (vLLM's default; ``spec/paged-pool.md`` §1 says why).
@@ -106,6 +109,66 @@ def growth_target(current: int, needed: int, limit: int | None) -> int:
     check_limit(needed, limit)
     target = max(needed, math.ceil(current * 1.5), 1)
     return target if limit is None else min(target, limit)
+
+
+def token_ids(given: object) -> list[int]:
+    """``given`` as a list of token ids (``register_prefix``, ``lookup_prefix``)."""
+    if isinstance(given, str | bytes):
+        raise InvalidInputError("token_ids must be a sequence of integers")
+    if hasattr(given, "tolist"):
+        given = given.tolist()
+    if not isinstance(given, Sequence):
+        raise InvalidInputError("token_ids must be a sequence of integers")
+    values: list[int] = []
+    for value in given:
+        if isinstance(value, bool) or not hasattr(value, "__index__"):
+            raise InvalidInputError(f"token ids must be integers, got {value!r}")
+        values.append(int(value))
+    return values
+
+
+def bind_paged(
+    cls: type[Any], args: Sequence[object], kwargs: dict[str, object]
+) -> tuple[CodecSpec, Paged, KvGeometry | None, Any]:
+    """A paged storage's constructor arguments (``cls.pool_class`` is its
+    implementation's pool): ``pool=``, ``block_size=``, ``codec=``, ``token_geometry=`` (a
+    ``Paged``), ``geometry=``; what a given pool says wins, and a disagreeing argument is
+    refused. Returns the codec spec, the ``Paged`` spec, the declared geometry, the pool."""
+    if args:
+        raise InvalidInputError(f"{cls.__name__} takes keyword arguments only")
+    pool: Any = kwargs.pop("pool", None)
+    codec = kwargs.pop("codec", None)
+    geometry_spec = kwargs.pop("token_geometry", None)
+    block_size = kwargs.pop("block_size", None)
+    declared = kwargs.pop("geometry", None)
+    if kwargs:
+        raise InvalidInputError(
+            f"{cls.__name__} has no parameter {', '.join(sorted(kwargs))}; it takes pool, "
+            "block_size, codec, token_geometry and geometry"
+        )
+    if pool is not None and not isinstance(pool, cls.pool_class):
+        raise InvalidInputError(f"pool must be a {cls.pool_class.__name__}, got {pool!r}")
+    if declared is not None and not isinstance(declared, KvGeometry):
+        raise InvalidInputError(not_a_geometry_message(repr(declared)))
+    if geometry_spec is not None and not isinstance(geometry_spec, Paged):
+        raise InvalidInputError(f"{cls.__name__} has paged geometry, got {geometry_spec!r}")
+    if codec is not None and not hasattr(codec, "key"):
+        raise InvalidInputError(f"codec must be a codec spec, got {codec!r}")
+    size = None if block_size is None else as_count(block_size, "block_size", minimum=1)
+    if geometry_spec is not None:
+        if size is not None and size != geometry_spec.block_size:
+            raise InvalidInputError("block_size given twice, differently")
+        size = geometry_spec.block_size
+    if pool is not None:
+        if size is not None and size != pool.block_size:
+            raise InvalidInputError(f"the pool's blocks hold {pool.block_size} tokens, not {size}")
+        if codec is not None and codec != pool.codec_spec:
+            raise InvalidInputError(f"the pool stores {pool.codec_spec!r}, not {codec!r}")
+        size, codec = pool.block_size, pool.codec_spec
+        if declared is not None and pool.geometry is not None and declared != pool.geometry:
+            raise InvalidInputError(f"the pool holds {pool.geometry.describe()}")
+    spec: Any = Plain() if codec is None else codec
+    return spec, Paged(block_size=size or DEFAULT_BLOCK_SIZE), declared, pool
 
 
 class BlockLedger:

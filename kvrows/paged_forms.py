@@ -17,7 +17,8 @@ round trip is bit-exact in the logical KV; block ids and the prefix cache are no
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvrows.codec import CodecSpec, codec_plane_specs
@@ -33,8 +34,11 @@ if TYPE_CHECKING:
 __all__ = [
     "PAGED_LAYOUT_FIELDS",
     "PAGED_SERIAL_FIELDS",
+    "PagedState",
     "codec_field",
     "codec_named",
+    "load_into_base",
+    "parse_state",
     "restore_state",
     "state_of",
 ]
@@ -143,13 +147,37 @@ def _role(name: str) -> Any:
     return "keys" if name == "keys" else "values"
 
 
-def restore_state(
-    cls: Any, state: Any, geometry: KvGeometry | None, pool: BlockPoolBase | None = None
-) -> Any:
-    """A new ``cls`` holding ``state`` (in ``pool`` when given, else a private pool)."""
-    from kvrows.paged_storage import BlockTable, PagedKvRowsBase
+@dataclass(frozen=True)
+class PagedState:
+    """A checked paged state: each row's ``offset`` positions sit at columns ``[pad,
+    width)`` of ``keys`` / ``values`` (``()`` when ``width`` is 0), in a pool of
+    ``spec`` and ``block_size``; ``geometry``: the KV geometry the planes imply."""
 
-    layout = issubclass(cls, PagedKvRowsBase)
+    spec: CodecSpec
+    block_size: int
+    layout: bool
+    offsets: list[int]
+    pads: list[int]
+    width: int
+    keys: tuple[Any, ...]
+    values: tuple[Any, ...]
+    geometry: KvGeometry | None
+
+
+def restore_state(cls: Any, state: Any, geometry: KvGeometry | None, pool: Any = None) -> Any:
+    """A new ``cls`` holding ``state`` (in ``pool`` when given, else a private pool): each
+    implementation checks it with :func:`parse_state` and writes its rows
+    (``cls._restore_paged``)."""
+    return cls._restore_paged(state, geometry, pool)
+
+
+def parse_state(
+    cls: Any, state: Any, geometry: KvGeometry | None, pool: Any,
+    shape: Callable[[Any], tuple[int, ...]], dtype_name: Callable[[Any], str],
+) -> PagedState:  # fmt: skip
+    """``state`` checked against ``cls``'s form (``CorruptStateError`` otherwise);
+    ``shape`` / ``dtype_name`` read the implementation's arrays."""
+    layout = cls.composition.is_layout
     fields = PAGED_LAYOUT_FIELDS if layout else PAGED_SERIAL_FIELDS
     if not isinstance(state, tuple | list) or len(state) != len(fields):
         raise CorruptStateError(f"a {cls.__name__} state holds {', '.join(fields)}")
@@ -158,7 +186,6 @@ def restore_state(
     block_size = _int("block_size", values["block_size"])
     if block_size < 1:
         raise CorruptStateError(f"block_size must be positive, got {block_size}")
-    ops = cls.pool_class.ops
     if layout:
         listed = (
             values["offset"].tolist() if hasattr(values["offset"], "tolist") else values["offset"]
@@ -176,13 +203,25 @@ def restore_state(
         if width < 0:
             raise CorruptStateError(f"offset must be >= 0, got {width}")
         held = values["keys"]
-        rows = ops.shape(held[0])[0] if isinstance(held, tuple | list) and held else 1
+        rows = shape(held[0])[0] if isinstance(held, tuple | list) and held else 1
         offsets, pads = [width] * rows, [0] * rows
-    keys = _check_planes(values["keys"], spec, "keys", ops.shape, rows, width)
-    vals = _check_planes(values["values"], spec, "values", ops.shape, rows, width)
-    learnt = geometry if width == 0 else _geometry_of(spec, keys, vals, ops, geometry)
+    keys = _check_planes(values["keys"], spec, "keys", shape, rows, width)
+    vals = _check_planes(values["values"], spec, "values", shape, rows, width)
+    learnt = geometry if width == 0 else _geometry_of(spec, keys, vals, shape, dtype_name, geometry)
     if pool is not None and (pool.codec_spec != spec or pool.block_size != block_size):
         raise CorruptStateError("the state's codec or block size is not the pool's")
+    return PagedState(spec, block_size, layout, offsets, pads, width, keys, vals, learnt)
+
+
+def load_into_base(cls: Any, parsed: PagedState, pool: BlockPoolBase | None) -> Any:
+    """A new ``cls`` of ``kvrows.paged_storage`` holding ``parsed`` (the optimized
+    implementation's load until its paged placement moves)."""
+    from kvrows.paged_storage import BlockTable
+
+    spec, block_size, learnt = parsed.spec, parsed.block_size, parsed.geometry
+    offsets, pads, width, layout = parsed.offsets, parsed.pads, parsed.width, parsed.layout
+    keys, vals, rows = parsed.keys, parsed.values, len(parsed.offsets)
+    ops = cls.pool_class.ops
     cache = cls(pool=pool, codec=spec, block_size=block_size, geometry=learnt)
     if width == 0:
         if layout:
@@ -216,18 +255,19 @@ def restore_state(
 
 
 def _geometry_of(
-    spec: CodecSpec, keys: tuple[Any, ...], values: tuple[Any, ...], ops: Any,
+    spec: CodecSpec, keys: tuple[Any, ...], values: tuple[Any, ...],
+    shape: Callable[[Any], tuple[int, ...]], dtype_name: Callable[[Any], str],
     declared: KvGeometry | None,
 ) -> KvGeometry:  # fmt: skip
     """The KV geometry the planes imply (the declared one must agree)."""
     heads, key_width, value_width = (
-        ops.shape(keys[0])[1],
-        ops.shape(keys[0])[3],
-        ops.shape(values[0])[3],
+        shape(keys[0])[1],
+        shape(keys[0])[3],
+        shape(values[0])[3],
     )
     dims = spec.head_dim(key_width, "keys"), spec.head_dim(value_width, "values")
     if spec.dtype_plane is not None:  # the plane that carries the activations' dtype
-        geometry = KvGeometry(heads, *dims, ops.dtype_name(keys[spec.dtype_plane]))
+        geometry = KvGeometry(heads, *dims, dtype_name(keys[spec.dtype_plane]))
     elif declared is not None:
         geometry = declared
     else:  # TurboQuant planes do not say the activation dtype
@@ -242,14 +282,14 @@ def _geometry_of(
     ):
         specs = codec_plane_specs(spec, role, dim, geometry.dtype, _role(role))
         for plane, plane_spec in zip(planes, specs, strict=True):
-            dims = ops.shape(plane)
-            if dims[1] != geometry.heads or dims[3] != plane_spec.width:
+            held = shape(plane)
+            if held[1] != geometry.heads or held[3] != plane_spec.width:
                 raise CorruptStateError(
                     f"{plane_spec.name} must be [·, {geometry.heads}, ·, {plane_spec.width}], "
-                    f"got {tuple(dims)}"
+                    f"got {tuple(held)}"
                 )
-            if ops.dtype_name(plane) != plane_spec.dtype:
+            if dtype_name(plane) != plane_spec.dtype:
                 raise CorruptStateError(
-                    f"{plane_spec.name} must be {plane_spec.dtype}, got {ops.dtype_name(plane)}"
+                    f"{plane_spec.name} must be {plane_spec.dtype}, got {dtype_name(plane)}"
                 )
     return geometry

@@ -27,17 +27,27 @@ from typing import Any, ClassVar, Protocol, TypeVar
 from kvrows.common import ComposedIdentity, SavedState, check_counts
 from kvrows.compositions import Composition
 from kvrows.errors import (
+    EMPTY_CACHE_NO_BLOCK,
     EMPTY_LAYOUT_UPDATE,
     EMPTY_ROW_NO_BLOCK,
     MERGE_NEEDS_SEQUENCE,
     NOTHING_TO_FETCH,
+    POOL_GEOMETRY_UNKNOWN,
     PROJECTED_BYTES_NEEDS_GEOMETRY,
     IncompatibleRowsError,
     InvalidInputError,
     LayoutStateError,
     NotTrimmableError,
     PoolExhaustedError,
-    not_a_geometry_message,
+    no_affine_parameter_message,
+    paged_empty_write_message,
+    paged_merge_message,
+    paged_read_only_message,
+    pool_geometry_message,
+    pool_limit_message,
+    prefix_mismatch_message,
+    prefix_too_long_message,
+    request_rows_message,
     self_merge_message,
     trim_past_row_message,
 )
@@ -45,10 +55,11 @@ from kvrows.paged import (
     DEFAULT_BLOCK_SIZE,
     ROOT_HASH,
     BlockLedger,
-    Paged,
+    bind_paged,
     chain_hashes,
     check_limit,
 )
+from kvrows.paged import token_ids as read_token_ids
 from kvrows.protocols import Cache, Mask
 from kvrows.schemes import CodecSpec, Plain
 from kvrows.speculative import SpeculativeRounds
@@ -210,7 +221,7 @@ class BlockPoolBase:
         """KV bytes of one token (keys and values), once the geometry is known."""
         g = self._geometry
         if g is None:
-            raise LayoutStateError("the pool's KV geometry is unknown until its first write")
+            raise LayoutStateError(POOL_GEOMETRY_UNKNOWN)
         return int(
             self.codec.token_bytes(g.heads, g.key_dim, g.dtype, "keys")
             + self.codec.token_bytes(g.heads, g.value_dim, g.dtype, "values")
@@ -246,7 +257,7 @@ class BlockPoolBase:
         if self._geometry is not None:
             if geometry != self._geometry:
                 raise InvalidInputError(
-                    f"the pool holds {self._geometry.describe()}, got {geometry.describe()}"
+                    pool_geometry_message(self._geometry.describe(), geometry.describe())
                 )
             return
         self._check_geometry(geometry)
@@ -255,10 +266,7 @@ class BlockPoolBase:
             limit = self.max_bytes // self.bytes_per_block
             if limit < self._initial:
                 self._geometry = None
-                raise InvalidInputError(
-                    f"max_bytes {self.max_bytes} holds {limit} blocks, fewer than num_blocks "
-                    f"{self._initial}"
-                )
+                raise InvalidInputError(pool_limit_message(self.max_bytes, limit, self._initial))
             if limit < room:
                 self._geometry = None
                 check_limit(room, limit)
@@ -414,19 +422,15 @@ class BlockPoolBase:
     def register_prefix(self, table: BlockTable, token_ids: Sequence[int]) -> int:
         """Hash the full blocks of ``table`` that ``token_ids`` covers (at most its
         committed positions); returns how many blocks are now cached."""
-        tokens = _token_ids(token_ids)
+        tokens = read_token_ids(token_ids)
         if len(tokens) > table.offset:
-            raise InvalidInputError(
-                f"{len(tokens)} token ids name more positions than the cache holds ({table.offset})"
-            )
+            raise InvalidInputError(prefix_too_long_message(len(tokens), table.offset))
         full = len(tokens) // self.block_size
         hashes = chain_hashes(tokens, self.block_size, self.ledger.extra, full)
         for j, digest in enumerate(hashes):  # refuse before any block is hashed
             known = self.ledger.hash_of(table.blocks[j])
             if known is not None and known != digest:
-                raise InvalidInputError(
-                    f"block {j} of the table caches other token ids than token_ids gives"
-                )
+                raise InvalidInputError(prefix_mismatch_message(j))
         previous, bs = ROOT_HASH, self.block_size
         for j in range(full):
             previous = self.ledger.register(
@@ -438,7 +442,7 @@ class BlockPoolBase:
         """A new ``PagedKVCache`` holding the longest run of cached full blocks that starts
         ``token_ids`` (at most ``len(token_ids) - 1`` positions: the last token is always
         computed, for its logits), referenced, not copied; ``None`` on a miss."""
-        tokens = _token_ids(token_ids)
+        tokens = read_token_ids(token_ids)
         most = max(len(tokens) - 1, 0) // self.block_size
         hits = self.ledger.lookup(chain_hashes(tokens, self.block_size, self.ledger.extra, most))
         if not hits:
@@ -463,62 +467,8 @@ def _first(fetched: Any) -> Any:
     return fetched[0] if isinstance(fetched, tuple) else fetched
 
 
-def _token_ids(token_ids: object) -> list[int]:
-    if isinstance(token_ids, str | bytes):
-        raise InvalidInputError("token_ids must be a sequence of integers")
-    if hasattr(token_ids, "tolist"):
-        token_ids = token_ids.tolist()
-    if not isinstance(token_ids, Sequence):
-        raise InvalidInputError("token_ids must be a sequence of integers")
-    values: list[int] = []
-    for value in token_ids:
-        if isinstance(value, bool) or not hasattr(value, "__index__"):
-            raise InvalidInputError(f"token ids must be integers, got {value!r}")
-        values.append(int(value))
-    return values
-
-
-def _bind(
-    cls: type[Any], args: Sequence[object], kwargs: dict[str, object]
-) -> tuple[CodecSpec, Paged, KvGeometry | None, BlockPoolBase | None]:
-    """The constructor's arguments: ``pool=``, ``block_size=``, ``codec=``,
-    ``token_geometry=`` (a ``Paged``), ``geometry=``; what a given pool says wins, and
-    a disagreeing argument is refused."""
-    if args:
-        raise InvalidInputError(f"{cls.__name__} takes keyword arguments only")
-    pool = kwargs.pop("pool", None)
-    codec = kwargs.pop("codec", None)
-    geometry_spec = kwargs.pop("token_geometry", None)
-    block_size = kwargs.pop("block_size", None)
-    declared = kwargs.pop("geometry", None)
-    if kwargs:
-        raise InvalidInputError(
-            f"{cls.__name__} has no parameter {', '.join(sorted(kwargs))}; it takes pool, "
-            "block_size, codec, token_geometry and geometry"
-        )
-    if pool is not None and not isinstance(pool, cls.pool_class):
-        raise InvalidInputError(f"pool must be a {cls.pool_class.__name__}, got {pool!r}")
-    if declared is not None and not isinstance(declared, KvGeometry):
-        raise InvalidInputError(not_a_geometry_message(repr(declared)))
-    if geometry_spec is not None and not isinstance(geometry_spec, Paged):
-        raise InvalidInputError(f"{cls.__name__} has paged geometry, got {geometry_spec!r}")
-    if codec is not None and not hasattr(codec, "key"):
-        raise InvalidInputError(f"codec must be a codec spec, got {codec!r}")
-    size = None if block_size is None else as_count(block_size, "block_size", minimum=1)
-    if geometry_spec is not None:
-        if size is not None and size != geometry_spec.block_size:
-            raise InvalidInputError("block_size given twice, differently")
-        size = geometry_spec.block_size
-    if pool is not None:
-        if size is not None and size != pool.block_size:
-            raise InvalidInputError(f"the pool's blocks hold {pool.block_size} tokens, not {size}")
-        if codec is not None and codec != pool.codec_spec:
-            raise InvalidInputError(f"the pool stores {pool.codec_spec!r}, not {codec!r}")
-        size, codec = pool.block_size, pool.codec_spec
-        if declared is not None and pool.geometry is not None and declared != pool.geometry:
-            raise InvalidInputError(f"the pool holds {pool.geometry.describe()}")
-    spec: Any = Plain() if codec is None else codec
-    return spec, Paged(block_size=size or DEFAULT_BLOCK_SIZE), declared, pool
+_token_ids = read_token_ids
+_bind = bind_paged
 
 
 class _PagedBase(SavedState, ComposedIdentity):
@@ -564,7 +514,7 @@ class _PagedBase(SavedState, ComposedIdentity):
     def _affine_parameter(self, name: str) -> Any:
         spec = self.codec_spec
         if getattr(spec, "kind", None) != "affine":
-            raise AttributeError(f"{type(self).__name__} over {spec!r} has no {name}")
+            raise AttributeError(no_affine_parameter_message(type(self).__name__, spec, name))
         return getattr(spec, name)
 
     def _ensure_pool(self, geometry: KvGeometry, room: int = 0) -> BlockPoolBase:
@@ -619,6 +569,17 @@ class _PagedBase(SavedState, ComposedIdentity):
 
         return restore_state(cls, state, geometry)
 
+    @classmethod
+    def _restore_paged(
+        cls, state: Any, geometry: KvGeometry | None, pool: BlockPoolBase | None
+    ) -> Any:
+        """``kvrows.paged_forms.restore_state``'s load: checked, then written into blocks."""
+        from kvrows.paged_forms import load_into_base, parse_state
+
+        ops = cls.pool_class.ops
+        parsed = parse_state(cls, state, geometry, pool, ops.shape, ops.dtype_name)
+        return load_into_base(cls, parsed, pool)
+
     # -- mlx-lm's read surface (``spec/mlx-lm-drop-in.md``): reads only ------------------
     def _held(self) -> tuple[Any, Any] | None:
         raise NotImplementedError
@@ -650,13 +611,8 @@ class _PagedBase(SavedState, ComposedIdentity):
         if self._held() is None:
             if value is None:
                 return  # an empty cache's None written back
-            raise LayoutStateError(
-                f"{type(self).__name__} holds no tokens: write {name} through update_and_fetch"
-            )
-        raise InvalidInputError(
-            f"{type(self).__name__}.{name} is read-only: its blocks live in a shared pool, "
-            "written through update_and_fetch only"
-        )
+            raise LayoutStateError(paged_empty_write_message(type(self).__name__, name))
+        raise InvalidInputError(paged_read_only_message(type(self).__name__, name))
 
     def keys_and_values(self) -> tuple[Any, Any]:
         """What ``fetch()`` returns (``LayoutStateError`` while empty)."""
@@ -718,9 +674,7 @@ class PagedKVCacheBase(_PagedBase):
 
     def _request(self) -> BlockTable:
         if len(self._rows) != 1:
-            raise LayoutStateError(
-                f"the cache holds {len(self._rows)} rows; a request's table is one row's"
-            )
+            raise LayoutStateError(request_rows_message(len(self._rows)))
         return self._rows[0]
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
@@ -777,7 +731,7 @@ class PagedKVCacheBase(_PagedBase):
         """Cache the full blocks ``token_ids`` (the ids of this request's first positions,
         at most ``offset`` of them) covers; returns how many blocks are cached."""
         if self._pool is None or not self._rows:
-            raise LayoutStateError("an empty cache has no block to register")
+            raise LayoutStateError(EMPTY_CACHE_NO_BLOCK)
         return self._pool.register_prefix(self._request(), token_ids)
 
     def check_valid(self) -> None:
@@ -943,9 +897,9 @@ class PagedKvRowsBase(SpeculativeRounds, _PagedBase):
         for source in rows:
             if not self._accepts(source):
                 raise IncompatibleRowsError(
-                    f"{self.signature()} (block size {self.block_size}, codec "
-                    f"{self.codec.key}) cannot take rows of {type(source).__name__}: a paged "
-                    "layout joins paged caches of its codec and block size only"
+                    paged_merge_message(
+                        self.signature(), self.block_size, self.codec.key, type(source).__name__
+                    )
                 )
             if isinstance(source, PagedKvRowsBase):
                 source._spec_guard("merging this layout's rows into another")

@@ -414,14 +414,23 @@ class Storage(SavedState, ComposedIdentity):
         block: PlaneSet = {
             t: self.codec.encode(x, t) for t, x in zip(KV_TENSORS, (keys, values), strict=True)
         }
-        n = int(keys.shape[2])
+        self._write(block, int(keys.shape[0]), int(keys.shape[2]), geometry)
+        self._geometry = geometry
+        return self.fetch()
+
+    def _write(self, block: PlaneSet, rows: int, n: int, geometry: KvGeometry) -> None:
+        """Row ``b`` takes its share of an encoded block of ``rows`` rows and ``n`` tokens
+        (a placement that also mirrors rows elsewhere, paged, overrides it and may refuse
+        first, changing nothing)."""
         if not self._rows:  # a serial storage learns its rows from its first block
-            self._rows = [Row(sinks=self._sinks) for _ in range(int(keys.shape[0]))]
+            self._rows = [self._new_row() for _ in range(rows)]
         self._advance(n)
         for b, row in enumerate(self._rows):
             self._axis.append(row, row_share(block, b), n)
-        self._geometry = geometry
-        return self.fetch()
+
+    def _new_row(self) -> Row:
+        """A row that holds nothing yet (a placement may keep more per row: paged tables)."""
+        return Row(sinks=self._sinks)
 
     def _window(self, row: Row) -> PlaneSet | None:
         """Copies of ``row``'s window in temporal order (``None`` before its first write)."""
@@ -626,21 +635,29 @@ class RowLayout(Storage):
             raise InvalidInputError(MERGE_NEEDS_SEQUENCE)
         if any(s is self for s in rows) or len({id(s) for s in rows}) != len(rows):
             raise IncompatibleRowsError(self_merge_message(self.signature()))
-        incoming: list[Row] = []
         for source in rows:
             if not self._accepts(source):
-                raise IncompatibleRowsError(
-                    incompatible_merge_message(
-                        self.signature(), source, self.codec.key, self._token_geometry
-                    )
-                )
+                raise IncompatibleRowsError(self._merge_refusal(source))
             if isinstance(source, RowLayout):
                 source.lend_rows()
+        geometry = common_geometry([self._geometry, *(s.geometry for s in rows)])
+        self._join(rows, geometry)
+
+    def _merge_refusal(self, source: object) -> str:
+        """Why ``source``'s rows may not join this layout (``_accepts`` said no)."""
+        return incompatible_merge_message(
+            self.signature(), source, self.codec.key, self._token_geometry
+        )
+
+    def _join(self, sources: Sequence[Any], geometry: KvGeometry | None) -> None:
+        """Join the checked ``sources``' rows (cut to their window) after this layout's; a
+        placement that keeps rows elsewhere too (paged) overrides it."""
+        incoming: list[Row] = []
+        for source in sources:
             if isinstance(source, RowLayout) or source._rows:
                 incoming.extend(self._cut(row) for row in source._rows)
             else:
-                incoming.append(Row(sinks=self._sinks))  # a serial storage with no token
-        geometry = common_geometry([self._geometry, *(s.geometry for s in rows)])
+                incoming.append(self._new_row())  # a serial storage with no token
         if not incoming:
             return
         running = [self._cut(row) for row in self._rows]
@@ -662,7 +679,7 @@ class RowLayout(Storage):
         """An independent serial storage holding row ``row``'s window."""
         entry = self._rows[check_row(row, self.batch_size)]
         serial = self.serial_class.from_specs(self.codec_spec, self._token_geometry)
-        held = self._cut(entry) if entry.offset > 0 else Row(sinks=self._sinks)
+        held = self._cut(entry) if entry.offset > 0 else self._new_row()
         return serial.adopt(held, self._geometry)  # an empty row still knows its geometry
 
     # -- trims -----------------------------------------------------------------------------

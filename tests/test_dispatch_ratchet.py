@@ -51,9 +51,10 @@ BASELINE: dict[str, int] = {
     "kvrows/latent.py": 11,
     "kvrows/lego.py": 1,
     "kvrows/maintenance.py": 2,
-    "kvrows/paged_forms.py": 2,
+    "kvrows/paged.py": 1,
+    "kvrows/paged_forms.py": 1,
     "kvrows/paged_latent.py": 7,
-    "kvrows/paged_storage.py": 5,
+    "kvrows/paged_storage.py": 4,
     "kvrows/recurrent.py": 2,
     "optimized/attention.py": 1,
     "optimized/batch_dropin.py": 12,
@@ -75,7 +76,7 @@ BASELINE: dict[str, int] = {
 }
 
 #: The sum of :data:`BASELINE`: the issue's "before".
-BASELINE_TOTAL = 152
+BASELINE_TOTAL = 151
 
 ADVICE = (
     "Ask a capability instead of a type: a protocol of kvrows.protocols (HasCodec, "

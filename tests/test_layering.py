@@ -179,3 +179,22 @@ def test_the_application_imports_only_public_implementation_names(
         "__all__ of kvrows.reference / kvrows.optimized; ask a capability of "
         "kvrows.protocols instead of an implementation's class (spec/contract.md §0.10)"
     )
+
+
+#: Reference modules that may still import ``kvrows.paged_storage`` (the shared paged
+#: machinery the optimized twin runs until its half of step 3 lands): latent paging only.
+PAGED_STORAGE_USERS = {"paged_latent.py"}
+
+
+def test_the_reference_pages_kv_on_its_own_machinery() -> None:
+    """The reference's KV paging is ``reference/paging.py`` over its row machinery (contract
+    §0.4, §0.8: the twins share no row bookkeeping); no other reference module imports
+    ``kvrows.paged_storage``."""
+    reference = CORE.parent / "reference"
+    users = {
+        path.name
+        for path in reference.rglob("*.py")
+        for _, module in imported_modules(path.read_text(), "kvrows.reference")
+        if module == "kvrows.paged_storage" or module.startswith("kvrows.paged_storage.")
+    }
+    assert users <= PAGED_STORAGE_USERS, sorted(users - PAGED_STORAGE_USERS)

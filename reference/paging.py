@@ -1,0 +1,911 @@
+"""The reference's paged placement: compact rows whose tokens also live in a block pool.
+
+A paged row is still a compact :class:`~kvrows.reference.rows.Row` (its retained tokens,
+oldest first: what it *means*); a paged placement also writes every token into the
+reference pool's NumPy blocks through the row's block table (:class:`PagedRow`), reads
+assemble from the pool, and ``check_valid`` asserts that each row's gathered blocks
+equal its compact planes, so the pool is what the conformance suite tests.
+
+Which block belongs to whom is the core's int-only ledger (``kvrows.paged.BlockLedger``:
+reference counts, free queue, prefix hash chain, eviction); the tables, the planes and
+every move of bytes are written here, as plainly as possible: a token slot is
+``planes[block, :, within]``, written and read one position at a time.
+
+* An append takes every block its rows need at once (``PoolExhaustedError`` with nothing
+  changed); a row whose partly filled tail block another table holds, or that caches a
+  prefix, first copies that block (copy on write, counted in ``bytes_copied``).
+* Rows of the pool merge, extract and publish by sharing their tables (no byte moves);
+  rows of another pool are copied into fresh blocks (counted); a trim releases the
+  blocks past a row's end.
+* The storages are the reference's row machinery (:class:`SerialStorage`,
+  :class:`~kvrows.reference.speculative.SpeculativeLayout`) over the growing geometry's
+  hooks (a paged row keeps every token); the layout's rows are right-aligned
+  (:class:`RightAligned`: ``left_pad[b] = max offset - offset[b]``, virtual).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from kvrows.codec import KV_TENSORS, PlaneSet
+from kvrows.errors import (
+    EMPTY_CACHE_NO_BLOCK,
+    EMPTY_ROW_NO_BLOCK,
+    NOTHING_TO_FETCH,
+    POOL_GEOMETRY_UNKNOWN,
+    PROJECTED_BYTES_NEEDS_GEOMETRY,
+    InvalidInputError,
+    LayoutStateError,
+    PoolExhaustedError,
+    no_affine_parameter_message,
+    paged_empty_write_message,
+    paged_merge_message,
+    paged_read_only_message,
+    pool_geometry_message,
+    pool_limit_message,
+    prefix_mismatch_message,
+    prefix_too_long_message,
+    request_rows_message,
+)
+from kvrows.paged import (
+    DEFAULT_BLOCK_SIZE,
+    ROOT_HASH,
+    BlockLedger,
+    Paged,
+    bind_paged,
+    chain_hashes,
+    check_limit,
+)
+from kvrows.paged import token_ids as read_token_ids
+from kvrows.paged_forms import PagedState, codec_field, parse_state
+from kvrows.reference.codecs import Codec, dtype_name, make_codec
+from kvrows.reference.geometries.growing import GrowingAxis, PaddedRows
+from kvrows.reference.rows import Row, RowLayout, SerialStorage, Storage, TokenAxis
+from kvrows.reference.speculative import SpeculativeLayout
+from kvrows.schemes import CodecSpec, Growing, Plain
+from kvrows.validation import KvGeometry, as_count, check_keep, check_row
+
+__all__ = ["BlockPool", "PagedLayout", "PagedRow", "PagedRows", "PagedSerial", "RightAligned"]
+
+
+@dataclass(eq=False)
+class PagedRow(Row):
+    """A compact row and its block table: the pool blocks holding its positions, in
+    logical order (``ceil(offset / block_size)`` of them)."""
+
+    blocks: list[int] = field(default_factory=list)
+
+
+def _shape(array: object) -> tuple[int, ...]:
+    return tuple(int(x) for x in array.shape) if isinstance(array, np.ndarray) else ()
+
+
+def _owned(planes: PlaneSet) -> PlaneSet:
+    return {t: tuple(np.array(p, copy=True) for p in ps) for t, ps in planes.items()}
+
+
+def _release_rows(pool_ref: weakref.ref[BlockPool], rows: list[Row]) -> None:
+    pool = pool_ref()
+    if pool is not None:
+        pool.close(rows)
+
+
+class BlockPool:
+    """One layer's blocks in NumPy planes, shared by every request of the layer
+    (``spec/paged-pool.md``).
+
+    ``codec``: the codec spec of every block (default ``Plain()``); ``block_size``: tokens
+    per block; ``num_blocks``: blocks allocated once the KV geometry is known (declared
+    here or learnt from the first write); ``max_bytes``: the most bytes the pool's planes
+    may take (growth past it raises ``PoolExhaustedError``).
+    """
+
+    #: The reference's ``PagedKVCache`` (what ``lookup_prefix`` returns).
+    cache_class: ClassVar[type[PagedSerial]]
+
+    def __init__(
+        self,
+        codec: CodecSpec | None = None,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        num_blocks: int = 0,
+        max_bytes: int | None = None,
+        geometry: KvGeometry | None = None,
+    ) -> None:
+        spec = Plain() if codec is None else codec
+        self.codec: Codec = make_codec(spec)
+        self.block_size = as_count(block_size, "block_size", minimum=1)
+        self._initial = as_count(num_blocks, "num_blocks")
+        self.max_bytes = None if max_bytes is None else as_count(max_bytes, "max_bytes")
+        self.ledger = BlockLedger(
+            self.block_size, grow=self._grow_to, extra=f"{self.codec.key}|{self.block_size}"
+        )
+        #: Each tensor's planes ``[num_blocks, H, block_size, ·]`` (empty until it grows).
+        self._planes: PlaneSet = {}
+        self._geometry: KvGeometry | None = None
+        #: The live rows (block tables) by identity.
+        self._tables: dict[int, PagedRow] = {}
+        if geometry is not None:
+            self.learn(geometry)
+
+    # -- what it holds -------------------------------------------------------------------
+    @property
+    def codec_spec(self) -> CodecSpec:
+        spec: CodecSpec = self.codec.spec
+        return spec
+
+    @property
+    def geometry(self) -> KvGeometry | None:
+        return self._geometry
+
+    @property
+    def num_blocks(self) -> int:
+        return self.ledger.num_blocks
+
+    @property
+    def token_bytes(self) -> int:
+        """KV bytes of one token (keys and values), once the geometry is known."""
+        g = self._geometry
+        if g is None:
+            raise LayoutStateError(POOL_GEOMETRY_UNKNOWN)
+        return int(
+            self.codec.token_bytes(g.heads, g.key_dim, g.dtype, "keys")
+            + self.codec.token_bytes(g.heads, g.value_dim, g.dtype, "values")
+        )
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.token_bytes * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(p.nbytes) for p in self.held_arrays())
+
+    @property
+    def bytes_written(self) -> int:
+        return self.ledger.bytes_written
+
+    @property
+    def bytes_copied(self) -> int:
+        return self.ledger.bytes_copied
+
+    def held_arrays(self) -> tuple[Any, ...]:
+        return tuple(p for planes in self._planes.values() for p in planes)
+
+    def live_tables(self) -> tuple[PagedRow, ...]:
+        """The rows whose tables are live (each holds its blocks once)."""
+        return tuple(self._tables.values())
+
+    # -- geometry and growth -------------------------------------------------------------
+    def learn(self, geometry: KvGeometry, *, room: int = 0) -> None:
+        """Fix the KV geometry (first write or declaration); refuses another one. ``room``:
+        the blocks the write that teaches it takes; a byte limit that cannot hold them
+        raises ``PoolExhaustedError`` before the pool learns anything."""
+        if self._geometry is not None:
+            if geometry != self._geometry:
+                raise InvalidInputError(
+                    pool_geometry_message(self._geometry.describe(), geometry.describe())
+                )
+            return
+        self.codec.check(geometry)
+        self._geometry = geometry
+        if self.max_bytes is not None:
+            limit = self.max_bytes // self.bytes_per_block
+            if limit < self._initial:
+                self._geometry = None
+                raise InvalidInputError(pool_limit_message(self.max_bytes, limit, self._initial))
+            if limit < room:
+                self._geometry = None
+                check_limit(room, limit)
+            self.ledger.max_blocks = limit
+        if self._initial:
+            self.ledger.ensure(self._initial)
+
+    def _grow_to(self, total: int) -> None:
+        """The ledger's growth: every plane gains zero blocks up to ``total``."""
+        g = self._geometry
+        assert g is not None
+        count, bs = total - self.num_blocks, self.block_size
+        fresh: PlaneSet = {
+            t: tuple(self.codec.zeros(count, g.heads, bs, dim, g.dtype, t))
+            for t, dim in zip(KV_TENSORS, (g.key_dim, g.value_dim), strict=True)
+        }
+        if not self._planes:
+            self._planes = fresh
+            return
+        self._planes = {
+            t: tuple(
+                np.concatenate([old, new], axis=0)
+                for old, new in zip(self._planes[t], fresh[t], strict=True)
+            )
+            for t in fresh
+        }
+
+    def blocks_for(self, offset: int) -> int:
+        """Blocks a row of ``offset`` positions holds."""
+        return math.ceil(offset / self.block_size)
+
+    # -- tables --------------------------------------------------------------------------
+    def open(self, row: PagedRow, *, touch: bool = True) -> PagedRow:
+        """Make ``row`` a live table (its blocks counted once more unless they were just
+        allocated for it)."""
+        if touch:
+            self.ledger.touch(row.blocks)
+        self._tables[id(row)] = row
+        return row
+
+    def share(self, row: Row) -> PagedRow:
+        """A second row holding what ``row`` holds: its compact planes copied, its blocks
+        shared (no byte of the pool moves)."""
+        source = cast(PagedRow, row)
+        return self.open(PagedRow(_owned(source.planes), source.offset, blocks=list(source.blocks)))
+
+    def adopt_empty(self, rows: Sequence[Row]) -> None:
+        """Make empty rows made before the pool existed live tables of this pool."""
+        for row in rows:
+            if id(row) not in self._tables:
+                assert not cast(PagedRow, row).blocks and row.offset == 0
+                self._tables[id(row)] = cast(PagedRow, row)
+
+    def close(self, rows: Sequence[Row]) -> None:
+        """Release every row's table (each tail block first); the row then holds nothing."""
+        for row in rows:
+            if self._tables.pop(id(row), None) is not None:
+                paged = cast(PagedRow, row)
+                self.ledger.release(reversed(paged.blocks))
+                paged.blocks, paged.planes, paged.offset = [], {}, 0
+
+    def release_tail(self, row: Row) -> None:
+        """Release the blocks past ``row``'s end (after a trim), tail first."""
+        paged = cast(PagedRow, row)
+        keep = self.blocks_for(paged.offset)
+        self.ledger.release(reversed(paged.blocks[keep:]))
+        del paged.blocks[keep:]
+
+    # -- writes --------------------------------------------------------------------------
+    def append(self, rows: Sequence[Row], block: PlaneSet, n: int) -> None:
+        """Row ``b`` of the encoded ``block`` (``[B, H, n, ·]`` per plane) goes after row
+        ``b``'s positions (its ``offset`` is not advanced here: the row machinery does
+        that): every block the rows need is taken at once (``PoolExhaustedError`` with
+        nothing changed), then partly filled tails another table holds or that cache a
+        prefix are copied (copy on write), then the tokens are written."""
+        bs, ledger = self.block_size, self.ledger
+        tables = [cast(PagedRow, row) for row in rows]
+        plans: list[tuple[bool, int]] = []
+        for table in tables:
+            cow = table.offset % bs > 0 and not ledger.writable(table.blocks[-1])
+            plans.append((cow, self.blocks_for(table.offset + n) - len(table.blocks)))
+        fresh = ledger.allocate(sum(int(cow) + new for cow, new in plans))
+        for b, (table, (cow, new)) in enumerate(zip(tables, plans, strict=True)):
+            if cow:
+                self._copy_tail(table, fresh.pop())
+            table.blocks.extend(fresh[:new])
+            del fresh[:new]
+            self._write_tokens(
+                table, table.offset, {t: tuple(p[b] for p in ps) for t, ps in block.items()}
+            )
+        ledger.bytes_written += len(tables) * n * self.token_bytes
+
+    def _write_tokens(self, table: PagedRow, start: int, tokens: PlaneSet) -> None:
+        """Write ``tokens`` (``[H, n, ·]`` per plane) at positions ``start ..`` of
+        ``table``, one position at a time."""
+        bs = self.block_size
+        for tensor, planes in tokens.items():
+            for plane, source in zip(self._planes[tensor], planes, strict=True):
+                for i in range(int(source.shape[1])):
+                    position = start + i
+                    plane[table.blocks[position // bs], :, position % bs] = source[:, i]
+
+    def _copy_tail(self, table: PagedRow, target: int) -> None:
+        """Copy the partly filled tail block of ``table`` into ``target``, which replaces it."""
+        fill = table.offset % self.block_size
+        old = table.blocks[-1]
+        for planes in self._planes.values():
+            for plane in planes:
+                plane[target, :, :fill] = plane[old, :, :fill]
+        self.ledger.release([old])
+        table.blocks[-1] = target
+        self.ledger.bytes_copied += fill * self.token_bytes
+
+    def copy_in(self, sources: Sequence[tuple[BlockPool, Row]]) -> list[PagedRow]:
+        """New rows of this pool holding copies of rows of other pools (read from their
+        pools, counted as copied); every block is taken at once, so a refusal changes
+        nothing."""
+        fresh = self.ledger.allocate(sum(self.blocks_for(r.offset) for _, r in sources))
+        copies: list[PagedRow] = []
+        for source, row in sources:
+            count = self.blocks_for(row.offset)
+            copy = self.open(PagedRow(_owned(row.planes), blocks=fresh[:count]), touch=False)
+            del fresh[:count]
+            copies.append(copy)
+            if row.offset:
+                self.write_rows([copy], source.gather([row], [0], row.offset), 0)
+                copy.offset = row.offset
+                self.ledger.bytes_copied += row.offset * self.token_bytes
+        return copies
+
+    def write_rows(self, rows: Sequence[PagedRow], planes: PlaneSet, start: int) -> None:
+        """Write row ``b`` of ``planes`` (``[B, H, ·, ·]``), its columns from ``start`` on,
+        into ``rows[b]``'s allocated blocks from position 0."""
+        for b, row in enumerate(rows):
+            self._write_tokens(
+                row, 0, {t: tuple(p[b, :, start:] for p in ps) for t, ps in planes.items()}
+            )
+
+    # -- reads ---------------------------------------------------------------------------
+    def gather(self, rows: Sequence[Row], pads: Sequence[int], width: int) -> PlaneSet:
+        """Each tensor's planes ``[B, H, width, ·]``: row ``b``'s positions, read from its
+        blocks in logical order, at columns ``[pads[b], pads[b] + offset)``, zeros
+        elsewhere; owned arrays."""
+        bs = self.block_size
+        out: PlaneSet = {}
+        for tensor, planes in self._planes.items():
+            images: list[npt.NDArray[Any]] = []
+            for plane in planes:
+                image = np.zeros((len(rows), plane.shape[1], width, plane.shape[3]), plane.dtype)
+                for b, (row, pad) in enumerate(zip(rows, pads, strict=True)):
+                    blocks = cast(PagedRow, row).blocks
+                    for position in range(row.offset):
+                        image[b, :, pad + position] = plane[
+                            blocks[position // bs], :, position % bs
+                        ]
+                images.append(image)
+            out[tensor] = tuple(images)
+        return out
+
+    # -- the prefix cache ----------------------------------------------------------------
+    def register_prefix(self, row: Row, token_ids: Sequence[int]) -> int:
+        """Hash the full blocks of ``row`` that ``token_ids`` covers (at most its
+        positions); returns how many blocks are now cached."""
+        tokens = read_token_ids(token_ids)
+        blocks = cast(PagedRow, row).blocks
+        if len(tokens) > row.offset:
+            raise InvalidInputError(prefix_too_long_message(len(tokens), row.offset))
+        full = len(tokens) // self.block_size
+        hashes = chain_hashes(tokens, self.block_size, self.ledger.extra, full)
+        for j, digest in enumerate(hashes):  # refuse before any block is hashed
+            known = self.ledger.hash_of(blocks[j])
+            if known is not None and known != digest:
+                raise InvalidInputError(prefix_mismatch_message(j))
+        previous, bs = ROOT_HASH, self.block_size
+        for j in range(full):
+            previous = self.ledger.register(blocks[j], previous, tokens[j * bs : (j + 1) * bs])
+        return full
+
+    def lookup_prefix(self, token_ids: Sequence[int]) -> PagedSerial | None:
+        """A new ``PagedKVCache`` holding the longest run of cached full blocks that starts
+        ``token_ids`` (at most ``len(token_ids) - 1`` positions: the last token is always
+        computed, for its logits), referenced, not copied; ``None`` on a miss."""
+        tokens = read_token_ids(token_ids)
+        most = max(len(tokens) - 1, 0) // self.block_size
+        hits = self.ledger.lookup(chain_hashes(tokens, self.block_size, self.ledger.extra, most))
+        if not hits:
+            return None
+        cache = self.cache_class(pool=self)
+        cache._geometry = self._geometry
+        row = PagedRow(offset=len(hits) * self.block_size, blocks=hits)
+        row.planes = self.gather([row], [0], row.offset)  # what the hit means: its blocks
+        cache.adopt_rows([self.open(row)])
+        return cache
+
+    def evict_cached(self, count: int) -> int:
+        """Forget up to ``count`` unreferenced cached blocks, least recently used first."""
+        return self.ledger.evict_cached(as_count(count, "count"))
+
+    def check_valid(self) -> None:
+        """Assert the pool's invariants (``spec/paged-pool.md`` §4) and that every live
+        row's blocks hold its compact planes."""
+        self.ledger.check_valid(r.blocks for r in self._tables.values())
+        for row in self._tables.values():
+            assert len(row.blocks) == self.blocks_for(row.offset), "no empty tail block"
+            check_mirrored(self, row)
+
+
+def check_mirrored(pool: BlockPool, row: Row) -> None:
+    """Assert that ``row``'s blocks, gathered, are its compact planes."""
+    if row.offset == 0:
+        assert row.retained == 0, "a row at offset 0 holds no token"
+        return
+    gathered = pool.gather([row], [0], row.offset)
+    assert set(gathered) == set(row.planes), "the pool holds the row's tensors"
+    for tensor, planes in row.planes.items():
+        for mine, pooled in zip(planes, gathered[tensor], strict=True):
+            assert np.array_equal(mine, pooled), "a row's blocks differ from its planes"
+
+
+class RightAligned(PaddedRows):
+    """The paged layout's placement: every row ends at the layout's longest row
+    (``pad = max offset - offset``, recomputed after every change; nothing is padded in
+    the pool)."""
+
+    def __init__(self) -> None:
+        super().__init__(shared=False)
+
+    @staticmethod
+    def realign(rows: Sequence[Row]) -> None:
+        top = max((r.offset for r in rows), default=0)
+        for row in rows:
+            row.pad = top - row.offset
+
+    def join(self, rows: Sequence[Row], running: int) -> None:
+        self.realign(rows)
+
+    def filter(self, rows: Sequence[Row]) -> None:
+        self.realign(rows)
+
+    def trimmed(self, rows: Sequence[Row], counts: Sequence[int]) -> None:
+        self.realign(rows)
+
+
+class PagedRows(Storage):
+    """What both paged storages add to the row machinery (the ``PagedRows`` surface):
+    a codec, a block size, a pool once known, rows that are block tables into it.
+
+    Listed after the serial or layout base, so their templates run and reach these
+    overrides of the storage-level hooks (``_write``, ``fetch``, ``_window``, bytes)."""
+
+    pool_class: ClassVar[type[BlockPool]] = BlockPool
+    _pool: BlockPool | None
+    _paged: Paged
+    _finalizer: weakref.finalize[Any, Any] | None
+    #: The rows, mutated in place (``_rows`` assigns into it): the finalizer holds it.
+    _row_list: list[Row]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        spec, paged, declared, pool = bind_paged(type(self), args, dict(kwargs))
+        self.codec = make_codec(spec)
+        self._paged = paged
+        # The paged spec stands where a geometry spec does (signature, merges, forms): it
+        # is not a registered geometry until the placement joins the composition table.
+        self._token_geometry = cast(Any, paged)
+        self._axis: TokenAxis = GrowingAxis(Growing())  # a paged row keeps every token
+        self._geometry = declared if pool is None or pool.geometry is None else pool.geometry
+        self._row_list = []
+        self._sinks = 0
+        self._pool = pool
+        self._finalizer = None
+
+    @property
+    def _rows(self) -> list[Row]:
+        return self._row_list
+
+    @_rows.setter
+    def _rows(self, rows: list[Row]) -> None:
+        self._row_list[:] = rows
+
+    def _watch(self) -> None:
+        """Release the rows' blocks when this storage is collected (once its pool is known)."""
+        if self._finalizer is None and self._pool is not None:
+            self._finalizer = weakref.finalize(
+                self, _release_rows, weakref.ref(self._pool), self._row_list
+            )
+
+    def _new_row(self) -> Row:
+        return PagedRow()
+
+    # -- the paged surface ---------------------------------------------------------------
+    @property
+    def pool(self) -> BlockPool | None:
+        """The block pool this cache's tables point into (``None`` before the first write
+        of a cache built without one)."""
+        return self._pool
+
+    @property
+    def block_size(self) -> int:
+        return self._paged.block_size
+
+    @property
+    def state_needs_dispose(self) -> bool:
+        return False
+
+    # mlx-lm's attention reads ``bits`` / ``group_size`` off an affine cache (its quantized
+    # path); other codecs have neither (``hasattr`` is false).
+    @property
+    def bits(self) -> int:
+        return int(self._affine_parameter("bits"))
+
+    @property
+    def group_size(self) -> int:
+        return int(self._affine_parameter("group_size"))
+
+    def _affine_parameter(self, name: str) -> int:
+        """The codec's parameter ``name`` (only the affine codec has ``bits`` and
+        ``group_size``: its quantized attention path)."""
+        spec = self.codec_spec
+        parameters = spec.parameters()
+        if name not in parameters:
+            raise AttributeError(no_affine_parameter_message(type(self).__name__, spec, name))
+        return parameters[name]
+
+    def release(self) -> None:
+        """Give every block back to the pool now (the cache then holds no row)."""
+        if self._pool is not None:
+            self._pool.close(self._rows)
+        self._rows.clear()
+
+    def lend_rows(self) -> None:
+        """Before another layout takes this storage's rows (a layout in a round refuses)."""
+
+    def _lent(self) -> list[Row | None]:
+        """The rows a merge takes of this storage (``None``: an empty row of no table)."""
+        return list(self._rows)
+
+    # -- bytes ---------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the blocks this cache's tables hold (a shared block counts in each)."""
+        if self._pool is None or self._geometry is None:
+            return 0
+        held = sum(len(cast(PagedRow, r).blocks) for r in self._rows)
+        return held * self._pool.bytes_per_block
+
+    def held_arrays(self) -> tuple[Any, ...]:
+        return () if self._pool is None else self._pool.held_arrays()
+
+    # -- writes: the row machinery's hook ------------------------------------------------
+    def _write(self, block: PlaneSet, rows: int, n: int, geometry: KvGeometry) -> None:
+        """The pool first (it may refuse, changing nothing but what it learnt), then the
+        compact rows (``Storage._write``)."""
+        tables = self._rows or [self._new_row() for _ in range(rows)]
+        room = len(tables) * math.ceil(n / self.block_size)
+        pool = self._ensure_pool(geometry, room)
+        opened = bool(self._rows)
+        if opened:
+            pool.adopt_empty(tables)  # rows a layout joined before any pool existed
+        pool.append(tables, block, n)
+        if not opened:  # a serial storage's first block: its tables open once written
+            for table in tables:
+                pool.open(cast(PagedRow, table), touch=False)
+        self._rows = tables
+        self._watch()
+        super()._write(block, rows, n, geometry)
+
+    def _ensure_pool(self, geometry: KvGeometry, room: int) -> BlockPool:
+        """The pool, knowing ``geometry``; ``room``: the blocks the write that teaches a
+        given pool its geometry takes (refused past its byte limit before it learns)."""
+        if self._pool is None:
+            self._pool = self.pool_class(
+                self.codec_spec, block_size=self.block_size, geometry=geometry
+            )
+        else:
+            self._pool.learn(geometry, room=room)
+        return self._pool
+
+    # -- reads: assembled from the pool --------------------------------------------------
+    def _gathered(self) -> PlaneSet | None:
+        """Every row's positions read from the pool at the placement's columns (``None``
+        while no row holds a position)."""
+        if self._pool is None or not any(r.offset for r in self._rows):
+            return None
+        width, columns, _ = self._columns()
+        return self._pool.gather(self._rows, [start for start, _ in columns], width)
+
+    def fetch(self) -> tuple[Any, Any]:
+        planes = self._gathered()
+        if planes is None:
+            raise LayoutStateError(NOTHING_TO_FETCH)
+        keys, values = (self.codec.fetched(planes[t], t) for t in KV_TENSORS)
+        return keys, values
+
+    def _window(self, row: Row) -> PlaneSet | None:
+        """``row``'s positions read from its blocks (``None`` while it holds none)."""
+        if self._pool is None or row.offset == 0:
+            return None
+        return self._pool.gather([row], [0], row.offset)
+
+    # -- mlx-lm's read surface (``spec/mlx-lm-drop-in.md``): reads only ------------------
+    def _held(self) -> tuple[Any, Any] | None:
+        return None if self._gathered() is None else self.fetch()
+
+    @property
+    def keys(self) -> Any:
+        """The fetched keys (``None`` while empty). Read-only: a block pool is shared."""
+        held = self._held()
+        return None if held is None else held[0]
+
+    @keys.setter
+    def keys(self, value: object) -> None:
+        self._refuse_write("keys", value)
+
+    @property
+    def values(self) -> Any:
+        """The fetched values (``None`` while empty). Read-only: a block pool is shared."""
+        held = self._held()
+        return None if held is None else held[1]
+
+    @values.setter
+    def values(self, value: object) -> None:
+        self._refuse_write("values", value)
+
+    def _refuse_write(self, name: str, value: object) -> None:
+        if self._held() is None:
+            if value is None:
+                return  # an empty cache's None written back
+            raise LayoutStateError(paged_empty_write_message(type(self).__name__, name))
+        raise InvalidInputError(paged_read_only_message(type(self).__name__, name))
+
+    def keys_and_values(self) -> tuple[Any, Any]:
+        """What ``fetch()`` returns (``LayoutStateError`` while empty)."""
+        return self.fetch()
+
+    def empty(self) -> bool:
+        return self._held() is None
+
+    def size(self) -> int:
+        """Columns a read returns."""
+        held = self._held()
+        if held is None:
+            return 0
+        first = held[0][0] if isinstance(held[0], tuple) else held[0]
+        return int(first.shape[2])
+
+    # -- checks and forms ----------------------------------------------------------------
+    def _check_tables(self) -> None:
+        """Each row is a live table of the pool holding exactly its positions' blocks, and
+        those blocks hold its compact planes."""
+        for row in self._rows:
+            assert len(cast(PagedRow, row).blocks) == math.ceil(row.offset / self.block_size)
+            if self._pool is not None:
+                assert id(row) in self._pool._tables
+                check_mirrored(self._pool, row)
+
+    def _paged_planes(self) -> tuple[tuple[Any, ...] | None, tuple[Any, ...] | None]:
+        planes = None if self._geometry is None else self._gathered()
+        return (None, None) if planes is None else (planes["keys"], planes["values"])
+
+    @classmethod
+    def _restore(
+        cls, state: Any, meta_state: Any, keep: int | None, geometry: KvGeometry | None
+    ) -> Any:
+        return cls._restore_paged(state, geometry, None)
+
+    @classmethod
+    def _restore_paged(cls, state: Any, geometry: KvGeometry | None, pool: Any) -> Any:
+        """``kvrows.paged_forms.restore_state``'s load: the checked rows are written into
+        fresh blocks of ``pool`` (or of a private one), all taken at once (a refusal
+        changes nothing), counted as written."""
+        parsed = parse_state(cls, state, geometry, pool, _shape, dtype_name)
+        cache = cls(pool=pool, codec=parsed.spec, block_size=parsed.block_size,
+                    geometry=parsed.geometry)  # fmt: skip
+        cache._load(parsed)
+        return cache
+
+    def _load(self, parsed: PagedState) -> None:
+        """Hold ``parsed``'s rows: compact copies of their columns, written into fresh
+        blocks (a serial state of no position holds no row)."""
+        if parsed.width == 0 and not parsed.layout:
+            return
+        rows: list[PagedRow] = []
+        for b, (offset, pad) in enumerate(zip(parsed.offsets, parsed.pads, strict=True)):
+            columns = {"keys": parsed.keys, "values": parsed.values} if offset else {}
+            planes = {
+                t: tuple(np.array(p[b : b + 1, :, pad:]) for p in ps) for t, ps in columns.items()
+            }
+            rows.append(PagedRow(planes, offset, pad))
+        learnt = parsed.geometry
+        if parsed.width == 0:  # rows of no position: the pool may not know its geometry
+            pool = self._pool or self.pool_class(
+                parsed.spec, block_size=parsed.block_size, geometry=learnt
+            )
+        else:
+            assert learnt is not None
+            counts = [math.ceil(o / parsed.block_size) for o in parsed.offsets]
+            pool = self._ensure_pool(learnt, sum(counts))
+            fresh = pool.ledger.allocate(sum(counts))  # all at once: a refusal changes nothing
+            for row, count in zip(rows, counts, strict=True):
+                row.blocks = fresh[:count]
+                del fresh[:count]
+                pool.write_rows([row], row.planes, 0)
+            pool.ledger.bytes_written += (
+                sum(parsed.offsets) * pool.token_bytes
+            )  # written, not copied
+        self._pool = pool
+        for row in rows:
+            pool.open(row, touch=False)
+        self._rows = list(rows)
+        self._watch()
+        self._geometry = learnt
+
+
+class PagedSerial(SerialStorage, PagedRows):
+    """A request's block table into a pool (``spec/PagedKVCache.md``): a serial store,
+    bit-exact with ``KVCache`` on the same tokens. Shape-generic in ``B`` as every serial
+    storage, though a request is one row: prefix registration is per request (``B = 1``)."""
+
+    def _lent(self) -> list[Row | None]:
+        return list(self._rows) or [None]
+
+    def adopt_rows(self, rows: Sequence[Row]) -> None:
+        """Hold ``rows`` (live tables of the pool) instead of what it held; they are
+        released when this cache is collected."""
+        assert self._pool is not None
+        self._pool.close(self._rows)
+        self._rows = list(rows)
+        self._watch()
+
+    def _request(self) -> Row:
+        if len(self._rows) != 1:
+            raise LayoutStateError(request_rows_message(len(self._rows)))
+        return self._rows[0]
+
+    @property
+    def block_table(self) -> tuple[int, ...]:
+        """The physical blocks holding this request's positions, in logical order."""
+        return tuple(cast(PagedRow, self._request()).blocks) if self._rows else ()
+
+    def planes(self) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+        """The held positions' key and value planes in logical order, rows stacked, read
+        from the pool (``None`` when empty)."""
+        held = self._paged_planes()
+        return None if held[0] is None or held[1] is None else (held[0], held[1])
+
+    def trim(self, n: int) -> int:
+        """Forget the newest ``n`` positions (at most ``offset``); frees now-empty blocks."""
+        count = super().trim(n)
+        if count and self._pool is not None:
+            for row in self._rows:
+                self._pool.release_tail(row)
+        return count
+
+    def register_prefix(self, token_ids: Sequence[int]) -> int:
+        """Cache the full blocks ``token_ids`` (the ids of this request's first positions,
+        at most ``offset`` of them) covers; returns how many blocks are cached."""
+        if self._pool is None or not self._rows:
+            raise LayoutStateError(EMPTY_CACHE_NO_BLOCK)
+        return self._pool.register_prefix(self._request(), token_ids)
+
+    def _state(self) -> tuple[Any, ...]:
+        keys, values = self._paged_planes()
+        return keys, values, self.offset, self.block_size, codec_field(self.codec_spec)
+
+    def check_valid(self) -> None:
+        super().check_valid()
+        self._check_tables()
+
+    def __repr__(self) -> str:
+        blocks = [list(cast(PagedRow, r).blocks) for r in self._rows]
+        return f"{type(self).__name__}(offset={self.offset}, blocks={blocks})"
+
+
+class PagedLayout(SpeculativeLayout, PagedRows):
+    """Block-table rows in all three roles (``spec/PagedKvRows.md``): ragged rows, each
+    appending at its own end; the read right-aligns them (:class:`RightAligned`)."""
+
+    #: An exhausted pool refuses before any block or table changes: the round stays open,
+    #: before its block (free blocks or append a shorter one, then resolve it).
+    _spec_refused_unchanged = (PoolExhaustedError,)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._place = RightAligned()
+        self._watch()
+
+    def block_tables(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(cast(PagedRow, r).blocks) for r in self._rows)
+
+    def make_empty_batch(self) -> RowLayout:
+        return type(self)(
+            pool=self._pool, codec=self.codec_spec, token_geometry=self._token_geometry
+        )
+
+    def projected_bytes(self, tokens: int) -> int:
+        """Bytes one row needs for ``tokens`` positions: whole blocks."""
+        count = as_count(tokens, "tokens")
+        g = self._geometry
+        if g is None:
+            raise LayoutStateError(PROJECTED_BYTES_NEEDS_GEOMETRY)
+        per_token = self.codec.token_bytes(
+            g.heads, g.key_dim, g.dtype, "keys"
+        ) + self.codec.token_bytes(g.heads, g.value_dim, g.dtype, "values")
+        return math.ceil(count / self.block_size) * self.block_size * int(per_token)
+
+    def _accepts(self, source: object) -> bool:
+        return (
+            getattr(source, "pool_class", None) is self.pool_class
+            and cast(PagedRows, source).codec.key == self.codec.key
+            and cast(PagedRows, source).block_size == self.block_size
+        )
+
+    def _merge_refusal(self, source: object) -> str:
+        return paged_merge_message(
+            self.signature(), self.block_size, self.codec.key, type(source).__name__
+        )
+
+    def _join(self, sources: Sequence[Any], geometry: KvGeometry | None) -> None:
+        """Rows of this layout's pool join by reference (no byte moves); rows of another
+        pool are copied into fresh blocks (all taken at once: a refusal changes nothing)."""
+        incoming = [(s.pool, row) for s in sources for row in s._lent()]
+        if not incoming:
+            return
+        running = len(self._rows)
+        pool = self._pool or next((p for p, _ in incoming if p is not None), None)
+        if pool is None:  # only empty serial caches with no pool yet: rows of no position
+            if geometry is None:  # the rows join a pool at the first write
+                self._rows.extend(self._new_row() for _ in incoming)
+                self._place.join(self._rows, running)
+                return
+            pool = self.pool_class(self.codec_spec, block_size=self.block_size, geometry=geometry)
+        foreign = [
+            (p, r) for p, r in incoming if p is not None and p is not pool and r is not None
+            and r.offset
+        ]  # fmt: skip
+        if geometry is not None:  # copies into a pool that learns here: within its limit
+            pool.learn(geometry, room=sum(pool.blocks_for(r.offset) for _, r in foreign))
+        copies = iter(pool.copy_in(foreign))
+        joined: list[Row] = []
+        for source_pool, row in incoming:
+            if row is None or (source_pool is not pool and row.offset == 0):
+                joined.append(pool.open(PagedRow()))
+            elif source_pool is pool:
+                joined.append(pool.share(row))
+            else:
+                joined.append(next(copies))
+        pool.adopt_empty(self._rows)  # rows joined before any pool existed
+        self._pool = pool
+        self._watch()
+        self._rows.extend(joined)
+        self._place.join(self._rows, running)
+        self._geometry = geometry
+
+    def filter_rows(self, keep: Sequence[int]) -> None:
+        """Keep the rows ``keep``, in that order; the others' blocks go back to the pool."""
+        self._spec_guard("filter_rows")
+        order = check_keep(keep, self.batch_size)
+        dropped = [r for i, r in enumerate(self._rows) if i not in set(order)]
+        if self._pool is not None:
+            self._pool.close(dropped)
+        super().filter_rows(order)
+
+    def extract_row(self, row: int) -> SerialStorage:
+        """A ``PagedKVCache`` holding row ``row``: its table shared, no byte moved."""
+        self._spec_guard("extract_row")
+        entry = self._rows[check_row(row, self.batch_size)]
+        serial = cast(
+            PagedSerial,
+            self.serial_class(
+                pool=self._pool, codec=self.codec_spec, token_geometry=self._token_geometry
+            ),
+        )
+        serial._geometry = self._geometry
+        if self._pool is not None and entry.offset:
+            serial.adopt_rows([self._pool.share(entry)])
+        return serial
+
+    def register_prefix(self, row: int, token_ids: Sequence[int]) -> int:
+        """Cache row ``row``'s full blocks ``token_ids`` covers (refused in a round: its
+        newest positions are unverified drafts)."""
+        self._spec_guard("register_prefix")
+        entry = self._rows[check_row(row, self.batch_size)]
+        if self._pool is None:
+            raise LayoutStateError(EMPTY_ROW_NO_BLOCK)
+        return self._pool.register_prefix(entry, token_ids)
+
+    def _trim(self, counts: Sequence[int]) -> int:
+        top = super()._trim(counts)
+        for row, count in zip(self._rows, counts, strict=True):
+            if count and self._pool is not None:
+                self._pool.release_tail(row)
+        return top
+
+    def _state(self) -> tuple[Any, ...]:
+        self._spec_guard("saving state")
+        offsets = list(self.row_offsets)
+        width = max(offsets, default=0)
+        keys, values = self._paged_planes()
+        pads = [width - o for o in offsets]
+        return (keys, values, np.array(offsets, dtype=np.int32), np.array(pads, dtype=np.int32),
+                width, self.block_size, codec_field(self.codec_spec))  # fmt: skip
+
+    def check_valid(self) -> None:
+        super().check_valid()
+        self._check_tables()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(offsets={list(self.row_offsets)})"
