@@ -33,6 +33,7 @@ __all__ = [
     "Converting",
     "Handover",
     "HasCodec",
+    "LastReadAttention",
     "LatentAppend",
     "Mask",
     "PagedRows",
@@ -360,6 +361,17 @@ class Handover(Protocol, metaclass=_StaticMembers):
 
     @property
     def minimum_reusable_offset(self) -> int: ...
+
+
+@runtime_checkable
+class LastReadAttention(Protocol):
+    """A layout whose last read is attended through itself (a delayed layout: a mixed
+    read row group by row group, a packed one through its group's codec)."""
+
+    def attend_last_read(self, queries: Any, mask: Any, scale: float) -> Any:
+        """Attention over what the last append returned; ``None`` when no append has been
+        made since the rows last changed."""
+        ...
 
 
 @runtime_checkable

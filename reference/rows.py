@@ -429,6 +429,10 @@ class Storage(SavedState, ComposedIdentity):
             return None
         return self._axis.cut(row).planes
 
+    def lend_rows(self) -> None:
+        """Called before another layout merges this one's rows (a layout in the middle of
+        a speculative round refuses)."""
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}({self._token_geometry}, offsets="
@@ -634,9 +638,8 @@ class RowLayout(Storage):
                         self.signature(), source, self.codec.key, self._token_geometry
                     )
                 )
-            if isinstance(source, RowLayout):
-                source.lend_rows()
-            if isinstance(source, RowLayout) or source._rows:
+            source.lend_rows()
+            if source._rows or source.composition.is_layout:
                 incoming.extend(self._cut(row) for row in source._rows)
             else:
                 incoming.append(Row(sinks=self._sinks))  # a serial storage with no token
@@ -647,10 +650,6 @@ class RowLayout(Storage):
         self._rows = running + incoming
         self._place.join(self._rows, len(running))
         self._geometry = geometry
-
-    def lend_rows(self) -> None:
-        """Called before another layout merges this one's rows (a layout in the middle of
-        a speculative round refuses)."""
 
     def filter_rows(self, keep: Sequence[int]) -> None:
         """Keep the rows ``keep``, in that order."""
