@@ -56,7 +56,6 @@ BASELINE: dict[str, int] = {
     "optimized/latent.py": 11,
     "optimized/latent_dropin.py": 1,
     "optimized/lego.py": 1,
-    "optimized/mlxlm_batch.py": 1,
     "optimized/paged_latent.py": 2,
     "optimized/rows.py": 2,
     "persist/prompt_cache.py": 1,
@@ -68,7 +67,7 @@ BASELINE: dict[str, int] = {
 }
 
 #: The sum of :data:`BASELINE`: the issue's "before".
-BASELINE_TOTAL = 90
+BASELINE_TOTAL = 89
 
 ADVICE = (
     "Ask a capability instead of a type: a protocol of kvrows.protocols (HasCodec, "
