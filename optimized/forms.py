@@ -49,7 +49,7 @@ def state_of(storage: Storage) -> tuple[Any, ...]:
     takes those it holds: a ring layout's leaves ``keep`` out), the arrangement's
     positions, the geometry's own fields (its hooks) and the planes."""
     entry = storage.composition
-    fields: dict[str, Any] = {**spec_fields(storage.codec_spec, storage.token_geometry)}
+    fields = spec_fields(storage.codec_spec, storage.token_geometry)
     planes = storage._planes
     if not entry.is_layout:
         fields.update(

@@ -18,7 +18,7 @@ from kvrows.errors import KvRowsError, speculative_modifier_message
 from kvrows.geometries import geometry_class
 from kvrows.reference.geometries.growing import RowAlignment
 from kvrows.reference.geometries.ring import RingParameters
-from kvrows.reference.rows import RowLayout, SerialStorage, Storage
+from kvrows.reference.rows import RowLayout, SerialStorage
 from kvrows.reference.speculative import SpeculativeLayout
 
 __all__ = [
@@ -199,12 +199,11 @@ def declared_classes() -> Mapping[str, type[Any]]:
     )
 
     candidates = [*globals().values(), *vars(delayed).values()]
+    # A public class declares its table entry (``composition``); its bases do not.
     found = {
         value.composition.name: _checked(value)
         for value in candidates
-        if isinstance(value, type)
-        and issubclass(value, Storage | DelayedRows)
-        and "composition" in vars(value)
+        if isinstance(value, type) and "composition" in vars(value)
     }
     from kvrows.reference import latent  # latent state: its own row machinery
 

@@ -59,7 +59,7 @@ BASELINE: dict[str, int] = {
     "optimized/paged_latent.py": 2,
     "optimized/rows.py": 2,
     "persist/prompt_cache.py": 1,
-    "reference/classes.py": 3,
+    "reference/classes.py": 2,
     "reference/latent.py": 7,
     "reference/lego.py": 1,
     "reference/paged_latent.py": 1,
@@ -67,7 +67,7 @@ BASELINE: dict[str, int] = {
 }
 
 #: The sum of :data:`BASELINE`: the issue's "before".
-BASELINE_TOTAL = 89
+BASELINE_TOTAL = 88
 
 ADVICE = (
     "Ask a capability instead of a type: a protocol of kvrows.protocols (HasCodec, "
