@@ -201,9 +201,9 @@ def declared_classes() -> Mapping[str, type[Any]]:
     candidates = [*globals().values(), *vars(delayed).values()]
     # A public class declares its table entry (``composition``); its bases do not.
     found = {
-        value.composition.name: _checked(value)
+        entry.name: _checked(value)
         for value in candidates
-        if isinstance(value, type) and "composition" in vars(value)
+        if isinstance(value, type) and (entry := vars(value).get("composition")) is not None
     }
     from kvrows.reference import latent  # latent state: its own row machinery
 
