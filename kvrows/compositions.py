@@ -24,7 +24,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal, TypeAlias
 
 from kvrows.codec import CodecSpec
-from kvrows.codecs import CODECS, is_codec_spec
+from kvrows.codecs import CODECS, Affine, is_codec_spec, is_kv_codec
 from kvrows.errors import (
     InvalidInputError,
     KvRowsError,
@@ -447,7 +447,8 @@ def _check_delayed(entry: Composition, cls: Any) -> None:
     agrees = (
         isinstance(plain, Composition)
         and isinstance(affine, Composition)
-        and (plain.codec, affine.codec) == ("plain", entry.codec)
+        and _stores_activations(plain.codec)
+        and affine.codec == entry.codec
         and {(g.geometry, g.arrangement) for g in (plain, affine)} == {(entry.geometry, "ragged")}
         and affine.serial == entry.serial
         and getattr(lego, "composition", None) is _BY_NAME.get(str(entry.serial))
@@ -457,6 +458,13 @@ def _check_delayed(entry: Composition, cls: Any) -> None:
             f"{cls.__name__}: a delayed layout needs a plain and an {entry.codec} ragged "
             f"{entry.geometry} group and a lego converting to {entry.serial}"
         )
+
+
+def _stores_activations(kind: str) -> bool:
+    """Whether codec ``kind`` stores keys and values as they are (a delayed layout's first
+    group: the plain codec)."""
+    codec = CODECS.get(kind)
+    return codec is not None and is_kv_codec(codec) and not codec.encodes
 
 
 def serial_for_peer(peer: str, codec: CodecSpec) -> Composition:
@@ -485,7 +493,7 @@ def affine_counterpart(name: str) -> Composition | None:
     candidates = [
         c
         for c in landed()
-        if c.codec == "affine"
+        if c.codec == Affine.kind  # what mlx-lm's ``to_quantized`` quantizes to
         and c.geometry == entry.geometry
         and c.arrangement == entry.arrangement
         and c.modifiers == entry.modifiers

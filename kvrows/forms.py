@@ -44,7 +44,7 @@ from kvrows.codec import CodecSpec, Role, codec_plane_specs
 from kvrows.codecs import CODECS, codec_from_tail
 from kvrows.codecs.state import state_tensors
 from kvrows.codecs.turbo import TURBO_PLANES
-from kvrows.compositions import Composition, landed
+from kvrows.compositions import Composition, composition, landed
 from kvrows.conversion import conversion_due
 from kvrows.errors import (
     InvalidInputError,
@@ -72,6 +72,7 @@ __all__ = [
     "delayed_groups",
     "delayed_state",
     "describe_planes",
+    "form_planes",
     "geometry_from_fields",
     "kv_geometry_of",
     "legacy_state",
@@ -81,9 +82,11 @@ __all__ = [
     "plane_counts",
     "recurrent_fields",
     "rows_of_state",
+    "spec_fields",
     "state_form",
     "stored_geometry",
     "unpack_state",
+    "with_planes",
 ]
 
 #: The version of kvrows' saved-state format. A file from a newer version is refused.
@@ -101,15 +104,6 @@ FORM_VERSION = 1
 _PAGED = {
     False: ("keys", "values", "offset", "block_size", "codec"),
     True: ("keys", "values", "offset", "left_padding", "idx", "block_size", "codec"),
-}
-
-#: mlx-lm's class for each form it has: (geometry, arrangement is a layout, codec).
-_MLX_LM_CLASSES = {
-    ("growing", False, "plain"): "KVCache",
-    ("growing", False, "affine"): "QuantizedKVCache",
-    ("ring", False, "plain"): "RotatingKVCache",
-    ("growing", True, "plain"): "BatchKVCache",
-    ("ring", True, "plain"): "BatchRotatingKVCache",
 }
 
 #: mlx-lm class name -> the kvrows composition a file entry of that class loads into.
@@ -203,8 +197,41 @@ def state_form(entry: Composition) -> StateForm:
         geometry.layout_fields if entry.is_layout else geometry.serial_fields
     )
     tail = codec.state_tail
-    peer = _MLX_LM_CLASSES.get((entry.geometry, entry.is_layout, entry.codec))
-    return StateForm(entry.name, fields + tail, peer or entry.name)
+    return StateForm(entry.name, fields + tail, _mlx_lm_class(entry) or entry.name)
+
+
+def _mlx_lm_class(entry: Composition) -> str | None:
+    """mlx-lm's class of ``entry``'s form, when mlx-lm has one: the ``parity`` of a landed
+    composition of the same codec, geometry and arrangement kind (serial or layout), whose
+    form is therefore the same."""
+    shape = (entry.codec, entry.geometry, entry.is_layout)
+    for other in landed():
+        if other.parity is not None and (other.codec, other.geometry, other.is_layout) == shape:
+            return other.parity
+    return None
+
+
+def spec_fields(codec: CodecSpec, geometry: GeometrySpec) -> dict[str, Any]:
+    """The fields a form takes from its specs: the codec's tail and the geometry's
+    parameters (a form holds those it names: a ring layout's leaves ``keep`` out)."""
+    return {**codec.parameters(), **geometry.parameters()}
+
+
+def form_planes(planes: Sequence[Any] | None) -> Any:
+    """One tensor's planes as a form holds them: a lone plane as the array itself
+    (mlx-lm's ``KVCache``), several as their tuple (``None``: nothing held)."""
+    if planes is None:
+        return None
+    return planes[0] if len(planes) == 1 else tuple(planes)
+
+
+def with_planes(
+    fields: dict[str, Any], planes: tuple[Sequence[Any], Sequence[Any]] | None
+) -> dict[str, Any]:
+    """``fields`` with the key and value planes (``None``: nothing held) as a form holds
+    them."""
+    keys, values = (None, None) if planes is None else planes
+    return {**fields, "keys": form_planes(keys), "values": form_planes(values)}
 
 
 def _integer(name: str, value: object) -> int:
@@ -483,6 +510,17 @@ def rows_of_state(
     return rows
 
 
+#: mlx-lm's older two-part forms, per class that has one: the ``state`` entries after its
+#: keys and values, and the ``meta_state`` numbers, by field name. A field of the current
+#: form that neither holds is the count of columns the keys hold.
+_LEGACY_FORMS: Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "KVCache": ((), ()),
+    "RotatingKVCache": ((), ("keep", "max_size", "offset", "idx")),
+    "QuantizedKVCache": ((), ("offset", "group_size", "bits")),
+    "BatchKVCache": (("offset", "left_padding"), ()),
+}
+
+
 def legacy_state(file_class: str, state: Sequence[Any], meta_state: Any) -> tuple[Any, ...]:
     """mlx-lm's older ``(state, meta_state)`` pair (strings in ``meta_state``) as the
     current single-tuple form."""
@@ -490,17 +528,24 @@ def legacy_state(file_class: str, state: Sequence[Any], meta_state: Any) -> tupl
     numbers = [int(m) for m in meta if m != ""]
     keys, values = state[0], state[1]
     width = 0 if keys is None else int(_planes(keys)[0].shape[2])  # type: ignore[index]
-    if file_class == "KVCache":
-        return (keys, values, width)
-    if file_class == "RotatingKVCache" and len(numbers) == 4:
-        sink, max_size, offset, idx = numbers
-        return (keys, values, offset, sink, max_size, idx)
-    if file_class == "QuantizedKVCache" and len(numbers) == 3:
-        offset, group_size, bits = numbers
-        return (keys, values, offset, group_size, bits)
-    if file_class == "BatchKVCache" and len(state) == 4:
-        return (*state, width)
-    raise UnsupportedStateError(f"cannot read a {file_class} state with meta_state {meta_state!r}")
+    legacy = _LEGACY_FORMS.get(file_class)
+    if (
+        legacy is None
+        or (legacy[0] and len(state) != 2 + len(legacy[0]))
+        or (legacy[1] and len(numbers) != len(legacy[1]))
+    ):
+        raise UnsupportedStateError(
+            f"cannot read a {file_class} state with meta_state {meta_state!r}"
+        )
+    stated, metas = legacy
+    fields = {
+        "keys": keys,
+        "values": values,
+        **dict(zip(stated, state[2:], strict=False)),
+        **dict(zip(metas, numbers, strict=False)),
+    }
+    form = state_form(composition(FILE_CLASSES[file_class])).fields
+    return tuple(fields.get(name, width) for name in form)
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,7 @@ from typing import Any
 from kvrows.delayed import delayed_layout_for
 from kvrows.errors import InvalidInputError
 from kvrows.geometries import is_geometry_spec
-from kvrows.lego import Bf16First
-from kvrows.protocols import AppendLimited
+from kvrows.protocols import AppendLimited, Handover
 from kvrows.schemes import KvStorageScheme, Plain
 
 __all__ = ["KvMaintenance", "create_kv_maintenance"]
@@ -68,10 +67,7 @@ class KvMaintenance:
         if not self.converts_later:
             return checked
         if self.scheme.quantized_kv_start == 0:
-            return [
-                cache.composed.release() if isinstance(cache, Bf16First) else cache
-                for cache in checked
-            ]
+            return [cache.composed.release() if _is_lego(cache) else cache for cache in checked]
         return self._delayed(checked)
 
     def max_append_tokens(self, caches: Sequence[Any]) -> float:
@@ -88,7 +84,7 @@ class KvMaintenance:
         made: list[tuple[int, Any]] = []
         ring_rows: type[Any] | None = None
         for index, cache in enumerate(caches):
-            if isinstance(cache, Bf16First):
+            if _is_lego(cache):
                 layout_class = delayed_layout_for(cache)
                 if cache.token_geometry.wraps:
                     ring_rows = layout_class.plain_group_class
@@ -122,6 +118,11 @@ class KvMaintenance:
             layout.merge_rows([caches[index]])
             out[index] = layout
         return out
+
+
+def _is_lego(cache: Any) -> bool:
+    """A bf16-first lego: a wrapper that hands its serial storage over (``Handover``)."""
+    return isinstance(cache, Handover)
 
 
 def _plain_serial_ring(cache: Any) -> bool:

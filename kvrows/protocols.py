@@ -34,6 +34,7 @@ __all__ = [
     "DropInWrapper",
     "Handover",
     "HasCodec",
+    "LastReadAttention",
     "LatentAppend",
     "Mask",
     "PagedForm",
@@ -362,6 +363,17 @@ class Handover(Protocol, metaclass=_StaticMembers):
 
     @property
     def minimum_reusable_offset(self) -> int: ...
+
+
+@runtime_checkable
+class LastReadAttention(Protocol):
+    """A layout whose last read is attended through itself (a delayed layout: a mixed
+    read row group by row group, a packed one through its group's codec)."""
+
+    def attend_last_read(self, queries: Any, mask: Any, scale: float) -> Any:
+        """Attention over what the last append returned; ``None`` when no append has been
+        made since the rows last changed."""
+        ...
 
 
 @runtime_checkable

@@ -5,9 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from kvrows.codec import Codec
-from kvrows.delayed import DelayedRows
 from kvrows.errors import InvalidInputError, attend_storage_message, mask_message
-from kvrows.protocols import Cache, HasCodec, Mask
+from kvrows.protocols import Cache, HasCodec, LastReadAttention, Mask
 
 __all__ = ["attend"]
 
@@ -17,7 +16,7 @@ def attend(queries: mx.array, cache: Cache, mask: Mask, scale: float) -> mx.arra
     delayed layout: what its last append returned, a mixed read row group by row group)."""
     if not isinstance(queries, mx.array):
         raise InvalidInputError(f"queries must be an mlx array, got {type(queries).__name__}")
-    if isinstance(cache, DelayedRows):
+    if isinstance(cache, LastReadAttention):
         last: mx.array | None = cache.attend_last_read(queries, mask, scale)
         if last is not None:
             return last

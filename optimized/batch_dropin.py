@@ -45,9 +45,8 @@ from kvrows.errors import (
     InvalidInputError,
     LayoutStateError,
 )
-from kvrows.optimized.geometries.ring import RingGeometry, SharedRing
-from kvrows.optimized.rows import Layout, Serial, Storage, token_count
-from kvrows.protocols import Cache, Mask
+from kvrows.optimized.rows import Layout, RowWindow, Serial, Storage
+from kvrows.protocols import Cache, Composed, Mask
 from kvrows.validation import as_count, check_keep
 
 __all__ = ["LayoutBatchOps", "SerialMerge"]
@@ -77,10 +76,15 @@ def _counts(values: object, name: str, rows: int) -> list[int]:
 
 def _row_count(source: Storage) -> int:
     """Rows ``source`` contributes to a merge (an empty serial cache still is one row)."""
-    if isinstance(source, Layout):
-        return source.batch_size
-    assert isinstance(source, Serial)
-    return max(1, source.rows)
+    rows = len(source._offsets)
+    return rows if source.composition.is_layout else max(1, rows)
+
+
+def _pending_pads(source: Storage) -> list[int]:
+    """The left pads each row of a merged ``source`` still receives (none but a padded
+    layout's)."""
+    pending = getattr(source, "pending_left_padding", None)  # a layout taking padded blocks
+    return [0] * _row_count(source) if pending is None else list(pending)
 
 
 def _sources(caches: object) -> Sequence[object]:
@@ -109,7 +113,9 @@ class SerialMerge(_SerialBase):
         first = _sources(caches)[0]
         # Like mlx-lm's (whose ``merge`` ignores the class it is called on), the caches
         # decide: ``KVCache.merge(rings)`` batches rings.
-        if not isinstance(first, SerialMerge) or not isinstance(first, Storage):
+        # A cache of the other implementation, or no kvrows cache, is refused here or by
+        # the layout's merge (``IncompatibleRowsError`` both).
+        if not isinstance(first, Composed) or first.composition.is_layout:
             raise IncompatibleRowsError(
                 f"{cls.__name__}.merge takes kvrows serial caches, got {type(first).__name__}"
             )
@@ -180,22 +186,20 @@ class LayoutBatchOps(_LayoutBase):
     # -- kvrows' row operations keep the padding state ----------------------------------
     def merge_rows(self, rows: Sequence[Cache]) -> None:
         self._refuse_during_run("rows cannot join")
-        incoming: list[int] = []
-        if isinstance(rows, Sequence) and not isinstance(rows, str | bytes):
-            for source in rows:
-                if isinstance(source, LayoutBatchOps):
-                    if source._run is not None:
-                        raise LayoutStateError(
-                            "a layout inside a prepared run cannot be merged: finalize() it first"
-                        )
-                    incoming += source._leads()
-                elif isinstance(source, Storage):
-                    incoming += [0] * _row_count(source)
         lead, before = self._leads(), self.batch_size
-        super().merge_rows(rows)
+        super().merge_rows(rows)  # every source is a storage of this implementation now
         added = self.batch_size - before
+        incoming = [pad for source in rows for pad in _pending_pads(cast(Storage, source))]
         self._pending_pads = lead + (incoming if len(incoming) == added else [0] * added)
         self._changed()
+
+    def _row_windows(self) -> list[RowWindow]:
+        # Checked by the merging layout before it changes anything.
+        if getattr(self, "_run", None) is not None:
+            raise LayoutStateError(
+                "a layout inside a prepared run cannot be merged: finalize() it first"
+            )
+        return super()._row_windows()
 
     def filter_rows(self, keep: Sequence[int]) -> None:
         lead, run = self._leads(), self._run
@@ -212,7 +216,7 @@ class LayoutBatchOps(_LayoutBase):
         """A new layout of this class holding the rows of ``caches`` (serial caches or
         layouts of the same codec, token geometry and KV geometry), each left unchanged."""
         first = _sources(caches)[0]
-        if not isinstance(first, Storage):
+        if not isinstance(first, Composed):
             raise IncompatibleRowsError(
                 f"{cls.__name__}.merge takes kvrows caches, got {type(first).__name__}"
             )
@@ -224,7 +228,7 @@ class LayoutBatchOps(_LayoutBase):
         """Append ``other``'s rows after this layout's, in place (``other`` is unchanged;
         either side may hold no rows). ``other`` is a layout or serial cache of the same
         codec, token geometry and KV geometry (``IncompatibleRowsError`` otherwise)."""
-        if not isinstance(other, Storage):
+        if not isinstance(other, Composed):
             raise IncompatibleRowsError(
                 f"{type(self).__name__}.extend takes a kvrows cache, got {type(other).__name__}"
             )
@@ -323,26 +327,8 @@ class LayoutBatchOps(_LayoutBase):
                     )
             real.append(r)
             tail.append(t)
-        if isinstance(self, RingGeometry):
-            self._check_ring_plan(n, real, tail)
+        self._check_padded_update(n, real, tail)
         return _Plan(front, real, tail)
-
-    def _check_ring_plan(self, n: int, real: list[int], tail: list[int]) -> None:
-        assert isinstance(self, RingGeometry)
-        if isinstance(self, SharedRing) and n == 1 and any(tail):
-            raise LayoutStateError(
-                "a one-token update that is right padding for some row cannot be "
-                "forgotten from a shared-column ring: pad to at least two tokens"
-            )
-        for b, (r, t) in enumerate(zip(real, tail, strict=True)):
-            if r or not t:
-                continue
-            held = self._held_window(b)
-            if held is not None and token_count(held) >= self.max_size:
-                raise LayoutStateError(
-                    f"row {b} holds a full window of {self.max_size} tokens and would "
-                    "receive only padding: its window would evict a real token for a pad"
-                )
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
         if not self._offsets or not self._padded():
@@ -395,6 +381,6 @@ class LayoutBatchOps(_LayoutBase):
         columns = mx.arange(width)[None, None, :]
         queries = mx.arange(count)[None, :, None]
         hidden = (columns >= starts) & (columns < starts + front)
-        if self.codec.key != "plain":
+        if self.codec_spec.encodes:
             hidden = hidden & (columns != starts + queries)
         return visible & ~hidden[:, None]

@@ -28,9 +28,10 @@ from typing import Any
 import mlx.core as mx
 
 from kvrows.codec import KV_TENSORS, Role
+from kvrows.codecs import CODECS
 from kvrows.compositions import affine_counterpart
 from kvrows.errors import InvalidInputError, LayoutStateError
-from kvrows.optimized.codecs import PlainCodec, make_codec
+from kvrows.optimized.codecs import make_codec
 from kvrows.optimized.rows import DECLARED, Storage, arrays, token_count
 from kvrows.schemes import Affine, CodecSpec
 from kvrows.validation import STEP
@@ -76,7 +77,7 @@ def _write_held(cache: Storage, side: str, value: object) -> None:
             f"{name} cannot be written on a cache that holds no tokens (it reads None): "
             "append tokens through update_and_fetch first"
         )
-    if not isinstance(cache.codec, PlainCodec):
+    if cache.codec_spec.encodes:  # written planes must be the tokens themselves
         raise InvalidInputError(
             f"{name} is read-only on a {cache.codec_spec.kind} storage: its planes are the "
             "codec's encoding of the tokens update_and_fetch appended, and written planes "
@@ -154,7 +155,8 @@ class _PlainCodecOnly:
 
     def __get__(self, instance: object, owner: type | None = None) -> Callable[..., Any]:
         entry = getattr(owner, "composition", None)
-        if entry is not None and entry.codec != "plain":
+        codec = None if entry is None else CODECS.get(entry.codec)
+        if entry is not None and (codec is None or codec.encodes):
             raise AttributeError(
                 f"{getattr(owner, '__name__', owner)} has no to_quantized: it is already "
                 f"{entry.codec}-quantized (mlx-lm's QuantizedKVCache has none either, so "

@@ -11,23 +11,24 @@ Restored arrays are owned, compact and evaluated.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import mlx.core as mx
 
-from kvrows.errors import InvalidInputError, empty_state_row_message, ring_state_index_message
+from kvrows.errors import InvalidInputError, empty_state_row_message
 from kvrows.forms import (
     StateRow,
     describe_planes,
     pack_state,
     parse_state,
     rows_of_state,
+    spec_fields,
     stored_geometry,
+    with_planes,
 )
 from kvrows.optimized.codecs import Planes, dtype_name
-from kvrows.optimized.geometries.ring import SharedRing, _stacked
+from kvrows.optimized.geometries.ring import _stacked
 from kvrows.optimized.rows import DECLARED, Layout, Serial, Storage, kv_pair, owned, token_count
-from kvrows.schemes import Ring
 from kvrows.validation import KvGeometry
 
 __all__ = ["restore_state", "state_of"]
@@ -39,90 +40,58 @@ def _joined(planes: list[Any]) -> Any:
     return mx.concatenate(planes, axis=2)
 
 
-def _field(storage: Storage, planes: Planes | None) -> Any:
-    """A plane tuple as the form holds it: the array itself for the plain codec."""
-    if planes is None:
-        return None
-    return planes if storage.codec.key != "plain" else planes[0]
-
-
-def _tail(storage: Storage) -> dict[str, Any]:
-    """The codec's fields (affine ``group_size, bits``; TurboQuant ``k_bits, v_bits``)."""
-    return dict(storage.codec_spec.parameters())
-
-
-def _ring_params(storage: Storage) -> dict[str, int]:
-    spec = storage.token_geometry
-    assert isinstance(spec, Ring)
-    return {"max_size": spec.max_size, "keep": spec.keep}
-
-
 def _int32(values: list[int]) -> mx.array:
     return mx.array(values, dtype=mx.int32)
 
 
 def state_of(storage: Storage) -> tuple[Any, ...]:
-    """``storage``'s state in its ``kvrows.forms`` form."""
+    """``storage``'s state in its ``kvrows.forms`` form: its specs' parameters (the form
+    takes those it holds: a ring layout's leaves ``keep`` out), the arrangement's
+    positions, the geometry's own fields (its hooks) and the planes."""
     entry = storage.composition
-    fields: dict[str, Any] = {**_tail(storage)}
+    fields = spec_fields(storage.codec_spec, storage.token_geometry)
     planes = storage._planes
-    held = planes is not None
-    if isinstance(storage, Serial):
-        fields["offset"] = storage.offset
-        if entry.geometry == "ring":
-            assert isinstance(storage, SharedRing)
-            fields.update(_ring_params(storage), idx=storage.ring_index if held else 0)
-            visible = None if planes is None else kv_pair(storage._visible(planes))
-        else:
-            visible = storage.planes()
-        fields["keys"] = _field(storage, None if visible is None else visible[0])
-        fields["values"] = _field(storage, None if visible is None else visible[1])
-        return pack_state(entry, fields)
-    assert isinstance(storage, Layout)
-    offsets = list(storage._offsets)
-    if entry.geometry == "ring":
-        fields["max_size"] = _ring_params(storage)["max_size"]
-    if isinstance(storage, SharedRing) and storage.keep == 0:  # mlx-lm's physical form
-        pads = list(storage._pads)
-        fields.update(total=storage._total, idx=storage._idx, rotated=storage._rotated)
+    if not entry.is_layout:
+        fields.update(
+            storage._serial_form_fields(), offset=storage._offsets[0] if storage._offsets else 0
+        )
         visible = None if planes is None else kv_pair(storage._visible(planes))
-    else:
-        ends = {p + t for p, t in zip(storage._pads, offsets, strict=True)}
-        if planes is not None and len(ends) == 1 and entry.geometry == "growing":
-            pads, width = list(storage._pads), ends.pop()
-            visible = kv_pair(storage._visible(planes))
-        else:
-            rows = storage._each_row()
-            lengths = [0 if h is None else token_count(h) for h, _ in rows]
-            width = max(lengths, default=0)
-            pads = [width - n for n in lengths]
-            saved_pads = getattr(storage, "saved_pads", None)  # a shared ring's hook
-            if saved_pads is not None:
-                pads = saved_pads(pads)
-            geometry = storage.geometry
-            visible = (
-                kv_pair(
-                    _stacked(
-                        storage._zeros(len(rows), width, geometry),
-                        rows,
-                        lengths,
-                        right_aligned=True,
-                    )
+        return pack_state(entry, with_planes(fields, visible))
+    offsets = list(storage._offsets)
+    image = storage._layout_image()
+    if image is not None:
+        geometry_fields, pads, held = image
+        fields.update(geometry_fields)
+        visible = None if held is None else kv_pair(held)
+    else:  # every row's window, right-aligned in a fresh copy
+        rows = storage._each_row()
+        lengths = [0 if h is None else token_count(h) for h, _ in rows]
+        width = max(lengths, default=0)
+        pads = [width - n for n in lengths]
+        saved_pads = getattr(storage, "saved_pads", None)  # a shared ring's hook
+        if saved_pads is not None:
+            pads = saved_pads(pads)
+        geometry = storage.geometry
+        visible = (
+            kv_pair(
+                _stacked(
+                    storage._zeros(len(rows), width, geometry),
+                    rows,
+                    lengths,
+                    right_aligned=True,
                 )
-                if width and geometry is not None
-                else None
             )
-        fields["idx"] = width
-        if entry.geometry == "ring":
-            fields.update(total=max(offsets, default=0), rotated=False)
+            if width and geometry is not None
+            else None
+        )
+        # A ring's form also counts the columns written (the furthest row) and is unrotated.
+        fields.update(idx=width, total=max(offsets, default=0), rotated=False)
     pending = list(getattr(storage, "pending_left_padding", ()))
-    if not held and any(pending):  # mlx-lm's left-padded empty batch: offset = -pads
+    if planes is None and any(pending):  # mlx-lm's left-padded empty batch: offset = -pads
         offsets = [o - p for o, p in zip(offsets, pending, strict=True)]
         pads = [a + p for a, p in zip(pads, pending, strict=True)]
     fields.update(offset=_int32(offsets), left_padding=_int32(pads))
-    fields["keys"] = _field(storage, None if visible is None else visible[0])
-    fields["values"] = _field(storage, None if visible is None else visible[1])
-    return pack_state(entry, fields)
+    return pack_state(entry, with_planes(fields, visible))
 
 
 def rows_offsets(fields: dict[str, Any]) -> list[int]:
@@ -157,7 +126,7 @@ def restore_state(
     fresh = cls.from_specs(codec_spec, token_geometry)
     if fields["keys"] is None:
         fresh._geometry = geometry
-        if isinstance(fresh, Layout):
+        if entry.is_layout:
             serial = DECLARED[entry.serial or entry.name]
             empties: list[Any] = [
                 serial.from_specs(codec_spec, token_geometry)
@@ -165,7 +134,7 @@ def restore_state(
             ]
             for empty in empties:
                 empty._geometry = geometry
-            fresh.merge_rows(empties)
+            _as_layout(fresh).merge_rows(empties)
             pending = [max(0, -o) for o in rows_offsets(fields)]
             if any(pending):  # rows announced with left padding (mlx-lm's empty batch)
                 prepare = getattr(fresh, "prepare", None)
@@ -178,16 +147,15 @@ def restore_state(
     fields["keys"], fields["values"] = keys, values
     kv = stored_geometry(codec_spec, keys, values, dtype_name, geometry)
     fresh.codec.check(kv)
-    if isinstance(fresh, Serial):
+    if not entry.is_layout:
         return _restore_serial(fresh, fields, kv)
     rows = rows_of_state(entry, fields, _joined, keep=keep or 0)
     serial_cls = DECLARED[entry.serial or entry.name]
     sources: list[Any] = [
         _serial_row(serial_cls, codec_spec, token_geometry, row, kv) for row in rows
     ]
-    assert isinstance(fresh, Layout)
     fresh._geometry = kv
-    fresh.merge_rows(sources)
+    _as_layout(fresh).merge_rows(sources)
     restore_pads = getattr(fresh, "restore_pads", None)  # a shared ring's hook
     if restore_pads is not None:
         saved = rows_offsets({"offset": fields["left_padding"]})
@@ -195,6 +163,17 @@ def restore_state(
         restore_pads(saved, int(keys[0].shape[2]), held)
     mx.eval(*fresh.held_arrays())  # owned by the layout, evaluated: nothing pins the state
     return fresh
+
+
+def _as_serial(storage: Storage) -> Serial:
+    """``storage`` typed as the serial storage its composition declares (the table, not a
+    type test, says which arrangement a class is)."""
+    return cast(Serial, storage)
+
+
+def _as_layout(storage: Storage) -> Layout:
+    """``storage`` typed as the layout its composition declares."""
+    return cast(Layout, storage)
 
 
 def _serial_row(
@@ -209,8 +188,7 @@ def _serial_row(
         if offset:  # a row whose window is empty still stands at its position
             raise InvalidInputError(empty_state_row_message(offset))
         return serial
-    assert isinstance(serial, Serial)
-    return serial.adopt({"keys": keys, "values": values}, offset, kv)
+    return _as_serial(serial).adopt({"keys": keys, "values": values}, offset, kv)
 
 
 def _restore_serial(fresh: _S, fields: dict[str, Any], kv: KvGeometry) -> _S:
@@ -218,19 +196,12 @@ def _restore_serial(fresh: _S, fields: dict[str, Any], kv: KvGeometry) -> _S:
     offset = fields["offset"]
     keys, values = fields["keys"], fields["values"]
     held = min(offset, int(keys[0].shape[2]))
-    if offset < 0 or (fresh.composition.geometry == "growing" and held != offset):
+    # A geometry without a cap holds every position it was given.
+    if offset < 0 or (fresh.token_geometry.cap() is None and held != offset):
         raise InvalidInputError(f"state offset {offset} but keys hold {keys[0].shape[2]} columns")
     owned_keys = tuple(owned(p[:, :, :held]) for p in keys)
     owned_values = tuple(owned(p[:, :, :held]) for p in values)
     mx.eval(*owned_keys, *owned_values)
-    assert isinstance(fresh, Serial)
-    fresh.adopt({"keys": owned_keys, "values": owned_values}, offset, kv)
-    if isinstance(fresh, SharedRing):
-        idx = fields["idx"]
-        if not 0 <= idx <= held:
-            raise InvalidInputError(ring_state_index_message(idx, held))
-        if idx < fresh._lead:
-            raise InvalidInputError(f"ring state: idx {idx} inside the {fresh._lead} sink columns")
-        # ``idx`` counts the sink columns (mlx-lm's); the geometry's index is the ring's.
-        fresh._idx, fresh._rotated = idx - fresh._lead, idx < held
+    _as_serial(fresh).adopt({"keys": owned_keys, "values": owned_values}, offset, kv)
+    fresh._resume_serial(fields, held)
     return fresh

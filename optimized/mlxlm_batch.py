@@ -18,7 +18,7 @@ mixins from there, and these classes subclass ``classes.py``'s.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -27,7 +27,7 @@ from kvrows.errors import InvalidInputError, KvRowsError
 from kvrows.forms import parse_state
 from kvrows.optimized.batch_dropin import LayoutBatchOps, _counts
 from kvrows.optimized.classes import BatchedKVCache, BatchedRotatingCache
-from kvrows.optimized.rows import DECLARED, Layout, Serial
+from kvrows.optimized.rows import DECLARED
 from kvrows.protocols import Cache
 from kvrows.validation import KvGeometry
 
@@ -56,13 +56,13 @@ class _PaddedRows:
     """Construction of ``len(left_padding)`` empty rows whose first blocks are left-padded."""
 
     def _start_rows(self, lead: list[int]) -> None:
-        assert isinstance(self, Layout)
         if not lead:
             return
-        serial = DECLARED[self.composition.serial or self.composition.name]
-        assert issubclass(serial, Serial)
-        self.merge_rows([serial._spawn(self) for _ in lead])
-        self.prepare(left_padding=lead)  # type: ignore[attr-defined]
+        layout = cast(LayoutBatchOps, self)  # the mixin of mlx-lm's batch layouts
+        entry = layout.composition
+        serial = DECLARED[entry.serial or entry.name]
+        layout.merge_rows([cast(Cache, serial._spawn(layout)) for _ in lead])
+        layout.prepare(left_padding=lead)
 
 
 class BatchKVCache(_PaddedRows, BatchedKVCache):
@@ -112,12 +112,9 @@ class BatchKVCache(_PaddedRows, BatchedKVCache):
     def merge_rows(self, rows: Sequence[Cache]) -> None:
         # mlx-lm's extend right-aligns both batches at the wider one, each counting its
         # shared pad columns; kvrows' merge aligns the incoming rows at their longest.
-        widest = max(
-            (s._shared_width() for s in rows if isinstance(s, BatchKVCache))
-            if _listed(rows)
-            else (),
-            default=0,
-        )
+        # (Only this class's batches keep shared pad columns: ``_shared_width``.)
+        widths = [getattr(s, "_shared_width", None) for s in rows] if _listed(rows) else []
+        widest = max((width() for width in widths if width is not None), default=0)
         super().merge_rows(rows)
         self._widen(widest)
 
@@ -181,6 +178,5 @@ def merge_layout_class(entry: Composition) -> type[LayoutBatchOps]:
     if entry.roles is None:
         raise KvRowsError(f"{entry.name} has no row layouts to merge into")
     name = entry.roles.prefill
-    layout = _MLXLM_NAMED.get(name) or DECLARED[name]
-    assert issubclass(layout, LayoutBatchOps)
-    return layout
+    # Every layout of the table takes mlx-lm's batch operations (``classes.py``).
+    return cast(type[LayoutBatchOps], _MLXLM_NAMED.get(name) or DECLARED[name])

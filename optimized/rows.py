@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar, TypeAlias, TypeVar
+from typing import Any, ClassVar, TypeAlias, TypeVar, cast
 
 import mlx.core as mx
 
 from kvrows.codec import KV_TENSORS, PlaneSet, kv_dim
+from kvrows.codecs import CODECS
 from kvrows.common import ComposedIdentity, PlaneHolder, SavedState, check_counts, row_bytes
 from kvrows.compositions import Composition, bind_arguments
 from kvrows.errors import (
@@ -68,6 +69,7 @@ from kvrows.validation import (
 __all__ = [
     "TOKEN_AXIS",
     "Layout",
+    "LayoutImage",
     "RowWindow",
     "Serial",
     "Storage",
@@ -85,6 +87,10 @@ __all__ = [
 #: One row handed from a source to a merge: its planes in time order (views, ``[1, ...]``:
 #: a token geometry's ``[1, H, T, ·]``; ``None`` when it holds nothing) and its position.
 RowWindow: TypeAlias = tuple[PlaneSet | None, int]
+
+#: A layout's saved form as its buffers hold it (``Storage._layout_image``): the geometry's
+#: form fields, each row's left padding and the planes (views; ``None``: nothing held).
+LayoutImage: TypeAlias = tuple[dict[str, Any], list[int], PlaneSet | None]
 
 #: The token axis of every plane a token geometry holds (``[rows, H, T, ·]``).
 TOKEN_AXIS = 2
@@ -205,11 +211,12 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
                 f"{cls.__name__}: {entry.name} is {entry.geometry}/{entry.arrangement}, "
                 f"the class is {cls.geometry_kind}/{sorted(cls.arrangement_kinds)}"
             )
-        if (entry.codec == "affine") != hasattr(cls, "bits"):
+        codec = CODECS.get(entry.codec)
+        if ("bits" in (codec.state_tail if codec else ())) != hasattr(cls, "bits"):
             raise KvRowsError(f"{cls.__name__}: bits/group_size must exist iff it is affine")
         # Modifiers wrap a layout: a class with the speculative one lists SpeculativeLayout
         # first among its bases (``optimized/speculative.py``).
-        speculative = any(base.__name__ == "SpeculativeLayout" for base in cls.__mro__)
+        speculative = callable(getattr(cls, "spec_round_begin", None))
         if speculative != ("speculative" in entry.modifiers):
             raise KvRowsError(speculative_modifier_message(entry.name))
         planned = entry.modifiers - {"speculative"}
@@ -407,6 +414,22 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     def is_trimmable(self) -> bool:
         raise NotImplementedError
 
+    # Saved forms (``optimized/forms.py``): what only the geometry knows of its form.
+    def _serial_form_fields(self) -> dict[str, Any]:
+        """A serial storage's form fields its specs and offset do not give (a ring's
+        write index ``idx``)."""
+        raise NotImplementedError
+
+    def _layout_image(self) -> LayoutImage | None:
+        """A layout's form as its buffers already hold it, ``(fields, left_padding,
+        planes)``; ``None``: the form right-aligns a copy of its rows."""
+        raise NotImplementedError
+
+    def _resume_serial(self, fields: dict[str, Any], held: int) -> None:
+        """After a restored serial storage adopted ``held`` saved columns: take the
+        geometry's own fields (a ring's ``idx``), or refuse a form it cannot hold."""
+        raise NotImplementedError
+
     # Padded blocks (mlx-lm's batch API, ``batch_dropin.py``): each row's pads of the block
     # just appended are forgotten, the trailing ones and then the leading ones.
     def _forget_tail_pads(self, tail: list[int]) -> None:
@@ -420,6 +443,12 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
 
     def _block_starts(self, n: int) -> list[int]:
         """The mask column of each row's first token of the next ``n``-token block."""
+        raise NotImplementedError
+
+    def _check_padded_update(self, n: int, real: list[int], tail: list[int]) -> None:
+        """Refuse, before anything changes, an ``n``-token block whose row ``b`` holds
+        ``real[b]`` real tokens then ``tail[b]`` right pads that the geometry could not
+        forget exactly."""
         raise NotImplementedError
 
     def _roll_right(self, start: int, stop: int, shifts: list[int]) -> None:
@@ -595,8 +624,8 @@ class Layout(Storage):
         arrays (a lazy slice would pin this layout's buffers and make its next in-place
         write copy them)."""
         index = check_row(row, self.batch_size)
-        serial = DECLARED[self.composition.serial or self.composition.name]
-        assert issubclass(serial, Serial)
+        # The table's serial storage of a layout is a ``Serial`` class.
+        serial = cast(type[Serial], DECLARED[self.composition.serial or self.composition.name])
         cache = serial._spawn(self)
         held = self._held_window(index)
         if held is None or self._holds_nothing(held):

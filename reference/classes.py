@@ -15,9 +15,10 @@ from kvrows.common import AffineParameters, TurboParameters
 from kvrows.compositions import composition, landed
 from kvrows.delayed import DelayedRows, DelayedSlidingWindow
 from kvrows.errors import KvRowsError, speculative_modifier_message
+from kvrows.geometries import geometry_class
 from kvrows.reference.geometries.growing import RowAlignment
 from kvrows.reference.geometries.ring import RingParameters
-from kvrows.reference.rows import RowLayout, SerialStorage, Storage
+from kvrows.reference.rows import RowLayout, SerialStorage
 from kvrows.reference.speculative import SpeculativeLayout
 
 __all__ = [
@@ -157,6 +158,11 @@ class SpeculativeRotatingAffineLayout(AffineParameters, RingParameters, Speculat
     serial_class = RotatingQuantizedKVCache
 
 
+#: The parameters a surface mixin exposes (``AffineParameters``: ``bits``;
+#: ``RingParameters``: ``max_size``): a class has each iff its table entry takes it.
+_SURFACE_PARAMETERS = ("bits", "max_size")
+
+
 def _checked(cls: type[Any]) -> type[Any]:
     """``cls`` as its composition wants it: the declaration agrees with the table, and the
     composition's modifiers are applied (speculative: ``SpeculativeLayout`` wraps a
@@ -165,19 +171,21 @@ def _checked(cls: type[Any]) -> type[Any]:
     entry = cls.composition
     if "delayed" in entry.modifiers:
         if not issubclass(cls, DelayedRows) or issubclass(cls, DelayedSlidingWindow) != (
-            entry.geometry == "ring"
+            geometry_class(entry.geometry).wraps
         ):
             raise KvRowsError(f"{cls.__name__}: the delayed modifier is a DelayedRows layout")
         return cls
+    # The class's surface, not its bases: a layout merges rows, a parameter mixin
+    # (``AffineParameters``, ``RingParameters``) exposes the table's parameters, the
+    # speculative modifier opens rounds.
     agrees = (
-        issubclass(cls, RowLayout) == entry.is_layout
-        and issubclass(cls, AffineParameters) == (entry.codec == "affine")
-        and issubclass(cls, RingParameters) == (entry.geometry == "ring")
-        and (not issubclass(cls, RowLayout) or cls.serial_class.composition.name == entry.serial)
+        callable(getattr(cls, "merge_rows", None)) == entry.is_layout
+        and all(hasattr(cls, name) == (name in entry.params) for name in _SURFACE_PARAMETERS)
+        and (not entry.is_layout or cls.serial_class.composition.name == entry.serial)
     )
     if not agrees:
         raise KvRowsError(f"{cls.__name__} does not declare its composition {entry}")
-    if issubclass(cls, SpeculativeLayout) != ("speculative" in entry.modifiers):
+    if callable(getattr(cls, "spec_round_begin", None)) != ("speculative" in entry.modifiers):
         raise KvRowsError(speculative_modifier_message(cls.__name__))
     return cls
 
@@ -191,12 +199,11 @@ def declared_classes() -> Mapping[str, type[Any]]:
     )
 
     candidates = [*globals().values(), *vars(delayed).values()]
+    # A public class declares its table entry (``composition``); its bases do not.
     found = {
-        value.composition.name: _checked(value)
+        entry.name: _checked(value)
         for value in candidates
-        if isinstance(value, type)
-        and issubclass(value, Storage | DelayedRows)
-        and "composition" in vars(value)
+        if isinstance(value, type) and (entry := vars(value).get("composition")) is not None
     }
     from kvrows.reference import latent  # latent state: its own row machinery
 

@@ -9,7 +9,7 @@ the conformance suite compares the rows both forms hold (``kvrows.forms.rows_of_
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -21,11 +21,12 @@ from kvrows.forms import (
     pack_state,
     parse_state,
     rows_of_state,
+    spec_fields,
     stored_geometry,
+    with_planes,
 )
 from kvrows.reference.codecs import Planes, dtype_name
 from kvrows.reference.rows import Row, RowLayout, SerialStorage, Storage
-from kvrows.schemes import Ring
 from kvrows.validation import KvGeometry
 
 __all__ = ["restore_state", "state_of"]
@@ -35,12 +36,6 @@ _S = TypeVar("_S", bound=Storage)
 
 def _joined(planes: list[Any]) -> Any:
     return np.concatenate(planes, axis=2)
-
-
-def _field(storage: Storage, planes: Planes | None) -> Any:
-    if planes is None:
-        return None
-    return planes if storage.codec.key != "plain" else planes[0]
 
 
 def _int32(values: list[int]) -> npt.NDArray[np.int32]:
@@ -64,46 +59,47 @@ def _right_aligned(storage: Storage, rows: list[Row], width: int) -> tuple[Plane
 
 
 def state_of(storage: Storage) -> tuple[Any, ...]:
-    """``storage``'s state in its canonical ``kvrows.forms`` form."""
+    """``storage``'s state in its canonical ``kvrows.forms`` form: its specs' parameters
+    (the form takes those it holds), the arrangement's positions, the rows' columns."""
     entry = storage.composition
-    fields: dict[str, Any] = dict(storage.codec_spec.parameters())
-    spec = storage.token_geometry
-    if isinstance(spec, Ring):
-        fields["max_size"] = spec.max_size
-    if isinstance(storage, SerialStorage):
-        held = storage.planes()
-        fields["offset"] = storage.offset
-        if isinstance(spec, Ring):
-            fields.update(keep=spec.keep, idx=storage.retained)
-        fields["keys"] = _field(storage, None if held is None else held[0])
-        fields["values"] = _field(storage, None if held is None else held[1])
-        return pack_state(entry, fields)
-    assert isinstance(storage, RowLayout)
-    offsets = [row.offset for row in storage._rows]
-    place = storage._place
-    image = getattr(place, "saved_image", lambda rows: None)(storage._rows)
+    fields = spec_fields(storage.codec_spec, storage.token_geometry)
+    if not entry.is_layout:
+        serial = _as_serial(storage)
+        # ``idx`` (a ring's): the retained columns, in time order.
+        fields.update(offset=serial.offset, idx=serial.retained)
+        return pack_state(entry, with_planes(fields, serial.planes()))
+    layout = _as_layout(storage)
+    offsets = [row.offset for row in layout._rows]
+    place = layout._place
+    image = getattr(place, "saved_image", lambda rows: None)(layout._rows)
     if image is not None:  # a shared ring without sinks: mlx-lm's form, its live pads
         width, rows, total = image
-        pads = [row.pad for row in storage._rows]
+        pads = [row.pad for row in layout._rows]
     else:
-        rows = [storage._cut(row) for row in storage._rows]
+        rows = [layout._cut(row) for row in layout._rows]
         width = max((row.retained for row in rows), default=0)
         pads = [width - row.retained for row in rows]
         saved_pads = getattr(place, "saved_pads", None)  # a shared ring's hook
         if saved_pads is not None:
-            pads = saved_pads(storage._rows, pads)
+            pads = saved_pads(layout._rows, pads)
         total = max(offsets, default=0)
-    stacked = _right_aligned(storage, rows, width) if width else None
+    # ``total`` and ``rotated``: a ring's (the columns written; unrotated, in time order).
     fields.update(
-        offset=_int32(offsets),
-        left_padding=_int32(pads),
-        idx=width,
-        keys=_field(storage, None if stacked is None else stacked[0]),
-        values=_field(storage, None if stacked is None else stacked[1]),
+        offset=_int32(offsets), left_padding=_int32(pads), idx=width, total=total, rotated=False
     )
-    if isinstance(spec, Ring):
-        fields.update(total=total, rotated=False)
-    return pack_state(entry, fields)
+    stacked = _right_aligned(storage, rows, width) if width else None
+    return pack_state(entry, with_planes(fields, stacked))
+
+
+def _as_serial(storage: Storage) -> SerialStorage:
+    """``storage`` typed as the serial storage its composition declares (the table, not a
+    type test, says which arrangement a class is)."""
+    return cast(SerialStorage, storage)
+
+
+def _as_layout(storage: Storage) -> RowLayout:
+    """``storage`` typed as the layout its composition declares."""
+    return cast(RowLayout, storage)
 
 
 def _as_planes(value: Any, count: int, name: str) -> Planes:
@@ -148,10 +144,11 @@ def restore_state(
     fresh._geometry = kv
     # A ring row never evicts its first ``keep`` positions (its sinks).
     sinks = fresh._sinks
-    if isinstance(fresh, SerialStorage):
+    if not entry.is_layout:
         offset = fields["offset"]
+        # A geometry without a cap holds every position it was given.
         if fields["keys"] is not None and (
-            offset < 0 or (entry.geometry == "growing" and rows[0][0] is not None
+            offset < 0 or (token_geometry.cap() is None and rows[0][0] is not None
                            and int(rows[0][0][0].shape[2]) != offset)
         ):  # fmt: skip
             raise InvalidInputError(f"state offset {offset} disagrees with the keys it holds")
@@ -161,20 +158,20 @@ def restore_state(
             if k is not None and v is not None
         ]
         return fresh
-    assert isinstance(fresh, RowLayout)
+    layout = _as_layout(fresh)
     sources = []
     for keys, values, offset in rows:
-        serial = fresh.serial_class.from_specs(codec_spec, token_geometry)
+        serial = layout.serial_class.from_specs(codec_spec, token_geometry)
         serial._geometry = kv
         if keys is not None and values is not None:
             serial._rows = [Row(_kv_planes(keys, values), offset, sinks=sinks)]
         elif offset:
             raise InvalidInputError(empty_state_row_message(offset))
         sources.append(serial)
-    fresh.merge_rows(sources)
-    restore_pads = getattr(fresh._place, "restore_pads", None)  # a shared ring's hook
+    layout.merge_rows(sources)
+    restore_pads = getattr(layout._place, "restore_pads", None)  # a shared ring's hook
     if restore_pads is not None and fields["keys"] is not None:
         saved = [int(p) for p in np.asarray(fields["left_padding"]).tolist()]
         held = [0 if keys is None else int(keys[0].shape[2]) for keys, _, _ in rows]
-        restore_pads(fresh._rows, saved, int(fields["keys"][0].shape[2]), held)
+        restore_pads(layout._rows, saved, int(fields["keys"][0].shape[2]), held)
     return fresh

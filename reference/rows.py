@@ -438,6 +438,10 @@ class Storage(SavedState, ComposedIdentity):
             return None
         return self._axis.cut(row).planes
 
+    def lend_rows(self) -> None:
+        """Called before another layout merges this one's rows (a layout in the middle of
+        a speculative round refuses)."""
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}({self._token_geometry}, offsets="
@@ -638,8 +642,7 @@ class RowLayout(Storage):
         for source in rows:
             if not self._accepts(source):
                 raise IncompatibleRowsError(self._merge_refusal(source))
-            if isinstance(source, RowLayout):
-                source.lend_rows()
+            source.lend_rows()
         geometry = common_geometry([self._geometry, *(s.geometry for s in rows)])
         self._join(rows, geometry)
 
@@ -654,7 +657,7 @@ class RowLayout(Storage):
         placement that keeps rows elsewhere too (paged) overrides it."""
         incoming: list[Row] = []
         for source in sources:
-            if isinstance(source, RowLayout) or source._rows:
+            if source._rows or source.composition.is_layout:
                 incoming.extend(self._cut(row) for row in source._rows)
             else:
                 incoming.append(self._new_row())  # a serial storage with no token
@@ -664,10 +667,6 @@ class RowLayout(Storage):
         self._rows = running + incoming
         self._place.join(self._rows, len(running))
         self._geometry = geometry
-
-    def lend_rows(self) -> None:
-        """Called before another layout merges this one's rows (a layout in the middle of
-        a speculative round refuses)."""
 
     def filter_rows(self, keep: Sequence[int]) -> None:
         """Keep the rows ``keep``, in that order."""

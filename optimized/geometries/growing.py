@@ -21,7 +21,7 @@ pads).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -29,6 +29,7 @@ from kvrows.codec import PlaneSet
 from kvrows.errors import KvRowsError, align_rows_message
 from kvrows.optimized.geometries.registry import implements
 from kvrows.optimized.rows import (
+    LayoutImage,
     RowWindow,
     Serial,
     Storage,
@@ -216,6 +217,24 @@ class GrowingGeometry(Storage):
 
     def _block_starts(self, n: int) -> list[int]:
         return [p + t for p, t in zip(self._pads, self._offsets, strict=True)]
+
+    def _check_padded_update(self, n: int, real: list[int], tail: list[int]) -> None:
+        return None  # every pad column is forgotten by moving positions and pads
+
+    # -- saved forms ------------------------------------------------------------------
+    def _serial_form_fields(self) -> dict[str, Any]:
+        return {}
+
+    def _layout_image(self) -> LayoutImage | None:
+        """Rows sharing one end column are right-aligned in the buffers already: the
+        form is a view of them (``idx``: that column)."""
+        ends = {p + t for p, t in zip(self._pads, self._offsets, strict=True)}
+        if self._planes is None or len(ends) != 1:
+            return None
+        return {"idx": ends.pop()}, list(self._pads), self._visible(self._planes)
+
+    def _resume_serial(self, fields: dict[str, Any], held: int) -> None:
+        return None
 
     def _check_trim(self, counts: Sequence[int]) -> None:
         return None

@@ -36,14 +36,18 @@ import mlx.core as mx
 from kvrows.codec import PlaneSet
 from kvrows.common import row_bytes
 from kvrows.errors import (
+    InvalidInputError,
+    LayoutStateError,
     NotTrimmableError,
     ring_rollback_message,
+    ring_state_index_message,
     trim_past_row_message,
     wrapped_ring_message,
 )
 from kvrows.optimized.codecs import Planes
 from kvrows.optimized.geometries.registry import implements
 from kvrows.optimized.rows import (
+    LayoutImage,
     RowWindow,
     Storage,
     arrays,
@@ -144,6 +148,22 @@ class RingGeometry(Storage):
 
     def _check_geometry(self) -> None:
         return None
+
+    def _layout_image(self) -> LayoutImage | None:
+        return None
+
+    def _check_padded_update(self, n: int, real: list[int], tail: list[int]) -> None:
+        """A row that would receive only pads must not hold a full window: the pads would
+        evict a real token."""
+        for b, (r, t) in enumerate(zip(real, tail, strict=True)):
+            if r or not t:
+                continue
+            held = self._held_window(b)
+            if held is not None and token_count(held) >= self.max_size:
+                raise LayoutStateError(
+                    f"row {b} holds a full window of {self.max_size} tokens and would "
+                    "receive only padding: its window would evict a real token for a pad"
+                )
 
     def _keep(self, order: list[int]) -> None:
         """Gather the kept rows; a ring keeps its padding (its columns are its window)."""
@@ -273,6 +293,39 @@ class SharedRing(RingGeometry):
 
     def is_trimmable(self) -> bool:
         return self._total < self.span
+
+    def _check_padded_update(self, n: int, real: list[int], tail: list[int]) -> None:
+        """One write column: a one-token block that is a pad for some row cannot be
+        forgotten for that row alone."""
+        if n == 1 and any(tail):
+            raise LayoutStateError(
+                "a one-token update that is right padding for some row cannot be "
+                "forgotten from a shared-column ring: pad to at least two tokens"
+            )
+        super()._check_padded_update(n, real, tail)
+
+    def _serial_form_fields(self) -> dict[str, Any]:
+        """mlx-lm's ``idx``: the write column, sinks counted (0 before the first write)."""
+        return {"idx": self.ring_index if self._planes is not None else 0}
+
+    def _layout_image(self) -> LayoutImage | None:
+        """Without sinks the buffers are mlx-lm's batch ring: its physical form, the live
+        pads and the ring's ``total``, ``idx``, ``rotated``."""
+        if self.keep:
+            return None
+        visible = None if self._planes is None else self._visible(self._planes)
+        fields = {"total": self._total, "idx": self._idx, "rotated": self._rotated}
+        return fields, list(self._pads), visible
+
+    def _resume_serial(self, fields: dict[str, Any], held: int) -> None:
+        """The saved write index: ``idx`` counts the sink columns (mlx-lm's); the ring's
+        own index does not, and the ring has wrapped when it stops short of ``held``."""
+        idx = fields["idx"]
+        if not 0 <= idx <= held:
+            raise InvalidInputError(ring_state_index_message(idx, held))
+        if idx < self._lead:
+            raise InvalidInputError(f"ring state: idx {idx} inside the {self._lead} sink columns")
+        self._idx, self._rotated = idx - self._lead, idx < held
 
     def saved_pads(self, pads: list[int]) -> list[int]:
         """The ``left_padding`` a canonical (right-aligned) state saves: ``pads`` where a
