@@ -131,7 +131,7 @@ class Row:
     ``[1, H, retained, ·]``; empty before its first write); ``offset``: tokens ever
     appended (the next token's position); ``pad``: what the layout reports as the row's
     ``left_pad``; ``sinks``: a ring's ``keep``, the first positions that are never evicted
-    (0 elsewhere). A token row retains its first ``min(sinks, offset)`` positions, then a
+    (0 elsewhere); ``token_axis``: whether its planes have one (recurrent state's do not). A token row retains its first ``min(sinks, offset)`` positions, then a
     run of its newest ones. The token surgery (``newest``, ``append``, ``trim``) is what
     token geometries call; a geometry without a token axis copies and replaces whole
     rows (``copy``, ``planes``), and nothing else here reads a token axis.
@@ -141,6 +141,7 @@ class Row:
     offset: int = 0
     pad: int = 0
     sinks: int = 0
+    token_axis: bool = True
 
     @property
     def held(self) -> bool:
@@ -149,7 +150,10 @@ class Row:
 
     @property
     def retained(self) -> int:
-        """Tokens the row holds (a token geometry's; 0 when it holds nothing)."""
+        """Tokens the row holds (a token geometry's; 0 when it holds nothing or its planes
+        have no token axis)."""
+        if not self.token_axis:
+            return 0
         for planes in self.planes.values():
             return int(planes[0].shape[TOKEN_AXIS])
         return 0
@@ -166,7 +170,7 @@ class Row:
     def copy(self) -> Row:
         """An independent copy of the whole row."""
         planes = {t: tuple(np.array(p, copy=True) for p in ps) for t, ps in self.planes.items()}
-        return Row(planes, self.offset, self.pad, self.sinks)
+        return Row(planes, self.offset, self.pad, self.sinks, self.token_axis)
 
     def newest(self, count: int) -> Row:
         """An independent row holding ``count`` of this one's tokens, at its offset: its
@@ -347,6 +351,22 @@ class Storage(SavedState, ComposedIdentity):
         #: A ring's sink tokens (``keep``), 0 for every other geometry.
         self._sinks = self._axis.sinks
 
+    def _new_row(self) -> Row:
+        """A row that holds nothing yet."""
+        return Row(sinks=self._sinks, token_axis=self._token_geometry.token_axis)
+
+    def _shapes(self) -> Any:
+        """What the storage learnt of its tensors' shapes (a KV geometry; a state
+        geometry keeps its planes' kinds): what a merge joins and an extraction carries."""
+        return self._geometry
+
+    def _take_shapes(self, shapes: Any) -> None:
+        self._geometry = shapes
+
+    def _joined_shapes(self, sources: Sequence[Any]) -> Any:
+        """The shapes after joining ``sources`` (raises ``IncompatibleRowsError``)."""
+        return common_geometry([self._geometry, *(s.geometry for s in sources)])
+
     # -- what it holds --------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
@@ -416,7 +436,7 @@ class Storage(SavedState, ComposedIdentity):
         }
         n = int(keys.shape[2])
         if not self._rows:  # a serial storage learns its rows from its first block
-            self._rows = [Row(sinks=self._sinks) for _ in range(int(keys.shape[0]))]
+            self._rows = [self._new_row() for _ in range(int(keys.shape[0]))]
         self._advance(n)
         for b, row in enumerate(self._rows):
             self._axis.append(row, row_share(block, b), n)
@@ -508,12 +528,12 @@ class SerialStorage(Storage):
             return None
         return _kv(stacked([w for w in windows if w is not None]))
 
-    def adopt(self, row: Row, geometry: KvGeometry | None) -> SerialStorage:
+    def adopt(self, row: Row, geometry: Any) -> SerialStorage:
         """Make this (empty) storage hold ``row`` (used by extraction)."""
         if self._rows:
             raise LayoutStateError(ADOPT_NEEDS_EMPTY)
         self._rows = [row] if row.held else []
-        self._geometry = geometry
+        self._take_shapes(geometry)
         return self
 
 
@@ -639,14 +659,14 @@ class RowLayout(Storage):
             if isinstance(source, RowLayout) or source._rows:
                 incoming.extend(self._cut(row) for row in source._rows)
             else:
-                incoming.append(Row(sinks=self._sinks))  # a serial storage with no token
-        geometry = common_geometry([self._geometry, *(s.geometry for s in rows)])
+                incoming.append(self._new_row())  # a serial storage with no token
+        shapes = self._joined_shapes(rows)
         if not incoming:
             return
         running = [self._cut(row) for row in self._rows]
         self._rows = running + incoming
         self._place.join(self._rows, len(running))
-        self._geometry = geometry
+        self._take_shapes(shapes)
 
     def lend_rows(self) -> None:
         """Called before another layout merges this one's rows (a layout in the middle of
@@ -662,8 +682,8 @@ class RowLayout(Storage):
         """An independent serial storage holding row ``row``'s window."""
         entry = self._rows[check_row(row, self.batch_size)]
         serial = self.serial_class.from_specs(self.codec_spec, self._token_geometry)
-        held = self._cut(entry) if entry.offset > 0 else Row(sinks=self._sinks)
-        return serial.adopt(held, self._geometry)  # an empty row still knows its geometry
+        held = self._cut(entry) if entry.held else self._new_row()
+        return serial.adopt(held, self._shapes())  # an empty row still knows its geometry
 
     # -- trims -----------------------------------------------------------------------------
     def is_trimmable(self) -> bool:
