@@ -161,11 +161,33 @@ class StateChecks:
 
         def _spec_usable(self) -> None: ...
 
+        def _spec_write(self) -> None: ...
+
+        def _spec_append(self, append: Callable[[], _R]) -> _R: ...
+
     @property
     def _is_layout(self) -> bool:
         return self.composition.is_layout
 
     # -- construction ---------------------------------------------------------------------
+    def __init__(
+        self,
+        size: int | None = None,
+        left_padding: Any = None,
+        *,
+        geometry: StateShapes | None = None,
+        codec: object = None,
+        token_geometry: object = None,
+    ) -> None:
+        """mlx-lm's ``ArraysCache(size, left_padding=None)`` (``codec=`` /
+        ``token_geometry=``: the table's ``from_specs``, ``State()`` and ``Recurrent()``)."""
+        self._check_specs(self.composition.name, codec, token_geometry)
+        kinds, pads = self._arguments(size, left_padding, geometry)
+        super().__init__()
+        self._kinds, self._lengths, self._left = kinds, None, pads
+        if pads is not None:
+            self._hold(None, [0] * len(pads))
+
     def _arguments(
         self, size: int | None, left_padding: Any, geometry: StateShapes | None
     ) -> tuple[list[PlaneShape | None], list[int] | None]:
@@ -215,8 +237,9 @@ class StateChecks:
 
     # -- identity -------------------------------------------------------------------------
     @property
-    def geometry(self) -> StateShapes | None:
-        """The planes' per-row shapes and dtypes, once declared or learnt from every plane."""
+    def geometry(self) -> Any:
+        """The planes' per-row shapes and dtypes (a :class:`StateShapes`), once declared or
+        learnt from every plane; ``None`` before."""
         kinds = self._kinds
         if any(kind is None for kind in kinds):
             return None
@@ -234,7 +257,7 @@ class StateChecks:
                 "projected_bytes needs the recurrent geometry: declare it at construction "
                 "(geometry=StateShapes(...)) or let the layer write every plane first"
             )
-        return g.row_bytes()
+        return int(g.row_bytes())
 
     # -- mlx-lm's ArraysCache surface (the bookkeeping of a padded run is each twin's) ----
     @property
@@ -276,14 +299,30 @@ class StateChecks:
 
         if isinstance(caches, str | bytes) or not isinstance(caches, Sequence) or not caches:
             raise InvalidInputError("merge takes a non-empty sequence of caches")
-        if not isinstance(caches[0], StateChecks):
-            raise IncompatibleRowsError(
-                f"merge takes recurrent caches, got {type(caches[0]).__name__}"
-            )
+        first: Any = caches[0]
+        if not isinstance(first, StateChecks):
+            raise IncompatibleRowsError(f"merge takes recurrent caches, got {type(first).__name__}")
         layout: Any = owned_cache_layout(caches[0])
         layout.merge_rows(caches)
         layout._mask_every_row = all(c.empty() for c in caches)
         return layout
+
+    def prepare(
+        self,
+        *,
+        lengths: Sequence[int] | None = None,
+        left_padding: Sequence[int] | None = None,
+        right_padding: Sequence[int] | None = None,
+    ) -> None:
+        """A padded run follows: row ``b``'s tokens ``left_padding[b] <= t < lengths[b]``
+        are real (``right_padding`` is implied by ``lengths`` and ignored)."""
+        self._lengths, self._left = self._check_prepare(lengths, left_padding)
+
+    def finalize(self) -> None:
+        """The padded run is over."""
+        self._spec_usable()
+        self._lengths = self._left = None
+        self._mask_every_row = False
 
     # -- the machinery's shapes: the planes' kinds -------------------------------------------
     def _shapes(self) -> Any:
@@ -422,8 +461,31 @@ class StateChecks:
             raise LayoutStateError("a verify round cannot open during a padded run: finalize it")
 
     # -- saved state: (state.0, …, state.{N-1}, offset) ------------------------------------
+    if TYPE_CHECKING:  # the machinery's
+
+        @property
+        def offset(self) -> Any: ...
+
+    def _state(self) -> tuple[Any, ...]:
+        self._spec_guard("state")
+        return (*self.cache, self.offset)
+
+    def _hold(self, planes: list[Any] | None, offsets: list[int]) -> None:
+        """Hold a parsed state's planes (``None``: rows without planes) and offsets."""
+        raise NotImplementedError
+
+    @classmethod
+    def _restore(cls, state: Any, meta_state: Any, keep: int | None, geometry: Any) -> Any:
+        count = state_planes(state)
+        fresh: Any = cls(geometry=geometry) if geometry is not None else cls(count)
+        planes, offsets, kinds = fresh._parse_state(state, geometry)
+        fresh._kinds = kinds
+        if fresh._is_layout or planes is not None:  # a serial cache without planes: no row
+            fresh._hold(planes, offsets)
+        return fresh
+
     def _parse_state(
-        self, state: Any, geometry: StateShapes | None, ints_of: Any
+        self, state: Any, geometry: StateShapes | None
     ) -> tuple[list[Any] | None, list[int], list[PlaneShape | None]]:
         """``(planes or None, offsets, kinds)`` of a saved state for a fresh cache of this
         class (refused, changing nothing, when it does not fit)."""
@@ -440,7 +502,7 @@ class StateChecks:
             )
         if self._is_layout:
             if hasattr(offset, "tolist"):
-                offset = ints_of(offset)
+                offset = [int(v) for v in offset.reshape(-1).tolist()]
             if isinstance(offset, str | bytes) or not isinstance(offset, Sequence):
                 raise InvalidInputError(f"{name} state offset must be one count per row")
             offsets = [as_count(v, f"offset[{b}]") for b, v in enumerate(offset)]
@@ -524,8 +586,6 @@ class StateLayoutMembers(StateChecks):
         @property
         def row_offsets(self) -> tuple[int, ...]: ...
 
-        def filter_rows(self, keep: Sequence[int]) -> None: ...
-
         def merge_rows(self, rows: Sequence[Any]) -> None: ...
 
         def extract_row(self, row: int) -> Any: ...
@@ -540,7 +600,7 @@ class StateLayoutMembers(StateChecks):
     def make_empty_batch(self) -> Any:
         """An empty layout with this cache's plane kinds."""
         self._spec_usable()
-        fresh = type(self)(len(self._kinds))  # type: ignore[call-arg]
+        fresh = type(self)(len(self._kinds))
         fresh._kinds = list(self._kinds)
         return fresh
 

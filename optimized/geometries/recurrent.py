@@ -1,21 +1,13 @@
-"""Recurrent state: the state geometry's hooks on MLX (``spec/SSMCache.md``,
-``spec/BatchedSSMCache.md``), and mlx-lm's ``ArraysCache`` surface over them.
+"""Recurrent state: the state geometry's hooks on MLX, and mlx-lm's ``ArraysCache``
+surface over them (``spec/SSMCache.md``, ``spec/BatchedSSMCache.md``): the drop-in of
+mlx-lm's hybrid and SSM layers (``qwen3_next``, ``mamba2``, ``lfm2``, ``rwkv7``…).
 
-A recurrent storage's ``_planes`` holds each ``state.i`` as one ``[B, *row_shape]``
-array, no token axis, kept as the layer hands it (MLX arrays are immutable: a write
-replaces a plane, never changes one). :class:`StateGeometry` answers the machinery's
-hooks over whole rows (a window is a row along axis 0, a join concatenates along axis 0,
-a filter gathers rows, nothing is ever trimmed), so ``merge_rows`` / ``filter_rows`` /
-``extract_row`` / ``nbytes`` / ``check_valid`` are the machinery's templates; everything
-that leaves a cache (an extracted row, a merged or filtered plane) is an owned, evaluated
-copy, never a view pinning a batch buffer. :class:`ArraysCacheSurface` is what mlx-lm's
-hybrid and SSM layers (``qwen3_next``, ``mamba2``, ``lfm2``, ``rwkv7``,
-``kimi_linear``…) see: they write ``cache[i]``, read ``cache.lengths`` and call
-``cache.advance(S)`` and ``cache.make_mask(S)``. The checks are the core's
-(``kvrows.recurrent.StateChecks``); the bookkeeping is written here and again in
-``kvrows.reference.geometries.recurrent``, so the conformance suite compares two
-derivations (``spec/twins.md``).
-"""
+``_planes`` holds each ``state.i`` as one ``[B, *row_shape]`` array, kept as the layer
+hands it (MLX arrays are immutable). :class:`StateGeometry` answers the machinery's hooks
+over whole rows (axis 0 only, nothing trimmed); whatever leaves a cache (an extracted
+row, a merged or filtered plane) is an owned, evaluated copy. The surface's bookkeeping
+is written here and again in ``kvrows.reference.geometries.recurrent``
+(``spec/twins.md``); its checks are the core's (``kvrows.recurrent.StateChecks``)."""
 
 from __future__ import annotations
 
@@ -25,16 +17,16 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from kvrows.codec import PlaneSet
-from kvrows.codecs.state import DEFAULT_PLANES, StateShapes
+from kvrows.codecs.state import DEFAULT_PLANES
 from kvrows.errors import (
     NotTrimmableError,
 )
 from kvrows.optimized.codecs.common import dtype_name
 from kvrows.optimized.codecs.state import StateCodec
 from kvrows.optimized.geometries.registry import implements
-from kvrows.optimized.rows import Layout, RowWindow, Storage, arrays, mapped, row_of
+from kvrows.optimized.rows import RowWindow, Storage, arrays, mapped, row_of
 from kvrows.protocols import Mask
-from kvrows.recurrent import StateChecks, StateLayoutMembers, not_trimmable_message, state_planes
+from kvrows.recurrent import StateChecks, StateLayoutMembers, not_trimmable_message
 from kvrows.validation import KvGeometry, as_count
 
 __all__ = ["ArraysCacheSurface", "StateGeometry", "StateLayout"]
@@ -147,7 +139,7 @@ class StateGeometry(Storage):
 
 # The surface is mixed in ahead of the machinery's classes (a geometry and an arrangement).
 if TYPE_CHECKING:
-    _Machinery = Layout
+    _Machinery = Storage
 else:
     _Machinery = object
 
@@ -158,24 +150,6 @@ class ArraysCacheSurface(StateChecks, _Machinery):
     the state saved as ``(state.0, …, state.{N-1}, offset)``."""
 
     array_name = "MLX"
-
-    def __init__(
-        self,
-        size: int | None = None,
-        left_padding: Any = None,
-        *,
-        geometry: StateShapes | None = None,
-        codec: object = None,
-        token_geometry: object = None,
-    ) -> None:
-        self._check_specs(self.composition.name, codec, token_geometry)
-        kinds, pads = self._arguments(size, left_padding, geometry)
-        super().__init__()
-        self._kinds = kinds
-        self._left = pads
-        if pads is not None:
-            self._offsets, self._pads = [0] * len(pads), [0] * len(pads)
-            self._changed()
 
     # -- the array and row hooks of the core's checks --------------------------------------
     @staticmethod
@@ -219,7 +193,7 @@ class ArraysCacheSurface(StateChecks, _Machinery):
             rows = int(value.shape[0])
             self._offsets, self._pads = [0] * rows, [0] * rows
             self._changed()
-        self._planes = {**(self._planes or {}), _tensor(i): self.codec.encode(value, _tensor(i))}
+        self._planes = {**(self._planes or {}), _tensor(i): self.codec.encode(value)}
         self._kinds[i] = kind
 
     @property
@@ -231,23 +205,6 @@ class ArraysCacheSurface(StateChecks, _Machinery):
     def left_padding(self) -> Any:
         """Per-row pad tokens still to come at the front of the run (``None``: none)."""
         return None if self._left is None else mx.array(self._left, dtype=mx.int32)
-
-    def prepare(
-        self,
-        *,
-        lengths: Sequence[int] | None = None,
-        left_padding: Sequence[int] | None = None,
-        right_padding: Sequence[int] | None = None,
-    ) -> None:
-        """A padded run follows: row ``b``'s tokens ``left_padding[b] <= t < lengths[b]``
-        are real (``right_padding`` is implied by ``lengths`` and ignored)."""
-        self._lengths, self._left = self._check_prepare(lengths, left_padding)
-
-    def finalize(self) -> None:
-        """The padded run is over."""
-        self._spec_usable()
-        self._lengths = self._left = None
-        self._mask_every_row = False
 
     def make_mask(
         self, n: int, *, return_array: bool = False, window_size: int | None = None
@@ -282,26 +239,11 @@ class ArraysCacheSurface(StateChecks, _Machinery):
         self._spec_append(step)
 
     # -- saved state: (state.0, …, state.{N-1}, offset) ----------------------------------------
-    def _state(self) -> tuple[Any, ...]:
-        self._spec_guard("state")
-        offset: Any = (
-            mx.array(list(self._offsets), dtype=mx.int32) if self._is_layout else self.offset
-        )
-        return (*self.cache, offset)
-
-    @classmethod
-    def _restore(cls, state: Any, meta_state: Any, keep: int | None, geometry: Any) -> Any:
-        fresh = cls(geometry=geometry) if geometry is not None else cls(state_planes(state))
-        planes, offsets, kinds = fresh._parse_state(
-            state, geometry, lambda v: [int(x) for x in v.reshape(-1).tolist()]
-        )
-        fresh._kinds = kinds
+    def _hold(self, planes: list[Any] | None, offsets: list[int]) -> None:
         if planes is not None:
-            fresh._planes = {_tensor(i): (p,) for i, p in enumerate(planes)}
-        if fresh._is_layout or planes is not None:
-            fresh._offsets, fresh._pads = offsets, [0] * len(offsets)
-            fresh._changed()
-        return fresh
+            self._planes = {_tensor(i): (p,) for i, p in enumerate(planes)}
+        self._offsets, self._pads = offsets, [0] * len(offsets)
+        self._changed()
 
 
 class StateLayout(StateLayoutMembers, ArraysCacheSurface):

@@ -11,9 +11,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvrows.codec import CodecLayout, Role
-from kvrows.codecs.state import PlaneShape, State
+from kvrows.codecs.state import State
 from kvrows.errors import STATE_NOT_ATTENDED, InvalidInputError
-from kvrows.reference.codecs.common import Planes, numpy_dtype
+from kvrows.reference.codecs.common import Planes
 from kvrows.reference.codecs.registry import implements
 
 __all__ = ["StateCodec"]
@@ -42,9 +42,3 @@ class StateCodec(CodecLayout):
 
     def attend(self, queries: Any, keys: Any, values: Any, mask: Any, scale: float) -> Any:
         raise InvalidInputError(STATE_NOT_ATTENDED)
-
-    @staticmethod
-    def zeros_of(rows: int, kind: PlaneShape) -> npt.NDArray[Any]:
-        """Zero rows of one plane (a row that joined before the layer wrote it)."""
-        shape, dtype = kind
-        return np.zeros((rows, *shape), dtype=numpy_dtype(dtype))

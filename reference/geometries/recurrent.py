@@ -1,20 +1,12 @@
-"""Recurrent state: the state geometry's hooks in the reference (``spec/SSMCache.md``,
-``spec/BatchedSSMCache.md``), and mlx-lm's ``ArraysCache`` surface over them.
+"""Recurrent state: the state geometry's hooks in the reference, and mlx-lm's
+``ArraysCache`` surface over them (``spec/SSMCache.md``, ``spec/BatchedSSMCache.md``).
 
-A recurrent row has no token axis: ``Row.planes`` holds its ``state.i`` planes
-(``[1, *row_shape]``, owned copies, never written in place), replaced whole by each
-write. :class:`StateAxis` answers the machinery's hooks over whole rows (``append``
-replaces the tensors a write names, ``cut`` copies the row, nothing is cuttable);
-:class:`StateRows` places rows along axis 0 only (no columns, nothing to trim), so
-``merge_rows`` / ``filter_rows`` / ``extract_row`` / ``nbytes`` / ``check_valid`` are the
-machinery's templates. :class:`ArraysCacheSurface` is what the layer sees: it writes its
-planes (``cache[i] = plane``), reads them back (``cache[i]``, ``conv, state = cache``),
-announces a padded run (``prepare`` / ``finalize`` or ``left_padding`` at construction),
-masks it (``make_mask``, ``lengths``) and advances (``advance(S)``: each row gains its
-real tokens). The checks are the core's (``kvrows.recurrent.StateChecks``); the
-bookkeeping is written here and again in ``kvrows.optimized.geometries.recurrent``, so
-the conformance suite compares two derivations (``spec/twins.md``).
-"""
+A row has no token axis: ``Row.planes`` holds its ``state.i`` planes (``[1, *row_shape]``,
+owned copies, replaced whole by each write). :class:`StateAxis` and :class:`StateRows`
+answer the machinery's hooks over whole rows (axis 0 only, nothing cut or trimmed); the
+surface's bookkeeping (rows, a padded run) is written here and again in
+``kvrows.optimized.geometries.recurrent`` (``spec/twins.md``); its checks are the core's
+(``kvrows.recurrent.StateChecks``)."""
 
 from __future__ import annotations
 
@@ -25,18 +17,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvrows.codec import PlaneSet
-from kvrows.codecs.state import StateShapes
 from kvrows.compositions import Arrangement
 from kvrows.errors import (
     NotTrimmableError,
 )
 from kvrows.geometries.recurrent import Recurrent
 from kvrows.protocols import Mask
-from kvrows.recurrent import StateChecks, StateLayoutMembers, not_trimmable_message, state_planes
+from kvrows.recurrent import StateChecks, StateLayoutMembers, not_trimmable_message
 from kvrows.reference.codecs.common import dtype_name
-from kvrows.reference.codecs.state import StateCodec
 from kvrows.reference.geometries.registry import implements
-from kvrows.reference.rows import Placement, Row, RowLayout
+from kvrows.reference.rows import Placement, Row, Storage
 from kvrows.schemes import GeometrySpec
 from kvrows.validation import as_count
 
@@ -129,7 +119,7 @@ class StateRows:
 
 # The surface is mixed in ahead of the machinery's class (SerialStorage or a RowLayout).
 if TYPE_CHECKING:
-    _Machinery = RowLayout
+    _Machinery = Storage
 else:
     _Machinery = object
 
@@ -141,24 +131,6 @@ class ArraysCacheSurface(StateChecks, _Machinery):
     hooks of the speculative modifier."""
 
     array_name = "NumPy"
-    codec: StateCodec
-
-    def __init__(
-        self,
-        size: int | None = None,
-        left_padding: Any = None,
-        *,
-        geometry: StateShapes | None = None,
-        codec: object = None,
-        token_geometry: object = None,
-    ) -> None:
-        self._check_specs(self.composition.name, codec, token_geometry)
-        kinds, pads = self._arguments(size, left_padding, geometry)
-        super().__init__()
-        self._kinds = kinds
-        self._lengths, self._left = None, pads
-        if pads is not None:
-            self._rows = [self._new_row() for _ in pads]
 
     # -- the array and row hooks of the core's checks --------------------------------------
     @staticmethod
@@ -181,16 +153,10 @@ class ArraysCacheSurface(StateChecks, _Machinery):
         return [any(_tensor(i) in r.planes for r in self._rows) for i in range(len(self._kinds))]
 
     def _plane(self, i: int) -> Any:
-        """Plane ``i`` of every row, ``[B, ...]`` (zeros for a row that joined before the
-        layer wrote it; ``None`` when no row holds it)."""
-        tensor, kind = _tensor(i), self._kinds[i]
-        if kind is None or not any(tensor in r.planes for r in self._rows):
-            return None
-        return np.concatenate(
-            [r.planes[tensor][0] if tensor in r.planes else StateCodec.zeros_of(1, kind)
-             for r in self._rows],
-            axis=0,
-        )  # fmt: skip
+        """Plane ``i`` of every row, ``[B, ...]`` (a fresh array; ``None`` when unwritten:
+        a join gives every row the planes any row holds)."""
+        held = [r.planes[_tensor(i)][0] for r in self._rows if _tensor(i) in r.planes]
+        return np.concatenate(held, axis=0) if held else None
 
     @property
     def group_offset(self) -> int:
@@ -207,7 +173,7 @@ class ArraysCacheSurface(StateChecks, _Machinery):
         self._spec_write()
         if not self._rows:  # a serial cache learns its rows from its first write
             self._rows = [self._new_row() for _ in range(int(value.shape[0]))]
-        planes = self.codec.encode(value, _tensor(i))[0]
+        planes = self.codec.encode(value)[0]
         for b, row in enumerate(self._rows):
             self._axis.append(row, {_tensor(i): (planes[b : b + 1],)}, 0)
         self._kinds[i] = kind
@@ -221,23 +187,6 @@ class ArraysCacheSurface(StateChecks, _Machinery):
     def left_padding(self) -> Any:
         """Per-row pad tokens still to come at the front of the run (``None``: none)."""
         return None if self._left is None else np.asarray(self._left, dtype=np.int32)
-
-    def prepare(
-        self,
-        *,
-        lengths: Sequence[int] | None = None,
-        left_padding: Sequence[int] | None = None,
-        right_padding: Sequence[int] | None = None,
-    ) -> None:
-        """A padded run follows: row ``b``'s tokens ``left_padding[b] <= t < lengths[b]``
-        are real (``right_padding`` is implied by ``lengths`` and ignored)."""
-        self._lengths, self._left = self._check_prepare(lengths, left_padding)
-
-    def finalize(self) -> None:
-        """The padded run is over."""
-        self._spec_usable()
-        self._lengths = self._left = None
-        self._mask_every_row = False
 
     def make_mask(
         self, n: int, *, return_array: bool = False, window_size: int | None = None
@@ -270,29 +219,14 @@ class ArraysCacheSurface(StateChecks, _Machinery):
         self._spec_append(step)
 
     # -- saved state: (state.0, …, state.{N-1}, offset) ----------------------------------------
-    def _state(self) -> tuple[Any, ...]:
-        self._spec_guard("state")
-        offsets = [r.offset for r in self._rows]
-        offset: Any = np.asarray(offsets, dtype=np.int32) if self._is_layout else self.offset
-        return (*self.cache, offset)
-
-    @classmethod
-    def _restore(cls, state: Any, meta_state: Any, keep: int | None, geometry: Any) -> Any:
-        fresh = cls(geometry=geometry) if geometry is not None else cls(state_planes(state))
-        planes, offsets, kinds = fresh._parse_state(
-            state, geometry, lambda v: [int(x) for x in np.asarray(v).reshape(-1)]
-        )
-        fresh._kinds = kinds
-        if not fresh._is_layout and planes is None:
-            return fresh  # a serial cache with no planes holds no row
-        fresh._rows = [fresh._new_row() for _ in offsets]
-        for b, (row, offset) in enumerate(zip(fresh._rows, offsets, strict=True)):
+    def _hold(self, planes: list[Any] | None, offsets: list[int]) -> None:
+        self._rows = [self._new_row() for _ in offsets]
+        for b, (row, offset) in enumerate(zip(self._rows, offsets, strict=True)):
             if planes is not None:
                 row.planes = {
-                    _tensor(i): (np.array(p[b : b + 1], copy=True),) for i, p in enumerate(planes)
+                    _tensor(i): self.codec.encode(p[b : b + 1]) for i, p in enumerate(planes)
                 }
             row.offset = offset
-        return fresh
 
 
 class StateLayout(StateLayoutMembers, ArraysCacheSurface):
