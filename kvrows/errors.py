@@ -22,6 +22,7 @@ __all__ = [
     "PROJECTED_BYTES_NEEDS_GEOMETRY",
     "SHARED_COLUMN_TRIM",
     "SPECULATIVE_INVALID",
+    "STATE_NOT_ATTENDED",
     "CapacityError",
     "CorruptStateError",
     "IncompatibleRowsError",
@@ -160,6 +161,9 @@ class NotBatchableError(KvRowsError):
 NOTHING_TO_FETCH = "the cache holds no tokens yet: nothing to fetch"
 
 #: ``update_and_fetch`` on a layout that holds no rows.
+STATE_NOT_ATTENDED = (
+    "recurrent state has no keys and values to attend over: the layer reads its planes"
+)
 EMPTY_LAYOUT_UPDATE = "an empty layout takes no update: merge rows into it first"
 
 

@@ -29,15 +29,12 @@ from kvrows.optimized.lego import (
 from kvrows.optimized.mlxlm_batch import BatchKVCache, BatchRotatingKVCache
 from kvrows.optimized.paged import BlockPool, PagedKVCache, PagedKvRows
 from kvrows.optimized.paged_latent import LatentBlockPool, PagedLatentCache
-from kvrows.optimized.recurrent import BatchedSSMCache, SSMCache
 from kvrows.optimized.rows import DECLARED
 
 __all__ = [
     *classes.__all__,
     "BatchKVCache",
     "BatchRotatingKVCache",
-    "BatchedSSMCache",
-    "SSMCache",
     "Bf16FirstQuantizedKVCache",
     "Bf16FirstRotatingQuantizedKVCache",
     "Bf16FirstTurboQuantKVCache",
@@ -62,9 +59,8 @@ def declared_classes() -> Mapping[str, type[Any]]:
     the delayed layouts, which compose two of them (what this module registers)."""
     delayed = (DelayedQuantizedKVCache, DelayedRotatingQuantizedKVCache, DelayedTurboQuantKVCache)
     latent = (MLACache, EncodedLatentCache)  # latent state: its own row machinery
-    recurrent = (SSMCache, BatchedSSMCache)  # recurrent state: its own row machinery
     paged = (PagedKVCache, PagedKvRows, PagedLatentCache)  # block tables into a pool
-    found = (*delayed, *latent, *recurrent, *paged)
+    found = (*delayed, *latent, *paged)
     return {**DECLARED, **{cls.composition.name: cls for cls in found}}
 
 

@@ -14,15 +14,22 @@ from kvrows.compositions import composition
 from kvrows.optimized.batch_dropin import LayoutBatchOps, SerialMerge
 from kvrows.optimized.dropin import LayoutDropIn, SerialDropIn
 from kvrows.optimized.geometries.growing import GrowingGeometry, RowAlignment
+from kvrows.optimized.geometries.recurrent import (
+    ArraysCacheSurface,
+    StateGeometry,
+    StateLayout,
+)
 from kvrows.optimized.geometries.ring import RaggedRing, SharedRing
 from kvrows.optimized.rows import Layout, Serial
 from kvrows.optimized.speculative import SpeculativeLayout
+from kvrows.recurrent import SerialRounds
 
 __all__ = [
     "BatchedKVCache",
     "BatchedQuantizedKVCache",
     "BatchedRotatingCache",
     "BatchedRotatingQuantCache",
+    "BatchedSSMCache",
     "BatchedTurboQuantKVCache",
     "KVCache",
     "PaddedKVRows",
@@ -32,6 +39,7 @@ __all__ = [
     "RotatingAffineLayout",
     "RotatingKVCache",
     "RotatingQuantizedKVCache",
+    "SSMCache",
     "SpeculativeRotatingAffineLayout",
     "SpeculativeRotatingKVCache",
     "TurboQuantKVCache",
@@ -164,3 +172,21 @@ class SpeculativeRotatingAffineLayout(
     (``spec/SpeculativeRotatingKVCache.md``)."""
 
     composition = composition("SpeculativeRotatingAffineLayout")
+
+
+# -- recurrent state -----------------------------------------------------------------------
+
+
+class SSMCache(ArraysCacheSurface, SerialRounds, StateGeometry, Serial):
+    """Serial recurrent state of one layer (``N`` planes written by the layer; not
+    trimmable); mlx-lm's ``ArraysCache(N)`` drop-in: ``spec/SSMCache.md``."""
+
+    composition = composition("SSMCache")
+
+
+class BatchedSSMCache(StateLayout, SpeculativeLayout, StateGeometry, Layout):
+    """The row layout of ``SSMCache`` in all three roles, with snapshot + replay verify
+    rounds: ``spec/BatchedSSMCache.md``. The surface comes first: its refusals
+    (``update_and_fetch``, ``trim``) and guards answer before the round's wrappers."""
+
+    composition = composition("BatchedSSMCache")

@@ -1,10 +1,10 @@
 """Recurrent state in the MLX implementation: ``SSMCache``, ``BatchedSSMCache`` and the
 layers that drive them in tests (``spec/SSMCache.md``).
 
-The row machinery is the core's (``kvrows.recurrent.RecurrentRows``); this module gives
-it MLX arrays. Everything that leaves a cache (an extracted row, a merged or filtered
-plane) is an owned, evaluated compact copy, never a view pinning a batch buffer. The same
-classes are the drop-in for mlx-lm's ``ArraysCache(size=n)`` in its hybrid and SSM models
+The caches are the row machinery's (``optimized/rows.py``) with the state geometry
+(``optimized/geometries/recurrent.py``), declared in ``optimized/classes.py`` and
+re-exported here with the layers that drive them in tests. The same classes are the
+drop-in for mlx-lm's ``ArraysCache(size=n)`` in its hybrid and SSM models
 (``qwen3_next``, ``mamba2``, ``lfm2``, ``rwkv7``, ``kimi_linear``…): the layers write
 ``cache[i]``, read ``cache.lengths`` and call ``cache.advance(S)`` and ``cache.make_mask(S)``.
 """
@@ -18,17 +18,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvrows.compositions import composition
 from kvrows.errors import InvalidInputError, plane_layer_input_message, qkv_shape_message
-from kvrows.optimized.codecs import dtype_name
-from kvrows.optimized.recurrent_surface import ArraysCacheSurface
-from kvrows.recurrent import (
-    CONV,
-    RECURRENT,
-    RecurrentLayout,
-    RecurrentRows,
-    StateShapes,
-)
+from kvrows.optimized.classes import BatchedSSMCache, SSMCache
+from kvrows.recurrent import CONV, RECURRENT, StateShapes
 
 __all__ = [
     "BatchedSSMCache",
@@ -39,79 +31,6 @@ __all__ = [
 ]
 
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
-
-
-def _owned(array: mx.array) -> mx.array:
-    """An evaluated compact copy (a concatenate never aliases its input)."""
-    copy = mx.concatenate([array, array[:0]], axis=0)
-    mx.eval(copy)
-    return copy
-
-
-class _MlxRows(ArraysCacheSurface):
-    array_name = "MLX"
-
-    @staticmethod
-    def _is_native(value: object) -> bool:
-        return isinstance(value, mx.array)
-
-    @staticmethod
-    def _shape(value: Any) -> tuple[int, ...]:
-        return tuple(int(n) for n in value.shape)
-
-    @staticmethod
-    def _dtype(value: Any) -> str:
-        return dtype_name(value)
-
-    @staticmethod
-    def _concat(parts: list[Any]) -> Any:
-        if len(parts) == 1:
-            return _owned(parts[0])
-        joined = mx.concatenate(parts, axis=0)  # a new buffer: nothing to copy again
-        mx.eval(joined)
-        return joined
-
-    @staticmethod
-    def _take(value: Any, rows: list[int]) -> Any:
-        taken = mx.take(value, mx.array(rows, dtype=mx.int32), axis=0)  # a gather: new buffer
-        mx.eval(taken)
-        return taken
-
-    @staticmethod
-    def _zeros(shape: tuple[int, ...], dtype: str) -> Any:
-        return mx.zeros(shape, dtype=_DTYPES[dtype])
-
-    @staticmethod
-    def _int_array(values: list[int]) -> Any:
-        return mx.array(values, dtype=mx.int32)
-
-    @staticmethod
-    def _ints_of(value: Any) -> list[int]:
-        return [int(v) for v in value.reshape(-1).tolist()]
-
-    @classmethod
-    def _serial_class(cls) -> type[RecurrentRows]:
-        return SSMCache
-
-    @classmethod
-    def _layout_class(cls) -> type[RecurrentRows]:
-        return BatchedSSMCache
-
-
-class SSMCache(_MlxRows):
-    """Serial recurrent state of one layer (``N`` planes written by the layer; not
-    trimmable); mlx-lm's ``ArraysCache(N)`` drop-in: ``spec/SSMCache.md``."""
-
-    composition = composition("SSMCache")
-    is_layout = False
-
-
-class BatchedSSMCache(RecurrentLayout, _MlxRows):
-    """The row layout of ``SSMCache`` in all three roles, with snapshot + replay verify
-    rounds: ``spec/BatchedSSMCache.md``."""
-
-    composition = composition("BatchedSSMCache")
-    is_layout = True
 
 
 # -- the layer ---------------------------------------------------------------------------

@@ -269,6 +269,19 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             for t in KV_TENSORS
         }
 
+    # -- what it learnt of its tensors' shapes ----------------------------------------------
+    def _shapes(self) -> Any:
+        """What the storage learnt of its tensors' shapes (a KV geometry; a state
+        geometry keeps its planes' kinds): what a merge joins and an extraction carries."""
+        return self._geometry
+
+    def _take_shapes(self, shapes: Any) -> None:
+        self._geometry = shapes
+
+    def _joined_shapes(self, sources: Sequence[Any]) -> Any:
+        """The shapes after joining ``sources`` (raises ``IncompatibleRowsError``)."""
+        return common_geometry([self._geometry, *(s.geometry for s in sources)])
+
     # -- saved state (``SavedState``; mechanics: ``optimized/forms.py``) ---------------------
     def _state(self) -> tuple[Any, ...]:
         from kvrows.optimized.forms import state_of
@@ -402,6 +415,10 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     def _check_geometry(self) -> None:
         raise NotImplementedError
 
+    def _owned(self, window: PlaneSet) -> PlaneSet:
+        """An owned compact copy of a row's window (what an extraction hands out)."""
+        return mapped(window, owned)
+
     def _holds_nothing(self, held: PlaneSet) -> bool:
         """Whether a window holds no token (a geometry without a token axis: never)."""
         return token_count(held) == 0
@@ -499,17 +516,24 @@ class Serial(Storage):
             self._offsets = [o - count for o in self._offsets]
         return count
 
-    def adopt(self: _S, planes: PlaneSet, offset: int, geometry: KvGeometry | None) -> _S:
+    def adopt(self: _S, planes: PlaneSet, offset: int, geometry: Any) -> _S:
         """Make this (empty) storage hold ``planes`` (owned, compact, in time order) as the
         newest tokens below position ``offset``."""
         if self._planes is not None:
             raise LayoutStateError(ADOPT_NEEDS_EMPTY)
         rows = int(next(iter(planes.values()))[0].shape[0])
-        self._planes, self._geometry = planes, geometry
+        self._planes = planes
+        self._take_shapes(geometry)
         self._offsets, self._pads = [offset] * rows, [0] * rows
         self._changed()
         self._adopt(planes, offset)
         return self
+
+    def check_valid(self) -> None:
+        """Assert the storage's invariants (for tests): its rows move together."""
+        assert len(self._pads) == len(self._offsets)
+        assert len(set(self._offsets)) <= 1, "the rows of a serial storage move together"
+        self._check_geometry()
 
     def planes(self) -> tuple[Planes, Planes] | None:
         """Views of the stored key and value planes in time order, ``[B, H, T, ·]``."""
@@ -591,7 +615,6 @@ class Layout(Storage):
                 raise IncompatibleRowsError(self_merge_message(self.signature()))
             seen.add(id(source))
         incoming: list[RowWindow] = []
-        geometries: list[KvGeometry | None] = [self._geometry]
         for source in rows:
             if not isinstance(source, Storage) or not self._accepts(source):
                 raise IncompatibleRowsError(
@@ -600,12 +623,11 @@ class Layout(Storage):
                     )
                 )
             incoming.extend(source._row_windows())
-            geometries.append(source.geometry)
-        geometry = common_geometry(geometries)
+        shapes = self._joined_shapes(rows)
         if not incoming:
             return
-        self._geometry = geometry
-        self._place(incoming, geometry)
+        self._take_shapes(shapes)
+        self._place(incoming, self._geometry)
         self._offsets = self._offsets + [offset for _, offset in incoming]
         self._changed()
 
@@ -629,11 +651,11 @@ class Layout(Storage):
         cache = serial._spawn(self)
         held = self._held_window(index)
         if held is None or self._holds_nothing(held):
-            cache._geometry = self._geometry  # an empty row still knows its geometry
+            cache._take_shapes(self._shapes())  # an empty row still knows its geometry
             return cache
-        copies = mapped(held, owned)
+        copies = self._owned(held)
         mx.eval(*arrays(copies))
-        return cache.adopt(copies, self._offsets[index], self._geometry)
+        return cache.adopt(copies, self._offsets[index], self._shapes())
 
     def trim(self, n: int) -> int:
         count = as_count(n, "n")

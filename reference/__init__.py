@@ -23,7 +23,6 @@ from kvrows.reference.lego import (
 )
 from kvrows.reference.paged import BlockPool, PagedKVCache, PagedKvRows
 from kvrows.reference.paged_latent import LatentBlockPool, PagedLatentCache
-from kvrows.reference.recurrent import BatchedSSMCache, SSMCache
 
 __all__ = [
     *_classes,
@@ -35,8 +34,6 @@ __all__ = [
     "DelayedTurboQuantKVCache",
     "EncodedLatentCache",
     "MLACache",
-    "BatchedSSMCache",
-    "SSMCache",
     "BlockPool",
     "PagedKVCache",
     "PagedKvRows",

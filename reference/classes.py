@@ -2,7 +2,7 @@
 
 Each names its composition (``kvrows.compositions``): the codec, the token geometry and
 the arrangement come from there, and the row machinery (``rows.py``) with the geometry's
-hooks (``geometries/growing.py``, ``geometries/ring.py``) does the rest. The mixins add what mlx-lm reads off
+hooks (``geometries/growing.py``, ``geometries/ring.py``, ``geometries/recurrent.py``) does the rest. The mixins add what mlx-lm reads off
 an affine storage (``bits``, ``group_size``) or a ring (``max_size``, ``keep``).
 """
 
@@ -16,7 +16,9 @@ from kvrows.compositions import composition, landed
 from kvrows.delayed import DelayedRows, DelayedSlidingWindow
 from kvrows.errors import KvRowsError, speculative_modifier_message
 from kvrows.geometries import geometry_class
+from kvrows.recurrent import SerialRounds
 from kvrows.reference.geometries.growing import RowAlignment
+from kvrows.reference.geometries.recurrent import ArraysCacheSurface, StateLayout
 from kvrows.reference.geometries.ring import RingParameters
 from kvrows.reference.rows import RowLayout, SerialStorage
 from kvrows.reference.speculative import SpeculativeLayout
@@ -26,6 +28,7 @@ __all__ = [
     "BatchedQuantizedKVCache",
     "BatchedRotatingCache",
     "BatchedRotatingQuantCache",
+    "BatchedSSMCache",
     "BatchedTurboQuantKVCache",
     "KVCache",
     "PaddedKVRows",
@@ -35,6 +38,7 @@ __all__ = [
     "RotatingAffineLayout",
     "RotatingKVCache",
     "RotatingQuantizedKVCache",
+    "SSMCache",
     "SpeculativeRotatingAffineLayout",
     "SpeculativeRotatingKVCache",
     "TurboQuantKVCache",
@@ -158,6 +162,24 @@ class SpeculativeRotatingAffineLayout(AffineParameters, RingParameters, Speculat
     serial_class = RotatingQuantizedKVCache
 
 
+# -- recurrent state ---------------------------------------------------------------------
+
+
+class SSMCache(ArraysCacheSurface, SerialRounds, SerialStorage):
+    """Serial recurrent state of one layer (planes written by the layer; not trimmable):
+    ``spec/SSMCache.md``."""
+
+    composition = composition("SSMCache")
+
+
+class BatchedSSMCache(StateLayout, SpeculativeLayout):
+    """The row layout of ``SSMCache`` in all three roles, with snapshot + replay verify
+    rounds: ``spec/BatchedSSMCache.md``."""
+
+    composition = composition("BatchedSSMCache")
+    serial_class = SSMCache
+
+
 #: The parameters a surface mixin exposes (``AffineParameters``: ``bits``;
 #: ``RingParameters``: ``max_size``): a class has each iff its table entry takes it.
 _SURFACE_PARAMETERS = ("bits", "max_size")
@@ -193,10 +215,7 @@ def _checked(cls: type[Any]) -> type[Any]:
 def declared_classes() -> Mapping[str, type[Any]]:
     """Every public class of the reference, by composition name (what ``__init__``
     registers): this module's and the delayed layouts (``reference/delayed.py``)."""
-    from kvrows.reference import (
-        delayed,  # it builds on this module's classes
-        recurrent,  # recurrent state: its own row machinery
-    )
+    from kvrows.reference import delayed  # it builds on this module's classes
 
     candidates = [*globals().values(), *vars(delayed).values()]
     # A public class declares its table entry (``composition``); its bases do not.
@@ -208,8 +227,6 @@ def declared_classes() -> Mapping[str, type[Any]]:
     from kvrows.reference import latent  # latent state: its own row machinery
 
     found |= {cls.composition.name: cls for cls in (latent.MLACache, latent.EncodedLatentCache)}
-
-    found |= {cls.composition.name: cls for cls in (recurrent.SSMCache, recurrent.BatchedSSMCache)}
     from kvrows.reference import paged  # the paged storages (``kvrows.paged_storage``)
 
     found.update({cls.composition.name: cls for cls in (paged.PagedKVCache, paged.PagedKvRows)})

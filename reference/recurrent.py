@@ -1,9 +1,9 @@
 """Recurrent state in the NumPy reference: ``SSMCache``, ``BatchedSSMCache`` and the
 layers that drive them in tests (``spec/SSMCache.md``).
 
-The row machinery is the core's (``kvrows.recurrent.RecurrentRows``); this module gives
-it NumPy arrays (bf16 through ``ml_dtypes``; every operation returns a fresh array, never
-a view of a cache's buffer) and writes the layer the caches are tested with:
+The caches are the row machinery's (``reference/rows.py``) with the state geometry
+(``reference/geometries/recurrent.py``), declared in ``reference/classes.py`` and
+re-exported here; this module writes the layer the caches are tested with:
 :func:`gated_delta_forward`, the recurrence of Qwen3-Next's linear attention in float32,
 step by step, with padded rows masked so a masked position leaves a row's state as it was;
 and :func:`plane_state_forward`, a toy layer keeping planes of any number and shape.
@@ -18,17 +18,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvrows.compositions import composition
 from kvrows.errors import InvalidInputError, plane_layer_input_message, qkv_shape_message
-from kvrows.recurrent import (
-    CONV,
-    RECURRENT,
-    RecurrentLayout,
-    RecurrentRows,
-    StateShapes,
-)
+from kvrows.recurrent import CONV, RECURRENT, StateShapes
+from kvrows.reference.classes import BatchedSSMCache, SSMCache
 from kvrows.reference.codecs import numpy_dtype
-from kvrows.reference.recurrent_surface import ArraysCacheSurface
 
 __all__ = [
     "BatchedSSMCache",
@@ -39,66 +32,6 @@ __all__ = [
 ]
 
 Array = npt.NDArray[Any]
-
-
-class _NumpyRows(ArraysCacheSurface):
-    array_name = "NumPy"
-
-    @staticmethod
-    def _is_native(value: object) -> bool:
-        return isinstance(value, np.ndarray)
-
-    @staticmethod
-    def _shape(value: Any) -> tuple[int, ...]:
-        return tuple(int(n) for n in value.shape)
-
-    @staticmethod
-    def _dtype(value: Any) -> str:
-        return str(value.dtype.name)
-
-    @staticmethod
-    def _concat(parts: list[Any]) -> Any:
-        return np.concatenate(parts, axis=0)  # always a new array
-
-    @staticmethod
-    def _take(value: Any, rows: list[int]) -> Any:
-        return np.ascontiguousarray(value[np.asarray(rows, dtype=np.int64)])
-
-    @staticmethod
-    def _zeros(shape: tuple[int, ...], dtype: str) -> Any:
-        return np.zeros(shape, dtype=numpy_dtype(dtype))
-
-    @staticmethod
-    def _int_array(values: list[int]) -> Any:
-        return np.asarray(values, dtype=np.int32)
-
-    @staticmethod
-    def _ints_of(value: Any) -> list[int]:
-        return [int(v) for v in np.asarray(value).reshape(-1)]
-
-    @classmethod
-    def _serial_class(cls) -> type[RecurrentRows]:
-        return SSMCache
-
-    @classmethod
-    def _layout_class(cls) -> type[RecurrentRows]:
-        return BatchedSSMCache
-
-
-class SSMCache(_NumpyRows):
-    """Serial recurrent state of one layer (conv + recurrent planes, written by the layer;
-    not trimmable): ``spec/SSMCache.md``."""
-
-    composition = composition("SSMCache")
-    is_layout = False
-
-
-class BatchedSSMCache(RecurrentLayout, _NumpyRows):
-    """The row layout of ``SSMCache`` in all three roles, with snapshot + replay verify
-    rounds: ``spec/BatchedSSMCache.md``."""
-
-    composition = composition("BatchedSSMCache")
-    is_layout = True
 
 
 # -- the layer ---------------------------------------------------------------------------

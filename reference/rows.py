@@ -131,7 +131,7 @@ class Row:
     ``[1, H, retained, ·]``; empty before its first write); ``offset``: tokens ever
     appended (the next token's position); ``pad``: what the layout reports as the row's
     ``left_pad``; ``sinks``: a ring's ``keep``, the first positions that are never evicted
-    (0 elsewhere). A token row retains its first ``min(sinks, offset)`` positions, then a
+    (0 elsewhere); ``token_axis``: whether its planes have one (recurrent state's do not). A token row retains its first ``min(sinks, offset)`` positions, then a
     run of its newest ones. The token surgery (``newest``, ``append``, ``trim``) is what
     token geometries call; a geometry without a token axis copies and replaces whole
     rows (``copy``, ``planes``), and nothing else here reads a token axis.
@@ -141,6 +141,7 @@ class Row:
     offset: int = 0
     pad: int = 0
     sinks: int = 0
+    token_axis: bool = True
 
     @property
     def held(self) -> bool:
@@ -149,7 +150,10 @@ class Row:
 
     @property
     def retained(self) -> int:
-        """Tokens the row holds (a token geometry's; 0 when it holds nothing)."""
+        """Tokens the row holds (a token geometry's; 0 when it holds nothing or its planes
+        have no token axis)."""
+        if not self.token_axis:
+            return 0
         for planes in self.planes.values():
             return int(planes[0].shape[TOKEN_AXIS])
         return 0
@@ -166,7 +170,7 @@ class Row:
     def copy(self) -> Row:
         """An independent copy of the whole row."""
         planes = {t: tuple(np.array(p, copy=True) for p in ps) for t, ps in self.planes.items()}
-        return Row(planes, self.offset, self.pad, self.sinks)
+        return Row(planes, self.offset, self.pad, self.sinks, self.token_axis)
 
     def newest(self, count: int) -> Row:
         """An independent row holding ``count`` of this one's tokens, at its offset: its
@@ -347,6 +351,22 @@ class Storage(SavedState, ComposedIdentity):
         #: A ring's sink tokens (``keep``), 0 for every other geometry.
         self._sinks = self._axis.sinks
 
+    def _new_row(self) -> Row:
+        """A row that holds nothing yet (a placement may keep more per row: paged tables)."""
+        return Row(sinks=self._sinks, token_axis=self._token_geometry.token_axis)
+
+    def _shapes(self) -> Any:
+        """What the storage learnt of its tensors' shapes (a KV geometry; a state
+        geometry keeps its planes' kinds): what a merge joins and an extraction carries."""
+        return self._geometry
+
+    def _take_shapes(self, shapes: Any) -> None:
+        self._geometry = shapes
+
+    def _joined_shapes(self, sources: Sequence[Any]) -> Any:
+        """The shapes after joining ``sources`` (raises ``IncompatibleRowsError``)."""
+        return common_geometry([self._geometry, *(s.geometry for s in sources)])
+
     # -- what it holds --------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
@@ -427,10 +447,6 @@ class Storage(SavedState, ComposedIdentity):
         self._advance(n)
         for b, row in enumerate(self._rows):
             self._axis.append(row, row_share(block, b), n)
-
-    def _new_row(self) -> Row:
-        """A row that holds nothing yet (a placement may keep more per row: paged tables)."""
-        return Row(sinks=self._sinks)
 
     def _window(self, row: Row) -> PlaneSet | None:
         """Copies of ``row``'s window in temporal order (``None`` before its first write)."""
@@ -521,12 +537,12 @@ class SerialStorage(Storage):
             return None
         return _kv(stacked([w for w in windows if w is not None]))
 
-    def adopt(self, row: Row, geometry: KvGeometry | None) -> SerialStorage:
+    def adopt(self, row: Row, geometry: Any) -> SerialStorage:
         """Make this (empty) storage hold ``row`` (used by extraction)."""
         if self._rows:
             raise LayoutStateError(ADOPT_NEEDS_EMPTY)
         self._rows = [row] if row.held else []
-        self._geometry = geometry
+        self._take_shapes(geometry)
         return self
 
 
@@ -643,8 +659,7 @@ class RowLayout(Storage):
             if not self._accepts(source):
                 raise IncompatibleRowsError(self._merge_refusal(source))
             source.lend_rows()
-        geometry = common_geometry([self._geometry, *(s.geometry for s in rows)])
-        self._join(rows, geometry)
+        self._join(rows, self._joined_shapes(rows))
 
     def _merge_refusal(self, source: object) -> str:
         """Why ``source``'s rows may not join this layout (``_accepts`` said no)."""
@@ -652,9 +667,10 @@ class RowLayout(Storage):
             self.signature(), source, self.codec.key, self._token_geometry
         )
 
-    def _join(self, sources: Sequence[Any], geometry: KvGeometry | None) -> None:
-        """Join the checked ``sources``' rows (cut to their window) after this layout's; a
-        placement that keeps rows elsewhere too (paged) overrides it."""
+    def _join(self, sources: Sequence[Any], shapes: Any) -> None:
+        """Join the checked ``sources``' rows (cut to their window) after this layout's,
+        then take ``shapes`` (what the rows hold, checked common); a placement that keeps
+        rows elsewhere too (paged) overrides it."""
         incoming: list[Row] = []
         for source in sources:
             if source._rows or source.composition.is_layout:
@@ -666,7 +682,7 @@ class RowLayout(Storage):
         running = [self._cut(row) for row in self._rows]
         self._rows = running + incoming
         self._place.join(self._rows, len(running))
-        self._geometry = geometry
+        self._take_shapes(shapes)
 
     def filter_rows(self, keep: Sequence[int]) -> None:
         """Keep the rows ``keep``, in that order."""
@@ -678,8 +694,8 @@ class RowLayout(Storage):
         """An independent serial storage holding row ``row``'s window."""
         entry = self._rows[check_row(row, self.batch_size)]
         serial = self.serial_class.from_specs(self.codec_spec, self._token_geometry)
-        held = self._cut(entry) if entry.offset > 0 else self._new_row()
-        return serial.adopt(held, self._geometry)  # an empty row still knows its geometry
+        held = self._cut(entry) if entry.held else self._new_row()
+        return serial.adopt(held, self._shapes())  # an empty row still knows its geometry
 
     # -- trims -----------------------------------------------------------------------------
     def is_trimmable(self) -> bool:

@@ -282,9 +282,9 @@ def _implementations() -> list[tuple[str, ModuleType]]:
 def test_each_implementation_builds_the_codec_a_spec_names(spec: object) -> None:
     assert is_codec_spec(spec)
     for name, module in _implementations():
-        # The state codec's array codecs come with recurrent's move onto the row
-        # machinery (spec/machinery-migration.md §4); every KV codec has one.
-        assert set(module.IMPLEMENTATIONS) == set(kv_codecs()), name
+        # Every registered codec has an array codec in each implementation (the state
+        # codec's came with recurrent's move onto the row machinery).
+        assert set(module.IMPLEMENTATIONS) == set(CODECS), name
         codec = module.make_codec(spec)
         assert codec.spec == spec and codec.key == spec.key, name
         assert codec.defers_values == (spec.reads == "own"), name

@@ -126,10 +126,10 @@ class _FilterMovesTwoPlanes(BatchedSSMCache):
     planes 2 and 3 keep the rows they had."""
 
     def filter_rows(self, keep: Sequence[int]) -> None:
-        later = self._planes[2:]
+        later = {t: p for t, p in (self._planes or {}).items() if t not in ("state.0", "state.1")}
         super().filter_rows(keep)
-        if keep:
-            self._planes[2:] = later
+        if keep and self._planes is not None:
+            self._planes = {**self._planes, **later}
 
 
 #: The teeth profile's 12 examples reorder no filter the mutant sorts: 40 do (about 1 s);

@@ -27,7 +27,7 @@ from kvrows.app.models import (
     tiny_model,
 )
 from kvrows.errors import InvalidInputError
-from kvrows.optimized.recurrent_surface import ArraysCacheSurface
+from kvrows.optimized.geometries.recurrent import ArraysCacheSurface
 from kvrows.recurrent import StateShapes
 from kvrows.speculative import RowRound
 from kvrows.table import owned_cache_layout, target_cache_layout
