@@ -179,8 +179,10 @@ class PagedLatentRows(LatentRows):
         start: object = 0,
     ) -> None:
         name = type(self).__name__
+        inner: LatentCodec = Plain()
+        first = 0
         if codec is not None and not isinstance(codec, Plain):
-            self.latent_codec, self.start = encoded_codec(name, codec, None, None, start)
+            inner, first = encoded_codec(name, codec, None, None, start)
         elif as_count(start, "start"):
             raise InvalidInputError(f"{name}: start applies to an encoded latent only")
         if pool is not None and not isinstance(pool, self.pool_class):
@@ -192,10 +194,9 @@ class PagedLatentRows(LatentRows):
                     f"{name}: the pool's blocks hold {pool.block_size} tokens, not {size}"
                 )
             size = pool.block_size
-            if pool.codec_spec != self.latent_codec:
+            if pool.codec_spec != inner:
                 raise InvalidInputError(
-                    f"{name}: the pool stores the latent {pool.codec_spec!r}, not "
-                    f"{self.latent_codec!r}"
+                    f"{name}: the pool stores the latent {pool.codec_spec!r}, not {inner!r}"
                 )
         self._block_size = size or DEFAULT_BLOCK_SIZE
         #: Each row's exact latent ``[1, 1, t, R]`` while it reads exact (an encoded latent's
@@ -204,12 +205,12 @@ class PagedLatentRows(LatentRows):
         self._pool = pool
         self._tables: list[BlockTable] = []  # mutated in place: the finalizer holds it
         self._finalizer: weakref.finalize[Any, Any] | None = None
-        super().__init__(kv_lora_rank, rope_head_dim, index_head_dim, max_tokens, role)
+        self._setup(inner, first, kv_lora_rank, rope_head_dim, index_head_dim, max_tokens, role)
         if pool is not None:
-            if pool.index_head_dim != self.options.index_head_dim:
+            if pool.index_head_dim != self.latent_spec.index_head_dim:
                 raise InvalidInputError(
                     f"{name}: the pool holds index planes of width {pool.index_head_dim}, "
-                    f"declared {self.options.index_head_dim}"
+                    f"declared {self.latent_spec.index_head_dim}"
                 )
             self._adopt_pool_geometry()
 
@@ -231,7 +232,7 @@ class PagedLatentRows(LatentRows):
         g = None if self._pool is None else self._pool.geometry
         if g is None:
             return
-        declared = (self.options.kv_lora_rank, self.options.rope_head_dim)
+        declared = (self.latent_spec.kv_lora_rank, self.latent_spec.rope_head_dim)
         if any(
             d is not None and d != h
             for d, h in zip(declared, (g.key_dim, g.value_dim), strict=True)
@@ -260,9 +261,8 @@ class PagedLatentRows(LatentRows):
         self._adopt_pool_geometry()
 
     def _new_empty(self: _P) -> _P:
-        o = self.options
         return type(self)(
-            o.kv_lora_rank, o.rope_head_dim, o.index_head_dim, o.max_tokens, o.role,
+            *self._declaration(),
             pool=self._pool, block_size=self._block_size, codec=self._codec_arg(),
             start=self.start,
         )  # fmt: skip
@@ -278,7 +278,7 @@ class PagedLatentRows(LatentRows):
         return (*super()._merge_key(), self._block_size)
 
     def signature(self) -> str:
-        role = self.options.signature_role
+        role = self.latent_spec.signature_role
         if not self.encoded:
             return f"kv:mla-paged:{role}"
         return f"kv:mla-paged:{role}:{self.latent_codec.key}:{self.start}"
@@ -342,7 +342,7 @@ class PagedLatentRows(LatentRows):
             self._pool = self.pool_class(
                 self.latent_codec,
                 block_size=self._block_size,
-                index_head_dim=self.options.index_head_dim,
+                index_head_dim=self.latent_spec.index_head_dim,
                 geometry=geometry,
             )
         else:

@@ -19,16 +19,11 @@ from typing import Any
 import mlx.core as mx
 
 from kvrows.compositions import composition
-from kvrows.errors import (
-    InvalidInputError,
-    latent_planes_message,
-    plain_latent_state_message,
-    preview_blocks_message,
-)
-from kvrows.latent import LatentCodec, LatentRows, encoded_codec
-from kvrows.optimized.codecs import TurboCodec, dtype_name, make_codec, mlx_dtype
+from kvrows.errors import InvalidInputError, latent_planes_message, preview_blocks_message
+from kvrows.latent import EncodedLatentRows, LatentRows
+from kvrows.optimized.codecs import dtype_name, mlx_dtype
+from kvrows.optimized.codecs.latent import LatentArrayCodec
 from kvrows.optimized.rows import owned
-from kvrows.schemes import Affine, Plain, Turbo
 
 __all__ = ["EncodedLatentCache", "MLACache"]
 
@@ -70,8 +65,8 @@ class _LatentOptimized(LatentRows):
         self._exact: mx.array | None = None  # while some row reads its latent exact
 
     @property
-    def _role(self) -> Any:
-        return "values" if isinstance(self.latent_codec, Turbo) else "keys"
+    def _codec(self) -> LatentArrayCodec:
+        return LatentArrayCodec(self.latent_spec)
 
     def _impl_shape_dtype(self, array: Any, what: str) -> tuple[tuple[int, ...], str]:
         try:
@@ -97,13 +92,13 @@ class _LatentOptimized(LatentRows):
 
     def _impl_append(self, latent: Any, rope: Any, index: Any | None, exact: bool) -> None:
         used = self.width  # the core updates the offsets after this hook
-        planes = make_codec(self.latent_codec).encode(latent, self._role)
+        planes = self._codec.encode(latent, "latent")
         held = self._planes or (None,) * len(planes)
         self._planes = tuple(_write(h, p, used) for h, p in zip(held, planes, strict=True))
         self._rope = _write(self._rope, rope, used)
         if index is not None:
             self._index = _write(self._index, index, used)
-        if exact and not isinstance(self.latent_codec, Plain):
+        if exact and self.latent_codec.encodes:
             # rows that read exact joined with no exact columns held: zeros (never read)
             self._exact = _write(self._exact, latent, used)
 
@@ -116,25 +111,13 @@ class _LatentOptimized(LatentRows):
 
     def _decoded(self) -> mx.array:
         assert self._planes is not None and self._dtype is not None
-        codec = make_codec(self.latent_codec)
         planes = tuple(self._valid(p) for p in self._planes)
-        if isinstance(self.latent_codec, Plain):
-            return planes[0]
-        if isinstance(codec, TurboCodec):
-            decoded = codec.decode(planes, "values")
-        else:
-            assert isinstance(self.latent_codec, Affine)
-            packed, scales, biases = planes
-            decoded = mx.dequantize(
-                packed, scales, biases, group_size=self.latent_codec.group_size,
-                bits=self.latent_codec.bits, mode="affine",
-            )  # fmt: skip
-        return decoded.astype(mlx_dtype(self._dtype))
+        return self._codec.decoded(planes, "latent", self._dtype)
 
     def _impl_read(self, reads_exact: Sequence[bool]) -> tuple[Any, Any, Any | None]:
         assert self._rope is not None
         latent = self._decoded()
-        if not isinstance(self.latent_codec, Plain) and any(reads_exact):
+        if self.latent_codec.encodes and any(reads_exact):
             assert self._exact is not None
             rows = mx.array(list(reads_exact))[:, None, None, None]
             latent = mx.where(rows, self._valid(self._exact), latent)
@@ -151,21 +134,11 @@ class _LatentOptimized(LatentRows):
             raise InvalidInputError(preview_blocks_message(type(self).__name__))
         reads_exact = [not c for c in self.converted] or [True] * int(latent.shape[0])
         block = latent
-        if not isinstance(self.latent_codec, Plain):
-            dtype = latent.dtype
-            codec = make_codec(self.latent_codec)
-            planes = codec.encode(latent, self._role)
-            if isinstance(codec, TurboCodec):
-                decoded = codec.decode(planes, "values")
-            else:
-                assert isinstance(self.latent_codec, Affine)
-                packed, scales, biases = planes
-                decoded = mx.dequantize(
-                    packed, scales, biases, group_size=self.latent_codec.group_size,
-                    bits=self.latent_codec.bits, mode="affine",
-                )  # fmt: skip
+        if self.latent_codec.encodes:
+            codec = self._codec
+            decoded = codec.decoded(codec.encode(latent, "latent"), "latent", dtype_name(latent))
             rows = mx.array(reads_exact)[:, None, None, None]
-            block = mx.where(rows, latent, decoded.astype(dtype))
+            block = mx.where(rows, latent, decoded)
         if self._rope is None:
             return block, rope
         held_latent, held_rope, _ = self._impl_read(reads_exact)
@@ -179,16 +152,13 @@ class _LatentOptimized(LatentRows):
         assert self._widths is not None and self._dtype is not None
         rank, rope = self._widths
         dtype = mlx_dtype(self._dtype)
-        codec = make_codec(self.latent_codec)
-        planes = codec.zeros(rows, 1, columns, rank, self._dtype, self._role)
-        index = self.options.index_head_dim
+        planes = self._codec.zeros(rows, 1, columns, rank, self._dtype, "latent")
+        index = self.latent_spec.index_head_dim
         return [
             *planes,
             mx.zeros((rows, 1, columns, rope), dtype),
             None if index is None else mx.zeros((rows, 1, columns, index), dtype),
-            None
-            if isinstance(self.latent_codec, Plain)
-            else mx.zeros((rows, 1, columns, rank), dtype),
+            mx.zeros((rows, 1, columns, rank), dtype) if self.latent_codec.encodes else None,
         ]
 
     def _impl_merge(self, sources: Sequence[Any]) -> None:
@@ -330,11 +300,8 @@ class _LatentOptimized(LatentRows):
     def _impl_restore(
         self, planes: tuple[Any, ...], rope: Any, index: Any, exact: Any, rows: int, width: int
     ) -> str:
-        codec = make_codec(self.latent_codec)
         assert self._widths is not None
-        names = [
-            p.name for p in codec.plane_specs("latent", self._widths[0], "float32", self._role)
-        ]
+        names = [p.name for p in self.latent_spec.plane_specs("latent", self._widths[0], "float32")]
         if len(names) != len(planes):
             raise InvalidInputError(
                 latent_planes_message(type(self).__name__, len(names), len(planes))
@@ -365,41 +332,8 @@ class MLACache(_LatentOptimized):
     composition = composition("MLACache")
 
 
-class EncodedLatentCache(_LatentOptimized):
+class EncodedLatentCache(EncodedLatentRows, _LatentOptimized):
     """The latent plane through a codec, rope and index exact, bf16-first per row
     (``spec/EncodedLatentCache.md``)."""
 
     composition = composition("EncodedLatentCache")
-
-    def __init__(
-        self,
-        kv_lora_rank: object = None,
-        rope_head_dim: object = None,
-        index_head_dim: object = None,
-        max_tokens: object = None,
-        role: object = "target",
-        *,
-        codec: LatentCodec | None = None,
-        bits: int | None = None,
-        group_size: int | None = None,
-        start: int = 0,
-    ) -> None:
-        self.latent_codec, self.start = encoded_codec(
-            type(self).__name__, codec, bits, group_size, start
-        )
-        super().__init__(kv_lora_rank, rope_head_dim, index_head_dim, max_tokens, role)
-
-    def _new_empty(self) -> EncodedLatentCache:
-        o = self.options
-        return type(self)(
-            o.kv_lora_rank, o.rope_head_dim, o.index_head_dim, o.max_tokens, o.role,
-            codec=self.latent_codec, start=self.start,
-        )  # fmt: skip
-
-    def signature(self) -> str:
-        return f"kv:mla-encoded:{self.options.signature_role}:{self.latent_codec.key}:{self.start}"
-
-    def _set_codec(self, codec: LatentCodec, start: int) -> None:
-        if isinstance(codec, Plain):
-            raise InvalidInputError(plain_latent_state_message(type(self).__name__))
-        self.latent_codec, self.start = encoded_codec(type(self).__name__, codec, None, None, start)

@@ -101,7 +101,7 @@ class _LatentView(_View):
             raise LayoutStateError(
                 "LatentCacheList: the previous latent block still waits for its index block"
             )
-        if not owner.cache.options.dsa:
+        if not owner.cache.latent_spec.dsa:
             return owner.cache.update_and_fetch(keys, values)
         fetched = owner.cache.preview(keys, values)
         owner.pending = (keys, values)
@@ -178,7 +178,7 @@ class LatentCacheList:
         self.caches = (_LatentView(self), _IndexView(self))
 
     def __getitem__(self, index: int) -> _View:
-        if index == 1 and not self.cache.options.dsa:
+        if index == 1 and not self.cache.latent_spec.dsa:
             raise InvalidInputError("this latent cache has no DSA index plane (item 1)")
         return self.caches[index]
 

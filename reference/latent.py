@@ -18,10 +18,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kvrows.compositions import composition
-from kvrows.errors import InvalidInputError, latent_planes_message, plain_latent_state_message
-from kvrows.latent import LatentCodec, LatentRows, encoded_codec
-from kvrows.reference.codecs import Codec, TurboCodec, dtype_name, make_codec, numpy_dtype
-from kvrows.schemes import Plain, Turbo
+from kvrows.errors import InvalidInputError, latent_planes_message
+from kvrows.latent import EncodedLatentRows, LatentRows
+from kvrows.reference.codecs import dtype_name, numpy_dtype
+from kvrows.reference.codecs.latent import LatentArrayCodec
 
 __all__ = ["EncodedLatentCache", "MLACache"]
 
@@ -76,12 +76,8 @@ class _LatentReference(LatentRows):
         self._rows: list[_Row] = []
 
     @property
-    def _codec(self) -> Codec:
-        return make_codec(self.latent_codec)
-
-    @property
-    def _role(self) -> Any:
-        return "values" if isinstance(self.latent_codec, Turbo) else "keys"
+    def _codec(self) -> LatentArrayCodec:
+        return LatentArrayCodec(self.latent_spec)
 
     def _impl_shape_dtype(self, array: Any, what: str) -> tuple[tuple[int, ...], str]:
         try:
@@ -100,12 +96,12 @@ class _LatentReference(LatentRows):
         rows = int(latent.shape[0])
         if not self._rows:
             self._rows = [_Row() for _ in range(rows)]
-        codec, plain = self._codec, isinstance(self.latent_codec, Plain)
+        codec, encodes = self._codec, self.latent_codec.encodes
         new_rows = []
         for b, row in enumerate(self._rows):
-            planes = codec.encode(np.array(latent[b : b + 1], copy=True), self._role)
+            planes = codec.encode(np.array(latent[b : b + 1], copy=True), "latent")
             held = row.planes or (None,) * len(planes)
-            keeps_exact = not plain and not self.converted[b]
+            keeps_exact = encodes and not self.converted[b]
             new_rows.append(
                 _Row(
                     tuple(_cat(h, p) for h, p in zip(held, planes, strict=True)),
@@ -118,12 +114,7 @@ class _LatentReference(LatentRows):
 
     def _decode(self, row: _Row) -> Array:
         assert row.planes is not None and self._dtype is not None
-        codec = self._codec
-        if isinstance(codec, TurboCodec):
-            decoded = codec.decode(row.planes, "values")
-        else:
-            decoded = codec.decode(row.planes)
-        return np.asarray(decoded).astype(numpy_dtype(self._dtype))
+        return self._codec.decoded(row.planes, "latent", self._dtype)
 
     def _impl_read(self, reads_exact: Sequence[bool]) -> tuple[Any, Any, Any | None]:
         assert self._widths is not None and self._dtype is not None
@@ -135,10 +126,10 @@ class _LatentReference(LatentRows):
             if row.rope is None:
                 latents.append(np.zeros((1, 1, width, rank), dtype))
                 ropes.append(np.zeros((1, 1, width, rope_width), dtype))
-                if self.options.index_head_dim is not None:
-                    indexes.append(np.zeros((1, 1, width, self.options.index_head_dim), dtype))
+                if self.latent_spec.index_head_dim is not None:
+                    indexes.append(np.zeros((1, 1, width, self.latent_spec.index_head_dim), dtype))
                 continue
-            if isinstance(self.latent_codec, Plain):
+            if not self.latent_codec.encodes:
                 assert row.planes is not None
                 dense = row.planes[0]
             elif exact:
@@ -207,7 +198,7 @@ class _LatentReference(LatentRows):
             return None, None, None, None
         assert self._widths is not None and self._dtype is not None
         width, rank = self.width, self._widths[0]
-        empty = self._codec.zeros(1, 1, 0, rank, self._dtype, self._role)
+        empty = self._codec.zeros(1, 1, 0, rank, self._dtype, "latent")
 
         def batch(arrays: list[Array]) -> Array:
             return np.concatenate([_pad_left(a, width - a.shape[2]) for a in arrays], 0)
@@ -222,10 +213,10 @@ class _LatentReference(LatentRows):
 
         rope = plane(lambda r: r.rope, self._widths[1])
         index = None
-        if self.options.index_head_dim is not None:
-            index = plane(lambda r: r.index, self.options.index_head_dim)
+        if self.latent_spec.index_head_dim is not None:
+            index = plane(lambda r: r.index, self.latent_spec.index_head_dim)
         exact = None
-        if not isinstance(self.latent_codec, Plain) and not all(self.converted):
+        if self.latent_codec.encodes and not all(self.converted):
             exact = batch(
                 [
                     r.exact if r.exact is not None and not c else np.zeros((1, 1, 0, rank), dtype)
@@ -247,7 +238,7 @@ class _LatentReference(LatentRows):
         self, planes: tuple[Any, ...], rope: Any, index: Any, exact: Any, rows: int, width: int
     ) -> str:
         assert self._widths is not None
-        specs = self._codec.plane_specs("latent", self._widths[0], "float32", self._role)
+        specs = self.latent_spec.plane_specs("latent", self._widths[0], "float32")
         if len(specs) != len(planes):
             raise InvalidInputError(
                 latent_planes_message(type(self).__name__, len(specs), len(planes))
@@ -295,43 +286,8 @@ class MLACache(_LatentReference):
     composition = composition("MLACache")
 
 
-class EncodedLatentCache(_LatentReference):
+class EncodedLatentCache(EncodedLatentRows, _LatentReference):
     """The latent plane through a codec, rope and index exact, bf16-first per row
     (``spec/EncodedLatentCache.md``)."""
 
     composition = composition("EncodedLatentCache")
-
-    def __init__(
-        self,
-        kv_lora_rank: object = None,
-        rope_head_dim: object = None,
-        index_head_dim: object = None,
-        max_tokens: object = None,
-        role: object = "target",
-        *,
-        codec: LatentCodec | None = None,
-        bits: int | None = None,
-        group_size: int | None = None,
-        start: int = 0,
-    ) -> None:
-        self.latent_codec, self.start = encoded_codec(
-            type(self).__name__, codec, bits, group_size, start
-        )
-        super().__init__(kv_lora_rank, rope_head_dim, index_head_dim, max_tokens, role)
-
-    def _new_empty(self) -> EncodedLatentCache:
-        o = self.options
-        return type(self)(
-            o.kv_lora_rank, o.rope_head_dim, o.index_head_dim, o.max_tokens, o.role,
-            codec=self.latent_codec, start=self.start,
-        )  # fmt: skip
-
-    def signature(self) -> str:
-        return f"kv:mla-encoded:{self.options.signature_role}:{self.latent_codec.key}:{self.start}"
-
-    def _set_codec(self, codec: LatentCodec, start: int) -> None:
-        self.latent_codec, self.start = encoded_codec(
-            type(self).__name__, None if isinstance(codec, Plain) else codec, None, None, start
-        )
-        if isinstance(codec, Plain):
-            raise InvalidInputError(plain_latent_state_message(type(self).__name__))

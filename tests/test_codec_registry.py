@@ -45,8 +45,8 @@ EXAMPLES = (
 
 
 def test_the_kinds_are_registered_in_tag_order() -> None:
-    assert list(CODECS) == ["plain", "affine", "turbo", "state"]
-    assert [spec.tag for spec in CODECS.values()] == [0, 1, 2, 3]
+    assert list(CODECS) == ["plain", "affine", "turbo", "state", "latent"]
+    assert [spec.tag for spec in CODECS.values()] == [0, 1, 2, 3, 4]
     assert list(kv_codecs()) == ["plain", "affine", "turbo"]
 
 
@@ -126,8 +126,8 @@ def test_the_tails_are_the_saved_forms() -> None:
 
 
 def test_an_unknown_kind_has_no_tail() -> None:
-    with pytest.raises(InvalidInputError, match="no codec of kind 'latent'"):
-        codec_from_tail("latent", {})
+    with pytest.raises(InvalidInputError, match="no codec of kind 'mx'"):
+        codec_from_tail("mx", {})
 
 
 def test_only_a_registered_spec_is_a_codec_spec() -> None:
@@ -283,8 +283,9 @@ def test_each_implementation_builds_the_codec_a_spec_names(spec: object) -> None
     assert is_codec_spec(spec)
     for name, module in _implementations():
         # The state codec's array codecs come with recurrent's move onto the row
-        # machinery (spec/machinery-migration.md §4); every KV codec has one.
-        assert set(module.IMPLEMENTATIONS) == set(kv_codecs()), name
+        # machinery (spec/machinery-migration.md §4); every KV codec and the latent one
+        # (step 2) has one.
+        assert set(module.IMPLEMENTATIONS) == set(kv_codecs()) | {"latent"}, name
         codec = module.make_codec(spec)
         assert codec.spec == spec and codec.key == spec.key, name
         assert codec.defers_values == (spec.reads == "own"), name
