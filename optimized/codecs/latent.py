@@ -34,11 +34,12 @@ class LatentArrayCodec(CodecLayout):
             return planes
         return (block,)
 
-    def decoded(self, planes: Planes, tensor: str, dtype: str) -> Any:
+    def decoded(self, planes: Planes, tensor: str, dtype: str) -> mx.array:
         """``tensor``'s tokens as the activations (``dtype``): the latent decoded."""
         if tensor != "latent":
             return planes[0]
-        return self.decode(planes, tensor).astype(mlx_dtype(dtype))
+        decoded: mx.array = self.decode(planes, tensor)
+        return decoded.astype(mlx_dtype(dtype))
 
     def decode(self, planes: Planes, tensor: str = "latent") -> Any:
         """``tensor``'s stored tokens (the latent decoded by the inner codec)."""

@@ -35,7 +35,7 @@ class LatentArrayCodec(CodecLayout):
             return planes
         return (np.array(block, copy=True),)
 
-    def decoded(self, planes: Planes, tensor: str, dtype: str) -> Any:
+    def decoded(self, planes: Planes, tensor: str, dtype: str) -> npt.NDArray[Any]:
         """``tensor``'s tokens as the activations (``dtype``): the latent decoded."""
         if tensor != "latent":
             return planes[0]
