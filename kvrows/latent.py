@@ -560,17 +560,18 @@ class LatentRows(SpeculativeRounds):
                 f"{self.batch_size} rows); merge into make_empty_batch()"
             )
         sources = list(rows)
-        widths = {s._widths for s in sources if isinstance(s, LatentRows) and s._widths}
-        dtypes = {s._dtype for s in sources if isinstance(s, LatentRows) and s._dtype}
         for source in sources:
             if type(source) is not type(self) or source._merge_key() != self._merge_key():
+                key = getattr(source, "_merge_key", None)
                 raise IncompatibleRowsError(
                     f"{name}.merge_rows takes {name}s declared as this one "
                     f"({self._merge_key()}), got {type(source).__module__}."
-                    f"{type(source).__name__}"
-                    + (f" ({source._merge_key()})" if isinstance(source, LatentRows) else "")
+                    f"{type(source).__name__}" + (f" ({key()})" if callable(key) else "")
                 )
             source._spec_guard("merging this cache's rows into another")
+        # Every source is of this class from here on.
+        widths = {s._widths for s in sources if s._widths}
+        dtypes = {s._dtype for s in sources if s._dtype}
         if self._widths:
             widths.add(self._widths)
         if self._dtype:

@@ -48,11 +48,9 @@ BASELINE: dict[str, int] = {
     "kvrows/compositions.py": 2,
     "kvrows/delayed.py": 5,
     "kvrows/forms.py": 7,
-    "kvrows/latent.py": 3,
     "kvrows/lego.py": 1,
     "kvrows/maintenance.py": 2,
     "kvrows/paged_forms.py": 2,
-    "kvrows/paged_latent.py": 7,
     "kvrows/paged_storage.py": 5,
     "kvrows/recurrent.py": 2,
     "optimized/attention.py": 1,
@@ -71,7 +69,7 @@ BASELINE: dict[str, int] = {
 }
 
 #: The sum of :data:`BASELINE`: the issue's "before".
-BASELINE_TOTAL = 126
+BASELINE_TOTAL = 116
 
 ADVICE = (
     "Ask a capability instead of a type: a protocol of kvrows.protocols (HasCodec, "
