@@ -51,12 +51,11 @@ from kvrows.errors import (
 )
 from kvrows.schemes import Affine, Growing, Plain
 from kvrows.speculative import SpeculativeRounds
-from kvrows.validation import as_count, check_keep, check_row
+from kvrows.validation import FLOAT_DTYPES, as_count, check_keep, check_row
 
 __all__ = [
     "DEEPSEEK_V3_BF16_BYTES",
     "FLASHMLA_FP8_BYTES",
-    "FLOAT_DTYPES",
     "LATENT_FIELDS",
     "PAGED_LATENT_FIELDS",
     "EncodedLatentRows",
@@ -64,15 +63,11 @@ __all__ = [
     "LatentRole",
     "LatentRows",
     "encoded_codec",
-    "latent_codec_key",
-    "latent_plane_specs",
     "latent_spec",
     "latent_token_bytes",
 ]
 
 LatentCodec: TypeAlias = CodecSpec  # the latent plane takes any codec
-
-FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 
 _L = TypeVar("_L", bound="LatentRows")
 _E = TypeVar("_E", bound="EncodedLatentRows")
@@ -93,11 +88,6 @@ def growing_geometry(owner: str, max_tokens: object) -> Growing:
         return Growing(max_tokens=max_tokens)  # type: ignore[arg-type]
     except InvalidInputError as error:
         raise InvalidInputError(f"{owner}: {error}") from None
-
-
-def latent_codec_key(codec: LatentCodec) -> str:
-    """The codec part of an encoded signature (TurboQuant: only ``v_bits`` applies)."""
-    return codec.key
 
 
 def encoded_codec(
@@ -127,13 +117,6 @@ def encoded_codec(
 def check_latent_codec(codec: LatentCodec, rank: int) -> None:
     """Raise ``InvalidInputError`` unless ``codec`` stores a latent of ``rank`` values."""
     Latent(inner=codec).check_head_dim(rank)
-
-
-def latent_plane_specs(
-    codec: LatentCodec, rank: int, rope: int, index: int | None, dtype: str
-) -> tuple[PlaneSpec, ...]:
-    """The planes a latent cache holds (token axis 2), the warm-up exact plane excluded."""
-    return Latent(inner=codec).tensor_planes(LatentShapes(rank, rope, index, dtype))
 
 
 def _shape(array: Any) -> tuple[int, ...]:
