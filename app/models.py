@@ -524,7 +524,7 @@ def _geometry(model: Any) -> tuple[int, int, int | None]:
 def _layer(cache: MLACache | EncodedLatentCache | PagedLatentCache) -> Any:
     """The object a layer takes: the pair for a DSA layer, else item 0 alone."""
     pair = LatentCacheList(cache)
-    return pair if cache.options.dsa else pair[0]
+    return pair if cache.latent_spec.dsa else pair[0]
 
 
 def _latent_layers(model: Any, codecs: list[LatentCodec], start: int) -> list[Any]:

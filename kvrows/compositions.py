@@ -1,7 +1,7 @@
 """The composition table: every seed class name as a point on the three axes.
 
 Each storage and layout the seed names is one **composition** of a codec (plain,
-affine, TurboQuant…), a token geometry (growing, ring, paged, recurrent, latent) and a
+affine, TurboQuant…, latent), a token geometry (growing, ring, paged, recurrent) and a
 row arrangement (serial: one request; shared: rows share one write column; ragged: each
 row appends at its own end), plus optional **modifiers** (``delayed``: rows convert from
 bf16 to the codec at their own boundary; ``speculative``: verify rounds with per-row
@@ -54,7 +54,7 @@ __all__ = [
 
 Arrangement: TypeAlias = Literal["serial", "shared", "ragged"]
 CodecKind: TypeAlias = Literal["plain", "affine", "turbo", "any", "state", "latent"]
-GeometryKind: TypeAlias = Literal["growing", "ring", "paged", "recurrent", "latent"]
+GeometryKind: TypeAlias = Literal["growing", "ring", "paged", "recurrent"]
 Modifier: TypeAlias = Literal["delayed", "speculative"]
 
 #: A role naming ``SELF`` is the layout's own empty batch (``make_empty_batch``).
@@ -144,12 +144,12 @@ COMPOSITIONS: tuple[Composition, ...] = (
                 modifiers=frozenset({"speculative"}),
                 summary="block-table rows: row operations move no KV bytes"),
     # -- latent (issue 14) -----------------------------------------------------------
-    Composition(name="MLACache", codec="latent", geometry="latent", arrangement="shared",
+    Composition(name="MLACache", codec="latent", geometry="growing", arrangement="shared",
                 signature="kv:mla:target", roles=Roles(SELF, SELF, SELF),
                 modifiers=frozenset({"speculative"}),
                 summary="latent + rope (+ DSA index) planes on one token axis, rows "
                         "right-justified, ragged rollback by roll"),
-    Composition(name="EncodedLatentCache", codec="latent", geometry="latent",
+    Composition(name="EncodedLatentCache", codec="latent", geometry="growing",
                 arrangement="shared", signature="kv:mla-encoded:target:affine:8:64:0",
                 roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"speculative"}),
                 summary="the latent plane through an affine or TurboQuant codec, bf16-first "

@@ -13,6 +13,7 @@ __all__ = [
     "EMPTY_CACHE_NO_BLOCK",
     "EMPTY_LAYOUT_UPDATE",
     "EMPTY_ROW_NO_BLOCK",
+    "LATENT_HAS_NO_ATTENTION",
     "MERGE_NEEDS_SEQUENCE",
     "NOTHING_TO_FETCH",
     "NOTHING_TO_RECORD",
@@ -159,6 +160,12 @@ class NotBatchableError(KvRowsError):
 
 #: ``fetch()`` before any token is stored, on a serial cache or a layout.
 NOTHING_TO_FETCH = "the cache holds no tokens yet: nothing to fetch"
+
+#: ``attend`` of the latent codec: MLA attention is the model's (over the dense read).
+LATENT_HAS_NO_ATTENTION = (
+    "the latent codec has no attention of its own: MLA attention is the model's, over the "
+    "dense latent and rope a read returns"
+)
 
 #: ``update_and_fetch`` on a layout that holds no rows.
 STATE_NOT_ATTENDED = (

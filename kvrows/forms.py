@@ -53,7 +53,6 @@ from kvrows.errors import (
     ring_state_index_message,
 )
 from kvrows.geometries import GEOMETRIES, GeometrySpec, Recurrent
-from kvrows.latent import LATENT_FIELDS, PAGED_LATENT_FIELDS
 from kvrows.validation import FLOAT_DTYPES, KvGeometry
 
 __all__ = [
@@ -176,10 +175,10 @@ def state_form(entry: Composition) -> StateForm:
     """The state form of a landed composition (``UnsupportedStateError`` for others)."""
     if "delayed" in entry.modifiers and entry.is_landed:
         return _delayed_form(entry)
-    if entry.geometry == "latent" and entry.is_landed:  # its own form (kvrows.latent)
-        return StateForm(entry.name, LATENT_FIELDS, entry.name)
-    if entry.codec == "latent" and entry.geometry == "paged" and entry.is_landed:
-        return StateForm(entry.name, PAGED_LATENT_FIELDS, entry.name)  # kvrows.paged_latent
+    own = getattr(CODECS.get(entry.codec), "form_fields", None)
+    if own is not None and entry.is_landed:  # the latent caches' own form (version 1)
+        paged = entry.geometry == "paged"  # kvrows.paged_latent: the block size follows
+        return StateForm(entry.name, (*own, "block_size") if paged else own, entry.name)
     if entry.geometry == "paged" and entry.is_landed:
         return StateForm(entry.name, _PAGED[entry.is_layout], entry.name)
     # The codec's tensors (a KV codec's keys and values; recurrent state's planes, the

@@ -19,17 +19,20 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, TypeAlias, TypeVar
+from dataclasses import replace
+from typing import Any, TypeAlias, TypeVar
 
-from kvrows.affine_geometry import validate_codec
-from kvrows.codec import (
-    DTYPE_SIZES,
-    CodecSpec,
-    PlaneSpec,
-    Role,
-    check_turbo_dim,
-    codec_plane_specs,
+from kvrows.codec import CodecSpec, PlaneSpec
+from kvrows.codecs import is_codec_spec, is_kv_codec, kv_codecs
+from kvrows.codecs.latent import (
+    DEEPSEEK_V3_BF16_BYTES,
+    FLASHMLA_FP8_BYTES,
+    LATENT_FIELDS,
+    PAGED_LATENT_FIELDS,
+    Latent,
+    LatentRole,
+    LatentShapes,
+    latent_token_bytes,
 )
 from kvrows.conversion import Conversion
 from kvrows.errors import (
@@ -42,107 +45,62 @@ from kvrows.errors import (
     from_state_tuple_message,
     latent_role_message,
     not_an_integer_message,
+    plain_latent_state_message,
     self_merge_message,
     state_signature_message,
 )
-from kvrows.schemes import Affine, Growing, Plain, Turbo
+from kvrows.schemes import Affine, Growing, Plain
 from kvrows.speculative import SpeculativeRounds
-from kvrows.validation import as_count, check_keep, check_row
+from kvrows.validation import FLOAT_DTYPES, as_count, check_keep, check_row
 
 __all__ = [
     "DEEPSEEK_V3_BF16_BYTES",
     "FLASHMLA_FP8_BYTES",
-    "FLOAT_DTYPES",
     "LATENT_FIELDS",
     "PAGED_LATENT_FIELDS",
+    "EncodedLatentRows",
     "LatentCodec",
-    "LatentOptions",
     "LatentRole",
     "LatentRows",
     "encoded_codec",
-    "latent_codec_key",
-    "latent_plane_specs",
+    "latent_spec",
     "latent_token_bytes",
 ]
 
-LatentRole: TypeAlias = Literal["target", "mtp"]
 LatentCodec: TypeAlias = CodecSpec  # the latent plane takes any codec
 
-#: DeepSeek-V3 caches 576 values (512 latent + 64 rope) per token per layer: 1,152 bytes in
-#: bf16; FlashMLA's FP8 layout stores them in 656 (512 fp8 + 4 fp32 scales + 64 bf16).
-DEEPSEEK_V3_BF16_BYTES = 1152
-FLASHMLA_FP8_BYTES = 656
-
-FLOAT_DTYPES = ("float16", "bfloat16", "float32")
-
 _L = TypeVar("_L", bound="LatentRows")
+_E = TypeVar("_E", bound="EncodedLatentRows")
 
 
-def _optional_width(value: object, name: str) -> int | None:
-    return None if value is None else as_count(value, name, minimum=1)
+def latent_spec(owner: str, inner: CodecSpec, **declared: object) -> Latent:
+    """The composite codec of a latent cache declared with ``declared`` (widths, role),
+    its latent through ``inner``; ``InvalidInputError`` names ``owner``."""
+    try:
+        return Latent(inner=inner, **declared)  # type: ignore[arg-type]
+    except InvalidInputError as error:
+        raise InvalidInputError(f"{owner}: {error}") from None
 
 
-@dataclass(frozen=True)
-class LatentOptions:
-    """What a latent cache is declared with: widths (``None``: learned from the first
-    append), the DSA index width (``None``: no index plane), the context bound and the
-    role (an MTP cache has no DSA)."""
-
-    kv_lora_rank: int | None = None
-    rope_head_dim: int | None = None
-    index_head_dim: int | None = None
-    max_tokens: int | None = None
-    role: LatentRole = "target"
-
-    @staticmethod
-    def checked(
-        owner: str,
-        kv_lora_rank: object = None,
-        rope_head_dim: object = None,
-        index_head_dim: object = None,
-        max_tokens: object = None,
-        role: object = "target",
-    ) -> LatentOptions:
-        try:
-            if role not in ("target", "mtp"):
-                raise InvalidInputError(f"role must be 'target' or 'mtp', got {role!r}")
-            options = LatentOptions(
-                _optional_width(kv_lora_rank, "kv_lora_rank"),
-                _optional_width(rope_head_dim, "rope_head_dim"),
-                _optional_width(index_head_dim, "index_head_dim"),
-                _optional_width(max_tokens, "max_tokens"),
-                "target" if role == "target" else "mtp",
-            )
-            if options.role == "mtp" and options.index_head_dim is not None:
-                raise InvalidInputError("an MTP latent cache has no DSA index plane")
-        except InvalidInputError as error:
-            raise InvalidInputError(f"{owner}: {error}") from None
-        return options
-
-    @property
-    def dsa(self) -> bool:
-        return self.index_head_dim is not None
-
-    @property
-    def signature_role(self) -> str:
-        return f"{self.role}:dsa" if self.dsa else self.role
-
-
-def latent_codec_key(codec: LatentCodec) -> str:
-    """The codec part of an encoded signature (TurboQuant: only ``v_bits`` applies)."""
-    return codec.key
+def growing_geometry(owner: str, max_tokens: object) -> Growing:
+    """A latent cache's token geometry: growing, bounded by ``max_tokens``."""
+    try:
+        return Growing(max_tokens=max_tokens)  # type: ignore[arg-type]
+    except InvalidInputError as error:
+        raise InvalidInputError(f"{owner}: {error}") from None
 
 
 def encoded_codec(
     owner: str, codec: object, bits: object, group_size: object, start: object
 ) -> tuple[LatentCodec, int]:
-    """An ``EncodedLatentCache``'s codec and bf16-first start from its arguments: a codec
-    spec (``Affine`` or ``Turbo``) or ``bits`` / ``group_size`` (affine; defaults 8 and 64)."""
+    """An ``EncodedLatentCache``'s codec and bf16-first start from its arguments: an
+    encoding KV codec spec (affine, TurboQuant, ...) or ``bits`` / ``group_size`` (affine;
+    defaults 8 and 64)."""
     try:
         if codec is not None:
             if bits is not None or group_size is not None:
                 raise InvalidInputError("give a codec or bits/group_size, not both")
-            if not isinstance(codec, Affine | Turbo):
+            if not (is_codec_spec(codec) and is_kv_codec(codec) and codec.encodes):
                 raise InvalidInputError(f"the latent codec must be Affine or Turbo, got {codec!r}")
             chosen: LatentCodec = codec
         else:
@@ -158,31 +116,7 @@ def encoded_codec(
 
 def check_latent_codec(codec: LatentCodec, rank: int) -> None:
     """Raise ``InvalidInputError`` unless ``codec`` stores a latent of ``rank`` values."""
-    if isinstance(codec, Affine):
-        validate_codec(rank, codec.group_size, codec.bits)
-    elif isinstance(codec, Turbo):
-        check_turbo_dim(rank)
-
-
-def latent_plane_specs(
-    codec: LatentCodec, rank: int, rope: int, index: int | None, dtype: str
-) -> tuple[PlaneSpec, ...]:
-    """The planes a latent cache holds (token axis 2), the warm-up exact plane excluded."""
-    role: Role = "values" if isinstance(codec, Turbo) else "keys"
-    planes = (
-        *codec_plane_specs(codec, "latent", rank, dtype, role),
-        PlaneSpec("rope", 2, dtype, rope),
-    )
-    return planes if index is None else (*planes, PlaneSpec("index", 2, dtype, index))
-
-
-def latent_token_bytes(
-    codec: LatentCodec, rank: int, rope: int, index: int | None, dtype: str
-) -> int:
-    """Bytes one token of one row takes (the warm-up exact plane excluded)."""
-    return sum(
-        DTYPE_SIZES[p.dtype] * p.width for p in latent_plane_specs(codec, rank, rope, index, dtype)
-    )
+    Latent(inner=codec).check_head_dim(rank)
 
 
 def _shape(array: Any) -> tuple[int, ...]:
@@ -198,8 +132,6 @@ class LatentRows(SpeculativeRounds):
     live in the implementation.
     """
 
-    #: The codec of the latent plane (``Plain()`` for ``MLACache``).
-    latent_codec: LatentCodec = Plain()
     start: int = 0
     #: The bf16-first record's class (a test plants a wrong rule through it).
     conversion_class: type[Conversion] = Conversion
@@ -212,17 +144,56 @@ class LatentRows(SpeculativeRounds):
         max_tokens: object = None,
         role: object = "target",
     ) -> None:
-        self.options = LatentOptions.checked(
-            type(self).__name__, kv_lora_rank, rope_head_dim, index_head_dim, max_tokens, role
-        )
+        self._setup(Plain(), 0, kv_lora_rank, rope_head_dim, index_head_dim, max_tokens, role)
+
+    def _setup(
+        self,
+        inner: LatentCodec,
+        start: int,
+        kv_lora_rank: object,
+        rope_head_dim: object,
+        index_head_dim: object,
+        max_tokens: object,
+        role: object,
+    ) -> None:
+        """Declare the cache: its composite codec (the latent through ``inner``), its
+        growing geometry (``max_tokens``) and bf16-first ``start``."""
+        name = type(self).__name__
+        self.latent_spec = latent_spec(
+            name, inner, kv_lora_rank=kv_lora_rank, rope_head_dim=rope_head_dim,
+            index_head_dim=index_head_dim, role=role,
+        )  # fmt: skip
+        self._token_geometry = growing_geometry(name, max_tokens)
+        self.start = start
         self._offsets: list[int] = []
         self._conversion = self._fresh_record()
         self._dtype: str | None = None
         self._widths: tuple[int, int] | None = None
-        if self.options.kv_lora_rank is not None and self.options.rope_head_dim is not None:
-            self._widths = (self.options.kv_lora_rank, self.options.rope_head_dim)
+        spec = self.latent_spec
+        if spec.kv_lora_rank is not None and spec.rope_head_dim is not None:
+            self._widths = (spec.kv_lora_rank, spec.rope_head_dim)
         self._last: tuple[Any, Any, Any] | None = None
         self._impl_init()
+
+    @property
+    def latent_codec(self) -> LatentCodec:
+        """The codec of the latent plane (``Plain()`` for ``MLACache``)."""
+        return self.latent_spec.inner
+
+    def _declaration(self) -> tuple[object, ...]:
+        """The constructor's positional arguments this cache was declared with."""
+        spec = self.latent_spec
+        return (
+            spec.kv_lora_rank, spec.rope_head_dim, spec.index_head_dim,
+            self._token_geometry.max_tokens, spec.role,
+        )  # fmt: skip
+
+    @property
+    def _shapes(self) -> LatentShapes | None:
+        """What the cache learned from its first append (``None`` before)."""
+        if self._widths is None or self._dtype is None:
+            return None
+        return LatentShapes(*self._widths, self.latent_spec.index_head_dim, self._dtype)
 
     # -- array hooks (each implementation) ---------------------------------------------
     def _impl_init(self) -> None:
@@ -281,7 +252,7 @@ class LatentRows(SpeculativeRounds):
 
     # -- identity -------------------------------------------------------------------------
     def signature(self) -> str:
-        return f"kv:mla:{self.options.signature_role}"
+        return f"kv:mla:{self.latent_spec.signature_role}"
 
     @property
     def batch_size(self) -> int:
@@ -326,11 +297,12 @@ class LatentRows(SpeculativeRounds):
 
     @property
     def index_head_dim(self) -> int | None:
-        return self.options.index_head_dim
+        return self.latent_spec.index_head_dim
 
     @property
     def max_tokens(self) -> float:
-        return math.inf if self.options.max_tokens is None else self.options.max_tokens
+        cap = self._token_geometry.cap()
+        return math.inf if cap is None else cap
 
     @property
     def nbytes(self) -> int:
@@ -348,19 +320,13 @@ class LatentRows(SpeculativeRounds):
         raise NotImplementedError
 
     def plane_specs(self) -> tuple[PlaneSpec, ...]:
-        if self._widths is None or self._dtype is None:
-            return ()
-        return latent_plane_specs(
-            self.latent_codec, *self._widths, self.options.index_head_dim, self._dtype
-        )
+        shapes = self._shapes
+        return () if shapes is None else self.latent_spec.tensor_planes(shapes)
 
     def bytes_per_token(self) -> int:
         """Bytes one token of one row takes (0 until the widths and dtype are known)."""
-        if self._widths is None or self._dtype is None:
-            return 0
-        return latent_token_bytes(
-            self.latent_codec, *self._widths, self.options.index_head_dim, self._dtype
-        )
+        shapes = self._shapes
+        return 0 if shapes is None else self.latent_spec.token_bytes(shapes)
 
     def projected_bytes(self, tokens: int) -> int:
         """Bytes one row of ``tokens`` positions takes (capped at ``max_tokens``)."""
@@ -377,8 +343,7 @@ class LatentRows(SpeculativeRounds):
         return other
 
     def _new_empty(self: _L) -> _L:
-        o = self.options
-        return type(self)(o.kv_lora_rank, o.rope_head_dim, o.index_head_dim, o.max_tokens, o.role)
+        return type(self)(*self._declaration())
 
     def is_trimmable(self) -> bool:
         return True
@@ -399,10 +364,10 @@ class LatentRows(SpeculativeRounds):
         blocks = [("latent", latent), ("rope", rope)]
         if index is not None:
             blocks.append(("index", index))
-        if (index is not None) != self.options.dsa and not staged:
+        if (index is not None) != self.latent_spec.dsa and not staged:
             raise InvalidInputError(
                 f"{name}: an index block is required exactly when the cache is declared with "
-                f"index_head_dim (declared: {self.options.index_head_dim}, "
+                f"index_head_dim (declared: {self.latent_spec.index_head_dim}, "
                 f"got {'an index block' if index is not None else 'none'})"
             )
         shapes: list[tuple[int, ...]] = []
@@ -427,37 +392,14 @@ class LatentRows(SpeculativeRounds):
         rows, n = shapes[0][0], shapes[0][2]
         if n < 1 or rows < 1:
             raise InvalidInputError(f"{name}: a block needs at least one row and one token")
-        if len(set(dtypes)) != 1 or dtypes[0] not in FLOAT_DTYPES:
-            raise InvalidInputError(
-                f"{name}: every block must have one float dtype of {FLOAT_DTYPES}, got {dtypes}"
-            )
-        dtype = dtypes[0]
-        if self._dtype is not None and dtype != self._dtype:
-            raise InvalidInputError(f"{name}: this cache stores {self._dtype}, got {dtype}")
-        rank, rope_width = shapes[0][3], shapes[1][3]
-        declared = self._widths or (
-            self.options.kv_lora_rank or rank,
-            self.options.rope_head_dim or rope_width,
+        held = self.batch_size if self._offsets else None
+        learned = self.latent_spec.check_blocks(
+            name, list(zip((w for w, _ in blocks), shapes, dtypes, strict=True)), held, self._shapes
         )
-        if (rank, rope_width) != declared:
-            raise InvalidInputError(
-                f"{name}: latent and rope widths must be {declared}, got {(rank, rope_width)}"
-            )
-        if index is not None and shapes[2][3] != self.options.index_head_dim:
-            raise InvalidInputError(
-                f"{name}: index width must be {self.options.index_head_dim}, got {shapes[2][3]}"
-            )
-        if self._offsets and rows != self.batch_size:
-            raise InvalidInputError(
-                f"{name}: the cache holds {self.batch_size} rows, the block has {rows}"
-            )
-        try:
-            check_latent_codec(self.latent_codec, rank)
-        except InvalidInputError as error:
-            raise InvalidInputError(f"{name}: kv_lora_rank {rank}: {error}") from None
+        dtype = learned.dtype
         if self.width + n > self.max_tokens:
             raise CapacityError(
-                f"{name}: {n} more tokens exceed max_tokens = {self.options.max_tokens} "
+                f"{name}: {n} more tokens exceed max_tokens = {self._token_geometry.max_tokens} "
                 f"(the longest row holds {self.width})"
             )
         return latent, rope, index, four, dtype, rows, n
@@ -469,7 +411,7 @@ class LatentRows(SpeculativeRounds):
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
         """mlx-lm's call: ``keys`` the latent block, ``values`` the rope block (no DSA)."""
-        if self.options.dsa:
+        if self.latent_spec.dsa:
             raise InvalidInputError(
                 f"{type(self).__name__}: a DSA cache appends through append(latent, rope, "
                 "index) (its index plane must move with the latent)"
@@ -513,7 +455,7 @@ class LatentRows(SpeculativeRounds):
 
     def fetch_index(self) -> Any:
         """The index plane the last read returned (DSA caches)."""
-        if not self.options.dsa:
+        if not self.latent_spec.dsa:
             raise InvalidInputError(f"{type(self).__name__} has no DSA index plane")
         return self._fetch_all()[2]
 
@@ -601,17 +543,18 @@ class LatentRows(SpeculativeRounds):
                 f"{self.batch_size} rows); merge into make_empty_batch()"
             )
         sources = list(rows)
-        widths = {s._widths for s in sources if isinstance(s, LatentRows) and s._widths}
-        dtypes = {s._dtype for s in sources if isinstance(s, LatentRows) and s._dtype}
         for source in sources:
             if type(source) is not type(self) or source._merge_key() != self._merge_key():
+                key = getattr(source, "_merge_key", None)
                 raise IncompatibleRowsError(
                     f"{name}.merge_rows takes {name}s declared as this one "
                     f"({self._merge_key()}), got {type(source).__module__}."
-                    f"{type(source).__name__}"
-                    + (f" ({source._merge_key()})" if isinstance(source, LatentRows) else "")
+                    f"{type(source).__name__}" + (f" ({key()})" if callable(key) else "")
                 )
             source._spec_guard("merging this cache's rows into another")
+        # Every source is of this class from here on.
+        widths = {s._widths for s in sources if s._widths}
+        dtypes = {s._dtype for s in sources if s._dtype}
         if self._widths:
             widths.add(self._widths)
         if self._dtype:
@@ -633,8 +576,10 @@ class LatentRows(SpeculativeRounds):
         self._last = None
 
     def _merge_key(self) -> tuple[object, ...]:
-        o = self.options
-        return (o.index_head_dim, o.role, o.max_tokens, self.latent_codec, self.start)
+        spec = self.latent_spec
+        return (
+            spec.index_head_dim, spec.role, self._token_geometry.max_tokens, spec.inner, self.start,
+        )  # fmt: skip
 
     def filter_rows(self, keep: Sequence[int]) -> None:
         """Keep the rows ``keep`` names (any order, non-empty); drop the common padding."""
@@ -681,8 +626,9 @@ class LatentRows(SpeculativeRounds):
 
     @property
     def token_geometry(self) -> Growing:
-        """The latent token axis grows (no window); a persistence record reads it."""
-        return Growing()
+        """The latent token axis grows (no window) up to ``max_tokens``; a persistence
+        record reads it."""
+        return self._token_geometry
 
     @property
     def geometry(self) -> None:
@@ -696,18 +642,16 @@ class LatentRows(SpeculativeRounds):
         declaration and the codec."""
         self._spec_guard("saving state")
         planes, rope, index, exact = self._impl_state_planes()
-        codec = self.latent_codec
-        o = self.options
-        rank, rope_width = self._widths or (o.kv_lora_rank, o.rope_head_dim)
+        spec = self.latent_spec
+        tail = spec.inner.tail()
+        rank, rope_width = self._widths or (spec.kv_lora_rank, spec.rope_head_dim)
         return (
             planes, rope, index, exact,
             self._impl_int_array(self._offsets), self._impl_int_array(
                 [int(c) for c in self.converted]),
-            rank, rope_width, o.index_head_dim, o.max_tokens, 0 if o.role == "target" else 1,
-            codec.bits if isinstance(codec, Affine) else None,
-            codec.group_size if isinstance(codec, Affine) else None,
-            codec.k_bits if isinstance(codec, Turbo) else None,
-            codec.v_bits if isinstance(codec, Turbo) else None,
+            rank, rope_width, spec.index_head_dim, self._token_geometry.max_tokens,
+            0 if spec.role == "target" else 1,
+            *(tail.get(name) for name in _CODEC_FIELDS),
             self.start,
         )  # fmt: skip
 
@@ -787,7 +731,7 @@ class LatentRows(SpeculativeRounds):
         )
         if width == 0:
             return
-        widths = (self.options.kv_lora_rank, self.options.rope_head_dim)
+        widths = (self.latent_spec.kv_lora_rank, self.latent_spec.rope_head_dim)
         if widths[0] is None or widths[1] is None:
             raise InvalidInputError(f"{name}: a state with tokens must record its widths")
         self._widths = (widths[0], widths[1])
@@ -829,12 +773,8 @@ class LatentRows(SpeculativeRounds):
         if dtype not in FLOAT_DTYPES:
             raise InvalidInputError(f"{name}: rope must be a float plane, got {dtype}")
         assert self._widths is not None
-        specs = {
-            p.name: p
-            for p in latent_plane_specs(
-                self.latent_codec, *self._widths, self.options.index_head_dim, dtype
-            )
-        }
+        shapes_of = LatentShapes(*self._widths, self.latent_spec.index_head_dim, dtype)
+        specs = {p.name: p for p in self.latent_spec.tensor_planes(shapes_of)}
         specs["exact"] = PlaneSpec("exact", 2, dtype, self._widths[0])
         seen = [n for n, _, _ in shapes]
         expected = [n for n in specs if n != "exact"] + (["exact"] if "exact" in seen else [])
@@ -857,17 +797,43 @@ class LatentRows(SpeculativeRounds):
         return operator.index(as_count(value, name))
 
 
-#: A latent cache's saved state, in order (``spec/persistence.md``): planes, rows, the
-#: declaration, the codec.
-LATENT_FIELDS = (
-    "latent", "rope", "index", "exact", "offset", "converted",
-    "kv_lora_rank", "rope_head_dim", "index_head_dim", "max_tokens", "role",
-    "bits", "group_size", "k_bits", "v_bits", "start",
-)  # fmt: skip
+class EncodedLatentRows(LatentRows):
+    """``EncodedLatentCache``'s declaration over either implementation's hooks: the
+    latent through an encoding codec (``codec=`` or affine ``bits`` / ``group_size``),
+    bf16-first from ``start``."""
+
+    def __init__(
+        self,
+        kv_lora_rank: object = None,
+        rope_head_dim: object = None,
+        index_head_dim: object = None,
+        max_tokens: object = None,
+        role: object = "target",
+        *,
+        codec: LatentCodec | None = None,
+        bits: int | None = None,
+        group_size: int | None = None,
+        start: int = 0,
+    ) -> None:
+        inner, first = encoded_codec(type(self).__name__, codec, bits, group_size, start)
+        self._setup(inner, first, kv_lora_rank, rope_head_dim, index_head_dim, max_tokens, role)
+
+    def _new_empty(self: _E) -> _E:
+        return type(self)(*self._declaration(), codec=self.latent_codec, start=self.start)
+
+    def signature(self) -> str:
+        spec = self.latent_spec
+        return f"kv:mla-encoded:{spec.signature_role}:{spec.inner.key}:{self.start}"
+
+    def _set_codec(self, codec: LatentCodec, start: int) -> None:
+        if not codec.encodes:
+            raise InvalidInputError(plain_latent_state_message(type(self).__name__))
+        inner, self.start = encoded_codec(type(self).__name__, codec, None, None, start)
+        self.latent_spec = replace(self.latent_spec, inner=inner)
 
 
-#: ``PagedLatentCache``'s saved state: the latent fields, then its block size.
-PAGED_LATENT_FIELDS = (*LATENT_FIELDS, "block_size")
+#: The codec fields of ``LATENT_FIELDS``: each KV codec's state tail (``None``: unused).
+_CODEC_FIELDS = ("bits", "group_size", "k_bits", "v_bits")
 
 
 def _scalar(value: object, what: str) -> int:
@@ -881,12 +847,12 @@ def _scalar(value: object, what: str) -> int:
 def _state_codec(
     bits: int | None, group_size: int | None, k_bits: int | None, v_bits: int | None
 ) -> LatentCodec:
-    if bits is not None and group_size is not None and k_bits is None and v_bits is None:
-        return Affine(bits=bits, group_size=group_size)
-    if k_bits is not None and v_bits is not None and bits is None and group_size is None:
-        return Turbo(k_bits=k_bits, v_bits=v_bits)
-    if bits is None and group_size is None and k_bits is None and v_bits is None:
-        return Plain()
+    """The latent codec the saved fields name: the KV codec whose state tail they fill."""
+    values = dict(zip(_CODEC_FIELDS, (bits, group_size, k_bits, v_bits), strict=True))
+    given = {name for name, value in values.items() if value is not None}
+    for codec in kv_codecs().values():
+        if set(codec.state_tail) == given:
+            return codec.from_tail(values)
     raise InvalidInputError(
         f"state codec fields must be affine (bits, group_size) or turbo (k_bits, v_bits), got "
         f"{(bits, group_size, k_bits, v_bits)}"

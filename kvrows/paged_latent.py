@@ -26,7 +26,8 @@ import weakref
 from collections.abc import Sequence
 from typing import Any, ClassVar, TypeVar
 
-from kvrows.codec import Role, codec_plane_specs
+from kvrows.codecs import is_codec_spec, is_kv_codec
+from kvrows.codecs.latent import LATENT_ROLE
 from kvrows.errors import (
     EMPTY_ROW_NO_BLOCK,
     InvalidInputError,
@@ -49,7 +50,7 @@ from kvrows.latent import (
 )
 from kvrows.paged import DEFAULT_BLOCK_SIZE, chain_hashes
 from kvrows.paged_storage import BlockPoolBase, BlockTable, Planes, _token_ids
-from kvrows.schemes import Affine, CodecSpec, Plain, Turbo
+from kvrows.schemes import CodecSpec, Plain
 from kvrows.validation import KvGeometry, as_count
 
 __all__ = ["LatentBlockPoolBase", "PagedLatentRows", "latent_pool_geometry"]
@@ -88,7 +89,7 @@ class LatentBlockPoolBase(BlockPoolBase):
             else as_count(index_head_dim, "index_head_dim", minimum=1)
         )
         spec = Plain() if codec is None else codec
-        if not isinstance(spec, Plain | Affine | Turbo):
+        if not (is_codec_spec(spec) and is_kv_codec(spec)):
             raise InvalidInputError(
                 f"a latent block pool stores the latent plain, Affine or Turbo, got {spec!r}"
             )
@@ -97,10 +98,6 @@ class LatentBlockPoolBase(BlockPoolBase):
             geometry=geometry,
         )  # fmt: skip
         self.ledger.extra = f"mla|{self.codec.key}|{self.block_size}|{self.index_head_dim}"
-
-    @property
-    def _latent_role(self) -> Any:
-        return "values" if isinstance(self.codec_spec, Turbo) else "keys"
 
     def _check_geometry(self, geometry: KvGeometry) -> None:
         if geometry.heads != 1:
@@ -121,7 +118,7 @@ class LatentBlockPoolBase(BlockPoolBase):
         g = self._geometry
         assert g is not None
         bs, plain = self.block_size, self.ops.make_codec(Plain())
-        latent = tuple(self.codec.zeros(count, 1, bs, g.key_dim, g.dtype, self._latent_role))
+        latent = tuple(self.codec.zeros(count, 1, bs, g.key_dim, g.dtype, LATENT_ROLE))
         exact = tuple(plain.zeros(count, 1, bs, g.value_dim, g.dtype, "values"))
         if self.index_head_dim is not None:
             exact += tuple(plain.zeros(count, 1, bs, self.index_head_dim, g.dtype, "values"))
@@ -182,8 +179,10 @@ class PagedLatentRows(LatentRows):
         start: object = 0,
     ) -> None:
         name = type(self).__name__
-        if codec is not None and not isinstance(codec, Plain):
-            self.latent_codec, self.start = encoded_codec(name, codec, None, None, start)
+        inner: LatentCodec = Plain()
+        first = 0
+        if codec is not None and codec != Plain():  # encoded_codec checks what it is
+            inner, first = encoded_codec(name, codec, None, None, start)
         elif as_count(start, "start"):
             raise InvalidInputError(f"{name}: start applies to an encoded latent only")
         if pool is not None and not isinstance(pool, self.pool_class):
@@ -195,10 +194,9 @@ class PagedLatentRows(LatentRows):
                     f"{name}: the pool's blocks hold {pool.block_size} tokens, not {size}"
                 )
             size = pool.block_size
-            if pool.codec_spec != self.latent_codec:
+            if pool.codec_spec != inner:
                 raise InvalidInputError(
-                    f"{name}: the pool stores the latent {pool.codec_spec!r}, not "
-                    f"{self.latent_codec!r}"
+                    f"{name}: the pool stores the latent {pool.codec_spec!r}, not {inner!r}"
                 )
         self._block_size = size or DEFAULT_BLOCK_SIZE
         #: Each row's exact latent ``[1, 1, t, R]`` while it reads exact (an encoded latent's
@@ -207,12 +205,12 @@ class PagedLatentRows(LatentRows):
         self._pool = pool
         self._tables: list[BlockTable] = []  # mutated in place: the finalizer holds it
         self._finalizer: weakref.finalize[Any, Any] | None = None
-        super().__init__(kv_lora_rank, rope_head_dim, index_head_dim, max_tokens, role)
+        self._setup(inner, first, kv_lora_rank, rope_head_dim, index_head_dim, max_tokens, role)
         if pool is not None:
-            if pool.index_head_dim != self.options.index_head_dim:
+            if pool.index_head_dim != self.latent_spec.index_head_dim:
                 raise InvalidInputError(
                     f"{name}: the pool holds index planes of width {pool.index_head_dim}, "
-                    f"declared {self.options.index_head_dim}"
+                    f"declared {self.latent_spec.index_head_dim}"
                 )
             self._adopt_pool_geometry()
 
@@ -234,7 +232,7 @@ class PagedLatentRows(LatentRows):
         g = None if self._pool is None else self._pool.geometry
         if g is None:
             return
-        declared = (self.options.kv_lora_rank, self.options.rope_head_dim)
+        declared = (self.latent_spec.kv_lora_rank, self.latent_spec.rope_head_dim)
         if any(
             d is not None and d != h
             for d, h in zip(declared, (g.key_dim, g.value_dim), strict=True)
@@ -263,25 +261,24 @@ class PagedLatentRows(LatentRows):
         self._adopt_pool_geometry()
 
     def _new_empty(self: _P) -> _P:
-        o = self.options
         return type(self)(
-            o.kv_lora_rank, o.rope_head_dim, o.index_head_dim, o.max_tokens, o.role,
+            *self._declaration(),
             pool=self._pool, block_size=self._block_size, codec=self._codec_arg(),
             start=self.start,
         )  # fmt: skip
 
     def _codec_arg(self) -> LatentCodec | None:
-        return None if isinstance(self.latent_codec, Plain) else self.latent_codec
+        return self.latent_codec if self.latent_codec.encodes else None
 
     @property
     def encoded(self) -> bool:
-        return not isinstance(self.latent_codec, Plain)
+        return self.latent_codec.encodes
 
     def _merge_key(self) -> tuple[object, ...]:
         return (*super()._merge_key(), self._block_size)
 
     def signature(self) -> str:
-        role = self.options.signature_role
+        role = self.latent_spec.signature_role
         if not self.encoded:
             return f"kv:mla-paged:{role}"
         return f"kv:mla-paged:{role}:{self.latent_codec.key}:{self.start}"
@@ -345,7 +342,7 @@ class PagedLatentRows(LatentRows):
             self._pool = self.pool_class(
                 self.latent_codec,
                 block_size=self._block_size,
-                index_head_dim=self.options.index_head_dim,
+                index_head_dim=self.latent_spec.index_head_dim,
                 geometry=geometry,
             )
         else:
@@ -363,7 +360,7 @@ class PagedLatentRows(LatentRows):
             self._tables.extend(pool.open_table() for _ in range(int(latent.shape[0])))
             self._warm = [None] * len(self._tables)
         exacts = (rope,) if index is None else (rope, index)
-        pool.append(self._tables, tuple(pool.codec.encode(latent, pool._latent_role)), exacts)
+        pool.append(self._tables, tuple(pool.codec.encode(latent, LATENT_ROLE)), exacts)
         if self.encoded:  # rows still reading exact keep their exact latent
             self._warm = [
                 None if done else self._warm_cat(held, latent, b)
@@ -574,7 +571,7 @@ class PagedLatentRows(LatentRows):
         cache = cls(
             optional("kv_lora_rank"), optional("rope_head_dim"), optional("index_head_dim"),
             optional("max_tokens"), role, pool=pool, block_size=size,
-            codec=None if isinstance(codec, Plain) else codec,
+            codec=codec if codec.encodes else None,
             start=_scalar(fields["start"], "start"),
         )  # fmt: skip
         cache._restore_fields(fields)
@@ -604,13 +601,7 @@ class PagedLatentRows(LatentRows):
     ) -> str:
         ops = self.pool_class.ops
         assert self._widths is not None
-        role: Role = "values" if isinstance(self.latent_codec, Turbo) else "keys"
-        names = [
-            p.name
-            for p in codec_plane_specs(
-                self.latent_codec, "latent", self._widths[0], "float32", role
-            )
-        ]
+        names = [p.name for p in self.latent_spec.plane_specs("latent", self._widths[0], "float32")]
         if len(planes) != len(names):
             raise InvalidInputError(
                 f"{type(self).__name__}: the latent is {len(names)} planes, got {len(planes)}"

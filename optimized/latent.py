@@ -13,22 +13,19 @@ control flow and every argument check are the core's (``kvrows.latent.LatentRows
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 
+from kvrows.codec import PlaneSet
 from kvrows.compositions import composition
-from kvrows.errors import (
-    InvalidInputError,
-    latent_planes_message,
-    plain_latent_state_message,
-    preview_blocks_message,
-)
-from kvrows.latent import LatentCodec, LatentRows, encoded_codec
-from kvrows.optimized.codecs import TurboCodec, dtype_name, make_codec, mlx_dtype
-from kvrows.optimized.rows import owned
-from kvrows.schemes import Affine, Plain, Turbo
+from kvrows.errors import InvalidInputError, latent_planes_message, preview_blocks_message
+from kvrows.latent import EncodedLatentRows, LatentRows
+from kvrows.optimized.codecs import dtype_name
+from kvrows.optimized.codecs.latent import LatentArrayCodec
+from kvrows.optimized.rows import arrays, mapped, owned
 
 __all__ = ["EncodedLatentCache", "MLACache"]
 
@@ -61,17 +58,17 @@ def _pad_left(array: mx.array, columns: int) -> mx.array:
 
 
 class _LatentOptimized(LatentRows):
-    """The optimized array hooks over right-justified batch buffers."""
+    """The optimized array hooks over right-justified batch buffers: one plane set
+    (``kvrows.codec.PlaneSet``) with the tensors ``latent`` (the codec's planes), ``rope``,
+    ``index`` (DSA) and, while some row reads exact, the warm-up ``exact`` latent; each
+    ``[B, 1, capacity, ·]`` holding ``width`` columns."""
 
     def _impl_init(self) -> None:
-        self._planes: Planes | None = None  # the latent as the codec stores it
-        self._rope: mx.array | None = None
-        self._index: mx.array | None = None
-        self._exact: mx.array | None = None  # while some row reads its latent exact
+        self._held: PlaneSet = {}
 
     @property
-    def _role(self) -> Any:
-        return "values" if isinstance(self.latent_codec, Turbo) else "keys"
+    def _codec(self) -> LatentArrayCodec:
+        return LatentArrayCodec(self.latent_spec)
 
     def _impl_shape_dtype(self, array: Any, what: str) -> tuple[tuple[int, ...], str]:
         try:
@@ -86,60 +83,45 @@ class _LatentOptimized(LatentRows):
     def _impl_as3(self, array: Any) -> Any:
         return array[:, 0]
 
-    def _buffers(self) -> list[mx.array | None]:
-        return [*(self._planes or ()), self._rope, self._index, self._exact]
-
-    def _set_buffers(self, arrays: Sequence[mx.array | None]) -> None:
-        count = len(self._planes or ())
-        planes = tuple(a for a in arrays[:count] if a is not None)
-        self._planes = planes or None
-        self._rope, self._index, self._exact = arrays[count], arrays[count + 1], arrays[count + 2]
-
     def _impl_append(self, latent: Any, rope: Any, index: Any | None, exact: bool) -> None:
         used = self.width  # the core updates the offsets after this hook
-        planes = make_codec(self.latent_codec).encode(latent, self._role)
-        held = self._planes or (None,) * len(planes)
-        self._planes = tuple(_write(h, p, used) for h, p in zip(held, planes, strict=True))
-        self._rope = _write(self._rope, rope, used)
+        block: PlaneSet = {"latent": self._codec.encode(latent, "latent"), "rope": (rope,)}
         if index is not None:
-            self._index = _write(self._index, index, used)
-        if exact and not isinstance(self.latent_codec, Plain):
+            block["index"] = (index,)
+        if exact and self.latent_codec.encodes:
             # rows that read exact joined with no exact columns held: zeros (never read)
-            self._exact = _write(self._exact, latent, used)
+            block["exact"] = (latent,)
+        held = self._held
+        written = {
+            tensor: tuple(
+                _write(buffer, plane, used)
+                for buffer, plane in zip(
+                    held.get(tensor) or (None,) * len(planes), planes, strict=True
+                )
+            )
+            for tensor, planes in block.items()
+        }
+        self._held = {**held, **written}
 
     def _valid(self, array: mx.array) -> mx.array:
         """``array``'s columns that hold tokens (a buffer has capacity past ``width``)."""
         return array[:, :, : self.width]
 
-    def _valid_buffers(self) -> list[mx.array | None]:
-        return [None if a is None else self._valid(a) for a in self._buffers()]
-
-    def _decoded(self) -> mx.array:
-        assert self._planes is not None and self._dtype is not None
-        codec = make_codec(self.latent_codec)
-        planes = tuple(self._valid(p) for p in self._planes)
-        if isinstance(self.latent_codec, Plain):
-            return planes[0]
-        if isinstance(codec, TurboCodec):
-            decoded = codec.decode(planes, "values")
-        else:
-            assert isinstance(self.latent_codec, Affine)
-            packed, scales, biases = planes
-            decoded = mx.dequantize(
-                packed, scales, biases, group_size=self.latent_codec.group_size,
-                bits=self.latent_codec.bits, mode="affine",
-            )  # fmt: skip
-        return decoded.astype(mlx_dtype(self._dtype))
+    def _visible(self) -> PlaneSet:
+        """Every tensor's columns that hold tokens (views)."""
+        return mapped(self._held, self._valid)
 
     def _impl_read(self, reads_exact: Sequence[bool]) -> tuple[Any, Any, Any | None]:
-        assert self._rope is not None
-        latent = self._decoded()
-        if not isinstance(self.latent_codec, Plain) and any(reads_exact):
-            assert self._exact is not None
-            rows = mx.array(list(reads_exact))[:, None, None, None]
-            latent = mx.where(rows, self._valid(self._exact), latent)
-        index = None if self._index is None else self._valid(self._index)
-        return latent, self._valid(self._rope), index
+        assert "rope" in self._held and self._dtype is not None
+        visible = self._visible()
+        latent = visible["latent"][0]
+        if self.latent_codec.encodes:
+            latent = self._codec.decoded(visible["latent"], "latent", self._dtype)
+            if any(reads_exact):
+                rows = mx.array(list(reads_exact))[:, None, None, None]
+                latent = mx.where(rows, visible["exact"][0], latent)
+        index = visible["index"][0] if "index" in visible else None
+        return latent, visible["rope"][0], index
 
     def preview(self, latent: mx.array, rope: mx.array) -> tuple[mx.array, mx.array]:
         """What ``append(latent, rope, index)`` will return for the latent and rope
@@ -151,22 +133,12 @@ class _LatentOptimized(LatentRows):
             raise InvalidInputError(preview_blocks_message(type(self).__name__))
         reads_exact = [not c for c in self.converted] or [True] * int(latent.shape[0])
         block = latent
-        if not isinstance(self.latent_codec, Plain):
-            dtype = latent.dtype
-            codec = make_codec(self.latent_codec)
-            planes = codec.encode(latent, self._role)
-            if isinstance(codec, TurboCodec):
-                decoded = codec.decode(planes, "values")
-            else:
-                assert isinstance(self.latent_codec, Affine)
-                packed, scales, biases = planes
-                decoded = mx.dequantize(
-                    packed, scales, biases, group_size=self.latent_codec.group_size,
-                    bits=self.latent_codec.bits, mode="affine",
-                )  # fmt: skip
+        if self.latent_codec.encodes:
+            codec = self._codec
+            decoded = codec.decoded(codec.encode(latent, "latent"), "latent", dtype_name(latent))
             rows = mx.array(reads_exact)[:, None, None, None]
-            block = mx.where(rows, latent, decoded.astype(dtype))
-        if self._rope is None:
+            block = mx.where(rows, latent, decoded)
+        if "rope" not in self._held:
             return block, rope
         held_latent, held_rope, _ = self._impl_read(reads_exact)
         return (
@@ -174,22 +146,18 @@ class _LatentOptimized(LatentRows):
             mx.concatenate([held_rope, rope], axis=2),
         )
 
-    def _empty_buffers(self, rows: int, columns: int) -> list[mx.array | None]:
-        """Zero buffers of ``columns`` tokens (planes, rope, index, exact)."""
+    def _zeros(self, rows: int, columns: int) -> PlaneSet:
+        """Zero planes of ``columns`` tokens of every tensor the cache holds."""
         assert self._widths is not None and self._dtype is not None
-        rank, rope = self._widths
-        dtype = mlx_dtype(self._dtype)
-        codec = make_codec(self.latent_codec)
-        planes = codec.zeros(rows, 1, columns, rank, self._dtype, self._role)
-        index = self.options.index_head_dim
-        return [
-            *planes,
-            mx.zeros((rows, 1, columns, rope), dtype),
-            None if index is None else mx.zeros((rows, 1, columns, index), dtype),
-            None
-            if isinstance(self.latent_codec, Plain)
-            else mx.zeros((rows, 1, columns, rank), dtype),
-        ]
+        (rank, rope), dtype, codec = self._widths, self._dtype, self._codec
+        widths = {"latent": rank, "rope": rope, "index": self.latent_spec.index_head_dim}
+        if self.latent_codec.encodes:
+            widths["exact"] = rank
+        return {
+            tensor: codec.zeros(rows, 1, columns, width, dtype, tensor)
+            for tensor, width in widths.items()
+            if width is not None
+        }
 
     def _impl_merge(self, sources: Sequence[Any]) -> None:
         width = max(s.width for s in sources)
@@ -199,59 +167,45 @@ class _LatentOptimized(LatentRows):
             self._impl_init()
             return
         self._widths, self._dtype = widths, dtype
-        parts: list[list[mx.array | None]] = []
+        parts: list[PlaneSet] = []
         for source in sources:
             rows = max(1, source.batch_size)
-            if source._rope is None:
-                parts.append(self._empty_buffers(rows, width))
+            if "rope" not in source._held:
+                parts.append(self._zeros(rows, width))
                 continue
-            held = source._valid_buffers()
-            zeros = self._empty_buffers(rows, source.width)
-            held[-1] = held[-1] if held[-1] is not None else zeros[-1]
-            parts.append([None if a is None else _pad_left(a, width - source.width) for a in held])
+            held: PlaneSet = {**self._zeros(rows, source.width), **source._visible()}
+            parts.append(mapped(held, functools.partial(_pad_left, columns=width - source.width)))
         needs_exact = not all(c for s in sources for c in (s.converted or (False,)))
-        merged = [
-            None if column[0] is None else mx.concatenate([a for a in column if a is not None], 0)
-            for column in zip(*parts, strict=True)
-        ]
+        merged: PlaneSet = {}
+        for tensor in parts[0]:
+            columns = zip(*(part[tensor] for part in parts), strict=True)
+            merged[tensor] = tuple(mx.concatenate(list(column), 0) for column in columns)
         if not needs_exact:
-            merged[-1] = None
-        count = len(merged) - 3
-        self._planes = tuple(a for a in merged[:count] if a is not None)
-        self._rope, self._index, self._exact = merged[count], merged[count + 1], merged[count + 2]
-        mx.eval(*(a for a in self._buffers() if a is not None))
+            merged.pop("exact", None)
+        self._held = merged
+        mx.eval(*arrays(merged))
 
     def _impl_filter(self, keep: Sequence[int]) -> None:
-        if self._rope is None:
+        if "rope" not in self._held:
             return
         offsets = [self._offsets[r] for r in keep]
         drop = self.width - max(offsets)
         rows = mx.array(list(keep))
-        self._set_buffers(
-            [
-                None if a is None else mx.take(a, rows, axis=0)[:, :, drop:]
-                for a in self._valid_buffers()
-            ]
-        )
+        self._held = mapped(self._visible(), lambda a: mx.take(a, rows, axis=0)[:, :, drop:])
         if max(offsets) == 0:
             self._impl_init()
             return
-        mx.eval(*(a for a in self._buffers() if a is not None))
+        mx.eval(*arrays(self._held))
 
     def _impl_take_row(self, source: Any, row: int) -> None:
-        if source._rope is None or source._offsets[row] == 0:
+        if "rope" not in source._held or source._offsets[row] == 0:
             return
         start, end = source.width - source._offsets[row], source.width
-        self._planes = tuple(owned(p[row : row + 1, :, start:end]) for p in source._planes)
-        self._rope = owned(source._rope[row : row + 1, :, start:end])
-        if source._index is not None:
-            self._index = owned(source._index[row : row + 1, :, start:end])
-        if source._exact is not None:
-            self._exact = owned(source._exact[row : row + 1, :, start:end])
-        mx.eval(*(a for a in self._buffers() if a is not None))
+        self._held = mapped(source._held, lambda a: owned(a[row : row + 1, :, start:end]))
+        mx.eval(*arrays(self._held))
 
     def _impl_forget(self, counts: Sequence[int]) -> None:
-        if self._rope is None:
+        if "rope" not in self._held:
             return
         width = self.width
         new_width = max(o - c for o, c in zip(self._offsets, counts, strict=True))
@@ -260,7 +214,7 @@ class _LatentOptimized(LatentRows):
             return
         if len(set(counts)) == 1:  # every row the same: a plain cut of the newest columns
             cut = width - counts[0]
-            self._set_buffers([None if a is None else a[:, :, :cut] for a in self._buffers()])
+            self._held = mapped(self._held, lambda a: a[:, :, :cut])
         else:
             # Row b's kept tokens end at column width - counts[b]; the new width is the
             # longest kept row. The seed rolls each row right by its count and drops the
@@ -275,17 +229,17 @@ class _LatentOptimized(LatentRows):
                     rows.append(_pad_left(a[b : b + 1, :, max(0, start) : end], max(0, -start)))
                 return mx.concatenate(rows, axis=0)
 
-            self._set_buffers([None if a is None else rolled(a) for a in self._buffers()])
-        mx.eval(*(a for a in self._buffers() if a is not None))
+            self._held = mapped(self._held, rolled)
+        mx.eval(*arrays(self._held))
 
     def _impl_drop_exact(self) -> None:
-        self._exact = None
+        self._held.pop("exact", None)
 
     def _impl_held(self) -> tuple[Any, ...]:
-        return tuple(a for a in self._valid_buffers() if a is not None)
+        return arrays(self._visible())
 
     def _impl_nbytes(self) -> int:
-        return sum(int(a.nbytes) for a in self._buffers() if a is not None)
+        return sum(int(a.nbytes) for a in arrays(self._held))
 
     def _impl_mask(self, n: int, window_size: int | None) -> Any:
         width = self.width
@@ -302,19 +256,18 @@ class _LatentOptimized(LatentRows):
 
     def planes(self) -> tuple[Planes, mx.array | None, mx.array | None, mx.array | None]:
         """The stored columns: latent codec planes, rope, index, exact latent."""
-        planes, rope, index, exact = self._valid_buffers()[:-3], *self._valid_buffers()[-3:]
-        return tuple(a for a in planes if a is not None), rope, index, exact
+        visible = self._visible()
+
+        def one(tensor: str) -> mx.array | None:
+            return visible[tensor][0] if tensor in visible else None
+
+        return visible.get("latent", ()), one("rope"), one("index"), one("exact")
 
     def _impl_state_planes(self) -> tuple[Any, Any, Any, Any]:
-        if self._rope is None:
+        if "rope" not in self._held:
             return None, None, None, None
-        planes, rope, index, exact = self._planes or (), self._rope, self._index, self._exact
-        return (
-            tuple(self._valid(p) for p in planes),
-            self._valid(rope),
-            None if index is None else self._valid(index),
-            None if exact is None or all(self.converted) else self._valid(exact),
-        )
+        latent, rope, index, exact = self.planes()
+        return latent, rope, index, None if all(self.converted) else exact
 
     def _impl_int_array(self, values: Sequence[int]) -> Any:
         return mx.array(list(values), dtype=mx.int32)
@@ -330,11 +283,8 @@ class _LatentOptimized(LatentRows):
     def _impl_restore(
         self, planes: tuple[Any, ...], rope: Any, index: Any, exact: Any, rows: int, width: int
     ) -> str:
-        codec = make_codec(self.latent_codec)
         assert self._widths is not None
-        names = [
-            p.name for p in codec.plane_specs("latent", self._widths[0], "float32", self._role)
-        ]
+        names = [p.name for p in self.latent_spec.plane_specs("latent", self._widths[0], "float32")]
         if len(names) != len(planes):
             raise InvalidInputError(
                 latent_planes_message(type(self).__name__, len(names), len(planes))
@@ -351,11 +301,13 @@ class _LatentOptimized(LatentRows):
                 )
         shapes = [(n, tuple(int(d) for d in a.shape), dtype_name(a)) for n, a in named]
         dtype = self._check_restored(shapes, rows, width)
-        self._planes = tuple(owned(p) for p in planes)
-        self._rope = owned(rope)
-        self._index = None if index is None else owned(index)
-        self._exact = None if exact is None else owned(exact)
-        mx.eval(*(a for a in self._buffers() if a is not None))
+        held: PlaneSet = {"latent": tuple(owned(p) for p in planes), "rope": (owned(rope),)}
+        if index is not None:
+            held["index"] = (owned(index),)
+        if exact is not None:
+            held["exact"] = (owned(exact),)
+        self._held = held
+        mx.eval(*arrays(held))
         return dtype
 
 
@@ -365,41 +317,8 @@ class MLACache(_LatentOptimized):
     composition = composition("MLACache")
 
 
-class EncodedLatentCache(_LatentOptimized):
+class EncodedLatentCache(EncodedLatentRows, _LatentOptimized):
     """The latent plane through a codec, rope and index exact, bf16-first per row
     (``spec/EncodedLatentCache.md``)."""
 
     composition = composition("EncodedLatentCache")
-
-    def __init__(
-        self,
-        kv_lora_rank: object = None,
-        rope_head_dim: object = None,
-        index_head_dim: object = None,
-        max_tokens: object = None,
-        role: object = "target",
-        *,
-        codec: LatentCodec | None = None,
-        bits: int | None = None,
-        group_size: int | None = None,
-        start: int = 0,
-    ) -> None:
-        self.latent_codec, self.start = encoded_codec(
-            type(self).__name__, codec, bits, group_size, start
-        )
-        super().__init__(kv_lora_rank, rope_head_dim, index_head_dim, max_tokens, role)
-
-    def _new_empty(self) -> EncodedLatentCache:
-        o = self.options
-        return type(self)(
-            o.kv_lora_rank, o.rope_head_dim, o.index_head_dim, o.max_tokens, o.role,
-            codec=self.latent_codec, start=self.start,
-        )  # fmt: skip
-
-    def signature(self) -> str:
-        return f"kv:mla-encoded:{self.options.signature_role}:{self.latent_codec.key}:{self.start}"
-
-    def _set_codec(self, codec: LatentCodec, start: int) -> None:
-        if isinstance(codec, Plain):
-            raise InvalidInputError(plain_latent_state_message(type(self).__name__))
-        self.latent_codec, self.start = encoded_codec(type(self).__name__, codec, None, None, start)

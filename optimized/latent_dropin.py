@@ -140,17 +140,18 @@ class _Rows:
         return LatentBlockPool(
             codec if codec.encodes else None,
             block_size=block_size,
-            index_head_dim=cache.options.index_head_dim,
+            index_head_dim=cache.latent_spec.index_head_dim,
         )
 
     def in_pool(self, pool: LatentBlockPool) -> Any:
         """An empty drop-in of this form over a ``PagedLatentCache`` in ``pool``, of this
         layer's declaration and codec."""
         cache = self.wrapped
-        o = cache.options
+        spec = cache.latent_spec
         encoded = cache.latent_codec.encodes
         paged = PagedLatentCache(
-            o.kv_lora_rank, o.rope_head_dim, o.index_head_dim, o.max_tokens, o.role,
+            spec.kv_lora_rank, spec.rope_head_dim, spec.index_head_dim,
+            cache.token_geometry.max_tokens, spec.role,
             pool=pool, codec=cache.latent_codec if encoded else None,
             start=cache.start if encoded else 0,
         )  # fmt: skip
@@ -261,7 +262,7 @@ class _LatentView(_View):
             raise LayoutStateError(
                 "LatentCacheList: the previous latent block still waits for its index block"
             )
-        if not owner.cache.options.dsa:
+        if not owner.cache.latent_spec.dsa:
             return owner.cache.update_and_fetch(keys, values)
         fetched = owner.cache.preview(keys, values)
         owner.pending = (keys, values)
@@ -365,7 +366,7 @@ class LatentCacheList(_Rows):
         return self.caches[0].make_mask(n, return_array=return_array, window_size=window_size)
 
     def __getitem__(self, index: int) -> _View:
-        if index == 1 and not self.cache.options.dsa:
+        if index == 1 and not self.cache.latent_spec.dsa:
             raise InvalidInputError("this latent cache has no DSA index plane (item 1)")
         return self.caches[index]
 

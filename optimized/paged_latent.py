@@ -16,12 +16,11 @@ import mlx.core as mx
 
 from kvrows.compositions import composition
 from kvrows.errors import InvalidInputError, preview_blocks_message
-from kvrows.optimized.codecs import TurboCodec, dtype_name, make_codec, mlx_dtype
+from kvrows.optimized.codecs import dtype_name, mlx_dtype
 from kvrows.optimized.latent import _LatentOptimized
 from kvrows.optimized.paged import MlxPlaneOps
 from kvrows.optimized.rows import owned
 from kvrows.paged_latent import LatentBlockPoolBase, PagedLatentRows
-from kvrows.schemes import Affine
 
 __all__ = ["LatentBlockPool", "PagedLatentCache"]
 
@@ -52,7 +51,7 @@ class PagedLatentCache(PagedLatentRows, _LatentOptimized):
             raise InvalidInputError(preview_blocks_message(type(self).__name__))
         block = latent
         if self.encoded:  # rows that read encoded see the block as it will be stored
-            planes = make_codec(self.latent_codec).encode(latent, self._role)
+            planes = self._codec.encode(latent, "latent")
             reads_exact = [not c for c in self.converted] or [True] * int(latent.shape[0])
             rows = mx.array(reads_exact)[:, None, None, None]
             block = mx.where(rows, latent, self._decode_latent(planes, dtype_name(latent)))
@@ -78,17 +77,7 @@ class PagedLatentCache(PagedLatentRows, _LatentOptimized):
     def _decode_latent(self, planes: Sequence[Any], dtype: str | None = None) -> Any:
         dtype = dtype or self._dtype
         assert dtype is not None
-        codec = make_codec(self.latent_codec)
-        if isinstance(codec, TurboCodec):
-            decoded = codec.decode(tuple(planes), "values")
-        else:
-            assert isinstance(self.latent_codec, Affine)
-            packed, scales, biases = planes
-            decoded = mx.dequantize(
-                packed, scales, biases, group_size=self.latent_codec.group_size,
-                bits=self.latent_codec.bits, mode="affine",
-            )  # fmt: skip
-        return decoded.astype(mlx_dtype(dtype))
+        return self._codec.decoded(tuple(planes), "latent", dtype)
 
     def _overlay(self, dense: Any, rows: Sequence[Any | None]) -> Any:
         if all(row is None for row in rows):

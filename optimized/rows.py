@@ -400,7 +400,9 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     def _check_trim(self, counts: Sequence[int]) -> None:
         raise NotImplementedError
 
-    def _forget(self, counts: Sequence[int]) -> None:
+    def _forget(self, counts: Sequence[int], *, justify: bool = False) -> None:
+        """Row ``b`` forgets its newest ``counts[b]`` tokens (the offsets move afterwards);
+        ``justify``: a shared-column rollback, the rows roll right to one end column."""
         raise NotImplementedError
 
     def _adopt(self, planes: PlaneSet, offset: int) -> None:
@@ -668,16 +670,18 @@ class Layout(Storage):
         """
         return self._trim_rows(check_counts(counts, self.batch_size))
 
-    def _trim_rows(self, counts: Sequence[int]) -> int:
+    def _trim_rows(self, counts: Sequence[int], *, justify: bool = False) -> int:
+        """``justify``: a shared-column rollback (rows of one write column may forget
+        different counts; the geometry rolls them right to one end column)."""
         if not any(counts):
             return 0
         self._check_trim(counts)
         for b, (tokens, count) in enumerate(zip(self._offsets, counts, strict=True)):
             if count > tokens:
                 raise NotTrimmableError(trim_past_row_message(count, b, tokens))
-        if self.composition.shared_column and len(set(counts)) > 1:
+        if self.composition.shared_column and not justify and len(set(counts)) > 1:
             raise NotTrimmableError(SHARED_COLUMN_TRIM)
-        self._forget(counts)
+        self._forget(counts, justify=justify)
         self._offsets = [t - c for t, c in zip(self._offsets, counts, strict=True)]
         self._changed()
         return max(counts)

@@ -32,7 +32,8 @@ class SpeculativeLayout(SpeculativeRounds, _LayoutBase):
     public class's bases so it sees every call before the layout does."""
 
     def _spec_forget(self, counts: Sequence[int]) -> None:
-        self._trim_rows(counts)
+        # Rows of one write column roll right (MLA's rollback); ragged rows just forget.
+        self._trim_rows(counts, justify=self.composition.shared_column)
 
     # -- appends and reads ----------------------------------------------------------------
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:

@@ -11,58 +11,31 @@ check are the core's (``kvrows.latent.LatentRows``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvrows.compositions import composition
-from kvrows.errors import InvalidInputError, latent_planes_message, plain_latent_state_message
-from kvrows.latent import LatentCodec, LatentRows, encoded_codec
-from kvrows.reference.codecs import Codec, TurboCodec, dtype_name, make_codec, numpy_dtype
-from kvrows.schemes import Plain, Turbo
+from kvrows.errors import InvalidInputError, latent_planes_message
+from kvrows.latent import EncodedLatentRows, LatentRows
+from kvrows.reference.codecs import dtype_name, numpy_dtype
+from kvrows.reference.codecs.latent import LatentArrayCodec
+from kvrows.reference.rows import Row
 
 __all__ = ["EncodedLatentCache", "MLACache"]
 
 Array = npt.NDArray[Any]
 
 
-@dataclass(frozen=True)
-class _Row:
-    """One request's tokens, oldest first (``None`` before its first token)."""
-
-    planes: tuple[Array, ...] | None = None
-    rope: Array | None = None
-    index: Array | None = None
-    exact: Array | None = None
-
-    @property
-    def tokens(self) -> int:
-        return 0 if self.rope is None else int(self.rope.shape[2])
-
-    def cut(self, keep: int) -> _Row:
-        """The row's oldest ``keep`` tokens (copies)."""
-        if self.rope is None:
-            return self
-
-        def head(a: Array | None) -> Array | None:
-            return None if a is None else np.array(a[:, :, :keep], copy=True)
-
-        assert self.planes is not None
-        return _Row(
-            tuple(np.array(p[:, :, :keep], copy=True) for p in self.planes),
-            head(self.rope),
-            head(self.index),
-            head(self.exact),
-        )
-
-    def copy(self) -> _Row:
-        return self.cut(self.tokens)
+def _owned(array: Array) -> tuple[Array]:
+    return (np.array(array, copy=True),)
 
 
-def _cat(first: Array | None, second: Array) -> Array:
-    return np.array(second, copy=True) if first is None else np.concatenate([first, second], 2)
+def _plane(row: Row, tensor: str) -> Array | None:
+    """``row``'s one plane of ``tensor`` (rope, index, the warm-up exact latent)."""
+    held = row.planes.get(tensor)
+    return None if held is None else held[0]
 
 
 def _pad_left(array: Array, columns: int) -> Array:
@@ -70,18 +43,16 @@ def _pad_left(array: Array, columns: int) -> Array:
 
 
 class _LatentReference(LatentRows):
-    """The reference's array hooks over compact rows."""
+    """The reference's array hooks over compact rows: each a ``Row`` of the machinery
+    whose plane set holds the tensors ``latent`` (the codec's planes), ``rope``,
+    ``index`` (DSA) and, while the row reads exact, the warm-up ``exact`` latent."""
 
     def _impl_init(self) -> None:
-        self._rows: list[_Row] = []
+        self._rows: list[Row] = []
 
     @property
-    def _codec(self) -> Codec:
-        return make_codec(self.latent_codec)
-
-    @property
-    def _role(self) -> Any:
-        return "values" if isinstance(self.latent_codec, Turbo) else "keys"
+    def _codec(self) -> LatentArrayCodec:
+        return LatentArrayCodec(self.latent_spec)
 
     def _impl_shape_dtype(self, array: Any, what: str) -> tuple[tuple[int, ...], str]:
         try:
@@ -97,33 +68,23 @@ class _LatentReference(LatentRows):
         return array[:, 0]
 
     def _impl_append(self, latent: Any, rope: Any, index: Any | None, exact: bool) -> None:
-        rows = int(latent.shape[0])
         if not self._rows:
-            self._rows = [_Row() for _ in range(rows)]
-        codec, plain = self._codec, isinstance(self.latent_codec, Plain)
-        new_rows = []
+            self._rows = [Row() for _ in range(int(latent.shape[0]))]
+        codec, encodes = self._codec, self.latent_codec.encodes
         for b, row in enumerate(self._rows):
-            planes = codec.encode(np.array(latent[b : b + 1], copy=True), self._role)
-            held = row.planes or (None,) * len(planes)
-            keeps_exact = not plain and not self.converted[b]
-            new_rows.append(
-                _Row(
-                    tuple(_cat(h, p) for h, p in zip(held, planes, strict=True)),
-                    _cat(row.rope, rope[b : b + 1]),
-                    None if index is None else _cat(row.index, index[b : b + 1]),
-                    _cat(row.exact, latent[b : b + 1]) if keeps_exact else None,
-                )
-            )
-        self._rows = new_rows
+            block = {
+                "latent": codec.encode(np.array(latent[b : b + 1], copy=True), "latent"),
+                "rope": _owned(rope[b : b + 1]),
+            }
+            if index is not None:
+                block["index"] = _owned(index[b : b + 1])
+            if encodes and not self.converted[b]:
+                block["exact"] = _owned(latent[b : b + 1])
+            row.append(block, row.retained)  # growing: keep every token, then the block
 
-    def _decode(self, row: _Row) -> Array:
-        assert row.planes is not None and self._dtype is not None
-        codec = self._codec
-        if isinstance(codec, TurboCodec):
-            decoded = codec.decode(row.planes, "values")
-        else:
-            decoded = codec.decode(row.planes)
-        return np.asarray(decoded).astype(numpy_dtype(self._dtype))
+    def _decode(self, row: Row) -> Array:
+        assert self._dtype is not None
+        return self._codec.decoded(row.planes["latent"], "latent", self._dtype)
 
     def _impl_read(self, reads_exact: Sequence[bool]) -> tuple[Any, Any, Any | None]:
         assert self._widths is not None and self._dtype is not None
@@ -131,30 +92,28 @@ class _LatentReference(LatentRows):
         rank, rope_width = self._widths
         latents, ropes, indexes = [], [], []
         for row, exact in zip(self._rows, reads_exact, strict=True):
-            pad = width - row.tokens
-            if row.rope is None:
+            pad = width - row.retained
+            if not row.held:
                 latents.append(np.zeros((1, 1, width, rank), dtype))
                 ropes.append(np.zeros((1, 1, width, rope_width), dtype))
-                if self.options.index_head_dim is not None:
-                    indexes.append(np.zeros((1, 1, width, self.options.index_head_dim), dtype))
+                if self.latent_spec.index_head_dim is not None:
+                    indexes.append(np.zeros((1, 1, width, self.latent_spec.index_head_dim), dtype))
                 continue
-            if isinstance(self.latent_codec, Plain):
-                assert row.planes is not None
-                dense = row.planes[0]
+            if not self.latent_codec.encodes:
+                dense = row.planes["latent"][0]
             elif exact:
-                assert row.exact is not None
-                dense = row.exact
+                dense = row.planes["exact"][0]
             else:
                 dense = self._decode(row)
             latents.append(_pad_left(dense, pad))
-            ropes.append(_pad_left(row.rope, pad))
-            if row.index is not None:
-                indexes.append(_pad_left(row.index, pad))
+            ropes.append(_pad_left(row.planes["rope"][0], pad))
+            if "index" in row.planes:
+                indexes.append(_pad_left(row.planes["index"][0], pad))
         index = np.concatenate(indexes, 0) if indexes else None
         return np.concatenate(latents, 0), np.concatenate(ropes, 0), index
 
     def _impl_merge(self, sources: Sequence[Any]) -> None:
-        self._rows = [row.copy() for s in sources for row in (s._rows or [_Row()])]
+        self._rows = [row.copy() for s in sources for row in (s._rows or [Row()])]
 
     def _impl_filter(self, keep: Sequence[int]) -> None:
         self._rows = [self._rows[r] for r in keep]
@@ -163,24 +122,18 @@ class _LatentReference(LatentRows):
         self._rows = [source._rows[row].copy()]
 
     def _impl_forget(self, counts: Sequence[int]) -> None:
-        self._rows = [r.cut(r.tokens - c) for r, c in zip(self._rows, counts, strict=True)]
+        for row, count in zip(self._rows, counts, strict=True):
+            row.trim(count)
 
     def _impl_drop_exact(self) -> None:
-        self._rows = [replace(r, exact=None) for r in self._rows]
+        for row in self._rows:
+            row.planes.pop("exact", None)
 
     def _impl_held(self) -> tuple[Any, ...]:
-        held: list[Array] = []
-        for row in self._rows:
-            arrays = [*(row.planes or ()), row.rope, row.index, row.exact]
-            held += [a for a in arrays if a is not None]
-        return tuple(held)
+        return tuple(p for row in self._rows for p in row.arrays())
 
     def _impl_nbytes(self) -> int:
-        total = 0
-        for row in self._rows:
-            arrays = [*(row.planes or ()), row.rope, row.index, row.exact]
-            total += sum(int(a.nbytes) for a in arrays if a is not None)
-        return total
+        return sum(int(p.nbytes) for row in self._rows for p in row.arrays())
 
     def _impl_mask(self, n: int, window_size: int | None) -> Any:
         width = self.width
@@ -198,7 +151,7 @@ class _LatentReference(LatentRows):
     def planes(self) -> list[tuple[tuple[Array, ...], Array, Array | None, Array | None]]:
         """Each row's stored planes (latent codec planes, rope, index, exact latent)."""
         return [
-            (r.planes or (), r.rope, r.index, r.exact)  # type: ignore[misc]
+            (r.planes.get("latent", ()), _plane(r, "rope"), _plane(r, "index"), _plane(r, "exact"))  # type: ignore[misc]
             for r in self._rows
         ]
 
@@ -207,28 +160,32 @@ class _LatentReference(LatentRows):
             return None, None, None, None
         assert self._widths is not None and self._dtype is not None
         width, rank = self.width, self._widths[0]
-        empty = self._codec.zeros(1, 1, 0, rank, self._dtype, self._role)
+        empty = self._codec.zeros(1, 1, 0, rank, self._dtype, "latent")
 
         def batch(arrays: list[Array]) -> Array:
             return np.concatenate([_pad_left(a, width - a.shape[2]) for a in arrays], 0)
 
         count = len(empty)
-        planes = tuple(batch([(r.planes or empty)[k] for r in self._rows]) for k in range(count))
+        planes = tuple(
+            batch([r.planes.get("latent", empty)[k] for r in self._rows]) for k in range(count)
+        )
         dtype = numpy_dtype(self._dtype)
 
         def plane(get: Any, dim: int) -> Array:
             return batch([get(r) if get(r) is not None else np.zeros((1, 1, 0, dim), dtype)
                           for r in self._rows])  # fmt: skip
 
-        rope = plane(lambda r: r.rope, self._widths[1])
+        rope = plane(lambda r: _plane(r, "rope"), self._widths[1])
         index = None
-        if self.options.index_head_dim is not None:
-            index = plane(lambda r: r.index, self.options.index_head_dim)
+        if self.latent_spec.index_head_dim is not None:
+            index = plane(lambda r: _plane(r, "index"), self.latent_spec.index_head_dim)
         exact = None
-        if not isinstance(self.latent_codec, Plain) and not all(self.converted):
+        if self.latent_codec.encodes and not all(self.converted):
             exact = batch(
                 [
-                    r.exact if r.exact is not None and not c else np.zeros((1, 1, 0, rank), dtype)
+                    r.planes["exact"][0]
+                    if "exact" in r.planes and not c
+                    else np.zeros((1, 1, 0, rank), dtype)
                     for r, c in zip(self._rows, self.converted, strict=True)
                 ]
             )
@@ -247,7 +204,7 @@ class _LatentReference(LatentRows):
         self, planes: tuple[Any, ...], rope: Any, index: Any, exact: Any, rows: int, width: int
     ) -> str:
         assert self._widths is not None
-        specs = self._codec.plane_specs("latent", self._widths[0], "float32", self._role)
+        specs = self.latent_spec.plane_specs("latent", self._widths[0], "float32")
         if len(specs) != len(planes):
             raise InvalidInputError(
                 latent_planes_message(type(self).__name__, len(specs), len(planes))
@@ -269,21 +226,19 @@ class _LatentReference(LatentRows):
         restored = []
         for b, offset in enumerate(self._offsets):
             if offset == 0:
-                restored.append(_Row())
+                restored.append(Row())
                 continue
             pad = width - offset
 
             def cut(a: Array, b: int = b, pad: int = pad) -> Array:
                 return np.array(a[b : b + 1, :, pad:], copy=True)
 
-            restored.append(
-                _Row(
-                    tuple(cut(p) for p in planes),
-                    cut(rope),
-                    None if index is None else cut(index),
-                    None if exact is None or self.converted[b] else cut(exact),
-                )
-            )
+            held = {"latent": tuple(cut(p) for p in planes), "rope": (cut(rope),)}
+            if index is not None:
+                held["index"] = (cut(index),)
+            if exact is not None and not self.converted[b]:
+                held["exact"] = (cut(exact),)
+            restored.append(Row(held, offset))
         self._rows = restored
         return dtype
 
@@ -295,43 +250,8 @@ class MLACache(_LatentReference):
     composition = composition("MLACache")
 
 
-class EncodedLatentCache(_LatentReference):
+class EncodedLatentCache(EncodedLatentRows, _LatentReference):
     """The latent plane through a codec, rope and index exact, bf16-first per row
     (``spec/EncodedLatentCache.md``)."""
 
     composition = composition("EncodedLatentCache")
-
-    def __init__(
-        self,
-        kv_lora_rank: object = None,
-        rope_head_dim: object = None,
-        index_head_dim: object = None,
-        max_tokens: object = None,
-        role: object = "target",
-        *,
-        codec: LatentCodec | None = None,
-        bits: int | None = None,
-        group_size: int | None = None,
-        start: int = 0,
-    ) -> None:
-        self.latent_codec, self.start = encoded_codec(
-            type(self).__name__, codec, bits, group_size, start
-        )
-        super().__init__(kv_lora_rank, rope_head_dim, index_head_dim, max_tokens, role)
-
-    def _new_empty(self) -> EncodedLatentCache:
-        o = self.options
-        return type(self)(
-            o.kv_lora_rank, o.rope_head_dim, o.index_head_dim, o.max_tokens, o.role,
-            codec=self.latent_codec, start=self.start,
-        )  # fmt: skip
-
-    def signature(self) -> str:
-        return f"kv:mla-encoded:{self.options.signature_role}:{self.latent_codec.key}:{self.start}"
-
-    def _set_codec(self, codec: LatentCodec, start: int) -> None:
-        self.latent_codec, self.start = encoded_codec(
-            type(self).__name__, None if isinstance(codec, Plain) else codec, None, None, start
-        )
-        if isinstance(codec, Plain):
-            raise InvalidInputError(plain_latent_state_message(type(self).__name__))

@@ -20,7 +20,7 @@ import numpy.typing as npt
 from kvrows.compositions import composition
 from kvrows.paged_latent import LatentBlockPoolBase, PagedLatentRows
 from kvrows.paged_storage import Piece, Planes
-from kvrows.reference.codecs import TurboCodec, dtype_name, make_codec, numpy_dtype
+from kvrows.reference.codecs import dtype_name, make_codec, numpy_dtype
 from kvrows.reference.latent import _LatentReference
 from kvrows.schemes import CodecSpec
 
@@ -114,12 +114,7 @@ class PagedLatentCache(PagedLatentRows, _LatentReference):
     def _decode_latent(self, planes: Sequence[Any], dtype: str | None = None) -> Any:
         dtype = dtype or self._dtype
         assert dtype is not None
-        codec = make_codec(self.latent_codec)
-        if isinstance(codec, TurboCodec):
-            decoded = codec.decode(tuple(planes), "values")
-        else:
-            decoded = codec.decode(tuple(planes))
-        return np.asarray(decoded).astype(numpy_dtype(dtype))
+        return self._codec.decoded(tuple(planes), "latent", dtype)
 
     def _overlay(self, dense: Any, rows: Sequence[Any | None]) -> Any:
         out = np.array(dense, copy=True)

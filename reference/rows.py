@@ -230,11 +230,17 @@ class Placement(Protocol):
         """After a filter: ``rows`` are the survivors, in their new order."""
         ...
 
-    def check_trim(self, rows: Sequence[Row], counts: Sequence[int]) -> None:
-        """Raise ``NotTrimmableError`` unless row ``b`` may forget ``counts[b]`` tokens."""
+    def check_trim(
+        self, rows: Sequence[Row], counts: Sequence[int], *, justify: bool = False
+    ) -> None:
+        """Raise ``NotTrimmableError`` unless row ``b`` may forget ``counts[b]`` tokens
+        (``justify``: a shared-column rollback, rows then re-right-justified)."""
         ...
 
-    def trimmed(self, rows: Sequence[Row], counts: Sequence[int]) -> None: ...
+    def trimmed(self, rows: Sequence[Row], counts: Sequence[int], *, justify: bool = False) -> None:
+        """After the rows forgot ``counts``; ``justify``: lay them to share one end column
+        again (the rollback of rows that write one column: each row rolls right)."""
+        ...
 
     def trimmable(self, rows: Sequence[Row]) -> bool: ...
 
@@ -710,11 +716,13 @@ class RowLayout(Storage):
         """Forget ``counts[b]`` newest tokens of row ``b``; returns the largest count."""
         return self._trim(check_counts(counts, self.batch_size))
 
-    def _trim(self, counts: Sequence[int]) -> int:
-        self._place.check_trim(self._rows, counts)
+    def _trim(self, counts: Sequence[int], *, justify: bool = False) -> int:
+        """Forget ``counts[b]`` of row ``b``; ``justify``: a shared-column rollback (rows of
+        one write column may forget different counts, then share one end column again)."""
+        self._place.check_trim(self._rows, counts, justify=justify)
         for row, count in zip(self._rows, counts, strict=True):
             row.trim(count)
-        self._place.trimmed(self._rows, counts)
+        self._place.trimmed(self._rows, counts, justify=justify)
         return max(counts, default=0)
 
     def check_valid(self) -> None:

@@ -22,7 +22,8 @@ class SpeculativeLayout(SpeculativeRounds, RowLayout):
     """A row layout with the round protocol (``spec/speculative.md``)."""
 
     def _spec_forget(self, counts: Sequence[int]) -> None:
-        self._trim(counts)
+        # Rows of one write column roll right (MLA's rollback); ragged rows just forget.
+        self._trim(counts, justify=self.composition.shared_column)
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
         append = super().update_and_fetch

@@ -45,8 +45,8 @@ EXAMPLES = (
 
 
 def test_the_kinds_are_registered_in_tag_order() -> None:
-    assert list(CODECS) == ["plain", "affine", "turbo", "state"]
-    assert [spec.tag for spec in CODECS.values()] == [0, 1, 2, 3]
+    assert list(CODECS) == ["plain", "affine", "turbo", "state", "latent"]
+    assert [spec.tag for spec in CODECS.values()] == [0, 1, 2, 3, 4]
     assert list(kv_codecs()) == ["plain", "affine", "turbo"]
 
 
@@ -126,8 +126,8 @@ def test_the_tails_are_the_saved_forms() -> None:
 
 
 def test_an_unknown_kind_has_no_tail() -> None:
-    with pytest.raises(InvalidInputError, match="no codec of kind 'latent'"):
-        codec_from_tail("latent", {})
+    with pytest.raises(InvalidInputError, match="no codec of kind 'mx'"):
+        codec_from_tail("mx", {})
 
 
 def test_only_a_registered_spec_is_a_codec_spec() -> None:

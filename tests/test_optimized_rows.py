@@ -21,6 +21,7 @@ from kvrows.errors import (
     IncompatibleRowsError,
     InvalidInputError,
     LayoutStateError,
+    NotTrimmableError,
     self_merge_message,
 )
 from kvrows.optimized.rows import DECLARED, Layout, Serial
@@ -244,3 +245,37 @@ def test_attention_returns_the_queries_dtype(name: str) -> None:
     queries = _block(1, 1, heads=4)
     out = kv.attend(queries, cache, None, 0.125)
     assert out.dtype == mx.float16 and out.shape == (1, 4, 1, 64)
+
+
+def test_a_shared_column_rollback_rolls_rows_right_in_both_implementations() -> None:
+    """The machinery's shared-column rollback (``justify=True``, contract §0.3: MLA's
+    roll): rows of one write column forget different counts and end at one column again,
+    the reference and the optimized rows alike; without ``justify`` unequal counts are
+    refused and nothing changes."""
+    import kvrows.reference as ref
+
+    twins = []
+    for impl, convert in ((ref, lambda a: np.asarray(a)), (kv, lambda a: a)):
+        layout = impl.PaddedKVRows()
+        rows = []
+        for b, tokens in enumerate((5, 3, 4)):
+            serial = impl.KVCache()
+            block = convert(_block(1, tokens, seed=b))
+            serial.update_and_fetch(block, block)
+            rows.append(serial)
+        layout.merge_rows(rows)
+        step = convert(_block(3, 2, seed=9))
+        layout.update_and_fetch(step, step)
+        with pytest.raises(NotTrimmableError, match="rows sharing one write column"):
+            layout.trim_rows([2, 0, 1])
+        assert layout.row_offsets == (7, 5, 6) and layout.left_pad == (0, 2, 1)
+        trim = layout._trim if impl is ref else layout._trim_rows
+        assert trim([2, 0, 1], justify=True) == 2
+        layout.check_valid()
+        assert layout.row_offsets == (5, 5, 5) and layout.left_pad == (0, 0, 0)
+        assert trim([1, 0, 3], justify=True) == 3
+        layout.check_valid()
+        assert layout.row_offsets == (4, 5, 2) and layout.left_pad == (1, 0, 3)
+        twins.append(layout)
+    (ref_keys, _), (opt_keys, _) = (layout.fetch() for layout in twins)
+    assert np.array_equal(np.asarray(ref_keys), np.array(opt_keys))

@@ -479,8 +479,8 @@ class RingRollbackLosesAWindowToken(SpeculativeRotatingKVCache):
     """A rollback on a row that has reached its window also forgets its oldest retained
     token: the row's window comes back one token short."""
 
-    def _forget(self, counts: Sequence[int]) -> None:
-        super()._forget(counts)
+    def _forget(self, counts: Sequence[int], *, justify: bool = False) -> None:
+        super()._forget(counts, justify=justify)
         self._retained = [
             held - 1 if count and offset >= self.max_size and held else held  # MUTATION
             for held, count, offset in zip(self._retained, counts, self.row_offsets, strict=True)

@@ -11,6 +11,7 @@ import importlib
 import pkgutil
 
 from kvrows.codecs.affine import Affine
+from kvrows.codecs.latent import Latent, LatentShapes
 from kvrows.codecs.plain import Plain
 from kvrows.codecs.registry import (
     CODECS,
@@ -31,6 +32,8 @@ __all__ = [
     "TURBO_KEY_BITS",
     "TURBO_VALUE_BITS",
     "Affine",
+    "Latent",
+    "LatentShapes",
     "Plain",
     "State",
     "StateShapes",

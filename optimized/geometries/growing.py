@@ -173,19 +173,21 @@ class GrowingGeometry(Storage):
             # Release the slots a large retirement left behind.
             self._reallocate(round_up(self.width + 1), shift=0)
 
-    def _align(self, pads: list[int]) -> None:
+    def _align(self, pads: list[int], tokens: list[int] | None = None) -> None:
         """Re-lay row ``b`` at column ``pads[b]`` (positions unchanged): one gather of every
         row's tokens into fresh planes (spare slots and a spare column, as ``_reallocate``),
-        so the columns a row does not cover read as zeros; the origin is 0 afterwards."""
+        so the columns a row does not cover read as zeros; the origin is 0 afterwards.
+        ``tokens``: how many of each row's oldest tokens move (default: all it holds)."""
+        held = self._offsets if tokens is None else tokens
         geometry = self._geometry
         if self._planes is None or geometry is None:
             self._pads = pads  # no planes yet: only the bookkeeping moves
             return
         batch, origin = len(self._offsets), self._origin
-        width = max((p + t for p, t in zip(pads, self._offsets, strict=True)), default=0)
+        width = max((p + t for p, t in zip(pads, held, strict=True)), default=0)
         columns = mx.arange(width)[None, :]
         start = mx.array(pads)[:, None]
-        covered = (columns >= start) & (columns < start + mx.array(self._offsets)[:, None])
+        covered = (columns >= start) & (columns < start + mx.array(held)[:, None])
         # Physical column each new column reads (0 where the row has no token there).
         shift = mx.array([origin + old - new for old, new in zip(self._pads, pads, strict=True)])
         source = mx.where(covered, columns + shift[:, None], 0)[:, None, :, None]
@@ -239,8 +241,14 @@ class GrowingGeometry(Storage):
     def _check_trim(self, counts: Sequence[int]) -> None:
         return None
 
-    def _forget(self, counts: Sequence[int]) -> None:
-        return None
+    def _forget(self, counts: Sequence[int], *, justify: bool = False) -> None:
+        if not (justify and self.composition.shared_column and len(set(counts)) > 1):
+            return  # the rows keep their columns; the offsets move afterwards
+        # A shared-column rollback: each row rolls right so every row ends at the longest
+        # kept row's end again (what MLA's seed does with a roll).
+        kept = [t - c for t, c in zip(self._offsets, counts, strict=True)]
+        width = max(kept, default=0)
+        self._align([width - k for k in kept], kept)
 
     def _adopt(self, planes: PlaneSet, offset: int) -> None:
         self._origin = 0
@@ -300,7 +308,7 @@ class GrowingGeometry(Storage):
 if TYPE_CHECKING:
 
     class _RaggedGrowingLayout(SpeculativeLayout):
-        def _align(self, pads: list[int]) -> None: ...  # the growing geometry's
+        def _align(self, pads: list[int], tokens: list[int] | None = None) -> None: ...
 else:
     _RaggedGrowingLayout = object
 

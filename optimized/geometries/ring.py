@@ -36,6 +36,7 @@ import mlx.core as mx
 from kvrows.codec import PlaneSet
 from kvrows.common import row_bytes
 from kvrows.errors import (
+    SHARED_COLUMN_TRIM,
     InvalidInputError,
     LayoutStateError,
     NotTrimmableError,
@@ -549,7 +550,9 @@ class SharedRing(RingGeometry):
                 wrapped_ring_message(f"a ring with {written} columns written", self.max_size)
             )
 
-    def _forget(self, counts: Sequence[int]) -> None:
+    def _forget(self, counts: Sequence[int], *, justify: bool = False) -> None:
+        if justify and len(set(counts)) > 1:  # a ring cannot roll rows right (nothing changed)
+            raise NotTrimmableError(SHARED_COLUMN_TRIM)
         count = counts[0]
         if not self.keep:
             self._total -= count
@@ -823,7 +826,7 @@ class RaggedRing(RingGeometry):
                     ring_rollback_message(b, offset, held, count, self.max_size)
                 )
 
-    def _forget(self, counts: Sequence[int]) -> None:
+    def _forget(self, counts: Sequence[int], *, justify: bool = False) -> None:
         self._retained = [r - c for r, c in zip(self._retained, counts, strict=True)]
 
     def _check_geometry(self) -> None:

@@ -125,15 +125,20 @@ class PaddedRows:
         for row in rows:
             row.pad -= shared
 
-    def check_trim(self, rows: Sequence[Row], counts: Sequence[int]) -> None:
+    def check_trim(
+        self, rows: Sequence[Row], counts: Sequence[int], *, justify: bool = False
+    ) -> None:
         for b, (row, count) in enumerate(zip(rows, counts, strict=True)):
             if count > row.retained:
                 raise NotTrimmableError(trim_past_row_message(count, b, row.retained))
-        if self.shared and len(set(counts)) > 1:
+        if self.shared and not justify and len(set(counts)) > 1:
             raise NotTrimmableError(SHARED_COLUMN_TRIM)
 
-    def trimmed(self, rows: Sequence[Row], counts: Sequence[int]) -> None:
-        return None
+    def trimmed(self, rows: Sequence[Row], counts: Sequence[int], *, justify: bool = False) -> None:
+        if self.shared and justify:  # every row rolls right to the new common end
+            width = max((r.retained for r in rows), default=0)
+            for row in rows:
+                row.pad = width - row.retained
 
     def trimmable(self, rows: Sequence[Row]) -> bool:
         return True

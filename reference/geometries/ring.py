@@ -230,7 +230,9 @@ class SharedRing:
             self.active = self.phase = self.total = 0
             self.holds = False
 
-    def check_trim(self, rows: Sequence[Row], counts: Sequence[int]) -> None:
+    def check_trim(
+        self, rows: Sequence[Row], counts: Sequence[int], *, justify: bool = False
+    ) -> None:
         # The optimized implementation's order: the wrap, each row's count, then equal counts.
         if not any(counts):
             return
@@ -250,7 +252,7 @@ class SharedRing:
                 f"cannot trim {counts[0]} tokens from a ring with {self.total} columns written"
             )
 
-    def trimmed(self, rows: Sequence[Row], counts: Sequence[int]) -> None:
+    def trimmed(self, rows: Sequence[Row], counts: Sequence[int], *, justify: bool = False) -> None:
         """Every row's ring tokens end at the last column: the newest columns go (a row
         with fewer ring tokens than the count also loses sinks)."""
         count = min(max(counts, default=0), self.active)
@@ -336,7 +338,9 @@ class RaggedRing:
     def filter(self, rows: Sequence[Row]) -> None:
         self.holds = self.holds and bool(rows)
 
-    def check_trim(self, rows: Sequence[Row], counts: Sequence[int]) -> None:
+    def check_trim(
+        self, rows: Sequence[Row], counts: Sequence[int], *, justify: bool = False
+    ) -> None:
         """A row may forget its newest tokens while what it retains still holds the whole
         window of the position it goes back to (after a block: the block's tokens but its
         first; never a token the ring already evicted)."""
@@ -349,7 +353,7 @@ class RaggedRing:
                     ring_rollback_message(b, row.offset, row.retained, count, size)
                 )
 
-    def trimmed(self, rows: Sequence[Row], counts: Sequence[int]) -> None:
+    def trimmed(self, rows: Sequence[Row], counts: Sequence[int], *, justify: bool = False) -> None:
         return None
 
     def trimmable(self, rows: Sequence[Row]) -> bool:

@@ -1,0 +1,63 @@
+"""The latent codec in the reference: MLA's latent through the inner codec, rope and
+index plain (``kvrows.codecs.latent.Latent``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvrows.codec import CodecLayout
+from kvrows.codecs.latent import LATENT_ROLE, Latent
+from kvrows.errors import LATENT_HAS_NO_ATTENTION, InvalidInputError
+from kvrows.reference.codecs.common import Planes, numpy_dtype
+from kvrows.reference.codecs.registry import build, implements
+
+__all__ = ["LatentArrayCodec"]
+
+
+@implements("latent")
+class LatentArrayCodec(CodecLayout):
+    """The composite codec's array work: ``latent`` planes are the inner codec's
+    ``values`` planes, ``rope`` and ``index`` one plain plane each. Reads are dense (the
+    latent decoded); MLA attention is the model's, so ``attend`` refuses."""
+
+    spec: Latent
+
+    def __init__(self, spec: Latent) -> None:
+        self.spec = spec
+        self.inner: Any = build(spec.inner)
+
+    def encode(self, block: npt.NDArray[Any], tensor: str = "latent") -> Planes:
+        if tensor == "latent":
+            planes: Planes = self.inner.encode(block, LATENT_ROLE)
+            return planes
+        return (np.array(block, copy=True),)
+
+    def decoded(self, planes: Planes, tensor: str, dtype: str) -> npt.NDArray[Any]:
+        """``tensor``'s tokens as the activations (``dtype``): the latent decoded."""
+        if tensor != "latent":
+            return planes[0]
+        return np.asarray(self.decode(planes, tensor)).astype(numpy_dtype(dtype))
+
+    def decode(self, planes: Planes, tensor: str = "latent") -> Any:
+        """``tensor``'s stored tokens (the latent decoded by the inner codec)."""
+        if tensor != "latent":
+            return planes[0]
+        return self.inner.decode(planes, LATENT_ROLE)
+
+    def fetched(self, planes: Planes, tensor: str = "latent") -> Any:
+        return self.decode(planes, tensor)
+
+    def zeros(
+        self, rows: int, heads: int, columns: int, dim: int, dtype: str, tensor: str = "latent"
+    ) -> Planes:
+        """Zero planes of ``columns`` tokens of a ``dim``-wide ``tensor`` (``heads`` 1)."""
+        if tensor == "latent":
+            planes: Planes = self.inner.zeros(rows, heads, columns, dim, dtype, LATENT_ROLE)
+            return planes
+        return (np.zeros((rows, heads, columns, dim), numpy_dtype(dtype)),)
+
+    def attend(self, queries: Any, keys: Any, values: Any, mask: Any, scale: float) -> Any:
+        raise InvalidInputError(LATENT_HAS_NO_ATTENTION)
