@@ -137,3 +137,20 @@ def run_runner(
     assert [(r.family, r.layout) for r in results] == [(family, name) for name in layouts]
     assert all(r.passed for r in results), [r.failure for r in results]
     return results, format_report(results, "ci")
+
+
+def delayed_ops(codec: str) -> set[str]:
+    """Operations every machine of a delayed family (rows of legos converting to
+    ``codec`` at their own start) must have exercised."""
+    return {
+        *(f"new_request:{kind}" for kind in ("lego", "plain", codec)),
+        *("lego_append", "merge", "join", "decode_step", "multi_step", "prefill_crossing"),
+        *("extract", "publish", "trim_rows", "invalid", "filter:reorder"),
+        *(f"round:{kind}" for kind in ("all", "none", "equal", "unequal")),
+    }
+
+
+#: The quantities every machine of a delayed family compares.
+DELAYED_QUANTITIES = frozenset(
+    {"kv.fetched", "kv.solo", "attention", "attention.solo", "attention.solo.plain"}
+)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -38,3 +39,25 @@ def cpu_stream() -> Iterator[None]:
     in with ``pytestmark = pytest.mark.usefixtures("cpu_stream")``."""
     with mx.stream(mx.cpu):
         yield
+
+
+@pytest.fixture(scope="module")
+def llama() -> Any:
+    """The app's tiny llama (full attention), built once per test file."""
+    from kvrows.app.models import tiny_model  # only the files that ask load the app
+
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def gemma3() -> Any:
+    """The app's tiny gemma3 (sliding-window rings between full-attention layers)."""
+    from kvrows.app.models import tiny_model
+
+    return tiny_model("gemma3")
+
+
+@pytest.fixture(scope="module")
+def models(llama: Any, gemma3: Any) -> dict[str, Any]:
+    """The tiny llama and gemma3 by name (a file with other models defines its own)."""
+    return {"llama": llama, "gemma3": gemma3}

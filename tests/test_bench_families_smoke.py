@@ -9,6 +9,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from bench_helpers import column, reverse_merge, tables, wrong_result
 
 import kvrows.app.bench as bench
 import kvrows.optimized as optimized
@@ -24,7 +25,7 @@ from kvrows.app.bench.affine import (
     AttentionBench,
     QuantizeBench,
 )
-from kvrows.app.bench.plain import Shape, ShapeBench
+from kvrows.app.bench.plain import Shape
 from kvrows.app.bench.ring import RING_OPERATIONS, RingShape, RingShapeBench, ring_rows
 from kvrows.app.bench.runner import (
     BenchCheckError,
@@ -46,24 +47,6 @@ TINY_AFFINE = AffineShapes(
 TINY_RING = RingShape(3, 20, heads=2, head_dim=8, query_heads=4, window=16)
 
 
-def _tables(text: str) -> list[list[list[str]]]:
-    """Every Markdown table of ``text``: its lines (header first, rule dropped) as cells."""
-    tables: list[list[list[str]]] = []
-    current: list[list[str]] = []
-    for line in [*text.splitlines(), ""]:
-        if line.startswith("|"):
-            current.append([cell.strip() for cell in line.strip("|").split("|")])
-        elif current:
-            tables.append([current[0], *current[2:]])
-            current = []
-    return tables
-
-
-def _column(table: list[list[str]], name: str) -> list[str]:
-    index = table[0].index(name)
-    return [line[index] for line in table[1:]]
-
-
 # -- the runs -------------------------------------------------------------------------------
 
 
@@ -72,30 +55,30 @@ def test_affine_bench_prints_every_operation() -> None:
     assert run_family(affine.family(shapes=TINY_AFFINE), quick=True, repeats=1, out=out) == 0
     text = out.getvalue()
     assert "WRONG RESULT" not in text
-    quantize, rows, attention = _tables(text)
+    quantize, rows, attention = tables(text)
 
-    assert _column(quantize, "quantize") == [*QUANTIZE_IMPLEMENTATIONS] * len(AFFINE_BITS)
-    assert all(float(ms) > 0 for ms in _column(quantize, "ms"))
+    assert column(quantize, "quantize") == [*QUANTIZE_IMPLEMENTATIONS] * len(AFFINE_BITS)
+    assert all(float(ms) > 0 for ms in column(quantize, "ms"))
 
     expected = [(op, str(bits)) for op in AFFINE_OPERATIONS for bits in AFFINE_BITS]
-    assert list(zip(_column(rows, "op"), _column(rows, "bits"), strict=True)) == expected
+    assert list(zip(column(rows, "op"), column(rows, "bits"), strict=True)) == expected
     for quantized, plain, ratio in zip(
-        _column(rows, "affine ms"),
-        _column(rows, "plain ms"),
-        _column(rows, "plain/affine"),
+        column(rows, "affine ms"),
+        column(rows, "plain ms"),
+        column(rows, "plain/affine"),
         strict=True,
     ):
         assert float(quantized) > 0 and float(plain) > 0
         assert float(ratio) == pytest.approx(float(plain) / float(quantized), rel=0.05, abs=0.01)
     # The quantized planes are smaller than the bf16 ones, 4-bit smaller than 8-bit.
-    moved = [float(x) for x in _column(rows, "MB moved")]
-    plain_moved = [float(x) for x in _column(rows, "MB plain")]
+    moved = [float(x) for x in column(rows, "MB moved")]
+    plain_moved = [float(x) for x in column(rows, "MB plain")]
     for eight, four, bf16 in zip(moved[::2], moved[1::2], plain_moved[::2], strict=True):
         assert four <= eight <= bf16
 
-    assert _column(attention, "storage") == list(ATTENTION_STORAGES)
-    assert all(float(ms) > 0 for ms in _column(attention, "kvrows ms"))
-    assert all(float(ms) > 0 for ms in _column(attention, "mlx-lm ms"))
+    assert column(attention, "storage") == list(ATTENTION_STORAGES)
+    assert all(float(ms) > 0 for ms in column(attention, "kvrows ms"))
+    assert all(float(ms) > 0 for ms in column(attention, "mlx-lm ms"))
 
 
 def test_ring_bench_prints_every_operation() -> None:
@@ -103,12 +86,12 @@ def test_ring_bench_prints_every_operation() -> None:
     assert run_family(ring.family(shapes=[TINY_RING]), quick=True, repeats=1, out=out) == 0
     text = out.getvalue()
     assert "WRONG RESULT" not in text
-    (table,) = _tables(text)
-    assert _column(table, "op") == list(RING_OPERATIONS)
+    (table,) = tables(text)
+    assert column(table, "op") == list(RING_OPERATIONS)
     for kv, lm, ratio in zip(
-        _column(table, "kvrows ms"),
-        _column(table, "mlx-lm ms"),
-        _column(table, "ratio"),
+        column(table, "kvrows ms"),
+        column(table, "mlx-lm ms"),
+        column(table, "ratio"),
         strict=True,
     ):
         assert float(kv) > 0 and float(lm) > 0
@@ -121,10 +104,10 @@ def test_engine_bench_runs_both_and_compares_tokens() -> None:
     family = engine.family(max_batches=(2,), requests=3, serving=False)
     assert run_family(family, quick=True, repeats=1, out=out) == 0
     text = out.getvalue()
-    (table,) = _tables(text)
-    assert _column(table, "max batch") == ["2"]
-    assert _column(table, "same tokens") == ["True"]
-    assert int(_column(table, "generated")[0]) > 0
+    (table,) = tables(text)
+    assert column(table, "max batch") == ["2"]
+    assert column(table, "same tokens") == ["True"]
+    assert int(column(table, "generated")[0]) > 0
     assert "WRONG RESULT" not in text
 
 
@@ -164,38 +147,20 @@ def test_cli_bench_all_runs_every_family(
     ]  # fmt: skip
     text = capsys.readouterr().out
     assert "WRONG RESULT: op affine kvrows: planted" in text
-    assert [line[0] for table in _tables(text) for line in table[1:]] == calls
+    assert [line[0] for table in tables(text) for line in table[1:]] == calls
 
 
-def test_run_affine_bench_reports_a_wrong_result(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_run_affine_bench_reports_awrong_result(monkeypatch: pytest.MonkeyPatch) -> None:
     """A wrong affine merge makes the run fail (exit status 1) and says so."""
-    original = AffineShapeBench.workload
-
-    def broken(self: AffineShapeBench, op: str, impl: str) -> Any:
-        workload = original(self, op, impl)
-        if op == "merge" and impl == "affine":
-            run = workload.run
-            workload.run = lambda rows: run(list(reversed(rows)))
-        return workload
-
-    monkeypatch.setattr(AffineShapeBench, "workload", broken)
+    reverse_merge(monkeypatch, AffineShapeBench, "affine")
     out = io.StringIO()
     family = affine.family(shapes=TINY_AFFINE, parts=("rows",))
     assert run_family(family, quick=True, repeats=1, out=out) == 1
     assert "WRONG RESULT: merge B=3 L=40 affine8" in out.getvalue()
 
 
-def test_run_ring_bench_reports_a_wrong_result(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = RingShapeBench.workload
-
-    def broken(self: RingShapeBench, op: str, impl: str) -> Any:
-        workload = original(self, op, impl)
-        if op == "merge" and impl == "kvrows":
-            run = workload.run
-            workload.run = lambda rows: run(list(reversed(rows)))
-        return workload
-
-    monkeypatch.setattr(RingShapeBench, "workload", broken)
+def test_run_ring_bench_reports_awrong_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    reverse_merge(monkeypatch, RingShapeBench, "kvrows")
     out = io.StringIO()
     assert run_family(ring.family(shapes=[TINY_RING]), quick=True, repeats=1, out=out) == 1
     assert "WRONG RESULT: merge B=3 L=20 W=16 kvrows" in out.getvalue()
@@ -204,35 +169,14 @@ def test_run_ring_bench_reports_a_wrong_result(monkeypatch: pytest.MonkeyPatch) 
 # -- the checks can fail ----------------------------------------------------------------------
 
 
-def _wrong_result(bench: ShapeBench, op: str, impl: str) -> Any:
-    """A plausible but wrong result of ``op``: right kind, wrong rows, order or step."""
-    adapter = bench.adapter(impl)
-    workload = bench.workload(op, impl)
-    state = workload.setup()
-    if op == "merge":
-        return adapter.merge(list(reversed(state)))
-    if op == "join":
-        return state[0]  # the batch without the new row
-    if op in ("filter-half", "filter-one"):
-        return adapter.filter(state, list(reversed(bench.keep(op))))
-    if op == "extract":
-        return adapter.extract(state, 0)  # the workload extracts row B//2
-    result = workload.run(state)
-    if op == "update":
-        result.steps += 1  # claims one step more than the batch took
-        return result
-    out, steps, offsets = result
-    return out, steps + 1, tuple(n + 1 for n in offsets)
-
-
 @pytest.mark.parametrize("bits", AFFINE_BITS)
 @pytest.mark.parametrize("op", AFFINE_OPERATIONS)
-def test_affine_row_checks_catch_a_wrong_result(op: str, bits: int) -> None:
+def test_affine_row_checks_catch_awrong_result(op: str, bits: int) -> None:
     bench = AffineShapeBench(Shape(4, 24, heads=2, head_dim=64, dtype="bfloat16"), bits)
     right = bench.workload(op, "affine")
     right.check(right.run(right.setup()))
     with pytest.raises(BenchCheckError):
-        right.check(_wrong_result(bench, op, "affine"))
+        right.check(wrong_result(bench, op, "affine"))
 
 
 @pytest.mark.parametrize(
@@ -245,17 +189,17 @@ def test_affine_row_checks_catch_a_wrong_result(op: str, bits: int) -> None:
 )
 @pytest.mark.parametrize("impl", ["kvrows", "mlx-lm"])
 @pytest.mark.parametrize("op", RING_OPERATIONS)
-def test_ring_checks_catch_a_wrong_result(op: str, impl: str, shape: RingShape) -> None:
+def test_ring_checks_catch_awrong_result(op: str, impl: str, shape: RingShape) -> None:
     bench = RingShapeBench(shape)
     right = bench.workload(op, impl)
     right.check(right.run(right.setup()))
     with pytest.raises(BenchCheckError):
-        right.check(_wrong_result(bench, op, impl))
+        right.check(wrong_result(bench, op, impl))
 
 
 @pytest.mark.parametrize("impl", QUANTIZE_IMPLEMENTATIONS)
 @pytest.mark.parametrize("bits", AFFINE_BITS)
-def test_quantize_check_catches_a_wrong_result(bits: int, impl: str) -> None:
+def test_quantize_check_catches_awrong_result(bits: int, impl: str) -> None:
     """Codes of another token (the input rolled by one token) are refused."""
     bench = QuantizeBench(Shape(2, 8, heads=2, head_dim=128))
     right = bench.workload(impl, bits)
@@ -268,7 +212,7 @@ def test_quantize_check_catches_a_wrong_result(bits: int, impl: str) -> None:
 
 @pytest.mark.parametrize("impl", ["kvrows", "mlx-lm"])
 @pytest.mark.parametrize("storage", ATTENTION_STORAGES)
-def test_attention_check_catches_a_wrong_result(storage: str, impl: str) -> None:
+def test_attention_check_catches_awrong_result(storage: str, impl: str) -> None:
     """Attending the padding (no mask) or another row's output is refused."""
     bench = AttentionBench(Shape(4, 64, heads=2, query_heads=4, dtype="bfloat16"))
     right = bench.workload(storage, impl)

@@ -11,6 +11,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from bench_helpers import rows, tables
 
 import kvrows.optimized.turbo_codec as optimized_turbo
 from kvrows.app import cli
@@ -31,22 +32,6 @@ TINY = turbo.TurboShapes(
 #: Max's (1960) Lloyd-Max distortion of a unit normal, b = 2, 3, 4: an independent oracle
 #: of the codec's MSE on unit vectors (a rotated coordinate is close to N(0, 1/d)).
 MAX_1960 = {2: 0.1175, 3: 0.03454, 4: 0.009497}
-
-
-def _tables(text: str) -> list[list[list[str]]]:
-    tables: list[list[list[str]]] = []
-    current: list[list[str]] = []
-    for line in [*text.splitlines(), ""]:
-        if line.startswith("|"):
-            current.append([cell.strip() for cell in line.strip("|").split("|")])
-        elif current:
-            tables.append([current[0], *current[2:]])
-            current = []
-    return tables
-
-
-def _rows(table: list[list[str]]) -> list[dict[str, str]]:
-    return [dict(zip(table[0], line, strict=True)) for line in table[1:]]
 
 
 def _expected_bytes(name: str) -> int:
@@ -77,7 +62,7 @@ def report() -> str:
 
 def test_every_table_is_printed_and_checked(report: str) -> None:
     assert "WRONG RESULT" not in report
-    values, sizes, quality, decode = (_rows(t) for t in _tables(report))
+    values, sizes, quality, decode = (rows(t) for t in tables(report))
     assert [r["v_bits"] for r in values] == ["1", "2", "3", "4", "5", "8"]
     assert values[0]["MSE"] == "not a width"  # 1 bit is not a codec width
     assert [r["scheme"] for r in sizes] == [
@@ -97,7 +82,7 @@ def test_every_table_is_printed_and_checked(report: str) -> None:
 
 
 def test_value_distortion_lands_on_the_gaussian_lloyd_max_figures(report: str) -> None:
-    values = {r["v_bits"]: r for r in _rows(_tables(report)[0])}
+    values = {r["v_bits"]: r for r in rows(tables(report)[0])}
     for bits, expected in MAX_1960.items():
         measured = float(values[str(bits)]["MSE"])
         assert measured == pytest.approx(expected, rel=0.15)
@@ -108,7 +93,7 @@ def test_value_distortion_lands_on_the_gaussian_lloyd_max_figures(report: str) -
 
 
 def test_bytes_per_token_follow_the_formats(report: str) -> None:
-    for row in _rows(_tables(report)[1]):
+    for row in rows(tables(report)[1]):
         total = _expected_bytes(row["scheme"])
         assert int(row["K+V B"]) == total, row
         assert int(row["K B"]) + int(row["V B"]) == total
@@ -116,7 +101,7 @@ def test_bytes_per_token_follow_the_formats(report: str) -> None:
 
 
 def test_quality_orders_the_schemes_by_their_loss(report: str) -> None:
-    quality = {r["scheme"]: r for r in _rows(_tables(report)[2])}
+    quality = {r["scheme"]: r for r in rows(tables(report)[2])}
     assert float(quality["plain"]["KL mean"]) == 0.0
     assert float(quality["plain"]["attn rel err"]) == 0.0
     errors = [float(quality[n]["attn rel err"]) for n in ("affine8:64", "turbo-k8v3", "turbo-k4v2")]

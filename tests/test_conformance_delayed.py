@@ -12,61 +12,31 @@ round's end, at a merge, a crossing chunk inside prefill maintenance, packed rea
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import mlx.core as mx
 import pytest
-from hypothesis.stateful import run_state_machine_as_test
+from conformance_helpers import (
+    DELAYED_QUANTITIES,
+    assert_compared,
+    delayed_ops,
+    run_family,
+    run_runner,
+)
 
 import kvrows.optimized as O
 import kvrows.reference as R
 from kvrows.conformance.delayed import DELAYED_CHECKS
 from kvrows.conformance.families import FAMILIES
-from kvrows.conformance.machines import machine_class
-from kvrows.conformance.runner import family_settings, format_report, run_machines
-from kvrows.conformance.stats import Stats
 
 FAMILY = FAMILIES["delayed"]
 LAYOUTS = [spec.name for spec in FAMILY.layouts]
 
-#: Operations every delayed machine must have exercised.
-EXPECTED_OPS = {
-    "new_request:lego",
-    "new_request:plain",
-    "new_request:affine",
-    "lego_append",
-    "merge",
-    "join",
-    "decode_step",
-    "multi_step",
-    "prefill_crossing",
-    "extract",
-    "publish",
-    "trim_rows",
-    "invalid",
-    "round:all",
-    "round:none",
-    "round:equal",
-    "round:unequal",
-    "filter:reorder",
-}
-
-
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_delayed_family(layout: str) -> None:
-    settings = family_settings(FAMILY)
-    stats = Stats(FAMILY.name, layout)
-    run_state_machine_as_test(machine_class(FAMILY, layout, stats=stats), settings=settings)
-    stats.require(settings.max_examples // 2, ops=EXPECTED_OPS, oracles=DELAYED_CHECKS)
-    compared = {quantity for quantity, _ in stats.errors}
-    expected = {"kv.fetched", "kv.solo", "attention", "attention.solo", "attention.solo.plain"}
-    assert expected <= compared, f"quantities never compared: {expected - compared}"
+    stats, settings = run_family(FAMILY, layout)
+    stats.require(settings.max_examples // 2, ops=delayed_ops("affine"), oracles=DELAYED_CHECKS)
+    assert_compared(stats, DELAYED_QUANTITIES)
     assert {"start 0", "start > 0"} <= set(stats.variants), dict(stats.variants)
     if layout == "DelayedQuantizedKVCache":
         # Mixed full-attention rows answer make_mask with the position record's mask.
@@ -94,8 +64,5 @@ def test_the_family_drives_both_delayed_layouts() -> None:
 
 
 def test_runner_runs_the_delayed_family() -> None:
-    results = run_machines(["delayed"], profile="ci", max_examples=2, stateful_step_count=6)
-    assert [(r.family, r.layout) for r in results] == [("delayed", name) for name in LAYOUTS]
-    assert all(r.passed for r in results), [r.failure for r in results]
-    report = format_report(results, "ci")
+    _, report = run_runner("delayed", LAYOUTS, max_examples=2, steps=6)
     assert "DelayedRotatingQuantizedKVCache" in report

@@ -13,67 +13,36 @@ merge, several codecs and head dims past 64).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import mlx.core as mx
 import pytest
-from hypothesis.stateful import run_state_machine_as_test
+from conformance_helpers import (
+    DELAYED_QUANTITIES,
+    assert_compared,
+    delayed_ops,
+    run_family,
+    run_runner,
+)
 
 import kvrows.optimized as O
 import kvrows.reference as R
 from kvrows.codec import TURBO_HEAD_DIMS
 from kvrows.conformance.delayed import DELAYED_CHECKS, DELAYED_TURBO_CHECKS, TURBO_CODECS
 from kvrows.conformance.families import FAMILIES
-from kvrows.conformance.machines import machine_class
-from kvrows.conformance.runner import family_settings, format_report, run_machines
-from kvrows.conformance.stats import Stats
 from kvrows.conformance.tolerances import EXACT, tolerance
 
 FAMILY = FAMILIES["delayed-turbo"]
 LAYOUT = "DelayedTurboQuantKVCache"
 
-#: Operations the machine must have exercised.
-EXPECTED_OPS = {
-    "new_request:lego",
-    "new_request:plain",
-    "new_request:turbo",
-    "lego_append",
-    "merge",
-    "join",
-    "decode_step",
-    "multi_step",
-    "prefill_crossing",
-    "extract",
-    "publish",
-    "trim_rows",
-    "invalid",
-    "round:all",
-    "round:none",
-    "round:equal",
-    "round:unequal",
-    "filter:reorder",
-}
-
-
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 def test_delayed_turbo_family() -> None:
-    settings = family_settings(FAMILY)
-    stats = Stats(FAMILY.name, LAYOUT)
-    run_state_machine_as_test(machine_class(FAMILY, LAYOUT, stats=stats), settings=settings)
+    stats, settings = run_family(FAMILY, LAYOUT)
     stats.require(
         settings.max_examples // 2,
-        ops=EXPECTED_OPS,
+        ops=delayed_ops("turbo"),
         oracles=(*DELAYED_CHECKS, *DELAYED_TURBO_CHECKS, "record mask"),
     )
-    compared = {quantity for quantity, _ in stats.errors}
-    expected = {"kv.fetched", "kv.solo", "attention", "attention.solo", "attention.solo.plain"}
-    expected |= {"attention.eager"}
-    assert expected <= compared, f"quantities never compared: {expected - compared}"
+    assert_compared(stats, {*DELAYED_QUANTITIES, "attention.eager"})
     # Every comparison used the turbo rows of the tolerance table (the plain solo check:
     # byte for byte).
     for (quantity, dtype), record in stats.errors.items():
@@ -108,7 +77,5 @@ def test_the_family_drives_the_delayed_turbo_layout() -> None:
 
 
 def test_runner_runs_the_delayed_turbo_family() -> None:
-    results = run_machines(["delayed-turbo"], profile="ci", max_examples=2, stateful_step_count=6)
-    assert [(r.family, r.layout) for r in results] == [("delayed-turbo", LAYOUT)]
-    assert all(r.passed for r in results), [r.failure for r in results]
-    assert LAYOUT in format_report(results, "ci")
+    _, report = run_runner("delayed-turbo", [LAYOUT], max_examples=2, steps=6)
+    assert LAYOUT in report

@@ -12,19 +12,18 @@ every layer and plane count, and the bad inputs.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import mlx.core as mx
 import pytest
+from conformance_helpers import assert_compared, run_family, run_runner
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvrows.conformance.families import FAMILIES, optimized_impl
 from kvrows.conformance.machines import machine_class
 from kvrows.conformance.profiles import active_profile
 from kvrows.conformance.recurrent import RECURRENT_CHECKS, RecurrentMachine
-from kvrows.conformance.runner import family_settings, format_report, run_machines
-from kvrows.conformance.stats import Stats
+from kvrows.conformance.runner import family_settings
 from kvrows.optimized.recurrent import BatchedSSMCache
 
 FAMILY = FAMILIES["recurrent"]
@@ -54,11 +53,7 @@ EXPECTED_OPS = {
     *(f"plane rank {r}" for r in (2, 3, 4)),
 }
 
-
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 #: The CI profile's derandomized examples first reach a filter that leaves the longest row
@@ -70,15 +65,10 @@ CI_EXAMPLES = 60
 def test_recurrent_family() -> None:
     ci = active_profile().name == "ci"
     settings = family_settings(FAMILY, max_examples=CI_EXAMPLES) if ci else family_settings(FAMILY)
-    stats = Stats(FAMILY.name, "BatchedSSMCache")
-    run_state_machine_as_test(
-        machine_class(FAMILY, "BatchedSSMCache", stats=stats), settings=settings
-    )
+    stats, _ = run_family(FAMILY, "BatchedSSMCache", settings)
     stats.require(settings.max_examples // 2, ops=EXPECTED_OPS, oracles=RECURRENT_CHECKS)
-    compared = {quantity for quantity, _ in stats.errors}
-    expected = {"state.conv", "state.recurrent", "state.solo", "state.mlx_lm", "output"}
-    expected |= {"output.solo"}
-    assert expected <= compared, f"quantities never compared: {expected - compared}"
+    states = ("state.conv", "state.recurrent", "state.solo", "state.mlx_lm")
+    assert_compared(stats, {*states, "output", "output.solo"})
     assert set(stats.variants) == {"bfloat16", "float16", "float32"}, dict(stats.variants)
     assert not stats.skips, dict(stats.skips)
 
@@ -91,10 +81,8 @@ def test_the_family_drives_both_recurrent_classes() -> None:
 
 
 def test_runner_runs_the_recurrent_family() -> None:
-    results = run_machines(["recurrent"], profile="ci", max_examples=2, stateful_step_count=6)
-    assert [(r.family, r.layout) for r in results] == [("recurrent", "BatchedSSMCache")]
-    assert all(r.passed for r in results), [r.failure for r in results]
-    assert "BatchedSSMCache" in format_report(results, "ci")
+    _, report = run_runner("recurrent", ["BatchedSSMCache"], max_examples=2, steps=6)
+    assert "BatchedSSMCache" in report
 
 
 # -- teeth: planted bugs in the optimized layout are caught ------------------------------

@@ -8,19 +8,9 @@ import pytest
 
 from kvrows.app.demo import builtin_trace, check_invariance
 from kvrows.app.engine import Engine, EngineStats, Request
-from kvrows.app.models import make_kvrows_cache, tiny_model
+from kvrows.app.models import make_kvrows_cache
 from kvrows.errors import InvalidInputError
 from kvrows.schemes import KvStorageScheme
-
-
-@pytest.fixture(scope="module")
-def llama() -> Any:
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def gemma3() -> Any:
-    return tiny_model("gemma3")
 
 
 def _request(rid: str, length: int, max_tokens: int = 4, **kw: Any) -> Request:

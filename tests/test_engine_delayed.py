@@ -3,7 +3,6 @@ converting at its own start, against solo lego runs driven with the same chunk c
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -12,7 +11,7 @@ import pytest
 
 from kvrows.app.demo import solo_logits
 from kvrows.app.engine import Engine, Request, RequestResult
-from kvrows.app.models import draft_model, make_kvrows_cache, tiny_model
+from kvrows.app.models import draft_model, make_kvrows_cache
 from kvrows.delayed import DelayedRows
 from kvrows.errors import InvalidInputError
 from kvrows.lego import Bf16First
@@ -29,15 +28,7 @@ TOLERANCE = 1e-4
 RING_TOLERANCE = 1e-3
 
 
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
-
-
-@pytest.fixture(scope="module")
-def models() -> dict[str, Any]:
-    return {arch: tiny_model(arch) for arch in ("llama", "gemma3")}
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 def _trace() -> list[Request]:

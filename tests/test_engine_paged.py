@@ -10,15 +10,9 @@ import pytest
 import kvrows.optimized as kv
 from kvrows.app.demo import builtin_trace, check_invariance, follow_ups, shared_prefix_trace
 from kvrows.app.engine import Engine, Request, pageable
-from kvrows.app.models import tiny_model
 from kvrows.errors import InvalidInputError
 from kvrows.optimized.paged import BlockPool
 from kvrows.schemes import KvStorageScheme
-
-
-@pytest.fixture(scope="module")
-def llama() -> Any:
-    return tiny_model("llama")
 
 
 def _run_twice(model: Any, scheme: str, paged: bool, **kw: Any) -> Any:

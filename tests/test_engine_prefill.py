@@ -8,15 +8,9 @@ import pytest
 
 from kvrows.app.demo import check_invariance
 from kvrows.app.engine import Engine, Request
-from kvrows.app.models import tiny_model
 from kvrows.schemes import KvStorageScheme
 
 CHUNK = 8
-
-
-@pytest.fixture(scope="module")
-def models() -> dict[str, Any]:
-    return {name: tiny_model(name) for name in ("llama", "gemma3")}
 
 
 def _pair() -> tuple[Request, Request]:

@@ -15,11 +15,6 @@ from kvrows.errors import InvalidInputError
 from kvrows.schemes import Affine, KvStorageScheme, Plain, Turbo
 
 
-@pytest.fixture(scope="module")
-def gemma3() -> Any:
-    return tiny_model("gemma3")
-
-
 def test_negative_layer_indices_parse_and_round_trip() -> None:
     scheme = KvStorageScheme.parse("affine4:32,0=plain,-1=plain@512")
     assert scheme == KvStorageScheme(

@@ -324,11 +324,6 @@ def test_state_round_trips_as_the_current_storage(
 # -- mlx-lm: the lego as a per-layer prompt cache ---------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def llama() -> Any:
-    return tiny_model("llama")
-
-
 def _steps(model: Any, prompt: Any, cache: list[Any], **options: Any) -> list[tuple[int, Any]]:
     steps = lm.generate_step(prompt, model, prompt_cache=cache, max_tokens=6, **options)
     return [(int(token), np.array(logprobs)) for token, logprobs in steps]

@@ -22,10 +22,11 @@ from typing import Any
 
 import mlx.core as mx
 import mlx_lm.models.cache as mlx_lm_cache
+import model_helpers
 import pytest
 
 import kvrows.optimized as kv
-from kvrows.app.models import make_kvrows_cache, tiny_model
+from kvrows.app.models import make_kvrows_cache
 from kvrows.optimized.batch_dropin import LayoutBatchOps
 from kvrows.schemes import KvStorageScheme
 
@@ -39,11 +40,6 @@ PROMPTS = [[(7 * i + 3 * j) % 200 + 1 for j in range(n)] for i, n in enumerate(L
 
 
 pytestmark = pytest.mark.usefixtures("cpu_stream")
-
-
-@pytest.fixture(scope="module")
-def models() -> dict[str, Any]:
-    return {arch: tiny_model(arch) for arch in ("llama", "gemma3")}
 
 
 class KvrowsModel:
@@ -66,19 +62,7 @@ class KvrowsModel:
 
 def run_generator(model: Any, caches: list[list[Any]] | None = None) -> dict[str, Any]:
     """Greedy tokens per request, and each finished request's extracted caches."""
-    generator = generate.BatchGenerator(
-        model, completion_batch_size=3, prefill_batch_size=2, prefill_step_size=8
-    )
-    uids = generator.insert(PROMPTS, MAX_TOKENS, caches=caches)
-    tokens: dict[int, list[int]] = {uid: [] for uid in uids}
-    finished: dict[int, list[Any]] = {}
-    while responses := generator.next_generated():
-        for response in responses:
-            tokens[response.uid].append(response.token)
-            if response.finish_reason is not None:
-                finished[response.uid] = response.prompt_cache
-    generator.close()
-    return {"tokens": [tokens[u] for u in uids], "caches": [finished[u] for u in uids]}
+    return model_helpers.run_generator(model, PROMPTS, MAX_TOKENS, caches)
 
 
 def solo_tokens(model: Any, make_cache: Any) -> list[list[int]]:

@@ -8,11 +8,11 @@ import mlx.core as mx
 import mlx_lm.models.cache as peer
 import numpy as np
 import pytest
+from model_helpers import merged_layers, peer_merged, prefilled_rows
 
 import kvrows.optimized as kv
 from kvrows.app.models import ARCHITECTURES, kv_geometry, make_kvrows_cache, tiny_model
 from kvrows.schemes import Affine, CodecSpec, KvStorageScheme, Plain, Turbo
-from kvrows.table import owned_cache_layout
 
 TOLERANCE = 1e-5  # float32 models; in practice the logits are bit-identical
 
@@ -56,23 +56,8 @@ def test_serial_logits_match_mlx_lm(model: Any, scheme: str) -> None:
 def test_batched_logits_match_mlx_lm_batch(model: Any) -> None:
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 256, (1, length)) for length in (9, 21, 4)]
-    ours_rows, their_rows = [], []
-    for prompt in prompts:
-        ours, theirs = make_kvrows_cache(model), model.make_cache()
-        model(mx.array(prompt), cache=ours)
-        model(mx.array(prompt), cache=theirs)
-        ours_rows.append(ours)
-        their_rows.append(theirs)
-    ours_layers: list[Any] = []
-    for layer in range(len(ours_rows[0])):
-        layout = owned_cache_layout(ours_rows[0][layer])
-        assert layout is not None
-        layout.merge_rows([row[layer] for row in ours_rows])
-        ours_layers.append(layout)
-    their_layers = [
-        type(their_rows[0][layer]).merge([row[layer] for row in their_rows])
-        for layer in range(len(their_rows[0]))
-    ]
+    ours_layers = merged_layers(prefilled_rows(model, prompts))
+    their_layers = peer_merged(prefilled_rows(model, prompts, lambda m: m.make_cache()))
     for _ in range(20):  # the rings (window 16) wrap
         step = mx.array(rng.integers(0, 256, (3, 1)))
         a = model(step, cache=ours_layers)

@@ -5,7 +5,6 @@ accepted tokens, and bad inputs that raise and change nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import ml_dtypes
@@ -35,10 +34,7 @@ C = 2 * HK * DK + HV * DV
 BF16 = ml_dtypes.bfloat16
 
 
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 def _params(seed: int = 0) -> tuple[ref_rec.GatedDeltaParams, opt_rec.GatedDeltaParams]:

@@ -10,13 +10,20 @@ the same logits serially and in a left-padded batch (``ArraysCache(n, left_paddi
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
 import mlx_lm.models.cache as peer
 import numpy as np
 import pytest
+from model_helpers import (
+    cache_parts,
+    merged_layers,
+    peer_merged,
+    prefilled_rows,
+    run_generator,
+    same,
+)
 
 import kvrows.optimized as kv
 from kvrows.app.models import (
@@ -32,23 +39,15 @@ from kvrows.recurrent import StateShapes
 from kvrows.speculative import RowRound
 from kvrows.table import owned_cache_layout, target_cache_layout
 
-generate: Any = importlib.import_module("mlx_lm.generate")
 mlx_cache: Any = peer  # mlx-lm is untyped
 
 
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 @pytest.fixture(scope="module", params=HYBRID_ARCHITECTURES)
 def model(request: pytest.FixtureRequest) -> Any:
     return tiny_model(request.param)
-
-
-def _same(a: mx.array, b: mx.array) -> bool:
-    return bool(mx.array_equal(a, b).item())
 
 
 def test_serial_logits_match_mlx_lm(model: Any) -> None:
@@ -62,38 +61,23 @@ def test_serial_logits_match_mlx_lm(model: Any) -> None:
     for n in (7, 13, 1, 1, 5, 1, 4):
         a = model(tokens[:, position : position + n], cache=ours)
         b = model(tokens[:, position : position + n], cache=theirs)
-        assert _same(a, b)  # the same arrays through the same ops: bit for bit
+        assert same(a, b)  # the same arrays through the same ops: bit for bit
         position += n
     for mine, their in zip(ours, theirs, strict=True):
         if isinstance(mine, kv.SSMCache):
             assert mine.offset == position
-            assert _same(mine[0], their[0]) and _same(mine[1], their[1])
+            assert same(mine[0], their[0]) and same(mine[1], their[1])
             mine.check_valid()
 
 
 def test_batched_logits_match_mlx_lm_merge(model: Any) -> None:
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 256, (1, n)) for n in (9, 21, 4)]
-    ours_rows, their_rows = [], []
-    for prompt in prompts:
-        ours, theirs = make_kvrows_cache(model), model.make_cache()
-        model(mx.array(prompt), cache=ours)
-        model(mx.array(prompt), cache=theirs)
-        ours_rows.append(ours)
-        their_rows.append(theirs)
-    layers: list[Any] = []
-    for index in range(len(ours_rows[0])):
-        layout = owned_cache_layout(ours_rows[0][index])
-        assert layout is not None
-        layout.merge_rows([row[index] for row in ours_rows])
-        layers.append(layout)
-    theirs_batch = [
-        type(their_rows[0][i]).merge([row[i] for row in their_rows])
-        for i in range(len(their_rows[0]))
-    ]
+    layers = merged_layers(prefilled_rows(model, prompts))
+    theirs_batch = peer_merged(prefilled_rows(model, prompts, lambda m: m.make_cache()))
     for step in range(6):
         tokens = mx.array(rng.integers(0, 256, (len(layers[0].row_offsets), 1)))
-        assert _same(model(tokens, cache=layers), model(tokens, cache=theirs_batch))
+        assert same(model(tokens, cache=layers), model(tokens, cache=theirs_batch))
         if step == 2:  # the longest row leaves
             for layer in (*layers, *theirs_batch):
                 layer.filter([2, 0])  # mlx-lm's name, on both
@@ -103,7 +87,7 @@ def test_batched_logits_match_mlx_lm_merge(model: Any) -> None:
     ours_row = [layer.extract_row(1) for layer in layers]
     their_row = [layer.extract(1) for layer in theirs_batch]
     tokens = mx.array([[5, 6, 7]])
-    assert _same(model(tokens, cache=ours_row), model(tokens, cache=their_row))
+    assert same(model(tokens, cache=ours_row), model(tokens, cache=their_row))
 
 
 LENGTHS = [5, 23, 2, 11, 9]
@@ -111,28 +95,12 @@ MAX_TOKENS = [6, 3, 7, 4, 5]
 PROMPTS = [[(7 * i + 3 * j) % 200 + 1 for j in range(n)] for i, n in enumerate(LENGTHS)]
 
 
-def _run_generator(model: Any, caches: list[list[Any]] | None = None) -> dict[str, Any]:
-    generator = generate.BatchGenerator(
-        model, completion_batch_size=3, prefill_batch_size=2, prefill_step_size=8
-    )
-    uids = generator.insert(PROMPTS, MAX_TOKENS, caches=caches)
-    tokens: dict[int, list[int]] = {uid: [] for uid in uids}
-    finished: dict[int, list[Any]] = {}
-    while responses := generator.next_generated():
-        for response in responses:
-            tokens[response.uid].append(response.token)
-            if response.finish_reason is not None:
-                finished[response.uid] = response.prompt_cache
-    generator.close()
-    return {"tokens": [tokens[u] for u in uids], "caches": [finished[u] for u in uids]}
-
-
 def _generator_on_both(
     model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """mlx-lm's ``BatchGenerator`` on kvrows caches, then on mlx-lm's: the same tokens, of
     the asked lengths, with ragged prompt chunks reaching the recurrent layouts."""
-    theirs = _run_generator(model)
+    theirs = run_generator(model, PROMPTS, MAX_TOKENS)
     padded: list[int] = []
     original = ArraysCacheSurface.prepare
 
@@ -142,7 +110,8 @@ def _generator_on_both(
         original(self, **kwargs)
 
     monkeypatch.setattr(ArraysCacheSurface, "prepare", counting)
-    ours = _run_generator(model, caches=[make_kvrows_cache(model) for _ in PROMPTS])
+    caches = [make_kvrows_cache(model) for _ in PROMPTS]
+    ours = run_generator(model, PROMPTS, MAX_TOKENS, caches)
     assert padded, "ragged prompt chunks must have reached the recurrent layouts"
     assert ours["tokens"] == theirs["tokens"]
     assert [len(t) for t in ours["tokens"]] == MAX_TOKENS
@@ -158,7 +127,7 @@ def test_batch_generator_matches_mlx_lm_caches(model: Any, monkeypatch: pytest.M
         assert recurrent
         for m, p in recurrent:
             # the finished row's state is mlx-lm's, bit for bit, and it counted its tokens
-            assert _same(m[0], p[0]) and _same(m[1], p[1])
+            assert same(m[0], p[0]) and same(m[1], p[1])
         assert len({m.offset for m, _ in recurrent}) == 1
 
 
@@ -184,16 +153,7 @@ def test_verify_round_rolls_back_to_the_accepted_run(arch: str) -> None:
     assert record_recurrent_layers(model) == 0  # the tiny models come wrapped
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 256, (1, n)) for n in (5, 9, 3)]
-    rows = []
-    for prompt in prompts:
-        caches = make_kvrows_cache(model)
-        model(mx.array(prompt), cache=caches)
-        rows.append(caches)
-    layers: list[Any] = []
-    for index in range(len(rows[0])):
-        layout = target_cache_layout(rows[0][index])
-        layout.merge_rows([row[index] for row in rows])
-        layers.append(layout)
+    layers = merged_layers(prefilled_rows(model, prompts), target_cache_layout)
     drafts, accepted = 3, [0, 3, 1]
     block = rng.integers(0, 256, (3, drafts + 1))
     round_ = RowRound(layers)
@@ -206,11 +166,11 @@ def test_verify_round_rolls_back_to_the_accepted_run(arch: str) -> None:
         solo = make_kvrows_cache(model)
         model(mx.array(prompt), cache=solo)
         model(mx.array(block[b : b + 1, : count + 1]), cache=solo)
-        assert _same(logits[b : b + 1], model(mx.array(following[b : b + 1]), cache=solo))
+        assert same(logits[b : b + 1], model(mx.array(following[b : b + 1]), cache=solo))
         for layout, alone in zip(layers, solo, strict=True):
             if isinstance(alone, kv.SSMCache):
                 row = layout.extract_row(b)
-                assert _same(row[0], alone[0]) and _same(row[1], alone[1])
+                assert same(row[0], alone[0]) and same(row[1], alone[1])
                 assert row.offset == alone.offset == prompt.shape[1] + count + 2
 
 
@@ -422,7 +382,7 @@ def _arrays_caches(caches: list[Any]) -> list[tuple[Any, ...]]:
     """Each layer's plane lists (``ArraysCache`` / ``SSMCache``, ``CacheList`` parts too)."""
     found = []
     for cache in caches:
-        for part in cache.caches if isinstance(cache, mlx_cache.CacheList) else (cache,):
+        for part in cache_parts(cache):
             if isinstance(part, ArraysCacheSurface | mlx_cache.ArraysCache):
                 found.append(tuple(part))
     return found
@@ -432,7 +392,7 @@ def _same_planes(ours: list[Any], theirs: list[Any]) -> bool:
     mine, peers = _arrays_caches(ours), _arrays_caches(theirs)
     assert mine and len(mine) == len(peers)
     return all(
-        len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+        len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
         for a, b in zip(mine, peers, strict=True)
     )
 
@@ -448,11 +408,11 @@ def test_arrays_cache_models_serial_logits_match_mlx_lm(arrays_model: Any) -> No
     position = 0
     for n in (7, 5, 1, 1, 6):
         chunk = tokens[:, position : position + n]
-        assert _same(arrays_model(chunk, cache=ours), arrays_model(chunk, cache=theirs))
+        assert same(arrays_model(chunk, cache=ours), arrays_model(chunk, cache=theirs))
         position += n
     assert _same_planes(ours, theirs)
     for cache in ours:
-        for part in cache.caches if isinstance(cache, mlx_cache.CacheList) else (cache,):
+        for part in cache_parts(cache):
             if isinstance(part, kv.SSMCache):
                 part.check_valid()
                 assert part.geometry is not None and part.nbytes == sum(p.nbytes for p in part)
@@ -491,23 +451,23 @@ def test_left_padded_batch_logits_match_mlx_lm(arch: str) -> None:
     ]
     ours = _left_padded(model.make_cache(), pads, ours=True)
     theirs = _left_padded(model.make_cache(), pads, ours=False)
-    assert _same(model(mx.array(prompts), cache=ours), model(mx.array(prompts), cache=theirs))
+    assert same(model(mx.array(prompts), cache=ours), model(mx.array(prompts), cache=theirs))
     for _ in range(2):
         step = mx.array(rng.integers(1, 128, (3, 1)))
-        assert _same(model(step, cache=ours), model(step, cache=theirs))
+        assert same(model(step, cache=ours), model(step, cache=theirs))
     assert _same_planes(ours, theirs)
     for cache in (*ours, *theirs):
-        for part in cache.caches if isinstance(cache, mlx_cache.CacheList) else (cache,):
+        for part in cache_parts(cache):
             if isinstance(part, kv.BatchedSSMCache | mlx_cache.ArraysCache):
                 part.finalize()  # the padded run is over: mlx-lm's masks become None
     for cache in (*ours, *theirs):
         cache.filter([2, 0])
     step = mx.array(rng.integers(1, 128, (2, 1)))
-    assert _same(model(step, cache=ours), model(step, cache=theirs))
+    assert same(model(step, cache=ours), model(step, cache=theirs))
     ours_row = [cache.extract(1) for cache in ours]
     their_row = [cache.extract(1) for cache in theirs]
     tokens = mx.array([[5, 6, 7]])
-    assert _same(model(tokens, cache=ours_row), model(tokens, cache=their_row))
+    assert same(model(tokens, cache=ours_row), model(tokens, cache=their_row))
     assert _same_planes(ours_row, their_row)
 
 

@@ -9,7 +9,6 @@ are refused up front (``check_speculative_rounds``)."""
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator
 from typing import Any, cast
 
 import mlx.core as mx
@@ -17,6 +16,7 @@ import mlx_lm.models.cache as peer
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
+from model_helpers import cache_parts, merged_layers, prefilled_rows, same
 
 import kvrows.optimized as kv
 from kvrows.app.demo import builtin_trace
@@ -46,33 +46,11 @@ REFUSED = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 def _model(arch: str) -> Any:
     return tiny_model(arch, vocab=128)
-
-
-def _parts(layer: Any) -> tuple[Any, ...]:
-    return tuple(layer.caches) if isinstance(layer, mlx_cache.CacheList) else (layer,)
-
-
-def _merged(rows: list[list[Any]]) -> list[Any]:
-    """Each layer's verify layout holding ``rows`` (a ``CacheList`` of layouts where the
-    model's layer keeps a ``CacheList``)."""
-    layers: list[Any] = []
-    for index, first in enumerate(rows[0]):
-        layouts = []
-        for part, template in enumerate(_parts(first)):
-            layout = target_cache_layout(template)
-            layout.merge_rows([_parts(row[index])[part] for row in rows])
-            layouts.append(layout)
-        is_list = isinstance(first, mlx_cache.CacheList)
-        layers.append(mlx_cache.CacheList(*layouts) if is_list else layouts[0])
-    return layers
 
 
 def _state_arrays(cache: Any) -> list[mx.array]:
@@ -82,10 +60,6 @@ def _state_arrays(cache: Any) -> list[mx.array]:
         return [*cache, mx.array(cache.offset)]
     flat = cast(list[tuple[str, Any]], tree_flatten(cache.state))
     return [value for _, value in flat if isinstance(value, mx.array)]
-
-
-def _same(a: mx.array, b: mx.array) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and bool(mx.array_equal(a, b).item())
 
 
 @pytest.mark.parametrize("arch", REPLAYABLE)
@@ -98,16 +72,11 @@ def test_verify_round_rolls_back_every_layer_to_the_accepted_run(arch: str) -> N
     assert record_recurrent_layers(model) == 0  # wrapping twice wraps nothing
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 128, (1, n)) for n in (5, 9, 3)]
-    rows = []
-    for prompt in prompts:
-        caches = make_kvrows_cache(model)
-        model(mx.array(prompt), cache=caches)
-        rows.append(caches)
-    layers = _merged(rows)
-    assert any(isinstance(p, StateWritten) for layer in layers for p in _parts(layer))
+    layers = merged_layers(prefilled_rows(model, prompts), target_cache_layout)
+    assert any(isinstance(p, StateWritten) for layer in layers for p in cache_parts(layer))
     drafts, accepted = 3, [0, 3, 1]
     block = rng.integers(0, 128, (3, drafts + 1))
-    round_ = RowRound([part for layer in layers for part in _parts(layer)])
+    round_ = RowRound([part for layer in layers for part in cache_parts(layer)])
     round_.begin(drafts)
     model(mx.array(block), cache=layers)
     round_.resolve(accepted)
@@ -117,15 +86,15 @@ def test_verify_round_rolls_back_every_layer_to_the_accepted_run(arch: str) -> N
         model(mx.array(prompt), cache=solo)
         model(mx.array(block[b : b + 1, : count + 1]), cache=solo)
         for layer, alone in zip(layers, solo, strict=True):
-            for part, alone_part in zip(_parts(layer), _parts(alone), strict=True):
+            for part, alone_part in zip(cache_parts(layer), cache_parts(alone), strict=True):
                 mine, theirs = _state_arrays(part.extract_row(b)), _state_arrays(alone_part)
                 assert len(mine) == len(theirs)
-                assert all(_same(x, y) for x, y in zip(mine, theirs, strict=True)), (b, part)
+                assert all(same(x, y) for x, y in zip(mine, theirs, strict=True)), (b, part)
         expected = model(mx.array(following[b : b + 1]), cache=solo)
-        row = [mlx_cache.CacheList(*(p.extract_row(b) for p in _parts(layer)))
+        row = [mlx_cache.CacheList(*(p.extract_row(b) for p in cache_parts(layer)))
                if isinstance(layer, mlx_cache.CacheList) else layer.extract_row(b)
                for layer in layers]  # fmt: skip
-        assert _same(model(mx.array(following[b : b + 1]), cache=row), expected)
+        assert same(model(mx.array(following[b : b + 1]), cache=row), expected)
 
 
 @pytest.mark.parametrize("arch", sorted(REFUSED))

@@ -23,16 +23,6 @@ from kvrows.schemes import KvStorageScheme
 TRACE = builtin_trace(4)
 
 
-@pytest.fixture(scope="module")
-def llama() -> Any:
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def gemma3() -> Any:
-    return tiny_model("gemma3")
-
-
 def _tokens(results: Any) -> dict[str, list[int]]:
     return {r.rid: r.tokens for r in results}
 
