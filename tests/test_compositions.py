@@ -16,6 +16,7 @@ import pytest
 import kvrows
 import kvrows.optimized as optimized
 import kvrows.reference as reference
+from kvrows.app.classes import spec_page
 from kvrows.codec import codec_plane_specs, codec_token_bytes
 from kvrows.compositions import (
     COMPOSITIONS,
@@ -383,4 +384,4 @@ def test_the_classes_mypy_sees_are_the_classes_build_makes(implementation: Modul
         assert getattr(implementation, name) is cls
         assert (cls.__module__, cls.__qualname__) == (classes.__name__, name)
         assert cls.composition is composition(name)
-        assert "spec/" in (cls.__doc__ or "")
+        assert f"``{spec_page(name)}``" in (cls.__doc__ or "")  # the page ``kvrows classes`` shows
