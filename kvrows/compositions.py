@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import types
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal, TypeAlias
 
@@ -48,6 +49,8 @@ __all__ = [
     "composition",
     "landed",
     "layouts_of",
+    "preset_class",
+    "presets_on_rows",
     "register_compositions",
     "serial_for_peer",
 ]
@@ -276,6 +279,34 @@ def composition(name: str) -> Composition:
         return _BY_NAME[name]
     except KeyError:
         raise KeyError(f"no composition named {name!r}") from None
+
+
+def presets_on_rows(geometries: Container[str]) -> tuple[Composition, ...]:
+    """The landed entries an implementation's ``classes.build`` makes, given the geometry
+    kinds it has hooks for: no modifier but ``speculative`` (the delayed layouts, latent
+    and paged classes are written by hand)."""
+    return tuple(c for c in landed() if c.geometry in geometries and c.modifiers <= {"speculative"})
+
+
+#: Presets documented on a sibling's page (the affine verify ring shares the plain one's).
+_SHARED_PAGES = {"SpeculativeRotatingAffineLayout": "SpeculativeRotatingKVCache"}
+
+
+def preset_class(
+    entry: Composition, bases: tuple[type, ...], module: str, **members: object
+) -> type[Any]:
+    """The public class of ``entry`` (what each implementation's ``classes.build`` makes):
+    ``bases`` plus ``members``, named ``entry.name`` in ``module`` (pickles and saved files
+    record that name), its docstring the entry's summary and spec page."""
+    page = _SHARED_PAGES.get(entry.name, entry.name)
+    namespace = {
+        "__module__": module,
+        "__qualname__": entry.name,
+        "__doc__": f"{entry.summary[:1].upper()}{entry.summary[1:]} (``spec/{page}.md``).",
+        "composition": entry,
+        **members,
+    }
+    return types.new_class(entry.name, bases, exec_body=lambda body: body.update(namespace))
 
 
 def landed() -> tuple[Composition, ...]:

@@ -1,8 +1,8 @@
 """kvrows.optimized: the MLX implementation of every landed composition.
 
-``classes`` declares one class per storage composition (``lego`` adds the bf16-first
-wrappers around table storages, which are not table entries; ``delayed`` the delayed
-layouts, each over two ragged layouts); this module registers every declared class
+``classes`` builds one class per composition on the row machinery from the table
+(``lego`` adds the bf16-first wrappers around table storages, which are not table
+entries; ``delayed`` the delayed layouts, each over two ragged layouts); this module registers every declared class
 (``declared_classes()``) in the row-layout table with one call (the roles come from the
 composition table).
 """

@@ -1,16 +1,22 @@
-"""The optimized implementation's public classes: one declaration per landed composition.
+"""The optimized implementation's public classes, built from the composition table.
 
-Each class is a geometry (``geometries/growing.py``, ``geometries/ring.py``) plus an
-arrangement (``rows.py``), plus ``bits``/``group_size`` when its codec is affine; it names
-its entry of the composition table (``kvrows.compositions``), which gives its constructor parameters, its
-signature and its roles. ``Storage.__init_subclass__`` checks that the bases agree with
-the entry, and ``kvrows.optimized`` registers every declared class with one call.
+``build`` makes each class from its entry: the surface its geometry adds in its
+arrangement, the modifier (``SpeculativeLayout``, wrapping the layout), the arrangement's
+mlx-lm drop-ins (a KV codec's), the parameters' mixins (``AffineParameters``,
+``TurboParameters``), the geometry's hooks class and ``rows.py``'s ``Serial`` / ``Layout``
+(``Storage.__init_subclass__`` checks the result against the entry). mypy cannot see a
+class built at run time: ``TYPE_CHECKING`` declares each with the bases ``build`` gives it
+(``tests/test_compositions.py`` checks that they agree).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from kvrows.codecs import CODECS, is_kv_codec
 from kvrows.common import AffineParameters, TurboParameters
-from kvrows.compositions import composition
+from kvrows.compositions import Composition, preset_class, presets_on_rows
 from kvrows.optimized.batch_dropin import LayoutBatchOps, SerialMerge
 from kvrows.optimized.dropin import LayoutDropIn, SerialDropIn
 from kvrows.optimized.geometries.growing import GrowingGeometry, RowAlignment
@@ -19,6 +25,7 @@ from kvrows.optimized.geometries.recurrent import (
     StateGeometry,
     StateLayout,
 )
+from kvrows.optimized.geometries.registry import IMPLEMENTATIONS, geometry_class
 from kvrows.optimized.geometries.ring import RaggedRing, SharedRing
 from kvrows.optimized.rows import Layout, Serial
 from kvrows.optimized.speculative import SpeculativeLayout
@@ -43,150 +50,125 @@ __all__ = [
     "SpeculativeRotatingAffineLayout",
     "SpeculativeRotatingKVCache",
     "TurboQuantKVCache",
+    "build",
 ]
 
-# -- full attention ----------------------------------------------------------------------
+#: The mixin a constructor parameter calls for (what mlx-lm reads off the instance).
+PARAMETER_SURFACES = (("bits", AffineParameters), ("k_bits", TurboParameters))
+#: What a geometry adds in an arrangement beyond its hooks, ahead of everything (the
+#: recurrent surface's refusals and guards answer before a round's wrappers).
+GEOMETRY_SURFACES: dict[tuple[str, str], tuple[type, ...]] = {
+    ("growing", "ragged"): (RowAlignment,),
+    ("recurrent", "serial"): (ArraysCacheSurface, SerialRounds),
+    ("recurrent", "ragged"): (StateLayout,),
+}
+#: The classes a modifier puts ahead of the layout (they wrap it).
+MODIFIERS: dict[str, type] = {"speculative": SpeculativeLayout}
+#: mlx-lm's KV drop-in mixins of a serial storage and of a layout (by ``is_layout``).
+KV_DROP_INS = {False: (SerialDropIn, SerialMerge), True: (LayoutDropIn, LayoutBatchOps)}
 
 
-class KVCache(SerialDropIn, SerialMerge, GrowingGeometry, Serial):
-    """Serial plain full-attention cache (``spec/KVCache.md``)."""
-
-    composition = composition("KVCache")
-
-
-class PaddedKVRows(LayoutDropIn, LayoutBatchOps, GrowingGeometry, Layout):
-    """Decode layout of ``KVCache``: rows share one write column (``spec/PaddedKVRows.md``)."""
-
-    composition = composition("PaddedKVRows")
-
-
-class BatchedKVCache(
-    RowAlignment, SpeculativeLayout, LayoutDropIn, LayoutBatchOps, GrowingGeometry, Layout
-):
-    """Prefill/verify layout of ``KVCache``: ragged rows with verify rounds
-    (``spec/BatchedKVCache.md``)."""
-
-    composition = composition("BatchedKVCache")
+def hooks_class(entry: Composition) -> type:
+    """The geometry's hooks class for ``entry``'s arrangement: the registered class, or
+    the subclass of it that declares the arrangement (a ring's ``SharedRing``,
+    ``RaggedRing``)."""
+    registered = geometry_class(entry.geometry)
+    for hooks in (registered, *registered.__subclasses__()):
+        if entry.arrangement in vars(hooks).get("arrangements", ()):
+            return hooks
+    raise KeyError(f"no {entry.geometry} hooks for the {entry.arrangement} arrangement")
 
 
-class QuantizedKVCache(SerialDropIn, SerialMerge, AffineParameters, GrowingGeometry, Serial):
-    """Serial affine-quantized full-attention cache (``spec/QuantizedKVCache.md``)."""
-
-    composition = composition("QuantizedKVCache")
-
-
-class PaddedQuantKVRows(LayoutDropIn, LayoutBatchOps, AffineParameters, GrowingGeometry, Layout):
-    """Decode layout of ``QuantizedKVCache``: one write column (``spec/PaddedQuantKVRows.md``)."""
-
-    composition = composition("PaddedQuantKVRows")
-
-
-class BatchedQuantizedKVCache(
-    RowAlignment,
-    SpeculativeLayout,
-    LayoutDropIn,
-    LayoutBatchOps,
-    AffineParameters,
-    GrowingGeometry,
-    Layout,
-):
-    """Prefill/verify layout of ``QuantizedKVCache``: ragged (``spec/BatchedQuantizedKVCache.md``)."""
-
-    composition = composition("BatchedQuantizedKVCache")
+def build(entries: Iterable[Composition]) -> dict[str, type[Any]]:
+    """The public class of each of ``entries``, by name."""
+    built: dict[str, type[Any]] = {}
+    for entry in entries:
+        codec = CODECS.get(entry.codec)
+        bases = (
+            *GEOMETRY_SURFACES.get((entry.geometry, entry.arrangement), ()),
+            *(MODIFIERS[name] for name in sorted(entry.modifiers)),
+            *(KV_DROP_INS[entry.is_layout] if codec and is_kv_codec(codec) else ()),
+            *(mixin for name, mixin in PARAMETER_SURFACES if name in entry.params),
+            hooks_class(entry),
+            Layout if entry.is_layout else Serial,
+        )
+        built[entry.name] = preset_class(entry, bases, __name__)
+    return built
 
 
-class TurboQuantKVCache(SerialDropIn, SerialMerge, TurboParameters, GrowingGeometry, Serial):
-    """Serial TurboQuant full attention (``spec/TurboQuantKVCache.md``)."""
+if TYPE_CHECKING:
+    # -- full attention ----------------------------------------------------------------
+    class KVCache(SerialDropIn, SerialMerge, GrowingGeometry, Serial): ...
 
-    composition = composition("TurboQuantKVCache")
+    class PaddedKVRows(LayoutDropIn, LayoutBatchOps, GrowingGeometry, Layout): ...
 
+    class BatchedKVCache(
+        RowAlignment, SpeculativeLayout, LayoutDropIn, LayoutBatchOps, GrowingGeometry, Layout
+    ): ...
 
-class BatchedTurboQuantKVCache(
-    RowAlignment,
-    SpeculativeLayout,
-    LayoutDropIn,
-    LayoutBatchOps,
-    TurboParameters,
-    GrowingGeometry,
-    Layout,
-):
-    """TurboQuant rows in all three roles: ragged, with verify rounds
-    (``spec/BatchedTurboQuantKVCache.md``)."""
+    class QuantizedKVCache(
+        SerialDropIn, SerialMerge, AffineParameters, GrowingGeometry, Serial
+    ): ...
 
-    composition = composition("BatchedTurboQuantKVCache")
+    class PaddedQuantKVRows(
+        LayoutDropIn, LayoutBatchOps, AffineParameters, GrowingGeometry, Layout
+    ): ...
 
+    class BatchedQuantizedKVCache(
+        RowAlignment,
+        SpeculativeLayout,
+        LayoutDropIn,
+        LayoutBatchOps,
+        AffineParameters,
+        GrowingGeometry,
+        Layout,
+    ): ...
 
-# -- sliding window ----------------------------------------------------------------------
+    class TurboQuantKVCache(
+        SerialDropIn, SerialMerge, TurboParameters, GrowingGeometry, Serial
+    ): ...
 
+    class BatchedTurboQuantKVCache(
+        RowAlignment,
+        SpeculativeLayout,
+        LayoutDropIn,
+        LayoutBatchOps,
+        TurboParameters,
+        GrowingGeometry,
+        Layout,
+    ): ...
 
-class RotatingKVCache(SerialDropIn, SerialMerge, SharedRing, Serial):
-    """Serial plain sliding-window cache (``spec/RotatingKVCache.md``)."""
+    # -- sliding window ----------------------------------------------------------------
+    class RotatingKVCache(SerialDropIn, SerialMerge, SharedRing, Serial): ...
 
-    composition = composition("RotatingKVCache")
+    class BatchedRotatingCache(LayoutDropIn, LayoutBatchOps, SharedRing, Layout): ...
 
+    class RaggedRotatingRows(LayoutDropIn, LayoutBatchOps, RaggedRing, Layout): ...
 
-class BatchedRotatingCache(LayoutDropIn, LayoutBatchOps, SharedRing, Layout):
-    """Decode layout of ``RotatingKVCache`` (``spec/BatchedRotatingCache.md``)."""
+    class SpeculativeRotatingKVCache(
+        SpeculativeLayout, LayoutDropIn, LayoutBatchOps, RaggedRing, Layout
+    ): ...
 
-    composition = composition("BatchedRotatingCache")
+    class RotatingQuantizedKVCache(
+        SerialDropIn, SerialMerge, AffineParameters, SharedRing, Serial
+    ): ...
 
+    class BatchedRotatingQuantCache(
+        LayoutDropIn, LayoutBatchOps, AffineParameters, SharedRing, Layout
+    ): ...
 
-class RaggedRotatingRows(LayoutDropIn, LayoutBatchOps, RaggedRing, Layout):
-    """Prefill layout of ``RotatingKVCache``: ragged rings (``spec/RaggedRotatingRows.md``)."""
+    class RotatingAffineLayout(
+        LayoutDropIn, LayoutBatchOps, AffineParameters, SharedRing, Layout
+    ): ...
 
-    composition = composition("RaggedRotatingRows")
+    class SpeculativeRotatingAffineLayout(
+        SpeculativeLayout, LayoutDropIn, LayoutBatchOps, AffineParameters, RaggedRing, Layout
+    ): ...
 
+    # -- recurrent state ---------------------------------------------------------------
+    class SSMCache(ArraysCacheSurface, SerialRounds, StateGeometry, Serial): ...
 
-class SpeculativeRotatingKVCache(
-    SpeculativeLayout, LayoutDropIn, LayoutBatchOps, RaggedRing, Layout
-):
-    """Verify layout of ``RotatingKVCache``: ragged rings with verify rounds that roll back
-    across the window (``spec/SpeculativeRotatingKVCache.md``)."""
+    class BatchedSSMCache(StateLayout, SpeculativeLayout, StateGeometry, Layout): ...
 
-    composition = composition("SpeculativeRotatingKVCache")
-
-
-class RotatingQuantizedKVCache(SerialDropIn, SerialMerge, AffineParameters, SharedRing, Serial):
-    """Serial affine-quantized ring (``spec/RotatingQuantizedKVCache.md``)."""
-
-    composition = composition("RotatingQuantizedKVCache")
-
-
-class BatchedRotatingQuantCache(LayoutDropIn, LayoutBatchOps, AffineParameters, SharedRing, Layout):
-    """Decode layout of ``RotatingQuantizedKVCache`` (``spec/BatchedRotatingQuantCache.md``)."""
-
-    composition = composition("BatchedRotatingQuantCache")
-
-
-class RotatingAffineLayout(LayoutDropIn, LayoutBatchOps, AffineParameters, SharedRing, Layout):
-    """Prefill layout of ``RotatingQuantizedKVCache``: aligned rotating rows
-    (``spec/RotatingAffineLayout.md``)."""
-
-    composition = composition("RotatingAffineLayout")
-
-
-class SpeculativeRotatingAffineLayout(
-    SpeculativeLayout, LayoutDropIn, LayoutBatchOps, AffineParameters, RaggedRing, Layout
-):
-    """Verify layout of ``RotatingQuantizedKVCache``: ragged affine rings with verify rounds
-    (``spec/SpeculativeRotatingKVCache.md``)."""
-
-    composition = composition("SpeculativeRotatingAffineLayout")
-
-
-# -- recurrent state -----------------------------------------------------------------------
-
-
-class SSMCache(ArraysCacheSurface, SerialRounds, StateGeometry, Serial):
-    """Serial recurrent state of one layer (``N`` planes written by the layer; not
-    trimmable); mlx-lm's ``ArraysCache(N)`` drop-in: ``spec/SSMCache.md``."""
-
-    composition = composition("SSMCache")
-
-
-class BatchedSSMCache(StateLayout, SpeculativeLayout, StateGeometry, Layout):
-    """The row layout of ``SSMCache`` in all three roles, with snapshot + replay verify
-    rounds: ``spec/BatchedSSMCache.md``. The surface comes first: its refusals
-    (``update_and_fetch``, ``trim``) and guards answer before the round's wrappers."""
-
-    composition = composition("BatchedSSMCache")
+else:
+    globals().update(build(presets_on_rows(IMPLEMENTATIONS)))

@@ -1,6 +1,6 @@
 """kvrows.reference: the NumPy executable specification of every storage and layout.
 
-``classes.py`` declares the public classes (one per landed composition), ``rows.py`` is
+``classes.py`` builds the public classes from the composition table, ``rows.py`` is
 the row machinery they share, ``geometries/`` the geometries' hooks (one module per kind),
 ``codecs/`` the codecs (one module per kind) and attention, ``affine_codec.py`` ``mx.quantize`` in NumPy; ``lego.py`` the bf16-first wrappers.
 """

@@ -1,24 +1,28 @@
-"""The reference's public classes: one thin declaration per landed composition.
+"""The reference's public classes, built from the composition table.
 
-Each names its composition (``kvrows.compositions``): the codec, the token geometry and
-the arrangement come from there, and the row machinery (``rows.py``) with the geometry's
-hooks (``geometries/growing.py``, ``geometries/ring.py``, ``geometries/recurrent.py``) does the rest. The mixins add what mlx-lm reads off
-an affine storage (``bits``, ``group_size``) or a ring (``max_size``, ``keep``).
+``build`` makes each class from its entry: the parameters' mixins (``AffineParameters``,
+``TurboParameters``, ``RingParameters``: what mlx-lm reads off an instance), the surface
+its geometry adds in its arrangement, the modifier (``SpeculativeLayout``) and ``rows.py``'s
+``SerialStorage`` / ``RowLayout``, which builds the geometry's hooks from the spec
+(``geometries/registry.py``). mypy cannot see a class built at run time: ``TYPE_CHECKING``
+declares each with the bases ``build`` gives it (``tests/test_compositions.py`` checks that
+they agree).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from kvrows.common import AffineParameters, TurboParameters
-from kvrows.compositions import composition, landed
+from kvrows.compositions import Composition, landed, preset_class, presets_on_rows
 from kvrows.delayed import DelayedRows, DelayedSlidingWindow
 from kvrows.errors import KvRowsError, speculative_modifier_message
 from kvrows.geometries import geometry_class
 from kvrows.recurrent import SerialRounds
 from kvrows.reference.geometries.growing import RowAlignment
 from kvrows.reference.geometries.recurrent import ArraysCacheSurface, StateLayout
+from kvrows.reference.geometries.registry import IMPLEMENTATIONS
 from kvrows.reference.geometries.ring import RingParameters
 from kvrows.reference.rows import RowLayout, SerialStorage
 from kvrows.reference.speculative import SpeculativeLayout
@@ -42,142 +46,86 @@ __all__ = [
     "SpeculativeRotatingAffineLayout",
     "SpeculativeRotatingKVCache",
     "TurboQuantKVCache",
+    "build",
     "declared_classes",
 ]
 
-# -- full attention ------------------------------------------------------------------------
+#: The mixin a constructor parameter calls for (what mlx-lm reads off the instance).
+PARAMETER_SURFACES = (
+    ("bits", AffineParameters),
+    ("k_bits", TurboParameters),
+    ("max_size", RingParameters),
+)
+#: What a geometry adds in an arrangement beyond its hooks: ragged growing rows align
+#: their writes; recurrent state is mlx-lm's ``ArraysCache`` surface.
+GEOMETRY_SURFACES: dict[tuple[str, str], tuple[type, ...]] = {
+    ("growing", "ragged"): (RowAlignment,),
+    ("recurrent", "serial"): (ArraysCacheSurface, SerialRounds),
+    ("recurrent", "ragged"): (StateLayout,),
+}
+#: The classes a modifier puts ahead of the arrangement (they wrap a layout).
+MODIFIERS: dict[str, type] = {"speculative": SpeculativeLayout}
 
 
-class KVCache(SerialStorage):
-    """Serial plain full attention (``spec/KVCache.md``)."""
-
-    composition = composition("KVCache")
-
-
-class PaddedKVRows(RowLayout):
-    """Decode layout of ``KVCache``: one write column (``spec/PaddedKVRows.md``)."""
-
-    composition = composition("PaddedKVRows")
-    serial_class = KVCache
-
-
-class BatchedKVCache(RowAlignment, SpeculativeLayout):
-    """Prefill/verify layout of ``KVCache``: ragged rows with verify rounds
-    (``spec/BatchedKVCache.md``)."""
-
-    composition = composition("BatchedKVCache")
-    serial_class = KVCache
+def build(entries: Iterable[Composition]) -> dict[str, type[Any]]:
+    """The public class of each of ``entries``, by name (serial storages first: a layout
+    names the one its rows extract into, ``serial_class``)."""
+    built: dict[str, type[Any]] = {}
+    for entry in sorted(entries, key=lambda entry: entry.is_layout):
+        parameters = tuple(mixin for name, mixin in PARAMETER_SURFACES if name in entry.params)
+        surface = GEOMETRY_SURFACES.get((entry.geometry, entry.arrangement), ())
+        modifiers = tuple(MODIFIERS[name] for name in sorted(entry.modifiers))
+        arrangement = RowLayout if entry.is_layout else SerialStorage
+        members = {"serial_class": built[str(entry.serial)]} if entry.is_layout else {}
+        bases = (*parameters, *surface, *modifiers, arrangement)
+        built[entry.name] = preset_class(entry, bases, __name__, **members)
+    return built
 
 
-class QuantizedKVCache(AffineParameters, SerialStorage):
-    """Serial affine full attention (``spec/QuantizedKVCache.md``)."""
+if TYPE_CHECKING:
+    # -- full attention ----------------------------------------------------------------
+    class KVCache(SerialStorage): ...
 
-    composition = composition("QuantizedKVCache")
+    class PaddedKVRows(RowLayout): ...
 
+    class BatchedKVCache(RowAlignment, SpeculativeLayout, RowLayout): ...
 
-class PaddedQuantKVRows(AffineParameters, RowLayout):
-    """Decode layout of ``QuantizedKVCache`` (``spec/PaddedQuantKVRows.md``)."""
+    class QuantizedKVCache(AffineParameters, SerialStorage): ...
 
-    composition = composition("PaddedQuantKVRows")
-    serial_class = QuantizedKVCache
+    class PaddedQuantKVRows(AffineParameters, RowLayout): ...
 
+    class BatchedQuantizedKVCache(AffineParameters, RowAlignment, SpeculativeLayout, RowLayout): ...
 
-class BatchedQuantizedKVCache(AffineParameters, RowAlignment, SpeculativeLayout):
-    """Prefill/verify layout of ``QuantizedKVCache`` (``spec/BatchedQuantizedKVCache.md``)."""
+    class TurboQuantKVCache(TurboParameters, SerialStorage): ...
 
-    composition = composition("BatchedQuantizedKVCache")
-    serial_class = QuantizedKVCache
+    class BatchedTurboQuantKVCache(TurboParameters, RowAlignment, SpeculativeLayout, RowLayout): ...
 
+    # -- sliding window ----------------------------------------------------------------
+    class RotatingKVCache(RingParameters, SerialStorage): ...
 
-class TurboQuantKVCache(TurboParameters, SerialStorage):
-    """Serial TurboQuant full attention (``spec/TurboQuantKVCache.md``)."""
+    class BatchedRotatingCache(RingParameters, RowLayout): ...
 
-    composition = composition("TurboQuantKVCache")
+    class RaggedRotatingRows(RingParameters, RowLayout): ...
 
+    class SpeculativeRotatingKVCache(RingParameters, SpeculativeLayout, RowLayout): ...
 
-class BatchedTurboQuantKVCache(TurboParameters, RowAlignment, SpeculativeLayout):
-    """TurboQuant rows in all three roles: ragged, with verify rounds
-    (``spec/BatchedTurboQuantKVCache.md``)."""
+    class RotatingQuantizedKVCache(AffineParameters, RingParameters, SerialStorage): ...
 
-    composition = composition("BatchedTurboQuantKVCache")
-    serial_class = TurboQuantKVCache
+    class BatchedRotatingQuantCache(AffineParameters, RingParameters, RowLayout): ...
 
+    class RotatingAffineLayout(AffineParameters, RingParameters, RowLayout): ...
 
-# -- sliding window ---------------------------------------------------------------------------
+    class SpeculativeRotatingAffineLayout(
+        AffineParameters, RingParameters, SpeculativeLayout, RowLayout
+    ): ...
 
+    # -- recurrent state ---------------------------------------------------------------
+    class SSMCache(ArraysCacheSurface, SerialRounds, SerialStorage): ...
 
-class RotatingKVCache(RingParameters, SerialStorage):
-    """Serial plain ring (``spec/RotatingKVCache.md``)."""
+    class BatchedSSMCache(StateLayout, SpeculativeLayout, RowLayout): ...
 
-    composition = composition("RotatingKVCache")
-
-
-class BatchedRotatingCache(RingParameters, RowLayout):
-    """Decode layout of ``RotatingKVCache`` (``spec/BatchedRotatingCache.md``)."""
-
-    composition = composition("BatchedRotatingCache")
-    serial_class = RotatingKVCache
-
-
-class RaggedRotatingRows(RingParameters, RowLayout):
-    """Prefill layout of ``RotatingKVCache`` (``spec/RaggedRotatingRows.md``)."""
-
-    composition = composition("RaggedRotatingRows")
-    serial_class = RotatingKVCache
-
-
-class SpeculativeRotatingKVCache(RingParameters, SpeculativeLayout):
-    """Verify layout of ``RotatingKVCache``: ragged rings with verify rounds that roll back
-    across the window (``spec/SpeculativeRotatingKVCache.md``)."""
-
-    composition = composition("SpeculativeRotatingKVCache")
-    serial_class = RotatingKVCache
-
-
-class RotatingQuantizedKVCache(AffineParameters, RingParameters, SerialStorage):
-    """Serial affine ring (``spec/RotatingQuantizedKVCache.md``)."""
-
-    composition = composition("RotatingQuantizedKVCache")
-
-
-class BatchedRotatingQuantCache(AffineParameters, RingParameters, RowLayout):
-    """Decode layout of ``RotatingQuantizedKVCache`` (``spec/BatchedRotatingQuantCache.md``)."""
-
-    composition = composition("BatchedRotatingQuantCache")
-    serial_class = RotatingQuantizedKVCache
-
-
-class RotatingAffineLayout(AffineParameters, RingParameters, RowLayout):
-    """Prefill layout of ``RotatingQuantizedKVCache`` (``spec/RotatingAffineLayout.md``)."""
-
-    composition = composition("RotatingAffineLayout")
-    serial_class = RotatingQuantizedKVCache
-
-
-class SpeculativeRotatingAffineLayout(AffineParameters, RingParameters, SpeculativeLayout):
-    """Verify layout of ``RotatingQuantizedKVCache``: ragged affine rings with verify rounds
-    (``spec/SpeculativeRotatingKVCache.md``)."""
-
-    composition = composition("SpeculativeRotatingAffineLayout")
-    serial_class = RotatingQuantizedKVCache
-
-
-# -- recurrent state ---------------------------------------------------------------------
-
-
-class SSMCache(ArraysCacheSurface, SerialRounds, SerialStorage):
-    """Serial recurrent state of one layer (planes written by the layer; not trimmable):
-    ``spec/SSMCache.md``."""
-
-    composition = composition("SSMCache")
-
-
-class BatchedSSMCache(StateLayout, SpeculativeLayout):
-    """The row layout of ``SSMCache`` in all three roles, with snapshot + replay verify
-    rounds: ``spec/BatchedSSMCache.md``."""
-
-    composition = composition("BatchedSSMCache")
-    serial_class = SSMCache
+else:
+    globals().update(build(presets_on_rows(IMPLEMENTATIONS)))
 
 
 #: The parameters a surface mixin exposes (``AffineParameters``: ``bits``;

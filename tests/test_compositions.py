@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 import kvrows
 import kvrows.optimized as optimized
 import kvrows.reference as reference
+from kvrows.app.classes import spec_page
 from kvrows.codec import codec_plane_specs, codec_token_bytes
 from kvrows.compositions import (
     COMPOSITIONS,
@@ -22,6 +24,7 @@ from kvrows.compositions import (
     bind_arguments,
     composition,
     landed,
+    presets_on_rows,
     serial_for_peer,
 )
 from kvrows.errors import InvalidInputError
@@ -357,3 +360,28 @@ def test_every_landed_class_is_driven_by_a_conformance_machine() -> None:
     assert layouts == {c.name for c in landed() if c.is_layout}
     # a latent cache is its own serial storage (its family names it as its own serial)
     assert serials - layouts == {c.name for c in landed() if not c.is_layout}
+
+
+@pytest.mark.parametrize("implementation", [reference, optimized], ids=lambda m: m.__name__)
+def test_the_classes_mypy_sees_are_the_classes_build_makes(implementation: ModuleType) -> None:
+    """Each ``classes.py`` builds its public classes from the table and declares them to
+    mypy under ``TYPE_CHECKING``: the declarations name exactly the built classes, each
+    with the bases ``build`` gave it, and each class is where pickles look for it."""
+    classes = implementation.classes
+    tree = ast.parse(Path(classes.__file__).read_text())
+    (block,) = (
+        n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"
+    )
+    declared = {
+        node.name: [ast.unparse(base) for base in node.bases]
+        for node in block.body
+        if isinstance(node, ast.ClassDef)
+    }
+    # The module's own classes: building again would declare a second class per name.
+    built = {e.name: getattr(classes, e.name) for e in presets_on_rows(classes.IMPLEMENTATIONS)}
+    assert declared == {name: [b.__name__ for b in cls.__bases__] for name, cls in built.items()}
+    for name, cls in built.items():
+        assert getattr(implementation, name) is cls
+        assert (cls.__module__, cls.__qualname__) == (classes.__name__, name)
+        assert cls.composition is composition(name)
+        assert f"``{spec_page(name)}``" in (cls.__doc__ or "")  # the page ``kvrows classes`` shows

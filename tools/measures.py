@@ -209,7 +209,13 @@ def _load_module(root: Path, path: Path) -> _Module:
             source = _resolve_relative(module, node)
             for alias in node.names:
                 module.imports[alias.asname or alias.name] = f"{source}.{alias.name}"
-    for node in module.tree.body:
+    # A class built at run time (``classes.build``) is declared under ``TYPE_CHECKING``.
+    declared = [
+        node.body
+        for node in module.tree.body
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+    ]
+    for node in [*module.tree.body, *(n for body in declared for n in body)]:
         if isinstance(node, ast.ClassDef):
             module.classes[node.name] = _class_info(module, node)
         elif isinstance(node, ast.Assign) and len(node.targets) == 1:
