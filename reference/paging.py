@@ -440,7 +440,7 @@ class RightAligned(PaddedRows):
     def filter(self, rows: Sequence[Row]) -> None:
         self.realign(rows)
 
-    def trimmed(self, rows: Sequence[Row], counts: Sequence[int]) -> None:
+    def trimmed(self, rows: Sequence[Row], counts: Sequence[int], *, justify: bool = False) -> None:
         self.realign(rows)
 
 
@@ -887,8 +887,8 @@ class PagedLayout(SpeculativeLayout, PagedRows):
             raise LayoutStateError(EMPTY_ROW_NO_BLOCK)
         return self._pool.register_prefix(entry, token_ids)
 
-    def _trim(self, counts: Sequence[int]) -> int:
-        top = super()._trim(counts)
+    def _trim(self, counts: Sequence[int], *, justify: bool = False) -> int:
+        top = super()._trim(counts, justify=justify)
         for row, count in zip(self._rows, counts, strict=True):
             if count and self._pool is not None:
                 self._pool.release_tail(row)
