@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from mlx_lm.models import cache as mlx_lm_cache
 
 from kvrows.conformance.arrays import expand_mask, from_mlx, to_mlx
-from kvrows.conformance.families import FAMILIES
+from kvrows.conformance.families import BUDGETS, FAMILIES, derive
 from kvrows.conformance.machines import BASE_CHECKS, machine_class
 from kvrows.conformance.parity import DIVERGENCES
 from kvrows.conformance.profiles import PROFILES, active_profile, profile_settings
@@ -263,6 +264,61 @@ def test_runner_runs_the_affine_family() -> None:
     assert all(r.passed for r in results), [r.failure for r in results]
     assert all(sum(r.stats.variants.values()) == r.stats.examples for r in results)
     assert "examples per variant: bits=" in format_report(results, "ci")
+
+
+#: Every (family, layout) the machines drive: the CLI, the tests and their coverage
+#: requirements name them, so deriving the families must keep them.
+FAMILY_LAYOUTS = [
+    ("plain", "PaddedKVRows"),
+    ("plain", "BatchedKVCache"),
+    ("affine", "PaddedQuantKVRows"),
+    ("affine", "BatchedQuantizedKVCache"),
+    ("rotating", "BatchedRotatingCache"),
+    ("rotating", "RaggedRotatingRows"),
+    ("rotating", "BatchedRotatingQuantCache"),
+    ("rotating", "RotatingAffineLayout"),
+    ("speculative", "BatchedKVCache"),
+    ("speculative", "BatchedQuantizedKVCache"),
+    ("speculative", "SpeculativeRotatingKVCache"),
+    ("speculative", "SpeculativeRotatingAffineLayout"),
+    ("turbo", "BatchedTurboQuantKVCache"),
+    ("delayed", "DelayedQuantizedKVCache"),
+    ("delayed", "DelayedRotatingQuantizedKVCache"),
+    ("latent", "MLACache"),
+    ("latent", "EncodedLatentCache"),
+    ("paged-latent", "PagedLatentCache"),
+    ("recurrent", "BatchedSSMCache"),
+    ("delayed-turbo", "DelayedTurboQuantKVCache"),
+    ("paged", "PagedKvRows"),
+    ("paged-affine", "PagedKvRows"),
+]
+
+
+def test_the_families_are_derived_from_the_composition_table() -> None:
+    assert [(f.name, spec.name) for f in derive().values() for spec in f.layouts] == FAMILY_LAYOUTS
+    assert list(FAMILIES) == list(BUDGETS)
+    # Families that share a machine share its loader (one loader per machine class).
+    assert FAMILIES["delayed"].machine is FAMILIES["delayed-turbo"].machine
+
+
+def test_a_codec_without_its_own_rounds_machine_gets_the_speculative_mixin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A new codec row needs no machine with rounds: the speculative family mixes
+    ``SpeculativeMachine`` into the codec's machine (the MRO the affine one spells out)."""
+    from kvrows.conformance import families, hooks
+    from kvrows.conformance.speculative import SpeculativeAffineMachine
+
+    rows = dict(hooks.CODEC_HOOKS)
+    rows["affine"] = replace(rows["affine"], rounds=None)
+    monkeypatch.setattr(families, "CODEC_HOOKS", rows)
+    derived = families.derive()
+    assert [(f.name, s.name) for f in derived.values() for s in f.layouts] == FAMILY_LAYOUTS
+    spec = derived["speculative"].layout("BatchedQuantizedKVCache")
+    assert spec.machine is not None
+    mixed = spec.machine()
+    assert mixed is not SpeculativeAffineMachine
+    assert mixed.__mro__[1:] == SpeculativeAffineMachine.__mro__[1:]
 
 
 def test_runner_rejects_an_unknown_family(capsys: pytest.CaptureFixture[str]) -> None:
