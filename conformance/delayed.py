@@ -477,7 +477,7 @@ class DelayedMachine(ConformanceMachine):
             max((c or 0 for c in converted), default=0),
         )
 
-    def _observed(self, layout: Any) -> tuple[Any, ...]:
+    def _layout_observed(self, layout: Any) -> tuple[Any, ...]:
         return (
             layout.batch_size,
             tuple(layout.row_offsets),
@@ -1507,7 +1507,7 @@ class DelayedMachine(ConformanceMachine):
         ``solos``: the solo legos converted where the layout did (not between a prefill
         chunk and its commit)."""
         what = f"layout {slot.ident} {slot.opt!r}"
-        observed = [self._observed(lay) for lay in (slot.ref, slot.opt)]
+        observed = [self._layout_observed(lay) for lay in (slot.ref, slot.opt)]
         self._exact(f"{what}: reference vs optimized", observed[1], observed[0])
         self._exact(f"{what}: vs the model", observed[0], self._expected(slot))
         pads = [tuple(lay.left_pad) for lay in (slot.ref, slot.opt)]

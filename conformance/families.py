@@ -43,10 +43,8 @@ from kvrows.conformance.hooks import (
     PeerLoader,
     PeerSpec,
     WriterHooks,
+    lm_cache,
 )
-
-# Re-exported: the latent machine reaches mlx-lm through this name.
-from kvrows.conformance.hooks import lm_cache as _lm_cache  # noqa: F401
 
 Planes = tuple[Any, ...]
 
@@ -90,6 +88,11 @@ class Impl:
         merged = dict(self.classes)
         merged.update(classes)
         return replace(self, name=name or self.name, classes=MappingProxyType(merged))
+
+
+def _lm_cache() -> Any:
+    """mlx-lm's cache module (the latent machine reaches it through this name)."""
+    return lm_cache()
 
 
 def _numpy_identity(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
@@ -387,18 +390,19 @@ def _axes(codec: str, geometry: str) -> _Axes:
     else:
         rounds = mixin if machine is None else _mixed(mixin, machine)
     family = geometry_hooks.family or codec_hooks.family
-    if geometry_hooks.family is not None and geometry_hooks.codec_suffix and codec != "plain":
-        family = f"{family}-{codec}"
+    qualifier = codec_hooks.qualifier
+    if geometry_hooks.family is not None and geometry_hooks.codec_suffix and qualifier:
+        family = f"{family}-{qualifier}"
     prefix, key = geometry_hooks.tolerance_prefix, codec_hooks.tolerance_key
     if prefix:
-        key = prefix if codec == "plain" else f"{prefix}-{key}"
+        key = f"{prefix}-{key}" if qualifier else prefix
     peer: PeerChoice = None
     for choice in (writer.peer, geometry_hooks.peer, codec_hooks.peer):
         if choice != DEFER:
             peer = choice
             break
     assert peer != DEFER
-    return _Axes(family, machine, rounds, drawn_by.has_rounds, peer, key, writer)  # type: ignore[arg-type]
+    return _Axes(family, machine, rounds, drawn_by.has_rounds, peer, key, writer)
 
 
 def _roles(storage: Composition, entry: Composition) -> tuple[str, ...]:
@@ -420,7 +424,9 @@ def _layout(storage: Composition, entry: Composition, axes: _Axes, peer: bool) -
     layouts = (storage,) if storage.is_layout else layouts_of(storage.name)
 
     def mirrored(c: Composition) -> bool:
-        return peer and (writer.parity(c.name) if writer.parity else c.parity is not None)
+        if writer.parity_from_table:
+            return peer and c.parity is not None
+        return peer and c.name not in writer.unmirrored
 
     siblings = (
         tuple(c.name for c in layouts if "delayed" not in c.modifiers)

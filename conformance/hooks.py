@@ -164,10 +164,13 @@ class CodecHooks:
     geometry strategy), ``rounds`` its machine with verify rounds (``None``: the
     speculative mixin over ``machine``; ``machine`` itself when ``has_rounds``),
     ``tolerance_key`` its rows of the tolerance table, ``peer`` mlx-lm's cache of the
-    codec, ``family`` the family of its growing storages, ``tensors`` its writer."""
+    codec, ``family`` the family of its growing storages, ``tensors`` its writer;
+    ``qualifier`` names it in a geometry's family and tolerance key (``paged-affine``,
+    ``rotating-affine``; empty for the plain codec, the geometry's own)."""
 
     tolerance_key: str
     family: str
+    qualifier: str
     machine: Loader | None = None
     rounds: Loader | None = None
     has_rounds: bool = False
@@ -180,8 +183,8 @@ class GeometryHooks:
     """A geometry kind: ``machine`` draws it (``None``: the codec's machine), or
     ``by_codec`` per codec; ``rounds`` the machine with verify rounds (as for a codec);
     ``family`` names its families (``None``: the codec's family), ``codec_suffix`` adds
-    ``-<codec>`` for a codec other than plain; ``tolerance_prefix`` keys a codec's
-    tolerances (``rotating`` + ``-affine``); ``peer`` mlx-lm's cache of the geometry;
+    the codec's qualifier; ``tolerance_prefix`` keys a codec's tolerances (``rotating``
+    + ``-affine``); ``peer`` mlx-lm's cache of the geometry;
     ``codecs``: the codecs a storage of ``any`` codec is driven with in the CI profile."""
 
     machine: Loader | None = None
@@ -200,15 +203,17 @@ class WriterHooks:
     """How a block is written (per tensors), and what the table's columns mean for it.
 
     ``shared_column`` / ``trim_rows``: the layout flags, ``None`` where the table's
-    arrangement decides (shared: one write column; ragged: per-row rollback); ``parity``:
-    whether mlx-lm twins a storage (``None``: the table's parity column); ``siblings``:
+    arrangement decides (shared: one write column; ragged: per-row rollback); mlx-lm
+    twins a storage where the table names its parity class (``parity_from_table``), else
+    every storage but the ``unmirrored`` ones; ``siblings``:
     whether a layout merges the rows of its storage's other layouts (else the family's);
     ``peer``: mlx-lm's cache of these tensors (:data:`DEFER`: the geometry's or codec's).
     """
 
     shared_column: bool | None = None
     trim_rows: bool | None = None
-    parity: Callable[[str], bool] | None = None
+    parity_from_table: bool = True
+    unmirrored: frozenset[str] = frozenset()
     siblings: bool = True
     peer: PeerChoice = DEFER
 
@@ -229,8 +234,9 @@ class ModifierRules:
 
 CODEC_HOOKS: Mapping[str, CodecHooks] = MappingProxyType(
     {
-        "plain": CodecHooks("plain", "plain", peer=plain_peer),
+        "plain": CodecHooks("plain", "plain", "", peer=plain_peer),
         "affine": CodecHooks(
+            "affine",
             "affine",
             "affine",
             machine=load("affine", "AffineMachine"),
@@ -239,10 +245,10 @@ CODEC_HOOKS: Mapping[str, CodecHooks] = MappingProxyType(
         ),
         # The turbo machine runs verify rounds itself; mlx-lm has no TurboQuant cache.
         "turbo": CodecHooks(
-            "turbo", "turbo", machine=load("turbo", "TurboMachine"), has_rounds=True
+            "turbo", "turbo", "turbo", machine=load("turbo", "TurboMachine"), has_rounds=True
         ),
-        "latent": CodecHooks("latent", "latent", tensors="latent"),
-        "state": CodecHooks("recurrent", "recurrent", tensors="recurrent"),
+        "latent": CodecHooks("latent", "latent", "latent", tensors="latent"),
+        "state": CodecHooks("recurrent", "recurrent", "state", tensors="recurrent"),
     }
 )
 
@@ -289,14 +295,15 @@ WRITERS: Mapping[str, WriterHooks] = MappingProxyType(
         "latent": WriterHooks(
             shared_column=True,
             trim_rows=True,
-            parity=lambda name: name != "EncodedLatentCache",
+            parity_from_table=False,
+            unmirrored=frozenset({"EncodedLatentCache"}),
             siblings=False,
             peer=plain_peer,
         ),
         # Planes written by the layer and advanced: no token axis to share or roll back;
         # mlx-lm's ArraysCache twins every row (the machine makes it).
         "recurrent": WriterHooks(
-            shared_column=False, trim_rows=False, parity=lambda name: True, siblings=False
+            shared_column=False, trim_rows=False, parity_from_table=False, siblings=False
         ),
     }
 )

@@ -13,6 +13,7 @@ fails and the skip should go).
 from __future__ import annotations
 
 import re
+import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -30,6 +31,7 @@ from kvrows.conformance.machines import BASE_CHECKS, machine_class
 from kvrows.conformance.parity import DIVERGENCES
 from kvrows.conformance.profiles import PROFILES, active_profile, profile_settings
 from kvrows.conformance.runner import (
+    MachineResult,
     family_settings,
     format_report,
     run_conformance,
@@ -319,6 +321,39 @@ def test_a_codec_without_its_own_rounds_machine_gets_the_speculative_mixin(
     mixed = spec.machine()
     assert mixed is not SpeculativeAffineMachine
     assert mixed.__mro__[1:] == SpeculativeAffineMachine.__mro__[1:]
+
+
+def _drawn(results: list[MachineResult]) -> dict[tuple[str, str], tuple[object, ...]]:
+    """What each machine of a run drew: operations, checks, variants and the largest error
+    per compared quantity (sensitive to every value drawn)."""
+    return {
+        (r.family, r.layout): (
+            r.stats.examples,
+            sorted(r.stats.ops.items()),
+            sorted(r.stats.checks.items()),
+            sorted(r.stats.variants.items()),
+            sorted((key, e.max_error, e.comparisons) for key, e in r.stats.errors.items()),
+        )
+        for r in results
+    }
+
+
+def test_ci_draws_do_not_depend_on_test_order() -> None:
+    """Each CI machine draws from its own seed, ``zlib.crc32(f"{family}/{layout}")``: two
+    families run in either order draw the same examples."""
+    small: dict[str, Any] = {"max_examples": 3, "stateful_step_count": 8}
+    forward = run_machines(["paged", "recurrent"], profile="ci", **small)
+    backward = run_machines(["recurrent", "paged"], profile="ci", **small)
+    assert all(r.passed for r in forward + backward), [r.failure for r in forward + backward]
+    assert _drawn(forward) == _drawn(backward)
+    family = FAMILIES["paged"]
+    seeded = machine_class(family, "PagedKvRows", profile="ci")
+    assert getattr(seeded, "_hypothesis_internal_use_seed", None) == zlib.crc32(
+        b"paged/PagedKvRows"
+    )
+    for profile in ("deep", "teeth"):  # randomized, or the digest of the mutant's name
+        unseeded = machine_class(family, "PagedKvRows", profile=profile)
+        assert getattr(unseeded, "_hypothesis_internal_use_seed", None) is None
 
 
 def test_runner_rejects_an_unknown_family(capsys: pytest.CaptureFixture[str]) -> None:

@@ -148,7 +148,11 @@ def test_the_machine_catches_planted_bugs(
 ) -> None:
     impl = optimized_impl().with_classes({"BatchedSSMCache": mutant}, name=mutant.__name__)
     machine = machine_class(
-        FAMILY, "BatchedSSMCache", optimized=impl, name=f"Teeth{mutant.__name__}"
+        FAMILY,
+        "BatchedSSMCache",
+        optimized=impl,
+        name=f"Teeth{mutant.__name__}",
+        profile="teeth",
     )
     settings = family_settings(FAMILY, "teeth")
     if examples is not None:

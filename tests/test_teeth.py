@@ -163,7 +163,9 @@ def _run(
     if mutant is not None:
         optimized = optimized.with_classes({layout: mutant})
         name = f"Teeth{mutant.__name__}"
-    machine = machine_class(family, layout, stats=stats, optimized=optimized, name=name)
+    machine = machine_class(
+        family, layout, stats=stats, optimized=optimized, name=name, profile="teeth"
+    )
     run_state_machine_as_test(machine, settings=_teeth(examples))
     return stats
 
@@ -406,7 +408,9 @@ GAP_MUTANTS = [
 def _run_family(family_name: str, layout: str, optimized: Impl, name: str) -> Stats:
     family = FAMILIES[family_name]
     stats = Stats(family.name, layout)
-    machine = machine_class(family, layout, stats=stats, optimized=optimized, name=name)
+    machine = machine_class(
+        family, layout, stats=stats, optimized=optimized, name=name, profile="teeth"
+    )
     run_state_machine_as_test(machine, settings=_teeth(None))
     return stats
 
