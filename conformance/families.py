@@ -336,7 +336,7 @@ def _storages() -> list[Composition]:
     return sorted(
         storages,
         key=lambda c: (
-            geometries.index(c.geometry),
+            geometries.index(c.geometry) if c.geometry in geometries else len(geometries),
             codecs.index(c.codec) if c.codec in codecs else -1,
         ),
     )
@@ -374,6 +374,11 @@ def _mixed(mixin: Loader, base: Loader) -> Loader:
 
 
 def _axes(codec: str, geometry: str) -> _Axes:
+    if codec not in CODEC_HOOKS or geometry not in GEOMETRY_HOOKS:
+        raise KeyError(
+            f"no conformance hooks for the {codec} codec on the {geometry} geometry: add a "
+            "row to conformance.hooks.CODEC_HOOKS / GEOMETRY_HOOKS"
+        )
     codec_hooks, geometry_hooks = CODEC_HOOKS[codec], GEOMETRY_HOOKS[geometry]
     writer = WRITERS[codec_hooks.tensors]
     drawn_by: CodecHooks | GeometryHooks = codec_hooks
