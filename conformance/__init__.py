@@ -3,7 +3,10 @@
 Modules (imported as needed; nothing heavy runs at package import):
 
 * ``families``: the implementations (``reference_impl``, ``optimized_impl``,
-  mutants via ``Impl.with_classes``) and the storage-family table ``FAMILIES``;
+  mutants via ``Impl.with_classes``) and the storage families ``FAMILIES``, derived from
+  the composition table (``derive()``);
+* ``hooks``: the per-axis hook tables the families are derived with (``CODEC_HOOKS``,
+  ``GEOMETRY_HOOKS``, ``WRITERS``, ``MODIFIER_RULES``) and mlx-lm's peers;
 * ``machines``: the one state machine and ``machine_class(family, layout, ...)``;
 * ``affine``: the affine family's hooks (one (bits, group size) per example);
 * ``rings``: the rotating family's hooks (a window; serial ring, shared and ragged layouts);
@@ -15,7 +18,8 @@ Modules (imported as needed; nothing heavy runs at package import):
 * ``strategies``: Hypothesis strategies (geometries, prompts, chunks, keep lists);
 * ``tolerances``: the one tolerance table (``spec/tolerances.md``);
 * ``parity``: where kvrows and mlx-lm knowingly differ (the skips' reasons);
-* ``profiles``: the ``ci`` / ``deep`` / ``teeth`` Hypothesis profiles;
+* ``profiles``: the ``ci`` / ``deep`` / ``teeth`` Hypothesis profiles and the CI
+  machines' seeds (``machine_seed``);
 * ``runner``: ``run_conformance`` behind ``kvrows conform``;
 * ``calibrate``: re-measures the errors behind the tolerance table;
 * ``roles``: every role of the row-layout table, for every registered storage;

@@ -5,16 +5,19 @@ the MLX optimized one, or a mutant of it in the teeth tests): classes are
 resolved by name, as both implementations mirror each other's names, and a
 mutant is the same table with one class replaced.
 
-A :class:`Family` is a row of the storage table the machines are generated
-from: its serial class, its layouts (each with the operations it supports),
-its tolerance key, its mlx-lm peers and its machine (a subclass of
-``machines.ConformanceMachine`` that supplies hooks and strategies only). A new
-family is an entry of :data:`FAMILIES` plus, if its geometry or peers differ, such a
-subclass.
+A :class:`Family` is a set of (serial storage, layout) pairs the machines are generated
+from: its serial class, its layouts (each with the operations it supports), its
+tolerance key, its mlx-lm peers and its machine. :func:`derive` builds every family
+from the composition table (``kvrows.compositions.COMPOSITIONS``: codec kind, geometry
+kind, arrangement, modifiers, parity) and the per-axis hook tables of
+``conformance.hooks``; :data:`BUDGETS` adds what the table does not say (a description,
+notes, the share of the profile a family runs). A new codec or geometry gets its family
+by a hook-table row.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -24,24 +27,40 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 
-from kvrows.compositions import composition, landed, layouts_of
+from kvrows.compositions import SELF, Composition, landed, layouts_of
 from kvrows.conformance.arrays import from_mlx, to_mlx
+from kvrows.conformance.hooks import (
+    CODEC_HOOKS,
+    DEFER,
+    GEOMETRY_HOOKS,
+    MODIFIER_RULES,
+    WRITERS,
+    CodecHooks,
+    GeometryHooks,
+    Loader,
+    ModifierRules,
+    PeerChoice,
+    PeerLoader,
+    PeerSpec,
+    WriterHooks,
+    lm_cache,
+)
 
 Planes = tuple[Any, ...]
 
 __all__ = [
+    "BUDGETS",
     "CONSTRUCTORS",
     "FAMILIES",
+    "Budget",
     "Family",
     "Impl",
     "LayoutSpec",
     "PeerSpec",
-    "delayed_layouts",
+    "derive",
     "family",
-    "latent_layouts",
     "optimized_impl",
     "reference_impl",
-    "speculative_layouts",
 ]
 
 
@@ -69,6 +88,11 @@ class Impl:
         merged = dict(self.classes)
         merged.update(classes)
         return replace(self, name=name or self.name, classes=MappingProxyType(merged))
+
+
+def _lm_cache() -> Any:
+    """mlx-lm's cache module (the latent machine reaches it through this name)."""
+    return lm_cache()
 
 
 def _numpy_identity(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
@@ -119,105 +143,6 @@ def optimized_impl() -> Impl:
         to_native=to_mlx,
         to_numpy=_mlx_to_numpy,
     )
-
-
-Fetched = tuple[Planes, Planes] | None
-
-
-@dataclass(frozen=True)
-class PeerSpec:
-    """mlx-lm's classes for a family: the serial cache and (optionally) the batch.
-
-    ``serial(geometry)`` makes a serial twin; ``batch`` offers mlx-lm's ``merge``
-    (classmethod), ``extend``, ``filter``, ``extract``, ``trim``, ``make_mask``,
-    ``update_and_fetch``, ``left_padding`` and ``offset``; ``attention`` is the
-    attention models call; ``serial_kv`` / ``batch_kv`` read what a twin holds in the
-    column order of the optimized ``fetch()`` (``None`` before any token).
-    """
-
-    serial: Callable[[Any], Any]
-    batch: Any
-    attention: Callable[..., Any]
-    serial_kv: Callable[[Any], Fetched]
-    batch_kv: Callable[[Any], Fetched]
-
-
-def _sliced(cache: Any, end: int) -> Fetched:
-    if cache.keys is None:
-        return None
-
-    def cut(held: Any) -> Planes:
-        planes = held if isinstance(held, tuple | list) else (held,)
-        return tuple(p[:, :, :end] for p in planes)
-
-    return cut(cache.keys), cut(cache.values)
-
-
-def _lm_attention(queries: Any, keys: Any, values: Any, **kwargs: Any) -> Any:
-    """mlx-lm's attention on a copy of the queries (its quantized path scales them in place)."""
-    from mlx_lm.models.base import scaled_dot_product_attention
-
-    return scaled_dot_product_attention(mx.array(queries), keys, values, **kwargs)
-
-
-def _lm_cache() -> Any:
-    """mlx-lm's cache module (untyped: reached through ``Any``)."""
-    from mlx_lm.models import cache
-
-    return cache
-
-
-def _plain_peer() -> PeerSpec:
-    lm = _lm_cache()
-    return PeerSpec(
-        serial=lambda geometry: lm.KVCache(),
-        batch=lm.BatchKVCache,
-        attention=_lm_attention,
-        serial_kv=lambda cache: _sliced(cache, int(cache.offset)),
-        batch_kv=lambda cache: _sliced(cache, int(cache._idx)),
-    )
-
-
-def _affine_peer() -> PeerSpec:
-    """mlx-lm's ``QuantizedKVCache`` (serial only: mlx-lm has no quantized batch)."""
-    lm = _lm_cache()
-    return PeerSpec(
-        serial=lambda g: lm.QuantizedKVCache(group_size=g.group_size, bits=g.bits),
-        batch=None,
-        attention=_lm_attention,
-        serial_kv=lambda cache: _sliced(cache, int(cache.offset)),
-        batch_kv=lambda cache: None,
-    )
-
-
-def _ring_kv(cache: Any) -> Fetched:
-    if cache.keys is None:
-        return None
-    keys, values = cache.keys_and_values()
-    return (keys,), (values,)
-
-
-def _ring_peer() -> PeerSpec:
-    lm = _lm_cache()
-    return PeerSpec(
-        serial=lambda g: lm.RotatingKVCache(g.max_size, g.keep),
-        batch=lm.BatchRotatingKVCache,
-        attention=_lm_attention,
-        serial_kv=_ring_kv,
-        batch_kv=_ring_kv,
-    )
-
-
-def _affine_machine() -> type[Any]:
-    from kvrows.conformance.affine import AffineMachine
-
-    return AffineMachine
-
-
-def _ring_machine() -> type[Any]:
-    from kvrows.conformance.rings import RingMachine
-
-    return RingMachine
 
 
 @dataclass(frozen=True)
@@ -281,371 +206,314 @@ class Family:
         raise KeyError(f"family {self.name!r} has no layout {name!r}")
 
 
-def derived_layouts(
-    serial: str, tolerance_key: str = "", verify_only: str = "skip"
-) -> tuple[LayoutSpec, ...]:
-    """The machines' layouts of ``serial``'s rows, read off the composition table.
+@dataclass(frozen=True)
+class Budget:
+    """What the table does not say about a family: its description and notes, and the
+    share of the profile's examples and steps its machines run (an example of a costlier
+    family takes longer; ``runner.family_settings`` applies them)."""
 
-    Roles: the roles of ``serial``'s entry that name the layout; rows share one write
-    column when the arrangement is ``shared`` and roll back per row when it is
-    ``ragged``; mlx-lm mirrors a layout (and twins the serial caches) where the table
-    names a parity class. Every layout merges rows of its siblings (the other layouts of
-    the same storage). Layouts that serve only the verify role are left to the speculative
-    family unless ``verify_only="keep"``.
-    """
-    storage = composition(serial)
-    layouts = layouts_of(serial)
-    # The delayed layouts hold rows of two codecs: their own family drives them.
-    siblings = tuple(c.name for c in layouts if "delayed" not in c.modifiers)
-    specs = []
-    for entry in layouts:
-        roles = tuple(
-            role
-            for role, target in (storage.roles.items() if storage.roles else ())
-            if target == entry.name
-        )
-        if roles == ("verify",) and verify_only == "skip":
-            continue  # a verify-only layout: the speculative family drives it
-        if "delayed" in entry.modifiers:
-            continue  # rows of two codecs: the delayed family drives it
-        specs.append(
-            LayoutSpec(
-                entry.name,
-                roles or ("decode",),
-                shared_column=entry.shared_column,
-                trim_rows=entry.arrangement == "ragged",
-                peer=entry.parity is not None,
-                serial_peer=storage.parity is not None,
-                serial=serial,
-                tolerance_key=tolerance_key,
-                siblings=siblings,
-            )
-        )
-    return tuple(specs)
+    description: str
+    examples: float = 1.0
+    steps: float = 1.0
+    notes: tuple[str, ...] = ()
 
 
-def _paged_machine() -> type[Any]:
-    from kvrows.conformance.paged import PagedMachine
-
-    return PagedMachine
-
-
-def _paged_affine_machine() -> type[Any]:
-    from kvrows.conformance.paged import PagedAffineMachine
-
-    return PagedAffineMachine
-
-
-def _turbo_machine() -> type[Any]:
-    from kvrows.conformance.turbo import TurboMachine
-
-    return TurboMachine
-
-
-def _delayed_machine() -> type[Any]:
-    from kvrows.conformance.delayed import DelayedMachine
-
-    return DelayedMachine
-
-
-def _recurrent_machine() -> type[Any]:
-    from kvrows.conformance.recurrent import RecurrentMachine
-
-    return RecurrentMachine
-
-
-def delayed_layouts(codec: str = "affine") -> tuple[LayoutSpec, ...]:
-    """The delayed layouts converting to ``codec`` (``affine`` or ``turbo``; each serves
-    every role of its lego's rows; no mlx-lm peer)."""
-    roles = ("decode", "prefill", "verify")
-    layouts = {
-        "affine": (
-            ("DelayedQuantizedKVCache", "QuantizedKVCache", "affine"),
-            ("DelayedRotatingQuantizedKVCache", "RotatingQuantizedKVCache", "rotating-affine"),
-        ),
-        "turbo": (("DelayedTurboQuantKVCache", "TurboQuantKVCache", "turbo"),),
-    }[codec]
-    return tuple(
-        LayoutSpec(
-            name,
-            roles,
-            shared_column=False,
-            trim_rows=True,
-            peer=False,
-            serial_peer=False,
-            serial=serial,
-            tolerance_key=key,
-        )
-        for name, serial, key in layouts
-    )
-
-
-def _speculative_machine(name: str) -> Callable[[], type[Any]]:
-    def machine() -> type[Any]:
-        from kvrows.conformance import speculative
-
-        cls: type[Any] = getattr(speculative, name)
-        return cls
-
-    return machine
-
-
-def speculative_layouts() -> tuple[LayoutSpec, ...]:
-    """Every storage's verify layout (the table's verify role), on its storage's machine
-    with the rounds, its tolerance key and its mlx-lm peer."""
-    storages = (
-        ("KVCache", "plain", _plain_peer, "SpeculativeMachine"),
-        ("QuantizedKVCache", "affine", _affine_peer, "SpeculativeAffineMachine"),
-        ("RotatingKVCache", "rotating", _ring_peer, "SpeculativeRingMachine"),
-        ("RotatingQuantizedKVCache", "rotating-affine", _ring_peer, "SpeculativeRingMachine"),
-    )
-    return tuple(
-        replace(spec, machine=_speculative_machine(machine), peer_spec=peer)
-        for serial, key, peer, machine in storages
-        for spec in derived_layouts(serial, tolerance_key=key, verify_only="keep")
-        if "verify" in spec.roles
-    )
-
-
-def _latent_machine() -> type[Any]:
-    from kvrows.conformance.latent import LatentMachine
-
-    return LatentMachine
-
-
-def _paged_latent_machine() -> type[Any]:
-    from kvrows.conformance.paged_latent import PagedLatentMachine
-
-    return PagedLatentMachine
-
-
-def latent_layouts() -> tuple[LayoutSpec, ...]:
-    """The latent caches: each its own serial storage and its own layout in every role
-    (mlx-lm parity for ``MLACache``: its ``KVCache``/``BatchKVCache`` pairs hold the same)."""
-    return tuple(
-        LayoutSpec(
-            name,
-            ("decode", "prefill", "verify"),
-            shared_column=True,
-            trim_rows=True,
-            peer=name == "MLACache",
-            serial_peer=name == "MLACache",
-            serial=name,
-            tolerance_key="latent",
-        )
-        for name in ("MLACache", "EncodedLatentCache")
-    )
-
-
-FAMILIES: dict[str, Family] = {
-    "plain": Family(
-        name="plain",
-        serial="KVCache",
-        layouts=derived_layouts("KVCache"),
-        tolerance_key="plain",
-        peer=_plain_peer,
-        description="plain (unquantized) full-attention KV",
-        # Long prompts (past 256 columns) and every check on every append: half the
-        # profile keeps the CI profile near 15 s per layout on one core.
-        examples=0.5,
-        steps=0.9,
+#: The families' budgets, in the order ``kvrows conform`` lists the families (a derived
+#: family not named here runs the whole profile and is listed last).
+BUDGETS: dict[str, Budget] = {
+    # Long prompts (past 256 columns) and every check on every append: half the profile
+    # keeps the CI profile near 15 s per layout on one core.
+    "plain": Budget("plain (unquantized) full-attention KV", examples=0.5, steps=0.9),
+    # Six planes per row and quantized attention: an example costs about twice a plain one.
+    "affine": Budget(
+        "affine-quantized full-attention KV at every (bits, group size)", examples=0.28, steps=0.9
     ),
-    "affine": Family(
-        name="affine",
-        serial="QuantizedKVCache",
-        layouts=derived_layouts("QuantizedKVCache"),
-        tolerance_key="affine",
-        peer=_affine_peer,
-        description="affine-quantized full-attention KV at every (bits, group size)",
-        machine=_affine_machine,
-        # Six planes per row and quantized attention: an example costs about twice a
-        # plain one.
-        examples=0.28,
-        steps=0.9,
-    ),
-    # Sliding-window rings, both codecs: each layout names its serial ring and codec.
-    "rotating": Family(
-        name="rotating",
-        serial="RotatingKVCache",
-        layouts=derived_layouts("RotatingKVCache")
-        + derived_layouts("RotatingQuantizedKVCache", tolerance_key="rotating-affine"),
-        tolerance_key="rotating",
-        peer=_ring_peer,
-        description="sliding-window rings (plain and affine): serial, decode and prefill layouts",
-        machine=_ring_machine,
-        # An example drives four implementations of a ring (reference, optimized, mlx-lm
-        # twins and the model) through every wrap; 29 steps (prompts and chunks of
-        # several tokens) wrap the windows the geometries draw (mostly 4-16) and still
-        # reach layout merges and mlx-lm's filter.
+    # Sliding-window rings, both codecs: each layout names its serial ring and codec. An
+    # example drives four implementations of a ring (reference, optimized, mlx-lm twins and
+    # the model) through every wrap; 29 steps (prompts and chunks of several tokens) wrap
+    # the windows the geometries draw (mostly 4-16) and still reach layout merges and
+    # mlx-lm's filter.
+    "rotating": Budget(
+        "sliding-window rings (plain and affine): serial, decode and prefill layouts",
         examples=0.35,
         steps=0.85,
     ),
-    # Verify rounds on every storage's verify layout (two codecs, two geometries): each
-    # layout names its serial class, machine, tolerance key and mlx-lm peer.
-    "speculative": Family(
-        name="speculative",
-        serial="KVCache",
-        layouts=speculative_layouts(),
-        tolerance_key="plain",
-        peer=_plain_peer,
-        description="speculative verify rounds (commit / per-row rollback) on every verify "
-        "layout, rings across the window",
-        # Each example runs rounds with a solo replay per row, round misuse and mlx-lm's
-        # rollback: 33 examples of 32 steps per layout keep the family near 35 s on two
-        # workers.
+    # Verify rounds on every storage's verify layout (two codecs, two geometries). Each
+    # example runs rounds with a solo replay per row, round misuse and mlx-lm's rollback:
+    # 33 examples of 32 steps per layout keep the family near 35 s on two workers.
+    "speculative": Budget(
+        "speculative verify rounds (commit / per-row rollback) on every verify layout, rings "
+        "across the window",
         examples=0.22,
         steps=0.8,
     ),
     # TurboQuant: serial caches and their one layout in all three roles (verify rounds
-    # included), codes and scales exact, deferred-V attention against the eager oracle.
-    # No mlx-lm peer: mlx-lm has no TurboQuant cache.
-    "turbo": Family(
-        name="turbo",
-        serial="TurboQuantKVCache",
-        layouts=derived_layouts("TurboQuantKVCache"),
-        tolerance_key="turbo",
-        peer=None,
-        description="TurboQuant full attention at every (k_bits, v_bits) and head dim: "
-        "serial, the layout in every role with verify rounds, deferred vs eager V",
+    # included), codes and scales exact, deferred-V attention against the eager oracle. An
+    # example runs every codec width's planes through verify rounds and the eager oracle
+    # (about 2 s on one core): 10 examples of 34 steps.
+    "turbo": Budget(
+        "TurboQuant full attention at every (k_bits, v_bits) and head dim: serial, the layout "
+        "in every role with verify rounds, deferred vs eager V",
+        examples=0.07,
         notes=(
             "no mlx-lm peer (mlx-lm has no TurboQuant cache): reference vs optimized, solo "
             "replay and the eager-V oracle only",
         ),
-        machine=_turbo_machine,
-        # An example runs every codec width's planes through verify rounds and the eager
-        # oracle (about 2 s on one core): 10 examples of 34 steps.
-        examples=0.07,
     ),
     # Delayed layouts (rows that convert to affine at their own boundary), full attention
-    # and rings: their own machine (``conformance.delayed``) with solo legos.
-    "delayed": Family(
-        name="delayed",
-        serial="QuantizedKVCache",
-        layouts=delayed_layouts(),
-        tolerance_key="affine",
-        description="delayed layouts: rows convert to affine at their own start, mixed reads, "
-        "prefill maintenance, rounds, solo legos",
-        machine=_delayed_machine,
-        # Each example runs solo legos in both implementations for every row: 60 examples
-        # of 39 steps per layout (conversions mid-batch need the longer runs) keep the
-        # family near 25 s on one core.
+    # and rings, with solo legos for every row in both implementations: 60 examples of 39
+    # steps per layout (conversions mid-batch need the longer runs) keep the family near
+    # 25 s on one core.
+    "delayed": Budget(
+        "delayed layouts: rows convert to affine at their own start, mixed reads, prefill "
+        "maintenance, rounds, solo legos",
         examples=0.4,
         steps=1.15,
     ),
     # MLA latent state (issue 14): MLACache and EncodedLatentCache, each its own serial
-    # storage and layout; their own machine (``conformance.latent``).
-    "latent": Family(
-        name="latent",
-        serial="MLACache",
-        layouts=latent_layouts(),
-        tolerance_key="latent",
-        peer=_plain_peer,
-        description="MLA latent caches (latent + rope + DSA index planes; affine/TurboQuant "
-        "latent, bf16-first): rows, rounds, solo replay, mlx-lm KVCache pairs",
-        machine=_latent_machine,
-        # Every bad input is tried on each ``invalid`` step; 22 examples of 24 steps per
-        # class keep the family near 8 s on one core.
+    # storage and layout. Every bad input is tried on each ``invalid`` step; 22 examples
+    # of 24 steps per class keep the family near 8 s on one core.
+    "latent": Budget(
+        "MLA latent caches (latent + rope + DSA index planes; affine/TurboQuant latent, "
+        "bf16-first): rows, rounds, solo replay, mlx-lm KVCache pairs",
         examples=0.15,
         steps=0.6,
     ),
     # MLA latent planes in a block pool (issue 14): PagedLatentCache rows in one pool per
-    # implementation, MLACache as every row's oracle (``conformance.paged_latent``).
-    "paged-latent": Family(
-        name="paged-latent",
-        serial="PagedLatentCache",
-        layouts=(
-            LayoutSpec(
-                "PagedLatentCache",
-                ("decode", "prefill", "verify"),
-                shared_column=True,
-                trim_rows=True,
-                peer=True,
-                serial_peer=True,
-                serial="PagedLatentCache",
-                tolerance_key="latent",
-            ),
-        ),
-        tolerance_key="latent",
-        peer=_plain_peer,
-        description="MLA latent planes in a block pool (plain; affine/TurboQuant latent, "
-        "bf16-first): MLACache's rows as block tables, rounds, MLACache and mlx-lm KVCache "
-        "pairs as oracles, pool invariants",
-        machine=_paged_latent_machine,
-        # Half the examples plain, half encoded: about 5 s on one core in CI.
+    # implementation, MLACache as every row's oracle. Half the examples plain, half
+    # encoded: about 5 s on one core in CI.
+    "paged-latent": Budget(
+        "MLA latent planes in a block pool (plain; affine/TurboQuant latent, bf16-first): "
+        "MLACache's rows as block tables, rounds, MLACache and mlx-lm KVCache pairs as "
+        "oracles, pool invariants",
         examples=0.2,
         steps=0.6,
     ),
     # Recurrent state (SSM / gated DeltaNet): rows of SSMCache in BatchedSSMCache, every
-    # role, verify rounds by snapshot + replay; its own machine (no token axis, no attention
-    # read: ``conformance.recurrent``), mlx-lm's ArraysCache as the parity twin.
-    "recurrent": Family(
-        name="recurrent",
-        serial="SSMCache",
-        layouts=(
-            LayoutSpec(
-                "BatchedSSMCache",
-                ("decode", "prefill", "verify"),
-                shared_column=False,
-                trim_rows=False,
-                peer=True,
-                serial="SSMCache",
-                tolerance_key="recurrent",
-            ),
-        ),
-        tolerance_key="recurrent",
-        description="recurrent state (conv + float32 state, layer-written): rows, padded runs, "
-        "snapshot + replay rounds, mlx-lm ArraysCache parity",
-        machine=_recurrent_machine,
+    # role, verify rounds by snapshot + replay (no token axis, no attention read), mlx-lm's
+    # ArraysCache as the parity twin.
+    "recurrent": Budget(
+        "recurrent state (conv + float32 state, layer-written): rows, padded runs, snapshot "
+        "+ replay rounds, mlx-lm ArraysCache parity",
         examples=0.2,
         steps=0.75,
     ),
-    # The delayed machine with rows that convert to TurboQuant (full attention only):
-    # codes and scales exact, attention within the turbo tolerances, deferred vs eager V.
-    "delayed-turbo": Family(
-        name="delayed-turbo",
-        serial="TurboQuantKVCache",
-        layouts=delayed_layouts("turbo"),
-        tolerance_key="turbo",
-        description="delayed TurboQuant layout: rows convert to TurboQuant at their own start, "
-        "mixed reads attended per group, prefill maintenance, rounds, solo legos, eager V",
-        notes=("no mlx-lm peer (mlx-lm has no TurboQuant cache)",),
-        machine=_delayed_machine,
-        # One layout, solo legos for every row: 38 examples keep it near 8 s on one core.
+    # Rows that convert to TurboQuant (full attention only): codes and scales exact,
+    # attention within the turbo tolerances, deferred vs eager V. One layout, solo legos
+    # for every row: 38 examples keep it near 8 s on one core.
+    "delayed-turbo": Budget(
+        "delayed TurboQuant layout: rows convert to TurboQuant at their own start, mixed "
+        "reads attended per group, prefill maintenance, rounds, solo legos, eager V",
         examples=0.25,
+        notes=("no mlx-lm peer (mlx-lm has no TurboQuant cache)",),
     ),
     # Paged KV (issue 13): PagedKVCache rows in PagedKvRows (every role, verify rounds),
-    # bit-exact with the contiguous model; the pools' invariants after every rule.
-    "paged": Family(
-        name="paged",
-        serial="PagedKVCache",
-        layouts=derived_layouts("PagedKVCache", verify_only="keep"),
-        tolerance_key="plain",
-        peer=None,
-        description="paged KV: block tables into shared pools, rows by reference, verify "
-        "rounds, copy on write, bit-exact with the contiguous KV",
+    # bit-exact with the contiguous model; the pools' invariants after every rule. About
+    # 5 s on one core in CI (15 examples).
+    "paged": Budget(
+        "paged KV: block tables into shared pools, rows by reference, verify rounds, copy "
+        "on write, bit-exact with the contiguous KV",
+        examples=0.1,
+        steps=0.7,
         notes=(
             "no mlx-lm peer (mlx-lm has no paged cache): reference vs optimized, the "
             "contiguous model and solo replay",
         ),
-        machine=_paged_machine,
-        # About 5 s on one core in CI (15 examples).
-        examples=0.1,
-        steps=0.7,
     ),
-    # The same rows over affine pools: one affine codec per example, codes exact.
-    "paged-affine": Family(
-        name="paged-affine",
-        serial="PagedKVCache",
-        layouts=derived_layouts("PagedKVCache", tolerance_key="affine", verify_only="keep"),
-        tolerance_key="affine",
-        peer=None,
-        description="paged KV over affine pools at every (bits, group size)",
-        machine=_paged_affine_machine,
-        # About 4 s on one core in CI (6 examples: quantized attention is slow on the CPU).
-        examples=0.04,
-        steps=0.6,
+    # The same rows over affine pools, one affine codec per example, codes exact: about
+    # 4 s on one core in CI (6 examples: quantized attention is slow on the CPU).
+    "paged-affine": Budget(
+        "paged KV over affine pools at every (bits, group size)", examples=0.04, steps=0.6
     ),
 }
+
+
+def _storages() -> list[Composition]:
+    """The landed serial storages (a layout without a serial is its own storage), by
+    geometry, then codec (the hook tables' order), then table order."""
+    geometries, codecs = list(GEOMETRY_HOOKS), list(CODEC_HOOKS)
+    storages = [c for c in landed() if not c.is_layout or c.serial is None]
+    return sorted(
+        storages,
+        key=lambda c: (
+            geometries.index(c.geometry) if c.geometry in geometries else len(geometries),
+            codecs.index(c.codec) if c.codec in codecs else -1,
+        ),
+    )
+
+
+def _codecs(storage: Composition) -> tuple[str, ...]:
+    """The codec kinds ``storage`` is driven with (a storage of any codec: its geometry's)."""
+    if storage.codec == "any":
+        return GEOMETRY_HOOKS[storage.geometry].codecs
+    return (storage.codec,)
+
+
+@dataclass(frozen=True)
+class _Axes:
+    """One storage under one codec: its family, machine, peer and tolerance key."""
+
+    family: str
+    machine: Loader | None
+    rounds: Loader  # the machine with verify rounds
+    has_rounds: bool
+    peer: PeerLoader | None
+    tolerance_key: str
+    writer: WriterHooks
+
+
+@functools.cache
+def _mixed(mixin: Loader, base: Loader) -> Loader:
+    """The loader of ``mixin`` over ``base`` (a new codec's machine with verify rounds)."""
+
+    def machine() -> type[Any]:
+        mixed, under = mixin(), base()
+        return type(f"{mixed.__name__.removesuffix('Machine')}{under.__name__}", (mixed, under), {})
+
+    return functools.cache(machine)
+
+
+def _axes(codec: str, geometry: str) -> _Axes:
+    if codec not in CODEC_HOOKS or geometry not in GEOMETRY_HOOKS:
+        raise KeyError(
+            f"no conformance hooks for the {codec} codec on the {geometry} geometry: add a "
+            "row to conformance.hooks.CODEC_HOOKS / GEOMETRY_HOOKS"
+        )
+    codec_hooks, geometry_hooks = CODEC_HOOKS[codec], GEOMETRY_HOOKS[geometry]
+    writer = WRITERS[codec_hooks.tensors]
+    drawn_by: CodecHooks | GeometryHooks = codec_hooks
+    machine = codec_hooks.machine
+    if codec in geometry_hooks.by_codec or geometry_hooks.machine is not None:
+        drawn_by = geometry_hooks
+        machine = geometry_hooks.by_codec.get(codec, geometry_hooks.machine)
+    mixin = MODIFIER_RULES["speculative"].mixin
+    assert mixin is not None
+    if drawn_by.has_rounds and machine is not None:
+        rounds = machine
+    elif drawn_by.rounds is not None:
+        rounds = drawn_by.rounds
+    else:
+        rounds = mixin if machine is None else _mixed(mixin, machine)
+    family = geometry_hooks.family or codec_hooks.family
+    qualifier = codec_hooks.qualifier
+    if geometry_hooks.family is not None and geometry_hooks.codec_suffix and qualifier:
+        family = f"{family}-{qualifier}"
+    prefix, key = geometry_hooks.tolerance_prefix, codec_hooks.tolerance_key
+    if prefix:
+        key = f"{prefix}-{key}" if qualifier else prefix
+    peer: PeerChoice = None
+    for choice in (writer.peer, geometry_hooks.peer, codec_hooks.peer):
+        if choice != DEFER:
+            peer = choice
+            break
+    assert peer != DEFER
+    return _Axes(family, machine, rounds, drawn_by.has_rounds, peer, key, writer)
+
+
+def _roles(storage: Composition, entry: Composition) -> tuple[str, ...]:
+    """The roles in which ``storage``'s rows land in ``entry`` (the storage's roles that
+    name it; else the ones the layout names itself for: a delayed layout)."""
+    own = entry is storage
+    named = tuple(
+        role
+        for role, target in (storage.roles.items() if storage.roles else ())
+        if target == entry.name or (own and target == SELF)
+    )
+    if not named and entry.roles is not None:
+        named = tuple(role for role, target in entry.roles.items() if target == SELF)
+    return named or ("decode",)
+
+
+def _layout(storage: Composition, entry: Composition, axes: _Axes, peer: bool) -> LayoutSpec:
+    writer = axes.writer
+    layouts = (storage,) if storage.is_layout else layouts_of(storage.name)
+
+    def mirrored(c: Composition) -> bool:
+        if writer.parity_from_table:
+            return peer and c.parity is not None
+        return peer and c.name not in writer.unmirrored
+
+    siblings = (
+        tuple(c.name for c in layouts if "delayed" not in c.modifiers)
+        if writer.siblings and "delayed" not in entry.modifiers
+        else ()
+    )
+    return LayoutSpec(
+        entry.name,
+        _roles(storage, entry),
+        shared_column=entry.shared_column if writer.shared_column is None else writer.shared_column,
+        trim_rows=entry.arrangement == "ragged" if writer.trim_rows is None else writer.trim_rows,
+        peer=mirrored(entry),
+        serial_peer=mirrored(storage),
+        serial=storage.name,
+        tolerance_key=axes.tolerance_key,
+        siblings=siblings,
+    )
+
+
+def _modifier_family(rules: ModifierRules, codec: str) -> str:
+    if rules.default_codec is None or codec == rules.default_codec:
+        return rules.family
+    return f"{rules.family}-{codec}"
+
+
+def derive() -> dict[str, Family]:
+    """Every family, derived from the composition table and the hook tables (§0.11).
+
+    Each landed storage under each codec it is driven with joins the family of its axes
+    (geometry, else codec) with its layouts; a layout that serves only the verify role
+    joins only the speculative family, unless the storage's machine runs rounds itself; a
+    delayed layout (rows of two codecs) joins only its modifier's family. The speculative
+    family also takes every other verify layout of a storage whose machine has no rounds.
+    """
+    members: dict[str, list[tuple[LayoutSpec, Loader | None, PeerLoader | None]]] = {}
+    speculative, delayed = MODIFIER_RULES["speculative"], MODIFIER_RULES["delayed"]
+    for storage in _storages():
+        for codec in _codecs(storage):
+            axes = _axes(codec, storage.geometry)
+            for entry in (storage,) if storage.is_layout else layouts_of(storage.name):
+                if "delayed" in entry.modifiers:
+                    spec = _layout(storage, entry, axes, peer=delayed.peer)
+                    name = _modifier_family(delayed, codec)
+                    members.setdefault(name, []).append((spec, delayed.machine, None))
+                    continue
+                spec = _layout(storage, entry, axes, peer=True)
+                rounds_elsewhere = "verify" in spec.roles and not axes.has_rounds
+                if rounds_elsewhere and "speculative" in entry.modifiers:
+                    name = _modifier_family(speculative, codec)
+                    members.setdefault(name, []).append((spec, axes.rounds, axes.peer))
+                if spec.roles != ("verify",) or axes.has_rounds:
+                    members.setdefault(axes.family, []).append((spec, axes.machine, axes.peer))
+    order = list(BUDGETS)
+    families: dict[str, Family] = {}
+    for name in sorted(members, key=lambda n: order.index(n) if n in order else len(order)):
+        rows = members[name]
+        first, machine, peer = rows[0]
+        shared = all(row[1] is machine for row in rows)
+        budget = BUDGETS.get(name) or Budget(
+            f"{first.serial}: {', '.join(r[0].name for r in rows)}"
+        )
+        families[name] = Family(
+            name=name,
+            serial=first.serial,
+            layouts=tuple(
+                spec
+                if shared and row_peer is peer
+                else replace(spec, machine=row_machine, peer_spec=row_peer)
+                for spec, row_machine, row_peer in rows
+            ),
+            tolerance_key=first.tolerance_key,
+            peer=peer,
+            description=budget.description,
+            notes=budget.notes,
+            machine=machine if shared else None,
+            examples=budget.examples,
+            steps=budget.steps,
+        )
+    return families
+
+
+FAMILIES: dict[str, Family] = derive()
 
 
 def family(name: str) -> Family:

@@ -69,6 +69,7 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 from hypothesis import note
+from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -79,6 +80,7 @@ from kvrows.conformance import strategies as ks
 from kvrows.conformance.arrays import NUMPY_DTYPES, expand_mask, random_block, to_mlx
 from kvrows.conformance.families import CONSTRUCTORS, Family, Impl, LayoutSpec, PeerSpec
 from kvrows.conformance.parity import DIVERGENCES
+from kvrows.conformance.profiles import active_profile, machine_seed
 from kvrows.conformance.stats import Stats
 from kvrows.conformance.tolerances import Tolerance, compare, tolerance
 from kvrows.errors import (
@@ -619,7 +621,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         of ``quantity`` at ``dtype``, by default the example's); the error is recorded in
         ``stats`` either way."""
         key = self.spec.tolerance_key or self.family.tolerance_key
-        dtype = dtype or self.g.dtype
+        dtype = dtype or self.g.dtype  # recorded under the dtype it was held at
         tol = chosen if chosen is not None else tolerance(key, quantity, dtype)
         ok, error = compare(actual, expected, tol)
         ratio = 0.0
@@ -2571,6 +2573,7 @@ def machine_class(
     limits: Limits | None = None,
     enforce: bool = True,
     name: str | None = None,
+    profile: str | None = None,
     **hooks: Any,
 ) -> type[ConformanceMachine]:
     """The machine class for ``family``'s ``layout``, driving ``reference`` and ``optimized``.
@@ -2578,7 +2581,10 @@ def machine_class(
     ``optimized`` may be a mutant (``optimized_impl().with_classes({"PaddedKVRows": Mutant})``);
     ``name`` must then differ from the unmutated machine's so Hypothesis keeps their example
     databases apart. ``hooks`` override class attributes of the family's machine (e.g. the
-    affine family's ``codecs``).
+    affine family's ``codecs``). ``profile`` (default: the active one, as the settings of
+    ``runner.family_settings``): in a seeded profile (``ci``) the machine draws from its
+    fixed seed ``profiles.machine_seed(family, layout)``; a mutant run under ``teeth``
+    passes ``profile="teeth"``.
     """
     from kvrows.conformance.families import optimized_impl, reference_impl
 
@@ -2599,4 +2605,9 @@ def machine_class(
         "__doc__": f"Conformance of the {family.name} family's {layout} ({'/'.join(spec.roles)} layout).",
         **hooks,
     }
-    return type(name or f"{family.name.capitalize()}{layout}Machine", (base,), attrs)
+    machine = type(name or f"{family.name.capitalize()}{layout}Machine", (base,), attrs)
+    if active_profile(profile).seeded:
+        # Its own draws, whatever ran before (``profiles.machine_seed``); a later
+        # ``hypothesis.seed`` (``kvrows conform --seed``) replaces it.
+        machine = hypothesis_seed(machine_seed(family.name, layout))(machine)
+    return machine

@@ -132,7 +132,9 @@ def run_machines(
         stats = Stats(family.name, spec.name)
         if bar is not None:
             stats.on_example = lambda _stats, label=label: bar.tick(label)
-        cls = machine_class(family, spec.name, stats=stats, enforce=enforce, limits=limits)
+        cls = machine_class(
+            family, spec.name, stats=stats, enforce=enforce, limits=limits, profile=prof.name
+        )
         if seed is not None:
             cls = hypothesis_seed(seed)(cls)
         started = time.monotonic()

@@ -13,6 +13,8 @@ fails and the skip should go).
 from __future__ import annotations
 
 import re
+import zlib
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +34,16 @@ from conformance_helpers import (
 from mlx_lm.models import cache as mlx_lm_cache
 
 from kvrows.conformance.arrays import expand_mask, from_mlx, to_mlx
-from kvrows.conformance.families import FAMILIES
+from kvrows.conformance.families import BUDGETS, FAMILIES, derive
+from kvrows.conformance.machines import machine_class
 from kvrows.conformance.parity import DIVERGENCES
 from kvrows.conformance.profiles import PROFILES, active_profile, profile_settings
-from kvrows.conformance.runner import family_settings, run_conformance
+from kvrows.conformance.runner import (
+    MachineResult,
+    family_settings,
+    run_conformance,
+    run_machines,
+)
 from kvrows.conformance.tolerances import EXACT, TOLERANCES, Tolerance, compare, tolerance
 
 #: mlx-lm is untyped; reach its classes through ``Any``.
@@ -173,6 +181,94 @@ def test_runner_runs_the_affine_family() -> None:
     results, report = run_runner("affine", ["PaddedQuantKVRows", "BatchedQuantizedKVCache"], 3, 8)
     assert all(sum(r.stats.variants.values()) == r.stats.examples for r in results)
     assert "examples per variant: bits=" in report
+
+
+#: Every (family, layout) the machines drive: the CLI, the tests and their coverage
+#: requirements name them, so deriving the families must keep them.
+FAMILY_LAYOUTS = [
+    ("plain", "PaddedKVRows"),
+    ("plain", "BatchedKVCache"),
+    ("affine", "PaddedQuantKVRows"),
+    ("affine", "BatchedQuantizedKVCache"),
+    ("rotating", "BatchedRotatingCache"),
+    ("rotating", "RaggedRotatingRows"),
+    ("rotating", "BatchedRotatingQuantCache"),
+    ("rotating", "RotatingAffineLayout"),
+    ("speculative", "BatchedKVCache"),
+    ("speculative", "BatchedQuantizedKVCache"),
+    ("speculative", "SpeculativeRotatingKVCache"),
+    ("speculative", "SpeculativeRotatingAffineLayout"),
+    ("turbo", "BatchedTurboQuantKVCache"),
+    ("delayed", "DelayedQuantizedKVCache"),
+    ("delayed", "DelayedRotatingQuantizedKVCache"),
+    ("latent", "MLACache"),
+    ("latent", "EncodedLatentCache"),
+    ("paged-latent", "PagedLatentCache"),
+    ("recurrent", "BatchedSSMCache"),
+    ("delayed-turbo", "DelayedTurboQuantKVCache"),
+    ("paged", "PagedKvRows"),
+    ("paged-affine", "PagedKvRows"),
+]
+
+
+def test_the_families_are_derived_from_the_composition_table() -> None:
+    assert [(f.name, spec.name) for f in derive().values() for spec in f.layouts] == FAMILY_LAYOUTS
+    assert list(FAMILIES) == list(BUDGETS)
+    # Families that share a machine share its loader (one loader per machine class).
+    assert FAMILIES["delayed"].machine is FAMILIES["delayed-turbo"].machine
+
+
+def test_a_codec_without_its_own_rounds_machine_gets_the_speculative_mixin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A new codec row needs no machine with rounds: the speculative family mixes
+    ``SpeculativeMachine`` into the codec's machine (the MRO the affine one spells out)."""
+    from kvrows.conformance import families, hooks
+    from kvrows.conformance.speculative import SpeculativeAffineMachine
+
+    rows = dict(hooks.CODEC_HOOKS)
+    rows["affine"] = replace(rows["affine"], rounds=None)
+    monkeypatch.setattr(families, "CODEC_HOOKS", rows)
+    derived = families.derive()
+    assert [(f.name, s.name) for f in derived.values() for s in f.layouts] == FAMILY_LAYOUTS
+    spec = derived["speculative"].layout("BatchedQuantizedKVCache")
+    assert spec.machine is not None
+    mixed = spec.machine()
+    assert mixed is not SpeculativeAffineMachine
+    assert mixed.__mro__[1:] == SpeculativeAffineMachine.__mro__[1:]
+
+
+def _drawn(results: list[MachineResult]) -> dict[tuple[str, str], tuple[object, ...]]:
+    """What each machine of a run drew: operations, checks, variants and the largest error
+    per compared quantity (sensitive to every value drawn)."""
+    return {
+        (r.family, r.layout): (
+            r.stats.examples,
+            sorted(r.stats.ops.items()),
+            sorted(r.stats.checks.items()),
+            sorted(r.stats.variants.items()),
+            sorted((key, e.max_error, e.comparisons) for key, e in r.stats.errors.items()),
+        )
+        for r in results
+    }
+
+
+def test_ci_draws_do_not_depend_on_test_order() -> None:
+    """Each CI machine draws from its own seed, ``zlib.crc32(f"{family}/{layout}")``: two
+    families run in either order draw the same examples."""
+    small: dict[str, Any] = {"max_examples": 3, "stateful_step_count": 8}
+    forward = run_machines(["paged", "recurrent"], profile="ci", **small)
+    backward = run_machines(["recurrent", "paged"], profile="ci", **small)
+    assert all(r.passed for r in forward + backward), [r.failure for r in forward + backward]
+    assert _drawn(forward) == _drawn(backward)
+    family = FAMILIES["paged"]
+    seeded = machine_class(family, "PagedKvRows", profile="ci")
+    assert getattr(seeded, "_hypothesis_internal_use_seed", None) == zlib.crc32(
+        b"paged/PagedKvRows"
+    )
+    for profile in ("deep", "teeth"):  # randomized, or the digest of the mutant's name
+        unseeded = machine_class(family, "PagedKvRows", profile=profile)
+        assert getattr(unseeded, "_hypothesis_internal_use_seed", None) is None
 
 
 def test_runner_rejects_an_unknown_family(capsys: pytest.CaptureFixture[str]) -> None:

@@ -35,8 +35,14 @@ LAYOUT = "DelayedTurboQuantKVCache"
 pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
+#: The CI profile's examples (drawn from the machine's own seed,
+#: ``profiles.machine_seed``) first read converted rows mixed with plain ones past the
+#: family's 38: 50 reach every requirement (about 14 s on one core).
+CI_EXAMPLES = 50
+
+
 def test_delayed_turbo_family() -> None:
-    stats, settings = run_family(FAMILY, LAYOUT)
+    stats, settings = run_family(FAMILY, LAYOUT, ci_examples=CI_EXAMPLES)
     stats.require(
         settings.max_examples // 2,
         ops=delayed_ops("turbo"),

@@ -101,7 +101,12 @@ def test_the_latent_machine_catches(layout: str, mutant: type) -> None:
     stats = Stats(FAMILY.name, layout)
     optimized = optimized_impl().with_classes({layout: mutant})
     machine = machine_class(
-        FAMILY, layout, stats=stats, optimized=optimized, name=f"Teeth{mutant.__name__}"
+        FAMILY,
+        layout,
+        stats=stats,
+        optimized=optimized,
+        name=f"Teeth{mutant.__name__}",
+        profile="teeth",
     )
     with pytest.raises(AssertionError) as caught:
         run_state_machine_as_test(

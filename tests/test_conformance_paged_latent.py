@@ -83,7 +83,7 @@ def test_the_paged_latent_machine_catches_a_leaky_rollback() -> None:
     optimized = optimized_impl().with_classes({"PagedLatentCache": ForgetsTheTailBlock})
     machine = machine_class(
         FAMILY, "PagedLatentCache", stats=stats, optimized=optimized,
-        name="TeethForgetsTheTailBlock",
+        name="TeethForgetsTheTailBlock", profile="teeth",
     )  # fmt: skip
     with pytest.raises(AssertionError) as caught:
         run_state_machine_as_test(

@@ -164,7 +164,9 @@ def _run(
         optimized = optimized.with_classes({layout: mutant})
         name = f"Teeth{mutant.__name__}"
     settings = _teeth(examples)
-    return run_family(FAMILIES[family_name], layout, settings, optimized=optimized, name=name)[0]
+    return run_family(
+        FAMILIES[family_name], layout, settings, optimized=optimized, name=name, profile="teeth"
+    )[0]
 
 
 def _caught(
