@@ -50,9 +50,7 @@ BASELINE: dict[str, int] = {
     "kvrows/latent.py": 11,
     "kvrows/lego.py": 1,
     "kvrows/paged.py": 1,
-    "kvrows/paged_forms.py": 1,
     "kvrows/paged_latent.py": 7,
-    "kvrows/paged_storage.py": 4,
     "kvrows/recurrent.py": 2,
     "optimized/latent.py": 11,
     "optimized/latent_dropin.py": 1,
@@ -68,7 +66,7 @@ BASELINE: dict[str, int] = {
 }
 
 #: The sum of :data:`BASELINE`: the issue's "before".
-BASELINE_TOTAL = 84
+BASELINE_TOTAL = 79
 
 ADVICE = (
     "Ask a capability instead of a type: a protocol of kvrows.protocols (HasCodec, "
