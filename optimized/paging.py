@@ -45,10 +45,7 @@ from kvrows.errors import (
     PROJECTED_BYTES_NEEDS_GEOMETRY,
     InvalidInputError,
     LayoutStateError,
-    no_affine_parameter_message,
-    paged_empty_write_message,
     paged_merge_message,
-    paged_read_only_message,
     pool_geometry_message,
     pool_limit_message,
     prefix_mismatch_message,
@@ -63,6 +60,7 @@ from kvrows.paged import (
     ROOT_HASH,
     BlockLedger,
     Paged,
+    PagedSurface,
     bind_paged,
     chain_hashes,
     check_limit,
@@ -546,7 +544,7 @@ class BlockPool:
         self.ledger.check_valid(self._tables.values())
 
 
-class PagedRows(Storage):
+class PagedRows(PagedSurface, Storage):
     """What both paged storages add to the row machinery (the ``PagedRows`` surface):
     a codec, a block size, a pool once known, rows that are block tables into it.
 
@@ -592,40 +590,6 @@ class PagedRows(Storage):
         if pads != self._pads:
             self._pads = pads
 
-    # -- the paged surface ---------------------------------------------------------------
-    @property
-    def pool(self) -> BlockPool | None:
-        """The block pool this cache's tables point into (``None`` before the first write
-        of a cache built without one)."""
-        return self._pool
-
-    @property
-    def block_size(self) -> int:
-        return self._paged.block_size
-
-    @property
-    def state_needs_dispose(self) -> bool:
-        return False
-
-    # mlx-lm's attention reads ``bits`` / ``group_size`` off an affine cache (its quantized
-    # path); other codecs have neither (``hasattr`` is false).
-    @property
-    def bits(self) -> int:
-        return int(self._affine_parameter("bits"))
-
-    @property
-    def group_size(self) -> int:
-        return int(self._affine_parameter("group_size"))
-
-    def _affine_parameter(self, name: str) -> int:
-        """The codec's parameter ``name`` (only the affine codec has ``bits`` and
-        ``group_size``: its quantized attention path)."""
-        spec = self.codec_spec
-        parameters = spec.parameters()
-        if name not in parameters:
-            raise AttributeError(no_affine_parameter_message(type(self).__name__, spec, name))
-        return parameters[name]
-
     def release(self) -> None:
         """Give every block back to the pool now (the cache then holds no row)."""
         if self._pool is not None:
@@ -655,11 +619,11 @@ class PagedRows(Storage):
     def held_arrays(self) -> tuple[Any, ...]:
         return () if self._pool is None else self._pool.held_arrays()
 
-    def _accepts(self, source: object) -> bool:
+    def _accepts(self, source: Any) -> bool:
         return (
             getattr(source, "pool_class", None) is self.pool_class
-            and cast(PagedRows, source).codec.key == self.codec.key
-            and cast(PagedRows, source).block_size == self.block_size
+            and source.block_size == self.block_size
+            and source.codec.key == self.codec.key
         )
 
     def _merge_refusal(self, source: object) -> str:
@@ -724,58 +688,15 @@ class PagedRows(Storage):
         offset = self._offsets[row]
         return self._pool.gather([self._tables[row]], [offset], [0], offset)
 
-    def _row_windows(self) -> list[RowWindow]:
-        # A merge reads no byte: ``_join`` takes the tables (a serial storage without rows
-        # lends one empty row).
-        return [(None, offset) for offset in self._offsets] or [(None, 0)]
-
-    # -- mlx-lm's read surface (``spec/mlx-lm-drop-in.md``): reads only ------------------
     def _held(self) -> tuple[Any, Any] | None:
         if self._pool is None or not self._tables or not any(self._offsets):
             return None
         return self.fetch()
 
-    @property
-    def keys(self) -> Any:
-        """The fetched keys (``None`` while empty). Read-only: a block pool is shared."""
-        held = self._held()
-        return None if held is None else held[0]
-
-    @keys.setter
-    def keys(self, value: object) -> None:
-        self._refuse_write("keys", value)
-
-    @property
-    def values(self) -> Any:
-        """The fetched values (``None`` while empty). Read-only: a block pool is shared."""
-        held = self._held()
-        return None if held is None else held[1]
-
-    @values.setter
-    def values(self, value: object) -> None:
-        self._refuse_write("values", value)
-
-    def _refuse_write(self, name: str, value: object) -> None:
-        if self._held() is None:
-            if value is None:
-                return  # an empty cache's None written back
-            raise LayoutStateError(paged_empty_write_message(type(self).__name__, name))
-        raise InvalidInputError(paged_read_only_message(type(self).__name__, name))
-
-    def keys_and_values(self) -> tuple[Any, Any]:
-        """What ``fetch()`` returns (``LayoutStateError`` while empty)."""
-        return self.fetch()
-
-    def empty(self) -> bool:
-        return self._held() is None
-
-    def size(self) -> int:
-        """Columns a read returns."""
-        held = self._held()
-        if held is None:
-            return 0
-        first = held[0][0] if isinstance(held[0], tuple) else held[0]
-        return int(first.shape[2])
+    def _row_windows(self) -> list[RowWindow]:
+        # A merge reads no byte: ``_join`` takes the tables (a serial storage without rows
+        # lends one empty row).
+        return [(None, offset) for offset in self._offsets] or [(None, 0)]
 
     # -- masks: the growing geometry's (paging adds no mask rule) ------------------------
     def _serial_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
@@ -1015,9 +936,6 @@ class PagedLayout(PagedRows, Layout):
         pads = [width - o for o in offsets]
         return (keys, values, _index(offsets), _index(pads), width, self.block_size,
                 codec_field(self.codec_spec))  # fmt: skip
-
-    def check_valid(self) -> None:
-        super().check_valid()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(offsets={list(self._offsets)})"
