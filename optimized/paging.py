@@ -860,10 +860,12 @@ class PagedLayout(PagedRows, Layout):
         """Rows of this layout's pool join by reference (no byte moves); rows of another
         pool are copied into fresh blocks (all taken at once: a refusal changes nothing)."""
         lent: list[tuple[BlockPool | None, Table | None, int]] = []
-        for source in sources:
-            paged = cast(PagedRows, source)
-            rows = list(zip(paged._tables, paged._offsets, strict=True))
-            lent += [(paged._pool, t, o) for t, o in rows] or [(paged._pool, None, 0)]
+        for source in sources:  # a serial storage without rows lends one empty row
+            tables, offsets, source_pool = source._tables, source._offsets, source._pool
+            if tables:
+                lent.extend(zip([source_pool] * len(tables), tables, offsets, strict=True))
+            else:
+                lent.append((source_pool, None, 0))
         if not lent:
             return
         pool = self._pool or next((p for p, _, _ in lent if p is not None), None)
