@@ -69,7 +69,7 @@ from kvrows.paged import token_ids as read_token_ids
 from kvrows.paged_forms import PagedState, codec_field, parse_state
 from kvrows.protocols import Mask
 from kvrows.schemes import CodecSpec, Plain
-from kvrows.validation import KvGeometry, as_count, check_keep, check_row
+from kvrows.validation import KvGeometry, as_count, check_row
 
 __all__ = [
     "BlockPool",
@@ -579,6 +579,9 @@ class PagedRows(PagedSurface, Storage):
             )
 
     def _reset_geometry(self) -> None:
+        """Hold no row (a filter keeping none gives every block back)."""
+        if self._pool is not None:
+            self._pool.close(self._tables)
         self._tables[:] = []
 
     def _changed(self) -> None:
@@ -899,16 +902,11 @@ class PagedLayout(PagedRows, Layout):
         self._geometry = geometry
         self._changed()
 
-    def filter_rows(self, keep: Sequence[int]) -> None:
-        """Keep the rows ``keep``, in that order; the others' blocks go back to the pool."""
-        order = check_keep(keep, self.batch_size)
-        kept = set(order)
-        dropped = [t for i, t in enumerate(self._tables) if i not in kept]
-        if self._pool is not None:
-            self._pool.close(dropped)
-        super().filter_rows(order)
-
     def _keep(self, order: list[int]) -> None:
+        """The rows not kept give their blocks back to the pool."""
+        kept = set(order)
+        if self._pool is not None:
+            self._pool.close([t for i, t in enumerate(self._tables) if i not in kept])
         self._tables[:] = [self._tables[i] for i in order]
 
     def extract_row(self, row: int) -> Serial:
