@@ -334,16 +334,6 @@ class BlockPoolBase:
         self._values = self.ops.scatter(self._values, pieces, values)
         ledger.bytes_written += len(tables) * n * self.token_bytes
 
-    def open_written(self, keys: Planes, values: Planes) -> list[BlockTable]:
-        """New live tables, one per row of the encoded block ``keys`` / ``values``, holding
-        it: every block is taken before a table opens (``PoolExhaustedError`` with nothing
-        changed)."""
-        tables = [BlockTable() for _ in range(self.ops.shape(keys[0])[0])]
-        self.append(tables, keys, values)
-        for table in tables:
-            self._tables[id(table)] = table
-        return tables
-
     def _copy_tail(self, table: BlockTable, target: int) -> None:
         """Copy the partly filled tail of ``table`` into ``target``, which replaces it."""
         assert self._keys is not None and self._values is not None
