@@ -30,9 +30,17 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvrows.errors import InvalidInputError, PoolExhaustedError, not_a_geometry_message
+from kvrows.errors import (
+    InvalidInputError,
+    LayoutStateError,
+    PoolExhaustedError,
+    no_affine_parameter_message,
+    not_a_geometry_message,
+    paged_empty_write_message,
+    paged_read_only_message,
+)
 from kvrows.schemes import CodecSpec, Plain
 from kvrows.validation import KvGeometry, as_count
 
@@ -41,6 +49,7 @@ __all__ = [
     "ROOT_HASH",
     "BlockLedger",
     "Paged",
+    "PagedSurface",
     "bind_paged",
     "block_hash",
     "chain_hashes",
@@ -382,3 +391,98 @@ class BlockLedger:
                 for block in table:
                     counted[block] += 1
             assert counted == refs, "a reference count is not the number of tables holding it"
+
+
+class PagedSurface:
+    """What a paged storage shows besides its rows, in both implementations (array-free):
+    its pool and block size, the affine codec's ``bits`` / ``group_size``, and mlx-lm's
+    read surface over ``_held()`` (what ``fetch`` returns, ``None`` while nothing is held):
+    ``keys`` / ``values`` are reads only, since a block pool is shared."""
+
+    _pool: Any
+    _paged: Paged
+
+    if TYPE_CHECKING:
+
+        @property
+        def codec_spec(self) -> CodecSpec: ...
+
+        def fetch(self) -> tuple[Any, Any]: ...
+
+    def _held(self) -> tuple[Any, Any] | None:
+        raise NotImplementedError
+
+    @property
+    def pool(self) -> Any:
+        """The block pool this cache's tables point into (``None`` before the first write
+        of a cache built without one)."""
+        return self._pool
+
+    @property
+    def block_size(self) -> int:
+        return self._paged.block_size
+
+    @property
+    def state_needs_dispose(self) -> bool:
+        return False
+
+    # mlx-lm's attention reads ``bits`` / ``group_size`` off an affine cache (its quantized
+    # path); other codecs have neither (``hasattr`` is false).
+    @property
+    def bits(self) -> int:
+        return int(self._affine_parameter("bits"))
+
+    @property
+    def group_size(self) -> int:
+        return int(self._affine_parameter("group_size"))
+
+    def _affine_parameter(self, name: str) -> int:
+        """The codec's parameter ``name`` (only the affine codec has ``bits`` and
+        ``group_size``: its quantized attention path)."""
+        spec = self.codec_spec
+        parameters = spec.parameters()
+        if name not in parameters:
+            raise AttributeError(no_affine_parameter_message(type(self).__name__, spec, name))
+        return parameters[name]
+
+    @property
+    def keys(self) -> Any:
+        """The fetched keys (``None`` while empty). Read-only: a block pool is shared."""
+        held = self._held()
+        return None if held is None else held[0]
+
+    @keys.setter
+    def keys(self, value: object) -> None:
+        self._refuse_write("keys", value)
+
+    @property
+    def values(self) -> Any:
+        """The fetched values (``None`` while empty). Read-only: a block pool is shared."""
+        held = self._held()
+        return None if held is None else held[1]
+
+    @values.setter
+    def values(self, value: object) -> None:
+        self._refuse_write("values", value)
+
+    def _refuse_write(self, name: str, value: object) -> None:
+        if self._held() is None:
+            if value is None:
+                return  # an empty cache's None written back
+            raise LayoutStateError(paged_empty_write_message(type(self).__name__, name))
+        raise InvalidInputError(paged_read_only_message(type(self).__name__, name))
+
+    def keys_and_values(self) -> tuple[Any, Any]:
+        """What ``fetch()`` returns (``LayoutStateError`` while empty)."""
+        return self.fetch()
+
+    def empty(self) -> bool:
+        return self._held() is None
+
+    def size(self) -> int:
+        """Columns a read returns."""
+        held = self._held()
+        if held is None:
+            return 0
+        first = held[0][0] if isinstance(held[0], tuple) else held[0]
+        return int(first.shape[2])

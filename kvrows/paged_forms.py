@@ -19,7 +19,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvrows.codec import CodecSpec, codec_plane_specs
 from kvrows.codecs import kv_codecs
@@ -28,19 +28,14 @@ from kvrows.errors import CorruptStateError, not_an_integer_message
 from kvrows.forms import TURBO_STATE_DTYPE, state_form
 from kvrows.validation import FLOAT_DTYPES, KvGeometry
 
-if TYPE_CHECKING:
-    from kvrows.paged_storage import BlockPoolBase
-
 __all__ = [
     "PAGED_LAYOUT_FIELDS",
     "PAGED_SERIAL_FIELDS",
     "PagedState",
     "codec_field",
     "codec_named",
-    "load_into_base",
     "parse_state",
     "restore_state",
-    "state_of",
 ]
 
 PAGED_SERIAL_FIELDS = state_form(composition("PagedKVCache")).fields
@@ -91,31 +86,6 @@ def _ints(name: str, value: object, count: int) -> list[int]:
     if not isinstance(value, Sequence) or len(value) != count:
         raise CorruptStateError(f"state field {name} must hold {count} integers")
     return [_int(f"{name}[{i}]", v) for i, v in enumerate(value)]
-
-
-def state_of(cache: Any) -> tuple[Any, ...]:
-    """``cache``'s state in its form (compact, owned arrays)."""
-    from kvrows.paged_storage import PagedKvRowsBase
-
-    pool = cache.pool
-    ops = cache.pool_class.ops
-    name = codec_field(cache.codec_spec)
-    if isinstance(cache, PagedKvRowsBase):
-        offsets = list(cache.row_offsets)
-        width = max(offsets, default=0)
-        keys: tuple[Any, ...] | None
-        values: tuple[Any, ...] | None
-        if pool is None or width == 0 or cache._geometry is None:
-            keys, values = None, None
-        else:
-            keys, values = pool.gather(cache._rows, cache.left_pad, width)
-        pads = [width - o for o in offsets]
-        return (keys, values, ops.offsets(offsets), ops.offsets(pads), width,
-                cache.block_size, name)  # fmt: skip
-    planes = cache.planes()
-    if planes is None:
-        return None, None, cache.offset, cache.block_size, name
-    return planes[0], planes[1], cache.offset, cache.block_size, name
 
 
 def _check_planes(
@@ -211,47 +181,6 @@ def parse_state(
     if pool is not None and (pool.codec_spec != spec or pool.block_size != block_size):
         raise CorruptStateError("the state's codec or block size is not the pool's")
     return PagedState(spec, block_size, layout, offsets, pads, width, keys, vals, learnt)
-
-
-def load_into_base(cls: Any, parsed: PagedState, pool: BlockPoolBase | None) -> Any:
-    """A new ``cls`` of ``kvrows.paged_storage`` holding ``parsed`` (the optimized
-    implementation's load until its paged placement moves)."""
-    from kvrows.paged_storage import BlockTable
-
-    spec, block_size, learnt = parsed.spec, parsed.block_size, parsed.geometry
-    offsets, pads, width, layout = parsed.offsets, parsed.pads, parsed.width, parsed.layout
-    keys, vals, rows = parsed.keys, parsed.values, len(parsed.offsets)
-    ops = cls.pool_class.ops
-    cache = cls(pool=pool, codec=spec, block_size=block_size, geometry=learnt)
-    if width == 0:
-        if layout:
-            target = cache._pool or cache.pool_class(spec, block_size=block_size, geometry=learnt)
-            cache._pool = target
-            cache._watch()
-            cache._rows.extend(target.open_table() for _ in range(rows))
-        return cache
-    counts = [-(-offset // block_size) for offset in offsets]
-    target = cache._ensure_pool(learnt, sum(counts))
-    fresh = target.ledger.allocate(sum(counts))  # all at once: a refusal changes nothing
-    tables: list[BlockTable] = []
-    for b, (offset, pad, count) in enumerate(zip(offsets, pads, counts, strict=True)):
-        table = target.open_table()
-        table.blocks.extend(fresh[:count])  # allocated blocks are held once: this table's
-        del fresh[:count]
-        if offset:
-            row_k = tuple(ops.row_slice(p, b, pad, width) for p in keys)
-            row_v = tuple(ops.row_slice(p, b, pad, width) for p in vals)
-            target.append_into(table, row_k, row_v)
-        tables.append(table)
-    target.ledger.bytes_copied -= sum(offsets) * target.token_bytes  # a load writes, not copies
-    target.ledger.bytes_written += sum(offsets) * target.token_bytes
-    cache._geometry = learnt
-    if layout:
-        cache._watch()
-        cache._rows.extend(tables)
-    else:
-        cache._adopt(tables)
-    return cache
 
 
 def _geometry_of(

@@ -2,8 +2,10 @@
 
 ``PagedLatentCache`` is ``MLACache``'s row semantics (``kvrows.latent.LatentRows``: every
 argument check, the row bookkeeping, the rounds, the saved-state form) over the paged
-pool's block tables (``kvrows.paged`` / ``kvrows.paged_storage``: the ledger, reference
-counts, copy on write, prefix hashing). Nothing here is a second pool: a
+pool's block tables (the ledger ``kvrows.paged.BlockLedger``: reference counts, copy on
+write, prefix hashing; the tables and the pool's bookkeeping, :class:`BlockPoolBase` over
+an implementation's :class:`PlaneOps`, stay here until latent paging moves onto the row
+machinery). Nothing here is a second pool: a
 :class:`LatentBlockPoolBase` is a ``BlockPoolBase`` whose first plane group holds the
 latent (``[num_blocks, 1, block_size, kv_lora_rank]``) and whose second holds the rope
 plane and, for a DSA target, the index plane. Rows are block tables: a merge of rows of
@@ -24,17 +26,23 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Sequence
-from typing import Any, ClassVar, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from kvrows.codecs import is_codec_spec, is_kv_codec
 from kvrows.codecs.latent import LATENT_ROLE
 from kvrows.errors import (
     EMPTY_ROW_NO_BLOCK,
+    POOL_GEOMETRY_UNKNOWN,
     InvalidInputError,
     LayoutStateError,
     PoolExhaustedError,
     from_state_tuple_message,
     latent_role_message,
+    pool_geometry_message,
+    pool_limit_message,
+    prefix_mismatch_message,
+    prefix_too_long_message,
     state_signature_message,
 )
 from kvrows.latent import (
@@ -48,13 +56,388 @@ from kvrows.latent import (
     encoded_codec,
     latent_token_bytes,
 )
-from kvrows.paged import DEFAULT_BLOCK_SIZE, chain_hashes
-from kvrows.paged_storage import BlockPoolBase, BlockTable, Planes, _token_ids
+from kvrows.paged import (
+    DEFAULT_BLOCK_SIZE,
+    ROOT_HASH,
+    BlockLedger,
+    chain_hashes,
+    check_limit,
+)
+from kvrows.paged import token_ids as read_token_ids
 from kvrows.schemes import CodecSpec, Plain
 from kvrows.validation import KvGeometry, as_count
 
-__all__ = ["LatentBlockPoolBase", "PagedLatentRows", "latent_pool_geometry"]
+__all__ = [
+    "BlockPoolBase",
+    "BlockTable",
+    "LatentBlockPoolBase",
+    "PagedLatentRows",
+    "Piece",
+    "PlaneOps",
+    "latent_pool_geometry",
+]
 
+Planes = tuple[Any, ...]
+#: One write of a token run into one block: ``(block, start, count, row, token)``.
+Piece = tuple[int, int, int, int, int]
+
+
+class PlaneOps(Protocol):
+    """What an implementation does with arrays for the paged storages.
+
+    Pool planes are ``[num_blocks, H, block_size, w]``; a token slot is ``(block,
+    within)``. ``scatter`` and ``copy_block`` return the updated planes (an implementation
+    may update in place and return the same tuple)."""
+
+    def make_codec(self, spec: CodecSpec) -> Any: ...
+
+    def dtype_name(self, array: object) -> str: ...
+
+    def shape(self, array: object) -> tuple[int, ...]: ...
+
+    def concat_blocks(self, old: Planes, new: Planes) -> Planes: ...
+
+    def scatter(self, planes: Planes, pieces: Sequence[Piece], source: Planes) -> Planes:
+        """For each piece ``(block, start, count, row, token)``:
+        ``planes[block, :, start : start + count] = source[row, :, token : token + count]``
+        (``source``: ``[B, H, n, w]``)."""
+        ...
+
+    def copy_block(self, planes: Planes, target: int, origin: int, count: int) -> Planes:
+        """``planes[target, :, :count] = planes[origin, :, :count]``."""
+        ...
+
+    def gather(
+        self,
+        planes: Planes,
+        rows: Sequence[tuple[Sequence[int], int]],
+        pads: Sequence[int],
+        width: int,
+    ) -> Planes:
+        """``[B, H, width, w]``: row ``b``'s first ``count`` positions (its ``blocks`` in
+        order) at columns ``[pads[b], width)``, zeros before them; compact, owned arrays."""
+        ...
+
+    def row_slice(self, plane: Any, row: int, start: int, stop: int) -> Any:
+        """An owned copy of ``plane[row : row + 1, :, start:stop]``."""
+        ...
+
+
+@dataclass(eq=False)
+class BlockTable:
+    """One request's blocks in logical order and the positions it holds."""
+
+    blocks: list[int] = field(default_factory=list)
+    offset: int = 0
+
+    def pieces(self, block_size: int, start: int, count: int, row: int = 0) -> list[Piece]:
+        """Positions ``start .. start + count - 1`` as writes into their blocks, fed from
+        tokens ``0 .. count - 1`` of source row ``row``."""
+        out: list[Piece] = []
+        position = start
+        while position < start + count:
+            within = position % block_size
+            length = min(block_size - within, start + count - position)
+            out.append((self.blocks[position // block_size], within, length, row, position - start))
+            position += length
+        return out
+
+
+def _release_tables(pool_ref: weakref.ref[BlockPoolBase], tables: list[BlockTable]) -> None:
+    pool = pool_ref()
+    if pool is not None:
+        pool.close_tables(tables)
+
+
+class BlockPoolBase:
+    """The blocks of one layer, shared by every request of that layer (``spec/paged-pool.md``).
+
+    ``codec``: the codec spec of every block (default ``Plain()``); ``block_size``: tokens
+    per block; ``num_blocks``: blocks allocated once the KV geometry is known (declared
+    here or learnt from the first write); ``max_bytes``: the most bytes the pool's planes
+    may take (growth past it raises ``PoolExhaustedError``).
+    """
+
+    ops: ClassVar[PlaneOps]
+    #: The implementation's ``PagedKVCache`` (what ``lookup_prefix`` returns).
+    cache_class: ClassVar[type[Any]]
+
+    def __init__(
+        self,
+        codec: CodecSpec | None = None,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        num_blocks: int = 0,
+        max_bytes: int | None = None,
+        geometry: KvGeometry | None = None,
+    ) -> None:
+        spec = Plain() if codec is None else codec
+        self.codec = self.ops.make_codec(spec)
+        self.block_size = as_count(block_size, "block_size", minimum=1)
+        self._initial = as_count(num_blocks, "num_blocks")
+        self.max_bytes = None if max_bytes is None else as_count(max_bytes, "max_bytes")
+        self.ledger = BlockLedger(
+            self.block_size, grow=self._grow_to, extra=f"{self.codec.key}|{self.block_size}"
+        )
+        self._keys: Planes | None = None
+        self._values: Planes | None = None
+        self._geometry: KvGeometry | None = None
+        self._tables: dict[int, BlockTable] = {}
+        if geometry is not None:
+            self.learn(geometry)
+
+    # -- what it holds -------------------------------------------------------------------
+    @property
+    def codec_spec(self) -> CodecSpec:
+        spec: CodecSpec = self.codec.spec
+        return spec
+
+    @property
+    def geometry(self) -> KvGeometry | None:
+        return self._geometry
+
+    @property
+    def num_blocks(self) -> int:
+        return self.ledger.num_blocks
+
+    @property
+    def token_bytes(self) -> int:
+        """KV bytes of one token (keys and values), once the geometry is known."""
+        g = self._geometry
+        if g is None:
+            raise LayoutStateError(POOL_GEOMETRY_UNKNOWN)
+        return int(
+            self.codec.token_bytes(g.heads, g.key_dim, g.dtype, "keys")
+            + self.codec.token_bytes(g.heads, g.value_dim, g.dtype, "values")
+        )
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.token_bytes * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(p.nbytes) for p in (self._keys or ()) + (self._values or ()))
+
+    @property
+    def bytes_written(self) -> int:
+        return self.ledger.bytes_written
+
+    @property
+    def bytes_copied(self) -> int:
+        return self.ledger.bytes_copied
+
+    def held_arrays(self) -> tuple[Any, ...]:
+        return (self._keys or ()) + (self._values or ())
+
+    def live_tables(self) -> tuple[BlockTable, ...]:
+        return tuple(self._tables.values())
+
+    # -- geometry and growth -------------------------------------------------------------
+    def learn(self, geometry: KvGeometry, *, room: int = 0) -> None:
+        """Fix the KV geometry (first write or declaration); refuses another one. ``room``:
+        the blocks the write that teaches it takes; a byte limit that cannot hold them
+        raises ``PoolExhaustedError`` before the pool learns anything."""
+        if self._geometry is not None:
+            if geometry != self._geometry:
+                raise InvalidInputError(
+                    pool_geometry_message(self._geometry.describe(), geometry.describe())
+                )
+            return
+        self._check_geometry(geometry)
+        self._geometry = geometry
+        if self.max_bytes is not None:
+            limit = self.max_bytes // self.bytes_per_block
+            if limit < self._initial:
+                self._geometry = None
+                raise InvalidInputError(pool_limit_message(self.max_bytes, limit, self._initial))
+            if limit < room:
+                self._geometry = None
+                check_limit(room, limit)
+            self.ledger.max_blocks = limit
+        if self._initial:
+            self.ledger.ensure(self._initial)
+
+    def _check_geometry(self, geometry: KvGeometry) -> None:
+        """Refuse a geometry the pool's codec cannot store (a latent pool checks its own)."""
+        self.codec.check(geometry)
+
+    def _zeros(self, count: int) -> tuple[Planes, Planes]:
+        g = self._geometry
+        assert g is not None
+        bs = self.block_size
+        return (
+            tuple(self.codec.zeros(count, g.heads, bs, g.key_dim, g.dtype, "keys")),
+            tuple(self.codec.zeros(count, g.heads, bs, g.value_dim, g.dtype, "values")),
+        )
+
+    def _grow_to(self, total: int) -> None:
+        keys, values = self._zeros(total - self.num_blocks)
+        if self._keys is None or self._values is None:
+            self._keys, self._values = keys, values
+        else:
+            self._keys = self.ops.concat_blocks(self._keys, keys)
+            self._values = self.ops.concat_blocks(self._values, values)
+
+    # -- tables --------------------------------------------------------------------------
+    def open_table(self, blocks: Sequence[int] = (), offset: int = 0) -> BlockTable:
+        """A new live table holding ``blocks`` (each counted once more) at ``offset``."""
+        table = BlockTable(list(blocks), offset)
+        self.ledger.touch(table.blocks)
+        self._tables[id(table)] = table
+        return table
+
+    def adopt_empty(self, tables: Sequence[BlockTable]) -> None:
+        """Make empty tables made before the pool existed live tables of this pool."""
+        for table in tables:
+            if id(table) not in self._tables:
+                assert not table.blocks and table.offset == 0
+                self._tables[id(table)] = table
+
+    def share(self, table: BlockTable) -> BlockTable:
+        """A second table holding what ``table`` holds (no byte moves)."""
+        return self.open_table(table.blocks, table.offset)
+
+    def close_tables(self, tables: Sequence[BlockTable]) -> None:
+        """Release every table (each tail block first)."""
+        for table in tables:
+            if self._tables.pop(id(table), None) is not None:
+                self.ledger.release(reversed(table.blocks))
+                table.blocks = []
+                table.offset = 0
+
+    def _blocks_for(self, offset: int) -> int:
+        return math.ceil(offset / self.block_size)
+
+    def append(self, tables: Sequence[BlockTable], keys: Planes, values: Planes) -> None:
+        """Row ``b`` of the encoded block ``keys`` / ``values`` (``[B, H, n, ·]``) goes to
+        the end of ``tables[b]``: the blocks every row needs are taken at once (raises
+        ``PoolExhaustedError`` with nothing changed), then partly filled shared tails are
+        copied (copy on write) and the tokens written."""
+        bs, ledger = self.block_size, self.ledger
+        n = self.ops.shape(keys[0])[2]
+        plans: list[tuple[bool, int]] = []
+        for table in tables:
+            fill = table.offset % bs
+            cow = fill > 0 and not ledger.writable(table.blocks[-1])
+            plans.append((cow, self._blocks_for(table.offset + n) - len(table.blocks)))
+        fresh = ledger.allocate(sum(int(cow) + new for cow, new in plans))
+        assert self._keys is not None and self._values is not None
+        pieces: list[Piece] = []
+        for b, (table, (cow, new)) in enumerate(zip(tables, plans, strict=True)):
+            if cow:
+                self._copy_tail(table, fresh.pop())
+            table.blocks.extend(fresh[:new])
+            del fresh[:new]
+            pieces += table.pieces(bs, table.offset, n, b)
+            table.offset += n
+        self._keys = self.ops.scatter(self._keys, pieces, keys)
+        self._values = self.ops.scatter(self._values, pieces, values)
+        ledger.bytes_written += len(tables) * n * self.token_bytes
+
+    def _copy_tail(self, table: BlockTable, target: int) -> None:
+        """Copy the partly filled tail of ``table`` into ``target``, which replaces it."""
+        assert self._keys is not None and self._values is not None
+        fill = table.offset % self.block_size
+        old = table.blocks[-1]
+        self._keys = self.ops.copy_block(self._keys, target, old, fill)
+        self._values = self.ops.copy_block(self._values, target, old, fill)
+        self.ledger.release([old])
+        table.blocks[-1] = target
+        self.ledger.bytes_copied += fill * self.token_bytes
+
+    def copy_in(self, sources: Sequence[tuple[BlockPoolBase, BlockTable]]) -> list[BlockTable]:
+        """New tables of this pool holding copies of tables of other pools (the bytes are
+        counted as copied); every block is taken at once, so a refusal changes nothing."""
+        fresh = self.ledger.allocate(sum(self._blocks_for(t.offset) for _, t in sources))
+        copies: list[BlockTable] = []
+        for source, table in sources:
+            count = self._blocks_for(table.offset)
+            copy = BlockTable(fresh[:count], 0)
+            del fresh[:count]
+            self._tables[id(copy)] = copy
+            copies.append(copy)
+            if table.offset:
+                keys, values = source.gather([table], [0], table.offset)
+                self.append_into(copy, keys, values)
+        return copies
+
+    def append_into(self, table: BlockTable, keys: Planes, values: Planes) -> None:
+        """Write ``[1, H, n, ·]`` planes into ``table``'s already allocated blocks."""
+        assert self._keys is not None and self._values is not None
+        n = self.ops.shape(keys[0])[2]
+        pieces = table.pieces(self.block_size, 0, n)
+        self._keys = self.ops.scatter(self._keys, pieces, keys)
+        self._values = self.ops.scatter(self._values, pieces, values)
+        table.offset = n
+        self.ledger.bytes_copied += n * self.token_bytes
+
+    def trim(self, table: BlockTable, count: int) -> None:
+        """Forget the newest ``count`` positions of ``table`` and release its now-empty tail
+        blocks (tail first)."""
+        table.offset -= count
+        keep = self._blocks_for(table.offset)
+        self.ledger.release(reversed(table.blocks[keep:]))
+        del table.blocks[keep:]
+
+    def gather(
+        self, tables: Sequence[BlockTable], pads: Sequence[int], width: int
+    ) -> tuple[Planes, Planes]:
+        """``[B, H, width, ·]`` key and value planes: row ``b``'s positions in logical
+        order at columns ``[pads[b], width)``."""
+        assert self._keys is not None and self._values is not None
+        rows = [(t.blocks, t.offset) for t in tables]
+        return (
+            self.ops.gather(self._keys, rows, pads, width),
+            self.ops.gather(self._values, rows, pads, width),
+        )
+
+    # -- the prefix cache ----------------------------------------------------------------
+    def register_prefix(self, table: BlockTable, token_ids: Sequence[int]) -> int:
+        """Hash the full blocks of ``table`` that ``token_ids`` covers (at most its
+        committed positions); returns how many blocks are now cached."""
+        tokens = read_token_ids(token_ids)
+        if len(tokens) > table.offset:
+            raise InvalidInputError(prefix_too_long_message(len(tokens), table.offset))
+        full = len(tokens) // self.block_size
+        hashes = chain_hashes(tokens, self.block_size, self.ledger.extra, full)
+        for j, digest in enumerate(hashes):  # refuse before any block is hashed
+            known = self.ledger.hash_of(table.blocks[j])
+            if known is not None and known != digest:
+                raise InvalidInputError(prefix_mismatch_message(j))
+        previous, bs = ROOT_HASH, self.block_size
+        for j in range(full):
+            previous = self.ledger.register(
+                table.blocks[j], previous, tokens[j * bs : (j + 1) * bs]
+            )
+        return full
+
+    def lookup_prefix(self, token_ids: Sequence[int]) -> Any:
+        """A new ``PagedKVCache`` holding the longest run of cached full blocks that starts
+        ``token_ids`` (at most ``len(token_ids) - 1`` positions: the last token is always
+        computed, for its logits), referenced, not copied; ``None`` on a miss."""
+        tokens = read_token_ids(token_ids)
+        most = max(len(tokens) - 1, 0) // self.block_size
+        hits = self.ledger.lookup(chain_hashes(tokens, self.block_size, self.ledger.extra, most))
+        if not hits:
+            return None
+        cache = self.cache_class(pool=self)
+        cache._geometry = self._geometry
+        cache._adopt([self.open_table(hits, len(hits) * self.block_size)])
+        return cache
+
+    def evict_cached(self, count: int) -> int:
+        """Forget up to ``count`` unreferenced cached blocks, least recently used first."""
+        return self.ledger.evict_cached(as_count(count, "count"))
+
+    def check_valid(self) -> None:
+        """Assert the pool's invariants (``spec/paged-pool.md`` §4)."""
+        self.ledger.check_valid(t.blocks for t in self._tables.values())
+        for table in self._tables.values():
+            assert len(table.blocks) == self._blocks_for(table.offset), "no empty tail block"
+
+
+_token_ids = read_token_ids
 _P = TypeVar("_P", bound="PagedLatentRows")
 _R = TypeVar("_R")
 
@@ -151,12 +534,6 @@ class LatentBlockPoolBase(BlockPoolBase):
         )
         cache._adopt_rows([self.open_table(hits, len(hits) * self.block_size)])
         return cache
-
-
-def _release_tables(pool_ref: weakref.ref[BlockPoolBase], tables: list[BlockTable]) -> None:
-    pool = pool_ref()
-    if pool is not None:
-        pool.close_tables(tables)
 
 
 class PagedLatentRows(LatentRows):

@@ -3,7 +3,7 @@ MLX block pool.
 
 The row semantics are ``MLACache``'s (``kvrows.latent.LatentRows``), the block bookkeeping
 the paged core's (``kvrows.paged_latent``); this module binds them to the MLX plane
-operations of ``optimized/paged.py`` (one slice write per run of whole blocks, whole blocks
+operations of ``optimized/paging.py`` (one slice write per run of whole blocks, whole blocks
 taken on reads) and the optimized latent's array hooks.
 """
 
@@ -16,13 +16,55 @@ import mlx.core as mx
 
 from kvrows.compositions import composition
 from kvrows.errors import InvalidInputError, preview_blocks_message
-from kvrows.optimized.codecs import dtype_name, mlx_dtype
+from kvrows.optimized.codecs import dtype_name, make_codec, mlx_dtype
 from kvrows.optimized.latent import _LatentOptimized
-from kvrows.optimized.paged import MlxPlaneOps
+from kvrows.optimized.paging import copy_block, gather, scatter
 from kvrows.optimized.rows import owned
-from kvrows.paged_latent import LatentBlockPoolBase, PagedLatentRows
+from kvrows.paged_latent import LatentBlockPoolBase, PagedLatentRows, Piece, Planes
+from kvrows.schemes import CodecSpec
 
 __all__ = ["LatentBlockPool", "PagedLatentCache"]
+
+
+class MlxPlaneOps:
+    """The latent pool's plane operations on MLX arrays (the paged placement's scatter and
+    gather runs, ``optimized/paging.py``)."""
+
+    def make_codec(self, spec: CodecSpec) -> Any:
+        return make_codec(spec)
+
+    def dtype_name(self, array: object) -> str:
+        return dtype_name(array)
+
+    def shape(self, array: object) -> tuple[int, ...]:
+        return tuple(int(x) for x in array.shape) if isinstance(array, mx.array) else ()
+
+    def concat_blocks(self, old: Planes, new: Planes) -> Planes:
+        grown = tuple(mx.concatenate([a, b], axis=0) for a, b in zip(old, new, strict=True))
+        mx.eval(*grown)
+        return grown
+
+    def scatter(self, planes: Planes, pieces: Sequence[Piece], source: Planes) -> Planes:
+        scatter(planes, pieces, source)
+        return planes
+
+    def copy_block(self, planes: Planes, target: int, origin: int, count: int) -> Planes:
+        copy_block(planes, target, origin, count)
+        return planes
+
+    def gather(
+        self,
+        planes: Planes,
+        rows: Sequence[tuple[Sequence[int], int]],
+        pads: Sequence[int],
+        width: int,
+    ) -> Planes:
+        return gather(planes, rows, pads, width)
+
+    def row_slice(self, plane: Any, row: int, start: int, stop: int) -> Any:
+        piece = owned(plane[row : row + 1, :, start:stop])
+        mx.eval(piece)
+        return piece
 
 
 class LatentBlockPool(LatentBlockPoolBase):

@@ -211,8 +211,8 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
                 f"{cls.__name__}: {entry.name} is {entry.geometry}/{entry.arrangement}, "
                 f"the class is {cls.geometry_kind}/{sorted(cls.arrangement_kinds)}"
             )
-        codec = CODECS.get(entry.codec)
-        if ("bits" in (codec.state_tail if codec else ())) != hasattr(cls, "bits"):
+        codec = CODECS.get(entry.codec)  # None: a class of any codec (its spec decides)
+        if codec is not None and ("bits" in codec.state_tail) != hasattr(cls, "bits"):
             raise KvRowsError(f"{cls.__name__}: bits/group_size must exist iff it is affine")
         # Modifiers wrap a layout: a class with the speculative one lists SpeculativeLayout
         # first among its bases (``optimized/speculative.py``).
@@ -325,20 +325,24 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             geometry=self._geometry,
         )
         self.codec.check(geometry)
-        self._geometry = geometry
-        if not self._offsets:  # a serial storage's first block sets its rows
-            batch = int(keys.shape[0])
-            self._offsets, self._pads = [0] * batch, [0] * batch
-        n = int(keys.shape[2])
         key_tensor, value_tensor = KV_TENSORS
         block: PlaneSet = {
             key_tensor: self.codec.encode(keys, key_tensor),
             value_tensor: self.codec.encode(values, value_tensor),
         }
+        self._write(block, int(keys.shape[2]), geometry)
+        return self.fetch()
+
+    def _write(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
+        """Write a checked, encoded block of ``n`` tokens and advance the rows (a placement
+        that may refuse overrides it: it refuses first, then calls this)."""
+        self._geometry = geometry
+        if not self._offsets:  # a serial storage's first block sets its rows
+            batch = int(next(iter(block.values()))[0].shape[0])
+            self._offsets, self._pads = [0] * batch, [0] * batch
         self._append(block, n, geometry)
         self._offsets = [o + n for o in self._offsets]
         self._changed()
-        return self.fetch()
 
     def fetch(self) -> tuple[Any, Any]:
         if self._planes is None:
@@ -619,13 +623,20 @@ class Layout(Storage):
         incoming: list[RowWindow] = []
         for source in rows:
             if not isinstance(source, Storage) or not self._accepts(source):
-                raise IncompatibleRowsError(
-                    incompatible_merge_message(
-                        self.signature(), source, self.codec.key, self.token_geometry
-                    )
-                )
+                raise IncompatibleRowsError(self._merge_refusal(source))
             incoming.extend(source._row_windows())
-        shapes = self._joined_shapes(rows)
+        self._join(rows, incoming, self._joined_shapes(rows))
+
+    def _merge_refusal(self, source: object) -> str:
+        """The message refusing a source ``_accepts`` does not take."""
+        return incompatible_merge_message(
+            self.signature(), source, self.codec.key, self.token_geometry
+        )
+
+    def _join(self, sources: Sequence[Cache], incoming: list[RowWindow], shapes: Any) -> None:
+        """Join the checked sources' rows (``incoming``: their windows), then take
+        ``shapes`` (what the rows hold, checked common); a placement that joins by reference
+        (paged tables) overrides it."""
         if not incoming:
             return
         self._take_shapes(shapes)

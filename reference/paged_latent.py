@@ -4,7 +4,7 @@ a NumPy block pool.
 The row semantics are ``MLACache``'s (``kvrows.latent.LatentRows``), the block bookkeeping
 the paged core's (``kvrows.paged_latent``); this module binds them to the NumPy plane
 operations below (:class:`NumpyPlaneOps`, slot by slot) and the reference latent's array
-hooks. Latent paging still runs on the shared ``kvrows.paged_storage`` machinery until its
+hooks. Latent paging still runs on ``kvrows.paged_latent``'s block pool (``BlockPoolBase``) until its
 step moves it (``spec/machinery-migration.md`` §6); the reference's KV paging is
 ``reference/paging.py``.
 """
@@ -18,8 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvrows.compositions import composition
-from kvrows.paged_latent import LatentBlockPoolBase, PagedLatentRows
-from kvrows.paged_storage import Piece, Planes
+from kvrows.paged_latent import LatentBlockPoolBase, PagedLatentRows, Piece, Planes
 from kvrows.reference.codecs import dtype_name, make_codec, numpy_dtype
 from kvrows.reference.latent import _LatentReference
 from kvrows.schemes import CodecSpec

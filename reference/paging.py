@@ -44,10 +44,7 @@ from kvrows.errors import (
     InvalidInputError,
     LayoutStateError,
     PoolExhaustedError,
-    no_affine_parameter_message,
-    paged_empty_write_message,
     paged_merge_message,
-    paged_read_only_message,
     pool_geometry_message,
     pool_limit_message,
     prefix_mismatch_message,
@@ -59,6 +56,7 @@ from kvrows.paged import (
     ROOT_HASH,
     BlockLedger,
     Paged,
+    PagedSurface,
     bind_paged,
     chain_hashes,
     check_limit,
@@ -444,7 +442,7 @@ class RightAligned(PaddedRows):
         self.realign(rows)
 
 
-class PagedRows(Storage):
+class PagedRows(PagedSurface, Storage):
     """What both paged storages add to the row machinery (the ``PagedRows`` surface):
     a codec, a block size, a pool once known, rows that are block tables into it.
 
@@ -489,40 +487,6 @@ class PagedRows(Storage):
 
     def _new_row(self) -> Row:
         return PagedRow()
-
-    # -- the paged surface ---------------------------------------------------------------
-    @property
-    def pool(self) -> BlockPool | None:
-        """The block pool this cache's tables point into (``None`` before the first write
-        of a cache built without one)."""
-        return self._pool
-
-    @property
-    def block_size(self) -> int:
-        return self._paged.block_size
-
-    @property
-    def state_needs_dispose(self) -> bool:
-        return False
-
-    # mlx-lm's attention reads ``bits`` / ``group_size`` off an affine cache (its quantized
-    # path); other codecs have neither (``hasattr`` is false).
-    @property
-    def bits(self) -> int:
-        return int(self._affine_parameter("bits"))
-
-    @property
-    def group_size(self) -> int:
-        return int(self._affine_parameter("group_size"))
-
-    def _affine_parameter(self, name: str) -> int:
-        """The codec's parameter ``name`` (only the affine codec has ``bits`` and
-        ``group_size``: its quantized attention path)."""
-        spec = self.codec_spec
-        parameters = spec.parameters()
-        if name not in parameters:
-            raise AttributeError(no_affine_parameter_message(type(self).__name__, spec, name))
-        return parameters[name]
 
     def release(self) -> None:
         """Give every block back to the pool now (the cache then holds no row)."""
@@ -603,48 +567,6 @@ class PagedRows(Storage):
     # -- mlx-lm's read surface (``spec/mlx-lm-drop-in.md``): reads only ------------------
     def _held(self) -> tuple[Any, Any] | None:
         return None if self._gathered() is None else self.fetch()
-
-    @property
-    def keys(self) -> Any:
-        """The fetched keys (``None`` while empty). Read-only: a block pool is shared."""
-        held = self._held()
-        return None if held is None else held[0]
-
-    @keys.setter
-    def keys(self, value: object) -> None:
-        self._refuse_write("keys", value)
-
-    @property
-    def values(self) -> Any:
-        """The fetched values (``None`` while empty). Read-only: a block pool is shared."""
-        held = self._held()
-        return None if held is None else held[1]
-
-    @values.setter
-    def values(self, value: object) -> None:
-        self._refuse_write("values", value)
-
-    def _refuse_write(self, name: str, value: object) -> None:
-        if self._held() is None:
-            if value is None:
-                return  # an empty cache's None written back
-            raise LayoutStateError(paged_empty_write_message(type(self).__name__, name))
-        raise InvalidInputError(paged_read_only_message(type(self).__name__, name))
-
-    def keys_and_values(self) -> tuple[Any, Any]:
-        """What ``fetch()`` returns (``LayoutStateError`` while empty)."""
-        return self.fetch()
-
-    def empty(self) -> bool:
-        return self._held() is None
-
-    def size(self) -> int:
-        """Columns a read returns."""
-        held = self._held()
-        if held is None:
-            return 0
-        first = held[0][0] if isinstance(held[0], tuple) else held[0]
-        return int(first.shape[2])
 
     # -- checks and forms ----------------------------------------------------------------
     def _check_tables(self) -> None:

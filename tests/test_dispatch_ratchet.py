@@ -49,8 +49,6 @@ BASELINE: dict[str, int] = {
     "kvrows/forms.py": 3,
     "kvrows/lego.py": 1,
     "kvrows/paged.py": 1,
-    "kvrows/paged_forms.py": 1,
-    "kvrows/paged_storage.py": 4,
     "kvrows/recurrent.py": 2,
     "optimized/latent_dropin.py": 1,
     "optimized/lego.py": 1,
@@ -62,7 +60,7 @@ BASELINE: dict[str, int] = {
 }
 
 #: The sum of :data:`BASELINE`: the issue's "before".
-BASELINE_TOTAL = 44
+BASELINE_TOTAL = 39
 
 ADVICE = (
     "Ask a capability instead of a type: a protocol of kvrows.protocols (HasCodec, "

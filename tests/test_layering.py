@@ -181,20 +181,21 @@ def test_the_application_imports_only_public_implementation_names(
     )
 
 
-#: Reference modules that may still import ``kvrows.paged_storage`` (the shared paged
-#: machinery the optimized twin runs until its half of step 3 lands): latent paging only.
-PAGED_STORAGE_USERS = {"paged_latent.py"}
+#: Modules of either twin that may import ``kvrows.paged_latent`` (the latent pool's shared
+#: bookkeeping, until latent paging moves onto the row machinery): latent paging only.
+PAGED_LATENT_USERS = {"paged_latent.py"}
 
 
-def test_the_reference_pages_kv_on_its_own_machinery() -> None:
-    """The reference's KV paging is ``reference/paging.py`` over its row machinery (contract
-    §0.4, §0.8: the twins share no row bookkeeping); no other reference module imports
-    ``kvrows.paged_storage``."""
-    reference = CORE.parent / "reference"
-    users = {
-        path.name
-        for path in reference.rglob("*.py")
-        for _, module in imported_modules(path.read_text(), "kvrows.reference")
-        if module == "kvrows.paged_storage" or module.startswith("kvrows.paged_storage.")
-    }
-    assert users <= PAGED_STORAGE_USERS, sorted(users - PAGED_STORAGE_USERS)
+def test_the_twins_page_kv_on_their_own_machinery() -> None:
+    """KV paging is ``reference/paging.py`` and ``optimized/paging.py``, each over its own
+    row machinery (contract §0.4, §0.8: the twins share no row bookkeeping); the shared
+    paged machinery is gone and only latent paging imports the latent pool's."""
+    assert not (CORE / "paged_storage.py").exists()
+    for twin in ("reference", "optimized"):
+        users = {
+            path.name
+            for path in (CORE.parent / twin).rglob("*.py")
+            for _, module in imported_modules(path.read_text(), f"kvrows.{twin}")
+            if module == "kvrows.paged_latent" or module.startswith("kvrows.paged_latent.")
+        }
+        assert users <= PAGED_LATENT_USERS, (twin, sorted(users - PAGED_LATENT_USERS))

@@ -25,7 +25,6 @@ from kvrows.errors import (
     self_merge_message,
 )
 from kvrows.optimized.rows import DECLARED, Layout, Serial
-from kvrows.paged_storage import PagedKVCacheBase, PagedKvRowsBase
 from kvrows.schemes import Affine, Growing, Plain, Ring
 from kvrows.validation import KvGeometry
 
@@ -48,7 +47,7 @@ def _args(name: str) -> tuple[int, ...]:
     return tuple(values[p] for p in composition(name).params)
 
 
-def _serial(name: str, tokens: int, seed: int = 0) -> Serial | PagedKVCacheBase:
+def _serial(name: str, tokens: int, seed: int = 0) -> Serial:
     entry = composition(name)
     serial = entry.serial or entry.name
     if "delayed" in entry.modifiers:  # its rows arrive plain and convert at their start
@@ -57,7 +56,7 @@ def _serial(name: str, tokens: int, seed: int = 0) -> Serial | PagedKVCacheBase:
         )
     else:
         cache = CLASSES[serial](*_args(serial))
-    assert isinstance(cache, Serial | PagedKVCacheBase)
+    assert isinstance(cache, Serial)
     if tokens:
         block = _block(1, tokens, seed=seed)
         cache.update_and_fetch(block, block)
@@ -90,13 +89,15 @@ def test_every_landed_composition_is_one_declared_class() -> None:
         )
         built = layout_cls.from_specs(layout.codec_spec, layout.token_geometry, start=5)
         assert type(built) is layout_cls and built.signature() == layout.signature()
-    paged = {c.name for c in KV_LANDED if c.geometry == "paged"}  # block tables (paged_storage)
+    # The paged placement (optimized/paging.py): the row machinery over block tables; built
+    # from a pool or keyword arguments (kvrows.paged.bind_paged), not from_specs.
+    paged = {c.name for c in KV_LANDED if c.geometry == "paged"}
     for name in paged:
-        assert CLASSES[name] is getattr(kv, name) and name not in DECLARED
-        assert issubclass(CLASSES[name], PagedKvRowsBase | PagedKVCacheBase)
+        assert CLASSES[name] is getattr(kv, name) is DECLARED[name]
+        assert issubclass(CLASSES[name], Layout if composition(name).is_layout else Serial)
     recurrent = {c.name for c in landed() if c.geometry == "recurrent"}  # the state geometry
     assert sorted(DECLARED) == sorted(
-        [*(c.name for c in KV_LANDED if c.name not in delayed | paged), *recurrent]
+        [*(c.name for c in KV_LANDED if c.name not in delayed), *recurrent]
     )
     for entry in (c for c in KV_LANDED if c.name not in delayed | paged):
         cls = getattr(kv, entry.name)

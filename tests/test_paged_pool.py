@@ -12,7 +12,6 @@ from hypothesis.stateful import run_state_machine_as_test
 from kvrows.conformance.paged_pool import AFFINE_TEST, STATS, pool_machine
 from kvrows.conformance.profiles import profile_settings
 from kvrows.optimized.paged import BlockPool, PagedKvRows
-from kvrows.paged_storage import BlockTable
 from kvrows.schemes import Plain
 
 #: CI share: about 3 s on one core for the four runs.
@@ -40,11 +39,11 @@ def test_pool_machines() -> None:
 class ForgetsOneDecref(BlockPool):
     """Closing a table releases every block but its tail."""
 
-    def close_tables(self, tables: Sequence[BlockTable]) -> None:
+    def close(self, tables: Sequence[list[int]]) -> None:
         for table in tables:
             if self._tables.pop(id(table), None) is not None:
-                self.ledger.release(reversed(table.blocks[:-1]))
-                table.blocks, table.offset = [], 0
+                self.ledger.release(reversed(table[:-1]))
+                table.clear()
 
 
 class HashesDrafts(PagedKvRows):
@@ -52,7 +51,7 @@ class HashesDrafts(PagedKvRows):
 
     def register_prefix(self, row: int, token_ids: Any) -> int:
         assert self._pool is not None
-        return self._pool.register_prefix(self._rows[row], token_ids)
+        return self._pool.register_prefix(self._tables[row], self._offsets[row], token_ids)
 
 
 @pytest.mark.parametrize(("mutant", "role"), [(ForgetsOneDecref, "pool"), (HashesDrafts, "rows")])

@@ -30,9 +30,9 @@ def main() -> None:
     nbytes = 2 * keys.nbytes
 
     def append() -> None:
-        table = pool.open_table()
-        pool.append([table], (keys,), (values,))
-        pool.close_tables([table])
+        table = pool.open([])
+        pool.append([table], [0], {"keys": (keys,), "values": (values,)}, tokens)
+        pool.close([table])
 
     source = np.random.default_rng(0).standard_normal(nbytes // 2).astype(np.float16)
     target = np.empty_like(source)

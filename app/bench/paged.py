@@ -257,15 +257,17 @@ def append_cases(shapes: Sequence[PagedShape]) -> Iterator[Case]:
         target = np.empty_like(source)
         np.copyto(target, source)  # pre-touched
 
-        def append(_: Any, pool: BlockPool = pool, k: Any = keys, v: Any = values) -> Any:
-            table = pool.open_table()
-            pool.append([table], (k,), (v,))
+        def append(
+            _: Any, pool: BlockPool = pool, k: Any = keys, v: Any = values, t: int = t
+        ) -> Any:
+            table = pool.open([])
+            pool.append([table], [0], {"keys": (k,), "values": (v,)}, t)
             return pool, table
 
-        def check_append(result: Any, k: Any = keys) -> None:
+        def check_append(result: Any, k: Any = keys, t: int = t) -> None:
             pool, table = result
-            got, _ = pool.gather([table], [0], table.offset)
-            pool.close_tables([table])
+            got = pool.gather([table], [t], [0], t)["keys"]
+            pool.close([table])
             if not np.array_equal(to_numpy(got[0]), to_numpy(k)):
                 raise BenchCheckError("paged append: the pool does not hold the keys")
 
@@ -288,10 +290,10 @@ def append_cases(shapes: Sequence[PagedShape]) -> Iterator[Case]:
                 raise BenchCheckError("contiguous append: wrong keys")
 
         def release(pool: BlockPool = pool) -> None:
-            pool.close_tables(list(pool.live_tables()))
+            pool.close(list(pool.live_tables()))
 
         def setup(pool: BlockPool = pool) -> Any:
-            pool.close_tables(list(pool.live_tables()))
+            pool.close(list(pool.live_tables()))
             return None
 
         loads = {

@@ -1,0 +1,941 @@
+"""The optimized paged placement: rows whose tokens live in a block pool's MLX planes.
+
+A paged storage is the optimized row machinery (:class:`~kvrows.optimized.rows.Serial`,
+:class:`~kvrows.optimized.rows.Layout`) with its planes in a :class:`BlockPool` (one per
+layer, shared by every storage of the layer): each plane is ``[num_blocks, H,
+block_size, w]``, and each row is a block table (a ``list[int]`` of host ints, the row's
+blocks in logical order, ``ceil(offset / block_size)`` of them). The machinery keeps the
+rows' offsets and pads as for every storage; :class:`PagedRows` plugs the placement into
+its hooks (``_write``, ``_join``, ``_keep``, ``_forget``, the reads) and adds the paged
+surface (``pool``, ``block_size``, ``block_tables``, ``register_prefix``, ``release``).
+
+Which block belongs to whom is the core's int-only ledger (``kvrows.paged.BlockLedger``:
+reference counts, free queue, prefix hash chain, eviction); the bytes move here, one
+MLX op per run of blocks: an append scatters every row's tokens into its slots (runs of
+whole blocks are one slice write), a read gathers every row's slots (pad columns zero).
+On the CPU backend writes and reads go through NumPy views of the pool's buffers instead
+(``_host_views`` / ``_host_gather`` say why).
+
+* An append takes every block its rows need at once (``PoolExhaustedError`` with nothing
+  changed); a row whose partly filled tail block another table holds, or that caches a
+  prefix, first copies that block (copy on write, counted in ``bytes_copied``).
+* Rows of the pool merge, extract and publish by sharing their tables (no byte moves);
+  rows of another pool are copied into fresh blocks (counted); a trim releases the
+  blocks past a row's end.
+* The layout right-aligns its rows (``left_pad[b] = max offset - offset[b]``, virtual:
+  nothing is padded in the pool), so the growing geometry's masks are its masks.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Sequence
+from typing import Any, ClassVar, cast
+
+import mlx.core as mx
+import numpy as np
+
+from kvrows.codec import KV_TENSORS, PlaneSet
+from kvrows.errors import (
+    EMPTY_CACHE_NO_BLOCK,
+    EMPTY_ROW_NO_BLOCK,
+    NOTHING_TO_FETCH,
+    POOL_GEOMETRY_UNKNOWN,
+    PROJECTED_BYTES_NEEDS_GEOMETRY,
+    InvalidInputError,
+    LayoutStateError,
+    paged_merge_message,
+    pool_geometry_message,
+    pool_limit_message,
+    prefix_mismatch_message,
+    prefix_too_long_message,
+    request_rows_message,
+)
+from kvrows.optimized.codecs import Codec, dtype_name, make_codec
+from kvrows.optimized.geometries.growing import GrowingGeometry
+from kvrows.optimized.rows import DECLARED, Layout, RowWindow, Serial, Storage, owned
+from kvrows.paged import (
+    DEFAULT_BLOCK_SIZE,
+    ROOT_HASH,
+    BlockLedger,
+    Paged,
+    PagedSurface,
+    bind_paged,
+    chain_hashes,
+    check_limit,
+)
+from kvrows.paged import token_ids as read_token_ids
+from kvrows.paged_forms import PagedState, codec_field, parse_state
+from kvrows.protocols import Mask
+from kvrows.schemes import CodecSpec, Plain
+from kvrows.validation import KvGeometry, as_count, check_row
+
+__all__ = [
+    "BlockPool",
+    "PagedLayout",
+    "PagedRows",
+    "PagedSerial",
+    "Piece",
+    "copy_block",
+    "gather",
+    "scatter",
+]
+
+Planes = tuple[Any, ...]
+#: One write of a token run into one block: ``(block, start, count, row, token)``.
+Piece = tuple[int, int, int, int, int]
+#: A row's block table: its blocks in logical order (host ints).
+Table = list[int]
+
+
+def _index(values: Sequence[int]) -> mx.array:
+    return mx.array(list(values), dtype=mx.int32)
+
+
+def _shape(array: object) -> tuple[int, ...]:
+    return tuple(int(x) for x in array.shape) if isinstance(array, mx.array) else ()
+
+
+def pieces(blocks: Sequence[int], size: int, start: int, count: int, row: int = 0) -> list[Piece]:
+    """Positions ``start .. start + count - 1`` of a row holding ``blocks`` as writes into
+    their blocks, fed from tokens ``0 .. count - 1`` of source row ``row``."""
+    out: list[Piece] = []
+    position = start
+    while position < start + count:
+        within = position % size
+        length = min(size - within, start + count - position)
+        out.append((blocks[position // size], within, length, row, position - start))
+        position += length
+    return out
+
+
+def _runs(pieces: Sequence[Piece], size: int) -> list[tuple[Piece, int]]:
+    """The pieces with consecutive whole blocks of one source row joined: ``(piece,
+    whole)``, ``whole`` the number of whole blocks from ``piece``'s block (0: a partial
+    block's piece)."""
+    runs: list[tuple[Piece, int]] = []
+    for piece in pieces:
+        block, start, count, row, token = piece
+        full = start == 0 and count == size
+        if full and runs and runs[-1][1]:
+            (first, _, _, first_row, first_token), whole = runs[-1]
+            if (block, row, token) == (first + whole, first_row, first_token + whole * size):
+                runs[-1] = (runs[-1][0], whole + 1)
+                continue
+        runs.append((piece, 1 if full else 0))
+    return runs
+
+
+#: NumPy dtype strings of the plane dtypes the CPU write path serves.
+_MX_DTYPES = {
+    np.dtype(np.float16).str: mx.float16,
+    np.dtype(np.float32).str: mx.float32,
+    np.dtype(np.uint32).str: mx.uint32,
+    np.dtype(np.uint8).str: mx.uint8,
+    np.dtype(np.int8).str: mx.int8,
+    np.dtype(np.uint16).str: mx.uint16,
+    np.dtype(np.int32).str: mx.int32,
+}
+
+
+def _host_views(planes: Planes) -> list[np.ndarray[Any, Any]] | None:
+    """Writable NumPy views of the pool's planes on the CPU backend (``None`` elsewhere, or
+    for a dtype NumPy lacks): the planes are evaluated, owned by the pool alone and read
+    only through evaluated copies (gathers), so writing their buffers in place is what an
+    MLX slice update with buffer donation does, without its slow copy kernel."""
+    if mx.default_device() != mx.cpu or any(p.dtype == mx.bfloat16 for p in planes):
+        return None
+    views = [np.asarray(p) for p in planes]
+    if not all(
+        v.flags.writeable and v.flags.c_contiguous and v.dtype.str in _MX_DTYPES for v in views
+    ):
+        return None
+    return views
+
+
+def _host_gather(
+    views: Sequence[np.ndarray[Any, Any]],
+    rows: Sequence[tuple[Sequence[int], int]],
+    pads: Sequence[int],
+    width: int,
+) -> Planes:
+    """The CPU backend's gather: fresh zeroed MLX arrays filled in place through NumPy, one
+    strided copy per run of consecutive blocks (MLX's take + transpose + concatenate +
+    stack copied the batch's KV several times over at slice-update speed)."""
+    out = []
+    for view in views:
+        heads, size, dim = view.shape[1], view.shape[2], view.shape[3]
+        image = mx.zeros((len(rows), heads, width, dim), dtype=_MX_DTYPES[view.dtype.str])
+        mx.eval(image)
+        target = np.asarray(image)
+        if not (target.flags.writeable and target.flags.c_contiguous):  # not its own buffer
+            image = mx.array(np.zeros(target.shape, dtype=target.dtype))
+            target = np.asarray(image)
+        for b, ((blocks, count), pad) in enumerate(zip(rows, pads, strict=True)):
+            full, tail = divmod(count, size)
+            j = 0
+            while j < full:  # runs of consecutive whole blocks
+                run = 1
+                while j + run < full and blocks[j + run] == blocks[j] + run:
+                    run += 1
+                start = pad + j * size
+                dest = target[b, :, start : start + run * size].reshape(heads, run, size, dim)
+                dest[...] = view[blocks[j] : blocks[j] + run].transpose(1, 0, 2, 3)
+                j += run
+            if tail:
+                start = pad + full * size
+                target[b, :, start : start + tail] = view[blocks[full], :, :tail]
+        out.append(image)
+    return tuple(out)
+
+
+def scatter(planes: Planes, written: Sequence[Piece], source: Planes) -> None:
+    """For each piece ``(block, start, count, row, token)``: ``planes[block, :, start :
+    start + count] = source[row, :, token : token + count]`` (in place)."""
+    # Runs of whole blocks are one slice write each, partial blocks one slice each
+    # (MLX's indexed scatter on the CPU runs at a tenth of a slice write's speed).
+    size = int(planes[0].shape[2])
+    runs = _runs(written, size)
+    views = _host_views(planes)
+    if views is not None:
+        # The CPU backend: NumPy writes into the pool's own buffers (MLX's slice update
+        # copies at about a tenth of memcpy's speed there; this runs near memcpy's).
+        for view, src in zip(views, source, strict=True):
+            data = np.asarray(src)
+            heads, width = view.shape[1], view.shape[3]
+            for (block, start, count, row, token), whole in runs:
+                if whole:
+                    piece = data[row, :, token : token + whole * size]
+                    view[block : block + whole] = piece.reshape(
+                        heads, whole, size, width
+                    ).transpose(1, 0, 2, 3)
+                else:
+                    view[block, :, start : start + count] = data[row, :, token : token + count]
+        return
+    for plane, src in zip(planes, source, strict=True):
+        heads, width = int(plane.shape[1]), int(plane.shape[3])
+        for (block, start, count, row, token), whole in runs:
+            if whole:
+                piece = src[row, :, token : token + whole * size]
+                plane[block : block + whole] = piece.reshape(heads, whole, size, width).transpose(
+                    1, 0, 2, 3
+                )
+            else:
+                plane[block, :, start : start + count] = src[row, :, token : token + count]
+    mx.eval(*planes)
+
+
+def copy_block(planes: Planes, target: int, origin: int, count: int) -> None:
+    """``planes[target, :, :count] = planes[origin, :, :count]`` (in place)."""
+    views = _host_views(planes)
+    if views is not None:
+        for view in views:
+            view[target, :, :count] = view[origin, :, :count]
+        return
+    for plane in planes:
+        plane[target, :, :count] = plane[origin, :, :count]
+    mx.eval(*planes)
+
+
+def gather(
+    planes: Planes, rows: Sequence[tuple[Sequence[int], int]], pads: Sequence[int], width: int
+) -> Planes:
+    """``[B, H, width, w]``: row ``b``'s first ``count`` positions (its ``blocks`` in
+    order) at columns ``[pads[b], pads[b] + count)``, zeros elsewhere; compact, owned."""
+    views = _host_views(planes)
+    if views is not None:
+        return _host_gather(views, rows, pads, width)
+    out = []
+    for plane in planes:
+        heads, dim = int(plane.shape[1]), int(plane.shape[3])
+        images = []
+        for (blocks, count), pad in zip(rows, pads, strict=True):
+            parts = []
+            if pad:
+                parts.append(mx.zeros((heads, pad, dim), dtype=plane.dtype))
+            if count:
+                taken = mx.take(plane, _index(blocks), axis=0).transpose(1, 0, 2, 3)
+                parts.append(taken.reshape(heads, -1, dim)[:, :count])
+            images.append(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1))
+        out.append(mx.contiguous(mx.stack(images)))
+    mx.eval(*out)
+    return tuple(out)
+
+
+def _release_tables(pool_ref: weakref.ref[BlockPool], tables: list[Table]) -> None:
+    pool = pool_ref()
+    if pool is not None:
+        pool.close(tables)
+
+
+class BlockPool:
+    """One layer's blocks in MLX planes, shared by every request of the layer
+    (``spec/paged-pool.md``).
+
+    ``codec``: the codec spec of every block (default ``Plain()``); ``block_size``: tokens
+    per block; ``num_blocks``: blocks allocated once the KV geometry is known (declared
+    here or learnt from the first write); ``max_bytes``: the most bytes the pool's planes
+    may take (growth past it raises ``PoolExhaustedError``).
+    """
+
+    #: The implementation's ``PagedKVCache`` (what ``lookup_prefix`` returns).
+    cache_class: ClassVar[type[PagedSerial]]
+
+    def __init__(
+        self,
+        codec: CodecSpec | None = None,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        num_blocks: int = 0,
+        max_bytes: int | None = None,
+        geometry: KvGeometry | None = None,
+    ) -> None:
+        spec = Plain() if codec is None else codec
+        self.codec: Codec = make_codec(spec)
+        self.block_size = as_count(block_size, "block_size", minimum=1)
+        self._initial = as_count(num_blocks, "num_blocks")
+        self.max_bytes = None if max_bytes is None else as_count(max_bytes, "max_bytes")
+        self.ledger = BlockLedger(
+            self.block_size, grow=self._grow_to, extra=f"{self.codec.key}|{self.block_size}"
+        )
+        #: Each tensor's planes ``[num_blocks, H, block_size, ·]`` (empty until it grows).
+        self._planes: PlaneSet = {}
+        self._geometry: KvGeometry | None = None
+        #: The live tables by identity.
+        self._tables: dict[int, Table] = {}
+        if geometry is not None:
+            self.learn(geometry)
+
+    # -- what it holds -------------------------------------------------------------------
+    @property
+    def codec_spec(self) -> CodecSpec:
+        spec: CodecSpec = self.codec.spec
+        return spec
+
+    @property
+    def geometry(self) -> KvGeometry | None:
+        return self._geometry
+
+    @property
+    def num_blocks(self) -> int:
+        return self.ledger.num_blocks
+
+    @property
+    def token_bytes(self) -> int:
+        """KV bytes of one token (keys and values), once the geometry is known."""
+        g = self._geometry
+        if g is None:
+            raise LayoutStateError(POOL_GEOMETRY_UNKNOWN)
+        return int(
+            self.codec.token_bytes(g.heads, g.key_dim, g.dtype, "keys")
+            + self.codec.token_bytes(g.heads, g.value_dim, g.dtype, "values")
+        )
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.token_bytes * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(p.nbytes) for p in self.held_arrays())
+
+    @property
+    def bytes_written(self) -> int:
+        return self.ledger.bytes_written
+
+    @property
+    def bytes_copied(self) -> int:
+        return self.ledger.bytes_copied
+
+    def held_arrays(self) -> tuple[Any, ...]:
+        return tuple(p for planes in self._planes.values() for p in planes)
+
+    def live_tables(self) -> tuple[Table, ...]:
+        """The live block tables (each holds its blocks once)."""
+        return tuple(self._tables.values())
+
+    # -- geometry and growth -------------------------------------------------------------
+    def learn(self, geometry: KvGeometry, *, room: int = 0) -> None:
+        """Fix the KV geometry (first write or declaration); refuses another one. ``room``:
+        the blocks the write that teaches it takes; a byte limit that cannot hold them
+        raises ``PoolExhaustedError`` before the pool learns anything."""
+        if self._geometry is not None:
+            if geometry != self._geometry:
+                raise InvalidInputError(
+                    pool_geometry_message(self._geometry.describe(), geometry.describe())
+                )
+            return
+        self.codec.check(geometry)
+        self._geometry = geometry
+        if self.max_bytes is not None:
+            limit = self.max_bytes // self.bytes_per_block
+            if limit < self._initial:
+                self._geometry = None
+                raise InvalidInputError(pool_limit_message(self.max_bytes, limit, self._initial))
+            if limit < room:
+                self._geometry = None
+                check_limit(room, limit)
+            self.ledger.max_blocks = limit
+        if self._initial:
+            self.ledger.ensure(self._initial)
+
+    def _grow_to(self, total: int) -> None:
+        """The ledger's growth: every plane gains zero blocks up to ``total``."""
+        g = self._geometry
+        assert g is not None
+        count, bs = total - self.num_blocks, self.block_size
+        fresh: PlaneSet = {
+            t: tuple(self.codec.zeros(count, g.heads, bs, dim, g.dtype, t))
+            for t, dim in zip(KV_TENSORS, (g.key_dim, g.value_dim), strict=True)
+        }
+        if self._planes:
+            fresh = {
+                t: tuple(
+                    mx.concatenate([old, new], axis=0)
+                    for old, new in zip(self._planes[t], fresh[t], strict=True)
+                )
+                for t in fresh
+            }
+            mx.eval(*(p for planes in fresh.values() for p in planes))
+        self._planes = fresh
+
+    def blocks_for(self, offset: int) -> int:
+        """Blocks a row of ``offset`` positions holds."""
+        return math.ceil(offset / self.block_size)
+
+    # -- tables --------------------------------------------------------------------------
+    def open(self, table: Table, *, touch: bool = True) -> Table:
+        """Make ``table`` live (its blocks counted once more unless they were just
+        allocated for it)."""
+        if touch:
+            self.ledger.touch(table)
+        self._tables[id(table)] = table
+        return table
+
+    def adopt_empty(self, tables: Sequence[Table]) -> None:
+        """Make empty tables made before the pool existed live tables of this pool."""
+        for table in tables:
+            if id(table) not in self._tables:
+                assert not table
+                self._tables[id(table)] = table
+
+    def close(self, tables: Sequence[Table]) -> None:
+        """Release every table (each tail block first); the table then holds nothing."""
+        for table in tables:
+            if self._tables.pop(id(table), None) is not None:
+                self.ledger.release(reversed(table))
+                table.clear()
+
+    def release_tail(self, table: Table, offset: int) -> None:
+        """Release the blocks past position ``offset`` (after a trim), tail first."""
+        keep = self.blocks_for(offset)
+        self.ledger.release(reversed(table[keep:]))
+        del table[keep:]
+
+    # -- writes --------------------------------------------------------------------------
+    def append(
+        self, tables: Sequence[Table], offsets: Sequence[int], block: PlaneSet, n: int
+    ) -> None:
+        """Row ``b`` of the encoded ``block`` (``[B, H, n, ·]`` per plane) goes after
+        ``offsets[b]`` positions of ``tables[b]``: every block the rows need is taken at
+        once (``PoolExhaustedError`` with nothing changed), then partly filled tails
+        another table holds or that cache a prefix are copied (copy on write), then the
+        tokens of every row are written with one scatter per plane."""
+        bs, ledger = self.block_size, self.ledger
+        plans: list[tuple[bool, int]] = []
+        for table, offset in zip(tables, offsets, strict=True):
+            cow = offset % bs > 0 and not ledger.writable(table[-1])
+            plans.append((cow, self.blocks_for(offset + n) - len(table)))
+        fresh = ledger.allocate(sum(int(cow) + new for cow, new in plans))
+        written: list[Piece] = []
+        for b, (table, offset, (cow, new)) in enumerate(zip(tables, offsets, plans, strict=True)):
+            if cow:
+                self._copy_tail(table, offset, fresh.pop())
+            table.extend(fresh[:new])
+            del fresh[:new]
+            written += pieces(table, bs, offset, n, b)
+        for tensor, planes in self._planes.items():
+            scatter(planes, written, block[tensor])
+        ledger.bytes_written += len(tables) * n * self.token_bytes
+
+    def _copy_tail(self, table: Table, offset: int, target: int) -> None:
+        """Copy the partly filled tail block of ``table`` into ``target``, which replaces it."""
+        fill = offset % self.block_size
+        old = table[-1]
+        for planes in self._planes.values():
+            copy_block(planes, target, old, fill)
+        self.ledger.release([old])
+        table[-1] = target
+        self.ledger.bytes_copied += fill * self.token_bytes
+
+    def write_row(self, table: Table, planes: PlaneSet) -> None:
+        """Write ``planes`` (``[1, H, n, ·]``) into ``table``'s allocated blocks from
+        position 0."""
+        n = int(next(iter(planes.values()))[0].shape[2])
+        written = pieces(table, self.block_size, 0, n)
+        for tensor, held in self._planes.items():
+            scatter(held, written, planes[tensor])
+
+    def copy_in(self, sources: Sequence[tuple[BlockPool, Table, int]]) -> list[Table]:
+        """New tables of this pool holding copies of ``(pool, table, offset)`` rows of other
+        pools (read from their pools, counted as copied); every block is taken at once, so
+        a refusal changes nothing."""
+        fresh = self.ledger.allocate(sum(self.blocks_for(o) for _, _, o in sources))
+        copies: list[Table] = []
+        for source, table, offset in sources:
+            count = self.blocks_for(offset)
+            copy = self.open(fresh[:count], touch=False)
+            del fresh[:count]
+            copies.append(copy)
+            if offset:
+                self.write_row(copy, source.gather([table], [offset], [0], offset))
+                self.ledger.bytes_copied += offset * self.token_bytes
+        return copies
+
+    # -- reads ---------------------------------------------------------------------------
+    def gather(
+        self, tables: Sequence[Table], offsets: Sequence[int], pads: Sequence[int], width: int
+    ) -> PlaneSet:
+        """Each tensor's planes ``[B, H, width, ·]``: row ``b``'s ``offsets[b]`` positions,
+        read from its blocks in logical order, at columns ``[pads[b], pads[b] +
+        offsets[b])``, zeros elsewhere; owned arrays."""
+        rows = list(zip(tables, offsets, strict=True))
+        return {t: gather(planes, rows, pads, width) for t, planes in self._planes.items()}
+
+    # -- the prefix cache ----------------------------------------------------------------
+    def register_prefix(self, table: Table, offset: int, token_ids: Sequence[int]) -> int:
+        """Hash the full blocks of ``table`` (a row of ``offset`` positions) that
+        ``token_ids`` covers; returns how many blocks are now cached."""
+        tokens = read_token_ids(token_ids)
+        if len(tokens) > offset:
+            raise InvalidInputError(prefix_too_long_message(len(tokens), offset))
+        full = len(tokens) // self.block_size
+        hashes = chain_hashes(tokens, self.block_size, self.ledger.extra, full)
+        for j, digest in enumerate(hashes):  # refuse before any block is hashed
+            known = self.ledger.hash_of(table[j])
+            if known is not None and known != digest:
+                raise InvalidInputError(prefix_mismatch_message(j))
+        previous, bs = ROOT_HASH, self.block_size
+        for j in range(full):
+            previous = self.ledger.register(table[j], previous, tokens[j * bs : (j + 1) * bs])
+        return full
+
+    def lookup_prefix(self, token_ids: Sequence[int]) -> PagedSerial | None:
+        """A new ``PagedKVCache`` holding the longest run of cached full blocks that starts
+        ``token_ids`` (at most ``len(token_ids) - 1`` positions: the last token is always
+        computed, for its logits), referenced, not copied; ``None`` on a miss."""
+        tokens = read_token_ids(token_ids)
+        most = max(len(tokens) - 1, 0) // self.block_size
+        hits = self.ledger.lookup(chain_hashes(tokens, self.block_size, self.ledger.extra, most))
+        if not hits:
+            return None
+        cache = self.cache_class(pool=self)
+        cache._geometry = self._geometry
+        cache.adopt_tables([self.open(list(hits))], len(hits) * self.block_size)
+        return cache
+
+    def evict_cached(self, count: int) -> int:
+        """Forget up to ``count`` unreferenced cached blocks, least recently used first."""
+        return self.ledger.evict_cached(as_count(count, "count"))
+
+    def check_valid(self) -> None:
+        """Assert the pool's invariants (``spec/paged-pool.md`` §4)."""
+        self.ledger.check_valid(self._tables.values())
+
+
+class PagedRows(PagedSurface, Storage):
+    """What both paged storages add to the row machinery (the ``PagedRows`` surface):
+    a codec, a block size, a pool once known, rows that are block tables into it.
+
+    Listed before the serial or layout base, so these hooks and reads replace theirs."""
+
+    geometry_kind = "paged"
+    arrangements = frozenset({"serial", "ragged"})
+    pool_class: ClassVar[type[BlockPool]] = BlockPool
+
+    _pool: BlockPool | None
+    _paged: Paged
+    _finalizer: weakref.finalize[Any, Any] | None
+    #: The rows' tables, mutated in place (the finalizer holds the list).
+    _tables: list[Table]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        spec, paged, declared, pool = bind_paged(type(self), args, dict(kwargs))
+        self._paged = paged
+        self._tables = []
+        self._pool = pool
+        self._finalizer = None
+        geometry = declared if pool is None or pool.geometry is None else pool.geometry
+        # The paged spec stands where a geometry spec does (signature, merges, forms).
+        self._setup(spec, cast(Any, paged), geometry)
+        self._watch()
+
+    def _watch(self) -> None:
+        """Release the rows' blocks when this storage is collected (once its pool is known)."""
+        if self._finalizer is None and self._pool is not None:
+            self._finalizer = weakref.finalize(
+                self, _release_tables, weakref.ref(self._pool), self._tables
+            )
+
+    def _reset_geometry(self) -> None:
+        """Hold no row (a filter keeping none gives every block back)."""
+        if self._pool is not None:
+            self._pool.close(self._tables)
+        self._tables[:] = []
+
+    def _changed(self) -> None:
+        super()._changed()
+        # Right-aligned rows: every row ends at the longest (a new list only on a change,
+        # so the masks' device copy of the pads survives a decode step).
+        top = max(self._offsets, default=0)
+        pads = [top - o for o in self._offsets]
+        if pads != self._pads:
+            self._pads = pads
+
+    def release(self) -> None:
+        """Give every block back to the pool now (the cache then holds no row)."""
+        if self._pool is not None:
+            self._pool.close(self._tables)
+        self._tables.clear()
+        self._offsets, self._pads = [], []
+        self._changed()
+
+    def _ensure_pool(self, geometry: KvGeometry, room: int = 0) -> BlockPool:
+        """The pool, knowing ``geometry``; ``room``: the blocks the write that teaches a
+        given pool its geometry takes (refused past its byte limit before it learns)."""
+        if self._pool is None:
+            self._pool = self.pool_class(
+                self.codec_spec, block_size=self.block_size, geometry=geometry
+            )
+        else:
+            self._pool.learn(geometry, room=room)
+        return self._pool
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the blocks this cache's tables hold (a shared block counts in each)."""
+        if self._pool is None or self._geometry is None:
+            return 0
+        return sum(len(t) for t in self._tables) * self._pool.bytes_per_block
+
+    def held_arrays(self) -> tuple[Any, ...]:
+        return () if self._pool is None else self._pool.held_arrays()
+
+    def _accepts(self, source: Any) -> bool:
+        return (
+            getattr(source, "pool_class", None) is self.pool_class
+            and source.block_size == self.block_size
+            and source.codec.key == self.codec.key
+        )
+
+    def _merge_refusal(self, source: object) -> str:
+        return paged_merge_message(
+            self.signature(), self.block_size, self.codec.key, type(source).__name__
+        )
+
+    # -- writes: the pool first (it may refuse with nothing changed) ----------------------
+    def _write(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
+        rows = len(self._offsets) or int(next(iter(block.values()))[0].shape[0])
+        pool = self._ensure_pool(geometry, rows * math.ceil(n / self.block_size))
+        if self._offsets:
+            pool.adopt_empty(self._tables)  # rows joined before any pool existed
+            self._watch()
+            pool.append(self._tables, self._offsets, block, n)
+        else:  # a serial storage's first block: its tables open once their blocks are taken
+            tables: list[Table] = [[] for _ in range(rows)]
+            pool.append(tables, [0] * rows, block, n)
+            for table in tables:
+                pool.open(table, touch=False)
+            self._tables[:] = tables
+            self._watch()
+        super()._write(block, n, geometry)
+
+    def _append(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
+        return None  # ``_write`` wrote the pool
+
+    def _forget(self, counts: Sequence[int], *, justify: bool = False) -> None:
+        if self._pool is not None:
+            for table, offset, count in zip(self._tables, self._offsets, counts, strict=True):
+                if count:
+                    self._pool.release_tail(table, offset - count)
+
+    def _check_trim(self, counts: Sequence[int]) -> None:
+        return None
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    # -- reads: gathered from the pool ---------------------------------------------------
+    def fetch(self) -> tuple[Any, Any]:
+        if self._pool is None or not self._tables or not any(self._offsets):
+            raise LayoutStateError(NOTHING_TO_FETCH)
+        width = max(self._offsets)
+        planes = self._pool.gather(self._tables, self._offsets, self._pads, width)
+        keys, values = (self.codec.fetched(planes[t], t) for t in KV_TENSORS)
+        return keys, values
+
+    def _held_window(self, row: int | None) -> PlaneSet | None:
+        """Row ``row``'s positions read from its blocks (every row's, stacked, on a serial
+        storage when ``row`` is ``None``); ``None`` while it holds none."""
+        if self._pool is None or not self._tables:
+            return None
+        if row is None:
+            offset = self._offsets[0]
+            if offset == 0:
+                return None
+            rows = len(self._tables)
+            return self._pool.gather(self._tables, self._offsets, [0] * rows, offset)
+        if self._offsets[row] == 0:
+            return None
+        offset = self._offsets[row]
+        return self._pool.gather([self._tables[row]], [offset], [0], offset)
+
+    def _held(self) -> tuple[Any, Any] | None:
+        if self._pool is None or not self._tables or not any(self._offsets):
+            return None
+        return self.fetch()
+
+    def _row_windows(self) -> list[RowWindow]:
+        # A merge reads no byte: ``_join`` takes the tables (a serial storage without rows
+        # lends one empty row).
+        return [(None, offset) for offset in self._offsets] or [(None, 0)]
+
+    # -- masks: the growing geometry's (paging adds no mask rule) ------------------------
+    def _serial_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
+        return GrowingGeometry._serial_mask(cast(Any, self), n, return_array, window)
+
+    def _layout_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
+        return GrowingGeometry._layout_mask(cast(Any, self), n, return_array, window)
+
+    # -- checks and forms ----------------------------------------------------------------
+    def _check_geometry(self) -> None:
+        assert len(self._tables) == len(self._offsets)
+        for table, offset in zip(self._tables, self._offsets, strict=True):
+            assert len(table) == math.ceil(offset / self.block_size)
+            assert self._pool is None or id(table) in self._pool._tables
+
+    def _paged_planes(self) -> tuple[Planes | None, Planes | None]:
+        if self._pool is None or self._geometry is None or not any(self._offsets):
+            return None, None
+        width = max(self._offsets)
+        planes = self._pool.gather(self._tables, self._offsets, self._pads, width)
+        return planes["keys"], planes["values"]
+
+    @classmethod
+    def _restore(
+        cls, state: Any, meta_state: Any, keep: int | None, geometry: KvGeometry | None
+    ) -> Any:
+        return cls._restore_paged(state, geometry, None)
+
+    @classmethod
+    def _restore_paged(cls, state: Any, geometry: KvGeometry | None, pool: Any) -> Any:
+        """``kvrows.paged_forms.restore_state``'s load: the checked rows are written into
+        fresh blocks of ``pool`` (or of a private one), all taken at once (a refusal
+        changes nothing), counted as written."""
+        parsed = parse_state(cls, state, geometry, pool, _shape, dtype_name)
+        cache = cls(pool=pool, codec=parsed.spec, block_size=parsed.block_size,
+                    geometry=parsed.geometry)  # fmt: skip
+        cache._load(parsed)
+        return cache
+
+    def _load(self, parsed: PagedState) -> None:
+        """Hold ``parsed``'s rows, written into fresh blocks (a serial state of no position
+        holds no row)."""
+        rows = len(parsed.offsets)
+        learnt = parsed.geometry
+        if parsed.width == 0:
+            if parsed.layout:
+                pool = self._pool or self.pool_class(
+                    parsed.spec, block_size=parsed.block_size, geometry=learnt
+                )
+                self._pool = pool
+                self._watch()
+                self._tables[:] = [pool.open([]) for _ in range(rows)]
+                self._offsets = [0] * rows
+                self._changed()
+            return
+        assert learnt is not None
+        counts = [math.ceil(o / parsed.block_size) for o in parsed.offsets]
+        pool = self._ensure_pool(learnt, sum(counts))
+        fresh = pool.ledger.allocate(sum(counts))  # all at once: a refusal changes nothing
+        tables: list[Table] = []
+        for b, (offset, pad, count) in enumerate(
+            zip(parsed.offsets, parsed.pads, counts, strict=True)
+        ):
+            table = pool.open(fresh[:count], touch=False)
+            del fresh[:count]
+            if offset:
+                columns = {"keys": parsed.keys, "values": parsed.values}
+                row = {
+                    t: tuple(owned(p[b : b + 1, :, pad : parsed.width]) for p in held)
+                    for t, held in columns.items()
+                }
+                pool.write_row(table, row)
+            tables.append(table)
+        pool.ledger.bytes_written += sum(parsed.offsets) * pool.token_bytes  # written
+        self._watch()
+        self._tables[:] = tables
+        self._offsets = list(parsed.offsets)
+        self._geometry = learnt
+        self._changed()
+
+
+class PagedSerial(PagedRows, Serial):
+    """A request's block table into a pool (``spec/PagedKVCache.md``): a serial store,
+    bit-exact with ``KVCache`` on the same tokens. Shape-generic in ``B`` as every serial
+    storage, though a request is one row: prefix registration is per request (``B = 1``)."""
+
+    def adopt_tables(self, tables: Sequence[Table], offset: int) -> None:
+        """Hold ``tables`` (live tables of the pool, ``offset`` positions each) instead of
+        what it held; they are released when this cache is collected."""
+        assert self._pool is not None
+        self._pool.close(self._tables)
+        self._tables[:] = tables
+        self._offsets = [offset] * len(tables)
+        self._changed()
+        self._watch()
+
+    def _request(self) -> Table:
+        if len(self._tables) != 1:
+            raise LayoutStateError(request_rows_message(len(self._tables)))
+        return self._tables[0]
+
+    @property
+    def block_table(self) -> tuple[int, ...]:
+        """The physical blocks holding this request's positions, in logical order."""
+        return tuple(self._request()) if self._tables else ()
+
+    def register_prefix(self, token_ids: Sequence[int]) -> int:
+        """Cache the full blocks ``token_ids`` (the ids of this request's first positions,
+        at most ``offset`` of them) covers; returns how many blocks are cached."""
+        if self._pool is None or not self._tables:
+            raise LayoutStateError(EMPTY_CACHE_NO_BLOCK)
+        return self._pool.register_prefix(self._request(), self.offset, token_ids)
+
+    def _state(self) -> tuple[Any, ...]:
+        keys, values = self._paged_planes()
+        return keys, values, self.offset, self.block_size, codec_field(self.codec_spec)
+
+    def check_valid(self) -> None:
+        assert len(set(self._offsets)) <= 1, "rows move together"
+        self._check_geometry()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(offset={self.offset}, blocks={self._tables})"
+
+
+class PagedLayout(PagedRows, Layout):
+    """Block-table rows (``spec/PagedKvRows.md``): ragged rows, each appending at its own
+    end; the read right-aligns them."""
+
+    @property
+    def width(self) -> int:
+        """Columns a read returns (the longest row)."""
+        return max(self._offsets, default=0)
+
+    def block_tables(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(t) for t in self._tables)
+
+    def make_empty_batch(self) -> PagedLayout:
+        return type(self)(
+            pool=self._pool, codec=self.codec_spec, token_geometry=self._token_geometry
+        )
+
+    def projected_bytes(self, tokens: int) -> int:
+        """Bytes one row needs for ``tokens`` positions: whole blocks."""
+        count = as_count(tokens, "tokens")
+        g = self._geometry
+        if g is None:
+            raise LayoutStateError(PROJECTED_BYTES_NEEDS_GEOMETRY)
+        per_token = self.codec.token_bytes(
+            g.heads, g.key_dim, g.dtype, "keys"
+        ) + self.codec.token_bytes(g.heads, g.value_dim, g.dtype, "values")
+        return math.ceil(count / self.block_size) * self.block_size * int(per_token)
+
+    def row_window(self, row: int) -> tuple[Planes, Planes] | None:
+        """Row ``row``'s positions' planes in logical order (``None`` when it holds none)."""
+        return self.row_planes(row)
+
+    def _join(
+        self, sources: Sequence[Any], incoming: list[RowWindow], geometry: KvGeometry | None
+    ) -> None:
+        """Rows of this layout's pool join by reference (no byte moves); rows of another
+        pool are copied into fresh blocks (all taken at once: a refusal changes nothing)."""
+        lent: list[tuple[BlockPool | None, Table | None, int]] = []
+        for source in sources:  # a serial storage without rows lends one empty row
+            tables, offsets, source_pool = source._tables, source._offsets, source._pool
+            if tables:
+                lent.extend(zip([source_pool] * len(tables), tables, offsets, strict=True))
+            else:
+                lent.append((source_pool, None, 0))
+        if not lent:
+            return
+        pool = self._pool or next((p for p, _, _ in lent if p is not None), None)
+        if pool is None:  # only empty serial caches with no pool yet: rows of no position
+            if geometry is None:  # the rows join a pool at the first write
+                self._tables.extend([] for _ in lent)
+                self._offsets = self._offsets + [0] * len(lent)
+                self._changed()
+                return
+            pool = self.pool_class(self.codec_spec, block_size=self.block_size, geometry=geometry)
+        foreign = [
+            (p, t, o) for p, t, o in lent if p is not None and p is not pool and t is not None
+            and o
+        ]  # fmt: skip
+        if geometry is not None:  # copies into a pool that learns here: within its limit
+            pool.learn(geometry, room=sum(pool.blocks_for(o) for _, _, o in foreign))
+        copies = iter(pool.copy_in(foreign))
+        joined: list[Table] = []
+        for source_pool, table, offset in lent:
+            if table is None or (source_pool is not pool and offset == 0):
+                joined.append(pool.open([]))
+            elif source_pool is pool:
+                joined.append(pool.open(list(table)))
+            else:
+                joined.append(next(copies))
+        pool.adopt_empty(self._tables)  # rows joined before any pool existed
+        self._pool = pool
+        self._watch()
+        self._tables.extend(joined)
+        self._offsets = self._offsets + [o for _, _, o in lent]
+        self._geometry = geometry
+        self._changed()
+
+    def _keep(self, order: list[int]) -> None:
+        """The rows not kept give their blocks back to the pool."""
+        kept = set(order)
+        if self._pool is not None:
+            self._pool.close([t for i, t in enumerate(self._tables) if i not in kept])
+        self._tables[:] = [self._tables[i] for i in order]
+
+    def extract_row(self, row: int) -> Serial:
+        """A ``PagedKVCache`` holding row ``row``: its table shared, no byte moved."""
+        index = check_row(row, self.batch_size)
+        serial_class = cast(type[PagedSerial], DECLARED[self.composition.serial or ""])
+        serial = serial_class(
+            pool=self._pool, codec=self.codec_spec, token_geometry=self._token_geometry
+        )
+        serial._geometry = self._geometry
+        offset = self._offsets[index]
+        if self._pool is not None and offset:
+            serial.adopt_tables([self._pool.open(list(self._tables[index]))], offset)
+        return serial
+
+    def register_prefix(self, row: int, token_ids: Sequence[int]) -> int:
+        """Cache row ``row``'s full blocks ``token_ids`` covers."""
+        index = check_row(row, self.batch_size)
+        if self._pool is None:
+            raise LayoutStateError(EMPTY_ROW_NO_BLOCK)
+        return self._pool.register_prefix(self._tables[index], self._offsets[index], token_ids)
+
+    def _state(self) -> tuple[Any, ...]:
+        offsets = list(self._offsets)
+        width = max(offsets, default=0)
+        keys, values = self._paged_planes()
+        pads = [width - o for o in offsets]
+        return (keys, values, _index(offsets), _index(pads), width, self.block_size,
+                codec_field(self.codec_spec))  # fmt: skip
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(offsets={list(self._offsets)})"
