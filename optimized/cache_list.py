@@ -146,6 +146,39 @@ class CacheListDropIn:
     def empty(self) -> bool:
         return all(part.empty() for part in self.caches)
 
+    # -- mlx-lm's CacheList names (its BatchGenerator merges, filters, extends) -----------
+    @classmethod
+    def merge(cls, caches: Sequence[Any]) -> CacheListDropIn:
+        """mlx-lm's ``CacheList.merge``: per part, that part's class's ``merge``."""
+        if isinstance(caches, str | bytes) or not isinstance(caches, Sequence) or not caches:
+            raise InvalidInputError("CacheList.merge needs a non-empty sequence of caches")
+        width = len(caches[0].caches)
+        return cache_list_of(
+            [
+                caches[0].caches[i].merge([cache.caches[i] for cache in caches])
+                for i in range(width)
+            ]
+        )
+
+    def extract(self, idx: int) -> CacheListDropIn:
+        return self.regroup([part.extract(idx) for part in self.caches])
+
+    def filter(self, batch_indices: Any) -> None:
+        for part in self.caches:
+            part.filter(batch_indices)
+
+    def extend(self, other: Any) -> None:
+        for part, joined in zip(self.caches, other.caches, strict=True):
+            part.extend(joined)
+
+    def prepare(self, **kwargs: Any) -> None:
+        for part in self.caches:
+            part.prepare(**kwargs)
+
+    def finalize(self) -> None:
+        for part in self.caches:
+            part.finalize()
+
 
 class CacheListLayout(CacheListDropIn):
     """A ``CacheListDropIn`` over row layouts: a row layout (``BatchableCache``) and a
@@ -186,7 +219,7 @@ class CacheListLayout(CacheListDropIn):
     def _sources(self, rows: Sequence[Any]) -> list[list[Any]]:
         """Per part, that part of every row (each row a CacheList of this form)."""
         if isinstance(rows, str | bytes) or not isinstance(rows, Sequence) or not rows:
-            raise InvalidInputError("merge_rows needs a non-empty sequence of caches")
+            raise InvalidInputError("merge_rows needs a non-empty sequence of CacheLists")
         width = len(self.caches)
         for index, row in enumerate(rows):
             parts = getattr(row, "parts", None)
