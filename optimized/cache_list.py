@@ -154,10 +154,7 @@ class CacheListDropIn:
             raise InvalidInputError("CacheList.merge needs a non-empty sequence of caches")
         width = len(caches[0].caches)
         return cache_list_of(
-            [
-                caches[0].caches[i].merge([cache.caches[i] for cache in caches])
-                for i in range(width)
-            ]
+            [caches[0].caches[i].merge([cache.caches[i] for cache in caches]) for i in range(width)]
         )
 
     def extract(self, idx: int) -> CacheListDropIn:
