@@ -7,14 +7,20 @@ Mamba2 ``ArraysCache`` beside the attention's ``KVCache``, baichuan_m1 an ``Arra
 part to the module that writes it; it never writes the list itself.
 
 :class:`CacheListDropIn` is that list over kvrows caches (``make_kvrows_cache`` builds one
-per such layer). It is a ``kvrows.protocols.DropInParts``: the row-layout table gives it,
-per role, each part's own layout grouped in a new drop-in (``regroup``), so it is a row
-layout (``BatchableCache``, ``SpeculativeRowLayout``) whose operations are its parts',
-in order. An operation that changes rows is checked by every part before any part changes
-(a refusal leaves every part as it was): ``merge_rows`` into an empty list merges each
-part's rows into a fresh empty layout and swaps them in together; into a running list the
-new rows are first merged into a fresh empty layout of each part (each part checks them),
-then into the parts; ``filter_rows`` checks the rows and the rounds first.
+per such layer), with mlx-lm's ``CacheList`` names (its ``BatchGenerator`` runs on it). It
+is a ``kvrows.protocols.DropInParts``: the row-layout table gives it, per role, each part's
+own layout grouped in a new drop-in (``regroup``). Over row layouts that drop-in is a
+:class:`CacheListLayout`, a row layout (``BatchableCache``, ``SpeculativeRowLayout``) whose
+operations are its parts', in order; over serial caches it answers no row-layout member,
+as its parts do not. An operation that changes rows is checked by every part before any
+part changes (a refusal leaves every part as it was): ``merge_rows`` into an empty list
+merges each part's rows into a fresh empty layout and swaps them in together; into a
+running list the new rows are first merged into a fresh empty layout of each part (each
+part checks them), then into the parts; ``filter_rows`` checks the rows and the rounds
+first; a round begins only where every part is a verify layout.
+
+Not yet: the disk prefix store's files have no record for a list of caches
+(``spec/engine.md`` §16).
 """
 
 from __future__ import annotations
