@@ -122,7 +122,7 @@ class CacheListDropIn:
     def dispose_state(self, state: tuple[Any, ...]) -> None:
         """Hand each part's state back to the part that built it."""
         for part, held in zip(self.caches, state, strict=True):
-            if isinstance(part, StateDisposer) and part.state_needs_dispose:
+            if part.state_needs_dispose and isinstance(part, StateDisposer):
                 part.dispose_state(held)
 
     @property
@@ -143,7 +143,7 @@ class CacheListDropIn:
             raise NotTrimmableError(
                 f"{self.signature()} cannot trim: some part cannot forget tokens"
             )
-        return min(part.trim(count) for part in self.caches)
+        return min(int(part.trim(count)) for part in self.caches)
 
     def size(self) -> int:
         """mlx-lm's ``size``: the longest part."""
@@ -214,7 +214,7 @@ class CacheListLayout(CacheListDropIn):
 
     @property
     def max_tokens(self) -> float:
-        return min(part.max_tokens for part in self.caches)
+        return min(float(part.max_tokens) for part in self.caches)
 
     def make_empty_batch(self) -> CacheListDropIn:
         return self.regroup([part.make_empty_batch() for part in self.caches])

@@ -45,6 +45,10 @@ def _cpu() -> Iterator[None]:
         yield
 
 
+def is_list_of_caches(cache: object) -> bool:
+    return isinstance(cache, DropInParts)
+
+
 @pytest.fixture(scope="module")
 def models() -> dict[str, Any]:
     return {arch: tiny_model(arch) for arch in CACHE_LIST_MODELS}
@@ -55,11 +59,11 @@ def test_the_table_gives_a_cache_list_its_parts_layouts(models: dict[str, Any]) 
     that role; the drop-in is a row layout and a verify layout by capability."""
     for arch in CACHE_LIST_MODELS:
         serial: Any = make_kvrows_cache(models[arch])[0]
-        assert isinstance(serial, DropInParts) and len(serial.parts) == 2
+        assert is_list_of_caches(serial) and len(serial.parts) == 2
         for role in (owned_cache_layout, prefill_cache_layout, target_cache_layout):
             layout: Any = role(serial)
             assert type(serial) is CacheListDropIn and not is_batchable(serial)
-            assert type(layout) is CacheListLayout and isinstance(layout, DropInParts)
+            assert type(layout) is CacheListLayout and is_list_of_caches(layout)
             assert is_batchable(layout) and isinstance(layout, SpeculativeRowLayout)
             for part, alone in zip(layout.parts, serial.parts, strict=True):
                 expected = role(alone)
