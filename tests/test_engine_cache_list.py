@@ -17,7 +17,7 @@ import mlx.core as mx
 import pytest
 
 from kvrows.app.demo import MODEL_TOLERANCES, builtin_trace, check_invariance
-from kvrows.app.engine import Engine, Request
+from kvrows.app.engine import Engine, Request, model_fingerprint
 from kvrows.app.models import draft_model, make_kvrows_cache, tiny_model
 from kvrows.errors import (
     InvalidInputError,
@@ -26,6 +26,7 @@ from kvrows.errors import (
     SpeculativeRoundError,
 )
 from kvrows.optimized import CacheListDropIn, CacheListLayout
+from kvrows.persist.prefix_store import PrefixStore
 from kvrows.protocols import DropInParts, SpeculativeRowLayout
 from kvrows.schemes import KvStorageScheme
 from kvrows.table import (
@@ -210,3 +211,19 @@ def test_a_cache_list_takes_kvrows_caches_and_no_keys() -> None:
     serial: Any = make_kvrows_cache(tiny_model("baichuan_m1"))[0]
     with pytest.raises(InvalidInputError, match="takes no keys and values"):
         serial.update_and_fetch(mx.zeros((1, 1, 1, 1)), mx.zeros((1, 1, 1, 1)))
+
+
+def test_the_disk_store_cannot_save_a_cache_list_yet(models: dict[str, Any], tmp_path: Any) -> None:
+    """The store's files have no record for a list of caches (spec/engine.md §16): the
+    write is counted as a store error and the request is still served, its tokens the
+    run's without a store."""
+    model = models["falcon_h1"]
+    scheme = KvStorageScheme()
+    store = PrefixStore(
+        tmp_path, byte_budget=1 << 24, block_tokens=4, fingerprint=model_fingerprint(model, scheme)
+    )
+    first = Request("a", tuple(range(3, 10)), 2)
+    stored, stats = Engine(model, prefix_store=store).run([first])
+    assert stats.store_writes == 0 and stats.store_errors == 1
+    plain, _ = Engine(model).run([first])
+    assert stored[0].tokens == plain[0].tokens
