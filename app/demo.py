@@ -99,8 +99,9 @@ EXACT = 0.0
 #: tolerance they are held to instead and why. mamba2's SSD scan multiplies chunked
 #: matrices (``mx.matmul`` over ``[B, ...]``): the CPU kernel blocks and sums differently at
 #: another batch size, so float32 results differ in the last bits (1.5e-8 measured; tokens
-#: equal). A batch-invariant matmul kernel would make it exact.
-MODEL_TOLERANCES: dict[str, float] = {"mamba2": 1e-6}
+#: equal). A batch-invariant matmul kernel would make it exact. baichuan_m1 likewise (its
+#: batch differs from the solo run in the last bits: 1.5e-8 measured; tokens equal).
+MODEL_TOLERANCES: dict[str, float] = {"mamba2": 1e-6, "baichuan_m1": 1e-6}
 SCHEMES = ("plain", "affine8", "affine4")
 #: The demo's default byte budget for ``--prefix-store``.
 PREFIX_STORE_BYTES = 256 * 1024 * 1024

@@ -356,7 +356,8 @@ def make_kvrows_cache(model: Any, scheme: KvStorageScheme | None = None) -> list
     caches: list[Any] = []
     declared_state = recurrent_geometry(model)
     # mlx-lm's CacheList (baichuan_m1: an ArraysCache(2) and a KV cache per layer): each
-    # part is served as that layer's, then grouped back into a CacheList.
+    # part is served as that layer's, then grouped in a CacheListDropIn (the table batches
+    # it part by part).
     parts = [
         (index, part)
         for index, layer in enumerate(template)
@@ -382,7 +383,7 @@ def make_kvrows_cache(model: Any, scheme: KvStorageScheme | None = None) -> list
             caches.append(_build(entry, codec, geometry, declared))
     served = iter(caches)
     return [
-        peer.CacheList(*(next(served) for _ in layer.caches))  # type: ignore[no-untyped-call]
+        kv.CacheListDropIn(*(next(served) for _ in layer.caches))
         if type(layer).__name__ == "CacheList"
         else next(served)
         for layer in template

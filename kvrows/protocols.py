@@ -31,6 +31,7 @@ __all__ = [
     "Cache",
     "Composed",
     "Converting",
+    "DropInParts",
     "DropInWrapper",
     "Handover",
     "HasCodec",
@@ -446,6 +447,20 @@ class DropInWrapper(Protocol, metaclass=_StaticMembers):
     def wrapped(self) -> Any: ...
 
     def rewrap(self, cache: Any) -> Any: ...
+
+
+@runtime_checkable
+class DropInParts(Protocol, metaclass=_StaticMembers):
+    """The object an unmodified model takes as a layer's cache, over several kvrows caches
+    (``parts``, in order; mlx-lm's ``CacheList``: falcon_h1's Mamba2 state beside its
+    attention): the row-layout table gives it each part's layout of a role, grouped by
+    ``regroup`` (a new drop-in of the same form), and it is a row layout itself over its
+    parts' layouts."""
+
+    @property
+    def parts(self) -> tuple[Any, ...]: ...
+
+    def regroup(self, parts: Sequence[Any]) -> Any: ...
 
 
 @runtime_checkable

@@ -6,7 +6,9 @@ One table, shared by both implementations; each registers its classes into it
 its bases, so the table reads like the seed's ``ROW_LAYOUTS``. A drop-in
 (``kvrows.protocols.DropInWrapper``: the object an unmodified model takes as a
 layer's cache, over one kvrows cache) joins the layouts of the cache it wraps,
-each behind a new drop-in of its form.
+each behind a new drop-in of its form; a drop-in over several caches
+(``kvrows.protocols.DropInParts``: mlx-lm's ``CacheList``) joins, per role, its parts'
+layouts grouped in a new drop-in of its form.
 
 The functions below are the seed's, in Python spelling.
 """
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrows.errors import InvalidInputError, NoRowLayoutError, NotBatchableError
-from kvrows.protocols import BatchableCache, Cache, DropInWrapper
+from kvrows.protocols import BatchableCache, Cache, DropInParts, DropInWrapper
 
 __all__ = [
     "RowAdmission",
@@ -100,6 +102,8 @@ def registered_entries() -> tuple[RowLayoutEntry, ...]:
 def _declared(cache: Cache) -> RowLayoutEntry | None:
     if isinstance(cache, DropInWrapper):
         return _behind_drop_in(cache)
+    if isinstance(cache, DropInParts):
+        return _behind_parts(cache)
     for entry in _ROW_LAYOUTS:
         if isinstance(cache, entry.storage):
             return entry
@@ -123,6 +127,31 @@ def _behind_drop_in(drop_in: DropInWrapper) -> RowLayoutEntry | None:
 
     return RowLayoutEntry(
         type(drop_in), behind(entry.decode), behind(entry.prefill), behind(entry.verify)
+    )
+
+
+def _behind_parts(drop_in: DropInParts) -> RowLayoutEntry | None:
+    """Per role, the layouts of each part of ``drop_in`` (its own entry's), grouped in a
+    new drop-in of its form; ``None`` when some part has no entry."""
+    parts = drop_in.parts
+    entries = [_declared(part) for part in parts]
+    if any(entry is None for entry in entries):
+        return None
+    declared = [entry for entry in entries if entry is not None]
+
+    def grouped(role: Callable[[RowLayoutEntry], LayoutFactory]) -> LayoutFactory:
+        def build(_: Any) -> BatchableCache:
+            layouts = [role(entry)(part) for entry, part in zip(declared, parts, strict=True)]
+            layout: BatchableCache = drop_in.regroup(layouts)
+            return layout
+
+        return build
+
+    return RowLayoutEntry(
+        type(drop_in),
+        grouped(lambda entry: entry.decode),
+        grouped(lambda entry: entry.prefill),
+        grouped(lambda entry: entry.verify),
     )
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from kvrows.compositions import register_compositions
 from kvrows.optimized import classes
 from kvrows.optimized.attention import attend
+from kvrows.optimized.cache_list import CacheListDropIn, CacheListLayout
 from kvrows.optimized.classes import *  # noqa: F403
 from kvrows.optimized.delayed import (
     DelayedQuantizedKVCache,
@@ -34,6 +35,8 @@ from kvrows.optimized.rows import DECLARED
 __all__ = [
     *classes.__all__,
     "BatchKVCache",
+    "CacheListDropIn",
+    "CacheListLayout",
     "BatchRotatingKVCache",
     "Bf16FirstQuantizedKVCache",
     "Bf16FirstRotatingQuantizedKVCache",

@@ -13,6 +13,7 @@ import mlx_lm.models.cache as mlx_lm_cache
 import numpy as np
 
 from kvrows.app.models import make_kvrows_cache
+from kvrows.optimized import CacheListDropIn
 from kvrows.table import owned_cache_layout
 
 #: mlx-lm is untyped; reach its classes through ``Any``.
@@ -28,7 +29,7 @@ def same(a: mx.array, b: mx.array) -> bool:
 
 def cache_parts(cache: Any) -> tuple[Any, ...]:
     """A layer's caches: a ``CacheList``'s parts, or the cache itself."""
-    return tuple(cache.caches) if isinstance(cache, peer.CacheList) else (cache,)
+    return tuple(cache.caches) if isinstance(cache, peer.CacheList | CacheListDropIn) else (cache,)
 
 
 def prefilled_rows(
@@ -58,7 +59,7 @@ def merged_layers(
             assert layout is not None
             layout.merge_rows([cache_parts(row[index])[part] for row in rows])
             layouts.append(layout)
-        is_list = isinstance(first, peer.CacheList)
+        is_list = isinstance(first, peer.CacheList | CacheListDropIn)
         layers.append(peer.CacheList(*layouts) if is_list else layouts[0])
     return layers
 

@@ -250,15 +250,15 @@ def test_every_arrays_cache_size_is_served(
 
 
 def test_cache_list_parts_are_served_and_refused_by_layer() -> None:
-    """baichuan_m1's ``CacheList(ArraysCache(2), KVCache())`` keeps mlx-lm's container
-    around kvrows parts; a part no kvrows storage serves is refused up front, naming the
+    """baichuan_m1's ``CacheList(ArraysCache(2), KVCache())`` becomes a ``CacheListDropIn``
+    (mlx-lm's container's surface) around kvrows parts; a part no kvrows storage serves is refused up front, naming the
     model, the layer and the class."""
     served = make_kvrows_cache(
         _Stub(
             "baichuan_m1", [mlx_cache.CacheList(mlx_cache.ArraysCache(size=2), mlx_cache.KVCache())]
         )
     )
-    assert isinstance(served[0], mlx_cache.CacheList)
+    assert isinstance(served[0], kv.CacheListDropIn)  # mlx-lm's CacheList, row layouts in
     assert isinstance(served[0][0], kv.SSMCache) and isinstance(served[0][1], kv.KVCache)
     unserved = [
         mlx_cache.KVCache(),
@@ -401,7 +401,7 @@ def test_arrays_cache_models_serial_logits_match_mlx_lm(arrays_model: Any) -> No
     """``make_kvrows_cache`` serves each ``ArraysCache(size=n)`` (inside a ``CacheList``
     too) with an ``SSMCache`` of ``n`` planes: mlx-lm's logits and planes, bit for bit."""
     ours, theirs = make_kvrows_cache(arrays_model), arrays_model.make_cache()
-    assert [type(c) is mlx_cache.CacheList for c in ours] == [
+    assert [isinstance(c, kv.CacheListDropIn) for c in ours] == [
         type(c) is mlx_cache.CacheList for c in theirs
     ]
     tokens = mx.array(np.random.default_rng(1).integers(0, 128, (1, 20)))
