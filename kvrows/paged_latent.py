@@ -432,8 +432,10 @@ class BlockPoolBase:
 
     def check_valid(self) -> None:
         """Assert the pool's invariants (``spec/paged-pool.md`` §4)."""
-        self.ledger.check_valid(t.blocks for t in self._tables.values())
-        for table in self._tables.values():
+        # A snapshot: a cache's finalizer may release its tables while we iterate.
+        tables = list(self._tables.values())
+        self.ledger.check_valid(t.blocks for t in tables)
+        for table in tables:
             assert len(table.blocks) == self._blocks_for(table.offset), "no empty tail block"
 
 

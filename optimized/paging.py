@@ -541,7 +541,8 @@ class BlockPool:
 
     def check_valid(self) -> None:
         """Assert the pool's invariants (``spec/paged-pool.md`` §4)."""
-        self.ledger.check_valid(self._tables.values())
+        # A snapshot: a cache's finalizer may release its tables while we iterate.
+        self.ledger.check_valid(list(self._tables.values()))
 
 
 class PagedRows(PagedSurface, Storage):

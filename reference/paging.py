@@ -400,8 +400,10 @@ class BlockPool:
     def check_valid(self) -> None:
         """Assert the pool's invariants (``spec/paged-pool.md`` §4) and that every live
         row's blocks hold its compact planes."""
-        self.ledger.check_valid(r.blocks for r in self._tables.values())
-        for row in self._tables.values():
+        # A snapshot: a cache's finalizer may release its rows while we iterate.
+        rows = list(self._tables.values())
+        self.ledger.check_valid(r.blocks for r in rows)
+        for row in rows:
             assert len(row.blocks) == self.blocks_for(row.offset), "no empty tail block"
             check_mirrored(self, row)
 
