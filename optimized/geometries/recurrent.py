@@ -110,7 +110,7 @@ class StateGeometry(Storage):
         if any(counts):
             raise NotTrimmableError(not_trimmable_message(self.composition.name))
 
-    def _forget(self, counts: Sequence[int]) -> None:
+    def _forget(self, counts: Sequence[int], *, justify: bool = False) -> None:
         return None
 
     def _adopt(self, planes: PlaneSet, offset: int) -> None:

@@ -97,11 +97,13 @@ class StateRows:
     def filter(self, rows: Sequence[Row]) -> None:
         return None
 
-    def check_trim(self, rows: Sequence[Row], counts: Sequence[int]) -> None:
+    def check_trim(
+        self, rows: Sequence[Row], counts: Sequence[int], *, justify: bool = False
+    ) -> None:
         if any(counts):
             raise NotTrimmableError(not_trimmable_message("recurrent state"))
 
-    def trimmed(self, rows: Sequence[Row], counts: Sequence[int]) -> None:
+    def trimmed(self, rows: Sequence[Row], counts: Sequence[int], *, justify: bool = False) -> None:
         return None
 
     def trimmable(self, rows: Sequence[Row]) -> bool:
