@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Protocol, Self, TypeAlias, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, Self, TypeAlias, cast, runtime_checkable
 
 from kvrows.errors import InvalidInputError, head_dim_message
 from kvrows.validation import KvGeometry
@@ -38,7 +38,6 @@ __all__ = [
     "check_turbo_dim",
     "codec_plane_specs",
     "codec_token_bytes",
-    "kv_dim",
 ]
 
 #: Bytes per element of every dtype a plane may have.
@@ -65,9 +64,10 @@ KV_TENSORS: tuple[Role, ...] = ("keys", "values")
 PlaneSet: TypeAlias = dict[str, tuple[Any, ...]]
 
 
-def kv_dim(geometry: KvGeometry, tensor: str) -> int:
-    """The head dim of a KV tensor (``"keys"``: ``key_dim``, ``"values"``: ``value_dim``)."""
-    return geometry.key_dim if tensor == "keys" else geometry.value_dim
+def as_role(tensor: str) -> Role:
+    """A plane set's tensor name as the array codecs' tensor parameter (typed ``Role``
+    for the KV codecs; the latent and state codecs take their own tensor names)."""
+    return cast(Role, tensor)
 
 
 #: TurboQuant: head dims it stores, and the group size of its scales (``spec/turbo-codec.md``).

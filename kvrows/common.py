@@ -137,6 +137,16 @@ class AffineParameters:
         return int(self.codec.bits)
 
 
+def shapes_token_bytes(codec: Any, shapes: Any) -> int:
+    """Bytes one token of one row takes under ``codec``: every tensor ``shapes`` (a KV
+    geometry, a codec's ``Shapes``) names, at its heads, width and dtype."""
+    total = 0
+    for tensor in shapes.tensors:
+        heads, dim, dtype = shapes.tensor_image(tensor)
+        total += int(codec.token_bytes(heads, dim, dtype, tensor))
+    return total
+
+
 def row_bytes(
     codec: Any, geometry: KvGeometry | None, tokens: int, cap: float | None = None
 ) -> int:
@@ -144,9 +154,7 @@ def row_bytes(
     count = as_count(tokens, "tokens")
     if geometry is None:
         raise LayoutStateError(PROJECTED_BYTES_NEEDS_GEOMETRY)
-    per_token = codec.token_bytes(
-        geometry.heads, geometry.key_dim, geometry.dtype, "keys"
-    ) + codec.token_bytes(geometry.heads, geometry.value_dim, geometry.dtype, "values")
+    per_token = shapes_token_bytes(codec, geometry)
     stored = count if cap is None else int(min(count, cap))
     return int(per_token) * stored
 

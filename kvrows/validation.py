@@ -51,6 +51,15 @@ class KvGeometry:
     def describe(self) -> str:
         return f"H={self.heads}, D={self.key_dim}, Dv={self.value_dim}, dtype={self.dtype}"
 
+    @property
+    def tensors(self) -> tuple[str, ...]:
+        """The tensors a read returns: keys and values."""
+        return ("keys", "values")
+
+    def tensor_image(self, tensor: str) -> tuple[int, int, str]:
+        """``(heads, width, dtype)`` of ``tensor`` in the image a read returns."""
+        return self.heads, self.key_dim if tensor == "keys" else self.value_dim, self.dtype
+
 
 def as_count(value: object, name: str, *, minimum: int = 0) -> int:
     """``value`` as a Python int ``>= minimum`` (bools and floats are refused)."""

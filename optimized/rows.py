@@ -33,7 +33,7 @@ from typing import Any, ClassVar, TypeAlias, TypeVar, cast
 
 import mlx.core as mx
 
-from kvrows.codec import KV_TENSORS, PlaneSet, kv_dim
+from kvrows.codec import KV_TENSORS, PlaneSet, as_role
 from kvrows.codecs import CODECS
 from kvrows.common import ComposedIdentity, PlaneHolder, SavedState, check_counts, row_bytes
 from kvrows.compositions import Composition, bind_arguments
@@ -261,13 +261,14 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         """The buffers held, borrowed (to evaluate at a chunk boundary; ``state`` may copy)."""
         return arrays(self._planes)
 
-    def _zeros(self, rows: int, columns: int, geometry: KvGeometry) -> PlaneSet:
-        """Zero planes of every tensor, ``rows`` rows of ``columns`` tokens."""
-        heads, dtype = geometry.heads, geometry.dtype
-        return {
-            t: self.codec.zeros(rows, heads, columns, kv_dim(geometry, t), dtype, t)
-            for t in KV_TENSORS
-        }
+    def _zeros(self, rows: int, columns: int, shapes: Any) -> PlaneSet:
+        """Zero planes of every tensor ``shapes`` (a KV geometry, a codec's ``Shapes``)
+        names, ``rows`` rows of ``columns`` tokens."""
+        planes: PlaneSet = {}
+        for t in shapes.tensors:
+            heads, dim, dtype = shapes.tensor_image(t)
+            planes[t] = self.codec.zeros(rows, heads, columns, dim, dtype, t)
+        return planes
 
     # -- what it learnt of its tensors' shapes ----------------------------------------------
     def _shapes(self) -> Any:
@@ -315,44 +316,48 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         raise NotImplementedError
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
-        rows = self._block_rows()
         geometry = check_block(
             _shape(keys),
             _shape(values),
             dtype_name(keys),
             dtype_name(values),
-            rows=rows,
+            rows=self._block_rows(),
             geometry=self._geometry,
         )
         self.codec.check(geometry)
-        key_tensor, value_tensor = KV_TENSORS
-        block: PlaneSet = {
-            key_tensor: self.codec.encode(keys, key_tensor),
-            value_tensor: self.codec.encode(values, value_tensor),
-        }
-        self._write(block, int(keys.shape[2]), geometry)
+        self._write_blocks(dict(zip(KV_TENSORS, (keys, values), strict=True)), geometry)
         return self.fetch()
 
-    def _write(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
-        """Write a checked, encoded block of ``n`` tokens and advance the rows (a placement
-        that may refuse overrides it: it refuses first, then calls this)."""
-        self._geometry = geometry
+    def _write_blocks(self, blocks: dict[str, Any], shapes: Any) -> None:
+        """The one write (``update_and_fetch``, a latent ``append``): checked blocks
+        ``[rows, heads, n, ·]`` per tensor, each encoded once, then :meth:`_write`."""
+        n = int(next(iter(blocks.values())).shape[TOKEN_AXIS])
+        block: PlaneSet = {t: self.codec.encode(x, as_role(t)) for t, x in blocks.items()}
+        self._write(block, n, shapes)
+
+    def _write(self, block: PlaneSet, n: int, shapes: Any) -> None:
+        """Write an encoded block of ``n`` tokens: the storage takes ``shapes``, the
+        geometry appends (``_append``), then the positions advance (a placement that may
+        refuse overrides it: it refuses first, then calls this)."""
+        self._take_shapes(shapes)
         if not self._offsets:  # a serial storage's first block sets its rows
             batch = int(next(iter(block.values()))[0].shape[0])
             self._offsets, self._pads = [0] * batch, [0] * batch
-        self._append(block, n, geometry)
+        self._append(block, n, shapes)
         self._offsets = [o + n for o in self._offsets]
         self._changed()
 
     def fetch(self) -> tuple[Any, Any]:
+        keys, values = self._read().values()
+        return keys, values
+
+    def _read(self) -> dict[str, Any]:
+        """Each tensor as attention reads it now (the codec's fetched form of what the
+        geometry shows)."""
         if self._planes is None:
             raise LayoutStateError(NOTHING_TO_FETCH)
         visible = self._visible(self._planes)
-        key_tensor, value_tensor = KV_TENSORS
-        return (
-            self.codec.fetched(visible[key_tensor], key_tensor),
-            self.codec.fetched(visible[value_tensor], value_tensor),
-        )
+        return {t: self.codec.fetched(planes, as_role(t)) for t, planes in visible.items()}
 
     def _held_window(self, row: int | None) -> PlaneSet | None:
         """Row ``row``'s planes in time order (every row's on a serial storage when

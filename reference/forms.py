@@ -14,7 +14,7 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 
-from kvrows.codec import KV_TENSORS, PlaneSet, kv_dim
+from kvrows.codec import PlaneSet
 from kvrows.errors import InvalidInputError, empty_state_row_message
 from kvrows.forms import (
     describe_planes,
@@ -26,7 +26,7 @@ from kvrows.forms import (
     with_planes,
 )
 from kvrows.reference.codecs import Planes, dtype_name
-from kvrows.reference.rows import Row, RowLayout, SerialStorage, Storage
+from kvrows.reference.rows import Row, RowLayout, SerialStorage, Storage, zero_planes
 from kvrows.validation import KvGeometry
 
 __all__ = ["restore_state", "state_of"]
@@ -45,11 +45,7 @@ def _int32(values: list[int]) -> npt.NDArray[np.int32]:
 def _right_aligned(storage: Storage, rows: list[Row], width: int) -> tuple[Planes, Planes]:
     geometry = storage.geometry
     assert geometry is not None
-    batch, heads, dtype = len(rows), geometry.heads, geometry.dtype
-    image: PlaneSet = {
-        t: storage.codec.zeros(batch, heads, width, kv_dim(geometry, t), dtype, t)
-        for t in KV_TENSORS
-    }
+    image = zero_planes(storage.codec, geometry, len(rows), width)
     for b, row in enumerate(rows):
         start = width - row.retained
         for tensor, held in row.planes.items():

@@ -34,7 +34,8 @@ from typing import Any, ClassVar, cast
 import numpy as np
 import numpy.typing as npt
 
-from kvrows.codec import KV_TENSORS, PlaneSet
+from kvrows.codec import PlaneSet, as_role
+from kvrows.common import shapes_token_bytes
 from kvrows.errors import (
     EMPTY_CACHE_NO_BLOCK,
     EMPTY_ROW_NO_BLOCK,
@@ -65,7 +66,7 @@ from kvrows.paged import token_ids as read_token_ids
 from kvrows.paged_forms import PagedState, codec_field, parse_state
 from kvrows.reference.codecs import Codec, dtype_name, make_codec
 from kvrows.reference.geometries.growing import GrowingAxis, PaddedRows
-from kvrows.reference.rows import Row, RowLayout, SerialStorage, Storage, TokenAxis
+from kvrows.reference.rows import Row, RowLayout, SerialStorage, Storage, TokenAxis, zero_planes
 from kvrows.reference.speculative import SpeculativeLayout
 from kvrows.schemes import CodecSpec, Growing, Plain
 from kvrows.validation import KvGeometry, as_count, check_keep, check_row
@@ -153,10 +154,7 @@ class BlockPool:
         g = self._geometry
         if g is None:
             raise LayoutStateError(POOL_GEOMETRY_UNKNOWN)
-        return int(
-            self.codec.token_bytes(g.heads, g.key_dim, g.dtype, "keys")
-            + self.codec.token_bytes(g.heads, g.value_dim, g.dtype, "values")
-        )
+        return shapes_token_bytes(self.codec, g)
 
     @property
     def bytes_per_block(self) -> int:
@@ -211,10 +209,7 @@ class BlockPool:
         g = self._geometry
         assert g is not None
         count, bs = total - self.num_blocks, self.block_size
-        fresh: PlaneSet = {
-            t: tuple(self.codec.zeros(count, g.heads, bs, dim, g.dtype, t))
-            for t, dim in zip(KV_TENSORS, (g.key_dim, g.value_dim), strict=True)
-        }
+        fresh = zero_planes(self.codec, g, count, bs)
         if not self._planes:
             self._planes = fresh
             return
@@ -553,12 +548,11 @@ class PagedRows(PagedSurface, Storage):
         width, columns, _ = self._columns()
         return self._pool.gather(self._rows, [start for start, _ in columns], width)
 
-    def fetch(self) -> tuple[Any, Any]:
+    def _read(self) -> dict[str, Any]:
         planes = self._gathered()
         if planes is None:
             raise LayoutStateError(NOTHING_TO_FETCH)
-        keys, values = (self.codec.fetched(planes[t], t) for t in KV_TENSORS)
-        return keys, values
+        return {t: self.codec.fetched(held, as_role(t)) for t, held in planes.items()}
 
     def _window(self, row: Row) -> PlaneSet | None:
         """``row``'s positions read from its blocks (``None`` while it holds none)."""
@@ -725,10 +719,9 @@ class PagedLayout(SpeculativeLayout, PagedRows):
         g = self._geometry
         if g is None:
             raise LayoutStateError(PROJECTED_BYTES_NEEDS_GEOMETRY)
-        per_token = self.codec.token_bytes(
-            g.heads, g.key_dim, g.dtype, "keys"
-        ) + self.codec.token_bytes(g.heads, g.value_dim, g.dtype, "values")
-        return math.ceil(count / self.block_size) * self.block_size * int(per_token)
+        return (
+            math.ceil(count / self.block_size) * self.block_size * shapes_token_bytes(self.codec, g)
+        )
 
     def _accepts(self, source: object) -> bool:
         return (

@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from kvrows.codec import KV_TENSORS, PlaneSet, Role, kv_dim
+from kvrows.codec import KV_TENSORS, PlaneSet, as_role
 from kvrows.common import ComposedIdentity, SavedState, check_counts, row_bytes
 from kvrows.compositions import Arrangement, Composition, bind_arguments
 from kvrows.errors import (
@@ -70,6 +70,7 @@ __all__ = [
     "TokenRows",
     "row_share",
     "stacked",
+    "zero_planes",
 ]
 
 
@@ -306,22 +307,32 @@ def make_axis(spec: GeometrySpec) -> TokenAxis:
     return axis
 
 
+def zero_planes(codec: Codec, shapes: Any, rows: int, columns: int) -> PlaneSet:
+    """Zero planes of every tensor ``shapes`` (a KV geometry, a codec's ``Shapes``) names,
+    ``rows`` rows of ``columns`` tokens."""
+    planes: PlaneSet = {}
+    for tensor in shapes.tensors:
+        heads, dim, dtype = shapes.tensor_image(tensor)
+        planes[tensor] = codec.zeros(rows, heads, columns, dim, dtype, tensor)
+    return planes
+
+
 def _image(
     codec: Codec,
-    geometry: KvGeometry,
+    shapes: Any,
     rows: Sequence[Row],
-    tensor: Role,
+    tensor: str,
     columns: tuple[int, list[tuple[int, int]], int],
     lead: int = 0,
 ) -> Planes:
-    """The batch of ``tensor``'s planes a read returns.
+    """The batch of ``tensor``'s planes a read returns (``shapes``: what the rows hold,
+    a KV geometry or the codec's ``Shapes``, gives each tensor's heads, width and dtype).
 
     ``lead``: a sink block first (a shared ring with ``keep``): row ``b``'s sinks sit
     left-aligned in columns ``[0, lead)`` and only the columns after it roll."""
     width, spans, roll = columns
-    out = codec.zeros(
-        len(rows), geometry.heads, width, kv_dim(geometry, tensor), geometry.dtype, tensor
-    )
+    heads, dim, dtype = shapes.tensor_image(tensor)
+    out = codec.zeros(len(rows), heads, width, dim, dtype, as_role(tensor))
     for b, (row, (start, shown)) in enumerate(zip(rows, spans, strict=True)):
         held = row.planes.get(tensor)
         if held is None:
@@ -416,15 +427,20 @@ class Storage(SavedState, ComposedIdentity):
 
     def fetch(self) -> tuple[Any, Any]:
         """The keys and values attention reads now (assembled from the rows)."""
-        geometry = self._geometry
-        if geometry is None or not self._fetchable():
+        keys, values = self._read().values()
+        return keys, values
+
+    def _read(self) -> dict[str, Any]:
+        """Each tensor as attention reads it now, assembled from the rows (the codec's
+        fetched form of the read image)."""
+        shapes = self._shapes()
+        if shapes is None or not self._fetchable():
             raise LayoutStateError(NOTHING_TO_FETCH)
         columns, lead = self._columns(), self._lead()
-        keys, values = (
-            self.codec.fetched(_image(self.codec, geometry, self._rows, t, columns, lead), t)
-            for t in KV_TENSORS
-        )
-        return keys, values
+        return {
+            t: self.codec.fetched(_image(self.codec, shapes, self._rows, t, columns, lead), t)
+            for t in shapes.tensors
+        }
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
         """Validate the block once, encode it once, append row ``b``'s share to row ``b``."""
@@ -437,14 +453,19 @@ class Storage(SavedState, ComposedIdentity):
             geometry=self._geometry,
         )
         self.codec.check(geometry)
-        block: PlaneSet = {
-            t: self.codec.encode(x, t) for t, x in zip(KV_TENSORS, (keys, values), strict=True)
-        }
-        self._write(block, int(keys.shape[0]), int(keys.shape[2]), geometry)
-        self._geometry = geometry
+        self._write_blocks(dict(zip(KV_TENSORS, (keys, values), strict=True)), geometry)
         return self.fetch()
 
-    def _write(self, block: PlaneSet, rows: int, n: int, geometry: KvGeometry) -> None:
+    def _write_blocks(self, blocks: dict[str, Any], shapes: Any) -> None:
+        """The one write (``update_and_fetch``, a latent ``append``): checked blocks
+        ``[rows, heads, n, ·]`` per tensor, encoded once, row ``b``'s share to row ``b``;
+        then the storage knows ``shapes``."""
+        first = next(iter(blocks.values()))
+        block: PlaneSet = {t: self.codec.encode(x, as_role(t)) for t, x in blocks.items()}
+        self._write(block, int(first.shape[0]), int(first.shape[TOKEN_AXIS]), shapes)
+        self._take_shapes(shapes)
+
+    def _write(self, block: PlaneSet, rows: int, n: int, shapes: Any) -> None:
         """Row ``b`` takes its share of an encoded block of ``rows`` rows and ``n`` tokens
         (a placement that also mirrors rows elsewhere, paged, overrides it and may refuse
         first, changing nothing)."""

@@ -147,6 +147,26 @@ def test_codec_bytes_come_from_the_plane_specs() -> None:
     ]  # fmt: skip
 
 
+def test_shapes_name_the_read_image_and_its_bytes() -> None:
+    # The machinery's zeros and byte counts ask a storage's shapes for its tensors: a KV
+    # geometry's keys and values, a latent's latent / rope / index (one head, rope and
+    # index plain whatever the inner codec).
+    from kvrows.codecs.latent import Latent, LatentShapes
+    from kvrows.common import shapes_token_bytes
+    from kvrows.reference.codecs import make_codec
+
+    geometry = KvGeometry(heads=2, key_dim=64, value_dim=32, dtype="float16")
+    assert geometry.tensors == ("keys", "values")
+    assert geometry.tensor_image("values") == (2, 32, "float16")
+    assert shapes_token_bytes(make_codec(Plain()), geometry) == 2 * (64 + 32) * 2
+    shapes = LatentShapes(rank=512, rope=64, index=32, dtype="bfloat16")
+    assert shapes.tensors == ("latent", "rope", "index")
+    assert shapes.tensor_image("rope") == (1, 64, "bfloat16")
+    for inner in (Plain(), Affine(bits=4, group_size=32)):
+        spec = Latent(inner=inner, index_head_dim=32)
+        assert shapes_token_bytes(make_codec(spec), shapes) == spec.token_bytes(shapes)
+
+
 # -- the composition table ----------------------------------------------------------------
 
 

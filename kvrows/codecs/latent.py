@@ -63,6 +63,10 @@ PAGED_LATENT_FIELDS = (*LATENT_FIELDS, "block_size")
 _WIDTHS = ("kv_lora_rank", "rope_head_dim", "index_head_dim")
 
 
+#: The tensors a latent row stores plain, whatever its inner codec.
+PLAIN_TENSORS = ("rope", "index")
+
+
 @dataclass(frozen=True)
 class LatentShapes:
     """What every row of one latent cache holds per token: the latent, rope and (DSA)
@@ -72,6 +76,16 @@ class LatentShapes:
     rope: int
     index: int | None
     dtype: str
+
+    @property
+    def tensors(self) -> tuple[str, ...]:
+        """The tensors a read returns: the latent, the rope and (DSA) the index."""
+        return ("latent", "rope") if self.index is None else ("latent", "rope", "index")
+
+    def tensor_image(self, tensor: str) -> tuple[int, int, str]:
+        """``(heads, width, dtype)`` of ``tensor`` in the image a read returns (one head)."""
+        widths = {"latent": self.rank, "rope": self.rope, "index": self.index or 0}
+        return 1, widths[tensor], self.dtype
 
 
 def _optional_width(value: object, name: str) -> int | None:
@@ -148,8 +162,9 @@ class Latent(SpecParts):
     def tensors(cls, shapes: object = None) -> tuple[str, ...]:
         """``latent``, ``rope`` and, when ``shapes`` (a :class:`LatentShapes`) has an
         index width, ``index``."""
-        index = isinstance(shapes, LatentShapes) and shapes.index is not None
-        return ("latent", "rope", "index") if index else ("latent", "rope")
+        if isinstance(shapes, LatentShapes):
+            return shapes.tensors
+        return ("latent", "rope")
 
     @classmethod
     def parse(cls, text: str) -> Latent | None:
@@ -159,7 +174,10 @@ class Latent(SpecParts):
     def plane_specs(
         self, name: str, dim: int, dtype: str, role: Role = "keys"
     ) -> tuple[PlaneSpec, ...]:
-        """The planes of the latent tensor (``role`` is the latent's own)."""
+        """The planes of one tensor: ``rope`` / ``index`` (named by ``role``, as the
+        machinery's byte count asks) one plain plane, the latent the inner codec's."""
+        if role in PLAIN_TENSORS:
+            return (PlaneSpec(name, 2, dtype, dim),)
         return self.inner.plane_specs(name, dim, dtype, LATENT_ROLE)
 
     def tensor_planes(self, shapes: LatentShapes) -> tuple[PlaneSpec, ...]:
