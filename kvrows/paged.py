@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvrows.errors import (
+    POOL_GEOMETRY_UNKNOWN,
     InvalidInputError,
     LayoutStateError,
     PoolExhaustedError,
@@ -40,6 +41,8 @@ from kvrows.errors import (
     not_a_geometry_message,
     paged_empty_write_message,
     paged_read_only_message,
+    pool_geometry_message,
+    pool_limit_message,
 )
 from kvrows.schemes import CodecSpec, Plain
 from kvrows.validation import KvGeometry, as_count
@@ -50,6 +53,7 @@ __all__ = [
     "BlockLedger",
     "Paged",
     "PagedSurface",
+    "PoolBase",
     "bind_paged",
     "block_hash",
     "chain_hashes",
@@ -391,6 +395,124 @@ class BlockLedger:
                 for block in table:
                     counted[block] += 1
             assert counted == refs, "a reference count is not the number of tables holding it"
+
+
+class PoolBase:
+    """What a block pool is in both implementations, array-free: the constructor's checks,
+    the ledger (block ids, reference counts, prefix hashes, byte counters), the KV
+    geometry it learns once, its byte formulas and byte limit. Each implementation adds
+    its planes' array work: ``_make_codec`` (its codec registry), ``_grow_to`` (allocate
+    blocks), writes, gathers and tables (``reference/paging.py``, ``optimized/paging.py``).
+    """
+
+    codec: Any
+    _tables: dict[int, Any]
+
+    def __init__(
+        self,
+        codec: CodecSpec | None = None,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        num_blocks: int = 0,
+        max_bytes: int | None = None,
+        geometry: KvGeometry | None = None,
+    ) -> None:
+        self.codec = self._make_codec(Plain() if codec is None else codec)
+        self.block_size = as_count(block_size, "block_size", minimum=1)
+        self._initial = as_count(num_blocks, "num_blocks")
+        self.max_bytes = None if max_bytes is None else as_count(max_bytes, "max_bytes")
+        self.ledger = BlockLedger(
+            self.block_size, grow=self._grow_to, extra=f"{self.codec.key}|{self.block_size}"
+        )
+        #: Each tensor's planes ``[num_blocks, H, block_size, ·]`` (empty until it grows).
+        self._planes: dict[str, tuple[Any, ...]] = {}
+        self._geometry: KvGeometry | None = None
+        #: The live tables (rows) by identity.
+        self._tables = {}
+        if geometry is not None:
+            self.learn(geometry)
+
+    def _make_codec(self, spec: CodecSpec) -> Any:
+        """This implementation's array codec of ``spec``."""
+        raise NotImplementedError
+
+    def _grow_to(self, total: int) -> None:
+        """Allocate blocks up to ``total`` (the ledger calls it)."""
+        raise NotImplementedError
+
+    # -- what it holds -------------------------------------------------------------------
+    @property
+    def codec_spec(self) -> CodecSpec:
+        spec: CodecSpec = self.codec.spec
+        return spec
+
+    @property
+    def geometry(self) -> KvGeometry | None:
+        return self._geometry
+
+    @property
+    def num_blocks(self) -> int:
+        return self.ledger.num_blocks
+
+    @property
+    def token_bytes(self) -> int:
+        """KV bytes of one token (keys and values), once the geometry is known."""
+        from kvrows.common import shapes_token_bytes
+
+        if self._geometry is None:
+            raise LayoutStateError(POOL_GEOMETRY_UNKNOWN)
+        return shapes_token_bytes(self.codec, self._geometry)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.token_bytes * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(p.nbytes) for p in self.held_arrays())
+
+    @property
+    def bytes_written(self) -> int:
+        return self.ledger.bytes_written
+
+    @property
+    def bytes_copied(self) -> int:
+        return self.ledger.bytes_copied
+
+    def held_arrays(self) -> tuple[Any, ...]:
+        return tuple(p for planes in self._planes.values() for p in planes)
+
+    def learn(self, geometry: KvGeometry, *, room: int = 0) -> None:
+        """Fix the KV geometry (first write or declaration); refuses another one. ``room``:
+        the blocks the write that teaches it takes; a byte limit that cannot hold them
+        raises ``PoolExhaustedError`` before the pool learns anything."""
+        if self._geometry is not None:
+            if geometry != self._geometry:
+                raise InvalidInputError(
+                    pool_geometry_message(self._geometry.describe(), geometry.describe())
+                )
+            return
+        self.codec.check(geometry)
+        self._geometry = geometry
+        if self.max_bytes is not None:
+            limit = self.max_bytes // self.bytes_per_block
+            if limit < self._initial:
+                self._geometry = None
+                raise InvalidInputError(pool_limit_message(self.max_bytes, limit, self._initial))
+            if limit < room:
+                self._geometry = None
+                check_limit(room, limit)
+            self.ledger.max_blocks = limit
+        if self._initial:
+            self.ledger.ensure(self._initial)
+
+    def blocks_for(self, offset: int) -> int:
+        """Blocks a row of ``offset`` positions holds."""
+        return math.ceil(offset / self.block_size)
+
+    def evict_cached(self, count: int) -> int:
+        """Forget up to ``count`` unreferenced cached blocks, least recently used first."""
+        return self.ledger.evict_cached(as_count(count, "count"))
 
 
 class PagedSurface:

@@ -41,13 +41,10 @@ from kvrows.errors import (
     EMPTY_CACHE_NO_BLOCK,
     EMPTY_ROW_NO_BLOCK,
     NOTHING_TO_FETCH,
-    POOL_GEOMETRY_UNKNOWN,
     PROJECTED_BYTES_NEEDS_GEOMETRY,
     InvalidInputError,
     LayoutStateError,
     paged_merge_message,
-    pool_geometry_message,
-    pool_limit_message,
     prefix_mismatch_message,
     prefix_too_long_message,
     request_rows_message,
@@ -56,19 +53,17 @@ from kvrows.optimized.codecs import Codec, dtype_name, make_codec
 from kvrows.optimized.geometries.growing import GrowingGeometry
 from kvrows.optimized.rows import DECLARED, Layout, RowWindow, Serial, Storage, owned
 from kvrows.paged import (
-    DEFAULT_BLOCK_SIZE,
     ROOT_HASH,
-    BlockLedger,
     Paged,
     PagedSurface,
+    PoolBase,
     bind_paged,
     chain_hashes,
-    check_limit,
 )
 from kvrows.paged import token_ids as read_token_ids
 from kvrows.paged_forms import PagedState, codec_field, parse_state
 from kvrows.protocols import Mask
-from kvrows.schemes import CodecSpec, Plain
+from kvrows.schemes import CodecSpec
 from kvrows.validation import KvGeometry, as_count, check_row
 
 __all__ = [
@@ -269,7 +264,7 @@ def _release_tables(pool_ref: weakref.ref[BlockPool], tables: list[Table]) -> No
         pool.close(tables)
 
 
-class BlockPool:
+class BlockPool(PoolBase):
     """One layer's blocks in MLX planes, shared by every request of the layer
     (``spec/paged-pool.md``).
 
@@ -281,105 +276,18 @@ class BlockPool:
 
     #: The implementation's ``PagedKVCache`` (what ``lookup_prefix`` returns).
     cache_class: ClassVar[type[PagedSerial]]
+    codec: Codec
+    _tables: dict[int, Table]
 
-    def __init__(
-        self,
-        codec: CodecSpec | None = None,
-        *,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        num_blocks: int = 0,
-        max_bytes: int | None = None,
-        geometry: KvGeometry | None = None,
-    ) -> None:
-        spec = Plain() if codec is None else codec
-        self.codec: Codec = make_codec(spec)
-        self.block_size = as_count(block_size, "block_size", minimum=1)
-        self._initial = as_count(num_blocks, "num_blocks")
-        self.max_bytes = None if max_bytes is None else as_count(max_bytes, "max_bytes")
-        self.ledger = BlockLedger(
-            self.block_size, grow=self._grow_to, extra=f"{self.codec.key}|{self.block_size}"
-        )
-        #: Each tensor's planes ``[num_blocks, H, block_size, ·]`` (empty until it grows).
-        self._planes: PlaneSet = {}
-        self._geometry: KvGeometry | None = None
-        #: The live tables by identity.
-        self._tables: dict[int, Table] = {}
-        if geometry is not None:
-            self.learn(geometry)
+    def _make_codec(self, spec: CodecSpec) -> Codec:
+        return make_codec(spec)
 
     # -- what it holds -------------------------------------------------------------------
-    @property
-    def codec_spec(self) -> CodecSpec:
-        spec: CodecSpec = self.codec.spec
-        return spec
-
-    @property
-    def geometry(self) -> KvGeometry | None:
-        return self._geometry
-
-    @property
-    def num_blocks(self) -> int:
-        return self.ledger.num_blocks
-
-    @property
-    def token_bytes(self) -> int:
-        """KV bytes of one token (keys and values), once the geometry is known."""
-        g = self._geometry
-        if g is None:
-            raise LayoutStateError(POOL_GEOMETRY_UNKNOWN)
-        return int(
-            self.codec.token_bytes(g.heads, g.key_dim, g.dtype, "keys")
-            + self.codec.token_bytes(g.heads, g.value_dim, g.dtype, "values")
-        )
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.token_bytes * self.block_size
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(p.nbytes) for p in self.held_arrays())
-
-    @property
-    def bytes_written(self) -> int:
-        return self.ledger.bytes_written
-
-    @property
-    def bytes_copied(self) -> int:
-        return self.ledger.bytes_copied
-
-    def held_arrays(self) -> tuple[Any, ...]:
-        return tuple(p for planes in self._planes.values() for p in planes)
-
     def live_tables(self) -> tuple[Table, ...]:
         """The live block tables (each holds its blocks once)."""
         return tuple(self._tables.values())
 
     # -- geometry and growth -------------------------------------------------------------
-    def learn(self, geometry: KvGeometry, *, room: int = 0) -> None:
-        """Fix the KV geometry (first write or declaration); refuses another one. ``room``:
-        the blocks the write that teaches it takes; a byte limit that cannot hold them
-        raises ``PoolExhaustedError`` before the pool learns anything."""
-        if self._geometry is not None:
-            if geometry != self._geometry:
-                raise InvalidInputError(
-                    pool_geometry_message(self._geometry.describe(), geometry.describe())
-                )
-            return
-        self.codec.check(geometry)
-        self._geometry = geometry
-        if self.max_bytes is not None:
-            limit = self.max_bytes // self.bytes_per_block
-            if limit < self._initial:
-                self._geometry = None
-                raise InvalidInputError(pool_limit_message(self.max_bytes, limit, self._initial))
-            if limit < room:
-                self._geometry = None
-                check_limit(room, limit)
-            self.ledger.max_blocks = limit
-        if self._initial:
-            self.ledger.ensure(self._initial)
-
     def _grow_to(self, total: int) -> None:
         """The ledger's growth: every plane gains zero blocks up to ``total``."""
         g = self._geometry
@@ -399,10 +307,6 @@ class BlockPool:
             }
             mx.eval(*(p for planes in fresh.values() for p in planes))
         self._planes = fresh
-
-    def blocks_for(self, offset: int) -> int:
-        """Blocks a row of ``offset`` positions holds."""
-        return math.ceil(offset / self.block_size)
 
     # -- tables --------------------------------------------------------------------------
     def open(self, table: Table, *, touch: bool = True) -> Table:
@@ -534,10 +438,6 @@ class BlockPool:
         cache._geometry = self._geometry
         cache.adopt_tables([self.open(list(hits))], len(hits) * self.block_size)
         return cache
-
-    def evict_cached(self, count: int) -> int:
-        """Forget up to ``count`` unreferenced cached blocks, least recently used first."""
-        return self.ledger.evict_cached(as_count(count, "count"))
 
     def check_valid(self) -> None:
         """Assert the pool's invariants (``spec/paged-pool.md`` §4)."""
