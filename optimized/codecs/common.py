@@ -6,9 +6,10 @@ from typing import Any
 
 import mlx.core as mx
 
+from kvrows.codec import Role
 from kvrows.errors import InvalidInputError
 
-__all__ = ["PLANE_DTYPES", "Planes", "dtype_name", "mlx_dtype", "sdpa"]
+__all__ = ["PLANE_DTYPES", "AsWritten", "Planes", "dtype_name", "mlx_dtype", "sdpa"]
 
 Planes = tuple[mx.array, ...]
 
@@ -42,3 +43,20 @@ def sdpa(queries: mx.array, keys: mx.array, values: mx.array, mask: Any, scale: 
     return mx.fast.scaled_dot_product_attention(
         queries, keys.astype(dtype), values.astype(dtype), scale=scale, mask=mask
     )
+
+
+class AsWritten:
+    """A codec that stores each tensor as written: one plane, the block itself (MLX arrays
+    are immutable: keeping the caller's array keeps its value; the plain and state
+    codecs)."""
+
+    def encode(self, block: Any, role: Role = "keys") -> tuple[Any, ...]:
+        return (block,)
+
+    def decode(self, planes: tuple[Any, ...], role: Role = "keys") -> mx.array:
+        """The stored values."""
+        result: mx.array = planes[0]
+        return result
+
+    def fetched(self, planes: tuple[Any, ...], role: Role = "keys") -> Any:
+        return planes[0]

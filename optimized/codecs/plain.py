@@ -8,28 +8,18 @@ import mlx.core as mx
 
 from kvrows.codec import CodecLayout, Role
 from kvrows.codecs import Plain
-from kvrows.optimized.codecs.common import Planes, mlx_dtype
+from kvrows.optimized.codecs.common import AsWritten, Planes, mlx_dtype
 from kvrows.optimized.codecs.registry import implements
 
 __all__ = ["PlainCodec"]
 
 
 @implements("plain")
-class PlainCodec(CodecLayout):
+class PlainCodec(AsWritten, CodecLayout):
     """Unquantized storage in the activation dtype: one plane, the block itself."""
 
     def __init__(self, spec: Plain | None = None) -> None:
         self.spec = spec or Plain()
-
-    def encode(self, block: Any, role: Role = "keys") -> Planes:
-        return (block,)
-
-    def fetched(self, planes: tuple[Any, ...], role: Role = "keys") -> Any:
-        return planes[0]
-
-    def decode(self, planes: Planes, role: Role = "keys") -> mx.array:
-        """The stored values."""
-        return planes[0]
 
     def zeros(
         self, rows: int, heads: int, columns: int, dim: int, dtype: str, role: Role = "keys"

@@ -12,27 +12,18 @@ import mlx.core as mx
 from kvrows.codec import CodecLayout, Role
 from kvrows.codecs.state import PlaneShape, State
 from kvrows.errors import STATE_NOT_ATTENDED, InvalidInputError
-from kvrows.optimized.codecs.common import Planes, mlx_dtype
+from kvrows.optimized.codecs.common import AsWritten, Planes, mlx_dtype
 from kvrows.optimized.codecs.registry import implements
 
 __all__ = ["StateCodec"]
 
 
 @implements("state")
-class StateCodec(CodecLayout):
+class StateCodec(AsWritten, CodecLayout):
     """``state.i`` planes ``[B, *row_shape]``, one array each, as written."""
 
     def __init__(self, spec: State | None = None) -> None:
         self.spec = spec or State()
-
-    def encode(self, block: Any, role: Role = "keys") -> Planes:
-        return (block,)
-
-    def fetched(self, planes: tuple[Any, ...], role: Role = "keys") -> Any:
-        return planes[0]
-
-    def decode(self, planes: Planes, role: Role = "keys") -> mx.array:
-        return planes[0]
 
     def zeros(
         self, rows: int, heads: int, columns: int, dim: int, dtype: str, role: Role = "keys"

@@ -24,6 +24,7 @@ from kvrows.errors import (
 from kvrows.protocols import Cache, HasCodec, Mask
 
 __all__ = [
+    "AsWritten",
     "Planes",
     "ZeroPlanes",
     "attend",
@@ -138,3 +139,18 @@ class ZeroPlanes(CodecLayout):
             np.zeros((rows, heads, columns, p.width), dtype=numpy_dtype(p.dtype))
             for p in self.plane_specs("t", dim, dtype, role)
         )
+
+
+class AsWritten:
+    """A codec that stores each tensor as written: one plane, an owned copy of the block
+    (the plain and state codecs)."""
+
+    def encode(self, block: npt.NDArray[Any], role: Role = "keys") -> Planes:
+        return (np.array(block, copy=True),)
+
+    def decode(self, planes: Planes, role: Role = "keys") -> npt.NDArray[Any]:
+        """The stored values."""
+        return planes[0]
+
+    def fetched(self, planes: Planes, role: Role = "keys") -> Any:
+        return planes[0]

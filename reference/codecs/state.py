@@ -7,33 +7,21 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
 from kvrows.codec import CodecLayout, Role
 from kvrows.codecs.state import State
 from kvrows.errors import STATE_NOT_ATTENDED, InvalidInputError
-from kvrows.reference.codecs.common import Planes
+from kvrows.reference.codecs.common import AsWritten, Planes
 from kvrows.reference.codecs.registry import implements
 
 __all__ = ["StateCodec"]
 
 
 @implements("state")
-class StateCodec(CodecLayout):
+class StateCodec(AsWritten, CodecLayout):
     """``state.i`` planes ``[B, *row_shape]``, one array each, as written."""
 
     def __init__(self, spec: State | None = None) -> None:
         self.spec = State() if spec is None else spec
-
-    def encode(self, block: npt.NDArray[Any], role: Role = "keys") -> Planes:
-        return (np.array(block, copy=True),)
-
-    def decode(self, planes: Planes, role: Role = "keys") -> npt.NDArray[Any]:
-        return planes[0]
-
-    def fetched(self, planes: Planes, role: Role = "keys") -> Any:
-        return planes[0]
 
     def zeros(
         self, rows: int, heads: int, columns: int, dim: int, dtype: str, role: Role = "keys"
