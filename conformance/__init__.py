@@ -6,16 +6,18 @@ Modules (imported as needed; nothing heavy runs at package import):
   mutants via ``Impl.with_classes``) and the storage families ``FAMILIES``, derived from
   the composition table (``derive()``);
 * ``hooks``: the per-axis hook tables the families are derived with (``CODEC_HOOKS``,
-  ``GEOMETRY_HOOKS``, ``WRITERS``, ``MODIFIER_RULES``) and mlx-lm's peers;
+  ``GEOMETRY_HOOKS``, ``WRITERS``, ``MODIFIER_RULES``: each value's draw as data, its
+  rules by name), ``compose`` (a machine from rule mixins) and mlx-lm's peers;
 * ``machines``: the one state machine and ``machine_class(family, layout, ...)``;
-* ``affine``: the affine family's hooks (one (bits, group size) per example);
-* ``rings``: the rotating family's hooks (a window; serial ring, shared and ragged layouts);
+* ``rules``: the rule mixins the rows compose: the affine and TurboQuant codecs' rules,
+  the ring's, the speculative modifier's verify rounds (solo replay of accepted tokens,
+  mlx-lm's rollback, round misuse) and what rounds add on a ring;
+* ``paged``: the paged geometry's rules (pools, their invariants, byte limits);
 * ``delayed``: the delayed families' own machine (rows that convert to affine, or to
   TurboQuant in ``delayed-turbo``, at their own ``start``: solo legos per row, the
   position record, mixed reads, prefill maintenance, rounds, deferred vs eager V);
-* ``speculative``: the speculative family's rules (verify rounds on every verify layout,
-  solo replay of accepted tokens, mlx-lm's rollback, round misuse);
-* ``strategies``: Hypothesis strategies (geometries, prompts, chunks, keep lists);
+* ``strategies``: Hypothesis strategies (geometries, ring windows and sinks, prompts,
+  chunks, keep lists);
 * ``tolerances``: the one tolerance table (``spec/tolerances.md``);
 * ``parity``: where kvrows and mlx-lm knowingly differ (the skips' reasons);
 * ``profiles``: the ``ci`` / ``deep`` / ``teeth`` Hypothesis profiles and the CI

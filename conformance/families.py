@@ -17,7 +17,6 @@ by a hook-table row.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -35,14 +34,14 @@ from kvrows.conformance.hooks import (
     GEOMETRY_HOOKS,
     MODIFIER_RULES,
     WRITERS,
-    CodecHooks,
-    GeometryHooks,
+    Draw,
     Loader,
     ModifierRules,
     PeerChoice,
     PeerLoader,
     PeerSpec,
     WriterHooks,
+    compose,
     lm_cache,
 )
 
@@ -159,6 +158,7 @@ class LayoutSpec:
     ``siblings``: other layouts whose rows this one merges (side sources of a merge).
     ``machine`` / ``peer_spec``: this layout's machine base and mlx-lm peer when not the
     family's (a family over several storages: the speculative family).
+    ``draw``: how its examples draw their geometry (the codec's and geometry's hook rows).
     """
 
     name: str
@@ -172,6 +172,7 @@ class LayoutSpec:
     siblings: tuple[str, ...] = ()
     machine: Callable[[], type[Any]] | None = None
     peer_spec: Callable[[], PeerSpec] | None = None
+    draw: Draw = field(default_factory=Draw)
 
     @property
     def role(self) -> str:
@@ -355,25 +356,17 @@ class _Axes:
 
     family: str
     machine: Loader | None
-    rounds: Loader  # the machine with verify rounds
+    rounds: Loader | None  # the machine with verify rounds
     has_rounds: bool
     peer: PeerLoader | None
     tolerance_key: str
     writer: WriterHooks
-
-
-@functools.cache
-def _mixed(mixin: Loader, base: Loader) -> Loader:
-    """The loader of ``mixin`` over ``base`` (a new codec's machine with verify rounds)."""
-
-    def machine() -> type[Any]:
-        mixed, under = mixin(), base()
-        return type(f"{mixed.__name__.removesuffix('Machine')}{under.__name__}", (mixed, under), {})
-
-    return functools.cache(machine)
+    draw: Draw
 
 
 def _axes(codec: str, geometry: str) -> _Axes:
+    """The machines of ``codec`` on ``geometry``: the rules its rows name, composed (the
+    geometry's round rules, the speculative modifier's, the geometry's, the codec's)."""
     if codec not in CODEC_HOOKS or geometry not in GEOMETRY_HOOKS:
         raise KeyError(
             f"no conformance hooks for the {codec} codec on the {geometry} geometry: add a "
@@ -381,19 +374,27 @@ def _axes(codec: str, geometry: str) -> _Axes:
         )
     codec_hooks, geometry_hooks = CODEC_HOOKS[codec], GEOMETRY_HOOKS[geometry]
     writer = WRITERS[codec_hooks.tensors]
-    drawn_by: CodecHooks | GeometryHooks = codec_hooks
-    machine = codec_hooks.machine
-    if codec in geometry_hooks.by_codec or geometry_hooks.machine is not None:
-        drawn_by = geometry_hooks
-        machine = geometry_hooks.by_codec.get(codec, geometry_hooks.machine)
-    mixin = MODIFIER_RULES["speculative"].mixin
-    assert mixin is not None
-    if drawn_by.has_rounds and machine is not None:
-        rounds = machine
-    elif drawn_by.rounds is not None:
-        rounds = drawn_by.rounds
-    else:
-        rounds = mixin if machine is None else _mixed(mixin, machine)
+    own = geometry_hooks.by_codec.get(codec)
+    rules = tuple(
+        r
+        for r in (
+            geometry_hooks.rules,
+            codec_hooks.rules if geometry_hooks.codec_rules else None,
+        )
+        if r is not None
+    )
+    where = geometry_hooks.rounds if geometry_hooks.rules is not None else codec_hooks.rounds
+    speculative = MODIFIER_RULES["speculative"].rules
+    assert speculative is not None
+    with_rounds = compose(
+        *(r for r in (geometry_hooks.round_rules, speculative) if r is not None), *rules
+    )
+    machine: Loader | None = compose(*rules) if own is None else own
+    rounds: Loader | None = with_rounds
+    if own is not None or where == "own":  # rules with rounds of their own
+        rounds, where = machine, "own"
+    elif where == "family":
+        machine = with_rounds
     family = geometry_hooks.family or codec_hooks.family
     qualifier = codec_hooks.qualifier
     if geometry_hooks.family is not None and geometry_hooks.codec_suffix and qualifier:
@@ -407,7 +408,8 @@ def _axes(codec: str, geometry: str) -> _Axes:
             peer = choice
             break
     assert peer != DEFER
-    return _Axes(family, machine, rounds, drawn_by.has_rounds, peer, key, writer)
+    draw = codec_hooks.draw.on(geometry_hooks)
+    return _Axes(family, machine, rounds, where != "modifier", peer, key, writer, draw)
 
 
 def _roles(storage: Composition, entry: Composition) -> tuple[str, ...]:
@@ -448,6 +450,7 @@ def _layout(storage: Composition, entry: Composition, axes: _Axes, peer: bool) -
         serial=storage.name,
         tolerance_key=axes.tolerance_key,
         siblings=siblings,
+        draw=axes.draw,
     )
 
 

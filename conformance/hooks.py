@@ -3,22 +3,29 @@
 ``conformance.families`` derives every family from ``kvrows.compositions.COMPOSITIONS``
 and these tables, one row per value of an axis (spec/contract.md §0.11):
 
-* :data:`CODEC_HOOKS` ``[codec kind]``: the machine whose geometry strategy draws the
-  codec's parameters (``None``: the base machine), its tolerance key, its mlx-lm peer,
-  the family its growing storages form, and what its tensors are written with;
-* :data:`GEOMETRY_HOOKS` ``[geometry kind]``: the machine whose strategy draws the
-  geometry (a ring's window, a pool), the mlx-lm peer it imposes, how its families are
-  named and which codecs a storage of ``any`` codec is driven with;
+* :data:`CODEC_HOOKS` ``[codec kind]``: how an example draws the codec's parameters and
+  head dims (:class:`Draw`), the codec's rules (a mixin of ``conformance.rules``: its
+  model, its invalid merges), whether its family runs verify rounds, its tolerance key,
+  its mlx-lm peer, the family of its growing storages, and what its tensors are written
+  with;
+* :data:`GEOMETRY_HOOKS` ``[geometry kind]``: the geometry's rules (a ring's views,
+  windows and mlx-lm quirks; a pool's invariants) and what rounds add on it, its draw
+  (windows and sinks by role, a head-dim cap), the mlx-lm peer it imposes, how its
+  families are named and which codecs a storage of ``any`` codec is driven with;
 * :data:`WRITERS` ``[tensors]``: how a block is written (KV ``update_and_fetch``, the
   latent's three tensors, recurrent planes), and so what the table's arrangement and
   parity columns mean for the machine's layout flags and mlx-lm twins;
-* :data:`MODIFIER_RULES` ``[modifier]``: the machine mixin a modifier's family runs
-  (verify rounds, delayed conversion) and how its families are named.
+* :data:`MODIFIER_RULES` ``[modifier]``: the rules a modifier composes onto the machine
+  (the speculative verify rounds) or its own machine (delayed conversion), and how its
+  families are named.
 
-A new codec or geometry (an MX codec, a chunked geometry) gets its conformance family by
-a row here, not by a family function. Machines are named by :func:`load` (lazily: the
-machine modules import ``families``); the same name gives the same loader, so families
-that share a machine share its loader.
+A machine is never written per family: :func:`compose` builds it from the rule mixins
+the rows name (round rules of the geometry, the modifier's, the geometry's, the codec's,
+over ``machines.ConformanceMachine``), and ``machines.machine_class`` gives it the
+layout's :class:`Draw`. A new codec or geometry (an MX codec, a chunked geometry) gets
+its conformance family by a row here. Rules are named by :func:`load` (lazily: the rule
+modules import ``machines``, which imports ``families``); the same name gives the same
+loader, and the same rules the same composed machine.
 """
 
 from __future__ import annotations
@@ -26,11 +33,17 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Final, Literal
 
 import mlx.core as mx
+from hypothesis import strategies as st
+
+from kvrows.affine_geometry import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
+from kvrows.codec import TURBO_HEAD_DIMS
+from kvrows.conformance import strategies as ks
+from kvrows.schemes import TURBO_KEY_BITS, TURBO_VALUE_BITS
 
 __all__ = [
     "CODEC_HOOKS",
@@ -38,11 +51,14 @@ __all__ = [
     "MODIFIER_RULES",
     "WRITERS",
     "CodecHooks",
+    "Draw",
     "GeometryHooks",
     "Loader",
     "ModifierRules",
     "PeerSpec",
+    "Rounds",
     "WriterHooks",
+    "compose",
     "lm_cache",
     "load",
 ]
@@ -64,6 +80,24 @@ def load(module: str, name: str) -> Loader:
 
     machine.__name__ = machine.__qualname__ = f"load_{name}"
     return machine
+
+
+@functools.cache
+def compose(*rules: Loader) -> Loader | None:
+    """The loader of the machine made of ``rules`` (mixins over
+    ``machines.ConformanceMachine``, the first overriding the next): ``None`` for none
+    (the base machine), the rules themselves for one, else one class per tuple."""
+    if len(rules) < 2:
+        return rules[0] if rules else None
+
+    def machine() -> type[Any]:
+        bases = tuple(load() for load in rules)
+        named = [b for i, b in enumerate(bases) if not any(issubclass(a, b) for a in bases[:i])]
+        name = "".join(b.__name__.removesuffix("Rules").removesuffix("Machine") for b in named)
+        return type(f"{name}Machine", bases, {"__module__": bases[0].__module__})
+
+    machine.__name__ = machine.__qualname__ = "load_" + "_".join(r.__name__[5:] for r in rules)
+    return functools.cache(machine)
 
 
 # ------------------------------------------------------------------------ mlx-lm peers
@@ -157,12 +191,50 @@ DEFER: Final = "defer"
 PeerChoice = PeerLoader | None | Literal["defer"]
 
 
+# ----------------------------------------------------------------------------- draws
+@dataclass(frozen=True)
+class Draw:
+    """How an example draws its geometry: ``strategy(dims=, codecs=[, windows=, keeps=])``
+    over head dims ``dims`` and the codec's parameter sets ``params`` (a machine's
+    ``codecs``, which a test may narrow), with a geometry's windows (by the layout's role)
+    and sink tokens."""
+
+    strategy: Callable[..., st.SearchStrategy[ks.Geometry]] = ks.geometries
+    dims: tuple[int, ...] = (8, 16)
+    params: tuple[tuple[int, int], ...] = ()
+    windows: Callable[[str], st.SearchStrategy[int]] | None = None
+    keeps: Callable[[int], st.SearchStrategy[int]] | None = None
+
+    def geometries(
+        self, codecs: tuple[tuple[int, int], ...], role: str
+    ) -> st.SearchStrategy[ks.Geometry]:
+        if self.windows is None:
+            return self.strategy(dims=self.dims, codecs=codecs)
+        return self.strategy(
+            dims=self.dims, codecs=codecs, windows=self.windows(role), keeps=self.keeps
+        )
+
+    def on(self, geometry: GeometryHooks) -> Draw:
+        """This codec's draw on ``geometry``: its windows and sinks, head dims capped."""
+        dims = self.dims
+        if geometry.max_dim is not None:
+            dims = tuple(d for d in dims if d <= geometry.max_dim)
+        return replace(self, dims=dims, windows=geometry.windows, keeps=geometry.keeps)
+
+
+#: Where a family's verify rounds run: ``"modifier"``, its verify layouts join the
+#: speculative family (the modifier's rules composed onto the storage's machine);
+#: ``"family"``, its own machine composes them (a layout in every role: turbo, paged);
+#: ``"own"``, its rules run rounds of their own (latent, recurrent).
+Rounds = Literal["modifier", "family", "own"]
+
+
 # ---------------------------------------------------------------------------- the axes
 @dataclass(frozen=True)
 class CodecHooks:
-    """A codec kind: ``machine`` draws its parameters (``None``: the base machine's
-    geometry strategy), ``rounds`` its machine with verify rounds (``None``: the
-    speculative mixin over ``machine``; ``machine`` itself when ``has_rounds``),
+    """A codec kind: ``draw`` how an example draws its parameters and head dims,
+    ``rules`` its rules (its model, its invalid merges; ``None``: the base machine's),
+    ``rounds`` where its verify rounds run (when its geometry has no rules),
     ``tolerance_key`` its rows of the tolerance table, ``peer`` mlx-lm's cache of the
     codec, ``family`` the family of its growing storages, ``tensors`` its writer;
     ``qualifier`` names it in a geometry's family and tolerance key (``paged-affine``,
@@ -171,26 +243,34 @@ class CodecHooks:
     tolerance_key: str
     family: str
     qualifier: str
-    machine: Loader | None = None
-    rounds: Loader | None = None
-    has_rounds: bool = False
+    draw: Draw = Draw()
+    rules: Loader | None = None
+    rounds: Rounds = "modifier"
     peer: PeerChoice = None
     tensors: str = "kv"
 
 
 @dataclass(frozen=True)
 class GeometryHooks:
-    """A geometry kind: ``machine`` draws it (``None``: the codec's machine), or
-    ``by_codec`` per codec; ``rounds`` the machine with verify rounds (as for a codec);
-    ``family`` names its families (``None``: the codec's family), ``codec_suffix`` adds
-    the codec's qualifier; ``tolerance_prefix`` keys a codec's tolerances (``rotating``
-    + ``-affine``); ``peer`` mlx-lm's cache of the geometry;
-    ``codecs``: the codecs a storage of ``any`` codec is driven with in the CI profile."""
+    """A geometry kind: ``rules`` its rules (``None``: the codec's alone), composed over
+    the codec's unless ``codec_rules`` is false (a ring's rules hold its codecs' invalid
+    merges); ``by_codec`` a machine of its own for a codec (the latent pool);
+    ``round_rules`` what verify rounds add on it (a ring: rounds across the window);
+    ``rounds`` where its rounds run (as for a codec, when it has rules); ``windows``
+    (by the layout's role) and ``keeps`` its draw, ``max_dim`` a cap on the codec's head
+    dims; ``family`` names its families (``None``: the codec's family), ``codec_suffix``
+    adds the codec's qualifier; ``tolerance_prefix`` keys a codec's tolerances
+    (``rotating`` + ``-affine``); ``peer`` mlx-lm's cache of the geometry; ``codecs``:
+    the codecs a storage of ``any`` codec is driven with in the CI profile."""
 
-    machine: Loader | None = None
+    rules: Loader | None = None
+    codec_rules: bool = True
     by_codec: Mapping[str, Loader] = field(default_factory=lambda: MappingProxyType({}))
-    rounds: Loader | None = None
-    has_rounds: bool = False
+    round_rules: Loader | None = None
+    rounds: Rounds = "modifier"
+    windows: Callable[[str], st.SearchStrategy[int]] | None = None
+    keeps: Callable[[int], st.SearchStrategy[int]] | None = None
+    max_dim: int | None = None
     family: str | None = None
     codec_suffix: bool = False
     tolerance_prefix: str = ""
@@ -220,17 +300,29 @@ class WriterHooks:
 
 @dataclass(frozen=True)
 class ModifierRules:
-    """A modifier's family: its machine (``mixin``: mixed into the storage's machine;
+    """A modifier's family: its rules (``rules``: composed onto the storage's machine;
     else ``machine``: the family's own), its family name (``-<codec>`` added for a codec
     other than ``default_codec``; ``None``: one family for every codec), and whether its
     layouts have an mlx-lm peer."""
 
     family: str
-    mixin: Loader | None = None
+    rules: Loader | None = None
     machine: Loader | None = None
     default_codec: str | None = None
     peer: bool = True
 
+
+#: Every supported affine codec, ``(bits, group_size)``, and the head dims its examples use.
+AFFINE = Draw(
+    dims=(32, 64, 128),
+    params=tuple((bits, group) for bits in SUPPORTED_BITS for group in SUPPORTED_GROUP_SIZES),
+)
+#: Every supported TurboQuant codec, ``(k_bits, v_bits)``, at every head dim it stores.
+TURBO = Draw(
+    strategy=ks.turbo_geometries,
+    dims=TURBO_HEAD_DIMS,
+    params=tuple((k, v) for k in TURBO_KEY_BITS for v in TURBO_VALUE_BITS),
+)
 
 CODEC_HOOKS: Mapping[str, CodecHooks] = MappingProxyType(
     {
@@ -239,21 +331,27 @@ CODEC_HOOKS: Mapping[str, CodecHooks] = MappingProxyType(
             "affine",
             "affine",
             "affine",
-            machine=load("affine", "AffineMachine"),
-            rounds=load("speculative", "SpeculativeAffineMachine"),
+            draw=AFFINE,
+            rules=load("rules", "AffineRules"),
             peer=affine_peer,
         ),
-        # The turbo machine runs verify rounds itself; mlx-lm has no TurboQuant cache.
+        # Its one layout serves every role: the family runs verify rounds; mlx-lm has no
+        # TurboQuant cache.
         "turbo": CodecHooks(
-            "turbo", "turbo", "turbo", machine=load("turbo", "TurboMachine"), has_rounds=True
+            "turbo",
+            "turbo",
+            "turbo",
+            draw=TURBO,
+            rules=load("rules", "TurboRules"),
+            rounds="family",
         ),
         # MLA latent storages grow (the growing geometry); their machine runs rounds.
         "latent": CodecHooks(
             "latent",
             "latent",
             "latent",
-            machine=load("latent", "LatentMachine"),
-            has_rounds=True,
+            rules=load("latent", "LatentMachine"),
+            rounds="own",
             tensors="latent",
         ),
         "state": CodecHooks("recurrent", "recurrent", "state", tensors="recurrent"),
@@ -263,31 +361,33 @@ CODEC_HOOKS: Mapping[str, CodecHooks] = MappingProxyType(
 GEOMETRY_HOOKS: Mapping[str, GeometryHooks] = MappingProxyType(
     {
         "growing": GeometryHooks(),
-        # Both codecs' rings in one family; mlx-lm's rings are the peer of both.
+        # Both codecs' rings in one family (the ring's rules hold both codecs' invalid
+        # merges; quantized rings at head dims up to 64); mlx-lm's rings are the peer of
+        # both.
         "ring": GeometryHooks(
-            machine=load("rings", "RingMachine"),
-            rounds=load("speculative", "SpeculativeRingMachine"),
+            rules=load("rules", "RingRules"),
+            codec_rules=False,
+            round_rules=load("rules", "RingRoundRules"),
+            windows=ks.ring_windows,
+            keeps=ks.ring_keeps,
+            max_dim=64,
             family="rotating",
             tolerance_prefix="rotating",
             peer=ring_peer,
         ),
-        # mlx-lm has no paged cache; a paged KV storage runs with plain and affine pools.
+        # mlx-lm has no paged cache; a paged KV storage runs with plain and affine pools,
+        # in every role (rounds included); latent planes in a pool have their own machine.
         "paged": GeometryHooks(
-            by_codec=MappingProxyType(
-                {
-                    "plain": load("paged", "PagedMachine"),
-                    "affine": load("paged", "PagedAffineMachine"),
-                    "latent": load("paged_latent", "PagedLatentMachine"),
-                }
-            ),
-            has_rounds=True,
+            rules=load("paged", "PagedRules"),
+            by_codec=MappingProxyType({"latent": load("paged_latent", "PagedLatentMachine")}),
+            rounds="family",
             family="paged",
             codec_suffix=True,
             peer=None,
             codecs=("plain", "affine"),
         ),
         "recurrent": GeometryHooks(
-            machine=load("recurrent", "RecurrentMachine"), has_rounds=True, family="recurrent"
+            rules=load("recurrent", "RecurrentMachine"), rounds="own", family="recurrent"
         ),
     }
 )
@@ -315,10 +415,8 @@ WRITERS: Mapping[str, WriterHooks] = MappingProxyType(
 
 MODIFIER_RULES: Mapping[str, ModifierRules] = MappingProxyType(
     {
-        # Verify rounds on the verify layouts of storages whose machine has none.
-        "speculative": ModifierRules(
-            "speculative", mixin=load("speculative", "SpeculativeMachine")
-        ),
+        # Verify rounds composed onto the storage's machine (``rules.RoundRules``).
+        "speculative": ModifierRules("speculative", rules=load("rules", "RoundRules")),
         # Rows of two codecs (bf16, then the codec): their own machine and solo legos.
         "delayed": ModifierRules(
             "delayed", machine=load("delayed", "DelayedMachine"), default_codec="affine", peer=False

@@ -43,10 +43,11 @@ Besides the values, the machine checks what a caller relies on:
 Cost: the invariant checks what the last rule touched and everything every
 :data:`FULL_CHECK_EVERY` rules; teardown checks every live object once more.
 
-A family plugs in with a subclass of hooks and strategies only (see
-``conformance.affine`` and ``conformance.rings``): its geometry strategy, the
-views of what a serial cache and a layout row hold, its prompt/step/keep
-strategies, its mlx-lm peer's quirks and its extra invalid operations. A family
+A family plugs in through its hook rows (``conformance.hooks``): its geometry draw is
+data (``draw``, ``codecs``), and what its axes add as code are rule mixins of
+``conformance.rules`` composed over this class (``hooks.compose``): the views of what a
+serial cache and a layout row hold, prompt/step/keep strategies, the mlx-lm peer's
+quirks, extra invalid operations, verify rounds. A family
 whose storages hold no keys and values (``conformance.latent``,
 ``conformance.recurrent``) turns off the base rules it replaces (:func:`rules_off`)
 and keeps the rest: ids, counters, :class:`Request` / :class:`Layout`, ``_close``
@@ -79,6 +80,7 @@ from kvrows.compositions import SELF, composition
 from kvrows.conformance import strategies as ks
 from kvrows.conformance.arrays import NUMPY_DTYPES, expand_mask, random_block, to_mlx
 from kvrows.conformance.families import CONSTRUCTORS, Family, Impl, LayoutSpec, PeerSpec
+from kvrows.conformance.hooks import Draw
 from kvrows.conformance.parity import DIVERGENCES
 from kvrows.conformance.profiles import active_profile, machine_seed
 from kvrows.conformance.stats import Stats
@@ -420,9 +422,9 @@ def _update_with(make: Callable[[Impl], tuple[Any, Any]]) -> Callable[[Impl, Any
 class ConformanceMachine(RuleBasedStateMachine):
     """Shared rules for every (family, layout); see the module docstring.
 
-    The class-level hooks describe full-attention storage; a family's subclass
-    overrides what differs (``conformance.rings``: a window; ``conformance.affine``:
-    a codec per example).
+    The class-level hooks describe full-attention storage; the rule mixins the hook rows
+    compose override what differs (``rules.RingRules``: a window; ``rules.AffineRules``:
+    the codec's invalid merges).
     """
 
     family: ClassVar[Family]
@@ -447,10 +449,15 @@ class ConformanceMachine(RuleBasedStateMachine):
     state_pending: ClassVar[str | None] = None
     #: Quantities (prefixes) a calibration run (``enforce=False``) records without enforcing.
     measured: ClassVar[tuple[str, ...]] = ("attention",)
+    #: How an example draws its geometry (the layout's, from the codec's and geometry's
+    #: hook rows) and the codec parameter sets it draws from (a test may narrow them:
+    #: ``machine_class(family, layout, codecs=[(4, 64)])``).
+    draw: ClassVar[Draw] = Draw()
+    codecs: ClassVar[tuple[tuple[int, int], ...]] = ()
 
     @classmethod
     def geometries(cls) -> st.SearchStrategy[ks.Geometry]:
-        return ks.geometries()
+        return cls.draw.geometries(tuple(cls.codecs), cls.spec.role)
 
     def _prompt_length(self, data: st.DataObject) -> int:
         return data.draw(ks.prompt_lengths(self.limits.long_prompts), label="prompt length")
@@ -2601,6 +2608,8 @@ def machine_class(
         "stats": stats or Stats(family.name, layout),
         "limits": limits or Limits(),
         "enforce": enforce,
+        "draw": spec.draw,
+        "codecs": spec.draw.params,
         "__module__": base.__module__,
         "__doc__": f"Conformance of the {family.name} family's {layout} ({'/'.join(spec.roles)} layout).",
         **hooks,

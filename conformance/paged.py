@@ -1,5 +1,7 @@
-"""The paged family's machine: the speculative machine over ``PagedKVCache`` rows in
-``PagedKvRows`` (all three roles), plus the pool's invariants after every rule.
+"""The paged geometry's rules (``GEOMETRY_HOOKS["paged"]``): composed with the verify
+rounds (``rules.RoundRules``) and the codec's rules (``rules.AffineRules`` for affine
+pools) over ``PagedKVCache`` rows in ``PagedKvRows`` (all three roles), plus the pool's
+invariants after every rule.
 
 Every base rule (requests, prefill chunks, joins, filters, extracts, publishes, steps,
 per-row trims, bad input) and every verify round runs on paged storages; the base
@@ -38,19 +40,14 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 from kvrows import table
 from kvrows.compositions import composition
 from kvrows.conformance.families import Impl
-from kvrows.conformance.machines import Slot, _answer, evaluate, planes_of
-from kvrows.conformance.speculative import (
-    SpeculativeAffineMachine,
-    SpeculativeMachine,
-)
+from kvrows.conformance.machines import ConformanceMachine, Slot, _answer, evaluate, planes_of
 from kvrows.errors import PoolExhaustedError
 from kvrows.schemes import Affine
 
 __all__ = [
     "HEADROOMS",
     "FrozenCollector",
-    "PagedAffineMachine",
-    "PagedMachine",
+    "PagedRules",
     "accounting",
     "byte_limited",
     "collector_paused",
@@ -136,8 +133,10 @@ def byte_limited(
             pool.max_bytes = pool.ledger.max_blocks = None
 
 
-class PagedMachine(FrozenCollector, SpeculativeMachine):
-    """The speculative machine on paged storages, with the pool invariants."""
+class PagedRules(FrozenCollector, ConformanceMachine):
+    """The paged geometry's rules: storages in block pools (one shared pool per
+    implementation in some examples; affine pools at the example's codec, codes compared
+    exactly), the pool invariants, byte-limited pools."""
 
     def _pools(self, impl_index: int) -> list[Any]:
         """The pools of every request and layout of one implementation, in a fixed order."""
@@ -179,7 +178,13 @@ class PagedMachine(FrozenCollector, SpeculativeMachine):
         self._freeze_collector(self.headroom is not None)
 
     def _new(self, impl: Impl, name: str, **changes: int) -> Any:
-        return self._in_shared_pool(impl, name, changes, super()._new(impl, name, **changes))
+        g = self.g
+        if not g.affine or composition(name).geometry != "paged":  # plain, or a foreign cache
+            return self._in_shared_pool(impl, name, changes, super()._new(impl, name, **changes))
+        bits = changes.get("bits", g.bits)
+        group_size = changes.get("group_size", g.group_size)
+        cache = impl.cls(name)(codec=Affine(bits=bits, group_size=group_size))
+        return self._in_shared_pool(impl, name, changes, cache)
 
     def _in_shared_pool(self, impl: Impl, name: str, changes: object, cache: Any) -> Any:
         """``cache``, or in an example of one pool a new request of its kind in that pool."""
@@ -349,18 +354,3 @@ class PagedMachine(FrozenCollector, SpeculativeMachine):
             answers.append(got)
         self._exact(f"layout {slot.ident} projected_bytes (both)", answers[1], answers[0])
         self.stats.check("admission")
-
-
-class PagedAffineMachine(PagedMachine, SpeculativeAffineMachine):
-    """The paged machine over affine pools: one affine codec per example (the affine
-    machine's draw), every paged cache built with ``codec=Affine(...)``; stored codes
-    compared exactly."""
-
-    def _new(self, impl: Impl, name: str, **changes: int) -> Any:
-        if composition(name).geometry != "paged":  # a foreign cache of an invalid case
-            return super()._new(impl, name, **changes)
-        g = self.g
-        bits = changes.get("bits", g.bits or 8)
-        group_size = changes.get("group_size", g.group_size or 32)
-        cache = impl.cls(name)(codec=Affine(bits=bits, group_size=group_size))
-        return self._in_shared_pool(impl, name, changes, cache)

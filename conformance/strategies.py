@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hypothesis import strategies as st
@@ -27,8 +27,11 @@ __all__ = [
     "keep_lists",
     "mask_forms",
     "prompt_lengths",
+    "ring_keeps",
+    "ring_windows",
     "seeds",
     "step_sizes",
+    "turbo_geometries",
 ]
 
 
@@ -152,6 +155,8 @@ def geometries(
     max_size = draw(windows, label="max_size") if windows is not None else None
     keep = draw(keeps(max_size), label="keep") if keeps is not None and max_size else 0
     bits = group_size = 0
+    # Only the codecs whose group divides one of the head dims (a ring caps the dims).
+    codecs = tuple(c for c in codecs if any(d % c[1] == 0 for d in dims))
     if codecs:
         bits, group_size = draw(st.sampled_from(codecs), label="(bits, group size)")
         dims = tuple(d for d in dims if d % group_size == 0)
@@ -160,6 +165,39 @@ def geometries(
     return Geometry(
         dtype, heads, heads * group, key_dim, value_dim, max_size, bits, group_size, keep
     )
+
+
+@st.composite
+def turbo_geometries(
+    draw: st.DrawFn,
+    *,
+    dims: tuple[int, ...],
+    codecs: tuple[tuple[int, int], ...],
+    windows: st.SearchStrategy[int] | None = None,
+    keeps: Callable[[int], st.SearchStrategy[int]] | None = None,
+) -> Geometry:
+    """The base shapes at TurboQuant head dims, then a codec ``(k_bits, v_bits)``."""
+    base = draw(geometries(dims=dims, windows=windows, keeps=keeps))
+    k_bits, v_bits = draw(st.sampled_from(codecs), label="(k_bits, v_bits)")
+    return replace(base, k_bits=k_bits, v_bits=v_bits)
+
+
+def ring_windows(role: str) -> st.SearchStrategy[int]:
+    """Ring windows by the layout's role: mostly 4-8 (a ring wraps within a few steps),
+    sometimes 12-32; prefill layouts lean to wider windows (prompts and blocks around the
+    window); verify layouts run 1-8 mostly, so that rounds cross the window."""
+    if role == "prefill":
+        return st.one_of(st.integers(4, 8), st.integers(9, 16), st.just(32))
+    if role == "verify":
+        return st.one_of(st.integers(1, 4), st.integers(2, 8), st.sampled_from((12, 16, 32)))
+    return st.one_of(st.integers(4, 8), st.integers(4, 8), st.sampled_from((12, 16, 32)))
+
+
+def ring_keeps(max_size: int) -> st.SearchStrategy[int]:
+    """Sink tokens: none in about two examples of three, else 1 to 3 (below the window)."""
+    if max_size < 2:
+        return st.just(0)  # a window of one token has no room for a sink
+    return st.one_of(st.just(0), st.just(0), st.integers(1, min(3, max_size - 1)))
 
 
 seeds = st.integers(0, 2**32 - 1)

@@ -134,7 +134,7 @@ for _dtype in DTYPES:
     TOLERANCES[("affine", "attention.solo", _dtype)] = _SOLO[_dtype]
     TOLERANCES[("affine", "attention.mlx_lm", _dtype)] = _AFFINE_MLX_LM[_dtype]
 
-#: Rotating family (``kvrows.conformance.rings``): "rotating" keys the plain rings
+#: Rotating family (``conformance.rules.RingRules``): "rotating" keys the plain rings
 #: (RotatingKVCache, BatchedRotatingCache, RaggedRotatingRows), "rotating-affine" the
 #: affine rings (RotatingQuantizedKVCache, BatchedRotatingQuantCache, RotatingAffineLayout).
 #: Stored, fetched, extracted and mlx-lm K/V (affine: codes, scales, biases) are exact: a

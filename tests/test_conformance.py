@@ -35,7 +35,8 @@ from mlx_lm.models import cache as mlx_lm_cache
 
 from kvrows.conformance.arrays import expand_mask, from_mlx, to_mlx
 from kvrows.conformance.families import BUDGETS, FAMILIES, derive
-from kvrows.conformance.machines import machine_class
+from kvrows.conformance.hooks import CODEC_HOOKS
+from kvrows.conformance.machines import ConformanceMachine, machine_class
 from kvrows.conformance.parity import DIVERGENCES
 from kvrows.conformance.profiles import PROFILES, active_profile, profile_settings
 from kvrows.conformance.runner import (
@@ -56,6 +57,10 @@ SPEC = Path(__file__).resolve().parents[1] / "spec" / "tolerances.md"
 #: Operations every plain and affine machine must have exercised.
 COMMON_OPS = BASE_OPS | {"trim"}
 
+#: The affine codec's draw: every supported ``(bits, group_size)`` and the head dims.
+AFFINE = CODEC_HOOKS["affine"].draw
+CODECS = AFFINE.params
+
 
 @pytest.mark.parametrize("layout", [spec.name for spec in FAMILIES["plain"].layouts])
 def test_plain_family(layout: str) -> None:
@@ -74,8 +79,6 @@ def test_plain_family(layout: str) -> None:
 
 @pytest.mark.parametrize("layout", [spec.name for spec in FAMILIES["affine"].layouts])
 def test_affine_family(layout: str) -> None:
-    from kvrows.conformance.affine import CODECS
-
     stats = run_base_family(FAMILIES["affine"], layout, COMMON_OPS, ["mlx-lm serial"])
     # mlx-lm has no quantized batch: parity is serial, and only the affine skips occur
     # (where exactly: test_affine_parity_skips_are_exactly_where_mlx_lm_fails).
@@ -94,11 +97,10 @@ def test_affine_parity_skips_are_exactly_where_mlx_lm_fails() -> None:
     raise, for every codec, head dims and GQA the affine machines draw."""
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
-    from kvrows.conformance.affine import CODECS, HEAD_DIMS
     from kvrows.conformance.strategies import Geometry
 
     for bits, group in CODECS:
-        dims = [d for d in HEAD_DIMS if d % group == 0]
+        dims = [d for d in AFFINE.dims if d % group == 0]
         for key_dim in dims:
             for value_dim in dims:
                 for per_head in (1, 2):
@@ -132,8 +134,6 @@ def test_affine_parity_skips_are_exactly_where_mlx_lm_fails() -> None:
 
 
 def _sweep_cases() -> list[Any]:
-    from kvrows.conformance.affine import CODECS
-
     layouts = [spec.name for spec in FAMILIES["affine"].layouts]
     return [
         pytest.param((bits, group), layouts[i % len(layouts)], id=f"bits{bits}-group{group}")
@@ -218,24 +218,48 @@ def test_the_families_are_derived_from_the_composition_table() -> None:
     assert FAMILIES["delayed"].machine is FAMILIES["delayed-turbo"].machine
 
 
-def test_a_codec_without_its_own_rounds_machine_gets_the_speculative_mixin(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A new codec row needs no machine with rounds: the speculative family mixes
-    ``SpeculativeMachine`` into the codec's machine (the MRO the affine one spells out)."""
+def test_machines_are_composed_from_the_hook_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No machine is written per family: each is the rules its rows name, composed in one
+    order (the geometry's round rules, the speculative modifier's, the geometry's, the
+    codec's) over the base machine; the same rules give the same machine."""
     from kvrows.conformance import families, hooks
-    from kvrows.conformance.speculative import SpeculativeAffineMachine
+    from kvrows.conformance.paged import PagedRules
+    from kvrows.conformance.rules import (
+        AffineRules,
+        RingRoundRules,
+        RingRules,
+        RoundRules,
+        TurboRules,
+    )
 
+    def rules(family: str, layout: str) -> list[type]:
+        fam = FAMILIES[family]
+        load = fam.layout(layout).machine or fam.machine
+        machine = load() if load is not None else ConformanceMachine
+        return [c for c in machine.__mro__ if c.__name__.endswith("Rules")]
+
+    assert rules("plain", "PaddedKVRows") == []
+    assert rules("affine", "PaddedQuantKVRows") == [AffineRules]
+    assert rules("rotating", "RotatingAffineLayout") == [RingRules]  # the ring's own merges
+    assert rules("speculative", "BatchedKVCache") == [RoundRules]
+    assert rules("speculative", "BatchedQuantizedKVCache") == [RoundRules, AffineRules]
+    ring_rounds = [RingRoundRules, RoundRules, RingRules]
+    assert rules("speculative", "SpeculativeRotatingAffineLayout") == ring_rounds
+    assert rules("turbo", "BatchedTurboQuantKVCache") == [RoundRules, TurboRules]
+    assert rules("paged-affine", "PagedKvRows") == [RoundRules, PagedRules, AffineRules]
+    spec = FAMILIES["speculative"]
+    assert spec.layout("SpeculativeRotatingKVCache").machine is (
+        spec.layout("SpeculativeRotatingAffineLayout").machine
+    )
+    # A codec row with rules of its own and no rounds: its verify layouts get the rounds
+    # composed onto its rules (here the affine rows' rules swapped for the turbo ones).
     rows = dict(hooks.CODEC_HOOKS)
-    rows["affine"] = replace(rows["affine"], rounds=None)
+    rows["affine"] = replace(rows["affine"], rules=hooks.load("rules", "TurboRules"))
     monkeypatch.setattr(families, "CODEC_HOOKS", rows)
     derived = families.derive()
     assert [(f.name, s.name) for f in derived.values() for s in f.layouts] == FAMILY_LAYOUTS
-    spec = derived["speculative"].layout("BatchedQuantizedKVCache")
-    assert spec.machine is not None
-    mixed = spec.machine()
-    assert mixed is not SpeculativeAffineMachine
-    assert mixed.__mro__[1:] == SpeculativeAffineMachine.__mro__[1:]
+    load = derived["speculative"].layout("BatchedQuantizedKVCache").machine
+    assert load is not None and load().__mro__[1:3] == (RoundRules, TurboRules)
 
 
 def _drawn(results: list[MachineResult]) -> dict[tuple[str, str], tuple[object, ...]]:

@@ -1,7 +1,7 @@
-"""The paged family's conformance machine (``kvrows.conformance.paged``).
+"""The paged families' conformance machines (``kvrows.conformance.paged``'s rules).
 
 ``PagedKvRows`` (the layout of ``PagedKVCache``'s rows in all three roles) runs the
-speculative machine under the selected profile, scaled by the family's example budget:
+paged rules composed with the verify rounds under the selected profile, scaled by the family's example budget:
 serial caches and layout rows merged, joined, stepped, verified in rounds, filtered,
 extracted, published, trimmed and saved, against the reference, the contiguous model
 (the same bytes as ``KVCache``) and a solo replay per row, with the pools' invariants
@@ -17,8 +17,8 @@ from conformance_helpers import assert_compared, run_family
 
 from kvrows.conformance.families import FAMILIES
 from kvrows.conformance.machines import BASE_CHECKS
-from kvrows.conformance.paged import PagedAffineMachine, PagedMachine
-from kvrows.conformance.speculative import SPECULATIVE_CHECKS
+from kvrows.conformance.paged import PagedRules
+from kvrows.conformance.rules import SPECULATIVE_CHECKS, AffineRules, RoundRules
 
 FAMILY = FAMILIES["paged"]
 
@@ -48,7 +48,8 @@ def test_paged_family() -> None:
     assert [spec.name for spec in FAMILY.layouts] == ["PagedKvRows"]
     spec = FAMILY.layout("PagedKvRows")
     assert spec.roles == ("decode", "prefill", "verify") and spec.trim_rows
-    assert FAMILY.machine is not None and issubclass(FAMILY.machine(), PagedMachine)
+    assert FAMILY.machine is not None
+    assert issubclass(FAMILY.machine(), PagedRules) and issubclass(FAMILY.machine(), RoundRules)
     stats, settings = run_family(FAMILY, "PagedKvRows", ci_examples=CI_EXAMPLES)
     oracles = (*BASE_CHECKS, *SPECULATIVE_CHECKS, "state", "save_restore")
     stats.require(settings.max_examples // 2, ops=EXPECTED_OPS, oracles=oracles)
@@ -68,7 +69,12 @@ def test_paged_family() -> None:
 def test_paged_affine_family() -> None:
     """The same rows over affine pools (one codec per example): codes exact."""
     family = FAMILIES["paged-affine"]
-    assert family.machine is not None and issubclass(family.machine(), PagedAffineMachine)
+    assert family.machine is not None
+    assert [c for c in family.machine().__mro__ if c in (RoundRules, PagedRules, AffineRules)] == [
+        RoundRules,
+        PagedRules,
+        AffineRules,
+    ]
     stats, settings = run_family(family, "PagedKvRows")
     oracles = ("reference vs optimized", "solo replay", "state", "admission")
     stats.require(settings.max_examples // 2, oracles=oracles)

@@ -1,6 +1,6 @@
 """The rotating family's conformance machines, and the ring vectors of the spec.
 
-The machine tests run each ring layout's state machine (``kvrows.conformance.rings``)
+The machine tests run each ring layout's state machine (``conformance.rules.RingRules``)
 under the selected profile, scaled by the family's example budget, and check that
 nothing was skipped silently. The vector tests pin the spec's worked examples by
 hand (the golden wrap-mask vector of ``spec/BatchedRotatingCache.md`` §3, the block

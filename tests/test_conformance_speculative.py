@@ -2,7 +2,7 @@
 
 Each verify layout (``BatchedKVCache``, ``BatchedQuantizedKVCache``,
 ``SpeculativeRotatingKVCache``, ``SpeculativeRotatingAffineLayout``) runs its machine
-(``kvrows.conformance.speculative``) under the selected profile, scaled by the family's
+(the storage's rules with ``kvrows.conformance.rules.RoundRules``) under the selected profile, scaled by the family's
 example budget: random verify rounds between the base machine's operations, against the
 reference, a solo replay of each row's accepted tokens and mlx-lm's own speculative
 rollback. The tests check that nothing was skipped silently (every kind of round, the
@@ -33,8 +33,8 @@ from kvrows import table
 from kvrows.conformance.families import FAMILIES
 from kvrows.conformance.machines import BASE_CHECKS
 from kvrows.conformance.profiles import active_profile
+from kvrows.conformance.rules import ACCEPTANCE, SPECULATIVE_CHECKS
 from kvrows.conformance.runner import family_settings
-from kvrows.conformance.speculative import ACCEPTANCE, SPECULATIVE_CHECKS
 from kvrows.protocols import SpeculativeRowLayout
 
 #: mlx-lm is untyped; reach its classes through ``Any``.

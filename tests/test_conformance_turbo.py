@@ -1,4 +1,4 @@
-"""The turbo family's conformance machine (``kvrows.conformance.turbo``).
+"""The turbo family's conformance machine (``rules.TurboRules`` with the verify rounds).
 
 ``BatchedTurboQuantKVCache`` (the layout of ``TurboQuantKVCache``'s rows in all three
 roles) runs its machine under the selected profile, scaled by the family's example
@@ -18,12 +18,14 @@ from conformance_helpers import BASE_QUANTITIES, ROW_OPS, assert_compared, run_f
 
 from kvrows.codec import TURBO_HEAD_DIMS
 from kvrows.conformance.families import FAMILIES
+from kvrows.conformance.hooks import CODEC_HOOKS
 from kvrows.conformance.machines import BASE_CHECKS
+from kvrows.conformance.rules import SPECULATIVE_CHECKS, TURBO_CHECKS, RoundRules, TurboRules
 from kvrows.conformance.runner import family_settings
-from kvrows.conformance.speculative import SPECULATIVE_CHECKS, SpeculativeMachine
-from kvrows.conformance.turbo import CODECS, TURBO_CHECKS, TurboMachine
 
 FAMILY = FAMILIES["turbo"]
+#: Every supported codec, ``(k_bits, v_bits)`` (the turbo codec's draw).
+CODECS = CODEC_HOOKS["turbo"].draw.params
 LAYOUTS = [spec.name for spec in FAMILY.layouts]
 
 #: Operations the turbo machine must have exercised.
@@ -79,7 +81,7 @@ def test_the_family_drives_both_turbo_storages() -> None:
     assert FAMILY.peer is None and not spec.peer and not spec.serial_peer
     assert FAMILY.machine is not None
     machine = FAMILY.machine()
-    assert issubclass(machine, TurboMachine) and issubclass(machine, SpeculativeMachine)
+    assert issubclass(machine, TurboRules) and issubclass(machine, RoundRules)
     # No other family drives a turbo class (but the delayed turbo layout, whose converted
     # rows extract into TurboQuantKVCache: the delayed-turbo family).
     for name, family in FAMILIES.items():

@@ -41,7 +41,7 @@ measures = _load_measures()
 #: Dispatch sites per file on main 02c7354 (``.venv/bin/python tools/measures.py``).
 BASELINE: dict[str, int] = {
     "conformance/delayed.py": 13,
-    "conformance/hooks.py": 2,
+    "conformance/hooks.py": 1,
     "conformance/latent.py": 1,
     "conformance/paged.py": 1,
     "conformance/recurrent.py": 1,
@@ -60,7 +60,7 @@ BASELINE: dict[str, int] = {
 }
 
 #: The sum of :data:`BASELINE`: the issue's "before".
-BASELINE_TOTAL = 39
+BASELINE_TOTAL = 38
 
 ADVICE = (
     "Ask a capability instead of a type: a protocol of kvrows.protocols (HasCodec, "
