@@ -10,9 +10,10 @@ Modules (imported as needed; nothing heavy runs at package import):
   rules by name), ``compose`` (a machine from rule mixins) and mlx-lm's peers;
 * ``machines``: the one state machine and ``machine_class(family, layout, ...)``;
 * ``rules``: the rule mixins the rows compose: the affine and TurboQuant codecs' rules,
-  the ring's, the speculative modifier's verify rounds (solo replay of accepted tokens,
-  mlx-lm's rollback, round misuse) and what rounds add on a ring;
-* ``paged``: the paged geometry's rules (pools, their invariants, byte limits);
+  the ring's and the paged geometry's (pools, their invariants, byte limits), the
+  speculative modifier's verify rounds (solo replay of accepted tokens, mlx-lm's
+  rollback, round misuse) and what rounds add on a ring;
+* ``paged``: the block pools' helpers (accounting, byte limits, the collector);
 * ``delayed``: the delayed families' own machine (rows that convert to affine, or to
   TurboQuant in ``delayed-turbo``, at their own ``start``: solo legos per row, the
   position record, mixed reads, prefill maintenance, rounds, deferred vs eager V);

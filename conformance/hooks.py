@@ -378,7 +378,7 @@ GEOMETRY_HOOKS: Mapping[str, GeometryHooks] = MappingProxyType(
         # mlx-lm has no paged cache; a paged KV storage runs with plain and affine pools,
         # in every role (rounds included); latent planes in a pool have their own machine.
         "paged": GeometryHooks(
-            rules=load("paged", "PagedRules"),
+            rules=load("rules", "PagedRules"),
             by_codec=MappingProxyType({"latent": load("paged_latent", "PagedLatentMachine")}),
             rounds="family",
             family="paged",

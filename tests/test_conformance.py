@@ -223,9 +223,9 @@ def test_machines_are_composed_from_the_hook_rows(monkeypatch: pytest.MonkeyPatc
     order (the geometry's round rules, the speculative modifier's, the geometry's, the
     codec's) over the base machine; the same rules give the same machine."""
     from kvrows.conformance import families, hooks
-    from kvrows.conformance.paged import PagedRules
     from kvrows.conformance.rules import (
         AffineRules,
+        PagedRules,
         RingRoundRules,
         RingRules,
         RoundRules,

@@ -1,4 +1,4 @@
-"""The paged families' conformance machines (``kvrows.conformance.paged``'s rules).
+"""The paged families' conformance machines (``conformance.rules.PagedRules``).
 
 ``PagedKvRows`` (the layout of ``PagedKVCache``'s rows in all three roles) runs the
 paged rules composed with the verify rounds under the selected profile, scaled by the family's example budget:
@@ -17,8 +17,7 @@ from conformance_helpers import assert_compared, run_family
 
 from kvrows.conformance.families import FAMILIES
 from kvrows.conformance.machines import BASE_CHECKS
-from kvrows.conformance.paged import PagedRules
-from kvrows.conformance.rules import SPECULATIVE_CHECKS, AffineRules, RoundRules
+from kvrows.conformance.rules import SPECULATIVE_CHECKS, AffineRules, PagedRules, RoundRules
 
 FAMILY = FAMILIES["paged"]
 

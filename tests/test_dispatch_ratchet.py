@@ -43,7 +43,6 @@ BASELINE: dict[str, int] = {
     "conformance/delayed.py": 13,
     "conformance/hooks.py": 1,
     "conformance/latent.py": 1,
-    "conformance/paged.py": 1,
     "conformance/recurrent.py": 1,
     "kvrows/delayed.py": 5,
     "kvrows/forms.py": 3,
@@ -60,7 +59,7 @@ BASELINE: dict[str, int] = {
 }
 
 #: The sum of :data:`BASELINE`: the issue's "before".
-BASELINE_TOTAL = 38
+BASELINE_TOTAL = 37
 
 ADVICE = (
     "Ask a capability instead of a type: a protocol of kvrows.protocols (HasCodec, "
