@@ -65,6 +65,7 @@ from kvrows.codec import TURBO_HEAD_DIMS, Role
 from kvrows.conformance import strategies as ks
 from kvrows.conformance.arrays import NUMPY_DTYPES, random_block
 from kvrows.conformance.families import Impl
+from kvrows.conformance.hooks import lm_cache
 from kvrows.conformance.machines import (
     Case,
     ConformanceMachine,
@@ -142,19 +143,27 @@ SPECULATIVE_CHECKS = (
 )
 
 
-def _lm_cache() -> Any:
-    from mlx_lm.models import cache
-
-    return cache
-
-
 def _lm_ring(max_size: int, keep: int = 0) -> Any:
-    lm: Any = _lm_cache()
-    return lm.RotatingKVCache(max_size, keep)
+    return lm_cache().RotatingKVCache(max_size, keep)
 
 
 # --------------------------------------------------------------------------- codecs
-class AffineRules(ConformanceMachine):
+class CodecCases(ConformanceMachine):
+    """What the codecs' invalid merges build: filled caches and layouts holding a row."""
+
+    def _filled(self, impl: Impl, name: str, **changes: int) -> Any:
+        """A new ``name`` of ``impl`` (this example's codec unless ``changes``) after one
+        append of two tokens of the example's shapes."""
+        return self._fill(impl, self._new(impl, name, **changes), self.g.key_dim)
+
+    def _holding(self, impl: Impl, name: str, cache: Any, **changes: int) -> Any:
+        """A new ``name`` layout of ``impl`` holding ``cache`` as its row."""
+        layout = self._new(impl, name, **changes)
+        layout.merge_rows([cache])
+        return layout
+
+
+class AffineRules(CodecCases):
     """The affine codec's rules (one ``(bits, group_size)`` per example, the draw of
     ``hooks.CODEC_HOOKS["affine"]``): the base machine already encodes with the reference
     codec and compares the stored triples against mlx-lm's ``QuantizedKVCache`` (named
@@ -166,16 +175,6 @@ class AffineRules(ConformanceMachine):
 
     attended_queries: ClassVar[int | None] = ATTENDED_QUERIES
 
-    def _filled(self, impl: Impl, cache: Any) -> Any:
-        """``cache`` after one append of two tokens of the example's shapes."""
-        return self._fill(impl, cache, self.g.key_dim)
-
-    def _holding(self, impl: Impl, name: str, cache: Any) -> Any:
-        """A new ``name`` layout of ``impl`` holding ``cache`` as its row."""
-        layout = self._new(impl, name, bits=getattr(cache, "bits", self.g.bits))
-        layout.merge_rows([cache])
-        return layout
-
     def _extra_layout_cases(self, slot: Slot) -> list[Case]:
         g = self.g
         other_bits = next(b for b in SUPPORTED_BITS if b != g.bits)
@@ -184,13 +183,13 @@ class AffineRules(ConformanceMachine):
 
         def other(impl: Impl, what: str) -> Any:
             if what == "bits":
-                return self._filled(impl, self._new(impl, serial, bits=other_bits))
+                return self._filled(impl, serial, bits=other_bits)
             cache = self._new(impl, serial, group_size=other_group)
             fits = g.key_dim % other_group == 0 and g.value_dim % other_group == 0
-            return self._filled(impl, cache) if fits else cache
+            return self._fill(impl, cache, g.key_dim) if fits else cache
 
         def plain(impl: Impl) -> Any:
-            return self._filled(impl, self._new(impl, "KVCache"))
+            return self._filled(impl, "KVCache")
 
         return [
             (
@@ -207,9 +206,7 @@ class AffineRules(ConformanceMachine):
             ),
             (
                 "merge_rows of a valid cache and one of another bit width",
-                lambda impl, lay: lay.merge_rows(
-                    [self._filled(impl, self._new(impl, serial)), other(impl, "bits")]
-                ),
+                lambda impl, lay: lay.merge_rows([self._filled(impl, serial), other(impl, "bits")]),
                 "V0",
                 bad,
             ),
@@ -244,7 +241,7 @@ class AffineRules(ConformanceMachine):
             (
                 "merge_rows of a layout of another bit width holding a row",
                 lambda impl, lay: lay.merge_rows(
-                    [self._holding(impl, self.spec.name, other(impl, "bits"))]
+                    [self._holding(impl, self.spec.name, other(impl, "bits"), bits=other_bits)]
                 ),
                 "V0",
                 bad,
@@ -253,7 +250,7 @@ class AffineRules(ConformanceMachine):
         ]
 
 
-class TurboRules(ConformanceMachine):
+class TurboRules(CodecCases):
     """The TurboQuant codec's rules (one ``(k_bits, v_bits)`` per example, the draw of
     ``hooks.CODEC_HOOKS["turbo"]``; its family composes the verify rounds):
 
@@ -386,17 +383,6 @@ class TurboRules(ConformanceMachine):
         self.stats.check("deferred vs eager", len(rows))
 
     # ------------------------------------------------------------- invalid input
-    def _filled(self, impl: Impl, name: str, **changes: int) -> Any:
-        """A new ``name`` of ``impl`` (this example's codec unless ``changes``) after one
-        append of two tokens of the example's shapes."""
-        return self._fill(impl, self._new(impl, name, **changes), self.g.key_dim)
-
-    def _holding(self, impl: Impl, name: str, cache: Any, **changes: int) -> Any:
-        """A new ``name`` layout of ``impl`` holding ``cache`` as its row."""
-        layout = self._new(impl, name, **changes)
-        layout.merge_rows([cache])
-        return layout
-
     def _other_widths(self) -> tuple[dict[str, int], dict[str, int]]:
         g = self.g
         other_k = next(k for k in TURBO_KEY_BITS if k != g.k_bits)
@@ -1253,7 +1239,7 @@ class RoundRules(ConformanceMachine):
         rejected = n - keep
         if not rejected:
             return True
-        lm = _lm_cache()
+        lm = lm_cache()
         if lm.can_trim_prompt_cache([twin]):
             self._exact(
                 f"{what}: trim_prompt_cache", lm.trim_prompt_cache([twin], rejected), rejected
