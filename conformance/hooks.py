@@ -91,7 +91,7 @@ def compose(*rules: Loader) -> Loader | None:
         return rules[0] if rules else None
 
     def machine() -> type[Any]:
-        bases = tuple(load() for load in rules)
+        bases = tuple(rule() for rule in rules)
         named = [b for i, b in enumerate(bases) if not any(issubclass(a, b) for a in bases[:i])]
         name = "".join(b.__name__.removesuffix("Rules").removesuffix("Machine") for b in named)
         return type(f"{name}Machine", bases, {"__module__": bases[0].__module__})
