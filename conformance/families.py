@@ -156,9 +156,9 @@ class LayoutSpec:
     ``serial_peer``: the serial caches have mlx-lm twins (``PeerSpec.serial``).
     ``serial`` / ``tolerance_key``: when not the family's (a family of two codecs).
     ``siblings``: other layouts whose rows this one merges (side sources of a merge).
+    ``draw``: how its examples draw their geometry (the codec's and geometry's hook rows).
     ``machine`` / ``peer_spec``: this layout's machine base and mlx-lm peer when not the
     family's (a family over several storages: the speculative family).
-    ``draw``: how its examples draw their geometry (the codec's and geometry's hook rows).
     """
 
     name: str
@@ -170,9 +170,9 @@ class LayoutSpec:
     serial: str = ""
     tolerance_key: str = ""
     siblings: tuple[str, ...] = ()
+    draw: Draw = field(default_factory=Draw)
     machine: Callable[[], type[Any]] | None = None
     peer_spec: Callable[[], PeerSpec] | None = None
-    draw: Draw = field(default_factory=Draw)
 
     @property
     def role(self) -> str:
