@@ -31,6 +31,8 @@ from conformance_helpers import (
     run_family,
     run_runner,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mlx_lm.models import cache as mlx_lm_cache
 
 from kvrows.conformance.arrays import expand_mask, from_mlx, to_mlx
@@ -216,6 +218,33 @@ def test_the_families_are_derived_from_the_composition_table() -> None:
     assert list(FAMILIES) == list(BUDGETS)
     # Families that share a machine share its loader (one loader per machine class).
     assert FAMILIES["delayed"].machine is FAMILIES["delayed-turbo"].machine
+
+
+@settings(max_examples=40, deadline=None, database=None)
+@given(data=st.data())
+def test_layouts_draw_what_their_rows_say(data: st.DataObject) -> None:
+    """Each layout's geometry comes from its codec's and geometry's rows: affine codecs at
+    the affine head dims (capped at 64 on rings, so only groups that fit), TurboQuant at
+    its own, ring windows by role (verify layouts down to one token)."""
+    for family, layout, role in (
+        ("affine", "PaddedQuantKVRows", "decode"),
+        ("rotating", "RotatingAffineLayout", "prefill"),
+        ("speculative", "SpeculativeRotatingKVCache", "verify"),
+        ("turbo", "BatchedTurboQuantKVCache", "decode"),
+    ):
+        draw = FAMILIES[family].layout(layout).draw
+        g = data.draw(draw.geometries(draw.params, role), label=layout)
+        if family == "turbo":
+            assert (g.k_bits, g.v_bits) in draw.params and g.key_dim in draw.dims
+            continue
+        if family != "speculative":
+            assert (g.bits, g.group_size) in CODECS
+            assert g.key_dim % g.group_size == 0 and g.value_dim % g.group_size == 0
+        ring = family != "affine"
+        assert (g.max_size is not None) == ring
+        assert max(g.dims) <= (64 if ring else 128)
+        if role == "verify":
+            assert g.max_size is not None and 1 <= g.max_size <= 32 and not g.affine
 
 
 def test_machines_are_composed_from_the_hook_rows(monkeypatch: pytest.MonkeyPatch) -> None:
