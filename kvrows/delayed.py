@@ -136,6 +136,10 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
     #: the serial storages rows extract into).
     lego_class: ClassVar[type[Bf16First]]
 
+    @property
+    def token_geometry(self) -> GeometrySpec:
+        return self._token_geometry
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "lego_class" in vars(cls):
@@ -424,9 +428,8 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
         )
         fresh._pads = parts.left_pad
         if parts.record["composed"]:
-            lego = object.__new__(cls.lego_class)  # the layout's own parameters
-            Bf16First.__init__(
-                lego, fresh.quantization, fresh._token_geometry, fresh.start, geometry
+            lego = cls.lego_class.from_parts(  # the layout's own parameters
+                fresh.quantization, fresh._token_geometry, fresh.start, geometry
             )
             fresh._compose = lego.composed.over
         fresh._align_groups()
