@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeAlias
 from kvrows.codec import CodecSpec
 from kvrows.codecs import is_codec_spec
 from kvrows.conversion import Conversion, conversion_due
-from kvrows.errors import InvalidInputError, not_a_geometry_message
+from kvrows.errors import InvalidInputError, UnsupportedStateError, not_a_geometry_message
 from kvrows.geometries import is_geometry_spec
 from kvrows.protocols import RowAttention, TimeOrderedReads
 from kvrows.schemes import Affine, GeometrySpec, Growing, Plain, Ring, Turbo
@@ -404,6 +404,17 @@ class Bf16First(ConversionBoundary):
     def _state(self) -> tuple[Any, ...]:
         """The current stage's serial preset's state (a saved lego is its storage's form)."""
         return tuple(self.storage.state)
+
+    @classmethod
+    def _restore(
+        cls, state: Any, meta_state: Any, keep: int | None, geometry: KvGeometry | None
+    ) -> Self:
+        # A lego's state is its current storage's form, which does not say the lego's
+        # parameters: the storage's class restores it, ``composed.over`` wraps it.
+        raise UnsupportedStateError(
+            f"{cls.__name__} state is its current storage's form: restore it with that "
+            "storage's class (from_state) and wrap it with composed.over(storage)"
+        )
 
     def signature(self) -> str:
         """The current stage's serial preset's signature."""

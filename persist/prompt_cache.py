@@ -136,7 +136,7 @@ def _as_lego(storage: Any, saved: object, implementation: Implementation, path: 
     ``implementation``'s lego class of that name."""
     package = importlib.import_module(f"kvrows.{implementation}")
     name = saved.get("class") if isinstance(saved, dict) else None
-    cls = getattr(package, name, None) if isinstance(name, str) else None
+    cls: Any = getattr(package, name, None) if isinstance(name, str) else None
     entry = getattr(cls, "composition", None)
     # A lego: the delayed modifier on a serial preset of the table.
     if not (
