@@ -162,12 +162,12 @@ class Bf16First(ConversionBoundary):
     ``_setup(codec, token_geometry, geometry)`` (an empty storage of those specs),
     ``_use_stages(specs)`` (the codecs of the stages; rows start in stage 0),
     ``_convert_rows(rows)`` (re-encode rows from their stage into the next),
-    ``_stage_view(cls)`` (an instance of the serial preset ``cls`` sharing this storage's
-    rows: borrowed) and ``_take_rows(storage)`` (hold what ``storage`` holds). The lego
-    surface (``storage``, ``composed``, ``signature()``, ``state``) shows the serial preset
-    of the current stage (``plain_class`` / ``affine_class``, read off the table by
-    ``stage_classes``). Arguments follow the converted class's positional order, then
-    ``start``.
+    ``_stage_view(cls, view)`` (an instance of the serial preset ``cls`` sharing this
+    storage's rows: borrowed) and ``_take_rows(storage)`` (hold what ``storage`` holds).
+    The lego surface (``storage``, ``composed``, ``signature()``, ``state``) shows the
+    serial preset of the current stage (``plain_class`` / ``affine_class``, read off the
+    table by ``kvrows.compositions.stage_presets``). Arguments follow the converted class's
+    positional order, then ``start``.
     """
 
     #: The serial presets of the two stages (set from the table by ``classes.build``).
@@ -195,6 +195,19 @@ class Bf16First(ConversionBoundary):
                 values["start"],
             )
         self._init_lego(spec, tokens, first, geometry)
+
+    @classmethod
+    def from_specs(
+        cls,
+        codec_spec: CodecSpec,
+        token_geometry: GeometrySpec,
+        *,
+        geometry: KvGeometry | None = None,
+        start: int = 0,
+    ) -> Self:
+        """An empty lego converting to ``codec_spec`` (the delayed layouts' ``from_specs``:
+        the target codec, the geometry, ``start``)."""
+        return cls.from_parts(codec_spec, token_geometry, start, geometry)
 
     @classmethod
     def from_parts(

@@ -291,6 +291,8 @@ def test_the_stages_and_their_hooks(impl: ModuleType) -> None:
     rng = np.random.default_rng(8)
     lego = _lego(impl, False, 4, 5)
     assert lego.stages == (Plain(), Affine(bits=4, group_size=64))
+    built = type(lego).from_specs(lego.quantization, lego.token_geometry, start=5)
+    assert repr(built) == repr(lego) and built.max_append_tokens() == 5
     assert lego.codec_spec == Plain() and lego.storage is lego.storage  # one view per stage
     k, v = (np.concatenate([x, x], axis=0) for x in _block(rng, 3))  # two rows
     lego.update_and_fetch(_to_impl(impl, k), _to_impl(impl, v))
