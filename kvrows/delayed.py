@@ -67,6 +67,7 @@ from kvrows.lego import (
     lego_arguments,
     turbo_lego_arguments,
 )
+from kvrows.protocols import Handover
 from kvrows.schemes import GeometrySpec, Growing, Plain
 from kvrows.speculative import SpeculativeRounds, check_keep_vector
 from kvrows.validation import KvGeometry, as_count, check_keep, check_row
@@ -733,7 +734,7 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
                 )
                 for b in range(source.batch_size)
             ]
-        if isinstance(source, Bf16First):
+        if isinstance(source, Handover):
             if type(source) is not self.lego_class or (
                 source.quantization,
                 source.token_geometry,
@@ -801,7 +802,7 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
             grow = target - width
             self._pads = [p + grow for p in self._pads] + [target - t for t in offsets]
         for source in rows:
-            if isinstance(source, Bf16First):
+            if isinstance(source, Handover):
                 if self._compose is None:
                     self._compose = source.composed.over
                 source.composed.release()
