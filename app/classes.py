@@ -20,14 +20,15 @@ _SPEC = Path(__file__).resolve().parent.parent / "spec"
 
 
 def families_of(name: str) -> tuple[str, ...]:
-    """The conformance families whose machines drive ``name`` (as a layout, or as the
-    serial storage whose rows a driven layout holds)."""
+    """The conformance families whose machines drive ``name`` (as a layout, as the
+    serial storage whose rows a driven layout holds, or as the lego its rows replay in)."""
     from kvrows.conformance.families import FAMILIES
 
     found = []
     for family in FAMILIES.values():
         serials = {spec.serial or family.serial for spec in family.layouts}
-        if name in serials or any(spec.name == name for spec in family.layouts):
+        solos = {spec.solo for spec in family.layouts}  # a delayed layout's legos
+        if name in serials | solos or any(spec.name == name for spec in family.layouts):
             found.append(family.name)
     return tuple(found)
 

@@ -82,7 +82,8 @@ from kvrows.errors import (
     RowIndexError,
     SpeculativeRoundError,
 )
-from kvrows.lego import Bf16First, Target
+from kvrows.lego import Target
+from kvrows.protocols import Handover
 from kvrows.schemes import TURBO_KEY_BITS, TURBO_VALUE_BITS, Affine, Turbo
 from kvrows.speculative import RowRound
 
@@ -286,8 +287,8 @@ class DelayedMachine(ConformanceMachine):
 
     @classmethod
     def geometries(cls) -> st.SearchStrategy[ks.Geometry]:
-        entry = composition(cls.spec.name)
-        return delayed_geometries(entry.geometry == "ring", entry.codec == "turbo")
+        params = composition(cls.spec.name).params  # a ring's window, TurboQuant's widths
+        return delayed_geometries("max_size" in params, "k_bits" in params)
 
     def teardown(self) -> None:
         # Hypothesis tears down in a ``finally``: after a failed rule, or a rule it stopped
@@ -439,7 +440,7 @@ class DelayedMachine(ConformanceMachine):
 
     def _view(self, impl: Impl, cache: Any) -> Planes | None:
         """A serial storage's (or lego's) tokens in time order, keys' planes then values'."""
-        storage = cache.storage if isinstance(cache, Bf16First) else cache
+        storage = cache.storage if isinstance(cache, Handover) else cache
         held = storage.window() if self.ring else storage.planes()
         return view_planes(impl, held)
 
@@ -489,8 +490,8 @@ class DelayedMachine(ConformanceMachine):
 
     # -- snapshots (nothing changed) and errors: the base machine's, through these hooks -----
     def _snapshot(self, impl: Impl, cache: Any) -> tuple[Any, ...]:
-        if isinstance(cache, Bf16First) or not hasattr(cache, "converted_at"):
-            storage = cache.storage if isinstance(cache, Bf16First) else cache
+        if isinstance(cache, Handover) or not hasattr(cache, "converted_at"):
+            storage = cache.storage if isinstance(cache, Handover) else cache
             return (repr(cache), int(storage.offset), planes_bytes(self._view(impl, storage)))
         held = tuple((tuple(a.shape), impl.to_numpy(a).tobytes()) for a in cache.held_arrays())
         return (
@@ -689,7 +690,7 @@ class DelayedMachine(ConformanceMachine):
             sources = [[t.ref for t in picked], [t.opt for t in picked]]
         borrowed = [
             (impl, s) for impl, group in zip(self.impls, sources, strict=True) for s in group
-            if not isinstance(s, Bf16First)
+            if not isinstance(s, Handover)
         ]  # fmt: skip
         before = [self._snapshot(impl, s) for impl, s in borrowed]
         slot.ref.merge_rows(sources[0])
@@ -1196,7 +1197,7 @@ class DelayedMachine(ConformanceMachine):
         moved = track  # the request goes on in the pool: it holds what extract_row gave
         moved.ref, moved.opt, moved.extracted = got[0], got[1], True
         moved.holds = "lego"
-        if not isinstance(got[0], Bf16First):
+        if not isinstance(got[0], Handover):
             moved.holds = "plain" if track.converted_at is None else self.converted_kind
         self.pool.append(moved)
         self._check_layout(slot)
@@ -1248,7 +1249,7 @@ class DelayedMachine(ConformanceMachine):
             self.impls, got, (track.solo_ref, track.solo_opt), strict=True
         ):
             self._exact(f"{what} ({impl.name}): trim return", cache.trim(count), count)
-            storage = cache.storage if isinstance(cache, Bf16First) else cache
+            storage = cache.storage if isinstance(cache, Handover) else cache
             self._exact(f"{what} ({impl.name}): offset once cut", int(storage.offset), tokens)
             full = self._view(impl, solo)
             want = None if full is None else tuple(p[:, :, :tokens] for p in full)
@@ -1259,15 +1260,15 @@ class DelayedMachine(ConformanceMachine):
 
     def _check_extracted(self, what: str, got: list[Any], track: DelayedTrack) -> None:
         """An extracted row equals its solo lego: bytes, offset, codec phase, conversion."""
-        legos = [isinstance(x, Bf16First) for x in got]
+        legos = [isinstance(x, Handover) for x in got]
         self._exact(f"{what}: legos (reference, optimized)", legos[1], legos[0])
         converted = track.converted_at is not None
         for impl, cache, solo in zip(
             self.impls, got, (track.solo_ref, track.solo_opt), strict=True
         ):
-            storage = cache.storage if isinstance(cache, Bf16First) else cache
+            storage = cache.storage if isinstance(cache, Handover) else cache
             self._exact(f"{what} ({impl.name}) offset", int(storage.offset), track.tokens)
-            if isinstance(cache, Bf16First):
+            if isinstance(cache, Handover):
                 self._exact(
                     f"{what} ({impl.name}): converted, minimum_reusable_offset",
                     (cache.converted, cache.minimum_reusable_offset),

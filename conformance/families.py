@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 
-from kvrows.compositions import SELF, Composition, landed, layouts_of
+from kvrows.compositions import SELF, Composition, landed, layouts_of, stage_presets
 from kvrows.conformance.arrays import from_mlx, to_mlx
 from kvrows.conformance.hooks import (
     CODEC_HOOKS,
@@ -159,6 +159,8 @@ class LayoutSpec:
     ``draw``: how its examples draw their geometry (the codec's and geometry's hook rows).
     ``machine`` / ``peer_spec``: this layout's machine base and mlx-lm peer when not the
     family's (a family over several storages: the speculative family).
+    ``solo``: the serial preset each row is replayed alone in (a delayed layout's lego,
+    ``conformance/delayed.py``), driven by this layout's machine too.
     """
 
     name: str
@@ -173,6 +175,7 @@ class LayoutSpec:
     draw: Draw = field(default_factory=Draw)
     machine: Callable[[], type[Any]] | None = None
     peer_spec: Callable[[], PeerSpec] | None = None
+    solo: str = ""
 
     @property
     def role(self) -> str:
@@ -454,6 +457,18 @@ def _layout(storage: Composition, entry: Composition, axes: _Axes, peer: bool) -
     )
 
 
+def _lego_of(storage: Composition) -> str:
+    """The delayed serial preset (lego) whose converted stage is ``storage``."""
+    (lego,) = (
+        c.name
+        for c in landed()
+        if c.modifiers == {"delayed"}
+        and not c.is_layout
+        and stage_presets(c)[1].name == storage.name
+    )
+    return lego
+
+
 def _modifier_family(rules: ModifierRules, codec: str) -> str:
     if rules.default_codec is None or codec == rules.default_codec:
         return rules.family
@@ -476,7 +491,9 @@ def derive() -> dict[str, Family]:
             axes = _axes(codec, storage.geometry)
             for entry in (storage,) if storage.is_layout else layouts_of(storage.name):
                 if "delayed" in entry.modifiers:
-                    spec = _layout(storage, entry, axes, peer=delayed.peer)
+                    spec = replace(
+                        _layout(storage, entry, axes, peer=delayed.peer), solo=_lego_of(storage)
+                    )
                     name = _modifier_family(delayed, codec)
                     members.setdefault(name, []).append((spec, delayed.machine, None))
                     continue

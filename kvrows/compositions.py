@@ -53,6 +53,7 @@ __all__ = [
     "presets_on_rows",
     "register_compositions",
     "serial_for_peer",
+    "stage_presets",
 ]
 
 Arrangement: TypeAlias = Literal["serial", "shared", "ragged"]
@@ -162,6 +163,22 @@ COMPOSITIONS: tuple[Composition, ...] = (
                 modifiers=frozenset({"speculative"}),
                 summary="MLACache's rows as block tables into a latent block pool: row "
                         "operations move no byte"),
+    # -- bf16-first legos: the delayed modifier on a serial storage (issue 23, step 4) --
+    Composition(name="Bf16FirstRotatingQuantizedKVCache", codec="affine", geometry="ring",
+                arrangement="serial", signature="kv:rotating-quant:{bits}:{group_size}",
+                params=(*_RING_AFFINE, "start"), modifiers=frozenset({"delayed"}),
+                summary="RotatingKVCache until the append that reaches start, then "
+                        "RotatingQuantizedKVCache holding the same window (bf16-first)"),
+    Composition(name="Bf16FirstTurboQuantKVCache", codec="turbo", geometry="growing",
+                arrangement="serial", signature="kv:turboquant:{k_bits}:{v_bits}",
+                params=(*_TURBO, "start"), modifiers=frozenset({"delayed"}),
+                summary="KVCache until the append that reaches start, then TurboQuantKVCache "
+                        "holding the same tokens (bf16-first)"),
+    Composition(name="Bf16FirstQuantizedKVCache", codec="affine", geometry="growing",
+                arrangement="serial", signature="kv:quant:{bits}:{group_size}",
+                params=(*_AFFINE, "start"), modifiers=frozenset({"delayed"}),
+                summary="KVCache until the append that reaches start, then QuantizedKVCache "
+                        "(bf16-first)"),
     # -- delayed and speculative rings (issues 10, 11) -------------------------------
     Composition(name="DelayedRotatingQuantizedKVCache", codec="affine", geometry="ring",
                 arrangement="ragged",
@@ -288,19 +305,45 @@ _OWN_MACHINERY = frozenset({"MLACache", "EncodedLatentCache"})
 
 def presets_on_rows(geometries: Container[str]) -> tuple[Composition, ...]:
     """The landed entries an implementation's ``classes.build`` makes, given the geometry
-    kinds it has hooks for: no modifier but ``speculative`` (the delayed layouts, latent
-    and paged classes are written by hand)."""
+    kinds it has hooks for: no modifier but ``speculative``, or a serial storage with the
+    ``delayed`` one (the legos; the delayed layouts, latent and paged classes are written
+    by hand)."""
     return tuple(
         c
         for c in landed()
         if c.geometry in geometries
-        and c.modifiers <= {"speculative"}
+        and (c.modifiers <= {"speculative"} or (c.modifiers == {"delayed"} and not c.is_layout))
         and c.name not in _OWN_MACHINERY
     )
 
 
-#: Presets documented on a sibling's page (the affine verify ring shares the plain one's).
-_SHARED_PAGES = {"SpeculativeRotatingAffineLayout": "SpeculativeRotatingKVCache"}
+def stage_presets(entry: Composition) -> tuple[Composition, Composition]:
+    """The serial presets of a delayed serial storage's two stages: the plain one and the
+    one of its codec, on its geometry, with no modifier (``KVCache`` and
+    ``QuantizedKVCache`` for ``Bf16FirstQuantizedKVCache``): what it shows as its storage."""
+
+    def serial(codec: str) -> Composition:
+        (found,) = (
+            c
+            for c in landed()
+            if c.arrangement == "serial"
+            and not c.modifiers
+            and c.geometry == entry.geometry
+            and c.codec == codec
+        )
+        return found
+
+    return serial("plain"), serial(entry.codec)
+
+
+#: Presets documented on a sibling's page (the affine verify ring shares the plain one's;
+#: the legos share one).
+_SHARED_PAGES = {
+    "SpeculativeRotatingAffineLayout": "SpeculativeRotatingKVCache",
+    "Bf16FirstQuantizedKVCache": "bf16-first",
+    "Bf16FirstRotatingQuantizedKVCache": "bf16-first",
+    "Bf16FirstTurboQuantKVCache": "bf16-first",
+}
 
 
 def preset_class(
@@ -465,7 +508,7 @@ def register_compositions(classes: Mapping[str, type]) -> None:
         cls: Any = classes[entry.name]
         if getattr(cls, "composition", None) is not entry:
             raise KvRowsError(f"{cls.__name__} does not declare the {entry.name} composition")
-        if "delayed" in entry.modifiers:
+        if "delayed" in entry.modifiers and entry.is_layout:
             _check_delayed(entry, cls)
     for entry in reversed(landed()):  # the table keeps subclasses ahead of their bases
         cls = classes[entry.name]

@@ -67,6 +67,7 @@ from kvrows.lego import (
     lego_arguments,
     turbo_lego_arguments,
 )
+from kvrows.protocols import Handover
 from kvrows.schemes import GeometrySpec, Growing, Plain
 from kvrows.speculative import SpeculativeRounds, check_keep_vector
 from kvrows.validation import KvGeometry, as_count, check_keep, check_row
@@ -135,6 +136,10 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
     #: The implementation's serial lego of this geometry (its plain and affine classes are
     #: the serial storages rows extract into).
     lego_class: ClassVar[type[Bf16First]]
+
+    @property
+    def token_geometry(self) -> GeometrySpec:
+        return self._token_geometry
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -424,9 +429,8 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
         )
         fresh._pads = parts.left_pad
         if parts.record["composed"]:
-            lego = object.__new__(cls.lego_class)  # the layout's own parameters
-            Bf16First.__init__(
-                lego, fresh.quantization, fresh._token_geometry, fresh.start, geometry
+            lego = cls.lego_class.from_parts(  # the layout's own parameters
+                fresh.quantization, fresh._token_geometry, fresh.start, geometry
             )
             fresh._compose = lego.composed.over
         fresh._align_groups()
@@ -730,7 +734,7 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
                 )
                 for b in range(source.batch_size)
             ]
-        if isinstance(source, Bf16First):
+        if isinstance(source, Handover):
             if type(source) is not self.lego_class or (
                 source.quantization,
                 source.token_geometry,
@@ -798,7 +802,7 @@ class DelayedRows(ConversionBoundary, SpeculativeRounds):
             grow = target - width
             self._pads = [p + grow for p in self._pads] + [target - t for t in offsets]
         for source in rows:
-            if isinstance(source, Bf16First):
+            if isinstance(source, Handover):
                 if self._compose is None:
                     self._compose = source.composed.over
                 source.composed.release()

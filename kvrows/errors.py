@@ -23,6 +23,7 @@ __all__ = [
     "PROJECTED_BYTES_NEEDS_GEOMETRY",
     "SHARED_COLUMN_TRIM",
     "SPECULATIVE_INVALID",
+    "STAGES_MOVE_TOGETHER",
     "STATE_NOT_ATTENDED",
     "CapacityError",
     "CorruptStateError",
@@ -251,6 +252,10 @@ ADOPT_NEEDS_EMPTY = "adopt needs an empty cache"
 
 #: A trim of some, not all, of the rows that write into one shared column.
 SHARED_COLUMN_TRIM = "rows sharing one write column must trim together"
+
+#: Converting some rows of a storage whose stages have one store (a serial storage's rows
+#: move together; rows of several stages at once come with the delayed layouts).
+STAGES_MOVE_TOGETHER = "the rows of this storage convert together: convert every row or none"
 
 #: ``projected_bytes`` of a cache that has neither a declared geometry nor a token.
 PROJECTED_BYTES_NEEDS_GEOMETRY = (

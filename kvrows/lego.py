@@ -1,33 +1,36 @@
-"""Bf16-first storages ("legos"): plain storage that converts itself to affine once.
+"""Bf16-first storages ("legos"): the delayed modifier's serial mixin (contract §0.5).
 
 A lego is the serial storage a quantized scheme with a bf16-first boundary composes for
-one layer (``spec/bf16-first.md``). It wraps one storage of the composition table at a
-time: the plain serial storage (``KVCache`` / ``RotatingKVCache``) until an append leaves
-it holding ``offset >= start and offset != 0`` tokens, then that storage's affine
-counterpart (``QuantizedKVCache`` / ``RotatingQuantizedKVCache``). The converting append
-is read in plain precision (what it returns); the storage converts before the append
-returns; every later append is quantized. The first append is therefore always plain,
-even with ``start == 0`` (mlx-lm converts after the forward that filled the cache). The
-conversion is irreversible: trimming below ``start`` keeps the affine storage.
+one layer (``spec/bf16-first.md``). It is a serial preset of the composition table with
+``modifiers={"delayed"}``: one storage of the row machinery holding two stages,
+``(Plain(), target)``. Its rows stay in the plain stage until an append leaves them holding
+``offset >= start and offset != 0`` tokens, then ``_convert_rows`` re-encodes them into
+the target stage (affine or TurboQuant). The converting append is read in plain precision
+(what it returns); the rows convert before the append returns; every later append is
+encoded. The first append is therefore always plain, even with ``start == 0`` (mlx-lm
+converts after the forward that filled the cache). The conversion is irreversible:
+trimming below ``start`` keeps the target stage.
 
-Legos are not composition-table entries: they are the seed's wrappers around table
-storages, so everything a storage reports (``signature()``, ``state``, ``offset``,
-``nbytes``, ...) is the current storage's, and a saved lego is its storage's form.
+What a lego reports as a storage (``signature()``, ``state``, ``storage``) is the serial
+preset of its current stage (``KVCache`` / ``RotatingKVCache`` while plain,
+``QuantizedKVCache`` / ``RotatingQuantizedKVCache`` / ``TurboQuantKVCache`` once
+converted), so a saved lego is that storage's form plus its lego record.
 
-This module holds the array-free logic once; each implementation (``optimized/lego.py``,
-``reference/lego.py``) supplies its two storage classes and its conversion.
+This module holds the array-free logic once; each implementation's row machinery
+supplies the stage hooks (``reference/rows.py``, ``optimized/rows.py``) and its
+``classes.py`` builds the presets from the table.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, ClassVar, TypeAlias
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeAlias
 
 from kvrows.codec import CodecSpec
 from kvrows.codecs import is_codec_spec
 from kvrows.conversion import Conversion, conversion_due
-from kvrows.errors import InvalidInputError, not_a_geometry_message
+from kvrows.errors import InvalidInputError, UnsupportedStateError, not_a_geometry_message
 from kvrows.geometries import is_geometry_spec
 from kvrows.protocols import RowAttention, TimeOrderedReads
 from kvrows.schemes import Affine, GeometrySpec, Growing, Plain, Ring, Turbo
@@ -36,11 +39,8 @@ from kvrows.validation import KvGeometry, as_count
 __all__ = [
     "Bf16First",
     "ConversionBoundary",
-    "FullAttentionLego",
     "LegoComposition",
-    "SlidingWindowLego",
     "Target",
-    "TurboLego",
     "check_target_dims",
     "conversion_due",
     "lego_arguments",
@@ -82,7 +82,7 @@ class LegoComposition:
         """The lego's current storage, now the caller's; the lego is back to its
         constructed, empty state (plain, nothing held)."""
         lego = self._lego
-        storage = lego._storage
+        storage = lego.storage  # shares the rows, which the reset below lets go of
         lego._reset()
         return storage
 
@@ -132,14 +132,10 @@ class ConversionBoundary:
         return self._conversion.target
 
     @property
-    def token_geometry(self) -> GeometrySpec:
-        return self._token_geometry
-
-    @property
     def converts_to_deferred_values(self) -> bool:
         """Whether the target codec's reads defer their values (TurboQuant: attention goes
         through the codec, ``kvrows.app.attention.dispatch``)."""
-        return self._conversion.target.reads != "affine"
+        return self._conversion.target.reads == "own"
 
     @property
     def bits(self) -> int:
@@ -158,24 +154,80 @@ class ConversionBoundary:
 
 
 class Bf16First(ConversionBoundary):
-    """The lego's wrapper logic over one storage (see the module docstring).
+    """The delayed modifier's serial mixin (contract §0.5): a serial storage of the row
+    machinery holding ``stages = (Plain(), target)`` (see the module docstring).
 
-    Implementations set ``plain_class`` / ``affine_class`` per geometry and implement
-    ``_convert``. Arguments follow the wrapped converted class's positional order, then
-    ``start``.
+    It is listed first among a lego preset's bases, over the implementation's serial
+    storage, which supplies the stage hooks (``reference/rows.py``, ``optimized/rows.py``):
+    ``_setup(codec, token_geometry, geometry)`` (an empty storage of those specs),
+    ``_use_stages(specs)`` (the codecs of the stages; rows start in stage 0),
+    ``_convert_rows(rows)`` (re-encode rows from their stage into the next),
+    ``_stage_view(cls, view)`` (an instance of the serial preset ``cls`` sharing this
+    storage's rows: borrowed) and ``_take_rows(storage)`` (hold what ``storage`` holds).
+    The lego surface (``storage``, ``composed``, ``signature()``, ``state``) shows the
+    serial preset of the current stage (``plain_class`` / ``affine_class``, read off the
+    table by ``kvrows.compositions.stage_presets``). Arguments follow the converted class's
+    positional order, then ``start``.
     """
 
-    #: The plain serial class and its converted counterpart (``affine_class``: the affine
-    #: or TurboQuant serial class; set by each implementation).
+    #: The serial presets of the two stages (set from the table by ``classes.build``).
     plain_class: ClassVar[type[Any]]
     affine_class: ClassVar[type[Any]]
+    composition: ClassVar[Any]
+    codec: Any
 
-    def __init__(
-        self,
+    def __init__(self, *args: object, geometry: KvGeometry | None = None, **kwargs: object) -> None:
+        name = type(self).__name__
+        values = _bound(name, self.composition.params, args, kwargs)
+        if "k_bits" in values:  # TurboQuant: full attention only
+            spec: Target
+            spec, first = turbo_lego_arguments(
+                name, values["k_bits"], values["v_bits"], values["start"]
+            )
+            tokens: GeometrySpec = Growing()
+        else:
+            spec, tokens, first = lego_arguments(
+                name,
+                values.get("max_size"),
+                values["group_size"],
+                values["bits"],
+                values.get("keep", 0),
+                values["start"],
+            )
+        self._init_lego(spec, tokens, first, geometry)
+
+    @classmethod
+    def from_specs(
+        cls,
+        codec_spec: CodecSpec,
+        token_geometry: GeometrySpec,
+        *,
+        geometry: KvGeometry | None = None,
+        start: int = 0,
+    ) -> Self:
+        """An empty lego converting to ``codec_spec`` (the delayed layouts' ``from_specs``:
+        the target codec, the geometry, ``start``)."""
+        return cls.from_parts(codec_spec, token_geometry, start, geometry)
+
+    @classmethod
+    def from_parts(
+        cls,
         quantization: Target,
         token_geometry: GeometrySpec,
         start: int,
         geometry: KvGeometry | None = None,
+    ) -> Self:
+        """An empty lego from its specs (a saved lego's record, ``composed.over``)."""
+        fresh = cls.__new__(cls)
+        fresh._init_lego(quantization, token_geometry, start, geometry)
+        return fresh
+
+    def _init_lego(
+        self,
+        quantization: Target,
+        token_geometry: GeometrySpec,
+        start: int,
+        geometry: KvGeometry | None,
     ) -> None:
         if not is_geometry_spec(token_geometry) or not token_geometry.token_axis:
             raise InvalidInputError(
@@ -194,30 +246,41 @@ class Bf16First(ConversionBoundary):
         self._declared = geometry
         self._reset()
 
-    # -- the implementation's part ----------------------------------------------------------
-    def _convert(self, storage: Any) -> Any:
-        """``storage`` (plain) as its converted counterpart: same tokens, same positions."""
-        raise NotImplementedError
+    if TYPE_CHECKING:  # the row machinery's stage hooks (the mixin comes first in the MRO)
+        _stage: int
+        offset: Any
+        rows: int
+        token_geometry: GeometrySpec
+
+        def _setup(
+            self, codec_spec: CodecSpec, token_geometry: GeometrySpec, geometry: KvGeometry | None
+        ) -> None: ...
+
+        def _use_stages(self, specs: Sequence[CodecSpec]) -> None: ...
+
+        def _convert_rows(self, rows: Sequence[int]) -> None: ...
+
+        def _stage_view(self, cls: type[Any], view: Any = None) -> Any: ...
+
+        def _take_rows(self, storage: Any) -> None: ...
 
     # -- state ---------------------------------------------------------------------------------
     def _reset(self) -> None:
-        self._storage: Any = self.plain_class.from_specs(
-            Plain(), self._token_geometry, geometry=self._declared
-        )
+        """Empty, plain (stage 0), the constructed parameters."""
+        self._setup(Plain(), self._token_geometry, self._declared)
+        self._use_stages((Plain(), self.quantization))
         #: One row: plain, no append read yet.
         self._conversion = self.conversion_class(self.quantization, self.start, [None])
-        #: The codec of what the last append returned (``None``: the storage's).
+        #: The codec of what the last append returned (``None``: no append yet).
         self._read_codec: Any = None
         #: The plain storage the converting append read from (``None``: the current one).
         self._read_from: Any = None
+        #: What ``storage`` returns while the stage lasts (``None``: none made yet).
+        self._view: Any = None
 
     def _like(self) -> Bf16First:
         """An empty lego of the same parameters."""
-        fresh = object.__new__(type(self))
-        Bf16First.__init__(
-            fresh, self.quantization, self._token_geometry, self.start, self._declared
-        )
-        return fresh
+        return self.from_parts(self.quantization, self._token_geometry, self.start, self._declared)
 
     def _adopt(self, storage: Any, minimum_reusable_offset: int | None) -> None:
         name = type(self).__name__
@@ -250,22 +313,29 @@ class Bf16First(ConversionBoundary):
                     f"{name}.composed.over: a plain storage has no minimum_reusable_offset "
                     f"(got {minimum}); only a converted one records it"
                 )
-        self._storage = storage
+        self._take_rows(storage)
         converted_at = minimum if converted else None
         self._conversion = self.conversion_class(self.quantization, self.start, [converted_at])
         self._conversion.note_read(converted)
         self._read_codec = None
         self._read_from = None
+        self._view = storage  # ``storage`` stays the object handed over
 
     @staticmethod
     def _check_dims(key_dim: int, value_dim: int, quantization: Target) -> None:
         check_target_dims(key_dim, value_dim, quantization)
 
     # -- what the lego is ----------------------------------------------------------------------
+    def _stage_class(self) -> type[Any]:
+        return self.affine_class if self._stage else self.plain_class
+
     @property
     def storage(self) -> Any:
-        """The current storage (borrowed: the lego keeps using it)."""
-        return self._storage
+        """The current stage as its serial preset (borrowed: it shares this lego's rows,
+        brought up to date on every access; one object while the stage lasts, the one
+        ``composed.release()`` hands out)."""
+        self._view = self._stage_view(self._stage_class(), self._view)
+        return self._view
 
     @property
     def last_read_codec(self) -> Any:
@@ -277,17 +347,16 @@ class Bf16First(ConversionBoundary):
     @property
     def read_storage(self) -> Any:
         """The storage the last append's read came from (borrowed): the plain one on the
-        converting append (replaced by the converted one since; kept until the next
-        append), else the current one. A ring's read order is that storage's phase
-        (``kvrows.app.ring_order``)."""
-        return self._storage if self._read_from is None else self._read_from
+        converting append (kept until the next append), else the current one. A ring's
+        read order is that storage's phase (``kvrows.app.ring_order``)."""
+        return self.storage if self._read_from is None else self._read_from
 
     @property
     def needs_row_attention(self) -> bool:
         """Whether a forward must run inside ``kvrows.app.attention.row_attention``: the
         storage needs it (a shared ring reads in time order there) or the lego converts to a
         codec whose reads defer their values (the codec's own attention)."""
-        storage = self._storage
+        storage = self.storage
         return self.converts_to_deferred_values or (
             isinstance(storage, RowAttention) and storage.needs_row_attention
         )
@@ -302,13 +371,13 @@ class Bf16First(ConversionBoundary):
 
     @property
     def converted(self) -> bool:
-        """Whether the storage is the converted one (irreversible)."""
+        """Whether the rows are in the target stage (irreversible)."""
         return self._conversion.phase == "packed"
 
     def max_append_tokens(self) -> float:
         """Tokens the next append may add without passing the conversion point:
         ``start - offset`` while plain below ``start``, else unlimited."""
-        return self._conversion.max_append_tokens([int(self._storage.offset)])
+        return self._conversion.max_append_tokens([int(self.offset)])
 
     @property
     def composed(self) -> LegoComposition:
@@ -320,12 +389,11 @@ class Bf16First(ConversionBoundary):
         """Append a block; plain while below ``start``, converting before returning when
         this append reaches it (its reads stay plain), quantized afterwards. A refused
         block changes nothing."""
-        storage = self._storage
         reads: tuple[Any, Any]
         if self.converted:
-            reads = storage.update_and_fetch(keys, values)
+            reads = super().update_and_fetch(keys, values)  # type: ignore[misc]
             self._conversion.note_read(True)
-            self._read_codec = storage.codec
+            self._read_codec = self.codec
             self._read_from = None
             return reads
         key_shape: tuple[int, ...] = tuple(getattr(keys, "shape", ()))
@@ -333,61 +401,40 @@ class Bf16First(ConversionBoundary):
         if len(key_shape) == 4 and len(value_shape) == 4:
             # Refuse head dims the codec cannot take before the plain append happens.
             self._check_dims(int(key_shape[3]), int(value_shape[3]), self.quantization)
-        reads = storage.update_and_fetch(keys, values)
-        offsets = [int(storage.offset)]
+        reads = super().update_and_fetch(keys, values)  # type: ignore[misc]
+        plain = self.codec
+        offsets = [int(self.offset)]
         self._read_from = None
         if due := self._conversion.due(offsets):
-            self._storage = self._convert(storage)
+            self._read_from = self.storage  # the plain stage, as the read saw it
+            self._view = None
+            self._convert_rows(list(range(int(self.rows))))  # a serial storage's rows move together
             self._conversion.mark(due, offsets)
-            self._read_from = storage
         self._conversion.note_read(False)
-        self._read_codec = storage.codec
+        self._read_codec = plain
         return reads
 
-    @property
-    def offset(self) -> Any:
-        return self._storage.offset
+    def _state(self) -> tuple[Any, ...]:
+        """The current stage's serial preset's state (a saved lego is its storage's form)."""
+        return tuple(self.storage.state)
 
-    @property
-    def state(self) -> Any:
-        """The current storage's state (a saved lego is its storage's form)."""
-        return self._storage.state
-
-    @property
-    def state_needs_dispose(self) -> bool:
-        return bool(self._storage.state_needs_dispose)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self._storage.nbytes)
-
-    @property
-    def geometry(self) -> KvGeometry | None:
-        geometry: KvGeometry | None = self._storage.geometry
-        return geometry
+    @classmethod
+    def _restore(
+        cls, state: Any, meta_state: Any, keep: int | None, geometry: KvGeometry | None
+    ) -> Self:
+        # A lego's state is its current storage's form, which does not say the lego's
+        # parameters: the storage's class restores it, ``composed.over`` wraps it.
+        raise UnsupportedStateError(
+            f"{cls.__name__} state is its current storage's form: restore it with that "
+            "storage's class (from_state) and wrap it with composed.over(storage)"
+        )
 
     def signature(self) -> str:
-        return str(self._storage.signature())
-
-    def fetch(self) -> tuple[Any, Any]:
-        reads: tuple[Any, Any] = self._storage.fetch()
-        return reads
-
-    def make_mask(
-        self, n: int, *, return_array: bool = False, window_size: int | None = None
-    ) -> Any:
-        return self._storage.make_mask(n, return_array=return_array, window_size=window_size)
-
-    def is_trimmable(self) -> bool:
-        return bool(self._storage.is_trimmable())
-
-    def trim(self, n: int) -> int:
-        """Forget the newest ``n`` tokens; a converted lego stays converted."""
-        return int(self._storage.trim(n))
-
-    def held_arrays(self) -> tuple[Any, ...]:
-        held: tuple[Any, ...] = self._storage.held_arrays()
-        return held
+        """The current stage's serial preset's signature."""
+        identity: str = self._stage_class().composition.signature_for(
+            self.codec.spec, self._token_geometry
+        )
+        return identity
 
     def __repr__(self) -> str:
         phase = "converted" if self.converted else "plain"
@@ -397,64 +444,29 @@ class Bf16First(ConversionBoundary):
         )
 
 
-class FullAttentionLego(Bf16First):
-    """The full-attention lego's constructor: ``QuantizedKVCache``'s arguments, then
-    ``start`` (each implementation names its storage classes)."""
-
-    def __init__(
-        self,
-        group_size: int = 64,
-        bits: int = 8,
-        start: int = 0,
-        *,
-        geometry: KvGeometry | None = None,
-    ) -> None:
-        spec, tokens, first = lego_arguments(type(self).__name__, None, group_size, bits, 0, start)
-        super().__init__(spec, tokens, first, geometry)
+#: A lego constructor's defaults (the converted class's, then ``start``).
+_DEFAULTS: dict[str, object] = {
+    "group_size": 64, "bits": 8, "keep": 0, "k_bits": 8, "v_bits": 3, "start": 0,
+}  # fmt: skip
 
 
-class SlidingWindowLego(Bf16First):
-    """The sliding-window lego's constructor: ``RotatingQuantizedKVCache``'s arguments,
-    then ``start``; ``max_size`` and ``keep`` read off the current ring."""
-
-    def __init__(
-        self,
-        max_size: int,
-        group_size: int = 64,
-        bits: int = 8,
-        keep: int = 0,
-        start: int = 0,
-        *,
-        geometry: KvGeometry | None = None,
-    ) -> None:
-        spec, tokens, first = lego_arguments(
-            type(self).__name__, max_size, group_size, bits, keep, start
-        )
-        super().__init__(spec, tokens, first, geometry)
-
-    @property
-    def max_size(self) -> int:
-        return int(self._storage.max_size)
-
-    @property
-    def keep(self) -> int:
-        return int(self._storage.keep)
-
-
-class TurboLego(Bf16First):
-    """The TurboQuant lego's constructor: ``TurboQuantKVCache``'s arguments (``k_bits``,
-    ``v_bits``), then ``start``; full attention only."""
-
-    def __init__(
-        self,
-        k_bits: int = 8,
-        v_bits: int = 3,
-        start: int = 0,
-        *,
-        geometry: KvGeometry | None = None,
-    ) -> None:
-        spec, first = turbo_lego_arguments(type(self).__name__, k_bits, v_bits, start)
-        super().__init__(spec, Growing(), first, geometry)
+def _bound(
+    name: str, params: tuple[str, ...], args: tuple[object, ...], kwargs: dict[str, object]
+) -> dict[str, object]:
+    """A lego constructor's arguments by parameter name (positional in ``params``' order)."""
+    if len(args) > len(params):
+        raise TypeError(f"{name} takes at most {len(params)} positional arguments")
+    values = dict(zip(params, args, strict=False))
+    for key, value in kwargs.items():
+        if key not in params or key in values:
+            raise TypeError(f"{name} got an unexpected or repeated argument {key!r}")
+        values[key] = value
+    for key in params:
+        if key not in values:
+            if key not in _DEFAULTS:
+                raise TypeError(f"{name} is missing its {key} argument")
+            values[key] = _DEFAULTS[key]
+    return values
 
 
 def turbo_lego_arguments(

@@ -131,6 +131,7 @@ def _plain_serial_ring(cache: Any) -> bool:
         getattr(cache, "codec_spec", None) == Plain()
         and _wraps(getattr(cache, "token_geometry", None))
         and not hasattr(cache, "row_offsets")
+        and not _is_lego(cache)  # a plain-stage lego goes into its delayed layout
     )
 
 

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvrows.codecs import CODECS, is_kv_codec
 from kvrows.common import AffineParameters, TurboParameters
-from kvrows.compositions import Composition, preset_class, presets_on_rows
+from kvrows.compositions import Composition, preset_class, presets_on_rows, stage_presets
+from kvrows.lego import Bf16First
 from kvrows.optimized.batch_dropin import LayoutBatchOps, SerialMerge
 from kvrows.optimized.dropin import LayoutDropIn, SerialDropIn
 from kvrows.optimized.geometries.growing import GrowingGeometry, RowAlignment
@@ -38,6 +39,9 @@ __all__ = [
     "BatchedRotatingQuantCache",
     "BatchedSSMCache",
     "BatchedTurboQuantKVCache",
+    "Bf16FirstQuantizedKVCache",
+    "Bf16FirstRotatingQuantizedKVCache",
+    "Bf16FirstTurboQuantKVCache",
     "KVCache",
     "PaddedKVRows",
     "PaddedQuantKVRows",
@@ -62,8 +66,9 @@ GEOMETRY_SURFACES: dict[tuple[str, str], tuple[type, ...]] = {
     ("recurrent", "serial"): (ArraysCacheSurface, SerialRounds),
     ("recurrent", "ragged"): (StateLayout,),
 }
-#: The classes a modifier puts ahead of the layout (they wrap it).
-MODIFIERS: dict[str, type] = {"speculative": SpeculativeLayout}
+#: The classes a modifier puts ahead of the layout (they wrap it; the delayed one,
+#: ``kvrows.lego.Bf16First``, a serial storage of two stages).
+MODIFIERS: dict[str, type] = {"speculative": SpeculativeLayout, "delayed": Bf16First}
 #: mlx-lm's KV drop-in mixins of a serial storage and of a layout (by ``is_layout``).
 KV_DROP_INS = {False: (SerialDropIn, SerialMerge), True: (LayoutDropIn, LayoutBatchOps)}
 
@@ -80,10 +85,19 @@ def hooks_class(entry: Composition) -> type:
 
 
 def build(entries: Iterable[Composition]) -> dict[str, type[Any]]:
-    """The public class of each of ``entries``, by name."""
+    """The public class of each of ``entries``, by name (a delayed storage after the serial
+    presets of its stages, ``plain_class`` / ``affine_class``)."""
     built: dict[str, type[Any]] = {}
-    for entry in entries:
+    for entry in sorted(entries, key=lambda entry: "delayed" in entry.modifiers):
         codec = CODECS.get(entry.codec)
+        if "delayed" in entry.modifiers:
+            # The lego's surface, then mlx-lm's reads of its current stage; ``bits`` shows
+            # under the modifier's rule, and there is no ``to_quantized`` (it converts itself).
+            plain, target = stage_presets(entry)
+            bases: tuple[type, ...] = (Bf16First, SerialDropIn, hooks_class(entry), Serial)
+            members = {"plain_class": built[plain.name], "affine_class": built[target.name]}
+            built[entry.name] = preset_class(entry, bases, __name__, **members)
+            continue
         bases = (
             *GEOMETRY_SURFACES.get((entry.geometry, entry.arrangement), ()),
             *(MODIFIERS[name] for name in sorted(entry.modifiers)),
@@ -164,6 +178,13 @@ if TYPE_CHECKING:
     class SpeculativeRotatingAffineLayout(
         SpeculativeLayout, LayoutDropIn, LayoutBatchOps, AffineParameters, RaggedRing, Layout
     ): ...
+
+    # -- bf16-first legos (the delayed modifier on a serial storage) --------------------
+    class Bf16FirstQuantizedKVCache(Bf16First, SerialDropIn, GrowingGeometry, Serial): ...
+
+    class Bf16FirstTurboQuantKVCache(Bf16First, SerialDropIn, GrowingGeometry, Serial): ...
+
+    class Bf16FirstRotatingQuantizedKVCache(Bf16First, SerialDropIn, SharedRing, Serial): ...
 
     # -- recurrent state ---------------------------------------------------------------
     class SSMCache(ArraysCacheSurface, SerialRounds, StateGeometry, Serial): ...

@@ -43,6 +43,7 @@ from kvrows.errors import (
     MERGE_NEEDS_SEQUENCE,
     NOTHING_TO_FETCH,
     SHARED_COLUMN_TRIM,
+    STAGES_MOVE_TOGETHER,
     IncompatibleRowsError,
     InvalidInputError,
     KvRowsError,
@@ -100,6 +101,13 @@ _S = TypeVar("_S", bound="Storage")
 #: Every public storage class, by composition name (filled by ``Storage.__init_subclass__``;
 #: ``kvrows.optimized.declared_classes()`` adds the delayed layouts, built on two of them).
 DECLARED: dict[str, type[Storage]] = {}
+
+
+#: What a storage of several stages keeps beyond a one-stage one (the delayed modifier's
+#: record and its stage codecs): a stage view and a handed-over storage leave them out.
+_STAGED_ONLY = frozenset(
+    {"_stages", "_conversion", "_declared", "_read_codec", "_read_from", "_view"}
+)
 
 
 def owned(view: mx.array) -> mx.array:
@@ -212,14 +220,21 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
                 f"the class is {cls.geometry_kind}/{sorted(cls.arrangement_kinds)}"
             )
         codec = CODECS.get(entry.codec)  # None: a class of any codec (its spec decides)
-        if codec is not None and ("bits" in codec.state_tail) != hasattr(cls, "bits"):
+        delayed = "delayed" in entry.modifiers  # its bits show under the modifier's rule
+        if (
+            codec is not None
+            and not delayed
+            and ("bits" in codec.state_tail) != hasattr(cls, "bits")
+        ):
             raise KvRowsError(f"{cls.__name__}: bits/group_size must exist iff it is affine")
+        if delayed and (entry.is_layout or not hasattr(cls, "composed")):
+            raise KvRowsError(f"{entry.name}: the delayed modifier is a serial mixin here")
         # Modifiers wrap a layout: a class with the speculative one lists SpeculativeLayout
         # first among its bases (``optimized/speculative.py``).
         speculative = callable(getattr(cls, "spec_round_begin", None))
         if speculative != ("speculative" in entry.modifiers):
             raise KvRowsError(speculative_modifier_message(entry.name))
-        planned = entry.modifiers - {"speculative"}
+        planned = entry.modifiers - {"speculative", "delayed"}
         if planned:
             raise KvRowsError(f"{entry.name}: modifiers {sorted(planned)} not built yet")
         DECLARED[entry.name] = cls
@@ -241,10 +256,71 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     ) -> None:
         self._token_geometry = token_geometry
         self.codec = make_codec(codec_spec)
+        #: The codecs of the stages (contract §0.5): one, but under the delayed modifier.
+        self._stages: tuple[Codec, ...] = (self.codec,)
         self._geometry = geometry
         self._pads_of: list[int] | None = None  # the pads list ``_pads_array`` copies
         self._pads_array = mx.array([], dtype=mx.int32)
         self._clear()
+
+    # -- stages (the delayed modifier's array hooks, contract §0.5) ---------------------------
+    @property
+    def stages(self) -> tuple[CodecSpec, ...]:
+        """The codec of each stage, in order (one but under the delayed modifier)."""
+        return tuple(codec.spec for codec in self._stages)
+
+    @property
+    def _stage(self) -> int:
+        """The stage every row is in (its store is ``_planes``, its codec ``codec``)."""
+        return self._stages.index(self.codec)
+
+    def _use_stages(self, specs: Sequence[CodecSpec]) -> None:
+        """Hold stages of ``specs`` (an empty storage; its rows start in stage 0)."""
+        self._stages = tuple(make_codec(spec) for spec in specs)
+        self.codec = self._stages[0]
+
+    def _convert_rows(self, rows: Sequence[int]) -> None:
+        """Move rows ``rows`` into the next stage: the store re-encoded whole (capacity
+        included, as mlx-lm quantizes its buffer; a ring keeps its phase), owned and
+        evaluated; the old store is replaced, not changed (a view taken before keeps it)."""
+        if sorted(rows) != list(range(len(self._offsets))):  # per-row stores: delayed layouts
+            raise LayoutStateError(STAGES_MOVE_TOGETHER)
+        source, target = self.codec, self._stages[self._stage + 1]
+        if self._geometry is not None:
+            target.check(self._geometry)  # head dims the codec stores
+        if self._planes is not None:
+            self._planes = {
+                t: target.encode(source.decode(held, as_role(t)), as_role(t))
+                for t, held in self._planes.items()
+            }
+            mx.eval(*arrays(self._planes))
+        self.codec = target
+        self._changed()
+
+    def _stage_view(self, cls: type[_S], view: _S | None = None) -> _S:
+        """An instance of the one-stage class ``cls`` (this storage's current stage and
+        geometry hooks) sharing this storage's store and host state (``view``: that
+        instance, brought up to date): borrowed, what it holds is this storage's until a
+        conversion or a reset replaces them."""
+        if view is None:
+            view = cls.__new__(cls)
+        vars(view).update(
+            (name, value) for name, value in vars(self).items() if name not in _STAGED_ONLY
+        )
+        view._stages = (view.codec,)
+        return view
+
+    def _take_rows(self, storage: Storage) -> None:
+        """Hold what ``storage`` holds (a one-stage storage of one of this one's stages, same
+        geometry hooks): its store and host state are this storage's now."""
+        stage = self.stages.index(storage.codec_spec)
+        vars(self).update(
+            (name, value)
+            for name, value in vars(storage).items()
+            if name not in _STAGED_ONLY and name != "codec"
+        )
+        self.codec = self._stages[stage]
+        self._changed()
 
     def _clear(self) -> None:
         """Hold no row and no buffer (the KV geometry, once known, is kept)."""

@@ -40,7 +40,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from kvrows import forms_v1
-from kvrows.compositions import codec_spec_for, composition
+from kvrows.compositions import Composition, codec_spec_for, composition
 from kvrows.errors import CorruptStateError, InvalidInputError, UnsupportedStateError
 from kvrows.forms import (
     FILE_CLASSES,
@@ -48,7 +48,7 @@ from kvrows.forms import (
     FORMAT_VERSION,
     state_form,
 )
-from kvrows.lego import Bf16First, check_target
+from kvrows.lego import check_target
 from kvrows.persist.files import CHECKSUM_KEY, checksum, read_safetensors, write_atomic
 from kvrows.protocols import DropInWrapper, Handover
 from kvrows.recurrent import StateShapes
@@ -136,21 +136,23 @@ def _as_lego(storage: Any, saved: object, implementation: Implementation, path: 
     ``implementation``'s lego class of that name."""
     package = importlib.import_module(f"kvrows.{implementation}")
     name = saved.get("class") if isinstance(saved, dict) else None
-    cls = getattr(package, name, None) if isinstance(name, str) else None
-    if not (isinstance(cls, type) and issubclass(cls, Bf16First)):
+    cls: Any = getattr(package, name, None) if isinstance(name, str) else None
+    entry = getattr(cls, "composition", None)
+    # A lego: the delayed modifier on a serial preset of the table.
+    if not (
+        isinstance(entry, Composition) and "delayed" in entry.modifiers and not entry.is_layout
+    ):
         raise UnsupportedStateError(f"{path}: unknown lego class {name!r} in saved state")
     assert isinstance(saved, dict)
     try:
         # The record holds the target codec's parameters; the lego class says which codec
         # (affine or TurboQuant) they belong to.
         quantization = check_target(
-            cls.__name__,
-            codec_spec_for(cls.affine_class.composition, saved),
-            storage.token_geometry,
+            cls.__name__, codec_spec_for(cls.composition, saved), storage.token_geometry
         )
-        lego = object.__new__(cls)  # the saved parameters, then the storage adopted
-        Bf16First.__init__(
-            lego, quantization, storage.token_geometry, saved["start"], storage.geometry
+        # The saved parameters, then the storage adopted.
+        lego = cls.from_parts(
+            quantization, storage.token_geometry, saved["start"], storage.geometry
         )
         return lego.composed.over(storage, minimum_reusable_offset=saved["minimum_reusable_offset"])
     except (InvalidInputError, KeyError, TypeError) as error:

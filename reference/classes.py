@@ -15,10 +15,17 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvrows.common import AffineParameters, TurboParameters
-from kvrows.compositions import Composition, landed, preset_class, presets_on_rows
+from kvrows.compositions import (
+    Composition,
+    landed,
+    preset_class,
+    presets_on_rows,
+    stage_presets,
+)
 from kvrows.delayed import DelayedRows, DelayedSlidingWindow
 from kvrows.errors import KvRowsError, speculative_modifier_message
 from kvrows.geometries import geometry_class
+from kvrows.lego import Bf16First
 from kvrows.recurrent import SerialRounds
 from kvrows.reference.geometries.growing import RowAlignment
 from kvrows.reference.geometries.recurrent import ArraysCacheSurface, StateLayout
@@ -34,6 +41,9 @@ __all__ = [
     "BatchedRotatingQuantCache",
     "BatchedSSMCache",
     "BatchedTurboQuantKVCache",
+    "Bf16FirstQuantizedKVCache",
+    "Bf16FirstRotatingQuantizedKVCache",
+    "Bf16FirstTurboQuantKVCache",
     "KVCache",
     "PaddedKVRows",
     "PaddedQuantKVRows",
@@ -63,21 +73,41 @@ GEOMETRY_SURFACES: dict[tuple[str, str], tuple[type, ...]] = {
     ("recurrent", "serial"): (ArraysCacheSurface, SerialRounds),
     ("recurrent", "ragged"): (StateLayout,),
 }
-#: The classes a modifier puts ahead of the arrangement (they wrap a layout).
-MODIFIERS: dict[str, type] = {"speculative": SpeculativeLayout}
+#: The classes a modifier puts ahead of the arrangement (they wrap a layout; the delayed
+#: one, ``kvrows.lego.Bf16First``, a serial storage of two stages).
+MODIFIERS: dict[str, type] = {"speculative": SpeculativeLayout, "delayed": Bf16First}
+#: The parameter mixins a delayed storage leaves out: ``bits`` / ``group_size`` show under
+#: the delayed modifier's rule (``Conversion.read_parameter``), not always.
+CODEC_PARAMETERS = (AffineParameters, TurboParameters)
 
 
 def build(entries: Iterable[Composition]) -> dict[str, type[Any]]:
     """The public class of each of ``entries``, by name (serial storages first: a layout
-    names the one its rows extract into, ``serial_class``)."""
+    names the one its rows extract into, ``serial_class``; a delayed storage the serial
+    presets of its stages, ``plain_class`` / ``affine_class``)."""
     built: dict[str, type[Any]] = {}
-    for entry in sorted(entries, key=lambda entry: entry.is_layout):
-        parameters = tuple(mixin for name, mixin in PARAMETER_SURFACES if name in entry.params)
+    for entry in sorted(entries, key=lambda entry: (entry.is_layout, bool(entry.modifiers))):
+        delayed = "delayed" in entry.modifiers
+        parameters = tuple(
+            mixin
+            for name, mixin in PARAMETER_SURFACES
+            if name in entry.params and not (delayed and mixin in CODEC_PARAMETERS)
+        )
         surface = GEOMETRY_SURFACES.get((entry.geometry, entry.arrangement), ())
         modifiers = tuple(MODIFIERS[name] for name in sorted(entry.modifiers))
         arrangement = RowLayout if entry.is_layout else SerialStorage
-        members = {"serial_class": built[str(entry.serial)]} if entry.is_layout else {}
-        bases = (*parameters, *surface, *modifiers, arrangement)
+        members: dict[str, object] = {}
+        if entry.is_layout:
+            members["serial_class"] = built[str(entry.serial)]
+        if delayed:
+            plain, target = stage_presets(entry)
+            members.update(plain_class=built[plain.name], affine_class=built[target.name])
+        # The delayed mixin comes first (its surface is the lego's); the speculative one
+        # wraps the arrangement.
+        if delayed:
+            bases: tuple[type, ...] = (*modifiers, *parameters, *surface, arrangement)
+        else:
+            bases = (*parameters, *surface, *modifiers, arrangement)
         built[entry.name] = preset_class(entry, bases, __name__, **members)
     return built
 
@@ -119,6 +149,13 @@ if TYPE_CHECKING:
         AffineParameters, RingParameters, SpeculativeLayout, RowLayout
     ): ...
 
+    # -- bf16-first legos (the delayed modifier on a serial storage) --------------------
+    class Bf16FirstQuantizedKVCache(Bf16First, SerialStorage): ...
+
+    class Bf16FirstTurboQuantKVCache(Bf16First, SerialStorage): ...
+
+    class Bf16FirstRotatingQuantizedKVCache(Bf16First, RingParameters, SerialStorage): ...
+
     # -- recurrent state ---------------------------------------------------------------
     class SSMCache(ArraysCacheSurface, SerialRounds, SerialStorage): ...
 
@@ -139,6 +176,10 @@ def _checked(cls: type[Any]) -> type[Any]:
     layout; delayed: a ``kvrows.delayed.DelayedRows`` over two such layouts, whose parts
     ``register_compositions`` checks)."""
     entry = cls.composition
+    if "delayed" in entry.modifiers and not entry.is_layout:
+        if not callable(getattr(getattr(cls, "composed", None), "fget", None)):
+            raise KvRowsError(f"{cls.__name__}: the delayed modifier's serial mixin is missing")
+        return cls
     if "delayed" in entry.modifiers:
         if not issubclass(cls, DelayedRows) or issubclass(cls, DelayedSlidingWindow) != (
             geometry_class(entry.geometry).wraps

@@ -1,4 +1,6 @@
-"""The reference's bf16-first storages (``kvrows.lego``; ``spec/bf16-first.md``).
+"""The reference's bf16-first storages (``kvrows.lego``; ``spec/bf16-first.md``): the
+presets are built by ``classes.py`` from the table (re-exported here, where they were
+written before); ``to_affine`` is the delayed layouts' conversion of a whole serial storage.
 
 Conversion encodes each row's retained plain planes with the reference affine codec
 (``affine_codec.py``, ``mx.quantize`` in NumPy): groups run along the head dim, so each
@@ -12,13 +14,11 @@ from typing import Any
 
 from kvrows.codec import KV_TENSORS, PlaneSet
 from kvrows.errors import InvalidInputError
-from kvrows.lego import Bf16First, FullAttentionLego, SlidingWindowLego, Target, TurboLego
+from kvrows.lego import Target
 from kvrows.reference.classes import (
-    KVCache,
-    QuantizedKVCache,
-    RotatingKVCache,
-    RotatingQuantizedKVCache,
-    TurboQuantKVCache,
+    Bf16FirstQuantizedKVCache,
+    Bf16FirstRotatingQuantizedKVCache,
+    Bf16FirstTurboQuantKVCache,
 )
 from kvrows.reference.rows import Row, SerialStorage
 
@@ -34,7 +34,7 @@ def to_affine(storage: SerialStorage, spec: Target, affine_class: type[SerialSto
     """A new ``affine_class`` storage (affine or TurboQuant, over ``spec``) holding
     ``storage``'s tokens at the same positions, each row's retained planes encoded with
     ``spec``'s codec; ``storage`` is unchanged."""
-    if storage.codec_spec.kind != "plain":
+    if storage.codec_spec.encodes:
         raise InvalidInputError(
             f"{type(storage).__name__} is {storage.codec_spec.name}: only a plain storage converts"
         )
@@ -47,34 +47,3 @@ def to_affine(storage: SerialStorage, spec: Target, affine_class: type[SerialSto
         rows.append(Row(planes, row.offset, row.pad, row.sinks))
     fresh._rows = rows
     return fresh
-
-
-class _ReferenceLego(Bf16First):
-    def _convert(self, storage: Any) -> Any:
-        return to_affine(storage, self.quantization, self.affine_class)
-
-
-class Bf16FirstQuantizedKVCache(_ReferenceLego, FullAttentionLego):
-    """Full attention: ``KVCache`` until the append that reaches ``start``, then
-    ``QuantizedKVCache`` (arguments: ``QuantizedKVCache``'s, then ``start``)."""
-
-    plain_class = KVCache
-    affine_class = QuantizedKVCache
-
-
-class Bf16FirstRotatingQuantizedKVCache(_ReferenceLego, SlidingWindowLego):
-    """Sliding window: ``RotatingKVCache`` until the append that reaches ``start``, then
-    ``RotatingQuantizedKVCache`` holding the same window (arguments:
-    ``RotatingQuantizedKVCache``'s, then ``start``)."""
-
-    plain_class = RotatingKVCache
-    affine_class = RotatingQuantizedKVCache
-
-
-class Bf16FirstTurboQuantKVCache(_ReferenceLego, TurboLego):
-    """Full attention: ``KVCache`` until the append that reaches ``start``, then
-    ``TurboQuantKVCache`` holding the same tokens (arguments: ``TurboQuantKVCache``'s, then
-    ``start``)."""
-
-    plain_class = KVCache
-    affine_class = TurboQuantKVCache

@@ -359,6 +359,7 @@ class PagedRows(PagedSurface, Storage):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         spec, paged, declared, pool = bind_paged(type(self), args, dict(kwargs))
         self.codec = make_codec(spec)
+        self._stages = (self.codec,)  # one stage (contract §0.5)
         self._paged = paged
         # The paged spec stands where a geometry spec does (signature, merges, forms): it
         # is not a registered geometry until the placement joins the composition table.

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
@@ -39,6 +39,7 @@ from kvrows.errors import (
     EMPTY_LAYOUT_UPDATE,
     MERGE_NEEDS_SEQUENCE,
     NOTHING_TO_FETCH,
+    STAGES_MOVE_TOGETHER,
     IncompatibleRowsError,
     InvalidInputError,
     LayoutStateError,
@@ -49,7 +50,7 @@ from kvrows.errors import (
 )
 from kvrows.protocols import Cache, Mask
 from kvrows.reference.codecs import Codec, Planes, dtype_name, make_codec
-from kvrows.schemes import GeometrySpec
+from kvrows.schemes import CodecSpec, GeometrySpec
 from kvrows.validation import (
     KvGeometry,
     as_count,
@@ -132,7 +133,8 @@ class Row:
     ``[1, H, retained, ·]``; empty before its first write); ``offset``: tokens ever
     appended (the next token's position); ``pad``: what the layout reports as the row's
     ``left_pad``; ``sinks``: a ring's ``keep``, the first positions that are never evicted
-    (0 elsewhere); ``token_axis``: whether its planes have one (recurrent state's do not). A token row retains its first ``min(sinks, offset)`` positions, then a
+    (0 elsewhere); ``token_axis``: whether its planes have one (recurrent state's do not);
+    ``stage``: the storage stage whose codec encoded its planes (contract §0.5). A token row retains its first ``min(sinks, offset)`` positions, then a
     run of its newest ones. The token surgery (``newest``, ``append``, ``trim``) is what
     token geometries call; a geometry without a token axis copies and replaces whole
     rows (``copy``, ``planes``), and nothing else here reads a token axis.
@@ -143,6 +145,8 @@ class Row:
     pad: int = 0
     sinks: int = 0
     token_axis: bool = True
+    #: The storage's stage the planes are encoded under (0 but under the delayed modifier).
+    stage: int = 0
 
     @property
     def held(self) -> bool:
@@ -171,16 +175,16 @@ class Row:
     def copy(self) -> Row:
         """An independent copy of the whole row."""
         planes = {t: tuple(np.array(p, copy=True) for p in ps) for t, ps in self.planes.items()}
-        return Row(planes, self.offset, self.pad, self.sinks, self.token_axis)
+        return Row(planes, self.offset, self.pad, self.sinks, self.token_axis, self.stage)
 
     def newest(self, count: int) -> Row:
         """An independent row holding ``count`` of this one's tokens, at its offset: its
         sinks (up to ``count``) and then its newest."""
         if not self.planes or count == 0:
-            return Row(offset=self.offset, pad=self.pad, sinks=self.sinks)
+            return Row(offset=self.offset, pad=self.pad, sinks=self.sinks, stage=self.stage)
         head = min(self.held_sinks, count)
         planes = {t: _sinks_and_newest(ps, head, count) for t, ps in self.planes.items()}
-        return Row(planes, self.offset, self.pad, self.sinks)
+        return Row(planes, self.offset, self.pad, self.sinks, stage=self.stage)
 
     def append(self, block: PlaneSet, history: int) -> None:
         """Keep ``history`` tokens (sinks first, then the newest), then append the block."""
@@ -359,8 +363,15 @@ class Storage(SavedState, ComposedIdentity):
     composition: ClassVar[Composition]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        codec_spec, token_geometry, declared = bind_arguments(self.composition, args, kwargs)
+        self._setup(*bind_arguments(self.composition, args, kwargs))
+
+    def _setup(
+        self, codec_spec: CodecSpec, token_geometry: GeometrySpec, declared: KvGeometry | None
+    ) -> None:
+        """Empty, of these (validated) specs: one stage, ``codec_spec``'s."""
         self.codec: Codec = make_codec(codec_spec)
+        #: The codecs of the stages (contract §0.5): one, but under the delayed modifier.
+        self._stages: tuple[Codec, ...] = (self.codec,)
         self._token_geometry = token_geometry
         self._axis = make_axis(token_geometry)
         self._geometry: KvGeometry | None = declared
@@ -370,7 +381,64 @@ class Storage(SavedState, ComposedIdentity):
 
     def _new_row(self) -> Row:
         """A row that holds nothing yet (a placement may keep more per row: paged tables)."""
-        return Row(sinks=self._sinks, token_axis=self._token_geometry.token_axis)
+        return Row(sinks=self._sinks, token_axis=self._token_geometry.token_axis, stage=self._stage)
+
+    # -- stages (the delayed modifier's array hooks, contract §0.5) ---------------------------
+    @property
+    def stages(self) -> tuple[CodecSpec, ...]:
+        """The codec of each stage, in order (one but under the delayed modifier)."""
+        return tuple(codec.spec for codec in self._stages)
+
+    @property
+    def _stage(self) -> int:
+        """The stage every row is in (writes and reads go through its codec, ``codec``)."""
+        return self._stages.index(self.codec)
+
+    def _use_stages(self, specs: Sequence[CodecSpec]) -> None:
+        """Hold stages of ``specs`` (an empty storage; its rows start in stage 0)."""
+        self._stages = tuple(make_codec(spec) for spec in specs)
+        self.codec = self._stages[0]
+
+    def _convert_rows(self, rows: Sequence[int]) -> None:
+        """Re-encode rows ``rows`` into the next stage: each row's compact planes decoded
+        by its stage's codec and encoded by the next one's (per token, so what a row of
+        the next stage fed the same tokens holds). Rows are replaced, not changed (a view
+        taken before, ``_stage_view``, keeps the old ones)."""
+        after = {row.stage + (b in rows) for b, row in enumerate(self._rows)}
+        if len(after) > 1:  # mixed reads and writes come with the delayed layouts
+            raise LayoutStateError(STAGES_MOVE_TOGETHER)
+        converted = list(self._rows)
+        for b in rows:
+            row = self._rows[b]
+            source, target = self._stages[row.stage], self._stages[row.stage + 1]
+            planes: PlaneSet = {
+                t: target.encode(source.decode(ps, as_role(t)), as_role(t))
+                for t, ps in row.planes.items()
+            }
+            converted[b] = Row(
+                planes, row.offset, row.pad, row.sinks, row.token_axis, row.stage + 1
+            )
+        self._rows = converted
+        if after:
+            self.codec = self._stages[after.pop()]
+
+    def _stage_view(self, cls: type[_T], view: _T | None = None) -> _T:
+        """An instance of the one-stage class ``cls`` (of this storage's current stage and
+        geometry) sharing this storage's rows (``view``: that instance, brought up to
+        date): borrowed, what it holds is this storage's until a conversion or a reset
+        replaces the rows."""
+        if view is None:
+            view = cls.from_specs(self.codec.spec, self._token_geometry, geometry=self._geometry)
+        view._rows, view._geometry = self._rows, self._geometry
+        return view
+
+    def _take_rows(self, storage: Storage) -> None:
+        """Hold the rows of ``storage`` (a one-stage storage of one of this one's stages,
+        same geometry): they are this storage's now."""
+        stage = self.stages.index(storage.codec.spec)
+        self.codec = self._stages[stage]
+        self._rows = [replace(row, stage=stage) for row in storage._rows]
+        self._geometry = storage.geometry
 
     def _shapes(self) -> Any:
         """What the storage learnt of its tensors' shapes (a KV geometry; a state

@@ -25,12 +25,12 @@ import pytest
 import kvrows.optimized as opt
 import kvrows.reference as ref
 from kvrows.app.models import make_kvrows_cache, tiny_model
-from kvrows.errors import InvalidInputError
+from kvrows.errors import InvalidInputError, LayoutStateError, UnsupportedStateError
 from kvrows.lego import conversion_due
 from kvrows.persist.prompt_cache import load_prompt_cache, save_prompt_cache
 from kvrows.protocols import AppendLimited, Cache, ReusableOffset
 from kvrows.reference.lego import to_affine
-from kvrows.schemes import Affine, KvStorageScheme
+from kvrows.schemes import Affine, KvStorageScheme, Plain
 from kvrows.validation import KvGeometry
 
 lm: Any = importlib.import_module("mlx_lm.generate")
@@ -281,6 +281,32 @@ def test_invalid_arguments(impl: ModuleType) -> None:
     with pytest.raises(InvalidInputError, match="key head dim 48"):
         lego.update_and_fetch(_to_impl(impl, odd), _to_impl(impl, odd))
     assert lego.offset == 0 and lego.nbytes == 0
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=("optimized", "reference"))
+def test_the_stages_and_their_hooks(impl: ModuleType) -> None:
+    """A lego is one storage of two stages: the rows are re-encoded in place of a storage
+    swap, all together (a serial storage's rows move together: converting some of them is
+    refused before anything changes), and a state is restored by its storage's class."""
+    rng = np.random.default_rng(8)
+    lego = _lego(impl, False, 4, 5)
+    assert lego.stages == (Plain(), Affine(bits=4, group_size=64))
+    built = type(lego).from_specs(lego.quantization, lego.token_geometry, start=5)
+    assert repr(built) == repr(lego) and built.max_append_tokens() == 5
+    assert lego.codec_spec == Plain() and lego.storage is lego.storage  # one view per stage
+    k, v = (np.concatenate([x, x], axis=0) for x in _block(rng, 3))  # two rows
+    lego.update_and_fetch(_to_impl(impl, k), _to_impl(impl, v))
+    before = _np(_stored(lego.storage))
+    with pytest.raises(LayoutStateError, match="convert together"):
+        lego._convert_rows([0])
+    assert lego.codec_spec == Plain() and _same(_stored(lego.storage), before)
+    plain = lego.storage
+    k, v = (np.concatenate([x, x], axis=0) for x in _block(rng, 3))
+    lego.update_and_fetch(_to_impl(impl, k), _to_impl(impl, v))
+    assert lego.converted and lego.codec_spec == lego.quantization
+    assert lego.storage is not plain and type(lego.storage) is lego.affine_class
+    with pytest.raises(UnsupportedStateError, match=r"composed\.over"):
+        type(lego).from_state(lego.state)
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=("optimized", "reference"))

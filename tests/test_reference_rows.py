@@ -22,6 +22,7 @@ from kvrows.errors import (
     NotTrimmableError,
     self_merge_message,
 )
+from kvrows.lego import Bf16First
 from kvrows.reference.classes import _checked, declared_classes
 from kvrows.reference.rows import RowLayout, SerialStorage
 from kvrows.schemes import Affine, Growing, Plain, Ring
@@ -68,6 +69,12 @@ def test_every_landed_composition_is_one_declared_class() -> None:
     for name, cls in classes.items():
         assert cls is getattr(reference, name)
         assert cls.composition is composition(name)
+        if "delayed" in cls.composition.modifiers and not cls.composition.is_layout:
+            # A lego: the delayed modifier's serial mixin over a serial storage of two stages.
+            assert issubclass(cls, Bf16First) and issubclass(cls, SerialStorage)
+            lego = cls(*((8,) if "max_size" in cls.composition.params else ()))
+            assert lego.stages == (Plain(), lego.quantization) and lego.codec_spec == Plain()
+            continue
         if "delayed" in cls.composition.modifiers:  # two groups of row layouts
             assert issubclass(cls, DelayedRows)
             assert issubclass(cls.plain_group_class, RowLayout)
