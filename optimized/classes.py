@@ -27,6 +27,7 @@ from kvrows.optimized.geometries.recurrent import (
 )
 from kvrows.optimized.geometries.registry import IMPLEMENTATIONS, geometry_class
 from kvrows.optimized.geometries.ring import RaggedRing, SharedRing
+from kvrows.optimized.latent import LatentSurface
 from kvrows.optimized.rows import Layout, Serial
 from kvrows.optimized.speculative import SpeculativeLayout
 from kvrows.recurrent import SerialRounds
@@ -39,6 +40,7 @@ __all__ = [
     "BatchedSSMCache",
     "BatchedTurboQuantKVCache",
     "KVCache",
+    "MLACache",
     "PaddedKVRows",
     "PaddedQuantKVRows",
     "QuantizedKVCache",
@@ -62,6 +64,9 @@ GEOMETRY_SURFACES: dict[tuple[str, str], tuple[type, ...]] = {
     ("recurrent", "serial"): (ArraysCacheSurface, SerialRounds),
     ("recurrent", "ragged"): (StateLayout,),
 }
+#: What a codec adds to the machinery's surface, first among the bases (the latent
+#: caches' ``append`` / ``fetch_index`` / ``preview`` / 3-D blocks / v1 state).
+CODEC_SURFACES: dict[str, tuple[type, ...]] = {"latent": (LatentSurface,)}
 #: The classes a modifier puts ahead of the layout (they wrap it).
 MODIFIERS: dict[str, type] = {"speculative": SpeculativeLayout}
 #: mlx-lm's KV drop-in mixins of a serial storage and of a layout (by ``is_layout``).
@@ -85,6 +90,7 @@ def build(entries: Iterable[Composition]) -> dict[str, type[Any]]:
     for entry in entries:
         codec = CODECS.get(entry.codec)
         bases = (
+            *CODEC_SURFACES.get(entry.codec, ()),
             *GEOMETRY_SURFACES.get((entry.geometry, entry.arrangement), ()),
             *(MODIFIERS[name] for name in sorted(entry.modifiers)),
             *(KV_DROP_INS[entry.is_layout] if codec and is_kv_codec(codec) else ()),
@@ -164,6 +170,9 @@ if TYPE_CHECKING:
     class SpeculativeRotatingAffineLayout(
         SpeculativeLayout, LayoutDropIn, LayoutBatchOps, AffineParameters, RaggedRing, Layout
     ): ...
+
+    # -- latent ------------------------------------------------------------------------
+    class MLACache(LatentSurface, SpeculativeLayout, GrowingGeometry, Layout): ...
 
     # -- recurrent state ---------------------------------------------------------------
     class SSMCache(ArraysCacheSurface, SerialRounds, StateGeometry, Serial): ...

@@ -25,7 +25,8 @@ from typing import Any
 import mlx.core as mx
 
 from kvrows.errors import InvalidInputError, LayoutStateError, SpeculativeRoundError
-from kvrows.optimized.latent import EncodedLatentCache, MLACache
+from kvrows.optimized.classes import MLACache
+from kvrows.optimized.latent import EncodedLatentCache
 from kvrows.optimized.paged_latent import LatentBlockPool, PagedLatentCache
 from kvrows.validation import check_keep
 
@@ -151,7 +152,7 @@ class _Rows:
         encoded = cache.latent_codec.encodes
         paged = PagedLatentCache(
             spec.kv_lora_rank, spec.rope_head_dim, spec.index_head_dim,
-            cache.token_geometry.max_tokens, spec.role,
+            cache.token_geometry.cap(), spec.role,
             pool=pool, codec=cache.latent_codec if encoded else None,
             start=cache.start if encoded else 0,
         )  # fmt: skip

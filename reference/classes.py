@@ -24,6 +24,7 @@ from kvrows.reference.geometries.growing import RowAlignment
 from kvrows.reference.geometries.recurrent import ArraysCacheSurface, StateLayout
 from kvrows.reference.geometries.registry import IMPLEMENTATIONS
 from kvrows.reference.geometries.ring import RingParameters
+from kvrows.reference.latent import LatentSurface
 from kvrows.reference.rows import RowLayout, SerialStorage
 from kvrows.reference.speculative import SpeculativeLayout
 
@@ -35,6 +36,7 @@ __all__ = [
     "BatchedSSMCache",
     "BatchedTurboQuantKVCache",
     "KVCache",
+    "MLACache",
     "PaddedKVRows",
     "PaddedQuantKVRows",
     "QuantizedKVCache",
@@ -63,6 +65,9 @@ GEOMETRY_SURFACES: dict[tuple[str, str], tuple[type, ...]] = {
     ("recurrent", "serial"): (ArraysCacheSurface, SerialRounds),
     ("recurrent", "ragged"): (StateLayout,),
 }
+#: What a codec adds to the machinery's surface, first among the bases (the latent
+#: caches' ``append`` / ``fetch_index`` / 3-D blocks / v1 state).
+CODEC_SURFACES: dict[str, tuple[type, ...]] = {"latent": (LatentSurface,)}
 #: The classes a modifier puts ahead of the arrangement (they wrap a layout).
 MODIFIERS: dict[str, type] = {"speculative": SpeculativeLayout}
 
@@ -72,13 +77,17 @@ def build(entries: Iterable[Composition]) -> dict[str, type[Any]]:
     names the one its rows extract into, ``serial_class``)."""
     built: dict[str, type[Any]] = {}
     for entry in sorted(entries, key=lambda entry: entry.is_layout):
+        codec_surface = CODEC_SURFACES.get(entry.codec, ())
         parameters = tuple(mixin for name, mixin in PARAMETER_SURFACES if name in entry.params)
         surface = GEOMETRY_SURFACES.get((entry.geometry, entry.arrangement), ())
         modifiers = tuple(MODIFIERS[name] for name in sorted(entry.modifiers))
         arrangement = RowLayout if entry.is_layout else SerialStorage
-        members = {"serial_class": built[str(entry.serial)]} if entry.is_layout else {}
-        bases = (*parameters, *surface, *modifiers, arrangement)
+        serial = entry.serial
+        members = {"serial_class": built[serial]} if entry.is_layout and serial else {}
+        bases = (*codec_surface, *parameters, *surface, *modifiers, arrangement)
         built[entry.name] = preset_class(entry, bases, __name__, **members)
+        if entry.is_layout and not serial:  # its own serial storage (MLACache)
+            built[entry.name].serial_class = built[entry.name]
     return built
 
 
@@ -119,6 +128,9 @@ if TYPE_CHECKING:
         AffineParameters, RingParameters, SpeculativeLayout, RowLayout
     ): ...
 
+    # -- latent ------------------------------------------------------------------------
+    class MLACache(LatentSurface, SpeculativeLayout, RowLayout): ...
+
     # -- recurrent state ---------------------------------------------------------------
     class SSMCache(ArraysCacheSurface, SerialRounds, SerialStorage): ...
 
@@ -151,7 +163,9 @@ def _checked(cls: type[Any]) -> type[Any]:
     agrees = (
         callable(getattr(cls, "merge_rows", None)) == entry.is_layout
         and all(hasattr(cls, name) == (name in entry.params) for name in _SURFACE_PARAMETERS)
-        and (not entry.is_layout or cls.serial_class.composition.name == entry.serial)
+        and (
+            not entry.is_layout or cls.serial_class.composition.name == (entry.serial or entry.name)
+        )
     )
     if not agrees:
         raise KvRowsError(f"{cls.__name__} does not declare its composition {entry}")
@@ -174,7 +188,7 @@ def declared_classes() -> Mapping[str, type[Any]]:
     }
     from kvrows.reference import latent  # latent state: its own row machinery
 
-    found |= {cls.composition.name: cls for cls in (latent.MLACache, latent.EncodedLatentCache)}
+    found[latent.EncodedLatentCache.composition.name] = latent.EncodedLatentCache
     from kvrows.reference import paged  # the paged storages (``kvrows.paged_storage``)
 
     found.update({cls.composition.name: cls for cls in (paged.PagedKVCache, paged.PagedKvRows)})
