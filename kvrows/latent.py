@@ -132,14 +132,6 @@ def int_vector_message(owner: str, what: str) -> str:
     return f"{owner}: {what} must be a 1-D int array"
 
 
-def merge_into_empty_message(owner: str, rows: int) -> str:
-    """A latent cache asked to merge rows while it holds some."""
-    return (
-        f"{owner}.merge_rows: the destination must be empty (it holds {rows} rows); merge "
-        "into make_empty_batch()"
-    )
-
-
 def different_rows_message(owner: str, shapes: object) -> str:
     """A latent merge of rows of different widths or dtypes."""
     return f"{owner}.merge_rows: rows of different widths or dtypes ({shapes})"
@@ -381,9 +373,9 @@ class LatentSurfaceMembers(_LatentLayout):
     ``fetch`` / ``fetch_index`` / ``current`` over the machinery's write and read (blocks
     ``[B, N, W]`` or ``[B, 1, N, W]``, returned in their rank), the learnt shapes
     (``LatentShapes``), the v1 ``LATENT_FIELDS`` state, and the rules ``LatentRows``
-    kept: a merge into an empty cache only, a non-empty filter, ``trim`` no further than
-    the shortest row, ``trim_rows`` a rollback (rows roll right), publishing at a row's
-    offset only.
+    kept: ``trim`` no further than the shortest row, ``trim_rows`` a rollback (rows roll
+    right), publishing at a row's offset only. Merges (into an empty or a running cache)
+    and filters are the machinery's.
 
     Each implementation supplies ``_dtype_of(array)``, ``_as4`` / ``_as3``, the state's
     arrays (``_state_planes``, ``_int_array``, ``_ints``, ``_adopt_state``) and, when they
@@ -584,26 +576,6 @@ class LatentSurfaceMembers(_LatentLayout):
         return self.current()[2]
 
     # -- row operations: the rules the latent caches keep ----------------------------------
-    def merge_rows(self, rows: Sequence[Any]) -> None:
-        """Take the rows of ``rows`` (borrowed, unchanged): the destination must be empty."""
-        self._spec_guard("merge_rows")
-        name = type(self).__name__
-        if isinstance(rows, str | bytes) or not isinstance(rows, Sequence) or not rows:
-            raise InvalidInputError(f"{name}.merge_rows needs a non-empty sequence of caches")
-        if any(s is self for s in rows) or len({id(s) for s in rows}) != len(rows):
-            raise IncompatibleRowsError(self_merge_message(self.signature()))
-        if self.batch_size:
-            raise LayoutStateError(merge_into_empty_message(name, self.batch_size))
-        super().merge_rows(rows)
-
-    def filter_rows(self, keep: Sequence[int]) -> None:
-        """Keep the rows ``keep`` names (any order, non-empty); drop the common padding."""
-        self._spec_guard("filter_rows")
-        rows = check_keep(keep, self.batch_size)
-        if not rows:
-            raise InvalidInputError(f"{type(self).__name__}.filter_rows needs at least one row")
-        super().filter_rows(rows)
-
     def trim(self, n: int) -> int:
         self._spec_guard("trim (use spec_round_rollback)")
         count = as_count(n, "n")
@@ -1087,15 +1059,18 @@ class LatentRows(SpeculativeRounds):
 
     # -- row operations -------------------------------------------------------------------
     def merge_rows(self, rows: Sequence[Any]) -> None:
-        """Take the rows of ``rows`` (borrowed, unchanged): the destination must be empty."""
+        """Take the rows of ``rows`` (borrowed, unchanged) after the rows held."""
         self._spec_guard("merge_rows")
         name = type(self).__name__
         if isinstance(rows, str | bytes) or not isinstance(rows, Sequence) or not rows:
             raise InvalidInputError(f"{name}.merge_rows needs a non-empty sequence of caches")
         if any(s is self for s in rows) or len({id(s) for s in rows}) != len(rows):
             raise IncompatibleRowsError(self_merge_message(self.signature()))
-        if self._offsets:
-            raise LayoutStateError(merge_into_empty_message(name, self.batch_size))
+        if self._offsets:  # a running cache: its rows and the sources', into a fresh one
+            joined = self.make_empty_batch()
+            joined.merge_rows([self, *rows])
+            self._take_over(joined)
+            return
         sources = list(rows)
         for source in sources:
             if type(source) is not type(self) or source._merge_key() != self._merge_key():
@@ -1128,6 +1103,11 @@ class LatentRows(SpeculativeRounds):
         )
         self._last = None
 
+    def _take_over(self: _L, other: _L) -> None:
+        """Hold what ``other`` (a fresh cache of this declaration) holds, in its place."""
+        vars(self).clear()
+        vars(self).update(vars(other))
+
     def _merge_key(self) -> tuple[object, ...]:
         spec = self.latent_spec
         return (
@@ -1135,11 +1115,12 @@ class LatentRows(SpeculativeRounds):
         )  # fmt: skip
 
     def filter_rows(self, keep: Sequence[int]) -> None:
-        """Keep the rows ``keep`` names (any order, non-empty); drop the common padding."""
+        """Keep the rows ``keep`` names (any order); drop the common padding."""
         self._spec_guard("filter_rows")
         rows = check_keep(keep, self.batch_size)
-        if not rows:
-            raise InvalidInputError(f"{type(self).__name__}.filter_rows needs at least one row")
+        if not rows:  # the last rows leave: an empty cache, its shapes learnt
+            self._take_over(self.make_empty_batch())
+            return
         self._impl_filter(rows)
         self._offsets = [self._offsets[r] for r in rows]
         self._conversion.keep(rows)

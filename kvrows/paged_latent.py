@@ -906,12 +906,16 @@ class PagedLatentRows(LatentRows):
             raise InvalidInputError(
                 state_signature_message(type(self).__name__, restored.signature(), self.signature())
             )
+        self._take_over(restored)
+
+    def _take_over(self: _P, other: _P) -> None:
+        """Hold ``other``'s tables in its place, this cache's own released."""
         self.release()
         if self._finalizer is not None:
             self._finalizer.detach()
-        if restored._finalizer is not None:
-            restored._finalizer.detach()  # this cache takes over the restored tables
-        vars(self).update(vars(restored))
+        if other._finalizer is not None:
+            other._finalizer.detach()  # this cache takes over the other's tables
+        vars(self).update(vars(other))
         self._finalizer = None
         if self._pool is not None:
             self._watch()

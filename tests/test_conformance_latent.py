@@ -34,6 +34,7 @@ EXPECTED_OPS = {
     "new_request",
     "prefill_chunk",
     "merge",
+    "join",
     "decode_step",
     "spec_rounds",
     "round:unequal",

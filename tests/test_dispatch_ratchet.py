@@ -50,7 +50,6 @@ BASELINE: dict[str, int] = {
     "kvrows/lego.py": 1,
     "kvrows/paged.py": 1,
     "kvrows/recurrent.py": 2,
-    "optimized/latent_dropin.py": 1,
     "optimized/lego.py": 1,
     "optimized/rows.py": 2,
     "persist/prompt_cache.py": 1,
@@ -60,7 +59,7 @@ BASELINE: dict[str, int] = {
 }
 
 #: The sum of :data:`BASELINE`: the issue's "before".
-BASELINE_TOTAL = 39
+BASELINE_TOTAL = 38
 
 ADVICE = (
     "Ask a capability instead of a type: a protocol of kvrows.protocols (HasCodec, "
