@@ -11,13 +11,18 @@ round state machine of ``kvrows.speculative``) and the operations' templates. Ea
 implementation supplies the array hooks (``_impl_*``): how planes are stored, appended,
 merged, filtered, extracted, rolled back and read. Those hooks are what the conformance
 suite compares (reference: compact rows assembled on read; optimized: right-justified
-batch buffers rolled in place).
+batch buffers rolled in place). It serves ``EncodedLatentCache`` and ``PagedLatentCache``
+until they move onto the row machinery (``spec/machinery-migration.md`` §5).
+
+:class:`LatentSurfaceMembers` is the array-free half of ``MLACache``'s surface on the row
+machinery (each implementation's ``LatentSurface``); the block checks and the v1 state
+form (``checked_blocks``, ``latent_state``, ``state_fields`` …) are functions both
+kinds of latent cache call.
 """
 
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
@@ -712,7 +717,8 @@ class LatentRows(SpeculativeRounds):
         max_tokens: object = None,
         role: object = "target",
     ) -> None:
-        self._setup(Plain(), 0, kv_lora_rank, rope_head_dim, index_head_dim, max_tokens, role)
+        """Each latent cache on these rows declares itself through ``_setup``."""
+        raise NotImplementedError
 
     def _setup(
         self,
@@ -1212,7 +1218,8 @@ class LatentRows(SpeculativeRounds):
         return cache
 
     def _set_codec(self, codec: LatentCodec, start: int) -> None:
-        raise InvalidInputError(plain_state_message(type(self).__name__, codec))
+        """Take the codec and ``start`` a saved state names (or refuse it)."""
+        raise NotImplementedError
 
     def _restore_fields(self, fields: dict[str, Any]) -> None:
         offsets = [int(v) for v in self._impl_ints(fields["offset"], "offset")]
@@ -1259,10 +1266,6 @@ class LatentRows(SpeculativeRounds):
 
     def lend_rows(self) -> None:
         self._spec_guard("merging this cache's rows into another")
-
-    @staticmethod
-    def count(value: object, name: str) -> int:
-        return operator.index(as_count(value, name))
 
 
 class EncodedLatentRows(LatentRows):

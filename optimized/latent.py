@@ -1,6 +1,9 @@
 """The optimized latent caches (``spec/MLACache.md``, ``spec/EncodedLatentCache.md``).
 
-One right-justified buffer per plane, ``[B, 1, capacity, ·]`` holding ``width`` columns
+:class:`LatentSurface` is ``MLACache``'s surface on the row machinery (``classes.build``
+puts it first among the preset's bases). ``EncodedLatentCache`` still runs on
+``kvrows.latent.LatentRows`` over the hooks below (until the delayed stages take it):
+one right-justified buffer per plane, ``[B, 1, capacity, ·]`` holding ``width`` columns
 (an append writes at column ``width``, growing the buffer in ``STEP`` columns as mlx-lm's
 ``KVCache`` does; the seed concatenated): every row's next token is column ``width``. A merge
 left-pads each source's buffers to the new width; a filter takes rows and slices off the
@@ -93,7 +96,7 @@ class _LatentOptimized(LatentRows):
         block: PlaneSet = {"latent": self._codec.encode(latent, "latent"), "rope": (rope,)}
         if index is not None:
             block["index"] = (index,)
-        if exact and self.latent_codec.encodes:
+        if exact:
             # rows that read exact joined with no exact columns held: zeros (never read)
             block["exact"] = (latent,)
         held = self._held
@@ -119,12 +122,10 @@ class _LatentOptimized(LatentRows):
     def _impl_read(self, reads_exact: Sequence[bool]) -> tuple[Any, Any, Any | None]:
         assert "rope" in self._held and self._dtype is not None
         visible = self._visible()
-        latent = visible["latent"][0]
-        if self.latent_codec.encodes:
-            latent = self._codec.decoded(visible["latent"], "latent", self._dtype)
-            if any(reads_exact):
-                rows = mx.array(list(reads_exact))[:, None, None, None]
-                latent = mx.where(rows, visible["exact"][0], latent)
+        latent = self._codec.decoded(visible["latent"], "latent", self._dtype)
+        if any(reads_exact):
+            rows = mx.array(list(reads_exact))[:, None, None, None]
+            latent = mx.where(rows, visible["exact"][0], latent)
         index = visible["index"][0] if "index" in visible else None
         return latent, visible["rope"][0], index
 
@@ -137,12 +138,10 @@ class _LatentOptimized(LatentRows):
         if not four:
             raise InvalidInputError(preview_blocks_message(type(self).__name__))
         reads_exact = [not c for c in self.converted] or [True] * int(latent.shape[0])
-        block = latent
-        if self.latent_codec.encodes:
-            codec = self._codec
-            decoded = codec.decoded(codec.encode(latent, "latent"), "latent", dtype_name(latent))
-            rows = mx.array(reads_exact)[:, None, None, None]
-            block = mx.where(rows, latent, decoded)
+        codec = self._codec
+        decoded = codec.decoded(codec.encode(latent, "latent"), "latent", dtype_name(latent))
+        rows = mx.array(reads_exact)[:, None, None, None]
+        block = mx.where(rows, latent, decoded)
         if "rope" not in self._held:
             return block, rope
         held_latent, held_rope, _ = self._impl_read(reads_exact)
@@ -156,8 +155,7 @@ class _LatentOptimized(LatentRows):
         assert self._widths is not None and self._dtype is not None
         (rank, rope), dtype, codec = self._widths, self._dtype, self._codec
         widths = {"latent": rank, "rope": rope, "index": self.latent_spec.index_head_dim}
-        if self.latent_codec.encodes:
-            widths["exact"] = rank
+        widths["exact"] = rank
         return {
             tensor: codec.zeros(rows, 1, columns, width, dtype, tensor)
             for tensor, width in widths.items()

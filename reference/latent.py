@@ -1,5 +1,8 @@
 """The reference's latent caches (``spec/MLACache.md``, ``spec/EncodedLatentCache.md``).
 
+:class:`LatentSurface` is ``MLACache``'s surface on the row machinery (``classes.build``
+puts it first among the preset's bases). ``EncodedLatentCache`` still runs on
+``kvrows.latent.LatentRows`` over the hooks below (until the delayed stages take it).
 What a latent layout *means*: every row is its own compact planes (``_Row``: the latent
 as the codec stores it, the rope and index planes exact, and the exact latent while the
 row reads exact), each row's latent encoded on its own, and the right-justified batch a
@@ -75,7 +78,7 @@ class _LatentReference(LatentRows):
     def _impl_append(self, latent: Any, rope: Any, index: Any | None, exact: bool) -> None:
         if not self._rows:
             self._rows = [Row() for _ in range(int(latent.shape[0]))]
-        codec, encodes = self._codec, self.latent_codec.encodes
+        codec = self._codec
         for b, row in enumerate(self._rows):
             block = {
                 "latent": codec.encode(np.array(latent[b : b + 1], copy=True), "latent"),
@@ -83,7 +86,7 @@ class _LatentReference(LatentRows):
             }
             if index is not None:
                 block["index"] = _owned(index[b : b + 1])
-            if encodes and not self.converted[b]:
+            if not self.converted[b]:
                 block["exact"] = _owned(latent[b : b + 1])
             row.append(block, row.retained)  # growing: keep every token, then the block
 
@@ -104,12 +107,7 @@ class _LatentReference(LatentRows):
                 if self.latent_spec.index_head_dim is not None:
                     indexes.append(np.zeros((1, 1, width, self.latent_spec.index_head_dim), dtype))
                 continue
-            if not self.latent_codec.encodes:
-                dense = row.planes["latent"][0]
-            elif exact:
-                dense = row.planes["exact"][0]
-            else:
-                dense = self._decode(row)
+            dense = row.planes["exact"][0] if exact else self._decode(row)
             latents.append(_pad_left(dense, pad))
             ropes.append(_pad_left(row.planes["rope"][0], pad))
             if "index" in row.planes:
@@ -185,7 +183,7 @@ class _LatentReference(LatentRows):
         if self.latent_spec.index_head_dim is not None:
             index = plane(lambda r: _plane(r, "index"), self.latent_spec.index_head_dim)
         exact = None
-        if self.latent_codec.encodes and not all(self.converted):
+        if not all(self.converted):
             exact = batch(
                 [
                     r.planes["exact"][0]
