@@ -94,9 +94,10 @@ class _Rows:
 
     def merge_rows(self, rows: Sequence[Any]) -> None:
         self._idle("merge_rows")
+        sources: Any = rows  # the cache refuses what is not a sequence of caches
         if isinstance(rows, Sequence) and not isinstance(rows, str | bytes):
-            rows = [getattr(row, "wrapped", row) for row in rows]
-        self.wrapped.merge_rows(rows)
+            sources = [getattr(row, "wrapped", row) for row in rows]
+        self.wrapped.merge_rows(sources)
 
     def filter_rows(self, keep: Sequence[int]) -> None:
         self._idle("filter_rows")
