@@ -300,7 +300,7 @@ def composition(name: str) -> Composition:
 
 #: Presets on a geometry with hooks that still have a machinery of their own (the latent
 #: caches, until step 2 of spec/machinery-migration.md moves them): written by hand.
-_OWN_MACHINERY = frozenset({"MLACache", "EncodedLatentCache"})
+_OWN_MACHINERY = frozenset({"EncodedLatentCache"})
 
 
 def presets_on_rows(geometries: Container[str]) -> tuple[Composition, ...]:

@@ -11,18 +11,23 @@ round state machine of ``kvrows.speculative``) and the operations' templates. Ea
 implementation supplies the array hooks (``_impl_*``): how planes are stored, appended,
 merged, filtered, extracted, rolled back and read. Those hooks are what the conformance
 suite compares (reference: compact rows assembled on read; optimized: right-justified
-batch buffers rolled in place).
+batch buffers rolled in place). It serves ``EncodedLatentCache`` and ``PagedLatentCache``
+until they move onto the row machinery (``spec/machinery-migration.md`` §5).
+
+:class:`LatentSurfaceMembers` is the array-free half of ``MLACache``'s surface on the row
+machinery (each implementation's ``LatentSurface``); the block checks and the v1 state
+form (``checked_blocks``, ``latent_state``, ``state_fields`` …) are functions both
+kinds of latent cache call.
 """
 
 from __future__ import annotations
 
 import math
-import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
-from kvrows.codec import CodecSpec, PlaneSpec
+from kvrows.codec import CodecSpec, PlaneSet, PlaneSpec
 from kvrows.codecs import is_codec_spec, is_kv_codec, kv_codecs
 from kvrows.codecs.latent import (
     DEEPSEEK_V3_BF16_BYTES,
@@ -34,6 +39,7 @@ from kvrows.codecs.latent import (
     LatentShapes,
     latent_token_bytes,
 )
+from kvrows.common import check_counts
 from kvrows.conversion import Conversion
 from kvrows.errors import (
     NOTHING_TO_FETCH,
@@ -43,13 +49,14 @@ from kvrows.errors import (
     LayoutStateError,
     NotTrimmableError,
     from_state_tuple_message,
+    latent_planes_message,
     latent_role_message,
     not_an_integer_message,
     plain_latent_state_message,
     self_merge_message,
     state_signature_message,
 )
-from kvrows.schemes import Affine, Growing, Plain
+from kvrows.schemes import Affine, GeometrySpec, Growing, Plain
 from kvrows.speculative import SpeculativeRounds
 from kvrows.validation import FLOAT_DTYPES, as_count, check_keep, check_row
 
@@ -62,7 +69,9 @@ __all__ = [
     "LatentCodec",
     "LatentRole",
     "LatentRows",
+    "LatentSurfaceMembers",
     "encoded_codec",
+    "int_vector_message",
     "latent_spec",
     "latent_token_bytes",
 ]
@@ -123,6 +132,568 @@ def _shape(array: Any) -> tuple[int, ...]:
     return tuple(int(n) for n in array.shape)
 
 
+def int_vector_message(owner: str, what: str) -> str:
+    """A saved latent state whose ``what`` is not a 1-D int array of the implementation."""
+    return f"{owner}: {what} must be a 1-D int array"
+
+
+def different_rows_message(owner: str, shapes: object) -> str:
+    """A latent merge of rows of different widths or dtypes."""
+    return f"{owner}.merge_rows: rows of different widths or dtypes ({shapes})"
+
+
+def checked_blocks(
+    cache: Any,
+    blocks: tuple[Any, Any, Any | None],
+    shape_dtype: Callable[[Any, str], tuple[tuple[int, ...], str]],
+    known: LatentShapes | None,
+    *,
+    staged: bool = False,
+) -> tuple[bool, LatentShapes, int, int]:
+    """``(four, shapes, rows, n)`` of an append's ``(latent, rope, index)`` blocks, checked
+    against ``cache`` (its declaration, rows, width and ``max_tokens``) and what it learnt
+    (``known``); ``four``: the blocks are ``[B, 1, N, W]`` (else ``[B, N, W]``);
+    ``staged``: the index block comes later (``LatentCacheList``). Raises
+    ``InvalidInputError`` / ``CapacityError`` before anything changes."""
+    name = type(cache).__name__
+    spec: Latent = cache.latent_spec
+    latent, rope, index = blocks
+    named = [("latent", latent), ("rope", rope)]
+    if index is not None:
+        named.append(("index", index))
+    if (index is not None) != spec.dsa and not staged:
+        raise InvalidInputError(
+            f"{name}: an index block is required exactly when the cache is declared with "
+            f"index_head_dim (declared: {spec.index_head_dim}, "
+            f"got {'an index block' if index is not None else 'none'})"
+        )
+    shapes: list[tuple[int, ...]] = []
+    dtypes: list[str] = []
+    ranks: set[int] = set()
+    for what, block in named:
+        try:
+            shape, dtype = shape_dtype(block, what)
+        except InvalidInputError as error:
+            raise InvalidInputError(f"{name}: {what}: {error}") from None
+        if len(shape) not in (3, 4) or (len(shape) == 4 and shape[1] != 1):
+            raise InvalidInputError(
+                f"{name}: {what} must be [B, N, W] or [B, 1, N, W], got shape {shape}"
+            )
+        ranks.add(len(shape))
+        shapes.append(shape if len(shape) == 4 else (shape[0], 1, shape[1], shape[2]))
+        dtypes.append(dtype)
+    if len(ranks) != 1:
+        raise InvalidInputError(f"{name}: latent, rope and index blocks must share one rank")
+    if len({(s[0], s[2]) for s in shapes}) != 1:
+        raise InvalidInputError(
+            f"{name}: every block must have the same rows and tokens, got shapes {shapes}"
+        )
+    rows, n = shapes[0][0], shapes[0][2]
+    if n < 1 or rows < 1:
+        raise InvalidInputError(f"{name}: a block needs at least one row and one token")
+    held = cache.batch_size or None
+    learned = spec.check_blocks(
+        name, list(zip((w for w, _ in named), shapes, dtypes, strict=True)), held, known
+    )
+    if cache.width + n > cache.max_tokens:
+        raise CapacityError(
+            f"{name}: {n} more tokens exceed max_tokens = {cache.token_geometry.max_tokens} "
+            f"(the longest row holds {cache.width})"
+        )
+    return ranks == {4}, learned, rows, n
+
+
+def latent_state(
+    cache: Any,
+    planes: Any,
+    rope: Any,
+    index: Any,
+    exact: Any,
+    offsets: Any,
+    converted: Any,
+    widths: tuple[int, int] | None,
+) -> tuple[Any, ...]:
+    """``cache``'s ``LATENT_FIELDS`` (form version 1): the planes right-justified ``[B, 1,
+    width, ·]`` (the latent as its codec planes; ``None`` when absent), the rows
+    (``offsets``, ``converted``: the implementation's int arrays), the declaration (the
+    ``widths`` learnt, else declared) and the codec."""
+    spec: Latent = cache.latent_spec
+    tail = spec.inner.tail()
+    rank, rope_width = widths or (spec.kv_lora_rank, spec.rope_head_dim)
+    return (
+        planes, rope, index, exact, offsets, converted,
+        rank, rope_width, spec.index_head_dim, cache.token_geometry.max_tokens,
+        0 if spec.role == "target" else 1,
+        *(tail.get(name) for name in _CODEC_FIELDS),
+        cache.start,
+    )  # fmt: skip
+
+
+def state_fields(name: str, state: Any) -> tuple[dict[str, Any], LatentRole]:
+    """The ``LATENT_FIELDS`` of a saved ``state`` by name, and its role."""
+    if isinstance(state, str | bytes) or not isinstance(state, Sequence):
+        raise InvalidInputError(from_state_tuple_message(name))
+    if len(state) != len(LATENT_FIELDS):
+        raise InvalidInputError(
+            f"{name}: a latent state has {len(LATENT_FIELDS)} fields, got {len(state)}"
+        )
+    fields = dict(zip(LATENT_FIELDS, state, strict=True))
+    role: LatentRole | None = {0: "target", 1: "mtp"}.get(_scalar(fields["role"], "role"))  # type: ignore[assignment]
+    if role is None:
+        raise InvalidInputError(latent_role_message(name))
+    return fields, role
+
+
+def _optional(fields: dict[str, Any], key: str) -> int | None:
+    value = fields[key]
+    return None if value is None else _scalar(value, key)
+
+
+def declared_fields(
+    fields: dict[str, Any],
+) -> tuple[int | None, int | None, int | None, int | None]:
+    """The declaration a saved state records: widths and ``max_tokens``."""
+    return (
+        _optional(fields, "kv_lora_rank"), _optional(fields, "rope_head_dim"),
+        _optional(fields, "index_head_dim"), _optional(fields, "max_tokens"),
+    )  # fmt: skip
+
+
+def codec_fields(fields: dict[str, Any]) -> tuple[LatentCodec, int]:
+    """The latent codec and bf16-first ``start`` a saved state records."""
+    codec = _state_codec(*(_optional(fields, name) for name in _CODEC_FIELDS))
+    return codec, _scalar(fields["start"], "start")
+
+
+def plain_state_message(owner: str, codec: CodecSpec) -> str:
+    """A plain latent cache given the state of an encoded one."""
+    return f"{owner} stores the plain latent; the state is {codec.key}"
+
+
+def checked_rows(cache: Any, offsets: Sequence[int], converted: Sequence[int]) -> int:
+    """The width of a saved state's rows (``offsets``, ``converted`` flags), checked
+    against ``cache``'s codec and ``max_tokens``."""
+    name = type(cache).__name__
+    if len(converted) != len(offsets) or any(c not in (0, 1) for c in converted):
+        raise InvalidInputError(f"{name}: converted must hold one 0/1 flag per row")
+    if any(o < 0 for o in offsets) or (not cache.latent_codec.encodes and any(converted)):
+        raise InvalidInputError(f"{name}: negative offsets or converted plain rows")
+    width = max(offsets, default=0)
+    if width > cache.max_tokens:
+        raise InvalidInputError(f"{name}: rows past max_tokens")
+    return width
+
+
+def declared_widths(cache: Any) -> tuple[int, int]:
+    """The latent and rope widths a state with tokens records (in ``cache``'s spec)."""
+    spec: Latent = cache.latent_spec
+    if spec.kv_lora_rank is None or spec.rope_head_dim is None:
+        raise InvalidInputError(
+            f"{type(cache).__name__}: a state with tokens must record its widths"
+        )
+    return spec.kv_lora_rank, spec.rope_head_dim
+
+
+def restored_planes(
+    cache: Any, fields: dict[str, Any], reads_exact: bool
+) -> tuple[tuple[Any, ...], Any]:
+    """A saved state's latent planes and exact latent (``reads_exact``: some row of an
+    encoding cache still reads exact, so the state must hold it)."""
+    name = type(cache).__name__
+    planes = fields["latent"]
+    if isinstance(planes, str | bytes) or not isinstance(planes, Sequence):
+        raise InvalidInputError(f"{name}: latent must be the codec's planes")
+    exact = fields["exact"]
+    if (exact is not None) != (cache.latent_codec.encodes and reads_exact):
+        raise InvalidInputError(
+            f"{name}: the exact latent is held exactly while some row reads exact"
+        )
+    return tuple(planes), exact
+
+
+def check_restored(
+    cache: Any,
+    shapes: Sequence[tuple[str, tuple[int, ...], str]],
+    widths: tuple[int, int],
+    rows: int,
+    width: int,
+) -> str:
+    """The dtype of restored planes (``(plane, shape, dtype)``), each checked against
+    ``cache``'s plane specs for ``rows`` x ``width`` right-justified columns."""
+    name = type(cache).__name__
+    spec: Latent = cache.latent_spec
+    dtype = next((d for n, _, d in shapes if n == "rope"), "")
+    if dtype not in FLOAT_DTYPES:
+        raise InvalidInputError(f"{name}: rope must be a float plane, got {dtype}")
+    shapes_of = LatentShapes(*widths, spec.index_head_dim, dtype)
+    specs = {p.name: p for p in spec.tensor_planes(shapes_of)}
+    specs["exact"] = PlaneSpec("exact", 2, dtype, widths[0])
+    seen = [n for n, _, _ in shapes]
+    expected = [n for n in specs if n != "exact"] + (["exact"] if "exact" in seen else [])
+    if sorted(seen) != sorted(expected):
+        raise InvalidInputError(f"{name}: planes {seen}, expected {expected}")
+    for plane, shape, plane_dtype in shapes:
+        plane_spec = specs[plane]
+        if shape != (rows, 1, width, plane_spec.width) or plane_dtype != plane_spec.dtype:
+            raise InvalidInputError(
+                f"{name}: plane {plane} is {shape} {plane_dtype}, expected "
+                f"{(rows, 1, width, plane_spec.width)} {plane_spec.dtype}"
+            )
+    return dtype
+
+
+# The surface sits first among a row-machinery class's bases (``classes.build``): at run
+# time it brings no base of its own ahead of the speculative layout and the machinery.
+if TYPE_CHECKING:
+    from kvrows.compositions import Composition
+
+    class _LatentLayout(SpeculativeRounds):
+        codec: Any
+        composition: Composition
+        _geometry: Any
+        _token_geometry: GeometrySpec
+
+        @property
+        def width(self) -> int: ...
+        @property
+        def batch_size(self) -> int: ...
+        @property
+        def row_offsets(self) -> tuple[int, ...]: ...
+        def _read(self) -> dict[str, Any]: ...
+        def _write_blocks(self, blocks: dict[str, Any], shapes: Any) -> None: ...
+        def trim(self, n: int) -> int: ...
+        def make_empty_batch(self) -> Any: ...
+        def check_valid(self) -> None: ...
+        def signature(self) -> str: ...
+else:
+    _LatentLayout = object
+
+
+class LatentSurfaceMembers(_LatentLayout):
+    """What a latent preset on a row machinery shows besides the machinery (the array-free
+    half of each implementation's ``LatentSurface``, ``spec/MLACache.md``): the
+    constructor (widths, ``max_tokens``, role), ``append(latent, rope, index)`` /
+    ``fetch`` / ``fetch_index`` / ``current`` over the machinery's write and read (blocks
+    ``[B, N, W]`` or ``[B, 1, N, W]``, returned in their rank), the learnt shapes
+    (``LatentShapes``), the v1 ``LATENT_FIELDS`` state, and the rules ``LatentRows``
+    kept: ``trim`` no further than the shortest row, ``trim_rows`` a rollback (rows roll
+    right), publishing at a row's offset only. Merges (into an empty or a running cache)
+    and filters are the machinery's.
+
+    Each implementation supplies ``_dtype_of(array)``, ``_as4`` / ``_as3``, the state's
+    arrays (``_state_planes``, ``_int_array``, ``_ints``, ``_adopt_state``) and, when they
+    differ from the machinery's, ``held_arrays`` and ``planes``."""
+
+    start = 0  # no bf16-first warm-up: the latent is stored plain
+
+    def __init__(
+        self,
+        kv_lora_rank: object = None,
+        rope_head_dim: object = None,
+        index_head_dim: object = None,
+        max_tokens: object = None,
+        role: object = "target",
+        *,
+        codec: object = None,
+        token_geometry: object = None,
+        geometry: object = None,
+    ) -> None:
+        name = type(self).__name__
+        if codec is None:
+            codec = latent_spec(
+                name, Plain(), kv_lora_rank=kv_lora_rank, rope_head_dim=rope_head_dim,
+                index_head_dim=index_head_dim, role=role,
+            )  # fmt: skip
+        if token_geometry is None:
+            token_geometry = growing_geometry(name, max_tokens)
+        super().__init__(codec=codec, token_geometry=token_geometry, geometry=geometry)  # type: ignore[call-arg]
+
+    # -- what the cache is ----------------------------------------------------------------
+    @property
+    def latent_spec(self) -> Latent:
+        spec: Latent = self.codec.spec
+        return spec
+
+    @property
+    def latent_codec(self) -> LatentCodec:
+        """The codec of the latent plane (``Plain()``)."""
+        return self.latent_spec.inner
+
+    def signature(self) -> str:
+        return f"kv:mla:{self.latent_spec.signature_role}"
+
+    @property
+    def geometry(self) -> None:
+        """No KV head geometry: the widths are the learnt ``LatentShapes``."""
+        return None
+
+    def _shapes(self) -> LatentShapes | None:
+        shapes: LatentShapes | None = self._geometry
+        return shapes
+
+    def _take_shapes(self, shapes: Any) -> None:
+        self._geometry = shapes
+
+    def _joined_shapes(self, sources: Sequence[Any]) -> LatentShapes | None:
+        """The shapes of rows joined from ``sources`` (one widths-and-dtype for all)."""
+        known = {s for s in (self._shapes(), *(s._shapes() for s in sources)) if s is not None}
+        if len(known) > 1:
+            raise IncompatibleRowsError(different_rows_message(type(self).__name__, known))
+        return next(iter(known), None)
+
+    @property
+    def role(self) -> LatentRole:
+        return self.latent_spec.role
+
+    @property
+    def dtype(self) -> str | None:
+        shapes = self._shapes()
+        return None if shapes is None else shapes.dtype
+
+    @property
+    def kv_lora_rank(self) -> int | None:
+        shapes = self._shapes()
+        return self.latent_spec.kv_lora_rank if shapes is None else shapes.rank
+
+    @property
+    def rope_head_dim(self) -> int | None:
+        shapes = self._shapes()
+        return self.latent_spec.rope_head_dim if shapes is None else shapes.rope
+
+    @property
+    def index_head_dim(self) -> int | None:
+        return self.latent_spec.index_head_dim
+
+    @property
+    def max_tokens(self) -> float:
+        cap = self._token_geometry.cap()
+        return math.inf if cap is None else cap
+
+    @property
+    def converted(self) -> tuple[bool, ...]:
+        """No row converts: the latent is stored plain."""
+        return (False,) * self.batch_size
+
+    def plane_specs(self) -> tuple[PlaneSpec, ...]:
+        shapes = self._shapes()
+        return () if shapes is None else self.latent_spec.tensor_planes(shapes)
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token of one row takes (0 until the widths and dtype are known)."""
+        shapes = self._shapes()
+        return 0 if shapes is None else self.latent_spec.token_bytes(shapes)
+
+    def projected_bytes(self, tokens: int) -> int:
+        """Bytes one row of ``tokens`` positions takes (capped at ``max_tokens``)."""
+        count = as_count(tokens, "tokens")
+        return min(count, int(min(self.max_tokens, count))) * self.bytes_per_token()
+
+    def make_empty_batch(self) -> Any:
+        """An empty cache of the same declaration, its shapes learnt."""
+        other = super().make_empty_batch()
+        other._take_shapes(self._shapes())
+        return other
+
+    def __len__(self) -> int:
+        return self.width
+
+    def __bool__(self) -> bool:
+        return True  # mlx-lm tests a cache for presence with ``if cache``
+
+    # -- appends and reads ----------------------------------------------------------------
+    def _dtype_of(self, array: Any) -> str:
+        """``array``'s dtype name (``InvalidInputError`` for another implementation's)."""
+        raise NotImplementedError
+
+    def _as4(self, array: Any) -> Any:
+        """``[B, N, W]`` as ``[B, 1, N, W]`` (a view)."""
+        raise NotImplementedError
+
+    def _as3(self, array: Any) -> Any:
+        raise NotImplementedError
+
+    def _shape_dtype(self, array: Any, what: str) -> tuple[tuple[int, ...], str]:
+        dtype = self._dtype_of(array)
+        return tuple(int(n) for n in array.shape), dtype
+
+    def _checked(
+        self, latent: Any, rope: Any, index: Any | None, *, staged: bool = False
+    ) -> tuple[bool, LatentShapes, int, int]:
+        blocks = (latent, rope, index)
+        return checked_blocks(self, blocks, self._shape_dtype, self._shapes(), staged=staged)
+
+    def append(self, latent: Any, rope: Any, index: Any | None = None) -> tuple[Any, Any, Any]:
+        """Append one block to every row (the seed's ``appendAndFetch``); returns
+        ``(latent, rope, index | None)`` over every column, in the blocks' rank."""
+        return self._spec_append(lambda: self._append_blocks(latent, rope, index))
+
+    def _append_blocks(self, latent: Any, rope: Any, index: Any | None) -> tuple[Any, Any, Any]:
+        four, shapes, _, _ = self._checked(latent, rope, index)
+        given = {"latent": latent, "rope": rope, "index": index}
+        blocks = {
+            tensor: block if four else self._as4(block)
+            for tensor, block in given.items()
+            if block is not None
+        }
+        self._write_blocks(blocks, shapes)
+        fetched = self._read_all()
+        if four:
+            return fetched
+        return (
+            self._as3(fetched[0]), self._as3(fetched[1]),
+            None if fetched[2] is None else self._as3(fetched[2]),
+        )  # fmt: skip
+
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        """mlx-lm's call: ``keys`` the latent block, ``values`` the rope block (no DSA)."""
+        if self.latent_spec.dsa:
+            raise InvalidInputError(
+                f"{type(self).__name__}: a DSA cache appends through append(latent, rope, "
+                "index) (its index plane must move with the latent)"
+            )
+        latent, rope, _ = self.append(keys, values)
+        return latent, rope
+
+    def _read_all(self) -> tuple[Any, Any, Any]:
+        """``(latent, rope, index | None)`` as a read returns them, ``[B, 1, width, ·]``."""
+        if self.width == 0:
+            raise LayoutStateError(NOTHING_TO_FETCH)
+        read = self._read()
+        return read["latent"], read["rope"], read.get("index")
+
+    def current(self) -> tuple[Any, Any, Any]:
+        """What a read of the stored tokens returns (``[B, 1, width, ·]`` latent, rope,
+        index or ``None``)."""
+        self._spec_usable()
+        return self._read_all()
+
+    def fetch(self) -> tuple[Any, Any]:
+        """The latent and rope planes a read returns (``[B, 1, width, ·]``)."""
+        latent, rope, _ = self.current()
+        return latent, rope
+
+    def fetch_index(self) -> Any:
+        """The index plane a read returns (DSA caches)."""
+        if not self.latent_spec.dsa:
+            raise InvalidInputError(f"{type(self).__name__} has no DSA index plane")
+        return self.current()[2]
+
+    # -- row operations: the rules the latent caches keep ----------------------------------
+    def trim(self, n: int) -> int:
+        self._spec_guard("trim (use spec_round_rollback)")
+        count = as_count(n, "n")
+        shortest = min(self.row_offsets, default=0)
+        if count > shortest:
+            raise NotTrimmableError(
+                f"{type(self).__name__}: cannot trim {count} tokens: the shortest row holds "
+                f"{shortest}"
+            )
+        return super().trim(count)
+
+    def trim_rows(self, counts: Sequence[int]) -> int:
+        """Row ``b`` forgets its newest ``counts[b]`` tokens; the rows roll right to one end
+        column again (the rollback of a round)."""
+        self._spec_guard("trim_rows (use spec_round_rollback)")
+        checked = check_counts(counts, self.batch_size)
+        self._spec_forget(checked)
+        return max(checked, default=0)
+
+    def can_publish_row(self, row: int, tokens: int) -> bool:
+        """Only a row's whole history, and not in a round."""
+        self._spec_usable()
+        index = check_row(row, self.batch_size)
+        return self.row_offsets[index] == as_count(tokens, "tokens") and not self.spec_round_open
+
+    def check_valid(self) -> None:
+        super().check_valid()
+        assert self.width <= self.max_tokens
+
+    # -- saved state (``LATENT_FIELDS``, form version 1) ------------------------------------
+    def _state_planes(self) -> tuple[Any, Any, Any]:
+        """The planes right-justified ``[B, 1, width, ·]``: the latent's codec planes, rope,
+        index (``None`` when absent)."""
+        raise NotImplementedError
+
+    def _int_array(self, values: Sequence[int]) -> Any:
+        raise NotImplementedError
+
+    def _ints(self, value: Any, what: str) -> list[int]:
+        """A saved int vector's values (``InvalidInputError`` unless a 1-D int array of this
+        implementation)."""
+        raise NotImplementedError
+
+    def _adopt_state(self, planes: PlaneSet | None, offsets: list[int], width: int) -> None:
+        """Hold rows at ``offsets`` from right-justified planes ``[B, 1, width, ·]`` (owned
+        copies; ``None``: no token); the shapes are taken already."""
+        raise NotImplementedError
+
+    def _native(self, array: Any) -> bool:
+        raise NotImplementedError
+
+    def _state(self) -> tuple[Any, ...]:
+        self._spec_guard("saving state")
+        planes, rope, index = self._state_planes()
+        offsets = self._int_array(self.row_offsets)
+        converted = self._int_array([0] * self.batch_size)
+        shapes = self._shapes()
+        widths = None if shapes is None else (shapes.rank, shapes.rope)
+        return latent_state(self, planes, rope, index, None, offsets, converted, widths)
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        """``LATENT_FIELDS``: the planes right-justified ``[B, 1, width, ·]`` (the latent as
+        its codec planes; ``index`` / ``exact`` ``None`` when absent), the rows, the
+        declaration and the codec."""
+        return self._state()
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._spec_guard("restoring state")
+        restored = self._restore(value, None, None, None)
+        if restored.signature() != self.signature():
+            raise InvalidInputError(
+                state_signature_message(type(self).__name__, restored.signature(), self.signature())
+            )
+        vars(self).clear()
+        vars(self).update(vars(restored))
+
+    @classmethod
+    def _restore(cls, state: Any, meta_state: Any, keep: Any, geometry: Any) -> Any:
+        """A cache holding ``state`` (``InvalidInputError`` when it is inconsistent)."""
+        fields, role = state_fields(cls.__name__, state)
+        rank, rope, index, max_tokens = declared_fields(fields)
+        cache = cls(rank, rope, index, max_tokens, role)
+        codec, _ = codec_fields(fields)
+        if codec != cache.latent_codec:
+            raise InvalidInputError(plain_state_message(cls.__name__, codec))
+        offsets = cache._ints(fields["offset"], "offset")
+        width = checked_rows(cache, offsets, cache._ints(fields["converted"], "converted"))
+        if width == 0:
+            cache._adopt_state(None, offsets, 0)
+            return cache
+        widths = declared_widths(cache)
+        planes, _ = restored_planes(cache, fields, False)
+        names = [p.name for p in cache.latent_spec.plane_specs("latent", widths[0], "float32")]
+        if len(names) != len(planes):
+            raise InvalidInputError(latent_planes_message(cls.__name__, len(names), len(planes)))
+        named = [*zip(names, planes, strict=True), ("rope", fields["rope"])]
+        if fields["index"] is not None:
+            named.append(("index", fields["index"]))
+        for plane, array in named:
+            if not cache._native(array):
+                raise InvalidInputError(
+                    f"{cls.__name__}: plane {plane} must be an array of this implementation"
+                )
+        shapes = [(n, tuple(int(d) for d in a.shape), cache._dtype_of(a)) for n, a in named]
+        dtype = check_restored(cache, shapes, widths, len(offsets), width)
+        cache._take_shapes(LatentShapes(*widths, cache.latent_spec.index_head_dim, dtype))
+        held: PlaneSet = {"latent": tuple(planes), "rope": (fields["rope"],)}
+        if fields["index"] is not None:
+            held["index"] = (fields["index"],)
+        cache._adopt_state(held, offsets, width)
+        return cache
+
+
 class LatentRows(SpeculativeRounds):
     """Latent rows: the shared control flow over each implementation's array hooks.
 
@@ -144,7 +715,8 @@ class LatentRows(SpeculativeRounds):
         max_tokens: object = None,
         role: object = "target",
     ) -> None:
-        self._setup(Plain(), 0, kv_lora_rank, rope_head_dim, index_head_dim, max_tokens, role)
+        """Each latent cache on these rows declares itself through ``_setup``."""
+        raise NotImplementedError
 
     def _setup(
         self,
@@ -360,49 +932,10 @@ class LatentRows(SpeculativeRounds):
     ) -> tuple[Any, Any, Any | None, bool, str, int, int]:
         """The blocks checked against the cache (``staged``: the index block comes later,
         see ``LatentCacheList``)."""
-        name = type(self).__name__
-        blocks = [("latent", latent), ("rope", rope)]
-        if index is not None:
-            blocks.append(("index", index))
-        if (index is not None) != self.latent_spec.dsa and not staged:
-            raise InvalidInputError(
-                f"{name}: an index block is required exactly when the cache is declared with "
-                f"index_head_dim (declared: {self.latent_spec.index_head_dim}, "
-                f"got {'an index block' if index is not None else 'none'})"
-            )
-        shapes: list[tuple[int, ...]] = []
-        dtypes: list[str] = []
-        for what, block in blocks:
-            shape, dtype = self._impl_shape_dtype(block, what)
-            if len(shape) not in (3, 4) or (len(shape) == 4 and shape[1] != 1):
-                raise InvalidInputError(
-                    f"{name}: {what} must be [B, N, W] or [B, 1, N, W], got shape {shape}"
-                )
-            shapes.append(shape if len(shape) == 4 else (shape[0], 1, shape[1], shape[2]))
-            dtypes.append(dtype)
-        ranks = {len(self._impl_shape_dtype(b, w)[0]) for w, b in blocks}
-        if len(ranks) != 1:
-            raise InvalidInputError(f"{name}: latent, rope and index blocks must share one rank")
-        four = ranks == {4}
-        if len({(s[0], s[2]) for s in shapes}) != 1:
-            raise InvalidInputError(
-                f"{name}: every block must have the same rows and tokens, got shapes "
-                f"{[s for s in shapes]}"
-            )
-        rows, n = shapes[0][0], shapes[0][2]
-        if n < 1 or rows < 1:
-            raise InvalidInputError(f"{name}: a block needs at least one row and one token")
-        held = self.batch_size if self._offsets else None
-        learned = self.latent_spec.check_blocks(
-            name, list(zip((w for w, _ in blocks), shapes, dtypes, strict=True)), held, self._shapes
+        four, shapes, rows, n = checked_blocks(
+            self, (latent, rope, index), self._impl_shape_dtype, self._shapes, staged=staged
         )
-        dtype = learned.dtype
-        if self.width + n > self.max_tokens:
-            raise CapacityError(
-                f"{name}: {n} more tokens exceed max_tokens = {self._token_geometry.max_tokens} "
-                f"(the longest row holds {self.width})"
-            )
-        return latent, rope, index, four, dtype, rows, n
+        return latent, rope, index, four, shapes.dtype, rows, n
 
     def append(self, latent: Any, rope: Any, index: Any | None = None) -> tuple[Any, Any, Any]:
         """Append one block to every row (the seed's ``appendAndFetch``); returns
@@ -530,18 +1063,18 @@ class LatentRows(SpeculativeRounds):
 
     # -- row operations -------------------------------------------------------------------
     def merge_rows(self, rows: Sequence[Any]) -> None:
-        """Take the rows of ``rows`` (borrowed, unchanged): the destination must be empty."""
+        """Take the rows of ``rows`` (borrowed, unchanged) after the rows held."""
         self._spec_guard("merge_rows")
         name = type(self).__name__
         if isinstance(rows, str | bytes) or not isinstance(rows, Sequence) or not rows:
             raise InvalidInputError(f"{name}.merge_rows needs a non-empty sequence of caches")
         if any(s is self for s in rows) or len({id(s) for s in rows}) != len(rows):
             raise IncompatibleRowsError(self_merge_message(self.signature()))
-        if self._offsets:
-            raise LayoutStateError(
-                f"{name}.merge_rows: the destination must be empty (it holds "
-                f"{self.batch_size} rows); merge into make_empty_batch()"
-            )
+        if self._offsets:  # a running cache: its rows and the sources', into a fresh one
+            joined = self.make_empty_batch()
+            joined.merge_rows([self, *rows])
+            self._take_over(joined)
+            return
         sources = list(rows)
         for source in sources:
             if type(source) is not type(self) or source._merge_key() != self._merge_key():
@@ -561,8 +1094,7 @@ class LatentRows(SpeculativeRounds):
             dtypes.add(self._dtype)
         if len(widths) > 1 or len(dtypes) > 1:
             raise IncompatibleRowsError(
-                f"{name}.merge_rows: rows of different widths or dtypes "
-                f"({sorted(widths)}, {sorted(dtypes)})"
+                different_rows_message(name, (sorted(widths), sorted(dtypes)))
             )
         if max((s.width for s in sources), default=0) > self.max_tokens:
             raise CapacityError(f"{name}.merge_rows: a row exceeds max_tokens")
@@ -575,6 +1107,11 @@ class LatentRows(SpeculativeRounds):
         )
         self._last = None
 
+    def _take_over(self: _L, other: _L) -> None:
+        """Hold what ``other`` (a fresh cache of this declaration) holds, in its place."""
+        vars(self).clear()
+        vars(self).update(vars(other))
+
     def _merge_key(self) -> tuple[object, ...]:
         spec = self.latent_spec
         return (
@@ -582,11 +1119,12 @@ class LatentRows(SpeculativeRounds):
         )  # fmt: skip
 
     def filter_rows(self, keep: Sequence[int]) -> None:
-        """Keep the rows ``keep`` names (any order, non-empty); drop the common padding."""
+        """Keep the rows ``keep`` names (any order); drop the common padding."""
         self._spec_guard("filter_rows")
         rows = check_keep(keep, self.batch_size)
-        if not rows:
-            raise InvalidInputError(f"{type(self).__name__}.filter_rows needs at least one row")
+        if not rows:  # the last rows leave: an empty cache, its shapes learnt
+            self._take_over(self.make_empty_batch())
+            return
         self._impl_filter(rows)
         self._offsets = [self._offsets[r] for r in rows]
         self._conversion.keep(rows)
@@ -641,18 +1179,9 @@ class LatentRows(SpeculativeRounds):
         its codec planes; ``index`` / ``exact`` ``None`` when absent), the rows, the
         declaration and the codec."""
         self._spec_guard("saving state")
-        planes, rope, index, exact = self._impl_state_planes()
-        spec = self.latent_spec
-        tail = spec.inner.tail()
-        rank, rope_width = self._widths or (spec.kv_lora_rank, spec.rope_head_dim)
-        return (
-            planes, rope, index, exact,
-            self._impl_int_array(self._offsets), self._impl_int_array(
-                [int(c) for c in self.converted]),
-            rank, rope_width, spec.index_head_dim, self._token_geometry.max_tokens,
-            0 if spec.role == "target" else 1,
-            *(tail.get(name) for name in _CODEC_FIELDS),
-            self.start,
+        return latent_state(
+            self, *self._impl_state_planes(), self._impl_int_array(self._offsets),
+            self._impl_int_array([int(c) for c in self.converted]), self._widths,
         )  # fmt: skip
 
     @state.setter
@@ -671,56 +1200,29 @@ class LatentRows(SpeculativeRounds):
         geometry: Any = None,
     ) -> _L:  # fmt: skip
         """A cache holding ``state`` (``InvalidInputError`` when it is inconsistent)."""
-        name = cls.__name__
-        if isinstance(state, str | bytes) or not isinstance(state, Sequence):
-            raise InvalidInputError(from_state_tuple_message(name))
-        if len(state) != len(LATENT_FIELDS):
-            raise InvalidInputError(
-                f"{name}: a latent state has {len(LATENT_FIELDS)} fields, got {len(state)}"
-            )
-        fields = dict(zip(LATENT_FIELDS, state, strict=True))
-        role = {0: "target", 1: "mtp"}.get(_scalar(fields["role"], "role"))
-        if role is None:
-            raise InvalidInputError(latent_role_message(name))
+        fields, role = state_fields(cls.__name__, state)
         cache = cls._from_fields(fields, role)
         cache._restore_fields(fields)
         return cache
 
     @classmethod
     def _from_fields(cls: type[_L], fields: dict[str, Any], role: str) -> _L:
-        def optional(key: str) -> int | None:
-            value = fields[key]
-            return None if value is None else _scalar(value, key)
-
-        cache = cls(
-            optional("kv_lora_rank"), optional("rope_head_dim"), optional("index_head_dim"),
-            optional("max_tokens"), role,
-        )  # fmt: skip
-        codec = _state_codec(
-            optional("bits"), optional("group_size"), optional("k_bits"), optional("v_bits")
-        )
-        start = _scalar(fields["start"], "start")
+        rank, rope, index, max_tokens = declared_fields(fields)
+        cache = cls(rank, rope, index, max_tokens, role)
+        codec, start = codec_fields(fields)
         if codec != cache.latent_codec or (start != cache.start and codec != Plain()):
             cache._set_codec(codec, start)
             cache._conversion = cache._fresh_record()
         return cache
 
     def _set_codec(self, codec: LatentCodec, start: int) -> None:
-        raise InvalidInputError(
-            f"{type(self).__name__} stores the plain latent; the state is {codec.key}"
-        )
+        """Take the codec and ``start`` a saved state names (or refuse it)."""
+        raise NotImplementedError
 
     def _restore_fields(self, fields: dict[str, Any]) -> None:
-        name = type(self).__name__
         offsets = [int(v) for v in self._impl_ints(fields["offset"], "offset")]
         converted = [int(v) for v in self._impl_ints(fields["converted"], "converted")]
-        if len(converted) != len(offsets) or any(c not in (0, 1) for c in converted):
-            raise InvalidInputError(f"{name}: converted must hold one 0/1 flag per row")
-        if any(o < 0 for o in offsets) or (not self.latent_codec.encodes and any(converted)):
-            raise InvalidInputError(f"{name}: negative offsets or converted plain rows")
-        width = max(offsets, default=0)
-        if width > self.max_tokens:
-            raise InvalidInputError(f"{name}: rows past max_tokens")
+        width = checked_rows(self, offsets, converted)
         self._offsets = offsets
         # A saved row records whether it converted, not where: its offset is the bound.
         self._conversion = self._fresh_record(
@@ -731,21 +1233,10 @@ class LatentRows(SpeculativeRounds):
         )
         if width == 0:
             return
-        widths = (self.latent_spec.kv_lora_rank, self.latent_spec.rope_head_dim)
-        if widths[0] is None or widths[1] is None:
-            raise InvalidInputError(f"{name}: a state with tokens must record its widths")
-        self._widths = (widths[0], widths[1])
-        planes = fields["latent"]
-        if isinstance(planes, str | bytes) or not isinstance(planes, Sequence):
-            raise InvalidInputError(f"{name}: latent must be the codec's planes")
-        exact = fields["exact"]
-        needs_exact = self.latent_codec.encodes and not all(self.converted)
-        if (exact is not None) != needs_exact:
-            raise InvalidInputError(
-                f"{name}: the exact latent is held exactly while some row reads exact"
-            )
+        self._widths = declared_widths(self)
+        planes, exact = restored_planes(self, fields, not all(self.converted))
         self._dtype = self._impl_restore(
-            tuple(planes), fields["rope"], fields["index"], exact, len(offsets), width
+            planes, fields["rope"], fields["index"], exact, len(offsets), width
         )
 
     # state hooks (each implementation)
@@ -768,33 +1259,11 @@ class LatentRows(SpeculativeRounds):
         self, shapes: Sequence[tuple[str, tuple[int, ...], str]], rows: int, width: int
     ) -> str:
         """Shared shape/dtype checks of restored planes against the plane specs."""
-        name = type(self).__name__
-        dtype = next((d for n, _, d in shapes if n == "rope"), "")
-        if dtype not in FLOAT_DTYPES:
-            raise InvalidInputError(f"{name}: rope must be a float plane, got {dtype}")
         assert self._widths is not None
-        shapes_of = LatentShapes(*self._widths, self.latent_spec.index_head_dim, dtype)
-        specs = {p.name: p for p in self.latent_spec.tensor_planes(shapes_of)}
-        specs["exact"] = PlaneSpec("exact", 2, dtype, self._widths[0])
-        seen = [n for n, _, _ in shapes]
-        expected = [n for n in specs if n != "exact"] + (["exact"] if "exact" in seen else [])
-        if sorted(seen) != sorted(expected):
-            raise InvalidInputError(f"{name}: planes {seen}, expected {expected}")
-        for plane, shape, plane_dtype in shapes:
-            spec = specs[plane]
-            if shape != (rows, 1, width, spec.width) or plane_dtype != spec.dtype:
-                raise InvalidInputError(
-                    f"{name}: plane {plane} is {shape} {plane_dtype}, expected "
-                    f"{(rows, 1, width, spec.width)} {spec.dtype}"
-                )
-        return dtype
+        return check_restored(self, shapes, self._widths, rows, width)
 
     def lend_rows(self) -> None:
         self._spec_guard("merging this cache's rows into another")
-
-    @staticmethod
-    def count(value: object, name: str) -> int:
-        return operator.index(as_count(value, name))
 
 
 class EncodedLatentRows(LatentRows):

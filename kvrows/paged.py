@@ -436,6 +436,10 @@ class PoolBase:
         """This implementation's array codec of ``spec``."""
         raise NotImplementedError
 
+    def _check_geometry(self, geometry: KvGeometry) -> None:
+        """Refuse a geometry the pool's codec cannot store (a latent pool checks its own)."""
+        self.codec.check(geometry)
+
     def _grow_to(self, total: int) -> None:
         """Allocate blocks up to ``total`` (the ledger calls it)."""
         raise NotImplementedError
@@ -492,7 +496,7 @@ class PoolBase:
                     pool_geometry_message(self._geometry.describe(), geometry.describe())
                 )
             return
-        self.codec.check(geometry)
+        self._check_geometry(geometry)
         self._geometry = geometry
         if self.max_bytes is not None:
             limit = self.max_bytes // self.bytes_per_block

@@ -3,10 +3,10 @@
 ``PagedLatentCache`` is ``MLACache``'s row semantics (``kvrows.latent.LatentRows``: every
 argument check, the row bookkeeping, the rounds, the saved-state form) over the paged
 pool's block tables (the ledger ``kvrows.paged.BlockLedger``: reference counts, copy on
-write, prefix hashing; the tables and the pool's bookkeeping, :class:`BlockPoolBase` over
-an implementation's :class:`PlaneOps`, stay here until latent paging moves onto the row
-machinery). Nothing here is a second pool: a
-:class:`LatentBlockPoolBase` is a ``BlockPoolBase`` whose first plane group holds the
+write, prefix hashing; the pool's array-free surface ``kvrows.paged.PoolBase``; the
+tables, over an implementation's :class:`PlaneOps`, stay here until latent paging moves
+onto the paged placement). Nothing here is a second pool: a
+:class:`LatentBlockPoolBase` is a ``PoolBase`` whose first plane group holds the
 latent (``[num_blocks, 1, block_size, kv_lora_rank]``) and whose second holds the rope
 plane and, for a DSA target, the index plane. Rows are block tables: a merge of rows of
 the destination's pool shares their tables, filter releases, extract shares one table,
@@ -33,14 +33,11 @@ from kvrows.codecs import is_codec_spec, is_kv_codec
 from kvrows.codecs.latent import LATENT_ROLE
 from kvrows.errors import (
     EMPTY_ROW_NO_BLOCK,
-    POOL_GEOMETRY_UNKNOWN,
     InvalidInputError,
     LayoutStateError,
     PoolExhaustedError,
     from_state_tuple_message,
     latent_role_message,
-    pool_geometry_message,
-    pool_limit_message,
     prefix_mismatch_message,
     prefix_too_long_message,
     state_signature_message,
@@ -56,19 +53,12 @@ from kvrows.latent import (
     encoded_codec,
     latent_token_bytes,
 )
-from kvrows.paged import (
-    DEFAULT_BLOCK_SIZE,
-    ROOT_HASH,
-    BlockLedger,
-    chain_hashes,
-    check_limit,
-)
+from kvrows.paged import DEFAULT_BLOCK_SIZE, ROOT_HASH, PoolBase, chain_hashes
 from kvrows.paged import token_ids as read_token_ids
 from kvrows.schemes import CodecSpec, Plain
 from kvrows.validation import KvGeometry, as_count
 
 __all__ = [
-    "BlockPoolBase",
     "BlockTable",
     "LatentBlockPoolBase",
     "PagedLatentRows",
@@ -143,24 +133,24 @@ class BlockTable:
         return out
 
 
-def _release_tables(pool_ref: weakref.ref[BlockPoolBase], tables: list[BlockTable]) -> None:
+def _release_tables(pool_ref: weakref.ref[LatentBlockPoolBase], tables: list[BlockTable]) -> None:
     pool = pool_ref()
     if pool is not None:
         pool.close_tables(tables)
 
 
-class BlockPoolBase:
-    """The blocks of one layer, shared by every request of that layer (``spec/paged-pool.md``).
-
-    ``codec``: the codec spec of every block (default ``Plain()``); ``block_size``: tokens
-    per block; ``num_blocks``: blocks allocated once the KV geometry is known (declared
-    here or learnt from the first write); ``max_bytes``: the most bytes the pool's planes
-    may take (growth past it raises ``PoolExhaustedError``).
-    """
+class LatentBlockPoolBase(PoolBase):
+    """One MLA layer's blocks, shared by every request of that layer
+    (``spec/paged-pool.md``): the latent (through the pool's codec: plain, affine or
+    TurboQuant's value planes) in the first plane group, rope (+ DSA index,
+    ``index_head_dim``) exact in the second. The constructor's checks, the ledger, the
+    geometry it learns once (``latent_pool_geometry``), byte limit and counters are
+    ``kvrows.paged.PoolBase``'s; the tables, appends, gathers and the prefix cache are
+    here until latent paging moves onto the paged placement."""
 
     ops: ClassVar[PlaneOps]
-    #: The implementation's ``PagedKVCache`` (what ``lookup_prefix`` returns).
-    cache_class: ClassVar[type[Any]]
+    #: The implementation's ``PagedLatentCache`` (what ``lookup_prefix`` returns).
+    latent_cache_class: ClassVar[type[Any]]
 
     def __init__(
         self,
@@ -169,63 +159,47 @@ class BlockPoolBase:
         block_size: int = DEFAULT_BLOCK_SIZE,
         num_blocks: int = 0,
         max_bytes: int | None = None,
+        index_head_dim: int | None = None,
         geometry: KvGeometry | None = None,
     ) -> None:
-        spec = Plain() if codec is None else codec
-        self.codec = self.ops.make_codec(spec)
-        self.block_size = as_count(block_size, "block_size", minimum=1)
-        self._initial = as_count(num_blocks, "num_blocks")
-        self.max_bytes = None if max_bytes is None else as_count(max_bytes, "max_bytes")
-        self.ledger = BlockLedger(
-            self.block_size, grow=self._grow_to, extra=f"{self.codec.key}|{self.block_size}"
+        self.index_head_dim = (
+            None
+            if index_head_dim is None
+            else as_count(index_head_dim, "index_head_dim", minimum=1)
         )
+        spec = Plain() if codec is None else codec
+        if not (is_codec_spec(spec) and is_kv_codec(spec)):
+            raise InvalidInputError(
+                f"a latent block pool stores the latent plain, Affine or Turbo, got {spec!r}"
+            )
+        #: The latent's planes and the exact planes (rope, index): ``[num_blocks, 1,
+        #: block_size, ·]`` each (``None`` until the pool grows).
         self._keys: Planes | None = None
         self._values: Planes | None = None
-        self._geometry: KvGeometry | None = None
-        self._tables: dict[int, BlockTable] = {}
-        if geometry is not None:
-            self.learn(geometry)
+        super().__init__(
+            spec, block_size=block_size, num_blocks=num_blocks, max_bytes=max_bytes,
+            geometry=geometry,
+        )  # fmt: skip
+        self.ledger.extra = f"mla|{self.codec.key}|{self.block_size}|{self.index_head_dim}"
+
+    def _make_codec(self, spec: CodecSpec) -> Any:
+        return self.ops.make_codec(spec)
+
+    def _check_geometry(self, geometry: KvGeometry) -> None:
+        if geometry.heads != 1:
+            raise InvalidInputError(f"a latent pool has one head, got {geometry.describe()}")
+        check_latent_codec(self.codec_spec, geometry.key_dim)
 
     # -- what it holds -------------------------------------------------------------------
     @property
-    def codec_spec(self) -> CodecSpec:
-        spec: CodecSpec = self.codec.spec
-        return spec
-
-    @property
-    def geometry(self) -> KvGeometry | None:
-        return self._geometry
-
-    @property
-    def num_blocks(self) -> int:
-        return self.ledger.num_blocks
-
-    @property
     def token_bytes(self) -> int:
-        """KV bytes of one token (keys and values), once the geometry is known."""
         g = self._geometry
         if g is None:
-            raise LayoutStateError(POOL_GEOMETRY_UNKNOWN)
-        return int(
-            self.codec.token_bytes(g.heads, g.key_dim, g.dtype, "keys")
-            + self.codec.token_bytes(g.heads, g.value_dim, g.dtype, "values")
-        )
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.token_bytes * self.block_size
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(p.nbytes) for p in (self._keys or ()) + (self._values or ()))
-
-    @property
-    def bytes_written(self) -> int:
-        return self.ledger.bytes_written
-
-    @property
-    def bytes_copied(self) -> int:
-        return self.ledger.bytes_copied
+            raise LayoutStateError("the pool's latent widths are unknown until its first write")
+        return latent_token_bytes(
+            self.codec_spec,
+            g.key_dim, g.value_dim, self.index_head_dim, g.dtype,
+        )  # fmt: skip
 
     def held_arrays(self) -> tuple[Any, ...]:
         return (self._keys or ()) + (self._values or ())
@@ -233,43 +207,15 @@ class BlockPoolBase:
     def live_tables(self) -> tuple[BlockTable, ...]:
         return tuple(self._tables.values())
 
-    # -- geometry and growth -------------------------------------------------------------
-    def learn(self, geometry: KvGeometry, *, room: int = 0) -> None:
-        """Fix the KV geometry (first write or declaration); refuses another one. ``room``:
-        the blocks the write that teaches it takes; a byte limit that cannot hold them
-        raises ``PoolExhaustedError`` before the pool learns anything."""
-        if self._geometry is not None:
-            if geometry != self._geometry:
-                raise InvalidInputError(
-                    pool_geometry_message(self._geometry.describe(), geometry.describe())
-                )
-            return
-        self._check_geometry(geometry)
-        self._geometry = geometry
-        if self.max_bytes is not None:
-            limit = self.max_bytes // self.bytes_per_block
-            if limit < self._initial:
-                self._geometry = None
-                raise InvalidInputError(pool_limit_message(self.max_bytes, limit, self._initial))
-            if limit < room:
-                self._geometry = None
-                check_limit(room, limit)
-            self.ledger.max_blocks = limit
-        if self._initial:
-            self.ledger.ensure(self._initial)
-
-    def _check_geometry(self, geometry: KvGeometry) -> None:
-        """Refuse a geometry the pool's codec cannot store (a latent pool checks its own)."""
-        self.codec.check(geometry)
-
     def _zeros(self, count: int) -> tuple[Planes, Planes]:
         g = self._geometry
         assert g is not None
-        bs = self.block_size
-        return (
-            tuple(self.codec.zeros(count, g.heads, bs, g.key_dim, g.dtype, "keys")),
-            tuple(self.codec.zeros(count, g.heads, bs, g.value_dim, g.dtype, "values")),
-        )
+        bs, plain = self.block_size, self.ops.make_codec(Plain())
+        latent = tuple(self.codec.zeros(count, 1, bs, g.key_dim, g.dtype, LATENT_ROLE))
+        exact = tuple(plain.zeros(count, 1, bs, g.value_dim, g.dtype, "values"))
+        if self.index_head_dim is not None:
+            exact += tuple(plain.zeros(count, 1, bs, self.index_head_dim, g.dtype, "values"))
+        return latent, exact
 
     def _grow_to(self, total: int) -> None:
         keys, values = self._zeros(total - self.num_blocks)
@@ -306,9 +252,6 @@ class BlockPoolBase:
                 table.blocks = []
                 table.offset = 0
 
-    def _blocks_for(self, offset: int) -> int:
-        return math.ceil(offset / self.block_size)
-
     def append(self, tables: Sequence[BlockTable], keys: Planes, values: Planes) -> None:
         """Row ``b`` of the encoded block ``keys`` / ``values`` (``[B, H, n, ·]``) goes to
         the end of ``tables[b]``: the blocks every row needs are taken at once (raises
@@ -320,7 +263,7 @@ class BlockPoolBase:
         for table in tables:
             fill = table.offset % bs
             cow = fill > 0 and not ledger.writable(table.blocks[-1])
-            plans.append((cow, self._blocks_for(table.offset + n) - len(table.blocks)))
+            plans.append((cow, self.blocks_for(table.offset + n) - len(table.blocks)))
         fresh = ledger.allocate(sum(int(cow) + new for cow, new in plans))
         assert self._keys is not None and self._values is not None
         pieces: list[Piece] = []
@@ -346,13 +289,15 @@ class BlockPoolBase:
         table.blocks[-1] = target
         self.ledger.bytes_copied += fill * self.token_bytes
 
-    def copy_in(self, sources: Sequence[tuple[BlockPoolBase, BlockTable]]) -> list[BlockTable]:
+    def copy_in(
+        self, sources: Sequence[tuple[LatentBlockPoolBase, BlockTable]]
+    ) -> list[BlockTable]:
         """New tables of this pool holding copies of tables of other pools (the bytes are
         counted as copied); every block is taken at once, so a refusal changes nothing."""
-        fresh = self.ledger.allocate(sum(self._blocks_for(t.offset) for _, t in sources))
+        fresh = self.ledger.allocate(sum(self.blocks_for(t.offset) for _, t in sources))
         copies: list[BlockTable] = []
         for source, table in sources:
-            count = self._blocks_for(table.offset)
+            count = self.blocks_for(table.offset)
             copy = BlockTable(fresh[:count], 0)
             del fresh[:count]
             self._tables[id(copy)] = copy
@@ -376,7 +321,7 @@ class BlockPoolBase:
         """Forget the newest ``count`` positions of ``table`` and release its now-empty tail
         blocks (tail first)."""
         table.offset -= count
-        keep = self._blocks_for(table.offset)
+        keep = self.blocks_for(table.offset)
         self.ledger.release(reversed(table.blocks[keep:]))
         del table.blocks[keep:]
 
@@ -412,103 +357,6 @@ class BlockPoolBase:
             )
         return full
 
-    def lookup_prefix(self, token_ids: Sequence[int]) -> Any:
-        """A new ``PagedKVCache`` holding the longest run of cached full blocks that starts
-        ``token_ids`` (at most ``len(token_ids) - 1`` positions: the last token is always
-        computed, for its logits), referenced, not copied; ``None`` on a miss."""
-        tokens = read_token_ids(token_ids)
-        most = max(len(tokens) - 1, 0) // self.block_size
-        hits = self.ledger.lookup(chain_hashes(tokens, self.block_size, self.ledger.extra, most))
-        if not hits:
-            return None
-        cache = self.cache_class(pool=self)
-        cache._geometry = self._geometry
-        cache._adopt([self.open_table(hits, len(hits) * self.block_size)])
-        return cache
-
-    def evict_cached(self, count: int) -> int:
-        """Forget up to ``count`` unreferenced cached blocks, least recently used first."""
-        return self.ledger.evict_cached(as_count(count, "count"))
-
-    def check_valid(self) -> None:
-        """Assert the pool's invariants (``spec/paged-pool.md`` §4)."""
-        # A snapshot: a cache's finalizer may release its tables while we iterate.
-        tables = list(self._tables.values())
-        self.ledger.check_valid(t.blocks for t in tables)
-        for table in tables:
-            assert len(table.blocks) == self._blocks_for(table.offset), "no empty tail block"
-
-
-_token_ids = read_token_ids
-_P = TypeVar("_P", bound="PagedLatentRows")
-_R = TypeVar("_R")
-
-
-def latent_pool_geometry(rank: int, rope: int, dtype: str) -> KvGeometry:
-    """A latent pool's geometry in the pool's terms: one head, the latent as the first
-    plane group's width, the rope as the second's (the index width is the pool's own)."""
-    return KvGeometry(1, rank, rope, dtype)
-
-
-class LatentBlockPoolBase(BlockPoolBase):
-    """One MLA layer's blocks: the latent (through the pool's codec: plain, affine or
-    TurboQuant's value planes) in the first plane group, rope (+ DSA index,
-    ``index_head_dim``) exact in the second."""
-
-    #: The implementation's ``PagedLatentCache`` (what ``lookup_prefix`` returns).
-    latent_cache_class: ClassVar[type[Any]]
-
-    def __init__(
-        self,
-        codec: CodecSpec | None = None,
-        *,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        num_blocks: int = 0,
-        max_bytes: int | None = None,
-        index_head_dim: int | None = None,
-        geometry: KvGeometry | None = None,
-    ) -> None:
-        self.index_head_dim = (
-            None
-            if index_head_dim is None
-            else as_count(index_head_dim, "index_head_dim", minimum=1)
-        )
-        spec = Plain() if codec is None else codec
-        if not (is_codec_spec(spec) and is_kv_codec(spec)):
-            raise InvalidInputError(
-                f"a latent block pool stores the latent plain, Affine or Turbo, got {spec!r}"
-            )
-        super().__init__(
-            spec, block_size=block_size, num_blocks=num_blocks, max_bytes=max_bytes,
-            geometry=geometry,
-        )  # fmt: skip
-        self.ledger.extra = f"mla|{self.codec.key}|{self.block_size}|{self.index_head_dim}"
-
-    def _check_geometry(self, geometry: KvGeometry) -> None:
-        if geometry.heads != 1:
-            raise InvalidInputError(f"a latent pool has one head, got {geometry.describe()}")
-        check_latent_codec(self.codec_spec, geometry.key_dim)
-
-    @property
-    def token_bytes(self) -> int:
-        g = self._geometry
-        if g is None:
-            raise LayoutStateError("the pool's latent widths are unknown until its first write")
-        return latent_token_bytes(
-            self.codec_spec,
-            g.key_dim, g.value_dim, self.index_head_dim, g.dtype,
-        )  # fmt: skip
-
-    def _zeros(self, count: int) -> tuple[Planes, Planes]:
-        g = self._geometry
-        assert g is not None
-        bs, plain = self.block_size, self.ops.make_codec(Plain())
-        latent = tuple(self.codec.zeros(count, 1, bs, g.key_dim, g.dtype, LATENT_ROLE))
-        exact = tuple(plain.zeros(count, 1, bs, g.value_dim, g.dtype, "values"))
-        if self.index_head_dim is not None:
-            exact += tuple(plain.zeros(count, 1, bs, self.index_head_dim, g.dtype, "values"))
-        return latent, exact
-
     def blocks_needed(self, tables: Sequence[BlockTable], rows: int, n: int) -> int:
         """Blocks an append of ``n`` tokens to ``tables`` (or to ``rows`` new tables) takes,
         copies on write included."""
@@ -518,7 +366,7 @@ class LatentBlockPoolBase(BlockPoolBase):
         for table in tables:
             fill = table.offset % self.block_size
             cow = fill > 0 and not self.ledger.writable(table.blocks[-1])
-            total += int(cow) + self._blocks_for(table.offset + n) - len(table.blocks)
+            total += int(cow) + self.blocks_for(table.offset + n) - len(table.blocks)
         return total
 
     def lookup_prefix(self, token_ids: Sequence[int]) -> Any:
@@ -536,6 +384,25 @@ class LatentBlockPoolBase(BlockPoolBase):
         )
         cache._adopt_rows([self.open_table(hits, len(hits) * self.block_size)])
         return cache
+
+    def check_valid(self) -> None:
+        """Assert the pool's invariants (``spec/paged-pool.md`` §4)."""
+        # A snapshot: a cache's finalizer may release its tables while we iterate.
+        tables = list(self._tables.values())
+        self.ledger.check_valid(t.blocks for t in tables)
+        for table in tables:
+            assert len(table.blocks) == self.blocks_for(table.offset), "no empty tail block"
+
+
+_token_ids = read_token_ids
+_P = TypeVar("_P", bound="PagedLatentRows")
+_R = TypeVar("_R")
+
+
+def latent_pool_geometry(rank: int, rope: int, dtype: str) -> KvGeometry:
+    """A latent pool's geometry in the pool's terms: one head, the latent as the first
+    plane group's width, the rope as the second's (the index width is the pool's own)."""
+    return KvGeometry(1, rank, rope, dtype)
 
 
 class PagedLatentRows(LatentRows):
@@ -906,12 +773,16 @@ class PagedLatentRows(LatentRows):
             raise InvalidInputError(
                 state_signature_message(type(self).__name__, restored.signature(), self.signature())
             )
+        self._take_over(restored)
+
+    def _take_over(self: _P, other: _P) -> None:
+        """Hold ``other``'s tables in its place, this cache's own released."""
         self.release()
         if self._finalizer is not None:
             self._finalizer.detach()
-        if restored._finalizer is not None:
-            restored._finalizer.detach()  # this cache takes over the restored tables
-        vars(self).update(vars(restored))
+        if other._finalizer is not None:
+            other._finalizer.detach()  # this cache takes over the other's tables
+        vars(self).update(vars(other))
         self._finalizer = None
         if self._pool is not None:
             self._watch()

@@ -20,7 +20,7 @@ from kvrows.optimized.delayed import (
     DelayedRotatingQuantizedKVCache,
     DelayedTurboQuantKVCache,
 )
-from kvrows.optimized.latent import EncodedLatentCache, MLACache
+from kvrows.optimized.latent import EncodedLatentCache
 from kvrows.optimized.latent_dropin import LatentCacheList
 from kvrows.optimized.lego import (
     Bf16FirstQuantizedKVCache,
@@ -47,7 +47,6 @@ __all__ = [
     "BlockPool",
     "EncodedLatentCache",
     "LatentCacheList",
-    "MLACache",
     "PagedKVCache",
     "PagedKvRows",
     "LatentBlockPool",
@@ -61,7 +60,7 @@ def declared_classes() -> Mapping[str, type[Any]]:
     """Every public class, by composition name: the row storages (``rows.DECLARED``) and
     the delayed layouts, which compose two of them (what this module registers)."""
     delayed = (DelayedQuantizedKVCache, DelayedRotatingQuantizedKVCache, DelayedTurboQuantKVCache)
-    latent = (MLACache, EncodedLatentCache)  # latent state: its own row machinery
+    latent = (EncodedLatentCache,)  # latent state: its own row machinery
     paged = (PagedKVCache, PagedKvRows, PagedLatentCache)  # block tables into a pool
     found = (*delayed, *latent, *paged)
     return {**DECLARED, **{cls.composition.name: cls for cls in found}}

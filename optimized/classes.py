@@ -28,6 +28,7 @@ from kvrows.optimized.geometries.recurrent import (
 )
 from kvrows.optimized.geometries.registry import IMPLEMENTATIONS, geometry_class
 from kvrows.optimized.geometries.ring import RaggedRing, SharedRing
+from kvrows.optimized.latent import LatentSurface
 from kvrows.optimized.rows import Layout, Serial
 from kvrows.optimized.speculative import SpeculativeLayout
 from kvrows.recurrent import SerialRounds
@@ -43,6 +44,7 @@ __all__ = [
     "Bf16FirstRotatingQuantizedKVCache",
     "Bf16FirstTurboQuantKVCache",
     "KVCache",
+    "MLACache",
     "PaddedKVRows",
     "PaddedQuantKVRows",
     "QuantizedKVCache",
@@ -66,6 +68,9 @@ GEOMETRY_SURFACES: dict[tuple[str, str], tuple[type, ...]] = {
     ("recurrent", "serial"): (ArraysCacheSurface, SerialRounds),
     ("recurrent", "ragged"): (StateLayout,),
 }
+#: What a codec adds to the machinery's surface, first among the bases (the latent
+#: caches' ``append`` / ``fetch_index`` / ``preview`` / 3-D blocks / v1 state).
+CODEC_SURFACES: dict[str, tuple[type, ...]] = {"latent": (LatentSurface,)}
 #: The classes a modifier puts ahead of the layout (they wrap it; the delayed one,
 #: ``kvrows.lego.Bf16First``, a serial storage of two stages).
 MODIFIERS: dict[str, type] = {"speculative": SpeculativeLayout, "delayed": Bf16First}
@@ -99,6 +104,7 @@ def build(entries: Iterable[Composition]) -> dict[str, type[Any]]:
             built[entry.name] = preset_class(entry, bases, __name__, **members)
             continue
         bases = (
+            *CODEC_SURFACES.get(entry.codec, ()),
             *GEOMETRY_SURFACES.get((entry.geometry, entry.arrangement), ()),
             *(MODIFIERS[name] for name in sorted(entry.modifiers)),
             *(KV_DROP_INS[entry.is_layout] if codec and is_kv_codec(codec) else ()),
@@ -185,6 +191,9 @@ if TYPE_CHECKING:
     class Bf16FirstTurboQuantKVCache(Bf16First, SerialDropIn, GrowingGeometry, Serial): ...
 
     class Bf16FirstRotatingQuantizedKVCache(Bf16First, SerialDropIn, SharedRing, Serial): ...
+
+    # -- latent ------------------------------------------------------------------------
+    class MLACache(LatentSurface, SpeculativeLayout, GrowingGeometry, Layout): ...
 
     # -- recurrent state ---------------------------------------------------------------
     class SSMCache(ArraysCacheSurface, SerialRounds, StateGeometry, Serial): ...

@@ -1,6 +1,9 @@
 """The optimized latent caches (``spec/MLACache.md``, ``spec/EncodedLatentCache.md``).
 
-One right-justified buffer per plane, ``[B, 1, capacity, ·]`` holding ``width`` columns
+:class:`LatentSurface` is ``MLACache``'s surface on the row machinery (``classes.build``
+puts it first among the preset's bases). ``EncodedLatentCache`` still runs on
+``kvrows.latent.LatentRows`` over the hooks below (until the delayed stages take it):
+one right-justified buffer per plane, ``[B, 1, capacity, ·]`` holding ``width`` columns
 (an append writes at column ``width``, growing the buffer in ``STEP`` columns as mlx-lm's
 ``KVCache`` does; the seed concatenated): every row's next token is column ``width``. A merge
 left-pads each source's buffers to the new width; a filter takes rows and slices off the
@@ -15,19 +18,19 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from kvrows.codec import PlaneSet
 from kvrows.compositions import composition
 from kvrows.errors import InvalidInputError, latent_planes_message, preview_blocks_message
-from kvrows.latent import EncodedLatentRows, LatentRows
+from kvrows.latent import EncodedLatentRows, LatentRows, LatentSurfaceMembers, int_vector_message
 from kvrows.optimized.codecs import dtype_name
 from kvrows.optimized.codecs.latent import LatentArrayCodec
-from kvrows.optimized.rows import arrays, mapped, owned
+from kvrows.optimized.rows import RowWindow, arrays, mapped, owned
 
-__all__ = ["EncodedLatentCache", "MLACache"]
+__all__ = ["EncodedLatentCache", "LatentSurface"]
 
 Planes = tuple[mx.array, ...]
 
@@ -51,6 +54,14 @@ def _write(buffer: mx.array | None, block: mx.array, used: int) -> mx.array:
     return buffer
 
 
+def _ints(cache: Any, value: Any, what: str) -> list[int]:
+    integers = isinstance(value, mx.array) and value.ndim == 1
+    if not integers or (value.size and not mx.issubdtype(value.dtype, mx.integer)):
+        raise InvalidInputError(int_vector_message(type(cache).__name__, what))
+    listed: list[int] = value.tolist()
+    return listed
+
+
 def _pad_left(array: mx.array, columns: int) -> mx.array:
     if columns == 0:
         return array
@@ -71,10 +82,7 @@ class _LatentOptimized(LatentRows):
         return LatentArrayCodec(self.latent_spec)
 
     def _impl_shape_dtype(self, array: Any, what: str) -> tuple[tuple[int, ...], str]:
-        try:
-            dtype = dtype_name(array)
-        except InvalidInputError as error:
-            raise InvalidInputError(f"{type(self).__name__}: {what}: {error}") from None
+        dtype = dtype_name(array)
         return tuple(int(n) for n in array.shape), dtype
 
     def _impl_as4(self, array: Any) -> Any:
@@ -88,7 +96,7 @@ class _LatentOptimized(LatentRows):
         block: PlaneSet = {"latent": self._codec.encode(latent, "latent"), "rope": (rope,)}
         if index is not None:
             block["index"] = (index,)
-        if exact and self.latent_codec.encodes:
+        if exact:
             # rows that read exact joined with no exact columns held: zeros (never read)
             block["exact"] = (latent,)
         held = self._held
@@ -114,12 +122,10 @@ class _LatentOptimized(LatentRows):
     def _impl_read(self, reads_exact: Sequence[bool]) -> tuple[Any, Any, Any | None]:
         assert "rope" in self._held and self._dtype is not None
         visible = self._visible()
-        latent = visible["latent"][0]
-        if self.latent_codec.encodes:
-            latent = self._codec.decoded(visible["latent"], "latent", self._dtype)
-            if any(reads_exact):
-                rows = mx.array(list(reads_exact))[:, None, None, None]
-                latent = mx.where(rows, visible["exact"][0], latent)
+        latent = self._codec.decoded(visible["latent"], "latent", self._dtype)
+        if any(reads_exact):
+            rows = mx.array(list(reads_exact))[:, None, None, None]
+            latent = mx.where(rows, visible["exact"][0], latent)
         index = visible["index"][0] if "index" in visible else None
         return latent, visible["rope"][0], index
 
@@ -132,12 +138,10 @@ class _LatentOptimized(LatentRows):
         if not four:
             raise InvalidInputError(preview_blocks_message(type(self).__name__))
         reads_exact = [not c for c in self.converted] or [True] * int(latent.shape[0])
-        block = latent
-        if self.latent_codec.encodes:
-            codec = self._codec
-            decoded = codec.decoded(codec.encode(latent, "latent"), "latent", dtype_name(latent))
-            rows = mx.array(reads_exact)[:, None, None, None]
-            block = mx.where(rows, latent, decoded)
+        codec = self._codec
+        decoded = codec.decoded(codec.encode(latent, "latent"), "latent", dtype_name(latent))
+        rows = mx.array(reads_exact)[:, None, None, None]
+        block = mx.where(rows, latent, decoded)
         if "rope" not in self._held:
             return block, rope
         held_latent, held_rope, _ = self._impl_read(reads_exact)
@@ -151,8 +155,7 @@ class _LatentOptimized(LatentRows):
         assert self._widths is not None and self._dtype is not None
         (rank, rope), dtype, codec = self._widths, self._dtype, self._codec
         widths = {"latent": rank, "rope": rope, "index": self.latent_spec.index_head_dim}
-        if self.latent_codec.encodes:
-            widths["exact"] = rank
+        widths["exact"] = rank
         return {
             tensor: codec.zeros(rows, 1, columns, width, dtype, tensor)
             for tensor, width in widths.items()
@@ -273,12 +276,7 @@ class _LatentOptimized(LatentRows):
         return mx.array(list(values), dtype=mx.int32)
 
     def _impl_ints(self, value: Any, what: str) -> list[int]:
-        if not isinstance(value, mx.array) or value.ndim != 1:
-            raise InvalidInputError(f"{type(self).__name__}: {what} must be a 1-D mlx int array")
-        if value.size and not mx.issubdtype(value.dtype, mx.integer):
-            raise InvalidInputError(f"{type(self).__name__}: {what} must hold integers")
-        listed: list[int] = value.tolist()  # type: ignore[assignment]
-        return listed
+        return _ints(self, value, what)
 
     def _impl_restore(
         self, planes: tuple[Any, ...], rope: Any, index: Any, exact: Any, rows: int, width: int
@@ -311,14 +309,101 @@ class _LatentOptimized(LatentRows):
         return dtype
 
 
-class MLACache(_LatentOptimized):
-    """MLA latent + rope (+ DSA index) planes (``spec/MLACache.md``)."""
-
-    composition = composition("MLACache")
-
-
 class EncodedLatentCache(EncodedLatentRows, _LatentOptimized):
     """The latent plane through a codec, rope and index exact, bf16-first per row
     (``spec/EncodedLatentCache.md``)."""
 
     composition = composition("EncodedLatentCache")
+
+
+# The machinery's members the surface uses (at run time the preset's own bases).
+if TYPE_CHECKING:
+
+    class _OnRows(LatentSurfaceMembers):
+        _planes: PlaneSet | None
+        _offsets: list[int]
+        _pads: list[int]
+
+        def _visible(self, planes: PlaneSet) -> PlaneSet: ...
+        def _clear(self) -> None: ...
+        def _changed(self) -> None: ...
+        def _row_windows(self) -> list[RowWindow]: ...
+else:
+    _OnRows = LatentSurfaceMembers
+
+
+class LatentSurface(_OnRows):
+    """``MLACache``'s surface on the optimized row machinery (``classes.build`` lists it
+    first): the array half of ``kvrows.latent.LatentSurfaceMembers``. The rows are the
+    growing geometry's shared-column buffers (tensors ``latent``, ``rope``, ``index``,
+    ``[slots, 1, capacity, ·]``); an empty cache lends one empty row to a merge (it is its
+    own serial storage); ``preview`` is what the next append will return."""
+
+    def _dtype_of(self, array: Any) -> str:
+        return dtype_name(array)
+
+    def _as4(self, array: Any) -> Any:
+        return mx.expand_dims(array, 1)
+
+    def _as3(self, array: Any) -> Any:
+        return array[:, 0]
+
+    def _native(self, array: Any) -> bool:
+        return isinstance(array, mx.array)
+
+    def _int_array(self, values: Sequence[int]) -> Any:
+        return mx.array(list(values), dtype=mx.int32)
+
+    def _ints(self, value: Any, what: str) -> list[int]:
+        return _ints(self, value, what)
+
+    def _row_windows(self) -> list[RowWindow]:
+        return super()._row_windows() or [(None, 0)]
+
+    def _visible_planes(self) -> PlaneSet:
+        """The columns that hold tokens (views; nothing before the first write)."""
+        return {} if self._planes is None else self._visible(self._planes)
+
+    def held_arrays(self) -> tuple[Any, ...]:
+        """The columns that hold tokens (views: a later append writes past them)."""
+        return arrays(self._visible_planes())
+
+    def planes(self) -> tuple[Planes, mx.array | None, mx.array | None, None]:
+        """The stored columns: latent codec planes, rope, index (no exact latent)."""
+        visible = self._visible_planes()
+
+        def one(tensor: str) -> mx.array | None:
+            return visible[tensor][0] if tensor in visible else None
+
+        return visible.get("latent", ()), one("rope"), one("index"), None
+
+    def _state_planes(self) -> tuple[Any, Any, Any]:
+        if self.width == 0:
+            return None, None, None
+        latent, rope, index, _ = self.planes()
+        return latent, rope, index
+
+    def _adopt_state(self, planes: PlaneSet | None, offsets: list[int], width: int) -> None:
+        self._clear()
+        self._offsets = list(offsets)
+        self._pads = [width - o for o in offsets]
+        if planes is not None:
+            self._planes = mapped(planes, owned)
+            mx.eval(*arrays(self._planes))
+        self._changed()
+
+    def preview(self, latent: mx.array, rope: mx.array) -> tuple[mx.array, mx.array]:
+        """What ``append(latent, rope, index)`` will return for the latent and rope
+        (``[B, 1, width + N, ·]``), changing nothing: the drop-in hands it to the model's
+        MLA layer before the layer has computed the index block."""
+        self._spec_usable()
+        four, _, _, _ = self._checked(latent, rope, None, staged=True)
+        if not four:
+            raise InvalidInputError(preview_blocks_message(type(self).__name__))
+        if self.width == 0:
+            return latent, rope
+        held_latent, held_rope, _ = self._read_all()
+        return (
+            mx.concatenate([held_latent, latent], axis=2),
+            mx.concatenate([held_rope, rope], axis=2),
+        )

@@ -24,10 +24,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvrows.errors import InvalidInputError, LayoutStateError, SpeculativeRoundError
-from kvrows.optimized.latent import EncodedLatentCache, MLACache
+from kvrows.errors import InvalidInputError, LayoutStateError
+from kvrows.optimized.classes import MLACache
+from kvrows.optimized.latent import EncodedLatentCache
 from kvrows.optimized.paged_latent import LatentBlockPool, PagedLatentCache
-from kvrows.validation import check_keep
+from kvrows.protocols import LatentAppend
 
 __all__ = ["LatentCacheList"]
 
@@ -36,16 +37,12 @@ Latent = MLACache | EncodedLatentCache | PagedLatentCache
 
 class _Rows:
     """The row-layout members of a drop-in, over the latent cache behind it
-    (``wrapped``). ``rewrap`` puts another latent cache behind a new drop-in of the same
-    form. A latent cache merges only into an empty one: joining rows to a running layout
-    merges both into a fresh cache that then stands behind this drop-in (the rows are
-    copied, the sources borrowed, as ``merge_rows`` promises)."""
+    (``wrapped``): each row operation is the cache's own (a merge passes the caches
+    behind the drop-ins it is given). ``rewrap`` puts another latent cache behind a new
+    drop-in of the same form."""
 
     @property
     def wrapped(self) -> Latent:
-        raise NotImplementedError
-
-    def _put_behind(self, cache: Latent) -> None:
         raise NotImplementedError
 
     def rewrap(self, cache: Any) -> Any:
@@ -97,33 +94,14 @@ class _Rows:
 
     def merge_rows(self, rows: Sequence[Any]) -> None:
         self._idle("merge_rows")
-        if isinstance(rows, str | bytes) or not isinstance(rows, Sequence) or not rows:
-            raise InvalidInputError("merge_rows needs a non-empty sequence of caches")
-        sources = [getattr(row, "wrapped", row) for row in rows]
-        current = self.wrapped
-        if current.batch_size == 0:
-            current.merge_rows(sources)
-            return
-        if any(source is current for source in sources):
-            current.merge_rows(sources)  # refused: a layout cannot take its own rows
-        joined = current.make_empty_batch()
-        joined.merge_rows([current, *sources])
-        self._put_behind(joined)
+        sources: Any = rows  # the cache refuses what is not a sequence of caches
+        if isinstance(rows, Sequence) and not isinstance(rows, str | bytes):
+            sources = [getattr(row, "wrapped", row) for row in rows]
+        self.wrapped.merge_rows(sources)
 
     def filter_rows(self, keep: Sequence[int]) -> None:
-        """Keep the rows ``keep``; keeping none leaves an empty layout (the last rows of a
-        batch leave) where a latent cache itself refuses."""
         self._idle("filter_rows")
-        rows = check_keep(keep, self.batch_size)
-        if rows:
-            self.wrapped.filter_rows(rows)
-            return
-        if self.spec_round_open:
-            raise SpeculativeRoundError(
-                "filter_rows in the middle of a speculative round: commit or roll back the "
-                "round first (its verify block holds unverified drafts)"
-            )
-        self._put_behind(self.wrapped.make_empty_batch())
+        self.wrapped.filter_rows(keep)
 
     def extract_row(self, row: int) -> Any:
         self._idle("extract_row")
@@ -151,7 +129,7 @@ class _Rows:
         encoded = cache.latent_codec.encodes
         paged = PagedLatentCache(
             spec.kv_lora_rank, spec.rope_head_dim, spec.index_head_dim,
-            cache.token_geometry.max_tokens, spec.role,
+            cache.token_geometry.cap(), spec.role,
             pool=pool, codec=cache.latent_codec if encoded else None,
             start=cache.start if encoded else 0,
         )  # fmt: skip
@@ -184,9 +162,6 @@ class _View(_Rows):
     @property
     def wrapped(self) -> Latent:
         return self._owner.cache
-
-    def _put_behind(self, cache: Latent) -> None:
-        self._owner.cache = cache
 
     def rewrap(self, cache: Any) -> Any:
         return LatentCacheList(cache).caches[self.item]
@@ -330,7 +305,8 @@ class LatentCacheList(_Rows):
     of mlx-lm's ``CacheList``, over one latent cache."""
 
     def __init__(self, cache: Latent) -> None:
-        if not isinstance(cache, MLACache | EncodedLatentCache | PagedLatentCache):
+        # An optimized latent cache: one that appends MLA planes and previews an append.
+        if not (isinstance(cache, LatentAppend) and callable(getattr(cache, "preview", None))):
             raise InvalidInputError(
                 f"LatentCacheList holds an optimized MLACache, EncodedLatentCache or "
                 f"PagedLatentCache, got "
@@ -343,9 +319,6 @@ class LatentCacheList(_Rows):
     @property
     def wrapped(self) -> Latent:
         return self.cache
-
-    def _put_behind(self, cache: Latent) -> None:
-        self.cache = cache
 
     def rewrap(self, cache: Any) -> Any:
         return LatentCacheList(cache)

@@ -359,6 +359,20 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         """The shapes after joining ``sources`` (raises ``IncompatibleRowsError``)."""
         return common_geometry([self._geometry, *(s.geometry for s in sources)])
 
+    def adopt(self: _S, planes: PlaneSet, offset: int, geometry: Any) -> _S:
+        """Make this (empty) storage hold ``planes`` (owned, compact, in time order) as the
+        newest tokens below position ``offset`` (extraction: a serial storage, or a layout
+        that is its own serial storage)."""
+        if self._planes is not None:
+            raise LayoutStateError(ADOPT_NEEDS_EMPTY)
+        rows = int(next(iter(planes.values()))[0].shape[0])
+        self._planes = planes
+        self._take_shapes(geometry)
+        self._offsets, self._pads = [offset] * rows, [0] * rows
+        self._changed()
+        self._adopt(planes, offset)
+        return self
+
     # -- saved state (``SavedState``; mechanics: ``optimized/forms.py``) ---------------------
     def _state(self) -> tuple[Any, ...]:
         from kvrows.optimized.forms import state_of
@@ -603,19 +617,6 @@ class Serial(Storage):
             self._offsets = [o - count for o in self._offsets]
         return count
 
-    def adopt(self: _S, planes: PlaneSet, offset: int, geometry: Any) -> _S:
-        """Make this (empty) storage hold ``planes`` (owned, compact, in time order) as the
-        newest tokens below position ``offset``."""
-        if self._planes is not None:
-            raise LayoutStateError(ADOPT_NEEDS_EMPTY)
-        rows = int(next(iter(planes.values()))[0].shape[0])
-        self._planes = planes
-        self._take_shapes(geometry)
-        self._offsets, self._pads = [offset] * rows, [0] * rows
-        self._changed()
-        self._adopt(planes, offset)
-        return self
-
     def check_valid(self) -> None:
         """Assert the storage's invariants (for tests): its rows move together."""
         assert len(self._pads) == len(self._offsets)
@@ -740,7 +741,7 @@ class Layout(Storage):
         arrays (a lazy slice would pin this layout's buffers and make its next in-place
         write copy them)."""
         index = check_row(row, self.batch_size)
-        # The table's serial storage of a layout is a ``Serial`` class.
+        # The table's serial storage of a layout (a ``Serial`` class, or the layout itself).
         serial = cast(type[Serial], DECLARED[self.composition.serial or self.composition.name])
         cache = serial._spawn(self)
         held = self._held_window(index)

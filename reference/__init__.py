@@ -15,7 +15,7 @@ from kvrows.reference.delayed import (
     DelayedRotatingQuantizedKVCache,
     DelayedTurboQuantKVCache,
 )
-from kvrows.reference.latent import EncodedLatentCache, MLACache
+from kvrows.reference.latent import EncodedLatentCache
 from kvrows.reference.lego import (
     Bf16FirstQuantizedKVCache,
     Bf16FirstRotatingQuantizedKVCache,
@@ -33,7 +33,6 @@ __all__ = [
     "DelayedRotatingQuantizedKVCache",
     "DelayedTurboQuantKVCache",
     "EncodedLatentCache",
-    "MLACache",
     "BlockPool",
     "PagedKVCache",
     "PagedKvRows",

@@ -31,6 +31,7 @@ from kvrows.reference.geometries.growing import RowAlignment
 from kvrows.reference.geometries.recurrent import ArraysCacheSurface, StateLayout
 from kvrows.reference.geometries.registry import IMPLEMENTATIONS
 from kvrows.reference.geometries.ring import RingParameters
+from kvrows.reference.latent import LatentSurface
 from kvrows.reference.rows import RowLayout, SerialStorage
 from kvrows.reference.speculative import SpeculativeLayout
 
@@ -45,6 +46,7 @@ __all__ = [
     "Bf16FirstRotatingQuantizedKVCache",
     "Bf16FirstTurboQuantKVCache",
     "KVCache",
+    "MLACache",
     "PaddedKVRows",
     "PaddedQuantKVRows",
     "QuantizedKVCache",
@@ -73,6 +75,9 @@ GEOMETRY_SURFACES: dict[tuple[str, str], tuple[type, ...]] = {
     ("recurrent", "serial"): (ArraysCacheSurface, SerialRounds),
     ("recurrent", "ragged"): (StateLayout,),
 }
+#: What a codec adds to the machinery's surface, first among the bases (the latent
+#: caches' ``append`` / ``fetch_index`` / 3-D blocks / v1 state).
+CODEC_SURFACES: dict[str, tuple[type, ...]] = {"latent": (LatentSurface,)}
 #: The classes a modifier puts ahead of the arrangement (they wrap a layout; the delayed
 #: one, ``kvrows.lego.Bf16First``, a serial storage of two stages).
 MODIFIERS: dict[str, type] = {"speculative": SpeculativeLayout, "delayed": Bf16First}
@@ -96,19 +101,23 @@ def build(entries: Iterable[Composition]) -> dict[str, type[Any]]:
         surface = GEOMETRY_SURFACES.get((entry.geometry, entry.arrangement), ())
         modifiers = tuple(MODIFIERS[name] for name in sorted(entry.modifiers))
         arrangement = RowLayout if entry.is_layout else SerialStorage
+        serial = entry.serial
         members: dict[str, object] = {}
-        if entry.is_layout:
-            members["serial_class"] = built[str(entry.serial)]
+        if entry.is_layout and serial:
+            members["serial_class"] = built[serial]
         if delayed:
             plain, target = stage_presets(entry)
             members.update(plain_class=built[plain.name], affine_class=built[target.name])
-        # The delayed mixin comes first (its surface is the lego's); the speculative one
-        # wraps the arrangement.
+        # The delayed mixin comes first (its surface is the lego's); a codec's surface
+        # (the latent append) leads the others; the speculative one wraps the arrangement.
         if delayed:
             bases: tuple[type, ...] = (*modifiers, *parameters, *surface, arrangement)
         else:
-            bases = (*parameters, *surface, *modifiers, arrangement)
+            codec_surface = CODEC_SURFACES.get(entry.codec, ())
+            bases = (*codec_surface, *parameters, *surface, *modifiers, arrangement)
         built[entry.name] = preset_class(entry, bases, __name__, **members)
+        if entry.is_layout and not serial:  # its own serial storage (MLACache)
+            built[entry.name].serial_class = built[entry.name]
     return built
 
 
@@ -156,6 +165,9 @@ if TYPE_CHECKING:
 
     class Bf16FirstRotatingQuantizedKVCache(Bf16First, RingParameters, SerialStorage): ...
 
+    # -- latent ------------------------------------------------------------------------
+    class MLACache(LatentSurface, SpeculativeLayout, RowLayout): ...
+
     # -- recurrent state ---------------------------------------------------------------
     class SSMCache(ArraysCacheSurface, SerialRounds, SerialStorage): ...
 
@@ -192,7 +204,9 @@ def _checked(cls: type[Any]) -> type[Any]:
     agrees = (
         callable(getattr(cls, "merge_rows", None)) == entry.is_layout
         and all(hasattr(cls, name) == (name in entry.params) for name in _SURFACE_PARAMETERS)
-        and (not entry.is_layout or cls.serial_class.composition.name == entry.serial)
+        and (
+            not entry.is_layout or cls.serial_class.composition.name == (entry.serial or entry.name)
+        )
     )
     if not agrees:
         raise KvRowsError(f"{cls.__name__} does not declare its composition {entry}")
@@ -215,7 +229,7 @@ def declared_classes() -> Mapping[str, type[Any]]:
     }
     from kvrows.reference import latent  # latent state: its own row machinery
 
-    found |= {cls.composition.name: cls for cls in (latent.MLACache, latent.EncodedLatentCache)}
+    found[latent.EncodedLatentCache.composition.name] = latent.EncodedLatentCache
     from kvrows.reference import paged  # the paged storages (``kvrows.paged_storage``)
 
     found.update({cls.composition.name: cls for cls in (paged.PagedKVCache, paged.PagedKvRows)})

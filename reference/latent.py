@@ -1,5 +1,8 @@
 """The reference's latent caches (``spec/MLACache.md``, ``spec/EncodedLatentCache.md``).
 
+:class:`LatentSurface` is ``MLACache``'s surface on the row machinery (``classes.build``
+puts it first among the preset's bases). ``EncodedLatentCache`` still runs on
+``kvrows.latent.LatentRows`` over the hooks below (until the delayed stages take it).
 What a latent layout *means*: every row is its own compact planes (``_Row``: the latent
 as the codec stores it, the rope and index planes exact, and the exact latent while the
 row reads exact), each row's latent encoded on its own, and the right-justified batch a
@@ -11,19 +14,20 @@ check are the core's (``kvrows.latent.LatentRows``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
+from kvrows.codec import PlaneSet
 from kvrows.compositions import composition
 from kvrows.errors import InvalidInputError, latent_planes_message
-from kvrows.latent import EncodedLatentRows, LatentRows
+from kvrows.latent import EncodedLatentRows, LatentRows, LatentSurfaceMembers, int_vector_message
 from kvrows.reference.codecs import dtype_name, numpy_dtype
 from kvrows.reference.codecs.latent import LatentArrayCodec
 from kvrows.reference.rows import Row
 
-__all__ = ["EncodedLatentCache", "MLACache"]
+__all__ = ["EncodedLatentCache", "LatentSurface"]
 
 Array = npt.NDArray[Any]
 
@@ -36,6 +40,13 @@ def _plane(row: Row, tensor: str) -> Array | None:
     """``row``'s one plane of ``tensor`` (rope, index, the warm-up exact latent)."""
     held = row.planes.get(tensor)
     return None if held is None else held[0]
+
+
+def _ints(cache: Any, value: Any, what: str) -> list[int]:
+    array = np.asarray(value)
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise InvalidInputError(int_vector_message(type(cache).__name__, what))
+    return [int(v) for v in array.tolist()]
 
 
 def _pad_left(array: Array, columns: int) -> Array:
@@ -55,10 +66,7 @@ class _LatentReference(LatentRows):
         return LatentArrayCodec(self.latent_spec)
 
     def _impl_shape_dtype(self, array: Any, what: str) -> tuple[tuple[int, ...], str]:
-        try:
-            dtype = dtype_name(array)
-        except InvalidInputError as error:
-            raise InvalidInputError(f"{type(self).__name__}: {what}: {error}") from None
+        dtype = dtype_name(array)
         return tuple(int(n) for n in array.shape), dtype
 
     def _impl_as4(self, array: Any) -> Any:
@@ -70,7 +78,7 @@ class _LatentReference(LatentRows):
     def _impl_append(self, latent: Any, rope: Any, index: Any | None, exact: bool) -> None:
         if not self._rows:
             self._rows = [Row() for _ in range(int(latent.shape[0]))]
-        codec, encodes = self._codec, self.latent_codec.encodes
+        codec = self._codec
         for b, row in enumerate(self._rows):
             block = {
                 "latent": codec.encode(np.array(latent[b : b + 1], copy=True), "latent"),
@@ -78,7 +86,7 @@ class _LatentReference(LatentRows):
             }
             if index is not None:
                 block["index"] = _owned(index[b : b + 1])
-            if encodes and not self.converted[b]:
+            if not self.converted[b]:
                 block["exact"] = _owned(latent[b : b + 1])
             row.append(block, row.retained)  # growing: keep every token, then the block
 
@@ -99,12 +107,7 @@ class _LatentReference(LatentRows):
                 if self.latent_spec.index_head_dim is not None:
                     indexes.append(np.zeros((1, 1, width, self.latent_spec.index_head_dim), dtype))
                 continue
-            if not self.latent_codec.encodes:
-                dense = row.planes["latent"][0]
-            elif exact:
-                dense = row.planes["exact"][0]
-            else:
-                dense = self._decode(row)
+            dense = row.planes["exact"][0] if exact else self._decode(row)
             latents.append(_pad_left(dense, pad))
             ropes.append(_pad_left(row.planes["rope"][0], pad))
             if "index" in row.planes:
@@ -180,7 +183,7 @@ class _LatentReference(LatentRows):
         if self.latent_spec.index_head_dim is not None:
             index = plane(lambda r: _plane(r, "index"), self.latent_spec.index_head_dim)
         exact = None
-        if self.latent_codec.encodes and not all(self.converted):
+        if not all(self.converted):
             exact = batch(
                 [
                     r.planes["exact"][0]
@@ -195,10 +198,7 @@ class _LatentReference(LatentRows):
         return np.array(list(values), dtype=np.int32)
 
     def _impl_ints(self, value: Any, what: str) -> list[int]:
-        array = np.asarray(value)
-        if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-            raise InvalidInputError(f"{type(self).__name__}: {what} must be a 1-D int array")
-        return [int(v) for v in array.tolist()]
+        return _ints(self, value, what)
 
     def _impl_restore(
         self, planes: tuple[Any, ...], rope: Any, index: Any, exact: Any, rows: int, width: int
@@ -243,15 +243,79 @@ class _LatentReference(LatentRows):
         return dtype
 
 
-class MLACache(_LatentReference):
-    """MLA latent + rope (+ DSA index) planes, float dtype fixed by the first append
-    (``spec/MLACache.md``)."""
-
-    composition = composition("MLACache")
-
-
 class EncodedLatentCache(EncodedLatentRows, _LatentReference):
     """The latent plane through a codec, rope and index exact, bf16-first per row
     (``spec/EncodedLatentCache.md``)."""
 
     composition = composition("EncodedLatentCache")
+
+
+# The machinery's members the surface uses (at run time the preset's own bases).
+if TYPE_CHECKING:
+    from kvrows.reference.rows import Placement
+
+    class _OnRows(LatentSurfaceMembers):
+        _rows: list[Row]
+        _place: Placement
+
+        def _image_planes(self) -> PlaneSet: ...
+        def _new_row(self) -> Row: ...
+else:
+    _OnRows = LatentSurfaceMembers
+
+
+class LatentSurface(_OnRows):
+    """``MLACache``'s surface on the reference row machinery (``classes.build`` lists it
+    first): the array half of ``kvrows.latent.LatentSurfaceMembers``. Rows are the
+    machinery's compact ``Row``s (tensors ``latent``, ``rope``, ``index``), placed by the
+    growing geometry's shared-column ``PaddedRows``; an empty cache lends one empty row
+    to a merge (it is its own serial storage)."""
+
+    _lends_empty_row = True
+
+    def _dtype_of(self, array: Any) -> str:
+        return dtype_name(array)
+
+    def _as4(self, array: Any) -> Any:
+        return array[:, None]
+
+    def _as3(self, array: Any) -> Any:
+        return array[:, 0]
+
+    def _native(self, array: Any) -> bool:
+        return isinstance(array, np.ndarray)
+
+    def _int_array(self, values: Sequence[int]) -> Any:
+        return np.array(list(values), dtype=np.int32)
+
+    def _ints(self, value: Any, what: str) -> list[int]:
+        return _ints(self, value, what)
+
+    def _state_planes(self) -> tuple[Any, Any, Any]:
+        if self.width == 0:
+            return None, None, None
+        image = self._image_planes()
+        index = image.get("index")
+        return image["latent"], image["rope"][0], None if index is None else index[0]
+
+    def _adopt_state(self, planes: PlaneSet | None, offsets: list[int], width: int) -> None:
+        rows = []
+        for b, offset in enumerate(offsets):
+            row = self._new_row()
+            if planes is not None and offset:
+                pad = width - offset
+                row.planes = {
+                    t: tuple(np.array(p[b : b + 1, :, pad:], copy=True) for p in held)
+                    for t, held in planes.items()
+                }
+            row.offset = offset
+            rows.append(row)
+        self._rows = rows
+        self._place.join(self._rows, 0)
+
+    def planes(self) -> list[tuple[tuple[Array, ...], Array | None, Array | None, None]]:
+        """Each row's stored planes (latent codec planes, rope, index; no exact latent)."""
+        return [
+            (r.planes.get("latent", ()), _plane(r, "rope"), _plane(r, "index"), None)
+            for r in self._rows
+        ]

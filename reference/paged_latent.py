@@ -4,7 +4,7 @@ a NumPy block pool.
 The row semantics are ``MLACache``'s (``kvrows.latent.LatentRows``), the block bookkeeping
 the paged core's (``kvrows.paged_latent``); this module binds them to the NumPy plane
 operations below (:class:`NumpyPlaneOps`, slot by slot) and the reference latent's array
-hooks. Latent paging still runs on ``kvrows.paged_latent``'s block pool (``BlockPoolBase``) until its
+hooks. Latent paging still runs on ``kvrows.paged_latent``'s block pool (``LatentBlockPoolBase``) until its
 step moves it (``spec/machinery-migration.md`` §6); the reference's KV paging is
 ``reference/paging.py``.
 """

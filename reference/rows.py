@@ -361,6 +361,9 @@ class Storage(SavedState, ComposedIdentity):
     """
 
     composition: ClassVar[Composition]
+    #: Whether the storage, holding no row, lends one empty row to a merge (a storage of
+    #: one request; a layout lends the rows it holds).
+    _lends_empty_row: ClassVar[bool] = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._setup(*bind_arguments(self.composition, args, kwargs))
@@ -501,14 +504,17 @@ class Storage(SavedState, ComposedIdentity):
     def _read(self) -> dict[str, Any]:
         """Each tensor as attention reads it now, assembled from the rows (the codec's
         fetched form of the read image)."""
+        images = self._image_planes().items()
+        return {t: self.codec.fetched(planes, as_role(t)) for t, planes in images}
+
+    def _image_planes(self) -> PlaneSet:
+        """Each tensor's stored planes as the read image places them (a read decodes them;
+        a form that saves the image keeps them)."""
         shapes = self._shapes()
         if shapes is None or not self._fetchable():
             raise LayoutStateError(NOTHING_TO_FETCH)
         columns, lead = self._columns(), self._lead()
-        return {
-            t: self.codec.fetched(_image(self.codec, shapes, self._rows, t, columns, lead), t)
-            for t in shapes.tensors
-        }
+        return {t: _image(self.codec, shapes, self._rows, t, columns, lead) for t in shapes.tensors}
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
         """Validate the block once, encode it once, append row ``b``'s share to row ``b``."""
@@ -548,6 +554,16 @@ class Storage(SavedState, ComposedIdentity):
         if row.offset == 0 or not row.held:
             return None
         return self._axis.cut(row).planes
+
+    def adopt(self: _T, row: Row, geometry: Any) -> _T:
+        """Make this (empty) storage hold ``row`` as its one row (used by extraction; a
+        layout that is its own serial storage places it at column 0)."""
+        if self._rows:
+            raise LayoutStateError(ADOPT_NEEDS_EMPTY)
+        row.pad = 0
+        self._rows = [row] if row.held else []
+        self._take_shapes(geometry)
+        return self
 
     def lend_rows(self) -> None:
         """Called before another layout merges this one's rows (a layout in the middle of
@@ -632,14 +648,6 @@ class SerialStorage(Storage):
             return None
         return _kv(stacked([w for w in windows if w is not None]))
 
-    def adopt(self, row: Row, geometry: Any) -> SerialStorage:
-        """Make this (empty) storage hold ``row`` (used by extraction)."""
-        if self._rows:
-            raise LayoutStateError(ADOPT_NEEDS_EMPTY)
-        self._rows = [row] if row.held else []
-        self._take_shapes(geometry)
-        return self
-
 
 def _kv(planes: PlaneSet) -> tuple[Planes, Planes]:
     """The key and value planes of a KV plane set (the tests' and conformance's views)."""
@@ -654,8 +662,10 @@ class RowLayout(Storage):
     serial storage of the composition's ``serial`` class.
     """
 
-    #: The serial class rows extract into (set by the class declarations).
+    #: The class rows extract into (set by the class declarations: the composition's
+    #: serial storage, or the layout itself when it is its own).
     serial_class: ClassVar[type[SerialStorage]]
+    _lends_empty_row = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -768,10 +778,10 @@ class RowLayout(Storage):
         rows elsewhere too (paged) overrides it."""
         incoming: list[Row] = []
         for source in sources:
-            if source._rows or source.composition.is_layout:
+            if source._rows or not source._lends_empty_row:
                 incoming.extend(self._cut(row) for row in source._rows)
             else:
-                incoming.append(self._new_row())  # a serial storage with no token
+                incoming.append(self._new_row())  # a storage of one request with no token
         if not incoming:
             return
         running = [self._cut(row) for row in self._rows]

@@ -34,6 +34,7 @@ EXPECTED_OPS = {
     "new_request",
     "prefill_chunk",
     "merge",
+    "join",
     "decode_step",
     "spec_rounds",
     "round:unequal",
@@ -78,8 +79,8 @@ class RollbackCutsTheShortestCount(opt.MLACache):
     """A ragged rollback that forgets the smallest rejected count on every row: the rows
     that rejected more keep rejected tokens."""
 
-    def _impl_forget(self, counts: Sequence[int]) -> None:
-        super()._impl_forget([min(counts)] * len(counts))  # MUTATION
+    def _forget(self, counts: Sequence[int], *, justify: bool = False) -> None:
+        super()._forget([min(counts)] * len(counts), justify=justify)  # MUTATION
 
 
 class ConversionIgnoringStart(Conversion):

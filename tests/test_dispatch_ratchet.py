@@ -48,14 +48,13 @@ BASELINE: dict[str, int] = {
     "kvrows/forms.py": 3,
     "kvrows/paged.py": 1,
     "kvrows/recurrent.py": 2,
-    "optimized/latent_dropin.py": 1,
     "optimized/rows.py": 2,
     "reference/classes.py": 2,
     "reference/rows.py": 1,
 }
 
 #: The sum of :data:`BASELINE`: the issue's "before".
-BASELINE_TOTAL = 20
+BASELINE_TOTAL = 19
 
 ADVICE = (
     "Ask a capability instead of a type: a protocol of kvrows.protocols (HasCodec, "

@@ -229,11 +229,13 @@ def test_a_drop_in_layout_refuses_misuse(models: dict[str, Any]) -> None:
     layout: Any = owned_cache_layout(rows[0])
     assert is_batchable(layout) and layout.batch_size == 0
     layout.merge_rows([rows[0]])
-    layout.merge_rows([rows[1]])  # joins a running layout: a fresh latent cache behind it
-    assert layout.row_offsets == (3, 2) and rows[0].wrapped.batch_size == 1
-    with pytest.raises(InvalidInputError):
-        layout.merge_rows([])
     held = layout.wrapped
+    layout.merge_rows([rows[1]])  # joins a running layout: the cache behind it takes the row
+    assert layout.row_offsets == (3, 2) and rows[0].wrapped.batch_size == 1
+    assert layout.wrapped is held
+    layout.merge_rows([])  # no rows: nothing changes (every layout's rule)
+    with pytest.raises(InvalidInputError):
+        layout.merge_rows(rows[0])  # not a sequence
     with pytest.raises(IncompatibleRowsError):
         layout.merge_rows([layout])
     assert layout.wrapped is held and layout.row_offsets == (3, 2)  # nothing changed

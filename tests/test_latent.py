@@ -23,7 +23,6 @@ from kvrows.errors import (
     IncompatibleRowsError,
     InvalidInputError,
     KvRowsError,
-    LayoutStateError,
     SpeculativeRoundError,
     self_merge_message,
 )
@@ -136,8 +135,8 @@ def test_ragged_rollback_vector() -> None:
         mask = layout.make_mask(1)
         mask = mask if isinstance(mask, np.ndarray) else from_mlx(mask)
         assert mask[:, 0, 0].tolist() == [[True] * 7, [False] + [True] * 6]
-    # the optimized buffers are exactly the new width (the common padding dropped)
-    assert layouts[1]._held["latent"][0].shape[2] == 6
+    # the optimized stored columns are exactly the new width (the common padding dropped)
+    assert layouts[1].planes()[0][0].shape[2] == 6
 
 
 @pytest.mark.parametrize("impl", [ref, opt], ids=["reference", "optimized"])
@@ -161,6 +160,34 @@ def test_filter_drops_common_padding_and_extract_is_compact(impl: Any) -> None:
 
 
 @pytest.mark.parametrize("impl", [ref, opt], ids=["reference", "optimized"])
+def test_merge_into_a_running_cache_and_filter_to_none(impl: Any) -> None:
+    """Rows join a running cache as they join an empty one (right-justified to the
+    longest, the rows held unchanged); keeping no row leaves an empty cache that still
+    knows its widths (contract §0.12 e)."""
+    convert = (lambda a: a) if impl is ref else mx.array
+    rows = []
+    for seed, n in ((1, 3), (2, 5), (3, 2)):
+        cache = impl.MLACache()
+        cache.update_and_fetch(*(convert(b) for b in _blocks(1, n, seed)))
+        rows.append(cache)
+    running = rows[0].make_empty_batch()
+    running.merge_rows(rows[:1])
+    running.merge_rows(rows[1:])
+    at_once = rows[0].make_empty_batch()
+    at_once.merge_rows(rows)
+    assert running.row_offsets == at_once.row_offsets == (3, 5, 2)
+    assert running.left_pad == at_once.left_pad == (2, 0, 3)
+    for got, want in zip(running.current()[:2], at_once.current()[:2], strict=True):
+        got, want = (a if isinstance(a, np.ndarray) else from_mlx(a) for a in (got, want))
+        for b, pad in enumerate(running.left_pad):
+            assert np.array_equal(got[b, :, pad:], want[b, :, pad:])
+    running.filter_rows([])
+    assert running.batch_size == 0 and running.bytes_per_token() == (RANK + ROPE) * 4
+    running.merge_rows(rows[1:2])  # an emptied cache takes rows again
+    assert running.row_offsets == (5,)
+
+
+@pytest.mark.parametrize("impl", [ref, opt], ids=["reference", "optimized"])
 def test_bad_inputs_change_nothing(impl: Any) -> None:
     convert = (lambda a: a) if impl is ref else mx.array
     cache = impl.MLACache(index_head_dim=INDEX, max_tokens=8)
@@ -175,7 +202,6 @@ def test_bad_inputs_change_nothing(impl: Any) -> None:
         (InvalidInputError, lambda: cache.append(latent, rope, index[..., :8])),
         (InvalidInputError, lambda: cache.append(latent[:1], rope[:1], index[:1])),
         (CapacityError, lambda: cache.append(*(convert(b) for b in _blocks(2, 6, 3, True)))),
-        (LayoutStateError, lambda: cache.merge_rows([impl.MLACache(index_head_dim=INDEX)])),
         (SpeculativeRoundError, lambda: cache.spec_round_rollback(1)),
     ]
     for error, call in bad:

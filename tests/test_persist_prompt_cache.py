@@ -38,11 +38,14 @@ SERIALS = [
     "RotatingQuantizedKVCache",
     "TurboQuantKVCache",
 ]
-#: The KV layouts (recurrent state's round trips: tests/test_persist_recurrent.py).
+#: The KV layouts (recurrent state's round trips: tests/test_persist_recurrent.py; the
+#: latent codec's: tests/test_persist_latent.py).
 LAYOUTS = [
     name
     for name, cls in DECLARED.items()
-    if cls.composition.is_layout and cls.composition.geometry != "recurrent"
+    if cls.composition.is_layout
+    and cls.composition.geometry != "recurrent"
+    and cls.composition.codec != "latent"
 ]
 DIM = 64
 

@@ -545,21 +545,32 @@ def _is_stub(body: list[ast.stmt]) -> bool:
 
 
 def _calls_super_merge(function: ast.FunctionDef) -> bool:
+    """Whether ``function`` hands the merge on: to ``super().merge_rows`` (a guard) or to
+    the cache a drop-in wraps (``….wrapped.merge_rows``, ``kvrows.protocols.DropInWrapper``)."""
+
+    def delegated(target: ast.expr) -> bool:
+        if isinstance(target, ast.Attribute):
+            return target.attr == "wrapped"
+        return (
+            isinstance(target, ast.Call)
+            and isinstance(target.func, ast.Name)
+            and target.func.id == "super"
+        )
+
     return any(
         isinstance(n, ast.Call)
         and isinstance(n.func, ast.Attribute)
         and n.func.attr == "merge_rows"
-        and isinstance(n.func.value, ast.Call)
-        and isinstance(n.func.value.func, ast.Name)
-        and n.func.value.func.id == "super"
+        and delegated(n.func.value)
         for n in ast.walk(function)
     )
 
 
 def merge_rows_definitions(project: Project) -> list[tuple[str, int, str, bool]]:
     """``(path, line, class, substantive)`` for each ``merge_rows`` of a class in the core
-    and the implementations. Not substantive: a protocol stub, or a wrapper that guards and
-    then calls ``super().merge_rows``."""
+    and the implementations. Not substantive: a protocol stub, a wrapper that guards and
+    then calls ``super().merge_rows``, or a drop-in that hands the merge to the cache it
+    wraps."""
     found = []
     for module in project.modules.values():
         if module.path.split("/")[0] not in STORAGE_FOLDERS:
@@ -621,7 +632,10 @@ def report(root: Path) -> str:
     lines.append(f"Substantive merge_rows implementations: {len(substantive)}")
     lines += [f"  {path}:{line} {cls}" for path, line, cls, real in merges if real]
     others = [f"{path}:{line} {cls}" for path, line, cls, real in merges if not real]
-    lines.append(f"  (not counted, stubs and super() wrappers: {', '.join(others) or 'none'})")
+    lines.append(
+        f"  (not counted, stubs, super() wrappers and drop-in delegations: "
+        f"{', '.join(others) or 'none'})"
+    )
     lines.append("")
 
     roots = machine_roots(project)

@@ -174,10 +174,12 @@ class GrowingGeometry(Storage):
             self._reallocate(round_up(self.width + 1), shift=0)
 
     def _align(self, pads: list[int], tokens: list[int] | None = None) -> None:
-        """Re-lay row ``b`` at column ``pads[b]`` (positions unchanged): one gather of every
-        row's tokens into fresh planes (spare slots and a spare column, as ``_reallocate``),
-        so the columns a row does not cover read as zeros; the origin is 0 afterwards.
-        ``tokens``: how many of each row's oldest tokens move (default: all it holds)."""
+        """Re-lay row ``b`` at column ``pads[b]`` (positions unchanged): each row's tokens
+        copied by one slice into fresh planes (spare slots and a spare column, as
+        ``_reallocate``), so the columns a row does not cover read as zeros; the origin is 0
+        afterwards. ``tokens``: how many of each row's oldest tokens move (default: all it
+        holds). (A slice per row is several times faster than one gather of every row's
+        columns: the gather reads an index per element.)"""
         held = self._offsets if tokens is None else tokens
         geometry = self._geometry
         if self._planes is None or geometry is None:
@@ -185,20 +187,17 @@ class GrowingGeometry(Storage):
             return
         batch, origin = len(self._offsets), self._origin
         width = max((p + t for p, t in zip(pads, held, strict=True)), default=0)
-        columns = mx.arange(width)[None, :]
-        start = mx.array(pads)[:, None]
-        covered = (columns >= start) & (columns < start + mx.array(held)[:, None])
-        # Physical column each new column reads (0 where the row has no token there).
-        shift = mx.array([origin + old - new for old, new in zip(self._pads, pads, strict=True)])
-        source = mx.where(covered, columns + shift[:, None], 0)[:, None, :, None]
-        covered = covered[:, None, :, None]
-        slots, capacity = spare_slots(batch), round_up(width + 1)
-
-        fresh = self._zeros(slots, capacity, geometry)
-        if width:  # every row empty: nothing to gather (and MLX faults on empty gathers)
-            for new, plane in paired(fresh, self._planes):
-                rows = mx.take_along_axis(plane[:batch], source, axis=2)
-                new[:batch, :, :width] = mx.where(covered, rows, mx.zeros_like(rows))
+        moves = [
+            (b, origin + old, new, count)
+            for b, (old, new, count) in enumerate(zip(self._pads, pads, held, strict=True))
+            if count  # nothing to copy (and MLX faults on empty slices)
+        ]
+        fresh = self._zeros(spare_slots(batch), round_up(width + 1), geometry)
+        for new_plane, plane in paired(fresh, self._planes):
+            for b, source, target, count in moves:
+                new_plane[b : b + 1, :, target : target + count] = plane[
+                    b : b + 1, :, source : source + count
+                ]
         self._planes = fresh
         self._origin = 0
         self._pads = pads
