@@ -79,7 +79,8 @@ def classes_table() -> str:
     rows = class_rows()
     landed = sum(entry.is_landed for entry in COMPOSITIONS)
     lines = [
-        f"{landed} of the {len(COMPOSITIONS)} seed classes landed in both implementations.",
+        f"{landed} of the {len(COMPOSITIONS)} classes of the composition table landed in both "
+        "implementations.",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "|".join("---" for _ in header) + "|",
