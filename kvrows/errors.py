@@ -19,6 +19,7 @@ __all__ = [
     "NOTHING_TO_RECORD",
     "ONE_VERIFY_BLOCK",
     "PACKED_SCALAR_INPUT",
+    "PAGED_ONE_STAGE",
     "POOL_GEOMETRY_UNKNOWN",
     "PROJECTED_BYTES_NEEDS_GEOMETRY",
     "SHARED_COLUMN_TRIM",
@@ -256,6 +257,10 @@ SHARED_COLUMN_TRIM = "rows sharing one write column must trim together"
 #: Converting some rows of a storage whose stages have one store (a serial storage's rows
 #: move together; rows of several stages at once come with the delayed layouts).
 STAGES_MOVE_TOGETHER = "the rows of this storage convert together: convert every row or none"
+
+#: Stages asked of a paged storage: its pool's blocks are of one codec (a paged delayed
+#: preset keeps its plain stage beside the pool, contract §0.5; not built yet).
+PAGED_ONE_STAGE = "a paged storage holds one stage: its pool's blocks are of one codec"
 
 #: ``projected_bytes`` of a cache that has neither a declared geometry nor a token.
 PROJECTED_BYTES_NEEDS_GEOMETRY = (

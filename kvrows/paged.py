@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvrows.errors import (
+    PAGED_ONE_STAGE,
     POOL_GEOMETRY_UNKNOWN,
     InvalidInputError,
     LayoutStateError,
@@ -537,6 +538,13 @@ class PagedSurface:
 
     def _held(self) -> tuple[Any, Any] | None:
         raise NotImplementedError
+
+    def _use_stages(self, specs: Sequence[CodecSpec]) -> None:
+        """One stage only: a conversion would re-encode the rows but not the pool's blocks
+        (the reads gather from the pool), so more stages are refused, nothing changed."""
+        if len(specs) > 1:
+            raise LayoutStateError(PAGED_ONE_STAGE)
+        super()._use_stages(specs)  # type: ignore[misc]
 
     @property
     def pool(self) -> Any:

@@ -283,7 +283,13 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         """Move rows ``rows`` into the next stage: the store re-encoded whole (capacity
         included, as mlx-lm quantizes its buffer; a ring keeps its phase), owned and
         evaluated; the old store is replaced, not changed (a view taken before keeps it)."""
-        if sorted(rows) != list(range(len(self._offsets))):  # per-row stores: delayed layouts
+        # The reference's rule: refused when the rows would end in more than one stage (a
+        # per-stage store, contract §0.4, is what a row of its own stage needs); no row, or
+        # no row held, changes nothing.
+        moving = set(rows)
+        if not moving or not self._offsets:
+            return
+        if moving != set(range(len(self._offsets))):
             raise LayoutStateError(STAGES_MOVE_TOGETHER)
         source, target = self.codec, self._stages[self._stage + 1]
         if self._geometry is not None:

@@ -289,3 +289,69 @@ def test_a_shared_column_rollback_rolls_rows_right_in_both_implementations() -> 
         twins.append(layout)
     (ref_keys, _), (opt_keys, _) = (layout.fetch() for layout in twins)
     assert np.array_equal(np.asarray(ref_keys), np.array(opt_keys))
+
+
+def test_some_rows_of_a_layout_convert_as_in_the_reference() -> None:
+    """The stage hook on a layout of two stages (contract §0.5), twin against twin: rows
+    that would leave the storage in two stages are refused with nothing changed (reads,
+    offsets, pads, bytes, stage), no row changes nothing, and every row moves together to
+    what a layout of the target codec fed the same tokens holds (reads and bytes)."""
+    import kvrows.reference as ref
+
+    target = Affine(bits=4, group_size=64)
+    twins = []
+    for impl, convert in ((ref, lambda a: np.asarray(a)), (kv, lambda a: a)):
+        layout, packed = impl.BatchedKVCache(), impl.BatchedQuantizedKVCache(64, 4)
+        layout._use_stages((Plain(), target))
+        for into, serial_class in ((layout, impl.KVCache), (packed, impl.QuantizedKVCache)):
+            rows = []
+            for b, tokens in enumerate((5, 3, 4)):
+                serial = serial_class() if into is layout else serial_class(64, 4)
+                block = convert(_block(1, tokens, seed=b))
+                serial.update_and_fetch(block, block)
+                rows.append(serial)
+            into.merge_rows(rows)
+
+        def seen(storage: object) -> tuple[object, ...]:
+            keys, values = storage.fetch()  # type: ignore[attr-defined]
+            read = (*keys, *values) if isinstance(keys, tuple) else (keys, values)
+            planes = tuple(np.array(p) for p in read)
+            pads = storage.left_pad  # type: ignore[attr-defined]
+            for plane in planes:
+                for b, pad in enumerate(pads):
+                    plane[b, :, :pad] = 0  # pad columns: masked, whatever they hold
+            return (
+                storage.row_offsets,  # type: ignore[attr-defined]
+                storage.left_pad,  # type: ignore[attr-defined]
+                storage.nbytes,  # type: ignore[attr-defined]
+                storage.codec_spec,  # type: ignore[attr-defined]
+                planes,
+            )
+
+        def same(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
+            *meta_a, planes_a = a
+            *meta_b, planes_b = b
+            return meta_a == meta_b and all(
+                np.array_equal(x, y)
+                for x, y in zip(planes_a, planes_b, strict=True)  # type: ignore[call-overload]
+            )
+
+        before = seen(layout)
+        for rows in ([0], [0, 2], [1, 1]):
+            with pytest.raises(LayoutStateError, match="convert together"):
+                layout._convert_rows(rows)
+            assert same(seen(layout), before)
+        layout._convert_rows([])
+        assert same(seen(layout), before)
+        layout._convert_rows([2, 0, 1, 0])
+        layout.check_valid()
+        assert layout.codec_spec == target and same(seen(layout), seen(packed))
+        step = convert(_block(3, 1, seed=7))
+        for storage in (layout, packed):
+            storage.update_and_fetch(step, step)
+        assert same(seen(layout), seen(packed))
+        twins.append(seen(layout))
+    (*ref_meta, ref_planes), (*opt_meta, opt_planes) = twins
+    assert ref_meta[:2] == opt_meta[:2] and ref_meta[3] == opt_meta[3]
+    for x, y in zip(ref_planes, opt_planes, strict=True):  # type: ignore[call-overload]
+        np.testing.assert_allclose(x.astype(np.float32), y.astype(np.float32), atol=1e-2)

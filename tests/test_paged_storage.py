@@ -239,6 +239,32 @@ def test_pool_exhaustion_changes_nothing(impl: Any) -> None:
     pool.check_valid()
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", (False, True), ids=("serial", "layout"))
+def test_a_paged_storage_holds_one_stage(impl: Any, layout: bool) -> None:
+    """Stages (the delayed modifier's hook, contract §0.5) are refused by the paged
+    placement before anything changes: a conversion would re-encode the rows but not the
+    pool's blocks the reads gather from."""
+    _, module, native, numpy = impl
+    rng = np.random.default_rng(6)
+    cache = module.PagedKvRows() if layout else module.PagedKVCache()
+    if layout:
+        serial = module.PagedKVCache(pool=cache.pool)
+        k, v = _block(rng, 1, 5)
+        serial.update_and_fetch(native(k), native(v))
+        cache.merge_rows([serial])
+    else:
+        k, v = _block(rng, 1, 5)
+        cache.update_and_fetch(native(k), native(v))
+    before = cache.fetch()
+    with pytest.raises(LayoutStateError, match="holds one stage"):
+        cache._use_stages((Plain(), Affine(bits=4, group_size=32)))
+    assert cache.stages == (Plain(),) and _same(cache.fetch(), before, numpy)
+    empty = module.PagedKVCache()
+    empty._use_stages((Plain(),))  # one stage: its own codec, taken
+    assert empty.stages == (Plain(),) and empty.codec_spec == Plain()
+
+
 def _accounting(pool: Any) -> tuple[Any, ...]:
     """Everything a refused call must leave as it was in a pool."""
     ledger = pool.ledger
