@@ -36,7 +36,7 @@ from typing import Any, ClassVar, cast
 import mlx.core as mx
 import numpy as np
 
-from kvrows.codec import KV_TENSORS, PlaneSet
+from kvrows.codec import KV_TENSORS, PlaneSet, as_role
 from kvrows.errors import (
     EMPTY_CACHE_NO_BLOCK,
     EMPTY_ROW_NO_BLOCK,
@@ -293,10 +293,12 @@ class BlockPool(PoolBase):
         g = self._geometry
         assert g is not None
         count, bs = total - self.num_blocks, self.block_size
-        fresh: PlaneSet = {
-            t: tuple(self.codec.zeros(count, g.heads, bs, dim, g.dtype, t))
-            for t, dim in zip(KV_TENSORS, (g.key_dim, g.value_dim), strict=True)
-        }
+        # Every tensor the geometry names (a KV geometry, a codec's ``Shapes``: a latent
+        # pool's latent, rope and index planes).
+        fresh: PlaneSet = {}
+        for t in g.tensors:
+            heads, dim, dtype = g.tensor_image(t)
+            fresh[t] = tuple(self.codec.zeros(count, heads, bs, dim, dtype, as_role(t)))
         if self._planes:
             fresh = {
                 t: tuple(
