@@ -36,7 +36,8 @@ from typing import Any, ClassVar, cast
 import mlx.core as mx
 import numpy as np
 
-from kvrows.codec import KV_TENSORS, PlaneSet, as_role
+from kvrows.codec import PlaneSet, as_role
+from kvrows.common import shapes_token_bytes
 from kvrows.errors import (
     EMPTY_CACHE_NO_BLOCK,
     EMPTY_ROW_NO_BLOCK,
@@ -570,13 +571,14 @@ class PagedRows(PagedSurface, Storage):
         return True
 
     # -- reads: gathered from the pool ---------------------------------------------------
-    def fetch(self) -> tuple[Any, Any]:
+    def _read(self) -> dict[str, Any]:
+        """Each tensor the pool holds (keys and values; a latent pool's latent, rope and
+        index) gathered right-aligned, in the codec's fetched form."""
         if self._pool is None or not self._tables or not any(self._offsets):
             raise LayoutStateError(NOTHING_TO_FETCH)
         width = max(self._offsets)
         planes = self._pool.gather(self._tables, self._offsets, self._pads, width)
-        keys, values = (self.codec.fetched(planes[t], t) for t in KV_TENSORS)
-        return keys, values
+        return {t: self.codec.fetched(held, as_role(t)) for t, held in planes.items()}
 
     def _held_window(self, row: int | None) -> PlaneSet | None:
         """Row ``row``'s positions read from its blocks (every row's, stacked, on a serial
@@ -751,10 +753,8 @@ class PagedLayout(PagedRows, Layout):
         g = self._geometry
         if g is None:
             raise LayoutStateError(PROJECTED_BYTES_NEEDS_GEOMETRY)
-        per_token = self.codec.token_bytes(
-            g.heads, g.key_dim, g.dtype, "keys"
-        ) + self.codec.token_bytes(g.heads, g.value_dim, g.dtype, "values")
-        return math.ceil(count / self.block_size) * self.block_size * int(per_token)
+        per_token = shapes_token_bytes(self.codec, g)
+        return math.ceil(count / self.block_size) * self.block_size * per_token
 
     def row_window(self, row: int) -> tuple[Planes, Planes] | None:
         """Row ``row``'s positions' planes in logical order (``None`` when it holds none)."""
