@@ -505,6 +505,17 @@ class PagedRows(PagedSurface, Storage):
         self._offsets, self._pads = [], []
         self._changed()
 
+    def adopt_tables(self, tables: Sequence[Table], offset: int) -> None:
+        """Hold ``tables`` (live tables of the pool, ``offset`` positions each) instead of
+        what it held; they are released when this cache is collected (a serial storage's,
+        or a layout that is its own serial class)."""
+        assert self._pool is not None
+        self._pool.close(self._tables)
+        self._tables[:] = tables
+        self._offsets = [offset] * len(tables)
+        self._changed()
+        self._watch()
+
     def _ensure_pool(self, geometry: KvGeometry, room: int = 0) -> BlockPool:
         """The pool, knowing ``geometry``; ``room``: the blocks the write that teaches a
         given pool its geometry takes (refused past its byte limit before it learns)."""
@@ -691,16 +702,6 @@ class PagedSerial(PagedRows, Serial):
     bit-exact with ``KVCache`` on the same tokens. Shape-generic in ``B`` as every serial
     storage, though a request is one row: prefix registration is per request (``B = 1``)."""
 
-    def adopt_tables(self, tables: Sequence[Table], offset: int) -> None:
-        """Hold ``tables`` (live tables of the pool, ``offset`` positions each) instead of
-        what it held; they are released when this cache is collected."""
-        assert self._pool is not None
-        self._pool.close(self._tables)
-        self._tables[:] = tables
-        self._offsets = [offset] * len(tables)
-        self._changed()
-        self._watch()
-
     def _request(self) -> Table:
         if len(self._tables) != 1:
             raise LayoutStateError(request_rows_message(len(self._tables)))
@@ -815,7 +816,9 @@ class PagedLayout(PagedRows, Layout):
     def extract_row(self, row: int) -> Serial:
         """A ``PagedKVCache`` holding row ``row``: its table shared, no byte moved."""
         index = check_row(row, self.batch_size)
-        serial_class = cast(type[PagedSerial], DECLARED[self.composition.serial or ""])
+        # The composition's serial storage, or the layout itself when it is its own.
+        entry = self.composition
+        serial_class = cast(type[PagedSerial], DECLARED[entry.serial or entry.name])
         serial = serial_class(
             pool=self._pool, codec=self.codec_spec, token_geometry=self._token_geometry
         )
