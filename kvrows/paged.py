@@ -51,6 +51,7 @@ from kvrows.validation import KvGeometry, as_count
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "ROOT_HASH",
+    "AnyCodecParameters",
     "BlockLedger",
     "Paged",
     "PagedSurface",
@@ -522,9 +523,9 @@ class PoolBase:
 
 class PagedSurface:
     """What a paged storage shows besides its rows, in both implementations (array-free):
-    its pool and block size, the affine codec's ``bits`` / ``group_size``, and mlx-lm's
-    read surface over ``_held()`` (what ``fetch`` returns, ``None`` while nothing is held):
-    ``keys`` / ``values`` are reads only, since a block pool is shared."""
+    its pool and block size, and mlx-lm's read surface over ``_held()`` (what ``fetch``
+    returns, ``None`` while nothing is held): ``keys`` / ``values`` are reads only, since
+    a block pool is shared. A paged preset of any codec adds :class:`AnyCodecParameters`."""
 
     _pool: Any
     _paged: Paged
@@ -559,25 +560,6 @@ class PagedSurface:
     @property
     def state_needs_dispose(self) -> bool:
         return False
-
-    # mlx-lm's attention reads ``bits`` / ``group_size`` off an affine cache (its quantized
-    # path); other codecs have neither (``hasattr`` is false).
-    @property
-    def bits(self) -> int:
-        return int(self._affine_parameter("bits"))
-
-    @property
-    def group_size(self) -> int:
-        return int(self._affine_parameter("group_size"))
-
-    def _affine_parameter(self, name: str) -> int:
-        """The codec's parameter ``name`` (only the affine codec has ``bits`` and
-        ``group_size``: its quantized attention path)."""
-        spec = self.codec_spec
-        parameters = spec.parameters()
-        if name not in parameters:
-            raise AttributeError(no_affine_parameter_message(type(self).__name__, spec, name))
-        return parameters[name]
 
     @property
     def keys(self) -> Any:
@@ -620,3 +602,33 @@ class PagedSurface:
             return 0
         first = held[0][0] if isinstance(held[0], tuple) else held[0]
         return int(first.shape[2])
+
+
+class AnyCodecParameters:
+    """The affine codec's ``bits`` / ``group_size`` on a paged preset of any codec
+    (``codec="any"`` in the table: its spec decides); a preset of one codec kind (the
+    paged latent) answers what its kind does instead."""
+
+    if TYPE_CHECKING:
+
+        @property
+        def codec_spec(self) -> CodecSpec: ...
+
+    # mlx-lm's attention reads ``bits`` / ``group_size`` off an affine cache (its quantized
+    # path); other codecs have neither (``hasattr`` is false).
+    @property
+    def bits(self) -> int:
+        return int(self._affine_parameter("bits"))
+
+    @property
+    def group_size(self) -> int:
+        return int(self._affine_parameter("group_size"))
+
+    def _affine_parameter(self, name: str) -> int:
+        """The codec's parameter ``name`` (only the affine codec has ``bits`` and
+        ``group_size``: its quantized attention path)."""
+        spec = self.codec_spec
+        parameters = spec.parameters()
+        if name not in parameters:
+            raise AttributeError(no_affine_parameter_message(type(self).__name__, spec, name))
+        return parameters[name]

@@ -10,17 +10,18 @@ from kvrows.compositions import composition
 from kvrows.errors import PoolExhaustedError
 from kvrows.optimized.paging import BlockPool, PagedLayout, PagedSerial
 from kvrows.optimized.speculative import SpeculativeLayout
+from kvrows.paged import AnyCodecParameters
 
 __all__ = ["BlockPool", "PagedKVCache", "PagedKvRows"]
 
 
-class PagedKVCache(PagedSerial):
+class PagedKVCache(AnyCodecParameters, PagedSerial):
     """One request's block table into a ``BlockPool`` (``spec/PagedKVCache.md``)."""
 
     composition = composition("PagedKVCache")
 
 
-class PagedKvRows(SpeculativeLayout, PagedLayout):
+class PagedKvRows(AnyCodecParameters, SpeculativeLayout, PagedLayout):
     """Block-table rows, all three roles (``spec/PagedKvRows.md``)."""
 
     composition = composition("PagedKvRows")

@@ -36,7 +36,8 @@ from typing import Any, ClassVar, cast
 import mlx.core as mx
 import numpy as np
 
-from kvrows.codec import KV_TENSORS, PlaneSet
+from kvrows.codec import PlaneSet, as_role
+from kvrows.common import shapes_token_bytes
 from kvrows.errors import (
     EMPTY_CACHE_NO_BLOCK,
     EMPTY_ROW_NO_BLOCK,
@@ -293,10 +294,12 @@ class BlockPool(PoolBase):
         g = self._geometry
         assert g is not None
         count, bs = total - self.num_blocks, self.block_size
-        fresh: PlaneSet = {
-            t: tuple(self.codec.zeros(count, g.heads, bs, dim, g.dtype, t))
-            for t, dim in zip(KV_TENSORS, (g.key_dim, g.value_dim), strict=True)
-        }
+        # Every tensor the geometry names (a KV geometry, a codec's ``Shapes``: a latent
+        # pool's latent, rope and index planes).
+        fresh: PlaneSet = {}
+        for t in g.tensors:
+            heads, dim, dtype = g.tensor_image(t)
+            fresh[t] = tuple(self.codec.zeros(count, heads, bs, dim, dtype, as_role(t)))
         if self._planes:
             fresh = {
                 t: tuple(
@@ -502,6 +505,17 @@ class PagedRows(PagedSurface, Storage):
         self._offsets, self._pads = [], []
         self._changed()
 
+    def adopt_tables(self, tables: Sequence[Table], offset: int) -> None:
+        """Hold ``tables`` (live tables of the pool, ``offset`` positions each) instead of
+        what it held; they are released when this cache is collected (a serial storage's,
+        or a layout that is its own serial class)."""
+        assert self._pool is not None
+        self._pool.close(self._tables)
+        self._tables[:] = tables
+        self._offsets = [offset] * len(tables)
+        self._changed()
+        self._watch()
+
     def _ensure_pool(self, geometry: KvGeometry, room: int = 0) -> BlockPool:
         """The pool, knowing ``geometry``; ``room``: the blocks the write that teaches a
         given pool its geometry takes (refused past its byte limit before it learns)."""
@@ -568,13 +582,14 @@ class PagedRows(PagedSurface, Storage):
         return True
 
     # -- reads: gathered from the pool ---------------------------------------------------
-    def fetch(self) -> tuple[Any, Any]:
+    def _read(self) -> dict[str, Any]:
+        """Each tensor the pool holds (keys and values; a latent pool's latent, rope and
+        index) gathered right-aligned, in the codec's fetched form."""
         if self._pool is None or not self._tables or not any(self._offsets):
             raise LayoutStateError(NOTHING_TO_FETCH)
         width = max(self._offsets)
         planes = self._pool.gather(self._tables, self._offsets, self._pads, width)
-        keys, values = (self.codec.fetched(planes[t], t) for t in KV_TENSORS)
-        return keys, values
+        return {t: self.codec.fetched(held, as_role(t)) for t, held in planes.items()}
 
     def _held_window(self, row: int | None) -> PlaneSet | None:
         """Row ``row``'s positions read from its blocks (every row's, stacked, on a serial
@@ -687,16 +702,6 @@ class PagedSerial(PagedRows, Serial):
     bit-exact with ``KVCache`` on the same tokens. Shape-generic in ``B`` as every serial
     storage, though a request is one row: prefix registration is per request (``B = 1``)."""
 
-    def adopt_tables(self, tables: Sequence[Table], offset: int) -> None:
-        """Hold ``tables`` (live tables of the pool, ``offset`` positions each) instead of
-        what it held; they are released when this cache is collected."""
-        assert self._pool is not None
-        self._pool.close(self._tables)
-        self._tables[:] = tables
-        self._offsets = [offset] * len(tables)
-        self._changed()
-        self._watch()
-
     def _request(self) -> Table:
         if len(self._tables) != 1:
             raise LayoutStateError(request_rows_message(len(self._tables)))
@@ -749,10 +754,8 @@ class PagedLayout(PagedRows, Layout):
         g = self._geometry
         if g is None:
             raise LayoutStateError(PROJECTED_BYTES_NEEDS_GEOMETRY)
-        per_token = self.codec.token_bytes(
-            g.heads, g.key_dim, g.dtype, "keys"
-        ) + self.codec.token_bytes(g.heads, g.value_dim, g.dtype, "values")
-        return math.ceil(count / self.block_size) * self.block_size * int(per_token)
+        per_token = shapes_token_bytes(self.codec, g)
+        return math.ceil(count / self.block_size) * self.block_size * per_token
 
     def row_window(self, row: int) -> tuple[Planes, Planes] | None:
         """Row ``row``'s positions' planes in logical order (``None`` when it holds none)."""
@@ -813,7 +816,9 @@ class PagedLayout(PagedRows, Layout):
     def extract_row(self, row: int) -> Serial:
         """A ``PagedKVCache`` holding row ``row``: its table shared, no byte moved."""
         index = check_row(row, self.batch_size)
-        serial_class = cast(type[PagedSerial], DECLARED[self.composition.serial or ""])
+        # The composition's serial storage, or the layout itself when it is its own.
+        entry = self.composition
+        serial_class = cast(type[PagedSerial], DECLARED[entry.serial or entry.name])
         serial = serial_class(
             pool=self._pool, codec=self.codec_spec, token_geometry=self._token_geometry
         )

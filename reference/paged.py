@@ -8,18 +8,19 @@ Their machinery is the reference's row machinery with the paged placement of
 from __future__ import annotations
 
 from kvrows.compositions import composition
+from kvrows.paged import AnyCodecParameters
 from kvrows.reference.paging import BlockPool, PagedLayout, PagedSerial
 
 __all__ = ["BlockPool", "PagedKVCache", "PagedKvRows"]
 
 
-class PagedKVCache(PagedSerial):
+class PagedKVCache(AnyCodecParameters, PagedSerial):
     """One request's block table into a ``BlockPool`` (``spec/PagedKVCache.md``)."""
 
     composition = composition("PagedKVCache")
 
 
-class PagedKvRows(PagedLayout):
+class PagedKvRows(AnyCodecParameters, PagedLayout):
     """Block-table rows, all three roles (``spec/PagedKvRows.md``)."""
 
     composition = composition("PagedKvRows")

@@ -432,6 +432,15 @@ class PagedRows(PagedSurface, Storage):
         self._watch()
         super()._write(block, rows, n, geometry)
 
+    def adopt_rows(self, rows: Sequence[Row]) -> None:
+        """Hold ``rows`` (live tables of the pool) instead of what it held; they are
+        released when this cache is collected (a serial storage's, or a layout that is its
+        own serial class: ``PagedLayout`` aligns them)."""
+        assert self._pool is not None
+        self._pool.close(self._rows)
+        self._rows = list(rows)
+        self._watch()
+
     def _ensure_pool(self, geometry: KvGeometry, room: int) -> BlockPool:
         """The pool, knowing ``geometry``; ``room``: the blocks the write that teaches a
         given pool its geometry takes (refused past its byte limit before it learns)."""
@@ -544,14 +553,6 @@ class PagedSerial(SerialStorage, PagedRows):
     def _lent(self) -> list[Row | None]:
         return list(self._rows) or [None]
 
-    def adopt_rows(self, rows: Sequence[Row]) -> None:
-        """Hold ``rows`` (live tables of the pool) instead of what it held; they are
-        released when this cache is collected."""
-        assert self._pool is not None
-        self._pool.close(self._rows)
-        self._rows = list(rows)
-        self._watch()
-
     def _request(self) -> Row:
         if len(self._rows) != 1:
             raise LayoutStateError(request_rows_message(len(self._rows)))
@@ -611,6 +612,10 @@ class PagedLayout(SpeculativeLayout, PagedRows):
 
     def block_tables(self) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(cast(PagedRow, r).blocks) for r in self._rows)
+
+    def adopt_rows(self, rows: Sequence[Row]) -> None:
+        super().adopt_rows(rows)
+        self._place.join(self._rows, 0)
 
     def make_empty_batch(self) -> RowLayout:
         return type(self)(

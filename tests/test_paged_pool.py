@@ -3,16 +3,21 @@ codecs, and its teeth: a forgotten decref and a hashed draft block are caught.""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from typing import Any
 
+import mlx.core as mx
+import numpy as np
 import pytest
 from hypothesis.stateful import run_state_machine_as_test
 
+from kvrows.codecs.latent import Latent, LatentShapes
 from kvrows.conformance.paged_pool import AFFINE_TEST, STATS, pool_machine
 from kvrows.conformance.profiles import profile_settings
+from kvrows.errors import InvalidInputError
 from kvrows.optimized.paged import BlockPool, PagedKvRows
-from kvrows.schemes import Plain
+from kvrows.schemes import Affine, Plain
 
 #: CI share: about 3 s on one core for the four runs.
 EXAMPLES = 8
@@ -61,3 +66,53 @@ def test_the_pool_machine_catches(mutant: type, role: str) -> None:
         ForgetsOneDecref.cache_class = BlockPool.cache_class
     with pytest.raises(AssertionError):
         run_state_machine_as_test(machine, settings=profile_settings("teeth"))
+
+
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+@pytest.mark.parametrize("inner", [Plain(), Affine(bits=4, group_size=32)])
+def test_a_paging_pool_holds_a_latent_codecs_planes(impl: str, inner: Any) -> None:
+    """The paged placement's pool stores ``Latent``'s planes over ``LatentShapes`` (what
+    ``PagedLatentCache``'s move puts under it, ``spec/machinery-migration.md`` §6): the
+    codec's plane specs per block, its bytes, rows written and gathered right-aligned."""
+    module = importlib.import_module(f"kvrows.{impl}.paging")
+    spec = Latent(inner=inner, kv_lora_rank=64, rope_head_dim=8, index_head_dim=16)
+    shapes = LatentShapes(64, 8, 16, "float32")
+    pool = module.BlockPool(spec, block_size=4)
+    with pytest.raises(InvalidInputError, match="index width must be 16"):
+        pool.learn(LatentShapes(64, 8, 8, "float32"))
+    pool.learn(shapes)
+    with pytest.raises(InvalidInputError, match="kv_lora_rank=64, rope_head_dim=8, index=16"):
+        pool.learn(LatentShapes(64, 8, 16, "float16"))
+    assert pool.token_bytes == spec.token_bytes(shapes)
+    rng = np.random.default_rng(0)
+    tensors = {t: rng.standard_normal((2, 1, 6, w)).astype(np.float32)
+               for t, w in (("latent", 64), ("rope", 8), ("index", 16))}  # fmt: skip
+    wrap = np.asarray if impl == "reference" else mx.array
+    block = {t: tuple(pool.codec.encode(wrap(a), t)) for t, a in tensors.items()}
+    if impl == "reference":
+        rows = [module.PagedRow(), module.PagedRow()]
+        pool.append(rows, block, 6)
+        for row in rows:
+            row.offset = 6
+        pool.append(rows[:1], {t: tuple(p[:1, :, :3] for p in ps) for t, ps in block.items()}, 3)
+        rows[0].offset = 9
+        image = pool.gather(rows, [0, 3], 9)
+    else:
+        tables: list[list[int]] = [[], []]
+        pool.append(tables, [0, 0], block, 6)
+        pool.append(
+            tables[:1], [6], {t: tuple(p[:1, :, :3] for p in ps) for t, ps in block.items()}, 3
+        )
+        image = pool.gather(tables, [9, 6], [0, 3], 9)
+    held = [(p.dtype, p.shape[1:]) for planes in pool._planes.values() for p in planes]
+    assert [(str(dtype).rsplit(".", 1)[-1], shape) for dtype, shape in held] == [
+        (p.dtype, (1, 4, p.width)) for p in spec.tensor_planes(shapes)
+    ]
+    assert pool.ledger.referenced_count == 3 + 2
+    for t in tensors:
+        read = np.asarray(pool.codec.fetched(image[t], t), dtype=np.float32)
+        stored = np.asarray(pool.codec.fetched(block[t], t), dtype=np.float32)
+        np.testing.assert_array_equal(read[1, :, 3:], stored[1])
+        np.testing.assert_array_equal(read[0, :, :6], stored[0])
+        np.testing.assert_array_equal(read[0, :, 6:], stored[0, :, :3])
+        assert not read[1, :, :3].any()

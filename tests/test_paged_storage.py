@@ -502,3 +502,17 @@ def test_prompt_cache_files_round_trip(tmp_path: Any, codec: CodecSpec) -> None:
             tuple(tuple(from_mlx(p) for p in side) for side in row),
             numpy,
         )
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", ["PagedKVCache", "PagedKvRows"])
+def test_bits_and_group_size_follow_the_codec(impl: Any, name: str) -> None:
+    """mlx-lm's attention takes the quantized path iff the cache has ``bits``: a paged
+    preset of any codec answers them for an affine pool only (``AnyCodecParameters``)."""
+    _, module, _, _ = impl
+    cls = getattr(module, name)
+    affine = cls(codec=Affine(bits=4, group_size=32))
+    assert (affine.bits, affine.group_size) == (4, 32)
+    for codec in (Plain(), Turbo(k_bits=8, v_bits=3)):
+        cache = cls(codec=codec)
+        assert not hasattr(cache, "bits") and not hasattr(cache, "group_size")

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Self, TypeAlias
 
-from kvrows.codec import DTYPE_SIZES, CodecSpec, PlaneSpec, Reads, Role
+from kvrows.codec import DTYPE_SIZES, CodecLayout, CodecSpec, PlaneSpec, Reads, Role
 from kvrows.codecs.plain import Plain
 from kvrows.codecs.registry import SpecParts, register_codec
 from kvrows.errors import InvalidInputError
@@ -32,6 +32,7 @@ __all__ = [
     "LATENT_ROLE",
     "PAGED_LATENT_FIELDS",
     "Latent",
+    "LatentLayout",
     "LatentRole",
     "LatentShapes",
     "latent_token_bytes",
@@ -81,6 +82,10 @@ class LatentShapes:
     def tensors(self) -> tuple[str, ...]:
         """The tensors a read returns: the latent, the rope and (DSA) the index."""
         return ("latent", "rope") if self.index is None else ("latent", "rope", "index")
+
+    def describe(self) -> str:
+        index = "" if self.index is None else f", index={self.index}"
+        return f"kv_lora_rank={self.rank}, rope_head_dim={self.rope}{index}, dtype={self.dtype}"
 
     def tensor_image(self, tensor: str) -> tuple[int, int, str]:
         """``(heads, width, dtype)`` of ``tensor`` in the image a read returns (one head)."""
@@ -250,3 +255,21 @@ def latent_token_bytes(
 ) -> int:
     """Bytes one token of one row takes with the latent through ``codec``."""
     return Latent(inner=codec).token_bytes(LatentShapes(rank, rope, index, dtype))
+
+
+class LatentLayout(CodecLayout):
+    """What both implementations' latent array codecs answer from the spec alone: a
+    block pool of the paged placement asks it whether it stores ``shapes``."""
+
+    spec: Latent
+
+    def check(self, geometry: Any) -> None:
+        """Raise ``InvalidInputError`` unless the spec stores ``geometry`` (a
+        ``LatentShapes``): its widths as declared, its latent through the inner codec."""
+        shapes: LatentShapes = geometry
+        self.spec.check_blocks(
+            "the latent pool",
+            [(t, (1, 1, 1, shapes.tensor_image(t)[1]), shapes.dtype) for t in shapes.tensors],
+            None,
+            None,
+        )

@@ -8,8 +8,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvrows.codec import CodecLayout
-from kvrows.codecs.latent import LATENT_ROLE, Latent
+from kvrows.codecs.latent import LATENT_ROLE, Latent, LatentLayout
 from kvrows.errors import LATENT_HAS_NO_ATTENTION, InvalidInputError
 from kvrows.reference.codecs.common import Planes, numpy_dtype
 from kvrows.reference.codecs.registry import build, implements
@@ -18,7 +17,7 @@ __all__ = ["LatentArrayCodec"]
 
 
 @implements("latent")
-class LatentArrayCodec(CodecLayout):
+class LatentArrayCodec(LatentLayout):
     """The composite codec's array work: ``latent`` planes are the inner codec's
     ``values`` planes, ``rope`` and ``index`` one plain plane each. Reads are dense (the
     latent decoded); MLA attention is the model's, so ``attend`` refuses."""
