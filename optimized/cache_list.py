@@ -29,9 +29,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvrows.errors import (
+    MERGE_NEEDS_SEQUENCE,
+    IncompatibleRowsError,
     InvalidInputError,
     NotTrimmableError,
     SpeculativeRoundError,
+    self_merge_message,
 )
 from kvrows.protocols import BatchableCache, Cache, SpeculativeRowLayout, StateDisposer
 from kvrows.validation import as_count, check_keep
@@ -221,8 +224,10 @@ class CacheListLayout(CacheListDropIn):
 
     def _sources(self, rows: Sequence[Any]) -> list[list[Any]]:
         """Per part, that part of every row (each row a CacheList of this form)."""
-        if isinstance(rows, str | bytes) or not isinstance(rows, Sequence) or not rows:
-            raise InvalidInputError("merge_rows needs a non-empty sequence of CacheLists")
+        if isinstance(rows, str | bytes) or not isinstance(rows, Sequence):
+            raise InvalidInputError(MERGE_NEEDS_SEQUENCE)
+        if any(row is self for row in rows) or len({id(row) for row in rows}) != len(rows):
+            raise IncompatibleRowsError(self_merge_message(self.signature()))
         width = len(self.caches)
         for index, row in enumerate(rows):
             parts = getattr(row, "parts", None)
@@ -231,8 +236,6 @@ class CacheListLayout(CacheListDropIn):
                     f"merge_rows: rows[{index}] must be a CacheList of {width} parts, got "
                     f"{type(row).__name__}"
                 )
-            if row is self:
-                raise InvalidInputError("merge_rows: a layout cannot take its own rows")
         return [[row.parts[i] for row in rows] for i in range(width)]
 
     def merge_rows(self, rows: Sequence[Any]) -> None:
@@ -240,6 +243,8 @@ class CacheListLayout(CacheListDropIn):
         in a fresh empty layout first, so a refusal changes no part."""
         sources = self._sources(rows)
         self._no_open_round("merge_rows")
+        if not rows:
+            return  # no row joins (every layout's rule)
         checked = []
         for part, part_rows in zip(self.caches, sources, strict=True):
             fresh = part.make_empty_batch()

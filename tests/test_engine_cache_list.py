@@ -20,6 +20,7 @@ from kvrows.app.demo import MODEL_TOLERANCES, builtin_trace, check_invariance
 from kvrows.app.engine import Engine, Request, model_fingerprint
 from kvrows.app.models import draft_model, make_kvrows_cache, tiny_model
 from kvrows.errors import (
+    IncompatibleRowsError,
     InvalidInputError,
     NotTrimmableError,
     RowIndexError,
@@ -164,6 +165,11 @@ def test_row_operations_go_to_every_part_and_a_refusal_changes_nothing(
     before = [part.row_offsets for part in layout.parts]
     with pytest.raises(InvalidInputError, match="CacheList of 2 parts"):
         layout.merge_rows([third, third.parts[0]])
+    # The contract's self-merge refusal: the layout itself, or a source given twice.
+    for twice in ([layout], [third, third]):
+        with pytest.raises(IncompatibleRowsError, match="cannot merge itself or a source given"):
+            layout.merge_rows(twice)
+    layout.merge_rows([])  # no row joins
     with pytest.raises(RowIndexError):
         layout.filter_rows([5])
     with pytest.raises(NotTrimmableError):
