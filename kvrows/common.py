@@ -61,8 +61,21 @@ class ComposedIdentity:
 
     composition: ClassVar[Composition]
     codec: Any
+    #: The codecs of the stages (contract §0.5): one, but under the delayed modifier.
+    _stages: tuple[Any, ...]
     _token_geometry: GeometrySpec
     _geometry: KvGeometry | None
+
+    # -- stages (the delayed modifier's int half; each twin's ``_use_stages`` makes codecs)
+    @property
+    def stages(self) -> tuple[CodecSpec, ...]:
+        """The codec of each stage, in order (one but under the delayed modifier)."""
+        return tuple(codec.spec for codec in self._stages)
+
+    @property
+    def _stage(self) -> int:
+        """The stage every row is in (writes and reads go through its codec, ``codec``)."""
+        return self._stages.index(self.codec)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Each implementation binds its arguments (``compositions.bind_arguments``)."""

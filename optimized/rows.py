@@ -264,16 +264,6 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         self._clear()
 
     # -- stages (the delayed modifier's array hooks, contract §0.5) ---------------------------
-    @property
-    def stages(self) -> tuple[CodecSpec, ...]:
-        """The codec of each stage, in order (one but under the delayed modifier)."""
-        return tuple(codec.spec for codec in self._stages)
-
-    @property
-    def _stage(self) -> int:
-        """The stage every row is in (its store is ``_planes``, its codec ``codec``)."""
-        return self._stages.index(self.codec)
-
     def _use_stages(self, specs: Sequence[CodecSpec]) -> None:
         """Hold stages of ``specs`` (an empty storage; its rows start in stage 0)."""
         self._stages = tuple(make_codec(spec) for spec in specs)

@@ -387,16 +387,6 @@ class Storage(SavedState, ComposedIdentity):
         return Row(sinks=self._sinks, token_axis=self._token_geometry.token_axis, stage=self._stage)
 
     # -- stages (the delayed modifier's array hooks, contract §0.5) ---------------------------
-    @property
-    def stages(self) -> tuple[CodecSpec, ...]:
-        """The codec of each stage, in order (one but under the delayed modifier)."""
-        return tuple(codec.spec for codec in self._stages)
-
-    @property
-    def _stage(self) -> int:
-        """The stage every row is in (writes and reads go through its codec, ``codec``)."""
-        return self._stages.index(self.codec)
-
     def _use_stages(self, specs: Sequence[CodecSpec]) -> None:
         """Hold stages of ``specs`` (an empty storage; its rows start in stage 0)."""
         self._stages = tuple(make_codec(spec) for spec in specs)
