@@ -51,6 +51,7 @@ __all__ = [
     "head_dim_message",
     "head_grouping_message",
     "incompatible_merge_message",
+    "last_stage_message",
     "latent_planes_message",
     "latent_role_message",
     "mask_message",
@@ -255,8 +256,13 @@ ADOPT_NEEDS_EMPTY = "adopt needs an empty cache"
 SHARED_COLUMN_TRIM = "rows sharing one write column must trim together"
 
 #: Converting some rows of a storage whose stages have one store (a serial storage's rows
-#: move together; rows of several stages at once come with the delayed layouts).
+#: move together; a geometry without per-row stage stores yet: the rings).
 STAGES_MOVE_TOGETHER = "the rows of this storage convert together: convert every row or none"
+
+
+def last_stage_message(row: int, stage: int) -> str:
+    """A row asked to convert out of its storage's last stage."""
+    return f"row {row} is in stage {stage}, the last: it has no next stage to convert into"
 
 #: Stages asked of a paged storage: its pool's blocks are of one codec (a paged delayed
 #: preset keeps its plain stage beside the pool, contract §0.5; not built yet).
