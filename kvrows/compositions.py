@@ -53,6 +53,7 @@ __all__ = [
     "presets_on_rows",
     "register_compositions",
     "serial_for_peer",
+    "serial_preset",
     "stage_presets",
 ]
 
@@ -317,23 +318,26 @@ def presets_on_rows(geometries: Container[str]) -> tuple[Composition, ...]:
     )
 
 
+def serial_preset(geometry: str, codec: str) -> Composition:
+    """The serial preset of ``codec`` (a codec kind) on ``geometry`` with no modifier
+    (``QuantizedKVCache`` for ``("growing", "affine")``): what a row of that codec
+    extracts into."""
+    for entry in landed():
+        if (
+            entry.arrangement == "serial"
+            and not entry.modifiers
+            and entry.geometry == geometry
+            and entry.codec == codec
+        ):
+            return entry
+    raise InvalidInputError(f"no serial preset stores the {codec} codec on the {geometry} geometry")
+
+
 def stage_presets(entry: Composition) -> tuple[Composition, Composition]:
     """The serial presets of a delayed serial storage's two stages: the plain one and the
     one of its codec, on its geometry, with no modifier (``KVCache`` and
     ``QuantizedKVCache`` for ``Bf16FirstQuantizedKVCache``): what it shows as its storage."""
-
-    def serial(codec: str) -> Composition:
-        (found,) = (
-            c
-            for c in landed()
-            if c.arrangement == "serial"
-            and not c.modifiers
-            and c.geometry == entry.geometry
-            and c.codec == codec
-        )
-        return found
-
-    return serial("plain"), serial(entry.codec)
+    return serial_preset(entry.geometry, "plain"), serial_preset(entry.geometry, entry.codec)
 
 
 #: Presets documented on a sibling's page (the affine verify ring shares the plain one's;

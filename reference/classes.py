@@ -32,7 +32,7 @@ from kvrows.reference.geometries.recurrent import ArraysCacheSurface, StateLayou
 from kvrows.reference.geometries.registry import IMPLEMENTATIONS
 from kvrows.reference.geometries.ring import RingParameters
 from kvrows.reference.latent import LatentSurface
-from kvrows.reference.rows import RowLayout, SerialStorage
+from kvrows.reference.rows import SERIAL_PRESETS, RowLayout, SerialStorage
 from kvrows.reference.speculative import SpeculativeLayout
 
 __all__ = [
@@ -118,6 +118,8 @@ def build(entries: Iterable[Composition]) -> dict[str, type[Any]]:
         built[entry.name] = preset_class(entry, bases, __name__, **members)
         if entry.is_layout and not serial:  # its own serial storage (MLACache)
             built[entry.name].serial_class = built[entry.name]
+        if not entry.is_layout and not entry.modifiers:
+            SERIAL_PRESETS[entry.name] = built[entry.name]
     return built
 
 
