@@ -558,6 +558,11 @@ class Storage(SavedState, ComposedIdentity):
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
         """Validate the block once, encode it once, append row ``b``'s share to row ``b``."""
+        self._update(keys, values)
+        return self.fetch()
+
+    def _update(self, keys: Any, values: Any) -> None:
+        """``update_and_fetch`` without its read (rows of several stages read by parts)."""
         geometry = check_block(
             keys.shape if isinstance(keys, np.ndarray) else (),
             values.shape if isinstance(values, np.ndarray) else (),
@@ -569,7 +574,6 @@ class Storage(SavedState, ComposedIdentity):
         for stage in self._row_stage_set():
             self._stages[stage].check(geometry)
         self._write_blocks(dict(zip(KV_TENSORS, (keys, values), strict=True)), geometry)
-        return self.fetch()
 
     def _write_blocks(self, blocks: dict[str, Any], shapes: Any) -> None:
         """The one write (``update_and_fetch``, a latent ``append``): checked blocks
@@ -729,8 +733,10 @@ class RowLayout(Storage):
     serial_class: ClassVar[type[SerialStorage]]
     _lends_empty_row = False
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def _setup(
+        self, codec_spec: CodecSpec, token_geometry: GeometrySpec, declared: KvGeometry | None
+    ) -> None:
+        super()._setup(codec_spec, token_geometry, declared)
         self._place = self._axis.place(self.composition.arrangement)
 
     # -- what the layout holds ---------------------------------------------------------------
