@@ -993,8 +993,7 @@ class DelayedLayout(ConversionBoundary, SpeculativeRounds):
     a read of mixed rows with a :class:`RowAttentionPending` pair (inside
     :func:`row_reads`). Row placement, writes, merges, filters, trims and extraction are
     the machinery's; the implementation adds three array helpers (``_rows_of``,
-    ``_in_batch_order``, ``_positions``) and the saved form's groups (``_group_states``,
-    ``_hold_groups``).
+    ``_in_batch_order``, ``_positions``) and ``_place_pads`` (a restored record's columns).
     """
 
     composition: ClassVar[Composition]
@@ -1059,21 +1058,8 @@ class DelayedLayout(ConversionBoundary, SpeculativeRounds):
         """An int32 vector (positions, the saved record's)."""
         raise NotImplementedError
 
-    def _group_states(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        """The states of the plain and the converted rows as the two stages' ragged presets
-        (``plain_group_class`` / ``affine_group_class``) save them."""
-        raise NotImplementedError
-
-    def _hold_groups(
-        self,
-        plain: Any,
-        affine: Any,
-        converted_at: Sequence[int | None],
-        left_pad: Sequence[int] | None,
-    ) -> None:
-        """Hold the rows of the restored groups ``plain`` / ``affine`` in batch order (row
-        ``b`` from its stage's group, at its rank among that stage's rows; ``left_pad``:
-        the record's columns, full attention)."""
+    def _place_pads(self, left_pad: Sequence[int]) -> None:
+        """Lay row ``b`` at column ``left_pad[b]`` (full attention; a restored record's)."""
         raise NotImplementedError
 
     # -- construction ------------------------------------------------------------------------
@@ -1185,6 +1171,42 @@ class DelayedLayout(ConversionBoundary, SpeculativeRounds):
         return self._conversion.max_append_tokens(self.row_offsets)
 
     # -- saved state (``kvrows.forms``; ``spec/persistence.md`` §1.1) -------------------------
+    def _group_states(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """The states of the plain and the converted rows as the two stages' ragged presets
+        (``plain_group_class`` / ``affine_group_class``) save them: each stage's rows
+        extracted and merged into one (a layout's form right-aligns its rows' windows, so
+        their columns here do not matter)."""
+        states = []
+        for stage, cls in enumerate((self.plain_group_class, self.affine_group_class)):
+            group = cls.from_specs(
+                self._stages[stage].spec, self._token_geometry, geometry=self._geometry
+            )
+            rows = [b for b, s in enumerate(self.row_stages) if s == stage]
+            if rows:  # the machinery's extraction: one-stage serial storages, no lego
+                group.merge_rows([super(DelayedLayout, self).extract_row(b) for b in rows])  # type: ignore[misc]
+            states.append(tuple(group.state))
+        return states[0], states[1]
+
+    def _hold_groups(
+        self, plain: Any, affine: Any, converted_at: Sequence[int | None], left_pad: Any
+    ) -> None:
+        """Hold the restored groups' rows in batch order (row ``b`` from its stage's group,
+        at its rank among that stage's rows), at the record's columns (``left_pad``, full
+        attention): the machinery's merge and filter, the modifier's record left out (the
+        caller restores it)."""
+        self._restoring = True
+        try:
+            super().merge_rows([plain, affine])  # type: ignore[misc]
+        finally:
+            self._restoring = False
+        joined = [b for b, c in enumerate(converted_at) if c is None]
+        joined += [b for b, c in enumerate(converted_at) if c is not None]
+        order = sorted(range(len(joined)), key=lambda i: joined[i])
+        if order != list(range(len(order))):
+            super().filter_rows(order)  # type: ignore[misc]
+        if left_pad is not None and len(left_pad):
+            self._place_pads(list(left_pad))
+
     @property
     def state(self) -> tuple[Any, ...]:
         """The plain rows' state, the converted rows' (each its stage's ragged preset's
@@ -1504,7 +1526,12 @@ class DelayedLayout(ConversionBoundary, SpeculativeRounds):
             f"layouts), got {type(source).__name__}" + ("" if spec is None else f" ({spec.name})")
         )
 
+    _restoring = False  # ``_hold_groups``: the machinery's join only
+
     def _join(self, sources: Sequence[Any], *args: Any) -> None:
+        if self._restoring:
+            super()._join(sources, *args)  # type: ignore[misc]
+            return
         records = [self._source_record(source) or [] for source in sources]
         super()._join(sources, *args)  # type: ignore[misc]
         for record in records:
