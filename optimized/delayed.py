@@ -9,12 +9,13 @@ The groups are this implementation's ragged layouts with rounds (``BatchedKVCach
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from kvrows.compositions import composition
 from kvrows.conversion import MIXED_READ
+from kvrows.delayed import DelayedLayout as _DelayedLayout
 from kvrows.delayed import (
     DelayedFullAttention,
     DelayedRows,
@@ -140,3 +141,71 @@ class DelayedTurboQuantKVCache(_OptimizedDelayed, DelayedTurboRows):
     plain_group_class = BatchedKVCache
     affine_group_class = BatchedTurboQuantKVCache
     lego_class = Bf16FirstTurboQuantKVCache
+
+
+class DelayedLayout(_DelayedLayout):
+    """The delayed modifier's layout mixin over the optimized row machinery (a growing
+    geometry: its stage stores, contract §0.4), with mlx-lm's read surface of a layout."""
+
+    _planes: Any
+    _stores: Any
+
+    def _rows_of(self, array: Any, rows: Sequence[int]) -> Any:
+        count = int(array.shape[0])
+        if (count == 1 and self.batch_size != 1) or list(rows) == list(range(count)):
+            return array  # one row broadcasts over every row; every row: as it is
+        return mx.take(array, mx.array(list(rows), dtype=mx.int32), axis=0)
+
+    def _in_batch_order(self, parts: Sequence[Any], order: Sequence[int]) -> Any:
+        joined = parts[0] if len(parts) == 1 else mx.concatenate(list(parts), axis=0)
+        inverse = sorted(range(len(order)), key=lambda i: order[i])
+        if inverse == list(range(len(order))):
+            return joined
+        return mx.take(joined, mx.array(inverse, dtype=mx.int32), axis=0)
+
+    def _positions(self, values: Sequence[int]) -> Any:
+        return mx.array(list(values), dtype=mx.int32)
+
+    def _place_pads(self, left_pad: Sequence[int]) -> None:
+        self._align(list(left_pad))
+
+    if TYPE_CHECKING:  # the growing geometry's (the mixin comes first in the MRO)
+
+        def _align(self, pads: list[int], tokens: list[int] | None = None) -> None: ...
+
+    # -- mlx-lm's read surface (``spec/mlx-lm-drop-in.md``) -----------------------------------
+    def _held_reads(self, what: str) -> tuple[Any, Any] | None:
+        if self.phase == "mixed":
+            raise MixedPrecisionReadError(
+                f"{MIXED_READ}; .{what} has no one buffer while rows are mixed"
+            )
+        return None if self._planes is None else self.fetch()
+
+    @property
+    def keys(self) -> Any:
+        """The keys attention reads (plain, or once every row converted, the target's);
+        ``None`` before any buffer exists."""
+        held = self._held_reads("keys")
+        return None if held is None else held[0]
+
+    @property
+    def values(self) -> Any:
+        """The values attention reads; ``None`` before any buffer exists."""
+        held = self._held_reads("values")
+        return None if held is None else held[1]
+
+    def keys_and_values(self) -> tuple[Any, Any]:
+        return self.fetch()
+
+    @property
+    def left_padding(self) -> Any:
+        """mlx-lm's per-row left padding, int32 ``[B]`` (the layout's ``left_pad``)."""
+        return mx.array(list(self.left_pad), dtype=mx.int32)
+
+    def size(self) -> int:
+        """The key columns attention reads (the record's width)."""
+        return max((p + t for p, t in zip(self.left_pad, self.row_offsets, strict=True)), default=0)
+
+    def empty(self) -> bool:
+        """Whether no buffer exists yet."""
+        return self._planes is None and self._stores is None
