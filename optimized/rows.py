@@ -117,13 +117,14 @@ _STAGED_ONLY = frozenset(
 class Store:
     """One stage's planes in a storage whose rows are in several stages (contract §0.4):
     ``rows`` are the storage rows in its slots, in batch order (row ``rows[i]`` at slot
-    ``i``; spare slots after them); ``planes`` is ``None`` while no row knows its shapes.
-    Every store of a storage is at the same columns (the storage's column record)."""
+    ``i``; spare slots after them); ``planes`` is ``None`` while no row knows its shapes;
+    ``codec`` is the stage's. Every store of a storage is at the same columns (the
+    storage's column record)."""
 
-    __slots__ = ("planes", "rows", "stage")
+    __slots__ = ("codec", "planes", "rows", "stage")
 
-    def __init__(self, stage: int, planes: PlaneSet | None, rows: list[int]) -> None:
-        self.stage, self.planes, self.rows = stage, planes, rows
+    def __init__(self, stage: int, planes: PlaneSet | None, rows: list[int], codec: Codec) -> None:
+        self.stage, self.planes, self.rows, self.codec = stage, planes, rows, codec
 
 
 def owned(view: mx.array) -> mx.array:
@@ -332,7 +333,7 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     def row_stages(self) -> tuple[int, ...]:
         """Each row's stage, in batch order (contract §0.5)."""
         if self._stores is None:
-            return (self._stage,) * len(self._offsets)
+            return (self._stage_of(self.codec),) * len(self._offsets)
         stages = [0] * len(self._offsets)
         for store in self._stores:
             for b in store.rows:
@@ -344,17 +345,26 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         windows: a storage without rows lends empty ones of its codec)."""
         if self._stores is None:
             return [self.codec] * count
-        return [self._stages[s] for s in self.row_stages]
+        codecs: list[Codec] = [self.codec] * len(self._offsets)
+        for store in self._stores:
+            for b in store.rows:
+                codecs[b] = store.codec
+        return codecs
 
     def _held_codecs(self) -> list[Codec]:
         """The codecs of the stages holding rows, in stage order (``codec`` with none)."""
         if self._stores is None:
             return [self.codec]
-        return [self._stages[store.stage] for store in self._stores]
+        return [store.codec for store in self._stores]
 
     def _stage_of(self, codec: Codec) -> int:
         """The stage of this storage whose codec encodes as ``codec`` does."""
         return [c.key for c in self._stages].index(codec.key)
+
+    def _new_store(self, stage: int) -> Store:
+        """An empty store of ``stage`` (of ``codec`` when it is the rows' stage)."""
+        codec = self.codec if self._stage_of(self.codec) == stage else self._stages[stage]
+        return Store(stage, None, [], codec)
 
     def _store_list(self) -> list[Store]:
         """The stores holding rows (the one store wrapped when rows are in one stage;
@@ -363,7 +373,8 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             return self._stores
         if not self._offsets:
             return []
-        return [Store(self._stage, self._planes, list(range(len(self._offsets))))]
+        rows = list(range(len(self._offsets)))
+        return [Store(self._stage_of(self.codec), self._planes, rows, self.codec)]
 
     def _put_stores(self, stores: list[Store]) -> None:
         """Hold ``stores`` (every store with rows; rows in batch order in each): one store
@@ -377,7 +388,7 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             if live:
                 self._planes = live[0].planes
         if live:
-            self.codec = self._stages[live[-1].stage]
+            self.codec = live[-1].codec
 
     def _store_of(self, row: int) -> tuple[Store, int]:
         """The store holding row ``row`` (several stores) and its slot there."""
@@ -402,7 +413,7 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         for store in self._stores:
             if store.planes is None:
                 raise LayoutStateError(NOTHING_TO_FETCH)
-            codec, visible = self._stages[store.stage], self._visible_rows(store)
+            codec, visible = store.codec, self._visible_rows(store)
             reads = {t: codec.fetched(planes, as_role(t)) for t, planes in visible.items()}
             parts.append((list(store.rows), codec, reads))
         return parts
@@ -552,7 +563,7 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             return
         shares: list[PlaneSet] = []
         for store in self._stores:
-            codec, index = self._stages[store.stage], mx.array(store.rows)
+            codec, index = store.codec, mx.array(store.rows)
             shares.append(
                 {
                     t: tuple(mx.take(p, index, axis=0) for p in codec.encode(x, as_role(t)))
@@ -885,7 +896,7 @@ class Layout(Storage):
         shapes = self._joined_shapes(rows)
         held = set(self.row_stages) | set(stages)
         if self._stores is None and len(held) <= 1:
-            if stages and stages[0] != self._stage and not self._offsets:
+            if stages and stages[0] != self._stage_of(self.codec) and not self._offsets:
                 self._clear()  # an empty layout takes its rows' stage
                 self.codec = self._stages[stages[0]]
             self._join(rows, incoming, shapes)
@@ -929,7 +940,7 @@ class Layout(Storage):
         arrays (a lazy slice would pin this layout's buffers and make its next in-place
         write copy them)."""
         index = check_row(row, self.batch_size)
-        spec = self._stages[self.row_stages[index]].spec
+        spec = self._row_codecs(self.batch_size)[index].spec
         cache = self._serial_of(spec)._spawn(self, spec)
         held = self._held_window(index)
         if held is None or self._holds_nothing(held):
@@ -994,12 +1005,11 @@ class Layout(Storage):
     def _check_stores(self) -> None:
         """The row -> (stage, slot) map and the stores agree (contract §0.4)."""
         if self._stores is None:
-            assert not self._offsets or self.codec in self._stages
             return
         assert self._planes is None and len(self._stores) > 1
         stages = [store.stage for store in self._stores]
         assert stages == sorted(set(stages)), "one store per stage, in stage order"
-        assert self.codec is self._stages[stages[-1]], "codec: the newest stage holding rows"
+        assert self.codec is self._stores[-1].codec, "codec: the newest stage holding rows"
         rows = [b for store in self._stores for b in store.rows]
         assert sorted(rows) == list(range(len(self._offsets))), "every row in one store"
         for store in self._stores:

@@ -475,7 +475,8 @@ class _Staged:
         # Bytes: each store holds its rows' slots plus spare slots, at the layout's columns;
         # a slot of the stage's codec costs what a slot of the oracle layout of that codec
         # costs per column (a stage without rows holds nothing).
-        stores = layout._stores or [Store(stages[0], layout._planes, list(range(len(requests))))]
+        rows = list(range(len(requests)))
+        stores = layout._stores or [Store(stages[0], layout._planes, rows, layout.codec)]
         expected = 0
         for (rows, codec, reads), stage, store in zip(parts, stages, stores, strict=True):
             assert codec.spec == (Plain(), STAGED)[stage] and store.stage == stage

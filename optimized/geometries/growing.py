@@ -161,7 +161,7 @@ class GrowingGeometry(Storage):
             batch = len(store.rows)
             least = batch if isinstance(self, Serial) else spare_slots(batch)
             count = max(slots.get(store.stage, 0), least)
-            fresh = self._zeros(count, capacity, geometry, self._stages[store.stage])
+            fresh = self._zeros(count, capacity, geometry, store.codec)
             if store.planes is not None and width and batch:
                 for new, plane in paired(fresh, store.planes):
                     new[:batch, :, shift : shift + width] = plane[
@@ -171,7 +171,7 @@ class GrowingGeometry(Storage):
         self._origin = 0
 
     def _place(self, incoming: list[RowWindow], geometry: KvGeometry | None) -> None:
-        self._place_stages(incoming, [self._stage] * len(incoming), geometry)
+        self._place_stages(incoming, [self._stage_of(self.codec)] * len(incoming), geometry)
 
     def _place_stages(
         self, incoming: list[RowWindow], stages: list[int], geometry: KvGeometry | None
@@ -188,7 +188,7 @@ class GrowingGeometry(Storage):
         stores = {store.stage: store for store in self._store_list()}
         joining = {s: stages.count(s) for s in set(stages)}
         for stage in joining:
-            stores.setdefault(stage, Store(stage, None, []))
+            stores.setdefault(stage, self._new_store(stage))
         if geometry is not None:
             need = {s: len(store.rows) + joining.get(s, 0) for s, store in stores.items()}
             running = [store for store in stores.values() if store.rows]
@@ -206,8 +206,8 @@ class GrowingGeometry(Storage):
                 capacity = self.capacity
                 for s, store in stores.items():
                     if store.planes is None:  # a stage joining: a store at the same columns
-                        codec = self._stages[s]
-                        store.planes = self._zeros(spare_slots(need[s]), capacity, geometry, codec)
+                        count = spare_slots(need[s])
+                        store.planes = self._zeros(count, capacity, geometry, store.codec)
             else:
                 wanted = {s: spare_slots(count) for s, count in need.items()}
                 self._reallocated(list(stores.values()), round_up(target + 1), grow, wanted)
@@ -230,7 +230,8 @@ class GrowingGeometry(Storage):
         """The shared left padding is dropped by moving the origin."""
         shared = min(self._pads[i] for i in order)
         if self._stores is None:  # one store: old row ``b`` at slot ``b``
-            stores = [Store(self._stage, self._planes, list(range(max(order) + 1)))]
+            rows = list(range(max(order) + 1))
+            stores = [Store(self._stage_of(self.codec), self._planes, rows, self.codec)]
         else:
             stores = self._stores
         new_row = {old: new for new, old in enumerate(order)}
@@ -270,8 +271,8 @@ class GrowingGeometry(Storage):
         for stage in sources:  # the newest first: a moved row moves once
             store = stores[stage]
             rows = [b for b in store.rows if b in moving]
-            source, target = self._stages[stage], self._stages[stage + 1]
-            into = stores.setdefault(stage + 1, Store(stage + 1, None, []))
+            source, target = store.codec, self._stages[stage + 1]
+            into = stores.setdefault(stage + 1, Store(stage + 1, None, [], target))
             staying = [b for b in store.rows if b not in moving]
             joined = sorted(into.rows + rows)
             if store.planes is not None:
@@ -313,8 +314,8 @@ class GrowingGeometry(Storage):
                 for slot, b in enumerate(store.rows)
                 if held[b]  # nothing to copy (and MLX faults on empty slices)
             ]
-            codec = self._stages[store.stage]
-            fresh = self._zeros(spare_slots(len(store.rows)), round_up(width + 1), geometry, codec)
+            count = spare_slots(len(store.rows))
+            fresh = self._zeros(count, round_up(width + 1), geometry, store.codec)
             for new_plane, plane in paired(fresh, store.planes):
                 for b, source, target, count in moves:
                     new_plane[b : b + 1, :, target : target + count] = plane[
