@@ -49,10 +49,12 @@ __all__ = [
     "composition",
     "landed",
     "layouts_of",
+    "lego_preset",
     "preset_class",
     "presets_on_rows",
     "register_compositions",
     "serial_for_peer",
+    "serial_preset",
     "stage_presets",
 ]
 
@@ -303,37 +305,62 @@ def composition(name: str) -> Composition:
 _OWN_MACHINERY = frozenset({"EncodedLatentCache"})
 
 
-def presets_on_rows(geometries: Container[str]) -> tuple[Composition, ...]:
+def presets_on_rows(
+    geometries: Container[str], *, staged_layouts: bool = False
+) -> tuple[Composition, ...]:
     """The landed entries an implementation's ``classes.build`` makes, given the geometry
-    kinds it has hooks for: no modifier but ``speculative``, or a serial storage with the
-    ``delayed`` one (the legos; the delayed layouts, latent and paged classes are written
-    by hand)."""
+    kinds it has hooks for: no modifier but ``speculative``, a serial storage with the
+    ``delayed`` one (the legos), and with ``staged_layouts`` (a machinery whose layouts
+    hold rows of several stages) the ragged delayed layouts; the latent and paged classes
+    are written by hand."""
+
+    def built(c: Composition) -> bool:
+        if c.modifiers <= {"speculative"}:
+            return True
+        if c.modifiers == {"delayed"}:
+            return not c.is_layout
+        return staged_layouts and c.modifiers == {"delayed", "speculative"}
+
     return tuple(
         c
         for c in landed()
-        if c.geometry in geometries
-        and (c.modifiers <= {"speculative"} or (c.modifiers == {"delayed"} and not c.is_layout))
-        and c.name not in _OWN_MACHINERY
+        if c.geometry in geometries and built(c) and c.name not in _OWN_MACHINERY
     )
+
+
+def lego_preset(entry: Composition) -> Composition:
+    """The serial lego (the delayed modifier on a serial storage) of a delayed layout's
+    geometry and codec: rows joined from legos extract as legos again."""
+    for c in landed():
+        if (
+            c.arrangement == "serial"
+            and c.modifiers == {"delayed"}
+            and (c.geometry, c.codec) == (entry.geometry, entry.codec)
+        ):
+            return c
+    raise InvalidInputError(f"{entry.name} has no lego of its geometry and codec")
+
+
+def serial_preset(geometry: str, codec: str) -> Composition:
+    """The serial preset of ``codec`` (a codec kind) on ``geometry`` with no modifier
+    (``QuantizedKVCache`` for ``("growing", "affine")``): what a row of that codec
+    extracts into."""
+    for entry in landed():
+        if (
+            entry.arrangement == "serial"
+            and not entry.modifiers
+            and entry.geometry == geometry
+            and entry.codec == codec
+        ):
+            return entry
+    raise InvalidInputError(f"no serial preset stores the {codec} codec on the {geometry} geometry")
 
 
 def stage_presets(entry: Composition) -> tuple[Composition, Composition]:
     """The serial presets of a delayed serial storage's two stages: the plain one and the
     one of its codec, on its geometry, with no modifier (``KVCache`` and
     ``QuantizedKVCache`` for ``Bf16FirstQuantizedKVCache``): what it shows as its storage."""
-
-    def serial(codec: str) -> Composition:
-        (found,) = (
-            c
-            for c in landed()
-            if c.arrangement == "serial"
-            and not c.modifiers
-            and c.geometry == entry.geometry
-            and c.codec == codec
-        )
-        return found
-
-    return serial("plain"), serial(entry.codec)
+    return serial_preset(entry.geometry, "plain"), serial_preset(entry.geometry, entry.codec)
 
 
 #: Presets documented on a sibling's page (the affine verify ring shares the plain one's;

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from kvrows.common import check_counts, row_bytes
 from kvrows.compositions import Composition
@@ -54,6 +54,7 @@ from kvrows.errors import (
     LayoutStateError,
     MixedPrecisionReadError,
     NotTrimmableError,
+    incompatible_merge_message,
     not_a_geometry_message,
     self_merge_message,
 )
@@ -64,22 +65,25 @@ from kvrows.lego import (
     ConversionBoundary,
     Target,
     check_target,
+    delayed_arguments,
     lego_arguments,
     turbo_lego_arguments,
 )
-from kvrows.protocols import Handover
-from kvrows.schemes import GeometrySpec, Growing, Plain
+from kvrows.protocols import Converting, Handover
+from kvrows.schemes import CodecSpec, GeometrySpec, Growing, Plain
 from kvrows.speculative import SpeculativeRounds, check_keep_vector
 from kvrows.validation import KvGeometry, as_count, check_keep, check_row
 
 __all__ = [
     "MIXED_READ",
     "DelayedFullAttention",
+    "DelayedLayout",
     "DelayedRows",
     "DelayedSlidingWindow",
     "DelayedTurboRows",
     "GroupAttend",
     "RowAttentionPending",
+    "StagePart",
     "delayed_layout_for",
     "row_reads",
     "row_reads_active",
@@ -108,10 +112,10 @@ def _default_group_attend(
 
 
 #: lego class -> the delayed layout class of its implementation (filled as classes are made).
-_DELAYED_FOR_LEGO: dict[type[Any], type[DelayedRows]] = {}
+_DELAYED_FOR_LEGO: dict[type[Any], type[Any]] = {}
 
 
-def delayed_layout_for(lego: Bf16First) -> type[DelayedRows]:
+def delayed_layout_for(lego: Bf16First) -> type[Any]:
     """The delayed layout class that holds rows of ``lego``'s class."""
     try:
         return _DELAYED_FOR_LEGO[type(lego)]
@@ -962,3 +966,622 @@ class DelayedSlidingWindow(DelayedRows):
     @property
     def keep(self) -> int:
         return int(self._token_geometry.parameters()["keep"])
+
+
+class StagePart:
+    """One stage's share of a mixed read, as :meth:`DelayedLayout.attend_rows` hands it to
+    an ``attend``: its batch rows, its codec, its reads (each tensor's fetched form, row
+    ``i`` batch row ``rows[i]``) and the layout's mask restricted to its rows."""
+
+    __slots__ = ("codec", "mask", "reads", "rows")
+
+    def __init__(self, rows: list[int], codec: Any, reads: tuple[Any, Any], mask: Any) -> None:
+        self.rows, self.codec, self.reads, self.mask = rows, codec, reads, mask
+
+    @property
+    def codec_spec(self) -> Any:
+        return self.codec.spec
+
+
+class DelayedLayout(ConversionBoundary, SpeculativeRounds):
+    """The delayed modifier over a ragged layout of the row machinery (contract §0.5): the
+    rows are one layout of two stages, ``(Plain(), target)``, each row in its own (the
+    machinery's per-row stages); this mixin, listed first among a delayed preset's bases,
+    keeps the int record (:class:`kvrows.conversion.Conversion`: which rows converted, at
+    which offset, the prefill scope), converts due rows at the boundaries (after an append,
+    a merge, a round's end, ``end_prefill``, the rows ``commit_prefill`` names) and answers
+    a read of mixed rows with a :class:`RowAttentionPending` pair (inside
+    :func:`row_reads`). Row placement, writes, merges, filters, trims and extraction are
+    the machinery's; the implementation adds three array helpers (``_rows_of``,
+    ``_in_batch_order``, ``_positions``) and the saved form's groups (``_group_states``,
+    ``_hold_groups``).
+    """
+
+    composition: ClassVar[Composition]
+    #: The ragged presets of the two stages (the saved form holds one state of each).
+    plain_group_class: ClassVar[type[Any]]
+    affine_group_class: ClassVar[type[Any]]
+    #: The serial lego of this geometry and codec: rows joined from legos extract as legos.
+    lego_class: ClassVar[type[Any]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "lego_class" in vars(cls):
+            _DELAYED_FOR_LEGO[cls.lego_class] = cls
+
+    if TYPE_CHECKING:  # the row machinery's (the mixin comes first in the MRO)
+        codec: Any
+        _geometry: KvGeometry | None
+        _stages: tuple[Any, ...]
+
+        token_geometry: GeometrySpec
+
+        @property
+        def left_pad(self) -> tuple[int, ...]: ...
+
+        @property
+        def batch_size(self) -> int: ...
+
+        @property
+        def row_offsets(self) -> tuple[int, ...]: ...
+
+        @property
+        def row_stages(self) -> tuple[int, ...]: ...
+
+        def _setup(
+            self, codec_spec: CodecSpec, token_geometry: GeometrySpec, geometry: KvGeometry | None
+        ) -> None: ...
+
+        def _use_stages(self, specs: Sequence[CodecSpec]) -> None: ...
+
+        def _convert_rows(self, rows: Sequence[int]) -> None: ...
+
+        def _stage_parts(self) -> list[tuple[list[int], Any, dict[str, Any]]]: ...
+
+        def _update(self, keys: Any, values: Any) -> None: ...
+
+        def _read(self) -> dict[str, Any]: ...
+
+        def make_mask(
+            self, n: int, *, return_array: bool = False, window_size: int | None = None
+        ) -> Any: ...
+
+    # -- the implementation's array helpers --------------------------------------------------
+    def _rows_of(self, array: Any, rows: Sequence[int]) -> Any:
+        """``array``'s rows ``rows`` along axis 0 (an array of one row broadcasts: as is)."""
+        raise NotImplementedError
+
+    def _in_batch_order(self, parts: Sequence[Any], order: Sequence[int]) -> Any:
+        """``parts`` concatenated along axis 0 hold rows ``order``: in batch order."""
+        raise NotImplementedError
+
+    def _positions(self, values: Sequence[int]) -> Any:
+        """An int32 vector (positions, the saved record's)."""
+        raise NotImplementedError
+
+    def _group_states(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """The states of the plain and the converted rows as the two stages' ragged presets
+        (``plain_group_class`` / ``affine_group_class``) save them."""
+        raise NotImplementedError
+
+    def _hold_groups(
+        self,
+        plain: Any,
+        affine: Any,
+        converted_at: Sequence[int | None],
+        left_pad: Sequence[int] | None,
+    ) -> None:
+        """Hold the rows of the restored groups ``plain`` / ``affine`` in batch order (row
+        ``b`` from its stage's group, at its rank among that stage's rows; ``left_pad``:
+        the record's columns, full attention)."""
+        raise NotImplementedError
+
+    # -- construction ------------------------------------------------------------------------
+    def __init__(self, *args: object, geometry: KvGeometry | None = None, **kwargs: object) -> None:
+        spec, tokens, first = delayed_arguments(
+            type(self).__name__, self.composition.params, args, kwargs
+        )
+        self._init_delayed(spec, tokens, first, geometry)
+
+    def _init_delayed(
+        self, quantization: Target, token_geometry: GeometrySpec, start: int, geometry: Any
+    ) -> None:
+        quantization = check_target(type(self).__name__, quantization, token_geometry)
+        if geometry is not None and not isinstance(geometry, KvGeometry):
+            raise InvalidInputError(
+                f"{type(self).__name__}: {not_a_geometry_message(type(geometry).__name__)}"
+            )
+        if geometry is not None:
+            Bf16First._check_dims(geometry.key_dim, geometry.value_dim, quantization)
+        self._conversion = self.conversion_class(quantization, start)
+        self._token_geometry = token_geometry
+        self._declared = geometry
+        self._compose: Callable[..., Any] | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        """No row, plain, nothing read (the compose hook and the prefill scope are the
+        caller's to keep)."""
+        self._setup(Plain(), self._token_geometry, self._declared)
+        self._use_stages((Plain(), self.quantization))
+        self._conversion = self.conversion_class(self.quantization, self.start)
+        self._generation = 0
+        self._pending: list[StagePart] | None = None
+        #: The last plain or packed read: its codec and reads (``attend_last_read``).
+        self._last: tuple[Any, tuple[Any, Any]] | None = None
+
+    @classmethod
+    def from_specs(
+        cls,
+        codec: Any,
+        token_geometry: GeometrySpec,
+        *,
+        geometry: KvGeometry | None = None,
+        start: int = 0,
+    ) -> Self:
+        """A layout from specs (``start`` is not a codec or geometry parameter)."""
+        kind = cls.composition.codec
+        if getattr(codec, "kind", None) != kind:
+            raise InvalidInputError(f"{cls.__name__} converts to the {kind} codec, got {codec!r}")
+        fresh = cls.__new__(cls)
+        fresh._init_delayed(codec, token_geometry, as_count(start, "start"), geometry)
+        return fresh
+
+    def make_empty_batch(self) -> Self:
+        return self.from_specs(
+            self.quantization, self._token_geometry, geometry=self._declared, start=self.start
+        )
+
+    # -- what it is --------------------------------------------------------------------------
+    @property
+    def codec_spec(self) -> Target:
+        return self.quantization
+
+    @property
+    def last_read_codec(self) -> Any:
+        """The codec of what the last plain or packed append returned (the append that
+        converted rows read plain); ``None`` without one (a mixed read: ``attend_rows``)."""
+        return None if self._last is None else self._last[0]
+
+    def signature(self) -> str:
+        return self.composition.signature.format(
+            start=self.start, **self.quantization.parameters(),
+            **self._token_geometry.parameters(),
+        )  # fmt: skip
+
+    @property
+    def phase(self) -> Phase:
+        """``empty``; ``plain`` (no row converted); ``mixed``; ``packed`` (every row)."""
+        return self._conversion.phase
+
+    @property
+    def converted_at(self) -> tuple[int | None, ...]:
+        """Per row, the offset at which it converted (``None``: plain; 0 with ``start ==
+        0``; a storage merged converted records its offset, the conservative bound)."""
+        return self._conversion.converted_at
+
+    @property
+    def prefilling(self) -> bool:
+        return self._conversion.prefilling
+
+    def projected_bytes(self, tokens: int) -> int:
+        """The most a row holds on its way to ``tokens`` positions: plain below ``start``;
+        from it, the larger of the plain row just before converting and the converted row
+        now (rings hold at most ``max_size`` positions of either)."""
+        count = as_count(tokens, "tokens")
+        plain, target = self._stages
+        cap = self._token_geometry.cap()
+        geometry = self._geometry
+        if count < self.start:
+            return row_bytes(plain, geometry, count, cap)
+        before = row_bytes(plain, geometry, self.start - 1, cap) if self.start else 0
+        return max(before, row_bytes(target, geometry, count, cap))
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def max_append_tokens(self) -> float:
+        """Tokens the next append may add without passing any plain row's boundary."""
+        return self._conversion.max_append_tokens(self.row_offsets)
+
+    # -- saved state (``kvrows.forms``; ``spec/persistence.md`` §1.1) -------------------------
+    @property
+    def state(self) -> tuple[Any, ...]:
+        """The plain rows' state, the converted rows' (each its stage's ragged preset's
+        form), then the row record: ``start``, ``converted_at`` (``DELAYED_PLAIN`` for a
+        plain row), ``left_pad`` (full attention; empty for rings), ``prefilling``,
+        ``composed`` (rows extract as legos), a ring's ``keep``."""
+        self._spec_guard("reading state")
+        marks = [DELAYED_PLAIN if c is None else c for c in self.converted_at]
+        full_attention = not self._token_geometry.wraps
+        record: dict[str, Any] = {
+            "start": self.start,
+            "converted_at": self._positions(marks),
+            "left_pad": self._positions(self.left_pad if full_attention else []),
+            "prefilling": self.prefilling,
+            "composed": self._compose is not None,
+            **{
+                name: self._token_geometry.parameters()[name]
+                for name in self._token_geometry.layout_form_omits
+            },
+        }
+        plain, converted = self._group_states()
+        return delayed_state(self.composition, plain, converted, record)
+
+    @state.setter
+    def state(self, value: tuple[Any, ...]) -> None:
+        """Hold ``value`` (a state of this class); a refused value changes nothing."""
+        self._spec_guard("restoring state")
+        keep = self._token_geometry.parameters().get("keep")
+        fresh = type(self)._restore(value, None, keep, self._declared)
+        self.__dict__.clear()
+        self.__dict__.update(fresh.__dict__)
+
+    @classmethod
+    def _restore(
+        cls, state: Any, meta_state: Any, keep: int | None, geometry: KvGeometry | None
+    ) -> Self:
+        """Each stage's rows restored by its ragged preset, the record checked against
+        them (``kvrows.forms.parse_delayed_state``), the rows placed at the record's
+        columns; built from legos, its rows extract as legos again."""
+        if meta_state is not None:
+            raise InvalidInputError(f"{cls.__name__} has no two-part (meta_state) form")
+        parts = parse_delayed_state(cls.composition, state, keep=keep)
+        plain = cls.plain_group_class.from_state(
+            parts.plain_state, keep=parts.keep, geometry=geometry
+        )
+        # A TurboQuant state's planes do not record the activation dtype (its scales are
+        # float16 whatever it is): the plain rows, when there are any, say it.
+        affine = cls.affine_group_class.from_state(
+            parts.affine_state, keep=parts.keep, geometry=geometry or plain.geometry
+        )
+        if plain.token_geometry != affine.token_geometry:
+            raise InvalidInputError(
+                f"{cls.__name__} state: the groups' windows differ "
+                f"({plain.token_geometry} and {affine.token_geometry})"
+            )
+        if None not in (plain.geometry, affine.geometry) and plain.geometry != affine.geometry:
+            raise InvalidInputError(
+                f"{cls.__name__} state: the groups hold different KV geometries "
+                f"({plain.geometry} and {affine.geometry})"
+            )
+        fresh = cls.from_specs(
+            affine.codec_spec, affine.token_geometry, geometry=geometry, start=parts.start
+        )
+        full_attention = not fresh._token_geometry.wraps
+        fresh._hold_groups(
+            plain, affine, parts.converted_at, parts.left_pad if full_attention else None
+        )
+        fresh._conversion = cls.conversion_class(
+            fresh.quantization,
+            fresh.start,
+            parts.converted_at,
+            prefilling=bool(parts.record["prefilling"]),
+        )
+        if parts.record["composed"]:
+            lego = cls.lego_class.from_parts(
+                fresh.quantization, fresh._token_geometry, fresh.start, geometry
+            )
+            fresh._compose = lego.composed.over
+        return fresh
+
+    # -- appends and reads -------------------------------------------------------------------
+    def _check_block(self, keys: Any, values: Any) -> None:
+        shapes = [tuple(getattr(a, "shape", ())) for a in (keys, values)]
+        if any(len(s) != 4 for s in shapes):
+            raise InvalidInputError(
+                f"keys and values must be [B, H, N, D] arrays, got shapes {shapes[0]} and "
+                f"{shapes[1]}"
+            )
+        key_shape, value_shape = shapes
+        if key_shape[0] != self.batch_size or value_shape[0] != self.batch_size:
+            raise InvalidInputError(
+                f"the block has {key_shape[0]} rows, the layout {self.batch_size}"
+            )
+        Bf16First._check_dims(int(key_shape[3]), int(value_shape[3]), self.quantization)
+
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        """Append a block to every row. All plain or all converted: the read of that
+        codec. Mixed (inside :func:`row_reads`): each stage's rows and their reads come back
+        as a pending pair (outside one: ``MixedPrecisionReadError``, nothing changed).
+        After the append (not inside a round or a prefill), rows that reached ``start``
+        convert."""
+        self._spec_usable()
+        if not self.batch_size:
+            raise LayoutStateError(EMPTY_LAYOUT_UPDATE)
+        self._check_block(keys, values)
+        phase = self.phase
+        if phase == "mixed" and not row_reads_active():
+            raise MixedPrecisionReadError(MIXED_READ)
+
+        def append() -> tuple[Any, Any]:
+            # Drop the last read first: a read held across the write would make an
+            # in-place append copy its buffers.
+            self._forget_reads()
+            reads: tuple[Any, Any]
+            if phase == "mixed":
+                mask = self.make_mask(int(keys.shape[2]), return_array=True)
+                self._update(keys, values)
+                self._pending = [
+                    StagePart(rows, codec, _pair(read), self._rows_of(mask, rows))
+                    for rows, codec, read in self._stage_parts()
+                ]
+                pending = RowAttentionPending(self, self._generation + 1)
+                reads = (pending, pending)
+            else:
+                self._update(keys, values)
+                reads = _pair(self._read())
+                self._last = (self.codec, reads)
+            self._generation += 1
+            self._conversion.note_read(phase == "packed")
+            return reads
+
+        reads = self._spec_append(append)
+        if not self.spec_round_open:
+            self._convert_due()
+        return reads
+
+    @property
+    def needs_row_attention(self) -> bool:
+        """Always: mixed rows attend stage by stage (``attend_rows``) inside
+        ``kvrows.app.attention.row_attention``."""
+        return True
+
+    @property
+    def reads_pending(self) -> bool:
+        """Whether the last append returned a pending pair (mixed rows)."""
+        return self._pending is not None
+
+    def _forget_reads(self) -> None:
+        self._pending = None
+        self._last = None
+
+    def attend_last_read(self, queries: Any, mask: Any, scale: float) -> Any:
+        """Attention of ``queries`` over what the last append returned (``None`` when no
+        append has been made since the rows last changed): a mixed read through
+        :meth:`attend_rows`; a plain or packed read through its codec with ``mask``, also
+        when the append then converted rows (its read stays the one the model attended)."""
+        if self._pending is not None:
+            return self.attend_rows(queries, scale)
+        if self._last is None:
+            return None
+        codec, reads = self._last
+        return codec.attend(queries, *reads, mask, scale)
+
+    def attend_rows(
+        self,
+        queries: Any,
+        scale: float,
+        attend: GroupAttend | None = None,
+        pending: RowAttentionPending | None = None,
+    ) -> Any:
+        """The attention of ``queries`` ``[B, Hq, N, D]`` over the last mixed read: each
+        stage's rows with its own codec, reads and mask (``attend``: one part's attention,
+        by default its codec's). ``pending``, when given, must be the last read's."""
+        parts = self._pending
+        if parts is None:
+            raise MixedPrecisionReadError(
+                "attend_rows needs the pending pair of a mixed read: the last append did "
+                "not return one"
+            )
+        if pending is not None and (
+            pending.layout is not self or pending.generation != self._generation
+        ):
+            raise MixedPrecisionReadError(
+                "this pending pair is stale: a later append replaced it (attend right after "
+                "the append that returned it)"
+            )
+        shape = tuple(getattr(queries, "shape", ()))
+        if len(shape) != 4 or shape[0] != self.batch_size:
+            raise InvalidInputError(
+                f"queries must be [B={self.batch_size}, Hq, N, D], got shape {shape}"
+            )
+        run = attend or _default_group_attend
+        outputs, order = [], []
+        for part in parts:
+            rows_queries = self._rows_of(queries, part.rows)
+            outputs.append(run(rows_queries, part, *part.reads, part.mask, scale))
+            order.extend(part.rows)
+        return self._in_batch_order(outputs, order)
+
+    # -- conversion --------------------------------------------------------------------------
+    def _convert_due(self) -> None:
+        """Convert every due row (none while prefilling or inside a round)."""
+        self._convert(self._conversion.due(self.row_offsets, round_open=self.spec_round_open))
+
+    def _convert(self, rows: Sequence[int]) -> None:
+        """Move ``rows`` (plain, due) into the target stage, encoded as the lego encodes."""
+        if not rows:
+            return
+        offsets = self.row_offsets
+        self._convert_rows(rows)
+        self._conversion.mark(rows, offsets)
+
+    # -- prefill maintenance -----------------------------------------------------------------
+    def begin_prefill(self) -> None:
+        """Appends past a row's boundary convert nothing until ``commit_prefill`` /
+        ``end_prefill``."""
+        self._spec_guard("begin_prefill")
+        self._conversion.begin_prefill()
+
+    def commit_prefill(self, indices: Sequence[int]) -> None:
+        """Convert the listed rows now if due (each at its own planned chunk end)."""
+        self._spec_guard("commit_prefill")
+        self._convert(self._conversion.commit_prefill(indices, self.row_offsets))
+
+    def end_prefill(self) -> None:
+        """Back to converting at every boundary; due rows convert now."""
+        self._spec_guard("end_prefill")
+        self._convert(self._conversion.end_prefill(self.row_offsets))
+
+    # -- rounds --------------------------------------------------------------------------------
+    def spec_round_commit(self) -> None:
+        super().spec_round_commit()
+        self._convert_due()
+
+    def spec_round_rollback(self, keep: int | Sequence[int]) -> None:
+        super().spec_round_rollback(keep)
+        self._convert_due()
+
+    def can_publish_row(self, row: int, tokens: int) -> bool:
+        """What the machinery says of the row (a ring row that wrapped covers only its
+        whole length), never inside a round."""
+        self._spec_usable()
+        index = check_row(row, self.batch_size)
+        count = as_count(tokens, "tokens")
+        if self.spec_round_open:
+            return False
+        publishes: bool = super().can_publish_row(index, count)
+        return publishes
+
+    # -- membership ----------------------------------------------------------------------------
+    def _source_record(self, source: Any) -> list[int | None] | None:
+        """What ``source``'s rows record as ``converted_at`` (``None``: not a source this
+        layout takes)."""
+        q, tokens = self.quantization, self._token_geometry
+        if isinstance(source, Converting):
+            other: Any = source
+            if type(other) is not type(self) or (
+                other.quantization,
+                other.token_geometry,
+                other.start,
+            ) != (q, tokens, self.start):
+                return None
+            other._spec_guard("extract_row")  # its rows leave it as extractions
+            return list(other.converted_at)
+        if isinstance(source, Handover):
+            lego: Any = source
+            if type(lego) is not self.lego_class or (
+                lego.quantization,
+                lego.token_geometry,
+                lego.start,
+            ) != (q, tokens, self.start):
+                return None
+            counts = _row_counts(lego)
+            if lego.converted:
+                return [lego.minimum_reusable_offset] * len(counts)
+            return [None] * len(counts)
+        spec = getattr(source, "codec_spec", None)
+        if spec not in (Plain(), q):
+            return None
+        counts = _row_counts(source)
+        if spec == Plain():
+            return [None] * len(counts)
+        return [self._conversion.point(c) for c in counts]
+
+    # The machinery's merge (``merge_rows``: argument, self-merge and compatibility checks,
+    # then ``_join``) asks these two of each source.
+    def _accepts(self, source: object) -> bool:
+        accepted: bool = self._source_record(source) is not None and super()._accepts(source)  # type: ignore[misc]
+        return accepted
+
+    def _merge_refusal(self, source: object) -> str:
+        name, q, tokens = type(self).__name__, self.quantization, self._token_geometry
+        if self._source_record(source) is not None:
+            # A source of a stage's codec whose rows the stage's ragged preset refuses
+            # (another token geometry): that preset's words.
+            stage = 0 if getattr(source, "codec_spec", None) == Plain() else 1
+            group = (self.plain_group_class, self.affine_group_class)[stage]
+            codec = self._stages[stage]
+            signature = group.composition.signature_for(codec.spec, tokens)
+            return incompatible_merge_message(signature, source, codec.key, tokens)
+        if isinstance(source, Converting):
+            other: Any = source
+            return (
+                f"{name}({q.name}, start={self.start}) cannot merge rows of "
+                f"{type(other).__name__}({other.quantization.name}, "
+                f"start={other.start}): codec, geometry and start must match"
+            )
+        if isinstance(source, Handover):
+            return (
+                f"{name}({q.name}, {tokens}, start={self.start}) cannot merge "
+                f"{source!r}: a lego of this implementation with the same codec, "
+                "geometry and start"
+            )
+        spec = getattr(source, "codec_spec", None)
+        return (
+            f"{name} merges plain or {q.name} rows (legos, serial storages, ragged "
+            f"layouts), got {type(source).__name__}" + ("" if spec is None else f" ({spec.name})")
+        )
+
+    def _join(self, sources: Sequence[Any], *args: Any) -> None:
+        records = [self._source_record(source) or [] for source in sources]
+        super()._join(sources, *args)  # type: ignore[misc]
+        for record in records:
+            self._conversion.join(record)
+        for source in sources:
+            if isinstance(source, Handover):
+                if self._compose is None:
+                    self._compose = source.composed.over
+                source.composed.release()
+        self._forget_reads()
+        self._convert_due()
+
+    def filter_rows(self, keep: Sequence[int]) -> None:
+        """Keep rows ``keep`` (any subset, any order)."""
+        self._spec_guard("filter_rows")
+        order = check_keep(keep, self.batch_size)
+        if not order:
+            compose, prefilling = self._compose, self.prefilling
+            self._reset()
+            self._compose = compose
+            if prefilling:
+                self._conversion.begin_prefill()
+            return
+        super().filter_rows(order)  # type: ignore[misc]
+        self._conversion.keep(order)
+        self._forget_reads()
+
+    def extract_row(self, row: int) -> Any:
+        """Row ``row`` as its stage's serial storage (owned, compact), wrapped as its lego
+        when the rows came from legos."""
+        self._spec_guard("extract_row")
+        index = check_row(row, self.batch_size)
+        storage = super().extract_row(index)  # type: ignore[misc]
+        if self._compose is None:
+            return storage
+        converted_at = self._conversion.converted_at[index]
+        return self._compose(storage, minimum_reusable_offset=converted_at)
+
+    def trim(self, n: int) -> int:
+        count = as_count(n, "n")
+        return self.trim_rows([count] * self.batch_size) if self.batch_size else 0
+
+    def trim_rows(self, counts: Sequence[int]) -> int:
+        """Forget ``counts[b]`` newest tokens of row ``b`` (converted rows stay converted)."""
+        self._spec_guard("trim_rows")
+        checked = check_counts(counts, self.batch_size)
+        for b, (count, tokens) in enumerate(zip(checked, self.row_offsets, strict=True)):
+            if count > tokens:
+                raise NotTrimmableError(
+                    f"cannot trim {count} tokens from row {b}: it holds {tokens}"
+                )
+        if not any(checked):
+            return 0
+        trimmed: int = super().trim_rows(checked)  # type: ignore[misc]
+        self._forget_reads()
+        return trimmed
+
+    def check_valid(self) -> None:
+        """Assert the layout's invariants (for tests): the machinery's, and each row's
+        stage is its record's."""
+        super().check_valid()  # type: ignore[misc]
+        assert self.row_stages == tuple(int(c is not None) for c in self.converted_at)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.quantization.name}, {self._token_geometry}, "
+            f"start={self.start}, {self.phase}, row_offsets={self.row_offsets}, "
+            f"converted_at={self.converted_at})"
+        )
+
+
+def _pair(reads: dict[str, Any]) -> tuple[Any, Any]:
+    """A read's keys and values."""
+    keys, values = reads.values()
+    return keys, values
+
+
+def _row_counts(storage: Any) -> list[int]:
+    offsets = getattr(storage, "row_offsets", None)
+    return [int(storage.offset)] if offsets is None else [int(o) for o in offsets]

@@ -255,14 +255,15 @@ ADOPT_NEEDS_EMPTY = "adopt needs an empty cache"
 #: A trim of some, not all, of the rows that write into one shared column.
 SHARED_COLUMN_TRIM = "rows sharing one write column must trim together"
 
-#: Converting some rows of a storage whose stages have one store (a serial storage's rows
-#: move together; a geometry without per-row stage stores yet: the rings).
+#: Converting some, not all, rows of a serial storage (its rows move together), or of a
+#: layout whose geometry has no per-row stage stores yet (the optimized rings).
 STAGES_MOVE_TOGETHER = "the rows of this storage convert together: convert every row or none"
 
 
 def last_stage_message(row: int, stage: int) -> str:
     """A row asked to convert out of its storage's last stage."""
     return f"row {row} is in stage {stage}, the last: it has no next stage to convert into"
+
 
 #: Stages asked of a paged storage: its pool's blocks are of one codec (a paged delayed
 #: preset keeps its plain stage beside the pool, contract §0.5; not built yet).

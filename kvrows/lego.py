@@ -43,6 +43,7 @@ __all__ = [
     "Target",
     "check_target_dims",
     "conversion_due",
+    "delayed_arguments",
     "lego_arguments",
     "turbo_lego_arguments",
 ]
@@ -177,23 +178,9 @@ class Bf16First(ConversionBoundary):
     codec: Any
 
     def __init__(self, *args: object, geometry: KvGeometry | None = None, **kwargs: object) -> None:
-        name = type(self).__name__
-        values = _bound(name, self.composition.params, args, kwargs)
-        if "k_bits" in values:  # TurboQuant: full attention only
-            spec: Target
-            spec, first = turbo_lego_arguments(
-                name, values["k_bits"], values["v_bits"], values["start"]
-            )
-            tokens: GeometrySpec = Growing()
-        else:
-            spec, tokens, first = lego_arguments(
-                name,
-                values.get("max_size"),
-                values["group_size"],
-                values["bits"],
-                values.get("keep", 0),
-                values["start"],
-            )
+        spec, tokens, first = delayed_arguments(
+            type(self).__name__, self.composition.params, args, kwargs
+        )
         self._init_lego(spec, tokens, first, geometry)
 
     @classmethod
@@ -467,6 +454,28 @@ def _bound(
                 raise TypeError(f"{name} is missing its {key} argument")
             values[key] = _DEFAULTS[key]
     return values
+
+
+def delayed_arguments(
+    name: str, params: tuple[str, ...], args: tuple[object, ...], kwargs: dict[str, object]
+) -> tuple[Target, GeometrySpec, int]:
+    """A delayed storage's constructor arguments (a lego's, a delayed layout's: the
+    converted class's positional order, then ``start``) as its target, token geometry and
+    ``start``; a refused argument names the class."""
+    values = _bound(name, params, args, kwargs)
+    if "k_bits" in values:  # TurboQuant: full attention only
+        spec, first = turbo_lego_arguments(
+            name, values["k_bits"], values["v_bits"], values["start"]
+        )
+        return spec, Growing(), first
+    return lego_arguments(
+        name,
+        values.get("max_size"),
+        values["group_size"],
+        values["bits"],
+        values.get("keep", 0),
+        values["start"],
+    )
 
 
 def turbo_lego_arguments(

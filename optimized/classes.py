@@ -71,6 +71,10 @@ GEOMETRY_SURFACES: dict[tuple[str, str], tuple[type, ...]] = {
 #: What a codec adds to the machinery's surface, first among the bases (the latent
 #: caches' ``append`` / ``fetch_index`` / ``preview`` / 3-D blocks / v1 state).
 CODEC_SURFACES: dict[str, tuple[type, ...]] = {"latent": (LatentSurface,)}
+#: The entries ``build`` makes here (the delayed layouts are not among them: this
+#: machinery's layouts hold rows of one stage; ``optimized/delayed.py``).
+PRESETS = presets_on_rows(IMPLEMENTATIONS)
+
 #: The classes a modifier puts ahead of the layout (they wrap it; the delayed one,
 #: ``kvrows.lego.Bf16First``, a serial storage of two stages).
 MODIFIERS: dict[str, type] = {"speculative": SpeculativeLayout, "delayed": Bf16First}
@@ -201,4 +205,4 @@ if TYPE_CHECKING:
     class BatchedSSMCache(StateLayout, SpeculativeLayout, StateGeometry, Layout): ...
 
 else:
-    globals().update(build(presets_on_rows(IMPLEMENTATIONS)))
+    globals().update(build(PRESETS))

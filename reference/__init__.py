@@ -2,7 +2,8 @@
 
 ``classes.py`` builds the public classes from the composition table, ``rows.py`` is
 the row machinery they share, ``geometries/`` the geometries' hooks (one module per kind),
-``codecs/`` the codecs (one module per kind) and attention, ``affine_codec.py`` ``mx.quantize`` in NumPy; ``lego.py`` the bf16-first wrappers.
+``codecs/`` the codecs (one module per kind) and attention, ``affine_codec.py`` ``mx.quantize`` in NumPy; ``delayed.py`` the delayed modifier's array
+helpers for layouts.
 """
 
 from kvrows.compositions import register_compositions
@@ -10,11 +11,6 @@ from kvrows.reference.classes import *  # noqa: F403  (the public classes)
 from kvrows.reference.classes import __all__ as _classes
 from kvrows.reference.classes import declared_classes
 from kvrows.reference.codecs import attend, attention
-from kvrows.reference.delayed import (
-    DelayedQuantizedKVCache,
-    DelayedRotatingQuantizedKVCache,
-    DelayedTurboQuantKVCache,
-)
 from kvrows.reference.latent import EncodedLatentCache
 from kvrows.reference.lego import (
     Bf16FirstQuantizedKVCache,
@@ -29,9 +25,6 @@ __all__ = [
     "Bf16FirstQuantizedKVCache",
     "Bf16FirstRotatingQuantizedKVCache",
     "Bf16FirstTurboQuantKVCache",
-    "DelayedQuantizedKVCache",
-    "DelayedRotatingQuantizedKVCache",
-    "DelayedTurboQuantKVCache",
     "EncodedLatentCache",
     "BlockPool",
     "PagedKVCache",

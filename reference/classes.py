@@ -18,21 +18,22 @@ from kvrows.common import AffineParameters, TurboParameters
 from kvrows.compositions import (
     Composition,
     landed,
+    lego_preset,
     preset_class,
     presets_on_rows,
     stage_presets,
 )
-from kvrows.delayed import DelayedRows, DelayedSlidingWindow
 from kvrows.errors import KvRowsError, speculative_modifier_message
-from kvrows.geometries import geometry_class
+from kvrows.forms import delayed_groups
 from kvrows.lego import Bf16First
 from kvrows.recurrent import SerialRounds
+from kvrows.reference.delayed import DelayedLayout
 from kvrows.reference.geometries.growing import RowAlignment
 from kvrows.reference.geometries.recurrent import ArraysCacheSurface, StateLayout
 from kvrows.reference.geometries.registry import IMPLEMENTATIONS
 from kvrows.reference.geometries.ring import RingParameters
 from kvrows.reference.latent import LatentSurface
-from kvrows.reference.rows import RowLayout, SerialStorage
+from kvrows.reference.rows import SERIAL_PRESETS, RowLayout, SerialStorage
 from kvrows.reference.speculative import SpeculativeLayout
 
 __all__ = [
@@ -45,6 +46,9 @@ __all__ = [
     "Bf16FirstQuantizedKVCache",
     "Bf16FirstRotatingQuantizedKVCache",
     "Bf16FirstTurboQuantKVCache",
+    "DelayedQuantizedKVCache",
+    "DelayedRotatingQuantizedKVCache",
+    "DelayedTurboQuantKVCache",
     "KVCache",
     "MLACache",
     "PaddedKVRows",
@@ -79,8 +83,13 @@ GEOMETRY_SURFACES: dict[tuple[str, str], tuple[type, ...]] = {
 #: caches' ``append`` / ``fetch_index`` / 3-D blocks / v1 state).
 CODEC_SURFACES: dict[str, tuple[type, ...]] = {"latent": (LatentSurface,)}
 #: The classes a modifier puts ahead of the arrangement (they wrap a layout; the delayed
-#: one, ``kvrows.lego.Bf16First``, a serial storage of two stages).
+#: one is ``kvrows.lego.Bf16First`` on a serial storage of two stages, the layout mixin
+#: ``DelayedLayout`` on a layout).
 MODIFIERS: dict[str, type] = {"speculative": SpeculativeLayout, "delayed": Bf16First}
+DELAYED_LAYOUT: type = DelayedLayout
+#: The entries ``build`` makes here: every layout holds rows of several stages, so the
+#: delayed layouts are presets too.
+PRESETS = presets_on_rows(IMPLEMENTATIONS, staged_layouts=True)
 #: The parameter mixins a delayed storage leaves out: ``bits`` / ``group_size`` show under
 #: the delayed modifier's rule (``Conversion.read_parameter``), not always.
 CODEC_PARAMETERS = (AffineParameters, TurboParameters)
@@ -91,7 +100,9 @@ def build(entries: Iterable[Composition]) -> dict[str, type[Any]]:
     names the one its rows extract into, ``serial_class``; a delayed storage the serial
     presets of its stages, ``plain_class`` / ``affine_class``)."""
     built: dict[str, type[Any]] = {}
-    for entry in sorted(entries, key=lambda entry: (entry.is_layout, bool(entry.modifiers))):
+    # Serial storages, then layouts, each with fewer modifiers first (a delayed layout names
+    # its stages' ragged presets and its lego).
+    for entry in sorted(entries, key=lambda entry: (entry.is_layout, len(entry.modifiers))):
         delayed = "delayed" in entry.modifiers
         parameters = tuple(
             mixin
@@ -105,19 +116,32 @@ def build(entries: Iterable[Composition]) -> dict[str, type[Any]]:
         members: dict[str, object] = {}
         if entry.is_layout and serial:
             members["serial_class"] = built[serial]
-        if delayed:
+        if delayed and entry.is_layout:
+            plain_group, affine_group = delayed_groups(entry)
+            members.update(
+                plain_group_class=built[plain_group.name],
+                affine_group_class=built[affine_group.name],
+                lego_class=built[lego_preset(entry).name],
+            )
+        elif delayed:
             plain, target = stage_presets(entry)
             members.update(plain_class=built[plain.name], affine_class=built[target.name])
         # The delayed mixin comes first (its surface is the lego's); a codec's surface
         # (the latent append) leads the others; the speculative one wraps the arrangement.
-        if delayed:
-            bases: tuple[type, ...] = (*modifiers, *parameters, *surface, arrangement)
+        if delayed and entry.is_layout:
+            # The layout mixin ahead of the speculative layout; no geometry surface (its
+            # rows keep the record's columns: no align_rows).
+            bases: tuple[type, ...] = (DELAYED_LAYOUT, *parameters, SpeculativeLayout, RowLayout)
+        elif delayed:
+            bases = (*modifiers, *parameters, *surface, arrangement)
         else:
             codec_surface = CODEC_SURFACES.get(entry.codec, ())
             bases = (*codec_surface, *parameters, *surface, *modifiers, arrangement)
         built[entry.name] = preset_class(entry, bases, __name__, **members)
         if entry.is_layout and not serial:  # its own serial storage (MLACache)
             built[entry.name].serial_class = built[entry.name]
+        if not entry.is_layout and not entry.modifiers:
+            SERIAL_PRESETS[entry.name] = built[entry.name]
     return built
 
 
@@ -165,6 +189,15 @@ if TYPE_CHECKING:
 
     class Bf16FirstRotatingQuantizedKVCache(Bf16First, RingParameters, SerialStorage): ...
 
+    # -- delayed layouts (the delayed modifier on a ragged layout) --------------------
+    class DelayedQuantizedKVCache(DelayedLayout, SpeculativeLayout, RowLayout): ...
+
+    class DelayedTurboQuantKVCache(DelayedLayout, SpeculativeLayout, RowLayout): ...
+
+    class DelayedRotatingQuantizedKVCache(
+        DelayedLayout, RingParameters, SpeculativeLayout, RowLayout
+    ): ...
+
     # -- latent ------------------------------------------------------------------------
     class MLACache(LatentSurface, SpeculativeLayout, RowLayout): ...
 
@@ -174,7 +207,7 @@ if TYPE_CHECKING:
     class BatchedSSMCache(StateLayout, SpeculativeLayout, RowLayout): ...
 
 else:
-    globals().update(build(presets_on_rows(IMPLEMENTATIONS)))
+    globals().update(build(PRESETS))
 
 
 #: The parameters a surface mixin exposes (``AffineParameters``: ``bits``;
@@ -192,22 +225,26 @@ def _checked(cls: type[Any]) -> type[Any]:
         if not callable(getattr(getattr(cls, "composed", None), "fget", None)):
             raise KvRowsError(f"{cls.__name__}: the delayed modifier's serial mixin is missing")
         return cls
-    if "delayed" in entry.modifiers:
-        if not issubclass(cls, DelayedRows) or issubclass(cls, DelayedSlidingWindow) != (
-            geometry_class(entry.geometry).wraps
-        ):
-            raise KvRowsError(f"{cls.__name__}: the delayed modifier is a DelayedRows layout")
-        return cls
+    delayed_layout = "delayed" in entry.modifiers
     # The class's surface, not its bases: a layout merges rows, a parameter mixin
     # (``AffineParameters``, ``RingParameters``) exposes the table's parameters, the
     # speculative modifier opens rounds.
     agrees = (
         callable(getattr(cls, "merge_rows", None)) == entry.is_layout
-        and all(hasattr(cls, name) == (name in entry.params) for name in _SURFACE_PARAMETERS)
+        and all(
+            hasattr(cls, name) == (name in entry.params)
+            for name in _SURFACE_PARAMETERS
+            if not (delayed_layout and name == "bits")  # shown under the conversion's rule
+        )
         and (
             not entry.is_layout or cls.serial_class.composition.name == (entry.serial or entry.name)
         )
     )
+    if delayed_layout and not (agrees and callable(getattr(cls, "attend_rows", None))):
+        raise KvRowsError(
+            f"{cls.__name__}: the delayed modifier's layout does not declare its composition "
+            f"{entry}"
+        )
     if not agrees:
         raise KvRowsError(f"{cls.__name__} does not declare its composition {entry}")
     if callable(getattr(cls, "spec_round_begin", None)) != ("speculative" in entry.modifiers):
@@ -217,10 +254,8 @@ def _checked(cls: type[Any]) -> type[Any]:
 
 def declared_classes() -> Mapping[str, type[Any]]:
     """Every public class of the reference, by composition name (what ``__init__``
-    registers): this module's and the delayed layouts (``reference/delayed.py``)."""
-    from kvrows.reference import delayed  # it builds on this module's classes
-
-    candidates = [*globals().values(), *vars(delayed).values()]
+    registers): this module's, the latent and the paged ones."""
+    candidates = list(globals().values())
     # A public class declares its table entry (``composition``); its bases do not.
     found = {
         entry.name: _checked(value)

@@ -1,100 +1,79 @@
-"""The reference delayed layouts (``kvrows.delayed``; ``spec/DelayedQuantizedKVCache.md``).
+"""The reference's half of the delayed modifier on a layout (``kvrows.delayed.DelayedLayout``;
+``spec/DelayedQuantizedKVCache.md``).
 
-The groups are the reference's ragged layouts with rounds, a row converts with the
-reference lego's conversion (``to_affine``), and a mixed read picks each group's rows by
-NumPy indexing.
+The delayed layouts are table presets (``classes.build``): a ragged layout of the row
+machinery with two stages, each row in its own (``Row.stage``). What the modifier asks of
+an implementation is NumPy here: rows of an array picked by indexing, the outputs of the
+stages put back in batch order, and the saved form's two groups (each stage's rows as the
+stage's ragged preset, at the columns that preset gives them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvrows.compositions import composition
-from kvrows.delayed import (
-    DelayedFullAttention,
-    DelayedRows,
-    DelayedSlidingWindow,
-    DelayedTurboRows,
-)
-from kvrows.reference.classes import (
-    BatchedKVCache,
-    BatchedQuantizedKVCache,
-    BatchedTurboQuantKVCache,
-    SpeculativeRotatingAffineLayout,
-    SpeculativeRotatingKVCache,
-)
-from kvrows.reference.geometries.growing import _visible
-from kvrows.reference.lego import (
-    Bf16FirstQuantizedKVCache,
-    Bf16FirstRotatingQuantizedKVCache,
-    Bf16FirstTurboQuantKVCache,
-    to_affine,
-)
+from kvrows.delayed import DelayedLayout as _DelayedLayout
+from kvrows.reference.rows import Row
 
-__all__ = [
-    "DelayedQuantizedKVCache",
-    "DelayedRotatingQuantizedKVCache",
-    "DelayedTurboQuantKVCache",
-]
+__all__ = ["DelayedLayout"]
 
 
-class _ReferenceDelayed(DelayedRows):
-    def _convert_row(self, storage: Any) -> Any:
-        return to_affine(storage, self.quantization, self.lego_class.affine_class)
+class DelayedLayout(_DelayedLayout):
+    """The delayed modifier's layout mixin over the reference row machinery."""
 
-    def _take_rows(self, array: Any, rows: Sequence[int]) -> Any:
+    _rows: list[Row]
+
+    if TYPE_CHECKING:  # the reference row machinery's (the mixin comes first in the MRO)
+        _place: Any
+
+        def _staged(self) -> None: ...
+
+    def _rows_of(self, array: Any, rows: Sequence[int]) -> Any:
+        if array.shape[0] == 1 and self.batch_size != 1:
+            return array  # one row broadcasts over every row
         return np.ascontiguousarray(array[list(rows)])
 
-    def _combine_rows(self, parts: Sequence[Any], order: Sequence[int]) -> Any:
+    def _in_batch_order(self, parts: Sequence[Any], order: Sequence[int]) -> Any:
         joined = np.concatenate(list(parts), axis=0)
         inverse = sorted(range(len(order)), key=lambda i: order[i])
         return np.ascontiguousarray(joined[inverse])
 
-    def _positions(self, offsets: Sequence[int]) -> Any:
-        return np.array(list(offsets), dtype=np.int32)
+    def _positions(self, values: Sequence[int]) -> Any:
+        return np.array(list(values), dtype=np.int32)
 
-    def _record_mask(self, n: int, return_array: bool, window: int | None) -> Any:
-        pads = list(self._pads)
-        ends = [p + t for p, t in zip(pads, self.row_offsets, strict=True)]
-        if not any(pads) and len(set(ends)) <= 1 and window is None and not return_array:
-            return None if n == 1 else "causal"
-        return _visible(pads, ends, n, window)
+    def _group_states(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        states = []
+        for stage, cls in enumerate((self.plain_group_class, self.affine_group_class)):
+            group = cls.from_specs(
+                self._stages[stage].spec, self._token_geometry, geometry=self._geometry
+            )
+            # A stage's rows as that preset holds them: the saved form is the rows' cuts,
+            # right-aligned, whatever their columns here.
+            group._rows = [replace(row, stage=0) for row in self._rows if row.stage == stage]
+            group._place.join(group._rows, 0)
+            states.append(tuple(group.state))
+        return states[0], states[1]
 
-    def _widen_mask(self, mask: Any, rows: int, n: int, width: int) -> Any:
-        array = np.asarray(mask, dtype=bool)
-        full = np.broadcast_to(array, (rows, 1, n, array.shape[-1]))
-        extra = width - array.shape[-1]
-        return np.concatenate([full, np.zeros((rows, 1, n, extra), dtype=bool)], axis=-1)
-
-
-class DelayedQuantizedKVCache(_ReferenceDelayed, DelayedFullAttention):
-    """Full-attention rows that convert to affine at their own ``start``
-    (``spec/DelayedQuantizedKVCache.md``)."""
-
-    composition = composition("DelayedQuantizedKVCache")
-    plain_group_class = BatchedKVCache
-    affine_group_class = BatchedQuantizedKVCache
-    lego_class = Bf16FirstQuantizedKVCache
-
-
-class DelayedRotatingQuantizedKVCache(_ReferenceDelayed, DelayedSlidingWindow):
-    """Ring rows that convert to affine at their own ``start``
-    (``spec/DelayedRotatingQuantizedKVCache.md``)."""
-
-    composition = composition("DelayedRotatingQuantizedKVCache")
-    plain_group_class = SpeculativeRotatingKVCache
-    affine_group_class = SpeculativeRotatingAffineLayout
-    lego_class = Bf16FirstRotatingQuantizedKVCache
-
-
-class DelayedTurboQuantKVCache(_ReferenceDelayed, DelayedTurboRows):
-    """Full-attention rows that convert to TurboQuant at their own ``start``
-    (``spec/DelayedTurboQuantKVCache.md``)."""
-
-    composition = composition("DelayedTurboQuantKVCache")
-    plain_group_class = BatchedKVCache
-    affine_group_class = BatchedTurboQuantKVCache
-    lego_class = Bf16FirstTurboQuantKVCache
+    def _hold_groups(
+        self,
+        plain: Any,
+        affine: Any,
+        converted_at: Sequence[int | None],
+        left_pad: Sequence[int] | None,
+    ) -> None:
+        groups = (list(plain._rows), list(affine._rows))
+        rows = []
+        for at in converted_at:
+            stage = int(at is not None)
+            rows.append(replace(groups[stage].pop(0), stage=stage))
+        self._rows = rows
+        self._geometry = plain.geometry or affine.geometry or self._declared
+        self._place.join(self._rows, 0)
+        if left_pad is not None:
+            for row, pad in zip(self._rows, left_pad, strict=True):
+                row.pad = pad
+        self._staged()

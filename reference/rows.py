@@ -33,7 +33,8 @@ import numpy.typing as npt
 
 from kvrows.codec import KV_TENSORS, PlaneSet, as_role
 from kvrows.common import ComposedIdentity, SavedState, check_counts, row_bytes
-from kvrows.compositions import Arrangement, Composition, bind_arguments
+from kvrows.compositions import Arrangement, Composition, bind_arguments, serial_preset
+from kvrows.conversion import MIXED_READ
 from kvrows.errors import (
     ADOPT_NEEDS_EMPTY,
     EMPTY_LAYOUT_UPDATE,
@@ -43,8 +44,10 @@ from kvrows.errors import (
     IncompatibleRowsError,
     InvalidInputError,
     LayoutStateError,
+    MixedPrecisionReadError,
     NotTrimmableError,
     incompatible_merge_message,
+    last_stage_message,
     self_merge_message,
     wrapped_ring_message,
 )
@@ -62,6 +65,7 @@ from kvrows.validation import (
 )
 
 __all__ = [
+    "SERIAL_PRESETS",
     "Placement",
     "Row",
     "RowLayout",
@@ -76,6 +80,10 @@ __all__ = [
 
 
 _T = TypeVar("_T", bound="Storage")
+
+#: The serial presets with no modifier, by composition name (``classes.build`` fills it):
+#: what a row of a stage other than the layout's own codec extracts into.
+SERIAL_PRESETS: dict[str, type[SerialStorage]] = {}
 
 
 #: The token axis of every plane a token geometry holds (``[rows, H, T, ·]``).
@@ -393,27 +401,65 @@ class Storage(SavedState, ComposedIdentity):
         self.codec = self._stages[0]
 
     def _convert_rows(self, rows: Sequence[int]) -> None:
-        """Re-encode rows ``rows`` into the next stage: each row's compact planes decoded
-        by its stage's codec and encoded by the next one's (per token, so what a row of
-        the next stage fed the same tokens holds). Rows are replaced, not changed (a view
-        taken before, ``_stage_view``, keeps the old ones)."""
-        after = {row.stage + (b in rows) for b, row in enumerate(self._rows)}
-        if len(after) > 1:  # mixed reads and writes come with the delayed layouts
-            raise LayoutStateError(STAGES_MOVE_TOGETHER)
+        """Re-encode rows ``rows`` into their next stage (contract §0.5, per-row stages):
+        each row's compact planes decoded by its stage's codec and encoded by the next
+        one's (per token, so what a row of the next stage fed the same tokens holds); the
+        other rows are not touched. Rows are replaced, not changed (a view taken before,
+        ``_stage_view``, keeps the old ones). Checked whole before any row moves."""
+        moving = sorted({check_row(b, len(self._rows)) for b in rows})
+        last = len(self._stages) - 1
+        for b in moving:
+            if self._rows[b].stage == last:
+                raise LayoutStateError(last_stage_message(b, last))
         converted = list(self._rows)
-        for b in rows:
+        for b in moving:
             row = self._rows[b]
             source, target = self._stages[row.stage], self._stages[row.stage + 1]
             planes: PlaneSet = {
                 t: target.encode(source.decode(ps, as_role(t)), as_role(t))
                 for t, ps in row.planes.items()
             }
-            converted[b] = Row(
-                planes, row.offset, row.pad, row.sinks, row.token_axis, row.stage + 1
-            )
+            converted[b] = replace(row, planes=planes, stage=row.stage + 1)
         self._rows = converted
-        if after:
-            self.codec = self._stages[after.pop()]
+        self._staged()
+
+    @property
+    def row_stages(self) -> tuple[int, ...]:
+        """Each row's stage, in batch order (contract §0.5)."""
+        return tuple(row.stage for row in self._rows)
+
+    def _staged(self) -> None:
+        """The rows changed: ``codec`` is the newest stage's any row is in (unchanged with
+        no row)."""
+        if self._rows:
+            self.codec = self._stages[max(row.stage for row in self._rows)]
+
+    def _stage_of(self, codec: Codec) -> int:
+        """The stage of this storage whose codec encodes as ``codec`` does."""
+        return [c.key for c in self._stages].index(codec.key)
+
+    def _stage_parts(self) -> list[tuple[list[int], Codec, dict[str, Any]]]:
+        """The read of rows in several stages (contract §0.5): per stage holding rows,
+        ``(rows, codec, reads)``, ``reads`` each tensor's fetched form of the full-width
+        read image restricted to ``rows``."""
+        shapes = self._shapes()
+        if shapes is None or not self._fetchable():
+            raise LayoutStateError(NOTHING_TO_FETCH)
+        width, spans, roll = self._columns()
+        lead = self._lead()
+        parts = []
+        for stage, codec in enumerate(self._stages):
+            rows = [b for b, row in enumerate(self._rows) if row.stage == stage]
+            if not rows:
+                continue
+            held = [self._rows[b] for b in rows]
+            columns = (width, [spans[b] for b in rows], roll)
+            reads = {
+                t: codec.fetched(_image(codec, shapes, held, t, columns, lead), as_role(t))
+                for t in shapes.tensors
+            }
+            parts.append((rows, codec, reads))
+        return parts
 
     def _stage_view(self, cls: type[_T], view: _T | None = None) -> _T:
         """An instance of the one-stage class ``cls`` (of this storage's current stage and
@@ -422,7 +468,9 @@ class Storage(SavedState, ComposedIdentity):
         replaces the rows."""
         if view is None:
             view = cls.from_specs(self.codec.spec, self._token_geometry, geometry=self._geometry)
-        view._rows, view._geometry = self._rows, self._geometry
+        # One stage there: its rows are stage 0 (new ``Row`` objects over the same planes).
+        view._rows = [replace(row, stage=0) for row in self._rows]
+        view._geometry = self._geometry
         return view
 
     def _take_rows(self, storage: Storage) -> None:
@@ -503,11 +551,18 @@ class Storage(SavedState, ComposedIdentity):
         shapes = self._shapes()
         if shapes is None or not self._fetchable():
             raise LayoutStateError(NOTHING_TO_FETCH)
+        if len({row.stage for row in self._rows}) > 1:
+            raise MixedPrecisionReadError(MIXED_READ)  # each stage's rows: _stage_parts
         columns, lead = self._columns(), self._lead()
         return {t: _image(self.codec, shapes, self._rows, t, columns, lead) for t in shapes.tensors}
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
         """Validate the block once, encode it once, append row ``b``'s share to row ``b``."""
+        self._update(keys, values)
+        return self.fetch()
+
+    def _update(self, keys: Any, values: Any) -> None:
+        """``update_and_fetch`` without its read (rows of several stages read by parts)."""
         geometry = check_block(
             keys.shape if isinstance(keys, np.ndarray) else (),
             values.shape if isinstance(values, np.ndarray) else (),
@@ -516,18 +571,32 @@ class Storage(SavedState, ComposedIdentity):
             rows=len(self._rows) or None,
             geometry=self._geometry,
         )
-        self.codec.check(geometry)
+        for stage in self._row_stage_set():
+            self._stages[stage].check(geometry)
         self._write_blocks(dict(zip(KV_TENSORS, (keys, values), strict=True)), geometry)
-        return self.fetch()
 
     def _write_blocks(self, blocks: dict[str, Any], shapes: Any) -> None:
         """The one write (``update_and_fetch``, a latent ``append``): checked blocks
         ``[rows, heads, n, ·]`` per tensor, encoded once, row ``b``'s share to row ``b``;
         then the storage knows ``shapes``."""
         first = next(iter(blocks.values()))
-        block: PlaneSet = {t: self.codec.encode(x, as_role(t)) for t, x in blocks.items()}
-        self._write(block, int(first.shape[0]), int(first.shape[TOKEN_AXIS]), shapes)
+        rows, n = int(first.shape[0]), int(first.shape[TOKEN_AXIS])
+        stages = self._row_stage_set()
+        encoded = {
+            stage: {t: self._stages[stage].encode(x, as_role(t)) for t, x in blocks.items()}
+            for stage in stages
+        }
+        if len(stages) == 1:
+            self._write(encoded[stages[0]], rows, n, shapes)
+        else:  # rows of several stages: row ``b``'s share from its stage's encoding
+            self._advance(n)
+            for b, row in enumerate(self._rows):
+                self._axis.append(row, row_share(encoded[row.stage], b), n)
         self._take_shapes(shapes)
+
+    def _row_stage_set(self) -> list[int]:
+        """The stages the rows are in, in order (``_stage`` with no row)."""
+        return sorted({row.stage for row in self._rows}) or [self._stage]
 
     def _write(self, block: PlaneSet, rows: int, n: int, shapes: Any) -> None:
         """Row ``b`` takes its share of an encoded block of ``rows`` rows and ``n`` tokens
@@ -550,7 +619,7 @@ class Storage(SavedState, ComposedIdentity):
         layout that is its own serial storage places it at column 0)."""
         if self._rows:
             raise LayoutStateError(ADOPT_NEEDS_EMPTY)
-        row.pad = 0
+        row.pad, row.stage = 0, self._stage
         self._rows = [row] if row.held else []
         self._take_shapes(geometry)
         return self
@@ -615,8 +684,15 @@ class SerialStorage(Storage):
             row.trim(count)
         return count
 
+    def _convert_rows(self, rows: Sequence[int]) -> None:
+        """A serial storage's rows move together: some, not all, are refused."""
+        moving = {check_row(b, len(self._rows)) for b in rows}
+        if moving and len(moving) != len(self._rows):
+            raise LayoutStateError(STAGES_MOVE_TOGETHER)
+        super()._convert_rows(rows)
+
     def check_valid(self) -> None:
-        assert len({(r.offset, r.retained) for r in self._rows}) <= 1, "rows move together"
+        assert len({(r.offset, r.retained, r.stage) for r in self._rows}) <= 1, "rows move together"
         assert all(r.retained <= r.offset for r in self._rows)
 
     # -- read-only views for tests and conformance -------------------------------------------
@@ -657,8 +733,10 @@ class RowLayout(Storage):
     serial_class: ClassVar[type[SerialStorage]]
     _lends_empty_row = False
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def _setup(
+        self, codec_spec: CodecSpec, token_geometry: GeometrySpec, declared: KvGeometry | None
+    ) -> None:
+        super()._setup(codec_spec, token_geometry, declared)
         self._place = self._axis.place(self.composition.arrangement)
 
     # -- what the layout holds ---------------------------------------------------------------
@@ -735,11 +813,11 @@ class RowLayout(Storage):
         self._place.advance(self._rows, n)
 
     def _accepts(self, source: object) -> bool:
-        return (
-            isinstance(source, Storage)
-            and source.codec.key == self.codec.key
-            and source.token_geometry == self._token_geometry
-        )
+        # Each codec its rows are in (a source holding none: its codec) is one of ours.
+        if not isinstance(source, Storage) or source.token_geometry != self._token_geometry:
+            return False
+        keys = {c.key for c in self._stages}
+        return all(source._stages[s].key in keys for s in source._row_stage_set())
 
     def _cut(self, row: Row) -> Row:
         return self._axis.cut(row)
@@ -769,28 +847,42 @@ class RowLayout(Storage):
         incoming: list[Row] = []
         for source in sources:
             if source._rows or not source._lends_empty_row:
-                incoming.extend(self._cut(row) for row in source._rows)
-            else:
-                incoming.append(self._new_row())  # a storage of one request with no token
+                # A row joins in the stage of the codec that encoded it.
+                incoming.extend(
+                    replace(self._cut(row), stage=self._stage_of(source._stages[row.stage]))
+                    for row in source._rows
+                )
+            else:  # a storage of one request with no token
+                incoming.append(replace(self._new_row(), stage=self._stage_of(source.codec)))
         if not incoming:
             return
         running = [self._cut(row) for row in self._rows]
         self._rows = running + incoming
         self._place.join(self._rows, len(running))
         self._take_shapes(shapes)
+        self._staged()
 
     def filter_rows(self, keep: Sequence[int]) -> None:
         """Keep the rows ``keep``, in that order."""
         order = check_keep(keep, self.batch_size)
         self._rows = [self._rows[i] for i in order]
         self._place.filter(self._rows)
+        self._staged()
 
     def extract_row(self, row: int) -> SerialStorage:
         """An independent serial storage holding row ``row``'s window."""
         entry = self._rows[check_row(row, self.batch_size)]
-        serial = self.serial_class.from_specs(self.codec_spec, self._token_geometry)
+        serial = self._serial_of(self._stages[entry.stage].spec)
         held = self._cut(entry) if entry.held else self._new_row()
         return serial.adopt(held, self._shapes())  # an empty row still knows its geometry
+
+    def _serial_of(self, spec: CodecSpec) -> SerialStorage:
+        """An empty serial storage of ``spec`` on this geometry: the composition's serial
+        storage, or for a row of another stage's codec, that codec's serial preset."""
+        cls = self.serial_class
+        if spec.kind != cls.composition.codec:
+            cls = SERIAL_PRESETS[serial_preset(self.composition.geometry, spec.kind).name]
+        return cls.from_specs(spec, self._token_geometry)
 
     # -- trims -----------------------------------------------------------------------------
     def is_trimmable(self) -> bool:
@@ -817,4 +909,6 @@ class RowLayout(Storage):
     def check_valid(self) -> None:
         """Assert the layout's invariants (tests and conformance)."""
         assert all(0 <= row.retained <= row.offset for row in self._rows)
+        assert all(0 <= row.stage < len(self._stages) for row in self._rows)
+        assert not self._rows or self._stage == max(self.row_stages), "codec: newest stage"
         self._place.check(self._rows)

@@ -24,7 +24,6 @@ from kvrows.compositions import (
     bind_arguments,
     composition,
     landed,
-    presets_on_rows,
     serial_for_peer,
     stage_presets,
 )
@@ -412,7 +411,7 @@ def test_the_classes_mypy_sees_are_the_classes_build_makes(implementation: Modul
         if isinstance(node, ast.ClassDef)
     }
     # The module's own classes: building again would declare a second class per name.
-    built = {e.name: getattr(classes, e.name) for e in presets_on_rows(classes.IMPLEMENTATIONS)}
+    built = {e.name: getattr(classes, e.name) for e in classes.PRESETS}
     assert declared == {name: [b.__name__ for b in cls.__bases__] for name, cls in built.items()}
     for name, cls in built.items():
         assert getattr(implementation, name) is cls

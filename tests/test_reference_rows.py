@@ -12,7 +12,7 @@ import pytest
 import kvrows.reference as reference
 from kvrows.codec import DTYPE_SIZES, Codec, PlaneSpec
 from kvrows.compositions import composition, landed, register_compositions
-from kvrows.delayed import DelayedRows
+from kvrows.delayed import DelayedLayout
 from kvrows.errors import (
     EMPTY_LAYOUT_UPDATE,
     NOTHING_TO_FETCH,
@@ -53,7 +53,7 @@ def _block(rows: int, tokens: int, dim: int = 64) -> npt.NDArray[Any]:
 
 
 def _serial(layout: Any, tokens: int) -> Any:
-    if isinstance(layout, DelayedRows):  # its rows arrive plain
+    if isinstance(layout, DelayedLayout):  # its rows arrive plain
         cache = layout.lego_class.plain_class.from_specs(Plain(), layout.token_geometry)
     else:
         cache = layout.serial_class.from_specs(layout.codec_spec, layout.token_geometry)
@@ -75,8 +75,8 @@ def test_every_landed_composition_is_one_declared_class() -> None:
             lego = cls(*((8,) if "max_size" in cls.composition.params else ()))
             assert lego.stages == (Plain(), lego.quantization) and lego.codec_spec == Plain()
             continue
-        if "delayed" in cls.composition.modifiers:  # two groups of row layouts
-            assert issubclass(cls, DelayedRows)
+        if "delayed" in cls.composition.modifiers:  # a layout of two stages
+            assert issubclass(cls, DelayedLayout) and issubclass(cls, RowLayout)
             assert issubclass(cls.plain_group_class, RowLayout)
             assert issubclass(cls.affine_group_class, RowLayout)
             continue

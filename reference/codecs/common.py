@@ -14,14 +14,13 @@ import numpy as np
 import numpy.typing as npt
 
 from kvrows.codec import CodecLayout, Role
-from kvrows.delayed import DelayedRows
 from kvrows.errors import (
     InvalidInputError,
     attend_storage_message,
     head_grouping_message,
     mask_message,
 )
-from kvrows.protocols import Cache, HasCodec, Mask
+from kvrows.protocols import Cache, HasCodec, LastReadAttention, Mask
 
 __all__ = [
     "AsWritten",
@@ -115,7 +114,7 @@ def attend(queries: npt.NDArray[Any], cache: Cache, mask: Mask, scale: float) ->
     """Attention of ``queries`` over everything ``cache`` holds now, through its codec (a
     delayed layout: what its last append returned, a mixed read row group by row group)."""
     dtype_name(queries)
-    if isinstance(cache, DelayedRows):
+    if isinstance(cache, LastReadAttention):
         last: npt.NDArray[Any] | None = cache.attend_last_read(queries, mask, scale)
         if last is not None:
             return last
