@@ -196,7 +196,9 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     """What every storage is, serial or layout, whatever its geometry.
 
     It holds ``_planes``: a :data:`PlaneSet` (each tensor's planes, ``None`` before the
-    first write); the templates and hooks iterate over its tensors and never name one.
+    first write); the templates and hooks iterate over its tensors and never name one. Rows
+    in several stages (contract §0.5) are held in ``_stores`` instead, one :class:`Store`
+    per stage, which a geometry with ``_stage_stores`` runs its hooks over.
 
     Geometry hooks (a geometry class overrides each; the templates call them after
     validating): ``_reset_geometry()`` (forget the geometry's own state),

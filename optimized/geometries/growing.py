@@ -314,8 +314,8 @@ class GrowingGeometry(Storage):
                 for slot, b in enumerate(store.rows)
                 if held[b]  # nothing to copy (and MLX faults on empty slices)
             ]
-            count = spare_slots(len(store.rows))
-            fresh = self._zeros(count, round_up(width + 1), geometry, store.codec)
+            slots = spare_slots(len(store.rows))
+            fresh = self._zeros(slots, round_up(width + 1), geometry, store.codec)
             for new_plane, plane in paired(fresh, store.planes):
                 for b, source, target, count in moves:
                     new_plane[b : b + 1, :, target : target + count] = plane[
