@@ -38,11 +38,12 @@ from kvrows.validation import STEP
 
 __all__ = ["LayoutDropIn", "SerialDropIn", "encoded_copy"]
 
-#: Instance attributes ``to_quantized`` does not copy: the codec and planes (re-encoded),
+#: Instance attributes ``to_quantized`` does not copy: the codec, its stages and planes (re-encoded),
 #: the specs and KV geometry (given to the constructor), and device caches of host state.
 _NOT_COPIED = frozenset(
     {
         "codec",
+        "_stages",
         "_keys",
         "_values",
         "_token_geometry",

@@ -37,6 +37,7 @@ from kvrows.codec import KV_TENSORS, PlaneSet, as_role
 from kvrows.codecs import CODECS
 from kvrows.common import ComposedIdentity, PlaneHolder, SavedState, check_counts, row_bytes
 from kvrows.compositions import Composition, bind_arguments
+from kvrows.conversion import MIXED_READ
 from kvrows.errors import (
     ADOPT_NEEDS_EMPTY,
     EMPTY_LAYOUT_UPDATE,
@@ -48,8 +49,10 @@ from kvrows.errors import (
     InvalidInputError,
     KvRowsError,
     LayoutStateError,
+    MixedPrecisionReadError,
     NotTrimmableError,
     incompatible_merge_message,
+    last_stage_message,
     self_merge_message,
     speculative_modifier_message,
     trim_past_row_message,
@@ -74,6 +77,7 @@ __all__ = [
     "RowWindow",
     "Serial",
     "Storage",
+    "Store",
     "arrays",
     "joined",
     "kv_pair",
@@ -108,6 +112,19 @@ DECLARED: dict[str, type[Storage]] = {}
 _STAGED_ONLY = frozenset(
     {"_stages", "_conversion", "_declared", "_read_codec", "_read_from", "_view"}
 )
+
+
+class Store:
+    """One stage's planes in a storage whose rows are in several stages (contract §0.4):
+    ``rows`` are the storage rows in its slots, in batch order (row ``rows[i]`` at slot
+    ``i``; spare slots after them); ``planes`` is ``None`` while no row knows its shapes;
+    ``codec`` is the stage's. Every store of a storage is at the same columns (the
+    storage's column record)."""
+
+    __slots__ = ("codec", "planes", "rows", "stage")
+
+    def __init__(self, stage: int, planes: PlaneSet | None, rows: list[int], codec: Codec) -> None:
+        self.stage, self.planes, self.rows, self.codec = stage, planes, rows, codec
 
 
 def owned(view: mx.array) -> mx.array:
@@ -179,7 +196,9 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     """What every storage is, serial or layout, whatever its geometry.
 
     It holds ``_planes``: a :data:`PlaneSet` (each tensor's planes, ``None`` before the
-    first write); the templates and hooks iterate over its tensors and never name one.
+    first write); the templates and hooks iterate over its tensors and never name one. Rows
+    in several stages (contract §0.5) are held in ``_stores`` instead, one :class:`Store`
+    per stage, which a geometry with ``_stage_stores`` runs its hooks over.
 
     Geometry hooks (a geometry class overrides each; the templates call them after
     validating): ``_reset_geometry()`` (forget the geometry's own state),
@@ -203,6 +222,13 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
 
     codec: Codec
     _planes: PlaneSet | None
+    #: ``None``: every row is in one stage and ``_planes`` is its store (rows in slots
+    #: ``0 .. B-1``). Otherwise the stores of the stages holding rows, in stage order, and
+    #: ``_planes`` is ``None`` (contract §0.4; only a geometry with ``_stage_stores``).
+    _stores: list[Store] | None
+    #: Whether the geometry's hooks run over several stage stores (growing); the others
+    #: keep a storage's rows in one stage (``STAGES_MOVE_TOGETHER``).
+    _stage_stores: ClassVar[bool] = False
     _geometry: KvGeometry | None
     _offsets: list[int]
     _pads: list[int]
@@ -245,10 +271,11 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         self._setup(codec_spec, token_geometry, geometry)
 
     @classmethod
-    def _spawn(cls: type[_S], like: Storage) -> _S:
-        """An empty instance with ``like``'s (already validated) specs."""
+    def _spawn(cls: type[_S], like: Storage, spec: CodecSpec | None = None) -> _S:
+        """An empty instance with ``like``'s (already validated) specs (``spec``: of that
+        codec instead, one of ``like``'s stages)."""
         fresh = cls.__new__(cls)
-        fresh._setup(like.codec_spec, like.token_geometry, None)
+        fresh._setup(spec or like.codec_spec, like.token_geometry, None)
         return fresh
 
     def _setup(
@@ -270,17 +297,28 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         self.codec = self._stages[0]
 
     def _convert_rows(self, rows: Sequence[int]) -> None:
-        """Move rows ``rows`` into the next stage: the store re-encoded whole (capacity
-        included, as mlx-lm quantizes its buffer; a ring keeps its phase), owned and
-        evaluated; the old store is replaced, not changed (a view taken before keeps it)."""
-        # The reference's rule: refused when the rows would end in more than one stage (a
-        # per-stage store, contract §0.4, is what a row of its own stage needs); no row, or
-        # no row held, changes nothing.
-        moving = set(rows)
-        if not moving or not self._offsets:
+        """Move rows ``rows`` (any subset; a row given twice counts once) into their next
+        stage (contract §0.5), checked whole before anything changes. Every row of one
+        store moving: the store re-encoded whole (capacity included, as mlx-lm quantizes
+        its buffer; a ring keeps its phase); some rows: only their slots move to the next
+        stage's store (``_move_rows``, a geometry with stage stores). Owned and evaluated;
+        the old planes are replaced, not changed (a view taken before keeps them)."""
+        moving = sorted({check_row(b, len(self._offsets)) for b in rows})
+        stages, last = self.row_stages, len(self._stages) - 1
+        for b in moving:
+            if stages[b] == last:
+                raise LayoutStateError(last_stage_message(b, last))
+        if not moving:
             return
-        if moving != set(range(len(self._offsets))):
+        if self._stores is None and len(moving) == len(self._offsets):
+            self._convert_store()
+        elif not self._stage_stores:
             raise LayoutStateError(STAGES_MOVE_TOGETHER)
+        else:
+            self._move_rows(moving)
+
+    def _convert_store(self) -> None:
+        """Every row of the one store into the next stage: the store re-encoded whole."""
         source, target = self.codec, self._stages[self._stage + 1]
         if self._geometry is not None:
             target.check(self._geometry)  # head dims the codec stores
@@ -292,6 +330,95 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             mx.eval(*arrays(self._planes))
         self.codec = target
         self._changed()
+
+    @property
+    def row_stages(self) -> tuple[int, ...]:
+        """Each row's stage, in batch order (contract §0.5)."""
+        if self._stores is None:
+            return (self._stage_of(self.codec),) * len(self._offsets)
+        stages = [0] * len(self._offsets)
+        for store in self._stores:
+            for b in store.rows:
+                stages[b] = store.stage
+        return tuple(stages)
+
+    def _row_codecs(self, count: int) -> list[Codec]:
+        """The codec of each of ``count`` rows a merge takes from this storage (its row
+        windows: a storage without rows lends empty ones of its codec)."""
+        if self._stores is None:
+            return [self.codec] * count
+        codecs: list[Codec] = [self.codec] * len(self._offsets)
+        for store in self._stores:
+            for b in store.rows:
+                codecs[b] = store.codec
+        return codecs
+
+    def _held_codecs(self) -> list[Codec]:
+        """The codecs of the stages holding rows, in stage order (``codec`` with none)."""
+        if self._stores is None:
+            return [self.codec]
+        return [store.codec for store in self._stores]
+
+    def _stage_of(self, codec: Codec) -> int:
+        """The stage of this storage whose codec encodes as ``codec`` does."""
+        return [c.key for c in self._stages].index(codec.key)
+
+    def _new_store(self, stage: int) -> Store:
+        """An empty store of ``stage`` (of ``codec`` when it is the rows' stage)."""
+        codec = self.codec if self._stage_of(self.codec) == stage else self._stages[stage]
+        return Store(stage, None, [], codec)
+
+    def _store_list(self) -> list[Store]:
+        """The stores holding rows (the one store wrapped when rows are in one stage;
+        none without rows): what a hook running over several stores reads."""
+        if self._stores is not None:
+            return self._stores
+        if not self._offsets:
+            return []
+        rows = list(range(len(self._offsets)))
+        return [Store(self._stage_of(self.codec), self._planes, rows, self.codec)]
+
+    def _put_stores(self, stores: list[Store]) -> None:
+        """Hold ``stores`` (every store with rows; rows in batch order in each): one store
+        is ``_planes`` again (its rows are then ``0 .. B-1``), several are ``_stores``;
+        ``codec`` is the newest stage holding rows."""
+        live = sorted((s for s in stores if s.rows), key=lambda s: s.stage)
+        if len(live) > 1:
+            self._stores, self._planes = live, None
+        else:
+            self._stores = None
+            if live:
+                self._planes = live[0].planes
+        if live:
+            self.codec = live[-1].codec
+
+    def _store_of(self, row: int) -> tuple[Store, int]:
+        """The store holding row ``row`` (several stores) and its slot there."""
+        assert self._stores is not None
+        for store in self._stores:
+            if row in store.rows:
+                return store, store.rows.index(row)
+        raise AssertionError(f"row {row} is in no store")
+
+    def _move_rows(self, moving: list[int]) -> None:
+        """Rows ``moving`` (checked, sorted, none in the last stage, not every row of one
+        store) into their next stage's store (a geometry with stage stores)."""
+        raise NotImplementedError
+
+    def _stage_parts(self) -> list[tuple[list[int], Codec, dict[str, Any]]]:
+        """The read of rows in several stages (contract §0.5): per stage holding rows, in
+        stage order, ``(rows, codec, reads)``: its rows in batch order and each tensor's
+        fetched form of the full-width read image restricted to those rows."""
+        if self._stores is None:
+            return [(list(range(len(self._offsets))), self.codec, self._read())]
+        parts = []
+        for store in self._stores:
+            if store.planes is None:
+                raise LayoutStateError(NOTHING_TO_FETCH)
+            codec, visible = store.codec, self._visible_rows(store)
+            reads = {t: codec.fetched(planes, as_role(t)) for t, planes in visible.items()}
+            parts.append((list(store.rows), codec, reads))
+        return parts
 
     def _stage_view(self, cls: type[_S], view: _S | None = None) -> _S:
         """An instance of the one-stage class ``cls`` (this storage's current stage and
@@ -320,7 +447,7 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
 
     def _clear(self) -> None:
         """Hold no row and no buffer (the KV geometry, once known, is kept)."""
-        self._planes = None
+        self._planes, self._stores = None, None
         self._offsets, self._pads = [], []
         self._changed()
         self._reset_geometry()
@@ -331,15 +458,21 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
 
     def held_arrays(self) -> tuple[Any, ...]:
         """The buffers held, borrowed (to evaluate at a chunk boundary; ``state`` may copy)."""
+        if self._stores is not None:
+            return tuple(p for store in self._stores for p in arrays(store.planes))
         return arrays(self._planes)
 
-    def _zeros(self, rows: int, columns: int, shapes: Any) -> PlaneSet:
+    def _held_planes(self) -> tuple[Any, ...]:
+        return self.held_arrays()  # ``nbytes``: every stage store's planes
+
+    def _zeros(self, rows: int, columns: int, shapes: Any, codec: Codec | None = None) -> PlaneSet:
         """Zero planes of every tensor ``shapes`` (a KV geometry, a codec's ``Shapes``)
-        names, ``rows`` rows of ``columns`` tokens."""
+        names, ``rows`` rows of ``columns`` tokens (of ``codec``, default this storage's)."""
+        codec = codec or self.codec
         planes: PlaneSet = {}
         for t in shapes.tensors:
             heads, dim, dtype = shapes.tensor_image(t)
-            planes[t] = self.codec.zeros(rows, heads, columns, dim, dtype, t)
+            planes[t] = codec.zeros(rows, heads, columns, dim, dtype, t)
         return planes
 
     # -- what it learnt of its tensors' shapes ----------------------------------------------
@@ -373,6 +506,8 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     def _state(self) -> tuple[Any, ...]:
         from kvrows.optimized.forms import state_of
 
+        if self._stores is not None:  # a form of rows of several stages: not defined yet
+            raise MixedPrecisionReadError(MIXED_READ)
         return state_of(self)
 
     @classmethod
@@ -391,11 +526,12 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         return self._pads_array
 
     def _accepts(self, source: object) -> bool:
-        return (
-            isinstance(source, Storage)
-            and source.token_geometry == self.token_geometry
-            and source.codec.key == self.codec.key
-        )
+        # Each codec the source's rows are in (a source holding none: its codec) is one of
+        # this storage's stages' (contract §0.5).
+        if not isinstance(source, Storage) or source.token_geometry != self.token_geometry:
+            return False
+        keys = {c.key for c in self._stages}
+        return all(codec.key in keys for codec in source._held_codecs())
 
     # -- the templates --------------------------------------------------------------------
     def _block_rows(self) -> int | None:
@@ -410,16 +546,36 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             rows=self._block_rows(),
             geometry=self._geometry,
         )
-        self.codec.check(geometry)
+        if self._stores is None:
+            self.codec.check(geometry)
+        else:
+            for codec in self._held_codecs():
+                codec.check(geometry)
         self._write_blocks(dict(zip(KV_TENSORS, (keys, values), strict=True)), geometry)
-        return self.fetch()
+        return self.fetch()  # rows of several stages: the write happened, the read refuses
 
     def _write_blocks(self, blocks: dict[str, Any], shapes: Any) -> None:
         """The one write (``update_and_fetch``, a latent ``append``): checked blocks
-        ``[rows, heads, n, ·]`` per tensor, each encoded once, then :meth:`_write`."""
+        ``[rows, heads, n, ·]`` per tensor, each encoded once per stage holding rows, then
+        :meth:`_write` (one stage) or ``_append_stores`` (each store its rows' share)."""
         n = int(next(iter(blocks.values())).shape[TOKEN_AXIS])
-        block: PlaneSet = {t: self.codec.encode(x, as_role(t)) for t, x in blocks.items()}
-        self._write(block, n, shapes)
+        if self._stores is None:
+            block: PlaneSet = {t: self.codec.encode(x, as_role(t)) for t, x in blocks.items()}
+            self._write(block, n, shapes)
+            return
+        shares: list[PlaneSet] = []
+        for store in self._stores:
+            codec, index = store.codec, mx.array(store.rows)
+            shares.append(
+                {
+                    t: tuple(mx.take(p, index, axis=0) for p in codec.encode(x, as_role(t)))
+                    for t, x in blocks.items()
+                }
+            )
+        self._take_shapes(shapes)
+        self._append_stores(shares, n, shapes)
+        self._offsets = [o + n for o in self._offsets]
+        self._changed()
 
     def _write(self, block: PlaneSet, n: int, shapes: Any) -> None:
         """Write an encoded block of ``n`` tokens: the storage takes ``shapes``, the
@@ -441,6 +597,8 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         """Each tensor as attention reads it now (the codec's fetched form of what the
         geometry shows)."""
         if self._planes is None:
+            if self._stores is not None:
+                raise MixedPrecisionReadError(MIXED_READ)  # each stage's rows: _stage_parts
             raise LayoutStateError(NOTHING_TO_FETCH)
         visible = self._visible(self._planes)
         return {t: self.codec.fetched(planes, as_role(t)) for t, planes in visible.items()}
@@ -448,6 +606,9 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     def _held_window(self, row: int | None) -> PlaneSet | None:
         """Row ``row``'s planes in time order (every row's on a serial storage when
         ``row`` is ``None``); ``None`` when nothing is held."""
+        if self._stores is not None and row is not None:
+            store, slot = self._store_of(row)
+            return None if store.planes is None else self._window_slot(store.planes, row, slot)
         return None if self._planes is None else self._window(self._planes, row)
 
     def _window_pair(self, row: int | None) -> tuple[Planes, Planes] | None:
@@ -484,6 +645,25 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         raise NotImplementedError
 
     def _window(self, planes: PlaneSet, row: int | None) -> PlaneSet | None:
+        raise NotImplementedError
+
+    # Stage stores (a geometry with ``_stage_stores``, contract §0.4): the hooks over several.
+    def _window_slot(self, planes: PlaneSet, row: int, slot: int) -> PlaneSet | None:
+        """``_window`` of row ``row`` held at slot ``slot`` of ``planes``."""
+        raise NotImplementedError
+
+    def _visible_rows(self, store: Store) -> PlaneSet:
+        """``_visible`` of one store's rows."""
+        raise NotImplementedError
+
+    def _append_stores(self, shares: list[PlaneSet], n: int, geometry: KvGeometry) -> None:
+        """``_append`` over several stores: ``shares[i]``, store ``i``'s rows' block."""
+        raise NotImplementedError
+
+    def _place_stages(
+        self, incoming: list[RowWindow], stages: list[int], geometry: KvGeometry | None
+    ) -> None:
+        """``_place`` of rows joining in stages ``stages`` (one per row)."""
         raise NotImplementedError
 
     def _place(self, incoming: list[RowWindow], geometry: KvGeometry | None) -> None:
@@ -568,13 +748,14 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     def _roll_right(self, start: int, stop: int, shifts: list[int]) -> None:
         """Rotate each row's columns ``[start, stop)`` right by its shift: its trailing
         pads wrap round to the front, where the row's left padding then covers them."""
-        assert self._planes is not None
-        rows, width = len(shifts), stop - start
-        index = (mx.arange(width)[None, :] - mx.array(shifts)[:, None]) % width
-        index = index[:, None, :, None]
-        for plane in arrays(self._planes):
-            region = plane[:rows, :, start:stop]
-            plane[:rows, :, start:stop] = mx.take_along_axis(region, index, axis=2)
+        width = stop - start
+        for store in self._store_list():  # each store: its rows' shifts
+            rows, moved = len(store.rows), [shifts[b] for b in store.rows]
+            index = (mx.arange(width)[None, :] - mx.array(moved)[:, None]) % width
+            index = index[:, None, :, None]
+            for plane in arrays(store.planes):
+                region = plane[:rows, :, start:stop]
+                plane[:rows, :, start:stop] = mx.take_along_axis(region, index, axis=2)
 
 
 class Serial(Storage):
@@ -603,6 +784,13 @@ class Serial(Storage):
             return [(None, offset)] * max(1, self.rows)
         return [(row_of(held, b), offset) for b in range(self.rows)]
 
+    def _convert_rows(self, rows: Sequence[int]) -> None:
+        """A serial storage's rows move together: some, not all, are refused."""
+        moving = {check_row(b, self.rows) for b in rows}
+        if moving and len(moving) != self.rows:
+            raise LayoutStateError(STAGES_MOVE_TOGETHER)
+        super()._convert_rows(rows)
+
     def trim(self, n: int) -> int:
         count = as_count(n, "n")
         if count:
@@ -617,6 +805,7 @@ class Serial(Storage):
         """Assert the storage's invariants (for tests): its rows move together."""
         assert len(self._pads) == len(self._offsets)
         assert len(set(self._offsets)) <= 1, "the rows of a serial storage move together"
+        assert self._stores is None, "the rows of a serial storage are in one stage"
         self._check_geometry()
 
     def planes(self) -> tuple[Planes, Planes] | None:
@@ -699,11 +888,27 @@ class Layout(Storage):
                 raise IncompatibleRowsError(self_merge_message(self.signature()))
             seen.add(id(source))
         incoming: list[RowWindow] = []
+        stages: list[int] = []  # a row joins in the stage of the codec that encoded it
         for source in rows:
             if not isinstance(source, Storage) or not self._accepts(source):
                 raise IncompatibleRowsError(self._merge_refusal(source))
-            incoming.extend(source._row_windows())
-        self._join(rows, incoming, self._joined_shapes(rows))
+            windows = source._row_windows()
+            incoming.extend(windows)
+            stages.extend(self._stage_of(c) for c in source._row_codecs(len(windows)))
+        shapes = self._joined_shapes(rows)
+        held = set(self.row_stages) | set(stages)
+        if self._stores is None and len(held) <= 1:
+            if stages and stages[0] != self._stage_of(self.codec) and not self._offsets:
+                self._clear()  # an empty layout takes its rows' stage
+                self.codec = self._stages[stages[0]]
+            self._join(rows, incoming, shapes)
+            return
+        if not self._stage_stores:
+            raise LayoutStateError(STAGES_MOVE_TOGETHER)
+        self._take_shapes(shapes)
+        self._place_stages(incoming, stages, self._geometry)
+        self._offsets = self._offsets + [offset for _, offset in incoming]
+        self._changed()
 
     def _merge_refusal(self, source: object) -> str:
         """The message refusing a source ``_accepts`` does not take."""
@@ -737,9 +942,8 @@ class Layout(Storage):
         arrays (a lazy slice would pin this layout's buffers and make its next in-place
         write copy them)."""
         index = check_row(row, self.batch_size)
-        # The table's serial storage of a layout (a ``Serial`` class, or the layout itself).
-        serial = cast(type[Serial], DECLARED[self.composition.serial or self.composition.name])
-        cache = serial._spawn(self)
+        spec = self._row_codecs(self.batch_size)[index].spec
+        cache = self._serial_of(spec)._spawn(self, spec)
         held = self._held_window(index)
         if held is None or self._holds_nothing(held):
             cache._take_shapes(self._shapes())  # an empty row still knows its geometry
@@ -747,6 +951,24 @@ class Layout(Storage):
         copies = self._owned(held)
         mx.eval(*arrays(copies))
         return cache.adopt(copies, self._offsets[index], self._shapes())
+
+    def _serial_of(self, spec: CodecSpec) -> type[Serial]:
+        """The serial class a row of codec ``spec`` extracts into: the table's serial
+        storage of the layout (a ``Serial`` class, or the layout itself), or for a row of
+        another stage's codec, that codec's serial preset on this geometry."""
+        entry = self.composition
+        serial = DECLARED[entry.serial or entry.name]
+        if spec.kind != serial.composition.codec:
+            for cls in DECLARED.values():
+                other = cls.composition
+                if (
+                    other.arrangement == serial.composition.arrangement
+                    and not other.modifiers
+                    and other.geometry == entry.geometry
+                    and other.codec == spec.kind
+                ):
+                    serial = cls
+        return cast(type[Serial], serial)
 
     def trim(self, n: int) -> int:
         count = as_count(n, "n")
@@ -779,7 +1001,25 @@ class Layout(Storage):
         """Assert the layout's invariants (for tests)."""
         assert len(self._pads) == len(self._offsets)
         assert all(t >= 0 for t in self._offsets)
+        self._check_stores()
         self._check_geometry()
+
+    def _check_stores(self) -> None:
+        """The row -> (stage, slot) map and the stores agree (contract §0.4)."""
+        if self._stores is None:
+            return
+        assert self._planes is None and len(self._stores) > 1
+        stages = [store.stage for store in self._stores]
+        assert stages == sorted(set(stages)), "one store per stage, in stage order"
+        assert self.codec is self._stores[-1].codec, "codec: the newest stage holding rows"
+        rows = [b for store in self._stores for b in store.rows]
+        assert sorted(rows) == list(range(len(self._offsets))), "every row in one store"
+        for store in self._stores:
+            assert store.rows and store.rows == sorted(store.rows), "slots in batch order"
+            if store.planes is not None:
+                assert len(store.rows) <= int(arrays(store.planes)[0].shape[0])
+        held = [token_count(s.planes) for s in self._stores if s.planes is not None]
+        assert len(set(held)) <= 1, "every store at the same columns"
 
     def __repr__(self) -> str:
         return (

@@ -7,13 +7,20 @@ never keep or write into the caller's arrays.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import kvrows.optimized as kv
 from kvrows.codec import Codec
 from kvrows.compositions import composition, landed
+from kvrows.conformance.profiles import active_profile, profile_settings
+from kvrows.conversion import MIXED_READ
 from kvrows.delayed import DelayedRows
 from kvrows.errors import (
     EMPTY_LAYOUT_UPDATE,
@@ -21,10 +28,13 @@ from kvrows.errors import (
     IncompatibleRowsError,
     InvalidInputError,
     LayoutStateError,
+    MixedPrecisionReadError,
     NotTrimmableError,
+    RowIndexError,
+    last_stage_message,
     self_merge_message,
 )
-from kvrows.optimized.rows import DECLARED, Layout, Serial
+from kvrows.optimized.rows import DECLARED, Layout, Serial, Store, arrays
 from kvrows.schemes import Affine, Growing, Plain, Ring
 from kvrows.validation import KvGeometry
 
@@ -292,10 +302,10 @@ def test_a_shared_column_rollback_rolls_rows_right_in_both_implementations() -> 
 
 
 def test_some_rows_of_a_layout_convert_as_in_the_reference() -> None:
-    """The stage hook on a layout of two stages (contract §0.5), twin against twin: rows
-    that would leave the storage in two stages are refused with nothing changed (reads,
-    offsets, pads, bytes, stage), no row changes nothing, and every row moves together to
-    what a layout of the target codec fed the same tokens holds (reads and bytes)."""
+    """The stage hook on a layout of two stages (contract §0.5), twin against twin: no row
+    changes nothing, and every row moved (a row given twice counts once) holds what a
+    layout of the target codec fed the same tokens holds (reads and bytes). Some rows only:
+    ``test_rows_of_two_stages_hold_what_each_stage_layout_holds``."""
     import kvrows.reference as ref
 
     target = Affine(bits=4, group_size=64)
@@ -337,11 +347,6 @@ def test_some_rows_of_a_layout_convert_as_in_the_reference() -> None:
             )
 
         before = seen(layout)
-        # The reference converts rows one by one (contract §0.5's per-row stages).
-        for rows in ([0], [0, 2], [1, 1]) if impl is kv else ():
-            with pytest.raises(LayoutStateError, match="convert together"):
-                layout._convert_rows(rows)
-            assert same(seen(layout), before)
         layout._convert_rows([])
         assert same(seen(layout), before)
         layout._convert_rows([2, 0, 1, 0])
@@ -356,3 +361,345 @@ def test_some_rows_of_a_layout_convert_as_in_the_reference() -> None:
     assert ref_meta[:2] == opt_meta[:2] and ref_meta[3] == opt_meta[3]
     for x, y in zip(ref_planes, opt_planes, strict=True):  # type: ignore[call-overload]
         np.testing.assert_allclose(x.astype(np.float32), y.astype(np.float32), atol=1e-2)
+
+
+# -- per-row stages (contract §0.5) over the growing geometry's stage stores (§0.4) ----------
+
+STAGED = Affine(bits=4, group_size=64)
+
+
+def _oracle_classes(arrangement: str) -> tuple[type[Layout], Any]:
+    """The two-stage layout's class (also its one-stage plain shadow) and a factory of the
+    one-stage public layout of the target codec: what the oracle of each stage is."""
+    if arrangement == "ragged":
+        return kv.BatchedKVCache, lambda: kv.BatchedQuantizedKVCache(64, 4)
+    return kv.PaddedKVRows, lambda: kv.PaddedQuantKVRows(64, 4)
+
+
+@dataclass
+class _Request:
+    """What the oracle knows of a row: its tokens (``[1, H, n, D]`` chunks, in order) and
+    its stage."""
+
+    keys: list[np.ndarray] = field(default_factory=list)
+    values: list[np.ndarray] = field(default_factory=list)
+    stage: int = 0
+
+    @property
+    def offset(self) -> int:
+        return sum(int(k.shape[2]) for k in self.keys)
+
+    def trimmed(self, count: int) -> None:
+        kept = self.offset - count
+        if count:
+            keys = np.concatenate(self.keys, axis=2)[:, :, :kept]
+            values = np.concatenate(self.values, axis=2)[:, :, :kept]
+            self.keys, self.values = ([keys], [values]) if kept else ([], [])
+
+    def serial(self, stage: int | None = None) -> Serial:
+        """A serial storage of this row's stage codec (or ``stage``'s), fed its chunks."""
+        stage = self.stage if stage is None else stage
+        cache = kv.KVCache() if stage == 0 else kv.QuantizedKVCache(64, 4)
+        for k, v in zip(self.keys, self.values, strict=True):
+            cache.update_and_fetch(mx.array(k), mx.array(v))
+        return cache
+
+
+def _planes_of(read: Any) -> list[np.ndarray]:
+    return [np.array(p) for p in (read if isinstance(read, tuple) else (read,))]
+
+
+def _same_planes(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
+    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+class _Staged:
+    """A two-stage growing layout (plain, then affine), its one-stage plain shadow given the
+    same operations (stages move no padding: the shadow's offsets and pads are the
+    layout's) and the rows' record, checked against the public one-stage layouts."""
+
+    def __init__(self, arrangement: str, seed: int) -> None:
+        self.cls, self.packed = _oracle_classes(arrangement)
+        self.shared = arrangement == "shared"
+        self.layout = self.cls()
+        self.layout._use_stages((Plain(), STAGED))
+        self.shadow = self.cls()
+        self.requests: list[_Request] = []
+        self.rng = np.random.default_rng(seed)
+
+    def tokens(self, rows: int, n: int) -> np.ndarray:
+        return self.rng.standard_normal((rows, 2, n, 64)).astype(np.float16)
+
+    # -- the oracle ---------------------------------------------------------------------
+    def oracle(self, stage: int, rows: list[int]) -> Layout:
+        """The one-stage public layout of ``stage``'s codec holding rows ``rows`` (each a
+        serial storage of that codec fed the row's chunks, merged in order)."""
+        layout = self.cls() if stage == 0 else self.packed()
+        layout.merge_rows([self.requests[b].serial() for b in rows])
+        return layout
+
+    def look(self) -> tuple[Any, ...]:
+        """What a refusal must leave as it was (every part's reads, bit for bit)."""
+        layout = self.layout
+        parts = [
+            (rows, codec.spec, [_planes_of(r) for r in reads.values()])
+            for rows, codec, reads in (layout._stage_parts() if self.requests else [])
+        ]
+        meta = (layout.row_stages, layout.row_offsets, layout.left_pad, layout.nbytes)
+        return meta, layout.codec_spec, parts
+
+    def unchanged(self, before: tuple[Any, ...]) -> None:
+        (meta, spec, parts), (meta_now, spec_now, parts_now) = before, self.look()
+        assert meta == meta_now and spec == spec_now and len(parts) == len(parts_now)
+        for (rows, codec, reads), (rows_now, codec_now, reads_now) in zip(
+            parts, parts_now, strict=True
+        ):
+            assert rows == rows_now and codec == codec_now
+            assert all(_same_planes(a, b) for a, b in zip(reads, reads_now, strict=True))
+
+    def check(self) -> None:
+        layout, requests = self.layout, self.requests
+        layout.check_valid()
+        assert layout.row_stages == tuple(r.stage for r in requests)
+        assert layout.row_offsets == tuple(r.offset for r in requests) == self.shadow.row_offsets
+        assert layout.left_pad == self.shadow.left_pad
+        if not requests:
+            assert layout.nbytes == 0
+            return
+        stages = sorted({r.stage for r in requests})
+        assert layout.codec_spec == (Plain(), STAGED)[stages[-1]]
+        parts = layout._stage_parts()
+        assert [rows for rows, _, _ in parts] == [
+            [b for b, r in enumerate(requests) if r.stage == s] for s in stages
+        ]
+        # Bytes: each store holds its rows' slots plus spare slots, at the layout's columns;
+        # a slot of the stage's codec costs what a slot of the oracle layout of that codec
+        # costs per column (a stage without rows holds nothing).
+        rows = list(range(len(requests)))
+        stores = layout._stores or [Store(stages[0], layout._planes, rows, layout.codec)]
+        expected = 0
+        for (rows, codec, reads), stage, store in zip(parts, stages, stores, strict=True):
+            assert codec.spec == (Plain(), STAGED)[stage] and store.stage == stage
+            held = [b for b in rows if requests[b].offset]
+            if not held:
+                continue
+            oracle = self.oracle(stage, rows)
+            slots = int(arrays(store.planes)[0].shape[0])
+            per_column = oracle.nbytes // (oracle.slots * oracle.capacity)  # type: ignore[attr-defined]
+            expected += slots * layout.capacity * per_column  # type: ignore[attr-defined]
+            want = oracle._read()
+            for tensor, planes in reads.items():
+                got, oracle_planes = _planes_of(planes), _planes_of(want[tensor])
+                for i, b in enumerate(rows):
+                    pad, pad_oracle, n = layout.left_pad[b], oracle.left_pad[i], requests[b].offset
+                    for mine, theirs in zip(got, oracle_planes, strict=True):
+                        assert np.array_equal(
+                            mine[i, :, pad : pad + n], theirs[i, :, pad_oracle : pad_oracle + n]
+                        ), (b, tensor, stage)
+        if all(any(requests[b].offset for b in rows) for rows, _, _ in parts):
+            assert layout.nbytes == expected
+        if len(stages) > 1:
+            before = self.look()
+            with pytest.raises(MixedPrecisionReadError) as refused:
+                layout.fetch()
+            assert str(refused.value) == MIXED_READ
+            self.unchanged(before)
+        else:
+            ((_, _, reads),) = parts
+            for got, want in zip(layout.fetch(), reads.values(), strict=True):
+                assert _same_planes(_planes_of(got), _planes_of(want))
+
+    # -- the operations -------------------------------------------------------------------
+    def join(self, rows: list[tuple[int, int]]) -> None:
+        """Merge rows of ``(stage, tokens)`` (serial storages of each stage's codec)."""
+        joined = []
+        for stage, n in rows:
+            tokens = self.tokens(1, n)
+            joined.append(_Request([tokens], [tokens * 0.5], stage))
+        self.layout.merge_rows([r.serial() for r in joined])
+        self.shadow.merge_rows([r.serial(0) for r in joined])
+        self.requests.extend(joined)
+
+    def append(self, n: int) -> None:
+        keys, values = self.tokens(len(self.requests), n), self.tokens(len(self.requests), n)
+        self.shadow.update_and_fetch(mx.array(keys), mx.array(values))
+        if len({r.stage for r in self.requests}) == 1:
+            self.layout.update_and_fetch(mx.array(keys), mx.array(values))
+        else:  # the write happens; the mixed read after it is refused
+            with pytest.raises(MixedPrecisionReadError):
+                self.layout.update_and_fetch(mx.array(keys), mx.array(values))
+        for b, request in enumerate(self.requests):
+            request.keys.append(keys[b : b + 1])
+            request.values.append(values[b : b + 1])
+
+    def convert(self, rows: list[int]) -> None:
+        self.layout._convert_rows(rows)
+        for b in set(rows):
+            self.requests[b].stage = 1
+
+    def filter(self, keep: list[int]) -> None:
+        self.layout.filter_rows(keep)
+        self.shadow.filter_rows(keep)
+        self.requests = [self.requests[b] for b in keep]
+
+    def trim(self, counts: list[int]) -> None:
+        self.layout.trim_rows(counts)
+        self.shadow.trim_rows(counts)
+        for request, count in zip(self.requests, counts, strict=True):
+            request.trimmed(count)
+
+    def extract(self, b: int) -> None:
+        request = self.requests[b]
+        serial = self.layout.extract_row(b)
+        rows = [i for i, r in enumerate(self.requests) if r.stage == request.stage]
+        oracle = self.oracle(request.stage, rows).extract_row(rows.index(b))
+        assert type(serial) is type(oracle) and serial.codec_spec == oracle.codec_spec
+        assert serial.offset == oracle.offset == request.offset
+        serial.check_valid()
+        if request.offset:
+            for got, want in zip(serial.fetch(), oracle.fetch(), strict=True):
+                assert _same_planes(_planes_of(got), _planes_of(want))
+
+    def refusals(self) -> None:
+        """Refused calls change nothing: a row in the last stage, a row out of range (with
+        rows that could move), and on a shared column a trim of unequal counts."""
+        before = self.look()
+        converted = [b for b, r in enumerate(self.requests) if r.stage == 1]
+        plain = [b for b, r in enumerate(self.requests) if r.stage == 0]
+        for b in converted[:1]:
+            with pytest.raises(LayoutStateError) as last:
+                self.layout._convert_rows([*plain, b])
+            assert str(last.value) == last_stage_message(b, 1)
+        with pytest.raises(RowIndexError):
+            self.layout._convert_rows([*plain, len(self.requests)])
+        if self.shared and len(self.requests) > 1 and self.requests[0].offset:
+            with pytest.raises(NotTrimmableError):
+                self.layout.trim_rows([1] + [0] * (len(self.requests) - 1))
+        with pytest.raises(IncompatibleRowsError):
+            self.layout.merge_rows([self.layout])
+        self.unchanged(before)
+
+
+@pytest.mark.parametrize("arrangement", ["ragged", "shared"])
+def test_rows_of_two_stages_hold_what_each_stage_layout_holds(arrangement: str) -> None:
+    """Per-row stages over the growing geometry's stage stores (contract §0.4, §0.5): rows
+    merged from serial storages of both codecs and of different lengths join in their
+    codec's stage; some rows convert; appends, filters (reorder, drop), merges, trims and
+    extractions act on rows of any stage. After every step each stage's rows read what the
+    public one-stage layout of that codec holding them reads (bit for bit, pads aside), the
+    offsets and pads are a one-stage layout's, the bytes are each store's slots at the
+    layout's columns, a mixed read is refused, and refusals change nothing."""
+    staged = _Staged(arrangement, seed=1)
+    staged.join([(0, 5), (0, 3), (0, 4)])
+    staged.check()
+    staged.convert([])
+    staged.check()
+    staged.convert([2, 0, 2])  # a row given twice moves once
+    staged.check()
+    staged.refusals()
+    staged.append(2)
+    staged.check()
+    staged.append(1)
+    staged.check()
+    staged.join([(1, 6), (0, 2), (1, 1)])
+    staged.check()
+    staged.refusals()
+    staged.filter([4, 1, 0, 3])  # reorder, drop rows of both stages
+    staged.check()
+    staged.extract(0)
+    staged.extract(1)
+    staged.append(3)
+    staged.check()
+    counts = [2] * 4 if staged.shared else [3, 0, 2, 1]
+    staged.trim(counts)
+    staged.check()
+    staged.convert([0, 1])  # every plain row: one store again
+    assert staged.layout._stores is None
+    staged.check()
+    staged.append(1)
+    staged.check()
+    staged.join([(0, 4)])
+    staged.check()
+    staged.filter([4, 0])
+    staged.check()
+    staged.extract(1)
+    staged.filter([])
+    staged.check()
+
+
+@pytest.mark.parametrize("arrangement", ["ragged", "shared"])
+@profile_settings(max_examples=max(5, active_profile().max_examples // 10))
+@given(data=st.data())
+def test_drawn_operations_on_rows_of_two_stages(arrangement: str, data: st.DataObject) -> None:
+    """A drawn sequence of the operations above on random rows, checked after every step
+    against the oracle."""
+    staged = _Staged(arrangement, seed=data.draw(st.integers(0, 2**16), label="seed"))
+
+    def rows(count: int) -> list[tuple[int, int]]:
+        return [
+            (data.draw(st.integers(0, 1), label="stage"), data.draw(st.integers(1, 6)))
+            for _ in range(count)
+        ]
+
+    staged.join(rows(data.draw(st.integers(1, 4), label="rows")))
+    staged.check()
+    for _ in range(data.draw(st.integers(2, 8), label="steps")):
+        requests = staged.requests
+        operation = data.draw(
+            st.sampled_from(("append", "convert", "filter", "merge", "trim", "extract", "refuse"))
+        )
+        if not requests:
+            operation = "merge"
+        if operation == "append":
+            staged.append(data.draw(st.integers(1, 3), label="n"))
+        elif operation == "convert":
+            plain = [b for b, r in enumerate(requests) if r.stage == 0]
+            staged.convert(data.draw(st.lists(st.sampled_from(plain), max_size=3)) if plain else [])
+        elif operation == "filter":
+            keep = data.draw(st.permutations(range(len(requests))), label="order")
+            staged.filter(keep[: data.draw(st.integers(0, len(keep)), label="kept")])
+        elif operation == "merge":
+            staged.join(rows(data.draw(st.integers(1, 2), label="joining")))
+        elif operation == "trim":
+            if staged.shared:
+                count = data.draw(st.integers(0, min(r.offset for r in requests)))
+                staged.trim([count] * len(requests))
+            else:
+                staged.trim([data.draw(st.integers(0, r.offset)) for r in requests])
+        elif operation == "extract":
+            staged.extract(data.draw(st.integers(0, len(requests) - 1), label="row"))
+        else:
+            staged.refusals()
+        staged.check()
+
+
+def test_a_ring_layout_keeps_its_rows_in_one_stage() -> None:
+    """The rings hold no stage stores (contract §0.5): converting some rows, or merging a
+    row of the other stage into a running layout, is refused before anything changes;
+    every row converting together still works."""
+    layout = kv.RaggedRotatingRows(8)
+    layout._use_stages((Plain(), STAGED))
+    rows = []
+    for n in (5, 3, 9):
+        serial = kv.RotatingKVCache(8)
+        block = _block(1, n, seed=n)
+        serial.update_and_fetch(block, block)
+        rows.append(serial)
+    layout.merge_rows(rows)
+    packed = kv.RotatingQuantizedKVCache(8, 64, 4)
+    block = _block(1, 4, seed=4)
+    packed.update_and_fetch(block, block)
+    keys, _ = layout.fetch()
+    before = (layout.row_offsets, layout.left_pad, layout.nbytes, np.array(keys))
+    for attempt in range(2):
+        with pytest.raises(LayoutStateError, match="convert together"):
+            if attempt:
+                layout.merge_rows([packed])
+            else:
+                layout._convert_rows([0, 2])
+        keys, _ = layout.fetch()
+        assert (layout.row_offsets, layout.left_pad, layout.nbytes) == before[:3]
+        assert np.array_equal(np.array(keys), before[3]) and layout.row_stages == (0, 0, 0)
+    layout._convert_rows([0, 1, 2])
+    layout.check_valid()
+    assert layout.row_stages == (1, 1, 1) and layout.codec_spec == STAGED

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from kvrows.codec import PlaneSet
+from kvrows.codec import PlaneSet, as_role
 from kvrows.errors import KvRowsError, align_rows_message
 from kvrows.optimized.geometries.registry import implements
 from kvrows.optimized.rows import (
@@ -33,6 +33,7 @@ from kvrows.optimized.rows import (
     RowWindow,
     Serial,
     Storage,
+    Store,
     arrays,
     mapped,
     paired,
@@ -54,6 +55,9 @@ class GrowingGeometry(Storage):
 
     geometry_kind = "growing"
     arrangements = frozenset({"serial", "shared", "ragged"})
+    #: A layout's rows may be in several stages, one store each, all at the same columns
+    #: (``_origin`` and the capacity are the storage's): contract §0.4.
+    _stage_stores = True
 
     _origin: int
 
@@ -72,6 +76,9 @@ class GrowingGeometry(Storage):
 
     @property
     def capacity(self) -> int:
+        """The columns every store holds."""
+        if self._stores is not None:
+            return max((token_count(s.planes) for s in self._stores if s.planes), default=0)
         return 0 if self._planes is None else token_count(self._planes)
 
     def is_trimmable(self) -> bool:
@@ -91,9 +98,18 @@ class GrowingGeometry(Storage):
         if row is None:
             start, stop = self._origin, self._origin + self.width
             return mapped(planes, lambda p: p[:, :, start:stop])
+        return self._window_slot(planes, row, row)
+
+    def _window_slot(self, planes: PlaneSet, row: int, slot: int) -> PlaneSet | None:
         first = self._origin + self._pads[row]
         last = first + self._offsets[row]
-        return mapped(planes, lambda p: p[row : row + 1, :, first:last])
+        return mapped(planes, lambda p: p[slot : slot + 1, :, first:last])
+
+    def _visible_rows(self, store: Store) -> PlaneSet:
+        assert store.planes is not None
+        start, batch = self._origin, len(store.rows)
+        stop = start + self.width
+        return {t: tuple(p[:batch, :, start:stop] for p in h) for t, h in store.planes.items()}
 
     def _append(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
         serial = isinstance(self, Serial)
@@ -106,72 +122,175 @@ class GrowingGeometry(Storage):
             ends = [p + t for p, t in zip(self._pads, self._offsets, strict=True)]
         assert self._planes is not None
         batch = len(self._offsets)
-        if len(set(ends)) == 1:
+        if len(set(ends)) == 1:  # ``_write_columns``, inline: every decode step runs it
             start = ends[0]
             for plane, encoded in paired(self._planes, block):
                 plane[:batch, :, start : start + n] = encoded
         else:
-            rows = mx.arange(batch)[:, None]
-            columns = mx.array(ends)[:, None] + mx.arange(n)[None, :]
-            for plane, encoded in paired(self._planes, block):
-                plane[rows, :, columns] = mx.swapaxes(encoded, 1, 2)
+            _write_columns(self._planes, block, ends, n)
 
-    def _reallocate(self, capacity: int, *, shift: int, slots: int | None = None) -> None:
-        """New buffers of ``capacity`` columns; active rows move right by ``shift`` columns."""
+    def _append_stores(self, shares: list[PlaneSet], n: int, geometry: KvGeometry) -> None:
+        assert self._stores is not None
+        origin = self._origin
+        ends = [origin + p + t for p, t in zip(self._pads, self._offsets, strict=True)]
+        width = max(ends) - origin
+        if any(s.planes is None for s in self._stores) or origin + width + n > self.capacity:
+            self._reallocate(round_up(width + n + 1), shift=0)  # every store, one capacity
+            ends = [p + t for p, t in zip(self._pads, self._offsets, strict=True)]
+        for store, share in zip(self._stores, shares, strict=True):
+            assert store.planes is not None
+            _write_columns(store.planes, share, [ends[b] for b in store.rows], n)
+
+    def _reallocate(
+        self, capacity: int, *, shift: int, slots: dict[int, int] | None = None
+    ) -> None:
+        """New buffers of ``capacity`` columns, every store; active rows move right by
+        ``shift`` columns (``slots``: the slots a stage's store needs at least)."""
+        stores = self._store_list()
+        self._reallocated(stores, capacity, shift, slots or {})
+        self._put_stores(stores)
+
+    def _reallocated(
+        self, stores: list[Store], capacity: int, shift: int, slots: dict[int, int]
+    ) -> None:
+        """``_reallocate`` over ``stores`` (changed in place)."""
         geometry = self._geometry
         assert geometry is not None
-        batch, width, origin = len(self._offsets), self.width, self._origin
-        least = batch if isinstance(self, Serial) else spare_slots(batch)
-        slots = max(slots or 0, least)
-
-        fresh = self._zeros(slots, capacity, geometry)
-        if self._planes is not None and width:
-            for new, plane in paired(fresh, self._planes):
-                new[:batch, :, shift : shift + width] = plane[:batch, :, origin : origin + width]
-        self._planes = fresh
+        width, origin = self.width, self._origin
+        for store in stores:
+            batch = len(store.rows)
+            least = batch if isinstance(self, Serial) else spare_slots(batch)
+            count = max(slots.get(store.stage, 0), least)
+            fresh = self._zeros(count, capacity, geometry, store.codec)
+            if store.planes is not None and width and batch:
+                for new, plane in paired(fresh, store.planes):
+                    new[:batch, :, shift : shift + width] = plane[
+                        :batch, :, origin : origin + width
+                    ]
+            store.planes = fresh
         self._origin = 0
 
     def _place(self, incoming: list[RowWindow], geometry: KvGeometry | None) -> None:
-        """Rows are right-aligned to ``W = max(width, longest new row)``. A join writes only
-        the new rows when a slot is free and the left padding it needs fits left of the
-        origin; otherwise the running rows are copied once into larger buffers."""
+        self._place_stages(incoming, [self._stage_of(self.codec)] * len(incoming), geometry)
+
+    def _place_stages(
+        self, incoming: list[RowWindow], stages: list[int], geometry: KvGeometry | None
+    ) -> None:
+        """Rows are right-aligned to ``W = max(width, longest new row)``, each into its
+        stage's store. A join writes only the new rows when every store has a free slot for
+        them and the left padding it needs fits left of the origin; otherwise the running
+        rows are copied once into larger buffers (every store, one capacity)."""
         width = self.width
         tokens = [0 if held is None else token_count(held) for held, _ in incoming]
         target = max([width, *tokens])
         grow = target - width
         batch = len(self._offsets)
-        joined = batch + len(incoming)
+        stores = {store.stage: store for store in self._store_list()}
+        joining = {s: stages.count(s) for s in set(stages)}
+        for stage in joining:
+            stores.setdefault(stage, self._new_store(stage))
         if geometry is not None:
-            fits = self._planes is not None and joined <= self.slots and grow <= self._origin
+            need = {s: len(store.rows) + joining.get(s, 0) for s, store in stores.items()}
+            running = [store for store in stores.values() if store.rows]
+            fits = (
+                bool(running)
+                and grow <= self._origin
+                and all(
+                    store.planes is not None and need[s] <= int(arrays(store.planes)[0].shape[0])
+                    for s, store in stores.items()
+                    if store.rows
+                )
+            )
             if fits:
                 self._origin -= grow
+                capacity = self.capacity
+                for s, store in stores.items():
+                    if store.planes is None:  # a stage joining: a store at the same columns
+                        count = spare_slots(need[s])
+                        store.planes = self._zeros(count, capacity, geometry, store.codec)
             else:
-                self._reallocate(round_up(target + 1), shift=grow, slots=spare_slots(joined))
-            assert self._planes is not None
+                wanted = {s: spare_slots(count) for s, count in need.items()}
+                self._reallocated(list(stores.values()), round_up(target + 1), grow, wanted)
             end = self._origin + target
-            for slot, ((held, _), count) in enumerate(
-                zip(incoming, tokens, strict=True), start=batch
-            ):
-                if held is None or count == 0:
-                    continue  # nothing to write (and MLX faults on empty scatters)
-                for plane, src in paired(self._planes, held):
-                    plane[slot : slot + 1, :, end - count : end] = src
+        for b, ((held, _), count, stage) in enumerate(
+            zip(incoming, tokens, stages, strict=True), start=batch
+        ):
+            store = stores[stage]
+            slot = len(store.rows)
+            store.rows.append(b)
+            if geometry is None or held is None or count == 0:
+                continue  # nothing to write (and MLX faults on empty scatters)
+            assert store.planes is not None
+            for plane, src in paired(store.planes, held):
+                plane[slot : slot + 1, :, end - count : end] = src
+        self._put_stores(list(stores.values()))
         self._pads = [p + grow for p in self._pads] + [target - t for t in tokens]
 
     def _keep(self, order: list[int]) -> None:
         """The shared left padding is dropped by moving the origin."""
         shared = min(self._pads[i] for i in order)
-        if self._planes is not None and order != list(range(len(order))):
-            # Gather whole slots (contiguous) into fresh planes, keeping a few spare slots
-            # for the next join; a scatter into the live planes would copy them anyway.
-            slots = spare_slots(len(order))
-            index = mx.array(order + [order[-1]] * (slots - len(order)))
-            self._planes = mapped(self._planes, lambda p: mx.take(p, index, axis=0))
+        if self._stores is None:  # one store: old row ``b`` at slot ``b``
+            rows = list(range(max(order) + 1))
+            stores = [Store(self._stage_of(self.codec), self._planes, rows, self.codec)]
+        else:
+            stores = self._stores
+        new_row = {old: new for new, old in enumerate(order)}
+        kept: list[Store] = []
+        for store in stores:
+            slots = [store.rows.index(old) for old in order if old in store.rows]
+            if not slots:
+                continue  # a stage left without rows holds no planes
+            if store.planes is not None:
+                # Gather whole slots (contiguous) into fresh planes, keeping a few spare
+                # slots for the next join; a scatter into the live planes would copy them
+                # anyway.
+                store.planes = _slots(store.planes, slots)
+            store.rows = sorted(new_row[store.rows[slot]] for slot in slots)
+            kept.append(store)
+        self._put_stores(kept)
         self._pads = [self._pads[i] - shared for i in order]
         self._origin += shared
-        if self._planes is not None and self.slots > 2 * spare_slots(len(order)):
+        if any(
+            store.planes is not None
+            and int(arrays(store.planes)[0].shape[0]) > 2 * spare_slots(len(store.rows))
+            for store in kept
+        ):
             # Release the slots a large retirement left behind.
             self._reallocate(round_up(self.width + 1), shift=0)
+
+    def _move_rows(self, moving: list[int]) -> None:
+        """Each row of ``moving`` into its next stage's store: its slot decoded by its
+        stage's codec and encoded by the next one's (the same columns), the stores then
+        gathered so each keeps its rows in batch order; owned and evaluated."""
+        stores = {store.stage: store for store in self._store_list()}
+        geometry = self._geometry
+        sources = [s for s in sorted(stores, reverse=True) if set(stores[s].rows) & set(moving)]
+        if geometry is not None:
+            for stage in sources:  # head dims the codecs store, before anything moves
+                self._stages[stage + 1].check(geometry)
+        for stage in sources:  # the newest first: a moved row moves once
+            store = stores[stage]
+            rows = [b for b in store.rows if b in moving]
+            source, target = store.codec, self._stages[stage + 1]
+            into = stores.setdefault(stage + 1, Store(stage + 1, None, [], target))
+            staying = [b for b in store.rows if b not in moving]
+            joined = sorted(into.rows + rows)
+            if store.planes is not None:
+                slots = mx.array([store.rows.index(b) for b in rows])
+                moved = {
+                    t: target.encode(
+                        source.decode(tuple(mx.take(p, slots, axis=0) for p in held), as_role(t)),
+                        as_role(t),
+                    )
+                    for t, held in store.planes.items()
+                }
+                into.planes = _merged(into.planes, into.rows, moved, rows)
+                if staying:
+                    store.planes = _slots(store.planes, [store.rows.index(b) for b in staying])
+            into.rows, store.rows = joined, staying
+        self._put_stores(list(stores.values()))
+        mx.eval(*self.held_arrays())
+        self._changed()
 
     def _align(self, pads: list[int], tokens: list[int] | None = None) -> None:
         """Re-lay row ``b`` at column ``pads[b]`` (positions unchanged): each row's tokens
@@ -182,23 +301,28 @@ class GrowingGeometry(Storage):
         columns: the gather reads an index per element.)"""
         held = self._offsets if tokens is None else tokens
         geometry = self._geometry
-        if self._planes is None or geometry is None:
+        stores = self._store_list()
+        if geometry is None or all(store.planes is None for store in stores):
             self._pads = pads  # no planes yet: only the bookkeeping moves
             return
-        batch, origin = len(self._offsets), self._origin
+        origin = self._origin
         width = max((p + t for p, t in zip(pads, held, strict=True)), default=0)
-        moves = [
-            (b, origin + old, new, count)
-            for b, (old, new, count) in enumerate(zip(self._pads, pads, held, strict=True))
-            if count  # nothing to copy (and MLX faults on empty slices)
-        ]
-        fresh = self._zeros(spare_slots(batch), round_up(width + 1), geometry)
-        for new_plane, plane in paired(fresh, self._planes):
-            for b, source, target, count in moves:
-                new_plane[b : b + 1, :, target : target + count] = plane[
-                    b : b + 1, :, source : source + count
-                ]
-        self._planes = fresh
+        for store in stores:  # each store: its rows at their slots
+            assert store.planes is not None
+            moves = [
+                (slot, origin + self._pads[b], pads[b], held[b])
+                for slot, b in enumerate(store.rows)
+                if held[b]  # nothing to copy (and MLX faults on empty slices)
+            ]
+            slots = spare_slots(len(store.rows))
+            fresh = self._zeros(slots, round_up(width + 1), geometry, store.codec)
+            for new_plane, plane in paired(fresh, store.planes):
+                for b, source, target, count in moves:
+                    new_plane[b : b + 1, :, target : target + count] = plane[
+                        b : b + 1, :, source : source + count
+                    ]
+            store.planes = fresh
+        self._put_stores(stores)
         self._origin = 0
         self._pads = pads
 
@@ -261,6 +385,7 @@ class GrowingGeometry(Storage):
             assert len(ends) <= 1, "rows must share the write column"
         if self._planes is not None:
             assert len(self._offsets) <= self.slots
+        if self._planes is not None or self._stores is not None:
             assert self._origin + self.width <= self.capacity
 
     # -- masks ------------------------------------------------------------------------
@@ -334,3 +459,43 @@ class RowAlignment(_RaggedGrowingLayout):
         pads = check_left_pad(left_pad, self.batch_size)
         if pads != self._pads:
             self._align(pads)
+
+
+def _write_columns(planes: PlaneSet, block: PlaneSet, ends: list[int], n: int) -> None:
+    """Slot ``b`` takes block row ``b``'s ``n`` tokens at columns ``[ends[b], ends[b] + n)``:
+    one slice write when every row ends at one column, else one scatter."""
+    batch = len(ends)
+    if len(set(ends)) == 1:
+        start = ends[0]
+        for plane, encoded in paired(planes, block):
+            plane[:batch, :, start : start + n] = encoded
+    else:
+        rows = mx.arange(batch)[:, None]
+        columns = mx.array(ends)[:, None] + mx.arange(n)[None, :]
+        for plane, encoded in paired(planes, block):
+            plane[rows, :, columns] = mx.swapaxes(encoded, 1, 2)
+
+
+def _slots(planes: PlaneSet, slots: list[int]) -> PlaneSet:
+    """Slots ``slots`` of ``planes`` in that order, then a few spare slots (a view of the
+    planes when they are already the first slots in order; else one gather)."""
+    if slots == list(range(len(slots))):
+        return planes
+    index = mx.array(slots + [slots[-1]] * (spare_slots(len(slots)) - len(slots)))
+    return mapped(planes, lambda p: mx.take(p, index, axis=0))
+
+
+def _merged(
+    planes: PlaneSet | None, rows: list[int], moved: PlaneSet, joining: list[int]
+) -> PlaneSet:
+    """A store's planes holding its rows ``rows`` (slots ``0 ..``) and the rows
+    ``joining`` (``moved``'s slots, in order) in batch order, with spare slots."""
+    if planes is None or not rows:
+        return _slots(moved, list(range(len(joining))))
+    held = len(rows)
+    both = {
+        t: tuple(mx.concatenate([p[:held], m], axis=0) for p, m in zip(ps, moved[t], strict=True))
+        for t, ps in planes.items()
+    }
+    where = {b: i for i, b in enumerate(rows)} | {b: held + i for i, b in enumerate(joining)}
+    return _slots(both, [where[b] for b in sorted(where)])
