@@ -306,12 +306,12 @@ _OWN_MACHINERY = frozenset({"EncodedLatentCache"})
 
 
 def presets_on_rows(
-    geometries: Container[str], *, staged_layouts: bool = False
+    geometries: Container[str], *, staged: Container[str] = ()
 ) -> tuple[Composition, ...]:
     """The landed entries an implementation's ``classes.build`` makes, given the geometry
     kinds it has hooks for: no modifier but ``speculative``, a serial storage with the
-    ``delayed`` one (the legos), and with ``staged_layouts`` (a machinery whose layouts
-    hold rows of several stages) the ragged delayed layouts; the latent and paged classes
+    ``delayed`` one (the legos), and the ragged delayed layouts of the geometries in
+    ``staged`` (whose layouts hold rows of several stages); the latent and paged classes
     are written by hand."""
 
     def built(c: Composition) -> bool:
@@ -319,7 +319,7 @@ def presets_on_rows(
             return True
         if c.modifiers == {"delayed"}:
             return not c.is_layout
-        return staged_layouts and c.modifiers == {"delayed", "speculative"}
+        return c.geometry in staged and c.modifiers == {"delayed", "speculative"}
 
     return tuple(
         c

@@ -31,6 +31,7 @@ __all__ = [
     "Phase",
     "RowAttentionPending",
     "conversion_due",
+    "mixed_buffer_message",
     "row_reads",
     "row_reads_active",
 ]
@@ -43,6 +44,11 @@ MIXED_READ = (
     "of one precision (open kvrows.delayed.row_reads(), or kvrows.app.attention.row_attention "
     "for an mlx-lm model, so each row attends with its own codec)"
 )
+
+
+def mixed_buffer_message(what: str) -> str:
+    """mlx-lm's ``keys`` / ``values`` asked of mixed rows (there is no one buffer)."""
+    return f"{MIXED_READ}; .{what} has no one buffer while rows are mixed"
 
 
 def conversion_due(offset: int, start: int) -> bool:

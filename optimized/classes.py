@@ -16,9 +16,17 @@ from typing import TYPE_CHECKING, Any
 
 from kvrows.codecs import CODECS, is_kv_codec
 from kvrows.common import AffineParameters, TurboParameters
-from kvrows.compositions import Composition, preset_class, presets_on_rows, stage_presets
+from kvrows.compositions import (
+    Composition,
+    lego_preset,
+    preset_class,
+    presets_on_rows,
+    stage_presets,
+)
+from kvrows.forms import delayed_groups
 from kvrows.lego import Bf16First
 from kvrows.optimized.batch_dropin import LayoutBatchOps, SerialMerge
+from kvrows.optimized.delayed import DelayedLayout
 from kvrows.optimized.dropin import LayoutDropIn, SerialDropIn
 from kvrows.optimized.geometries.growing import GrowingGeometry, RowAlignment
 from kvrows.optimized.geometries.recurrent import (
@@ -43,6 +51,8 @@ __all__ = [
     "Bf16FirstQuantizedKVCache",
     "Bf16FirstRotatingQuantizedKVCache",
     "Bf16FirstTurboQuantKVCache",
+    "DelayedQuantizedKVCache",
+    "DelayedTurboQuantKVCache",
     "KVCache",
     "MLACache",
     "PaddedKVRows",
@@ -71,9 +81,13 @@ GEOMETRY_SURFACES: dict[tuple[str, str], tuple[type, ...]] = {
 #: What a codec adds to the machinery's surface, first among the bases (the latent
 #: caches' ``append`` / ``fetch_index`` / ``preview`` / 3-D blocks / v1 state).
 CODEC_SURFACES: dict[str, tuple[type, ...]] = {"latent": (LatentSurface,)}
-#: The entries ``build`` makes here (the delayed layouts are not among them: this
-#: machinery's layouts hold rows of one stage; ``optimized/delayed.py``).
-PRESETS = presets_on_rows(IMPLEMENTATIONS)
+#: The geometries whose layouts hold rows of several stages (stage stores, contract
+#: §0.4): their delayed layouts are presets too (the ring's is ``delayed_ring.py``'s).
+STAGED = frozenset(
+    kind for kind in IMPLEMENTATIONS if getattr(geometry_class(kind), "_stage_stores", False)
+)
+#: The entries ``build`` makes here.
+PRESETS = presets_on_rows(IMPLEMENTATIONS, staged=STAGED)
 
 #: The classes a modifier puts ahead of the layout (they wrap it; the delayed one,
 #: ``kvrows.lego.Bf16First``, a serial storage of two stages).
@@ -97,13 +111,27 @@ def build(entries: Iterable[Composition]) -> dict[str, type[Any]]:
     """The public class of each of ``entries``, by name (a delayed storage after the serial
     presets of its stages, ``plain_class`` / ``affine_class``)."""
     built: dict[str, type[Any]] = {}
-    for entry in sorted(entries, key=lambda entry: "delayed" in entry.modifiers):
+    bases: tuple[type, ...]
+    # A lego after the serial presets of its stages; a delayed layout after its stages'
+    # ragged presets and its lego.
+    for entry in sorted(entries, key=lambda e: ("delayed" in e.modifiers, e.is_layout)):
         codec = CODECS.get(entry.codec)
+        if "delayed" in entry.modifiers and entry.is_layout:
+            # The layout mixin (with mlx-lm's reads of a layout) ahead of the rounds.
+            plain_group, affine_group = delayed_groups(entry)
+            members = {
+                "plain_group_class": built[plain_group.name],
+                "affine_group_class": built[affine_group.name],
+                "lego_class": built[lego_preset(entry).name],
+            }
+            bases = (DelayedLayout, SpeculativeLayout, hooks_class(entry), Layout)
+            built[entry.name] = preset_class(entry, bases, __name__, **members)
+            continue
         if "delayed" in entry.modifiers:
             # The lego's surface, then mlx-lm's reads of its current stage; ``bits`` shows
             # under the modifier's rule, and there is no ``to_quantized`` (it converts itself).
             plain, target = stage_presets(entry)
-            bases: tuple[type, ...] = (Bf16First, SerialDropIn, hooks_class(entry), Serial)
+            bases = (Bf16First, SerialDropIn, hooks_class(entry), Serial)
             members = {"plain_class": built[plain.name], "affine_class": built[target.name]}
             built[entry.name] = preset_class(entry, bases, __name__, **members)
             continue
@@ -195,6 +223,11 @@ if TYPE_CHECKING:
     class Bf16FirstTurboQuantKVCache(Bf16First, SerialDropIn, GrowingGeometry, Serial): ...
 
     class Bf16FirstRotatingQuantizedKVCache(Bf16First, SerialDropIn, SharedRing, Serial): ...
+
+    # -- delayed layouts (the delayed modifier on a ragged layout of stage stores) -------
+    class DelayedQuantizedKVCache(DelayedLayout, SpeculativeLayout, GrowingGeometry, Layout): ...
+
+    class DelayedTurboQuantKVCache(DelayedLayout, SpeculativeLayout, GrowingGeometry, Layout): ...
 
     # -- latent ------------------------------------------------------------------------
     class MLACache(LatentSurface, SpeculativeLayout, GrowingGeometry, Layout): ...

@@ -762,7 +762,11 @@ class PagedLayout(PagedRows, Layout):
         return self.row_planes(row)
 
     def _join(
-        self, sources: Sequence[Any], incoming: list[RowWindow], geometry: KvGeometry | None
+        self,
+        sources: Sequence[Any],
+        incoming: list[RowWindow],
+        geometry: KvGeometry | None,
+        stages: list[int],
     ) -> None:
         """Rows of this layout's pool join by reference (no byte moves); rows of another
         pool are copied into fresh blocks (all taken at once: a refusal changes nothing)."""

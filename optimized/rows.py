@@ -36,7 +36,7 @@ import mlx.core as mx
 from kvrows.codec import KV_TENSORS, PlaneSet, as_role
 from kvrows.codecs import CODECS
 from kvrows.common import ComposedIdentity, PlaneHolder, SavedState, check_counts, row_bytes
-from kvrows.compositions import Composition, bind_arguments
+from kvrows.compositions import Composition, bind_arguments, serial_preset
 from kvrows.conversion import MIXED_READ
 from kvrows.errors import (
     ADOPT_NEEDS_EMPTY,
@@ -253,8 +253,14 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             and ("bits" in codec.state_tail) != hasattr(cls, "bits")
         ):
             raise KvRowsError(f"{cls.__name__}: bits/group_size must exist iff it is affine")
-        if delayed and (entry.is_layout or not hasattr(cls, "composed")):
-            raise KvRowsError(f"{entry.name}: the delayed modifier is a serial mixin here")
+        # The delayed modifier's mixin: the lego's (``composed``) on a serial storage, the
+        # layout mixin (``attend_rows``) on a layout of stage stores.
+        if delayed and not (
+            callable(getattr(cls, "attend_rows", None)) and cls._stage_stores
+            if entry.is_layout
+            else hasattr(cls, "composed")
+        ):
+            raise KvRowsError(f"{entry.name}: the delayed modifier's mixin is missing")
         # Modifiers wrap a layout: a class with the speculative one lists SpeculativeLayout
         # first among its bases (``optimized/speculative.py``).
         speculative = callable(getattr(cls, "spec_round_begin", None))
@@ -458,12 +464,13 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
 
     def held_arrays(self) -> tuple[Any, ...]:
         """The buffers held, borrowed (to evaluate at a chunk boundary; ``state`` may copy)."""
+        return self._held_planes()
+
+    def _held_planes(self) -> tuple[Any, ...]:
+        """Every stage store's whole planes (``nbytes``: capacity slack included)."""
         if self._stores is not None:
             return tuple(p for store in self._stores for p in arrays(store.planes))
         return arrays(self._planes)
-
-    def _held_planes(self) -> tuple[Any, ...]:
-        return self.held_arrays()  # ``nbytes``: every stage store's planes
 
     def _zeros(self, rows: int, columns: int, shapes: Any, codec: Codec | None = None) -> PlaneSet:
         """Zero planes of every tensor ``shapes`` (a KV geometry, a codec's ``Shapes``)
@@ -538,6 +545,13 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         raise NotImplementedError
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        if self._stores is not None:  # refused before the write: each stage's rows are read
+            raise MixedPrecisionReadError(MIXED_READ)  # by parts (``_update``, ``_stage_parts``)
+        self._update(keys, values)
+        return self.fetch()
+
+    def _update(self, keys: Any, values: Any) -> None:
+        """``update_and_fetch`` without its read (rows of several stages read by parts)."""
         geometry = check_block(
             _shape(keys),
             _shape(values),
@@ -552,7 +566,6 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             for codec in self._held_codecs():
                 codec.check(geometry)
         self._write_blocks(dict(zip(KV_TENSORS, (keys, values), strict=True)), geometry)
-        return self.fetch()  # rows of several stages: the write happened, the read refuses
 
     def _write_blocks(self, blocks: dict[str, Any], shapes: Any) -> None:
         """The one write (``update_and_fetch``, a latent ``append``): checked blocks
@@ -895,20 +908,7 @@ class Layout(Storage):
             windows = source._row_windows()
             incoming.extend(windows)
             stages.extend(self._stage_of(c) for c in source._row_codecs(len(windows)))
-        shapes = self._joined_shapes(rows)
-        held = set(self.row_stages) | set(stages)
-        if self._stores is None and len(held) <= 1:
-            if stages and stages[0] != self._stage_of(self.codec) and not self._offsets:
-                self._clear()  # an empty layout takes its rows' stage
-                self.codec = self._stages[stages[0]]
-            self._join(rows, incoming, shapes)
-            return
-        if not self._stage_stores:
-            raise LayoutStateError(STAGES_MOVE_TOGETHER)
-        self._take_shapes(shapes)
-        self._place_stages(incoming, stages, self._geometry)
-        self._offsets = self._offsets + [offset for _, offset in incoming]
-        self._changed()
+        self._join(rows, incoming, self._joined_shapes(rows), stages)
 
     def _merge_refusal(self, source: object) -> str:
         """The message refusing a source ``_accepts`` does not take."""
@@ -916,14 +916,26 @@ class Layout(Storage):
             self.signature(), source, self.codec.key, self.token_geometry
         )
 
-    def _join(self, sources: Sequence[Cache], incoming: list[RowWindow], shapes: Any) -> None:
-        """Join the checked sources' rows (``incoming``: their windows), then take
-        ``shapes`` (what the rows hold, checked common); a placement that joins by reference
-        (paged tables) overrides it."""
+    def _join(
+        self, sources: Sequence[Cache], incoming: list[RowWindow], shapes: Any, stages: list[int]
+    ) -> None:
+        """Join the checked sources' rows (``incoming``: their windows; ``stages``: the
+        stage each joins in), then take ``shapes`` (what the rows hold, checked common); a
+        placement that joins by reference (paged tables) overrides it."""
         if not incoming:
             return
-        self._take_shapes(shapes)
-        self._place(incoming, self._geometry)
+        held = set(self.row_stages) | set(stages)
+        if self._stores is None and len(held) <= 1:
+            if stages[0] != self._stage_of(self.codec) and not self._offsets:
+                self._clear()  # an empty layout takes its rows' stage
+                self.codec = self._stages[stages[0]]
+            self._take_shapes(shapes)
+            self._place(incoming, self._geometry)
+        else:
+            if not self._stage_stores:
+                raise LayoutStateError(STAGES_MOVE_TOGETHER)
+            self._take_shapes(shapes)
+            self._place_stages(incoming, stages, self._geometry)
         self._offsets = self._offsets + [offset for _, offset in incoming]
         self._changed()
 
@@ -959,15 +971,7 @@ class Layout(Storage):
         entry = self.composition
         serial = DECLARED[entry.serial or entry.name]
         if spec.kind != serial.composition.codec:
-            for cls in DECLARED.values():
-                other = cls.composition
-                if (
-                    other.arrangement == serial.composition.arrangement
-                    and not other.modifiers
-                    and other.geometry == entry.geometry
-                    and other.codec == spec.kind
-                ):
-                    serial = cls
+            serial = DECLARED[serial_preset(entry.geometry, spec.kind).name]
         return cast(type[Serial], serial)
 
     def trim(self, n: int) -> int:

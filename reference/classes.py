@@ -89,7 +89,7 @@ MODIFIERS: dict[str, type] = {"speculative": SpeculativeLayout, "delayed": Bf16F
 DELAYED_LAYOUT: type = DelayedLayout
 #: The entries ``build`` makes here: every layout holds rows of several stages, so the
 #: delayed layouts are presets too.
-PRESETS = presets_on_rows(IMPLEMENTATIONS, staged_layouts=True)
+PRESETS = presets_on_rows(IMPLEMENTATIONS, staged=IMPLEMENTATIONS)
 #: The parameter mixins a delayed storage leaves out: ``bits`` / ``group_size`` show under
 #: the delayed modifier's rule (``Conversion.read_parameter``), not always.
 CODEC_PARAMETERS = (AffineParameters, TurboParameters)

@@ -557,7 +557,10 @@ class Storage(SavedState, ComposedIdentity):
         return {t: _image(self.codec, shapes, self._rows, t, columns, lead) for t in shapes.tensors}
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
-        """Validate the block once, encode it once, append row ``b``'s share to row ``b``."""
+        """Validate the block once, encode it once, append row ``b``'s share to row ``b``
+        (rows of several stages: refused before the write, their reads are by parts)."""
+        if len({row.stage for row in self._rows}) > 1:
+            raise MixedPrecisionReadError(MIXED_READ)
         self._update(keys, values)
         return self.fetch()
 

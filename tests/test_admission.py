@@ -11,8 +11,8 @@ import pytest
 
 from kvrows.app.engine import Engine
 from kvrows.app.models import make_kvrows_cache, tiny_model
-from kvrows.delayed import DelayedRows
 from kvrows.maintenance import create_kv_maintenance
+from kvrows.protocols import Converting
 from kvrows.schemes import Affine, KvStorageScheme, Plain
 from kvrows.table import (
     owned_cache_layout,
@@ -119,7 +119,7 @@ def test_delayed_admission_projects_the_peak_a_row_reaches(scheme: str) -> None:
     previous = -1
     for tokens in (1, 4, 16, 40):  # below, at and past each start; past the window (16)
         prepared, caches = _running_layouts(model, storage)
-        delayed = [isinstance(layer, DelayedRows) for layer in prepared]
+        delayed = [isinstance(layer, Converting) for layer in prepared]
         assert any(delayed) and (scheme != "per-layer@7" or not delayed[0])
         peaks = [0] * len(prepared)
         for position in range(tokens):  # one token at a time: every boundary is visited

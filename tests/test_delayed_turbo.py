@@ -158,14 +158,14 @@ def test_engine_runs_turbo_with_a_start_as_solo_lego_runs_do(
     from kvrows.app.demo import solo_logits
     from kvrows.app.engine import Engine, Request
     from kvrows.app.models import tiny_model
-    from kvrows.delayed import DelayedRows
+    from kvrows.delayed import DelayedLayout
     from kvrows.optimized.codecs import TurboCodec
     from kvrows.schemes import KvStorageScheme
 
     calls = {"mixed": 0, "turbo": 0}
-    attend_rows, turbo_attend = DelayedRows.attend_rows, TurboCodec.attend
+    attend_rows, turbo_attend = DelayedLayout.attend_rows, TurboCodec.attend
 
-    def counted_rows(layout: DelayedRows, *args: Any, **kwargs: Any) -> Any:
+    def counted_rows(layout: DelayedLayout, *args: Any, **kwargs: Any) -> Any:
         calls["mixed"] += 1
         return attend_rows(layout, *args, **kwargs)
 
@@ -173,7 +173,7 @@ def test_engine_runs_turbo_with_a_start_as_solo_lego_runs_do(
         calls["turbo"] += 1
         return turbo_attend(codec, *args)
 
-    monkeypatch.setattr(DelayedRows, "attend_rows", counted_rows)
+    monkeypatch.setattr(DelayedLayout, "attend_rows", counted_rows)
     monkeypatch.setattr(TurboCodec, "attend", counted_turbo)
     scheme = KvStorageScheme.parse("turbo-k8v3@6")
     shapes = [(3, 8, 0), (9, 6, 0), (14, 5, 1), (5, 9, 2)]

@@ -12,7 +12,7 @@ import pytest
 from kvrows.app.demo import solo_logits
 from kvrows.app.engine import Engine, Request, RequestResult
 from kvrows.app.models import draft_model, make_kvrows_cache
-from kvrows.delayed import DelayedRows
+from kvrows.delayed import DelayedLayout
 from kvrows.errors import InvalidInputError
 from kvrows.lego import Bf16First
 from kvrows.persist.prefix_store import reusable_copies
@@ -45,13 +45,13 @@ class _MixedReads:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls = 0
-        original = DelayedRows.attend_rows
+        original = DelayedLayout.attend_rows
 
-        def counted(layout: DelayedRows, *args: Any, **kwargs: Any) -> Any:
+        def counted(layout: DelayedLayout, *args: Any, **kwargs: Any) -> Any:
             self.calls += 1
             return original(layout, *args, **kwargs)
 
-        monkeypatch.setattr(DelayedRows, "attend_rows", counted)
+        monkeypatch.setattr(DelayedLayout, "attend_rows", counted)
 
 
 def _check_against_solo(

@@ -21,7 +21,7 @@ from kvrows.codec import Codec
 from kvrows.compositions import composition, landed
 from kvrows.conformance.profiles import active_profile, profile_settings
 from kvrows.conversion import MIXED_READ
-from kvrows.delayed import DelayedRows
+from kvrows.delayed import DelayedLayout, DelayedRows, row_reads
 from kvrows.errors import (
     EMPTY_LAYOUT_UPDATE,
     NOTHING_TO_FETCH,
@@ -89,10 +89,14 @@ def test_every_landed_composition_is_one_declared_class() -> None:
         "DelayedRotatingQuantizedKVCache",
         "DelayedTurboQuantKVCache",
     }
-    for name in delayed:  # two groups of row storages (kvrows.delayed), no storage itself
+    for name in delayed:
         layout_cls = getattr(kv, name)
         assert layout_cls is CLASSES[name] and layout_cls.composition is composition(name)
-        assert issubclass(layout_cls, DelayedRows) and name not in DECLARED
+        # A layout of stage stores under the modifier's mixin (growing); the ring's still
+        # two groups of row storages (kvrows.delayed.DelayedRows), no storage itself.
+        staged = composition(name).geometry in kv.classes.STAGED
+        assert issubclass(layout_cls, DelayedLayout if staged else DelayedRows)
+        assert (name in DECLARED) == staged
         layout = layout_cls(*_args(name))
         assert layout.signature() == composition(name).signature.format(
             start=5, **layout.codec_spec.parameters(), **layout.token_geometry.parameters()
@@ -108,8 +112,9 @@ def test_every_landed_composition_is_one_declared_class() -> None:
     recurrent = {c.name for c in landed() if c.geometry == "recurrent"}  # the state geometry
     # The latent codec on the growing geometry (the encoded one still has its own rows).
     latent = {"MLACache"}
+    grouped = {name for name in delayed if composition(name).geometry not in kv.classes.STAGED}
     assert sorted(DECLARED) == sorted(
-        [*(c.name for c in KV_LANDED if c.name not in delayed), *recurrent, *latent]
+        [*(c.name for c in KV_LANDED if c.name not in grouped), *recurrent, *latent]
     )
     # The legos (the delayed modifier's serial mixin, tests/test_lego.py) show their
     # current stage's surface; every other storage here is one codec's.
@@ -195,8 +200,8 @@ def test_one_message_for_an_empty_fetch(name: str) -> None:
         assert str(caught.value) == EMPTY_LAYOUT_UPDATE
 
 
-# Not the delayed layouts: their ``offset`` is built from the groups' rows on each read
-# (kvrows.delayed), not a cached array of the row machinery.
+# Not the ring's delayed layout: its ``offset`` is built from the groups' rows on each read
+# (kvrows.delayed.DelayedRows), not a cached array of the row machinery.
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n in DECLARED])
 def test_offset_is_cached_until_the_next_change(name: str) -> None:
     layout = DECLARED[name](*_args(name))
@@ -205,7 +210,8 @@ def test_offset_is_cached_until_the_next_change(name: str) -> None:
     first = layout.offset
     assert layout.offset is first and first.tolist() == [3, 5]
     block = _block(2, 1)
-    layout.update_and_fetch(block, block)
+    with row_reads():  # a delayed layout's rows are mixed now (one converted at 5)
+        layout.update_and_fetch(block, block)
     assert layout.offset is not first and layout.offset.tolist() == [4, 6]
     assert first.tolist() == [3, 5]  # rebound, never mutated
     for change in (
@@ -525,9 +531,12 @@ class _Staged:
         self.shadow.update_and_fetch(mx.array(keys), mx.array(values))
         if len({r.stage for r in self.requests}) == 1:
             self.layout.update_and_fetch(mx.array(keys), mx.array(values))
-        else:  # the write happens; the mixed read after it is refused
+        else:  # refused before the write (nothing changes); the write alone is ``_update``
+            before = (self.layout.row_offsets, self.layout.nbytes)
             with pytest.raises(MixedPrecisionReadError):
                 self.layout.update_and_fetch(mx.array(keys), mx.array(values))
+            assert (self.layout.row_offsets, self.layout.nbytes) == before
+            self.layout._update(mx.array(keys), mx.array(values))
         for b, request in enumerate(self.requests):
             request.keys.append(keys[b : b + 1])
             request.values.append(values[b : b + 1])

@@ -39,13 +39,15 @@ SERIALS = [
     "TurboQuantKVCache",
 ]
 #: The KV layouts (recurrent state's round trips: tests/test_persist_recurrent.py; the
-#: latent codec's: tests/test_persist_latent.py).
+#: latent codec's: tests/test_persist_latent.py; the delayed layouts':
+#: tests/test_persist_delayed.py).
 LAYOUTS = [
     name
     for name, cls in DECLARED.items()
     if cls.composition.is_layout
     and cls.composition.geometry != "recurrent"
     and cls.composition.codec != "latent"
+    and "delayed" not in cls.composition.modifiers
 ]
 DIM = 64
 

@@ -176,9 +176,12 @@ def test_rows_of_two_stages_hold_what_each_stage_storage_holds(data: st.DataObje
             shadow.update_and_fetch(twin.to_impl(keys), twin.to_impl(values))
             if len({r.stage for r in requests}) == 1:
                 layout.update_and_fetch(twin.to_impl(keys), twin.to_impl(values))
-            else:  # the write happens; the mixed read is refused after it
+            else:  # refused before the write; the write alone is ``_update``
+                before = _look(layout)
                 with pytest.raises(MixedPrecisionReadError):
                     layout.update_and_fetch(twin.to_impl(keys), twin.to_impl(values))
+                assert _unchanged(before, _look(layout))
+                layout._update(twin.to_impl(keys), twin.to_impl(values))
             for b, request in enumerate(requests):
                 request.keys.append(keys[b : b + 1])
                 request.values.append(values[b : b + 1])

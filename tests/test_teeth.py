@@ -31,6 +31,8 @@ from kvrows.optimized.classes import (
     BatchedKVCache,
     BatchedQuantizedKVCache,
     BatchedTurboQuantKVCache,
+    DelayedQuantizedKVCache,
+    DelayedTurboQuantKVCache,
     PaddedKVRows,
     PaddedQuantKVRows,
     QuantizedKVCache,
@@ -38,11 +40,7 @@ from kvrows.optimized.classes import (
 )
 from kvrows.optimized.classes import BatchedRotatingCache as RingBatchedRotatingCache
 from kvrows.optimized.codecs import TurboCodec
-from kvrows.optimized.delayed import (
-    DelayedQuantizedKVCache,
-    DelayedRotatingQuantizedKVCache,
-    DelayedTurboQuantKVCache,
-)
+from kvrows.optimized.delayed_ring import DelayedRotatingQuantizedKVCache
 from kvrows.optimized.rows import Serial, mapped, row_of, token_count
 from kvrows.protocols import Cache, Mask
 from kvrows.schemes import CodecSpec, GeometrySpec, Turbo
