@@ -545,7 +545,7 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         raise NotImplementedError
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
-        if self._stores is not None:  # refused before the write: each stage's rows are read
+        if self._reads_by_parts():  # refused before the write: each stage's rows are read
             raise MixedPrecisionReadError(MIXED_READ)  # by parts (``_update``, ``_stage_parts``)
         self._update(keys, values)
         return self.fetch()
@@ -611,10 +611,30 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         geometry shows)."""
         if self._planes is None:
             if self._stores is not None:
-                raise MixedPrecisionReadError(MIXED_READ)  # each stage's rows: _stage_parts
+                return self._dense_read()
             raise LayoutStateError(NOTHING_TO_FETCH)
         visible = self._visible(self._planes)
         return {t: self.codec.fetched(planes, as_role(t)) for t, planes in visible.items()}
+
+    def _reads_by_parts(self) -> bool:
+        """Whether the rows are in several stages and some stage's codec does not read a
+        dense array (affine triples, TurboQuant's own): a read is then by parts only."""
+        return self._stores is not None and any(
+            store.codec.spec.reads != "dense" for store in self._stores
+        )
+
+    def _dense_read(self) -> dict[str, Any]:
+        """Rows of several stages whose codecs all read dense arrays (a plain and an
+        encoded latent): each row from its stage's part, in batch order (contract §0.5)."""
+        if self._reads_by_parts():
+            raise MixedPrecisionReadError(MIXED_READ)  # each stage's rows: _stage_parts
+        parts = self._stage_parts()
+        order = [b for rows, _, _ in parts for b in rows]
+        inverse = mx.array(sorted(range(len(order)), key=order.__getitem__))
+        return {
+            t: mx.take(mx.concatenate([reads[t] for _, _, reads in parts], axis=0), inverse, 0)
+            for t in parts[0][2]
+        }
 
     def _held_window(self, row: int | None) -> PlaneSet | None:
         """Row ``row``'s planes in time order (every row's on a serial storage when

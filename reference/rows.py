@@ -541,9 +541,25 @@ class Storage(SavedState, ComposedIdentity):
 
     def _read(self) -> dict[str, Any]:
         """Each tensor as attention reads it now, assembled from the rows (the codec's
-        fetched form of the read image)."""
+        fetched form of the read image). Rows of several stages whose codecs all read
+        dense arrays (a plain and an encoded latent): each row from its stage's part, in
+        batch order (contract §0.5)."""
+        if len({row.stage for row in self._rows}) > 1 and not self._reads_by_parts():
+            parts = self._stage_parts()
+            order = [b for rows, _, _ in parts for b in rows]
+            inverse = sorted(range(len(order)), key=order.__getitem__)
+            return {
+                t: np.concatenate([reads[t] for _, _, reads in parts], axis=0)[inverse]
+                for t in parts[0][2]
+            }
         images = self._image_planes().items()
         return {t: self.codec.fetched(planes, as_role(t)) for t, planes in images}
+
+    def _reads_by_parts(self) -> bool:
+        """Whether the rows are in several stages and some stage's codec does not read a
+        dense array (affine triples, TurboQuant's own): a read is then by parts only."""
+        held = {row.stage for row in self._rows}
+        return len(held) > 1 and any(self._stages[s].spec.reads != "dense" for s in held)
 
     def _image_planes(self) -> PlaneSet:
         """Each tensor's stored planes as the read image places them (a read decodes them;
@@ -558,8 +574,8 @@ class Storage(SavedState, ComposedIdentity):
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
         """Validate the block once, encode it once, append row ``b``'s share to row ``b``
-        (rows of several stages: refused before the write, their reads are by parts)."""
-        if len({row.stage for row in self._rows}) > 1:
+        (rows of several stages read by parts: refused before the write)."""
+        if self._reads_by_parts():
             raise MixedPrecisionReadError(MIXED_READ)
         self._update(keys, values)
         return self.fetch()

@@ -16,10 +16,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from array_helpers import to_mx
 from hypothesis import given
 from hypothesis import strategies as st
 
 import kvrows.reference as ref
+from kvrows.codecs.latent import Latent
 from kvrows.conformance.profiles import active_profile, profile_settings
 from kvrows.conversion import MIXED_READ
 from kvrows.errors import (
@@ -260,3 +262,53 @@ def test_a_mixed_read_is_refused_with_the_seed_words_and_a_serial_storage_moves_
         serial._convert_rows([0])
     serial._convert_rows([0, 1])
     assert serial.codec_spec == TARGET
+
+
+@pytest.mark.parametrize("optimized", [False, True], ids=("reference", "optimized"))
+def test_latent_rows_of_two_stages_read_one_dense_image(optimized: bool) -> None:
+    """Stages whose codecs all read dense arrays (a plain and an encoded latent) read as one
+    image (contract §0.5): each row's latent is what a cache of its stage's codec fed its
+    tokens reads, at its columns; the rope plane is exact in every row; an append to rows
+    of both stages reads the same way."""
+    import kvrows.optimized as kv
+
+    impl: Any = kv if optimized else ref
+    native: Callable[[np.ndarray], Any] = to_mx if optimized else (lambda a: a)
+    plain_spec = Latent(inner=Plain())
+    target = Latent(inner=Affine(bits=8, group_size=32))
+    rng = np.random.default_rng(5)
+    lengths = (3, 6, 4)
+    tokens = [
+        (rng.standard_normal((1, 1, n, 64)), rng.standard_normal((1, 1, n, 16))) for n in lengths
+    ]
+    tokens = [(a.astype(np.float16), b.astype(np.float16)) for a, b in tokens]
+
+    def solo(spec: Latent, b: int, steps: list[tuple[np.ndarray, np.ndarray]]) -> Any:
+        cache = impl.MLACache(codec=spec)
+        for latent, rope in [tokens[b], *steps]:
+            cache.append(native(latent), native(rope))
+        return cache
+
+    layout = impl.MLACache()
+    layout._use_stages((plain_spec, target))
+    layout.merge_rows([solo(plain_spec, b, []) for b in range(len(lengths))])
+    layout._convert_rows([0, 2])  # not a suffix: the stages' parts come out of batch order
+    assert layout.row_stages == (1, 0, 1)
+    steps: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in lengths]
+    for step in range(2):
+        latent, rope = layout.fetch()
+        width = int(latent.shape[2])
+        for b, stage in enumerate(layout.row_stages):
+            want_latent, want_rope = solo((plain_spec, target)[stage], b, steps[b]).fetch()
+            held = layout.row_offsets[b]
+            got = [np.asarray(p)[b : b + 1, :, width - held :] for p in (latent, rope)]
+            assert np.array_equal(got[0], np.asarray(want_latent)), (step, b)
+            assert np.array_equal(got[1], np.asarray(want_rope)), (step, b)
+        block = (
+            rng.standard_normal((3, 1, 1, 64)).astype(np.float16),
+            rng.standard_normal((3, 1, 1, 16)).astype(np.float16),
+        )
+        layout.append(native(block[0]), native(block[1]))
+        for b in range(len(lengths)):
+            steps[b].append((block[0][b : b + 1], block[1][b : b + 1]))
+    layout.check_valid()
