@@ -300,8 +300,9 @@ def composition(name: str) -> Composition:
         raise KeyError(f"no composition named {name!r}") from None
 
 
-#: Presets on a geometry with hooks that still have a machinery of their own (the latent
-#: caches, until step 2 of spec/machinery-migration.md moves them): written by hand.
+#: Presets on the row machinery declared by hand: ``EncodedLatentCache`` (the latent
+#: surface in two stages; its entry does not name the delayed modifier the families and
+#: the delayed layouts' forms key on).
 _OWN_MACHINERY = frozenset({"EncodedLatentCache"})
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias, TypeVar
 
 from kvrows.codec import CodecSpec, PlaneSet, PlaneSpec
 from kvrows.codecs import is_codec_spec, is_kv_codec, kv_codecs
@@ -65,7 +65,7 @@ __all__ = [
     "FLASHMLA_FP8_BYTES",
     "LATENT_FIELDS",
     "PAGED_LATENT_FIELDS",
-    "EncodedLatentRows",
+    "EncodedLatentMembers",
     "LatentCodec",
     "LatentRole",
     "LatentRows",
@@ -79,7 +79,6 @@ __all__ = [
 LatentCodec: TypeAlias = CodecSpec  # the latent plane takes any codec
 
 _L = TypeVar("_L", bound="LatentRows")
-_E = TypeVar("_E", bound="EncodedLatentRows")
 
 
 def latent_spec(owner: str, inner: CodecSpec, **declared: object) -> Latent:
@@ -349,7 +348,7 @@ if TYPE_CHECKING:
 
     class _LatentLayout(SpeculativeRounds):
         codec: Any
-        composition: Composition
+        composition: ClassVar[Composition]
         _geometry: Any
         _token_geometry: GeometrySpec
 
@@ -384,7 +383,10 @@ class LatentSurfaceMembers(_LatentLayout):
     arrays (``_state_planes``, ``_int_array``, ``_ints``, ``_adopt_state``) and, when they
     differ from the machinery's, ``held_arrays`` and ``planes``."""
 
-    start = 0  # no bf16-first warm-up: the latent is stored plain
+    @property
+    def start(self) -> int:
+        """No bf16-first warm-up: the latent is stored plain."""
+        return 0
 
     def __init__(
         self,
@@ -559,7 +561,15 @@ class LatentSurfaceMembers(_LatentLayout):
         if self.width == 0:
             raise LayoutStateError(NOTHING_TO_FETCH)
         read = self._read()
-        return read["latent"], read["rope"], read.get("index")
+        shapes = self._shapes()
+        latent = read["latent"]
+        if shapes is not None:  # an encoded latent decodes into the cache's dtype
+            latent = self._as_dtype(latent, shapes.dtype)
+        return latent, read["rope"], read.get("index")
+
+    def _as_dtype(self, array: Any, dtype: str) -> Any:
+        """``array`` in ``dtype`` (itself when it is)."""
+        raise NotImplementedError
 
     def current(self) -> tuple[Any, Any, Any]:
         """What a read of the stored tokens returns (``[B, 1, width, ·]`` latent, rope,
@@ -692,6 +702,260 @@ class LatentSurfaceMembers(_LatentLayout):
             held["index"] = (fields["index"],)
         cache._adopt_state(held, offsets, width)
         return cache
+
+
+class EncodedLatentMembers(_LatentLayout):
+    """``EncodedLatentCache`` on the row machinery (contract §0.5): the latent surface of
+    two stages, ``(Latent(Plain(), …), Latent(inner, …))`` of one declaration, each row in
+    its own. A row's stage is its whole record (``converted``: the second); after each
+    append's read the plain rows at ``conversion_due(offset, start)`` convert (decode the
+    exact latent, encode it: what encoding at the append gave), inside rounds too, and no
+    trim un-converts one. Reads are the machinery's one dense image (each row exact or
+    decoded); merges, filters, trims and rollbacks are the machinery's. Listed first among
+    the class's bases, ahead of the implementation's ``LatentSurface``; each
+    implementation adds ``_rows_only`` and ``_with_exact`` (the exact latent a state and
+    ``planes()`` show)."""
+
+    _start = 0
+    #: The bf16-first rule (``Conversion.row_due``; a test plants a wrong one through it).
+    conversion_class: ClassVar[type[Conversion]] = Conversion
+    if TYPE_CHECKING:  # the row machinery's and the latent surface's
+        _stages: tuple[Any, ...]
+        row_stages: tuple[int, ...]
+
+        def _use_stages(self, specs: Sequence[CodecSpec]) -> None: ...
+        def _convert_rows(self, rows: Sequence[int]) -> None: ...
+        def _shapes(self) -> LatentShapes | None: ...
+        def _take_shapes(self, shapes: Any) -> None: ...
+        def _take_rows(self, storage: Any) -> None: ...
+        def _state_planes(self) -> tuple[Any, Any, Any]: ...
+        def _int_array(self, values: Sequence[int]) -> Any: ...
+        def _ints(self, value: Any, what: str) -> list[int]: ...
+        def _adopt_state(self, planes: PlaneSet | None, offsets: list[int], width: int) -> None: ...
+        def _native(self, array: Any) -> bool: ...
+        def _dtype_of(self, array: Any) -> str: ...
+        def _spec_guard(self, what: str) -> None: ...
+        def merge_rows(self, rows: Sequence[Any]) -> None: ...
+
+        # The implementation's (its ``LatentSurface``, after this mixin in the MRO):
+        def _with_exact(self, planes: Any, rows: Sequence[int]) -> Any:
+            """``planes`` (``planes()`` with every row converted) with the exact latent of
+            rows ``rows``."""
+
+        def _rows_only(self, array: Any, rows: Sequence[int]) -> Any:
+            """``array`` (``[B, ...]``) with every row but ``rows`` zero."""
+
+    def __init__(
+        self,
+        kv_lora_rank: object = None,
+        rope_head_dim: object = None,
+        index_head_dim: object = None,
+        max_tokens: object = None,
+        role: object = "target",
+        *,
+        codec: object = None,
+        bits: int | None = None,
+        group_size: int | None = None,
+        start: int = 0,
+        token_geometry: object = None,
+        geometry: object = None,
+    ) -> None:
+        if token_geometry is not None:  # the machinery's ``from_specs``: one stage of ``codec``
+            super().__init__(codec=codec, token_geometry=token_geometry, geometry=geometry)  # type: ignore[call-arg]
+            return
+        name = type(self).__name__
+        inner, first = encoded_codec(name, codec, bits, group_size, start)
+        target = latent_spec(
+            name, inner, kv_lora_rank=kv_lora_rank, rope_head_dim=rope_head_dim,
+            index_head_dim=index_head_dim, role=role,
+        )  # fmt: skip
+        plain = replace(target, inner=Plain())
+        super().__init__(codec=plain, token_geometry=growing_geometry(name, max_tokens))  # type: ignore[call-arg]
+        self._use_stages((plain, target))
+        self._start = first
+
+    # -- what the cache is ----------------------------------------------------------------
+    @property
+    def start(self) -> int:
+        """The bf16-first boundary: a row reads exact until the append after which its
+        offset reaches it."""
+        return self._start
+
+    @property
+    def latent_spec(self) -> Latent:
+        """The declaration, its latent through the encoding codec (the last stage's)."""
+        spec: Latent = self._stages[-1].spec
+        return spec
+
+    @property
+    def latent_codec(self) -> LatentCodec:
+        return self.latent_spec.inner
+
+    @property
+    def codec_spec(self) -> LatentCodec:
+        return self.latent_codec
+
+    def signature(self) -> str:
+        spec = self.latent_spec
+        return f"kv:mla-encoded:{spec.signature_role}:{spec.inner.key}:{self.start}"
+
+    @property
+    def converted(self) -> tuple[bool, ...]:
+        """Per row, whether it reads its latent decoded (it converted)."""
+        last = len(self._stages) - 1
+        return tuple(stage == last for stage in self.row_stages)
+
+    def make_empty_batch(self) -> Any:
+        """An empty cache of the same declaration, its shapes learnt."""
+        spec = self.latent_spec
+        other = type(self)(
+            spec.kv_lora_rank, spec.rope_head_dim, spec.index_head_dim,
+            self._token_geometry.cap(), spec.role, codec=spec.inner,
+            start=self.start,
+        )  # fmt: skip
+        other._take_shapes(self._shapes())
+        return other
+
+    def _take_over(self, other: Any) -> None:
+        vars(self).clear()
+        vars(self).update(vars(other))
+
+    # -- appends ---------------------------------------------------------------------------
+    def _append_blocks(self, latent: Any, rope: Any, index: Any | None) -> Any:
+        """The machinery's write and read; then the plain rows due convert (this append
+        read them exact)."""
+        fetched = super()._append_blocks(latent, rope, index)  # type: ignore[misc]
+        last = len(self._stages) - 1
+        rule = self.conversion_class(self.latent_codec, self.start)  # the bf16-first rule
+        due = [
+            b
+            for b, (stage, offset) in enumerate(zip(self.row_stages, self.row_offsets, strict=True))
+            if stage < last and rule.row_due(offset)
+        ]
+        if due:
+            self._convert_rows(due)
+        return fetched
+
+    # -- row operations ----------------------------------------------------------------------
+    def _accepts(self, source: object) -> bool:
+        """Rows of a cache of the same declaration, codec and ``start`` (its signature)."""
+        signature = getattr(source, "signature", None)
+        if not (callable(signature) and signature() == self.signature()):
+            return False
+        accepted: bool = super()._accepts(source)  # type: ignore[misc]
+        return accepted
+
+    def filter_rows(self, keep: Sequence[int]) -> None:
+        """The machinery's; keeping no row leaves a fresh empty cache (plain again)."""
+        super().filter_rows(keep)  # type: ignore[misc]
+        if not self.row_offsets:
+            self._take_over(self.make_empty_batch())
+
+    def extract_row(self, row: int) -> Any:
+        """An independent compact cache of this declaration holding row ``row`` in its
+        stage (the machinery's extraction, taken into a fresh cache)."""
+        single = super().extract_row(row)  # type: ignore[misc]
+        fresh = self.make_empty_batch()
+        fresh._take_rows(single)
+        return fresh
+
+    def planes(self) -> Any:
+        """The stored planes as the surface shows them (latent codec planes, rope, index,
+        exact latent), a plain row's latent as its codec will store it once it converts,
+        its exact latent beside it."""
+        last = len(self._stages) - 1
+        plain = [b for b, stage in enumerate(self.row_stages) if stage < last]
+        if not plain or not self.width:
+            return super().planes()  # type: ignore[misc]
+        copy = self.make_empty_batch()
+        copy.merge_rows([self])
+        copy._convert_rows(plain)
+        return self._with_exact(copy.planes(), plain)
+
+    # -- saved state (``LATENT_FIELDS``, form version 1) --------------------------------------
+    def _state(self) -> tuple[Any, ...]:
+        """The codec planes of every row (a plain row's encoded as its conversion would),
+        the exact latent of the plain rows (zeros elsewhere; ``None`` when none is plain),
+        the rows and their ``converted`` flags."""
+        self._spec_guard("saving state")
+        last = len(self._stages) - 1
+        stages = self.row_stages
+        plain = [b for b, stage in enumerate(stages) if stage < last]
+        planes = rope = index = exact = None
+        if self.width:
+            copy = self.make_empty_batch()
+            copy.merge_rows([self])
+            if plain:
+                copy._convert_rows(plain)
+            planes, rope, index = copy._state_planes()
+            if plain:
+                exact = self._rows_only(self._read()["latent"], plain)
+        shapes = self._shapes()
+        widths = None if shapes is None else (shapes.rank, shapes.rope)
+        offsets = self._int_array(self.row_offsets)
+        flags = self._int_array([int(stage == last) for stage in stages])
+        return latent_state(self, planes, rope, index, exact, offsets, flags, widths)
+
+    @classmethod
+    def _restore(cls, state: Any, meta_state: Any, keep: Any, geometry: Any) -> Any:
+        """Converted rows from the saved codec planes, plain rows from the exact latent
+        (``InvalidInputError`` when the state is inconsistent)."""
+        fields, role = state_fields(cls.__name__, state)
+        rank, rope, index, max_tokens = declared_fields(fields)
+        codec, start = codec_fields(fields)
+        if not codec.encodes:
+            raise InvalidInputError(plain_latent_state_message(cls.__name__))
+        cache = cls(rank, rope, index, max_tokens, role, codec=codec, start=start)
+        offsets = cache._ints(fields["offset"], "offset")
+        flags = cache._ints(fields["converted"], "converted")
+        width = checked_rows(cache, offsets, flags)
+        converted = [b for b, flag in enumerate(flags) if flag]
+        if width == 0:
+            cache._adopt_state(None, offsets, 0)
+            cache._convert_rows(converted)  # rows trimmed to nothing stay converted
+            return cache
+        widths = declared_widths(cache)
+        planes, exact = restored_planes(cache, fields, len(converted) < len(flags))
+        names = _plane_names(cache, widths[0])
+        if len(names) != len(planes):
+            raise InvalidInputError(latent_planes_message(cls.__name__, len(names), len(planes)))
+        named = [*zip(names, planes, strict=True), ("rope", fields["rope"])]
+        if fields["index"] is not None:
+            named.append(("index", fields["index"]))
+        if exact is not None:
+            named.append(("exact", exact))
+        for plane, array in named:
+            if not cache._native(array):
+                raise InvalidInputError(
+                    f"{cls.__name__}: plane {plane} must be an array of this implementation"
+                )
+        shapes = [(n, tuple(int(d) for d in a.shape), cache._dtype_of(a)) for n, a in named]
+        dtype = check_restored(cache, shapes, widths, len(offsets), width)
+        learnt = LatentShapes(*widths, cache.latent_spec.index_head_dim, dtype)
+        extra: PlaneSet = {"rope": (fields["rope"],)}
+        if fields["index"] is not None:
+            extra["index"] = (fields["index"],)
+        encoded = cache.make_empty_batch()
+        encoded._take_shapes(learnt)
+        encoded.codec = encoded._stages[-1]
+        encoded._adopt_state({"latent": tuple(planes), **extra}, offsets, width)
+        sources = [encoded]
+        if exact is not None:
+            warm = cache.make_empty_batch()
+            warm._take_shapes(learnt)
+            warm._adopt_state({"latent": (exact,), **extra}, offsets, width)
+            sources.append(warm)
+        cache.merge_rows(sources)
+        rows = len(offsets)
+        order = [b if flags[b] or exact is None else rows + b for b in range(rows)]
+        if order != list(range(len(order))) or len(sources) > 1:
+            cache.filter_rows(order)
+        return cache
+
+
+def _plane_names(cache: Any, rank: int) -> list[str]:
+    """The names of the latent's codec planes (``latent``, ``latent.scales``, …)."""
+    return [p.name for p in cache.latent_spec.plane_specs("latent", rank, "float32")]
 
 
 class LatentRows(SpeculativeRounds):
@@ -1264,41 +1528,6 @@ class LatentRows(SpeculativeRounds):
 
     def lend_rows(self) -> None:
         self._spec_guard("merging this cache's rows into another")
-
-
-class EncodedLatentRows(LatentRows):
-    """``EncodedLatentCache``'s declaration over either implementation's hooks: the
-    latent through an encoding codec (``codec=`` or affine ``bits`` / ``group_size``),
-    bf16-first from ``start``."""
-
-    def __init__(
-        self,
-        kv_lora_rank: object = None,
-        rope_head_dim: object = None,
-        index_head_dim: object = None,
-        max_tokens: object = None,
-        role: object = "target",
-        *,
-        codec: LatentCodec | None = None,
-        bits: int | None = None,
-        group_size: int | None = None,
-        start: int = 0,
-    ) -> None:
-        inner, first = encoded_codec(type(self).__name__, codec, bits, group_size, start)
-        self._setup(inner, first, kv_lora_rank, rope_head_dim, index_head_dim, max_tokens, role)
-
-    def _new_empty(self: _E) -> _E:
-        return type(self)(*self._declaration(), codec=self.latent_codec, start=self.start)
-
-    def signature(self) -> str:
-        spec = self.latent_spec
-        return f"kv:mla-encoded:{spec.signature_role}:{spec.inner.key}:{self.start}"
-
-    def _set_codec(self, codec: LatentCodec, start: int) -> None:
-        if not codec.encodes:
-            raise InvalidInputError(plain_latent_state_message(type(self).__name__))
-        inner, self.start = encoded_codec(type(self).__name__, codec, None, None, start)
-        self.latent_spec = replace(self.latent_spec, inner=inner)
 
 
 #: The codec fields of ``LATENT_FIELDS``: each KV codec's state tail (``None``: unused).

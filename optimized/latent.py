@@ -22,13 +22,20 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from kvrows.codec import PlaneSet
+from kvrows.codec import PlaneSet, as_role
 from kvrows.compositions import composition
 from kvrows.errors import InvalidInputError, latent_planes_message, preview_blocks_message
-from kvrows.latent import EncodedLatentRows, LatentRows, LatentSurfaceMembers, int_vector_message
-from kvrows.optimized.codecs import dtype_name
+from kvrows.latent import (
+    EncodedLatentMembers,
+    LatentRows,
+    LatentSurfaceMembers,
+    int_vector_message,
+)
+from kvrows.optimized.codecs import dtype_name, mlx_dtype
 from kvrows.optimized.codecs.latent import LatentArrayCodec
-from kvrows.optimized.rows import RowWindow, arrays, mapped, owned
+from kvrows.optimized.geometries.growing import GrowingGeometry
+from kvrows.optimized.rows import Layout, RowWindow, Store, arrays, mapped, owned
+from kvrows.optimized.speculative import SpeculativeLayout
 
 __all__ = ["EncodedLatentCache", "LatentSurface"]
 
@@ -309,20 +316,18 @@ class _LatentOptimized(LatentRows):
         return dtype
 
 
-class EncodedLatentCache(EncodedLatentRows, _LatentOptimized):
-    """The latent plane through a codec, rope and index exact, bf16-first per row
-    (``spec/EncodedLatentCache.md``)."""
-
-    composition = composition("EncodedLatentCache")
-
-
 # The machinery's members the surface uses (at run time the preset's own bases).
 if TYPE_CHECKING:
 
     class _OnRows(LatentSurfaceMembers):
         _planes: PlaneSet | None
+        _stores: list[Store] | None
+        _stages: tuple[Any, ...]
+        row_stages: tuple[int, ...]
         _offsets: list[int]
         _pads: list[int]
+
+        def _visible_rows(self, store: Store) -> PlaneSet: ...
 
         def _visible(self, planes: PlaneSet) -> PlaneSet: ...
         def _clear(self) -> None: ...
@@ -351,6 +356,9 @@ class LatentSurface(_OnRows):
     def _native(self, array: Any) -> bool:
         return isinstance(array, mx.array)
 
+    def _as_dtype(self, array: Any, dtype: str) -> Any:
+        return array if dtype_name(array) == dtype else array.astype(mlx_dtype(dtype))
+
     def _int_array(self, values: Sequence[int]) -> Any:
         return mx.array(list(values), dtype=mx.int32)
 
@@ -366,7 +374,17 @@ class LatentSurface(_OnRows):
 
     def held_arrays(self) -> tuple[Any, ...]:
         """The columns that hold tokens (views: a later append writes past them)."""
+        if self._stores is not None:  # rows of several stages: each store's
+            return tuple(a for store in self._stores for a in arrays(self._visible_rows(store)))
         return arrays(self._visible_planes())
+
+    def _with_exact(self, planes: Any, rows: Sequence[int]) -> Any:
+        latent, rope, index, _ = planes
+        return latent, rope, index, self._rows_only(self._read()["latent"], rows)
+
+    def _rows_only(self, array: Any, rows: Sequence[int]) -> Any:
+        kept = mx.array([b in rows for b in range(int(array.shape[0]))])
+        return mx.where(kept[:, None, None, None], array, mx.zeros_like(array))
 
     def planes(self) -> tuple[Planes, mx.array | None, mx.array | None, None]:
         """The stored columns: latent codec planes, rope, index (no exact latent)."""
@@ -402,8 +420,29 @@ class LatentSurface(_OnRows):
             raise InvalidInputError(preview_blocks_message(type(self).__name__))
         if self.width == 0:
             return latent, rope
+        # The block as each row's stage will read it (an encoded latent: decoded).
+        stages = self.row_stages
+        role = as_role("latent")
+        block = latent
+        for stage in sorted(set(stages)):
+            codec = self._stages[stage]
+            if not codec.spec.inner.encodes:
+                continue  # the plain latent reads as it is
+            read = codec.fetched(codec.encode(latent, role), role).astype(latent.dtype)
+            rows = mx.array([s == stage for s in stages])[:, None, None, None]
+            block = mx.where(rows, read, block)
         held_latent, held_rope, _ = self._read_all()
         return (
-            mx.concatenate([held_latent, latent], axis=2),
+            mx.concatenate([held_latent, block], axis=2),
             mx.concatenate([held_rope, rope], axis=2),
         )
+
+
+class EncodedLatentCache(
+    EncodedLatentMembers, LatentSurface, SpeculativeLayout, GrowingGeometry, Layout
+):
+    """The latent plane through a codec, rope and index exact, bf16-first per row
+    (``spec/EncodedLatentCache.md``): the latent surface on the row machinery, its rows in
+    two stage stores (the plain latent, then the encoded one)."""
+
+    composition = composition("EncodedLatentCache")

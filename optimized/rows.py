@@ -442,7 +442,7 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     def _take_rows(self, storage: Storage) -> None:
         """Hold what ``storage`` holds (a one-stage storage of one of this one's stages, same
         geometry hooks): its store and host state are this storage's now."""
-        stage = self.stages.index(storage.codec_spec)
+        stage = self.stages.index(storage.codec.spec)
         vars(self).update(
             (name, value)
             for name, value in vars(storage).items()

@@ -1,8 +1,9 @@
 """The reference's latent caches (``spec/MLACache.md``, ``spec/EncodedLatentCache.md``).
 
 :class:`LatentSurface` is ``MLACache``'s surface on the row machinery (``classes.build``
-puts it first among the preset's bases). ``EncodedLatentCache`` still runs on
-``kvrows.latent.LatentRows`` over the hooks below (until the delayed stages take it).
+puts it first among the preset's bases). ``EncodedLatentCache`` is the same
+surface in two stages (``kvrows.latent.EncodedLatentMembers``); the paged latent cache
+still runs on ``kvrows.latent.LatentRows`` over the hooks below.
 What a latent layout *means*: every row is its own compact planes (``_Row``: the latent
 as the codec stores it, the rope and index planes exact, and the exact latent while the
 row reads exact), each row's latent encoded on its own, and the right-justified batch a
@@ -22,10 +23,16 @@ import numpy.typing as npt
 from kvrows.codec import PlaneSet
 from kvrows.compositions import composition
 from kvrows.errors import InvalidInputError, latent_planes_message
-from kvrows.latent import EncodedLatentRows, LatentRows, LatentSurfaceMembers, int_vector_message
+from kvrows.latent import (
+    EncodedLatentMembers,
+    LatentRows,
+    LatentSurfaceMembers,
+    int_vector_message,
+)
 from kvrows.reference.codecs import dtype_name, numpy_dtype
 from kvrows.reference.codecs.latent import LatentArrayCodec
-from kvrows.reference.rows import Row
+from kvrows.reference.rows import Row, RowLayout
+from kvrows.reference.speculative import SpeculativeLayout
 
 __all__ = ["EncodedLatentCache", "LatentSurface"]
 
@@ -243,13 +250,6 @@ class _LatentReference(LatentRows):
         return dtype
 
 
-class EncodedLatentCache(EncodedLatentRows, _LatentReference):
-    """The latent plane through a codec, rope and index exact, bf16-first per row
-    (``spec/EncodedLatentCache.md``)."""
-
-    composition = composition("EncodedLatentCache")
-
-
 # The machinery's members the surface uses (at run time the preset's own bases).
 if TYPE_CHECKING:
     from kvrows.reference.rows import Placement
@@ -285,6 +285,9 @@ class LatentSurface(_OnRows):
     def _native(self, array: Any) -> bool:
         return isinstance(array, np.ndarray)
 
+    def _as_dtype(self, array: Any, dtype: str) -> Any:
+        return array.astype(numpy_dtype(dtype), copy=False)
+
     def _int_array(self, values: Sequence[int]) -> Any:
         return np.array(list(values), dtype=np.int32)
 
@@ -313,9 +316,31 @@ class LatentSurface(_OnRows):
         self._rows = rows
         self._place.join(self._rows, 0)
 
+    def _with_exact(self, planes: Any, rows: Sequence[int]) -> Any:
+        return [
+            (p, r, i, _plane(self._rows[b], "latent") if b in rows else e)
+            for b, (p, r, i, e) in enumerate(planes)
+        ]
+
+    def _rows_only(self, array: Any, rows: Sequence[int]) -> Any:
+        kept = np.zeros_like(array)
+        kept[list(rows)] = array[list(rows)]
+        return kept
+
     def planes(self) -> list[tuple[tuple[Array, ...], Array | None, Array | None, None]]:
         """Each row's stored planes (latent codec planes, rope, index; no exact latent)."""
         return [
             (r.planes.get("latent", ()), _plane(r, "rope"), _plane(r, "index"), None)
             for r in self._rows
         ]
+
+
+class EncodedLatentCache(EncodedLatentMembers, LatentSurface, SpeculativeLayout, RowLayout):
+    """The latent plane through a codec, rope and index exact, bf16-first per row
+    (``spec/EncodedLatentCache.md``): the latent surface on the row machinery, its rows in
+    two stages (the plain latent, then the encoded one)."""
+
+    composition = composition("EncodedLatentCache")
+
+
+EncodedLatentCache.serial_class = EncodedLatentCache  # type: ignore[assignment]  # its own serial

@@ -479,7 +479,7 @@ class Storage(SavedState, ComposedIdentity):
         stage = self.stages.index(storage.codec.spec)
         self.codec = self._stages[stage]
         self._rows = [replace(row, stage=stage) for row in storage._rows]
-        self._geometry = storage.geometry
+        self._geometry = storage._shapes()
 
     def _shapes(self) -> Any:
         """What the storage learnt of its tensors' shapes (a KV geometry; a state

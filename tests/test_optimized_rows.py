@@ -110,8 +110,8 @@ def test_every_landed_composition_is_one_declared_class() -> None:
         assert CLASSES[name] is getattr(kv, name) is DECLARED[name]
         assert issubclass(CLASSES[name], Layout if composition(name).is_layout else Serial)
     recurrent = {c.name for c in landed() if c.geometry == "recurrent"}  # the state geometry
-    # The latent codec on the growing geometry (the encoded one still has its own rows).
-    latent = {"MLACache"}
+    # The latent codec on the growing geometry, plain and encoded (two stages).
+    latent = {"MLACache", "EncodedLatentCache"}
     grouped = {name for name in delayed if composition(name).geometry not in kv.classes.STAGED}
     assert sorted(DECLARED) == sorted(
         [*(c.name for c in KV_LANDED if c.name not in grouped), *recurrent, *latent]
