@@ -21,7 +21,7 @@ from kvrows.codec import Codec
 from kvrows.compositions import composition, landed
 from kvrows.conformance.profiles import active_profile, profile_settings
 from kvrows.conversion import MIXED_READ
-from kvrows.delayed import DelayedLayout, DelayedRows, row_reads
+from kvrows.delayed import DelayedLayout, row_reads
 from kvrows.errors import (
     EMPTY_LAYOUT_UPDATE,
     NOTHING_TO_FETCH,
@@ -92,11 +92,10 @@ def test_every_landed_composition_is_one_declared_class() -> None:
     for name in delayed:
         layout_cls = getattr(kv, name)
         assert layout_cls is CLASSES[name] and layout_cls.composition is composition(name)
-        # A layout of stage stores under the modifier's mixin (growing); the ring's still
-        # two groups of row storages (kvrows.delayed.DelayedRows), no storage itself.
-        staged = composition(name).geometry in kv.classes.STAGED
-        assert issubclass(layout_cls, DelayedLayout if staged else DelayedRows)
-        assert (name in DECLARED) == staged
+        # A layout of stage stores under the modifier's mixin (growing, the ragged ring).
+        entry = composition(name)
+        assert (entry.geometry, entry.arrangement) in kv.classes.STAGED
+        assert issubclass(layout_cls, DelayedLayout) and name in DECLARED
         layout = layout_cls(*_args(name))
         assert layout.signature() == composition(name).signature.format(
             start=5, **layout.codec_spec.parameters(), **layout.token_geometry.parameters()
@@ -112,10 +111,7 @@ def test_every_landed_composition_is_one_declared_class() -> None:
     recurrent = {c.name for c in landed() if c.geometry == "recurrent"}  # the state geometry
     # The latent codec on the growing geometry (the encoded one still has its own rows).
     latent = {"MLACache"}
-    grouped = {name for name in delayed if composition(name).geometry not in kv.classes.STAGED}
-    assert sorted(DECLARED) == sorted(
-        [*(c.name for c in KV_LANDED if c.name not in grouped), *recurrent, *latent]
-    )
+    assert sorted(DECLARED) == sorted([*(c.name for c in KV_LANDED), *recurrent, *latent])
     # The legos (the delayed modifier's serial mixin, tests/test_lego.py) show their
     # current stage's surface; every other storage here is one codec's.
     legos = {c.name for c in landed() if "delayed" in c.modifiers and not c.is_layout}
@@ -200,8 +196,6 @@ def test_one_message_for_an_empty_fetch(name: str) -> None:
         assert str(caught.value) == EMPTY_LAYOUT_UPDATE
 
 
-# Not the ring's delayed layout: its ``offset`` is built from the groups' rows on each read
-# (kvrows.delayed.DelayedRows), not a cached array of the row machinery.
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n in DECLARED])
 def test_offset_is_cached_until_the_next_change(name: str) -> None:
     layout = DECLARED[name](*_args(name))
