@@ -776,50 +776,70 @@ class RaggedRing(RingGeometry):
             return [min(r + 1, self.max_size) for r in self._retained]
         return [min(r, self.max_size - 1) + n for r in self._retained]
 
-    def _append(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
-        store = Store(0, self._planes, list(range(len(self._offsets))), self.codec)
-        self._append_to([store], [block], n, geometry)
-        self._planes = store.planes
-
-    def _append_stores(self, shares: list[PlaneSet], n: int, geometry: KvGeometry) -> None:
-        assert self._stores is not None
-        self._append_to(self._stores, shares, n, geometry)
-
-    def _append_to(
-        self, stores: list[Store], shares: list[PlaneSet], n: int, geometry: KvGeometry
-    ) -> None:
-        """Append ``shares[i]`` to store ``i``'s rows: each row first slides left by what
-        its retention drops (one gather per store), then every store grows to one capacity
-        when the block does not fit, then each row writes at its own end."""
+    def _drops(self, n: int) -> list[int]:
+        """What each row's retention drops before an ``n``-token block: a single token
+        keeps the newest ``max_size``, a block the newest ``max_size - 1``."""
         keep = self.max_size if n == 1 else self.max_size - 1
-        drops = [max(0, r + (1 if n == 1 else 0) - keep) for r in self._retained]
-        if any(drops):
+        return [max(0, r + (1 if n == 1 else 0) - keep) for r in self._retained]
+
+    def _append(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
+        drops = self._drops(n)
+        if self._planes is not None and any(drops):
+            # Slide every row left by its own count in one gather.
             width = max(self._retained)
-            for store in stores:
-                moved = [drops[b] for b in store.rows]
-                if store.planes is not None and any(moved):
-                    store.planes = self._slide(store, moved, width)
+            self._planes = self._slide(self._planes, drops, self._offsets, width)
         self._retained = [r - d for r, d in zip(self._retained, drops, strict=True)]
         needed = max(self._retained) + n
-        capacity = max((token_count(s.planes) for s in stores if s.planes), default=0)
-        if any(s.planes is None for s in stores) or needed > capacity:
-            self._grow(stores, round_up(needed), geometry)
-        for store, share in zip(stores, shares, strict=True):
+        if self._planes is None or needed > self.buffer_length:
+            store = Store(0, self._planes, list(range(len(self._offsets))), self.codec)
+            self._grow([store], round_up(needed), geometry)
+            self._planes = store.planes
+        assert self._planes is not None
+        if len(set(self._retained)) == 1:  # ``write_columns``, inline: every decode step
+            start = self._retained[0]
+            for plane, encoded in paired(self._planes, block):
+                plane[:, :, start : start + n] = encoded
+        else:
+            rows = mx.arange(len(self._offsets))[:, None]
+            columns = mx.array(self._retained)[:, None] + mx.arange(n)[None, :]
+            for plane, encoded in paired(self._planes, block):
+                plane[rows, :, columns] = mx.swapaxes(encoded, 1, 2)
+        self._retained = [r + n for r in self._retained]
+
+    def _append_stores(self, shares: list[PlaneSet], n: int, geometry: KvGeometry) -> None:
+        """``_append`` per store: each store's rows slide left by their drops (one gather
+        per store), every store grows to one capacity when the block does not fit, then
+        each row writes its share at its own end."""
+        assert self._stores is not None
+        drops = self._drops(n)
+        if any(drops):
+            width = max(self._retained)
+            for store in self._stores:
+                moved = [drops[b] for b in store.rows]
+                if store.planes is not None and any(moved):
+                    offsets = [self._offsets[b] for b in store.rows]
+                    store.planes = self._slide(store.planes, moved, offsets, width)
+        self._retained = [r - d for r, d in zip(self._retained, drops, strict=True)]
+        needed = max(self._retained) + n
+        if any(s.planes is None for s in self._stores) or needed > self.buffer_length:
+            self._grow(self._stores, round_up(needed), geometry)
+        for store, share in zip(self._stores, shares, strict=True):
             assert store.planes is not None
             write_columns(store.planes, share, [self._retained[b] for b in store.rows], n)
         self._retained = [r + n for r in self._retained]
 
-    def _slide(self, store: Store, drops: list[int], width: int) -> PlaneSet:
-        """Slide each of ``store``'s rows left by its own count in one gather (a row's
-        sinks stay where they are)."""
-        assert store.planes is not None
+    def _slide(
+        self, planes: PlaneSet, drops: list[int], offsets: list[int], width: int
+    ) -> PlaneSet:
+        """Slide slot ``i``'s row left by ``drops[i]`` in one gather (a row's sinks, the
+        first ``min(keep, offsets[i])`` columns, stay where they are)."""
         column = mx.arange(width)[None, :]
         moved = column + mx.array(drops)[:, None]
         if self.keep:
-            sinks = mx.array([min(self.keep, self._offsets[b]) for b in store.rows])[:, None]
+            sinks = mx.array([min(self.keep, o) for o in offsets])[:, None]
             moved = mx.where(column < sinks, column, moved)
         index = mx.minimum(moved, width - 1)
-        return self._slid(store.planes, index[:, None, :, None], width)
+        return self._slid(planes, index[:, None, :, None], width)
 
     @staticmethod
     def _slid(planes: PlaneSet, index: mx.array, width: int) -> PlaneSet:
