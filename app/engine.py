@@ -664,7 +664,7 @@ class Engine:
             if isinstance(cache, Converting):
                 layout = cache
             elif self.maintenance.converts_later:
-                # Beside delayed layouts (whose groups are the verify layouts), the other
+                # Beside delayed layouts (the verify layouts with per-row stages), the other
                 # layers take the verify layouts too: a model that builds one mask from
                 # one layer for all its sliding-window layers (gemma3) needs every ring
                 # layer to hold its rows at the same physical columns.

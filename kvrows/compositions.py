@@ -307,20 +307,21 @@ _OWN_MACHINERY = frozenset({"EncodedLatentCache"})
 
 
 def presets_on_rows(
-    geometries: Container[str], *, staged: Container[str] = ()
+    geometries: Container[str], *, staged: Container[str | tuple[str, str]] = ()
 ) -> tuple[Composition, ...]:
     """The landed entries an implementation's ``classes.build`` makes, given the geometry
     kinds it has hooks for: no modifier but ``speculative``, a serial storage with the
-    ``delayed`` one (the legos), and the ragged delayed layouts of the geometries in
-    ``staged`` (whose layouts hold rows of several stages); the latent and paged classes
-    are written by hand."""
+    ``delayed`` one (the legos), and the ragged delayed layouts whose geometry kind, or
+    ``(geometry, arrangement)``, is in ``staged`` (hooks holding rows of several stages);
+    the latent and paged classes are written by hand."""
 
     def built(c: Composition) -> bool:
         if c.modifiers <= {"speculative"}:
             return True
         if c.modifiers == {"delayed"}:
             return not c.is_layout
-        return c.geometry in staged and c.modifiers == {"delayed", "speculative"}
+        holds_stages = c.geometry in staged or (c.geometry, c.arrangement) in staged
+        return holds_stages and c.modifiers == {"delayed", "speculative"}
 
     return tuple(
         c

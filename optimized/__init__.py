@@ -2,7 +2,7 @@
 
 ``classes`` builds one class per composition on the row machinery from the table
 (``lego`` adds the bf16-first wrappers around table storages, which are not table
-entries; ``delayed_ring`` the ring's delayed layout, over two ragged rings); this module registers every declared class
+entries); this module registers every declared class
 (``declared_classes()``) in the row-layout table with one call (the roles come from the
 composition table).
 """
@@ -15,7 +15,6 @@ from kvrows.optimized import classes
 from kvrows.optimized.attention import attend
 from kvrows.optimized.cache_list import CacheListDropIn, CacheListLayout
 from kvrows.optimized.classes import *  # noqa: F403
-from kvrows.optimized.delayed_ring import DelayedRotatingQuantizedKVCache
 from kvrows.optimized.latent import EncodedLatentCache
 from kvrows.optimized.latent_dropin import LatentCacheList
 from kvrows.optimized.lego import (
@@ -37,7 +36,6 @@ __all__ = [
     "Bf16FirstQuantizedKVCache",
     "Bf16FirstRotatingQuantizedKVCache",
     "Bf16FirstTurboQuantKVCache",
-    "DelayedRotatingQuantizedKVCache",
     "BlockPool",
     "EncodedLatentCache",
     "LatentCacheList",
@@ -51,12 +49,12 @@ __all__ = [
 
 
 def declared_classes() -> Mapping[str, type[Any]]:
-    """Every public class, by composition name: the row storages (``rows.DECLARED``) and
-    the ring's delayed layout, which composes two of them (what this module registers)."""
-    delayed = (DelayedRotatingQuantizedKVCache,)
+    """Every public class, by composition name: the row storages (``rows.DECLARED``, the
+    delayed layouts among them) and the latent and paged classes (what this module
+    registers)."""
     latent = (EncodedLatentCache,)  # latent state: its own row machinery
     paged = (PagedKVCache, PagedKvRows, PagedLatentCache)  # block tables into a pool
-    found = (*delayed, *latent, *paged)
+    found = (*latent, *paged)
     return {**DECLARED, **{cls.composition.name: cls for cls in found}}
 
 

@@ -18,6 +18,7 @@ from kvrows.codecs import CODECS, is_kv_codec
 from kvrows.common import AffineParameters, TurboParameters
 from kvrows.compositions import (
     Composition,
+    landed,
     lego_preset,
     preset_class,
     presets_on_rows,
@@ -52,6 +53,7 @@ __all__ = [
     "Bf16FirstRotatingQuantizedKVCache",
     "Bf16FirstTurboQuantKVCache",
     "DelayedQuantizedKVCache",
+    "DelayedRotatingQuantizedKVCache",
     "DelayedTurboQuantKVCache",
     "KVCache",
     "MLACache",
@@ -81,13 +83,6 @@ GEOMETRY_SURFACES: dict[tuple[str, str], tuple[type, ...]] = {
 #: What a codec adds to the machinery's surface, first among the bases (the latent
 #: caches' ``append`` / ``fetch_index`` / ``preview`` / 3-D blocks / v1 state).
 CODEC_SURFACES: dict[str, tuple[type, ...]] = {"latent": (LatentSurface,)}
-#: The geometries whose layouts hold rows of several stages (stage stores, contract
-#: §0.4): their delayed layouts are presets too (the ring's is ``delayed_ring.py``'s).
-STAGED = frozenset(
-    kind for kind in IMPLEMENTATIONS if getattr(geometry_class(kind), "_stage_stores", False)
-)
-#: The entries ``build`` makes here.
-PRESETS = presets_on_rows(IMPLEMENTATIONS, staged=STAGED)
 
 #: The classes a modifier puts ahead of the layout (they wrap it; the delayed one,
 #: ``kvrows.lego.Bf16First``, a serial storage of two stages).
@@ -105,6 +100,20 @@ def hooks_class(entry: Composition) -> type:
         if entry.arrangement in vars(hooks).get("arrangements", ()):
             return hooks
     raise KeyError(f"no {entry.geometry} hooks for the {entry.arrangement} arrangement")
+
+
+#: The ``(geometry, arrangement)`` pairs whose hooks hold a layout's rows in several stages
+#: (stage stores, contract §0.4: the growing geometry's, the ragged ring's): their
+#: delayed layouts are presets.
+STAGED = frozenset(
+    (entry.geometry, entry.arrangement)
+    for entry in landed()
+    if entry.geometry in IMPLEMENTATIONS
+    and entry.is_layout
+    and getattr(hooks_class(entry), "_stage_stores", False)
+)
+#: The entries ``build`` makes here.
+PRESETS = presets_on_rows(IMPLEMENTATIONS, staged=STAGED)
 
 
 def build(entries: Iterable[Composition]) -> dict[str, type[Any]]:
@@ -228,6 +237,8 @@ if TYPE_CHECKING:
     class DelayedQuantizedKVCache(DelayedLayout, SpeculativeLayout, GrowingGeometry, Layout): ...
 
     class DelayedTurboQuantKVCache(DelayedLayout, SpeculativeLayout, GrowingGeometry, Layout): ...
+
+    class DelayedRotatingQuantizedKVCache(DelayedLayout, SpeculativeLayout, RaggedRing, Layout): ...
 
     # -- latent ------------------------------------------------------------------------
     class MLACache(LatentSurface, SpeculativeLayout, GrowingGeometry, Layout): ...

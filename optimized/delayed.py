@@ -1,13 +1,11 @@
 """The optimized half of the delayed modifier on a layout (``kvrows.delayed.DelayedLayout``;
 ``spec/DelayedQuantizedKVCache.md``).
 
-The full-attention delayed layouts are table presets (``classes.build``): a ragged
-growing layout of the row machinery with two stages, each row in its own stage store
-(contract §0.4). What the modifier asks of an implementation is MLX here: rows of an
-array picked with ``mx.take``, the stages' outputs put back in batch order, a restored
-record's columns (``_align``), and mlx-lm's read surface of a layout. The ring's delayed
-layout still composes two ragged layouts (``delayed_ring.py``) until the ring has stage
-stores.
+The delayed layouts are table presets (``classes.build``): a ragged layout of the row
+machinery (growing, or the ragged ring) with two stages, each row in its own stage's
+store (contract §0.4). What the modifier asks of an implementation is MLX here: rows of
+an array picked with ``mx.take``, the stages' outputs put back in batch order, a restored
+record's columns (``_align``, full attention), and mlx-lm's read surface of a layout.
 """
 
 from __future__ import annotations
@@ -20,16 +18,22 @@ import mlx.core as mx
 from kvrows.conversion import mixed_buffer_message
 from kvrows.delayed import DelayedLayout as _DelayedLayout
 from kvrows.errors import MixedPrecisionReadError
+from kvrows.optimized.rows import token_count
+
+if TYPE_CHECKING:
+    from kvrows.codec import PlaneSet
+    from kvrows.optimized.rows import Store
 
 __all__ = ["DelayedLayout"]
 
 
 class DelayedLayout(_DelayedLayout):
-    """The delayed modifier's layout mixin over the optimized row machinery (a growing
-    geometry: its stage stores, contract §0.4), with mlx-lm's read surface of a layout."""
+    """The delayed modifier's layout mixin over the optimized row machinery (a geometry
+    with stage stores, contract §0.4), with mlx-lm's read surface of a layout."""
 
     _planes: Any
     _stores: Any
+    _token_geometry: Any
 
     def _rows_of(self, array: Any, rows: Sequence[int]) -> Any:
         count = int(array.shape[0])
@@ -55,6 +59,10 @@ class DelayedLayout(_DelayedLayout):
         def _align(self, pads: list[int], tokens: list[int] | None = None) -> None: ...
 
         def fetch(self) -> tuple[Any, Any]: ...
+
+        def _store_list(self) -> list[Store]: ...
+
+        def _visible_rows(self, store: Store) -> PlaneSet: ...
 
     # -- mlx-lm's read surface (``spec/mlx-lm-drop-in.md``) -----------------------------------
     def _held_reads(self, what: str) -> tuple[Any, Any] | None:
@@ -84,8 +92,14 @@ class DelayedLayout(_DelayedLayout):
         return mx.array(list(self.left_pad), dtype=mx.int32)
 
     def size(self) -> int:
-        """The key columns attention reads (the record's width)."""
-        return max((p + t for p, t in zip(self.left_pad, self.row_offsets, strict=True)), default=0)
+        """The key columns attention reads: the read image's width (a ring's at most its
+        window, as mlx-lm's ``BatchRotatingKVCache.size()``); 0 before any buffer exists."""
+        stores = self._store_list()
+        if not stores or stores[0].planes is None:
+            return 0
+        width = token_count(self._visible_rows(stores[0]))
+        cap = self._token_geometry.cap()
+        return width if cap is None else min(width, cap)
 
     def empty(self) -> bool:
         """Whether no buffer exists yet."""

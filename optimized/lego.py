@@ -1,6 +1,6 @@
 """The optimized bf16-first storages (``kvrows.lego``; ``spec/bf16-first.md``): the
 presets are built by ``classes.py`` from the table (re-exported here, where they were
-written before); ``convert`` is the delayed layouts' conversion of a whole serial storage.
+written before).
 
 A lego's conversion is the row machinery's ``_convert_rows`` (``rows.py``): every plane
 re-encoded whole, a ring keeping its phase, the result owned and evaluated, as the plain
@@ -12,26 +12,14 @@ off a cache (``keys``, ``values``, ``keys_and_values()``, ``size()``, ``empty()`
 
 from __future__ import annotations
 
-from typing import Any
-
-from kvrows.lego import Target
 from kvrows.optimized.classes import (
     Bf16FirstQuantizedKVCache,
     Bf16FirstRotatingQuantizedKVCache,
     Bf16FirstTurboQuantKVCache,
 )
-from kvrows.optimized.dropin import encoded_copy
 
 __all__ = [
     "Bf16FirstQuantizedKVCache",
     "Bf16FirstRotatingQuantizedKVCache",
     "Bf16FirstTurboQuantKVCache",
-    "convert",
 ]
-
-
-def convert(storage: Any, target: Target, converted_class: type[Any]) -> Any:
-    """The bf16-first conversion of a plain storage: its planes encoded whole into
-    ``converted_class`` (what ``to_quantized`` does for affine; TurboQuant's
-    ``fromKVCache``)."""
-    return encoded_copy(storage, target, converted_class)

@@ -87,6 +87,7 @@ __all__ = [
     "row_of",
     "spare_slots",
     "token_count",
+    "write_columns",
 ]
 
 #: One row handed from a source to a merge: its planes in time order (views, ``[1, ...]``:
@@ -181,6 +182,21 @@ def token_count(planes: PlaneSet) -> int:
     for held in planes.values():
         return int(held[0].shape[TOKEN_AXIS])
     return 0
+
+
+def write_columns(planes: PlaneSet, block: PlaneSet, starts: list[int], n: int) -> None:
+    """Slot ``b`` takes block row ``b``'s ``n`` tokens at columns ``[starts[b], starts[b] +
+    n)``: one slice write when every row starts at one column, else one scatter."""
+    batch = len(starts)
+    if len(set(starts)) == 1:
+        start = starts[0]
+        for plane, encoded in paired(planes, block):
+            plane[:batch, :, start : start + n] = encoded
+    else:
+        rows = mx.arange(batch)[:, None]
+        columns = mx.array(starts)[:, None] + mx.arange(n)[None, :]
+        for plane, encoded in paired(planes, block):
+            plane[rows, :, columns] = mx.swapaxes(encoded, 1, 2)
 
 
 def kv_pair(planes: PlaneSet) -> tuple[Planes, Planes]:
@@ -408,8 +424,66 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
 
     def _move_rows(self, moving: list[int]) -> None:
         """Rows ``moving`` (checked, sorted, none in the last stage, not every row of one
-        store) into their next stage's store (a geometry with stage stores)."""
-        raise NotImplementedError
+        store) into their next stage's store (a geometry with stage stores): each row's slot
+        decoded by its stage's codec and encoded by the next one's (the same columns), the
+        stores then gathered (``_gather_slots``) so each keeps its rows in batch order;
+        owned and evaluated."""
+        stores = {store.stage: store for store in self._store_list()}
+        geometry = self._geometry
+        sources = [s for s in sorted(stores, reverse=True) if set(stores[s].rows) & set(moving)]
+        if geometry is not None:
+            for stage in sources:  # head dims the codecs store, before anything moves
+                self._stages[stage + 1].check(geometry)
+        for stage in sources:  # the newest first: a moved row moves once
+            store = stores[stage]
+            rows = [b for b in store.rows if b in moving]
+            source, target = store.codec, self._stages[stage + 1]
+            into = stores.setdefault(stage + 1, Store(stage + 1, None, [], target))
+            staying = [b for b in store.rows if b not in moving]
+            joined = sorted(into.rows + rows)
+            if store.planes is not None:
+                slots = mx.array([store.rows.index(b) for b in rows])
+                moved = {
+                    t: target.encode(
+                        source.decode(tuple(mx.take(p, slots, axis=0) for p in held), as_role(t)),
+                        as_role(t),
+                    )
+                    for t, held in store.planes.items()
+                }
+                into.planes = self._merged_slots(into.planes, into.rows, moved, rows)
+                if staying:
+                    kept = [store.rows.index(b) for b in staying]
+                    store.planes = self._gather_slots(store.planes, kept)
+            into.rows, store.rows = joined, staying
+        self._put_stores(list(stores.values()))
+        mx.eval(*self.held_arrays())
+        self._changed()
+
+    def _gather_slots(self, planes: PlaneSet, slots: list[int]) -> PlaneSet:
+        """Slots ``slots`` of a store's ``planes`` in that order, then a few spare slots (a
+        view of the planes when they are already the first slots in order; else one
+        gather); a geometry whose hooks write every slot keeps none (the ragged ring)."""
+        if slots == list(range(len(slots))):
+            return planes
+        index = mx.array(slots + [slots[-1]] * (spare_slots(len(slots)) - len(slots)))
+        return mapped(planes, lambda p: mx.take(p, index, axis=0))
+
+    def _merged_slots(
+        self, planes: PlaneSet | None, rows: list[int], moved: PlaneSet, joining: list[int]
+    ) -> PlaneSet:
+        """A store's planes holding its rows ``rows`` (slots ``0 ..``) and the rows
+        ``joining`` (``moved``'s slots, in order) in batch order (``_gather_slots``)."""
+        if planes is None or not rows:
+            return moved
+        held = len(rows)
+        both = {
+            t: tuple(
+                mx.concatenate([p[:held], m], axis=0) for p, m in zip(ps, moved[t], strict=True)
+            )
+            for t, ps in planes.items()
+        }
+        where = {b: i for i, b in enumerate(rows)} | {b: held + i for i, b in enumerate(joining)}
+        return self._gather_slots(both, [where[b] for b in sorted(where)])
 
     def _stage_parts(self) -> list[tuple[list[int], Codec, dict[str, Any]]]:
         """The read of rows in several stages (contract §0.5): per stage holding rows, in

@@ -21,7 +21,7 @@ from kvrows.codec import Codec
 from kvrows.compositions import composition, landed
 from kvrows.conformance.profiles import active_profile, profile_settings
 from kvrows.conversion import MIXED_READ
-from kvrows.delayed import DelayedLayout, DelayedRows, row_reads
+from kvrows.delayed import DelayedLayout, row_reads
 from kvrows.errors import (
     EMPTY_LAYOUT_UPDATE,
     NOTHING_TO_FETCH,
@@ -92,11 +92,10 @@ def test_every_landed_composition_is_one_declared_class() -> None:
     for name in delayed:
         layout_cls = getattr(kv, name)
         assert layout_cls is CLASSES[name] and layout_cls.composition is composition(name)
-        # A layout of stage stores under the modifier's mixin (growing); the ring's still
-        # two groups of row storages (kvrows.delayed.DelayedRows), no storage itself.
-        staged = composition(name).geometry in kv.classes.STAGED
-        assert issubclass(layout_cls, DelayedLayout if staged else DelayedRows)
-        assert (name in DECLARED) == staged
+        # A layout of stage stores under the modifier's mixin (growing, the ragged ring).
+        entry = composition(name)
+        assert (entry.geometry, entry.arrangement) in kv.classes.STAGED
+        assert issubclass(layout_cls, DelayedLayout) and name in DECLARED
         layout = layout_cls(*_args(name))
         assert layout.signature() == composition(name).signature.format(
             start=5, **layout.codec_spec.parameters(), **layout.token_geometry.parameters()
@@ -112,10 +111,7 @@ def test_every_landed_composition_is_one_declared_class() -> None:
     recurrent = {c.name for c in landed() if c.geometry == "recurrent"}  # the state geometry
     # The latent codec on the growing geometry, plain and encoded (two stages).
     latent = {"MLACache", "EncodedLatentCache"}
-    grouped = {name for name in delayed if composition(name).geometry not in kv.classes.STAGED}
-    assert sorted(DECLARED) == sorted(
-        [*(c.name for c in KV_LANDED if c.name not in grouped), *recurrent, *latent]
-    )
+    assert sorted(DECLARED) == sorted([*(c.name for c in KV_LANDED), *recurrent, *latent])
     # The legos (the delayed modifier's serial mixin, tests/test_lego.py) show their
     # current stage's surface; every other storage here is one codec's.
     legos = {c.name for c in landed() if "delayed" in c.modifiers and not c.is_layout}
@@ -200,8 +196,6 @@ def test_one_message_for_an_empty_fetch(name: str) -> None:
         assert str(caught.value) == EMPTY_LAYOUT_UPDATE
 
 
-# Not the ring's delayed layout: its ``offset`` is built from the groups' rows on each read
-# (kvrows.delayed.DelayedRows), not a cached array of the row machinery.
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n in DECLARED])
 def test_offset_is_cached_until_the_next_change(name: str) -> None:
     layout = DECLARED[name](*_args(name))
@@ -682,11 +676,12 @@ def test_drawn_operations_on_rows_of_two_stages(arrangement: str, data: st.DataO
         staged.check()
 
 
-def test_a_ring_layout_keeps_its_rows_in_one_stage() -> None:
-    """The rings hold no stage stores (contract §0.5): converting some rows, or merging a
-    row of the other stage into a running layout, is refused before anything changes;
-    every row converting together still works."""
-    layout = kv.RaggedRotatingRows(8)
+def test_a_shared_ring_layout_keeps_its_rows_in_one_stage() -> None:
+    """A shared-column ring holds no stage stores (contract §0.5: its rows share one ring
+    index): converting some rows, or merging a row of the other stage into a running
+    layout, is refused before anything changes; every row converting together still
+    works. (The ragged ring has stage stores: ``test_ring_rows_of_two_stages_...``.)"""
+    layout = kv.BatchedRotatingCache(8)
     layout._use_stages((Plain(), STAGED))
     rows = []
     for n in (5, 3, 9):
@@ -712,3 +707,319 @@ def test_a_ring_layout_keeps_its_rows_in_one_stage() -> None:
     layout._convert_rows([0, 1, 2])
     layout.check_valid()
     assert layout.row_stages == (1, 1, 1) and layout.codec_spec == STAGED
+
+
+# -- per-row stages over the ragged ring's stage stores (contract §0.4, §0.5) ---------------
+
+RING = 8
+RING_STAGED = Affine(bits=4, group_size=32)
+
+
+def _window_columns(held: int, offset: int, keep: int) -> list[int]:
+    """The columns of a ragged ring row holding ``held`` columns at ``offset`` that its
+    window reads, in time order: its sinks, then its newest positions."""
+    count = min(held, offset, RING)
+    sinks = min(keep, offset, count)
+    if sinks == 0 or count == held:
+        return list(range(held - count, held))
+    return [*range(sinks), *range(held - count + sinks, held)]
+
+
+class _StagedRing:
+    """A two-stage ragged ring (plain, then affine), its reference twin and a one-stage
+    plain shadow given the same operations (a stage moves no column: the shadow's offsets,
+    retained columns and masks are the layout's), and the rows' record; each stage's rows
+    checked against the public one-stage ring layout of that codec holding them (a ring
+    read is per row from column 0: each row's window is compared)."""
+
+    def __init__(self, seed: int, keep: int = 0) -> None:
+        import kvrows.reference as ref
+
+        self.ref, self.keep = ref, keep
+        self.layout = kv.SpeculativeRotatingKVCache(RING, keep)
+        self.layout._use_stages((Plain(), RING_STAGED))
+        self.twin = ref.SpeculativeRotatingKVCache(RING, keep)
+        self.twin._use_stages((Plain(), RING_STAGED))
+        self.shadow = kv.SpeculativeRotatingKVCache(RING, keep)
+        self.requests: list[_Request] = []
+        self.rng = np.random.default_rng(seed)
+
+    def tokens(self, rows: int, n: int) -> np.ndarray:
+        return self.rng.standard_normal((rows, 2, n, 64)).astype(np.float16)
+
+    def serial(self, request: _Request, impl: Any, stage: int | None = None) -> Any:
+        """A serial ring of the row's stage codec (or ``stage``'s) of ``impl``, fed its
+        chunks."""
+        stage = request.stage if stage is None else stage
+        keep = self.keep
+        cache = (
+            impl.RotatingKVCache(RING, keep)
+            if stage == 0
+            else impl.RotatingQuantizedKVCache(RING, 32, 4, keep)
+        )
+        wrap = mx.array if impl is kv else np.asarray
+        for k, v in zip(request.keys, request.values, strict=True):
+            cache.update_and_fetch(wrap(k), wrap(v))
+        return cache
+
+    def oracle(self, stage: int, rows: list[int]) -> Layout:
+        layout = (
+            kv.SpeculativeRotatingKVCache(RING, self.keep)
+            if stage == 0
+            else (kv.SpeculativeRotatingAffineLayout(RING, 32, 4, self.keep))
+        )
+        layout.merge_rows([self.serial(self.requests[b], kv) for b in rows])
+        return layout
+
+    def look(self) -> tuple[Any, ...]:
+        layout = self.layout
+        parts = [
+            (rows, codec.spec, [_planes_of(r) for r in reads.values()])
+            for rows, codec, reads in (layout._stage_parts() if self.requests else [])
+        ]
+        meta = (layout.row_stages, layout.row_offsets, layout.retained, layout.nbytes)
+        return meta, layout.codec_spec, parts
+
+    def unchanged(self, before: tuple[Any, ...]) -> None:
+        (meta, spec, parts), (meta_now, spec_now, parts_now) = before, self.look()
+        assert meta == meta_now and spec == spec_now and len(parts) == len(parts_now)
+        for (rows, codec, reads), (rows_now, codec_now, reads_now) in zip(
+            parts, parts_now, strict=True
+        ):
+            assert rows == rows_now and codec == codec_now
+            assert all(_same_planes(a, b) for a, b in zip(reads, reads_now, strict=True))
+
+    def check(self) -> None:
+        layout, twin, requests = self.layout, self.twin, self.requests
+        layout.check_valid()
+        twin.check_valid()
+        stages = tuple(r.stage for r in requests)
+        assert layout.row_stages == twin.row_stages == stages
+        offsets = tuple(r.offset for r in requests)
+        assert layout.row_offsets == twin.row_offsets == self.shadow.row_offsets == offsets
+        retained = layout.retained
+        assert retained == self.shadow.retained
+        if not requests:
+            assert layout.nbytes == 0
+            return
+        for n in (1, 3):  # the masks over every row: the shadow's, and the twin's
+            mask = np.array(layout.make_mask(n, return_array=True))
+            assert np.array_equal(mask, np.array(self.shadow.make_mask(n, return_array=True)))
+            assert np.array_equal(mask, np.asarray(twin.make_mask(n, return_array=True)))
+        held = sorted(set(stages))
+        assert layout.codec_spec == (Plain(), RING_STAGED)[held[-1]]
+        parts, twin_parts = layout._stage_parts(), twin._stage_parts()
+        assert [rows for rows, _, _ in parts] == [
+            [b for b, s in enumerate(stages) if s == stage] for stage in held
+        ]
+        assert [rows for rows, _, _ in twin_parts] == [rows for rows, _, _ in parts]
+        expected = 0
+        for (rows, codec, reads), (_, _, twin_reads), stage in zip(
+            parts, twin_parts, held, strict=True
+        ):
+            assert codec.spec == (Plain(), RING_STAGED)[stage]
+            if not any(offsets[b] for b in rows):
+                continue  # the oracle of rows holding no token holds nothing to read
+            oracle = self.oracle(stage, rows)
+            ((_, _, want),) = oracle._stage_parts()
+            if oracle.nbytes:  # a store's slots at the layout's columns, the oracle's per slot
+                per_column = oracle.nbytes // (len(rows) * oracle.buffer_length)  # type: ignore[attr-defined]
+                expected += len(rows) * layout.buffer_length * per_column
+            for tensor, planes in reads.items():
+                got, theirs = _planes_of(planes), _planes_of(want[tensor])
+                twins = [np.asarray(p) for p in _planes_of(twin_reads[tensor])]
+                for i, b in enumerate(rows):
+                    mine = _window_columns(retained[b], offsets[b], self.keep)
+                    other = _window_columns(oracle.retained[i], offsets[b], self.keep)  # type: ignore[attr-defined]
+                    for x, y, z in zip(got, theirs, twins, strict=True):
+                        window = x[i][:, mine]
+                        assert np.array_equal(window, y[i][:, other]), (b, stage)
+                        np.testing.assert_allclose(
+                            window.astype(np.float32), z[i][:, mine].astype(np.float32), atol=1e-2
+                        )
+        if all(offsets):
+            assert layout.nbytes == expected
+        if len(held) > 1:
+            before = self.look()
+            with pytest.raises(MixedPrecisionReadError) as refused:
+                layout.fetch()
+            assert str(refused.value) == MIXED_READ
+            self.unchanged(before)
+        else:
+            ((_, _, reads),) = parts
+            for got, want_read in zip(layout.fetch(), reads.values(), strict=True):
+                assert _same_planes(_planes_of(got), _planes_of(want_read))
+
+    # -- the operations -------------------------------------------------------------------
+    def join(self, rows: list[tuple[int, int]]) -> None:
+        joined = []
+        for stage, n in rows:
+            tokens = self.tokens(1, n)
+            joined.append(_Request([tokens], [tokens * 0.5], stage))
+        self.layout.merge_rows([self.serial(r, kv) for r in joined])
+        self.twin.merge_rows([self.serial(r, self.ref) for r in joined])
+        self.shadow.merge_rows([self.serial(r, kv, 0) for r in joined])
+        self.requests.extend(joined)
+
+    def append(self, n: int) -> None:
+        keys, values = self.tokens(len(self.requests), n), self.tokens(len(self.requests), n)
+        self.shadow.update_and_fetch(mx.array(keys), mx.array(values))
+        if len({r.stage for r in self.requests}) == 1:
+            self.layout.update_and_fetch(mx.array(keys), mx.array(values))
+            self.twin.update_and_fetch(keys, values)
+        else:  # refused before the write (nothing changes); the write alone is ``_update``
+            before = self.look()
+            with pytest.raises(MixedPrecisionReadError):
+                self.layout.update_and_fetch(mx.array(keys), mx.array(values))
+            self.unchanged(before)
+            self.layout._update(mx.array(keys), mx.array(values))
+            self.twin._update(keys, values)
+        for b, request in enumerate(self.requests):
+            request.keys.append(keys[b : b + 1])
+            request.values.append(values[b : b + 1])
+
+    def convert(self, rows: list[int]) -> None:
+        self.layout._convert_rows(rows)
+        self.twin._convert_rows(rows)
+        for b in set(rows):
+            self.requests[b].stage = 1
+
+    def filter(self, keep: list[int]) -> None:
+        for layout in (self.layout, self.twin, self.shadow):
+            layout.filter_rows(keep)
+        self.requests = [self.requests[b] for b in keep]
+
+    def trim(self, counts: list[int]) -> None:
+        """Trim as the shadow may (a ring forgets only what it keeps its window before):
+        a refusal of the shadow's is the layout's and the twin's, with its message."""
+        try:
+            self.shadow.trim_rows(counts)
+        except NotTrimmableError as refused:
+            before = self.look()
+            for layout in (self.layout, self.twin):
+                with pytest.raises(NotTrimmableError) as again:
+                    layout.trim_rows(counts)
+                assert str(again.value) == str(refused)
+            self.unchanged(before)
+            return
+        self.layout.trim_rows(counts)
+        self.twin.trim_rows(counts)
+        for request, count in zip(self.requests, counts, strict=True):
+            request.trimmed(count)
+
+    def extract(self, b: int) -> None:
+        request = self.requests[b]
+        serial = self.layout.extract_row(b)
+        rows = [i for i, r in enumerate(self.requests) if r.stage == request.stage]
+        oracle = self.oracle(request.stage, rows).extract_row(rows.index(b))
+        assert type(serial) is type(oracle) and serial.codec_spec == oracle.codec_spec
+        assert serial.offset == oracle.offset == request.offset
+        assert self.twin.extract_row(b).codec_spec == serial.codec_spec
+        serial.check_valid()
+        if request.offset:
+            for got, want in zip(serial.fetch(), oracle.fetch(), strict=True):
+                assert _same_planes(_planes_of(got), _planes_of(want))
+
+    def refusals(self) -> None:
+        before = self.look()
+        converted = [b for b, r in enumerate(self.requests) if r.stage == 1]
+        plain = [b for b, r in enumerate(self.requests) if r.stage == 0]
+        for b in converted[:1]:
+            with pytest.raises(LayoutStateError) as last:
+                self.layout._convert_rows([*plain, b])
+            assert str(last.value) == last_stage_message(b, 1)
+        with pytest.raises(RowIndexError):
+            self.layout._convert_rows([*plain, len(self.requests)])
+        with pytest.raises(IncompatibleRowsError):
+            self.layout.merge_rows([self.layout])
+        self.unchanged(before)
+
+
+@pytest.mark.parametrize("keep", [0, 2])
+def test_ring_rows_of_two_stages_hold_what_each_stage_layout_holds(keep: int) -> None:
+    """Per-row stages over the ragged ring's stage stores (contract §0.4, §0.5): rows of
+    both codecs and of lengths past the window join in their codec's stage; some rows
+    convert; appends (single tokens and blocks, past the window), filters, merges, trims
+    and extractions act on rows of any stage. After every step each row's window reads
+    what the public one-stage ring of its codec holding the stage's rows reads, the
+    offsets, retained columns and masks are a one-stage ring's and the reference twin's,
+    the bytes are each store's slots at the layout's columns, a mixed read is refused, and
+    refusals change nothing."""
+    staged = _StagedRing(seed=3, keep=keep)
+    staged.join([(0, 5), (0, 3), (0, 10)])
+    staged.check()
+    staged.convert([2, 0, 2])
+    staged.check()
+    staged.refusals()
+    staged.append(2)
+    staged.check()
+    staged.append(1)
+    staged.check()
+    staged.join([(1, 6), (0, 2), (1, 9)])
+    staged.check()
+    staged.refusals()
+    staged.append(4)
+    staged.check()
+    staged.trim([1, 0, 2, 1, 0, 1])
+    staged.check()
+    staged.filter([4, 1, 0, 3])
+    staged.check()
+    staged.extract(0)
+    staged.extract(1)
+    for _ in range(3):
+        staged.append(1)
+        staged.check()
+    staged.convert([0, 1])  # every plain row: one store again
+    assert staged.layout._stores is None
+    staged.check()
+    staged.append(3)
+    staged.check()
+    staged.join([(0, 4)])
+    staged.check()
+    staged.filter([4, 0])
+    staged.check()
+    staged.extract(1)
+    staged.filter([])
+    staged.check()
+
+
+@profile_settings(max_examples=max(5, active_profile().max_examples // 10))
+@given(data=st.data())
+def test_drawn_operations_on_ring_rows_of_two_stages(data: st.DataObject) -> None:
+    """A drawn sequence of the operations above on random ragged ring rows, checked after
+    every step against the oracle and the twin."""
+    sinks = data.draw(st.integers(0, 2), label="keep")
+    staged = _StagedRing(seed=data.draw(st.integers(0, 2**16), label="seed"), keep=sinks)
+
+    def rows(count: int) -> list[tuple[int, int]]:
+        return [
+            (data.draw(st.integers(0, 1), label="stage"), data.draw(st.integers(1, 11)))
+            for _ in range(count)
+        ]
+
+    staged.join(rows(data.draw(st.integers(1, 4), label="rows")))
+    staged.check()
+    for _ in range(data.draw(st.integers(2, 8), label="steps")):
+        requests = staged.requests
+        operation = data.draw(
+            st.sampled_from(("append", "convert", "filter", "merge", "trim", "extract", "refuse"))
+        )
+        if not requests:
+            operation = "merge"
+        if operation == "append":
+            staged.append(data.draw(st.integers(1, 3), label="n"))
+        elif operation == "convert":
+            plain = [b for b, r in enumerate(requests) if r.stage == 0]
+            staged.convert(data.draw(st.lists(st.sampled_from(plain), max_size=3)) if plain else [])
+        elif operation == "filter":
+            keep = data.draw(st.permutations(range(len(requests))), label="order")
+            staged.filter(keep[: data.draw(st.integers(0, len(keep)), label="kept")])
+        elif operation == "merge":
+            staged.join(rows(data.draw(st.integers(1, 2), label="joining")))
+        elif operation == "trim":
+            staged.trim([data.draw(st.integers(0, min(r.offset, 3))) for r in requests])
+        elif operation == "extract":
+            staged.extract(data.draw(st.integers(0, len(requests) - 1), label="row"))
+        else:
+            staged.refusals()
+        staged.check()

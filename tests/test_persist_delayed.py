@@ -23,7 +23,7 @@ import kvrows.optimized as optimized
 import kvrows.reference as reference
 from kvrows.compositions import composition
 from kvrows.conformance.profiles import active_profile, profile_settings
-from kvrows.delayed import DelayedRows, RowAttentionPending, row_reads
+from kvrows.delayed import RowAttentionPending, row_reads
 from kvrows.errors import (
     CorruptStateError,
     InvalidInputError,
@@ -38,6 +38,9 @@ from kvrows.persist.prompt_cache import KVROWS_KEY, load_prompt_cache, save_prom
 
 IMPLS: dict[str, Any] = {"optimized": optimized, "reference": reference}
 WINDOW, DIM = 6, 64
+#: A delayed layout of either twin (the public classes are built at run time).
+Delayed = Any
+
 FILES = profile_settings(max_examples=25 if active_profile().name == "ci" else 300)
 
 
@@ -50,9 +53,9 @@ def _numpy(array: Any) -> np.ndarray[Any, Any]:
     return np.array(array) if isinstance(array, mx.array) else np.asarray(array)
 
 
-def _empty(impl: Any, ring: bool, start: int) -> DelayedRows:
+def _empty(impl: Any, ring: bool, start: int) -> Delayed:
     if ring:
-        layout: DelayedRows = impl.DelayedRotatingQuantizedKVCache(WINDOW, 32, 4, 0, start)
+        layout: Delayed = impl.DelayedRotatingQuantizedKVCache(WINDOW, 32, 4, 0, start)
     else:
         layout = impl.DelayedQuantizedKVCache(32, 4, start)
     return layout
@@ -87,7 +90,7 @@ def rows(layout: Any) -> list[tuple[int, Any, Any]]:
     return [(offset, raw(k), raw(v)) for k, v, offset in held]
 
 
-def record(layout: DelayedRows) -> tuple[Any, ...]:
+def record(layout: Delayed) -> tuple[Any, ...]:
     """What the layout knows beyond its rows, as both implementations report it."""
     return (
         type(layout).__name__,
@@ -102,7 +105,7 @@ def record(layout: DelayedRows) -> tuple[Any, ...]:
     )
 
 
-def _read(impl: Any, layout: DelayedRows, seed: int, tokens: int = 1) -> list[bytes]:
+def _read(impl: Any, layout: Delayed, seed: int, tokens: int = 1) -> list[bytes]:
     """One append to every row (inside a row-attention scope), as bytes: the reads, or for
     mixed rows the attention of fixed queries through ``attend_rows``."""
     rng = np.random.default_rng(seed)
@@ -117,7 +120,7 @@ def _read(impl: Any, layout: DelayedRows, seed: int, tokens: int = 1) -> list[by
     return [_numpy(p).tobytes() for p in planes]
 
 
-def _drive(impl: Any, layout: DelayedRows, data: st.DataObject, steps: int) -> None:
+def _drive(impl: Any, layout: Delayed, data: st.DataObject, steps: int) -> None:
     """Random boundaries: appends, verify rounds, filters, trims, prefills."""
     for step in range(steps):
         if not layout.batch_size:
@@ -234,7 +237,7 @@ def test_the_form_names_each_group_then_the_record() -> None:
     assert ring[0] == "plain.keys" and ring[-1] == "keep" and len(ring) == 8 + 10 + 6
 
 
-def _mixed(impl: Any = optimized, ring: bool = False) -> DelayedRows:
+def _mixed(impl: Any = optimized, ring: bool = False) -> Delayed:
     """Rows of 6 (converted at 6), 2 and 3 tokens (plain), start 5."""
     layout = _empty(impl, ring, start=5)
     layout.merge_rows([_row(impl, ring, 5, n, n, lego=False) for n in (6, 2, 3)])
@@ -242,7 +245,7 @@ def _mixed(impl: Any = optimized, ring: bool = False) -> DelayedRows:
     return layout
 
 
-def _replaced(layout: DelayedRows, **fields: Any) -> tuple[Any, ...]:
+def _replaced(layout: Delayed, **fields: Any) -> tuple[Any, ...]:
     names = state_form(layout.composition).fields
     state = list(layout.state)
     for name, value in fields.items():
@@ -299,7 +302,7 @@ def test_from_state_refuses_malformed_states_and_ring_records() -> None:
         type(ring).from_state(mixed)
 
 
-def _replaced_record(layout: DelayedRows, state: tuple[Any, ...], **fields: Any) -> tuple[Any, ...]:
+def _replaced_record(layout: Delayed, state: tuple[Any, ...], **fields: Any) -> tuple[Any, ...]:
     names = state_form(layout.composition).fields
     values = list(state)
     for name, value in fields.items():

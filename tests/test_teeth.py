@@ -32,6 +32,7 @@ from kvrows.optimized.classes import (
     BatchedQuantizedKVCache,
     BatchedTurboQuantKVCache,
     DelayedQuantizedKVCache,
+    DelayedRotatingQuantizedKVCache,
     DelayedTurboQuantKVCache,
     PaddedKVRows,
     PaddedQuantKVRows,
@@ -40,7 +41,6 @@ from kvrows.optimized.classes import (
 )
 from kvrows.optimized.classes import BatchedRotatingCache as RingBatchedRotatingCache
 from kvrows.optimized.codecs import TurboCodec
-from kvrows.optimized.delayed_ring import DelayedRotatingQuantizedKVCache
 from kvrows.optimized.rows import Serial, mapped, row_of, token_count
 from kvrows.protocols import Cache, Mask
 from kvrows.schemes import CodecSpec, GeometrySpec, Turbo

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from kvrows.codec import PlaneSet, as_role
+from kvrows.codec import PlaneSet
 from kvrows.errors import KvRowsError, align_rows_message
 from kvrows.optimized.geometries.registry import implements
 from kvrows.optimized.rows import (
@@ -39,6 +39,7 @@ from kvrows.optimized.rows import (
     paired,
     spare_slots,
     token_count,
+    write_columns,
 )
 from kvrows.protocols import Mask
 from kvrows.validation import KvGeometry, check_left_pad, round_up
@@ -122,12 +123,12 @@ class GrowingGeometry(Storage):
             ends = [p + t for p, t in zip(self._pads, self._offsets, strict=True)]
         assert self._planes is not None
         batch = len(self._offsets)
-        if len(set(ends)) == 1:  # ``_write_columns``, inline: every decode step runs it
+        if len(set(ends)) == 1:  # ``write_columns``, inline: every decode step runs it
             start = ends[0]
             for plane, encoded in paired(self._planes, block):
                 plane[:batch, :, start : start + n] = encoded
         else:
-            _write_columns(self._planes, block, ends, n)
+            write_columns(self._planes, block, ends, n)
 
     def _append_stores(self, shares: list[PlaneSet], n: int, geometry: KvGeometry) -> None:
         assert self._stores is not None
@@ -139,7 +140,7 @@ class GrowingGeometry(Storage):
             ends = [p + t for p, t in zip(self._pads, self._offsets, strict=True)]
         for store, share in zip(self._stores, shares, strict=True):
             assert store.planes is not None
-            _write_columns(store.planes, share, [ends[b] for b in store.rows], n)
+            write_columns(store.planes, share, [ends[b] for b in store.rows], n)
 
     def _reallocate(
         self, capacity: int, *, shift: int, slots: dict[int, int] | None = None
@@ -244,7 +245,7 @@ class GrowingGeometry(Storage):
                 # Gather whole slots (contiguous) into fresh planes, keeping a few spare
                 # slots for the next join; a scatter into the live planes would copy them
                 # anyway.
-                store.planes = _slots(store.planes, slots)
+                store.planes = self._gather_slots(store.planes, slots)
             store.rows = sorted(new_row[store.rows[slot]] for slot in slots)
             kept.append(store)
         self._put_stores(kept)
@@ -257,40 +258,6 @@ class GrowingGeometry(Storage):
         ):
             # Release the slots a large retirement left behind.
             self._reallocate(round_up(self.width + 1), shift=0)
-
-    def _move_rows(self, moving: list[int]) -> None:
-        """Each row of ``moving`` into its next stage's store: its slot decoded by its
-        stage's codec and encoded by the next one's (the same columns), the stores then
-        gathered so each keeps its rows in batch order; owned and evaluated."""
-        stores = {store.stage: store for store in self._store_list()}
-        geometry = self._geometry
-        sources = [s for s in sorted(stores, reverse=True) if set(stores[s].rows) & set(moving)]
-        if geometry is not None:
-            for stage in sources:  # head dims the codecs store, before anything moves
-                self._stages[stage + 1].check(geometry)
-        for stage in sources:  # the newest first: a moved row moves once
-            store = stores[stage]
-            rows = [b for b in store.rows if b in moving]
-            source, target = store.codec, self._stages[stage + 1]
-            into = stores.setdefault(stage + 1, Store(stage + 1, None, [], target))
-            staying = [b for b in store.rows if b not in moving]
-            joined = sorted(into.rows + rows)
-            if store.planes is not None:
-                slots = mx.array([store.rows.index(b) for b in rows])
-                moved = {
-                    t: target.encode(
-                        source.decode(tuple(mx.take(p, slots, axis=0) for p in held), as_role(t)),
-                        as_role(t),
-                    )
-                    for t, held in store.planes.items()
-                }
-                into.planes = _merged(into.planes, into.rows, moved, rows)
-                if staying:
-                    store.planes = _slots(store.planes, [store.rows.index(b) for b in staying])
-            into.rows, store.rows = joined, staying
-        self._put_stores(list(stores.values()))
-        mx.eval(*self.held_arrays())
-        self._changed()
 
     def _align(self, pads: list[int], tokens: list[int] | None = None) -> None:
         """Re-lay row ``b`` at column ``pads[b]`` (positions unchanged): each row's tokens
@@ -459,43 +426,3 @@ class RowAlignment(_RaggedGrowingLayout):
         pads = check_left_pad(left_pad, self.batch_size)
         if pads != self._pads:
             self._align(pads)
-
-
-def _write_columns(planes: PlaneSet, block: PlaneSet, ends: list[int], n: int) -> None:
-    """Slot ``b`` takes block row ``b``'s ``n`` tokens at columns ``[ends[b], ends[b] + n)``:
-    one slice write when every row ends at one column, else one scatter."""
-    batch = len(ends)
-    if len(set(ends)) == 1:
-        start = ends[0]
-        for plane, encoded in paired(planes, block):
-            plane[:batch, :, start : start + n] = encoded
-    else:
-        rows = mx.arange(batch)[:, None]
-        columns = mx.array(ends)[:, None] + mx.arange(n)[None, :]
-        for plane, encoded in paired(planes, block):
-            plane[rows, :, columns] = mx.swapaxes(encoded, 1, 2)
-
-
-def _slots(planes: PlaneSet, slots: list[int]) -> PlaneSet:
-    """Slots ``slots`` of ``planes`` in that order, then a few spare slots (a view of the
-    planes when they are already the first slots in order; else one gather)."""
-    if slots == list(range(len(slots))):
-        return planes
-    index = mx.array(slots + [slots[-1]] * (spare_slots(len(slots)) - len(slots)))
-    return mapped(planes, lambda p: mx.take(p, index, axis=0))
-
-
-def _merged(
-    planes: PlaneSet | None, rows: list[int], moved: PlaneSet, joining: list[int]
-) -> PlaneSet:
-    """A store's planes holding its rows ``rows`` (slots ``0 ..``) and the rows
-    ``joining`` (``moved``'s slots, in order) in batch order, with spare slots."""
-    if planes is None or not rows:
-        return _slots(moved, list(range(len(joining))))
-    held = len(rows)
-    both = {
-        t: tuple(mx.concatenate([p[:held], m], axis=0) for p, m in zip(ps, moved[t], strict=True))
-        for t, ps in planes.items()
-    }
-    where = {b: i for i, b in enumerate(rows)} | {b: held + i for i, b in enumerate(joining)}
-    return _slots(both, [where[b] for b in sorted(where)])

@@ -51,6 +51,7 @@ from kvrows.optimized.rows import (
     LayoutImage,
     RowWindow,
     Storage,
+    Store,
     arrays,
     joined,
     mapped,
@@ -58,6 +59,7 @@ from kvrows.optimized.rows import (
     paired,
     row_of,
     token_count,
+    write_columns,
 )
 from kvrows.protocols import Mask
 from kvrows.schemes import Ring
@@ -137,6 +139,8 @@ class RingGeometry(Storage):
 
     @property
     def buffer_length(self) -> int:
+        if self._stores is not None:  # every store at the same columns
+            return max((token_count(s.planes) for s in self._stores if s.planes), default=0)
         return 0 if self._planes is None else token_count(self._planes)
 
     def window(self) -> tuple[Planes, Planes] | None:
@@ -167,10 +171,24 @@ class RingGeometry(Storage):
                 )
 
     def _keep(self, order: list[int]) -> None:
-        """Gather the kept rows; a ring keeps its padding (its columns are its window)."""
-        if self._planes is not None and order != list(range(len(self._pads))):
-            index = mx.array(order)
-            self._planes = mapped(self._planes, lambda p: p[index])
+        """Gather the kept rows (each stage store its own); a ring keeps its padding (its
+        columns are its window)."""
+        if self._stores is None:
+            if self._planes is not None and order != list(range(len(self._pads))):
+                index = mx.array(order)
+                self._planes = mapped(self._planes, lambda p: p[index])
+        else:
+            new_row = {old: new for new, old in enumerate(order)}
+            kept: list[Store] = []
+            for store in self._stores:
+                slots = [store.rows.index(old) for old in order if old in store.rows]
+                if not slots:
+                    continue  # a stage left without rows holds no planes
+                if store.planes is not None:
+                    store.planes = self._gather_slots(store.planes, slots)
+                store.rows = [new_row[store.rows[slot]] for slot in slots]  # in batch order
+                kept.append(store)
+            self._put_stores(kept)
         self._pads = [self._pads[i] for i in order]
 
 
@@ -692,9 +710,15 @@ class RaggedRing(RingGeometry):
 
     A single token keeps the newest ``max_size``, a block keeps the newest
     ``max_size - 1`` and appends. This is the explicit stand-in for the delayed rotating
-    layout the seed uses as this role."""
+    layout the seed uses as this role.
+
+    Rows may be in several stages (contract §0.4), one store each holding exactly its
+    rows' slots, every store at the same columns: each hook runs per store.
+    """
 
     arrangements = frozenset({"ragged"})
+    #: A layout's rows may be in several stages, one store each (the delayed ring's).
+    _stage_stores = True
 
     _retained: list[int]
 
@@ -718,46 +742,60 @@ class RaggedRing(RingGeometry):
 
     def _window(self, planes: PlaneSet, row: int | None) -> PlaneSet | None:
         assert row is not None
+        return self._window_slot(planes, row, row)
+
+    def _window_slot(self, planes: PlaneSet, row: int, slot: int) -> PlaneSet | None:
         held, offset = self._retained[row], self._offsets[row]
         if held == 0:
             return None
         count = min(held, offset, self.max_size)
         sinks = min(self.keep, offset, count)
         if sinks == 0 or count == held:
-            return mapped(planes, lambda p: p[row : row + 1, :, held - count : held])
+            return mapped(planes, lambda p: p[slot : slot + 1, :, held - count : held])
         return mapped(
             planes,
             lambda p: mx.concatenate(
-                [p[row : row + 1, :, :sinks], p[row : row + 1, :, held - count + sinks : held]],
+                [p[slot : slot + 1, :, :sinks], p[slot : slot + 1, :, held - count + sinks : held]],
                 axis=2,
             ),
         )
+
+    def _visible_rows(self, store: Store) -> PlaneSet:
+        assert store.planes is not None
+        return _columns(store.planes, 0, max(self._retained))
+
+    def _gather_slots(self, planes: PlaneSet, slots: list[int]) -> PlaneSet:
+        """Exactly ``slots`` (the hooks write every slot of a store: no spare ones)."""
+        if slots == list(range(int(arrays(planes)[0].shape[0]))):
+            return planes
+        index = mx.array(slots)
+        return mapped(planes, lambda p: mx.take(p, index, axis=0))
 
     def _after(self, n: int) -> list[int]:
         if n == 1:
             return [min(r + 1, self.max_size) for r in self._retained]
         return [min(r, self.max_size - 1) + n for r in self._retained]
 
-    def _append(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
+    def _drops(self, n: int) -> list[int]:
+        """What each row's retention drops before an ``n``-token block: a single token
+        keeps the newest ``max_size``, a block the newest ``max_size - 1``."""
         keep = self.max_size if n == 1 else self.max_size - 1
-        drops = [max(0, r + (1 if n == 1 else 0) - keep) for r in self._retained]
+        return [max(0, r + (1 if n == 1 else 0) - keep) for r in self._retained]
+
+    def _append(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
+        drops = self._drops(n)
         if self._planes is not None and any(drops):
             # Slide every row left by its own count in one gather.
             width = max(self._retained)
-            column = mx.arange(width)[None, :]
-            moved = column + mx.array(drops)[:, None]
-            if self.keep:  # a row's sinks stay where they are
-                sinks = mx.array([min(self.keep, o) for o in self._offsets])[:, None]
-                moved = mx.where(column < sinks, column, moved)
-            index = mx.minimum(moved, width - 1)
-            index = index[:, None, :, None]
-            self._planes = self._slid(self._planes, index, width)
+            self._planes = self._slide(self._planes, drops, self._offsets, width)
         self._retained = [r - d for r, d in zip(self._retained, drops, strict=True)]
         needed = max(self._retained) + n
         if self._planes is None or needed > self.buffer_length:
-            self._grow(round_up(needed), geometry)
+            store = Store(0, self._planes, list(range(len(self._offsets))), self.codec)
+            self._grow([store], round_up(needed), geometry)
+            self._planes = store.planes
         assert self._planes is not None
-        if len(set(self._retained)) == 1:
+        if len(set(self._retained)) == 1:  # ``write_columns``, inline: every decode step
             start = self._retained[0]
             for plane, encoded in paired(self._planes, block):
                 plane[:, :, start : start + n] = encoded
@@ -768,30 +806,81 @@ class RaggedRing(RingGeometry):
                 plane[rows, :, columns] = mx.swapaxes(encoded, 1, 2)
         self._retained = [r + n for r in self._retained]
 
+    def _append_stores(self, shares: list[PlaneSet], n: int, geometry: KvGeometry) -> None:
+        """``_append`` per store: each store's rows slide left by their drops (one gather
+        per store), every store grows to one capacity when the block does not fit, then
+        each row writes its share at its own end."""
+        assert self._stores is not None
+        drops = self._drops(n)
+        if any(drops):
+            width = max(self._retained)
+            for store in self._stores:
+                moved = [drops[b] for b in store.rows]
+                if store.planes is not None and any(moved):
+                    offsets = [self._offsets[b] for b in store.rows]
+                    store.planes = self._slide(store.planes, moved, offsets, width)
+        self._retained = [r - d for r, d in zip(self._retained, drops, strict=True)]
+        needed = max(self._retained) + n
+        if any(s.planes is None for s in self._stores) or needed > self.buffer_length:
+            self._grow(self._stores, round_up(needed), geometry)
+        for store, share in zip(self._stores, shares, strict=True):
+            assert store.planes is not None
+            write_columns(store.planes, share, [self._retained[b] for b in store.rows], n)
+        self._retained = [r + n for r in self._retained]
+
+    def _slide(
+        self, planes: PlaneSet, drops: list[int], offsets: list[int], width: int
+    ) -> PlaneSet:
+        """Slide slot ``i``'s row left by ``drops[i]`` in one gather (a row's sinks, the
+        first ``min(keep, offsets[i])`` columns, stay where they are)."""
+        column = mx.arange(width)[None, :]
+        moved = column + mx.array(drops)[:, None]
+        if self.keep:
+            sinks = mx.array([min(self.keep, o) for o in offsets])[:, None]
+            moved = mx.where(column < sinks, column, moved)
+        index = mx.minimum(moved, width - 1)
+        return self._slid(planes, index[:, None, :, None], width)
+
     @staticmethod
     def _slid(planes: PlaneSet, index: mx.array, width: int) -> PlaneSet:
         for plane in arrays(planes):
             plane[:, :, :width] = mx.take_along_axis(plane[:, :, :width], index, axis=2)
         return planes
 
-    def _grow(self, capacity: int, geometry: KvGeometry) -> None:
+    def _grow(self, stores: list[Store], capacity: int, geometry: KvGeometry) -> None:
+        """Every store into fresh planes of ``capacity`` columns (one capacity)."""
         width = max(self._retained)
-        fresh = self._zeros(len(self._offsets), capacity, geometry)
-        if self._planes is not None and width:
-            for new, plane in paired(fresh, self._planes):
-                new[:, :, :width] = plane[:, :, :width]
-        self._planes = fresh
+        for store in stores:
+            fresh = self._zeros(len(store.rows), capacity, geometry, store.codec)
+            if store.planes is not None and width:
+                for new, plane in paired(fresh, store.planes):
+                    new[:, :, :width] = plane[:, :, :width]
+            store.planes = fresh
 
     def _place(self, incoming: list[RowWindow], geometry: KvGeometry | None) -> None:
-        """Each row (running and new) keeps its newest window, left-aligned."""
+        self._place_stages(incoming, [self._stage_of(self.codec)] * len(incoming), geometry)
+
+    def _place_stages(
+        self, incoming: list[RowWindow], stages: list[int], geometry: KvGeometry | None
+    ) -> None:
+        """Each row (running and new) keeps its newest window, left-aligned, in its stage's
+        store (every store one capacity)."""
         everything = self._each_row() + incoming
         lengths = [0 if held is None else token_count(held) for held, _ in everything]
         width = max(lengths)
-        if geometry is None or width == 0:
-            self._planes = None
-        else:
-            fresh = self._zeros(len(everything), round_up(width + 1), geometry)
-            self._planes = _stacked(fresh, everything, lengths, right_aligned=False)
+        row_stages = [*self.row_stages, *stages]
+        stores = []
+        for stage in sorted(set(row_stages)):
+            store = self._new_store(stage)
+            store.rows = [b for b, s in enumerate(row_stages) if s == stage]
+            if geometry is not None and width:
+                fresh = self._zeros(len(store.rows), round_up(width + 1), geometry, store.codec)
+                rows = [everything[b] for b in store.rows]
+                held = [lengths[b] for b in store.rows]
+                store.planes = _stacked(fresh, rows, held, right_aligned=False)
+            stores.append(store)
+        self._planes = None
+        self._put_stores(stores)
         self._retained = lengths
         self._pads = [0] * len(everything)
 
@@ -803,11 +892,15 @@ class RaggedRing(RingGeometry):
         self._forget(tail)
 
     def _forget_front_pads(self, front: list[int]) -> None:
-        """Slide each row left over its leading pads."""
+        """Slide each row left over its leading pads (each store its rows)."""
         width = max(self._retained)
-        index = mx.minimum(mx.arange(width)[None, :] + mx.array(front)[:, None], width - 1)
-        assert self._planes is not None
-        self._planes = self._slid(self._planes, index[:, None, :, None], width)
+        stores = self._store_list()
+        for store in stores:
+            assert store.planes is not None
+            moved = mx.array([front[b] for b in store.rows])[:, None]
+            index = mx.minimum(mx.arange(width)[None, :] + moved, width - 1)
+            store.planes = self._slid(store.planes, index[:, None, :, None], width)
+        self._put_stores(stores)
         self._forget(front)
 
     def _block_starts(self, n: int) -> list[int]:
@@ -832,6 +925,8 @@ class RaggedRing(RingGeometry):
     def _check_geometry(self) -> None:
         assert len(self._retained) == len(self._offsets)
         assert all(0 <= r <= o for r, o in zip(self._retained, self._offsets, strict=True))
+        for store in self._stores or []:  # every slot written: no spare ones
+            assert store.planes is None or len(store.rows) == int(arrays(store.planes)[0].shape[0])
 
     def _layout_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
         """Row ``b``'s query ``i`` sits at column ``retained'[b] - n + i`` and sees its window
