@@ -218,7 +218,8 @@ _SURFACE_PARAMETERS = ("bits", "max_size")
 def _checked(cls: type[Any]) -> type[Any]:
     """``cls`` as its composition wants it: the declaration agrees with the table, and the
     composition's modifiers are applied (speculative: ``SpeculativeLayout`` wraps a
-    layout; delayed: a ``kvrows.delayed.DelayedRows`` over two such layouts, whose parts
+    layout; delayed: the lego's serial mixin on a serial storage, the layout mixin
+    ``kvrows.delayed.DelayedLayout`` on a layout, whose saved form's group classes
     ``register_compositions`` checks)."""
     entry = cls.composition
     if "delayed" in entry.modifiers and not entry.is_layout:
