@@ -1001,7 +1001,10 @@ class Layout(Storage):
                 raise IncompatibleRowsError(self._merge_refusal(source))
             windows = source._row_windows()
             incoming.extend(windows)
-            stages.extend(self._stage_of(c) for c in source._row_codecs(len(windows)))
+            if len(self._stages) == 1:  # one stage: every accepted row is in it
+                stages.extend([0] * len(windows))
+            else:
+                stages.extend(self._stage_of(c) for c in source._row_codecs(len(windows)))
         self._join(rows, incoming, self._joined_shapes(rows), stages)
 
     def _merge_refusal(self, source: object) -> str:
@@ -1018,9 +1021,11 @@ class Layout(Storage):
         placement that joins by reference (paged tables) overrides it."""
         if not incoming:
             return
-        held = set(self.row_stages) | set(stages)
-        if self._stores is None and len(held) <= 1:
-            if stages[0] != self._stage_of(self.codec) and not self._offsets:
+        one = len(self._stages) == 1 or (
+            self._stores is None and len(set(self.row_stages) | set(stages)) <= 1
+        )
+        if one:
+            if not self._offsets and stages[0] != self._stage_of(self.codec):
                 self._clear()  # an empty layout takes its rows' stage
                 self.codec = self._stages[stages[0]]
             self._take_shapes(shapes)

@@ -172,7 +172,39 @@ class GrowingGeometry(Storage):
         self._origin = 0
 
     def _place(self, incoming: list[RowWindow], geometry: KvGeometry | None) -> None:
-        self._place_stages(incoming, [self._stage_of(self.codec)] * len(incoming), geometry)
+        """Rows of the one store's stage join (``_place_stages`` when several stores hold
+        rows). Rows are right-aligned to ``W = max(width, longest new row)``; a join writes
+        only the new rows when a slot is free and the left padding it needs fits left of the
+        origin, otherwise the running rows are copied once into larger buffers."""
+        if self._stores is not None:
+            self._place_stages(incoming, [self._stage_of(self.codec)] * len(incoming), geometry)
+            return
+        width = self.width
+        tokens = [0 if held is None else token_count(held) for held, _ in incoming]
+        target = max([width, *tokens])
+        grow = target - width
+        batch = len(self._offsets)
+        joined = batch + len(incoming)
+        if geometry is not None:
+            fits = self._planes is not None and joined <= self.slots and grow <= self._origin
+            if fits:
+                self._origin -= grow
+            else:  # the one store (of the running rows, none yet on a first join)
+                stage = self._stage_of(self.codec)
+                store = Store(stage, self._planes, list(range(batch)), self.codec)
+                wanted = {stage: spare_slots(joined)}
+                self._reallocated([store], round_up(target + 1), grow, wanted)
+                self._planes = store.planes
+            assert self._planes is not None
+            end = self._origin + target
+            for slot, ((held, _), count) in enumerate(
+                zip(incoming, tokens, strict=True), start=batch
+            ):
+                if held is None or count == 0:
+                    continue  # nothing to write (and MLX faults on empty scatters)
+                for plane, src in paired(self._planes, held):
+                    plane[slot : slot + 1, :, end - count : end] = src
+        self._pads = [p + grow for p in self._pads] + [target - t for t in tokens]
 
     def _place_stages(
         self, incoming: list[RowWindow], stages: list[int], geometry: KvGeometry | None
@@ -231,10 +263,15 @@ class GrowingGeometry(Storage):
         """The shared left padding is dropped by moving the origin."""
         shared = min(self._pads[i] for i in order)
         if self._stores is None:  # one store: old row ``b`` at slot ``b``
-            rows = list(range(max(order) + 1))
-            stores = [Store(self._stage_of(self.codec), self._planes, rows, self.codec)]
-        else:
-            stores = self._stores
+            if self._planes is not None and order != list(range(len(order))):
+                self._planes = self._gather_slots(self._planes, order)
+            self._pads = [self._pads[i] - shared for i in order]
+            self._origin += shared
+            if self._planes is not None and self.slots > 2 * spare_slots(len(order)):
+                # Release the slots a large retirement left behind.
+                self._reallocate(round_up(self.width + 1), shift=0)
+            return
+        stores = self._stores
         new_row = {old: new for new, old in enumerate(order)}
         kept: list[Store] = []
         for store in stores:
