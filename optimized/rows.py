@@ -353,27 +353,29 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         self.codec = target
         self._changed()
 
+    def _row_slots(self) -> list[tuple[Store, int]]:
+        """Each row's store and slot there, in batch order (several stores): the one map
+        ``row_stages``, ``_row_codecs`` and ``_store_of`` read."""
+        assert self._stores is not None
+        held: list[tuple[Store, int]] = [(self._stores[0], 0)] * len(self._offsets)
+        for store in self._stores:
+            for slot, b in enumerate(store.rows):
+                held[b] = (store, slot)
+        return held
+
     @property
     def row_stages(self) -> tuple[int, ...]:
         """Each row's stage, in batch order (contract §0.5)."""
         if self._stores is None:
             return (self._stage_of(self.codec),) * len(self._offsets)
-        stages = [0] * len(self._offsets)
-        for store in self._stores:
-            for b in store.rows:
-                stages[b] = store.stage
-        return tuple(stages)
+        return tuple(store.stage for store, _ in self._row_slots())
 
     def _row_codecs(self, count: int) -> list[Codec]:
         """The codec of each of ``count`` rows a merge takes from this storage (its row
         windows: a storage without rows lends empty ones of its codec)."""
         if self._stores is None:
             return [self.codec] * count
-        codecs: list[Codec] = [self.codec] * len(self._offsets)
-        for store in self._stores:
-            for b in store.rows:
-                codecs[b] = store.codec
-        return codecs
+        return [store.codec for store, _ in self._row_slots()]
 
     def _held_codecs(self) -> list[Codec]:
         """The codecs of the stages holding rows, in stage order (``codec`` with none)."""
@@ -416,11 +418,7 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
 
     def _store_of(self, row: int) -> tuple[Store, int]:
         """The store holding row ``row`` (several stores) and its slot there."""
-        assert self._stores is not None
-        for store in self._stores:
-            if row in store.rows:
-                return store, store.rows.index(row)
-        raise AssertionError(f"row {row} is in no store")
+        return self._row_slots()[row]
 
     def _move_rows(self, moving: list[int]) -> None:
         """Rows ``moving`` (checked, sorted, none in the last stage, not every row of one
