@@ -153,7 +153,7 @@ def bind_paged(
         raise InvalidInputError(f"{cls.__name__} takes keyword arguments only")
     pool: Any = kwargs.pop("pool", None)
     codec = kwargs.pop("codec", None)
-    geometry_spec = kwargs.pop("token_geometry", None)
+    geometry_spec: Any = kwargs.pop("token_geometry", None)
     block_size = kwargs.pop("block_size", None)
     declared = kwargs.pop("geometry", None)
     if kwargs:
@@ -165,7 +165,8 @@ def bind_paged(
         raise InvalidInputError(f"pool must be a {cls.pool_class.__name__}, got {pool!r}")
     if declared is not None and not isinstance(declared, KvGeometry):
         raise InvalidInputError(not_a_geometry_message(repr(declared)))
-    if geometry_spec is not None and not isinstance(geometry_spec, Paged):
+    geometry_kind = cls.composition.geometry  # the table's entry names the token geometry
+    if geometry_spec is not None and getattr(geometry_spec, "kind", None) != geometry_kind:
         raise InvalidInputError(f"{cls.__name__} has paged geometry, got {geometry_spec!r}")
     if codec is not None and not hasattr(codec, "key"):
         raise InvalidInputError(f"codec must be a codec spec, got {codec!r}")
@@ -273,10 +274,9 @@ class BlockLedger:
     # -- allocation and release ----------------------------------------------------------
     def ensure(self, count: int) -> None:
         """Grow until ``count`` blocks are free (raises ``PoolExhaustedError``, nothing changed)."""
-        short = count - len(self._free)
-        if short <= 0:
+        target = self.target_for(count)
+        if target is None:
             return
-        target = growth_target(self.num_blocks, self.num_blocks + short, self.max_blocks)
         if self._grow is not None:
             self._grow(target)
         fresh = range(self.num_blocks, target)
@@ -284,6 +284,25 @@ class BlockLedger:
         for b in reversed(fresh):  # fresh blocks are taken before cached ones
             self._free[b] = None
             self._free.move_to_end(b, last=False)
+
+    def target_for(
+        self,
+        count: int,
+        *,
+        num_blocks: int | None = None,
+        free: int | None = None,
+        max_blocks: int | None = None,
+    ) -> int | None:
+        """The block count :meth:`ensure` of ``count`` grows to (``None``: enough are
+        free), raising its ``PoolExhaustedError``; nothing changes. The keywords stand
+        for the ledger's own counts (a pool that learns its limit first)."""
+        total = self.num_blocks if num_blocks is None else num_blocks
+        free_now = len(self._free) if free is None else free
+        most = self.max_blocks if num_blocks is None else max_blocks
+        short = count - free_now
+        if short <= 0:
+            return None
+        return growth_target(total, total + short, most)
 
     def allocate(self, count: int) -> list[int]:
         """Take ``count`` blocks from the head of the free queue (each now held once); a
@@ -511,6 +530,34 @@ class PoolBase:
             self.ledger.max_blocks = limit
         if self._initial:
             self.ledger.ensure(self._initial)
+
+    def check_take(self, geometry: KvGeometry | None, count: int) -> None:
+        """Raise what ``learn(geometry, room=count)`` (when ``geometry`` is given) and then
+        taking ``count`` fresh blocks would raise, changing nothing: a merge's check
+        before any part of a composite joins (``check_merge``)."""
+        ledger = self.ledger
+        if geometry is None or self._geometry is not None:
+            if geometry is not None and geometry != self._geometry:
+                assert self._geometry is not None
+                raise InvalidInputError(
+                    pool_geometry_message(self._geometry.describe(), geometry.describe())
+                )
+            ledger.target_for(count)
+            return
+        from kvrows.common import shapes_token_bytes
+
+        self._check_geometry(geometry)
+        limit = None
+        if self.max_bytes is not None:  # learn's checks, then its ensure of the initial
+            limit = self.max_bytes // (shapes_token_bytes(self.codec, geometry) * self.block_size)
+            if limit < self._initial:
+                raise InvalidInputError(pool_limit_message(self.max_bytes, limit, self._initial))
+            check_limit(count, limit)
+        total, free = ledger.num_blocks, ledger.free_count
+        grown = ledger.target_for(self._initial, num_blocks=total, free=free, max_blocks=limit)
+        if grown is not None:
+            total, free = grown, free + grown - total
+        ledger.target_for(count, num_blocks=total, free=free, max_blocks=limit)
 
     def blocks_for(self, offset: int) -> int:
         """Blocks a row of ``offset`` positions holds."""

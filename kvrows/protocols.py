@@ -38,12 +38,14 @@ __all__ = [
     "LastReadAttention",
     "LatentAppend",
     "Mask",
+    "MergeChecking",
     "PagedForm",
     "PagedRows",
     "PendingRows",
     "ReusableOffset",
     "RingGeometry",
     "RowAttention",
+    "RowSource",
     "RowTrimmable",
     "SelfChecking",
     "SpeculativeRowLayout",
@@ -425,6 +427,37 @@ class PagedRows(Protocol, metaclass=_StaticMembers):
         ...
 
     def release(self) -> None: ...
+
+
+@runtime_checkable
+class MergeChecking(Protocol, metaclass=_StaticMembers):
+    """A row layout whose merge can be checked without joining: ``check_merge(rows)``
+    raises what ``merge_rows(rows)`` would raise and changes nothing (every layout of a
+    row machinery; a composite over layouts, mlx-lm's ``CacheList``, checks each part
+    before any part joins)."""
+
+    def check_merge(self, rows: Sequence[Cache]) -> None: ...
+
+
+@runtime_checkable
+class RowSource(Protocol, metaclass=_StaticMembers):
+    """A storage of a row machinery (``reference/rows.py``, ``optimized/rows.py``), whose
+    rows a layout of the same machinery takes in ``merge_rows``: rows held as
+    ``array_name`` arrays (a machinery lends and takes rows of its own array library:
+    ``"NumPy"``, ``"MLX"``), each in one of ``stages`` (``row_stages``), on
+    ``token_geometry``. A layout asks it before its own checks (token geometry, codecs)."""
+
+    @property
+    def array_name(self) -> str: ...
+
+    @property
+    def token_geometry(self) -> Any: ...
+
+    @property
+    def stages(self) -> tuple[Any, ...]: ...
+
+    @property
+    def row_stages(self) -> tuple[int, ...]: ...
 
 
 @runtime_checkable

@@ -41,6 +41,7 @@ from kvrows.errors import (
     NotTrimmableError,
 )
 from kvrows.geometries.recurrent import Recurrent, Replay, valid_counts
+from kvrows.protocols import Composed
 from kvrows.validation import FLOAT_DTYPES, as_count
 
 __all__ = [
@@ -300,7 +301,7 @@ class StateChecks:
         if isinstance(caches, str | bytes) or not isinstance(caches, Sequence) or not caches:
             raise InvalidInputError("merge takes a non-empty sequence of caches")
         first: Any = caches[0]
-        if not isinstance(first, StateChecks):
+        if not (isinstance(first, Composed) and first.token_geometry == Recurrent()):
             raise IncompatibleRowsError(f"merge takes recurrent caches, got {type(first).__name__}")
         layout: Any = owned_cache_layout(caches[0])
         layout.merge_rows(caches)
@@ -424,13 +425,10 @@ class StateChecks:
     # -- merges: the plane kinds the rows join under ----------------------------------------
     def _joined_kinds(self, sources: Sequence[Any]) -> list[PlaneShape | None]:
         """The plane kinds after joining ``sources`` (recurrent caches of this
-        implementation): one plane count, each plane's kind agreed where known."""
+        implementation: the machinery's ``_accepts`` took them, as storages of its array
+        library on the recurrent geometry): one plane count, each plane's kind agreed where
+        known."""
         for source in sources:
-            if not isinstance(source, StateChecks) or source.array_name != self.array_name:
-                raise IncompatibleRowsError(
-                    f"{self.composition.name} merges recurrent caches of the same implementation "
-                    f"({self.array_name} arrays), got {type(source).__name__}"
-                )
             if source._lengths is not None or source._left is not None:
                 raise LayoutStateError("a source in a padded run cannot be merged: finalize it")
         kinds = list(self._kinds)

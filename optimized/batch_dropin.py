@@ -184,8 +184,11 @@ class LayoutBatchOps(_LayoutBase):
         return self._offset_array
 
     # -- kvrows' row operations keep the padding state ----------------------------------
+    def _merge_plan(self, rows: Sequence[Cache]) -> tuple[list[RowWindow], Any, list[int]]:
+        self._refuse_during_run("rows cannot join")  # merge_rows and check_merge
+        return super()._merge_plan(rows)
+
     def merge_rows(self, rows: Sequence[Cache]) -> None:
-        self._refuse_during_run("rows cannot join")
         lead, before = self._leads(), self.batch_size
         super().merge_rows(rows)  # every source is a storage of this implementation now
         added = self.batch_size - before

@@ -13,11 +13,11 @@ own layout grouped in a new drop-in (``regroup``). Over row layouts that drop-in
 :class:`CacheListLayout`, a row layout (``BatchableCache``, ``SpeculativeRowLayout``) whose
 operations are its parts', in order; over serial caches it answers no row-layout member,
 as its parts do not. An operation that changes rows is checked by every part before any
-part changes (a refusal leaves every part as it was): ``merge_rows`` into an empty list
-merges each part's rows into a fresh empty layout and swaps them in together; into a
-running list the new rows are first merged into a fresh empty layout of each part (each
-part checks them), then into the parts; ``filter_rows`` checks the rows and the rounds
-first; a round begins only where every part is a verify layout.
+part changes (a refusal leaves every part as it was): ``merge_rows`` is each part's
+``check_merge`` (its machinery's checks of the rows, without joining them: a
+``kvrows.protocols.MergeChecking``), then each part's ``merge_rows``; ``filter_rows``
+checks the rows and the rounds first; a round begins only where every part is a verify
+layout.
 
 Not yet: the disk prefix store's files have no record for a list of caches
 (``spec/engine.md`` §16).
@@ -36,7 +36,13 @@ from kvrows.errors import (
     SpeculativeRoundError,
     self_merge_message,
 )
-from kvrows.protocols import BatchableCache, Cache, SpeculativeRowLayout, StateDisposer
+from kvrows.protocols import (
+    BatchableCache,
+    Cache,
+    MergeChecking,
+    SpeculativeRowLayout,
+    StateDisposer,
+)
 from kvrows.validation import as_count, check_keep
 
 __all__ = ["CacheListDropIn", "CacheListLayout"]
@@ -49,6 +55,18 @@ def cache_list_of(parts: Sequence[Any]) -> CacheListDropIn:
     if all(isinstance(part, BatchableCache) for part in parts):
         return CacheListLayout(*parts)
     return CacheListDropIn(*parts)
+
+
+def _check_part_merge(part: Any, rows: list[Any]) -> None:
+    """Raise what ``part.merge_rows(rows)`` would raise, changing nothing: the part's own
+    check, or for a part without one (a layout of no row machinery: today only
+    ``LatentRows``, ``PagedLatentCache``'s, which no mlx-lm ``CacheList`` holds) a trial
+    merge into a fresh empty layout of the part, which checks the rows but not what the
+    running part adds (its pool's room)."""
+    if isinstance(part, MergeChecking):
+        part.check_merge(rows)
+    else:
+        part.make_empty_batch().merge_rows(rows)
 
 
 class CacheListDropIn:
@@ -238,22 +256,20 @@ class CacheListLayout(CacheListDropIn):
                 )
         return [[row.parts[i] for row in rows] for i in range(width)]
 
-    def merge_rows(self, rows: Sequence[Any]) -> None:
-        """Join ``rows`` (CacheLists of this form) part by part. Every part checks its rows
-        in a fresh empty layout first, so a refusal changes no part."""
+    def check_merge(self, rows: Sequence[Any]) -> None:
+        """Raise what ``merge_rows(rows)`` would raise, changing no part: each part's own
+        check of its share of the rows (a ``MergeChecking``)."""
         sources = self._sources(rows)
         self._no_open_round("merge_rows")
-        if not rows:
-            return  # no row joins (every layout's rule)
-        checked = []
         for part, part_rows in zip(self.caches, sources, strict=True):
-            fresh = part.make_empty_batch()
-            fresh.merge_rows(part_rows)
-            checked.append(fresh)
-        if self.batch_size == 0:
-            self.caches = tuple(checked)
-            return
-        for part, part_rows in zip(self.caches, sources, strict=True):
+            _check_part_merge(part, part_rows)
+
+    def merge_rows(self, rows: Sequence[Any]) -> None:
+        """Join ``rows`` (CacheLists of this form) part by part: every part checks its
+        share first (:meth:`check_merge`), so a refusal changes no part; then each part's
+        own ``merge_rows`` joins it."""
+        self.check_merge(rows)
+        for part, part_rows in zip(self.caches, self._sources(rows), strict=True):
             part.merge_rows(part_rows)
 
     def filter_rows(self, keep: Sequence[int]) -> None:

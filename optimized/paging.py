@@ -761,6 +761,43 @@ class PagedLayout(PagedRows, Layout):
         """Row ``row``'s positions' planes in logical order (``None`` when it holds none)."""
         return self.row_planes(row)
 
+    @staticmethod
+    def _lent_of(sources: Sequence[Any]) -> list[tuple[BlockPool | None, Table | None, int]]:
+        """Each joining row's pool, table and offset."""
+        lent: list[tuple[BlockPool | None, Table | None, int]] = []
+        for source in sources:  # a serial storage without rows lends one empty row
+            tables, offsets, source_pool = source._tables, source._offsets, source._pool
+            if tables:
+                lent.extend(zip([source_pool] * len(tables), tables, offsets, strict=True))
+            else:
+                lent.append((source_pool, None, 0))
+        return lent
+
+    @staticmethod
+    def _foreign(
+        lent: list[tuple[BlockPool | None, Table | None, int]], pool: BlockPool
+    ) -> list[tuple[BlockPool, Table, int]]:
+        """The joining rows of another pool that hold tokens: copied into fresh blocks."""
+        return [
+            (p, t, o) for p, t, o in lent if p is not None and p is not pool and t is not None
+            and o
+        ]  # fmt: skip
+
+    def _check_join(
+        self,
+        sources: Sequence[Any],
+        incoming: list[RowWindow],
+        geometry: KvGeometry | None,
+        stages: list[int],
+    ) -> None:
+        """The pool's refusals of ``_join`` (another geometry, no room for the copies)."""
+        super()._check_join(sources, incoming, geometry, stages)
+        lent = self._lent_of(sources)
+        pool = self._pool or next((p for p, _, _ in lent if p is not None), None)
+        if pool is not None:  # (a new pool takes the copies: it has no limit)
+            foreign = self._foreign(lent, pool)
+            pool.check_take(geometry, sum(pool.blocks_for(o) for _, _, o in foreign))
+
     def _join(
         self,
         sources: Sequence[Any],
@@ -770,13 +807,7 @@ class PagedLayout(PagedRows, Layout):
     ) -> None:
         """Rows of this layout's pool join by reference (no byte moves); rows of another
         pool are copied into fresh blocks (all taken at once: a refusal changes nothing)."""
-        lent: list[tuple[BlockPool | None, Table | None, int]] = []
-        for source in sources:  # a serial storage without rows lends one empty row
-            tables, offsets, source_pool = source._tables, source._offsets, source._pool
-            if tables:
-                lent.extend(zip([source_pool] * len(tables), tables, offsets, strict=True))
-            else:
-                lent.append((source_pool, None, 0))
+        lent = self._lent_of(sources)
         if not lent:
             return
         pool = self._pool or next((p for p, _, _ in lent if p is not None), None)
@@ -787,10 +818,7 @@ class PagedLayout(PagedRows, Layout):
                 self._changed()
                 return
             pool = self.pool_class(self.codec_spec, block_size=self.block_size, geometry=geometry)
-        foreign = [
-            (p, t, o) for p, t, o in lent if p is not None and p is not pool and t is not None
-            and o
-        ]  # fmt: skip
+        foreign = self._foreign(lent, pool)
         if geometry is not None:  # copies into a pool that learns here: within its limit
             pool.learn(geometry, room=sum(pool.blocks_for(o) for _, _, o in foreign))
         copies = iter(pool.copy_in(foreign))

@@ -58,7 +58,7 @@ from kvrows.errors import (
     trim_past_row_message,
 )
 from kvrows.optimized.codecs import Codec, Planes, dtype_name, make_codec
-from kvrows.protocols import Cache, Mask
+from kvrows.protocols import Cache, Mask, RowSource
 from kvrows.schemes import CodecSpec, GeometrySpec
 from kvrows.validation import (
     KvGeometry,
@@ -230,6 +230,9 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     """
 
     composition: ClassVar[Composition]
+    #: The array library the rows are held in (a ``RowSource``: a merge takes rows of its
+    #: own library only).
+    array_name: ClassVar[str] = "MLX"
     #: The geometry kind a geometry class implements, and the arrangements it supports.
     geometry_kind: ClassVar[str]
     arrangements: ClassVar[frozenset[str]]
@@ -605,12 +608,17 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         return self._pads_array
 
     def _accepts(self, source: object) -> bool:
-        # Each codec the source's rows are in (a source holding none: its codec) is one of
-        # this storage's stages' (contract §0.5).
-        if not isinstance(source, Storage) or source.token_geometry != self.token_geometry:
+        # A storage of this machinery (its rows MLX windows), of our token geometry; each
+        # codec the source's rows are in (a source holding none: its codec) is one of this
+        # storage's stages' (contract §0.5).
+        if (
+            not isinstance(source, RowSource)
+            or source.array_name != self.array_name
+            or source.token_geometry != self.token_geometry
+        ):
             return False
         keys = {c.key for c in self._stages}
-        return all(codec.key in keys for codec in source._held_codecs())
+        return all(codec.key in keys for codec in cast(Storage, source)._held_codecs())
 
     # -- the templates --------------------------------------------------------------------
     def _block_rows(self) -> int | None:
@@ -984,7 +992,18 @@ class Layout(Storage):
 
         Borrows the sources: each gives its rows as windows in time order, and the
         geometry places them (``_place``). Refuses the layout itself and a source given
-        twice before anything changes."""
+        twice before anything changes (every check is :meth:`check_merge`'s)."""
+        self._join(rows, *self._merge_plan(rows))
+
+    def check_merge(self, rows: Sequence[Cache]) -> None:
+        """Raise what ``merge_rows(rows)`` would raise, changing nothing (a ``MergeChecking``:
+        a composite layout checks every part before any part joins)."""
+        self._merge_plan(rows)
+
+    def _merge_plan(self, rows: Sequence[Cache]) -> tuple[list[RowWindow], Any, list[int]]:
+        """Every check of a merge of ``rows``, then what ``_join`` takes: the incoming
+        windows, the joined shapes and each row's stage. A modifier that refuses merges in
+        some state (a verify round, a prepared run) adds its guard here."""
         if isinstance(rows, Cache | str | bytes) or not isinstance(rows, Sequence):
             raise InvalidInputError(MERGE_NEEDS_SEQUENCE)
         seen: set[int] = set()
@@ -994,16 +1013,33 @@ class Layout(Storage):
             seen.add(id(source))
         incoming: list[RowWindow] = []
         stages: list[int] = []  # a row joins in the stage of the codec that encoded it
-        for source in rows:
-            if not isinstance(source, Storage) or not self._accepts(source):
-                raise IncompatibleRowsError(self._merge_refusal(source))
-            windows = source._row_windows()
+        for row in rows:
+            if not self._accepts(row):  # every _accepts takes storages of this machinery only
+                raise IncompatibleRowsError(self._merge_refusal(row))
+            held = cast(Storage, row)
+            windows = held._row_windows()
             incoming.extend(windows)
             if len(self._stages) == 1:  # one stage: every accepted row is in it
                 stages.extend([0] * len(windows))
             else:
-                stages.extend(self._stage_of(c) for c in source._row_codecs(len(windows)))
-        self._join(rows, incoming, self._joined_shapes(rows), stages)
+                stages.extend(self._stage_of(c) for c in held._row_codecs(len(windows)))
+        shapes = self._joined_shapes(rows)
+        self._check_join(rows, incoming, shapes, stages)
+        return incoming, shapes, stages
+
+    def _one_store(self, stages: list[int]) -> bool:
+        """Whether the rows, with joining rows of ``stages``, stay in one store."""
+        return len(self._stages) == 1 or (
+            self._stores is None and len(set(self.row_stages) | set(stages)) <= 1
+        )
+
+    def _check_join(
+        self, sources: Sequence[Cache], incoming: list[RowWindow], shapes: Any, stages: list[int]
+    ) -> None:
+        """What ``_join`` would refuse, raised before anything changes; a placement whose
+        join can refuse more (paged: its pool's room) adds its checks."""
+        if incoming and not self._one_store(stages) and not self._stage_stores:
+            raise LayoutStateError(STAGES_MOVE_TOGETHER)
 
     def _merge_refusal(self, source: object) -> str:
         """The message refusing a source ``_accepts`` does not take."""
@@ -1019,17 +1055,14 @@ class Layout(Storage):
         placement that joins by reference (paged tables) overrides it."""
         if not incoming:
             return
-        one = len(self._stages) == 1 or (
-            self._stores is None and len(set(self.row_stages) | set(stages)) <= 1
-        )
-        if one:
+        if self._one_store(stages):
             if not self._offsets and stages[0] != self._stage_of(self.codec):
                 self._clear()  # an empty layout takes its rows' stage
                 self.codec = self._stages[stages[0]]
             self._take_shapes(shapes)
             self._place(incoming, self._geometry)
         else:
-            if not self._stage_stores:
+            if not self._stage_stores:  # _check_join's refusal (a join outside merge_rows)
                 raise LayoutStateError(STAGES_MOVE_TOGETHER)
             self._take_shapes(shapes)
             self._place_stages(incoming, stages, self._geometry)

@@ -57,9 +57,9 @@ class SpeculativeLayout(SpeculativeRounds, _LayoutBase):
         return published and not self.spec_round_open
 
     # -- row operations refuse in the middle of a round -----------------------------------
-    def merge_rows(self, rows: Sequence[Cache]) -> None:
-        self._spec_guard("merge_rows")
-        super().merge_rows(rows)
+    def _merge_plan(self, rows: Sequence[Cache]) -> tuple[list[RowWindow], Any, list[int]]:
+        self._spec_guard("merge_rows")  # merge_rows and check_merge
+        return super()._merge_plan(rows)
 
     def filter_rows(self, keep: Sequence[int]) -> None:
         self._spec_guard("filter_rows")

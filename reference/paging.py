@@ -644,6 +644,22 @@ class PagedLayout(SpeculativeLayout, PagedRows):
             self.signature(), self.block_size, self.codec.key, type(source).__name__
         )
 
+    def _check_join(self, sources: Sequence[Any], geometry: KvGeometry | None) -> None:
+        """The pool's refusals of ``_join`` (another geometry, no room for the copies)."""
+        incoming = [(s.pool, row) for s in sources for row in s._lent()]
+        pool = self._pool or next((p for p, _ in incoming if p is not None), None)
+        if pool is not None:  # (a new pool takes the copies: it has no limit)
+            foreign = self._foreign(incoming, pool)
+            pool.check_take(geometry, sum(pool.blocks_for(r.offset) for _, r in foreign))
+
+    @staticmethod
+    def _foreign(incoming: list[tuple[Any, Row | None]], pool: Any) -> list[tuple[Any, Row]]:
+        """The joining rows of another pool that hold tokens: copied into fresh blocks."""
+        return [
+            (p, r) for p, r in incoming if p is not None and p is not pool and r is not None
+            and r.offset
+        ]  # fmt: skip
+
     def _join(self, sources: Sequence[Any], geometry: KvGeometry | None) -> None:
         """Rows of this layout's pool join by reference (no byte moves); rows of another
         pool are copied into fresh blocks (all taken at once: a refusal changes nothing)."""
@@ -658,10 +674,7 @@ class PagedLayout(SpeculativeLayout, PagedRows):
                 self._place.join(self._rows, running)
                 return
             pool = self.pool_class(self.codec_spec, block_size=self.block_size, geometry=geometry)
-        foreign = [
-            (p, r) for p, r in incoming if p is not None and p is not pool and r is not None
-            and r.offset
-        ]  # fmt: skip
+        foreign = self._foreign(incoming, pool)
         if geometry is not None:  # copies into a pool that learns here: within its limit
             pool.learn(geometry, room=sum(pool.blocks_for(r.offset) for _, r in foreign))
         copies = iter(pool.copy_in(foreign))

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -51,7 +51,7 @@ from kvrows.errors import (
     self_merge_message,
     wrapped_ring_message,
 )
-from kvrows.protocols import Cache, Mask
+from kvrows.protocols import Cache, Mask, RowSource
 from kvrows.reference.codecs import Codec, Planes, dtype_name, make_codec
 from kvrows.schemes import CodecSpec, GeometrySpec
 from kvrows.validation import (
@@ -369,6 +369,9 @@ class Storage(SavedState, ComposedIdentity):
     """
 
     composition: ClassVar[Composition]
+    #: The array library the rows are held in (a ``RowSource``: a merge takes rows of its
+    #: own library only).
+    array_name: ClassVar[str] = "NumPy"
     #: Whether the storage, holding no row, lends one empty row to a merge (a storage of
     #: one request; a layout lends the rows it holds).
     _lends_empty_row: ClassVar[bool] = True
@@ -832,17 +835,33 @@ class RowLayout(Storage):
         self._place.advance(self._rows, n)
 
     def _accepts(self, source: object) -> bool:
-        # Each codec its rows are in (a source holding none: its codec) is one of ours.
-        if not isinstance(source, Storage) or source.token_geometry != self._token_geometry:
+        # A storage of this machinery (its rows NumPy rows), of our token geometry; each
+        # codec its rows are in (a source holding none: its codec) is one of ours.
+        if (
+            not isinstance(source, RowSource)
+            or source.array_name != self.array_name
+            or source.token_geometry != self._token_geometry
+        ):
             return False
+        held = cast(Storage, source)
         keys = {c.key for c in self._stages}
-        return all(source._stages[s].key in keys for s in source._row_stage_set())
+        return all(held._stages[s].key in keys for s in held._row_stage_set())
 
     def _cut(self, row: Row) -> Row:
         return self._axis.cut(row)
 
     def merge_rows(self, rows: Sequence[Any]) -> None:
-        """Form the batch (empty layout) or join ``rows`` (running layout)."""
+        """Form the batch (empty layout) or join ``rows`` (running layout); every check is
+        :meth:`check_merge`'s, before anything changes."""
+        self._join(rows, self._merge_plan(rows))
+
+    def check_merge(self, rows: Sequence[Any]) -> None:
+        """Raise what ``merge_rows(rows)`` would raise, changing nothing (a ``MergeChecking``:
+        a composite layout checks every part before any part joins)."""
+        self._merge_plan(rows)
+
+    def _merge_plan(self, rows: Sequence[Any]) -> Any:
+        """Every check of a merge of ``rows``; returns the joined shapes ``_join`` takes."""
         if isinstance(rows, str | bytes | Cache) or not isinstance(rows, Sequence):
             raise InvalidInputError(MERGE_NEEDS_SEQUENCE)
         if any(s is self for s in rows) or len({id(s) for s in rows}) != len(rows):
@@ -851,7 +870,13 @@ class RowLayout(Storage):
             if not self._accepts(source):
                 raise IncompatibleRowsError(self._merge_refusal(source))
             source.lend_rows()
-        self._join(rows, self._joined_shapes(rows))
+        shapes = self._joined_shapes(rows)
+        self._check_join(rows, shapes)
+        return shapes
+
+    def _check_join(self, sources: Sequence[Any], shapes: Any) -> None:
+        """What ``_join`` would refuse, raised before anything changes (a placement whose
+        join can refuse, paged: its pool's room)."""
 
     def _merge_refusal(self, source: object) -> str:
         """Why ``source``'s rows may not join this layout (``_accepts`` said no)."""

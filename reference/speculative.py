@@ -44,9 +44,9 @@ class SpeculativeLayout(SpeculativeRounds, RowLayout):
         self._spec_usable()
         return super().can_publish_row(row, tokens) and not self.spec_round_open
 
-    def merge_rows(self, rows: Sequence[Any]) -> None:
-        self._spec_guard("merge_rows")
-        super().merge_rows(rows)
+    def _merge_plan(self, rows: Sequence[Any]) -> Any:
+        self._spec_guard("merge_rows")  # merge_rows and check_merge
+        return super()._merge_plan(rows)
 
     def filter_rows(self, keep: Sequence[int]) -> None:
         self._spec_guard("filter_rows")

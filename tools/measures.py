@@ -566,11 +566,43 @@ def _calls_super_merge(function: ast.FunctionDef) -> bool:
     )
 
 
+def _hands_to_parts(function: ast.FunctionDef) -> bool:
+    """Whether ``function`` is a composite's merge over its parts' machinery
+    (``kvrows.protocols.DropInParts``): it checks the rows (``….check_merge``, every part's
+    check before any part joins) and its every ``merge_rows`` call is a loop's part
+    (``for part, … in zip(self.caches, …): part.merge_rows(…)``)."""
+    checks = any(
+        isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == "check_merge"
+        for n in ast.walk(function)
+    )
+    parts = {
+        name.id
+        for loop in ast.walk(function)
+        if isinstance(loop, ast.For)
+        for name in ast.walk(loop.target)
+        if isinstance(name, ast.Name)
+    }
+    merges = [
+        n.func.value
+        for n in ast.walk(function)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == "merge_rows"
+    ]
+    return (
+        checks
+        and bool(merges)
+        and all(isinstance(target, ast.Name) and target.id in parts for target in merges)
+    )
+
+
 def merge_rows_definitions(project: Project) -> list[tuple[str, int, str, bool]]:
     """``(path, line, class, substantive)`` for each ``merge_rows`` of a class in the core
     and the implementations. Not substantive: a protocol stub, a wrapper that guards and
-    then calls ``super().merge_rows``, or a drop-in that hands the merge to the cache it
-    wraps."""
+    then calls ``super().merge_rows``, a drop-in that hands the merge to the cache it
+    wraps, or a drop-in over parts that checks every part and hands each its share."""
     found = []
     for module in project.modules.values():
         if module.path.split("/")[0] not in STORAGE_FOLDERS:
@@ -578,7 +610,9 @@ def merge_rows_definitions(project: Project) -> list[tuple[str, int, str, bool]]
         for cls in (n for n in ast.walk(module.tree) if isinstance(n, ast.ClassDef)):
             for item in cls.body:
                 if isinstance(item, ast.FunctionDef) and item.name == "merge_rows":
-                    substantive = not _is_stub(item.body) and not _calls_super_merge(item)
+                    substantive = not (
+                        _is_stub(item.body) or _calls_super_merge(item) or _hands_to_parts(item)
+                    )
                     found.append((module.path, item.lineno, cls.name, substantive))
     return sorted(found)
 
