@@ -119,7 +119,8 @@ class StateChecks:
     """
 
     composition: ClassVar[Composition]
-    #: The array type the implementation takes (for messages).
+    #: The array type the implementation takes (for messages): its ``Storage``'s, the
+    #: library its rows are held in (``kvrows.protocols.RowSource``).
     array_name: ClassVar[str]
 
     _kinds: list[PlaneShape | None]

@@ -272,6 +272,18 @@ class CacheListLayout(CacheListDropIn):
         for part, part_rows in zip(self.caches, self._sources(rows), strict=True):
             part.merge_rows(part_rows)
 
+    def extend(self, other: Any) -> None:
+        """mlx-lm's ``extend``: each part's ``extend`` with ``other``'s part, once every part
+        has checked its share (a refusal changes no part); a part without mlx-lm's name
+        (a paged layout) joins by its ``merge_rows``."""
+        self.check_merge([other])
+        for part, joined in zip(self.caches, self._sources([other]), strict=True):
+            own = getattr(part, "extend", None)
+            if callable(own):
+                own(joined[0])
+            else:
+                part.merge_rows(joined)
+
     def filter_rows(self, keep: Sequence[int]) -> None:
         """Keep the rows ``keep`` in every part; keeping none leaves empty parts."""
         rows = check_keep(keep, self.batch_size)

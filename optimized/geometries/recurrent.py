@@ -149,8 +149,6 @@ class ArraysCacheSurface(StateChecks, _Machinery):
     ``left_padding``, ``prepare``, ``finalize``, ``make_mask``, ``advance`` over MLX, and
     the state saved as ``(state.0, …, state.{N-1}, offset)``."""
 
-    array_name = "MLX"
-
     # -- the array and row hooks of the core's checks --------------------------------------
     @staticmethod
     def _is_native(value: object) -> bool:

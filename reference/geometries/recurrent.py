@@ -132,8 +132,6 @@ class ArraysCacheSurface(StateChecks, _Machinery):
     the state saved as ``(state.0, …, state.{N-1}, offset)``, and the snapshot + replay
     hooks of the speculative modifier."""
 
-    array_name = "NumPy"
-
     # -- the array and row hooks of the core's checks --------------------------------------
     @staticmethod
     def _is_native(value: object) -> bool:
