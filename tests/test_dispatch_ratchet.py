@@ -44,7 +44,7 @@ BASELINE: dict[str, int] = {
     "conformance/hooks.py": 1,
     "conformance/latent.py": 1,
     "conformance/recurrent.py": 1,
-    "kvrows/forms.py": 3,
+    "kvrows/forms.py": 2,
     "kvrows/paged.py": 1,
     "kvrows/recurrent.py": 2,
     "optimized/rows.py": 2,
@@ -52,7 +52,7 @@ BASELINE: dict[str, int] = {
 }
 
 #: The sum of :data:`BASELINE`: the issue's "before".
-BASELINE_TOTAL = 14
+BASELINE_TOTAL = 13
 
 ADVICE = (
     "Ask a capability instead of a type: a protocol of kvrows.protocols (HasCodec, "
