@@ -334,6 +334,46 @@ def check_restored(
     return dtype
 
 
+def _plane_names(cache: Any, rank: int) -> list[str]:
+    """The names of the latent's codec planes (``latent``, ``latent.scales``, …)."""
+    return [p.name for p in cache.latent_spec.plane_specs("latent", rank, "float32")]
+
+
+def checked_planes(
+    cache: Any,
+    fields: dict[str, Any],
+    planes: Sequence[Any],
+    exact: Any,
+    widths: tuple[int, int],
+    rows: int,
+    width: int,
+) -> tuple[LatentShapes, PlaneSet]:
+    """A saved state's planes checked against ``cache`` (its latent codec's plane count,
+    arrays of its implementation, shapes and dtypes of ``rows`` x ``width`` right-justified
+    columns; ``exact``: the warm-up latent, checked too): the shapes they hold and the
+    plane set of ``latent``, ``rope`` (and ``index``)."""
+    name = type(cache).__name__
+    names = _plane_names(cache, widths[0])
+    if len(names) != len(planes):
+        raise InvalidInputError(latent_planes_message(name, len(names), len(planes)))
+    named = [*zip(names, planes, strict=True), ("rope", fields["rope"])]
+    if fields["index"] is not None:
+        named.append(("index", fields["index"]))
+    if exact is not None:
+        named.append(("exact", exact))
+    for plane, array in named:
+        if not cache._native(array):
+            raise InvalidInputError(
+                f"{name}: plane {plane} must be an array of this implementation"
+            )
+    shapes = [(n, tuple(int(d) for d in a.shape), cache._dtype_of(a)) for n, a in named]
+    dtype = check_restored(cache, shapes, widths, rows, width)
+    held: PlaneSet = {"latent": tuple(planes), "rope": (fields["rope"],)}
+    if fields["index"] is not None:
+        held["index"] = (fields["index"],)
+    return LatentShapes(*widths, cache.latent_spec.index_head_dim, dtype), held
+
+
 # The surface sits first among a row-machinery class's bases (``classes.build``): at run
 # time it brings no base of its own ahead of the speculative layout and the machinery.
 if TYPE_CHECKING:
@@ -676,23 +716,8 @@ class LatentSurfaceMembers(_LatentLayout):
             return cache
         widths = declared_widths(cache)
         planes, _ = restored_planes(cache, fields, False)
-        names = [p.name for p in cache.latent_spec.plane_specs("latent", widths[0], "float32")]
-        if len(names) != len(planes):
-            raise InvalidInputError(latent_planes_message(cls.__name__, len(names), len(planes)))
-        named = [*zip(names, planes, strict=True), ("rope", fields["rope"])]
-        if fields["index"] is not None:
-            named.append(("index", fields["index"]))
-        for plane, array in named:
-            if not cache._native(array):
-                raise InvalidInputError(
-                    f"{cls.__name__}: plane {plane} must be an array of this implementation"
-                )
-        shapes = [(n, tuple(int(d) for d in a.shape), cache._dtype_of(a)) for n, a in named]
-        dtype = check_restored(cache, shapes, widths, len(offsets), width)
-        cache._take_shapes(LatentShapes(*widths, cache.latent_spec.index_head_dim, dtype))
-        held: PlaneSet = {"latent": tuple(planes), "rope": (fields["rope"],)}
-        if fields["index"] is not None:
-            held["index"] = (fields["index"],)
+        learnt, held = checked_planes(cache, fields, planes, None, widths, len(offsets), width)
+        cache._take_shapes(learnt)
         cache._adopt_state(held, offsets, width)
         return cache
 
@@ -909,29 +934,13 @@ class EncodedLatentMembers(_LatentLayout):
             return cache
         widths = declared_widths(cache)
         planes, exact = restored_planes(cache, fields, len(converted) < len(flags))
-        names = _plane_names(cache, widths[0])
-        if len(names) != len(planes):
-            raise InvalidInputError(latent_planes_message(cls.__name__, len(names), len(planes)))
-        named = [*zip(names, planes, strict=True), ("rope", fields["rope"])]
-        if fields["index"] is not None:
-            named.append(("index", fields["index"]))
-        if exact is not None:
-            named.append(("exact", exact))
-        for plane, array in named:
-            if not cache._native(array):
-                raise InvalidInputError(
-                    f"{cls.__name__}: plane {plane} must be an array of this implementation"
-                )
-        shapes = [(n, tuple(int(d) for d in a.shape), cache._dtype_of(a)) for n, a in named]
-        dtype = check_restored(cache, shapes, widths, len(offsets), width)
-        learnt = LatentShapes(*widths, cache.latent_spec.index_head_dim, dtype)
-        extra: PlaneSet = {"rope": (fields["rope"],)}
-        if fields["index"] is not None:
-            extra["index"] = (fields["index"],)
+        learnt, held = checked_planes(cache, fields, planes, exact, widths, len(offsets), width)
+        extra = dict(held)  # rope and index: the warm rows' too
+        del extra["latent"]
         encoded = cache.make_empty_batch()
         encoded._take_shapes(learnt)
         encoded.codec = encoded._stages[-1]
-        encoded._adopt_state({"latent": tuple(planes), **extra}, offsets, width)
+        encoded._adopt_state(held, offsets, width)
         sources = [encoded]
         if exact is not None:
             warm = cache.make_empty_batch()
@@ -944,11 +953,6 @@ class EncodedLatentMembers(_LatentLayout):
         if order != list(range(len(order))) or len(sources) > 1:
             cache.filter_rows(order)
         return cache
-
-
-def _plane_names(cache: Any, rank: int) -> list[str]:
-    """The names of the latent's codec planes (``latent``, ``latent.scales``, …)."""
-    return [p.name for p in cache.latent_spec.plane_specs("latent", rank, "float32")]
 
 
 _CODEC_FIELDS = ("bits", "group_size", "k_bits", "v_bits")
@@ -1421,28 +1425,10 @@ class PagedLatentMembers(_LatentLayout):
             return cache
         widths = declared_widths(cache)
         planes, exact = restored_planes(cache, fields, not all(done))
-        names = _plane_names(cache, widths[0])
-        if len(names) != len(planes):
-            raise InvalidInputError(latent_planes_message(name, len(names), len(planes)))
-        named = [*zip(names, planes, strict=True), ("rope", fields["rope"])]
-        if fields["index"] is not None:
-            named.append(("index", fields["index"]))
-        if exact is not None:
-            named.append(("exact", exact))
-        for plane, array in named:
-            if not cache._native(array):
-                raise InvalidInputError(
-                    f"{name}: plane {plane} must be an array of this implementation"
-                )
-        shapes = [(n, tuple(int(d) for d in a.shape), cache._dtype_of(a)) for n, a in named]
-        dtype = check_restored(cache, shapes, widths, len(offsets), width)
-        learnt = LatentShapes(*widths, cache.latent_spec.index_head_dim, dtype)
+        learnt, held = checked_planes(cache, fields, planes, exact, widths, len(offsets), width)
         if cache._shapes() not in (None, learnt):
             raise InvalidInputError(f"{name}: the pool holds {cache._shapes()}, the state {learnt}")
         cache._take_shapes(learnt)
-        held: PlaneSet = {"latent": tuple(planes), "rope": (fields["rope"],)}
-        if fields["index"] is not None:
-            held["index"] = (fields["index"],)
         cache._adopt_state(held, offsets, width)
         cache._done = done
         cache._warm = [
