@@ -1015,7 +1015,7 @@ class LatentPoolMembers:
         self,
         codec: object = None,
         *,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         num_blocks: int = 0,
         max_bytes: int | None = None,
         index_head_dim: object = None,
