@@ -575,7 +575,7 @@ def make_paged_latent_cache(
     geometry = _geometry(model)
     caches = []
     for pool in chosen:
-        codec = pool.codec_spec
+        codec = pool.latent_codec
         encoded = codec.encodes
         cache = PagedLatentCache(
             *geometry, pool=pool, codec=codec if encoded else None, start=start if encoded else 0

@@ -87,7 +87,7 @@ class PagedLatentMachine(FrozenCollector, LatentMachine):
         c = self.c
 
         def block_bytes(pool: Any) -> int:
-            token = latent_token_bytes(pool.codec_spec, c.rank, c.rope, c.index, c.dtype)
+            token = latent_token_bytes(pool.latent_codec, c.rank, c.rope, c.index, c.dtype)
             return int(pool.block_size) * token
 
         def state() -> tuple[Any, ...]:

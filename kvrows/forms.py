@@ -176,10 +176,11 @@ def state_form(entry: Composition) -> StateForm:
     if "delayed" in entry.modifiers and entry.is_landed:
         return _delayed_form(entry)
     own = getattr(CODECS.get(entry.codec), "form_fields", None)
+    paged = entry.geometry == "paged"
     if own is not None and entry.is_landed:  # the latent caches' own form (version 1)
-        paged = entry.geometry == "paged"  # kvrows.paged_latent: the block size follows
+        # ``PagedLatentCache``: the block size follows (``PAGED_LATENT_FIELDS``)
         return StateForm(entry.name, (*own, "block_size") if paged else own, entry.name)
-    if entry.geometry == "paged" and entry.is_landed:
+    if paged and entry.is_landed:
         return StateForm(entry.name, _PAGED[entry.is_layout], entry.name)
     # The codec's tensors (a KV codec's keys and values; recurrent state's planes, the
     # default two: the count is each cache's, recurrent_fields), the geometry's fields, the

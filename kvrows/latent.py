@@ -5,19 +5,12 @@ decoupled RoPE key (``rope_head_dim``) and, for a DeepSeek-sparse-attention targ
 indexer's key (``index_head_dim``), all on one token axis. Rows are right-justified: the
 shared width is the longest row, and row ``b`` is left-padded by ``width - offset[b]``.
 
-:class:`LatentRows` is the control flow both implementations share: argument checks (all
-before anything changes), the host bookkeeping (row offsets, which rows read exact, the
-round state machine of ``kvrows.speculative``) and the operations' templates. Each
-implementation supplies the array hooks (``_impl_*``): how planes are stored, appended,
-merged, filtered, extracted, rolled back and read. Those hooks are what the conformance
-suite compares (reference: compact rows assembled on read; optimized: right-justified
-batch buffers rolled in place). It serves ``EncodedLatentCache`` and ``PagedLatentCache``
-until they move onto the row machinery (``spec/machinery-migration.md`` §5).
-
 :class:`LatentSurfaceMembers` is the array-free half of ``MLACache``'s surface on the row
-machinery (each implementation's ``LatentSurface``); the block checks and the v1 state
-form (``checked_blocks``, ``latent_state``, ``state_fields`` …) are functions both
-kinds of latent cache call.
+machinery (each implementation's ``LatentSurface``); :class:`EncodedLatentMembers` puts it
+in two stages (``EncodedLatentCache``); :class:`PagedLatentMembers` puts it on the paged
+placement (``PagedLatentCache``, its pool a :class:`LatentPoolMembers` ``BlockPool``). The
+block checks and the v1 state form (``checked_blocks``, ``latent_state``, ``state_fields``
+…) are functions every latent cache calls.
 """
 
 from __future__ import annotations
@@ -25,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 from kvrows.codec import CodecSpec, PlaneSet, PlaneSpec
 from kvrows.codecs import is_codec_spec, is_kv_codec, kv_codecs
@@ -48,17 +41,18 @@ from kvrows.errors import (
     InvalidInputError,
     LayoutStateError,
     NotTrimmableError,
+    PoolExhaustedError,
     from_state_tuple_message,
     latent_planes_message,
     latent_role_message,
     not_an_integer_message,
     plain_latent_state_message,
-    self_merge_message,
     state_signature_message,
 )
+from kvrows.paged import DEFAULT_BLOCK_SIZE, Paged
 from kvrows.schemes import Affine, GeometrySpec, Growing, Plain
 from kvrows.speculative import SpeculativeRounds
-from kvrows.validation import FLOAT_DTYPES, as_count, check_keep, check_row
+from kvrows.validation import FLOAT_DTYPES, as_count, check_row
 
 __all__ = [
     "DEEPSEEK_V3_BF16_BYTES",
@@ -67,9 +61,10 @@ __all__ = [
     "PAGED_LATENT_FIELDS",
     "EncodedLatentMembers",
     "LatentCodec",
+    "LatentPoolMembers",
     "LatentRole",
-    "LatentRows",
     "LatentSurfaceMembers",
+    "PagedLatentMembers",
     "encoded_codec",
     "int_vector_message",
     "latent_spec",
@@ -77,8 +72,6 @@ __all__ = [
 ]
 
 LatentCodec: TypeAlias = CodecSpec  # the latent plane takes any codec
-
-_L = TypeVar("_L", bound="LatentRows")
 
 
 def latent_spec(owner: str, inner: CodecSpec, **declared: object) -> Latent:
@@ -339,6 +332,46 @@ def check_restored(
                 f"{(rows, 1, width, plane_spec.width)} {plane_spec.dtype}"
             )
     return dtype
+
+
+def _plane_names(cache: Any, rank: int) -> list[str]:
+    """The names of the latent's codec planes (``latent``, ``latent.scales``, …)."""
+    return [p.name for p in cache.latent_spec.plane_specs("latent", rank, "float32")]
+
+
+def checked_planes(
+    cache: Any,
+    fields: dict[str, Any],
+    planes: Sequence[Any],
+    exact: Any,
+    widths: tuple[int, int],
+    rows: int,
+    width: int,
+) -> tuple[LatentShapes, PlaneSet]:
+    """A saved state's planes checked against ``cache`` (its latent codec's plane count,
+    arrays of its implementation, shapes and dtypes of ``rows`` x ``width`` right-justified
+    columns; ``exact``: the warm-up latent, checked too): the shapes they hold and the
+    plane set of ``latent``, ``rope`` (and ``index``)."""
+    name = type(cache).__name__
+    names = _plane_names(cache, widths[0])
+    if len(names) != len(planes):
+        raise InvalidInputError(latent_planes_message(name, len(names), len(planes)))
+    named = [*zip(names, planes, strict=True), ("rope", fields["rope"])]
+    if fields["index"] is not None:
+        named.append(("index", fields["index"]))
+    if exact is not None:
+        named.append(("exact", exact))
+    for plane, array in named:
+        if not cache._native(array):
+            raise InvalidInputError(
+                f"{name}: plane {plane} must be an array of this implementation"
+            )
+    shapes = [(n, tuple(int(d) for d in a.shape), cache._dtype_of(a)) for n, a in named]
+    dtype = check_restored(cache, shapes, widths, rows, width)
+    held: PlaneSet = {"latent": tuple(planes), "rope": (fields["rope"],)}
+    if fields["index"] is not None:
+        held["index"] = (fields["index"],)
+    return LatentShapes(*widths, cache.latent_spec.index_head_dim, dtype), held
 
 
 # The surface sits first among a row-machinery class's bases (``classes.build``): at run
@@ -683,23 +716,8 @@ class LatentSurfaceMembers(_LatentLayout):
             return cache
         widths = declared_widths(cache)
         planes, _ = restored_planes(cache, fields, False)
-        names = [p.name for p in cache.latent_spec.plane_specs("latent", widths[0], "float32")]
-        if len(names) != len(planes):
-            raise InvalidInputError(latent_planes_message(cls.__name__, len(names), len(planes)))
-        named = [*zip(names, planes, strict=True), ("rope", fields["rope"])]
-        if fields["index"] is not None:
-            named.append(("index", fields["index"]))
-        for plane, array in named:
-            if not cache._native(array):
-                raise InvalidInputError(
-                    f"{cls.__name__}: plane {plane} must be an array of this implementation"
-                )
-        shapes = [(n, tuple(int(d) for d in a.shape), cache._dtype_of(a)) for n, a in named]
-        dtype = check_restored(cache, shapes, widths, len(offsets), width)
-        cache._take_shapes(LatentShapes(*widths, cache.latent_spec.index_head_dim, dtype))
-        held: PlaneSet = {"latent": tuple(planes), "rope": (fields["rope"],)}
-        if fields["index"] is not None:
-            held["index"] = (fields["index"],)
+        learnt, held = checked_planes(cache, fields, planes, None, widths, len(offsets), width)
+        cache._take_shapes(learnt)
         cache._adopt_state(held, offsets, width)
         return cache
 
@@ -916,29 +934,13 @@ class EncodedLatentMembers(_LatentLayout):
             return cache
         widths = declared_widths(cache)
         planes, exact = restored_planes(cache, fields, len(converted) < len(flags))
-        names = _plane_names(cache, widths[0])
-        if len(names) != len(planes):
-            raise InvalidInputError(latent_planes_message(cls.__name__, len(names), len(planes)))
-        named = [*zip(names, planes, strict=True), ("rope", fields["rope"])]
-        if fields["index"] is not None:
-            named.append(("index", fields["index"]))
-        if exact is not None:
-            named.append(("exact", exact))
-        for plane, array in named:
-            if not cache._native(array):
-                raise InvalidInputError(
-                    f"{cls.__name__}: plane {plane} must be an array of this implementation"
-                )
-        shapes = [(n, tuple(int(d) for d in a.shape), cache._dtype_of(a)) for n, a in named]
-        dtype = check_restored(cache, shapes, widths, len(offsets), width)
-        learnt = LatentShapes(*widths, cache.latent_spec.index_head_dim, dtype)
-        extra: PlaneSet = {"rope": (fields["rope"],)}
-        if fields["index"] is not None:
-            extra["index"] = (fields["index"],)
+        learnt, held = checked_planes(cache, fields, planes, exact, widths, len(offsets), width)
+        extra = dict(held)  # rope and index: the warm rows' too
+        del extra["latent"]
         encoded = cache.make_empty_batch()
         encoded._take_shapes(learnt)
         encoded.codec = encoded._stages[-1]
-        encoded._adopt_state({"latent": tuple(planes), **extra}, offsets, width)
+        encoded._adopt_state(held, offsets, width)
         sources = [encoded]
         if exact is not None:
             warm = cache.make_empty_batch()
@@ -953,584 +955,6 @@ class EncodedLatentMembers(_LatentLayout):
         return cache
 
 
-def _plane_names(cache: Any, rank: int) -> list[str]:
-    """The names of the latent's codec planes (``latent``, ``latent.scales``, …)."""
-    return [p.name for p in cache.latent_spec.plane_specs("latent", rank, "float32")]
-
-
-class LatentRows(SpeculativeRounds):
-    """Latent rows: the shared control flow over each implementation's array hooks.
-
-    Host state: ``_offsets`` (one per row), ``_conversion`` (the bf16-first record,
-    ``kvrows.conversion.Conversion``: a converted row reads its latent decoded; no row
-    converts under the plain codec), the learned widths and dtype. The arrays
-    live in the implementation.
-    """
-
-    start: int = 0
-    #: The bf16-first record's class (a test plants a wrong rule through it).
-    conversion_class: type[Conversion] = Conversion
-
-    def __init__(
-        self,
-        kv_lora_rank: object = None,
-        rope_head_dim: object = None,
-        index_head_dim: object = None,
-        max_tokens: object = None,
-        role: object = "target",
-    ) -> None:
-        """Each latent cache on these rows declares itself through ``_setup``."""
-        raise NotImplementedError
-
-    def _setup(
-        self,
-        inner: LatentCodec,
-        start: int,
-        kv_lora_rank: object,
-        rope_head_dim: object,
-        index_head_dim: object,
-        max_tokens: object,
-        role: object,
-    ) -> None:
-        """Declare the cache: its composite codec (the latent through ``inner``), its
-        growing geometry (``max_tokens``) and bf16-first ``start``."""
-        name = type(self).__name__
-        self.latent_spec = latent_spec(
-            name, inner, kv_lora_rank=kv_lora_rank, rope_head_dim=rope_head_dim,
-            index_head_dim=index_head_dim, role=role,
-        )  # fmt: skip
-        self._token_geometry = growing_geometry(name, max_tokens)
-        self.start = start
-        self._offsets: list[int] = []
-        self._conversion = self._fresh_record()
-        self._dtype: str | None = None
-        self._widths: tuple[int, int] | None = None
-        spec = self.latent_spec
-        if spec.kv_lora_rank is not None and spec.rope_head_dim is not None:
-            self._widths = (spec.kv_lora_rank, spec.rope_head_dim)
-        self._last: tuple[Any, Any, Any] | None = None
-        self._impl_init()
-
-    @property
-    def latent_codec(self) -> LatentCodec:
-        """The codec of the latent plane (``Plain()`` for ``MLACache``)."""
-        return self.latent_spec.inner
-
-    def _declaration(self) -> tuple[object, ...]:
-        """The constructor's positional arguments this cache was declared with."""
-        spec = self.latent_spec
-        return (
-            spec.kv_lora_rank, spec.rope_head_dim, spec.index_head_dim,
-            self._token_geometry.max_tokens, spec.role,
-        )  # fmt: skip
-
-    @property
-    def _shapes(self) -> LatentShapes | None:
-        """What the cache learned from its first append (``None`` before)."""
-        if self._widths is None or self._dtype is None:
-            return None
-        return LatentShapes(*self._widths, self.latent_spec.index_head_dim, self._dtype)
-
-    # -- array hooks (each implementation) ---------------------------------------------
-    def _impl_init(self) -> None:
-        raise NotImplementedError
-
-    def _impl_shape_dtype(self, array: Any, what: str) -> tuple[tuple[int, ...], str]:
-        """``array``'s shape and dtype name; ``InvalidInputError`` for a foreign array."""
-        raise NotImplementedError
-
-    def _impl_as4(self, array: Any) -> Any:
-        """``[B, N, W]`` as ``[B, 1, N, W]`` (a view)."""
-        raise NotImplementedError
-
-    def _impl_as3(self, array: Any) -> Any:
-        raise NotImplementedError
-
-    def _impl_append(self, latent: Any, rope: Any, index: Any | None, exact: bool) -> None:
-        """Append ``[B, 1, N, ·]`` blocks to every row (latent encoded here); keep the
-        exact latent when ``exact`` (some row still reads exact)."""
-        raise NotImplementedError
-
-    def _impl_read(self, reads_exact: Sequence[bool]) -> tuple[Any, Any, Any | None]:
-        """``(latent, rope, index | None)`` over ``[:width]``, ``[B, 1, width, ·]``; row
-        ``b``'s latent from the exact plane where ``reads_exact[b]``, else decoded."""
-        raise NotImplementedError
-
-    def _impl_merge(self, sources: Sequence[Any]) -> None:
-        """Self is empty: take every source's rows (copies), right-justified."""
-        raise NotImplementedError
-
-    def _impl_filter(self, keep: Sequence[int]) -> None:
-        raise NotImplementedError
-
-    def _impl_take_row(self, source: Any, row: int) -> None:
-        """Self is empty: hold an independent compact copy of ``source``'s row."""
-        raise NotImplementedError
-
-    def _impl_forget(self, counts: Sequence[int]) -> None:
-        """Row ``b`` forgets its newest ``counts[b]`` tokens (rows stay right-justified)."""
-        raise NotImplementedError
-
-    def _impl_drop_exact(self) -> None:
-        """No row reads exact any more: free the exact latent."""
-        raise NotImplementedError
-
-    def _impl_nbytes(self) -> int:
-        raise NotImplementedError
-
-    def _impl_mask(self, n: int, window_size: int | None) -> Any:
-        """The layout mask ``[B, 1, n, width + n]`` (contract §3)."""
-        raise NotImplementedError
-
-    def _impl_offsets(self) -> Any:
-        """``row_offsets`` as the implementation's int32 array."""
-        raise NotImplementedError
-
-    # -- identity -------------------------------------------------------------------------
-    def signature(self) -> str:
-        return f"kv:mla:{self.latent_spec.signature_role}"
-
-    @property
-    def batch_size(self) -> int:
-        return len(self._offsets)
-
-    @property
-    def row_offsets(self) -> tuple[int, ...]:
-        return tuple(self._offsets)
-
-    @property
-    def width(self) -> int:
-        return max(self._offsets, default=0)
-
-    @property
-    def left_pad(self) -> tuple[int, ...]:
-        width = self.width
-        return tuple(width - o for o in self._offsets)
-
-    @property
-    def offset(self) -> Any:
-        return self._impl_offsets()
-
-    @property
-    def converted(self) -> tuple[bool, ...]:
-        return self._conversion.converted
-
-    def _fresh_record(self, converted_at: Sequence[int | None] = ()) -> Conversion:
-        """A conversion record of this cache's codec and ``start`` holding ``converted_at``."""
-        return self.conversion_class(self.latent_codec, self.start, converted_at)
-
-    @property
-    def dtype(self) -> str | None:
-        return self._dtype
-
-    @property
-    def kv_lora_rank(self) -> int | None:
-        return None if self._widths is None else self._widths[0]
-
-    @property
-    def rope_head_dim(self) -> int | None:
-        return None if self._widths is None else self._widths[1]
-
-    @property
-    def index_head_dim(self) -> int | None:
-        return self.latent_spec.index_head_dim
-
-    @property
-    def max_tokens(self) -> float:
-        cap = self._token_geometry.cap()
-        return math.inf if cap is None else cap
-
-    @property
-    def nbytes(self) -> int:
-        return self._impl_nbytes()
-
-    @property
-    def state_needs_dispose(self) -> bool:
-        return False
-
-    def held_arrays(self) -> tuple[Any, ...]:
-        """Every array the cache holds (what a lease or an evaluation touches)."""
-        return self._impl_held()
-
-    def _impl_held(self) -> tuple[Any, ...]:
-        raise NotImplementedError
-
-    def plane_specs(self) -> tuple[PlaneSpec, ...]:
-        shapes = self._shapes
-        return () if shapes is None else self.latent_spec.tensor_planes(shapes)
-
-    def bytes_per_token(self) -> int:
-        """Bytes one token of one row takes (0 until the widths and dtype are known)."""
-        shapes = self._shapes
-        return 0 if shapes is None else self.latent_spec.token_bytes(shapes)
-
-    def projected_bytes(self, tokens: int) -> int:
-        """Bytes one row of ``tokens`` positions takes (capped at ``max_tokens``)."""
-        count = as_count(tokens, "tokens")
-        return min(count, int(min(self.max_tokens, count))) * self.bytes_per_token()
-
-    def make_empty_batch(self: _L) -> _L:
-        return self._sibling()
-
-    def _sibling(self: _L) -> _L:
-        """An empty cache of the same declaration (and codec), widths and dtype learned."""
-        other = self._new_empty()
-        other._widths, other._dtype = self._widths, self._dtype
-        return other
-
-    def _new_empty(self: _L) -> _L:
-        return type(self)(*self._declaration())
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def __len__(self) -> int:
-        return self.width
-
-    def __bool__(self) -> bool:
-        return True  # mlx-lm tests a cache for presence with ``if cache``
-
-    # -- appends --------------------------------------------------------------------------
-    def _checked_blocks(
-        self, latent: Any, rope: Any, index: Any | None, *, staged: bool = False
-    ) -> tuple[Any, Any, Any | None, bool, str, int, int]:
-        """The blocks checked against the cache (``staged``: the index block comes later,
-        see ``LatentCacheList``)."""
-        four, shapes, rows, n = checked_blocks(
-            self, (latent, rope, index), self._impl_shape_dtype, self._shapes, staged=staged
-        )
-        return latent, rope, index, four, shapes.dtype, rows, n
-
-    def append(self, latent: Any, rope: Any, index: Any | None = None) -> tuple[Any, Any, Any]:
-        """Append one block to every row (the seed's ``appendAndFetch``); returns
-        ``(latent, rope, index | None)`` over every column, in the blocks' rank."""
-        return self._spec_append(lambda: self._append(latent, rope, index))
-
-    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
-        """mlx-lm's call: ``keys`` the latent block, ``values`` the rope block (no DSA)."""
-        if self.latent_spec.dsa:
-            raise InvalidInputError(
-                f"{type(self).__name__}: a DSA cache appends through append(latent, rope, "
-                "index) (its index plane must move with the latent)"
-            )
-        latent, rope, _ = self.append(keys, values)
-        return latent, rope
-
-    def _append(self, latent: Any, rope: Any, index: Any | None) -> tuple[Any, Any, Any]:
-        latent, rope, index, four, dtype, rows, n = self._checked_blocks(latent, rope, index)
-        if not four:
-            latent, rope = self._impl_as4(latent), self._impl_as4(rope)
-            index = None if index is None else self._impl_as4(index)
-        if not self._offsets:
-            self._offsets = [0] * rows
-            self._conversion.join([None] * rows)
-        self._widths = (int(_shape(latent)[3]), int(_shape(rope)[3]))
-        self._dtype = dtype
-        reads_exact = [not c for c in self.converted]
-        self._impl_append(latent, rope, index, any(reads_exact))
-        self._offsets = [o + n for o in self._offsets]
-        fetched = self._impl_read(reads_exact)
-        # Due rows read encoded from the next append on (this one read them exact).
-        self._conversion.mark(self._conversion.due(self._offsets), self._offsets)
-        if self._conversion.phase == "packed":
-            self._impl_drop_exact()
-        self._last = fetched
-        return fetched if four else self._three(fetched)
-
-    def _three(self, fetched: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
-        latent, rope, index = fetched
-        return (
-            self._impl_as3(latent),
-            self._impl_as3(rope),
-            None if index is None else self._impl_as3(index),
-        )
-
-    def fetch(self) -> tuple[Any, Any]:
-        """The latent and rope planes the last read returned (``[B, 1, width, ·]``)."""
-        latent, rope, _ = self._fetch_all()
-        return latent, rope
-
-    def fetch_index(self) -> Any:
-        """The index plane the last read returned (DSA caches)."""
-        if not self.latent_spec.dsa:
-            raise InvalidInputError(f"{type(self).__name__} has no DSA index plane")
-        return self._fetch_all()[2]
-
-    def current(self) -> tuple[Any, Any, Any]:
-        """What a read of the stored tokens returns now (``[B, 1, width, ·]`` latent,
-        rope, index or ``None``): each row's latent exact until it converted, then decoded.
-        The append that converts a row still read it exact (``fetch`` keeps that read)."""
-        self._spec_usable()
-        if self.width == 0:
-            raise LayoutStateError(NOTHING_TO_FETCH)
-        return self._impl_read([not c for c in self.converted])
-
-    def _fetch_all(self) -> tuple[Any, Any, Any]:
-        self._spec_usable()
-        if self._last is None:
-            if self.width == 0:
-                raise LayoutStateError(NOTHING_TO_FETCH)
-            self._last = self._impl_read([not c for c in self.converted])
-        return self._last
-
-    # -- masks ----------------------------------------------------------------------------
-    def make_mask(
-        self, n: int, *, return_array: bool = False, window_size: int | None = None
-    ) -> Any:
-        self._spec_usable()
-        n = as_count(n, "n", minimum=1)
-        if window_size is not None:
-            window_size = as_count(window_size, "window_size", minimum=1)
-        padded = any(self.left_pad)
-        if not padded and not return_array and window_size is None:
-            return None if n == 1 else "causal"
-        return self._impl_mask(n, window_size)
-
-    # -- trims and rounds -----------------------------------------------------------------
-    def trim(self, n: int) -> int:
-        self._spec_guard("trim (use spec_round_rollback)")
-        count = as_count(n, "n")
-        shortest = min(self._offsets, default=0)
-        if count > shortest:
-            raise NotTrimmableError(
-                f"{type(self).__name__}: cannot trim {count} tokens: the shortest row holds "
-                f"{shortest}"
-            )
-        if count:
-            self._forget([count] * self.batch_size)
-        return count
-
-    def trim_rows(self, counts: Sequence[int]) -> int:
-        """Row ``b`` forgets its newest ``counts[b]`` tokens (rows stay right-justified)."""
-        self._spec_guard("trim_rows (use spec_round_rollback)")
-        if isinstance(counts, str | bytes) or not isinstance(counts, Sequence):
-            raise InvalidInputError(f"counts must be one integer per row, got {counts!r}")
-        if len(counts) != self.batch_size:
-            raise InvalidInputError(
-                f"counts needs {self.batch_size} integers (one per row), got {len(counts)}"
-            )
-        checked = [as_count(c, f"counts[{b}]") for b, c in enumerate(counts)]
-        for b, (count, held) in enumerate(zip(checked, self._offsets, strict=True)):
-            if count > held:
-                raise NotTrimmableError(f"row {b} holds {held} tokens, cannot trim {count}")
-        if any(checked):
-            self._forget(checked)
-        return max(checked, default=0)
-
-    def _spec_forget(self, counts: Sequence[int]) -> None:
-        self._forget(counts)
-
-    def _forget(self, counts: Sequence[int]) -> None:
-        self._impl_forget(counts)
-        self._offsets = [o - c for o, c in zip(self._offsets, counts, strict=True)]
-        self._last = None
-
-    # -- row operations -------------------------------------------------------------------
-    def merge_rows(self, rows: Sequence[Any]) -> None:
-        """Take the rows of ``rows`` (borrowed, unchanged) after the rows held."""
-        self._spec_guard("merge_rows")
-        name = type(self).__name__
-        if isinstance(rows, str | bytes) or not isinstance(rows, Sequence) or not rows:
-            raise InvalidInputError(f"{name}.merge_rows needs a non-empty sequence of caches")
-        if any(s is self for s in rows) or len({id(s) for s in rows}) != len(rows):
-            raise IncompatibleRowsError(self_merge_message(self.signature()))
-        if self._offsets:  # a running cache: its rows and the sources', into a fresh one
-            joined = self.make_empty_batch()
-            joined.merge_rows([self, *rows])
-            self._take_over(joined)
-            return
-        sources = list(rows)
-        for source in sources:
-            if type(source) is not type(self) or source._merge_key() != self._merge_key():
-                key = getattr(source, "_merge_key", None)
-                raise IncompatibleRowsError(
-                    f"{name}.merge_rows takes {name}s declared as this one "
-                    f"({self._merge_key()}), got {type(source).__module__}."
-                    f"{type(source).__name__}" + (f" ({key()})" if callable(key) else "")
-                )
-            source._spec_guard("merging this cache's rows into another")
-        # Every source is of this class from here on.
-        widths = {s._widths for s in sources if s._widths}
-        dtypes = {s._dtype for s in sources if s._dtype}
-        if self._widths:
-            widths.add(self._widths)
-        if self._dtype:
-            dtypes.add(self._dtype)
-        if len(widths) > 1 or len(dtypes) > 1:
-            raise IncompatibleRowsError(
-                different_rows_message(name, (sorted(widths), sorted(dtypes)))
-            )
-        if max((s.width for s in sources), default=0) > self.max_tokens:
-            raise CapacityError(f"{name}.merge_rows: a row exceeds max_tokens")
-        self._impl_merge(sources)
-        self._widths = next(iter(widths), None)
-        self._dtype = next(iter(dtypes), None)
-        self._offsets = [o for s in sources for o in (s._offsets or [0])]
-        self._conversion = self._fresh_record(
-            [c for s in sources for c in (s._conversion.converted_at or (None,))]
-        )
-        self._last = None
-
-    def _take_over(self: _L, other: _L) -> None:
-        """Hold what ``other`` (a fresh cache of this declaration) holds, in its place."""
-        vars(self).clear()
-        vars(self).update(vars(other))
-
-    def _merge_key(self) -> tuple[object, ...]:
-        spec = self.latent_spec
-        return (
-            spec.index_head_dim, spec.role, self._token_geometry.max_tokens, spec.inner, self.start,
-        )  # fmt: skip
-
-    def filter_rows(self, keep: Sequence[int]) -> None:
-        """Keep the rows ``keep`` names (any order); drop the common padding."""
-        self._spec_guard("filter_rows")
-        rows = check_keep(keep, self.batch_size)
-        if not rows:  # the last rows leave: an empty cache, its shapes learnt
-            self._take_over(self.make_empty_batch())
-            return
-        self._impl_filter(rows)
-        self._offsets = [self._offsets[r] for r in rows]
-        self._conversion.keep(rows)
-        if self._conversion.phase == "packed":
-            self._impl_drop_exact()
-        self._last = None
-
-    def extract_row(self: _L, row: int) -> _L:
-        """An independent compact cache holding row ``row``."""
-        self._spec_guard("extract_row")
-        index = check_row(row, self.batch_size)
-        other = self._sibling()
-        if self._offsets[index] == 0:
-            return other  # an empty row extracts into an empty cache (the seed's rule)
-        other._impl_take_row(self, index)
-        other._offsets = [self._offsets[index]]
-        other._conversion = self._conversion.extract(index)
-        if other._conversion.phase == "packed":
-            other._impl_drop_exact()
-        return other
-
-    def can_publish_row(self, row: int, tokens: int) -> bool:
-        self._spec_usable()
-        index = check_row(row, self.batch_size)
-        return self._offsets[index] == as_count(tokens, "tokens") and not self.spec_round_open
-
-    def check_valid(self) -> None:
-        assert len(self._offsets) == self._conversion.batch_size
-        assert all(o >= 0 for o in self._offsets)
-        assert not self._offsets or min(self.left_pad) == 0
-        assert self.width <= self.max_tokens
-
-    # -- saved state (``kvrows.forms.LATENT_FIELDS``) -----------------------------------
-    @property
-    def codec_spec(self) -> LatentCodec:
-        return self.latent_codec
-
-    @property
-    def token_geometry(self) -> Growing:
-        """The latent token axis grows (no window) up to ``max_tokens``; a persistence
-        record reads it."""
-        return self._token_geometry
-
-    @property
-    def geometry(self) -> None:
-        """No KV head geometry: the widths are in the state (``kv_lora_rank`` …)."""
-        return None
-
-    @property
-    def state(self) -> tuple[Any, ...]:
-        """``LATENT_FIELDS``: the planes right-justified ``[B, 1, width, ·]`` (the latent as
-        its codec planes; ``index`` / ``exact`` ``None`` when absent), the rows, the
-        declaration and the codec."""
-        self._spec_guard("saving state")
-        return latent_state(
-            self, *self._impl_state_planes(), self._impl_int_array(self._offsets),
-            self._impl_int_array([int(c) for c in self.converted]), self._widths,
-        )  # fmt: skip
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self._spec_guard("restoring state")
-        restored = type(self).from_state(value)
-        if restored.signature() != self.signature():
-            raise InvalidInputError(
-                state_signature_message(type(self).__name__, restored.signature(), self.signature())
-            )
-        vars(self).update(vars(restored))
-
-    @classmethod
-    def from_state(
-        cls: type[_L], state: Any, meta_state: Any = None, *, keep: Any = None,
-        geometry: Any = None,
-    ) -> _L:  # fmt: skip
-        """A cache holding ``state`` (``InvalidInputError`` when it is inconsistent)."""
-        fields, role = state_fields(cls.__name__, state)
-        cache = cls._from_fields(fields, role)
-        cache._restore_fields(fields)
-        return cache
-
-    @classmethod
-    def _from_fields(cls: type[_L], fields: dict[str, Any], role: str) -> _L:
-        rank, rope, index, max_tokens = declared_fields(fields)
-        cache = cls(rank, rope, index, max_tokens, role)
-        codec, start = codec_fields(fields)
-        if codec != cache.latent_codec or (start != cache.start and codec != Plain()):
-            cache._set_codec(codec, start)
-            cache._conversion = cache._fresh_record()
-        return cache
-
-    def _set_codec(self, codec: LatentCodec, start: int) -> None:
-        """Take the codec and ``start`` a saved state names (or refuse it)."""
-        raise NotImplementedError
-
-    def _restore_fields(self, fields: dict[str, Any]) -> None:
-        offsets = [int(v) for v in self._impl_ints(fields["offset"], "offset")]
-        converted = [int(v) for v in self._impl_ints(fields["converted"], "converted")]
-        width = checked_rows(self, offsets, converted)
-        self._offsets = offsets
-        # A saved row records whether it converted, not where: its offset is the bound.
-        self._conversion = self._fresh_record(
-            [
-                self._conversion.point(o) if c else None
-                for o, c in zip(offsets, converted, strict=True)
-            ]
-        )
-        if width == 0:
-            return
-        self._widths = declared_widths(self)
-        planes, exact = restored_planes(self, fields, not all(self.converted))
-        self._dtype = self._impl_restore(
-            planes, fields["rope"], fields["index"], exact, len(offsets), width
-        )
-
-    # state hooks (each implementation)
-    def _impl_state_planes(self) -> tuple[Any, Any, Any, Any]:
-        raise NotImplementedError
-
-    def _impl_int_array(self, values: Sequence[int]) -> Any:
-        raise NotImplementedError
-
-    def _impl_ints(self, value: Any, what: str) -> list[int]:
-        raise NotImplementedError
-
-    def _impl_restore(
-        self, planes: tuple[Any, ...], rope: Any, index: Any, exact: Any, rows: int, width: int
-    ) -> str:
-        """Check and adopt right-justified planes of ``rows`` x ``width``; return the dtype."""
-        raise NotImplementedError
-
-    def _check_restored(
-        self, shapes: Sequence[tuple[str, tuple[int, ...], str]], rows: int, width: int
-    ) -> str:
-        """Shared shape/dtype checks of restored planes against the plane specs."""
-        assert self._widths is not None
-        return check_restored(self, shapes, self._widths, rows, width)
-
-    def lend_rows(self) -> None:
-        self._spec_guard("merging this cache's rows into another")
-
-
-#: The codec fields of ``LATENT_FIELDS``: each KV codec's state tail (``None``: unused).
 _CODEC_FIELDS = ("bits", "group_size", "k_bits", "v_bits")
 
 
@@ -1555,3 +979,460 @@ def _state_codec(
         f"state codec fields must be affine (bits, group_size) or turbo (k_bits, v_bits), got "
         f"{(bits, group_size, k_bits, v_bits)}"
     )
+
+
+def latent_pool_codec(codec: object, index_head_dim: object) -> Latent:
+    """A latent block pool's codec: the latent through ``codec`` (``None``: plain; a
+    ``Latent``: its inner codec and index width), ``index_head_dim`` wide index planes."""
+    inner = getattr(codec, "inner", None)
+    if inner is not None:  # a latent cache's own spec: its latent's codec and index width
+        return Latent(inner=inner, index_head_dim=getattr(codec, "index_head_dim", None))
+    spec = Plain() if codec is None else codec
+    if not (is_codec_spec(spec) and is_kv_codec(spec)):
+        raise InvalidInputError(
+            f"a latent block pool stores the latent plain, Affine or Turbo, got {spec!r}"
+        )
+    index = (
+        None if index_head_dim is None else as_count(index_head_dim, "index_head_dim", minimum=1)
+    )
+    return Latent(inner=spec, index_head_dim=index)
+
+
+class LatentPoolMembers:
+    """What a latent block pool adds to its implementation's ``BlockPool`` (the paged
+    placement's pool of a ``Latent`` codec, ``spec/PagedLatentCache.md``): the
+    constructor of the latent's codec and index width, and what ``lookup_prefix`` returns
+    (a one-row ``PagedLatentCache`` of the pool's latent codec)."""
+
+    #: The implementation's ``PagedLatentCache``.
+    latent_cache_class: ClassVar[type[Any]]
+    if TYPE_CHECKING:
+
+        @property
+        def codec_spec(self) -> CodecSpec: ...
+
+    def __init__(
+        self,
+        codec: object = None,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        num_blocks: int = 0,
+        max_bytes: int | None = None,
+        index_head_dim: object = None,
+        geometry: LatentShapes | None = None,
+    ) -> None:
+        super().__init__(  # type: ignore[call-arg]
+            latent_pool_codec(codec, index_head_dim), block_size=block_size,
+            num_blocks=num_blocks, max_bytes=max_bytes, geometry=geometry,
+        )  # fmt: skip
+
+    @property
+    def latent_spec(self) -> Latent:
+        spec: Latent = self.codec_spec  # type: ignore[assignment]
+        return spec
+
+    @property
+    def latent_codec(self) -> LatentCodec:
+        """The codec of the latent plane (``Plain()``, ``Affine``, ``Turbo``)."""
+        return self.latent_spec.inner
+
+    @property
+    def index_head_dim(self) -> int | None:
+        return self.latent_spec.index_head_dim
+
+    def _prefix_cache(self) -> Any:
+        """An empty cache of the pool's latent that a prefix hit's rows join."""
+        codec = self.latent_codec
+        return self.latent_cache_class(
+            index_head_dim=self.index_head_dim, pool=self, codec=codec if codec.encodes else None
+        )
+
+
+class PagedLatentMembers(_LatentLayout):
+    """``PagedLatentCache`` on the paged placement (``spec/PagedLatentCache.md``): the
+    latent surface of ``MLACache`` over a layout whose rows are block tables into a
+    latent block pool (a ``BlockPool`` of a ``Latent`` codec, one stage). Listed first,
+    ahead of the implementation's ``LatentSurface`` and ``PagedLayout``.
+
+    An encoded latent's blocks hold the codes from the first append; a row still in its
+    bf16-first warm-up keeps its exact latent **beside** the pool (``_warm``, one array
+    ``[1, 1, t, R]`` per row, or ``None``) and reads it until it converts (``_done``:
+    after the append whose read reached ``conversion_due``). The warm latents ride the
+    row operations here (merge, filter, extract, trims, rollbacks); each implementation
+    supplies their array helpers (``_warm_cat``, ``_warm_cut``, ``_overlay``,
+    ``_stack_warm``) and the load of a saved state into fresh blocks (``_adopt_state``)."""
+
+    _start = 0
+    #: The bf16-first rule (``Conversion.row_due``).
+    conversion_class: ClassVar[type[Conversion]] = Conversion
+    if TYPE_CHECKING:
+        pool_class: ClassVar[type[Any]]
+        _pool: Any
+        _finalizer: Any
+
+        def _watch(self) -> None: ...
+        def _shapes(self) -> LatentShapes | None: ...
+        def _take_shapes(self, shapes: Any) -> None: ...
+        def _spec_guard(self, what: str) -> None: ...
+        def _read_all(self) -> tuple[Any, Any, Any]: ...
+        def _state_planes(self) -> tuple[Any, Any, Any]: ...
+        def _int_array(self, values: Sequence[int]) -> Any: ...
+        def _ints(self, value: Any, what: str) -> list[int]: ...
+        def _native(self, array: Any) -> bool: ...
+        def _dtype_of(self, array: Any) -> str: ...
+        def _adopt_state(self, planes: PlaneSet | None, offsets: list[int], width: int) -> None: ...
+        def bytes_per_token(self) -> int: ...
+        @property
+        def latent_spec(self) -> Latent: ...
+        @property
+        def latent_codec(self) -> LatentCodec: ...
+        @property
+        def max_tokens(self) -> float: ...
+
+        # The implementation's array helpers:
+        def _warm_cat(self, held: Any | None, block: Any, row: int) -> Any:
+            """``held`` (``[1, 1, t, R]`` or ``None``) and ``block[row]`` along the tokens
+            (owned)."""
+
+        def _warm_cut(self, held: Any, keep: int) -> Any:
+            """``held``'s first ``keep`` tokens (owned)."""
+
+        def _overlay(self, dense: Any, rows: Sequence[Any | None]) -> Any:
+            """``dense`` ``[B, 1, W, R]`` with row ``b``'s last columns ``rows[b]``."""
+
+        def _stack_warm(self, rows: Sequence[Any | None], width: int) -> Any:
+            """Right-justified ``[B, 1, width, R]`` of ``rows`` (zeros where ``None``)."""
+
+        def _row_slice(self, array: Any, row: int, start: int, stop: int) -> Any:
+            """An owned copy of ``array[row : row + 1, :, start:stop]``."""
+
+    def __init__(
+        self,
+        kv_lora_rank: object = None,
+        rope_head_dim: object = None,
+        index_head_dim: object = None,
+        max_tokens: object = None,
+        role: object = "target",
+        *,
+        pool: Any = None,
+        block_size: object = None,
+        codec: object = None,
+        start: object = 0,
+        token_geometry: object = None,
+        geometry: object = None,
+    ) -> None:
+        self._warm: list[Any | None] = []
+        self._done: list[bool] = []
+        if getattr(codec, "inner", None) is not None:  # the machinery's form: a latent spec
+            super().__init__(codec=codec, token_geometry=token_geometry, geometry=geometry)  # type: ignore[call-arg]
+            self._bind_pool(pool)
+            return
+        name = type(self).__name__
+        inner: LatentCodec = Plain()
+        first = 0
+        if codec is not None and codec != Plain():  # encoded_codec checks what it is
+            inner, first = encoded_codec(name, codec, None, None, start)
+        elif as_count(start, "start"):
+            raise InvalidInputError(f"{name}: start applies to an encoded latent only")
+        spec = latent_spec(
+            name, inner, kv_lora_rank=kv_lora_rank, rope_head_dim=rope_head_dim,
+            index_head_dim=index_head_dim, role=role,
+        )  # fmt: skip
+        cap = growing_geometry(name, max_tokens).cap()
+        if pool is not None and not isinstance(pool, self.pool_class):
+            raise InvalidInputError(f"{name}: pool must be a {self.pool_class.__name__}")
+        size = None if block_size is None else as_count(block_size, "block_size", minimum=1)
+        if pool is not None:
+            if size is not None and size != pool.block_size:
+                raise InvalidInputError(
+                    f"{name}: the pool's blocks hold {pool.block_size} tokens, not {size}"
+                )
+            size = pool.block_size
+            if pool.latent_codec != inner:
+                raise InvalidInputError(
+                    f"{name}: the pool stores the latent {pool.latent_codec!r}, not {inner!r}"
+                )
+            if pool.index_head_dim != spec.index_head_dim:
+                raise InvalidInputError(
+                    f"{name}: the pool holds index planes of width {pool.index_head_dim}, "
+                    f"declared {spec.index_head_dim}"
+                )
+            held: LatentShapes | None = pool.geometry
+            declared = (spec.kv_lora_rank, spec.rope_head_dim)
+            if held is not None and any(
+                d is not None and d != h
+                for d, h in zip(declared, (held.rank, held.rope), strict=True)
+            ):
+                raise InvalidInputError(
+                    f"{name}: the pool holds latent {held.rank} and rope {held.rope}, "
+                    f"declared {declared}"
+                )
+        paged = Paged(block_size=size or DEFAULT_BLOCK_SIZE, max_tokens=cap)
+        super().__init__(codec=spec, token_geometry=paged)  # type: ignore[call-arg]
+        self._start = first
+        self._bind_pool(pool)
+
+    def _bind_pool(self, pool: Any) -> None:
+        """Point into ``pool`` (its shapes, once known, are the cache's)."""
+        if pool is None:
+            return
+        self._pool = pool
+        if pool.geometry is not None:
+            self._take_shapes(pool.geometry)
+        self._watch()
+
+    # -- what the cache is ----------------------------------------------------------------
+    @property
+    def start(self) -> int:
+        """The bf16-first boundary (an encoded latent; 0 for the plain one)."""
+        return self._start
+
+    @property
+    def encoded(self) -> bool:
+        return self.latent_codec.encodes
+
+    @property
+    def converted(self) -> tuple[bool, ...]:
+        """Per row, whether it reads its latent decoded (it converted)."""
+        return tuple(self._done)
+
+    def signature(self) -> str:
+        spec = self.latent_spec
+        if not self.encoded:
+            return f"kv:mla-paged:{spec.signature_role}"
+        return f"kv:mla-paged:{spec.signature_role}:{spec.inner.key}:{self.start}"
+
+    def make_empty_batch(self) -> Any:
+        """An empty cache of the same declaration and pool, its shapes learnt."""
+        spec = self.latent_spec
+        other = type(self)(
+            spec.kv_lora_rank, spec.rope_head_dim, spec.index_head_dim,
+            self._token_geometry.cap(), spec.role, pool=self._pool,
+            block_size=self.block_size, codec=spec.inner if self.encoded else None,
+            start=self.start,
+        )  # fmt: skip
+        other._take_shapes(self._shapes())
+        return other
+
+    @property
+    def block_size(self) -> int:
+        size: int = self._token_geometry.block_size  # type: ignore[attr-defined]
+        return size
+
+    def projected_bytes(self, tokens: int) -> int:
+        """Bytes one row of ``tokens`` positions takes: whole blocks (capped at
+        ``max_tokens``)."""
+        count = as_count(tokens, "tokens")
+        count = int(min(count, self.max_tokens))
+        return math.ceil(count / self.block_size) * self.block_size * self.bytes_per_token()
+
+    @property
+    def nbytes(self) -> int:
+        """The blocks the tables hold and the warm-up exact latents beside the pool."""
+        held: int = super().nbytes  # type: ignore[misc]
+        return held + sum(int(w.nbytes) for w in self._warm if w is not None)
+
+    # -- appends and reads ------------------------------------------------------------------
+    #: An exhausted pool refuses before any block or table changes: the round stays open,
+    #: before its block (free blocks or append a shorter one, then resolve it).
+    _spec_refused_unchanged = (PoolExhaustedError,)
+
+    def _append_blocks(self, latent: Any, rope: Any, index: Any | None) -> Any:
+        """The placement's write and read; an encoded latent's warm rows keep the block's
+        exact latent beside the pool and read it, then the rows due convert (this append
+        read them exact)."""
+        rows = self.batch_size
+        fetched = super()._append_blocks(latent, rope, index)  # type: ignore[misc]
+        if not rows:  # the first write made the rows
+            self._warm = [None] * self.batch_size
+            self._done = [False] * self.batch_size
+        if self.encoded:
+            block = latent if latent.ndim == 4 else latent[:, None]
+            self._warm = [
+                None if done else self._warm_cat(held, block, b)
+                for b, (held, done) in enumerate(zip(self._warm, self._done, strict=True))
+            ]
+            fetched = self._overlaid(fetched, latent.ndim == 4)
+            rule = self.conversion_class(self.latent_codec, self.start)
+            for b, offset in enumerate(self.row_offsets):
+                if not self._done[b] and rule.row_due(offset):
+                    self._done[b], self._warm[b] = True, None
+        return fetched
+
+    def _overlaid(self, fetched: Any, four: bool) -> Any:
+        """``fetched`` (an append's return) with the warm rows' exact latent."""
+        if not any(w is not None for w in self._warm):
+            return fetched
+        latent = fetched[0] if four else fetched[0][:, None]
+        latent = self._overlay(latent, self._warm)
+        return (latent if four else latent[:, 0], *fetched[1:])
+
+    def current(self) -> tuple[Any, Any, Any]:
+        return self._overlaid(super().current(), True)  # type: ignore[misc,no-any-return]
+
+    # -- row operations: the placement's, the warm latents along ----------------------------
+    def _accepts(self, source: object) -> bool:
+        """The placement's rule (this pool class, codec key, block size) and the same
+        declaration: signature (role, DSA, codec, ``start``) and ``max_tokens``."""
+        signature = getattr(source, "signature", None)
+        if not (callable(signature) and signature() == self.signature()):
+            return False
+        if getattr(source, "max_tokens", None) != self.max_tokens:
+            return False
+        accepted: bool = super()._accepts(source)  # type: ignore[misc]
+        return accepted
+
+    def merge_rows(self, rows: Sequence[Any]) -> None:
+        incoming: list[tuple[Any | None, bool]] = []
+        if isinstance(rows, Sequence) and not isinstance(rows, str | bytes):
+            for source in rows:  # the placement refuses a source of another class
+                warm, done = getattr(source, "_warm", None), getattr(source, "_done", None)
+                if warm is not None and done is not None:
+                    incoming += list(zip(warm, done, strict=True)) or [(None, False)]
+        before = self.batch_size
+        super().merge_rows(rows)  # type: ignore[misc]
+        joined = incoming[: self.batch_size - before]
+        self._warm += [w for w, _ in joined]
+        self._done += [d for _, d in joined]
+
+    def filter_rows(self, keep: Sequence[int]) -> None:
+        super().filter_rows(keep)  # type: ignore[misc]
+        order = list(keep)
+        self._warm = [self._warm[int(r)] for r in order]
+        self._done = [self._done[int(r)] for r in order]
+
+    def extract_row(self, row: int) -> Any:
+        """A one-row cache of this declaration sharing row ``row``'s table."""
+        single = super().extract_row(row)  # type: ignore[misc]
+        index = check_row(row, self.batch_size)
+        single._start = self._start
+        single._take_shapes(self._shapes())
+        single._warm = [self._warm[index]] if single.batch_size else []
+        single._done = [self._done[index]] if single.batch_size else []
+        return single
+
+    def _cut_warm(self) -> None:
+        """After a trim or rollback: each warm latent no longer than its row."""
+        self._warm = [
+            None
+            if w is None or not offset
+            else self._warm_cut(w, offset)
+            if int(w.shape[2]) > offset
+            else w
+            for w, offset in zip(self._warm, self.row_offsets, strict=True)
+        ]
+
+    def trim(self, n: int) -> int:
+        count = super().trim(n)
+        self._cut_warm()
+        return count
+
+    def _spec_forget(self, counts: Sequence[int]) -> None:
+        super()._spec_forget(counts)
+        self._cut_warm()
+
+    def release(self) -> None:
+        """Give every block back to the pool now (the cache then holds no row)."""
+        self._spec_guard("release")
+        super().release()  # type: ignore[misc]
+        self._warm, self._done = [], []
+
+    def _adopted(self, rows: int) -> None:
+        """Rows a prefix hit adopted: they hold codes only (they read encoded)."""
+        self._warm = [None] * rows
+        self._done = [self.encoded] * rows
+
+    def check_valid(self) -> None:
+        super().check_valid()
+        assert len(self._warm) == len(self._done) == self.batch_size, "one warm slot per row"
+        for warm, offset, done in zip(self._warm, self.row_offsets, self._done, strict=True):
+            if self.encoded and not done and offset:
+                assert warm is not None and int(warm.shape[2]) == offset, "exact while warm"
+            if not self.encoded or done:
+                assert warm is None, "only a warm row keeps its exact latent"
+
+    # -- saved state (``PAGED_LATENT_FIELDS``: ``LATENT_FIELDS``, then the block size) -------
+    def _state(self) -> tuple[Any, ...]:
+        self._spec_guard("saving state")
+        planes, rope, index = self._state_planes()
+        exact = None
+        if self.encoded and self.width and not all(self._done):
+            exact = self._stack_warm(
+                [None if d else w for w, d in zip(self._warm, self._done, strict=True)], self.width
+            )
+        shapes = self._shapes()
+        widths = None if shapes is None else (shapes.rank, shapes.rope)
+        offsets = self._int_array(self.row_offsets)
+        flags = self._int_array([int(d) for d in self._done])
+        fields = latent_state(self, planes, rope, index, exact, offsets, flags, widths)
+        return (*fields, self.block_size)
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        """``LATENT_FIELDS`` (the planes right-justified, compact) and the block size;
+        block ids and hashes are not saved."""
+        return self._state()
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._spec_guard("restoring state")
+        restored = type(self).from_state(value, pool=self._pool)
+        if restored.signature() != self.signature():
+            raise InvalidInputError(
+                state_signature_message(type(self).__name__, restored.signature(), self.signature())
+            )
+        self.release()
+        for cache in (self, restored):  # this cache takes over the other's tables
+            if cache._finalizer is not None:
+                cache._finalizer.detach()
+        vars(self).update(vars(restored))
+        self._finalizer = None
+        self._watch()
+
+    @classmethod
+    def from_state(
+        cls, state: Any, meta_state: Any = None, *, keep: Any = None, geometry: Any = None,
+        pool: Any = None,
+    ) -> Any:  # fmt: skip
+        """A cache holding ``state`` in fresh blocks of ``pool`` (default: a private pool;
+        ``InvalidInputError`` when the state is inconsistent or not the pool's, and
+        ``PoolExhaustedError`` when the pool cannot take it, the pool unchanged)."""
+        name = cls.__name__
+        if isinstance(state, str | bytes) or not isinstance(state, Sequence):
+            raise InvalidInputError(from_state_tuple_message(name))
+        if len(state) != len(PAGED_LATENT_FIELDS):
+            raise InvalidInputError(
+                f"{name}: a paged latent state has {len(PAGED_LATENT_FIELDS)} fields, got "
+                f"{len(state)}"
+            )
+        size = _scalar(state[-1], "block_size")
+        if size < 1:
+            raise InvalidInputError(f"{name}: block_size must be >= 1, got {size}")
+        fields, role = state_fields(name, tuple(state[:-1]))
+        rank, rope, index, max_tokens = declared_fields(fields)
+        codec, start = codec_fields(fields)
+        cache = cls(
+            rank, rope, index, max_tokens, role, pool=pool, block_size=size,
+            codec=codec if codec.encodes else None, start=start,
+        )  # fmt: skip
+        offsets = cache._ints(fields["offset"], "offset")
+        flags = cache._ints(fields["converted"], "converted")
+        width = checked_rows(cache, offsets, flags)
+        done = [bool(f) for f in flags]
+        if width == 0:
+            cache._adopt_state(None, offsets, 0)
+            cache._warm, cache._done = [None] * len(offsets), done
+            return cache
+        widths = declared_widths(cache)
+        planes, exact = restored_planes(cache, fields, not all(done))
+        learnt, held = checked_planes(cache, fields, planes, exact, widths, len(offsets), width)
+        if cache._shapes() not in (None, learnt):
+            raise InvalidInputError(f"{name}: the pool holds {cache._shapes()}, the state {learnt}")
+        cache._take_shapes(learnt)
+        cache._adopt_state(held, offsets, width)
+        cache._done = done
+        cache._warm = [
+            None if d or not o or exact is None else cache._row_slice(exact, b, width - o, width)
+            for b, (o, d) in enumerate(zip(offsets, done, strict=True))
+        ]
+        return cache

@@ -76,13 +76,22 @@ class Paged:
     """The paged token geometry: positions live in blocks of ``block_size`` tokens."""
 
     block_size: int = DEFAULT_BLOCK_SIZE
+    #: The most positions a row may hold (``None``: unbounded; the paged latent's
+    #: ``max_tokens``, ``spec/PagedLatentCache.md``).
+    max_tokens: int | None = None
     kind: ClassVar[str] = "paged"
 
     def __post_init__(self) -> None:
         as_count(self.block_size, "block_size", minimum=1)
+        if self.max_tokens is not None:
+            as_count(self.max_tokens, "max_tokens", minimum=1)
 
     def parameters(self) -> dict[str, int]:
         return {}
+
+    def cap(self) -> int | None:
+        """The most positions a row may hold (``None``: unbounded)."""
+        return self.max_tokens
 
 
 def block_hash(parent: bytes, tokens: Sequence[int], extra: str) -> bytes:
@@ -184,7 +193,8 @@ def bind_paged(
         if declared is not None and pool.geometry is not None and declared != pool.geometry:
             raise InvalidInputError(f"the pool holds {pool.geometry.describe()}")
     spec: Any = Plain() if codec is None else codec
-    return spec, Paged(block_size=size or DEFAULT_BLOCK_SIZE), declared, pool
+    cap = None if geometry_spec is None else geometry_spec.max_tokens  # the paged latent's
+    return spec, Paged(block_size=size or DEFAULT_BLOCK_SIZE, max_tokens=cap), declared, pool
 
 
 class BlockLedger:

@@ -23,8 +23,13 @@ from kvrows.optimized.lego import (
     Bf16FirstTurboQuantKVCache,
 )
 from kvrows.optimized.mlxlm_batch import BatchKVCache, BatchRotatingKVCache
-from kvrows.optimized.paged import BlockPool, PagedKVCache, PagedKvRows
-from kvrows.optimized.paged_latent import LatentBlockPool, PagedLatentCache
+from kvrows.optimized.paged import (
+    BlockPool,
+    LatentBlockPool,
+    PagedKVCache,
+    PagedKvRows,
+    PagedLatentCache,
+)
 from kvrows.optimized.rows import DECLARED
 
 __all__ = [

@@ -27,7 +27,7 @@ import mlx.core as mx
 from kvrows.errors import InvalidInputError, LayoutStateError
 from kvrows.optimized.classes import MLACache
 from kvrows.optimized.latent import EncodedLatentCache
-from kvrows.optimized.paged_latent import LatentBlockPool, PagedLatentCache
+from kvrows.optimized.paged import LatentBlockPool, PagedLatentCache
 from kvrows.protocols import LatentAppend
 
 __all__ = ["LatentCacheList"]

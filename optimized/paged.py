@@ -1,18 +1,29 @@
 """The optimized paged storages: the paged placement (``optimized/paging.py``) on the
 optimized row machinery (``spec/PagedKVCache.md``, ``spec/PagedKvRows.md``,
-``spec/paged-pool.md``)."""
+``spec/PagedLatentCache.md``, ``spec/paged-pool.md``). The paged latent is the latent
+surface (``optimized/latent.py``) over that placement, its pool a ``BlockPool`` of a
+``Latent`` codec (``LatentBlockPool``)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any, cast
 
+import mlx.core as mx
+
+from kvrows.codec import PlaneSet
 from kvrows.compositions import composition
-from kvrows.errors import PoolExhaustedError
-from kvrows.optimized.paging import BlockPool, PagedLayout, PagedSerial
+from kvrows.errors import InvalidInputError, PoolExhaustedError, preview_blocks_message
+from kvrows.latent import LatentPoolMembers, PagedLatentMembers
+from kvrows.optimized.codecs import mlx_dtype
+from kvrows.optimized.latent import LatentSurface
+from kvrows.optimized.paging import BlockPool, PagedLayout, PagedSerial, Planes, Table
+from kvrows.optimized.rows import owned
 from kvrows.optimized.speculative import SpeculativeLayout
 from kvrows.paged import AnyCodecParameters
 
-__all__ = ["BlockPool", "PagedKVCache", "PagedKvRows"]
+__all__ = ["BlockPool", "LatentBlockPool", "PagedKVCache", "PagedKvRows", "PagedLatentCache"]
 
 
 class PagedKVCache(AnyCodecParameters, PagedSerial):
@@ -37,3 +48,136 @@ class PagedKvRows(AnyCodecParameters, SpeculativeLayout, PagedLayout):
 
 
 BlockPool.cache_class = PagedKVCache
+
+
+class LatentBlockPool(LatentPoolMembers, BlockPool):
+    """One MLA layer's blocks in MLX planes: a ``BlockPool`` of a ``Latent`` codec (the
+    latent through ``codec``, rope and index plain; ``spec/PagedLatentCache.md``)."""
+
+
+class PagedLatentCache(PagedLatentMembers, LatentSurface, SpeculativeLayout, PagedLayout):
+    """MLA latent + rope (+ DSA index) planes in a block pool, ``MLACache``'s rows
+    (``spec/PagedLatentCache.md``): the latent surface on the paged placement."""
+
+    composition = composition("PagedLatentCache")
+    pool_class = LatentBlockPool
+
+    def register_prefix(self, row: int, token_ids: Sequence[int]) -> int:
+        """Refused in a round: the row's newest positions are unverified drafts."""
+        self._spec_guard("register_prefix")
+        return super().register_prefix(row, token_ids)
+
+    def adopt_tables(self, tables: Sequence[Table], offset: int) -> None:
+        super().adopt_tables(tables, offset)
+        self._adopted(len(tables))
+
+    def held_arrays(self) -> tuple[Any, ...]:
+        return PagedLayout.held_arrays(self)
+
+    def _gathered(self) -> PlaneSet:
+        """The stored planes right-justified (``{}`` while no row holds a position)."""
+        if self._pool is None or not any(self._offsets):
+            return {}
+        width = max(self._offsets)
+        held: PlaneSet = self._pool.gather(self._tables, self._offsets, self._pads, width)
+        return held
+
+    def planes(self) -> tuple[Planes, mx.array | None, mx.array | None, None]:
+        """The stored planes right-justified: latent codec planes, rope, index."""
+        held = self._gathered()
+
+        def one(tensor: str) -> mx.array | None:
+            return held[tensor][0] if tensor in held else None
+
+        return held.get("latent", ()), one("rope"), one("index"), None
+
+    def _adopt_state(self, planes: PlaneSet | None, offsets: list[int], width: int) -> None:
+        """Rows at ``offsets`` from right-justified ``planes``, written into fresh blocks
+        (every block taken at once: a refusal changes nothing), counted as written."""
+        shapes = self._shapes()
+        pool = self._pool
+        tables: list[Table] = [[] for _ in offsets]
+        if shapes is not None and width and planes is not None:
+            counts = [math.ceil(o / self.block_size) for o in offsets]
+            pool = self._ensure_pool(cast(Any, shapes), sum(counts))  # a pool's shapes
+            fresh = pool.ledger.allocate(sum(counts))
+            for b, (offset, count) in enumerate(zip(offsets, counts, strict=True)):
+                tables[b] = fresh[:count]
+                del fresh[:count]
+                if offset:
+                    row = {
+                        t: tuple(owned(p[b : b + 1, :, width - offset : width]) for p in held)
+                        for t, held in planes.items()
+                    }
+                    pool.write_row(tables[b], row)
+            pool.ledger.bytes_written += sum(offsets) * pool.token_bytes  # written, not copied
+        if pool is not None:
+            for table in tables:
+                pool.open(table, touch=False)
+        self._pool = pool
+        self._tables[:] = tables
+        self._offsets = list(offsets)
+        self._changed()
+        self._watch()
+
+    def preview(self, latent: mx.array, rope: mx.array) -> tuple[mx.array, mx.array]:
+        """What ``append(latent, rope, index)`` will return for the latent and rope,
+        changing nothing (the drop-in's staged DSA append): converted rows see the block
+        decoded, warm rows exact."""
+        self._spec_usable()
+        four, _, _, _ = self._checked(latent, rope, None, staged=True)
+        if not four:
+            raise InvalidInputError(preview_blocks_message(type(self).__name__))
+        block = latent
+        if self.encoded and any(self._done):
+            read = self.codec.fetched(self.codec.encode(latent, "latent"), "latent")
+            rows = mx.array(list(self._done))[:, None, None, None]
+            block = mx.where(rows, read.astype(latent.dtype), latent)
+        if self.width == 0:
+            return block, rope
+        held_latent, held_rope, _ = self.current()
+        return (
+            mx.concatenate([held_latent, block], axis=2),
+            mx.concatenate([held_rope, rope], axis=2),
+        )
+
+    # -- the warm-up exact latents beside the pool ------------------------------------------
+    def _warm_cat(self, held: Any | None, block: Any, row: int) -> Any:
+        part = block[row : row + 1]
+        joined = owned(part if held is None else mx.concatenate([held, part], axis=2))
+        mx.eval(joined)
+        return joined
+
+    def _warm_cut(self, held: Any, keep: int) -> Any:
+        cut = owned(held[:, :, :keep])
+        mx.eval(cut)
+        return cut
+
+    def _row_slice(self, array: Any, row: int, start: int, stop: int) -> Any:
+        piece = owned(array[row : row + 1, :, start:stop])
+        mx.eval(piece)
+        return piece
+
+    def _overlay(self, dense: Any, rows: Sequence[Any | None]) -> Any:
+        if all(row is None for row in rows):
+            return dense
+        width = int(dense.shape[2])
+        parts = []
+        for b, row in enumerate(rows):
+            if row is None:
+                parts.append(dense[b : b + 1])
+                continue
+            pad = width - int(row.shape[2])
+            parts.append(row if not pad else mx.concatenate([dense[b : b + 1, :, :pad], row], 2))
+        return mx.concatenate(parts, axis=0)
+
+    def _stack_warm(self, rows: Sequence[Any | None], width: int) -> Any:
+        shapes = self._shapes()
+        assert shapes is not None
+        zeros = mx.zeros((len(rows), 1, width, shapes.rank), mlx_dtype(shapes.dtype))
+        stacked = owned(self._overlay(zeros, rows))
+        mx.eval(stacked)
+        return stacked
+
+
+LatentBlockPool.latent_cache_class = PagedLatentCache

@@ -17,8 +17,13 @@ from kvrows.reference.lego import (
     Bf16FirstRotatingQuantizedKVCache,
     Bf16FirstTurboQuantKVCache,
 )
-from kvrows.reference.paged import BlockPool, PagedKVCache, PagedKvRows
-from kvrows.reference.paged_latent import LatentBlockPool, PagedLatentCache
+from kvrows.reference.paged import (
+    BlockPool,
+    LatentBlockPool,
+    PagedKVCache,
+    PagedKvRows,
+    PagedLatentCache,
+)
 
 __all__ = [
     *_classes,

@@ -266,12 +266,14 @@ def declared_classes() -> Mapping[str, type[Any]]:
     from kvrows.reference import latent  # latent state: its own row machinery
 
     found[latent.EncodedLatentCache.composition.name] = latent.EncodedLatentCache
-    from kvrows.reference import paged  # the paged storages (``kvrows.paged_storage``)
+    from kvrows.reference import paged  # the paged placement's storages
 
-    found.update({cls.composition.name: cls for cls in (paged.PagedKVCache, paged.PagedKvRows)})
-    from kvrows.reference import paged_latent  # MLA latent planes in a block pool
-
-    found[paged_latent.PagedLatentCache.composition.name] = paged_latent.PagedLatentCache
+    found.update(
+        {
+            cls.composition.name: cls
+            for cls in (paged.PagedKVCache, paged.PagedKvRows, paged.PagedLatentCache)
+        }
+    )
     missing = [c.name for c in landed() if c.name not in found]
     if missing:
         raise KvRowsError(f"the reference lacks {', '.join(missing)}")

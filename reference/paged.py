@@ -1,17 +1,30 @@
-"""The reference's paged KV storages: the declarations (``spec/PagedKVCache.md``,
-``spec/PagedKvRows.md``, ``spec/paged-pool.md``).
+"""The reference's paged storages: the declarations (``spec/PagedKVCache.md``,
+``spec/PagedKvRows.md``, ``spec/PagedLatentCache.md``, ``spec/paged-pool.md``).
 
 Their machinery is the reference's row machinery with the paged placement of
-``reference/paging.py``: compact rows whose tokens also live in a NumPy block pool.
+``reference/paging.py``: compact rows whose tokens also live in a NumPy block pool. The
+paged latent is the latent surface (``reference/latent.py``) over that placement, its
+pool a ``BlockPool`` of a ``Latent`` codec (``LatentBlockPool``).
 """
 
 from __future__ import annotations
 
-from kvrows.compositions import composition
-from kvrows.paged import AnyCodecParameters
-from kvrows.reference.paging import BlockPool, PagedLayout, PagedSerial
+import math
+from collections.abc import Sequence
+from typing import Any, cast
 
-__all__ = ["BlockPool", "PagedKVCache", "PagedKvRows"]
+import numpy as np
+
+from kvrows.codec import PlaneSet
+from kvrows.compositions import composition
+from kvrows.latent import LatentPoolMembers, PagedLatentMembers
+from kvrows.paged import AnyCodecParameters
+from kvrows.reference.codecs import numpy_dtype
+from kvrows.reference.latent import LatentSurface
+from kvrows.reference.paging import BlockPool, PagedLayout, PagedRow, PagedSerial
+from kvrows.reference.rows import Row
+
+__all__ = ["BlockPool", "LatentBlockPool", "PagedKVCache", "PagedKvRows", "PagedLatentCache"]
 
 
 class PagedKVCache(AnyCodecParameters, PagedSerial):
@@ -28,3 +41,81 @@ class PagedKvRows(AnyCodecParameters, PagedLayout):
 
 
 BlockPool.cache_class = PagedKVCache
+
+
+class LatentBlockPool(LatentPoolMembers, BlockPool):
+    """One MLA layer's blocks in NumPy planes: a ``BlockPool`` of a ``Latent`` codec
+    (the latent through ``codec``, rope and index plain; ``spec/PagedLatentCache.md``)."""
+
+
+class PagedLatentCache(PagedLatentMembers, LatentSurface, PagedLayout):
+    """MLA latent + rope (+ DSA index) planes in a block pool, ``MLACache``'s rows
+    (``spec/PagedLatentCache.md``): the latent surface on the paged placement."""
+
+    composition = composition("PagedLatentCache")
+    pool_class = LatentBlockPool
+
+    def _lent(self) -> list[Row | None]:
+        return list(self._rows) or [None]  # an empty cache lends one empty row
+
+    def adopt_rows(self, rows: Sequence[Row]) -> None:
+        super().adopt_rows(rows)
+        self._adopted(len(rows))
+
+    def _adopt_state(self, planes: PlaneSet | None, offsets: list[int], width: int) -> None:
+        """Rows at ``offsets`` from right-justified ``planes``, written into fresh blocks
+        (every block taken at once: a refusal changes nothing), counted as written."""
+        rows: list[PagedRow] = []
+        for b, offset in enumerate(offsets):
+            row = PagedRow(offset=offset)
+            if planes is not None and offset:
+                row.planes = {
+                    t: tuple(np.array(p[b : b + 1, :, width - offset :], copy=True) for p in held)
+                    for t, held in planes.items()
+                }
+            rows.append(row)
+        shapes = self._shapes()
+        pool = self._pool
+        if shapes is not None and width:
+            counts = [math.ceil(o / self.block_size) for o in offsets]
+            pool = self._ensure_pool(cast(Any, shapes), sum(counts))  # a pool's shapes
+            fresh = pool.ledger.allocate(sum(counts))
+            for row, count in zip(rows, counts, strict=True):
+                row.blocks = fresh[:count]
+                del fresh[:count]
+                pool.write_rows([row], row.planes, 0)
+            pool.ledger.bytes_written += sum(offsets) * pool.token_bytes  # written, not copied
+        if pool is not None:
+            for row in rows:
+                pool.open(row, touch=False)
+        self._rows = list(rows)
+        self._place.join(self._rows, 0)
+        self._watch()
+
+    # -- the warm-up exact latents beside the pool ------------------------------------------
+    def _warm_cat(self, held: Any | None, block: Any, row: int) -> Any:
+        part = np.array(block[row : row + 1], copy=True)
+        return part if held is None else np.concatenate([held, part], axis=2)
+
+    def _warm_cut(self, held: Any, keep: int) -> Any:
+        return np.array(held[:, :, :keep], copy=True)
+
+    def _row_slice(self, array: Any, row: int, start: int, stop: int) -> Any:
+        return np.array(array[row : row + 1, :, start:stop], copy=True)
+
+    def _overlay(self, dense: Any, rows: Sequence[Any | None]) -> Any:
+        out = np.array(dense, copy=True)
+        for b, row in enumerate(rows):
+            if row is not None:
+                out[b, :, out.shape[2] - row.shape[2] :] = row[0]
+        return out
+
+    def _stack_warm(self, rows: Sequence[Any | None], width: int) -> Any:
+        shapes = self._shapes()
+        assert shapes is not None
+        out = np.zeros((len(rows), 1, width, shapes.rank), numpy_dtype(shapes.dtype))
+        return self._overlay(out, rows)
+
+
+PagedLatentCache.serial_class = PagedLatentCache  # type: ignore[assignment]  # its own serial
+LatentBlockPool.latent_cache_class = PagedLatentCache

@@ -288,12 +288,16 @@ class BlockPool(PoolBase):
         hits = self.ledger.lookup(chain_hashes(tokens, self.block_size, self.ledger.extra, most))
         if not hits:
             return None
-        cache = self.cache_class(pool=self)
+        cache = self._prefix_cache()
         cache._geometry = self._geometry
         row = PagedRow(offset=len(hits) * self.block_size, blocks=hits)
         row.planes = self.gather([row], [0], row.offset)  # what the hit means: its blocks
         cache.adopt_rows([self.open(row)])
         return cache
+
+    def _prefix_cache(self) -> PagedSerial:
+        """An empty cache of the pool's codec that a prefix hit's rows join."""
+        return self.cache_class(pool=self)
 
     def check_valid(self) -> None:
         """Assert the pool's invariants (``spec/paged-pool.md`` §4) and that every live

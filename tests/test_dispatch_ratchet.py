@@ -44,11 +44,11 @@ BASELINE: dict[str, int] = {
     "conformance/hooks.py": 1,
     "conformance/latent.py": 1,
     "conformance/recurrent.py": 1,
-    "kvrows/forms.py": 3,
+    "kvrows/forms.py": 2,
 }
 
 #: The sum of :data:`BASELINE`: the issue's "before".
-BASELINE_TOTAL = 8
+BASELINE_TOTAL = 7
 
 ADVICE = (
     "Ask a capability instead of a type: a protocol of kvrows.protocols (HasCodec, "

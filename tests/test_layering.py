@@ -181,21 +181,11 @@ def test_the_application_imports_only_public_implementation_names(
     )
 
 
-#: Modules of either twin that may import ``kvrows.paged_latent`` (the latent pool's shared
-#: bookkeeping, until latent paging moves onto the row machinery): latent paging only.
-PAGED_LATENT_USERS = {"paged_latent.py"}
-
-
-def test_the_twins_page_kv_on_their_own_machinery() -> None:
-    """KV paging is ``reference/paging.py`` and ``optimized/paging.py``, each over its own
-    row machinery (contract §0.4, §0.8: the twins share no row bookkeeping); the shared
-    paged machinery is gone and only latent paging imports the latent pool's."""
+def test_the_twins_page_on_their_own_machinery() -> None:
+    """Paging (KV and latent) is ``reference/paging.py`` and ``optimized/paging.py``, each
+    over its own row machinery (contract §0.4, §0.8: the twins share no row bookkeeping):
+    the shared paged machineries are gone."""
     assert not (CORE / "paged_storage.py").exists()
+    assert not (CORE / "paged_latent.py").exists()
     for twin in ("reference", "optimized"):
-        users = {
-            path.name
-            for path in (CORE.parent / twin).rglob("*.py")
-            for _, module in imported_modules(path.read_text(), f"kvrows.{twin}")
-            if module == "kvrows.paged_latent" or module.startswith("kvrows.paged_latent.")
-        }
-        assert users <= PAGED_LATENT_USERS, (twin, sorted(users - PAGED_LATENT_USERS))
+        assert not (CORE.parent / twin / "paged_latent.py").exists()

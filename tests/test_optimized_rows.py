@@ -34,6 +34,7 @@ from kvrows.errors import (
     last_stage_message,
     self_merge_message,
 )
+from kvrows.optimized.paging import PagedLayout
 from kvrows.optimized.rows import DECLARED, Layout, Serial, Store, arrays
 from kvrows.schemes import Affine, Growing, Plain, Ring
 from kvrows.validation import KvGeometry
@@ -109,8 +110,10 @@ def test_every_landed_composition_is_one_declared_class() -> None:
         assert CLASSES[name] is getattr(kv, name) is DECLARED[name]
         assert issubclass(CLASSES[name], Layout if composition(name).is_layout else Serial)
     recurrent = {c.name for c in landed() if c.geometry == "recurrent"}  # the state geometry
-    # The latent codec on the growing geometry, plain and encoded (two stages).
-    latent = {"MLACache", "EncodedLatentCache"}
+    # The latent codec on the growing geometry, plain and encoded (two stages), and on the
+    # paged placement (one stage, its pool a BlockPool of the Latent codec).
+    latent = {"MLACache", "EncodedLatentCache", "PagedLatentCache"}
+    assert issubclass(DECLARED["PagedLatentCache"], PagedLayout)
     assert sorted(DECLARED) == sorted([*(c.name for c in KV_LANDED), *recurrent, *latent])
     # The legos (the delayed modifier's serial mixin, tests/test_lego.py) show their
     # current stage's surface; every other storage here is one codec's.

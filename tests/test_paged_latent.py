@@ -327,6 +327,9 @@ def test_an_encoded_latent_equals_encoded_latent_cache(impl: Any, codec: Any, st
     plain = impl.PagedLatentCache(*WIDTHS, pool=impl.LatentBlockPool(index_head_dim=WIDTHS[2]))
     with pytest.raises(IncompatibleRowsError):
         layout.paged.make_empty_batch().merge_rows([plain])
+    later = impl.PagedLatentCache(*WIDTHS, pool=pool, codec=codec, start=start + 1)
+    with pytest.raises(IncompatibleRowsError):  # the pool's codec, another bf16-first start
+        layout.paged.make_empty_batch().merge_rows([later])
 
 
 # -- the MLA models ---------------------------------------------------------------------
