@@ -273,8 +273,12 @@ class ConversionBoundary:
         self._convert_due()
         return reads
 
-    def _check_target_dims(self, key_dim: int, value_dim: int) -> None:
-        check_target_dims(key_dim, value_dim, self.quantization)
+    def _check_convertible(self, keys: Any, values: Any) -> None:
+        """Refuse ``[B, H, N, D]`` blocks of head dims the target cannot store (before
+        the append: a plain row of them could never convert)."""
+        shapes = [tuple(getattr(a, "shape", ())) for a in (keys, values)]
+        if all(len(shape) == 4 for shape in shapes):
+            check_target_dims(int(shapes[0][3]), int(shapes[1][3]), self.quantization)
 
     def _convert_due(self) -> None:
         """Convert every due row (none while prefilling or inside a round)."""
@@ -333,10 +337,8 @@ class DelayedLayout(ConversionBoundary, SpeculativeRounds):
             _DELAYED_FOR_LEGO[cls.lego_class] = cls
 
     if TYPE_CHECKING:  # the row machinery's (the mixin comes first in the MRO)
-        codec: Any
         _geometry: KvGeometry | None
         _stages: tuple[Any, ...]
-
         token_geometry: GeometrySpec
 
         @property
@@ -573,12 +575,11 @@ class DelayedLayout(ConversionBoundary, SpeculativeRounds):
                 f"keys and values must be [B, H, N, D] arrays, got shapes {shapes[0]} and "
                 f"{shapes[1]}"
             )
-        key_shape, value_shape = shapes
-        if key_shape[0] != self.batch_size or value_shape[0] != self.batch_size:
+        if shapes[0][0] != self.batch_size or shapes[1][0] != self.batch_size:
             raise InvalidInputError(
-                f"the block has {key_shape[0]} rows, the layout {self.batch_size}"
+                f"the block has {shapes[0][0]} rows, the layout {self.batch_size}"
             )
-        self._check_target_dims(int(key_shape[3]), int(value_shape[3]))
+        self._check_convertible(keys, values)
 
     def _append_read(self, keys: Any, values: Any, phase: Phase) -> tuple[Any, Any]:
         """Append a block to every row. All plain or all converted: the read of that

@@ -154,12 +154,8 @@ class Bf16First(ConversionBoundary):
         self._view: Any = None
 
     def _append_read(self, keys: Any, values: Any, phase: Phase) -> tuple[Any, Any]:
-        if phase != "packed":
-            key_shape: tuple[int, ...] = tuple(getattr(keys, "shape", ()))
-            value_shape: tuple[int, ...] = tuple(getattr(values, "shape", ()))
-            if len(key_shape) == 4 and len(value_shape) == 4:
-                # Refuse head dims the codec cannot take before the plain append happens.
-                self._check_target_dims(int(key_shape[3]), int(value_shape[3]))
+        if phase != "packed":  # converted: the target's own append refuses them
+            self._check_convertible(keys, values)
         self._update(keys, values)  # a serial storage's rows are in one stage
         reads = self.fetch()
         self._read_codec = self.codec
