@@ -10,7 +10,8 @@ start)``; rows convert at boundaries only (after an append, a merge, a round's e
 no trim un-converts a row. The array work (moving a row into the target codec) is each
 storage's. The mixed-read scope (:func:`row_reads`) and its handle
 (:class:`RowAttentionPending`) live here too: a read over rows of both stages is the
-modifier's.
+modifier's, and so do the modifier's constructor arguments (its ``target`` and ``start``,
+:func:`delayed_arguments`, the same for a serial storage and a layout).
 """
 
 from __future__ import annotations
@@ -23,17 +24,26 @@ from contextvars import ContextVar
 from typing import Any, Literal, TypeAlias
 
 from kvrows.codec import CodecSpec
+from kvrows.codecs import Affine, Turbo, is_codec_spec
 from kvrows.errors import InvalidInputError, MixedPrecisionReadError, RowIndexError
+from kvrows.geometries import GeometrySpec, Growing, Ring
+from kvrows.validation import as_count
 
 __all__ = [
     "MIXED_READ",
     "Conversion",
     "Phase",
     "RowAttentionPending",
+    "Target",
+    "check_target",
+    "check_target_dims",
     "conversion_due",
+    "delayed_arguments",
+    "lego_arguments",
     "mixed_buffer_message",
     "row_reads",
     "row_reads_active",
+    "turbo_lego_arguments",
 ]
 
 Phase: TypeAlias = Literal["empty", "plain", "mixed", "packed"]
@@ -55,6 +65,31 @@ def conversion_due(offset: int, start: int) -> bool:
     """Whether a plain row holding ``offset`` tokens after an append converts now: at or
     past ``start``, and never while empty (the first append is always plain)."""
     return offset >= start and offset != 0
+
+
+#: The codec a bf16-first row converts to: any that encodes (``CodecSpec.encodes``).
+Target: TypeAlias = CodecSpec
+
+
+def check_target_dims(key_dim: int, value_dim: int, target: Target) -> None:
+    """Refuse head dims ``target`` cannot store (affine: a group size that divides them;
+    TurboQuant: its head dims), naming the side."""
+    for side, dim in (("key", key_dim), ("value", value_dim)):
+        try:
+            target.check_head_dim(dim)
+        except InvalidInputError as error:
+            raise InvalidInputError(
+                f"{side} head dim {dim} cannot be converted to {target.name}: {error}"
+            ) from None
+
+
+def check_target(name: str, target: object, token_geometry: GeometrySpec) -> Target:
+    """``target`` as a conversion codec of ``token_geometry`` (TurboQuant is full attention
+    only: sliding layers stay plain rings under it)."""
+    if not is_codec_spec(target) or not target.encodes:
+        raise InvalidInputError(f"{name} converts to an affine or TurboQuant codec, got {target!r}")
+    target.check_token_geometry(name, token_geometry)
+    return target
 
 
 class Conversion:
@@ -290,3 +325,96 @@ class RowAttentionPending:
 
     def __repr__(self) -> str:
         return f"RowAttentionPending({type(self.layout).__name__}, read {self.generation})"
+
+
+# -- the modifier's constructor arguments ------------------------------------------------
+#: A lego constructor's defaults (the converted class's, then ``start``).
+_DEFAULTS: dict[str, object] = {
+    "group_size": 64, "bits": 8, "keep": 0, "k_bits": 8, "v_bits": 3, "start": 0,
+}  # fmt: skip
+
+
+def _bound(
+    name: str, params: tuple[str, ...], args: tuple[object, ...], kwargs: dict[str, object]
+) -> dict[str, object]:
+    """A lego constructor's arguments by parameter name (positional in ``params``' order)."""
+    if len(args) > len(params):
+        raise TypeError(f"{name} takes at most {len(params)} positional arguments")
+    values = dict(zip(params, args, strict=False))
+    for key, value in kwargs.items():
+        if key not in params or key in values:
+            raise TypeError(f"{name} got an unexpected or repeated argument {key!r}")
+        values[key] = value
+    for key in params:
+        if key not in values:
+            if key not in _DEFAULTS:
+                raise TypeError(f"{name} is missing its {key} argument")
+            values[key] = _DEFAULTS[key]
+    return values
+
+
+def delayed_arguments(
+    name: str, params: tuple[str, ...], args: tuple[object, ...], kwargs: dict[str, object]
+) -> tuple[Target, GeometrySpec, int]:
+    """A delayed storage's constructor arguments (a lego's, a delayed layout's: the
+    converted class's positional order, then ``start``) as its target, token geometry and
+    ``start``; a refused argument names the class."""
+    values = _bound(name, params, args, kwargs)
+    if "k_bits" in values:  # TurboQuant: full attention only
+        spec, first = turbo_lego_arguments(
+            name, values["k_bits"], values["v_bits"], values["start"]
+        )
+        return spec, Growing(), first
+    return lego_arguments(
+        name,
+        values.get("max_size"),
+        values["group_size"],
+        values["bits"],
+        values.get("keep", 0),
+        values["start"],
+    )
+
+
+def turbo_lego_arguments(
+    name: str, k_bits: object, v_bits: object, start: object
+) -> tuple[Turbo, int]:
+    """A TurboQuant lego's (or delayed layout's) arguments as a spec and ``start``; a
+    refused argument names the class."""
+    with _naming(name):
+        spec = Turbo(k_bits=_int(k_bits, "k_bits", name), v_bits=_int(v_bits, "v_bits", name))
+        return spec, as_count(start, "start")
+
+
+def lego_arguments(
+    name: str, max_size: object, group_size: object, bits: object, keep: object, start: object
+) -> tuple[Affine, GeometrySpec, int]:
+    """The constructor arguments of a lego as specs (``max_size is None``: full attention);
+    a refused argument names the class."""
+    with _naming(name):
+        quantization = Affine(
+            bits=_int(bits, "bits", name), group_size=_int(group_size, "group_size", name)
+        )
+        geometry: GeometrySpec = Growing()
+        if max_size is not None:
+            geometry = Ring(
+                max_size=_int(max_size, "max_size", name), keep=_int(keep, "keep", name)
+            )
+        return quantization, geometry, as_count(start, "start")
+
+
+@contextmanager
+def _naming(name: str) -> Iterator[None]:
+    """A refused constructor argument's message starts with the class's name."""
+    try:
+        yield
+    except InvalidInputError as error:
+        message = str(error)
+        if message.startswith(f"{name}:"):
+            raise
+        raise InvalidInputError(f"{name}: {message}") from None
+
+
+def _int(value: object, what: str, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInputError(f"{name}: {what} must be an integer, got {value!r}")
+    return value

@@ -1,5 +1,10 @@
-"""Delayed layouts: rows that convert to affine or TurboQuant at their own bf16-first
+"""The delayed modifier: rows that convert to affine or TurboQuant at their own bf16-first
 boundary.
+
+:class:`ConversionBoundary` is the modifier's one code path (the constructor, the
+``Conversion`` record, the append that converts due rows after its read, the conversion
+at a boundary), under its serial mixin (the bf16-first legos, ``kvrows.lego.Bf16First``: a
+one-row record) and its layout mixin, :class:`DelayedLayout`.
 
 A delayed layout (``spec/DelayedQuantizedKVCache.md``,
 ``spec/DelayedRotatingQuantizedKVCache.md``, ``spec/DelayedTurboQuantKVCache.md``) holds
@@ -33,8 +38,13 @@ from kvrows.common import check_counts, row_bytes
 from kvrows.compositions import Composition
 from kvrows.conversion import (
     MIXED_READ,
+    Conversion,
     Phase,
     RowAttentionPending,
+    Target,
+    check_target,
+    check_target_dims,
+    delayed_arguments,
     row_reads,
     row_reads_active,
 )
@@ -48,13 +58,7 @@ from kvrows.errors import (
     not_a_geometry_message,
 )
 from kvrows.forms import DELAYED_PLAIN, delayed_state, parse_delayed_state
-from kvrows.lego import (
-    Bf16First,
-    ConversionBoundary,
-    Target,
-    check_target,
-    delayed_arguments,
-)
+from kvrows.geometries import is_geometry_spec
 from kvrows.protocols import Converting, Handover
 from kvrows.schemes import CodecSpec, GeometrySpec, Plain
 from kvrows.speculative import SpeculativeRounds
@@ -62,6 +66,7 @@ from kvrows.validation import KvGeometry, as_count, check_keep, check_row
 
 __all__ = [
     "MIXED_READ",
+    "ConversionBoundary",
     "DelayedLayout",
     "GroupAttend",
     "RowAttentionPending",
@@ -86,7 +91,7 @@ def _default_group_attend(
 _DELAYED_FOR_LEGO: dict[type[Any], type[Any]] = {}
 
 
-def delayed_layout_for(lego: Bf16First) -> type[Any]:
+def delayed_layout_for(lego: Any) -> type[Any]:
     """The delayed layout class that holds rows of ``lego``'s class."""
     try:
         return _DELAYED_FOR_LEGO[type(lego)]
@@ -94,6 +99,199 @@ def delayed_layout_for(lego: Bf16First) -> type[Any]:
         raise InvalidInputError(
             f"{type(lego).__name__} has no delayed layout (no implementation registered one)"
         ) from None
+
+
+class ConversionBoundary:
+    """The delayed modifier's one code path, shared by its serial mixin (the legos,
+    ``kvrows.lego.Bf16First``) and its layout mixin (:class:`DelayedLayout`): the
+    constructor (the target codec, the token geometry, ``start``), the conversion record of
+    the rows (``kvrows.conversion.Conversion``), the append that converts due rows after
+    its read, the conversion at a boundary (``_convert``) and ``max_append_tokens``. A
+    serial storage is the one-row case: its record has one row, whatever its batch holds
+    (its rows move together), and its rows convert together.
+
+    ``bits`` / ``group_size`` show under the record's rule: an affine target's, visible
+    only while the last append returned quantized reads (mlx-lm's attention asks
+    ``hasattr(cache, "bits")`` right after ``update_and_fetch`` to pick its quantized path,
+    and a converting append returns plain keys and values). A TurboQuant target never shows
+    them: its reads defer the values, so they go through the codec's own attention
+    (``kvrows.app.attention.dispatch``), not mlx-lm's.
+
+    It is listed first among a delayed preset's bases, over the implementation's row
+    machinery, which supplies the stage hooks (``reference/rows.py``,
+    ``optimized/rows.py``): ``_setup(codec, token_geometry, geometry)`` (an empty storage
+    of those specs), ``_use_stages(specs)`` (the codecs of the stages; rows start in stage
+    0) and ``_convert_rows(rows)`` (re-encode rows from their stage into the next).
+    """
+
+    #: The record's class (a test plants a wrong rule through it).
+    conversion_class: ClassVar[type[Conversion]] = Conversion
+    composition: ClassVar[Composition]
+    #: A serial storage keeps a one-row record; a layout one row per batch row.
+    _one_row: ClassVar[bool] = False
+    _conversion: Conversion
+    _token_geometry: GeometrySpec
+    _declared: KvGeometry | None
+
+    if TYPE_CHECKING:  # the row machinery's stage hooks (the mixin comes first in the MRO)
+        codec: Any
+
+        def _setup(
+            self, codec_spec: CodecSpec, token_geometry: GeometrySpec, geometry: KvGeometry | None
+        ) -> None: ...
+
+        def _use_stages(self, specs: Sequence[CodecSpec]) -> None: ...
+
+        def _convert_rows(self, rows: Sequence[int]) -> None: ...
+
+    # -- construction ------------------------------------------------------------------------
+    def __init__(self, *args: object, geometry: KvGeometry | None = None, **kwargs: object) -> None:
+        spec, tokens, first = delayed_arguments(
+            type(self).__name__, self.composition.params, args, kwargs
+        )
+        self._init_delayed(spec, tokens, first, geometry)
+
+    @classmethod
+    def from_specs(
+        cls,
+        codec: Any,
+        token_geometry: GeometrySpec,
+        *,
+        geometry: KvGeometry | None = None,
+        start: int = 0,
+    ) -> Self:
+        """An empty storage converting to ``codec`` (of the table entry's codec kind) on
+        ``token_geometry`` (``start`` is not a codec or geometry parameter)."""
+        kind = cls.composition.codec
+        if getattr(codec, "kind", None) != kind:
+            raise InvalidInputError(f"{cls.__name__} converts to the {kind} codec, got {codec!r}")
+        fresh = cls.__new__(cls)
+        fresh._init_delayed(codec, token_geometry, as_count(start, "start"), geometry)
+        return fresh
+
+    def _init_delayed(
+        self, quantization: Target, token_geometry: GeometrySpec, start: int, geometry: Any
+    ) -> None:
+        name = type(self).__name__
+        if not is_geometry_spec(token_geometry) or not token_geometry.token_axis:
+            raise InvalidInputError(
+                f"{name} takes a Growing() or Ring(...) token geometry, got {token_geometry!r}"
+            )
+        if geometry is not None and not isinstance(geometry, KvGeometry):
+            raise InvalidInputError(f"{name}: {not_a_geometry_message(type(geometry).__name__)}")
+        quantization = check_target(name, quantization, token_geometry)
+        if geometry is not None:
+            check_target_dims(geometry.key_dim, geometry.value_dim, quantization)
+        self._conversion = self.conversion_class(quantization, start)
+        self._token_geometry = token_geometry
+        self._declared = geometry
+        self._reset()
+
+    def _reset(self) -> None:
+        """Empty, plain (stage 0), no row converted, nothing read."""
+        self._setup(Plain(), self._token_geometry, self._declared)
+        self._use_stages((Plain(), self.quantization))
+        self._conversion = self.conversion_class(
+            self.quantization, self.start, [None] if self._one_row else []
+        )
+        self._forget_reads()
+
+    def _like(self) -> Self:
+        """An empty storage of the same parameters."""
+        return self.from_specs(
+            self.quantization, self._token_geometry, geometry=self._declared, start=self.start
+        )
+
+    # -- what the record says ------------------------------------------------------------------
+    @property
+    def start(self) -> int:
+        """The bf16-first boundary: the offset at which a row converts."""
+        return self._conversion.start
+
+    @property
+    def quantization(self) -> Target:
+        """The codec rows convert to."""
+        return self._conversion.target
+
+    @property
+    def converts_to_deferred_values(self) -> bool:
+        """Whether the target codec's reads defer their values (TurboQuant: attention goes
+        through the codec, ``kvrows.app.attention.dispatch``)."""
+        return self._conversion.target.reads == "own"
+
+    @property
+    def bits(self) -> int:
+        return self._conversion.read_parameter(type(self).__name__, "bits")
+
+    @property
+    def group_size(self) -> int:
+        return self._conversion.read_parameter(type(self).__name__, "group_size")
+
+    @property
+    def minimum_reusable_offset(self) -> int:
+        """The largest offset at which a row converted with ``start > 0`` (prefix reuse
+        must not trim below it: that row would skip its conversion); 0 before any row
+        converts and with ``start == 0``."""
+        return self._conversion.minimum_reusable_offset
+
+    def max_append_tokens(self) -> float:
+        """Tokens the next append may add without passing any plain row's boundary:
+        ``start - offset`` of the nearest, else unlimited."""
+        return self._conversion.max_append_tokens(self._record_offsets())
+
+    # -- the arrangement's hooks -----------------------------------------------------------------
+    def _record_offsets(self) -> Sequence[int]:
+        """The offset of each row of the record."""
+        raise NotImplementedError
+
+    def _storage_rows(self, rows: Sequence[int]) -> Sequence[int]:
+        """The storage's rows that rows ``rows`` of the record stand for."""
+        return rows
+
+    def _in_round(self) -> bool:
+        """Whether a speculative round is open (nothing converts inside one)."""
+        return False
+
+    def _append_read(self, keys: Any, values: Any, phase: Phase) -> tuple[Any, Any]:
+        """Check the block, append it and return the read (the rows in ``phase``)."""
+        raise NotImplementedError
+
+    def _forget_reads(self) -> None:
+        """Drop what the last append read (the rows changed)."""
+
+    def _converting(self) -> None:
+        """Rows are about to convert (after the append that read them plain)."""
+
+    # -- appends and conversion ----------------------------------------------------------------
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        """Append a block; its read is the rows' codec's (a converting append reads plain).
+        After the append (not inside a round or a prefill), rows that reached ``start``
+        convert. A refused block changes nothing."""
+        phase = self._conversion.phase
+        reads = self._append_read(keys, values, phase)
+        self._conversion.note_read(phase == "packed")
+        self._convert_due()
+        return reads
+
+    def _check_convertible(self, keys: Any, values: Any) -> None:
+        """Refuse ``[B, H, N, D]`` blocks of head dims the target cannot store (before
+        the append: a plain row of them could never convert)."""
+        shapes = [tuple(getattr(a, "shape", ())) for a in (keys, values)]
+        if all(len(shape) == 4 for shape in shapes):
+            check_target_dims(int(shapes[0][3]), int(shapes[1][3]), self.quantization)
+
+    def _convert_due(self) -> None:
+        """Convert every due row (none while prefilling or inside a round)."""
+        self._convert(self._conversion.due(self._record_offsets(), round_open=self._in_round()))
+
+    def _convert(self, rows: Sequence[int]) -> None:
+        """Move ``rows`` of the record (plain, due) into the target stage."""
+        if not rows:
+            return
+        offsets = self._record_offsets()
+        self._converting()
+        self._convert_rows(self._storage_rows(rows))
+        self._conversion.mark(rows, offsets)
 
 
 class StagePart:
@@ -130,6 +328,8 @@ class DelayedLayout(ConversionBoundary, SpeculativeRounds):
     affine_group_class: ClassVar[type[Any]]
     #: The serial lego of this geometry and codec: rows joined from legos extract as legos.
     lego_class: ClassVar[type[Any]]
+    #: ``composed.over`` of the legos the rows came from (``None``: rows extract as storages).
+    _compose: Callable[..., Any] | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -137,10 +337,8 @@ class DelayedLayout(ConversionBoundary, SpeculativeRounds):
             _DELAYED_FOR_LEGO[cls.lego_class] = cls
 
     if TYPE_CHECKING:  # the row machinery's (the mixin comes first in the MRO)
-        codec: Any
         _geometry: KvGeometry | None
         _stages: tuple[Any, ...]
-
         token_geometry: GeometrySpec
 
         @property
@@ -154,14 +352,6 @@ class DelayedLayout(ConversionBoundary, SpeculativeRounds):
 
         @property
         def row_stages(self) -> tuple[int, ...]: ...
-
-        def _setup(
-            self, codec_spec: CodecSpec, token_geometry: GeometrySpec, geometry: KvGeometry | None
-        ) -> None: ...
-
-        def _use_stages(self, specs: Sequence[CodecSpec]) -> None: ...
-
-        def _convert_rows(self, rows: Sequence[int]) -> None: ...
 
         def _stage_parts(self) -> list[tuple[list[int], Any, dict[str, Any]]]: ...
 
@@ -191,60 +381,26 @@ class DelayedLayout(ConversionBoundary, SpeculativeRounds):
         raise NotImplementedError
 
     # -- construction ------------------------------------------------------------------------
-    def __init__(self, *args: object, geometry: KvGeometry | None = None, **kwargs: object) -> None:
-        spec, tokens, first = delayed_arguments(
-            type(self).__name__, self.composition.params, args, kwargs
-        )
-        self._init_delayed(spec, tokens, first, geometry)
-
-    def _init_delayed(
-        self, quantization: Target, token_geometry: GeometrySpec, start: int, geometry: Any
-    ) -> None:
-        quantization = check_target(type(self).__name__, quantization, token_geometry)
-        if geometry is not None and not isinstance(geometry, KvGeometry):
-            raise InvalidInputError(
-                f"{type(self).__name__}: {not_a_geometry_message(type(geometry).__name__)}"
-            )
-        if geometry is not None:
-            Bf16First._check_dims(geometry.key_dim, geometry.value_dim, quantization)
-        self._conversion = self.conversion_class(quantization, start)
-        self._token_geometry = token_geometry
-        self._declared = geometry
-        self._compose: Callable[..., Any] | None = None
-        self._reset()
-
     def _reset(self) -> None:
         """No row, plain, nothing read (the compose hook and the prefill scope are the
         caller's to keep)."""
-        self._setup(Plain(), self._token_geometry, self._declared)
-        self._use_stages((Plain(), self.quantization))
-        self._conversion = self.conversion_class(self.quantization, self.start)
+        super()._reset()
         self._generation = 0
+
+    def _forget_reads(self) -> None:
         self._pending: list[StagePart] | None = None
         #: The last plain or packed read: its codec and reads (``attend_last_read``).
         self._last: tuple[Any, tuple[Any, Any]] | None = None
 
-    @classmethod
-    def from_specs(
-        cls,
-        codec: Any,
-        token_geometry: GeometrySpec,
-        *,
-        geometry: KvGeometry | None = None,
-        start: int = 0,
-    ) -> Self:
-        """A layout from specs (``start`` is not a codec or geometry parameter)."""
-        kind = cls.composition.codec
-        if getattr(codec, "kind", None) != kind:
-            raise InvalidInputError(f"{cls.__name__} converts to the {kind} codec, got {codec!r}")
-        fresh = cls.__new__(cls)
-        fresh._init_delayed(codec, token_geometry, as_count(start, "start"), geometry)
-        return fresh
-
     def make_empty_batch(self) -> Self:
-        return self.from_specs(
-            self.quantization, self._token_geometry, geometry=self._declared, start=self.start
-        )
+        return self._like()
+
+    # -- the record's rows ---------------------------------------------------------------------
+    def _record_offsets(self) -> Sequence[int]:
+        return self.row_offsets
+
+    def _in_round(self) -> bool:
+        return self.spec_round_open
 
     # -- what it is --------------------------------------------------------------------------
     @property
@@ -293,10 +449,6 @@ class DelayedLayout(ConversionBoundary, SpeculativeRounds):
 
     def is_trimmable(self) -> bool:
         return True
-
-    def max_append_tokens(self) -> float:
-        """Tokens the next append may add without passing any plain row's boundary."""
-        return self._conversion.max_append_tokens(self.row_offsets)
 
     # -- saved state (``kvrows.forms``; ``spec/persistence.md`` §1.1) -------------------------
     def _group_states(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
@@ -423,24 +575,20 @@ class DelayedLayout(ConversionBoundary, SpeculativeRounds):
                 f"keys and values must be [B, H, N, D] arrays, got shapes {shapes[0]} and "
                 f"{shapes[1]}"
             )
-        key_shape, value_shape = shapes
-        if key_shape[0] != self.batch_size or value_shape[0] != self.batch_size:
+        if shapes[0][0] != self.batch_size or shapes[1][0] != self.batch_size:
             raise InvalidInputError(
-                f"the block has {key_shape[0]} rows, the layout {self.batch_size}"
+                f"the block has {shapes[0][0]} rows, the layout {self.batch_size}"
             )
-        Bf16First._check_dims(int(key_shape[3]), int(value_shape[3]), self.quantization)
+        self._check_convertible(keys, values)
 
-    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+    def _append_read(self, keys: Any, values: Any, phase: Phase) -> tuple[Any, Any]:
         """Append a block to every row. All plain or all converted: the read of that
         codec. Mixed (inside :func:`row_reads`): each stage's rows and their reads come back
-        as a pending pair (outside one: ``MixedPrecisionReadError``, nothing changed).
-        After the append (not inside a round or a prefill), rows that reached ``start``
-        convert."""
+        as a pending pair (outside one: ``MixedPrecisionReadError``, nothing changed)."""
         self._spec_usable()
         if not self.batch_size:
             raise LayoutStateError(EMPTY_LAYOUT_UPDATE)
         self._check_block(keys, values)
-        phase = self.phase
         if phase == "mixed" and not row_reads_active():
             raise MixedPrecisionReadError(MIXED_READ)
 
@@ -463,13 +611,9 @@ class DelayedLayout(ConversionBoundary, SpeculativeRounds):
                 reads = _pair(self._read())
                 self._last = (self.codec, reads)
             self._generation += 1
-            self._conversion.note_read(phase == "packed")
             return reads
 
-        reads = self._spec_append(append)
-        if not self.spec_round_open:
-            self._convert_due()
-        return reads
+        return self._spec_append(append)
 
     @property
     def needs_row_attention(self) -> bool:
@@ -481,10 +625,6 @@ class DelayedLayout(ConversionBoundary, SpeculativeRounds):
     def reads_pending(self) -> bool:
         """Whether the last append returned a pending pair (mixed rows)."""
         return self._pending is not None
-
-    def _forget_reads(self) -> None:
-        self._pending = None
-        self._last = None
 
     def attend_last_read(self, queries: Any, mask: Any, scale: float) -> Any:
         """Attention of ``queries`` over what the last append returned (``None`` when no
@@ -533,19 +673,6 @@ class DelayedLayout(ConversionBoundary, SpeculativeRounds):
             outputs.append(run(rows_queries, part, *part.reads, part.mask, scale))
             order.extend(part.rows)
         return self._in_batch_order(outputs, order)
-
-    # -- conversion --------------------------------------------------------------------------
-    def _convert_due(self) -> None:
-        """Convert every due row (none while prefilling or inside a round)."""
-        self._convert(self._conversion.due(self.row_offsets, round_open=self.spec_round_open))
-
-    def _convert(self, rows: Sequence[int]) -> None:
-        """Move ``rows`` (plain, due) into the target stage, encoded as the lego encodes."""
-        if not rows:
-            return
-        offsets = self.row_offsets
-        self._convert_rows(rows)
-        self._conversion.mark(rows, offsets)
 
     # -- prefill maintenance -----------------------------------------------------------------
     def begin_prefill(self) -> None:
@@ -607,10 +734,8 @@ class DelayedLayout(ConversionBoundary, SpeculativeRounds):
                 lego.start,
             ) != (q, tokens, self.start):
                 return None
-            counts = _row_counts(lego)
-            if lego.converted:
-                return [lego.minimum_reusable_offset] * len(counts)
-            return [None] * len(counts)
+            # The lego's one-row record stands for each of its rows (they move together).
+            return list(lego._conversion.converted_at) * len(_row_counts(lego))
         spec = getattr(source, "codec_spec", None)
         if spec not in (Plain(), q):
             return None

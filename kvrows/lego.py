@@ -16,26 +16,38 @@ preset of its current stage (``KVCache`` / ``RotatingKVCache`` while plain,
 ``QuantizedKVCache`` / ``RotatingQuantizedKVCache`` / ``TurboQuantKVCache`` once
 converted), so a saved lego is that storage's form plus its lego record.
 
-This module holds the array-free logic once; each implementation's row machinery
-supplies the stage hooks (``reference/rows.py``, ``optimized/rows.py``) and its
-``classes.py`` builds the presets from the table.
+This module holds what is serial only: the lego surface (the ``Handover``:
+``composed.release()`` / ``over(storage)``, ``storage``, ``read_storage``, the state and
+signature of the current stage). The conversion itself (the record, the append that
+converts after its read, the constructor's arguments) is the delayed modifier's one code
+path, ``kvrows.delayed.ConversionBoundary``, which the delayed layouts run too (a serial
+storage is its one-row case); each implementation's row machinery supplies the stage hooks
+(``reference/rows.py``, ``optimized/rows.py``) and its ``classes.py`` builds the presets
+from the table.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeAlias
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
-from kvrows.codec import CodecSpec
-from kvrows.codecs import is_codec_spec
-from kvrows.conversion import Conversion, conversion_due
-from kvrows.errors import InvalidInputError, UnsupportedStateError, not_a_geometry_message
-from kvrows.geometries import is_geometry_spec
+from kvrows.conversion import (
+    Phase,
+    Target,
+    check_target_dims,
+    conversion_due,
+    delayed_arguments,
+    lego_arguments,
+    turbo_lego_arguments,
+)
+from kvrows.delayed import ConversionBoundary
+from kvrows.errors import InvalidInputError, UnsupportedStateError
 from kvrows.protocols import RowAttention, TimeOrderedReads
-from kvrows.schemes import Affine, GeometrySpec, Growing, Plain, Ring, Turbo
+from kvrows.schemes import GeometrySpec
 from kvrows.validation import KvGeometry, as_count
 
+# The constructor's arguments and the target's checks are the modifier's
+# (``kvrows.conversion``), named here too, where they were written first.
 __all__ = [
     "Bf16First",
     "ConversionBoundary",
@@ -47,30 +59,6 @@ __all__ = [
     "lego_arguments",
     "turbo_lego_arguments",
 ]
-
-#: The codec a bf16-first row converts to: any that encodes (``CodecSpec.encodes``).
-Target: TypeAlias = CodecSpec
-
-
-def check_target_dims(key_dim: int, value_dim: int, target: Target) -> None:
-    """Refuse head dims ``target`` cannot store (affine: a group size that divides them;
-    TurboQuant: its head dims), naming the side."""
-    for side, dim in (("key", key_dim), ("value", value_dim)):
-        try:
-            target.check_head_dim(dim)
-        except InvalidInputError as error:
-            raise InvalidInputError(
-                f"{side} head dim {dim} cannot be converted to {target.name}: {error}"
-            ) from None
-
-
-def check_target(name: str, target: object, token_geometry: GeometrySpec) -> Target:
-    """``target`` as a conversion codec of ``token_geometry`` (TurboQuant is full attention
-    only: sliding layers stay plain rings under it)."""
-    if not is_codec_spec(target) or not target.encodes:
-        raise InvalidInputError(f"{name} converts to an affine or TurboQuant codec, got {target!r}")
-    target.check_token_geometry(name, token_geometry)
-    return target
 
 
 class LegoComposition:
@@ -106,95 +94,24 @@ class LegoComposition:
         return frozenset({lego.signature(), converted.signature()})
 
 
-class ConversionBoundary:
-    """What a lego and a delayed layout share: the conversion record of their rows
-    (``kvrows.conversion.Conversion``: the codec they convert to, affine or TurboQuant, and
-    the boundary ``start``), the token geometry, and ``bits`` / ``group_size`` under the
-    record's rule: an affine target's, visible only while the last append returned
-    quantized reads (mlx-lm's attention asks ``hasattr(cache, "bits")`` right after
-    ``update_and_fetch`` to pick its quantized path, and a converting append returns plain
-    keys and values). A TurboQuant target never shows them: its reads defer the values, so
-    they go through the codec's own attention (``kvrows.app.attention.dispatch``), not
-    mlx-lm's."""
-
-    #: The record's class (a test plants a wrong rule through it).
-    conversion_class: ClassVar[type[Conversion]] = Conversion
-    _conversion: Conversion
-    _token_geometry: GeometrySpec
-
-    @property
-    def start(self) -> int:
-        """The bf16-first boundary: the offset at which a row converts."""
-        return self._conversion.start
-
-    @property
-    def quantization(self) -> Target:
-        """The codec rows convert to."""
-        return self._conversion.target
-
-    @property
-    def converts_to_deferred_values(self) -> bool:
-        """Whether the target codec's reads defer their values (TurboQuant: attention goes
-        through the codec, ``kvrows.app.attention.dispatch``)."""
-        return self._conversion.target.reads == "own"
-
-    @property
-    def bits(self) -> int:
-        return self._conversion.read_parameter(type(self).__name__, "bits")
-
-    @property
-    def group_size(self) -> int:
-        return self._conversion.read_parameter(type(self).__name__, "group_size")
-
-    @property
-    def minimum_reusable_offset(self) -> int:
-        """The largest offset at which a row converted with ``start > 0`` (prefix reuse
-        must not trim below it: that row would skip its conversion); 0 before any row
-        converts and with ``start == 0``."""
-        return self._conversion.minimum_reusable_offset
-
-
 class Bf16First(ConversionBoundary):
     """The delayed modifier's serial mixin (contract §0.5): a serial storage of the row
-    machinery holding ``stages = (Plain(), target)`` (see the module docstring).
+    machinery holding ``stages = (Plain(), target)`` (see the module docstring), whose
+    conversion is :class:`kvrows.delayed.ConversionBoundary`'s with a one-row record.
 
-    It is listed first among a lego preset's bases, over the implementation's serial
-    storage, which supplies the stage hooks (``reference/rows.py``, ``optimized/rows.py``):
-    ``_setup(codec, token_geometry, geometry)`` (an empty storage of those specs),
-    ``_use_stages(specs)`` (the codecs of the stages; rows start in stage 0),
-    ``_convert_rows(rows)`` (re-encode rows from their stage into the next),
-    ``_stage_view(cls, view)`` (an instance of the serial preset ``cls`` sharing this
-    storage's rows: borrowed) and ``_take_rows(storage)`` (hold what ``storage`` holds).
-    The lego surface (``storage``, ``composed``, ``signature()``, ``state``) shows the
-    serial preset of the current stage (``plain_class`` / ``affine_class``, read off the
-    table by ``kvrows.compositions.stage_presets``). Arguments follow the converted class's
+    Besides the hooks the conversion asks, the machinery supplies ``_stage_view(cls,
+    view)`` (an instance of the serial preset ``cls`` sharing this storage's rows:
+    borrowed) and ``_take_rows(storage)`` (hold what ``storage`` holds). The lego surface
+    (``storage``, ``composed``, ``signature()``, ``state``) shows the serial preset of the
+    current stage (``plain_class`` / ``affine_class``, read off the table by
+    ``kvrows.compositions.stage_presets``). Arguments follow the converted class's
     positional order, then ``start``.
     """
 
     #: The serial presets of the two stages (set from the table by ``classes.build``).
     plain_class: ClassVar[type[Any]]
     affine_class: ClassVar[type[Any]]
-    composition: ClassVar[Any]
-    codec: Any
-
-    def __init__(self, *args: object, geometry: KvGeometry | None = None, **kwargs: object) -> None:
-        spec, tokens, first = delayed_arguments(
-            type(self).__name__, self.composition.params, args, kwargs
-        )
-        self._init_lego(spec, tokens, first, geometry)
-
-    @classmethod
-    def from_specs(
-        cls,
-        codec_spec: CodecSpec,
-        token_geometry: GeometrySpec,
-        *,
-        geometry: KvGeometry | None = None,
-        start: int = 0,
-    ) -> Self:
-        """An empty lego converting to ``codec_spec`` (the delayed layouts' ``from_specs``:
-        the target codec, the geometry, ``start``)."""
-        return cls.from_parts(codec_spec, token_geometry, start, geometry)
+    _one_row = True
 
     @classmethod
     def from_parts(
@@ -205,59 +122,30 @@ class Bf16First(ConversionBoundary):
         geometry: KvGeometry | None = None,
     ) -> Self:
         """An empty lego from its specs (a saved lego's record, ``composed.over``)."""
-        fresh = cls.__new__(cls)
-        fresh._init_lego(quantization, token_geometry, start, geometry)
-        return fresh
+        return cls.from_specs(quantization, token_geometry, geometry=geometry, start=start)
 
-    def _init_lego(
-        self,
-        quantization: Target,
-        token_geometry: GeometrySpec,
-        start: int,
-        geometry: KvGeometry | None,
-    ) -> None:
-        if not is_geometry_spec(token_geometry) or not token_geometry.token_axis:
-            raise InvalidInputError(
-                f"{type(self).__name__} takes a Growing() or Ring(...) token geometry, "
-                f"got {token_geometry!r}"
-            )
-        if geometry is not None and not isinstance(geometry, KvGeometry):
-            raise InvalidInputError(
-                f"{type(self).__name__}: {not_a_geometry_message(type(geometry).__name__)}"
-            )
-        quantization = check_target(type(self).__name__, quantization, token_geometry)
-        if geometry is not None:
-            self._check_dims(geometry.key_dim, geometry.value_dim, quantization)
-        self._conversion = self.conversion_class(quantization, as_count(start, "start"))
-        self._token_geometry = token_geometry
-        self._declared = geometry
-        self._reset()
-
-    if TYPE_CHECKING:  # the row machinery's stage hooks (the mixin comes first in the MRO)
+    if TYPE_CHECKING:  # the row machinery's (the mixin comes first in the MRO)
         _stage: int
         offset: Any
         rows: int
         token_geometry: GeometrySpec
 
-        def _setup(
-            self, codec_spec: CodecSpec, token_geometry: GeometrySpec, geometry: KvGeometry | None
-        ) -> None: ...
+        def _update(self, keys: Any, values: Any) -> None: ...
 
-        def _use_stages(self, specs: Sequence[CodecSpec]) -> None: ...
-
-        def _convert_rows(self, rows: Sequence[int]) -> None: ...
+        def fetch(self) -> tuple[Any, Any]: ...
 
         def _stage_view(self, cls: type[Any], view: Any = None) -> Any: ...
 
         def _take_rows(self, storage: Any) -> None: ...
 
-    # -- state ---------------------------------------------------------------------------------
-    def _reset(self) -> None:
-        """Empty, plain (stage 0), the constructed parameters."""
-        self._setup(Plain(), self._token_geometry, self._declared)
-        self._use_stages((Plain(), self.quantization))
-        #: One row: plain, no append read yet.
-        self._conversion = self.conversion_class(self.quantization, self.start, [None])
+    # -- the one-row record ----------------------------------------------------------------------
+    def _record_offsets(self) -> Sequence[int]:
+        return [int(self.offset)]
+
+    def _storage_rows(self, rows: Sequence[int]) -> Sequence[int]:
+        return range(int(self.rows))  # a serial storage's rows move together
+
+    def _forget_reads(self) -> None:
         #: The codec of what the last append returned (``None``: no append yet).
         self._read_codec: Any = None
         #: The plain storage the converting append read from (``None``: the current one).
@@ -265,9 +153,18 @@ class Bf16First(ConversionBoundary):
         #: What ``storage`` returns while the stage lasts (``None``: none made yet).
         self._view: Any = None
 
-    def _like(self) -> Bf16First:
-        """An empty lego of the same parameters."""
-        return self.from_parts(self.quantization, self._token_geometry, self.start, self._declared)
+    def _append_read(self, keys: Any, values: Any, phase: Phase) -> tuple[Any, Any]:
+        if phase != "packed":  # converted: the target's own append refuses them
+            self._check_convertible(keys, values)
+        self._update(keys, values)  # a serial storage's rows are in one stage
+        reads = self.fetch()
+        self._read_codec = self.codec
+        self._read_from = None
+        return reads
+
+    def _converting(self) -> None:
+        self._read_from = self.storage  # the plain stage, as the converting append read it
+        self._view = None
 
     def _adopt(self, storage: Any, minimum_reusable_offset: int | None) -> None:
         name = type(self).__name__
@@ -304,13 +201,8 @@ class Bf16First(ConversionBoundary):
         converted_at = minimum if converted else None
         self._conversion = self.conversion_class(self.quantization, self.start, [converted_at])
         self._conversion.note_read(converted)
-        self._read_codec = None
-        self._read_from = None
+        self._forget_reads()
         self._view = storage  # ``storage`` stays the object handed over
-
-    @staticmethod
-    def _check_dims(key_dim: int, value_dim: int, quantization: Target) -> None:
-        check_target_dims(key_dim, value_dim, quantization)
 
     # -- what the lego is ----------------------------------------------------------------------
     def _stage_class(self) -> type[Any]:
@@ -361,45 +253,10 @@ class Bf16First(ConversionBoundary):
         """Whether the rows are in the target stage (irreversible)."""
         return self._conversion.phase == "packed"
 
-    def max_append_tokens(self) -> float:
-        """Tokens the next append may add without passing the conversion point:
-        ``start - offset`` while plain below ``start``, else unlimited."""
-        return self._conversion.max_append_tokens([int(self.offset)])
-
     @property
     def composed(self) -> LegoComposition:
         """``release()`` / ``over(storage)`` (``spec/bf16-first.md``)."""
         return LegoComposition(self)
-
-    # -- the storage's surface -----------------------------------------------------------------
-    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
-        """Append a block; plain while below ``start``, converting before returning when
-        this append reaches it (its reads stay plain), quantized afterwards. A refused
-        block changes nothing."""
-        reads: tuple[Any, Any]
-        if self.converted:
-            reads = super().update_and_fetch(keys, values)  # type: ignore[misc]
-            self._conversion.note_read(True)
-            self._read_codec = self.codec
-            self._read_from = None
-            return reads
-        key_shape: tuple[int, ...] = tuple(getattr(keys, "shape", ()))
-        value_shape: tuple[int, ...] = tuple(getattr(values, "shape", ()))
-        if len(key_shape) == 4 and len(value_shape) == 4:
-            # Refuse head dims the codec cannot take before the plain append happens.
-            self._check_dims(int(key_shape[3]), int(value_shape[3]), self.quantization)
-        reads = super().update_and_fetch(keys, values)  # type: ignore[misc]
-        plain = self.codec
-        offsets = [int(self.offset)]
-        self._read_from = None
-        if due := self._conversion.due(offsets):
-            self._read_from = self.storage  # the plain stage, as the read saw it
-            self._view = None
-            self._convert_rows(list(range(int(self.rows))))  # a serial storage's rows move together
-            self._conversion.mark(due, offsets)
-        self._conversion.note_read(False)
-        self._read_codec = plain
-        return reads
 
     def _state(self) -> tuple[Any, ...]:
         """The current stage's serial preset's state (a saved lego is its storage's form)."""
@@ -429,95 +286,3 @@ class Bf16First(ConversionBoundary):
             f"{type(self).__name__}({self.quantization.name}, {self._token_geometry}, "
             f"start={self.start}, {phase}, offset={self.offset})"
         )
-
-
-#: A lego constructor's defaults (the converted class's, then ``start``).
-_DEFAULTS: dict[str, object] = {
-    "group_size": 64, "bits": 8, "keep": 0, "k_bits": 8, "v_bits": 3, "start": 0,
-}  # fmt: skip
-
-
-def _bound(
-    name: str, params: tuple[str, ...], args: tuple[object, ...], kwargs: dict[str, object]
-) -> dict[str, object]:
-    """A lego constructor's arguments by parameter name (positional in ``params``' order)."""
-    if len(args) > len(params):
-        raise TypeError(f"{name} takes at most {len(params)} positional arguments")
-    values = dict(zip(params, args, strict=False))
-    for key, value in kwargs.items():
-        if key not in params or key in values:
-            raise TypeError(f"{name} got an unexpected or repeated argument {key!r}")
-        values[key] = value
-    for key in params:
-        if key not in values:
-            if key not in _DEFAULTS:
-                raise TypeError(f"{name} is missing its {key} argument")
-            values[key] = _DEFAULTS[key]
-    return values
-
-
-def delayed_arguments(
-    name: str, params: tuple[str, ...], args: tuple[object, ...], kwargs: dict[str, object]
-) -> tuple[Target, GeometrySpec, int]:
-    """A delayed storage's constructor arguments (a lego's, a delayed layout's: the
-    converted class's positional order, then ``start``) as its target, token geometry and
-    ``start``; a refused argument names the class."""
-    values = _bound(name, params, args, kwargs)
-    if "k_bits" in values:  # TurboQuant: full attention only
-        spec, first = turbo_lego_arguments(
-            name, values["k_bits"], values["v_bits"], values["start"]
-        )
-        return spec, Growing(), first
-    return lego_arguments(
-        name,
-        values.get("max_size"),
-        values["group_size"],
-        values["bits"],
-        values.get("keep", 0),
-        values["start"],
-    )
-
-
-def turbo_lego_arguments(
-    name: str, k_bits: object, v_bits: object, start: object
-) -> tuple[Turbo, int]:
-    """A TurboQuant lego's (or delayed layout's) arguments as a spec and ``start``; a
-    refused argument names the class."""
-    with _naming(name):
-        spec = Turbo(k_bits=_int(k_bits, "k_bits", name), v_bits=_int(v_bits, "v_bits", name))
-        return spec, as_count(start, "start")
-
-
-def lego_arguments(
-    name: str, max_size: object, group_size: object, bits: object, keep: object, start: object
-) -> tuple[Affine, GeometrySpec, int]:
-    """The constructor arguments of a lego as specs (``max_size is None``: full attention);
-    a refused argument names the class."""
-    with _naming(name):
-        quantization = Affine(
-            bits=_int(bits, "bits", name), group_size=_int(group_size, "group_size", name)
-        )
-        geometry: GeometrySpec = Growing()
-        if max_size is not None:
-            geometry = Ring(
-                max_size=_int(max_size, "max_size", name), keep=_int(keep, "keep", name)
-            )
-        return quantization, geometry, as_count(start, "start")
-
-
-@contextmanager
-def _naming(name: str) -> Iterator[None]:
-    """A refused constructor argument's message starts with the class's name."""
-    try:
-        yield
-    except InvalidInputError as error:
-        message = str(error)
-        if message.startswith(f"{name}:"):
-            raise
-        raise InvalidInputError(f"{name}: {message}") from None
-
-
-def _int(value: object, what: str, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidInputError(f"{name}: {what} must be an integer, got {value!r}")
-    return value

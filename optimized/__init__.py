@@ -1,8 +1,7 @@
 """kvrows.optimized: the MLX implementation of every landed composition.
 
-``classes`` builds one class per composition on the row machinery from the table
-(``lego`` adds the bf16-first wrappers around table storages, which are not table
-entries); this module registers every declared class
+``classes`` builds one class per composition on the row machinery from the table (the
+bf16-first legos among them); this module registers every declared class
 (``declared_classes()``) in the row-layout table with one call (the roles come from the
 composition table).
 """
@@ -17,11 +16,6 @@ from kvrows.optimized.cache_list import CacheListDropIn, CacheListLayout
 from kvrows.optimized.classes import *  # noqa: F403
 from kvrows.optimized.latent import EncodedLatentCache
 from kvrows.optimized.latent_dropin import LatentCacheList
-from kvrows.optimized.lego import (
-    Bf16FirstQuantizedKVCache,
-    Bf16FirstRotatingQuantizedKVCache,
-    Bf16FirstTurboQuantKVCache,
-)
 from kvrows.optimized.mlxlm_batch import BatchKVCache, BatchRotatingKVCache
 from kvrows.optimized.paged import (
     BlockPool,
@@ -38,9 +32,6 @@ __all__ = [
     "CacheListDropIn",
     "CacheListLayout",
     "BatchRotatingKVCache",
-    "Bf16FirstQuantizedKVCache",
-    "Bf16FirstRotatingQuantizedKVCache",
-    "Bf16FirstTurboQuantKVCache",
     "BlockPool",
     "EncodedLatentCache",
     "LatentCacheList",

@@ -41,6 +41,7 @@ from mlx.utils import tree_flatten
 
 from kvrows import forms_v1
 from kvrows.compositions import Composition, codec_spec_for, composition
+from kvrows.conversion import check_target
 from kvrows.errors import CorruptStateError, InvalidInputError, UnsupportedStateError
 from kvrows.forms import (
     FILE_CLASSES,
@@ -48,7 +49,6 @@ from kvrows.forms import (
     FORMAT_VERSION,
     state_form,
 )
-from kvrows.lego import check_target
 from kvrows.persist.files import CHECKSUM_KEY, checksum, read_safetensors, write_atomic
 from kvrows.protocols import DropInWrapper, Handover
 from kvrows.recurrent import StateShapes

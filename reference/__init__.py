@@ -12,11 +12,6 @@ from kvrows.reference.classes import __all__ as _classes
 from kvrows.reference.classes import declared_classes
 from kvrows.reference.codecs import attend, attention
 from kvrows.reference.latent import EncodedLatentCache
-from kvrows.reference.lego import (
-    Bf16FirstQuantizedKVCache,
-    Bf16FirstRotatingQuantizedKVCache,
-    Bf16FirstTurboQuantKVCache,
-)
 from kvrows.reference.paged import (
     BlockPool,
     LatentBlockPool,
@@ -27,9 +22,6 @@ from kvrows.reference.paged import (
 
 __all__ = [
     *_classes,
-    "Bf16FirstQuantizedKVCache",
-    "Bf16FirstRotatingQuantizedKVCache",
-    "Bf16FirstTurboQuantKVCache",
     "EncodedLatentCache",
     "BlockPool",
     "PagedKVCache",

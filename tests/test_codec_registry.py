@@ -28,8 +28,8 @@ from kvrows.codecs import (
     register_codec,
 )
 from kvrows.codecs.registry import SpecParts
+from kvrows.conversion import check_target, check_target_dims
 from kvrows.errors import CorruptStateError, InvalidInputError, KvRowsError
-from kvrows.lego import check_target, check_target_dims
 from kvrows.paged_forms import codec_field, codec_named
 from kvrows.schemes import Growing, KvStorageScheme, Ring
 

@@ -239,3 +239,12 @@ def test_the_old_homes_still_export_the_moved_names() -> None:
     assert delayed.RowAttentionPending is RowAttentionPending
     assert delayed.row_reads is row_reads and delayed.MIXED_READ is MIXED_READ
     assert lego.conversion_due is conversion_due
+    # Stop 33: the target checks and the constructor's arguments moved beside the record,
+    # the conversion's code path into kvrows.delayed; kvrows.lego still names them.
+    import kvrows.conversion as conversion
+
+    for name in ("Target", "check_target_dims", "delayed_arguments", "lego_arguments"):
+        assert getattr(lego, name) is getattr(conversion, name)
+    assert lego.turbo_lego_arguments is conversion.turbo_lego_arguments
+    assert lego.ConversionBoundary is delayed.ConversionBoundary
+    assert issubclass(lego.Bf16First, delayed.ConversionBoundary)

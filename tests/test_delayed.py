@@ -18,6 +18,7 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 from hypothesis import given
+from lego_helpers import to_affine
 
 import kvrows.optimized as opt
 import kvrows.reference as ref
@@ -26,7 +27,6 @@ from kvrows.conformance.profiles import profile_settings
 from kvrows.conformance.tolerances import compare, tolerance
 from kvrows.delayed import RowAttentionPending, row_reads
 from kvrows.errors import KvRowsError, MixedPrecisionReadError, RowIndexError
-from kvrows.reference.lego import to_affine
 from kvrows.schemes import Affine, Plain, Ring
 from kvrows.table import publish_row
 

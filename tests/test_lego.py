@@ -21,6 +21,7 @@ import mlx.core as mx
 import mlx_lm.models.cache as cache_module
 import numpy as np
 import pytest
+from lego_helpers import to_affine
 
 import kvrows.optimized as opt
 import kvrows.reference as ref
@@ -29,7 +30,6 @@ from kvrows.errors import InvalidInputError, LayoutStateError, UnsupportedStateE
 from kvrows.lego import conversion_due
 from kvrows.persist.prompt_cache import load_prompt_cache, save_prompt_cache
 from kvrows.protocols import AppendLimited, Cache, ReusableOffset
-from kvrows.reference.lego import to_affine
 from kvrows.schemes import Affine, KvStorageScheme, Plain
 from kvrows.validation import KvGeometry
 
