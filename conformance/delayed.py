@@ -53,7 +53,7 @@ from hypothesis.stateful import invariant, precondition, rule
 
 from kvrows import table
 from kvrows.codec import Role
-from kvrows.compositions import composition
+from kvrows.compositions import composition, stage_presets
 from kvrows.conformance import strategies as ks
 from kvrows.conformance.arrays import NUMPY_DTYPES, expand_mask, random_block
 from kvrows.conformance.families import Impl
@@ -217,7 +217,8 @@ class DelayedTrack(Track):
     ``solo_ref``/``solo_opt`` its solo replay legos (a storage's are built at its merge,
     from its history); inside a layout ``ref``/``opt`` are the solo legos too."""
 
-    #: What the pool holds: ``"lego"``, ``"plain"`` or the target's kind (``"affine"``, ``"turbo"``).
+    #: What the pool holds: ``"lego"``, or a serial storage of the lego's ``"exact"`` stage
+    #: or of its ``"converted"`` one (affine, TurboQuant).
     holds: str = "lego"
     solo_ref: Any = None
     solo_opt: Any = None
@@ -282,8 +283,8 @@ class DelayedMachine(ConformanceMachine):
 
     @property
     def converted_kind(self) -> str:
-        """The kind of a converted serial storage: ``affine`` or ``turbo``."""
-        return "turbo" if self.turbo else "affine"
+        """The codec kind of a converted serial storage (``affine``, ``turbo``)."""
+        return composition(self._converted_name).codec
 
     @classmethod
     def geometries(cls) -> st.SearchStrategy[ks.Geometry]:
@@ -378,12 +379,20 @@ class DelayedMachine(ConformanceMachine):
 
     def _lego(self, impl: Impl, **changes: int) -> Any:
         """This layout's serial counterpart: the lego of its converted storage."""
-        return self._make(impl, "Bf16First" + self._converted_name, changes, self.spec.name)
+        return self._make(impl, self.spec.solo, changes, self.spec.name)
 
-    def _storage(self, impl: Impl, kind: str, **changes: int) -> Any:
-        """A serial storage of this geometry: ``plain``, or converted (any other kind)."""
-        plain = "RotatingKVCache" if self.ring else "KVCache"
-        return self._make(impl, plain if kind == "plain" else self._converted_name, changes)
+    def _stage_preset(self, converted: bool) -> str:
+        """The serial preset of the lego's exact stage (its first) or converted one (the
+        layout's serial): the composition table names both."""
+        return (
+            self._converted_name
+            if converted
+            else stage_presets(composition(self.spec.solo))[0].name
+        )
+
+    def _storage(self, impl: Impl, converted: bool, **changes: int) -> Any:
+        """A serial storage of the lego's exact or converted stage."""
+        return self._make(impl, self._stage_preset(converted), changes)
 
     def _other_widths(self, side: str = "values") -> dict[str, int]:
         """This example's codec at another bit width (TurboQuant: of ``side``)."""
@@ -434,7 +443,7 @@ class DelayedMachine(ConformanceMachine):
         is a function of the example's parameters)."""
         key = (impl.name, quantized)
         if key not in self._codecs:
-            storage = self._storage(impl, self.converted_kind if quantized else "plain")
+            storage = self._storage(impl, quantized)
             self._codecs[key] = storage.codec
         return self._codecs[key]
 
@@ -542,7 +551,7 @@ class DelayedMachine(ConformanceMachine):
         crosses ``start``), or a plain or converted (affine, TurboQuant) serial storage fed
         random chunks."""
         g = self.g
-        kinds = ("lego", "lego", "plain", self.converted_kind)
+        kinds = ("lego", "lego", "exact", "converted")
         kind = data.draw(st.sampled_from(kinds), label="kind")
         near = st.integers(max(0, g.start - 6), g.start + 4)
         length = data.draw(st.one_of(near, st.integers(0, g.start + 6)), label="prompt length")
@@ -551,10 +560,14 @@ class DelayedMachine(ConformanceMachine):
             track.ref, track.opt = self._lego(self.ref_impl), self._lego(self.opt_impl)
             track.solo_ref, track.solo_opt = self._lego(self.ref_impl), self._lego(self.opt_impl)
         else:
-            track.ref = self._storage(self.ref_impl, kind)
-            track.opt = self._storage(self.opt_impl, kind)
+            track.ref = self._storage(self.ref_impl, kind == "converted")
+            track.opt = self._storage(self.opt_impl, kind == "converted")
         note(f"new_request {track.ident}: {kind}, {length} tokens")
-        self._op(f"new_request:{kind}")
+        # named by what the pool holds: a lego, or the codec kind of the stage's storage
+        held = (
+            kind if kind == "lego" else composition(self._stage_preset(kind == "converted")).codec
+        )
+        self._op(f"new_request:{held}")
         rng = self._rng(data)
         while track.tokens < length:
             left = length - track.tokens
@@ -617,7 +630,7 @@ class DelayedMachine(ConformanceMachine):
         ``start``: the layout converts it at the merge)."""
         g = self.g
         if track.solo_ref is not None:
-            if track.holds == self.converted_kind:
+            if track.holds == "converted":
                 # A converted storage records its offset at the merge (the conservative
                 # bound): its lego now says the same.
                 minimum = track.tokens if g.start > 0 else 0
@@ -627,14 +640,14 @@ class DelayedMachine(ConformanceMachine):
                 )
                 track.converted_at = minimum
             return
-        affine = track.holds == self.converted_kind or g.converts(track.tokens)
+        affine = track.holds == "converted" or g.converts(track.tokens)
         # The request's chunks as the pool storage took them (a pool storage is never trimmed).
         chunks = [(keys, values) for what, keys, values in track.history if what == "append"]
         solos = []
         for impl in self.impls:
             lego = self._lego(impl)
             if affine:
-                storage = self._storage(impl, self.converted_kind)
+                storage = self._storage(impl, True)
                 for keys, values in chunks:
                     storage.update_and_fetch(impl.to_native(keys), impl.to_native(values))
                 minimum = track.tokens if g.start > 0 else 0
@@ -646,7 +659,7 @@ class DelayedMachine(ConformanceMachine):
             solos.append(lego)
         track.solo_ref, track.solo_opt = solos
         if affine:
-            if track.holds == "plain":
+            if track.holds == "exact":
                 self.stats.check("conversion at merge")
             self._mark_converted(track)
 
@@ -1198,7 +1211,7 @@ class DelayedMachine(ConformanceMachine):
         moved.ref, moved.opt, moved.extracted = got[0], got[1], True
         moved.holds = "lego"
         if not isinstance(got[0], Handover):
-            moved.holds = "plain" if track.converted_at is None else self.converted_kind
+            moved.holds = "exact" if track.converted_at is None else "converted"
         self.pool.append(moved)
         self._check_layout(slot)
         if moved.holds == "lego" and data.draw(st.booleans(), label="goes on at once"):
@@ -1377,7 +1390,7 @@ class DelayedMachine(ConformanceMachine):
             (
                 f"merge_rows of a {self.converted_kind} storage of another bit width",
                 lambda impl, lay: lay.merge_rows(
-                    [self._storage(impl, self.converted_kind, **self._other_widths("keys"))]
+                    [self._storage(impl, True, **self._other_widths("keys"))]
                 ),
                 IncompatibleRowsError,
             ),

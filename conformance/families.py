@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 
+from kvrows.codecs import CODECS
 from kvrows.compositions import SELF, Composition, landed, layouts_of, stage_presets
 from kvrows.conformance.arrays import from_mlx, to_mlx
 from kvrows.conformance.hooks import (
@@ -34,6 +35,7 @@ from kvrows.conformance.hooks import (
     GEOMETRY_HOOKS,
     MODIFIER_RULES,
     WRITERS,
+    CodecHooks,
     Draw,
     Loader,
     ModifierRules,
@@ -335,7 +337,7 @@ BUDGETS: dict[str, Budget] = {
 def _storages() -> list[Composition]:
     """The landed serial storages (a layout without a serial is its own storage), by
     geometry, then codec (the hook tables' order), then table order."""
-    geometries, codecs = list(GEOMETRY_HOOKS), list(CODEC_HOOKS)
+    geometries, codecs = list(GEOMETRY_HOOKS), [spec.kind for spec in CODEC_HOOKS]
     storages = [c for c in landed() if not c.is_layout or c.serial is None]
     return sorted(
         storages,
@@ -344,6 +346,13 @@ def _storages() -> list[Composition]:
             codecs.index(c.codec) if c.codec in codecs else -1,
         ),
     )
+
+
+def _codec_row(kind: str) -> CodecHooks | None:
+    """The hook row of the codec spec registered for ``kind`` (``None``: no spec or no row):
+    the kind is resolved by the codec registry, the one place kinds are looked up."""
+    spec = CODECS.get(kind)
+    return None if spec is None else CODEC_HOOKS.get(spec)
 
 
 def _codecs(storage: Composition) -> tuple[str, ...]:
@@ -370,12 +379,13 @@ class _Axes:
 def _axes(codec: str, geometry: str) -> _Axes:
     """The machines of ``codec`` on ``geometry``: the rules its rows name, composed (the
     geometry's round rules, the speculative modifier's, the geometry's, the codec's)."""
-    if codec not in CODEC_HOOKS or geometry not in GEOMETRY_HOOKS:
+    codec_hooks = _codec_row(codec)
+    if codec_hooks is None or geometry not in GEOMETRY_HOOKS:
         raise KeyError(
             f"no conformance hooks for the {codec} codec on the {geometry} geometry: add a "
             "row to conformance.hooks.CODEC_HOOKS / GEOMETRY_HOOKS"
         )
-    codec_hooks, geometry_hooks = CODEC_HOOKS[codec], GEOMETRY_HOOKS[geometry]
+    geometry_hooks = GEOMETRY_HOOKS[geometry]
     writer = WRITERS[codec_hooks.tensors]
     own = geometry_hooks.by_codec.get(codec)
     rules = tuple(

@@ -3,11 +3,12 @@
 ``conformance.families`` derives every family from ``kvrows.compositions.COMPOSITIONS``
 and these tables, one row per value of an axis (spec/contract.md §0.11):
 
-* :data:`CODEC_HOOKS` ``[codec kind]``: how an example draws the codec's parameters and
+* :data:`CODEC_HOOKS` ``[codec spec class]``: how an example draws the codec's parameters and
   head dims (:class:`Draw`), the codec's rules (a mixin of ``conformance.rules``: its
   model, its invalid merges), whether its family runs verify rounds, its tolerance key,
   its mlx-lm peer, the family of its growing storages, and what its tensors are written
-  with;
+  with (a row per registered spec class: :func:`families._codec_row` resolves a
+  composition's codec kind through ``kvrows.codecs.CODECS``, the one place kinds are looked up);
 * :data:`GEOMETRY_HOOKS` ``[geometry kind]``: the geometry's rules (a ring's views,
   windows and mlx-lm quirks; a pool's invariants) and what rounds add on it, its draw
   (windows and sinks by role, a head-dim cap), the mlx-lm peer it imposes, how its
@@ -41,7 +42,8 @@ import mlx.core as mx
 from hypothesis import strategies as st
 
 from kvrows.affine_geometry import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
-from kvrows.codec import TURBO_HEAD_DIMS
+from kvrows.codec import TURBO_HEAD_DIMS, CodecSpec
+from kvrows.codecs import Affine, Latent, Plain, State, Turbo
 from kvrows.conformance import strategies as ks
 from kvrows.schemes import TURBO_KEY_BITS, TURBO_VALUE_BITS
 
@@ -324,10 +326,10 @@ TURBO = Draw(
     params=tuple((k, v) for k in TURBO_KEY_BITS for v in TURBO_VALUE_BITS),
 )
 
-CODEC_HOOKS: Mapping[str, CodecHooks] = MappingProxyType(
+CODEC_HOOKS: Mapping[type[CodecSpec], CodecHooks] = MappingProxyType(
     {
-        "plain": CodecHooks("plain", "plain", "", peer=plain_peer),
-        "affine": CodecHooks(
+        Plain: CodecHooks("plain", "plain", "", peer=plain_peer),
+        Affine: CodecHooks(
             "affine",
             "affine",
             "affine",
@@ -337,7 +339,7 @@ CODEC_HOOKS: Mapping[str, CodecHooks] = MappingProxyType(
         ),
         # Its one layout serves every role: the family runs verify rounds; mlx-lm has no
         # TurboQuant cache.
-        "turbo": CodecHooks(
+        Turbo: CodecHooks(
             "turbo",
             "turbo",
             "turbo",
@@ -346,7 +348,7 @@ CODEC_HOOKS: Mapping[str, CodecHooks] = MappingProxyType(
             rounds="family",
         ),
         # MLA latent storages grow (the growing geometry); their machine runs rounds.
-        "latent": CodecHooks(
+        Latent: CodecHooks(
             "latent",
             "latent",
             "latent",
@@ -354,9 +356,10 @@ CODEC_HOOKS: Mapping[str, CodecHooks] = MappingProxyType(
             rounds="own",
             tensors="latent",
         ),
-        "state": CodecHooks("recurrent", "recurrent", "state", tensors="recurrent"),
+        State: CodecHooks("recurrent", "recurrent", "state", tensors="recurrent"),
     }
 )
+
 
 GEOMETRY_HOOKS: Mapping[str, GeometryHooks] = MappingProxyType(
     {

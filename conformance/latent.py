@@ -24,6 +24,7 @@ counters, world model (``machines.Request``) and bad-input check:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,9 +89,12 @@ class LatentMachine(ConformanceMachine):
         self._invalid_left = 2
 
     # -- set-up ---------------------------------------------------------------------------
-    @property
+    @functools.cached_property
     def encoded(self) -> bool:
-        return self.spec.name == "EncodedLatentCache"
+        """Whether the class keeps its rows in stages (bf16-first: the plain latent, then
+        the encoded one): its examples draw a codec and a start. Asked of a fresh cache's
+        ``stages`` (the machinery's), not of its class name."""
+        return len(self.ref_impl.new(self.spec.name).stages) > 1
 
     @initialize(data=st.data())
     def setup(self, data: st.DataObject) -> None:

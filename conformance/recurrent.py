@@ -307,8 +307,8 @@ class RecurrentMachine(ConformanceMachine):
         self.stats.op("new_request")
         row = Request(
             next(self._ids),
-            self._new_state(self.ref_impl, "SSMCache"),
-            self._new_state(self.opt_impl, "SSMCache"),
+            self._new_state(self.ref_impl, self.spec.serial),
+            self._new_state(self.opt_impl, self.spec.serial),
             self._lm_new(),
         )
         self.requests.append(row)
@@ -335,9 +335,10 @@ class RecurrentMachine(ConformanceMachine):
             role, target_cache_layout
         )
         table: Any = build(serial)
-        assert type(table).__name__ == "BatchedSSMCache" and table.batch_size == 0, role
+        # the table gives this machine's layout (its class from the composition table)
+        assert type(table).__name__ == self.spec.name and table.batch_size == 0, role
         self.stats.check("table roles")
-        return self._new_state(impl, "BatchedSSMCache")
+        return self._new_state(impl, self.spec.name)
 
     @precondition(lambda self: bool(self.requests) and len(self.groups) < 2)
     @rule(data=st.data())
@@ -628,7 +629,11 @@ class RecurrentMachine(ConformanceMachine):
                 (
                     "merge the other implementation's rows",
                     lambda i, c: c.merge_rows(
-                        [(self.opt_impl if i is self.ref_impl else self.ref_impl).new("SSMCache")]
+                        [
+                            (self.opt_impl if i is self.ref_impl else self.ref_impl).new(
+                                self.spec.serial
+                            )
+                        ]
                     ),
                     IncompatibleRowsError,
                 ),
