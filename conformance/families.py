@@ -44,7 +44,6 @@ from kvrows.conformance.hooks import (
     PeerSpec,
     WriterHooks,
     compose,
-    lm_cache,
 )
 
 Planes = tuple[Any, ...]
@@ -89,11 +88,6 @@ class Impl:
         merged = dict(self.classes)
         merged.update(classes)
         return replace(self, name=name or self.name, classes=MappingProxyType(merged))
-
-
-def _lm_cache() -> Any:
-    """mlx-lm's cache module (the latent machine reaches it through this name)."""
-    return lm_cache()
 
 
 def _numpy_identity(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
@@ -378,7 +372,8 @@ class _Axes:
 
 def _axes(codec: str, geometry: str) -> _Axes:
     """The machines of ``codec`` on ``geometry``: the rules its rows name, composed (the
-    geometry's round rules, the speculative modifier's, the geometry's, the codec's)."""
+    geometry's round rules, the speculative modifier's, the writer's, the geometry's, the
+    codec's)."""
     codec_hooks = _codec_row(codec)
     if codec_hooks is None or geometry not in GEOMETRY_HOOKS:
         raise KeyError(
@@ -391,14 +386,20 @@ def _axes(codec: str, geometry: str) -> _Axes:
     rules = tuple(
         r
         for r in (
+            writer.rules,
             geometry_hooks.rules,
             codec_hooks.rules if geometry_hooks.codec_rules else None,
         )
         if r is not None
     )
-    where = geometry_hooks.rounds if geometry_hooks.rules is not None else codec_hooks.rounds
+    where = (
+        "own"  # a writer of other tensors than K/V: rules with rounds of their own
+        if writer.rules is not None
+        else geometry_hooks.rounds
+        if geometry_hooks.rules is not None
+        else codec_hooks.rounds
+    )
     speculative = MODIFIER_RULES["speculative"].rules
-    assert speculative is not None
     with_rounds = compose(
         *(r for r in (geometry_hooks.round_rules, speculative) if r is not None), *rules
     )
@@ -505,7 +506,9 @@ def derive() -> dict[str, Family]:
                         _layout(storage, entry, axes, peer=delayed.peer), solo=_lego_of(storage)
                     )
                     name = _modifier_family(delayed, codec)
-                    members.setdefault(name, []).append((spec, delayed.machine, None))
+                    over = () if delayed.own or axes.machine is None else (axes.machine,)
+                    machine = compose(delayed.rules, *over)
+                    members.setdefault(name, []).append((spec, machine, None))
                     continue
                 spec = _layout(storage, entry, axes, peer=True)
                 rounds_elsewhere = "verify" in spec.roles and not axes.has_rounds

@@ -37,7 +37,8 @@ from hypothesis import note
 from hypothesis.stateful import initialize, precondition, rule
 
 from kvrows.conformance.arrays import NUMPY_DTYPES, from_mlx, to_mlx
-from kvrows.conformance.families import Impl, _lm_cache
+from kvrows.conformance.families import Impl
+from kvrows.conformance.hooks import lm_cache
 from kvrows.conformance.machines import ConformanceMachine, Request, rules_off
 from kvrows.schemes import Affine, Turbo
 
@@ -142,7 +143,7 @@ class LatentMachine(ConformanceMachine):
     def _lm_twins(self) -> tuple[Any, Any] | None:
         if self.encoded or self.peer is None:
             return None
-        lm: Any = _lm_cache()
+        lm: Any = lm_cache()
         return lm.KVCache(), lm.KVCache()
 
     # -- appends --------------------------------------------------------------------------
@@ -217,7 +218,7 @@ class LatentMachine(ConformanceMachine):
         layout.solos = [self._solo_of(r) for r in chosen]
         twins = [r.lm for r in chosen]
         if all(t is not None and t[0].offset > 0 for t in twins):
-            batch: Any = _lm_cache().BatchKVCache
+            batch: Any = lm_cache().BatchKVCache
             layout.lm = (
                 batch.merge([t[0] for t in twins if t is not None]),
                 batch.merge([t[1] for t in twins if t is not None])
@@ -296,7 +297,7 @@ class LatentMachine(ConformanceMachine):
     def _rebuild_lm(self, layout: _Layout) -> None:
         """mlx-lm has no per-row rollback: its oracle is a merge of each row's accepted
         tokens (what the rolled layout must equal)."""
-        lm: Any = _lm_cache()
+        lm: Any = lm_cache()
         pairs = []
         for solo in layout.solos:
             if solo.width == 0:

@@ -45,6 +45,7 @@ from hypothesis.stateful import initialize, precondition, rule
 
 from kvrows.conformance.arrays import NUMPY_DTYPES, as_numpy, to_mlx
 from kvrows.conformance.families import Impl
+from kvrows.conformance.hooks import lm_cache
 from kvrows.conformance.machines import ConformanceMachine, Layout, Request, rules_off
 from kvrows.errors import (
     IncompatibleRowsError,
@@ -117,12 +118,6 @@ def _plane_shapes(count: int) -> st.SearchStrategy[StateShapes]:
     plane = st.tuples(shape.map(tuple), st.sampled_from(_DTYPES))
     planes = st.lists(plane, min_size=count, max_size=count)
     return planes.map(lambda ps: StateShapes(planes=tuple(ps)))
-
-
-def _lm_cache() -> Any:
-    from mlx_lm.models import cache
-
-    return cache
 
 
 # every rule checks what it touched, teardown everything: no invariant
@@ -205,7 +200,7 @@ class RecurrentMachine(ConformanceMachine):
 
     def _lm_new(self) -> Any:
         assert self.layer is not None
-        return _lm_cache().ArraysCache(self.layer.planes)
+        return lm_cache().ArraysCache(self.layer.planes)
 
     def _layer_inputs(self, rows: int, n: int) -> tuple[Array, ...]:
         g = self.layer
@@ -355,7 +350,7 @@ class RecurrentMachine(ConformanceMachine):
         opt = self._layout(data, self.opt_impl, rows[0].opt)
         ref.merge_rows([r.ref for r in rows])
         opt.merge_rows([r.opt for r in rows])
-        lm = _lm_cache().ArraysCache.merge([r.lm for r in rows])
+        lm = lm_cache().ArraysCache.merge([r.lm for r in rows])
         group = Layout(next(self._ids), ref, opt, lm, rows)
         self.groups.append(group)
         self._check_group(group)
@@ -368,7 +363,7 @@ class RecurrentMachine(ConformanceMachine):
         row = self.requests.pop(data.draw(st.integers(0, len(self.requests) - 1), label="request"))
         group.ref.merge_rows([row.ref])
         group.opt.merge_rows([row.opt])
-        joined = _lm_cache().ArraysCache.merge([row.lm])
+        joined = lm_cache().ArraysCache.merge([row.lm])
         if group.rows:
             group.lm.extend(joined)
         else:  # an ArraysCache without planes counts one row: extend would add a zero row
