@@ -40,7 +40,7 @@ from __future__ import annotations
 import importlib
 import math
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, cast
@@ -154,6 +154,9 @@ class DelayedGeometry(ks.Geometry):
 
     start: int = 0
 
+    def parameters(self) -> dict[str, int]:
+        return {**super().parameters(), "start": self.start}
+
     @property
     def dim(self) -> int:
         return self.key_dim
@@ -233,17 +236,6 @@ class DelayedSlot(Slot):
 
     rows: list[DelayedTrack]  # type: ignore[assignment]
     pads: list[int] = field(default_factory=list)
-
-
-def _package_class(impl: Impl, name: str) -> type:
-    """``impl``'s class ``name``: from its table (a mutant replaces one there), else from
-    the implementation's package (legos and layouts the composition table has not landed)."""
-    found = impl.classes.get(name)
-    if found is not None:
-        return found
-    package = importlib.import_module(".".join(impl.cls("KVCache").__module__.split(".")[:2]))
-    cls: type = getattr(package, name)
-    return cls
 
 
 @rules_off(
@@ -346,27 +338,6 @@ class DelayedMachine(ConformanceMachine):
         for b, (track, n) in enumerate(zip(slot.rows, counts, strict=True)):
             self._record_append(track, keys[b : b + 1, :, :n], values[b : b + 1, :, :n])
 
-    # -- classes of an implementation ---------------------------------------------------------
-    def _cls(self, impl: Impl, name: str) -> type:
-        return _package_class(impl, name)
-
-    def _make(
-        self,
-        impl: Impl,
-        name: str,
-        changes: Mapping[str, int] | None = None,
-        table: str | None = None,
-    ) -> Any:
-        """A new ``name`` of ``impl``, its parameters by keyword: those of the composition
-        ``table`` (default ``name``; a lego takes its delayed layout's) with this
-        example's values, or ``changes``."""
-        g = self.g
-        values = {"max_size": g.max_size, "keep": g.keep, "group_size": g.group_size,
-                  "bits": g.bits, "k_bits": g.k_bits, "v_bits": g.v_bits, "start": g.start,
-                  **(changes or {})}  # fmt: skip
-        params = composition(table or name).params
-        return self._cls(impl, name)(**{p: values[p] for p in params})
-
     @property
     def _converted_name(self) -> str:
         """The converted serial storage's class (the layout's composition's ``serial``)."""
@@ -375,11 +346,11 @@ class DelayedMachine(ConformanceMachine):
         return serial
 
     def _layout(self, impl: Impl, **changes: int) -> Any:
-        return self._make(impl, self.spec.name, changes)
+        return self._new(impl, self.spec.name, **changes)
 
     def _lego(self, impl: Impl, **changes: int) -> Any:
         """This layout's serial counterpart: the lego of its converted storage."""
-        return self._make(impl, self.spec.solo, changes, self.spec.name)
+        return self._new(impl, self.spec.solo, **changes)
 
     def _stage_preset(self, converted: bool) -> str:
         """The serial preset of the lego's exact stage (its first) or converted one (the
@@ -392,7 +363,7 @@ class DelayedMachine(ConformanceMachine):
 
     def _storage(self, impl: Impl, converted: bool, **changes: int) -> Any:
         """A serial storage of the lego's exact or converted stage."""
-        return self._make(impl, self._stage_preset(converted), changes)
+        return self._new(impl, self._stage_preset(converted), **changes)
 
     def _other_widths(self, side: str = "values") -> dict[str, int]:
         """This example's codec at another bit width (TurboQuant: of ``side``)."""
@@ -418,24 +389,22 @@ class DelayedMachine(ConformanceMachine):
         affine = {"group_size": 64, "bits": 8} if self.turbo else {}
         if kind != "lego":
             ring = {"max_size": 8, "keep": 0}
-            cache = self._make(impl, "KVCache" if self.ring else "RotatingKVCache", ring)
+            cache = self._new(impl, "KVCache" if self.ring else "RotatingKVCache", **ring)
         elif self.ring:
-            cache = self._make(impl, "Bf16FirstQuantizedKVCache", table="DelayedQuantizedKVCache")
+            cache = self._new(impl, "Bf16FirstQuantizedKVCache")
         else:
-            cache = self._make(
-                impl, "Bf16FirstRotatingQuantizedKVCache", {"max_size": 8, "keep": 0, **affine},
-                "DelayedRotatingQuantizedKVCache",
-            )  # fmt: skip
+            cache = self._new(
+                impl, "Bf16FirstRotatingQuantizedKVCache", max_size=8, keep=0, **affine
+            )
         return self._holding_a_token(impl, cache, 3)
 
     def _other_codec(self, impl: Impl, kind: str) -> Any:
         """A full-attention affine lego (``lego``) or ``QuantizedKVCache`` holding a
         token: another codec for a TurboQuant layout."""
         lego = kind == "lego"
-        cache = self._make(
-            impl, "Bf16FirstQuantizedKVCache" if lego else "QuantizedKVCache",
-            {"group_size": 64, "bits": 8}, "DelayedQuantizedKVCache" if lego else None,
-        )  # fmt: skip
+        cache = self._new(
+            impl, "Bf16FirstQuantizedKVCache" if lego else "QuantizedKVCache", group_size=64, bits=8
+        )
         return self._holding_a_token(impl, cache, 4)
 
     def _codec(self, impl: Impl, quantized: bool) -> Any:
@@ -525,7 +494,7 @@ class DelayedMachine(ConformanceMachine):
         """Messages name the layout's class: a mutant's subclass answers as the layout."""
         text = str(error)
         for impl in self.impls:
-            text = text.replace(self._cls(impl, self.spec.name).__name__, self.spec.name)
+            text = text.replace(impl.cls(self.spec.name).__name__, self.spec.name)
         return text
 
     def _bad_call(

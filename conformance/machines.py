@@ -663,27 +663,12 @@ class ConformanceMachine(RuleBasedStateMachine):
         self.stats.skip(code)
 
     def _new(self, impl: Impl, name: str, **changes: int) -> Any:
-        """A new ``name`` of ``impl`` with this example's window and codec (or ``changes``)."""
-        ring, affine = CONSTRUCTORS[name]
-        g = self.g
-        params = {
-            "max_size": g.max_size or 8,
-            "group_size": g.group_size or 32,
-            "bits": g.bits or 8,
-        }
-        params.update(changes)
-        if "k_bits" in composition(name).params:  # TurboQuant: its two widths, by name
-            k_bits, v_bits = (
-                changes.get("k_bits", g.k_bits or 8),
-                changes.get("v_bits", g.v_bits or 3),
-            )
-            return impl.cls(name)(k_bits=k_bits, v_bits=v_bits)
-        args: tuple[int, ...] = (params["max_size"],) if ring else ()
-        if affine:
-            args += (params["group_size"], params["bits"])
-        if ring and g.keep:
-            return impl.cls(name)(*args, keep=g.keep)
-        return impl.cls(name)(*args)
+        """A new ``name`` of ``impl``, its composition's parameters by keyword: this
+        example's values (``Geometry.parameters``), or ``changes`` (a parameter with
+        neither keeps the class's default: a lego's ``start`` outside the delayed family)."""
+        values = {**self.g.parameters(), **changes}
+        params = composition(name).params
+        return impl.cls(name)(**{p: values[p] for p in params if p in values})
 
     def _encode(self, block: Array, role: Role = "keys") -> Planes:
         """The planes the spec stores for ``block`` as ``role`` under this example's codec."""
