@@ -99,6 +99,7 @@ __all__ = [
     "BASE_CHECKS",
     "FULL_CHECK_EVERY",
     "MESSAGE_EXCEPTIONS",
+    "ROLE_LOOKUPS",
     "ConformanceMachine",
     "Layout",
     "Limits",
@@ -386,7 +387,8 @@ def expected_visible(
     ]
 
 
-_ROLE_LOOKUPS: dict[str, Callable[[Any], Any]] = {
+#: The row-layout table's lookup for each role.
+ROLE_LOOKUPS: dict[str, Callable[[Any], Any]] = {
     "decode": table.owned_cache_layout,
     "prefill": table.prefill_cache_layout,
     "verify": table.target_cache_layout,
@@ -1072,7 +1074,7 @@ class ConformanceMachine(RuleBasedStateMachine):
     def _table_layout(self, role: str, track: Track) -> tuple[Any, Any]:
         """The row-layout table's ``role`` layout for the request's storage: this layout's
         class with this example's parameters (a mutant is then constructed instead)."""
-        get = _ROLE_LOOKUPS[role]
+        get = ROLE_LOOKUPS[role]
         made = []
         declared = []
         for impl, cache in ((self.ref_impl, track.ref), (self.opt_impl, track.opt)):
@@ -2461,7 +2463,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         """The row-layout table's every role for this layout (as a storage), per the
         composition table: the named class (``self``: its own), or none to verify."""
         roles = composition(self.spec.name).roles
-        for role, get in _ROLE_LOOKUPS.items():
+        for role, get in ROLE_LOOKUPS.items():
             want = getattr(roles, role) if roles is not None else SELF
             if roles is None and role == "verify":
                 want = NoRowLayoutError.__name__

@@ -46,7 +46,13 @@ from hypothesis.stateful import initialize, precondition, rule
 from kvrows.conformance.arrays import NUMPY_DTYPES, as_numpy, to_mlx
 from kvrows.conformance.families import Impl
 from kvrows.conformance.hooks import lm_cache
-from kvrows.conformance.machines import ConformanceMachine, Layout, Request, rules_off
+from kvrows.conformance.machines import (
+    ROLE_LOOKUPS,
+    ConformanceMachine,
+    Layout,
+    Request,
+    rules_off,
+)
 from kvrows.errors import (
     IncompatibleRowsError,
     InvalidInputError,
@@ -56,7 +62,7 @@ from kvrows.errors import (
     SpeculativeRoundError,
 )
 from kvrows.recurrent import StateShapes
-from kvrows.table import owned_cache_layout, prefill_cache_layout, publish_row, target_cache_layout
+from kvrows.table import publish_row
 
 __all__ = ["RECURRENT_CHECKS", "RecurrentMachine"]
 
@@ -325,11 +331,8 @@ class RecurrentMachine(ConformanceMachine):
     def _layout(self, data: st.DataObject, impl: Impl, serial: Any) -> Any:
         """A new layout of ``impl``'s class (a mutant in the teeth tests), after checking
         that the row-layout table gives that class in the drawn role."""
-        role = data.draw(st.sampled_from(("decode", "prefill", "verify")), label="role")
-        build = {"decode": owned_cache_layout, "prefill": prefill_cache_layout}.get(
-            role, target_cache_layout
-        )
-        table: Any = build(serial)
+        role = data.draw(st.sampled_from(self.spec.roles), label="role")
+        table: Any = ROLE_LOOKUPS[role](serial)
         # the table gives this machine's layout (its class from the composition table)
         assert type(table).__name__ == self.spec.name and table.batch_size == 0, role
         self.stats.check("table roles")
