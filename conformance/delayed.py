@@ -8,7 +8,8 @@ The rules, oracles, draws and statistics are specified in ``spec/DelayedQuantize
 (Conformance: the ``delayed`` family) and ``spec/DelayedTurboQuantKVCache.md``; each rule's
 docstring says what it drives.
 
-**A subclass of the base machine.** :class:`DelayedMachine` is a
+**A subclass of the base machine.** :class:`DelayedMachine`, the delayed modifier's rules
+(``hooks.MODIFIER_RULES["delayed"]``, ``own``: not composed over the storage's), is a
 :class:`~kvrows.conformance.machines.ConformanceMachine` (the only storage root,
 ``spec/contract.md`` §0.11): its geometry is the base ``Geometry`` plus the rows'
 ``start``, its requests and layouts are the base model's ``Track`` (the tokens appended,

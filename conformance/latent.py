@@ -4,9 +4,10 @@ A latent cache is its own serial storage and its own layout, with three planes w
 KV storage has two, one shared write column, merges into an empty or a running cache
 (rows right-justified to the longest), and (the
 encoded variant) reads that depend on each row's bf16-first boundary. The base machine's
-rules drive ``[B, H, N, D]`` key/value storages; this machine drives latent caches with
-the same oracles and the same runner interface (``machines.machine_class`` builds it
-from the family, ``kvrows conform --family latent`` runs it). It subclasses the base
+rules drive ``[B, H, N, D]`` key/value storages; these rules (the latent writer's,
+``hooks.WRITERS["latent"].rules``) drive latent caches with the same oracles and the same
+runner interface (``machines.machine_class`` builds it from the family, ``kvrows conform
+--family latent`` runs it). It subclasses the base
 machine, turns off the base rules it replaces (``machines.rules_off``) and reuses its ids,
 counters, world model (``machines.Request``) and bad-input check:
 

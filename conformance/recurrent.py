@@ -1,7 +1,8 @@
 """The recurrent family's state machine: ``SSMCache`` rows in ``BatchedSSMCache``.
 
-Recurrent state has no token axis, no keys and values and no attention read, so this
-subclass of the base machine (``conformance.machines``) turns off the base rules that
+Recurrent state has no token axis, no keys and values and no attention read, so these
+rules (the recurrent writer's, ``hooks.WRITERS["recurrent"].rules``, a subclass of the
+base machine ``conformance.machines``) turn off the base rules that
 drive stored K/V, masks over key columns and attention outputs (``rules_off``), and brings
 its own in their place (plane writes, padded runs, record/replay rounds). It keeps the
 base machine's discipline and pieces: its ``Stats`` counters, implementations, ids,
