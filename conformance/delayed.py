@@ -309,19 +309,6 @@ class DelayedMachine(ConformanceMachine):
     def impls(self) -> tuple[Impl, Impl]:
         return self.ref_impl, self.opt_impl
 
-    def _same_views(
-        self, quantity: str, what: str, got: Planes | None, want: Planes | None
-    ) -> None:
-        """Two time-ordered views hold the same tokens, byte for byte (no planes and empty
-        planes both hold none)."""
-        if got is None or want is None:
-            empty = [x is None or int(x[0].shape[2]) == 0 for x in (got, want)]
-            self._exact(f"{what}: both hold no token", empty, [True, True])
-            return
-        self._exact(f"{what}: plane count", len(got), len(want))
-        for i, (a, e) in enumerate(zip(got, want, strict=True)):
-            self._close(quantity, f"{what} plane {i}", a, e)
-
     def _encode(self, block: Array, role: Role = "keys") -> Planes:
         """The model holds a request's tokens as appended (its stage says how the rows
         hold them)."""
@@ -571,7 +558,7 @@ class DelayedMachine(ConformanceMachine):
         views = [self._view(impl, cache) for impl, cache in caches]
         names = ["optimized", "the reference's solo lego", "the optimized solo lego"]
         for name, view in zip(names, views[1:], strict=False):
-            self._same_views("kv.solo" if "solo" in name else "kv.fetched",
+            self._same_planes("kv.solo" if "solo" in name else "kv.fetched",
                              f"{what}: {name} vs the reference", view, views[0])  # fmt: skip
         self._record_append(track, keys, values)
         if track.holds == "lego" and self._due(track):  # the model's rule, not the lego's
@@ -1238,7 +1225,7 @@ class DelayedMachine(ConformanceMachine):
             want = None if full is None else tuple(p[:, :, :tokens] for p in full)
             mine = self._view(impl, storage)
             label = f"{what} cut back ({impl.name}) vs its solo lego"
-            self._same_views("kv.solo", label, mine, want)
+            self._same_planes("kv.solo", label, mine, want)
         self.stats.check("published prefix")
 
     def _check_extracted(self, what: str, got: list[Any], track: DelayedTrack) -> None:
@@ -1263,7 +1250,7 @@ class DelayedMachine(ConformanceMachine):
                 type(solo.storage).__name__,
             )
             mine, want = self._view(impl, storage), self._view(impl, solo)
-            self._same_views("kv.solo", f"{what} ({impl.name}) vs its solo lego", mine, want)
+            self._same_planes("kv.solo", f"{what} ({impl.name}) vs its solo lego", mine, want)
         self.stats.check("extracted row bytes")
 
     @precondition(lambda self: any(s.rows for s in self.slots))

@@ -235,9 +235,9 @@ Rounds = Literal["modifier", "family", "own"]
 # ---------------------------------------------------------------------------- the axes
 @dataclass(frozen=True)
 class CodecHooks:
-    """A codec kind: ``draw`` how an example draws its parameters and head dims,
-    ``rules`` its rules (its model, its invalid merges; ``None``: the base machine's),
-    ``rounds`` where its verify rounds run (when its geometry has no rules),
+    """A codec (the row of its spec class): ``draw`` how an example draws its parameters
+    and head dims, ``rules`` its rules (its model, its invalid merges; ``None``: the base
+    machine's), ``rounds`` where its verify rounds run (when its geometry has no rules),
     ``tolerance_key`` its rows of the tolerance table, ``peer`` mlx-lm's cache of the
     codec, ``family`` the family of its growing storages, ``tensors`` its writer;
     ``qualifier`` names it in a geometry's family and tolerance key (``paged-affine``,

@@ -647,10 +647,13 @@ class ConformanceMachine(RuleBasedStateMachine):
             f"dtypes {actual.dtype} / {expected.dtype})"
         )
 
-    def _same_planes(self, quantity: str, what: str, got: Planes | None, want: Planes) -> None:
-        """``got`` equals ``want`` plane by plane (``None`` only when ``want`` is empty)."""
-        if got is None:
-            self._exact(f"{what}: holds nothing, so the model holds no token", want[0].shape[2], 0)
+    def _same_planes(
+        self, quantity: str, what: str, got: Planes | None, want: Planes | None
+    ) -> None:
+        """``got`` equals ``want`` plane by plane (``None`` holds no token, as empty planes)."""
+        if got is None or want is None:
+            empty = [x is None or int(x[0].shape[2]) == 0 for x in (got, want)]
+            self._exact(f"{what}: both hold no token", empty, [True, True])
             return
         self._exact(f"{what}: plane count", len(got), len(want))
         for i, (a, e) in enumerate(zip(got, want, strict=True)):

@@ -47,13 +47,7 @@ from hypothesis.stateful import initialize, precondition, rule
 from kvrows.conformance.arrays import NUMPY_DTYPES, as_numpy, to_mlx
 from kvrows.conformance.families import Impl
 from kvrows.conformance.hooks import lm_cache
-from kvrows.conformance.machines import (
-    ROLE_LOOKUPS,
-    ConformanceMachine,
-    Layout,
-    Request,
-    rules_off,
-)
+from kvrows.conformance.machines import ROLE_LOOKUPS, ConformanceMachine, Layout, Request, rules_off
 from kvrows.errors import (
     IncompatibleRowsError,
     InvalidInputError,
