@@ -35,7 +35,6 @@ from kvrows.conformance.hooks import (
     GEOMETRY_HOOKS,
     MODIFIER_RULES,
     WRITERS,
-    CodecHooks,
     Draw,
     Loader,
     ModifierRules,
@@ -342,13 +341,6 @@ def _storages() -> list[Composition]:
     )
 
 
-def _codec_row(kind: str) -> CodecHooks | None:
-    """The hook row of the codec spec registered for ``kind`` (``None``: no spec or no row):
-    the kind is resolved by the codec registry, the one place kinds are looked up."""
-    spec = CODECS.get(kind)
-    return None if spec is None else CODEC_HOOKS.get(spec)
-
-
 def _codecs(storage: Composition) -> tuple[str, ...]:
     """The codec kinds ``storage`` is driven with (a storage of any codec: its geometry's)."""
     if storage.codec == "any":
@@ -374,7 +366,8 @@ def _axes(codec: str, geometry: str) -> _Axes:
     """The machines of ``codec`` on ``geometry``: the rules its rows name, composed (the
     geometry's round rules, the speculative modifier's, the writer's, the geometry's, the
     codec's)."""
-    codec_hooks = _codec_row(codec)
+    spec = CODECS.get(codec)  # the codec registry resolves kinds; the hook rows are by spec
+    codec_hooks = None if spec is None else CODEC_HOOKS.get(spec)
     if codec_hooks is None or geometry not in GEOMETRY_HOOKS:
         raise KeyError(
             f"no conformance hooks for the {codec} codec on the {geometry} geometry: add a "
@@ -392,13 +385,9 @@ def _axes(codec: str, geometry: str) -> _Axes:
         )
         if r is not None
     )
-    where = (
-        "own"  # a writer of other tensors than K/V: rules with rounds of their own
-        if writer.rules is not None
-        else geometry_hooks.rounds
-        if geometry_hooks.rules is not None
-        else codec_hooks.rounds
-    )
+    where = geometry_hooks.rounds if geometry_hooks.rules is not None else codec_hooks.rounds
+    if writer.rules is not None:  # a writer of other tensors than K/V: rounds of its own
+        where = "own"
     speculative = MODIFIER_RULES["speculative"].rules
     with_rounds = compose(
         *(r for r in (geometry_hooks.round_rules, speculative) if r is not None), *rules

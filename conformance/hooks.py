@@ -7,8 +7,8 @@ and these tables, one row per value of an axis (spec/contract.md §0.11):
   head dims (:class:`Draw`), the codec's rules (a mixin of ``conformance.rules``: its
   model, its invalid merges), whether its family runs verify rounds, its tolerance key,
   its mlx-lm peer, the family of its growing storages, and what its tensors are written
-  with (a row per registered spec class: :func:`families._codec_row` resolves a
-  composition's codec kind through ``kvrows.codecs.CODECS``, the one place kinds are looked up);
+  with (a row per registered spec class: ``families`` resolves a composition's
+  codec kind through ``kvrows.codecs.CODECS``, the one place kinds are looked up);
 * :data:`GEOMETRY_HOOKS` ``[geometry kind]``: the geometry's rules (a ring's views,
   windows and mlx-lm quirks; a pool's invariants) and what rounds add on it, its draw
   (windows and sinks by role, a head-dim cap), the mlx-lm peer it imposes, how its

@@ -93,9 +93,8 @@ class LatentMachine(ConformanceMachine):
     # -- set-up ---------------------------------------------------------------------------
     @functools.cached_property
     def encoded(self) -> bool:
-        """Whether the class keeps its rows in stages (bf16-first: the plain latent, then
-        the encoded one): its examples draw a codec and a start. Asked of a fresh cache's
-        ``stages`` (the machinery's), not of its class name."""
+        """Whether a fresh cache keeps its rows in two ``stages`` (bf16-first: the plain
+        latent, then the encoded one): its examples draw a codec and a start."""
         return len(self.ref_impl.new(self.spec.name).stages) > 1
 
     @initialize(data=st.data())

@@ -74,9 +74,8 @@ class Geometry:
         return f"bits={self.bits} group={self.group_size}" if self.affine else "plain"
 
     def parameters(self) -> dict[str, int]:
-        """Constructor values by the composition table's parameter names: this example's
-        window, sinks and codec widths, a valid default where it has none (a cache of
-        another geometry or codec, built for a bad-input case)."""
+        """Constructor values by the composition table's parameter names (a valid default
+        where the example has none: a cache of another geometry or codec, a bad input)."""
         return {
             "max_size": self.max_size or 8,
             "keep": self.keep,
