@@ -44,7 +44,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -99,6 +99,8 @@ __all__ = [
 
 Array = npt.NDArray[Any]
 Planes = tuple[Array, ...]
+#: What a pool request holds: a lego, or a serial storage of its exact or converted stage.
+Holds = Literal["lego", "exact", "converted"]
 #: A bad call: (label, call(impl, layout), the error type the contract names).
 BadCall = tuple[str, Callable[[Impl, Any], object], type[KvRowsError]]
 
@@ -223,7 +225,7 @@ class DelayedTrack(Track):
 
     #: What the pool holds: ``"lego"``, or a serial storage of the lego's ``"exact"`` stage
     #: or of its ``"converted"`` one (affine, TurboQuant).
-    holds: str = "lego"
+    holds: Holds = "lego"
     solo_ref: Any = None
     solo_opt: Any = None
     #: A row that left a layout (it goes on taking chunks as a solo lego).
@@ -314,7 +316,7 @@ class DelayedMachine(ConformanceMachine):
         hold them)."""
         return (block,)
 
-    def _new_request(self, kind: str) -> DelayedTrack:
+    def _new_request(self, kind: Holds) -> DelayedTrack:
         g = self.g
         empty = np.zeros((1, g.heads, 0, g.dim), NUMPY_DTYPES[g.dtype])
         return DelayedTrack(next(self._ids), None, None, None, (empty,), (empty,), holds=kind)
@@ -508,7 +510,7 @@ class DelayedMachine(ConformanceMachine):
         crosses ``start``), or a plain or converted (affine, TurboQuant) serial storage fed
         random chunks."""
         g = self.g
-        kinds = ("lego", "lego", "exact", "converted")
+        kinds: tuple[Holds, ...] = ("lego", "lego", "exact", "converted")
         kind = data.draw(st.sampled_from(kinds), label="kind")
         near = st.integers(max(0, g.start - 6), g.start + 4)
         length = data.draw(st.one_of(near, st.integers(0, g.start + 6)), label="prompt length")
