@@ -3,12 +3,12 @@
 ``conformance.families`` derives every family from ``kvrows.compositions.COMPOSITIONS``
 and these tables, one row per value of an axis (spec/contract.md §0.11):
 
-* :data:`CODEC_HOOKS` ``[codec spec class]``: how an example draws the codec's parameters and
-  head dims (:class:`Draw`), the codec's rules (a mixin of ``conformance.rules``: its
-  model, its invalid merges), whether its family runs verify rounds, its tolerance key,
-  its mlx-lm peer, the family of its growing storages, and what its tensors are written
-  with (a row per registered spec class: ``families`` resolves a composition's
-  codec kind through ``kvrows.codecs.CODECS``, the one place kinds are looked up);
+* :data:`CODEC_HOOKS` ``[codec spec class]``: how an example draws the codec's
+  parameters and head dims (:class:`Draw`), the codec's rules (a mixin of
+  ``conformance.rules``: its model, its invalid merges), whether its family runs verify
+  rounds, its tolerance key, its mlx-lm peer, the family of its growing storages, and
+  what its tensors are written with (``families`` resolves a composition's codec kind
+  through ``kvrows.codecs.CODECS``, the one place kinds are looked up);
 * :data:`GEOMETRY_HOOKS` ``[geometry kind]``: the geometry's rules (a ring's views,
   windows and mlx-lm quirks; a pool's invariants) and what rounds add on it, its draw
   (windows and sinks by role, a head-dim cap), the mlx-lm peer it imposes, how its
@@ -23,11 +23,12 @@ and these tables, one row per value of an axis (spec/contract.md §0.11):
 
 A machine is never written per family: :func:`compose` builds it from the rule mixins
 the rows name (round rules of the geometry, the modifier's, the writer's, the
-geometry's, the codec's, over ``machines.ConformanceMachine``), and ``machines.machine_class`` gives it the
-layout's :class:`Draw`. A new codec or geometry (an MX codec, a chunked geometry) gets
-its conformance family by a row here. Rules are named by :func:`load` (lazily: the rule
-modules import ``machines``, which imports ``families``); the same name gives the same
-loader, and the same rules the same composed machine.
+geometry's, the codec's, over ``machines.ConformanceMachine``), and
+``machines.machine_class`` gives it the layout's :class:`Draw`. A new codec or geometry
+(an MX codec, a chunked geometry) gets its conformance family by a row here. Rules are
+named by :func:`load` (lazily: the rule modules import ``machines``, which imports
+``families``); the same name gives the same loader, and the same rules the same
+composed machine.
 """
 
 from __future__ import annotations
@@ -357,7 +358,6 @@ CODEC_HOOKS: Mapping[type[CodecSpec], CodecHooks] = MappingProxyType(
         State: CodecHooks("recurrent", "recurrent", "state", tensors="recurrent"),
     }
 )
-
 
 GEOMETRY_HOOKS: Mapping[str, GeometryHooks] = MappingProxyType(
     {
