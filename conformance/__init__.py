@@ -14,9 +14,11 @@ Modules (imported as needed; nothing heavy runs at package import):
   speculative modifier's verify rounds (solo replay of accepted tokens, mlx-lm's
   rollback, round misuse) and what rounds add on a ring;
 * ``paged``: the block pools' helpers (accounting, byte limits, the collector);
-* ``delayed``: the delayed families' own machine (rows that convert to affine, or to
-  TurboQuant in ``delayed-turbo``, at their own ``start``: solo legos per row, the
-  position record, mixed reads, prefill maintenance, rounds, deferred vs eager V);
+* ``delayed``, ``latent``, ``recurrent``: the delayed modifier's rules and the latent and
+  recurrent writers' rules, each over a world model of its own (``rules_off``);
+  ``delayed``: rows that convert to affine, or to TurboQuant in ``delayed-turbo``, at
+  their own ``start`` (solo legos per row, the position record, mixed reads, prefill
+  maintenance, rounds, deferred vs eager V);
 * ``strategies``: Hypothesis strategies (geometries, ring windows and sinks, prompts,
   chunks, keep lists);
 * ``tolerances``: the one tolerance table (``spec/tolerances.md``);

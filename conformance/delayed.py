@@ -8,7 +8,8 @@ The rules, oracles, draws and statistics are specified in ``spec/DelayedQuantize
 (Conformance: the ``delayed`` family) and ``spec/DelayedTurboQuantKVCache.md``; each rule's
 docstring says what it drives.
 
-**A subclass of the base machine.** :class:`DelayedMachine` is a
+**A subclass of the base machine.** :class:`DelayedMachine`, the delayed modifier's rules
+(``hooks.MODIFIER_RULES["delayed"]``, ``own``: not composed over the storage's), is a
 :class:`~kvrows.conformance.machines.ConformanceMachine` (the only storage root,
 ``spec/contract.md`` §0.11): its geometry is the base ``Geometry`` plus the rows'
 ``start``, its requests and layouts are the base model's ``Track`` (the tokens appended,
@@ -40,10 +41,10 @@ from __future__ import annotations
 import importlib
 import math
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -53,7 +54,7 @@ from hypothesis.stateful import invariant, precondition, rule
 
 from kvrows import table
 from kvrows.codec import Role
-from kvrows.compositions import composition
+from kvrows.compositions import composition, stage_presets
 from kvrows.conformance import strategies as ks
 from kvrows.conformance.arrays import NUMPY_DTYPES, expand_mask, random_block
 from kvrows.conformance.families import Impl
@@ -98,6 +99,8 @@ __all__ = [
 
 Array = npt.NDArray[Any]
 Planes = tuple[Array, ...]
+#: What a pool request holds: a lego, or a serial storage of its exact or converted stage.
+Holds = Literal["lego", "exact", "converted"]
 #: A bad call: (label, call(impl, layout), the error type the contract names).
 BadCall = tuple[str, Callable[[Impl, Any], object], type[KvRowsError]]
 
@@ -153,6 +156,9 @@ class DelayedGeometry(ks.Geometry):
     ``group_size`` or ``k_bits`` / ``v_bits``) and the rows' boundary ``start``."""
 
     start: int = 0
+
+    def parameters(self) -> dict[str, int]:
+        return {**super().parameters(), "start": self.start}
 
     @property
     def dim(self) -> int:
@@ -217,8 +223,9 @@ class DelayedTrack(Track):
     ``solo_ref``/``solo_opt`` its solo replay legos (a storage's are built at its merge,
     from its history); inside a layout ``ref``/``opt`` are the solo legos too."""
 
-    #: What the pool holds: ``"lego"``, ``"plain"`` or the target's kind (``"affine"``, ``"turbo"``).
-    holds: str = "lego"
+    #: What the pool holds: ``"lego"``, or a serial storage of the lego's ``"exact"`` stage
+    #: or of its ``"converted"`` one (affine, TurboQuant).
+    holds: Holds = "lego"
     solo_ref: Any = None
     solo_opt: Any = None
     #: A row that left a layout (it goes on taking chunks as a solo lego).
@@ -232,17 +239,6 @@ class DelayedSlot(Slot):
 
     rows: list[DelayedTrack]  # type: ignore[assignment]
     pads: list[int] = field(default_factory=list)
-
-
-def _package_class(impl: Impl, name: str) -> type:
-    """``impl``'s class ``name``: from its table (a mutant replaces one there), else from
-    the implementation's package (legos and layouts the composition table has not landed)."""
-    found = impl.classes.get(name)
-    if found is not None:
-        return found
-    package = importlib.import_module(".".join(impl.cls("KVCache").__module__.split(".")[:2]))
-    cls: type = getattr(package, name)
-    return cls
 
 
 @rules_off(
@@ -282,8 +278,8 @@ class DelayedMachine(ConformanceMachine):
 
     @property
     def converted_kind(self) -> str:
-        """The kind of a converted serial storage: ``affine`` or ``turbo``."""
-        return "turbo" if self.turbo else "affine"
+        """The codec kind of a converted serial storage (``affine``, ``turbo``)."""
+        return composition(self._converted_name).codec
 
     @classmethod
     def geometries(cls) -> st.SearchStrategy[ks.Geometry]:
@@ -315,25 +311,12 @@ class DelayedMachine(ConformanceMachine):
     def impls(self) -> tuple[Impl, Impl]:
         return self.ref_impl, self.opt_impl
 
-    def _same_views(
-        self, quantity: str, what: str, got: Planes | None, want: Planes | None
-    ) -> None:
-        """Two time-ordered views hold the same tokens, byte for byte (no planes and empty
-        planes both hold none)."""
-        if got is None or want is None:
-            empty = [x is None or int(x[0].shape[2]) == 0 for x in (got, want)]
-            self._exact(f"{what}: both hold no token", empty, [True, True])
-            return
-        self._exact(f"{what}: plane count", len(got), len(want))
-        for i, (a, e) in enumerate(zip(got, want, strict=True)):
-            self._close(quantity, f"{what} plane {i}", a, e)
-
     def _encode(self, block: Array, role: Role = "keys") -> Planes:
         """The model holds a request's tokens as appended (its stage says how the rows
         hold them)."""
         return (block,)
 
-    def _new_request(self, kind: str) -> DelayedTrack:
+    def _new_request(self, kind: Holds) -> DelayedTrack:
         g = self.g
         empty = np.zeros((1, g.heads, 0, g.dim), NUMPY_DTYPES[g.dtype])
         return DelayedTrack(next(self._ids), None, None, None, (empty,), (empty,), holds=kind)
@@ -345,27 +328,6 @@ class DelayedMachine(ConformanceMachine):
         for b, (track, n) in enumerate(zip(slot.rows, counts, strict=True)):
             self._record_append(track, keys[b : b + 1, :, :n], values[b : b + 1, :, :n])
 
-    # -- classes of an implementation ---------------------------------------------------------
-    def _cls(self, impl: Impl, name: str) -> type:
-        return _package_class(impl, name)
-
-    def _make(
-        self,
-        impl: Impl,
-        name: str,
-        changes: Mapping[str, int] | None = None,
-        table: str | None = None,
-    ) -> Any:
-        """A new ``name`` of ``impl``, its parameters by keyword: those of the composition
-        ``table`` (default ``name``; a lego takes its delayed layout's) with this
-        example's values, or ``changes``."""
-        g = self.g
-        values = {"max_size": g.max_size, "keep": g.keep, "group_size": g.group_size,
-                  "bits": g.bits, "k_bits": g.k_bits, "v_bits": g.v_bits, "start": g.start,
-                  **(changes or {})}  # fmt: skip
-        params = composition(table or name).params
-        return self._cls(impl, name)(**{p: values[p] for p in params})
-
     @property
     def _converted_name(self) -> str:
         """The converted serial storage's class (the layout's composition's ``serial``)."""
@@ -374,16 +336,24 @@ class DelayedMachine(ConformanceMachine):
         return serial
 
     def _layout(self, impl: Impl, **changes: int) -> Any:
-        return self._make(impl, self.spec.name, changes)
+        return self._new(impl, self.spec.name, **changes)
 
     def _lego(self, impl: Impl, **changes: int) -> Any:
         """This layout's serial counterpart: the lego of its converted storage."""
-        return self._make(impl, "Bf16First" + self._converted_name, changes, self.spec.name)
+        return self._new(impl, self.spec.solo, **changes)
 
-    def _storage(self, impl: Impl, kind: str, **changes: int) -> Any:
-        """A serial storage of this geometry: ``plain``, or converted (any other kind)."""
-        plain = "RotatingKVCache" if self.ring else "KVCache"
-        return self._make(impl, plain if kind == "plain" else self._converted_name, changes)
+    def _stage_preset(self, converted: bool) -> str:
+        """The serial preset of the lego's exact stage (its first) or converted one (the
+        layout's serial): the composition table names both."""
+        return (
+            self._converted_name
+            if converted
+            else stage_presets(composition(self.spec.solo))[0].name
+        )
+
+    def _storage(self, impl: Impl, converted: bool, **changes: int) -> Any:
+        """A serial storage of the lego's exact or converted stage."""
+        return self._new(impl, self._stage_preset(converted), **changes)
 
     def _other_widths(self, side: str = "values") -> dict[str, int]:
         """This example's codec at another bit width (TurboQuant: of ``side``)."""
@@ -409,24 +379,22 @@ class DelayedMachine(ConformanceMachine):
         affine = {"group_size": 64, "bits": 8} if self.turbo else {}
         if kind != "lego":
             ring = {"max_size": 8, "keep": 0}
-            cache = self._make(impl, "KVCache" if self.ring else "RotatingKVCache", ring)
+            cache = self._new(impl, "KVCache" if self.ring else "RotatingKVCache", **ring)
         elif self.ring:
-            cache = self._make(impl, "Bf16FirstQuantizedKVCache", table="DelayedQuantizedKVCache")
+            cache = self._new(impl, "Bf16FirstQuantizedKVCache")
         else:
-            cache = self._make(
-                impl, "Bf16FirstRotatingQuantizedKVCache", {"max_size": 8, "keep": 0, **affine},
-                "DelayedRotatingQuantizedKVCache",
-            )  # fmt: skip
+            cache = self._new(
+                impl, "Bf16FirstRotatingQuantizedKVCache", max_size=8, keep=0, **affine
+            )
         return self._holding_a_token(impl, cache, 3)
 
     def _other_codec(self, impl: Impl, kind: str) -> Any:
         """A full-attention affine lego (``lego``) or ``QuantizedKVCache`` holding a
         token: another codec for a TurboQuant layout."""
         lego = kind == "lego"
-        cache = self._make(
-            impl, "Bf16FirstQuantizedKVCache" if lego else "QuantizedKVCache",
-            {"group_size": 64, "bits": 8}, "DelayedQuantizedKVCache" if lego else None,
-        )  # fmt: skip
+        cache = self._new(
+            impl, "Bf16FirstQuantizedKVCache" if lego else "QuantizedKVCache", group_size=64, bits=8
+        )
         return self._holding_a_token(impl, cache, 4)
 
     def _codec(self, impl: Impl, quantized: bool) -> Any:
@@ -434,7 +402,7 @@ class DelayedMachine(ConformanceMachine):
         is a function of the example's parameters)."""
         key = (impl.name, quantized)
         if key not in self._codecs:
-            storage = self._storage(impl, self.converted_kind if quantized else "plain")
+            storage = self._storage(impl, quantized)
             self._codecs[key] = storage.codec
         return self._codecs[key]
 
@@ -516,7 +484,7 @@ class DelayedMachine(ConformanceMachine):
         """Messages name the layout's class: a mutant's subclass answers as the layout."""
         text = str(error)
         for impl in self.impls:
-            text = text.replace(self._cls(impl, self.spec.name).__name__, self.spec.name)
+            text = text.replace(impl.cls(self.spec.name).__name__, self.spec.name)
         return text
 
     def _bad_call(
@@ -542,7 +510,7 @@ class DelayedMachine(ConformanceMachine):
         crosses ``start``), or a plain or converted (affine, TurboQuant) serial storage fed
         random chunks."""
         g = self.g
-        kinds = ("lego", "lego", "plain", self.converted_kind)
+        kinds: tuple[Holds, ...] = ("lego", "lego", "exact", "converted")
         kind = data.draw(st.sampled_from(kinds), label="kind")
         near = st.integers(max(0, g.start - 6), g.start + 4)
         length = data.draw(st.one_of(near, st.integers(0, g.start + 6)), label="prompt length")
@@ -551,10 +519,14 @@ class DelayedMachine(ConformanceMachine):
             track.ref, track.opt = self._lego(self.ref_impl), self._lego(self.opt_impl)
             track.solo_ref, track.solo_opt = self._lego(self.ref_impl), self._lego(self.opt_impl)
         else:
-            track.ref = self._storage(self.ref_impl, kind)
-            track.opt = self._storage(self.opt_impl, kind)
+            track.ref = self._storage(self.ref_impl, kind == "converted")
+            track.opt = self._storage(self.opt_impl, kind == "converted")
         note(f"new_request {track.ident}: {kind}, {length} tokens")
-        self._op(f"new_request:{kind}")
+        # named by what the pool holds: a lego, or the codec kind of the stage's storage
+        held = (
+            kind if kind == "lego" else composition(self._stage_preset(kind == "converted")).codec
+        )
+        self._op(f"new_request:{held}")
         rng = self._rng(data)
         while track.tokens < length:
             left = length - track.tokens
@@ -588,7 +560,7 @@ class DelayedMachine(ConformanceMachine):
         views = [self._view(impl, cache) for impl, cache in caches]
         names = ["optimized", "the reference's solo lego", "the optimized solo lego"]
         for name, view in zip(names, views[1:], strict=False):
-            self._same_views("kv.solo" if "solo" in name else "kv.fetched",
+            self._same_planes("kv.solo" if "solo" in name else "kv.fetched",
                              f"{what}: {name} vs the reference", view, views[0])  # fmt: skip
         self._record_append(track, keys, values)
         if track.holds == "lego" and self._due(track):  # the model's rule, not the lego's
@@ -617,7 +589,7 @@ class DelayedMachine(ConformanceMachine):
         ``start``: the layout converts it at the merge)."""
         g = self.g
         if track.solo_ref is not None:
-            if track.holds == self.converted_kind:
+            if track.holds == "converted":
                 # A converted storage records its offset at the merge (the conservative
                 # bound): its lego now says the same.
                 minimum = track.tokens if g.start > 0 else 0
@@ -627,14 +599,14 @@ class DelayedMachine(ConformanceMachine):
                 )
                 track.converted_at = minimum
             return
-        affine = track.holds == self.converted_kind or g.converts(track.tokens)
+        affine = track.holds == "converted" or g.converts(track.tokens)
         # The request's chunks as the pool storage took them (a pool storage is never trimmed).
         chunks = [(keys, values) for what, keys, values in track.history if what == "append"]
         solos = []
         for impl in self.impls:
             lego = self._lego(impl)
             if affine:
-                storage = self._storage(impl, self.converted_kind)
+                storage = self._storage(impl, True)
                 for keys, values in chunks:
                     storage.update_and_fetch(impl.to_native(keys), impl.to_native(values))
                 minimum = track.tokens if g.start > 0 else 0
@@ -646,7 +618,7 @@ class DelayedMachine(ConformanceMachine):
             solos.append(lego)
         track.solo_ref, track.solo_opt = solos
         if affine:
-            if track.holds == "plain":
+            if track.holds == "exact":
                 self.stats.check("conversion at merge")
             self._mark_converted(track)
 
@@ -1198,7 +1170,7 @@ class DelayedMachine(ConformanceMachine):
         moved.ref, moved.opt, moved.extracted = got[0], got[1], True
         moved.holds = "lego"
         if not isinstance(got[0], Handover):
-            moved.holds = "plain" if track.converted_at is None else self.converted_kind
+            moved.holds = "exact" if track.converted_at is None else "converted"
         self.pool.append(moved)
         self._check_layout(slot)
         if moved.holds == "lego" and data.draw(st.booleans(), label="goes on at once"):
@@ -1255,7 +1227,7 @@ class DelayedMachine(ConformanceMachine):
             want = None if full is None else tuple(p[:, :, :tokens] for p in full)
             mine = self._view(impl, storage)
             label = f"{what} cut back ({impl.name}) vs its solo lego"
-            self._same_views("kv.solo", label, mine, want)
+            self._same_planes("kv.solo", label, mine, want)
         self.stats.check("published prefix")
 
     def _check_extracted(self, what: str, got: list[Any], track: DelayedTrack) -> None:
@@ -1280,7 +1252,7 @@ class DelayedMachine(ConformanceMachine):
                 type(solo.storage).__name__,
             )
             mine, want = self._view(impl, storage), self._view(impl, solo)
-            self._same_views("kv.solo", f"{what} ({impl.name}) vs its solo lego", mine, want)
+            self._same_planes("kv.solo", f"{what} ({impl.name}) vs its solo lego", mine, want)
         self.stats.check("extracted row bytes")
 
     @precondition(lambda self: any(s.rows for s in self.slots))
@@ -1377,7 +1349,7 @@ class DelayedMachine(ConformanceMachine):
             (
                 f"merge_rows of a {self.converted_kind} storage of another bit width",
                 lambda impl, lay: lay.merge_rows(
-                    [self._storage(impl, self.converted_kind, **self._other_widths("keys"))]
+                    [self._storage(impl, True, **self._other_widths("keys"))]
                 ),
                 IncompatibleRowsError,
             ),

@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 
+from kvrows.codecs import CODECS
 from kvrows.compositions import SELF, Composition, landed, layouts_of, stage_presets
 from kvrows.conformance.arrays import from_mlx, to_mlx
 from kvrows.conformance.hooks import (
@@ -42,7 +43,6 @@ from kvrows.conformance.hooks import (
     PeerSpec,
     WriterHooks,
     compose,
-    lm_cache,
 )
 
 Planes = tuple[Any, ...]
@@ -87,11 +87,6 @@ class Impl:
         merged = dict(self.classes)
         merged.update(classes)
         return replace(self, name=name or self.name, classes=MappingProxyType(merged))
-
-
-def _lm_cache() -> Any:
-    """mlx-lm's cache module (the latent machine reaches it through this name)."""
-    return lm_cache()
 
 
 def _numpy_identity(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
@@ -335,7 +330,7 @@ BUDGETS: dict[str, Budget] = {
 def _storages() -> list[Composition]:
     """The landed serial storages (a layout without a serial is its own storage), by
     geometry, then codec (the hook tables' order), then table order."""
-    geometries, codecs = list(GEOMETRY_HOOKS), list(CODEC_HOOKS)
+    geometries, codecs = list(GEOMETRY_HOOKS), [spec.kind for spec in CODEC_HOOKS]
     storages = [c for c in landed() if not c.is_layout or c.serial is None]
     return sorted(
         storages,
@@ -369,26 +364,31 @@ class _Axes:
 
 def _axes(codec: str, geometry: str) -> _Axes:
     """The machines of ``codec`` on ``geometry``: the rules its rows name, composed (the
-    geometry's round rules, the speculative modifier's, the geometry's, the codec's)."""
-    if codec not in CODEC_HOOKS or geometry not in GEOMETRY_HOOKS:
+    geometry's round rules, the speculative modifier's, the writer's, the geometry's, the
+    codec's)."""
+    spec = CODECS.get(codec)  # the codec registry resolves kinds; the hook rows are by spec
+    codec_hooks = None if spec is None else CODEC_HOOKS.get(spec)
+    if codec_hooks is None or geometry not in GEOMETRY_HOOKS:
         raise KeyError(
             f"no conformance hooks for the {codec} codec on the {geometry} geometry: add a "
             "row to conformance.hooks.CODEC_HOOKS / GEOMETRY_HOOKS"
         )
-    codec_hooks, geometry_hooks = CODEC_HOOKS[codec], GEOMETRY_HOOKS[geometry]
+    geometry_hooks = GEOMETRY_HOOKS[geometry]
     writer = WRITERS[codec_hooks.tensors]
     own = geometry_hooks.by_codec.get(codec)
     rules = tuple(
         r
         for r in (
+            writer.rules,
             geometry_hooks.rules,
             codec_hooks.rules if geometry_hooks.codec_rules else None,
         )
         if r is not None
     )
     where = geometry_hooks.rounds if geometry_hooks.rules is not None else codec_hooks.rounds
+    if writer.rules is not None:  # a writer of other tensors than K/V: rounds of its own
+        where = "own"
     speculative = MODIFIER_RULES["speculative"].rules
-    assert speculative is not None
     with_rounds = compose(
         *(r for r in (geometry_hooks.round_rules, speculative) if r is not None), *rules
     )
@@ -495,7 +495,9 @@ def derive() -> dict[str, Family]:
                         _layout(storage, entry, axes, peer=delayed.peer), solo=_lego_of(storage)
                     )
                     name = _modifier_family(delayed, codec)
-                    members.setdefault(name, []).append((spec, delayed.machine, None))
+                    over = () if delayed.own or axes.machine is None else (axes.machine,)
+                    machine = compose(delayed.rules, *over)
+                    members.setdefault(name, []).append((spec, machine, None))
                     continue
                 spec = _layout(storage, entry, axes, peer=True)
                 rounds_elsewhere = "verify" in spec.roles and not axes.has_rounds

@@ -3,29 +3,32 @@
 ``conformance.families`` derives every family from ``kvrows.compositions.COMPOSITIONS``
 and these tables, one row per value of an axis (spec/contract.md §0.11):
 
-* :data:`CODEC_HOOKS` ``[codec kind]``: how an example draws the codec's parameters and
-  head dims (:class:`Draw`), the codec's rules (a mixin of ``conformance.rules``: its
-  model, its invalid merges), whether its family runs verify rounds, its tolerance key,
-  its mlx-lm peer, the family of its growing storages, and what its tensors are written
-  with;
+* :data:`CODEC_HOOKS` ``[codec spec class]``: how an example draws the codec's
+  parameters and head dims (:class:`Draw`), the codec's rules (a mixin of
+  ``conformance.rules``: its model, its invalid merges), whether its family runs verify
+  rounds, its tolerance key, its mlx-lm peer, the family of its growing storages, and
+  what its tensors are written with (``families`` resolves a composition's codec kind
+  through ``kvrows.codecs.CODECS``, the one place kinds are looked up);
 * :data:`GEOMETRY_HOOKS` ``[geometry kind]``: the geometry's rules (a ring's views,
   windows and mlx-lm quirks; a pool's invariants) and what rounds add on it, its draw
   (windows and sinks by role, a head-dim cap), the mlx-lm peer it imposes, how its
   families are named and which codecs a storage of ``any`` codec is driven with;
 * :data:`WRITERS` ``[tensors]``: how a block is written (KV ``update_and_fetch``, the
-  latent's three tensors, recurrent planes), and so what the table's arrangement and
-  parity columns mean for the machine's layout flags and mlx-lm twins;
+  latent's three tensors, recurrent planes: the rules of a writer other than K/V), and so
+  what the table's arrangement and parity columns mean for the machine's layout flags
+  and mlx-lm twins;
 * :data:`MODIFIER_RULES` ``[modifier]``: the rules a modifier composes onto the machine
-  (the speculative verify rounds) or its own machine (delayed conversion), and how its
-  families are named.
+  (the speculative verify rounds) or runs alone (delayed conversion: ``own``), and how
+  its families are named.
 
 A machine is never written per family: :func:`compose` builds it from the rule mixins
-the rows name (round rules of the geometry, the modifier's, the geometry's, the codec's,
-over ``machines.ConformanceMachine``), and ``machines.machine_class`` gives it the
-layout's :class:`Draw`. A new codec or geometry (an MX codec, a chunked geometry) gets
-its conformance family by a row here. Rules are named by :func:`load` (lazily: the rule
-modules import ``machines``, which imports ``families``); the same name gives the same
-loader, and the same rules the same composed machine.
+the rows name (round rules of the geometry, the modifier's, the writer's, the
+geometry's, the codec's, over ``machines.ConformanceMachine``), and
+``machines.machine_class`` gives it the layout's :class:`Draw`. A new codec or geometry
+(an MX codec, a chunked geometry) gets its conformance family by a row here. Rules are
+named by :func:`load` (lazily: the rule modules import ``machines``, which imports
+``families``); the same name gives the same loader, and the same rules the same
+composed machine.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ import mlx.core as mx
 from hypothesis import strategies as st
 
 from kvrows.affine_geometry import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
-from kvrows.codec import TURBO_HEAD_DIMS
+from kvrows.codec import TURBO_HEAD_DIMS, CodecSpec
+from kvrows.codecs import Affine, Latent, Plain, State, Turbo
 from kvrows.conformance import strategies as ks
 from kvrows.schemes import TURBO_KEY_BITS, TURBO_VALUE_BITS
 
@@ -232,9 +236,9 @@ Rounds = Literal["modifier", "family", "own"]
 # ---------------------------------------------------------------------------- the axes
 @dataclass(frozen=True)
 class CodecHooks:
-    """A codec kind: ``draw`` how an example draws its parameters and head dims,
-    ``rules`` its rules (its model, its invalid merges; ``None``: the base machine's),
-    ``rounds`` where its verify rounds run (when its geometry has no rules),
+    """A codec (the row of its spec class): ``draw`` how an example draws its parameters
+    and head dims, ``rules`` its rules (its model, its invalid merges; ``None``: the base
+    machine's), ``rounds`` where its verify rounds run (when its geometry has no rules),
     ``tolerance_key`` its rows of the tolerance table, ``peer`` mlx-lm's cache of the
     codec, ``family`` the family of its growing storages, ``tensors`` its writer;
     ``qualifier`` names it in a geometry's family and tolerance key (``paged-affine``,
@@ -287,9 +291,13 @@ class WriterHooks:
     twins a storage where the table names its parity class (``parity_from_table``), else
     every storage but the ``unmirrored`` ones; ``siblings``:
     whether a layout merges the rows of its storage's other layouts (else the family's);
-    ``peer``: mlx-lm's cache of these tensors (:data:`DEFER`: the geometry's or codec's).
+    ``peer``: mlx-lm's cache of these tensors (:data:`DEFER`: the geometry's or codec's);
+    ``rules``: the rules that write blocks other than K/V (the latent's three tensors,
+    recurrent planes), first in the composition: they replace the base machine's K/V
+    rules and run verify rounds of their own.
     """
 
+    rules: Loader | None = None
     shared_column: bool | None = None
     trim_rows: bool | None = None
     parity_from_table: bool = True
@@ -300,14 +308,14 @@ class WriterHooks:
 
 @dataclass(frozen=True)
 class ModifierRules:
-    """A modifier's family: its rules (``rules``: composed onto the storage's machine;
-    else ``machine``: the family's own), its family name (``-<codec>`` added for a codec
-    other than ``default_codec``; ``None``: one family for every codec), and whether its
-    layouts have an mlx-lm peer."""
+    """A modifier's family: its rules (composed onto the storage's machine; ``own``: the
+    family's machine alone, its rows of two codecs), its family name (``-<codec>`` added
+    for a codec other than ``default_codec``; ``None``: one family for every codec), and
+    whether its layouts have an mlx-lm peer."""
 
     family: str
-    rules: Loader | None = None
-    machine: Loader | None = None
+    rules: Loader
+    own: bool = False
     default_codec: str | None = None
     peer: bool = True
 
@@ -324,10 +332,10 @@ TURBO = Draw(
     params=tuple((k, v) for k in TURBO_KEY_BITS for v in TURBO_VALUE_BITS),
 )
 
-CODEC_HOOKS: Mapping[str, CodecHooks] = MappingProxyType(
+CODEC_HOOKS: Mapping[type[CodecSpec], CodecHooks] = MappingProxyType(
     {
-        "plain": CodecHooks("plain", "plain", "", peer=plain_peer),
-        "affine": CodecHooks(
+        Plain: CodecHooks("plain", "plain", "", peer=plain_peer),
+        Affine: CodecHooks(
             "affine",
             "affine",
             "affine",
@@ -337,7 +345,7 @@ CODEC_HOOKS: Mapping[str, CodecHooks] = MappingProxyType(
         ),
         # Its one layout serves every role: the family runs verify rounds; mlx-lm has no
         # TurboQuant cache.
-        "turbo": CodecHooks(
+        Turbo: CodecHooks(
             "turbo",
             "turbo",
             "turbo",
@@ -345,16 +353,9 @@ CODEC_HOOKS: Mapping[str, CodecHooks] = MappingProxyType(
             rules=load("rules", "TurboRules"),
             rounds="family",
         ),
-        # MLA latent storages grow (the growing geometry); their machine runs rounds.
-        "latent": CodecHooks(
-            "latent",
-            "latent",
-            "latent",
-            rules=load("latent", "LatentMachine"),
-            rounds="own",
-            tensors="latent",
-        ),
-        "state": CodecHooks("recurrent", "recurrent", "state", tensors="recurrent"),
+        # MLA latent storages grow (the growing geometry); their writer's rules run rounds.
+        Latent: CodecHooks("latent", "latent", "latent", tensors="latent"),
+        State: CodecHooks("recurrent", "recurrent", "state", tensors="recurrent"),
     }
 )
 
@@ -386,9 +387,7 @@ GEOMETRY_HOOKS: Mapping[str, GeometryHooks] = MappingProxyType(
             peer=None,
             codecs=("plain", "affine"),
         ),
-        "recurrent": GeometryHooks(
-            rules=load("recurrent", "RecurrentMachine"), rounds="own", family="recurrent"
-        ),
+        "recurrent": GeometryHooks(family="recurrent"),
     }
 )
 
@@ -398,6 +397,7 @@ WRITERS: Mapping[str, WriterHooks] = MappingProxyType(
         # Three tensors on one token axis, every layout rolled back by row; mlx-lm's
         # KVCache pairs twin a latent held plain (mlx-lm has no encoded latent cache).
         "latent": WriterHooks(
+            rules=load("latent", "LatentMachine"),
             shared_column=True,
             trim_rows=True,
             parity_from_table=False,
@@ -408,7 +408,11 @@ WRITERS: Mapping[str, WriterHooks] = MappingProxyType(
         # Planes written by the layer and advanced: no token axis to share or roll back;
         # mlx-lm's ArraysCache twins every row (the machine makes it).
         "recurrent": WriterHooks(
-            shared_column=False, trim_rows=False, parity_from_table=False, siblings=False
+            rules=load("recurrent", "RecurrentMachine"),
+            shared_column=False,
+            trim_rows=False,
+            parity_from_table=False,
+            siblings=False,
         ),
     }
 )
@@ -417,9 +421,13 @@ MODIFIER_RULES: Mapping[str, ModifierRules] = MappingProxyType(
     {
         # Verify rounds composed onto the storage's machine (``rules.RoundRules``).
         "speculative": ModifierRules("speculative", rules=load("rules", "RoundRules")),
-        # Rows of two codecs (bf16, then the codec): their own machine and solo legos.
+        # Rows of two codecs (bf16, then the codec): rules of their own and solo legos.
         "delayed": ModifierRules(
-            "delayed", machine=load("delayed", "DelayedMachine"), default_codec="affine", peer=False
+            "delayed",
+            rules=load("delayed", "DelayedMachine"),
+            own=True,
+            default_codec="affine",
+            peer=False,
         ),
     }
 )

@@ -4,9 +4,10 @@ A latent cache is its own serial storage and its own layout, with three planes w
 KV storage has two, one shared write column, merges into an empty or a running cache
 (rows right-justified to the longest), and (the
 encoded variant) reads that depend on each row's bf16-first boundary. The base machine's
-rules drive ``[B, H, N, D]`` key/value storages; this machine drives latent caches with
-the same oracles and the same runner interface (``machines.machine_class`` builds it
-from the family, ``kvrows conform --family latent`` runs it). It subclasses the base
+rules drive ``[B, H, N, D]`` key/value storages; these rules (the latent writer's,
+``hooks.WRITERS["latent"].rules``) drive latent caches with the same oracles and the same
+runner interface (``machines.machine_class`` builds it from the family, ``kvrows conform
+--family latent`` runs it). It subclasses the base
 machine, turns off the base rules it replaces (``machines.rules_off``) and reuses its ids,
 counters, world model (``machines.Request``) and bad-input check:
 
@@ -24,6 +25,7 @@ counters, world model (``machines.Request``) and bad-input check:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +38,8 @@ from hypothesis import note
 from hypothesis.stateful import initialize, precondition, rule
 
 from kvrows.conformance.arrays import NUMPY_DTYPES, from_mlx, to_mlx
-from kvrows.conformance.families import Impl, _lm_cache
+from kvrows.conformance.families import Impl
+from kvrows.conformance.hooks import lm_cache
 from kvrows.conformance.machines import ConformanceMachine, Request, rules_off
 from kvrows.schemes import Affine, Turbo
 
@@ -88,9 +91,11 @@ class LatentMachine(ConformanceMachine):
         self._invalid_left = 2
 
     # -- set-up ---------------------------------------------------------------------------
-    @property
+    @functools.cached_property
     def encoded(self) -> bool:
-        return self.spec.name == "EncodedLatentCache"
+        """Whether a fresh cache keeps its rows in two ``stages`` (bf16-first: the plain
+        latent, then the encoded one): its examples draw a codec and a start."""
+        return len(self.ref_impl.new(self.spec.name).stages) > 1
 
     @initialize(data=st.data())
     def setup(self, data: st.DataObject) -> None:
@@ -138,7 +143,7 @@ class LatentMachine(ConformanceMachine):
     def _lm_twins(self) -> tuple[Any, Any] | None:
         if self.encoded or self.peer is None:
             return None
-        lm: Any = _lm_cache()
+        lm: Any = lm_cache()
         return lm.KVCache(), lm.KVCache()
 
     # -- appends --------------------------------------------------------------------------
@@ -213,7 +218,7 @@ class LatentMachine(ConformanceMachine):
         layout.solos = [self._solo_of(r) for r in chosen]
         twins = [r.lm for r in chosen]
         if all(t is not None and t[0].offset > 0 for t in twins):
-            batch: Any = _lm_cache().BatchKVCache
+            batch: Any = lm_cache().BatchKVCache
             layout.lm = (
                 batch.merge([t[0] for t in twins if t is not None]),
                 batch.merge([t[1] for t in twins if t is not None])
@@ -292,7 +297,7 @@ class LatentMachine(ConformanceMachine):
     def _rebuild_lm(self, layout: _Layout) -> None:
         """mlx-lm has no per-row rollback: its oracle is a merge of each row's accepted
         tokens (what the rolled layout must equal)."""
-        lm: Any = _lm_cache()
+        lm: Any = lm_cache()
         pairs = []
         for solo in layout.solos:
             if solo.width == 0:

@@ -99,6 +99,7 @@ __all__ = [
     "BASE_CHECKS",
     "FULL_CHECK_EVERY",
     "MESSAGE_EXCEPTIONS",
+    "ROLE_LOOKUPS",
     "ConformanceMachine",
     "Layout",
     "Limits",
@@ -386,7 +387,8 @@ def expected_visible(
     ]
 
 
-_ROLE_LOOKUPS: dict[str, Callable[[Any], Any]] = {
+#: The row-layout table's lookup for each role.
+ROLE_LOOKUPS: dict[str, Callable[[Any], Any]] = {
     "decode": table.owned_cache_layout,
     "prefill": table.prefill_cache_layout,
     "verify": table.target_cache_layout,
@@ -645,10 +647,13 @@ class ConformanceMachine(RuleBasedStateMachine):
             f"dtypes {actual.dtype} / {expected.dtype})"
         )
 
-    def _same_planes(self, quantity: str, what: str, got: Planes | None, want: Planes) -> None:
-        """``got`` equals ``want`` plane by plane (``None`` only when ``want`` is empty)."""
-        if got is None:
-            self._exact(f"{what}: holds nothing, so the model holds no token", want[0].shape[2], 0)
+    def _same_planes(
+        self, quantity: str, what: str, got: Planes | None, want: Planes | None
+    ) -> None:
+        """``got`` equals ``want`` plane by plane (``None`` holds no token, as empty planes)."""
+        if got is None or want is None:
+            empty = [x is None or int(x[0].shape[2]) == 0 for x in (got, want)]
+            self._exact(f"{what}: both hold no token", empty, [True, True])
             return
         self._exact(f"{what}: plane count", len(got), len(want))
         for i, (a, e) in enumerate(zip(got, want, strict=True)):
@@ -663,27 +668,12 @@ class ConformanceMachine(RuleBasedStateMachine):
         self.stats.skip(code)
 
     def _new(self, impl: Impl, name: str, **changes: int) -> Any:
-        """A new ``name`` of ``impl`` with this example's window and codec (or ``changes``)."""
-        ring, affine = CONSTRUCTORS[name]
-        g = self.g
-        params = {
-            "max_size": g.max_size or 8,
-            "group_size": g.group_size or 32,
-            "bits": g.bits or 8,
-        }
-        params.update(changes)
-        if "k_bits" in composition(name).params:  # TurboQuant: its two widths, by name
-            k_bits, v_bits = (
-                changes.get("k_bits", g.k_bits or 8),
-                changes.get("v_bits", g.v_bits or 3),
-            )
-            return impl.cls(name)(k_bits=k_bits, v_bits=v_bits)
-        args: tuple[int, ...] = (params["max_size"],) if ring else ()
-        if affine:
-            args += (params["group_size"], params["bits"])
-        if ring and g.keep:
-            return impl.cls(name)(*args, keep=g.keep)
-        return impl.cls(name)(*args)
+        """A new ``name`` of ``impl``, its composition's parameters by keyword: this
+        example's values (``Geometry.parameters``), or ``changes`` (a parameter with
+        neither keeps the class's default: a lego's ``start`` outside the delayed family)."""
+        values = {**self.g.parameters(), **changes}
+        params = composition(name).params
+        return impl.cls(name)(**{p: values[p] for p in params if p in values})
 
     def _encode(self, block: Array, role: Role = "keys") -> Planes:
         """The planes the spec stores for ``block`` as ``role`` under this example's codec."""
@@ -1087,7 +1077,7 @@ class ConformanceMachine(RuleBasedStateMachine):
     def _table_layout(self, role: str, track: Track) -> tuple[Any, Any]:
         """The row-layout table's ``role`` layout for the request's storage: this layout's
         class with this example's parameters (a mutant is then constructed instead)."""
-        get = _ROLE_LOOKUPS[role]
+        get = ROLE_LOOKUPS[role]
         made = []
         declared = []
         for impl, cache in ((self.ref_impl, track.ref), (self.opt_impl, track.opt)):
@@ -2476,7 +2466,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         """The row-layout table's every role for this layout (as a storage), per the
         composition table: the named class (``self``: its own), or none to verify."""
         roles = composition(self.spec.name).roles
-        for role, get in _ROLE_LOOKUPS.items():
+        for role, get in ROLE_LOOKUPS.items():
             want = getattr(roles, role) if roles is not None else SELF
             if roles is None and role == "verify":
                 want = NoRowLayoutError.__name__

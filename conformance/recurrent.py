@@ -1,7 +1,8 @@
 """The recurrent family's state machine: ``SSMCache`` rows in ``BatchedSSMCache``.
 
-Recurrent state has no token axis, no keys and values and no attention read, so this
-subclass of the base machine (``conformance.machines``) turns off the base rules that
+Recurrent state has no token axis, no keys and values and no attention read, so these
+rules (the recurrent writer's, ``hooks.WRITERS["recurrent"].rules``, a subclass of the
+base machine ``conformance.machines``) turn off the base rules that
 drive stored K/V, masks over key columns and attention outputs (``rules_off``), and brings
 its own in their place (plane writes, padded runs, record/replay rounds). It keeps the
 base machine's discipline and pieces: its ``Stats`` counters, implementations, ids,
@@ -45,7 +46,8 @@ from hypothesis.stateful import initialize, precondition, rule
 
 from kvrows.conformance.arrays import NUMPY_DTYPES, as_numpy, to_mlx
 from kvrows.conformance.families import Impl
-from kvrows.conformance.machines import ConformanceMachine, Layout, Request, rules_off
+from kvrows.conformance.hooks import lm_cache
+from kvrows.conformance.machines import ROLE_LOOKUPS, ConformanceMachine, Layout, Request, rules_off
 from kvrows.errors import (
     IncompatibleRowsError,
     InvalidInputError,
@@ -55,7 +57,7 @@ from kvrows.errors import (
     SpeculativeRoundError,
 )
 from kvrows.recurrent import StateShapes
-from kvrows.table import owned_cache_layout, prefill_cache_layout, publish_row, target_cache_layout
+from kvrows.table import publish_row
 
 __all__ = ["RECURRENT_CHECKS", "RecurrentMachine"]
 
@@ -117,12 +119,6 @@ def _plane_shapes(count: int) -> st.SearchStrategy[StateShapes]:
     plane = st.tuples(shape.map(tuple), st.sampled_from(_DTYPES))
     planes = st.lists(plane, min_size=count, max_size=count)
     return planes.map(lambda ps: StateShapes(planes=tuple(ps)))
-
-
-def _lm_cache() -> Any:
-    from mlx_lm.models import cache
-
-    return cache
 
 
 # every rule checks what it touched, teardown everything: no invariant
@@ -205,7 +201,7 @@ class RecurrentMachine(ConformanceMachine):
 
     def _lm_new(self) -> Any:
         assert self.layer is not None
-        return _lm_cache().ArraysCache(self.layer.planes)
+        return lm_cache().ArraysCache(self.layer.planes)
 
     def _layer_inputs(self, rows: int, n: int) -> tuple[Array, ...]:
         g = self.layer
@@ -307,8 +303,8 @@ class RecurrentMachine(ConformanceMachine):
         self.stats.op("new_request")
         row = Request(
             next(self._ids),
-            self._new_state(self.ref_impl, "SSMCache"),
-            self._new_state(self.opt_impl, "SSMCache"),
+            self._new_state(self.ref_impl, self.spec.serial),
+            self._new_state(self.opt_impl, self.spec.serial),
             self._lm_new(),
         )
         self.requests.append(row)
@@ -330,14 +326,12 @@ class RecurrentMachine(ConformanceMachine):
     def _layout(self, data: st.DataObject, impl: Impl, serial: Any) -> Any:
         """A new layout of ``impl``'s class (a mutant in the teeth tests), after checking
         that the row-layout table gives that class in the drawn role."""
-        role = data.draw(st.sampled_from(("decode", "prefill", "verify")), label="role")
-        build = {"decode": owned_cache_layout, "prefill": prefill_cache_layout}.get(
-            role, target_cache_layout
-        )
-        table: Any = build(serial)
-        assert type(table).__name__ == "BatchedSSMCache" and table.batch_size == 0, role
+        role = data.draw(st.sampled_from(self.spec.roles), label="role")
+        table: Any = ROLE_LOOKUPS[role](serial)
+        # the table gives this machine's layout (its class from the composition table)
+        assert type(table).__name__ == self.spec.name and table.batch_size == 0, role
         self.stats.check("table roles")
-        return self._new_state(impl, "BatchedSSMCache")
+        return self._new_state(impl, self.spec.name)
 
     @precondition(lambda self: bool(self.requests) and len(self.groups) < 2)
     @rule(data=st.data())
@@ -354,7 +348,7 @@ class RecurrentMachine(ConformanceMachine):
         opt = self._layout(data, self.opt_impl, rows[0].opt)
         ref.merge_rows([r.ref for r in rows])
         opt.merge_rows([r.opt for r in rows])
-        lm = _lm_cache().ArraysCache.merge([r.lm for r in rows])
+        lm = lm_cache().ArraysCache.merge([r.lm for r in rows])
         group = Layout(next(self._ids), ref, opt, lm, rows)
         self.groups.append(group)
         self._check_group(group)
@@ -367,7 +361,7 @@ class RecurrentMachine(ConformanceMachine):
         row = self.requests.pop(data.draw(st.integers(0, len(self.requests) - 1), label="request"))
         group.ref.merge_rows([row.ref])
         group.opt.merge_rows([row.opt])
-        joined = _lm_cache().ArraysCache.merge([row.lm])
+        joined = lm_cache().ArraysCache.merge([row.lm])
         if group.rows:
             group.lm.extend(joined)
         else:  # an ArraysCache without planes counts one row: extend would add a zero row
@@ -628,7 +622,11 @@ class RecurrentMachine(ConformanceMachine):
                 (
                     "merge the other implementation's rows",
                     lambda i, c: c.merge_rows(
-                        [(self.opt_impl if i is self.ref_impl else self.ref_impl).new("SSMCache")]
+                        [
+                            (self.opt_impl if i is self.ref_impl else self.ref_impl).new(
+                                self.spec.serial
+                            )
+                        ]
                     ),
                     IncompatibleRowsError,
                 ),

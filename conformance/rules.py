@@ -1,8 +1,8 @@
 """The rules the hook rows compose into machines (``hooks.compose``), one mixin per axis
 value over ``machines.ConformanceMachine`` (no machine is written per family):
 
-* codec rules: :class:`AffineRules` (``CODEC_HOOKS["affine"]``), :class:`TurboRules`
-  (``CODEC_HOOKS["turbo"]``);
+* codec rules: :class:`AffineRules` (``CODEC_HOOKS[Affine]``), :class:`TurboRules`
+  (``CODEC_HOOKS[Turbo]``);
 * geometry rules: :class:`RingRules` (``GEOMETRY_HOOKS["ring"]``), and what verify rounds
   add on a ring, :class:`RingRoundRules` (its ``round_rules``); :class:`PagedRules`
   (``GEOMETRY_HOOKS["paged"]``: block pools, their invariants, byte limits);
@@ -165,7 +165,7 @@ class CodecCases(ConformanceMachine):
 
 class AffineRules(CodecCases):
     """The affine codec's rules (one ``(bits, group_size)`` per example, the draw of
-    ``hooks.CODEC_HOOKS["affine"]``): the base machine already encodes with the reference
+    ``hooks.CODEC_HOOKS[Affine]``): the base machine already encodes with the reference
     codec and compares the stored triples against mlx-lm's ``QuantizedKVCache`` (named
     skips ``A1``, ``A2``). These rules add that serial prompt chunks compare attention on
     their last :data:`ATTENDED_QUERIES` queries (CPU float16 ``quantized_matmul`` is slow;
@@ -252,7 +252,7 @@ class AffineRules(CodecCases):
 
 class TurboRules(CodecCases):
     """The TurboQuant codec's rules (one ``(k_bits, v_bits)`` per example, the draw of
-    ``hooks.CODEC_HOOKS["turbo"]``; its family composes the verify rounds):
+    ``hooks.CODEC_HOOKS[Turbo]``; its family composes the verify rounds):
 
     * **the model, by role**: keys stored as ``(kIdx, kScales, kZeros)``, values as
       ``(vPacked, vScales)``, by the reference codec (``kvrows.reference.turbo_codec``):

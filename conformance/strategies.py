@@ -73,6 +73,18 @@ class Geometry:
             return f"turbo k{self.k_bits}v{self.v_bits}"
         return f"bits={self.bits} group={self.group_size}" if self.affine else "plain"
 
+    def parameters(self) -> dict[str, int]:
+        """Constructor values by the composition table's parameter names (a valid default
+        where the example has none: a cache of another geometry or codec, a bad input)."""
+        return {
+            "max_size": self.max_size or 8,
+            "keep": self.keep,
+            "group_size": self.group_size or 32,
+            "bits": self.bits or 8,
+            "k_bits": self.k_bits or 8,
+            "v_bits": self.v_bits or 3,
+        }
+
     def kept(self, tokens: int) -> int:
         """Tokens a store of ``tokens`` positions holds: all, or a ring's newest window."""
         return tokens if self.max_size is None else min(tokens, self.max_size)

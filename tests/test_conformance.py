@@ -35,6 +35,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.models import cache as mlx_lm_cache
 
+from kvrows.codecs import Affine
 from kvrows.conformance.arrays import expand_mask, from_mlx, to_mlx
 from kvrows.conformance.families import BUDGETS, FAMILIES, derive
 from kvrows.conformance.hooks import CODEC_HOOKS
@@ -60,7 +61,7 @@ SPEC = Path(__file__).resolve().parents[1] / "spec" / "tolerances.md"
 COMMON_OPS = BASE_OPS | {"trim"}
 
 #: The affine codec's draw: every supported ``(bits, group_size)`` and the head dims.
-AFFINE = CODEC_HOOKS["affine"].draw
+AFFINE = CODEC_HOOKS[Affine].draw
 CODECS = AFFINE.params
 
 
@@ -283,7 +284,7 @@ def test_machines_are_composed_from_the_hook_rows(monkeypatch: pytest.MonkeyPatc
     # A codec row with rules of its own and no rounds: its verify layouts get the rounds
     # composed onto its rules (here the affine rows' rules swapped for the turbo ones).
     rows = dict(hooks.CODEC_HOOKS)
-    rows["affine"] = replace(rows["affine"], rules=hooks.load("rules", "TurboRules"))
+    rows[Affine] = replace(rows[Affine], rules=hooks.load("rules", "TurboRules"))
     monkeypatch.setattr(families, "CODEC_HOOKS", rows)
     derived = families.derive()
     assert [(f.name, s.name) for f in derived.values() for s in f.layouts] == FAMILY_LAYOUTS

@@ -17,6 +17,7 @@ import pytest
 from conformance_helpers import BASE_QUANTITIES, ROW_OPS, assert_compared, run_family, run_runner
 
 from kvrows.codec import TURBO_HEAD_DIMS
+from kvrows.codecs import Turbo
 from kvrows.conformance.families import FAMILIES
 from kvrows.conformance.hooks import CODEC_HOOKS
 from kvrows.conformance.machines import BASE_CHECKS
@@ -25,7 +26,7 @@ from kvrows.conformance.runner import family_settings
 
 FAMILY = FAMILIES["turbo"]
 #: Every supported codec, ``(k_bits, v_bits)`` (the turbo codec's draw).
-CODECS = CODEC_HOOKS["turbo"].draw.params
+CODECS = CODEC_HOOKS[Turbo].draw.params
 LAYOUTS = [spec.name for spec in FAMILY.layouts]
 
 #: Operations the turbo machine must have exercised.
