@@ -59,10 +59,10 @@ def cache_list_of(parts: Sequence[Any]) -> CacheListDropIn:
 
 def _check_part_merge(part: Any, rows: list[Any]) -> None:
     """Raise what ``part.merge_rows(rows)`` would raise, changing nothing: the part's own
-    check, or for a part without one (a layout of no row machinery: today only
-    ``LatentRows``, ``PagedLatentCache``'s, which no mlx-lm ``CacheList`` holds) a trial
-    merge into a fresh empty layout of the part, which checks the rows but not what the
-    running part adds (its pool's room)."""
+    check, or for a part without one (a batchable cache of no kvrows row machinery: every
+    kvrows layout has ``check_merge`` since ``LatentRows`` went) a trial merge into a fresh
+    empty layout of the part, which checks the rows but not what the running part adds
+    (its pool's room)."""
     if isinstance(part, MergeChecking):
         part.check_merge(rows)
     else:
