@@ -6,9 +6,8 @@ surface (``optimized/latent.py``) over that placement, its pool a ``BlockPool`` 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 
@@ -98,22 +97,16 @@ class PagedLatentCache(PagedLatentMembers, LatentSurface, SpeculativeLayout, Pag
         pool = self._pool
         tables: list[Table] = [[] for _ in offsets]
         if shapes is not None and width and planes is not None:
-            counts = [math.ceil(o / self.block_size) for o in offsets]
-            pool = self._ensure_pool(cast(Any, shapes), sum(counts))  # a pool's shapes
-            fresh = pool.ledger.allocate(sum(counts))
-            for b, (offset, count) in enumerate(zip(offsets, counts, strict=True)):
-                tables[b] = fresh[:count]
-                del fresh[:count]
-                if offset:
-                    row = {
-                        t: tuple(owned(p[b : b + 1, :, width - offset : width]) for p in held)
-                        for t, held in planes.items()
-                    }
-                    pool.write_row(tables[b], row)
-            pool.ledger.bytes_written += sum(offsets) * pool.token_bytes  # written, not copied
-        if pool is not None:
-            for table in tables:
-                pool.open(table, touch=False)
+            held = planes
+
+            def row_planes(b: int) -> PlaneSet:
+                start = width - offsets[b]
+                return {t: tuple(owned(p[b : b + 1, :, start:width]) for p in ps)
+                        for t, ps in held.items()}  # fmt: skip
+
+            pool, tables = self._write_fresh(shapes, offsets, row_planes)
+        elif pool is not None:
+            tables = [pool.open([], touch=False) for _ in offsets]
         self._pool = pool
         self._tables[:] = tables
         self._offsets = list(offsets)

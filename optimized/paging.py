@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, cast
 
 import mlx.core as mx
@@ -659,6 +659,25 @@ class PagedRows(PagedSurface, Storage):
         cache._load(parsed)
         return cache
 
+    def _write_fresh(
+        self, geometry: Any, offsets: Sequence[int], row_planes: Callable[[int], PlaneSet]
+    ) -> tuple[BlockPool, list[Table]]:
+        """Rows of ``offsets`` tokens (row ``b``'s compact planes ``row_planes(b)``, made one
+        row at a time) written into fresh blocks of the pool, every block taken at once (a
+        refusal changes nothing), counted as written (not copied); their opened tables."""
+        counts = [math.ceil(offset / self.block_size) for offset in offsets]
+        pool = self._ensure_pool(geometry, sum(counts))
+        fresh = pool.ledger.allocate(sum(counts))
+        tables: list[Table] = []
+        for b, (offset, count) in enumerate(zip(offsets, counts, strict=True)):
+            table = pool.open(fresh[:count], touch=False)
+            del fresh[:count]
+            if offset:
+                pool.write_row(table, row_planes(b))
+            tables.append(table)
+        pool.ledger.bytes_written += sum(offsets) * pool.token_bytes
+        return pool, tables
+
     def _load(self, parsed: PagedState) -> None:
         """Hold ``parsed``'s rows, written into fresh blocks (a serial state of no position
         holds no row)."""
@@ -676,24 +695,16 @@ class PagedRows(PagedSurface, Storage):
                 self._changed()
             return
         assert learnt is not None
-        counts = [math.ceil(o / parsed.block_size) for o in parsed.offsets]
-        pool = self._ensure_pool(learnt, sum(counts))
-        fresh = pool.ledger.allocate(sum(counts))  # all at once: a refusal changes nothing
-        tables: list[Table] = []
-        for b, (offset, pad, count) in enumerate(
-            zip(parsed.offsets, parsed.pads, counts, strict=True)
-        ):
-            table = pool.open(fresh[:count], touch=False)
-            del fresh[:count]
-            if offset:
-                columns = {"keys": parsed.keys, "values": parsed.values}
-                row = {
-                    t: tuple(owned(p[b : b + 1, :, pad : parsed.width]) for p in held)
-                    for t, held in columns.items()
-                }
-                pool.write_row(table, row)
-            tables.append(table)
-        pool.ledger.bytes_written += sum(parsed.offsets) * pool.token_bytes  # written
+        columns = {"keys": parsed.keys, "values": parsed.values}
+
+        def row_planes(b: int) -> PlaneSet:
+            start = parsed.pads[b]
+            return {
+                t: tuple(owned(p[b : b + 1, :, start : parsed.width]) for p in held)
+                for t, held in columns.items()
+            }
+
+        pool, tables = self._write_fresh(learnt, parsed.offsets, row_planes)
         self._watch()
         self._tables[:] = tables
         self._offsets = list(parsed.offsets)

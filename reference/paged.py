@@ -9,9 +9,8 @@ pool a ``BlockPool`` of a ``Latent`` codec (``LatentBlockPool``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -77,14 +76,7 @@ class PagedLatentCache(PagedLatentMembers, LatentSurface, PagedLayout):
         shapes = self._shapes()
         pool = self._pool
         if shapes is not None and width:
-            counts = [math.ceil(o / self.block_size) for o in offsets]
-            pool = self._ensure_pool(cast(Any, shapes), sum(counts))  # a pool's shapes
-            fresh = pool.ledger.allocate(sum(counts))
-            for row, count in zip(rows, counts, strict=True):
-                row.blocks = fresh[:count]
-                del fresh[:count]
-                pool.write_rows([row], row.planes, 0)
-            pool.ledger.bytes_written += sum(offsets) * pool.token_bytes  # written, not copied
+            pool = self._write_fresh(shapes, rows)
         if pool is not None:
             for row in rows:
                 pool.open(row, touch=False)

@@ -456,6 +456,20 @@ class PagedRows(PagedSurface, Storage):
             self._pool.learn(geometry, room=room)
         return self._pool
 
+    def _write_fresh(self, geometry: Any, rows: Sequence[PagedRow]) -> BlockPool:
+        """``rows`` (their compact planes, no blocks yet) written into fresh blocks of the
+        pool, every block taken at once (a refusal changes nothing), counted as written
+        (not copied); the rows are not opened."""
+        counts = [math.ceil(row.offset / self.block_size) for row in rows]
+        pool = self._ensure_pool(geometry, sum(counts))
+        fresh = pool.ledger.allocate(sum(counts))
+        for row, count in zip(rows, counts, strict=True):
+            row.blocks = fresh[:count]
+            del fresh[:count]
+            pool.write_rows([row], row.planes, 0)
+        pool.ledger.bytes_written += sum(row.offset for row in rows) * pool.token_bytes
+        return pool
+
     # -- reads: assembled from the pool --------------------------------------------------
     def _gathered(self) -> PlaneSet | None:
         """Every row's positions read from the pool at the placement's columns (``None``
@@ -531,16 +545,7 @@ class PagedRows(PagedSurface, Storage):
             )
         else:
             assert learnt is not None
-            counts = [math.ceil(o / parsed.block_size) for o in parsed.offsets]
-            pool = self._ensure_pool(learnt, sum(counts))
-            fresh = pool.ledger.allocate(sum(counts))  # all at once: a refusal changes nothing
-            for row, count in zip(rows, counts, strict=True):
-                row.blocks = fresh[:count]
-                del fresh[:count]
-                pool.write_rows([row], row.planes, 0)
-            pool.ledger.bytes_written += (
-                sum(parsed.offsets) * pool.token_bytes
-            )  # written, not copied
+            pool = self._write_fresh(learnt, rows)
         self._pool = pool
         for row in rows:
             pool.open(row, touch=False)
