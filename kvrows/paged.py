@@ -522,24 +522,35 @@ class PoolBase:
         the blocks the write that teaches it takes; a byte limit that cannot hold them
         raises ``PoolExhaustedError`` before the pool learns anything."""
         if self._geometry is not None:
-            if geometry != self._geometry:
-                raise InvalidInputError(
-                    pool_geometry_message(self._geometry.describe(), geometry.describe())
-                )
+            self._check_same(geometry)
             return
-        self._check_geometry(geometry)
+        limit = self._limit_for(geometry, room)
         self._geometry = geometry
-        if self.max_bytes is not None:
-            limit = self.max_bytes // self.bytes_per_block
-            if limit < self._initial:
-                self._geometry = None
-                raise InvalidInputError(pool_limit_message(self.max_bytes, limit, self._initial))
-            if limit < room:
-                self._geometry = None
-                check_limit(room, limit)
+        if limit is not None:
             self.ledger.max_blocks = limit
         if self._initial:
             self.ledger.ensure(self._initial)
+
+    def _check_same(self, geometry: KvGeometry) -> None:
+        """Refuse a geometry other than the one the pool holds."""
+        if self._geometry is not None and geometry != self._geometry:
+            raise InvalidInputError(
+                pool_geometry_message(self._geometry.describe(), geometry.describe())
+            )
+
+    def _limit_for(self, geometry: KvGeometry, room: int) -> int | None:
+        """``learn``'s checks of a first ``geometry`` whose write takes ``room`` blocks,
+        changing nothing; the block limit its byte limit sets (``None``: no limit)."""
+        from kvrows.common import shapes_token_bytes
+
+        self._check_geometry(geometry)
+        if self.max_bytes is None:
+            return None
+        limit = self.max_bytes // (shapes_token_bytes(self.codec, geometry) * self.block_size)
+        if limit < self._initial:
+            raise InvalidInputError(pool_limit_message(self.max_bytes, limit, self._initial))
+        check_limit(room, limit)
+        return limit
 
     def check_take(self, geometry: KvGeometry | None, count: int) -> None:
         """Raise what ``learn(geometry, room=count)`` (when ``geometry`` is given) and then
@@ -547,22 +558,11 @@ class PoolBase:
         before any part of a composite joins (``check_merge``)."""
         ledger = self.ledger
         if geometry is None or self._geometry is not None:
-            if geometry is not None and geometry != self._geometry:
-                assert self._geometry is not None
-                raise InvalidInputError(
-                    pool_geometry_message(self._geometry.describe(), geometry.describe())
-                )
+            if geometry is not None:
+                self._check_same(geometry)
             ledger.target_for(count)
             return
-        from kvrows.common import shapes_token_bytes
-
-        self._check_geometry(geometry)
-        limit = None
-        if self.max_bytes is not None:  # learn's checks, then its ensure of the initial
-            limit = self.max_bytes // (shapes_token_bytes(self.codec, geometry) * self.block_size)
-            if limit < self._initial:
-                raise InvalidInputError(pool_limit_message(self.max_bytes, limit, self._initial))
-            check_limit(count, limit)
+        limit = self._limit_for(geometry, count)
         total, free = ledger.num_blocks, ledger.free_count
         grown = ledger.target_for(self._initial, num_blocks=total, free=free, max_blocks=limit)
         if grown is not None:
