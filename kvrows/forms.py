@@ -176,7 +176,7 @@ def state_form(entry: Composition) -> StateForm:
     if "delayed" in entry.modifiers and entry.is_landed:
         return _delayed_form(entry)
     own = getattr(CODECS.get(entry.codec), "form_fields", None)
-    paged = entry.geometry == "paged"
+    paged = entry.placement == "paged"  # the placement's fields follow (block tables)
     if own is not None and entry.is_landed:  # the latent caches' own form (version 1)
         # ``PagedLatentCache``: the block size follows (``PAGED_LATENT_FIELDS``)
         return StateForm(entry.name, (*own, "block_size") if paged else own, entry.name)
@@ -449,8 +449,7 @@ def rows_of_state(
     token axis (``np.concatenate`` / ``mx.concatenate`` with ``axis=2``)."""
     if "delayed" in entry.modifiers:
         return _delayed_rows(entry, values, concat)
-    # Columns in buffer order, from the write index. A paged entry's geometry is a
-    # placement, not a registered geometry (yet: step 3): its rows are growing ones.
+    # Columns in buffer order, from the write index.
     geometry = GEOMETRIES.get(entry.geometry)
     wraps = geometry is not None and geometry.wraps
     keys, vals = _planes(values["keys"]), _planes(values["values"])
