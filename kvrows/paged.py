@@ -45,11 +45,13 @@ from kvrows.errors import (
     pool_geometry_message,
     pool_limit_message,
 )
+from kvrows.kinds import KindRegistry
 from kvrows.schemes import CodecSpec, Plain
 from kvrows.validation import KvGeometry, as_count
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
+    "PLACEMENTS",
     "ROOT_HASH",
     "AnyCodecParameters",
     "BlockLedger",
@@ -71,6 +73,12 @@ DEFAULT_BLOCK_SIZE = 16
 ROOT_HASH = b"\x00" * 32
 
 
+#: The placement specs by kind (contract §0.4; contiguous, the default, has no spec yet):
+#: what asks whether a composition is paged looks its kind up here.
+PLACEMENTS: KindRegistry[Any] = KindRegistry("placement", "placement")
+
+
+@PLACEMENTS.register
 @dataclass(frozen=True, kw_only=True)
 class Paged:
     """The paged token geometry: positions live in blocks of ``block_size`` tokens."""

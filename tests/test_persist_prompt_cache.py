@@ -343,7 +343,7 @@ def test_a_version_2_file_records_each_layer_form_and_round_trips(tmp_path: Path
     _, metadata = read_safetensors(path)
     description = json.loads(metadata[KVROWS_KEY])
     assert FORMAT_VERSION == 2 and description["format"] == 2
-    assert [layer["form"] for layer in description["layers"]] == [FORM_VERSION] * 2
+    assert [layer["form"] for layer in description["layers"]] == [1, 1]  # form 1 is the rule
     for implementation in ("optimized", "reference"):
         loaded = load_prompt_cache(path, implementation=implementation)
         assert [c.signature() for c in loaded] == [plain.signature(), ring.signature()]
@@ -363,7 +363,7 @@ def test_a_layer_without_a_form_version_is_form_1(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("form", "error", "message"),
     [
-        (FORM_VERSION + 1, UnsupportedStateError, "form version 2; this kvrows reads forms up"),
+        (FORM_VERSION + 1, UnsupportedStateError, "form version 3; this kvrows reads forms up"),
         (0, CorruptStateError, "form version must be 1 or more, got 0"),
         ("1", CorruptStateError, "form version must be an integer, got '1'"),
     ],
