@@ -7,6 +7,7 @@ never keep or write into the caller's arrays.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -416,7 +417,90 @@ def _same_planes(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
     return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-class _Staged:
+class _TwoStages:
+    """What the growing and the ring two-stage drivers share: tokens, the look a refusal
+    must leave as it was, the read check, extraction against the oracle and refusals."""
+
+    shared = False
+    layout: Any
+    requests: list[_Request]
+    rng: np.random.Generator
+
+    def tokens(self, rows: int, n: int) -> np.ndarray:
+        return self.rng.standard_normal((rows, 2, n, 64)).astype(np.float16)
+
+    def oracle(self, stage: int, rows: list[int]) -> Layout:
+        raise NotImplementedError
+
+    def meta(self) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    def look(self) -> tuple[Any, ...]:
+        """What a refusal must leave as it was (every part's reads, bit for bit)."""
+        layout = self.layout
+        parts = [
+            (rows, codec.spec, [_planes_of(r) for r in reads.values()])
+            for rows, codec, reads in (layout._stage_parts() if self.requests else [])
+        ]
+        return self.meta(), layout.codec_spec, parts
+
+    def unchanged(self, before: tuple[Any, ...]) -> None:
+        (meta, spec, parts), (meta_now, spec_now, parts_now) = before, self.look()
+        assert meta == meta_now and spec == spec_now and len(parts) == len(parts_now)
+        for (rows, codec, reads), (rows_now, codec_now, reads_now) in zip(
+            parts, parts_now, strict=True
+        ):
+            assert rows == rows_now and codec == codec_now
+            assert all(_same_planes(a, b) for a, b in zip(reads, reads_now, strict=True))
+
+    def check_reads(self, parts: Any, stages: Any) -> None:
+        """Rows of two stages: a read is refused, changing nothing; of one: it reads the
+        stage's part."""
+        if len(stages) > 1:
+            before = self.look()
+            with pytest.raises(MixedPrecisionReadError) as refused:
+                self.layout.fetch()
+            assert str(refused.value) == MIXED_READ
+            self.unchanged(before)
+        else:
+            ((_, _, reads),) = parts
+            for got, want in zip(self.layout.fetch(), reads.values(), strict=True):
+                assert _same_planes(_planes_of(got), _planes_of(want))
+
+    def extract(self, b: int) -> Any:
+        request = self.requests[b]
+        serial = self.layout.extract_row(b)
+        rows = [i for i, r in enumerate(self.requests) if r.stage == request.stage]
+        oracle = self.oracle(request.stage, rows).extract_row(rows.index(b))
+        assert type(serial) is type(oracle) and serial.codec_spec == oracle.codec_spec
+        assert serial.offset == oracle.offset == request.offset
+        serial.check_valid()
+        if request.offset:
+            for got, want in zip(serial.fetch(), oracle.fetch(), strict=True):
+                assert _same_planes(_planes_of(got), _planes_of(want))
+        return serial
+
+    def refusals(self) -> None:
+        """Refused calls change nothing: a row in the last stage, a row out of range (with
+        rows that could move), and on a shared column a trim of unequal counts."""
+        before = self.look()
+        converted = [b for b, r in enumerate(self.requests) if r.stage == 1]
+        plain = [b for b, r in enumerate(self.requests) if r.stage == 0]
+        for b in converted[:1]:
+            with pytest.raises(LayoutStateError) as last:
+                self.layout._convert_rows([*plain, b])
+            assert str(last.value) == last_stage_message(b, 1)
+        with pytest.raises(RowIndexError):
+            self.layout._convert_rows([*plain, len(self.requests)])
+        if self.shared and len(self.requests) > 1 and self.requests[0].offset:
+            with pytest.raises(NotTrimmableError):
+                self.layout.trim_rows([1] + [0] * (len(self.requests) - 1))
+        with pytest.raises(IncompatibleRowsError):
+            self.layout.merge_rows([self.layout])
+        self.unchanged(before)
+
+
+class _Staged(_TwoStages):
     """A two-stage growing layout (plain, then affine), its one-stage plain shadow given the
     same operations (stages move no padding: the shadow's offsets and pads are the
     layout's) and the rows' record, checked against the public one-stage layouts."""
@@ -430,9 +514,6 @@ class _Staged:
         self.requests: list[_Request] = []
         self.rng = np.random.default_rng(seed)
 
-    def tokens(self, rows: int, n: int) -> np.ndarray:
-        return self.rng.standard_normal((rows, 2, n, 64)).astype(np.float16)
-
     # -- the oracle ---------------------------------------------------------------------
     def oracle(self, stage: int, rows: list[int]) -> Layout:
         """The one-stage public layout of ``stage``'s codec holding rows ``rows`` (each a
@@ -441,24 +522,9 @@ class _Staged:
         layout.merge_rows([self.requests[b].serial() for b in rows])
         return layout
 
-    def look(self) -> tuple[Any, ...]:
-        """What a refusal must leave as it was (every part's reads, bit for bit)."""
+    def meta(self) -> tuple[Any, ...]:
         layout = self.layout
-        parts = [
-            (rows, codec.spec, [_planes_of(r) for r in reads.values()])
-            for rows, codec, reads in (layout._stage_parts() if self.requests else [])
-        ]
-        meta = (layout.row_stages, layout.row_offsets, layout.left_pad, layout.nbytes)
-        return meta, layout.codec_spec, parts
-
-    def unchanged(self, before: tuple[Any, ...]) -> None:
-        (meta, spec, parts), (meta_now, spec_now, parts_now) = before, self.look()
-        assert meta == meta_now and spec == spec_now and len(parts) == len(parts_now)
-        for (rows, codec, reads), (rows_now, codec_now, reads_now) in zip(
-            parts, parts_now, strict=True
-        ):
-            assert rows == rows_now and codec == codec_now
-            assert all(_same_planes(a, b) for a, b in zip(reads, reads_now, strict=True))
+        return (layout.row_stages, layout.row_offsets, layout.left_pad, layout.nbytes)
 
     def check(self) -> None:
         layout, requests = self.layout, self.requests
@@ -489,7 +555,7 @@ class _Staged:
             oracle = self.oracle(stage, rows)
             slots = int(arrays(store.planes)[0].shape[0])
             per_column = oracle.nbytes // (oracle.slots * oracle.capacity)  # type: ignore[attr-defined]
-            expected += slots * layout.capacity * per_column  # type: ignore[attr-defined]
+            expected += slots * layout.capacity * per_column
             want = oracle._read()
             for tensor, planes in reads.items():
                 got, oracle_planes = _planes_of(planes), _planes_of(want[tensor])
@@ -501,16 +567,7 @@ class _Staged:
                         ), (b, tensor, stage)
         if all(any(requests[b].offset for b in rows) for rows, _, _ in parts):
             assert layout.nbytes == expected
-        if len(stages) > 1:
-            before = self.look()
-            with pytest.raises(MixedPrecisionReadError) as refused:
-                layout.fetch()
-            assert str(refused.value) == MIXED_READ
-            self.unchanged(before)
-        else:
-            ((_, _, reads),) = parts
-            for got, want in zip(layout.fetch(), reads.values(), strict=True):
-                assert _same_planes(_planes_of(got), _planes_of(want))
+        self.check_reads(parts, stages)
 
     # -- the operations -------------------------------------------------------------------
     def join(self, rows: list[tuple[int, int]]) -> None:
@@ -553,37 +610,6 @@ class _Staged:
         self.shadow.trim_rows(counts)
         for request, count in zip(self.requests, counts, strict=True):
             request.trimmed(count)
-
-    def extract(self, b: int) -> None:
-        request = self.requests[b]
-        serial = self.layout.extract_row(b)
-        rows = [i for i, r in enumerate(self.requests) if r.stage == request.stage]
-        oracle = self.oracle(request.stage, rows).extract_row(rows.index(b))
-        assert type(serial) is type(oracle) and serial.codec_spec == oracle.codec_spec
-        assert serial.offset == oracle.offset == request.offset
-        serial.check_valid()
-        if request.offset:
-            for got, want in zip(serial.fetch(), oracle.fetch(), strict=True):
-                assert _same_planes(_planes_of(got), _planes_of(want))
-
-    def refusals(self) -> None:
-        """Refused calls change nothing: a row in the last stage, a row out of range (with
-        rows that could move), and on a shared column a trim of unequal counts."""
-        before = self.look()
-        converted = [b for b, r in enumerate(self.requests) if r.stage == 1]
-        plain = [b for b, r in enumerate(self.requests) if r.stage == 0]
-        for b in converted[:1]:
-            with pytest.raises(LayoutStateError) as last:
-                self.layout._convert_rows([*plain, b])
-            assert str(last.value) == last_stage_message(b, 1)
-        with pytest.raises(RowIndexError):
-            self.layout._convert_rows([*plain, len(self.requests)])
-        if self.shared and len(self.requests) > 1 and self.requests[0].offset:
-            with pytest.raises(NotTrimmableError):
-                self.layout.trim_rows([1] + [0] * (len(self.requests) - 1))
-        with pytest.raises(IncompatibleRowsError):
-            self.layout.merge_rows([self.layout])
-        self.unchanged(before)
 
 
 @pytest.mark.parametrize("arrangement", ["ragged", "shared"])
@@ -641,9 +667,23 @@ def test_drawn_operations_on_rows_of_two_stages(arrangement: str, data: st.DataO
     against the oracle."""
     staged = _Staged(arrangement, seed=data.draw(st.integers(0, 2**16), label="seed"))
 
+    def trim(requests: list[Any]) -> list[int]:
+        if staged.shared:
+            return [data.draw(st.integers(0, min(r.offset for r in requests)))] * len(requests)
+        return [data.draw(st.integers(0, r.offset)) for r in requests]
+
+    _drawn_steps(staged, data, longest=6, trim=trim)
+
+
+def _drawn_steps(
+    staged: Any, data: st.DataObject, longest: int, trim: Callable[[list[Any]], list[int]]
+) -> None:
+    """Draws rows (stage, length up to ``longest``) to join, then a sequence of
+    operations, each checked against the oracle; ``trim`` draws the trim counts."""
+
     def rows(count: int) -> list[tuple[int, int]]:
         return [
-            (data.draw(st.integers(0, 1), label="stage"), data.draw(st.integers(1, 6)))
+            (data.draw(st.integers(0, 1), label="stage"), data.draw(st.integers(1, longest)))
             for _ in range(count)
         ]
 
@@ -667,11 +707,7 @@ def test_drawn_operations_on_rows_of_two_stages(arrangement: str, data: st.DataO
         elif operation == "merge":
             staged.join(rows(data.draw(st.integers(1, 2), label="joining")))
         elif operation == "trim":
-            if staged.shared:
-                count = data.draw(st.integers(0, min(r.offset for r in requests)))
-                staged.trim([count] * len(requests))
-            else:
-                staged.trim([data.draw(st.integers(0, r.offset)) for r in requests])
+            staged.trim(trim(requests))
         elif operation == "extract":
             staged.extract(data.draw(st.integers(0, len(requests) - 1), label="row"))
         else:
@@ -728,7 +764,7 @@ def _window_columns(held: int, offset: int, keep: int) -> list[int]:
     return [*range(sinks), *range(held - count + sinks, held)]
 
 
-class _StagedRing:
+class _StagedRing(_TwoStages):
     """A two-stage ragged ring (plain, then affine), its reference twin and a one-stage
     plain shadow given the same operations (a stage moves no column: the shadow's offsets,
     retained columns and masks are the layout's), and the rows' record; each stage's rows
@@ -746,9 +782,6 @@ class _StagedRing:
         self.shadow = kv.SpeculativeRotatingKVCache(RING, keep)
         self.requests: list[_Request] = []
         self.rng = np.random.default_rng(seed)
-
-    def tokens(self, rows: int, n: int) -> np.ndarray:
-        return self.rng.standard_normal((rows, 2, n, 64)).astype(np.float16)
 
     def serial(self, request: _Request, impl: Any, stage: int | None = None) -> Any:
         """A serial ring of the row's stage codec (or ``stage``'s) of ``impl``, fed its
@@ -774,23 +807,9 @@ class _StagedRing:
         layout.merge_rows([self.serial(self.requests[b], kv) for b in rows])
         return layout
 
-    def look(self) -> tuple[Any, ...]:
+    def meta(self) -> tuple[Any, ...]:
         layout = self.layout
-        parts = [
-            (rows, codec.spec, [_planes_of(r) for r in reads.values()])
-            for rows, codec, reads in (layout._stage_parts() if self.requests else [])
-        ]
-        meta = (layout.row_stages, layout.row_offsets, layout.retained, layout.nbytes)
-        return meta, layout.codec_spec, parts
-
-    def unchanged(self, before: tuple[Any, ...]) -> None:
-        (meta, spec, parts), (meta_now, spec_now, parts_now) = before, self.look()
-        assert meta == meta_now and spec == spec_now and len(parts) == len(parts_now)
-        for (rows, codec, reads), (rows_now, codec_now, reads_now) in zip(
-            parts, parts_now, strict=True
-        ):
-            assert rows == rows_now and codec == codec_now
-            assert all(_same_planes(a, b) for a, b in zip(reads, reads_now, strict=True))
+        return (layout.row_stages, layout.row_offsets, layout.retained, layout.nbytes)
 
     def check(self) -> None:
         layout, twin, requests = self.layout, self.twin, self.requests
@@ -842,16 +861,7 @@ class _StagedRing:
                         )
         if all(offsets):
             assert layout.nbytes == expected
-        if len(held) > 1:
-            before = self.look()
-            with pytest.raises(MixedPrecisionReadError) as refused:
-                layout.fetch()
-            assert str(refused.value) == MIXED_READ
-            self.unchanged(before)
-        else:
-            ((_, _, reads),) = parts
-            for got, want_read in zip(layout.fetch(), reads.values(), strict=True):
-                assert _same_planes(_planes_of(got), _planes_of(want_read))
+        self.check_reads(parts, held)
 
     # -- the operations -------------------------------------------------------------------
     def join(self, rows: list[tuple[int, int]]) -> None:
@@ -910,32 +920,10 @@ class _StagedRing:
         for request, count in zip(self.requests, counts, strict=True):
             request.trimmed(count)
 
-    def extract(self, b: int) -> None:
-        request = self.requests[b]
-        serial = self.layout.extract_row(b)
-        rows = [i for i, r in enumerate(self.requests) if r.stage == request.stage]
-        oracle = self.oracle(request.stage, rows).extract_row(rows.index(b))
-        assert type(serial) is type(oracle) and serial.codec_spec == oracle.codec_spec
-        assert serial.offset == oracle.offset == request.offset
+    def extract(self, b: int) -> Any:
+        serial = super().extract(b)
         assert self.twin.extract_row(b).codec_spec == serial.codec_spec
-        serial.check_valid()
-        if request.offset:
-            for got, want in zip(serial.fetch(), oracle.fetch(), strict=True):
-                assert _same_planes(_planes_of(got), _planes_of(want))
-
-    def refusals(self) -> None:
-        before = self.look()
-        converted = [b for b, r in enumerate(self.requests) if r.stage == 1]
-        plain = [b for b, r in enumerate(self.requests) if r.stage == 0]
-        for b in converted[:1]:
-            with pytest.raises(LayoutStateError) as last:
-                self.layout._convert_rows([*plain, b])
-            assert str(last.value) == last_stage_message(b, 1)
-        with pytest.raises(RowIndexError):
-            self.layout._convert_rows([*plain, len(self.requests)])
-        with pytest.raises(IncompatibleRowsError):
-            self.layout.merge_rows([self.layout])
-        self.unchanged(before)
+        return serial
 
 
 @pytest.mark.parametrize("keep", [0, 2])
@@ -993,36 +981,9 @@ def test_drawn_operations_on_ring_rows_of_two_stages(data: st.DataObject) -> Non
     every step against the oracle and the twin."""
     sinks = data.draw(st.integers(0, 2), label="keep")
     staged = _StagedRing(seed=data.draw(st.integers(0, 2**16), label="seed"), keep=sinks)
-
-    def rows(count: int) -> list[tuple[int, int]]:
-        return [
-            (data.draw(st.integers(0, 1), label="stage"), data.draw(st.integers(1, 11)))
-            for _ in range(count)
-        ]
-
-    staged.join(rows(data.draw(st.integers(1, 4), label="rows")))
-    staged.check()
-    for _ in range(data.draw(st.integers(2, 8), label="steps")):
-        requests = staged.requests
-        operation = data.draw(
-            st.sampled_from(("append", "convert", "filter", "merge", "trim", "extract", "refuse"))
-        )
-        if not requests:
-            operation = "merge"
-        if operation == "append":
-            staged.append(data.draw(st.integers(1, 3), label="n"))
-        elif operation == "convert":
-            plain = [b for b, r in enumerate(requests) if r.stage == 0]
-            staged.convert(data.draw(st.lists(st.sampled_from(plain), max_size=3)) if plain else [])
-        elif operation == "filter":
-            keep = data.draw(st.permutations(range(len(requests))), label="order")
-            staged.filter(keep[: data.draw(st.integers(0, len(keep)), label="kept")])
-        elif operation == "merge":
-            staged.join(rows(data.draw(st.integers(1, 2), label="joining")))
-        elif operation == "trim":
-            staged.trim([data.draw(st.integers(0, min(r.offset, 3))) for r in requests])
-        elif operation == "extract":
-            staged.extract(data.draw(st.integers(0, len(requests) - 1), label="row"))
-        else:
-            staged.refusals()
-        staged.check()
+    _drawn_steps(
+        staged,
+        data,
+        longest=11,
+        trim=lambda requests: [data.draw(st.integers(0, min(r.offset, 3))) for r in requests],
+    )
