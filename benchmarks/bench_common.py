@@ -1,5 +1,19 @@
 """What the benchmark files share: the shape choice, the rounds, one timed and checked
-call, and one shape's data at a time."""
+call, and one shape's data at a time.
+
+Each test is one ``benchmark.pedantic`` call whose setup (fresh live batches for the
+in-place operations) is not timed; the benchmark group is the operation and shape, so
+pytest-benchmark's table puts the implementations side by side. Timings never decide
+pass or fail: a test checks only that the result is right. The default run
+(``--benchmark-disable`` in ``pyproject.toml``: each body runs once, untimed, on small CI
+shapes) is a smoke run of seconds; ``KVROWS_BENCH_FULL=1`` selects the realistic shapes of
+each family's issue::
+
+    KVROWS_BENCH_FULL=1 .venv/bin/pytest benchmarks --benchmark-enable
+
+``kvrows bench --family <family>`` prints the same comparisons as tables with ratios and
+GB/s.
+"""
 
 from __future__ import annotations
 

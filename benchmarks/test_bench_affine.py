@@ -1,8 +1,7 @@
-"""pytest-benchmark: the affine family (issue 3): quantize, row operations, decode attention.
+"""pytest-benchmark: the affine family (issue 3): quantize, row operations, decode attention
+(the method: ``bench_common``).
 
-The three parts of :mod:`kvrows.app.bench.affine`, each test one ``benchmark.pedantic``
-call whose setup is not timed; the benchmark group puts the implementations of one
-operation side by side:
+The three parts of :mod:`kvrows.app.bench.affine`:
 
 * ``quantize {bits}-bit {shape}``: the NumPy reference (first row only), the optimized
   wrapper and bare ``mx.quantize``;
@@ -11,15 +10,8 @@ operation side by side:
 * ``attention {shape}``: bf16 / 8-bit / 4-bit, ``kvrows.optimized.attend`` and mlx-lm's
   kernels on the same planes.
 
-Timings never decide pass or fail: a test checks only that the result is right
-(quantized codes reconstruct their input, rows hold exactly the quantized tokens,
-attention matches a NumPy computation).
-
-Shapes: small CI shapes by default (``kvrows.app.bench.affine.CI_AFFINE``; the default run has
-``--benchmark-disable``, each body runs once, untimed); ``KVROWS_BENCH_FULL=1`` selects the
-realistic shapes of the issue (``FULL_AFFINE``)::
-
-    KVROWS_BENCH_FULL=1 .venv/bin/pytest benchmarks/test_bench_affine.py --benchmark-enable
+Checks: quantized codes reconstruct their input, rows hold exactly the quantized tokens,
+attention matches a NumPy computation. Shapes: ``CI_AFFINE``, full ``FULL_AFFINE``.
 """
 
 from __future__ import annotations

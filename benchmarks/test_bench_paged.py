@@ -1,17 +1,12 @@
-"""pytest-benchmark: the paged family (issue 13), block-table rows vs contiguous vs mlx-lm.
+"""pytest-benchmark: the paged family (issue 13), block-table rows vs contiguous vs mlx-lm
+(the method: ``bench_common``).
 
 Every operation of :mod:`kvrows.app.bench.paged` (merge, filter, extract, join, decode)
 performed by ``paged`` (``PagedKvRows`` over one ``BlockPool``), ``contiguous``
 (``PaddedKVRows``) and ``mlx-lm`` (``BatchKVCache``), and the append into a reused pool
-against memcpy. Each test is one ``benchmark.pedantic`` call whose setup is not timed.
-
-Timings never decide pass or fail: a test checks only the result (rows against the
-generated data, and for ``paged`` the pool's byte counters: 0 for the row operations).
-
-Shapes: small CI shapes by default; ``KVROWS_BENCH_FULL=1`` selects B in {4, 16, 64}, L in
-{1024, 4096}, 8 KV heads, head dim 128, float16::
-
-    KVROWS_BENCH_FULL=1 .venv/bin/pytest benchmarks/test_bench_paged.py --benchmark-enable
+against memcpy. Checks: rows against the generated data, and for ``paged`` the pool's byte
+counters (0 for the row operations). Full shapes: B in {4, 16, 64}, L in {1024, 4096},
+8 KV heads, head dim 128, float16.
 """
 
 from __future__ import annotations

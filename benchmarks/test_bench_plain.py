@@ -1,27 +1,13 @@
-"""pytest-benchmark: the plain family's row operations, kvrows vs mlx-lm vs a copy.
+"""pytest-benchmark: the plain family's row operations, kvrows vs mlx-lm vs a copy
+(the method: ``bench_common``).
 
 Every operation of :mod:`kvrows.app.bench.plain` (merge, merge-step, join, filter-half,
 filter-one, extract, update, decode), performed by each of ``kvrows``
-(``kvrows.optimized.PaddedKVRows``), ``mlx-lm`` (``BatchKVCache``), ``copy``
-(an MLX copy of the same bytes), ``memcpy`` (``numpy.copyto`` of the same
-bytes) and ``reference`` (the NumPy reference; skipped at large shapes). Each
-test is one ``benchmark.pedantic`` call whose setup (fresh live batches for the
-in-place operations) is not timed; the benchmark group is the operation and
-shape, so pytest-benchmark's table compares the implementations side by side.
-
-Timings never decide pass or fail: a test checks only that the operation's
-result is right (row counts, every row's keys and values against the
-generated inputs, attention against a NumPy computation).
-
-Shapes: by default small CI shapes (``kvrows.app.bench.plain.CI_SHAPES``), so the
-default run (``--benchmark-disable`` in ``pyproject.toml``: each body runs
-once, untimed) takes seconds. ``KVROWS_BENCH_FULL=1`` selects the realistic
-shapes of the issue (B in {4, 16}, L in {1024, 4096}, 8 KV heads, head dim
-128, float16)::
-
-    KVROWS_BENCH_FULL=1 .venv/bin/pytest benchmarks --benchmark-enable
-
-``kvrows bench`` prints the same comparison as one table with ratios and GB/s.
+(``kvrows.optimized.PaddedKVRows``), ``mlx-lm`` (``BatchKVCache``), ``copy`` (an MLX copy
+of the same bytes), ``memcpy`` (``numpy.copyto`` of the same bytes) and ``reference`` (the
+NumPy reference; skipped at large shapes). Checks: row counts, every row's keys and values
+against the generated inputs, attention against a NumPy computation. Full shapes: B in
+{4, 16}, L in {1024, 4096}, 8 KV heads, head dim 128, float16.
 """
 
 from __future__ import annotations

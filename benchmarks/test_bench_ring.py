@@ -1,21 +1,13 @@
-"""pytest-benchmark: the rotating family (issue 4), kvrows vs mlx-lm vs a copy.
+"""pytest-benchmark: the rotating family (issue 4), kvrows vs mlx-lm vs a copy (the
+method: ``bench_common``).
 
 Every operation of :mod:`kvrows.app.bench.ring` (merge, join, filter-half, filter-one,
 extract, update, decode), performed by ``kvrows`` (``kvrows.optimized.BatchedRotatingCache``),
 ``mlx-lm`` (``BatchRotatingKVCache``; join is its ``extend``), ``copy`` (an MLX copy of
-the same bytes) and ``memcpy`` (``numpy.copyto`` of the same bytes). Each test is one
-``benchmark.pedantic`` call whose setup is not timed; the benchmark group is the
-operation and shape.
-
-Timings never decide pass or fail: a test checks only that the result is right (every
-row's window in temporal order against the generated tokens, attention against NumPy).
-
-Shapes: small CI shapes by default (``kvrows.app.bench.ring.CI_RING_SHAPES``: window 64, rows
-that wrapped and rows that did not); ``KVROWS_BENCH_FULL=1`` selects the realistic shapes
-of the issue (window 4096, B in {4, 16}, L in {2000, 6000}, 8 KV heads, head dim 128,
-float16)::
-
-    KVROWS_BENCH_FULL=1 .venv/bin/pytest benchmarks/test_bench_ring.py --benchmark-enable
+the same bytes) and ``memcpy`` (``numpy.copyto`` of the same bytes). Checks: every row's
+window in temporal order against the generated tokens, attention against NumPy. CI
+shapes: window 64, rows that wrapped and rows that did not; full: window 4096, B in
+{4, 16}, L in {2000, 6000}, 8 KV heads, head dim 128, float16.
 """
 
 from __future__ import annotations
