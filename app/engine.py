@@ -339,9 +339,6 @@ class PagedLayers:
                 out.append(PagedKVCache(pool=pool))
         return out
 
-    def is_paged(self, layer: int) -> bool:
-        return self.pools[layer] is not None
-
     # -- the prefix path -------------------------------------------------------------------
     def _paged_pools(self) -> list[Any]:
         return [pool for pool in self.pools if pool is not None]
@@ -435,10 +432,6 @@ class PagedLayers:
             for pool in self._paged_pools()
             if pool.geometry is not None
         )
-
-    def allocated_bytes(self) -> int:
-        """Bytes of the pools' planes (growth slack included)."""
-        return sum(pool.nbytes for pool in self._paged_pools())
 
     @staticmethod
     def unpaged_bytes(caches: Iterable[Any]) -> int:

@@ -21,7 +21,6 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from kvrows.conformance.families import FAMILIES, optimized_impl
 from kvrows.conformance.machines import machine_class
-from kvrows.conformance.profiles import active_profile
 from kvrows.conformance.recurrent import RECURRENT_CHECKS, RecurrentMachine
 from kvrows.conformance.runner import family_settings
 from kvrows.optimized.recurrent import BatchedSSMCache
@@ -64,9 +63,7 @@ CI_EXAMPLES = 80
 
 
 def test_recurrent_family() -> None:
-    ci = active_profile().name == "ci"
-    settings = family_settings(FAMILY, max_examples=CI_EXAMPLES) if ci else family_settings(FAMILY)
-    stats, _ = run_family(FAMILY, "BatchedSSMCache", settings)
+    stats, settings = run_family(FAMILY, "BatchedSSMCache", ci_examples=CI_EXAMPLES)
     stats.require(settings.max_examples // 2, ops=EXPECTED_OPS, oracles=RECURRENT_CHECKS)
     states = ("state.conv", "state.recurrent", "state.solo", "state.mlx_lm")
     assert_compared(stats, {*states, "output", "output.solo"})

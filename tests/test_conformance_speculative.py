@@ -32,9 +32,7 @@ import kvrows.reference as R
 from kvrows import table
 from kvrows.conformance.families import FAMILIES
 from kvrows.conformance.machines import BASE_CHECKS
-from kvrows.conformance.profiles import active_profile
 from kvrows.conformance.rules import ACCEPTANCE, SPECULATIVE_CHECKS
-from kvrows.conformance.runner import family_settings
 from kvrows.protocols import SpeculativeRowLayout
 
 #: mlx-lm is untyped; reach its classes through ``Any``.
@@ -62,10 +60,7 @@ CI_EXAMPLES = {"SpeculativeRotatingKVCache": 40}
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_speculative_family(layout: str) -> None:
-    settings = family_settings(FAMILY)
-    if active_profile().name == "ci" and layout in CI_EXAMPLES:
-        settings = family_settings(FAMILY, max_examples=CI_EXAMPLES[layout])
-    stats, _ = run_family(FAMILY, layout, settings)
+    stats, settings = run_family(FAMILY, layout, ci_examples=CI_EXAMPLES.get(layout))
     spec = FAMILY.layout(layout)
     stats.require(
         settings.max_examples // 2,

@@ -8,7 +8,6 @@ the codecs' own encode/decode, and the bytes table of the spec page.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -38,10 +37,7 @@ from kvrows.table import owned_cache_layout, prefill_cache_layout, target_cache_
 RANK, ROPE, INDEX = 64, 16, 32
 
 
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 def _blocks(rows: int, n: int, seed: int, index: bool = False) -> tuple[np.ndarray, ...]:

@@ -7,7 +7,7 @@ mlx-lm's own caches in the MLA models (logits bit for bit), the saved cache (rou
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +33,7 @@ IDS = ["reference", "optimized"]
 WIDTHS = (64, 16, 32)  # kv_lora_rank, rope_head_dim, index_head_dim
 
 
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 def _np(value: Any) -> Any:
