@@ -34,8 +34,10 @@ from kvrows.conformance.hooks import (
     DEFER,
     GEOMETRY_HOOKS,
     MODIFIER_RULES,
+    PLACEMENT_HOOKS,
     WRITERS,
     Draw,
+    GeometryHooks,
     Loader,
     ModifierRules,
     PeerChoice,
@@ -329,22 +331,34 @@ BUDGETS: dict[str, Budget] = {
 
 def _storages() -> list[Composition]:
     """The landed serial storages (a layout without a serial is its own storage), by
-    geometry, then codec (the hook tables' order), then table order."""
+    placement (contiguous first), geometry, then codec (the hook tables' order), then
+    table order."""
+    placements = ["contiguous", *PLACEMENT_HOOKS]
     geometries, codecs = list(GEOMETRY_HOOKS), [spec.kind for spec in CODEC_HOOKS]
     storages = [c for c in landed() if not c.is_layout or c.serial is None]
     return sorted(
         storages,
         key=lambda c: (
+            placements.index(c.placement),
             geometries.index(c.geometry) if c.geometry in geometries else len(geometries),
             codecs.index(c.codec) if c.codec in codecs else -1,
         ),
     )
 
 
+def _place_hooks(storage: Composition) -> GeometryHooks:
+    """The hook row that stands first for ``storage``: its placement's (paged), else its
+    geometry's."""
+    if storage.placement != "contiguous":
+        return PLACEMENT_HOOKS[storage.placement]
+    return GEOMETRY_HOOKS[storage.geometry]
+
+
 def _codecs(storage: Composition) -> tuple[str, ...]:
-    """The codec kinds ``storage`` is driven with (a storage of any codec: its geometry's)."""
+    """The codec kinds ``storage`` is driven with (a storage of any codec: its placement's
+    or geometry's)."""
     if storage.codec == "any":
-        return GEOMETRY_HOOKS[storage.geometry].codecs
+        return _place_hooks(storage).codecs
     return (storage.codec,)
 
 
@@ -362,18 +376,21 @@ class _Axes:
     draw: Draw
 
 
-def _axes(codec: str, geometry: str) -> _Axes:
-    """The machines of ``codec`` on ``geometry``: the rules its rows name, composed (the
-    geometry's round rules, the speculative modifier's, the writer's, the geometry's, the
-    codec's)."""
+def _axes(codec: str, storage: Composition) -> _Axes:
+    """The machines of ``codec`` on ``storage``'s geometry and placement: the rules its
+    rows name, composed (the geometry's round rules, the speculative modifier's, the
+    writer's, the placement's or geometry's, the codec's)."""
     spec = CODECS.get(codec)  # the codec registry resolves kinds; the hook rows are by spec
     codec_hooks = None if spec is None else CODEC_HOOKS.get(spec)
-    if codec_hooks is None or geometry not in GEOMETRY_HOOKS:
+    geometry, placement = storage.geometry, storage.placement
+    known = geometry in GEOMETRY_HOOKS and placement in ("contiguous", *PLACEMENT_HOOKS)
+    if codec_hooks is None or not known:
         raise KeyError(
-            f"no conformance hooks for the {codec} codec on the {geometry} geometry: add a "
-            "row to conformance.hooks.CODEC_HOOKS / GEOMETRY_HOOKS"
+            f"no conformance hooks for the {codec} codec on the {geometry} geometry "
+            f"({placement}): add a row to conformance.hooks.CODEC_HOOKS / GEOMETRY_HOOKS / "
+            "PLACEMENT_HOOKS"
         )
-    geometry_hooks = GEOMETRY_HOOKS[geometry]
+    geometry_hooks = _place_hooks(storage)
     writer = WRITERS[codec_hooks.tensors]
     own = geometry_hooks.by_codec.get(codec)
     rules = tuple(
@@ -488,7 +505,7 @@ def derive() -> dict[str, Family]:
     speculative, delayed = MODIFIER_RULES["speculative"], MODIFIER_RULES["delayed"]
     for storage in _storages():
         for codec in _codecs(storage):
-            axes = _axes(codec, storage.geometry)
+            axes = _axes(codec, storage)
             for entry in (storage,) if storage.is_layout else layouts_of(storage.name):
                 if "delayed" in entry.modifiers:
                     spec = replace(

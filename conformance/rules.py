@@ -3,9 +3,9 @@ value over ``machines.ConformanceMachine`` (no machine is written per family):
 
 * codec rules: :class:`AffineRules` (``CODEC_HOOKS[Affine]``), :class:`TurboRules`
   (``CODEC_HOOKS[Turbo]``);
-* geometry rules: :class:`RingRules` (``GEOMETRY_HOOKS["ring"]``), and what verify rounds
+* geometry and placement rules: :class:`RingRules` (``GEOMETRY_HOOKS["ring"]``), and what verify rounds
   add on a ring, :class:`RingRoundRules` (its ``round_rules``); :class:`PagedRules`
-  (``GEOMETRY_HOOKS["paged"]``: block pools, their invariants, byte limits);
+  (``PLACEMENT_HOOKS["paged"]``: block pools, their invariants, byte limits);
 * modifier rules: :class:`RoundRules`, the speculative verify rounds
   (``MODIFIER_RULES["speculative"]``), composed onto every storage whose verify layouts
   run rounds: the speculative family's layouts (plain, affine, both rings), the turbo and
@@ -692,7 +692,7 @@ class RingRules(ConformanceMachine):
 
 
 class PagedRules(FrozenCollector, ConformanceMachine):
-    """The paged geometry's rules (``GEOMETRY_HOOKS["paged"]``, composed with the verify
+    """The paged placement's rules (``PLACEMENT_HOOKS["paged"]``, composed with the verify
     rounds and the codec's rules: ``PagedKVCache`` rows in ``PagedKvRows``, all three
     roles; affine pools at the example's codec, codes compared exactly).
 

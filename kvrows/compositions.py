@@ -1,8 +1,8 @@
 """The composition table: every seed class name as a point on the three axes.
 
 Each storage and layout the seed names is one **composition** of a codec (plain,
-affine, TurboQuant…, latent), a token geometry (growing, ring, paged, recurrent) and a
-row arrangement (serial: one request; shared: rows share one write column; ragged: each
+affine, TurboQuant…, latent), a token geometry (growing, ring, recurrent), a placement
+(contiguous buffers, or paged: block tables into a shared pool) and a row arrangement (serial: one request; shared: rows share one write column; ragged: each
 row appends at its own end), plus optional **modifiers** (``delayed``: rows convert from
 bf16 to the codec at their own boundary; ``speculative``: verify rounds with per-row
 acceptance), and, for a storage, the **roles** of the row-layout table: the layouts its
@@ -60,7 +60,10 @@ __all__ = [
 
 Arrangement: TypeAlias = Literal["serial", "shared", "ragged"]
 CodecKind: TypeAlias = Literal["plain", "affine", "turbo", "any", "state", "latent"]
-GeometryKind: TypeAlias = Literal["growing", "ring", "paged", "recurrent"]
+GeometryKind: TypeAlias = Literal["growing", "ring", "recurrent"]
+#: Where a row's tokens live (contract §0.4): contiguous buffers, or block tables into a
+#: shared pool (any geometry with a token axis).
+PlacementKind: TypeAlias = Literal["contiguous", "paged"]
 Modifier: TypeAlias = Literal["delayed", "speculative"]
 
 #: A role naming ``SELF`` is the layout's own empty batch (``make_empty_batch``).
@@ -90,13 +93,15 @@ class Composition:
     verify sibling and serves as its own decode and prefill layout); ``peers``: the
     mlx-lm cache classes whose layers this serial storage serves; ``parity``: the mlx-lm
     class that holds the same state, bit for bit (the conformance suite's third oracle);
-    ``issue``: the issue that adds a planned class (``None``: landed).
+    ``issue``: the issue that adds a planned class (``None``: landed); ``placement``:
+    where its rows' tokens live (``paged``: block tables into a shared pool).
     """
 
     name: str
     codec: CodecKind
     geometry: GeometryKind
     arrangement: Arrangement
+    placement: PlacementKind = "contiguous"
     signature: str
     params: tuple[str, ...] = ()
     serial: str | None = None
@@ -142,10 +147,12 @@ _RING_AFFINE = ("max_size", "group_size", "bits", "keep")
 #: planned. Layouts without ``serial`` name it through their storage's roles.
 COMPOSITIONS: tuple[Composition, ...] = (
     # -- paged (issue 13) ------------------------------------------------------------
-    Composition(name="PagedKVCache", codec="any", geometry="paged", arrangement="serial",
+    Composition(name="PagedKVCache", codec="any", geometry="growing", placement="paged",
+                arrangement="serial",
                 signature="kv:paged", roles=Roles("PagedKvRows", "PagedKvRows", "PagedKvRows"),
                 summary="one request's block table into a shared block pool"),
-    Composition(name="PagedKvRows", codec="any", geometry="paged", arrangement="ragged",
+    Composition(name="PagedKvRows", codec="any", geometry="growing", placement="paged",
+                arrangement="ragged",
                 signature="kv:paged-rows", serial="PagedKVCache", roles=Roles(SELF, SELF, SELF),
                 modifiers=frozenset({"speculative"}),
                 summary="block-table rows: row operations move no KV bytes"),
@@ -160,7 +167,8 @@ COMPOSITIONS: tuple[Composition, ...] = (
                 roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"speculative"}),
                 summary="the latent plane through an affine or TurboQuant codec, bf16-first "
                         "per row; rope and index exact"),
-    Composition(name="PagedLatentCache", codec="latent", geometry="paged", arrangement="ragged",
+    Composition(name="PagedLatentCache", codec="latent", geometry="growing", placement="paged",
+                arrangement="ragged",
                 signature="kv:mla-paged:target", roles=Roles(SELF, SELF, SELF),
                 modifiers=frozenset({"speculative"}),
                 summary="MLACache's rows as block tables into a latent block pool: row "
@@ -313,7 +321,7 @@ def presets_on_rows(
     kinds it has hooks for: no modifier but ``speculative``, a serial storage with the
     ``delayed`` one (the legos), and the ragged delayed layouts whose geometry kind, or
     ``(geometry, arrangement)``, is in ``staged`` (hooks holding rows of several stages);
-    the latent and paged classes are written by hand."""
+    the latent classes and those of the paged placement are written by hand."""
 
     def built(c: Composition) -> bool:
         if c.modifiers <= {"speculative"}:
@@ -326,7 +334,10 @@ def presets_on_rows(
     return tuple(
         c
         for c in landed()
-        if c.geometry in geometries and built(c) and c.name not in _OWN_MACHINERY
+        if c.geometry in geometries
+        and c.placement == "contiguous"
+        and built(c)
+        and c.name not in _OWN_MACHINERY
     )
 
 

@@ -217,9 +217,8 @@ def state_form(entry: Composition) -> StateForm:
     if _is_delayed_layout(entry):
         return _delayed_form(entry)
     own = getattr(CODECS.get(entry.codec), "form_fields", None)
-    # The table's geometry kind names the paged placement (until entries carry a placement
-    # field): its form holds the placement's fields.
-    paged = PLACEMENTS.classes.get(entry.geometry) is not None
+    # A placement with a spec (paged: block tables) adds its fields; contiguous has none.
+    paged = PLACEMENTS.classes.get(entry.placement) is not None
     if own is not None and entry.is_landed:  # the latent caches' own form (version 1)
         # ``PagedLatentCache``: the block size follows (``PAGED_LATENT_FIELDS``)
         return StateForm(entry.name, (*own, "block_size") if paged else own, entry.name)
@@ -493,8 +492,7 @@ def rows_of_state(
     token axis (``np.concatenate`` / ``mx.concatenate`` with ``axis=2``)."""
     if _is_delayed_layout(entry):
         return _delayed_rows(entry, values, concat)
-    # Columns in buffer order, from the write index. A paged entry's geometry is a
-    # placement, not a registered geometry (yet: step 3): its rows are growing ones.
+    # Columns in buffer order, from the write index.
     geometry = GEOMETRIES.get(entry.geometry)
     wraps = geometry is not None and geometry.wraps
     keys, vals = _planes(values["keys"]), _planes(values["values"])

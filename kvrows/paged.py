@@ -182,9 +182,9 @@ def bind_paged(
         raise InvalidInputError(f"pool must be a {cls.pool_class.__name__}, got {pool!r}")
     if declared is not None and not isinstance(declared, KvGeometry):
         raise InvalidInputError(not_a_geometry_message(repr(declared)))
-    geometry_kind = cls.composition.geometry  # the table's entry names the token geometry
-    if geometry_spec is not None and getattr(geometry_spec, "kind", None) != geometry_kind:
-        raise InvalidInputError(f"{cls.__name__} has paged geometry, got {geometry_spec!r}")
+    placement = cls.composition.placement  # the table's entry names the placement
+    if geometry_spec is not None and getattr(geometry_spec, "kind", None) != placement:
+        raise InvalidInputError(f"{cls.__name__} has the paged placement, got {geometry_spec!r}")
     if codec is not None and not hasattr(codec, "key"):
         raise InvalidInputError(f"codec must be a codec spec, got {codec!r}")
     size = None if block_size is None else as_count(block_size, "block_size", minimum=1)

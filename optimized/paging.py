@@ -458,7 +458,8 @@ class PagedRows(PagedSurface, Storage):
 
     Listed before the serial or layout base, so these hooks and reads replace theirs."""
 
-    geometry_kind = "paged"
+    geometry_kind = "growing"
+    placement_kind = "paged"
     arrangements = frozenset({"serial", "ragged"})
     pool_class: ClassVar[type[BlockPool]] = BlockPool
 

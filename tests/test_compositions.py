@@ -277,8 +277,10 @@ def test_the_contract_page_shows_the_table_as_it_is() -> None:
     rows = _contract_rows()
     assert list(rows) == [c.name for c in COMPOSITIONS]  # same classes, lookup order
     for entry in COMPOSITIONS:
-        codec, geometry, arrangement, modifiers, roles, status = rows[entry.name]
-        assert (codec, geometry, arrangement) == (entry.codec, entry.geometry, entry.arrangement)
+        codec, geometry, placement, arrangement, modifiers, roles, status = rows[entry.name]
+        assert (codec, geometry, placement, arrangement) == (
+            entry.codec, entry.geometry, entry.placement, entry.arrangement
+        )  # fmt: skip
         assert modifiers == (", ".join(sorted(entry.modifiers)) or "—"), entry.name
         expected_roles = (
             "—"

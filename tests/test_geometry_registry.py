@@ -7,8 +7,8 @@ edit elsewhere."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import pytest
@@ -91,8 +91,11 @@ def test_a_saved_ring_s_keep_comes_from_its_fields_or_from_outside() -> None:
 
 
 def test_a_geometry_without_a_spec_has_no_generic_form() -> None:
-    with pytest.raises(UnsupportedStateError, match="has no paged geometry spec"):
-        geometry_from_fields(composition("PagedKVCache"), {})
+    # Paging is a placement (contract §0.4): a paged entry's geometry is a registered one.
+    assert geometry_from_fields(composition("PagedKVCache"), {}) == Growing()
+    unknown = replace(composition("KVCache"), geometry=cast(Any, "chunked"))
+    with pytest.raises(UnsupportedStateError, match="has no chunked geometry spec"):
+        geometry_from_fields(unknown, {})
 
 
 def test_only_a_registered_spec_is_a_geometry_spec() -> None:

@@ -105,7 +105,7 @@ def test_every_landed_composition_is_one_declared_class() -> None:
         assert type(built) is layout_cls and built.signature() == layout.signature()
     # The paged placement (optimized/paging.py): the row machinery over block tables; built
     # from a pool or keyword arguments (kvrows.paged.bind_paged), not from_specs.
-    paged = {c.name for c in KV_LANDED if c.geometry == "paged"}
+    paged = {c.name for c in KV_LANDED if c.placement == "paged"}
     for name in paged:
         assert CLASSES[name] is getattr(kv, name) is DECLARED[name]
         assert issubclass(CLASSES[name], Layout if composition(name).is_layout else Serial)
