@@ -150,7 +150,8 @@ DELAYED_PLAIN = -1
 
 def delayed_groups(entry: Composition) -> tuple[Composition, Composition]:
     """The one-stage ragged presets of a delayed layout's two stages: the landed ragged
-    layouts of its token geometry with its other modifiers, plain and of its codec
+    layouts of its token geometry and placement with its other modifiers, plain and of its
+    codec
     (``BatchedKVCache`` and ``BatchedQuantizedKVCache`` for ``DelayedQuantizedKVCache``).
     Each stage's rows save and restore through its preset's form."""
     groups = []
@@ -158,7 +159,8 @@ def delayed_groups(entry: Composition) -> tuple[Composition, Composition]:
         found = [
             c
             for c in landed()
-            if (c.codec, c.geometry, c.arrangement) == (codec, entry.geometry, "ragged")
+            if (c.codec, c.geometry, c.placement, c.arrangement)
+            == (codec, entry.geometry, entry.placement, "ragged")
             and c.modifiers == entry.modifiers - {"delayed"}
         ]
         if len(found) != 1:
