@@ -339,8 +339,9 @@ def _geometry_of(entry: Composition) -> type[GeometrySpec]:
 
 
 def _layout_form_omits(entry: Composition) -> tuple[str, ...]:
-    """The geometry parameters a delayed layout's record carries: its groups' layout
-    forms omit them (a ring's ``keep``)."""
+    """The geometry parameters a delayed layout's form carries after its layout fields
+    (form 1: after its record): its stage presets' layout forms omit them (a ring's
+    ``keep``)."""
     return _geometry_of(entry).layout_form_omits
 
 
