@@ -150,7 +150,8 @@ DELAYED_PLAIN = -1
 
 def delayed_groups(entry: Composition) -> tuple[Composition, Composition]:
     """The one-stage ragged presets of a delayed layout's two stages: the landed ragged
-    layouts of its token geometry with its other modifiers, plain and of its codec
+    layouts of its token geometry and placement with its other modifiers, plain and of its
+    codec
     (``BatchedKVCache`` and ``BatchedQuantizedKVCache`` for ``DelayedQuantizedKVCache``).
     Each stage's rows save and restore through its preset's form."""
     groups = []
@@ -158,7 +159,8 @@ def delayed_groups(entry: Composition) -> tuple[Composition, Composition]:
         found = [
             c
             for c in landed()
-            if (c.codec, c.geometry, c.arrangement) == (codec, entry.geometry, "ragged")
+            if (c.codec, c.geometry, c.placement, c.arrangement)
+            == (codec, entry.geometry, entry.placement, "ragged")
             and c.modifiers == entry.modifiers - {"delayed"}
         ]
         if len(found) != 1:
@@ -337,8 +339,9 @@ def _geometry_of(entry: Composition) -> type[GeometrySpec]:
 
 
 def _layout_form_omits(entry: Composition) -> tuple[str, ...]:
-    """The geometry parameters a delayed layout's record carries: its groups' layout
-    forms omit them (a ring's ``keep``)."""
+    """The geometry parameters a delayed layout's form carries after its layout fields
+    (form 1: after its record): its stage presets' layout forms omit them (a ring's
+    ``keep``)."""
     return _geometry_of(entry).layout_form_omits
 
 
@@ -812,14 +815,12 @@ def parse_delayed_state(
     raw = dict(zip(form.fields, values, strict=True))
     converted = delayed_marks(entry, raw)
     stage_of = _stage_of(converted)
-    for stage in (0, 1):
-        held = _planes(raw[stage_field(stage, "keys")])
-        count = stage_of.count(stage)
-        if held is not None and _rows(held[0], stage_field(stage, "keys")) != count:
+    shapes = [_shape(raw[stage_field(stage, "keys")], stage) for stage in (0, 1)]
+    for stage, shape in enumerate(shapes):
+        if shape is not None and shape[0] != stage_of.count(stage):
             raise InvalidInputError(
                 f"{entry.name} state: the row table has {stage_of.count(0)} plain and "
-                f"{stage_of.count(1)} converted rows, stage {stage}'s planes hold "
-                f"{int(held[0].shape[0])}"
+                f"{stage_of.count(1)} converted rows, stage {stage}'s planes hold {shape[0]}"
             )
     offsets = _ints(raw["offset"], "offset")
     pads = _ints(raw["left_padding"], "left_padding")
@@ -830,13 +831,12 @@ def parse_delayed_state(
         )
     width = _integer("idx", raw["idx"])
     rotated = _flag("rotated", raw["rotated"]) if "rotated" in raw else False
+    groups = delayed_groups(entry)
     stage_states: list[tuple[Any, ...]] = []
-    for stage, group in enumerate(delayed_groups(entry)):
+    for stage, (group, shape) in enumerate(zip(groups, shapes, strict=True)):
         rows = [b for b, s in enumerate(stage_of) if s == stage]
-        fields = {**raw, "keys": raw[stage_field(stage, "keys")]}
-        fields["values"] = raw[stage_field(stage, "values")]
-        held = _planes(fields["keys"])
-        columns = width if held is None else _columns(held[0], stage_field(stage, "keys"))
+        fields = {**raw, **{t: raw[stage_field(stage, t)] for t in ("keys", "values")}}
+        columns = width if shape is None else shape[2]
         shift = width - columns
         starts = [pads[b] for b in rows if offsets[b] > 0]
         if shift < 0 or (shift and (rotated or any(p < shift for p in starts))):
@@ -851,27 +851,21 @@ def parse_delayed_state(
             total=max((offsets[b] for b in rows), default=0),
         )
         stage_states.append(pack_state(group, fields))
-    plain_state, target_state = stage_states
-    groups = delayed_groups(entry)
-    plain = unpack_state(groups[0], plain_state)
-    target = unpack_state(groups[1], target_state)
+    plain, target = (unpack_state(g, st) for g, st in zip(groups, stage_states, strict=True))
     record = delayed_record(entry, raw, converted, plain["offset"], keep)
-    return DelayedParts((plain, target), (plain_state, target_state), record)
+    return DelayedParts((plain, target), (stage_states[0], stage_states[1]), record)
 
 
-def _shape(plane: Any, name: str) -> tuple[int, ...]:
-    shape = getattr(plane, "shape", None)
-    if shape is None or len(shape) != 4:
-        raise InvalidInputError(f"state {name} must be [B, H, T, ·] planes, got {plane!r:.60}")
-    return tuple(int(n) for n in shape)
-
-
-def _rows(plane: Any, name: str) -> int:
-    return _shape(plane, name)[0]
-
-
-def _columns(plane: Any, name: str) -> int:
-    return _shape(plane, name)[2]
+def _shape(value: Any, stage: int) -> tuple[int, ...] | None:
+    """The shape of a stage's first key plane (``None``: the stage holds no token)."""
+    held = _planes(value)
+    shape = None if held is None else getattr(held[0], "shape", None)
+    if held is not None and (shape is None or len(shape) != 4):
+        raise InvalidInputError(
+            f"state {stage_field(stage, 'keys')} must be [B, H, T, ·] planes, got "
+            f"{describe_planes(value)}"
+        )
+    return None if shape is None else tuple(int(n) for n in shape)
 
 
 def _delayed_rows(entry: Composition, values: Mapping[str, Any], concat: Any) -> list[StateRow]:

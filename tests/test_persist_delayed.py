@@ -537,3 +537,18 @@ def test_a_file_of_form_1_loads_and_equals_its_form_2_copy(
             for x, y in zip(*(v if isinstance(v, tuple) else (v,) for v in (a, b)), strict=True):
                 assert np.array_equal(_numpy(x), _numpy(y)) if hasattr(x, "shape") else x == y
         new.check_valid()
+
+
+def test_a_file_mixing_form_1_and_form_2_layers_loads(tmp_path: Path) -> None:
+    """Each layer is read by its own form: a delayed layout (form 2) beside a serial
+    storage (form 1, mlx-lm's), in either implementation."""
+    layout = _mixed()
+    plain = _row(optimized, False, 5, 4, 9, lego=False)
+    path = tmp_path / "mixed.safetensors"
+    save_prompt_cache(path, [layout, plain])
+    _, metadata = read_safetensors(path)
+    assert [layer["form"] for layer in json.loads(metadata[KVROWS_KEY])["layers"]] == [2, 1]
+    for target in sorted(IMPLS):
+        loaded, serial = load_prompt_cache(path, implementation=target)  # type: ignore[arg-type]
+        assert record(loaded) == record(layout) and rows(loaded) == rows(layout)
+        assert rows(serial) == rows(plain)
