@@ -16,7 +16,7 @@ import pytest
 
 import kvrows.optimized as opt
 import kvrows.reference as ref
-from kvrows.conformance.arrays import from_mlx
+from kvrows.conformance.arrays import as_numpy, from_mlx
 from kvrows.errors import (
     CapacityError,
     IncompatibleRowsError,
@@ -62,10 +62,6 @@ def _rows(impl: Any, sizes: tuple[tuple[int, int], ...]) -> list[Any]:
         cache.update_and_fetch(*(blocks if impl is ref else _mx(blocks)))
         rows.append(cache)
     return rows
-
-
-def _numpy(array: Any) -> np.ndarray:
-    return array if isinstance(array, np.ndarray) else from_mlx(array)
 
 
 def test_bytes_table() -> None:
@@ -136,11 +132,11 @@ def test_ragged_rollback_vector() -> None:
     for layout in layouts:
         assert layout.row_offsets == (6, 5) and layout.left_pad == (0, 1) and layout.width == 6
         latent, _, _ = layout.current()
-        latent = _numpy(latent)
+        latent = as_numpy(latent)
         assert np.array_equal(latent[0:1, :, 0:], want[0])
         assert np.array_equal(latent[1:2, :, 1:], want[1])
         mask = layout.make_mask(1)
-        mask = _numpy(mask)
+        mask = as_numpy(mask)
         assert mask[:, 0, 0].tolist() == [[True] * 7, [False] + [True] * 6]
     # the optimized stored columns are exactly the new width (the common padding dropped)
     assert layouts[1].planes()[0][0].shape[2] == 6
@@ -155,7 +151,7 @@ def test_filter_drops_common_padding_and_extract_is_compact(impl: Any) -> None:
     assert layout.row_offsets == (4, 2) and layout.left_pad == (0, 2) and layout.width == 4
     row = layout.extract_row(1)
     assert row.row_offsets == (2,) and row.left_pad == (0,)
-    assert np.array_equal(_numpy(row.current()[0]), _blocks(1, 2, 2)[0])
+    assert np.array_equal(as_numpy(row.current()[0]), _blocks(1, 2, 2)[0])
 
 
 @pytest.mark.parametrize("impl", [ref, opt], ids=["reference", "optimized"])
@@ -173,7 +169,7 @@ def test_merge_into_a_running_cache_and_filter_to_none(impl: Any) -> None:
     assert running.left_pad == at_once.left_pad == (2, 0, 3)
     for got, want in zip(running.current()[:2], at_once.current()[:2], strict=True):
         for b, pad in enumerate(running.left_pad):
-            assert np.array_equal(_numpy(got)[b, :, pad:], _numpy(want)[b, :, pad:])
+            assert np.array_equal(as_numpy(got)[b, :, pad:], as_numpy(want)[b, :, pad:])
     running.filter_rows([])
     assert running.batch_size == 0 and running.bytes_per_token() == (RANK + ROPE) * 4
     running.merge_rows(rows[1:2])  # an emptied cache takes rows again
