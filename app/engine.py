@@ -528,9 +528,6 @@ class _Flight:
     logits: mx.array | None
 
 
-Sampler = Callable[[mx.array, _Row], int]
-
-
 class Engine:
     """Continuous batching over one mlx-lm model with kvrows caches under one scheme."""
 

@@ -58,8 +58,9 @@ class TwoStages:
     """A two-stage layout, its one-stage plain shadow (a stage moves no column: the
     shadow's offsets and columns are the layout's), an optional ``twin`` (the reference
     layout, given NumPy arrays) and the rows' record; each operation is given to all of
-    them. A driver supplies its serial storages, its oracle (the one-stage public layout
-    of a stage's codec holding some rows), its ``meta`` and its ``check``."""
+    them, and the whole checked after each that changes the rows (``check``). A driver
+    supplies its serial storages, its oracle (the one-stage public layout of a stage's
+    codec holding some rows), its ``meta`` and its ``check``."""
 
     shared = False
     layout: Any
@@ -154,6 +155,7 @@ class TwoStages:
             self.twin.merge_rows([self.serial(r, twin=True) for r in joined])
         self.shadow.merge_rows([self.serial(r, 0) for r in joined])
         self.requests.extend(joined)
+        self.check()
 
     def append(self, n: int) -> None:
         keys, values = self.tokens(len(self.requests), n), self.tokens(len(self.requests), n)
@@ -174,6 +176,7 @@ class TwoStages:
         for b, request in enumerate(self.requests):
             request.keys.append(keys[b : b + 1])
             request.values.append(values[b : b + 1])
+        self.check()
 
     def convert(self, rows: list[int]) -> None:
         self.layout._convert_rows(rows)
@@ -181,12 +184,14 @@ class TwoStages:
             self.twin._convert_rows(rows)
         for b in set(rows):
             self.requests[b].stage = 1
+        self.check()
 
     def filter(self, keep: list[int]) -> None:
         for layout in (self.layout, self.twin, self.shadow):
             if layout is not None:
                 layout.filter_rows(keep)
         self.requests = [self.requests[b] for b in keep]
+        self.check()
 
     def trim(self, counts: list[int]) -> None:
         for layout in (self.layout, self.twin, self.shadow):
@@ -194,6 +199,7 @@ class TwoStages:
                 layout.trim_rows(counts)
         for request, count in zip(self.requests, counts, strict=True):
             request.trimmed(count)
+        self.check()
 
     def extract(self, b: int) -> Any:
         request = self.requests[b]
@@ -239,8 +245,7 @@ def drawn_steps(
     steps: tuple[int, int] = (2, 8),
 ) -> None:
     """Draws rows (stage, length up to ``longest``; ``rows_first`` of them first) to join,
-    then ``steps`` operations, each checked (``staged.check``); ``trim`` draws the trim
-    counts."""
+    then ``steps`` operations, each checked; ``trim`` draws the trim counts."""
 
     def rows(count: int) -> list[tuple[int, int]]:
         return [
@@ -249,7 +254,6 @@ def drawn_steps(
         ]
 
     staged.join(rows(data.draw(st.integers(*rows_first), label="rows")))
-    staged.check()
     for _ in range(data.draw(st.integers(*steps), label="steps")):
         requests = staged.requests
         operation = data.draw(
@@ -271,6 +275,7 @@ def drawn_steps(
             staged.trim(trim(requests))
         elif operation == "extract":
             staged.extract(data.draw(st.integers(0, len(requests) - 1), label="row"))
+            staged.check()
         else:
             staged.refusals()
-        staged.check()
+            staged.check()

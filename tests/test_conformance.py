@@ -186,6 +186,17 @@ def test_runner_runs_the_affine_family() -> None:
     assert "examples per variant: bits=" in report
 
 
+@pytest.mark.parametrize(
+    "family", ["rotating", "speculative", "turbo", "delayed", "delayed-turbo", "recurrent"]
+)
+def test_runner_runs_the_family(family: str) -> None:
+    """``kvrows conform --family <family>`` in small: every layout runs, passes and is
+    reported."""
+    layouts = [spec.name for spec in FAMILIES[family].layouts]
+    _, report = run_runner(family, layouts, 2, 6)
+    assert family in report and all(layout in report for layout in layouts)
+
+
 #: Every (family, layout) the machines drive: the CLI, the tests and their coverage
 #: requirements name them, so deriving the families must keep them.
 FAMILY_LAYOUTS = [

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from conformance_helpers import assert_compared, run_family, run_runner
+from conformance_helpers import assert_compared, run_family
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvrows.conformance.families import FAMILIES, optimized_impl
@@ -76,11 +76,6 @@ def test_the_family_drives_both_recurrent_classes() -> None:
     spec = FAMILY.layout("BatchedSSMCache")
     assert spec.roles == ("decode", "prefill", "verify") and spec.serial == "SSMCache"
     assert FAMILY.machine is not None and FAMILY.machine() is RecurrentMachine
-
-
-def test_runner_runs_the_recurrent_family() -> None:
-    _, report = run_runner("recurrent", ["BatchedSSMCache"], max_examples=2, steps=6)
-    assert "BatchedSSMCache" in report
 
 
 # -- teeth: planted bugs in the optimized layout are caught ------------------------------

@@ -23,7 +23,6 @@ from conformance_helpers import (
     assert_compared,
     assert_skips_documented,
     run_family,
-    run_runner,
 )
 from mlx_lm.models import cache as mlx_lm_cache
 
@@ -110,11 +109,6 @@ def test_the_family_drives_every_verify_layout() -> None:
 def _params(serial: str) -> tuple[int, ...]:
     ring = (6,) if "Rotating" in serial else ()
     return ring + ((32, 4) if "Quantized" in serial else ())
-
-
-def test_runner_runs_the_speculative_family() -> None:
-    _, report = run_runner("speculative", LAYOUTS, 2, 6)
-    assert "SpeculativeRotatingAffineLayout" in report
 
 
 # ------------------------------------------------- the mlx-lm divergence the oracle skips

@@ -23,6 +23,7 @@ import kvrows.optimized as optimized
 import kvrows.reference as reference
 from kvrows import forms_v1
 from kvrows.compositions import composition
+from kvrows.conformance.arrays import as_numpy
 from kvrows.conformance.profiles import active_profile, profile_settings
 from kvrows.delayed import RowAttentionPending, row_reads
 from kvrows.errors import (
@@ -48,10 +49,6 @@ FILES = profile_settings(max_examples=25 if active_profile().name == "ci" else 3
 def _native(impl: Any, array: np.ndarray[Any, Any]) -> Any:
     half = array.astype(np.float16)
     return mx.array(half) if impl is optimized else half
-
-
-def _numpy(array: Any) -> np.ndarray[Any, Any]:
-    return np.array(array) if isinstance(array, mx.array) else np.asarray(array)
 
 
 def _empty(impl: Any, ring: bool, start: int) -> Delayed:
@@ -85,7 +82,7 @@ def rows(layout: Any) -> list[tuple[int, Any, Any]]:
         return np.concatenate(parts, axis=2)
 
     def raw(planes: Any) -> Any:
-        return None if planes is None else [_numpy(p).tobytes() for p in planes]
+        return None if planes is None else [as_numpy(p).tobytes() for p in planes]
 
     held = rows_of_state(entry, unpack_state(entry, layout.state), concat)
     return [(offset, raw(k), raw(v)) for k, v, offset in held]
@@ -116,9 +113,9 @@ def _read(impl: Any, layout: Delayed, seed: int, tokens: int = 1) -> list[bytes]
         got = layout.update_and_fetch(keys, values)
     if isinstance(got[0], RowAttentionPending):
         queries = _native(impl, rng.standard_normal(shape))
-        return [_numpy(layout.attend_rows(queries, 0.125)).tobytes()]
+        return [as_numpy(layout.attend_rows(queries, 0.125)).tobytes()]
     planes = [p for side in got for p in (side if isinstance(side, tuple) else (side,))]
-    return [_numpy(p).tobytes() for p in planes]
+    return [as_numpy(p).tobytes() for p in planes]
 
 
 def _drive(impl: Any, layout: Delayed, data: st.DataObject, steps: int) -> None:
@@ -415,7 +412,7 @@ def _lego_reads(impl: Any, lego: Any, seed: int, tokens: int) -> list[bytes]:
     keys, values = (_native(impl, rng.standard_normal((1, 2, tokens, DIM))) for _ in range(2))
     got = lego.update_and_fetch(keys, values)
     planes = [p for side in got for p in (side if isinstance(side, tuple) else (side,))]
-    return [_numpy(p).tobytes() for p in planes]
+    return [as_numpy(p).tobytes() for p in planes]
 
 
 @pytest.mark.parametrize("ring", [False, True])
