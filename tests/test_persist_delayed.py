@@ -532,7 +532,7 @@ def test_a_file_of_form_1_loads_and_equals_its_form_2_copy(
         assert record(new) == record(old) and rows(new) == rows(old)
         for a, b in zip(new.state, old.state, strict=True):
             for x, y in zip(*(v if isinstance(v, tuple) else (v,) for v in (a, b)), strict=True):
-                assert np.array_equal(_numpy(x), _numpy(y)) if hasattr(x, "shape") else x == y
+                assert np.array_equal(as_numpy(x), as_numpy(y)) if hasattr(x, "shape") else x == y
         new.check_valid()
 
 
