@@ -211,6 +211,8 @@ FAMILY_LAYOUTS = [
     ("delayed-turbo", "DelayedTurboQuantKVCache"),
     ("paged", "PagedKvRows"),
     ("paged-affine", "PagedKvRows"),
+    ("paged-rotating", "PagedRotatingRows"),
+    ("paged-rotating-affine", "PagedRotatingRows"),
 ]
 
 
@@ -277,6 +279,9 @@ def test_machines_are_composed_from_the_hook_rows(monkeypatch: pytest.MonkeyPatc
     assert rules("speculative", "SpeculativeRotatingAffineLayout") == ring_rounds
     assert rules("turbo", "BatchedTurboQuantKVCache") == [RoundRules, TurboRules]
     assert rules("paged-affine", "PagedKvRows") == [RoundRules, PagedRules, AffineRules]
+    # The paged placement over the ring geometry: the placement's rules, then the ring's.
+    paged_ring = [RingRoundRules, RoundRules, PagedRules, RingRules]
+    assert rules("paged-rotating-affine", "PagedRotatingRows") == paged_ring
     spec = FAMILIES["speculative"]
     assert spec.layout("SpeculativeRotatingKVCache").machine is (
         spec.layout("SpeculativeRotatingAffineLayout").machine
