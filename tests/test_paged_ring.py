@@ -190,3 +190,18 @@ def test_what_a_paged_ring_refuses(module: Any, convert: Any) -> None:
         module.PagedRotatingKVCache(4, 4)  # keep < max_size
     with pytest.raises(InvalidInputError):
         module.PagedRotatingKVCache()  # max_size is needed
+
+
+def test_a_paged_ring_goes_through_a_prompt_cache_file(tmp_path: Any) -> None:
+    from kvrows.persist.prompt_cache import load_prompt_cache, save_prompt_cache
+
+    (prompt,) = _blocks(6, [9])
+    serial = opt.PagedRotatingKVCache(6, 2, block_size=3)
+    serial.update_and_fetch(mx.array(prompt), mx.array(prompt))
+    path = tmp_path / "rings.safetensors"
+    save_prompt_cache(path, [serial])
+    for implementation in ("optimized", "reference"):
+        (loaded,) = load_prompt_cache(path, implementation=implementation)
+        assert type(loaded).__name__ == "PagedRotatingKVCache"
+        assert (loaded.offset, loaded.max_size, loaded.keep) == (9, 6, 2)
+        assert np.array_equal(np.array(loaded.fetch()[0]), np.array(serial.fetch()[0]))
