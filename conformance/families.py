@@ -326,6 +326,23 @@ BUDGETS: dict[str, Budget] = {
     "paged-affine": Budget(
         "paged KV over affine pools at every (bits, group size)", examples=0.04, steps=0.6
     ),
+    # Paged rings (issue 23: the paged placement under the ring geometry):
+    # PagedRotatingKVCache rows in PagedRotatingRows (every role, rounds across the
+    # window), the ring's rules over the paged ones; the contiguous ring's model and the
+    # pools' invariants after every rule.
+    "paged-rotating": Budget(
+        "paged rings: sliding-window block tables, blocks out of the window back in the "
+        "pool, rounds across the window, the contiguous ring's model",
+        examples=0.1,
+        steps=0.7,
+        notes=(
+            "no mlx-lm peer (mlx-lm has no paged cache): reference vs optimized, the "
+            "contiguous ring's model and solo replay",
+        ),
+    ),
+    "paged-rotating-affine": Budget(
+        "paged rings over affine pools at every (bits, group size)", examples=0.04, steps=0.6
+    ),
 }
 
 
@@ -391,13 +408,18 @@ def _axes(codec: str, storage: Composition) -> _Axes:
             "PLACEMENT_HOOKS"
         )
     geometry_hooks = _place_hooks(storage)
+    # A placement's row stands first; the geometry under it adds its own rules (a paged
+    # ring: the ring's windows and invalid merges, its rounds across the window).
+    under = None if placement == "contiguous" else GEOMETRY_HOOKS[geometry]
     writer = WRITERS[codec_hooks.tensors]
     own = geometry_hooks.by_codec.get(codec)
+    codec_rules = geometry_hooks.codec_rules and (under is None or under.codec_rules)
     rules = tuple(
         r
         for r in (
             geometry_hooks.rules,
-            codec_hooks.rules if geometry_hooks.codec_rules else None,
+            None if under is None else under.rules,
+            codec_hooks.rules if codec_rules else None,
             writer.rules,
         )
         if r is not None
@@ -406,9 +428,8 @@ def _axes(codec: str, storage: Composition) -> _Axes:
     if writer.rounds is not None:  # a writer of other tensors than K/V: rounds of its own
         where = writer.rounds
     speculative = MODIFIER_RULES["speculative"].rules
-    with_rounds = compose(
-        *(r for r in (geometry_hooks.round_rules, speculative) if r is not None), *rules
-    )
+    round_rules = geometry_hooks.round_rules or (None if under is None else under.round_rules)
+    with_rounds = compose(*(r for r in (round_rules, speculative) if r is not None), *rules)
     machine: Loader | None = compose(*rules) if own is None else own
     rounds: Loader | None = with_rounds
     if own is not None or where == "own":  # rules with rounds of their own
@@ -416,6 +437,8 @@ def _axes(codec: str, storage: Composition) -> _Axes:
     elif where == "family":
         machine = with_rounds
     family = geometry_hooks.family or codec_hooks.family
+    if under is not None and under.family is not None:  # ``paged-rotating``
+        family = f"{family}-{under.family}"
     qualifier = codec_hooks.qualifier
     if geometry_hooks.family is not None and geometry_hooks.codec_suffix and qualifier:
         family = f"{family}-{qualifier}"
@@ -428,7 +451,7 @@ def _axes(codec: str, storage: Composition) -> _Axes:
             peer = choice
             break
     assert peer != DEFER
-    draw = codec_hooks.draw.on(geometry_hooks)
+    draw = codec_hooks.draw.on(GEOMETRY_HOOKS[geometry])  # windows and sinks: the geometry's
     return _Axes(family, machine, rounds, where != "modifier", peer, key, writer, draw)
 
 

@@ -29,8 +29,12 @@ from kvrows.codecs import CODECS, Affine, is_codec_spec, is_kv_codec
 from kvrows.errors import (
     InvalidInputError,
     KvRowsError,
+    given_twice_message,
+    needs_parameters_message,
     not_a_geometry_message,
     not_an_integer_message,
+    positional_arguments_message,
+    wrong_geometry_message,
 )
 from kvrows.geometries import GEOMETRIES, GeometrySpec, is_geometry_spec
 from kvrows.protocols import BatchableCache
@@ -156,6 +160,19 @@ COMPOSITIONS: tuple[Composition, ...] = (
                 signature="kv:paged-rows", serial="PagedKVCache", roles=Roles(SELF, SELF, SELF),
                 modifiers=frozenset({"speculative"}),
                 summary="block-table rows: row operations move no KV bytes"),
+    # -- paged rings (issue 23: the paged placement under the ring geometry) ---------
+    Composition(name="PagedRotatingKVCache", codec="any", geometry="ring", placement="paged",
+                arrangement="serial", signature="kv:paged-rotating:{max_size}:{keep}",
+                params=_RING,
+                roles=Roles("PagedRotatingRows", "PagedRotatingRows", "PagedRotatingRows"),
+                summary="one request's sliding window as a block table into a shared block "
+                        "pool: blocks that leave the window go back to the pool"),
+    Composition(name="PagedRotatingRows", codec="any", geometry="ring", placement="paged",
+                arrangement="ragged", signature="kv:paged-rotating-rows:{max_size}:{keep}",
+                params=_RING, serial="PagedRotatingKVCache", roles=Roles(SELF, SELF, SELF),
+                modifiers=frozenset({"speculative"}),
+                summary="sliding-window block-table rows, all three roles: each row its own "
+                        "window, row operations move no KV bytes"),
     # -- latent (issue 14) -----------------------------------------------------------
     Composition(name="MLACache", codec="latent", geometry="growing", arrangement="shared",
                 signature="kv:mla:target", roles=Roles(SELF, SELF, SELF),
@@ -453,13 +470,10 @@ def bind_arguments(
     codec_spec = values.pop("codec", None)
     geometry_spec = values.pop("token_geometry", None)
     if len(args) > len(entry.params):
-        raise InvalidInputError(
-            f"{entry.name} takes at most {len(entry.params)} positional arguments "
-            f"({', '.join(entry.params) or 'none'}), got {len(args)}"
-        )
+        raise InvalidInputError(positional_arguments_message(entry.name, entry.params, len(args)))
     for name, value in zip(entry.params, args, strict=False):
         if name in values:
-            raise InvalidInputError(f"{entry.name} got {name} twice")
+            raise InvalidInputError(given_twice_message(entry.name, name))
         values[name] = value
     unknown = sorted(set(values) - set(entry.params))
     if unknown:
@@ -478,12 +492,12 @@ def bind_arguments(
         implied.update(geometry_spec.parameters())
     clash = sorted(set(values) & set(implied))
     if clash:
-        raise InvalidInputError(f"{entry.name} got {', '.join(clash)} twice (argument and spec)")
+        raise InvalidInputError(given_twice_message(entry.name, ", ".join(clash), spec=True))
     given: dict[str, object] = {**_defaults(entry), **implied, **values}
     numbers: dict[str, int] = {}
     for name in entry.params:
         if name not in given:
-            raise InvalidInputError(f"{entry.name} needs {name}")
+            raise InvalidInputError(needs_parameters_message(entry.name, name))
         value = given[name]
         if isinstance(value, bool) or not hasattr(value, "__index__"):
             raise InvalidInputError(not_an_integer_message(name, value))
@@ -495,9 +509,7 @@ def bind_arguments(
     if not is_codec_spec(codec_spec) or codec_spec.kind != entry.codec:
         raise InvalidInputError(f"{entry.name} stores the {entry.codec} codec, got {codec_spec!r}")
     if not is_geometry_spec(geometry_spec) or geometry_spec.kind != entry.geometry:
-        raise InvalidInputError(
-            f"{entry.name} has {entry.geometry} geometry, got {geometry_spec!r}"
-        )
+        raise InvalidInputError(wrong_geometry_message(entry.name, entry.geometry, geometry_spec))
     return codec_spec, geometry_spec, declared
 
 
@@ -525,6 +537,13 @@ def _role_factory(classes: Mapping[str, type], role: str) -> Callable[[Any], Bat
     target: Any = classes[role]
 
     def build(cache: Any) -> BatchableCache:
+        placement = getattr(cache, "placement", None)
+        if placement is not None:  # a paged storage's placement (its block size) goes too
+            paged: BatchableCache = target(
+                codec=cache.codec_spec, token_geometry=cache.token_geometry,
+                geometry=cache.geometry, placement=placement,
+            )  # fmt: skip
+            return paged
         layout: BatchableCache = target.from_specs(
             cache.codec_spec, cache.token_geometry, geometry=cache.geometry
         )

@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvrows.codec import CodecSpec, Role, codec_plane_specs
+from kvrows.codec import KV_TENSORS, CodecSpec, Role, codec_plane_specs
 from kvrows.codecs import CODECS, codec_from_tail
 from kvrows.codecs.state import state_tensors
 from kvrows.codecs.turbo import TURBO_PLANES
@@ -109,12 +109,9 @@ FORMAT_VERSION = 2
 #: ``kvrows.forms_v1`` reads their form 1).
 FORM_VERSION = 2
 
-#: Paged storages (any codec): the logical KV, compact, then what rebuilds block tables
-#: (``kvrows.paged_forms``; ``codec``: the codec's name).
-_PAGED = {
-    False: ("keys", "values", "offset", "block_size", "codec"),
-    True: ("keys", "values", "offset", "left_padding", "idx", "block_size", "codec"),
-}
+#: What the paged placement's form adds after its geometry's fields: what rebuilds block
+#: tables (``kvrows.paged_forms``; ``codec``: the codec's tag and parameters).
+_PAGED_FIELDS = ("block_size", "codec")
 
 #: mlx-lm class name -> the kvrows composition a file entry of that class loads into.
 FILE_CLASSES: Mapping[str, str] = {
@@ -224,8 +221,13 @@ def state_form(entry: Composition) -> StateForm:
     if own is not None and entry.is_landed:  # the latent caches' own form (version 1)
         # ``PagedLatentCache``: the block size follows (``PAGED_LATENT_FIELDS``)
         return StateForm(entry.name, (*own, "block_size") if paged else own, entry.name)
-    if paged and entry.is_landed:
-        return StateForm(entry.name, _PAGED[entry.is_layout], entry.name)
+    placed = GEOMETRIES.get(entry.geometry)
+    if paged and entry.is_landed and placed is not None:
+        # The rule (§0.6): the logical planes, compact (a growing row's every position, a
+        # ring row's sinks and newest in time order), the geometry's fields, the
+        # placement's. ``PagedKVCache``: keys, values, offset, block_size, codec.
+        own_fields = placed.layout_fields if entry.is_layout else placed.serial_fields
+        return StateForm(entry.name, KV_TENSORS + own_fields + _PAGED_FIELDS, entry.name)
     # The codec's tensors (a KV codec's keys and values; recurrent state's planes, the
     # default two: the count is each cache's, recurrent_fields), the geometry's fields, the
     # codec's tail. mlx-lm's ArraysCache form has no coverage, so a recurrent file class is

@@ -171,9 +171,10 @@ def test_shapes_name_the_read_image_and_its_bytes() -> None:
 
 def test_the_table_names_every_seed_class_once() -> None:
     names = [c.name for c in COMPOSITIONS]
-    # The seed's 26 classes and the three bf16-first legos (serial presets, delayed).
-    assert len(names) == len(set(names)) == 29
-    assert len(landed()) == 29
+    # The seed's 26 classes, the three bf16-first legos (serial presets, delayed) and the
+    # two paged rings (the paged placement under the ring geometry).
+    assert len(names) == len(set(names)) == 31
+    assert len(landed()) == 31
     assert len([c for c in COMPOSITIONS if not c.is_landed]) == 0
     for entry in COMPOSITIONS:
         if entry.serial is not None:
@@ -333,7 +334,15 @@ def test_the_implementations_import_from_the_repository_root() -> None:
 
 # -- both implementations against the table ----------------------------------------------
 
-_EXAMPLE = {"max_size": 8, "group_size": 32, "bits": 4, "start": 3, "k_bits": 4, "v_bits": 2}
+_EXAMPLE = {
+    "max_size": 8,
+    "keep": 0,
+    "group_size": 32,
+    "bits": 4,
+    "start": 3,
+    "k_bits": 4,
+    "v_bits": 2,
+}
 
 
 def _instance(impl: ModuleType, name: str) -> Any:

@@ -222,6 +222,8 @@ FAMILY_LAYOUTS = [
     ("delayed-turbo", "DelayedTurboQuantKVCache"),
     ("paged", "PagedKvRows"),
     ("paged-affine", "PagedKvRows"),
+    ("paged-rotating", "PagedRotatingRows"),
+    ("paged-rotating-affine", "PagedRotatingRows"),
 ]
 
 
@@ -301,6 +303,9 @@ def test_machines_are_composed_from_the_hook_rows(monkeypatch: pytest.MonkeyPatc
         fam = FAMILIES[family]
         load = fam.layout(layout).machine or fam.machine
         assert load is not None and load().__mro__[1] is ConformanceMachine
+    # The paged placement over the ring geometry: the placement's rules, then the ring's.
+    paged_ring = [RingRoundRules, RoundRules, PagedRules, RingRules, KvRules]
+    assert rules("paged-rotating-affine", "PagedRotatingRows") == paged_ring
     spec = FAMILIES["speculative"]
     assert spec.layout("SpeculativeRotatingKVCache").machine is (
         spec.layout("SpeculativeRotatingAffineLayout").machine
