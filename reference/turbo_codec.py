@@ -9,9 +9,10 @@ codec computes the same bits on the CPU.
 Functions take ``[..., D]`` arrays (D in ``TURBO_HEAD_DIMS``); codes and scales come back
 with the leading axes unchanged.
 
-The value codebooks are derived here from their definition (:func:`lloyd_max`), not read
-from ``kvrows.turbo_tables``, which the MLX codec reads: a wrong entry in that shared table
-then makes the two implementations disagree instead of agreeing with itself (issue 24).
+The sign vectors and the value codebooks are derived here from their definitions
+(:func:`sign_bits`, :func:`lloyd_max`), not read from ``kvrows.turbo_tables``, which the MLX
+codec reads: a wrong entry in that shared table then makes the two implementations
+disagree instead of agreeing with itself (issue 24).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from kvrows.errors import (
     turbo_scalar_input_message,
 )
 from kvrows.schemes import TURBO_KEY_BITS, TURBO_VALUE_BITS
-from kvrows.turbo_tables import SIGN_BITS
 
 __all__ = [
     "decode_keys",
@@ -43,6 +43,7 @@ __all__ = [
     "lloyd_max",
     "pack_codes",
     "rotated_values",
+    "sign_bits",
     "signs",
     "unpack_codes",
     "unrotate",
@@ -62,12 +63,53 @@ HALF_OVERFLOW = np.float32(65520)
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
 
+#: The sign vectors' seed (spec §3: ``mx.random.key(42)``).
+SIGN_SEED = 42
+#: Threefry-2x32's rotation distances (20 rounds, 8 distances in turn) and its key-schedule
+#: parity constant (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011).
+_ROTATIONS = (13, 15, 26, 6, 17, 29, 16, 24)
+_PARITY = np.uint32(0x1BD11BDA)
+
+
+def _threefry(key: tuple[int, int], first: Array, second: Array) -> tuple[Array, Array]:
+    """Threefry-2x32 (20 rounds) of the uint32 counter pairs ``(first, second)``."""
+    u32 = np.uint32
+    schedule = (u32(key[0]), u32(key[1]), _PARITY ^ u32(key[0]) ^ u32(key[1]))
+    with np.errstate(over="ignore"):  # uint32 arithmetic wraps, as it must
+        x0, x1 = first + schedule[0], second + schedule[1]
+        for done in range(20):
+            turn = u32(_ROTATIONS[done % 8])
+            x0 = x0 + x1
+            x1 = ((x1 << turn) | (x1 >> (u32(32) - turn))) ^ x0
+            if done % 4 == 3:  # a key injection after every 4 rounds
+                s = (done + 1) // 4
+                x0 = x0 + schedule[s % 3]
+                x1 = x1 + schedule[(s + 1) % 3] + u32(s)
+    return x0, x1
+
+
+def sign_bits(dim: int) -> Array:
+    """``mx.random.randint(0, 2, (dim,), key=mx.random.key(42))`` as MLX 0.32 computes it
+    (spec §3), in NumPy: ``dim`` random uint32 words of the key ``(0, 42)`` (words ``i`` and
+    ``dim/2 + i`` are the Threefry-2x32 hash of the counters ``(i, dim/2 + i)``), each a
+    float32 uniform ``min(word / (2^32 - 1), 1 - 2^-24)``, times 2, floored: 0 or 1."""
+    half = dim // 2
+    counters = np.arange(half, dtype=np.uint32)
+    words = np.concatenate(
+        _threefry((SIGN_SEED >> 32, SIGN_SEED & 0xFFFFFFFF), counters, counters + np.uint32(half))
+    )
+    uniform = np.minimum(
+        words.astype(np.float32) / np.float32(2**32 - 1), np.nextafter(np.float32(1), np.float32(0))
+    )
+    out: Array = np.floor(uniform * np.float32(2)).astype(np.uint8)
+    return out
+
+
 @cache
 def signs(dim: int) -> Array:
-    """The fixed sign vector of head dim ``dim`` (float32 ±1)."""
+    """The fixed sign vector of head dim ``dim`` (float32 ±1: bit 1 -> +1, 0 -> -1)."""
     check_turbo_dim(dim)
-    bits = np.array([int(c) for c in SIGN_BITS[dim]], dtype=np.float32)
-    out: Array = bits * np.float32(2) - np.float32(1)
+    out: Array = sign_bits(dim).astype(np.float32) * np.float32(2) - np.float32(1)
     out.setflags(write=False)
     return out
 

@@ -1,19 +1,23 @@
 """The TurboQuant oracle does not agree with itself (issue 24, "an oracle never calls the
 code under test").
 
-The MLX codec reads its value codebooks from the shared table ``kvrows.turbo_tables``; the
-NumPy reference derives its own from the definition (``reference.turbo_codec.lloyd_max``).
-Three checks hold the codebook to what the spec and the paper say, none of them twin
-against twin:
+The MLX codec reads its sign vectors and value codebooks from the shared table
+``kvrows.turbo_tables``; the NumPy reference derives its own from their definitions
+(``reference.turbo_codec.sign_bits``: MLX 0.32's ``randint`` restated over Threefry-2x32;
+``reference.turbo_codec.lloyd_max``). Checks that hold them to what the spec and the paper
+say, none of them twin against twin:
 
-* the shared table is the reference's derivation, bit for bit, and that derivation meets
+* the shared sign table is the reference's derivation (which ``tests/test_turbo_codec.py``
+  holds to the installed MLX's ``randint``);
+* the shared codebooks are the reference's derivation, bit for bit, and that derivation meets
   the Lloyd-Max conditions and the published Gaussian Lloyd-Max values (Max 1960, which
   the TurboQuant paper's MSE table quotes);
 * the codec's accuracy: quantize -> dequantize of random unit vectors, in both
   implementations, has the mean squared error the paper gives per bit width;
-* a planted bug in the shared table is caught by these checks and by the turbo family's
-  machine (the reference no longer reads that table), while a reference that read the
-  table, as it used to, would agree with the bug bit for bit.
+* a planted bug in the shared table (a codebook entry, a sign) is caught by these checks
+  and by the twin comparison the turbo family's machine makes (the reference no longer
+  reads that table), while a reference that read the table, as it used to, would agree
+  with the bug bit for bit.
 
 ``spec/tolerances.md`` §5 states the bounds and where each number comes from.
 """
@@ -38,13 +42,25 @@ from kvrows.optimized import turbo_codec as opt
 from kvrows.optimized.classes import BatchedTurboQuantKVCache
 from kvrows.reference import turbo_codec as ref
 from kvrows.schemes import TURBO_VALUE_BITS
-from kvrows.turbo_tables import BOUNDARIES, CENTROIDS
+from kvrows.turbo_tables import BOUNDARIES, CENTROIDS, SIGN_BITS
 
 pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 Array = npt.NDArray[Any]
 
-# -- the codebook against its definition ----------------------------------------------------
+# -- the tables against their definitions --------------------------------------------------
+
+
+def signs_are_the_definition(dim: int) -> bool:
+    """Whether the shared sign table of head dim ``dim`` is the reference's derivation."""
+    return "".join(str(int(b)) for b in ref.sign_bits(dim)) == SIGN_BITS[dim]
+
+
+@pytest.mark.parametrize("dim", TURBO_HEAD_DIMS)
+def test_the_shared_sign_table_is_the_reference_derivation(dim: int) -> None:
+    assert signs_are_the_definition(dim)
+    assert np.array_equal(ref.signs(dim), np.array(opt.signs(dim)))
+
 
 #: Max (1960), "Quantizing for minimum distortion": the Gaussian Lloyd-Max output levels
 #: (positive half, as printed to 4 decimals) and mean squared errors of a unit normal, as
@@ -208,10 +224,11 @@ def scale_one(table: tuple[float, ...]) -> tuple[float, ...]:
 
 @pytest.fixture
 def fresh_codebooks() -> Iterator[None]:
-    """The MLX codec's cached codebooks rebuilt from the table after the test (which
-    clears them once it has patched the table)."""
+    """The MLX codec's cached codebooks and signs rebuilt from the table after the test
+    (which clears them once it has patched the table)."""
     yield
     opt.codebook.cache_clear()
+    opt.signs.cache_clear()
 
 
 class UnmutatedTurboLayout(BatchedTurboQuantKVCache):
@@ -277,3 +294,29 @@ def test_a_planted_table_bug_is_caught_and_twins_sharing_the_table_would_not(
     # definition, not to the paper's MSE alone.
     assert within_the_paper(optimized_round_trip, x, BITS) is not distorts
     assert within_the_paper(reference_round_trip, x, BITS)
+
+
+@pytest.mark.usefixtures("fresh_codebooks")
+def test_a_planted_sign_bug_is_caught_and_twins_sharing_the_table_would_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dim = 64
+    flipped = "10"[int(SIGN_BITS[dim][0])] + SIGN_BITS[dim][1:]  # the first sign flipped
+    monkeypatch.setitem(SIGN_BITS, dim, flipped)
+    opt.signs.cache_clear()
+    x = unit_vectors(6, dim)[:8]
+    planted = [np.array(p) for p in opt.encode_values(mx.array(x), BITS)]
+
+    def shared(dim: int) -> Array:
+        return np.array([1.0 if c == "1" else -1.0 for c in SIGN_BITS[dim]], dtype=np.float32)
+
+    with monkeypatch.context() as sharing:
+        sharing.setattr(ref, "signs", shared)
+        same = ref.encode_values(x, BITS)
+        assert all(np.array_equal(a, b) for a, b in zip(same, planted, strict=True))
+    # A wrong sign still round-trips (the MSE band cannot see it: any fixed signs make a
+    # correct codec), but the stored codes are not the format's: the table check and the
+    # exact comparison of stored planes (the machines' kv.stored) catch it.
+    assert within_the_paper(optimized_round_trip, unit_vectors(6, dim), BITS)
+    assert not signs_are_the_definition(dim)
+    assert not np.array_equal(ref.encode_values(x, BITS)[0], planted[0])
