@@ -223,7 +223,7 @@ def scale_one(table: tuple[float, ...]) -> tuple[float, ...]:
 
 
 @pytest.fixture
-def fresh_codebooks() -> Iterator[None]:
+def fresh_tables() -> Iterator[None]:
     """The MLX codec's cached codebooks and signs rebuilt from the table after the test
     (which clears them once it has patched the table)."""
     yield
@@ -258,7 +258,7 @@ PLANTED = [
 BITS = 3
 
 
-@pytest.mark.usefixtures("fresh_codebooks")
+@pytest.mark.usefixtures("fresh_tables")
 @pytest.mark.parametrize(("plant", "distorts"), PLANTED)
 def test_a_planted_table_bug_is_caught_and_twins_sharing_the_table_would_not(
     monkeypatch: pytest.MonkeyPatch,
@@ -305,7 +305,7 @@ def test_a_planted_table_bug_is_caught_and_twins_sharing_the_table_would_not(
     assert within_the_paper(reference_round_trip, x, BITS)
 
 
-@pytest.mark.usefixtures("fresh_codebooks")
+@pytest.mark.usefixtures("fresh_tables")
 def test_a_planted_sign_bug_is_caught_and_twins_sharing_the_table_would_not(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
