@@ -385,6 +385,14 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         every column may (a geometry that reads no column outside its rows' tokens)."""
         return None
 
+    @property
+    def _masked_read_zeros(self) -> bool:
+        """Whether the columns a read masks must hold the codec's zeros (contract §0.5: a
+        delayed layout's, whose saved form keeps only the rows' tokens, so a load lays
+        zeros there); elsewhere they are unspecified (contract §3) and a trim or a join
+        pays no clearing."""
+        return "delayed" in self.composition.modifiers
+
     def _clear_rows(self, first: Sequence[int], counts: Sequence[int]) -> None:
         """Row ``b``'s columns ``[first[b], first[b] + counts[b])`` in its store read zeros
         (every codec's ``zeros``) again, in place: one scatter per plane of each store."""

@@ -246,7 +246,7 @@ def _read_planes(impl: Any, layout: Delayed, seed: int, tokens: int = 1) -> list
 
     def planes(read: Any) -> list[bytes]:
         sides = [p for side in read for p in (side if isinstance(side, tuple) else (side,))]
-        return [_numpy(p).tobytes() for p in sides]
+        return [as_numpy(p).tobytes() for p in sides]
 
     with row_reads():
         got = layout.update_and_fetch(keys, values)

@@ -204,7 +204,7 @@ class GrowingGeometry(Storage):
                 self._planes = store.planes
             assert self._planes is not None
             end = self._origin + target
-            if fits:  # a spare slot may hold a copy of a row: the new row's pads read zeros
+            if fits and self._masked_read_zeros:  # a spare slot may hold a copy of a row
                 for plane in arrays(self._planes):
                     plane[batch:joined] = 0
             for slot, ((held, _), count) in enumerate(
@@ -251,7 +251,7 @@ class GrowingGeometry(Storage):
                     if store.planes is None:  # a stage joining: a store at the same columns
                         count = spare_slots(need[s])
                         store.planes = self._zeros(count, capacity, geometry, store.codec)
-                    elif need[s] > len(store.rows):
+                    elif need[s] > len(store.rows) and self._masked_read_zeros:
                         # A spare slot may hold a copy of a row: the new rows' pads read zeros.
                         for plane in arrays(store.planes):
                             plane[len(store.rows) : need[s]] = 0
@@ -387,7 +387,7 @@ class GrowingGeometry(Storage):
             # The rows keep their columns; the offsets move afterwards. A ragged row's
             # forgotten columns stay in the read (before a longer row's end): they read
             # zeros, as a load lays them (contract §0.5).
-            if self.composition.arrangement == "ragged":
+            if self.composition.arrangement == "ragged" and self._masked_read_zeros:
                 ends = [
                     self._origin + p + t for p, t in zip(self._pads, self._offsets, strict=True)
                 ]

@@ -927,7 +927,8 @@ class RaggedRing(RingGeometry):
     def _forget(self, counts: Sequence[int], *, justify: bool = False) -> None:
         # The forgotten columns stay in the read (before a longer row's end): they read
         # zeros, as a load lays them (contract §0.5).
-        self._clear_rows([r - c for r, c in zip(self._retained, counts, strict=True)], counts)
+        if self._masked_read_zeros:
+            self._clear_rows([r - c for r, c in zip(self._retained, counts, strict=True)], counts)
         self._retained = [r - c for r, c in zip(self._retained, counts, strict=True)]
 
     def _check_geometry(self) -> None:
