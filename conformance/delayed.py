@@ -13,13 +13,13 @@ docstring says what it drives.
 :class:`~kvrows.conformance.machines.ConformanceMachine` (the only storage root,
 ``spec/contract.md`` §0.11): its geometry is the base ``Geometry`` plus the rows'
 ``start``, its requests and layouts are the base model's ``Track`` (the tokens appended,
-minus the trims, their history, the stage ``converted_at``) and ``Slot`` (plus the
-position record), and the base machine compares its errors, snapshots its objects,
+minus the trims, their history, the stage ``converted_at``, what the pool holds and the
+solo legos) and ``Slot`` (with the position record ``pads``), and the base machine compares its errors, snapshots its objects,
 measures its tolerances and records its stats, through hooks (``_message``,
-``_snapshot``). The base rules that drive one serial class per family do not run here
-(``rules_off``): a delayed row changes codec at its conversion, a mixed layout
-refuses ``fetch()`` and answers appends with pending pairs, and its serial counterpart
-is a lego (two storages in turn), so the rules below replace them.
+``_snapshot``). The K/V writer's rules (``machines.KvRules``, one serial class per
+family) are not composed here: a delayed row changes codec at its conversion, a mixed
+layout refuses ``fetch()`` and answers appends with pending pairs, and its serial
+counterpart is a lego (two storages in turn), so the rules below drive it.
 
 **The conversion rule** is the model's own, restated from ``spec/bf16-first.md`` (a
 plain row holding ``offset`` tokens after a boundary converts when ``offset >= start``
@@ -42,7 +42,7 @@ import importlib
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal, cast
 
@@ -67,7 +67,6 @@ from kvrows.conformance.machines import (
     planes_of,
     publish_counts,
     raised,
-    rules_off,
     take_columns,
     view_planes,
 )
@@ -93,8 +92,6 @@ __all__ = [
     "DELAYED_TURBO_CHECKS",
     "DelayedGeometry",
     "DelayedMachine",
-    "DelayedSlot",
-    "DelayedTrack",
 ]
 
 Array = npt.NDArray[Any]
@@ -215,48 +212,8 @@ def delayed_geometries(draw: st.DrawFn, ring: bool, turbo: bool = False) -> Dela
     )  # fmt: skip
 
 
-@dataclass
-class DelayedTrack(Track):
-    """One request in the base model (its tokens, their history, its stage
-    ``converted_at``: the offset at which its solo lego converted, 0 with start 0). In
-    the pool ``ref``/``opt`` are what the pool holds (a lego or a serial storage) and
-    ``solo_ref``/``solo_opt`` its solo replay legos (a storage's are built at its merge,
-    from its history); inside a layout ``ref``/``opt`` are the solo legos too."""
-
-    #: What the pool holds: ``"lego"``, or a serial storage of the lego's ``"exact"`` stage
-    #: or of its ``"converted"`` one (affine, TurboQuant).
-    holds: Holds = "lego"
-    solo_ref: Any = None
-    solo_opt: Any = None
-    #: A row that left a layout (it goes on taking chunks as a solo lego).
-    extracted: bool = False
-
-
-@dataclass
-class DelayedSlot(Slot):
-    """One delayed layout in both implementations, its rows and its position record
-    (``pads``: each row's left padding, full attention)."""
-
-    rows: list[DelayedTrack]  # type: ignore[assignment]
-    pads: list[int] = field(default_factory=list)
-
-
-@rules_off(
-    "decode_step",
-    "multi_step",
-    "prefill_chunk",
-    "trim_request",
-    "merge_layout",
-    "filter_layout",
-    "publish",
-    "trim",
-)
 class DelayedMachine(ConformanceMachine):
     """The delayed layouts, both implementations, solo legos (see the module docstring)."""
-
-    #: The base model's requests and layouts, as this machine's subclasses of them.
-    pool: list[DelayedTrack]  # type: ignore[assignment]
-    slots: list[DelayedSlot]  # type: ignore[assignment]
 
     def __init__(self) -> None:
         super().__init__()
@@ -316,14 +273,12 @@ class DelayedMachine(ConformanceMachine):
         hold them)."""
         return (block,)
 
-    def _new_request(self, kind: Holds) -> DelayedTrack:
+    def _new_request(self, kind: Holds) -> Track:
         g = self.g
         empty = np.zeros((1, g.heads, 0, g.dim), NUMPY_DTYPES[g.dtype])
-        return DelayedTrack(next(self._ids), None, None, None, (empty,), (empty,), holds=kind)
+        return Track(next(self._ids), None, None, None, (empty,), (empty,), holds=kind)
 
-    def _record_rows(
-        self, slot: DelayedSlot, keys: Array, values: Array, counts: list[int]
-    ) -> None:
+    def _record_rows(self, slot: Slot, keys: Array, values: Array, counts: list[int]) -> None:
         """The model: row ``b`` took the first ``counts[b]`` tokens of the block."""
         for b, (track, n) in enumerate(zip(slot.rows, counts, strict=True)):
             self._record_append(track, keys[b : b + 1, :, :n], values[b : b + 1, :, :n])
@@ -413,13 +368,13 @@ class DelayedMachine(ConformanceMachine):
         return view_planes(impl, held)
 
     # -- the model ----------------------------------------------------------------------------
-    def _due(self, track: DelayedTrack) -> bool:
+    def _due(self, track: Track) -> bool:
         return track.converted_at is None and self.g.converts(track.tokens)
 
-    def _mark_converted(self, track: DelayedTrack) -> None:
+    def _mark_converted(self, track: Track) -> None:
         track.converted_at = track.tokens if self.g.start > 0 else 0
 
-    def _expected(self, slot: DelayedSlot) -> tuple[Any, ...]:
+    def _expected(self, slot: Slot) -> tuple[Any, ...]:
         """What the model says a layout reports."""
         g = self.g
         converted = [t.converted_at for t in slot.rows]
@@ -488,7 +443,7 @@ class DelayedMachine(ConformanceMachine):
         return text
 
     def _bad_call(
-        self, slot: DelayedSlot, label: str, call: Callable[[Impl, Any], object],
+        self, slot: Slot, label: str, call: Callable[[Impl, Any], object],
         expected: type[KvRowsError] | None,
     ) -> None:  # fmt: skip
         """``call`` on the layout in both implementations: the same error (the base
@@ -534,7 +489,7 @@ class DelayedMachine(ConformanceMachine):
         self.pool.append(track)
 
     def _pool_chunk(
-        self, track: DelayedTrack, data: st.DataObject, rng: np.random.Generator, most: int
+        self, track: Track, data: st.DataObject, rng: np.random.Generator, most: int
     ) -> None:
         """One chunk appended to a pool request (and its solo legos)."""
         g = self.g
@@ -583,7 +538,7 @@ class DelayedMachine(ConformanceMachine):
         self._pool_chunk(track, data, self._rng(data), 8)
         self._check_pool_lego(track)
 
-    def _solo_for(self, track: DelayedTrack) -> None:
+    def _solo_for(self, track: Track) -> None:
         """A storage's solo legos, built at its merge: a lego fed its chunks (plain, not
         due), or a lego over a converted storage fed its chunks (converted, or plain past
         ``start``: the layout converts it at the merge)."""
@@ -623,9 +578,9 @@ class DelayedMachine(ConformanceMachine):
             self._mark_converted(track)
 
     # ------------------------------------------------------------------ merges
-    def _new_layout(self) -> DelayedSlot:
+    def _new_layout(self) -> Slot:
         ident = next(self._ids)
-        slot = DelayedSlot(ident, self._layout(self.ref_impl), self._layout(self.opt_impl), [])
+        slot = Slot(ident, self._layout(self.ref_impl), self._layout(self.opt_impl), [])
         self.slots.append(slot)
         return slot
 
@@ -688,7 +643,7 @@ class DelayedMachine(ConformanceMachine):
             self.stats.check("merge into mixed rows")
         self._check_layout(slot)
 
-    def _merge_pads(self, slot: DelayedSlot, offsets: list[int]) -> None:
+    def _merge_pads(self, slot: Slot, offsets: list[int]) -> None:
         """The ragged rule: every row right-aligned at the widest end."""
         if self.ring:
             return
@@ -720,7 +675,7 @@ class DelayedMachine(ConformanceMachine):
 
     def _layout_append(
         self,
-        slot: DelayedSlot,
+        slot: Slot,
         n: int,
         rng: np.random.Generator,
         inside: bool,
@@ -816,7 +771,7 @@ class DelayedMachine(ConformanceMachine):
             self.stats.check("Impl.attend of plain and packed reads")
         return out
 
-    def _record_mask(self, what: str, slot: DelayedSlot, mask: Any, n: int) -> None:
+    def _record_mask(self, what: str, slot: Slot, mask: Any, n: int) -> None:
         """Mixed full-attention rows: the mask (for the model's other layers) is the
         position record's: row ``b``'s token ``j`` at column ``left_pad[b] + j``, and query
         ``i`` sees the row's columns up to its own position."""
@@ -873,7 +828,7 @@ class DelayedMachine(ConformanceMachine):
 
     def _solo(
         self,
-        slot: DelayedSlot,
+        slot: Slot,
         keys: Array,
         values: Array,
         queries: Array,
@@ -972,7 +927,7 @@ class DelayedMachine(ConformanceMachine):
         if self._read_phase == "mixed":
             self.stats.check("deferred vs eager of a mixed read")
 
-    def _advance(self, slot: DelayedSlot, before: list[int | None]) -> None:
+    def _advance(self, slot: Slot, before: list[int | None]) -> None:
         """After a boundary (the model's due rows converted: their solo legos say so),
         the layout against the model."""
         fresh = [
@@ -1098,7 +1053,7 @@ class DelayedMachine(ConformanceMachine):
             self.stats.check("conversion at a round boundary")
         self._advance(slot, before)
 
-    def _misuse(self, slot: DelayedSlot, data: st.DataObject) -> None:
+    def _misuse(self, slot: Slot, data: st.DataObject) -> None:
         rows = len(slot.rows)
         cases: list[tuple[str, Callable[[Impl, Any], object]]] = [
             ("merge_rows in a round", lambda impl, lay: lay.merge_rows([self._lego(impl)])),
@@ -1136,7 +1091,7 @@ class DelayedMachine(ConformanceMachine):
         self._filter_model(slot, keep)
         self._check_layout(slot)
 
-    def _filter_model(self, slot: DelayedSlot, keep: list[int]) -> None:
+    def _filter_model(self, slot: Slot, keep: list[int]) -> None:
         slot.rows = [slot.rows[b] for b in keep]
         if not self.ring:
             pads = [slot.pads[b] for b in keep]
@@ -1178,7 +1133,7 @@ class DelayedMachine(ConformanceMachine):
             self._pool_chunk(moved, data, self._rng(data), 8)
             self._check_pool_lego(moved)
 
-    def _publish(self, slot: DelayedSlot, b: int) -> None:
+    def _publish(self, slot: Slot, b: int) -> None:
         """``table.publish_row``: the row (as ``extract_row`` gives it) when it covers
         ``tokens``, else ``None``. The row's solo lego says what it covers: all its tokens,
         or a shorter prefix while it can still be trimmed (a ring row: before it wraps).
@@ -1230,7 +1185,7 @@ class DelayedMachine(ConformanceMachine):
             self._same_planes("kv.solo", label, mine, want)
         self.stats.check("published prefix")
 
-    def _check_extracted(self, what: str, got: list[Any], track: DelayedTrack) -> None:
+    def _check_extracted(self, what: str, got: list[Any], track: Track) -> None:
         """An extracted row equals its solo lego: bytes, offset, codec phase, conversion."""
         legos = [isinstance(x, Handover) for x in got]
         self._exact(f"{what}: legos (reference, optimized)", legos[1], legos[0])
@@ -1294,7 +1249,7 @@ class DelayedMachine(ConformanceMachine):
         self._op("invalid")
         self._bad_call(slot, label, call, expected)
 
-    def _bad_calls(self, slot: DelayedSlot) -> list[BadCall]:
+    def _bad_calls(self, slot: Slot) -> list[BadCall]:
         g = self.g
         rows = len(slot.rows)
         rng = np.random.default_rng(7)
@@ -1464,7 +1419,7 @@ class DelayedMachine(ConformanceMachine):
         for track in self.pool:
             self._check_pool_lego(track)
 
-    def _check_pool_lego(self, track: DelayedTrack) -> None:
+    def _check_pool_lego(self, track: Track) -> None:
         """A pool lego against its solo lego (offset, phase) in both implementations."""
         if track.holds != "lego":
             return
@@ -1475,7 +1430,7 @@ class DelayedMachine(ConformanceMachine):
                 (track.tokens, track.converted_at is not None),
             )
 
-    def _check_layout(self, slot: DelayedSlot, *, rows: bool = False, solos: bool = True) -> None:
+    def _check_layout(self, slot: Slot, *, rows: bool = False, solos: bool = True) -> None:
         """Reference vs optimized vs the model; ``rows``: every row's bytes vs its lego;
         ``solos``: the solo legos converted where the layout did (not between a prefill
         chunk and its commit)."""

@@ -396,7 +396,7 @@ class _Axes:
 def _axes(codec: str, storage: Composition) -> _Axes:
     """The machines of ``codec`` on ``storage``'s geometry and placement: the rules its
     rows name, composed (the geometry's round rules, the speculative modifier's, the
-    writer's, the placement's or geometry's, the codec's)."""
+    placement's or geometry's, the codec's, the writer's)."""
     spec = CODECS.get(codec)  # the codec registry resolves kinds; the hook rows are by spec
     codec_hooks = None if spec is None else CODEC_HOOKS.get(spec)
     geometry, placement = storage.geometry, storage.placement
@@ -417,16 +417,16 @@ def _axes(codec: str, storage: Composition) -> _Axes:
     rules = tuple(
         r
         for r in (
-            writer.rules,
             geometry_hooks.rules,
             None if under is None else under.rules,
             codec_hooks.rules if codec_rules else None,
+            writer.rules,
         )
         if r is not None
     )
     where = geometry_hooks.rounds if geometry_hooks.rules is not None else codec_hooks.rounds
-    if writer.rules is not None:  # a writer of other tensors than K/V: rounds of its own
-        where = "own"
+    if writer.rounds is not None:  # a writer of other tensors than K/V: rounds of its own
+        where = writer.rounds
     speculative = MODIFIER_RULES["speculative"].rules
     round_rules = geometry_hooks.round_rules or (None if under is None else under.round_rules)
     with_rounds = compose(*(r for r in (round_rules, speculative) if r is not None), *rules)

@@ -16,8 +16,8 @@ and these tables, one row per value of an axis (spec/contract.md §0.11):
   contiguous buffers (a pool's invariants and byte limits), which stands first: its
   rules, rounds, family, peer and the codecs a storage of ``any`` codec is driven with
   (contract §0.4: paging is a placement, under any geometry with a token axis);
-* :data:`WRITERS` ``[tensors]``: how a block is written (KV ``update_and_fetch``, the
-  latent's three tensors, recurrent planes: the rules of a writer other than K/V), and so
+* :data:`WRITERS` ``[tensors]``: how a block is written (the writer's rules: K/V
+  ``update_and_fetch``, the latent's three tensors, recurrent planes), and so
   what the table's arrangement and parity columns mean for the machine's layout flags
   and mlx-lm twins;
 * :data:`MODIFIER_RULES` ``[modifier]``: the rules a modifier composes onto the machine
@@ -25,8 +25,8 @@ and these tables, one row per value of an axis (spec/contract.md §0.11):
   its families are named.
 
 A machine is never written per family: :func:`compose` builds it from the rule mixins
-the rows name (round rules of the geometry, the modifier's, the writer's, the
-geometry's, the codec's, over ``machines.ConformanceMachine``), and
+the rows name (round rules of the geometry, the modifier's, the geometry's, the
+codec's, the writer's, over ``machines.ConformanceMachine``), and
 ``machines.machine_class`` gives it the layout's :class:`Draw`. A new codec or geometry
 (an MX codec, a chunked geometry) gets its conformance family by a row here. Rules are
 named by :func:`load` (lazily: the rule modules import ``machines``, which imports
@@ -296,12 +296,13 @@ class WriterHooks:
     every storage but the ``unmirrored`` ones; ``siblings``:
     whether a layout merges the rows of its storage's other layouts (else the family's);
     ``peer``: mlx-lm's cache of these tensors (:data:`DEFER`: the geometry's or codec's);
-    ``rules``: the rules that write blocks other than K/V (the latent's three tensors,
-    recurrent planes), first in the composition: they replace the base machine's K/V
-    rules and run verify rounds of their own.
+    ``rules``: the rules that write blocks (``machines.KvRules``: ``update_and_fetch``;
+    the latent's three tensors; recurrent planes), last in the composition, over the
+    root; ``rounds``: where their verify rounds run (``own``: in the writer's rules).
     """
 
-    rules: Loader | None = None
+    rules: Loader
+    rounds: Rounds | None = None
     shared_column: bool | None = None
     trim_rows: bool | None = None
     parity_from_table: bool = True
@@ -404,11 +405,12 @@ PLACEMENT_HOOKS: Mapping[str, GeometryHooks] = MappingProxyType(
 
 WRITERS: Mapping[str, WriterHooks] = MappingProxyType(
     {
-        "kv": WriterHooks(),
+        "kv": WriterHooks(rules=load("machines", "KvRules")),
         # Three tensors on one token axis, every layout rolled back by row; mlx-lm's
         # KVCache pairs twin a latent held plain (mlx-lm has no encoded latent cache).
         "latent": WriterHooks(
             rules=load("latent", "LatentMachine"),
+            rounds="own",
             shared_column=True,
             trim_rows=True,
             parity_from_table=False,
@@ -420,6 +422,7 @@ WRITERS: Mapping[str, WriterHooks] = MappingProxyType(
         # mlx-lm's ArraysCache twins every row (the machine makes it).
         "recurrent": WriterHooks(
             rules=load("recurrent", "RecurrentMachine"),
+            rounds="own",
             shared_column=False,
             trim_rows=False,
             parity_from_table=False,

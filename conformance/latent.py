@@ -7,9 +7,9 @@ encoded variant) reads that depend on each row's bf16-first boundary. The base m
 rules drive ``[B, H, N, D]`` key/value storages; these rules (the latent writer's,
 ``hooks.WRITERS["latent"].rules``) drive latent caches with the same oracles and the same
 runner interface (``machines.machine_class`` builds it from the family, ``kvrows conform
---family latent`` runs it). It subclasses the base
-machine, turns off the base rules it replaces (``machines.rules_off``) and reuses its ids,
-counters, world model (``machines.Request``) and bad-input check:
+--family latent`` runs it). They are composed over the root machine (in place of the K/V
+writer's ``machines.KvRules``) and reuse its ids, counters, world model
+(``machines.Request``) and bad-input check:
 
 * **reference vs optimized**: after every operation both hold the same rows (offsets,
   padding, converted flags) and return the same reads; stored codec planes bit-exact;
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import hypothesis.strategies as st
@@ -40,7 +40,7 @@ from hypothesis.stateful import initialize, precondition, rule
 from kvrows.conformance.arrays import NUMPY_DTYPES, from_mlx, to_mlx
 from kvrows.conformance.families import Impl
 from kvrows.conformance.hooks import lm_cache
-from kvrows.conformance.machines import ConformanceMachine, Request, rules_off
+from kvrows.conformance.machines import ConformanceMachine, Layout, Request
 from kvrows.schemes import Affine, Turbo
 
 __all__ = ["LATENT_CHECKS", "LatentMachine"]
@@ -69,16 +69,7 @@ class _Config:
     start: int
 
 
-@dataclass
-class _Layout:
-    ref: Any
-    opt: Any
-    solos: list[Any] = field(default_factory=list)  # one reference 1-row cache per row
-    lm: tuple[Any, Any] | None = None  # BatchKVCache pair
-
-
 # every rule checks what it touched: no invariant
-@rules_off("trim_request", "merge_layout", "multi_step", "publish", "trim_rows", "check_oracles")
 class LatentMachine(ConformanceMachine):
     """Conformance of a latent cache class (both implementations, solo, mlx-lm)."""
 
@@ -86,7 +77,9 @@ class LatentMachine(ConformanceMachine):
         super().__init__()
         self.cfg: _Config | None = None
         self.requests: list[Request] = []
-        self.layout: _Layout | None = None
+        #: The running layout: its rows' ``ref`` are their solo replays (reference one-row
+        #: caches), its ``lm`` mlx-lm's ``BatchKVCache`` pair.
+        self.layout: Layout | None = None
         self._noise = np.random.default_rng(0)
         self._invalid_left = 2
 
@@ -210,13 +203,15 @@ class LatentMachine(ConformanceMachine):
                 label="rows",
             )
         before = [self._observed(self.ref_impl, r.ref) for r in chosen]
-        layout = _Layout(chosen[0].ref.make_empty_batch(), chosen[0].opt.make_empty_batch())
+        layout = Layout(
+            next(self._ids), chosen[0].ref.make_empty_batch(), chosen[0].opt.make_empty_batch()
+        )
         layout.ref.merge_rows([r.ref for r in chosen])
         layout.opt.merge_rows([r.opt for r in chosen])
         for request, snap in zip(chosen, before, strict=True):
             self._exact("merge source unchanged", self._observed(self.ref_impl, request.ref), snap)
-        layout.solos = [self._solo_of(r) for r in chosen]
         twins = [r.lm for r in chosen]
+        self._into_rows(layout, chosen)
         if all(t is not None and t[0].offset > 0 for t in twins):
             batch: Any = lm_cache().BatchKVCache
             layout.lm = (
@@ -247,18 +242,26 @@ class LatentMachine(ConformanceMachine):
         layout.opt.merge_rows([r.opt for r in chosen])
         for request, snap in zip(chosen, before, strict=True):
             self._exact("join source unchanged", self._observed(self.ref_impl, request.ref), snap)
-        layout.solos += [self._solo_of(r) for r in chosen]
+        self._into_rows(layout, chosen)
         for request in chosen:
             self.requests.remove(request)
         if layout.lm is not None:
             self._rebuild_lm(layout)
         self._check_layout()
 
+    def _into_rows(self, layout: Layout, requests: list[Request]) -> None:
+        """The merged requests become the layout's rows, each row's ``ref`` its solo
+        replay (:meth:`_solo_of`)."""
+        layout.rows += [Request(r.ident, self._solo_of(r), None) for r in requests]
+
     def _solo_of(self, request: Request) -> Any:
         """A reference one-row cache holding what the request holds (its own copy)."""
         if request.ref.batch_size == 0:
             return self._new_latent(self.ref_impl)
         return request.ref.extract_row(0)
+
+    def _solos(self, layout: Layout) -> list[Any]:
+        return [row.ref for row in layout.rows]
 
     def _step_layout(self, n: int, round_keep: list[int] | None) -> None:
         layout = self.layout
@@ -274,7 +277,7 @@ class LatentMachine(ConformanceMachine):
             [(self.ref_impl, layout.ref), (self.opt_impl, layout.opt)], blocks
         )
         self._same_read("layout append read", got_ref, got_opt, layout.ref.left_pad)
-        for b, solo in enumerate(layout.solos):
+        for b, solo in enumerate(self._solos(layout)):
             row = tuple(None if x is None else x[b : b + 1] for x in blocks)
             self._append_all([(self.ref_impl, solo)], row)  # type: ignore[arg-type]
         self._lm_append(layout.lm, blocks)
@@ -288,18 +291,18 @@ class LatentMachine(ConformanceMachine):
         layout.ref.spec_round_rollback(round_keep)
         layout.opt.spec_round_rollback(round_keep)
         self.stats.op("round:unequal" if len(set(round_keep)) > 1 else "round:equal")
-        for solo, keep in zip(layout.solos, round_keep, strict=True):
+        for solo, keep in zip(self._solos(layout), round_keep, strict=True):
             if n - keep:
                 solo.trim(n - keep)
         if layout.lm is not None:
             self._rebuild_lm(layout)
 
-    def _rebuild_lm(self, layout: _Layout) -> None:
+    def _rebuild_lm(self, layout: Layout) -> None:
         """mlx-lm has no per-row rollback: its oracle is a merge of each row's accepted
         tokens (what the rolled layout must equal)."""
         lm: Any = lm_cache()
         pairs = []
-        for solo in layout.solos:
+        for solo in self._solos(layout):
             if solo.width == 0:
                 layout.lm = None
                 return
@@ -349,7 +352,7 @@ class LatentMachine(ConformanceMachine):
         ]
         layout.ref.filter_rows(keep)
         layout.opt.filter_rows(keep)
-        layout.solos = [layout.solos[r] for r in keep]
+        layout.rows = [layout.rows[r] for r in keep]
         if layout.lm is not None:
             pads = [int(p) for p in np.array(layout.lm[0].left_padding)[keep]]
             if min(pads) > 0 and layout.lm[0].keys is None:
@@ -369,7 +372,7 @@ class LatentMachine(ConformanceMachine):
         assert layout is not None
         b = data.draw(st.integers(0, layout.ref.batch_size - 1), label="row")
         request = Request(next(self._ids), layout.ref.extract_row(b), layout.opt.extract_row(b))
-        self._same_rows("extract vs solo", request.ref, layout.solos[b], 0)
+        self._same_rows("extract vs solo", request.ref, layout.rows[b].ref, 0)
         if layout.lm is not None and not self.encoded:
             twin = layout.lm[0].extract(b)
             index_twin = layout.lm[1].extract(b) if layout.lm[1] is not None else None
@@ -389,7 +392,7 @@ class LatentMachine(ConformanceMachine):
         assert layout is not None
         n = data.draw(st.integers(0, min(layout.ref.row_offsets)), label="trim")
         self._exact("trim count", (layout.ref.trim(n), layout.opt.trim(n)), (n, n))
-        for solo in layout.solos:
+        for solo in self._solos(layout):
             solo.trim(n)
         if layout.lm is not None:
             for twin in layout.lm:
@@ -575,13 +578,13 @@ class LatentMachine(ConformanceMachine):
         assert layout is not None
         ref, opt = layout.ref, layout.opt
         self._same_state("layout", ref, opt)
-        self._exact("layout solos", len(layout.solos), ref.batch_size)
+        self._exact("layout solos", len(layout.rows), ref.batch_size)
         if not ref.width:
             return
         if any(ref.converted) and not all(ref.converted):
             self.stats.check("mixed conversion")  # rows reading exact beside encoded ones
         reads = ref.current()
-        for b, solo in enumerate(layout.solos):
+        for b, solo in enumerate(self._solos(layout)):
             pad = ref.left_pad[b]
             self._exact(f"row {b} offset vs solo", ref.row_offsets[b], solo.width)
             self._exact(

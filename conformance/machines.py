@@ -47,11 +47,11 @@ A family plugs in through its hook rows (``conformance.hooks``): its geometry dr
 data (``draw``, ``codecs``), and what its axes add as code are rule mixins of
 ``conformance.rules`` composed over this class (``hooks.compose``): the views of what a
 serial cache and a layout row hold, prompt/step/keep strategies, the mlx-lm peer's
-quirks, extra invalid operations, verify rounds. A family
-whose storages hold no keys and values (``conformance.latent``,
-``conformance.recurrent``) turns off the base rules it replaces (:func:`rules_off`)
-and keeps the rest: ids, counters, :class:`Request` / :class:`Layout`, ``_close``
-and ``_both_refuse``.
+quirks, extra invalid operations, verify rounds. The rules that write blocks are the
+writer's (``hooks.WRITERS``): :class:`KvRules` for K/V storages; a writer of other
+tensors (``conformance.latent``, ``conformance.recurrent``) and the delayed modifier
+bring theirs over the same root (no base rule is turned off) and keep its ids,
+counters, :class:`Request` / :class:`Layout`, ``_close`` and ``_both_refuse``.
 :func:`machine_class` makes every machine; it takes the implementations as
 parameters so the teeth tests can inject mutants.
 """
@@ -64,7 +64,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import mlx.core as mx
 import numpy as np
@@ -101,6 +101,7 @@ __all__ = [
     "MESSAGE_EXCEPTIONS",
     "ROLE_LOOKUPS",
     "ConformanceMachine",
+    "KvRules",
     "Layout",
     "Limits",
     "Request",
@@ -111,7 +112,6 @@ __all__ = [
     "publish_counts",
     "publish_tokens",
     "raised",
-    "rules_off",
     "snapshot",
 ]
 
@@ -181,6 +181,13 @@ class Track:
     #: The request's stage: ``None`` while it holds its first codec's planes, else the
     #: offset at which it converted to its second (the delayed families' rows).
     converted_at: int | None = None
+    #: A delayed request in the pool: what it holds (``"lego"``, or a serial storage of
+    #: the lego's ``"exact"`` or ``"converted"`` stage) and its solo replay legos (a
+    #: storage's built at its merge); ``extracted``: it left a layout and goes on as a lego.
+    holds: str = "lego"
+    solo_ref: Any = None
+    solo_opt: Any = None
+    extracted: bool = False
 
     @property
     def tokens(self) -> int:
@@ -198,6 +205,8 @@ class Slot:
     lm: Any = None
     #: False once a skipped operation left the mirror unable to follow.
     mirrored: bool = True
+    #: The position record of a delayed layout: each row's left padding (full attention).
+    pads: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -981,47 +990,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             self._exact("mlx-lm trim() return", track.lm.trim(n), expected)
         self._record_trim(track, expected)
 
-    # ------------------------------------------------------------------- rules
-    @precondition(lambda self: self.geo is not None and len(self.pool) < self.limits.pool)
-    @rule(data=st.data())
-    def new_request(self, data: st.DataObject) -> None:
-        """A request with a random prompt (0 tokens included), prefilled in random chunks."""
-        length = self._prompt_length(data)
-        chunks = data.draw(ks.chunk_sizes(length), label="chunks")
-        form = data.draw(ks.mask_forms(), label="mask form")
-        rng = self._rng(data)
-        track = self._new_track()
-        note(f"new_request: request {track.ident}, prompt {length} in chunks {chunks}")
-        self._op("new_request", track)
-        for n in chunks:
-            keys = self._block(rng, 1, n, self.g.key_dim)
-            values = self._block(rng, 1, n, self.g.value_dim)
-            self._serial_append(track, keys, values, self._queries(rng, 1, n), form)
-        self.pool.append(track)
-
-    @precondition(lambda self: bool(self.pool))
-    @rule(data=st.data())
-    def prefill_chunk(self, data: st.DataObject) -> None:
-        """One more prompt chunk into a free request."""
-        track = self._pick(data, self.pool, "request")
-        n = self._chunk(data)
-        form = data.draw(ks.mask_forms(), label="mask form")
-        rng = self._rng(data)
-        note(f"prefill_chunk: request {track.ident} (+{n} tokens onto {track.tokens})")
-        self._op("prefill_chunk", track)
-        keys = self._block(rng, 1, n, self.g.key_dim)
-        values = self._block(rng, 1, n, self.g.value_dim)
-        self._serial_append(track, keys, values, self._queries(rng, 1, n), form)
-
-    @precondition(lambda self: bool(self.pool))
-    @rule(data=st.data())
-    def trim_request(self, data: st.DataObject) -> None:
-        """Serial trim: clamps before a ring wraps, raises (changing nothing) after."""
-        track = self._pick(data, self.pool, "request")
-        n = data.draw(st.integers(0, track.tokens + 2), label="n")
-        note(f"trim_request: request {track.ident} holding {track.tokens}, trim({n})")
-        self._op("trim_request", track)
-        self._trim_serial(track, n)
+    # ------------------------------------------------------------- what rules call
 
     def _merge_sources(
         self, data: st.DataObject, room: int
@@ -1100,63 +1069,11 @@ class ConformanceMachine(RuleBasedStateMachine):
         self.stats.check("table roles")
         return made[0], made[1]
 
-    @precondition(lambda self: bool(self.pool))
-    @rule(data=st.data())
-    def merge(self, data: st.DataObject) -> None:
-        """Form a batch (new or emptied layout) or join rows into a running one."""
-        targets = [s for s in self.slots if len(s.rows) < self.limits.rows]
-        new = len(self.slots) < self.limits.layouts and data.draw(st.booleans(), label="new layout")
-        if not targets and not new:
-            return
-        slot = self._new_slot(data) if new or not targets else self._pick(data, targets, "layout")
-        room = self.limits.rows - len(slot.rows)
-        sources, incoming, consumed = self._merge_sources(data, room)
-        kind = "join" if slot.rows else "merge"
-        note(
-            f"{kind}: layout {slot.ident} ({slot.ref!r}) <- {[s[0] for s in sources]} = requests "
-            f"{[t.ident for t in incoming]} with tokens {[t.tokens for t in incoming]}"
-        )
-        self._op(kind, slot)
-        before = self._snapshots([(s[1], s[2]) for s in sources])
-        slot.ref.merge_rows([s[1] for s in sources])
-        slot.opt.merge_rows([s[2] for s in sources])
-        after = self._snapshots([(s[1], s[2]) for s in sources])
-        self._exact("merge sources are borrowed and left unchanged", after, before)
-        self._mirror_merge(slot, [t.lm for t in incoming])
-        for t in consumed:
-            self.pool.remove(t)
-        slot.rows.extend(incoming)
-
     def _mirror_merge(self, slot: Slot, twins: Sequence[Any]) -> None:
         if not self._parity(slot) or not twins or self.peer is None:
             return
         self._peer_join(slot, twins)
         self.stats.check("mlx-lm merge")
-
-    @precondition(lambda self: len(self.slots) >= 2)
-    @rule(data=st.data())
-    def merge_layout(self, data: st.DataObject) -> None:
-        """Merge one running layout into another (the source is borrowed and unchanged)."""
-        target = self._pick(data, self.slots, "target layout")
-        others = [s for s in self.slots if s is not target and s.rows]
-        if not others:
-            return
-        source = self._pick(data, others, "source layout")
-        if len(target.rows) + len(source.rows) > self.limits.rows:
-            return
-        note(f"merge_layout: layout {source.ident} into layout {target.ident}")
-        self._op("merge_layout", target)
-        before = self._snapshots([(source.ref, source.opt)])
-        target.ref.merge_rows([source.ref])
-        target.opt.merge_rows([source.opt])
-        self._exact(
-            "a merged layout is borrowed and left unchanged",
-            self._snapshots([(source.ref, source.opt)]),
-            before,
-        )
-        copies = [self._replay(t) for t in source.rows]
-        self._mirror_merge(target, [t.lm for t in copies])
-        target.rows.extend(copies)
 
     def _step(self, slot: Slot, n: int, rng: np.random.Generator, form: ks.MaskForm) -> None:
         rows, g = len(slot.rows), self.g
@@ -1358,113 +1275,6 @@ class ConformanceMachine(RuleBasedStateMachine):
     def _steppable(self) -> list[Slot]:
         return [s for s in self.slots if s.rows]
 
-    @precondition(lambda self: any(s.rows for s in self.slots))
-    @rule(data=st.data())
-    def decode_step(self, data: st.DataObject) -> None:
-        """One token for every row (N = 1)."""
-        slot = self._pick(data, self._steppable(), "layout")
-        form = data.draw(ks.mask_forms(), label="mask form")
-        rng = self._rng(data)
-        note(f"decode_step: layout {slot.ident} {slot.opt!r}, mask {form}")
-        self._op("decode_step", slot)
-        self._step(slot, 1, rng, form)
-
-    @precondition(lambda self: any(s.rows for s in self.slots))
-    @rule(data=st.data())
-    def multi_step(self, data: st.DataObject) -> None:
-        """N > 1 tokens for every row (chunked prefill / a verify block)."""
-        slot = self._pick(data, self._steppable(), "layout")
-        n = self._block_size(data)
-        form = data.draw(ks.mask_forms(), label="mask form")
-        rng = self._rng(data)
-        note(f"multi_step: layout {slot.ident} {slot.opt!r}, N={n}, mask {form}")
-        self._op("multi_step", slot)
-        self._step(slot, n, rng, form)
-
-    @precondition(lambda self: bool(self.slots))
-    @rule(data=st.data())
-    def filter_layout(self, data: st.DataObject) -> None:
-        """Keep any subset in any order (drop the longest, reorder, keep none)."""
-        slot = self._pick(data, self.slots, "layout")
-        kind, keep = self._keep(data, slot)
-        via_table = data.draw(st.booleans(), label="via table.filter_layout_rows")
-        note(f"filter ({kind}): layout {slot.ident} {slot.opt!r} keep {keep}")
-        self._op(f"filter:{kind}", slot, *slot.rows)
-        pads = slot.ref.left_pad
-        for lay in (slot.ref, slot.opt):
-            if via_table:
-                table.filter_layout_rows(lay, keep)
-            else:
-                lay.filter_rows(keep)
-        self._after_filter(slot, pads, keep)
-        if self._parity(slot) and slot.lm is not None:
-            if not keep:
-                self._skip("N1", "filter([]) on mlx-lm; the mirror restarts at the next merge")
-                slot.lm = None
-            else:
-                self._peer_filter(slot, keep)
-        kept = [slot.rows[i] for i in keep]
-        dropped = [t for t in slot.rows if all(t is not k for k in kept)]
-        slot.rows = kept
-        self._filters += 1
-        if self._filters % 4 == 0:  # every fourth filter (no draw: the search is unchanged)
-            # A layout is rebuilt through merge_rows: same rows, fresh physical columns,
-            # which an mlx-lm mirror does not follow.
-            slot.ref, slot.opt = self._restored(f"layout {slot.ident}", slot.ref, slot.opt)
-            slot.mirrored = False
-        for track in dropped:
-            if len(self.pool) < self.limits.pool:
-                self.pool.append(track)
-
-    @precondition(lambda self: any(s.rows for s in self.slots))
-    @rule(data=st.data())
-    def extract(self, data: st.DataObject) -> None:
-        """Extract a row: an independent compact serial cache, maybe kept as a new request."""
-        slot = self._pick(data, self._steppable(), "layout")
-        b = data.draw(st.integers(0, len(slot.rows) - 1), label="row")
-        sole = len(slot.rows) == 1 and data.draw(st.booleans(), label="via extract_sole_row")
-        track = slot.rows[b]
-        note(f"extract: layout {slot.ident} row {b} (request {track.ident}, {track.tokens} tokens)")
-        self._op("extract", slot)
-        got_ref: Any
-        got_opt: Any
-        if sole:
-            got_ref, got_opt = table.extract_sole_row(slot.ref), table.extract_sole_row(slot.opt)
-        else:
-            got_ref, got_opt = slot.ref.extract_row(b), slot.opt.extract_row(b)
-        self._check_serial_like(f"extract_row({b})", got_ref, got_opt, track)
-        twin = None
-        if self._parity(slot) and self.peer is not None:
-            if slot.lm is None or slot.lm.keys is None:
-                self._skip("B3", "extract from an mlx-lm batch with no keys")
-            else:
-                twin = self._peer_extract(slot.lm, b, track)
-        if len(self.pool) < self.limits.pool and data.draw(st.booleans(), label="keep as request"):
-            self._kept_extracts += 1
-            if self._kept_extracts % 2 == 1:  # every other kept row, the first included (no draw)
-                # A serial cache restores column for column: its mlx-lm twin still follows.
-                got_ref, got_opt = self._restored(f"extract_row({b})", got_ref, got_opt)
-            # A row holding no token extracts as an empty cache that keeps the layout's
-            # geometry (spec/contract.md §1; both answers were compared above).
-            copy = Track(
-                ident=next(self._ids),
-                ref=got_ref,
-                opt=got_opt,
-                lm=twin,
-                keys=track.keys,
-                values=track.values,
-                appended=track.tokens > 0,
-                geometry_known=got_ref.geometry is not None,
-                history=list(track.history) if track.tokens else [],
-            )
-            if copy.lm is None and self.peer is not None and self.twins:
-                copy.lm = self._twin_for(track)
-            note(f"  extracted row becomes request {copy.ident}")
-            self._dirty.add(copy.ident)
-            self.pool.append(copy)
-        else:
-            self._hold_out(f"extract_row({b}) of layout {slot.ident}", got_ref, got_opt)
-
     def _state_rows(self, impl: Impl, cache: Any) -> list[tuple[int, Any, Any]]:
         """The rows ``cache.state`` holds, canonical: position and time-ordered planes."""
         entry = cache.composition
@@ -1593,35 +1403,6 @@ class ConformanceMachine(RuleBasedStateMachine):
             self._exact(f"{what} ({name}): nbytes covers the planes", int(got.nbytes) >= held, True)
         self.stats.check("solo replay")
 
-    @precondition(lambda self: any(s.rows for s in self.slots))
-    @rule(data=st.data())
-    def publish(self, data: st.DataObject) -> None:
-        """``table.publish_row``: the row as a serial cache, or ``None`` when it cannot cover."""
-        slot = self._pick(data, self._steppable(), "layout")
-        b = data.draw(st.integers(0, len(slot.rows) - 1), label="row")
-        track = slot.rows[b]
-        tokens = data.draw(publish_tokens(track.tokens, self.g.max_size), label="tokens")
-        note(f"publish: layout {slot.ident} row {b} ({track.tokens} tokens) covering {tokens}")
-        self._op("publish", slot)
-        # The whole row, or a shorter prefix while the store could still be trimmed to it.
-        expected = tokens == track.tokens or (
-            tokens < track.tokens and not self.g.wrapped(track.tokens)
-        )
-        self._exact("can_publish_row (reference)", slot.ref.can_publish_row(b, tokens), expected)
-        self._exact("can_publish_row (optimized)", slot.opt.can_publish_row(b, tokens), expected)
-        got_ref = table.publish_row(slot.ref, b, tokens)
-        got_opt = table.publish_row(slot.opt, b, tokens)
-        self._exact(
-            "publish_row returns None (reference, optimized)",
-            (got_ref is None, got_opt is None),
-            (not expected,) * 2,
-        )
-        if got_ref is not None:
-            self._check_serial_like(f"publish_row({b}, {tokens})", got_ref, got_opt, track)
-            self._hold_out(f"publish_row({b}, {tokens}) of layout {slot.ident}", got_ref, got_opt)
-            if tokens < track.tokens:
-                self._check_published_prefix(slot, b, tokens, track)
-
     def _check_published_prefix(self, slot: Slot, b: int, tokens: int, track: Track) -> None:
         """What "covers ``tokens``" promises: another published copy, cut back to
         ``tokens`` as a prefix store cuts it, holds exactly them and equals what a solo
@@ -1640,55 +1421,12 @@ class ConformanceMachine(RuleBasedStateMachine):
             self._same_planes("kv.solo", f"{what} ({impl.name})", self._view(impl, copy), want)
         self.stats.check("published prefix")
 
-    @precondition(lambda self: any(s.rows for s in self.slots))
-    @rule(data=st.data())
-    def trim(self, data: st.DataObject) -> None:
-        """Trim every row by ``n`` (at most the shortest row; rings only before the wrap)."""
-        slot = self._pick(data, self._steppable(), "layout")
-        trimmable = slot.ref.is_trimmable()
-        self._exact("is_trimmable (optimized vs reference)", slot.opt.is_trimmable(), trimmable)
-        if not trimmable:
-            return
-        n = data.draw(ks.counts_up_to(min(t.tokens for t in slot.rows)), label="n")
-        equal_counts = self._both_trim_rows(slot) and data.draw(
-            st.booleans(), label="as trim_rows of equal counts"
-        )
-        note(f"trim: layout {slot.ident} {slot.opt!r} trim({n}){' as trim_rows' * equal_counts}")
-        self._op("trim", slot)
-        for name, lay in (("reference", slot.ref), ("optimized", slot.opt)):
-            got = lay.trim_rows([n] * len(slot.rows)) if equal_counts else lay.trim(n)
-            self._exact(f"trim() return ({name})", got, n)
-        if self._parity(slot) and slot.lm is not None:
-            self._exact("trim() return (mlx-lm)", slot.lm.trim(n), n)
-            self.stats.check("mlx-lm trim")
-        for track in slot.rows:
-            self._solo_trim(track, n)
-
     def _solo_trim(self, track: Track, n: int) -> None:
         self._exact("solo trim (reference)", track.ref.trim(n), n)
         self._exact("solo trim (optimized)", track.opt.trim(n), n)
         if track.lm is not None:
             track.lm.trim(n)
         self._record_trim(track, n)
-
-    @precondition(lambda self: self.spec.trim_rows and any(s.rows for s in self.slots))
-    @rule(data=st.data())
-    def trim_rows(self, data: st.DataObject) -> None:
-        """Per-row rollback on a ragged layout: a row that has not wrapped forgets ``counts[b]``."""
-        slot = self._pick(data, self._steppable(), "layout")
-        counts = [
-            0
-            if self.g.wrapped(t.tokens)
-            else data.draw(ks.counts_up_to(t.tokens), label=f"count {b}")
-            for b, t in enumerate(slot.rows)
-        ]
-        note(f"trim_rows: layout {slot.ident} {slot.opt!r} counts {counts}")
-        self._op("trim_rows", slot)
-        expected = max(counts, default=0)
-        self._exact("trim_rows() return (reference)", slot.ref.trim_rows(counts), expected)
-        self._exact("trim_rows() return (optimized)", slot.opt.trim_rows(counts), expected)
-        for track, count in zip(slot.rows, counts, strict=True):
-            self._solo_trim(track, count)
 
     # ------------------------------------------------------------ invalid input
     def _bad_blocks(
@@ -2117,30 +1855,6 @@ class ConformanceMachine(RuleBasedStateMachine):
             pairs.extend((t.ref, t.opt) for t in s.rows)
         return self._snapshots(pairs)
 
-    @precondition(lambda self: bool(self.pool) or bool(self.slots))
-    @rule(data=st.data())
-    def invalid(self, data: st.DataObject) -> None:
-        """A bad call: both raise the same KvRowsError subclass and message; nothing changes."""
-        targets: list[tuple[str, Any, Any, list[Case], Slot | None, Track | None]] = []
-        for t in self.pool:
-            targets.append((f"request {t.ident}", t.ref, t.opt, self._serial_cases(t), None, t))
-        for s in self.slots:
-            targets.append((f"layout {s.ident}", s.ref, s.opt, self._layout_cases(s), s, None))
-        name, ref_obj, opt_obj, cases, slot, track = self._pick(data, targets, "target")
-        label, call, code, expected = self._pick(data, cases, "invalid operation")
-        note(f"invalid: {name}: {label}")
-        self._op("invalid")
-        before = self._everything()
-        self._same_error(label, *self._refusals(label, call, ref_obj, opt_obj), expected)
-        self._exact(
-            f"{label}: every cache unchanged after the failed call", self._everything(), before
-        )
-        self.stats.check("error types")
-        if (slot is not None and self._parity(slot) and slot.lm is not None) or (
-            track is not None and track.lm is not None and code == "B11"
-        ):
-            self._skip(code, label)
-
     def _same_error(
         self,
         label: str,
@@ -2197,25 +1911,6 @@ class ConformanceMachine(RuleBasedStateMachine):
         return ref_error, raised(self.opt_impl, label, partial(call, self.opt_impl, opt_obj))
 
     # ---------------------------------------------------------------- oracles
-    @invariant()
-    def check_oracles(self) -> None:
-        """Check what the last rule touched, and everything every ``FULL_CHECK_EVERY`` rules
-        (rules that must change nothing prove it with snapshots); teardown checks all."""
-        if self.geo is None:
-            return
-        self._invariants += 1
-        if self._invariants % FULL_CHECK_EVERY == 0:
-            self._check_everything()
-        else:
-            for track in self.pool:
-                if track.ident in self._dirty:
-                    self._check_request(track)
-            for slot in self.slots:
-                if slot.ident in self._dirty:
-                    self._check_slot(slot)
-            self._check_independence()
-        self._dirty.clear()
-        self._clean = True
 
     def _check_everything(self, *, final: bool = False) -> None:
         for track in self.pool:
@@ -2538,25 +2233,328 @@ class ConformanceMachine(RuleBasedStateMachine):
         return got_ref, got_opt
 
 
-MachineClass = TypeVar("MachineClass", bound=type[ConformanceMachine])
+class KvRules(ConformanceMachine):
+    """The K/V writer's rules (``hooks.WRITERS["kv"].rules``): requests prefilled by
+    ``update_and_fetch``, layouts merged, stepped, filtered, extracted, published and
+    trimmed, bad calls, and the invariant, over the root's world model and oracles. A
+    writer of other tensors (latent, recurrent) or the delayed modifier brings its own
+    rules over the root instead."""
 
+    @precondition(lambda self: self.geo is not None and len(self.pool) < self.limits.pool)
+    @rule(data=st.data())
+    def new_request(self, data: st.DataObject) -> None:
+        """A request with a random prompt (0 tokens included), prefilled in random chunks."""
+        length = self._prompt_length(data)
+        chunks = data.draw(ks.chunk_sizes(length), label="chunks")
+        form = data.draw(ks.mask_forms(), label="mask form")
+        rng = self._rng(data)
+        track = self._new_track()
+        note(f"new_request: request {track.ident}, prompt {length} in chunks {chunks}")
+        self._op("new_request", track)
+        for n in chunks:
+            keys = self._block(rng, 1, n, self.g.key_dim)
+            values = self._block(rng, 1, n, self.g.value_dim)
+            self._serial_append(track, keys, values, self._queries(rng, 1, n), form)
+        self.pool.append(track)
 
-def rules_off(*names: str) -> Callable[[MachineClass], MachineClass]:
-    """A class decorator: the base rules (and invariants) ``names`` do not run on a family's
-    machine that brings its own rules (latent, recurrent). Hypothesis runs the methods
-    marked ``@rule`` / ``@invariant``; each name is shadowed by one that is not."""
+    @precondition(lambda self: bool(self.pool))
+    @rule(data=st.data())
+    def prefill_chunk(self, data: st.DataObject) -> None:
+        """One more prompt chunk into a free request."""
+        track = self._pick(data, self.pool, "request")
+        n = self._chunk(data)
+        form = data.draw(ks.mask_forms(), label="mask form")
+        rng = self._rng(data)
+        note(f"prefill_chunk: request {track.ident} (+{n} tokens onto {track.tokens})")
+        self._op("prefill_chunk", track)
+        keys = self._block(rng, 1, n, self.g.key_dim)
+        values = self._block(rng, 1, n, self.g.value_dim)
+        self._serial_append(track, keys, values, self._queries(rng, 1, n), form)
 
-    def decorate(cls: MachineClass) -> MachineClass:
-        for name in names:
-            getattr(ConformanceMachine, name)  # AttributeError: no such base rule
-            setattr(cls, name, _rule_off)
-        return cls
+    @precondition(lambda self: bool(self.pool))
+    @rule(data=st.data())
+    def trim_request(self, data: st.DataObject) -> None:
+        """Serial trim: clamps before a ring wraps, raises (changing nothing) after."""
+        track = self._pick(data, self.pool, "request")
+        n = data.draw(st.integers(0, track.tokens + 2), label="n")
+        note(f"trim_request: request {track.ident} holding {track.tokens}, trim({n})")
+        self._op("trim_request", track)
+        self._trim_serial(track, n)
 
-    return decorate
+    @precondition(lambda self: bool(self.pool))
+    @rule(data=st.data())
+    def merge(self, data: st.DataObject) -> None:
+        """Form a batch (new or emptied layout) or join rows into a running one."""
+        targets = [s for s in self.slots if len(s.rows) < self.limits.rows]
+        new = len(self.slots) < self.limits.layouts and data.draw(st.booleans(), label="new layout")
+        if not targets and not new:
+            return
+        slot = self._new_slot(data) if new or not targets else self._pick(data, targets, "layout")
+        room = self.limits.rows - len(slot.rows)
+        sources, incoming, consumed = self._merge_sources(data, room)
+        kind = "join" if slot.rows else "merge"
+        note(
+            f"{kind}: layout {slot.ident} ({slot.ref!r}) <- {[s[0] for s in sources]} = requests "
+            f"{[t.ident for t in incoming]} with tokens {[t.tokens for t in incoming]}"
+        )
+        self._op(kind, slot)
+        before = self._snapshots([(s[1], s[2]) for s in sources])
+        slot.ref.merge_rows([s[1] for s in sources])
+        slot.opt.merge_rows([s[2] for s in sources])
+        after = self._snapshots([(s[1], s[2]) for s in sources])
+        self._exact("merge sources are borrowed and left unchanged", after, before)
+        self._mirror_merge(slot, [t.lm for t in incoming])
+        for t in consumed:
+            self.pool.remove(t)
+        slot.rows.extend(incoming)
 
+    @precondition(lambda self: len(self.slots) >= 2)
+    @rule(data=st.data())
+    def merge_layout(self, data: st.DataObject) -> None:
+        """Merge one running layout into another (the source is borrowed and unchanged)."""
+        target = self._pick(data, self.slots, "target layout")
+        others = [s for s in self.slots if s is not target and s.rows]
+        if not others:
+            return
+        source = self._pick(data, others, "source layout")
+        if len(target.rows) + len(source.rows) > self.limits.rows:
+            return
+        note(f"merge_layout: layout {source.ident} into layout {target.ident}")
+        self._op("merge_layout", target)
+        before = self._snapshots([(source.ref, source.opt)])
+        target.ref.merge_rows([source.ref])
+        target.opt.merge_rows([source.opt])
+        self._exact(
+            "a merged layout is borrowed and left unchanged",
+            self._snapshots([(source.ref, source.opt)]),
+            before,
+        )
+        copies = [self._replay(t) for t in source.rows]
+        self._mirror_merge(target, [t.lm for t in copies])
+        target.rows.extend(copies)
 
-def _rule_off(self: ConformanceMachine, *args: object, **kwargs: object) -> None:
-    raise AssertionError(f"a rule turned off ran on {type(self).__name__}")
+    @precondition(lambda self: any(s.rows for s in self.slots))
+    @rule(data=st.data())
+    def decode_step(self, data: st.DataObject) -> None:
+        """One token for every row (N = 1)."""
+        slot = self._pick(data, self._steppable(), "layout")
+        form = data.draw(ks.mask_forms(), label="mask form")
+        rng = self._rng(data)
+        note(f"decode_step: layout {slot.ident} {slot.opt!r}, mask {form}")
+        self._op("decode_step", slot)
+        self._step(slot, 1, rng, form)
+
+    @precondition(lambda self: any(s.rows for s in self.slots))
+    @rule(data=st.data())
+    def multi_step(self, data: st.DataObject) -> None:
+        """N > 1 tokens for every row (chunked prefill / a verify block)."""
+        slot = self._pick(data, self._steppable(), "layout")
+        n = self._block_size(data)
+        form = data.draw(ks.mask_forms(), label="mask form")
+        rng = self._rng(data)
+        note(f"multi_step: layout {slot.ident} {slot.opt!r}, N={n}, mask {form}")
+        self._op("multi_step", slot)
+        self._step(slot, n, rng, form)
+
+    @precondition(lambda self: bool(self.slots))
+    @rule(data=st.data())
+    def filter_layout(self, data: st.DataObject) -> None:
+        """Keep any subset in any order (drop the longest, reorder, keep none)."""
+        slot = self._pick(data, self.slots, "layout")
+        kind, keep = self._keep(data, slot)
+        via_table = data.draw(st.booleans(), label="via table.filter_layout_rows")
+        note(f"filter ({kind}): layout {slot.ident} {slot.opt!r} keep {keep}")
+        self._op(f"filter:{kind}", slot, *slot.rows)
+        pads = slot.ref.left_pad
+        for lay in (slot.ref, slot.opt):
+            if via_table:
+                table.filter_layout_rows(lay, keep)
+            else:
+                lay.filter_rows(keep)
+        self._after_filter(slot, pads, keep)
+        if self._parity(slot) and slot.lm is not None:
+            if not keep:
+                self._skip("N1", "filter([]) on mlx-lm; the mirror restarts at the next merge")
+                slot.lm = None
+            else:
+                self._peer_filter(slot, keep)
+        kept = [slot.rows[i] for i in keep]
+        dropped = [t for t in slot.rows if all(t is not k for k in kept)]
+        slot.rows = kept
+        self._filters += 1
+        if self._filters % 4 == 0:  # every fourth filter (no draw: the search is unchanged)
+            # A layout is rebuilt through merge_rows: same rows, fresh physical columns,
+            # which an mlx-lm mirror does not follow.
+            slot.ref, slot.opt = self._restored(f"layout {slot.ident}", slot.ref, slot.opt)
+            slot.mirrored = False
+        for track in dropped:
+            if len(self.pool) < self.limits.pool:
+                self.pool.append(track)
+
+    @precondition(lambda self: any(s.rows for s in self.slots))
+    @rule(data=st.data())
+    def extract(self, data: st.DataObject) -> None:
+        """Extract a row: an independent compact serial cache, maybe kept as a new request."""
+        slot = self._pick(data, self._steppable(), "layout")
+        b = data.draw(st.integers(0, len(slot.rows) - 1), label="row")
+        sole = len(slot.rows) == 1 and data.draw(st.booleans(), label="via extract_sole_row")
+        track = slot.rows[b]
+        note(f"extract: layout {slot.ident} row {b} (request {track.ident}, {track.tokens} tokens)")
+        self._op("extract", slot)
+        got_ref: Any
+        got_opt: Any
+        if sole:
+            got_ref, got_opt = table.extract_sole_row(slot.ref), table.extract_sole_row(slot.opt)
+        else:
+            got_ref, got_opt = slot.ref.extract_row(b), slot.opt.extract_row(b)
+        self._check_serial_like(f"extract_row({b})", got_ref, got_opt, track)
+        twin = None
+        if self._parity(slot) and self.peer is not None:
+            if slot.lm is None or slot.lm.keys is None:
+                self._skip("B3", "extract from an mlx-lm batch with no keys")
+            else:
+                twin = self._peer_extract(slot.lm, b, track)
+        if len(self.pool) < self.limits.pool and data.draw(st.booleans(), label="keep as request"):
+            self._kept_extracts += 1
+            if self._kept_extracts % 2 == 1:  # every other kept row, the first included (no draw)
+                # A serial cache restores column for column: its mlx-lm twin still follows.
+                got_ref, got_opt = self._restored(f"extract_row({b})", got_ref, got_opt)
+            # A row holding no token extracts as an empty cache that keeps the layout's
+            # geometry (spec/contract.md §1; both answers were compared above).
+            copy = Track(
+                ident=next(self._ids),
+                ref=got_ref,
+                opt=got_opt,
+                lm=twin,
+                keys=track.keys,
+                values=track.values,
+                appended=track.tokens > 0,
+                geometry_known=got_ref.geometry is not None,
+                history=list(track.history) if track.tokens else [],
+            )
+            if copy.lm is None and self.peer is not None and self.twins:
+                copy.lm = self._twin_for(track)
+            note(f"  extracted row becomes request {copy.ident}")
+            self._dirty.add(copy.ident)
+            self.pool.append(copy)
+        else:
+            self._hold_out(f"extract_row({b}) of layout {slot.ident}", got_ref, got_opt)
+
+    @precondition(lambda self: any(s.rows for s in self.slots))
+    @rule(data=st.data())
+    def publish(self, data: st.DataObject) -> None:
+        """``table.publish_row``: the row as a serial cache, or ``None`` when it cannot cover."""
+        slot = self._pick(data, self._steppable(), "layout")
+        b = data.draw(st.integers(0, len(slot.rows) - 1), label="row")
+        track = slot.rows[b]
+        tokens = data.draw(publish_tokens(track.tokens, self.g.max_size), label="tokens")
+        note(f"publish: layout {slot.ident} row {b} ({track.tokens} tokens) covering {tokens}")
+        self._op("publish", slot)
+        # The whole row, or a shorter prefix while the store could still be trimmed to it.
+        expected = tokens == track.tokens or (
+            tokens < track.tokens and not self.g.wrapped(track.tokens)
+        )
+        self._exact("can_publish_row (reference)", slot.ref.can_publish_row(b, tokens), expected)
+        self._exact("can_publish_row (optimized)", slot.opt.can_publish_row(b, tokens), expected)
+        got_ref = table.publish_row(slot.ref, b, tokens)
+        got_opt = table.publish_row(slot.opt, b, tokens)
+        self._exact(
+            "publish_row returns None (reference, optimized)",
+            (got_ref is None, got_opt is None),
+            (not expected,) * 2,
+        )
+        if got_ref is not None:
+            self._check_serial_like(f"publish_row({b}, {tokens})", got_ref, got_opt, track)
+            self._hold_out(f"publish_row({b}, {tokens}) of layout {slot.ident}", got_ref, got_opt)
+            if tokens < track.tokens:
+                self._check_published_prefix(slot, b, tokens, track)
+
+    @precondition(lambda self: any(s.rows for s in self.slots))
+    @rule(data=st.data())
+    def trim(self, data: st.DataObject) -> None:
+        """Trim every row by ``n`` (at most the shortest row; rings only before the wrap)."""
+        slot = self._pick(data, self._steppable(), "layout")
+        trimmable = slot.ref.is_trimmable()
+        self._exact("is_trimmable (optimized vs reference)", slot.opt.is_trimmable(), trimmable)
+        if not trimmable:
+            return
+        n = data.draw(ks.counts_up_to(min(t.tokens for t in slot.rows)), label="n")
+        equal_counts = self._both_trim_rows(slot) and data.draw(
+            st.booleans(), label="as trim_rows of equal counts"
+        )
+        note(f"trim: layout {slot.ident} {slot.opt!r} trim({n}){' as trim_rows' * equal_counts}")
+        self._op("trim", slot)
+        for name, lay in (("reference", slot.ref), ("optimized", slot.opt)):
+            got = lay.trim_rows([n] * len(slot.rows)) if equal_counts else lay.trim(n)
+            self._exact(f"trim() return ({name})", got, n)
+        if self._parity(slot) and slot.lm is not None:
+            self._exact("trim() return (mlx-lm)", slot.lm.trim(n), n)
+            self.stats.check("mlx-lm trim")
+        for track in slot.rows:
+            self._solo_trim(track, n)
+
+    @precondition(lambda self: self.spec.trim_rows and any(s.rows for s in self.slots))
+    @rule(data=st.data())
+    def trim_rows(self, data: st.DataObject) -> None:
+        """Per-row rollback on a ragged layout: a row that has not wrapped forgets ``counts[b]``."""
+        slot = self._pick(data, self._steppable(), "layout")
+        counts = [
+            0
+            if self.g.wrapped(t.tokens)
+            else data.draw(ks.counts_up_to(t.tokens), label=f"count {b}")
+            for b, t in enumerate(slot.rows)
+        ]
+        note(f"trim_rows: layout {slot.ident} {slot.opt!r} counts {counts}")
+        self._op("trim_rows", slot)
+        expected = max(counts, default=0)
+        self._exact("trim_rows() return (reference)", slot.ref.trim_rows(counts), expected)
+        self._exact("trim_rows() return (optimized)", slot.opt.trim_rows(counts), expected)
+        for track, count in zip(slot.rows, counts, strict=True):
+            self._solo_trim(track, count)
+
+    @precondition(lambda self: bool(self.pool) or bool(self.slots))
+    @rule(data=st.data())
+    def invalid(self, data: st.DataObject) -> None:
+        """A bad call: both raise the same KvRowsError subclass and message; nothing changes."""
+        targets: list[tuple[str, Any, Any, list[Case], Slot | None, Track | None]] = []
+        for t in self.pool:
+            targets.append((f"request {t.ident}", t.ref, t.opt, self._serial_cases(t), None, t))
+        for s in self.slots:
+            targets.append((f"layout {s.ident}", s.ref, s.opt, self._layout_cases(s), s, None))
+        name, ref_obj, opt_obj, cases, slot, track = self._pick(data, targets, "target")
+        label, call, code, expected = self._pick(data, cases, "invalid operation")
+        note(f"invalid: {name}: {label}")
+        self._op("invalid")
+        before = self._everything()
+        self._same_error(label, *self._refusals(label, call, ref_obj, opt_obj), expected)
+        self._exact(
+            f"{label}: every cache unchanged after the failed call", self._everything(), before
+        )
+        self.stats.check("error types")
+        if (slot is not None and self._parity(slot) and slot.lm is not None) or (
+            track is not None and track.lm is not None and code == "B11"
+        ):
+            self._skip(code, label)
+
+    @invariant()
+    def check_oracles(self) -> None:
+        """Check what the last rule touched, and everything every ``FULL_CHECK_EVERY`` rules
+        (rules that must change nothing prove it with snapshots); teardown checks all."""
+        if self.geo is None:
+            return
+        self._invariants += 1
+        if self._invariants % FULL_CHECK_EVERY == 0:
+            self._check_everything()
+        else:
+            for track in self.pool:
+                if track.ident in self._dirty:
+                    self._check_request(track)
+            for slot in self.slots:
+                if slot.ident in self._dirty:
+                    self._check_slot(slot)
+            self._check_independence()
+        self._dirty.clear()
+        self._clean = True
 
 
 def machine_class(

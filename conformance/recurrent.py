@@ -1,10 +1,9 @@
 """The recurrent family's state machine: ``SSMCache`` rows in ``BatchedSSMCache``.
 
 Recurrent state has no token axis, no keys and values and no attention read, so these
-rules (the recurrent writer's, ``hooks.WRITERS["recurrent"].rules``, a subclass of the
-base machine ``conformance.machines``) turn off the base rules that
-drive stored K/V, masks over key columns and attention outputs (``rules_off``), and brings
-its own in their place (plane writes, padded runs, record/replay rounds). It keeps the
+rules (the recurrent writer's, ``hooks.WRITERS["recurrent"].rules``, over the root
+machine ``conformance.machines`` in place of the K/V writer's ``KvRules``) drive plane
+writes, padded runs and record/replay rounds. They keep the
 base machine's discipline and pieces: its ``Stats`` counters, implementations, ids,
 tolerance comparison (``_close``, at each plane's dtype) and bad-input check
 (``_both_refuse``: both implementations raise the contract's error with the same message,
@@ -47,7 +46,7 @@ from hypothesis.stateful import initialize, precondition, rule
 from kvrows.conformance.arrays import NUMPY_DTYPES, as_numpy, to_mlx
 from kvrows.conformance.families import Impl
 from kvrows.conformance.hooks import lm_cache
-from kvrows.conformance.machines import ROLE_LOOKUPS, ConformanceMachine, Layout, Request, rules_off
+from kvrows.conformance.machines import ROLE_LOOKUPS, ConformanceMachine, Layout, Request
 from kvrows.errors import (
     IncompatibleRowsError,
     InvalidInputError,
@@ -122,8 +121,6 @@ def _plane_shapes(count: int) -> st.SearchStrategy[StateShapes]:
 
 
 # every rule checks what it touched, teardown everything: no invariant
-@rules_off("trim_request", "merge_layout", "decode_step", "multi_step", "trim", "trim_rows")
-@rules_off("check_oracles")
 class RecurrentMachine(ConformanceMachine):
     """Rules over a pool of requests and up to two layouts (see the module docstring)."""
 

@@ -69,6 +69,7 @@ from kvrows.conformance.hooks import lm_cache
 from kvrows.conformance.machines import (
     Case,
     ConformanceMachine,
+    KvRules,
     Planes,
     Slot,
     Track,
@@ -692,12 +693,13 @@ class RingRules(ConformanceMachine):
         return cases + super()._extra_layout_cases(slot)
 
 
-class PagedRules(FrozenCollector, ConformanceMachine):
+class PagedRules(FrozenCollector, KvRules):
     """The paged placement's rules (``PLACEMENT_HOOKS["paged"]``, composed with the verify
     rounds and the codec's rules: ``PagedKVCache`` rows in ``PagedKvRows``, all three
     roles; affine pools at the example's codec, codes compared exactly).
 
-    Every base rule and every verify round runs on paged storages; the base machine's
+    Every K/V rule (it drives them under pool pressure) and every verify round runs on
+    paged storages; the base machine's
     model is the contiguous KV (``KVCache``'s bytes), so every read, row view, extracted
     row and saved state is compared bit-exact with the same tokens stored contiguously,
     with the other implementation and with a solo replay. After every rule the pools the

@@ -115,11 +115,6 @@ def encoded_codec(
     return chosen, first
 
 
-def check_latent_codec(codec: LatentCodec, rank: int) -> None:
-    """Raise ``InvalidInputError`` unless ``codec`` stores a latent of ``rank`` values."""
-    Latent(inner=codec).check_head_dim(rank)
-
-
 def _shape(array: Any) -> tuple[int, ...]:
     return tuple(int(n) for n in array.shape)
 

@@ -51,12 +51,14 @@ from kvrows.errors import (
     positional_arguments_message,
     wrong_geometry_message,
 )
+from kvrows.kinds import KindRegistry
 from kvrows.schemes import CodecSpec, GeometrySpec, Plain
 from kvrows.validation import KvGeometry, as_count
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "FREE",
+    "PLACEMENTS",
     "ROOT_HASH",
     "AnyCodecParameters",
     "BlockLedger",
@@ -110,6 +112,12 @@ def held_blocks(offset: int, retained: int, sinks: int, block_size: int) -> set[
     return blocks
 
 
+#: The placement specs by kind (contract §0.4; contiguous, the default, has no spec yet):
+#: what asks whether a composition is paged looks its kind up here.
+PLACEMENTS: KindRegistry[Any] = KindRegistry("placement", "placement")
+
+
+@PLACEMENTS.register
 @dataclass(frozen=True, kw_only=True)
 class Paged:
     """The paged token geometry: positions live in blocks of ``block_size`` tokens."""

@@ -186,6 +186,17 @@ def test_runner_runs_the_affine_family() -> None:
     assert "examples per variant: bits=" in report
 
 
+@pytest.mark.parametrize(
+    "family", ["rotating", "speculative", "turbo", "delayed", "delayed-turbo", "recurrent"]
+)
+def test_runner_runs_the_family(family: str) -> None:
+    """``kvrows conform --family <family>`` in small: every layout runs, passes and is
+    reported."""
+    layouts = [spec.name for spec in FAMILIES[family].layouts]
+    _, report = run_runner(family, layouts, 2, 6)
+    assert family in report and all(layout in report for layout in layouts)
+
+
 #: Every (family, layout) the machines drive: the CLI, the tests and their coverage
 #: requirements name them, so deriving the families must keep them.
 FAMILY_LAYOUTS = [
@@ -253,8 +264,9 @@ def test_layouts_draw_what_their_rows_say(data: st.DataObject) -> None:
 def test_machines_are_composed_from_the_hook_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """No machine is written per family: each is the rules its rows name, composed in one
     order (the geometry's round rules, the speculative modifier's, the geometry's, the
-    codec's) over the base machine; the same rules give the same machine."""
+    codec's, the writer's) over the root machine; the same rules give the same machine."""
     from kvrows.conformance import families, hooks
+    from kvrows.conformance.machines import KvRules
     from kvrows.conformance.rules import (
         AffineRules,
         PagedRules,
@@ -270,18 +282,30 @@ def test_machines_are_composed_from_the_hook_rows(monkeypatch: pytest.MonkeyPatc
         machine = load() if load is not None else ConformanceMachine
         return [c for c in machine.__mro__ if c.__name__.endswith("Rules")]
 
-    assert rules("plain", "PaddedKVRows") == []
-    assert rules("affine", "PaddedQuantKVRows") == [AffineRules]
-    assert rules("rotating", "RotatingAffineLayout") == [RingRules]  # the ring's own merges
-    assert rules("speculative", "BatchedKVCache") == [RoundRules]
-    assert rules("speculative", "BatchedQuantizedKVCache") == [RoundRules, AffineRules]
-    ring_rounds = [RingRoundRules, RoundRules, RingRules]
+    assert rules("plain", "PaddedKVRows") == [KvRules]  # the K/V writer's rules alone
+    assert rules("affine", "PaddedQuantKVRows") == [AffineRules, KvRules]
+    # the ring's own merges
+    assert rules("rotating", "RotatingAffineLayout") == [RingRules, KvRules]
+    assert rules("speculative", "BatchedKVCache") == [RoundRules, KvRules]
+    assert rules("speculative", "BatchedQuantizedKVCache") == [RoundRules, AffineRules, KvRules]
+    ring_rounds = [RingRoundRules, RoundRules, RingRules, KvRules]
     assert rules("speculative", "SpeculativeRotatingAffineLayout") == ring_rounds
-    assert rules("turbo", "BatchedTurboQuantKVCache") == [RoundRules, TurboRules]
-    assert rules("paged-affine", "PagedKvRows") == [RoundRules, PagedRules, AffineRules]
+    assert rules("turbo", "BatchedTurboQuantKVCache") == [RoundRules, TurboRules, KvRules]
+    paged = [RoundRules, PagedRules, AffineRules, KvRules]
+    assert rules("paged-affine", "PagedKvRows") == paged
     # The paged placement over the ring geometry: the placement's rules, then the ring's.
-    paged_ring = [RingRoundRules, RoundRules, PagedRules, RingRules]
+    paged_ring = [RingRoundRules, RoundRules, PagedRules, RingRules, KvRules]
     assert rules("paged-rotating-affine", "PagedRotatingRows") == paged_ring
+    # the latent and recurrent writers' rules and the delayed modifier's, over the root
+    own = (
+        ("latent", "MLACache"),
+        ("recurrent", "BatchedSSMCache"),
+        ("delayed", "DelayedQuantizedKVCache"),
+    )
+    for family, layout in own:
+        fam = FAMILIES[family]
+        load = fam.layout(layout).machine or fam.machine
+        assert load is not None and load().__mro__[1] is ConformanceMachine
     spec = FAMILIES["speculative"]
     assert spec.layout("SpeculativeRotatingKVCache").machine is (
         spec.layout("SpeculativeRotatingAffineLayout").machine
