@@ -293,9 +293,6 @@ def test_machines_are_composed_from_the_hook_rows(monkeypatch: pytest.MonkeyPatc
     assert rules("turbo", "BatchedTurboQuantKVCache") == [RoundRules, TurboRules, KvRules]
     paged = [RoundRules, PagedRules, AffineRules, KvRules]
     assert rules("paged-affine", "PagedKvRows") == paged
-    # The paged placement over the ring geometry: the placement's rules, then the ring's.
-    paged_ring = [RingRoundRules, RoundRules, PagedRules, RingRules, KvRules]
-    assert rules("paged-rotating-affine", "PagedRotatingRows") == paged_ring
     # the latent and recurrent writers' rules and the delayed modifier's, over the root
     own = (
         ("latent", "MLACache"),
@@ -306,6 +303,9 @@ def test_machines_are_composed_from_the_hook_rows(monkeypatch: pytest.MonkeyPatc
         fam = FAMILIES[family]
         load = fam.layout(layout).machine or fam.machine
         assert load is not None and load().__mro__[1] is ConformanceMachine
+    # The paged placement over the ring geometry: the placement's rules, then the ring's.
+    paged_ring = [RingRoundRules, RoundRules, PagedRules, RingRules, KvRules]
+    assert rules("paged-rotating-affine", "PagedRotatingRows") == paged_ring
     spec = FAMILIES["speculative"]
     assert spec.layout("SpeculativeRotatingKVCache").machine is (
         spec.layout("SpeculativeRotatingAffineLayout").machine
