@@ -495,9 +495,10 @@ class PagedRows(PagedSurface, Storage):
         return () if self._pool is None else self._pool.held_arrays()
 
     # -- writes: the row machinery's hook ------------------------------------------------
-    def _write(self, block: PlaneSet, rows: int, n: int, geometry: KvGeometry) -> None:
+    def _write(self, encoded: dict[int, PlaneSet], rows: int, n: int, geometry: KvGeometry) -> None:
         """The pool first (it may refuse, changing nothing but what it learnt), then the
-        compact rows (``Storage._write``)."""
+        compact rows (``Storage._write``); one stage (``PAGED_ONE_STAGE``)."""
+        (block,) = encoded.values()
         tables = self._rows or [self._new_row() for _ in range(rows)]
         room = len(tables) * math.ceil(n / self.block_size)
         pool = self._ensure_pool(geometry, room)
@@ -510,7 +511,7 @@ class PagedRows(PagedSurface, Storage):
                 pool.open(cast(PagedRow, table), touch=False)
         self._rows = tables
         self._watch()
-        super()._write(block, rows, n, geometry)
+        super()._write(encoded, rows, n, geometry)
         for table in tables:  # a ring's positions that left its window: their blocks
             pool.release_outside(table)
 

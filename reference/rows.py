@@ -599,36 +599,32 @@ class Storage(SavedState, ComposedIdentity):
 
     def _write_blocks(self, blocks: dict[str, Any], shapes: Any) -> None:
         """The one write (``update_and_fetch``, a latent ``append``): checked blocks
-        ``[rows, heads, n, ·]`` per tensor, encoded once, row ``b``'s share to row ``b``;
-        then the storage knows ``shapes``."""
+        ``[rows, heads, n, ·]`` per tensor, encoded once per stage holding rows, row
+        ``b``'s share of its stage's encoding to row ``b`` (:meth:`_write`); then the
+        storage knows ``shapes``."""
         first = next(iter(blocks.values()))
         rows, n = int(first.shape[0]), int(first.shape[TOKEN_AXIS])
-        stages = self._row_stage_set()
         encoded = {
             stage: {t: self._stages[stage].encode(x, as_role(t)) for t, x in blocks.items()}
-            for stage in stages
+            for stage in self._row_stage_set()
         }
-        if len(stages) == 1:
-            self._write(encoded[stages[0]], rows, n, shapes)
-        else:  # rows of several stages: row ``b``'s share from its stage's encoding
-            self._advance(n)
-            for b, row in enumerate(self._rows):
-                self._axis.append(row, row_share(encoded[row.stage], b), n)
+        self._write(encoded, rows, n, shapes)
         self._take_shapes(shapes)
 
     def _row_stage_set(self) -> list[int]:
         """The stages the rows are in, in order (``_stage`` with no row)."""
         return sorted({row.stage for row in self._rows}) or [self._stage]
 
-    def _write(self, block: PlaneSet, rows: int, n: int, shapes: Any) -> None:
-        """Row ``b`` takes its share of an encoded block of ``rows`` rows and ``n`` tokens
-        (a placement that also mirrors rows elsewhere, paged, overrides it and may refuse
-        first, changing nothing)."""
+    def _write(self, encoded: dict[int, PlaneSet], rows: int, n: int, shapes: Any) -> None:
+        """Row ``b`` takes its share of its stage's encoding (``encoded``: per stage holding
+        rows, the storage's stage before any row) of a block of ``rows`` rows and ``n``
+        tokens (a placement that also mirrors rows elsewhere, paged, overrides it and may
+        refuse first, changing nothing)."""
         if not self._rows:  # a serial storage learns its rows from its first block
             self._rows = [self._new_row() for _ in range(rows)]
         self._advance(n)
         for b, row in enumerate(self._rows):
-            self._axis.append(row, row_share(block, b), n)
+            self._axis.append(row, row_share(encoded[row.stage], b), n)
 
     def _window(self, row: Row) -> PlaneSet | None:
         """Copies of ``row``'s window in temporal order (``None`` before its first write)."""
