@@ -1086,7 +1086,8 @@ class PagedRing(PagedRows):
         self._retained = []
 
     def _changed(self) -> None:
-        Storage._changed(self)  # every row from column 0: no pads (the ragged ring's)
+        # Every row from column 0 (the ragged ring's): not the right-alignment of growing rows.
+        super(PagedRows, self)._changed()
         if len(self._pads) != len(self._offsets) or any(self._pads):
             self._pads = [0] * len(self._offsets)
 

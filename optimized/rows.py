@@ -354,13 +354,61 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         if self._geometry is not None:
             target.check(self._geometry)  # head dims the codec stores
         if self._planes is not None:
-            self._planes = {
-                t: target.encode(source.decode(held, as_role(t)), as_role(t))
-                for t, held in self._planes.items()
-            }
+            rows = list(range(len(self._offsets)))
+            self._planes = self._converted(self._planes, rows, source, target)
             mx.eval(*arrays(self._planes))
         self.codec = target
         self._changed()
+
+    def _converted(
+        self, planes: PlaneSet, rows: list[int], source: Codec, target: Codec
+    ) -> PlaneSet:
+        """Slots holding ``rows`` (batch rows, in slot order; spare slots after them)
+        decoded by ``source`` and encoded by ``target``, per token; a column that holds no
+        token of its slot's row (its left pad, past its end, a spare slot) is ``target``'s
+        zeros, as a merge or a load lays it (contract §0.5: never the encoding of a pad)."""
+        encoded = {
+            t: target.encode(source.decode(held, as_role(t)), as_role(t))
+            for t, held in planes.items()
+        }
+        held = self._held_columns(rows, token_count(planes))
+        if held is None:
+            return encoded
+        spare = int(arrays(planes)[0].shape[0]) - len(rows)
+        if spare:
+            held = mx.concatenate([held, mx.zeros((spare, *held.shape[1:]), mx.bool_)])
+        return mapped(encoded, lambda p: mx.where(held, p, mx.array(0, p.dtype)))
+
+    def _held_columns(self, rows: list[int], columns: int) -> mx.array | None:
+        """Which of the ``columns`` physical columns of slots holding ``rows`` (in slot
+        order) hold a token of their row: bool ``[len(rows), 1, columns, 1]``. ``None``:
+        every column may (a geometry that reads no column outside its rows' tokens)."""
+        return None
+
+    @property
+    def _masked_read_zeros(self) -> bool:
+        """Whether the columns a read masks must hold the codec's zeros (contract §0.5: a
+        delayed layout's, whose saved form keeps only the rows' tokens, so a load lays
+        zeros there); elsewhere they are unspecified (contract §3) and a trim or a join
+        pays no clearing."""
+        return "delayed" in self.composition.modifiers
+
+    def _clear_rows(self, first: Sequence[int], counts: Sequence[int]) -> None:
+        """Row ``b``'s columns ``[first[b], first[b] + counts[b])`` in its store read zeros
+        (every codec's ``zeros``) again, in place: one scatter per plane of each store."""
+        for store in self._store_list():
+            cells = [
+                (slot, column)
+                for slot, b in enumerate(store.rows)
+                for column in range(first[b], first[b] + counts[b])
+            ]
+            if store.planes is None or not cells:
+                continue
+            slots = mx.array([slot for slot, _ in cells])
+            columns = mx.array([column for _, column in cells])
+            for plane in arrays(store.planes):
+                shape = (len(cells), int(plane.shape[1]), int(plane.shape[3]))
+                plane[slots, :, columns] = mx.zeros(shape, plane.dtype)
 
     def _row_slots(self) -> list[tuple[Store, int]]:
         """Each row's store and slot there, in batch order (several stores): the one map
@@ -450,13 +498,11 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             joined = sorted(into.rows + rows)
             if store.planes is not None:
                 slots = mx.array([store.rows.index(b) for b in rows])
-                moved = {
-                    t: target.encode(
-                        source.decode(tuple(mx.take(p, slots, axis=0) for p in held), as_role(t)),
-                        as_role(t),
-                    )
+                taken = {
+                    t: tuple(mx.take(p, slots, axis=0) for p in held)
                     for t, held in store.planes.items()
                 }
+                moved = self._converted(taken, rows, source, target)
                 into.planes = self._merged_slots(into.planes, into.rows, moved, rows)
                 if staying:
                     kept = [store.rows.index(b) for b in staying]

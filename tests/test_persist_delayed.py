@@ -193,6 +193,106 @@ def test_a_saved_delayed_layout_loads_bit_exact_and_goes_on_alike(
         assert mine.offset == theirs.offset and mine.signature() == theirs.signature()
 
 
+def _saved_and_loaded(impl: Any, layout: Delayed, folder: Path) -> Delayed:
+    path = folder / f"{type(layout).__name__}.safetensors"
+    save_prompt_cache(path, [layout])
+    (loaded,) = load_prompt_cache(path, implementation=impl.__name__.rsplit(".", 1)[-1])
+    return loaded
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_a_converted_padded_row_loads_bit_exact_masked_columns_included(
+    tmp_path: Path, ring: bool
+) -> None:
+    """The deep profile's case (``start=0``, rows of 1 and 2 tokens): the merge converts
+    both rows, the shorter one padded (full attention: column 0; ring: its column 2). Its
+    masked column reads the target's zeros (scale and bias 0, not the encoding of a zero
+    vector) in both twins, live and loaded alike (contract §0.5, ``spec/bf16-first.md``)."""
+    reads: dict[str, list[list[bytes]]] = {}
+    for name, impl in IMPLS.items():
+        layout = _empty(impl, ring, 0)
+        layout.merge_rows([_row(impl, ring, 0, n, seed, False) for seed, n in enumerate([1, 2])])
+        assert layout.phase == "packed"
+        loaded = _saved_and_loaded(impl, layout, tmp_path)
+        assert record(loaded) == record(layout) and rows(loaded) == rows(layout)
+        reads[name] = [_read(impl, loaded, seed) for seed in (100, 101)]
+        assert [_read(impl, layout, seed) for seed in (100, 101)] == reads[name]
+        scales = np.frombuffer(reads[name][0][1], np.float16).reshape(2, 2, 3, -1)
+        masked = scales[0, :, 2 if ring else 0]
+        assert masked.view(np.uint16).tolist() == np.zeros_like(masked).view(np.uint16).tolist()
+    assert reads["reference"] == reads["optimized"]
+
+
+#: Row operations that leave a column a row does not hold inside the read: a ragged trim
+#: (its forgotten columns), a merge into a spare slot after a filter (the new row's pads),
+#: conversions of padded rows at a boundary; each read and the loaded layout's next one are
+#: compared between the twins and with the live layout, byte for byte.
+_SEQUENCES = [
+    (False, 0, [1, 1, 2], [("trim", [0, 0, 2])]),
+    (True, 1, [2, 8], [("trim", [2, 0])]),
+    (False, 4, [1, 4, 5], [("round", 1), ("trim", [0, 2, 0]), ("append", 1)]),
+    (False, 2, [9, 9, 7], [("merge", 3), ("filter", [0, 2, 3]), ("merge", 2)]),
+    (False, 8, [1, 7], [("round", 1), ("merge", 4)]),
+    (False, 3, [1, 3], [("append", 2), ("trim", [1, 0]), ("append", 1)]),
+]
+
+
+def _read_planes(impl: Any, layout: Delayed, seed: int, tokens: int = 1) -> list[Any]:
+    """``_read``'s append, as every plane the read returns (a mixed read: each stage's
+    rows and planes, as ``attend_rows`` hands them to an ``attend``), as bytes."""
+    rng = np.random.default_rng(seed)
+    shape = (layout.batch_size, 2, tokens, DIM)
+    keys, values = (_native(impl, rng.standard_normal(shape)) for _ in range(2))
+
+    def planes(read: Any) -> list[bytes]:
+        sides = [p for side in read for p in (side if isinstance(side, tuple) else (side,))]
+        return [as_numpy(p).tobytes() for p in sides]
+
+    with row_reads():
+        got = layout.update_and_fetch(keys, values)
+    if not isinstance(got[0], RowAttentionPending):
+        return planes(got)
+    parts: list[Any] = []
+
+    def attend(queries: Any, part: Any, k: Any, v: Any, mask: Any, scale: float) -> Any:
+        parts.append((part.rows, planes((k, v))))
+        return queries
+
+    layout.attend_rows(_native(impl, rng.standard_normal(shape)), 0.125, attend)
+    return parts
+
+
+@pytest.mark.parametrize(("ring", "start", "lengths", "steps"), _SEQUENCES)
+def test_masked_columns_read_zeros_after_every_row_operation(
+    tmp_path: Path, ring: bool, start: int, lengths: list[int], steps: list[tuple[str, Any]]
+) -> None:
+    seen: dict[str, list[list[Any]]] = {}
+    for name, impl in IMPLS.items():
+        layout = _empty(impl, ring, start)
+        layout.merge_rows(
+            [_row(impl, ring, start, n, seed, False) for seed, n in enumerate(lengths)]
+        )
+        reads = []
+        for step, (op, arg) in enumerate(steps):
+            if op == "trim":
+                layout.trim_rows(arg)
+            elif op == "filter":
+                layout.filter_rows(arg)
+            elif op == "merge":
+                layout.merge_rows([_row(impl, ring, start, arg, 50 + step, False)])
+            elif op == "append":
+                reads.append(_read_planes(impl, layout, seed=step, tokens=arg))
+            else:
+                layout.spec_round_begin()
+                reads.append(_read_planes(impl, layout, seed=step, tokens=2))
+                layout.spec_round_rollback([arg] * layout.batch_size)
+        loaded = _saved_and_loaded(impl, layout, tmp_path)
+        reads.append(_read_planes(impl, loaded, 100))
+        assert _read_planes(impl, layout, 100) == reads[-1]
+        seen[name] = reads
+    assert seen["reference"] == seen["optimized"]
+
+
 @pytest.mark.parametrize("name", sorted(IMPLS))
 @pytest.mark.parametrize("ring", [False, True])
 def test_every_phase_round_trips_through_from_state(name: str, ring: bool) -> None:

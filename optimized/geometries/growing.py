@@ -112,6 +112,13 @@ class GrowingGeometry(Storage):
         stop = start + self.width
         return {t: tuple(p[:batch, :, start:stop] for p in h) for t, h in store.planes.items()}
 
+    def _held_columns(self, rows: list[int], columns: int) -> mx.array:
+        """Row ``b``'s tokens sit at ``[origin + pad, origin + pad + offset)``."""
+        first = mx.array([self._origin + self._pads[b] for b in rows])[:, None]
+        last = first + mx.array([self._offsets[b] for b in rows])[:, None]
+        column = mx.arange(columns)[None, :]
+        return ((column >= first) & (column < last))[:, None, :, None]
+
     def _append(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
         serial = isinstance(self, Serial)
         origin = self._origin
@@ -197,6 +204,9 @@ class GrowingGeometry(Storage):
                 self._planes = store.planes
             assert self._planes is not None
             end = self._origin + target
+            if fits and self._masked_read_zeros:  # a spare slot may hold a copy of a row
+                for plane in arrays(self._planes):
+                    plane[batch:joined] = 0
             for slot, ((held, _), count) in enumerate(
                 zip(incoming, tokens, strict=True), start=batch
             ):
@@ -241,6 +251,10 @@ class GrowingGeometry(Storage):
                     if store.planes is None:  # a stage joining: a store at the same columns
                         count = spare_slots(need[s])
                         store.planes = self._zeros(count, capacity, geometry, store.codec)
+                    elif need[s] > len(store.rows) and self._masked_read_zeros:
+                        # A spare slot may hold a copy of a row: the new rows' pads read zeros.
+                        for plane in arrays(store.planes):
+                            plane[len(store.rows) : need[s]] = 0
             else:
                 wanted = {s: spare_slots(count) for s, count in need.items()}
                 self._reallocated(list(stores.values()), round_up(target + 1), grow, wanted)
@@ -370,7 +384,15 @@ class GrowingGeometry(Storage):
 
     def _forget(self, counts: Sequence[int], *, justify: bool = False) -> None:
         if not (justify and self.composition.shared_column and len(set(counts)) > 1):
-            return  # the rows keep their columns; the offsets move afterwards
+            # The rows keep their columns; the offsets move afterwards. A ragged row's
+            # forgotten columns stay in the read (before a longer row's end): they read
+            # zeros, as a load lays them (contract §0.5).
+            if self.composition.arrangement == "ragged" and self._masked_read_zeros:
+                ends = [
+                    self._origin + p + t for p, t in zip(self._pads, self._offsets, strict=True)
+                ]
+                self._clear_rows([e - c for e, c in zip(ends, counts, strict=True)], counts)
+            return
         # A shared-column rollback: each row rolls right so every row ends at the longest
         # kept row's end again (what MLA's seed does with a roll).
         kept = [t - c for t, c in zip(self._offsets, counts, strict=True)]

@@ -764,6 +764,11 @@ class RaggedRing(RingGeometry):
         assert store.planes is not None
         return _columns(store.planes, 0, max(self._retained))
 
+    def _held_columns(self, rows: list[int], columns: int) -> mx.array:
+        """Row ``b``'s retained tokens sit at ``[0, retained)``."""
+        held = mx.array([self._retained[b] for b in rows])[:, None]
+        return (mx.arange(columns)[None, :] < held)[:, None, :, None]
+
     def _gather_slots(self, planes: PlaneSet, slots: list[int]) -> PlaneSet:
         """Exactly ``slots`` (the hooks write every slot of a store: no spare ones)."""
         if slots == list(range(int(arrays(planes)[0].shape[0]))):
@@ -920,6 +925,10 @@ class RaggedRing(RingGeometry):
                 )
 
     def _forget(self, counts: Sequence[int], *, justify: bool = False) -> None:
+        # The forgotten columns stay in the read (before a longer row's end): they read
+        # zeros, as a load lays them (contract §0.5).
+        if self._masked_read_zeros:
+            self._clear_rows([r - c for r, c in zip(self._retained, counts, strict=True)], counts)
         self._retained = [r - c for r, c in zip(self._retained, counts, strict=True)]
 
     def _check_geometry(self) -> None:
