@@ -973,6 +973,11 @@ def run_latent_demo(
                 keep_logits=True, paged=paged,
             )  # fmt: skip
             results, stats = engine.run(trace)
+            if engine.paged is not None:
+                # Paged admission reserves whole blocks: one token's share of a block
+                # (as --paged reports it), not a block per token.
+                block = engine.paged.block_size
+                stats.kv_bytes_per_token = engine.admission.bytes(block) // block
             if paged:
                 same = (
                     "same" if [r.tokens for r in results] == [r.tokens for r in flat] else "differ"
