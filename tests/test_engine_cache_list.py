@@ -160,6 +160,20 @@ def test_paged_attention_parts_give_the_contiguous_run(models: dict[str, Any]) -
         assert report.ok and report.mismatches == 0, (arch, report)
 
 
+def test_paged_cache_list_speculative_rounds(models: dict[str, Any]) -> None:
+    """falcon_h1 paged with a draft: the paged attention part rolls back by trimming its
+    table, the Mamba2 part by replay; the draft changes no token."""
+    model = models["falcon_h1"]
+    trace = builtin_trace(4)
+    plain, _ = Engine(model, max_batch=4, prefill_chunk=CHUNK).run(trace)
+    drafted, stats = Engine(
+        model, max_batch=4, prefill_chunk=CHUNK, paged=True, block_size=8,
+        draft_model=draft_model(model),
+    ).run(trace)  # fmt: skip
+    assert [r.tokens for r in drafted] == [r.tokens for r in plain]
+    assert stats.drafted > 0
+
+
 def test_paged_cache_list_prefix_hits_at_whole_blocks(models: dict[str, Any]) -> None:
     """falcon_h1 paged: a follow-up takes a published prompt row when its length is a whole
     number of blocks (the attention part references the pool's blocks, the Mamba2 part is
