@@ -307,10 +307,9 @@ class PagedLayers:
     def __init__(self, fresh: Callable[[], list[Any]], *, block_size: int = DEFAULT_BLOCK_SIZE):
         self._fresh = fresh
         template = fresh()
-        #: Per layer, the drop-in whose ``regroup`` puts its parts together again (``None``:
-        #: a layer of one cache).
-        self._groups: list[Any] = [c if isinstance(c, DropInParts) else None for c in template]
-        slots = self._slots(template)
+        #: The layers' forms: a layer of several caches regroups its slots (``regroup``).
+        self._template = template
+        slots = _slots_of(template)
         #: Per slot, what a pool's cache becomes as the model takes it (a drop-in's form).
         self._forms: list[Callable[[Any], Any]] = [
             cache.rewrap if isinstance(cache, DropInWrapper) else _as_is for cache in slots
@@ -335,44 +334,28 @@ class PagedLayers:
         #: from the engine's ``PrefixCache``.
         self.mixed = not all(pool is not None for pool in self.pools)
 
-    # -- slots -----------------------------------------------------------------------------
-    def _slots(self, layers: Sequence[Any]) -> list[Any]:
-        """Per layer its parts (a layer of several caches) or itself, in order."""
-        out: list[Any] = []
-        for layer, group in zip(layers, self._groups, strict=True):
-            out.extend(layer.parts if group is not None else (layer,))
-        return out
-
-    def _layers(self, slots: Sequence[Any]) -> list[Any]:
-        """The layers of per-slot caches: each group's parts regrouped in its form."""
-        rest = iter(slots)
-        return [
-            next(rest) if group is None else group.regroup([next(rest) for _ in group.parts])
-            for group in self._groups
-        ]
-
     # -- caches ----------------------------------------------------------------------------
     def caches(self) -> list[Any]:
         """A request's fresh caches: paged slots as empty ``PagedKVCache``s of their pool
         (a slot with a paged form of its own: that form in its pool)."""
         out: list[Any] = []
-        for cache, pool in zip(self._slots(self._fresh()), self.pools, strict=True):
+        for cache, pool in zip(_slots_of(self._fresh()), self.pools, strict=True):
             if pool is None:
                 out.append(cache)
             elif isinstance(cache, PagedForm):
                 out.append(cache.in_pool(pool))
             else:
                 out.append(PagedKVCache(pool=pool))
-        return self._layers(out)
+        return _regrouped(out, self._template)
 
     def probe_caches(self, caches: Sequence[Any]) -> list[Any]:
         """``caches`` (fresh serial ones) with their paged slots in private pools: a probe
         that leaves the shared pools untouched."""
         slots = [
             _probe_cache(cache, pool, self.block_size)
-            for cache, pool in zip(self._slots(caches), self.pools, strict=True)
+            for cache, pool in zip(_slots_of(caches), self.pools, strict=True)
         ]
-        return self._layers(slots)
+        return _regrouped(slots, self._template)
 
     # -- the prefix path -------------------------------------------------------------------
     def _paged_pools(self) -> list[Any]:
@@ -428,11 +411,11 @@ class PagedLayers:
             if fed < common:
                 hit.trim(common - fed)  # a partial tail stays shared: copied on its next write
             slots.append(hit)
-        return fed, self._layers(slots)
+        return fed, _regrouped(slots, self._template)
 
     def publish_rows(self, layouts: Sequence[Any], row: int, covered: Sequence[int]) -> None:
         """Register row ``row``'s full blocks of ``covered`` in each paged slot's pool."""
-        for layout in map(_behind, self._slots(layouts)):
+        for layout in map(_behind, _slots_of(layouts)):
             if (
                 isinstance(layout, PagedRows)
                 and isinstance(layout, BatchableCache)
@@ -443,7 +426,7 @@ class PagedLayers:
     def publish_serial(self, caches: Sequence[Any], covered: Sequence[int]) -> None:
         """Register a serial row's full blocks (a row that finished on its first token; a
         latent cache is its own one-row layout)."""
-        for cache in map(_behind, self._slots(caches)):
+        for cache in map(_behind, _slots_of(caches)):
             if not isinstance(cache, PagedRows):
                 continue
             if isinstance(cache, BatchableCache):
@@ -457,7 +440,7 @@ class PagedLayers:
     def unpaged_layers(self, caches: Sequence[Any]) -> list[Any]:
         """The slots of ``caches`` that are not paged (what the ``PrefixCache`` keeps of a
         mixed model's row: a layer of several caches gives its unpaged parts)."""
-        return [c for c, pool in zip(self._slots(caches), self.pools, strict=True) if pool is None]
+        return [c for c, pool in zip(_slots_of(caches), self.pools, strict=True) if pool is None]
 
     # -- bytes -----------------------------------------------------------------------------
     def held_bytes(self) -> int:
@@ -473,11 +456,7 @@ class PagedLayers:
     def unpaged_bytes(caches: Iterable[Any]) -> int:
         """``nbytes`` of the caches and layouts that are not paged (the pools count those;
         a layer of several caches counts its unpaged parts)."""
-        total = 0
-        for cache in caches:
-            parts = cache.parts if isinstance(cache, DropInParts) else (cache,)
-            total += sum(p.nbytes for p in parts if not isinstance(_behind(p), PagedRows))
-        return total
+        return sum(c.nbytes for c in _slots_of(caches) if not isinstance(_behind(c), PagedRows))
 
 
 def _probe_cache(cache: Any, pool: Any, block_size: int) -> Any:
@@ -655,7 +634,7 @@ class Engine:
         #: Per stored cache (a layer, or each part of a layer of several caches: the store
         #: saves parts), the signatures a loaded one may have.
         self._signatures = [
-            _signatures_of(c) for c in _stored_parts(make_kvrows_cache(model, self.scheme))
+            _signatures_of(c) for c in _slots_of(make_kvrows_cache(model, self.scheme))
         ]
         self._stats = EngineStats()
 
@@ -1228,7 +1207,7 @@ class Engine:
         if self.prefix_store is not None:
             started = time.perf_counter()
             try:
-                stored = self.prefix_store.put(covered, _stored_parts(caches))
+                stored = self.prefix_store.put(covered, _slots_of(caches))
                 self._stats.store_writes += stored > 0
             except (KvRowsError, OSError):
                 self._stats.store_errors += 1
@@ -1343,9 +1322,10 @@ def _merge_prepared(
             layout.merge_rows(sources)
 
 
-def _stored_parts(caches: Sequence[Any]) -> list[Any]:
-    """What the disk store saves of per-layer caches: each layer, or each part of a layer of
-    several caches (``DropInParts``: the store's files record one cache per entry)."""
+def _slots_of(caches: Iterable[Any]) -> list[Any]:
+    """Per-layer caches as **slots**: each layer, or each part of a layer of several caches
+    (``DropInParts``), in order. The paged option pools slots; the disk store saves them
+    (its files record one cache per entry layer)."""
     out: list[Any] = []
     for cache in caches:
         out.extend(cache.parts if isinstance(cache, DropInParts) else (cache,))
@@ -1353,8 +1333,8 @@ def _stored_parts(caches: Sequence[Any]) -> list[Any]:
 
 
 def _regrouped(parts: Sequence[Any], fresh: Sequence[Any]) -> list[Any]:
-    """Loaded caches (:func:`_stored_parts`' order) as the model's layers: each layer of
-    several caches regrouped in the form of ``fresh``'s (``regroup``)."""
+    """Per-slot caches (:func:`_slots_of`) as the model's layers: each layer of several
+    caches regrouped in the form of ``fresh``'s (``regroup``)."""
     rest = iter(parts)
     return [
         layer.regroup([next(rest) for _ in layer.parts])
