@@ -212,7 +212,8 @@ def _parser() -> argparse.ArgumentParser:
         "--mla",
         action="store_true",
         help="the tiny MLA models (deepseek_v32, glm_moe_dsa) on latent caches through the engine, with the "
-        "batch-invariance check (schemes: plain, affine8, affine4, turbo-v4)",
+        "batch-invariance check (schemes: plain, affine8, affine4, turbo-v4); with --paged, "
+        "through the paged engine (one latent block pool per layer)",
     )
 
     commands.add_parser(
@@ -354,6 +355,8 @@ _DEMO_MODE_OPTIONS = (
 
 def _demo_mode(args: argparse.Namespace) -> str:
     modes = [flag for flag in ("paged", "speculative", "mla") if getattr(args, flag)]
+    if args.mla and args.paged and not args.speculative:  # the MLA demo, paged
+        return "mla"
     if len(modes) > 1:
         raise CommandLineError(
             f"--{modes[0]} and --{modes[1]} are separate demos: choose one of them"
@@ -370,6 +373,11 @@ def _check_demo(args: argparse.Namespace) -> None:
             where = "the main demo" if mode == "main" else f"--{mode}"
             users = " or ".join("the main demo" if m == "main" else f"--{m}" for m in takes)
             raise CommandLineError(f"argument {option}: {where} does not take it (only {users})")
+    if mode == "mla" and args.paged and args.kv_start is not None:
+        raise CommandLineError(
+            "argument --kv-start: --mla --paged does not take it (a bf16-first start has no "
+            "paged layout)"
+        )
     if args.prefix_store_bytes is not None and args.prefix_store is None:
         raise CommandLineError("argument --prefix-store-bytes: needs --prefix-store DIR")
     store = args.prefix_store
@@ -434,6 +442,8 @@ def _run(args: argparse.Namespace) -> int:
         }
         if mode != "mla":  # the latent demo prints no progress
             options["progress"] = not args.quiet
+        elif args.paged:
+            options["paged"] = True
         run_demo = getattr(demo, _DEMOS[mode])
         return int(
             run_demo(

@@ -49,7 +49,9 @@ capabilities: recurrent state (``StateWritten``) rolls back in verify rounds by 
 (``kvrows.app.models.check_speculative_rounds``); an MLA model's layer objects (the latent
 drop-ins, ``DropInWrapper``) join their latent caches' layouts through the table, and a
 prefix loaded from disk is put behind a drop-in again (``spec/engine.md`` §15); paged,
-each latent layer gets a pool of its own form (``PagedForm``).
+each latent layer gets a pool of its own form (``PagedForm``), and a layer of several
+caches (``DropInParts``: falcon_h1's ``CacheList``) is paged part by part: its attention
+part in its pool, its recurrent part contiguous (``spec/engine.md`` §16).
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ from kvrows.protocols import (
     BatchableCache,
     Cache,
     Converting,
+    DropInParts,
     DropInWrapper,
     Handover,
     PagedForm,
@@ -295,18 +298,24 @@ class PagedLayers:
     """The pools of an engine's paged layers and the prefix path over them.
 
     ``fresh``: a callable returning a request's fresh per-layer serial caches
-    (``make_kvrows_cache``); the paged layers are those :func:`pageable` says, each with
-    its own pool of ``block_size`` tokens per block (its codec and declared geometry)."""
+    (``make_kvrows_cache``). A layer of several caches (a ``DropInParts``: falcon_h1's
+    ``CacheList``) is paged part by part: its **slots** are its parts, any other layer is
+    one slot. The paged slots are those :func:`pageable` says (or a ``PagedForm``), each
+    with its own pool of ``block_size`` tokens per block (its codec and declared geometry);
+    ``pools`` is per slot (``None``: not paged)."""
 
     def __init__(self, fresh: Callable[[], list[Any]], *, block_size: int = DEFAULT_BLOCK_SIZE):
         self._fresh = fresh
         template = fresh()
-        #: Per layer, what a pool's cache becomes as the model takes it (a drop-in's form).
+        #: The layers' forms: a layer of several caches regroups its slots (``regroup``).
+        self._template = template
+        slots = _slots_of(template)
+        #: Per slot, what a pool's cache becomes as the model takes it (a drop-in's form).
         self._forms: list[Callable[[Any], Any]] = [
-            cache.rewrap if isinstance(cache, DropInWrapper) else _as_is for cache in template
+            cache.rewrap if isinstance(cache, DropInWrapper) else _as_is for cache in slots
         ]
         self.pools: list[Any] = []
-        for cache in template:
+        for cache in slots:
             if isinstance(cache, PagedForm):  # a form with its own pools (MLA latents)
                 self.pools.append(cache.paged_pool(block_size))
             elif pageable(cache):
@@ -321,31 +330,40 @@ class PagedLayers:
                 f"stores ({', '.join(sorted(PAGED_CODECS))}) and no latent layer"
             )
         self.block_size = block_size
-        #: Whether some layer is not paged (rings, recurrent state): its prefix hits come
+        #: Whether some slot is not paged (rings, recurrent state): its prefix hits come
         #: from the engine's ``PrefixCache``.
         self.mixed = not all(pool is not None for pool in self.pools)
 
     # -- caches ----------------------------------------------------------------------------
     def caches(self) -> list[Any]:
-        """A request's fresh caches: paged layers as empty ``PagedKVCache``s of their pool
-        (a layer with a paged form of its own: that form in its pool)."""
+        """A request's fresh caches: paged slots as empty ``PagedKVCache``s of their pool
+        (a slot with a paged form of its own: that form in its pool)."""
         out: list[Any] = []
-        for cache, pool in zip(self._fresh(), self.pools, strict=True):
+        for cache, pool in zip(_slots_of(self._fresh()), self.pools, strict=True):
             if pool is None:
                 out.append(cache)
             elif isinstance(cache, PagedForm):
                 out.append(cache.in_pool(pool))
             else:
                 out.append(PagedKVCache(pool=pool))
-        return out
+        return _regrouped(out, self._template)
+
+    def probe_caches(self, caches: Sequence[Any]) -> list[Any]:
+        """``caches`` (fresh serial ones) with their paged slots in private pools: a probe
+        that leaves the shared pools untouched."""
+        slots = [
+            _probe_cache(cache, pool, self.block_size)
+            for cache, pool in zip(_slots_of(caches), self.pools, strict=True)
+        ]
+        return _regrouped(slots, self._template)
 
     # -- the prefix path -------------------------------------------------------------------
     def _paged_pools(self) -> list[Any]:
         return [pool for pool in self.pools if pool is not None]
 
     def hit_blocks(self, prompt: Sequence[int]) -> list[list[int]]:
-        """Per paged layer, the cached blocks the prompt's longest usable prefix would take
-        (capped at ``len(prompt) - 1`` tokens; read only, nothing taken), cut to the layers'
+        """Per paged slot, the cached blocks the prompt's longest usable prefix would take
+        (capped at ``len(prompt) - 1`` tokens; read only, nothing taken), cut to the slots'
         common length."""
         found: list[list[int]] = []
         for pool in self._paged_pools():
@@ -361,16 +379,17 @@ class PagedLayers:
         credit = 0
         for pool, blocks in zip(self._paged_pools(), self.hit_blocks(prompt), strict=True):
             held = sum(1 for b in blocks if pool.ledger.ref(b) > 0)
-            credit += held * pool.bytes_per_block
+            if held:  # a pool that has held nothing may not know its geometry yet
+                credit += held * pool.bytes_per_block
         return credit
 
     def lookup(
         self, prompt: Sequence[int], others: Callable[[int], tuple[int, list[Cache]] | None]
     ) -> tuple[int, list[Any]] | None:
-        """The longest usable prefix: ``(tokens, caches)`` whose paged layers reference
-        cached blocks (nothing copied) and, in a mixed model, whose other layers are the
-        copies ``others(limit)`` returns (the ``PrefixCache``'s lookup over those layers,
-        at most ``limit`` tokens, in layer order); ``None`` on a miss."""
+        """The longest usable prefix: ``(tokens, caches)`` whose paged slots reference
+        cached blocks (nothing copied) and, in a mixed model, whose other slots are the
+        copies ``others(limit)`` returns (the ``PrefixCache``'s lookup over those slots,
+        at most ``limit`` tokens, in slot order); ``None`` on a miss."""
         common = len(self.hit_blocks(prompt)[0]) * self.block_size
         if common == 0:
             return None
@@ -382,21 +401,21 @@ class PagedLayers:
                 return None
             fed, copies = found
         rest = iter(copies)
-        caches: list[Any] = []
+        slots: list[Any] = []
         for pool, form in zip(self.pools, self._forms, strict=True):
             if pool is None:
-                caches.append(next(rest))
+                slots.append(next(rest))
                 continue
             hit = form(pool.lookup_prefix(list(prompt[: common + 1])))
             assert hit is not None and hit.offset == common
             if fed < common:
                 hit.trim(common - fed)  # a partial tail stays shared: copied on its next write
-            caches.append(hit)
-        return fed, caches
+            slots.append(hit)
+        return fed, _regrouped(slots, self._template)
 
     def publish_rows(self, layouts: Sequence[Any], row: int, covered: Sequence[int]) -> None:
-        """Register row ``row``'s full blocks of ``covered`` in each paged layer's pool."""
-        for layout in map(_behind, layouts):
+        """Register row ``row``'s full blocks of ``covered`` in each paged slot's pool."""
+        for layout in map(_behind, _slots_of(layouts)):
             if (
                 isinstance(layout, PagedRows)
                 and isinstance(layout, BatchableCache)
@@ -407,7 +426,7 @@ class PagedLayers:
     def publish_serial(self, caches: Sequence[Any], covered: Sequence[int]) -> None:
         """Register a serial row's full blocks (a row that finished on its first token; a
         latent cache is its own one-row layout)."""
-        for cache in map(_behind, caches):
+        for cache in map(_behind, _slots_of(caches)):
             if not isinstance(cache, PagedRows):
                 continue
             if isinstance(cache, BatchableCache):
@@ -419,9 +438,9 @@ class PagedLayers:
                 cache.register_prefix(list(covered))
 
     def unpaged_layers(self, caches: Sequence[Any]) -> list[Any]:
-        """The layers of ``caches`` that are not paged (what the ``PrefixCache`` keeps of a
-        mixed model's row)."""
-        return [c for c, pool in zip(caches, self.pools, strict=True) if pool is None]
+        """The slots of ``caches`` that are not paged (what the ``PrefixCache`` keeps of a
+        mixed model's row: a layer of several caches gives its unpaged parts)."""
+        return [c for c, pool in zip(_slots_of(caches), self.pools, strict=True) if pool is None]
 
     # -- bytes -----------------------------------------------------------------------------
     def held_bytes(self) -> int:
@@ -435,17 +454,19 @@ class PagedLayers:
 
     @staticmethod
     def unpaged_bytes(caches: Iterable[Any]) -> int:
-        """``nbytes`` of the caches and layouts that are not paged (the pools count those)."""
-        return sum(c.nbytes for c in caches if not isinstance(_behind(c), PagedRows))
+        """``nbytes`` of the caches and layouts that are not paged (the pools count those;
+        a layer of several caches counts its unpaged parts)."""
+        return sum(c.nbytes for c in _slots_of(caches) if not isinstance(_behind(c), PagedRows))
 
 
 def _probe_cache(cache: Any, pool: Any, block_size: int) -> Any:
-    """A paged layer's probe cache in a private pool (the shared pools stay untouched)."""
+    """A paged slot's probe cache in a private pool (the shared pools stay untouched)."""
     if pool is None:
         return cache
     if isinstance(cache, PagedForm):
         return cache.in_pool(cache.paged_pool(block_size))
-    return PagedKVCache()
+    private = BlockPool(pool.codec_spec, block_size=block_size, geometry=pool.geometry)
+    return PagedKVCache(pool=private)  # the shared pool's codec and block size: it joins
 
 
 def _as_is(cache: Any) -> Any:
@@ -610,7 +631,11 @@ class Engine:
         self._shared_credit: dict[str, int] = {}
         self.admission = self._admission(model)
         self.draft_admission = None if draft_model is None else self._admission(draft_model)
-        self._signatures = [_signatures_of(c) for c in make_kvrows_cache(model, self.scheme)]
+        #: Per stored cache (a layer, or each part of a layer of several caches: the store
+        #: saves parts), the signatures a loaded one may have.
+        self._signatures = [
+            _signatures_of(c) for c in _slots_of(make_kvrows_cache(model, self.scheme))
+        ]
         self._stats = EngineStats()
 
     def _admission(self, model: Any) -> RowAdmission:
@@ -633,11 +658,7 @@ class Engine:
         except LayoutStateError:
             probe = make_kvrows_cache(model, self.scheme)
             if model is self.model and self.paged is not None:
-                block_size = self.paged.block_size
-                probe = [
-                    _probe_cache(c, p, block_size)
-                    for c, p in zip(probe, self.paged.pools, strict=True)
-                ]
+                probe = self.paged.probe_caches(probe)
             model(mx.array([[0]]), cache=probe)
             for layout, cache in zip(layouts, probe, strict=True):
                 layout.merge_rows([cache])
@@ -903,7 +924,8 @@ class Engine:
                 request.prompt, limit=len(request.prompt) - 1, beyond=fed
             )
             if found is not None and _fits(found[1], self._signatures):
-                fed, caches = found
+                fed = found[0]
+                caches = _regrouped(found[1], make_kvrows_cache(self.model, self.scheme))
                 result.store_hit_tokens = fed
             self._stats.store_read_seconds += time.perf_counter() - started
         result.prefix_hit_tokens = fed
@@ -1185,7 +1207,8 @@ class Engine:
         if self.prefix_store is not None:
             started = time.perf_counter()
             try:
-                self._stats.store_writes += self.prefix_store.put(covered, caches) > 0
+                stored = self.prefix_store.put(covered, _slots_of(caches))
+                self._stats.store_writes += stored > 0
             except (KvRowsError, OSError):
                 self._stats.store_errors += 1
             self._stats.store_write_seconds += time.perf_counter() - started
@@ -1297,6 +1320,28 @@ def _merge_prepared(
             sources.append(cache)
         if sources:
             layout.merge_rows(sources)
+
+
+def _slots_of(caches: Iterable[Any]) -> list[Any]:
+    """Per-layer caches as **slots**: each layer, or each part of a layer of several caches
+    (``DropInParts``), in order. The paged option pools slots; the disk store saves them
+    (its files record one cache per entry layer)."""
+    out: list[Any] = []
+    for cache in caches:
+        out.extend(cache.parts if isinstance(cache, DropInParts) else (cache,))
+    return out
+
+
+def _regrouped(parts: Sequence[Any], fresh: Sequence[Any]) -> list[Any]:
+    """Per-slot caches (:func:`_slots_of`) as the model's layers: each layer of several
+    caches regrouped in the form of ``fresh``'s (``regroup``)."""
+    rest = iter(parts)
+    return [
+        layer.regroup([next(rest) for _ in layer.parts])
+        if isinstance(layer, DropInParts)
+        else next(rest)
+        for layer in fresh
+    ]
 
 
 def _as_legos(caches: list[Cache], fresh: list[Cache]) -> list[Cache]:

@@ -19,8 +19,10 @@ part changes (a refusal leaves every part as it was): ``merge_rows`` is each par
 checks the rows and the rounds first; a round begins only where every part is a verify
 layout.
 
-Not yet: the disk prefix store's files have no record for a list of caches
-(``spec/engine.md`` §16).
+The engine's paged option pages such a layer part by part (its attention part a paged
+cache, regrouped here), and its disk prefix store saves the parts, each through its own
+persistence form, regrouping them on load (``spec/engine.md`` §16): the store's files have
+no record for a list of caches, and need none.
 """
 
 from __future__ import annotations

@@ -126,12 +126,81 @@ def test_speculative_rounds_on_falcon_h1_and_refused_on_baichuan_m1(
         Engine(models["baichuan_m1"], draft_model=models["baichuan_m1"])
 
 
-def test_the_paged_option_refuses_a_model_without_a_pageable_layer(
-    models: dict[str, Any],
-) -> None:
+def test_paged_attention_parts_give_the_contiguous_run(models: dict[str, Any]) -> None:
+    """``paged=True``: a CacheList layer's full-attention part goes into its layer's block
+    pool (the recurrent part and a sliding-window part stay contiguous), so the model's
+    tokens and logits are the contiguous engine's bit for bit, and the solo run's as
+    before."""
+    trace = builtin_trace(6)
     for arch in CACHE_LIST_MODELS:
-        with pytest.raises(InvalidInputError, match="paged: the model has no full-attention"):
-            Engine(models[arch], paged=True)
+        model = models[arch]
+        flat, flat_stats = Engine(model, max_batch=4, prefill_chunk=CHUNK, keep_logits=True).run(
+            trace
+        )
+        engine = Engine(
+            model, max_batch=4, prefill_chunk=CHUNK, keep_logits=True, paged=True, block_size=8
+        )
+        paged, stats = engine.run(trace)
+        assert engine.paged is not None
+        paged_slots = [pool is not None for pool in engine.paged.pools]
+        # per layer (recurrent part, attention part); baichuan_m1's second is a ring
+        expected = [False, True] * 2 if arch == "falcon_h1" else [False, True, False, False]
+        assert paged_slots == expected, arch
+        assert stats.peak_rows > 1 and stats.peak_kv_bytes < flat_stats.peak_kv_bytes
+        for a, b in zip(flat, paged, strict=True):
+            assert a.tokens == b.tokens
+            assert all(
+                mx.array_equal(mx.array(x), mx.array(y))
+                for x, y in zip(a.logits, b.logits, strict=True)
+            )
+        tolerance = MODEL_TOLERANCES.get(arch, 0.0)
+        report = check_invariance(
+            model, KvStorageScheme(), trace, paged, CHUNK, tolerance=tolerance
+        )
+        assert report.ok and report.mismatches == 0, (arch, report)
+
+
+def test_paged_cache_list_speculative_rounds(models: dict[str, Any]) -> None:
+    """falcon_h1 paged with a draft: the paged attention part rolls back by trimming its
+    table, the Mamba2 part by replay; the draft changes no token."""
+    model = models["falcon_h1"]
+    trace = builtin_trace(4)
+    plain, _ = Engine(model, max_batch=4, prefill_chunk=CHUNK).run(trace)
+    drafted, stats = Engine(
+        model, max_batch=4, prefill_chunk=CHUNK, paged=True, block_size=8,
+        draft_model=draft_model(model),
+    ).run(trace)  # fmt: skip
+    assert [r.tokens for r in drafted] == [r.tokens for r in plain]
+    assert stats.drafted > 0
+
+
+def test_paged_cache_list_prefix_hits_at_whole_blocks(models: dict[str, Any]) -> None:
+    """falcon_h1 paged: a follow-up takes a published prompt row when its length is a whole
+    number of blocks (the attention part references the pool's blocks, the Mamba2 part is
+    the ``PrefixCache``'s copy at exactly that length): the contiguous engine's hit, tokens
+    and logits. A prompt ending inside a block gets no hit paged (the pool registers whole
+    blocks, the recurrent state only its exact length), where the contiguous engine has
+    one; the tokens are the same."""
+    model = models["falcon_h1"]
+    for length, paged_hit in ((16, 16), (11, 0)):
+        first = Request("a", tuple(range(3, 3 + length)), 4)
+        second = Request("b", (*first.prompt, 40, 41, 42), 5, arrival=1)
+        flat, _ = Engine(model, max_batch=2, keep_logits=True).run([first, second])
+        engine = Engine(model, max_batch=2, keep_logits=True, paged=True, block_size=8)
+        paged, stats = engine.run([first, second])
+        assert flat[1].prefix_hit_tokens == length
+        assert paged[1].prefix_hit_tokens == paged_hit and stats.prefix_hits == (paged_hit > 0)
+        for a, b in zip(flat, paged, strict=True):
+            assert a.tokens == b.tokens
+            assert all(
+                mx.array_equal(mx.array(x), mx.array(y))
+                for x, y in zip(a.logits, b.logits, strict=True)
+            )
+
+
+def test_the_paged_option_refuses_a_model_without_a_pageable_layer() -> None:
+    with pytest.raises(InvalidInputError, match="paged: the model has no full-attention"):
+        Engine(tiny_model("mamba2"), paged=True)
 
 
 def _rows(model: Any, prompts: list[list[int]]) -> list[Any]:
@@ -215,17 +284,36 @@ def test_a_cache_list_takes_kvrows_caches_and_no_keys() -> None:
         serial.update_and_fetch(mx.zeros((1, 1, 1, 1)), mx.zeros((1, 1, 1, 1)))
 
 
-def test_the_disk_store_cannot_save_a_cache_list_yet(models: dict[str, Any], tmp_path: Any) -> None:
-    """The store's files have no record for a list of caches (spec/engine.md §16): the
-    write is counted as a store error and the request is still served, its tokens the
-    run's without a store."""
+def test_the_disk_store_keeps_cache_list_rows(models: dict[str, Any], tmp_path: Any) -> None:
+    """The store saves a CacheList layer part by part (each part's own record) and the
+    engine regroups a loaded row's parts in the layer's form: a falcon_h1 row saved at a
+    block boundary (its Mamba2 state serves exactly its length) loads into a new engine
+    and gives the cold run's tokens and logits. A row that ends inside a block is not
+    saved (its recurrent part cannot be cut), and nothing fails."""
     model = models["falcon_h1"]
     scheme = KvStorageScheme()
-    store = PrefixStore(
-        tmp_path, byte_budget=1 << 24, block_tokens=4, fingerprint=model_fingerprint(model, scheme)
+
+    def store() -> PrefixStore:
+        return PrefixStore(
+            tmp_path,
+            byte_budget=1 << 24,
+            block_tokens=4,
+            fingerprint=model_fingerprint(model, scheme),
+        )
+
+    first = Request("a", tuple(range(3, 10)), 2)  # covers 7 + 1 = 8 tokens: two blocks
+    results, stats = Engine(model, prefix_store=store()).run([first])
+    assert stats.store_writes == 1 and stats.store_errors == 0
+    follow = Request("b", (*first.prompt, results[0].tokens[0], 50, 60), 3)
+    engine = Engine(model, prefix_store=store(), use_prefix_cache=False, keep_logits=True)
+    loaded, stats = engine.run([follow])
+    assert stats.store_hits == 1 and loaded[0].store_hit_tokens == 8
+    cold, _ = Engine(model, use_prefix_cache=False, keep_logits=True).run([follow])
+    assert loaded[0].tokens == cold[0].tokens
+    assert all(
+        mx.array_equal(mx.array(a), mx.array(b))
+        for a, b in zip(loaded[0].logits, cold[0].logits, strict=True)
     )
-    first = Request("a", tuple(range(3, 10)), 2)
-    stored, stats = Engine(model, prefix_store=store).run([first])
-    assert stats.store_writes == 0 and stats.store_errors == 1
-    plain, _ = Engine(model).run([first])
-    assert stored[0].tokens == plain[0].tokens
+    odd = Request("c", tuple(range(20, 26)), 2)  # covers 7 tokens: no whole block servable
+    _, stats = Engine(model, prefix_store=store()).run([odd])
+    assert stats.store_writes == 0 and stats.store_errors == 0

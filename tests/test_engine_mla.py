@@ -215,6 +215,41 @@ def test_paged_encoded_latents_give_the_contiguous_tokens(models: dict[str, Any]
         Engine(model, latent_scheme("affine8", kv_start=4), paged=True)
 
 
+def test_the_mla_demo_runs_paged(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``kvrows demo --mla --paged``: the paged engine takes the trace's shared system
+    prompts as block hits; every request alone (its hit fed in its source row's appends)
+    gives its batch tokens, logits within the tolerance, under the plain latent (whose
+    tokens are also the contiguous engine's) and an encoded one (whose hit blocks, computed
+    in other appends, may turn a near-tie against the contiguous engine: not failed)."""
+    from kvrows.app import cli, demo
+
+    status = demo.run_latent_demo(
+        schemes=["plain", "affine4"], requests=8, max_batch=4, architectures=["glm_moe_dsa"],
+        paged=True,
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert status == 0, out
+    rows = [line.split() for line in out.splitlines() if line.startswith("glm_moe_dsa")]
+    assert [row[1] for row in rows] == ["plain", "affine4"]
+    for row in rows:
+        generated, hits = int(row[3]), int(row[-7])  # "N (T tok)" before the last four
+        assert hits > 0 and row[-2] == f"0/{generated}" and row[-1] == "PASS"
+        assert float(row[-3]) < 1e-5
+    assert rows[0][-4] == "same"
+    assert [int(row[6]) for row in rows] == [448, 240]  # B/token/layer: a block's share
+    called: list[dict[str, Any]] = []
+
+    def record(**options: Any) -> int:
+        called.append(options)
+        return 0
+
+    monkeypatch.setattr(demo, "run_latent_demo", record)
+    assert cli.main(["demo", "--mla", "--paged", "--scheme", "plain"]) == 0
+    assert called and called[0]["paged"] is True and called[0]["schemes"] == ["plain"]
+
+
 def test_a_drop_in_layout_refuses_misuse(models: dict[str, Any]) -> None:
     model = models["deepseek_v32"]
     rows: list[Any] = []
