@@ -53,8 +53,8 @@ def _status(entry: Composition, families: tuple[str, ...]) -> str:
 
 
 def class_rows() -> list[tuple[str, ...]]:
-    """One row per seed class, in the table's order: name, codec, geometry, arrangement,
-    status, conformance families, spec page."""
+    """One row per seed class, in the table's order: name, codec, geometry, placement,
+    arrangement, status, conformance families, spec page."""
     rows: list[tuple[str, ...]] = []
     for entry in COMPOSITIONS:
         families = families_of(entry.name) if entry.is_landed else ()
@@ -64,6 +64,7 @@ def class_rows() -> list[tuple[str, ...]]:
                 f"`{entry.name}`",
                 entry.codec,
                 entry.geometry,
+                entry.placement,
                 entry.arrangement,
                 _status(entry, families),
                 ", ".join(families) or "-",
@@ -75,7 +76,9 @@ def class_rows() -> list[tuple[str, ...]]:
 
 def classes_table() -> str:
     """The markdown table of :func:`class_rows`, with a count line."""
-    header = ("class", "codec", "geometry", "arrangement", "status", "conformance", "spec")
+    header = (
+        "class", "codec", "geometry", "placement", "arrangement", "status", "conformance", "spec"
+    )  # fmt: skip
     rows = class_rows()
     landed = sum(entry.is_landed for entry in COMPOSITIONS)
     lines = [

@@ -307,15 +307,18 @@ def rejected(results: Sequence[RequestResult]) -> list[RequestResult]:
     return [r for r in results if r.finish_reason == "rejected"]
 
 
-def rejection_line(arch: str, scheme: str, results: Sequence[RequestResult]) -> str | None:
-    """How many of ``results`` were rejected and why (the first one's reason), or ``None``."""
+def note_rejections(
+    lines: list[str], arch: str, scheme: str, results: Sequence[RequestResult]
+) -> int:
+    """How many of ``results`` were rejected; if any, a line saying so and why (the first
+    one's reason) goes to ``lines``."""
     refused = rejected(results)
-    if not refused:
-        return None
-    return (
-        f"{arch} {scheme}: {len(refused)} of {len(results)} requests rejected, "
-        f"the first because {refused[0].error}"
-    )
+    if refused:
+        lines.append(
+            f"{arch} {scheme}: {len(refused)} of {len(results)} requests rejected, "
+            f"the first because {refused[0].error}"
+        )
+    return len(refused)
 
 
 def print_rejections(lines: Sequence[str]) -> None:
@@ -563,10 +566,7 @@ def run_speculative_demo(
         (_, plain, plain_stats), (served, spec, spec_stats) = runs
         same = [r.tokens for r in plain] == [r.tokens for r in spec]
         report = check_invariance(model, scheme, served, spec, prefill_chunk, tolerance=TOLERANCE)
-        refused = len(rejected(plain + spec))
-        line = rejection_line(name, scheme.name, plain + spec)
-        if line is not None:
-            refusals.append(line)
+        refused = note_rejections(refusals, name, scheme.name, plain + spec)
         failed |= not same or not report.ok or refused > 0
         speedup = spec_stats.tokens_per_second / max(plain_stats.tokens_per_second, 1e-9)
         rows.append(
@@ -656,10 +656,7 @@ def run_demo(
             prefill_chunk,
             tolerance=MODEL_TOLERANCES.get(name, EXACT),
         )
-        refused = len(rejected(results))
-        line = rejection_line(name, scheme.name, results)
-        if line is not None:
-            refusals.append(line)
+        refused = note_rejections(refusals, name, scheme.name, results)
         failed |= not report.ok or refused > 0
         rows.append(_row(name, scheme, stats, report, refused))
         if prefix_store is not None:
@@ -816,12 +813,8 @@ def run_paged_demo(
             )
             served, results, stats = _serve(engine, first)
             tokens.append([r.tokens for r in results])
-            refused = max(refused, len(rejected(results)))
-            line = rejection_line(
-                name, f"{scheme.name} {'paged' if paged else 'contiguous'}", results
-            )
-            if line is not None:
-                refusals.append(line)
+            label = f"{scheme.name} {'paged' if paged else 'contiguous'}"
+            refused = max(refused, note_rejections(refusals, name, label, results))
         # Paged admission reserves whole blocks: one token's share of a block is its cost,
         # as the contiguous tables count it (not a whole block per position).
         block = engine.paged.block_size if engine.paged is not None else 1

@@ -339,9 +339,6 @@ class PagedLayers:
                 out.append(PagedKVCache(pool=pool))
         return out
 
-    def is_paged(self, layer: int) -> bool:
-        return self.pools[layer] is not None
-
     # -- the prefix path -------------------------------------------------------------------
     def _paged_pools(self) -> list[Any]:
         return [pool for pool in self.pools if pool is not None]
@@ -436,10 +433,6 @@ class PagedLayers:
             if pool.geometry is not None
         )
 
-    def allocated_bytes(self) -> int:
-        """Bytes of the pools' planes (growth slack included)."""
-        return sum(pool.nbytes for pool in self._paged_pools())
-
     @staticmethod
     def unpaged_bytes(caches: Iterable[Any]) -> int:
         """``nbytes`` of the caches and layouts that are not paged (the pools count those)."""
@@ -533,9 +526,6 @@ class _Flight:
     rows: list[_Row]
     tokens: mx.array
     logits: mx.array | None
-
-
-Sampler = Callable[[mx.array, _Row], int]
 
 
 class Engine:

@@ -1,8 +1,7 @@
-"""pytest-benchmark: the affine family (issue 3): quantize, row operations, decode attention.
+"""pytest-benchmark: the affine family (issue 3): quantize, row operations, decode attention
+(the method: ``bench_common``).
 
-The three parts of :mod:`kvrows.app.bench.affine`, each test one ``benchmark.pedantic``
-call whose setup is not timed; the benchmark group puts the implementations of one
-operation side by side:
+The three parts of :mod:`kvrows.app.bench.affine`:
 
 * ``quantize {bits}-bit {shape}``: the NumPy reference (first row only), the optimized
   wrapper and bare ``mx.quantize``;
@@ -11,23 +10,16 @@ operation side by side:
 * ``attention {shape}``: bf16 / 8-bit / 4-bit, ``kvrows.optimized.attend`` and mlx-lm's
   kernels on the same planes.
 
-Timings never decide pass or fail: a test checks only that the result is right
-(quantized codes reconstruct their input, rows hold exactly the quantized tokens,
-attention matches a NumPy computation).
-
-Shapes: small CI shapes by default (``kvrows.app.bench.affine.CI_AFFINE``; the default run has
-``--benchmark-disable``, each body runs once, untimed); ``KVROWS_BENCH_FULL=1`` selects the
-realistic shapes of the issue (``FULL_AFFINE``)::
-
-    KVROWS_BENCH_FULL=1 .venv/bin/pytest benchmarks/test_bench_affine.py --benchmark-enable
+Checks: quantized codes reconstruct their input, rows hold exactly the quantized tokens,
+attention matches a NumPy computation. Shapes: ``CI_AFFINE``, full ``FULL_AFFINE``.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
+from bench_common import FULL, latest, measure
 
 from kvrows.app.bench.affine import (
     AFFINE_BITS,
@@ -42,45 +34,16 @@ from kvrows.app.bench.affine import (
     QuantizeBench,
 )
 from kvrows.app.bench.plain import Shape, ShapeBench
-from kvrows.app.bench.runner import Workload
 
-FULL = os.environ.get("KVROWS_BENCH_FULL", "") not in ("", "0")
 SHAPES = FULL_AFFINE if FULL else CI_AFFINE
-ROUNDS, WARMUPS = (7, 2) if FULL else (3, 1)
-
-
-def _measure(benchmark: Any, workload: Workload, group: str) -> None:
-    benchmark.group = group
-    benchmark.extra_info["bytes"] = workload.bytes_moved
-    result = benchmark.pedantic(
-        workload.run,
-        setup=lambda: ((workload.setup(),), {}),
-        rounds=ROUNDS,
-        warmup_rounds=WARMUPS,
-        iterations=1,
-    )
-    workload.check(result)
-
-
-# -- quantize -----------------------------------------------------------------------------
-
-_quantize: list[QuantizeBench] = []
-
-
-def _quantize_bench() -> QuantizeBench:
-    if not _quantize:
-        _quantize.append(QuantizeBench(SHAPES.quantize))
-    return _quantize[0]
 
 
 @pytest.mark.parametrize("impl", QUANTIZE_IMPLEMENTATIONS)
 @pytest.mark.parametrize("bits", AFFINE_BITS)
 def test_quantize_throughput(benchmark: Any, bits: int, impl: str) -> None:
-    workload = _quantize_bench().workload(impl, bits)
-    _measure(benchmark, workload, f"quantize {bits}-bit {SHAPES.quantize.label}")
+    workload = latest("quantize", lambda: QuantizeBench(SHAPES.quantize)).workload(impl, bits)
+    measure(benchmark, workload, f"quantize {bits}-bit {SHAPES.quantize.label}")
 
-
-# -- row operations -----------------------------------------------------------------------
 
 # Shape-major order, so one shape's generated data serves all its tests.
 ROW_CASES = [
@@ -93,40 +56,22 @@ ROW_CASES = [
     ]
 ]
 
-_rows: dict[Shape, tuple[ShapeBench, dict[int, AffineShapeBench]]] = {}
-
 
 def _row_benches(shape: Shape) -> tuple[ShapeBench, dict[int, AffineShapeBench]]:
     """The plain bench and the affine benches of ``shape``, sharing one data set."""
-    if shape not in _rows:
-        _rows.clear()
-        plain = ShapeBench(shape)
-        affine = {bits: AffineShapeBench(shape, bits, data=plain.data) for bits in AFFINE_BITS}
-        _rows[shape] = (plain, affine)
-    return _rows[shape]
+    plain = ShapeBench(shape)
+    return plain, {bits: AffineShapeBench(shape, bits, data=plain.data) for bits in AFFINE_BITS}
 
 
 @pytest.mark.parametrize(("shape", "op", "impl", "bits"), ROW_CASES)
 def test_affine_row_operation(benchmark: Any, shape: Shape, op: str, impl: str, bits: int) -> None:
-    plain, affine = _row_benches(shape)
+    plain, affine = latest(("rows", shape), lambda: _row_benches(shape))
     workload = plain.workload(op, "kvrows") if impl == "plain" else affine[bits].workload(op, impl)
-    _measure(benchmark, workload, f"{op} {shape.label}")
-
-
-# -- decode attention ---------------------------------------------------------------------
-
-_attention: list[AttentionBench] = []
-
-
-def _attention_bench() -> AttentionBench:
-    if not _attention:
-        _rows.clear()  # the row benches' memory
-        _attention.append(AttentionBench(SHAPES.attention))
-    return _attention[0]
+    measure(benchmark, workload, f"{op} {shape.label}")
 
 
 @pytest.mark.parametrize("impl", ATTENTION_IMPLEMENTATIONS)
 @pytest.mark.parametrize("storage", ATTENTION_STORAGES)
 def test_decode_attention(benchmark: Any, storage: str, impl: str) -> None:
-    workload = _attention_bench().workload(storage, impl)
-    _measure(benchmark, workload, f"attention {SHAPES.attention.label}")
+    workload = latest("attention", lambda: AttentionBench(SHAPES.attention)).workload(storage, impl)
+    measure(benchmark, workload, f"attention {SHAPES.attention.label}")

@@ -15,17 +15,11 @@ import pytest
 from kvrows.app.bench.delayed import Run as BenchRun
 from kvrows.app.bench.delayed import WholeCacheEngine, compare, solo_run, trace
 from kvrows.app.engine import Engine
-from kvrows.app.models import tiny_model
 from kvrows.schemes import KvStorageScheme
 
 TRACE = trace(quick=True)
 BASE = KvStorageScheme.parse("affine4:64")
 CHUNK = 8
-
-
-@pytest.fixture(scope="module")
-def model() -> Any:
-    return tiny_model("llama")
 
 
 @pytest.mark.parametrize("start", [0, 8])

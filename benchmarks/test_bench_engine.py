@@ -14,14 +14,8 @@ import pytest
 from kvrows.app.bench.engine import mlx_lm_generate
 from kvrows.app.demo import builtin_trace
 from kvrows.app.engine import Engine, Request
-from kvrows.app.models import tiny_model
 
 TRACE = [Request(r.rid, r.prompt, r.max_tokens) for r in builtin_trace(8, seed=3)]
-
-
-@pytest.fixture(scope="module")
-def model() -> Any:
-    return tiny_model("llama")
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""pytest-benchmark: the latent caches' row operations, kvrows vs mlx-lm.
+"""pytest-benchmark: the latent caches' row operations, kvrows vs mlx-lm (the method:
+``bench_common``).
 
 Operations on a batch of ``B`` rows of lengths ``L`` down to ``L / 2`` (bf16, DeepSeek-V3's
 512 latent + 64 rope per token): ``merge`` (B serial rows into one right-justified
@@ -7,27 +8,23 @@ batch), ``filter-half`` (keep every other row, drop the common padding), ``extra
 verify block kept 1..4 per row: rows roll, kvrows only). Implementations: ``mla``
 (``kvrows.optimized.MLACache``), ``encoded`` (``EncodedLatentCache``, affine 8-bit group
 64), ``mlx-lm`` (``BatchKVCache`` holding the latent as keys and the rope as values, as
-``deepseek_v32`` does). Timings never decide pass or fail: each run checks the rows.
-
-``KVROWS_BENCH_FULL=1`` selects B in {4, 16}, L in {1024, 4096}; the default CI shape is
-small (``--benchmark-disable``: each body runs once).
+``deepseek_v32`` does); each run checks the rows. Full shapes: B in {4, 16}, L in
+{1024, 4096}.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
 import pytest
+from bench_common import FULL, ROUNDS, WARMUPS
 
 from kvrows.optimized import EncodedLatentCache, MLACache
 from kvrows.schemes import Affine
 
-FULL = os.environ.get("KVROWS_BENCH_FULL", "") not in ("", "0")
 SHAPES = [(4, 1024), (16, 1024), (4, 4096), (16, 4096)] if FULL else [(3, 32)]
-ROUNDS, WARMUPS = (7, 2) if FULL else (2, 1)
 RANK, ROPE = 512, 64
 OPERATIONS = ("merge", "filter-half", "extract", "append", "rollback")
 IMPLEMENTATIONS = ("mla", "encoded", "mlx-lm")

@@ -1,25 +1,20 @@
-"""pytest-benchmark: the paged family (issue 13), block-table rows vs contiguous vs mlx-lm.
+"""pytest-benchmark: the paged family (issue 13), block-table rows vs contiguous vs mlx-lm
+(the method: ``bench_common``).
 
 Every operation of :mod:`kvrows.app.bench.paged` (merge, filter, extract, join, decode)
 performed by ``paged`` (``PagedKvRows`` over one ``BlockPool``), ``contiguous``
 (``PaddedKVRows``) and ``mlx-lm`` (``BatchKVCache``), and the append into a reused pool
-against memcpy. Each test is one ``benchmark.pedantic`` call whose setup is not timed.
-
-Timings never decide pass or fail: a test checks only the result (rows against the
-generated data, and for ``paged`` the pool's byte counters: 0 for the row operations).
-
-Shapes: small CI shapes by default; ``KVROWS_BENCH_FULL=1`` selects B in {4, 16, 64}, L in
-{1024, 4096}, 8 KV heads, head dim 128, float16::
-
-    KVROWS_BENCH_FULL=1 .venv/bin/pytest benchmarks/test_bench_paged.py --benchmark-enable
+against memcpy. Checks: rows against the generated data, and for ``paged`` the pool's byte
+counters (0 for the row operations). Full shapes: B in {4, 16, 64}, L in {1024, 4096},
+8 KV heads, head dim 128, float16.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
+from bench_common import FULL, latest, measure
 
 from kvrows.app.bench.paged import (
     CI_SHAPES,
@@ -30,11 +25,8 @@ from kvrows.app.bench.paged import (
     append_cases,
     shape_cases,
 )
-from kvrows.app.bench.runner import Case
 
-FULL = os.environ.get("KVROWS_BENCH_FULL", "") not in ("", "0")
 SHAPES = FULL_SHAPES if FULL else CI_SHAPES
-ROUNDS, WARMUPS = (7, 2) if FULL else (3, 1)
 
 CASES = [
     pytest.param(shape, op, impl, id=f"{op}-B{shape.batch}-L{shape.tokens}-{impl}")
@@ -43,39 +35,17 @@ CASES = [
     for impl in IMPLS
 ]
 
-_current: dict[PagedShape, dict[str, Case]] = {}
-
-
-def _cases(shape: PagedShape) -> dict[str, Case]:
-    """The cases of ``shape`` by operation, dropping the previous shape's (memory)."""
-    if shape not in _current:
-        _current.clear()
-        _current[shape] = {case.key[0]: case for case in shape_cases(shape)}
-    return _current[shape]
-
-
-def _pedantic(benchmark: Any, case: Case, impl: str) -> None:
-    workload = case.workloads[impl]
-    benchmark.group = case.label
-    benchmark.extra_info["bytes_moved"] = workload.bytes_moved
-    result = benchmark.pedantic(
-        workload.run,
-        setup=lambda: ((workload.setup(),), {}),
-        rounds=ROUNDS,
-        warmup_rounds=WARMUPS,
-        iterations=1,
-    )
-    workload.check(result)
-
 
 @pytest.mark.parametrize(("shape", "op", "impl"), CASES)
 def test_paged_operation(benchmark: Any, shape: PagedShape, op: str, impl: str) -> None:
-    _pedantic(benchmark, _cases(shape)[op], impl)
+    cases = latest(shape, lambda: {case.key[0]: case for case in shape_cases(shape)})
+    case = cases[op]
+    measure(benchmark, case.workloads[impl], case.label)
 
 
 @pytest.mark.parametrize("impl", ["paged", "contiguous", "memcpy"])
 def test_paged_append(benchmark: Any, impl: str) -> None:
     case = next(iter(append_cases(SHAPES[:1])))
-    _pedantic(benchmark, case, impl)
+    measure(benchmark, case.workloads[impl], case.label)
     if case.release is not None:
         case.release()

@@ -1,35 +1,21 @@
-"""pytest-benchmark: the plain family's row operations, kvrows vs mlx-lm vs a copy.
+"""pytest-benchmark: the plain family's row operations, kvrows vs mlx-lm vs a copy
+(the method: ``bench_common``).
 
 Every operation of :mod:`kvrows.app.bench.plain` (merge, merge-step, join, filter-half,
 filter-one, extract, update, decode), performed by each of ``kvrows``
-(``kvrows.optimized.PaddedKVRows``), ``mlx-lm`` (``BatchKVCache``), ``copy``
-(an MLX copy of the same bytes), ``memcpy`` (``numpy.copyto`` of the same
-bytes) and ``reference`` (the NumPy reference; skipped at large shapes). Each
-test is one ``benchmark.pedantic`` call whose setup (fresh live batches for the
-in-place operations) is not timed; the benchmark group is the operation and
-shape, so pytest-benchmark's table compares the implementations side by side.
-
-Timings never decide pass or fail: a test checks only that the operation's
-result is right (row counts, every row's keys and values against the
-generated inputs, attention against a NumPy computation).
-
-Shapes: by default small CI shapes (``kvrows.app.bench.plain.CI_SHAPES``), so the
-default run (``--benchmark-disable`` in ``pyproject.toml``: each body runs
-once, untimed) takes seconds. ``KVROWS_BENCH_FULL=1`` selects the realistic
-shapes of the issue (B in {4, 16}, L in {1024, 4096}, 8 KV heads, head dim
-128, float16)::
-
-    KVROWS_BENCH_FULL=1 .venv/bin/pytest benchmarks --benchmark-enable
-
-``kvrows bench`` prints the same comparison as one table with ratios and GB/s.
+(``kvrows.optimized.PaddedKVRows``), ``mlx-lm`` (``BatchKVCache``), ``copy`` (an MLX copy
+of the same bytes), ``memcpy`` (``numpy.copyto`` of the same bytes) and ``reference`` (the
+NumPy reference; skipped at large shapes). Checks: row counts, every row's keys and values
+against the generated inputs, attention against a NumPy computation. Full shapes: B in
+{4, 16}, L in {1024, 4096}, 8 KV heads, head dim 128, float16.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
+from bench_common import FULL, latest, measure
 
 from kvrows.app.bench.plain import (
     CI_SHAPES,
@@ -40,42 +26,18 @@ from kvrows.app.bench.plain import (
     ShapeBench,
 )
 
-FULL = os.environ.get("KVROWS_BENCH_FULL", "") not in ("", "0")
-SHAPES = FULL_SHAPES if FULL else CI_SHAPES
-ROUNDS, WARMUPS = (7, 2) if FULL else (3, 1)
-
 # Shape-major order, so one shape's generated data serves all its tests.
 CASES = [
     pytest.param(shape, op, impl, id=f"{op}-B{shape.batch}-L{shape.tokens}-{impl}")
-    for shape in SHAPES
+    for shape in (FULL_SHAPES if FULL else CI_SHAPES)
     for op in OPERATIONS
     for impl in IMPLEMENTATIONS
 ]
 
-_current: dict[Shape, ShapeBench] = {}
-
-
-def _bench(shape: Shape) -> ShapeBench:
-    """The ShapeBench of ``shape``, dropping the previous shape's (memory)."""
-    if shape not in _current:
-        _current.clear()
-        _current[shape] = ShapeBench(shape)
-    return _current[shape]
-
 
 @pytest.mark.parametrize(("shape", "op", "impl"), CASES)
 def test_plain_row_operation(benchmark: Any, shape: Shape, op: str, impl: str) -> None:
-    bench = _bench(shape)
+    bench = latest(shape, lambda: ShapeBench(shape))
     if not bench.runs(impl):
         pytest.skip(f"the NumPy reference is not benchmarked at {shape.label}")
-    workload = bench.workload(op, impl)
-    benchmark.group = f"{op} {shape.label}"
-    benchmark.extra_info["bytes_moved"] = workload.bytes_moved
-    result = benchmark.pedantic(
-        workload.run,
-        setup=lambda: ((workload.setup(),), {}),
-        rounds=ROUNDS,
-        warmup_rounds=WARMUPS,
-        iterations=1,
-    )
-    workload.check(result)
+    measure(benchmark, bench.workload(op, impl), f"{op} {shape.label}")

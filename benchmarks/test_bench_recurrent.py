@@ -1,29 +1,24 @@
-"""pytest-benchmark: recurrent rows (issue 14): merge, filter, extract, a verify round.
+"""pytest-benchmark: recurrent rows (issue 14): merge, filter, extract, a verify round
+(the method: ``bench_common``).
 
 ``BatchedSSMCache`` (optimized) next to mlx-lm's ``ArraysCache`` doing the same row
 operation on the same planes, and a verify round of ``d + 1`` tokens through the gated
 DeltaNet layer: commit (the snapshot is dropped) vs an unequal rollback (snapshot restored,
-the accepted prefix replayed) vs the forward alone.
-
-Timings never decide pass or fail: each test checks the result (rows equal their sources,
-the rollback's planes equal a run over the accepted tokens only).
-
-Shapes: a small CI shape by default (``--benchmark-disable``: each body runs once,
-untimed); ``KVROWS_BENCH_FULL=1`` selects one Qwen3-Next linear-attention layer (conv
-``(3, 8192)`` bf16, state ``(32, 128, 128)`` float32: 2.05 MiB per row) at B = 8::
-
-    KVROWS_BENCH_FULL=1 .venv/bin/pytest benchmarks/test_bench_recurrent.py --benchmark-enable
+the accepted prefix replayed) vs the forward alone. Checks: rows equal their sources, the
+rollback's planes equal a run over the accepted tokens only. Full shape: one Qwen3-Next
+linear-attention layer (conv ``(3, 8192)`` bf16, state ``(32, 128, 128)`` float32: 2.05 MiB
+per row) at B = 8.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx_lm.models.cache as mlx_lm_cache
 import pytest
+from bench_common import FULL
 
 from kvrows.optimized.recurrent import (
     BatchedSSMCache,
@@ -34,7 +29,7 @@ from kvrows.optimized.recurrent import (
 
 peer: Any = mlx_lm_cache  # mlx-lm is untyped
 
-FULL = os.environ.get("KVROWS_BENCH_FULL", "") not in ("", "0")
+
 ROUNDS, WARMUPS = (7, 2) if FULL else (2, 0)
 
 

@@ -1,29 +1,21 @@
-"""pytest-benchmark: the rotating family (issue 4), kvrows vs mlx-lm vs a copy.
+"""pytest-benchmark: the rotating family (issue 4), kvrows vs mlx-lm vs a copy (the
+method: ``bench_common``).
 
 Every operation of :mod:`kvrows.app.bench.ring` (merge, join, filter-half, filter-one,
 extract, update, decode), performed by ``kvrows`` (``kvrows.optimized.BatchedRotatingCache``),
 ``mlx-lm`` (``BatchRotatingKVCache``; join is its ``extend``), ``copy`` (an MLX copy of
-the same bytes) and ``memcpy`` (``numpy.copyto`` of the same bytes). Each test is one
-``benchmark.pedantic`` call whose setup is not timed; the benchmark group is the
-operation and shape.
-
-Timings never decide pass or fail: a test checks only that the result is right (every
-row's window in temporal order against the generated tokens, attention against NumPy).
-
-Shapes: small CI shapes by default (``kvrows.app.bench.ring.CI_RING_SHAPES``: window 64, rows
-that wrapped and rows that did not); ``KVROWS_BENCH_FULL=1`` selects the realistic shapes
-of the issue (window 4096, B in {4, 16}, L in {2000, 6000}, 8 KV heads, head dim 128,
-float16)::
-
-    KVROWS_BENCH_FULL=1 .venv/bin/pytest benchmarks/test_bench_ring.py --benchmark-enable
+the same bytes) and ``memcpy`` (``numpy.copyto`` of the same bytes). Checks: every row's
+window in temporal order against the generated tokens, attention against NumPy. CI
+shapes: window 64, rows that wrapped and rows that did not; full: window 4096, B in
+{4, 16}, L in {2000, 6000}, 8 KV heads, head dim 128, float16.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
+from bench_common import FULL, latest, measure
 
 from kvrows.app.bench.ring import (
     CI_RING_SHAPES,
@@ -34,39 +26,16 @@ from kvrows.app.bench.ring import (
     RingShapeBench,
 )
 
-FULL = os.environ.get("KVROWS_BENCH_FULL", "") not in ("", "0")
-SHAPES = FULL_RING_SHAPES if FULL else CI_RING_SHAPES
-ROUNDS, WARMUPS = (7, 2) if FULL else (3, 1)
-
 # Shape-major order, so one shape's generated data serves all its tests.
 CASES = [
     pytest.param(shape, op, impl, id=f"{op}-B{shape.batch}-L{shape.tokens}-W{shape.window}-{impl}")
-    for shape in SHAPES
+    for shape in (FULL_RING_SHAPES if FULL else CI_RING_SHAPES)
     for op in RING_OPERATIONS
     for impl in RING_IMPLEMENTATIONS
 ]
 
-_current: dict[RingShape, RingShapeBench] = {}
-
-
-def _bench(shape: RingShape) -> RingShapeBench:
-    """The RingShapeBench of ``shape``, dropping the previous shape's (memory)."""
-    if shape not in _current:
-        _current.clear()
-        _current[shape] = RingShapeBench(shape)
-    return _current[shape]
-
 
 @pytest.mark.parametrize(("shape", "op", "impl"), CASES)
 def test_ring_operation(benchmark: Any, shape: RingShape, op: str, impl: str) -> None:
-    workload = _bench(shape).workload(op, impl)
-    benchmark.group = f"{op} {shape.label}"
-    benchmark.extra_info["bytes_moved"] = workload.bytes_moved
-    result = benchmark.pedantic(
-        workload.run,
-        setup=lambda: ((workload.setup(),), {}),
-        rounds=ROUNDS,
-        warmup_rounds=WARMUPS,
-        iterations=1,
-    )
-    workload.check(result)
+    workload = latest(shape, lambda: RingShapeBench(shape)).workload(op, impl)
+    measure(benchmark, workload, f"{op} {shape.label}")

@@ -16,14 +16,9 @@ import pytest
 from kvrows.app.bench.speculative import mlx_lm_generate_serial
 from kvrows.app.demo import builtin_trace
 from kvrows.app.engine import Engine, Request
-from kvrows.app.models import draft_model, tiny_model
+from kvrows.app.models import draft_model
 
 TRACE = [Request(r.rid, r.prompt, 12) for r in builtin_trace(3, seed=3)]
-
-
-@pytest.fixture(scope="module")
-def model() -> Any:
-    return tiny_model("llama")
 
 
 @pytest.fixture(scope="module")

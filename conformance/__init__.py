@@ -6,12 +6,12 @@ Modules (imported as needed; nothing heavy runs at package import):
   mutants via ``Impl.with_classes``) and the storage families ``FAMILIES``, derived from
   the composition table (``derive()``);
 * ``hooks``: the per-axis hook tables the families are derived with (``CODEC_HOOKS``,
-  ``GEOMETRY_HOOKS``, ``WRITERS``, ``MODIFIER_RULES``: each value's draw as data, its
-  rules by name), ``compose`` (a machine from rule mixins) and mlx-lm's peers;
+  ``GEOMETRY_HOOKS``, ``PLACEMENT_HOOKS``, ``WRITERS``, ``MODIFIER_RULES``: each value's
+  draw as data, its rules by name), ``compose`` (a machine from rule mixins) and mlx-lm's peers;
 * ``machines``: the one state machine (the root), the K/V writer's rules (``KvRules``)
   and ``machine_class(family, layout, ...)``;
 * ``rules``: the rule mixins the rows compose: the affine and TurboQuant codecs' rules,
-  the ring's and the paged geometry's (pools, their invariants, byte limits), the
+  the ring's and the paged placement's (pools, their invariants, byte limits), the
   speculative modifier's verify rounds (solo replay of accepted tokens, mlx-lm's
   rollback, round misuse) and what rounds add on a ring;
 * ``paged``: the block pools' helpers (accounting, byte limits, the collector);

@@ -34,8 +34,10 @@ from kvrows.conformance.hooks import (
     DEFER,
     GEOMETRY_HOOKS,
     MODIFIER_RULES,
+    PLACEMENT_HOOKS,
     WRITERS,
     Draw,
+    GeometryHooks,
     Loader,
     ModifierRules,
     PeerChoice,
@@ -324,27 +326,56 @@ BUDGETS: dict[str, Budget] = {
     "paged-affine": Budget(
         "paged KV over affine pools at every (bits, group size)", examples=0.04, steps=0.6
     ),
+    # Paged rings (issue 23: the paged placement under the ring geometry):
+    # PagedRotatingKVCache rows in PagedRotatingRows (every role, rounds across the
+    # window), the ring's rules over the paged ones; the contiguous ring's model and the
+    # pools' invariants after every rule.
+    "paged-rotating": Budget(
+        "paged rings: sliding-window block tables, blocks out of the window back in the "
+        "pool, rounds across the window, the contiguous ring's model",
+        examples=0.1,
+        steps=0.7,
+        notes=(
+            "no mlx-lm peer (mlx-lm has no paged cache): reference vs optimized, the "
+            "contiguous ring's model and solo replay",
+        ),
+    ),
+    "paged-rotating-affine": Budget(
+        "paged rings over affine pools at every (bits, group size)", examples=0.04, steps=0.6
+    ),
 }
 
 
 def _storages() -> list[Composition]:
     """The landed serial storages (a layout without a serial is its own storage), by
-    geometry, then codec (the hook tables' order), then table order."""
+    placement (contiguous first), geometry, then codec (the hook tables' order), then
+    table order."""
+    placements = ["contiguous", *PLACEMENT_HOOKS]
     geometries, codecs = list(GEOMETRY_HOOKS), [spec.kind for spec in CODEC_HOOKS]
     storages = [c for c in landed() if not c.is_layout or c.serial is None]
     return sorted(
         storages,
         key=lambda c: (
+            placements.index(c.placement),
             geometries.index(c.geometry) if c.geometry in geometries else len(geometries),
             codecs.index(c.codec) if c.codec in codecs else -1,
         ),
     )
 
 
+def _place_hooks(storage: Composition) -> GeometryHooks:
+    """The hook row that stands first for ``storage``: its placement's (paged), else its
+    geometry's."""
+    if storage.placement != "contiguous":
+        return PLACEMENT_HOOKS[storage.placement]
+    return GEOMETRY_HOOKS[storage.geometry]
+
+
 def _codecs(storage: Composition) -> tuple[str, ...]:
-    """The codec kinds ``storage`` is driven with (a storage of any codec: its geometry's)."""
+    """The codec kinds ``storage`` is driven with (a storage of any codec: its placement's
+    or geometry's)."""
     if storage.codec == "any":
-        return GEOMETRY_HOOKS[storage.geometry].codecs
+        return _place_hooks(storage).codecs
     return (storage.codec,)
 
 
@@ -362,25 +393,33 @@ class _Axes:
     draw: Draw
 
 
-def _axes(codec: str, geometry: str) -> _Axes:
-    """The machines of ``codec`` on ``geometry``: the rules its rows name, composed (the
-    geometry's round rules, the speculative modifier's, the geometry's, the codec's, the
-    writer's)."""
+def _axes(codec: str, storage: Composition) -> _Axes:
+    """The machines of ``codec`` on ``storage``'s geometry and placement: the rules its
+    rows name, composed (the geometry's round rules, the speculative modifier's, the
+    placement's or geometry's, the codec's, the writer's)."""
     spec = CODECS.get(codec)  # the codec registry resolves kinds; the hook rows are by spec
     codec_hooks = None if spec is None else CODEC_HOOKS.get(spec)
-    if codec_hooks is None or geometry not in GEOMETRY_HOOKS:
+    geometry, placement = storage.geometry, storage.placement
+    known = geometry in GEOMETRY_HOOKS and placement in ("contiguous", *PLACEMENT_HOOKS)
+    if codec_hooks is None or not known:
         raise KeyError(
-            f"no conformance hooks for the {codec} codec on the {geometry} geometry: add a "
-            "row to conformance.hooks.CODEC_HOOKS / GEOMETRY_HOOKS"
+            f"no conformance hooks for the {codec} codec on the {geometry} geometry "
+            f"({placement}): add a row to conformance.hooks.CODEC_HOOKS / GEOMETRY_HOOKS / "
+            "PLACEMENT_HOOKS"
         )
-    geometry_hooks = GEOMETRY_HOOKS[geometry]
+    geometry_hooks = _place_hooks(storage)
+    # A placement's row stands first; the geometry under it adds its own rules (a paged
+    # ring: the ring's windows and invalid merges, its rounds across the window).
+    under = None if placement == "contiguous" else GEOMETRY_HOOKS[geometry]
     writer = WRITERS[codec_hooks.tensors]
     own = geometry_hooks.by_codec.get(codec)
+    codec_rules = geometry_hooks.codec_rules and (under is None or under.codec_rules)
     rules = tuple(
         r
         for r in (
             geometry_hooks.rules,
-            codec_hooks.rules if geometry_hooks.codec_rules else None,
+            None if under is None else under.rules,
+            codec_hooks.rules if codec_rules else None,
             writer.rules,
         )
         if r is not None
@@ -389,9 +428,8 @@ def _axes(codec: str, geometry: str) -> _Axes:
     if writer.rounds is not None:  # a writer of other tensors than K/V: rounds of its own
         where = writer.rounds
     speculative = MODIFIER_RULES["speculative"].rules
-    with_rounds = compose(
-        *(r for r in (geometry_hooks.round_rules, speculative) if r is not None), *rules
-    )
+    round_rules = geometry_hooks.round_rules or (None if under is None else under.round_rules)
+    with_rounds = compose(*(r for r in (round_rules, speculative) if r is not None), *rules)
     machine: Loader | None = compose(*rules) if own is None else own
     rounds: Loader | None = with_rounds
     if own is not None or where == "own":  # rules with rounds of their own
@@ -399,6 +437,8 @@ def _axes(codec: str, geometry: str) -> _Axes:
     elif where == "family":
         machine = with_rounds
     family = geometry_hooks.family or codec_hooks.family
+    if under is not None and under.family is not None:  # ``paged-rotating``
+        family = f"{family}-{under.family}"
     qualifier = codec_hooks.qualifier
     if geometry_hooks.family is not None and geometry_hooks.codec_suffix and qualifier:
         family = f"{family}-{qualifier}"
@@ -411,7 +451,7 @@ def _axes(codec: str, geometry: str) -> _Axes:
             peer = choice
             break
     assert peer != DEFER
-    draw = codec_hooks.draw.on(geometry_hooks)
+    draw = codec_hooks.draw.on(GEOMETRY_HOOKS[geometry])  # windows and sinks: the geometry's
     return _Axes(family, machine, rounds, where != "modifier", peer, key, writer, draw)
 
 
@@ -488,7 +528,7 @@ def derive() -> dict[str, Family]:
     speculative, delayed = MODIFIER_RULES["speculative"], MODIFIER_RULES["delayed"]
     for storage in _storages():
         for codec in _codecs(storage):
-            axes = _axes(codec, storage.geometry)
+            axes = _axes(codec, storage)
             for entry in (storage,) if storage.is_layout else layouts_of(storage.name):
                 if "delayed" in entry.modifiers:
                     spec = replace(

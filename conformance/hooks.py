@@ -10,9 +10,12 @@ and these tables, one row per value of an axis (spec/contract.md §0.11):
   what its tensors are written with (``families`` resolves a composition's codec kind
   through ``kvrows.codecs.CODECS``, the one place kinds are looked up);
 * :data:`GEOMETRY_HOOKS` ``[geometry kind]``: the geometry's rules (a ring's views,
-  windows and mlx-lm quirks; a pool's invariants) and what rounds add on it, its draw
-  (windows and sinks by role, a head-dim cap), the mlx-lm peer it imposes, how its
-  families are named and which codecs a storage of ``any`` codec is driven with;
+  windows and mlx-lm quirks) and what rounds add on it, its draw (windows and sinks by
+  role, a head-dim cap), the mlx-lm peer it imposes, how its families are named;
+* :data:`PLACEMENT_HOOKS` ``[placement kind]``: the same row for a placement other than
+  contiguous buffers (a pool's invariants and byte limits), which stands first: its
+  rules, rounds, family, peer and the codecs a storage of ``any`` codec is driven with
+  (contract §0.4: paging is a placement, under any geometry with a token axis);
 * :data:`WRITERS` ``[tensors]``: how a block is written (the writer's rules: K/V
   ``update_and_fetch``, the latent's three tensors, recurrent planes), and so
   what the table's arrangement and parity columns mean for the machine's layout flags
@@ -53,6 +56,7 @@ __all__ = [
     "CODEC_HOOKS",
     "GEOMETRY_HOOKS",
     "MODIFIER_RULES",
+    "PLACEMENT_HOOKS",
     "WRITERS",
     "CodecHooks",
     "Draw",
@@ -377,6 +381,14 @@ GEOMETRY_HOOKS: Mapping[str, GeometryHooks] = MappingProxyType(
             tolerance_prefix="rotating",
             peer=ring_peer,
         ),
+        "recurrent": GeometryHooks(family="recurrent"),
+    }
+)
+
+#: The placements other than contiguous buffers (a row of the same kind as a geometry's:
+#: its rules stand where a contiguous storage's geometry rules do).
+PLACEMENT_HOOKS: Mapping[str, GeometryHooks] = MappingProxyType(
+    {
         # mlx-lm has no paged cache; a paged KV storage runs with plain and affine pools,
         # in every role (rounds included); latent planes in a pool have their own machine.
         "paged": GeometryHooks(
@@ -388,7 +400,6 @@ GEOMETRY_HOOKS: Mapping[str, GeometryHooks] = MappingProxyType(
             peer=None,
             codecs=("plain", "affine"),
         ),
-        "recurrent": GeometryHooks(family="recurrent"),
     }
 )
 

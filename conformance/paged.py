@@ -1,4 +1,4 @@
-"""The block pools' conformance helpers, shared by the paged geometry's rules
+"""The block pools' conformance helpers, shared by the paged placement's rules
 (``rules.PagedRules``) and the paged latent machine (``paged_latent``): a pool's
 accounting, the garbage-collector discipline of examples with byte-limited pools, and
 the byte limits themselves (see ``rules.PagedRules`` for what the machines check).

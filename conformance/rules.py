@@ -3,9 +3,9 @@ value over ``machines.ConformanceMachine`` (no machine is written per family):
 
 * codec rules: :class:`AffineRules` (``CODEC_HOOKS[Affine]``), :class:`TurboRules`
   (``CODEC_HOOKS[Turbo]``);
-* geometry rules: :class:`RingRules` (``GEOMETRY_HOOKS["ring"]``), and what verify rounds
+* geometry and placement rules: :class:`RingRules` (``GEOMETRY_HOOKS["ring"]``), and what verify rounds
   add on a ring, :class:`RingRoundRules` (its ``round_rules``); :class:`PagedRules`
-  (``GEOMETRY_HOOKS["paged"]``: block pools, their invariants, byte limits);
+  (``PLACEMENT_HOOKS["paged"]``: block pools, their invariants, byte limits);
 * modifier rules: :class:`RoundRules`, the speculative verify rounds
   (``MODIFIER_RULES["speculative"]``), composed onto every storage whose verify layouts
   run rounds: the speculative family's layouts (plain, affine, both rings), the turbo and
@@ -47,7 +47,6 @@ wrapped row").
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -63,6 +62,7 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 from kvrows import table
 from kvrows.affine_geometry import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from kvrows.codec import TURBO_HEAD_DIMS, Role
+from kvrows.compositions import composition
 from kvrows.conformance import strategies as ks
 from kvrows.conformance.arrays import NUMPY_DTYPES, random_block
 from kvrows.conformance.families import Impl
@@ -99,6 +99,7 @@ from kvrows.errors import (
     SpeculativeRoundError,
     SpeculativeStateInvalidError,
 )
+from kvrows.paged import projected_blocks
 from kvrows.reference import turbo_codec
 from kvrows.schemes import TURBO_KEY_BITS, TURBO_VALUE_BITS, Affine, Turbo
 from kvrows.speculative import RowRound
@@ -695,7 +696,7 @@ class RingRules(ConformanceMachine):
 
 
 class PagedRules(FrozenCollector, KvRules):
-    """The paged geometry's rules (``GEOMETRY_HOOKS["paged"]``, composed with the verify
+    """The paged placement's rules (``PLACEMENT_HOOKS["paged"]``, composed with the verify
     rounds and the codec's rules: ``PagedKVCache`` rows in ``PagedKvRows``, all three
     roles; affine pools at the example's codec, codes compared exactly).
 
@@ -766,7 +767,9 @@ class PagedRules(FrozenCollector, KvRules):
             return self._in_shared_pool(impl, name, changes, super()._new(impl, name, **changes))
         bits = changes.get("bits", g.bits)
         group_size = changes.get("group_size", g.group_size)
-        cache = impl.cls(name)(codec=Affine(bits=bits, group_size=group_size))
+        values = {**g.parameters(), **changes}  # the geometry's (a paged ring's window)
+        params = {p: values[p] for p in composition(name).params if p in values}
+        cache = impl.cls(name)(codec=Affine(bits=bits, group_size=group_size), **params)
         return self._in_shared_pool(impl, name, changes, cache)
 
     def _in_shared_pool(self, impl: Impl, name: str, changes: object, cache: Any) -> Any:
@@ -777,7 +780,7 @@ class PagedRules(FrozenCollector, KvRules):
         if pool is None:
             pool = cache.pool_class(cache.codec_spec, block_size=cache.block_size)
             self._shared_pools[impl.name] = pool
-        return type(cache)(pool=pool)
+        return type(cache)(pool=pool, token_geometry=cache.token_geometry)
 
     def _ledgers(self, more: Sequence[Sequence[Any]] = ((), ())) -> list[list[tuple[Any, ...]]]:
         """Every pool's accounting (and the pools ``more`` names), per implementation."""
@@ -917,7 +920,8 @@ class PagedRules(FrozenCollector, KvRules):
         slot.rows.extend(picked)
 
     def _check_admission(self, slot: Slot) -> None:
-        """``projected_bytes(t)`` counts whole blocks (``ceil(t / block_size)`` of them);
+        """``projected_bytes(t)`` counts whole blocks (``ceil(t / block_size)`` of them; a
+        ring's: those of its sinks and newest ``max_size`` positions);
         ``row_admission`` sums it; before the geometry is known both refuse, alike."""
         ts = [0, 1, 7, 16, 17, *(t.tokens for t in slot.rows)]
         answers = []
@@ -928,8 +932,11 @@ class PagedRules(FrozenCollector, KvRules):
             got = [_answer(lay.projected_bytes, t) for t in ts]
             doubled = [_answer(admission.bytes, t) for t in ts]
             if lay.geometry is not None:
-                size = lay.block_size
-                want = [self.g.token_bytes() * math.ceil(t / size) * size for t in ts]
+                size, cap, keep = lay.block_size, self.g.max_size, self.g.keep or 0
+                # Whole blocks: every position's (growing), a ring's sinks' and window's.
+                want = [
+                    self.g.token_bytes() * projected_blocks(t, cap, keep, size) * size for t in ts
+                ]
                 self._exact(f"{what} projected_bytes{ts} (whole blocks)", got, want)
                 self._exact(f"{what} row_admission bytes{ts}", doubled, [2 * x for x in got])
             else:

@@ -1,8 +1,8 @@
 """The composition table: every seed class name as a point on the three axes.
 
 Each storage and layout the seed names is one **composition** of a codec (plain,
-affine, TurboQuant…, latent), a token geometry (growing, ring, paged, recurrent) and a
-row arrangement (serial: one request; shared: rows share one write column; ragged: each
+affine, TurboQuant…, latent), a token geometry (growing, ring, recurrent), a placement
+(contiguous buffers, or paged: block tables into a shared pool) and a row arrangement (serial: one request; shared: rows share one write column; ragged: each
 row appends at its own end), plus optional **modifiers** (``delayed``: rows convert from
 bf16 to the codec at their own boundary; ``speculative``: verify rounds with per-row
 acceptance), and, for a storage, the **roles** of the row-layout table: the layouts its
@@ -29,8 +29,12 @@ from kvrows.codecs import CODECS, Affine, is_codec_spec, is_kv_codec
 from kvrows.errors import (
     InvalidInputError,
     KvRowsError,
+    given_twice_message,
+    needs_parameters_message,
     not_a_geometry_message,
     not_an_integer_message,
+    positional_arguments_message,
+    wrong_geometry_message,
 )
 from kvrows.geometries import GEOMETRIES, GeometrySpec, is_geometry_spec
 from kvrows.protocols import BatchableCache
@@ -60,7 +64,10 @@ __all__ = [
 
 Arrangement: TypeAlias = Literal["serial", "shared", "ragged"]
 CodecKind: TypeAlias = Literal["plain", "affine", "turbo", "any", "state", "latent"]
-GeometryKind: TypeAlias = Literal["growing", "ring", "paged", "recurrent"]
+GeometryKind: TypeAlias = Literal["growing", "ring", "recurrent"]
+#: Where a row's tokens live (contract §0.4): contiguous buffers, or block tables into a
+#: shared pool (any geometry with a token axis).
+PlacementKind: TypeAlias = Literal["contiguous", "paged"]
 Modifier: TypeAlias = Literal["delayed", "speculative"]
 
 #: A role naming ``SELF`` is the layout's own empty batch (``make_empty_batch``).
@@ -90,13 +97,15 @@ class Composition:
     verify sibling and serves as its own decode and prefill layout); ``peers``: the
     mlx-lm cache classes whose layers this serial storage serves; ``parity``: the mlx-lm
     class that holds the same state, bit for bit (the conformance suite's third oracle);
-    ``issue``: the issue that adds a planned class (``None``: landed).
+    ``issue``: the issue that adds a planned class (``None``: landed); ``placement``:
+    where its rows' tokens live (``paged``: block tables into a shared pool).
     """
 
     name: str
     codec: CodecKind
     geometry: GeometryKind
     arrangement: Arrangement
+    placement: PlacementKind = "contiguous"
     signature: str
     params: tuple[str, ...] = ()
     serial: str | None = None
@@ -142,13 +151,28 @@ _RING_AFFINE = ("max_size", "group_size", "bits", "keep")
 #: planned. Layouts without ``serial`` name it through their storage's roles.
 COMPOSITIONS: tuple[Composition, ...] = (
     # -- paged (issue 13) ------------------------------------------------------------
-    Composition(name="PagedKVCache", codec="any", geometry="paged", arrangement="serial",
+    Composition(name="PagedKVCache", codec="any", geometry="growing", placement="paged",
+                arrangement="serial",
                 signature="kv:paged", roles=Roles("PagedKvRows", "PagedKvRows", "PagedKvRows"),
                 summary="one request's block table into a shared block pool"),
-    Composition(name="PagedKvRows", codec="any", geometry="paged", arrangement="ragged",
+    Composition(name="PagedKvRows", codec="any", geometry="growing", placement="paged",
+                arrangement="ragged",
                 signature="kv:paged-rows", serial="PagedKVCache", roles=Roles(SELF, SELF, SELF),
                 modifiers=frozenset({"speculative"}),
                 summary="block-table rows: row operations move no KV bytes"),
+    # -- paged rings (issue 23: the paged placement under the ring geometry) ---------
+    Composition(name="PagedRotatingKVCache", codec="any", geometry="ring", placement="paged",
+                arrangement="serial", signature="kv:paged-rotating:{max_size}:{keep}",
+                params=_RING,
+                roles=Roles("PagedRotatingRows", "PagedRotatingRows", "PagedRotatingRows"),
+                summary="one request's sliding window as a block table into a shared block "
+                        "pool: blocks that leave the window go back to the pool"),
+    Composition(name="PagedRotatingRows", codec="any", geometry="ring", placement="paged",
+                arrangement="ragged", signature="kv:paged-rotating-rows:{max_size}:{keep}",
+                params=_RING, serial="PagedRotatingKVCache", roles=Roles(SELF, SELF, SELF),
+                modifiers=frozenset({"speculative"}),
+                summary="sliding-window block-table rows, all three roles: each row its own "
+                        "window, row operations move no KV bytes"),
     # -- latent (issue 14) -----------------------------------------------------------
     Composition(name="MLACache", codec="latent", geometry="growing", arrangement="shared",
                 signature="kv:mla:target", roles=Roles(SELF, SELF, SELF),
@@ -160,7 +184,8 @@ COMPOSITIONS: tuple[Composition, ...] = (
                 roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"speculative"}),
                 summary="the latent plane through an affine or TurboQuant codec, bf16-first "
                         "per row; rope and index exact"),
-    Composition(name="PagedLatentCache", codec="latent", geometry="paged", arrangement="ragged",
+    Composition(name="PagedLatentCache", codec="latent", geometry="growing", placement="paged",
+                arrangement="ragged",
                 signature="kv:mla-paged:target", roles=Roles(SELF, SELF, SELF),
                 modifiers=frozenset({"speculative"}),
                 summary="MLACache's rows as block tables into a latent block pool: row "
@@ -313,7 +338,7 @@ def presets_on_rows(
     kinds it has hooks for: no modifier but ``speculative``, a serial storage with the
     ``delayed`` one (the legos), and the ragged delayed layouts whose geometry kind, or
     ``(geometry, arrangement)``, is in ``staged`` (hooks holding rows of several stages);
-    the latent and paged classes are written by hand."""
+    the latent classes and those of the paged placement are written by hand."""
 
     def built(c: Composition) -> bool:
         if c.modifiers <= {"speculative"}:
@@ -326,7 +351,10 @@ def presets_on_rows(
     return tuple(
         c
         for c in landed()
-        if c.geometry in geometries and built(c) and c.name not in _OWN_MACHINERY
+        if c.geometry in geometries
+        and c.placement == "contiguous"
+        and built(c)
+        and c.name not in _OWN_MACHINERY
     )
 
 
@@ -442,13 +470,10 @@ def bind_arguments(
     codec_spec = values.pop("codec", None)
     geometry_spec = values.pop("token_geometry", None)
     if len(args) > len(entry.params):
-        raise InvalidInputError(
-            f"{entry.name} takes at most {len(entry.params)} positional arguments "
-            f"({', '.join(entry.params) or 'none'}), got {len(args)}"
-        )
+        raise InvalidInputError(positional_arguments_message(entry.name, entry.params, len(args)))
     for name, value in zip(entry.params, args, strict=False):
         if name in values:
-            raise InvalidInputError(f"{entry.name} got {name} twice")
+            raise InvalidInputError(given_twice_message(entry.name, name))
         values[name] = value
     unknown = sorted(set(values) - set(entry.params))
     if unknown:
@@ -467,12 +492,12 @@ def bind_arguments(
         implied.update(geometry_spec.parameters())
     clash = sorted(set(values) & set(implied))
     if clash:
-        raise InvalidInputError(f"{entry.name} got {', '.join(clash)} twice (argument and spec)")
+        raise InvalidInputError(given_twice_message(entry.name, ", ".join(clash), spec=True))
     given: dict[str, object] = {**_defaults(entry), **implied, **values}
     numbers: dict[str, int] = {}
     for name in entry.params:
         if name not in given:
-            raise InvalidInputError(f"{entry.name} needs {name}")
+            raise InvalidInputError(needs_parameters_message(entry.name, name))
         value = given[name]
         if isinstance(value, bool) or not hasattr(value, "__index__"):
             raise InvalidInputError(not_an_integer_message(name, value))
@@ -484,9 +509,7 @@ def bind_arguments(
     if not is_codec_spec(codec_spec) or codec_spec.kind != entry.codec:
         raise InvalidInputError(f"{entry.name} stores the {entry.codec} codec, got {codec_spec!r}")
     if not is_geometry_spec(geometry_spec) or geometry_spec.kind != entry.geometry:
-        raise InvalidInputError(
-            f"{entry.name} has {entry.geometry} geometry, got {geometry_spec!r}"
-        )
+        raise InvalidInputError(wrong_geometry_message(entry.name, entry.geometry, geometry_spec))
     return codec_spec, geometry_spec, declared
 
 
@@ -514,6 +537,13 @@ def _role_factory(classes: Mapping[str, type], role: str) -> Callable[[Any], Bat
     target: Any = classes[role]
 
     def build(cache: Any) -> BatchableCache:
+        placement = getattr(cache, "placement", None)
+        if placement is not None:  # a paged storage's placement (its block size) goes too
+            paged: BatchableCache = target(
+                codec=cache.codec_spec, token_geometry=cache.token_geometry,
+                geometry=cache.geometry, placement=placement,
+            )  # fmt: skip
+            return paged
         layout: BatchableCache = target.from_specs(
             cache.codec_spec, cache.token_geometry, geometry=cache.geometry
         )

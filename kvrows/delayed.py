@@ -57,7 +57,8 @@ from kvrows.errors import (
     incompatible_merge_message,
     not_a_geometry_message,
 )
-from kvrows.forms import DELAYED_PLAIN, delayed_state, parse_delayed_state
+from kvrows.forms import delayed_state, spec_fields
+from kvrows.forms_v1 import parse_delayed
 from kvrows.geometries import is_geometry_spec
 from kvrows.protocols import Converting, Handover
 from kvrows.schemes import CodecSpec, GeometrySpec, Plain
@@ -489,26 +490,24 @@ class DelayedLayout(ConversionBoundary, SpeculativeRounds):
 
     @property
     def state(self) -> tuple[Any, ...]:
-        """The plain rows' state, the converted rows' (each its stage's ragged preset's
-        form), then the row record: ``start``, ``converted_at`` (``DELAYED_PLAIN`` for a
-        plain row), ``left_pad`` (full attention; empty for rings), ``prefilling``,
-        ``composed`` (rows extract as legos), a ring's ``keep``."""
+        """The §0.6 form (``kvrows.forms``, form 2): each stage's rows' planes in one column
+        frame, the geometry's and arrangement's fields, the target's codec tail, then the
+        modifier record: ``start``, ``converted_at`` (``DELAYED_PLAIN`` for a row in stage
+        0), ``left_pad`` (full attention; empty for rings), ``prefilling``, ``composed``
+        (rows extract as legos)."""
         self._spec_guard("reading state")
-        marks = [DELAYED_PLAIN if c is None else c for c in self.converted_at]
         full_attention = not self._token_geometry.wraps
         record: dict[str, Any] = {
             "start": self.start,
-            "converted_at": self._positions(marks),
-            "left_pad": self._positions(self.left_pad if full_attention else []),
+            "converted_at": list(self.converted_at),
+            "left_pad": list(self.left_pad) if full_attention else [],
             "prefilling": self.prefilling,
             "composed": self._compose is not None,
-            **{
-                name: self._token_geometry.parameters()[name]
-                for name in self._token_geometry.layout_form_omits
-            },
         }
-        plain, converted = self._group_states()
-        return delayed_state(self.composition, plain, converted, record)
+        parameters = spec_fields(self.quantization, self._token_geometry)
+        return delayed_state(
+            self.composition, self._group_states(), record, parameters, self._positions
+        )
 
     @state.setter
     def state(self, value: tuple[Any, ...]) -> None:
@@ -524,18 +523,18 @@ class DelayedLayout(ConversionBoundary, SpeculativeRounds):
         cls, state: Any, meta_state: Any, keep: int | None, geometry: KvGeometry | None
     ) -> Self:
         """Each stage's rows restored by its ragged preset, the record checked against
-        them (``kvrows.forms.parse_delayed_state``), the rows placed at the record's
-        columns; built from legos, its rows extract as legos again."""
+        them (``kvrows.forms_v1.parse_delayed``: form 2, or a file's form 1), the rows
+        placed at the record's columns; built from legos, its rows extract as legos
+        again."""
         if meta_state is not None:
             raise InvalidInputError(f"{cls.__name__} has no two-part (meta_state) form")
-        parts = parse_delayed_state(cls.composition, state, keep=keep)
-        plain = cls.plain_group_class.from_state(
-            parts.plain_state, keep=parts.keep, geometry=geometry
-        )
+        parts = parse_delayed(cls.composition, state, keep=keep)
+        plain_state, affine_state = parts.stage_states
+        plain = cls.plain_group_class.from_state(plain_state, keep=parts.keep, geometry=geometry)
         # A TurboQuant state's planes do not record the activation dtype (its scales are
         # float16 whatever it is): the plain rows, when there are any, say it.
         affine = cls.affine_group_class.from_state(
-            parts.affine_state, keep=parts.keep, geometry=geometry or plain.geometry
+            affine_state, keep=parts.keep, geometry=geometry or plain.geometry
         )
         if plain.token_geometry != affine.token_geometry:
             raise InvalidInputError(

@@ -20,6 +20,7 @@ __all__ = [
     "ONE_VERIFY_BLOCK",
     "PACKED_SCALAR_INPUT",
     "PAGED_ONE_STAGE",
+    "PAGED_RING_PREFIX",
     "POOL_GEOMETRY_UNKNOWN",
     "PROJECTED_BYTES_NEEDS_GEOMETRY",
     "SHARED_COLUMN_TRIM",
@@ -48,6 +49,7 @@ __all__ = [
     "attend_storage_message",
     "empty_state_row_message",
     "from_state_tuple_message",
+    "given_twice_message",
     "head_dim_message",
     "head_grouping_message",
     "incompatible_merge_message",
@@ -55,6 +57,7 @@ __all__ = [
     "latent_planes_message",
     "latent_role_message",
     "mask_message",
+    "needs_parameters_message",
     "no_affine_parameter_message",
     "no_array_codec_message",
     "not_a_geometry_message",
@@ -69,6 +72,7 @@ __all__ = [
     "plane_layer_input_message",
     "pool_geometry_message",
     "pool_limit_message",
+    "positional_arguments_message",
     "prefix_mismatch_message",
     "prefix_too_long_message",
     "preview_blocks_message",
@@ -85,6 +89,7 @@ __all__ = [
     "turbo_input_dtype_message",
     "turbo_scalar_input_message",
     "wrapped_ring_message",
+    "wrong_geometry_message",
 ]
 
 
@@ -268,6 +273,12 @@ def last_stage_message(row: int, stage: int) -> str:
 #: Stages asked of a paged storage: its pool's blocks are of one codec (a paged delayed
 #: preset keeps its plain stage beside the pool, contract §0.5; not built yet).
 PAGED_ONE_STAGE = "a paged storage holds one stage: its pool's blocks are of one codec"
+
+#: ``register_prefix`` on a paged ring: its rows give their oldest blocks back to the pool.
+PAGED_RING_PREFIX = (
+    "a paged ring's rows give the blocks that leave their window back to the pool: prefix "
+    "caching is the growing geometry's (PagedKVCache, PagedKvRows)"
+)
 
 #: ``projected_bytes`` of a cache that has neither a declared geometry nor a token.
 PROJECTED_BYTES_NEEDS_GEOMETRY = (
@@ -492,3 +503,27 @@ def turbo_input_dtype_message(name: str, dtype: object) -> str:
 def turbo_scalar_input_message(name: str) -> str:
     """TurboQuant encode input that is a scalar."""
     return f"{name} needs a head-dim axis, got a scalar"
+
+
+def positional_arguments_message(name: str, params: tuple[str, ...], got: int) -> str:
+    """A constructor given more positional arguments than its composition's parameters."""
+    return (
+        f"{name} takes at most {len(params)} positional arguments "
+        f"({', '.join(params) or 'none'}), got {got}"
+    )
+
+
+def given_twice_message(name: str, parameters: str, *, spec: bool = False) -> str:
+    """A constructor parameter given twice (positionally and by keyword, or as an argument
+    and inside a spec: ``spec``)."""
+    return f"{name} got {parameters} twice" + (" (argument and spec)" if spec else "")
+
+
+def wrong_geometry_message(name: str, kind: str, spec: object) -> str:
+    """A token geometry spec of another kind than the composition's."""
+    return f"{name} has {kind} geometry, got {spec!r}"
+
+
+def needs_parameters_message(name: str, parameters: str) -> str:
+    """A constructor missing a parameter its composition has no default for."""
+    return f"{name} needs {parameters}"

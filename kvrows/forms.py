@@ -23,9 +23,12 @@ and write kvrows states for the classes it has (``FILE_CLASSES`` names them), an
 reads mlx-lm's. A ring layout's ``keep`` is not in mlx-lm's batch form (its bug B7):
 kvrows' files carry it in their metadata, and ``from_state`` takes it as a parameter.
 
-A **delayed** layout (``kvrows.delayed``) holds its plain group's layout form, then its
-affine group's, then its row record: ``start, converted_at[B], left_pad[B], prefilling,
-composed`` (a ring's also ``keep``); see ``spec/persistence.md`` §1.1.
+A **delayed** layout (``kvrows.delayed``; form 2, contract §0.6) holds each stage's planes
+(``stage0.keys, stage0.values, stage1.keys, stage1.values``: the rows of that stage, in
+batch order, in one column frame), its geometry's layout fields (a ring's ``keep`` too),
+its target's codec tail and the modifier record ``start, converted_at[B], left_pad[B],
+prefilling, composed``; see ``spec/persistence.md`` §1.1. Its form 1 (two groups) is
+``kvrows.forms_v1``'s.
 
 Layout forms are right-aligned: row ``b``'s tokens sit in columns
 ``[left_padding[b], idx)`` (a ring layout in its physical order, see
@@ -40,7 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvrows.codec import CodecSpec, Role, codec_plane_specs
+from kvrows.codec import KV_TENSORS, CodecSpec, Role, codec_plane_specs
 from kvrows.codecs import CODECS, codec_from_tail
 from kvrows.codecs.state import state_tensors
 from kvrows.codecs.turbo import TURBO_PLANES
@@ -53,10 +56,12 @@ from kvrows.errors import (
     ring_state_index_message,
 )
 from kvrows.geometries import GEOMETRIES, GeometrySpec, Recurrent
+from kvrows.paged import PLACEMENTS
 from kvrows.validation import FLOAT_DTYPES, KvGeometry
 
 __all__ = [
     "DELAYED_PLAIN",
+    "DELAYED_RECORD",
     "FILE_CLASSES",
     "FORMAT_VERSION",
     "FORM_VERSION",
@@ -68,7 +73,10 @@ __all__ = [
     "StateRow",
     "chronological",
     "codec_from_fields",
+    "delayed_fields",
     "delayed_groups",
+    "delayed_marks",
+    "delayed_record",
     "delayed_state",
     "describe_planes",
     "form_planes",
@@ -82,10 +90,12 @@ __all__ = [
     "recurrent_fields",
     "rows_of_state",
     "spec_fields",
+    "stage_field",
     "state_form",
     "stored_geometry",
     "unpack_state",
     "with_planes",
+    "written_form",
 ]
 
 #: The version of kvrows' saved-state format. A file from a newer version is refused.
@@ -93,17 +103,15 @@ __all__ = [
 #: none, and every layer of theirs is form 1.
 FORMAT_VERSION = 2
 
-#: The form version of a layer entry each family writes today: 1, the forms of format 1
-#: (``kvrows.forms_v1`` reads where they differ from the §0.6 rule). A family whose writer
-#: switches to the §0.6 rule writes form 2, one family at a time.
-FORM_VERSION = 1
+#: The newest form version of a layer entry this kvrows writes and reads. Each family
+#: writes ``written_form(entry)``: 1, the forms of format 1, where they already are the
+#: §0.6 rule; 2 for the families whose writer switched to it (the delayed layouts;
+#: ``kvrows.forms_v1`` reads their form 1).
+FORM_VERSION = 2
 
-#: Paged storages (any codec): the logical KV, compact, then what rebuilds block tables
-#: (``kvrows.paged_forms``; ``codec``: the codec's name).
-_PAGED = {
-    False: ("keys", "values", "offset", "block_size", "codec"),
-    True: ("keys", "values", "offset", "left_padding", "idx", "block_size", "codec"),
-}
+#: What the paged placement's form adds after its geometry's fields: what rebuilds block
+#: tables (``kvrows.paged_forms``; ``codec``: the codec's tag and parameters).
+_PAGED_FIELDS = ("block_size", "codec")
 
 #: mlx-lm class name -> the kvrows composition a file entry of that class loads into.
 FILE_CLASSES: Mapping[str, str] = {
@@ -127,22 +135,29 @@ class StateForm:
     file_class: str
 
 
-#: A delayed layout's row record, after its two groups' forms (a ring adds ``keep``).
-_DELAYED_RECORD = ("start", "converted_at", "left_pad", "prefilling", "composed")
-#: ``converted_at`` of a row that has not converted (it sits in the plain group).
+#: The delayed modifier's record (contract §0.6), after a delayed layout's stages' planes,
+#: its geometry and arrangement fields and its target's codec tail: ``converted_at[B]``
+#: (``DELAYED_PLAIN``: the row is in stage 0), ``left_pad[B]`` (the position record of
+#: full attention, which a per-row trim leaves off the right-aligned frame; empty for
+#: rings), ``prefilling``, ``composed`` (rows extract as legos).
+DELAYED_RECORD = ("start", "converted_at", "left_pad", "prefilling", "composed")
+#: ``converted_at`` of a row that has not converted (it sits in stage 0, plain).
 DELAYED_PLAIN = -1
 
 
 def delayed_groups(entry: Composition) -> tuple[Composition, Composition]:
-    """The plain and the affine group of a delayed layout: the landed ragged layouts of its
-    token geometry with its other modifiers (``BatchedKVCache`` and
-    ``BatchedQuantizedKVCache`` for ``DelayedQuantizedKVCache``)."""
+    """The one-stage ragged presets of a delayed layout's two stages: the landed ragged
+    layouts of its token geometry and placement with its other modifiers, plain and of its
+    codec
+    (``BatchedKVCache`` and ``BatchedQuantizedKVCache`` for ``DelayedQuantizedKVCache``).
+    Each stage's rows save and restore through its preset's form."""
     groups = []
     for codec in ("plain", entry.codec):
         found = [
             c
             for c in landed()
-            if (c.codec, c.geometry, c.arrangement) == (codec, entry.geometry, "ragged")
+            if (c.codec, c.geometry, c.placement, c.arrangement)
+            == (codec, entry.geometry, entry.placement, "ragged")
             and c.modifiers == entry.modifiers - {"delayed"}
         ]
         if len(found) != 1:
@@ -151,16 +166,41 @@ def delayed_groups(entry: Composition) -> tuple[Composition, Composition]:
     return groups[0], groups[1]
 
 
+def stage_field(stage: int, tensor: str) -> str:
+    """The form's field of one stage's planes of ``tensor`` (``stage1.keys``)."""
+    return f"stage{stage}.{tensor}"
+
+
+def _is_delayed_layout(entry: Composition) -> bool:
+    return "delayed" in entry.modifiers and entry.is_layout and entry.is_landed
+
+
 def _delayed_form(entry: Composition) -> StateForm:
-    """Each group's fields (prefixed ``plain.`` / ``affine.``), then the row record."""
-    plain, affine = (state_form(group).fields for group in delayed_groups(entry))
+    """The §0.6 rule under the delayed modifier (form 2): each stage's planes, the
+    geometry's layout fields and what a layout form of mlx-lm's omits (a ring's ``keep``),
+    the target's codec tail, the modifier record."""
+    geometry = _geometry_of(entry)
+    target = CODECS[entry.codec]
+    planes = tuple(
+        stage_field(stage, tensor)
+        for stage, group in enumerate(delayed_groups(entry))
+        for tensor in CODECS[group.codec].tensors()
+    )
     fields = (
-        *(f"plain.{name}" for name in plain),
-        *(f"affine.{name}" for name in affine),
-        *_DELAYED_RECORD,
-        *_layout_form_omits(entry),
+        *planes,
+        *geometry.layout_fields,
+        *geometry.layout_form_omits,
+        *target.state_tail,
+        *DELAYED_RECORD,
     )
     return StateForm(entry.name, fields, entry.name)
+
+
+def written_form(entry: Composition) -> int:
+    """The form version of ``entry``'s ``state`` as this kvrows writes it (a file's
+    layer record): 2 where the §0.6 rule changed the family's form (the delayed layouts),
+    1 where form 1 already was the rule."""
+    return 2 if _is_delayed_layout(entry) else 1
 
 
 def recurrent_fields(planes: int) -> tuple[str, ...]:
@@ -173,15 +213,21 @@ def recurrent_fields(planes: int) -> tuple[str, ...]:
 
 def state_form(entry: Composition) -> StateForm:
     """The state form of a landed composition (``UnsupportedStateError`` for others)."""
-    if "delayed" in entry.modifiers and entry.is_landed:
+    if _is_delayed_layout(entry):
         return _delayed_form(entry)
     own = getattr(CODECS.get(entry.codec), "form_fields", None)
-    paged = entry.geometry == "paged"
+    # A placement with a spec (paged: block tables) adds its fields; contiguous has none.
+    paged = PLACEMENTS.classes.get(entry.placement) is not None
     if own is not None and entry.is_landed:  # the latent caches' own form (version 1)
         # ``PagedLatentCache``: the block size follows (``PAGED_LATENT_FIELDS``)
         return StateForm(entry.name, (*own, "block_size") if paged else own, entry.name)
-    if paged and entry.is_landed:
-        return StateForm(entry.name, _PAGED[entry.is_layout], entry.name)
+    placed = GEOMETRIES.get(entry.geometry)
+    if paged and entry.is_landed and placed is not None:
+        # The rule (§0.6): the logical planes, compact (a growing row's every position, a
+        # ring row's sinks and newest in time order), the geometry's fields, the
+        # placement's. ``PagedKVCache``: keys, values, offset, block_size, codec.
+        own_fields = placed.layout_fields if entry.is_layout else placed.serial_fields
+        return StateForm(entry.name, KV_TENSORS + own_fields + _PAGED_FIELDS, entry.name)
     # The codec's tensors (a KV codec's keys and values; recurrent state's planes, the
     # default two: the count is each cache's, recurrent_fields), the geometry's fields, the
     # codec's tail. mlx-lm's ArraysCache form has no coverage, so a recurrent file class is
@@ -242,10 +288,11 @@ def _integer(name: str, value: object) -> int:
 
 def unpack_state(entry: Composition, state: object) -> dict[str, Any]:
     """``state`` checked against ``entry``'s form, by field name (scalars as ints; a
-    delayed layout's: ``"plain"`` and ``"affine"``, each group's fields, and its record)."""
-    if "delayed" in entry.modifiers:
+    delayed layout's: ``"stages"``, each stage's rows by its preset's field names, and its
+    record)."""
+    if _is_delayed_layout(entry):
         parts = parse_delayed_state(entry, state)
-        return {"plain": parts.plain, "affine": parts.affine, **parts.record}
+        return {"stages": parts.stages, **parts.record}
     form = state_form(entry)
     if not isinstance(state, Sequence) or isinstance(state, str | bytes):
         raise InvalidInputError(f"{entry.name} state must be a tuple {form.fields}, got {state!r}")
@@ -294,8 +341,9 @@ def _geometry_of(entry: Composition) -> type[GeometrySpec]:
 
 
 def _layout_form_omits(entry: Composition) -> tuple[str, ...]:
-    """The geometry parameters a delayed layout's record carries: its groups' layout
-    forms omit them (a ring's ``keep``)."""
+    """The geometry parameters a delayed layout's form carries after its layout fields
+    (form 1: after its record): its stage presets' layout forms omit them (a ring's
+    ``keep``)."""
     return _geometry_of(entry).layout_form_omits
 
 
@@ -447,10 +495,9 @@ def rows_of_state(
     """The rows a (checked) state holds, as ``merge_rows`` / ``extract_row`` see them:
     each row's tokens in time order and its position. ``concat`` joins planes along the
     token axis (``np.concatenate`` / ``mx.concatenate`` with ``axis=2``)."""
-    if "delayed" in entry.modifiers:
+    if _is_delayed_layout(entry):
         return _delayed_rows(entry, values, concat)
-    # Columns in buffer order, from the write index. A paged entry's geometry is a
-    # placement, not a registered geometry (yet: step 3): its rows are growing ones.
+    # Columns in buffer order, from the write index.
     geometry = GEOMETRIES.get(entry.geometry)
     wraps = geometry is not None and geometry.wraps
     keys, vals = _planes(values["keys"]), _planes(values["values"])
@@ -584,14 +631,15 @@ def parse_state(
 
 @dataclass(frozen=True)
 class DelayedParts:
-    """A checked delayed-layout state: each group's state (its own form, a tuple), its
-    fields by name, and the row record. ``converted_at[b]`` is ``None`` for a plain row;
-    a row's group follows from it, and its slot from its rank among its group's rows."""
+    """A checked delayed-layout state (of either form version): each stage's rows as its
+    one-stage ragged preset (``delayed_groups``) saves them (``stage_states``, that
+    preset's form, the stage's rows in batch order; ``stages``, the same by field name),
+    and the modifier record. ``converted_at[b]`` is ``None`` for a row in stage 0; a row's
+    stage follows from it, and its place in its stage's state from its rank among that
+    stage's rows."""
 
-    plain: dict[str, Any]
-    affine: dict[str, Any]
-    plain_state: tuple[Any, ...]
-    affine_state: tuple[Any, ...]
+    stages: tuple[dict[str, Any], dict[str, Any]]
+    stage_states: tuple[tuple[Any, ...], tuple[Any, ...]]
     record: dict[str, Any]
 
     @property
@@ -611,17 +659,62 @@ class DelayedParts:
         return int(self.record.get("keep", 0))
 
 
+def _stage_of(converted: Sequence[int | None]) -> list[int]:
+    return [0 if mark is None else 1 for mark in converted]
+
+
 def delayed_state(
     entry: Composition,
-    plain_state: Sequence[Any],
-    affine_state: Sequence[Any],
+    stage_states: Sequence[Sequence[Any]],
     record: Mapping[str, Any],
+    parameters: Mapping[str, Any],
+    positions: Callable[[list[int]], Any],
 ) -> tuple[Any, ...]:
-    """A delayed layout's state: its groups' states, then its record (``start``,
-    ``converted_at`` with ``DELAYED_PLAIN`` for plain rows, ``left_pad``, ``prefilling``,
-    ``composed``, a ring's ``keep``; arrays as the implementation makes them)."""
-    names = (*_DELAYED_RECORD, *_layout_form_omits(entry))
-    return (*plain_state, *affine_state, *(record[name] for name in names))
+    """A delayed layout's state (form 2) from each stage's rows as its one-stage preset's
+    canonical state (rows right-aligned, a ring's unrotated) and the record (``start``,
+    ``converted_at`` per row in batch order, ``None`` for stage 0, ``left_pad``,
+    ``prefilling``, ``composed``). ``parameters``: the specs' (``spec_fields``: the target's
+    codec tail, the geometry's ``keep``); ``positions``: an int list as the
+    implementation's int32 vector.
+
+    One column frame for every stage: the frame is ``idx`` columns wide, row ``b``'s
+    window at ``[left_padding[b], idx)``; a stage's planes hold the frame's newest ``T_s``
+    columns (``T_s``: the widest window among its rows), so a stage of shorter rows stores
+    no column none of its rows reaches and no plane is copied here."""
+    converted = list(record["converted_at"])
+    stage_of = _stage_of(converted)
+    values = [unpack_state(g, s) for g, s in zip(delayed_groups(entry), stage_states, strict=True)]
+    ends = []
+    for fields in values:
+        held = _planes(fields["keys"])
+        end = 0 if held is None else fields["idx"]
+        if held is not None and (fields.get("rotated") or int(held[0].shape[2]) != end):
+            raise AssertionError("a stage's state is not its preset's canonical form")
+        ends.append(end)
+    width = max(ends)
+    offsets, pads = [0] * len(converted), [0] * len(converted)
+    form: dict[str, Any] = {**parameters}
+    for stage, fields in enumerate(values):
+        rows = [b for b, s in enumerate(stage_of) if s == stage]
+        stage_offsets = _ints(fields["offset"], "offset")
+        stage_pads = _ints(fields["left_padding"], "left_padding")
+        for b, offset, pad in zip(rows, stage_offsets, stage_pads, strict=True):
+            offsets[b], pads[b] = offset, pad + width - ends[stage]
+        for tensor in ("keys", "values"):
+            form[stage_field(stage, tensor)] = fields[tensor]
+    form.update(
+        offset=positions(offsets),
+        left_padding=positions(pads),
+        idx=width,
+        total=max(offsets, default=0),
+        rotated=False,
+        start=record["start"],
+        converted_at=positions([DELAYED_PLAIN if c is None else c for c in converted]),
+        left_pad=positions(list(record["left_pad"])),
+        prefilling=record["prefilling"],
+        composed=record["composed"],
+    )
+    return pack_state(entry, form)
 
 
 def _flag(name: str, value: object) -> bool:
@@ -634,53 +727,33 @@ def _flag(name: str, value: object) -> bool:
     raise InvalidInputError(f"state field {name} must be a bool, got {value!r}")
 
 
-def parse_delayed_state(
-    entry: Composition, state: object, *, keep: int | None = None
-) -> DelayedParts:
-    """A delayed layout's ``state`` checked whole (``InvalidInputError`` naming the fault):
-    its length, each group's form, the record's types, the row table against the groups
-    (one ``converted_at`` per row, as many plain rows as the plain group holds), each
-    plain row short of its conversion unless the layout was prefilling, and the position
-    record (full attention: one pad per row, the smallest 0; rings: none). ``keep``, when
-    given, must be the state's."""
-    form = state_form(entry)
-    omitted = _layout_form_omits(entry)
-    if not isinstance(state, Sequence) or isinstance(state, str | bytes):
-        raise InvalidInputError(f"{entry.name} state must be a tuple {form.fields}, got {state!r}")
-    if len(state) != len(form.fields):
-        raise InvalidInputError(
-            f"{entry.name} state has {len(form.fields)} fields (its plain group's, its affine "
-            f"group's, then {form.fields[-len(_DELAYED_RECORD) - len(omitted) :]}), "
-            f"got {len(state)}"
-        )
-    plain_entry, affine_entry = delayed_groups(entry)
-    width = len(state_form(plain_entry).fields)
-    split = width + len(state_form(affine_entry).fields)
-    plain_state, affine_state = tuple(state[:width]), tuple(state[width:split])
-    plain = unpack_state(plain_entry, plain_state)
-    affine = unpack_state(affine_entry, affine_state)
-    raw = dict(zip(form.fields[split:], state[split:], strict=True))
-    start = _integer("start", raw["start"])
-    if start < 0:
-        raise InvalidInputError(f"{entry.name} state: start {start} is negative")
+def delayed_marks(entry: Composition, raw: Mapping[str, Any]) -> list[int | None]:
+    """The record's ``converted_at``, one per row (``None``: stage 0)."""
     marks = _ints(raw["converted_at"], "converted_at")
     if any(m < DELAYED_PLAIN for m in marks):
         raise InvalidInputError(
             f"{entry.name} state: converted_at {marks}: each is an offset >= 0, or "
             f"{DELAYED_PLAIN} for a plain row"
         )
-    converted = [None if m == DELAYED_PLAIN else m for m in marks]
-    plain_offsets = _ints(plain["offset"], "plain.offset")
-    affine_offsets = _ints(affine["offset"], "affine.offset")
-    plain_rows = sum(1 for c in converted if c is None)
-    if (plain_rows, len(converted) - plain_rows) != (len(plain_offsets), len(affine_offsets)):
-        raise InvalidInputError(
-            f"{entry.name} state: the row table has {plain_rows} plain and "
-            f"{len(converted) - plain_rows} converted rows, the groups hold "
-            f"{len(plain_offsets)} and {len(affine_offsets)}"
-        )
+    return [None if m == DELAYED_PLAIN else m for m in marks]
+
+
+def delayed_record(
+    entry: Composition,
+    raw: Mapping[str, Any],
+    converted: list[int | None],
+    plain_offsets: Sequence[int],
+    keep: int | None,
+) -> dict[str, Any]:
+    """The modifier record of a delayed state checked (either form version): ``start``,
+    each stage-0 row short of its conversion unless the layout was prefilling, the position
+    record (full attention: one pad per row, the smallest 0; rings: none), the flags, and
+    what a layout form omits (a ring's ``keep``, which must be ``keep`` when given)."""
+    start = _integer("start", raw["start"])
+    if start < 0:
+        raise InvalidInputError(f"{entry.name} state: start {start} is negative")
     prefilling = _flag("prefilling", raw["prefilling"])
-    ranks = iter(plain_offsets)
+    ranks = iter(_ints(plain_offsets, "offset"))
     for b, mark in enumerate(converted):
         if mark is not None:
             continue
@@ -708,21 +781,100 @@ def parse_delayed_state(
         "prefilling": prefilling,
         "composed": _flag("composed", raw["composed"]),
     }
+    omitted = _layout_form_omits(entry)
     for name in omitted:
         record[name] = _integer(name, raw[name])
     if "keep" in omitted and keep is not None and keep != record["keep"]:
         raise InvalidInputError(
             f"{entry.name} state: keep {record['keep']}, but {keep} was asked for"
         )
-    return DelayedParts(plain, affine, plain_state, affine_state, record)
+    return record
+
+
+def delayed_fields(entry: Composition, state: object, form: StateForm, parts: str) -> list[Any]:
+    """``state`` as a list of ``form``'s length (``parts`` says what its fields are)."""
+    if not isinstance(state, Sequence) or isinstance(state, str | bytes):
+        raise InvalidInputError(f"{entry.name} state must be a tuple {form.fields}, got {state!r}")
+    if len(state) != len(form.fields):
+        raise InvalidInputError(
+            f"{entry.name} state has {len(form.fields)} fields ({parts}), got {len(state)}"
+        )
+    return list(state)
+
+
+def parse_delayed_state(
+    entry: Composition, state: object, *, keep: int | None = None
+) -> DelayedParts:
+    """A delayed layout's form-2 ``state`` checked whole (``InvalidInputError`` naming the
+    fault; ``kvrows.forms_v1`` reads form 1): its length, the row table (one
+    ``converted_at``, offset and pad per row), each stage's planes inside the frame, each
+    stage's rows as its preset's form, and the record (``delayed_record``). ``keep``, when
+    given, must be the state's."""
+    form = state_form(entry)
+    values = delayed_fields(
+        entry, state, form, f"each stage's planes, the frame, the codec tail, {DELAYED_RECORD}"
+    )
+    raw = dict(zip(form.fields, values, strict=True))
+    converted = delayed_marks(entry, raw)
+    stage_of = _stage_of(converted)
+    shapes = [_shape(raw[stage_field(stage, "keys")], stage) for stage in (0, 1)]
+    for stage, shape in enumerate(shapes):
+        if shape is not None and shape[0] != stage_of.count(stage):
+            raise InvalidInputError(
+                f"{entry.name} state: the row table has {stage_of.count(0)} plain and "
+                f"{stage_of.count(1)} converted rows, stage {stage}'s planes hold {shape[0]}"
+            )
+    offsets = _ints(raw["offset"], "offset")
+    pads = _ints(raw["left_padding"], "left_padding")
+    if not len(offsets) == len(pads) == len(converted):
+        raise InvalidInputError(
+            f"{entry.name} state: {len(converted)} rows in converted_at, {len(offsets)} "
+            f"offsets and {len(pads)} left paddings: one of each per row"
+        )
+    width = _integer("idx", raw["idx"])
+    rotated = _flag("rotated", raw["rotated"]) if "rotated" in raw else False
+    groups = delayed_groups(entry)
+    stage_states: list[tuple[Any, ...]] = []
+    for stage, (group, shape) in enumerate(zip(groups, shapes, strict=True)):
+        rows = [b for b, s in enumerate(stage_of) if s == stage]
+        fields = {**raw, **{t: raw[stage_field(stage, t)] for t in ("keys", "values")}}
+        columns = width if shape is None else shape[2]
+        shift = width - columns
+        starts = [pads[b] for b in rows if offsets[b] > 0]
+        if shift < 0 or (shift and (rotated or any(p < shift for p in starts))):
+            raise InvalidInputError(
+                f"{entry.name} state: stage {stage}'s planes hold {columns} columns; the "
+                f"frame is {width} wide (idx), rotated {rotated}, its rows start at {starts}"
+            )
+        fields.update(
+            offset=[offsets[b] for b in rows],
+            left_padding=[pads[b] - shift for b in rows],
+            idx=columns,
+            total=max((offsets[b] for b in rows), default=0),
+        )
+        stage_states.append(pack_state(group, fields))
+    plain, target = (unpack_state(g, st) for g, st in zip(groups, stage_states, strict=True))
+    record = delayed_record(entry, raw, converted, plain["offset"], keep)
+    return DelayedParts((plain, target), (stage_states[0], stage_states[1]), record)
+
+
+def _shape(value: Any, stage: int) -> tuple[int, ...] | None:
+    """The shape of a stage's first key plane (``None``: the stage holds no token)."""
+    held = _planes(value)
+    shape = None if held is None else getattr(held[0], "shape", None)
+    if held is not None and (shape is None or len(shape) != 4):
+        raise InvalidInputError(
+            f"state {stage_field(stage, 'keys')} must be [B, H, T, ·] planes, got "
+            f"{describe_planes(value)}"
+        )
+    return None if shape is None else tuple(int(n) for n in shape)
 
 
 def _delayed_rows(entry: Composition, values: Mapping[str, Any], concat: Any) -> list[StateRow]:
-    """A delayed state's rows in batch order: each group's rows, by the row table."""
-    plain_entry, affine_entry = delayed_groups(entry)
+    """A delayed state's rows in batch order: each stage's rows, by the row table."""
     keep = int(values.get("keep", 0))
-    by_group = [
-        iter(rows_of_state(plain_entry, values["plain"], concat, keep=keep)),
-        iter(rows_of_state(affine_entry, values["affine"], concat, keep=keep)),
+    by_stage = [
+        iter(rows_of_state(group, fields, concat, keep=keep))
+        for group, fields in zip(delayed_groups(entry), values["stages"], strict=True)
     ]
-    return [next(by_group[mark is not None]) for mark in values["converted_at"]]
+    return [next(by_stage[mark is not None]) for mark in values["converted_at"]]

@@ -115,11 +115,6 @@ def encoded_codec(
     return chosen, first
 
 
-def check_latent_codec(codec: LatentCodec, rank: int) -> None:
-    """Raise ``InvalidInputError`` unless ``codec`` stores a latent of ``rank`` values."""
-    Latent(inner=codec).check_head_dim(rank)
-
-
 def _shape(array: Any) -> tuple[int, ...]:
     return tuple(int(n) for n in array.shape)
 
@@ -432,6 +427,7 @@ class LatentSurfaceMembers(_LatentLayout):
         codec: object = None,
         token_geometry: object = None,
         geometry: object = None,
+        **placement: object,
     ) -> None:
         name = type(self).__name__
         if codec is None:
@@ -441,7 +437,8 @@ class LatentSurfaceMembers(_LatentLayout):
             )  # fmt: skip
         if token_geometry is None:
             token_geometry = growing_geometry(name, max_tokens)
-        super().__init__(codec=codec, token_geometry=token_geometry, geometry=geometry)  # type: ignore[call-arg]
+        # ``placement=``: a paged latent's ``Paged`` spec (its block size), passed on.
+        super().__init__(codec=codec, token_geometry=token_geometry, geometry=geometry, **placement)  # type: ignore[call-arg]
 
     # -- what the cache is ----------------------------------------------------------------
     @property
@@ -1120,11 +1117,14 @@ class PagedLatentMembers(_LatentLayout):
         start: object = 0,
         token_geometry: object = None,
         geometry: object = None,
+        placement: object = None,
     ) -> None:
         self._warm: list[Any | None] = []
         self._done: list[bool] = []
         if getattr(codec, "inner", None) is not None:  # the machinery's form: a latent spec
-            super().__init__(codec=codec, token_geometry=token_geometry, geometry=geometry)  # type: ignore[call-arg]
+            super().__init__(  # type: ignore[call-arg]
+                codec=codec, token_geometry=token_geometry, geometry=geometry, placement=placement
+            )
             self._bind_pool(pool)
             return
         name = type(self).__name__
@@ -1216,7 +1216,7 @@ class PagedLatentMembers(_LatentLayout):
 
     @property
     def block_size(self) -> int:
-        size: int = self._token_geometry.block_size  # type: ignore[attr-defined]
+        size: int = self._paged.block_size  # type: ignore[attr-defined]
         return size
 
     def projected_bytes(self, tokens: int) -> int:

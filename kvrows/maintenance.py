@@ -132,6 +132,7 @@ def _plain_serial_ring(cache: Any) -> bool:
         and _wraps(getattr(cache, "token_geometry", None))
         and not hasattr(cache, "row_offsets")
         and not _is_lego(cache)  # a plain-stage lego goes into its delayed layout
+        and getattr(cache, "placement", None) is None  # contiguous (a paged ring's rows: pool)
     )
 
 

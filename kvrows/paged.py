@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import hashlib
 import math
+import operator
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import MISSING, dataclass, fields
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from kvrows.errors import (
     PAGED_ONE_STAGE,
@@ -38,18 +39,26 @@ from kvrows.errors import (
     InvalidInputError,
     LayoutStateError,
     PoolExhaustedError,
+    given_twice_message,
+    needs_parameters_message,
     no_affine_parameter_message,
     not_a_geometry_message,
+    not_an_integer_message,
     paged_empty_write_message,
     paged_read_only_message,
     pool_geometry_message,
     pool_limit_message,
+    positional_arguments_message,
+    wrong_geometry_message,
 )
-from kvrows.schemes import CodecSpec, Plain
+from kvrows.kinds import KindRegistry
+from kvrows.schemes import CodecSpec, GeometrySpec, Plain
 from kvrows.validation import KvGeometry, as_count
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
+    "FREE",
+    "PLACEMENTS",
     "ROOT_HASH",
     "AnyCodecParameters",
     "BlockLedger",
@@ -61,6 +70,9 @@ __all__ = [
     "chain_hashes",
     "check_limit",
     "growth_target",
+    "held_blocks",
+    "held_positions",
+    "projected_blocks",
     "token_ids",
 ]
 
@@ -70,7 +82,42 @@ DEFAULT_BLOCK_SIZE = 16
 #: The parent hash of a request's first block.
 ROOT_HASH = b"\x00" * 32
 
+#: A block table's entry for a block the row gave back (a ring's positions that left its
+#: window): tables stay indexed by logical block, ``position // block_size``.
+FREE = -1
 
+
+def held_positions(offset: int, retained: int, sinks: int) -> list[int]:
+    """The positions a row of ``offset`` positions holding ``retained`` tokens keeps, oldest
+    first: its first ``min(sinks, offset, retained)`` (a ring's sink tokens), then a run of
+    its newest. A growing row (``retained == offset``) keeps every position."""
+    head = min(sinks, offset, retained)
+    return [*range(head), *range(offset - retained + head, offset)]
+
+
+def projected_blocks(tokens: int, cap: int | None, sinks: int, block_size: int) -> int:
+    """Blocks a row of ``tokens`` positions holds between appends: every one's (``cap``
+    ``None``: growing), else its sinks' and its newest ``cap`` positions' (a ring)."""
+    retained = tokens if cap is None else min(tokens, cap)
+    return len(held_blocks(tokens, retained, sinks, block_size))
+
+
+def held_blocks(offset: int, retained: int, sinks: int, block_size: int) -> set[int]:
+    """The logical blocks holding one of :func:`held_positions` (the others are ``FREE``)."""
+    head = min(sinks, offset, retained)
+    first = offset - retained + head
+    blocks = set(range(math.ceil(head / block_size)))
+    if first < offset:
+        blocks |= set(range(first // block_size, math.ceil(offset / block_size)))
+    return blocks
+
+
+#: The placement specs by kind (contract §0.4; contiguous, the default, has no spec yet):
+#: what asks whether a composition is paged looks its kind up here.
+PLACEMENTS: KindRegistry[Any] = KindRegistry("placement", "placement")
+
+
+@PLACEMENTS.register
 @dataclass(frozen=True, kw_only=True)
 class Paged:
     """The paged token geometry: positions live in blocks of ``block_size`` tokens."""
@@ -153,37 +200,61 @@ def token_ids(given: object) -> list[int]:
 
 def bind_paged(
     cls: type[Any], args: Sequence[object], kwargs: dict[str, object]
-) -> tuple[CodecSpec, Paged, KvGeometry | None, Any]:
+) -> tuple[CodecSpec, Paged, GeometrySpec, KvGeometry | None, Any]:
     """A paged storage's constructor arguments (``cls.pool_class`` is its
-    implementation's pool): ``pool=``, ``block_size=``, ``codec=``, ``token_geometry=`` (a
-    ``Paged``), ``geometry=``; what a given pool says wins, and a disagreeing argument is
-    refused. Returns the codec spec, the ``Paged`` spec, the declared geometry, the pool."""
-    if args:
-        raise InvalidInputError(f"{cls.__name__} takes keyword arguments only")
+    implementation's pool): the composition's parameters (mlx-lm's order, a ring's
+    ``max_size``, ``keep``) positionally or by keyword, or ``token_geometry=`` (the
+    composition's geometry spec); ``pool=``, ``block_size=``, ``placement=`` (a ``Paged``;
+    given as ``token_geometry=`` it is the placement too, as before the placement had a
+    field of its own), ``codec=``, ``geometry=``; what a given pool says wins, and a
+    disagreeing argument is refused. Returns the codec spec, the ``Paged`` spec, the token
+    geometry spec, the declared KV geometry and the pool."""
+    from kvrows.geometries import GEOMETRIES, is_geometry_spec
+
+    entry = cls.composition
+    if len(args) > len(entry.params):
+        raise InvalidInputError(positional_arguments_message(cls.__name__, entry.params, len(args)))
+    values: dict[str, object] = {}
+    for name, value in zip(entry.params, args, strict=False):
+        if name in kwargs:
+            raise InvalidInputError(given_twice_message(cls.__name__, name))
+        values[name] = value
+    values.update({name: kwargs.pop(name) for name in entry.params if name in kwargs})
     pool: Any = kwargs.pop("pool", None)
     codec = kwargs.pop("codec", None)
-    geometry_spec: Any = kwargs.pop("token_geometry", None)
+    token: Any = kwargs.pop("token_geometry", None)
+    placement: Any = kwargs.pop("placement", None)
     block_size = kwargs.pop("block_size", None)
     declared = kwargs.pop("geometry", None)
     if kwargs:
         raise InvalidInputError(
-            f"{cls.__name__} has no parameter {', '.join(sorted(kwargs))}; it takes pool, "
-            "block_size, codec, token_geometry and geometry"
+            f"{cls.__name__} has no parameter {', '.join(sorted(kwargs))}; it takes "
+            f"{''.join(f'{p}, ' for p in entry.params)}pool, block_size, placement, codec, "
+            "token_geometry and geometry"
         )
+    if token is not None and not is_geometry_spec(token):  # the placement, as it once was
+        if placement is not None and placement != token:
+            raise InvalidInputError("the paged placement given twice, differently")
+        placement, token = token, None
     if pool is not None and not isinstance(pool, cls.pool_class):
         raise InvalidInputError(f"pool must be a {cls.pool_class.__name__}, got {pool!r}")
     if declared is not None and not isinstance(declared, KvGeometry):
         raise InvalidInputError(not_a_geometry_message(repr(declared)))
-    geometry_kind = cls.composition.geometry  # the table's entry names the token geometry
-    if geometry_spec is not None and getattr(geometry_spec, "kind", None) != geometry_kind:
-        raise InvalidInputError(f"{cls.__name__} has paged geometry, got {geometry_spec!r}")
+    if placement is not None and getattr(placement, "kind", None) != entry.placement:
+        raise InvalidInputError(f"{cls.__name__} has the paged placement, got {placement!r}")
+    if token is not None and (not is_geometry_spec(token) or token.kind != entry.geometry):
+        raise InvalidInputError(wrong_geometry_message(cls.__name__, entry.geometry, token))
+    if token is not None and values:
+        raise InvalidInputError(
+            given_twice_message(cls.__name__, ", ".join(sorted(values)), spec=True)
+        )
     if codec is not None and not hasattr(codec, "key"):
         raise InvalidInputError(f"codec must be a codec spec, got {codec!r}")
     size = None if block_size is None else as_count(block_size, "block_size", minimum=1)
-    if geometry_spec is not None:
-        if size is not None and size != geometry_spec.block_size:
+    if placement is not None:
+        if size is not None and size != placement.block_size:
             raise InvalidInputError("block_size given twice, differently")
-        size = geometry_spec.block_size
+        size = placement.block_size
     if pool is not None:
         if size is not None and size != pool.block_size:
             raise InvalidInputError(f"the pool's blocks hold {pool.block_size} tokens, not {size}")
@@ -193,8 +264,22 @@ def bind_paged(
         if declared is not None and pool.geometry is not None and declared != pool.geometry:
             raise InvalidInputError(f"the pool holds {pool.geometry.describe()}")
     spec: Any = Plain() if codec is None else codec
-    cap = None if geometry_spec is None else geometry_spec.max_tokens  # the paged latent's
-    return spec, Paged(block_size=size or DEFAULT_BLOCK_SIZE, max_tokens=cap), declared, pool
+    cap = None if placement is None else placement.max_tokens  # the paged latent's
+    if token is None:
+        numbers: dict[str, object] = {"max_tokens": cap}
+        for name, value in values.items():
+            if isinstance(value, bool) or not hasattr(value, "__index__"):
+                raise InvalidInputError(not_an_integer_message(name, value))
+            numbers[name] = operator.index(value)
+        defaults = {f.name: f.default for f in fields(cast(Any, GEOMETRIES[entry.geometry]))}
+        missing = [p for p in entry.params if p not in numbers and defaults.get(p) is MISSING]
+        if missing:
+            raise InvalidInputError(needs_parameters_message(cls.__name__, ", ".join(missing)))
+        token = GEOMETRIES[entry.geometry].from_fields({**defaults, **numbers})
+    # A growing row's bound (the paged latent's ``max_tokens``) is the placement's too.
+    bound = None if token.wraps else token.cap()
+    paged = Paged(block_size=size or DEFAULT_BLOCK_SIZE, max_tokens=bound)
+    return spec, paged, token, declared, pool
 
 
 class BlockLedger:
@@ -580,7 +665,7 @@ class PoolBase:
 
 class PagedSurface:
     """What a paged storage shows besides its rows, in both implementations (array-free):
-    its pool and block size, and mlx-lm's read surface over ``_held()`` (what ``fetch``
+    its pool, placement and block size, and mlx-lm's read surface over ``_held()`` (what ``fetch``
     returns, ``None`` while nothing is held): ``keys`` / ``values`` are reads only, since
     a block pool is shared. A paged preset of any codec adds :class:`AnyCodecParameters`."""
 
@@ -609,6 +694,12 @@ class PagedSurface:
         """The block pool this cache's tables point into (``None`` before the first write
         of a cache built without one)."""
         return self._pool
+
+    @property
+    def placement(self) -> Paged:
+        """The placement spec (``Paged(block_size=…)``): with ``codec_spec`` and
+        ``token_geometry``, what an empty storage like this one is built from."""
+        return self._paged
 
     @property
     def block_size(self) -> int:

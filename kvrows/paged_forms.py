@@ -7,7 +7,13 @@ reads, compact and in logical order, plus what rebuilds the tables:
   the codec's planes ``[B, H, offset, ·]``; ``codec``: ``(kind, a, b)``, see
   :func:`codec_field`);
 * ``PagedKvRows``: ``keys, values, offset[B], left_padding[B], idx, block_size, codec``,
-  right-aligned as every layout form (row ``b`` in columns ``[left_padding[b], idx)``).
+  right-aligned as every layout form (row ``b`` in columns ``[left_padding[b], idx)``);
+* the paged rings by the same rule (the planes, the ring geometry's fields, the
+  placement's): ``PagedRotatingKVCache``: ``keys, values, offset, keep, max_size, idx,
+  block_size, codec`` (the row's sinks and newest positions in time order, ``idx`` their
+  count); ``PagedRotatingRows``: ``keys, values, offset[B], left_padding[B], max_size,
+  total, idx, rotated, block_size, codec`` (right-aligned, never rotated; ``keep`` from
+  the file's metadata, as every ring layout's).
 
 Loading writes the positions into fresh blocks of a private pool (or of ``pool``): the
 round trip is bit-exact in the logical KV; block ids and the prefix cache are not saved
@@ -24,8 +30,15 @@ from typing import Any
 from kvrows.codec import CodecSpec, codec_plane_specs
 from kvrows.codecs import kv_codecs
 from kvrows.compositions import composition
-from kvrows.errors import CorruptStateError, not_an_integer_message
-from kvrows.forms import TURBO_STATE_DTYPE, state_form
+from kvrows.errors import CorruptStateError, InvalidInputError, not_an_integer_message
+from kvrows.forms import (
+    TURBO_STATE_DTYPE,
+    geometry_from_fields,
+    rows_of_state,
+    state_form,
+    unpack_state,
+)
+from kvrows.schemes import GeometrySpec
 from kvrows.validation import FLOAT_DTYPES, KvGeometry
 
 __all__ = [
@@ -132,21 +145,46 @@ class PagedState:
     keys: tuple[Any, ...]
     values: tuple[Any, ...]
     geometry: KvGeometry | None
+    #: Positions each row holds (a growing row: its offset; a ring row: its sinks and
+    #: newest), and, for a ring, the token geometry and each row's planes in time order.
+    retained: list[int] | None = None
+    token: GeometrySpec | None = None
+    rows: list[tuple[Any, Any]] | None = None
+
+    def held(self) -> list[int]:
+        """Positions each row holds."""
+        return self.offsets if self.retained is None else self.retained
+
+    def row_planes(self, b: int) -> dict[str, tuple[Any, ...]]:
+        """Row ``b``'s key and value planes (``[1, H, held, ·]``, views), time order."""
+        if self.rows is not None:
+            keys, values = self.rows[b]
+            return {"keys": tuple(keys), "values": tuple(values)}
+        start = self.pads[b]
+        cut = {"keys": self.keys, "values": self.values}
+        return {t: tuple(p[b : b + 1, :, start : self.width] for p in ps) for t, ps in cut.items()}
 
 
-def restore_state(cls: Any, state: Any, geometry: KvGeometry | None, pool: Any = None) -> Any:
+def restore_state(
+    cls: Any, state: Any, geometry: KvGeometry | None, pool: Any = None, *, keep: int = 0
+) -> Any:
     """A new ``cls`` holding ``state`` (in ``pool`` when given, else a private pool): each
     implementation checks it with :func:`parse_state` and writes its rows
-    (``cls._restore_paged``)."""
-    return cls._restore_paged(state, geometry, pool)
+    (``cls._restore_paged``; ``keep``: a ring layout's sinks, its form omits them)."""
+    return cls._restore_paged(state, geometry, pool, keep)
 
 
 def parse_state(
     cls: Any, state: Any, geometry: KvGeometry | None, pool: Any,
     shape: Callable[[Any], tuple[int, ...]], dtype_name: Callable[[Any], str],
+    *, keep: int = 0, concat: Callable[[Any], Any] | None = None,
 ) -> PagedState:  # fmt: skip
     """``state`` checked against ``cls``'s form (``CorruptStateError`` otherwise);
-    ``shape`` / ``dtype_name`` read the implementation's arrays."""
+    ``shape`` / ``dtype_name`` read the implementation's arrays, ``concat`` joins planes
+    along the token axis (a ring's rows), ``keep`` a ring layout's sinks."""
+    if cls.composition.params:  # a ring: the generic rule's parse
+        assert concat is not None
+        return _parse_ring(cls, state, geometry, pool, shape, dtype_name, keep, concat)
     layout = cls.composition.is_layout
     fields = PAGED_LAYOUT_FIELDS if layout else PAGED_SERIAL_FIELDS
     if not isinstance(state, tuple | list) or len(state) != len(fields):
@@ -222,3 +260,49 @@ def _geometry_of(
                     f"{plane_spec.name} must be {plane_spec.dtype}, got {dtype_name(plane)}"
                 )
     return geometry
+
+
+def _parse_ring(
+    cls: Any, state: Any, geometry: KvGeometry | None, pool: Any,
+    shape: Callable[[Any], tuple[int, ...]], dtype_name: Callable[[Any], str],
+    keep: int, concat: Callable[[Any], Any],
+) -> PagedState:  # fmt: skip
+    """A paged ring's state (``kvrows.forms.rows_of_state`` reads its rows, in time order)."""
+    entry = cls.composition
+    fields = state_form(entry).fields
+    if not isinstance(state, tuple | list) or len(state) != len(fields):
+        raise CorruptStateError(f"a {cls.__name__} state holds {', '.join(fields)}")
+    raw = dict(zip(fields, state, strict=True))
+    spec = codec_named(raw["codec"])
+    block_size = _int("block_size", raw["block_size"])
+    if block_size < 1:
+        raise CorruptStateError(f"block_size must be positive, got {block_size}")
+    try:
+        values = unpack_state(entry, tuple(state))
+        token = geometry_from_fields(entry, values, keep=keep)
+        rows = rows_of_state(entry, values, concat, keep=getattr(token, "keep", 0))
+    except (InvalidInputError, ValueError, TypeError, KeyError) as error:
+        raise CorruptStateError(f"a corrupt {cls.__name__} state: {error}") from None
+    cap = token.cap() or 0
+    offsets = [offset for _, _, offset in rows]
+    held = [0 if k is None else shape(k[0])[2] for k, _, _ in rows]
+    for b, (offset, count) in enumerate(zip(offsets, held, strict=True)):
+        if offset < 0 or count > offset or count < min(offset, cap):
+            raise CorruptStateError(
+                f"state row {b} holds {count} positions at offset {offset}: a ring row holds "
+                f"its window (min(offset, {cap})) and at most its offset"
+            )
+    planes = [(k, v) for k, v, _ in rows]
+    learnt = geometry
+    for (k, v), count in zip(planes, held, strict=True):
+        if count:
+            k = _check_planes(k, spec, "keys", shape, 1, count)
+            v = _check_planes(v, spec, "values", shape, 1, count)
+            learnt = _geometry_of(spec, k, v, shape, dtype_name, learnt)
+    if pool is not None and (pool.codec_spec != spec or pool.block_size != block_size):
+        raise CorruptStateError("the state's codec or block size is not the pool's")
+    width = max(held, default=0)
+    return PagedState(
+        spec, block_size, entry.is_layout, offsets, [0] * len(rows), width, (), (), learnt,
+        retained=held, token=token, rows=planes,
+    )  # fmt: skip

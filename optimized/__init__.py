@@ -23,6 +23,8 @@ from kvrows.optimized.paged import (
     PagedKVCache,
     PagedKvRows,
     PagedLatentCache,
+    PagedRotatingKVCache,
+    PagedRotatingRows,
 )
 from kvrows.optimized.rows import DECLARED
 
@@ -39,6 +41,8 @@ __all__ = [
     "PagedKvRows",
     "LatentBlockPool",
     "PagedLatentCache",
+    "PagedRotatingKVCache",
+    "PagedRotatingRows",
     "attend",
     "declared_classes",
 ]
@@ -49,7 +53,13 @@ def declared_classes() -> Mapping[str, type[Any]]:
     delayed layouts among them) and the latent and paged classes (what this module
     registers)."""
     latent = (EncodedLatentCache,)  # latent state: its own row machinery
-    paged = (PagedKVCache, PagedKvRows, PagedLatentCache)  # block tables into a pool
+    paged = (  # block tables into a pool
+        PagedKVCache,
+        PagedKvRows,
+        PagedLatentCache,
+        PagedRotatingKVCache,
+        PagedRotatingRows,
+    )
     found = (*latent, *paged)
     return {**DECLARED, **{cls.composition.name: cls for cls in found}}
 

@@ -17,12 +17,27 @@ from kvrows.errors import InvalidInputError, PoolExhaustedError, preview_blocks_
 from kvrows.latent import LatentPoolMembers, PagedLatentMembers
 from kvrows.optimized.codecs import mlx_dtype
 from kvrows.optimized.latent import LatentSurface
-from kvrows.optimized.paging import BlockPool, PagedLayout, PagedSerial, Planes, Table
+from kvrows.optimized.paging import (
+    BlockPool,
+    PagedLayout,
+    PagedRing,
+    PagedSerial,
+    Planes,
+    Table,
+)
 from kvrows.optimized.rows import owned
 from kvrows.optimized.speculative import SpeculativeLayout
 from kvrows.paged import AnyCodecParameters
 
-__all__ = ["BlockPool", "LatentBlockPool", "PagedKVCache", "PagedKvRows", "PagedLatentCache"]
+__all__ = [
+    "BlockPool",
+    "LatentBlockPool",
+    "PagedKVCache",
+    "PagedKvRows",
+    "PagedLatentCache",
+    "PagedRotatingKVCache",
+    "PagedRotatingRows",
+]
 
 
 class PagedKVCache(AnyCodecParameters, PagedSerial):
@@ -46,6 +61,23 @@ class PagedKvRows(AnyCodecParameters, SpeculativeLayout, PagedLayout):
         return super().register_prefix(row, token_ids)
 
 
+class PagedRotatingKVCache(PagedRing, AnyCodecParameters, PagedSerial):
+    """One request's sliding window as a block table (``spec/PagedRotatingKVCache.md``):
+    ``RotatingKVCache``'s window, its blocks out of the window back in the pool."""
+
+    composition = composition("PagedRotatingKVCache")
+
+
+class PagedRotatingRows(AnyCodecParameters, SpeculativeLayout, PagedRing, PagedLayout):
+    """Sliding-window block-table rows, all three roles (``spec/PagedRotatingRows.md``)."""
+
+    composition = composition("PagedRotatingRows")
+
+    #: An exhausted pool refuses before any block or table changes: the round stays open,
+    #: before its block (free blocks or append a shorter one, then resolve it).
+    _spec_refused_unchanged = (PoolExhaustedError,)
+
+
 BlockPool.cache_class = PagedKVCache
 
 
@@ -66,8 +98,8 @@ class PagedLatentCache(PagedLatentMembers, LatentSurface, SpeculativeLayout, Pag
         self._spec_guard("register_prefix")
         return super().register_prefix(row, token_ids)
 
-    def adopt_tables(self, tables: Sequence[Table], offset: int) -> None:
-        super().adopt_tables(tables, offset)
+    def adopt_tables(self, tables: Sequence[Table], offset: int, count: int | None = None) -> None:
+        super().adopt_tables(tables, offset, count)
         self._adopted(len(tables))
 
     def held_arrays(self) -> tuple[Any, ...]:
@@ -104,7 +136,8 @@ class PagedLatentCache(PagedLatentMembers, LatentSurface, SpeculativeLayout, Pag
                 return {t: tuple(owned(p[b : b + 1, :, start:width]) for p in ps)
                         for t, ps in held.items()}  # fmt: skip
 
-            pool, tables = self._write_fresh(shapes, offsets, row_planes)
+            rows = [(offset, offset, 0) for offset in offsets]
+            pool, tables = self._write_fresh(shapes, rows, row_planes)
         elif pool is not None:
             tables = [pool.open([], touch=False) for _ in offsets]
         self._pool = pool

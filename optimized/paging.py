@@ -42,24 +42,34 @@ from kvrows.errors import (
     EMPTY_CACHE_NO_BLOCK,
     EMPTY_ROW_NO_BLOCK,
     NOTHING_TO_FETCH,
+    PAGED_RING_PREFIX,
     PROJECTED_BYTES_NEEDS_GEOMETRY,
     InvalidInputError,
     LayoutStateError,
+    NotTrimmableError,
     paged_merge_message,
     prefix_mismatch_message,
     prefix_too_long_message,
     request_rows_message,
+    ring_rollback_message,
+    trim_past_row_message,
+    wrapped_ring_message,
 )
+from kvrows.forms import pack_state
 from kvrows.optimized.codecs import Codec, dtype_name, make_codec
 from kvrows.optimized.geometries.growing import GrowingGeometry
+from kvrows.optimized.geometries.ring import positions_mask, reach
 from kvrows.optimized.rows import DECLARED, Layout, RowWindow, Serial, Storage, owned
 from kvrows.paged import (
+    FREE,
     ROOT_HASH,
     Paged,
     PagedSurface,
     PoolBase,
     bind_paged,
     chain_hashes,
+    held_blocks,
+    projected_blocks,
 )
 from kvrows.paged import token_ids as read_token_ids
 from kvrows.paged_forms import PagedState, codec_field, parse_state
@@ -70,19 +80,42 @@ from kvrows.validation import KvGeometry, as_count, check_row
 __all__ = [
     "BlockPool",
     "PagedLayout",
+    "PagedRing",
     "PagedRows",
     "PagedSerial",
     "Piece",
     "copy_block",
     "gather",
+    "gather_runs",
+    "position_runs",
     "scatter",
 ]
 
 Planes = tuple[Any, ...]
 #: One write of a token run into one block: ``(block, start, count, row, token)``.
 Piece = tuple[int, int, int, int, int]
-#: A row's block table: its blocks in logical order (host ints).
+#: A row's block table: its blocks in logical order (host ints; ``FREE`` for a block the
+#: row gave back: a ring's, out of its window).
 Table = list[int]
+#: The positions a row reads: runs ``(first position, count)``, oldest first.
+Runs = Sequence[tuple[int, int]]
+#: What a merge takes of a row: ``(offset, count, sinks)``, its newest ``count``
+#: positions at ``offset`` (its first ``sinks`` among them; a growing row: all).
+Lent = tuple[int, int, int]
+
+
+def _live(table: Sequence[int]) -> list[int]:
+    """The blocks a table holds (``FREE`` entries hold none)."""
+    return [b for b in table if b != FREE]
+
+
+def position_runs(offset: int, retained: int, sinks: int) -> list[tuple[int, int]]:
+    """:func:`kvrows.paged.held_positions` as runs: the sinks, then the newest."""
+    head = min(sinks, offset, retained)
+    runs = [(0, head)] if head else []
+    if retained > head:
+        runs.append((offset - retained + head, retained - head))
+    return runs
 
 
 def _index(values: Sequence[int]) -> mx.array:
@@ -152,13 +185,13 @@ def _host_views(planes: Planes) -> list[np.ndarray[Any, Any]] | None:
 
 def _host_gather(
     views: Sequence[np.ndarray[Any, Any]],
-    rows: Sequence[tuple[Sequence[int], int]],
+    rows: Sequence[tuple[Sequence[int], Runs]],
     pads: Sequence[int],
     width: int,
 ) -> Planes:
     """The CPU backend's gather: fresh zeroed MLX arrays filled in place through NumPy, one
-    strided copy per run of consecutive blocks (MLX's take + transpose + concatenate +
-    stack copied the batch's KV several times over at slice-update speed)."""
+    strided copy per run of consecutive whole blocks (MLX's take + transpose + concatenate
+    + stack copied the batch's KV several times over at slice-update speed)."""
     out = []
     for view in views:
         heads, size, dim = view.shape[1], view.shape[2], view.shape[3]
@@ -168,20 +201,27 @@ def _host_gather(
         if not (target.flags.writeable and target.flags.c_contiguous):  # not its own buffer
             image = mx.array(np.zeros(target.shape, dtype=target.dtype))
             target = np.asarray(image)
-        for b, ((blocks, count), pad) in enumerate(zip(rows, pads, strict=True)):
-            full, tail = divmod(count, size)
-            j = 0
-            while j < full:  # runs of consecutive whole blocks
-                run = 1
-                while j + run < full and blocks[j + run] == blocks[j] + run:
-                    run += 1
-                start = pad + j * size
-                dest = target[b, :, start : start + run * size].reshape(heads, run, size, dim)
-                dest[...] = view[blocks[j] : blocks[j] + run].transpose(1, 0, 2, 3)
-                j += run
-            if tail:
-                start = pad + full * size
-                target[b, :, start : start + tail] = view[blocks[full], :, :tail]
+        for b, ((blocks, runs), pad) in enumerate(zip(rows, pads, strict=True)):
+            column = pad
+            for first, count in runs:
+                position, end = first, first + count
+                while position < end:
+                    j, within = divmod(position, size)
+                    if within == 0 and end - position >= size:  # consecutive whole blocks
+                        run = 1
+                        while (j + run + 1) * size <= end and blocks[j + run] == blocks[j] + run:
+                            run += 1
+                        dest = target[b, :, column : column + run * size]
+                        dest = dest.reshape(heads, run, size, dim)
+                        dest[...] = view[blocks[j] : blocks[j] + run].transpose(1, 0, 2, 3)
+                        length = run * size
+                    else:
+                        length = min(size - within, end - position)
+                        target[b, :, column : column + length] = view[
+                            blocks[j], :, within : within + length
+                        ]
+                    position += length
+                    column += length
         out.append(image)
     return tuple(out)
 
@@ -239,24 +279,44 @@ def gather(
 ) -> Planes:
     """``[B, H, width, w]``: row ``b``'s first ``count`` positions (its ``blocks`` in
     order) at columns ``[pads[b], pads[b] + count)``, zeros elsewhere; compact, owned."""
+    return gather_runs(planes, [(blocks, [(0, count)]) for blocks, count in rows], pads, width)
+
+
+def gather_runs(
+    planes: Planes, rows: Sequence[tuple[Sequence[int], Runs]], pads: Sequence[int], width: int
+) -> Planes:
+    """``[B, H, width, w]``: row ``b``'s runs of positions ``(first, count)`` (its
+    ``blocks`` indexed by logical block), one after another from column ``pads[b]``,
+    zeros elsewhere; compact, owned."""
     views = _host_views(planes)
     if views is not None:
         return _host_gather(views, rows, pads, width)
     out = []
     for plane in planes:
-        heads, dim = int(plane.shape[1]), int(plane.shape[3])
+        heads, size, dim = int(plane.shape[1]), int(plane.shape[2]), int(plane.shape[3])
         images = []
-        for (blocks, count), pad in zip(rows, pads, strict=True):
+        for (blocks, runs), pad in zip(rows, pads, strict=True):
             parts = []
             if pad:
                 parts.append(mx.zeros((heads, pad, dim), dtype=plane.dtype))
-            if count:
-                taken = mx.take(plane, _index(blocks), axis=0).transpose(1, 0, 2, 3)
-                parts.append(taken.reshape(heads, -1, dim)[:, :count])
+            for first, count in runs:
+                if not count:
+                    continue
+                lo, hi = first // size, -(-(first + count) // size)
+                taken = mx.take(plane, _index(blocks[lo:hi]), axis=0).transpose(1, 0, 2, 3)
+                skip = first - lo * size
+                parts.append(taken.reshape(heads, -1, dim)[:, skip : skip + count])
+            tail = width - pad - sum(count for _, count in runs)
+            if tail or not parts:  # a shorter left-aligned row (a ring's): zeros after it
+                parts.append(mx.zeros((heads, tail, dim), dtype=plane.dtype))
             images.append(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1))
         out.append(mx.contiguous(mx.stack(images)))
     mx.eval(*out)
     return tuple(out)
+
+
+def _concat(planes: list[Any]) -> Any:
+    return mx.concatenate(planes, axis=2)
 
 
 def _release_tables(pool_ref: weakref.ref[BlockPool], tables: list[Table]) -> None:
@@ -316,7 +376,7 @@ class BlockPool(PoolBase):
         """Make ``table`` live (its blocks counted once more unless they were just
         allocated for it)."""
         if touch:
-            self.ledger.touch(table)
+            self.ledger.touch(_live(table))
         self._tables[id(table)] = table
         return table
 
@@ -331,14 +391,27 @@ class BlockPool(PoolBase):
         """Release every table (each tail block first); the table then holds nothing."""
         for table in tables:
             if self._tables.pop(id(table), None) is not None:
-                self.ledger.release(reversed(table))
+                self.ledger.release(reversed(_live(table)))
                 table.clear()
 
     def release_tail(self, table: Table, offset: int) -> None:
         """Release the blocks past position ``offset`` (after a trim), tail first."""
         keep = self.blocks_for(offset)
-        self.ledger.release(reversed(table[keep:]))
+        self.ledger.release(reversed(_live(table[keep:])))
         del table[keep:]
+
+    def release_outside(self, table: Table, needed: set[int]) -> None:
+        """Give back the blocks of ``table`` not in ``needed`` (a ring's, out of its
+        window; tail first), their entries ``FREE``."""
+        gone = [j for j, b in enumerate(table) if b != FREE and j not in needed]
+        if gone:
+            self.ledger.release(reversed([table[j] for j in gone]))
+            for j in gone:
+                table[j] = FREE
+
+    def fresh_table(self, offset: int, needed: set[int], fresh: list[int]) -> Table:
+        """A table of ``offset`` positions taking blocks from ``fresh`` for ``needed``."""
+        return [fresh.pop(0) if j in needed else FREE for j in range(self.blocks_for(offset))]
 
     # -- writes --------------------------------------------------------------------------
     def append(
@@ -352,6 +425,7 @@ class BlockPool(PoolBase):
         bs, ledger = self.block_size, self.ledger
         plans: list[tuple[bool, int]] = []
         for table, offset in zip(tables, offsets, strict=True):
+            assert offset % bs == 0 or table[-1] != FREE, "a row holds its newest position"
             cow = offset % bs > 0 and not ledger.writable(table[-1])
             plans.append((cow, self.blocks_for(offset + n) - len(table)))
         fresh = ledger.allocate(sum(int(cow) + new for cow, new in plans))
@@ -376,39 +450,56 @@ class BlockPool(PoolBase):
         table[-1] = target
         self.ledger.bytes_copied += fill * self.token_bytes
 
-    def write_row(self, table: Table, planes: PlaneSet) -> None:
-        """Write ``planes`` (``[1, H, n, ·]``) into ``table``'s allocated blocks from
-        position 0."""
+    def write_row(self, table: Table, planes: PlaneSet, runs: Runs | None = None) -> None:
+        """Write ``planes`` (``[1, H, n, ·]``) into ``table``'s allocated blocks at the
+        positions of ``runs`` (``None``: from position 0)."""
         n = int(next(iter(planes.values()))[0].shape[2])
-        written = pieces(table, self.block_size, 0, n)
+        written: list[Piece] = []
+        token = 0
+        for first, count in [(0, n)] if runs is None else runs:
+            written += [
+                (block, start, length, 0, token + fed)
+                for block, start, length, _, fed in pieces(table, self.block_size, first, count)
+            ]
+            token += count
         for tensor, held in self._planes.items():
             scatter(held, written, planes[tensor])
 
-    def copy_in(self, sources: Sequence[tuple[BlockPool, Table, int]]) -> list[Table]:
-        """New tables of this pool holding copies of ``(pool, table, offset)`` rows of other
-        pools (read from their pools, counted as copied); every block is taken at once, so
-        a refusal changes nothing."""
-        fresh = self.ledger.allocate(sum(self.blocks_for(o) for _, _, o in sources))
+    def copy_in(self, sources: Sequence[tuple[BlockPool, Table, Lent]]) -> list[Table]:
+        """New tables of this pool holding copies of ``(pool, table, (offset, count,
+        sinks))`` rows of other pools, each cut to the ``count`` positions a merge takes
+        (read from their pools, counted as copied); every block is taken at once, so a
+        refusal changes nothing."""
+        bs = self.block_size
+        needed = [held_blocks(o, c, k, bs) for _, _, (o, c, k) in sources]
+        fresh = self.ledger.allocate(sum(len(n) for n in needed))
         copies: list[Table] = []
-        for source, table, offset in sources:
-            count = self.blocks_for(offset)
-            copy = self.open(fresh[:count], touch=False)
-            del fresh[:count]
+        for (source, table, (offset, count, sinks)), held in zip(sources, needed, strict=True):
+            copy = self.open(self.fresh_table(offset, held, fresh), touch=False)
             copies.append(copy)
             if offset:
-                self.write_row(copy, source.gather([table], [offset], [0], offset))
-                self.ledger.bytes_copied += offset * self.token_bytes
+                runs = position_runs(offset, count, sinks)
+                self.write_row(copy, source.gather([table], [offset], [0], count, [runs]), runs)
+                self.ledger.bytes_copied += count * self.token_bytes
         return copies
 
     # -- reads ---------------------------------------------------------------------------
     def gather(
-        self, tables: Sequence[Table], offsets: Sequence[int], pads: Sequence[int], width: int
+        self,
+        tables: Sequence[Table],
+        offsets: Sequence[int],
+        pads: Sequence[int],
+        width: int,
+        runs: Sequence[Runs] | None = None,
     ) -> PlaneSet:
-        """Each tensor's planes ``[B, H, width, ·]``: row ``b``'s ``offsets[b]`` positions,
-        read from its blocks in logical order, at columns ``[pads[b], pads[b] +
-        offsets[b])``, zeros elsewhere; owned arrays."""
-        rows = list(zip(tables, offsets, strict=True))
-        return {t: gather(planes, rows, pads, width) for t, planes in self._planes.items()}
+        """Each tensor's planes ``[B, H, width, ·]``: row ``b``'s ``offsets[b]`` positions
+        (``runs[b]``, when given: the runs of positions it holds), read from its blocks in
+        logical order, from column ``pads[b]`` on, zeros elsewhere; owned arrays."""
+        if runs is None:
+            rows = list(zip(tables, offsets, strict=True))
+            return {t: gather(planes, rows, pads, width) for t, planes in self._planes.items()}
+        held = list(zip(tables, runs, strict=True))
+        return {t: gather_runs(planes, held, pads, width) for t, planes in self._planes.items()}
 
     # -- the prefix cache ----------------------------------------------------------------
     def register_prefix(self, table: Table, offset: int, token_ids: Sequence[int]) -> int:
@@ -449,7 +540,7 @@ class BlockPool(PoolBase):
     def check_valid(self) -> None:
         """Assert the pool's invariants (``spec/paged-pool.md`` §4)."""
         # A snapshot: a cache's finalizer may release its tables while we iterate.
-        self.ledger.check_valid(list(self._tables.values()))
+        self.ledger.check_valid([_live(t) for t in list(self._tables.values())])
 
 
 class PagedRows(PagedSurface, Storage):
@@ -458,7 +549,8 @@ class PagedRows(PagedSurface, Storage):
 
     Listed before the serial or layout base, so these hooks and reads replace theirs."""
 
-    geometry_kind = "paged"
+    geometry_kind = "growing"
+    placement_kind = "paged"
     arrangements = frozenset({"serial", "ragged"})
     pool_class: ClassVar[type[BlockPool]] = BlockPool
 
@@ -469,14 +561,13 @@ class PagedRows(PagedSurface, Storage):
     _tables: list[Table]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        spec, paged, declared, pool = bind_paged(type(self), args, dict(kwargs))
+        spec, paged, token, declared, pool = bind_paged(type(self), args, dict(kwargs))
         self._paged = paged
         self._tables = []
         self._pool = pool
         self._finalizer = None
         geometry = declared if pool is None or pool.geometry is None else pool.geometry
-        # The paged spec stands where a geometry spec does (signature, merges, forms).
-        self._setup(spec, cast(Any, paged), geometry)
+        self._setup(spec, token, geometry)
         self._watch()
 
     def _watch(self) -> None:
@@ -509,16 +600,22 @@ class PagedRows(PagedSurface, Storage):
         self._offsets, self._pads = [], []
         self._changed()
 
-    def adopt_tables(self, tables: Sequence[Table], offset: int) -> None:
-        """Hold ``tables`` (live tables of the pool, ``offset`` positions each) instead of
-        what it held; they are released when this cache is collected (a serial storage's,
-        or a layout that is its own serial class)."""
+    def adopt_tables(self, tables: Sequence[Table], offset: int, count: int | None = None) -> None:
+        """Hold ``tables`` (live tables of the pool, ``offset`` positions each, ``count``
+        of them held: a ring's window) instead of what it held; they are released when
+        this cache is collected (a serial storage's, or a layout that is its own serial
+        class)."""
         assert self._pool is not None
         self._pool.close(self._tables)
         self._tables[:] = tables
+        self._offsets = []  # every row replaced
+        self._joined([(offset, offset if count is None else count, 0)] * len(tables))
         self._offsets = [offset] * len(tables)
         self._changed()
         self._watch()
+
+    def _joined(self, cuts: list[Lent]) -> None:
+        """Rows holding ``cuts`` were added after the rows there (a ring records them)."""
 
     def _ensure_pool(self, geometry: KvGeometry, room: int = 0) -> BlockPool:
         """The pool, knowing ``geometry``; ``room``: the blocks the write that teaches a
@@ -536,7 +633,7 @@ class PagedRows(PagedSurface, Storage):
         """Bytes of the blocks this cache's tables hold (a shared block counts in each)."""
         if self._pool is None or self._geometry is None:
             return 0
-        return sum(len(t) for t in self._tables) * self._pool.bytes_per_block
+        return sum(len(_live(t)) for t in self._tables) * self._pool.bytes_per_block
 
     def held_arrays(self) -> tuple[Any, ...]:
         return () if self._pool is None else self._pool.held_arrays()
@@ -546,7 +643,14 @@ class PagedRows(PagedSurface, Storage):
             getattr(source, "pool_class", None) is self.pool_class
             and source.block_size == self.block_size
             and source.codec.key == self.codec.key
+            and source.token_geometry == self.token_geometry
         )
+
+    def _lent(self, b: int) -> Lent:
+        """What a merge or an extraction takes of row ``b`` (a growing row: every
+        position; a ring overrides it)."""
+        offset = self._offsets[b]
+        return offset, offset, 0
 
     def _merge_refusal(self, source: object) -> str:
         return paged_merge_message(
@@ -606,10 +710,11 @@ class PagedRows(PagedSurface, Storage):
                 return None
             rows = len(self._tables)
             return self._pool.gather(self._tables, self._offsets, [0] * rows, offset)
-        if self._offsets[row] == 0:
+        offset, count, sinks = self._lent(row)
+        if offset == 0:
             return None
-        offset = self._offsets[row]
-        return self._pool.gather([self._tables[row]], [offset], [0], offset)
+        runs = [position_runs(offset, count, sinks)]
+        return self._pool.gather([self._tables[row]], [offset], [0], count, runs)
 
     def _held(self) -> tuple[Any, Any] | None:
         if self._pool is None or not self._tables or not any(self._offsets):
@@ -631,9 +736,18 @@ class PagedRows(PagedSurface, Storage):
     # -- checks and forms ----------------------------------------------------------------
     def _check_geometry(self) -> None:
         assert len(self._tables) == len(self._offsets)
-        for table, offset in zip(self._tables, self._offsets, strict=True):
+        for b, (table, offset) in enumerate(zip(self._tables, self._offsets, strict=True)):
             assert len(table) == math.ceil(offset / self.block_size)
             assert self._pool is None or id(table) in self._pool._tables
+            needed = held_blocks(*self._holds(b), self.block_size)
+            assert all((t != FREE) == (j in needed) for j, t in enumerate(table)), (
+                "a row holds exactly the blocks of its positions"
+            )
+
+    def _holds(self, b: int) -> Lent:
+        """What row ``b`` holds: ``(offset, positions held, sinks)`` (growing: every one)."""
+        offset = self._offsets[b]
+        return offset, offset, 0
 
     def _paged_planes(self) -> tuple[Planes | None, Planes | None]:
         if self._pool is None or self._geometry is None or not any(self._offsets):
@@ -646,37 +760,82 @@ class PagedRows(PagedSurface, Storage):
     def _restore(
         cls, state: Any, meta_state: Any, keep: int | None, geometry: KvGeometry | None
     ) -> Any:
-        return cls._restore_paged(state, geometry, None)
+        return cls._restore_paged(state, geometry, None, keep or 0)
 
     @classmethod
-    def _restore_paged(cls, state: Any, geometry: KvGeometry | None, pool: Any) -> Any:
+    def _restore_paged(
+        cls, state: Any, geometry: KvGeometry | None, pool: Any, keep: int = 0
+    ) -> Any:
         """``kvrows.paged_forms.restore_state``'s load: the checked rows are written into
         fresh blocks of ``pool`` (or of a private one), all taken at once (a refusal
         changes nothing), counted as written."""
-        parsed = parse_state(cls, state, geometry, pool, _shape, dtype_name)
+        parsed = parse_state(
+            cls, state, geometry, pool, _shape, dtype_name, keep=keep, concat=_concat
+        )
         cache = cls(pool=pool, codec=parsed.spec, block_size=parsed.block_size,
-                    geometry=parsed.geometry)  # fmt: skip
+                    geometry=parsed.geometry, token_geometry=parsed.token)  # fmt: skip
         cache._load(parsed)
         return cache
 
     def _write_fresh(
-        self, geometry: Any, offsets: Sequence[int], row_planes: Callable[[int], PlaneSet]
+        self, geometry: Any, held: Sequence[Lent], row_planes: Callable[[int], PlaneSet]
     ) -> tuple[BlockPool, list[Table]]:
-        """Rows of ``offsets`` tokens (row ``b``'s compact planes ``row_planes(b)``, made one
-        row at a time) written into fresh blocks of the pool, every block taken at once (a
-        refusal changes nothing), counted as written (not copied); their opened tables."""
-        counts = [math.ceil(offset / self.block_size) for offset in offsets]
-        pool = self._ensure_pool(geometry, sum(counts))
-        fresh = pool.ledger.allocate(sum(counts))
+        """Rows holding ``held`` (``(offset, count, sinks)``; row ``b``'s compact planes
+        ``row_planes(b)``, made one row at a time) written into fresh blocks of the pool,
+        every block taken at once (a refusal changes nothing), counted as written (not
+        copied); their opened tables."""
+        size = self.block_size
+        needed = [held_blocks(*h, size) for h in held]
+        pool = self._ensure_pool(geometry, sum(len(n) for n in needed))
+        fresh = pool.ledger.allocate(sum(len(n) for n in needed))
         tables: list[Table] = []
-        for b, (offset, count) in enumerate(zip(offsets, counts, strict=True)):
-            table = pool.open(fresh[:count], touch=False)
-            del fresh[:count]
-            if offset:
-                pool.write_row(table, row_planes(b))
+        for b, (row, blocks) in enumerate(zip(held, needed, strict=True)):
+            table = pool.open(pool.fresh_table(row[0], blocks, fresh), touch=False)
+            if row[0]:
+                pool.write_row(table, row_planes(b), position_runs(*row))
             tables.append(table)
-        pool.ledger.bytes_written += sum(offsets) * pool.token_bytes
+        pool.ledger.bytes_written += sum(count for _, count, _ in held) * pool.token_bytes
         return pool, tables
+
+    @property
+    def _sink_count(self) -> int:
+        """The positions a row never gives back (a ring's ``keep``; 0 for growing)."""
+        return 0
+
+    def _first(self) -> int:
+        """A serial storage's position (its rows move together; 0 before a write)."""
+        return self._offsets[0] if self._offsets else 0
+
+    def _runs(self) -> list[list[tuple[int, int]]] | None:
+        """Each row's runs of positions (``None``: every row holds each of its positions)."""
+        return None
+
+    def _state(self) -> tuple[Any, ...]:
+        """The form of the composition (``kvrows.forms.state_form``: the planes compact,
+        right-aligned in a layout, the geometry's fields, the placement's)."""
+        rows = range(len(self._offsets))
+        counts = [self._holds(b)[1] for b in rows]
+        width = max(counts, default=0)
+        pads = [width - c for c in counts]
+        planes = (
+            self._pool.gather(self._tables, self._offsets, pads, width, self._runs())
+            if self._pool is not None and self._geometry is not None and width
+            else None
+        )
+        fields = {
+            "keys": None if planes is None else planes["keys"],
+            "values": None if planes is None else planes["values"],
+            "offset": _index(self._offsets) if self.composition.is_layout else self._first(),
+            "left_padding": _index(pads),
+            "idx": width,
+            "total": width,
+            "rotated": False,
+            "block_size": self.block_size,
+            "codec": codec_field(self.codec_spec),
+            **self._token_geometry.parameters(),
+            "keep": self._sink_count,
+        }
+        return pack_state(self.composition, fields)
 
     def _load(self, parsed: PagedState) -> None:
         """Hold ``parsed``'s rows, written into fresh blocks (a serial state of no position
@@ -691,22 +850,23 @@ class PagedRows(PagedSurface, Storage):
                 self._pool = pool
                 self._watch()
                 self._tables[:] = [pool.open([]) for _ in range(rows)]
+                self._offsets = []
+                self._joined([(0, 0, 0)] * rows)
                 self._offsets = [0] * rows
                 self._changed()
             return
         assert learnt is not None
-        columns = {"keys": parsed.keys, "values": parsed.values}
 
         def row_planes(b: int) -> PlaneSet:
-            start = parsed.pads[b]
-            return {
-                t: tuple(owned(p[b : b + 1, :, start : parsed.width]) for p in held)
-                for t, held in columns.items()
-            }
+            return {t: tuple(owned(p) for p in held) for t, held in parsed.row_planes(b).items()}
 
-        pool, tables = self._write_fresh(learnt, parsed.offsets, row_planes)
+        sinks = self._sink_count
+        held = [(o, c, sinks) for o, c in zip(parsed.offsets, parsed.held(), strict=True)]
+        pool, tables = self._write_fresh(learnt, held, row_planes)
         self._watch()
         self._tables[:] = tables
+        self._offsets = []
+        self._joined(held)
         self._offsets = list(parsed.offsets)
         self._geometry = learnt
         self._changed()
@@ -734,10 +894,6 @@ class PagedSerial(PagedRows, Serial):
             raise LayoutStateError(EMPTY_CACHE_NO_BLOCK)
         return self._pool.register_prefix(self._request(), self.offset, token_ids)
 
-    def _state(self) -> tuple[Any, ...]:
-        keys, values = self._paged_planes()
-        return keys, values, self.offset, self.block_size, codec_field(self.codec_spec)
-
     def check_valid(self) -> None:
         assert len(set(self._offsets)) <= 1, "rows move together"
         self._check_geometry()
@@ -760,8 +916,9 @@ class PagedLayout(PagedRows, Layout):
 
     def make_empty_batch(self) -> PagedLayout:
         return type(self)(
-            pool=self._pool, codec=self.codec_spec, token_geometry=self._token_geometry
-        )
+            pool=self._pool, codec=self.codec_spec, token_geometry=self._token_geometry,
+            placement=self._paged,
+        )  # fmt: skip
 
     def projected_bytes(self, tokens: int) -> int:
         """Bytes one row needs for ``tokens`` positions: whole blocks."""
@@ -777,25 +934,25 @@ class PagedLayout(PagedRows, Layout):
         return self.row_planes(row)
 
     @staticmethod
-    def _lent_of(sources: Sequence[Any]) -> list[tuple[BlockPool | None, Table | None, int]]:
-        """Each joining row's pool, table and offset."""
-        lent: list[tuple[BlockPool | None, Table | None, int]] = []
+    def _lent_of(sources: Sequence[Any]) -> list[tuple[BlockPool | None, Table | None, Lent]]:
+        """Each joining row's pool, table and what a merge takes of it."""
+        lent: list[tuple[BlockPool | None, Table | None, Lent]] = []
         for source in sources:  # a serial storage without rows lends one empty row
-            tables, offsets, source_pool = source._tables, source._offsets, source._pool
+            tables, source_pool = source._tables, source._pool
             if tables:
-                lent.extend(zip([source_pool] * len(tables), tables, offsets, strict=True))
+                lent.extend((source_pool, t, source._lent(b)) for b, t in enumerate(tables))
             else:
-                lent.append((source_pool, None, 0))
+                lent.append((source_pool, None, (0, 0, 0)))
         return lent
 
     @staticmethod
     def _foreign(
-        lent: list[tuple[BlockPool | None, Table | None, int]], pool: BlockPool
-    ) -> list[tuple[BlockPool, Table, int]]:
+        lent: list[tuple[BlockPool | None, Table | None, Lent]], pool: BlockPool
+    ) -> list[tuple[BlockPool, Table, Lent]]:
         """The joining rows of another pool that hold tokens: copied into fresh blocks."""
         return [
-            (p, t, o) for p, t, o in lent if p is not None and p is not pool and t is not None
-            and o
+            (p, t, c) for p, t, c in lent if p is not None and p is not pool and t is not None
+            and c[0]
         ]  # fmt: skip
 
     def _check_join(
@@ -811,7 +968,9 @@ class PagedLayout(PagedRows, Layout):
         pool = self._pool or next((p for p, _, _ in lent if p is not None), None)
         if pool is not None:  # (a new pool takes the copies: it has no limit)
             foreign = self._foreign(lent, pool)
-            pool.check_take(geometry, sum(pool.blocks_for(o) for _, _, o in foreign))
+            bs = pool.block_size
+            taken = sum(len(held_blocks(*cut, bs)) for _, _, cut in foreign)
+            pool.check_take(geometry, taken)
 
     def _join(
         self,
@@ -829,27 +988,31 @@ class PagedLayout(PagedRows, Layout):
         if pool is None:  # only empty serial caches with no pool yet: rows of no position
             if geometry is None:  # the rows join a pool at the first write
                 self._tables.extend([] for _ in lent)
+                self._joined([(0, 0, 0)] * len(lent))
                 self._offsets = self._offsets + [0] * len(lent)
                 self._changed()
                 return
             pool = self.pool_class(self.codec_spec, block_size=self.block_size, geometry=geometry)
         foreign = self._foreign(lent, pool)
+        bs = pool.block_size
         if geometry is not None:  # copies into a pool that learns here: within its limit
-            pool.learn(geometry, room=sum(pool.blocks_for(o) for _, _, o in foreign))
+            pool.learn(geometry, room=sum(len(held_blocks(*c, bs)) for _, _, c in foreign))
         copies = iter(pool.copy_in(foreign))
         joined: list[Table] = []
-        for source_pool, table, offset in lent:
-            if table is None or (source_pool is not pool and offset == 0):
+        for source_pool, table, cut in lent:
+            if table is None or (source_pool is not pool and cut[0] == 0):
                 joined.append(pool.open([]))
-            elif source_pool is pool:
-                joined.append(pool.open(list(table)))
+            elif source_pool is pool:  # the blocks of what the merge takes, shared
+                needed = held_blocks(*cut, bs)
+                joined.append(pool.open([b if j in needed else FREE for j, b in enumerate(table)]))
             else:
                 joined.append(next(copies))
         pool.adopt_empty(self._tables)  # rows joined before any pool existed
         self._pool = pool
         self._watch()
         self._tables.extend(joined)
-        self._offsets = self._offsets + [o for _, _, o in lent]
+        self._joined([cut for _, _, cut in lent])
+        self._offsets = self._offsets + [offset for _, _, (offset, _, _) in lent]
         self._geometry = geometry
         self._changed()
 
@@ -867,12 +1030,15 @@ class PagedLayout(PagedRows, Layout):
         entry = self.composition
         serial_class = cast(type[PagedSerial], DECLARED[entry.serial or entry.name])
         serial = serial_class(
-            pool=self._pool, codec=self.codec_spec, token_geometry=self._token_geometry
-        )
+            pool=self._pool, codec=self.codec_spec, token_geometry=self._token_geometry,
+            placement=self._paged,
+        )  # fmt: skip
         serial._geometry = self._geometry
-        offset = self._offsets[index]
+        offset, count, sinks = self._lent(index)
         if self._pool is not None and offset:
-            serial.adopt_tables([self._pool.open(list(self._tables[index]))], offset)
+            needed = held_blocks(offset, count, sinks, self.block_size)
+            table = [b if j in needed else FREE for j, b in enumerate(self._tables[index])]
+            serial.adopt_tables([self._pool.open(table)], offset, count)
         return serial
 
     def register_prefix(self, row: int, token_ids: Sequence[int]) -> int:
@@ -882,13 +1048,210 @@ class PagedLayout(PagedRows, Layout):
             raise LayoutStateError(EMPTY_ROW_NO_BLOCK)
         return self._pool.register_prefix(self._tables[index], self._offsets[index], token_ids)
 
-    def _state(self) -> tuple[Any, ...]:
-        offsets = list(self._offsets)
-        width = max(offsets, default=0)
-        keys, values = self._paged_planes()
-        pads = [width - o for o in offsets]
-        return (keys, values, _index(offsets), _index(pads), width, self.block_size,
-                codec_field(self.codec_spec))  # fmt: skip
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}(offsets={list(self._offsets)})"
+
+
+class PagedRing(PagedRows):
+    """The paged placement under the ring geometry (``spec/PagedRotatingKVCache.md``,
+    ``spec/PagedRotatingRows.md``): each row keeps what the ragged ring keeps (its sinks
+    and newest positions: ``max_size - 1 + n`` right after a block of ``n``, ``max_size``
+    after a single token), read in time order from column 0 (a layout's rows
+    left-aligned, as ``RaggedRotatingRows``); the blocks none of whose positions a row
+    still holds go back to the pool after every write. Listed first among the bases of
+    the public classes, over :class:`PagedSerial` / :class:`PagedLayout`."""
+
+    geometry_kind = "ring"
+    _retained: list[int]
+
+    @property
+    def max_size(self) -> int:
+        return int(cast(Any, self._token_geometry).max_size)
+
+    @property
+    def keep(self) -> int:
+        return int(cast(Any, self._token_geometry).keep)
+
+    @property
+    def retained(self) -> tuple[int, ...]:
+        """Positions each row holds (its sinks and newest ones)."""
+        return tuple(self._retained)
+
+    def _reset_geometry(self) -> None:
+        super()._reset_geometry()
+        self._retained = []
+
+    def release(self) -> None:
+        super().release()
+        self._retained = []
+
+    def _changed(self) -> None:
+        Storage._changed(self)  # every row from column 0: no pads (the ragged ring's)
+        if len(self._pads) != len(self._offsets) or any(self._pads):
+            self._pads = [0] * len(self._offsets)
+
+    def _lent(self, b: int) -> Lent:
+        # A merge and an extraction take the window: the sinks and newest ``max_size``.
+        offset = self._offsets[b]
+        return offset, min(offset, self.max_size), self.keep
+
+    def _holds(self, b: int) -> Lent:
+        return self._offsets[b], self._retained[b], self.keep
+
+    @property
+    def _sink_count(self) -> int:
+        return self.keep
+
+    def _runs(self) -> list[list[tuple[int, int]]] | None:
+        return [position_runs(*self._holds(b)) for b in range(len(self._offsets))]
+
+    def _joined(self, cuts: list[Lent]) -> None:
+        self._retained = self._retained[: len(self._offsets)] + [c for _, c, _ in cuts]
+
+    def _release_outside(self) -> None:
+        """Give back the blocks out of every row's positions (tail first per row)."""
+        if self._pool is None:
+            return
+        size = self.block_size
+        for b, table in enumerate(self._tables):
+            self._pool.release_outside(table, held_blocks(*self._holds(b), size))
+
+    # -- writes and trims --------------------------------------------------------------
+    def _write(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
+        rows = len(self._offsets) or int(next(iter(block.values()))[0].shape[0])
+        before = self._retained if self._offsets else [0] * rows
+        after = [min(r, self.max_size - 1) + n for r in before]
+        super()._write(block, n, geometry)  # the pool first: it may refuse, nothing changed
+        self._retained = after
+        self._release_outside()
+
+    def _check_trim(self, counts: Sequence[int]) -> None:
+        """The ring's rules: a serial ring trims only before it wraps; a row of a layout
+        while it keeps its whole window before the trimmed tokens."""
+        size = self.max_size
+        if not self.composition.is_layout:
+            if any(counts) and self._first() >= size:
+                raise NotTrimmableError(
+                    wrapped_ring_message(f"a ring with {self._first()} columns written", size)
+                )
+            return
+        rows = zip(counts, self._offsets, self._retained, strict=True)
+        for b, (count, offset, held) in enumerate(rows):
+            if count > offset:
+                raise NotTrimmableError(trim_past_row_message(count, b, offset))
+            if count and held - count < min(offset - count, size):
+                raise NotTrimmableError(ring_rollback_message(b, offset, held, count, size))
+
+    def _forget(self, counts: Sequence[int], *, justify: bool = False) -> None:
+        super()._forget(counts, justify=justify)
+        self._retained = [r - c for r, c in zip(self._retained, counts, strict=True)]
+
+    def is_trimmable(self) -> bool:
+        return all(o < self.max_size for o in self._offsets)
+
+    def can_publish_row(self, row: int, tokens: int) -> bool:
+        """A prefix is publishable only before the ring wraps."""
+        offset = self._offsets[check_row(row, len(self._offsets))]
+        count = as_count(tokens, "tokens")
+        return count == offset or (count < offset < self.max_size)
+
+    def projected_bytes(self, tokens: int) -> int:
+        """Bytes one row of ``tokens`` positions holds between appends: the blocks of its
+        sinks and newest ``max_size`` positions."""
+        count = as_count(tokens, "tokens")
+        g = self._geometry
+        if g is None:
+            raise LayoutStateError(PROJECTED_BYTES_NEEDS_GEOMETRY)
+        blocks = projected_blocks(count, self.max_size, self.keep, self.block_size)
+        return blocks * self.block_size * shapes_token_bytes(self.codec, g)
+
+    def _keep(self, order: list[int]) -> None:
+        super()._keep(order)
+        self._retained = [self._retained[i] for i in order]
+
+    # -- reads -------------------------------------------------------------------------
+    def _gather_rows(self, rows: Sequence[int], held: Sequence[Lent]) -> PlaneSet:
+        """Rows ``rows`` holding ``held`` each, read in time order from column 0."""
+        assert self._pool is not None
+        runs = [position_runs(*h) for h in held]
+        width = max(count for _, count, _ in held)
+        tables = [self._tables[b] for b in rows]
+        offsets = [self._offsets[b] for b in rows]
+        return self._pool.gather(tables, offsets, [0] * len(rows), width, runs)
+
+    def _read(self) -> dict[str, Any]:
+        if self._pool is None or not self._tables or not any(self._offsets):
+            raise LayoutStateError(NOTHING_TO_FETCH)
+        rows = range(len(self._tables))
+        planes = self._gather_rows(rows, [self._holds(b) for b in rows])
+        return {t: self.codec.fetched(held, as_role(t)) for t, held in planes.items()}
+
+    def _held_window(self, row: int | None) -> PlaneSet | None:
+        """Row ``row``'s window (every row's every held position, stacked, on a serial
+        storage when ``row`` is ``None``); ``None`` while it holds none."""
+        if self._pool is None or not self._tables:
+            return None
+        if row is None:
+            if self._offsets[0] == 0:
+                return None
+            rows = range(len(self._tables))
+            return self._gather_rows(rows, [self._holds(b) for b in rows])
+        if self._offsets[row] == 0:
+            return None
+        return self._gather_rows([row], [self._lent(row)])
+
+    def window(self) -> tuple[Planes, Planes] | None:
+        """A serial ring's window (its sinks and newest ``min(offset, max_size)``
+        positions) in time order, rows stacked."""
+        if self._pool is None or not self._tables or self._offsets[0] == 0:
+            return None
+        rows = range(len(self._tables))
+        planes = self._gather_rows(rows, [self._lent(b) for b in rows])
+        return planes["keys"], planes["values"]
+
+    def _paged_planes(self) -> tuple[Planes | None, Planes | None]:
+        if self._pool is None or self._geometry is None or not any(self._offsets):
+            return None, None
+        rows = range(len(self._tables))
+        planes = self._gather_rows(rows, [self._holds(b) for b in rows])
+        return planes["keys"], planes["values"]
+
+    # -- masks: the ring's, over each row's positions ----------------------------------
+    def _serial_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
+        """mlx-lm's ring policy over columns in time order: ``None`` / ``"causal"`` while
+        every query sees its whole history, else the array (``[S]`` for one query)."""
+        keep, size = self.keep, self.max_size
+        recent = reach(window, size, keep)
+        offset = self._first()
+        after = min(offset, size - 1) + n
+        if after <= keep + recent and not return_array:
+            return None if n == 1 else "causal"
+        head = min(keep, offset + n, after)
+        columns = [*range(head), *range(offset + n - after + head, offset + n)]
+        visible = positions_mask([columns], [offset], n, keep, recent)[0]
+        return visible[0] if n == 1 else visible
+
+    def _layout_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
+        """Row ``b``'s query ``i`` sits at column ``retained'[b] - n + i`` and sees its
+        sinks and its newest ``reach`` positions (``RaggedRotatingRows``' mask)."""
+        keep, size = self.keep, self.max_size
+        after = [min(r, size - 1) + n for r in self._retained]
+        width = max(after, default=0)
+        positions = []
+        for offset, held in zip(self._offsets, after, strict=True):
+            head = min(keep, offset + n, held)
+            mine = [*range(head), *range(offset + n - held + head, offset + n)]
+            positions.append(mine + [-1] * (width - held))
+        recent = reach(window, size, keep)
+        return positions_mask(positions, self._offsets, n, keep, recent)[:, None]
+
+    # -- checks ------------------------------------------------------------------------
+    def _check_geometry(self) -> None:
+        assert len(self._retained) == len(self._offsets)
+        held = zip(self._retained, self._offsets, strict=True)
+        assert all(min(o, self.max_size) <= r <= o for r, o in held)
+        super()._check_geometry()
+
+    def register_prefix(self, *args: Any) -> int:
+        """Refused: a ring's rows give their oldest blocks back (``PAGED_RING_PREFIX``)."""
+        raise LayoutStateError(PAGED_RING_PREFIX)

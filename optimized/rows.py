@@ -235,6 +235,9 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     array_name: ClassVar[str] = "MLX"
     #: The geometry kind a geometry class implements, and the arrangements it supports.
     geometry_kind: ClassVar[str]
+    #: The placement a class's rows live in (contract §0.4; the paged placement's classes
+    #: say ``paged``).
+    placement_kind: ClassVar[str] = "contiguous"
     arrangements: ClassVar[frozenset[str]]
     #: The arrangement a base class implements (``Serial`` / ``Layout``).
     arrangement_kinds: ClassVar[frozenset[str]]
@@ -257,12 +260,15 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         entry = cls.__dict__.get("composition")
         if entry is None:
             return  # a base, a geometry, or a subclass of a public class (tests' mutants)
-        if entry.geometry != cls.geometry_kind or entry.arrangement not in (
-            cls.arrangements & cls.arrangement_kinds
+        if (
+            entry.geometry != cls.geometry_kind
+            or entry.placement != cls.placement_kind
+            or entry.arrangement not in (cls.arrangements & cls.arrangement_kinds)
         ):
             raise KvRowsError(
-                f"{cls.__name__}: {entry.name} is {entry.geometry}/{entry.arrangement}, "
-                f"the class is {cls.geometry_kind}/{sorted(cls.arrangement_kinds)}"
+                f"{cls.__name__}: {entry.name} is {entry.geometry}/{entry.placement}/"
+                f"{entry.arrangement}, the class is {cls.geometry_kind}/{cls.placement_kind}/"
+                f"{sorted(cls.arrangement_kinds)}"
             )
         codec = CODECS.get(entry.codec)  # None: a class of any codec (its spec decides)
         delayed = "delayed" in entry.modifiers  # its bits show under the modifier's rule

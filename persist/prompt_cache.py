@@ -45,9 +45,9 @@ from kvrows.conversion import check_target
 from kvrows.errors import CorruptStateError, InvalidInputError, UnsupportedStateError
 from kvrows.forms import (
     FILE_CLASSES,
-    FORM_VERSION,
     FORMAT_VERSION,
     state_form,
+    written_form,
 )
 from kvrows.persist.files import CHECKSUM_KEY, checksum, read_safetensors, write_atomic
 from kvrows.protocols import DropInWrapper, Handover
@@ -116,7 +116,7 @@ def _layer_record(cache: Any) -> dict[str, Any]:
             **cache.token_geometry.parameters(),
         },
         "kv": None if geometry is None else vars(geometry).copy(),
-        "form": FORM_VERSION,
+        "form": written_form(cache.composition),
     }
 
 

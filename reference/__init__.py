@@ -18,6 +18,8 @@ from kvrows.reference.paged import (
     PagedKVCache,
     PagedKvRows,
     PagedLatentCache,
+    PagedRotatingKVCache,
+    PagedRotatingRows,
 )
 
 __all__ = [
@@ -28,6 +30,8 @@ __all__ = [
     "PagedKvRows",
     "LatentBlockPool",
     "PagedLatentCache",
+    "PagedRotatingKVCache",
+    "PagedRotatingRows",
     "attend",
     "attention",
 ]

@@ -271,7 +271,13 @@ def declared_classes() -> Mapping[str, type[Any]]:
     found.update(
         {
             cls.composition.name: cls
-            for cls in (paged.PagedKVCache, paged.PagedKvRows, paged.PagedLatentCache)
+            for cls in (
+                paged.PagedKVCache,
+                paged.PagedKvRows,
+                paged.PagedLatentCache,
+                paged.PagedRotatingKVCache,
+                paged.PagedRotatingRows,
+            )
         }
     )
     missing = [c.name for c in landed() if c.name not in found]

@@ -19,11 +19,20 @@ from kvrows.compositions import composition
 from kvrows.latent import LatentPoolMembers, PagedLatentMembers
 from kvrows.paged import AnyCodecParameters
 from kvrows.reference.codecs import numpy_dtype
+from kvrows.reference.geometries.ring import RingParameters
 from kvrows.reference.latent import LatentSurface
 from kvrows.reference.paging import BlockPool, PagedLayout, PagedRow, PagedSerial
 from kvrows.reference.rows import Row
 
-__all__ = ["BlockPool", "LatentBlockPool", "PagedKVCache", "PagedKvRows", "PagedLatentCache"]
+__all__ = [
+    "BlockPool",
+    "LatentBlockPool",
+    "PagedKVCache",
+    "PagedKvRows",
+    "PagedLatentCache",
+    "PagedRotatingKVCache",
+    "PagedRotatingRows",
+]
 
 
 class PagedKVCache(AnyCodecParameters, PagedSerial):
@@ -37,6 +46,20 @@ class PagedKvRows(AnyCodecParameters, PagedLayout):
 
     composition = composition("PagedKvRows")
     serial_class = PagedKVCache
+
+
+class PagedRotatingKVCache(RingParameters, AnyCodecParameters, PagedSerial):
+    """One request's sliding window as a block table (``spec/PagedRotatingKVCache.md``):
+    ``RotatingKVCache``'s window, its blocks out of the window back in the pool."""
+
+    composition = composition("PagedRotatingKVCache")
+
+
+class PagedRotatingRows(RingParameters, AnyCodecParameters, PagedLayout):
+    """Sliding-window block-table rows, all three roles (``spec/PagedRotatingRows.md``)."""
+
+    composition = composition("PagedRotatingRows")
+    serial_class = PagedRotatingKVCache
 
 
 BlockPool.cache_class = PagedKVCache

@@ -40,6 +40,7 @@ from kvrows.errors import (
     EMPTY_CACHE_NO_BLOCK,
     EMPTY_ROW_NO_BLOCK,
     NOTHING_TO_FETCH,
+    PAGED_RING_PREFIX,
     PROJECTED_BYTES_NEEDS_GEOMETRY,
     InvalidInputError,
     LayoutStateError,
@@ -49,21 +50,34 @@ from kvrows.errors import (
     prefix_too_long_message,
     request_rows_message,
 )
+from kvrows.forms import pack_state
 from kvrows.paged import (
+    FREE,
     ROOT_HASH,
     Paged,
     PagedSurface,
     PoolBase,
     bind_paged,
     chain_hashes,
+    held_blocks,
+    held_positions,
+    projected_blocks,
 )
 from kvrows.paged import token_ids as read_token_ids
 from kvrows.paged_forms import PagedState, codec_field, parse_state
 from kvrows.reference.codecs import Codec, dtype_name, make_codec
-from kvrows.reference.geometries.growing import GrowingAxis, PaddedRows
-from kvrows.reference.rows import Row, RowLayout, SerialStorage, Storage, TokenAxis, zero_planes
+from kvrows.reference.geometries.growing import PaddedRows
+from kvrows.reference.rows import (
+    Row,
+    RowLayout,
+    SerialStorage,
+    Storage,
+    TokenAxis,
+    make_axis,
+    zero_planes,
+)
 from kvrows.reference.speculative import SpeculativeLayout
-from kvrows.schemes import CodecSpec, Growing
+from kvrows.schemes import CodecSpec
 from kvrows.validation import KvGeometry, as_count, check_keep, check_row
 
 __all__ = ["BlockPool", "PagedLayout", "PagedRow", "PagedRows", "PagedSerial", "RightAligned"]
@@ -72,9 +86,34 @@ __all__ = ["BlockPool", "PagedLayout", "PagedRow", "PagedRows", "PagedSerial", "
 @dataclass(eq=False)
 class PagedRow(Row):
     """A compact row and its block table: the pool blocks holding its positions, in
-    logical order (``ceil(offset / block_size)`` of them)."""
+    logical order (``ceil(offset / block_size)`` of them; ``FREE`` for a block none of
+    whose positions the row holds any more: a ring's, out of its window)."""
 
     blocks: list[int] = field(default_factory=list)
+
+    def positions(self) -> list[int]:
+        """The positions the row holds, oldest first (its compact planes' columns)."""
+        return held_positions(self.offset, self._holding(), self.sinks)
+
+    def needed(self, block_size: int) -> set[int]:
+        """The logical blocks holding one of its positions."""
+        return held_blocks(self.offset, self._holding(), self.sinks, block_size)
+
+    def _holding(self) -> int:
+        # A table without compact planes (the pool driven alone) holds every position.
+        return self.retained if self.held else self.offset
+
+
+def _live(blocks: Sequence[int]) -> list[int]:
+    """The blocks a table holds (``FREE`` entries hold none)."""
+    return [b for b in blocks if b != FREE]
+
+
+def _view(row: Row, cut: Row) -> PagedRow:
+    """``cut`` (what a merge or an extraction takes of ``row``: its window) over ``row``'s
+    blocks, for reading them."""
+    blocks = cast(PagedRow, row).blocks
+    return PagedRow(cut.planes, cut.offset, sinks=cut.sinks, blocks=blocks)
 
 
 def _shape(array: object) -> tuple[int, ...]:
@@ -137,15 +176,17 @@ class BlockPool(PoolBase):
         """Make ``row`` a live table (its blocks counted once more unless they were just
         allocated for it)."""
         if touch:
-            self.ledger.touch(row.blocks)
+            self.ledger.touch(_live(row.blocks))
         self._tables[id(row)] = row
         return row
 
-    def share(self, row: Row) -> PagedRow:
-        """A second row holding what ``row`` holds: its compact planes copied, its blocks
-        shared (no byte of the pool moves)."""
-        source = cast(PagedRow, row)
-        return self.open(PagedRow(_owned(source.planes), source.offset, blocks=list(source.blocks)))
+    def share(self, row: Row, cut: Row) -> PagedRow:
+        """A second row holding ``cut`` of ``row`` (its window): its compact planes, the
+        blocks of ``row`` holding its positions shared (no byte of the pool moves)."""
+        needed = _view(row, cut).needed(self.block_size)
+        blocks = [b if j in needed else FREE for j, b in enumerate(cast(PagedRow, row).blocks)]
+        shared = PagedRow(_owned(cut.planes), cut.offset, sinks=cut.sinks, blocks=blocks)
+        return self.open(shared)
 
     def adopt_empty(self, rows: Sequence[Row]) -> None:
         """Make empty rows made before the pool existed live tables of this pool."""
@@ -159,15 +200,26 @@ class BlockPool(PoolBase):
         for row in rows:
             if self._tables.pop(id(row), None) is not None:
                 paged = cast(PagedRow, row)
-                self.ledger.release(reversed(paged.blocks))
+                self.ledger.release(reversed(_live(paged.blocks)))
                 paged.blocks, paged.planes, paged.offset = [], {}, 0
 
     def release_tail(self, row: Row) -> None:
         """Release the blocks past ``row``'s end (after a trim), tail first."""
         paged = cast(PagedRow, row)
         keep = self.blocks_for(paged.offset)
-        self.ledger.release(reversed(paged.blocks[keep:]))
+        self.ledger.release(reversed(_live(paged.blocks[keep:])))
         del paged.blocks[keep:]
+
+    def release_outside(self, row: Row) -> None:
+        """Give back the blocks none of whose positions ``row`` holds any more (a ring's,
+        out of its window; tail first), their table entries ``FREE``."""
+        paged = cast(PagedRow, row)
+        needed = paged.needed(self.block_size)
+        gone = [j for j, b in enumerate(paged.blocks) if b != FREE and j not in needed]
+        if gone:
+            self.ledger.release(reversed([paged.blocks[j] for j in gone]))
+            for j in gone:
+                paged.blocks[j] = FREE
 
     # -- writes --------------------------------------------------------------------------
     def append(self, rows: Sequence[Row], block: PlaneSet, n: int) -> None:
@@ -181,6 +233,7 @@ class BlockPool(PoolBase):
         plans: list[tuple[bool, int]] = []
         for table in tables:
             cow = table.offset % bs > 0 and not ledger.writable(table.blocks[-1])
+            assert not cow or table.blocks[-1] != FREE, "a row holds its newest position"
             plans.append((cow, self.blocks_for(table.offset + n) - len(table.blocks)))
         fresh = ledger.allocate(sum(int(cow) + new for cow, new in plans))
         for b, (table, (cow, new)) in enumerate(zip(tables, plans, strict=True)):
@@ -188,19 +241,19 @@ class BlockPool(PoolBase):
                 self._copy_tail(table, fresh.pop())
             table.blocks.extend(fresh[:new])
             del fresh[:new]
+            positions = range(table.offset, table.offset + n)
             self._write_tokens(
-                table, table.offset, {t: tuple(p[b] for p in ps) for t, ps in block.items()}
+                table, positions, {t: tuple(p[b] for p in ps) for t, ps in block.items()}
             )
         ledger.bytes_written += len(tables) * n * self.token_bytes
 
-    def _write_tokens(self, table: PagedRow, start: int, tokens: PlaneSet) -> None:
-        """Write ``tokens`` (``[H, n, ·]`` per plane) at positions ``start ..`` of
-        ``table``, one position at a time."""
+    def _write_tokens(self, table: PagedRow, positions: Sequence[int], tokens: PlaneSet) -> None:
+        """Write ``tokens`` (``[H, n, ·]`` per plane) at ``positions`` of ``table``, one
+        position at a time."""
         bs = self.block_size
         for tensor, planes in tokens.items():
             for plane, source in zip(self._planes[tensor], planes, strict=True):
-                for i in range(int(source.shape[1])):
-                    position = start + i
+                for i, position in enumerate(positions):
                     plane[table.blocks[position // bs], :, position % bs] = source[:, i]
 
     def _copy_tail(self, table: PagedRow, target: int) -> None:
@@ -214,48 +267,66 @@ class BlockPool(PoolBase):
         table.blocks[-1] = target
         self.ledger.bytes_copied += fill * self.token_bytes
 
-    def copy_in(self, sources: Sequence[tuple[BlockPool, Row]]) -> list[PagedRow]:
-        """New rows of this pool holding copies of rows of other pools (read from their
-        pools, counted as copied); every block is taken at once, so a refusal changes
-        nothing."""
-        fresh = self.ledger.allocate(sum(self.blocks_for(r.offset) for _, r in sources))
-        copies: list[PagedRow] = []
-        for source, row in sources:
-            count = self.blocks_for(row.offset)
-            copy = self.open(PagedRow(_owned(row.planes), blocks=fresh[:count]), touch=False)
-            del fresh[:count]
-            copies.append(copy)
-            if row.offset:
-                self.write_rows([copy], source.gather([row], [0], row.offset), 0)
-                copy.offset = row.offset
-                self.ledger.bytes_copied += row.offset * self.token_bytes
+    def blocks_of(self, row: Row) -> int:
+        """Blocks a row holding ``row``'s positions takes."""
+        return len(held_blocks(row.offset, row.retained, row.sinks, self.block_size))
+
+    def fresh_rows(self, rows: Sequence[PagedRow]) -> None:
+        """Give ``rows`` (no table yet) fresh blocks for their positions, every block taken
+        at once (a refusal changes nothing); not opened, nothing written."""
+        fresh = self.ledger.allocate(sum(self.blocks_of(row) for row in rows))
+        for row in rows:
+            needed = row.needed(self.block_size)
+            row.blocks = [
+                fresh.pop(0) if j in needed else FREE for j in range(self.blocks_for(row.offset))
+            ]
+
+    def copy_in(self, sources: Sequence[tuple[BlockPool, Row, Row]]) -> list[PagedRow]:
+        """New rows of this pool holding copies of ``cut`` of rows of other pools (``(pool,
+        row, cut)``: read from their pools, counted as copied); every block is taken at
+        once, so a refusal changes nothing."""
+        copies = [
+            PagedRow(_owned(cut.planes), cut.offset, sinks=cut.sinks) for _, _, cut in sources
+        ]
+        self.fresh_rows(copies)
+        for (source, row, cut), copy in zip(sources, copies, strict=True):
+            self.open(copy, touch=False)
+            if cut.offset:
+                self.write_rows([copy], source.gather([_view(row, cut)], [0], cut.retained), 0)
+                self.ledger.bytes_copied += cut.retained * self.token_bytes
         return copies
 
     def write_rows(self, rows: Sequence[PagedRow], planes: PlaneSet, start: int) -> None:
         """Write row ``b`` of ``planes`` (``[B, H, ·, ·]``), its columns from ``start`` on,
-        into ``rows[b]``'s allocated blocks from position 0."""
+        at ``rows[b]``'s positions (its allocated blocks)."""
         for b, row in enumerate(rows):
             self._write_tokens(
-                row, 0, {t: tuple(p[b, :, start:] for p in ps) for t, ps in planes.items()}
+                row,
+                row.positions(),
+                {t: tuple(p[b, :, start:] for p in ps) for t, ps in planes.items()},
             )
 
     # -- reads ---------------------------------------------------------------------------
     def gather(self, rows: Sequence[Row], pads: Sequence[int], width: int) -> PlaneSet:
         """Each tensor's planes ``[B, H, width, ·]``: row ``b``'s positions, read from its
-        blocks in logical order, at columns ``[pads[b], pads[b] + offset)``, zeros
+        blocks oldest first, at columns ``[pads[b], pads[b] + retained)``, zeros
         elsewhere; owned arrays."""
+        held = [(cast(PagedRow, row).blocks, cast(PagedRow, row).positions()) for row in rows]
+        return self._gather(held, pads, width)
+
+    def _gather(
+        self, rows: Sequence[tuple[Sequence[int], Sequence[int]]], pads: Sequence[int], width: int
+    ) -> PlaneSet:
+        """:meth:`gather` of ``(blocks, positions)`` per row."""
         bs = self.block_size
         out: PlaneSet = {}
         for tensor, planes in self._planes.items():
             images: list[npt.NDArray[Any]] = []
             for plane in planes:
                 image = np.zeros((len(rows), plane.shape[1], width, plane.shape[3]), plane.dtype)
-                for b, (row, pad) in enumerate(zip(rows, pads, strict=True)):
-                    blocks = cast(PagedRow, row).blocks
-                    for position in range(row.offset):
-                        image[b, :, pad + position] = plane[
-                            blocks[position // bs], :, position % bs
-                        ]
+                for b, ((blocks, positions), pad) in enumerate(zip(rows, pads, strict=True)):
+                    for i, position in enumerate(positions):
+                        image[b, :, pad + i] = plane[blocks[position // bs], :, position % bs]
                 images.append(image)
             out[tensor] = tuple(images)
         return out
@@ -291,7 +362,8 @@ class BlockPool(PoolBase):
         cache = self._prefix_cache()
         cache._geometry = self._geometry
         row = PagedRow(offset=len(hits) * self.block_size, blocks=hits)
-        row.planes = self.gather([row], [0], row.offset)  # what the hit means: its blocks
+        # What the hit means: every position of its blocks (a growing row).
+        row.planes = self._gather([(hits, range(row.offset))], [0], row.offset)
         cache.adopt_rows([self.open(row)])
         return cache
 
@@ -304,9 +376,13 @@ class BlockPool(PoolBase):
         row's blocks hold its compact planes."""
         # A snapshot: a cache's finalizer may release its rows while we iterate.
         rows = list(self._tables.values())
-        self.ledger.check_valid(r.blocks for r in rows)
+        self.ledger.check_valid(_live(r.blocks) for r in rows)
         for row in rows:
             assert len(row.blocks) == self.blocks_for(row.offset), "no empty tail block"
+            needed = row.needed(self.block_size)
+            assert all((b != FREE) == (j in needed) for j, b in enumerate(row.blocks)), (
+                "a row holds exactly the blocks of its positions"
+            )
             check_mirrored(self, row)
 
 
@@ -315,7 +391,7 @@ def check_mirrored(pool: BlockPool, row: Row) -> None:
     if row.offset == 0:
         assert row.retained == 0, "a row at offset 0 holds no token"
         return
-    gathered = pool.gather([row], [0], row.offset)
+    gathered = pool.gather([row], [0], row.retained)
     assert set(gathered) == set(row.planes), "the pool holds the row's tensors"
     for tensor, planes in row.planes.items():
         for mine, pooled in zip(planes, gathered[tensor], strict=True):
@@ -361,17 +437,17 @@ class PagedRows(PagedSurface, Storage):
     _row_list: list[Row]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        spec, paged, declared, pool = bind_paged(type(self), args, dict(kwargs))
+        spec, paged, token, declared, pool = bind_paged(type(self), args, dict(kwargs))
         self.codec = make_codec(spec)
         self._stages = (self.codec,)  # one stage (contract §0.5)
         self._paged = paged
-        # The paged spec stands where a geometry spec does (signature, merges, forms): it
-        # is not a registered geometry until the placement joins the composition table.
-        self._token_geometry = cast(Any, paged)
-        self._axis: TokenAxis = GrowingAxis(Growing())  # a paged row keeps every token
+        # The geometry decides which positions a row keeps (a growing row every one, a
+        # ring its sinks and window); the placement mirrors them in blocks.
+        self._token_geometry = token
+        self._axis: TokenAxis = make_axis(token)
         self._geometry = declared if pool is None or pool.geometry is None else pool.geometry
         self._row_list = []
-        self._sinks = 0
+        self._sinks = self._axis.sinks
         self._pool = pool
         self._finalizer = None
 
@@ -391,7 +467,7 @@ class PagedRows(PagedSurface, Storage):
             )
 
     def _new_row(self) -> Row:
-        return PagedRow()
+        return PagedRow(sinks=self._sinks)
 
     def release(self) -> None:
         """Give every block back to the pool now (the cache then holds no row)."""
@@ -412,7 +488,7 @@ class PagedRows(PagedSurface, Storage):
         """Bytes of the blocks this cache's tables hold (a shared block counts in each)."""
         if self._pool is None or self._geometry is None:
             return 0
-        held = sum(len(cast(PagedRow, r).blocks) for r in self._rows)
+        held = sum(len(_live(cast(PagedRow, r).blocks)) for r in self._rows)
         return held * self._pool.bytes_per_block
 
     def held_arrays(self) -> tuple[Any, ...]:
@@ -435,6 +511,8 @@ class PagedRows(PagedSurface, Storage):
         self._rows = tables
         self._watch()
         super()._write(block, rows, n, geometry)
+        for table in tables:  # a ring's positions that left its window: their blocks
+            pool.release_outside(table)
 
     def adopt_rows(self, rows: Sequence[Row]) -> None:
         """Hold ``rows`` (live tables of the pool) instead of what it held; they are
@@ -460,14 +538,12 @@ class PagedRows(PagedSurface, Storage):
         """``rows`` (their compact planes, no blocks yet) written into fresh blocks of the
         pool, every block taken at once (a refusal changes nothing), counted as written
         (not copied); the rows are not opened."""
-        counts = [math.ceil(row.offset / self.block_size) for row in rows]
+        counts = [len(row.needed(self.block_size)) for row in rows]
         pool = self._ensure_pool(geometry, sum(counts))
-        fresh = pool.ledger.allocate(sum(counts))
-        for row, count in zip(rows, counts, strict=True):
-            row.blocks = fresh[:count]
-            del fresh[:count]
+        pool.fresh_rows(rows)
+        for row in rows:
             pool.write_rows([row], row.planes, 0)
-        pool.ledger.bytes_written += sum(row.offset for row in rows) * pool.token_bytes
+        pool.ledger.bytes_written += sum(row.retained for row in rows) * pool.token_bytes
         return pool
 
     # -- reads: assembled from the pool --------------------------------------------------
@@ -486,10 +562,11 @@ class PagedRows(PagedSurface, Storage):
         return {t: self.codec.fetched(held, as_role(t)) for t, held in planes.items()}
 
     def _window(self, row: Row) -> PlaneSet | None:
-        """``row``'s positions read from its blocks (``None`` while it holds none)."""
+        """``row``'s window read from its blocks (``None`` while it holds none)."""
         if self._pool is None or row.offset == 0:
             return None
-        return self._pool.gather([row], [0], row.offset)
+        cut = self._axis.cut(row)
+        return self._pool.gather([_view(row, cut)], [0], cut.retained)
 
     # -- mlx-lm's read surface (``spec/mlx-lm-drop-in.md``): reads only ------------------
     def _held(self) -> tuple[Any, Any] | None:
@@ -501,6 +578,7 @@ class PagedRows(PagedSurface, Storage):
         those blocks hold its compact planes."""
         for row in self._rows:
             assert len(cast(PagedRow, row).blocks) == math.ceil(row.offset / self.block_size)
+            assert cast(PagedRow, row).sinks == self._sinks
             if self._pool is not None:
                 assert id(row) in self._pool._tables
                 check_mirrored(self._pool, row)
@@ -513,16 +591,20 @@ class PagedRows(PagedSurface, Storage):
     def _restore(
         cls, state: Any, meta_state: Any, keep: int | None, geometry: KvGeometry | None
     ) -> Any:
-        return cls._restore_paged(state, geometry, None)
+        return cls._restore_paged(state, geometry, None, keep or 0)
 
     @classmethod
-    def _restore_paged(cls, state: Any, geometry: KvGeometry | None, pool: Any) -> Any:
+    def _restore_paged(
+        cls, state: Any, geometry: KvGeometry | None, pool: Any, keep: int = 0
+    ) -> Any:
         """``kvrows.paged_forms.restore_state``'s load: the checked rows are written into
         fresh blocks of ``pool`` (or of a private one), all taken at once (a refusal
         changes nothing), counted as written."""
-        parsed = parse_state(cls, state, geometry, pool, _shape, dtype_name)
+        parsed = parse_state(
+            cls, state, geometry, pool, _shape, dtype_name, keep=keep, concat=_concat
+        )
         cache = cls(pool=pool, codec=parsed.spec, block_size=parsed.block_size,
-                    geometry=parsed.geometry)  # fmt: skip
+                    geometry=parsed.geometry, token_geometry=parsed.token)  # fmt: skip
         cache._load(parsed)
         return cache
 
@@ -533,11 +615,9 @@ class PagedRows(PagedSurface, Storage):
             return
         rows: list[PagedRow] = []
         for b, (offset, pad) in enumerate(zip(parsed.offsets, parsed.pads, strict=True)):
-            columns = {"keys": parsed.keys, "values": parsed.values} if offset else {}
-            planes = {
-                t: tuple(np.array(p[b : b + 1, :, pad:]) for p in ps) for t, ps in columns.items()
-            }
-            rows.append(PagedRow(planes, offset, pad))
+            columns = parsed.row_planes(b) if offset else {}
+            planes = {t: tuple(np.array(p) for p in ps) for t, ps in columns.items()}
+            rows.append(PagedRow(planes, offset, pad, sinks=self._sinks))
         learnt = parsed.geometry
         if parsed.width == 0:  # rows of no position: the pool may not know its geometry
             pool = self._pool or self.pool_class(
@@ -552,6 +632,43 @@ class PagedRows(PagedSurface, Storage):
         self._rows = list(rows)
         self._watch()
         self._geometry = learnt
+        self._loaded()
+
+    def _loaded(self) -> None:
+        """After a load (a layout places its rows)."""
+
+    def _state(self) -> tuple[Any, ...]:
+        """The form of the composition (``kvrows.forms.state_form``: the planes compact,
+        right-aligned in a layout, the geometry's fields, the placement's)."""
+        counts = [r.retained for r in self._rows]
+        width = max(counts, default=0)
+        pads = [width - c for c in counts]
+        planes = (
+            self._pool.gather(self._rows, pads, width)
+            if self._pool is not None and self._geometry is not None and width
+            else None
+        )
+        offsets = [r.offset for r in self._rows]
+        fields = {
+            "keys": None if planes is None else planes["keys"],
+            "values": None if planes is None else planes["values"],
+            "offset": np.array(offsets, dtype=np.int32),
+            "left_padding": np.array(pads, dtype=np.int32),
+            "idx": width,
+            "total": width,
+            "rotated": False,
+            "block_size": self.block_size,
+            "codec": codec_field(self.codec_spec),
+            **self._token_geometry.parameters(),
+            "keep": self._sinks,
+        }
+        if not self.composition.is_layout:
+            fields["offset"] = offsets[0] if offsets else 0
+        return pack_state(self.composition, fields)
+
+
+def _concat(planes: list[Any]) -> Any:
+    return np.concatenate(planes, axis=2)
 
 
 class PagedSerial(SerialStorage, PagedRows):
@@ -589,13 +706,11 @@ class PagedSerial(SerialStorage, PagedRows):
     def register_prefix(self, token_ids: Sequence[int]) -> int:
         """Cache the full blocks ``token_ids`` (the ids of this request's first positions,
         at most ``offset`` of them) covers; returns how many blocks are cached."""
+        if self._token_geometry.wraps:
+            raise LayoutStateError(PAGED_RING_PREFIX)
         if self._pool is None or not self._rows:
             raise LayoutStateError(EMPTY_CACHE_NO_BLOCK)
         return self._pool.register_prefix(self._request(), token_ids)
-
-    def _state(self) -> tuple[Any, ...]:
-        keys, values = self._paged_planes()
-        return keys, values, self.offset, self.block_size, codec_field(self.codec_spec)
 
     def check_valid(self) -> None:
         super().check_valid()
@@ -608,7 +723,8 @@ class PagedSerial(SerialStorage, PagedRows):
 
 class PagedLayout(SpeculativeLayout, PagedRows):
     """Block-table rows in all three roles (``spec/PagedKvRows.md``): ragged rows, each
-    appending at its own end; the read right-aligns them (:class:`RightAligned`)."""
+    appending at its own end; the read right-aligns growing rows (:class:`RightAligned`)
+    and places ring rows as the ragged ring does (each from column 0, sinks first)."""
 
     #: An exhausted pool refuses before any block or table changes: the round stays open,
     #: before its block (free blocks or append a shorter one, then resolve it).
@@ -616,7 +732,9 @@ class PagedLayout(SpeculativeLayout, PagedRows):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._place = RightAligned()
+        # A ring places its rows itself (its window per row); growing rows right-align.
+        wraps = self._token_geometry.wraps
+        self._place = self._axis.place(self.composition.arrangement) if wraps else RightAligned()
         self._watch()
 
     def block_tables(self) -> tuple[tuple[int, ...], ...]:
@@ -628,8 +746,9 @@ class PagedLayout(SpeculativeLayout, PagedRows):
 
     def make_empty_batch(self) -> RowLayout:
         return type(self)(
-            pool=self._pool, codec=self.codec_spec, token_geometry=self._token_geometry
-        )
+            pool=self._pool, codec=self.codec_spec, token_geometry=self._token_geometry,
+            placement=self._paged,
+        )  # fmt: skip
 
     def projected_bytes(self, tokens: int) -> int:
         """Bytes one row needs for ``tokens`` positions: whole blocks."""
@@ -637,15 +756,15 @@ class PagedLayout(SpeculativeLayout, PagedRows):
         g = self._geometry
         if g is None:
             raise LayoutStateError(PROJECTED_BYTES_NEEDS_GEOMETRY)
-        return (
-            math.ceil(count / self.block_size) * self.block_size * shapes_token_bytes(self.codec, g)
-        )
+        blocks = projected_blocks(count, self._axis.cap, self._sinks, self.block_size)
+        return blocks * self.block_size * shapes_token_bytes(self.codec, g)
 
     def _accepts(self, source: object) -> bool:
         return (
             getattr(source, "pool_class", None) is self.pool_class
             and cast(PagedRows, source).codec.key == self.codec.key
             and cast(PagedRows, source).block_size == self.block_size
+            and cast(PagedRows, source).token_geometry == self._token_geometry
         )
 
     def _merge_refusal(self, source: object) -> str:
@@ -653,30 +772,41 @@ class PagedLayout(SpeculativeLayout, PagedRows):
             self.signature(), self.block_size, self.codec.key, type(source).__name__
         )
 
+    def _incoming(self, sources: Sequence[Any]) -> list[tuple[Any, Row | None, Row | None]]:
+        """Each joining row: its pool, the row and what a merge takes of it (its window)."""
+        return [
+            (s.pool, row, None if row is None else self._cut(row))
+            for s in sources
+            for row in s._lent()
+        ]
+
     def _check_join(self, sources: Sequence[Any], geometry: KvGeometry | None) -> None:
         """The pool's refusals of ``_join`` (another geometry, no room for the copies)."""
-        incoming = [(s.pool, row) for s in sources for row in s._lent()]
-        pool = self._pool or next((p for p, _ in incoming if p is not None), None)
+        incoming = self._incoming(sources)
+        pool = self._pool or next((p for p, _, _ in incoming if p is not None), None)
         if pool is not None:  # (a new pool takes the copies: it has no limit)
             foreign = self._foreign(incoming, pool)
-            pool.check_take(geometry, sum(pool.blocks_for(r.offset) for _, r in foreign))
+            pool.check_take(geometry, sum(pool.blocks_of(cut) for _, _, cut in foreign))
 
     @staticmethod
-    def _foreign(incoming: list[tuple[Any, Row | None]], pool: Any) -> list[tuple[Any, Row]]:
+    def _foreign(
+        incoming: list[tuple[Any, Row | None, Row | None]], pool: Any
+    ) -> list[tuple[Any, Row, Row]]:
         """The joining rows of another pool that hold tokens: copied into fresh blocks."""
         return [
-            (p, r) for p, r in incoming if p is not None and p is not pool and r is not None
-            and r.offset
+            (p, r, c) for p, r, c in incoming
+            if p is not None and p is not pool and r is not None and c is not None and r.offset
         ]  # fmt: skip
 
     def _join(self, sources: Sequence[Any], geometry: KvGeometry | None) -> None:
         """Rows of this layout's pool join by reference (no byte moves); rows of another
-        pool are copied into fresh blocks (all taken at once: a refusal changes nothing)."""
-        incoming = [(s.pool, row) for s in sources for row in s._lent()]
+        pool are copied into fresh blocks (all taken at once: a refusal changes nothing).
+        Every row joins cut to its window (a ring's: the blocks out of it stay behind)."""
+        incoming = self._incoming(sources)
         if not incoming:
             return
         running = len(self._rows)
-        pool = self._pool or next((p for p, _ in incoming if p is not None), None)
+        pool = self._pool or next((p for p, _, _ in incoming if p is not None), None)
         if pool is None:  # only empty serial caches with no pool yet: rows of no position
             if geometry is None:  # the rows join a pool at the first write
                 self._rows.extend(self._new_row() for _ in incoming)
@@ -685,14 +815,14 @@ class PagedLayout(SpeculativeLayout, PagedRows):
             pool = self.pool_class(self.codec_spec, block_size=self.block_size, geometry=geometry)
         foreign = self._foreign(incoming, pool)
         if geometry is not None:  # copies into a pool that learns here: within its limit
-            pool.learn(geometry, room=sum(pool.blocks_for(r.offset) for _, r in foreign))
+            pool.learn(geometry, room=sum(pool.blocks_of(cut) for _, _, cut in foreign))
         copies = iter(pool.copy_in(foreign))
         joined: list[Row] = []
-        for source_pool, row in incoming:
-            if row is None or (source_pool is not pool and row.offset == 0):
-                joined.append(pool.open(PagedRow()))
+        for source_pool, row, cut in incoming:
+            if row is None or cut is None or (source_pool is not pool and row.offset == 0):
+                joined.append(pool.open(cast(PagedRow, self._new_row())))
             elif source_pool is pool:
-                joined.append(pool.share(row))
+                joined.append(pool.share(row, cut))
             else:
                 joined.append(next(copies))
         pool.adopt_empty(self._rows)  # rows joined before any pool existed
@@ -718,12 +848,13 @@ class PagedLayout(SpeculativeLayout, PagedRows):
         serial = cast(
             PagedSerial,
             self.serial_class(
-                pool=self._pool, codec=self.codec_spec, token_geometry=self._token_geometry
+                pool=self._pool, codec=self.codec_spec, token_geometry=self._token_geometry,
+                placement=self._paged,
             ),
-        )
+        )  # fmt: skip
         serial._geometry = self._geometry
         if self._pool is not None and entry.offset:
-            serial.adopt_rows([self._pool.share(entry)])
+            serial.adopt_rows([self._pool.share(entry, self._cut(entry))])
         return serial
 
     def register_prefix(self, row: int, token_ids: Sequence[int]) -> int:
@@ -731,6 +862,8 @@ class PagedLayout(SpeculativeLayout, PagedRows):
         newest positions are unverified drafts)."""
         self._spec_guard("register_prefix")
         entry = self._rows[check_row(row, self.batch_size)]
+        if self._token_geometry.wraps:
+            raise LayoutStateError(PAGED_RING_PREFIX)
         if self._pool is None:
             raise LayoutStateError(EMPTY_ROW_NO_BLOCK)
         return self._pool.register_prefix(entry, token_ids)
@@ -744,12 +877,10 @@ class PagedLayout(SpeculativeLayout, PagedRows):
 
     def _state(self) -> tuple[Any, ...]:
         self._spec_guard("saving state")
-        offsets = list(self.row_offsets)
-        width = max(offsets, default=0)
-        keys, values = self._paged_planes()
-        pads = [width - o for o in offsets]
-        return (keys, values, np.array(offsets, dtype=np.int32), np.array(pads, dtype=np.int32),
-                width, self.block_size, codec_field(self.codec_spec))  # fmt: skip
+        return super()._state()
+
+    def _loaded(self) -> None:
+        self._place.join(self._rows, 0)
 
     def check_valid(self) -> None:
         super().check_valid()

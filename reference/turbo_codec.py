@@ -8,6 +8,11 @@ codec computes the same bits on the CPU.
 
 Functions take ``[..., D]`` arrays (D in ``TURBO_HEAD_DIMS``); codes and scales come back
 with the leading axes unchanged.
+
+The sign vectors and the value codebooks are derived here from their definitions
+(:func:`sign_bits`, :func:`lloyd_max`), not read from ``kvrows.turbo_tables``, which the MLX
+codec reads: a wrong entry in that shared table then makes the two implementations
+disagree instead of agreeing with itself (issue 24).
 """
 
 from __future__ import annotations
@@ -28,7 +33,6 @@ from kvrows.errors import (
     turbo_scalar_input_message,
 )
 from kvrows.schemes import TURBO_KEY_BITS, TURBO_VALUE_BITS
-from kvrows.turbo_tables import BOUNDARIES, CENTROIDS, SIGN_BITS
 
 __all__ = [
     "decode_keys",
@@ -36,8 +40,10 @@ __all__ = [
     "encode_keys",
     "encode_values",
     "hadamard",
+    "lloyd_max",
     "pack_codes",
     "rotated_values",
+    "sign_bits",
     "signs",
     "unpack_codes",
     "unrotate",
@@ -57,23 +63,134 @@ HALF_OVERFLOW = np.float32(65520)
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
 
+#: The sign vectors' seed (spec §3: ``mx.random.key(42)``).
+SIGN_SEED = 42
+#: Threefry-2x32's rotation distances (20 rounds, 8 distances in turn) and its key-schedule
+#: parity constant (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011).
+_ROTATIONS = (13, 15, 26, 6, 17, 29, 16, 24)
+_PARITY = np.uint32(0x1BD11BDA)
+
+
+def _threefry(key: tuple[int, int], first: Array, second: Array) -> tuple[Array, Array]:
+    """Threefry-2x32 (20 rounds) of the uint32 counter pairs ``(first, second)``."""
+    u32 = np.uint32
+    schedule = (u32(key[0]), u32(key[1]), _PARITY ^ u32(key[0]) ^ u32(key[1]))
+    with np.errstate(over="ignore"):  # uint32 arithmetic wraps, as it must
+        x0, x1 = first + schedule[0], second + schedule[1]
+        for done in range(20):
+            turn = u32(_ROTATIONS[done % 8])
+            x0 = x0 + x1
+            x1 = ((x1 << turn) | (x1 >> (u32(32) - turn))) ^ x0
+            if done % 4 == 3:  # a key injection after every 4 rounds
+                s = (done + 1) // 4
+                x0 = x0 + schedule[s % 3]
+                x1 = x1 + schedule[(s + 1) % 3] + u32(s)
+    return x0, x1
+
+
+def sign_bits(dim: int) -> Array:
+    """``mx.random.randint(0, 2, (dim,), key=mx.random.key(42))`` as MLX 0.32 computes it
+    (spec §3), in NumPy: ``dim`` random uint32 words of the key ``(0, 42)`` (words ``i`` and
+    ``dim/2 + i`` are the Threefry-2x32 hash of the counters ``(i, dim/2 + i)``), each a
+    float32 uniform ``min(word / (2^32 - 1), 1 - 2^-24)``, times 2, floored: 0 or 1."""
+    half = dim // 2
+    counters = np.arange(half, dtype=np.uint32)
+    words = np.concatenate(
+        _threefry((SIGN_SEED >> 32, SIGN_SEED & 0xFFFFFFFF), counters, counters + np.uint32(half))
+    )
+    uniform = np.minimum(
+        words.astype(np.float32) / np.float32(2**32 - 1), np.nextafter(np.float32(1), np.float32(0))
+    )
+    out: Array = np.floor(uniform * np.float32(2)).astype(np.uint8)
+    return out
+
+
 @cache
 def signs(dim: int) -> Array:
-    """The fixed sign vector of head dim ``dim`` (float32 ±1)."""
+    """The fixed sign vector of head dim ``dim`` (float32 ±1: bit 1 -> +1, 0 -> -1)."""
     check_turbo_dim(dim)
-    bits = np.array([int(c) for c in SIGN_BITS[dim]], dtype=np.float32)
-    out: Array = bits * np.float32(2) - np.float32(1)
+    out: Array = sign_bits(dim).astype(np.float32) * np.float32(2) - np.float32(1)
     out.setflags(write=False)
+    return out
+
+
+#: Decimals the codebooks keep (centroids, then the midpoints between them).
+CODEBOOK_DECIMALS = 5
+#: A Newton iteration of :func:`lloyd_max` stops once no cell's centroid condition is off
+#: by more than this (the float64 cell integrals agree to about 1e-14).
+_CONVERGED = 1e-12
+_SQRT2 = math.sqrt(2.0)
+
+
+def _density(x: Array) -> Array:
+    """The unit normal's density (0 at ±inf)."""
+    out: Array = np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+    return out
+
+
+def _tail(x: Array) -> Array:
+    """``P(Z > x)`` of a unit normal, by ``erfc``: no cancellation in the upper tail."""
+    out: Array = np.array([0.5 * math.erfc(float(v) / _SQRT2) for v in x.ravel()])
+    return out.reshape(x.shape)
+
+
+def _tail_inverse(p: Array) -> Array:
+    """``x`` with ``P(Z > x) = p`` (bisection to float64 resolution; ``p`` in (0, 1/2])."""
+    low, high = np.zeros_like(p), np.full_like(p, 40.0)
+    for _ in range(64):
+        mid = (low + high) / 2
+        above = _tail(mid) > p
+        low, high = np.where(above, mid, low), np.where(above, high, mid)
+    out: Array = (low + high) / 2
+    return out
+
+
+def lloyd_max(bits: int) -> Array:
+    """The ``2**bits`` Lloyd-Max centroids of a unit normal, float64, unrounded.
+
+    The Lloyd-Max conditions (spec §3): every boundary is the midpoint of its two
+    centroids, every centroid the normal's mean over its cell, ``(φ(a) - φ(b)) / (P(Z > a)
+    - P(Z > b))`` on ``(a, b]``. The codebook is symmetric (a boundary at 0), so the upper
+    half is solved, by Newton's method on those conditions (the Jacobian is tridiagonal),
+    from the Panter-Dite start ``√3 · Φ⁻¹`` of evenly spaced probabilities.
+    """
+    half = 2 ** (bits - 1)
+    centroids = math.sqrt(3) * _tail_inverse(1 - (half + np.arange(half) + 0.5) / (2 * half))
+    for _ in range(100):
+        midpoints = (centroids[1:] + centroids[:-1]) / 2
+        low = np.concatenate([[0.0], midpoints])
+        high = np.concatenate([midpoints, [np.inf]])
+        mass = _tail(low) - _tail(high)
+        mean = (_density(low) - _density(high)) / mass
+        residual = centroids - mean
+        if float(np.max(np.abs(residual))) <= _CONVERGED:
+            break
+        # d mean / d low = φ(low)(mean - low)/mass; d mean / d high = φ(high)(high - mean)/mass
+        # (0 at high = inf); each edge moves by half of each of its two centroids' steps.
+        by_low = _density(low) * (mean - low) / mass
+        finite = np.where(np.isinf(high), 0.0, high)
+        by_high = _density(high) * (finite - mean) / mass
+        index = np.arange(half)
+        jacobian = np.eye(half)
+        jacobian[index, index] -= 0.5 * (by_low * (index > 0) + by_high)
+        jacobian[index[1:], index[1:] - 1] -= 0.5 * by_low[1:]
+        jacobian[index[:-1], index[:-1] + 1] -= 0.5 * by_high[:-1]
+        centroids = centroids - np.linalg.solve(jacobian, residual)
+    out: Array = np.concatenate([-centroids[::-1], centroids])
     return out
 
 
 @cache
 def codebook(bits: int) -> tuple[Array, Array]:
-    """``(centroids, boundaries)`` float32 of the ``bits``-bit Lloyd-Max table."""
+    """``(centroids, boundaries)`` float32 of the ``bits``-bit Lloyd-Max table: the
+    centroids of :func:`lloyd_max` rounded to 5 decimals, each boundary the midpoint of two
+    rounded centroids, rounded to 5 decimals (spec §3)."""
     if bits not in TURBO_VALUE_BITS:
         raise InvalidInputError(turbo_bits_message("v_bits", TURBO_VALUE_BITS, bits))
-    centroids = np.array(CENTROIDS[bits], dtype=np.float32)
-    boundaries = np.array(BOUNDARIES[bits], dtype=np.float32)
+    rounded = np.round(lloyd_max(bits), CODEBOOK_DECIMALS) + 0.0  # + 0.0: no -0
+    midpoints = np.round((rounded[1:] + rounded[:-1]) / 2, CODEBOOK_DECIMALS) + 0.0
+    centroids = rounded.astype(np.float32)
+    boundaries = midpoints.astype(np.float32)
     centroids.setflags(write=False)
     boundaries.setflags(write=False)
     return centroids, boundaries

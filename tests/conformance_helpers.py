@@ -1,5 +1,6 @@
 """What the conformance test files share: running one machine of a family, the runner's
-smoke run, and the checks that a run skipped nothing silently."""
+smoke run, the checks that a run skipped nothing silently, and the teeth runs (a machine
+must catch a planted bug)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 import hypothesis
+import pytest
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvrows.conformance.families import Family
+from kvrows.conformance.families import FAMILIES, Family, Impl, optimized_impl
 from kvrows.conformance.machines import BASE_CHECKS, machine_class
 from kvrows.conformance.parity import DIVERGENCES
-from kvrows.conformance.profiles import active_profile
+from kvrows.conformance.profiles import active_profile, profile_settings
 from kvrows.conformance.runner import MachineResult, family_settings, format_report, run_machines
 from kvrows.conformance.stats import Stats
 
@@ -166,3 +168,45 @@ def delayed_ops(codec: str) -> set[str]:
 DELAYED_QUANTITIES = frozenset(
     {"kv.fetched", "kv.solo", "attention", "attention.solo", "attention.solo.plain"}
 )
+
+
+def teeth_settings(examples: int | None) -> hypothesis.settings:
+    """The teeth profile, with ``examples`` examples where given."""
+    return profile_settings("teeth", **({} if examples is None else {"max_examples": examples}))
+
+
+def run_teeth(
+    layout: str,
+    mutant: type | None,
+    examples: int | None = None,
+    family_name: str = "plain",
+    *,
+    optimized: Impl | None = None,
+    name: str | None = None,
+) -> Stats:
+    """Run ``family_name``'s machine on ``layout`` under the teeth profile, the optimized
+    class replaced by ``mutant`` (or the implementation by ``optimized``, named ``name``)."""
+    optimized = optimized_impl() if optimized is None else optimized
+    name = name or f"Teeth{family_name.title()}{layout}Unmutated"
+    if mutant is not None:
+        optimized = optimized.with_classes({layout: mutant})
+        name = f"Teeth{mutant.__name__}"
+    return run_family(
+        FAMILIES[family_name],
+        layout,
+        teeth_settings(examples),
+        optimized=optimized,
+        name=name,
+        profile="teeth",
+    )[0]
+
+
+def caught(
+    layout: str, mutant: type, examples: int | None = None, family_name: str = "plain"
+) -> str:
+    """Run the machine with ``mutant``: an oracle must catch it (not a crash inside the
+    mutant), and Hypothesis say how; the failure's message."""
+    with pytest.raises(AssertionError) as failure:
+        run_teeth(layout, mutant, examples, family_name)
+    assert "Failing test case" in "\n".join(getattr(failure.value, "__notes__", []))
+    return str(failure.value)

@@ -14,7 +14,6 @@ after a merge."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -39,10 +38,7 @@ FAULTS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 def _as_object(value: object) -> object:

@@ -68,6 +68,7 @@ def test_schemes_are_frozen_keyword_only_and_validated() -> None:
     ("text", "codec"),
     [
         ("plain", Plain()),
+        ("affine", Affine()),  # a bare "affine" means the 8-bit default
         ("affine8", Affine(bits=8, group_size=64)),
         ("affine4", Affine(bits=4, group_size=64)),
         ("affine4:32", Affine(bits=4, group_size=32)),
@@ -78,15 +79,6 @@ def test_scheme_names_parse_to_one_frozen_codec_spec(text: str, codec: object) -
     scheme = KvStorageScheme.parse(text)
     assert scheme.codec == codec
     assert KvStorageScheme.parse(scheme.name).codec == codec  # the name round-trips
-
-
-@pytest.mark.parametrize("text", ["", "affine", "affine9", "affinex", "turbo-k8", "bf16", "4bit"])
-def test_unknown_scheme_names_are_refused(text: str) -> None:
-    if text == "affine":  # a bare "affine" means the 8-bit default
-        assert KvStorageScheme.parse(text).codec == Affine()
-        return
-    with pytest.raises(InvalidInputError):
-        KvStorageScheme.parse(text)
 
 
 def test_per_layer_codecs_and_start() -> None:
@@ -123,6 +115,13 @@ def test_a_scheme_parses_from_its_name(text: str, expected: KvStorageScheme) -> 
         ("affine8,x=plain", "<layer>=<codec>"),  # a negative index is valid (issue 11)
         ("affine8,0=bf16", "unknown KV scheme"),
         ("affine8,0=plain,0=affine4", "two codecs"),
+        *((text, "unknown KV scheme") for text in ("", "affinex", "turbo-k8", "bf16", "4bit")),
+        ("affine9", "bits must be one of"),
+        *((text, "unknown KV scheme") for text in ("turbo:", "turbo:k4", "turbo:k4v", "turbo:4:3")),
+        *((text, "unknown KV scheme") for text in ("turbo-", "turbok8v3")),
+        ("turbo:k3v3", "k_bits must be one of"),
+        ("turbo:k8v1", "v_bits must be one of"),
+        ("turbo-k8v6", "v_bits must be one of"),
     ],
 )
 def test_bad_scheme_texts_say_what_was_expected(text: str, message: str) -> None:
@@ -172,9 +171,10 @@ def test_shapes_name_the_read_image_and_its_bytes() -> None:
 
 def test_the_table_names_every_seed_class_once() -> None:
     names = [c.name for c in COMPOSITIONS]
-    # The seed's 26 classes and the three bf16-first legos (serial presets, delayed).
-    assert len(names) == len(set(names)) == 29
-    assert len(landed()) == 29
+    # The seed's 26 classes, the three bf16-first legos (serial presets, delayed) and the
+    # two paged rings (the paged placement under the ring geometry).
+    assert len(names) == len(set(names)) == 31
+    assert len(landed()) == 31
     assert len([c for c in COMPOSITIONS if not c.is_landed]) == 0
     for entry in COMPOSITIONS:
         if entry.serial is not None:
@@ -277,8 +277,10 @@ def test_the_contract_page_shows_the_table_as_it_is() -> None:
     rows = _contract_rows()
     assert list(rows) == [c.name for c in COMPOSITIONS]  # same classes, lookup order
     for entry in COMPOSITIONS:
-        codec, geometry, arrangement, modifiers, roles, status = rows[entry.name]
-        assert (codec, geometry, arrangement) == (entry.codec, entry.geometry, entry.arrangement)
+        codec, geometry, placement, arrangement, modifiers, roles, status = rows[entry.name]
+        assert (codec, geometry, placement, arrangement) == (
+            entry.codec, entry.geometry, entry.placement, entry.arrangement
+        )  # fmt: skip
         assert modifiers == (", ".join(sorted(entry.modifiers)) or "—"), entry.name
         expected_roles = (
             "—"
@@ -332,7 +334,15 @@ def test_the_implementations_import_from_the_repository_root() -> None:
 
 # -- both implementations against the table ----------------------------------------------
 
-_EXAMPLE = {"max_size": 8, "group_size": 32, "bits": 4, "start": 3, "k_bits": 4, "v_bits": 2}
+_EXAMPLE = {
+    "max_size": 8,
+    "keep": 0,
+    "group_size": 32,
+    "bits": 4,
+    "start": 3,
+    "k_bits": 4,
+    "v_bits": 2,
+}
 
 
 def _instance(impl: ModuleType, name: str) -> Any:

@@ -186,6 +186,17 @@ def test_runner_runs_the_affine_family() -> None:
     assert "examples per variant: bits=" in report
 
 
+@pytest.mark.parametrize(
+    "family", ["rotating", "speculative", "turbo", "delayed", "delayed-turbo", "recurrent"]
+)
+def test_runner_runs_the_family(family: str) -> None:
+    """``kvrows conform --family <family>`` in small: every layout runs, passes and is
+    reported."""
+    layouts = [spec.name for spec in FAMILIES[family].layouts]
+    _, report = run_runner(family, layouts, 2, 6)
+    assert family in report and all(layout in report for layout in layouts)
+
+
 #: Every (family, layout) the machines drive: the CLI, the tests and their coverage
 #: requirements name them, so deriving the families must keep them.
 FAMILY_LAYOUTS = [
@@ -211,6 +222,8 @@ FAMILY_LAYOUTS = [
     ("delayed-turbo", "DelayedTurboQuantKVCache"),
     ("paged", "PagedKvRows"),
     ("paged-affine", "PagedKvRows"),
+    ("paged-rotating", "PagedRotatingRows"),
+    ("paged-rotating-affine", "PagedRotatingRows"),
 ]
 
 
@@ -290,6 +303,9 @@ def test_machines_are_composed_from_the_hook_rows(monkeypatch: pytest.MonkeyPatc
         fam = FAMILIES[family]
         load = fam.layout(layout).machine or fam.machine
         assert load is not None and load().__mro__[1] is ConformanceMachine
+    # The paged placement over the ring geometry: the placement's rules, then the ring's.
+    paged_ring = [RingRoundRules, RoundRules, PagedRules, RingRules, KvRules]
+    assert rules("paged-rotating-affine", "PagedRotatingRows") == paged_ring
     spec = FAMILIES["speculative"]
     assert spec.layout("SpeculativeRotatingKVCache").machine is (
         spec.layout("SpeculativeRotatingAffineLayout").machine

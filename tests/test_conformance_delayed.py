@@ -18,7 +18,6 @@ from conformance_helpers import (
     assert_compared,
     delayed_ops,
     run_family,
-    run_runner,
 )
 
 import kvrows.optimized as O
@@ -61,8 +60,3 @@ def test_the_family_drives_both_delayed_layouts() -> None:
     for name, family in FAMILIES.items():
         if name != "delayed":
             assert not {spec.name for spec in family.layouts} & set(LAYOUTS), name
-
-
-def test_runner_runs_the_delayed_family() -> None:
-    _, report = run_runner("delayed", LAYOUTS, max_examples=2, steps=6)
-    assert "DelayedRotatingQuantizedKVCache" in report

@@ -19,7 +19,6 @@ from conformance_helpers import (
     assert_compared,
     delayed_ops,
     run_family,
-    run_runner,
 )
 
 import kvrows.optimized as O
@@ -80,8 +79,3 @@ def test_the_family_drives_the_delayed_turbo_layout() -> None:
     for name, family in FAMILIES.items():
         if name != "delayed-turbo":
             assert LAYOUT not in {s.name for s in family.layouts}, name
-
-
-def test_runner_runs_the_delayed_turbo_family() -> None:
-    _, report = run_runner("delayed-turbo", [LAYOUT], max_examples=2, steps=6)
-    assert LAYOUT in report

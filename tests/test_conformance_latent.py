@@ -11,20 +11,14 @@ exists for was reached.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
-import mlx.core as mx
 import pytest
-from hypothesis import settings
-from hypothesis.stateful import run_state_machine_as_test
+from conformance_helpers import caught, run_family
 
 import kvrows.optimized as opt
-from kvrows.conformance.families import FAMILIES, optimized_impl
+from kvrows.conformance.families import FAMILIES
 from kvrows.conformance.latent import LATENT_CHECKS
-from kvrows.conformance.machines import machine_class
-from kvrows.conformance.profiles import profile_settings
-from kvrows.conformance.runner import family_settings
-from kvrows.conformance.stats import Stats
 from kvrows.conversion import Conversion
 
 FAMILY = FAMILIES["latent"]
@@ -46,17 +40,12 @@ EXPECTED_OPS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_latent_family(layout: str) -> None:
-    stats = Stats(FAMILY.name, layout)
-    cls = machine_class(FAMILY, layout, stats=stats)
-    run_state_machine_as_test(cls, settings=family_settings(FAMILY))
+    stats, _ = run_family(FAMILY, layout)
     assert stats.examples > 0
     missing_ops = EXPECTED_OPS - set(stats.ops)
     assert not missing_ops, f"operations never exercised: {sorted(missing_ops)}"
@@ -99,18 +88,4 @@ class ConvertsBeforeStart(opt.EncodedLatentCache):
     [("MLACache", RollbackCutsTheShortestCount), ("EncodedLatentCache", ConvertsBeforeStart)],
 )
 def test_the_latent_machine_catches(layout: str, mutant: type) -> None:
-    stats = Stats(FAMILY.name, layout)
-    optimized = optimized_impl().with_classes({layout: mutant})
-    machine = machine_class(
-        FAMILY,
-        layout,
-        stats=stats,
-        optimized=optimized,
-        name=f"Teeth{mutant.__name__}",
-        profile="teeth",
-    )
-    with pytest.raises(AssertionError) as caught:
-        run_state_machine_as_test(
-            machine, settings=settings(profile_settings("teeth"), max_examples=12)
-        )
-    assert "Failing test case" in "\n".join(getattr(caught.value, "__notes__", []))
+    caught(layout, mutant, 12, family_name=FAMILY.name)

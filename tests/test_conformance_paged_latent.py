@@ -10,20 +10,14 @@ skipped silently.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
-import mlx.core as mx
 import pytest
-from hypothesis import settings
-from hypothesis.stateful import run_state_machine_as_test
+from conformance_helpers import caught, run_family
 
 import kvrows.optimized as opt
-from kvrows.conformance.families import FAMILIES, optimized_impl
+from kvrows.conformance.families import FAMILIES
 from kvrows.conformance.latent import LATENT_CHECKS
-from kvrows.conformance.machines import machine_class
-from kvrows.conformance.profiles import profile_settings
-from kvrows.conformance.runner import family_settings
-from kvrows.conformance.stats import Stats
 
 FAMILY = FAMILIES["paged-latent"]
 
@@ -43,16 +37,11 @@ EXPECTED_OPS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 def test_paged_latent_family() -> None:
-    stats = Stats(FAMILY.name, "PagedLatentCache")
-    cls = machine_class(FAMILY, "PagedLatentCache", stats=stats)
-    run_state_machine_as_test(cls, settings=family_settings(FAMILY))
+    stats, _ = run_family(FAMILY, "PagedLatentCache")
     assert stats.examples > 0
     missing_ops = EXPECTED_OPS - set(stats.ops)
     assert not missing_ops, f"operations never exercised: {sorted(missing_ops)}"
@@ -76,14 +65,4 @@ class ForgetsTheTailBlock(opt.PagedLatentCache):
 
 
 def test_the_paged_latent_machine_catches_a_leaky_rollback() -> None:
-    stats = Stats(FAMILY.name, "PagedLatentCache")
-    optimized = optimized_impl().with_classes({"PagedLatentCache": ForgetsTheTailBlock})
-    machine = machine_class(
-        FAMILY, "PagedLatentCache", stats=stats, optimized=optimized,
-        name="TeethForgetsTheTailBlock", profile="teeth",
-    )  # fmt: skip
-    with pytest.raises(AssertionError) as caught:
-        run_state_machine_as_test(
-            machine, settings=settings(profile_settings("teeth"), max_examples=12)
-        )
-    assert "Failing test case" in "\n".join(getattr(caught.value, "__notes__", []))
+    caught("PagedLatentCache", ForgetsTheTailBlock, 12, family_name=FAMILY.name)

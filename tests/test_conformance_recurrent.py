@@ -16,12 +16,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from conformance_helpers import assert_compared, run_family, run_runner
+from conformance_helpers import assert_compared, run_family
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvrows.conformance.families import FAMILIES, optimized_impl
 from kvrows.conformance.machines import machine_class
-from kvrows.conformance.profiles import active_profile
 from kvrows.conformance.recurrent import RECURRENT_CHECKS, RecurrentMachine
 from kvrows.conformance.runner import family_settings
 from kvrows.optimized.recurrent import BatchedSSMCache
@@ -64,9 +63,7 @@ CI_EXAMPLES = 80
 
 
 def test_recurrent_family() -> None:
-    ci = active_profile().name == "ci"
-    settings = family_settings(FAMILY, max_examples=CI_EXAMPLES) if ci else family_settings(FAMILY)
-    stats, _ = run_family(FAMILY, "BatchedSSMCache", settings)
+    stats, settings = run_family(FAMILY, "BatchedSSMCache", ci_examples=CI_EXAMPLES)
     stats.require(settings.max_examples // 2, ops=EXPECTED_OPS, oracles=RECURRENT_CHECKS)
     states = ("state.conv", "state.recurrent", "state.solo", "state.mlx_lm")
     assert_compared(stats, {*states, "output", "output.solo"})
@@ -79,11 +76,6 @@ def test_the_family_drives_both_recurrent_classes() -> None:
     spec = FAMILY.layout("BatchedSSMCache")
     assert spec.roles == ("decode", "prefill", "verify") and spec.serial == "SSMCache"
     assert FAMILY.machine is not None and FAMILY.machine() is RecurrentMachine
-
-
-def test_runner_runs_the_recurrent_family() -> None:
-    _, report = run_runner("recurrent", ["BatchedSSMCache"], max_examples=2, steps=6)
-    assert "BatchedSSMCache" in report
 
 
 # -- teeth: planted bugs in the optimized layout are caught ------------------------------

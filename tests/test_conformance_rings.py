@@ -25,7 +25,6 @@ from conformance_helpers import (
     assert_compared,
     assert_skips_documented,
     run_base_family,
-    run_runner,
 )
 from mlx_lm.models import cache as mlx_lm_cache
 
@@ -76,11 +75,6 @@ def test_rotating_family(layout: str) -> None:
         assert stats.skips["B9"] < stats.checks["mlx-lm step"]
     elif not spec.serial_peer:
         assert not stats.skips, "the affine rings have no mlx-lm peer and cannot skip parity"
-
-
-def test_runner_runs_the_rotating_family() -> None:
-    _, report = run_runner("rotating", LAYOUTS, 2, 6)
-    assert "rotating" in report and "RotatingAffineLayout" in report
 
 
 def test_the_family_budget_scales_the_profile() -> None:

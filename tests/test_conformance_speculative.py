@@ -23,7 +23,6 @@ from conformance_helpers import (
     assert_compared,
     assert_skips_documented,
     run_family,
-    run_runner,
 )
 from mlx_lm.models import cache as mlx_lm_cache
 
@@ -32,9 +31,7 @@ import kvrows.reference as R
 from kvrows import table
 from kvrows.conformance.families import FAMILIES
 from kvrows.conformance.machines import BASE_CHECKS
-from kvrows.conformance.profiles import active_profile
 from kvrows.conformance.rules import ACCEPTANCE, SPECULATIVE_CHECKS
-from kvrows.conformance.runner import family_settings
 from kvrows.protocols import SpeculativeRowLayout
 
 #: mlx-lm is untyped; reach its classes through ``Any``.
@@ -62,10 +59,7 @@ CI_EXAMPLES = {"SpeculativeRotatingKVCache": 40}
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_speculative_family(layout: str) -> None:
-    settings = family_settings(FAMILY)
-    if active_profile().name == "ci" and layout in CI_EXAMPLES:
-        settings = family_settings(FAMILY, max_examples=CI_EXAMPLES[layout])
-    stats, _ = run_family(FAMILY, layout, settings)
+    stats, settings = run_family(FAMILY, layout, ci_examples=CI_EXAMPLES.get(layout))
     spec = FAMILY.layout(layout)
     stats.require(
         settings.max_examples // 2,
@@ -115,11 +109,6 @@ def test_the_family_drives_every_verify_layout() -> None:
 def _params(serial: str) -> tuple[int, ...]:
     ring = (6,) if "Rotating" in serial else ()
     return ring + ((32, 4) if "Quantized" in serial else ())
-
-
-def test_runner_runs_the_speculative_family() -> None:
-    _, report = run_runner("speculative", LAYOUTS, 2, 6)
-    assert "SpeculativeRotatingAffineLayout" in report
 
 
 # ------------------------------------------------- the mlx-lm divergence the oracle skips

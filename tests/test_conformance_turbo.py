@@ -14,7 +14,7 @@ read with padding columns, rolled-back rounds).
 from __future__ import annotations
 
 import pytest
-from conformance_helpers import BASE_QUANTITIES, ROW_OPS, assert_compared, run_family, run_runner
+from conformance_helpers import BASE_QUANTITIES, ROW_OPS, assert_compared, run_family
 
 from kvrows.codec import TURBO_HEAD_DIMS
 from kvrows.codecs import Turbo
@@ -89,8 +89,3 @@ def test_the_family_drives_both_turbo_storages() -> None:
         if name not in ("turbo", "delayed-turbo"):
             serials = {s.serial or family.serial for s in family.layouts}
             assert "TurboQuantKVCache" not in serials, name
-
-
-def test_runner_runs_the_turbo_family() -> None:
-    _, report = run_runner("turbo", LAYOUTS, 2, 6)
-    assert "BatchedTurboQuantKVCache" in report

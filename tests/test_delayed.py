@@ -132,15 +132,7 @@ def test_section_4_15_vector(dtype: str, bits: int) -> None:
 # -- 2. max_append_tokens ------------------------------------------------------------------
 @pytest.mark.parametrize("impl", [ref, opt], ids=["ref", "opt"])
 def test_max_append_tokens_follows_the_plain_rows(impl: ModuleType) -> None:
-    rng = np.random.default_rng(2)
-    storages = []
-    for tokens in (2, 4, 7):
-        storage = impl.KVCache()
-        block = _block(rng, 1, tokens, "float32")
-        _append(impl, storage, block, block)
-        storages.append(storage)
-    layout = impl.DelayedQuantizedKVCache(GROUP, 8, 5)
-    layout.merge_rows(storages)
+    layout = _plain_layout(impl, [2, 4, 7], np.random.default_rng(2))
     assert layout.converted_at == (None, None, 7)  # the row at 7 converts at the merge
     assert layout.max_append_tokens() == 1
     layout.filter_rows([0, 2])
@@ -150,15 +142,18 @@ def test_max_append_tokens_follows_the_plain_rows(impl: ModuleType) -> None:
 
 
 # -- 3. prefill maintenance ----------------------------------------------------------------------
-def _plain_layout(impl: ModuleType, tokens: list[int], rng: np.random.Generator) -> Any:
-    storages = []
-    for count in tokens:
-        storage = impl.KVCache()
+def _storages(impl: ModuleType, tokens: list[int], rng: np.random.Generator) -> list[Any]:
+    """Plain serial storages holding ``tokens[b]`` float32 tokens each."""
+    storages = [impl.KVCache() for _ in tokens]
+    for storage, count in zip(storages, tokens, strict=True):
         block = _block(rng, 1, count, "float32")
         _append(impl, storage, block, block)
-        storages.append(storage)
+    return storages
+
+
+def _plain_layout(impl: ModuleType, tokens: list[int], rng: np.random.Generator) -> Any:
     layout = impl.DelayedQuantizedKVCache(GROUP, 8, 5)
-    layout.merge_rows(storages)
+    layout.merge_rows(_storages(impl, tokens, rng))
     return layout
 
 
@@ -180,12 +175,8 @@ def test_prefill_defers_conversion_until_end_prefill(impl: ModuleType) -> None:
     layout = _plain_layout(impl, [6, 3], rng)
     assert layout.converted_at == (6, None)  # outside a prefill a due row converts at the merge
     layout = impl.DelayedQuantizedKVCache(GROUP, 8, 5)
-    storages = [impl.KVCache(), impl.KVCache()]
-    for storage, count in zip(storages, (6, 3), strict=True):
-        block = _block(rng, 1, count, "float32")
-        _append(impl, storage, block, block)
     layout.begin_prefill()
-    layout.merge_rows(storages)
+    layout.merge_rows(_storages(impl, [6, 3], rng))
     block = _block(rng, 2, 2, "float32")
     keys, _ = _append(impl, layout, block, block)
     assert layout.row_offsets == (8, 5) and layout.converted_at == (None, None)
@@ -201,11 +192,7 @@ def test_commit_prefill_converts_the_named_rows(impl: ModuleType) -> None:
     rng = np.random.default_rng(4)
     layout = impl.DelayedQuantizedKVCache(GROUP, 8, 5)
     layout.begin_prefill()
-    storages = [impl.KVCache(), impl.KVCache()]
-    for storage, count in zip(storages, (6, 1), strict=True):
-        block = _block(rng, 1, count, "float32")
-        _append(impl, storage, block, block)
-    layout.merge_rows(storages)
+    layout.merge_rows(_storages(impl, [6, 1], rng))
     block = _block(rng, 2, 2, "float32")
     _append(impl, layout, block, block)
     assert layout.row_offsets == (8, 3)

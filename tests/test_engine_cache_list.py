@@ -10,7 +10,6 @@ test."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -41,10 +40,7 @@ CACHE_LIST_MODELS = ("falcon_h1", "baichuan_m1")
 CHUNK = 16
 
 
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 def is_list_of_caches(cache: object) -> bool:

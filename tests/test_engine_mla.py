@@ -9,7 +9,6 @@ prefill chunks, teacher-forced), and the engine without the option under test.""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -33,10 +32,7 @@ MLA_MODELS = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 CHUNK = 16
 
 
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ edit elsewhere."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import pytest
@@ -16,6 +16,7 @@ import pytest
 from kvrows.compositions import Composition, bind_arguments, composition
 from kvrows.errors import InvalidInputError, KvRowsError, UnsupportedStateError
 from kvrows.forms import (
+    DELAYED_RECORD,
     delayed_state,
     geometry_from_fields,
     parse_delayed_state,
@@ -90,8 +91,11 @@ def test_a_saved_ring_s_keep_comes_from_its_fields_or_from_outside() -> None:
 
 
 def test_a_geometry_without_a_spec_has_no_generic_form() -> None:
-    with pytest.raises(UnsupportedStateError, match="has no paged geometry spec"):
-        geometry_from_fields(composition("PagedKVCache"), {})
+    # Paging is a placement (contract §0.4): a paged entry's geometry is a registered one.
+    assert geometry_from_fields(composition("PagedKVCache"), {}) == Growing()
+    unknown = replace(composition("KVCache"), geometry=cast(Any, "chunked"))
+    with pytest.raises(UnsupportedStateError, match="has no chunked geometry spec"):
+        geometry_from_fields(unknown, {})
 
 
 def test_only_a_registered_spec_is_a_geometry_spec() -> None:
@@ -213,25 +217,35 @@ def test_a_kind_registers_once(strided: type[Strided]) -> None:
         register_geometry(Twin)
 
 
-# -- the delayed record carries what a layout form omits --------------------------------------
+# -- the delayed form carries what a layout form omits ----------------------------------------
 
 
-def test_a_delayed_ring_record_carries_keep_and_no_pads() -> None:
+def test_a_delayed_ring_form_carries_keep_and_no_pads() -> None:
     entry = composition("DelayedRotatingQuantizedKVCache")
-    assert state_form(entry).fields[-6:] == (
-        "start", "converted_at", "left_pad", "prefilling", "composed", "keep",
-    )  # fmt: skip
+    fields = state_form(entry).fields
+    assert fields[4:11] == (*Ring.layout_fields, *Ring.layout_form_omits)
+    assert fields[-5:] == DELAYED_RECORD
+    empty: tuple[Any, ...] = (None, None, [], [], 6, 0, 0, False)  # each stage's empty ragged ring
     record = {
-        "start": 4, "converted_at": [], "left_pad": [], "prefilling": False,
-        "composed": False, "keep": 1,
+        "start": 4, "converted_at": [], "left_pad": [], "prefilling": False, "composed": False,
     }  # fmt: skip
-    assert delayed_state(entry, ("p",), ("a",), record) == ("p", "a", 4, [], [], False, False, 1)
+    parameters = {"max_size": 6, "keep": 1, "group_size": 32, "bits": 4}
+    state = delayed_state(entry, (empty, (*empty, 32, 4)), record, parameters, list)
+    assert state == (None, None, None, None, [], [], 6, 0, 0, False, 1, 32, 4, 4, [], [], False, False)  # fmt: skip
+    assert parse_delayed_state(entry, state).record == {**record, "keep": 1}
+    with pytest.raises(InvalidInputError, match="a ring keeps no position record"):
+        parse_delayed_state(entry, (*state[:-3], [0], False, False))
 
 
-def test_a_delayed_full_attention_record_has_no_keep() -> None:
+def test_a_delayed_full_attention_form_has_no_keep() -> None:
     entry = composition("DelayedQuantizedKVCache")
-    assert state_form(entry).fields[-5:] == (
-        "start", "converted_at", "left_pad", "prefilling", "composed",
-    )  # fmt: skip
-    with pytest.raises(InvalidInputError, match=r"then \('start', .*'composed'\)\), got 1"):
+    assert state_form(entry).fields[4:] == (
+        *Growing.layout_fields,
+        "group_size",
+        "bits",
+        *DELAYED_RECORD,
+    )
+    with pytest.raises(
+        InvalidInputError, match=r"14 fields \(each stage's planes, .*'composed'\)\), got 1"
+    ):
         parse_delayed_state(entry, (0,))

@@ -8,7 +8,6 @@ the codecs' own encode/decode, and the bytes table of the spec page.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -17,7 +16,7 @@ import pytest
 
 import kvrows.optimized as opt
 import kvrows.reference as ref
-from kvrows.conformance.arrays import from_mlx
+from kvrows.conformance.arrays import as_numpy, from_mlx
 from kvrows.errors import (
     CapacityError,
     IncompatibleRowsError,
@@ -38,10 +37,7 @@ from kvrows.table import owned_cache_layout, prefill_cache_layout, target_cache_
 RANK, ROPE, INDEX = 64, 16, 32
 
 
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 def _blocks(rows: int, n: int, seed: int, index: bool = False) -> tuple[np.ndarray, ...]:
@@ -55,6 +51,17 @@ def _blocks(rows: int, n: int, seed: int, index: bool = False) -> tuple[np.ndarr
 
 def _mx(blocks: tuple[np.ndarray, ...]) -> tuple[mx.array, ...]:
     return tuple(mx.array(b) for b in blocks)
+
+
+def _rows(impl: Any, sizes: tuple[tuple[int, int], ...]) -> list[Any]:
+    """One ``MLACache`` per ``(seed, tokens)``, fed that many tokens of that seed."""
+    rows = []
+    for seed, n in sizes:
+        cache = impl.MLACache()
+        blocks = _blocks(1, n, seed)
+        cache.update_and_fetch(*(blocks if impl is ref else _mx(blocks)))
+        rows.append(cache)
+    return rows
 
 
 def test_bytes_table() -> None:
@@ -102,11 +109,7 @@ def test_roles_signatures_and_max_tokens(impl: Any) -> None:
 def _ragged_layout(impl: Any) -> Any:
     """Rows of 5 and 2 tokens, then a 3-token verify block kept 1 and 3 (row offsets 6, 5)."""
     convert = (lambda a: a) if impl is ref else mx.array
-    rows = []
-    for seed, n in ((1, 5), (2, 2)):
-        cache = impl.MLACache()
-        cache.update_and_fetch(*(convert(b) for b in _blocks(1, n, seed)))
-        rows.append(cache)
+    rows = _rows(impl, ((1, 5), (2, 2)))
     layout = rows[0].make_empty_batch()
     layout.merge_rows(rows)
     layout.spec_round_begin()
@@ -129,11 +132,11 @@ def test_ragged_rollback_vector() -> None:
     for layout in layouts:
         assert layout.row_offsets == (6, 5) and layout.left_pad == (0, 1) and layout.width == 6
         latent, _, _ = layout.current()
-        latent = np.asarray(latent) if isinstance(latent, np.ndarray) else from_mlx(latent)
+        latent = as_numpy(latent)
         assert np.array_equal(latent[0:1, :, 0:], want[0])
         assert np.array_equal(latent[1:2, :, 1:], want[1])
         mask = layout.make_mask(1)
-        mask = mask if isinstance(mask, np.ndarray) else from_mlx(mask)
+        mask = as_numpy(mask)
         assert mask[:, 0, 0].tolist() == [[True] * 7, [False] + [True] * 6]
     # the optimized stored columns are exactly the new width (the common padding dropped)
     assert layouts[1].planes()[0][0].shape[2] == 6
@@ -141,22 +144,14 @@ def test_ragged_rollback_vector() -> None:
 
 @pytest.mark.parametrize("impl", [ref, opt], ids=["reference", "optimized"])
 def test_filter_drops_common_padding_and_extract_is_compact(impl: Any) -> None:
-    convert = (lambda a: a) if impl is ref else mx.array
-    rows = []
-    for seed, n in ((1, 6), (2, 2), (3, 4)):
-        cache = impl.MLACache()
-        cache.update_and_fetch(*(convert(b) for b in _blocks(1, n, seed)))
-        rows.append(cache)
     layout = impl.MLACache().make_empty_batch()
-    layout.merge_rows(rows)
+    layout.merge_rows(_rows(impl, ((1, 6), (2, 2), (3, 4))))
     assert layout.left_pad == (0, 4, 2)
     layout.filter_rows([2, 1])
     assert layout.row_offsets == (4, 2) and layout.left_pad == (0, 2) and layout.width == 4
     row = layout.extract_row(1)
     assert row.row_offsets == (2,) and row.left_pad == (0,)
-    got = row.current()[0]
-    got = got if isinstance(got, np.ndarray) else from_mlx(got)
-    assert np.array_equal(got, _blocks(1, 2, 2)[0])
+    assert np.array_equal(as_numpy(row.current()[0]), _blocks(1, 2, 2)[0])
 
 
 @pytest.mark.parametrize("impl", [ref, opt], ids=["reference", "optimized"])
@@ -164,12 +159,7 @@ def test_merge_into_a_running_cache_and_filter_to_none(impl: Any) -> None:
     """Rows join a running cache as they join an empty one (right-justified to the
     longest, the rows held unchanged); keeping no row leaves an empty cache that still
     knows its widths (contract §0.12 e)."""
-    convert = (lambda a: a) if impl is ref else mx.array
-    rows = []
-    for seed, n in ((1, 3), (2, 5), (3, 2)):
-        cache = impl.MLACache()
-        cache.update_and_fetch(*(convert(b) for b in _blocks(1, n, seed)))
-        rows.append(cache)
+    rows = _rows(impl, ((1, 3), (2, 5), (3, 2)))
     running = rows[0].make_empty_batch()
     running.merge_rows(rows[:1])
     running.merge_rows(rows[1:])
@@ -178,9 +168,8 @@ def test_merge_into_a_running_cache_and_filter_to_none(impl: Any) -> None:
     assert running.row_offsets == at_once.row_offsets == (3, 5, 2)
     assert running.left_pad == at_once.left_pad == (2, 0, 3)
     for got, want in zip(running.current()[:2], at_once.current()[:2], strict=True):
-        got, want = (a if isinstance(a, np.ndarray) else from_mlx(a) for a in (got, want))
         for b, pad in enumerate(running.left_pad):
-            assert np.array_equal(got[b, :, pad:], want[b, :, pad:])
+            assert np.array_equal(as_numpy(got)[b, :, pad:], as_numpy(want)[b, :, pad:])
     running.filter_rows([])
     assert running.batch_size == 0 and running.bytes_per_token() == (RANK + ROPE) * 4
     running.merge_rows(rows[1:2])  # an emptied cache takes rows again

@@ -7,7 +7,6 @@ Oracles: mlx-lm's own caches (``CacheList(KVCache, KVCache)`` per layer, and its
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -26,10 +25,7 @@ from kvrows.schemes import Affine, Turbo
 PROMPT = [5, 7, 9, 11, 13, 2, 3, 4, 5, 6, 7, 8]  # past index_topk = 8: the sparse path
 
 
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ never keep or write into the caller's arrays.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -15,12 +14,12 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from stage_helpers import Request, TwoStages, drawn_steps, planes_of
 
 import kvrows.optimized as kv
 from kvrows.codec import Codec
 from kvrows.compositions import composition, landed
 from kvrows.conformance.profiles import active_profile, profile_settings
-from kvrows.conversion import MIXED_READ
 from kvrows.delayed import DelayedLayout, row_reads
 from kvrows.errors import (
     EMPTY_LAYOUT_UPDATE,
@@ -28,10 +27,7 @@ from kvrows.errors import (
     IncompatibleRowsError,
     InvalidInputError,
     LayoutStateError,
-    MixedPrecisionReadError,
     NotTrimmableError,
-    RowIndexError,
-    last_stage_message,
     self_merge_message,
 )
 from kvrows.optimized.paging import PagedLayout
@@ -105,7 +101,7 @@ def test_every_landed_composition_is_one_declared_class() -> None:
         assert type(built) is layout_cls and built.signature() == layout.signature()
     # The paged placement (optimized/paging.py): the row machinery over block tables; built
     # from a pool or keyword arguments (kvrows.paged.bind_paged), not from_specs.
-    paged = {c.name for c in KV_LANDED if c.geometry == "paged"}
+    paged = {c.name for c in KV_LANDED if c.placement == "paged"}
     for name in paged:
         assert CLASSES[name] is getattr(kv, name) is DECLARED[name]
         assert issubclass(CLASSES[name], Layout if composition(name).is_layout else Serial)
@@ -379,44 +375,7 @@ def _oracle_classes(arrangement: str) -> tuple[type[Layout], Any]:
     return kv.PaddedKVRows, lambda: kv.PaddedQuantKVRows(64, 4)
 
 
-@dataclass
-class _Request:
-    """What the oracle knows of a row: its tokens (``[1, H, n, D]`` chunks, in order) and
-    its stage."""
-
-    keys: list[np.ndarray] = field(default_factory=list)
-    values: list[np.ndarray] = field(default_factory=list)
-    stage: int = 0
-
-    @property
-    def offset(self) -> int:
-        return sum(int(k.shape[2]) for k in self.keys)
-
-    def trimmed(self, count: int) -> None:
-        kept = self.offset - count
-        if count:
-            keys = np.concatenate(self.keys, axis=2)[:, :, :kept]
-            values = np.concatenate(self.values, axis=2)[:, :, :kept]
-            self.keys, self.values = ([keys], [values]) if kept else ([], [])
-
-    def serial(self, stage: int | None = None) -> Serial:
-        """A serial storage of this row's stage codec (or ``stage``'s), fed its chunks."""
-        stage = self.stage if stage is None else stage
-        cache = kv.KVCache() if stage == 0 else kv.QuantizedKVCache(64, 4)
-        for k, v in zip(self.keys, self.values, strict=True):
-            cache.update_and_fetch(mx.array(k), mx.array(v))
-        return cache
-
-
-def _planes_of(read: Any) -> list[np.ndarray]:
-    return [np.array(p) for p in (read if isinstance(read, tuple) else (read,))]
-
-
-def _same_planes(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
-    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
-
-
-class _Staged:
+class _Staged(TwoStages):
     """A two-stage growing layout (plain, then affine), its one-stage plain shadow given the
     same operations (stages move no padding: the shadow's offsets and pads are the
     layout's) and the rows' record, checked against the public one-stage layouts."""
@@ -427,54 +386,37 @@ class _Staged:
         self.layout = self.cls()
         self.layout._use_stages((Plain(), STAGED))
         self.shadow = self.cls()
-        self.requests: list[_Request] = []
+        self.requests: list[Request] = []
         self.rng = np.random.default_rng(seed)
 
-    def tokens(self, rows: int, n: int) -> np.ndarray:
-        return self.rng.standard_normal((rows, 2, n, 64)).astype(np.float16)
+    @staticmethod
+    def native(array: np.ndarray) -> Any:
+        return mx.array(array)
 
-    # -- the oracle ---------------------------------------------------------------------
+    def serial(self, request: Request, stage: int | None = None, twin: bool = False) -> Serial:
+        stage = request.stage if stage is None else stage
+        cache = kv.KVCache() if stage == 0 else kv.QuantizedKVCache(64, 4)
+        for k, v in zip(request.keys, request.values, strict=True):
+            cache.update_and_fetch(mx.array(k), mx.array(v))
+        return cache
+
     def oracle(self, stage: int, rows: list[int]) -> Layout:
         """The one-stage public layout of ``stage``'s codec holding rows ``rows`` (each a
         serial storage of that codec fed the row's chunks, merged in order)."""
         layout = self.cls() if stage == 0 else self.packed()
-        layout.merge_rows([self.requests[b].serial() for b in rows])
+        layout.merge_rows([self.serial(self.requests[b]) for b in rows])
         return layout
 
-    def look(self) -> tuple[Any, ...]:
-        """What a refusal must leave as it was (every part's reads, bit for bit)."""
+    def meta(self) -> tuple[Any, ...]:
         layout = self.layout
-        parts = [
-            (rows, codec.spec, [_planes_of(r) for r in reads.values()])
-            for rows, codec, reads in (layout._stage_parts() if self.requests else [])
-        ]
-        meta = (layout.row_stages, layout.row_offsets, layout.left_pad, layout.nbytes)
-        return meta, layout.codec_spec, parts
-
-    def unchanged(self, before: tuple[Any, ...]) -> None:
-        (meta, spec, parts), (meta_now, spec_now, parts_now) = before, self.look()
-        assert meta == meta_now and spec == spec_now and len(parts) == len(parts_now)
-        for (rows, codec, reads), (rows_now, codec_now, reads_now) in zip(
-            parts, parts_now, strict=True
-        ):
-            assert rows == rows_now and codec == codec_now
-            assert all(_same_planes(a, b) for a, b in zip(reads, reads_now, strict=True))
+        return (layout.row_stages, layout.row_offsets, layout.left_pad, layout.nbytes)
 
     def check(self) -> None:
         layout, requests = self.layout, self.requests
-        layout.check_valid()
-        assert layout.row_stages == tuple(r.stage for r in requests)
-        assert layout.row_offsets == tuple(r.offset for r in requests) == self.shadow.row_offsets
-        assert layout.left_pad == self.shadow.left_pad
-        if not requests:
-            assert layout.nbytes == 0
+        checked = self.check_rows((Plain(), STAGED))
+        if checked is None:
             return
-        stages = sorted({r.stage for r in requests})
-        assert layout.codec_spec == (Plain(), STAGED)[stages[-1]]
-        parts = layout._stage_parts()
-        assert [rows for rows, _, _ in parts] == [
-            [b for b, r in enumerate(requests) if r.stage == s] for s in stages
-        ]
+        parts, stages = checked
         # Bytes: each store holds its rows' slots plus spare slots, at the layout's columns;
         # a slot of the stage's codec costs what a slot of the oracle layout of that codec
         # costs per column (a stage without rows holds nothing).
@@ -489,10 +431,10 @@ class _Staged:
             oracle = self.oracle(stage, rows)
             slots = int(arrays(store.planes)[0].shape[0])
             per_column = oracle.nbytes // (oracle.slots * oracle.capacity)  # type: ignore[attr-defined]
-            expected += slots * layout.capacity * per_column  # type: ignore[attr-defined]
+            expected += slots * layout.capacity * per_column
             want = oracle._read()
             for tensor, planes in reads.items():
-                got, oracle_planes = _planes_of(planes), _planes_of(want[tensor])
+                got, oracle_planes = planes_of(planes), planes_of(want[tensor])
                 for i, b in enumerate(rows):
                     pad, pad_oracle, n = layout.left_pad[b], oracle.left_pad[i], requests[b].offset
                     for mine, theirs in zip(got, oracle_planes, strict=True):
@@ -501,89 +443,7 @@ class _Staged:
                         ), (b, tensor, stage)
         if all(any(requests[b].offset for b in rows) for rows, _, _ in parts):
             assert layout.nbytes == expected
-        if len(stages) > 1:
-            before = self.look()
-            with pytest.raises(MixedPrecisionReadError) as refused:
-                layout.fetch()
-            assert str(refused.value) == MIXED_READ
-            self.unchanged(before)
-        else:
-            ((_, _, reads),) = parts
-            for got, want in zip(layout.fetch(), reads.values(), strict=True):
-                assert _same_planes(_planes_of(got), _planes_of(want))
-
-    # -- the operations -------------------------------------------------------------------
-    def join(self, rows: list[tuple[int, int]]) -> None:
-        """Merge rows of ``(stage, tokens)`` (serial storages of each stage's codec)."""
-        joined = []
-        for stage, n in rows:
-            tokens = self.tokens(1, n)
-            joined.append(_Request([tokens], [tokens * 0.5], stage))
-        self.layout.merge_rows([r.serial() for r in joined])
-        self.shadow.merge_rows([r.serial(0) for r in joined])
-        self.requests.extend(joined)
-
-    def append(self, n: int) -> None:
-        keys, values = self.tokens(len(self.requests), n), self.tokens(len(self.requests), n)
-        self.shadow.update_and_fetch(mx.array(keys), mx.array(values))
-        if len({r.stage for r in self.requests}) == 1:
-            self.layout.update_and_fetch(mx.array(keys), mx.array(values))
-        else:  # refused before the write (nothing changes); the write alone is ``_update``
-            before = (self.layout.row_offsets, self.layout.nbytes)
-            with pytest.raises(MixedPrecisionReadError):
-                self.layout.update_and_fetch(mx.array(keys), mx.array(values))
-            assert (self.layout.row_offsets, self.layout.nbytes) == before
-            self.layout._update(mx.array(keys), mx.array(values))
-        for b, request in enumerate(self.requests):
-            request.keys.append(keys[b : b + 1])
-            request.values.append(values[b : b + 1])
-
-    def convert(self, rows: list[int]) -> None:
-        self.layout._convert_rows(rows)
-        for b in set(rows):
-            self.requests[b].stage = 1
-
-    def filter(self, keep: list[int]) -> None:
-        self.layout.filter_rows(keep)
-        self.shadow.filter_rows(keep)
-        self.requests = [self.requests[b] for b in keep]
-
-    def trim(self, counts: list[int]) -> None:
-        self.layout.trim_rows(counts)
-        self.shadow.trim_rows(counts)
-        for request, count in zip(self.requests, counts, strict=True):
-            request.trimmed(count)
-
-    def extract(self, b: int) -> None:
-        request = self.requests[b]
-        serial = self.layout.extract_row(b)
-        rows = [i for i, r in enumerate(self.requests) if r.stage == request.stage]
-        oracle = self.oracle(request.stage, rows).extract_row(rows.index(b))
-        assert type(serial) is type(oracle) and serial.codec_spec == oracle.codec_spec
-        assert serial.offset == oracle.offset == request.offset
-        serial.check_valid()
-        if request.offset:
-            for got, want in zip(serial.fetch(), oracle.fetch(), strict=True):
-                assert _same_planes(_planes_of(got), _planes_of(want))
-
-    def refusals(self) -> None:
-        """Refused calls change nothing: a row in the last stage, a row out of range (with
-        rows that could move), and on a shared column a trim of unequal counts."""
-        before = self.look()
-        converted = [b for b, r in enumerate(self.requests) if r.stage == 1]
-        plain = [b for b, r in enumerate(self.requests) if r.stage == 0]
-        for b in converted[:1]:
-            with pytest.raises(LayoutStateError) as last:
-                self.layout._convert_rows([*plain, b])
-            assert str(last.value) == last_stage_message(b, 1)
-        with pytest.raises(RowIndexError):
-            self.layout._convert_rows([*plain, len(self.requests)])
-        if self.shared and len(self.requests) > 1 and self.requests[0].offset:
-            with pytest.raises(NotTrimmableError):
-                self.layout.trim_rows([1] + [0] * (len(self.requests) - 1))
-        with pytest.raises(IncompatibleRowsError):
-            self.layout.merge_rows([self.layout])
-        self.unchanged(before)
+        self.check_reads(parts, stages)
 
 
 @pytest.mark.parametrize("arrangement", ["ragged", "shared"])
@@ -597,40 +457,26 @@ def test_rows_of_two_stages_hold_what_each_stage_layout_holds(arrangement: str) 
     layout's columns, a mixed read is refused, and refusals change nothing."""
     staged = _Staged(arrangement, seed=1)
     staged.join([(0, 5), (0, 3), (0, 4)])
-    staged.check()
     staged.convert([])
-    staged.check()
     staged.convert([2, 0, 2])  # a row given twice moves once
-    staged.check()
     staged.refusals()
     staged.append(2)
-    staged.check()
     staged.append(1)
-    staged.check()
     staged.join([(1, 6), (0, 2), (1, 1)])
-    staged.check()
     staged.refusals()
     staged.filter([4, 1, 0, 3])  # reorder, drop rows of both stages
-    staged.check()
     staged.extract(0)
     staged.extract(1)
     staged.append(3)
-    staged.check()
     counts = [2] * 4 if staged.shared else [3, 0, 2, 1]
     staged.trim(counts)
-    staged.check()
     staged.convert([0, 1])  # every plain row: one store again
     assert staged.layout._stores is None
-    staged.check()
     staged.append(1)
-    staged.check()
     staged.join([(0, 4)])
-    staged.check()
     staged.filter([4, 0])
-    staged.check()
     staged.extract(1)
     staged.filter([])
-    staged.check()
 
 
 @pytest.mark.parametrize("arrangement", ["ragged", "shared"])
@@ -641,42 +487,12 @@ def test_drawn_operations_on_rows_of_two_stages(arrangement: str, data: st.DataO
     against the oracle."""
     staged = _Staged(arrangement, seed=data.draw(st.integers(0, 2**16), label="seed"))
 
-    def rows(count: int) -> list[tuple[int, int]]:
-        return [
-            (data.draw(st.integers(0, 1), label="stage"), data.draw(st.integers(1, 6)))
-            for _ in range(count)
-        ]
+    def trim(requests: list[Any]) -> list[int]:
+        if staged.shared:
+            return [data.draw(st.integers(0, min(r.offset for r in requests)))] * len(requests)
+        return [data.draw(st.integers(0, r.offset)) for r in requests]
 
-    staged.join(rows(data.draw(st.integers(1, 4), label="rows")))
-    staged.check()
-    for _ in range(data.draw(st.integers(2, 8), label="steps")):
-        requests = staged.requests
-        operation = data.draw(
-            st.sampled_from(("append", "convert", "filter", "merge", "trim", "extract", "refuse"))
-        )
-        if not requests:
-            operation = "merge"
-        if operation == "append":
-            staged.append(data.draw(st.integers(1, 3), label="n"))
-        elif operation == "convert":
-            plain = [b for b, r in enumerate(requests) if r.stage == 0]
-            staged.convert(data.draw(st.lists(st.sampled_from(plain), max_size=3)) if plain else [])
-        elif operation == "filter":
-            keep = data.draw(st.permutations(range(len(requests))), label="order")
-            staged.filter(keep[: data.draw(st.integers(0, len(keep)), label="kept")])
-        elif operation == "merge":
-            staged.join(rows(data.draw(st.integers(1, 2), label="joining")))
-        elif operation == "trim":
-            if staged.shared:
-                count = data.draw(st.integers(0, min(r.offset for r in requests)))
-                staged.trim([count] * len(requests))
-            else:
-                staged.trim([data.draw(st.integers(0, r.offset)) for r in requests])
-        elif operation == "extract":
-            staged.extract(data.draw(st.integers(0, len(requests) - 1), label="row"))
-        else:
-            staged.refusals()
-        staged.check()
+    drawn_steps(staged, data, longest=6, trim=trim)
 
 
 def test_a_shared_ring_layout_keeps_its_rows_in_one_stage() -> None:
@@ -728,7 +544,7 @@ def _window_columns(held: int, offset: int, keep: int) -> list[int]:
     return [*range(sinks), *range(held - count + sinks, held)]
 
 
-class _StagedRing:
+class _StagedRing(TwoStages):
     """A two-stage ragged ring (plain, then affine), its reference twin and a one-stage
     plain shadow given the same operations (a stage moves no column: the shadow's offsets,
     retained columns and masks are the layout's), and the rows' record; each stage's rows
@@ -744,23 +560,22 @@ class _StagedRing:
         self.twin = ref.SpeculativeRotatingKVCache(RING, keep)
         self.twin._use_stages((Plain(), RING_STAGED))
         self.shadow = kv.SpeculativeRotatingKVCache(RING, keep)
-        self.requests: list[_Request] = []
+        self.requests: list[Request] = []
         self.rng = np.random.default_rng(seed)
 
-    def tokens(self, rows: int, n: int) -> np.ndarray:
-        return self.rng.standard_normal((rows, 2, n, 64)).astype(np.float16)
+    @staticmethod
+    def native(array: np.ndarray) -> Any:
+        return mx.array(array)
 
-    def serial(self, request: _Request, impl: Any, stage: int | None = None) -> Any:
-        """A serial ring of the row's stage codec (or ``stage``'s) of ``impl``, fed its
-        chunks."""
+    def serial(self, request: Request, stage: int | None = None, twin: bool = False) -> Any:
         stage = request.stage if stage is None else stage
-        keep = self.keep
+        impl, keep = (self.ref if twin else kv), self.keep
         cache = (
             impl.RotatingKVCache(RING, keep)
             if stage == 0
             else impl.RotatingQuantizedKVCache(RING, 32, 4, keep)
         )
-        wrap = mx.array if impl is kv else np.asarray
+        wrap = np.asarray if twin else mx.array
         for k, v in zip(request.keys, request.values, strict=True):
             cache.update_and_fetch(wrap(k), wrap(v))
         return cache
@@ -771,26 +586,12 @@ class _StagedRing:
             if stage == 0
             else (kv.SpeculativeRotatingAffineLayout(RING, 32, 4, self.keep))
         )
-        layout.merge_rows([self.serial(self.requests[b], kv) for b in rows])
+        layout.merge_rows([self.serial(self.requests[b]) for b in rows])
         return layout
 
-    def look(self) -> tuple[Any, ...]:
+    def meta(self) -> tuple[Any, ...]:
         layout = self.layout
-        parts = [
-            (rows, codec.spec, [_planes_of(r) for r in reads.values()])
-            for rows, codec, reads in (layout._stage_parts() if self.requests else [])
-        ]
-        meta = (layout.row_stages, layout.row_offsets, layout.retained, layout.nbytes)
-        return meta, layout.codec_spec, parts
-
-    def unchanged(self, before: tuple[Any, ...]) -> None:
-        (meta, spec, parts), (meta_now, spec_now, parts_now) = before, self.look()
-        assert meta == meta_now and spec == spec_now and len(parts) == len(parts_now)
-        for (rows, codec, reads), (rows_now, codec_now, reads_now) in zip(
-            parts, parts_now, strict=True
-        ):
-            assert rows == rows_now and codec == codec_now
-            assert all(_same_planes(a, b) for a, b in zip(reads, reads_now, strict=True))
+        return (layout.row_stages, layout.row_offsets, layout.retained, layout.nbytes)
 
     def check(self) -> None:
         layout, twin, requests = self.layout, self.twin, self.requests
@@ -829,8 +630,8 @@ class _StagedRing:
                 per_column = oracle.nbytes // (len(rows) * oracle.buffer_length)  # type: ignore[attr-defined]
                 expected += len(rows) * layout.buffer_length * per_column
             for tensor, planes in reads.items():
-                got, theirs = _planes_of(planes), _planes_of(want[tensor])
-                twins = [np.asarray(p) for p in _planes_of(twin_reads[tensor])]
+                got, theirs = planes_of(planes), planes_of(want[tensor])
+                twins = [np.asarray(p) for p in planes_of(twin_reads[tensor])]
                 for i, b in enumerate(rows):
                     mine = _window_columns(retained[b], offsets[b], self.keep)
                     other = _window_columns(oracle.retained[i], offsets[b], self.keep)  # type: ignore[attr-defined]
@@ -842,55 +643,7 @@ class _StagedRing:
                         )
         if all(offsets):
             assert layout.nbytes == expected
-        if len(held) > 1:
-            before = self.look()
-            with pytest.raises(MixedPrecisionReadError) as refused:
-                layout.fetch()
-            assert str(refused.value) == MIXED_READ
-            self.unchanged(before)
-        else:
-            ((_, _, reads),) = parts
-            for got, want_read in zip(layout.fetch(), reads.values(), strict=True):
-                assert _same_planes(_planes_of(got), _planes_of(want_read))
-
-    # -- the operations -------------------------------------------------------------------
-    def join(self, rows: list[tuple[int, int]]) -> None:
-        joined = []
-        for stage, n in rows:
-            tokens = self.tokens(1, n)
-            joined.append(_Request([tokens], [tokens * 0.5], stage))
-        self.layout.merge_rows([self.serial(r, kv) for r in joined])
-        self.twin.merge_rows([self.serial(r, self.ref) for r in joined])
-        self.shadow.merge_rows([self.serial(r, kv, 0) for r in joined])
-        self.requests.extend(joined)
-
-    def append(self, n: int) -> None:
-        keys, values = self.tokens(len(self.requests), n), self.tokens(len(self.requests), n)
-        self.shadow.update_and_fetch(mx.array(keys), mx.array(values))
-        if len({r.stage for r in self.requests}) == 1:
-            self.layout.update_and_fetch(mx.array(keys), mx.array(values))
-            self.twin.update_and_fetch(keys, values)
-        else:  # refused before the write (nothing changes); the write alone is ``_update``
-            before = self.look()
-            with pytest.raises(MixedPrecisionReadError):
-                self.layout.update_and_fetch(mx.array(keys), mx.array(values))
-            self.unchanged(before)
-            self.layout._update(mx.array(keys), mx.array(values))
-            self.twin._update(keys, values)
-        for b, request in enumerate(self.requests):
-            request.keys.append(keys[b : b + 1])
-            request.values.append(values[b : b + 1])
-
-    def convert(self, rows: list[int]) -> None:
-        self.layout._convert_rows(rows)
-        self.twin._convert_rows(rows)
-        for b in set(rows):
-            self.requests[b].stage = 1
-
-    def filter(self, keep: list[int]) -> None:
-        for layout in (self.layout, self.twin, self.shadow):
-            layout.filter_rows(keep)
-        self.requests = [self.requests[b] for b in keep]
+        self.check_reads(parts, held)
 
     def trim(self, counts: list[int]) -> None:
         """Trim as the shadow may (a ring forgets only what it keeps its window before):
@@ -904,38 +657,12 @@ class _StagedRing:
                     layout.trim_rows(counts)
                 assert str(again.value) == str(refused)
             self.unchanged(before)
-            return
-        self.layout.trim_rows(counts)
-        self.twin.trim_rows(counts)
-        for request, count in zip(self.requests, counts, strict=True):
-            request.trimmed(count)
-
-    def extract(self, b: int) -> None:
-        request = self.requests[b]
-        serial = self.layout.extract_row(b)
-        rows = [i for i, r in enumerate(self.requests) if r.stage == request.stage]
-        oracle = self.oracle(request.stage, rows).extract_row(rows.index(b))
-        assert type(serial) is type(oracle) and serial.codec_spec == oracle.codec_spec
-        assert serial.offset == oracle.offset == request.offset
-        assert self.twin.extract_row(b).codec_spec == serial.codec_spec
-        serial.check_valid()
-        if request.offset:
-            for got, want in zip(serial.fetch(), oracle.fetch(), strict=True):
-                assert _same_planes(_planes_of(got), _planes_of(want))
-
-    def refusals(self) -> None:
-        before = self.look()
-        converted = [b for b, r in enumerate(self.requests) if r.stage == 1]
-        plain = [b for b, r in enumerate(self.requests) if r.stage == 0]
-        for b in converted[:1]:
-            with pytest.raises(LayoutStateError) as last:
-                self.layout._convert_rows([*plain, b])
-            assert str(last.value) == last_stage_message(b, 1)
-        with pytest.raises(RowIndexError):
-            self.layout._convert_rows([*plain, len(self.requests)])
-        with pytest.raises(IncompatibleRowsError):
-            self.layout.merge_rows([self.layout])
-        self.unchanged(before)
+        else:
+            self.layout.trim_rows(counts)
+            self.twin.trim_rows(counts)
+            for request, count in zip(self.requests, counts, strict=True):
+                request.trimmed(count)
+        self.check()
 
 
 @pytest.mark.parametrize("keep", [0, 2])
@@ -950,40 +677,26 @@ def test_ring_rows_of_two_stages_hold_what_each_stage_layout_holds(keep: int) ->
     refusals change nothing."""
     staged = _StagedRing(seed=3, keep=keep)
     staged.join([(0, 5), (0, 3), (0, 10)])
-    staged.check()
     staged.convert([2, 0, 2])
-    staged.check()
     staged.refusals()
     staged.append(2)
-    staged.check()
     staged.append(1)
-    staged.check()
     staged.join([(1, 6), (0, 2), (1, 9)])
-    staged.check()
     staged.refusals()
     staged.append(4)
-    staged.check()
     staged.trim([1, 0, 2, 1, 0, 1])
-    staged.check()
     staged.filter([4, 1, 0, 3])
-    staged.check()
     staged.extract(0)
     staged.extract(1)
     for _ in range(3):
         staged.append(1)
-        staged.check()
     staged.convert([0, 1])  # every plain row: one store again
     assert staged.layout._stores is None
-    staged.check()
     staged.append(3)
-    staged.check()
     staged.join([(0, 4)])
-    staged.check()
     staged.filter([4, 0])
-    staged.check()
     staged.extract(1)
     staged.filter([])
-    staged.check()
 
 
 @profile_settings(max_examples=max(5, active_profile().max_examples // 10))
@@ -993,36 +706,9 @@ def test_drawn_operations_on_ring_rows_of_two_stages(data: st.DataObject) -> Non
     every step against the oracle and the twin."""
     sinks = data.draw(st.integers(0, 2), label="keep")
     staged = _StagedRing(seed=data.draw(st.integers(0, 2**16), label="seed"), keep=sinks)
-
-    def rows(count: int) -> list[tuple[int, int]]:
-        return [
-            (data.draw(st.integers(0, 1), label="stage"), data.draw(st.integers(1, 11)))
-            for _ in range(count)
-        ]
-
-    staged.join(rows(data.draw(st.integers(1, 4), label="rows")))
-    staged.check()
-    for _ in range(data.draw(st.integers(2, 8), label="steps")):
-        requests = staged.requests
-        operation = data.draw(
-            st.sampled_from(("append", "convert", "filter", "merge", "trim", "extract", "refuse"))
-        )
-        if not requests:
-            operation = "merge"
-        if operation == "append":
-            staged.append(data.draw(st.integers(1, 3), label="n"))
-        elif operation == "convert":
-            plain = [b for b, r in enumerate(requests) if r.stage == 0]
-            staged.convert(data.draw(st.lists(st.sampled_from(plain), max_size=3)) if plain else [])
-        elif operation == "filter":
-            keep = data.draw(st.permutations(range(len(requests))), label="order")
-            staged.filter(keep[: data.draw(st.integers(0, len(keep)), label="kept")])
-        elif operation == "merge":
-            staged.join(rows(data.draw(st.integers(1, 2), label="joining")))
-        elif operation == "trim":
-            staged.trim([data.draw(st.integers(0, min(r.offset, 3))) for r in requests])
-        elif operation == "extract":
-            staged.extract(data.draw(st.integers(0, len(requests) - 1), label="row"))
-        else:
-            staged.refusals()
-        staged.check()
+    drawn_steps(
+        staged,
+        data,
+        longest=11,
+        trim=lambda requests: [data.draw(st.integers(0, min(r.offset, 3))) for r in requests],
+    )

@@ -7,7 +7,7 @@ mlx-lm's own caches in the MLA models (logits bit for bit), the saved cache (rou
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ import pytest
 
 import kvrows.optimized as opt
 import kvrows.reference as ref
-from kvrows.conformance.arrays import from_mlx
+from kvrows.conformance.arrays import as_numpy
 from kvrows.errors import (
     CorruptStateError,
     IncompatibleRowsError,
@@ -33,14 +33,7 @@ IDS = ["reference", "optimized"]
 WIDTHS = (64, 16, 32)  # kv_lora_rank, rope_head_dim, index_head_dim
 
 
-@pytest.fixture(autouse=True)
-def _cpu() -> Iterator[None]:
-    with mx.stream(mx.cpu):
-        yield
-
-
-def _np(value: Any) -> Any:
-    return from_mlx(value) if isinstance(value, mx.array) else np.asarray(value)
+pytestmark = pytest.mark.usefixtures("cpu_stream")
 
 
 def _native(impl: Any) -> Callable[[Any], Any]:
@@ -74,9 +67,9 @@ class Twins:
         want = want or mla.current()
         for g, w in zip(got, want, strict=True):
             for b, pad in enumerate(mla.left_pad):  # padding columns are unspecified
-                assert np.array_equal(_np(g)[b, :, pad:], _np(w)[b, :, pad:])
+                assert np.array_equal(as_numpy(g)[b, :, pad:], as_numpy(w)[b, :, pad:])
         mask = (paged.make_mask(2, return_array=True), mla.make_mask(2, return_array=True))
-        assert _np(mask[0]).tolist() == _np(mask[1]).tolist()
+        assert as_numpy(mask[0]).tolist() == as_numpy(mask[1]).tolist()
 
 
 def _requests(impl: Any, pool: Any, prompts: tuple[int, ...], seed: int = 0) -> list[Twins]:
@@ -179,10 +172,12 @@ def test_an_exhausted_pool_refuses_with_nothing_changed(impl: Any) -> None:
     per_block = 2 * (64 + 16 + 32) * 4  # two float32 tokens of latent, rope and index
     pool = impl.LatentBlockPool(block_size=2, index_head_dim=WIDTHS[2], max_bytes=3 * per_block)
     twins = _requests(impl, pool, (3,))[0]
-    before = _np(twins.paged.current()[0])
+    before = as_numpy(twins.paged.current()[0])
     with pytest.raises(PoolExhaustedError):
         twins.append(4)  # 7 tokens need 4 blocks
-    assert twins.paged.row_offsets == (3,) and np.array_equal(_np(twins.paged.current()[0]), before)
+    assert twins.paged.row_offsets == (3,) and np.array_equal(
+        as_numpy(twins.paged.current()[0]), before
+    )
     assert pool.bytes_per_block == per_block
     pool.check_valid()
 
@@ -223,7 +218,7 @@ def test_prefix_blocks_are_hashed_and_shared(impl: Any) -> None:
     assert hit is not None and hit.row_offsets == (4,)
     assert hit.block_tables()[0] == twins.paged.block_tables()[0][:2]
     for got, want in zip(hit.current(), twins.paged.current(), strict=True):
-        assert np.array_equal(_np(got), _np(want)[:, :, :4])
+        assert np.array_equal(as_numpy(got), as_numpy(want)[:, :, :4])
     assert pool.lookup_prefix([7, 7, 7]) is None
     twins.paged.spec_round_begin()
     with pytest.raises(SpeculativeRoundError):
@@ -274,7 +269,7 @@ def test_state_round_trip_and_refusals(impl: Any, tmp_path: Path) -> None:
             assert loaded.row_offsets == layout.paged.row_offsets
             for got, want in zip(loaded.current(), layout.paged.current(), strict=True):
                 for b, pad in enumerate(layout.paged.left_pad):
-                    assert np.array_equal(_np(got)[b, :, pad:], _np(want)[b, :, pad:])
+                    assert np.array_equal(as_numpy(got)[b, :, pad:], as_numpy(want)[b, :, pad:])
         data = bytearray(path.read_bytes())
         data[-20] ^= 0x01
         path.write_bytes(bytes(data))

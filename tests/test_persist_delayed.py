@@ -21,7 +21,9 @@ from hypothesis import strategies as st
 
 import kvrows.optimized as optimized
 import kvrows.reference as reference
+from kvrows import forms_v1
 from kvrows.compositions import composition
+from kvrows.conformance.arrays import as_numpy
 from kvrows.conformance.profiles import active_profile, profile_settings
 from kvrows.delayed import RowAttentionPending, row_reads
 from kvrows.errors import (
@@ -31,7 +33,7 @@ from kvrows.errors import (
     SpeculativeRoundError,
     UnsupportedStateError,
 )
-from kvrows.forms import DELAYED_PLAIN, rows_of_state, state_form, unpack_state
+from kvrows.forms import DELAYED_PLAIN, rows_of_state, state_form, unpack_state, written_form
 from kvrows.lego import Bf16First
 from kvrows.persist.files import read_safetensors, write_atomic
 from kvrows.persist.prompt_cache import KVROWS_KEY, load_prompt_cache, save_prompt_cache
@@ -47,10 +49,6 @@ FILES = profile_settings(max_examples=25 if active_profile().name == "ci" else 3
 def _native(impl: Any, array: np.ndarray[Any, Any]) -> Any:
     half = array.astype(np.float16)
     return mx.array(half) if impl is optimized else half
-
-
-def _numpy(array: Any) -> np.ndarray[Any, Any]:
-    return np.array(array) if isinstance(array, mx.array) else np.asarray(array)
 
 
 def _empty(impl: Any, ring: bool, start: int) -> Delayed:
@@ -84,7 +82,7 @@ def rows(layout: Any) -> list[tuple[int, Any, Any]]:
         return np.concatenate(parts, axis=2)
 
     def raw(planes: Any) -> Any:
-        return None if planes is None else [_numpy(p).tobytes() for p in planes]
+        return None if planes is None else [as_numpy(p).tobytes() for p in planes]
 
     held = rows_of_state(entry, unpack_state(entry, layout.state), concat)
     return [(offset, raw(k), raw(v)) for k, v, offset in held]
@@ -115,9 +113,9 @@ def _read(impl: Any, layout: Delayed, seed: int, tokens: int = 1) -> list[bytes]
         got = layout.update_and_fetch(keys, values)
     if isinstance(got[0], RowAttentionPending):
         queries = _native(impl, rng.standard_normal(shape))
-        return [_numpy(layout.attend_rows(queries, 0.125)).tobytes()]
+        return [as_numpy(layout.attend_rows(queries, 0.125)).tobytes()]
     planes = [p for side in got for p in (side if isinstance(side, tuple) else (side,))]
-    return [_numpy(p).tobytes() for p in planes]
+    return [as_numpy(p).tobytes() for p in planes]
 
 
 def _drive(impl: Any, layout: Delayed, data: st.DataObject, steps: int) -> None:
@@ -219,22 +217,39 @@ def test_every_phase_round_trips_through_from_state(name: str, ring: bool) -> No
     assert seen == ["empty", "plain", "mixed", "packed"]
 
 
-def test_the_form_names_each_group_then_the_record() -> None:
+def test_the_form_is_the_one_rule_with_the_modifier_record() -> None:
+    """Form 2 (contract §0.6): each stage's planes, the geometry's layout fields (a ring's
+    ``keep`` too), the target's codec tail, the modifier record; form 1 (two groups) is
+    ``kvrows.forms_v1``'s."""
     full = state_form(composition("DelayedQuantizedKVCache"))
     assert full.file_class == "DelayedQuantizedKVCache"
-    assert full.fields == (
-        *(f"plain.{f}" for f in ("keys", "values", "offset", "left_padding", "idx")),
-        *(f"affine.{f}" for f in ("keys", "values", "offset", "left_padding", "idx")),
-        "affine.group_size",
-        "affine.bits",
-        "start",
-        "converted_at",
-        "left_pad",
-        "prefilling",
-        "composed",
-    )
+    record = ("start", "converted_at", "left_pad", "prefilling", "composed")
+    stages = ("stage0.keys", "stage0.values", "stage1.keys", "stage1.values")
+    assert full.fields == (*stages, "offset", "left_padding", "idx", "group_size", "bits", *record)
     ring = state_form(composition("DelayedRotatingQuantizedKVCache")).fields
-    assert ring[0] == "plain.keys" and ring[-1] == "keep" and len(ring) == 8 + 10 + 6
+    frame = ("offset", "left_padding", "max_size", "total", "idx", "rotated", "keep")
+    assert ring == (*stages, *frame, "group_size", "bits", *record)
+    turbo = state_form(composition("DelayedTurboQuantKVCache")).fields
+    assert turbo == (*stages, "offset", "left_padding", "idx", "k_bits", "v_bits", *record)
+    old = forms_v1.delayed_form(composition("DelayedRotatingQuantizedKVCache")).fields
+    assert old[0] == "plain.keys" and old[-1] == "keep" and len(old) == 8 + 10 + 6
+    assert written_form(composition("DelayedQuantizedKVCache")) == 2
+    assert written_form(composition("BatchedQuantizedKVCache")) == 1
+
+
+def test_every_stage_is_in_one_column_frame() -> None:
+    """Rows of 6 (converted), 2 and 3 tokens (plain): the frame is 6 columns, each row's
+    window ends at ``idx``; stage 0's planes hold the frame's newest 3 columns only."""
+    layout = _mixed()
+    fields = dict(zip(state_form(layout.composition).fields, layout.state, strict=True))
+    assert fields["idx"] == 6
+    assert np.asarray(fields["offset"]).tolist() == [6, 2, 3]
+    assert np.asarray(fields["left_padding"]).tolist() == [0, 4, 3]
+    assert fields["stage0.keys"].shape == (2, 2, 3, DIM)
+    assert fields["stage1.keys"][0].shape[:3] == (1, 2, 6)
+    narrow = dict(fields, **{"left_padding": mx.array([0, 2, 3], mx.int32)})
+    with pytest.raises(InvalidInputError, match="stage 0's planes hold 3 columns"):
+        type(layout).from_state(tuple(narrow.values()))
 
 
 def _mixed(impl: Any = optimized, ring: bool = False) -> Delayed:
@@ -265,7 +280,8 @@ def _replaced(layout: Delayed, **fields: Any) -> tuple[Any, ...]:
         ({"start": -1}, "negative"),
         ({"prefilling": 2}, "must be a bool"),
         ({"composed": "yes"}, "must be a bool"),
-        ({"affine.bits": 7}, "bits"),
+        ({"bits": 7}, "bits"),
+        ({"offset": mx.array([6, 2], mx.int32)}, "one of each per row"),
     ],
 )
 def test_from_state_refuses_an_inconsistent_state(fields: dict[str, Any], message: str) -> None:
@@ -280,7 +296,7 @@ def test_from_state_refuses_an_inconsistent_state(fields: dict[str, Any], messag
 
 def test_from_state_refuses_malformed_states_and_ring_records() -> None:
     layout = _mixed()
-    with pytest.raises(InvalidInputError, match="17 fields"):
+    with pytest.raises(InvalidInputError, match="14 fields"):
         type(layout).from_state(layout.state[:-1])
     with pytest.raises(InvalidInputError, match="meta_state"):
         type(layout).from_state(layout.state, ("0",))
@@ -289,15 +305,16 @@ def test_from_state_refuses_malformed_states_and_ring_records() -> None:
         type(ring).from_state(_replaced(ring, left_pad=mx.array([0, 0, 0], mx.int32)))
     with pytest.raises(InvalidInputError, match="keep 0, but 2"):
         type(ring).from_state(ring.state, keep=2)
-    # The plain group's window must be the affine group's (a ring of another size).
+    # Form 1: the plain group's window must be the affine group's (a ring of another size).
     wider = optimized.RotatingKVCache(WINDOW + 1)
     block = _native(optimized, np.ones((1, 2, 2, DIM)))
     wider.update_and_fetch(block, block)
     other_plain = type(ring).plain_group_class(WINDOW + 1)
     other_plain.merge_rows([wider])
-    width = len(state_form(composition(other_plain.composition.name)).fields)
-    mixed = (*other_plain.state, *ring.state[width:])
-    mixed = _replaced_record(ring, mixed, converted_at=mx.array([6, DELAYED_PLAIN], mx.int32))
+    affine = type(ring).affine_group_class(WINDOW, 32, 4)
+    affine.merge_rows([ring.extract_row(0)])
+    record = (5, mx.array([6, DELAYED_PLAIN], mx.int32), mx.array([], mx.int32), False, False, 0)
+    mixed = (*other_plain.state, *affine.state, *record)
     with pytest.raises(InvalidInputError, match="windows differ"):
         type(ring).from_state(mixed)
 
@@ -361,7 +378,7 @@ def _set_layer(key: str, value: Any) -> Any:
 @pytest.mark.parametrize(
     ("ring", "edit", "message"),
     [
-        (False, _set_array("converted_at", mx.array([6, 6, DELAYED_PLAIN], mx.int32)), "groups"),
+        (False, _set_array("converted_at", mx.array([6, 6, DELAYED_PLAIN], mx.int32)), "rows"),
         (False, _set_array("left_pad", mx.array([2, 6, 5], mx.int32)), "smallest 0"),
         (False, _set_array("left_pad", mx.array([0, 4, 3, 0], mx.int32)), "per row"),
         (True, _set_array("left_pad", mx.array([0], mx.int32), ring=True), "position record"),
@@ -395,7 +412,7 @@ def _lego_reads(impl: Any, lego: Any, seed: int, tokens: int) -> list[bytes]:
     keys, values = (_native(impl, rng.standard_normal((1, 2, tokens, DIM))) for _ in range(2))
     got = lego.update_and_fetch(keys, values)
     planes = [p for side in got for p in (side if isinstance(side, tuple) else (side,))]
-    return [_numpy(p).tobytes() for p in planes]
+    return [as_numpy(p).tobytes() for p in planes]
 
 
 @pytest.mark.parametrize("ring", [False, True])
@@ -483,3 +500,52 @@ def test_a_lego_saved_as_a_one_row_layout_comes_back_as_the_lego(
     assert back.signature() == solo.signature() and back.offset == solo.offset
     assert rows(back.storage) == rows(solo.storage)
     assert rows(back.storage) == rows(layout.extract_row(0).storage)
+
+
+SAVED_V1 = Path(__file__).parent / "data" / "saved_v1"
+V1_CASES = [
+    case
+    for case in json.loads((SAVED_V1 / "manifest.json").read_text())["cases"]
+    if str(case["built"].get("class", "")).startswith("Delayed")
+]
+
+
+@pytest.mark.parametrize("saved_by", sorted(IMPLS))
+@pytest.mark.parametrize("case", V1_CASES, ids=[case["name"] for case in V1_CASES])
+def test_a_file_of_form_1_loads_and_equals_its_form_2_copy(
+    tmp_path: Path, case: dict[str, Any], saved_by: str
+) -> None:
+    """A delayed layout saved by kvrows' format 1 (two groups, ``tests/data/saved_v1/``)
+    loads through ``kvrows.forms_v1``; saved again it is form 2, and that file loads into
+    the same rows and record, in either implementation."""
+    path = SAVED_V1 / case["prompt_cache"][saved_by]
+    _, metadata = read_safetensors(path)
+    assert "form" not in json.loads(metadata[KVROWS_KEY])["layers"][0]  # form 1
+    for target in sorted(IMPLS):
+        (old,) = load_prompt_cache(path, implementation=target)  # type: ignore[arg-type]
+        assert old.batch_size == len(case["built"]["rows_of_legos"]) and old.phase == "mixed"
+        copy = tmp_path / f"{target}.safetensors"
+        save_prompt_cache(copy, [old])
+        _, metadata = read_safetensors(copy)
+        assert json.loads(metadata[KVROWS_KEY])["layers"][0]["form"] == 2
+        (new,) = load_prompt_cache(copy, implementation=target)  # type: ignore[arg-type]
+        assert record(new) == record(old) and rows(new) == rows(old)
+        for a, b in zip(new.state, old.state, strict=True):
+            for x, y in zip(*(v if isinstance(v, tuple) else (v,) for v in (a, b)), strict=True):
+                assert np.array_equal(as_numpy(x), as_numpy(y)) if hasattr(x, "shape") else x == y
+        new.check_valid()
+
+
+def test_a_file_mixing_form_1_and_form_2_layers_loads(tmp_path: Path) -> None:
+    """Each layer is read by its own form: a delayed layout (form 2) beside a serial
+    storage (form 1, mlx-lm's), in either implementation."""
+    layout = _mixed()
+    plain = _row(optimized, False, 5, 4, 9, lego=False)
+    path = tmp_path / "mixed.safetensors"
+    save_prompt_cache(path, [layout, plain])
+    _, metadata = read_safetensors(path)
+    assert [layer["form"] for layer in json.loads(metadata[KVROWS_KEY])["layers"]] == [2, 1]
+    for target in sorted(IMPLS):
+        loaded, serial = load_prompt_cache(path, implementation=target)  # type: ignore[arg-type]
+        assert record(loaded) == record(layout) and rows(loaded) == rows(layout)
+        assert rows(serial) == rows(plain)

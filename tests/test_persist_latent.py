@@ -16,7 +16,7 @@ import pytest
 
 import kvrows.optimized as opt
 import kvrows.reference as ref
-from kvrows.conformance.arrays import from_mlx
+from kvrows.conformance.arrays import as_numpy
 from kvrows.errors import CorruptStateError, InvalidInputError
 from kvrows.forms import state_form
 from kvrows.latent import LATENT_FIELDS
@@ -27,10 +27,6 @@ CODECS: list[Any] = [None, Affine(bits=4, group_size=32), Turbo(k_bits=8, v_bits
 
 
 pytestmark = pytest.mark.usefixtures("cpu_stream")
-
-
-def _np(value: Any) -> Any:
-    return from_mlx(value) if isinstance(value, mx.array) else np.asarray(value)
 
 
 def _filled(impl: Any, codec: Any, seed: int = 0) -> Any:
@@ -52,7 +48,7 @@ def _filled(impl: Any, codec: Any, seed: int = 0) -> Any:
 
 
 def _reads(cache: Any) -> list[Any]:
-    return [None if a is None else _np(a) for a in cache.current()]
+    return [None if a is None else as_numpy(a) for a in cache.current()]
 
 
 def _same_rows(a: Any, b: Any) -> None:

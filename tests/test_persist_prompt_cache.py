@@ -327,14 +327,6 @@ def _rewrite_description(path: Path, edit: Callable[[dict[str, Any]], object]) -
     write_atomic(path, arrays, metadata)
 
 
-def test_a_newer_format_is_refused(tmp_path: Path) -> None:
-    path = tmp_path / "new.safetensors"
-    save_prompt_cache(path, [_filled(optimized, "KVCache", [3], seed=1)])
-    _rewrite_description(path, lambda description: description.update(format=FORMAT_VERSION + 1))
-    with pytest.raises(UnsupportedStateError, match="upgrade kvrows"):
-        load_prompt_cache(path)
-
-
 def test_a_version_2_file_records_each_layer_form_and_round_trips(tmp_path: Path) -> None:
     path = tmp_path / "v2.safetensors"
     plain = _filled(optimized, "KVCache", [3], seed=1)
@@ -343,7 +335,7 @@ def test_a_version_2_file_records_each_layer_form_and_round_trips(tmp_path: Path
     _, metadata = read_safetensors(path)
     description = json.loads(metadata[KVROWS_KEY])
     assert FORMAT_VERSION == 2 and description["format"] == 2
-    assert [layer["form"] for layer in description["layers"]] == [FORM_VERSION] * 2
+    assert [layer["form"] for layer in description["layers"]] == [1, 1]  # form 1 is the rule
     for implementation in ("optimized", "reference"):
         loaded = load_prompt_cache(path, implementation=implementation)
         assert [c.signature() for c in loaded] == [plain.signature(), ring.signature()]
@@ -360,33 +352,42 @@ def test_a_layer_without_a_form_version_is_form_1(tmp_path: Path) -> None:
     assert load_prompt_cache(path)[0].offset == 3
 
 
+def _layer(index: int, **fields: object) -> Callable[[dict[str, Any]], object]:
+    return lambda description: description["layers"][index].update(fields)
+
+
 @pytest.mark.parametrize(
-    ("form", "error", "message"),
+    ("edit", "error", "message"),
     [
-        (FORM_VERSION + 1, UnsupportedStateError, "form version 2; this kvrows reads forms up"),
-        (0, CorruptStateError, "form version must be 1 or more, got 0"),
-        ("1", CorruptStateError, "form version must be an integer, got '1'"),
+        (
+            _layer(1, form=FORM_VERSION + 1),
+            UnsupportedStateError,
+            f"layer 1: .*form version {FORM_VERSION + 1}; this kvrows reads forms up",
+        ),
+        (_layer(1, form=0), CorruptStateError, "layer 1: .*form version must be 1 or more, got 0"),
+        (
+            _layer(1, form="1"),
+            CorruptStateError,
+            "layer 1: .*form version must be an integer, got '1'",
+        ),
+        (_layer(0, composition="FancyCache"), UnsupportedStateError, "FancyCache"),
+        (
+            lambda description: description.update(format=FORMAT_VERSION + 1),
+            UnsupportedStateError,
+            "upgrade kvrows",
+        ),
     ],
+    ids=["newer form", "form 0", "form text", "unknown class", "newer format"],
 )
-def test_an_unknown_layer_form_is_refused(
-    tmp_path: Path, form: object, error: type[Exception], message: str
+def test_an_unknown_format_form_or_class_is_refused(
+    tmp_path: Path, edit: Callable[[dict[str, Any]], object], error: type[Exception], message: str
 ) -> None:
     path = tmp_path / "future.safetensors"
     save_prompt_cache(
         path, [_filled(optimized, "KVCache", [3], seed=1), _filled(optimized, "KVCache", [2], 2)]
     )
-    _rewrite_description(path, lambda description: description["layers"][1].update(form=form))
-    with pytest.raises(error, match=r"future\.safetensors: layer 1: .*" + message):
-        load_prompt_cache(path)
-
-
-def test_an_unknown_class_is_refused(tmp_path: Path) -> None:
-    path = tmp_path / "unknown.safetensors"
-    save_prompt_cache(path, [_filled(optimized, "KVCache", [3], seed=1)])
-    _rewrite_description(
-        path, lambda description: description["layers"][0].update(composition="FancyCache")
-    )
-    with pytest.raises(UnsupportedStateError, match="FancyCache"):
+    _rewrite_description(path, edit)
+    with pytest.raises(error, match=r"future\.safetensors: .*" + message):
         load_prompt_cache(path)
 
 

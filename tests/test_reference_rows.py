@@ -127,7 +127,7 @@ def test_specs_signature_and_planes(name: str) -> None:
     assert len(specs) == {"plain": 2, "affine": 6, "turbo": 5}[cache.codec_spec.kind]
     if entry.is_layout:
         stored = min(10, 6) if entry.geometry == "ring" else 10
-        if entry.geometry == "paged":  # whole blocks
+        if entry.placement == "paged":  # whole blocks
             stored = -(-10 // again.block_size) * again.block_size
         per_token = 2 * sum(DTYPE_SIZES[p.dtype] * p.width for p in specs)  # 2 heads
         assert again.projected_bytes(10) == stored * per_token
@@ -221,7 +221,7 @@ def test_shared_ring_trims_together_and_attention_keeps_the_queries_dtype() -> N
 # Paged rows share their pool's planes by design (extraction moves no byte); that an
 # extracted row keeps its KV while the layout writes is the pool machine's invariant
 # (tests/test_paged_pool.py).
-@pytest.mark.parametrize("name", [n for n in LAYOUTS if composition(n).geometry != "paged"])
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if composition(n).placement != "paged"])
 def test_rows_own_their_arrays(name: str) -> None:
     """Neither the caller's blocks nor an extracted row share memory with the layout."""
     layout = _make(name)

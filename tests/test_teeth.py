@@ -16,13 +16,10 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from conformance_helpers import run_family
-from hypothesis import settings
+from conformance_helpers import caught, run_teeth
 
 from kvrows.codec import PlaneSet, Role
-from kvrows.conformance.families import FAMILIES, Impl, optimized_impl
-from kvrows.conformance.profiles import profile_settings
-from kvrows.conformance.stats import Stats
+from kvrows.conformance.families import optimized_impl
 from kvrows.conversion import Conversion
 from kvrows.delayed import GroupAttend, RowAttentionPending
 from kvrows.errors import NotTrimmableError
@@ -141,43 +138,6 @@ MUTANTS = [
 CONTROL_EXAMPLES = 5
 
 
-def _teeth(examples: int | None) -> settings:
-    return profile_settings("teeth", **({} if examples is None else {"max_examples": examples}))
-
-
-def _run(
-    layout: str,
-    mutant: type | None,
-    examples: int | None = None,
-    family_name: str = "plain",
-    *,
-    optimized: Impl | None = None,
-    name: str | None = None,
-) -> Stats:
-    """Run ``family_name``'s machine on ``layout`` under the teeth profile, the optimized
-    class replaced by ``mutant`` (or the implementation by ``optimized``, named ``name``)."""
-    optimized = optimized_impl() if optimized is None else optimized
-    name = name or f"Teeth{family_name.title()}{layout}Unmutated"
-    if mutant is not None:
-        optimized = optimized.with_classes({layout: mutant})
-        name = f"Teeth{mutant.__name__}"
-    settings = _teeth(examples)
-    return run_family(
-        FAMILIES[family_name], layout, settings, optimized=optimized, name=name, profile="teeth"
-    )[0]
-
-
-def _caught(
-    layout: str, mutant: type, examples: int | None = None, family_name: str = "plain"
-) -> str:
-    """Run the machine with ``mutant``: an oracle must catch it (not a crash inside the
-    mutant), and Hypothesis say how; the failure's message."""
-    with pytest.raises(AssertionError) as caught:
-        _run(layout, mutant, examples, family_name)
-    assert "Failing test case" in "\n".join(getattr(caught.value, "__notes__", []))
-    return str(caught.value)
-
-
 #: Mutants the teeth profile's derandomized examples miss, and a budget whose examples
 #: catch them (Hypothesis draws other examples for another ``max_examples``).
 MUTANT_EXAMPLES: dict[type, int] = {FilterOffByOne: 150}
@@ -185,7 +145,7 @@ MUTANT_EXAMPLES: dict[type, int] = {FilterOffByOne: 150}
 
 @pytest.mark.parametrize(("layout", "mutant"), MUTANTS)
 def test_the_machine_catches(layout: str, mutant: type) -> None:
-    _caught(layout, mutant, MUTANT_EXAMPLES.get(mutant))
+    caught(layout, mutant, MUTANT_EXAMPLES.get(mutant))
 
 
 #: The (family, layout) machines the controls run with the real classes: every one a
@@ -205,7 +165,7 @@ CONTROLS = [
 
 @pytest.mark.parametrize(("family", "layout"), CONTROLS)
 def test_the_unmutated_implementation_passes(family: str, layout: str) -> None:
-    assert _run(layout, None, CONTROL_EXAMPLES, family).examples > 0
+    assert run_teeth(layout, None, CONTROL_EXAMPLES, family).examples > 0
 
 
 # ------------------------------------------------------------------ affine family
@@ -261,7 +221,7 @@ AFFINE_MUTANTS = [
 
 @pytest.mark.parametrize(("layout", "mutant"), AFFINE_MUTANTS)
 def test_the_affine_machine_catches(layout: str, mutant: type) -> None:
-    message = _caught(layout, mutant, family_name="affine")
+    message = caught(layout, mutant, family_name="affine")
     # The oracle that must catch these: the exact comparison of stored or fetched triples.
     assert "differs beyond exact" in message
 
@@ -324,7 +284,7 @@ RING_MUTANTS = [
 
 @pytest.mark.parametrize("mutant", RING_MUTANTS)
 def test_the_ring_machine_catches(mutant: type) -> None:
-    _caught("BatchedRotatingCache", mutant, family_name="rotating")
+    caught("BatchedRotatingCache", mutant, family_name="rotating")
 
 
 # ------------------------------------- the gaps issue 8 closed (in the base machine)
@@ -404,14 +364,14 @@ GAP_MUTANTS = [
 
 @pytest.mark.parametrize(("family", "layout", "mutant", "oracle"), GAP_MUTANTS)
 def test_the_gap_checks_catch(family: str, layout: str, mutant: type, oracle: str) -> None:
-    message = _caught(layout, mutant, family_name=family)
+    message = caught(layout, mutant, family_name=family)
     assert oracle in message, message
 
 
 def test_the_dtype_check_catches_float32_attention() -> None:
     optimized = replace(optimized_impl(), attend=_upcast_quantized)
     with pytest.raises(AssertionError) as caught:
-        _run(
+        run_teeth(
             "PaddedQuantKVRows",
             None,
             None,
@@ -437,7 +397,9 @@ def test_the_role_check_catches_a_wrong_verify_layout() -> None:
     )
     try:
         with pytest.raises(AssertionError) as caught:
-            _run("BatchedRotatingQuantCache", None, None, "rotating", name="TeethWrongVerifyRole")
+            run_teeth(
+                "BatchedRotatingQuantCache", None, None, "rotating", name="TeethWrongVerifyRole"
+            )
     finally:
         table.register_row_layouts(
             O.BatchedRotatingQuantCache,
@@ -504,7 +466,7 @@ SPECULATIVE_MUTANTS = [
 
 @pytest.mark.parametrize(("layout", "mutant"), SPECULATIVE_MUTANTS)
 def test_the_speculative_machine_catches(layout: str, mutant: type) -> None:
-    message = _caught(layout, mutant, family_name="speculative")
+    message = caught(layout, mutant, family_name="speculative")
     if mutant is RingRollbackRefusedPastTheWindow:
         # A valid rollback that raises is the machine's failure, not the mutant's crash.
         assert "resolving a round" in message, message
@@ -542,7 +504,7 @@ DELAYED_MUTANTS = [
 
 @pytest.mark.parametrize(("layout", "mutant"), DELAYED_MUTANTS)
 def test_the_delayed_machine_catches(layout: str, mutant: type) -> None:
-    message = _caught(layout, mutant, family_name="delayed")
+    message = caught(layout, mutant, family_name="delayed")
     # Caught by the conversion oracles (converted_at / a row's codec), not by a crash.
     assert "convert" in message, message
 
@@ -607,7 +569,7 @@ TURBO_MUTANTS = [
 
 @pytest.mark.parametrize(("codec", "oracle"), TURBO_MUTANTS)
 def test_the_turbo_machine_catches(codec: type[TurboCodec], oracle: str) -> None:
-    message = _caught("BatchedTurboQuantKVCache", _turbo_layout_with(codec), family_name="turbo")
+    message = caught("BatchedTurboQuantKVCache", _turbo_layout_with(codec), family_name="turbo")
     # Caught by the oracle that must catch it: the wrong sign by the exact stored or read
     # (its round trip is right), the missing un-rotation by attention vs the reference.
     assert oracle in message, message
@@ -650,7 +612,7 @@ def _plain_group_attend(
 
 
 def test_the_delayed_turbo_machine_catches_a_mixed_read_without_unrotation() -> None:
-    message = _caught(
+    message = caught(
         "DelayedTurboQuantKVCache", MixedReadSkipsUnrotation, family_name="delayed-turbo"
     )
     # Caught on a mixed read's attention (vs the reference), not by a crash.
@@ -659,5 +621,5 @@ def test_the_delayed_turbo_machine_catches_a_mixed_read_without_unrotation() -> 
 
 def test_the_unmutated_delayed_turbo_implementation_passes() -> None:
     # The family test runs this machine in full: a short control.
-    stats = _run("DelayedTurboQuantKVCache", None, CONTROL_EXAMPLES, "delayed-turbo")
+    stats = run_teeth("DelayedTurboQuantKVCache", None, CONTROL_EXAMPLES, "delayed-turbo")
     assert stats.examples > 0 and stats.checks["mixed read"] > 0, dict(stats.checks)

@@ -9,6 +9,11 @@ Run: ``.venv/bin/python tools/derive_turbo_tables.py > kvrows/turbo_tables.py``.
   centroids rounded to 5 decimals, boundaries the midpoints of adjacent rounded
   centroids. The 3-bit table is vllm-metal's hard-coded one (semantics §2.3), which this
   iteration reproduces to the 5th decimal.
+
+Only the MLX codec reads the printed tables: the NumPy reference derives its own
+(``reference.turbo_codec.sign_bits``, the same draw restated over Threefry-2x32;
+``reference.turbo_codec.lloyd_max``, Newton's method on the same conditions), and
+``tests/test_turbo_oracle.py`` holds this table to those derivations bit for bit.
 """
 
 from __future__ import annotations
