@@ -43,7 +43,6 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Literal, cast
 
 import numpy as np
@@ -66,7 +65,6 @@ from kvrows.conformance.machines import (
     planes_bytes,
     planes_of,
     publish_counts,
-    raised,
     take_columns,
     view_planes,
 )
@@ -441,21 +439,6 @@ class DelayedMachine(ConformanceMachine):
         for impl in self.impls:
             text = text.replace(impl.cls(self.spec.name).__name__, self.spec.name)
         return text
-
-    def _bad_call(
-        self, slot: Slot, label: str, call: Callable[[Impl, Any], object],
-        expected: type[KvRowsError] | None,
-    ) -> None:  # fmt: skip
-        """``call`` on the layout in both implementations: the same error (the base
-        machine's comparison), and nothing changed anywhere."""
-        before = self._everything()
-        errors = [
-            raised(impl, label, partial(call, impl, lay))
-            for impl, lay in zip(self.impls, (slot.ref, slot.opt), strict=True)
-        ]
-        self._same_error(label, errors[0], errors[1], expected)
-        self.stats.check("error types")
-        self._exact(f"{label}: nothing changed", self._everything(), before)
 
     # ------------------------------------------------------------------ requests
     @precondition(lambda self: self.geo is not None and len(self.pool) < MAX_POOL)
@@ -1072,7 +1055,7 @@ class DelayedMachine(ConformanceMachine):
         ]
         label, call = self._pick(data, cases, "misuse")
         note(f"  misuse in the round: {label}")
-        self._bad_call(slot, label, call, SpeculativeRoundError)
+        self._refused(label, call, slot.ref, slot.opt, SpeculativeRoundError)
         self.stats.check("round misuse")
 
     # ------------------------------------------------------------------ membership
@@ -1247,7 +1230,7 @@ class DelayedMachine(ConformanceMachine):
         label, call, expected = self._pick(data, self._bad_calls(slot), "bad call")
         note(f"invalid: layout {slot.ident} {slot.opt!r}: {label}")
         self._op("invalid")
-        self._bad_call(slot, label, call, expected)
+        self._refused(label, call, slot.ref, slot.opt, expected)
 
     def _bad_calls(self, slot: Slot) -> list[BadCall]:
         g = self.g

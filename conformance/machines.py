@@ -1902,6 +1902,23 @@ class ConformanceMachine(RuleBasedStateMachine):
         self._same_error(label, *errors, expected)
         self.stats.check("error types")
 
+    def _refused(
+        self,
+        label: str,
+        call: Callable[[Impl, Any], object],
+        ref_obj: Any,
+        opt_obj: Any,
+        expected: type[KvRowsError] | None = None,
+    ) -> None:
+        """A bad call on ``ref_obj`` and ``opt_obj``: both raise the same ``KvRowsError``
+        (:meth:`_same_error`), and no cache the machine holds changed (:meth:`_everything`)."""
+        before = self._everything()
+        self._same_error(label, *self._refusals(label, call, ref_obj, opt_obj), expected)
+        self._exact(
+            f"{label}: every cache unchanged after the failed call", self._everything(), before
+        )
+        self.stats.check("error types")
+
     def _refusals(
         self, label: str, call: Callable[[Impl, Any], object], ref_obj: Any, opt_obj: Any
     ) -> tuple[KvRowsError, KvRowsError]:
@@ -2525,12 +2542,7 @@ class KvRules(ConformanceMachine):
         label, call, code, expected = self._pick(data, cases, "invalid operation")
         note(f"invalid: {name}: {label}")
         self._op("invalid")
-        before = self._everything()
-        self._same_error(label, *self._refusals(label, call, ref_obj, opt_obj), expected)
-        self._exact(
-            f"{label}: every cache unchanged after the failed call", self._everything(), before
-        )
-        self.stats.check("error types")
+        self._refused(label, call, ref_obj, opt_obj, expected)
         if (slot is not None and self._parity(slot) and slot.lm is not None) or (
             track is not None and track.lm is not None and code == "B11"
         ):

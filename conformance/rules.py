@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, ClassVar
 
 import mlx.core as mx
@@ -78,6 +79,7 @@ from kvrows.conformance.machines import (
     evaluate,
     expand,
     planes_of,
+    raised,
     view_planes,
 )
 from kvrows.conformance.paged import (
@@ -979,7 +981,7 @@ class RoundRules(ConformanceMachine):
             copy.spec_round_begin()
             copies.append(copy)
         errors = [
-            self._refused(impl, f"a verify block with {label}", _append_block, c, make(impl))
+            raised(impl, f"a verify block with {label}", partial(_append_block, c, make(impl)))
             for impl, c in zip((self.ref_impl, self.opt_impl), copies, strict=True)
         ]
         self._same_error(f"a verify block with {label}", errors[0], errors[1])
@@ -1010,7 +1012,7 @@ class RoundRules(ConformanceMachine):
         ]
         for what, call in later:
             refused = [
-                self._refused(impl, f"{what} after a failed verify block", call, impl, c)
+                raised(impl, f"{what} after a failed verify block", partial(call, impl, c))
                 for impl, c in zip((self.ref_impl, self.opt_impl), copies, strict=True)
             ]
             for impl, error in zip((self.ref_impl, self.opt_impl), refused, strict=True):
@@ -1304,7 +1306,7 @@ class RoundRules(ConformanceMachine):
         self.stats.op("round misuse")
         before = self._everything()
         errors = [
-            self._refused(impl, label, call, impl, lay, rr)
+            raised(impl, label, partial(call, impl, lay, rr))
             for impl, lay, rr in zip(
                 (self.ref_impl, self.opt_impl), (slot.ref, slot.opt), rounds, strict=True
             )
@@ -1314,20 +1316,6 @@ class RoundRules(ConformanceMachine):
         self._round_open(slot, True)
         self.stats.check("round misuse")
         self.stats.check("error types")
-
-    def _refused(
-        self, impl: Impl, label: str, call: Callable[..., object], *args: Any
-    ) -> KvRowsError:
-        """The ``KvRowsError`` ``call(*args)`` raises (anything else is a failure)."""
-        try:
-            call(*args)
-        except KvRowsError as error:
-            return error
-        except Exception as error:
-            raise AssertionError(
-                f"{impl.name}: {label} raised {type(error).__name__} ({error}), not a KvRowsError"
-            ) from error
-        raise AssertionError(f"{impl.name}: {label} did not raise")
 
     def _round_cases(
         self, slot: Slot, rounds: list[RowRound | None], drafts: int, block: int | None
