@@ -235,7 +235,8 @@ def _appends(
     requests: Sequence[Request], results: Sequence[RequestResult]
 ) -> list[list[int] | None]:
     """Per row, every append its KV's tokens were computed in (``None``: not known): under
-    a prefix hit, those of the row admitted earlier (ties: trace order) sharing the longest
+    a prefix hit, those of the row admitted earlier (else, results of separate runs, earlier
+    in trace order) sharing the longest
     prefix with it, whose cached tokens it reused, up to the hit; then its own prefill
     chunks; then one per token fed back."""
     order = sorted(range(len(results)), key=lambda i: (results[i].admitted_step, i))
@@ -244,18 +245,21 @@ def _appends(
         prompt, result = tuple(requests[row].prompt), results[row]
         before: list[int] | None = []
         if result.prefix_hit_tokens:
-            best, before = 0, None
+            # A row admitted in the same step published nothing yet, unless the results
+            # come from separate runs (each starts at step 0): such a row is the source
+            # only when no row admitted earlier shares the prefix.
+            best, before = (-2, 0), None
             for index in order[:at]:
-                if results[index].admitted_step >= result.admitted_step:
-                    continue  # admitted in the same step: it published nothing yet
+                tier = 0 if results[index].admitted_step < result.admitted_step else 1
                 tokens = tuple(requests[index].prompt) + tuple(results[index].tokens)
                 shared = 0
                 for mine, theirs in zip(prompt, tokens, strict=False):
                     if mine != theirs:
                         break
                     shared += 1
-                if shared >= result.prefix_hit_tokens and shared > best:
-                    best, before = shared, _cut_at(out[index], result.prefix_hit_tokens)
+                if shared >= result.prefix_hit_tokens and (-tier, shared) > best:
+                    best = (-tier, shared)
+                    before = _cut_at(out[index], result.prefix_hit_tokens)
         own = [*result.prefill_chunks, *[1] * max(len(result.tokens) - 1, 0)]
         out[row] = None if before is None else [*before, *own]
     return out
