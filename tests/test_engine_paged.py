@@ -12,6 +12,7 @@ import pytest
 import kvrows.optimized as kv
 from kvrows.app.demo import builtin_trace, check_invariance, follow_ups, shared_prefix_trace
 from kvrows.app.engine import Engine, Request, pageable
+from kvrows.app.models import draft_model
 from kvrows.errors import InvalidInputError
 from kvrows.optimized.paged import BlockPool
 from kvrows.paged import projected_blocks
@@ -115,19 +116,22 @@ def test_gemma3_runs_fully_paged(gemma3: Any, scheme: str) -> None:
     contiguous engine's tokens, its logits bit for bit (both without a prefix cache: the
     same computation), the solo runs' logits, a lower peak, no prefix hit."""
     storage = KvStorageScheme.parse(scheme)
-    kw: dict[str, Any] = {"max_batch": 4, "prefill_chunk": 16, "keep_logits": True}
-    trace = builtin_trace(6)
-    flat, flat_stats = Engine(gemma3, storage, use_prefix_cache=False, **kw).run(trace)
-    engine = Engine(gemma3, storage, paged=True, **kw)
+    _, _, flat, flat_stats = _run_twice(
+        gemma3, scheme, paged=False, use_prefix_cache=False, keep_logits=True
+    )
+    _, _, _, hit_stats = _run_twice(gemma3, scheme, paged=False)
+    assert hit_stats.prefix_hits > 0  # the contiguous engine takes hits on this trace
+    engine, trace, paged, stats = _run_twice(gemma3, scheme, paged=True, keep_logits=True)
     assert engine.paged is not None and not engine.paged.mixed and not engine.paged.prefix
     kinds = [type(c).__name__ for c in engine.paged.caches()]
     assert kinds == ["PagedRotatingKVCache", "PagedKVCache"] * 2
-    paged, stats = engine.run(trace)
     assert [r.tokens for r in paged] == [r.tokens for r in flat]
     for a, b in zip(flat, paged, strict=True):
         assert len(a.logits) == len(b.logits)
         assert all(np.array_equal(x, y) for x, y in zip(a.logits, b.logits, strict=True))
-    assert stats.prefix_hits == 0  # a paged ring keeps no prefix: none is taken
+    # a paged ring keeps no prefix: no hit is taken and nothing is published
+    assert stats.prefix_hits == 0
+    assert engine.prefix_cache is not None and engine.prefix_cache.nbytes == 0
     assert stats.peak_kv_bytes < flat_stats.peak_kv_bytes
     if scheme == "plain":
         report = check_invariance(gemma3, storage, trace, paged, 16)
@@ -159,3 +163,15 @@ def test_admission_counts_a_ring_rows_most_blocks(gemma3: Any) -> None:
         assert engine.projected_bytes(Request("a", tuple(range(tokens - 1)), 1)) == want
     # at 48 tokens a 16-token window fills one block exactly; at 47 it straddled two
     assert engine.projected_bytes(Request("a", tuple(range(47)), 1)) > engine.admission.bytes(48)
+
+
+def test_gemma3_paged_rings_roll_back_speculative_rounds(gemma3: Any) -> None:
+    """A draft model's verify rounds over paged rings (``PagedRotatingRows``' trim): the
+    plain engine's tokens."""
+    trace = builtin_trace(4)
+    plain, _ = Engine(gemma3, max_batch=4, prefill_chunk=16).run(trace)
+    drafted, stats = Engine(
+        gemma3, max_batch=4, prefill_chunk=16, paged=True, draft_model=draft_model(gemma3)
+    ).run(trace)
+    assert [r.tokens for r in drafted] == [r.tokens for r in plain]
+    assert stats.drafted > 0
