@@ -883,9 +883,10 @@ def run_paged_demo(
         shared_rows.append(shared)
     _print_table(rows, HEADER)
     print(
-        "\npaged engine (Engine(paged=True)): one block pool per full-attention layer, rows in"
+        "\npaged engine (Engine(paged=True)): one block pool per attention layer, rows in"
         " PagedKvRows, prefix hits from the pools' hash chains (whole blocks, referenced);"
-        " sliding-window layers stay on their rings. invariance: every logit bit-identical to"
+        " sliding-window layers in PagedRotatingRows (a model with one takes no prefix hit:"
+        " a ring's blocks leave its window). invariance: every logit bit-identical to"
         " the solo run through contiguous serial caches, and every request's tokens the"
         " contiguous engine's."
     )
@@ -897,7 +898,7 @@ def run_paged_demo(
         f" prompt, then {shared_requests} requests sharing it arrive together. peak KV B:"
         " bytes counted at step boundaries (contiguous: every layout's and published row's"
         " nbytes, capacity slack included; paged: the pools' referenced and cached blocks,"
-        " each once, plus the ring layers' nbytes). peak active B: MLX active memory over the"
+        " each once, plus the unpaged layers' nbytes). peak active B: MLX active memory over the"
         " run's baseline (the pools' growth slack included). tok/s: generated tokens over"
         " the run's wall time (prefill included). same tokens: the paged engine's tokens are"
         " the contiguous engine's."

@@ -33,15 +33,17 @@ draft proposes ``d`` tokens per row, the target runs one forward over ``[pending
 through its verify layouts (``target_cache_layout``) inside a ``kvrows.speculative.RowRound``,
 and each row keeps its longest matching prefix plus the target's own next token.
 
-With ``paged=True`` (``spec/engine.md`` §14) every full-attention layer whose codec a block
+With ``paged=True`` (``spec/engine.md`` §14) every attention layer whose codec a block
 pool stores keeps its rows in one ``BlockPool`` per layer, shared by every request: a
-request's cache is a ``PagedKVCache`` into its layer's pool, its rows join the layouts by
-block table, and nothing is copied when rows move (rings and recurrent state keep their
-own layouts). A finished row's full blocks are registered (``register_prefix``) and stay
-cached until the pool needs them; a new prompt takes the longest cached run of full
-blocks (at most ``len - 1`` tokens, the minimum over the paged layers), and a model with
-other layers (rings) takes a hit only where the ``PrefixCache`` (those layers' published
-serial copies) can cut them to a length the pools cover. :class:`PagedLayers` keeps the
+request's cache is a ``PagedKVCache`` into its layer's pool (a sliding-window layer's a
+``PagedRotatingKVCache`` of its window), its rows join the layouts by block table, and
+nothing is copied when rows move (recurrent state keeps its own layouts). A finished row's
+full blocks are registered (``register_prefix``) and stay cached until the pool needs
+them; a new prompt takes the longest cached run of full blocks (at most ``len - 1``
+tokens, the minimum over the paged layers), and a model with other layers (recurrent
+state) takes a hit only where the ``PrefixCache`` (those layers' published serial copies)
+can cut them to a length the pools cover. A model with a paged ring takes no prefix hit
+(a ring's blocks leave its window: ``PAGED_RING_PREFIX``). :class:`PagedLayers` keeps the
 pools and answers what the engine asks; the engine keeps its loop.
 
 Every model family's caches come from ``make_kvrows_cache`` and the engine asks only
@@ -74,7 +76,7 @@ from kvrows.app.models import check_speculative_rounds, make_kvrows_cache
 from kvrows.codecs import is_codec_spec, is_kv_codec, kv_codecs
 from kvrows.errors import CapacityError, InvalidInputError, KvRowsError, LayoutStateError
 from kvrows.maintenance import KvMaintenance, create_kv_maintenance
-from kvrows.optimized import BlockPool, PagedKVCache
+from kvrows.optimized import BlockPool, PagedKVCache, PagedRotatingKVCache
 from kvrows.paged import DEFAULT_BLOCK_SIZE, chain_hashes
 from kvrows.persist.prefix_store import PrefixStore, reusable_copies
 from kvrows.protocols import (
@@ -279,19 +281,28 @@ PAGED_CODECS = frozenset(kv_codecs())
 
 
 def pageable(cache: Any) -> bool:
-    """Whether a fresh serial cache's layer goes paged: full attention (a token geometry
-    that is no sliding window) under a codec the pool stores; bf16-first legos, rings and
-    recurrent state (no KV codec) do not."""
+    """Whether a fresh serial cache's layer goes paged: a token geometry (full attention or
+    a sliding window: a ring pages as a ``PagedRotatingKVCache``) under a codec the pool
+    stores; bf16-first legos and recurrent state (no KV codec) do not."""
     if isinstance(cache, Handover):
         return False
     tokens = getattr(cache, "token_geometry", None) is not None
     codec = getattr(cache, "codec_spec", None)
-    return (
-        tokens
-        and not isinstance(cache, RingGeometry)
-        and is_codec_spec(codec)
-        and is_kv_codec(codec)
-    )
+    return tokens and is_codec_spec(codec) and is_kv_codec(codec)
+
+
+def _window_of(cache: Any) -> tuple[int, int] | None:
+    """A pageable slot's window ``(max_size, keep)`` if it is a ring, else ``None``."""
+    if isinstance(cache, RingGeometry):
+        return cache.max_size, int(getattr(cache, "keep", 0))
+    return None
+
+
+def _in_pool(pool: Any, window: tuple[int, int] | None) -> Any:
+    """An empty paged cache of ``pool``: a ring's window as a ``PagedRotatingKVCache``."""
+    if window is None:
+        return PagedKVCache(pool=pool)
+    return PagedRotatingKVCache(*window, pool=pool)
 
 
 class PagedLayers:
@@ -302,7 +313,11 @@ class PagedLayers:
     ``CacheList``) is paged part by part: its **slots** are its parts, any other layer is
     one slot. The paged slots are those :func:`pageable` says (or a ``PagedForm``), each
     with its own pool of ``block_size`` tokens per block (its codec and declared geometry);
-    ``pools`` is per slot (``None``: not paged)."""
+    ``pools`` is per slot (``None``: not paged). A sliding-window slot (a ring) is a
+    ``PagedRotatingKVCache`` of its model cache's ``max_size`` and ``keep`` in its pool.
+
+    A paged ring's rows give their oldest blocks back (``PAGED_RING_PREFIX``): a model with
+    a paged ring takes no prefix hit and publishes nothing (``prefix`` is ``False``)."""
 
     def __init__(self, fresh: Callable[[], list[Any]], *, block_size: int = DEFAULT_BLOCK_SIZE):
         self._fresh = fresh
@@ -315,7 +330,10 @@ class PagedLayers:
             cache.rewrap if isinstance(cache, DropInWrapper) else _as_is for cache in slots
         ]
         self.pools: list[Any] = []
+        #: Per slot, a paged ring's window ``(max_size, keep)`` (``None``: no paged ring).
+        self.windows: list[tuple[int, int] | None] = []
         for cache in slots:
+            self.windows.append(None if isinstance(cache, PagedForm) else _window_of(cache))
             if isinstance(cache, PagedForm):  # a form with its own pools (MLA latents)
                 self.pools.append(cache.paged_pool(block_size))
             elif pageable(cache):
@@ -326,34 +344,38 @@ class PagedLayers:
                 self.pools.append(None)
         if not any(pool is not None for pool in self.pools):
             raise InvalidInputError(
-                "paged: the model has no full-attention layer under a codec a block pool "
+                "paged: the model has no attention layer under a codec a block pool "
                 f"stores ({', '.join(sorted(PAGED_CODECS))}) and no latent layer"
             )
         self.block_size = block_size
         #: Whether some slot is not paged (rings, recurrent state): its prefix hits come
         #: from the engine's ``PrefixCache``.
         self.mixed = not all(pool is not None for pool in self.pools)
+        #: Whether prefix hits are taken and rows published: not with a paged ring (its
+        #: rows keep no prefix: a hit needs every layer's, and a ring's blocks leave).
+        self.prefix = all(w is None for w in self.windows)
 
     # -- caches ----------------------------------------------------------------------------
     def caches(self) -> list[Any]:
         """A request's fresh caches: paged slots as empty ``PagedKVCache``s of their pool
         (a slot with a paged form of its own: that form in its pool)."""
         out: list[Any] = []
-        for cache, pool in zip(_slots_of(self._fresh()), self.pools, strict=True):
+        slots = _slots_of(self._fresh())
+        for cache, pool, window in zip(slots, self.pools, self.windows, strict=True):
             if pool is None:
                 out.append(cache)
             elif isinstance(cache, PagedForm):
                 out.append(cache.in_pool(pool))
             else:
-                out.append(PagedKVCache(pool=pool))
+                out.append(_in_pool(pool, window))
         return _regrouped(out, self._template)
 
     def probe_caches(self, caches: Sequence[Any]) -> list[Any]:
         """``caches`` (fresh serial ones) with their paged slots in private pools: a probe
         that leaves the shared pools untouched."""
         slots = [
-            _probe_cache(cache, pool, self.block_size)
-            for cache, pool in zip(_slots_of(caches), self.pools, strict=True)
+            _probe_cache(cache, pool, window, self.block_size)
+            for cache, pool, window in zip(_slots_of(caches), self.pools, self.windows, strict=True)
         ]
         return _regrouped(slots, self._template)
 
@@ -361,23 +383,27 @@ class PagedLayers:
     def _paged_pools(self) -> list[Any]:
         return [pool for pool in self.pools if pool is not None]
 
+    def _prefix_pools(self) -> list[Any]:
+        """The pools prefix hits come from (none with a paged ring: ``prefix``)."""
+        return self._paged_pools() if self.prefix else []
+
     def hit_blocks(self, prompt: Sequence[int]) -> list[list[int]]:
         """Per paged slot, the cached blocks the prompt's longest usable prefix would take
         (capped at ``len(prompt) - 1`` tokens; read only, nothing taken), cut to the slots'
         common length."""
         found: list[list[int]] = []
-        for pool in self._paged_pools():
+        for pool in self._prefix_pools():
             most = max(len(prompt) - 1, 0) // pool.block_size
             digests = chain_hashes(list(prompt), pool.block_size, pool.ledger.extra, most)
             found.append(pool.ledger.lookup(digests))
-        common = min(len(blocks) for blocks in found)
+        common = min((len(blocks) for blocks in found), default=0)
         return [blocks[:common] for blocks in found]
 
     def shared_credit(self, prompt: Sequence[int]) -> int:
         """Bytes of the prompt's prefix blocks that live tables already hold (so a running
         row's reservation counts them): what admission need not count twice."""
         credit = 0
-        for pool, blocks in zip(self._paged_pools(), self.hit_blocks(prompt), strict=True):
+        for pool, blocks in zip(self._prefix_pools(), self.hit_blocks(prompt), strict=True):
             held = sum(1 for b in blocks if pool.ledger.ref(b) > 0)
             if held:  # a pool that has held nothing may not know its geometry yet
                 credit += held * pool.bytes_per_block
@@ -389,7 +415,10 @@ class PagedLayers:
         """The longest usable prefix: ``(tokens, caches)`` whose paged slots reference
         cached blocks (nothing copied) and, in a mixed model, whose other slots are the
         copies ``others(limit)`` returns (the ``PrefixCache``'s lookup over those slots,
-        at most ``limit`` tokens, in slot order); ``None`` on a miss."""
+        at most ``limit`` tokens, in slot order); ``None`` on a miss (always with a paged
+        ring: ``prefix``)."""
+        if not self.prefix:
+            return None
         common = len(self.hit_blocks(prompt)[0]) * self.block_size
         if common == 0:
             return None
@@ -459,14 +488,27 @@ class PagedLayers:
         return sum(c.nbytes for c in _slots_of(caches) if not isinstance(_behind(c), PagedRows))
 
 
-def _probe_cache(cache: Any, pool: Any, block_size: int) -> Any:
+def _probe_cache(cache: Any, pool: Any, window: tuple[int, int] | None, block_size: int) -> Any:
     """A paged slot's probe cache in a private pool (the shared pools stay untouched)."""
     if pool is None:
         return cache
     if isinstance(cache, PagedForm):
         return cache.in_pool(cache.paged_pool(block_size))
     private = BlockPool(pool.codec_spec, block_size=block_size, geometry=pool.geometry)
-    return PagedKVCache(pool=private)  # the shared pool's codec and block size: it joins
+    return _in_pool(private, window)  # the shared pool's codec and block size: it joins
+
+
+def _most_bytes(admission: RowAdmission, tokens: int) -> int:
+    """The most bytes a row holds on its way to ``tokens`` positions: a paged ring's blocks
+    at ``tokens`` may be fewer than a step before (its window straddled one more block
+    boundary, ``kvrows.paged.projected_blocks``); its count repeats every ``block_size``
+    positions once the window is full, so the last ``block_size`` lengths bound it."""
+    total = 0
+    for layout in admission.layouts:
+        span = getattr(layout, "block_size", 1) if isinstance(layout, RingGeometry) else 1
+        first = max(tokens - span + 1, 0)
+        total += max(layout.projected_bytes(t) for t in range(first, tokens + 1))
+    return total
 
 
 def _as_is(cache: Any) -> Any:
@@ -614,8 +656,8 @@ class Engine:
         #: evaluated and read before the next (the synchronous oracle). Speculative rounds
         #: (a draft model) read their verdict every round: they always run synchronously.
         self.pipelined = bool(pipelined)
-        #: The paged option (``spec/engine.md`` §14): one block pool per full-attention
-        #: layer, shared by every request; ``None``: contiguous layouts.
+        #: The paged option (``spec/engine.md`` §14): one block pool per attention layer
+        #: (rings included), shared by every request; ``None``: contiguous layouts.
         self.paged: PagedLayers | None = None
         if paged:
             if maintenance.converts_later:
@@ -695,13 +737,13 @@ class Engine:
         """The row's KV bytes at its longest (the draft's rows included). Paged: whole
         blocks, less the prefix blocks other running rows hold (counted once, by them)."""
         tokens = len(request.prompt) + request.max_tokens
-        draft = 0 if self.draft_admission is None else self.draft_admission.bytes(tokens)
+        draft = 0 if self.draft_admission is None else _most_bytes(self.draft_admission, tokens)
         credit = 0
         if self.paged is not None:
             credit = self._shared_credit.get(request.rid, -1)
             if credit < 0:  # not admitted yet: what its lookup would share now
                 credit = self.paged.shared_credit(request.prompt)
-        return self.admission.bytes(tokens) + draft - credit
+        return _most_bytes(self.admission, tokens) + draft - credit
 
     def _fresh_caches(self) -> list[Cache]:
         """A request's fresh per-layer caches (paged layers: empty caches of their pool)."""
@@ -906,7 +948,7 @@ class Engine:
         fed = 0
         if self.paged is not None:
             self._shared_credit[request.rid] = self.paged.shared_credit(request.prompt)
-            if self.prefix_cache is not None:
+            if self.prefix_cache is not None and self.paged.prefix:
                 cache = self.prefix_cache
                 hit = self.paged.lookup(
                     request.prompt, lambda limit: cache.lookup(request.prompt, limit=limit)
@@ -1145,7 +1187,7 @@ class Engine:
         self._close_timing(row)
         if self.paged is not None:
             self._shared_credit.clear()  # a row leaves: the rows it shared with count theirs
-        if self.paged is None or self.prefix_cache is not None:
+        if self.paged is None or (self.prefix_cache is not None and self.paged.prefix):
             self._publish_serial(self._covered(row), row.caches, to_store=True)
         row.caches = []
 
@@ -1154,7 +1196,7 @@ class Engine:
             self._close_timing(row)
         if self.paged is not None:
             self._shared_credit.clear()  # a row leaves: the rows it shared with count theirs
-            if self.prefix_cache is None:
+            if self.prefix_cache is None or not self.paged.prefix:
                 return
             covered = self._covered(row)
             self.paged.publish_rows(layouts, index, covered)
@@ -1180,6 +1222,8 @@ class Engine:
         and not to the disk store (it saves the row when it leaves)."""
         if self.prefix_cache is None or any(isinstance(c, Handover) for c in row.caches):
             return
+        if self.paged is not None and not self.paged.prefix:
+            return  # a paged ring keeps no prefix (PagedLayers.prefix)
         self._publish_serial(row.request.prompt, row.caches, to_store=False)
 
     def _publish_serial(

@@ -127,10 +127,12 @@ def test_speculative_rounds_on_falcon_h1_and_refused_on_baichuan_m1(
 
 
 def test_paged_attention_parts_give_the_contiguous_run(models: dict[str, Any]) -> None:
-    """``paged=True``: a CacheList layer's full-attention part goes into its layer's block
-    pool (the recurrent part and a sliding-window part stay contiguous), so the model's
-    tokens and logits are the contiguous engine's bit for bit, and the solo run's as
-    before."""
+    """``paged=True``: a CacheList layer's attention part goes into its layer's block pool
+    (a sliding-window part as a ``PagedRotatingKVCache``; the recurrent part stays), so the
+    model's tokens are the contiguous engine's and the solo run's as before; its logits bit
+    for bit on falcon_h1, within ``MODEL_TOLERANCES`` on baichuan_m1 (its paged ring rows
+    are read in time order from column 0, the contiguous ragged ring's at other columns:
+    the batch's attention reduces over another column layout)."""
     trace = builtin_trace(6)
     for arch in CACHE_LIST_MODELS:
         model = models[arch]
@@ -144,16 +146,17 @@ def test_paged_attention_parts_give_the_contiguous_run(models: dict[str, Any]) -
         assert engine.paged is not None
         paged_slots = [pool is not None for pool in engine.paged.pools]
         # per layer (recurrent part, attention part); baichuan_m1's second is a ring
-        expected = [False, True] * 2 if arch == "falcon_h1" else [False, True, False, False]
-        assert paged_slots == expected, arch
+        assert paged_slots == [False, True] * 2, arch
+        rings = [w is not None for w in engine.paged.windows]
+        assert rings == [False] * 4 if arch == "falcon_h1" else [False, False, False, True]
         assert stats.peak_rows > 1 and stats.peak_kv_bytes < flat_stats.peak_kv_bytes
+        tolerance = MODEL_TOLERANCES.get(arch, 0.0)
         for a, b in zip(flat, paged, strict=True):
             assert a.tokens == b.tokens
             assert all(
-                mx.array_equal(mx.array(x), mx.array(y))
+                float(mx.abs(mx.array(x) - mx.array(y)).max()) <= tolerance
                 for x, y in zip(a.logits, b.logits, strict=True)
             )
-        tolerance = MODEL_TOLERANCES.get(arch, 0.0)
         report = check_invariance(
             model, KvStorageScheme(), trace, paged, CHUNK, tolerance=tolerance
         )
@@ -199,7 +202,7 @@ def test_paged_cache_list_prefix_hits_at_whole_blocks(models: dict[str, Any]) ->
 
 
 def test_the_paged_option_refuses_a_model_without_a_pageable_layer() -> None:
-    with pytest.raises(InvalidInputError, match="paged: the model has no full-attention"):
+    with pytest.raises(InvalidInputError, match="paged: the model has no attention layer"):
         Engine(tiny_model("mamba2"), paged=True)
 
 

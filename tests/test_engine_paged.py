@@ -1,17 +1,21 @@
 """The engine's paged option: the contiguous engine's tokens, solo-run logits, prefix
-blocks shared by reference, admission counting shared blocks once."""
+blocks shared by reference, admission counting shared blocks once; sliding-window layers
+paged as rings (gemma3 fully paged, no prefix hit)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
 import kvrows.optimized as kv
 from kvrows.app.demo import builtin_trace, check_invariance, follow_ups, shared_prefix_trace
 from kvrows.app.engine import Engine, Request, pageable
+from kvrows.app.models import draft_model
 from kvrows.errors import InvalidInputError
 from kvrows.optimized.paged import BlockPool
+from kvrows.paged import projected_blocks
 from kvrows.schemes import KvStorageScheme
 
 
@@ -93,14 +97,81 @@ def test_paged_refuses_a_bf16_first_start(llama: Any) -> None:
         ("KVCache", (), True),
         ("QuantizedKVCache", (32, 4), True),
         ("TurboQuantKVCache", (4, 3), True),
-        ("RotatingKVCache", (8,), False),  # a sliding window
-        ("RotatingQuantizedKVCache", (8,), False),
+        ("RotatingKVCache", (8,), True),  # a sliding window: a PagedRotatingKVCache
+        ("RotatingQuantizedKVCache", (8,), True),
         ("Bf16FirstQuantizedKVCache", (), False),  # hands its storage over at the boundary
         ("Bf16FirstTurboQuantKVCache", (), False),
         ("SSMCache", (), False),  # recurrent state: no token axis, no KV codec
     ],
 )
-def test_only_full_attention_kv_layers_go_paged(
+def test_only_kv_layers_with_a_token_axis_go_paged(
     name: str, args: tuple[int, ...], paged: bool
 ) -> None:
     assert pageable(getattr(kv, name)(*args)) is paged
+
+
+@pytest.mark.parametrize("scheme", ["plain", "affine8"])
+def test_gemma3_runs_fully_paged(gemma3: Any, scheme: str) -> None:
+    """Every layer in a pool (the sliding-window ones as ``PagedRotatingKVCache``s): the
+    contiguous engine's tokens, its logits bit for bit (both without a prefix cache: the
+    same computation), the solo runs' logits, a lower peak, no prefix hit."""
+    storage = KvStorageScheme.parse(scheme)
+    _, _, flat, flat_stats = _run_twice(
+        gemma3, scheme, paged=False, use_prefix_cache=False, keep_logits=True
+    )
+    _, _, _, hit_stats = _run_twice(gemma3, scheme, paged=False)
+    assert hit_stats.prefix_hits > 0  # the contiguous engine takes hits on this trace
+    engine, trace, paged, stats = _run_twice(gemma3, scheme, paged=True, keep_logits=True)
+    assert engine.paged is not None and not engine.paged.mixed and not engine.paged.prefix
+    kinds = [type(c).__name__ for c in engine.paged.caches()]
+    assert kinds == ["PagedRotatingKVCache", "PagedKVCache"] * 2
+    assert [r.tokens for r in paged] == [r.tokens for r in flat]
+    for a, b in zip(flat, paged, strict=True):
+        assert len(a.logits) == len(b.logits)
+        assert all(np.array_equal(x, y) for x, y in zip(a.logits, b.logits, strict=True))
+    # a paged ring keeps no prefix: no hit is taken and nothing is published
+    assert stats.prefix_hits == 0
+    assert engine.prefix_cache is not None and engine.prefix_cache.nbytes == 0
+    assert stats.peak_kv_bytes < flat_stats.peak_kv_bytes
+    if scheme == "plain":
+        report = check_invariance(gemma3, storage, trace, paged, 16)
+        assert report.steps == stats.generated and report.max_logit_diff == 0.0 and report.ok
+    for pool in engine.paged.pools:
+        assert pool is not None
+        pool.check_valid()
+        assert not pool.live_tables()
+        assert pool.ledger.cached_count == 0  # nothing published
+
+
+def test_admission_counts_a_ring_rows_most_blocks(gemma3: Any) -> None:
+    """A paged ring's blocks at the row's last length may be fewer than a step before:
+    admission counts the most (``projected_blocks`` over the last block's lengths)."""
+    engine = Engine(gemma3, paged=True, block_size=16)
+    assert engine.paged is not None
+    per_block = [p.bytes_per_block for p in engine.paged.pools]
+    windows = engine.paged.windows
+    for tokens in (2, 16, 17, 32, 44, 48, 64):
+        want = 0
+        for window, size in zip(windows, per_block, strict=True):
+            if window is None:
+                blocks = -(-tokens // 16)
+            else:
+                blocks = max(
+                    projected_blocks(t, window[0], window[1], 16) for t in range(1, tokens + 1)
+                )
+            want += blocks * size
+        assert engine.projected_bytes(Request("a", tuple(range(tokens - 1)), 1)) == want
+    # at 48 tokens a 16-token window fills one block exactly; at 47 it straddled two
+    assert engine.projected_bytes(Request("a", tuple(range(47)), 1)) > engine.admission.bytes(48)
+
+
+def test_gemma3_paged_rings_roll_back_speculative_rounds(gemma3: Any) -> None:
+    """A draft model's verify rounds over paged rings (``PagedRotatingRows``' trim): the
+    plain engine's tokens."""
+    trace = builtin_trace(4)
+    plain, _ = Engine(gemma3, max_batch=4, prefill_chunk=16).run(trace)
+    drafted, stats = Engine(
+        gemma3, max_batch=4, prefill_chunk=16, paged=True, draft_model=draft_model(gemma3)
+    ).run(trace)
+    assert [r.tokens for r in drafted] == [r.tokens for r in plain]
+    assert stats.drafted > 0
