@@ -88,11 +88,13 @@ from kvrows.conformance.tolerances import Tolerance, compare, tolerance
 from kvrows.errors import (
     IncompatibleRowsError,
     KvRowsError,
+    LayoutStateError,
     NoRowLayoutError,
     NotTrimmableError,
     UnsupportedStateError,
 )
 from kvrows.forms import rows_of_state, unpack_state
+from kvrows.leases import lease_cache_states
 from kvrows.protocols import RowTrimmable
 
 __all__ = [
@@ -104,6 +106,7 @@ __all__ = [
     "KvRules",
     "Layout",
     "Limits",
+    "OpsRules",
     "Request",
     "Slot",
     "Track",
@@ -428,6 +431,43 @@ def raised(impl: Impl, label: str, call: Callable[[], object]) -> KvRowsError:
 def _update_with(make: Callable[[Impl], tuple[Any, Any]]) -> Callable[[Impl, Any], object]:
     """A call that appends ``make(impl)``'s keys and values to a cache."""
     return lambda impl, cache: cache.update_and_fetch(*make(impl))
+
+
+def _state_values(impl: Impl, state: Sequence[Any]) -> list[Any]:
+    """A state's entries as comparable values (arrays: shape, dtype and bytes)."""
+    evaluate(state)
+
+    def value(a: Any) -> Any:
+        if isinstance(a, mx.array):
+            return planes_bytes((impl.to_numpy(a),))
+        if isinstance(a, np.ndarray):
+            return planes_bytes((a,))
+        if isinstance(a, tuple | list):
+            return [value(x) for x in a]
+        return a
+
+    return [value(a) for a in state]
+
+
+class _FailingRelease:
+    """A state a lease must release whose release fails (``dispose_state`` raises):
+    what a closed lease does then is the lease's, whatever the caches."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.released = 0
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        return (f"temporary state of {self.name}",)
+
+    @property
+    def state_needs_dispose(self) -> bool:
+        return True
+
+    def dispose_state(self, state: tuple[Any, ...]) -> None:
+        self.released += 1
+        raise LayoutStateError(f"the release failed ({self.released})")
 
 
 class ConformanceMachine(RuleBasedStateMachine):
@@ -2567,6 +2607,165 @@ class KvRules(ConformanceMachine):
             self._check_independence()
         self._dirty.clear()
         self._clean = True
+
+
+class OpsRules(ConformanceMachine):
+    """Rules that drive the public operations besides writes and row changes (issue 24):
+    ``lease`` (contract §7) and ``save_load`` (the saved form across implementations),
+    over the root's world model. A mixin a family's rules compose (the paged placement's,
+    ``rules.PagedRules``, so far): a new rule changes every derandomized example of the
+    machines it joins, so each family takes it with its CI requirements re-checked."""
+
+    @precondition(lambda self: bool(self.pool) or bool(self.slots))
+    @rule(data=st.data())
+    def lease(self, data: st.DataObject) -> None:
+        """``lease_cache_states`` over a request or a layout and its rows' solo caches
+        (contract §7): ``borrow()`` is every cache's ``state``, borrowed (no cache asks
+        for a release); then ``close()`` or ``transfer()``, a second ``close()`` (a no-op),
+        and a ``borrow()`` after it, refused alike (``LayoutStateError``, the same message)
+        with every cache unchanged. Half the examples add a state whose release fails:
+        closing raises its error in both, ownership ends all the same."""
+        targets: list[Track | Slot] = [*self.pool, *self.slots]
+        item = self._pick(data, targets, "leased")
+        pairs = [(item.ref, item.opt)]
+        if isinstance(item, Slot):
+            pairs += [(t.ref, t.opt) for t in item.rows]
+        if any(self._state_pending(r, o) for r, o in pairs):
+            return
+        how = data.draw(st.sampled_from(("close", "transfer", "failed release")), label="end")
+        note(f"lease: {type(item).__name__.lower()} {item.ident}, {how}")
+        self._op(f"lease:{how}")
+        before = self._everything()
+        leases, failing = [], []
+        for index, impl in enumerate((self.ref_impl, self.opt_impl)):
+            caches = [pair[index] for pair in pairs]
+            self._exact(
+                f"state_needs_dispose ({impl.name})",
+                [bool(c.state_needs_dispose) for c in caches],
+                [False] * len(caches),
+            )
+            owned: list[Any] = [_FailingRelease(impl.name)] if how == "failed release" else []
+            lease = lease_cache_states([*owned, *caches])
+            borrowed = lease.borrow()
+            states = [*(s for o in owned for s in o.state), *(s for c in caches for s in c.state)]
+            self._exact(
+                f"a lease borrows every state ({impl.name})",
+                _state_values(impl, borrowed),
+                _state_values(impl, states),
+            )
+            leases.append(lease)
+            failing += owned
+        if how == "transfer":
+            for lease in leases:
+                lease.transfer()
+        elif how == "close":
+            for lease in leases:
+                lease.close()
+        else:
+            errors = [
+                raised(i, "close()", lease.close)
+                for i, lease in zip((self.ref_impl, self.opt_impl), leases, strict=True)
+            ]
+            self._same_error(
+                "a lease whose release fails: close()", errors[0], errors[1], LayoutStateError
+            )
+        self._exact(
+            "the lease is over (reference, optimized)", [x.closed for x in leases], [True, True]
+        )
+        for lease in leases:
+            lease.close()  # idempotent: nothing is released twice
+        self._exact("releases run once", [f.released for f in failing], [1] * len(failing))
+        self._refused(
+            "borrow() of a closed lease",
+            lambda impl, lease: lease.borrow(),
+            leases[0],
+            leases[1],
+            LayoutStateError,
+        )
+        self._exact("a lease changes no cache", self._everything(), before)
+        self.stats.check("leases")
+
+    @precondition(lambda self: bool(self.pool) or any(s.rows for s in self.slots))
+    @rule(data=st.data())
+    def save_load(self, data: st.DataObject) -> None:
+        """A request's or a layout's ``state``, loaded (``from_state``, in memory) into a
+        fresh object of the same implementation and of the other one: each load holds
+        the live one's rows (saved form, offsets, reads against the model); the machine
+        goes on with the crossed loads (the reference's state in the optimized class, the
+        optimized's in the reference), a layout with a step at once."""
+        layouts = self._steppable()
+        # A layout whenever one has rows, but for a drawn few (a request's load is also
+        # the kept extracts' restore).
+        use_layout = bool(layouts) and (not self.pool or data.draw(st.integers(0, 3)) > 0)
+        targets: list[Track | Slot] = [*(layouts if use_layout else self.pool)]
+        item = self._pick(data, targets, "saved")
+        what = f"{type(item).__name__.lower()} {item.ident}"
+        if self._state_pending(item.ref, item.opt):
+            return
+        note(f"save_load: {what}")
+        self._op("save_load", item)
+        self._restored(what, item.ref, item.opt)  # each into its own class
+        name = self.spec.name if isinstance(item, Slot) else self.serial_name
+        crossed = self._crossed(what, name, item.ref, item.opt)
+        if isinstance(item, Track):
+            item.ref, item.opt = crossed
+            for impl, cache in zip((self.ref_impl, self.opt_impl), crossed, strict=True):
+                self._exact(f"{what} loaded ({impl.name}): offset", int(cache.offset), item.tokens)
+                self._same_planes(
+                    "kv.stored",
+                    f"{what} loaded ({impl.name}) vs the model",
+                    self._view(impl, cache),
+                    self._model_view(item),
+                )
+            return
+        item.ref, item.opt = crossed
+        item.mirrored = False  # fresh physical columns, which an mlx-lm mirror does not follow
+        for impl, lay in zip((self.ref_impl, self.opt_impl), crossed, strict=True):
+            self._exact(
+                f"{what} loaded ({impl.name}): row offsets",
+                lay.row_offsets,
+                tuple(t.tokens for t in item.rows),
+            )
+            for b, track in enumerate(item.rows):
+                self._same_planes(
+                    "kv.stored",
+                    f"{what} loaded ({impl.name}) row {b} vs the model",
+                    self._row_view(impl, lay, b),
+                    self._model_view(track),
+                )
+        form = data.draw(ks.mask_forms(), label="mask form")
+        self._step(item, 1, self._rng(data), form)
+
+    def _crossed(self, what: str, name: str, ref_cache: Any, opt_cache: Any) -> tuple[Any, Any]:
+        """The optimized cache's state loaded into the reference class ``name`` and the
+        reference's into the optimized one (arrays converted, nothing else): each holds
+        the rows the live ones' saved forms describe."""
+        keep = getattr(ref_cache.token_geometry, "keep", 0)
+        live = self._state_rows(self.ref_impl, ref_cache)
+
+        def convert(value: Any, src: Impl, dst: Impl) -> Any:
+            if isinstance(value, np.ndarray | mx.array):
+                return dst.to_native(src.to_numpy(value))
+            if isinstance(value, tuple | list):
+                return type(value)(convert(v, src, dst) for v in value)
+            return value
+
+        loaded = []
+        for src, dst, cache in (
+            (self.opt_impl, self.ref_impl, opt_cache),
+            (self.ref_impl, self.opt_impl, ref_cache),
+        ):
+            state = convert(cache.state, src, dst)
+            saved: Any = dst.cls(name)
+            copy = saved.from_state(state, keep=keep, geometry=cache.geometry)
+            self._exact(
+                f"{what}: {src.name} state loaded into the {dst.name} class",
+                (copy.signature(), repr(copy.geometry), self._state_rows(dst, copy)),
+                (ref_cache.signature(), repr(ref_cache.geometry), live),
+            )
+            loaded.append(copy)
+        self.stats.check("save_load across implementations")
+        return loaded[0], loaded[1]
 
 
 def machine_class(

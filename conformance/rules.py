@@ -47,6 +47,7 @@ wrapped row").
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -71,6 +72,7 @@ from kvrows.conformance.machines import (
     Case,
     ConformanceMachine,
     KvRules,
+    OpsRules,
     Planes,
     Slot,
     Track,
@@ -695,7 +697,7 @@ class RingRules(ConformanceMachine):
         return cases + super()._extra_layout_cases(slot)
 
 
-class PagedRules(FrozenCollector, KvRules):
+class PagedRules(FrozenCollector, OpsRules, KvRules):
     """The paged placement's rules (``PLACEMENT_HOOKS["paged"]``, composed with the verify
     rounds and the codec's rules: ``PagedKVCache`` rows in ``PagedKvRows``, all three
     roles; affine pools at the example's codec, codes compared exactly).
@@ -918,6 +920,200 @@ class PagedRules(FrozenCollector, KvRules):
         for t in picked:
             self.pool.remove(t)
         slot.rows.extend(picked)
+
+    @precondition(lambda self: hasattr(self, "spec_rounds") and any(s.rows for s in self.slots))
+    @rule(data=st.data())
+    def round_at_the_limit(self, data: st.DataObject) -> None:
+        """Verify rounds whose blocks run with no headroom (a block that needs a new pool
+        block is refused, alike and with nothing changed, its round open before its
+        block; then it goes in and the round resolves): rare under free draws."""
+        saved, self.headroom = self.headroom, 0
+        try:
+            self.spec_rounds(data)  # type: ignore[attr-defined]
+        finally:
+            self.headroom = saved
+
+    # -- the prefix cache --------------------------------------------------------------
+    def _token_ids(self, track: Track) -> list[int]:
+        """Token ids of a row's positions, from what the model holds there (keys' and
+        values' bytes): equal ids only ever name equal stored tokens, so a prefix hit is
+        right whichever row registered it."""
+        columns = column_ids((*track.keys, *track.values), 0)
+        return [int.from_bytes(hashlib.blake2b(c, digest_size=6).digest()) for c in columns]
+
+    @precondition(
+        lambda self: (
+            self.geo is not None
+            and self.g.max_size is None
+            and (bool(self.pool) or any(s.rows for s in self.slots))
+        )
+    )
+    @rule(data=st.data())
+    def prefix_hit(self, data: st.DataObject) -> None:
+        """``register_prefix`` of a row's (or a request's) first ``t`` positions, then
+        ``pool.lookup_prefix`` of a new request starting with them: the hit is the whole
+        blocks the spec names (``(q - 1) // block_size`` for ``q`` query ids, at most the
+        registered ones), holds the model's first tokens, references the row's blocks
+        (counts + 1, nothing copied), and goes on as a new request or is released (every
+        count back). A ring, a row in a round or a cache without a pool refuses, alike."""
+        targets: list[tuple[Track, Any, Any, int | None]] = [
+            (t, t.ref, t.opt, None) for t in self.pool
+        ]
+        for slot in self._steppable():
+            targets += [(t, slot.ref, slot.opt, b) for b, t in enumerate(slot.rows)]
+        track, ref, opt, b = self._pick(data, targets, "row")
+        bs = ref.block_size
+        if b is None and track.appended and self.g.max_size is None and track.tokens <= 2 * bs:
+            # Whole-block hits are rare under free draws (prompts are mostly shorter than
+            # a block): the request grows to two whole blocks and one token first.
+            n = 2 * bs + 1 - track.tokens
+            rng = self._rng(data)
+            keys, values = (self._block(rng, 1, n, d) for d in (self.g.key_dim, self.g.value_dim))
+            self._op("prefix:grow", track)
+            self._serial_append(track, keys, values, self._queries(rng, 1, n), ks.MaskForm())
+        whole = track.tokens // bs * bs
+        t = data.draw(
+            st.sampled_from((track.tokens, whole)) | st.integers(0, track.tokens),
+            label="registered tokens",
+        )
+        ids = self._token_ids(track)
+        registered = ids[:t]
+        note(f"prefix_hit: request {track.ident} (row {b}), {t} of {track.tokens} ids")
+        self._op("prefix:register", track)
+
+        def register(given: list[int]) -> Callable[[Impl, Any], int]:
+            if b is None:
+                return lambda impl, cache: cache.register_prefix(given)
+            return lambda impl, lay: lay.register_prefix(b, given)
+
+        refuses = (
+            self.g.max_size is not None
+            or ref.pool is None
+            or (b is None and not track.appended)
+            or getattr(ref, "spec_round_open", False)
+        )
+        if refuses:
+            self._refused(
+                "register_prefix (ring, no pool or in a round)", register(registered), ref, opt
+            )
+            self.stats.op("prefix:refused")
+            return
+        if data.draw(st.booleans(), label="more ids than positions"):
+            self._refused(
+                "register_prefix of more ids than positions",
+                register([*ids, 7]),
+                ref,
+                opt,
+                InvalidInputError,
+            )
+        full = [
+            register(registered)(impl, c)
+            for impl, c in ((self.ref_impl, ref), (self.opt_impl, opt))
+        ]
+        self._exact(
+            "register_prefix: whole blocks cached (reference, optimized)", full, [t // bs] * 2
+        )
+        if full[0] and data.draw(st.booleans(), label="register other ids"):
+            # A cached block's hash is its tokens': other ids for it are refused, unchanged.
+            self._refused(
+                "register_prefix of other ids for a cached block",
+                register([registered[0] + 1, *registered[1:]]),
+                ref,
+                opt,
+                InvalidInputError,
+            )
+        if full[0]:
+            # The boundary: a prompt of exactly the cached whole blocks hits all but the
+            # last (its last token is always computed, for its logits).
+            exact = registered[: full[0] * bs]
+            edge = [pool.lookup_prefix(exact) for pool in (ref.pool, opt.pool)]
+            self._exact(
+                f"lookup_prefix of {len(exact)} ids, {full[0]} whole blocks (reference, optimized)",
+                [0 if c is None else int(c.offset) for c in edge],
+                [(full[0] - 1) * bs] * 2,
+            )
+            for cache in edge:
+                if cache is not None:
+                    cache.release()
+        # A new request: the first q ids, or all t and one the pool never saw.
+        q = data.draw(st.just(t + 1) | st.integers(0, t + 1), label="query ids")
+        query = registered[:q] if q <= t else [*registered, -1]
+        hit = max(q - 1, 0) // bs
+        pools = (ref.pool, opt.pool)
+        before = [accounting(pool) for pool in pools]
+        got = [pool.lookup_prefix(query) for pool in pools]
+        self._exact(
+            f"lookup_prefix of {q} ids: a hit of {hit} blocks (reference, optimized)",
+            [None if c is None else int(c.offset) for c in got],
+            [None if not hit else hit * bs] * 2,
+        )
+        self.stats.op("prefix:lookup")
+        if not hit:
+            self._exact("a missed lookup changes no pool", [accounting(p) for p in pools], before)
+            return
+        self.stats.op("prefix:hit")
+        tokens = hit * bs
+        model = (*(p[:, :, :tokens] for p in track.keys), *(p[:, :, :tokens] for p in track.values))
+        for impl, pool, cache, held in zip(
+            (self.ref_impl, self.opt_impl), pools, got, before, strict=True
+        ):
+            self._same_planes(
+                "kv.solo",
+                f"lookup_prefix hit ({impl.name}) vs the model",
+                self._view(impl, cache),
+                model,
+            )
+            blocks = list(cache.block_table)
+            counts = list(held[4])
+            for block in blocks:
+                counts[block] += 1
+            self._exact(
+                f"lookup_prefix ({impl.name}): each hit block referenced once more",
+                list(accounting(pool)[4]),
+                counts,
+            )
+            self._exact(
+                f"lookup_prefix ({impl.name}): nothing written or copied",
+                accounting(pool)[7:],
+                held[7:],
+            )
+        self._exact(
+            "lookup_prefix: block tables (optimized vs reference)",
+            got[1].block_table,
+            got[0].block_table,
+        )
+        self._exact(
+            "pool accounting after a hit (optimized vs reference)",
+            accounting(pools[1]),
+            accounting(pools[0]),
+        )
+        self.stats.check("prefix hit")
+        if len(self.pool) < self.limits.pool and data.draw(st.booleans(), label="hit goes on"):
+            keep = track.tokens - tokens
+            history = [*track.history, ("trim", keep, None)] if keep else list(track.history)
+            copy = Track(
+                ident=next(self._ids),
+                ref=got[0],
+                opt=got[1],
+                lm=None,
+                keys=tuple(np.ascontiguousarray(p[:, :, :tokens]) for p in track.keys),
+                values=tuple(np.ascontiguousarray(p[:, :, :tokens]) for p in track.values),
+                appended=True,
+                geometry_known=True,
+                history=history,
+            )
+            note(f"  the hit becomes request {copy.ident}")
+            self._dirty.add(copy.ident)
+            self.pool.append(copy)
+            return
+        for cache in got:
+            cache.release()
+        # Every count back (a hit on a free cached block puts it back at the queue's tail).
+        self._exact(
+            "a released hit gives every block back",
+            [accounting(p)[3:] for p in pools],
+            [held[3:] for held in before],
+        )
 
     def _check_admission(self, slot: Slot) -> None:
         """``projected_bytes(t)`` counts whole blocks (``ceil(t / block_size)`` of them; a

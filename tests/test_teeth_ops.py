@@ -1,0 +1,77 @@
+"""Issue 24, "every public operation in some machine": a planted bug in each operation
+class the machines now drive is caught (``tests/test_teeth.py``'s discipline: a throwaway
+subclass of an optimized class, the bug marked ``# MUTATION``, the machine run under the
+teeth profile must fail with an oracle's ``AssertionError``).
+
+* the prefix cache (``PagedRules.prefix_hit``): a lookup that hits one block too many;
+* save/load (``KvRules.save_load``): a load that drops each row's last token;
+* leases (``KvRules.lease``): a close that releases but keeps lending the state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from conformance_helpers import caught, run_teeth
+
+from kvrows.leases import StateLease
+from kvrows.optimized.paged import PagedKvRows
+from kvrows.optimized.paging import BlockPool, PagedSerial
+
+pytestmark = pytest.mark.usefixtures("cpu_stream")
+
+
+_LOOKUP = BlockPool.lookup_prefix
+
+
+def greedy_lookup(self: BlockPool, token_ids: Sequence[int]) -> PagedSerial | None:
+    """Looks up every whole block the ids cover: the last token is no longer left for
+    the request to compute (a query of whole blocks hits one block too many). Patched
+    onto the optimized pool (every pool of the machine: a subclass would make merges
+    across pools refuse)."""
+    return _LOOKUP(self, [*token_ids, 0])  # MUTATION (caps at len - 1 ids)
+
+
+class LoadDropsLastToken(PagedKvRows):
+    """``from_state`` loads every row one token short."""
+
+    @classmethod
+    def from_state(cls, state: Any, meta_state: Any = None, **kwargs: Any) -> Any:
+        loaded = super().from_state(state, meta_state, **kwargs)
+        if any(loaded.row_offsets):
+            # MUTATION (the load keeps every token)
+            loaded.trim_rows([1 if offset else 0 for offset in loaded.row_offsets])
+        return loaded
+
+
+def test_prefix_hit_one_block_too_many_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(BlockPool, "lookup_prefix", greedy_lookup)
+    with pytest.raises(AssertionError) as failure:
+        run_teeth("PagedKvRows", None, 12, "paged", name="TeethGreedyLookup")
+    assert "Failing test case" in "\n".join(getattr(failure.value, "__notes__", []))
+    assert "lookup_prefix" in str(failure.value), failure.value
+
+
+def test_load_dropping_the_last_token_is_caught() -> None:
+    message = caught("PagedKvRows", LoadDropsLastToken, 12, family_name="paged")
+    assert "loaded" in message, message
+
+
+_CLOSE = StateLease.close
+
+
+def close_keeps_lending(self: StateLease) -> None:
+    """Releases the state but keeps lending it: ``borrow()`` after ``close()`` answers."""
+    value = self._value
+    _CLOSE(self)
+    self._value = value  # MUTATION (ownership ends at close)
+
+
+def test_lease_lent_after_close_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(StateLease, "close", close_keeps_lending)
+    with pytest.raises(AssertionError) as failure:
+        run_teeth("PagedKvRows", None, 12, "paged", name="TeethLeaseLentAfterClose")
+    assert "Failing test case" in "\n".join(getattr(failure.value, "__notes__", []))
+    assert "lease" in str(failure.value), failure.value
