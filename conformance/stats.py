@@ -37,6 +37,8 @@ class Stats:
     skips: Counter[str] = field(default_factory=Counter)
     #: Examples per family parameter choice (e.g. the affine codec's ``bits=4 group=64``).
     variants: Counter[str] = field(default_factory=Counter)
+    #: Examples' visits to the hard states a family must reach (spec/contract.md §0.11).
+    states: Counter[str] = field(default_factory=Counter)
     errors: dict[tuple[str, str], ErrorRecord] = field(default_factory=dict)
     on_example: Callable[[Stats], None] | None = None
 
@@ -47,15 +49,18 @@ class Stats:
         ops: Iterable[str] = (),
         ran: Iterable[str] | None = None,
         oracles: Iterable[str] = (),
+        states: Iterable[str] = (),
     ) -> None:
         """Fail (``AssertionError``) unless the run did what a family's CI test expects: at
         least ``min_examples`` examples, every one of ``ops`` exercised (``ran``: the ops as
-        the test counts them, default :attr:`ops`), every one of ``oracles`` checked."""
+        the test counts them, default :attr:`ops`), every one of ``oracles`` checked, every one of ``states`` (:attr:`states`) reached."""
         assert self.examples >= min_examples, f"only {self.examples} examples ran"
         missing = set(ops) - set(self.ops if ran is None else ran)
         assert not missing, f"operations never exercised: {sorted(missing)} (ran {dict(self.ops)})"
         for oracle in oracles:
             assert self.checks[oracle] > 0, f"oracle {oracle!r} never ran: {dict(self.checks)}"
+        for state in states:
+            assert self.states[state] > 0, f"state {state!r} never reached: {dict(self.states)}"
 
     def op(self, name: str) -> None:
         self.ops[name] += 1
@@ -69,6 +74,9 @@ class Stats:
 
     def variant(self, name: str) -> None:
         self.variants[name] += 1
+
+    def state(self, name: str) -> None:
+        self.states[name] += 1
 
     def error(
         self, quantity: str, dtype: str, tolerance: Tolerance, error: float, ratio: float
@@ -93,6 +101,7 @@ class Stats:
         self.checks.update(other.checks)
         self.skips.update(other.skips)
         self.variants.update(other.variants)
+        self.states.update(other.states)
         for key, record in other.errors.items():
             mine = self.errors.get(key)
             if mine is None:
