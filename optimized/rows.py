@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar, TypeAlias, TypeVar, cast
 
 import mlx.core as mx
+import numpy as np
 
 from kvrows.codec import KV_TENSORS, PlaneSet, as_role
 from kvrows.codecs import CODECS
@@ -397,17 +398,17 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         """Row ``b``'s columns ``[first[b], first[b] + counts[b])`` in its store read zeros
         (every codec's ``zeros``) again, in place: one scatter per plane of each store."""
         for store in self._store_list():
-            cells = [
-                (slot, column)
-                for slot, b in enumerate(store.rows)
-                for column in range(first[b], first[b] + counts[b])
-            ]
-            if store.planes is None or not cells:
+            held = np.array([counts[b] for b in store.rows], dtype=np.int64)
+            if store.planes is None or not held.sum():
                 continue
-            slots = mx.array([slot for slot, _ in cells])
-            columns = mx.array([column for _, column in cells])
+            # Each slot's run of columns, without a Python loop over the cells.
+            starts = np.array([first[b] for b in store.rows], dtype=np.int64)
+            cells = int(held.sum())
+            run_start = np.repeat(np.cumsum(held) - held, held)
+            slots = mx.array(np.repeat(np.arange(len(held)), held))
+            columns = mx.array(np.repeat(starts, held) + np.arange(cells) - run_start)
             for plane in arrays(store.planes):
-                shape = (len(cells), int(plane.shape[1]), int(plane.shape[3]))
+                shape = (cells, int(plane.shape[1]), int(plane.shape[3]))
                 plane[slots, :, columns] = mx.zeros(shape, plane.dtype)
 
     def _row_slots(self) -> list[tuple[Store, int]]:
