@@ -444,29 +444,54 @@ class PagedLayers:
             slots.append(hit)
         return fed, _regrouped(slots, self._template)
 
+    def _register(
+        self,
+        slots: Sequence[Any],
+        covered: Sequence[int],
+        register: Callable[[Any, list[int]], int | None],
+    ) -> None:
+        """``register(slot, ids)`` in every slot, the rings first: the other slots register
+        no more whole blocks than every ring did (a hit needs every layer's prefix, so
+        their blocks past a ring's would never be hit: they would only stay cached)."""
+        tokens = list(covered)
+        rings = [i for i, window in enumerate(self.windows) if window is not None]
+        others = [i for i, window in enumerate(self.windows) if window is None]
+        for i in rings:
+            count = register(slots[i], tokens)
+            if count is not None:
+                tokens = tokens[: count * self.block_size]
+        for i in others:
+            register(slots[i], tokens)
+
     def publish_rows(self, layouts: Sequence[Any], row: int, covered: Sequence[int]) -> None:
         """Register row ``row``'s full blocks of ``covered`` in each paged slot's pool."""
-        for layout in map(_behind, _slots_of(layouts)):
+
+        def register(slot: Any, tokens: list[int]) -> int | None:
+            layout = _behind(slot)
             if (
                 isinstance(layout, PagedRows)
                 and isinstance(layout, BatchableCache)
                 and layout.batch_size > row
             ):
-                layout.register_prefix(row, list(covered))
+                return layout.register_prefix(row, tokens)
+            return None
+
+        self._register(_slots_of(layouts), covered, register)
 
     def publish_serial(self, caches: Sequence[Any], covered: Sequence[int]) -> None:
         """Register a serial row's full blocks (a row that finished on its first token; a
         latent cache is its own one-row layout)."""
-        for cache in map(_behind, _slots_of(caches)):
+
+        def register(slot: Any, tokens: list[int]) -> int | None:
+            cache = _behind(slot)
             if not isinstance(cache, PagedRows):
-                continue
+                return None
             if isinstance(cache, BatchableCache):
-                if cache.batch_size == 1:
-                    cache.register_prefix(0, list(covered))
-                continue
+                return cache.register_prefix(0, tokens) if cache.batch_size == 1 else None
             serial: Any = cache  # a serial paged cache: ``rows`` is its batch rows
-            if serial.rows == 1:
-                cache.register_prefix(list(covered))
+            return int(serial.register_prefix(tokens)) if serial.rows == 1 else None
+
+        self._register(_slots_of(caches), covered, register)
 
     def unpaged_layers(self, caches: Sequence[Any]) -> list[Any]:
         """The slots of ``caches`` that are not paged (what the ``PrefixCache`` keeps of a

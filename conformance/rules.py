@@ -1004,12 +1004,12 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
             )
         # A ring's row holds every position until it gives one back: the twins' ``retained``
         # (a serial reference ring's is an int, the others' a tuple), which must agree.
-        held = [
+        retained = [
             int(r) if isinstance(r, int) else int(r[b or 0])
             for r in ((ref.retained, opt.retained) if cap else ())
         ]
-        self._exact("held positions (reference, optimized)", held[1:], held[:1])
-        dropped = bool(held) and held[0] < track.tokens
+        self._exact("held positions (reference, optimized)", retained[1:], retained[:1])
+        dropped = bool(retained) and retained[0] < track.tokens
         before = [accounting(pool) for pool in (ref.pool, opt.pool)]
         full = [
             register(registered)(impl, c)

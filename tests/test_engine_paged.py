@@ -116,8 +116,8 @@ def test_gemma3_runs_fully_paged(gemma3: Any, scheme: str) -> None:
     contiguous engine's tokens, its logits bit for bit (both without a prefix cache: the
     same computation), the solo runs' logits, a lower peak. No prefix hit on this trace:
     a ring's 16-token window holds no whole 16-token block of a prompt that ends past it
-    (chunks of 16 drop positions), so its pools cache nothing and a hit needs every
-    layer's prefix."""
+    (chunks of 16 drop positions), so its pools cache nothing, and the full-attention
+    layers publish no further than the rings (a hit needs every layer's prefix)."""
     storage = KvStorageScheme.parse(scheme)
     _, _, flat, flat_stats = _run_twice(
         gemma3, scheme, paged=False, use_prefix_cache=False, keep_logits=True
@@ -132,18 +132,19 @@ def test_gemma3_runs_fully_paged(gemma3: Any, scheme: str) -> None:
     for a, b in zip(flat, paged, strict=True):
         assert len(a.logits) == len(b.logits)
         assert all(np.array_equal(x, y) for x, y in zip(a.logits, b.logits, strict=True))
-    # the rings published no block: no hit is taken; the full-attention pools publish
+    # the rings published no block, so neither did the full-attention layers (their
+    # blocks past the rings' would never be hit): no hit is taken
     assert stats.prefix_hits == 0
     assert engine.prefix_cache is not None and engine.prefix_cache.nbytes == 0
     assert stats.peak_kv_bytes < flat_stats.peak_kv_bytes
     if scheme == "plain":
         report = check_invariance(gemma3, storage, trace, paged, 16)
         assert report.steps == stats.generated and report.max_logit_diff == 0.0 and report.ok
-    for pool, window in zip(engine.paged.pools, engine.paged.windows, strict=True):
+    for pool in engine.paged.pools:
         assert pool is not None
         pool.check_valid()
         assert not pool.live_tables()
-        assert (pool.ledger.cached_count == 0) == (window is not None)
+        assert pool.ledger.cached_count == 0  # nothing published
 
 
 @pytest.mark.parametrize("scheme", ["plain", "affine8"])
@@ -175,6 +176,8 @@ def test_gemma3_paged_rings_share_a_prefix_inside_the_window(gemma3: Any, scheme
         pool.check_valid()
         assert not pool.live_tables() and pool.bytes_copied == 0
         assert pool.ledger.cached_count >= 3  # the system prompt's blocks, rings' too
+    # every layer published as far as the rings did: the same blocks counts
+    assert len({pool.ledger.cached_count for pool in engine.paged.pools}) == 1
 
 
 def test_admission_counts_a_ring_rows_most_blocks(gemma3: Any) -> None:
