@@ -1037,8 +1037,9 @@ class LatentPoolMembers:
     def index_head_dim(self) -> int | None:
         return self.latent_spec.index_head_dim
 
-    def _prefix_cache(self) -> Any:
-        """An empty cache of the pool's latent that a prefix hit's rows join."""
+    def _prefix_cache(self, token_geometry: Any = None) -> Any:
+        """An empty cache of the pool's latent that a prefix hit's rows join (a latent
+        row grows: ``token_geometry`` is the growing one)."""
         codec = self.latent_codec
         return self.latent_cache_class(
             index_head_dim=self.index_head_dim, pool=self, codec=codec if codec.encodes else None

@@ -78,7 +78,7 @@ class PagedRotatingRows(AnyCodecParameters, SpeculativeLayout, PagedRing, PagedL
     _spec_refused_unchanged = (PoolExhaustedError,)
 
 
-BlockPool.cache_class = PagedKVCache
+BlockPool.cache_classes = {"growing": PagedKVCache, "ring": PagedRotatingKVCache}
 
 
 class LatentBlockPool(LatentPoolMembers, BlockPool):

@@ -42,14 +42,10 @@ from kvrows.errors import (
     EMPTY_CACHE_NO_BLOCK,
     EMPTY_ROW_NO_BLOCK,
     NOTHING_TO_FETCH,
-    PAGED_RING_PREFIX,
     PROJECTED_BYTES_NEEDS_GEOMETRY,
-    InvalidInputError,
     LayoutStateError,
     NotTrimmableError,
     paged_merge_message,
-    prefix_mismatch_message,
-    prefix_too_long_message,
     request_rows_message,
     ring_rollback_message,
     trim_past_row_message,
@@ -62,19 +58,16 @@ from kvrows.optimized.geometries.ring import positions_mask, reach
 from kvrows.optimized.rows import DECLARED, Layout, RowWindow, Serial, Storage, owned
 from kvrows.paged import (
     FREE,
-    ROOT_HASH,
     Paged,
     PagedSurface,
     PoolBase,
     bind_paged,
-    chain_hashes,
     held_blocks,
     projected_blocks,
 )
-from kvrows.paged import token_ids as read_token_ids
 from kvrows.paged_forms import PagedState, codec_field, parse_state
 from kvrows.protocols import Mask
-from kvrows.schemes import CodecSpec
+from kvrows.schemes import CodecSpec, GeometrySpec
 from kvrows.validation import KvGeometry, as_count, check_row
 
 __all__ = [
@@ -335,8 +328,9 @@ class BlockPool(PoolBase):
     may take (growth past it raises ``PoolExhaustedError``).
     """
 
-    #: The implementation's ``PagedKVCache`` (what ``lookup_prefix`` returns).
-    cache_class: ClassVar[type[PagedSerial]]
+    #: The implementation's paged serial caches by geometry kind (what ``lookup_prefix``
+    #: returns: ``PagedKVCache``, ``PagedRotatingKVCache``).
+    cache_classes: ClassVar[dict[str, type[PagedSerial]]]
     codec: Codec
     _tables: dict[int, Table]
 
@@ -502,40 +496,37 @@ class BlockPool(PoolBase):
         return {t: gather_runs(planes, held, pads, width) for t, planes in self._planes.items()}
 
     # -- the prefix cache ----------------------------------------------------------------
-    def register_prefix(self, table: Table, offset: int, token_ids: Sequence[int]) -> int:
-        """Hash the full blocks of ``table`` (a row of ``offset`` positions) that
-        ``token_ids`` covers; returns how many blocks are now cached."""
-        tokens = read_token_ids(token_ids)
-        if len(tokens) > offset:
-            raise InvalidInputError(prefix_too_long_message(len(tokens), offset))
-        full = len(tokens) // self.block_size
-        hashes = chain_hashes(tokens, self.block_size, self.ledger.extra, full)
-        for j, digest in enumerate(hashes):  # refuse before any block is hashed
-            known = self.ledger.hash_of(table[j])
-            if known is not None and known != digest:
-                raise InvalidInputError(prefix_mismatch_message(j))
-        previous, bs = ROOT_HASH, self.block_size
-        for j in range(full):
-            previous = self.ledger.register(table[j], previous, tokens[j * bs : (j + 1) * bs])
-        return full
+    def register_prefix(
+        self, table: Table, held: tuple[int, int], token_ids: Sequence[int], cap: int | None = None
+    ) -> int:
+        """Hash the full blocks of ``table`` (a row of ``held = (offset, positions held)``)
+        that ``token_ids`` covers (``cap``: a ring's window, and nothing once the row gave
+        a position back: ``PoolBase.register_blocks``); returns how many blocks are now
+        cached."""
+        return self.register_blocks(table, held, token_ids, cap)
 
-    def lookup_prefix(self, token_ids: Sequence[int]) -> PagedSerial | None:
-        """A new ``PagedKVCache`` holding the longest run of cached full blocks that starts
-        ``token_ids`` (at most ``len(token_ids) - 1`` positions: the last token is always
-        computed, for its logits), referenced, not copied; ``None`` on a miss."""
-        tokens = read_token_ids(token_ids)
-        most = max(len(tokens) - 1, 0) // self.block_size
-        hits = self.ledger.lookup(chain_hashes(tokens, self.block_size, self.ledger.extra, most))
+    def lookup_prefix(
+        self, token_ids: Sequence[int], token_geometry: GeometrySpec | None = None
+    ) -> PagedSerial | None:
+        """A new paged serial cache of ``token_geometry`` (default growing: a
+        ``PagedKVCache``; a ring: a ``PagedRotatingKVCache``) holding the longest run of
+        cached full blocks that starts ``token_ids`` (``PoolBase.prefix_blocks``: at most
+        ``len(token_ids) - 1`` positions and what such a row holds), referenced, not
+        copied; ``None`` on a miss."""
+        hits = self.prefix_blocks(token_ids, token_geometry)
         if not hits:
             return None
-        cache = self._prefix_cache()
+        cache = self._prefix_cache(token_geometry)
         cache._geometry = self._geometry
         cache.adopt_tables([self.open(list(hits))], len(hits) * self.block_size)
         return cache
 
-    def _prefix_cache(self) -> PagedSerial:
-        """An empty cache of the pool's codec that a prefix hit's rows join."""
-        return self.cache_class(pool=self)
+    def _prefix_cache(self, token_geometry: GeometrySpec | None = None) -> PagedSerial:
+        """An empty cache of the pool's codec and ``token_geometry`` that a prefix hit's
+        rows join."""
+        if token_geometry is None:
+            return self.cache_classes["growing"](pool=self)
+        return self.cache_classes[token_geometry.kind](pool=self, token_geometry=token_geometry)
 
     def check_valid(self) -> None:
         """Assert the pool's invariants (``spec/paged-pool.md`` §4)."""
@@ -889,10 +880,13 @@ class PagedSerial(PagedRows, Serial):
 
     def register_prefix(self, token_ids: Sequence[int]) -> int:
         """Cache the full blocks ``token_ids`` (the ids of this request's first positions,
-        at most ``offset`` of them) covers; returns how many blocks are cached."""
+        at most ``offset`` of them) covers; returns how many blocks are cached. A ring
+        caches those of its window only while it holds every position (``PoolBase.
+        register_blocks``): past that, none."""
         if self._pool is None or not self._tables:
             raise LayoutStateError(EMPTY_CACHE_NO_BLOCK)
-        return self._pool.register_prefix(self._request(), self.offset, token_ids)
+        table, cap = self._request(), self._token_geometry.cap()
+        return self._pool.register_prefix(table, self._holds(0)[:2], token_ids, cap)
 
     def check_valid(self) -> None:
         assert len(set(self._offsets)) <= 1, "rows move together"
@@ -1042,11 +1036,13 @@ class PagedLayout(PagedRows, Layout):
         return serial
 
     def register_prefix(self, row: int, token_ids: Sequence[int]) -> int:
-        """Cache row ``row``'s full blocks ``token_ids`` covers."""
+        """Cache row ``row``'s full blocks ``token_ids`` covers (a ring's while it holds
+        every position)."""
         index = check_row(row, self.batch_size)
         if self._pool is None:
             raise LayoutStateError(EMPTY_ROW_NO_BLOCK)
-        return self._pool.register_prefix(self._tables[index], self._offsets[index], token_ids)
+        held, cap = self._holds(index)[:2], self._token_geometry.cap()
+        return self._pool.register_prefix(self._tables[index], held, token_ids, cap)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(offsets={list(self._offsets)})"
@@ -1252,7 +1248,3 @@ class PagedRing(PagedRows):
         held = zip(self._retained, self._offsets, strict=True)
         assert all(min(o, self.max_size) <= r <= o for r, o in held)
         super()._check_geometry()
-
-    def register_prefix(self, *args: Any) -> int:
-        """Refused: a ring's rows give their oldest blocks back (``PAGED_RING_PREFIX``)."""
-        raise LayoutStateError(PAGED_RING_PREFIX)

@@ -62,7 +62,7 @@ class PagedRotatingRows(RingParameters, AnyCodecParameters, PagedLayout):
     serial_class = PagedRotatingKVCache
 
 
-BlockPool.cache_class = PagedKVCache
+BlockPool.cache_classes = {"growing": PagedKVCache, "ring": PagedRotatingKVCache}
 
 
 class LatentBlockPool(LatentPoolMembers, BlockPool):

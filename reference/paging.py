@@ -40,30 +40,23 @@ from kvrows.errors import (
     EMPTY_CACHE_NO_BLOCK,
     EMPTY_ROW_NO_BLOCK,
     NOTHING_TO_FETCH,
-    PAGED_RING_PREFIX,
     PROJECTED_BYTES_NEEDS_GEOMETRY,
-    InvalidInputError,
     LayoutStateError,
     PoolExhaustedError,
     paged_merge_message,
-    prefix_mismatch_message,
-    prefix_too_long_message,
     request_rows_message,
 )
 from kvrows.forms import pack_state
 from kvrows.paged import (
     FREE,
-    ROOT_HASH,
     Paged,
     PagedSurface,
     PoolBase,
     bind_paged,
-    chain_hashes,
     held_blocks,
     held_positions,
     projected_blocks,
 )
-from kvrows.paged import token_ids as read_token_ids
 from kvrows.paged_forms import PagedState, codec_field, parse_state
 from kvrows.reference.codecs import Codec, dtype_name, make_codec
 from kvrows.reference.geometries.growing import PaddedRows
@@ -77,7 +70,7 @@ from kvrows.reference.rows import (
     zero_planes,
 )
 from kvrows.reference.speculative import SpeculativeLayout
-from kvrows.schemes import CodecSpec
+from kvrows.schemes import CodecSpec, GeometrySpec
 from kvrows.validation import KvGeometry, as_count, check_keep, check_row
 
 __all__ = ["BlockPool", "PagedLayout", "PagedRow", "PagedRows", "PagedSerial", "RightAligned"]
@@ -93,13 +86,14 @@ class PagedRow(Row):
 
     def positions(self) -> list[int]:
         """The positions the row holds, oldest first (its compact planes' columns)."""
-        return held_positions(self.offset, self._holding(), self.sinks)
+        return held_positions(self.offset, self.holding(), self.sinks)
 
     def needed(self, block_size: int) -> set[int]:
         """The logical blocks holding one of its positions."""
-        return held_blocks(self.offset, self._holding(), self.sinks, block_size)
+        return held_blocks(self.offset, self.holding(), self.sinks, block_size)
 
-    def _holding(self) -> int:
+    def holding(self) -> int:
+        """Positions the row holds."""
         # A table without compact planes (the pool driven alone) holds every position.
         return self.retained if self.held else self.offset
 
@@ -140,8 +134,9 @@ class BlockPool(PoolBase):
     may take (growth past it raises ``PoolExhaustedError``).
     """
 
-    #: The reference's ``PagedKVCache`` (what ``lookup_prefix`` returns).
-    cache_class: ClassVar[type[PagedSerial]]
+    #: The reference's paged serial caches by geometry kind (what ``lookup_prefix``
+    #: returns: ``PagedKVCache``, ``PagedRotatingKVCache``).
+    cache_classes: ClassVar[dict[str, type[PagedSerial]]]
     codec: Codec
     _tables: dict[int, PagedRow]
 
@@ -332,44 +327,38 @@ class BlockPool(PoolBase):
         return out
 
     # -- the prefix cache ----------------------------------------------------------------
-    def register_prefix(self, row: Row, token_ids: Sequence[int]) -> int:
+    def register_prefix(self, row: Row, token_ids: Sequence[int], cap: int | None = None) -> int:
         """Hash the full blocks of ``row`` that ``token_ids`` covers (at most its
-        positions); returns how many blocks are now cached."""
-        tokens = read_token_ids(token_ids)
-        blocks = cast(PagedRow, row).blocks
-        if len(tokens) > row.offset:
-            raise InvalidInputError(prefix_too_long_message(len(tokens), row.offset))
-        full = len(tokens) // self.block_size
-        hashes = chain_hashes(tokens, self.block_size, self.ledger.extra, full)
-        for j, digest in enumerate(hashes):  # refuse before any block is hashed
-            known = self.ledger.hash_of(blocks[j])
-            if known is not None and known != digest:
-                raise InvalidInputError(prefix_mismatch_message(j))
-        previous, bs = ROOT_HASH, self.block_size
-        for j in range(full):
-            previous = self.ledger.register(blocks[j], previous, tokens[j * bs : (j + 1) * bs])
-        return full
+        positions; ``cap``: a ring's window, and nothing once the row gave a position
+        back: ``PoolBase.register_blocks``); returns how many blocks are now cached."""
+        paged = cast(PagedRow, row)
+        return self.register_blocks(paged.blocks, (row.offset, paged.holding()), token_ids, cap)
 
-    def lookup_prefix(self, token_ids: Sequence[int]) -> PagedSerial | None:
-        """A new ``PagedKVCache`` holding the longest run of cached full blocks that starts
-        ``token_ids`` (at most ``len(token_ids) - 1`` positions: the last token is always
-        computed, for its logits), referenced, not copied; ``None`` on a miss."""
-        tokens = read_token_ids(token_ids)
-        most = max(len(tokens) - 1, 0) // self.block_size
-        hits = self.ledger.lookup(chain_hashes(tokens, self.block_size, self.ledger.extra, most))
+    def lookup_prefix(
+        self, token_ids: Sequence[int], token_geometry: GeometrySpec | None = None
+    ) -> PagedSerial | None:
+        """A new paged serial cache of ``token_geometry`` (default growing: a
+        ``PagedKVCache``; a ring: a ``PagedRotatingKVCache``) holding the longest run of
+        cached full blocks that starts ``token_ids`` (``PoolBase.prefix_blocks``: at most
+        ``len(token_ids) - 1`` positions and what such a row holds), referenced, not
+        copied; ``None`` on a miss."""
+        hits = self.prefix_blocks(token_ids, token_geometry)
         if not hits:
             return None
-        cache = self._prefix_cache()
+        cache = self._prefix_cache(token_geometry)
         cache._geometry = self._geometry
-        row = PagedRow(offset=len(hits) * self.block_size, blocks=hits)
-        # What the hit means: every position of its blocks (a growing row).
+        row = PagedRow(offset=len(hits) * self.block_size, blocks=hits, sinks=cache._sinks)
+        # What the hit means: every position of its blocks (a row that gave none back).
         row.planes = self._gather([(hits, range(row.offset))], [0], row.offset)
         cache.adopt_rows([self.open(row)])
         return cache
 
-    def _prefix_cache(self) -> PagedSerial:
-        """An empty cache of the pool's codec that a prefix hit's rows join."""
-        return self.cache_class(pool=self)
+    def _prefix_cache(self, token_geometry: GeometrySpec | None = None) -> PagedSerial:
+        """An empty cache of the pool's codec and ``token_geometry`` that a prefix hit's
+        rows join."""
+        if token_geometry is None:
+            return self.cache_classes["growing"](pool=self)
+        return self.cache_classes[token_geometry.kind](pool=self, token_geometry=token_geometry)
 
     def check_valid(self) -> None:
         """Assert the pool's invariants (``spec/paged-pool.md`` §4) and that every live
@@ -706,12 +695,12 @@ class PagedSerial(SerialStorage, PagedRows):
 
     def register_prefix(self, token_ids: Sequence[int]) -> int:
         """Cache the full blocks ``token_ids`` (the ids of this request's first positions,
-        at most ``offset`` of them) covers; returns how many blocks are cached."""
-        if self._token_geometry.wraps:
-            raise LayoutStateError(PAGED_RING_PREFIX)
+        at most ``offset`` of them) covers; returns how many blocks are cached. A ring
+        caches those of its window only while it holds every position (``PoolBase.
+        register_blocks``): past that, none."""
         if self._pool is None or not self._rows:
             raise LayoutStateError(EMPTY_CACHE_NO_BLOCK)
-        return self._pool.register_prefix(self._request(), token_ids)
+        return self._pool.register_prefix(self._request(), token_ids, self._token_geometry.cap())
 
     def check_valid(self) -> None:
         super().check_valid()
@@ -859,15 +848,13 @@ class PagedLayout(SpeculativeLayout, PagedRows):
         return serial
 
     def register_prefix(self, row: int, token_ids: Sequence[int]) -> int:
-        """Cache row ``row``'s full blocks ``token_ids`` covers (refused in a round: its
-        newest positions are unverified drafts)."""
+        """Cache row ``row``'s full blocks ``token_ids`` covers (a ring's while it holds
+        every position; refused in a round: its newest positions are unverified drafts)."""
         self._spec_guard("register_prefix")
         entry = self._rows[check_row(row, self.batch_size)]
-        if self._token_geometry.wraps:
-            raise LayoutStateError(PAGED_RING_PREFIX)
         if self._pool is None:
             raise LayoutStateError(EMPTY_ROW_NO_BLOCK)
-        return self._pool.register_prefix(entry, token_ids)
+        return self._pool.register_prefix(entry, token_ids, self._token_geometry.cap())
 
     def _trim(self, counts: Sequence[int], *, justify: bool = False) -> int:
         top = super()._trim(counts, justify=justify)

@@ -4,7 +4,8 @@
 ``PagedRotatingRows`` (the layout of ``PagedRotatingKVCache``'s rows in all three roles)
 runs the paged rules, the ring's rules and the verify rounds under the selected profile:
 requests and layout rows merged, joined, stepped, verified in rounds (across the
-window), filtered, extracted, published, trimmed and saved, against the reference, the
+window), filtered, extracted, published, trimmed and saved, their prefixes registered
+and looked up (``PagedRules.prefix_hit``: inside the window, or nothing past it), against the reference, the
 contiguous ring's model (what ``RotatingKVCache`` / ``RaggedRotatingRows`` hold) and a
 solo replay per row, with the pools' invariants (every row holds exactly the blocks of
 its positions) after every rule, in byte-limited pools.
@@ -39,6 +40,8 @@ def test_paged_rotating_family() -> None:
     stats.require(0, oracles=("pool invariants", "save_restore"))
     assert stats.variants["sink tokens"] and stats.variants["no sink tokens"], stats.variants
     assert not stats.skips, dict(stats.skips)
+    # Rings publish their prefix: registered inside the window, nothing past it.
+    assert stats.ops["prefix:register"] and stats.ops["prefix:past the window"], dict(stats.ops)
 
 
 def test_paged_rotating_affine_family() -> None:

@@ -56,14 +56,15 @@ class HashesDrafts(PagedKvRows):
 
     def register_prefix(self, row: int, token_ids: Any) -> int:
         assert self._pool is not None
-        return self._pool.register_prefix(self._tables[row], self._offsets[row], token_ids)
+        held = (self._offsets[row], self._offsets[row])
+        return self._pool.register_prefix(self._tables[row], held, token_ids)
 
 
 @pytest.mark.parametrize(("mutant", "role"), [(ForgetsOneDecref, "pool"), (HashesDrafts, "rows")])
 def test_the_pool_machine_catches(mutant: type, role: str) -> None:
     machine = pool_machine("optimized", Plain(), {role: mutant})
     if role == "pool":
-        ForgetsOneDecref.cache_class = BlockPool.cache_class
+        ForgetsOneDecref.cache_classes = BlockPool.cache_classes
     with pytest.raises(AssertionError):
         run_state_machine_as_test(machine, settings=profile_settings("teeth"))
 
