@@ -67,11 +67,22 @@ class PagedRotatingKVCache(PagedRing, AnyCodecParameters, PagedSerial):
 
     composition = composition("PagedRotatingKVCache")
 
+    @property
+    def retained(self) -> int:
+        """Positions the request holds (its sinks and newest ones; its rows move together,
+        as ``offset``: an int, the reference's)."""
+        return self._retained[0] if self._retained else 0
+
 
 class PagedRotatingRows(AnyCodecParameters, SpeculativeLayout, PagedRing, PagedLayout):
     """Sliding-window block-table rows, all three roles (``spec/PagedRotatingRows.md``)."""
 
     composition = composition("PagedRotatingRows")
+
+    @property
+    def retained(self) -> tuple[int, ...]:
+        """Positions each row holds (its sinks and newest ones)."""
+        return tuple(self._retained)
 
     #: An exhausted pool refuses before any block or table changes: the round stays open,
     #: before its block (free blocks or append a shorter one, then resolve it).
@@ -104,14 +115,6 @@ class PagedLatentCache(PagedLatentMembers, LatentSurface, SpeculativeLayout, Pag
 
     def held_arrays(self) -> tuple[Any, ...]:
         return PagedLayout.held_arrays(self)
-
-    def _gathered(self) -> PlaneSet:
-        """The stored planes right-justified (``{}`` while no row holds a position)."""
-        if self._pool is None or not any(self._offsets):
-            return {}
-        width = max(self._offsets)
-        held: PlaneSet = self._pool.gather(self._tables, self._offsets, self._pads, width)
-        return held
 
     def planes(self) -> tuple[Planes, mx.array | None, mx.array | None, None]:
         """The stored planes right-justified: latent codec planes, rope, index."""
