@@ -682,10 +682,15 @@ class PagedSurface:
     def _held(self) -> tuple[Any, Any] | None:
         raise NotImplementedError
 
+    #: Whether the placement holds a contiguous stage 0 beside its pool (contract §0.5:
+    #: ``PagedLatentCache``'s warm rows); the pool stores the last stage.
+    _stage_beside: ClassVar[bool] = False
+
     def _use_stages(self, specs: Sequence[CodecSpec]) -> None:
-        """One stage only: a conversion would re-encode the rows but not the pool's blocks
-        (the reads gather from the pool), so more stages are refused, nothing changed."""
-        if len(specs) > 1:
+        """The pool's blocks are of one codec, the last stage's: a second stage only where
+        the placement holds stage 0 contiguous beside the pool (its rows convert into fresh
+        blocks); otherwise more stages are refused, nothing changed."""
+        if len(specs) > (2 if self._stage_beside else 1):
             raise LayoutStateError(PAGED_ONE_STAGE)
         super()._use_stages(specs)  # type: ignore[misc]
 
