@@ -586,7 +586,7 @@ class PagedRows(PagedSurface, Storage):
         append that converts reserved them), counted as written."""
         before = list(self._rows)
         super()._convert_rows(rows)
-        moved = sorted({b for b in rows})
+        moved = sorted(set(rows))
         now = [cast(PagedRow, self._rows[b]) for b in moved if self._pooled(self._rows[b])]
         if not now:
             return
@@ -931,10 +931,9 @@ class PagedLayout(SpeculativeLayout, PagedRows):
             if stage != self._pool_stage:  # beside the pool: its compact planes, no block
                 planes = {} if cut is None else cut.planes
                 offset = 0 if row is None else row.offset
-                beside = PagedRow(_owned(planes), offset, sinks=self._sinks, stage=stage)
-                joined.append(pool.open(beside))
+                joined.append(pool.open(PagedRow(_owned(planes), offset, sinks=self._sinks)))
             elif row is None or cut is None or (source_pool is not pool and row.offset == 0):
-                joined.append(pool.open(replace(cast(PagedRow, self._new_row()), stage=stage)))
+                joined.append(pool.open(cast(PagedRow, self._new_row())))
             elif source_pool is pool:
                 joined.append(pool.share(row, cut))
             else:
@@ -942,7 +941,7 @@ class PagedLayout(SpeculativeLayout, PagedRows):
         pool.adopt_empty(self._rows)  # rows joined before any pool existed
         self._pool = pool
         self._watch()
-        for row, stage in zip(joined, stages, strict=True):
+        for row, stage in zip(joined, stages, strict=True):  # each in its stage
             row.stage = stage
         self._rows.extend(joined)
         self._place.join(self._rows, running)
