@@ -679,7 +679,9 @@ class PoolBase:
         offset, retained = held
         if len(tokens) > offset:
             raise InvalidInputError(prefix_too_long_message(len(tokens), offset))
-        if retained < offset:
+        # A ring past its window, or a row holding no block (a warm row beside the pool,
+        # stage 0), caches nothing.
+        if retained < offset or not blocks:
             return 0
         bs, ledger = self.block_size, self.ledger
         full = (len(tokens) if cap is None else min(len(tokens), cap)) // bs
@@ -732,10 +734,15 @@ class PagedSurface:
     def _held(self) -> tuple[Any, Any] | None:
         raise NotImplementedError
 
+    #: Whether the placement holds a contiguous stage 0 beside its pool (contract §0.5:
+    #: ``PagedLatentCache``'s warm rows); the pool stores the last stage.
+    _stage_beside: ClassVar[bool] = False
+
     def _use_stages(self, specs: Sequence[CodecSpec]) -> None:
-        """One stage only: a conversion would re-encode the rows but not the pool's blocks
-        (the reads gather from the pool), so more stages are refused, nothing changed."""
-        if len(specs) > 1:
+        """The pool's blocks are of one codec, the last stage's: a second stage only where
+        the placement holds stage 0 contiguous beside the pool (its rows convert into fresh
+        blocks); otherwise more stages are refused, nothing changed."""
+        if len(specs) > (2 if self._stage_beside else 1):
             raise LayoutStateError(PAGED_ONE_STAGE)
         super()._use_stages(specs)  # type: ignore[misc]
 
