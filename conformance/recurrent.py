@@ -46,7 +46,7 @@ from hypothesis.stateful import initialize, precondition, rule
 from kvrows.conformance.arrays import NUMPY_DTYPES, as_numpy, to_mlx
 from kvrows.conformance.families import Impl
 from kvrows.conformance.hooks import lm_cache
-from kvrows.conformance.machines import ROLE_LOOKUPS, ConformanceMachine, Layout, Request
+from kvrows.conformance.machines import ROLE_LOOKUPS, Block, Layout, Request, WriterRules
 from kvrows.errors import (
     IncompatibleRowsError,
     InvalidInputError,
@@ -121,8 +121,10 @@ def _plane_shapes(count: int) -> st.SearchStrategy[StateShapes]:
 
 
 # every rule checks what it touched, teardown everything: no invariant
-class RecurrentMachine(ConformanceMachine):
+class RecurrentMachine(WriterRules):
     """Rules over a pool of requests and up to two layouts (see the module docstring)."""
+
+    token_axis = 1
 
     #: Calibration runs record the float32 recurrence's errors without enforcing them.
     measured: ClassVar[tuple[str, ...]] = ("state.recurrent", "output")
@@ -200,28 +202,46 @@ class RecurrentMachine(ConformanceMachine):
         assert self.layer is not None
         return lm_cache().ArraysCache(self.layer.planes)
 
-    def _layer_inputs(self, rows: int, n: int) -> tuple[Array, ...]:
+    # -- the writer skeleton's hooks (``machines.WriterRules``): a block is the layer's
+    # inputs (the toy layer's one, gated DeltaNet's three), written by running the layer
+    def _draw_block(self, rng: np.random.Generator, rows: int, n: int) -> Block:
         g = self.layer
         assert g is not None
         dtype = NUMPY_DTYPES[g.dtype]
-        qkv = self._noise.standard_normal((rows, n, g.channels)).astype(dtype)
+        qkv = rng.standard_normal((rows, n, g.channels)).astype(dtype)
         if g.shapes is not None:
             return (qkv,)
-        a = self._noise.standard_normal((rows, n, g.value_heads)).astype(dtype)
-        b = self._noise.standard_normal((rows, n, g.value_heads)).astype(dtype)
+        a = rng.standard_normal((rows, n, g.value_heads)).astype(dtype)
+        b = rng.standard_normal((rows, n, g.value_heads)).astype(dtype)
         return qkv, a, b
 
-    def _run(self, impl: str, cache: Any, inputs: Sequence[Array]) -> Array:
-        given = [np.array(x, copy=True) if impl == "reference" else to_mlx(x) for x in inputs]
-        out = self._layers[impl](cache, *given)
-        return as_numpy(out)
+    def _write(self, impl: Impl, cache: Any, block: Block) -> Array:
+        inputs = (impl.to_native(x) for x in block if x is not None)  # (every input is drawn)
+        return as_numpy(self._layers[impl.name](cache, *inputs))
 
-    def _run_lm(self, cache: Any, inputs: Sequence[Array]) -> None:
-        self._layers["optimized"](cache, *(to_mlx(x) for x in inputs))
+    def _write_lm(self, lm: Any, block: Block) -> None:
+        self._layers["optimized"](lm, *(to_mlx(x) for x in block if x is not None))
 
-    def _compare(self, quantity: str, what: str, actual: Array, expected: Array) -> None:
-        """The base comparison, at the tolerance of the plane's own dtype."""
-        self._close(quantity, what, actual, expected, expected.dtype.name)
+    def _same_writes(
+        self, what: str, got: tuple[Any, Any], target: Any, counts: Sequence[int] | None
+    ) -> None:
+        """The layer's outputs (a padded run: each row's first ``counts[b]`` tokens)."""
+        y_ref, y_opt = got
+        if counts is None:
+            self._same_arrays("output", f"{what} output", y_opt, y_ref)
+        for b, k in enumerate(counts or ()):
+            if k:
+                self._same_arrays("output", f"{what} row {b} output", y_opt[b, :k], y_ref[b, :k])
+
+    def _solo_write(
+        self, what: str, row: Any, part: Block, expected: tuple[Any, Any] | None
+    ) -> None:
+        solo = self._write_pair(row.ref, row.opt, part)
+        self._write_lm(row.lm, part)
+        if expected is not None:
+            for impl, mine, theirs in zip(("reference", "optimized"), expected, solo, strict=True):
+                self._same_arrays("output.solo", f"{what} output ({impl})", mine, theirs)
+        row.tokens += int(part[0].shape[1])  # type: ignore[union-attr]
 
     def _planes(self, cache: Any) -> tuple[Array, ...] | None:
         assert self.layer is not None
@@ -240,7 +260,7 @@ class RecurrentMachine(ConformanceMachine):
             return
         assert len(a) == len(b), f"{what}: {len(a)} planes vs {len(b)}"
         for i, (mine, theirs) in enumerate(zip(a, b, strict=True)):
-            self._compare(quantity, f"{what} state.{i}", mine, theirs)
+            self._same_arrays(quantity, f"{what} state.{i}", mine, theirs)
 
     def _ref_vs_opt(self, what: str, ref: Any, opt: Any) -> None:
         assert self.layer is not None
@@ -255,7 +275,7 @@ class RecurrentMachine(ConformanceMachine):
                 else ("state.conv",) * len(a)
             )
             for i, (quantity, mine, theirs) in enumerate(zip(quantities, b, a, strict=True)):
-                self._compare(quantity, f"{what} state.{i}", mine, theirs)
+                self._same_arrays(quantity, f"{what} state.{i}", mine, theirs)
         self.stats.check("reference vs optimized")
 
     # ------------------------------------------------------------------ oracles
@@ -312,12 +332,8 @@ class RecurrentMachine(ConformanceMachine):
         self.stats.op("prefill_chunk")
         row = data.draw(st.sampled_from(self.requests), label="request")
         n = data.draw(st.integers(1, 6), label="chunk")
-        inputs = self._layer_inputs(1, n)
-        y_ref = self._run("reference", row.ref, inputs)
-        y_opt = self._run("optimized", row.opt, inputs)
-        self._run_lm(row.lm, inputs)
+        self._write_both(f"request {row.ident}", row, self._draw_block(self._noise, 1, n))
         row.tokens += n
-        self._compare("output", f"request {row.ident} output", y_opt, y_ref)
         self._check_row(row)
 
     def _layout(self, data: st.DataObject, impl: Impl, serial: Any) -> Any:
@@ -385,32 +401,17 @@ class RecurrentMachine(ConformanceMachine):
             if padded
             else [n] * rows
         )
-        inputs = self._layer_inputs(rows, n)
+        block = self._draw_block(self._noise, rows, n)
         if padded:
             for layout in (group.ref, group.opt):
                 layout.prepare(lengths=lengths, right_padding=[n - k for k in lengths])
             group.lm.prepare(lengths=lengths)
-        y_ref = self._run("reference", group.ref, inputs)
-        y_opt = self._run("optimized", group.opt, inputs)
-        self._run_lm(group.lm, inputs)
+        what = f"layout {group.ident}"
+        outputs = self._write_both(what, group, block, lengths)
         if padded:
             for layout in (group.ref, group.opt, group.lm):
                 layout.finalize()
-        for b, row in enumerate(group.rows):
-            k = lengths[b]
-            if k:
-                part = [x[b : b + 1, :k] for x in inputs]
-                solo_ref = self._run("reference", row.ref, part)
-                solo_opt = self._run("optimized", row.opt, part)
-                self._run_lm(row.lm, part)
-                self._compare(
-                    "output.solo", f"row {b} output (optimized)", y_opt[b : b + 1, :k], solo_opt
-                )
-                self._compare(
-                    "output.solo", f"row {b} output (reference)", y_ref[b : b + 1, :k], solo_ref
-                )
-                self._compare("output", f"row {b} output", y_opt[b, :k], y_ref[b, :k])
-            row.tokens += k
+        self._write_solos(what, group.rows, block, lengths, outputs)
         self._check_group(group)
 
     @precondition(lambda self: bool(self.groups))
@@ -507,10 +508,11 @@ class RecurrentMachine(ConformanceMachine):
                 keep[0] = 1 if keep[0] > 1 else 2
         self.stats.op("spec_rounds")
         self.stats.op(f"round:{kind}")
-        inputs = self._layer_inputs(rows, d + 1)
-        for impl, layout in (("reference", group.ref), ("optimized", group.opt)):
+        block = self._draw_block(self._noise, rows, d + 1)
+        for layout in (group.ref, group.opt):
             layout.spec_round_begin()
-            self._run(impl, layout, inputs)
+        self._write_pair(group.ref, group.opt, block)
+        for layout in (group.ref, group.opt):
             assert not layout.can_publish_row(0, layout.row_offsets[0])
             if kind == "commit":
                 layout.spec_round_commit()
@@ -519,14 +521,9 @@ class RecurrentMachine(ConformanceMachine):
             assert not layout.spec_round_open
         # mlx-lm's twin (no rounds): only the accepted prefix, masked per row
         group.lm.prepare(lengths=keep)
-        self._run_lm(group.lm, [x[:, : max(keep)] for x in inputs])
+        self._write_lm(group.lm, self._part(block, None, max(keep)))
         group.lm.finalize()
-        for b, row in enumerate(group.rows):
-            part = [x[b : b + 1, : keep[b]] for x in inputs]
-            self._run("reference", row.ref, part)
-            self._run("optimized", row.opt, part)
-            self._run_lm(row.lm, part)
-            row.tokens += keep[b]
+        self._write_solos(f"layout {group.ident} round", group.rows, block, keep)
         self._check_group(group)
         self.stats.check("rollback vs accepted-only run")
 
