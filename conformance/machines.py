@@ -2305,8 +2305,9 @@ class ConformanceMachine(RuleBasedStateMachine):
 
 
 #: One block a writer writes: an array per tensor (or layer input), ``None`` where this
-#: example has no such tensor (a latent without its index plane).
-Block = tuple[Array | None, ...]
+#: example has no such tensor (a latent without its index plane). ``Any``: a writer
+#: unpacks its own tensors (keys and values are never ``None``).
+Block = tuple[Any, ...]
 
 
 class WriterRules(ConformanceMachine):
