@@ -8,7 +8,8 @@ rules drive ``[B, H, N, D]`` key/value storages; these rules (the latent writer'
 ``hooks.WRITERS["latent"].rules``) drive latent caches with the same oracles and the same
 runner interface (``machines.machine_class`` builds it from the family, ``kvrows conform
 --family latent`` runs it). They are composed over the root machine (in place of the K/V
-writer's ``machines.KvRules``) and reuse its ids, counters, world model
+writer's ``machines.KvRules``), on the writers' skeleton (``machines.WriterRules``: a
+block is the latent, the rope and the index, written by ``append``), and reuse its ids, counters, world model
 (``machines.Request``) and bad-input check:
 
 * **reference vs optimized**: after every operation both hold the same rows (offsets,
@@ -49,6 +50,9 @@ Array = npt.NDArray[Any]
 
 #: Oracles every run of the family must reach (the CI test asserts them).
 LATENT_CHECKS = ("reference", "solo", "planes", "bad input unchanged")
+
+#: The tensors a latent block holds, in ``append``'s order.
+_TENSORS = ("latent", "rope", "index")
 
 _CODECS: tuple[Affine | Turbo, ...] = (
     Affine(bits=8, group_size=64),
@@ -493,7 +497,7 @@ class LatentMachine(WriterRules):
     ) -> None:
         """Both reads agree on every row's visible columns (padding is unspecified: the
         optimized rollback leaves rolled-out tokens there, hidden by the mask)."""
-        for name, r, o in zip(("latent", "rope", "index"), got_ref, got_opt, strict=True):
+        for name, r, o in zip(_TENSORS, got_ref, got_opt, strict=True):
             if r is None or o is None:
                 self._exact(f"{what} {name} presence", o is None, r is None)
                 continue
@@ -509,18 +513,28 @@ class LatentMachine(WriterRules):
         if ref.width and request.lm is not None and not self.encoded:
             twin, index_twin = request.lm
             self._exact("mlx-lm offset", int(twin.offset), ref.width)
-            latent, rope, index = ref.current()
-            self._same_latent("mlx-lm latent", from_mlx(twin.keys[:, :, : twin.offset]), latent)
-            self._same_latent("mlx-lm rope", from_mlx(twin.values[:, :, : twin.offset]), rope)
-            if index is not None:
-                held = from_mlx(index_twin.keys[:, :, : index_twin.offset])
-                self._same_latent("mlx-lm index", held, index)
+            held = (twin.keys, twin.values, index_twin.keys)
+            ends = (twin.offset, twin.offset, index_twin.offset)
+            lm = [
+                None if a is None else from_mlx(a[:, :, :end])
+                for a, end in zip(held, ends, strict=True)
+            ]
+            self._same_tensors("mlx-lm", lm, ref.current())
             self.stats.check("mlx-lm")
 
     def _same_latent(self, what: str, got: Array, want: Array) -> None:
         """Byte-exact: the decoded latent too (the TurboQuant decode of both implementations
         agrees bit for bit; the deep profile never saw a difference)."""
         self._same_arrays("latent", what, got, want, exact=True)
+
+    def _same_tensors(
+        self, what: str, got: Sequence[Array | None], want: Sequence[Array | None]
+    ) -> None:
+        """Tensor by tensor (latent, rope, index), byte-exact where ``want`` holds one."""
+        for name, mine, theirs in zip(_TENSORS, got, want, strict=True):
+            if theirs is not None:
+                assert mine is not None, f"{what} {name}: missing"
+                self._same_latent(f"{what} {name}", mine, theirs)
 
     def _same_state(self, what: str, ref: Any, opt: Any) -> None:
         self._exact(f"{what} row offsets", opt.row_offsets, ref.row_offsets)
@@ -559,14 +573,7 @@ class LatentMachine(WriterRules):
         self._exact(f"{what} width", got.width, solo.width)
         if solo.width:
             self._exact(f"{what} converted", got.converted, solo.converted)
-            for name, g, s in zip(
-                ("latent", "rope", "index"),
-                got.current(),
-                solo.current(),
-                strict=True,
-            ):
-                if s is not None:
-                    self._same_latent(f"{what} {name}", g, s)
+            self._same_tensors(what, got.current(), solo.current())
         self.stats.check("solo")
 
     def _check_layout(self) -> None:
@@ -586,13 +593,9 @@ class LatentMachine(WriterRules):
             self._exact(
                 f"row {b} converted vs solo", ref.converted[b], (solo.converted or (False,))[0]
             )
-            if solo.width == 0:
-                continue
-            for name, got, want in zip(
-                ("latent", "rope", "index"), reads, solo.current(), strict=True
-            ):
-                if want is not None and got is not None:
-                    self._same_latent(f"row {b} {name} vs solo", got[b : b + 1, :, pad:], want)
+            if solo.width:
+                row = [None if a is None else a[b : b + 1, :, pad:] for a in reads]
+                self._same_tensors(f"row {b} vs solo", row, solo.current())
         self.stats.check("solo")
         if layout.lm is not None:
             twin, index_twin = layout.lm
@@ -602,22 +605,12 @@ class LatentMachine(WriterRules):
                 list(ref.left_pad),
             )
             self._exact("mlx-lm write column", int(twin._idx), ref.width)
+            held = (twin.keys, twin.values, None if index_twin is None else index_twin.keys)
+            ends = (twin._idx, twin._idx, None if index_twin is None else index_twin._idx)
             for b in range(ref.batch_size):
                 pad = ref.left_pad[b]
-                self._same_latent(
-                    f"mlx-lm row {b} latent",
-                    from_mlx(twin.keys[b : b + 1, :, pad : twin._idx]),
-                    reads[0][b : b + 1, :, pad:],
-                )
-                self._same_latent(
-                    f"mlx-lm row {b} rope",
-                    from_mlx(twin.values[b : b + 1, :, pad : twin._idx]),
-                    reads[1][b : b + 1, :, pad:],
-                )
-                if index_twin is not None and reads[2] is not None:
-                    self._same_latent(
-                        f"mlx-lm row {b} index",
-                        from_mlx(index_twin.keys[b : b + 1, :, pad : index_twin._idx]),
-                        reads[2][b : b + 1, :, pad:],
-                    )
+                lm = [None if a is None else from_mlx(a[b : b + 1, :, pad:end])
+                      for a, end in zip(held, ends, strict=True)]  # fmt: skip
+                row = [None if a is None else a[b : b + 1, :, pad:] for a in reads]
+                self._same_tensors(f"mlx-lm row {b}", lm, row)
             self.stats.check("mlx-lm")

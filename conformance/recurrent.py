@@ -2,8 +2,9 @@
 
 Recurrent state has no token axis, no keys and values and no attention read, so these
 rules (the recurrent writer's, ``hooks.WRITERS["recurrent"].rules``, over the root
-machine ``conformance.machines`` in place of the K/V writer's ``KvRules``) drive plane
-writes, padded runs and record/replay rounds. They keep the
+machine ``conformance.machines`` in place of the K/V writer's ``KvRules``, on the writers'
+skeleton ``WriterRules``: a block is the layer's inputs) drive plane writes, padded runs
+and record/replay rounds. They keep the
 base machine's discipline and pieces: its ``Stats`` counters, implementations, ids,
 tolerance comparison (``_close``, at each plane's dtype) and bad-input check
 (``_both_refuse``: both implementations raise the contract's error with the same message,
@@ -241,7 +242,7 @@ class RecurrentMachine(WriterRules):
         if expected is not None:
             for impl, mine, theirs in zip(("reference", "optimized"), expected, solo, strict=True):
                 self._same_arrays("output.solo", f"{what} output ({impl})", mine, theirs)
-        row.tokens += int(part[0].shape[1])  # type: ignore[union-attr]
+        row.tokens += int(part[0].shape[1])
 
     def _planes(self, cache: Any) -> tuple[Array, ...] | None:
         assert self.layer is not None
@@ -251,7 +252,10 @@ class RecurrentMachine(WriterRules):
             return None
         return tuple(as_numpy(p) for p in planes)
 
-    def _same_state_planes(self, what: str, got: Any, want: Any, quantity: str) -> None:
+    def _same_state_planes(
+        self, what: str, got: Any, want: Any, quantity: str | tuple[str, ...]
+    ) -> None:
+        """Plane by plane, at ``quantity`` (or one quantity per plane)."""
         a, b = self._planes(got), self._planes(want)
         if a is None or b is None:
             assert (a is None and b is None) or (quantity == "state.solo" and _zero(a or b)), (
@@ -259,23 +263,18 @@ class RecurrentMachine(WriterRules):
             )
             return
         assert len(a) == len(b), f"{what}: {len(a)} planes vs {len(b)}"
-        for i, (mine, theirs) in enumerate(zip(a, b, strict=True)):
-            self._same_arrays(quantity, f"{what} state.{i}", mine, theirs)
+        quantities = (quantity,) * len(a) if isinstance(quantity, str) else quantity
+        for i, (q, mine, theirs) in enumerate(zip(quantities, a, b, strict=True)):
+            self._same_arrays(q, f"{what} state.{i}", mine, theirs)
 
     def _ref_vs_opt(self, what: str, ref: Any, opt: Any) -> None:
         assert self.layer is not None
-        a, b = self._planes(ref), self._planes(opt)
-        assert (a is None) == (b is None), f"{what}: planes held by one implementation only"
-        if a is not None and b is not None:
-            # gated DeltaNet: copied inputs, then float32 recurrence (another reduction
-            # order); the toy layer: one rounding and one cast per step, exact
-            quantities = (
-                ("state.conv", "state.recurrent")
-                if self.layer.shapes is None
-                else ("state.conv",) * len(a)
-            )
-            for i, (quantity, mine, theirs) in enumerate(zip(quantities, b, a, strict=True)):
-                self._same_arrays(quantity, f"{what} state.{i}", mine, theirs)
+        # gated DeltaNet: copied inputs, then float32 recurrence (another reduction order);
+        # the toy layer: one rounding and one cast per step, exact
+        gated = ("state.conv", "state.recurrent")
+        self._same_state_planes(
+            what, opt, ref, gated if self.layer.shapes is None else "state.conv"
+        )
         self.stats.check("reference vs optimized")
 
     # ------------------------------------------------------------------ oracles
