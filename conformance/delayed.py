@@ -43,7 +43,7 @@ import contextlib
 import importlib
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -379,17 +379,6 @@ class DelayedMachine(WriterRules):
         keys, values = block
         return cache.update_and_fetch(impl.to_native(keys), impl.to_native(values))
 
-    def _same_writes(
-        self, what: str, got: tuple[Any, Any], target: Any, counts: Sequence[int] | None
-    ) -> None:
-        """A pool request's tokens in time order (a serial ring's reads come in its own
-        column order): the optimized vs the reference."""
-        views = [
-            self._view(impl, cache)
-            for impl, cache in zip(self.impls, (target.ref, target.opt), strict=True)
-        ]
-        self._same_planes("kv.fetched", f"{what}: optimized vs the reference", views[1], views[0])
-
     # -- the model ----------------------------------------------------------------------------
     def _due(self, track: Track) -> bool:
         return track.converted_at is None and self.g.converts(track.tokens)
@@ -513,13 +502,19 @@ class DelayedMachine(WriterRules):
             self.stats.check("crossing chunk in a lego")
         block = keys, values = self._draw_block(rng, 1, n)
         what = f"request {track.ident} ({track.holds}) chunk of {n} onto {track.tokens}"
-        self._write_both(what, track, block)
+        pairs = [(track.ref, track.opt)]
         if track.solo_ref is not None:
-            self._write_pair(track.solo_ref, track.solo_opt, block)
-            want = self._view(self.ref_impl, track.ref)
-            for impl, solo in zip(self.impls, (track.solo_ref, track.solo_opt), strict=True):
-                label = f"{what}: the {impl.name} solo lego vs the reference"
-                self._same_planes("kv.solo", label, self._view(impl, solo), want)
+            pairs.append((track.solo_ref, track.solo_opt))
+        for ref, opt in pairs:
+            self._write_pair(ref, opt, block)
+        # What each holds in time order (a serial ring's reads come in its own column order).
+        views = [
+            self._view(impl, c) for pair in pairs for impl, c in zip(self.impls, pair, strict=True)
+        ]
+        names = ["optimized", "the reference's solo lego", "the optimized solo lego"]
+        for name, view in zip(names, views[1:], strict=False):
+            self._same_planes("kv.solo" if "solo" in name else "kv.fetched",
+                             f"{what}: {name} vs the reference", view, views[0])  # fmt: skip
         self._record_append(track, keys, values)
         if track.holds == "lego" and self._due(track):  # the model's rule, not the lego's
             self._mark_converted(track)
@@ -840,22 +835,18 @@ class DelayedMachine(WriterRules):
         (:meth:`_solo_write`, through the writer skeleton's ``_write_solos``)."""
         self._round_block = round_block
         answers = (outputs[0], outputs[1])
-        what = f"layout {slot.ident}"
-        self._write_solos(what, slot.rows, (*block, queries), accepted, answers)
+        self._write_solos(f"layout {slot.ident}", slot.rows, (*block, queries), accepted, answers)
         self.stats.check("solo attention", len(slot.rows))
         self.stats.check("solo replay")
 
-    def _solo_write(
-        self, what: str, row: Any, part: Block, expected: tuple[Any, Any] | None
-    ) -> None:
+    def _solo_write(self, what: str, track: Any, part: Block, expected: Block | None) -> None:
         """A row's solo legos take its part of the block (keys, values, queries); their
         attention equals the layout row's for those queries (exactly in the optimized
         implementation while the row reads plain, outside rounds). A converted TurboQuant
         row's attention also equals the eager oracle over its solo storage's planes
         (:meth:`_check_eager`). Then the model's rule converts the row when due."""
-        track = row
         kb, vb, qb = part
-        assert kb is not None and vb is not None and qb is not None and expected is not None
+        assert expected is not None
         k = int(kb.shape[2])
         what = f"{what} (request {track.ident}, {k} tokens)"
         plain_before = track.converted_at is None
@@ -877,9 +868,8 @@ class DelayedMachine(WriterRules):
             codec = self._codec(impl, quantized)
             q_native = impl.to_native(qb)
             solo_out = impl.to_numpy(codec.attend(q_native, *got, mask, self.g.scale))
-            row_out = out
             if quantized and self.turbo:
-                self._check_eager(f"{what} ({impl.name})", impl, solo, q_native, mask, row_out)
+                self._check_eager(f"{what} ({impl.name})", impl, solo, q_native, mask, out)
             # A wrapped serial ring reads a single token's step in physical order (the
             # window rotated by its phase) where the layout reads each row in time
             # order: the same terms summed in another order, so not bit for bit.
@@ -888,7 +878,7 @@ class DelayedMachine(WriterRules):
                 self._close(
                     "attention.solo.plain",
                     f"{what}: optimized attention vs its plain solo lego",
-                    row_out,
+                    out,
                     solo_out,
                     chosen=EXACT,
                 )
@@ -896,7 +886,7 @@ class DelayedMachine(WriterRules):
             else:
                 self._close(
                     "attention.solo", f"{what}: {impl.name} attention vs its solo lego",
-                    row_out, solo_out,
+                    out, solo_out,
                 )  # fmt: skip
         if self._due(track):  # the model's rule: the row converts at this boundary
             self._mark_converted(track)

@@ -158,9 +158,7 @@ class LatentMachine(WriterRules):
         pads = target.ref.left_pad if isinstance(target, Layout) else None
         self._same_read(what, *got, pads)
 
-    def _solo_write(
-        self, what: str, row: Any, part: Block, expected: tuple[Any, Any] | None
-    ) -> None:
+    def _solo_write(self, what: str, row: Any, part: Block, expected: Block | None) -> None:
         self._write(self.ref_impl, row.ref, part)
 
     def _lm_twins(self) -> tuple[Any, Any] | None:
@@ -220,13 +218,7 @@ class LatentMachine(WriterRules):
         twins = [r.lm for r in chosen]
         self._into_rows(layout, chosen)
         if all(t is not None and t[0].offset > 0 for t in twins):
-            batch: Any = lm_cache().BatchKVCache
-            layout.lm = (
-                batch.merge([t[0] for t in twins if t is not None]),
-                batch.merge([t[1] for t in twins if t is not None])
-                if self.c.index is not None
-                else None,
-            )
+            layout.lm = self._merged_lm(twins)
         self.layout = layout
         for request in chosen:
             self.requests.remove(request)
@@ -307,17 +299,17 @@ class LatentMachine(WriterRules):
             if solo.width == 0:
                 layout.lm = None
                 return
-            latent, rope, index = (None if a is None else to_mlx(a) for a in solo.current())
-            twin, index_twin = lm.KVCache(), lm.KVCache()
-            twin.update_and_fetch(latent, rope)
-            if index is not None:
-                index_twin.update_and_fetch(index, index)
-            pairs.append((twin, index_twin))
-        layout.lm = (
-            lm.BatchKVCache.merge([p[0] for p in pairs]),
-            lm.BatchKVCache.merge([p[1] for p in pairs]) if self.c.index is not None else None,
-        )
+            pairs.append((lm.KVCache(), lm.KVCache()))
+            self._write_lm(pairs[-1], solo.current())
+        layout.lm = self._merged_lm(pairs)
         self.stats.check("mlx-lm rollback rebuild")
+
+    def _merged_lm(self, twins: Sequence[Any]) -> tuple[Any, Any]:
+        """mlx-lm's ``BatchKVCache`` pair over requests' ``KVCache`` pairs (the index
+        twin only where the example has an index plane)."""
+        batch: Any = lm_cache().BatchKVCache
+        latent = batch.merge([t[0] for t in twins])
+        return latent, batch.merge([t[1] for t in twins]) if self.c.index is not None else None
 
     @precondition(lambda self: self.layout is not None)
     @rule(data=st.data())

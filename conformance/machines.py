@@ -2339,9 +2339,7 @@ class WriterRules(ConformanceMachine):
         """The writes' answers agree, reference vs optimized (row ``b``'s first
         ``counts[b]`` tokens; every token without counts)."""
 
-    def _solo_write(
-        self, what: str, row: Any, part: Block, expected: tuple[Any, Any] | None
-    ) -> None:
+    def _solo_write(self, what: str, row: Any, part: Block, expected: Block | None) -> None:
         """A layout row's solo caches take its ``part`` of the block; their answers equal
         the layout row's ``expected`` (reference, optimized; ``None``: not compared)."""
         raise NotImplementedError
@@ -2381,10 +2379,7 @@ class WriterRules(ConformanceMachine):
             k = None if counts is None else counts[b]
             if k == 0:
                 continue
-            expected = None
-            if answers is not None:
-                ref_part, opt_part = (self._part((a,), b, k)[0] for a in answers)
-                expected = (ref_part, opt_part)
+            expected = None if answers is None else self._part(answers, b, k)
             self._solo_write(f"{what} row {b}", row, self._part(block, b, k), expected)
 
     def _same_arrays(

@@ -234,9 +234,7 @@ class RecurrentMachine(WriterRules):
             if k:
                 self._same_arrays("output", f"{what} row {b} output", y_opt[b, :k], y_ref[b, :k])
 
-    def _solo_write(
-        self, what: str, row: Any, part: Block, expected: tuple[Any, Any] | None
-    ) -> None:
+    def _solo_write(self, what: str, row: Any, part: Block, expected: Block | None) -> None:
         solo = self._write_pair(row.ref, row.opt, part)
         self._write_lm(row.lm, part)
         if expected is not None:
@@ -278,6 +276,14 @@ class RecurrentMachine(WriterRules):
         self.stats.check("reference vs optimized")
 
     # ------------------------------------------------------------------ oracles
+    def _same_as_solo(self, what: str, rows: tuple[Any, Any], solo: Request) -> None:
+        """A layout's row (reference, optimized) holds its solo replay's planes and offset."""
+        for impl, got, want in zip(
+            ("reference", "optimized"), rows, (solo.ref, solo.opt), strict=True
+        ):
+            self._same_state_planes(f"{what} ({impl}) vs solo", got, want, "state.solo")
+            assert got.offset == want.offset == solo.tokens, f"{what} ({impl}): offsets"
+
     def _check_row(self, row: Request) -> None:
         self._ref_vs_opt(f"request {row.ident}", row.ref, row.opt)
         assert row.ref.offset == row.opt.offset == row.tokens, (
@@ -299,15 +305,8 @@ class RecurrentMachine(WriterRules):
         self._same_state_planes(f"{what} vs mlx-lm", group.opt, group.lm, "state.mlx_lm")
         self.stats.check("mlx-lm parity")
         for b, row in enumerate(group.rows):
-            for impl, layout, solo in (
-                ("reference", group.ref, row.ref),
-                ("optimized", group.opt, row.opt),
-            ):
-                extracted = layout.extract_row(b)
-                self._same_state_planes(
-                    f"{what} row {b} ({impl}) vs solo", extracted, solo, "state.solo"
-                )
-                assert extracted.offset == solo.offset == row.tokens
+            extracted = group.ref.extract_row(b), group.opt.extract_row(b)
+            self._same_as_solo(f"{what} row {b}", extracted, row)
         self.stats.check("solo replay")
         group.ref.check_valid()
         group.opt.check_valid()
@@ -461,8 +460,7 @@ class RecurrentMachine(WriterRules):
             group.lm.extract(b) if group.lm[0] is not None else self._lm_new(),
             solo.tokens,
         )
-        for impl, got, want in (("reference", row.ref, solo.ref), ("optimized", row.opt, solo.opt)):
-            self._same_state_planes(f"extracted row ({impl}) vs solo", got, want, "state.solo")
+        self._same_as_solo("extracted row", (row.ref, row.opt), solo)
         self.stats.check("solo replay")
         self.requests.append(row)
         self._check_row(row)
