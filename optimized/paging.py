@@ -1253,6 +1253,10 @@ class PagedLayout(PagedRows, Layout):
             if table is None or (source_pool is not pool and cut[0] == 0):
                 joined.append(pool.open([]))
             elif source_pool is pool:  # the blocks of what the merge takes, shared
+                offset, retained, _ = cut
+                if retained == offset and len(table) == -(-offset // bs):  # all of it
+                    joined.append(pool.open(list(table)))
+                    continue
                 needed = held_blocks(*cut, bs)
                 joined.append(pool.open([b if j in needed else FREE for j, b in enumerate(table)]))
             else:
