@@ -98,9 +98,10 @@ Runs = Sequence[tuple[int, int]]
 Lent = tuple[int, int, int]
 
 
-def _live(table: Sequence[int]) -> list[int]:
-    """The blocks a table holds (``FREE`` entries hold none)."""
-    return [b for b in table if b != FREE]
+def _live(table: Sequence[int]) -> Sequence[int]:
+    """The blocks a table holds (``FREE`` entries hold none): the table itself when it has
+    no ``FREE`` entry (a growing row's), read before the table changes."""
+    return table if FREE not in table else [b for b in table if b != FREE]
 
 
 def position_runs(offset: int, retained: int, sinks: int) -> list[tuple[int, int]]:
@@ -753,12 +754,19 @@ class PagedRows(PagedSurface, Storage):
         return near if self._pool is None else self._pool.held_arrays() + near
 
     def _accepts(self, source: Any) -> bool:
-        return (
-            getattr(source, "pool_class", None) is self.pool_class
-            and source.block_size == self.block_size
-            and [c.key for c in source._stages] == [c.key for c in self._stages]
-            and source.token_geometry == self.token_geometry
-        )
+        merges_with = getattr(source, "_merges_with", None)
+        return merges_with is not None and merges_with() == self._merges_with()
+
+    def _merges_with(self) -> tuple[Any, ...]:
+        """What a source must share to join (its pool class, block size, stage codecs and
+        token geometry), computed again only when its stages are replaced (the rest is
+        fixed at construction)."""
+        cached: tuple[Any, tuple[Any, ...]] | None = self.__dict__.get("_merge_key")
+        if cached is None or cached[0] is not self._stages:
+            stages = tuple(c.key for c in self._stages)
+            key = (self.pool_class, self.block_size, stages, self.token_geometry)
+            cached = self.__dict__["_merge_key"] = (self._stages, key)
+        return cached[1]
 
     def _lent(self, b: int) -> Lent:
         """What a merge or an extraction takes of row ``b`` (a growing row: every
