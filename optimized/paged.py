@@ -107,35 +107,18 @@ class PagedLatentCache(PagedLatentMembers, LatentSurface, SpeculativeLayout, Pag
         zeros in the pads; ``{}`` while no row holds a position)."""
         if not any(self._offsets):
             return {}
-        width = max(self._offsets)
-        beside = self._beside_rows()
-        if not beside:
-            assert self._pool is not None
-            held: PlaneSet = self._pool.gather(self._tables, self._offsets, self._pads, width)
-            return held
-        pooled = [b for b in range(len(self._offsets)) if self._in_pool(b)]
-        target = self._stages[-1]
-        mask = self._held_mask([self._offsets[b] for b in beside], width)
-        near = {
-            t: tuple(mx.where(mask, p, mx.array(0, p.dtype)) for p in target.encode(x, as_role(t)))
-            for t, x in self._beside_read(width).items()
-        }
-        parts = [near]
-        if pooled:
-            assert self._pool is not None
-            parts.insert(0, self._pool.gather(
-                [self._tables[b] for b in pooled], [self._offsets[b] for b in pooled],
-                [self._pads[b] for b in pooled], width,
-            ))  # fmt: skip
-        order = pooled + beside
-        inverse = mx.array(sorted(range(len(order)), key=order.__getitem__))
-        out: PlaneSet = {
-            t: tuple(
-                mx.take(mx.concatenate(list(ps), axis=0), inverse, axis=0)
-                for ps in zip(*(part[t] for part in parts), strict=True)
-            )
-            for t in near
-        }
+        width, target = max(self._offsets), self._stages[-1]
+
+        def beside(rows: list[int]) -> dict[str, Any]:
+            mask = self._held_mask([self._offsets[b] for b in rows], width)
+            return {
+                t: tuple(
+                    mx.where(mask, p, mx.array(0, p.dtype)) for p in target.encode(x, as_role(t))
+                )
+                for t, x in self._beside_read(rows, width).items()
+            }
+
+        out: PlaneSet = self._stacked(lambda rows: self._pool_gather(rows, width), beside)
         mx.eval(*(p for ps in out.values() for p in ps))
         return out
 

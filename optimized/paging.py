@@ -117,6 +117,11 @@ def _index(values: Sequence[int]) -> mx.array:
     return mx.array(list(values), dtype=mx.int32)
 
 
+def rows_of(array: mx.array, rows: Sequence[int], total: int) -> mx.array:
+    """Rows ``rows`` of ``array`` (``[total, ...]``; itself when they are all of them)."""
+    return array if len(rows) == total else mx.take(array, mx.array(list(rows)), axis=0)
+
+
 def _shape(array: object) -> tuple[int, ...]:
     return tuple(int(x) for x in array.shape) if isinstance(array, mx.array) else ()
 
@@ -620,11 +625,58 @@ class PagedRows(PagedSurface, Storage):
         """Whether row ``row``'s positions live in the pool (else beside it, stage 0)."""
         return self._contiguous is None or self._row_stage[row] == self._pool_stage
 
+    def _split(self, stages: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
+        """The rows (each in ``stages[b]``, default its own) in the pool and those beside
+        it (the contiguous layout's rows), each part in batch order: every row operation
+        runs on each part, then ``_stacked`` puts a read's parts back in batch order."""
+        if self._contiguous is None:
+            return list(range(len(self._offsets if stages is None else stages))), []
+        last, pooled, beside = self._pool_stage, list[int](), list[int]()
+        for b, stage in enumerate(self._row_stage if stages is None else stages):
+            (pooled if stage == last else beside).append(b)
+        return pooled, beside
+
     def _beside_rows(self) -> list[int]:
         """The rows beside the pool, in batch order (the contiguous layout's rows)."""
-        if self._contiguous is None:
-            return []
-        return [b for b, stage in enumerate(self._row_stage) if stage != self._pool_stage]
+        return self._split()[1]
+
+    def _slots(self) -> dict[int, int]:
+        """Each row beside the pool: its row in the contiguous layout (in batch order)."""
+        return {b: i for i, b in enumerate(self._beside_rows())}
+
+    def _stacked(
+        self,
+        pooled: Callable[[list[int]], dict[str, Any]],
+        beside: Callable[[list[int]], dict[str, Any]],
+    ) -> dict[str, Any]:
+        """A read per stage: ``pooled(rows)`` of the rows in the pool and ``beside(rows)``
+        of those beside it (a part of no row is not read), stacked back in batch order
+        (per tensor an array or a tuple of planes)."""
+        split = self._split()
+        parts = [read(rows) for rows, read in zip(split, (pooled, beside), strict=True) if rows]
+        if len(parts) == 1:
+            return parts[0]
+        inverse = [0] * len(self._offsets)  # each row's place in ``pooled + beside``
+        for place, b in enumerate(split[0] + split[1]):
+            inverse[b] = place
+        index = mx.array(inverse)
+
+        def stack(xs: Sequence[Any]) -> Any:
+            return mx.take(mx.concatenate(list(xs), axis=0), index, axis=0)
+
+        return {
+            t: tuple(map(stack, zip(*(p[t] for p in parts), strict=True)))
+            if isinstance(x, tuple) else stack([p[t] for p in parts])
+            for t, x in parts[0].items()
+        }  # fmt: skip
+
+    def _pool_gather(self, rows: Sequence[int], width: int) -> PlaneSet:
+        """Rows ``rows`` gathered from the pool right-aligned in ``width`` columns."""
+        assert self._pool is not None
+        return self._pool.gather(
+            [self._tables[b] for b in rows], [self._offsets[b] for b in rows],
+            [self._pads[b] for b in rows], width,
+        )  # fmt: skip
 
     def _restaged(self) -> None:
         """The rows changed: ``codec`` is the newest stage's any row is in."""
@@ -668,9 +720,8 @@ class PagedRows(PagedSurface, Storage):
                 raise LayoutStateError(last_stage_message(b, last))
         if not moving:
             return
-        pool = self._pool
+        pool, slot = self._pool, self._slots()
         assert pool is not None
-        beside = self._beside_rows()
         source, target = self._stages[0], self._stages[last]
         needed = [pool.blocks_for(self._offsets[b]) for b in moving]
         fresh = pool.ledger.allocate(sum(needed))
@@ -678,7 +729,7 @@ class PagedRows(PagedSurface, Storage):
             table = self._tables[b]
             table.extend(fresh[:count])
             del fresh[:count]
-            window = self._contiguous._held_window(beside.index(b)) if count else None
+            window = self._contiguous._held_window(slot[b]) if count else None
             if window is not None:
                 pool.write_row(
                     table,
@@ -688,7 +739,7 @@ class PagedRows(PagedSurface, Storage):
                     },
                 )
         pool.ledger.bytes_written += sum(self._offsets[b] for b in moving) * pool.token_bytes
-        self._contiguous.filter_rows([i for i, b in enumerate(beside) if b not in moving])
+        self._contiguous.filter_rows([i for b, i in slot.items() if b not in moving])
         for b in moving:
             self._row_stage[b] = last
         self._restaged()
@@ -802,8 +853,7 @@ class PagedRows(PagedSurface, Storage):
         offsets = list(self._offsets) if opened else [0] * rows
         tables: list[Table] = self._tables if opened else [[] for _ in range(rows)]
         last, size = self._pool_stage, self.block_size
-        pooled = [b for b, stage in enumerate(stages) if stage == last]
-        beside = [b for b, stage in enumerate(stages) if stage != last]
+        pooled, beside = self._split(stages)
         due = self._converts_after(stages, offsets, n)
         room = len(pooled) * math.ceil(n / size)
         if due and self._pool is not None:  # the append's blocks and the conversion's
@@ -816,12 +866,9 @@ class PagedRows(PagedSurface, Storage):
             pool.adopt_empty(self._tables)  # rows joined before any pool existed
             self._watch()
         if pooled:
-            codec, index = self._stages[last], mx.array(pooled)
+            codec = self._stages[last]
             share = {
-                t: tuple(
-                    p if len(pooled) == rows else mx.take(p, index, axis=0)
-                    for p in codec.encode(x, as_role(t))
-                )
+                t: tuple(rows_of(p, pooled, rows) for p in codec.encode(x, as_role(t)))
                 for t, x in blocks.items()
             }
             pool.append([tables[b] for b in pooled], [offsets[b] for b in pooled], share, n)
@@ -833,10 +880,7 @@ class PagedRows(PagedSurface, Storage):
             self._pads = [0] * rows
             self._watch()
         if beside:
-            index = mx.array(beside)
-            near = blocks if len(beside) == rows else {
-                t: mx.take(x, index, axis=0) for t, x in blocks.items()
-            }  # fmt: skip
+            near = {t: rows_of(x, beside, rows) for t, x in blocks.items()}
             self._contiguous._write_blocks(near, shapes)
         self._take_shapes(shapes)
         self._offsets = [o + n for o in offsets]
@@ -885,31 +929,19 @@ class PagedRows(PagedSurface, Storage):
         if self._pool is None or not self._tables or not any(self._offsets):
             raise LayoutStateError(NOTHING_TO_FETCH)
         width, codec = max(self._offsets), self._stages[-1]
-        beside = self._beside_rows()
-        if not beside:
-            planes = self._pool.gather(self._tables, self._offsets, self._pads, width)
-            return {t: codec.fetched(held, as_role(t)) for t, held in planes.items()}
-        pooled = [b for b in range(len(self._offsets)) if self._in_pool(b)]
-        parts = [self._beside_read(width)]
-        if pooled:
-            planes = self._pool.gather(
-                [self._tables[b] for b in pooled], [self._offsets[b] for b in pooled],
-                [self._pads[b] for b in pooled], width,
-            )  # fmt: skip
-            parts.insert(0, {t: codec.fetched(held, as_role(t)) for t, held in planes.items()})
-        order = pooled + beside
-        inverse = mx.array(sorted(range(len(order)), key=order.__getitem__))
-        return {
-            t: mx.take(mx.concatenate([part[t] for part in parts], axis=0), inverse, axis=0)
-            for t in parts[0]
-        }
 
-    def _beside_read(self, width: int) -> dict[str, Any]:
-        """The rows beside the pool as stage 0 reads them, right-justified in ``width``
-        columns, zeros in every column that holds no token of its row (the pool's gather
-        zeros)."""
+        def pooled(rows: list[int]) -> dict[str, Any]:
+            planes = self._pool_gather(rows, width)
+            return {t: codec.fetched(held, as_role(t)) for t, held in planes.items()}
+
+        return self._stacked(pooled, lambda rows: self._beside_read(rows, width))
+
+    def _beside_read(self, rows: Sequence[int], width: int) -> dict[str, Any]:
+        """The rows beside the pool (``rows``) as stage 0 reads them, right-justified in
+        ``width`` columns, zeros in every column that holds no token of its row (the
+        pool's gather zeros)."""
         near, shapes = self._contiguous, self._shapes()
-        offsets = [self._offsets[b] for b in self._beside_rows()]
+        offsets = [self._offsets[b] for b in rows]
         if near.width:
             read = near._read()
         else:
@@ -935,7 +967,7 @@ class PagedRows(PagedSurface, Storage):
         storage when ``row`` is ``None``; a row beside the pool: its contiguous window);
         ``None`` while it holds none."""
         if row is not None and not self._in_pool(row):
-            window: PlaneSet | None = self._contiguous._held_window(self._beside_rows().index(row))
+            window: PlaneSet | None = self._contiguous._held_window(self._slots()[row])
             return window
         if self._pool is None or not self._tables:
             return None
@@ -1296,7 +1328,7 @@ class PagedLayout(PagedRows, Layout):
             self._pool.close([t for i, t in enumerate(self._tables) if i not in kept])
         self._tables[:] = [self._tables[i] for i in order]
         if self._contiguous is not None:
-            slot = {b: i for i, b in enumerate(self._beside_rows())}
+            slot = self._slots()
             self._contiguous.filter_rows([slot[b] for b in order if b in slot])
             self._row_stage = [self._row_stage[b] for b in order]
             self._restaged()
@@ -1319,7 +1351,7 @@ class PagedLayout(PagedRows, Layout):
         serial._geometry = self._geometry
         if not self._in_pool(index):
             if self._offsets[index]:
-                near = self._contiguous.extract_row(self._beside_rows().index(index))
+                near = self._contiguous.extract_row(self._slots()[index])
                 serial._adopt_beside(near, self._offsets[index])
             return serial
         offset, count, sinks = self._lent(index)
