@@ -369,6 +369,30 @@ def checked_planes(
     return LatentShapes(*widths, cache.latent_spec.index_head_dim, dtype), held
 
 
+def restore_rows(cache: Any, fields: dict[str, Any]) -> Any:
+    """``cache`` (empty, of the saved declaration) holding the rows of a ``LATENT_FIELDS``
+    state, checked, each in its stage (``_adopt_state``: a two-stage cache's converted
+    rows from the codec planes, the others in stage 0 from the exact latent); the one
+    restore of every latent cache (``InvalidInputError`` when the state is inconsistent)."""
+    offsets = cache._ints(fields["offset"], "offset")
+    flags = cache._ints(fields["converted"], "converted")
+    width = checked_rows(cache, offsets, flags)
+    done = [bool(f) for f in flags] if len(cache._stages) > 1 else None
+    if width == 0:
+        cache._adopt_state(None, offsets, 0, converted=done)
+        return cache
+    widths = declared_widths(cache)
+    planes, exact = restored_planes(cache, fields, not all(flags))
+    learnt, held = checked_planes(cache, fields, planes, exact, widths, len(offsets), width)
+    if cache._shapes() not in (None, learnt):  # a paged latent's pool learnt its own
+        raise InvalidInputError(
+            f"{type(cache).__name__}: the pool holds {cache._shapes()}, the state {learnt}"
+        )
+    cache._take_shapes(learnt)
+    cache._adopt_state(held, offsets, width, exact=exact, converted=done)
+    return cache
+
+
 # The surface sits first among a row-machinery class's bases (``classes.build``): at run
 # time it brings no base of its own ahead of the speculative layout and the machinery.
 if TYPE_CHECKING:
@@ -662,9 +686,17 @@ class LatentSurfaceMembers(_LatentLayout):
         implementation)."""
         raise NotImplementedError
 
-    def _adopt_state(self, planes: PlaneSet | None, offsets: list[int], width: int) -> None:
+    def _adopt_state(
+        self,
+        planes: PlaneSet | None,
+        offsets: list[int],
+        width: int,
+        exact: Any = None,
+        converted: Sequence[bool] | None = None,
+    ) -> None:
         """Hold rows at ``offsets`` from right-justified planes ``[B, 1, width, ·]`` (owned
-        copies; ``None``: no token); the shapes are taken already."""
+        copies; ``None``: no token); the shapes are taken already. One stage: every row
+        in it (``exact`` and ``converted``, a two-stage cache's, are ``None``)."""
         raise NotImplementedError
 
     def _native(self, array: Any) -> bool:
@@ -706,17 +738,7 @@ class LatentSurfaceMembers(_LatentLayout):
         codec, _ = codec_fields(fields)
         if codec != cache.latent_codec:
             raise InvalidInputError(plain_state_message(cls.__name__, codec))
-        offsets = cache._ints(fields["offset"], "offset")
-        width = checked_rows(cache, offsets, cache._ints(fields["converted"], "converted"))
-        if width == 0:
-            cache._adopt_state(None, offsets, 0)
-            return cache
-        widths = declared_widths(cache)
-        planes, _ = restored_planes(cache, fields, False)
-        learnt, held = checked_planes(cache, fields, planes, None, widths, len(offsets), width)
-        cache._take_shapes(learnt)
-        cache._adopt_state(held, offsets, width)
-        return cache
+        return restore_rows(cache, fields)
 
 
 class EncodedLatentMembers(_LatentLayout):
@@ -746,7 +768,6 @@ class EncodedLatentMembers(_LatentLayout):
         def _state_planes(self) -> tuple[Any, Any, Any]: ...
         def _int_array(self, values: Sequence[int]) -> Any: ...
         def _ints(self, value: Any, what: str) -> list[int]: ...
-        def _adopt_state(self, planes: PlaneSet | None, offsets: list[int], width: int) -> None: ...
         def _native(self, array: Any) -> bool: ...
         def _dtype_of(self, array: Any) -> str: ...
         def _spec_guard(self, what: str) -> None: ...
@@ -915,35 +936,37 @@ class EncodedLatentMembers(_LatentLayout):
         if not codec.encodes:
             raise InvalidInputError(plain_latent_state_message(cls.__name__))
         cache = cls(rank, rope, index, max_tokens, role, codec=codec, start=start)
-        offsets = cache._ints(fields["offset"], "offset")
-        flags = cache._ints(fields["converted"], "converted")
-        width = checked_rows(cache, offsets, flags)
-        converted = [b for b, flag in enumerate(flags) if flag]
-        if width == 0:
-            cache._adopt_state(None, offsets, 0)
-            cache._convert_rows(converted)  # rows trimmed to nothing stay converted
-            return cache
-        widths = declared_widths(cache)
-        planes, exact = restored_planes(cache, fields, len(converted) < len(flags))
-        learnt, held = checked_planes(cache, fields, planes, exact, widths, len(offsets), width)
-        extra = dict(held)  # rope and index: the warm rows' too
-        del extra["latent"]
-        encoded = cache.make_empty_batch()
-        encoded._take_shapes(learnt)
-        encoded.codec = encoded._stages[-1]
-        encoded._adopt_state(held, offsets, width)
-        sources = [encoded]
-        if exact is not None:
-            warm = cache.make_empty_batch()
-            warm._take_shapes(learnt)
-            warm._adopt_state({"latent": (exact,), **extra}, offsets, width)
-            sources.append(warm)
-        cache.merge_rows(sources)
+        return restore_rows(cache, fields)
+
+    def _adopt_state(
+        self,
+        planes: PlaneSet | None,
+        offsets: list[int],
+        width: int,
+        exact: Any = None,
+        converted: Sequence[bool] | None = None,
+    ) -> None:
+        """Each stage's rows: the rows ``converted`` from the codec ``planes``, the others
+        in stage 0 from ``exact`` (rope and index from ``planes``), each stage restored
+        into a one-stage cache, then merged and put in batch order (``converted=None``:
+        every row in this cache's current stage, the implementation's)."""
+        if converted is None:
+            super()._adopt_state(planes, offsets, width)  # type: ignore[misc]
+            return
+        if planes is None:  # rows trimmed to nothing stay converted
+            super()._adopt_state(None, offsets, 0)  # type: ignore[misc]
+            self._convert_rows([b for b, flag in enumerate(converted) if flag])
+            return
+        held = [planes] if exact is None else [planes, {**planes, "latent": (exact,)}]
+        sources = [self.make_empty_batch() for _ in held]
+        sources[0].codec = sources[0]._stages[-1]  # the codec planes: the last stage's
+        for part, part_planes in zip(sources, held, strict=True):
+            part._adopt_state(part_planes, offsets, width)
+        self.merge_rows(sources)
         rows = len(offsets)
-        order = [b if flags[b] or exact is None else rows + b for b in range(rows)]
+        order = [b if converted[b] or exact is None else rows + b for b in range(rows)]
         if order != list(range(len(order))) or len(sources) > 1:
-            cache.filter_rows(order)
-        return cache
+            self.filter_rows(order)
 
 
 _CODEC_FIELDS = ("bits", "group_size", "k_bits", "v_bits")
@@ -1354,22 +1377,7 @@ class PagedLatentMembers(_LatentLayout):
             rank, rope, index, max_tokens, role, pool=pool, block_size=size,
             codec=codec if codec.encodes else None, start=start,
         )  # fmt: skip
-        offsets = cache._ints(fields["offset"], "offset")
-        flags = cache._ints(fields["converted"], "converted")
-        width = checked_rows(cache, offsets, flags)
-        # A one-stage cache holds every row in the pool's stage.
-        done = [bool(f) or not cache.encoded for f in flags]
-        if width == 0:
-            cache._adopt_state(None, offsets, 0, converted=done)
-            return cache
-        widths = declared_widths(cache)
-        planes, exact = restored_planes(cache, fields, not all(bool(f) for f in flags))
-        learnt, held = checked_planes(cache, fields, planes, exact, widths, len(offsets), width)
-        if cache._shapes() not in (None, learnt):
-            raise InvalidInputError(f"{name}: the pool holds {cache._shapes()}, the state {learnt}")
-        cache._take_shapes(learnt)
-        cache._adopt_state(held, offsets, width, exact=exact, converted=done)
-        return cache
+        return restore_rows(cache, fields)
 
 
 def due_rows(cache: Any, stages: Sequence[int], offsets: Sequence[int], n: int) -> list[int]:
