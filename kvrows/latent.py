@@ -91,6 +91,32 @@ def growing_geometry(owner: str, max_tokens: object) -> Growing:
         raise InvalidInputError(f"{owner}: {error}") from None
 
 
+def declared_stages(
+    owner: str,
+    inner: LatentCodec,
+    kv_lora_rank: object,
+    rope_head_dim: object,
+    index_head_dim: object,
+    max_tokens: object,
+    role: object,
+) -> tuple[tuple[Latent, ...], Growing]:
+    """Every latent constructor's declaration (its first five parameters), checked: its
+    stages (the latent through ``inner``, after the warm rows' plain latent when ``inner``
+    encodes) and its growing token geometry."""
+    spec = latent_spec(
+        owner, inner, kv_lora_rank=kv_lora_rank, rope_head_dim=rope_head_dim,
+        index_head_dim=index_head_dim, role=role,
+    )  # fmt: skip
+    stages = (replace(spec, inner=Plain()), spec) if inner.encodes else (spec,)
+    return stages, growing_geometry(owner, max_tokens)
+
+
+def declaration(spec: Latent, max_tokens: object) -> tuple[object, ...]:
+    """The first five constructor arguments of a latent cache of ``spec`` (what
+    ``declared_stages`` checks): widths, ``max_tokens``, role."""
+    return spec.kv_lora_rank, spec.rope_head_dim, spec.index_head_dim, max_tokens, spec.role
+
+
 def encoded_codec(
     owner: str, codec: object, bits: object, group_size: object, start: object
 ) -> tuple[LatentCodec, int]:
@@ -453,14 +479,13 @@ class LatentSurfaceMembers(_LatentLayout):
         geometry: object = None,
         **placement: object,
     ) -> None:
-        name = type(self).__name__
-        if codec is None:
-            codec = latent_spec(
-                name, Plain(), kv_lora_rank=kv_lora_rank, rope_head_dim=rope_head_dim,
-                index_head_dim=index_head_dim, role=role,
+        if codec is None or token_geometry is None:  # not the machinery's ``from_specs``
+            (spec,), growing = declared_stages(
+                type(self).__name__, Plain(), kv_lora_rank, rope_head_dim, index_head_dim,
+                max_tokens, role,
             )  # fmt: skip
-        if token_geometry is None:
-            token_geometry = growing_geometry(name, max_tokens)
+            codec = spec if codec is None else codec
+            token_geometry = growing if token_geometry is None else token_geometry
         # ``placement=``: a paged latent's ``Paged`` spec (its block size), passed on.
         super().__init__(codec=codec, token_geometry=token_geometry, geometry=geometry, **placement)  # type: ignore[call-arg]
 
@@ -733,8 +758,7 @@ class LatentSurfaceMembers(_LatentLayout):
     def _restore(cls, state: Any, meta_state: Any, keep: Any, geometry: Any) -> Any:
         """A cache holding ``state`` (``InvalidInputError`` when it is inconsistent)."""
         fields, role = state_fields(cls.__name__, state)
-        rank, rope, index, max_tokens = declared_fields(fields)
-        cache = cls(rank, rope, index, max_tokens, role)
+        cache = cls(*declared_fields(fields), role)
         codec, _ = codec_fields(fields)
         if codec != cache.latent_codec:
             raise InvalidInputError(plain_state_message(cls.__name__, codec))
@@ -801,13 +825,11 @@ class EncodedLatentMembers(_LatentLayout):
             return
         name = type(self).__name__
         inner, first = encoded_codec(name, codec, bits, group_size, start)
-        target = latent_spec(
-            name, inner, kv_lora_rank=kv_lora_rank, rope_head_dim=rope_head_dim,
-            index_head_dim=index_head_dim, role=role,
-        )  # fmt: skip
-        plain = replace(target, inner=Plain())
-        super().__init__(codec=plain, token_geometry=growing_geometry(name, max_tokens))  # type: ignore[call-arg]
-        self._use_stages((plain, target))
+        stages, growing = declared_stages(
+            name, inner, kv_lora_rank, rope_head_dim, index_head_dim, max_tokens, role
+        )
+        super().__init__(codec=stages[0], token_geometry=growing)  # type: ignore[call-arg]
+        self._use_stages(stages)
         self._start = first
 
     # -- what the cache is ----------------------------------------------------------------
@@ -844,11 +866,8 @@ class EncodedLatentMembers(_LatentLayout):
     def make_empty_batch(self) -> Any:
         """An empty cache of the same declaration, its shapes learnt."""
         spec = self.latent_spec
-        other = type(self)(
-            spec.kv_lora_rank, spec.rope_head_dim, spec.index_head_dim,
-            self._token_geometry.cap(), spec.role, codec=spec.inner,
-            start=self.start,
-        )  # fmt: skip
+        cap = self._token_geometry.cap()
+        other = type(self)(*declaration(spec, cap), codec=spec.inner, start=self.start)
         other._take_shapes(self._shapes())
         return other
 
@@ -931,11 +950,10 @@ class EncodedLatentMembers(_LatentLayout):
         """Converted rows from the saved codec planes, plain rows from the exact latent
         (``InvalidInputError`` when the state is inconsistent)."""
         fields, role = state_fields(cls.__name__, state)
-        rank, rope, index, max_tokens = declared_fields(fields)
         codec, start = codec_fields(fields)
         if not codec.encodes:
             raise InvalidInputError(plain_latent_state_message(cls.__name__))
-        cache = cls(rank, rope, index, max_tokens, role, codec=codec, start=start)
+        cache = cls(*declared_fields(fields), role, codec=codec, start=start)
         return restore_rows(cache, fields)
 
     def _adopt_state(
@@ -1152,11 +1170,10 @@ class PagedLatentMembers(_LatentLayout):
             inner, first = encoded_codec(name, codec, None, None, start)
         elif as_count(start, "start"):
             raise InvalidInputError(f"{name}: start applies to an encoded latent only")
-        spec = latent_spec(
-            name, inner, kv_lora_rank=kv_lora_rank, rope_head_dim=rope_head_dim,
-            index_head_dim=index_head_dim, role=role,
-        )  # fmt: skip
-        cap = growing_geometry(name, max_tokens).cap()
+        stages, growing = declared_stages(
+            name, inner, kv_lora_rank, rope_head_dim, index_head_dim, max_tokens, role
+        )
+        spec, cap = stages[-1], growing.cap()
         if pool is not None and not isinstance(pool, self.pool_class):
             raise InvalidInputError(f"{name}: pool must be a {self.pool_class.__name__}")
         size = None if block_size is None else as_count(block_size, "block_size", minimum=1)
@@ -1187,8 +1204,8 @@ class PagedLatentMembers(_LatentLayout):
                 )
         paged = Paged(block_size=size or DEFAULT_BLOCK_SIZE, max_tokens=cap)
         super().__init__(codec=spec, token_geometry=paged)  # type: ignore[call-arg]
-        if inner.encodes:  # the warm rows' exact latent, then the pool's (the last stage)
-            self._use_stages((replace(spec, inner=Plain()), spec))
+        if len(stages) > 1:  # the warm rows' exact latent, then the pool's (the last stage)
+            self._use_stages(stages)
         self._start = first
         self._bind_pool(pool)
 
@@ -1239,8 +1256,7 @@ class PagedLatentMembers(_LatentLayout):
         """An empty cache of the same declaration and pool, its shapes learnt."""
         spec = self.latent_spec
         other = type(self)(
-            spec.kv_lora_rank, spec.rope_head_dim, spec.index_head_dim,
-            self._token_geometry.cap(), spec.role, pool=self._pool,
+            *declaration(spec, self._token_geometry.cap()), pool=self._pool,
             block_size=self.block_size, codec=spec.inner if self.encoded else None,
             start=self.start,
         )  # fmt: skip
@@ -1371,10 +1387,9 @@ class PagedLatentMembers(_LatentLayout):
         if size < 1:
             raise InvalidInputError(f"{name}: block_size must be >= 1, got {size}")
         fields, role = state_fields(name, tuple(state[:-1]))
-        rank, rope, index, max_tokens = declared_fields(fields)
         codec, start = codec_fields(fields)
         cache = cls(
-            rank, rope, index, max_tokens, role, pool=pool, block_size=size,
+            *declared_fields(fields), role, pool=pool, block_size=size,
             codec=codec if codec.encodes else None, start=start,
         )  # fmt: skip
         return restore_rows(cache, fields)
