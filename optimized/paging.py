@@ -840,9 +840,9 @@ class PagedRows(PagedSurface, Storage):
     # -- writes: the pool first (it may refuse with nothing changed) ----------------------
     def _write_blocks(self, blocks: dict[str, Any], shapes: Any) -> None:
         """Two stages: the pool's rows take their share of the block encoded by the pool's
-        codec, the rows beside it their share unencoded (the contiguous layout's write);
-        the blocks of the rows that convert after this append are reserved first (a
-        refusal changes nothing)."""
+        codec (``_pool_write``), the rows beside it their share unencoded (the contiguous
+        layout's write); the blocks of the rows that convert after this append are
+        reserved first (a refusal changes nothing)."""
         if self._contiguous is None:
             super()._write_blocks(blocks, shapes)
             return
@@ -852,33 +852,20 @@ class PagedRows(PagedSurface, Storage):
         stages = list(self._row_stage) if opened else [self._stage] * rows
         offsets = list(self._offsets) if opened else [0] * rows
         tables: list[Table] = self._tables if opened else [[] for _ in range(rows)]
-        last, size = self._pool_stage, self.block_size
         pooled, beside = self._split(stages)
-        due = self._converts_after(stages, offsets, n)
-        room = len(pooled) * math.ceil(n / size)
+        due, room = self._converts_after(stages, offsets, n), None
         if due and self._pool is not None:  # the append's blocks and the conversion's
             room = self._pool.append_need(
                 [tables[b] for b in pooled], [offsets[b] for b in pooled], n
-            ) + sum(math.ceil((offsets[b] + n) / size) for b in due)
+            ) + sum(math.ceil((offsets[b] + n) / self.block_size) for b in due)
             self._pool.check_take(shapes, room)  # or a refusal, nothing changed
-        pool = self._ensure_pool(shapes, room)
-        if opened:
-            pool.adopt_empty(self._tables)  # rows joined before any pool existed
-            self._watch()
-        if pooled:
-            codec = self._stages[last]
-            share = {
-                t: tuple(rows_of(p, pooled, rows) for p in codec.encode(x, as_role(t)))
-                for t, x in blocks.items()
-            }
-            pool.append([tables[b] for b in pooled], [offsets[b] for b in pooled], share, n)
-        if not opened:  # the first block: the tables open once their blocks are taken
-            for table in tables:
-                pool.open(table, touch=False)
-            self._tables[:] = tables
-            self._row_stage = stages
-            self._pads = [0] * rows
-            self._watch()
+        codec = self._stages[-1]
+        share = {
+            t: tuple(rows_of(p, pooled, rows) for p in codec.encode(x, as_role(t)))
+            for t, x in (blocks.items() if pooled else ())
+        }
+        self._pool_write(share, n, shapes, rows, pooled, room)
+        self._row_stage = stages
         if beside:
             near = {t: rows_of(x, beside, rows) for t, x in blocks.items()}
             self._contiguous._write_blocks(near, shapes)
@@ -889,19 +876,37 @@ class PagedRows(PagedSurface, Storage):
 
     def _write(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
         rows = len(self._offsets) or int(next(iter(block.values()))[0].shape[0])
-        pool = self._ensure_pool(geometry, rows * math.ceil(n / self.block_size))
-        if self._offsets:
-            pool.adopt_empty(self._tables)  # rows joined before any pool existed
+        self._pool_write(block, n, geometry, rows, range(rows))
+        super()._write(block, n, geometry)
+
+    def _pool_write(
+        self,
+        block: PlaneSet,
+        n: int,
+        geometry: KvGeometry,
+        rows: int,
+        pooled: Sequence[int],
+        room: int | None = None,
+    ) -> None:
+        """Rows ``pooled`` (of ``rows``) append ``block`` (their share) to the pool, which
+        learns ``geometry`` first (``room``: the blocks it takes, default the append's);
+        a serial storage's first block opens its tables once their blocks are taken."""
+        if room is None:
+            room = len(pooled) * math.ceil(n / self.block_size)
+        pool = self._ensure_pool(geometry, room)
+        opened = bool(self._offsets)
+        tables: list[Table] = self._tables if opened else [[] for _ in range(rows)]
+        if opened:
+            pool.adopt_empty(tables)  # rows joined before any pool existed
             self._watch()
-            pool.append(self._tables, self._offsets, block, n)
-        else:  # a serial storage's first block: its tables open once their blocks are taken
-            tables: list[Table] = [[] for _ in range(rows)]
-            pool.append(tables, [0] * rows, block, n)
+        if pooled:
+            offsets = [self._offsets[b] if opened else 0 for b in pooled]
+            pool.append([tables[b] for b in pooled], offsets, block, n)
+        if not opened:
             for table in tables:
                 pool.open(table, touch=False)
             self._tables[:] = tables
             self._watch()
-        super()._write(block, n, geometry)
 
     def _append(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
         return None  # ``_write`` wrote the pool
