@@ -707,9 +707,9 @@ class PagedRows(PagedSurface, Storage):
     def _convert_rows(self, rows: Sequence[int]) -> None:
         """Rows beside the pool into the pool's stage: each row's window in the contiguous
         layout decoded by stage 0's codec and encoded by the pool's (per token: what
-        encoding at each append gave), written into fresh blocks of its (empty, open)
-        table, counted as written; the contiguous layout keeps the others. The append that
-        converts reserved the blocks (``_write_blocks``)."""
+        encoding at each append gave), written into fresh blocks (``_write_fresh``, its
+        empty table replaced), counted as written; the contiguous layout keeps the
+        others. The append that converts reserved the blocks (``_write_blocks``)."""
         if self._contiguous is None:
             super()._convert_rows(rows)
             return
@@ -720,26 +720,20 @@ class PagedRows(PagedSurface, Storage):
                 raise LayoutStateError(last_stage_message(b, last))
         if not moving:
             return
-        pool, slot = self._pool, self._slots()
-        assert pool is not None
+        near, slot = self._contiguous, self._slots()
         source, target = self._stages[0], self._stages[last]
-        needed = [pool.blocks_for(self._offsets[b]) for b in moving]
-        fresh = pool.ledger.allocate(sum(needed))
-        for b, count in zip(moving, needed, strict=True):
-            table = self._tables[b]
-            table.extend(fresh[:count])
-            del fresh[:count]
-            window = self._contiguous._held_window(slot[b]) if count else None
-            if window is not None:
-                pool.write_row(
-                    table,
-                    {
-                        t: target.encode(source.decode(held, as_role(t)), as_role(t))
-                        for t, held in window.items()
-                    },
-                )
-        pool.ledger.bytes_written += sum(self._offsets[b] for b in moving) * pool.token_bytes
-        self._contiguous.filter_rows([i for b, i in slot.items() if b not in moving])
+
+        def row_planes(i: int) -> PlaneSet:
+            window = near._held_window(slot[moving[i]])
+            return {t: target.encode(source.decode(held, as_role(t)), as_role(t))
+                    for t, held in window.items()}  # fmt: skip
+
+        held = [(self._offsets[b], self._offsets[b], 0) for b in moving]
+        pool, tables = self._write_fresh(self._shapes(), held, row_planes)
+        pool.close([self._tables[b] for b in moving])  # their empty tables, replaced
+        for b, table in zip(moving, tables, strict=True):
+            self._tables[b] = table
+        near.filter_rows([i for b, i in slot.items() if b not in moving])
         for b in moving:
             self._row_stage[b] = last
         self._restaged()
