@@ -23,6 +23,7 @@ from kvrows.optimized.paging import (
     PagedSerial,
     Planes,
     Table,
+    rows_of,
 )
 from kvrows.optimized.rows import owned
 from kvrows.optimized.speculative import SpeculativeLayout
@@ -161,19 +162,17 @@ class PagedLatentCache(PagedLatentMembers, LatentSurface, SpeculativeLayout, Pag
         self._pool = pool
         self._tables[:] = tables
         self._offsets = list(offsets)
-        if self._contiguous is not None:
-            self._contiguous._clear()
+        if self._contiguous is not None:  # the warm rows: the contiguous layout's
             self._row_stage = [self._pool_stage if d else 0 for d in done]
             beside = self._beside_rows()
             near = [offsets[b] for b in beside]
+            most = max(near, default=0)
+            kept = None if planes is None or not most else {
+                t: tuple(rows_of(p, beside, len(offsets))[:, :, width - most :] for p in ps)
+                for t, ps in {**planes, "latent": (exact,)}.items()
+            }  # fmt: skip
+            self._contiguous._clear()
             if beside:
-                most, kept = max(near), None
-                if planes is not None and most:
-                    index = mx.array(beside)
-                    kept = {
-                        t: tuple(mx.take(p, index, axis=0)[:, :, width - most :] for p in ps)
-                        for t, ps in {**planes, "latent": (exact,)}.items()
-                    }
                 self._contiguous._take_shapes(shapes)
                 self._contiguous._adopt_state(kept, near, most)
             self._restaged()
