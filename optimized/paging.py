@@ -699,11 +699,6 @@ class PagedRows(PagedSurface, Storage):
             return super()._held_codecs()
         return [self._stages[stage] for stage in sorted(set(self._row_stage))]
 
-    def _converts_after(self, stages: Sequence[int], offsets: Sequence[int], n: int) -> list[int]:
-        """The stage-0 rows (in ``stages`` at ``offsets``) that convert into the pool's
-        stage after an append of ``n`` tokens (none without a stage beside the pool)."""
-        return []
-
     def _convert_rows(self, rows: Sequence[int]) -> None:
         """Rows beside the pool into the pool's stage: each row's window in the contiguous
         layout decoded by stage 0's codec and encoded by the pool's (per token: what
@@ -847,12 +842,9 @@ class PagedRows(PagedSurface, Storage):
         offsets = list(self._offsets) if opened else [0] * rows
         tables: list[Table] = self._tables if opened else [[] for _ in range(rows)]
         pooled, beside = self._split(stages)
-        due, room = self._converts_after(stages, offsets, n), None
-        if due and self._pool is not None:  # the append's blocks and the conversion's
-            room = self._pool.append_need(
-                [tables[b] for b in pooled], [offsets[b] for b in pooled], n
-            ) + sum(math.ceil((offsets[b] + n) / self.block_size) for b in due)
-            self._pool.check_take(shapes, room)  # or a refusal, nothing changed
+        room = self._reserve(stages, offsets, n, lambda pool: pool.append_need(
+            [tables[b] for b in pooled], [offsets[b] for b in pooled], n
+        ), shapes)  # fmt: skip
         codec = self._stages[-1]
         share = {
             t: tuple(rows_of(p, pooled, rows) for p in codec.encode(x, as_role(t)))
