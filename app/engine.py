@@ -525,19 +525,6 @@ def _probe_cache(cache: Any, pool: Any, window: tuple[int, int] | None, block_si
     return _in_pool(private, window)  # the shared pool's codec and block size: it joins
 
 
-def _most_bytes(admission: RowAdmission, tokens: int) -> int:
-    """The most bytes a row holds on its way to ``tokens`` positions: a paged ring's blocks
-    at ``tokens`` may be fewer than a step before (its window straddled one more block
-    boundary, ``kvrows.paged.projected_blocks``); its count repeats every ``block_size``
-    positions once the window is full, so the last ``block_size`` lengths bound it."""
-    total = 0
-    for layout in admission.layouts:
-        span = getattr(layout, "block_size", 1) if isinstance(layout, RingGeometry) else 1
-        first = max(tokens - span + 1, 0)
-        total += max(layout.projected_bytes(t) for t in range(first, tokens + 1))
-    return total
-
-
 def _as_is(cache: Any) -> Any:
     return cache
 
@@ -764,13 +751,13 @@ class Engine:
         """The row's KV bytes at its longest (the draft's rows included). Paged: whole
         blocks, less the prefix blocks other running rows hold (counted once, by them)."""
         tokens = len(request.prompt) + request.max_tokens
-        draft = 0 if self.draft_admission is None else _most_bytes(self.draft_admission, tokens)
+        draft = 0 if self.draft_admission is None else self.draft_admission.most_bytes(tokens)
         credit = 0
         if self.paged is not None:
             credit = self._shared_credit.get(request.rid, -1)
             if credit < 0:  # not admitted yet: what its lookup would share now
                 credit = self.paged.shared_credit(request.prompt)
-        return _most_bytes(self.admission, tokens) + draft - credit
+        return self.admission.most_bytes(tokens) + draft - credit
 
     def _fresh_caches(self) -> list[Cache]:
         """A request's fresh per-layer caches (paged layers: empty caches of their pool)."""

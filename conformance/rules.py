@@ -1003,11 +1003,8 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
                 InvalidInputError,
             )
         # A ring's row holds every position until it gives one back: the twins' ``retained``
-        # (a serial reference ring's is an int, the others' a tuple), which must agree.
-        retained = [
-            int(r) if isinstance(r, int) else int(r[b or 0])
-            for r in ((ref.retained, opt.retained) if cap else ())
-        ]
+        # (a serial ring's an int, a layout's per row), which must agree.
+        retained = [r if b is None else r[b] for r in ((ref.retained, opt.retained) if cap else ())]
         self._exact("held positions (reference, optimized)", retained[1:], retained[:1])
         dropped = bool(retained) and retained[0] < track.tokens
         before = [accounting(pool) for pool in (ref.pool, opt.pool)]

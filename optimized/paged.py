@@ -67,11 +67,22 @@ class PagedRotatingKVCache(PagedRing, AnyCodecParameters, PagedSerial):
 
     composition = composition("PagedRotatingKVCache")
 
+    @property
+    def retained(self) -> int:
+        """Positions the request holds (its sinks and newest ones; its rows move together,
+        as ``offset``: an int, the reference's)."""
+        return self._retained[0] if self._retained else 0
+
 
 class PagedRotatingRows(AnyCodecParameters, SpeculativeLayout, PagedRing, PagedLayout):
     """Sliding-window block-table rows, all three roles (``spec/PagedRotatingRows.md``)."""
 
     composition = composition("PagedRotatingRows")
+
+    @property
+    def retained(self) -> tuple[int, ...]:
+        """Positions each row holds (its sinks and newest ones)."""
+        return tuple(self._retained)
 
     #: An exhausted pool refuses before any block or table changes: the round stays open,
     #: before its block (free blocks or append a shorter one, then resolve it).
@@ -119,7 +130,7 @@ class PagedLatentCache(PagedLatentMembers, LatentSurface, SpeculativeLayout, Pag
                 for t, x in self._beside_read(rows, width).items()
             }
 
-        out: PlaneSet = self._stacked(lambda rows: self._pool_gather(rows, width), beside)
+        out: PlaneSet = self._stacked(self._pool_gather, beside)
         mx.eval(*(p for ps in out.values() for p in ps))
         return out
 

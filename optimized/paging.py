@@ -80,7 +80,6 @@ __all__ = [
     "PagedSerial",
     "Piece",
     "copy_block",
-    "gather",
     "gather_runs",
     "position_runs",
     "scatter",
@@ -272,14 +271,6 @@ def copy_block(planes: Planes, target: int, origin: int, count: int) -> None:
     for plane in planes:
         plane[target, :, :count] = plane[origin, :, :count]
     mx.eval(*planes)
-
-
-def gather(
-    planes: Planes, rows: Sequence[tuple[Sequence[int], int]], pads: Sequence[int], width: int
-) -> Planes:
-    """``[B, H, width, w]``: row ``b``'s first ``count`` positions (its ``blocks`` in
-    order) at columns ``[pads[b], pads[b] + count)``, zeros elsewhere; compact, owned."""
-    return gather_runs(planes, [(blocks, [(0, count)]) for blocks, count in rows], pads, width)
 
 
 def gather_runs(
@@ -494,27 +485,21 @@ class BlockPool(PoolBase):
             copies.append(copy)
             if offset:
                 runs = position_runs(offset, count, sinks)
-                self.write_row(copy, source.gather([table], [offset], [0], count, [runs]), runs)
+                self.write_row(copy, source.gather([table], [runs], [0], count), runs)
                 self.ledger.bytes_copied += count * self.token_bytes
         return copies
 
     # -- reads ---------------------------------------------------------------------------
     def gather(
-        self,
-        tables: Sequence[Table],
-        offsets: Sequence[int],
-        pads: Sequence[int],
-        width: int,
-        runs: Sequence[Runs] | None = None,
+        self, tables: Sequence[Table], held: Sequence[Runs], pads: Sequence[int], width: int
     ) -> PlaneSet:
-        """Each tensor's planes ``[B, H, width, ·]``: row ``b``'s ``offsets[b]`` positions
-        (``runs[b]``, when given: the runs of positions it holds), read from its blocks in
-        logical order, from column ``pads[b]`` on, zeros elsewhere; owned arrays."""
-        if runs is None:
-            rows = list(zip(tables, offsets, strict=True))
-            return {t: gather(planes, rows, pads, width) for t, planes in self._planes.items()}
-        held = list(zip(tables, runs, strict=True))
-        return {t: gather_runs(planes, held, pads, width) for t, planes in self._planes.items()}
+        """Each tensor's planes ``[B, H, width, ·]``: row ``b``'s held positions
+        (``held[b]``, runs ``(first, count)`` oldest first: a growing row's every position,
+        a ring's sinks and newest; its ``FREE`` blocks hold none and are never read), read
+        from its blocks one after another from column ``pads[b]``, zeros elsewhere; owned
+        arrays."""
+        rows = list(zip(tables, held, strict=True))
+        return {t: gather_runs(planes, rows, pads, width) for t, planes in self._planes.items()}
 
     # -- the prefix cache ----------------------------------------------------------------
     def register_prefix(
@@ -670,13 +655,10 @@ class PagedRows(PagedSurface, Storage):
             for t, x in parts[0].items()
         }  # fmt: skip
 
-    def _pool_gather(self, rows: Sequence[int], width: int) -> PlaneSet:
-        """Rows ``rows`` gathered from the pool right-aligned in ``width`` columns."""
-        assert self._pool is not None
-        return self._pool.gather(
-            [self._tables[b] for b in rows], [self._offsets[b] for b in rows],
-            [self._pads[b] for b in rows], width,
-        )  # fmt: skip
+    def _pool_gather(self, rows: Sequence[int]) -> PlaneSet:
+        """Rows ``rows`` read from the pool at the placement's columns (``_pads``: growing
+        rows right-aligned to the longest row of all, beside the pool or not)."""
+        return self._gather(rows, [self._holds(b) for b in rows], [self._pads[b] for b in rows])
 
     def _restaged(self) -> None:
         """The rows changed: ``codec`` is the newest stage's any row is in."""
@@ -912,18 +894,36 @@ class PagedRows(PagedSurface, Storage):
     def is_trimmable(self) -> bool:
         return True
 
-    # -- reads: gathered from the pool ---------------------------------------------------
+    # -- reads: gathered from the pool, one path for every geometry ----------------------
+    def _gather(self, rows: Sequence[int], held: Sequence[Lent], pads: Sequence[int]) -> PlaneSet:
+        """Rows ``rows`` holding ``held`` each (``(offset, count, sinks)``: the geometry's
+        positions, ``_holds`` / ``_lent``) read from their blocks in time order, row ``b``
+        from column ``pads[b]``, ``max(pads[b] + count)`` columns (the one gather every
+        read of the placement goes through)."""
+        assert self._pool is not None
+        width = max((p + count for p, (_, count, _) in zip(pads, held, strict=True)), default=0)
+        tables = [self._tables[b] for b in rows]
+        return self._pool.gather(tables, [position_runs(*h) for h in held], pads, width)
+
+    def _gathered(self) -> PlaneSet:
+        """Every row's held positions at the placement's columns (growing rows
+        right-aligned, a ring's from column 0: ``_pads``); ``{}`` while no row holds one.
+        Every row in the pool: with rows beside it, ``_read`` assembles the two."""
+        if self._pool is None or not self._tables or not any(self._offsets):
+            return {}
+        rows = range(len(self._tables))
+        return self._gather(rows, [self._holds(b) for b in rows], self._pads)
+
     def _read(self) -> dict[str, Any]:
         """Each tensor the pool holds (keys and values; a latent pool's latent, rope and
-        index) gathered right-aligned, in the codec's fetched form; rows beside the pool
-        read from the contiguous layout, each row then in batch order."""
+        index) gathered at the placement's columns, in the codec's fetched form; rows beside
+        the pool read from the contiguous layout, each row then in batch order."""
         if self._pool is None or not self._tables or not any(self._offsets):
             raise LayoutStateError(NOTHING_TO_FETCH)
-        width, codec = max(self._offsets), self._stages[-1]
+        codec, width = self._stages[-1], max(self._offsets)
 
         def pooled(rows: list[int]) -> dict[str, Any]:
-            planes = self._pool_gather(rows, width)
-            return {t: codec.fetched(held, as_role(t)) for t, held in planes.items()}
+            return {t: codec.fetched(p, as_role(t)) for t, p in self._pool_gather(rows).items()}
 
         return self._stacked(pooled, lambda rows: self._beside_read(rows, width))
 
@@ -954,8 +954,9 @@ class PagedRows(PagedSurface, Storage):
         return mx.arange(width)[None, None, :, None] >= starts
 
     def _held_window(self, row: int | None) -> PlaneSet | None:
-        """Row ``row``'s positions read from its blocks (every row's, stacked, on a serial
-        storage when ``row`` is ``None``; a row beside the pool: its contiguous window);
+        """Row ``row``'s window read from its blocks from column 0 (what a merge or an
+        extraction takes, ``_lent``; a row beside the pool: its contiguous window; on a
+        serial storage when ``row`` is ``None``: every row's held positions, stacked);
         ``None`` while it holds none."""
         if row is not None and not self._in_pool(row):
             window: PlaneSet | None = self._contiguous._held_window(self._slots()[row])
@@ -963,16 +964,13 @@ class PagedRows(PagedSurface, Storage):
         if self._pool is None or not self._tables:
             return None
         if row is None:
-            offset = self._offsets[0]
-            if offset == 0:
+            if self._offsets[0] == 0:
                 return None
-            rows = len(self._tables)
-            return self._pool.gather(self._tables, self._offsets, [0] * rows, offset)
-        offset, count, sinks = self._lent(row)
-        if offset == 0:
+            rows = range(len(self._tables))
+            return self._gather(rows, [self._holds(b) for b in rows], [0] * len(rows))
+        if self._offsets[row] == 0:
             return None
-        runs = [position_runs(offset, count, sinks)]
-        return self._pool.gather([self._tables[row]], [offset], [0], count, runs)
+        return self._gather([row], [self._lent(row)], [0])
 
     def _held(self) -> tuple[Any, Any] | None:
         if self._pool is None or not self._tables or not any(self._offsets):
@@ -1019,11 +1017,8 @@ class PagedRows(PagedSurface, Storage):
         return offset, offset, 0
 
     def _paged_planes(self) -> tuple[Planes | None, Planes | None]:
-        if self._pool is None or self._geometry is None or not any(self._offsets):
-            return None, None
-        width = max(self._offsets)
-        planes = self._pool.gather(self._tables, self._offsets, self._pads, width)
-        return planes["keys"], planes["values"]
+        planes = {} if self._geometry is None else self._gathered()
+        return (planes["keys"], planes["values"]) if planes else (None, None)
 
     @classmethod
     def _restore(
@@ -1075,10 +1070,6 @@ class PagedRows(PagedSurface, Storage):
         """A serial storage's position (its rows move together; 0 before a write)."""
         return self._offsets[0] if self._offsets else 0
 
-    def _runs(self) -> list[list[tuple[int, int]]] | None:
-        """Each row's runs of positions (``None``: every row holds each of its positions)."""
-        return None
-
     def _state(self) -> tuple[Any, ...]:
         """The form of the composition (``kvrows.forms.state_form``: the planes compact,
         right-aligned in a layout, the geometry's fields, the placement's)."""
@@ -1087,7 +1078,7 @@ class PagedRows(PagedSurface, Storage):
         width = max(counts, default=0)
         pads = [width - c for c in counts]
         planes = (
-            self._pool.gather(self._tables, self._offsets, pads, width, self._runs())
+            self._gather(rows, [self._holds(b) for b in rows], pads)
             if self._pool is not None and self._geometry is not None and width
             else None
         )
@@ -1385,11 +1376,6 @@ class PagedRing(PagedRows):
     def keep(self) -> int:
         return int(cast(Any, self._token_geometry).keep)
 
-    @property
-    def retained(self) -> tuple[int, ...]:
-        """Positions each row holds (its sinks and newest ones)."""
-        return tuple(self._retained)
-
     def _reset_geometry(self) -> None:
         super()._reset_geometry()
         self._retained = []
@@ -1415,9 +1401,6 @@ class PagedRing(PagedRows):
     @property
     def _sink_count(self) -> int:
         return self.keep
-
-    def _runs(self) -> list[list[tuple[int, int]]] | None:
-        return [position_runs(*self._holds(b)) for b in range(len(self._offsets))]
 
     def _joined(self, cuts: list[Lent]) -> None:
         self._retained = self._retained[: len(self._offsets)] + [c for _, c, _ in cuts]
@@ -1483,51 +1466,14 @@ class PagedRing(PagedRows):
         super()._keep(order)
         self._retained = [self._retained[i] for i in order]
 
-    # -- reads -------------------------------------------------------------------------
-    def _gather_rows(self, rows: Sequence[int], held: Sequence[Lent]) -> PlaneSet:
-        """Rows ``rows`` holding ``held`` each, read in time order from column 0."""
-        assert self._pool is not None
-        runs = [position_runs(*h) for h in held]
-        width = max(count for _, count, _ in held)
-        tables = [self._tables[b] for b in rows]
-        offsets = [self._offsets[b] for b in rows]
-        return self._pool.gather(tables, offsets, [0] * len(rows), width, runs)
-
-    def _read(self) -> dict[str, Any]:
-        if self._pool is None or not self._tables or not any(self._offsets):
-            raise LayoutStateError(NOTHING_TO_FETCH)
-        rows = range(len(self._tables))
-        planes = self._gather_rows(rows, [self._holds(b) for b in rows])
-        return {t: self.codec.fetched(held, as_role(t)) for t, held in planes.items()}
-
-    def _held_window(self, row: int | None) -> PlaneSet | None:
-        """Row ``row``'s window (every row's every held position, stacked, on a serial
-        storage when ``row`` is ``None``); ``None`` while it holds none."""
-        if self._pool is None or not self._tables:
-            return None
-        if row is None:
-            if self._offsets[0] == 0:
-                return None
-            rows = range(len(self._tables))
-            return self._gather_rows(rows, [self._holds(b) for b in rows])
-        if self._offsets[row] == 0:
-            return None
-        return self._gather_rows([row], [self._lent(row)])
-
+    # -- reads: the placement's (``_holds`` / ``_lent`` say which positions) -----------
     def window(self) -> tuple[Planes, Planes] | None:
         """A serial ring's window (its sinks and newest ``min(offset, max_size)``
         positions) in time order, rows stacked."""
         if self._pool is None or not self._tables or self._offsets[0] == 0:
             return None
         rows = range(len(self._tables))
-        planes = self._gather_rows(rows, [self._lent(b) for b in rows])
-        return planes["keys"], planes["values"]
-
-    def _paged_planes(self) -> tuple[Planes | None, Planes | None]:
-        if self._pool is None or self._geometry is None or not any(self._offsets):
-            return None, None
-        rows = range(len(self._tables))
-        planes = self._gather_rows(rows, [self._holds(b) for b in rows])
+        planes = self._gather(rows, [self._lent(b) for b in rows], [0] * len(rows))
         return planes["keys"], planes["values"]
 
     # -- masks: the ring's, over each row's positions ----------------------------------

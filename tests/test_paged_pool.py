@@ -104,7 +104,7 @@ def test_a_paging_pool_holds_a_latent_codecs_planes(impl: str, inner: Any) -> No
         pool.append(
             tables[:1], [6], {t: tuple(p[:1, :, :3] for p in ps) for t, ps in block.items()}, 3
         )
-        image = pool.gather(tables, [9, 6], [0, 3], 9)
+        image = pool.gather(tables, [[(0, 9)], [(0, 6)]], [0, 3], 9)
     held = [(p.dtype, p.shape[1:]) for planes in pool._planes.values() for p in planes]
     assert [(str(dtype).rsplit(".", 1)[-1], shape) for dtype, shape in held] == [
         (p.dtype, (1, 4, p.width)) for p in spec.tensor_planes(shapes)
