@@ -403,9 +403,12 @@ def restore_rows(cache: Any, fields: dict[str, Any]) -> Any:
     offsets = cache._ints(fields["offset"], "offset")
     flags = cache._ints(fields["converted"], "converted")
     width = checked_rows(cache, offsets, flags)
-    done = [bool(f) for f in flags] if len(cache._stages) > 1 else None
+    # A two-stage cache takes each row's stage and (below) the warm rows' exact latent.
+    staged: dict[str, Any] = {}
+    if len(cache._stages) > 1:
+        staged["converted"] = [bool(f) for f in flags]
     if width == 0:
-        cache._adopt_state(None, offsets, 0, converted=done)
+        cache._adopt_state(None, offsets, 0, **staged)
         return cache
     widths = declared_widths(cache)
     planes, exact = restored_planes(cache, fields, not all(flags))
@@ -415,7 +418,9 @@ def restore_rows(cache: Any, fields: dict[str, Any]) -> Any:
             f"{type(cache).__name__}: the pool holds {cache._shapes()}, the state {learnt}"
         )
     cache._take_shapes(learnt)
-    cache._adopt_state(held, offsets, width, exact=exact, converted=done)
+    if staged:
+        staged["exact"] = exact
+    cache._adopt_state(held, offsets, width, **staged)
     return cache
 
 
@@ -711,17 +716,10 @@ class LatentSurfaceMembers(_LatentLayout):
         implementation)."""
         raise NotImplementedError
 
-    def _adopt_state(
-        self,
-        planes: PlaneSet | None,
-        offsets: list[int],
-        width: int,
-        exact: Any = None,
-        converted: Sequence[bool] | None = None,
-    ) -> None:
+    def _adopt_state(self, planes: PlaneSet | None, offsets: list[int], width: int) -> None:
         """Hold rows at ``offsets`` from right-justified planes ``[B, 1, width, ·]`` (owned
-        copies; ``None``: no token); the shapes are taken already. One stage: every row
-        in it (``exact`` and ``converted``, a two-stage cache's, are ``None``)."""
+        copies; ``None``: no token); the shapes are taken already (a two-stage cache also
+        takes ``converted=`` flags and the warm rows' ``exact=`` latent)."""
         raise NotImplementedError
 
     def _native(self, array: Any) -> bool:

@@ -125,14 +125,7 @@ class LatentSurface(_OnRows):
         latent, rope, index, _ = self.planes()
         return latent, rope, index
 
-    def _adopt_state(
-        self,
-        planes: PlaneSet | None,
-        offsets: list[int],
-        width: int,
-        exact: Any = None,
-        converted: Sequence[bool] | None = None,
-    ) -> None:
+    def _adopt_state(self, planes: PlaneSet | None, offsets: list[int], width: int) -> None:
         self._clear()
         self._offsets = list(offsets)
         self._pads = [width - o for o in offsets]

@@ -641,10 +641,7 @@ class PagedRows(PagedSurface, Storage):
         parts = [read(rows) for rows, read in zip(split, (pooled, beside), strict=True) if rows]
         if len(parts) == 1:
             return parts[0]
-        inverse = [0] * len(self._offsets)  # each row's place in ``pooled + beside``
-        for place, b in enumerate(split[0] + split[1]):
-            inverse[b] = place
-        index = mx.array(inverse)
+        index = mx.array(np.argsort(split[0] + split[1]))  # each row's place in the parts
 
         def stack(xs: Sequence[Any]) -> Any:
             return mx.take(mx.concatenate(list(xs), axis=0), index, axis=0)

@@ -102,14 +102,7 @@ class LatentSurface(_OnRows):
         index = image.get("index")
         return image["latent"], image["rope"][0], None if index is None else index[0]
 
-    def _adopt_state(
-        self,
-        planes: PlaneSet | None,
-        offsets: list[int],
-        width: int,
-        exact: Any = None,
-        converted: Sequence[bool] | None = None,
-    ) -> None:
+    def _adopt_state(self, planes: PlaneSet | None, offsets: list[int], width: int) -> None:
         rows = []
         for b, offset in enumerate(offsets):
             row = self._new_row()
