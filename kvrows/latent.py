@@ -91,6 +91,32 @@ def growing_geometry(owner: str, max_tokens: object) -> Growing:
         raise InvalidInputError(f"{owner}: {error}") from None
 
 
+def declared_stages(
+    owner: str,
+    inner: LatentCodec,
+    kv_lora_rank: object,
+    rope_head_dim: object,
+    index_head_dim: object,
+    max_tokens: object,
+    role: object,
+) -> tuple[tuple[Latent, ...], Growing]:
+    """Every latent constructor's declaration (its first five parameters), checked: its
+    stages (the latent through ``inner``, after the warm rows' plain latent when ``inner``
+    encodes) and its growing token geometry."""
+    spec = latent_spec(
+        owner, inner, kv_lora_rank=kv_lora_rank, rope_head_dim=rope_head_dim,
+        index_head_dim=index_head_dim, role=role,
+    )  # fmt: skip
+    stages = (replace(spec, inner=Plain()), spec) if inner.encodes else (spec,)
+    return stages, growing_geometry(owner, max_tokens)
+
+
+def declaration(spec: Latent, max_tokens: object) -> tuple[object, ...]:
+    """The first five constructor arguments of a latent cache of ``spec`` (what
+    ``declared_stages`` checks): widths, ``max_tokens``, role."""
+    return spec.kv_lora_rank, spec.rope_head_dim, spec.index_head_dim, max_tokens, spec.role
+
+
 def encoded_codec(
     owner: str, codec: object, bits: object, group_size: object, start: object
 ) -> tuple[LatentCodec, int]:
@@ -369,6 +395,35 @@ def checked_planes(
     return LatentShapes(*widths, cache.latent_spec.index_head_dim, dtype), held
 
 
+def restore_rows(cache: Any, fields: dict[str, Any]) -> Any:
+    """``cache`` (empty, of the saved declaration) holding the rows of a ``LATENT_FIELDS``
+    state, checked, each in its stage (``_adopt_state``: a two-stage cache's converted
+    rows from the codec planes, the others in stage 0 from the exact latent); the one
+    restore of every latent cache (``InvalidInputError`` when the state is inconsistent)."""
+    offsets = cache._ints(fields["offset"], "offset")
+    flags = cache._ints(fields["converted"], "converted")
+    width = checked_rows(cache, offsets, flags)
+    # A two-stage cache takes each row's stage and (below) the warm rows' exact latent.
+    staged: dict[str, Any] = {}
+    if len(cache._stages) > 1:
+        staged["converted"] = [bool(f) for f in flags]
+    if width == 0:
+        cache._adopt_state(None, offsets, 0, **staged)
+        return cache
+    widths = declared_widths(cache)
+    planes, exact = restored_planes(cache, fields, not all(flags))
+    learnt, held = checked_planes(cache, fields, planes, exact, widths, len(offsets), width)
+    if cache._shapes() not in (None, learnt):  # a paged latent's pool learnt its own
+        raise InvalidInputError(
+            f"{type(cache).__name__}: the pool holds {cache._shapes()}, the state {learnt}"
+        )
+    cache._take_shapes(learnt)
+    if staged:
+        staged["exact"] = exact
+    cache._adopt_state(held, offsets, width, **staged)
+    return cache
+
+
 # The surface sits first among a row-machinery class's bases (``classes.build``): at run
 # time it brings no base of its own ahead of the speculative layout and the machinery.
 if TYPE_CHECKING:
@@ -429,14 +484,13 @@ class LatentSurfaceMembers(_LatentLayout):
         geometry: object = None,
         **placement: object,
     ) -> None:
-        name = type(self).__name__
-        if codec is None:
-            codec = latent_spec(
-                name, Plain(), kv_lora_rank=kv_lora_rank, rope_head_dim=rope_head_dim,
-                index_head_dim=index_head_dim, role=role,
+        if codec is None or token_geometry is None:  # not the machinery's ``from_specs``
+            (spec,), growing = declared_stages(
+                type(self).__name__, Plain(), kv_lora_rank, rope_head_dim, index_head_dim,
+                max_tokens, role,
             )  # fmt: skip
-        if token_geometry is None:
-            token_geometry = growing_geometry(name, max_tokens)
+            codec = spec if codec is None else codec
+            token_geometry = growing if token_geometry is None else token_geometry
         # ``placement=``: a paged latent's ``Paged`` spec (its block size), passed on.
         super().__init__(codec=codec, token_geometry=token_geometry, geometry=geometry, **placement)  # type: ignore[call-arg]
 
@@ -664,7 +718,8 @@ class LatentSurfaceMembers(_LatentLayout):
 
     def _adopt_state(self, planes: PlaneSet | None, offsets: list[int], width: int) -> None:
         """Hold rows at ``offsets`` from right-justified planes ``[B, 1, width, ·]`` (owned
-        copies; ``None``: no token); the shapes are taken already."""
+        copies; ``None``: no token); the shapes are taken already (a two-stage cache also
+        takes ``converted=`` flags and the warm rows' ``exact=`` latent)."""
         raise NotImplementedError
 
     def _native(self, array: Any) -> bool:
@@ -701,22 +756,11 @@ class LatentSurfaceMembers(_LatentLayout):
     def _restore(cls, state: Any, meta_state: Any, keep: Any, geometry: Any) -> Any:
         """A cache holding ``state`` (``InvalidInputError`` when it is inconsistent)."""
         fields, role = state_fields(cls.__name__, state)
-        rank, rope, index, max_tokens = declared_fields(fields)
-        cache = cls(rank, rope, index, max_tokens, role)
+        cache = cls(*declared_fields(fields), role)
         codec, _ = codec_fields(fields)
         if codec != cache.latent_codec:
             raise InvalidInputError(plain_state_message(cls.__name__, codec))
-        offsets = cache._ints(fields["offset"], "offset")
-        width = checked_rows(cache, offsets, cache._ints(fields["converted"], "converted"))
-        if width == 0:
-            cache._adopt_state(None, offsets, 0)
-            return cache
-        widths = declared_widths(cache)
-        planes, _ = restored_planes(cache, fields, False)
-        learnt, held = checked_planes(cache, fields, planes, None, widths, len(offsets), width)
-        cache._take_shapes(learnt)
-        cache._adopt_state(held, offsets, width)
-        return cache
+        return restore_rows(cache, fields)
 
 
 class EncodedLatentMembers(_LatentLayout):
@@ -746,7 +790,6 @@ class EncodedLatentMembers(_LatentLayout):
         def _state_planes(self) -> tuple[Any, Any, Any]: ...
         def _int_array(self, values: Sequence[int]) -> Any: ...
         def _ints(self, value: Any, what: str) -> list[int]: ...
-        def _adopt_state(self, planes: PlaneSet | None, offsets: list[int], width: int) -> None: ...
         def _native(self, array: Any) -> bool: ...
         def _dtype_of(self, array: Any) -> str: ...
         def _spec_guard(self, what: str) -> None: ...
@@ -780,13 +823,11 @@ class EncodedLatentMembers(_LatentLayout):
             return
         name = type(self).__name__
         inner, first = encoded_codec(name, codec, bits, group_size, start)
-        target = latent_spec(
-            name, inner, kv_lora_rank=kv_lora_rank, rope_head_dim=rope_head_dim,
-            index_head_dim=index_head_dim, role=role,
-        )  # fmt: skip
-        plain = replace(target, inner=Plain())
-        super().__init__(codec=plain, token_geometry=growing_geometry(name, max_tokens))  # type: ignore[call-arg]
-        self._use_stages((plain, target))
+        stages, growing = declared_stages(
+            name, inner, kv_lora_rank, rope_head_dim, index_head_dim, max_tokens, role
+        )
+        super().__init__(codec=stages[0], token_geometry=growing)  # type: ignore[call-arg]
+        self._use_stages(stages)
         self._start = first
 
     # -- what the cache is ----------------------------------------------------------------
@@ -823,11 +864,8 @@ class EncodedLatentMembers(_LatentLayout):
     def make_empty_batch(self) -> Any:
         """An empty cache of the same declaration, its shapes learnt."""
         spec = self.latent_spec
-        other = type(self)(
-            spec.kv_lora_rank, spec.rope_head_dim, spec.index_head_dim,
-            self._token_geometry.cap(), spec.role, codec=spec.inner,
-            start=self.start,
-        )  # fmt: skip
+        cap = self._token_geometry.cap()
+        other = type(self)(*declaration(spec, cap), codec=spec.inner, start=self.start)
         other._take_shapes(self._shapes())
         return other
 
@@ -910,40 +948,41 @@ class EncodedLatentMembers(_LatentLayout):
         """Converted rows from the saved codec planes, plain rows from the exact latent
         (``InvalidInputError`` when the state is inconsistent)."""
         fields, role = state_fields(cls.__name__, state)
-        rank, rope, index, max_tokens = declared_fields(fields)
         codec, start = codec_fields(fields)
         if not codec.encodes:
             raise InvalidInputError(plain_latent_state_message(cls.__name__))
-        cache = cls(rank, rope, index, max_tokens, role, codec=codec, start=start)
-        offsets = cache._ints(fields["offset"], "offset")
-        flags = cache._ints(fields["converted"], "converted")
-        width = checked_rows(cache, offsets, flags)
-        converted = [b for b, flag in enumerate(flags) if flag]
-        if width == 0:
-            cache._adopt_state(None, offsets, 0)
-            cache._convert_rows(converted)  # rows trimmed to nothing stay converted
-            return cache
-        widths = declared_widths(cache)
-        planes, exact = restored_planes(cache, fields, len(converted) < len(flags))
-        learnt, held = checked_planes(cache, fields, planes, exact, widths, len(offsets), width)
-        extra = dict(held)  # rope and index: the warm rows' too
-        del extra["latent"]
-        encoded = cache.make_empty_batch()
-        encoded._take_shapes(learnt)
-        encoded.codec = encoded._stages[-1]
-        encoded._adopt_state(held, offsets, width)
-        sources = [encoded]
-        if exact is not None:
-            warm = cache.make_empty_batch()
-            warm._take_shapes(learnt)
-            warm._adopt_state({"latent": (exact,), **extra}, offsets, width)
-            sources.append(warm)
-        cache.merge_rows(sources)
+        cache = cls(*declared_fields(fields), role, codec=codec, start=start)
+        return restore_rows(cache, fields)
+
+    def _adopt_state(
+        self,
+        planes: PlaneSet | None,
+        offsets: list[int],
+        width: int,
+        exact: Any = None,
+        converted: Sequence[bool] | None = None,
+    ) -> None:
+        """Each stage's rows: the rows ``converted`` from the codec ``planes``, the others
+        in stage 0 from ``exact`` (rope and index from ``planes``), each stage restored
+        into a one-stage cache, then merged and put in batch order (``converted=None``:
+        every row in this cache's current stage, the implementation's)."""
+        if converted is None:
+            super()._adopt_state(planes, offsets, width)  # type: ignore[misc]
+            return
+        if planes is None:  # rows trimmed to nothing stay converted
+            super()._adopt_state(None, offsets, 0)  # type: ignore[misc]
+            self._convert_rows([b for b, flag in enumerate(converted) if flag])
+            return
+        held = [planes] if exact is None else [planes, {**planes, "latent": (exact,)}]
+        sources = [self.make_empty_batch() for _ in held]
+        sources[0].codec = sources[0]._stages[-1]  # the codec planes: the last stage's
+        for part, part_planes in zip(sources, held, strict=True):
+            part._adopt_state(part_planes, offsets, width)
+        self.merge_rows(sources)
         rows = len(offsets)
-        order = [b if flags[b] or exact is None else rows + b for b in range(rows)]
+        order = [b if converted[b] or exact is None else rows + b for b in range(rows)]
         if order != list(range(len(order))) or len(sources) > 1:
-            cache.filter_rows(order)
-        return cache
+            self.filter_rows(order)
 
 
 _CODEC_FIELDS = ("bits", "group_size", "k_bits", "v_bits")
@@ -1129,11 +1168,10 @@ class PagedLatentMembers(_LatentLayout):
             inner, first = encoded_codec(name, codec, None, None, start)
         elif as_count(start, "start"):
             raise InvalidInputError(f"{name}: start applies to an encoded latent only")
-        spec = latent_spec(
-            name, inner, kv_lora_rank=kv_lora_rank, rope_head_dim=rope_head_dim,
-            index_head_dim=index_head_dim, role=role,
-        )  # fmt: skip
-        cap = growing_geometry(name, max_tokens).cap()
+        stages, growing = declared_stages(
+            name, inner, kv_lora_rank, rope_head_dim, index_head_dim, max_tokens, role
+        )
+        spec, cap = stages[-1], growing.cap()
         if pool is not None and not isinstance(pool, self.pool_class):
             raise InvalidInputError(f"{name}: pool must be a {self.pool_class.__name__}")
         size = None if block_size is None else as_count(block_size, "block_size", minimum=1)
@@ -1164,8 +1202,8 @@ class PagedLatentMembers(_LatentLayout):
                 )
         paged = Paged(block_size=size or DEFAULT_BLOCK_SIZE, max_tokens=cap)
         super().__init__(codec=spec, token_geometry=paged)  # type: ignore[call-arg]
-        if inner.encodes:  # the warm rows' exact latent, then the pool's (the last stage)
-            self._use_stages((replace(spec, inner=Plain()), spec))
+        if len(stages) > 1:  # the warm rows' exact latent, then the pool's (the last stage)
+            self._use_stages(stages)
         self._start = first
         self._bind_pool(pool)
 
@@ -1216,8 +1254,7 @@ class PagedLatentMembers(_LatentLayout):
         """An empty cache of the same declaration and pool, its shapes learnt."""
         spec = self.latent_spec
         other = type(self)(
-            spec.kv_lora_rank, spec.rope_head_dim, spec.index_head_dim,
-            self._token_geometry.cap(), spec.role, pool=self._pool,
+            *declaration(spec, self._token_geometry.cap()), pool=self._pool,
             block_size=self.block_size, codec=spec.inner if self.encoded else None,
             start=self.start,
         )  # fmt: skip
@@ -1348,28 +1385,12 @@ class PagedLatentMembers(_LatentLayout):
         if size < 1:
             raise InvalidInputError(f"{name}: block_size must be >= 1, got {size}")
         fields, role = state_fields(name, tuple(state[:-1]))
-        rank, rope, index, max_tokens = declared_fields(fields)
         codec, start = codec_fields(fields)
         cache = cls(
-            rank, rope, index, max_tokens, role, pool=pool, block_size=size,
+            *declared_fields(fields), role, pool=pool, block_size=size,
             codec=codec if codec.encodes else None, start=start,
         )  # fmt: skip
-        offsets = cache._ints(fields["offset"], "offset")
-        flags = cache._ints(fields["converted"], "converted")
-        width = checked_rows(cache, offsets, flags)
-        # A one-stage cache holds every row in the pool's stage.
-        done = [bool(f) or not cache.encoded for f in flags]
-        if width == 0:
-            cache._adopt_state(None, offsets, 0, converted=done)
-            return cache
-        widths = declared_widths(cache)
-        planes, exact = restored_planes(cache, fields, not all(bool(f) for f in flags))
-        learnt, held = checked_planes(cache, fields, planes, exact, widths, len(offsets), width)
-        if cache._shapes() not in (None, learnt):
-            raise InvalidInputError(f"{name}: the pool holds {cache._shapes()}, the state {learnt}")
-        cache._take_shapes(learnt)
-        cache._adopt_state(held, offsets, width, exact=exact, converted=done)
-        return cache
+        return restore_rows(cache, fields)
 
 
 def due_rows(cache: Any, stages: Sequence[int], offsets: Sequence[int], n: int) -> list[int]:

@@ -746,6 +746,31 @@ class PagedSurface:
             raise LayoutStateError(PAGED_ONE_STAGE)
         super()._use_stages(specs)  # type: ignore[misc]
 
+    def _converts_after(self, stages: Sequence[int], offsets: Sequence[int], n: int) -> list[int]:
+        """The stage-0 rows (in ``stages`` at ``offsets``) that convert into the pool's
+        stage after an append of ``n`` tokens (none without a stage beside the pool)."""
+        return []
+
+    def _reserve(
+        self,
+        stages: Sequence[int],
+        offsets: Sequence[int],
+        n: int,
+        append_need: Callable[[Any], int],
+        geometry: Any,
+    ) -> int | None:
+        """The blocks an append of ``n`` tokens takes when rows beside the pool convert
+        after it: the append's (``append_need(pool)``) and the conversion's, checked against
+        the pool before anything is written (a refusal changes nothing); ``None`` when no
+        row converts (or no pool is known yet: a new pool has no limit)."""
+        due = self._converts_after(stages, offsets, n)
+        if not due or self._pool is None:
+            return None
+        pool = self._pool
+        room: int = append_need(pool) + sum(pool.blocks_for(offsets[b] + n) for b in due)
+        pool.check_take(geometry, room)
+        return room
+
     @property
     def pool(self) -> Any:
         """The block pool this cache's tables point into (``None`` before the first write

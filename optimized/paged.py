@@ -23,6 +23,7 @@ from kvrows.optimized.paging import (
     PagedSerial,
     Planes,
     Table,
+    rows_of,
 )
 from kvrows.optimized.rows import owned
 from kvrows.optimized.speculative import SpeculativeLayout
@@ -118,30 +119,18 @@ class PagedLatentCache(PagedLatentMembers, LatentSurface, SpeculativeLayout, Pag
         zeros in the pads; ``{}`` while no row holds a position)."""
         if not any(self._offsets):
             return {}
-        width = max(self._offsets)
-        beside = self._beside_rows()
-        if not beside:
-            return super()._gathered()
-        pooled = [b for b in range(len(self._offsets)) if self._in_pool(b)]
-        target = self._stages[-1]
-        mask = self._held_mask([self._offsets[b] for b in beside], width)
-        near = {
-            t: tuple(mx.where(mask, p, mx.array(0, p.dtype)) for p in target.encode(x, as_role(t)))
-            for t, x in self._beside_read(width).items()
-        }
-        parts = [near]
-        if pooled:  # right-aligned to the longest row of all: ``width`` columns
-            pads = [self._pads[b] for b in pooled]
-            parts.insert(0, self._gather(pooled, [self._holds(b) for b in pooled], pads))
-        order = pooled + beside
-        inverse = mx.array(sorted(range(len(order)), key=order.__getitem__))
-        out: PlaneSet = {
-            t: tuple(
-                mx.take(mx.concatenate(list(ps), axis=0), inverse, axis=0)
-                for ps in zip(*(part[t] for part in parts), strict=True)
-            )
-            for t in near
-        }
+        width, target = max(self._offsets), self._stages[-1]
+
+        def beside(rows: list[int]) -> dict[str, Any]:
+            mask = self._held_mask([self._offsets[b] for b in rows], width)
+            return {
+                t: tuple(
+                    mx.where(mask, p, mx.array(0, p.dtype)) for p in target.encode(x, as_role(t))
+                )
+                for t, x in self._beside_read(rows, width).items()
+            }
+
+        out: PlaneSet = self._stacked(self._pool_gather, beside)
         mx.eval(*(p for ps in out.values() for p in ps))
         return out
 
@@ -184,19 +173,17 @@ class PagedLatentCache(PagedLatentMembers, LatentSurface, SpeculativeLayout, Pag
         self._pool = pool
         self._tables[:] = tables
         self._offsets = list(offsets)
-        if self._contiguous is not None:
-            self._contiguous._clear()
+        if self._contiguous is not None:  # the warm rows: the contiguous layout's
             self._row_stage = [self._pool_stage if d else 0 for d in done]
             beside = self._beside_rows()
             near = [offsets[b] for b in beside]
+            most = max(near, default=0)
+            kept = None if planes is None or not most else {
+                t: tuple(rows_of(p, beside, len(offsets))[:, :, width - most :] for p in ps)
+                for t, ps in {**planes, "latent": (exact,)}.items()
+            }  # fmt: skip
+            self._contiguous._clear()
             if beside:
-                most, kept = max(near), None
-                if planes is not None and most:
-                    index = mx.array(beside)
-                    kept = {
-                        t: tuple(mx.take(p, index, axis=0)[:, :, width - most :] for p in ps)
-                        for t, ps in {**planes, "latent": (exact,)}.items()
-                    }
                 self._contiguous._take_shapes(shapes)
                 self._contiguous._adopt_state(kept, near, most)
             self._restaged()

@@ -117,6 +117,11 @@ def _index(values: Sequence[int]) -> mx.array:
     return mx.array(list(values), dtype=mx.int32)
 
 
+def rows_of(array: mx.array, rows: Sequence[int], total: int) -> mx.array:
+    """Rows ``rows`` of ``array`` (``[total, ...]``; itself when they are all of them)."""
+    return array if len(rows) == total else mx.take(array, mx.array(list(rows)), axis=0)
+
+
 def _shape(array: object) -> tuple[int, ...]:
     return tuple(int(x) for x in array.shape) if isinstance(array, mx.array) else ()
 
@@ -606,11 +611,52 @@ class PagedRows(PagedSurface, Storage):
         """Whether row ``row``'s positions live in the pool (else beside it, stage 0)."""
         return self._contiguous is None or self._row_stage[row] == self._pool_stage
 
+    def _split(self, stages: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
+        """The rows (each in ``stages[b]``, default its own) in the pool and those beside
+        it (the contiguous layout's rows), each part in batch order: every row operation
+        runs on each part, then ``_stacked`` puts a read's parts back in batch order."""
+        if self._contiguous is None:
+            return list(range(len(self._offsets if stages is None else stages))), []
+        last, pooled, beside = self._pool_stage, list[int](), list[int]()
+        for b, stage in enumerate(self._row_stage if stages is None else stages):
+            (pooled if stage == last else beside).append(b)
+        return pooled, beside
+
     def _beside_rows(self) -> list[int]:
         """The rows beside the pool, in batch order (the contiguous layout's rows)."""
-        if self._contiguous is None:
-            return []
-        return [b for b, stage in enumerate(self._row_stage) if stage != self._pool_stage]
+        return self._split()[1]
+
+    def _slots(self) -> dict[int, int]:
+        """Each row beside the pool: its row in the contiguous layout (in batch order)."""
+        return {b: i for i, b in enumerate(self._beside_rows())}
+
+    def _stacked(
+        self,
+        pooled: Callable[[list[int]], dict[str, Any]],
+        beside: Callable[[list[int]], dict[str, Any]],
+    ) -> dict[str, Any]:
+        """A read per stage: ``pooled(rows)`` of the rows in the pool and ``beside(rows)``
+        of those beside it (a part of no row is not read), stacked back in batch order
+        (per tensor an array or a tuple of planes)."""
+        split = self._split()
+        parts = [read(rows) for rows, read in zip(split, (pooled, beside), strict=True) if rows]
+        if len(parts) == 1:
+            return parts[0]
+        index = mx.array(np.argsort(split[0] + split[1]))  # each row's place in the parts
+
+        def stack(xs: Sequence[Any]) -> Any:
+            return mx.take(mx.concatenate(list(xs), axis=0), index, axis=0)
+
+        return {
+            t: tuple(map(stack, zip(*(p[t] for p in parts), strict=True)))
+            if isinstance(x, tuple) else stack([p[t] for p in parts])
+            for t, x in parts[0].items()
+        }  # fmt: skip
+
+    def _pool_gather(self, rows: Sequence[int]) -> PlaneSet:
+        """Rows ``rows`` read from the pool at the placement's columns (``_pads``: growing
+        rows right-aligned to the longest row of all, beside the pool or not)."""
+        return self._gather(rows, [self._holds(b) for b in rows], [self._pads[b] for b in rows])
 
     def _restaged(self) -> None:
         """The rows changed: ``codec`` is the newest stage's any row is in."""
@@ -633,17 +679,12 @@ class PagedRows(PagedSurface, Storage):
             return super()._held_codecs()
         return [self._stages[stage] for stage in sorted(set(self._row_stage))]
 
-    def _converts_after(self, stages: Sequence[int], offsets: Sequence[int], n: int) -> list[int]:
-        """The stage-0 rows (in ``stages`` at ``offsets``) that convert into the pool's
-        stage after an append of ``n`` tokens (none without a stage beside the pool)."""
-        return []
-
     def _convert_rows(self, rows: Sequence[int]) -> None:
         """Rows beside the pool into the pool's stage: each row's window in the contiguous
         layout decoded by stage 0's codec and encoded by the pool's (per token: what
-        encoding at each append gave), written into fresh blocks of its (empty, open)
-        table, counted as written; the contiguous layout keeps the others. The append that
-        converts reserved the blocks (``_write_blocks``)."""
+        encoding at each append gave), written into fresh blocks (``_write_fresh``, its
+        empty table replaced), counted as written; the contiguous layout keeps the
+        others. The append that converts reserved the blocks (``_write_blocks``)."""
         if self._contiguous is None:
             super()._convert_rows(rows)
             return
@@ -654,27 +695,20 @@ class PagedRows(PagedSurface, Storage):
                 raise LayoutStateError(last_stage_message(b, last))
         if not moving:
             return
-        pool = self._pool
-        assert pool is not None
-        beside = self._beside_rows()
+        near, slot = self._contiguous, self._slots()
         source, target = self._stages[0], self._stages[last]
-        needed = [pool.blocks_for(self._offsets[b]) for b in moving]
-        fresh = pool.ledger.allocate(sum(needed))
-        for b, count in zip(moving, needed, strict=True):
-            table = self._tables[b]
-            table.extend(fresh[:count])
-            del fresh[:count]
-            window = self._contiguous._held_window(beside.index(b)) if count else None
-            if window is not None:
-                pool.write_row(
-                    table,
-                    {
-                        t: target.encode(source.decode(held, as_role(t)), as_role(t))
-                        for t, held in window.items()
-                    },
-                )
-        pool.ledger.bytes_written += sum(self._offsets[b] for b in moving) * pool.token_bytes
-        self._contiguous.filter_rows([i for i, b in enumerate(beside) if b not in moving])
+
+        def row_planes(i: int) -> PlaneSet:
+            window = near._held_window(slot[moving[i]])
+            return {t: target.encode(source.decode(held, as_role(t)), as_role(t))
+                    for t, held in window.items()}  # fmt: skip
+
+        held = [(self._offsets[b], self._offsets[b], 0) for b in moving]
+        pool, tables = self._write_fresh(self._shapes(), held, row_planes)
+        pool.close([self._tables[b] for b in moving])  # their empty tables, replaced
+        for b, table in zip(moving, tables, strict=True):
+            self._tables[b] = table
+        near.filter_rows([i for b, i in slot.items() if b not in moving])
         for b in moving:
             self._row_stage[b] = last
         self._restaged()
@@ -782,9 +816,9 @@ class PagedRows(PagedSurface, Storage):
     # -- writes: the pool first (it may refuse with nothing changed) ----------------------
     def _write_blocks(self, blocks: dict[str, Any], shapes: Any) -> None:
         """Two stages: the pool's rows take their share of the block encoded by the pool's
-        codec, the rows beside it their share unencoded (the contiguous layout's write);
-        the blocks of the rows that convert after this append are reserved first (a
-        refusal changes nothing)."""
+        codec (``_pool_write``), the rows beside it their share unencoded (the contiguous
+        layout's write); the blocks of the rows that convert after this append are
+        reserved first (a refusal changes nothing)."""
         if self._contiguous is None:
             super()._write_blocks(blocks, shapes)
             return
@@ -794,42 +828,19 @@ class PagedRows(PagedSurface, Storage):
         stages = list(self._row_stage) if opened else [self._stage] * rows
         offsets = list(self._offsets) if opened else [0] * rows
         tables: list[Table] = self._tables if opened else [[] for _ in range(rows)]
-        last, size = self._pool_stage, self.block_size
-        pooled = [b for b, stage in enumerate(stages) if stage == last]
-        beside = [b for b, stage in enumerate(stages) if stage != last]
-        due = self._converts_after(stages, offsets, n)
-        room = len(pooled) * math.ceil(n / size)
-        if due and self._pool is not None:  # the append's blocks and the conversion's
-            room = self._pool.append_need(
-                [tables[b] for b in pooled], [offsets[b] for b in pooled], n
-            ) + sum(math.ceil((offsets[b] + n) / size) for b in due)
-            self._pool.check_take(shapes, room)  # or a refusal, nothing changed
-        pool = self._ensure_pool(shapes, room)
-        if opened:
-            pool.adopt_empty(self._tables)  # rows joined before any pool existed
-            self._watch()
-        if pooled:
-            codec, index = self._stages[last], mx.array(pooled)
-            share = {
-                t: tuple(
-                    p if len(pooled) == rows else mx.take(p, index, axis=0)
-                    for p in codec.encode(x, as_role(t))
-                )
-                for t, x in blocks.items()
-            }
-            pool.append([tables[b] for b in pooled], [offsets[b] for b in pooled], share, n)
-        if not opened:  # the first block: the tables open once their blocks are taken
-            for table in tables:
-                pool.open(table, touch=False)
-            self._tables[:] = tables
-            self._row_stage = stages
-            self._pads = [0] * rows
-            self._watch()
+        pooled, beside = self._split(stages)
+        room = self._reserve(stages, offsets, n, lambda pool: pool.append_need(
+            [tables[b] for b in pooled], [offsets[b] for b in pooled], n
+        ), shapes)  # fmt: skip
+        codec = self._stages[-1]
+        share = {
+            t: tuple(rows_of(p, pooled, rows) for p in codec.encode(x, as_role(t)))
+            for t, x in (blocks.items() if pooled else ())
+        }
+        self._pool_write(share, n, shapes, rows, pooled, room)
+        self._row_stage = stages
         if beside:
-            index = mx.array(beside)
-            near = blocks if len(beside) == rows else {
-                t: mx.take(x, index, axis=0) for t, x in blocks.items()
-            }  # fmt: skip
+            near = {t: rows_of(x, beside, rows) for t, x in blocks.items()}
             self._contiguous._write_blocks(near, shapes)
         self._take_shapes(shapes)
         self._offsets = [o + n for o in offsets]
@@ -838,19 +849,37 @@ class PagedRows(PagedSurface, Storage):
 
     def _write(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
         rows = len(self._offsets) or int(next(iter(block.values()))[0].shape[0])
-        pool = self._ensure_pool(geometry, rows * math.ceil(n / self.block_size))
-        if self._offsets:
-            pool.adopt_empty(self._tables)  # rows joined before any pool existed
+        self._pool_write(block, n, geometry, rows, range(rows))
+        super()._write(block, n, geometry)
+
+    def _pool_write(
+        self,
+        block: PlaneSet,
+        n: int,
+        geometry: KvGeometry,
+        rows: int,
+        pooled: Sequence[int],
+        room: int | None = None,
+    ) -> None:
+        """Rows ``pooled`` (of ``rows``) append ``block`` (their share) to the pool, which
+        learns ``geometry`` first (``room``: the blocks it takes, default the append's);
+        a serial storage's first block opens its tables once their blocks are taken."""
+        if room is None:
+            room = len(pooled) * math.ceil(n / self.block_size)
+        pool = self._ensure_pool(geometry, room)
+        opened = bool(self._offsets)
+        tables: list[Table] = self._tables if opened else [[] for _ in range(rows)]
+        if opened:
+            pool.adopt_empty(tables)  # rows joined before any pool existed
             self._watch()
-            pool.append(self._tables, self._offsets, block, n)
-        else:  # a serial storage's first block: its tables open once their blocks are taken
-            tables: list[Table] = [[] for _ in range(rows)]
-            pool.append(tables, [0] * rows, block, n)
+        if pooled:
+            offsets = [self._offsets[b] if opened else 0 for b in pooled]
+            pool.append([tables[b] for b in pooled], offsets, block, n)
+        if not opened:
             for table in tables:
                 pool.open(table, touch=False)
             self._tables[:] = tables
             self._watch()
-        super()._write(block, n, geometry)
 
     def _append(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
         return None  # ``_write`` wrote the pool
@@ -896,29 +925,19 @@ class PagedRows(PagedSurface, Storage):
         the pool read from the contiguous layout, each row then in batch order."""
         if self._pool is None or not self._tables or not any(self._offsets):
             raise LayoutStateError(NOTHING_TO_FETCH)
-        codec, beside = self._stages[-1], self._beside_rows()
-        if not beside:
-            return {t: codec.fetched(held, as_role(t)) for t, held in self._gathered().items()}
-        width = max(self._offsets)
-        pooled = [b for b in range(len(self._offsets)) if self._in_pool(b)]
-        parts = [self._beside_read(width)]
-        if pooled:  # right-aligned to the longest row of all: ``width`` columns
-            pads = [self._pads[b] for b in pooled]
-            planes = self._gather(pooled, [self._holds(b) for b in pooled], pads)
-            parts.insert(0, {t: codec.fetched(held, as_role(t)) for t, held in planes.items()})
-        order = pooled + beside
-        inverse = mx.array(sorted(range(len(order)), key=order.__getitem__))
-        return {
-            t: mx.take(mx.concatenate([part[t] for part in parts], axis=0), inverse, axis=0)
-            for t in parts[0]
-        }
+        codec, width = self._stages[-1], max(self._offsets)
 
-    def _beside_read(self, width: int) -> dict[str, Any]:
-        """The rows beside the pool as stage 0 reads them, right-justified in ``width``
-        columns, zeros in every column that holds no token of its row (the pool's gather
-        zeros)."""
+        def pooled(rows: list[int]) -> dict[str, Any]:
+            return {t: codec.fetched(p, as_role(t)) for t, p in self._pool_gather(rows).items()}
+
+        return self._stacked(pooled, lambda rows: self._beside_read(rows, width))
+
+    def _beside_read(self, rows: Sequence[int], width: int) -> dict[str, Any]:
+        """The rows beside the pool (``rows``) as stage 0 reads them, right-justified in
+        ``width`` columns, zeros in every column that holds no token of its row (the
+        pool's gather zeros)."""
         near, shapes = self._contiguous, self._shapes()
-        offsets = [self._offsets[b] for b in self._beside_rows()]
+        offsets = [self._offsets[b] for b in rows]
         if near.width:
             read = near._read()
         else:
@@ -945,7 +964,7 @@ class PagedRows(PagedSurface, Storage):
         serial storage when ``row`` is ``None``: every row's held positions, stacked);
         ``None`` while it holds none."""
         if row is not None and not self._in_pool(row):
-            window: PlaneSet | None = self._contiguous._held_window(self._beside_rows().index(row))
+            window: PlaneSet | None = self._contiguous._held_window(self._slots()[row])
             return window
         if self._pool is None or not self._tables:
             return None
@@ -1300,7 +1319,7 @@ class PagedLayout(PagedRows, Layout):
             self._pool.close([t for i, t in enumerate(self._tables) if i not in kept])
         self._tables[:] = [self._tables[i] for i in order]
         if self._contiguous is not None:
-            slot = {b: i for i, b in enumerate(self._beside_rows())}
+            slot = self._slots()
             self._contiguous.filter_rows([slot[b] for b in order if b in slot])
             self._row_stage = [self._row_stage[b] for b in order]
             self._restaged()
@@ -1323,7 +1342,7 @@ class PagedLayout(PagedRows, Layout):
         serial._geometry = self._geometry
         if not self._in_pool(index):
             if self._offsets[index]:
-                near = self._contiguous.extract_row(self._beside_rows().index(index))
+                near = self._contiguous.extract_row(self._slots()[index])
                 serial._adopt_beside(near, self._offsets[index])
             return serial
         offset, count, sinks = self._lent(index)

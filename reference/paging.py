@@ -517,13 +517,12 @@ class PagedRows(PagedSurface, Storage):
         blocks then, reserved here before anything is written."""
         tables = self._rows or [self._new_row() for _ in range(rows)]
         pooled = [b for b, t in enumerate(tables) if self._pooled(t)]
-        due = self._converts_after([t.stage for t in tables], [t.offset for t in tables], n)
-        room = len(pooled) * math.ceil(n / self.block_size)
-        if due and self._pool is not None:  # the append's blocks and the conversion's
-            room = self._pool.append_need([tables[b] for b in pooled], n) + sum(
-                math.ceil((tables[b].offset + n) / self.block_size) for b in due
-            )
-            self._pool.check_take(geometry, room)  # or a refusal, nothing changed
+        room = self._reserve(
+            [t.stage for t in tables], [t.offset for t in tables], n,
+            lambda pool: pool.append_need([tables[b] for b in pooled], n), geometry,
+        )  # fmt: skip
+        if room is None:  # no conversion: the append's blocks
+            room = len(pooled) * math.ceil(n / self.block_size)
         pool = self._ensure_pool(geometry, room)
         opened = bool(self._rows)
         if opened:
@@ -540,11 +539,6 @@ class PagedRows(PagedSurface, Storage):
         super()._write(encoded, rows, n, geometry)
         for table in tables:  # a ring's positions that left its window: their blocks
             pool.release_outside(table)
-
-    def _converts_after(self, stages: Sequence[int], offsets: Sequence[int], n: int) -> list[int]:
-        """The stage-0 rows (in ``stages`` at ``offsets``) that convert into the pool's
-        stage after an append of ``n`` tokens (none without a stage beside the pool)."""
-        return []
 
     def adopt_rows(self, rows: Sequence[Row]) -> None:
         """Hold ``rows`` (live tables of the pool, in its stage) instead of what it held;
