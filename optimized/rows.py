@@ -486,19 +486,21 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         owned and evaluated."""
         stores = {store.stage: store for store in self._store_list()}
         geometry = self._geometry
-        sources = [s for s in sorted(stores, reverse=True) if set(stores[s].rows) & set(moving)]
+        moves = set(moving)
+        sources = [s for s in sorted(stores, reverse=True) if moves.intersection(stores[s].rows)]
         if geometry is not None:
             for stage in sources:  # head dims the codecs store, before anything moves
                 self._stages[stage + 1].check(geometry)
         for stage in sources:  # the newest first: a moved row moves once
             store = stores[stage]
-            rows = [b for b in store.rows if b in moving]
+            slot = {b: i for i, b in enumerate(store.rows)}
+            rows = [b for b in store.rows if b in moves]
             source, target = store.codec, self._stages[stage + 1]
             into = stores.setdefault(stage + 1, Store(stage + 1, None, [], target))
-            staying = [b for b in store.rows if b not in moving]
+            staying = [b for b in store.rows if b not in moves]
             joined = sorted(into.rows + rows)
             if store.planes is not None:
-                slots = mx.array([store.rows.index(b) for b in rows])
+                slots = mx.array([slot[b] for b in rows])
                 taken = {
                     t: tuple(mx.take(p, slots, axis=0) for p in held)
                     for t, held in store.planes.items()
@@ -506,7 +508,7 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
                 moved = self._converted(taken, rows, source, target)
                 into.planes = self._merged_slots(into.planes, into.rows, moved, rows)
                 if staying:
-                    kept = [store.rows.index(b) for b in staying]
+                    kept = [slot[b] for b in staying]
                     store.planes = self._gather_slots(store.planes, kept)
             into.rows, store.rows = joined, staying
         self._put_stores(list(stores.values()))
