@@ -53,6 +53,7 @@ from kvrows.errors import (
     prefix_too_long_message,
     wrong_geometry_message,
 )
+from kvrows.geometries.ring import held_positions
 from kvrows.kinds import KindRegistry
 from kvrows.schemes import CodecSpec, GeometrySpec, Plain
 from kvrows.validation import KvGeometry, as_count
@@ -87,14 +88,6 @@ ROOT_HASH = b"\x00" * 32
 #: A block table's entry for a block the row gave back (a ring's positions that left its
 #: window): tables stay indexed by logical block, ``position // block_size``.
 FREE = -1
-
-
-def held_positions(offset: int, retained: int, sinks: int) -> list[int]:
-    """The positions a row of ``offset`` positions holding ``retained`` tokens keeps, oldest
-    first: its first ``min(sinks, offset, retained)`` (a ring's sink tokens), then a run of
-    its newest. A growing row (``retained == offset``) keeps every position."""
-    head = min(sinks, offset, retained)
-    return [*range(head), *range(offset - retained + head, offset)]
 
 
 def projected_blocks(tokens: int, cap: int | None, sinks: int, block_size: int) -> int:

@@ -56,7 +56,7 @@ from kvrows.errors import (
 from kvrows.forms import pack_state
 from kvrows.optimized.codecs import Codec, dtype_name, make_codec
 from kvrows.optimized.geometries.growing import GrowingGeometry
-from kvrows.optimized.geometries.ring import positions_mask, reach
+from kvrows.optimized.geometries.ring import RingGeometry
 from kvrows.optimized.rows import DECLARED, Layout, RowWindow, Serial, Storage, owned
 from kvrows.paged import (
     FREE,
@@ -969,6 +969,9 @@ class PagedRows(PagedSurface, Storage):
         if self._pool is None or not self._tables:
             return None
         if row is None:
+            # Only a serial storage reads every row at once (``Serial._row_windows``), and
+            # only ``PagedLatentCache``, a layout, holds rows beside its pool.
+            assert not self._beside_rows(), "every row at once: the pool's rows only"
             if self._offsets[0] == 0:
                 return None
             rows = range(len(self._tables))
@@ -1020,10 +1023,6 @@ class PagedRows(PagedSurface, Storage):
         """What row ``b`` holds: ``(offset, positions held, sinks)`` (growing: every one)."""
         offset = self._offsets[b]
         return offset, offset, 0
-
-    def _paged_planes(self) -> tuple[Planes | None, Planes | None]:
-        planes = {} if self._geometry is None else self._gathered()
-        return (planes["keys"], planes["values"]) if planes else (None, None)
 
     @classmethod
     def _restore(
@@ -1078,6 +1077,9 @@ class PagedRows(PagedSurface, Storage):
     def _state(self) -> tuple[Any, ...]:
         """The form of the composition (``kvrows.forms.state_form``: the planes compact,
         right-aligned in a layout, the geometry's fields, the placement's)."""
+        # Gathers every row from the pool: ``PagedLatentCache``, the one storage holding rows
+        # beside it, saves through its own ``_state`` (``PagedLatentMembers``).
+        assert not self._beside_rows(), "the paged state form: the pool's rows only"
         rows = range(len(self._offsets))
         counts = [self._holds(b)[1] for b in rows]
         width = max(counts, default=0)
@@ -1425,11 +1427,15 @@ class PagedRing(PagedRows):
     # -- writes and trims --------------------------------------------------------------
     def _write(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
         rows = len(self._offsets) or int(next(iter(block.values()))[0].shape[0])
-        before = self._retained if self._offsets else [0] * rows
-        after = [min(r, self.max_size - 1) + n for r in before]
+        after = self._after(n) if self._offsets else [n] * rows
         super()._write(block, n, geometry)  # the pool first: it may refuse, nothing changed
         self._retained = after
         self._release_outside()
+
+    def _after(self, n: int) -> list[int]:
+        """Positions each row holds once it appends ``n`` (it keeps ``max_size - 1``
+        before them)."""
+        return [min(r, self.max_size - 1) + n for r in self._retained]
 
     def _check_trim(self, counts: Sequence[int]) -> None:
         """The ring's rules: a serial ring trims only before it wraps; a row of a layout
@@ -1485,34 +1491,15 @@ class PagedRing(PagedRows):
         planes = self._gather(rows, [self._lent(b) for b in rows], [0] * len(rows))
         return planes["keys"], planes["values"]
 
-    # -- masks: the ring's, over each row's positions ----------------------------------
+    # -- masks: the ring geometry's, over columns in time order (the placement says only
+    # what each row holds: ``_first`` / ``_retained``) -----------------------------------
     def _serial_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
-        """mlx-lm's ring policy over columns in time order: ``None`` / ``"causal"`` while
-        every query sees its whole history, else the array (``[S]`` for one query)."""
-        keep, size = self.keep, self.max_size
-        recent = reach(window, size, keep)
-        offset = self._first()
-        after = min(offset, size - 1) + n
-        if after <= keep + recent and not return_array:
-            return None if n == 1 else "causal"
-        head = min(keep, offset + n, after)
-        columns = [*range(head), *range(offset + n - after + head, offset + n)]
-        visible = positions_mask([columns], [offset], n, keep, recent)[0]
-        return visible[0] if n == 1 else visible
+        return RingGeometry._ordered_serial_mask(
+            cast(Any, self), self._first(), n, return_array, window
+        )
 
     def _layout_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
-        """Row ``b``'s query ``i`` sits at column ``retained'[b] - n + i`` and sees its
-        sinks and its newest ``reach`` positions (``RaggedRotatingRows``' mask)."""
-        keep, size = self.keep, self.max_size
-        after = [min(r, size - 1) + n for r in self._retained]
-        width = max(after, default=0)
-        positions = []
-        for offset, held in zip(self._offsets, after, strict=True):
-            head = min(keep, offset + n, held)
-            mine = [*range(head), *range(offset + n - held + head, offset + n)]
-            positions.append(mine + [-1] * (width - held))
-        recent = reach(window, size, keep)
-        return positions_mask(positions, self._offsets, n, keep, recent)[:, None]
+        return RingGeometry._ordered_layout_mask(cast(Any, self), self._after(n), n, window)
 
     # -- checks ------------------------------------------------------------------------
     def _check_geometry(self) -> None:

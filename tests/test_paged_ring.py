@@ -41,6 +41,20 @@ def _same_mask(a: Any, b: Any) -> bool:
     return bool(np.array_equal(np.array(a), np.array(b)))
 
 
+def _masks(cache: Any, n: int, max_size: int) -> list[Any]:
+    """Every mask form of the next ``n`` tokens: mlx-lm's policy and the array, with no
+    window, a window narrower than the ring (narrower than a row's sinks too) and wider."""
+    return [
+        cache.make_mask(n, return_array=array, window_size=window)
+        for array in (False, True)
+        for window in (None, 1, 2, max_size - 1, max_size + 3)
+    ]
+
+
+def _same_masks(got: list[Any], want: list[Any]) -> bool:
+    return all(_same_mask(a, b) for a, b in zip(got, want, strict=True))
+
+
 Twin = tuple[Any, Callable[[np.ndarray], Any]]
 TWINS: list[Twin] = [(ref, lambda x: x), (opt, mx.array)]
 
@@ -55,10 +69,10 @@ def test_a_paged_ring_reads_what_the_contiguous_ring_reads(
     contiguous = ref.RotatingKVCache(max_size, keep)
     for i, n in enumerate(steps):
         keys, values = data[2 * i], data[2 * i + 1]
-        want_mask = contiguous.make_mask(n)
+        want_masks = _masks(contiguous, n, max_size)
         want = contiguous.update_and_fetch(keys, values)
         for cache, (_, convert) in zip(caches, TWINS, strict=True):
-            assert _same_mask(cache.make_mask(n), want_mask), (i, n)
+            assert _same_masks(_masks(cache, n, max_size), want_masks), (i, n)
             got = cache.update_and_fetch(convert(keys), convert(values))
             assert np.array_equal(np.array(got[0]), want[0]) and np.array_equal(
                 np.array(got[1]), want[1]
@@ -86,18 +100,19 @@ def test_paged_ring_rows_are_the_ragged_ring_s_rows(
     data = _blocks(1, [p for p in prompts for _ in (0, 1)])
     rng = np.random.default_rng(2)
     layouts: list[tuple[Any, Callable[[np.ndarray], Any]]] = []
-    for module, convert in [*TWINS, (ref, lambda x: x)]:
-        contiguous = module is ref and len(layouts) == 2
+    # The paged twins, then the contiguous ragged ring of each twin.
+    for module, convert in [*TWINS, *TWINS]:
+        contiguous = len(layouts) >= 2
         serials = []
         for i in range(len(prompts)):
             if contiguous:
-                serial = ref.RotatingKVCache(max_size, keep)
+                serial = module.RotatingKVCache(max_size, keep)
             else:
                 serial = module.PagedRotatingKVCache(max_size, keep, block_size=block_size)
             serial.update_and_fetch(convert(data[2 * i]), convert(data[2 * i + 1]))
             serials.append(serial)
         if contiguous:
-            layout = ref.RaggedRotatingRows(max_size, keep)
+            layout = module.RaggedRotatingRows(max_size, keep)
         else:
             layout = module.PagedRotatingRows(max_size, keep, block_size=block_size)
         layout.merge_rows(serials)
@@ -106,10 +121,11 @@ def test_paged_ring_rows_are_the_ragged_ring_s_rows(
     def step(n: int) -> None:
         rows = layouts[0][0].batch_size
         keys, values = (rng.standard_normal((rows, H, n, D)).astype(np.float32) for _ in "kv")
-        masks = [lay.make_mask(n) for lay, _ in layouts]
+        masks = [_masks(lay, n, max_size) for lay, _ in layouts]
         reads = [lay.update_and_fetch(c(keys), c(values)) for lay, c in layouts]
+        assert _same_masks(masks[3], masks[2])
         for j in (0, 1):
-            assert _same_mask(masks[j], masks[2])
+            assert _same_masks(masks[j], masks[2])
             assert np.array_equal(np.array(reads[j][0]), np.array(reads[2][0]))
             assert layouts[j][0].retained == layouts[2][0].retained
             layouts[j][0].check_valid()

@@ -9,7 +9,7 @@ from kvrows.errors import InvalidInputError
 from kvrows.geometries.registry import SpecParts, register_geometry
 from kvrows.validation import as_count
 
-__all__ = ["Ring"]
+__all__ = ["Ring", "held_positions"]
 
 
 @register_geometry
@@ -45,3 +45,11 @@ class Ring(SpecParts):
 
     def cap(self) -> int:
         return self.max_size
+
+
+def held_positions(offset: int, retained: int, sinks: int) -> list[int]:
+    """The positions a row of ``offset`` positions holding ``retained`` tokens keeps, oldest
+    first: its first ``min(sinks, offset, retained)`` (a ring's sink tokens), then a run of
+    its newest. A growing row (``retained == offset``) keeps every position."""
+    head = min(sinks, offset, retained)
+    return [*range(head), *range(offset - retained + head, offset)]

@@ -45,6 +45,7 @@ from kvrows.errors import (
     trim_past_row_message,
     wrapped_ring_message,
 )
+from kvrows.geometries.ring import held_positions
 from kvrows.optimized.codecs import Planes
 from kvrows.optimized.geometries.registry import implements
 from kvrows.optimized.rows import (
@@ -169,6 +170,43 @@ class RingGeometry(Storage):
                     f"row {b} holds a full window of {self.max_size} tokens and would "
                     "receive only padding: its window would evict a real token for a pad"
                 )
+
+    def _ordered_serial_mask(
+        self, offset: int, n: int, return_array: bool, window: int | None, shift: int = 0
+    ) -> Mask:
+        """mlx-lm's ring policy over a serial ring's columns in time order (its sinks, then
+        its newest positions; the newest rolled by ``shift``, a shared ring written in
+        place): ``None`` / ``"causal"`` while every query sees its whole history, else (or
+        with ``return_array``) the array (``[S]`` for one query, mlx-lm's shape)."""
+        keep = self.keep
+        recent = reach(window, self.max_size, keep)
+        after = min(offset, self.max_size - 1) + n
+        if after <= keep + recent and not return_array:
+            return None if n == 1 else "causal"
+        held = held_positions(offset + n, after, keep)
+        if shift:
+            head = min(keep, offset + n)
+            held = held[:head] + _roll(held[head:], shift)
+        visible = positions_mask([held], [offset], n, keep, recent)[0]
+        return visible[0] if n == 1 else visible
+
+    def _ordered_layout_mask(self, after: Sequence[int], n: int, window: int | None) -> mx.array:
+        """``[B, 1, n, S]``: rows from column 0 in time order, row ``b`` holding ``after[b]``
+        positions once it appends ``n``; its query ``i`` sits at column ``after[b] - n + i``
+        and sees its window (with sinks: its sinks and its newest ``reach`` positions)."""
+        if self.keep:
+            width = max(after, default=0)
+            positions = [
+                held_positions(offset + n, held, self.keep) + [-1] * (width - held)
+                for offset, held in zip(self._offsets, after, strict=True)
+            ]
+            recent = reach(window, self.max_size, self.keep)
+            return positions_mask(positions, self._offsets, n, self.keep, recent)[:, None]
+        size = window or self.max_size
+        columns = mx.arange(max(after, default=0))[None, None, :]
+        queries = (mx.array(list(after))[:, None] - n + mx.arange(n)[None, :])[:, :, None]
+        visible = (columns <= queries) & (queries < columns + size)
+        return visible[:, None]
 
     def _keep(self, order: list[int]) -> None:
         """Gather the kept rows (each stage store its own); a ring keeps its padding (its
@@ -637,18 +675,11 @@ class SharedRing(RingGeometry):
 
     def _serial_sink_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
         """With sinks: every query sees the sinks and its newest ``reach`` positions."""
-        recent = reach(window, self.max_size, self.keep)
         offset = self._offsets[0] if self._offsets else 0
-        after = min(offset, self.max_size - 1) + n
-        if after <= self.keep + recent and not return_array:
-            return None if n == 1 else "causal"
-        head = min(self.keep, offset + n)
-        held = [*range(head), *range(offset + n - after + head, offset + n)]
+        shift = 0
         if n == 1 and offset >= self.keep:  # written in place: the ring part rolls
             shift = (0 if self._idx >= self.span else self._idx) + 1
-            held = held[:head] + _roll(held[head:], shift)
-        visible = positions_mask([held], [offset], n, self.keep, recent)[0]
-        return visible[0] if n == 1 else visible
+        return self._ordered_serial_mask(offset, n, return_array, window, shift)
 
     def _layout_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
         """The windowed mask for the next ``n`` tokens, in the ring's physical column order."""
@@ -938,23 +969,8 @@ class RaggedRing(RingGeometry):
             assert store.planes is None or len(store.rows) == int(arrays(store.planes)[0].shape[0])
 
     def _layout_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
-        """Row ``b``'s query ``i`` sits at column ``retained'[b] - n + i`` and sees its window
-        (with sinks: its row's sinks and its newest ``reach`` positions)."""
-        size = window or self.max_size
-        after = self._after(n)
-        if self.keep:
-            width = max(after, default=0)
-            positions = []
-            for offset, held in zip(self._offsets, after, strict=True):
-                head = min(self.keep, offset + n, held)
-                mine = [*range(head), *range(offset + n - held + head, offset + n)]
-                positions.append(mine + [-1] * (width - held))
-            recent = reach(window, self.max_size, self.keep)
-            return positions_mask(positions, self._offsets, n, self.keep, recent)[:, None]
-        columns = mx.arange(max(after, default=0))[None, None, :]
-        queries = (mx.array(after)[:, None] - n + mx.arange(n)[None, :])[:, :, None]
-        visible = (columns <= queries) & (queries < columns + size)
-        return visible[:, None]
+        """Each row from column 0 in time order (``_ordered_layout_mask``)."""
+        return self._ordered_layout_mask(self._after(n), n, window)
 
     def __repr__(self) -> str:
         return (

@@ -33,19 +33,13 @@ from kvrows.errors import (
     trim_past_row_message,
     wrapped_ring_message,
 )
+from kvrows.geometries.ring import held_positions
 from kvrows.protocols import Mask
 from kvrows.reference.geometries.registry import implements
 from kvrows.reference.rows import Placement, Row, TokenRows
 from kvrows.schemes import GeometrySpec, Ring
 
 __all__ = ["RaggedRing", "RingAxis", "RingParameters", "SharedRing"]
-
-
-def held_positions(offset: int, retained: int, keep: int) -> list[int]:
-    """The positions a ring row holding ``retained`` of ``offset`` tokens keeps, oldest
-    first: its first ``min(keep, offset)`` (sinks), then a run of its newest."""
-    head = min(keep, offset, retained)
-    return [*range(head), *range(offset - retained + head, offset)]
 
 
 def reach(window: int | None, max_size: int, keep: int) -> int:
