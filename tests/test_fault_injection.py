@@ -319,7 +319,7 @@ def _recurrent(impl: Impl) -> dict[str, Any]:
 
 ROW_OPS = ("update", "merge", "filter", "trim_rows", "extract", "from_state")
 STATE_OPS = ("merge", "filter", "extract", "from_state", "prepare")
-SPEC_OPS = ("round",)
+SPEC_OPS = ("verify", "rollback")
 
 PAGED_OPS = (*ROW_OPS, "register_prefix")
 
@@ -335,8 +335,8 @@ CASES = (
         _kv_layout("SpeculativeRotatingKVCache"),
         ROW_OPS + SPEC_OPS,
     ),
-    Case("BatchedTurboQuantKVCache", _kv_layout("BatchedTurboQuantKVCache"), ROW_OPS),
-    Case("DelayedQuantizedKVCache", _kv_layout("DelayedQuantizedKVCache"), ROW_OPS),
+    Case("BatchedTurboQuantKVCache", _kv_layout("BatchedTurboQuantKVCache"), ROW_OPS + SPEC_OPS),
+    Case("DelayedQuantizedKVCache", _kv_layout("DelayedQuantizedKVCache"), ROW_OPS + SPEC_OPS),
     Case("DelayedQuantizedKVCache", _prefilled("DelayedQuantizedKVCache"), ("end_prefill",)),
     Case(
         "DelayedRotatingQuantizedKVCache",
@@ -345,11 +345,22 @@ CASES = (
     ),
     Case("PagedKvRows", _paged("PagedKvRows", "PagedKVCache", False), PAGED_OPS + SPEC_OPS),
     Case("PagedRotatingRows", _paged("PagedRotatingRows", "PagedRotatingKVCache", True), PAGED_OPS),
-    Case("MLACache", _latent("MLACache"), ROW_OPS),
-    Case("EncodedLatentCache", _latent("EncodedLatentCache"), ROW_OPS),
-    Case("PagedLatentCache", _latent("PagedLatentCache"), ROW_OPS),
+    Case("MLACache", _latent("MLACache"), ROW_OPS + SPEC_OPS),
+    Case("EncodedLatentCache", _latent("EncodedLatentCache"), ROW_OPS + SPEC_OPS),
+    Case("PagedLatentCache", _latent("PagedLatentCache"), ROW_OPS + SPEC_OPS),
     Case("BatchedSSMCache", _recurrent, STATE_OPS),
 )
+
+
+def _in_round(build: Callable[[Impl], dict[str, Any]]) -> Callable[[Impl], dict[str, Any]]:
+    """``build``, then a round begun and its verify block appended."""
+
+    def built(impl: Impl) -> dict[str, Any]:
+        parts = build(impl)
+        _run("verify", parts)
+        return parts
+
+    return built
 
 
 def _run(op: str, parts: dict[str, Any]) -> Any:
@@ -379,9 +390,11 @@ def _run(op: str, parts: dict[str, Any]) -> Any:
     if op == "from_state":
         meta = getattr(cache, "meta_state", None)
         return type(cache).from_state(cache.state, meta)
-    if op == "round":
+    if op == "verify":  # a round's verify block
+        block = parts["block"]
         cache.spec_round_begin()
-        cache.update_and_fetch(parts["block"], parts["block"])
+        return cache.update_and_fetch(*(block if isinstance(block, tuple) else (block, block)))
+    if op == "rollback":  # the round's rollback (its verify block appended in setup)
         return cache.spec_round_rollback([1, 2])
     raise AssertionError(op)
 
@@ -402,7 +415,14 @@ def _touched(parts: dict[str, Any]) -> dict[str, Any]:
 POOL_APPEND = pytest.mark.xfail(
     strict=True, reason="paged append: a fault after the pool write leaves it (contract §9)"
 )
+#: A delayed layout's rollback (or commit) closes the round, then converts the rows due:
+#: a fault in that conversion leaves the round closed and the rows trimmed, not
+#: converted, and the layout valid (the round's own steps are atomic or invalidate).
+ROUND_THEN_CONVERT = pytest.mark.xfail(
+    strict=True, reason="delayed rollback: a fault in the conversion after it (contract §9)"
+)
 KNOWN = {
+    ("DelayedQuantizedKVCache", "rollback"): ROUND_THEN_CONVERT,
     ("PagedKvRows", "update"): POOL_APPEND,
     ("PagedRotatingRows", "update"): POOL_APPEND,
     ("PagedLatentCache", "update"): POOL_APPEND,
@@ -428,11 +448,12 @@ MAX_SWEEP = 400
 @pytest.mark.parametrize(("impl", "case", "op"), PARAMS)
 def test_a_fault_leaves_every_cache_unchanged(impl: Impl, case: Case, op: str) -> None:
     injector = Injector()
-    clean = case.build(impl)
+    build = _in_round(case.build) if op == "rollback" else case.build
+    clean = build(impl)
     expected = _result(_run(op, clean))
     expected_after = {k: snapshot(v) for k, v in _touched(clean).items()}
     for k in range(1, MAX_SWEEP):
-        parts = case.build(impl)
+        parts = build(impl)
         before = {key: snapshot(v) for key, v in _touched(parts).items()}
         with patched(injector, _codec_classes(parts["cache"])), injector.armed_at(k):
             try:
@@ -443,18 +464,16 @@ def test_a_fault_leaves_every_cache_unchanged(impl: Impl, case: Case, op: str) -
                 assert not injector.fired
                 break
         cache = parts["cache"]
-        if op == "round":  # a fault inside a round invalidates the layout (documented)
+        if op in SPEC_OPS:  # a fault inside a round may invalidate the layout (documented)
             after = snapshot(cache)
             if _diff(before["cache"], after):
                 with pytest.raises(SpeculativeStateInvalidError):
-                    cache.update_and_fetch(parts["block"], parts["block"])
+                    cache.spec_round_begin()
                 continue
         for key, shot in before.items():
             changed = _diff(shot, snapshot(parts[key]))
             assert not changed, f"fault at call {k}: {key} changed: {changed}"
         # Still usable: the same operation without the fault gives what a fresh copy gives.
-        if op == "round" and cache.spec_round_open:
-            continue  # the round's verify block went in: the round stays open, usable
         got = _result(_run(op, parts))
         assert _same(_plain(got), _plain(expected)), f"fault at call {k}: result differs"
         for key, shot in expected_after.items():
