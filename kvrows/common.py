@@ -7,7 +7,8 @@ conformance suite (byte projections, count validation, codec parameters).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Self, TypeVar
 
 from kvrows.codec import PlaneSet, PlaneSpec
@@ -22,9 +23,40 @@ __all__ = [
     "PlaneHolder",
     "SavedState",
     "TurboParameters",
+    "all_or_nothing",
     "check_counts",
     "row_bytes",
 ]
+
+
+_R = TypeVar("_R")
+
+
+def all_or_nothing(
+    owner: Any, step: Callable[[], _R], *, copied: Sequence[str] = (), held: bool = False
+) -> _R:
+    """Run ``step``, a mutating operation of ``owner`` whose checks all passed; if anything
+    in it raises (an MLX or NumPy op, a codec, an allocation: contract §9), put ``owner``'s
+    host state back and re-raise the same exception. The record is shallow: the attributes
+    (lists copied, as some steps edit them in place; ``copied``: helper objects a step
+    edits, recorded by ``copy.copy``) and what ``owner._fault_parts()`` returns (restored
+    by ``owner._fault_restore``). No array is copied: an operation never writes an array
+    in place before its last step that can raise; it builds new arrays and rebinds.
+    ``held``: ``step`` writes held arrays in place and can raise after (an append a
+    conversion follows): ``owner._fault_parts(held=True)`` also keeps what they hold (MLX:
+    a second handle, so the write copies once instead of writing in place)."""
+    record = {k: (list(v) if type(v) is list else v) for k, v in vars(owner).items()}
+    for name in copied:
+        record[name] = copy.copy(record[name])
+    parts = owner._fault_parts(held=held) if hasattr(owner, "_fault_parts") else None
+    try:
+        return step()
+    except BaseException:
+        vars(owner).clear()
+        vars(owner).update(record)
+        if parts is not None:
+            owner._fault_restore(parts)
+        raise
 
 
 class PlaneHolder:

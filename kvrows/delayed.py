@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
-from kvrows.common import check_counts, row_bytes
+from kvrows.common import all_or_nothing, check_counts, row_bytes
 from kvrows.compositions import Composition
 from kvrows.conversion import (
     MIXED_READ,
@@ -269,10 +269,20 @@ class ConversionBoundary:
         After the append (not inside a round or a prefill), rows that reached ``start``
         convert. A refused block changes nothing."""
         phase = self._conversion.phase
-        reads = self._append_read(keys, values, phase)
-        self._conversion.note_read(phase == "packed")
-        self._convert_due()
-        return reads
+
+        def append() -> tuple[Any, Any]:
+            reads = self._append_read(keys, values, phase)
+            self._conversion.note_read(phase == "packed")
+            self._convert_due()
+            return reads
+
+        if self._in_round():  # a fault in a round's verify block invalidates the round
+            return append()  # (speculative.md §3); nothing converts inside a round
+        # A fault in the conversion after the append puts the append back too (contract §9);
+        # only an append rows convert after keeps what the planes held (it copies once).
+        n = int(getattr(keys, "shape", (0, 0, 0))[2]) if len(getattr(keys, "shape", ())) == 4 else 0
+        converts = bool(self._conversion.due([o + n for o in self._record_offsets()]))
+        return all_or_nothing(self, append, copied=("_conversion",), held=converts)
 
     def _check_convertible(self, keys: Any, values: Any) -> None:
         """Refuse ``[B, H, N, D]`` blocks of head dims the target cannot store (before
@@ -290,9 +300,14 @@ class ConversionBoundary:
         if not rows:
             return
         offsets = self._record_offsets()
-        self._converting()
-        self._convert_rows(self._storage_rows(rows))
-        self._conversion.mark(rows, offsets)
+
+        def convert() -> None:
+            self._converting()
+            self._convert_rows(self._storage_rows(rows))
+            self._conversion.mark(rows, offsets)
+
+        # Several stores move their rows one by one: a fault puts every one back (§9).
+        all_or_nothing(self, convert, copied=("_conversion",))
 
 
 class StagePart:
@@ -683,12 +698,20 @@ class DelayedLayout(ConversionBoundary, SpeculativeRounds):
     def commit_prefill(self, indices: Sequence[int]) -> None:
         """Convert the listed rows now if due (each at its own planned chunk end)."""
         self._spec_guard("commit_prefill")
-        self._convert(self._conversion.commit_prefill(indices, self.row_offsets))
+        all_or_nothing(  # the record changes first: a failed conversion puts it back (§9)
+            self,
+            lambda: self._convert(self._conversion.commit_prefill(indices, self.row_offsets)),
+            copied=("_conversion",),
+        )
 
     def end_prefill(self) -> None:
         """Back to converting at every boundary; due rows convert now."""
         self._spec_guard("end_prefill")
-        self._convert(self._conversion.end_prefill(self.row_offsets))
+        all_or_nothing(  # the record leaves the prefill first: a failed conversion puts it back
+            self,
+            lambda: self._convert(self._conversion.end_prefill(self.row_offsets)),
+            copied=("_conversion",),
+        )
 
     # -- rounds --------------------------------------------------------------------------------
     def spec_round_commit(self) -> None:

@@ -32,7 +32,7 @@ from kvrows.codecs.latent import (
     LatentShapes,
     latent_token_bytes,
 )
-from kvrows.common import check_counts
+from kvrows.common import all_or_nothing, check_counts
 from kvrows.conversion import Conversion
 from kvrows.errors import (
     NOTHING_TO_FETCH,
@@ -621,8 +621,13 @@ class LatentSurfaceMembers(_LatentLayout):
             for tensor, block in given.items()
             if block is not None
         }
-        self._write_blocks(blocks, shapes)
-        fetched = self._read_all()
+
+        def write_read() -> tuple[Any, Any, Any]:
+            self._write_blocks(blocks, shapes)
+            return self._read_all()
+
+        # The read decodes after the write: a fault there puts the write back (contract §9).
+        fetched = all_or_nothing(self, write_read)
         if four:
             return fetched
         return (
@@ -794,6 +799,9 @@ class EncodedLatentMembers(_LatentLayout):
         def _dtype_of(self, array: Any) -> str: ...
         def _spec_guard(self, what: str) -> None: ...
         def merge_rows(self, rows: Sequence[Any]) -> None: ...
+        def _checked(
+            self, latent: Any, rope: Any, index: Any | None, *, staged: bool = False
+        ) -> tuple[bool, LatentShapes, int, int]: ...
 
         # The implementation's (its ``LatentSurface``, after this mixin in the MRO):
         def _with_exact(self, planes: Any, rows: Sequence[int]) -> Any:
@@ -876,12 +884,19 @@ class EncodedLatentMembers(_LatentLayout):
     # -- appends ---------------------------------------------------------------------------
     def _append_blocks(self, latent: Any, rope: Any, index: Any | None) -> Any:
         """The machinery's write and read; then the plain rows due convert (this append
-        read them exact)."""
-        fetched = super()._append_blocks(latent, rope, index)  # type: ignore[misc]
-        due = due_rows(self, self.row_stages, self.row_offsets, 0)
-        if due:
-            self._convert_rows(due)
-        return fetched
+        read them exact). A fault in the conversion puts the append back too (contract
+        §9): only an append rows convert after keeps what the planes held (one copy)."""
+        _, _, _, n = self._checked(latent, rope, index)
+
+        def append_convert() -> Any:
+            fetched = super(EncodedLatentMembers, self)._append_blocks(latent, rope, index)  # type: ignore[misc]
+            due = due_rows(self, self.row_stages, self.row_offsets, 0)
+            if due:
+                self._convert_rows(due)
+            return fetched
+
+        converts = bool(due_rows(self, self.row_stages, self.row_offsets, n))
+        return all_or_nothing(self, append_convert, held=converts)
 
     # -- row operations ----------------------------------------------------------------------
     def _accepts(self, source: object) -> bool:

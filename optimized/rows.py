@@ -36,7 +36,14 @@ import numpy as np
 
 from kvrows.codec import KV_TENSORS, PlaneSet, as_role
 from kvrows.codecs import CODECS
-from kvrows.common import ComposedIdentity, PlaneHolder, SavedState, check_counts, row_bytes
+from kvrows.common import (
+    ComposedIdentity,
+    PlaneHolder,
+    SavedState,
+    all_or_nothing,
+    check_counts,
+    row_bytes,
+)
 from kvrows.compositions import Composition, bind_arguments, serial_preset
 from kvrows.conversion import MIXED_READ
 from kvrows.errors import (
@@ -356,8 +363,9 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             target.check(self._geometry)  # head dims the codec stores
         if self._planes is not None:
             rows = list(range(len(self._offsets)))
-            self._planes = self._converted(self._planes, rows, source, target)
-            mx.eval(*arrays(self._planes))
+            converted = self._converted(self._planes, rows, source, target)
+            mx.eval(*arrays(converted))  # before the planes change: a failure changes nothing
+            self._planes = converted
         self.codec = target
         self._changed()
 
@@ -396,7 +404,9 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
 
     def _clear_rows(self, first: Sequence[int], counts: Sequence[int]) -> None:
         """Row ``b``'s columns ``[first[b], first[b] + counts[b])`` in its store read zeros
-        (every codec's ``zeros``) again, in place: one scatter per plane of each store."""
+        (every codec's ``zeros``) again, in place: one scatter per plane of each store,
+        every zero block built before the first scatter (a fault writes nothing)."""
+        writes: list[tuple[mx.array, mx.array, mx.array, mx.array]] = []
         for store in self._store_list():
             held = np.array([counts[b] for b in store.rows], dtype=np.int64)
             if store.planes is None or not held.sum():
@@ -409,7 +419,9 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             columns = mx.array(np.repeat(starts, held) + np.arange(cells) - run_start)
             for plane in arrays(store.planes):
                 shape = (cells, int(plane.shape[1]), int(plane.shape[3]))
-                plane[slots, :, columns] = mx.zeros(shape, plane.dtype)
+                writes.append((plane, slots, columns, mx.zeros(shape, plane.dtype)))
+        for plane, slots, columns, zeros in writes:  # cannot raise: shapes checked above
+            plane[slots, :, columns] = zeros
 
     def _row_slots(self) -> list[tuple[Store, int]]:
         """Each row's store and slot there, in batch order (several stores): the one map
@@ -591,6 +603,26 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     def _changed(self) -> None:
         """The positions changed: drop their device copy."""
         self._offset_array: mx.array | None = None
+
+    def _fault_parts(self, *, held: bool = False) -> Any:
+        """Each stage store's fields (``all_or_nothing`` puts them back on a fault);
+        ``held``: also a second handle on every held plane (an in-place write then
+        copies, leaving the handle what the plane held)."""
+
+        def kept(planes: PlaneSet | None) -> PlaneSet | None:
+            if not held or planes is None:
+                return planes
+            return {t: tuple(mx.array(p) for p in ps) for t, ps in planes.items()}
+
+        stores = [(s, (s.stage, kept(s.planes), list(s.rows), s.codec)) for s in self._stores or ()]
+        return stores, (kept(self._planes) if held else None)
+
+    def _fault_restore(self, parts: Any) -> None:
+        stores, planes = parts
+        for store, (stage, kept, rows, codec) in stores:
+            store.stage, store.planes, store.rows, store.codec = stage, kept, rows, codec
+        if planes is not None:
+            self._planes = planes
 
     def held_arrays(self) -> tuple[Any, ...]:
         """The buffers held, borrowed (to evaluate at a chunk boundary; ``state`` may copy)."""
@@ -1130,9 +1162,13 @@ class Layout(Storage):
         if not order:
             self._clear()
             return
-        self._offsets = [self._offsets[i] for i in order]
-        self._keep(order)
-        self._changed()
+
+        def keep_rows() -> None:
+            self._offsets = [self._offsets[i] for i in order]
+            self._keep(order)
+            self._changed()
+
+        all_or_nothing(self, keep_rows)
 
     def extract_row(self, row: int) -> Serial:
         """An independent serial storage holding row ``row``: owned, compact, evaluated
@@ -1181,9 +1217,13 @@ class Layout(Storage):
                 raise NotTrimmableError(trim_past_row_message(count, b, tokens))
         if self.composition.shared_column and not justify and len(set(counts)) > 1:
             raise NotTrimmableError(SHARED_COLUMN_TRIM)
-        self._forget(counts, justify=justify)
-        self._offsets = [t - c for t, c in zip(self._offsets, counts, strict=True)]
-        self._changed()
+
+        def forget() -> None:
+            self._forget(counts, justify=justify)
+            self._offsets = [t - c for t, c in zip(self._offsets, counts, strict=True)]
+            self._changed()
+
+        all_or_nothing(self, forget)
         return max(counts)
 
     def check_valid(self) -> None:

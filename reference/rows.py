@@ -32,7 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvrows.codec import KV_TENSORS, PlaneSet, as_role
-from kvrows.common import ComposedIdentity, SavedState, check_counts, row_bytes
+from kvrows.common import ComposedIdentity, SavedState, all_or_nothing, check_counts, row_bytes
 from kvrows.compositions import Arrangement, Composition, bind_arguments, serial_preset
 from kvrows.conversion import MIXED_READ
 from kvrows.errors import (
@@ -594,8 +594,13 @@ class Storage(SavedState, ComposedIdentity):
         (rows of several stages read by parts: refused before the write)."""
         if self._reads_by_parts():
             raise MixedPrecisionReadError(MIXED_READ)
-        self._update(keys, values)
-        return self.fetch()
+
+        def write_read() -> tuple[Any, Any]:
+            self._update(keys, values)
+            return self.fetch()
+
+        # The read assembles new arrays after the write: a fault there puts the write back.
+        return all_or_nothing(self, write_read)
 
     def _update(self, keys: Any, values: Any) -> None:
         """``update_and_fetch`` without its read (rows of several stages read by parts)."""
@@ -622,8 +627,29 @@ class Storage(SavedState, ComposedIdentity):
             stage: {t: self._stages[stage].encode(x, as_role(t)) for t, x in blocks.items()}
             for stage in self._row_stage_set()
         }
-        self._write(encoded, rows, n, shapes)
-        self._take_shapes(shapes)
+
+        def write() -> None:
+            self._write(encoded, rows, n, shapes)
+            self._take_shapes(shapes)
+
+        # Rows are written one by one: a fault at a later row puts the earlier back (§9).
+        all_or_nothing(self, write)
+
+    def _fault_parts(self, *, held: bool = False) -> Any:
+        """Each row's fields and the placement's (``all_or_nothing`` puts them back on a
+        fault; a row's planes are replaced, never written in place, so no copy)."""
+        place = getattr(self, "_place", None)
+        placed = None if place is None or not hasattr(place, "__dict__") else dict(vars(place))
+        placed = placed and {k: (list(v) if type(v) is list else v) for k, v in placed.items()}
+        return [(row, dict(vars(row))) for row in self._rows], (place, placed)
+
+    def _fault_restore(self, parts: Any) -> None:
+        rows, (place, placed) = parts
+        for row, fields in rows:
+            vars(row).update(fields)
+        if placed is not None:
+            vars(place).clear()
+            vars(place).update(placed)
 
     def _row_stage_set(self) -> list[int]:
         """The stages the rows are in, in order (``_stage`` with no row)."""
