@@ -38,14 +38,17 @@ def all_or_nothing(
     """Run ``step``, a mutating operation of ``owner`` whose checks all passed; if anything
     in it raises (an MLX or NumPy op, a codec, an allocation: contract §9), put ``owner``'s
     host state back and re-raise the same exception. The record is shallow: the attributes
-    (lists copied, as some steps edit them in place; ``copied``: helper objects a step
-    edits, recorded by ``copy.copy``) and what ``owner._fault_parts()`` returns (restored
+    (lists also by content, put back in place: some steps edit them in place; ``copied``:
+    helper objects a step edits, recorded by ``copy.copy``) and what ``owner._fault_parts()`` returns (restored
     by ``owner._fault_restore``). No array is copied: an operation never writes an array
     in place before its last step that can raise; it builds new arrays and rebinds.
     ``held``: ``step`` writes held arrays in place and can raise after (an append a
     conversion follows): ``owner._fault_parts(held=True)`` also keeps what they hold (MLX:
     a second handle, so the write copies once instead of writing in place)."""
-    record = {k: (list(v) if type(v) is list else v) for k, v in vars(owner).items()}
+    record = dict(vars(owner))
+    # Lists go back in place: a list may be held elsewhere by identity (a finalizer holds
+    # a paged storage's tables).
+    lists = [(v, list(v)) for v in record.values() if type(v) is list]
     for name in copied:
         record[name] = copy.copy(record[name])
     parts = owner._fault_parts(held=held) if hasattr(owner, "_fault_parts") else None
@@ -54,6 +57,8 @@ def all_or_nothing(
     except BaseException:
         vars(owner).clear()
         vars(owner).update(record)
+        for held_list, items in lists:
+            held_list[:] = items
         if parts is not None:
             owner._fault_restore(parts)
         raise

@@ -1123,6 +1123,7 @@ class PagedLatentMembers(_LatentLayout):
 
         def _use_stages(self, specs: Sequence[CodecSpec]) -> None: ...
         def _convert_rows(self, rows: Sequence[int]) -> None: ...
+        def _pool_undoable(self) -> Any: ...
         def _watch(self) -> None: ...
         def _shapes(self) -> LatentShapes | None: ...
         def _take_shapes(self, shapes: Any) -> None: ...
@@ -1304,8 +1305,10 @@ class PagedLatentMembers(_LatentLayout):
 
     def _append_blocks(self, latent: Any, rope: Any, index: Any | None) -> Any:
         """The placement's write and read; then the warm rows due convert into fresh
-        blocks (this append read them exact; the write reserved the blocks)."""
-        fetched = super()._append_blocks(latent, rope, index)  # type: ignore[misc]
+        blocks (this append read them exact; the write reserved the blocks). A fault in
+        the write or the read puts the pool back too (its journal, contract §9)."""
+        with self._pool_undoable():
+            fetched = super()._append_blocks(latent, rope, index)  # type: ignore[misc]
         due = due_rows(self, self.row_stages, self.row_offsets, 0)
         if due:
             self._convert_rows(due)

@@ -21,15 +21,23 @@ only Python ints, so both implementations (NumPy and MLX pools) share it:
   tables move none.
 
 :meth:`BlockLedger.check_valid` asserts the invariants of ``spec/paged-pool.md`` §4.
+
+A public operation that writes the pool runs inside :meth:`PoolBase.undoable` (contract
+§9): every ledger step, table edit and plane growth of it records its undo in a journal
+(O(what it touched), never a copy of the pool), and an exception replays the journal
+backwards, so the pool is as it was (block counts, free order, cached hashes and the
+bytes of the cached blocks the append took, tables, byte counters).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import operator
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import MISSING, dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
@@ -283,7 +291,10 @@ class BlockLedger:
     ``grow``: called with the new block count before the ledger counts the new blocks
     (the array planes grow there; if it raises, nothing changed). ``max_blocks``: the most
     blocks the pool may hold (``None``: unbounded). ``extra``: the extra keys of every
-    block hash (the pool's codec key and block size).
+    block hash (the pool's codec key and block size). ``keep``: inside :meth:`undoable`,
+    called with the cached blocks an allocation is about to take (their hashes evicted,
+    their bytes about to be overwritten) before it takes them: the pool saves their bytes
+    and journals putting them back.
     """
 
     def __init__(
@@ -294,6 +305,7 @@ class BlockLedger:
         max_blocks: int | None = None,
         grow: Callable[[int], None] | None = None,
         extra: str = "",
+        keep: Callable[[list[int]], None] | None = None,
     ) -> None:
         self.block_size = as_count(block_size, "block_size", minimum=1)
         self.max_blocks = None if max_blocks is None else as_count(max_blocks, "max_blocks")
@@ -301,6 +313,9 @@ class BlockLedger:
         if self.max_blocks is not None and count > self.max_blocks:
             raise InvalidInputError(f"num_blocks {count} exceeds max_blocks {self.max_blocks}")
         self._grow = grow
+        self._keep = keep
+        #: Inside :meth:`undoable`: the undo of every step taken so far, oldest first.
+        self._undo: list[Callable[[], object]] | None = None
         #: The extra keys every block hash of this pool includes.
         self.extra = extra
         self._refs: list[int] = [0] * count
@@ -361,6 +376,38 @@ class BlockLedger:
         """Whether one owner may write the block in place (held once, caches nothing)."""
         return self._refs[block] == 1 and block not in self._hash_of
 
+    # -- the journal (contract §9) -------------------------------------------------------
+    @property
+    def journaling(self) -> bool:
+        """Whether an :meth:`undoable` operation is running (steps record their undo)."""
+        return self._undo is not None
+
+    def journal(self, undo: Callable[[], object]) -> None:
+        """Record ``undo``, what puts back a step just taken (nothing outside
+        :meth:`undoable`)."""
+        if self._undo is not None:
+            self._undo.append(undo)
+
+    @contextmanager
+    def undoable(self) -> Iterator[None]:
+        """Run the block: on an exception, undo every journaled step newest first (and the
+        byte counters), then re-raise. Nested, the outermost one undoes."""
+        if self._undo is not None:
+            yield
+            return
+        self._undo = []
+        counters = self.bytes_written, self.bytes_copied
+        try:
+            yield
+        except BaseException:
+            undo, self._undo = self._undo, None
+            for step in reversed(undo):
+                step()
+            self.bytes_written, self.bytes_copied = counters
+            raise
+        finally:
+            self._undo = None
+
     # -- allocation and release ----------------------------------------------------------
     def ensure(self, count: int) -> None:
         """Grow until ``count`` blocks are free (raises ``PoolExhaustedError``, nothing changed)."""
@@ -369,11 +416,19 @@ class BlockLedger:
             return
         if self._grow is not None:
             self._grow(target)
-        fresh = range(self.num_blocks, target)
+        old = self.num_blocks
+        fresh = range(old, target)
         self._refs.extend(0 for _ in fresh)
         for b in reversed(fresh):  # fresh blocks are taken before cached ones
             self._free[b] = None
             self._free.move_to_end(b, last=False)
+
+        def shrink() -> None:
+            for b in fresh:
+                del self._free[b]
+            del self._refs[old:]
+
+        self.journal(shrink)
 
     def target_for(
         self,
@@ -398,32 +453,81 @@ class BlockLedger:
         """Take ``count`` blocks from the head of the free queue (each now held once); a
         taken block's hash is evicted."""
         self.ensure(count)
+        journaling = self._undo is not None
+        if journaling and self._keep is not None and self._hash_of:
+            cached = [b for b in itertools.islice(self._free, count) if b in self._hash_of]
+            if cached:  # their bytes are about to be overwritten: an undo puts them back
+                self._keep(cached)
         taken: list[int] = []
+        evicted: list[tuple[int, bytes, tuple[int, ...], bytes]] = []
         for _ in range(count):
             block, _ = self._free.popitem(last=False)
+            if journaling and block in self._hash_of:
+                hashed = self._hash_of[block], self._tokens_of[block], self._parent_of[block]
+                evicted.append((block, *hashed))
             self._evict(block)
             self._refs[block] = 1
             taken.append(block)
+
+        order = tuple(taken)  # (callers consume the list they get)
+
+        def give_back() -> None:
+            for block, digest, tokens, parent in evicted:
+                self._hash_of[block], self._block_of[digest] = digest, block
+                self._tokens_of[block], self._parent_of[block] = tokens, parent
+            for block in reversed(order):
+                self._refs[block] = 0
+                self._free[block] = None
+                self._free.move_to_end(block, last=False)
+
+        self.journal(give_back)
         return taken
 
     def touch(self, blocks: Iterable[int]) -> None:
         """One more table holds each of ``blocks`` (a prefix hit or a shared row)."""
+        blocks = list(blocks)
+        # A free block leaves the middle of the queue: an undo needs its order (rare: a
+        # prefix hit inside an undoable operation).
+        order = (
+            OrderedDict(self._free)
+            if self._undo is not None and any(self._refs[b] == 0 for b in blocks)
+            else None
+        )
         for block in blocks:
             if self._refs[block] == 0:
                 del self._free[block]
             self._refs[block] += 1
 
+        def untouch() -> None:
+            for block in blocks:
+                self._refs[block] -= 1
+            if order is not None:
+                self._free = order
+
+        self.journal(untouch)
+
     def release(self, blocks: Iterable[int]) -> None:
         """One table fewer holds each of ``blocks``, in the given order (callers release a
         table tail first, so its tail is evicted first)."""
+        released: list[tuple[int, bool]] = []
         for block in blocks:
             if self._refs[block] <= 0:
                 raise AssertionError(f"block {block} released more often than held")
             self._refs[block] -= 1
-            if self._refs[block] == 0:
+            freed = self._refs[block] == 0
+            if freed:
                 self._free[block] = None
                 if block not in self._hash_of:
                     self._free.move_to_end(block, last=False)
+            released.append((block, freed))
+
+        def hold_again() -> None:
+            for block, freed in reversed(released):
+                if freed:
+                    del self._free[block]
+                self._refs[block] += 1
+
+        self.journal(hold_again)
 
     # -- the prefix cache ----------------------------------------------------------------
     def register(self, block: int, parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -533,7 +637,10 @@ class PoolBase:
         self._initial = as_count(num_blocks, "num_blocks")
         self.max_bytes = None if max_bytes is None else as_count(max_bytes, "max_bytes")
         self.ledger = BlockLedger(
-            self.block_size, grow=self._grow_to, extra=f"{self.codec.key}|{self.block_size}"
+            self.block_size,
+            grow=self._grow_journaled,
+            extra=f"{self.codec.key}|{self.block_size}",
+            keep=self._keep_blocks,
         )
         #: Each tensor's planes ``[num_blocks, H, block_size, ·]`` (empty until it grows).
         self._planes: dict[str, tuple[Any, ...]] = {}
@@ -554,6 +661,29 @@ class PoolBase:
     def _grow_to(self, total: int) -> None:
         """Allocate blocks up to ``total`` (the ledger calls it)."""
         raise NotImplementedError
+
+    def _grow_journaled(self, total: int) -> None:
+        """:meth:`_grow_to`, journaled: growth builds new planes, so an undo rebinds the
+        old ones (their blocks are the ones the ledger gives back to)."""
+        old = self._planes
+        self._grow_to(total)
+
+        def shrink() -> None:
+            self._planes = old
+
+        self.ledger.journal(shrink)
+
+    def _keep_blocks(self, blocks: list[int]) -> None:
+        """Save the bytes of ``blocks`` (cached blocks an allocation takes inside
+        :meth:`undoable`) and journal writing them back."""
+        raise NotImplementedError
+
+    def undoable(self) -> Any:
+        """A context in which every change to the pool is journaled (contract §9): on an
+        exception the ledger, the tables, the planes' growth, the bytes of cached blocks
+        the operation took, the learnt geometry and the byte counters are put back (the
+        caller puts its own host records back: ``all_or_nothing``)."""
+        return _Undoable(self)
 
     # -- what it holds -------------------------------------------------------------------
     @property
@@ -708,6 +838,25 @@ class PoolBase:
         return self.ledger.evict_cached(as_count(count, "count"))
 
 
+class _Undoable:
+    """:meth:`PoolBase.undoable`'s context: the ledger's journal, and what ``learn`` set."""
+
+    def __init__(self, pool: PoolBase) -> None:
+        self._pool = pool
+        self._context = pool.ledger.undoable()
+
+    def __enter__(self) -> None:
+        pool = self._pool
+        self._learnt = pool._geometry, pool.ledger.max_blocks
+        self._context.__enter__()
+
+    def __exit__(self, kind: Any, error: Any, trace: Any) -> bool | None:
+        if error is not None:
+            pool = self._pool
+            pool._geometry, pool.ledger.max_blocks = self._learnt
+        return self._context.__exit__(kind, error, trace)
+
+
 class PagedSurface:
     """What a paged storage shows besides its rows, in both implementations (array-free):
     its pool, placement and block size, and mlx-lm's read surface over ``_held()`` (what ``fetch``
@@ -769,6 +918,11 @@ class PagedSurface:
         """The block pool this cache's tables point into (``None`` before the first write
         of a cache built without one)."""
         return self._pool
+
+    def _pool_undoable(self) -> Any:
+        """The pool's :meth:`PoolBase.undoable` context (none before a pool is known: a
+        pool made inside the operation is dropped with the host records)."""
+        return nullcontext() if self._pool is None else self._pool.undoable()
 
     @property
     def placement(self) -> Paged:

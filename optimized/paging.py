@@ -28,6 +28,7 @@ On the CPU backend writes and reads go through NumPy views of the pool's buffers
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -37,7 +38,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvrows.codec import PlaneSet, as_role
-from kvrows.common import shapes_token_bytes
+from kvrows.common import all_or_nothing, shapes_token_bytes
 from kvrows.compositions import contiguous_preset
 from kvrows.errors import (
     EMPTY_CACHE_NO_BLOCK,
@@ -370,27 +371,40 @@ class BlockPool(PoolBase):
         allocated for it)."""
         if touch:
             self.ledger.touch(_live(table))
-        self._tables[id(table)] = table
+        self._opened(table)
         return table
+
+    def _opened(self, table: Table) -> None:
+        """``table`` is live (journaled: an undo forgets it)."""
+        self._tables[id(table)] = table
+        self.ledger.journal(lambda: self._tables.pop(id(table), None))
 
     def adopt_empty(self, tables: Sequence[Table]) -> None:
         """Make empty tables made before the pool existed live tables of this pool."""
         for table in tables:
             if id(table) not in self._tables:
                 assert not table
-                self._tables[id(table)] = table
+                self._opened(table)
 
     def close(self, tables: Sequence[Table]) -> None:
         """Release every table (each tail block first); the table then holds nothing."""
         for table in tables:
             if self._tables.pop(id(table), None) is not None:
                 self.ledger.release(reversed(_live(table)))
+                held = list(table) if self.ledger.journaling else []
                 table.clear()
+                self.ledger.journal(functools.partial(self._reopen, table, held))
+
+    def _reopen(self, table: Table, held: Table) -> None:
+        """Undo a close: ``table`` holds ``held`` again, live."""
+        table[:] = held
+        self._tables[id(table)] = table
 
     def release_tail(self, table: Table, offset: int) -> None:
         """Release the blocks past position ``offset`` (after a trim), tail first."""
         keep = self.blocks_for(offset)
         self.ledger.release(reversed(_live(table[keep:])))
+        self._journal_table(table)
         del table[keep:]
 
     def release_outside(self, table: Table, needed: set[int]) -> None:
@@ -399,8 +413,38 @@ class BlockPool(PoolBase):
         gone = [j for j, b in enumerate(table) if b != FREE and j not in needed]
         if gone:
             self.ledger.release(reversed([table[j] for j in gone]))
+            was = [table[j] for j in gone]
             for j in gone:
                 table[j] = FREE
+
+            def undo() -> None:
+                for j, b in zip(gone, was, strict=True):
+                    table[j] = b
+
+            self.ledger.journal(undo)
+
+    def _journal_table(self, table: Table) -> None:
+        """Journal putting ``table`` back as it is now (an undoable operation edits it)."""
+        if self.ledger.journaling:
+            held = list(table)
+            self.ledger.journal(lambda: table.__setitem__(slice(None), held))
+
+    def _keep_blocks(self, blocks: list[int]) -> None:
+        """Save the bytes of ``blocks`` (cached blocks an undoable allocation takes) and
+        journal writing them back: one gather of those blocks per plane."""
+        index = _index(blocks)
+        saved = {t: tuple(mx.take(p, index, axis=0) for p in ps) for t, ps in self._planes.items()}
+        mx.eval(*(p for ps in saved.values() for p in ps))
+        planes = self._planes
+
+        def put_back() -> None:
+            for tensor, held in planes.items():
+                for plane, kept in zip(held, saved[tensor], strict=True):
+                    for i, block in enumerate(blocks):
+                        plane[block] = kept[i]
+                mx.eval(*held)
+
+        self.ledger.journal(put_back)
 
     def fresh_table(self, offset: int, needed: set[int], fresh: list[int]) -> Table:
         """A table of ``offset`` positions taking blocks from ``fresh`` for ``needed``."""
@@ -419,7 +463,10 @@ class BlockPool(PoolBase):
         plans = self._append_plans(tables, offsets, n)
         fresh = ledger.allocate(sum(int(cow) + new for cow, new in plans))
         written: list[Piece] = []
+        journaling = ledger.journaling
         for b, (table, offset, (cow, new)) in enumerate(zip(tables, offsets, plans, strict=True)):
+            if journaling and (cow or new):  # the table as it was (its tail, its length)
+                self._journal_append(table)
             if cow:
                 self._copy_tail(table, offset, fresh.pop())
             table.extend(fresh[:new])
@@ -428,6 +475,18 @@ class BlockPool(PoolBase):
         for tensor, planes in self._planes.items():
             scatter(planes, written, block[tensor])
         ledger.bytes_written += len(tables) * n * self.token_bytes
+
+    def _journal_append(self, table: Table) -> None:
+        """Journal putting back a table an append extends or whose tail it replaces: its
+        length and tail (O(1), not a copy of the table)."""
+        length, tail = len(table), table[-1] if table else FREE
+
+        def undo() -> None:
+            del table[length:]
+            if length:
+                table[-1] = tail
+
+        self.ledger.journal(undo)
 
     def _append_plans(
         self, tables: Sequence[Table], offsets: Sequence[int], n: int
@@ -814,6 +873,14 @@ class PagedRows(PagedSurface, Storage):
         )
 
     # -- writes: the pool first (it may refuse with nothing changed) ----------------------
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        """The machinery's write and read, all or nothing (contract §9): a fault after the
+        pool took blocks (its write, the read) puts the pool back (its journal) and this
+        cache's host records."""
+        step = super().update_and_fetch
+        with self._pool_undoable():
+            return all_or_nothing(self, lambda: step(keys, values))
+
     def _write_blocks(self, blocks: dict[str, Any], shapes: Any) -> None:
         """Two stages: the pool's rows take their share of the block encoded by the pool's
         codec (``_pool_write``), the rows beside it their share unencoded (the contiguous

@@ -25,6 +25,7 @@ every move of bytes are written here, as plainly as possible: a token slot is
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Sequence
@@ -172,8 +173,25 @@ class BlockPool(PoolBase):
         allocated for it)."""
         if touch:
             self.ledger.touch(_live(row.blocks))
-        self._tables[id(row)] = row
+        self._opened(row)
         return row
+
+    def _opened(self, row: PagedRow) -> None:
+        """``row``'s table is live (journaled: an undo forgets it)."""
+        self._tables[id(row)] = row
+        self.ledger.journal(lambda: self._tables.pop(id(row), None))
+
+    def _journal_row(self, row: PagedRow) -> None:
+        """Journal putting back ``row``'s table as it is now (an undoable operation edits
+        it): its blocks list (a copy) and the fields a close clears."""
+        if self.ledger.journaling:
+            blocks, held = row.blocks, (list(row.blocks), row.planes, row.offset)
+
+            def undo() -> None:
+                blocks[:] = held[0]
+                row.blocks, row.planes, row.offset = blocks, held[1], held[2]
+
+            self.ledger.journal(undo)
 
     def share(self, row: Row, cut: Row) -> PagedRow:
         """A second row holding ``cut`` of ``row`` (its window): its compact planes, the
@@ -188,7 +206,7 @@ class BlockPool(PoolBase):
         for row in rows:
             if id(row) not in self._tables:
                 assert not cast(PagedRow, row).blocks and row.offset == 0
-                self._tables[id(row)] = cast(PagedRow, row)
+                self._opened(cast(PagedRow, row))
 
     def close(self, rows: Sequence[Row]) -> None:
         """Release every row's table (each tail block first); the row then holds nothing."""
@@ -196,6 +214,8 @@ class BlockPool(PoolBase):
             if self._tables.pop(id(row), None) is not None:
                 paged = cast(PagedRow, row)
                 self.ledger.release(reversed(_live(paged.blocks)))
+                self._journal_row(paged)
+                self.ledger.journal(functools.partial(self._tables.__setitem__, id(paged), paged))
                 paged.blocks, paged.planes, paged.offset = [], {}, 0
 
     def release_tail(self, row: Row) -> None:
@@ -203,6 +223,7 @@ class BlockPool(PoolBase):
         paged = cast(PagedRow, row)
         keep = self.blocks_for(paged.offset)
         self.ledger.release(reversed(_live(paged.blocks[keep:])))
+        self._journal_row(paged)
         del paged.blocks[keep:]
 
     def release_outside(self, row: Row) -> None:
@@ -213,6 +234,7 @@ class BlockPool(PoolBase):
         gone = [j for j, b in enumerate(paged.blocks) if b != FREE and j not in needed]
         if gone:
             self.ledger.release(reversed([paged.blocks[j] for j in gone]))
+            self._journal_row(paged)
             for j in gone:
                 paged.blocks[j] = FREE
 
@@ -228,6 +250,8 @@ class BlockPool(PoolBase):
         plans = self._append_plans(tables, n)
         fresh = ledger.allocate(sum(int(cow) + new for cow, new in plans))
         for b, (table, (cow, new)) in enumerate(zip(tables, plans, strict=True)):
+            if cow or new:
+                self._journal_row(table)
             if cow:
                 self._copy_tail(table, fresh.pop())
             table.blocks.extend(fresh[:new])
@@ -283,6 +307,7 @@ class BlockPool(PoolBase):
         at once (a refusal changes nothing); not opened, nothing written."""
         fresh = self.ledger.allocate(sum(self.blocks_of(row) for row in rows))
         for row in rows:
+            self._journal_row(row)
             needed = row.needed(self.block_size)
             row.blocks = [
                 fresh.pop(0) if j in needed else FREE for j in range(self.blocks_for(row.offset))
@@ -312,6 +337,19 @@ class BlockPool(PoolBase):
                 row.positions(),
                 {t: tuple(p[b, :, start:] for p in ps) for t, ps in planes.items()},
             )
+
+    def _keep_blocks(self, blocks: list[int]) -> None:
+        """Save the bytes of ``blocks`` (cached blocks an undoable allocation takes) and
+        journal writing them back."""
+        planes = self._planes
+        saved = {t: tuple(p[blocks].copy() for p in ps) for t, ps in planes.items()}
+
+        def put_back() -> None:
+            for tensor, held in planes.items():
+                for plane, kept in zip(held, saved[tensor], strict=True):
+                    plane[blocks] = kept
+
+        self.ledger.journal(put_back)
 
     # -- reads ---------------------------------------------------------------------------
     def gather(self, rows: Sequence[Row], pads: Sequence[int], width: int) -> PlaneSet:
@@ -510,6 +548,14 @@ class PagedRows(PagedSurface, Storage):
         return () if self._pool is None else self._pool.held_arrays()
 
     # -- writes: the row machinery's hook ------------------------------------------------
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        """The machinery's write and read (all or nothing for this cache's records), the
+        pool's changes journaled: a fault after the pool took blocks puts it back too
+        (contract §9)."""
+        with self._pool_undoable():
+            fetched: tuple[Any, Any] = super().update_and_fetch(keys, values)
+            return fetched
+
     def _write(self, encoded: dict[int, PlaneSet], rows: int, n: int, geometry: KvGeometry) -> None:
         """The pool first (it may refuse, changing nothing but what it learnt), then the
         compact rows (``Storage._write``). The pool takes the rows of its stage; a stage-0

@@ -408,13 +408,6 @@ def _touched(parts: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in parts.items() if k in ("cache", "source")}
 
 
-#: Known gaps (contract §9): a paged append takes its blocks from the pool, extends the
-#: row's table and scatters the tokens before the read gathers them; a fault in that read
-#: (or, in the reference, in the contiguous mirror's write) leaves the append landed in
-#: the pool (ledger, tables, ``bytes_written``). Undoing it needs a pool-side rollback.
-POOL_APPEND = pytest.mark.xfail(
-    strict=True, reason="paged append: a fault after the pool write leaves it (contract §9)"
-)
 #: A delayed layout's rollback (or commit) closes the round, then converts the rows due:
 #: a fault in that conversion leaves the round closed and the rows trimmed, not
 #: converted, and the layout valid (the round's own steps are atomic or invalidate).
@@ -423,9 +416,6 @@ ROUND_THEN_CONVERT = pytest.mark.xfail(
 )
 KNOWN = {
     ("DelayedQuantizedKVCache", "rollback"): ROUND_THEN_CONVERT,
-    ("PagedKvRows", "update"): POOL_APPEND,
-    ("PagedRotatingRows", "update"): POOL_APPEND,
-    ("PagedLatentCache", "update"): POOL_APPEND,
 }
 
 PARAMS = [
@@ -481,3 +471,39 @@ def test_a_fault_leaves_every_cache_unchanged(impl: Impl, case: Case, op: str) -
             assert not changed, f"fault at call {k}: {key} differs after a clean rerun: {changed}"
     else:
         raise AssertionError(f"{op} still faulting after {MAX_SWEEP} calls")
+
+
+@pytest.mark.parametrize("impl", [opt, ref], ids=["optimized", "reference"])
+def test_a_faulted_append_gives_back_the_cached_blocks_it_took(impl: Impl) -> None:
+    """An append that takes cached free blocks (their hashes evicted, their bytes
+    overwritten) and then faults puts both back: a later prefix hit reads what was cached."""
+    ids = [1, 2, 3, 4]
+    for k in range(1, MAX_SWEEP):
+        pool = impl.BlockPool(block_size=2)
+        donor = impl.PagedKVCache(pool=pool)
+        prefix = _block(impl, 1, 4, 1)
+        donor.update_and_fetch(prefix, prefix)
+        donor.register_prefix(ids)
+        donor.release()  # both blocks free and cached: the next append takes one
+        assert pool.ledger.free_count == pool.num_blocks == 2
+        before = snapshot(donor)  # no table: the pool's ledger
+        request = impl.PagedKVCache(pool=pool)
+        injector = Injector()
+        block = _block(impl, 1, 2, 2)
+        with patched(injector, _codec_classes(request)), injector.armed_at(k):
+            try:
+                request.update_and_fetch(block, block)
+            except InjectedFault:
+                assert injector.fired
+            else:
+                assert not injector.fired
+                break
+        assert not _diff(before, snapshot(donor)), f"fault at call {k}"
+        hit = pool.lookup_prefix([*ids, 5])
+        assert hit is not None and hit.offset == 4, f"fault at call {k}: the prefix is lost"
+        keys, values = hit.fetch()
+        assert _same(_plain(keys), _plain(prefix)), f"fault at call {k}: cached bytes changed"
+        assert _same(_plain(values), _plain(prefix)), f"fault at call {k}: cached bytes changed"
+    else:
+        raise AssertionError(f"still faulting after {MAX_SWEEP} calls")
+    assert pool.ledger.cached_count == 1  # the clean run evicted one cached block
