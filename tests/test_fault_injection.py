@@ -507,3 +507,31 @@ def test_a_faulted_append_gives_back_the_cached_blocks_it_took(impl: Impl) -> No
     else:
         raise AssertionError(f"still faulting after {MAX_SWEEP} calls")
     assert pool.ledger.cached_count == 1  # the clean run evicted one cached block
+
+
+@pytest.mark.parametrize("impl", [opt, ref], ids=["optimized", "reference"])
+def test_a_cache_that_saw_a_fault_still_gives_its_blocks_back(impl: Impl) -> None:
+    """A serial paged cache whose first write faulted, then wrote: collected, it releases
+    every block (the fault put its tables list back in place, the one its finalizer
+    holds)."""
+    import gc
+
+    for k in range(1, MAX_SWEEP):
+        pool = impl.BlockPool(block_size=2)
+        cache = impl.PagedKVCache(pool=pool)
+        block = _block(impl, 1, 3, 1)
+        injector = Injector()
+        with patched(injector, _codec_classes(cache)), injector.armed_at(k):
+            try:
+                cache.update_and_fetch(block, block)
+            except InjectedFault:
+                assert injector.fired
+            else:
+                break
+        cache.update_and_fetch(block, block)
+        assert pool.ledger.referenced_count == 2
+        del cache
+        gc.collect()
+        assert pool.ledger.referenced_count == 0, f"fault at call {k}: blocks leaked"
+    else:
+        raise AssertionError(f"still faulting after {MAX_SWEEP} calls")
