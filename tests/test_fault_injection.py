@@ -500,3 +500,21 @@ def test_a_delayed_close_converts(impl: Impl, name: str, op: str) -> None:
     _run(op, parts)
     assert not cache.spec_round_open
     assert cache.converted_at != before and None in before
+
+
+@pytest.mark.parametrize("name", DELAYED)
+@pytest.mark.parametrize("impl", [opt, ref], ids=["optimized", "reference"])
+def test_a_faulted_commit_leaves_the_round_to_roll_back(impl: Impl, name: str) -> None:
+    """The round a faulted close put back is the caller's to close otherwise: a rollback
+    after a commit that failed in its conversion gives what a fresh rollback gives."""
+    build = _in_round(_kv_layout(name))
+    clean = build(impl)
+    _run("rollback", clean)
+    parts = build(impl)
+    injector = Injector()
+    codecs = _codec_classes(parts["cache"])
+    with patched(injector, codecs), injector.armed_at(1), pytest.raises(InjectedFault):
+        _run("commit", parts)
+    assert parts["cache"].spec_round_open
+    _run("rollback", parts)
+    assert not _diff(snapshot(clean["cache"]), snapshot(parts["cache"]))
