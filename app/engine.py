@@ -42,9 +42,10 @@ full blocks are registered (``register_prefix``) and stay cached until the pool 
 them; a new prompt takes the longest cached run of full blocks (at most ``len - 1``
 tokens, the minimum over the paged layers), and a model with other layers (recurrent
 state) takes a hit only where the ``PrefixCache`` (those layers' published serial copies)
-can cut them to a length the pools cover. A model with a paged ring takes no prefix hit
-(a ring's blocks leave its window: ``PAGED_RING_PREFIX``). :class:`PagedLayers` keeps the
-pools and answers what the engine asks; the engine keeps its loop.
+can cut them to a length the pools cover. A paged ring's pool takes part as the others do
+within its window: a ring row registers its blocks while it holds every position, and a hit
+is at most its window (``spec/engine.md`` §14). :class:`PagedLayers` keeps the pools and
+answers what the engine asks; the engine keeps its loop.
 
 Every model family's caches come from ``make_kvrows_cache`` and the engine asks only
 capabilities: recurrent state (``StateWritten``) rolls back in verify rounds by replay
@@ -77,7 +78,7 @@ from kvrows.codecs import is_codec_spec, is_kv_codec, kv_codecs
 from kvrows.errors import CapacityError, InvalidInputError, KvRowsError, LayoutStateError
 from kvrows.maintenance import KvMaintenance, create_kv_maintenance
 from kvrows.optimized import BlockPool, PagedKVCache, PagedRotatingKVCache
-from kvrows.paged import DEFAULT_BLOCK_SIZE, chain_hashes
+from kvrows.paged import DEFAULT_BLOCK_SIZE
 from kvrows.persist.prefix_store import PrefixStore, reusable_copies
 from kvrows.protocols import (
     BatchableCache,
@@ -90,7 +91,7 @@ from kvrows.protocols import (
     PagedRows,
     RingGeometry,
 )
-from kvrows.schemes import KvStorageScheme
+from kvrows.schemes import KvStorageScheme, Ring
 from kvrows.speculative import RowRound
 from kvrows.table import (
     RowAdmission,
@@ -314,10 +315,10 @@ class PagedLayers:
     one slot. The paged slots are those :func:`pageable` says (or a ``PagedForm``), each
     with its own pool of ``block_size`` tokens per block (its codec and declared geometry);
     ``pools`` is per slot (``None``: not paged). A sliding-window slot (a ring) is a
-    ``PagedRotatingKVCache`` of its model cache's ``max_size`` and ``keep`` in its pool.
-
-    A paged ring's rows give their oldest blocks back (``PAGED_RING_PREFIX``): a model with
-    a paged ring takes no prefix hit and publishes nothing (``prefix`` is ``False``)."""
+    ``PagedRotatingKVCache`` of its model cache's ``max_size`` and ``keep`` in its pool: it
+    publishes its blocks only while its rows hold every position, and its hits are at most
+    its window (``BlockPool.prefix_blocks`` of its ``Ring``), so a model with rings takes
+    hits no longer than its shortest window."""
 
     def __init__(self, fresh: Callable[[], list[Any]], *, block_size: int = DEFAULT_BLOCK_SIZE):
         self._fresh = fresh
@@ -351,9 +352,6 @@ class PagedLayers:
         #: Whether some slot is not paged (rings, recurrent state): its prefix hits come
         #: from the engine's ``PrefixCache``.
         self.mixed = not all(pool is not None for pool in self.pools)
-        #: Whether prefix hits are taken and rows published: not with a paged ring (its
-        #: rows keep no prefix: a hit needs every layer's, and a ring's blocks leave).
-        self.prefix = all(w is None for w in self.windows)
 
     # -- caches ----------------------------------------------------------------------------
     def caches(self) -> list[Any]:
@@ -383,19 +381,23 @@ class PagedLayers:
     def _paged_pools(self) -> list[Any]:
         return [pool for pool in self.pools if pool is not None]
 
-    def _prefix_pools(self) -> list[Any]:
-        """The pools prefix hits come from (none with a paged ring: ``prefix``)."""
-        return self._paged_pools() if self.prefix else []
+    def _geometries(self) -> list[Any]:
+        """Per paged slot, the token geometry its hits take (a ring's window, else growing:
+        ``None``)."""
+        return [
+            None if window is None else Ring(max_size=window[0], keep=window[1])
+            for pool, window in zip(self.pools, self.windows, strict=True)
+            if pool is not None
+        ]
 
     def hit_blocks(self, prompt: Sequence[int]) -> list[list[int]]:
         """Per paged slot, the cached blocks the prompt's longest usable prefix would take
-        (capped at ``len(prompt) - 1`` tokens; read only, nothing taken), cut to the slots'
-        common length."""
-        found: list[list[int]] = []
-        for pool in self._prefix_pools():
-            most = max(len(prompt) - 1, 0) // pool.block_size
-            digests = chain_hashes(list(prompt), pool.block_size, pool.ledger.extra, most)
-            found.append(pool.ledger.lookup(digests))
+        (capped at ``len(prompt) - 1`` tokens and a ring's window; read only, nothing
+        taken), cut to the slots' common length."""
+        found = [
+            pool.prefix_blocks(list(prompt), geometry)
+            for pool, geometry in zip(self._paged_pools(), self._geometries(), strict=True)
+        ]
         common = min((len(blocks) for blocks in found), default=0)
         return [blocks[:common] for blocks in found]
 
@@ -403,7 +405,7 @@ class PagedLayers:
         """Bytes of the prompt's prefix blocks that live tables already hold (so a running
         row's reservation counts them): what admission need not count twice."""
         credit = 0
-        for pool, blocks in zip(self._prefix_pools(), self.hit_blocks(prompt), strict=True):
+        for pool, blocks in zip(self._paged_pools(), self.hit_blocks(prompt), strict=True):
             held = sum(1 for b in blocks if pool.ledger.ref(b) > 0)
             if held:  # a pool that has held nothing may not know its geometry yet
                 credit += held * pool.bytes_per_block
@@ -415,10 +417,7 @@ class PagedLayers:
         """The longest usable prefix: ``(tokens, caches)`` whose paged slots reference
         cached blocks (nothing copied) and, in a mixed model, whose other slots are the
         copies ``others(limit)`` returns (the ``PrefixCache``'s lookup over those slots,
-        at most ``limit`` tokens, in slot order); ``None`` on a miss (always with a paged
-        ring: ``prefix``)."""
-        if not self.prefix:
-            return None
+        at most ``limit`` tokens, in slot order); ``None`` on a miss."""
         common = len(self.hit_blocks(prompt)[0]) * self.block_size
         if common == 0:
             return None
@@ -429,42 +428,70 @@ class PagedLayers:
             if found is None:
                 return None
             fed, copies = found
+            if fed < common and any(w is not None and common >= w[0] for w in self.windows):
+                return None  # a ring's hit of its whole window cannot be cut (not trimmable)
         rest = iter(copies)
         slots: list[Any] = []
+        geometries = iter(self._geometries())
         for pool, form in zip(self.pools, self._forms, strict=True):
             if pool is None:
                 slots.append(next(rest))
                 continue
-            hit = form(pool.lookup_prefix(list(prompt[: common + 1])))
+            hit = form(pool.lookup_prefix(list(prompt[: common + 1]), next(geometries)))
             assert hit is not None and hit.offset == common
             if fed < common:
                 hit.trim(common - fed)  # a partial tail stays shared: copied on its next write
             slots.append(hit)
         return fed, _regrouped(slots, self._template)
 
+    def _register(
+        self,
+        slots: Sequence[Any],
+        covered: Sequence[int],
+        register: Callable[[Any, list[int]], int | None],
+    ) -> None:
+        """``register(slot, ids)`` in every slot, the rings first: the other slots register
+        no more whole blocks than every ring did (a hit needs every layer's prefix, so
+        their blocks past a ring's would never be hit: they would only stay cached)."""
+        tokens = list(covered)
+        rings = [i for i, window in enumerate(self.windows) if window is not None]
+        others = [i for i, window in enumerate(self.windows) if window is None]
+        for i in rings:
+            count = register(slots[i], tokens)
+            if count is not None:
+                tokens = tokens[: count * self.block_size]
+        for i in others:
+            register(slots[i], tokens)
+
     def publish_rows(self, layouts: Sequence[Any], row: int, covered: Sequence[int]) -> None:
         """Register row ``row``'s full blocks of ``covered`` in each paged slot's pool."""
-        for layout in map(_behind, _slots_of(layouts)):
+
+        def register(slot: Any, tokens: list[int]) -> int | None:
+            layout = _behind(slot)
             if (
                 isinstance(layout, PagedRows)
                 and isinstance(layout, BatchableCache)
                 and layout.batch_size > row
             ):
-                layout.register_prefix(row, list(covered))
+                return layout.register_prefix(row, tokens)
+            return None
+
+        self._register(_slots_of(layouts), covered, register)
 
     def publish_serial(self, caches: Sequence[Any], covered: Sequence[int]) -> None:
         """Register a serial row's full blocks (a row that finished on its first token; a
         latent cache is its own one-row layout)."""
-        for cache in map(_behind, _slots_of(caches)):
+
+        def register(slot: Any, tokens: list[int]) -> int | None:
+            cache = _behind(slot)
             if not isinstance(cache, PagedRows):
-                continue
+                return None
             if isinstance(cache, BatchableCache):
-                if cache.batch_size == 1:
-                    cache.register_prefix(0, list(covered))
-                continue
+                return cache.register_prefix(0, tokens) if cache.batch_size == 1 else None
             serial: Any = cache  # a serial paged cache: ``rows`` is its batch rows
-            if serial.rows == 1:
-                cache.register_prefix(list(covered))
+            return int(serial.register_prefix(tokens)) if serial.rows == 1 else None
+
+        self._register(_slots_of(caches), covered, register)
 
     def unpaged_layers(self, caches: Sequence[Any]) -> list[Any]:
         """The slots of ``caches`` that are not paged (what the ``PrefixCache`` keeps of a
@@ -496,19 +523,6 @@ def _probe_cache(cache: Any, pool: Any, window: tuple[int, int] | None, block_si
         return cache.in_pool(cache.paged_pool(block_size))
     private = BlockPool(pool.codec_spec, block_size=block_size, geometry=pool.geometry)
     return _in_pool(private, window)  # the shared pool's codec and block size: it joins
-
-
-def _most_bytes(admission: RowAdmission, tokens: int) -> int:
-    """The most bytes a row holds on its way to ``tokens`` positions: a paged ring's blocks
-    at ``tokens`` may be fewer than a step before (its window straddled one more block
-    boundary, ``kvrows.paged.projected_blocks``); its count repeats every ``block_size``
-    positions once the window is full, so the last ``block_size`` lengths bound it."""
-    total = 0
-    for layout in admission.layouts:
-        span = getattr(layout, "block_size", 1) if isinstance(layout, RingGeometry) else 1
-        first = max(tokens - span + 1, 0)
-        total += max(layout.projected_bytes(t) for t in range(first, tokens + 1))
-    return total
 
 
 def _as_is(cache: Any) -> Any:
@@ -737,13 +751,13 @@ class Engine:
         """The row's KV bytes at its longest (the draft's rows included). Paged: whole
         blocks, less the prefix blocks other running rows hold (counted once, by them)."""
         tokens = len(request.prompt) + request.max_tokens
-        draft = 0 if self.draft_admission is None else _most_bytes(self.draft_admission, tokens)
+        draft = 0 if self.draft_admission is None else self.draft_admission.most_bytes(tokens)
         credit = 0
         if self.paged is not None:
             credit = self._shared_credit.get(request.rid, -1)
             if credit < 0:  # not admitted yet: what its lookup would share now
                 credit = self.paged.shared_credit(request.prompt)
-        return _most_bytes(self.admission, tokens) + draft - credit
+        return self.admission.most_bytes(tokens) + draft - credit
 
     def _fresh_caches(self) -> list[Cache]:
         """A request's fresh per-layer caches (paged layers: empty caches of their pool)."""
@@ -948,7 +962,7 @@ class Engine:
         fed = 0
         if self.paged is not None:
             self._shared_credit[request.rid] = self.paged.shared_credit(request.prompt)
-            if self.prefix_cache is not None and self.paged.prefix:
+            if self.prefix_cache is not None:
                 cache = self.prefix_cache
                 hit = self.paged.lookup(
                     request.prompt, lambda limit: cache.lookup(request.prompt, limit=limit)
@@ -1187,7 +1201,7 @@ class Engine:
         self._close_timing(row)
         if self.paged is not None:
             self._shared_credit.clear()  # a row leaves: the rows it shared with count theirs
-        if self.paged is None or (self.prefix_cache is not None and self.paged.prefix):
+        if self.paged is None or self.prefix_cache is not None:
             self._publish_serial(self._covered(row), row.caches, to_store=True)
         row.caches = []
 
@@ -1196,7 +1210,7 @@ class Engine:
             self._close_timing(row)
         if self.paged is not None:
             self._shared_credit.clear()  # a row leaves: the rows it shared with count theirs
-            if self.prefix_cache is None or not self.paged.prefix:
+            if self.prefix_cache is None:
                 return
             covered = self._covered(row)
             self.paged.publish_rows(layouts, index, covered)
@@ -1222,8 +1236,6 @@ class Engine:
         and not to the disk store (it saves the row when it leaves)."""
         if self.prefix_cache is None or any(isinstance(c, Handover) for c in row.caches):
             return
-        if self.paged is not None and not self.paged.prefix:
-            return  # a paged ring keeps no prefix (PagedLayers.prefix)
         self._publish_serial(row.request.prompt, row.caches, to_store=False)
 
     def _publish_serial(

@@ -10,8 +10,9 @@ docstring says what it drives.
 
 **A subclass of the base machine.** :class:`DelayedMachine`, the delayed modifier's rules
 (``hooks.MODIFIER_RULES["delayed"]``, ``own``: not composed over the storage's), is a
-:class:`~kvrows.conformance.machines.ConformanceMachine` (the only storage root,
-``spec/contract.md`` §0.11): its geometry is the base ``Geometry`` plus the rows'
+:class:`~kvrows.conformance.machines.WriterRules` (the writers' skeleton over the only
+storage root, ``spec/contract.md`` §0.11: its blocks are keys and values, its solo
+replays the rows' legos): its geometry is the base ``Geometry`` plus the rows'
 ``start``, its requests and layouts are the base model's ``Track`` (the tokens appended,
 minus the trims, their history, the stage ``converted_at``, what the pool holds and the
 solo legos) and ``Slot`` (with the position record ``pads``), and the base machine compares its errors, snapshots its objects,
@@ -38,6 +39,7 @@ counts the cases that matter; ``tests/test_conformance_delayed.py`` and
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import sys
@@ -58,9 +60,10 @@ from kvrows.conformance import strategies as ks
 from kvrows.conformance.arrays import NUMPY_DTYPES, expand_mask, random_block
 from kvrows.conformance.families import Impl
 from kvrows.conformance.machines import (
-    ConformanceMachine,
+    Block,
     Slot,
     Track,
+    WriterRules,
     _answer,
     planes_bytes,
     planes_of,
@@ -210,7 +213,7 @@ def delayed_geometries(draw: st.DrawFn, ring: bool, turbo: bool = False) -> Dela
     )  # fmt: skip
 
 
-class DelayedMachine(ConformanceMachine):
+class DelayedMachine(WriterRules):
     """The delayed layouts, both implementations, solo legos (see the module docstring)."""
 
     def __init__(self) -> None:
@@ -220,6 +223,8 @@ class DelayedMachine(ConformanceMachine):
         #: Publishes of a shorter prefix so far (``_publish`` takes the covered ones in turn).
         self._publishes = 0
         self._codecs: dict[tuple[str, bool], Any] = {}
+        #: The solo replays in progress are of a verify block (``_solo``).
+        self._round_block = False
 
     @property
     def ring(self) -> bool:
@@ -365,6 +370,15 @@ class DelayedMachine(ConformanceMachine):
         held = storage.window() if self.ring else storage.planes()
         return view_planes(impl, held)
 
+    # -- the writer skeleton's hooks (``machines.WriterRules``): a block is keys and values,
+    # written by ``update_and_fetch``; a layout row's solo replay is its solo legos
+    def _draw_block(self, rng: np.random.Generator, rows: int, n: int) -> Block:
+        return self._block(rng, rows, n, self.g.dim), self._block(rng, rows, n, self.g.dim)
+
+    def _write(self, impl: Impl, cache: Any, block: Block) -> Any:
+        keys, values = block
+        return cache.update_and_fetch(impl.to_native(keys), impl.to_native(values))
+
     # -- the model ----------------------------------------------------------------------------
     def _due(self, track: Track) -> bool:
         return track.converted_at is None and self.g.converts(track.tokens)
@@ -475,7 +489,6 @@ class DelayedMachine(ConformanceMachine):
         self, track: Track, data: st.DataObject, rng: np.random.Generator, most: int
     ) -> None:
         """One chunk appended to a pool request (and its solo legos)."""
-        g = self.g
         limit = track.ref.max_append_tokens() if track.holds == "lego" else math.inf
         self._exact(
             f"request {track.ident} max_append_tokens (optimized)",
@@ -487,15 +500,17 @@ class DelayedMachine(ConformanceMachine):
         n = min(drawn, most) if crossing or limit == math.inf else min(drawn, most, int(limit))
         if crossing and n > limit:
             self.stats.check("crossing chunk in a lego")
-        keys, values = self._block(rng, 1, n, g.dim), self._block(rng, 1, n, g.dim)
+        block = keys, values = self._draw_block(rng, 1, n)
         what = f"request {track.ident} ({track.holds}) chunk of {n} onto {track.tokens}"
-        caches = [(self.ref_impl, track.ref), (self.opt_impl, track.opt)]
+        pairs = [(track.ref, track.opt)]
         if track.solo_ref is not None:
-            caches += [(self.ref_impl, track.solo_ref), (self.opt_impl, track.solo_opt)]
-        for impl, cache in caches:
-            cache.update_and_fetch(impl.to_native(keys), impl.to_native(values))
+            pairs.append((track.solo_ref, track.solo_opt))
+        for ref, opt in pairs:
+            self._write_pair(ref, opt, block)
         # What each holds in time order (a serial ring's reads come in its own column order).
-        views = [self._view(impl, cache) for impl, cache in caches]
+        views = [
+            self._view(impl, c) for pair in pairs for impl, c in zip(self.impls, pair, strict=True)
+        ]
         names = ["optimized", "the reference's solo lego", "the optimized solo lego"]
         for name, view in zip(names, views[1:], strict=False):
             self._same_planes("kv.solo" if "solo" in name else "kv.fetched",
@@ -670,9 +685,8 @@ class DelayedMachine(ConformanceMachine):
         attention, reference vs optimized. Returns the block, the queries and both
         outputs. ``replay``: the rows take the block now (the solo legos too, then the
         layout against the model); else the caller does (a round, a prefill chunk)."""
-        g = self.g
         rows = len(slot.rows)
-        keys, values = self._block(rng, rows, n, g.dim), self._block(rng, rows, n, g.dim)
+        block = keys, values = self._draw_block(rng, rows, n)
         queries = self._queries(rng, rows, n)
         phase = slot.ref.phase
         self._read_phase = phase
@@ -683,21 +697,19 @@ class DelayedMachine(ConformanceMachine):
         self._same_masks(f"{what}: masks (optimized vs reference)", masks, rows, n)
         if phase == "mixed" and not self.ring:
             self._record_mask(what, slot, _as_mask(self.ref_impl, masks[0]), n)
-        outputs = []
-        reads = []
         converted = tuple(slot.ref.converted_at)
-        for impl, lay, mask in zip(self.impls, (slot.ref, slot.opt), masks, strict=True):
-            k, v, q = impl.to_native(keys), impl.to_native(values), impl.to_native(queries)
-            codec = lay.codec  # the codec of this append's reads (plain or packed)
-            if inside:
-                with row_reads():
-                    got = lay.update_and_fetch(k, v)
-                    out = self._attend_read(impl, lay, codec, q, got, mask, phase)
-            else:
-                got = lay.update_and_fetch(k, v)
-                out = self._attend_read(impl, lay, codec, q, got, mask, phase)
-            reads.append(got)
-            outputs.append(impl.to_numpy(out))
+        layouts = (slot.ref, slot.opt)
+        codecs = [lay.codec for lay in layouts]  # the codec of this append's reads
+        with row_reads() if inside else contextlib.nullcontext():
+            reads = self._write_pair(slot.ref, slot.opt, block)
+            outputs = [
+                impl.to_numpy(self._attend_read(
+                    impl, lay, codec, impl.to_native(queries), got, mask, phase
+                ))
+                for impl, lay, codec, got, mask in zip(
+                    self.impls, layouts, codecs, reads, masks, strict=True
+                )
+            ]  # fmt: skip
         self._exact(
             f"{what}: reads pending (reference, optimized)",
             (slot.ref.reads_pending, slot.opt.reads_pending),
@@ -718,7 +730,7 @@ class DelayedMachine(ConformanceMachine):
         else:
             if phase == "packed":
                 self.stats.check("packed read")
-            self._compare_reads(what, reads, masks, rows, n)
+            self._compare_reads(what, list(reads), masks, rows, n)
         self._close(
             "attention", f"{what}: attention (optimized vs reference)", outputs[1], outputs[0]
         )
@@ -727,7 +739,7 @@ class DelayedMachine(ConformanceMachine):
             return keys, values, queries, outputs
         before = [t.converted_at for t in slot.rows]
         self._record_rows(slot, keys, values, [n] * rows)
-        self._solo(slot, keys, values, queries, outputs, [n] * rows, before)
+        self._solo(slot, block, queries, outputs, [n] * rows)
         self._advance(slot, before)
         return keys, values, queries, outputs
 
@@ -812,82 +824,82 @@ class DelayedMachine(ConformanceMachine):
     def _solo(
         self,
         slot: Slot,
-        keys: Array,
-        values: Array,
+        block: Block,
         queries: Array,
         outputs: list[Array],
         accepted: list[int],
-        before: list[int | None],
         *,
         round_block: bool = False,
     ) -> None:
-        """Each row's solo legos take the row's first ``accepted[b]`` tokens of the block;
-        their attention equals the layout row's for those queries (exactly in the
-        optimized implementation while the row reads plain, outside rounds). A converted
-        TurboQuant row's attention also equals the eager oracle over its solo storage's
-        planes (:meth:`_check_eager`)."""
-        for b, track in enumerate(slot.rows):
-            k = accepted[b]
-            kb, vb, qb = keys[b : b + 1, :, :k], values[b : b + 1, :, :k], queries[b : b + 1, :, :k]
-            what = f"layout {slot.ident} row {b} (request {track.ident}, {k} tokens)"
-            for impl, solo, out in zip(
-                self.impls, (track.solo_ref, track.solo_opt), outputs, strict=True
-            ):
-                plain = not solo.converted
-                self._exact(
-                    f"{what}: plain before the append ({impl.name})", plain, before[b] is None
-                )
-                mask = solo.make_mask(k)
-                got = solo.update_and_fetch(impl.to_native(np.ascontiguousarray(kb)),
-                                            impl.to_native(np.ascontiguousarray(vb)))  # fmt: skip
-                # An affine read is the planes' triples; a TurboQuant one is two arrays (keys
-                # decoded, values still rotated) whose codec defers the values.
-                quantized = (
-                    bool(solo.last_read_codec.defers_values)
-                    if self.turbo
-                    else isinstance(got[0], tuple | list)
-                )
-                self._exact(f"{what}: the lego's read is quantized", quantized, not plain)
-                codec = self._codec(impl, quantized)
-                q_native = impl.to_native(np.ascontiguousarray(qb))
-                solo_out = impl.to_numpy(codec.attend(q_native, *got, mask, self.g.scale))
-                row_out = np.ascontiguousarray(out[b : b + 1, :, :k])
-                if quantized and self.turbo:
-                    self._check_eager(f"{what} ({impl.name})", impl, solo, q_native, mask, row_out)
-                # A wrapped serial ring reads a single token's step in physical order (the
-                # window rotated by its phase) where the layout reads each row in time
-                # order: the same terms summed in another order, so not bit for bit.
-                wrapped = (
-                    self.g.max_size is not None and k == 1 and int(solo.offset) > self.g.max_size
-                )
-                if plain and not round_block and impl is self.opt_impl and not wrapped:
-                    self._close(
-                        "attention.solo.plain",
-                        f"{what}: optimized attention vs its plain solo lego",
-                        row_out,
-                        solo_out,
-                        chosen=EXACT,
-                    )
-                    self.stats.check("exact before conversion")
-                else:
-                    self._close(
-                        "attention.solo", f"{what}: {impl.name} attention vs its solo lego",
-                        row_out, solo_out,
-                    )  # fmt: skip
-            if self._due(track):  # the model's rule: the row converts at this boundary
-                self._mark_converted(track)
-            self._exact(
-                f"{what}: the solo legos converted (reference, optimized)",
-                (track.solo_ref.converted, track.solo_opt.converted),
-                (track.converted_at is not None,) * 2,
-            )
-            self._exact(
-                f"{what}: the solo lego's conversion offset",
-                track.solo_ref.minimum_reusable_offset,
-                (track.converted_at or 0) if self.g.start > 0 else 0,
-            )
+        """Each row's solo legos take the row's first ``accepted[b]`` tokens of the block
+        (:meth:`_solo_write`, through the writer skeleton's ``_write_solos``)."""
+        self._round_block = round_block
+        answers = (outputs[0], outputs[1])
+        self._write_solos(f"layout {slot.ident}", slot.rows, (*block, queries), accepted, answers)
         self.stats.check("solo attention", len(slot.rows))
         self.stats.check("solo replay")
+
+    def _solo_write(self, what: str, track: Any, part: Block, expected: Block | None) -> None:
+        """A row's solo legos take its part of the block (keys, values, queries); their
+        attention equals the layout row's for those queries (exactly in the optimized
+        implementation while the row reads plain, outside rounds). A converted TurboQuant
+        row's attention also equals the eager oracle over its solo storage's planes
+        (:meth:`_check_eager`). Then the model's rule converts the row when due."""
+        kb, vb, qb = part
+        assert expected is not None
+        k = int(kb.shape[2])
+        what = f"{what} (request {track.ident}, {k} tokens)"
+        plain_before = track.converted_at is None
+        for impl, solo, out in zip(
+            self.impls, (track.solo_ref, track.solo_opt), expected, strict=True
+        ):
+            plain = not solo.converted
+            self._exact(f"{what}: plain before the append ({impl.name})", plain, plain_before)
+            mask = solo.make_mask(k)
+            got = self._write(impl, solo, (kb, vb))
+            # An affine read is the planes' triples; a TurboQuant one is two arrays (keys
+            # decoded, values still rotated) whose codec defers the values.
+            quantized = (
+                bool(solo.last_read_codec.defers_values)
+                if self.turbo
+                else isinstance(got[0], tuple | list)
+            )
+            self._exact(f"{what}: the lego's read is quantized", quantized, not plain)
+            codec = self._codec(impl, quantized)
+            q_native = impl.to_native(qb)
+            solo_out = impl.to_numpy(codec.attend(q_native, *got, mask, self.g.scale))
+            if quantized and self.turbo:
+                self._check_eager(f"{what} ({impl.name})", impl, solo, q_native, mask, out)
+            # A wrapped serial ring reads a single token's step in physical order (the
+            # window rotated by its phase) where the layout reads each row in time
+            # order: the same terms summed in another order, so not bit for bit.
+            wrapped = self.g.max_size is not None and k == 1 and int(solo.offset) > self.g.max_size
+            if plain and not self._round_block and impl is self.opt_impl and not wrapped:
+                self._close(
+                    "attention.solo.plain",
+                    f"{what}: optimized attention vs its plain solo lego",
+                    out,
+                    solo_out,
+                    chosen=EXACT,
+                )
+                self.stats.check("exact before conversion")
+            else:
+                self._close(
+                    "attention.solo", f"{what}: {impl.name} attention vs its solo lego",
+                    out, solo_out,
+                )  # fmt: skip
+        if self._due(track):  # the model's rule: the row converts at this boundary
+            self._mark_converted(track)
+        self._exact(
+            f"{what}: the solo legos converted (reference, optimized)",
+            (track.solo_ref.converted, track.solo_opt.converted),
+            (track.converted_at is not None,) * 2,
+        )
+        self._exact(
+            f"{what}: the solo lego's conversion offset",
+            track.solo_ref.minimum_reusable_offset,
+            (track.converted_at or 0) if self.g.start > 0 else 0,
+        )
 
     def _check_eager(
         self, what: str, impl: Impl, solo: Any, queries: Any, mask: Any, row_out: Array
@@ -956,7 +968,7 @@ class DelayedMachine(ConformanceMachine):
         if crossed:
             self.stats.check("crossing chunk in prefill")
         pending = [t.converted_at for t in slot.rows]
-        self._solo(slot, keys, values, queries, outputs, [n] * len(slot.rows), before)
+        self._solo(slot, (keys, values), queries, outputs, [n] * len(slot.rows))
         committed = [t.converted_at for t in slot.rows]
         for t, c in zip(slot.rows, pending, strict=True):
             t.converted_at = c  # the layout converts them at the commit
@@ -1029,7 +1041,7 @@ class DelayedMachine(ConformanceMachine):
             else:
                 lay.spec_round_rollback(keep[0] if as_int else list(keep))
         self._record_rows(slot, keys, values, keep)
-        self._solo(slot, keys, values, queries, outputs, keep, before, round_block=True)
+        self._solo(slot, (keys, values), queries, outputs, keep, round_block=True)
         if any(
             b is None and t.converted_at is not None for b, t in zip(before, slot.rows, strict=True)
         ):

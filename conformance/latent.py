@@ -8,7 +8,8 @@ rules drive ``[B, H, N, D]`` key/value storages; these rules (the latent writer'
 ``hooks.WRITERS["latent"].rules``) drive latent caches with the same oracles and the same
 runner interface (``machines.machine_class`` builds it from the family, ``kvrows conform
 --family latent`` runs it). They are composed over the root machine (in place of the K/V
-writer's ``machines.KvRules``) and reuse its ids, counters, world model
+writer's ``machines.KvRules``), on the writers' skeleton (``machines.WriterRules``: a
+block is the latent, the rope and the index, written by ``append``), and reuse its ids, counters, world model
 (``machines.Request``) and bad-input check:
 
 * **reference vs optimized**: after every operation both hold the same rows (offsets,
@@ -26,7 +27,7 @@ writer's ``machines.KvRules``) and reuse its ids, counters, world model
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +41,7 @@ from hypothesis.stateful import initialize, precondition, rule
 from kvrows.conformance.arrays import NUMPY_DTYPES, from_mlx, to_mlx
 from kvrows.conformance.families import Impl
 from kvrows.conformance.hooks import lm_cache
-from kvrows.conformance.machines import ConformanceMachine, Layout, Request
+from kvrows.conformance.machines import Block, Layout, Request, WriterRules
 from kvrows.schemes import Affine, Turbo
 
 __all__ = ["LATENT_CHECKS", "LatentMachine"]
@@ -49,6 +50,9 @@ Array = npt.NDArray[Any]
 
 #: Oracles every run of the family must reach (the CI test asserts them).
 LATENT_CHECKS = ("reference", "solo", "planes", "bad input unchanged")
+
+#: The tensors a latent block holds, in ``append``'s order.
+_TENSORS = ("latent", "rope", "index")
 
 _CODECS: tuple[Affine | Turbo, ...] = (
     Affine(bits=8, group_size=64),
@@ -70,7 +74,7 @@ class _Config:
 
 
 # every rule checks what it touched: no invariant
-class LatentMachine(ConformanceMachine):
+class LatentMachine(WriterRules):
     """Conformance of a latent cache class (both implementations, solo, mlx-lm)."""
 
     def __init__(self) -> None:
@@ -124,39 +128,44 @@ class LatentMachine(ConformanceMachine):
             return cls(*args)
         return cls(*args, codec=self.c.codec, start=self.c.start)
 
-    def _blocks(self, rows: int, n: int) -> tuple[Array, Array, Array | None]:
+    # -- the writer skeleton's hooks (``machines.WriterRules``): a block is the latent, the
+    # rope and (DSA) the index tensor, written by ``append``; a request's solo replay is
+    # a reference one-row cache
+    def _draw_block(self, rng: np.random.Generator, rows: int, n: int) -> Block:
         dtype = NUMPY_DTYPES[self.c.dtype]
 
         def draw(width: int) -> Array:
-            return self._noise.standard_normal((rows, 1, n, width)).astype(np.float32).astype(dtype)
+            return rng.standard_normal((rows, 1, n, width)).astype(np.float32).astype(dtype)
 
         index = None if self.c.index is None else draw(self.c.index)
         return draw(self.c.rank), draw(self.c.rope), index
+
+    def _write(self, impl: Impl, cache: Any, block: Block) -> Any:
+        # no index block: ``append(latent, rope)``
+        return cache.append(*(impl.to_native(b) for b in block if b is not None))
+
+    def _write_lm(self, lm: Any, block: Block) -> None:
+        if lm is None:
+            return
+        latent, rope, index = (None if b is None else to_mlx(b) for b in block)
+        lm[0].update_and_fetch(latent, rope)
+        if index is not None:
+            lm[1].update_and_fetch(index, index)
+
+    def _same_writes(
+        self, what: str, got: tuple[Any, Any], target: Any, counts: Sequence[int] | None
+    ) -> None:
+        pads = target.ref.left_pad if isinstance(target, Layout) else None
+        self._same_read(what, *got, pads)
+
+    def _solo_write(self, what: str, row: Any, part: Block, expected: Block | None) -> None:
+        self._write(self.ref_impl, row.ref, part)
 
     def _lm_twins(self) -> tuple[Any, Any] | None:
         if self.encoded or self.peer is None:
             return None
         lm: Any = lm_cache()
         return lm.KVCache(), lm.KVCache()
-
-    # -- appends --------------------------------------------------------------------------
-    def _append_all(
-        self,
-        pairs: list[tuple[Impl, Any]],
-        blocks: tuple[Array, Array, Array | None],
-    ) -> list[Any]:
-        # no index block: ``append(latent, rope)``
-        return [c.append(*(i.to_native(b) for b in blocks if b is not None)) for i, c in pairs]
-
-    def _lm_append(
-        self, twins: tuple[Any, Any] | None, blocks: tuple[Array, Array, Array | None]
-    ) -> None:
-        if twins is None:
-            return
-        latent, rope, index = blocks
-        twins[0].update_and_fetch(to_mlx(latent), to_mlx(rope))
-        if index is not None:
-            twins[1].update_and_fetch(to_mlx(index), to_mlx(index))
 
     # -- rules ----------------------------------------------------------------------------
     @precondition(lambda self: self.cfg is not None and len(self.requests) < 4)
@@ -174,14 +183,10 @@ class LatentMachine(ConformanceMachine):
         self._check_latent_request(request)
 
     def _prefill(self, request: Request, n: int) -> None:
-        blocks = self._blocks(1, n)
+        block = self._draw_block(self._noise, 1, n)
         if request.ref.width + n > (self.c.max_tokens or 10**9):
             return
-        got_ref, got_opt = self._append_all(
-            [(self.ref_impl, request.ref), (self.opt_impl, request.opt)], blocks
-        )
-        self._same_read("append read", got_ref, got_opt)
-        self._lm_append(request.lm, blocks)
+        self._write_both("append read", request, block)
 
     @precondition(lambda self: bool(self.requests))
     @rule(data=st.data())
@@ -213,13 +218,7 @@ class LatentMachine(ConformanceMachine):
         twins = [r.lm for r in chosen]
         self._into_rows(layout, chosen)
         if all(t is not None and t[0].offset > 0 for t in twins):
-            batch: Any = lm_cache().BatchKVCache
-            layout.lm = (
-                batch.merge([t[0] for t in twins if t is not None]),
-                batch.merge([t[1] for t in twins if t is not None])
-                if self.c.index is not None
-                else None,
-            )
+            layout.lm = self._merged_lm(twins)
         self.layout = layout
         for request in chosen:
             self.requests.remove(request)
@@ -269,18 +268,12 @@ class LatentMachine(ConformanceMachine):
         rows = layout.ref.batch_size
         if layout.ref.width + n > (self.c.max_tokens or 10**9):
             return
-        blocks = self._blocks(rows, n)
+        block = self._draw_block(self._noise, rows, n)
         if round_keep is not None:
             layout.ref.spec_round_begin()
             layout.opt.spec_round_begin()
-        got_ref, got_opt = self._append_all(
-            [(self.ref_impl, layout.ref), (self.opt_impl, layout.opt)], blocks
-        )
-        self._same_read("layout append read", got_ref, got_opt, layout.ref.left_pad)
-        for b, solo in enumerate(self._solos(layout)):
-            row = tuple(None if x is None else x[b : b + 1] for x in blocks)
-            self._append_all([(self.ref_impl, solo)], row)  # type: ignore[arg-type]
-        self._lm_append(layout.lm, blocks)
+        self._write_both("layout append read", layout, block)
+        self._write_solos("layout", layout.rows, block)
         if round_keep is None:
             return
         if len(set(round_keep)) == 1 and round_keep[0] == n:
@@ -306,17 +299,17 @@ class LatentMachine(ConformanceMachine):
             if solo.width == 0:
                 layout.lm = None
                 return
-            latent, rope, index = (None if a is None else to_mlx(a) for a in solo.current())
-            twin, index_twin = lm.KVCache(), lm.KVCache()
-            twin.update_and_fetch(latent, rope)
-            if index is not None:
-                index_twin.update_and_fetch(index, index)
-            pairs.append((twin, index_twin))
-        layout.lm = (
-            lm.BatchKVCache.merge([p[0] for p in pairs]),
-            lm.BatchKVCache.merge([p[1] for p in pairs]) if self.c.index is not None else None,
-        )
+            pairs.append((lm.KVCache(), lm.KVCache()))
+            self._write_lm(pairs[-1], solo.current())
+        layout.lm = self._merged_lm(pairs)
         self.stats.check("mlx-lm rollback rebuild")
+
+    def _merged_lm(self, twins: Sequence[Any]) -> tuple[Any, Any]:
+        """mlx-lm's ``BatchKVCache`` pair over requests' ``KVCache`` pairs (the index
+        twin only where the example has an index plane)."""
+        batch: Any = lm_cache().BatchKVCache
+        latent = batch.merge([t[0] for t in twins])
+        return latent, batch.merge([t[1] for t in twins]) if self.c.index is not None else None
 
     @precondition(lambda self: self.layout is not None)
     @rule(data=st.data())
@@ -431,17 +424,19 @@ class LatentMachine(ConformanceMachine):
 
             return call
 
-        good = self._blocks(rows, 1)
+        good = self._draw_block(self._noise, rows, 1)
+        latent, rope, index = good
+        assert latent is not None and rope is not None
         dtype = NUMPY_DTYPES[c.dtype]
-        wrong_width = (good[0][..., :-8], good[1], good[2])
-        wrong_rope = (good[0], np.zeros((rows, 1, 1, c.rope + 2), dtype), good[2])
-        rank5 = (good[0][None], good[1][None], None if good[2] is None else good[2][None])
+        wrong_width = (latent[..., :-8], rope, index)
+        wrong_rope = (latent, np.zeros((rows, 1, 1, c.rope + 2), dtype), index)
+        rank5 = (latent[None], rope[None], None if index is None else index[None])
         other = "float16" if c.dtype != "float16" else "float32"
         wrong_dtype = tuple(None if b is None else b.astype(NUMPY_DTYPES[other]) for b in good)
         dsa = (
-            (good[0], good[1], None)
+            (latent, rope, None)
             if c.index is not None
-            else (good[0], good[1], np.zeros((rows, 1, 1, 16), dtype))
+            else (latent, rope, np.zeros((rows, 1, 1, 16), dtype))
         )
         cases: list[tuple[str, Callable[[Impl, Any], Any]]] = [
             ("latent width", append(wrong_width)),
@@ -457,14 +452,14 @@ class LatentMachine(ConformanceMachine):
             ("the other implementation's arrays", lambda i, t: t.append(np.zeros(1), np.zeros(1))),
         ]
         if cache.batch_size:
-            more = self._blocks(rows + 1, 1)
+            more = self._draw_block(self._noise, rows + 1, 1)
             cases.append(("wrong rows", append(more)))
         if c.index is not None and cache.batch_size:
-            bad_index = (good[0], good[1], np.zeros((rows, 1, 1, c.index + 1), dtype))
+            bad_index = (latent, rope, np.zeros((rows, 1, 1, c.index + 1), dtype))
             cases.append(("index width", append(bad_index)))
         if c.max_tokens is not None:
             n = c.max_tokens - cache.width + 1
-            cases.append(("past max_tokens", append(self._blocks(rows, n))))
+            cases.append(("past max_tokens", append(self._draw_block(self._noise, rows, n))))
         if cache.dtype is None:  # the first append chooses the dtype
             cases = [x for x in cases if x[0] != "dtype"]
         return cases
@@ -494,23 +489,15 @@ class LatentMachine(ConformanceMachine):
     ) -> None:
         """Both reads agree on every row's visible columns (padding is unspecified: the
         optimized rollback leaves rolled-out tokens there, hidden by the mask)."""
-        for name, r, o in zip(("latent", "rope", "index"), got_ref, got_opt, strict=True):
+        for name, r, o in zip(_TENSORS, got_ref, got_opt, strict=True):
             if r is None or o is None:
                 self._exact(f"{what} {name} presence", o is None, r is None)
                 continue
             held = from_mlx(o)
             self._exact(f"{what} {name} shape", held.shape, r.shape)
             for b, pad in enumerate(pads or (0,) * r.shape[0]):
-                self._same_bytes(f"{what} {name} row {b}", held[b, :, pad:], r[b, :, pad:])
+                self._same_latent(f"{what} {name} row {b}", held[b, :, pad:], r[b, :, pad:])
         self.stats.check("reference")
-
-    def _same_bytes(self, what: str, got: Array, want: Array) -> None:
-        """Byte-exact: the decoded latent too (the TurboQuant decode of both implementations
-        agrees bit for bit; the deep profile never saw a difference)."""
-        self._exact(f"{what} shape", got.shape, want.shape)
-        if got.tobytes() != want.tobytes():
-            diff = np.max(np.abs(got.astype(np.float32) - want.astype(np.float32)))
-            raise AssertionError(f"{what}: differs (max {diff})")
 
     def _check_latent_request(self, request: Request) -> None:
         ref, opt = request.ref, request.opt
@@ -518,13 +505,28 @@ class LatentMachine(ConformanceMachine):
         if ref.width and request.lm is not None and not self.encoded:
             twin, index_twin = request.lm
             self._exact("mlx-lm offset", int(twin.offset), ref.width)
-            latent, rope, index = ref.current()
-            self._same_bytes("mlx-lm latent", from_mlx(twin.keys[:, :, : twin.offset]), latent)
-            self._same_bytes("mlx-lm rope", from_mlx(twin.values[:, :, : twin.offset]), rope)
-            if index is not None:
-                held = from_mlx(index_twin.keys[:, :, : index_twin.offset])
-                self._same_bytes("mlx-lm index", held, index)
+            held = (twin.keys, twin.values, index_twin.keys)
+            ends = (twin.offset, twin.offset, index_twin.offset)
+            lm = [
+                None if a is None else from_mlx(a[:, :, :end])
+                for a, end in zip(held, ends, strict=True)
+            ]
+            self._same_tensors("mlx-lm", lm, ref.current())
             self.stats.check("mlx-lm")
+
+    def _same_latent(self, what: str, got: Array, want: Array) -> None:
+        """Byte-exact: the decoded latent too (the TurboQuant decode of both implementations
+        agrees bit for bit; the deep profile never saw a difference)."""
+        self._same_arrays("latent", what, got, want, exact=True)
+
+    def _same_tensors(
+        self, what: str, got: Sequence[Array | None], want: Sequence[Array | None]
+    ) -> None:
+        """Tensor by tensor (latent, rope, index), byte-exact where ``want`` holds one."""
+        for name, mine, theirs in zip(_TENSORS, got, want, strict=True):
+            if theirs is not None:
+                assert mine is not None, f"{what} {name}: missing"
+                self._same_latent(f"{what} {name}", mine, theirs)
 
     def _same_state(self, what: str, ref: Any, opt: Any) -> None:
         self._exact(f"{what} row offsets", opt.row_offsets, ref.row_offsets)
@@ -563,14 +565,7 @@ class LatentMachine(ConformanceMachine):
         self._exact(f"{what} width", got.width, solo.width)
         if solo.width:
             self._exact(f"{what} converted", got.converted, solo.converted)
-            for name, g, s in zip(
-                ("latent", "rope", "index"),
-                got.current(),
-                solo.current(),
-                strict=True,
-            ):
-                if s is not None:
-                    self._same_bytes(f"{what} {name}", g, s)
+            self._same_tensors(what, got.current(), solo.current())
         self.stats.check("solo")
 
     def _check_layout(self) -> None:
@@ -590,13 +585,9 @@ class LatentMachine(ConformanceMachine):
             self._exact(
                 f"row {b} converted vs solo", ref.converted[b], (solo.converted or (False,))[0]
             )
-            if solo.width == 0:
-                continue
-            for name, got, want in zip(
-                ("latent", "rope", "index"), reads, solo.current(), strict=True
-            ):
-                if want is not None and got is not None:
-                    self._same_bytes(f"row {b} {name} vs solo", got[b : b + 1, :, pad:], want)
+            if solo.width:
+                row = [None if a is None else a[b : b + 1, :, pad:] for a in reads]
+                self._same_tensors(f"row {b} vs solo", row, solo.current())
         self.stats.check("solo")
         if layout.lm is not None:
             twin, index_twin = layout.lm
@@ -606,22 +597,12 @@ class LatentMachine(ConformanceMachine):
                 list(ref.left_pad),
             )
             self._exact("mlx-lm write column", int(twin._idx), ref.width)
+            held = (twin.keys, twin.values, None if index_twin is None else index_twin.keys)
+            ends = (twin._idx, twin._idx, None if index_twin is None else index_twin._idx)
             for b in range(ref.batch_size):
                 pad = ref.left_pad[b]
-                self._same_bytes(
-                    f"mlx-lm row {b} latent",
-                    from_mlx(twin.keys[b : b + 1, :, pad : twin._idx]),
-                    reads[0][b : b + 1, :, pad:],
-                )
-                self._same_bytes(
-                    f"mlx-lm row {b} rope",
-                    from_mlx(twin.values[b : b + 1, :, pad : twin._idx]),
-                    reads[1][b : b + 1, :, pad:],
-                )
-                if index_twin is not None and reads[2] is not None:
-                    self._same_bytes(
-                        f"mlx-lm row {b} index",
-                        from_mlx(index_twin.keys[b : b + 1, :, pad : index_twin._idx]),
-                        reads[2][b : b + 1, :, pad:],
-                    )
+                lm = [None if a is None else from_mlx(a[b : b + 1, :, pad:end])
+                      for a, end in zip(held, ends, strict=True)]  # fmt: skip
+                row = [None if a is None else a[b : b + 1, :, pad:] for a in reads]
+                self._same_tensors(f"mlx-lm row {b}", lm, row)
             self.stats.check("mlx-lm")

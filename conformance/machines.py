@@ -84,7 +84,7 @@ from kvrows.conformance.hooks import Draw
 from kvrows.conformance.parity import DIVERGENCES
 from kvrows.conformance.profiles import active_profile, machine_seed
 from kvrows.conformance.stats import Stats
-from kvrows.conformance.tolerances import Tolerance, compare, tolerance
+from kvrows.conformance.tolerances import EXACT, Tolerance, compare, tolerance
 from kvrows.errors import (
     IncompatibleRowsError,
     KvRowsError,
@@ -103,6 +103,7 @@ __all__ = [
     "MESSAGE_EXCEPTIONS",
     "ROLE_LOOKUPS",
     "UNEVEN_TRIM",
+    "Block",
     "ConformanceMachine",
     "KvRules",
     "Layout",
@@ -111,6 +112,7 @@ __all__ = [
     "Request",
     "Slot",
     "Track",
+    "WriterRules",
     "expected_visible",
     "machine_class",
     "publish_counts",
@@ -2324,6 +2326,91 @@ class ConformanceMachine(RuleBasedStateMachine):
             ):
                 self._close("kv.fetched", f"{what} fetch() row {b} plane {i}", a, e)
         return got_ref, got_opt
+
+
+#: One block a writer writes: an array per tensor (or layer input), ``None`` where this
+#: example has no such tensor (a latent without its index plane). ``Any``: a writer
+#: unpacks its own tensors (keys and values are never ``None``).
+Block = tuple[Any, ...]
+
+
+class WriterRules(ConformanceMachine):
+    """The writers' skeleton (the latent's, the recurrent's and the delayed's rules): a
+    block is drawn, one array per tensor the writer writes (:meth:`_draw_block`), written
+    to both implementations (:meth:`_write_pair`) and mlx-lm's twin (:meth:`_write_lm`),
+    what the writes answered compared, reference vs optimized (:meth:`_same_writes`), and
+    each row's part (its first tokens, :meth:`_part`) replayed on its solo caches and
+    compared with the layout row's answers (:meth:`_solo_write`). A writer supplies only
+    what differs: its tensors and draw, one write (:meth:`_write`: an append, a layer's
+    run, ``update_and_fetch``), its comparison and its solo replay."""
+
+    #: The blocks' token axis (``[B, H, N, D]`` tensors: 2; a layer's ``[B, N, C]``: 1).
+    token_axis: ClassVar[int] = 2
+
+    def _draw_block(self, rng: np.random.Generator, rows: int, n: int) -> Block:
+        raise NotImplementedError
+
+    def _write(self, impl: Impl, cache: Any, block: Block) -> Any:
+        """One write of ``block`` to ``impl``'s ``cache``; what it answered (numpy)."""
+        raise NotImplementedError
+
+    def _write_lm(self, lm: Any, block: Block) -> None:
+        """mlx-lm's twin (``None``: none) takes the block."""
+
+    def _same_writes(
+        self, what: str, got: tuple[Any, Any], target: Any, counts: Sequence[int] | None
+    ) -> None:
+        """The writes' answers agree, reference vs optimized (row ``b``'s first
+        ``counts[b]`` tokens; every token without counts)."""
+
+    def _solo_write(self, what: str, row: Any, part: Block, expected: Block | None) -> None:
+        """A layout row's solo caches take its ``part`` of the block; their answers equal
+        the layout row's ``expected`` (reference, optimized; ``None``: not compared)."""
+        raise NotImplementedError
+
+    def _write_pair(self, ref: Any, opt: Any, block: Block) -> tuple[Any, Any]:
+        return self._write(self.ref_impl, ref, block), self._write(self.opt_impl, opt, block)
+
+    def _write_both(
+        self, what: str, target: Any, block: Block, counts: Sequence[int] | None = None
+    ) -> tuple[Any, Any]:
+        """``block`` written to ``target`` (a request or a layout: its ``ref``, ``opt``
+        and ``lm``), the answers compared; returns them."""
+        got = self._write_pair(target.ref, target.opt, block)
+        self._write_lm(target.lm, block)
+        self._same_writes(what, got, target, counts)
+        return got
+
+    def _part(self, block: Block, b: int | None, k: int | None = None) -> Block:
+        """Row ``b``'s part of ``block`` (``None``: every row's): its first ``k`` tokens
+        (``None``: all)."""
+        rows = slice(None) if b is None else slice(b, b + 1)
+        cut = (rows, *(slice(None),) * (self.token_axis - 1), slice(0, k))
+        return tuple(None if x is None else np.ascontiguousarray(x[cut]) for x in block)
+
+    def _write_solos(
+        self,
+        what: str,
+        rows: Sequence[Any],
+        block: Block,
+        counts: Sequence[int] | None = None,
+        answers: tuple[Any, Any] | None = None,
+    ) -> None:
+        """Each row's solo replay takes its part of ``block`` (its first ``counts[b]``
+        tokens; a row of count 0 nothing), compared with its part of the layout's
+        ``answers`` (reference, optimized) when given."""
+        for b, row in enumerate(rows):
+            k = None if counts is None else counts[b]
+            if k == 0:
+                continue
+            expected = None if answers is None else self._part(answers, b, k)
+            self._solo_write(f"{what} row {b}", row, self._part(block, b, k), expected)
+
+    def _same_arrays(
+        self, quantity: str, what: str, got: Array, want: Array, *, exact: bool = False
+    ) -> None:
+        """The base comparison at the tolerance of ``want``'s own dtype (``exact``: bytes)."""
+        self._close(quantity, what, got, want, want.dtype.name, EXACT if exact else None)
 
 
 class KvRules(ConformanceMachine):

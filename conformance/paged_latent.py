@@ -33,7 +33,8 @@ from hypothesis import note
 from hypothesis.stateful import initialize, invariant
 
 from kvrows.conformance.families import Impl
-from kvrows.conformance.latent import _CODECS, Array, LatentMachine
+from kvrows.conformance.latent import _CODECS, LatentMachine
+from kvrows.conformance.machines import Block
 from kvrows.conformance.paged import (
     HEADROOMS,
     FrozenCollector,
@@ -75,14 +76,11 @@ class PagedLatentMachine(FrozenCollector, LatentMachine):
         note(f"codec {codec}, start {self.c.start}, block size {size}, headroom {self.headroom}")
         self._freeze_collector(self.headroom is not None)
 
-    def _append_all(
-        self, pairs: list[tuple[Impl, Any]], blocks: tuple[Array, Array, Array | None]
-    ) -> list[Any]:
+    def _write_pair(self, ref: Any, opt: Any, block: Block) -> tuple[Any, Any]:
         """An append under test (both implementations) meets the example's byte limit: a
         refusal is checked, then the append goes in without the limit (a solo's runs free)."""
-        if self.headroom is None or len(pairs) != 2:
-            return super()._append_all(pairs, blocks)
-        (_, ref), (_, opt) = pairs
+        if self.headroom is None:
+            return super()._write_pair(ref, opt, block)
         pools = list(self._pools.values())
         c = self.c
 
@@ -102,9 +100,9 @@ class PagedLatentMachine(FrozenCollector, LatentMachine):
             before = state()
             outcomes: list[Any] = []
             with byte_limited(pools, self.headroom, block_bytes):
-                for pair in pairs:
+                for impl, cache in ((self.ref_impl, ref), (self.opt_impl, opt)):
                     try:
-                        outcomes.extend(super()._append_all([pair], blocks))
+                        outcomes.append(self._write(impl, cache, block))
                     except PoolExhaustedError as error:
                         outcomes.append(error)
             refused = [isinstance(o, PoolExhaustedError) for o in outcomes]
@@ -112,14 +110,14 @@ class PagedLatentMachine(FrozenCollector, LatentMachine):
         self._exact("appends refused past the byte limit (optimized)", refused[1], refused[0])
         self.stats.check("pool pressure")
         if not refused[0]:
-            return outcomes
+            return outcomes[0], outcomes[1]
         self._exact("refusal messages (optimized)", str(outcomes[1]), str(outcomes[0]))
         self._exact("caches and pools unchanged after a refused append", after, before)
         self._exact("a refused block's round (optimized)", opt.spec_round_open, ref.spec_round_open)
         self.stats.check("exhaustion refused")
         if ref.spec_round_open:
             self.stats.check("round usable after a refused block")
-        return super()._append_all(pairs, blocks)
+        return super()._write_pair(ref, opt, block)
 
     def _new_latent(self, impl: Impl) -> Any:
         cls: Any = impl.cls(self.spec.name)

@@ -2,8 +2,9 @@
 
 Recurrent state has no token axis, no keys and values and no attention read, so these
 rules (the recurrent writer's, ``hooks.WRITERS["recurrent"].rules``, over the root
-machine ``conformance.machines`` in place of the K/V writer's ``KvRules``) drive plane
-writes, padded runs and record/replay rounds. They keep the
+machine ``conformance.machines`` in place of the K/V writer's ``KvRules``, on the writers'
+skeleton ``WriterRules``: a block is the layer's inputs) drive plane writes, padded runs
+and record/replay rounds. They keep the
 base machine's discipline and pieces: its ``Stats`` counters, implementations, ids,
 tolerance comparison (``_close``, at each plane's dtype) and bad-input check
 (``_both_refuse``: both implementations raise the contract's error with the same message,
@@ -46,7 +47,7 @@ from hypothesis.stateful import initialize, precondition, rule
 from kvrows.conformance.arrays import NUMPY_DTYPES, as_numpy, to_mlx
 from kvrows.conformance.families import Impl
 from kvrows.conformance.hooks import lm_cache
-from kvrows.conformance.machines import ROLE_LOOKUPS, ConformanceMachine, Layout, Request
+from kvrows.conformance.machines import ROLE_LOOKUPS, Block, Layout, Request, WriterRules
 from kvrows.errors import (
     IncompatibleRowsError,
     InvalidInputError,
@@ -121,8 +122,10 @@ def _plane_shapes(count: int) -> st.SearchStrategy[StateShapes]:
 
 
 # every rule checks what it touched, teardown everything: no invariant
-class RecurrentMachine(ConformanceMachine):
+class RecurrentMachine(WriterRules):
     """Rules over a pool of requests and up to two layouts (see the module docstring)."""
+
+    token_axis = 1
 
     #: Calibration runs record the float32 recurrence's errors without enforcing them.
     measured: ClassVar[tuple[str, ...]] = ("state.recurrent", "output")
@@ -200,28 +203,44 @@ class RecurrentMachine(ConformanceMachine):
         assert self.layer is not None
         return lm_cache().ArraysCache(self.layer.planes)
 
-    def _layer_inputs(self, rows: int, n: int) -> tuple[Array, ...]:
+    # -- the writer skeleton's hooks (``machines.WriterRules``): a block is the layer's
+    # inputs (the toy layer's one, gated DeltaNet's three), written by running the layer
+    def _draw_block(self, rng: np.random.Generator, rows: int, n: int) -> Block:
         g = self.layer
         assert g is not None
         dtype = NUMPY_DTYPES[g.dtype]
-        qkv = self._noise.standard_normal((rows, n, g.channels)).astype(dtype)
+        qkv = rng.standard_normal((rows, n, g.channels)).astype(dtype)
         if g.shapes is not None:
             return (qkv,)
-        a = self._noise.standard_normal((rows, n, g.value_heads)).astype(dtype)
-        b = self._noise.standard_normal((rows, n, g.value_heads)).astype(dtype)
+        a = rng.standard_normal((rows, n, g.value_heads)).astype(dtype)
+        b = rng.standard_normal((rows, n, g.value_heads)).astype(dtype)
         return qkv, a, b
 
-    def _run(self, impl: str, cache: Any, inputs: Sequence[Array]) -> Array:
-        given = [np.array(x, copy=True) if impl == "reference" else to_mlx(x) for x in inputs]
-        out = self._layers[impl](cache, *given)
-        return as_numpy(out)
+    def _write(self, impl: Impl, cache: Any, block: Block) -> Array:
+        inputs = (impl.to_native(x) for x in block if x is not None)  # (every input is drawn)
+        return as_numpy(self._layers[impl.name](cache, *inputs))
 
-    def _run_lm(self, cache: Any, inputs: Sequence[Array]) -> None:
-        self._layers["optimized"](cache, *(to_mlx(x) for x in inputs))
+    def _write_lm(self, lm: Any, block: Block) -> None:
+        self._layers["optimized"](lm, *(to_mlx(x) for x in block if x is not None))
 
-    def _compare(self, quantity: str, what: str, actual: Array, expected: Array) -> None:
-        """The base comparison, at the tolerance of the plane's own dtype."""
-        self._close(quantity, what, actual, expected, expected.dtype.name)
+    def _same_writes(
+        self, what: str, got: tuple[Any, Any], target: Any, counts: Sequence[int] | None
+    ) -> None:
+        """The layer's outputs (a padded run: each row's first ``counts[b]`` tokens)."""
+        y_ref, y_opt = got
+        if counts is None:
+            self._same_arrays("output", f"{what} output", y_opt, y_ref)
+        for b, k in enumerate(counts or ()):
+            if k:
+                self._same_arrays("output", f"{what} row {b} output", y_opt[b, :k], y_ref[b, :k])
+
+    def _solo_write(self, what: str, row: Any, part: Block, expected: Block | None) -> None:
+        solo = self._write_pair(row.ref, row.opt, part)
+        self._write_lm(row.lm, part)
+        if expected is not None:
+            for impl, mine, theirs in zip(("reference", "optimized"), expected, solo, strict=True):
+                self._same_arrays("output.solo", f"{what} output ({impl})", mine, theirs)
+        row.tokens += int(part[0].shape[1])
 
     def _planes(self, cache: Any) -> tuple[Array, ...] | None:
         assert self.layer is not None
@@ -231,7 +250,10 @@ class RecurrentMachine(ConformanceMachine):
             return None
         return tuple(as_numpy(p) for p in planes)
 
-    def _same_state_planes(self, what: str, got: Any, want: Any, quantity: str) -> None:
+    def _same_state_planes(
+        self, what: str, got: Any, want: Any, quantity: str | tuple[str, ...]
+    ) -> None:
+        """Plane by plane, at ``quantity`` (or one quantity per plane)."""
         a, b = self._planes(got), self._planes(want)
         if a is None or b is None:
             assert (a is None and b is None) or (quantity == "state.solo" and _zero(a or b)), (
@@ -239,26 +261,29 @@ class RecurrentMachine(ConformanceMachine):
             )
             return
         assert len(a) == len(b), f"{what}: {len(a)} planes vs {len(b)}"
-        for i, (mine, theirs) in enumerate(zip(a, b, strict=True)):
-            self._compare(quantity, f"{what} state.{i}", mine, theirs)
+        quantities = (quantity,) * len(a) if isinstance(quantity, str) else quantity
+        for i, (q, mine, theirs) in enumerate(zip(quantities, a, b, strict=True)):
+            self._same_arrays(q, f"{what} state.{i}", mine, theirs)
 
     def _ref_vs_opt(self, what: str, ref: Any, opt: Any) -> None:
         assert self.layer is not None
-        a, b = self._planes(ref), self._planes(opt)
-        assert (a is None) == (b is None), f"{what}: planes held by one implementation only"
-        if a is not None and b is not None:
-            # gated DeltaNet: copied inputs, then float32 recurrence (another reduction
-            # order); the toy layer: one rounding and one cast per step, exact
-            quantities = (
-                ("state.conv", "state.recurrent")
-                if self.layer.shapes is None
-                else ("state.conv",) * len(a)
-            )
-            for i, (quantity, mine, theirs) in enumerate(zip(quantities, b, a, strict=True)):
-                self._compare(quantity, f"{what} state.{i}", mine, theirs)
+        # gated DeltaNet: copied inputs, then float32 recurrence (another reduction order);
+        # the toy layer: one rounding and one cast per step, exact
+        gated = ("state.conv", "state.recurrent")
+        self._same_state_planes(
+            what, opt, ref, gated if self.layer.shapes is None else "state.conv"
+        )
         self.stats.check("reference vs optimized")
 
     # ------------------------------------------------------------------ oracles
+    def _same_as_solo(self, what: str, rows: tuple[Any, Any], solo: Request) -> None:
+        """A layout's row (reference, optimized) holds its solo replay's planes and offset."""
+        for impl, got, want in zip(
+            ("reference", "optimized"), rows, (solo.ref, solo.opt), strict=True
+        ):
+            self._same_state_planes(f"{what} ({impl}) vs solo", got, want, "state.solo")
+            assert got.offset == want.offset == solo.tokens, f"{what} ({impl}): offsets"
+
     def _check_row(self, row: Request) -> None:
         self._ref_vs_opt(f"request {row.ident}", row.ref, row.opt)
         assert row.ref.offset == row.opt.offset == row.tokens, (
@@ -280,15 +305,8 @@ class RecurrentMachine(ConformanceMachine):
         self._same_state_planes(f"{what} vs mlx-lm", group.opt, group.lm, "state.mlx_lm")
         self.stats.check("mlx-lm parity")
         for b, row in enumerate(group.rows):
-            for impl, layout, solo in (
-                ("reference", group.ref, row.ref),
-                ("optimized", group.opt, row.opt),
-            ):
-                extracted = layout.extract_row(b)
-                self._same_state_planes(
-                    f"{what} row {b} ({impl}) vs solo", extracted, solo, "state.solo"
-                )
-                assert extracted.offset == solo.offset == row.tokens
+            extracted = group.ref.extract_row(b), group.opt.extract_row(b)
+            self._same_as_solo(f"{what} row {b}", extracted, row)
         self.stats.check("solo replay")
         group.ref.check_valid()
         group.opt.check_valid()
@@ -312,12 +330,8 @@ class RecurrentMachine(ConformanceMachine):
         self.stats.op("prefill_chunk")
         row = data.draw(st.sampled_from(self.requests), label="request")
         n = data.draw(st.integers(1, 6), label="chunk")
-        inputs = self._layer_inputs(1, n)
-        y_ref = self._run("reference", row.ref, inputs)
-        y_opt = self._run("optimized", row.opt, inputs)
-        self._run_lm(row.lm, inputs)
+        self._write_both(f"request {row.ident}", row, self._draw_block(self._noise, 1, n))
         row.tokens += n
-        self._compare("output", f"request {row.ident} output", y_opt, y_ref)
         self._check_row(row)
 
     def _layout(self, data: st.DataObject, impl: Impl, serial: Any) -> Any:
@@ -385,32 +399,17 @@ class RecurrentMachine(ConformanceMachine):
             if padded
             else [n] * rows
         )
-        inputs = self._layer_inputs(rows, n)
+        block = self._draw_block(self._noise, rows, n)
         if padded:
             for layout in (group.ref, group.opt):
                 layout.prepare(lengths=lengths, right_padding=[n - k for k in lengths])
             group.lm.prepare(lengths=lengths)
-        y_ref = self._run("reference", group.ref, inputs)
-        y_opt = self._run("optimized", group.opt, inputs)
-        self._run_lm(group.lm, inputs)
+        what = f"layout {group.ident}"
+        outputs = self._write_both(what, group, block, lengths)
         if padded:
             for layout in (group.ref, group.opt, group.lm):
                 layout.finalize()
-        for b, row in enumerate(group.rows):
-            k = lengths[b]
-            if k:
-                part = [x[b : b + 1, :k] for x in inputs]
-                solo_ref = self._run("reference", row.ref, part)
-                solo_opt = self._run("optimized", row.opt, part)
-                self._run_lm(row.lm, part)
-                self._compare(
-                    "output.solo", f"row {b} output (optimized)", y_opt[b : b + 1, :k], solo_opt
-                )
-                self._compare(
-                    "output.solo", f"row {b} output (reference)", y_ref[b : b + 1, :k], solo_ref
-                )
-                self._compare("output", f"row {b} output", y_opt[b, :k], y_ref[b, :k])
-            row.tokens += k
+        self._write_solos(what, group.rows, block, lengths, outputs)
         self._check_group(group)
 
     @precondition(lambda self: bool(self.groups))
@@ -461,8 +460,7 @@ class RecurrentMachine(ConformanceMachine):
             group.lm.extract(b) if group.lm[0] is not None else self._lm_new(),
             solo.tokens,
         )
-        for impl, got, want in (("reference", row.ref, solo.ref), ("optimized", row.opt, solo.opt)):
-            self._same_state_planes(f"extracted row ({impl}) vs solo", got, want, "state.solo")
+        self._same_as_solo("extracted row", (row.ref, row.opt), solo)
         self.stats.check("solo replay")
         self.requests.append(row)
         self._check_row(row)
@@ -507,10 +505,11 @@ class RecurrentMachine(ConformanceMachine):
                 keep[0] = 1 if keep[0] > 1 else 2
         self.stats.op("spec_rounds")
         self.stats.op(f"round:{kind}")
-        inputs = self._layer_inputs(rows, d + 1)
-        for impl, layout in (("reference", group.ref), ("optimized", group.opt)):
+        block = self._draw_block(self._noise, rows, d + 1)
+        for layout in (group.ref, group.opt):
             layout.spec_round_begin()
-            self._run(impl, layout, inputs)
+        self._write_pair(group.ref, group.opt, block)
+        for layout in (group.ref, group.opt):
             assert not layout.can_publish_row(0, layout.row_offsets[0])
             if kind == "commit":
                 layout.spec_round_commit()
@@ -519,14 +518,9 @@ class RecurrentMachine(ConformanceMachine):
             assert not layout.spec_round_open
         # mlx-lm's twin (no rounds): only the accepted prefix, masked per row
         group.lm.prepare(lengths=keep)
-        self._run_lm(group.lm, [x[:, : max(keep)] for x in inputs])
+        self._write_lm(group.lm, self._part(block, None, max(keep)))
         group.lm.finalize()
-        for b, row in enumerate(group.rows):
-            part = [x[b : b + 1, : keep[b]] for x in inputs]
-            self._run("reference", row.ref, part)
-            self._run("optimized", row.opt, part)
-            self._run_lm(row.lm, part)
-            row.tokens += keep[b]
+        self._write_solos(f"layout {group.ident} round", group.rows, block, keep)
         self._check_group(group)
         self.stats.check("rollback vs accepted-only run")
 

@@ -1098,11 +1098,7 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
         return [int.from_bytes(hashlib.blake2b(c, digest_size=6).digest()) for c in columns]
 
     @precondition(
-        lambda self: (
-            self.geo is not None
-            and self.g.max_size is None
-            and (bool(self.pool) or any(s.rows for s in self.slots))
-        )
+        lambda self: self.geo is not None and (bool(self.pool) or any(s.rows for s in self.slots))
     )
     @rule(data=st.data())
     def prefix_hit(self, data: st.DataObject) -> None:
@@ -1111,15 +1107,18 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
         blocks the spec names (``(q - 1) // block_size`` for ``q`` query ids, at most the
         registered ones), holds the model's first tokens, references the row's blocks
         (counts + 1, nothing copied), and goes on as a new request or is released (every
-        count back). A ring, a row in a round or a cache without a pool refuses, alike."""
+        count back). A row in a round or a cache without a pool refuses, alike. A ring
+        (its ``max_size``) registers the blocks of its first ``min(t, max_size)`` positions
+        while it holds every position, none (no pool changes) once it gave one back; its
+        hits (a ring's lookup) are at most ``max_size`` positions."""
         targets: list[tuple[Track, Any, Any, int | None]] = [
             (t, t.ref, t.opt, None) for t in self.pool
         ]
         for slot in self._steppable():
             targets += [(t, slot.ref, slot.opt, b) for b, t in enumerate(slot.rows)]
         track, ref, opt, b = self._pick(data, targets, "row")
-        bs = ref.block_size
-        if b is None and track.appended and self.g.max_size is None and track.tokens <= 2 * bs:
+        bs, cap = ref.block_size, self.g.max_size
+        if b is None and track.appended and (cap or bs) >= bs and track.tokens <= 2 * bs:
             # Whole-block hits are rare under free draws (prompts are mostly shorter than
             # a block): the request grows to two whole blocks and one token first.
             n = 2 * bs + 1 - track.tokens
@@ -1143,15 +1142,12 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
             return lambda impl, lay: lay.register_prefix(b, given)
 
         refuses = (
-            self.g.max_size is not None
-            or ref.pool is None
+            ref.pool is None
             or (b is None and not track.appended)
             or getattr(ref, "spec_round_open", False)
         )
         if refuses:
-            self._refused(
-                "register_prefix (ring, no pool or in a round)", register(registered), ref, opt
-            )
+            self._refused("register_prefix (no pool or in a round)", register(registered), ref, opt)
             self.stats.op("prefix:refused")
             return
         if data.draw(st.booleans(), label="more ids than positions"):
@@ -1162,13 +1158,29 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
                 opt,
                 InvalidInputError,
             )
+        # A ring's row holds every position until it gives one back: the twins' ``retained``
+        # (a serial ring's an int, a layout's per row), which must agree.
+        retained = [r if b is None else r[b] for r in ((ref.retained, opt.retained) if cap else ())]
+        self._exact("held positions (reference, optimized)", retained[1:], retained[:1])
+        dropped = bool(retained) and retained[0] < track.tokens
+        before = [accounting(pool) for pool in (ref.pool, opt.pool)]
         full = [
             register(registered)(impl, c)
             for impl, c in ((self.ref_impl, ref), (self.opt_impl, opt))
         ]
+        expected = 0 if dropped else (t if cap is None else min(t, cap)) // bs
         self._exact(
-            "register_prefix: whole blocks cached (reference, optimized)", full, [t // bs] * 2
+            "register_prefix: whole blocks cached (reference, optimized)", full, [expected] * 2
         )
+        if dropped:  # a ring past its window: nothing registered, no pool changed
+            self._exact(
+                "register_prefix past the window changes no pool",
+                [accounting(pool) for pool in (ref.pool, opt.pool)],
+                before,
+            )
+            self.stats.op("prefix:past the window")
+            return
+        geometry = ref.token_geometry  # a ring's lookup: its window's blocks
         if full[0] and data.draw(st.booleans(), label="register other ids"):
             # A cached block's hash is its tokens': other ids for it are refused, unchanged.
             self._refused(
@@ -1182,7 +1194,7 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
             # The boundary: a prompt of exactly the cached whole blocks hits all but the
             # last (its last token is always computed, for its logits).
             exact = registered[: full[0] * bs]
-            edge = [pool.lookup_prefix(exact) for pool in (ref.pool, opt.pool)]
+            edge = [pool.lookup_prefix(exact, geometry) for pool in (ref.pool, opt.pool)]
             self._exact(
                 f"lookup_prefix of {len(exact)} ids, {full[0]} whole blocks (reference, optimized)",
                 [0 if c is None else int(c.offset) for c in edge],
@@ -1194,10 +1206,10 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
         # A new request: the first q ids, or all t and one the pool never saw.
         q = data.draw(st.just(t + 1) | st.integers(0, t + 1), label="query ids")
         query = registered[:q] if q <= t else [*registered, -1]
-        hit = max(q - 1, 0) // bs
+        hit = (max(q - 1, 0) if cap is None else min(max(q - 1, 0), cap)) // bs
         pools = (ref.pool, opt.pool)
         before = [accounting(pool) for pool in pools]
-        got = [pool.lookup_prefix(query) for pool in pools]
+        got = [pool.lookup_prefix(query, geometry) for pool in pools]
         self._exact(
             f"lookup_prefix of {q} ids: a hit of {hit} blocks (reference, optimized)",
             [None if c is None else int(c.offset) for c in got],

@@ -386,6 +386,21 @@ def serial_preset(geometry: str, codec: str) -> Composition:
     raise InvalidInputError(f"no serial preset stores the {codec} codec on the {geometry} geometry")
 
 
+def contiguous_preset(entry: Composition) -> Composition:
+    """The contiguous preset a paged entry holds its stage 0 in, beside its pool (contract
+    §0.5): the landed one of the same codec kind, geometry and modifiers that is its own
+    serial storage and stores one stage (``MLACache`` for ``PagedLatentCache``)."""
+    for c in landed():
+        if (
+            c.placement == "contiguous"
+            and c.serial is None
+            and c.name not in _OWN_MACHINERY
+            and (c.codec, c.geometry, c.modifiers) == (entry.codec, entry.geometry, entry.modifiers)
+        ):
+            return c
+    raise InvalidInputError(f"no contiguous preset holds {entry.name}'s stage 0")
+
+
 def stage_presets(entry: Composition) -> tuple[Composition, Composition]:
     """The serial presets of a delayed serial storage's two stages: the plain one and the
     one of its codec, on its geometry, with no modifier (``KVCache`` and

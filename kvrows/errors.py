@@ -20,7 +20,6 @@ __all__ = [
     "ONE_VERIFY_BLOCK",
     "PACKED_SCALAR_INPUT",
     "PAGED_ONE_STAGE",
-    "PAGED_RING_PREFIX",
     "POOL_GEOMETRY_UNKNOWN",
     "PROJECTED_BYTES_NEEDS_GEOMETRY",
     "SHARED_COLUMN_TRIM",
@@ -273,12 +272,6 @@ def last_stage_message(row: int, stage: int) -> str:
 #: Stages asked of a paged storage: its pool's blocks are of one codec (a paged delayed
 #: preset keeps its plain stage beside the pool, contract §0.5; not built yet).
 PAGED_ONE_STAGE = "a paged storage holds one stage: its pool's blocks are of one codec"
-
-#: ``register_prefix`` on a paged ring: its rows give their oldest blocks back to the pool.
-PAGED_RING_PREFIX = (
-    "a paged ring's rows give the blocks that leave their window back to the pool: prefix "
-    "caching is the growing geometry's (PagedKVCache, PagedKvRows)"
-)
 
 #: ``projected_bytes`` of a cache that has neither a declared geometry nor a token.
 PROJECTED_BYTES_NEEDS_GEOMETRY = (

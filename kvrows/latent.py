@@ -840,13 +840,7 @@ class EncodedLatentMembers(_LatentLayout):
         """The machinery's write and read; then the plain rows due convert (this append
         read them exact)."""
         fetched = super()._append_blocks(latent, rope, index)  # type: ignore[misc]
-        last = len(self._stages) - 1
-        rule = self.conversion_class(self.latent_codec, self.start)  # the bf16-first rule
-        due = [
-            b
-            for b, (stage, offset) in enumerate(zip(self.row_stages, self.row_offsets, strict=True))
-            if stage < last and rule.row_due(offset)
-        ]
+        due = due_rows(self, self.row_stages, self.row_offsets, 0)
         if due:
             self._convert_rows(due)
         return fetched
@@ -1037,8 +1031,9 @@ class LatentPoolMembers:
     def index_head_dim(self) -> int | None:
         return self.latent_spec.index_head_dim
 
-    def _prefix_cache(self) -> Any:
-        """An empty cache of the pool's latent that a prefix hit's rows join."""
+    def _prefix_cache(self, token_geometry: Any = None) -> Any:
+        """An empty cache of the pool's latent that a prefix hit's rows join (a latent
+        row grows: ``token_geometry`` is the growing one)."""
         codec = self.latent_codec
         return self.latent_cache_class(
             index_head_dim=self.index_head_dim, pool=self, codec=codec if codec.encodes else None
@@ -1048,60 +1043,62 @@ class LatentPoolMembers:
 class PagedLatentMembers(_LatentLayout):
     """``PagedLatentCache`` on the paged placement (``spec/PagedLatentCache.md``): the
     latent surface of ``MLACache`` over a layout whose rows are block tables into a
-    latent block pool (a ``BlockPool`` of a ``Latent`` codec, one stage). Listed first,
-    ahead of the implementation's ``LatentSurface`` and ``PagedLayout``.
+    latent block pool (a ``BlockPool`` of a ``Latent`` codec). Listed first, ahead of the
+    implementation's ``LatentSurface`` and ``PagedLayout``.
 
-    An encoded latent's blocks hold the codes from the first append; a row still in its
-    bf16-first warm-up keeps its exact latent **beside** the pool (``_warm``, one array
-    ``[1, 1, t, R]`` per row, or ``None``) and reads it until it converts (``_done``:
-    after the append whose read reached ``conversion_due``). The warm latents ride the
-    row operations here (merge, filter, extract, trims, rollbacks); each implementation
-    supplies their array helpers (``_warm_cat``, ``_warm_cut``, ``_overlay``,
-    ``_stack_warm``) and the load of a saved state into fresh blocks (``_adopt_state``)."""
+    An encoded latent has the two stages of ``EncodedLatentMembers`` (``(Latent(Plain(),
+    …), Latent(inner, …))``, contract §0.5): the pool stores the last; a row still in its
+    bf16-first warm-up is in stage 0, held **contiguous beside the pool** by the placement
+    (its exact latent; no block), and converts into fresh blocks after the append whose
+    read reached ``conversion_due``. Every row operation is the placement's, per stage;
+    the placement reserves a converting append's blocks before it writes
+    (``_converts_after``)."""
 
     _start = 0
     #: The bf16-first rule (``Conversion.row_due``).
     conversion_class: ClassVar[type[Conversion]] = Conversion
+    #: The placement holds the warm rows as a contiguous stage 0 beside its pool.
+    _stage_beside: ClassVar[bool] = True
     if TYPE_CHECKING:
         pool_class: ClassVar[type[Any]]
         _pool: Any
         _finalizer: Any
+        _stages: tuple[Any, ...]
+        codec: Any
+        row_stages: tuple[int, ...]
 
+        def _use_stages(self, specs: Sequence[CodecSpec]) -> None: ...
+        def _convert_rows(self, rows: Sequence[int]) -> None: ...
         def _watch(self) -> None: ...
         def _shapes(self) -> LatentShapes | None: ...
         def _take_shapes(self, shapes: Any) -> None: ...
         def _spec_guard(self, what: str) -> None: ...
         def _read_all(self) -> tuple[Any, Any, Any]: ...
         def _state_planes(self) -> tuple[Any, Any, Any]: ...
+        def _rows_only(self, array: Any, rows: Sequence[int]) -> Any: ...
         def _int_array(self, values: Sequence[int]) -> Any: ...
         def _ints(self, value: Any, what: str) -> list[int]: ...
         def _native(self, array: Any) -> bool: ...
         def _dtype_of(self, array: Any) -> str: ...
-        def _adopt_state(self, planes: PlaneSet | None, offsets: list[int], width: int) -> None: ...
         def bytes_per_token(self) -> int: ...
         @property
-        def latent_spec(self) -> Latent: ...
+        def max_tokens(self) -> float: ...
         @property
         def latent_codec(self) -> LatentCodec: ...
-        @property
-        def max_tokens(self) -> float: ...
 
-        # The implementation's array helpers:
-        def _warm_cat(self, held: Any | None, block: Any, row: int) -> Any:
-            """``held`` (``[1, 1, t, R]`` or ``None``) and ``block[row]`` along the tokens
-            (owned)."""
-
-        def _warm_cut(self, held: Any, keep: int) -> Any:
-            """``held``'s first ``keep`` tokens (owned)."""
-
-        def _overlay(self, dense: Any, rows: Sequence[Any | None]) -> Any:
-            """``dense`` ``[B, 1, W, R]`` with row ``b``'s last columns ``rows[b]``."""
-
-        def _stack_warm(self, rows: Sequence[Any | None], width: int) -> Any:
-            """Right-justified ``[B, 1, width, R]`` of ``rows`` (zeros where ``None``)."""
-
-        def _row_slice(self, array: Any, row: int, start: int, stop: int) -> Any:
-            """An owned copy of ``array[row : row + 1, :, start:stop]``."""
+        # The implementation's (its ``PagedLatentCache``):
+        def _adopt_state(
+            self,
+            planes: PlaneSet | None,
+            offsets: list[int],
+            width: int,
+            exact: Any = None,
+            converted: Sequence[bool] | None = None,
+        ) -> None:
+            """Hold rows at ``offsets`` from right-justified ``planes`` ``[B, 1, width,
+            ·]``: the rows ``converted`` (every row of a one-stage cache) written into
+            fresh blocks (every block taken at once: a refusal changes nothing, counted as
+            written), the others in stage 0 beside the pool, their latent ``exact``."""
 
     def __init__(
         self,
@@ -1119,8 +1116,6 @@ class PagedLatentMembers(_LatentLayout):
         geometry: object = None,
         placement: object = None,
     ) -> None:
-        self._warm: list[Any | None] = []
-        self._done: list[bool] = []
         if getattr(codec, "inner", None) is not None:  # the machinery's form: a latent spec
             super().__init__(  # type: ignore[call-arg]
                 codec=codec, token_geometry=token_geometry, geometry=geometry, placement=placement
@@ -1169,6 +1164,8 @@ class PagedLatentMembers(_LatentLayout):
                 )
         paged = Paged(block_size=size or DEFAULT_BLOCK_SIZE, max_tokens=cap)
         super().__init__(codec=spec, token_geometry=paged)  # type: ignore[call-arg]
+        if inner.encodes:  # the warm rows' exact latent, then the pool's (the last stage)
+            self._use_stages((replace(spec, inner=Plain()), spec))
         self._start = first
         self._bind_pool(pool)
 
@@ -1188,13 +1185,26 @@ class PagedLatentMembers(_LatentLayout):
         return self._start
 
     @property
+    def latent_spec(self) -> Latent:
+        """The declaration, its latent through the pool's codec (the last stage's)."""
+        spec: Latent = self._stages[-1].spec
+        return spec
+
+    @property
+    def codec_spec(self) -> CodecSpec:
+        """The pool's codec (the last stage's), whichever stage the rows are in."""
+        spec: CodecSpec = self._stages[-1].spec
+        return spec
+
+    @property
     def encoded(self) -> bool:
         return self.latent_codec.encodes
 
     @property
     def converted(self) -> tuple[bool, ...]:
-        """Per row, whether it reads its latent decoded (it converted)."""
-        return tuple(self._done)
+        """Per row, whether it reads its latent decoded (it converted: the pool's stage)."""
+        last = len(self._stages) - 1
+        return tuple(last > 0 and stage == last for stage in self.row_stages)
 
     def signature(self) -> str:
         spec = self.latent_spec
@@ -1214,6 +1224,10 @@ class PagedLatentMembers(_LatentLayout):
         other._take_shapes(self._shapes())
         return other
 
+    def _empty_serial(self) -> Any:
+        """What a row extracts into: an empty cache of this declaration (its own serial)."""
+        return self.make_empty_batch()
+
     @property
     def block_size(self) -> int:
         size: int = self._paged.block_size  # type: ignore[attr-defined]
@@ -1226,53 +1240,28 @@ class PagedLatentMembers(_LatentLayout):
         count = int(min(count, self.max_tokens))
         return math.ceil(count / self.block_size) * self.block_size * self.bytes_per_token()
 
-    @property
-    def nbytes(self) -> int:
-        """The blocks the tables hold and the warm-up exact latents beside the pool."""
-        held: int = super().nbytes  # type: ignore[misc]
-        return held + sum(int(w.nbytes) for w in self._warm if w is not None)
-
     # -- appends and reads ------------------------------------------------------------------
     #: An exhausted pool refuses before any block or table changes: the round stays open,
     #: before its block (free blocks or append a shorter one, then resolve it).
     _spec_refused_unchanged = (PoolExhaustedError,)
 
+    def _converts_after(self, stages: Sequence[int], offsets: Sequence[int], n: int) -> list[int]:
+        """The warm rows (``stages``, ``offsets`` before the append) that convert after an
+        append of ``n`` tokens: the placement reserves their blocks before it writes."""
+        return due_rows(self, stages, offsets, n)
+
     def _append_blocks(self, latent: Any, rope: Any, index: Any | None) -> Any:
-        """The placement's write and read; an encoded latent's warm rows keep the block's
-        exact latent beside the pool and read it, then the rows due convert (this append
-        read them exact)."""
-        rows = self.batch_size
+        """The placement's write and read; then the warm rows due convert into fresh
+        blocks (this append read them exact; the write reserved the blocks)."""
         fetched = super()._append_blocks(latent, rope, index)  # type: ignore[misc]
-        if not rows:  # the first write made the rows
-            self._warm = [None] * self.batch_size
-            self._done = [False] * self.batch_size
-        if self.encoded:
-            block = latent if latent.ndim == 4 else latent[:, None]
-            self._warm = [
-                None if done else self._warm_cat(held, block, b)
-                for b, (held, done) in enumerate(zip(self._warm, self._done, strict=True))
-            ]
-            fetched = self._overlaid(fetched, latent.ndim == 4)
-            rule = self.conversion_class(self.latent_codec, self.start)
-            for b, offset in enumerate(self.row_offsets):
-                if not self._done[b] and rule.row_due(offset):
-                    self._done[b], self._warm[b] = True, None
+        due = due_rows(self, self.row_stages, self.row_offsets, 0)
+        if due:
+            self._convert_rows(due)
         return fetched
 
-    def _overlaid(self, fetched: Any, four: bool) -> Any:
-        """``fetched`` (an append's return) with the warm rows' exact latent."""
-        if not any(w is not None for w in self._warm):
-            return fetched
-        latent = fetched[0] if four else fetched[0][:, None]
-        latent = self._overlay(latent, self._warm)
-        return (latent if four else latent[:, 0], *fetched[1:])
-
-    def current(self) -> tuple[Any, Any, Any]:
-        return self._overlaid(super().current(), True)  # type: ignore[misc,no-any-return]
-
-    # -- row operations: the placement's, the warm latents along ----------------------------
+    # -- row operations: the placement's, per stage -----------------------------------------
     def _accepts(self, source: object) -> bool:
-        """The placement's rule (this pool class, codec key, block size) and the same
+        """The placement's rule (this pool class, stages, block size) and the same
         declaration: signature (role, DSA, codec, ``start``) and ``max_tokens``."""
         signature = getattr(source, "signature", None)
         if not (callable(signature) and signature() == self.signature()):
@@ -1282,88 +1271,37 @@ class PagedLatentMembers(_LatentLayout):
         accepted: bool = super()._accepts(source)  # type: ignore[misc]
         return accepted
 
-    def merge_rows(self, rows: Sequence[Any]) -> None:
-        incoming: list[tuple[Any | None, bool]] = []
-        if isinstance(rows, Sequence) and not isinstance(rows, str | bytes):
-            for source in rows:  # the placement refuses a source of another class
-                warm, done = getattr(source, "_warm", None), getattr(source, "_done", None)
-                if warm is not None and done is not None:
-                    incoming += list(zip(warm, done, strict=True)) or [(None, False)]
-        before = self.batch_size
-        super().merge_rows(rows)  # type: ignore[misc]
-        joined = incoming[: self.batch_size - before]
-        self._warm += [w for w, _ in joined]
-        self._done += [d for _, d in joined]
+    def _restage(self) -> None:
+        """With no row, a cache writes its next rows in stage 0 again (a fresh cache)."""
+        if not self.batch_size:
+            self.codec = self._stages[0]
 
     def filter_rows(self, keep: Sequence[int]) -> None:
         super().filter_rows(keep)  # type: ignore[misc]
-        order = list(keep)
-        self._warm = [self._warm[int(r)] for r in order]
-        self._done = [self._done[int(r)] for r in order]
-
-    def extract_row(self, row: int) -> Any:
-        """A one-row cache of this declaration sharing row ``row``'s table."""
-        single = super().extract_row(row)  # type: ignore[misc]
-        index = check_row(row, self.batch_size)
-        single._start = self._start
-        single._take_shapes(self._shapes())
-        single._warm = [self._warm[index]] if single.batch_size else []
-        single._done = [self._done[index]] if single.batch_size else []
-        return single
-
-    def _cut_warm(self) -> None:
-        """After a trim or rollback: each warm latent no longer than its row."""
-        self._warm = [
-            None
-            if w is None or not offset
-            else self._warm_cut(w, offset)
-            if int(w.shape[2]) > offset
-            else w
-            for w, offset in zip(self._warm, self.row_offsets, strict=True)
-        ]
-
-    def trim(self, n: int) -> int:
-        count = super().trim(n)
-        self._cut_warm()
-        return count
-
-    def _spec_forget(self, counts: Sequence[int]) -> None:
-        super()._spec_forget(counts)
-        self._cut_warm()
+        self._restage()
 
     def release(self) -> None:
         """Give every block back to the pool now (the cache then holds no row)."""
         self._spec_guard("release")
         super().release()  # type: ignore[misc]
-        self._warm, self._done = [], []
-
-    def _adopted(self, rows: int) -> None:
-        """Rows a prefix hit adopted: they hold codes only (they read encoded)."""
-        self._warm = [None] * rows
-        self._done = [self.encoded] * rows
-
-    def check_valid(self) -> None:
-        super().check_valid()
-        assert len(self._warm) == len(self._done) == self.batch_size, "one warm slot per row"
-        for warm, offset, done in zip(self._warm, self.row_offsets, self._done, strict=True):
-            if self.encoded and not done and offset:
-                assert warm is not None and int(warm.shape[2]) == offset, "exact while warm"
-            if not self.encoded or done:
-                assert warm is None, "only a warm row keeps its exact latent"
+        self._restage()
 
     # -- saved state (``PAGED_LATENT_FIELDS``: ``LATENT_FIELDS``, then the block size) -------
     def _state(self) -> tuple[Any, ...]:
+        """Every row's latent as the pool's codec stores it (a warm row's exact columns
+        encoded per token, laid into zeros: what its conversion writes), the exact latent
+        of the warm rows (zeros elsewhere; ``None`` when none is warm), the rows and their
+        ``converted`` flags, the block size."""
         self._spec_guard("saving state")
         planes, rope, index = self._state_planes()
-        exact = None
-        if self.encoded and self.width and not all(self._done):
-            exact = self._stack_warm(
-                [None if d else w for w, d in zip(self._warm, self._done, strict=True)], self.width
-            )
+        last = len(self._stages) - 1
+        stages = self.row_stages
+        warm = [b for b, stage in enumerate(stages) if stage < last]
+        exact = self._rows_only(self._read_all()[0], warm) if warm and self.width else None
         shapes = self._shapes()
         widths = None if shapes is None else (shapes.rank, shapes.rope)
         offsets = self._int_array(self.row_offsets)
-        flags = self._int_array([int(d) for d in self._done])
+        flags = self._int_array([int(last > 0 and stage == last) for stage in stages])
         fields = latent_state(self, planes, rope, index, exact, offsets, flags, widths)
         return (*fields, self.block_size)
 
@@ -1394,9 +1332,10 @@ class PagedLatentMembers(_LatentLayout):
         cls, state: Any, meta_state: Any = None, *, keep: Any = None, geometry: Any = None,
         pool: Any = None,
     ) -> Any:  # fmt: skip
-        """A cache holding ``state`` in fresh blocks of ``pool`` (default: a private pool;
-        ``InvalidInputError`` when the state is inconsistent or not the pool's, and
-        ``PoolExhaustedError`` when the pool cannot take it, the pool unchanged)."""
+        """A cache holding ``state``: its converted rows in fresh blocks of ``pool``
+        (default: a private pool), its warm rows beside it (``InvalidInputError`` when the
+        state is inconsistent or not the pool's, and ``PoolExhaustedError`` when the pool
+        cannot take it, the pool unchanged)."""
         name = cls.__name__
         if isinstance(state, str | bytes) or not isinstance(state, Sequence):
             raise InvalidInputError(from_state_tuple_message(name))
@@ -1418,21 +1357,31 @@ class PagedLatentMembers(_LatentLayout):
         offsets = cache._ints(fields["offset"], "offset")
         flags = cache._ints(fields["converted"], "converted")
         width = checked_rows(cache, offsets, flags)
-        done = [bool(f) for f in flags]
+        # A one-stage cache holds every row in the pool's stage.
+        done = [bool(f) or not cache.encoded for f in flags]
         if width == 0:
-            cache._adopt_state(None, offsets, 0)
-            cache._warm, cache._done = [None] * len(offsets), done
+            cache._adopt_state(None, offsets, 0, converted=done)
             return cache
         widths = declared_widths(cache)
-        planes, exact = restored_planes(cache, fields, not all(done))
+        planes, exact = restored_planes(cache, fields, not all(bool(f) for f in flags))
         learnt, held = checked_planes(cache, fields, planes, exact, widths, len(offsets), width)
         if cache._shapes() not in (None, learnt):
             raise InvalidInputError(f"{name}: the pool holds {cache._shapes()}, the state {learnt}")
         cache._take_shapes(learnt)
-        cache._adopt_state(held, offsets, width)
-        cache._done = done
-        cache._warm = [
-            None if d or not o or exact is None else cache._row_slice(exact, b, width - o, width)
-            for b, (o, d) in enumerate(zip(offsets, done, strict=True))
-        ]
+        cache._adopt_state(held, offsets, width, exact=exact, converted=done)
         return cache
+
+
+def due_rows(cache: Any, stages: Sequence[int], offsets: Sequence[int], n: int) -> list[int]:
+    """The rows of an encoded latent ``cache`` (each in ``stages[b]`` at ``offsets[b]``)
+    that are due to convert once ``n`` more tokens are written (``n = 0``: after the
+    append's read; the bf16-first rule, ``Conversion.row_due``)."""
+    last = len(cache._stages) - 1
+    if not last:
+        return []
+    rule = cache.conversion_class(cache.latent_codec, cache.start)
+    return [
+        b
+        for b, (stage, offset) in enumerate(zip(stages, offsets, strict=True))
+        if stage < last and rule.row_due(offset + n)
+    ]

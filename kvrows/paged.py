@@ -49,6 +49,8 @@ from kvrows.errors import (
     pool_geometry_message,
     pool_limit_message,
     positional_arguments_message,
+    prefix_mismatch_message,
+    prefix_too_long_message,
     wrong_geometry_message,
 )
 from kvrows.kinds import KindRegistry
@@ -658,6 +660,56 @@ class PoolBase:
         """Blocks a row of ``offset`` positions holds."""
         return math.ceil(offset / self.block_size)
 
+    # -- the prefix cache (int-only: each twin's ``register_prefix`` / ``lookup_prefix``) --
+    def register_blocks(
+        self,
+        blocks: Sequence[int],
+        held: tuple[int, int],
+        ids: Sequence[int],
+        cap: int | None = None,
+    ) -> int:
+        """Hash the full blocks of a row's table ``blocks`` that ``ids`` (the token ids of
+        its first positions) covers; ``held``: the row's ``(offset, positions held)``;
+        ``cap``: the most positions a row of its geometry holds (a ring's ``max_size``).
+        A row that gave a position back (a ring past its window: it holds fewer positions
+        than its offset, so its blocks no longer hold position 0 on) registers nothing;
+        otherwise the blocks of the first ``min(len(ids), cap)`` positions, the ones
+        a lookup can return. Returns how many blocks are now cached."""
+        tokens = token_ids(ids)
+        offset, retained = held
+        if len(tokens) > offset:
+            raise InvalidInputError(prefix_too_long_message(len(tokens), offset))
+        # A ring past its window, or a row holding no block (a warm row beside the pool,
+        # stage 0), caches nothing.
+        if retained < offset or not blocks:
+            return 0
+        bs, ledger = self.block_size, self.ledger
+        full = (len(tokens) if cap is None else min(len(tokens), cap)) // bs
+        hashes = chain_hashes(tokens, bs, ledger.extra, full)
+        for j, digest in enumerate(hashes):  # refuse before any block is hashed
+            known = ledger.hash_of(blocks[j])
+            if known is not None and known != digest:
+                raise InvalidInputError(prefix_mismatch_message(j))
+        previous = ROOT_HASH
+        for j in range(full):
+            previous = ledger.register(blocks[j], previous, tokens[j * bs : (j + 1) * bs])
+        return full
+
+    def prefix_blocks(
+        self, ids: Sequence[int], token_geometry: GeometrySpec | None = None
+    ) -> list[int]:
+        """The cached blocks of the longest run of full blocks that starts the token
+        ids ``ids`` (read only, nothing taken): at most ``len(ids) - 1`` positions (the last
+        token is always computed, for its logits) and at most what a row of
+        ``token_geometry`` holds (its ``cap()``: a ring's window; default growing)."""
+        tokens = token_ids(ids)
+        most = max(len(tokens) - 1, 0)
+        cap = None if token_geometry is None else token_geometry.cap()
+        if cap is not None:
+            most = min(most, cap)
+        bs, ledger = self.block_size, self.ledger
+        return ledger.lookup(chain_hashes(tokens, bs, ledger.extra, most // bs))
+
     def evict_cached(self, count: int) -> int:
         """Forget up to ``count`` unreferenced cached blocks, least recently used first."""
         return self.ledger.evict_cached(as_count(count, "count"))
@@ -682,10 +734,15 @@ class PagedSurface:
     def _held(self) -> tuple[Any, Any] | None:
         raise NotImplementedError
 
+    #: Whether the placement holds a contiguous stage 0 beside its pool (contract §0.5:
+    #: ``PagedLatentCache``'s warm rows); the pool stores the last stage.
+    _stage_beside: ClassVar[bool] = False
+
     def _use_stages(self, specs: Sequence[CodecSpec]) -> None:
-        """One stage only: a conversion would re-encode the rows but not the pool's blocks
-        (the reads gather from the pool), so more stages are refused, nothing changed."""
-        if len(specs) > 1:
+        """The pool's blocks are of one codec, the last stage's: a second stage only where
+        the placement holds stage 0 contiguous beside the pool (its rows convert into fresh
+        blocks); otherwise more stages are refused, nothing changed."""
+        if len(specs) > (2 if self._stage_beside else 1):
             raise LayoutStateError(PAGED_ONE_STAGE)
         super()._use_stages(specs)  # type: ignore[misc]
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrows.errors import InvalidInputError, NoRowLayoutError, NotBatchableError
-from kvrows.protocols import BatchableCache, Cache, DropInParts, DropInWrapper
+from kvrows.protocols import BatchableCache, Cache, DropInParts, DropInWrapper, RingGeometry
 
 __all__ = [
     "RowAdmission",
@@ -240,6 +240,23 @@ class RowAdmission:
         if tokens < 0:
             raise InvalidInputError(f"tokens must be >= 0, got {tokens}")
         return sum(layout.projected_bytes(tokens) for layout in self.layouts)
+
+    def most_bytes(self, tokens: int) -> int:
+        """The most bytes one row holds on its way to ``tokens`` positions, over all layers
+        (what admission reserves). A paged ring's blocks at a length may be fewer than a
+        step before (its window straddled one more block boundary,
+        ``kvrows.paged.projected_blocks``); its count repeats every ``block_size``
+        positions once the window is full, so its last ``block_size`` lengths bound it.
+        Every other layout's bytes grow with its length: its count at ``tokens``."""
+        if tokens < 0:
+            raise InvalidInputError(f"tokens must be >= 0, got {tokens}")
+        total = 0
+        for layout in self.layouts:
+            # (a contiguous ring has no block size: its bytes grow up to its window)
+            span = int(getattr(layout, "block_size", 1)) if isinstance(layout, RingGeometry) else 1
+            first = max(tokens - span + 1, 0)
+            total += max(layout.projected_bytes(t) for t in range(first, tokens + 1))
+        return total
 
     @property
     def max_tokens(self) -> float:

@@ -11,11 +11,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvrows.codec import PlaneSet
+from kvrows.codec import PlaneSet, as_role
 from kvrows.compositions import composition
 from kvrows.errors import InvalidInputError, PoolExhaustedError, preview_blocks_message
 from kvrows.latent import LatentPoolMembers, PagedLatentMembers
-from kvrows.optimized.codecs import mlx_dtype
 from kvrows.optimized.latent import LatentSurface
 from kvrows.optimized.paging import (
     BlockPool,
@@ -67,18 +66,29 @@ class PagedRotatingKVCache(PagedRing, AnyCodecParameters, PagedSerial):
 
     composition = composition("PagedRotatingKVCache")
 
+    @property
+    def retained(self) -> int:
+        """Positions the request holds (its sinks and newest ones; its rows move together,
+        as ``offset``: an int, the reference's)."""
+        return self._retained[0] if self._retained else 0
+
 
 class PagedRotatingRows(AnyCodecParameters, SpeculativeLayout, PagedRing, PagedLayout):
     """Sliding-window block-table rows, all three roles (``spec/PagedRotatingRows.md``)."""
 
     composition = composition("PagedRotatingRows")
 
+    @property
+    def retained(self) -> tuple[int, ...]:
+        """Positions each row holds (its sinks and newest ones)."""
+        return tuple(self._retained)
+
     #: An exhausted pool refuses before any block or table changes: the round stays open,
     #: before its block (free blocks or append a shorter one, then resolve it).
     _spec_refused_unchanged = (PoolExhaustedError,)
 
 
-BlockPool.cache_class = PagedKVCache
+BlockPool.cache_classes = {"growing": PagedKVCache, "ring": PagedRotatingKVCache}
 
 
 class LatentBlockPool(LatentPoolMembers, BlockPool):
@@ -88,7 +98,8 @@ class LatentBlockPool(LatentPoolMembers, BlockPool):
 
 class PagedLatentCache(PagedLatentMembers, LatentSurface, SpeculativeLayout, PagedLayout):
     """MLA latent + rope (+ DSA index) planes in a block pool, ``MLACache``'s rows
-    (``spec/PagedLatentCache.md``): the latent surface on the paged placement."""
+    (``spec/PagedLatentCache.md``): the latent surface on the paged placement; an encoded
+    latent's warm rows are a contiguous ``MLACache`` of stage 0 beside the pool."""
 
     composition = composition("PagedLatentCache")
     pool_class = LatentBlockPool
@@ -98,20 +109,41 @@ class PagedLatentCache(PagedLatentMembers, LatentSurface, SpeculativeLayout, Pag
         self._spec_guard("register_prefix")
         return super().register_prefix(row, token_ids)
 
-    def adopt_tables(self, tables: Sequence[Table], offset: int, count: int | None = None) -> None:
-        super().adopt_tables(tables, offset, count)
-        self._adopted(len(tables))
-
     def held_arrays(self) -> tuple[Any, ...]:
         return PagedLayout.held_arrays(self)
 
     def _gathered(self) -> PlaneSet:
-        """The stored planes right-justified (``{}`` while no row holds a position)."""
-        if self._pool is None or not any(self._offsets):
+        """Every row's planes as the pool's codec stores them, right-justified (a row
+        beside the pool: its exact columns encoded per token, what its conversion writes,
+        zeros in the pads; ``{}`` while no row holds a position)."""
+        if not any(self._offsets):
             return {}
         width = max(self._offsets)
-        held: PlaneSet = self._pool.gather(self._tables, self._offsets, self._pads, width)
-        return held
+        beside = self._beside_rows()
+        if not beside:
+            return super()._gathered()
+        pooled = [b for b in range(len(self._offsets)) if self._in_pool(b)]
+        target = self._stages[-1]
+        mask = self._held_mask([self._offsets[b] for b in beside], width)
+        near = {
+            t: tuple(mx.where(mask, p, mx.array(0, p.dtype)) for p in target.encode(x, as_role(t)))
+            for t, x in self._beside_read(width).items()
+        }
+        parts = [near]
+        if pooled:  # right-aligned to the longest row of all: ``width`` columns
+            pads = [self._pads[b] for b in pooled]
+            parts.insert(0, self._gather(pooled, [self._holds(b) for b in pooled], pads))
+        order = pooled + beside
+        inverse = mx.array(sorted(range(len(order)), key=order.__getitem__))
+        out: PlaneSet = {
+            t: tuple(
+                mx.take(mx.concatenate(list(ps), axis=0), inverse, axis=0)
+                for ps in zip(*(part[t] for part in parts), strict=True)
+            )
+            for t in near
+        }
+        mx.eval(*(p for ps in out.values() for p in ps))
+        return out
 
     def planes(self) -> tuple[Planes, mx.array | None, mx.array | None, None]:
         """The stored planes right-justified: latent codec planes, rope, index."""
@@ -122,11 +154,20 @@ class PagedLatentCache(PagedLatentMembers, LatentSurface, SpeculativeLayout, Pag
 
         return held.get("latent", ()), one("rope"), one("index"), None
 
-    def _adopt_state(self, planes: PlaneSet | None, offsets: list[int], width: int) -> None:
-        """Rows at ``offsets`` from right-justified ``planes``, written into fresh blocks
-        (every block taken at once: a refusal changes nothing), counted as written."""
+    def _adopt_state(
+        self,
+        planes: PlaneSet | None,
+        offsets: list[int],
+        width: int,
+        exact: Any = None,
+        converted: Sequence[bool] | None = None,
+    ) -> None:
+        """Rows at ``offsets`` from right-justified ``planes``: the converted ones written
+        into fresh blocks (every block taken at once: a refusal changes nothing), counted
+        as written; the others beside the pool, their latent ``exact``."""
         shapes = self._shapes()
         pool = self._pool
+        done = list(converted) if converted is not None else [True] * len(offsets)
         tables: list[Table] = [[] for _ in offsets]
         if shapes is not None and width and planes is not None:
             held = planes
@@ -136,13 +177,29 @@ class PagedLatentCache(PagedLatentMembers, LatentSurface, SpeculativeLayout, Pag
                 return {t: tuple(owned(p[b : b + 1, :, start:width]) for p in ps)
                         for t, ps in held.items()}  # fmt: skip
 
-            rows = [(offset, offset, 0) for offset in offsets]
+            rows = [(o, o, 0) if done[b] else (0, 0, 0) for b, o in enumerate(offsets)]
             pool, tables = self._write_fresh(shapes, rows, row_planes)
         elif pool is not None:
             tables = [pool.open([], touch=False) for _ in offsets]
         self._pool = pool
         self._tables[:] = tables
         self._offsets = list(offsets)
+        if self._contiguous is not None:
+            self._contiguous._clear()
+            self._row_stage = [self._pool_stage if d else 0 for d in done]
+            beside = self._beside_rows()
+            near = [offsets[b] for b in beside]
+            if beside:
+                most, kept = max(near), None
+                if planes is not None and most:
+                    index = mx.array(beside)
+                    kept = {
+                        t: tuple(mx.take(p, index, axis=0)[:, :, width - most :] for p in ps)
+                        for t, ps in {**planes, "latent": (exact,)}.items()
+                    }
+                self._contiguous._take_shapes(shapes)
+                self._contiguous._adopt_state(kept, near, most)
+            self._restaged()
         self._changed()
         self._watch()
 
@@ -155,9 +212,11 @@ class PagedLatentCache(PagedLatentMembers, LatentSurface, SpeculativeLayout, Pag
         if not four:
             raise InvalidInputError(preview_blocks_message(type(self).__name__))
         block = latent
-        if self.encoded and any(self._done):
-            read = self.codec.fetched(self.codec.encode(latent, "latent"), "latent")
-            rows = mx.array(list(self._done))[:, None, None, None]
+        converted = self.converted
+        if any(converted):
+            codec = self._stages[-1]
+            read = codec.fetched(codec.encode(latent, "latent"), "latent")
+            rows = mx.array(list(converted))[:, None, None, None]
             block = mx.where(rows, read.astype(latent.dtype), latent)
         if self.width == 0:
             return block, rope
@@ -166,44 +225,6 @@ class PagedLatentCache(PagedLatentMembers, LatentSurface, SpeculativeLayout, Pag
             mx.concatenate([held_latent, block], axis=2),
             mx.concatenate([held_rope, rope], axis=2),
         )
-
-    # -- the warm-up exact latents beside the pool ------------------------------------------
-    def _warm_cat(self, held: Any | None, block: Any, row: int) -> Any:
-        part = block[row : row + 1]
-        joined = owned(part if held is None else mx.concatenate([held, part], axis=2))
-        mx.eval(joined)
-        return joined
-
-    def _warm_cut(self, held: Any, keep: int) -> Any:
-        cut = owned(held[:, :, :keep])
-        mx.eval(cut)
-        return cut
-
-    def _row_slice(self, array: Any, row: int, start: int, stop: int) -> Any:
-        piece = owned(array[row : row + 1, :, start:stop])
-        mx.eval(piece)
-        return piece
-
-    def _overlay(self, dense: Any, rows: Sequence[Any | None]) -> Any:
-        if all(row is None for row in rows):
-            return dense
-        width = int(dense.shape[2])
-        parts = []
-        for b, row in enumerate(rows):
-            if row is None:
-                parts.append(dense[b : b + 1])
-                continue
-            pad = width - int(row.shape[2])
-            parts.append(row if not pad else mx.concatenate([dense[b : b + 1, :, :pad], row], 2))
-        return mx.concatenate(parts, axis=0)
-
-    def _stack_warm(self, rows: Sequence[Any | None], width: int) -> Any:
-        shapes = self._shapes()
-        assert shapes is not None
-        zeros = mx.zeros((len(rows), 1, width, shapes.rank), mlx_dtype(shapes.dtype))
-        stacked = owned(self._overlay(zeros, rows))
-        mx.eval(stacked)
-        return stacked
 
 
 LatentBlockPool.latent_cache_class = PagedLatentCache

@@ -38,18 +38,16 @@ import numpy as np
 
 from kvrows.codec import PlaneSet, as_role
 from kvrows.common import shapes_token_bytes
+from kvrows.compositions import contiguous_preset
 from kvrows.errors import (
     EMPTY_CACHE_NO_BLOCK,
     EMPTY_ROW_NO_BLOCK,
     NOTHING_TO_FETCH,
-    PAGED_RING_PREFIX,
     PROJECTED_BYTES_NEEDS_GEOMETRY,
-    InvalidInputError,
     LayoutStateError,
     NotTrimmableError,
+    last_stage_message,
     paged_merge_message,
-    prefix_mismatch_message,
-    prefix_too_long_message,
     request_rows_message,
     ring_rollback_message,
     trim_past_row_message,
@@ -62,19 +60,16 @@ from kvrows.optimized.geometries.ring import positions_mask, reach
 from kvrows.optimized.rows import DECLARED, Layout, RowWindow, Serial, Storage, owned
 from kvrows.paged import (
     FREE,
-    ROOT_HASH,
     Paged,
     PagedSurface,
     PoolBase,
     bind_paged,
-    chain_hashes,
     held_blocks,
     projected_blocks,
 )
-from kvrows.paged import token_ids as read_token_ids
 from kvrows.paged_forms import PagedState, codec_field, parse_state
 from kvrows.protocols import Mask
-from kvrows.schemes import CodecSpec
+from kvrows.schemes import CodecSpec, GeometrySpec
 from kvrows.validation import KvGeometry, as_count, check_row
 
 __all__ = [
@@ -85,7 +80,6 @@ __all__ = [
     "PagedSerial",
     "Piece",
     "copy_block",
-    "gather",
     "gather_runs",
     "position_runs",
     "scatter",
@@ -274,14 +268,6 @@ def copy_block(planes: Planes, target: int, origin: int, count: int) -> None:
     mx.eval(*planes)
 
 
-def gather(
-    planes: Planes, rows: Sequence[tuple[Sequence[int], int]], pads: Sequence[int], width: int
-) -> Planes:
-    """``[B, H, width, w]``: row ``b``'s first ``count`` positions (its ``blocks`` in
-    order) at columns ``[pads[b], pads[b] + count)``, zeros elsewhere; compact, owned."""
-    return gather_runs(planes, [(blocks, [(0, count)]) for blocks, count in rows], pads, width)
-
-
 def gather_runs(
     planes: Planes, rows: Sequence[tuple[Sequence[int], Runs]], pads: Sequence[int], width: int
 ) -> Planes:
@@ -335,8 +321,9 @@ class BlockPool(PoolBase):
     may take (growth past it raises ``PoolExhaustedError``).
     """
 
-    #: The implementation's ``PagedKVCache`` (what ``lookup_prefix`` returns).
-    cache_class: ClassVar[type[PagedSerial]]
+    #: The implementation's paged serial caches by geometry kind (what ``lookup_prefix``
+    #: returns: ``PagedKVCache``, ``PagedRotatingKVCache``).
+    cache_classes: ClassVar[dict[str, type[PagedSerial]]]
     codec: Codec
     _tables: dict[int, Table]
 
@@ -423,11 +410,7 @@ class BlockPool(PoolBase):
         another table holds or that cache a prefix are copied (copy on write), then the
         tokens of every row are written with one scatter per plane."""
         bs, ledger = self.block_size, self.ledger
-        plans: list[tuple[bool, int]] = []
-        for table, offset in zip(tables, offsets, strict=True):
-            assert offset % bs == 0 or table[-1] != FREE, "a row holds its newest position"
-            cow = offset % bs > 0 and not ledger.writable(table[-1])
-            plans.append((cow, self.blocks_for(offset + n) - len(table)))
+        plans = self._append_plans(tables, offsets, n)
         fresh = ledger.allocate(sum(int(cow) + new for cow, new in plans))
         written: list[Piece] = []
         for b, (table, offset, (cow, new)) in enumerate(zip(tables, offsets, plans, strict=True)):
@@ -439,6 +422,24 @@ class BlockPool(PoolBase):
         for tensor, planes in self._planes.items():
             scatter(planes, written, block[tensor])
         ledger.bytes_written += len(tables) * n * self.token_bytes
+
+    def _append_plans(
+        self, tables: Sequence[Table], offsets: Sequence[int], n: int
+    ) -> list[tuple[bool, int]]:
+        """Per row of an append of ``n`` tokens: whether its tail block is copied first
+        (copy on write) and how many new blocks it takes."""
+        bs, ledger = self.block_size, self.ledger
+        plans: list[tuple[bool, int]] = []
+        for table, offset in zip(tables, offsets, strict=True):
+            assert offset % bs == 0 or table[-1] != FREE, "a row holds its newest position"
+            cow = offset % bs > 0 and not ledger.writable(table[-1])
+            plans.append((cow, self.blocks_for(offset + n) - len(table)))
+        return plans
+
+    def append_need(self, tables: Sequence[Table], offsets: Sequence[int], n: int) -> int:
+        """The fresh blocks ``append(tables, offsets, ·, n)`` takes (copies on write and
+        new blocks)."""
+        return sum(int(cow) + new for cow, new in self._append_plans(tables, offsets, n))
 
     def _copy_tail(self, table: Table, offset: int, target: int) -> None:
         """Copy the partly filled tail block of ``table`` into ``target``, which replaces it."""
@@ -479,63 +480,54 @@ class BlockPool(PoolBase):
             copies.append(copy)
             if offset:
                 runs = position_runs(offset, count, sinks)
-                self.write_row(copy, source.gather([table], [offset], [0], count, [runs]), runs)
+                self.write_row(copy, source.gather([table], [runs], [0], count), runs)
                 self.ledger.bytes_copied += count * self.token_bytes
         return copies
 
     # -- reads ---------------------------------------------------------------------------
     def gather(
-        self,
-        tables: Sequence[Table],
-        offsets: Sequence[int],
-        pads: Sequence[int],
-        width: int,
-        runs: Sequence[Runs] | None = None,
+        self, tables: Sequence[Table], held: Sequence[Runs], pads: Sequence[int], width: int
     ) -> PlaneSet:
-        """Each tensor's planes ``[B, H, width, ·]``: row ``b``'s ``offsets[b]`` positions
-        (``runs[b]``, when given: the runs of positions it holds), read from its blocks in
-        logical order, from column ``pads[b]`` on, zeros elsewhere; owned arrays."""
-        if runs is None:
-            rows = list(zip(tables, offsets, strict=True))
-            return {t: gather(planes, rows, pads, width) for t, planes in self._planes.items()}
-        held = list(zip(tables, runs, strict=True))
-        return {t: gather_runs(planes, held, pads, width) for t, planes in self._planes.items()}
+        """Each tensor's planes ``[B, H, width, ·]``: row ``b``'s held positions
+        (``held[b]``, runs ``(first, count)`` oldest first: a growing row's every position,
+        a ring's sinks and newest; its ``FREE`` blocks hold none and are never read), read
+        from its blocks one after another from column ``pads[b]``, zeros elsewhere; owned
+        arrays."""
+        rows = list(zip(tables, held, strict=True))
+        return {t: gather_runs(planes, rows, pads, width) for t, planes in self._planes.items()}
 
     # -- the prefix cache ----------------------------------------------------------------
-    def register_prefix(self, table: Table, offset: int, token_ids: Sequence[int]) -> int:
-        """Hash the full blocks of ``table`` (a row of ``offset`` positions) that
-        ``token_ids`` covers; returns how many blocks are now cached."""
-        tokens = read_token_ids(token_ids)
-        if len(tokens) > offset:
-            raise InvalidInputError(prefix_too_long_message(len(tokens), offset))
-        full = len(tokens) // self.block_size
-        hashes = chain_hashes(tokens, self.block_size, self.ledger.extra, full)
-        for j, digest in enumerate(hashes):  # refuse before any block is hashed
-            known = self.ledger.hash_of(table[j])
-            if known is not None and known != digest:
-                raise InvalidInputError(prefix_mismatch_message(j))
-        previous, bs = ROOT_HASH, self.block_size
-        for j in range(full):
-            previous = self.ledger.register(table[j], previous, tokens[j * bs : (j + 1) * bs])
-        return full
+    def register_prefix(
+        self, table: Table, held: tuple[int, int], token_ids: Sequence[int], cap: int | None = None
+    ) -> int:
+        """Hash the full blocks of ``table`` (a row of ``held = (offset, positions held)``)
+        that ``token_ids`` covers (``cap``: a ring's window, and nothing once the row gave
+        a position back: ``PoolBase.register_blocks``); returns how many blocks are now
+        cached."""
+        return self.register_blocks(table, held, token_ids, cap)
 
-    def lookup_prefix(self, token_ids: Sequence[int]) -> PagedSerial | None:
-        """A new ``PagedKVCache`` holding the longest run of cached full blocks that starts
-        ``token_ids`` (at most ``len(token_ids) - 1`` positions: the last token is always
-        computed, for its logits), referenced, not copied; ``None`` on a miss."""
-        tokens = read_token_ids(token_ids)
-        most = max(len(tokens) - 1, 0) // self.block_size
-        hits = self.ledger.lookup(chain_hashes(tokens, self.block_size, self.ledger.extra, most))
+    def lookup_prefix(
+        self, token_ids: Sequence[int], token_geometry: GeometrySpec | None = None
+    ) -> PagedSerial | None:
+        """A new paged serial cache of ``token_geometry`` (default growing: a
+        ``PagedKVCache``; a ring: a ``PagedRotatingKVCache``) holding the longest run of
+        cached full blocks that starts ``token_ids`` (``PoolBase.prefix_blocks``: at most
+        ``len(token_ids) - 1`` positions and what such a row holds), referenced, not
+        copied; ``None`` on a miss."""
+        hits = self.prefix_blocks(token_ids, token_geometry)
         if not hits:
             return None
-        cache = self._prefix_cache()
+        cache = self._prefix_cache(token_geometry)
         cache._geometry = self._geometry
         cache.adopt_tables([self.open(list(hits))], len(hits) * self.block_size)
         return cache
 
-    def _prefix_cache(self) -> PagedSerial:
-        """An empty cache of the pool's codec that a prefix hit's rows join."""
-        return self.cache_class(pool=self)
+    def _prefix_cache(self, token_geometry: GeometrySpec | None = None) -> PagedSerial:
+        """An empty cache of the pool's codec and ``token_geometry`` that a prefix hit's
+        rows join."""
+        if token_geometry is None:
+            return self.cache_classes["growing"](pool=self)
+        return self.cache_classes[token_geometry.kind](pool=self, token_geometry=token_geometry)
 
     def check_valid(self) -> None:
         """Assert the pool's invariants (``spec/paged-pool.md`` §4)."""
@@ -559,6 +551,12 @@ class PagedRows(PagedSurface, Storage):
     _finalizer: weakref.finalize[Any, Any] | None
     #: The rows' tables, mutated in place (the finalizer holds the list).
     _tables: list[Table]
+    #: Two stages (``_stage_beside``): the stage-0 rows beside the pool, a one-stage
+    #: contiguous layout of stage 0's codec whose rows are those rows in batch order
+    #: (``compositions.contiguous_preset``); ``None`` with one stage.
+    _contiguous: Any
+    #: Two stages: each row's stage, in batch order (host ints).
+    _row_stage: list[int]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         spec, paged, token, declared, pool = bind_paged(type(self), args, dict(kwargs))
@@ -566,6 +564,7 @@ class PagedRows(PagedSurface, Storage):
         self._tables = []
         self._pool = pool
         self._finalizer = None
+        self._contiguous, self._row_stage = None, []
         geometry = declared if pool is None or pool.geometry is None else pool.geometry
         self._setup(spec, token, geometry)
         self._watch()
@@ -582,6 +581,102 @@ class PagedRows(PagedSurface, Storage):
         if self._pool is not None:
             self._pool.close(self._tables)
         self._tables[:] = []
+        self._clear_beside()
+
+    def _clear_beside(self) -> None:
+        """No row is beside the pool (nor in any stage)."""
+        if getattr(self, "_contiguous", None) is not None:
+            self._contiguous._clear()
+            self._row_stage = []
+
+    # -- stages: the pool's (the last) and stage 0 beside it ------------------------------
+    def _use_stages(self, specs: Sequence[CodecSpec]) -> None:
+        super()._use_stages(specs)
+        if len(specs) > 1:  # stage 0 beside the pool: a contiguous layout of its codec
+            near = DECLARED[contiguous_preset(self.composition).name]
+            self._contiguous = near.from_specs(specs[0], self._token_geometry)
+            self._row_stage = []
+
+    @property
+    def _pool_stage(self) -> int:
+        return len(self._stages) - 1
+
+    def _in_pool(self, row: int) -> bool:
+        """Whether row ``row``'s positions live in the pool (else beside it, stage 0)."""
+        return self._contiguous is None or self._row_stage[row] == self._pool_stage
+
+    def _beside_rows(self) -> list[int]:
+        """The rows beside the pool, in batch order (the contiguous layout's rows)."""
+        if self._contiguous is None:
+            return []
+        return [b for b, stage in enumerate(self._row_stage) if stage != self._pool_stage]
+
+    def _restaged(self) -> None:
+        """The rows changed: ``codec`` is the newest stage's any row is in."""
+        if self._contiguous is not None and self._row_stage:
+            self.codec = self._stages[max(self._row_stage)]
+
+    @property
+    def row_stages(self) -> tuple[int, ...]:
+        if self._contiguous is None:
+            return super().row_stages
+        return tuple(self._row_stage)
+
+    def _row_codecs(self, count: int) -> list[Codec]:
+        if self._contiguous is None or not self._offsets:
+            return super()._row_codecs(count)
+        return [self._stages[stage] for stage in self._row_stage]
+
+    def _held_codecs(self) -> list[Codec]:
+        if self._contiguous is None or not self._offsets:
+            return super()._held_codecs()
+        return [self._stages[stage] for stage in sorted(set(self._row_stage))]
+
+    def _converts_after(self, stages: Sequence[int], offsets: Sequence[int], n: int) -> list[int]:
+        """The stage-0 rows (in ``stages`` at ``offsets``) that convert into the pool's
+        stage after an append of ``n`` tokens (none without a stage beside the pool)."""
+        return []
+
+    def _convert_rows(self, rows: Sequence[int]) -> None:
+        """Rows beside the pool into the pool's stage: each row's window in the contiguous
+        layout decoded by stage 0's codec and encoded by the pool's (per token: what
+        encoding at each append gave), written into fresh blocks of its (empty, open)
+        table, counted as written; the contiguous layout keeps the others. The append that
+        converts reserved the blocks (``_write_blocks``)."""
+        if self._contiguous is None:
+            super()._convert_rows(rows)
+            return
+        moving = sorted({check_row(b, len(self._offsets)) for b in rows})
+        last = self._pool_stage
+        for b in moving:
+            if self._row_stage[b] == last:
+                raise LayoutStateError(last_stage_message(b, last))
+        if not moving:
+            return
+        pool = self._pool
+        assert pool is not None
+        beside = self._beside_rows()
+        source, target = self._stages[0], self._stages[last]
+        needed = [pool.blocks_for(self._offsets[b]) for b in moving]
+        fresh = pool.ledger.allocate(sum(needed))
+        for b, count in zip(moving, needed, strict=True):
+            table = self._tables[b]
+            table.extend(fresh[:count])
+            del fresh[:count]
+            window = self._contiguous._held_window(beside.index(b)) if count else None
+            if window is not None:
+                pool.write_row(
+                    table,
+                    {
+                        t: target.encode(source.decode(held, as_role(t)), as_role(t))
+                        for t, held in window.items()
+                    },
+                )
+        pool.ledger.bytes_written += sum(self._offsets[b] for b in moving) * pool.token_bytes
+        self._contiguous.filter_rows([i for i, b in enumerate(beside) if b not in moving])
+        for b in moving:
+            self._row_stage[b] = last
+        self._restaged()
 
     def _changed(self) -> None:
         super()._changed()
@@ -597,6 +692,7 @@ class PagedRows(PagedSurface, Storage):
         if self._pool is not None:
             self._pool.close(self._tables)
         self._tables.clear()
+        self._clear_beside()
         self._offsets, self._pads = [], []
         self._changed()
 
@@ -607,10 +703,25 @@ class PagedRows(PagedSurface, Storage):
         class)."""
         assert self._pool is not None
         self._pool.close(self._tables)
+        self._clear_beside()
         self._tables[:] = tables
         self._offsets = []  # every row replaced
         self._joined([(offset, offset if count is None else count, 0)] * len(tables))
         self._offsets = [offset] * len(tables)
+        if self._contiguous is not None:  # in the pool's stage
+            self._row_stage = [self._pool_stage] * len(tables)
+            self._restaged()
+        self._changed()
+        self._watch()
+
+    def _adopt_beside(self, near: Any, offset: int) -> None:
+        """Hold one row beside the pool (this storage is empty): ``near``, a one-row
+        contiguous layout of stage 0 (an extraction), at ``offset``; an empty open table."""
+        self._contiguous = near
+        self._row_stage = [0]
+        self._tables[:] = [[] if self._pool is None else self._pool.open([])]
+        self._offsets = [offset]
+        self._restaged()
         self._changed()
         self._watch()
 
@@ -622,7 +733,7 @@ class PagedRows(PagedSurface, Storage):
         given pool its geometry takes (refused past its byte limit before it learns)."""
         if self._pool is None:
             self._pool = self.pool_class(
-                self.codec_spec, block_size=self.block_size, geometry=geometry
+                self._stages[-1].spec, block_size=self.block_size, geometry=geometry
             )
         else:
             self._pool.learn(geometry, room=room)
@@ -630,19 +741,22 @@ class PagedRows(PagedSurface, Storage):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the blocks this cache's tables hold (a shared block counts in each)."""
+        """Bytes of the blocks this cache's tables hold (a shared block counts in each),
+        and of the contiguous layout beside the pool."""
+        beside = 0 if self._contiguous is None else int(self._contiguous.nbytes)
         if self._pool is None or self._geometry is None:
-            return 0
-        return sum(len(_live(t)) for t in self._tables) * self._pool.bytes_per_block
+            return beside
+        return sum(len(_live(t)) for t in self._tables) * self._pool.bytes_per_block + beside
 
     def held_arrays(self) -> tuple[Any, ...]:
-        return () if self._pool is None else self._pool.held_arrays()
+        near = () if self._contiguous is None else tuple(self._contiguous.held_arrays())
+        return near if self._pool is None else self._pool.held_arrays() + near
 
     def _accepts(self, source: Any) -> bool:
         return (
             getattr(source, "pool_class", None) is self.pool_class
             and source.block_size == self.block_size
-            and source.codec.key == self.codec.key
+            and [c.key for c in source._stages] == [c.key for c in self._stages]
             and source.token_geometry == self.token_geometry
         )
 
@@ -654,10 +768,66 @@ class PagedRows(PagedSurface, Storage):
 
     def _merge_refusal(self, source: object) -> str:
         return paged_merge_message(
-            self.signature(), self.block_size, self.codec.key, type(source).__name__
+            self.signature(), self.block_size, self._stages[-1].key, type(source).__name__
         )
 
     # -- writes: the pool first (it may refuse with nothing changed) ----------------------
+    def _write_blocks(self, blocks: dict[str, Any], shapes: Any) -> None:
+        """Two stages: the pool's rows take their share of the block encoded by the pool's
+        codec, the rows beside it their share unencoded (the contiguous layout's write);
+        the blocks of the rows that convert after this append are reserved first (a
+        refusal changes nothing)."""
+        if self._contiguous is None:
+            super()._write_blocks(blocks, shapes)
+            return
+        first = next(iter(blocks.values()))
+        rows, n = int(first.shape[0]), int(first.shape[2])
+        opened = bool(self._offsets)
+        stages = list(self._row_stage) if opened else [self._stage] * rows
+        offsets = list(self._offsets) if opened else [0] * rows
+        tables: list[Table] = self._tables if opened else [[] for _ in range(rows)]
+        last, size = self._pool_stage, self.block_size
+        pooled = [b for b, stage in enumerate(stages) if stage == last]
+        beside = [b for b, stage in enumerate(stages) if stage != last]
+        due = self._converts_after(stages, offsets, n)
+        room = len(pooled) * math.ceil(n / size)
+        if due and self._pool is not None:  # the append's blocks and the conversion's
+            room = self._pool.append_need(
+                [tables[b] for b in pooled], [offsets[b] for b in pooled], n
+            ) + sum(math.ceil((offsets[b] + n) / size) for b in due)
+            self._pool.check_take(shapes, room)  # or a refusal, nothing changed
+        pool = self._ensure_pool(shapes, room)
+        if opened:
+            pool.adopt_empty(self._tables)  # rows joined before any pool existed
+            self._watch()
+        if pooled:
+            codec, index = self._stages[last], mx.array(pooled)
+            share = {
+                t: tuple(
+                    p if len(pooled) == rows else mx.take(p, index, axis=0)
+                    for p in codec.encode(x, as_role(t))
+                )
+                for t, x in blocks.items()
+            }
+            pool.append([tables[b] for b in pooled], [offsets[b] for b in pooled], share, n)
+        if not opened:  # the first block: the tables open once their blocks are taken
+            for table in tables:
+                pool.open(table, touch=False)
+            self._tables[:] = tables
+            self._row_stage = stages
+            self._pads = [0] * rows
+            self._watch()
+        if beside:
+            index = mx.array(beside)
+            near = blocks if len(beside) == rows else {
+                t: mx.take(x, index, axis=0) for t, x in blocks.items()
+            }  # fmt: skip
+            self._contiguous._write_blocks(near, shapes)
+        self._take_shapes(shapes)
+        self._offsets = [o + n for o in offsets]
+        self._restaged()
+        self._changed()
+
     def _write(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
         rows = len(self._offsets) or int(next(iter(block.values()))[0].shape[0])
         pool = self._ensure_pool(geometry, rows * math.ceil(n / self.block_size))
@@ -682,6 +852,9 @@ class PagedRows(PagedSurface, Storage):
             for table, offset, count in zip(self._tables, self._offsets, counts, strict=True):
                 if count:
                     self._pool.release_tail(table, offset - count)
+        near = [counts[b] for b in self._beside_rows()]
+        if any(near):  # the contiguous rows stay right-justified: its ragged rollback
+            self._contiguous._trim_rows(near, justify=True)
 
     def _check_trim(self, counts: Sequence[int]) -> None:
         return None
@@ -689,32 +862,93 @@ class PagedRows(PagedSurface, Storage):
     def is_trimmable(self) -> bool:
         return True
 
-    # -- reads: gathered from the pool ---------------------------------------------------
+    # -- reads: gathered from the pool, one path for every geometry ----------------------
+    def _gather(self, rows: Sequence[int], held: Sequence[Lent], pads: Sequence[int]) -> PlaneSet:
+        """Rows ``rows`` holding ``held`` each (``(offset, count, sinks)``: the geometry's
+        positions, ``_holds`` / ``_lent``) read from their blocks in time order, row ``b``
+        from column ``pads[b]``, ``max(pads[b] + count)`` columns (the one gather every
+        read of the placement goes through)."""
+        assert self._pool is not None
+        width = max((p + count for p, (_, count, _) in zip(pads, held, strict=True)), default=0)
+        tables = [self._tables[b] for b in rows]
+        return self._pool.gather(tables, [position_runs(*h) for h in held], pads, width)
+
+    def _gathered(self) -> PlaneSet:
+        """Every row's held positions at the placement's columns (growing rows
+        right-aligned, a ring's from column 0: ``_pads``); ``{}`` while no row holds one.
+        Every row in the pool: with rows beside it, ``_read`` assembles the two."""
+        if self._pool is None or not self._tables or not any(self._offsets):
+            return {}
+        rows = range(len(self._tables))
+        return self._gather(rows, [self._holds(b) for b in rows], self._pads)
+
     def _read(self) -> dict[str, Any]:
         """Each tensor the pool holds (keys and values; a latent pool's latent, rope and
-        index) gathered right-aligned, in the codec's fetched form."""
+        index) gathered at the placement's columns, in the codec's fetched form; rows beside
+        the pool read from the contiguous layout, each row then in batch order."""
         if self._pool is None or not self._tables or not any(self._offsets):
             raise LayoutStateError(NOTHING_TO_FETCH)
+        codec, beside = self._stages[-1], self._beside_rows()
+        if not beside:
+            return {t: codec.fetched(held, as_role(t)) for t, held in self._gathered().items()}
         width = max(self._offsets)
-        planes = self._pool.gather(self._tables, self._offsets, self._pads, width)
-        return {t: self.codec.fetched(held, as_role(t)) for t, held in planes.items()}
+        pooled = [b for b in range(len(self._offsets)) if self._in_pool(b)]
+        parts = [self._beside_read(width)]
+        if pooled:  # right-aligned to the longest row of all: ``width`` columns
+            pads = [self._pads[b] for b in pooled]
+            planes = self._gather(pooled, [self._holds(b) for b in pooled], pads)
+            parts.insert(0, {t: codec.fetched(held, as_role(t)) for t, held in planes.items()})
+        order = pooled + beside
+        inverse = mx.array(sorted(range(len(order)), key=order.__getitem__))
+        return {
+            t: mx.take(mx.concatenate([part[t] for part in parts], axis=0), inverse, axis=0)
+            for t in parts[0]
+        }
+
+    def _beside_read(self, width: int) -> dict[str, Any]:
+        """The rows beside the pool as stage 0 reads them, right-justified in ``width``
+        columns, zeros in every column that holds no token of its row (the pool's gather
+        zeros)."""
+        near, shapes = self._contiguous, self._shapes()
+        offsets = [self._offsets[b] for b in self._beside_rows()]
+        if near.width:
+            read = near._read()
+        else:
+            zeros = self._zeros(len(offsets), 0, shapes, self._stages[0])
+            read = {t: self._stages[0].fetched(z, as_role(t)) for t, z in zeros.items()}
+        held = self._held_mask(offsets, width)
+        out = {}
+        for t, x in read.items():
+            pad = width - int(x.shape[2])
+            if pad:
+                x = mx.concatenate([mx.zeros((*x.shape[:2], pad, x.shape[3]), x.dtype), x], 2)
+            out[t] = mx.where(held, x, mx.array(0, x.dtype))
+        return out
+
+    @staticmethod
+    def _held_mask(offsets: Sequence[int], width: int) -> mx.array:
+        """Bool ``[B, 1, width, 1]``: the columns of right-justified rows at ``offsets``."""
+        starts = mx.array([width - o for o in offsets])[:, None, None, None]
+        return mx.arange(width)[None, None, :, None] >= starts
 
     def _held_window(self, row: int | None) -> PlaneSet | None:
-        """Row ``row``'s positions read from its blocks (every row's, stacked, on a serial
-        storage when ``row`` is ``None``); ``None`` while it holds none."""
+        """Row ``row``'s window read from its blocks from column 0 (what a merge or an
+        extraction takes, ``_lent``; a row beside the pool: its contiguous window; on a
+        serial storage when ``row`` is ``None``: every row's held positions, stacked);
+        ``None`` while it holds none."""
+        if row is not None and not self._in_pool(row):
+            window: PlaneSet | None = self._contiguous._held_window(self._beside_rows().index(row))
+            return window
         if self._pool is None or not self._tables:
             return None
         if row is None:
-            offset = self._offsets[0]
-            if offset == 0:
+            if self._offsets[0] == 0:
                 return None
-            rows = len(self._tables)
-            return self._pool.gather(self._tables, self._offsets, [0] * rows, offset)
-        offset, count, sinks = self._lent(row)
-        if offset == 0:
+            rows = range(len(self._tables))
+            return self._gather(rows, [self._holds(b) for b in rows], [0] * len(rows))
+        if self._offsets[row] == 0:
             return None
-        runs = [position_runs(offset, count, sinks)]
-        return self._pool.gather([self._tables[row]], [offset], [0], count, runs)
+        return self._gather([row], [self._lent(row)], [0])
 
     def _held(self) -> tuple[Any, Any] | None:
         if self._pool is None or not self._tables or not any(self._offsets):
@@ -723,8 +957,11 @@ class PagedRows(PagedSurface, Storage):
 
     def _row_windows(self) -> list[RowWindow]:
         # A merge reads no byte: ``_join`` takes the tables (a serial storage without rows
-        # lends one empty row).
-        return [(None, offset) for offset in self._offsets] or [(None, 0)]
+        # lends one empty row); a row beside the pool lends its window (its bytes move).
+        return [
+            (None if self._in_pool(b) else self._held_window(b), offset)
+            for b, offset in enumerate(self._offsets)
+        ] or [(None, 0)]
 
     # -- masks: the growing geometry's (paging adds no mask rule) ------------------------
     def _serial_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
@@ -736,7 +973,15 @@ class PagedRows(PagedSurface, Storage):
     # -- checks and forms ----------------------------------------------------------------
     def _check_geometry(self) -> None:
         assert len(self._tables) == len(self._offsets)
+        if self._contiguous is not None:
+            assert len(self._row_stage) == len(self._offsets), "one stage per row"
+            near = [self._offsets[b] for b in self._beside_rows()]
+            assert self._contiguous.row_offsets == tuple(near), "stage 0: the rows beside"
+            self._contiguous.check_valid()
         for b, (table, offset) in enumerate(zip(self._tables, self._offsets, strict=True)):
+            if not self._in_pool(b):
+                assert table == [] and id(table) in self._pool._tables if self._pool else True
+                continue  # a row beside the pool holds no block
             assert len(table) == math.ceil(offset / self.block_size)
             assert self._pool is None or id(table) in self._pool._tables
             needed = held_blocks(*self._holds(b), self.block_size)
@@ -750,11 +995,8 @@ class PagedRows(PagedSurface, Storage):
         return offset, offset, 0
 
     def _paged_planes(self) -> tuple[Planes | None, Planes | None]:
-        if self._pool is None or self._geometry is None or not any(self._offsets):
-            return None, None
-        width = max(self._offsets)
-        planes = self._pool.gather(self._tables, self._offsets, self._pads, width)
-        return planes["keys"], planes["values"]
+        planes = {} if self._geometry is None else self._gathered()
+        return (planes["keys"], planes["values"]) if planes else (None, None)
 
     @classmethod
     def _restore(
@@ -806,10 +1048,6 @@ class PagedRows(PagedSurface, Storage):
         """A serial storage's position (its rows move together; 0 before a write)."""
         return self._offsets[0] if self._offsets else 0
 
-    def _runs(self) -> list[list[tuple[int, int]]] | None:
-        """Each row's runs of positions (``None``: every row holds each of its positions)."""
-        return None
-
     def _state(self) -> tuple[Any, ...]:
         """The form of the composition (``kvrows.forms.state_form``: the planes compact,
         right-aligned in a layout, the geometry's fields, the placement's)."""
@@ -818,7 +1056,7 @@ class PagedRows(PagedSurface, Storage):
         width = max(counts, default=0)
         pads = [width - c for c in counts]
         planes = (
-            self._pool.gather(self._tables, self._offsets, pads, width, self._runs())
+            self._gather(rows, [self._holds(b) for b in rows], pads)
             if self._pool is not None and self._geometry is not None and width
             else None
         )
@@ -889,10 +1127,13 @@ class PagedSerial(PagedRows, Serial):
 
     def register_prefix(self, token_ids: Sequence[int]) -> int:
         """Cache the full blocks ``token_ids`` (the ids of this request's first positions,
-        at most ``offset`` of them) covers; returns how many blocks are cached."""
+        at most ``offset`` of them) covers; returns how many blocks are cached. A ring
+        caches those of its window only while it holds every position (``PoolBase.
+        register_blocks``): past that, none."""
         if self._pool is None or not self._tables:
             raise LayoutStateError(EMPTY_CACHE_NO_BLOCK)
-        return self._pool.register_prefix(self._request(), self.offset, token_ids)
+        table, cap = self._request(), self._token_geometry.cap()
+        return self._pool.register_prefix(table, self._holds(0)[:2], token_ids, cap)
 
     def check_valid(self) -> None:
         assert len(set(self._offsets)) <= 1, "rows move together"
@@ -935,12 +1176,17 @@ class PagedLayout(PagedRows, Layout):
 
     @staticmethod
     def _lent_of(sources: Sequence[Any]) -> list[tuple[BlockPool | None, Table | None, Lent]]:
-        """Each joining row's pool, table and what a merge takes of it."""
+        """Each joining row's pool, table and what a merge takes of it (a row beside its
+        pool lends neither: its window joins the contiguous layout)."""
         lent: list[tuple[BlockPool | None, Table | None, Lent]] = []
         for source in sources:  # a serial storage without rows lends one empty row
             tables, source_pool = source._tables, source._pool
             if tables:
-                lent.extend((source_pool, t, source._lent(b)) for b, t in enumerate(tables))
+                lent.extend(
+                    (source_pool, t, source._lent(b)) if source._in_pool(b)
+                    else (None, None, source._lent(b))
+                    for b, t in enumerate(tables)
+                )  # fmt: skip
             else:
                 lent.append((source_pool, None, (0, 0, 0)))
         return lent
@@ -963,7 +1209,8 @@ class PagedLayout(PagedRows, Layout):
         stages: list[int],
     ) -> None:
         """The pool's refusals of ``_join`` (another geometry, no room for the copies)."""
-        super()._check_join(sources, incoming, geometry, stages)
+        if self._contiguous is None:  # (two stages: rows of either join, beside or pooled)
+            super()._check_join(sources, incoming, geometry, stages)
         lent = self._lent_of(sources)
         pool = self._pool or next((p for p, _, _ in lent if p is not None), None)
         if pool is not None:  # (a new pool takes the copies: it has no limit)
@@ -985,14 +1232,17 @@ class PagedLayout(PagedRows, Layout):
         if not lent:
             return
         pool = self._pool or next((p for p, _, _ in lent if p is not None), None)
-        if pool is None:  # only empty serial caches with no pool yet: rows of no position
-            if geometry is None:  # the rows join a pool at the first write
-                self._tables.extend([] for _ in lent)
-                self._joined([(0, 0, 0)] * len(lent))
-                self._offsets = self._offsets + [0] * len(lent)
-                self._changed()
-                return
-            pool = self.pool_class(self.codec_spec, block_size=self.block_size, geometry=geometry)
+        if pool is None and geometry is None:  # rows of no position, no pool yet
+            self._tables.extend([] for _ in lent)
+            self._joined([(0, 0, 0)] * len(lent))
+            self._join_beside(incoming, geometry, stages)
+            self._offsets = self._offsets + [0] * len(lent)
+            self._changed()
+            return
+        if pool is None:  # empty serial caches or rows beside their pool: a pool of ours
+            pool = self.pool_class(
+                self._stages[-1].spec, block_size=self.block_size, geometry=geometry
+            )
         foreign = self._foreign(lent, pool)
         bs = pool.block_size
         if geometry is not None:  # copies into a pool that learns here: within its limit
@@ -1012,28 +1262,58 @@ class PagedLayout(PagedRows, Layout):
         self._watch()
         self._tables.extend(joined)
         self._joined([cut for _, _, cut in lent])
+        self._join_beside(incoming, geometry, stages)
         self._offsets = self._offsets + [offset for _, _, (offset, _, _) in lent]
         self._geometry = geometry
         self._changed()
 
+    def _join_beside(
+        self, incoming: list[RowWindow], geometry: KvGeometry | None, stages: list[int]
+    ) -> None:
+        """Two stages: the joining rows' stages; those beside the pool join the contiguous
+        layout (their windows; the bytes move)."""
+        if self._contiguous is None:
+            return
+        near = [w for w, stage in zip(incoming, stages, strict=True) if stage != self._pool_stage]
+        if near:
+            self._contiguous._join([], near, geometry, [0] * len(near))
+        self._row_stage = self._row_stage + list(stages)
+        self._restaged()
+
     def _keep(self, order: list[int]) -> None:
-        """The rows not kept give their blocks back to the pool."""
+        """The rows not kept give their blocks back to the pool (and those beside it their
+        rows of the contiguous layout)."""
         kept = set(order)
         if self._pool is not None:
             self._pool.close([t for i, t in enumerate(self._tables) if i not in kept])
         self._tables[:] = [self._tables[i] for i in order]
+        if self._contiguous is not None:
+            slot = {b: i for i, b in enumerate(self._beside_rows())}
+            self._contiguous.filter_rows([slot[b] for b in order if b in slot])
+            self._row_stage = [self._row_stage[b] for b in order]
+            self._restaged()
 
-    def extract_row(self, row: int) -> Serial:
-        """A ``PagedKVCache`` holding row ``row``: its table shared, no byte moved."""
-        index = check_row(row, self.batch_size)
-        # The composition's serial storage, or the layout itself when it is its own.
+    def _empty_serial(self) -> Any:
+        """An empty serial storage of this pool a row extracts into: the composition's,
+        or the layout itself when it is its own."""
         entry = self.composition
         serial_class = cast(type[PagedSerial], DECLARED[entry.serial or entry.name])
-        serial = serial_class(
+        return serial_class(
             pool=self._pool, codec=self.codec_spec, token_geometry=self._token_geometry,
             placement=self._paged,
         )  # fmt: skip
+
+    def extract_row(self, row: int) -> Serial:
+        """A ``PagedKVCache`` holding row ``row``: its table shared, no byte moved (a row
+        beside the pool: the contiguous layout's extraction, beside the pool again)."""
+        index = check_row(row, self.batch_size)
+        serial = cast(PagedSerial, self._empty_serial())
         serial._geometry = self._geometry
+        if not self._in_pool(index):
+            if self._offsets[index]:
+                near = self._contiguous.extract_row(self._beside_rows().index(index))
+                serial._adopt_beside(near, self._offsets[index])
+            return serial
         offset, count, sinks = self._lent(index)
         if self._pool is not None and offset:
             needed = held_blocks(offset, count, sinks, self.block_size)
@@ -1042,11 +1322,13 @@ class PagedLayout(PagedRows, Layout):
         return serial
 
     def register_prefix(self, row: int, token_ids: Sequence[int]) -> int:
-        """Cache row ``row``'s full blocks ``token_ids`` covers."""
+        """Cache row ``row``'s full blocks ``token_ids`` covers (a ring's while it holds
+        every position)."""
         index = check_row(row, self.batch_size)
         if self._pool is None:
             raise LayoutStateError(EMPTY_ROW_NO_BLOCK)
-        return self._pool.register_prefix(self._tables[index], self._offsets[index], token_ids)
+        held, cap = self._holds(index)[:2], self._token_geometry.cap()
+        return self._pool.register_prefix(self._tables[index], held, token_ids, cap)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(offsets={list(self._offsets)})"
@@ -1071,11 +1353,6 @@ class PagedRing(PagedRows):
     @property
     def keep(self) -> int:
         return int(cast(Any, self._token_geometry).keep)
-
-    @property
-    def retained(self) -> tuple[int, ...]:
-        """Positions each row holds (its sinks and newest ones)."""
-        return tuple(self._retained)
 
     def _reset_geometry(self) -> None:
         super()._reset_geometry()
@@ -1102,9 +1379,6 @@ class PagedRing(PagedRows):
     @property
     def _sink_count(self) -> int:
         return self.keep
-
-    def _runs(self) -> list[list[tuple[int, int]]] | None:
-        return [position_runs(*self._holds(b)) for b in range(len(self._offsets))]
 
     def _joined(self, cuts: list[Lent]) -> None:
         self._retained = self._retained[: len(self._offsets)] + [c for _, c, _ in cuts]
@@ -1170,51 +1444,14 @@ class PagedRing(PagedRows):
         super()._keep(order)
         self._retained = [self._retained[i] for i in order]
 
-    # -- reads -------------------------------------------------------------------------
-    def _gather_rows(self, rows: Sequence[int], held: Sequence[Lent]) -> PlaneSet:
-        """Rows ``rows`` holding ``held`` each, read in time order from column 0."""
-        assert self._pool is not None
-        runs = [position_runs(*h) for h in held]
-        width = max(count for _, count, _ in held)
-        tables = [self._tables[b] for b in rows]
-        offsets = [self._offsets[b] for b in rows]
-        return self._pool.gather(tables, offsets, [0] * len(rows), width, runs)
-
-    def _read(self) -> dict[str, Any]:
-        if self._pool is None or not self._tables or not any(self._offsets):
-            raise LayoutStateError(NOTHING_TO_FETCH)
-        rows = range(len(self._tables))
-        planes = self._gather_rows(rows, [self._holds(b) for b in rows])
-        return {t: self.codec.fetched(held, as_role(t)) for t, held in planes.items()}
-
-    def _held_window(self, row: int | None) -> PlaneSet | None:
-        """Row ``row``'s window (every row's every held position, stacked, on a serial
-        storage when ``row`` is ``None``); ``None`` while it holds none."""
-        if self._pool is None or not self._tables:
-            return None
-        if row is None:
-            if self._offsets[0] == 0:
-                return None
-            rows = range(len(self._tables))
-            return self._gather_rows(rows, [self._holds(b) for b in rows])
-        if self._offsets[row] == 0:
-            return None
-        return self._gather_rows([row], [self._lent(row)])
-
+    # -- reads: the placement's (``_holds`` / ``_lent`` say which positions) -----------
     def window(self) -> tuple[Planes, Planes] | None:
         """A serial ring's window (its sinks and newest ``min(offset, max_size)``
         positions) in time order, rows stacked."""
         if self._pool is None or not self._tables or self._offsets[0] == 0:
             return None
         rows = range(len(self._tables))
-        planes = self._gather_rows(rows, [self._lent(b) for b in rows])
-        return planes["keys"], planes["values"]
-
-    def _paged_planes(self) -> tuple[Planes | None, Planes | None]:
-        if self._pool is None or self._geometry is None or not any(self._offsets):
-            return None, None
-        rows = range(len(self._tables))
-        planes = self._gather_rows(rows, [self._holds(b) for b in rows])
+        planes = self._gather(rows, [self._lent(b) for b in rows], [0] * len(rows))
         return planes["keys"], planes["values"]
 
     # -- masks: the ring's, over each row's positions ----------------------------------
@@ -1252,7 +1489,3 @@ class PagedRing(PagedRows):
         held = zip(self._retained, self._offsets, strict=True)
         assert all(min(o, self.max_size) <= r <= o for r, o in held)
         super()._check_geometry()
-
-    def register_prefix(self, *args: Any) -> int:
-        """Refused: a ring's rows give their oldest blocks back (``PAGED_RING_PREFIX``)."""
-        raise LayoutStateError(PAGED_RING_PREFIX)

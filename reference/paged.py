@@ -18,11 +18,10 @@ from kvrows.codec import PlaneSet
 from kvrows.compositions import composition
 from kvrows.latent import LatentPoolMembers, PagedLatentMembers
 from kvrows.paged import AnyCodecParameters
-from kvrows.reference.codecs import numpy_dtype
 from kvrows.reference.geometries.ring import RingParameters
 from kvrows.reference.latent import LatentSurface
 from kvrows.reference.paging import BlockPool, PagedLayout, PagedRow, PagedSerial
-from kvrows.reference.rows import Row
+from kvrows.reference.rows import Row, Storage
 
 __all__ = [
     "BlockPool",
@@ -62,7 +61,7 @@ class PagedRotatingRows(RingParameters, AnyCodecParameters, PagedLayout):
     serial_class = PagedRotatingKVCache
 
 
-BlockPool.cache_class = PagedKVCache
+BlockPool.cache_classes = {"growing": PagedKVCache, "ring": PagedRotatingKVCache}
 
 
 class LatentBlockPool(LatentPoolMembers, BlockPool):
@@ -72,7 +71,8 @@ class LatentBlockPool(LatentPoolMembers, BlockPool):
 
 class PagedLatentCache(PagedLatentMembers, LatentSurface, PagedLayout):
     """MLA latent + rope (+ DSA index) planes in a block pool, ``MLACache``'s rows
-    (``spec/PagedLatentCache.md``): the latent surface on the paged placement."""
+    (``spec/PagedLatentCache.md``): the latent surface on the paged placement; an encoded
+    latent's warm rows are compact stage-0 rows beside the pool."""
 
     composition = composition("PagedLatentCache")
     pool_class = LatentBlockPool
@@ -80,56 +80,72 @@ class PagedLatentCache(PagedLatentMembers, LatentSurface, PagedLayout):
     def _lent(self) -> list[Row | None]:
         return list(self._rows) or [None]  # an empty cache lends one empty row
 
-    def adopt_rows(self, rows: Sequence[Row]) -> None:
-        super().adopt_rows(rows)
-        self._adopted(len(rows))
-
-    def _adopt_state(self, planes: PlaneSet | None, offsets: list[int], width: int) -> None:
-        """Rows at ``offsets`` from right-justified ``planes``, written into fresh blocks
-        (every block taken at once: a refusal changes nothing), counted as written."""
+    def _adopt_state(
+        self,
+        planes: PlaneSet | None,
+        offsets: list[int],
+        width: int,
+        exact: Any = None,
+        converted: Sequence[bool] | None = None,
+    ) -> None:
+        """Rows at ``offsets`` from right-justified ``planes``: the converted ones written
+        into fresh blocks (every block taken at once: a refusal changes nothing), counted
+        as written; the others stage-0 rows beside the pool, their latent ``exact``."""
+        last = len(self._stages) - 1
+        done = list(converted) if converted is not None else [True] * len(offsets)
         rows: list[PagedRow] = []
         for b, offset in enumerate(offsets):
-            row = PagedRow(offset=offset)
+            row = PagedRow(offset=offset, stage=last if done[b] else 0)
             if planes is not None and offset:
+                held = dict(planes) if done[b] else {**planes, "latent": (exact,)}
                 row.planes = {
-                    t: tuple(np.array(p[b : b + 1, :, width - offset :], copy=True) for p in held)
-                    for t, held in planes.items()
+                    t: tuple(np.array(p[b : b + 1, :, width - offset :], copy=True) for p in ps)
+                    for t, ps in held.items()
                 }
             rows.append(row)
         shapes = self._shapes()
         pool = self._pool
+        pooled = [row for row in rows if row.stage == last]
         if shapes is not None and width:
-            pool = self._write_fresh(shapes, rows)
+            pool = self._write_fresh(shapes, pooled)
         if pool is not None:
             for row in rows:
                 pool.open(row, touch=False)
+        self._pool = pool
         self._rows = list(rows)
         self._place.join(self._rows, 0)
         self._watch()
+        self._staged()
 
-    # -- the warm-up exact latents beside the pool ------------------------------------------
-    def _warm_cat(self, held: Any | None, block: Any, row: int) -> Any:
-        part = np.array(block[row : row + 1], copy=True)
-        return part if held is None else np.concatenate([held, part], axis=2)
+    def _pool_rows(self) -> list[Row]:
+        """Each row as the pool's codec stores it (a stage-0 row's exact columns encoded
+        per token: what its conversion writes)."""
+        last = len(self._stages) - 1
+        return [row if row.stage == last else self._next_stage(row) for row in self._rows]
 
-    def _warm_cut(self, held: Any, keep: int) -> Any:
-        return np.array(held[:, :, :keep], copy=True)
+    def planes(self) -> list[tuple[tuple[Any, ...], Any, Any, None]]:
+        """Each row's planes as the pool's codec stores them (latent codec planes, rope,
+        index; no exact latent)."""
 
-    def _row_slice(self, array: Any, row: int, start: int, stop: int) -> Any:
-        return np.array(array[row : row + 1, :, start:stop], copy=True)
+        def one(row: Row, tensor: str) -> Any:
+            held = row.planes.get(tensor)
+            return None if held is None else held[0]
 
-    def _overlay(self, dense: Any, rows: Sequence[Any | None]) -> Any:
-        out = np.array(dense, copy=True)
-        for b, row in enumerate(rows):
-            if row is not None:
-                out[b, :, out.shape[2] - row.shape[2] :] = row[0]
-        return out
+        return [
+            (r.planes.get("latent", ()), one(r, "rope"), one(r, "index"), None)
+            for r in self._pool_rows()
+        ]
 
-    def _stack_warm(self, rows: Sequence[Any | None], width: int) -> Any:
-        shapes = self._shapes()
-        assert shapes is not None
-        out = np.zeros((len(rows), 1, width, shapes.rank), numpy_dtype(shapes.dtype))
-        return self._overlay(out, rows)
+    def _state_planes(self) -> tuple[Any, Any, Any]:
+        """Every row's planes as the pool's codec stores them, right-justified: a stage-0
+        row's exact columns encoded per token (what its conversion writes), zeros in the
+        pads."""
+        if self.width == 0:
+            return None, None, None
+        last = len(self._stages) - 1
+        image = Storage._part_image(self, last, self._pool_rows(), self._columns(), 0)
+        index = image.get("index")
+        return image["latent"], image["rope"][0], None if index is None else index[0]
 
 
 PagedLatentCache.serial_class = PagedLatentCache  # type: ignore[assignment]  # its own serial

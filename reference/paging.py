@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, cast
 
 import numpy as np
@@ -40,30 +40,23 @@ from kvrows.errors import (
     EMPTY_CACHE_NO_BLOCK,
     EMPTY_ROW_NO_BLOCK,
     NOTHING_TO_FETCH,
-    PAGED_RING_PREFIX,
     PROJECTED_BYTES_NEEDS_GEOMETRY,
-    InvalidInputError,
     LayoutStateError,
     PoolExhaustedError,
     paged_merge_message,
-    prefix_mismatch_message,
-    prefix_too_long_message,
     request_rows_message,
 )
 from kvrows.forms import pack_state
 from kvrows.paged import (
     FREE,
-    ROOT_HASH,
     Paged,
     PagedSurface,
     PoolBase,
     bind_paged,
-    chain_hashes,
     held_blocks,
     held_positions,
     projected_blocks,
 )
-from kvrows.paged import token_ids as read_token_ids
 from kvrows.paged_forms import PagedState, codec_field, parse_state
 from kvrows.reference.codecs import Codec, dtype_name, make_codec
 from kvrows.reference.geometries.growing import PaddedRows
@@ -77,7 +70,7 @@ from kvrows.reference.rows import (
     zero_planes,
 )
 from kvrows.reference.speculative import SpeculativeLayout
-from kvrows.schemes import CodecSpec
+from kvrows.schemes import CodecSpec, GeometrySpec
 from kvrows.validation import KvGeometry, as_count, check_keep, check_row
 
 __all__ = ["BlockPool", "PagedLayout", "PagedRow", "PagedRows", "PagedSerial", "RightAligned"]
@@ -93,13 +86,14 @@ class PagedRow(Row):
 
     def positions(self) -> list[int]:
         """The positions the row holds, oldest first (its compact planes' columns)."""
-        return held_positions(self.offset, self._holding(), self.sinks)
+        return held_positions(self.offset, self.holding(), self.sinks)
 
     def needed(self, block_size: int) -> set[int]:
         """The logical blocks holding one of its positions."""
-        return held_blocks(self.offset, self._holding(), self.sinks, block_size)
+        return held_blocks(self.offset, self.holding(), self.sinks, block_size)
 
-    def _holding(self) -> int:
+    def holding(self) -> int:
+        """Positions the row holds."""
         # A table without compact planes (the pool driven alone) holds every position.
         return self.retained if self.held else self.offset
 
@@ -140,8 +134,9 @@ class BlockPool(PoolBase):
     may take (growth past it raises ``PoolExhaustedError``).
     """
 
-    #: The reference's ``PagedKVCache`` (what ``lookup_prefix`` returns).
-    cache_class: ClassVar[type[PagedSerial]]
+    #: The reference's paged serial caches by geometry kind (what ``lookup_prefix``
+    #: returns: ``PagedKVCache``, ``PagedRotatingKVCache``).
+    cache_classes: ClassVar[dict[str, type[PagedSerial]]]
     codec: Codec
     _tables: dict[int, PagedRow]
 
@@ -228,13 +223,9 @@ class BlockPool(PoolBase):
         that): every block the rows need is taken at once (``PoolExhaustedError`` with
         nothing changed), then partly filled tails another table holds or that cache a
         prefix are copied (copy on write), then the tokens are written."""
-        bs, ledger = self.block_size, self.ledger
+        ledger = self.ledger
         tables = [cast(PagedRow, row) for row in rows]
-        plans: list[tuple[bool, int]] = []
-        for table in tables:
-            cow = table.offset % bs > 0 and not ledger.writable(table.blocks[-1])
-            assert not cow or table.blocks[-1] != FREE, "a row holds its newest position"
-            plans.append((cow, self.blocks_for(table.offset + n) - len(table.blocks)))
+        plans = self._append_plans(tables, n)
         fresh = ledger.allocate(sum(int(cow) + new for cow, new in plans))
         for b, (table, (cow, new)) in enumerate(zip(tables, plans, strict=True)):
             if cow:
@@ -246,6 +237,22 @@ class BlockPool(PoolBase):
                 table, positions, {t: tuple(p[b] for p in ps) for t, ps in block.items()}
             )
         ledger.bytes_written += len(tables) * n * self.token_bytes
+
+    def _append_plans(self, tables: Sequence[PagedRow], n: int) -> list[tuple[bool, int]]:
+        """Per row of an append of ``n`` tokens: whether its tail block is copied first
+        (copy on write) and how many new blocks it takes."""
+        bs, ledger = self.block_size, self.ledger
+        plans: list[tuple[bool, int]] = []
+        for table in tables:
+            cow = table.offset % bs > 0 and not ledger.writable(table.blocks[-1])
+            assert not cow or table.blocks[-1] != FREE, "a row holds its newest position"
+            plans.append((cow, self.blocks_for(table.offset + n) - len(table.blocks)))
+        return plans
+
+    def append_need(self, rows: Sequence[Row], n: int) -> int:
+        """The fresh blocks ``append(rows, ·, n)`` takes (copies on write and new blocks)."""
+        plans = self._append_plans([cast(PagedRow, row) for row in rows], n)
+        return sum(int(cow) + new for cow, new in plans)
 
     def _write_tokens(self, table: PagedRow, positions: Sequence[int], tokens: PlaneSet) -> None:
         """Write ``tokens`` (``[H, n, ·]`` per plane) at ``positions`` of ``table``, one
@@ -332,44 +339,38 @@ class BlockPool(PoolBase):
         return out
 
     # -- the prefix cache ----------------------------------------------------------------
-    def register_prefix(self, row: Row, token_ids: Sequence[int]) -> int:
+    def register_prefix(self, row: Row, token_ids: Sequence[int], cap: int | None = None) -> int:
         """Hash the full blocks of ``row`` that ``token_ids`` covers (at most its
-        positions); returns how many blocks are now cached."""
-        tokens = read_token_ids(token_ids)
-        blocks = cast(PagedRow, row).blocks
-        if len(tokens) > row.offset:
-            raise InvalidInputError(prefix_too_long_message(len(tokens), row.offset))
-        full = len(tokens) // self.block_size
-        hashes = chain_hashes(tokens, self.block_size, self.ledger.extra, full)
-        for j, digest in enumerate(hashes):  # refuse before any block is hashed
-            known = self.ledger.hash_of(blocks[j])
-            if known is not None and known != digest:
-                raise InvalidInputError(prefix_mismatch_message(j))
-        previous, bs = ROOT_HASH, self.block_size
-        for j in range(full):
-            previous = self.ledger.register(blocks[j], previous, tokens[j * bs : (j + 1) * bs])
-        return full
+        positions; ``cap``: a ring's window, and nothing once the row gave a position
+        back: ``PoolBase.register_blocks``); returns how many blocks are now cached."""
+        paged = cast(PagedRow, row)
+        return self.register_blocks(paged.blocks, (row.offset, paged.holding()), token_ids, cap)
 
-    def lookup_prefix(self, token_ids: Sequence[int]) -> PagedSerial | None:
-        """A new ``PagedKVCache`` holding the longest run of cached full blocks that starts
-        ``token_ids`` (at most ``len(token_ids) - 1`` positions: the last token is always
-        computed, for its logits), referenced, not copied; ``None`` on a miss."""
-        tokens = read_token_ids(token_ids)
-        most = max(len(tokens) - 1, 0) // self.block_size
-        hits = self.ledger.lookup(chain_hashes(tokens, self.block_size, self.ledger.extra, most))
+    def lookup_prefix(
+        self, token_ids: Sequence[int], token_geometry: GeometrySpec | None = None
+    ) -> PagedSerial | None:
+        """A new paged serial cache of ``token_geometry`` (default growing: a
+        ``PagedKVCache``; a ring: a ``PagedRotatingKVCache``) holding the longest run of
+        cached full blocks that starts ``token_ids`` (``PoolBase.prefix_blocks``: at most
+        ``len(token_ids) - 1`` positions and what such a row holds), referenced, not
+        copied; ``None`` on a miss."""
+        hits = self.prefix_blocks(token_ids, token_geometry)
         if not hits:
             return None
-        cache = self._prefix_cache()
+        cache = self._prefix_cache(token_geometry)
         cache._geometry = self._geometry
-        row = PagedRow(offset=len(hits) * self.block_size, blocks=hits)
-        # What the hit means: every position of its blocks (a growing row).
+        row = PagedRow(offset=len(hits) * self.block_size, blocks=hits, sinks=cache._sinks)
+        # What the hit means: every position of its blocks (a row that gave none back).
         row.planes = self._gather([(hits, range(row.offset))], [0], row.offset)
         cache.adopt_rows([self.open(row)])
         return cache
 
-    def _prefix_cache(self) -> PagedSerial:
-        """An empty cache of the pool's codec that a prefix hit's rows join."""
-        return self.cache_class(pool=self)
+    def _prefix_cache(self, token_geometry: GeometrySpec | None = None) -> PagedSerial:
+        """An empty cache of the pool's codec and ``token_geometry`` that a prefix hit's
+        rows join."""
+        if token_geometry is None:
+            return self.cache_classes["growing"](pool=self)
+        return self.cache_classes[token_geometry.kind](pool=self, token_geometry=token_geometry)
 
     def check_valid(self) -> None:
         """Assert the pool's invariants (``spec/paged-pool.md`` §4) and that every live
@@ -378,6 +379,8 @@ class BlockPool(PoolBase):
         rows = list(self._tables.values())
         self.ledger.check_valid(_live(r.blocks) for r in rows)
         for row in rows:
+            if row.offset and not row.blocks:
+                continue  # a warm row beside the pool (stage 0): its cache checks it
             assert len(row.blocks) == self.blocks_for(row.offset), "no empty tail block"
             needed = row.needed(self.block_size)
             assert all((b != FREE) == (j in needed) for j, b in enumerate(row.blocks)), (
@@ -467,7 +470,17 @@ class PagedRows(PagedSurface, Storage):
             )
 
     def _new_row(self) -> Row:
-        return PagedRow(sinks=self._sinks)
+        return PagedRow(sinks=self._sinks, stage=self._stage)
+
+    @property
+    def _pool_stage(self) -> int:
+        """The stage the pool's blocks hold (the last; an earlier one is held beside the
+        pool: ``_stage_beside``)."""
+        return len(self._stages) - 1
+
+    def _pooled(self, row: Row) -> bool:
+        """Whether ``row``'s positions live in the pool (else its compact planes only)."""
+        return row.stage == self._pool_stage
 
     def release(self) -> None:
         """Give every block back to the pool now (the cache then holds no row)."""
@@ -485,11 +498,13 @@ class PagedRows(PagedSurface, Storage):
     # -- bytes ---------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        """Bytes of the blocks this cache's tables hold (a shared block counts in each)."""
+        """Bytes of the blocks this cache's tables hold (a shared block counts in each),
+        and of the stage-0 rows' planes beside the pool."""
+        beside = sum(int(p.nbytes) for r in self._rows if not self._pooled(r) for p in r.arrays())
         if self._pool is None or self._geometry is None:
-            return 0
+            return beside
         held = sum(len(_live(cast(PagedRow, r).blocks)) for r in self._rows)
-        return held * self._pool.bytes_per_block
+        return held * self._pool.bytes_per_block + beside
 
     def held_arrays(self) -> tuple[Any, ...]:
         return () if self._pool is None else self._pool.held_arrays()
@@ -497,15 +512,26 @@ class PagedRows(PagedSurface, Storage):
     # -- writes: the row machinery's hook ------------------------------------------------
     def _write(self, encoded: dict[int, PlaneSet], rows: int, n: int, geometry: KvGeometry) -> None:
         """The pool first (it may refuse, changing nothing but what it learnt), then the
-        compact rows (``Storage._write``); one stage (``PAGED_ONE_STAGE``)."""
-        (block,) = encoded.values()
+        compact rows (``Storage._write``). The pool takes the rows of its stage; a stage-0
+        row beside it takes no block, but one that converts after this append takes its
+        blocks then, reserved here before anything is written."""
         tables = self._rows or [self._new_row() for _ in range(rows)]
-        room = len(tables) * math.ceil(n / self.block_size)
+        pooled = [b for b, t in enumerate(tables) if self._pooled(t)]
+        due = self._converts_after([t.stage for t in tables], [t.offset for t in tables], n)
+        room = len(pooled) * math.ceil(n / self.block_size)
+        if due and self._pool is not None:  # the append's blocks and the conversion's
+            room = self._pool.append_need([tables[b] for b in pooled], n) + sum(
+                math.ceil((tables[b].offset + n) / self.block_size) for b in due
+            )
+            self._pool.check_take(geometry, room)  # or a refusal, nothing changed
         pool = self._ensure_pool(geometry, room)
         opened = bool(self._rows)
         if opened:
             pool.adopt_empty(tables)  # rows a layout joined before any pool existed
-        pool.append(tables, block, n)
+        if pooled:
+            block = encoded[self._pool_stage]
+            share = {t: tuple(p[pooled] for p in ps) for t, ps in block.items()}
+            pool.append([tables[b] for b in pooled], share, n)
         if not opened:  # a serial storage's first block: its tables open once written
             for table in tables:
                 pool.open(cast(PagedRow, table), touch=False)
@@ -515,21 +541,56 @@ class PagedRows(PagedSurface, Storage):
         for table in tables:  # a ring's positions that left its window: their blocks
             pool.release_outside(table)
 
+    def _converts_after(self, stages: Sequence[int], offsets: Sequence[int], n: int) -> list[int]:
+        """The stage-0 rows (in ``stages`` at ``offsets``) that convert into the pool's
+        stage after an append of ``n`` tokens (none without a stage beside the pool)."""
+        return []
+
     def adopt_rows(self, rows: Sequence[Row]) -> None:
-        """Hold ``rows`` (live tables of the pool) instead of what it held; they are
-        released when this cache is collected (a serial storage's, or a layout that is its
-        own serial class: ``PagedLayout`` aligns them)."""
+        """Hold ``rows`` (live tables of the pool, in its stage) instead of what it held;
+        they are released when this cache is collected (a serial storage's, or a layout
+        that is its own serial class: ``PagedLayout`` aligns them)."""
         assert self._pool is not None
         self._pool.close(self._rows)
+        for row in rows:
+            row.stage = self._pool_stage
         self._rows = list(rows)
         self._watch()
+        self._staged()
+
+    def _adopt_beside(self, row: Row) -> None:
+        """Hold ``row`` (an owned stage-0 row) as this empty storage's one row, beside the
+        pool: an empty open table."""
+        paged = PagedRow(row.planes, row.offset, sinks=row.sinks, stage=row.stage)
+        if self._pool is not None:
+            self._pool.open(paged)
+        self._rows = [paged]
+        self._watch()
+        self._staged()
+
+    def _convert_rows(self, rows: Sequence[int]) -> None:
+        """The machinery's conversion of the compact rows, then the rows now in the pool's
+        stage written into fresh blocks of their tables (every block taken at once: the
+        append that converts reserved them), counted as written."""
+        before = list(self._rows)
+        super()._convert_rows(rows)
+        moved = sorted(set(rows))
+        now = [cast(PagedRow, self._rows[b]) for b in moved if self._pooled(self._rows[b])]
+        if not now:
+            return
+        pool, shapes = self._pool, self._shapes()
+        assert pool is not None and shapes is not None
+        pool.close([before[b] for b in moved])  # their empty tables; opened again below
+        self._write_fresh(shapes, now)
+        for row in now:
+            pool.open(row, touch=False)
 
     def _ensure_pool(self, geometry: KvGeometry, room: int) -> BlockPool:
         """The pool, knowing ``geometry``; ``room``: the blocks the write that teaches a
         given pool its geometry takes (refused past its byte limit before it learns)."""
         if self._pool is None:
             self._pool = self.pool_class(
-                self.codec_spec, block_size=self.block_size, geometry=geometry
+                self._stages[-1].spec, block_size=self.block_size, geometry=geometry
             )
         else:
             self._pool.learn(geometry, room=room)
@@ -557,13 +618,31 @@ class PagedRows(PagedSurface, Storage):
         return self._pool.gather(self._rows, [start for start, _ in columns], width)
 
     def _read(self) -> dict[str, Any]:
+        if not all(self._pooled(row) for row in self._rows):  # stage 0 beside the pool
+            return super()._read()  # each stage's part (the pool's: ``_part_image``)
         planes = self._gathered()
         if planes is None:
             raise LayoutStateError(NOTHING_TO_FETCH)
         return {t: self.codec.fetched(held, as_role(t)) for t, held in planes.items()}
 
+    def _part_image(
+        self,
+        stage: int,
+        rows: Sequence[Row],
+        columns: tuple[int, list[tuple[int, int]], int],
+        lead: int,
+    ) -> PlaneSet:
+        """The pool's stage read from the pool (what is read is what is tested)."""
+        if stage != self._pool_stage or self._pool is None:
+            return super()._part_image(stage, rows, columns, lead)
+        width, spans, _ = columns
+        return self._pool.gather(rows, [start for start, _ in spans], width)
+
     def _window(self, row: Row) -> PlaneSet | None:
-        """``row``'s window read from its blocks (``None`` while it holds none)."""
+        """``row``'s window read from its blocks (``None`` while it holds none; a stage-0
+        row's from its compact planes)."""
+        if not self._pooled(row):
+            return super()._window(row)
         if self._pool is None or row.offset == 0:
             return None
         cut = self._axis.cut(row)
@@ -578,11 +657,14 @@ class PagedRows(PagedSurface, Storage):
         """Each row is a live table of the pool holding exactly its positions' blocks, and
         those blocks hold its compact planes."""
         for row in self._rows:
-            assert len(cast(PagedRow, row).blocks) == math.ceil(row.offset / self.block_size)
+            pooled = self._pooled(row)
+            blocks = math.ceil(row.offset / self.block_size) if pooled else 0
+            assert len(cast(PagedRow, row).blocks) == blocks, "a stage-0 row holds no block"
             assert cast(PagedRow, row).sinks == self._sinks
             if self._pool is not None:
                 assert id(row) in self._pool._tables
-                check_mirrored(self._pool, row)
+                if pooled:
+                    check_mirrored(self._pool, row)
 
     def _paged_planes(self) -> tuple[tuple[Any, ...] | None, tuple[Any, ...] | None]:
         planes = None if self._geometry is None else self._gathered()
@@ -706,12 +788,12 @@ class PagedSerial(SerialStorage, PagedRows):
 
     def register_prefix(self, token_ids: Sequence[int]) -> int:
         """Cache the full blocks ``token_ids`` (the ids of this request's first positions,
-        at most ``offset`` of them) covers; returns how many blocks are cached."""
-        if self._token_geometry.wraps:
-            raise LayoutStateError(PAGED_RING_PREFIX)
+        at most ``offset`` of them) covers; returns how many blocks are cached. A ring
+        caches those of its window only while it holds every position (``PoolBase.
+        register_blocks``): past that, none."""
         if self._pool is None or not self._rows:
             raise LayoutStateError(EMPTY_CACHE_NO_BLOCK)
-        return self._pool.register_prefix(self._request(), token_ids)
+        return self._pool.register_prefix(self._request(), token_ids, self._token_geometry.cap())
 
     def check_valid(self) -> None:
         super().check_valid()
@@ -761,25 +843,33 @@ class PagedLayout(SpeculativeLayout, PagedRows):
         return blocks * self.block_size * shapes_token_bytes(self.codec, g)
 
     def _accepts(self, source: object) -> bool:
+        paged = cast(PagedRows, source)
         return (
             getattr(source, "pool_class", None) is self.pool_class
-            and cast(PagedRows, source).codec.key == self.codec.key
-            and cast(PagedRows, source).block_size == self.block_size
-            and cast(PagedRows, source).token_geometry == self._token_geometry
+            and [c.key for c in paged._stages] == [c.key for c in self._stages]
+            and paged.block_size == self.block_size
+            and paged.token_geometry == self._token_geometry
         )
 
     def _merge_refusal(self, source: object) -> str:
         return paged_merge_message(
-            self.signature(), self.block_size, self.codec.key, type(source).__name__
+            self.signature(), self.block_size, self._stages[-1].key, type(source).__name__
         )
 
     def _incoming(self, sources: Sequence[Any]) -> list[tuple[Any, Row | None, Row | None]]:
-        """Each joining row: its pool, the row and what a merge takes of it (its window)."""
+        """Each joining row: its pool, the row and what a merge takes of it (its window;
+        a row beside its pool, stage 0, lends no pool)."""
         return [
-            (s.pool, row, None if row is None else self._cut(row))
+            (s.pool if row is None or s._pooled(row) else None, row,
+             None if row is None else self._cut(row))
             for s in sources
             for row in s._lent()
-        ]
+        ]  # fmt: skip
+
+    def _joining_stage(self, source: Any, row: Row | None) -> int:
+        """The stage a row of ``source`` joins in (an empty row: the source's own)."""
+        codec = source.codec if row is None else source._stages[row.stage]
+        return self._stage_of(codec)
 
     def _check_join(self, sources: Sequence[Any], geometry: KvGeometry | None) -> None:
         """The pool's refusals of ``_join`` (another geometry, no room for the copies)."""
@@ -806,21 +896,31 @@ class PagedLayout(SpeculativeLayout, PagedRows):
         incoming = self._incoming(sources)
         if not incoming:
             return
+        stages = [
+            self._joining_stage(s, row) for s in sources for row in s._lent()
+        ]  # fmt: skip
         running = len(self._rows)
         pool = self._pool or next((p for p, _, _ in incoming if p is not None), None)
-        if pool is None:  # only empty serial caches with no pool yet: rows of no position
-            if geometry is None:  # the rows join a pool at the first write
-                self._rows.extend(self._new_row() for _ in incoming)
-                self._place.join(self._rows, running)
-                return
-            pool = self.pool_class(self.codec_spec, block_size=self.block_size, geometry=geometry)
+        if pool is None and geometry is None:  # rows of no position, no pool yet
+            self._rows.extend(replace(self._new_row(), stage=stage) for stage in stages)
+            self._place.join(self._rows, running)
+            self._staged()
+            return
+        if pool is None:  # empty serial caches or rows beside their pool: a pool of ours
+            pool = self.pool_class(
+                self._stages[-1].spec, block_size=self.block_size, geometry=geometry
+            )
         foreign = self._foreign(incoming, pool)
         if geometry is not None:  # copies into a pool that learns here: within its limit
             pool.learn(geometry, room=sum(pool.blocks_of(cut) for _, _, cut in foreign))
         copies = iter(pool.copy_in(foreign))
         joined: list[Row] = []
-        for source_pool, row, cut in incoming:
-            if row is None or cut is None or (source_pool is not pool and row.offset == 0):
+        for (source_pool, row, cut), stage in zip(incoming, stages, strict=True):
+            if stage != self._pool_stage:  # beside the pool: its compact planes, no block
+                planes = {} if cut is None else cut.planes
+                offset = 0 if row is None else row.offset
+                joined.append(pool.open(PagedRow(_owned(planes), offset, sinks=self._sinks)))
+            elif row is None or cut is None or (source_pool is not pool and row.offset == 0):
                 joined.append(pool.open(cast(PagedRow, self._new_row())))
             elif source_pool is pool:
                 joined.append(pool.share(row, cut))
@@ -829,9 +929,12 @@ class PagedLayout(SpeculativeLayout, PagedRows):
         pool.adopt_empty(self._rows)  # rows joined before any pool existed
         self._pool = pool
         self._watch()
+        for row, stage in zip(joined, stages, strict=True):  # each in its stage
+            row.stage = stage
         self._rows.extend(joined)
         self._place.join(self._rows, running)
         self._geometry = geometry
+        self._staged()
 
     def filter_rows(self, keep: Sequence[int]) -> None:
         """Keep the rows ``keep``, in that order; the others' blocks go back to the pool."""
@@ -842,32 +945,35 @@ class PagedLayout(SpeculativeLayout, PagedRows):
             self._pool.close(dropped)
         super().filter_rows(order)
 
+    def _empty_serial(self) -> Any:
+        """An empty serial storage of this pool a row extracts into."""
+        return self.serial_class(
+            pool=self._pool, codec=self.codec_spec, token_geometry=self._token_geometry,
+            placement=self._paged,
+        )  # fmt: skip
+
     def extract_row(self, row: int) -> SerialStorage:
-        """A ``PagedKVCache`` holding row ``row``: its table shared, no byte moved."""
+        """A ``PagedKVCache`` holding row ``row``: its table shared, no byte moved (a row
+        beside the pool: an owned copy of its planes, beside the pool again)."""
         self._spec_guard("extract_row")
         entry = self._rows[check_row(row, self.batch_size)]
-        serial = cast(
-            PagedSerial,
-            self.serial_class(
-                pool=self._pool, codec=self.codec_spec, token_geometry=self._token_geometry,
-                placement=self._paged,
-            ),
-        )  # fmt: skip
+        serial = cast(PagedSerial, self._empty_serial())
         serial._geometry = self._geometry
-        if self._pool is not None and entry.offset:
+        if not self._pooled(entry):
+            if entry.offset:
+                serial._adopt_beside(self._cut(entry))
+        elif self._pool is not None and entry.offset:
             serial.adopt_rows([self._pool.share(entry, self._cut(entry))])
         return serial
 
     def register_prefix(self, row: int, token_ids: Sequence[int]) -> int:
-        """Cache row ``row``'s full blocks ``token_ids`` covers (refused in a round: its
-        newest positions are unverified drafts)."""
+        """Cache row ``row``'s full blocks ``token_ids`` covers (a ring's while it holds
+        every position; refused in a round: its newest positions are unverified drafts)."""
         self._spec_guard("register_prefix")
         entry = self._rows[check_row(row, self.batch_size)]
-        if self._token_geometry.wraps:
-            raise LayoutStateError(PAGED_RING_PREFIX)
         if self._pool is None:
             raise LayoutStateError(EMPTY_ROW_NO_BLOCK)
-        return self._pool.register_prefix(entry, token_ids)
+        return self._pool.register_prefix(entry, token_ids, self._token_geometry.cap())
 
     def _trim(self, counts: Sequence[int], *, justify: bool = False) -> int:
         top = super()._trim(counts, justify=justify)

@@ -416,15 +416,19 @@ class Storage(SavedState, ComposedIdentity):
                 raise LayoutStateError(last_stage_message(b, last))
         converted = list(self._rows)
         for b in moving:
-            row = self._rows[b]
-            source, target = self._stages[row.stage], self._stages[row.stage + 1]
-            planes: PlaneSet = {
-                t: target.encode(source.decode(ps, as_role(t)), as_role(t))
-                for t, ps in row.planes.items()
-            }
-            converted[b] = replace(row, planes=planes, stage=row.stage + 1)
+            converted[b] = self._next_stage(self._rows[b])
         self._rows = converted
         self._staged()
+
+    def _next_stage(self, row: Row) -> Row:
+        """A new row holding ``row``'s planes in its next stage: decoded by its stage's
+        codec and encoded by the next one's, per token."""
+        source, target = self._stages[row.stage], self._stages[row.stage + 1]
+        planes: PlaneSet = {
+            t: target.encode(source.decode(ps, as_role(t)), as_role(t))
+            for t, ps in row.planes.items()
+        }
+        return replace(row, planes=planes, stage=row.stage + 1)
 
     @property
     def row_stages(self) -> tuple[int, ...]:
@@ -457,12 +461,22 @@ class Storage(SavedState, ComposedIdentity):
                 continue
             held = [self._rows[b] for b in rows]
             columns = (width, [spans[b] for b in rows], roll)
-            reads = {
-                t: codec.fetched(_image(codec, shapes, held, t, columns, lead), as_role(t))
-                for t in shapes.tensors
-            }
+            image = self._part_image(stage, held, columns, lead)
+            reads = {t: codec.fetched(image[t], as_role(t)) for t in shapes.tensors}
             parts.append((rows, codec, reads))
         return parts
+
+    def _part_image(
+        self,
+        stage: int,
+        rows: Sequence[Row],
+        columns: tuple[int, list[tuple[int, int]], int],
+        lead: int,
+    ) -> PlaneSet:
+        """The read image of ``rows`` (all in ``stage``) at ``columns``: their compact
+        planes (a placement that holds a stage elsewhere too, paged, reads it there)."""
+        codec, shapes = self._stages[stage], self._shapes()
+        return {t: _image(codec, shapes, rows, t, columns, lead) for t in shapes.tensors}
 
     def _stage_view(self, cls: type[_T], view: _T | None = None) -> _T:
         """An instance of the one-stage class ``cls`` (of this storage's current stage and

@@ -248,12 +248,10 @@ def pack_codes(codes: Array, bits: int) -> Array:
     codes = codes.astype(np.uint8)
     if bits == 8:
         return codes
-    dim = int(codes.shape[-1])
-    stream: Array = (codes[..., None] >> np.arange(bits, dtype=np.uint8)) & np.uint8(1)
-    stream = stream.reshape(*codes.shape[:-1], dim * bits // 8, 8)
-    packed: Array = np.asarray(
-        np.sum(stream << np.arange(8, dtype=np.uint8), axis=-1, dtype=np.uint8)
-    )
+    # Each code's low ``bits`` bits, lowest first, then the stream 8 bits to a byte.
+    stream = np.unpackbits(codes[..., None], axis=-1, count=bits, bitorder="little")
+    stream = stream.reshape(*codes.shape[:-1], int(codes.shape[-1]) * bits)
+    packed: Array = np.packbits(stream, axis=-1, bitorder="little")
     return packed
 
 
@@ -261,12 +259,9 @@ def unpack_codes(packed: Array, bits: int) -> Array:
     """The uint8 codes of a ``pack_codes`` bitstream."""
     if bits == 8:
         return packed.astype(np.uint8)
-    width = int(packed.shape[-1])
-    stream: Array = (packed[..., None] >> np.arange(8, dtype=np.uint8)) & np.uint8(1)
-    stream = stream.reshape(*packed.shape[:-1], width * 8 // bits, bits)
-    codes: Array = np.asarray(
-        np.sum(stream << np.arange(bits, dtype=np.uint8), axis=-1, dtype=np.uint8)
-    )
+    stream = np.unpackbits(packed, axis=-1, bitorder="little")
+    stream = stream.reshape(*packed.shape[:-1], int(packed.shape[-1]) * 8 // bits, bits)
+    codes: Array = np.packbits(stream, axis=-1, bitorder="little")[..., 0]
     return codes
 
 

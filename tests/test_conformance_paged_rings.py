@@ -4,7 +4,8 @@
 ``PagedRotatingRows`` (the layout of ``PagedRotatingKVCache``'s rows in all three roles)
 runs the paged rules, the ring's rules and the verify rounds under the selected profile:
 requests and layout rows merged, joined, stepped, verified in rounds (across the
-window), filtered, extracted, published, trimmed and saved, against the reference, the
+window), filtered, extracted, published, trimmed and saved, their prefixes registered
+and looked up (``PagedRules.prefix_hit``: inside the window, or nothing past it), against the reference, the
 contiguous ring's model (what ``RotatingKVCache`` / ``RaggedRotatingRows`` hold) and a
 solo replay per row, with the pools' invariants (every row holds exactly the blocks of
 its positions) after every rule, in byte-limited pools.
@@ -50,6 +51,8 @@ def test_paged_rotating_family() -> None:
     # refused, blocks out of the window given back (FREE entries) under read.
     stats.require(0, states=(FULL_RING_ROLLBACK, RING_TRIM_REFUSED, BLOCK_TABLE_GAPS))
     assert not stats.skips, dict(stats.skips)
+    # Rings publish their prefix: registered inside the window, nothing past it.
+    assert stats.ops["prefix:register"] and stats.ops["prefix:past the window"], dict(stats.ops)
 
 
 def test_paged_rotating_affine_family() -> None:

@@ -1,6 +1,6 @@
 """The engine's paged option: the contiguous engine's tokens, solo-run logits, prefix
 blocks shared by reference, admission counting shared blocks once; sliding-window layers
-paged as rings (gemma3 fully paged, no prefix hit)."""
+paged as rings (gemma3 fully paged; its rings share a prefix inside their window)."""
 
 from __future__ import annotations
 
@@ -114,7 +114,10 @@ def test_only_kv_layers_with_a_token_axis_go_paged(
 def test_gemma3_runs_fully_paged(gemma3: Any, scheme: str) -> None:
     """Every layer in a pool (the sliding-window ones as ``PagedRotatingKVCache``s): the
     contiguous engine's tokens, its logits bit for bit (both without a prefix cache: the
-    same computation), the solo runs' logits, a lower peak, no prefix hit."""
+    same computation), the solo runs' logits, a lower peak. No prefix hit on this trace:
+    a ring's 16-token window holds no whole 16-token block of a prompt that ends past it
+    (chunks of 16 drop positions), so its pools cache nothing, and the full-attention
+    layers publish no further than the rings (a hit needs every layer's prefix)."""
     storage = KvStorageScheme.parse(scheme)
     _, _, flat, flat_stats = _run_twice(
         gemma3, scheme, paged=False, use_prefix_cache=False, keep_logits=True
@@ -122,14 +125,15 @@ def test_gemma3_runs_fully_paged(gemma3: Any, scheme: str) -> None:
     _, _, _, hit_stats = _run_twice(gemma3, scheme, paged=False)
     assert hit_stats.prefix_hits > 0  # the contiguous engine takes hits on this trace
     engine, trace, paged, stats = _run_twice(gemma3, scheme, paged=True, keep_logits=True)
-    assert engine.paged is not None and not engine.paged.mixed and not engine.paged.prefix
+    assert engine.paged is not None and not engine.paged.mixed
     kinds = [type(c).__name__ for c in engine.paged.caches()]
     assert kinds == ["PagedRotatingKVCache", "PagedKVCache"] * 2
     assert [r.tokens for r in paged] == [r.tokens for r in flat]
     for a, b in zip(flat, paged, strict=True):
         assert len(a.logits) == len(b.logits)
         assert all(np.array_equal(x, y) for x, y in zip(a.logits, b.logits, strict=True))
-    # a paged ring keeps no prefix: no hit is taken and nothing is published
+    # the rings published no block, so neither did the full-attention layers (their
+    # blocks past the rings' would never be hit): no hit is taken
     assert stats.prefix_hits == 0
     assert engine.prefix_cache is not None and engine.prefix_cache.nbytes == 0
     assert stats.peak_kv_bytes < flat_stats.peak_kv_bytes
@@ -141,6 +145,39 @@ def test_gemma3_runs_fully_paged(gemma3: Any, scheme: str) -> None:
         pool.check_valid()
         assert not pool.live_tables()
         assert pool.ledger.cached_count == 0  # nothing published
+
+
+@pytest.mark.parametrize("scheme", ["plain", "affine8"])
+def test_gemma3_paged_rings_share_a_prefix_inside_the_window(gemma3: Any, scheme: str) -> None:
+    """A system prompt shorter than the rings' 16-token window, blocks of 4: every layer's
+    pool (rings included) caches its whole blocks, and the sharers start from them (the
+    contiguous engine's hits, 12 tokens), referenced, nothing copied; the contiguous
+    engine's tokens and logits bit for bit, the solo runs' logits."""
+    storage = KvStorageScheme.parse(scheme)
+    trace = shared_prefix_trace(3, system=12)
+    flat, _ = Engine(gemma3, storage, max_batch=4, prefill_chunk=8, keep_logits=True).run(trace)
+    engine = Engine(
+        gemma3, storage, max_batch=4, prefill_chunk=8, paged=True, block_size=4, keep_logits=True
+    )
+    paged, stats = engine.run(trace)
+    assert [r.prefix_hit_tokens for r in paged] == [r.prefix_hit_tokens for r in flat]
+    assert [r.prefix_hit_tokens for r in paged[1:]] == [12] * 3
+    assert [r.tokens for r in paged] == [r.tokens for r in flat]
+    for a, b in zip(flat, paged, strict=True):
+        assert len(a.logits) == len(b.logits)
+        assert all(np.array_equal(x, y) for x, y in zip(a.logits, b.logits, strict=True))
+    if scheme == "plain":
+        report = check_invariance(gemma3, storage, trace, paged, 16)
+        assert report.steps == stats.generated and report.max_logit_diff == 0.0 and report.ok
+    assert engine.paged is not None
+    assert [w is not None for w in engine.paged.windows] == [True, False] * 2
+    for pool in engine.paged.pools:
+        assert pool is not None
+        pool.check_valid()
+        assert not pool.live_tables() and pool.bytes_copied == 0
+        assert pool.ledger.cached_count >= 3  # the system prompt's blocks, rings' too
+    # every layer published as far as the rings did: the same blocks counts
+    assert len({pool.ledger.cached_count for pool in engine.paged.pools}) == 1
 
 
 def test_admission_counts_a_ring_rows_most_blocks(gemma3: Any) -> None:

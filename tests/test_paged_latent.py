@@ -25,7 +25,7 @@ from kvrows.errors import (
     PoolExhaustedError,
     SpeculativeRoundError,
 )
-from kvrows.latent import PAGED_LATENT_FIELDS
+from kvrows.latent import PAGED_LATENT_FIELDS, latent_token_bytes
 from kvrows.schemes import Affine, Turbo
 
 IMPLS = [ref, opt]
@@ -325,6 +325,197 @@ def test_an_encoded_latent_equals_encoded_latent_cache(impl: Any, codec: Any, st
     later = impl.PagedLatentCache(*WIDTHS, pool=pool, codec=codec, start=start + 1)
     with pytest.raises(IncompatibleRowsError):  # the pool's codec, another bf16-first start
         layout.paged.make_empty_batch().merge_rows([later])
+
+
+# -- an encoded latent's warm rows: a contiguous stage 0 beside the pool --------------------
+
+AFFINE = Affine(bits=4, group_size=32)
+
+
+def _flat(value: Any) -> list[Any]:
+    """A saved state's fields as host values (arrays as NumPy), tuples flattened."""
+    if value is None or isinstance(value, int | str):
+        return [value]
+    if isinstance(value, tuple | list):
+        return [v for item in value for v in _flat(item)]
+    return [as_numpy(value)]
+
+
+def _same_bytes(a: list[Any], b: list[Any]) -> bool:
+    return len(a) == len(b) and all(
+        x == y if not isinstance(x, np.ndarray) else (
+            isinstance(y, np.ndarray) and x.dtype == y.dtype and x.tobytes() == y.tobytes()
+        )
+        for x, y in zip(a, b, strict=True)
+    )  # fmt: skip
+
+
+class Pair:
+    """The same encoded paged latent cache in both implementations (pools ``pools[impl]``),
+    driven alike: rows, stages, block tables, reads, saved states and pool accounting
+    compared twin against twin."""
+
+    def __init__(self, caches: dict[Any, Any], rng: np.random.Generator) -> None:
+        self.caches, self.rng = caches, rng
+
+    @property
+    def ref(self) -> Any:
+        return self.caches[ref]
+
+    @property
+    def opt(self) -> Any:
+        return self.caches[opt]
+
+    def both(self, call: Callable[[Any], Any]) -> dict[Any, Any]:
+        return {impl: call(cache) for impl, cache in self.caches.items()}
+
+    def append(self, n: int) -> None:
+        rows = max(1, self.ref.batch_size)
+        blocks = [self.rng.standard_normal((rows, 1, n, w)).astype(np.float32) for w in WIDTHS]
+        got = {
+            impl: c.append(*(_native(impl)(b) for b in blocks)) for impl, c in self.caches.items()
+        }
+        for a, b in zip(got[ref], got[opt], strict=True):
+            assert np.array_equal(as_numpy(a), as_numpy(b))
+        self.same()
+
+    def same(self) -> None:
+        r, o = self.ref, self.opt
+        assert (o.row_offsets, o.left_pad, o.converted) == (r.row_offsets, r.left_pad, r.converted)
+        assert o.block_tables() == r.block_tables()
+        for b, (table, done) in enumerate(zip(r.block_tables(), r.converted, strict=True)):
+            assert done or table == (), f"warm row {b} holds no block"
+        r.check_valid()
+        o.check_valid()
+        for cache in (r, o):
+            if cache.pool is not None:
+                cache.pool.check_valid()
+        if r.pool is not None:
+            counters = [(c.pool.bytes_written, c.pool.bytes_copied) for c in (r, o)]
+            assert counters[0] == counters[1]
+        if r.width:
+            for a, b in zip(r.current(), o.current(), strict=True):
+                if a is not None:
+                    assert np.array_equal(as_numpy(a), as_numpy(b))
+        if not r.spec_round_open:
+            assert _same_bytes(_flat(o.state), _flat(r.state))
+
+
+def _pair(pools: dict[Any, Any], n: int, rng: np.random.Generator, start: int = 4) -> Pair:
+    pair = Pair(
+        {
+            impl: impl.PagedLatentCache(*WIDTHS, pool=pool, codec=AFFINE, start=start)
+            for impl, pool in pools.items()
+        },
+        rng,
+    )
+    if n:
+        pair.append(n)
+    return pair
+
+
+def _pools(**kwargs: Any) -> dict[Any, Any]:
+    return {
+        impl: impl.LatentBlockPool(AFFINE, block_size=3, index_head_dim=WIDTHS[2], **kwargs)
+        for impl in IMPLS
+    }
+
+
+def test_warm_and_converted_rows_twin_against_twin() -> None:
+    """Warm rows (stage 0, beside the pool, no block) and converted rows (blocks of the
+    pool) through merges from the pool and another one, conversions inside a round, a
+    ragged rollback, a filter, extractions and a state round trip: both implementations
+    hold the same tables, reads, states and pool counters."""
+    rng = np.random.default_rng(7)
+    here, there = _pools(), _pools()
+    rows = [_pair(here, n, rng) for n in (6, 2, 0)] + [_pair(there, n, rng) for n in (1, 5)]
+    assert [r.ref.converted for r in rows] == [(True,), (False,), (), (False,), (True,)]
+    assert rows[1].ref.block_tables() == ((),) and here[ref].bytes_written > 0
+    written = {impl: pool.bytes_written for impl, pool in here.items()}
+    layout = Pair({impl: rows[0].caches[impl].make_empty_batch() for impl in IMPLS}, rows[0].rng)
+    layout.both(lambda c: c.merge_rows([r.caches[ref if c.pool is here[ref] else opt]
+                                        for r in rows]))  # fmt: skip
+    layout.same()
+    assert layout.ref.converted == (True, False, False, False, True)
+    # Only the converted row of the other pool is copied; the warm rows' bytes moved.
+    copied = here[ref].bytes_copied
+    assert copied == 5 * here[ref].token_bytes and here[opt].bytes_copied == copied
+    assert all(here[i].bytes_written == written[i] for i in IMPLS)
+    layout.append(1)
+    layout.both(lambda c: c.spec_round_begin())
+    layout.append(2)  # rows 1 and 3 reach start inside the round and convert
+    assert layout.ref.converted == (True, True, False, True, True)
+    layout.both(lambda c: c.spec_round_rollback([1, 1, 2, 1, 2]))
+    layout.same()
+    assert layout.ref.converted == (True, True, False, True, True)  # no un-conversion
+    layout.both(lambda c: c.filter_rows([4, 2, 0, 1]))
+    layout.same()
+    for row in (1, 0):  # a warm row, then a converted one
+        single = Pair({impl: c.extract_row(row) for impl, c in layout.caches.items()}, layout.rng)
+        single.same()
+        single.append(2)
+    layout.both(lambda c: c.trim(1))
+    layout.same()
+    states = layout.both(lambda c: c.state)
+    back = Pair({impl: impl.PagedLatentCache.from_state(states[impl]) for impl in IMPLS}, rng)
+    back.same()
+    assert back.ref.converted == layout.ref.converted
+    back.append(3)
+
+
+def test_a_warm_row_registers_no_prefix_block() -> None:
+    rng = np.random.default_rng(1)
+    pair = _pair(_pools(), 7, rng, start=9)
+    assert pair.ref.converted == (False,)
+    assert pair.both(lambda c: c.register_prefix(0, [1, 2, 3, 4, 5, 6])) == {ref: 0, opt: 0}
+    assert all(c.pool.ledger.cached_count == 0 for c in (pair.ref, pair.opt))
+    pair.append(2)  # converts at 9: its full blocks can be registered then
+    assert pair.both(lambda c: c.register_prefix(0, list(range(9)))) == {ref: 3, opt: 3}
+
+
+class SkipsTheReservation(opt.PagedLatentCache):
+    """A conversion whose blocks the append does not reserve: the append writes, then its
+    conversion runs out of blocks after the cache changed."""
+
+    def _converts_after(self, stages: Any, offsets: Any, n: int) -> list[int]:
+        return []  # MUTATION: the converting append reserves nothing
+
+
+def _refused_conversion_changes_nothing(impl: Any, cls: Any) -> bool:
+    """A warm row of 3 tokens whose append of 1 converts it (2 blocks of 2) in a pool that
+    holds 1 block: refused; whether nothing changed (rows, tables, pool, read)."""
+    token = latent_token_bytes(AFFINE, *WIDTHS, "float32")
+    pool = impl.LatentBlockPool(AFFINE, block_size=2, index_head_dim=WIDTHS[2], max_bytes=2 * token)
+    cache = cls(*WIDTHS, pool=pool, codec=AFFINE, start=4)
+    rng = np.random.default_rng(5)
+    native = _native(impl)
+
+    def blocks(n: int) -> list[Any]:
+        return [native(rng.standard_normal((1, 1, n, w)).astype(np.float32)) for w in WIDTHS]
+
+    cache.append(*blocks(3))
+    assert cache.block_tables() == ((),) and pool.ledger.held_count == 0
+
+    def held() -> tuple[Any, ...]:
+        read = [as_numpy(a).tobytes() for a in cache.current() if a is not None]
+        counters = (pool.bytes_written, pool.ledger.held_count, pool.num_blocks)
+        return (cache.row_offsets, cache.converted, cache.block_tables(), counters, read)
+
+    before = held()
+    with pytest.raises(PoolExhaustedError):
+        cache.append(*blocks(1))
+    return held() == before
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=IDS)
+def test_a_refused_conversion_changes_nothing(impl: Any) -> None:
+    """The append whose read makes a warm row due reserves the conversion's blocks before
+    it writes: a pool that cannot hold them refuses with nothing changed."""
+    assert _refused_conversion_changes_nothing(impl, impl.PagedLatentCache)
+
+
+def test_a_conversion_that_skips_the_reservation_is_caught() -> None:
+    assert not _refused_conversion_changes_nothing(opt, SkipsTheReservation)
 
 
 # -- the MLA models ---------------------------------------------------------------------

@@ -56,14 +56,15 @@ class HashesDrafts(PagedKvRows):
 
     def register_prefix(self, row: int, token_ids: Any) -> int:
         assert self._pool is not None
-        return self._pool.register_prefix(self._tables[row], self._offsets[row], token_ids)
+        held = (self._offsets[row], self._offsets[row])
+        return self._pool.register_prefix(self._tables[row], held, token_ids)
 
 
 @pytest.mark.parametrize(("mutant", "role"), [(ForgetsOneDecref, "pool"), (HashesDrafts, "rows")])
 def test_the_pool_machine_catches(mutant: type, role: str) -> None:
     machine = pool_machine("optimized", Plain(), {role: mutant})
     if role == "pool":
-        ForgetsOneDecref.cache_class = BlockPool.cache_class
+        ForgetsOneDecref.cache_classes = BlockPool.cache_classes
     with pytest.raises(AssertionError):
         run_state_machine_as_test(machine, settings=profile_settings("teeth"))
 
@@ -103,7 +104,7 @@ def test_a_paging_pool_holds_a_latent_codecs_planes(impl: str, inner: Any) -> No
         pool.append(
             tables[:1], [6], {t: tuple(p[:1, :, :3] for p in ps) for t, ps in block.items()}, 3
         )
-        image = pool.gather(tables, [9, 6], [0, 3], 9)
+        image = pool.gather(tables, [[(0, 9)], [(0, 6)]], [0, 3], 9)
     held = [(p.dtype, p.shape[1:]) for planes in pool._planes.values() for p in planes]
     assert [(str(dtype).rsplit(".", 1)[-1], shape) for dtype, shape in held] == [
         (p.dtype, (1, 4, p.width)) for p in spec.tensor_planes(shapes)

@@ -158,3 +158,46 @@ def test_row_admission(impl: ModuleType) -> None:
     with pytest.raises(InvalidInputError):
         admission.bytes(-1)
     assert row_admission([layouts[0], impl.KVCache()]) is None
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize(("max_size", "keep", "block_size"), [(16, 0, 16), (6, 2, 4), (7, 1, 3)])
+def test_row_admission_reserves_a_paged_rings_most_blocks(
+    impl: ModuleType, max_size: int, keep: int, block_size: int
+) -> None:
+    """``most_bytes(t)``: the most bytes a row holds at any length up to ``t``, counted by
+    brute force from a ring row's held blocks at each length (its sinks and newest
+    positions, ``max_size`` in all), beside a growing layer's and a contiguous ring's, which grow
+    with the length."""
+    pairs = [
+        (impl.PagedRotatingRows(max_size, keep, block_size=block_size),
+         impl.PagedRotatingKVCache(max_size, keep, block_size=block_size)),
+        (impl.PagedKvRows(block_size=block_size), impl.PagedKVCache(block_size=block_size)),
+        (impl.RaggedRotatingRows(max_size, keep), impl.RotatingKVCache(max_size, keep)),
+    ]  # fmt: skip
+    block = np.ones((1, 2, 1, 4), np.float16)
+    data = mx.array(block) if impl is optimized else block
+    layouts = []
+    for layout, serial in pairs:  # one row each: the layouts learn the KV geometry
+        serial.update_and_fetch(data, data)
+        layout.merge_rows([serial])
+        layouts.append(layout)
+    admission = row_admission(layouts)
+    assert admission is not None
+    per_token = 2 * 2 * 4 * 2  # float16 keys and values, two heads of four
+
+    def held_blocks(t: int) -> int:
+        head = min(keep, t)  # the sinks, then the newest: ``max_size`` in all
+        positions = [*range(head), *range(max(head, t - max_size + head), t)]
+        return len({p // block_size for p in positions})
+
+    for tokens in range(0, 4 * max_size + 2 * block_size):
+        ring = max(held_blocks(t) for t in range(tokens + 1)) * block_size * per_token
+        growing = -(-tokens // block_size) * block_size * per_token
+        contiguous = min(tokens, max_size) * per_token
+        assert admission.most_bytes(tokens) == ring + growing + contiguous, tokens
+        assert admission.most_bytes(tokens) >= admission.bytes(tokens)
+    # somewhere the window straddled one more block boundary a step before: fewer blocks
+    assert any(admission.most_bytes(t) > admission.bytes(t) for t in range(4 * max_size))
+    with pytest.raises(InvalidInputError):
+        admission.most_bytes(-1)

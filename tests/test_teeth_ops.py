@@ -26,12 +26,14 @@ pytestmark = pytest.mark.usefixtures("cpu_stream")
 _LOOKUP = BlockPool.lookup_prefix
 
 
-def greedy_lookup(self: BlockPool, token_ids: Sequence[int]) -> PagedSerial | None:
+def greedy_lookup(
+    self: BlockPool, token_ids: Sequence[int], token_geometry: Any = None
+) -> PagedSerial | None:
     """Looks up every whole block the ids cover: the last token is no longer left for
     the request to compute (a query of whole blocks hits one block too many). Patched
     onto the optimized pool (every pool of the machine: a subclass would make merges
     across pools refuse)."""
-    return _LOOKUP(self, [*token_ids, 0])  # MUTATION (caps at len - 1 ids)
+    return _LOOKUP(self, [*token_ids, 0], token_geometry)  # MUTATION (caps at len - 1 ids)
 
 
 class LoadDropsLastToken(PagedKvRows):

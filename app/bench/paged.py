@@ -266,7 +266,7 @@ def append_cases(shapes: Sequence[PagedShape]) -> Iterator[Case]:
 
         def check_append(result: Any, k: Any = keys, t: int = t) -> None:
             pool, table = result
-            got = pool.gather([table], [t], [0], t)["keys"]
+            got = pool.gather([table], [[(0, t)]], [0], t)["keys"]
             pool.close([table])
             if not np.array_equal(to_numpy(got[0]), to_numpy(k)):
                 raise BenchCheckError("paged append: the pool does not hold the keys")
