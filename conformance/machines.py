@@ -1120,6 +1120,30 @@ class ConformanceMachine(RuleBasedStateMachine):
         self.stats.check("table roles")
         return made[0], made[1]
 
+    def _merge_into(
+        self,
+        slot: Slot,
+        sources: list[tuple[str, Any, Any]],
+        incoming: list[Track],
+        consumed: list[Track],
+    ) -> None:
+        """``merge_rows(sources)`` on both layouts (the sources borrowed, unchanged), the
+        mlx-lm mirror following; ``incoming`` become the slot's last rows."""
+        before = self._snapshots([(s[1], s[2]) for s in sources])
+        slot.ref.merge_rows([s[1] for s in sources])
+        slot.opt.merge_rows([s[2] for s in sources])
+        after = self._snapshots([(s[1], s[2]) for s in sources])
+        self._exact("merge sources are borrowed and left unchanged", after, before)
+        self._mirror_merge(slot, [t.lm for t in incoming])
+        for t in consumed:
+            self.pool.remove(t)
+        slot.rows.extend(incoming)
+
+    def _hard_trims(self, slot: Slot) -> list[str]:
+        """The hard states ``trim_rows`` can build on ``slot`` (spec/contract.md §0.11):
+        none here; the writer's and the geometry's rules name theirs."""
+        return []
+
     def _mirror_merge(self, slot: Slot, twins: Sequence[Any]) -> None:
         if not self._parity(slot) or not twins or self.peer is None:
             return
@@ -2454,15 +2478,7 @@ class KvRules(ConformanceMachine):
             f"{[t.ident for t in incoming]} with tokens {[t.tokens for t in incoming]}"
         )
         self._op(kind, slot)
-        before = self._snapshots([(s[1], s[2]) for s in sources])
-        slot.ref.merge_rows([s[1] for s in sources])
-        slot.opt.merge_rows([s[2] for s in sources])
-        after = self._snapshots([(s[1], s[2]) for s in sources])
-        self._exact("merge sources are borrowed and left unchanged", after, before)
-        self._mirror_merge(slot, [t.lm for t in incoming])
-        for t in consumed:
-            self.pool.remove(t)
-        slot.rows.extend(incoming)
+        self._merge_into(slot, sources, incoming, consumed)
 
     @precondition(lambda self: len(self.slots) >= 2)
     @rule(data=st.data())
@@ -2652,8 +2668,19 @@ class KvRules(ConformanceMachine):
     @precondition(lambda self: self.spec.trim_rows and any(s.rows for s in self.slots))
     @rule(data=st.data())
     def trim_rows(self, data: st.DataObject) -> None:
-        """Per-row rollback on a ragged layout: a row that has not wrapped forgets ``counts[b]``."""
+        """Per-row rollback on a ragged layout: a row that has not wrapped forgets
+        ``counts[b]``. Where the layout allows, half the runs build a hard state
+        instead (``_hard_trims``: spec/contract.md §0.11), the free draws reaching them
+        0 times; a branch of this rule, not rules of their own, so a machine's other
+        layouts draw exactly as before."""
         slot = self._pick(data, self._steppable(), "layout")
+        hard = [] if self._pressed else self._hard_trims(slot)
+        kind = data.draw(st.sampled_from(("free", *hard)), label="trim") if hard else ""
+        if kind and kind != "free":
+            self._op("trim_rows", slot)
+            self._op(f"trim_rows:{kind}", slot)
+            getattr(self, f"_build_{kind}")(slot, data)
+            return
         counts = [
             0
             if self.g.wrapped(t.tokens)
@@ -2663,6 +2690,49 @@ class KvRules(ConformanceMachine):
         note(f"trim_rows: layout {slot.ident} {slot.opt!r} counts {counts}")
         self._op("trim_rows", slot)
         self._trim_rows(slot, counts)
+
+    #: Set while ``pool_pressure`` runs a rule under a byte limit it must never meet: the
+    #: hard-state builders step a layout, which may take blocks.
+    _pressed = False
+
+    def _hard_trims(self, slot: Slot) -> list[str]:
+        """The hard states ``trim_rows`` can build on ``slot`` (each a ``_build_<name>``):
+        ``uneven`` (``UNEVEN_TRIM``) where two or more rows hold a token and none has
+        wrapped (a wrapped ring row takes no free count)."""
+        rows = [t.tokens for t in slot.rows]
+        if min(rows, default=0) < 1 or any(self.g.wrapped(t) for t in rows):
+            return []
+        return ["uneven"] if len(rows) >= 2 or self._uneven_joins(slot) else []
+
+    def _uneven_joins(self, slot: Slot) -> list[Track]:
+        """Free requests that may join ``slot`` as a second row for ``_build_uneven``."""
+        if len(slot.rows) >= self.limits.rows:
+            return []
+        return [t for t in self.pool if t.tokens >= 1 and not self.g.wrapped(t.tokens)]
+
+    def _build_uneven(self, slot: Slot, data: st.DataObject) -> None:
+        """``UNEVEN_TRIM``, built: the rows are trimmed to the shortest one's length (equal
+        rows; a layout of one row takes a free request first), then by unequal counts,
+        then a block lands on them."""
+        if len(slot.rows) < 2:
+            track = self._pick(data, self._uneven_joins(slot), "request joining")
+            note(f"trim_rows (uneven): request {track.ident} joins layout {slot.ident}")
+            self._merge_into(
+                slot, [(f"request {track.ident}", track.ref, track.opt)], [track], [track]
+            )
+        shortest = min(t.tokens for t in slot.rows)
+        even = [t.tokens - shortest for t in slot.rows]
+        counts = [data.draw(st.integers(0, shortest), label=f"count {b}") for b in range(len(even))]
+        if len(set(counts)) == 1:  # unequal: one row forgets one token more or less
+            counts[0] = counts[0] - 1 if counts[0] else 1
+        n = data.draw(st.integers(1, 4), label="N")
+        form = data.draw(ks.mask_forms(), label="mask form")
+        note(f"trim_rows (uneven): layout {slot.ident} {even}, then {counts}, then N={n}")
+        if any(even):
+            self._trim_rows(slot, even)
+        self._trim_rows(slot, counts)
+        assert slot.uneven, "equal rows trimmed unequally"
+        self._step(slot, n, self._rng(data), form)
 
     def _trim_rows(self, slot: Slot, counts: list[int]) -> None:
         """``trim_rows(counts)`` on both layouts, which every row's solo replay follows."""

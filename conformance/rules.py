@@ -48,6 +48,7 @@ wrapped row").
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -97,11 +98,12 @@ from kvrows.errors import (
     InvalidInputError,
     KvRowsError,
     LayoutStateError,
+    NotTrimmableError,
     PoolExhaustedError,
     SpeculativeRoundError,
     SpeculativeStateInvalidError,
 )
-from kvrows.paged import projected_blocks
+from kvrows.paged import FREE, projected_blocks
 from kvrows.reference import turbo_codec
 from kvrows.schemes import TURBO_KEY_BITS, TURBO_VALUE_BITS, Affine, Turbo
 from kvrows.speculative import RowRound
@@ -109,9 +111,13 @@ from kvrows.speculative import RowRound
 __all__ = [
     "ACCEPTANCE",
     "ATTENDED_QUERIES",
+    "BLOCK_TABLE_GAPS",
+    "FULL_RING_ROLLBACK",
     "MAX_DRAFTS",
+    "RING_TRIM_REFUSED",
     "SPECULATIVE_CHECKS",
     "TURBO_CHECKS",
+    "WHOLE_BLOCK_HIT",
     "AffineRules",
     "PagedRules",
     "RingRoundRules",
@@ -486,6 +492,13 @@ class TurboRules(CodecCases):
 
 
 # ------------------------------------------------------------------------ geometries
+#: Hard states (``Stats.states`` keys, spec/contract.md §0.11) of the rings with
+#: per-row trims: a row holding exactly ``max_size`` tokens rolled back by ``trim_rows``;
+#: a ``trim_rows`` past a row's window (or holdings) refused after a block.
+FULL_RING_ROLLBACK = "a ring row holding exactly max_size rolled back"
+RING_TRIM_REFUSED = "a ring trim past the window refused"
+
+
 class RingRules(ConformanceMachine):
     """The ring geometry's rules, for both codecs (the example's window, sinks and codec
     drawn by ``hooks.GEOMETRY_HOOKS["ring"]``: windows by role, quantized rings at head
@@ -531,6 +544,116 @@ class RingRules(ConformanceMachine):
 
     def _block_size(self, data: st.DataObject) -> int:
         return data.draw(st.one_of(st.integers(2, 4), st.integers(2, self.window + 2)), label="N")
+
+    # ------------------------------------------------- full rows rolled back
+    def _hard_trims(self, slot: Slot) -> list[str]:
+        """Besides the base's: ``fill`` where a block can fill a row to exactly its window
+        (three times the odds: a ring's free trims of wrapped rows are no-ops, and verify
+        layouts, with their rounds, draw ``trim_rows`` seldom)."""
+        fill = ["fill"] * 3 if self._short(slot) or self._joinable(slot) else []
+        return [*super()._hard_trims(slot), *fill]
+
+    def _short(self, slot: Slot) -> list[int]:
+        """The rows of ``slot`` below their window."""
+        return [b for b, t in enumerate(slot.rows) if t.tokens < self.window]
+
+    def _joinable(self, slot: Slot) -> list[Track]:
+        """Free requests below their window that may join ``slot`` (its rows all wrapped)."""
+        if len(slot.rows) >= self.limits.rows:
+            return []
+        return [t for t in self.pool if t.tokens < self.window]
+
+    def _may_forget(self, before: int, n: int, count: int) -> bool:
+        """The spec's rule (spec/RaggedRotatingRows.md, ``trim_rows``), restated: after a
+        block of ``n`` onto ``before`` a row may forget ``count`` tokens while it still
+        retains the whole window of the position it goes back to."""
+        offset, retained = before + n, self.g.retained(before, n)
+        return count == 0 or (
+            count <= offset and retained - count >= min(offset - count, self.window)
+        )
+
+    def _build_fill(self, slot: Slot, data: st.DataObject) -> None:
+        """The hard states ``FULL_RING_ROLLBACK`` and ``RING_TRIM_REFUSED``, built (a
+        branch of ``trim_rows``): a block fills one row to exactly ``max_size`` (wrapped,
+        yet holding every token; other rows may pass their window), then ``trim_rows``
+        rolls rows back, the filled row by one token at least. A count past a row's
+        window (or holdings) comes first: both refuse it with the same error, nothing
+        changed. What the spec allows is then accepted, each row's solo replay taking
+        only the tokens it kept."""
+        if not self._short(slot):
+            # Every row wrapped (the common case by the time a layout is trimmed): a free
+            # request below its window joins first.
+            track = self._pick(data, self._joinable(slot), "request joining")
+            self._merge_into(
+                slot, [(f"request {track.ident}", track.ref, track.opt)], [track], [track]
+            )
+        short = self._short(slot)
+        full = data.draw(st.sampled_from(short), label="row to fill")
+        before = [t.tokens for t in slot.rows]
+        n = self.window - before[full]
+        # Each row's count among those the spec allows (at most the block: the solo replays
+        # take what each row kept of it), the filled row forgetting one at least.
+        counts = [
+            data.draw(
+                st.sampled_from(
+                    [c for c in range(b == full, n + 1) if self._may_forget(before[b], n, c)]
+                ),
+                label=f"count {b}",
+            )
+            for b in range(len(before))
+        ]
+        b = data.draw(st.integers(0, len(before) - 1), label="refused row")
+        first = next(
+            c for c in range(1, before[b] + n + 2) if not self._may_forget(before[b], n, c)
+        )
+        refused = list(counts)
+        refused[b] = data.draw(st.integers(first, first + 2), label=f"refused count {b}")
+        form = data.draw(ks.mask_forms(), label="mask form")
+        rng = self._rng(data)
+        g, rows = self.g, len(before)
+        keys = self._block(rng, rows, n, g.key_dim)
+        values = self._block(rng, rows, n, g.value_dim)
+        queries = self._queries(rng, rows, n)
+        note(
+            f"trim_rows (fill): layout {slot.ident} row {full} +{n} to {self.window}, "
+            f"{refused} refused, {counts}"
+        )
+        out_ref, out_opt = self._layout_step(slot, keys, values, queries, form)
+        after = f"after a block of {n} onto rows {before}"
+        self._refused(
+            f"trim_rows({refused}) {after}",
+            lambda impl, lay: lay.trim_rows(refused),
+            slot.ref,
+            slot.opt,
+            NotTrimmableError,
+        )
+        self.stats.state(RING_TRIM_REFUSED)
+        label = f"trim_rows({counts}) {after}"
+        self._exact(f"{label} (reference)", slot.ref.trim_rows(counts), max(counts))
+        self._exact(f"{label} (optimized)", slot.opt.trim_rows(counts), max(counts))
+        self.stats.state(FULL_RING_ROLLBACK)
+        if slot.lm is not None and any(counts):
+            slot.mirrored = False  # mlx-lm's batch ring has no per-row trim
+        for b, track in enumerate(slot.rows):
+            kept = n - counts[b]
+            if track.lm is not None and counts[b]:
+                track.lm = None  # the serial twin cannot forget a block it saw whole
+            if kept:
+                part = slice(b, b + 1), slice(None), slice(None, kept)
+                self._solo_row(
+                    track,
+                    np.ascontiguousarray(keys[part]),
+                    np.ascontiguousarray(values[part]),
+                    np.ascontiguousarray(queries[part]),
+                    form,
+                    (np.ascontiguousarray(out_ref[part]), np.ascontiguousarray(out_opt[part])),
+                    f"row {b} ({before[b]} tokens, keeps {kept} of a block of {n})",
+                )
+                if track.lm is not None:  # its whole block (a trimmed row dropped its twin)
+                    track.lm.update_and_fetch(
+                        self._lm_copy(keys[part]), self._lm_copy(values[part])
+                    )
+        self.stats.check("solo attention", rows)
 
     def _check_layout_shape(self, slot: Slot) -> None:
         if not self.spec.shared_column:
@@ -697,6 +820,23 @@ class RingRules(ConformanceMachine):
         return cases + super()._extra_layout_cases(slot)
 
 
+#: Hard states of the paged placement (``Stats.states`` keys, spec/contract.md §0.11): a
+#: row holding two or more whole blocks whose table is not one run of blocks (scattered
+#: in the pool, or ``FREE`` entries where a paged ring gave blocks back), its read
+#: compared; a ``lookup_prefix`` hitting whole blocks (referenced, not copied).
+BLOCK_TABLE_GAPS = "a row of two or more whole blocks with gaps in its block table"
+WHOLE_BLOCK_HIT = "a whole-block prefix hit"
+
+
+def _gapped(table: Sequence[int], tokens: int, block_size: int) -> bool:
+    """A table of a row of ``tokens`` positions that holds two or more whole blocks not in
+    one run (a ``FREE`` entry, or a held block not right after the one before)."""
+    held = [b for b in table if b != FREE]
+    if tokens < 2 * block_size or len(held) < 2:
+        return False
+    return len(held) < len(table) or any(b != a + 1 for a, b in itertools.pairwise(held))
+
+
 class PagedRules(FrozenCollector, OpsRules, KvRules):
     """The paged placement's rules (``PLACEMENT_HOOKS["paged"]``, composed with the verify
     rounds and the codec's rules: ``PagedKVCache`` rows in ``PagedKvRows``, all three
@@ -742,6 +882,18 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
                 for pool in self._pools(index):
                     pool.check_valid()
                     self.stats.check("pool invariants")
+
+    def _check_slot(self, slot: Slot) -> None:
+        super()._check_slot(slot)
+        tables = slot.ref.block_tables()
+        bs = slot.ref.block_size
+        if any(_gapped(tb, t.tokens, bs) for tb, t in zip(tables, slot.rows, strict=True)):
+            self.stats.state(BLOCK_TABLE_GAPS)
+
+    def _check_request(self, track: Track) -> None:
+        super()._check_request(track)
+        if _gapped(track.ref.block_table, track.tokens, track.ref.block_size):
+            self.stats.state(BLOCK_TABLE_GAPS)
 
     # -- byte-limited pools ------------------------------------------------------------
     #: This example's headroom: every append under test (prefill chunks, layout steps,
@@ -885,14 +1037,18 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
             return
         self.stats.op(f"pressure:{op}")
         every = [p for index in (0, 1) for p in self._pools(index)]
-        with self._limited(every, headroom):
-            rule_of = {
-                "extract": self.extract,
-                "publish": self.publish,
-                "filter": self.filter_layout,
-                "trim_rows": self.trim_rows,
-            }
-            rule_of[op](data)
+        self._pressed = True
+        try:
+            with self._limited(every, headroom):
+                rule_of = {
+                    "extract": self.extract,
+                    "publish": self.publish,
+                    "filter": self.filter_layout,
+                    "trim_rows": self.trim_rows,
+                }
+                rule_of[op](data)
+        finally:
+            self._pressed = False
 
     def _pressured_merge(self, data: st.DataObject, headroom: int) -> None:
         """Free requests join a layout (rows of another pool are copied into its pool)."""
@@ -1100,6 +1256,7 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
             accounting(pools[0]),
         )
         self.stats.check("prefix hit")
+        self.stats.state(WHOLE_BLOCK_HIT)
         if len(self.pool) < self.limits.pool and data.draw(st.booleans(), label="hit goes on"):
             keep = track.tokens - tokens
             history = [*track.history, ("trim", keep, None)] if keep else list(track.history)

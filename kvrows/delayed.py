@@ -715,12 +715,30 @@ class DelayedLayout(ConversionBoundary, SpeculativeRounds):
 
     # -- rounds --------------------------------------------------------------------------------
     def spec_round_commit(self) -> None:
-        super().spec_round_commit()
-        self._convert_due()
+        close = super().spec_round_commit
+        self._close_round(close)
 
     def spec_round_rollback(self, keep: int | Sequence[int]) -> None:
-        super().spec_round_rollback(keep)
-        self._convert_due()
+        close = super().spec_round_rollback
+        self._close_round(lambda: close(keep))
+
+    def _close_round(self, close: Callable[[], None]) -> None:
+        """Close the round (``close``: commit or rollback), then convert the rows now due,
+        all or nothing (contract §9, speculative.md §4): a fault in that conversion puts
+        the close back too (the round open, its block whole), so the caller may retry.
+        Only a close a conversion follows keeps what the planes held (the rollback's
+        in-place clear then copies once); without one, a fault in the rollback itself
+        invalidates the layout, as on every verify layout."""
+        # Rows only shrink in a close: none due now, none due after it.
+        if not self._conversion.due(self._record_offsets()):
+            close()
+            return
+
+        def close_convert() -> None:
+            close()
+            self._convert_due()
+
+        all_or_nothing(self, close_convert, copied=("_conversion",), held=True)
 
     def can_publish_row(self, row: int, tokens: int) -> bool:
         """What the machinery says of the row (a ring row that wrapped covers only its

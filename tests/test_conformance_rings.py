@@ -33,6 +33,7 @@ import kvrows.reference as R
 from kvrows.conformance.families import FAMILIES
 from kvrows.conformance.machines import expected_visible
 from kvrows.conformance.profiles import active_profile
+from kvrows.conformance.rules import FULL_RING_ROLLBACK, RING_TRIM_REFUSED
 from kvrows.conformance.runner import family_settings
 from kvrows.errors import IncompatibleRowsError, NotTrimmableError
 from kvrows.forms import unpack_state
@@ -66,6 +67,9 @@ def test_rotating_family(layout: str) -> None:
     if spec.serial_peer:
         # Every plain machine drives mlx-lm's serial RotatingKVCache twins.
         assert stats.checks["mlx-lm serial"] > 0
+    if spec.trim_rows:
+        # Rows holding exactly max_size rolled back; trims past the window refused.
+        stats.require(0, states=(FULL_RING_ROLLBACK, RING_TRIM_REFUSED))
     mirrored = {"kv.mlx_lm", "attention.mlx_lm"} if spec.serial_peer else set()
     assert_compared(stats, BASE_QUANTITIES | mirrored)
     if spec.peer:

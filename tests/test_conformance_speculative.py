@@ -30,8 +30,13 @@ import kvrows.optimized as O
 import kvrows.reference as R
 from kvrows import table
 from kvrows.conformance.families import FAMILIES
-from kvrows.conformance.machines import BASE_CHECKS
-from kvrows.conformance.rules import ACCEPTANCE, SPECULATIVE_CHECKS
+from kvrows.conformance.machines import BASE_CHECKS, UNEVEN_TRIM
+from kvrows.conformance.rules import (
+    ACCEPTANCE,
+    FULL_RING_ROLLBACK,
+    RING_TRIM_REFUSED,
+    SPECULATIVE_CHECKS,
+)
 from kvrows.protocols import SpeculativeRowLayout
 
 #: mlx-lm is untyped; reach its classes through ``Any``.
@@ -67,6 +72,8 @@ def test_speculative_family(layout: str) -> None:
         oracles=(*BASE_CHECKS, *SPECULATIVE_CHECKS, "solo attention", "RowRound"),
     )
     assert_skips_documented(stats)
+    if not layout.startswith("SpeculativeRotating"):  # (a ring's rows wrap: its own states)
+        stats.require(0, states=(UNEVEN_TRIM,))  # equal rows trimmed unequally, then a step
     if spec.serial_peer:
         # Every row's mlx-lm twin ran mlx-lm's own round (block, then trim_prompt_cache).
         assert stats.checks["mlx-lm speculative twin"] > 0, dict(stats.checks)
@@ -76,6 +83,8 @@ def test_speculative_family(layout: str) -> None:
         # across it.
         assert stats.checks["rollback on a wrapped row"] > 0, dict(stats.checks)
         assert stats.checks["round across the window"] > 0, dict(stats.checks)
+        # Rows holding exactly max_size rolled back; trims past the window refused.
+        stats.require(0, states=(FULL_RING_ROLLBACK, RING_TRIM_REFUSED))
         if spec.serial_peer:
             assert stats.skips["B10"] > 0, dict(stats.skips)
     else:
