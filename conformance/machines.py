@@ -1690,10 +1690,24 @@ class ConformanceMachine(RuleBasedStateMachine):
                     )
                 )
             else:
+                # A per-row ring trims every row by the per-row rule (``trim(n)`` is
+                # ``trim_rows([n] * B)``): right after a block a wrapped row may still give
+                # back its block's newest tokens, so the count is the first one a row
+                # refuses. A shared write column refuses any trim once wrapped.
+                wrapped_n = 1
+                if self.spec.trim_rows and not self.spec.shared_column:
+                    offsets, held = [t.tokens for t in slot.rows], slot.ref.retained
+                    wrapped_n = next(
+                        c
+                        for c in range(1, max(offsets) + 2)
+                        if any(
+                            not g.may_forget(o, h, c) for o, h in zip(offsets, held, strict=True)
+                        )
+                    )
                 cases.append(
                     (
-                        "trim(1) of a wrapped ring",
-                        lambda impl, lay: lay.trim(1),
+                        f"trim({wrapped_n}) of a wrapped ring",
+                        lambda impl, lay: lay.trim(wrapped_n),
                         "B11",
                         NotTrimmableError,
                     )
@@ -1740,10 +1754,7 @@ class ConformanceMachine(RuleBasedStateMachine):
                     # count it cannot afford.
                     b, offset = wrapped[0], slot.rows[wrapped[0]].tokens
                     held = slot.ref.retained[b]
-                    window = g.max_size or 0
-                    refused = [
-                        c for c in range(1, offset + 1) if held - c < min(offset - c, window)
-                    ]
+                    refused = [c for c in range(1, offset + 1) if not g.may_forget(offset, held, c)]
                     if refused:
                         one = [refused[0] if r == b else 0 for r in range(rows)]
                         cases.append(

@@ -567,10 +567,7 @@ class RingRules(ConformanceMachine):
         """The spec's rule (spec/RaggedRotatingRows.md, ``trim_rows``), restated: after a
         block of ``n`` onto ``before`` a row may forget ``count`` tokens while it still
         retains the whole window of the position it goes back to."""
-        offset, retained = before + n, self.g.retained(before, n)
-        return count == 0 or (
-            count <= offset and retained - count >= min(offset - count, self.window)
-        )
+        return self.g.may_forget(before + n, self.g.retained(before, n), count)
 
     def _build_fill(self, slot: Slot, data: st.DataObject) -> None:
         """The hard states ``FULL_RING_ROLLBACK`` and ``RING_TRIM_REFUSED``, built (a

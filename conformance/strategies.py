@@ -99,6 +99,16 @@ class Geometry:
         """A ring holding ``tokens`` positions has forgotten one (it cannot be trimmed)."""
         return self.max_size is not None and tokens >= self.max_size
 
+    def may_forget(self, offset: int, held: int, count: int) -> bool:
+        """A row at ``offset`` holding ``held`` positions may forget its newest ``count``:
+        the per-row trim rule (spec/RaggedRotatingRows.md §3 ``trim_rows``; ``trim(n)`` is
+        ``trim_rows([n] * B)``): at most its offset, and a ring row only while what it
+        retains still holds the whole window of the position it goes back to."""
+        if count == 0:
+            return True
+        window = offset if self.max_size is None else self.max_size
+        return count <= offset and held - count >= min(offset - count, window)
+
     def retained(self, before: int, n: int) -> int:
         """Tokens an append of ``n`` onto ``before`` reads: a ring keeps the newest
         ``min(before + 1, max_size)`` after one token, ``min(before, max_size - 1) + n``

@@ -35,6 +35,7 @@ from kvrows.conformance.machines import expected_visible
 from kvrows.conformance.profiles import active_profile
 from kvrows.conformance.rules import FULL_RING_ROLLBACK, RING_TRIM_REFUSED
 from kvrows.conformance.runner import family_settings
+from kvrows.conformance.strategies import Geometry
 from kvrows.errors import IncompatibleRowsError, NotTrimmableError
 from kvrows.forms import unpack_state
 from kvrows.persist.prompt_cache import load_prompt_cache, save_prompt_cache
@@ -385,6 +386,46 @@ def test_divergence_b11_trim_of_a_wrapped_ring_mutates() -> None:
         with pytest.raises(NotTrimmableError):
             kv_ring.trim(2)
         assert kv_ring.offset == 8
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_wrapped_ragged_ring_trims_inside_its_latest_block(impl: _Impl) -> None:
+    """spec/RaggedRotatingRows.md §3: ``trim(n)`` is ``trim_rows([n] * B)``, so a layout
+    whose ``is_trimmable()`` is ``False`` (a row has wrapped) still trims every row by a
+    count each row can give back right after a block. The deep profile's failing example
+    (window 9, rows at offsets 16, 4, 4, 6 holding 10, 4, 4, 6 after a block of 2: the
+    machine expected ``trim(1)`` refused), in small; the conformance model's rule
+    (``Geometry.may_forget``) agrees with both implementations on each count."""
+    layout = impl.mod.RaggedRotatingRows(4)
+    layout.merge_rows([impl.ring(4, [1, 2, 3, 4, 5, 6]), impl.ring(4, [11, 12])])
+    block = impl.arr([[7, 8, 9], [13, 14, 15]])
+    layout.update_and_fetch(block, block)
+    assert (layout.row_offsets, layout.retained) == ((9, 5), (6, 5))
+    assert not layout.is_trimmable()
+    model = Geometry("float32", 1, 1, D, D, max_size=4)
+
+    def allowed(count: int) -> bool:
+        return all(
+            model.may_forget(offset, held, count)
+            for offset, held in zip(layout.row_offsets, layout.retained, strict=True)
+        )
+
+    # Back 3: offset 6's window needs position 2, which row 0 evicted (6 - 3 < 4).
+    assert not allowed(3)
+    with pytest.raises(NotTrimmableError, match="row 0"):
+        layout.trim(3)
+    assert (layout.row_offsets, layout.retained) == ((9, 5), (6, 5))
+    assert allowed(2) and layout.trim(2) == 2
+    assert (layout.row_offsets, layout.retained) == ((7, 3), (4, 3))
+    assert [_window_tags(impl, layout.extract_row(b)) for b in (0, 1)] == [
+        [4, 5, 6, 7],
+        [11, 12, 13],
+    ]
+    # Now row 0 holds exactly its window: nothing more to give back once wrapped.
+    assert not allowed(1)
+    with pytest.raises(NotTrimmableError, match="row 0"):
+        layout.trim(1)
+    assert layout.row_offsets == (7, 3)
 
 
 def test_divergence_r1_extend_keeps_the_running_geometry() -> None:
