@@ -44,10 +44,7 @@ pytest: install
 	# every machine (set iteration order feeds some draws).
 	PYTHONHASHSEED=0 $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist worksteal
 
-# mypy (one process, about a minute cold) runs beside the tests rather than before them:
-# the two pytest workers leave a core idle in their tail, and CI's wall time is the budget.
-test: lint
-	$(MAKE) --no-print-directory -j2 typecheck pytest
+test: lint typecheck pytest
 
 conform: install
 	$(BIN)/kvrows conform --profile ci
