@@ -60,7 +60,7 @@ PROFILES: dict[str, Profile] = {
     for p in (
         Profile(
             "ci",
-            max_examples=150,
+            max_examples=105,
             steps=34,
             derandomize=True,
             seeded=True,
