@@ -469,6 +469,8 @@ class BlockLedger:
             self._refs[block] = 1
             taken.append(block)
 
+        if not journaling:
+            return taken
         order = tuple(taken)  # (callers consume the list they get)
 
         def give_back() -> None:
@@ -485,14 +487,16 @@ class BlockLedger:
 
     def touch(self, blocks: Iterable[int]) -> None:
         """One more table holds each of ``blocks`` (a prefix hit or a shared row)."""
+        if self._undo is None:  # outside a transaction: nothing to record
+            for block in blocks:
+                if self._refs[block] == 0:
+                    del self._free[block]
+                self._refs[block] += 1
+            return
         blocks = list(blocks)
         # A free block leaves the middle of the queue: an undo needs its order (rare: a
         # prefix hit inside an undoable operation).
-        order = (
-            OrderedDict(self._free)
-            if self._undo is not None and any(self._refs[b] == 0 for b in blocks)
-            else None
-        )
+        order = OrderedDict(self._free) if any(self._refs[b] == 0 for b in blocks) else None
         for block in blocks:
             if self._refs[block] == 0:
                 del self._free[block]
@@ -509,6 +513,7 @@ class BlockLedger:
     def release(self, blocks: Iterable[int]) -> None:
         """One table fewer holds each of ``blocks``, in the given order (callers release a
         table tail first, so its tail is evicted first)."""
+        journaling = self._undo is not None
         released: list[tuple[int, bool]] = []
         for block in blocks:
             if self._refs[block] <= 0:
@@ -519,7 +524,10 @@ class BlockLedger:
                 self._free[block] = None
                 if block not in self._hash_of:
                     self._free.move_to_end(block, last=False)
-            released.append((block, freed))
+            if journaling:
+                released.append((block, freed))
+        if not journaling:
+            return
 
         def hold_again() -> None:
             for block, freed in reversed(released):
@@ -622,6 +630,9 @@ class PoolBase:
 
     codec: Any
     _tables: dict[int, Any]
+
+    #: The implementation's paged serial caches by geometry kind (what a hit returns).
+    cache_classes: ClassVar[dict[str, type[Any]]]
 
     def __init__(
         self,
@@ -832,6 +843,34 @@ class PoolBase:
             most = min(most, cap)
         bs, ledger = self.block_size, self.ledger
         return ledger.lookup(chain_hashes(tokens, bs, ledger.extra, most // bs))
+
+    def lookup_prefix(
+        self, token_ids: Sequence[int], token_geometry: GeometrySpec | None = None
+    ) -> Any:
+        """A new paged serial cache of ``token_geometry`` (default growing: a
+        ``PagedKVCache``; a ring: a ``PagedRotatingKVCache``, the implementation's
+        ``cache_classes``) holding the longest run of cached full blocks that starts
+        ``token_ids`` (:meth:`prefix_blocks`: at most ``len(token_ids) - 1`` positions and
+        what such a row holds), referenced, not copied; ``None`` on a miss."""
+        hits = self.prefix_blocks(token_ids, token_geometry)
+        if not hits:
+            return None
+        cache = self._prefix_cache(token_geometry)
+        cache._geometry = self._geometry
+        self._adopt_hit(cache, hits)
+        return cache
+
+    def _prefix_cache(self, token_geometry: GeometrySpec | None = None) -> Any:
+        """An empty cache of the pool's codec and ``token_geometry`` that a prefix hit's
+        rows join (a latent pool's is its latent cache)."""
+        if token_geometry is None:
+            return self.cache_classes["growing"](pool=self)
+        return self.cache_classes[token_geometry.kind](pool=self, token_geometry=token_geometry)
+
+    def _adopt_hit(self, cache: Any, hits: list[int]) -> None:
+        """Give the empty ``cache`` one row holding the blocks ``hits`` (each referenced
+        once more; every position of them): the implementation's row record."""
+        raise NotImplementedError
 
     def evict_cached(self, count: int) -> int:
         """Forget up to ``count`` unreferenced cached blocks, least recently used first."""

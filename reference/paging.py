@@ -71,7 +71,7 @@ from kvrows.reference.rows import (
     zero_planes,
 )
 from kvrows.reference.speculative import SpeculativeLayout
-from kvrows.schemes import CodecSpec, GeometrySpec
+from kvrows.schemes import CodecSpec
 from kvrows.validation import KvGeometry, as_count, check_keep, check_row
 
 __all__ = ["BlockPool", "PagedLayout", "PagedRow", "PagedRows", "PagedSerial", "RightAligned"]
@@ -384,31 +384,11 @@ class BlockPool(PoolBase):
         paged = cast(PagedRow, row)
         return self.register_blocks(paged.blocks, (row.offset, paged.holding()), token_ids, cap)
 
-    def lookup_prefix(
-        self, token_ids: Sequence[int], token_geometry: GeometrySpec | None = None
-    ) -> PagedSerial | None:
-        """A new paged serial cache of ``token_geometry`` (default growing: a
-        ``PagedKVCache``; a ring: a ``PagedRotatingKVCache``) holding the longest run of
-        cached full blocks that starts ``token_ids`` (``PoolBase.prefix_blocks``: at most
-        ``len(token_ids) - 1`` positions and what such a row holds), referenced, not
-        copied; ``None`` on a miss."""
-        hits = self.prefix_blocks(token_ids, token_geometry)
-        if not hits:
-            return None
-        cache = self._prefix_cache(token_geometry)
-        cache._geometry = self._geometry
+    def _adopt_hit(self, cache: Any, hits: list[int]) -> None:
         row = PagedRow(offset=len(hits) * self.block_size, blocks=hits, sinks=cache._sinks)
         # What the hit means: every position of its blocks (a row that gave none back).
         row.planes = self._gather([(hits, range(row.offset))], [0], row.offset)
         cache.adopt_rows([self.open(row)])
-        return cache
-
-    def _prefix_cache(self, token_geometry: GeometrySpec | None = None) -> PagedSerial:
-        """An empty cache of the pool's codec and ``token_geometry`` that a prefix hit's
-        rows join."""
-        if token_geometry is None:
-            return self.cache_classes["growing"](pool=self)
-        return self.cache_classes[token_geometry.kind](pool=self, token_geometry=token_geometry)
 
     def check_valid(self) -> None:
         """Assert the pool's invariants (``spec/paged-pool.md`` §4) and that every live

@@ -33,7 +33,8 @@ def greedy_lookup(
     the request to compute (a query of whole blocks hits one block too many). Patched
     onto the optimized pool (every pool of the machine: a subclass would make merges
     across pools refuse)."""
-    return _LOOKUP(self, [*token_ids, 0], token_geometry)  # MUTATION (caps at len - 1 ids)
+    hit: PagedSerial | None = _LOOKUP(self, [*token_ids, 0], token_geometry)  # MUTATION
+    return hit  # (the real lookup caps at len - 1 ids)
 
 
 class LoadDropsLastToken(PagedKvRows):
