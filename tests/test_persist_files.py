@@ -404,7 +404,9 @@ def test_a_real_file_size_limit_fails_the_write_cleanly(tmp_path: Path) -> None:
     before = path.read_bytes()
     assert len(before) < 4096  # the old file fits; the new one (16 KiB of keys) does not
     run = subprocess.run(
-        [sys.executable, "-c", _FILE_SIZE_LIMITED, str(path)],
+        # -B: the child's own imports write no bytecode (a cache cut at 4 KiB would be
+        # published whole by Python's rename, and every later import would fail on it).
+        [sys.executable, "-B", "-c", _FILE_SIZE_LIMITED, str(path)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -515,7 +517,7 @@ def _writer_process(script: str, *args: str) -> Iterator[subprocess.Popen[str]]:
     """``script`` run by a child Python, its stdout piped to the test; on the way out the
     child is killed if an assertion left it running, and its pipe is closed."""
     writer = subprocess.Popen(
-        [sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-B", "-c", script, *args], stdout=subprocess.PIPE, text=True
     )
     try:
         yield writer
