@@ -4,11 +4,6 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-# Bytecode caches on: pip then skips compiling every installed file up front
-# (--no-compile, half the install), and a module is compiled by the first process that
-# imports it, not again by every test worker and subprocess.
-unexport PYTHONDONTWRITEBYTECODE
-
 .PHONY: demo test lint typecheck pytest conform conform-deep bench clean install mlxlm-tests
 
 $(BIN)/python:
@@ -16,7 +11,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip "setuptools>=77" wheel
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q --no-compile -e ".[dev]" --config-settings editable_mode=strict
+	$(BIN)/python -m pip install -q -e ".[dev]" --config-settings editable_mode=strict
 	touch $(STAMP)
 
 # Strict editable installs link the files that exist at install time, so a
