@@ -488,10 +488,11 @@ class BlockLedger:
     def touch(self, blocks: Iterable[int]) -> None:
         """One more table holds each of ``blocks`` (a prefix hit or a shared row)."""
         if self._undo is None:  # outside a transaction: nothing to record
+            refs, free = self._refs, self._free  # (locals: a merge touches every block)
             for block in blocks:
-                if self._refs[block] == 0:
-                    del self._free[block]
-                self._refs[block] += 1
+                if not refs[block]:
+                    del free[block]
+                refs[block] += 1
             return
         blocks = list(blocks)
         # A free block leaves the middle of the queue: an undo needs its order (rare: a
@@ -515,15 +516,16 @@ class BlockLedger:
         table tail first, so its tail is evicted first)."""
         journaling = self._undo is not None
         released: list[tuple[int, bool]] = []
+        refs, free, hashed = self._refs, self._free, self._hash_of  # (locals: hot loop)
         for block in blocks:
-            if self._refs[block] <= 0:
+            if refs[block] <= 0:
                 raise AssertionError(f"block {block} released more often than held")
-            self._refs[block] -= 1
-            freed = self._refs[block] == 0
+            refs[block] -= 1
+            freed = not refs[block]
             if freed:
-                self._free[block] = None
-                if block not in self._hash_of:
-                    self._free.move_to_end(block, last=False)
+                free[block] = None
+                if block not in hashed:
+                    free.move_to_end(block, last=False)
             if journaling:
                 released.append((block, freed))
         if not journaling:

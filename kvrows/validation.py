@@ -126,6 +126,16 @@ def check_block(
 
 def common_geometry(geometries: Sequence[KvGeometry | None]) -> KvGeometry | None:
     """The one geometry all known entries share (``None`` if none is known)."""
+    first: KvGeometry | None = None
+    for g in geometries:  # rows of one pool share one geometry object: no hashing
+        if g is None or g is first:
+            continue
+        if first is None:
+            first = g
+        elif g != first:
+            break
+    else:
+        return first
     known = {g for g in geometries if g is not None}
     if len(known) > 1:
         described = "; ".join(sorted(g.describe() for g in known))

@@ -29,6 +29,7 @@ On the CPU backend writes and reads go through NumPy views of the pool's buffers
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -374,10 +375,19 @@ class BlockPool(PoolBase):
         self._opened(table)
         return table
 
+    def open_all(self, tables: Sequence[Table]) -> list[Table]:
+        """:meth:`open` of each of ``tables``, their blocks counted in one pass (a merge
+        opens a table per joining row)."""
+        self.ledger.touch(itertools.chain.from_iterable(_live(t) for t in tables))
+        for table in tables:
+            self._opened(table)
+        return list(tables)
+
     def _opened(self, table: Table) -> None:
         """``table`` is live (journaled: an undo forgets it)."""
         self._tables[id(table)] = table
-        self.ledger.journal(lambda: self._tables.pop(id(table), None))
+        if self.ledger.journaling:
+            self.ledger.journal(lambda: self._tables.pop(id(table), None))
 
     def adopt_empty(self, tables: Sequence[Table]) -> None:
         """Make empty tables made before the pool existed live tables of this pool."""
@@ -613,6 +623,23 @@ class PagedRows(PagedSurface, Storage):
         geometry = declared if pool is None or pool.geometry is None else pool.geometry
         self._setup(spec, token, geometry)
         self._watch()
+
+    @classmethod
+    def _spawn_like(cls, like: PagedRows) -> Any:
+        """An empty storage of this class with ``like``'s pool, codec, token geometry and
+        placement, checked when ``like`` was built (what an extraction fills: no argument
+        parsing on the hot path); a class with a constructor of its own is built by it."""
+        if cls.__init__ is not PagedRows.__init__:
+            return cls(
+                pool=like._pool, codec=like.codec_spec, token_geometry=like._token_geometry,
+                placement=like._paged,
+            )  # fmt: skip
+        fresh = cls.__new__(cls)
+        fresh._paged, fresh._tables, fresh._pool = like._paged, [], like._pool
+        fresh._finalizer, fresh._contiguous, fresh._row_stage = None, None, []
+        fresh._setup(like.codec_spec, like._token_geometry, like._geometry)
+        fresh._watch()
+        return fresh
 
     def _watch(self) -> None:
         """Release the rows' blocks when this storage is collected (once its pool is known)."""
@@ -1035,6 +1062,8 @@ class PagedRows(PagedSurface, Storage):
     def _row_windows(self) -> list[RowWindow]:
         # A merge reads no byte: ``_join`` takes the tables (a serial storage without rows
         # lends one empty row); a row beside the pool lends its window (its bytes move).
+        if self._contiguous is None:  # one stage: every row in the pool
+            return [(None, offset) for offset in self._offsets] or [(None, 0)]
         return [
             (None if self._in_pool(b) else self._held_window(b), offset)
             for b, offset in enumerate(self._offsets)
@@ -1287,6 +1316,9 @@ class PagedLayout(PagedRows, Layout):
         """The pool's refusals of ``_join`` (another geometry, no room for the copies)."""
         if self._contiguous is None:  # (two stages: rows of either join, beside or pooled)
             super()._check_join(sources, incoming, geometry, stages)
+        pool = self._pool or (sources[0]._pool if sources else None)
+        if pool is not None and all(s._pool is pool for s in sources):
+            return  # rows of one pool join by reference: nothing to take
         lent = self._lent_of(sources)
         pool = self._pool or next((p for p, _, _ in lent if p is not None), None)
         if pool is not None:  # (a new pool takes the copies: it has no limit)
@@ -1325,18 +1357,22 @@ class PagedLayout(PagedRows, Layout):
             pool.learn(geometry, room=sum(len(held_blocks(*c, bs)) for _, _, c in foreign))
         copies = iter(pool.copy_in(foreign))
         joined: list[Table] = []
+        shared: list[Table] = []  # opened together below (one pass over their blocks)
         for source_pool, table, cut in lent:
             if table is None or (source_pool is not pool and cut[0] == 0):
-                joined.append(pool.open([]))
+                joined.append([])
+                shared.append(joined[-1])
             elif source_pool is pool:  # the blocks of what the merge takes, shared
                 offset, retained, _ = cut
                 if retained == offset and len(table) == -(-offset // bs):  # all of it
-                    joined.append(pool.open(list(table)))
-                    continue
-                needed = held_blocks(*cut, bs)
-                joined.append(pool.open([b if j in needed else FREE for j, b in enumerate(table)]))
+                    joined.append(list(table))
+                else:
+                    needed = held_blocks(*cut, bs)
+                    joined.append([b if j in needed else FREE for j, b in enumerate(table)])
+                shared.append(joined[-1])
             else:
                 joined.append(next(copies))
+        pool.open_all(shared)
         pool.adopt_empty(self._tables)  # rows joined before any pool existed
         self._pool = pool
         self._watch()
@@ -1377,11 +1413,7 @@ class PagedLayout(PagedRows, Layout):
         """An empty serial storage of this pool a row extracts into: the composition's,
         or the layout itself when it is its own."""
         entry = self.composition
-        serial_class = cast(type[PagedSerial], DECLARED[entry.serial or entry.name])
-        return serial_class(
-            pool=self._pool, codec=self.codec_spec, token_geometry=self._token_geometry,
-            placement=self._paged,
-        )  # fmt: skip
+        return cast(type[PagedSerial], DECLARED[entry.serial or entry.name])._spawn_like(self)
 
     def extract_row(self, row: int) -> Serial:
         """A ``PagedKVCache`` holding row ``row``: its table shared, no byte moved (a row
@@ -1396,8 +1428,12 @@ class PagedLayout(PagedRows, Layout):
             return serial
         offset, count, sinks = self._lent(index)
         if self._pool is not None and offset:
-            needed = held_blocks(offset, count, sinks, self.block_size)
-            table = [b if j in needed else FREE for j, b in enumerate(self._tables[index])]
+            table = self._tables[index]
+            if count == offset and len(table) == -(-offset // self.block_size):  # all of it
+                table = list(table)
+            else:
+                needed = held_blocks(offset, count, sinks, self.block_size)
+                table = [b if j in needed else FREE for j, b in enumerate(table)]
             serial.adopt_tables([self._pool.open(table)], offset, count)
         return serial
 
