@@ -147,6 +147,16 @@ _RING_AFFINE_ATTENTION = {
     "float16": Tolerance(atol=2.0**-6, rtol=2.0**-8),
     "bfloat16": Tolerance(atol=2.0**-3, rtol=2.0**-5),
 }
+#: A ring row's attention vs its serial ring's: the same keys in another column order (the
+#: ring phase), which the CPU kernel's float16 / bfloat16 intermediates turn into more than a
+#: rounding flip of a small output: a deep run measured 2^-12 (a quarter eps) at an output
+#: below 0.1 in float16 (seed in spec/tolerances.md). ``atol`` half an eps of the dtype;
+#: ``rtol`` 2 eps as the plain solo's.
+_RING_SOLO = {
+    "float32": Tolerance(atol=1e-5, rtol=1e-5),
+    "float16": Tolerance(atol=2.0**-11, rtol=2.0**-9),
+    "bfloat16": Tolerance(atol=2.0**-8, rtol=2.0**-6),
+}
 for _dtype in DTYPES:
     for _key in ("rotating", "rotating-affine"):
         TOLERANCES[(_key, "kv.stored", _dtype)] = EXACT
@@ -154,10 +164,10 @@ for _dtype in DTYPES:
         TOLERANCES[(_key, "kv.solo", _dtype)] = EXACT
     TOLERANCES[("rotating", "kv.mlx_lm", _dtype)] = EXACT
     TOLERANCES[("rotating", "attention", _dtype)] = _ATTENTION[_dtype]
-    TOLERANCES[("rotating", "attention.solo", _dtype)] = _SOLO[_dtype]
+    TOLERANCES[("rotating", "attention.solo", _dtype)] = _RING_SOLO[_dtype]
     TOLERANCES[("rotating", "attention.mlx_lm", _dtype)] = EXACT
     TOLERANCES[("rotating-affine", "attention", _dtype)] = _RING_AFFINE_ATTENTION[_dtype]
-    TOLERANCES[("rotating-affine", "attention.solo", _dtype)] = _SOLO[_dtype]
+    TOLERANCES[("rotating-affine", "attention.solo", _dtype)] = _RING_SOLO[_dtype]
 
 #: TurboQuant family (``TurboQuantKVCache``, ``BatchedTurboQuantKVCache``). Codes and scales
 #: (the planes), decoded keys and rotated values (the read) are exact: both codecs run the
