@@ -1373,7 +1373,8 @@ class PagedLayout(PagedRows, Layout):
             else:
                 joined.append(next(copies))
         pool.open_all(shared)
-        pool.adopt_empty(self._tables)  # rows joined before any pool existed
+        if self._pool is None:
+            pool.adopt_empty(self._tables)  # rows joined before any pool existed
         self._pool = pool
         self._watch()
         self._tables.extend(joined)
