@@ -245,6 +245,8 @@ class Layout:
     opt: Any
     lm: Any = None
     rows: list[Request] = field(default_factory=list)
+    #: As ``Slot.uneven`` (``UNEVEN_TRIM``).
+    uneven: bool = False
 
 
 # ------------------------------------------------------------------ array helpers
@@ -1139,10 +1141,95 @@ class ConformanceMachine(RuleBasedStateMachine):
             self.pool.remove(t)
         slot.rows.extend(incoming)
 
-    def _hard_trims(self, slot: Slot) -> list[str]:
-        """The hard states ``trim_rows`` can build on ``slot`` (spec/contract.md §0.11):
-        none here; the writer's and the geometry's rules name theirs."""
+    #: Set while ``pool_pressure`` runs a rule under a byte limit it must never meet: the
+    #: hard-state builders step a layout, which may take blocks.
+    _pressed = False
+
+    def _hard_trims(self, slot: Any) -> list[str]:
+        """The hard states ``trim_rows`` can build on ``slot`` (spec/contract.md §0.11),
+        each a ``_build_<name>``: none here; the writer's and the geometry's rules name
+        theirs."""
         return []
+
+    def _hard_trim(self, slot: Any, data: st.DataObject) -> bool:
+        """``trim_rows``' branch for the hard states (every writer's): where ``slot``
+        allows (:meth:`_hard_trims`), half the runs build one instead of drawing free
+        counts (which reach them 0 times); whether one was built. A branch of the rule,
+        not a rule of its own, so a machine's other layouts draw exactly as before."""
+        hard = [] if self._pressed else self._hard_trims(slot)
+        kind = data.draw(st.sampled_from(("free", *hard)), label="trim") if hard else ""
+        if not kind or kind == "free":
+            return False
+        self._op("trim_rows", slot)
+        self._op(f"trim_rows:{kind}", slot)
+        getattr(self, f"_build_{kind}")(slot, data)
+        return True
+
+    # The hooks of ``_build_uneven`` (a writer's rules supply them; ``slot``: a ``Slot``
+    # or a ``Layout``).
+    def _row_lengths(self, slot: Any) -> list[int]:
+        """The tokens each row of ``slot`` holds."""
+        raise NotImplementedError
+
+    def _uneven_joins(self, slot: Any) -> list[Any]:
+        """Free requests that may join ``slot`` as a second row for ``_build_uneven``."""
+        raise NotImplementedError
+
+    def _uneven_join(self, slot: Any, request: Any) -> None:
+        """``request`` (one of :meth:`_uneven_joins`) joins ``slot`` as its last row."""
+        raise NotImplementedError
+
+    def _trim_rows(self, slot: Any, counts: list[int]) -> None:
+        """``trim_rows(counts)`` on both layouts, which every row's solo replay follows
+        (calling :meth:`_note_uneven` first)."""
+        raise NotImplementedError
+
+    def _uneven_block(self, slot: Any, n: int, data: st.DataObject) -> None:
+        """A block of ``n`` tokens lands on every row of ``slot`` (then :meth:`_landed`)."""
+        raise NotImplementedError
+
+    def _note_uneven(self, slot: Any, counts: Sequence[int]) -> None:
+        """Before ``trim_rows(counts)``: rows of equal length trimmed unequally mark
+        ``slot`` (the hard state ``UNEVEN_TRIM`` counts when the next block lands)."""
+        lengths = self._row_lengths(slot)
+        if len(lengths) > 1 and len(set(lengths)) == 1:
+            slot.uneven = len(set(counts)) > 1
+
+    def _landed(self, slot: Any) -> None:
+        """A block landed on ``slot``: a marked slot reached ``UNEVEN_TRIM``."""
+        if slot.uneven:
+            self.stats.state(UNEVEN_TRIM)
+            slot.uneven = False
+
+    def _uneven_rows(self, slot: Any, rolls_back: Callable[[int], bool]) -> list[str]:
+        """``uneven`` where two or more rows hold a token and each may roll back
+        (``rolls_back(tokens)``), or one does and a free request may join it."""
+        rows = self._row_lengths(slot)
+        if min(rows, default=0) < 1 or not all(rolls_back(t) for t in rows):
+            return []
+        return ["uneven"] if len(rows) >= 2 or self._uneven_joins(slot) else []
+
+    def _build_uneven(self, slot: Any, data: st.DataObject) -> None:
+        """``UNEVEN_TRIM``, built (every writer's, through the hooks above): the rows are
+        trimmed to the shortest one's length (equal rows; a layout of one row takes a
+        free request first), then by unequal counts, then a block lands on them."""
+        if len(self._row_lengths(slot)) < 2:
+            request = self._pick(data, self._uneven_joins(slot), "request joining")
+            note(f"trim_rows (uneven): a request joins layout {slot.ident}")
+            self._uneven_join(slot, request)
+        lengths = self._row_lengths(slot)
+        shortest = min(lengths)
+        even = [t - shortest for t in lengths]
+        counts = [data.draw(st.integers(0, shortest), label=f"count {b}") for b in range(len(even))]
+        if len(set(counts)) == 1:  # unequal: one row forgets one token more or less
+            counts[0] = counts[0] - 1 if counts[0] else 1
+        n = data.draw(st.integers(1, 4), label="N")
+        note(f"trim_rows (uneven): layout {slot.ident} {even}, then {counts}, then N={n}")
+        if any(even):
+            self._trim_rows(slot, even)
+        self._trim_rows(slot, counts)
+        assert slot.uneven, "equal rows trimmed unequally"
+        self._uneven_block(slot, n, data)
 
     def _mirror_merge(self, slot: Slot, twins: Sequence[Any]) -> None:
         if not self._parity(slot) or not twins or self.peer is None:
@@ -1157,9 +1244,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         queries = self._queries(rng, rows, n)
         outputs = self._layout_step(slot, keys, values, queries, form)
         self._solo_step(slot, keys, values, queries, form, outputs)
-        if slot.uneven:
-            self.stats.state(UNEVEN_TRIM)
-            slot.uneven = False
+        self._landed(slot)
 
     def _layout_step(
         self, slot: Slot, keys: Array, values: Array, queries: Array, form: ks.MaskForm
@@ -2685,12 +2770,7 @@ class KvRules(ConformanceMachine):
         0 times; a branch of this rule, not rules of their own, so a machine's other
         layouts draw exactly as before."""
         slot = self._pick(data, self._steppable(), "layout")
-        hard = [] if self._pressed else self._hard_trims(slot)
-        kind = data.draw(st.sampled_from(("free", *hard)), label="trim") if hard else ""
-        if kind and kind != "free":
-            self._op("trim_rows", slot)
-            self._op(f"trim_rows:{kind}", slot)
-            getattr(self, f"_build_{kind}")(slot, data)
+        if self._hard_trim(slot, data):
             return
         counts = [
             0
@@ -2702,54 +2782,32 @@ class KvRules(ConformanceMachine):
         self._op("trim_rows", slot)
         self._trim_rows(slot, counts)
 
-    #: Set while ``pool_pressure`` runs a rule under a byte limit it must never meet: the
-    #: hard-state builders step a layout, which may take blocks.
-    _pressed = False
-
     def _hard_trims(self, slot: Slot) -> list[str]:
-        """The hard states ``trim_rows`` can build on ``slot`` (each a ``_build_<name>``):
-        ``uneven`` (``UNEVEN_TRIM``) where two or more rows hold a token and none has
+        """``uneven`` (``UNEVEN_TRIM``) where two or more rows hold a token and none has
         wrapped (a wrapped ring row takes no free count)."""
-        rows = [t.tokens for t in slot.rows]
-        if min(rows, default=0) < 1 or any(self.g.wrapped(t) for t in rows):
-            return []
-        return ["uneven"] if len(rows) >= 2 or self._uneven_joins(slot) else []
+        return self._uneven_rows(slot, lambda tokens: not self.g.wrapped(tokens))
+
+    def _row_lengths(self, slot: Slot) -> list[int]:
+        return [t.tokens for t in slot.rows]
 
     def _uneven_joins(self, slot: Slot) -> list[Track]:
-        """Free requests that may join ``slot`` as a second row for ``_build_uneven``."""
         if len(slot.rows) >= self.limits.rows:
             return []
         return [t for t in self.pool if t.tokens >= 1 and not self.g.wrapped(t.tokens)]
 
-    def _build_uneven(self, slot: Slot, data: st.DataObject) -> None:
-        """``UNEVEN_TRIM``, built: the rows are trimmed to the shortest one's length (equal
-        rows; a layout of one row takes a free request first), then by unequal counts,
-        then a block lands on them."""
-        if len(slot.rows) < 2:
-            track = self._pick(data, self._uneven_joins(slot), "request joining")
-            note(f"trim_rows (uneven): request {track.ident} joins layout {slot.ident}")
-            self._merge_into(
-                slot, [(f"request {track.ident}", track.ref, track.opt)], [track], [track]
-            )
-        shortest = min(t.tokens for t in slot.rows)
-        even = [t.tokens - shortest for t in slot.rows]
-        counts = [data.draw(st.integers(0, shortest), label=f"count {b}") for b in range(len(even))]
-        if len(set(counts)) == 1:  # unequal: one row forgets one token more or less
-            counts[0] = counts[0] - 1 if counts[0] else 1
-        n = data.draw(st.integers(1, 4), label="N")
+    def _uneven_join(self, slot: Slot, request: Track) -> None:
+        self._merge_into(
+            slot, [(f"request {request.ident}", request.ref, request.opt)], [request], [request]
+        )
+
+    def _uneven_block(self, slot: Slot, n: int, data: st.DataObject) -> None:
         form = data.draw(ks.mask_forms(), label="mask form")
-        note(f"trim_rows (uneven): layout {slot.ident} {even}, then {counts}, then N={n}")
-        if any(even):
-            self._trim_rows(slot, even)
-        self._trim_rows(slot, counts)
-        assert slot.uneven, "equal rows trimmed unequally"
         self._step(slot, n, self._rng(data), form)
 
     def _trim_rows(self, slot: Slot, counts: list[int]) -> None:
         """``trim_rows(counts)`` on both layouts, which every row's solo replay follows."""
         expected = max(counts, default=0)
-        if len(slot.rows) > 1 and len({t.tokens for t in slot.rows}) == 1:
-            slot.uneven = len(set(counts)) > 1
+        self._note_uneven(slot, counts)
         self._exact("trim_rows() return (reference)", slot.ref.trim_rows(counts), expected)
         self._exact("trim_rows() return (optimized)", slot.opt.trim_rows(counts), expected)
         for track, count in zip(slot.rows, counts, strict=True):
