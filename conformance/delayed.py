@@ -1252,8 +1252,56 @@ class DelayedMachine(WriterRules):
 
     # ----------------------------------------- the hard states (``machines._build_uneven``)
     def _hard_trims(self, slot: Slot) -> list[str]:
-        """``uneven`` (``UNEVEN_TRIM``) where no row holds its window."""
-        return self._uneven_rows(slot, lambda tokens: not self._wrapped(tokens))
+        """``uneven`` (``UNEVEN_TRIM``) where no row holds its window; a ring's ``fill``
+        (``FULL_RING_ROLLBACK``, ``RING_TRIM_REFUSED``) where a block can fill a row to
+        exactly its window, three shares as in ``RingRules``."""
+        uneven = self._uneven_rows(slot, lambda tokens: not self._wrapped(tokens))
+        fill = (
+            ["fill"] * 3 if self.ring and (self._fill_short(slot) or self._fill_joins(slot)) else []
+        )
+        return [*uneven, *fill]
+
+    def _fill_rows(self, rows: list[Track]) -> list[int]:
+        """The rows below the window a block may fill with no row converting in it: the
+        layout converts a row at the append, its solo lego (fed what the row keeps) at
+        what it keeps, so the fill draws no block that crosses a row's ``start``."""
+        window = self._fill_window(None)
+        return [
+            b
+            for b, t in enumerate(rows)
+            if t.tokens < window
+            and all(
+                r.converted_at is not None or not self.g.converts(r.tokens + window - t.tokens)
+                for r in rows
+            )
+        ]
+
+    def _fill_window(self, slot: Slot | None) -> int:
+        assert self.g.max_size is not None
+        return self.g.max_size
+
+    def _fill_short(self, slot: Slot) -> list[int]:
+        return self._fill_rows(slot.rows)
+
+    def _fill_joins(self, slot: Slot) -> list[Track]:
+        if len(slot.rows) >= MAX_ROWS:
+            return []
+        return [t for t in self.pool if self._fill_rows([*slot.rows, t])[-1:] == [len(slot.rows)]]
+
+    def _fill_block(self, slot: Slot, n: int, data: st.DataObject) -> Any:
+        inside = slot.ref.phase == "mixed" or data.draw(st.booleans(), label="in row_reads")
+        before = [t.converted_at for t in slot.rows]
+        block = self._layout_append(slot, n, self._rng(data), inside, "fill", replay=False)
+        return block, before
+
+    def _fill_replay(self, slot: Slot, pending: Any, counts: list[int]) -> None:
+        (keys, values, queries, outputs), before = pending
+        kept = [int(keys.shape[2]) - c for c in counts]
+        for b, (track, k) in enumerate(zip(slot.rows, kept, strict=True)):
+            if k:
+                self._record_append(track, keys[b : b + 1, :, :k], values[b : b + 1, :, :k])
+        self._solo(slot, (keys, values), queries, outputs, kept)
+        self._advance(slot, before)
 
     def _row_lengths(self, slot: Slot) -> list[int]:
         return [t.tokens for t in slot.rows]
@@ -1263,7 +1311,7 @@ class DelayedMachine(WriterRules):
             return []
         return [t for t in self.pool if t.tokens >= 1 and not self._wrapped(t.tokens)]
 
-    def _uneven_join(self, slot: Slot, request: Track) -> None:
+    def _join_for_trim(self, slot: Slot, request: Track) -> None:
         self._join_requests(slot, [request], False)
 
     def _uneven_block(self, slot: Slot, n: int, data: st.DataObject) -> None:

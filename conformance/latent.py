@@ -422,7 +422,7 @@ class LatentMachine(WriterRules):
     def _uneven_joins(self, slot: Layout) -> list[Request]:
         return [r for r in self.requests if r.ref.width >= 1]
 
-    def _uneven_join(self, slot: Layout, request: Request) -> None:
+    def _join_for_trim(self, slot: Layout, request: Request) -> None:
         self._join(slot, [request])
 
     def _trim_rows(self, slot: Layout, counts: list[int]) -> None:

@@ -100,7 +100,9 @@ from kvrows.protocols import RowTrimmable
 __all__ = [
     "BASE_CHECKS",
     "FULL_CHECK_EVERY",
+    "FULL_RING_ROLLBACK",
     "MESSAGE_EXCEPTIONS",
+    "RING_TRIM_REFUSED",
     "ROLE_LOOKUPS",
     "UNEVEN_TRIM",
     "Block",
@@ -149,6 +151,12 @@ FULL_CHECK_EVERY = 4
 #: trimmed by unequal counts (``trim_rows``), then a block. Counted, not yet built by a
 #: rule nor asserted: free draws never reach it in the CI profile.
 UNEVEN_TRIM = "equal rows trimmed unequally, then a step"
+
+#: Hard states (``Stats.states`` keys, spec/contract.md §0.11) of the rings with
+#: per-row trims: a row holding exactly ``max_size`` tokens rolled back by ``trim_rows``;
+#: a ``trim_rows`` past a row's window (or holdings) refused after a block.
+FULL_RING_ROLLBACK = "a ring row holding exactly max_size rolled back"
+RING_TRIM_REFUSED = "a ring trim past the window refused"
 
 #: Bad-input cases (a part of their label) whose error *messages* differ between the
 #: implementations: only their error types are compared. Each says why; the list shrinks
@@ -1175,8 +1183,9 @@ class ConformanceMachine(RuleBasedStateMachine):
         """Free requests that may join ``slot`` as a second row for ``_build_uneven``."""
         raise NotImplementedError
 
-    def _uneven_join(self, slot: Any, request: Any) -> None:
-        """``request`` (one of :meth:`_uneven_joins`) joins ``slot`` as its last row."""
+    def _join_for_trim(self, slot: Any, request: Any) -> None:
+        """``request`` (one of :meth:`_uneven_joins` or :meth:`_fill_joins`) joins
+        ``slot`` as its last row."""
         raise NotImplementedError
 
     def _trim_rows(self, slot: Any, counts: list[int]) -> None:
@@ -1209,6 +1218,91 @@ class ConformanceMachine(RuleBasedStateMachine):
             return []
         return ["uneven"] if len(rows) >= 2 or self._uneven_joins(slot) else []
 
+    # The hooks of ``_build_fill`` (a ring writer's rules supply them).
+    def _fill_window(self, slot: Any) -> int:
+        """The window (``max_size``) of ``slot``'s rows."""
+        raise NotImplementedError
+
+    def _fill_joins(self, slot: Any) -> list[Any]:
+        """Free requests below their window that may join ``slot`` (its rows all wrapped)."""
+        raise NotImplementedError
+
+    def _fill_block(self, slot: Any, n: int, data: st.DataObject) -> Any:
+        """A block of ``n`` tokens on every row of ``slot``, compared reference vs
+        optimized, its rows' solo replays not yet fed; what :meth:`_fill_replay` needs."""
+        raise NotImplementedError
+
+    def _fill_replay(self, slot: Any, pending: Any, counts: list[int]) -> None:
+        """After ``trim_rows(counts)`` following :meth:`_fill_block`: each row's solo
+        replay takes only what the row kept of the block (a serial ring holding its
+        window cannot forget)."""
+        raise NotImplementedError
+
+    def _fill_short(self, slot: Any) -> list[int]:
+        """The rows of ``slot`` below their window."""
+        window = self._fill_window(slot)
+        return [b for b, t in enumerate(self._row_lengths(slot)) if t < window]
+
+    def _may_forget(self, before: int, n: int, count: int) -> bool:
+        """The spec's rule (spec/RaggedRotatingRows.md, ``trim_rows``), restated: after a
+        block of ``n`` onto ``before`` a row may forget ``count`` tokens while it still
+        retains the whole window of the position it goes back to."""
+        return bool(self.g.may_forget(before + n, self.g.retained(before, n), count))
+
+    def _build_fill(self, slot: Any, data: st.DataObject) -> None:
+        """The hard states ``FULL_RING_ROLLBACK`` and ``RING_TRIM_REFUSED``, built (every
+        ring writer's, through the hooks above): a block fills one row to exactly
+        ``max_size`` (wrapped, yet holding every token; other rows may pass their window),
+        then ``trim_rows`` rolls rows back, the filled row by one token at least. A count
+        past a row's window (or holdings) comes first: both refuse it with the same
+        error, nothing changed. What the spec allows is then accepted, each row's solo
+        replay taking only the tokens it kept."""
+        if not self._fill_short(slot):
+            # Every row wrapped (the common case by the time a layout is trimmed): a free
+            # request below its window joins first.
+            request = self._pick(data, self._fill_joins(slot), "request joining")
+            self._join_for_trim(slot, request)
+        window = self._fill_window(slot)
+        full = data.draw(st.sampled_from(self._fill_short(slot)), label="row to fill")
+        before = self._row_lengths(slot)
+        n = window - before[full]
+        # Each row's count among those the spec allows (at most the block: the solo replays
+        # take what each row kept of it), the filled row forgetting one at least.
+        counts = [
+            data.draw(
+                st.sampled_from(
+                    [c for c in range(b == full, n + 1) if self._may_forget(before[b], n, c)]
+                ),
+                label=f"count {b}",
+            )
+            for b in range(len(before))
+        ]
+        b = data.draw(st.integers(0, len(before) - 1), label="refused row")
+        first = next(
+            c for c in range(1, before[b] + n + 2) if not self._may_forget(before[b], n, c)
+        )
+        refused = list(counts)
+        refused[b] = data.draw(st.integers(first, first + 2), label=f"refused count {b}")
+        note(
+            f"trim_rows (fill): layout {slot.ident} row {full} +{n} to {window}, "
+            f"{refused} refused, {counts}"
+        )
+        pending = self._fill_block(slot, n, data)
+        after = f"after a block of {n} onto rows {before}"
+        self._refused(
+            f"trim_rows({refused}) {after}",
+            lambda impl, lay: lay.trim_rows(refused),
+            slot.ref,
+            slot.opt,
+            NotTrimmableError,
+        )
+        self.stats.state(RING_TRIM_REFUSED)
+        label = f"trim_rows({counts}) {after}"
+        self._exact(f"{label} (reference)", slot.ref.trim_rows(counts), max(counts))
+        self._exact(f"{label} (optimized)", slot.opt.trim_rows(counts), max(counts))
+        self.stats.state(FULL_RING_ROLLBACK)
+        self._fill_replay(slot, pending, counts)
+
     def _build_uneven(self, slot: Any, data: st.DataObject) -> None:
         """``UNEVEN_TRIM``, built (every writer's, through the hooks above): the rows are
         trimmed to the shortest one's length (equal rows; a layout of one row takes a
@@ -1216,7 +1310,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         if len(self._row_lengths(slot)) < 2:
             request = self._pick(data, self._uneven_joins(slot), "request joining")
             note(f"trim_rows (uneven): a request joins layout {slot.ident}")
-            self._uneven_join(slot, request)
+            self._join_for_trim(slot, request)
         lengths = self._row_lengths(slot)
         shortest = min(lengths)
         even = [t - shortest for t in lengths]
@@ -2795,7 +2889,7 @@ class KvRules(ConformanceMachine):
             return []
         return [t for t in self.pool if t.tokens >= 1 and not self.g.wrapped(t.tokens)]
 
-    def _uneven_join(self, slot: Slot, request: Track) -> None:
+    def _join_for_trim(self, slot: Slot, request: Track) -> None:
         self._merge_into(
             slot, [(f"request {request.ident}", request.ref, request.opt)], [request], [request]
         )

@@ -182,7 +182,13 @@ class PagedLatentMachine(FrozenCollector, LatentMachine):
         blocks the spec names (``(q - 1) // block_size`` for ``q`` query ids), holds the
         oracle's first tokens, references the blocks once more (nothing copied), and is
         released (every count back). A row in its bf16-first warm-up (beside the pool)
-        registers nothing."""
+        registers nothing. The collector is off throughout: no finalizer of a collected
+        cache releases blocks between the counts compared (for the same reason block
+        numbers differ between the implementations' pools: they are not compared)."""
+        with collector_paused(collect=False):
+            self._prefix_hit(data)
+
+    def _prefix_hit(self, data: st.DataObject) -> None:
         targets: list[tuple[Any, Any, int, Any]] = [(r.ref, r.opt, 0, r.ref) for r in self.requests]
         if self.layout is not None:
             lay = self.layout
@@ -245,11 +251,6 @@ class PagedLatentMachine(FrozenCollector, LatentMachine):
                 accounting(pool)[7:],
                 held[7:],
             )
-        self._exact(
-            "lookup_prefix: block tables (optimized vs reference)",
-            got[1].block_tables(),
-            got[0].block_tables(),
-        )
         self.stats.check("prefix hit")
         self.stats.state(WHOLE_BLOCK_HIT)
         for cache in got:

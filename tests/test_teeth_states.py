@@ -176,3 +176,43 @@ def test_a_paged_latent_hit_of_one_block_too_many_is_caught() -> None:
     )
     optimized = impl.with_classes({"PagedLatentCache": mutant})
     caught_in_ci("paged-latent", "PagedLatentCache", optimized, f"TeethStates{mutant.__name__}")
+
+
+def full_ring_row_refuses_its_rollback(base: Any) -> type:
+    """``base`` (a ring layout) as :class:`FullRingRowRefusesItsRollback`: wrong only in
+    ``FULL_RING_ROLLBACK``."""
+
+    def trim_rows(self: Any, counts: Sequence[int]) -> int:
+        for count, offset in zip(counts, self.row_offsets, strict=False):
+            if count and offset == self.max_size:
+                # MUTATION (the rule is retained - count >= min(offset - count, max_size))
+                raise NotTrimmableError(wrapped_ring_message("row", self.max_size))
+        return int(base.trim_rows(self, counts))
+
+    return type(f"FullRingRowRefuses{base.__name__}", (base,), {"trim_rows": trim_rows})
+
+
+def ring_rollback_past_the_window_accepted(base: Any) -> type:
+    """``base`` (a ring layout) as :class:`RingRollbackPastTheWindowAccepted`: wrong only
+    in ``RING_TRIM_REFUSED``."""
+
+    def trim_rows(self: Any, counts: Sequence[int]) -> int:
+        try:
+            return int(base.trim_rows(self, counts))
+        except NotTrimmableError:
+            return max(counts)  # MUTATION (a ring cannot give back what it overwrote)
+
+    return type(f"RingRollbackAccepted{base.__name__}", (base,), {"trim_rows": trim_rows})
+
+
+@pytest.mark.parametrize(
+    "make", [full_ring_row_refuses_its_rollback, ring_rollback_past_the_window_accepted]
+)
+def test_a_ring_fill_and_rollback_bug_is_caught_in_the_delayed_ring(make: Any) -> None:
+    """The delayed ring reaches the ring states through the shared builder
+    (``machines._build_fill``): its CI machine catches both ring bugs too."""
+    impl = optimized_impl()
+    layout = "DelayedRotatingQuantizedKVCache"
+    mutant = make(impl.cls(layout))
+    optimized = impl.with_classes({layout: mutant})
+    caught_in_ci("delayed", layout, optimized, f"TeethStates{mutant.__name__}")
