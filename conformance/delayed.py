@@ -601,6 +601,11 @@ class DelayedMachine(WriterRules):
             f"{[(t.ident, t.holds, t.tokens) for t in picked]}{' via a side layout' if side else ''}"
         )
         self._op("join" if slot.rows else "merge")
+        self._join_requests(slot, picked, side)
+
+    def _join_requests(self, slot: Slot, picked: list[Track], side: bool) -> None:
+        """``picked`` join ``slot`` (directly, or ``side``: through a side delayed
+        layout); legos are released, everything else borrowed."""
         for t in picked:
             self._solo_for(t)
         was_mixed = slot.ref.phase == "mixed"
@@ -1210,10 +1215,11 @@ class DelayedMachine(WriterRules):
     def trim_rows(self, data: st.DataObject) -> None:
         """Per-row trims (a ring row only before it wraps); converted rows stay converted."""
         slot = self._pick(data, [s for s in self.slots if s.rows], "layout")
-        g = self.g
+        if self._hard_trim(slot, data):
+            return
         counts = [
             0
-            if g.max_size is not None and t.tokens >= g.max_size
+            if self._wrapped(t.tokens)
             else data.draw(ks.counts_up_to(min(t.tokens, 6)), label=f"count {b}")
             for b, t in enumerate(slot.rows)
         ]
@@ -1221,6 +1227,17 @@ class DelayedMachine(WriterRules):
         whole = len(set(counts)) == 1 and data.draw(st.booleans(), label="as trim(n)")
         note(f"trim_rows: layout {slot.ident} {slot.opt!r} counts {counts} (trim(n): {whole})")
         self._op("trim" if whole else "trim_rows")
+        self._trim_rows(slot, counts, whole=whole)
+
+    def _wrapped(self, tokens: int) -> bool:
+        """A ring row holding its window takes no free count."""
+        return self.g.max_size is not None and tokens >= self.g.max_size
+
+    def _trim_rows(self, slot: Slot, counts: list[int], *, whole: bool = False) -> None:
+        """``trim_rows(counts)`` on both layouts (``whole``: ``trim(counts[0])``), which
+        every row's model and solo legos follow."""
+        g = self.g
+        self._note_uneven(slot, counts)
         for impl, lay in zip(self.impls, (slot.ref, slot.opt), strict=True):
             got = lay.trim(counts[0]) if whole else lay.trim_rows(counts)
             self._exact(f"trim return ({impl.name})", got, max(counts))
@@ -1232,6 +1249,76 @@ class DelayedMachine(WriterRules):
                 if t.converted_at is not None and t.tokens < g.start:
                     self.stats.check("converted row trimmed below start")
         self._check_layout(slot)
+
+    # ----------------------------------------- the hard states (``machines._build_uneven``)
+    def _hard_trims(self, slot: Slot) -> list[str]:
+        """``uneven`` (``UNEVEN_TRIM``) where no row holds its window; a ring's ``fill``
+        (``FULL_RING_ROLLBACK``, ``RING_TRIM_REFUSED``) where a block can fill a row to
+        exactly its window, three shares as in ``RingRules``."""
+        uneven = self._uneven_rows(slot, lambda tokens: not self._wrapped(tokens))
+        fill = (
+            ["fill"] * 3 if self.ring and (self._fill_short(slot) or self._fill_joins(slot)) else []
+        )
+        return [*uneven, *fill]
+
+    def _fill_rows(self, rows: list[Track]) -> list[int]:
+        """The rows below the window a block may fill with no row converting in it: the
+        layout converts a row at the append, its solo lego (fed what the row keeps) at
+        what it keeps, so the fill draws no block that crosses a row's ``start``."""
+        window = self._fill_window(None)
+        return [
+            b
+            for b, t in enumerate(rows)
+            if t.tokens < window
+            and all(
+                r.converted_at is not None or not self.g.converts(r.tokens + window - t.tokens)
+                for r in rows
+            )
+        ]
+
+    def _fill_window(self, slot: Slot | None) -> int:
+        assert self.g.max_size is not None
+        return self.g.max_size
+
+    def _fill_short(self, slot: Slot) -> list[int]:
+        return self._fill_rows(slot.rows)
+
+    def _fill_joins(self, slot: Slot) -> list[Track]:
+        if len(slot.rows) >= MAX_ROWS:
+            return []
+        return [t for t in self.pool if self._fill_rows([*slot.rows, t])[-1:] == [len(slot.rows)]]
+
+    def _fill_block(self, slot: Slot, n: int, data: st.DataObject) -> Any:
+        inside = slot.ref.phase == "mixed" or data.draw(st.booleans(), label="in row_reads")
+        before = [t.converted_at for t in slot.rows]
+        block = self._layout_append(slot, n, self._rng(data), inside, "fill", replay=False)
+        return block, before
+
+    def _fill_replay(self, slot: Slot, pending: Any, counts: list[int]) -> None:
+        (keys, values, queries, outputs), before = pending
+        kept = [int(keys.shape[2]) - c for c in counts]
+        for b, (track, k) in enumerate(zip(slot.rows, kept, strict=True)):
+            if k:
+                self._record_append(track, keys[b : b + 1, :, :k], values[b : b + 1, :, :k])
+        self._solo(slot, (keys, values), queries, outputs, kept)
+        self._advance(slot, before)
+
+    def _row_lengths(self, slot: Slot) -> list[int]:
+        return [t.tokens for t in slot.rows]
+
+    def _uneven_joins(self, slot: Slot) -> list[Track]:
+        if len(slot.rows) >= MAX_ROWS:
+            return []
+        return [t for t in self.pool if t.tokens >= 1 and not self._wrapped(t.tokens)]
+
+    def _join_for_trim(self, slot: Slot, request: Track) -> None:
+        self._join_requests(slot, [request], False)
+
+    def _uneven_block(self, slot: Slot, n: int, data: st.DataObject) -> None:
+        inside = slot.ref.phase == "mixed" or data.draw(st.booleans(), label="in row_reads")
+        self._layout_append(slot, n, self._rng(data), inside, "step")
+        self._check_layout(slot)
+        self._landed(slot)
 
     # ------------------------------------------------------------------ bad calls
     @precondition(lambda self: bool(self.slots))

@@ -236,6 +236,10 @@ class LatentMachine(WriterRules):
             st.lists(st.sampled_from(self.requests), min_size=1, max_size=2, unique_by=id),
             label="rows",
         )
+        self._join(layout, chosen)
+
+    def _join(self, layout: Layout, chosen: list[Request]) -> None:
+        """``chosen`` join ``layout`` (borrowed, unchanged) as its last rows."""
         before = [self._observed(self.ref_impl, r.ref) for r in chosen]
         layout.ref.merge_rows([r.ref for r in chosen])
         layout.opt.merge_rows([r.opt for r in chosen])
@@ -392,6 +396,54 @@ class LatentMachine(WriterRules):
                 if twin is not None:
                     twin.trim(n)
         self._check_layout()
+
+    @precondition(lambda self: self.layout is not None)
+    @rule(data=st.data())
+    def trim_rows(self, data: st.DataObject) -> None:
+        """Per-row rollback outside a round; half the runs where the layout allows build
+        a hard state instead (``machines._build_uneven``)."""
+        layout = self.layout
+        assert layout is not None
+        if self._hard_trim(layout, data):
+            return
+        self.stats.op("trim_rows")
+        offsets = layout.ref.row_offsets
+        counts = [data.draw(st.integers(0, t), label=f"count {b}") for b, t in enumerate(offsets)]
+        self._trim_rows(layout, counts)
+
+    # -- the hard states' hooks (``machines._build_uneven``): a full-attention latent row
+    # rolls back whatever it holds
+    def _hard_trims(self, slot: Layout) -> list[str]:
+        return self._uneven_rows(slot, lambda tokens: True)
+
+    def _row_lengths(self, slot: Layout) -> list[int]:
+        return list(slot.ref.row_offsets)
+
+    def _uneven_joins(self, slot: Layout) -> list[Request]:
+        return [r for r in self.requests if r.ref.width >= 1]
+
+    def _join_for_trim(self, slot: Layout, request: Request) -> None:
+        self._join(slot, [request])
+
+    def _trim_rows(self, slot: Layout, counts: list[int]) -> None:
+        self._note_uneven(slot, counts)
+        got = (slot.ref.trim_rows(counts), slot.opt.trim_rows(counts))
+        self._exact("trim_rows return (reference, optimized)", got, (max(counts),) * 2)
+        for solo, count in zip(self._solos(slot), counts, strict=True):
+            if count:
+                solo.trim(count)
+        if slot.lm is not None:
+            self._rebuild_lm(slot)  # mlx-lm has no per-row trim
+        self._check_layout()
+
+    def _uneven_block(self, slot: Layout, n: int, data: st.DataObject) -> None:
+        room = (self.c.max_tokens or 10**9) - slot.ref.width
+        if room < 1:  # a full layout takes no block: the state is not reached
+            slot.uneven = False
+            return
+        self._step_layout(min(n, room), None)
+        self._check_layout()
+        self._landed(slot)
 
     @precondition(lambda self: self.cfg is not None and self._invalid_left > 0)
     @rule(data=st.data())

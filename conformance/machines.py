@@ -100,7 +100,9 @@ from kvrows.protocols import RowTrimmable
 __all__ = [
     "BASE_CHECKS",
     "FULL_CHECK_EVERY",
+    "FULL_RING_ROLLBACK",
     "MESSAGE_EXCEPTIONS",
+    "RING_TRIM_REFUSED",
     "ROLE_LOOKUPS",
     "UNEVEN_TRIM",
     "Block",
@@ -149,6 +151,12 @@ FULL_CHECK_EVERY = 4
 #: trimmed by unequal counts (``trim_rows``), then a block. Counted, not yet built by a
 #: rule nor asserted: free draws never reach it in the CI profile.
 UNEVEN_TRIM = "equal rows trimmed unequally, then a step"
+
+#: Hard states (``Stats.states`` keys, spec/contract.md §0.11) of the rings with
+#: per-row trims: a row holding exactly ``max_size`` tokens rolled back by ``trim_rows``;
+#: a ``trim_rows`` past a row's window (or holdings) refused after a block.
+FULL_RING_ROLLBACK = "a ring row holding exactly max_size rolled back"
+RING_TRIM_REFUSED = "a ring trim past the window refused"
 
 #: Bad-input cases (a part of their label) whose error *messages* differ between the
 #: implementations: only their error types are compared. Each says why; the list shrinks
@@ -245,6 +253,8 @@ class Layout:
     opt: Any
     lm: Any = None
     rows: list[Request] = field(default_factory=list)
+    #: As ``Slot.uneven`` (``UNEVEN_TRIM``).
+    uneven: bool = False
 
 
 # ------------------------------------------------------------------ array helpers
@@ -1139,10 +1149,181 @@ class ConformanceMachine(RuleBasedStateMachine):
             self.pool.remove(t)
         slot.rows.extend(incoming)
 
-    def _hard_trims(self, slot: Slot) -> list[str]:
-        """The hard states ``trim_rows`` can build on ``slot`` (spec/contract.md §0.11):
-        none here; the writer's and the geometry's rules name theirs."""
+    #: Set while ``pool_pressure`` runs a rule under a byte limit it must never meet: the
+    #: hard-state builders step a layout, which may take blocks.
+    _pressed = False
+
+    def _hard_trims(self, slot: Any) -> list[str]:
+        """The hard states ``trim_rows`` can build on ``slot`` (spec/contract.md §0.11),
+        each a ``_build_<name>``: none here; the writer's and the geometry's rules name
+        theirs."""
         return []
+
+    def _hard_trim(self, slot: Any, data: st.DataObject) -> bool:
+        """``trim_rows``' branch for the hard states (every writer's): where ``slot``
+        allows (:meth:`_hard_trims`), half the runs build one instead of drawing free
+        counts (which reach them 0 times); whether one was built. A branch of the rule,
+        not a rule of its own, so a machine's other layouts draw exactly as before."""
+        hard = [] if self._pressed else self._hard_trims(slot)
+        kind = data.draw(st.sampled_from(("free", *hard)), label="trim") if hard else ""
+        if not kind or kind == "free":
+            return False
+        self._op("trim_rows", slot)
+        self._op(f"trim_rows:{kind}", slot)
+        getattr(self, f"_build_{kind}")(slot, data)
+        return True
+
+    # The hooks of ``_build_uneven`` (a writer's rules supply them; ``slot``: a ``Slot``
+    # or a ``Layout``).
+    def _row_lengths(self, slot: Any) -> list[int]:
+        """The tokens each row of ``slot`` holds."""
+        raise NotImplementedError
+
+    def _uneven_joins(self, slot: Any) -> list[Any]:
+        """Free requests that may join ``slot`` as a second row for ``_build_uneven``."""
+        raise NotImplementedError
+
+    def _join_for_trim(self, slot: Any, request: Any) -> None:
+        """``request`` (one of :meth:`_uneven_joins` or :meth:`_fill_joins`) joins
+        ``slot`` as its last row."""
+        raise NotImplementedError
+
+    def _trim_rows(self, slot: Any, counts: list[int]) -> None:
+        """``trim_rows(counts)`` on both layouts, which every row's solo replay follows
+        (calling :meth:`_note_uneven` first)."""
+        raise NotImplementedError
+
+    def _uneven_block(self, slot: Any, n: int, data: st.DataObject) -> None:
+        """A block of ``n`` tokens lands on every row of ``slot`` (then :meth:`_landed`)."""
+        raise NotImplementedError
+
+    def _note_uneven(self, slot: Any, counts: Sequence[int]) -> None:
+        """Before ``trim_rows(counts)``: rows of equal length trimmed unequally mark
+        ``slot`` (the hard state ``UNEVEN_TRIM`` counts when the next block lands)."""
+        lengths = self._row_lengths(slot)
+        if len(lengths) > 1 and len(set(lengths)) == 1:
+            slot.uneven = len(set(counts)) > 1
+
+    def _landed(self, slot: Any) -> None:
+        """A block landed on ``slot``: a marked slot reached ``UNEVEN_TRIM``."""
+        if slot.uneven:
+            self.stats.state(UNEVEN_TRIM)
+            slot.uneven = False
+
+    def _uneven_rows(self, slot: Any, rolls_back: Callable[[int], bool]) -> list[str]:
+        """``uneven`` where two or more rows hold a token and each may roll back
+        (``rolls_back(tokens)``), or one does and a free request may join it."""
+        rows = self._row_lengths(slot)
+        if min(rows, default=0) < 1 or not all(rolls_back(t) for t in rows):
+            return []
+        return ["uneven"] if len(rows) >= 2 or self._uneven_joins(slot) else []
+
+    # The hooks of ``_build_fill`` (a ring writer's rules supply them).
+    def _fill_window(self, slot: Any) -> int:
+        """The window (``max_size``) of ``slot``'s rows."""
+        raise NotImplementedError
+
+    def _fill_joins(self, slot: Any) -> list[Any]:
+        """Free requests below their window that may join ``slot`` (its rows all wrapped)."""
+        raise NotImplementedError
+
+    def _fill_block(self, slot: Any, n: int, data: st.DataObject) -> Any:
+        """A block of ``n`` tokens on every row of ``slot``, compared reference vs
+        optimized, its rows' solo replays not yet fed; what :meth:`_fill_replay` needs."""
+        raise NotImplementedError
+
+    def _fill_replay(self, slot: Any, pending: Any, counts: list[int]) -> None:
+        """After ``trim_rows(counts)`` following :meth:`_fill_block`: each row's solo
+        replay takes only what the row kept of the block (a serial ring holding its
+        window cannot forget)."""
+        raise NotImplementedError
+
+    def _fill_short(self, slot: Any) -> list[int]:
+        """The rows of ``slot`` below their window."""
+        window = self._fill_window(slot)
+        return [b for b, t in enumerate(self._row_lengths(slot)) if t < window]
+
+    def _may_forget(self, before: int, n: int, count: int) -> bool:
+        """The spec's rule (spec/RaggedRotatingRows.md, ``trim_rows``), restated: after a
+        block of ``n`` onto ``before`` a row may forget ``count`` tokens while it still
+        retains the whole window of the position it goes back to."""
+        return bool(self.g.may_forget(before + n, self.g.retained(before, n), count))
+
+    def _build_fill(self, slot: Any, data: st.DataObject) -> None:
+        """The hard states ``FULL_RING_ROLLBACK`` and ``RING_TRIM_REFUSED``, built (every
+        ring writer's, through the hooks above): a block fills one row to exactly
+        ``max_size`` (wrapped, yet holding every token; other rows may pass their window),
+        then ``trim_rows`` rolls rows back, the filled row by one token at least. A count
+        past a row's window (or holdings) comes first: both refuse it with the same
+        error, nothing changed. What the spec allows is then accepted, each row's solo
+        replay taking only the tokens it kept."""
+        if not self._fill_short(slot):
+            # Every row wrapped (the common case by the time a layout is trimmed): a free
+            # request below its window joins first.
+            request = self._pick(data, self._fill_joins(slot), "request joining")
+            self._join_for_trim(slot, request)
+        window = self._fill_window(slot)
+        full = data.draw(st.sampled_from(self._fill_short(slot)), label="row to fill")
+        before = self._row_lengths(slot)
+        n = window - before[full]
+        # Each row's count among those the spec allows (at most the block: the solo replays
+        # take what each row kept of it), the filled row forgetting one at least.
+        counts = [
+            data.draw(
+                st.sampled_from(
+                    [c for c in range(b == full, n + 1) if self._may_forget(before[b], n, c)]
+                ),
+                label=f"count {b}",
+            )
+            for b in range(len(before))
+        ]
+        b = data.draw(st.integers(0, len(before) - 1), label="refused row")
+        first = next(
+            c for c in range(1, before[b] + n + 2) if not self._may_forget(before[b], n, c)
+        )
+        refused = list(counts)
+        refused[b] = data.draw(st.integers(first, first + 2), label=f"refused count {b}")
+        note(
+            f"trim_rows (fill): layout {slot.ident} row {full} +{n} to {window}, "
+            f"{refused} refused, {counts}"
+        )
+        pending = self._fill_block(slot, n, data)
+        after = f"after a block of {n} onto rows {before}"
+        self._refused(
+            f"trim_rows({refused}) {after}",
+            lambda impl, lay: lay.trim_rows(refused),
+            slot.ref,
+            slot.opt,
+            NotTrimmableError,
+        )
+        self.stats.state(RING_TRIM_REFUSED)
+        label = f"trim_rows({counts}) {after}"
+        self._exact(f"{label} (reference)", slot.ref.trim_rows(counts), max(counts))
+        self._exact(f"{label} (optimized)", slot.opt.trim_rows(counts), max(counts))
+        self.stats.state(FULL_RING_ROLLBACK)
+        self._fill_replay(slot, pending, counts)
+
+    def _build_uneven(self, slot: Any, data: st.DataObject) -> None:
+        """``UNEVEN_TRIM``, built (every writer's, through the hooks above): the rows are
+        trimmed to the shortest one's length (equal rows; a layout of one row takes a
+        free request first), then by unequal counts, then a block lands on them."""
+        if len(self._row_lengths(slot)) < 2:
+            request = self._pick(data, self._uneven_joins(slot), "request joining")
+            note(f"trim_rows (uneven): a request joins layout {slot.ident}")
+            self._join_for_trim(slot, request)
+        lengths = self._row_lengths(slot)
+        shortest = min(lengths)
+        even = [t - shortest for t in lengths]
+        counts = [data.draw(st.integers(0, shortest), label=f"count {b}") for b in range(len(even))]
+        if len(set(counts)) == 1:  # unequal: one row forgets one token more or less
+            counts[0] = counts[0] - 1 if counts[0] else 1
+        n = data.draw(st.integers(1, 4), label="N")
+        note(f"trim_rows (uneven): layout {slot.ident} {even}, then {counts}, then N={n}")
+        if any(even):
+            self._trim_rows(slot, even)
+        self._trim_rows(slot, counts)
+        assert slot.uneven, "equal rows trimmed unequally"
+        self._uneven_block(slot, n, data)
 
     def _mirror_merge(self, slot: Slot, twins: Sequence[Any]) -> None:
         if not self._parity(slot) or not twins or self.peer is None:
@@ -1157,9 +1338,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         queries = self._queries(rng, rows, n)
         outputs = self._layout_step(slot, keys, values, queries, form)
         self._solo_step(slot, keys, values, queries, form, outputs)
-        if slot.uneven:
-            self.stats.state(UNEVEN_TRIM)
-            slot.uneven = False
+        self._landed(slot)
 
     def _layout_step(
         self, slot: Slot, keys: Array, values: Array, queries: Array, form: ks.MaskForm
@@ -2685,12 +2864,7 @@ class KvRules(ConformanceMachine):
         0 times; a branch of this rule, not rules of their own, so a machine's other
         layouts draw exactly as before."""
         slot = self._pick(data, self._steppable(), "layout")
-        hard = [] if self._pressed else self._hard_trims(slot)
-        kind = data.draw(st.sampled_from(("free", *hard)), label="trim") if hard else ""
-        if kind and kind != "free":
-            self._op("trim_rows", slot)
-            self._op(f"trim_rows:{kind}", slot)
-            getattr(self, f"_build_{kind}")(slot, data)
+        if self._hard_trim(slot, data):
             return
         counts = [
             0
@@ -2702,54 +2876,32 @@ class KvRules(ConformanceMachine):
         self._op("trim_rows", slot)
         self._trim_rows(slot, counts)
 
-    #: Set while ``pool_pressure`` runs a rule under a byte limit it must never meet: the
-    #: hard-state builders step a layout, which may take blocks.
-    _pressed = False
-
     def _hard_trims(self, slot: Slot) -> list[str]:
-        """The hard states ``trim_rows`` can build on ``slot`` (each a ``_build_<name>``):
-        ``uneven`` (``UNEVEN_TRIM``) where two or more rows hold a token and none has
+        """``uneven`` (``UNEVEN_TRIM``) where two or more rows hold a token and none has
         wrapped (a wrapped ring row takes no free count)."""
-        rows = [t.tokens for t in slot.rows]
-        if min(rows, default=0) < 1 or any(self.g.wrapped(t) for t in rows):
-            return []
-        return ["uneven"] if len(rows) >= 2 or self._uneven_joins(slot) else []
+        return self._uneven_rows(slot, lambda tokens: not self.g.wrapped(tokens))
+
+    def _row_lengths(self, slot: Slot) -> list[int]:
+        return [t.tokens for t in slot.rows]
 
     def _uneven_joins(self, slot: Slot) -> list[Track]:
-        """Free requests that may join ``slot`` as a second row for ``_build_uneven``."""
         if len(slot.rows) >= self.limits.rows:
             return []
         return [t for t in self.pool if t.tokens >= 1 and not self.g.wrapped(t.tokens)]
 
-    def _build_uneven(self, slot: Slot, data: st.DataObject) -> None:
-        """``UNEVEN_TRIM``, built: the rows are trimmed to the shortest one's length (equal
-        rows; a layout of one row takes a free request first), then by unequal counts,
-        then a block lands on them."""
-        if len(slot.rows) < 2:
-            track = self._pick(data, self._uneven_joins(slot), "request joining")
-            note(f"trim_rows (uneven): request {track.ident} joins layout {slot.ident}")
-            self._merge_into(
-                slot, [(f"request {track.ident}", track.ref, track.opt)], [track], [track]
-            )
-        shortest = min(t.tokens for t in slot.rows)
-        even = [t.tokens - shortest for t in slot.rows]
-        counts = [data.draw(st.integers(0, shortest), label=f"count {b}") for b in range(len(even))]
-        if len(set(counts)) == 1:  # unequal: one row forgets one token more or less
-            counts[0] = counts[0] - 1 if counts[0] else 1
-        n = data.draw(st.integers(1, 4), label="N")
+    def _join_for_trim(self, slot: Slot, request: Track) -> None:
+        self._merge_into(
+            slot, [(f"request {request.ident}", request.ref, request.opt)], [request], [request]
+        )
+
+    def _uneven_block(self, slot: Slot, n: int, data: st.DataObject) -> None:
         form = data.draw(ks.mask_forms(), label="mask form")
-        note(f"trim_rows (uneven): layout {slot.ident} {even}, then {counts}, then N={n}")
-        if any(even):
-            self._trim_rows(slot, even)
-        self._trim_rows(slot, counts)
-        assert slot.uneven, "equal rows trimmed unequally"
         self._step(slot, n, self._rng(data), form)
 
     def _trim_rows(self, slot: Slot, counts: list[int]) -> None:
         """``trim_rows(counts)`` on both layouts, which every row's solo replay follows."""
         expected = max(counts, default=0)
-        if len(slot.rows) > 1 and len({t.tokens for t in slot.rows}) == 1:
-            slot.uneven = len(set(counts)) > 1
+        self._note_uneven(slot, counts)
         self._exact("trim_rows() return (reference)", slot.ref.trim_rows(counts), expected)
         self._exact("trim_rows() return (optimized)", slot.opt.trim_rows(counts), expected)
         for track, count in zip(slot.rows, counts, strict=True):

@@ -15,6 +15,12 @@ block size 2, 3 or 4, so rows cross blocks and share partly filled tails), with:
 * **the pool's invariants** after every rule (``spec/paged-pool.md`` §4: conservation,
   free <=> count 0, counts = live tables, no empty tail block); with every row in one
   pool, merges, filters, extracts and rollbacks only edit tables;
+* **prefix hits** (``prefix_hit``): a request or a layout row registers its first
+  positions (``register_prefix``, ids hashed from what its solo oracle holds there), and
+  ``pool.lookup_prefix`` of a new request starting with them hits the whole blocks the
+  spec names, holding the registered row's first tokens (the solo oracle's), its blocks
+  referenced once more, nothing copied (``WHOLE_BLOCK_HIT``); rows of two or more whole
+  blocks whose tables are not one run count ``BLOCK_TABLE_GAPS``;
 * **byte-limited pools**: an example draws a headroom (0-2 blocks, or no limit) and
   every append under test (prefill chunks, layout steps, verify blocks) runs with the
   pools limited to what they hold plus the headroom (``conformance.paged``). Both
@@ -25,12 +31,13 @@ block size 2, 3 or 4, so rows cross blocks and share partly filled tails), with:
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
 import hypothesis.strategies as st
 from hypothesis import note
-from hypothesis.stateful import initialize, invariant
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from kvrows.conformance.families import Impl
 from kvrows.conformance.latent import _CODECS, LatentMachine
@@ -42,6 +49,7 @@ from kvrows.conformance.paged import (
     byte_limited,
     collector_paused,
 )
+from kvrows.conformance.rules import BLOCK_TABLE_GAPS, WHOLE_BLOCK_HIT, _gapped
 from kvrows.errors import PoolExhaustedError
 from kvrows.latent import latent_token_bytes
 
@@ -155,6 +163,113 @@ class PagedLatentMachine(FrozenCollector, LatentMachine):
             return target.make_empty_batch().merge_rows([target, foreign])
 
         return [*super()._bad_cases(cache), ("other block size", other_block_size)]
+
+    # -- prefix hits (``PoolBase.register_blocks`` / ``lookup_prefix``) ---------------------
+    def _token_ids(self, planes: tuple[Any, ...], tokens: int) -> list[int]:
+        """Ids of a row's first ``tokens`` positions, from what its oracle holds there
+        (``[1, 1, width, ·]`` planes): equal ids only ever name equal stored tokens, so a
+        hit is right whichever row registered it."""
+        columns = [
+            b"".join(p[0, 0, i].tobytes() for p in planes if p is not None) for i in range(tokens)
+        ]
+        return [int.from_bytes(hashlib.blake2b(c, digest_size=6).digest()) for c in columns]
+
+    @precondition(lambda self: self.layout is not None or bool(self.requests))
+    @rule(data=st.data())
+    def prefix_hit(self, data: st.DataObject) -> None:
+        """``register_prefix`` of a row's (or a request's) first ``t`` positions, then
+        ``pool.lookup_prefix`` of a new request starting with them: the hit is the whole
+        blocks the spec names (``(q - 1) // block_size`` for ``q`` query ids), holds the
+        oracle's first tokens, references the blocks once more (nothing copied), and is
+        released (every count back). A row in its bf16-first warm-up (beside the pool)
+        registers nothing. The collector is off throughout: no finalizer of a collected
+        cache releases blocks between the counts compared (for the same reason block
+        numbers differ between the implementations' pools: they are not compared)."""
+        with collector_paused(collect=False):
+            self._prefix_hit(data)
+
+    def _prefix_hit(self, data: st.DataObject) -> None:
+        targets: list[tuple[Any, Any, int, Any]] = [(r.ref, r.opt, 0, r.ref) for r in self.requests]
+        if self.layout is not None:
+            lay = self.layout
+            targets += [(lay.ref, lay.opt, b, row.ref) for b, row in enumerate(lay.rows)]
+        ref, opt, b, oracle = self._pick(data, targets, "row")
+        if not ref.batch_size or not ref.row_offsets[b]:
+            return
+        self.stats.op("prefix:register")
+        offset, bs = ref.row_offsets[b], ref.block_size
+        width = oracle.width
+        planes = tuple(
+            None if p is None else self.ref_impl.to_numpy(p)[:, :, width - offset :]
+            for p in oracle.current()
+        )
+        ids = self._token_ids(planes, offset)
+        whole = offset // bs * bs
+        t = data.draw(st.sampled_from((offset, whole)) | st.integers(0, offset), label="ids")
+        registered = ids[:t]
+        in_pool = [bool(c.block_tables()[b]) for c in (ref, opt)]
+        self._exact("a row in the pool (optimized vs reference)", in_pool[1], in_pool[0])
+        full = [c.register_prefix(b, registered) for c in (ref, opt)]
+        expected = t // bs if in_pool[0] else 0
+        self._exact(
+            "register_prefix: whole blocks cached (reference, optimized)", full, [expected] * 2
+        )
+        q = data.draw(st.just(t + 1) | st.integers(0, t + 1), label="query ids")
+        query = registered[:q] if q <= t else [*registered, -1]
+        hit = max(q - 1, 0) // bs if full[0] else 0
+        pools = [self._pools[impl.name] for impl in (self.ref_impl, self.opt_impl)]
+        before = [accounting(pool) for pool in pools]
+        got = [pool.lookup_prefix(query) for pool in pools]
+        self._exact(
+            f"lookup_prefix of {q} ids: a hit of {hit} blocks (reference, optimized)",
+            [None if c is None else tuple(c.row_offsets) for c in got],
+            [None if not hit else (hit * bs,)] * 2,
+        )
+        self.stats.op("prefix:lookup")
+        if not hit:
+            after = [accounting(pool) for pool in pools]
+            self._exact("a missed lookup changes no pool", after, before)
+            return
+        self.stats.op("prefix:hit")
+        tokens = hit * bs
+        want = tuple(None if p is None else p[:, :, :tokens] for p in planes)
+        for impl, pool, cache, held in zip(
+            (self.ref_impl, self.opt_impl), pools, got, before, strict=True
+        ):
+            mine = tuple(None if p is None else impl.to_numpy(p) for p in cache.current())
+            self._same_tensors(f"lookup_prefix hit ({impl.name}) vs the registered row", mine, want)
+            counts = list(held[4])
+            for block in cache.block_tables()[0]:
+                counts[block] += 1
+            self._exact(
+                f"lookup_prefix ({impl.name}): each hit block referenced once more",
+                list(accounting(pool)[4]),
+                counts,
+            )
+            self._exact(
+                f"lookup_prefix ({impl.name}): nothing written or copied",
+                accounting(pool)[7:],
+                held[7:],
+            )
+        self.stats.check("prefix hit")
+        self.stats.state(WHOLE_BLOCK_HIT)
+        for cache in got:
+            cache.release()
+        self._exact(
+            "a released hit gives every count back",
+            [accounting(pool)[4] for pool in pools],
+            [held[4] for held in before],
+        )
+
+    def _check_layout(self) -> None:
+        super()._check_layout()
+        layout = self.layout
+        if layout is None:
+            return
+        bs = layout.ref.block_size
+        tables = layout.ref.block_tables()
+        if any(_gapped(tb, t, bs) for tb, t in zip(tables, layout.ref.row_offsets, strict=True)):
+            self.stats.state(BLOCK_TABLE_GAPS)
 
     @invariant()
     def pools_are_sound(self) -> None:

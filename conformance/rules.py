@@ -70,6 +70,8 @@ from kvrows.conformance.arrays import NUMPY_DTYPES, random_block
 from kvrows.conformance.families import Impl
 from kvrows.conformance.hooks import lm_cache
 from kvrows.conformance.machines import (
+    FULL_RING_ROLLBACK,
+    RING_TRIM_REFUSED,
     Case,
     ConformanceMachine,
     KvRules,
@@ -98,7 +100,6 @@ from kvrows.errors import (
     InvalidInputError,
     KvRowsError,
     LayoutStateError,
-    NotTrimmableError,
     PoolExhaustedError,
     SpeculativeRoundError,
     SpeculativeStateInvalidError,
@@ -492,13 +493,6 @@ class TurboRules(CodecCases):
 
 
 # ------------------------------------------------------------------------ geometries
-#: Hard states (``Stats.states`` keys, spec/contract.md §0.11) of the rings with
-#: per-row trims: a row holding exactly ``max_size`` tokens rolled back by ``trim_rows``;
-#: a ``trim_rows`` past a row's window (or holdings) refused after a block.
-FULL_RING_ROLLBACK = "a ring row holding exactly max_size rolled back"
-RING_TRIM_REFUSED = "a ring trim past the window refused"
-
-
 class RingRules(ConformanceMachine):
     """The ring geometry's rules, for both codecs (the example's window, sinks and codec
     drawn by ``hooks.GEOMETRY_HOOKS["ring"]``: windows by role, quantized rings at head
@@ -550,85 +544,31 @@ class RingRules(ConformanceMachine):
         """Besides the base's: ``fill`` where a block can fill a row to exactly its window
         (three times the odds: a ring's free trims of wrapped rows are no-ops, and verify
         layouts, with their rounds, draw ``trim_rows`` seldom)."""
-        fill = ["fill"] * 3 if self._short(slot) or self._joinable(slot) else []
+        fill = ["fill"] * 3 if self._fill_short(slot) or self._fill_joins(slot) else []
         return [*super()._hard_trims(slot), *fill]
 
-    def _short(self, slot: Slot) -> list[int]:
-        """The rows of ``slot`` below their window."""
-        return [b for b, t in enumerate(slot.rows) if t.tokens < self.window]
+    # The hooks of ``machines._build_fill`` (``FULL_RING_ROLLBACK``, ``RING_TRIM_REFUSED``).
+    def _fill_window(self, slot: Slot) -> int:
+        return self.window
 
-    def _joinable(self, slot: Slot) -> list[Track]:
-        """Free requests below their window that may join ``slot`` (its rows all wrapped)."""
+    def _fill_joins(self, slot: Slot) -> list[Track]:
         if len(slot.rows) >= self.limits.rows:
             return []
         return [t for t in self.pool if t.tokens < self.window]
 
-    def _may_forget(self, before: int, n: int, count: int) -> bool:
-        """The spec's rule (spec/RaggedRotatingRows.md, ``trim_rows``), restated: after a
-        block of ``n`` onto ``before`` a row may forget ``count`` tokens while it still
-        retains the whole window of the position it goes back to."""
-        return self.g.may_forget(before + n, self.g.retained(before, n), count)
-
-    def _build_fill(self, slot: Slot, data: st.DataObject) -> None:
-        """The hard states ``FULL_RING_ROLLBACK`` and ``RING_TRIM_REFUSED``, built (a
-        branch of ``trim_rows``): a block fills one row to exactly ``max_size`` (wrapped,
-        yet holding every token; other rows may pass their window), then ``trim_rows``
-        rolls rows back, the filled row by one token at least. A count past a row's
-        window (or holdings) comes first: both refuse it with the same error, nothing
-        changed. What the spec allows is then accepted, each row's solo replay taking
-        only the tokens it kept."""
-        if not self._short(slot):
-            # Every row wrapped (the common case by the time a layout is trimmed): a free
-            # request below its window joins first.
-            track = self._pick(data, self._joinable(slot), "request joining")
-            self._merge_into(
-                slot, [(f"request {track.ident}", track.ref, track.opt)], [track], [track]
-            )
-        short = self._short(slot)
-        full = data.draw(st.sampled_from(short), label="row to fill")
-        before = [t.tokens for t in slot.rows]
-        n = self.window - before[full]
-        # Each row's count among those the spec allows (at most the block: the solo replays
-        # take what each row kept of it), the filled row forgetting one at least.
-        counts = [
-            data.draw(
-                st.sampled_from(
-                    [c for c in range(b == full, n + 1) if self._may_forget(before[b], n, c)]
-                ),
-                label=f"count {b}",
-            )
-            for b in range(len(before))
-        ]
-        b = data.draw(st.integers(0, len(before) - 1), label="refused row")
-        first = next(
-            c for c in range(1, before[b] + n + 2) if not self._may_forget(before[b], n, c)
-        )
-        refused = list(counts)
-        refused[b] = data.draw(st.integers(first, first + 2), label=f"refused count {b}")
+    def _fill_block(self, slot: Slot, n: int, data: st.DataObject) -> Any:
         form = data.draw(ks.mask_forms(), label="mask form")
         rng = self._rng(data)
-        g, rows = self.g, len(before)
+        g, rows = self.g, len(slot.rows)
         keys = self._block(rng, rows, n, g.key_dim)
         values = self._block(rng, rows, n, g.value_dim)
         queries = self._queries(rng, rows, n)
-        note(
-            f"trim_rows (fill): layout {slot.ident} row {full} +{n} to {self.window}, "
-            f"{refused} refused, {counts}"
-        )
-        out_ref, out_opt = self._layout_step(slot, keys, values, queries, form)
-        after = f"after a block of {n} onto rows {before}"
-        self._refused(
-            f"trim_rows({refused}) {after}",
-            lambda impl, lay: lay.trim_rows(refused),
-            slot.ref,
-            slot.opt,
-            NotTrimmableError,
-        )
-        self.stats.state(RING_TRIM_REFUSED)
-        label = f"trim_rows({counts}) {after}"
-        self._exact(f"{label} (reference)", slot.ref.trim_rows(counts), max(counts))
-        self._exact(f"{label} (optimized)", slot.opt.trim_rows(counts), max(counts))
-        self.stats.state(FULL_RING_ROLLBACK)
+        outputs = self._layout_step(slot, keys, values, queries, form)
+        return keys, values, queries, form, outputs
+
+    def _fill_replay(self, slot: Slot, pending: Any, counts: list[int]) -> None:
+        keys, values, queries, form, (out_ref, out_opt) = pending
+        n = int(keys.shape[2])
         if slot.lm is not None and any(counts):
             slot.mirrored = False  # mlx-lm's batch ring has no per-row trim
         for b, track in enumerate(slot.rows):
@@ -644,13 +584,13 @@ class RingRules(ConformanceMachine):
                     np.ascontiguousarray(queries[part]),
                     form,
                     (np.ascontiguousarray(out_ref[part]), np.ascontiguousarray(out_opt[part])),
-                    f"row {b} ({before[b]} tokens, keeps {kept} of a block of {n})",
+                    f"row {b} ({track.tokens} tokens, keeps {kept} of a block of {n})",
                 )
                 if track.lm is not None:  # its whole block (a trimmed row dropped its twin)
                     track.lm.update_and_fetch(
                         self._lm_copy(keys[part]), self._lm_copy(values[part])
                     )
-        self.stats.check("solo attention", rows)
+        self.stats.check("solo attention", len(slot.rows))
 
     def _check_layout_shape(self, slot: Slot) -> None:
         if not self.spec.shared_column:

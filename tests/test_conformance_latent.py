@@ -19,6 +19,7 @@ from conformance_helpers import caught, run_family
 import kvrows.optimized as opt
 from kvrows.conformance.families import FAMILIES
 from kvrows.conformance.latent import LATENT_CHECKS
+from kvrows.conformance.machines import UNEVEN_TRIM
 from kvrows.conversion import Conversion
 
 FAMILY = FAMILIES["latent"]
@@ -35,6 +36,8 @@ EXPECTED_OPS = {
     "filter",
     "extract",
     "trim",
+    "trim_rows",
+    "trim_rows:uneven",
     "invalid",
     "bad:dsa mismatch",
 }
@@ -51,6 +54,7 @@ def test_latent_family(layout: str) -> None:
     assert not missing_ops, f"operations never exercised: {sorted(missing_ops)}"
     missing = set(LATENT_CHECKS) - set(stats.checks)
     assert not missing, f"oracles never reached: {sorted(missing)}"
+    stats.require(0, states=(UNEVEN_TRIM,))  # equal rows trimmed unequally, then a step
     if layout == "MLACache":
         assert stats.checks["mlx-lm"] > 0
         assert stats.checks["mlx-lm rollback rebuild"] > 0

@@ -18,6 +18,8 @@ from conformance_helpers import caught, run_family
 import kvrows.optimized as opt
 from kvrows.conformance.families import FAMILIES
 from kvrows.conformance.latent import LATENT_CHECKS
+from kvrows.conformance.machines import UNEVEN_TRIM
+from kvrows.conformance.rules import BLOCK_TABLE_GAPS, WHOLE_BLOCK_HIT
 
 FAMILY = FAMILIES["paged-latent"]
 
@@ -31,6 +33,11 @@ EXPECTED_OPS = {
     "filter",
     "extract",
     "trim",
+    "trim_rows",
+    "trim_rows:uneven",
+    "prefix:register",
+    "prefix:lookup",
+    "prefix:hit",
     "invalid",
     "bad:dsa mismatch",
     "bad:other block size",
@@ -48,6 +55,7 @@ def test_paged_latent_family() -> None:
     oracles = {*LATENT_CHECKS, "MLACache oracle", "pool invariants", "mlx-lm"}
     missing = oracles - set(stats.checks)
     assert not missing, f"oracles never reached: {sorted(missing)}"
+    stats.require(0, states=(UNEVEN_TRIM, WHOLE_BLOCK_HIT, BLOCK_TABLE_GAPS))
     assert any("dsa=True" in v for v in stats.variants)
     assert any("dsa=False" in v for v in stats.variants)
     assert {v.split()[0].split(":")[0] for v in stats.variants} == {"plain", "affine", "turbo"}

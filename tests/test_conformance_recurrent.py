@@ -69,6 +69,11 @@ def test_recurrent_family() -> None:
     assert_compared(stats, {*states, "output", "output.solo"})
     assert set(stats.variants) == {"bfloat16", "float16", "float32"}, dict(stats.variants)
     assert not stats.skips, dict(stats.skips)
+    # No hard state of spec/contract.md §0.11 applies: a recurrent state has no token
+    # axis, so ``trim``/``trim_rows`` are refused ("invalid:trim", required above) and no
+    # trim builder (``_build_uneven``, a ring's fill) has a row to cut; a row gives tokens
+    # back only through a verify round's rollback, whose per-row form (rows replaying
+    # unequal counts, "round:unequal") is the uneven trim's equivalent and is required.
 
 
 def test_the_family_drives_both_recurrent_classes() -> None:

@@ -125,3 +125,94 @@ def test_a_block_table_gap_bug_is_caught(
     layout = FAMILIES[family].layouts[0].name
     name = f"TeethStatesGaps{family.title().replace('-', '')}"
     caught_in_ci(family, layout, optimized_impl(), name, examples)
+
+
+def uneven_trim_takes_the_largest(base: Any) -> type:
+    """``base`` (a writer's layout) whose rows of equal length trimmed by unequal counts
+    all forget the largest count: wrong only in ``UNEVEN_TRIM``."""
+
+    def trim_rows(self: Any, counts: Sequence[int]) -> int:
+        if len(set(self.row_offsets)) == 1 and len(set(counts)) > 1:
+            counts = [max(counts)] * len(counts)  # MUTATION (each row forgets its own count)
+        return int(base.trim_rows(self, counts))
+
+    return type(f"UnevenTrimTakesTheLargest{base.__name__}", (base,), {"trim_rows": trim_rows})
+
+
+@pytest.mark.parametrize(
+    ("family", "layout", "examples"),
+    [
+        ("delayed", "DelayedQuantizedKVCache", None),
+        ("delayed-turbo", "DelayedTurboQuantKVCache", 50),
+        ("latent", "MLACache", None),
+        ("latent", "EncodedLatentCache", None),
+        ("paged-latent", "PagedLatentCache", None),
+    ],
+)
+def test_an_uneven_trim_bug_is_caught_in_the_writers(
+    family: str, layout: str, examples: int | None
+) -> None:
+    """The delayed and latent writers reach ``UNEVEN_TRIM`` through the shared builder
+    (``machines._build_uneven``): their CI machines catch the uneven-trim bug too."""
+    impl = optimized_impl()
+    mutant = uneven_trim_takes_the_largest(impl.cls(layout))
+    optimized = impl.with_classes({layout: mutant})
+    caught_in_ci(family, layout, optimized, f"TeethStates{mutant.__name__}", examples)
+
+
+def test_a_paged_latent_hit_of_one_block_too_many_is_caught() -> None:
+    """The paged-latent machine drives prefix hits (``WHOLE_BLOCK_HIT``): a pool whose
+    lookups adopt one block more than the cached run is caught."""
+    impl = optimized_impl()
+    layout: Any = impl.cls("PagedLatentCache")
+
+    class HitAdoptsOneBlockTooMany(layout.pool_class):  # type: ignore[misc]
+        def prefix_blocks(self, ids: Sequence[int], token_geometry: Any = None) -> list[int]:
+            hits: list[int] = super().prefix_blocks(ids, token_geometry)
+            return [*hits, hits[-1]] if hits else hits  # MUTATION (one block past the run)
+
+    mutant = type(
+        "PagedLatentHitOfOneBlockTooMany", (layout,), {"pool_class": HitAdoptsOneBlockTooMany}
+    )
+    optimized = impl.with_classes({"PagedLatentCache": mutant})
+    caught_in_ci("paged-latent", "PagedLatentCache", optimized, f"TeethStates{mutant.__name__}")
+
+
+def full_ring_row_refuses_its_rollback(base: Any) -> type:
+    """``base`` (a ring layout) as :class:`FullRingRowRefusesItsRollback`: wrong only in
+    ``FULL_RING_ROLLBACK``."""
+
+    def trim_rows(self: Any, counts: Sequence[int]) -> int:
+        for count, offset in zip(counts, self.row_offsets, strict=False):
+            if count and offset == self.max_size:
+                # MUTATION (the rule is retained - count >= min(offset - count, max_size))
+                raise NotTrimmableError(wrapped_ring_message("row", self.max_size))
+        return int(base.trim_rows(self, counts))
+
+    return type(f"FullRingRowRefuses{base.__name__}", (base,), {"trim_rows": trim_rows})
+
+
+def ring_rollback_past_the_window_accepted(base: Any) -> type:
+    """``base`` (a ring layout) as :class:`RingRollbackPastTheWindowAccepted`: wrong only
+    in ``RING_TRIM_REFUSED``."""
+
+    def trim_rows(self: Any, counts: Sequence[int]) -> int:
+        try:
+            return int(base.trim_rows(self, counts))
+        except NotTrimmableError:
+            return max(counts)  # MUTATION (a ring cannot give back what it overwrote)
+
+    return type(f"RingRollbackAccepted{base.__name__}", (base,), {"trim_rows": trim_rows})
+
+
+@pytest.mark.parametrize(
+    "make", [full_ring_row_refuses_its_rollback, ring_rollback_past_the_window_accepted]
+)
+def test_a_ring_fill_and_rollback_bug_is_caught_in_the_delayed_ring(make: Any) -> None:
+    """The delayed ring reaches the ring states through the shared builder
+    (``machines._build_fill``): its CI machine catches both ring bugs too."""
+    impl = optimized_impl()
+    layout = "DelayedRotatingQuantizedKVCache"
+    mutant = make(impl.cls(layout))
+    optimized = impl.with_classes({layout: mutant})
+    caught_in_ci("delayed", layout, optimized, f"TeethStates{mutant.__name__}")
