@@ -143,7 +143,7 @@ def uneven_trim_takes_the_largest(base: Any) -> type:
     ("family", "layout", "examples"),
     [
         ("delayed", "DelayedQuantizedKVCache", None),
-        ("delayed-turbo", "DelayedTurboQuantKVCache", 50),
+        ("delayed-turbo", "DelayedTurboQuantKVCache", 40),
         ("latent", "MLACache", None),
         ("latent", "EncodedLatentCache", None),
         ("paged-latent", "PagedLatentCache", None),
