@@ -508,7 +508,9 @@ class RecurrentMachine(WriterRules):
         block = self._draw_block(self._noise, rows, d + 1)
         for layout in (group.ref, group.opt):
             layout.spec_round_begin()
-        self._write_pair(group.ref, group.opt, block)
+        what = f"layout {group.ident} round"
+        outputs = self._write_pair(group.ref, group.opt, block)
+        self._same_writes(what, outputs, group, None)  # the round's outputs, ref vs opt
         for layout in (group.ref, group.opt):
             assert not layout.can_publish_row(0, layout.row_offsets[0])
             if kind == "commit":
@@ -520,7 +522,8 @@ class RecurrentMachine(WriterRules):
         group.lm.prepare(lengths=keep)
         self._write_lm(group.lm, self._part(block, None, max(keep)))
         group.lm.finalize()
-        self._write_solos(f"layout {group.ident} round", group.rows, block, keep)
+        # each row's accepted tokens' outputs are its solo run's over those tokens alone
+        self._write_solos(what, group.rows, block, keep, outputs)
         self._check_group(group)
         self.stats.check("rollback vs accepted-only run")
 
