@@ -49,7 +49,7 @@ from kvrows.conformance.paged import (
     byte_limited,
     collector_paused,
 )
-from kvrows.conformance.rules import BLOCK_TABLE_GAPS, WHOLE_BLOCK_HIT, _gapped
+from kvrows.conformance.rules import BLOCK_TABLE_GAPS, WHOLE_BLOCK_HIT, table_has_gaps
 from kvrows.errors import PoolExhaustedError
 from kvrows.latent import latent_token_bytes
 
@@ -268,7 +268,9 @@ class PagedLatentMachine(FrozenCollector, LatentMachine):
             return
         bs = layout.ref.block_size
         tables = layout.ref.block_tables()
-        if any(_gapped(tb, t, bs) for tb, t in zip(tables, layout.ref.row_offsets, strict=True)):
+        if any(
+            table_has_gaps(tb, t, bs) for tb, t in zip(tables, layout.ref.row_offsets, strict=True)
+        ):
             self.stats.state(BLOCK_TABLE_GAPS)
 
     @invariant()

@@ -125,6 +125,7 @@ __all__ = [
     "RingRules",
     "RoundRules",
     "TurboRules",
+    "table_has_gaps",
 ]
 
 Array = npt.NDArray[Any]
@@ -765,7 +766,7 @@ BLOCK_TABLE_GAPS = "a row of two or more whole blocks with gaps in its block tab
 WHOLE_BLOCK_HIT = "a whole-block prefix hit"
 
 
-def _gapped(table: Sequence[int], tokens: int, block_size: int) -> bool:
+def table_has_gaps(table: Sequence[int], tokens: int, block_size: int) -> bool:
     """A table of a row of ``tokens`` positions that holds two or more whole blocks not in
     one run (a ``FREE`` entry, or a held block not right after the one before)."""
     held = [b for b in table if b != FREE]
@@ -824,12 +825,12 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
         super()._check_slot(slot)
         tables = slot.ref.block_tables()
         bs = slot.ref.block_size
-        if any(_gapped(tb, t.tokens, bs) for tb, t in zip(tables, slot.rows, strict=True)):
+        if any(table_has_gaps(tb, t.tokens, bs) for tb, t in zip(tables, slot.rows, strict=True)):
             self.stats.state(BLOCK_TABLE_GAPS)
 
     def _check_request(self, track: Track) -> None:
         super()._check_request(track)
-        if _gapped(track.ref.block_table, track.tokens, track.ref.block_size):
+        if table_has_gaps(track.ref.block_table, track.tokens, track.ref.block_size):
             self.stats.state(BLOCK_TABLE_GAPS)
 
     # -- byte-limited pools ------------------------------------------------------------
