@@ -1602,16 +1602,17 @@ class ConformanceMachine(RuleBasedStateMachine):
             )
         if pads:
             self._exact(f"{what}: left_pad restored", pair[1].left_pad, pair[0].left_pad)
-            if ref_cache.row_offsets and max(ref_cache.row_offsets) > 0:
-                columns = int(unpack_state(ref_cache.composition, ref_cache.state)["idx"])
-                if columns <= ref_cache.max_size:  # no block history the load drops
-                    # The load keeps each row's pad but the columns every row pads.
-                    common = max(0, min(ref_cache.left_pad))
-                    self._exact(
-                        f"{what}: left_pad after a load",
-                        pair[0].left_pad,
-                        tuple(pad - common for pad in ref_cache.left_pad),
-                    )
+            # The live columns: past the window a load drops the block history (the saved
+            # idx need not say so: kvrows' form of a ring with sinks saves each row's window).
+            held = bool(ref_cache.row_offsets) and max(ref_cache.row_offsets) > 0
+            if held and ref_cache.width <= ref_cache.max_size:
+                # The load keeps each row's pad but the columns every row pads.
+                common = max(0, min(ref_cache.left_pad))
+                self._exact(
+                    f"{what}: left_pad after a load",
+                    pair[0].left_pad,
+                    tuple(pad - common for pad in ref_cache.left_pad),
+                )
         self.stats.check("save_restore")
         return pair[0], pair[1]
 
@@ -3030,7 +3031,10 @@ class OpsRules(ConformanceMachine):
         fresh object of the same implementation and of the other one: each load holds
         the live one's rows (saved form, offsets, reads against the model); the machine
         goes on with the crossed loads (the reference's state in the optimized class, the
-        optimized's in the reference), a layout with a step at once."""
+        optimized's in the reference; a request's mlx-lm twin loads the state the
+        optimized class loads), a layout with a step at once. The loads are compared by
+        their rows, not by a ring's physical write index: the reference saves a ring in
+        time order (``idx`` = the retained count), which continues as the live ring."""
         layouts = self._steppable()
         # A layout whenever one has rows, but for a drawn few (a request's load is also
         # the kept extracts' restore).
@@ -3042,37 +3046,60 @@ class OpsRules(ConformanceMachine):
             return
         note(f"save_load: {what}")
         self._op("save_load", item)
-        self._restored(what, item.ref, item.opt)  # each into its own class
+        # Each into its own class (the optimized's physical form: a ring's write index),
+        # then across: both must hold the live rows.
+        restored = self._restored(what, item.ref, item.opt)
         name = self.spec.name if isinstance(item, Slot) else self.serial_name
         crossed = self._crossed(what, name, item.ref, item.opt)
+        for how, pair in (("loaded into its own class", restored), ("loaded", crossed)):
+            self._holds_the_rows(f"{what} {how}", item, pair)
         if isinstance(item, Track):
+            if item.lm is not None:
+                # mlx-lm's twin loads the state the optimized class loads (the reference's,
+                # canonical: a ring's retained tokens in time order), so both go on from the
+                # same physical buffers, as a file mlx-lm and kvrows both load would.
+                item.lm = type(item.lm).from_state(self._lm_state(item.ref.state))
             item.ref, item.opt = crossed
-            for impl, cache in zip((self.ref_impl, self.opt_impl), crossed, strict=True):
-                self._exact(f"{what} loaded ({impl.name}): offset", int(cache.offset), item.tokens)
-                self._same_planes(
-                    "kv.stored",
-                    f"{what} loaded ({impl.name}) vs the model",
-                    self._view(impl, cache),
-                    self._model_view(item),
-                )
             return
         item.ref, item.opt = crossed
         item.mirrored = False  # fresh physical columns, which an mlx-lm mirror does not follow
-        for impl, lay in zip((self.ref_impl, self.opt_impl), crossed, strict=True):
+        form = data.draw(ks.mask_forms(), label="mask form")
+        self._step(item, 1, self._rng(data), form)
+
+    def _holds_the_rows(self, what: str, item: Track | Slot, pair: tuple[Any, Any]) -> None:
+        """The reference and optimized caches of ``pair`` hold ``item``'s rows (offsets,
+        stored planes against the model)."""
+        for impl, cache in zip((self.ref_impl, self.opt_impl), pair, strict=True):
+            if isinstance(item, Track):
+                self._exact(f"{what} ({impl.name}): offset", int(cache.offset), item.tokens)
+                self._same_planes(
+                    "kv.stored",
+                    f"{what} ({impl.name}) vs the model",
+                    self._view(impl, cache),
+                    self._model_view(item),
+                )
+                continue
             self._exact(
-                f"{what} loaded ({impl.name}): row offsets",
-                lay.row_offsets,
+                f"{what} ({impl.name}): row offsets",
+                cache.row_offsets,
                 tuple(t.tokens for t in item.rows),
             )
             for b, track in enumerate(item.rows):
                 self._same_planes(
                     "kv.stored",
-                    f"{what} loaded ({impl.name}) row {b} vs the model",
-                    self._row_view(impl, lay, b),
+                    f"{what} ({impl.name}) row {b} vs the model",
+                    self._row_view(impl, cache, b),
                     self._model_view(track),
                 )
-        form = data.draw(ks.mask_forms(), label="mask form")
-        self._step(item, 1, self._rng(data), form)
+
+    def _lm_state(self, state: Any) -> Any:
+        """A reference ``state`` as mlx-lm's arrays (its own copies: mlx-lm writes into the
+        buffers it holds)."""
+        if isinstance(state, np.ndarray):
+            return self._lm_copy(state)
+        if isinstance(state, tuple | list):
+            return type(state)(self._lm_state(v) for v in state)
+        return state
 
     def _crossed(self, what: str, name: str, ref_cache: Any, opt_cache: Any) -> tuple[Any, Any]:
         """The optimized cache's state loaded into the reference class ``name`` and the
