@@ -41,7 +41,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, cast
 
 import mlx.core as mx
 from hypothesis import strategies as st
@@ -405,7 +405,11 @@ PLACEMENT_HOOKS: Mapping[str, GeometryHooks] = MappingProxyType(
 
 WRITERS: Mapping[str, WriterHooks] = MappingProxyType(
     {
-        "kv": WriterHooks(rules=load("machines", "KvRules")),
+        # Blocks by ``update_and_fetch``; leases and save/load across implementations
+        # checked on a cadence that draws nothing (``machines.OpsChecks``: issue 24).
+        "kv": WriterHooks(
+            rules=cast(Loader, compose(load("machines", "OpsChecks"), load("machines", "KvRules")))
+        ),
         # Three tensors on one token axis, every layout rolled back by row; mlx-lm's
         # KVCache pairs twin a latent held plain (mlx-lm has no encoded latent cache).
         "latent": WriterHooks(

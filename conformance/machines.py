@@ -110,6 +110,7 @@ __all__ = [
     "KvRules",
     "Layout",
     "Limits",
+    "OpsChecks",
     "OpsRules",
     "Request",
     "Slot",
@@ -2948,32 +2949,57 @@ class KvRules(ConformanceMachine):
         self._clean = True
 
 
-class OpsRules(ConformanceMachine):
-    """Rules that drive the public operations besides writes and row changes (issue 24):
-    ``lease`` (contract §7) and ``save_load`` (the saved form across implementations),
-    over the root's world model. A mixin a family's rules compose (the paged placement's,
-    ``rules.PagedRules``, so far): a new rule changes every derandomized example of the
-    machines it joins, so each family takes it with its CI requirements re-checked."""
+#: How a lease ends (``OpsChecks``: in turn; ``OpsRules.lease``: drawn).
+LEASE_ENDS = ("close", "transfer", "failed release")
 
-    @precondition(lambda self: bool(self.pool) or bool(self.slots))
-    @rule(data=st.data())
-    def lease(self, data: st.DataObject) -> None:
+
+class OpsChecks(ConformanceMachine):
+    """The public operations besides writes and row changes (issue 24): ``lease``
+    (contract §7) and ``save_load`` (the saved form across implementations), over the
+    root's world model, as checks that draw nothing: every ``ops_cadence``-th invariant
+    check leases one request or layout and saves and loads one (targets and lease ends in
+    turn), the machine going on with the live caches. A rule would change every
+    derandomized example of the machines it joins and the examples at which they reach
+    their required states (measured: the speculative rings and turbo then need two to
+    four times their CI examples); an invariant leaves the search as it was.
+    ``OpsRules`` makes them rules (the paged families, which take them that way)."""
+
+    #: Every how many invariant checks the two run (``None``: never).
+    ops_cadence: ClassVar[int | None] = 6
+    _ops_checks = 0
+
+    @invariant()
+    def check_ops(self) -> None:
+        if self.ops_cadence is None or self.geo is None:
+            return
+        self._ops_checks += 1
+        turn, due = divmod(self._ops_checks, self.ops_cadence)
+        if due:
+            return
+        leased: list[Track | Slot] = [*self.pool, *self.slots]
+        if leased:
+            how = LEASE_ENDS[turn % len(LEASE_ENDS)]
+            if self._lease(leased[turn % len(leased)], how):
+                self.stats.op(f"lease:{how}")
+        saved: list[Track | Slot] = [*self._steppable(), *self.pool]
+        if saved:
+            item = saved[turn % len(saved)]
+            if not self._state_pending(item.ref, item.opt):
+                self.stats.op("save_load")
+                self._save_load(item)
+
+    def _lease(self, item: Track | Slot, how: str) -> bool:
         """``lease_cache_states`` over a request or a layout and its rows' solo caches
         (contract §7): ``borrow()`` is every cache's ``state``, borrowed (no cache asks
         for a release); then ``close()`` or ``transfer()``, a second ``close()`` (a no-op),
         and a ``borrow()`` after it, refused alike (``LayoutStateError``, the same message)
         with every cache unchanged. Half the examples add a state whose release fails:
         closing raises its error in both, ownership ends all the same."""
-        targets: list[Track | Slot] = [*self.pool, *self.slots]
-        item = self._pick(data, targets, "leased")
         pairs = [(item.ref, item.opt)]
         if isinstance(item, Slot):
             pairs += [(t.ref, t.opt) for t in item.rows]
         if any(self._state_pending(r, o) for r, o in pairs):
-            return
-        how = data.draw(st.sampled_from(("close", "transfer", "failed release")), label="end")
-        note(f"lease: {type(item).__name__.lower()} {item.ident}, {how}")
-        self._op(f"lease:{how}")
+            return False
         before = self._everything()
         leases, failing = [], []
         for index, impl in enumerate((self.ref_impl, self.opt_impl)):
@@ -3023,48 +3049,19 @@ class OpsRules(ConformanceMachine):
         )
         self._exact("a lease changes no cache", self._everything(), before)
         self.stats.check("leases")
+        return True
 
-    @precondition(lambda self: bool(self.pool) or any(s.rows for s in self.slots))
-    @rule(data=st.data())
-    def save_load(self, data: st.DataObject) -> None:
-        """A request's or a layout's ``state``, loaded (``from_state``, in memory) into a
-        fresh object of the same implementation and of the other one: each load holds
-        the live one's rows (saved form, offsets, reads against the model); the machine
-        goes on with the crossed loads (the reference's state in the optimized class, the
-        optimized's in the reference; a request's mlx-lm twin loads the state the
-        optimized class loads), a layout with a step at once. The loads are compared by
-        their rows, not by a ring's physical write index: the reference saves a ring in
-        time order (``idx`` = the retained count), which continues as the live ring."""
-        layouts = self._steppable()
-        # A layout whenever one has rows, but for a drawn few (a request's load is also
-        # the kept extracts' restore).
-        use_layout = bool(layouts) and (not self.pool or data.draw(st.integers(0, 3)) > 0)
-        targets: list[Track | Slot] = [*(layouts if use_layout else self.pool)]
-        item = self._pick(data, targets, "saved")
+    def _save_load(self, item: Track | Slot) -> tuple[Any, Any]:
+        """``item``'s state loaded into each implementation's own class (the optimized's
+        physical form: a ring's write index), then across; both must hold the live rows.
+        The crossed loads (reference class, optimized class)."""
         what = f"{type(item).__name__.lower()} {item.ident}"
-        if self._state_pending(item.ref, item.opt):
-            return
-        note(f"save_load: {what}")
-        self._op("save_load", item)
-        # Each into its own class (the optimized's physical form: a ring's write index),
-        # then across: both must hold the live rows.
         restored = self._restored(what, item.ref, item.opt)
         name = self.spec.name if isinstance(item, Slot) else self.serial_name
         crossed = self._crossed(what, name, item.ref, item.opt)
         for how, pair in (("loaded into its own class", restored), ("loaded", crossed)):
             self._holds_the_rows(f"{what} {how}", item, pair)
-        if isinstance(item, Track):
-            if item.lm is not None:
-                # mlx-lm's twin loads the state the optimized class loads (the reference's,
-                # canonical: a ring's retained tokens in time order), so both go on from the
-                # same physical buffers, as a file mlx-lm and kvrows both load would.
-                item.lm = type(item.lm).from_state(self._lm_state(item.ref.state))
-            item.ref, item.opt = crossed
-            return
-        item.ref, item.opt = crossed
-        item.mirrored = False  # fresh physical columns, which an mlx-lm mirror does not follow
-        form = data.draw(ks.mask_forms(), label="mask form")
-        self._step(item, 1, self._rng(data), form)
+        return crossed
 
     def _holds_the_rows(self, what: str, item: Track | Slot, pair: tuple[Any, Any]) -> None:
         """The reference and optimized caches of ``pair`` hold ``item``'s rows (offsets,
@@ -3131,6 +3128,70 @@ class OpsRules(ConformanceMachine):
             loaded.append(copy)
         self.stats.check("save_load across implementations")
         return loaded[0], loaded[1]
+
+
+class OpsRules(OpsChecks):
+    """``lease`` and ``save_load`` as rules: drawn targets, lease ends and mask forms,
+    and the machine goes on with the crossed loads (a layout stepped at once). The paged
+    families compose it (their CI examples were set with these rules)."""
+
+    ops_cadence = None
+
+    @precondition(lambda self: bool(self.pool) or bool(self.slots))
+    @rule(data=st.data())
+    def lease(self, data: st.DataObject) -> None:
+        """``lease_cache_states`` over a request or a layout and its rows' solo caches
+        (contract §7): ``borrow()`` is every cache's ``state``, borrowed (no cache asks
+        for a release); then ``close()`` or ``transfer()``, a second ``close()`` (a no-op),
+        and a ``borrow()`` after it, refused alike (``LayoutStateError``, the same message)
+        with every cache unchanged. Half the examples add a state whose release fails:
+        closing raises its error in both, ownership ends all the same."""
+        targets: list[Track | Slot] = [*self.pool, *self.slots]
+        item = self._pick(data, targets, "leased")
+        pairs = [(item.ref, item.opt)]
+        if isinstance(item, Slot):
+            pairs += [(t.ref, t.opt) for t in item.rows]
+        if any(self._state_pending(r, o) for r, o in pairs):
+            return
+        how = data.draw(st.sampled_from(LEASE_ENDS), label="end")
+        note(f"lease: {type(item).__name__.lower()} {item.ident}, {how}")
+        self._op(f"lease:{how}")
+        self._lease(item, how)
+
+    @precondition(lambda self: bool(self.pool) or any(s.rows for s in self.slots))
+    @rule(data=st.data())
+    def save_load(self, data: st.DataObject) -> None:
+        """A request's or a layout's ``state``, loaded (``from_state``, in memory) into a
+        fresh object of the same implementation and of the other one: each load holds
+        the live one's rows (saved form, offsets, reads against the model); the machine
+        goes on with the crossed loads (the reference's state in the optimized class, the
+        optimized's in the reference; a request's mlx-lm twin loads the state the
+        optimized class loads), a layout with a step at once. The loads are compared by
+        their rows, not by a ring's physical write index: the reference saves a ring in
+        time order (``idx`` = the retained count), which continues as the live ring."""
+        layouts = self._steppable()
+        # A layout whenever one has rows, but for a drawn few (a request's load is also
+        # the kept extracts' restore).
+        use_layout = bool(layouts) and (not self.pool or data.draw(st.integers(0, 3)) > 0)
+        targets: list[Track | Slot] = [*(layouts if use_layout else self.pool)]
+        item = self._pick(data, targets, "saved")
+        if self._state_pending(item.ref, item.opt):
+            return
+        note(f"save_load: {type(item).__name__.lower()} {item.ident}")
+        self._op("save_load", item)
+        crossed = self._save_load(item)
+        if isinstance(item, Track):
+            if item.lm is not None:
+                # mlx-lm's twin loads the state the optimized class loads (the reference's,
+                # canonical: a ring's retained tokens in time order), so both go on from the
+                # same physical buffers, as a file mlx-lm and kvrows both load would.
+                item.lm = type(item.lm).from_state(self._lm_state(item.ref.state))
+            item.ref, item.opt = crossed
+            return
+        item.ref, item.opt = crossed
+        item.mirrored = False  # fresh physical columns, which an mlx-lm mirror does not follow
+        form = data.draw(ks.mask_forms(), label="mask form")
+        self._step(item, 1, self._rng(data), form)
 
 
 def machine_class(

@@ -74,6 +74,10 @@ BASE_QUANTITIES = frozenset({"kv.stored", "kv.fetched", "kv.solo", "attention", 
 #: layout made the check flaky; the family's layouts together reach every kind.
 FILTER_KINDS = 3
 
+#: The operations ``machines.OpsChecks`` checks on its cadence (no draw) in every
+#: contiguous K/V machine: a save/load across implementations and every lease ending.
+OPS_CHECKED = frozenset({"save_load", "lease:close", "lease:transfer", "lease:failed release"})
+
 
 def ops_ran(ops: Mapping[str, int]) -> set[str]:
     """The operations a run exercised, with ``filter`` standing for enough filter kinds."""
@@ -117,7 +121,11 @@ def run_base_family(
     the layout has it; ``filter`` as :func:`ops_ran` counts it), every base oracle, the
     solo attention and every one of ``oracles``."""
     stats, settings = run_family(family, layout, ci_examples=ci_examples)
-    expected_ops = set(common_ops) | ({"trim_rows"} if family.layout(layout).trim_rows else set())
+    expected_ops = (
+        set(common_ops)
+        | OPS_CHECKED
+        | ({"trim_rows"} if family.layout(layout).trim_rows else set())
+    )
     stats.require(
         settings.max_examples // 2,
         ops=expected_ops,

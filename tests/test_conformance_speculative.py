@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from conformance_helpers import (
     BASE_QUANTITIES,
+    OPS_CHECKED,
     ROW_OPS,
     assert_compared,
     assert_skips_documented,
@@ -77,6 +78,7 @@ def test_speculative_family(layout: str) -> None:
         oracles=(*BASE_CHECKS, *SPECULATIVE_CHECKS, "solo attention", "RowRound"),
     )
     assert_skips_documented(stats)
+    stats.require(0, ops=OPS_CHECKED, oracles=("leases", "save_load across implementations"))
     if not layout.startswith("SpeculativeRotating"):  # (a ring's rows wrap: its own states)
         stats.require(0, states=(UNEVEN_TRIM,))  # equal rows trimmed unequally, then a step
     if spec.serial_peer:

@@ -14,7 +14,7 @@ read with padding columns, rolled-back rounds).
 from __future__ import annotations
 
 import pytest
-from conformance_helpers import BASE_QUANTITIES, ROW_OPS, assert_compared, run_family
+from conformance_helpers import BASE_QUANTITIES, OPS_CHECKED, ROW_OPS, assert_compared, run_family
 
 from kvrows.codec import TURBO_HEAD_DIMS
 from kvrows.codecs import Turbo
@@ -59,6 +59,7 @@ def test_turbo_family(layout: str) -> None:
     stats.require(settings.max_examples // 2, ops=EXPECTED_OPS, oracles=(*oracles, "save_restore"))
     assert_compared(stats, BASE_QUANTITIES | {"attention.eager"})
     stats.require(0, states=(UNEVEN_TRIM,))  # equal rows trimmed unequally, then a step
+    stats.require(0, ops=OPS_CHECKED, oracles=("leases", "save_load across implementations"))
     # Every example ran at one supported codec, and not always the same one.
     names = {f"turbo k{k}v{v}" for k, v in CODECS}
     assert set(stats.variants) <= names, set(stats.variants) - names

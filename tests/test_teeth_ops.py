@@ -4,8 +4,10 @@ subclass of an optimized class, the bug marked ``# MUTATION``, the machine run u
 teeth profile must fail with an oracle's ``AssertionError``).
 
 * the prefix cache (``PagedRules.prefix_hit``): a lookup that hits one block too many;
-* save/load (``KvRules.save_load``): a load that drops each row's last token;
-* leases (``KvRules.lease``): a close that releases but keeps lending the state.
+* save/load (``OpsRules.save_load`` in the paged machines, ``OpsChecks`` on its cadence in
+  the contiguous ones): a load that drops each row's last token; a contiguous ring's load
+  that forgets its write index (the rotating family's machine);
+* leases (``OpsRules.lease``): a close that releases but keeps lending the state.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import pytest
 from conformance_helpers import caught, run_teeth
 
+import kvrows.optimized as O
 from kvrows.leases import StateLease
 from kvrows.optimized.paged import PagedKvRows
 from kvrows.optimized.paging import BlockPool, PagedSerial
@@ -78,3 +81,35 @@ def test_lease_lent_after_close_is_caught(monkeypatch: pytest.MonkeyPatch) -> No
         run_teeth("PagedKvRows", None, 12, "paged", name="TeethLeaseLentAfterClose")
     assert "Failing test case" in "\n".join(getattr(failure.value, "__notes__", []))
     assert "lease" in str(failure.value), failure.value
+
+
+_RESUME = O.RotatingKVCache._resume_serial
+
+
+def ring_load_loses_index(self: Any, fields: dict[str, Any], held: int) -> None:
+    """``from_state`` of a wrapped ring forgets where the ring writes next: the saved
+    columns are read as if in time order (mlx-lm's ``_idx`` taken as the held count).
+    Patched onto the optimized serial ring (a subclass would fail the machine's type
+    checks of extracted rows)."""
+    _RESUME(self, {**fields, "idx": held}, held)  # MUTATION (the saved idx)
+
+
+#: The teeth profile's examples of the rotating family's decode ring that reach a save of
+#: a wrapped request (``OpsChecks``' cadence: no rule, the draws are the family's own).
+RING_TEETH_EXAMPLES = 12
+
+
+def test_ring_load_losing_its_index_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(O.RotatingKVCache, "_resume_serial", ring_load_loses_index)
+    with pytest.raises(AssertionError) as failure:
+        run_teeth(
+            "BatchedRotatingCache", None, RING_TEETH_EXAMPLES, "rotating", name="TeethRingLoad"
+        )
+    assert "Failing test case" in "\n".join(getattr(failure.value, "__notes__", []))
+    assert "loaded" in str(failure.value), failure.value
+
+
+def test_the_unmutated_ring_saves_and_loads() -> None:
+    """The same run without the mutation passes, having saved and loaded requests."""
+    stats = run_teeth("BatchedRotatingCache", None, RING_TEETH_EXAMPLES, "rotating")
+    assert stats.ops["save_load"] > 0 and stats.checks["save_load across implementations"] > 0
