@@ -17,6 +17,7 @@ __all__ = [
     "accounting",
     "byte_limited",
     "collector_paused",
+    "hit_accounting_problem",
 ]
 
 #: Blocks a pool may grow by while an operation runs at its byte limit (0: none), and
@@ -32,6 +33,21 @@ def accounting(pool: Any) -> tuple[Any, ...]:
         tuple(ledger.ref(b) for b in range(ledger.num_blocks)), ledger.cached_count,
         len(pool.live_tables()), pool.bytes_written, pool.bytes_copied,
     )  # fmt: skip
+
+
+def hit_accounting_problem(pool: Any, blocks: Sequence[int], before: tuple[Any, ...]) -> str | None:
+    """What is wrong with ``pool``'s accounting after a prefix hit that shares ``blocks``
+    (``before``: its :func:`accounting` ahead of the lookup): each hit block referenced
+    once more, nothing written or copied (``None``: nothing)."""
+    counts = list(before[4])
+    for block in blocks:
+        counts[block] += 1
+    after = accounting(pool)
+    if list(after[4]) != counts:
+        return f"each hit block referenced once more: got {list(after[4])}, expected {counts}"
+    if after[7:] != before[7:]:
+        return f"nothing written or copied: got {after[7:]}, expected {before[7:]}"
+    return None
 
 
 class FrozenCollector:

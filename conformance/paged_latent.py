@@ -48,6 +48,7 @@ from kvrows.conformance.paged import (
     accounting,
     byte_limited,
     collector_paused,
+    hit_accounting_problem,
 )
 from kvrows.conformance.rules import BLOCK_TABLE_GAPS, WHOLE_BLOCK_HIT, table_has_gaps
 from kvrows.errors import PoolExhaustedError
@@ -238,19 +239,8 @@ class PagedLatentMachine(FrozenCollector, LatentMachine):
         ):
             mine = tuple(None if p is None else impl.to_numpy(p) for p in cache.current())
             self._same_tensors(f"lookup_prefix hit ({impl.name}) vs the registered row", mine, want)
-            counts = list(held[4])
-            for block in cache.block_tables()[0]:
-                counts[block] += 1
-            self._exact(
-                f"lookup_prefix ({impl.name}): each hit block referenced once more",
-                list(accounting(pool)[4]),
-                counts,
-            )
-            self._exact(
-                f"lookup_prefix ({impl.name}): nothing written or copied",
-                accounting(pool)[7:],
-                held[7:],
-            )
+            problem = hit_accounting_problem(pool, cache.block_tables()[0], held)
+            self._exact(f"lookup_prefix ({impl.name}): the pool after a hit", problem, None)
         self.stats.check("prefix hit")
         self.stats.state(WHOLE_BLOCK_HIT)
         for cache in got:

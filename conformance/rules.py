@@ -93,6 +93,7 @@ from kvrows.conformance.paged import (
     accounting,
     byte_limited,
     collector_paused,
+    hit_accounting_problem,
 )
 from kvrows.errors import (
     SPECULATIVE_INVALID,
@@ -1169,20 +1170,8 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
                 self._view(impl, cache),
                 model,
             )
-            blocks = list(cache.block_table)
-            counts = list(held[4])
-            for block in blocks:
-                counts[block] += 1
-            self._exact(
-                f"lookup_prefix ({impl.name}): each hit block referenced once more",
-                list(accounting(pool)[4]),
-                counts,
-            )
-            self._exact(
-                f"lookup_prefix ({impl.name}): nothing written or copied",
-                accounting(pool)[7:],
-                held[7:],
-            )
+            problem = hit_accounting_problem(pool, list(cache.block_table), held)
+            self._exact(f"lookup_prefix ({impl.name}): the pool after a hit", problem, None)
         self._exact(
             "lookup_prefix: block tables (optimized vs reference)",
             got[1].block_table,
