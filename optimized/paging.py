@@ -375,13 +375,12 @@ class BlockPool(PoolBase):
         self._opened(table)
         return table
 
-    def open_all(self, tables: Sequence[Table]) -> list[Table]:
+    def open_all(self, tables: Sequence[Table]) -> None:
         """:meth:`open` of each of ``tables``, their blocks counted in one pass (a merge
         opens a table per joining row)."""
         self.ledger.touch(itertools.chain.from_iterable(_live(t) for t in tables))
         for table in tables:
             self._opened(table)
-        return list(tables)
 
     def _opened(self, table: Table) -> None:
         """``table`` is live (journaled: an undo forgets it)."""
