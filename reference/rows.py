@@ -354,6 +354,8 @@ def _image(
             dst[b, :, :head] = src[0, :, :head]
             if shown:
                 dst[b, :, start : start + shown] = src[0, :, src.shape[2] - shown :]
+    if not roll:  # nothing rolls: the columns are already in order
+        return tuple(out)
     return tuple(
         np.concatenate([p[:, :, :lead], np.roll(p[:, :, lead:], roll, axis=2)], axis=2) for p in out
     )

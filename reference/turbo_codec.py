@@ -261,7 +261,11 @@ def unpack_codes(packed: Array, bits: int) -> Array:
         return packed.astype(np.uint8)
     stream = np.unpackbits(packed, axis=-1, bitorder="little")
     stream = stream.reshape(*packed.shape[:-1], int(packed.shape[-1]) * 8 // bits, bits)
-    codes: Array = np.packbits(stream, axis=-1, bitorder="little")[..., 0]
+    # Code = sum of bit i << i, a shift per bit (packbits along a 2-5 wide axis is ten
+    # times slower).
+    codes: Array = stream[..., 0].copy()
+    for i in range(1, bits):
+        codes |= stream[..., i] << i
     return codes
 
 

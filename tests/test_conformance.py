@@ -166,7 +166,7 @@ def test_affine_codec_sweep(codec: tuple[int, int], layout: str) -> None:
     also gets a few examples of its own (on alternating layouts)."""
     profile = active_profile()
     settings = profile_settings(
-        max_examples=max(4, profile.max_examples // 40),
+        max_examples=max(3, profile.max_examples // 40),
         stateful_step_count=max(20, profile.steps // 2),
     )
     stats, _ = run_family(

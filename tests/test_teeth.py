@@ -135,7 +135,7 @@ MUTANTS = [
 #: tests (tests/test_conformance*.py) run this machine class on these layouts with the full
 #: CI budget, so a control only has to show the teeth configuration is not failing by
 #: itself: a short run.
-CONTROL_EXAMPLES = 5
+CONTROL_EXAMPLES = 3
 
 
 #: Mutants the teeth profile's derandomized examples miss, and a budget whose examples
