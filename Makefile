@@ -59,8 +59,12 @@ PYTEST_WORKERS ?= 2
 
 pytest: install
 	# A fixed hash seed: the derandomized conformance runs then draw the same examples on
-	# every machine (set iteration order feeds some draws).
-	PYTHONHASHSEED=0 $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist worksteal
+	# every machine (set iteration order feeds some draws). Plain asserts: with bytecode
+	# caching off (PYTHONDONTWRITEBYTECODE), pytest would rewrite every test module's asserts
+	# in each worker on each run, half of a worker's 18 s collection; a failing check still
+	# fails, and the machines' own messages say what was wrong (run pytest directly for
+	# pytest's assert introspection).
+	PYTHONHASHSEED=0 $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist worksteal --assert=plain
 
 # Lint, types and tests at once, after one install: mypy and ruff run beside pytest's two
 # workers (each part's output is printed whole when it ends).
