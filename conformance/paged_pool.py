@@ -28,6 +28,7 @@ import numpy.typing as npt
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
 
+from kvrows.conformance.paged import FrozenCollector
 from kvrows.errors import PoolExhaustedError, SpeculativeRoundError
 from kvrows.paged import ROOT_HASH, block_hash
 from kvrows.schemes import Affine, CodecSpec, Plain
@@ -55,9 +56,11 @@ def kv_of(tokens: list[int], start: int, stop: int) -> tuple[npt.NDArray[Any], n
     return np.stack(keys, axis=1)[None], np.stack(values, axis=1)[None]
 
 
-class PoolMachine(RuleBasedStateMachine):
+class PoolMachine(FrozenCollector, RuleBasedStateMachine):
     """Set ``impl`` (``to_native``, ``to_numpy``, ``pool``, ``cache``, ``rows`` classes) and
-    ``codec`` in a subclass (:func:`pool_machine`)."""
+    ``codec`` in a subclass (:func:`pool_machine`). Every example freezes what was alive
+    at its start (``FrozenCollector``): ``forget``'s collection then scans the example's
+    own objects, not the test session's."""
 
     to_native: Callable[[npt.NDArray[Any]], Any]
     to_numpy: Callable[[Any], npt.NDArray[Any]]
@@ -88,6 +91,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.hashed_tokens: dict[bytes, tuple[int, ...]] = {}  # digest -> committed prefix
         self.next_id = 0
         self.trimmed: set[int] = set()
+        self._freeze_collector(True)
 
     # -- helpers -------------------------------------------------------------------------
     def _append(self, cache: Any, tokens: list[int], start: int) -> bool:
@@ -332,11 +336,14 @@ class PoolMachine(RuleBasedStateMachine):
                 )
 
     def teardown(self) -> None:
-        for cache in self.live.values():
-            cache.release()
-        self.live.clear()
-        self.pool.check_valid()
-        assert self.pool.ledger.referenced_count == 0
+        try:
+            for cache in self.live.values():
+                cache.release()
+            self.live.clear()
+            self.pool.check_valid()
+            assert self.pool.ledger.referenced_count == 0
+        finally:
+            super().teardown()  # thaws the collector
 
 
 def pool_machine(
