@@ -282,9 +282,15 @@ RING_MUTANTS = [
 ]
 
 
+#: The b9 state (a block on a wrapped ragged ring) comes late under the teeth seed: with the
+#: profile's 60 examples its mutant was caught at the 60th, with 90 at the 50th (the budget
+#: shapes the derandomized draws); the room keeps a small draw change from losing it.
+RING_MUTANT_EXAMPLES: dict[type, int] = {RingBlockMaskFromStaleIndex: 90}
+
+
 @pytest.mark.parametrize("mutant", RING_MUTANTS)
 def test_the_ring_machine_catches(mutant: type) -> None:
-    caught("BatchedRotatingCache", mutant, family_name="rotating")
+    caught("BatchedRotatingCache", mutant, RING_MUTANT_EXAMPLES.get(mutant), family_name="rotating")
 
 
 # ------------------------------------- the gaps issue 8 closed (in the base machine)
