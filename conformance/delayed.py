@@ -1254,12 +1254,9 @@ class DelayedMachine(WriterRules):
     def _hard_trims(self, slot: Slot) -> list[str]:
         """``uneven`` (``UNEVEN_TRIM``) where no row holds its window; a ring's ``fill``
         (``FULL_RING_ROLLBACK``, ``RING_TRIM_REFUSED``) where a block can fill a row to
-        exactly its window, three shares as in ``RingRules``."""
+        exactly its window (``machines._fill_kinds``)."""
         uneven = self._uneven_rows(slot, lambda tokens: not self._wrapped(tokens))
-        fill = (
-            ["fill"] * 3 if self.ring and (self._fill_short(slot) or self._fill_joins(slot)) else []
-        )
-        return [*uneven, *fill]
+        return [*uneven, *(self._fill_kinds(slot) if self.ring else [])]
 
     def _fill_rows(self, rows: list[Track]) -> list[int]:
         """The rows below the window a block may fill with no row converting in it: the
@@ -1302,9 +1299,6 @@ class DelayedMachine(WriterRules):
                 self._record_append(track, keys[b : b + 1, :, :k], values[b : b + 1, :, :k])
         self._solo(slot, (keys, values), queries, outputs, kept)
         self._advance(slot, before)
-
-    def _row_lengths(self, slot: Slot) -> list[int]:
-        return [t.tokens for t in slot.rows]
 
     def _uneven_joins(self, slot: Slot) -> list[Track]:
         if len(slot.rows) >= MAX_ROWS:

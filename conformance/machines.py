@@ -1180,8 +1180,9 @@ class ConformanceMachine(RuleBasedStateMachine):
     # The hooks of ``_build_uneven`` (a writer's rules supply them; ``slot``: a ``Slot``
     # or a ``Layout``).
     def _row_lengths(self, slot: Any) -> list[int]:
-        """The tokens each row of ``slot`` holds."""
-        raise NotImplementedError
+        """The tokens each row of ``slot`` holds (a ``Slot``'s requests; a writer whose
+        layouts hold no requests overrides it)."""
+        return [t.tokens for t in slot.rows]
 
     def _uneven_joins(self, slot: Any) -> list[Any]:
         """Free requests that may join ``slot`` as a second row for ``_build_uneven``."""
@@ -1246,6 +1247,13 @@ class ConformanceMachine(RuleBasedStateMachine):
         """The rows of ``slot`` below their window."""
         window = self._fill_window(slot)
         return [b for b, t in enumerate(self._row_lengths(slot)) if t < window]
+
+    def _fill_kinds(self, slot: Any) -> list[str]:
+        """``fill`` in a ring writer's :meth:`_hard_trims` where a block can fill a row of
+        ``slot`` to exactly its window, three shares of the draw (a ring's free trims of
+        wrapped rows are no-ops, and verify layouts, with their rounds, draw ``trim_rows``
+        seldom)."""
+        return ["fill"] * 3 if self._fill_short(slot) or self._fill_joins(slot) else []
 
     def _may_forget(self, before: int, n: int, count: int) -> bool:
         """The spec's rule (spec/RaggedRotatingRows.md, ``trim_rows``), restated: after a
@@ -2890,9 +2898,6 @@ class KvRules(ConformanceMachine):
         wrapped (a wrapped ring row takes no free count)."""
         return self._uneven_rows(slot, lambda tokens: not self.g.wrapped(tokens))
 
-    def _row_lengths(self, slot: Slot) -> list[int]:
-        return [t.tokens for t in slot.rows]
-
     def _uneven_joins(self, slot: Slot) -> list[Track]:
         if len(slot.rows) >= self.limits.rows:
             return []
@@ -3001,11 +3006,10 @@ class OpsChecks(ConformanceMachine):
         for a release); then ``close()`` or ``transfer()``, a second ``close()`` (a no-op),
         and a ``borrow()`` after it, refused alike (``LayoutStateError``, the same message)
         with every cache unchanged. Half the examples add a state whose release fails:
-        closing raises its error in both, ownership ends all the same."""
-        pairs = [(item.ref, item.opt)]
-        if isinstance(item, Slot):
-            pairs += [(t.ref, t.opt) for t in item.rows]
-        if any(self._state_pending(r, o) for r, o in pairs):
+        closing raises its error in both, ownership ends all the same. ``False`` (nothing
+        done) while a cache's state is pending."""
+        pairs = self._leased_pairs(item)
+        if pairs is None:
             return False
         # A lease reaches only the caches it is given: their snapshots are the check.
         before = self._snapshots(pairs)
@@ -3059,6 +3063,14 @@ class OpsChecks(ConformanceMachine):
         self._exact("a lease changes no cache", self._snapshots(pairs), before)
         self.stats.check("leases")
         return True
+
+    def _leased_pairs(self, item: Track | Slot) -> list[tuple[Any, Any]] | None:
+        """The (reference, optimized) caches a lease of ``item`` takes: the request's, or
+        the layout's and its rows' solo caches; ``None`` while one's state is pending."""
+        pairs = [(item.ref, item.opt)]
+        if isinstance(item, Slot):
+            pairs += [(t.ref, t.opt) for t in item.rows]
+        return None if any(self._state_pending(r, o) for r, o in pairs) else pairs
 
     def _save_load(self, item: Track | Slot) -> tuple[Any, Any]:
         """``item``'s state loaded into each implementation's own class (the optimized's
@@ -3149,18 +3161,10 @@ class OpsRules(OpsChecks):
     @precondition(lambda self: bool(self.pool) or bool(self.slots))
     @rule(data=st.data())
     def lease(self, data: st.DataObject) -> None:
-        """``lease_cache_states`` over a request or a layout and its rows' solo caches
-        (contract §7): ``borrow()`` is every cache's ``state``, borrowed (no cache asks
-        for a release); then ``close()`` or ``transfer()``, a second ``close()`` (a no-op),
-        and a ``borrow()`` after it, refused alike (``LayoutStateError``, the same message)
-        with every cache unchanged. Half the examples add a state whose release fails:
-        closing raises its error in both, ownership ends all the same."""
+        """:meth:`OpsChecks._lease` of a drawn request or layout, ended a drawn way."""
         targets: list[Track | Slot] = [*self.pool, *self.slots]
         item = self._pick(data, targets, "leased")
-        pairs = [(item.ref, item.opt)]
-        if isinstance(item, Slot):
-            pairs += [(t.ref, t.opt) for t in item.rows]
-        if any(self._state_pending(r, o) for r, o in pairs):
+        if self._leased_pairs(item) is None:
             return
         how = data.draw(st.sampled_from(LEASE_ENDS), label="end")
         note(f"lease: {type(item).__name__.lower()} {item.ident}, {how}")

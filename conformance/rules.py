@@ -543,11 +543,8 @@ class RingRules(ConformanceMachine):
 
     # ------------------------------------------------- full rows rolled back
     def _hard_trims(self, slot: Slot) -> list[str]:
-        """Besides the base's: ``fill`` where a block can fill a row to exactly its window
-        (three times the odds: a ring's free trims of wrapped rows are no-ops, and verify
-        layouts, with their rounds, draw ``trim_rows`` seldom)."""
-        fill = ["fill"] * 3 if self._fill_short(slot) or self._fill_joins(slot) else []
-        return [*super()._hard_trims(slot), *fill]
+        """Besides the base's: ``fill`` (``machines._fill_kinds``)."""
+        return [*super()._hard_trims(slot), *self._fill_kinds(slot)]
 
     # The hooks of ``machines._build_fill`` (``FULL_RING_ROLLBACK``, ``RING_TRIM_REFUSED``).
     def _fill_window(self, slot: Slot) -> int:
