@@ -1577,9 +1577,7 @@ class PagedRing(PagedRows):
     # -- masks: the ring geometry's, over columns in time order (the placement says only
     # what each row holds: ``_first`` / ``_retained``) -----------------------------------
     def _serial_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
-        return RingGeometry._ordered_serial_mask(
-            cast(Any, self), self._first(), n, return_array, window
-        )
+        return RingGeometry._serial_mask(cast(Any, self), n, return_array, window)
 
     def _layout_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
         return RingGeometry._ordered_layout_mask(cast(Any, self), self._after(n), n, window)

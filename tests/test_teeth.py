@@ -260,19 +260,21 @@ class RingExtractsTheOldestWindow(RingBatchedRotatingCache):
 
 
 class RingBlockMaskFromStaleIndex(RingBatchedRotatingCache):
-    """mlx-lm's B9 planted back: a block on a wrapped ring computes its mask as if the ring
-    had not wrapped (from the pre-reordering index), hiding short rows' oldest token."""
+    """mlx-lm's B9 planted back: a block on a wrapped ring masks with pads the block's
+    trim did not move (as if the ring had not wrapped), hiding short rows' oldest token."""
 
     def make_mask(
         self, n: int, *, return_array: bool = False, window_size: int | None = None
     ) -> Mask:
-        if as_count(n, "n", minimum=1) > 1 and self.ring_state[2]:
-            self._rotated = False  # MUTATION (a block after the wrap trims max_size columns)
-            try:
-                return super().make_mask(n, return_array=return_array, window_size=window_size)
-            finally:
-                self._rotated = True
-        return super().make_mask(n, return_array=return_array, window_size=window_size)
+        mask = super().make_mask(n, return_array=return_array, window_size=window_size)
+        if as_count(n, "n", minimum=1) > 1 and self.ring_state[2] and isinstance(mask, mx.array):
+            # MUTATION (a short row's pad one column too far: its oldest column hidden)
+            oldest = mx.argmax(mask[:, 0, 0, :], axis=-1)
+            short = mx.array([p > 0 for p in self.left_pad])
+            columns = mx.arange(mask.shape[-1])[None, :]
+            hidden = (columns == oldest[:, None]) & short[:, None]
+            mask = mask & ~hidden[:, None, None, :]
+        return mask
 
 
 RING_MUTANTS = [

@@ -22,16 +22,19 @@ Sink tokens (``Ring(max_size, keep)``, ``spec/RotatingKVCache.md`` §1.1): a row
 ``keep`` positions are never evicted. :class:`SharedRing` keeps them in a sink block of
 ``lead`` columns before the ring (each row's left-aligned; the ring has ``max_size -
 keep`` columns and its index wraps to ``keep`` in buffer terms, mlx-lm's serial layout);
-:class:`RaggedRing` keeps them at the start of each row and slides only the rest. Masks
-with sinks are built from the position each column holds.
+:class:`RaggedRing` keeps them at the start of each row and slides only the rest. Every
+ring mask, sinks or not, serial or batched, is built one way (:func:`ring_mask`): the
+position each column holds after the update, computed on the device from a few integers
+per row.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
+import numpy as np
 
 from kvrows.codec import PlaneSet
 from kvrows.common import row_bytes
@@ -45,7 +48,6 @@ from kvrows.errors import (
     trim_past_row_message,
     wrapped_ring_message,
 )
-from kvrows.geometries.ring import held_positions
 from kvrows.optimized.codecs import Planes
 from kvrows.optimized.geometries.registry import implements
 from kvrows.optimized.rows import (
@@ -66,14 +68,7 @@ from kvrows.protocols import Mask
 from kvrows.schemes import Ring
 from kvrows.validation import STEP, KvGeometry, as_count, check_row, round_up
 
-__all__ = ["RaggedRing", "RingGeometry", "SharedRing", "window_mask"]
-
-
-def window_mask(n: int, offset: int, window: int) -> mx.array:
-    """``[n, offset + n]``: query ``i`` (position ``offset + i``) sees ``j`` in its window."""
-    columns = mx.arange(offset + n)[None, :]
-    queries = mx.arange(offset, offset + n)[:, None]
-    return (queries >= columns) & (queries < columns + window)
+__all__ = ["RaggedRing", "RingGeometry", "SharedRing", "ring_mask"]
 
 
 def _columns(planes: PlaneSet, start: int, stop: int | None = None) -> PlaneSet:
@@ -171,42 +166,25 @@ class RingGeometry(Storage):
                     "receive only padding: its window would evict a real token for a pad"
                 )
 
-    def _ordered_serial_mask(
-        self, offset: int, n: int, return_array: bool, window: int | None, shift: int = 0
-    ) -> Mask:
-        """mlx-lm's ring policy over a serial ring's columns in time order (its sinks, then
-        its newest positions; the newest rolled by ``shift``, a shared ring written in
-        place): ``None`` / ``"causal"`` while every query sees its whole history, else (or
-        with ``return_array``) the array (``[S]`` for one query, mlx-lm's shape)."""
-        keep = self.keep
-        recent = reach(window, self.max_size, keep)
-        after = min(offset, self.max_size - 1) + n
-        if after <= keep + recent and not return_array:
+    def _serial_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
+        """mlx-lm's ring policy: ``None`` / ``"causal"`` while every query sees its whole
+        history, else (or with ``return_array``) the one row's mask (``[S]`` for one query,
+        mlx-lm's shape) in the ring's physical column order."""
+        offset = self._offsets[0] if self._offsets else 0
+        recent = reach(window, self.max_size, self.keep)
+        if min(offset, self.max_size - 1) + n <= self.keep + recent and not return_array:
             return None if n == 1 else "causal"
-        held = held_positions(offset + n, after, keep)
-        if shift:
-            head = min(keep, offset + n)
-            held = held[:head] + _roll(held[head:], shift)
-        visible = positions_mask([held], [offset], n, keep, recent)[0]
+        if self._offsets:
+            visible = cast(mx.array, self._layout_mask(n, True, window))[0, 0]
+        else:  # before the first block: the block's own columns, in time order
+            visible = ordered_mask([0], [n], n, self.keep, recent)[0, 0]
         return visible[0] if n == 1 else visible
 
     def _ordered_layout_mask(self, after: Sequence[int], n: int, window: int | None) -> mx.array:
         """``[B, 1, n, S]``: rows from column 0 in time order, row ``b`` holding ``after[b]``
-        positions once it appends ``n``; its query ``i`` sits at column ``after[b] - n + i``
-        and sees its window (with sinks: its sinks and its newest ``reach`` positions)."""
-        if self.keep:
-            width = max(after, default=0)
-            positions = [
-                held_positions(offset + n, held, self.keep) + [-1] * (width - held)
-                for offset, held in zip(self._offsets, after, strict=True)
-            ]
-            recent = reach(window, self.max_size, self.keep)
-            return positions_mask(positions, self._offsets, n, self.keep, recent)[:, None]
-        size = window or self.max_size
-        columns = mx.arange(max(after, default=0))[None, None, :]
-        queries = (mx.array(list(after))[:, None] - n + mx.arange(n)[None, :])[:, :, None]
-        visible = (columns <= queries) & (queries < columns + size)
-        return visible[:, None]
+        positions once it appends ``n`` (its sinks, then its newest)."""
+        recent = reach(window, self.max_size, self.keep)
+        return ordered_mask(self._offsets, after, n, self.keep, recent)
 
     def _keep(self, order: list[int]) -> None:
         """Gather the kept rows (each stage store its own); a ring keeps its padding (its
@@ -230,23 +208,78 @@ class RingGeometry(Storage):
         self._pads = [self._pads[i] for i in order]
 
 
-def positions_mask(
-    columns: Sequence[Sequence[int]],
-    queries: Sequence[int],
+def ring_mask(
+    offsets: Sequence[int],
     n: int,
     keep: int,
     recent: int,
-    width: int | None = None,
+    *,
+    heads: Sequence[int],
+    firsts: Sequence[int],
+    ends: Sequence[int],
+    lead: int,
+    width: int,
+    shift: int = 0,
 ) -> mx.array:
-    """``[B, n, S]``: row ``b``'s query ``i`` (position ``queries[b] + i``) sees column ``c``
-    holding position ``columns[b][c]`` (-1: none) when it is at most its own and is a sink
-    (``< keep``) or among its newest ``recent`` positions."""
-    if width is None:
-        width = len(columns[0]) if columns else 0
-    held = mx.array([list(c) for c in columns] if width else [[]] * len(columns), mx.int32)
-    held = held.reshape(len(columns), 1, width)
-    query = (mx.array(list(queries), mx.int32)[:, None] + mx.arange(n)[None, :])[:, :, None]
-    return (held >= 0) & (held <= query) & ((held < keep) | (query - held < recent))
+    """``[B, 1, n, width]``: row ``b``'s query ``i`` (position ``offsets[b] + i``) sees a column
+    holding a position at most its own that is a sink or among its newest ``recent``.
+
+    Row ``b``'s columns: its sinks in columns ``[0, heads[b])`` (column ``c`` holds position
+    ``c``); nothing in the rest of the first ``lead`` (a shared ring's sink block); after
+    them, ring column ``t = c - lead`` (physical column ``c`` is ``t`` rolled by ``shift``:
+    a ring written in place) holds the row's newest positions in time order, from column
+    ``firsts[b]`` to column ``ends[b] - 1``, which holds ``offsets[b] + n - 1``. A query's
+    positions are consecutive ring columns, so what it sees is a range of them: bounds
+    worked out on the host, compared with each column on the device."""
+    rows = len(offsets)
+    if shift:  # physical ring column p holds ring column (p - shift) mod its columns
+        active, shift = width - lead, shift % (width - lead)
+        parts = [(-lead, 0), (active - shift, active), (0, active - shift)]
+        ring = np.concatenate([np.arange(a, b, dtype=np.int32) for a, b in parts])
+    else:
+        ring = np.arange(-lead, width - lead, dtype=np.int32)
+    query = np.arange(n, dtype=np.int32)
+    end = np.array(ends, dtype=np.int32)[:, None]
+    # A block on rows that end at one column (a shared ring): the queries' window is every
+    # row's, compared once, and only each row's first column per row.
+    shared_window = n > 1 and rows > 0 and min(ends) == max(ends)
+    if shared_window:
+        end = end[:1]
+        floor: Any = 0
+    else:
+        floor = np.array(firsts, dtype=np.int32)[:, None]
+    newest = end - n + query  # the ring column of each query's own position
+    oldest = np.maximum(np.maximum(newest - recent + 1, floor), 0)
+    # Every array reaches the device in its final shape ``[B, 1, n, S]``: on the CPU each
+    # primitive of the graph costs an eval dispatch, far more than the columns it compares.
+    bounds = (len(end), 1, n, 1)
+    column = mx.array(ring.reshape(1, 1, 1, width))
+    visible = column >= mx.array(oldest.reshape(bounds))
+    if n > 1 or min(ends, default=width - lead) < width - lead:
+        # (One query whose column is the last of every row has nothing after it to hide.)
+        visible = visible & (column <= mx.array(newest.reshape(bounds)))
+    if shared_window:
+        first = np.array(firsts, dtype=np.int32).reshape(rows, 1, 1, 1)
+        visible = visible & (column >= mx.array(first))
+    if keep:
+        # A sink is seen by every query at or after it.
+        position = np.array(offsets, dtype=np.int32)[:, None] + query
+        last_sink = np.minimum(np.array(heads, dtype=np.int32)[:, None] - 1, position)
+        physical = mx.array(np.arange(width, dtype=np.int32).reshape(1, 1, 1, width))
+        visible = visible | (physical <= mx.array(last_sink.reshape(rows, 1, n, 1)))
+    return visible
+
+
+def ordered_mask(
+    offsets: Sequence[int], after: Sequence[int], n: int, keep: int, recent: int
+) -> mx.array:
+    """:func:`ring_mask` of rows from column 0 in time order, row ``b`` holding ``after[b]``
+    positions once it appends ``n``: its sinks, then its newest."""
+    heads = [min(keep, o + n, a) for o, a in zip(offsets, after, strict=True)]
+    width = max(after, default=0)
+    return ring_mask(
+        offsets, n, keep, recent, heads=heads, firsts=heads, ends=after, lead=0, width=width
+    )
 
 
 def reach(window: int | None, max_size: int, keep: int) -> int:
@@ -254,13 +287,6 @@ def reach(window: int | None, max_size: int, keep: int) -> int:
     max_size`` counts the sinks, and a query always sees itself."""
     win = window or max_size
     return win if keep == 0 else max(1, win - keep)
-
-
-def _roll(values: list[int], shift: int) -> list[int]:
-    if not values:
-        return values
-    shift %= len(values)
-    return values[len(values) - shift :] + values[: len(values) - shift]
 
 
 def _in_time_order(array: Any, lead: int, idx: int, axis: int) -> Any:
@@ -651,82 +677,39 @@ class SharedRing(RingGeometry):
             assert int(arrays(self._planes)[0].shape[0]) == len(self._offsets)
 
     # -- masks ------------------------------------------------------------------------
-    def _serial_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
-        """mlx-lm's ring policy: a block gets its windowed causal mask; one token needs none
-        unless a window narrower than the ring is asked for (then ``[S]``, mlx-lm's shape,
-        in the ring's physical order)."""
-        if self.keep:
-            return self._serial_sink_mask(n, return_array, window)
-        size = window or self.max_size
-        offset = self._total
-        if n > 1:
-            history = min(self.max_size - 1, offset)
-            if history + n > size or return_array:
-                return window_mask(n, history, size)
-            return "causal"
-        keys = min(offset + 1, self.max_size)
-        if size < self.max_size and offset >= size:
-            visible = mx.arange(keys) >= keys - size
-            shift = (0 if self._idx >= self.max_size else self._idx) + 1
-            return mx.roll(visible, shift, -1)
-        if return_array:
-            return mx.ones((keys,), dtype=mx.bool_)
-        return None
-
-    def _serial_sink_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
-        """With sinks: every query sees the sinks and its newest ``reach`` positions."""
-        offset = self._offsets[0] if self._offsets else 0
-        shift = 0
-        if n == 1 and offset >= self.keep:  # written in place: the ring part rolls
-            shift = (0 if self._idx >= self.span else self._idx) + 1
-        return self._ordered_serial_mask(offset, n, return_array, window, shift)
-
     def _layout_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
-        """The windowed mask for the next ``n`` tokens, in the ring's physical column order."""
-        if self.keep:
-            return self._layout_sink_mask(n, window)
-        size = window or self.max_size
-        block = n > 1
-        history_len = min(self.max_size - 1, self._total)
-        width = history_len + n
-        history = self.max_size if (block and self._rotated) else self._idx
-        trimmed = max(0, history - self.max_size + (1 if block else 0))
-        wrapping = not block and (self._rotated or self._idx >= self.max_size)
-        pads = self.pads_array() - trimmed - (1 if wrapping else 0)
-        columns = mx.arange(width)[None, :]
-        queries = mx.arange(history_len, width)[:, None]
-        visible = (queries >= columns) & (queries < columns + size)
-        visible = visible[None] & (columns[None] >= pads[:, None, None])
-        if wrapping:
-            shift = (0 if self._idx >= self.max_size else self._idx) + 1
-            visible = mx.roll(visible, shift, -1)
-        return visible[:, None]
-
-    def _layout_sink_mask(self, n: int, window: int | None) -> Mask:
-        """With sinks: the positions each column will hold after the update, then every
-        query sees its row's sinks and newest ``reach`` positions."""
-        keep, span = self.keep, self.span
-        sinks = [max(0, min(n, keep - o)) for o in self._offsets]
+        """The mask for the next ``n`` tokens in the ring's physical column order: the sink
+        block, then the ring (rolled once a token is written in place on a full ring); row
+        ``b`` holds its sinks and its newest ring positions."""
+        keep, span, offsets = self.keep, self.span, self._offsets
+        # Each row's sinks among the block, and what it holds of the sink block after it.
+        sinks = [max(0, min(n, keep - o)) for o in offsets] if keep else [0] * len(offsets)
+        heads = [min(keep, o + n) for o in offsets] if keep else sinks
         written = n - min(sinks, default=0)
         shown = self._shown()
         active = min(shown, span - 1) + written if written else shown
-        lead = max((min(keep, o + n) for o in self._offsets), default=0)
         if written and n == 1:
             rotated = self._rotated or self._idx >= span
             index = (0 if self._idx >= span else self._idx) + 1
         else:
             rotated, index = self._rotated and not written, self._idx
-        columns = []
-        for offset, pad, own in zip(self._offsets, self._pads, sinks, strict=True):
+        firsts = []
+        for pad, own in zip(self._pads, sinks, strict=True):
             have = shown - max(0, pad)  # the row's ring tokens now
-            now = min(have, span - 1) + n - own if written else have
-            ring = [-1] * (active - now) + list(range(offset + n - now, offset + n))
-            head = min(keep, offset + n)
-            columns.append(
-                [*range(head), *[-1] * (lead - head), *(_roll(ring, index) if rotated else ring)]
-            )
-        recent = reach(window, self.max_size, keep)
-        return positions_mask(columns, self._offsets, n, keep, recent, lead + active)[:, None]
+            firsts.append(active - (min(have, span - 1) + n - own if written else have))
+        lead = max(heads, default=0)
+        return ring_mask(
+            offsets,
+            n,
+            keep,
+            reach(window, self.max_size, keep),
+            heads=heads,
+            firsts=firsts,
+            ends=[active] * len(firsts),
+            lead=lead,
+            width=lead + active,
+            shift=index if rotated else 0,
+        )
 
     def __repr__(self) -> str:
         return (
