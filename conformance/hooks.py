@@ -412,8 +412,12 @@ WRITERS: Mapping[str, WriterHooks] = MappingProxyType(
         ),
         # Three tensors on one token axis, every layout rolled back by row; mlx-lm's
         # KVCache pairs twin a latent held plain (mlx-lm has no encoded latent cache).
+        # Leases and save/load on ``OpsChecks``' cadence, composed after the writer's
+        # rules, whose hooks fit it to their world model (requests and a layout).
         "latent": WriterHooks(
-            rules=load("latent", "LatentMachine"),
+            rules=cast(
+                Loader, compose(load("latent", "LatentMachine"), load("machines", "OpsChecks"))
+            ),
             rounds="own",
             shared_column=True,
             trim_rows=True,
@@ -423,9 +427,13 @@ WRITERS: Mapping[str, WriterHooks] = MappingProxyType(
             peer=plain_peer,
         ),
         # Planes written by the layer and advanced: no token axis to share or roll back;
-        # mlx-lm's ArraysCache twins every row (the machine makes it).
+        # mlx-lm's ArraysCache twins every row (the machine makes it). Leases and
+        # save/load as the latent's.
         "recurrent": WriterHooks(
-            rules=load("recurrent", "RecurrentMachine"),
+            rules=cast(
+                Loader,
+                compose(load("recurrent", "RecurrentMachine"), load("machines", "OpsChecks")),
+            ),
             rounds="own",
             shared_column=False,
             trim_rows=False,

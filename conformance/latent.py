@@ -41,7 +41,15 @@ from hypothesis.stateful import initialize, precondition, rule
 from kvrows.conformance.arrays import NUMPY_DTYPES, from_mlx, to_mlx
 from kvrows.conformance.families import Impl
 from kvrows.conformance.hooks import lm_cache
-from kvrows.conformance.machines import Block, Layout, Request, WriterRules
+from kvrows.conformance.machines import (
+    Block,
+    Layout,
+    OpsTarget,
+    Request,
+    WriterRules,
+    planes_bytes,
+)
+from kvrows.latent import LATENT_FIELDS, state_fields
 from kvrows.schemes import Affine, Turbo
 
 __all__ = ["LATENT_CHECKS", "LatentMachine"]
@@ -53,6 +61,11 @@ LATENT_CHECKS = ("reference", "solo", "planes", "bad input unchanged")
 
 #: The tensors a latent block holds, in ``append``'s order.
 _TENSORS = ("latent", "rope", "index")
+
+#: A saved state's planes, right-justified ``[B, 1, width, ·]`` (``LATENT_FIELDS``), and
+#: its fields that are no array (the declaration, the codec, ``start``).
+_STATE_PLANES = ("latent", "rope", "index", "exact")
+_STATE_SCALARS = tuple(f for f in LATENT_FIELDS if f not in (*_STATE_PLANES, "offset", "converted"))
 
 _CODECS: tuple[Affine | Turbo, ...] = (
     Affine(bits=8, group_size=64),
@@ -516,6 +529,66 @@ class LatentMachine(WriterRules):
             cases = [x for x in cases if x[0] != "dtype"]
         return cases
 
+    # -- the operation checks' hooks (``machines.OpsChecks``, composed after these rules:
+    # ``hooks.WRITERS["latent"]``): the requests and the running layout leased and saved;
+    # a load holds, bit for bit, what the request or each layout row's solo replay reads
+    def _ops_targets(self) -> tuple[list[OpsTarget], list[OpsTarget]] | None:
+        if self.cfg is None:
+            return None
+        layouts: list[OpsTarget] = [] if self.layout is None else [self.layout]
+        with_rows = [x for x in layouts if x.ref.batch_size]
+        return [*self.requests, *layouts], [*with_rows, *self.requests]
+
+    def _snapshot(self, impl: Impl, cache: Any) -> tuple[Any, ...]:
+        return self._observed(impl, cache)
+
+    def _state_rows(self, impl: Impl, cache: Any) -> list[tuple[Any, ...]]:
+        """The saved form (``LATENT_FIELDS``): its declaration, codec and ``start``, then
+        each row's offset, converted flag and columns of every plane."""
+        fields, _ = state_fields(type(cache).__name__, cache.state)
+        offsets = impl.to_numpy(fields["offset"]).tolist()
+        flags = impl.to_numpy(fields["converted"]).tolist()
+        planes = [_as_arrays(impl, fields[f]) for f in _STATE_PLANES]
+        rows: list[tuple[Any, ...]] = [
+            tuple(None if fields[f] is None else int(fields[f]) for f in _STATE_SCALARS)
+        ]
+        for b, (offset, flag) in enumerate(zip(offsets, flags, strict=True)):
+            # right-justified: the row's tokens are its plane's last ``offset`` columns
+            columns = (
+                None
+                if p is None
+                else planes_bytes(tuple(a[b : b + 1, :, a.shape[2] - offset :] for a in p))
+                for p in planes
+            )
+            rows.append((offset, flag, *columns))
+        return rows
+
+    def _holds_the_rows(self, what: str, item: OpsTarget, pair: tuple[Any, Any]) -> None:
+        """Both loads hold the live rows (offsets, converted flags), each row reading what
+        its model reads (the request's reference cache; a layout row's solo replay) bit for
+        bit. (Their saved forms, stored planes included, are ``_crossed``'s.)"""
+        assert isinstance(item, Request | Layout)
+        models = [item.ref] if isinstance(item, Request) else [row.ref for row in item.rows]
+        for impl, cache in zip((self.ref_impl, self.opt_impl), pair, strict=True):
+            name = f"{what} ({impl.name})"
+            self._exact(
+                f"{name}: row offsets, converted",
+                (cache.row_offsets, cache.converted),
+                (item.ref.row_offsets, item.ref.converted),
+            )
+            cache.check_valid()
+            reads = (
+                [None if a is None else impl.to_numpy(a) for a in cache.current()]
+                if cache.width
+                else []
+            )
+            for b, model in enumerate(models):
+                if model.width:
+                    pad, own = cache.left_pad[b], model.left_pad[0]
+                    got = [None if a is None else a[b : b + 1, :, pad:] for a in reads]
+                    want = [None if a is None else a[:, :, own:] for a in model.current()]
+                    self._same_tensors(f"{name} row {b} vs the model", got, want)
+
     # -- checks ---------------------------------------------------------------------------
     def _message(self, error: BaseException) -> str:
         """Messages name the cache's class (a mutant's in the teeth tests) and a foreign
@@ -658,3 +731,10 @@ class LatentMachine(WriterRules):
                 row = [None if a is None else a[b : b + 1, :, pad:] for a in reads]
                 self._same_tensors(f"mlx-lm row {b}", lm, row)
             self.stats.check("mlx-lm")
+
+
+def _as_arrays(impl: Impl, value: Any) -> tuple[Array, ...] | None:
+    """A saved or read tensor (a codec's planes: several arrays) as NumPy arrays."""
+    if value is None:
+        return None
+    return tuple(impl.to_numpy(a) for a in (value if isinstance(value, tuple | list) else (value,)))

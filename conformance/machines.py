@@ -112,6 +112,7 @@ __all__ = [
     "Limits",
     "OpsChecks",
     "OpsRules",
+    "OpsTarget",
     "Request",
     "Slot",
     "Track",
@@ -258,6 +259,12 @@ class Layout:
     rows: list[Request] = field(default_factory=list)
     #: As ``Slot.uneven`` (``UNEVEN_TRIM``).
     uneven: bool = False
+
+
+#: What ``OpsChecks`` leases and saves: a request or a layout, of the root's world model
+#: (``Track``, ``Slot``) or of a writer's that models a request by its caches (``Request``,
+#: ``Layout``: latent, recurrent).
+OpsTarget = Track | Slot | Request | Layout
 
 
 # ------------------------------------------------------------------ array helpers
@@ -1544,8 +1551,9 @@ class ConformanceMachine(RuleBasedStateMachine):
     def _steppable(self) -> list[Slot]:
         return [s for s in self.slots if s.rows]
 
-    def _state_rows(self, impl: Impl, cache: Any) -> list[tuple[int, Any, Any]]:
-        """The rows ``cache.state`` holds, canonical: position and time-ordered planes."""
+    def _state_rows(self, impl: Impl, cache: Any) -> list[tuple[Any, ...]]:
+        """The rows ``cache.state`` holds, canonical: position and time-ordered planes (a
+        writer's form: what it holds per row)."""
         entry = cache.composition
         fields = unpack_state(entry, cache.state)
         keep = getattr(cache.token_geometry, "keep", 0)
@@ -2982,25 +2990,34 @@ class OpsChecks(ConformanceMachine):
 
     @invariant()
     def check_ops(self) -> None:
-        if self.ops_cadence is None or self.geo is None:
+        cadence = self.ops_cadence
+        targets = None if cadence is None else self._ops_targets()
+        if cadence is None or targets is None:
             return
         self._ops_checks += 1
-        turn, due = divmod(self._ops_checks, self.ops_cadence)
+        turn, due = divmod(self._ops_checks, cadence)
         if due:
             return
-        leased: list[Track | Slot] = [*self.pool, *self.slots]
+        leased, saved = targets
         if leased:
             how = LEASE_ENDS[turn % len(LEASE_ENDS)]
             if self._lease(leased[turn % len(leased)], how):
                 self.stats.op(f"lease:{how}")
-        saved: list[Track | Slot] = [*self._steppable(), *self.pool]
         if saved:
             item = saved[turn % len(saved)]
             if not self._state_pending(item.ref, item.opt):
                 self.stats.op("save_load")
                 self._save_load(item)
 
-    def _lease(self, item: Track | Slot, how: str) -> bool:
+    def _ops_targets(self) -> tuple[list[OpsTarget], list[OpsTarget]] | None:
+        """What :meth:`check_ops` leases (every request and layout) and saves (the layouts
+        with rows, then the requests), in turn; ``None`` before the example's set-up. A
+        writer with a world model of its own (``Request``, ``Layout``) names its own."""
+        if self.geo is None:
+            return None
+        return [*self.pool, *self.slots], [*self._steppable(), *self.pool]
+
+    def _lease(self, item: OpsTarget, how: str) -> bool:
         """``lease_cache_states`` over a request or a layout and its rows' solo caches
         (contract §7): ``borrow()`` is every cache's ``state``, borrowed (no cache asks
         for a release); then ``close()`` or ``transfer()``, a second ``close()`` (a no-op),
@@ -3064,30 +3081,32 @@ class OpsChecks(ConformanceMachine):
         self.stats.check("leases")
         return True
 
-    def _leased_pairs(self, item: Track | Slot) -> list[tuple[Any, Any]] | None:
+    def _leased_pairs(self, item: OpsTarget) -> list[tuple[Any, Any]] | None:
         """The (reference, optimized) caches a lease of ``item`` takes: the request's, or
-        the layout's and its rows' solo caches; ``None`` while one's state is pending."""
+        the layout's and its rows' solo caches (those of both implementations: a latent
+        row's solo is a reference cache alone); ``None`` while one's state is pending."""
         pairs = [(item.ref, item.opt)]
-        if isinstance(item, Slot):
-            pairs += [(t.ref, t.opt) for t in item.rows]
+        if isinstance(item, Slot | Layout):
+            pairs += [(t.ref, t.opt) for t in item.rows if t.opt is not None]
         return None if any(self._state_pending(r, o) for r, o in pairs) else pairs
 
-    def _save_load(self, item: Track | Slot) -> tuple[Any, Any]:
+    def _save_load(self, item: OpsTarget) -> tuple[Any, Any]:
         """``item``'s state loaded into each implementation's own class (the optimized's
         physical form: a ring's write index), then across; both must hold the live rows.
         The crossed loads (reference class, optimized class)."""
         what = f"{type(item).__name__.lower()} {item.ident}"
         restored = self._restored(what, item.ref, item.opt)
-        name = self.spec.name if isinstance(item, Slot) else self.serial_name
+        name = self.spec.name if isinstance(item, Slot | Layout) else self.serial_name
         crossed = self._crossed(what, name, item.ref, item.opt)
         for how, pair in (("loaded into its own class", restored), ("loaded", crossed)):
             self._holds_the_rows(f"{what} {how}", item, pair)
         return crossed
 
-    def _holds_the_rows(self, what: str, item: Track | Slot, pair: tuple[Any, Any]) -> None:
+    def _holds_the_rows(self, what: str, item: OpsTarget, pair: tuple[Any, Any]) -> None:
         """The reference and optimized caches of ``pair`` hold ``item``'s rows (offsets,
-        stored planes against the model)."""
+        stored planes against the model; a writer of its own world model has its own)."""
         for impl, cache in zip((self.ref_impl, self.opt_impl), pair, strict=True):
+            assert isinstance(item, Track | Slot), "the root's world model"
             if isinstance(item, Track):
                 self._exact(f"{what} ({impl.name}): offset", int(cache.offset), item.tokens)
                 self._same_planes(
@@ -3122,9 +3141,9 @@ class OpsChecks(ConformanceMachine):
     def _crossed(self, what: str, name: str, ref_cache: Any, opt_cache: Any) -> tuple[Any, Any]:
         """The optimized cache's state loaded into the reference class ``name`` and the
         reference's into the optimized one (arrays converted, nothing else): each holds
-        the rows the live ones' saved forms describe."""
+        the rows its source's saved form describes (the two describe the same rows where
+        the implementations agree bit for bit: ``_check_state``)."""
         keep = getattr(ref_cache.token_geometry, "keep", 0)
-        live = self._state_rows(self.ref_impl, ref_cache)
 
         def convert(value: Any, src: Impl, dst: Impl) -> Any:
             if isinstance(value, np.ndarray | mx.array):
@@ -3144,7 +3163,7 @@ class OpsChecks(ConformanceMachine):
             self._exact(
                 f"{what}: {src.name} state loaded into the {dst.name} class",
                 (copy.signature(), repr(copy.geometry), self._state_rows(dst, copy)),
-                (ref_cache.signature(), repr(ref_cache.geometry), live),
+                (ref_cache.signature(), repr(ref_cache.geometry), self._state_rows(src, cache)),
             )
             loaded.append(copy)
         self.stats.check("save_load across implementations")

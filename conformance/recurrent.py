@@ -47,7 +47,15 @@ from hypothesis.stateful import initialize, precondition, rule
 from kvrows.conformance.arrays import NUMPY_DTYPES, as_numpy, to_mlx
 from kvrows.conformance.families import Impl
 from kvrows.conformance.hooks import lm_cache
-from kvrows.conformance.machines import ROLE_LOOKUPS, Block, Layout, Request, WriterRules
+from kvrows.conformance.machines import (
+    ROLE_LOOKUPS,
+    Block,
+    Layout,
+    OpsTarget,
+    Request,
+    WriterRules,
+    planes_bytes,
+)
 from kvrows.errors import (
     IncompatibleRowsError,
     InvalidInputError,
@@ -265,14 +273,16 @@ class RecurrentMachine(WriterRules):
         for i, (q, mine, theirs) in enumerate(zip(quantities, a, b, strict=True)):
             self._same_arrays(q, f"{what} state.{i}", mine, theirs)
 
-    def _ref_vs_opt(self, what: str, ref: Any, opt: Any) -> None:
+    @property
+    def _ref_vs_opt_quantities(self) -> str | tuple[str, ...]:
+        """The planes' quantities, reference vs optimized: gated DeltaNet's copied inputs,
+        then its float32 recurrence (another reduction order); the toy layer's planes, one
+        rounding and one cast per step, exact."""
         assert self.layer is not None
-        # gated DeltaNet: copied inputs, then float32 recurrence (another reduction order);
-        # the toy layer: one rounding and one cast per step, exact
-        gated = ("state.conv", "state.recurrent")
-        self._same_state_planes(
-            what, opt, ref, gated if self.layer.shapes is None else "state.conv"
-        )
+        return ("state.conv", "state.recurrent") if self.layer.shapes is None else "state.conv"
+
+    def _ref_vs_opt(self, what: str, ref: Any, opt: Any) -> None:
+        self._same_state_planes(what, opt, ref, self._ref_vs_opt_quantities)
         self.stats.check("reference vs optimized")
 
     # ------------------------------------------------------------------ oracles
@@ -548,6 +558,60 @@ class RecurrentMachine(WriterRules):
             )
             setattr(target, side, restored)
         self.stats.check("state round trip")
+
+    # -------------------------------- the operation checks' hooks (``machines.OpsChecks``,
+    # composed after these rules: ``hooks.WRITERS["recurrent"]``): the requests and the
+    # layouts leased and saved; a saved state is every plane and the offsets, no token
+    # axis, so a load holds the live planes (at the reference vs optimized tolerance;
+    # bit for bit its source's, ``_crossed``) and each row's offset, its token count
+    def _ops_targets(self) -> tuple[list[OpsTarget], list[OpsTarget]] | None:
+        if self.layer is None:
+            return None
+        return [*self.requests, *self.groups], [*self._steppable_groups(), *self.requests]
+
+    def _snapshot(self, impl: Impl, cache: Any) -> tuple[Any, ...]:
+        return self._observed(impl, cache)
+
+    def _state_rows(self, impl: Impl, cache: Any) -> list[tuple[Any, ...]]:
+        """The saved form ``(state.0, …, state.{N-1}, offset)``: each row's offset and its
+        part of every plane (``None``: unwritten), bit for bit."""
+        *planes, offset = cache.state
+        offsets = [offset] if isinstance(offset, int) else impl.to_numpy(offset).tolist()
+        held = [None if p is None else impl.to_numpy(p) for p in planes]
+        return [
+            (o, tuple(None if p is None else planes_bytes((p[b : b + 1],)) for p in held))
+            for b, o in enumerate(offsets)
+        ]
+
+    def _check_state(self, what: str, ref_cache: Any, opt_cache: Any) -> None:
+        """Both saved states hold the same offsets and planes (the planes at the reference
+        vs optimized tolerance: gated DeltaNet's recurrence is not bit for bit)."""
+        offsets = [
+            [row[0] for row in self._state_rows(impl, cache)]
+            for impl, cache in ((self.opt_impl, opt_cache), (self.ref_impl, ref_cache))
+        ]
+        self._exact(f"{what}: offsets of the saved state", offsets[0], offsets[1])
+        *opt_planes, _ = opt_cache.state
+        *ref_planes, _ = ref_cache.state
+        quantities = self._ref_vs_opt_quantities
+        for i, (mine, theirs) in enumerate(zip(opt_planes, ref_planes, strict=True)):
+            self._exact(f"{what}: saved state.{i} held", mine is None, theirs is None)
+            if mine is not None:
+                q = quantities if isinstance(quantities, str) else quantities[i]
+                self._same_arrays(q, f"{what}: saved state.{i}", as_numpy(mine), as_numpy(theirs))
+        self.stats.check("state")
+
+    def _holds_the_rows(self, what: str, item: OpsTarget, pair: tuple[Any, Any]) -> None:
+        """Both loads hold the live rows: each row's offset its token count, the planes the
+        live reference's (at the reference vs optimized tolerance), valid."""
+        assert isinstance(item, Request | Layout)
+        rows = [item] if isinstance(item, Request) else item.rows
+        for impl, cache in zip((self.ref_impl, self.opt_impl), pair, strict=True):
+            name = f"{what} ({impl.name})"
+            offsets = cache.row_offsets if isinstance(item, Layout) else (cache.offset,)
+            self._exact(f"{name}: offsets", tuple(offsets), tuple(r.tokens for r in rows))
+            self._ref_vs_opt(f"{name} vs the live reference", item.ref, cache)
+            cache.check_valid()
 
     # ------------------------------------------------------------------ bad inputs
     def _observed(self, impl: Impl, cache: Any) -> tuple[Any, ...]:

@@ -280,7 +280,9 @@ def test_machines_are_composed_from_the_hook_rows(monkeypatch: pytest.MonkeyPatc
     order (the geometry's round rules, the speculative modifier's, the geometry's, the
     codec's, the writer's) over the root machine; the same rules give the same machine."""
     from kvrows.conformance import families, hooks
-    from kvrows.conformance.machines import KvRules, OpsRules, WriterRules
+    from kvrows.conformance.latent import LatentMachine
+    from kvrows.conformance.machines import KvRules, OpsChecks, OpsRules, WriterRules
+    from kvrows.conformance.recurrent import RecurrentMachine
     from kvrows.conformance.rules import (
         AffineRules,
         PagedRules,
@@ -309,16 +311,17 @@ def test_machines_are_composed_from_the_hook_rows(monkeypatch: pytest.MonkeyPatc
     paged = [RoundRules, PagedRules, OpsRules, AffineRules, KvRules]
     assert rules("paged-affine", "PagedKvRows") == paged
     # the latent and recurrent writers' rules and the delayed modifier's, over the writers'
-    # skeleton over the root
+    # skeleton over the root; the writers' then over the operation checks (issue 24),
+    # whose hooks theirs override
     own = (
-        ("latent", "MLACache"),
-        ("recurrent", "BatchedSSMCache"),
-        ("delayed", "DelayedQuantizedKVCache"),
+        ("latent", "MLACache", (LatentMachine, WriterRules, OpsChecks, ConformanceMachine)),
+        ("recurrent", "BatchedSSMCache", (RecurrentMachine, WriterRules, OpsChecks)),
+        ("delayed", "DelayedQuantizedKVCache", (WriterRules, ConformanceMachine)),
     )
-    for family, layout in own:
+    for family, layout, bases in own:
         fam = FAMILIES[family]
         load = fam.layout(layout).machine or fam.machine
-        assert load is not None and load().__mro__[1:3] == (WriterRules, ConformanceMachine)
+        assert load is not None and load().__mro__[1 : 1 + len(bases)] == bases
     # The paged placement over the ring geometry: the placement's rules, then the ring's.
     paged_ring = [RingRoundRules, RoundRules, PagedRules, OpsRules, RingRules, KvRules]
     assert rules("paged-rotating-affine", "PagedRotatingRows") == paged_ring

@@ -2,7 +2,8 @@
 
 ``MLACache`` and ``EncodedLatentCache`` run their machine under the selected profile,
 scaled by the family's example budget: requests prefilled, merged, stepped, verified in
-rounds with per-row acceptance, filtered, extracted and trimmed, against the reference,
+rounds with per-row acceptance, filtered, extracted and trimmed, leased, saved and loaded
+across implementations (``machines.OpsChecks``), against the reference,
 a solo replay per row and (``MLACache``) mlx-lm's ``KVCache`` / ``BatchKVCache`` pairs;
 bad inputs raise the same error in both implementations and change nothing. The test
 checks that nothing was skipped silently: every operation, oracle and case the family
@@ -14,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-from conformance_helpers import caught, run_family
+from conformance_helpers import OPS_CHECKED, caught, run_family
 
 import kvrows.optimized as opt
 from kvrows.conformance.families import FAMILIES
@@ -40,6 +41,8 @@ EXPECTED_OPS = {
     "trim_rows:uneven",
     "invalid",
     "bad:dsa mismatch",
+    # leases and save/load across implementations (``machines.OpsChecks``' cadence)
+    *OPS_CHECKED,
 }
 
 
@@ -52,7 +55,7 @@ def test_latent_family(layout: str) -> None:
     assert stats.examples > 0
     missing_ops = EXPECTED_OPS - set(stats.ops)
     assert not missing_ops, f"operations never exercised: {sorted(missing_ops)}"
-    missing = set(LATENT_CHECKS) - set(stats.checks)
+    missing = {*LATENT_CHECKS, "leases", "save_load across implementations"} - set(stats.checks)
     assert not missing, f"oracles never reached: {sorted(missing)}"
     stats.require(0, states=(UNEVEN_TRIM,))  # equal rows trimmed unequally, then a step
     if layout == "MLACache":

@@ -4,8 +4,9 @@
 under the selected profile, scaled by the family's example budget: requests prefilled by a
 gated DeltaNet layer or a toy layer over 1 to 4 planes of ranks 2 to 4, merged, joined,
 stepped (decode, blocks, right-padded runs), filtered, extracted, published, verified in
-rounds (commit, uniform and unequal rollback) and saved, against the reference, a solo
-replay per row and mlx-lm's ``ArraysCache``. The tests check that nothing was skipped
+rounds (commit, uniform and unequal rollback), saved, leased and loaded across
+implementations (``machines.OpsChecks``), against the reference, a solo replay per row and
+mlx-lm's ``ArraysCache``. The tests check that nothing was skipped
 silently: every operation, every oracle, every compared quantity, every activation dtype,
 every layer and plane count, and the bad inputs.
 """
@@ -16,11 +17,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from conformance_helpers import assert_compared, run_family
+from conformance_helpers import OPS_CHECKED, assert_compared, run_family
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvrows.conformance.families import FAMILIES, optimized_impl
-from kvrows.conformance.machines import machine_class
+from kvrows.conformance.machines import OpsChecks, WriterRules, machine_class
 from kvrows.conformance.recurrent import RECURRENT_CHECKS, RecurrentMachine
 from kvrows.conformance.runner import family_settings
 from kvrows.optimized.recurrent import BatchedSSMCache
@@ -50,6 +51,8 @@ EXPECTED_OPS = {
     "layer:gated delta",
     *(f"layer:{n} planes" for n in (1, 2, 3, 4)),
     *(f"plane rank {r}" for r in (2, 3, 4)),
+    # leases and save/load across implementations (``machines.OpsChecks``' cadence)
+    *OPS_CHECKED,
 }
 
 pytestmark = pytest.mark.usefixtures("cpu_stream")
@@ -64,7 +67,8 @@ CI_EXAMPLES = 80
 
 def test_recurrent_family() -> None:
     stats, settings = run_family(FAMILY, "BatchedSSMCache", ci_examples=CI_EXAMPLES)
-    stats.require(settings.max_examples // 2, ops=EXPECTED_OPS, oracles=RECURRENT_CHECKS)
+    oracles = (*RECURRENT_CHECKS, "leases", "save_load across implementations")
+    stats.require(settings.max_examples // 2, ops=EXPECTED_OPS, oracles=oracles)
     states = ("state.conv", "state.recurrent", "state.solo", "state.mlx_lm")
     assert_compared(stats, {*states, "output", "output.solo"})
     assert set(stats.variants) == {"bfloat16", "float16", "float32"}, dict(stats.variants)
@@ -80,7 +84,9 @@ def test_the_family_drives_both_recurrent_classes() -> None:
     assert [spec.name for spec in FAMILY.layouts] == ["BatchedSSMCache"]
     spec = FAMILY.layout("BatchedSSMCache")
     assert spec.roles == ("decode", "prefill", "verify") and spec.serial == "SSMCache"
-    assert FAMILY.machine is not None and FAMILY.machine() is RecurrentMachine
+    assert FAMILY.machine is not None
+    # the recurrent writer's rules, then the operation checks (their hooks the writer's)
+    assert FAMILY.machine().__mro__[1:4] == (RecurrentMachine, WriterRules, OpsChecks)
 
 
 # -- teeth: planted bugs in the optimized layout are caught ------------------------------

@@ -10,13 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import mlx.core as mx
 import numpy as np
 import pytest
 
 import kvrows.optimized as opt
 import kvrows.reference as ref
-from kvrows.conformance.arrays import as_numpy
+from kvrows.conformance.arrays import as_numpy, to_mlx
 from kvrows.errors import CorruptStateError, InvalidInputError
 from kvrows.forms import state_form
 from kvrows.latent import LATENT_FIELDS
@@ -82,6 +83,38 @@ def test_state_round_trip_and_continue(impl: Any, codec: Any) -> None:
     fresh = _filled(impl, codec, seed=1)
     fresh.state = other.state
     _same_rows(fresh, cache)
+
+
+@pytest.mark.parametrize("codec", CODECS[1:], ids=["affine", "turbo"])
+@pytest.mark.parametrize("impl", [ref, opt], ids=["reference", "optimized"])
+def test_warm_rows_beside_converted_ones_save_in_the_cache_dtype(impl: Any, codec: Any) -> None:
+    """A bfloat16 layout of a converted row (24 tokens) beside a warm one (1 token, start
+    3): the state's exact latent is bfloat16, as the reads are, and loads into either
+    implementation's class holding the same rows. (The dense image holds the converted
+    row decoded in the codec's dtype: TurboQuant's float32 was saved as such, a state no
+    class loaded.)"""
+    native = (lambda a: a) if impl is ref else to_mlx
+    rng = np.random.default_rng(3)
+    rows = []
+    for n in (24, 1):
+        cache = impl.EncodedLatentCache(64, 8, None, 40, codec=codec, start=3)
+        block = [rng.standard_normal((1, 1, n, w)).astype(ml_dtypes.bfloat16) for w in (64, 8)]
+        cache.append(*(native(b) for b in block))
+        rows.append(cache)
+    layout = rows[0].make_empty_batch()
+    layout.merge_rows(rows)
+    assert layout.converted == (True, False)
+    state = layout.state
+    assert as_numpy(state[3]).dtype == as_numpy(state[1]).dtype == ml_dtypes.bfloat16
+    _same_rows(type(layout).from_state(state), layout)
+    other, to_other = (opt, to_mlx) if impl is ref else (ref, lambda a: a)
+
+    def convert(value: Any) -> Any:  # arrays into the other implementation's, codec planes too
+        if isinstance(value, tuple):
+            return tuple(convert(v) for v in value)
+        return to_other(as_numpy(value)) if isinstance(value, np.ndarray | mx.array) else value
+
+    _same_rows(other.EncodedLatentCache.from_state(convert(state)), layout)
 
 
 @pytest.mark.parametrize("codec", CODECS, ids=["plain", "affine", "turbo"])

@@ -7,7 +7,11 @@ teeth profile must fail with an oracle's ``AssertionError``).
 * save/load (``OpsRules.save_load`` in the paged machines, ``OpsChecks`` on its cadence in
   the contiguous ones): a load that drops each row's last token; a contiguous ring's load
   that forgets its write index (the rotating family's machine);
-* leases (``OpsRules.lease``): a close that releases but keeps lending the state.
+* leases (``OpsRules.lease``): a close that releases but keeps lending the state;
+* the latent and recurrent machines' save/load (``OpsChecks`` on its cadence, the hooks
+  theirs): a latent load that drops each row's last token, an encoded latent whose state
+  saves its warm rows' exact latent as zeros, a recurrent load that loses the last plane
+  (zeros: the recurrent state of gated DeltaNet).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import mlx.core as mx
 import pytest
 from conformance_helpers import caught, run_teeth
 
@@ -113,3 +118,70 @@ def test_the_unmutated_ring_saves_and_loads() -> None:
     """The same run without the mutation passes, having saved and loaded requests."""
     stats = run_teeth("BatchedRotatingCache", None, RING_TEETH_EXAMPLES, "rotating")
     assert stats.ops["save_load"] > 0 and stats.checks["save_load across implementations"] > 0
+
+
+# -- the latent and recurrent machines (``OpsChecks``' cadence, the CI machine's) ----------
+
+
+class LatentLoadDropsLastToken(O.MLACache):
+    """``from_state`` loads every row one token short."""
+
+    @classmethod
+    def from_state(cls, state: Any, meta_state: Any = None, **kwargs: Any) -> Any:
+        loaded = super().from_state(state, meta_state, **kwargs)
+        if any(loaded.row_offsets):
+            # MUTATION (the load keeps every token)
+            loaded.trim_rows([1 if offset else 0 for offset in loaded.row_offsets])
+        return loaded
+
+
+class StateZeroesTheWarmLatent(O.EncodedLatentCache):
+    """The state saves the exact latent of the rows still plain (bf16-first) as zeros."""
+
+    def _state(self) -> tuple[Any, ...]:
+        saved = list(super()._state())
+        if saved[3] is not None:
+            saved[3] = mx.zeros_like(saved[3])  # MUTATION (the exact latent, as held)
+        return tuple(saved)
+
+
+class LoadLosesTheLastPlane(O.BatchedSSMCache):
+    """``from_state`` loads the last plane as zeros (the recurrent state forgotten)."""
+
+    @classmethod
+    def from_state(cls, state: Any, meta_state: Any = None, **kwargs: Any) -> Any:
+        *planes, offset = state
+        if planes[-1] is not None:
+            planes[-1] = mx.zeros_like(planes[-1])  # MUTATION (the saved plane)
+        return super().from_state((*planes, offset), meta_state, **kwargs)
+
+
+#: The teeth profile's examples of the latent and recurrent machines: each mutant is caught
+#: within 4 (``OpsChecks``' cadence: no rule, the draws are the families' own).
+LATENT_TEETH_EXAMPLES = 6
+
+
+@pytest.mark.parametrize(
+    ("family_name", "layout", "mutant", "oracle"),
+    [
+        ("latent", "MLACache", LatentLoadDropsLastToken, "state loaded into"),
+        # both implementations' saved forms differ: before any load
+        ("latent", "EncodedLatentCache", StateZeroesTheWarmLatent, "rows of the saved state"),
+        ("recurrent", "BatchedSSMCache", LoadLosesTheLastPlane, "state loaded into"),
+    ],
+)
+def test_a_lossy_latent_or_recurrent_state_is_caught(
+    family_name: str, layout: str, mutant: type, oracle: str
+) -> None:
+    message = caught(layout, mutant, LATENT_TEETH_EXAMPLES, family_name=family_name)
+    assert oracle in message, message[:500]
+
+
+@pytest.mark.parametrize(
+    ("family_name", "layout"),
+    [("latent", "MLACache"), ("latent", "EncodedLatentCache"), ("recurrent", "BatchedSSMCache")],
+)
+def test_the_unmutated_latent_and_recurrent_save_and_load(family_name: str, layout: str) -> None:
+    """The same runs without the mutations pass, having saved, loaded and leased."""
+    stats = run_teeth(layout, None, LATENT_TEETH_EXAMPLES, family_name)
+    assert stats.checks["save_load across implementations"] > 0 and stats.checks["leases"] > 0
