@@ -105,6 +105,7 @@ __all__ = [
     "RING_TRIM_REFUSED",
     "ROLE_LOOKUPS",
     "UNEVEN_TRIM",
+    "WRAPPED_RING_BLOCK",
     "Block",
     "ConformanceMachine",
     "KvRules",
@@ -161,6 +162,12 @@ UNEVEN_TRIM = "equal rows trimmed unequally, then a step"
 #: a ``trim_rows`` past a row's window (or holdings) refused after a block.
 FULL_RING_ROLLBACK = "a ring row holding exactly max_size rolled back"
 RING_TRIM_REFUSED = "a ring trim past the window refused"
+
+#: A hard state (a ``Stats.states`` key, spec/contract.md §0.11) of the rings: a block of
+#: two tokens or more lands on a wrapped ring holding a row shorter than its window (the
+#: shared ring rotated with a row's left padding still positive: mlx-lm's B9, where its
+#: mask hides that row's oldest token; a ragged ring: one row wrapped, another short).
+WRAPPED_RING_BLOCK = "a block on a wrapped ring with a short row"
 
 #: Bad-input cases (a part of their label) whose error *messages* differ between the
 #: implementations: only their error types are compared. Each says why; the list shrinks
@@ -559,7 +566,8 @@ class ConformanceMachine(RuleBasedStateMachine):
         only_padded: bool = bool(padded) and data.draw(st.booleans(), label="padded rows only")
         if only_padded:
             return "padded-rows", list(data.draw(st.permutations(padded), label="keep"))
-        return data.draw(ks.keep_lists(tuple(t.tokens for t in slot.rows)), label="keep")
+        mirrored = self._parity(slot) and slot.lm is not None
+        return data.draw(ks.keep_lists(tuple(t.tokens for t in slot.rows), mirrored), label="keep")
 
     def _check_layout_shape(self, slot: Slot) -> None:
         """Full attention: both agree on the width; shared-column rows end at it."""
@@ -1184,6 +1192,25 @@ class ConformanceMachine(RuleBasedStateMachine):
         getattr(self, f"_build_{kind}")(slot, data)
         return True
 
+    def _hard_steps(self, slot: Any) -> list[str]:
+        """The hard states a multi-token step can build on ``slot``, each a
+        ``_build_<name>``: none here; the geometry's rules name theirs (rings: ``wrapped``)."""
+        return []
+
+    def _hard_step(self, slot: Any, data: st.DataObject) -> bool:
+        """``multi_step``'s branch for the hard states, as :meth:`_hard_trim` is
+        ``trim_rows``': where ``slot`` allows (:meth:`_hard_steps`), a share of the runs
+        build one instead of a free block; whether one was built. Machines whose layouts
+        name none draw exactly as before."""
+        hard = [] if self._pressed else self._hard_steps(slot)
+        kind = data.draw(st.sampled_from(("free", *hard)), label="step") if hard else ""
+        if not kind or kind == "free":
+            return False
+        self._op("multi_step", slot)
+        self._op(f"multi_step:{kind}", slot)
+        getattr(self, f"_build_{kind}")(slot, data)
+        return True
+
     # The hooks of ``_build_uneven`` (a writer's rules supply them; ``slot``: a ``Slot``
     # or a ``Layout``).
     def _row_lengths(self, slot: Any) -> list[int]:
@@ -1322,6 +1349,58 @@ class ConformanceMachine(RuleBasedStateMachine):
         self.stats.state(FULL_RING_ROLLBACK)
         self._fill_replay(slot, pending, counts)
 
+    # The hooks of ``_build_wrapped`` (a ring's rules supply them; the joins and blocks are
+    # ``_build_uneven``'s: :meth:`_join_for_trim`, :meth:`_uneven_block`).
+    def _wrapped_short(self, slot: Any) -> bool:
+        """``slot`` has wrapped and holds a row shorter than its window: the state a block
+        then lands in (``WRAPPED_RING_BLOCK``)."""
+        return False
+
+    def _wrap_gap(self, lengths: Sequence[int]) -> bool:
+        """Rows of ``lengths`` tokens can reach :meth:`_wrapped_short` by one-token steps
+        and a block: the shortest holds two tokens less than the longest keeps (a
+        shared ring pads the shortest row by the difference, its first wrapped step takes
+        one column of it)."""
+        kept = [self.g.kept(t) for t in lengths]
+        return len(kept) >= 2 and min(kept) <= max(kept) - 2
+
+    def _fresh_request(self) -> Any:
+        """A request holding no token, to join a layout (the K/V writer's: a ``Track``)."""
+        return self._new_track()
+
+    def _wrapped_kinds(self, slot: Any) -> list[str]:
+        """``wrapped`` in a ring's :meth:`_hard_steps` where ``slot`` is in the state, can
+        step into it, or has room for a row that makes it so."""
+        lengths = self._row_lengths(slot)
+        if self._wrapped_short(slot) or self._wrap_gap(lengths) or len(lengths) < self.limits.rows:
+            return ["wrapped"]
+        return []
+
+    def _build_wrapped(self, slot: Any, data: st.DataObject) -> None:
+        """``WRAPPED_RING_BLOCK``, built (every ring's, through the hooks above): where
+        the rows cannot wrap with a short row, a request holding no token joins (after a
+        block of two where the longest row holds less); blocks then bring the longest
+        row to its window and one-token steps wrap the ring (a shared ring rotates at
+        the step after it fills), until a short row sits on a wrapped ring; then a block
+        of two tokens or more (``_layout_step`` counts the state)."""
+        if not self._wrapped_short(slot) and not self._wrap_gap(self._row_lengths(slot)):
+            if max(self._row_lengths(slot)) < 2:
+                self._uneven_block(slot, 2, data)
+            request = self._fresh_request()
+            self.pool.append(request)  # a free request for the join (which consumes it)
+            note(f"multi_step (wrapped): empty request {request.ident} joins layout {slot.ident}")
+            self._join_for_trim(slot, request)
+        window = self._fill_window(slot)
+        for _ in range(window + 2):  # a shared ring wraps within a window and a step
+            lengths = self._row_lengths(slot)
+            if self._wrapped_short(slot) or min(lengths) >= window:
+                break  # there, or no short row left (a shared ring's pads ran out)
+            k = window - max(lengths)
+            self._uneven_block(slot, k if k >= 2 else 1, data)
+        n = data.draw(st.integers(2, window + 2), label="N")
+        note(f"multi_step (wrapped): layout {slot.ident} rows {self._row_lengths(slot)}, N={n}")
+        self._uneven_block(slot, n, data)
+
     def _build_uneven(self, slot: Any, data: st.DataObject) -> None:
         """``UNEVEN_TRIM``, built (every writer's, through the hooks above): the rows are
         trimmed to the shortest one's length (equal rows; a layout of one row takes a
@@ -1367,6 +1446,8 @@ class ConformanceMachine(RuleBasedStateMachine):
         implementations' attention outputs; the rows' solo caches are not touched."""
         ref, opt, g = self.ref_impl, self.opt_impl, self.g
         rows, n = len(slot.rows), int(keys.shape[2])
+        if n > 1 and self._wrapped_short(slot):
+            self.stats.state(WRAPPED_RING_BLOCK)
         positions = [t.tokens for t in slot.rows]
         handle = slot.opt.offset
         self._exact(
@@ -2736,6 +2817,8 @@ class KvRules(ConformanceMachine):
     def multi_step(self, data: st.DataObject) -> None:
         """N > 1 tokens for every row (chunked prefill / a verify block)."""
         slot = self._pick(data, self._steppable(), "layout")
+        if self._hard_step(slot, data):
+            return
         n = self._block_size(data)
         form = data.draw(ks.mask_forms(), label="mask form")
         rng = self._rng(data)

@@ -550,6 +550,22 @@ class RingRules(ConformanceMachine):
     def _fill_window(self, slot: Slot) -> int:
         return self.window
 
+    # ------------------------------------------------- a block on a wrapped ring
+    def _hard_steps(self, slot: Slot) -> list[str]:
+        """Besides the base's: ``wrapped`` (``machines._wrapped_kinds``)."""
+        return [*super()._hard_steps(slot), *self._wrapped_kinds(slot)]
+
+    def _wrapped_short(self, slot: Slot) -> bool:
+        """A shared ring rotated with a row's left padding still positive (what B9 and the
+        block mask's ``ring = max_size`` are about); a ragged ring: a row wrapped and
+        another shorter than the window."""
+        if self.spec.shared_column:
+            return bool(slot.opt.ring_state[2]) and any(p > 0 for p in slot.ref.left_pad)
+        lengths = self._row_lengths(slot)
+        return any(self.g.wrapped(t) for t in lengths) and not all(
+            self.g.wrapped(t) for t in lengths
+        )
+
     def _fill_joins(self, slot: Slot) -> list[Track]:
         if len(slot.rows) >= self.limits.rows:
             return []
@@ -1745,6 +1761,12 @@ class RingRoundRules(RoundRules):
     ``RingRules``; verify layouts draw windows of 1-32, mostly small, sinks included):
     drafts and a rule that take a row across its window, and the ``B10`` twin re-synced
     from the row's serial ring."""
+
+    def _hard_steps(self, slot: Slot) -> list[str]:
+        """None: the rounds land their blocks on wrapped rows ("round across the window",
+        "rollback on a wrapped row"), and a ``wrapped`` branch in ``multi_step`` would
+        redraw every verify ring's examples (the affine one then never joined)."""
+        return []
 
     def _crossing(self, slot: Slot) -> list[int]:
         """Drafts that take a row from below its window past it (``d = W - tokens``)."""

@@ -300,15 +300,22 @@ def step_sizes(multi: bool) -> st.SearchStrategy[int]:
 
 
 @st.composite
-def keep_lists(draw: st.DrawFn, row_tokens: tuple[int, ...]) -> tuple[str, list[int]]:
+def keep_lists(
+    draw: st.DrawFn, row_tokens: tuple[int, ...], mirrored: bool = False
+) -> tuple[str, list[int]]:
     """A filter's keep list for rows holding ``row_tokens``: any subset, any order.
 
     Kinds: ``drop-longest`` (the longest row leaves, survivors shuffled),
     ``reorder`` (every row, permuted), ``none`` (keep nothing), ``subset``.
+    ``mirrored``: an mlx-lm batch mirrors the layout, and ``reorder`` comes first (early
+    layouts hold one row, which ``drop-longest`` empties: mlx-lm's filter is then skipped
+    and its mirror dropped, so its filter check came dozens of examples late).
     """
     rows = len(row_tokens)
     # The kinds a derandomized run must reach first (Hypothesis favours early choices).
     kinds = ["drop-longest", "reorder", "none", "subset"] if rows else ["none", "subset"]
+    if mirrored and rows:
+        kinds[:2] = kinds[1::-1]
     kind = draw(st.sampled_from(kinds), label="filter kind")
     if kind == "none":
         return kind, []
