@@ -7,18 +7,21 @@ teeth profile must fail with an oracle's ``AssertionError``).
 * save/load (``OpsRules.save_load`` in the paged machines, ``OpsChecks`` on its cadence in
   the contiguous ones): a load that drops each row's last token; a contiguous ring's load
   that forgets its write index (the rotating family's machine);
-* leases (``OpsRules.lease``): a close that releases but keeps lending the state.
+* leases (``OpsRules.lease``): a close that releases but keeps lending the state;
+* the delayed layouts (``OpsChecks`` in ``DelayedMachine``): a saved state that records a
+  converted row's current offset as its conversion offset, and the lease above.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from conformance_helpers import caught, run_teeth
 
 import kvrows.optimized as O
+from kvrows.forms import DELAYED_PLAIN, state_form
 from kvrows.leases import StateLease
 from kvrows.optimized.paged import PagedKvRows
 from kvrows.optimized.paging import BlockPool, PagedSerial
@@ -113,3 +116,37 @@ def test_the_unmutated_ring_saves_and_loads() -> None:
     """The same run without the mutation passes, having saved and loaded requests."""
     stats = run_teeth("BatchedRotatingCache", None, RING_TEETH_EXAMPLES, "rotating")
     assert stats.ops["save_load"] > 0 and stats.checks["save_load across implementations"] > 0
+
+
+class SavesOffsetsAsConversions(O.DelayedQuantizedKVCache):
+    """``state`` records a converted row's offset where its conversion offset belongs:
+    the rows' planes are saved whole, a load reports the rows converted later than they
+    did (their ``converted_at``, the extracted legos' ``minimum_reusable_offset``)."""
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        saved = super().state
+        fields = dict(zip(state_form(self.composition).fields, saved, strict=True))
+        marks = [
+            DELAYED_PLAIN if at is None else offset  # MUTATION (at: the conversion offset)
+            for at, offset in zip(self.converted_at, self.row_offsets, strict=True)
+        ]
+        fields["converted_at"] = self._positions(marks)
+        return tuple(fields.values())
+
+    @state.setter
+    def state(self, value: tuple[Any, ...]) -> None:
+        cast(Any, O.DelayedQuantizedKVCache).state.fset(self, value)  # the real setter
+
+
+def test_delayed_state_losing_the_conversion_offsets_is_caught() -> None:
+    message = caught("DelayedQuantizedKVCache", SavesOffsetsAsConversions, family_name="delayed")
+    assert "loaded" in message, message
+
+
+def test_delayed_lease_lent_after_close_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(StateLease, "close", close_keeps_lending)
+    with pytest.raises(AssertionError) as failure:
+        run_teeth("DelayedRotatingQuantizedKVCache", None, 12, "delayed", name="TeethDelayedLease")
+    assert "Failing test case" in "\n".join(getattr(failure.value, "__notes__", []))
+    assert "lease" in str(failure.value), failure.value
