@@ -9,7 +9,8 @@ teeth profile must fail with an oracle's ``AssertionError``).
   that forgets its write index (the rotating family's machine);
 * leases (``OpsRules.lease``): a close that releases but keeps lending the state;
 * the delayed layouts (``OpsChecks`` in ``DelayedMachine``): a saved state that records a
-  converted row's current offset as its conversion offset, and the lease above.
+  converted row's current offset as its conversion offset, a ring's saved state whose
+  converted rows lose their key scales, and the lease above.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
+import mlx.core as mx
 import pytest
 from conformance_helpers import caught, run_teeth
 
@@ -142,6 +144,31 @@ class SavesOffsetsAsConversions(O.DelayedQuantizedKVCache):
 def test_delayed_state_losing_the_conversion_offsets_is_caught() -> None:
     message = caught("DelayedQuantizedKVCache", SavesOffsetsAsConversions, family_name="delayed")
     assert "loaded" in message, message
+
+
+class SavesConvertedScalesZeroed(O.DelayedRotatingQuantizedKVCache):
+    """``state`` saves the converted rows' key scales as zeros (their codes and biases
+    whole, the plain rows untouched)."""
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        fields = dict(zip(state_form(self.composition).fields, super().state, strict=True))
+        held = fields["stage1.keys"]
+        if held is not None:
+            codes, scales, *rest = held
+            fields["stage1.keys"] = (codes, mx.zeros_like(scales), *rest)  # MUTATION
+        return tuple(fields.values())
+
+    @state.setter
+    def state(self, value: tuple[Any, ...]) -> None:
+        cast(Any, O.DelayedRotatingQuantizedKVCache).state.fset(self, value)  # the real setter
+
+
+def test_delayed_ring_state_losing_the_converted_scales_is_caught() -> None:
+    message = caught(
+        "DelayedRotatingQuantizedKVCache", SavesConvertedScalesZeroed, family_name="delayed"
+    )
+    assert "saved state" in message, message
 
 
 def test_delayed_lease_lent_after_close_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
