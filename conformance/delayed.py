@@ -31,7 +31,9 @@ and ``offset != 0``: :meth:`DelayedGeometry.converts`), never the core's
 (masks, reads, attention); the layout model (position record, ``row_offsets``,
 ``converted_at``, ``phase``, ``max_append_tokens()``, ``minimum_reusable_offset``);
 solo replay (each row's serial lego per implementation: attention, extracted bytes,
-publishing, the conversion offset); deferred vs eager V (TurboQuant). ``Stats.checks``
+publishing, the conversion offset); deferred vs eager V (TurboQuant); leases and
+save/load across implementations (``machines.OpsChecks``, mixed in: an invariant that
+draws nothing, its hooks taking a lego as its current storage). ``Stats.checks``
 counts the cases that matter; ``tests/test_conformance_delayed.py`` and
 ``tests/test_conformance_delayed_turbo.py`` require each (:data:`DELAYED_CHECKS`,
 :data:`DELAYED_TURBO_CHECKS`).
