@@ -31,7 +31,9 @@ and ``offset != 0``: :meth:`DelayedGeometry.converts`), never the core's
 (masks, reads, attention); the layout model (position record, ``row_offsets``,
 ``converted_at``, ``phase``, ``max_append_tokens()``, ``minimum_reusable_offset``);
 solo replay (each row's serial lego per implementation: attention, extracted bytes,
-publishing, the conversion offset); deferred vs eager V (TurboQuant). ``Stats.checks``
+publishing, the conversion offset); deferred vs eager V (TurboQuant); leases and
+save/load across implementations (``machines.OpsChecks``, mixed in: an invariant that
+draws nothing, its hooks taking a lego as its current storage). ``Stats.checks``
 counts the cases that matter; ``tests/test_conformance_delayed.py`` and
 ``tests/test_conformance_delayed_turbo.py`` require each (:data:`DELAYED_CHECKS`,
 :data:`DELAYED_TURBO_CHECKS`).
@@ -61,6 +63,7 @@ from kvrows.conformance.arrays import NUMPY_DTYPES, expand_mask, random_block
 from kvrows.conformance.families import Impl
 from kvrows.conformance.machines import (
     Block,
+    OpsChecks,
     Slot,
     Track,
     WriterRules,
@@ -129,6 +132,12 @@ DELAYED_CHECKS = (
     "RowRound",
     "error types",
     "error messages",
+    # ``OpsChecks`` (issue 24): leases, and loads across implementations of a lego and of
+    # a layout holding rows of both codecs.
+    "leases",
+    "save_load across implementations",
+    "save_load: a lego request",
+    "save_load: mixed rows",
 )
 
 #: The checks a delayed TurboQuant machine adds (``DelayedTurboQuantKVCache``).
@@ -213,8 +222,13 @@ def delayed_geometries(draw: st.DrawFn, ring: bool, turbo: bool = False) -> Dela
     )  # fmt: skip
 
 
-class DelayedMachine(WriterRules):
+class DelayedMachine(OpsChecks, WriterRules):
     """The delayed layouts, both implementations, solo legos (see the module docstring)."""
+
+    #: ``OpsChecks``' cadence: a delayed layout's ``state`` regroups its rows by codec, so
+    #: a save/load costs several K/V ones; every 8th check reaches each lease end and the
+    #: loads of mixed rows in the CI examples (every 6th: about 10% more CPU time).
+    ops_cadence = 8
 
     def __init__(self) -> None:
         super().__init__()
@@ -369,6 +383,84 @@ class DelayedMachine(WriterRules):
         storage = cache.storage if isinstance(cache, Handover) else cache
         held = storage.window() if self.ring else storage.planes()
         return view_planes(impl, held)
+
+    # -- the public operations (``machines.OpsChecks``' hooks): a lego saves as its current
+    # storage (``kvrows.lego``), a layout its rows of both codecs and their record
+    def _leased_pairs(self, item: Track | Slot) -> list[tuple[Any, Any]] | None:
+        """A request's lego or storage, or a layout alone: a layout's rows' solo legos are
+        the machine's oracles, not the layout's (a pool lego is leased as a request)."""
+        return [(item.ref, item.opt)]
+
+    def _state_rows(self, impl: Impl, cache: Any) -> list[tuple[int, Any, Any]]:
+        return super()._state_rows(impl, _storage_of(cache))
+
+    def _restored(self, what: str, ref_cache: Any, opt_cache: Any) -> tuple[Any, Any]:
+        if not isinstance(ref_cache, Handover):
+            return super()._restored(what, ref_cache, opt_cache)
+        loaded = super()._restored(what, ref_cache.storage, opt_cache.storage)
+        return self._as_legos(loaded, (ref_cache, opt_cache))
+
+    def _crossed(self, what: str, name: str, ref_cache: Any, opt_cache: Any) -> tuple[Any, Any]:
+        """A layout loads into its class; a pool storage into its own preset (either stage),
+        a lego's storage into its stage's, wrapped back as the lego (the record a file
+        keeps: ``start``, the conversion offset)."""
+        storage = _storage_of(ref_cache)
+        if isinstance(ref_cache, Handover) or not hasattr(ref_cache, "converted_at"):
+            name = storage.composition.name
+        loaded = super()._crossed(what, name, storage, _storage_of(opt_cache))
+        if not isinstance(ref_cache, Handover):
+            return loaded
+        return self._as_legos(loaded, (opt_cache, ref_cache))
+
+    def _as_legos(self, storages: tuple[Any, Any], sources: tuple[Any, Any]) -> tuple[Any, Any]:
+        """Loaded storages (reference class, optimized class) wrapped as this example's
+        legos, each with the record of the lego its state came from."""
+        ref, opt = (
+            self._lego(impl).composed.over(
+                storage, minimum_reusable_offset=source.minimum_reusable_offset
+            )
+            for impl, storage, source in zip(self.impls, storages, sources, strict=True)
+        )
+        return ref, opt
+
+    def _holds_the_rows(self, what: str, item: Track | Slot, pair: tuple[Any, Any]) -> None:
+        """A load holds what the live one holds. A request: its offset, a lego's stage and
+        conversion offset, its planes (each implementation's live ones). A layout: the
+        record against the model (rows, offsets, ``converted_at``, phase), the position
+        record, and each row extracted against its solo lego (``_check_extracted``: bytes
+        of either codec, the conversion offset)."""
+        if isinstance(item, Track):
+            for impl, cache, live in zip(self.impls, pair, (item.ref, item.opt), strict=True):
+                self._exact(
+                    f"{what} ({impl.name}): offset", int(_storage_of(cache).offset), item.tokens
+                )
+                if isinstance(live, Handover):
+                    self._exact(
+                        f"{what} ({impl.name}): converted, minimum_reusable_offset",
+                        (cache.converted, cache.minimum_reusable_offset),
+                        (live.converted, live.minimum_reusable_offset),
+                    )
+                self._same_planes(
+                    "kv.stored",
+                    f"{what} ({impl.name}) vs the live one",
+                    self._view(impl, cache),
+                    self._view(impl, live),
+                )
+            self.stats.check(f"save_load: a {item.holds} request")
+            return
+        observed = [self._layout_observed(lay) for lay in pair]
+        self._exact(f"{what}: vs the model", observed, [self._expected(item)] * 2)
+        pads = [tuple(lay.left_pad) for lay in pair]
+        if self.ring:
+            self._exact(f"{what}: left_pad (optimized vs reference)", pads[1], pads[0])
+        else:
+            self._exact(f"{what}: left_pad vs the position record", pads, [tuple(item.pads)] * 2)
+        for lay in pair:
+            lay.check_valid()
+        for b, track in enumerate(item.rows):
+            got = [lay.extract_row(b) for lay in pair]
+            self._check_extracted(f"{what} row {b}", got, track)
+        self.stats.check(f"save_load: {item.ref.phase} rows")
 
     # -- the writer skeleton's hooks (``machines.WriterRules``): a block is keys and values,
     # written by ``update_and_fetch``; a layout row's solo replay is its solo legos
@@ -1542,6 +1634,11 @@ class DelayedMachine(WriterRules):
             for b, track in enumerate(slot.rows):
                 got = [lay.extract_row(b) for lay in (slot.ref, slot.opt)]
                 self._check_extracted(f"{what} row {b} at teardown", got, track)
+
+
+def _storage_of(cache: Any) -> Any:
+    """A lego's current storage (what its ``state`` saves), else the cache itself."""
+    return cache.storage if isinstance(cache, Handover) else cache
 
 
 def _as_mask(impl: Impl, mask: Any) -> Any:

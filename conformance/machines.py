@@ -1680,7 +1680,13 @@ class ConformanceMachine(RuleBasedStateMachine):
             return ref_cache, opt_cache
         self._check_state(what, ref_cache, opt_cache)
         keep = getattr(ref_cache.token_geometry, "keep", 0)
-        pads = hasattr(ref_cache, "left_pad") and hasattr(ref_cache, "max_size")  # ring layouts
+        # Ring layouts whose form saves the frame's left_padding (a delayed ring's frame is
+        # its stages': its record and rows are the delayed machine's to check).
+        pads = (
+            hasattr(ref_cache, "left_pad")
+            and hasattr(ref_cache, "max_size")
+            and "left_padding" in unpack_state(ref_cache.composition, ref_cache.state)
+        )
         if pads:
             # Raw, not through rows_of_state: a wrapped ring row's negative pad (mlx-lm's).
             saved = [

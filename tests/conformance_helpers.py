@@ -164,12 +164,13 @@ def run_runner(
 
 def delayed_ops(codec: str) -> set[str]:
     """Operations every machine of a delayed family (rows of legos converting to
-    ``codec`` at their own start) must have exercised."""
+    ``codec`` at their own start) must have exercised: its rules' and ``OpsChecks``'."""
     return {
         *(f"new_request:{kind}" for kind in ("lego", "plain", codec)),
         *("lego_append", "merge", "join", "decode_step", "multi_step", "prefill_crossing"),
         *("extract", "publish", "trim_rows", "invalid", "filter:reorder"),
         *(f"round:{kind}" for kind in ("all", "none", "equal", "unequal")),
+        *OPS_CHECKED,
     }
 
 

@@ -12,18 +12,22 @@ teeth profile must fail with an oracle's ``AssertionError``).
   theirs): a latent load that drops each row's last token, an encoded latent whose state
   saves its warm rows' exact latent as zeros, a recurrent load that loses the last plane
   (zeros: the recurrent state of gated DeltaNet).
+* the delayed layouts (``OpsChecks`` in ``DelayedMachine``): a saved state that records a
+  converted row's current offset as its conversion offset, a ring's saved state whose
+  converted rows lose their key scales, and the lease above.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import pytest
 from conformance_helpers import caught, run_teeth
 
 import kvrows.optimized as O
+from kvrows.forms import DELAYED_PLAIN, state_form
 from kvrows.leases import StateLease
 from kvrows.optimized.paged import PagedKvRows
 from kvrows.optimized.paging import BlockPool, PagedSerial
@@ -185,3 +189,62 @@ def test_the_unmutated_latent_and_recurrent_save_and_load(family_name: str, layo
     """The same runs without the mutations pass, having saved, loaded and leased."""
     stats = run_teeth(layout, None, LATENT_TEETH_EXAMPLES, family_name)
     assert stats.checks["save_load across implementations"] > 0 and stats.checks["leases"] > 0
+
+
+class SavesOffsetsAsConversions(O.DelayedQuantizedKVCache):
+    """``state`` records a converted row's offset where its conversion offset belongs:
+    the rows' planes are saved whole, a load reports the rows converted later than they
+    did (their ``converted_at``, the extracted legos' ``minimum_reusable_offset``)."""
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        saved = super().state
+        fields = dict(zip(state_form(self.composition).fields, saved, strict=True))
+        marks = [
+            DELAYED_PLAIN if at is None else offset  # MUTATION (at: the conversion offset)
+            for at, offset in zip(self.converted_at, self.row_offsets, strict=True)
+        ]
+        fields["converted_at"] = self._positions(marks)
+        return tuple(fields.values())
+
+    @state.setter
+    def state(self, value: tuple[Any, ...]) -> None:
+        cast(Any, O.DelayedQuantizedKVCache).state.fset(self, value)  # the real setter
+
+
+def test_delayed_state_losing_the_conversion_offsets_is_caught() -> None:
+    message = caught("DelayedQuantizedKVCache", SavesOffsetsAsConversions, family_name="delayed")
+    assert "loaded" in message, message
+
+
+class SavesConvertedScalesZeroed(O.DelayedRotatingQuantizedKVCache):
+    """``state`` saves the converted rows' key scales as zeros (their codes and biases
+    whole, the plain rows untouched)."""
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        fields = dict(zip(state_form(self.composition).fields, super().state, strict=True))
+        held = fields["stage1.keys"]
+        if held is not None:
+            codes, scales, *rest = held
+            fields["stage1.keys"] = (codes, mx.zeros_like(scales), *rest)  # MUTATION
+        return tuple(fields.values())
+
+    @state.setter
+    def state(self, value: tuple[Any, ...]) -> None:
+        cast(Any, O.DelayedRotatingQuantizedKVCache).state.fset(self, value)  # the real setter
+
+
+def test_delayed_ring_state_losing_the_converted_scales_is_caught() -> None:
+    message = caught(
+        "DelayedRotatingQuantizedKVCache", SavesConvertedScalesZeroed, family_name="delayed"
+    )
+    assert "saved state" in message, message
+
+
+def test_delayed_lease_lent_after_close_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(StateLease, "close", close_keeps_lending)
+    with pytest.raises(AssertionError) as failure:
+        run_teeth("DelayedRotatingQuantizedKVCache", None, 12, "delayed", name="TeethDelayedLease")
+    assert "Failing test case" in "\n".join(getattr(failure.value, "__notes__", []))
+    assert "lease" in str(failure.value), failure.value
