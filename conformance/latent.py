@@ -543,14 +543,19 @@ class LatentMachine(WriterRules):
         return self._observed(impl, cache)
 
     def _state_rows(self, impl: Impl, cache: Any) -> list[tuple[Any, ...]]:
-        """The saved form (``LATENT_FIELDS``): its declaration, codec and ``start``, then
+        """The saved form (``LATENT_FIELDS``, then a paged state's block size:
+        ``PAGED_LATENT_FIELDS``): its declaration, codec, ``start`` (and block size), then
         each row's offset, converted flag and columns of every plane."""
-        fields, _ = state_fields(type(cache).__name__, cache.state)
+        state = tuple(cache.state)
+        fields, _ = state_fields(type(cache).__name__, state[: len(LATENT_FIELDS)])
         offsets = impl.to_numpy(fields["offset"]).tolist()
         flags = impl.to_numpy(fields["converted"]).tolist()
         planes = [_as_arrays(impl, fields[f]) for f in _STATE_PLANES]
         rows: list[tuple[Any, ...]] = [
-            tuple(None if fields[f] is None else int(fields[f]) for f in _STATE_SCALARS)
+            (
+                *(None if fields[f] is None else int(fields[f]) for f in _STATE_SCALARS),
+                *(int(v) for v in state[len(LATENT_FIELDS) :]),
+            )
         ]
         for b, (offset, flag) in enumerate(zip(offsets, flags, strict=True)):
             # right-justified: the row's tokens are its plane's last ``offset`` columns

@@ -3227,12 +3227,17 @@ class OpsChecks(ConformanceMachine):
             return type(state)(self._lm_state(v) for v in state)
         return state
 
-    def _crossed(self, what: str, name: str, ref_cache: Any, opt_cache: Any) -> tuple[Any, Any]:
+    def _crossed(
+        self, what: str, name: str, ref_cache: Any, opt_cache: Any,
+        pools: tuple[Any, Any] | None = None,
+    ) -> tuple[Any, Any]:  # fmt: skip
         """The optimized cache's state loaded into the reference class ``name`` and the
         reference's into the optimized one (arrays converted, nothing else): each holds
         the rows its source's saved form describes (the two describe the same rows where
-        the implementations agree bit for bit: ``_check_state``)."""
+        the implementations agree bit for bit: ``_check_state``). ``pools``: a paged
+        class's loads go into these (the reference's, the optimized's), not a private one."""
         keep = getattr(ref_cache.token_geometry, "keep", 0)
+        into = [{} if pools is None else {"pool": pool} for pool in pools or (None, None)]
 
         def convert(value: Any, src: Impl, dst: Impl) -> Any:
             if isinstance(value, np.ndarray | mx.array):
@@ -3242,13 +3247,13 @@ class OpsChecks(ConformanceMachine):
             return value
 
         loaded = []
-        for src, dst, cache in (
-            (self.opt_impl, self.ref_impl, opt_cache),
-            (self.ref_impl, self.opt_impl, ref_cache),
+        for src, dst, cache, pool in (
+            (self.opt_impl, self.ref_impl, opt_cache, into[0]),
+            (self.ref_impl, self.opt_impl, ref_cache, into[1]),
         ):
             state = convert(cache.state, src, dst)
             saved: Any = dst.cls(name)
-            copy = saved.from_state(state, keep=keep, geometry=cache.geometry)
+            copy = saved.from_state(state, keep=keep, geometry=cache.geometry, **pool)
             self._exact(
                 f"{what}: {src.name} state loaded into the {dst.name} class",
                 (copy.signature(), repr(copy.geometry), self._state_rows(dst, copy)),

@@ -17,6 +17,7 @@ __all__ = [
     "accounting",
     "byte_limited",
     "collector_paused",
+    "held_blocks",
     "hit_accounting_problem",
 ]
 
@@ -33,6 +34,15 @@ def accounting(pool: Any) -> tuple[Any, ...]:
         tuple(ledger.ref(b) for b in range(ledger.num_blocks)), ledger.cached_count,
         len(pool.live_tables()), pool.bytes_written, pool.bytes_copied,
     )  # fmt: skip
+
+
+def held_blocks(pool: Any) -> tuple[Any, ...]:
+    """What a pool lends (each referenced block's count, the live tables): caches loaded
+    into it and released give back what they took. (Not what it keeps: their writes may
+    take a free block the prefix cache kept, and blocks it grew stay free.)"""
+    ledger = pool.ledger
+    refs = tuple((b, ledger.ref(b)) for b in range(ledger.num_blocks) if ledger.ref(b))
+    return refs, len(pool.live_tables())
 
 
 def hit_accounting_problem(pool: Any, blocks: Sequence[int], before: tuple[Any, ...]) -> str | None:

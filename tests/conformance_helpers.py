@@ -75,8 +75,8 @@ BASE_QUANTITIES = frozenset({"kv.stored", "kv.fetched", "kv.solo", "attention", 
 FILTER_KINDS = 3
 
 #: The operations ``machines.OpsChecks`` checks on its cadence (no draw) in every
-#: contiguous K/V machine and the latent and recurrent ones: a save/load across
-#: implementations and every lease ending.
+#: contiguous K/V machine and the latent, paged latent and recurrent ones: a save/load
+#: across implementations and every lease ending.
 OPS_CHECKED = frozenset({"save_load", "lease:close", "lease:transfer", "lease:failed release"})
 
 

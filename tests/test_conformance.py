@@ -284,6 +284,7 @@ def test_machines_are_composed_from_the_hook_rows(monkeypatch: pytest.MonkeyPatc
     from kvrows.conformance import families, hooks
     from kvrows.conformance.latent import LatentMachine
     from kvrows.conformance.machines import KvRules, OpsChecks, OpsRules, WriterRules
+    from kvrows.conformance.paged import FrozenCollector
     from kvrows.conformance.recurrent import RecurrentMachine
     from kvrows.conformance.rules import (
         AffineRules,
@@ -318,6 +319,13 @@ def test_machines_are_composed_from_the_hook_rows(monkeypatch: pytest.MonkeyPatc
     own = (
         ("latent", "MLACache", (LatentMachine, WriterRules, OpsChecks, ConformanceMachine)),
         ("recurrent", "BatchedSSMCache", (RecurrentMachine, WriterRules, OpsChecks)),
+        # the latent pool's own machine (the placement's ``by_codec``): the operation
+        # checks after the latent's rules, as the latent's
+        (
+            "paged-latent",
+            "PagedLatentCache",
+            (FrozenCollector, LatentMachine, WriterRules, OpsChecks),
+        ),
         ("delayed", "DelayedQuantizedKVCache", (WriterRules, ConformanceMachine)),
     )
     for family, layout, bases in own:

@@ -4,7 +4,9 @@
 implementation: against the reference, a reference ``MLACache`` per row (the oracle) and
 mlx-lm's ``KVCache`` / ``BatchKVCache`` pairs, the pool's invariants after every rule; bad
 inputs raise the same error in both implementations and change nothing; pools limited
-at random points refuse alike and change nothing. The test checks that nothing was
+at random points refuse alike and change nothing; requests and layouts leased, saved and
+loaded across implementations into private pools and into the example's pools, released
+with every block back (``machines.OpsChecks``' cadence). The test checks that nothing was
 skipped silently.
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-from conformance_helpers import caught, run_family
+from conformance_helpers import OPS_CHECKED, caught, run_family
 
 import kvrows.optimized as opt
 from kvrows.conformance.families import FAMILIES
@@ -41,6 +43,8 @@ EXPECTED_OPS = {
     "invalid",
     "bad:dsa mismatch",
     "bad:other block size",
+    # leases and save/load across implementations (``machines.OpsChecks``' cadence)
+    *OPS_CHECKED,
 }
 
 
@@ -52,7 +56,11 @@ def test_paged_latent_family() -> None:
     assert stats.examples > 0
     missing_ops = EXPECTED_OPS - set(stats.ops)
     assert not missing_ops, f"operations never exercised: {sorted(missing_ops)}"
-    oracles = {*LATENT_CHECKS, "MLACache oracle", "pool invariants", "mlx-lm"}
+    oracles = {
+        *LATENT_CHECKS,
+        *("MLACache oracle", "pool invariants", "mlx-lm", "leases"),
+        *("save_load across implementations", "save_load into the pool"),
+    }
     missing = oracles - set(stats.checks)
     assert not missing, f"oracles never reached: {sorted(missing)}"
     stats.require(0, states=(UNEVEN_TRIM, WHOLE_BLOCK_HIT, BLOCK_TABLE_GAPS))

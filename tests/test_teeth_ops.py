@@ -14,7 +14,11 @@ teeth profile must fail with an oracle's ``AssertionError``).
   (zeros: the recurrent state of gated DeltaNet).
 * the delayed layouts (``OpsChecks`` in ``DelayedMachine``): a saved state that records a
   converted row's current offset as its conversion offset, a ring's saved state whose
-  converted rows lose their key scales, and the lease above.
+  converted rows lose their key scales, and the lease above;
+* the paged latent machine's save/load (``OpsChecks`` on its cadence, the latent hooks and
+  loads into the example's pools): a load into a given pool that drops each row's last
+  token, a load that ignores the pool it is given, an encoded state that saves its warm
+  rows' exact latent as zeros.
 """
 
 from __future__ import annotations
@@ -248,3 +252,69 @@ def test_delayed_lease_lent_after_close_is_caught(monkeypatch: pytest.MonkeyPatc
         run_teeth("DelayedRotatingQuantizedKVCache", None, 12, "delayed", name="TeethDelayedLease")
     assert "Failing test case" in "\n".join(getattr(failure.value, "__notes__", []))
     assert "lease" in str(failure.value), failure.value
+
+
+# -- the paged latent machine (``OpsChecks``' cadence; loads into the example's pools) ------
+
+
+class PoolLoadDropsLastToken(O.PagedLatentCache):
+    """``from_state`` into a given pool loads every row one token short (a load into a
+    private pool is right: only the loads into the example's pools can see it)."""
+
+    @classmethod
+    def from_state(cls, state: Any, meta_state: Any = None, **kwargs: Any) -> Any:
+        loaded = super().from_state(state, meta_state, **kwargs)
+        if kwargs.get("pool") is not None and any(loaded.row_offsets):
+            # MUTATION (the load keeps every token)
+            loaded.trim_rows([1 if offset else 0 for offset in loaded.row_offsets])
+        return loaded
+
+
+class LoadIgnoresThePool(O.PagedLatentCache):
+    """``from_state`` loads into a private pool whatever pool it is given (the rows are
+    right; the pool the caller shares holds none of them)."""
+
+    @classmethod
+    def from_state(cls, state: Any, meta_state: Any = None, **kwargs: Any) -> Any:
+        kwargs.pop("pool", None)  # MUTATION (the load writes into the pool given)
+        return super().from_state(state, meta_state, **kwargs)
+
+
+class PagedStateZeroesTheWarmLatent(O.PagedLatentCache):
+    """The state saves the exact latent of the rows still plain (bf16-first, beside the
+    pool) as zeros."""
+
+    def _state(self) -> tuple[Any, ...]:
+        saved = list(super()._state())
+        if saved[3] is not None:
+            saved[3] = mx.zeros_like(saved[3])  # MUTATION (the exact latent, as held)
+        return tuple(saved)
+
+
+#: The teeth profile's examples of the paged latent machine: each mutant is caught within
+#: them (``OpsChecks``' cadence: no rule, the draws are the family's own).
+PAGED_LATENT_TEETH_EXAMPLES = 6
+
+
+@pytest.mark.parametrize(
+    ("mutant", "oracle"),
+    [
+        (PoolLoadDropsLastToken, "in the example's pool"),
+        (LoadIgnoresThePool, "the loads are in the pools given"),
+        # both implementations' saved forms differ: before any load
+        (PagedStateZeroesTheWarmLatent, "rows of the saved state"),
+    ],
+)
+def test_a_lossy_paged_latent_state_is_caught(mutant: type, oracle: str) -> None:
+    message = caught(
+        "PagedLatentCache", mutant, PAGED_LATENT_TEETH_EXAMPLES, family_name="paged-latent"
+    )
+    assert oracle in message, message[:500]
+
+
+def test_the_unmutated_paged_latent_saves_and_loads() -> None:
+    """The same run without the mutations passes, having saved, loaded into private pools
+    and the example's, and leased."""
+    stats = run_teeth("PagedLatentCache", None, PAGED_LATENT_TEETH_EXAMPLES, "paged-latent")
+    checks = ("save_load across implementations", "save_load into the pool", "leases")
+    assert all(stats.checks[c] > 0 for c in checks), dict(stats.checks)
