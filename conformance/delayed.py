@@ -64,6 +64,7 @@ from kvrows.conformance.families import Impl
 from kvrows.conformance.machines import (
     Block,
     OpsChecks,
+    OpsTarget,
     Slot,
     Track,
     WriterRules,
@@ -386,7 +387,7 @@ class DelayedMachine(OpsChecks, WriterRules):
 
     # -- the public operations (``machines.OpsChecks``' hooks): a lego saves as its current
     # storage (``kvrows.lego``), a layout its rows of both codecs and their record
-    def _leased_pairs(self, item: Track | Slot) -> list[tuple[Any, Any]] | None:
+    def _leased_pairs(self, item: OpsTarget) -> list[tuple[Any, Any]] | None:
         """A request's lego or storage, or a layout alone: a layout's rows' solo legos are
         the machine's oracles, not the layout's (a pool lego is leased as a request)."""
         return [(item.ref, item.opt)]
@@ -400,14 +401,21 @@ class DelayedMachine(OpsChecks, WriterRules):
         loaded = super()._restored(what, ref_cache.storage, opt_cache.storage)
         return self._as_legos(loaded, (ref_cache, opt_cache))
 
-    def _crossed(self, what: str, name: str, ref_cache: Any, opt_cache: Any) -> tuple[Any, Any]:
+    def _crossed(
+        self,
+        what: str,
+        name: str,
+        ref_cache: Any,
+        opt_cache: Any,
+        pools: tuple[Any, Any] | None = None,
+    ) -> tuple[Any, Any]:
         """A layout loads into its class; a pool storage into its own preset (either stage),
         a lego's storage into its stage's, wrapped back as the lego (the record a file
         keeps: ``start``, the conversion offset)."""
         storage = _storage_of(ref_cache)
         if isinstance(ref_cache, Handover) or not hasattr(ref_cache, "converted_at"):
             name = storage.composition.name
-        loaded = super()._crossed(what, name, storage, _storage_of(opt_cache))
+        loaded = super()._crossed(what, name, storage, _storage_of(opt_cache), pools)
         if not isinstance(ref_cache, Handover):
             return loaded
         return self._as_legos(loaded, (opt_cache, ref_cache))
@@ -423,7 +431,7 @@ class DelayedMachine(OpsChecks, WriterRules):
         )
         return ref, opt
 
-    def _holds_the_rows(self, what: str, item: Track | Slot, pair: tuple[Any, Any]) -> None:
+    def _holds_the_rows(self, what: str, item: OpsTarget, pair: tuple[Any, Any]) -> None:
         """A load holds what the live one holds. A request: its offset, a lego's stage and
         conversion offset, its planes (each implementation's live ones). A layout: the
         record against the model (rows, offsets, ``converted_at``, phase), the position
@@ -448,6 +456,7 @@ class DelayedMachine(OpsChecks, WriterRules):
                 )
             self.stats.check(f"save_load: a {item.holds} request")
             return
+        assert isinstance(item, Slot)  # this machine's targets: its requests and layouts
         observed = [self._layout_observed(lay) for lay in pair]
         self._exact(f"{what}: vs the model", observed, [self._expected(item)] * 2)
         pads = [tuple(lay.left_pad) for lay in pair]
