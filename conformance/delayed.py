@@ -223,7 +223,7 @@ def delayed_geometries(draw: st.DrawFn, ring: bool, turbo: bool = False) -> Dela
     )  # fmt: skip
 
 
-class DelayedMachine(OpsChecks, WriterRules):
+class DelayedMachine(WriterRules, OpsChecks):
     """The delayed layouts, both implementations, solo legos (see the module docstring)."""
 
     #: ``OpsChecks``' cadence: a delayed layout's ``state`` regroups its rows by codec, so

@@ -326,7 +326,7 @@ def test_machines_are_composed_from_the_hook_rows(monkeypatch: pytest.MonkeyPatc
             "PagedLatentCache",
             (FrozenCollector, LatentMachine, WriterRules, OpsChecks),
         ),
-        ("delayed", "DelayedQuantizedKVCache", (WriterRules, ConformanceMachine)),
+        ("delayed", "DelayedQuantizedKVCache", (WriterRules, OpsChecks, ConformanceMachine)),
     )
     for family, layout, bases in own:
         fam = FAMILIES[family]
