@@ -1183,12 +1183,25 @@ class ConformanceMachine(RuleBasedStateMachine):
         allows (:meth:`_hard_trims`), half the runs build one instead of drawing free
         counts (which reach them 0 times); whether one was built. A branch of the rule,
         not a rule of its own, so a machine's other layouts draw exactly as before."""
-        hard = [] if self._pressed else self._hard_trims(slot)
-        kind = data.draw(st.sampled_from(("free", *hard)), label="trim") if hard else ""
+        return self._hard_branch(slot, data, "trim_rows", "trim", self._hard_trims)
+
+    def _hard_branch(
+        self,
+        slot: Any,
+        data: st.DataObject,
+        op: str,
+        label: str,
+        names: Callable[[Any], list[str]],
+    ) -> bool:
+        """A rule's branch for the hard states ``names(slot)`` (none while the machine is
+        pressed): "free" or one of them drawn, the chosen one built by its
+        ``_build_<name>`` and counted as ``op`` and ``op:<name>``; whether one was built."""
+        hard = [] if self._pressed else names(slot)
+        kind = data.draw(st.sampled_from(("free", *hard)), label=label) if hard else ""
         if not kind or kind == "free":
             return False
-        self._op("trim_rows", slot)
-        self._op(f"trim_rows:{kind}", slot)
+        self._op(op, slot)
+        self._op(f"{op}:{kind}", slot)
         getattr(self, f"_build_{kind}")(slot, data)
         return True
 
@@ -1202,14 +1215,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         ``trim_rows``': where ``slot`` allows (:meth:`_hard_steps`), a share of the runs
         build one instead of a free block; whether one was built. Machines whose layouts
         name none draw exactly as before."""
-        hard = [] if self._pressed else self._hard_steps(slot)
-        kind = data.draw(st.sampled_from(("free", *hard)), label="step") if hard else ""
-        if not kind or kind == "free":
-            return False
-        self._op("multi_step", slot)
-        self._op(f"multi_step:{kind}", slot)
-        getattr(self, f"_build_{kind}")(slot, data)
-        return True
+        return self._hard_branch(slot, data, "multi_step", "step", self._hard_steps)
 
     # The hooks of ``_build_uneven`` (a writer's rules supply them; ``slot``: a ``Slot``
     # or a ``Layout``).

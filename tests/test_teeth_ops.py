@@ -53,16 +53,20 @@ def greedy_lookup(
     return hit  # (the real lookup caps at len - 1 ids)
 
 
-class LoadDropsLastToken(PagedKvRows):
+class DropsLastTokenOnLoad:
     """``from_state`` loads every row one token short."""
 
     @classmethod
     def from_state(cls, state: Any, meta_state: Any = None, **kwargs: Any) -> Any:
-        loaded = super().from_state(state, meta_state, **kwargs)
+        loaded = super().from_state(state, meta_state, **kwargs)  # type: ignore[misc]
         if any(loaded.row_offsets):
             # MUTATION (the load keeps every token)
             loaded.trim_rows([1 if offset else 0 for offset in loaded.row_offsets])
         return loaded
+
+
+class LoadDropsLastToken(DropsLastTokenOnLoad, PagedKvRows):
+    """A paged layout whose load drops each row's last token."""
 
 
 def test_prefix_hit_one_block_too_many_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -131,16 +135,8 @@ def test_the_unmutated_ring_saves_and_loads() -> None:
 # -- the latent and recurrent machines (``OpsChecks``' cadence, the CI machine's) ----------
 
 
-class LatentLoadDropsLastToken(O.MLACache):
-    """``from_state`` loads every row one token short."""
-
-    @classmethod
-    def from_state(cls, state: Any, meta_state: Any = None, **kwargs: Any) -> Any:
-        loaded = super().from_state(state, meta_state, **kwargs)
-        if any(loaded.row_offsets):
-            # MUTATION (the load keeps every token)
-            loaded.trim_rows([1 if offset else 0 for offset in loaded.row_offsets])
-        return loaded
+class LatentLoadDropsLastToken(DropsLastTokenOnLoad, O.MLACache):
+    """An MLA layout whose load drops each row's last token."""
 
 
 class StateZeroesTheWarmLatent(O.EncodedLatentCache):
