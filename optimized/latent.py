@@ -98,8 +98,10 @@ class LatentSurface(_OnRows):
 
     def held_arrays(self) -> tuple[Any, ...]:
         """The columns that hold tokens (views: a later append writes past them)."""
-        if self._stores is not None:  # rows of several stages: each store's
-            return tuple(a for store in self._stores for a in arrays(self._visible_rows(store)))
+        if self._stores is not None:  # rows of several stages: each store's that holds any
+            # (a stage whose rows were all trimmed to nothing holds no planes)
+            held = [s for s in self._stores if s.planes is not None]
+            return tuple(a for store in held for a in arrays(self._visible_rows(store)))
         return arrays(self._visible_planes())
 
     def _with_exact(self, planes: Any, rows: Sequence[int]) -> Any:

@@ -172,3 +172,31 @@ def test_inconsistent_states_are_refused(impl: Any) -> None:
         target.state = good  # another signature: refused, unchanged
     for a, b in zip(_reads(target), before, strict=True):
         assert (a is None and b is None) or np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("impl", [ref, opt], ids=["reference", "optimized"])
+def test_a_converted_row_trimmed_to_nothing_loads(impl: Any) -> None:
+    """A layout whose converted row was trimmed back to no token (its stage then holds no
+    planes) saves and loads, the row still converted, and goes on (the deep profile's
+    latent machine found the optimized load raising)."""
+    convert = (lambda a: a) if impl is ref else mx.array
+    rng = np.random.default_rng(1)
+    rows = []
+    for n in (0, 2):
+        cache = impl.EncodedLatentCache(64, 16, None, codec=Affine(bits=8, group_size=64), start=1)
+        if n:
+            cache.append(
+                *(convert(rng.standard_normal((1, 1, n, w), np.float32)) for w in (64, 16))
+            )
+        rows.append(cache)
+    layout = rows[0].make_empty_batch()
+    layout.merge_rows(rows)
+    layout.trim_rows([0, 2])
+    assert layout.converted == (False, True) and layout.row_offsets == (0, 0)
+    back = type(layout).from_state(layout.state)
+    assert (back.row_offsets, back.converted) == ((0, 0), (False, True))
+    assert back.signature() == layout.signature()
+    blocks = [rng.standard_normal((2, 1, 3, w), np.float32) for w in (64, 16)]
+    for cache in (layout, back):
+        cache.append(*(convert(b) for b in blocks))
+    _same_rows(back, layout)
