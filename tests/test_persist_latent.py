@@ -200,3 +200,40 @@ def test_a_converted_row_trimmed_to_nothing_loads(impl: Any) -> None:
     for cache in (layout, back):
         cache.append(*(convert(b) for b in blocks))
     _same_rows(back, layout)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open defect: an extracted empty row keeps its stage, which its saved form drops "
+    "(extracting it in the first stage breaks the delayed layouts' legos: not fixed yet)",
+)
+@pytest.mark.parametrize("impl", [ref, opt], ids=["reference", "optimized"])
+def test_an_empty_row_extracts_as_its_load_joins(impl: Any) -> None:
+    """A converted row trimmed back to no token extracts as a fresh cache: it joins a
+    layout unconverted, as its saved form (no row, no stage) loaded does (the deep
+    profile's latent machine: the extract joined converted, its load not)."""
+    convert = (lambda a: a) if impl is ref else mx.array
+    rng = np.random.default_rng(2)
+
+    def cache() -> Any:
+        return impl.EncodedLatentCache(64, 8, None, codec=Affine(bits=8, group_size=64), start=0)
+
+    def block(n: int) -> list[Any]:
+        return [convert(rng.standard_normal((1, 1, n, w), np.float32)) for w in (64, 8)]
+
+    first = cache()
+    layout = first.make_empty_batch()
+    layout.merge_rows([first])
+    layout.append(*block(3))
+    layout.trim(3)
+    assert layout.converted == (True,)
+    extracted = layout.extract_row(0)
+    joined = []
+    for row in (extracted, type(extracted).from_state(extracted.state)):
+        host = cache()
+        host.append(*block(2))
+        batch = host.make_empty_batch()
+        batch.merge_rows([host])
+        batch.merge_rows([row])
+        joined.append(batch.converted)
+    assert joined == [(True, False), (True, False)]
