@@ -1687,17 +1687,17 @@ class ConformanceMachine(RuleBasedStateMachine):
         self._check_state(what, ref_cache, opt_cache)
         keep = getattr(ref_cache.token_geometry, "keep", 0)
         # Ring layouts whose form saves the frame's left_padding (a delayed ring's frame is
-        # its stages': its record and rows are the delayed machine's to check).
-        pads = (
-            hasattr(ref_cache, "left_pad")
-            and hasattr(ref_cache, "max_size")
-            and "left_padding" in unpack_state(ref_cache.composition, ref_cache.state)
+        # its stages': its record and rows are the delayed machine's to check). Each state
+        # is unpacked once (a layout's ``state`` gathers every row).
+        forms = (
+            [unpack_state(c.composition, c.state) for c in (opt_cache, ref_cache)]
+            if hasattr(ref_cache, "left_pad") and hasattr(ref_cache, "max_size")
+            else []
         )
+        pads = bool(forms) and "left_padding" in forms[1]
         if pads:
             # Raw, not through rows_of_state: a wrapped ring row's negative pad (mlx-lm's).
-            saved = [
-                unpack_state(c.composition, c.state)["left_padding"] for c in (opt_cache, ref_cache)
-            ]
+            saved = [form["left_padding"] for form in forms]
             self._exact(
                 f"{what}: saved left_padding",
                 self.opt_impl.to_numpy(saved[0]).tolist(),

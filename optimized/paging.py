@@ -1575,7 +1575,7 @@ class PagedRing(PagedRows):
         return planes["keys"], planes["values"]
 
     # -- masks: the ring geometry's, over columns in time order (the placement says only
-    # what each row holds: ``_first`` / ``_retained``) -----------------------------------
+    # what each row holds: ``_retained``, through ``_after``) ----------------------------
     def _serial_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
         return RingGeometry._serial_mask(cast(Any, self), n, return_array, window)
 

@@ -35,6 +35,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
+import numpy.typing as npt
 
 from kvrows.codec import PlaneSet
 from kvrows.common import row_bytes
@@ -214,8 +215,8 @@ def ring_mask(
     keep: int,
     recent: int,
     *,
-    heads: Sequence[int],
-    firsts: Sequence[int],
+    heads: npt.ArrayLike,
+    firsts: npt.ArrayLike,
     ends: Sequence[int],
     lead: int,
     width: int,
@@ -682,10 +683,12 @@ class SharedRing(RingGeometry):
         block, then the ring (rolled once a token is written in place on a full ring); row
         ``b`` holds its sinks and its newest ring positions."""
         keep, span, offsets = self.keep, self.span, self._offsets
-        # Each row's sinks among the block, and what it holds of the sink block after it.
-        sinks = [max(0, min(n, keep - o)) for o in offsets] if keep else [0] * len(offsets)
-        heads = [min(keep, o + n) for o in offsets] if keep else sinks
-        written = n - min(sinks, default=0)
+        # Each row's sinks among the block, and what it holds of the sink block after it
+        # (host arrays: a decode step's mask costs no Python loop over the rows).
+        at = np.array(offsets, dtype=np.int32)
+        sinks = np.clip(keep - at, 0, n) if keep else np.zeros_like(at)
+        heads = np.minimum(at + n, keep) if keep else sinks
+        written = n - (int(sinks.min()) if len(sinks) else 0)
         shown = self._shown()
         active = min(shown, span - 1) + written if written else shown
         if written and n == 1:
@@ -693,11 +696,9 @@ class SharedRing(RingGeometry):
             index = (0 if self._idx >= span else self._idx) + 1
         else:
             rotated, index = self._rotated and not written, self._idx
-        firsts = []
-        for pad, own in zip(self._pads, sinks, strict=True):
-            have = shown - max(0, pad)  # the row's ring tokens now
-            firsts.append(active - (min(have, span - 1) + n - own if written else have))
-        lead = max(heads, default=0)
+        have = shown - np.maximum(np.array(self._pads, dtype=np.int32), 0)  # ring tokens now
+        firsts = active - (np.minimum(have, span - 1) + n - sinks if written else have)
+        lead = int(heads.max()) if len(heads) else 0
         return ring_mask(
             offsets,
             n,
@@ -705,7 +706,7 @@ class SharedRing(RingGeometry):
             reach(window, self.max_size, keep),
             heads=heads,
             firsts=firsts,
-            ends=[active] * len(firsts),
+            ends=[active] * len(offsets),
             lead=lead,
             width=lead + active,
             shift=index if rotated else 0,
