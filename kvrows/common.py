@@ -51,7 +51,8 @@ def all_or_nothing(
     lists = [(v, list(v)) for v in record.values() if type(v) is list]
     for name in copied:
         record[name] = copy.copy(record[name])
-    parts = owner._fault_parts(held=held) if hasattr(owner, "_fault_parts") else None
+    fault_parts = getattr(owner, "_fault_parts", None)
+    parts = None if fault_parts is None else fault_parts(held=held)
     try:
         return step()
     except BaseException:

@@ -201,9 +201,23 @@ def token_ids(given: object) -> list[int]:
     return values
 
 
-def bind_paged(
-    cls: type[Any], args: Sequence[object], kwargs: dict[str, object]
-) -> tuple[CodecSpec, Paged, GeometrySpec, KvGeometry | None, Any]:
+PagedBinding = tuple[CodecSpec, Paged, GeometrySpec, KvGeometry | None, Any]
+#: Each class's binding of no argument: every ``cls()`` parses to it (its specs are
+#: frozen, so one result serves them all; a layout is built per merge).
+_NO_ARGUMENT_BINDING: dict[type[Any], PagedBinding] = {}
+
+
+def bind_paged(cls: type[Any], args: Sequence[object], kwargs: dict[str, object]) -> PagedBinding:
+    """:func:`_bind_paged`, parsed once per class for a construction without arguments."""
+    if args or kwargs:
+        return _bind_paged(cls, args, kwargs)
+    bound = _NO_ARGUMENT_BINDING.get(cls)
+    if bound is None:
+        bound = _NO_ARGUMENT_BINDING[cls] = _bind_paged(cls, (), {})
+    return bound
+
+
+def _bind_paged(cls: type[Any], args: Sequence[object], kwargs: dict[str, object]) -> PagedBinding:
     """A paged storage's constructor arguments (``cls.pool_class`` is its
     implementation's pool): the composition's parameters (mlx-lm's order, a ring's
     ``max_size``, ``keep``) positionally or by keyword, or ``token_geometry=`` (the

@@ -10,6 +10,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from kvrows.errors import IncompatibleRowsError, InvalidInputError, RowIndexError
 
@@ -63,6 +64,8 @@ class KvGeometry:
 
 def as_count(value: object, name: str, *, minimum: int = 0) -> int:
     """``value`` as a Python int ``>= minimum`` (bools and floats are refused)."""
+    if type(value) is int and value >= minimum:  # the common case, first (a hot path)
+        return value
     if isinstance(value, bool):
         raise InvalidInputError(f"{name} must be an integer, got bool {value!r}")
     if not hasattr(value, "__index__"):
@@ -162,9 +165,11 @@ def check_row(row: object, batch_size: int) -> int:
 
 def check_keep(keep: object, batch_size: int) -> list[int]:
     """A list of distinct valid row indices (any order)."""
-    if isinstance(keep, str | bytes) or not isinstance(keep, Sequence):
+    if type(keep) not in (list, tuple) and (  # (a protocol check costs microseconds)
+        isinstance(keep, str | bytes) or not isinstance(keep, Sequence)
+    ):
         raise InvalidInputError(f"keep must be a sequence of row indices, got {keep!r}")
-    rows = [check_row(r, batch_size) for r in keep]
+    rows = [check_row(r, batch_size) for r in cast(Sequence[object], keep)]
     if len(set(rows)) != len(rows):
         raise RowIndexError(f"keep names a row twice: {rows}")
     return rows

@@ -378,9 +378,12 @@ class BlockPool(PoolBase):
     def open_all(self, tables: Sequence[Table]) -> None:
         """:meth:`open` of each of ``tables``, their blocks counted in one pass (a merge
         opens a table per joining row)."""
-        self.ledger.touch(itertools.chain.from_iterable(_live(t) for t in tables))
-        for table in tables:
-            self._opened(table)
+        ledger = self.ledger
+        ledger.touch(itertools.chain.from_iterable(_live(t) for t in tables))
+        self._tables.update((id(t), t) for t in tables)
+        if ledger.journaling:
+            ids = [id(t) for t in tables]
+            ledger.journal(lambda: [self._tables.pop(i, None) for i in ids])
 
     def _opened(self, table: Table) -> None:
         """``table`` is live (journaled: an undo forgets it)."""
@@ -397,12 +400,15 @@ class BlockPool(PoolBase):
 
     def close(self, tables: Sequence[Table]) -> None:
         """Release every table (each tail block first); the table then holds nothing."""
-        for table in tables:
-            if self._tables.pop(id(table), None) is not None:
-                self.ledger.release(reversed(_live(table)))
-                held = list(table) if self.ledger.journaling else []
-                table.clear()
-                self.ledger.journal(functools.partial(self._reopen, table, held))
+        ledger, live = self.ledger, self._tables
+        closing = [t for t in tables if live.pop(id(t), None) is not None]
+        # One pass over every block (a filter or a collected layout closes a table per row).
+        ledger.release(itertools.chain.from_iterable(reversed(_live(t)) for t in closing))
+        if ledger.journaling:
+            for table in closing:
+                ledger.journal(functools.partial(self._reopen, table, list(table)))
+        for table in closing:
+            table.clear()
 
     def _reopen(self, table: Table, held: Table) -> None:
         """Undo a close: ``table`` holds ``held`` again, live."""
@@ -649,9 +655,10 @@ class PagedRows(PagedSurface, Storage):
 
     def _reset_geometry(self) -> None:
         """Hold no row (a filter keeping none gives every block back)."""
-        if self._pool is not None:
-            self._pool.close(self._tables)
-        self._tables[:] = []
+        if self._tables:
+            if self._pool is not None:
+                self._pool.close(self._tables)
+            self._tables[:] = []
         self._clear_beside()
 
     def _clear_beside(self) -> None:
@@ -802,7 +809,8 @@ class PagedRows(PagedSurface, Storage):
         this cache is collected (a serial storage's, or a layout that is its own serial
         class)."""
         assert self._pool is not None
-        self._pool.close(self._tables)
+        if self._tables:
+            self._pool.close(self._tables)
         self._clear_beside()
         self._tables[:] = tables
         self._offsets = []  # every row replaced
@@ -852,26 +860,36 @@ class PagedRows(PagedSurface, Storage):
         near = () if self._contiguous is None else tuple(self._contiguous.held_arrays())
         return near if self._pool is None else self._pool.held_arrays() + near
 
+    #: ``_merges_with``'s key and the stages it was computed for.
+    _merge_key: tuple[tuple[Codec, ...], tuple[Any, ...]] | None = None
+
     def _accepts(self, source: Any) -> bool:
         merges_with = getattr(source, "_merges_with", None)
-        return merges_with is not None and merges_with() == self._merges_with()
+        if merges_with is None:
+            return False
+        ours = self._merge_key  # (cached while the stages stay: a merge asks per source)
+        if ours is None or ours[0] is not self._stages:
+            return bool(merges_with() == self._merges_with())
+        return bool(merges_with() == ours[1])
 
     def _merges_with(self) -> tuple[Any, ...]:
         """What a source must share to join (its pool class, block size, stage codecs and
         token geometry), computed again only when its stages are replaced (the rest is
         fixed at construction)."""
-        cached: tuple[Any, tuple[Any, ...]] | None = self.__dict__.get("_merge_key")
+        cached = self._merge_key
         if cached is None or cached[0] is not self._stages:
             stages = tuple(c.key for c in self._stages)
-            key = (self.pool_class, self.block_size, stages, self.token_geometry)
-            cached = self.__dict__["_merge_key"] = (self._stages, key)
+            key = (self.pool_class, self.block_size, stages, self._token_geometry)
+            cached = self._merge_key = (self._stages, key)
         return cached[1]
 
+    def _lents(self, offsets: Sequence[int] | None = None) -> list[Lent]:
+        """What a merge or an extraction takes of each row (of rows at ``offsets``; a
+        growing row: every position; a ring overrides it)."""
+        return [(o, o, 0) for o in (self._offsets if offsets is None else offsets)]
+
     def _lent(self, b: int) -> Lent:
-        """What a merge or an extraction takes of row ``b`` (a growing row: every
-        position; a ring overrides it)."""
-        offset = self._offsets[b]
-        return offset, offset, 0
+        return self._lents([self._offsets[b]])[0]
 
     def _merge_refusal(self, source: object) -> str:
         return paged_merge_message(
@@ -1278,22 +1296,26 @@ class PagedLayout(PagedRows, Layout):
         """Row ``row``'s positions' planes in logical order (``None`` when it holds none)."""
         return self.row_planes(row)
 
-    @staticmethod
-    def _lent_of(sources: Sequence[Any]) -> list[tuple[BlockPool | None, Table | None, Lent]]:
-        """Each joining row's pool, table and what a merge takes of it (a row beside its
-        pool lends neither: its window joins the contiguous layout)."""
-        lent: list[tuple[BlockPool | None, Table | None, Lent]] = []
+    def _lent_of(
+        self, sources: Sequence[Any], incoming: list[RowWindow]
+    ) -> list[tuple[BlockPool | None, Table | None, Lent]]:
+        """Each joining row's pool, table and what a merge takes of it (its offset, in
+        ``incoming``, says that: the sources share this storage's token geometry); a row
+        beside its pool lends neither (its window joins the contiguous layout)."""
+        held: list[tuple[BlockPool | None, Table | None]] = []
         for source in sources:  # a serial storage without rows lends one empty row
             tables, source_pool = source._tables, source._pool
-            if tables:
-                lent.extend(
-                    (source_pool, t, source._lent(b)) if source._in_pool(b)
-                    else (None, None, source._lent(b))
-                    for b, t in enumerate(tables)
-                )  # fmt: skip
+            if not tables:
+                held.append((source_pool, None))
+            elif source._contiguous is None:  # one stage: every row in the pool
+                held += zip(itertools.repeat(source_pool), tables)
             else:
-                lent.append((source_pool, None, (0, 0, 0)))
-        return lent
+                held += (
+                    (source_pool, t) if source._in_pool(b) else (None, None)
+                    for b, t in enumerate(tables)
+                )
+        cuts = self._lents([offset for _, offset in incoming])
+        return [(p, t, cut) for (p, t), cut in zip(held, cuts, strict=True)]
 
     @staticmethod
     def _foreign(
@@ -1318,7 +1340,7 @@ class PagedLayout(PagedRows, Layout):
         pool = self._pool or (sources[0]._pool if sources else None)
         if pool is not None and all(s._pool is pool for s in sources):
             return  # rows of one pool join by reference: nothing to take
-        lent = self._lent_of(sources)
+        lent = self._lent_of(sources, incoming)
         pool = self._pool or next((p for p, _, _ in lent if p is not None), None)
         if pool is not None:  # (a new pool takes the copies: it has no limit)
             foreign = self._foreign(lent, pool)
@@ -1335,7 +1357,7 @@ class PagedLayout(PagedRows, Layout):
     ) -> None:
         """Rows of this layout's pool join by reference (no byte moves); rows of another
         pool are copied into fresh blocks (all taken at once: a refusal changes nothing)."""
-        lent = self._lent_of(sources)
+        lent = self._lent_of(sources, incoming)
         if not lent:
             return
         pool = self._pool or next((p for p, _, _ in lent if p is not None), None)
@@ -1352,9 +1374,10 @@ class PagedLayout(PagedRows, Layout):
             )
         foreign = self._foreign(lent, pool)
         bs = pool.block_size
-        if geometry is not None:  # copies into a pool that learns here: within its limit
+        if geometry is not None and geometry is not pool.geometry:  # (rows of this pool)
+            # Copies into a pool that learns here: within its limit.
             pool.learn(geometry, room=sum(len(held_blocks(*c, bs)) for _, _, c in foreign))
-        copies = iter(pool.copy_in(foreign))
+        copies = iter(pool.copy_in(foreign) if foreign else ())
         joined: list[Table] = []
         shared: list[Table] = []  # opened together below (one pass over their blocks)
         for source_pool, table, cut in lent:
@@ -1399,8 +1422,8 @@ class PagedLayout(PagedRows, Layout):
     def _keep(self, order: list[int]) -> None:
         """The rows not kept give their blocks back to the pool (and those beside it their
         rows of the contiguous layout)."""
-        kept = set(order)
-        if self._pool is not None:
+        if self._pool is not None and len(order) < len(self._tables):
+            kept = set(order)
             self._pool.close([t for i, t in enumerate(self._tables) if i not in kept])
         self._tables[:] = [self._tables[i] for i in order]
         if self._contiguous is not None:
@@ -1484,10 +1507,10 @@ class PagedRing(PagedRows):
         if len(self._pads) != len(self._offsets) or any(self._pads):
             self._pads = [0] * len(self._offsets)
 
-    def _lent(self, b: int) -> Lent:
+    def _lents(self, offsets: Sequence[int] | None = None) -> list[Lent]:
         # A merge and an extraction take the window: the sinks and newest ``max_size``.
-        offset = self._offsets[b]
-        return offset, min(offset, self.max_size), self.keep
+        size, keep = self.max_size, self.keep
+        return [(o, min(o, size), keep) for o in (self._offsets if offsets is None else offsets)]
 
     def _holds(self, b: int) -> Lent:
         return self._offsets[b], self._retained[b], self.keep

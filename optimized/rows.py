@@ -326,7 +326,7 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         self._stages: tuple[Codec, ...] = (self.codec,)
         self._geometry = geometry
         self._pads_of: list[int] | None = None  # the pads list ``_pads_array`` copies
-        self._pads_array = mx.array([], dtype=mx.int32)
+        self._pads_array: mx.array | None = None
         self._clear()
 
     # -- stages (the delayed modifier's array hooks, contract §0.5) ---------------------------
@@ -608,6 +608,8 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         """Each stage store's fields (``all_or_nothing`` puts them back on a fault);
         ``held``: also a second handle on every held plane (an in-place write then
         copies, leaving the handle what the plane held)."""
+        if self._stores is None and not held:  # one store: its fields are attributes
+            return None
 
         def kept(planes: PlaneSet | None) -> PlaneSet | None:
             if not held or planes is None:
@@ -690,7 +692,7 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     def pads_array(self) -> mx.array:
         """The left pads on the device (for masks), cached while the pads stay the same
         list (every change rebinds ``_pads``; a decode step keeps it)."""
-        if self._pads_of is not self._pads:
+        if self._pads_array is None or self._pads_of is not self._pads:
             self._pads_of, self._pads_array = self._pads, mx.array(self._pads)
         return self._pads_array
 
@@ -1095,23 +1097,22 @@ class Layout(Storage):
             isinstance(rows, Cache | str | bytes) or not isinstance(rows, Sequence)
         ):
             raise InvalidInputError(MERGE_NEEDS_SEQUENCE)
-        seen: set[int] = set()
-        for source in rows:
-            if source is self or id(source) in seen:
-                raise IncompatibleRowsError(self_merge_message(self.signature()))
-            seen.add(id(source))
+        seen = {id(source) for source in rows}
+        if id(self) in seen or len(seen) != len(rows):
+            raise IncompatibleRowsError(self_merge_message(self.signature()))
+        accepts, staged = self._accepts, len(self._stages) > 1
         incoming: list[RowWindow] = []
         stages: list[int] = []  # a row joins in the stage of the codec that encoded it
         for row in rows:
-            if not self._accepts(row):  # every _accepts takes storages of this machinery only
+            if not accepts(row):  # every _accepts takes storages of this machinery only
                 raise IncompatibleRowsError(self._merge_refusal(row))
             held = cast(Storage, row)
             windows = held._row_windows()
-            incoming.extend(windows)
-            if len(self._stages) == 1:  # one stage: every accepted row is in it
-                stages.extend([0] * len(windows))
-            else:
+            incoming += windows
+            if staged:  # (one stage: every accepted row is in it)
                 stages.extend(self._stage_of(c) for c in held._row_codecs(len(windows)))
+        if not staged:
+            stages = [0] * len(incoming)
         shapes = self._joined_shapes(rows)
         self._check_join(rows, incoming, shapes, stages)
         return incoming, shapes, stages
