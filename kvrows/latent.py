@@ -916,10 +916,16 @@ class EncodedLatentMembers(_LatentLayout):
 
     def extract_row(self, row: int) -> Any:
         """An independent compact cache of this declaration holding row ``row`` in its
-        stage (the machinery's extraction, taken into a fresh cache)."""
+        stage (the machinery's extraction, taken into a fresh cache). A row of no token
+        is one row at offset 0 in its stage, as a cache trimmed to nothing holds it (its
+        saved form keeps the stage: a cache of no row saves none)."""
         single = super().extract_row(row)  # type: ignore[misc]
         fresh = self.make_empty_batch()
         fresh._take_rows(single)
+        if not single.row_offsets:  # an empty cache lends one empty row, of its stage
+            held = fresh
+            fresh = self.make_empty_batch()
+            fresh.merge_rows([held])
         return fresh
 
     def planes(self) -> Any:
