@@ -346,15 +346,7 @@ class BlockPool(PoolBase):
     # -- geometry and growth -------------------------------------------------------------
     def _grow_to(self, total: int) -> None:
         """The ledger's growth: every plane gains zero blocks up to ``total``."""
-        g = self._geometry
-        assert g is not None
-        count, bs = total - self.num_blocks, self.block_size
-        # Every tensor the geometry names (a KV geometry, a codec's ``Shapes``: a latent
-        # pool's latent, rope and index planes).
-        fresh: PlaneSet = {}
-        for t in g.tensors:
-            heads, dim, dtype = g.tensor_image(t)
-            fresh[t] = tuple(self.codec.zeros(count, heads, bs, dim, dtype, as_role(t)))
+        fresh = self._zero_blocks(total - self.num_blocks)
         if self._planes:
             fresh = {
                 t: tuple(
@@ -365,6 +357,19 @@ class BlockPool(PoolBase):
             }
             mx.eval(*(p for planes in fresh.values() for p in planes))
         self._planes = fresh
+
+    def _zero_blocks(self, count: int) -> PlaneSet:
+        """``count`` zero blocks of every tensor the geometry names (a KV geometry, a
+        codec's ``Shapes``: a latent pool's latent, rope and index planes)."""
+        g = self._geometry
+        assert g is not None
+        fresh: PlaneSet = {}
+        for t in g.tensors:
+            heads, dim, dtype = g.tensor_image(t)
+            fresh[t] = tuple(
+                self.codec.zeros(count, heads, self.block_size, dim, dtype, as_role(t))
+            )
+        return fresh
 
     # -- tables --------------------------------------------------------------------------
     def open(self, table: Table, *, touch: bool = True) -> Table:
@@ -574,7 +579,10 @@ class BlockPool(PoolBase):
         from its blocks one after another from column ``pads[b]``, zeros elsewhere; owned
         arrays."""
         rows = list(zip(tables, held, strict=True))
-        return {t: gather_runs(planes, rows, pads, width) for t, planes in self._planes.items()}
+        planes = self._planes
+        if not planes and self._geometry is not None:  # no block yet: every row reads zeros
+            planes = self._zero_blocks(0)
+        return {t: gather_runs(p, rows, pads, width) for t, p in planes.items()}
 
     # -- the prefix cache ----------------------------------------------------------------
     def register_prefix(

@@ -365,7 +365,10 @@ class BlockPool(PoolBase):
         """:meth:`gather` of ``(blocks, positions)`` per row."""
         bs = self.block_size
         out: PlaneSet = {}
-        for tensor, planes in self._planes.items():
+        held = self._planes
+        if not held and self._geometry is not None:  # no block yet: every row reads zeros
+            held = zero_planes(self.codec, self._geometry, 0, bs)
+        for tensor, planes in held.items():
             images: list[npt.NDArray[Any]] = []
             for plane in planes:
                 image = np.zeros((len(rows), plane.shape[1], width, plane.shape[3]), plane.dtype)

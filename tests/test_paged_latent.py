@@ -463,6 +463,28 @@ def test_warm_and_converted_rows_twin_against_twin() -> None:
     back.append(3)
 
 
+def test_a_load_whose_pooled_rows_hold_no_token_reads() -> None:
+    """A converted row trimmed to nothing beside a warm row: its saved form loads into a
+    private pool that never takes a block (no pooled row holds a token), and the load
+    still reads (zeros in the pool's part) and saves the same form, in both
+    implementations (the deep profile's paged-latent machine: the read found no plane)."""
+    rng = np.random.default_rng(3)
+    here = _pools()
+    rows = [_pair(here, n, rng) for n in (6, 2)]
+    layout = Pair({impl: rows[0].caches[impl].make_empty_batch() for impl in IMPLS}, rng)
+    layout.both(lambda c: c.merge_rows([r.caches[ref if c.pool is here[ref] else opt]
+                                        for r in rows]))  # fmt: skip
+    layout.both(lambda c: c.trim_rows([6, 0]))
+    assert layout.ref.row_offsets == (0, 2) and layout.ref.converted == (True, False)
+    states = layout.both(lambda c: c.state)
+    back = Pair({impl: impl.PagedLatentCache.from_state(states[impl]) for impl in IMPLS}, rng)
+    back.same()  # reads, saved forms and tables twin against twin
+    assert back.ref.converted == (True, False) and back.ref.block_tables() == ((), ())
+    for impl in IMPLS:
+        assert _same_bytes(_flat(back.caches[impl].state), _flat(states[impl]))
+    back.append(2)
+
+
 def test_a_warm_row_registers_no_prefix_block() -> None:
     rng = np.random.default_rng(1)
     pair = _pair(_pools(), 7, rng, start=9)
