@@ -81,6 +81,7 @@ from kvrows.conformance import strategies as ks
 from kvrows.conformance.arrays import NUMPY_DTYPES, expand_mask, random_block, to_mlx
 from kvrows.conformance.families import CONSTRUCTORS, Family, Impl, LayoutSpec, PeerSpec
 from kvrows.conformance.hooks import Draw
+from kvrows.conformance.paged import collector_paused, held_blocks
 from kvrows.conformance.parity import DIVERGENCES
 from kvrows.conformance.profiles import active_profile, machine_seed
 from kvrows.conformance.stats import Stats
@@ -3195,7 +3196,37 @@ class OpsChecks(ConformanceMachine):
         crossed = self._crossed(what, name, item.ref, item.opt)
         for how, pair in (("loaded into its own class", restored), ("loaded", crossed)):
             self._holds_the_rows(f"{what} {how}", item, pair)
+        pools = self._load_pools(item)
+        if pools is not None:
+            self._pool_loads(f"{what} in the example's pool", name, item, pools)
         return crossed
+
+    def _load_pools(self, item: OpsTarget) -> tuple[Any, Any] | None:
+        """The (reference, optimized) pools ``item``'s state also loads into (``pool=``):
+        a paged family's (``None``: no pool; the loads above went into private ones)."""
+        return None
+
+    def _pool_loads(self, what: str, name: str, item: OpsTarget, pools: tuple[Any, Any]) -> None:
+        """The crossed loads into ``pools``: each load in its pool, holding ``item``'s
+        rows, the pools sound; released, they give back every block they took (the pools
+        lend what they lent before). The collector is off throughout: no finalizer of a
+        collected cache releases blocks between the counts compared."""
+        with collector_paused(collect=False):
+            before = [held_blocks(pool) for pool in pools]
+            pair = self._crossed(what, name, item.ref, item.opt, pools)
+            self._exact(
+                f"{what}: the loads are in the pools given (reference, optimized)",
+                [cache.pool is pool for cache, pool in zip(pair, pools, strict=True)],
+                [True, True],
+            )
+            self._holds_the_rows(what, item, pair)
+            for pool in pools:
+                pool.check_valid()
+            for cache in pair:
+                cache.release()
+            after = [held_blocks(pool) for pool in pools]
+        self._exact(f"{what}: loads released, every block back", after, before)
+        self.stats.check("save_load into the pool")
 
     def _holds_the_rows(self, what: str, item: OpsTarget, pair: tuple[Any, Any]) -> None:
         """The reference and optimized caches of ``pair`` hold ``item``'s rows (offsets,

@@ -44,14 +44,13 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from kvrows.conformance.families import Impl
 from kvrows.conformance.latent import _CODECS, LatentMachine
-from kvrows.conformance.machines import Block, Layout, OpsChecks, OpsTarget
+from kvrows.conformance.machines import Block, OpsChecks, OpsTarget
 from kvrows.conformance.paged import (
     HEADROOMS,
     FrozenCollector,
     accounting,
     byte_limited,
     collector_paused,
-    held_blocks,
     hit_accounting_problem,
 )
 from kvrows.conformance.rules import BLOCK_TABLE_GAPS, WHOLE_BLOCK_HIT, table_has_gaps
@@ -259,33 +258,8 @@ class PagedLatentMachine(FrozenCollector, LatentMachine, OpsChecks):
 
     # -- the operation checks' hooks (``machines.OpsChecks``, after this machine): the
     # latent machine's, and loads into the example's pools
-    def _save_load(self, item: OpsTarget) -> tuple[Any, Any]:
-        """The latent machine's loads (``from_state`` without a pool: each in a private
-        pool), then the crossed loads into the example's pools (``pool=``), which hold
-        the rows as well, the pools sound; released, they give back every block they took
-        (the pools lend what they lent before). The collector is off throughout: no
-        finalizer of a collected cache releases blocks between the counts compared."""
-        crossed = super()._save_load(item)
-        what = f"{type(item).__name__.lower()} {item.ident} in the example's pool"
-        name = self.spec.name if isinstance(item, Layout) else self.serial_name
-        pools = (self._pools[self.ref_impl.name], self._pools[self.opt_impl.name])
-        with collector_paused(collect=False):
-            before = [held_blocks(pool) for pool in pools]
-            pair = self._crossed(what, name, item.ref, item.opt, pools)
-            self._exact(
-                f"{what}: the loads are in the pools given (reference, optimized)",
-                [cache.pool is pool for cache, pool in zip(pair, pools, strict=True)],
-                [True, True],
-            )
-            self._holds_the_rows(what, item, pair)
-            for pool in pools:
-                pool.check_valid()
-            for cache in pair:
-                cache.release()
-            after = [held_blocks(pool) for pool in pools]
-        self._exact(f"{what}: loads released, every block back", after, before)
-        self.stats.check("save_load into the pool")
-        return crossed
+    def _load_pools(self, item: OpsTarget) -> tuple[Any, Any]:
+        return self._pools[self.ref_impl.name], self._pools[self.opt_impl.name]
 
     def _check_layout(self) -> None:
         super()._check_layout()

@@ -76,6 +76,7 @@ from kvrows.conformance.machines import (
     ConformanceMachine,
     KvRules,
     OpsRules,
+    OpsTarget,
     Planes,
     Slot,
     Track,
@@ -814,6 +815,12 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
     message); a refusal must leave the caches and every pool's accounting exactly as it
     was. The append then goes in without the limit: a refused verify block leaves its
     round open before its block, and the round resolves as any other."""
+
+    def _load_pools(self, item: OpsTarget) -> tuple[Any, Any] | None:
+        """A state also loads into the pools of the caches it was saved from (besides the
+        private pools: ``OpsChecks._pool_loads``)."""
+        pools = (getattr(item.ref, "pool", None), getattr(item.opt, "pool", None))
+        return None if pools[0] is None or pools[1] is None else (pools[0], pools[1])
 
     def _pools(self, impl_index: int) -> list[Any]:
         """The pools of every request and layout of one implementation, in a fixed order."""

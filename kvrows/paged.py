@@ -931,6 +931,20 @@ class PagedSurface:
     def _held(self) -> tuple[Any, Any] | None:
         raise NotImplementedError
 
+    @classmethod
+    def from_state(
+        cls, state: Any, meta_state: Any = None, *, keep: int | None = None,
+        geometry: KvGeometry | None = None, pool: Any = None,
+    ) -> Any:  # fmt: skip
+        """A cache holding ``state``, its positions written into fresh blocks of ``pool``
+        (default: a private pool; a pool that cannot take them refuses with
+        ``PoolExhaustedError``, unchanged)."""
+        if pool is None:
+            return super().from_state(state, meta_state, keep=keep, geometry=geometry)  # type: ignore[misc]
+        from kvrows.paged_forms import restore_state
+
+        return restore_state(cls, state, geometry, pool, keep=keep or 0)
+
     #: Whether the placement holds a contiguous stage 0 beside its pool (contract §0.5:
     #: ``PagedLatentCache``'s warm rows); the pool stores the last stage.
     _stage_beside: ClassVar[bool] = False

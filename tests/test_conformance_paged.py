@@ -71,7 +71,13 @@ def test_paged_family() -> None:
     # nothing changed, and the rounds went on.
     assert stats.ops["exhausted:append"] > 0, dict(stats.ops)
     stats.require(
-        0, oracles=("pool invariants", "exhaustion refused", "round usable after a refused block")
+        0,
+        oracles=(
+            "pool invariants",
+            "exhaustion refused",
+            "round usable after a refused block",
+            "save_load into the pool",
+        ),
     )
     stats.require(0, states=STATES)
 

@@ -434,6 +434,35 @@ def test_state_round_trip_is_bit_exact_and_corrupt_states_are_refused(
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_a_state_loads_into_a_given_pool(impl: Any) -> None:
+    """``from_state(state, pool=pool)``: the rows in fresh blocks of that pool (serial and
+    layout), read as saved; a pool of another block size is refused, and one too small
+    refuses with every count as it was."""
+    _, module, native, numpy = impl
+    rng = np.random.default_rng(11)
+    pool = module.BlockPool(block_size=4)
+    rows = [module.PagedKVCache(pool=pool) for _ in range(2)]
+    for row, n in zip(rows, (7, 3), strict=True):
+        row.update_and_fetch(*(native(x) for x in _block(rng, 1, n)))
+    layout = module.PagedKvRows(pool=pool)
+    layout.merge_rows(rows)
+    into = module.BlockPool(block_size=4)
+    for cache, cls in ((rows[0], module.PagedKVCache), (layout, module.PagedKvRows)):
+        loaded = cls.from_state(cache.state, pool=into)
+        assert loaded.pool is into and repr(loaded) == repr(cache)
+        assert _same(loaded.fetch(), cache.fetch(), numpy)
+        into.check_valid()
+    with pytest.raises(CorruptStateError, match="not the pool's"):
+        module.PagedKVCache.from_state(rows[0].state, pool=module.BlockPool(block_size=8))
+    per_block = 4 * 2 * H * D * 4
+    small = module.BlockPool(block_size=4, max_bytes=2 * per_block)
+    before = _accounting(small)
+    with pytest.raises(PoolExhaustedError):
+        module.PagedKvRows.from_state(layout.state, pool=small)  # 2 + 1 blocks
+    assert _accounting(small) == before
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("bits", [3, 5, 6])
 def test_states_of_codes_that_cross_words_round_trip(impl: Any, bits: int) -> None:
     """Affine codes of 3, 5 and 6 bits are packed across uint32 words: a state's key width

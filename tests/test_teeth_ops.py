@@ -18,7 +18,8 @@ teeth profile must fail with an oracle's ``AssertionError``).
 * the paged latent machine's save/load (``OpsChecks`` on its cadence, the latent hooks and
   loads into the example's pools): a load into a given pool that drops each row's last
   token, a load that ignores the pool it is given, an encoded state that saves its warm
-  rows' exact latent as zeros.
+  rows' exact latent as zeros; the paged K/V machine's loads into the pools of the caches
+  saved (``PagedRules._load_pools``): the same two pool mutants on ``PagedKvRows``.
 """
 
 from __future__ import annotations
@@ -253,27 +254,43 @@ def test_delayed_lease_lent_after_close_is_caught(monkeypatch: pytest.MonkeyPatc
 # -- the paged latent machine (``OpsChecks``' cadence; loads into the example's pools) ------
 
 
-class PoolLoadDropsLastToken(O.PagedLatentCache):
+class DropsLastTokenOnPoolLoad:
     """``from_state`` into a given pool loads every row one token short (a load into a
     private pool is right: only the loads into the example's pools can see it)."""
 
     @classmethod
     def from_state(cls, state: Any, meta_state: Any = None, **kwargs: Any) -> Any:
-        loaded = super().from_state(state, meta_state, **kwargs)
+        loaded = super().from_state(state, meta_state, **kwargs)  # type: ignore[misc]
         if kwargs.get("pool") is not None and any(loaded.row_offsets):
             # MUTATION (the load keeps every token)
             loaded.trim_rows([1 if offset else 0 for offset in loaded.row_offsets])
         return loaded
 
 
-class LoadIgnoresThePool(O.PagedLatentCache):
+class IgnoresThePoolOnLoad:
     """``from_state`` loads into a private pool whatever pool it is given (the rows are
     right; the pool the caller shares holds none of them)."""
 
     @classmethod
     def from_state(cls, state: Any, meta_state: Any = None, **kwargs: Any) -> Any:
         kwargs.pop("pool", None)  # MUTATION (the load writes into the pool given)
-        return super().from_state(state, meta_state, **kwargs)
+        return super().from_state(state, meta_state, **kwargs)  # type: ignore[misc]
+
+
+class PoolLoadDropsLastToken(DropsLastTokenOnPoolLoad, O.PagedLatentCache):
+    """A paged latent cache whose load into a given pool drops each row's last token."""
+
+
+class LoadIgnoresThePool(IgnoresThePoolOnLoad, O.PagedLatentCache):
+    """A paged latent cache whose load ignores the pool it is given."""
+
+
+class KvPoolLoadDropsLastToken(DropsLastTokenOnPoolLoad, PagedKvRows):
+    """A paged K/V layout whose load into a given pool drops each row's last token."""
+
+
+class KvLoadIgnoresThePool(IgnoresThePoolOnLoad, PagedKvRows):
+    """A paged K/V layout whose load ignores the pool it is given."""
 
 
 class PagedStateZeroesTheWarmLatent(O.PagedLatentCache):
@@ -305,6 +322,20 @@ def test_a_lossy_paged_latent_state_is_caught(mutant: type, oracle: str) -> None
     message = caught(
         "PagedLatentCache", mutant, PAGED_LATENT_TEETH_EXAMPLES, family_name="paged-latent"
     )
+    assert oracle in message, message[:500]
+
+
+@pytest.mark.parametrize(
+    ("mutant", "oracle"),
+    [
+        (KvPoolLoadDropsLastToken, "in the example's pool"),
+        (KvLoadIgnoresThePool, "the loads are in the pools given"),
+    ],
+)
+def test_a_paged_kv_load_into_a_given_pool_is_checked(mutant: type, oracle: str) -> None:
+    """The paged K/V machines load each saved state into the pools of the caches it was
+    saved from too (``PagedRules._load_pools``): a load wrong only there is caught."""
+    message = caught("PagedKvRows", mutant, 12, family_name="paged")
     assert oracle in message, message[:500]
 
 
