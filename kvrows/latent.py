@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 from kvrows.codec import CodecSpec, PlaneSet, PlaneSpec
@@ -1315,13 +1316,28 @@ class PagedLatentMembers(_LatentLayout):
     def _append_blocks(self, latent: Any, rope: Any, index: Any | None) -> Any:
         """The placement's write and read; then the warm rows due convert into fresh
         blocks (this append read them exact; the write reserved the blocks). A fault in
-        the write or the read puts the pool back too (its journal, contract §9)."""
-        with self._pool_undoable():
-            fetched = super()._append_blocks(latent, rope, index)  # type: ignore[misc]
-        due = due_rows(self, self.row_stages, self.row_offsets, 0)
-        if due:
-            self._convert_rows(due)
-        return fetched
+        any of it puts back the pool (its journal), the host records and the warm rows
+        beside the pool (contract §9)."""
+
+        def append_convert() -> Any:
+            fetched = super(PagedLatentMembers, self)._append_blocks(latent, rope, index)  # type: ignore[misc]
+            due = due_rows(self, self.row_stages, self.row_offsets, 0)
+            if due:
+                self._convert_rows(due)
+            return fetched
+
+        beside = getattr(self, "_contiguous", None)  # (the optimized twin's warm rows)
+        step = append_convert
+        if beside is not None:  # its rows take the append, then leave: kept, planes too
+            step = partial(all_or_nothing, beside, append_convert, held=True)
+
+        def journaled() -> Any:
+            with self._pool_undoable():
+                return step()
+
+        # The host records last: the pool's undo puts back the tables it closed as they
+        # were when closed (after the write), the records as they were before it.
+        return all_or_nothing(self, journaled)
 
     # -- row operations: the placement's, per stage -----------------------------------------
     def _accepts(self, source: object) -> bool:

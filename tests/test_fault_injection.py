@@ -281,12 +281,20 @@ def _latent(name: str) -> Callable[[Impl], dict[str, Any]]:
     """An MLA latent layout (its own serial storage) of two rows; the encoded one's rows
     convert at their fourth token (the update converts the shorter row)."""
 
+    encoded = Affine(bits=8, group_size=32)
+
     def build(impl: Impl) -> dict[str, Any]:
-        pool = impl.LatentBlockPool(block_size=2) if name == "PagedLatentCache" else None
+        pool = None
+        if name == "PagedLatentCache":
+            pool = impl.LatentBlockPool(block_size=2)
+        elif name == "EncodedPagedLatentCache":
+            pool = impl.LatentBlockPool(encoded, block_size=2)
 
         def make() -> Any:
             if name == "EncodedLatentCache":
-                return impl.EncodedLatentCache(codec=Affine(bits=8, group_size=32), start=4)
+                return impl.EncodedLatentCache(codec=encoded, start=4)
+            if name == "EncodedPagedLatentCache":
+                return impl.PagedLatentCache(64, 16, pool=pool, codec=encoded, start=4)
             if pool is not None:
                 return impl.PagedLatentCache(64, 16, pool=pool)
             return impl.MLACache()
@@ -351,6 +359,9 @@ CASES = (
     Case("MLACache", _latent("MLACache"), ROW_OPS + SPEC_OPS),
     Case("EncodedLatentCache", _latent("EncodedLatentCache"), ROW_OPS + SPEC_OPS),
     Case("PagedLatentCache", _latent("PagedLatentCache"), ROW_OPS + SPEC_OPS),
+    # Warm rows beside the pool convert into fresh blocks after the append that reaches
+    # ``start`` (the update converts the shorter row).
+    Case("EncodedPagedLatentCache", _latent("EncodedPagedLatentCache"), ROW_OPS + SPEC_OPS),
     Case("BatchedSSMCache", _recurrent, STATE_OPS),
 )
 

