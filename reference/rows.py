@@ -437,22 +437,6 @@ class Storage(SavedState, ComposedIdentity):
         """Each row's stage, in batch order (contract §0.5)."""
         return tuple(row.stage for row in self._rows)
 
-    def _fault_parts(self, *, held: bool = False) -> Any:
-        """Each row's fields, its lists by content (``all_or_nothing`` puts them back on a
-        fault: a write appends to its rows in place, and a step after it can raise, as a
-        conversion does)."""
-        return [
-            (row, {k: (v, list(v) if type(v) is list else None) for k, v in vars(row).items()})
-            for row in self._rows
-        ]
-
-    def _fault_restore(self, parts: Any) -> None:
-        for row, fields in parts:  # in place: a pool's tables hold the rows by identity
-            for name, (value, items) in fields.items():
-                if items is not None:
-                    value[:] = items
-                setattr(row, name, value)
-
     def _staged(self) -> None:
         """The rows changed: ``codec`` is the newest stage's any row is in (unchanged with
         no row)."""
