@@ -4,8 +4,8 @@ A block table means nothing outside its pool, so a paged state holds what the ta
 reads, compact and in logical order, plus what rebuilds the tables:
 
 * ``PagedKVCache``: ``keys, values, offset, block_size, codec`` (``keys`` / ``values``:
-  the codec's planes ``[B, H, offset, ·]``; ``codec``: ``(kind, a, b)``, see
-  :func:`codec_field`);
+  the codec's planes ``[B, H, offset, ·]``, zero-width while the rows hold no position,
+  ``None`` before any row; ``codec``: ``(kind, a, b)``, see :func:`codec_field`);
 * ``PagedKvRows``: ``keys, values, offset[B], left_padding[B], idx, block_size, codec``,
   right-aligned as every layout form (row ``b`` in columns ``[left_padding[b], idx)``);
 * the paged rings by the same rule (the planes, the ring geometry's fields, the
@@ -104,10 +104,10 @@ def _ints(name: str, value: object, count: int) -> list[int]:
 def _check_planes(
     planes: object, spec: CodecSpec, role: str, shape: Any, rows: int, width: int
 ) -> tuple[Any, ...]:
-    """``planes`` as a tuple of ``[rows, H, width, ·]`` arrays, as many as ``spec`` stores."""
-    if width == 0:
-        if planes is not None:
-            raise CorruptStateError(f"an empty state holds no {role} planes (None)")
+    """``planes`` as a tuple of ``[rows, H, width, ·]`` arrays, as many as ``spec`` stores
+    (``()`` for ``None``: a state of no position may omit them; saved, zero-width planes
+    keep the rows and the geometry of rows that hold no position)."""
+    if width == 0 and planes is None:
         return ()
     if not isinstance(planes, tuple | list):
         raise CorruptStateError(f"state field {role} must be a tuple of planes")
@@ -150,6 +150,12 @@ class PagedState:
     retained: list[int] | None = None
     token: GeometrySpec | None = None
     rows: list[tuple[Any, Any]] | None = None
+
+    @property
+    def names_rows(self) -> bool:
+        """Whether the state names its rows though none may hold a position: a layout's
+        offsets, a serial state's zero-width planes (a serial state of no planes: none)."""
+        return self.layout or bool(self.keys) or any(k is not None for k, _ in self.rows or ())
 
     def held(self) -> list[int]:
         """Positions each row holds."""
@@ -211,11 +217,17 @@ def parse_state(
         if width < 0:
             raise CorruptStateError(f"offset must be >= 0, got {width}")
         held = values["keys"]
-        rows = shape(held[0])[0] if isinstance(held, tuple | list) and held else 1
+        dims = shape(held[0]) if isinstance(held, tuple | list) and held else ()
+        rows = dims[0] if dims else 1  # (planes of another kind: refused below)
         offsets, pads = [width] * rows, [0] * rows
     keys = _check_planes(values["keys"], spec, "keys", shape, rows, width)
     vals = _check_planes(values["values"], spec, "values", shape, rows, width)
-    learnt = geometry if width == 0 else _geometry_of(spec, keys, vals, shape, dtype_name, geometry)
+    # Zero-width planes of a codec whose planes do not carry the activations' dtype
+    # (TurboQuant) teach no geometry: the rows' count only, the geometry at the next write.
+    knows = bool(keys) and (width > 0 or spec.dtype_plane is not None or geometry is not None)
+    learnt = _geometry_of(spec, keys, vals, shape, dtype_name, geometry) if knows else geometry
+    if bool(keys) != bool(vals):
+        raise CorruptStateError("a state holds both keys and values planes or neither")
     if pool is not None and (pool.codec_spec != spec or pool.block_size != block_size):
         raise CorruptStateError("the state's codec or block size is not the pool's")
     return PagedState(spec, block_size, layout, offsets, pads, width, keys, vals, learnt)
@@ -295,7 +307,8 @@ def _parse_ring(
     planes = [(k, v) for k, v, _ in rows]
     learnt = geometry
     for (k, v), count in zip(planes, held, strict=True):
-        if count:
+        # (zero-width planes teach the geometry where the codec's carry the dtype)
+        if count or (k is not None and (spec.dtype_plane is not None or learnt is not None)):
             k = _check_planes(k, spec, "keys", shape, 1, count)
             v = _check_planes(v, spec, "values", shape, 1, count)
             learnt = _geometry_of(spec, k, v, shape, dtype_name, learnt)

@@ -1185,9 +1185,9 @@ class PagedRows(PagedSurface, Storage):
         counts = [self._holds(b)[1] for b in rows]
         width = max(counts, default=0)
         pads = [width - c for c in counts]
-        planes = (
+        planes = (  # rows of no position: zero-width planes (their count and geometry)
             self._gather(rows, [self._holds(b) for b in rows], pads)
-            if self._pool is not None and self._geometry is not None and width
+            if self._pool is not None and self._geometry is not None and self._offsets
             else None
         )
         fields = {
@@ -1207,11 +1207,11 @@ class PagedRows(PagedSurface, Storage):
 
     def _load(self, parsed: PagedState) -> None:
         """Hold ``parsed``'s rows, written into fresh blocks (a serial state of no position
-        holds no row)."""
+        and no planes holds no row)."""
         rows = len(parsed.offsets)
         learnt = parsed.geometry
         if parsed.width == 0:
-            if parsed.layout:
+            if parsed.names_rows:
                 pool = self._pool or self.pool_class(
                     parsed.spec, block_size=parsed.block_size, geometry=learnt
                 )

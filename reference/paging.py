@@ -716,8 +716,8 @@ class PagedRows(PagedSurface, Storage):
 
     def _load(self, parsed: PagedState) -> None:
         """Hold ``parsed``'s rows: compact copies of their columns, written into fresh
-        blocks (a serial state of no position holds no row)."""
-        if parsed.width == 0 and not parsed.layout:
+        blocks (a serial state of no position and no planes holds no row)."""
+        if parsed.width == 0 and not parsed.names_rows:
             return
         rows: list[PagedRow] = []
         for b, (offset, pad) in enumerate(zip(parsed.offsets, parsed.pads, strict=True)):
@@ -749,9 +749,9 @@ class PagedRows(PagedSurface, Storage):
         counts = [r.retained for r in self._rows]
         width = max(counts, default=0)
         pads = [width - c for c in counts]
-        planes = (
+        planes = (  # rows of no position: zero-width planes (their count and geometry)
             self._pool.gather(self._rows, pads, width)
-            if self._pool is not None and self._geometry is not None and width
+            if self._pool is not None and self._geometry is not None and self._rows
             else None
         )
         offsets = [r.offset for r in self._rows]

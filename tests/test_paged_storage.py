@@ -533,6 +533,59 @@ def test_prompt_cache_files_round_trip(tmp_path: Any, codec: CodecSpec) -> None:
         )
 
 
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.kind)
+@pytest.mark.parametrize("name", ["PagedKVCache", "PagedRotatingKVCache"])
+def test_rows_trimmed_to_nothing_keep_their_count_and_geometry(
+    tmp_path: Any, codec: CodecSpec, name: str
+) -> None:
+    """A serial cache of two rows trimmed to no token saves zero-width planes: loaded (in
+    memory, across implementations and from a prompt-cache file) it still holds two rows
+    of that geometry, so a block of another row count or head width is refused as the
+    cache itself refuses it (a state of no planes loaded as a fresh cache of any ``B``)."""
+    from kvrows.persist.prompt_cache import load_prompt_cache, save_prompt_cache
+
+    rng = np.random.default_rng(12)
+    impls: dict[Literal["optimized", "reference"], tuple[Any, Any]] = {
+        "reference": (reference, np.asarray),
+        "optimized": (optimized, mx.array),
+    }
+    sources = {}
+    args = (8,) if name == "PagedRotatingKVCache" else ()  # max_size
+    for impl_name, (module, native) in impls.items():
+        cache = getattr(module, name)(*args, pool=module.BlockPool(codec, block_size=4))
+        cache.update_and_fetch(*(native(x) for x in _block(rng, 2, 5)))
+        cache.trim(5)
+        sources[impl_name] = cache
+    path = tmp_path / "empty.safetensors"
+    save_prompt_cache(path, [sources["optimized"]])
+
+    def converted(value: Any, native: Any) -> Any:
+        if isinstance(value, tuple | list):
+            return type(value)(converted(v, native) for v in value)
+        is_array = isinstance(value, np.ndarray | mx.array)
+        return native(np.array(value)) if is_array else value
+
+    loads = [
+        getattr(module, name).from_state(converted(sources[source].state, native))
+        for source in impls
+        for module, native in impls.values()
+    ]
+    loads += [load_prompt_cache(path, implementation=impl)[0] for impl in impls]
+    for cache in [*sources.values(), *loads]:
+        native = np.asarray if isinstance(cache, getattr(reference, name)) else mx.array
+        assert cache.offset == 0
+        refused = [(3, D)]  # TurboQuant's planes do not carry the activations' dtype: a
+        if codec.dtype_plane is not None or cache in sources.values():  # load learns none
+            assert cache.geometry == KvGeometry(H, D, D, "float32")
+            refused.append((2, D // 2))
+        for rows, dim in refused:
+            block = native(np.zeros((rows, H, 1, dim), np.float32))
+            with pytest.raises(InvalidInputError):
+                cache.update_and_fetch(block, block)
+        cache.update_and_fetch(*(native(x) for x in _block(rng, 2, 1)))
+        assert cache.offset == 1
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name", ["PagedKVCache", "PagedKvRows"])
 def test_bits_and_group_size_follow_the_codec(impl: Any, name: str) -> None:
