@@ -44,7 +44,7 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from kvrows.conformance.families import Impl
 from kvrows.conformance.latent import _CODECS, LatentMachine
-from kvrows.conformance.machines import Block, OpsChecks, OpsTarget
+from kvrows.conformance.machines import Block, OpsChecks, OpsTarget, detached
 from kvrows.conformance.paged import (
     HEADROOMS,
     FrozenCollector,
@@ -118,7 +118,7 @@ class PagedLatentMachine(FrozenCollector, LatentMachine, OpsChecks):
                     try:
                         outcomes.append(self._write(impl, cache, block))
                     except PoolExhaustedError as error:
-                        outcomes.append(error)
+                        outcomes.append(detached(error))
             refused = [isinstance(o, PoolExhaustedError) for o in outcomes]
             after = state() if any(refused) else before
         self._exact("appends refused past the byte limit (optimized)", refused[1], refused[0])

@@ -82,6 +82,7 @@ from kvrows.conformance.machines import (
     Track,
     _answer,
     column_ids,
+    detached,
     evaluate,
     expand,
     planes_of,
@@ -822,6 +823,13 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
         pools = (getattr(item.ref, "pool", None), getattr(item.opt, "pool", None))
         return None if pools[0] is None or pools[1] is None else (pools[0], pools[1])
 
+    @staticmethod
+    def _cached(cache: Any, row: int | None, blocks: int) -> bool:
+        """Whether one of the first ``blocks`` blocks of row ``row`` of ``cache`` (``None``:
+        a serial cache's) is cached (holds a hash)."""
+        table = cache.block_table if row is None else cache.block_tables()[row]
+        return any(cache.pool.ledger.hash_of(block) is not None for block in table[:blocks])
+
     def _pools(self, impl_index: int) -> list[Any]:
         """The pools of every request and layout of one implementation, in a fixed order."""
         pairs = [(t.ref, t.opt) for t in self.pool]
@@ -928,7 +936,7 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
                     try:
                         outcomes.append(call(impl, pairs[0][index]))
                     except PoolExhaustedError as error:
-                        outcomes.append(error)
+                        outcomes.append(detached(error))
             refused = [isinstance(o, PoolExhaustedError) for o in outcomes]
             after = (self._snapshots(pairs), self._ledgers(pools)) if any(refused) else before
         self._exact(f"{what}, headroom {headroom}: refused (optimized)", refused[1], refused[0])
@@ -1140,8 +1148,14 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
             self.stats.op("prefix:past the window")
             return
         geometry = ref.token_geometry  # a ring's lookup: its window's blocks
-        if full[0] and data.draw(st.booleans(), label="register other ids"):
-            # A cached block's hash is its tokens': other ids for it are refused, unchanged.
+        if (
+            full[0]
+            and data.draw(st.booleans(), label="register other ids")
+            and self._cached(ref, b, full[0])
+        ):
+            # A cached block's hash is its tokens': other ids for it are refused, unchanged
+            # (blocks that stayed private, another block caching their hash, would cache
+            # the other ids: the pool changes, no refusal).
             self._refused(
                 "register_prefix of other ids for a cached block",
                 register([registered[0] + 1, *registered[1:]]),
