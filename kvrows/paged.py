@@ -35,6 +35,7 @@ import hashlib
 import itertools
 import math
 import operator
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -297,6 +298,18 @@ def _bind_paged(cls: type[Any], args: Sequence[object], kwargs: dict[str, object
     bound = None if token.wraps else token.cap()
     paged = Paged(block_size=size or DEFAULT_BLOCK_SIZE, max_tokens=bound)
     return spec, paged, token, declared, pool
+
+
+def _weakly(method: Callable[..., None]) -> Callable[..., None]:
+    """``method`` called through a weak reference to its object."""
+    held = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        bound = held()
+        assert bound is not None, "a ledger outlived its pool"
+        bound(*args)
+
+    return call
 
 
 class BlockLedger:
@@ -663,11 +676,11 @@ class PoolBase:
         self.block_size = as_count(block_size, "block_size", minimum=1)
         self._initial = as_count(num_blocks, "num_blocks")
         self.max_bytes = None if max_bytes is None else as_count(max_bytes, "max_bytes")
-        self.ledger = BlockLedger(
-            self.block_size,
-            grow=self._grow_journaled,
+        self.ledger = BlockLedger(  # (its hooks hold the pool weakly: no cycle keeps the
+            self.block_size,  # planes of a dropped pool until the collector runs)
+            grow=_weakly(self._grow_journaled),
             extra=f"{self.codec.key}|{self.block_size}",
-            keep=self._keep_blocks,
+            keep=_weakly(self._keep_blocks),
         )
         #: Each tensor's planes ``[num_blocks, H, block_size, ·]`` (empty until it grows).
         self._planes: dict[str, tuple[Any, ...]] = {}

@@ -117,3 +117,35 @@ def test_a_paging_pool_holds_a_latent_codecs_planes(impl: str, inner: Any) -> No
         np.testing.assert_array_equal(read[0, :, :6], stored[0])
         np.testing.assert_array_equal(read[0, :, 6:], stored[0, :, :3])
         assert not read[1, :, :3].any()
+
+
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_a_dropped_pool_frees_its_planes_without_the_collector(impl: str) -> None:
+    """Nothing holds a pool in a cycle (its ledger's hooks hold it weakly): dropped with
+    its caches, its planes are freed at once, not when the collector next runs."""
+    import gc
+    import weakref
+
+    from kvrows.validation import KvGeometry
+
+    module = importlib.import_module(f"kvrows.{impl}")
+    native = mx.array if impl == "optimized" else np.asarray
+    mx.eval(mx.zeros(1))
+    collecting = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        base = mx.get_active_memory()
+        pool = module.BlockPool(block_size=4, geometry=KvGeometry(2, 64, 64, "float32"))
+        cache = module.PagedKVCache(pool=pool)
+        block = native(np.ones((1, 2, 9, 64), np.float32))
+        cache.update_and_fetch(block, block)
+        pool.check_valid()
+        held = weakref.ref(pool)
+        del cache, pool, block
+        assert held() is None
+        if impl == "optimized":
+            assert mx.get_active_memory() == base
+    finally:
+        if collecting:
+            gc.enable()
