@@ -1427,6 +1427,9 @@ class PagedLayout(PagedRows, Layout):
         self._row_stage = self._row_stage + list(stages)
         self._restaged()
 
+    def _keeps_on_host(self) -> bool:
+        return self._contiguous is None  # tables and the ledger's counts (rows beside: arrays)
+
     def _keep(self, order: list[int]) -> None:
         """The rows not kept give their blocks back to the pool (and those beside it their
         rows of the contiguous layout)."""

@@ -1171,7 +1171,15 @@ class Layout(Storage):
             self._keep(order)
             self._changed()
 
-        all_or_nothing(self, keep_rows)
+        if self._keeps_on_host():
+            keep_rows()  # (host records only: nothing in it can fail halfway)
+        else:
+            all_or_nothing(self, keep_rows)
+
+    def _keeps_on_host(self) -> bool:
+        """Whether ``_keep`` edits host records only (no array op, so no fault to undo);
+        a placement whose rows are tables says so."""
+        return False
 
     def extract_row(self, row: int) -> Serial:
         """An independent serial storage holding row ``row``: owned, compact, evaluated
