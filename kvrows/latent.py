@@ -889,14 +889,8 @@ class EncodedLatentMembers(_LatentLayout):
         read them exact). A fault in the conversion puts the append back too (contract
         §9): only an append rows convert after keeps what the planes held (one copy)."""
         _, _, _, n = self._checked(latent, rope, index)
-
-        def append_convert() -> Any:
-            fetched = super(EncodedLatentMembers, self)._append_blocks(latent, rope, index)  # type: ignore[misc]
-            due = due_rows(self, self.row_stages, self.row_offsets, 0)
-            if due:
-                self._convert_rows(due)
-            return fetched
-
+        append = super()._append_blocks  # type: ignore[misc]
+        append_convert = partial(_append_convert, self, partial(append, latent, rope, index))
         converts = bool(due_rows(self, self.row_stages, self.row_offsets, n))
         return all_or_nothing(self, append_convert, held=converts)
 
@@ -1008,6 +1002,16 @@ class EncodedLatentMembers(_LatentLayout):
         order = [b if converted[b] or exact is None else rows + b for b in range(rows)]
         if order != list(range(len(order))) or len(sources) > 1:
             self.filter_rows(order)
+
+
+def _append_convert(cache: Any, append: Callable[[], Any]) -> Any:
+    """``append()`` (the machinery's write and read), then ``cache``'s plain rows that are
+    due convert (the append read them exact): what an encoded latent's append is."""
+    fetched = append()
+    due = due_rows(cache, cache.row_stages, cache.row_offsets, 0)
+    if due:
+        cache._convert_rows(due)
+    return fetched
 
 
 _CODEC_FIELDS = ("bits", "group_size", "k_bits", "v_bits")
@@ -1318,14 +1322,8 @@ class PagedLatentMembers(_LatentLayout):
         blocks (this append read them exact; the write reserved the blocks). A fault in
         any of it puts back the pool (its journal), the host records and the warm rows
         beside the pool (contract §9)."""
-
-        def append_convert() -> Any:
-            fetched = super(PagedLatentMembers, self)._append_blocks(latent, rope, index)  # type: ignore[misc]
-            due = due_rows(self, self.row_stages, self.row_offsets, 0)
-            if due:
-                self._convert_rows(due)
-            return fetched
-
+        append = super()._append_blocks  # type: ignore[misc]
+        append_convert = partial(_append_convert, self, partial(append, latent, rope, index))
         beside = getattr(self, "_contiguous", None)  # (the optimized twin's warm rows)
         step = append_convert
         if beside is not None:  # its rows take the append, then leave: kept, planes too
