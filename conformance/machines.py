@@ -3303,10 +3303,14 @@ class OpsChecks(ConformanceMachine):
             state = convert(cache.state, src, dst)
             saved: Any = dst.cls(name)
             copy = saved.from_state(state, keep=keep, geometry=cache.geometry, **pool)
+            # A state that never learnt a geometry takes the given pool's, if it knows one.
+            geometry = ref_cache.geometry
+            if geometry is None and pool:
+                geometry = pool["pool"].geometry
             self._exact(
                 f"{what}: {src.name} state loaded into the {dst.name} class",
                 (copy.signature(), repr(copy.geometry), self._state_rows(dst, copy)),
-                (ref_cache.signature(), repr(ref_cache.geometry), self._state_rows(src, cache)),
+                (ref_cache.signature(), repr(geometry), self._state_rows(src, cache)),
             )
             loaded.append(copy)
         self.stats.check("save_load across implementations")
