@@ -3303,9 +3303,10 @@ class OpsChecks(ConformanceMachine):
             state = convert(cache.state, src, dst)
             saved: Any = dst.cls(name)
             copy = saved.from_state(state, keep=keep, geometry=cache.geometry, **pool)
-            # A state that never learnt a geometry takes the given pool's, if it knows one.
+            # A state that never learnt a geometry may take the given pool's (a paged K/V
+            # cache's geometry is its pool's; a latent cache reports none).
             geometry = ref_cache.geometry
-            if geometry is None and pool:
+            if geometry is None and pool and copy.geometry is not None:
                 geometry = pool["pool"].geometry
             self._exact(
                 f"{what}: {src.name} state loaded into the {dst.name} class",
