@@ -3306,8 +3306,9 @@ class OpsChecks(ConformanceMachine):
             # A state that never learnt a geometry may take the given pool's (a paged K/V
             # cache's geometry is its pool's; a latent cache reports none).
             geometry = ref_cache.geometry
-            if geometry is None and pool and copy.geometry is not None:
-                geometry = pool["pool"].geometry
+            given: Any = pool.get("pool")
+            if geometry is None and given is not None and copy.geometry is not None:
+                geometry = given.geometry
             self._exact(
                 f"{what}: {src.name} state loaded into the {dst.name} class",
                 (copy.signature(), repr(copy.geometry), self._state_rows(dst, copy)),
