@@ -224,10 +224,10 @@ def parse_state(
     vals = _check_planes(values["values"], spec, "values", shape, rows, width)
     # Zero-width planes of a codec whose planes do not carry the activations' dtype
     # (TurboQuant) teach no geometry: the rows' count only, the geometry at the next write.
-    knows = bool(keys) and (width > 0 or spec.dtype_plane is not None or geometry is not None)
-    learnt = _geometry_of(spec, keys, vals, shape, dtype_name, geometry) if knows else geometry
     if bool(keys) != bool(vals):
         raise CorruptStateError("a state holds both keys and values planes or neither")
+    knows = bool(keys) and (width > 0 or spec.dtype_plane is not None or geometry is not None)
+    learnt = _geometry_of(spec, keys, vals, shape, dtype_name, geometry) if knows else geometry
     if pool is not None and (pool.codec_spec != spec or pool.block_size != block_size):
         raise CorruptStateError("the state's codec or block size is not the pool's")
     return PagedState(spec, block_size, layout, offsets, pads, width, keys, vals, learnt)

@@ -558,6 +558,10 @@ def test_rows_trimmed_to_nothing_keep_their_count_and_geometry(
         sources[impl_name] = cache
     path = tmp_path / "empty.safetensors"
     save_prompt_cache(path, [sources["optimized"]])
+    half = list(sources["reference"].state)
+    half[1] = None  # keys' zero-width planes without the values'
+    with pytest.raises(CorruptStateError, match="both"):
+        getattr(reference, name).from_state(tuple(half))
 
     def converted(value: Any, native: Any) -> Any:
         if isinstance(value, tuple | list):
