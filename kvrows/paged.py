@@ -203,6 +203,9 @@ def token_ids(given: object) -> list[int]:
 
 
 PagedBinding = tuple[CodecSpec, Paged, GeometrySpec, KvGeometry | None, Any]
+#: One token geometry spec per kind and fields (frozen): the storages of one declaration
+#: share it, so a merge compares their keys by identity, not field by field.
+_TOKEN_GEOMETRIES: dict[tuple[str, tuple[tuple[str, object], ...]], GeometrySpec] = {}
 #: Each class's binding of no argument: every ``cls()`` parses to it (its specs are
 #: frozen, so one result serves them all; a layout is built per merge).
 _NO_ARGUMENT_BINDING: dict[type[Any], PagedBinding] = {}
@@ -293,7 +296,12 @@ def _bind_paged(cls: type[Any], args: Sequence[object], kwargs: dict[str, object
         missing = [p for p in entry.params if p not in numbers and defaults.get(p) is MISSING]
         if missing:
             raise InvalidInputError(needs_parameters_message(cls.__name__, ", ".join(missing)))
-        token = GEOMETRIES[entry.geometry].from_fields({**defaults, **numbers})
+        fields_given = {**defaults, **numbers}
+        named = (entry.geometry, tuple(sorted(fields_given.items())))
+        token = _TOKEN_GEOMETRIES.get(named)
+        if token is None:
+            token = GEOMETRIES[entry.geometry].from_fields(fields_given)
+            _TOKEN_GEOMETRIES[named] = token
     # A growing row's bound (the paged latent's ``max_tokens``) is the placement's too.
     bound = None if token.wraps else token.cap()
     paged = Paged(block_size=size or DEFAULT_BLOCK_SIZE, max_tokens=bound)

@@ -1310,20 +1310,21 @@ class PagedLayout(PagedRows, Layout):
         """Each joining row's pool, table and what a merge takes of it (its offset, in
         ``incoming``, says that: the sources share this storage's token geometry); a row
         beside its pool lends neither (its window joins the contiguous layout)."""
-        held: list[tuple[BlockPool | None, Table | None]] = []
+        cuts = iter(self._lents([offset for _, offset in incoming]))
+        lent: list[tuple[BlockPool | None, Table | None, Lent]] = []
         for source in sources:  # a serial storage without rows lends one empty row
             tables, source_pool = source._tables, source._pool
             if not tables:
-                held.append((source_pool, None))
+                lent.append((source_pool, None, next(cuts)))
             elif source._contiguous is None:  # one stage: every row in the pool
-                held += zip(itertools.repeat(source_pool), tables)
+                lent += [(source_pool, t, next(cuts)) for t in tables]
             else:
-                held += (
-                    (source_pool, t) if source._in_pool(b) else (None, None)
+                lent += [
+                    (source_pool, t, next(cuts)) if source._in_pool(b) else (None, None, next(cuts))
                     for b, t in enumerate(tables)
-                )
-        cuts = self._lents([offset for _, offset in incoming])
-        return [(p, t, cut) for (p, t), cut in zip(held, cuts, strict=True)]
+                ]
+        assert next(cuts, None) is None, "one window per lent row"
+        return lent
 
     @staticmethod
     def _foreign(
