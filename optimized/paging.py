@@ -59,7 +59,15 @@ from kvrows.forms import pack_state
 from kvrows.optimized.codecs import Codec, dtype_name, make_codec
 from kvrows.optimized.geometries.growing import GrowingGeometry
 from kvrows.optimized.geometries.ring import RingGeometry
-from kvrows.optimized.rows import DECLARED, Layout, RowWindow, Serial, Storage, owned
+from kvrows.optimized.rows import (
+    DECLARED,
+    Layout,
+    RowWindow,
+    Serial,
+    Storage,
+    owned,
+    zero_planes,
+)
 from kvrows.paged import (
     FREE,
     Paged,
@@ -346,7 +354,8 @@ class BlockPool(PoolBase):
     # -- geometry and growth -------------------------------------------------------------
     def _grow_to(self, total: int) -> None:
         """The ledger's growth: every plane gains zero blocks up to ``total``."""
-        fresh = self._zero_blocks(total - self.num_blocks)
+        assert self._geometry is not None
+        fresh = zero_planes(self.codec, self._geometry, total - self.num_blocks, self.block_size)
         if self._planes:
             fresh = {
                 t: tuple(
@@ -357,19 +366,6 @@ class BlockPool(PoolBase):
             }
             mx.eval(*(p for planes in fresh.values() for p in planes))
         self._planes = fresh
-
-    def _zero_blocks(self, count: int) -> PlaneSet:
-        """``count`` zero blocks of every tensor the geometry names (a KV geometry, a
-        codec's ``Shapes``: a latent pool's latent, rope and index planes)."""
-        g = self._geometry
-        assert g is not None
-        fresh: PlaneSet = {}
-        for t in g.tensors:
-            heads, dim, dtype = g.tensor_image(t)
-            fresh[t] = tuple(
-                self.codec.zeros(count, heads, self.block_size, dim, dtype, as_role(t))
-            )
-        return fresh
 
     # -- tables --------------------------------------------------------------------------
     def open(self, table: Table, *, touch: bool = True) -> Table:
@@ -581,7 +577,7 @@ class BlockPool(PoolBase):
         rows = list(zip(tables, held, strict=True))
         planes = self._planes
         if not planes and self._geometry is not None:  # no block yet: every row reads zeros
-            planes = self._zero_blocks(0)
+            planes = zero_planes(self.codec, self._geometry, 0, self.block_size)
         return {t: gather_runs(p, rows, pads, width) for t, p in planes.items()}
 
     # -- the prefix cache ----------------------------------------------------------------
@@ -873,12 +869,7 @@ class PagedRows(PagedSurface, Storage):
 
     def _accepts(self, source: Any) -> bool:
         merges_with = getattr(source, "_merges_with", None)
-        if merges_with is None:
-            return False
-        ours = self._merge_key  # (cached while the stages stay: a merge asks per source)
-        if ours is None or ours[0] is not self._stages:
-            return bool(merges_with() == self._merges_with())
-        return bool(merges_with() == ours[1])
+        return merges_with is not None and merges_with() == self._merges_with()
 
     def _merges_with(self) -> tuple[Any, ...]:
         """What a source must share to join (its pool class, block size, stage codecs and

@@ -123,6 +123,16 @@ _STAGED_ONLY = frozenset(
 )
 
 
+def zero_planes(codec: Codec, shapes: Any, rows: int, columns: int) -> PlaneSet:
+    """Zero planes of every tensor ``shapes`` (a KV geometry, a codec's ``Shapes``: a
+    latent's latent, rope and index) names, ``rows`` rows of ``columns`` tokens."""
+    planes: PlaneSet = {}
+    for t in shapes.tensors:
+        heads, dim, dtype = shapes.tensor_image(t)
+        planes[t] = codec.zeros(rows, heads, columns, dim, dtype, as_role(t))
+    return planes
+
+
 class Store:
     """One stage's planes in a storage whose rows are in several stages (contract §0.4):
     ``rows`` are the storage rows in its slots, in batch order (row ``rows[i]`` at slot
@@ -639,12 +649,7 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     def _zeros(self, rows: int, columns: int, shapes: Any, codec: Codec | None = None) -> PlaneSet:
         """Zero planes of every tensor ``shapes`` (a KV geometry, a codec's ``Shapes``)
         names, ``rows`` rows of ``columns`` tokens (of ``codec``, default this storage's)."""
-        codec = codec or self.codec
-        planes: PlaneSet = {}
-        for t in shapes.tensors:
-            heads, dim, dtype = shapes.tensor_image(t)
-            planes[t] = codec.zeros(rows, heads, columns, dim, dtype, t)
-        return planes
+        return zero_planes(codec or self.codec, shapes, rows, columns)
 
     # -- what it learnt of its tensors' shapes ----------------------------------------------
     def _shapes(self) -> Any:
