@@ -525,9 +525,10 @@ class BlockLedger:
         if self._undo is None:  # outside a transaction: nothing to record
             refs, free = self._refs, self._free  # (locals: a merge touches every block)
             for block in blocks:
-                if not refs[block]:
+                held = refs[block]
+                if not held:
                     del free[block]
-                refs[block] += 1
+                refs[block] = held + 1
             return
         blocks = list(blocks)
         # A free block leaves the middle of the queue: an undo needs its order (rare: a
@@ -549,20 +550,20 @@ class BlockLedger:
     def release(self, blocks: Iterable[int]) -> None:
         """One table fewer holds each of ``blocks``, in the given order (callers release a
         table tail first, so its tail is evicted first)."""
+        refs, free, hashed = self._refs, self._free, self._hash_of  # (locals: hot loop)
         journaling = self._undo is not None
         released: list[tuple[int, bool]] = []
-        refs, free, hashed = self._refs, self._free, self._hash_of  # (locals: hot loop)
         for block in blocks:
-            if refs[block] <= 0:
+            held = refs[block]
+            if held <= 0:
                 raise AssertionError(f"block {block} released more often than held")
-            refs[block] -= 1
-            freed = not refs[block]
-            if freed:
+            refs[block] = held - 1
+            if held == 1:
                 free[block] = None
                 if block not in hashed:
                     free.move_to_end(block, last=False)
             if journaling:
-                released.append((block, freed))
+                released.append((block, held == 1))
         if not journaling:
             return
 

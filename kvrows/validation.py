@@ -119,12 +119,27 @@ def check_block(
         raise InvalidInputError(f"keys and values must be one of {FLOAT_DTYPES}, got {key_dtype}")
     if rows is not None and b != rows:
         raise InvalidInputError(f"the block has B={b} rows but the cache holds {rows}")
-    block = KvGeometry(h, d, dv, key_dtype)
-    if geometry is not None and block != geometry:
-        raise InvalidInputError(
-            f"the block has {block.describe()} but the cache holds {geometry.describe()}"
-        )
+    block = kv_geometry(h, d, dv, key_dtype)
+    if geometry is not None and block is not geometry:
+        if block != geometry:
+            raise InvalidInputError(
+                f"the block has {block.describe()} but the cache holds {geometry.describe()}"
+            )
+        return geometry  # (the object the cache holds: merges compare by identity first)
     return block
+
+
+_KV_GEOMETRIES: dict[tuple[int, int, int, str], KvGeometry] = {}
+
+
+def kv_geometry(heads: int, key_dim: int, value_dim: int, dtype: str) -> KvGeometry:
+    """The one ``KvGeometry`` object of these fields that writes learn (caches that learnt
+    one geometry apart then share it: a merge of their rows compares by identity)."""
+    fields = heads, key_dim, value_dim, dtype
+    known = _KV_GEOMETRIES.get(fields)
+    if known is None:
+        known = _KV_GEOMETRIES[fields] = KvGeometry(*fields)
+    return known
 
 
 def common_geometry(geometries: Sequence[KvGeometry | None]) -> KvGeometry | None:

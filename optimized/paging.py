@@ -791,12 +791,32 @@ class PagedRows(PagedSurface, Storage):
 
     def _changed(self) -> None:
         super()._changed()
-        # Right-aligned rows: every row ends at the longest (a new list only on a change,
-        # so the masks' device copy of the pads survives a decode step).
+        self._pads_stale = True  # (computed at the next read: a row operation reads none)
+
+    #: The pads last computed (set by ``_clear``), and whether a change since has made
+    #: them stale.
+    _pads_held: list[int]
+    _pads_stale = False
+
+    @property
+    def _pads(self) -> list[int]:
+        """Each row's first column (``_placed_pads``), computed again only after a change
+        and replaced only when it differs, so the masks' device copy survives a step."""
+        if self._pads_stale:
+            self._pads_stale = False
+            pads = self._placed_pads()
+            if pads != self._pads_held:
+                self._pads_held = pads
+        return self._pads_held
+
+    @_pads.setter
+    def _pads(self, pads: list[int]) -> None:
+        self._pads_held, self._pads_stale = pads, False
+
+    def _placed_pads(self) -> list[int]:
+        """Right-aligned rows: every row ends at the longest."""
         top = max(self._offsets, default=0)
-        pads = [top - o for o in self._offsets]
-        if pads != self._pads:
-            self._pads = pads
+        return [top - o for o in self._offsets]
 
     def release(self) -> None:
         """Give every block back to the pool now (the cache then holds no row)."""
@@ -1504,11 +1524,9 @@ class PagedRing(PagedRows):
         super().release()
         self._retained = []
 
-    def _changed(self) -> None:
+    def _placed_pads(self) -> list[int]:
         # Every row from column 0 (the ragged ring's): not the right-alignment of growing rows.
-        super(PagedRows, self)._changed()
-        if len(self._pads) != len(self._offsets) or any(self._pads):
-            self._pads = [0] * len(self._offsets)
+        return [0] * len(self._offsets)
 
     def _lents(self, offsets: Sequence[int] | None = None) -> list[Lent]:
         # A merge and an extraction take the window: the sinks and newest ``max_size``.

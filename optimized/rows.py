@@ -27,6 +27,7 @@ only the hooks (see :class:`Storage`); a public class is a geometry plus an arra
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar, TypeAlias, TypeVar, cast
@@ -1171,15 +1172,15 @@ class Layout(Storage):
             self._clear()
             return
 
-        def keep_rows() -> None:
-            self._offsets = [self._offsets[i] for i in order]
-            self._keep(order)
-            self._changed()
-
         if self._keeps_on_host():
-            keep_rows()  # (host records only: nothing in it can fail halfway)
+            self._keep_rows(order)  # (host records only: nothing in it can fail halfway)
         else:
-            all_or_nothing(self, keep_rows)
+            all_or_nothing(self, functools.partial(self._keep_rows, order))
+
+    def _keep_rows(self, order: list[int]) -> None:
+        self._offsets = [self._offsets[i] for i in order]
+        self._keep(order)
+        self._changed()
 
     def _keeps_on_host(self) -> bool:
         """Whether ``_keep`` edits host records only (no array op, so no fault to undo);
