@@ -1354,9 +1354,8 @@ class PagedLayout(PagedRows, Layout):
         geometry: KvGeometry | None,
         stages: list[int],
     ) -> None:
-        """The pool's refusals of ``_join`` (another geometry, no room for the copies)."""
-        if self._contiguous is None:  # (two stages: rows of either join, beside or pooled)
-            super()._check_join(sources, incoming, geometry, stages)
+        """The pool's refusals of ``_join`` (another geometry, no room for the copies); rows
+        of either stage join, beside the pool or in it (no refusal of the stages)."""
         pool = self._pool or (sources[0]._pool if sources else None)
         if pool is not None and all(s._pool is pool for s in sources):
             return  # rows of one pool join by reference: nothing to take
@@ -1417,11 +1416,12 @@ class PagedLayout(PagedRows, Layout):
         pool.open_all(shared)
         if self._pool is None:
             pool.adopt_empty(self._tables)  # rows joined before any pool existed
-        self._pool = pool
+            self._pool = pool
         self._watch()
         self._tables.extend(joined)
         self._joined([cut for _, _, cut in lent])
-        self._join_beside(incoming, geometry, stages)
+        if self._contiguous is not None:
+            self._join_beside(incoming, geometry, stages)
         self._offsets = self._offsets + [offset for _, _, (offset, _, _) in lent]
         self._geometry = geometry
         self._changed()
