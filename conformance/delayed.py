@@ -57,10 +57,12 @@ from hypothesis.stateful import invariant, precondition, rule
 
 from kvrows import table
 from kvrows.codec import Role
+from kvrows.codecs import CODECS
 from kvrows.compositions import composition, stage_presets
 from kvrows.conformance import strategies as ks
 from kvrows.conformance.arrays import NUMPY_DTYPES, expand_mask, random_block
 from kvrows.conformance.families import Impl
+from kvrows.conformance.hooks import CODEC_HOOKS
 from kvrows.conformance.machines import (
     Block,
     OpsChecks,
@@ -89,7 +91,7 @@ from kvrows.errors import (
 )
 from kvrows.lego import Target
 from kvrows.protocols import Handover
-from kvrows.schemes import TURBO_KEY_BITS, TURBO_VALUE_BITS, Affine, Turbo
+from kvrows.schemes import TURBO_KEY_BITS, TURBO_VALUE_BITS
 from kvrows.speculative import RowRound
 
 __all__ = [
@@ -151,7 +153,6 @@ DELAYED_TURBO_CHECKS = (
 MAX_ROWS, MAX_POOL, MAX_LAYOUTS = 4, 4, 2
 #: Drafts per round (a verify block of ``d + 1`` tokens).
 MAX_DRAFTS = 4
-HEAD_DIM = 64
 #: Every TurboQuant codec, ``(k_bits, v_bits)``.
 TURBO_CODECS: tuple[tuple[int, int], ...] = tuple(
     (k, v) for k in TURBO_KEY_BITS for v in TURBO_VALUE_BITS
@@ -175,9 +176,7 @@ class DelayedGeometry(ks.Geometry):
     @property
     def target(self) -> Target:
         """The codec rows convert to."""
-        if self.turbo:
-            return Turbo(k_bits=self.k_bits, v_bits=self.v_bits)
-        return Affine(bits=self.bits, group_size=self.group_size)
+        return self.spec
 
     def converts(self, offset: int) -> bool:
         """Whether a plain row holding ``offset`` tokens after a boundary converts
@@ -192,34 +191,28 @@ class DelayedGeometry(ks.Geometry):
         )
 
 
-#: Head dims a TurboQuant example draws (the codec's, but 512: the turbo family covers it).
-TURBO_DIMS = (64, 64, 128, 256)
-
-
 @st.composite
-def delayed_geometries(draw: st.DrawFn, ring: bool, turbo: bool = False) -> DelayedGeometry:
-    """An example's geometry: an affine target (bits 4/8, group 32/64, head dim 64) or a
-    TurboQuant one (any ``(k_bits, v_bits)``, head dims 64..256); rings affine only."""
+def delayed_geometries(draw: st.DrawFn, ring: bool, kind: str) -> DelayedGeometry:
+    """An example's geometry: a target of codec kind ``kind`` drawn as its
+    ``CODEC_HOOKS`` row's ``delayed`` draw says (affine: bits 4/8, group 32/64, head dim
+    64; TurboQuant: any widths, head dims 64..256; a microscaling mode at head dim 64),
+    one head dim for keys and values; rings affine only."""
     dtype = draw(st.sampled_from(("float16", "bfloat16")), label="dtype")
     heads = draw(st.sampled_from((1, 2)), label="heads")
     per = draw(st.sampled_from((1, 2)), label="query heads per KV head")
-    dim = HEAD_DIM
-    k_bits = v_bits = bits = group = 0
-    if turbo:
-        k_bits, v_bits = draw(st.sampled_from(TURBO_CODECS), label="(k_bits, v_bits)")
-        dim = draw(st.sampled_from(TURBO_DIMS), label="head dim")
-    else:
-        bits = draw(st.sampled_from((4, 8)), label="bits")
-        group = draw(st.sampled_from((32, 64)), label="group size")
+    targets = CODEC_HOOKS[CODECS[kind]].delayed
+    assert targets is not None, f"no row converts to the {kind} codec"
+    target = targets(draw)
     # Small starts convert within a few tokens; large ones hold plain rows long.
     start = draw(st.one_of(st.integers(0, 8), st.integers(0, 40)), label="start")
     max_size = keep = None
     if ring:
         max_size = draw(st.integers(4, 16), label="max_size")
         keep = draw(st.integers(0, 2), label="keep")
+    dim, bits, group = target["dim"], target.get("bits", 0), target.get("group_size", 0)
     return DelayedGeometry(
-        dtype, heads, heads * per, dim, dim, max_size, bits, group, keep or 0, k_bits, v_bits,
-        start=start,
+        dtype, heads, heads * per, dim, dim, max_size, bits, group, keep or 0,
+        target.get("k_bits", 0), target.get("v_bits", 0), kind, start=start,
     )  # fmt: skip
 
 
@@ -258,8 +251,8 @@ class DelayedMachine(WriterRules, OpsChecks):
 
     @classmethod
     def geometries(cls) -> st.SearchStrategy[ks.Geometry]:
-        params = composition(cls.spec.name).params  # a ring's window, TurboQuant's widths
-        return delayed_geometries("max_size" in params, "k_bits" in params)
+        entry = composition(cls.spec.name)  # a ring's window; the target's codec kind
+        return delayed_geometries("max_size" in entry.params, entry.codec)
 
     def teardown(self) -> None:
         # Hypothesis tears down in a ``finally``: after a failed rule, or a rule it stopped
@@ -331,8 +324,13 @@ class DelayedMachine(WriterRules, OpsChecks):
     def _other_widths(self, side: str = "values") -> dict[str, int]:
         """This example's codec at another bit width (TurboQuant: of ``side``)."""
         g = self.g
-        if not g.turbo:
-            return {"bits": 12 - g.bits}
+        if not g.turbo:  # a group codec: the other of 4 and 8 bits, at a group it has
+            other = {"bits": 12 - g.bits}
+            try:
+                type(g.spec).from_parameters({**g.parameters(), **other})
+            except InvalidInputError:  # (nvfp4: 8 bits only in groups of 32, mxfp8)
+                other["group_size"] = 32
+            return other
         if side == "keys":
             return {"k_bits": next(k for k in TURBO_KEY_BITS if k != g.k_bits)}
         return {"v_bits": next(v for v in TURBO_VALUE_BITS if v != g.v_bits)}
@@ -348,8 +346,10 @@ class DelayedMachine(WriterRules, OpsChecks):
     def _other_geometry(self, impl: Impl, kind: str) -> Any:
         """A lego or plain storage holding a token, of the other token geometry (an affine
         ring of 8 for full attention, full attention for a ring)."""
-        # A TurboQuant layout has no ring lego: an affine one of this example's start.
-        affine = {"group_size": 64, "bits": 8} if self.turbo else {}
+        # Only the affine codec has a ring lego: a layout of another codec takes one of
+        # this example's start (its own parameters where it is affine).
+        ring_lego = composition("Bf16FirstRotatingQuantizedKVCache").codec
+        affine = {} if self.g.spec.kind == ring_lego else {"group_size": 64, "bits": 8}
         if kind != "lego":
             ring = {"max_size": 8, "keep": 0}
             cache = self._new(impl, "KVCache" if self.ring else "RotatingKVCache", **ring)

@@ -308,6 +308,23 @@ BUDGETS: dict[str, Budget] = {
         examples=0.25,
         notes=("no mlx-lm peer (mlx-lm has no TurboQuant cache)",),
     ),
+    # The microscaling codecs (issue 25): MxKVCache rows in BatchedMxKVCache (every role,
+    # verify rounds), every mode and dtype, planes exact; no mlx-lm peer. 26 examples keep
+    # it near 8 s on one core.
+    "mx": Budget(
+        "microscaling float KV (mxfp8, mxfp4, nvfp4): serial, the layout in every role with "
+        "verify rounds, planes bit-exact with the NumPy formats",
+        examples=0.25,
+        notes=("no mlx-lm peer (mlx-lm has no microscaling cache)",),
+    ),
+    # Rows that convert to a microscaling mode: one layout, solo legos for every row; 40
+    # examples keep it near 7 s on one core.
+    "delayed-mx": Budget(
+        "delayed microscaling layout: rows convert to mxfp8 / mxfp4 / nvfp4 at their own "
+        "start, mixed reads attended per group, prefill maintenance, rounds, solo legos",
+        examples=0.4,
+        notes=("no mlx-lm peer (mlx-lm has no microscaling cache)",),
+    ),
     # Paged KV (issue 13): PagedKVCache rows in PagedKvRows (every role, verify rounds),
     # bit-exact with the contiguous model; the pools' invariants after every rule. About
     # 5 s on one core in CI (15 examples).

@@ -49,6 +49,7 @@ from hypothesis import strategies as st
 from kvrows.affine_geometry import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from kvrows.codec import TURBO_HEAD_DIMS, CodecSpec
 from kvrows.codecs import Affine, Latent, Plain, State, Turbo
+from kvrows.codecs.mx import MX_MODES, Microscaled
 from kvrows.conformance import strategies as ks
 from kvrows.schemes import TURBO_KEY_BITS, TURBO_VALUE_BITS
 
@@ -212,15 +213,18 @@ class Draw:
     params: tuple[tuple[int, int], ...] = ()
     windows: Callable[[str], st.SearchStrategy[int]] | None = None
     keeps: Callable[[int], st.SearchStrategy[int]] | None = None
+    #: The codec kind the draw's parameters are of (empty: implied by them).
+    codec_kind: str = ""
 
     def geometries(
         self, codecs: tuple[tuple[int, int], ...], role: str
     ) -> st.SearchStrategy[ks.Geometry]:
         if self.windows is None:
-            return self.strategy(dims=self.dims, codecs=codecs)
+            return self.strategy(dims=self.dims, codecs=codecs, kind=self.codec_kind)
         return self.strategy(
-            dims=self.dims, codecs=codecs, windows=self.windows(role), keeps=self.keeps
-        )
+            dims=self.dims, codecs=codecs, windows=self.windows(role), keeps=self.keeps,
+            kind=self.codec_kind,
+        )  # fmt: skip
 
     def on(self, geometry: GeometryHooks) -> Draw:
         """This codec's draw on ``geometry``: its windows and sinks, head dims capped."""
@@ -256,6 +260,10 @@ class CodecHooks:
     rounds: Rounds = "modifier"
     peer: PeerChoice = None
     tensors: str = "kv"
+    #: How a delayed modifier's example draws a target of this codec: its parameters by
+    #: the table's names and the head ``dim`` (narrower than ``draw``: conversions
+    #: mid-batch need the longer runs); ``None`` for a codec no row converts to.
+    delayed: Callable[[st.DrawFn], dict[str, int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -336,6 +344,26 @@ TURBO = Draw(
     dims=TURBO_HEAD_DIMS,
     params=tuple((k, v) for k in TURBO_KEY_BITS for v in TURBO_VALUE_BITS),
 )
+#: Every microscaling mode, ``(bits, group_size)``, at head dims of both groups.
+MICROSCALED = Draw(
+    dims=(32, 64),
+    params=tuple((bits, group) for group, bits in MX_MODES.values()),
+    codec_kind=Microscaled.kind,
+)
+
+
+def _delayed_turbo(draw: st.DrawFn) -> dict[str, int]:
+    """Every width; head dims up to 256 (the turbo family covers 512)."""
+    k_bits, v_bits = draw(st.sampled_from(TURBO.params), label="(k_bits, v_bits)")
+    dim = draw(st.sampled_from((64, 64, 128, 256)), label="head dim")
+    return {"k_bits": k_bits, "v_bits": v_bits, "dim": dim}
+
+
+def _delayed_microscaled(draw: st.DrawFn) -> dict[str, int]:
+    """Every mode at head dim 64."""
+    bits, group = draw(st.sampled_from(MICROSCALED.params), label="(bits, group size)")
+    return {"bits": bits, "group_size": group, "dim": 64}
+
 
 CODEC_HOOKS: Mapping[type[CodecSpec], CodecHooks] = MappingProxyType(
     {
@@ -347,6 +375,11 @@ CODEC_HOOKS: Mapping[type[CodecSpec], CodecHooks] = MappingProxyType(
             draw=AFFINE,
             rules=load("rules", "AffineRules"),
             peer=affine_peer,
+            delayed=lambda draw: {
+                "bits": draw(st.sampled_from((4, 8)), label="bits"),
+                "group_size": draw(st.sampled_from((32, 64)), label="group size"),
+                "dim": 64,
+            },
         ),
         # Its one layout serves every role: the family runs verify rounds; mlx-lm has no
         # TurboQuant cache.
@@ -357,6 +390,18 @@ CODEC_HOOKS: Mapping[type[CodecSpec], CodecHooks] = MappingProxyType(
             draw=TURBO,
             rules=load("rules", "TurboRules"),
             rounds="family",
+            delayed=_delayed_turbo,
+        ),
+        # One layout serves every role (rounds in the family); no mlx-lm peer. Both
+        # implementations attend over the same exactly decoded values in float32: the
+        # affine family's tolerance rows hold (spec/tolerances.md).
+        Microscaled: CodecHooks(
+            "affine",
+            "mx",
+            "mx",
+            draw=MICROSCALED,
+            rounds="family",
+            delayed=_delayed_microscaled,
         ),
         # MLA latent storages grow (the growing geometry); their writer's rules run rounds.
         Latent: CodecHooks("latent", "latent", "latent", tensors="latent"),

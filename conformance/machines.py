@@ -779,11 +779,9 @@ class ConformanceMachine(RuleBasedStateMachine):
 
     def _encode(self, block: Array, role: Role = "keys") -> Planes:
         """The planes the spec stores for ``block`` as ``role`` under this example's codec."""
-        if not self.g.affine:
-            return (block,)
-        from kvrows.reference.affine_codec import quantize
+        from kvrows.reference.codecs import make_codec
 
-        return tuple(quantize(block, self.g.group_size, self.g.bits))
+        return tuple(make_codec(self.g.spec).encode(block, role))
 
     def _encoded(self, block: Array, role: Role = "keys") -> Planes:
         """:meth:`_encode`, remembered by the block's bytes: a block's planes are needed for

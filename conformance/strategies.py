@@ -15,6 +15,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from kvrows.codec import DTYPE_SIZES, CodecSpec
+from kvrows.codecs import CODECS
 from kvrows.conformance.tolerances import DTYPES
 
 __all__ = [
@@ -54,6 +56,18 @@ class Geometry:
     keep: int = 0
     k_bits: int = 0
     v_bits: int = 0
+    #: The codec kind the example's family draws (empty: the one its parameters imply,
+    #: affine by ``bits``, TurboQuant by ``k_bits``, else plain).
+    codec_kind: str = ""
+
+    @property
+    def spec(self) -> CodecSpec:
+        """The example's codec spec, from its drawn parameters (what the model encodes
+        with: the reference codec of this spec)."""
+        kind = self.codec_kind or next(
+            k for k, drawn in (("turbo", self.k_bits), ("affine", self.bits), ("plain", 1)) if drawn
+        )
+        return CODECS[kind].from_parameters(self.parameters())
 
     @property
     def scale(self) -> float:
@@ -130,8 +144,12 @@ class Geometry:
             return self.heads * (keys + values)
         if not self.affine:
             return self.heads * (self.key_dim + self.value_dim) * itemsize
-        per_dim = [d * self.bits // 8 + 2 * itemsize * d // self.group_size for d in self.dims]
-        return self.heads * sum(per_dim)
+        # A group codec: ``D·bits/8`` code bytes, then the per-group planes its spec declares
+        # (affine: a scale and a bias in the dtype, ``2·itemsize·D/group``; a microscaling
+        # mode: one scale byte per group).
+        groups = [p for d in self.dims for p in self.spec.plane_specs("t", d, self.dtype)[1:]]
+        codes = sum(d * self.bits // 8 for d in self.dims)
+        return self.heads * (codes + sum(DTYPE_SIZES[p.dtype] * p.width for p in groups))
 
     @property
     def dims(self) -> tuple[int, int]:
@@ -167,10 +185,11 @@ def geometries(
     codecs: tuple[tuple[int, int], ...] = (),
     windows: st.SearchStrategy[int] | None = None,
     keeps: Callable[[int], st.SearchStrategy[int]] | None = None,
+    kind: str = "",
 ) -> Geometry:
-    """Shapes, then (when given) a codec ``(bits, group_size)``, a ring window and its
-    sink tokens (``keeps(max_size)``). An affine codec takes head dims of ``dims`` that its
-    group divides."""
+    """Shapes, then (when given) a codec ``(bits, group_size)`` of codec kind ``kind``, a
+    ring window and its sink tokens (``keeps(max_size)``). A group codec takes head dims
+    of ``dims`` that its group divides."""
     dtype = draw(st.sampled_from(DTYPES), label="dtype")
     heads = draw(st.sampled_from((1, 2, 4)), label="heads")
     group = draw(st.sampled_from((1, 2)), label="query heads per KV head")
@@ -185,8 +204,9 @@ def geometries(
     key_dim = draw(st.sampled_from(dims), label="key_dim")
     value_dim = draw(st.sampled_from((key_dim, *dims)), label="value_dim")
     return Geometry(
-        dtype, heads, heads * group, key_dim, value_dim, max_size, bits, group_size, keep
-    )
+        dtype, heads, heads * group, key_dim, value_dim, max_size, bits, group_size, keep,
+        codec_kind=kind,
+    )  # fmt: skip
 
 
 @st.composite
@@ -197,9 +217,10 @@ def turbo_geometries(
     codecs: tuple[tuple[int, int], ...],
     windows: st.SearchStrategy[int] | None = None,
     keeps: Callable[[int], st.SearchStrategy[int]] | None = None,
+    kind: str = "",
 ) -> Geometry:
     """The base shapes at TurboQuant head dims, then a codec ``(k_bits, v_bits)``."""
-    base = draw(geometries(dims=dims, windows=windows, keeps=keeps))
+    base = draw(geometries(dims=dims, windows=windows, keeps=keeps, kind=kind))
     k_bits, v_bits = draw(st.sampled_from(codecs), label="(k_bits, v_bits)")
     return replace(base, k_bits=k_bits, v_bits=v_bits)
 

@@ -51,9 +51,11 @@ __all__ = [
     "bind_arguments",
     "codec_spec_for",
     "composition",
+    "geometry_spec_for",
     "landed",
     "layouts_of",
     "lego_preset",
+    "parameter_defaults",
     "preset_class",
     "presets_on_rows",
     "register_compositions",
@@ -63,7 +65,7 @@ __all__ = [
 ]
 
 Arrangement: TypeAlias = Literal["serial", "shared", "ragged"]
-CodecKind: TypeAlias = Literal["plain", "affine", "turbo", "any", "state", "latent"]
+CodecKind: TypeAlias = Literal["plain", "affine", "turbo", "mx", "any", "state", "latent"]
 GeometryKind: TypeAlias = Literal["growing", "ring", "recurrent"]
 #: Where a row's tokens live (contract §0.4): contiguous buffers, or block tables into a
 #: shared pool (any geometry with a token axis).
@@ -145,6 +147,7 @@ def _plain_growing(
 _AFFINE = ("group_size", "bits")
 _RING = ("max_size", "keep")
 _TURBO = ("k_bits", "v_bits")
+_MX = ("group_size", "bits")
 _RING_AFFINE = ("max_size", "group_size", "bits", "keep")
 
 #: The seed's classes in the seed's ``ROW_LAYOUTS`` order (subclasses first), landed and
@@ -274,6 +277,27 @@ COMPOSITIONS: tuple[Composition, ...] = (
                 params=_TURBO, serial="TurboQuantKVCache",
                 roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"speculative"}),
                 summary="TurboQuant rows, all three roles"),
+    # -- microscaling float codecs (issue 25): mxfp8, mxfp4, nvfp4 --------------------
+    Composition(name="Bf16FirstMxKVCache", codec="mx", geometry="growing",
+                arrangement="serial", signature="kv:mx:{group_size}:{bits}",
+                params=(*_MX, "start"), modifiers=frozenset({"delayed"}),
+                summary="KVCache until the append that reaches start, then MxKVCache holding "
+                        "the same tokens (bf16-first)"),
+    Composition(name="DelayedMxKVCache", codec="mx", geometry="growing",
+                arrangement="ragged", signature="kv:delayed-mx:{group_size}:{bits}:{start}",
+                params=(*_MX, "start"), serial="MxKVCache",
+                roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"delayed", "speculative"}),
+                summary="rows that convert to a microscaling codec at their own boundary"),
+    Composition(name="BatchedMxKVCache", codec="mx", geometry="growing",
+                arrangement="ragged", signature="kv:batched-mx:{group_size}:{bits}",
+                params=_MX, serial="MxKVCache",
+                roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"speculative"}),
+                summary="microscaling rows (mxfp8, mxfp4, nvfp4), all three roles"),
+    Composition(name="MxKVCache", codec="mx", geometry="growing", arrangement="serial",
+                signature="kv:mx:{group_size}:{bits}", params=_MX,
+                roles=Roles("BatchedMxKVCache", "BatchedMxKVCache", "BatchedMxKVCache"),
+                peers=("KVCache",),
+                summary="serial microscaling full attention (mxfp8, mxfp4, nvfp4)"),
     # -- plain and affine full attention ---------------------------------------------
     _plain_growing("BatchedKVCache", "ragged", "kv:batched-positions", serial="KVCache",
                    roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"speculative"}),
@@ -415,6 +439,10 @@ _SHARED_PAGES = {
     "Bf16FirstQuantizedKVCache": "bf16-first",
     "Bf16FirstRotatingQuantizedKVCache": "bf16-first",
     "Bf16FirstTurboQuantKVCache": "bf16-first",
+    "Bf16FirstMxKVCache": "bf16-first",
+    "MxKVCache": "mx-codec",
+    "BatchedMxKVCache": "mx-codec",
+    "DelayedMxKVCache": "mx-codec",
 }
 
 
@@ -449,7 +477,7 @@ def layouts_of(serial: str) -> tuple[Composition, ...]:
     return tuple(sorted(rows, key=lambda c: (c.name != decode, order.get(c.arrangement, 2))))
 
 
-def _defaults(entry: Composition) -> dict[str, Any]:
+def parameter_defaults(entry: Composition) -> dict[str, Any]:
     """The parameters ``entry``'s codec and geometry specs default (affine's ``bits`` 8,
     ``group_size`` 64; a ring's ``keep`` 0): each spec's own dataclass defaults."""
     specs = (CODECS.get(entry.codec), GEOMETRIES.get(entry.geometry))
@@ -508,7 +536,7 @@ def bind_arguments(
     clash = sorted(set(values) & set(implied))
     if clash:
         raise InvalidInputError(given_twice_message(entry.name, ", ".join(clash), spec=True))
-    given: dict[str, object] = {**_defaults(entry), **implied, **values}
+    given: dict[str, object] = {**parameter_defaults(entry), **implied, **values}
     numbers: dict[str, int] = {}
     for name in entry.params:
         if name not in given:
@@ -520,7 +548,7 @@ def bind_arguments(
     if codec_spec is None:
         codec_spec = codec_spec_for(entry, numbers)
     if geometry_spec is None:
-        geometry_spec = _geometry_spec(entry, numbers)
+        geometry_spec = geometry_spec_for(entry, numbers)
     if not is_codec_spec(codec_spec) or codec_spec.kind != entry.codec:
         raise InvalidInputError(f"{entry.name} stores the {entry.codec} codec, got {codec_spec!r}")
     if not is_geometry_spec(geometry_spec) or geometry_spec.kind != entry.geometry:
@@ -537,7 +565,7 @@ def codec_spec_for(entry: Composition, numbers: Mapping[str, int]) -> CodecSpec:
     return codec.from_parameters(numbers)
 
 
-def _geometry_spec(entry: Composition, numbers: Mapping[str, int]) -> GeometrySpec:
+def geometry_spec_for(entry: Composition, numbers: Mapping[str, int]) -> GeometrySpec:
     """``entry``'s geometry spec from its parameters (``numbers``: the geometry's
     ``parameters()``, extra keys ignored)."""
     geometry = GEOMETRIES.get(entry.geometry)

@@ -24,9 +24,15 @@ from contextvars import ContextVar
 from typing import Any, Literal, TypeAlias
 
 from kvrows.codec import CodecSpec
-from kvrows.codecs import Affine, Turbo, is_codec_spec
+from kvrows.codecs import is_codec_spec
+from kvrows.compositions import (
+    Composition,
+    codec_spec_for,
+    geometry_spec_for,
+    parameter_defaults,
+)
 from kvrows.errors import InvalidInputError, MixedPrecisionReadError, RowIndexError
-from kvrows.geometries import GeometrySpec, Growing, Ring
+from kvrows.geometries import GeometrySpec
 from kvrows.validation import as_count
 
 __all__ = [
@@ -39,11 +45,9 @@ __all__ = [
     "check_target_dims",
     "conversion_due",
     "delayed_arguments",
-    "lego_arguments",
     "mixed_buffer_message",
     "row_reads",
     "row_reads_active",
-    "turbo_lego_arguments",
 ]
 
 Phase: TypeAlias = Literal["empty", "plain", "mixed", "packed"]
@@ -328,16 +332,15 @@ class RowAttentionPending:
 
 
 # -- the modifier's constructor arguments ------------------------------------------------
-#: A lego constructor's defaults (the converted class's, then ``start``).
-_DEFAULTS: dict[str, object] = {
-    "group_size": 64, "bits": 8, "keep": 0, "k_bits": 8, "v_bits": 3, "start": 0,
-}  # fmt: skip
-
-
-def _bound(
-    name: str, params: tuple[str, ...], args: tuple[object, ...], kwargs: dict[str, object]
-) -> dict[str, object]:
-    """A lego constructor's arguments by parameter name (positional in ``params``' order)."""
+def delayed_arguments(
+    name: str, entry: Composition, args: tuple[object, ...], kwargs: dict[str, object]
+) -> tuple[CodecSpec, GeometrySpec, int]:
+    """A delayed storage's constructor arguments (a lego's, a delayed layout's: the
+    converted class's positional order, then ``start``) as its target codec spec, token
+    geometry and ``start``: the specs of table ``entry``'s codec and geometry kinds, each
+    parameter not given its spec's default; a refused argument names the class ``name``."""
+    params = entry.params
+    defaults = {**parameter_defaults(entry), "start": 0}
     if len(args) > len(params):
         raise TypeError(f"{name} takes at most {len(params)} positional arguments")
     values = dict(zip(params, args, strict=False))
@@ -347,59 +350,14 @@ def _bound(
         values[key] = value
     for key in params:
         if key not in values:
-            if key not in _DEFAULTS:
+            if key not in defaults:
                 raise TypeError(f"{name} is missing its {key} argument")
-            values[key] = _DEFAULTS[key]
-    return values
-
-
-def delayed_arguments(
-    name: str, params: tuple[str, ...], args: tuple[object, ...], kwargs: dict[str, object]
-) -> tuple[Target, GeometrySpec, int]:
-    """A delayed storage's constructor arguments (a lego's, a delayed layout's: the
-    converted class's positional order, then ``start``) as its target, token geometry and
-    ``start``; a refused argument names the class."""
-    values = _bound(name, params, args, kwargs)
-    if "k_bits" in values:  # TurboQuant: full attention only
-        spec, first = turbo_lego_arguments(
-            name, values["k_bits"], values["v_bits"], values["start"]
-        )
-        return spec, Growing(), first
-    return lego_arguments(
-        name,
-        values.get("max_size"),
-        values["group_size"],
-        values["bits"],
-        values.get("keep", 0),
-        values["start"],
-    )
-
-
-def turbo_lego_arguments(
-    name: str, k_bits: object, v_bits: object, start: object
-) -> tuple[Turbo, int]:
-    """A TurboQuant lego's (or delayed layout's) arguments as a spec and ``start``; a
-    refused argument names the class."""
+            values[key] = defaults[key]
     with _naming(name):
-        spec = Turbo(k_bits=_int(k_bits, "k_bits", name), v_bits=_int(v_bits, "v_bits", name))
-        return spec, as_count(start, "start")
-
-
-def lego_arguments(
-    name: str, max_size: object, group_size: object, bits: object, keep: object, start: object
-) -> tuple[Affine, GeometrySpec, int]:
-    """The constructor arguments of a lego as specs (``max_size is None``: full attention);
-    a refused argument names the class."""
-    with _naming(name):
-        quantization = Affine(
-            bits=_int(bits, "bits", name), group_size=_int(group_size, "group_size", name)
-        )
-        geometry: GeometrySpec = Growing()
-        if max_size is not None:
-            geometry = Ring(
-                max_size=_int(max_size, "max_size", name), keep=_int(keep, "keep", name)
-            )
-        return quantization, geometry, as_count(start, "start")
+        numbers = {key: _int(values[key], key, name) for key in params if key != "start"}
+        spec, geometry = codec_spec_for(entry, numbers), geometry_spec_for(entry, numbers)
+        spec.check_token_geometry(name, geometry)
+        return spec, geometry, as_count(values["start"], "start")
 
 
 @contextmanager

@@ -147,9 +147,7 @@ class ConversionBoundary:
 
     # -- construction ------------------------------------------------------------------------
     def __init__(self, *args: object, geometry: KvGeometry | None = None, **kwargs: object) -> None:
-        spec, tokens, first = delayed_arguments(
-            type(self).__name__, self.composition.params, args, kwargs
-        )
+        spec, tokens, first = delayed_arguments(type(self).__name__, self.composition, args, kwargs)
         self._init_delayed(spec, tokens, first, geometry)
 
     @classmethod

@@ -37,8 +37,6 @@ from kvrows.conversion import (
     check_target_dims,
     conversion_due,
     delayed_arguments,
-    lego_arguments,
-    turbo_lego_arguments,
 )
 from kvrows.delayed import ConversionBoundary
 from kvrows.errors import InvalidInputError, UnsupportedStateError
@@ -56,8 +54,6 @@ __all__ = [
     "check_target_dims",
     "conversion_due",
     "delayed_arguments",
-    "lego_arguments",
-    "turbo_lego_arguments",
 ]
 
 

@@ -44,19 +44,23 @@ from kvrows.recurrent import SerialRounds
 
 __all__ = [
     "BatchedKVCache",
+    "BatchedMxKVCache",
     "BatchedQuantizedKVCache",
     "BatchedRotatingCache",
     "BatchedRotatingQuantCache",
     "BatchedSSMCache",
     "BatchedTurboQuantKVCache",
+    "Bf16FirstMxKVCache",
     "Bf16FirstQuantizedKVCache",
     "Bf16FirstRotatingQuantizedKVCache",
     "Bf16FirstTurboQuantKVCache",
+    "DelayedMxKVCache",
     "DelayedQuantizedKVCache",
     "DelayedRotatingQuantizedKVCache",
     "DelayedTurboQuantKVCache",
     "KVCache",
     "MLACache",
+    "MxKVCache",
     "PaddedKVRows",
     "PaddedQuantKVRows",
     "QuantizedKVCache",
@@ -199,6 +203,18 @@ if TYPE_CHECKING:
         Layout,
     ): ...
 
+    class MxKVCache(SerialDropIn, SerialMerge, AffineParameters, GrowingGeometry, Serial): ...
+
+    class BatchedMxKVCache(
+        RowAlignment,
+        SpeculativeLayout,
+        LayoutDropIn,
+        LayoutBatchOps,
+        AffineParameters,
+        GrowingGeometry,
+        Layout,
+    ): ...
+
     # -- sliding window ----------------------------------------------------------------
     class RotatingKVCache(SerialDropIn, SerialMerge, SharedRing, Serial): ...
 
@@ -231,12 +247,16 @@ if TYPE_CHECKING:
 
     class Bf16FirstTurboQuantKVCache(Bf16First, SerialDropIn, GrowingGeometry, Serial): ...
 
+    class Bf16FirstMxKVCache(Bf16First, SerialDropIn, GrowingGeometry, Serial): ...
+
     class Bf16FirstRotatingQuantizedKVCache(Bf16First, SerialDropIn, SharedRing, Serial): ...
 
     # -- delayed layouts (the delayed modifier on a ragged layout of stage stores) -------
     class DelayedQuantizedKVCache(DelayedLayout, SpeculativeLayout, GrowingGeometry, Layout): ...
 
     class DelayedTurboQuantKVCache(DelayedLayout, SpeculativeLayout, GrowingGeometry, Layout): ...
+
+    class DelayedMxKVCache(DelayedLayout, SpeculativeLayout, GrowingGeometry, Layout): ...
 
     class DelayedRotatingQuantizedKVCache(DelayedLayout, SpeculativeLayout, RaggedRing, Layout): ...
 

@@ -38,19 +38,23 @@ from kvrows.reference.speculative import SpeculativeLayout
 
 __all__ = [
     "BatchedKVCache",
+    "BatchedMxKVCache",
     "BatchedQuantizedKVCache",
     "BatchedRotatingCache",
     "BatchedRotatingQuantCache",
     "BatchedSSMCache",
     "BatchedTurboQuantKVCache",
+    "Bf16FirstMxKVCache",
     "Bf16FirstQuantizedKVCache",
     "Bf16FirstRotatingQuantizedKVCache",
     "Bf16FirstTurboQuantKVCache",
+    "DelayedMxKVCache",
     "DelayedQuantizedKVCache",
     "DelayedRotatingQuantizedKVCache",
     "DelayedTurboQuantKVCache",
     "KVCache",
     "MLACache",
+    "MxKVCache",
     "PaddedKVRows",
     "PaddedQuantKVRows",
     "QuantizedKVCache",
@@ -163,6 +167,10 @@ if TYPE_CHECKING:
 
     class BatchedTurboQuantKVCache(TurboParameters, RowAlignment, SpeculativeLayout, RowLayout): ...
 
+    class MxKVCache(AffineParameters, SerialStorage): ...
+
+    class BatchedMxKVCache(AffineParameters, RowAlignment, SpeculativeLayout, RowLayout): ...
+
     # -- sliding window ----------------------------------------------------------------
     class RotatingKVCache(RingParameters, SerialStorage): ...
 
@@ -187,12 +195,16 @@ if TYPE_CHECKING:
 
     class Bf16FirstTurboQuantKVCache(Bf16First, SerialStorage): ...
 
+    class Bf16FirstMxKVCache(Bf16First, SerialStorage): ...
+
     class Bf16FirstRotatingQuantizedKVCache(Bf16First, RingParameters, SerialStorage): ...
 
     # -- delayed layouts (the delayed modifier on a ragged layout) --------------------
     class DelayedQuantizedKVCache(DelayedLayout, SpeculativeLayout, RowLayout): ...
 
     class DelayedTurboQuantKVCache(DelayedLayout, SpeculativeLayout, RowLayout): ...
+
+    class DelayedMxKVCache(DelayedLayout, SpeculativeLayout, RowLayout): ...
 
     class DelayedRotatingQuantizedKVCache(
         DelayedLayout, RingParameters, SpeculativeLayout, RowLayout

@@ -27,6 +27,7 @@ from kvrows.codecs import (
     parse_codec,
     register_codec,
 )
+from kvrows.codecs.mx import Microscaled
 from kvrows.codecs.registry import SpecParts
 from kvrows.conversion import check_target, check_target_dims
 from kvrows.errors import CorruptStateError, InvalidInputError, KvRowsError
@@ -41,13 +42,16 @@ EXAMPLES = (
     Turbo(),
     Turbo(k_bits=4, v_bits=5),
     Turbo(k_bits=2, v_bits=8),
+    Microscaled(),
+    Microscaled(group_size=32, bits=8),
+    Microscaled(group_size=16, bits=4),
 )
 
 
 def test_the_kinds_are_registered_in_tag_order() -> None:
-    assert list(CODECS) == ["plain", "affine", "turbo", "state", "latent"]
-    assert [spec.tag for spec in CODECS.values()] == [0, 1, 2, 3, 4]
-    assert list(kv_codecs()) == ["plain", "affine", "turbo"]
+    assert list(CODECS) == ["plain", "affine", "turbo", "state", "latent", "mx"]
+    assert [spec.tag for spec in CODECS.values()] == [0, 1, 2, 3, 4, 5]
+    assert list(kv_codecs()) == ["plain", "affine", "turbo", "mx"]
 
 
 def test_the_state_codec_is_no_kv_scheme() -> None:
@@ -67,7 +71,8 @@ def test_the_state_codec_is_no_kv_scheme() -> None:
         parse_codec("state")
     assert str(caught.value) == (
         "unknown KV scheme 'state': expected plain, affine<bits>[:<group>] (affine8, "
-        "affine4:32), turbo (k8v3) or turbo-k<bits>v<bits> / turbo:k<bits>v<bits>"
+        "affine4:32), turbo (k8v3) or turbo-k<bits>v<bits> / turbo:k<bits>v<bits>, "
+        "mxfp8, mxfp4 or nvfp4"
     )
     with pytest.raises(CorruptStateError, match="unknown codec"):
         codec_named((3, 0, 0))
@@ -95,6 +100,9 @@ def test_scheme_words_as_the_cli_writes_them() -> None:
     assert parse_codec("affine4:32") == Affine(bits=4, group_size=32)
     assert parse_codec("turbo") == Turbo(k_bits=8, v_bits=3)
     assert parse_codec("turbo:k4v2") == Turbo(k_bits=4, v_bits=2)
+    assert parse_codec("mxfp8") == Microscaled(group_size=32, bits=8)
+    assert parse_codec("mxfp4") == Microscaled(group_size=32, bits=4)
+    assert parse_codec("nvfp4") == Microscaled(group_size=16, bits=4)
 
 
 def test_an_unknown_word_names_every_syntax() -> None:
@@ -102,7 +110,8 @@ def test_an_unknown_word_names_every_syntax() -> None:
         parse_codec("fp8")
     assert str(caught.value) == (
         "unknown KV scheme 'fp8': expected plain, affine<bits>[:<group>] (affine8, "
-        "affine4:32), turbo (k8v3) or turbo-k<bits>v<bits> / turbo:k<bits>v<bits>"
+        "affine4:32), turbo (k8v3) or turbo-k<bits>v<bits> / turbo:k<bits>v<bits>, "
+        "mxfp8, mxfp4 or nvfp4"
     )
 
 
@@ -126,8 +135,8 @@ def test_the_tails_are_the_saved_forms() -> None:
 
 
 def test_an_unknown_kind_has_no_tail() -> None:
-    with pytest.raises(InvalidInputError, match="no codec of kind 'mx'"):
-        codec_from_tail("mx", {})
+    with pytest.raises(InvalidInputError, match="no codec of kind 'fp6'"):
+        codec_from_tail("fp6", {})
 
 
 def test_only_a_registered_spec_is_a_codec_spec() -> None:
@@ -236,11 +245,11 @@ def halved() -> Iterator[type[Halved]]:
 
 def test_a_new_codec_module_plugs_in(halved: type[Halved]) -> None:
     spec = Halved(step=4)
-    assert list(CODECS)[-1] == "halved-test"  # after the four, by its tag
+    assert list(CODECS)[-1] == "halved-test"  # after the six, by its tag
     assert is_codec_spec(spec)
     assert parse_codec("halved4") == spec
     assert KvStorageScheme.parse("affine4,0=halved4").codec_for_layer(0) == spec
-    with pytest.raises(InvalidInputError, match=r"turbo:k<bits>v<bits>, halved<step>$"):
+    with pytest.raises(InvalidInputError, match=r"mxfp8, mxfp4 or nvfp4, halved<step>$"):
         parse_codec("fp8")
     assert codec_from_tail("halved-test", {"step": 4}) == spec
     assert codec_field(spec) == (99, 4, 0)

@@ -203,7 +203,17 @@ def test_runner_runs_the_affine_family() -> None:
 
 
 @pytest.mark.parametrize(
-    "family", ["rotating", "speculative", "turbo", "delayed", "delayed-turbo", "recurrent"]
+    "family",
+    [
+        "rotating",
+        "speculative",
+        "turbo",
+        "delayed",
+        "delayed-turbo",
+        "recurrent",
+        "mx",
+        "delayed-mx",
+    ],
 )
 def test_runner_runs_the_family(family: str) -> None:
     """``kvrows conform --family <family>`` in small: every layout runs, passes and is
@@ -236,6 +246,8 @@ FAMILY_LAYOUTS = [
     ("paged-latent", "PagedLatentCache"),
     ("recurrent", "BatchedSSMCache"),
     ("delayed-turbo", "DelayedTurboQuantKVCache"),
+    ("mx", "BatchedMxKVCache"),
+    ("delayed-mx", "DelayedMxKVCache"),
     ("paged", "PagedKvRows"),
     ("paged-affine", "PagedKvRows"),
     ("paged-rotating", "PagedRotatingRows"),

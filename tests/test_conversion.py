@@ -243,8 +243,7 @@ def test_the_old_homes_still_export_the_moved_names() -> None:
     # the conversion's code path into kvrows.delayed; kvrows.lego still names them.
     import kvrows.conversion as conversion
 
-    for name in ("Target", "check_target_dims", "delayed_arguments", "lego_arguments"):
+    for name in ("Target", "check_target_dims", "delayed_arguments"):
         assert getattr(lego, name) is getattr(conversion, name)
-    assert lego.turbo_lego_arguments is conversion.turbo_lego_arguments
     assert lego.ConversionBoundary is delayed.ConversionBoundary
     assert issubclass(lego.Bf16First, delayed.ConversionBoundary)

@@ -124,7 +124,8 @@ def test_specs_signature_and_planes(name: str) -> None:
     assert again.signature() == cache.signature() and again.geometry == geometry
     specs = again.plane_specs()
     assert all(isinstance(p, PlaneSpec) and p.token_axis == 2 for p in specs)
-    assert len(specs) == {"plain": 2, "affine": 6, "turbo": 5}[cache.codec_spec.kind]
+    # plain: K, V; affine: codes, scales, biases each; TurboQuant: 3 + 2; microscaling: 2 + 2.
+    assert len(specs) == {"plain": 2, "affine": 6, "turbo": 5, "mx": 4}[cache.codec_spec.kind]
     if entry.is_layout:
         stored = min(10, 6) if entry.geometry == "ring" else 10
         if entry.placement == "paged":  # whole blocks

@@ -79,8 +79,11 @@ def quantized_attention(
     scale: float,
     group_size: int,
     bits: int,
+    mode: str = "affine",
 ) -> mx.array:
-    """Attention over affine planes with ``mx.quantized_matmul`` (GQA by a head-group axis).
+    """Attention over quantized planes with ``mx.quantized_matmul`` (GQA by a head-group
+    axis): ``(codes, scales, biases)`` of the affine mode, ``(codes, scales)`` of a
+    microscaling ``mode``.
 
     On the CPU backend ``quantized_matmul`` accumulates half-precision inputs in low
     precision (about 7% off, and 5x slower than float32 there): the queries go in as
@@ -89,7 +92,7 @@ def quantized_attention(
     dtype = queries.dtype
     if dtype != mx.float32 and mx.default_device() == mx.cpu:
         out = quantized_attention(
-            queries.astype(mx.float32), keys, values, mask, scale, group_size, bits
+            queries.astype(mx.float32), keys, values, mask, scale, group_size, bits, mode
         )
         return out.astype(dtype)
     batch, q_heads, n, dim = queries.shape
@@ -98,11 +101,13 @@ def quantized_attention(
         raise InvalidInputError(head_grouping_message(q_heads, kv_heads))
     repeat = q_heads // kv_heads
     q = (queries * scale).reshape(batch, kv_heads, repeat, n, dim)
-    k_packed, k_scales, k_biases = (mx.expand_dims(p, 2) for p in keys)
-    v_packed, v_scales, v_biases = (mx.expand_dims(p, 2) for p in values)
+    # Planes gain the head-group axis; a microscaling mode has no biases (``None``).
+    k_packed, k_scales, k_biases, *_ = (*(mx.expand_dims(p, 2) for p in keys), None)
+    v_packed, v_scales, v_biases, *_ = (*(mx.expand_dims(p, 2) for p in values), None)
     scores = mx.quantized_matmul(
-        q, k_packed, k_scales, k_biases, transpose=True, group_size=group_size, bits=bits
-    )
+        q, k_packed, k_scales, k_biases, transpose=True, group_size=group_size, bits=bits,
+        mode=mode,
+    )  # fmt: skip
     visible = _boolean_mask(mask, n, s)
     if visible is not None:
         if visible.ndim == 4:  # [B, 1, N, S] -> [B, 1, 1, N, S] over the head-group axis
@@ -110,6 +115,7 @@ def quantized_attention(
         scores = mx.where(visible, scores, mx.finfo(scores.dtype).min)
     weights = mx.softmax(scores, axis=-1, precise=True)
     out = mx.quantized_matmul(
-        weights, v_packed, v_scales, v_biases, transpose=False, group_size=group_size, bits=bits
-    )
+        weights, v_packed, v_scales, v_biases, transpose=False, group_size=group_size,
+        bits=bits, mode=mode,
+    )  # fmt: skip
     return out.reshape(batch, q_heads, n, -1)
