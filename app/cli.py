@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from kvrows.app.bench import FAMILIES
+from kvrows.codecs import kv_codecs
 
 __all__ = ["BENCH_FAMILIES", "main"]
 
@@ -130,10 +131,9 @@ def _parser() -> argparse.ArgumentParser:
         "--scheme",
         action="append",
         default=None,
-        help="plain, affine8, affine4, affine<bits>:<group>, turbo (TurboQuant k8v3) or "
-        "turbo:k<bits>v<bits> (turbo:k4v3), with per-layer codecs "
-        "(affine4:32,0=plain,-1=plain: a negative layer counts from the last) and an "
-        "optional bf16-first start (@N) (repeatable)",
+        help=f"{'; '.join(spec.syntax for spec in kv_codecs().values())} (the registered "
+        "codecs), with per-layer codecs (affine4:32,0=plain,-1=plain: a negative layer "
+        "counts from the last) and an optional bf16-first start (@N) (repeatable)",
     )
     demo.add_argument(
         "--kv-start",

@@ -1466,7 +1466,7 @@ class _Drafter:
             fed = 0
             while fed < len(tokens):
                 n = min(self.chunk, len(tokens) - fed, maintenance.max_append_tokens(caches))
-                logits = self.model(mx.array([tokens[fed : fed + int(n)]]), cache=caches)
+                logits = self._forward(mx.array([tokens[fed : fed + int(n)]]), caches)
                 fed += int(n)
             assert logits is not None
             token: int = mx.argmax(logits[0, -1]).item()  # type: ignore[assignment]

@@ -308,14 +308,17 @@ def _token_geometry(entry: Composition, codec: CodecSpec, layer: Any) -> Geometr
 
 
 def _layer_codec(codec: CodecSpec, layer: Any) -> CodecSpec:
-    """``codec``, or plain where ``codec`` refuses the layer's token geometry: TurboQuant
-    is full attention only, so a model's sliding layers stay plain rings under it."""
+    """``codec``, or plain where ``codec`` cannot store the layer: TurboQuant refuses the
+    layer's token geometry (full attention only), and no contiguous ring preset stores the
+    microscaling modes yet, so a model's sliding layers stay plain rings under either."""
+    peer = type(layer).__name__
     try:
-        plain = serial_for_peer(type(layer).__name__, Plain())
+        plain = serial_for_peer(peer, Plain())
     except InvalidInputError:
         return codec  # no storage serves the layer: the codec's own lookup says so
     try:
         codec.check_token_geometry(plain.name, _token_geometry(plain, Plain(), layer))
+        serial_for_peer(peer, codec)
     except InvalidInputError:
         return Plain()
     return codec

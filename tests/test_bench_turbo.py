@@ -42,6 +42,10 @@ def _expected_bytes(name: str) -> int:
     if name.startswith("affine"):
         bits, group = (int(x) for x in name[len("affine") :].split(":"))
         return 2 * (d * bits // 8 + 2 * 2 * d // group)  # codes + bf16 scales and biases
+    microscaled = {"mxfp8": (8, 32), "mxfp4": (4, 32), "nvfp4": (4, 16)}
+    if name in microscaled:
+        bits, group = microscaled[name]
+        return 2 * (d * bits // 8 + d // group)  # codes + one uint8 scale per group
     k_bits, v_bits = (int(x) for x in name[len("turbo-k") :].split("v"))
     keys = d * k_bits // 8 + 2 * 2 * d // 32  # codes + float16 scale and zero per 32
     values = d * v_bits // 8 + 2 * d // 32  # codes + float16 scale per 32

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import kvrows.optimized as O
 import kvrows.reference as R
+from kvrows.app.engine import Engine, Request
 from kvrows.codecs import parse_codec
 from kvrows.codecs.mx import MX_MODES, Microscaled
 from kvrows.errors import IncompatibleRowsError, InvalidInputError
@@ -187,3 +188,20 @@ def test_a_paged_pool_stores_the_codec() -> None:
         assert _bits(np.array(paged)) == _bits(np.array(contiguous))
     loaded = O.PagedKVCache.from_state(cache.state)
     assert loaded.codec_spec == spec and loaded.offset == 20
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4", "turbo"])
+def test_a_draft_of_its_own_model_is_always_accepted(models: dict[str, Any], scheme: str) -> None:
+    """The engine's drafter prefills joining rows through the codec's attention too: with
+    the target as its own draft every proposal is accepted. (Its prefill once called the
+    model outside the row-attention hook: mlx-lm's attention raised over microscaling
+    planes and read TurboQuant's rotated values as values.)"""
+    model = models["llama"]
+    trace = [Request(f"r{i}", (3 + i, 7, 11, 13, 17 + i), max_tokens=6) for i in range(3)]
+    engine = Engine(
+        model, KvStorageScheme.parse(scheme), max_batch=3, draft_model=model, draft_tokens=2
+    )
+    results, stats = engine.run(trace)
+    assert stats.drafted > 0 and stats.accepted == stats.drafted, (stats.accepted, stats.drafted)
+    plain_run = Engine(model, KvStorageScheme.parse(scheme), max_batch=3).run(trace)[0]
+    assert [r.tokens for r in results] == [r.tokens for r in plain_run]

@@ -118,6 +118,9 @@ BYTES_SCHEMES = (
     "turbo:k4v3",
     "turbo:k4v2",
     "turbo:k2v2",
+    "mxfp8",
+    "mxfp4",
+    "nvfp4",
 )
 #: Schemes of the quality table ("turbo" is k8v3).
 QUALITY_SCHEMES = (
@@ -129,6 +132,9 @@ QUALITY_SCHEMES = (
     "turbo",
     "turbo:k4v3",
     "turbo:k4v2",
+    "mxfp8",
+    "mxfp4",
+    "nvfp4",
 )
 #: Storages of the decode table; the eager path is timed for the first TurboQuant one.
 DECODE_STORAGES = ("plain", "affine8", "affine4", "turbo", "turbo:k8v4", "turbo:k4v3")
