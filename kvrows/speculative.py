@@ -227,8 +227,10 @@ class SpeculativeRounds:
             raise SpeculativeStateInvalidError(SPECULATIVE_INVALID)
 
     def _spec_guard(self, what: str) -> None:
-        """Refuse a row operation in the middle of a round."""
-        self._spec_usable()
+        """Refuse a row operation in the middle of a round (and on an invalid layout, as
+        ``_spec_usable``: inline, every row operation and merge source asks)."""
+        if self._spec_invalid:
+            raise SpeculativeStateInvalidError(SPECULATIVE_INVALID)
         if self._spec_before is not None:
             raise SpeculativeRoundError(
                 f"{what} in the middle of a speculative round: commit or roll back the round "

@@ -403,8 +403,9 @@ class BlockPool(PoolBase):
         """Release every table (each tail block first); the table then holds nothing."""
         ledger, live = self.ledger, self._tables
         closing = [t for t in tables if live.pop(id(t), None) is not None]
-        # One pass over every block (a filter or a collected layout closes a table per row).
-        ledger.release(itertools.chain.from_iterable(reversed(_live(t)) for t in closing))
+        release = ledger.release  # (a call per table: cheaper than chaining a few tables)
+        for table in closing:
+            release(reversed(_live(table)))
         if ledger.journaling:
             for table in closing:
                 ledger.journal(functools.partial(self._reopen, table, list(table)))
@@ -790,8 +791,9 @@ class PagedRows(PagedSurface, Storage):
         self._restaged()
 
     def _changed(self) -> None:
-        super()._changed()
-        self._pads_stale = True  # (computed at the next read: a row operation reads none)
+        # ``Storage._changed`` (the positions' device copy dropped) without the super call,
+        # on every row operation; the pads are computed at the next read (none here).
+        self._offset_array, self._pads_stale = None, True
 
     #: The pads last computed (set by ``_clear``), and whether a change since has made
     #: them stale.
