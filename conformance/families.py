@@ -360,6 +360,14 @@ BUDGETS: dict[str, Budget] = {
     "paged-rotating-affine": Budget(
         "paged rings over affine pools at every (bits, group size)", examples=0.04, steps=0.6
     ),
+    # The microscaling codecs in block pools (issue 25: paging takes any codec): every
+    # mode, about 5 s each on one core.
+    "paged-mx": Budget(
+        "paged KV over microscaling pools (mxfp8, mxfp4, nvfp4)", examples=0.1, steps=0.6
+    ),
+    "paged-rotating-mx": Budget(
+        "paged rings over microscaling pools (mxfp8, mxfp4, nvfp4)", examples=0.1, steps=0.6
+    ),
 }
 
 

@@ -443,7 +443,7 @@ PLACEMENT_HOOKS: Mapping[str, GeometryHooks] = MappingProxyType(
             family="paged",
             codec_suffix=True,
             peer=None,
-            codecs=("plain", "affine"),
+            codecs=("plain", "affine", "mx"),
         ),
     }
 )

@@ -109,7 +109,7 @@ from kvrows.errors import (
 )
 from kvrows.paged import FREE, projected_blocks
 from kvrows.reference import turbo_codec
-from kvrows.schemes import TURBO_KEY_BITS, TURBO_VALUE_BITS, Affine, Turbo
+from kvrows.schemes import TURBO_KEY_BITS, TURBO_VALUE_BITS, Turbo
 from kvrows.speculative import RowRound
 
 __all__ = [
@@ -886,11 +886,10 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
         own = (self.serial_name, self.spec.name, *self.spec.siblings)
         if not g.affine or name not in own:  # plain pools, or a foreign cache
             return self._in_shared_pool(impl, name, changes, super()._new(impl, name, **changes))
-        bits = changes.get("bits", g.bits)
-        group_size = changes.get("group_size", g.group_size)
         values = {**g.parameters(), **changes}  # the geometry's (a paged ring's window)
         params = {p: values[p] for p in composition(name).params if p in values}
-        cache = impl.cls(name)(codec=Affine(bits=bits, group_size=group_size), **params)
+        codec = type(g.spec).from_parameters(values)  # the example's codec kind, changed
+        cache = impl.cls(name)(codec=codec, **params)
         return self._in_shared_pool(impl, name, changes, cache)
 
     def _in_shared_pool(self, impl: Impl, name: str, changes: object, cache: Any) -> Any:

@@ -252,6 +252,8 @@ FAMILY_LAYOUTS = [
     ("paged-affine", "PagedKvRows"),
     ("paged-rotating", "PagedRotatingRows"),
     ("paged-rotating-affine", "PagedRotatingRows"),
+    ("paged-mx", "PagedKvRows"),
+    ("paged-rotating-mx", "PagedRotatingRows"),
 ]
 
 

@@ -74,3 +74,18 @@ def test_the_families_come_from_the_table_and_one_hook_row() -> None:
     assert [s.name for s in delayed.layouts] == ["DelayedMxKVCache"]
     assert mx.tolerance_key == "affine" and mx.peer is None and delayed.peer is None
     assert delayed.machine is FAMILIES["delayed"].machine  # the modifier's one machine
+
+
+@pytest.mark.parametrize(
+    ("family", "layout"), [("paged-mx", "PagedKvRows"), ("paged-rotating-mx", "PagedRotatingRows")]
+)
+def test_paged_mx_families(family: str, layout: str) -> None:
+    """Block pools of the microscaling codecs (paging takes any codec): the paged machine
+    with the example's codec, planes exact against the contiguous model, every mode."""
+    stats, settings = run_family(FAMILIES[family], layout)
+    oracles = ("reference vs optimized", "solo replay", "state", "admission")
+    stats.require(settings.max_examples // 2, oracles=oracles)
+    assert_compared(stats, {"kv.stored", "kv.solo"})
+    codecs = {v for v in stats.variants if v.startswith("bits=")}  # (rings: windows too)
+    assert codecs == MODES, dict(stats.variants)
+    assert not stats.skips, dict(stats.skips)
