@@ -476,7 +476,9 @@ def _axes(codec: str, storage: Composition) -> _Axes:
             peer = choice
             break
     assert peer != DEFER
-    draw = codec_hooks.draw.on(GEOMETRY_HOOKS[geometry])  # windows and sinks: the geometry's
+    # Windows and sinks: the geometry's; the codec kind its parameters are of (the model
+    # encodes through the reference codec of the example's spec).
+    draw = replace(codec_hooks.draw.on(GEOMETRY_HOOKS[geometry]), codec_kind=codec)
     return _Axes(family, machine, rounds, where != "modifier", peer, key, writer, draw)
 
 

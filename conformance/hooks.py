@@ -213,7 +213,7 @@ class Draw:
     params: tuple[tuple[int, int], ...] = ()
     windows: Callable[[str], st.SearchStrategy[int]] | None = None
     keeps: Callable[[int], st.SearchStrategy[int]] | None = None
-    #: The codec kind the draw's parameters are of (empty: implied by them).
+    #: The codec kind the draw's parameters are of (``families`` sets the layout's).
     codec_kind: str = ""
 
     def geometries(
@@ -345,11 +345,7 @@ TURBO = Draw(
     params=tuple((k, v) for k in TURBO_KEY_BITS for v in TURBO_VALUE_BITS),
 )
 #: Every microscaling mode, ``(bits, group_size)``, at head dims of both groups.
-MICROSCALED = Draw(
-    dims=(32, 64),
-    params=tuple((bits, group) for group, bits in MX_MODES.values()),
-    codec_kind=Microscaled.kind,
-)
+MICROSCALED = Draw(dims=(32, 64), params=tuple((bits, group) for group, bits in MX_MODES.values()))
 
 
 def _delayed_turbo(draw: st.DrawFn) -> dict[str, int]:

@@ -56,18 +56,16 @@ class Geometry:
     keep: int = 0
     k_bits: int = 0
     v_bits: int = 0
-    #: The codec kind the example's family draws (empty: the one its parameters imply,
-    #: affine by ``bits``, TurboQuant by ``k_bits``, else plain).
+    #: The codec kind of the layout the example drew for (its draw's; empty for a shape
+    #: that stores nothing).
     codec_kind: str = ""
 
     @property
     def spec(self) -> CodecSpec:
         """The example's codec spec, from its drawn parameters (what the model encodes
         with: the reference codec of this spec)."""
-        kind = self.codec_kind or next(
-            k for k, drawn in (("turbo", self.k_bits), ("affine", self.bits), ("plain", 1)) if drawn
-        )
-        return CODECS[kind].from_parameters(self.parameters())
+        assert self.codec_kind, "an example drawn without its layout's codec kind"
+        return CODECS[self.codec_kind].from_parameters(self.parameters())
 
     @property
     def scale(self) -> float:

@@ -7,11 +7,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvrows.affine_geometry import groups, packed_width
-from kvrows.codec import CodecLayout, Role
+from kvrows.codec import Role
 from kvrows.codecs import Affine
 from kvrows.errors import InvalidInputError, head_grouping_message
-from kvrows.optimized.codecs.common import Planes, mlx_dtype
+from kvrows.optimized.codecs.common import Planes, ZeroPlanes
 from kvrows.optimized.codecs.registry import implements
 from kvrows.protocols import Mask
 
@@ -19,7 +18,7 @@ __all__ = ["AffineCodec", "quantized_attention"]
 
 
 @implements("affine")
-class AffineCodec(CodecLayout):
+class AffineCodec(ZeroPlanes):
     """MLX affine group quantization (``mx.quantize``): planes ``(packed, scales, biases)``."""
 
     spec: Affine
@@ -43,17 +42,6 @@ class AffineCodec(CodecLayout):
         packed, scales, biases = planes
         return mx.dequantize(
             packed, scales, biases, group_size=self.group_size, bits=self.bits, mode="affine"
-        )
-
-    def zeros(
-        self, rows: int, heads: int, columns: int, dim: int, dtype: str, role: Role = "keys"
-    ) -> Planes:
-        scale_dtype = mlx_dtype(dtype)
-        width, count = packed_width(dim, self.bits), groups(dim, self.group_size)
-        return (
-            mx.zeros((rows, heads, columns, width), dtype=mx.uint32),
-            mx.zeros((rows, heads, columns, count), dtype=scale_dtype),
-            mx.zeros((rows, heads, columns, count), dtype=scale_dtype),
         )
 
     def attend(self, queries: Any, keys: Any, values: Any, mask: Any, scale: float) -> Any:

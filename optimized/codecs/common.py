@@ -6,10 +6,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvrows.codec import Role
+from kvrows.codec import CodecLayout, Role
 from kvrows.errors import InvalidInputError
 
-__all__ = ["PLANE_DTYPES", "AsWritten", "Planes", "dtype_name", "mlx_dtype", "sdpa"]
+__all__ = ["PLANE_DTYPES", "AsWritten", "Planes", "ZeroPlanes", "dtype_name", "mlx_dtype", "sdpa"]
 
 Planes = tuple[mx.array, ...]
 
@@ -35,7 +35,9 @@ def dtype_name(array: object) -> str:
     return str(array.dtype).rsplit(".", 1)[-1]
 
 
-PLANE_DTYPES: dict[str, mx.Dtype] = {**_DTYPES, "uint8": mx.uint8, "int8": mx.int8}
+PLANE_DTYPES: dict[str, mx.Dtype] = {
+    **_DTYPES, "uint32": mx.uint32, "uint8": mx.uint8, "int8": mx.int8,
+}  # fmt: skip
 
 
 def sdpa(queries: mx.array, keys: mx.array, values: mx.array, mask: Any, scale: float) -> Any:
@@ -60,3 +62,17 @@ class AsWritten:
 
     def fetched(self, planes: tuple[Any, ...], role: Role = "keys") -> Any:
         return planes[0]
+
+
+class ZeroPlanes(CodecLayout):
+    """Zero planes from the spec's plane layout (the reference's ``ZeroPlanes`` twin): the
+    codecs whose planes are other than the block itself."""
+
+    def zeros(
+        self, rows: int, heads: int, columns: int, dim: int, dtype: str, role: Role = "keys"
+    ) -> Planes:
+        """Zero planes of ``columns`` tokens (the padding a read shows)."""
+        return tuple(
+            mx.zeros((rows, heads, columns, p.width), dtype=PLANE_DTYPES[p.dtype])
+            for p in self.plane_specs("t", dim, dtype, role)
+        )

@@ -8,17 +8,17 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvrows.codec import CodecLayout, Role
+from kvrows.codec import Role
 from kvrows.codecs.mx import Microscaled
 from kvrows.optimized.codecs.affine import quantized_attention
-from kvrows.optimized.codecs.common import Planes
+from kvrows.optimized.codecs.common import Planes, ZeroPlanes
 from kvrows.optimized.codecs.registry import implements
 
 __all__ = ["MicroscaledCodec"]
 
 
 @implements("mx")
-class MicroscaledCodec(CodecLayout):
+class MicroscaledCodec(ZeroPlanes):
     """MLX's microscaling modes: planes ``(codes uint32, scales uint8)``."""
 
     spec: Microscaled
@@ -42,17 +42,6 @@ class MicroscaledCodec(CodecLayout):
             codes, scales, None, group_size=self.group_size, bits=self.bits, mode=self.mode,
             dtype=mx.float32,
         )  # fmt: skip
-
-    def zeros(
-        self, rows: int, heads: int, columns: int, dim: int, dtype: str, role: Role = "keys"
-    ) -> Planes:
-        return tuple(
-            mx.zeros(
-                (rows, heads, columns, p.width),
-                dtype=mx.uint32 if p.dtype == "uint32" else mx.uint8,
-            )
-            for p in self.spec.plane_specs("t", dim, dtype, role)
-        )
 
     def attend(self, queries: Any, keys: Any, values: Any, mask: Any, scale: float) -> Any:
         return quantized_attention(

@@ -6,17 +6,17 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvrows.codec import CodecLayout, Role
+from kvrows.codec import Role
 from kvrows.codecs import Turbo
 from kvrows.optimized import turbo_codec
-from kvrows.optimized.codecs.common import PLANE_DTYPES, Planes, sdpa
+from kvrows.optimized.codecs.common import Planes, ZeroPlanes, sdpa
 from kvrows.optimized.codecs.registry import implements
 
 __all__ = ["TurboCodec", "eager_attention"]
 
 
 @implements("turbo")
-class TurboCodec(CodecLayout):
+class TurboCodec(ZeroPlanes):
     """TurboQuant (``spec/turbo-codec.md``): keys as planes ``(kIdx, kScales, kZeros)``,
     values as ``(vPacked, vScales)``; codes and scales bit-identical to the reference's.
 
@@ -50,14 +50,6 @@ class TurboCodec(CodecLayout):
                 mx.bfloat16
             )
         return turbo_codec.rotated_values(planes[0], planes[1], self.v_bits).astype(mx.bfloat16)
-
-    def zeros(
-        self, rows: int, heads: int, columns: int, dim: int, dtype: str, role: Role = "keys"
-    ) -> Planes:
-        return tuple(
-            mx.zeros((rows, heads, columns, p.width), dtype=PLANE_DTYPES[p.dtype])
-            for p in self.plane_specs("t", dim, dtype, role)
-        )
 
     def attend(self, queries: Any, keys: Any, values: Any, mask: Any, scale: float) -> Any:
         """Deferred V: SDPA over the keys and the rotated values, then the output
