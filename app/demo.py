@@ -59,6 +59,7 @@ from kvrows.app.models import (
     draft_model,
     make_kvrows_cache,
     record_recurrent_layers,
+    text_config,
     tiny_model,
 )
 from kvrows.codecs import is_codec_spec
@@ -512,7 +513,7 @@ def _cells(
     """Each model and scheme in turn, with the model's first wave of ``requests``; each
     announced on stderr (``doing``: what runs)."""
     for model_index, (name, model) in enumerate(models):
-        vocab = int(model.args.vocab_size) if hasattr(model, "args") else 256
+        vocab = int(text_config(model).vocab_size) if hasattr(model, "args") else 256
         first = builtin_trace(requests, vocab=min(vocab, 256))
         for scheme_index, scheme_name in enumerate(schemes):
             scheme = parse_scheme(scheme_name, kv_start)
@@ -828,7 +829,7 @@ def run_paged_demo(
     for name, model, first, scheme in _cells(
         _models(model_path), list(schemes or PAGED_SCHEMES), requests, None, doing
     ):
-        vocab = min(int(model.args.vocab_size) if hasattr(model, "args") else 256, 256)
+        vocab = min(int(text_config(model).vocab_size) if hasattr(model, "args") else 256, 256)
         tokens: list[list[list[int]]] = []
         refused = 0
         for paged in (False, True):

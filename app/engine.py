@@ -73,8 +73,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvrows.app.attention import attention_scope, hookable_modules
-from kvrows.app.models import check_speculative_rounds, make_kvrows_cache
+from kvrows.app.models import check_speculative_rounds, forward, make_kvrows_cache
 from kvrows.codecs import is_codec_spec, is_kv_codec, kv_codecs
+from kvrows.compositions import placed_geometries
 from kvrows.errors import CapacityError, InvalidInputError, KvRowsError, LayoutStateError
 from kvrows.maintenance import KvMaintenance, create_kv_maintenance
 from kvrows.optimized import BlockPool, PagedKVCache, PagedRotatingKVCache
@@ -279,6 +280,8 @@ class PrefixCache:
 #: The codec kinds a block pool stores: every registered KV codec (a pool builds its codec
 #: from the spec through the implementation's codec registry).
 PAGED_CODECS = frozenset(kv_codecs())
+#: The token geometries a paged preset holds (a chunked layer stays contiguous).
+PAGED_GEOMETRIES = placed_geometries("paged")
 
 
 def pageable(cache: Any) -> bool:
@@ -287,9 +290,14 @@ def pageable(cache: Any) -> bool:
     stores; bf16-first legos and recurrent state (no KV codec) do not."""
     if isinstance(cache, Handover):
         return False
-    tokens = getattr(cache, "token_geometry", None) is not None
+    geometry = getattr(cache, "token_geometry", None)
     codec = getattr(cache, "codec_spec", None)
-    return tokens and is_codec_spec(codec) and is_kv_codec(codec)
+    return (
+        geometry is not None
+        and geometry.kind in PAGED_GEOMETRIES
+        and is_codec_spec(codec)
+        and is_kv_codec(codec)
+    )
 
 
 def _window_of(cache: Any) -> tuple[int, int] | None:
@@ -1012,7 +1020,7 @@ class Engine:
         """``model(ids, cache=layouts)``, inside the row-attention hook when some layer is a
         delayed layout (its rows may be mixed: each attends with its own codec)."""
         with self._row_attention(model, layouts):
-            logits: mx.array = model(ids, cache=layouts)
+            logits: mx.array = forward(model, ids, layouts)
         return logits
 
     @staticmethod

@@ -32,6 +32,7 @@ import difflib
 import importlib
 import inspect
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +63,7 @@ from kvrows.validation import KvGeometry
 __all__ = [
     "ARCHITECTURES",
     "BUILTIN_MODELS",
+    "CHUNKED_ARCHITECTURES",
     "HYBRID_ARCHITECTURES",
     "LATENT_ARCHITECTURES",
     "LATENT_PLAIN_ARCHITECTURES",
@@ -71,6 +73,7 @@ __all__ = [
     "check_model",
     "check_speculative_rounds",
     "draft_model",
+    "forward",
     "is_latent_model",
     "kv_geometry",
     "latent_caches_for_scheme",
@@ -80,6 +83,7 @@ __all__ = [
     "make_paged_latent_cache",
     "record_recurrent_layers",
     "recurrent_geometry",
+    "text_config",
     "tiny_model",
     "tiny_model_and_tokenizer",
 ]
@@ -188,6 +192,16 @@ TINY_MODELS: dict[str, TinyModel] = {
         "glm_moe_dsa", "dsa", dict(_MLA, rope_parameters={"rope_theta": 10000.0})
     ),
     "deepseek_v3": TinyModel("deepseek_v3", "mla", dict(_MLA, rope_theta=10000.0)),
+    # Chunked-local attention on three layers of four (ChunkedKVCache), full attention on
+    # the fourth; no MoE layer, and no attention temperature tuning (its NoPE layers then
+    # take per-row positions).
+    "llama4": TinyModel("llama4", "chunked", dict(
+        hidden_size=64, num_hidden_layers=4, intermediate_size=128, intermediate_size_mlp=128,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, attention_chunk_size=8,
+        attention_bias=False, interleave_moe_layer_step=4096, num_experts_per_tok=1,
+        num_local_experts=1, max_position_embeddings=1024, rms_norm_eps=1e-5,
+        rope_scaling=None, rope_theta=10000.0, use_qk_norm=True, attn_temperature_tuning=0,
+    )),
 }  # fmt: skip
 
 
@@ -202,9 +216,11 @@ RECURRENT_ARCHITECTURES = _family("hybrid", "recurrent")
 LATENT_ARCHITECTURES = _family("dsa")
 #: MLA models whose layers cache only the latent and the rope key in one mlx-lm KVCache.
 LATENT_PLAIN_ARCHITECTURES = _family("mla")
+#: Models with chunked-local attention layers (llama4's ``ChunkedKVCache``).
+CHUNKED_ARCHITECTURES = _family("chunked")
 #: What ``kvrows demo --model`` takes besides a checkpoint directory: the embedded tiny
 #: models by architecture, and ``hybrid`` (both recurrent ones).
-BUILTIN_MODELS = (*ARCHITECTURES, *HYBRID_ARCHITECTURES, "hybrid")
+BUILTIN_MODELS = (*ARCHITECTURES, *HYBRID_ARCHITECTURES, *CHUNKED_ARCHITECTURES, "hybrid")
 
 
 def check_model(name: str) -> None:
@@ -273,6 +289,13 @@ def _weight_dtype(model: Any) -> str | None:
     )
 
 
+def text_config(model: Any) -> Any:
+    """``model``'s config (``args``), its language part's for a multimodal model (llama4's
+    ``text_config``)."""
+    args: Any = getattr(model, "args", object())
+    return getattr(args, "text_config", args)
+
+
 def kv_geometry(model: Any) -> KvGeometry | None:
     """The KV heads, head dim and dtype every attention layer of ``model`` stores, from its
     config (``num_key_value_heads``, ``head_dim`` or ``hidden_size / num_attention_heads``)
@@ -280,7 +303,7 @@ def kv_geometry(model: Any) -> KvGeometry | None:
     keys and values may differ in width (MLA: ``kv_lora_rank``, ``v_head_dim``): the
     storages then learn the geometry from their first token.
     """
-    args: Any = getattr(model, "args", object())
+    args = text_config(model)
     if any(hasattr(args, name) for name in ("kv_lora_rank", "v_head_dim", "qk_rope_head_dim")):
         return None
     heads = getattr(args, "num_key_value_heads", None)
@@ -393,6 +416,37 @@ def make_kvrows_cache(model: Any, scheme: KvStorageScheme | None = None) -> list
     ]
 
 
+def _llama4_rows(model: Any, ids: mx.array, caches: Sequence[Any]) -> mx.array:
+    """llama4's language model over layouts: its top level builds one chunk mask from
+    ``cache[0].start_position`` and ``offset``, one row's positions; here each layer takes
+    its own cache's mask (a chunked layout's hides other chunks row by row)."""
+    text = model.language_model
+    inner = text.model
+    h = inner.embed_tokens(ids)
+    n = int(h.shape[1])
+    for layer, cache in zip(inner.layers, caches, strict=True):
+        h = layer(h, cache.make_mask(n), cache=cache)
+    logits: mx.array = text.lm_head(inner.norm(h))
+    return logits
+
+
+#: The models whose top level computes its masks from one row's positions, by
+#: ``model_type``: what runs them over layouts (:func:`forward`).
+_LAYOUT_FORWARDS: dict[str, Callable[[Any, mx.array, Sequence[Any]], mx.array]] = {
+    "llama4": _llama4_rows,
+}
+
+
+def forward(model: Any, ids: mx.array, caches: Sequence[Any]) -> mx.array:
+    """``model(ids, cache=caches)``; over layouts (per-row positions), a model of
+    :data:`_LAYOUT_FORWARDS` runs its layers with each layer's own mask."""
+    rows = _LAYOUT_FORWARDS.get(_model_name(model))
+    if rows is not None and caches and not isinstance(caches[0].offset, int):
+        return rows(model, ids, caches)
+    logits: mx.array = model(ids, cache=caches)
+    return logits
+
+
 def _model_name(model: Any) -> str:
     """The model's ``model_type`` (its mlx-lm module name where the config has none)."""
     name = getattr(getattr(model, "args", None), "model_type", None)
@@ -432,6 +486,8 @@ def tiny_model(arch: str, *, seed: int = 0, vocab: int = 256, record: bool = Tru
     module: Any = importlib.import_module(f"mlx_lm.models.{row.module}")
     config = {"model_type": row.module, **row.config, "vocab_size": vocab}
     taken = module.ModelArgs.__dataclass_fields__
+    if "text_config" in taken:  # a multimodal model's language part (llama4)
+        config = {"model_type": row.module, "text_config": config}
     model: Any = module.Model(module.ModelArgs(**{k: v for k, v in config.items() if k in taken}))
     mx.random.seed(seed)
     from mlx.utils import tree_map

@@ -172,6 +172,8 @@ class LayoutSpec:
     draw: Draw = field(default_factory=Draw)
     machine: Callable[[], type[Any]] | None = None
     peer_spec: Callable[[], PeerSpec] | None = None
+    #: ``machine`` / ``peer_spec`` are this layout's own (``peer_spec`` ``None``: no peer).
+    own_machine: bool = False
     solo: str = ""
 
     @property
@@ -238,6 +240,19 @@ BUDGETS: dict[str, Budget] = {
         "sliding-window rings (plain and affine): serial, decode and prefill layouts",
         examples=0.4,
         steps=0.85,
+    ),
+    # Chunked-local attention (issue 25): plain rows across chunk boundaries, front trims
+    # before every append, trims back into a chunk; 25 examples per layout keep it near
+    # 10 s on one core.
+    "chunked": Budget(
+        "chunked-local attention (llama4's ChunkedKVCache): serial, decode and prefill "
+        "layouts, front trims, chunk masks",
+        examples=0.2,
+        steps=0.8,
+        notes=(
+            "mlx-lm's ChunkedKVCache trims only when llama4 asks and has no make_mask: its "
+            "parity runs inside llama4 (tests/test_chunked.py)",
+        ),
     ),
     # Verify rounds on every storage's verify layout (two codecs, two geometries). Each
     # example runs rounds with a solo replay per row, round misuse and mlx-lm's rollback:
@@ -501,8 +516,8 @@ def _layout(storage: Composition, entry: Composition, axes: _Axes, peer: bool) -
     layouts = (storage,) if storage.is_layout else layouts_of(storage.name)
 
     def mirrored(c: Composition) -> bool:
-        if writer.parity_from_table:
-            return peer and c.parity is not None
+        if writer.parity_from_table:  # (and the axes name an mlx-lm peer to build it)
+            return peer and c.parity is not None and axes.peer is not None
         return peer and c.name not in writer.unmirrored
 
     siblings = (
@@ -588,7 +603,7 @@ def derive() -> dict[str, Family]:
             layouts=tuple(
                 spec
                 if shared and row_peer is peer
-                else replace(spec, machine=row_machine, peer_spec=row_peer)
+                else replace(spec, machine=row_machine, peer_spec=row_peer, own_machine=True)
                 for spec, row_machine, row_peer in rows
             ),
             tolerance_key=first.tolerance_key,

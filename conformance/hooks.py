@@ -213,25 +213,29 @@ class Draw:
     params: tuple[tuple[int, int], ...] = ()
     windows: Callable[[str], st.SearchStrategy[int]] | None = None
     keeps: Callable[[int], st.SearchStrategy[int]] | None = None
+    #: A chunked geometry's chunk sizes (by the layout's role).
+    chunks: Callable[[str], st.SearchStrategy[int]] | None = None
     #: The codec kind the draw's parameters are of (``families`` sets the layout's).
     codec_kind: str = ""
 
     def geometries(
         self, codecs: tuple[tuple[int, int], ...], role: str
     ) -> st.SearchStrategy[ks.Geometry]:
-        if self.windows is None:
-            return self.strategy(dims=self.dims, codecs=codecs, kind=self.codec_kind)
-        return self.strategy(
-            dims=self.dims, codecs=codecs, windows=self.windows(role), keeps=self.keeps,
-            kind=self.codec_kind,
-        )  # fmt: skip
+        extra: dict[str, Any] = {}
+        if self.windows is not None:
+            extra.update(windows=self.windows(role), keeps=self.keeps)
+        if self.chunks is not None:
+            extra.update(chunks=self.chunks(role))
+        return self.strategy(dims=self.dims, codecs=codecs, kind=self.codec_kind, **extra)
 
     def on(self, geometry: GeometryHooks) -> Draw:
         """This codec's draw on ``geometry``: its windows and sinks, head dims capped."""
         dims = self.dims
         if geometry.max_dim is not None:
             dims = tuple(d for d in dims if d <= geometry.max_dim)
-        return replace(self, dims=dims, windows=geometry.windows, keeps=geometry.keeps)
+        return replace(
+            self, dims=dims, windows=geometry.windows, keeps=geometry.keeps, chunks=geometry.chunks
+        )
 
 
 #: Where a family's verify rounds run: ``"modifier"``, its verify layouts join the
@@ -286,6 +290,7 @@ class GeometryHooks:
     rounds: Rounds = "modifier"
     windows: Callable[[str], st.SearchStrategy[int]] | None = None
     keeps: Callable[[int], st.SearchStrategy[int]] | None = None
+    chunks: Callable[[str], st.SearchStrategy[int]] | None = None
     max_dim: int | None = None
     family: str | None = None
     codec_suffix: bool = False
@@ -422,6 +427,11 @@ GEOMETRY_HOOKS: Mapping[str, GeometryHooks] = MappingProxyType(
             tolerance_prefix="rotating",
             peer=ring_peer,
         ),
+        # Chunked-local attention (issue 25): the growing machine over the chunked model
+        # (``strategies.Geometry.chunk_size``: retention and visibility restated). mlx-lm's
+        # ChunkedKVCache trims only when llama4 calls ``maybe_trim_front`` and has no
+        # ``make_mask``: its parity runs inside llama4 (tests/test_chunked.py).
+        "chunked": GeometryHooks(chunks=ks.attention_chunks, family="chunked", peer=None),
         "recurrent": GeometryHooks(family="recurrent"),
     }
 )

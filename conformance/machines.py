@@ -95,6 +95,7 @@ from kvrows.errors import (
     UnsupportedStateError,
 )
 from kvrows.forms import rows_of_state, unpack_state
+from kvrows.geometries.chunked import chunk_visible
 from kvrows.leases import lease_cache_states
 from kvrows.protocols import RowTrimmable
 
@@ -219,6 +220,9 @@ class Track:
     solo_ref: Any = None
     solo_opt: Any = None
     extracted: bool = False
+    #: Tokens the request's stores hold (the geometry's retention over its history: a
+    #: chunked row's depends on its appends and trims, not only on ``tokens``).
+    held: int = 0
 
     @property
     def tokens(self) -> int:
@@ -417,7 +421,13 @@ def snapshot(cache: Any, impl: Impl, view: str, row_view: str) -> tuple[Any, ...
 
 
 def expected_visible(
-    before: int, n: int, window: int | None, max_size: int | None, keep: int = 0
+    before: int,
+    n: int,
+    window: int | None,
+    max_size: int | None,
+    keep: int = 0,
+    chunk_size: int | None = None,
+    held: int | None = None,
 ) -> list[list[int]]:
     """Positions query ``i`` of an ``n``-token append onto ``before`` tokens must see.
 
@@ -426,15 +436,22 @@ def expected_visible(
     first ``keep`` (sinks) and its newest others. Query ``i`` (position ``p = before +
     i``) sees the kept tokens at positions ``(p - reach, p]`` and the sinks up to ``p``:
     ``reach`` is ``window or max_size`` without sinks, that less ``keep`` (at least 1)
-    with them.
+    with them. A chunked row holding ``held`` keeps its newest ``chunk_size`` of them and
+    the block; query ``p`` sees the kept positions of its chunk up to ``p``.
     """
+    if chunk_size is not None:
+        first = before + n - min(before if held is None else held, chunk_size) - n
+        return [
+            [j for j in range(first, p + 1) if chunk_visible(p, j, chunk_size, window)]
+            for p in range(before, before + n)
+        ]
     geo = ks.Geometry("float32", 1, 1, 1, 1, max_size, keep=keep)
-    held = geo.positions(before + n, geo.retained(before, n))
+    positions = geo.positions(before + n, geo.retained(before, n))
     reach = window or max_size or before + n + 1
     if keep:
         reach = max(1, reach - keep)
     return [
-        [j for j in held if j <= p and (j < keep or p - j < reach)]
+        [j for j in positions if j <= p and (j < keep or p - j < reach)]
         for p in range(before, before + n)
     ]
 
@@ -587,7 +604,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         r, o = slot.ref, slot.opt
         self._exact(f"layout {slot.ident} width", o.width, r.width)
         if self.spec.shared_column:
-            ends = {p + t.tokens for p, t in zip(r.left_pad, slot.rows, strict=True)}
+            ends = {p + t.held for p, t in zip(r.left_pad, slot.rows, strict=True)}
             self._exact(
                 f"layout {slot.ident}: rows share one write column", ends | {r.width}, {r.width}
             )
@@ -836,7 +853,7 @@ class ConformanceMachine(RuleBasedStateMachine):
 
     def _model_view(self, track: Track) -> Planes:
         """What the request's store must hold, keys' planes then values'."""
-        keep = self.g.kept(track.tokens)
+        keep = self.g.kept(track.tokens, track.held)
         sinks = self.g.keep
         return (*_newest(track.keys, keep, sinks), *_newest(track.values, keep, sinks))
 
@@ -881,6 +898,9 @@ class ConformanceMachine(RuleBasedStateMachine):
         )
 
     def _record_append(self, track: Track, keys: Array, values: Array) -> None:
+        if self.g.chunk_size is not None and track.held > self.g.chunk_size:
+            self.stats.check("front trim")  # the append forgets the row's oldest tokens
+        track.held = self.g.retained(track.held, int(keys.shape[2]))
         track.keys = _cat(track.keys, self._encoded(keys))
         track.values = _cat(track.values, self._encoded(values, "values"))
         track.appended = track.geometry_known = True
@@ -888,6 +908,7 @@ class ConformanceMachine(RuleBasedStateMachine):
 
     def _record_trim(self, track: Track, count: int) -> None:
         keep = track.tokens - count
+        track.held -= count
         track.keys = tuple(np.ascontiguousarray(p[:, :, :keep]) for p in track.keys)
         track.values = tuple(np.ascontiguousarray(p[:, :, :keep]) for p in track.values)
         track.history.append(("trim", count, None))
@@ -920,21 +941,22 @@ class ConformanceMachine(RuleBasedStateMachine):
         what: str,
         fetched_keys: Planes,
         mask: npt.NDArray[np.bool_],
-        rows: Sequence[tuple[int, Planes, int]],
+        rows: Sequence[tuple[int, Planes, int, int]],
         n: int,
         window: int | None,
     ) -> list[list[int]]:
         """Each row's queries see exactly the tokens :func:`expected_visible` names.
 
         ``rows``: ``(batch index, the row's model key planes after the append, tokens
-        before it)``. Keys are identified by their bytes, so the check holds whatever the
+        and tokens held before it)``. Keys are identified by their bytes, so the check holds whatever the
         column order. Returns, per row, the columns some query sees.
         """
         seen: list[list[int]] = []
-        for b, model_keys, before in rows:
+        g = self.g
+        for b, model_keys, before, held in rows:
             position = self._positions(model_keys)
             found = np.array([position.get(x, -1) for x in column_ids(fetched_keys, b)])
-            expected = expected_visible(before, n, window, self.g.max_size, self.g.keep)
+            expected = expected_visible(before, n, window, g.max_size, g.keep, g.chunk_size, held)
             visible_any = np.zeros(len(found), dtype=bool)
             for i in range(n):
                 visible = mask[b, 0, i]
@@ -1012,7 +1034,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         s_ref, s_opt = int(keys_ref[0].shape[2]), int(keys_opt[0].shape[2])
         self._exact(f"{what}: columns read (reference, optimized)", s_opt, s_ref)
         exp_ref, exp_opt = expand(masks[0], 1, n, s_ref), expand(masks[1], 1, n, s_opt)
-        rows = [(0, _cat(track.keys, self._encoded(keys)), before)]
+        rows = [(0, _cat(track.keys, self._encoded(keys)), before, track.held)]
         self._visibility(f"{what} (reference)", keys_ref, exp_ref, rows, n, form.window_size)
         self._visibility(f"{what} (optimized)", keys_opt, exp_opt, rows, n, form.window_size)
         if planes_bytes(keys_opt + values_opt) == planes_bytes(keys_ref + values_ref):
@@ -1074,7 +1096,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             if track.lm is not None:
                 self._skip("B11", f"trim({n}) of a wrapped ring (mlx-lm would mutate)")
             return
-        expected = min(n, track.tokens)
+        expected = min(n, track.held)  # what it holds (a chunked row may hold fewer)
         self._exact("reference trim() return", track.ref.trim(n), expected)
         self._exact("optimized trim() return", track.opt.trim(n), expected)
         if track.lm is not None:
@@ -1233,7 +1255,7 @@ class ConformanceMachine(RuleBasedStateMachine):
     def _row_lengths(self, slot: Any) -> list[int]:
         """The tokens each row of ``slot`` holds (a ``Slot``'s requests; a writer whose
         layouts hold no requests overrides it)."""
-        return [t.tokens for t in slot.rows]
+        return [t.held for t in slot.rows]
 
     def _uneven_joins(self, slot: Any) -> list[Any]:
         """Free requests that may join ``slot`` as a second row for ``_build_uneven``."""
@@ -1494,7 +1516,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         exp_ref, exp_opt = expand(mask_ref, rows, n, s), expand(mask_opt, rows, n, s)
         self._masks_equal(what, [exp_ref, exp_opt])
         model = [
-            (b, _cat(t.keys, self._encoded(keys[b : b + 1])), t.tokens)
+            (b, _cat(t.keys, self._encoded(keys[b : b + 1])), t.tokens, t.held)
             for b, t in enumerate(slot.rows)
         ]
         seen = self._visibility(
@@ -1780,7 +1802,7 @@ class ConformanceMachine(RuleBasedStateMachine):
                 self._exact(
                     f"{what} ({name}): compact plane bytes vs the spec",
                     held,
-                    g.token_bytes() * g.kept(track.tokens),
+                    g.token_bytes() * g.kept(track.tokens, track.held),
                 )
             self._exact(f"{what} ({name}): nbytes covers the planes", int(got.nbytes) >= held, True)
         self.stats.check("solo replay")
@@ -1792,7 +1814,9 @@ class ConformanceMachine(RuleBasedStateMachine):
         g = self.g
         keys = tuple(p[:, :, :tokens] for p in track.keys)
         values = tuple(p[:, :, :tokens] for p in track.values)
-        want = (*_newest(keys, g.kept(tokens), g.keep), *_newest(values, g.kept(tokens), g.keep))
+        # The published row held every position: its prefix holds every one of them.
+        kept = g.kept(tokens, tokens)
+        want = (*_newest(keys, kept, g.keep), *_newest(values, kept, g.keep))
         what = f"publish_row({b}, {tokens}) cut back to {tokens}"
         for impl, lay in ((self.ref_impl, slot.ref), (self.opt_impl, slot.opt)):
             copy = table.publish_row(lay, b, tokens)
@@ -2402,7 +2426,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         ]
         evaluate([m for trio in masks for m in trio])
         for (n, form), (m_ref, m_opt, m_lm) in zip(ks.CHECKED_MASKS, masks, strict=True):
-            keys = g.retained(track.tokens, n)
+            keys = g.retained(track.held, n)
             e_ref = expand(m_ref, 1, n, keys)
             e_opt = expand(m_opt, 1, n, keys)
             if same_order:
@@ -2632,7 +2656,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             )
             self._exact(
                 f"{what} fetch() row {b}: covers the view",
-                len(found) >= self.g.kept(track.tokens),
+                len(found) >= self.g.kept(track.tokens, track.held),
                 True,
             )
             columns = [c for c, _ in held]
@@ -2924,6 +2948,7 @@ class KvRules(ConformanceMachine):
                 appended=track.tokens > 0,
                 geometry_known=got_ref.geometry is not None,
                 history=list(track.history) if track.tokens else [],
+                held=track.held,
             )
             if copy.lm is None and self.peer is not None and self.twins:
                 copy.lm = self._twin_for(track)
@@ -2945,7 +2970,9 @@ class KvRules(ConformanceMachine):
         self._op("publish", slot)
         # The whole row, or a shorter prefix while the store could still be trimmed to it.
         expected = tokens == track.tokens or (
-            tokens < track.tokens and not self.g.wrapped(track.tokens)
+            tokens < track.tokens
+            and not self.g.wrapped(track.tokens)
+            and track.held == track.tokens  # it still holds every position
         )
         self._exact("can_publish_row (reference)", slot.ref.can_publish_row(b, tokens), expected)
         self._exact("can_publish_row (optimized)", slot.opt.can_publish_row(b, tokens), expected)
@@ -2971,7 +2998,7 @@ class KvRules(ConformanceMachine):
         self._exact("is_trimmable (optimized vs reference)", slot.opt.is_trimmable(), trimmable)
         if not trimmable:
             return
-        n = data.draw(ks.counts_up_to(min(t.tokens for t in slot.rows)), label="n")
+        n = data.draw(ks.counts_up_to(min(t.held for t in slot.rows)), label="n")
         equal_counts = self._both_trim_rows(slot) and data.draw(
             st.booleans(), label="as trim_rows of equal counts"
         )
@@ -3000,7 +3027,7 @@ class KvRules(ConformanceMachine):
         counts = [
             0
             if self.g.wrapped(t.tokens)
-            else data.draw(ks.counts_up_to(t.tokens), label=f"count {b}")
+            else data.draw(ks.counts_up_to(t.held), label=f"count {b}")
             for b, t in enumerate(slot.rows)
         ]
         note(f"trim_rows: layout {slot.ident} {slot.opt!r} counts {counts}")
@@ -3015,7 +3042,7 @@ class KvRules(ConformanceMachine):
     def _uneven_joins(self, slot: Slot) -> list[Track]:
         if len(slot.rows) >= self.limits.rows:
             return []
-        return [t for t in self.pool if t.tokens >= 1 and not self.g.wrapped(t.tokens)]
+        return [t for t in self.pool if t.held >= 1 and not self.g.wrapped(t.tokens)]
 
     def _join_for_trim(self, slot: Slot, request: Track) -> None:
         self._merge_into(
@@ -3402,7 +3429,8 @@ def machine_class(
     spec = family.layout(layout)
     make_base = spec.machine or family.machine
     base: type[ConformanceMachine] = make_base() if make_base is not None else ConformanceMachine
-    make_peer = spec.peer_spec or family.peer
+    # A layout with a machine of its own names its peer (``None``: mlx-lm has none).
+    make_peer = spec.peer_spec if spec.own_machine else family.peer
     attrs: dict[str, Any] = {
         "family": family,
         "spec": spec,

@@ -1230,6 +1230,7 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
                 appended=True,
                 geometry_known=True,
                 history=history,
+                held=tokens,
             )
             note(f"  the hit becomes request {copy.ident}")
             self._dirty.add(copy.ident)
@@ -1557,7 +1558,8 @@ class RoundRules(ConformanceMachine):
                 for p, e in zip(track.keys, self._encoded(keys), strict=True)
             )
             exp_lm = expand(mask_lm, 1, n, int(k_lm[0].shape[2]))
-            self._visibility(what, k_lm, exp_lm, [(0, model_keys, before)], n, form.window_size)
+            rows = [(0, model_keys, before, track.held)]
+            self._visibility(what, k_lm, exp_lm, rows, n, form.window_size)
             if not g.affine:
                 # The layout row against a serial cache of the same tokens (affine: mlx-lm's
                 # quantized attention rounds in the activation dtype; the serial steps

@@ -23,6 +23,7 @@ __all__ = [
     "CHECKED_MASKS",
     "Geometry",
     "MaskForm",
+    "attention_chunks",
     "chunk_sizes",
     "counts_up_to",
     "geometries",
@@ -59,6 +60,8 @@ class Geometry:
     #: The codec kind of the layout the example drew for (its draw's; empty for a shape
     #: that stores nothing).
     codec_kind: str = ""
+    #: A chunked-local geometry's ``chunk_size`` (``None``: not chunked).
+    chunk_size: int | None = None
 
     @property
     def spec(self) -> CodecSpec:
@@ -95,10 +98,14 @@ class Geometry:
             "bits": self.bits or 8,
             "k_bits": self.k_bits or 8,
             "v_bits": self.v_bits or 3,
+            "chunk_size": self.chunk_size or 8,
         }
 
-    def kept(self, tokens: int) -> int:
-        """Tokens a store of ``tokens`` positions holds: all, or a ring's newest window."""
+    def kept(self, tokens: int, held: int | None = None) -> int:
+        """Tokens a store of ``tokens`` positions holds: all, a ring's newest window, or
+        what a chunked row holds (``held``; with no history its newest ``chunk_size``)."""
+        if self.chunk_size is not None:
+            return min(tokens, self.chunk_size) if held is None else held
         return tokens if self.max_size is None else min(tokens, self.max_size)
 
     def positions(self, tokens: int, held: int) -> list[int]:
@@ -118,13 +125,18 @@ class Geometry:
         retains still holds the whole window of the position it goes back to."""
         if count == 0:
             return True
+        if self.chunk_size is not None:  # mlx-lm: anything it holds
+            return count <= held
         window = offset if self.max_size is None else self.max_size
         return count <= offset and held - count >= min(offset - count, window)
 
     def retained(self, before: int, n: int) -> int:
         """Tokens an append of ``n`` onto ``before`` reads: a ring keeps the newest
         ``min(before + 1, max_size)`` after one token, ``min(before, max_size - 1) + n``
-        after a block (its first query still sees a whole window)."""
+        after a block (its first query still sees a whole window); a chunked row
+        (``before``: what it holds) its newest ``chunk_size`` and then the block."""
+        if self.chunk_size is not None:
+            return min(before, self.chunk_size) + n
         if self.max_size is None:
             return before + n
         if n == 1:
@@ -184,10 +196,11 @@ def geometries(
     windows: st.SearchStrategy[int] | None = None,
     keeps: Callable[[int], st.SearchStrategy[int]] | None = None,
     kind: str = "",
+    chunks: st.SearchStrategy[int] | None = None,
 ) -> Geometry:
     """Shapes, then (when given) a codec ``(bits, group_size)`` of codec kind ``kind``, a
-    ring window and its sink tokens (``keeps(max_size)``). A group codec takes head dims
-    of ``dims`` that its group divides."""
+    ring window and its sink tokens (``keeps(max_size)``), a chunk size. A group codec
+    takes head dims of ``dims`` that its group divides."""
     dtype = draw(st.sampled_from(DTYPES), label="dtype")
     heads = draw(st.sampled_from((1, 2, 4)), label="heads")
     group = draw(st.sampled_from((1, 2)), label="query heads per KV head")
@@ -201,9 +214,10 @@ def geometries(
         dims = tuple(d for d in dims if d % group_size == 0)
     key_dim = draw(st.sampled_from(dims), label="key_dim")
     value_dim = draw(st.sampled_from((key_dim, *dims)), label="value_dim")
+    chunk_size = draw(chunks, label="chunk_size") if chunks is not None else None
     return Geometry(
         dtype, heads, heads * group, key_dim, value_dim, max_size, bits, group_size, keep,
-        codec_kind=kind,
+        chunk_size=chunk_size, codec_kind=kind,
     )  # fmt: skip
 
 
@@ -239,6 +253,12 @@ def ring_keeps(max_size: int) -> st.SearchStrategy[int]:
     if max_size < 2:
         return st.just(0)  # a window of one token has no room for a sink
     return st.one_of(st.just(0), st.just(0), st.integers(1, min(3, max_size - 1)))
+
+
+def attention_chunks(role: str) -> st.SearchStrategy[int]:
+    """Chunked attention's chunk sizes: mostly 2-8 (rows cross chunks within a few steps), sometimes 16; 1
+    (every query sees only itself) now and then."""
+    return st.one_of(st.integers(2, 8), st.integers(2, 8), st.sampled_from((1, 16)))
 
 
 seeds = st.integers(0, 2**32 - 1)

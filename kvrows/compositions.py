@@ -56,6 +56,7 @@ __all__ = [
     "layouts_of",
     "lego_preset",
     "parameter_defaults",
+    "placed_geometries",
     "preset_class",
     "presets_on_rows",
     "register_compositions",
@@ -66,7 +67,7 @@ __all__ = [
 
 Arrangement: TypeAlias = Literal["serial", "shared", "ragged"]
 CodecKind: TypeAlias = Literal["plain", "affine", "turbo", "mx", "any", "state", "latent"]
-GeometryKind: TypeAlias = Literal["growing", "ring", "recurrent"]
+GeometryKind: TypeAlias = Literal["growing", "ring", "chunked", "recurrent"]
 #: Where a row's tokens live (contract §0.4): contiguous buffers, or block tables into a
 #: shared pool (any geometry with a token axis).
 PlacementKind: TypeAlias = Literal["contiguous", "paged"]
@@ -298,6 +299,22 @@ COMPOSITIONS: tuple[Composition, ...] = (
                 roles=Roles("BatchedMxKVCache", "BatchedMxKVCache", "BatchedMxKVCache"),
                 peers=("KVCache",),
                 summary="serial microscaling full attention (mxfp8, mxfp4, nvfp4)"),
+    # -- chunked-local attention (issue 25): llama4's local layers --------------------
+    Composition(name="BatchedChunkedKVCache", codec="plain", geometry="chunked",
+                arrangement="ragged", signature="kv:batched-chunked:{chunk_size}",
+                params=("chunk_size",), serial="ChunkedKVCache", roles=Roles(SELF, SELF, SELF),
+                modifiers=frozenset({"speculative"}),
+                summary="prefill/verify layout of ChunkedKVCache: ragged rows"),
+    Composition(name="PaddedChunkedRows", codec="plain", geometry="chunked",
+                arrangement="shared", signature="kv:padded-chunked:{chunk_size}",
+                params=("chunk_size",), serial="ChunkedKVCache",
+                summary="decode layout of ChunkedKVCache: rows sharing one write column"),
+    Composition(name="ChunkedKVCache", codec="plain", geometry="chunked", arrangement="serial",
+                signature="kv:chunked:{chunk_size}", params=("chunk_size",),
+                roles=Roles("PaddedChunkedRows", "BatchedChunkedKVCache",
+                            "BatchedChunkedKVCache"),
+                peers=("ChunkedKVCache",), parity="ChunkedKVCache",
+                summary="serial chunked-local attention (llama4's local layers)"),
     # -- plain and affine full attention ---------------------------------------------
     _plain_growing("BatchedKVCache", "ragged", "kv:batched-positions", serial="KVCache",
                    roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"speculative"}),
@@ -443,6 +460,8 @@ _SHARED_PAGES = {
     "MxKVCache": "mx-codec",
     "BatchedMxKVCache": "mx-codec",
     "DelayedMxKVCache": "mx-codec",
+    "BatchedChunkedKVCache": "ChunkedKVCache",
+    "PaddedChunkedRows": "ChunkedKVCache",
 }
 
 
@@ -461,6 +480,12 @@ def preset_class(
         **members,
     }
     return types.new_class(entry.name, bases, exec_body=lambda body: body.update(namespace))
+
+
+def placed_geometries(placement: PlacementKind) -> frozenset[str]:
+    """The token geometries some landed preset of ``placement`` holds (paged: growing and
+    ring; a chunked layer stays contiguous)."""
+    return frozenset(c.geometry for c in landed() if c.placement == placement)
 
 
 def landed() -> tuple[Composition, ...]:

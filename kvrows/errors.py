@@ -46,6 +46,7 @@ __all__ = [
     "affine_input_dtype_message",
     "align_rows_message",
     "attend_storage_message",
+    "empty_row_needs_geometry_message",
     "empty_state_row_message",
     "from_state_tuple_message",
     "given_twice_message",
@@ -375,6 +376,11 @@ def not_a_geometry_message(got: str) -> str:
 
 
 # -- persisted state -----------------------------------------------------------------------
+
+
+def empty_row_needs_geometry_message(offset: int) -> str:
+    """A chunked state row that forgot every token it held, loaded without ``geometry=``."""
+    return f"state row at position {offset} holds no token: pass geometry= to load it"
 
 
 def empty_state_row_message(offset: int) -> str:

@@ -89,6 +89,7 @@ __all__ = [
     "plane_counts",
     "recurrent_fields",
     "rows_of_state",
+    "serial_held",
     "spec_fields",
     "stage_field",
     "state_form",
@@ -301,7 +302,10 @@ def unpack_state(entry: Composition, state: object) -> dict[str, Any]:
             f"{entry.name} state has {len(form.fields)} fields {form.fields}, got {len(state)}"
         )
     values = dict(zip(form.fields, state, strict=True))
-    for name in ("keep", "max_size", "idx", "total", "group_size", "bits", "k_bits", "v_bits"):
+    for name in (
+        "keep", "max_size", "idx", "total", "group_size", "bits", "k_bits", "v_bits",
+        "chunk_size", "start_position",
+    ):  # fmt: skip
         if name in values:
             values[name] = _integer(name, values[name])
     if "offset" in values and not entry.is_layout:
@@ -484,6 +488,18 @@ def chronological(
     return tuple(concat([part[i] for part in parts]) for i in range(len(planes)))
 
 
+def serial_held(offset: int, start: int, columns: int) -> int:
+    """The columns a chunked serial state holds, ``offset - start_position`` (mlx-lm's
+    buffers may hold more), refused unless its planes have them."""
+    held = offset - start
+    if not 0 <= held <= columns or start < 0:
+        raise InvalidInputError(
+            f"state start_position {start} and offset {offset}: the planes hold {columns} "
+            f"columns, expected 0 <= offset - start_position <= {columns}"
+        )
+    return held
+
+
 #: One row a state holds: its key and value planes in time order (``None``: no token)
 #: and its position.
 StateRow = tuple[tuple[Any, ...] | None, tuple[Any, ...] | None, int]
@@ -500,12 +516,15 @@ def rows_of_state(
     # Columns in buffer order, from the write index.
     geometry = GEOMETRIES.get(entry.geometry)
     wraps = geometry is not None and geometry.wraps
+    evicts = geometry is not None and geometry.evicts
     keys, vals = _planes(values["keys"]), _planes(values["values"])
     if not entry.is_layout:
         offset = values["offset"]
         if keys is None or vals is None:
             return []
         held = min(offset, int(keys[0].shape[2]))
+        if "start_position" in values:  # a chunked row holds [start_position, offset)
+            held = serial_held(offset, values["start_position"], int(keys[0].shape[2]))
         if wraps:
             idx, sink = values["idx"], values["keep"]
             if not 0 <= idx <= held:
@@ -545,7 +564,8 @@ def rows_of_state(
         # form of a ring with sinks holds each row exactly (mlx-lm's batch ring has none).
         window = offset if limit is None or keep else min(offset, limit)
         start = max(0, pad, active - window)
-        if limit is None and (offset < 0 or active - pad != offset):
+        held = active - pad
+        if limit is None and (offset < held or (held != offset and not evicts)):
             raise InvalidInputError(
                 f"state row {b}: offset {offset} disagrees with its columns "
                 f"[{pad}, {active}) (left_padding {pad}, idx {idx})"

@@ -29,6 +29,7 @@ from kvrows.lego import Bf16First
 from kvrows.optimized.batch_dropin import LayoutBatchOps, SerialMerge
 from kvrows.optimized.delayed import DelayedLayout
 from kvrows.optimized.dropin import LayoutDropIn, SerialDropIn
+from kvrows.optimized.geometries.chunked import ChunkedGeometry, ChunkedSurface
 from kvrows.optimized.geometries.growing import GrowingGeometry, RowAlignment
 from kvrows.optimized.geometries.recurrent import (
     ArraysCacheSurface,
@@ -43,6 +44,7 @@ from kvrows.optimized.speculative import SpeculativeLayout
 from kvrows.recurrent import SerialRounds
 
 __all__ = [
+    "BatchedChunkedKVCache",
     "BatchedKVCache",
     "BatchedMxKVCache",
     "BatchedQuantizedKVCache",
@@ -54,6 +56,7 @@ __all__ = [
     "Bf16FirstQuantizedKVCache",
     "Bf16FirstRotatingQuantizedKVCache",
     "Bf16FirstTurboQuantKVCache",
+    "ChunkedKVCache",
     "DelayedMxKVCache",
     "DelayedQuantizedKVCache",
     "DelayedRotatingQuantizedKVCache",
@@ -61,6 +64,7 @@ __all__ = [
     "KVCache",
     "MLACache",
     "MxKVCache",
+    "PaddedChunkedRows",
     "PaddedKVRows",
     "PaddedQuantKVRows",
     "QuantizedKVCache",
@@ -76,7 +80,11 @@ __all__ = [
 ]
 
 #: The mixin a constructor parameter calls for (what mlx-lm reads off the instance).
-PARAMETER_SURFACES = (("bits", AffineParameters), ("k_bits", TurboParameters))
+PARAMETER_SURFACES = (
+    ("bits", AffineParameters),
+    ("k_bits", TurboParameters),
+    ("chunk_size", ChunkedSurface),
+)
 #: What a geometry adds in an arrangement beyond its hooks, ahead of everything (the
 #: recurrent surface's refusals and guards answer before a round's wrappers).
 GEOMETRY_SURFACES: dict[tuple[str, str], tuple[type, ...]] = {
@@ -217,6 +225,17 @@ if TYPE_CHECKING:
 
     # -- sliding window ----------------------------------------------------------------
     class RotatingKVCache(SerialDropIn, SerialMerge, SharedRing, Serial): ...
+
+    # -- chunked-local attention -------------------------------------------------------
+    class ChunkedKVCache(SerialDropIn, SerialMerge, ChunkedSurface, ChunkedGeometry, Serial): ...
+
+    class PaddedChunkedRows(
+        LayoutDropIn, LayoutBatchOps, ChunkedSurface, ChunkedGeometry, Layout
+    ): ...
+
+    class BatchedChunkedKVCache(
+        SpeculativeLayout, LayoutDropIn, LayoutBatchOps, ChunkedSurface, ChunkedGeometry, Layout
+    ): ...
 
     class BatchedRotatingCache(LayoutDropIn, LayoutBatchOps, SharedRing, Layout): ...
 

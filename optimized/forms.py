@@ -15,13 +15,18 @@ from typing import Any, TypeVar, cast
 
 import mlx.core as mx
 
-from kvrows.errors import InvalidInputError, empty_state_row_message
+from kvrows.errors import (
+    InvalidInputError,
+    empty_row_needs_geometry_message,
+    empty_state_row_message,
+)
 from kvrows.forms import (
     StateRow,
     describe_planes,
     pack_state,
     parse_state,
     rows_of_state,
+    serial_held,
     spec_fields,
     stored_geometry,
     with_planes,
@@ -129,11 +134,9 @@ def restore_state(
         if entry.is_layout:
             serial = DECLARED[entry.serial or entry.name]
             empties: list[Any] = [
-                serial.from_specs(codec_spec, token_geometry)
-                for _ in rows_of_state(entry, fields, _joined, keep=keep or 0)
+                _serial_row(serial, codec_spec, token_geometry, row, geometry)
+                for row in rows_of_state(entry, fields, _joined, keep=keep or 0)
             ]
-            for empty in empties:
-                empty._geometry = geometry
             _as_layout(fresh).merge_rows(empties)
             pending = [max(0, -o) for o in rows_offsets(fields)]
             if any(pending):  # rows announced with left padding (mlx-lm's empty batch)
@@ -177,7 +180,7 @@ def _as_layout(storage: Storage) -> Layout:
 
 
 def _serial_row(
-    cls: type[Storage], codec: Any, token_geometry: Any, row: StateRow, kv: KvGeometry
+    cls: type[Storage], codec: Any, token_geometry: Any, row: StateRow, kv: KvGeometry | None
 ) -> Storage:
     """A transient merge source holding one state row as views: ``merge_rows`` copies
     them into the layout's own buffers, so copying them here too would copy twice."""
@@ -185,8 +188,13 @@ def _serial_row(
     keys, values, offset = row
     if keys is None or values is None:
         serial._geometry = kv
-        if offset:  # a row whose window is empty still stands at its position
+        if offset and not token_geometry.evicts:  # a row holding nothing stands at 0
             raise InvalidInputError(empty_state_row_message(offset))
+        if offset:  # a row that forgot every token it held (chunked)
+            if kv is None:
+                raise InvalidInputError(empty_row_needs_geometry_message(offset))
+            empty = serial._zeros(1, 0, kv)
+            return _as_serial(serial).adopt(empty, offset, kv)
         return serial
     return _as_serial(serial).adopt({"keys": keys, "values": values}, offset, kv)
 
@@ -195,7 +203,9 @@ def _restore_serial(fresh: _S, fields: dict[str, Any], kv: KvGeometry) -> _S:
     """Column for column: the held columns (owned), the position, a ring's write index."""
     offset = fields["offset"]
     keys, values = fields["keys"], fields["values"]
-    held = min(offset, int(keys[0].shape[2]))
+    columns = int(keys[0].shape[2])
+    start = fields.get("start_position")  # a chunked row holds [start_position, offset)
+    held = min(offset, columns) if start is None else serial_held(offset, start, columns)
     # A geometry without a cap holds every position it was given.
     if offset < 0 or (fresh.token_geometry.cap() is None and held != offset):
         raise InvalidInputError(f"state offset {offset} but keys hold {keys[0].shape[2]} columns")

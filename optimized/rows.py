@@ -611,6 +611,12 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         self._changed()
         self._reset_geometry()
 
+    @property
+    def _tokens_held(self) -> list[int]:
+        """Tokens each row holds: every one it was given (a geometry that evicts from the
+        front, chunked, or wraps keeps fewer and says so)."""
+        return self._offsets
+
     def _changed(self) -> None:
         """The positions changed: drop their device copy."""
         self._offset_array: mx.array | None = None
@@ -1003,7 +1009,7 @@ class Serial(Storage):
         count = as_count(n, "n")
         if count:
             self._check_trim([count] * self.rows)  # a wrapped ring refuses
-        count = min(count, self.offset)
+        count = min(count, self._tokens_held[0] if self._offsets else 0)  # mlx-lm: offset - start
         if count:
             self._forget([count] * self.rows)
             self._offsets = [o - count for o in self._offsets]
@@ -1055,14 +1061,16 @@ class Layout(Storage):
         return math.inf
 
     def can_publish_row(self, row: int, tokens: int) -> bool:
-        index = check_row(row, self.batch_size)
-        return as_count(tokens, "tokens") <= self._offsets[index]
+        index, count = check_row(row, self.batch_size), as_count(tokens, "tokens")
+        offset = self._offsets[index]
+        # A prefix shorter than the row: while the row still holds every position.
+        return count == offset or (count < offset and self._tokens_held[index] == offset)
 
     def row_planes(self, row: int) -> tuple[Planes, Planes] | None:
         """Views of row ``row``'s key and value planes in time order, ``[1, H, T, ·]``
         (``None`` when it holds no token)."""
         index = check_row(row, self.batch_size)
-        return None if self._offsets[index] == 0 else self._window_pair(index)
+        return None if self._tokens_held[index] == 0 else self._window_pair(index)
 
     def make_empty_batch(self: _S) -> _S:
         return type(self)._spawn(self)
@@ -1079,7 +1087,7 @@ class Layout(Storage):
         return self._each_row()
 
     def projected_bytes(self, tokens: int) -> int:
-        return row_bytes(self.codec, self._geometry, tokens)
+        return row_bytes(self.codec, self._geometry, tokens, self._token_geometry.cap())
 
     # -- row operations -------------------------------------------------------------------
     def merge_rows(self, rows: Sequence[Cache]) -> None:
@@ -1194,13 +1202,13 @@ class Layout(Storage):
         index = check_row(row, self.batch_size)
         spec = self._row_codecs(self.batch_size)[index].spec
         cache = self._serial_of(spec)._spawn(self, spec)
-        held = self._held_window(index)
-        if held is None or self._holds_nothing(held):
+        held, offset = self._held_window(index), self._offsets[index]
+        if held is None or (self._holds_nothing(held) and not offset):
             cache._take_shapes(self._shapes())  # an empty row still knows its geometry
             return cache
-        copies = self._owned(held)
+        copies = self._owned(held)  # none at all: a row that forgot every token (chunked)
         mx.eval(*arrays(copies))
-        return cache.adopt(copies, self._offsets[index], self._shapes())
+        return cache.adopt(copies, offset, self._shapes())
 
     def _serial_of(self, spec: CodecSpec) -> type[Serial]:
         """The serial class a row of codec ``spec`` extracts into: the table's serial
@@ -1229,7 +1237,7 @@ class Layout(Storage):
         if not any(counts):
             return 0
         self._check_trim(counts)
-        for b, (tokens, count) in enumerate(zip(self._offsets, counts, strict=True)):
+        for b, (tokens, count) in enumerate(zip(self._tokens_held, counts, strict=True)):
             if count > tokens:
                 raise NotTrimmableError(trim_past_row_message(count, b, tokens))
         if self.composition.shared_column and not justify and len(set(counts)) > 1:

@@ -28,6 +28,7 @@ from kvrows.forms import delayed_groups
 from kvrows.lego import Bf16First
 from kvrows.recurrent import SerialRounds
 from kvrows.reference.delayed import DelayedLayout
+from kvrows.reference.geometries.chunked import ChunkedSurface
 from kvrows.reference.geometries.growing import RowAlignment
 from kvrows.reference.geometries.recurrent import ArraysCacheSurface, StateLayout
 from kvrows.reference.geometries.registry import IMPLEMENTATIONS
@@ -37,6 +38,7 @@ from kvrows.reference.rows import SERIAL_PRESETS, RowLayout, SerialStorage
 from kvrows.reference.speculative import SpeculativeLayout
 
 __all__ = [
+    "BatchedChunkedKVCache",
     "BatchedKVCache",
     "BatchedMxKVCache",
     "BatchedQuantizedKVCache",
@@ -48,6 +50,7 @@ __all__ = [
     "Bf16FirstQuantizedKVCache",
     "Bf16FirstRotatingQuantizedKVCache",
     "Bf16FirstTurboQuantKVCache",
+    "ChunkedKVCache",
     "DelayedMxKVCache",
     "DelayedQuantizedKVCache",
     "DelayedRotatingQuantizedKVCache",
@@ -55,6 +58,7 @@ __all__ = [
     "KVCache",
     "MLACache",
     "MxKVCache",
+    "PaddedChunkedRows",
     "PaddedKVRows",
     "PaddedQuantKVRows",
     "QuantizedKVCache",
@@ -75,6 +79,7 @@ PARAMETER_SURFACES = (
     ("bits", AffineParameters),
     ("k_bits", TurboParameters),
     ("max_size", RingParameters),
+    ("chunk_size", ChunkedSurface),
 )
 #: What a geometry adds in an arrangement beyond its hooks: ragged growing rows align
 #: their writes; recurrent state is mlx-lm's ``ArraysCache`` surface.
@@ -174,6 +179,12 @@ if TYPE_CHECKING:
     # -- sliding window ----------------------------------------------------------------
     class RotatingKVCache(RingParameters, SerialStorage): ...
 
+    class ChunkedKVCache(ChunkedSurface, SerialStorage): ...
+
+    class PaddedChunkedRows(ChunkedSurface, RowLayout): ...
+
+    class BatchedChunkedKVCache(ChunkedSurface, SpeculativeLayout, RowLayout): ...
+
     class BatchedRotatingCache(RingParameters, RowLayout): ...
 
     class RaggedRotatingRows(RingParameters, RowLayout): ...
@@ -224,7 +235,7 @@ else:
 
 #: The parameters a surface mixin exposes (``AffineParameters``: ``bits``;
 #: ``RingParameters``: ``max_size``): a class has each iff its table entry takes it.
-_SURFACE_PARAMETERS = ("bits", "max_size")
+_SURFACE_PARAMETERS = ("bits", "max_size", "chunk_size")
 
 
 def _checked(cls: type[Any]) -> type[Any]:

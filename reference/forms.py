@@ -15,7 +15,11 @@ import numpy as np
 import numpy.typing as npt
 
 from kvrows.codec import PlaneSet
-from kvrows.errors import InvalidInputError, empty_state_row_message
+from kvrows.errors import (
+    InvalidInputError,
+    empty_row_needs_geometry_message,
+    empty_state_row_message,
+)
 from kvrows.forms import (
     describe_planes,
     pack_state,
@@ -62,7 +66,9 @@ def state_of(storage: Storage) -> tuple[Any, ...]:
     if not entry.is_layout:
         serial = _as_serial(storage)
         # ``idx`` (a ring's): the retained columns, in time order.
-        fields.update(offset=serial.offset, idx=serial.retained)
+        # ``start_position`` (a chunked row's): the first position it holds.
+        held = serial.retained
+        fields.update(offset=serial.offset, idx=held, start_position=serial.offset - held)
         return pack_state(entry, with_planes(fields, serial.planes()))
     layout = _as_layout(storage)
     offsets = [row.offset for row in layout._rows]
@@ -161,6 +167,10 @@ def restore_state(
         serial._geometry = kv
         if keys is not None and values is not None:
             serial._rows = [Row(_kv_planes(keys, values), offset, sinks=sinks)]
+        elif offset and token_geometry.evicts:  # a row that forgot every token it held
+            if kv is None:
+                raise InvalidInputError(empty_row_needs_geometry_message(offset))
+            serial._rows = [Row(zero_planes(layout.codec, kv, 1, 0), offset, sinks=sinks)]
         elif offset:
             raise InvalidInputError(empty_state_row_message(offset))
         sources.append(serial)

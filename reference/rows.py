@@ -188,7 +188,8 @@ class Row:
     def newest(self, count: int) -> Row:
         """An independent row holding ``count`` of this one's tokens, at its offset: its
         sinks (up to ``count``) and then its newest."""
-        if not self.planes or count == 0:
+        if not self.planes or (count == 0 and self.offset == 0):
+            # (a row past position 0 keeps zero-width planes: it still stands there)
             return Row(offset=self.offset, pad=self.pad, sinks=self.sinks, stage=self.stage)
         head = min(self.held_sinks, count)
         planes = {t: _sinks_and_newest(ps, head, count) for t, ps in self.planes.items()}
@@ -286,8 +287,9 @@ class TokenAxis(Protocol):
         """Whether a row at ``offset`` may still forget tokens (or publish a prefix)."""
         ...
 
-    def serial_mask(self, offset: int, n: int, window: int | None, return_array: bool) -> Mask:
-        """A serial storage's mask (mlx-lm's policy for this geometry)."""
+    def serial_mask(self, row: Row, n: int, window: int | None, return_array: bool) -> Mask:
+        """A serial storage's mask for its next ``n`` tokens (mlx-lm's policy for this
+        geometry), ``row`` one of its rows (they move together)."""
         ...
 
     def place(self, arrangement: Arrangement) -> Placement: ...
@@ -680,7 +682,7 @@ class Storage(SavedState, ComposedIdentity):
         if self._rows:
             raise LayoutStateError(ADOPT_NEEDS_EMPTY)
         row.pad, row.stage = 0, self._stage
-        self._rows = [row] if row.held else []
+        self._rows = [row] if row.held or row.offset else []
         self._take_shapes(geometry)
         return self
 
@@ -725,7 +727,8 @@ class SerialStorage(Storage):
         self, n: int, *, return_array: bool = False, window_size: int | None = None
     ) -> Mask:
         count = as_count(n, "n", minimum=1)
-        return self._axis.serial_mask(self.offset, count, check_window(window_size), return_array)
+        row = self._rows[0] if self._rows else self._new_row()
+        return self._axis.serial_mask(row, count, check_window(window_size), return_array)
 
     def is_trimmable(self) -> bool:
         return self._axis.cuttable(self.offset)
@@ -739,7 +742,7 @@ class SerialStorage(Storage):
                     f"a ring with {self.offset} columns written", self._axis.cap or 0
                 )
             )
-        count = min(count, self.offset)
+        count = min(count, self.retained)  # what it holds (mlx-lm: ``offset - start``)
         for row in self._rows:
             row.trim(count)
         return count
@@ -835,7 +838,9 @@ class RowLayout(Storage):
     def can_publish_row(self, row: int, tokens: int) -> bool:
         offset = self._rows[check_row(row, self.batch_size)].offset
         count = as_count(tokens, "tokens")
-        return count == offset or (count < offset and self._axis.cuttable(offset))
+        # A prefix shorter than the row: while the row still holds every position.
+        held = self._rows[row].retained == offset
+        return count == offset or (count < offset and held and self._axis.cuttable(offset))
 
     def projected_bytes(self, tokens: int) -> int:
         return row_bytes(self.codec, self._geometry, tokens, self._axis.cap)
@@ -955,7 +960,8 @@ class RowLayout(Storage):
         """An independent serial storage holding row ``row``'s window."""
         entry = self._rows[check_row(row, self.batch_size)]
         serial = self._serial_of(self._stages[entry.stage].spec)
-        held = self._cut(entry) if entry.held else self._new_row()
+        # A row that forgot every token it held (chunked) still stands at its offset.
+        held = self._cut(entry) if entry.held or entry.offset else self._new_row()
         return serial.adopt(held, self._shapes())  # an empty row still knows its geometry
 
     def _serial_of(self, spec: CodecSpec) -> SerialStorage:

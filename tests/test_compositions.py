@@ -172,10 +172,10 @@ def test_shapes_name_the_read_image_and_its_bytes() -> None:
 def test_the_table_names_every_seed_class_once() -> None:
     names = [c.name for c in COMPOSITIONS]
     # The seed's 26 classes, the three bf16-first legos (serial presets, delayed) and the
-    # two paged rings (the paged placement under the ring geometry), and the four presets of
-    # the microscaling codecs (issue 25).
-    assert len(names) == len(set(names)) == 35
-    assert len(landed()) == 35
+    # two paged rings (the paged placement under the ring geometry), the four presets of
+    # the microscaling codecs and the three of the chunked geometry (issue 25).
+    assert len(names) == len(set(names)) == 38
+    assert len(landed()) == 38
     assert len([c for c in COMPOSITIONS if not c.is_landed]) == 0
     for entry in COMPOSITIONS:
         if entry.serial is not None:
@@ -297,7 +297,17 @@ def test_the_signature_table_matches_the_compositions() -> None:
     section = text[text.index("## 5.") : text.index("## 6.")]
     documented = dict(re.findall(r"\| `(\w+)` \| `([^`]+)`", section))
     placeholders = {
-        k: f"<{k}>" for k in ("bits", "group_size", "max_size", "keep", "start", "k_bits", "v_bits")
+        k: f"<{k}>"
+        for k in (
+            "bits",
+            "group_size",
+            "max_size",
+            "keep",
+            "start",
+            "k_bits",
+            "v_bits",
+            "chunk_size",
+        )
     }
     for entry in landed():
         assert documented[entry.name] == entry.signature.format(**placeholders), entry.name
@@ -343,6 +353,7 @@ _EXAMPLE = {
     "start": 3,
     "k_bits": 4,
     "v_bits": 2,
+    "chunk_size": 8,
 }
 
 

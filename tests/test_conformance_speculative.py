@@ -103,6 +103,7 @@ def test_the_family_drives_every_verify_layout() -> None:
     serial storage that has one, in both implementations, each a SpeculativeRowLayout."""
     serials = {spec.serial for spec in FAMILY.layouts}
     assert serials == {
+        "ChunkedKVCache",
         "KVCache",
         "QuantizedKVCache",
         "RotatingKVCache",
@@ -123,7 +124,7 @@ def test_the_family_drives_every_verify_layout() -> None:
 
 
 def _params(serial: str) -> tuple[int, ...]:
-    ring = (6,) if "Rotating" in serial else ()
+    ring = (6,) if "Rotating" in serial or "Chunked" in serial else ()
     return ring + ((32, 4) if "Quantized" in serial else ())
 
 

@@ -160,8 +160,7 @@ def _layout(name: str, seed: int) -> Any:
     assert serial_name is not None
     serial_cls: Any = getattr(kv, serial_name)
     layout_cls: Any = getattr(kv, name)
-    ring = entry.geometry == "ring"
-    params: dict[str, int] = {"max_size": WINDOW} if ring else {}
+    params = _geometry_params(name)
     if entry.codec == "affine":
         params.update(group_size=32, bits=4)
     rows = [
@@ -192,16 +191,23 @@ PLAIN_LAYOUTS = sorted(c.name for c in DROP_INS if c.is_layout and c.codec == "p
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_layout_reads(name: str) -> None:
     layout_cls: Any = getattr(kv, name)
-    ring = "Rotat" in name
-    empty = layout_cls(**({"max_size": WINDOW} if ring else {}), **_affine_params(name))
+    capped = bool(_geometry_params(name))  # a ring's window, a chunk: size() is capped
+    empty = layout_cls(**_geometry_params(name), **_affine_params(name))
     assert empty.keys is None and empty.values is None and empty.empty() and empty.size() == 0
     layout = _layout(name, 3)
     fetched = layout.fetch()
     assert _same(layout.keys, fetched[0]) and _same(layout.values, fetched[1])
     assert _same(layout.keys_and_values(), fetched)
     width = int(_flat(fetched)[0].shape[2])
-    assert layout.size() == (min(width, WINDOW) if ring else width)
+    assert layout.size() == (min(width, WINDOW) if capped else width)
     assert not layout.empty()
+
+
+def _geometry_params(name: str) -> dict[str, int]:
+    """A ring's window or a chunk of ``WINDOW`` positions (nothing for full attention)."""
+    names = {"ring": "max_size", "chunked": "chunk_size"}
+    kind = next(c for c in landed() if c.name == name).geometry
+    return {names[kind]: WINDOW} if kind in names else {}
 
 
 def _affine_params(name: str) -> dict[str, int]:
@@ -284,8 +290,7 @@ def test_an_empty_cache_reads_none_and_refuses_arrays(name: str) -> None:
     if name in SERIAL_PAIRS:
         cache = SERIAL_PAIRS[name][0]()
     else:
-        params = {"max_size": WINDOW} if "Rotat" in name else {}
-        cache = getattr(kv, name)(**params, **_affine_params(name))
+        cache = getattr(kv, name)(**_geometry_params(name), **_affine_params(name))
     assert cache.keys is None and cache.values is None
     cache.keys = None  # reading None and writing it back changes nothing
     with pytest.raises(LayoutStateError, match="update_and_fetch"):
@@ -427,8 +432,7 @@ def test_never_attribute_error() -> None:
     """Every member mlx-lm's models read exists on every class, empty or not."""
     for entry in DROP_INS:
         cls: Any = getattr(kv, entry.name)
-        params = {"max_size": WINDOW} if entry.geometry == "ring" else {}
-        cache = cls(**params, **_affine_params(entry.name))
+        cache = cls(**_geometry_params(entry.name), **_affine_params(entry.name))
         for member in ("keys", "values", "keys_and_values", "size", "empty", "offset", "nbytes"):
             getattr(cache, member)
         with pytest.raises(KvRowsError):

@@ -199,7 +199,7 @@ def _block(impl: Impl, rows: int, tokens: int, seed: int, dim: int = 64) -> Any:
 
 def _args(name: str) -> tuple[int, ...]:
     values = {"max_size": 6, "group_size": 32, "bits": 4, "keep": 0, "start": 5}
-    values |= {"k_bits": 4, "v_bits": 2}
+    values |= {"k_bits": 4, "v_bits": 2, "chunk_size": 6}
     return tuple(values[p] for p in composition(name).params)
 
 

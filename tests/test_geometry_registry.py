@@ -44,16 +44,17 @@ EXAMPLES: tuple[GeometrySpec, ...] = (
 
 
 def test_the_kinds_are_registered_in_kind_order() -> None:
-    assert list(GEOMETRIES) == ["growing", "recurrent", "ring"]
+    assert list(GEOMETRIES) == ["chunked", "growing", "recurrent", "ring"]
     assert geometry_class("ring") is Ring
     assert SchemesRing is Ring  # kvrows.schemes re-exports the specs
 
 
 def test_an_unknown_kind_names_the_registered_ones() -> None:
     with pytest.raises(InvalidInputError) as caught:
-        geometry_class("chunked")
+        geometry_class("banded")
     assert str(caught.value) == (
-        "no token geometry of kind 'chunked': expected one of ('growing', 'recurrent', 'ring')"
+        "no token geometry of kind 'banded': expected one of "
+        "('chunked', 'growing', 'recurrent', 'ring')"
     )
 
 
@@ -93,8 +94,8 @@ def test_a_saved_ring_s_keep_comes_from_its_fields_or_from_outside() -> None:
 def test_a_geometry_without_a_spec_has_no_generic_form() -> None:
     # Paging is a placement (contract §0.4): a paged entry's geometry is a registered one.
     assert geometry_from_fields(composition("PagedKVCache"), {}) == Growing()
-    unknown = replace(composition("KVCache"), geometry=cast(Any, "chunked"))
-    with pytest.raises(UnsupportedStateError, match="has no chunked geometry spec"):
+    unknown = replace(composition("KVCache"), geometry=cast(Any, "banded"))
+    with pytest.raises(UnsupportedStateError, match="has no banded geometry spec"):
         geometry_from_fields(unknown, {})
 
 
@@ -162,7 +163,7 @@ def strided() -> Iterator[type[Strided]]:
 
 def test_a_new_geometry_module_plugs_in(strided: type[Strided]) -> None:
     spec = Strided(span=6)
-    assert list(GEOMETRIES) == ["growing", "recurrent", "ring", "strided-test"]
+    assert list(GEOMETRIES) == ["chunked", "growing", "recurrent", "ring", "strided-test"]
     assert is_geometry_spec(spec)
     # A preset builds it from its parameters, or takes it as a spec.
     assert bind_arguments(STRIDED_SERIAL, (6,), {}) == (Plain(), spec, None)

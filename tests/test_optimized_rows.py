@@ -50,7 +50,7 @@ def _args(name: str) -> tuple[int, ...]:
     """Positional constructor arguments (mlx-lm's order) for a small instance (a delayed
     layout's rows convert from their fifth token)."""
     values = {"max_size": 8, "group_size": 32, "bits": 4, "keep": 0, "start": 5}
-    values |= {"k_bits": 4, "v_bits": 2}
+    values |= {"k_bits": 4, "v_bits": 2, "chunk_size": 8}
     return tuple(values[p] for p in composition(name).params)
 
 

@@ -55,6 +55,7 @@ DIM = 64
 def _args(name: str, keep: int = 0) -> tuple[int, ...]:
     entry = DECLARED[name].composition
     values = {"max_size": 6, "group_size": 32, "bits": 4, "keep": keep, "k_bits": 4, "v_bits": 3}
+    values["chunk_size"] = 6
     return tuple(values[p] for p in entry.params)
 
 

@@ -262,12 +262,12 @@ def test_cache_list_parts_are_served_and_refused_by_layer() -> None:
     assert isinstance(served[0][0], kv.SSMCache) and isinstance(served[0][1], kv.KVCache)
     unserved = [
         mlx_cache.KVCache(),
-        mlx_cache.CacheList(mlx_cache.ArraysCache(size=2), mlx_cache.ChunkedKVCache(8)),
+        mlx_cache.CacheList(mlx_cache.ArraysCache(size=2), mlx_cache.ConcatenateKVCache()),
     ]
     with pytest.raises(InvalidInputError) as refused:
         make_kvrows_cache(_Stub("falcon_like", unserved))
     message = str(refused.value)
-    assert "falcon_like" in message and "layer 1" in message and "ChunkedKVCache" in message
+    assert "falcon_like" in message and "layer 1" in message and "ConcatenateKVCache" in message
 
 
 def test_token_id_arrays_cache_is_refused_up_front() -> None:

@@ -39,7 +39,7 @@ SERIALS = [c.name for c in KV_LANDED if not c.is_layout]
 
 
 def _args(name: str) -> tuple[int, ...]:
-    return (6,) if composition(name).geometry == "ring" else ()
+    return (6,) if composition(name).geometry in ("ring", "chunked") else ()
 
 
 def _make(name: str) -> Any:
@@ -127,7 +127,7 @@ def test_specs_signature_and_planes(name: str) -> None:
     # plain: K, V; affine: codes, scales, biases each; TurboQuant: 3 + 2; microscaling: 2 + 2.
     assert len(specs) == {"plain": 2, "affine": 6, "turbo": 5, "mx": 4}[cache.codec_spec.kind]
     if entry.is_layout:
-        stored = min(10, 6) if entry.geometry == "ring" else 10
+        stored = min(10, 6) if entry.geometry in ("ring", "chunked") else 10  # a cap of 6
         if entry.placement == "paged":  # whole blocks
             stored = -(-10 // again.block_size) * again.block_size
         per_token = 2 * sum(DTYPE_SIZES[p.dtype] * p.width for p in specs)  # 2 heads

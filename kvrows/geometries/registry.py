@@ -36,6 +36,9 @@ class GeometrySpec(Protocol):
     #: buffer order with the write index ``idx`` (``kvrows.forms.chronological`` puts them
     #: in time order), and a ragged row starts at column 0 with no left pad.
     wraps: ClassVar[bool]
+    #: A row forgets its oldest positions as it grows (chunked): a saved row may hold fewer
+    #: columns than its offset without wrapping.
+    evicts: ClassVar[bool]
     #: A serial storage's saved-form fields after its planes (mlx-lm's order).
     serial_fields: ClassVar[tuple[str, ...]]
     #: A layout's saved-form fields after its planes (mlx-lm's batch order).
@@ -92,6 +95,7 @@ class SpecParts:
 
     token_axis: ClassVar[bool] = True
     wraps: ClassVar[bool] = False
+    evicts: ClassVar[bool] = False
     layout_form_omits: ClassVar[tuple[str, ...]] = ()
 
     def parameters(self) -> dict[str, int]:

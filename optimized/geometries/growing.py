@@ -69,7 +69,7 @@ class GrowingGeometry(Storage):
     @property
     def width(self) -> int:
         """Columns from the origin to the furthest row end."""
-        return max((p + n for p, n in zip(self._pads, self._offsets, strict=True)), default=0)
+        return max((p + n for p, n in zip(self._pads, self._tokens_held, strict=True)), default=0)
 
     @property
     def slots(self) -> int:
@@ -103,7 +103,7 @@ class GrowingGeometry(Storage):
 
     def _window_slot(self, planes: PlaneSet, row: int, slot: int) -> PlaneSet | None:
         first = self._origin + self._pads[row]
-        last = first + self._offsets[row]
+        last = first + self._tokens_held[row]
         return mapped(planes, lambda p: p[slot : slot + 1, :, first:last])
 
     def _visible_rows(self, store: Store) -> PlaneSet:
@@ -115,19 +115,19 @@ class GrowingGeometry(Storage):
     def _held_columns(self, rows: list[int], columns: int) -> mx.array:
         """Row ``b``'s tokens sit at ``[origin + pad, origin + pad + offset)``."""
         first = mx.array([self._origin + self._pads[b] for b in rows])[:, None]
-        last = first + mx.array([self._offsets[b] for b in rows])[:, None]
+        last = first + mx.array([self._tokens_held[b] for b in rows])[:, None]
         column = mx.arange(columns)[None, :]
         return ((column >= first) & (column < last))[:, None, :, None]
 
     def _append(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
         serial = isinstance(self, Serial)
         origin = self._origin
-        ends = [origin + p + t for p, t in zip(self._pads, self._offsets, strict=True)]
+        ends = [origin + p + t for p, t in zip(self._pads, self._tokens_held, strict=True)]
         width = max(ends) - origin
         if self._planes is None or origin + width + n > self.capacity:
             # A layout keeps one spare column; the origin is 0 afterwards.
             self._reallocate(round_up(width + n + (0 if serial else 1)), shift=0)
-            ends = [p + t for p, t in zip(self._pads, self._offsets, strict=True)]
+            ends = [p + t for p, t in zip(self._pads, self._tokens_held, strict=True)]
         assert self._planes is not None
         batch = len(self._offsets)
         if len(set(ends)) == 1:  # ``write_columns``, inline: every decode step runs it
@@ -140,11 +140,11 @@ class GrowingGeometry(Storage):
     def _append_stores(self, shares: list[PlaneSet], n: int, geometry: KvGeometry) -> None:
         assert self._stores is not None
         origin = self._origin
-        ends = [origin + p + t for p, t in zip(self._pads, self._offsets, strict=True)]
+        ends = [origin + p + t for p, t in zip(self._pads, self._tokens_held, strict=True)]
         width = max(ends) - origin
         if any(s.planes is None for s in self._stores) or origin + width + n > self.capacity:
             self._reallocate(round_up(width + n + 1), shift=0)  # every store, one capacity
-            ends = [p + t for p, t in zip(self._pads, self._offsets, strict=True)]
+            ends = [p + t for p, t in zip(self._pads, self._tokens_held, strict=True)]
         for store, share in zip(self._stores, shares, strict=True):
             assert store.planes is not None
             write_columns(store.planes, share, [ends[b] for b in store.rows], n)
@@ -317,7 +317,7 @@ class GrowingGeometry(Storage):
         afterwards. ``tokens``: how many of each row's oldest tokens move (default: all it
         holds). (A slice per row is several times faster than one gather of every row's
         columns: the gather reads an index per element.)"""
-        held = self._offsets if tokens is None else tokens
+        held = self._tokens_held if tokens is None else tokens
         geometry = self._geometry
         stores = self._store_list()
         if geometry is None or all(store.planes is None for store in stores):
@@ -359,7 +359,7 @@ class GrowingGeometry(Storage):
         self._origin += shared
 
     def _block_starts(self, n: int) -> list[int]:
-        return [p + t for p, t in zip(self._pads, self._offsets, strict=True)]
+        return [p + t for p, t in zip(self._pads, self._tokens_held, strict=True)]
 
     def _check_padded_update(self, n: int, real: list[int], tail: list[int]) -> None:
         return None  # every pad column is forgotten by moving positions and pads
@@ -371,7 +371,7 @@ class GrowingGeometry(Storage):
     def _layout_image(self) -> LayoutImage | None:
         """Rows sharing one end column are right-aligned in the buffers already: the
         form is a view of them (``idx``: that column)."""
-        ends = {p + t for p, t in zip(self._pads, self._offsets, strict=True)}
+        ends = {p + t for p, t in zip(self._pads, self._tokens_held, strict=True)}
         if self._planes is None or len(ends) != 1:
             return None
         return {"idx": ends.pop()}, list(self._pads), self._visible(self._planes)
@@ -389,13 +389,13 @@ class GrowingGeometry(Storage):
             # zeros, as a load lays them (contract §0.5).
             if self.composition.arrangement == "ragged" and self._masked_read_zeros:
                 ends = [
-                    self._origin + p + t for p, t in zip(self._pads, self._offsets, strict=True)
+                    self._origin + p + t for p, t in zip(self._pads, self._tokens_held, strict=True)
                 ]
                 self._clear_rows([e - c for e, c in zip(ends, counts, strict=True)], counts)
             return
         # A shared-column rollback: each row rolls right so every row ends at the longest
         # kept row's end again (what MLA's seed does with a roll).
-        kept = [t - c for t, c in zip(self._offsets, counts, strict=True)]
+        kept = [t - c for t, c in zip(self._tokens_held, counts, strict=True)]
         width = max(kept, default=0)
         self._align([width - k for k in kept], kept)
 
@@ -407,7 +407,7 @@ class GrowingGeometry(Storage):
         if self._offsets:
             assert min(self._pads) == 0, "some row must start at column 0"
         if self.composition.shared_column:
-            ends = {p + t for p, t in zip(self._pads, self._offsets, strict=True)}
+            ends = {p + t for p, t in zip(self._pads, self._tokens_held, strict=True)}
             assert len(ends) <= 1, "rows must share the write column"
         if self._planes is not None:
             assert len(self._offsets) <= self.slots
@@ -429,7 +429,7 @@ class GrowingGeometry(Storage):
         return visible
 
     def _layout_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
-        ends = [p + t for p, t in zip(self._pads, self._offsets, strict=True)]
+        ends = [p + t for p, t in zip(self._pads, self._tokens_held, strict=True)]
         aligned = len(set(ends)) <= 1
         if aligned and not any(self._pads) and window is None and not return_array:
             return None if n == 1 else "causal"

@@ -35,10 +35,10 @@ from kvrows.validation import check_left_pad
 if TYPE_CHECKING:
     from kvrows.reference.speculative import SpeculativeLayout
 
-__all__ = ["GrowingAxis", "PaddedRows", "RowAlignment"]
+__all__ = ["GrowingAxis", "PaddedRows", "RowAlignment", "padded_visible"]
 
 
-def _visible(
+def padded_visible(
     pads: Sequence[int], ends: Sequence[int], n: int, window: int | None
 ) -> npt.NDArray[np.bool_]:
     """``[B, 1, n, max(ends) + n]``: row ``b``'s query ``i`` sits at column ``ends[b] + i``
@@ -72,12 +72,12 @@ class GrowingAxis(TokenRows):
     def cuttable(self, offset: int) -> bool:
         return True
 
-    def serial_mask(self, offset: int, n: int, window: int | None, return_array: bool) -> Mask:
+    def serial_mask(self, row: Row, n: int, window: int | None, return_array: bool) -> Mask:
         """mlx-lm's policy: ``None`` for one token, ``"causal"`` for a block, an array
         ``[n, offset + n]`` when a window or ``return_array`` asks for one."""
         if window is None and not return_array:
             return None if n == 1 else "causal"
-        visible: npt.NDArray[np.bool_] = _visible([0], [offset], n, window)[0, 0]
+        visible: npt.NDArray[np.bool_] = padded_visible([0], [row.offset], n, window)[0, 0]
         return visible
 
     def place(self, arrangement: Arrangement) -> Placement:
@@ -107,7 +107,7 @@ class PaddedRows:
         uniform = not any(pads) and len(set(ends)) <= 1
         if uniform and window is None and not return_array:
             return None if n == 1 else "causal"
-        return _visible(pads, ends, n, window)
+        return padded_visible(pads, ends, n, window)
 
     def advance(self, rows: Sequence[Row], n: int) -> None:
         return None

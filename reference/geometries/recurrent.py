@@ -58,7 +58,7 @@ class StateAxis:
     def cuttable(self, offset: int) -> bool:
         return False
 
-    def serial_mask(self, offset: int, n: int, window: int | None, return_array: bool) -> Mask:
+    def serial_mask(self, row: Row, n: int, window: int | None, return_array: bool) -> Mask:
         return None  # the surface's make_mask answers (a padded run's, mlx-lm's policy)
 
     def place(self, arrangement: Arrangement) -> Placement:

@@ -109,11 +109,11 @@ class RingAxis(TokenRows):
     def cuttable(self, offset: int) -> bool:
         return offset < self.max_size
 
-    def serial_mask(self, offset: int, n: int, window: int | None, return_array: bool) -> Mask:
+    def serial_mask(self, row: Row, n: int, window: int | None, return_array: bool) -> Mask:
         """mlx-lm's ring policy: ``None`` / ``"causal"`` while every query sees its whole
         history, else (or with ``return_array``) the array ``[n, S]`` (``[S]`` for one
         query, mlx-lm's shape), columns in temporal order."""
-        recent = reach(window, self.max_size, self.keep)
+        offset, recent = row.offset, reach(window, self.max_size, self.keep)
         after = self.after(offset, n)  # a serial ring retains at least min(offset, max_size - 1)
         if after <= self.keep + recent and not return_array:
             return None if n == 1 else "causal"

@@ -1,0 +1,134 @@
+"""Chunked-local attention: the chunked token geometry's hooks (``spec/ChunkedKVCache.md``).
+
+A row keeps its newest ``chunk_size`` tokens before it appends (mlx-lm's
+``maybe_trim_front``), so a block of ``n`` reads ``min(retained, chunk_size) + n``; a
+query sees the earlier positions of its own chunk. Layouts place rows as the growing
+geometry does (right-aligned, left pads); a front trim leaves a row's end where it was and
+grows its pad, and the padding every row then shares leaves the read (as a filter drops
+it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvrows.compositions import Arrangement
+from kvrows.geometries.chunked import Chunked
+from kvrows.protocols import Mask
+from kvrows.reference.geometries.growing import GrowingAxis, PaddedRows, padded_visible
+from kvrows.reference.geometries.registry import implements
+from kvrows.reference.rows import Placement, Row
+
+__all__ = ["ChunkedAxis", "ChunkedRows", "ChunkedSurface"]
+
+
+def _same_chunk(
+    offsets: Sequence[int], ends: Sequence[int], width: int, n: int, size: int
+) -> npt.NDArray[np.bool_]:
+    """``[B, 1, n, width]``: whether column ``c`` of row ``b`` (position ``offsets[b] +
+    c - ends[b]``) is in the chunk of its query ``i`` (position ``offsets[b] + i``)."""
+    offset = np.array(offsets, dtype=np.int64)[:, None, None, None]
+    end = np.array(ends, dtype=np.int64)[:, None, None, None]
+    keys = offset + np.arange(width)[None, None, None, :] - end
+    queries = offset + np.arange(n)[None, None, :, None]
+    same: npt.NDArray[np.bool_] = keys // size == queries // size
+    return same
+
+
+@implements("chunked")
+class ChunkedAxis(GrowingAxis):
+    """The newest ``chunk_size`` tokens are kept before each append; the window is what
+    the row holds."""
+
+    def __init__(self, spec: Chunked) -> None:
+        self.spec = spec
+        self.size = spec.chunk_size
+        self.cap = spec.chunk_size
+
+    def history(self, row: Row, n: int) -> int:
+        return min(row.retained, self.size)
+
+    def trim_front(self, row: Row) -> int:
+        """Forget all but the row's newest ``chunk_size`` tokens; how many it forgot."""
+        evicted = row.retained - self.history(row, 0)
+        if evicted:
+            row.planes = row.newest(row.retained - evicted).planes
+        return evicted
+
+    def serial_mask(self, row: Row, n: int, window: int | None, return_array: bool) -> Mask:
+        """``None`` / ``"causal"`` while the keys the update returns and the queries are one
+        chunk (as the growing geometry's), else the array ``[n, S]``."""
+        kept = self.history(row, n)
+        first, last = row.offset - kept, row.offset + n - 1
+        if first // self.size == last // self.size and window is None and not return_array:
+            return None if n == 1 else "causal"
+        seen = padded_visible([0], [kept], n, window)
+        same = _same_chunk([row.offset], [kept], kept + n, n, self.size)
+        visible: npt.NDArray[np.bool_] = (seen & same)[0, 0]
+        return visible
+
+    def place(self, arrangement: Arrangement) -> Placement:
+        return ChunkedRows(self, shared=arrangement == "shared")
+
+
+class ChunkedRows(PaddedRows):
+    """Growing's padded rows; before every append each row trims its front (its pad
+    grows by what it forgot) and the padding every row shares leaves the read."""
+
+    def __init__(self, axis: ChunkedAxis, *, shared: bool) -> None:
+        super().__init__(shared=shared)
+        self.axis = axis
+
+    def advance(self, rows: Sequence[Row], n: int) -> None:
+        for row in rows:
+            row.pad += self.axis.trim_front(row)
+        self.filter(rows)
+
+    def mask(self, rows: Sequence[Row], n: int, window: int | None, return_array: bool) -> Mask:
+        # The rows as the next append lays them (after their front trims).
+        kept = [self.axis.history(r, n) for r in rows]
+        pads = [r.pad + r.retained - k for r, k in zip(rows, kept, strict=True)]
+        shared = min(pads, default=0)
+        pads = [p - shared for p in pads]
+        ends = [p + k for p, k in zip(pads, kept, strict=True)]
+        offsets = [r.offset for r in rows]
+        size = self.axis.size
+        one_chunk = all(
+            (o - k) // size == (o + n - 1) // size for o, k in zip(offsets, kept, strict=True)
+        )
+        uniform = not any(pads) and len(set(ends)) <= 1
+        if uniform and one_chunk and window is None and not return_array:
+            return None if n == 1 else "causal"
+        seen = padded_visible(pads, ends, n, window)
+        return seen & _same_chunk(offsets, ends, seen.shape[-1], n, size)
+
+
+class ChunkedSurface:
+    """mlx-lm's ``ChunkedKVCache`` surface: ``chunk_size``, ``start_position`` (the first
+    position held: one int, or one per row of a layout) and ``maybe_trim_front``."""
+
+    _token_geometry: Any
+    _rows: list[Row]
+    _axis: Any
+
+    @property
+    def chunk_size(self) -> int:
+        return int(self._token_geometry.chunk_size)
+
+    @property
+    def start_position(self) -> Any:
+        starts = np.asarray(self.offset) - np.asarray(self.retained)  # type: ignore[attr-defined]
+        return int(starts) if starts.ndim == 0 else starts.astype(np.int32)
+
+    def maybe_trim_front(self) -> None:
+        """Keep each row's newest ``chunk_size`` tokens (what the next append does first;
+        llama4 calls it before it builds its mask from ``start_position``)."""
+        if self.composition.is_layout:  # type: ignore[attr-defined]
+            self._advance(0)  # type: ignore[attr-defined]  # the placement's front trims
+        else:
+            for row in self._rows:
+                self._axis.trim_front(row)
