@@ -1172,19 +1172,27 @@ class Layout(Storage):
             self._clear()
             return
 
-        if self._keeps_on_host():
-            self._keep_rows(order)  # (host records only: nothing in it can fail halfway)
-        else:
+        if not self._keeps_at_once(order):
             all_or_nothing(self, functools.partial(self._keep_rows, order))
+            return
+        # Nothing changes before ``_keep``'s one step that can raise but the offsets (the
+        # geometry reads the kept rows'): they alone go back, no undo record of the rest.
+        offsets = self._offsets
+        try:
+            self._keep_rows(order)
+        except BaseException:
+            self._offsets = offsets
+            raise
 
     def _keep_rows(self, order: list[int]) -> None:
         self._offsets = [self._offsets[i] for i in order]
         self._keep(order)
         self._changed()
 
-    def _keeps_on_host(self) -> bool:
-        """Whether ``_keep`` edits host records only (no array op, so no fault to undo);
-        a placement whose rows are tables says so."""
+    def _keeps_at_once(self, order: list[int]) -> bool:
+        """Whether ``_keep(order)`` changes nothing before its one step that can raise
+        (host records only, or planes built whole and then rebound), so a fault needs no
+        undo record; a geometry or placement that does so says when."""
         return False
 
     def extract_row(self, row: int) -> Serial:

@@ -273,6 +273,10 @@ class GrowingGeometry(Storage):
         self._put_stores(list(stores.values()))
         self._pads = [p + grow for p in self._pads] + [target - t for t in tokens]
 
+    def _keeps_at_once(self, order: list[int]) -> bool:
+        # One store and no slots to release: one gather, rebound once built.
+        return self._stores is None and self.slots <= 2 * spare_slots(len(order))
+
     def _keep(self, order: list[int]) -> None:
         """The shared left padding is dropped by moving the origin."""
         shared = min(self._pads[i] for i in order)

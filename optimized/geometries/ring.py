@@ -187,6 +187,9 @@ class RingGeometry(Storage):
         recent = reach(window, self.max_size, self.keep)
         return ordered_mask(self._offsets, after, n, self.keep, recent)
 
+    def _keeps_at_once(self, order: list[int]) -> bool:
+        return self._stores is None  # one store: one gather, rebound once built
+
     def _keep(self, order: list[int]) -> None:
         """Gather the kept rows (each stage store its own); a ring keeps its padding (its
         columns are its window)."""
@@ -608,6 +611,9 @@ class SharedRing(RingGeometry):
         self._pads = [width - n for n in tails]
         self._idx = self._total = width
         self._rotated = False
+
+    def _keeps_at_once(self, order: list[int]) -> bool:
+        return not self.keep and super()._keeps_at_once(order)  # (sinks: a narrowing after)
 
     def _keep(self, order: list[int]) -> None:
         super()._keep(order)
