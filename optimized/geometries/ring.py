@@ -49,7 +49,7 @@ from kvrows.errors import (
     trim_past_row_message,
     wrapped_ring_message,
 )
-from kvrows.optimized.codecs import Planes
+from kvrows.optimized.codecs import Codec, Planes
 from kvrows.optimized.geometries.registry import implements
 from kvrows.optimized.rows import (
     LayoutImage,
@@ -884,7 +884,16 @@ class RaggedRing(RingGeometry):
             store.planes = fresh
 
     def _place(self, incoming: list[RowWindow], geometry: KvGeometry | None) -> None:
-        self._place_stages(incoming, [self._stage_of(self.codec)] * len(incoming), geometry)
+        if self._stores is not None:
+            self._place_stages(incoming, [self._stage_of(self.codec)] * len(incoming), geometry)
+            return
+        # Every row in one stage (every merge of a one-stage ring): the one store's planes,
+        # without the stages' bookkeeping.
+        everything = self._each_row() + incoming
+        lengths = [0 if held is None else token_count(held) for held, _ in everything]
+        self._planes = self._left_aligned(everything, lengths, geometry, self.codec)
+        self._retained = lengths
+        self._pads = [0] * len(everything)
 
     def _place_stages(
         self, incoming: list[RowWindow], stages: list[int], geometry: KvGeometry | None
@@ -899,16 +908,31 @@ class RaggedRing(RingGeometry):
         for stage in sorted(set(row_stages)):
             store = self._new_store(stage)
             store.rows = [b for b, s in enumerate(row_stages) if s == stage]
-            if geometry is not None and width:
-                fresh = self._zeros(len(store.rows), round_up(width + 1), geometry, store.codec)
-                rows = [everything[b] for b in store.rows]
-                held = [lengths[b] for b in store.rows]
-                store.planes = _stacked(fresh, rows, held, right_aligned=False)
+            rows = [everything[b] for b in store.rows]
+            held = [lengths[b] for b in store.rows]
+            store.planes = self._left_aligned(rows, held, geometry, store.codec, width)
             stores.append(store)
         self._planes = None
         self._put_stores(stores)
         self._retained = lengths
         self._pads = [0] * len(everything)
+
+    def _left_aligned(
+        self,
+        rows: list[RowWindow],
+        lengths: list[int],
+        geometry: KvGeometry | None,
+        codec: Codec,
+        width: int | None = None,
+    ) -> PlaneSet | None:
+        """Fresh planes of ``codec`` holding ``rows`` (of ``lengths`` tokens) left-aligned,
+        with room for ``width`` tokens (default: the longest row's); ``None`` when there is
+        nothing to hold."""
+        width = max(lengths) if width is None else width
+        if geometry is None or not width:
+            return None
+        fresh = self._zeros(len(rows), round_up(width + 1), geometry, codec)
+        return _stacked(fresh, rows, lengths, right_aligned=False)
 
     def _keep(self, order: list[int]) -> None:
         super()._keep(order)
