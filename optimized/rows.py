@@ -545,7 +545,8 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         if slots == list(range(len(slots))):
             return planes
         index = mx.array(slots + [slots[-1]] * (spare_slots(len(slots)) - len(slots)))
-        return mapped(planes, lambda p: mx.take(p, index, axis=0))
+        # Every filter runs it: a comprehension, no per-plane call.
+        return {t: tuple(mx.take(p, index, axis=0) for p in held) for t, held in planes.items()}
 
     def _merged_slots(
         self, planes: PlaneSet | None, rows: list[int], moved: PlaneSet, joining: list[int]

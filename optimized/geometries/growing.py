@@ -281,12 +281,15 @@ class GrowingGeometry(Storage):
         """The shared left padding is dropped by moving the origin."""
         shared = min(self._pads[i] for i in order)
         if self._stores is None:  # one store: old row ``b`` at slot ``b``
-            if self._planes is not None and order != list(range(len(order))):
-                self._planes = self._gather_slots(self._planes, order)
+            held = self._planes
+            if held is not None:
+                self._planes = self._gather_slots(held, order)
             self._pads = [self._pads[i] - shared for i in order]
             self._origin += shared
-            if self._planes is not None and self.slots > 2 * spare_slots(len(order)):
-                # Release the slots a large retirement left behind.
+            # Release the slots a large retirement left behind (a gather keeps only a few
+            # spare slots: only kept leading rows can leave many).
+            kept_whole = held is not None and self._planes is held
+            if kept_whole and self.slots > 2 * spare_slots(len(order)):
                 self._reallocate(round_up(self.width + 1), shift=0)
             return
         stores = self._stores
