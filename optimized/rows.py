@@ -714,8 +714,11 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             or source.token_geometry != self.token_geometry
         ):
             return False
+        held = cast(Storage, source)._held_codecs()
+        if len(self._stages) == 1 and len(held) == 1:  # (every merge of one stage)
+            return held[0].key == self._stages[0].key
         keys = {c.key for c in self._stages}
-        return all(codec.key in keys for codec in cast(Storage, source)._held_codecs())
+        return all(codec.key in keys for codec in held)
 
     # -- the templates --------------------------------------------------------------------
     def _block_rows(self) -> int | None:

@@ -35,7 +35,6 @@ from kvrows.optimized.rows import (
     Storage,
     Store,
     arrays,
-    mapped,
     paired,
     spare_slots,
     token_count,
@@ -96,15 +95,17 @@ class GrowingGeometry(Storage):
         return {t: tuple(p[:batch, :, start:stop] for p in held) for t, held in planes.items()}
 
     def _window(self, planes: PlaneSet, row: int | None) -> PlaneSet | None:
+        # Every merge reads its sources' rows: comprehensions, no per-plane call.
         if row is None:
             start, stop = self._origin, self._origin + self.width
-            return mapped(planes, lambda p: p[:, :, start:stop])
+            return {t: tuple(p[:, :, start:stop] for p in held) for t, held in planes.items()}
         return self._window_slot(planes, row, row)
 
     def _window_slot(self, planes: PlaneSet, row: int, slot: int) -> PlaneSet | None:
         first = self._origin + self._pads[row]
         last = first + self._offsets[row]
-        return mapped(planes, lambda p: p[slot : slot + 1, :, first:last])
+        end = slot + 1
+        return {t: tuple(p[slot:end, :, first:last] for p in held) for t, held in planes.items()}
 
     def _visible_rows(self, store: Store) -> PlaneSet:
         assert store.planes is not None
