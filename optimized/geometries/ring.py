@@ -196,7 +196,7 @@ class RingGeometry(Storage):
         if self._stores is None:
             if self._planes is not None and order != list(range(len(self._pads))):
                 index = mx.array(order)
-                self._planes = mapped(self._planes, lambda p: p[index])
+                self._planes = {t: tuple(p[index] for p in ps) for t, ps in self._planes.items()}
         else:
             new_row = {old: new for new, old in enumerate(order)}
             kept: list[Store] = []
@@ -771,8 +771,9 @@ class RaggedRing(RingGeometry):
             return None
         count = min(held, offset, self.max_size)
         sinks = min(self.keep, offset, count)
-        if sinks == 0 or count == held:
-            return mapped(planes, lambda p: p[slot : slot + 1, :, held - count : held])
+        if sinks == 0 or count == held:  # (every join reads each row: no per-plane call)
+            end, first = slot + 1, held - count
+            return {t: tuple(p[slot:end, :, first:held] for p in ps) for t, ps in planes.items()}
         return mapped(
             planes,
             lambda p: mx.concatenate(
