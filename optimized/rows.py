@@ -466,7 +466,11 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
 
     def _stage_of(self, codec: Codec) -> int:
         """The stage of this storage whose codec encodes as ``codec`` does."""
-        return [c.key for c in self._stages].index(codec.key)
+        key = codec.key
+        for stage, held in enumerate(self._stages):  # (a merge asks it of every row)
+            if held is codec or held.key == key:
+                return stage
+        raise ValueError(f"{key!r} is not a stage's codec")
 
     def _new_store(self, stage: int) -> Store:
         """An empty store of ``stage`` (of ``codec`` when it is the rows' stage)."""
@@ -1130,9 +1134,14 @@ class Layout(Storage):
 
     def _one_store(self, stages: list[int]) -> bool:
         """Whether the rows, with joining rows of ``stages``, stay in one store."""
-        return len(self._stages) == 1 or (
-            self._stores is None and len(set(self.row_stages) | set(stages)) <= 1
-        )
+        if len(self._stages) == 1:
+            return True
+        if self._stores is not None:
+            return False
+        held = set(stages)  # and the one store's stage, when it holds rows
+        if self._offsets:
+            held.add(self._stage_of(self.codec))
+        return len(held) <= 1
 
     def _check_join(
         self, sources: Sequence[Cache], incoming: list[RowWindow], shapes: Any, stages: list[int]
