@@ -712,8 +712,7 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         # codec the source's rows are in (a source holding none: its codec) is one of this
         # storage's stages' (contract §0.5).
         if (
-            # Storage first: a storage is a RowSource, and the protocol check costs microseconds.
-            not isinstance(source, (Storage, RowSource))
+            not isinstance(source, RowSource)
             or source.array_name != self.array_name
             or source.token_geometry != self.token_geometry
         ):
