@@ -77,6 +77,9 @@ __all__ = [
     "row_reads_active",
 ]
 
+#: Stage 0's spec (a frozen value: built once, a merge compares each source's with it).
+_PLAIN = Plain()
+
 #: ``attend(queries, part, keys, values, mask, scale)``: one stage's attention over its rows
 #: (``part`` a :class:`StagePart`: its codec attends by default).
 GroupAttend = Callable[[Any, Any, Any, Any, Any, float], Any]
@@ -775,10 +778,10 @@ class DelayedLayout(ConversionBoundary, SpeculativeRounds):
             # The lego's one-row record stands for each of its rows (they move together).
             return list(lego._conversion.converted_at) * len(_row_counts(lego))
         spec = getattr(source, "codec_spec", None)
-        if spec not in (Plain(), q):
+        if spec not in (_PLAIN, q):
             return None
         counts = _row_counts(source)
-        if spec == Plain():
+        if spec == _PLAIN:
             return [None] * len(counts)
         return [self._conversion.point(c) for c in counts]
 

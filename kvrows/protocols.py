@@ -70,11 +70,12 @@ class _StaticMembers(typing._ProtocolMeta):
     is remembered per class (the checks run on every table call)."""
 
     def __instancecheck__(cls, instance: object) -> bool:
-        if not getattr(cls, "_is_runtime_protocol", False):
-            return super().__instancecheck__(instance)
+        # The remembered answer first: a merge asks several protocols of every source.
         key = (cls, type(instance))
         lacking = _LACKING.get(key)
         if lacking is None:
+            if not getattr(cls, "_is_runtime_protocol", False):
+                return super().__instancecheck__(instance)
             members = getattr(cls, "__protocol_attrs__", None)
             if members is None:
                 members = typing._get_protocol_attrs(cls)  # type: ignore[attr-defined]
@@ -86,7 +87,8 @@ class _StaticMembers(typing._ProtocolMeta):
         if not lacking:
             return True
         # Members an instance sets itself (mlx-lm's caches set ``offset``).
-        if all(m in getattr(instance, "__dict__", ()) for m in lacking):
+        own = getattr(instance, "__dict__", None)
+        if own is not None and lacking <= own.keys():
             return True
         return ABCMeta.__instancecheck__(cls, instance)
 

@@ -1441,7 +1441,7 @@ class PagedLayout(PagedRows, Layout):
         self._row_stage = self._row_stage + list(stages)
         self._restaged()
 
-    def _keeps_on_host(self) -> bool:
+    def _keeps_at_once(self, order: list[int]) -> bool:
         return self._contiguous is None  # tables and the ledger's counts (rows beside: arrays)
 
     def _keep(self, order: list[int]) -> None:

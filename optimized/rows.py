@@ -466,7 +466,11 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
 
     def _stage_of(self, codec: Codec) -> int:
         """The stage of this storage whose codec encodes as ``codec`` does."""
-        return [c.key for c in self._stages].index(codec.key)
+        key = codec.key
+        for stage, held in enumerate(self._stages):  # (a merge asks it of every row)
+            if held is codec or held.key == key:
+                return stage
+        raise ValueError(f"{key!r} is not a stage's codec")
 
     def _new_store(self, stage: int) -> Store:
         """An empty store of ``stage`` (of ``codec`` when it is the rows' stage)."""
@@ -545,7 +549,8 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         if slots == list(range(len(slots))):
             return planes
         index = mx.array(slots + [slots[-1]] * (spare_slots(len(slots)) - len(slots)))
-        return mapped(planes, lambda p: mx.take(p, index, axis=0))
+        # Every filter runs it: a comprehension, no per-plane call.
+        return {t: tuple(mx.take(p, index, axis=0) for p in held) for t, held in planes.items()}
 
     def _merged_slots(
         self, planes: PlaneSet | None, rows: list[int], moved: PlaneSet, joining: list[int]
@@ -718,8 +723,11 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             or source.token_geometry != self.token_geometry
         ):
             return False
+        held = cast(Storage, source)._held_codecs()
+        if len(self._stages) == 1 and len(held) == 1:  # (every merge of one stage)
+            return held[0].key == self._stages[0].key
         keys = {c.key for c in self._stages}
-        return all(codec.key in keys for codec in cast(Storage, source)._held_codecs())
+        return all(codec.key in keys for codec in held)
 
     # -- the templates --------------------------------------------------------------------
     def _block_rows(self) -> int | None:
@@ -1133,9 +1141,14 @@ class Layout(Storage):
 
     def _one_store(self, stages: list[int]) -> bool:
         """Whether the rows, with joining rows of ``stages``, stay in one store."""
-        return len(self._stages) == 1 or (
-            self._stores is None and len(set(self.row_stages) | set(stages)) <= 1
-        )
+        if len(self._stages) == 1:
+            return True
+        if self._stores is not None:
+            return False
+        held = set(stages)  # and the one store's stage, when it holds rows
+        if self._offsets:
+            held.add(self._stage_of(self.codec))
+        return len(held) <= 1
 
     def _check_join(
         self, sources: Sequence[Cache], incoming: list[RowWindow], shapes: Any, stages: list[int]
@@ -1180,19 +1193,27 @@ class Layout(Storage):
             self._clear()
             return
 
-        if self._keeps_on_host():
-            self._keep_rows(order)  # (host records only: nothing in it can fail halfway)
-        else:
+        if not self._keeps_at_once(order):
             all_or_nothing(self, functools.partial(self._keep_rows, order))
+            return
+        # Nothing changes before ``_keep``'s one step that can raise but the offsets (the
+        # geometry reads the kept rows'): they alone go back, no undo record of the rest.
+        offsets = self._offsets
+        try:
+            self._keep_rows(order)
+        except BaseException:
+            self._offsets = offsets
+            raise
 
     def _keep_rows(self, order: list[int]) -> None:
         self._offsets = [self._offsets[i] for i in order]
         self._keep(order)
         self._changed()
 
-    def _keeps_on_host(self) -> bool:
-        """Whether ``_keep`` edits host records only (no array op, so no fault to undo);
-        a placement whose rows are tables says so."""
+    def _keeps_at_once(self, order: list[int]) -> bool:
+        """Whether ``_keep(order)`` changes nothing before its one step that can raise
+        (host records only, or planes built whole and then rebound), so a fault needs no
+        undo record; a geometry or placement that does so says when."""
         return False
 
     def extract_row(self, row: int) -> Serial:

@@ -106,6 +106,9 @@ class ChunkedGeometry(GrowingGeometry):
         self._starts = [self._starts[i] for i in order]
         super()._keep(order)
 
+    def _keeps_at_once(self, order: list[int]) -> bool:
+        return False  # the starts move before the gather: a fault needs the undo record
+
     def _adopt(self, planes: PlaneSet, offset: int) -> None:
         self._starts = [offset - token_count(planes)] * len(self._offsets)
         super()._adopt(planes, offset)

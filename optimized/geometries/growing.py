@@ -35,7 +35,6 @@ from kvrows.optimized.rows import (
     Storage,
     Store,
     arrays,
-    mapped,
     paired,
     spare_slots,
     token_count,
@@ -96,15 +95,17 @@ class GrowingGeometry(Storage):
         return {t: tuple(p[:batch, :, start:stop] for p in held) for t, held in planes.items()}
 
     def _window(self, planes: PlaneSet, row: int | None) -> PlaneSet | None:
+        # Every merge reads its sources' rows: comprehensions, no per-plane call.
         if row is None:
             start, stop = self._origin, self._origin + self.width
-            return mapped(planes, lambda p: p[:, :, start:stop])
+            return {t: tuple(p[:, :, start:stop] for p in held) for t, held in planes.items()}
         return self._window_slot(planes, row, row)
 
     def _window_slot(self, planes: PlaneSet, row: int, slot: int) -> PlaneSet | None:
         first = self._origin + self._pads[row]
         last = first + self._tokens_held[row]
-        return mapped(planes, lambda p: p[slot : slot + 1, :, first:last])
+        end = slot + 1
+        return {t: tuple(p[slot:end, :, first:last] for p in held) for t, held in planes.items()}
 
     def _visible_rows(self, store: Store) -> PlaneSet:
         assert store.planes is not None
@@ -273,16 +274,23 @@ class GrowingGeometry(Storage):
         self._put_stores(list(stores.values()))
         self._pads = [p + grow for p in self._pads] + [target - t for t in tokens]
 
+    def _keeps_at_once(self, order: list[int]) -> bool:
+        # One store and no slots to release: one gather, rebound once built.
+        return self._stores is None and self.slots <= 2 * spare_slots(len(order))
+
     def _keep(self, order: list[int]) -> None:
         """The shared left padding is dropped by moving the origin."""
         shared = min(self._pads[i] for i in order)
         if self._stores is None:  # one store: old row ``b`` at slot ``b``
-            if self._planes is not None and order != list(range(len(order))):
-                self._planes = self._gather_slots(self._planes, order)
+            held = self._planes
+            if held is not None:
+                self._planes = self._gather_slots(held, order)
             self._pads = [self._pads[i] - shared for i in order]
             self._origin += shared
-            if self._planes is not None and self.slots > 2 * spare_slots(len(order)):
-                # Release the slots a large retirement left behind.
+            # Release the slots a large retirement left behind (a gather keeps only a few
+            # spare slots: only kept leading rows can leave many).
+            kept_whole = held is not None and self._planes is held
+            if kept_whole and self.slots > 2 * spare_slots(len(order)):
                 self._reallocate(round_up(self.width + 1), shift=0)
             return
         stores = self._stores

@@ -49,7 +49,7 @@ from kvrows.errors import (
     trim_past_row_message,
     wrapped_ring_message,
 )
-from kvrows.optimized.codecs import Planes
+from kvrows.optimized.codecs import Codec, Planes
 from kvrows.optimized.geometries.registry import implements
 from kvrows.optimized.rows import (
     LayoutImage,
@@ -187,13 +187,16 @@ class RingGeometry(Storage):
         recent = reach(window, self.max_size, self.keep)
         return ordered_mask(self._offsets, after, n, self.keep, recent)
 
+    def _keeps_at_once(self, order: list[int]) -> bool:
+        return self._stores is None  # one store: one gather, rebound once built
+
     def _keep(self, order: list[int]) -> None:
         """Gather the kept rows (each stage store its own); a ring keeps its padding (its
         columns are its window)."""
         if self._stores is None:
             if self._planes is not None and order != list(range(len(self._pads))):
                 index = mx.array(order)
-                self._planes = mapped(self._planes, lambda p: p[index])
+                self._planes = {t: tuple(p[index] for p in ps) for t, ps in self._planes.items()}
         else:
             new_row = {old: new for new, old in enumerate(order)}
             kept: list[Store] = []
@@ -609,6 +612,9 @@ class SharedRing(RingGeometry):
         self._idx = self._total = width
         self._rotated = False
 
+    def _keeps_at_once(self, order: list[int]) -> bool:
+        return not self.keep and super()._keeps_at_once(order)  # (sinks: a narrowing after)
+
     def _keep(self, order: list[int]) -> None:
         super()._keep(order)
         if self.keep:  # the offsets are already the survivors'
@@ -765,8 +771,9 @@ class RaggedRing(RingGeometry):
             return None
         count = min(held, offset, self.max_size)
         sinks = min(self.keep, offset, count)
-        if sinks == 0 or count == held:
-            return mapped(planes, lambda p: p[slot : slot + 1, :, held - count : held])
+        if sinks == 0 or count == held:  # (every join reads each row: no per-plane call)
+            end, first = slot + 1, held - count
+            return {t: tuple(p[slot:end, :, first:held] for p in ps) for t, ps in planes.items()}
         return mapped(
             planes,
             lambda p: mx.concatenate(
@@ -878,7 +885,16 @@ class RaggedRing(RingGeometry):
             store.planes = fresh
 
     def _place(self, incoming: list[RowWindow], geometry: KvGeometry | None) -> None:
-        self._place_stages(incoming, [self._stage_of(self.codec)] * len(incoming), geometry)
+        if self._stores is not None:
+            self._place_stages(incoming, [self._stage_of(self.codec)] * len(incoming), geometry)
+            return
+        # Every row in one stage (every merge of a one-stage ring): the one store's planes,
+        # without the stages' bookkeeping.
+        everything = self._each_row() + incoming
+        lengths = [0 if held is None else token_count(held) for held, _ in everything]
+        self._planes = self._left_aligned(everything, lengths, geometry, self.codec)
+        self._retained = lengths
+        self._pads = [0] * len(everything)
 
     def _place_stages(
         self, incoming: list[RowWindow], stages: list[int], geometry: KvGeometry | None
@@ -893,16 +909,31 @@ class RaggedRing(RingGeometry):
         for stage in sorted(set(row_stages)):
             store = self._new_store(stage)
             store.rows = [b for b, s in enumerate(row_stages) if s == stage]
-            if geometry is not None and width:
-                fresh = self._zeros(len(store.rows), round_up(width + 1), geometry, store.codec)
-                rows = [everything[b] for b in store.rows]
-                held = [lengths[b] for b in store.rows]
-                store.planes = _stacked(fresh, rows, held, right_aligned=False)
+            rows = [everything[b] for b in store.rows]
+            held = [lengths[b] for b in store.rows]
+            store.planes = self._left_aligned(rows, held, geometry, store.codec, width)
             stores.append(store)
         self._planes = None
         self._put_stores(stores)
         self._retained = lengths
         self._pads = [0] * len(everything)
+
+    def _left_aligned(
+        self,
+        rows: list[RowWindow],
+        lengths: list[int],
+        geometry: KvGeometry | None,
+        codec: Codec,
+        width: int | None = None,
+    ) -> PlaneSet | None:
+        """Fresh planes of ``codec`` holding ``rows`` (of ``lengths`` tokens) left-aligned,
+        with room for ``width`` tokens (default: the longest row's); ``None`` when there is
+        nothing to hold."""
+        width = max(lengths) if width is None else width
+        if geometry is None or not width:
+            return None
+        fresh = self._zeros(len(rows), round_up(width + 1), geometry, codec)
+        return _stacked(fresh, rows, lengths, right_aligned=False)
 
     def _keep(self, order: list[int]) -> None:
         super()._keep(order)
