@@ -124,8 +124,8 @@ def _parser() -> argparse.ArgumentParser:
         "--model",
         default=None,
         help="a local mlx-lm checkpoint directory, a built-in tiny architecture (llama, "
-        "gemma3, qwen3_next, mamba2), or hybrid (the two recurrent ones; default: llama "
-        "and gemma3)",
+        "gemma3, qwen3_next, mamba2, llama4: chunked-local attention), or hybrid (the two "
+        "recurrent ones; default: llama and gemma3)",
     )
     demo.add_argument(
         "--scheme",
@@ -403,12 +403,12 @@ def _check_scheme(name: str, mode: str) -> None:
     from kvrows.errors import InvalidInputError
 
     if mode == "mla":
-        from kvrows.app.demo import LATENT_SCHEMES
+        from kvrows.app.demo import latent_codec
 
-        if name not in LATENT_SCHEMES:
-            raise InvalidInputError(
-                f"--mla runs the latent schemes {', '.join(LATENT_SCHEMES)}, got {name!r}"
-            )
+        try:
+            latent_codec(name)
+        except InvalidInputError as refused:
+            raise InvalidInputError(f"--mla: {refused}") from None
         return
     from kvrows.schemes import KvStorageScheme
 

@@ -62,7 +62,7 @@ from kvrows.app.models import (
     text_config,
     tiny_model,
 )
-from kvrows.codecs import is_codec_spec
+from kvrows.codecs import is_codec_spec, is_kv_codec
 from kvrows.errors import InvalidInputError
 from kvrows.latent import (
     DEEPSEEK_V3_BF16_BYTES,
@@ -923,12 +923,28 @@ LATENT_SCHEMES: dict[str, LatentCodec] = {
 }
 
 
+def latent_codec(name: str) -> LatentCodec:
+    """The latent codec of scheme ``name``: one of :data:`LATENT_SCHEMES` (the demo's
+    default list), or any other encoding KV codec's scheme word (``mxfp4``, ``affine4:64``)."""
+    if name in LATENT_SCHEMES:
+        return LATENT_SCHEMES[name]
+    try:
+        codec = KvStorageScheme.parse(name).codec
+    except InvalidInputError:
+        codec = None
+    if codec is None or not (codec.encodes and is_kv_codec(codec)):
+        raise InvalidInputError(
+            f"unknown latent scheme {name!r}: known {list(LATENT_SCHEMES)} or an encoding "
+            "codec's word (affine<bits>[:<group>], mxfp8, mxfp4, nvfp4)"
+        )
+    latent: LatentCodec = codec
+    return latent
+
+
 def latent_scheme(name: str, kv_start: int | None = None) -> KvStorageScheme:
     """The engine's scheme for the latent scheme ``name`` (every layer's latent through its
     codec; an encoded latent bf16-first at ``kv_start``, else from its first token)."""
-    if name not in LATENT_SCHEMES:
-        raise InvalidInputError(f"unknown latent scheme {name!r}: known {list(LATENT_SCHEMES)}")
-    return KvStorageScheme(codec=LATENT_SCHEMES[name], quantized_kv_start=kv_start)
+    return KvStorageScheme(codec=latent_codec(name), quantized_kv_start=kv_start)
 
 
 def latent_trace(requests: int) -> list[Request]:
@@ -949,9 +965,8 @@ def run_latent_demo(
     runs ``paged=True`` (one ``LatentBlockPool`` per layer) and each request's tokens must
     also be the contiguous engine's."""
     names = list(schemes or LATENT_SCHEMES)
-    unknown = [n for n in names if n not in LATENT_SCHEMES]
-    if unknown:
-        raise InvalidInputError(f"unknown latent schemes {unknown}: known {list(LATENT_SCHEMES)}")
+    for name in names:
+        latent_codec(name)  # refused before anything runs
     if paged and kv_start is not None:
         raise InvalidInputError(
             "--mla --paged: a bf16-first start (--kv-start) has no paged layout; run paged "
@@ -967,7 +982,7 @@ def run_latent_demo(
         model = tiny_model(arch)
         trace = latent_trace(requests)
         for name in names:
-            codec = LATENT_SCHEMES[name]
+            codec = latent_codec(name)
             scheme = latent_scheme(name, kv_start)
             same = "-"
             if paged:  # the contiguous engine's tokens: the second oracle

@@ -525,6 +525,11 @@ def draft_model(target: Any, layers: int | None = None) -> Any:
         raise InvalidInputError(
             f"{type(target).__name__} has no dataclass config and layer list to truncate"
         )
+    if hasattr(args, "text_config"):  # llama4: its top level reads the fourth layer's cache
+        raise InvalidInputError(
+            f"{_model_name(target)}: no truncated draft of a multimodal model's language part "
+            "(its top level reads layers a truncated copy lacks); pass a draft model"
+        )
     total = len(target.layers)
     # one window of local/global layers (gemma3), or of linear/full attention (qwen3_next)
     pattern = int(

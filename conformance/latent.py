@@ -50,7 +50,8 @@ from kvrows.conformance.machines import (
     planes_bytes,
 )
 from kvrows.latent import LATENT_FIELDS, state_fields
-from kvrows.schemes import Affine, Turbo
+from kvrows.codecs.mx import Microscaled
+from kvrows.schemes import Affine, CodecSpec, Turbo
 
 __all__ = ["LATENT_CHECKS", "LatentMachine"]
 
@@ -67,11 +68,14 @@ _TENSORS = ("latent", "rope", "index")
 _STATE_PLANES = ("latent", "rope", "index", "exact")
 _STATE_SCALARS = tuple(f for f in LATENT_FIELDS if f not in (*_STATE_PLANES, "offset", "converted"))
 
-_CODECS: tuple[Affine | Turbo, ...] = (
+_CODECS: tuple[CodecSpec, ...] = (
     Affine(bits=8, group_size=64),
     Affine(bits=4, group_size=32),
     Turbo(k_bits=8, v_bits=4),
     Turbo(k_bits=8, v_bits=3),
+    # the microscaling modes (issue 25): mxfp4, nvfp4
+    Microscaled(group_size=32, bits=4),
+    Microscaled(group_size=16, bits=4),
 )
 
 
@@ -82,7 +86,7 @@ class _Config:
     index: int | None
     dtype: str
     max_tokens: int | None
-    codec: Affine | Turbo | None
+    codec: CodecSpec | None
     start: int
 
 

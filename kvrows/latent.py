@@ -27,6 +27,7 @@ from kvrows.codecs.latent import (
     DEEPSEEK_V3_BF16_BYTES,
     FLASHMLA_FP8_BYTES,
     LATENT_FIELDS,
+    LATENT_FIELDS_V1,
     PAGED_LATENT_FIELDS,
     Latent,
     LatentRole,
@@ -129,7 +130,10 @@ def encoded_codec(
             if bits is not None or group_size is not None:
                 raise InvalidInputError("give a codec or bits/group_size, not both")
             if not (is_codec_spec(codec) and is_kv_codec(codec) and codec.encodes):
-                raise InvalidInputError(f"the latent codec must be Affine or Turbo, got {codec!r}")
+                raise InvalidInputError(
+                    f"the latent codec must be an encoding KV codec (affine, TurboQuant, "
+                    f"microscaling), got {codec!r}"
+                )
             chosen: LatentCodec = codec
         else:
             chosen = Affine(
@@ -239,7 +243,7 @@ def latent_state(
         rank, rope_width, spec.index_head_dim, cache.token_geometry.max_tokens,
         0 if spec.role == "target" else 1,
         *(tail.get(name) for name in _CODEC_FIELDS),
-        cache.start,
+        cache.start, spec.inner.tag,
     )  # fmt: skip
 
 
@@ -247,11 +251,11 @@ def state_fields(name: str, state: Any) -> tuple[dict[str, Any], LatentRole]:
     """The ``LATENT_FIELDS`` of a saved ``state`` by name, and its role."""
     if isinstance(state, str | bytes) or not isinstance(state, Sequence):
         raise InvalidInputError(from_state_tuple_message(name))
-    if len(state) != len(LATENT_FIELDS):
+    if len(state) not in (len(LATENT_FIELDS), len(LATENT_FIELDS_V1)):
         raise InvalidInputError(
             f"{name}: a latent state has {len(LATENT_FIELDS)} fields, got {len(state)}"
         )
-    fields = dict(zip(LATENT_FIELDS, state, strict=True))
+    fields = dict(zip(LATENT_FIELDS, state, strict=False))  # a v1 state: no codec tag
     role: LatentRole | None = {0: "target", 1: "mtp"}.get(_scalar(fields["role"], "role"))  # type: ignore[assignment]
     if role is None:
         raise InvalidInputError(latent_role_message(name))
@@ -275,7 +279,9 @@ def declared_fields(
 
 def codec_fields(fields: dict[str, Any]) -> tuple[LatentCodec, int]:
     """The latent codec and bf16-first ``start`` a saved state records."""
-    codec = _state_codec(*(_optional(fields, name) for name in _CODEC_FIELDS))
+    tag = fields.get("codec")
+    tail = (_optional(fields, name) for name in _CODEC_FIELDS)
+    codec = _state_codec(*tail, tag=None if tag is None else _scalar(tag, "codec"))
     return codec, _scalar(fields["start"], "start")
 
 
@@ -1026,17 +1032,24 @@ def _scalar(value: object, what: str) -> int:
 
 
 def _state_codec(
-    bits: int | None, group_size: int | None, k_bits: int | None, v_bits: int | None
+    bits: int | None,
+    group_size: int | None,
+    k_bits: int | None,
+    v_bits: int | None,
+    *,
+    tag: int | None = None,
 ) -> LatentCodec:
-    """The latent codec the saved fields name: the KV codec whose state tail they fill."""
+    """The latent codec the saved fields name: the KV codec of ``tag`` (a v1 state has
+    none: the first whose state tail they fill), from its tail."""
     values = dict(zip(_CODEC_FIELDS, (bits, group_size, k_bits, v_bits), strict=True))
     given = {name for name, value in values.items() if value is not None}
     for codec in kv_codecs().values():
-        if set(codec.state_tail) == given:
+        if set(codec.state_tail) == given and tag in (None, codec.tag):
             return codec.from_tail(values)
     raise InvalidInputError(
-        f"state codec fields must be affine (bits, group_size) or turbo (k_bits, v_bits), got "
-        f"{(bits, group_size, k_bits, v_bits)}"
+        f"state codec fields must be affine or microscaling (bits, group_size) or turbo "
+        f"(k_bits, v_bits) of a known codec tag, got {(bits, group_size, k_bits, v_bits)} "
+        f"(tag {tag})"
     )
 
 
@@ -1417,7 +1430,7 @@ class PagedLatentMembers(_LatentLayout):
         name = cls.__name__
         if isinstance(state, str | bytes) or not isinstance(state, Sequence):
             raise InvalidInputError(from_state_tuple_message(name))
-        if len(state) != len(PAGED_LATENT_FIELDS):
+        if len(state) not in (len(PAGED_LATENT_FIELDS), len(LATENT_FIELDS_V1) + 1):
             raise InvalidInputError(
                 f"{name}: a paged latent state has {len(PAGED_LATENT_FIELDS)} fields, got "
                 f"{len(state)}"

@@ -10,18 +10,27 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-from conformance_helpers import BASE_QUANTITIES, OPS_CHECKED, ROW_OPS, assert_compared, run_family
+from conformance_helpers import (
+    BASE_QUANTITIES,
+    OPS_CHECKED,
+    ROW_OPS,
+    assert_compared,
+    caught,
+    run_family,
+    run_teeth,
+)
 from mlx_lm.models import cache as lm_cache
 
 import kvrows.optimized as kv
 import kvrows.reference as ref
 from kvrows.app.demo import check_invariance
 from kvrows.app.engine import Engine, Request
-from kvrows.app.models import forward, make_kvrows_cache, tiny_model
+from kvrows.app.models import draft_model, forward, make_kvrows_cache, tiny_model
 from kvrows.conformance.families import FAMILIES
 from kvrows.conformance.machines import BASE_CHECKS
 from kvrows.errors import InvalidInputError, NotTrimmableError
 from kvrows.geometries.chunked import Chunked
+from kvrows.optimized.geometries.growing import GrowingGeometry
 from kvrows.schemes import KvStorageScheme
 
 pytestmark = pytest.mark.usefixtures("cpu_stream")
@@ -177,3 +186,40 @@ def test_forward_runs_serial_caches_through_the_model(llama4: Any) -> None:
     ids = mx.array([[1, 2, 3]])
     expected = llama4(ids, cache=make_kvrows_cache(llama4))
     assert mx.array_equal(forward(llama4, ids, caches), expected).item()
+
+
+# -- the family has teeth ------------------------------------------------------------------------
+
+
+class MaskIgnoresChunks(kv.PaddedChunkedRows):
+    """The growing geometry's mask: a query sees the earlier chunk's keys it still holds."""
+
+    def _layout_mask(self, n: int, return_array: bool, window: int | None) -> Any:
+        return GrowingGeometry._layout_mask(self, n, return_array, window)  # MUTATION
+
+
+class NoFrontTrim(kv.BatchedChunkedKVCache):
+    """Rows never forget their oldest tokens: reads grow past the chunk (the mask hides
+    them, so only what the rows hold and their saved forms differ)."""
+
+    def _trim_front(self) -> None:
+        return None  # MUTATION (each row should keep its newest chunk_size tokens)
+
+
+@pytest.mark.parametrize(
+    ("layout", "mutant"),
+    [("PaddedChunkedRows", MaskIgnoresChunks), ("BatchedChunkedKVCache", NoFrontTrim)],
+    ids=["mask-ignores-chunks", "no-front-trim"],
+)
+def test_the_chunked_machine_catches(layout: str, mutant: type) -> None:
+    caught(layout, mutant, family_name="chunked")
+
+
+def test_the_unmutated_chunked_layouts_pass() -> None:
+    for layout in ("PaddedChunkedRows", "BatchedChunkedKVCache"):
+        assert run_teeth(layout, None, 3, "chunked").examples > 0
+
+
+def test_a_truncated_llama4_draft_is_refused(llama4: Any) -> None:
+    with pytest.raises(InvalidInputError, match="draft model"):
+        draft_model(llama4)

@@ -22,7 +22,7 @@ from kvrows.errors import IncompatibleRowsError, InvalidInputError
 from kvrows.optimized.codecs import make_codec as optimized_codec
 from kvrows.reference.codecs import make_codec as reference_codec
 from kvrows.reference.codecs.mx import FP4_VALUES, dequantize, from_fp8, quantize, to_fp8
-from kvrows.schemes import KvStorageScheme
+from kvrows.schemes import Affine, KvStorageScheme
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BF16}
@@ -205,3 +205,27 @@ def test_a_draft_of_its_own_model_is_always_accepted(models: dict[str, Any], sch
     assert stats.drafted > 0 and stats.accepted == stats.drafted, (stats.accepted, stats.drafted)
     plain_run = Engine(model, KvStorageScheme.parse(scheme), max_batch=3).run(trace)[0]
     assert [r.tokens for r in results] == [r.tokens for r in plain_run]
+
+
+@pytest.mark.parametrize("mode", ["mxfp4", "nvfp4"])
+def test_a_microscaled_latent_saves_its_mode_and_loads_back(mode: str) -> None:
+    """An encoded latent through a microscaling mode (its tail is affine's: the state's
+    ``codec`` tag tells them apart) restores that mode in both implementations; a v1 state
+    (no tag) still loads, its codec told by its tail."""
+    group, bits = MX_MODES[mode]
+    spec = Microscaled(group_size=group, bits=bits)
+    rng = np.random.default_rng(3)
+    latent = rng.standard_normal((2, 1, 5, 64)).astype(np.float32)
+    rope = rng.standard_normal((2, 1, 5, 16)).astype(np.float32)
+    for impl, to in ((O, mx.array), (R, np.asarray)):
+        cache = impl.EncodedLatentCache(codec=spec, start=0)
+        cache.append(to(latent), to(rope))
+        state = cache.state
+        loaded = impl.EncodedLatentCache.from_state(state)
+        assert loaded.latent_codec == spec
+        for a, b in zip(cache.fetch(), loaded.fetch(), strict=True):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+        affine = impl.EncodedLatentCache(codec=Affine(bits=4, group_size=32), start=0)
+        affine.append(to(latent), to(rope))
+        v1 = impl.EncodedLatentCache.from_state(tuple(affine.state)[:-1])
+        assert v1.latent_codec == Affine(bits=4, group_size=32)

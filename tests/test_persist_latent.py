@@ -151,7 +151,9 @@ def test_inconsistent_states_are_refused(impl: Any) -> None:
         return tuple(values[name] for name in LATENT_FIELDS)
 
     bad = [
-        good[:-1],  # a field short
+        good[:-2],  # a field short of the v1 form (``good[:-1]``: v1, no codec tag)
+        changed(good, codec=2),  # the tag of a codec (TurboQuant) the tail does not fill
+        changed(good, codec=9),  # no codec has that tag
         changed(good, offset=ints([5, 2, 7])),  # a row past the planes' width
         changed(good, converted=ints([1, 0, 2])),  # a flag that is not 0/1
         changed(good, exact=None),  # rows read exact with no exact latent

@@ -29,6 +29,7 @@ __all__ = [
     "DEEPSEEK_V3_BF16_BYTES",
     "FLASHMLA_FP8_BYTES",
     "LATENT_FIELDS",
+    "LATENT_FIELDS_V1",
     "LATENT_ROLE",
     "PAGED_LATENT_FIELDS",
     "Latent",
@@ -51,11 +52,15 @@ FLASHMLA_FP8_BYTES = 656
 #: A latent cache's saved state (form version 1), in order (``spec/persistence.md``):
 #: planes, rows, the declaration, the codec. The latent caches keep it until their family
 #: switches to the §0.6 rule.
-LATENT_FIELDS = (
+LATENT_FIELDS_V1 = (
     "latent", "rope", "index", "exact", "offset", "converted",
     "kv_lora_rank", "rope_head_dim", "index_head_dim", "max_tokens", "role",
     "bits", "group_size", "k_bits", "v_bits", "start",
 )  # fmt: skip
+#: Today's: the v1 fields, then the inner codec's ``tag`` (the microscaling modes fill the
+#: same tail as affine: the tag tells them apart). A v1 state still loads (its codec told
+#: by its tail: plain, affine or TurboQuant).
+LATENT_FIELDS = (*LATENT_FIELDS_V1, "codec")
 
 #: ``PagedLatentCache``'s saved state: the latent fields, then its block size.
 PAGED_LATENT_FIELDS = (*LATENT_FIELDS, "block_size")
