@@ -290,7 +290,7 @@ BUDGETS: dict[str, Budget] = {
     # storage and layout. Every bad input is tried on each ``invalid`` step; 22 examples
     # of 24 steps per class keep the family near 8 s on one core.
     "latent": Budget(
-        "MLA latent caches (latent + rope + DSA index planes; affine/TurboQuant latent, "
+        "MLA latent caches (latent + rope + DSA index planes; affine/TurboQuant/MX latent, "
         "bf16-first): rows, rounds, solo replay, mlx-lm KVCache pairs",
         examples=0.15,
         steps=0.6,
@@ -299,7 +299,7 @@ BUDGETS: dict[str, Budget] = {
     # implementation, MLACache as every row's oracle. Half the examples plain, half
     # encoded: about 5 s on one core in CI.
     "paged-latent": Budget(
-        "MLA latent planes in a block pool (plain; affine/TurboQuant latent, bf16-first): "
+        "MLA latent planes in a block pool (plain; affine/TurboQuant/MX latent, bf16-first): "
         "MLACache's rows as block tables, rounds, MLACache and mlx-lm KVCache pairs as "
         "oracles, pool invariants",
         examples=0.2,

@@ -38,6 +38,7 @@ import numpy.typing as npt
 from hypothesis import note
 from hypothesis.stateful import initialize, precondition, rule
 
+from kvrows.codecs.mx import Microscaled
 from kvrows.conformance.arrays import NUMPY_DTYPES, from_mlx, to_mlx
 from kvrows.conformance.families import Impl
 from kvrows.conformance.hooks import lm_cache
@@ -50,7 +51,6 @@ from kvrows.conformance.machines import (
     planes_bytes,
 )
 from kvrows.latent import LATENT_FIELDS, state_fields
-from kvrows.codecs.mx import Microscaled
 from kvrows.schemes import Affine, CodecSpec, Turbo
 
 __all__ = ["LATENT_CHECKS", "LatentMachine"]
