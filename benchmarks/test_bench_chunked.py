@@ -96,7 +96,7 @@ class ChunkBench:
         serial = op == "serial"
         if impl == "copy":
             held = (shape.batch, HEADS, self.held, DIM)
-            source = (mx.ones(held, DTYPE), mx.ones(held, DTYPE))
+            source = [mx.ones(held, DTYPE), mx.ones(held, DTYPE)]
 
             def copies(_: Any) -> Any:
                 out = None
