@@ -12,11 +12,12 @@ right-align, filters, trims, extraction, stage stores) is the growing geometry's
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import mlx.core as mx
 
 from kvrows.codec import PlaneSet
+from kvrows.compositions import Composition
 from kvrows.errors import InvalidInputError
 from kvrows.optimized.geometries.growing import GrowingGeometry
 from kvrows.optimized.geometries.registry import implements
@@ -188,6 +189,7 @@ class ChunkedSurface:
     _token_geometry: Any
     _offsets: list[int]
     if TYPE_CHECKING:  # the geometry's, which every public class of it inherits
+        composition: ClassVar[Composition]
         _tokens_held: list[int]
 
         def _trim_front(self) -> None: ...
@@ -199,7 +201,7 @@ class ChunkedSurface:
     @property
     def start_position(self) -> Any:
         starts = [o - h for o, h in zip(self._offsets, self._tokens_held, strict=True)]
-        if self.composition.is_layout:  # type: ignore[attr-defined]
+        if self.composition.is_layout:
             return mx.array(starts, dtype=mx.int32)
         return starts[0] if starts else 0
 

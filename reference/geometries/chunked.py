@@ -11,12 +11,12 @@ it).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
 
-from kvrows.compositions import Arrangement
+from kvrows.compositions import Arrangement, Composition
 from kvrows.geometries.chunked import Chunked
 from kvrows.protocols import Mask
 from kvrows.reference.geometries.growing import GrowingAxis, PaddedRows, padded_visible
@@ -114,6 +114,12 @@ class ChunkedSurface:
     _token_geometry: Any
     _rows: list[Row]
     _axis: Any
+    if TYPE_CHECKING:  # the storage's, which every public class of it inherits
+        composition: ClassVar[Composition]
+        offset: Any
+        retained: Any
+
+        def _advance(self, n: int) -> None: ...
 
     @property
     def chunk_size(self) -> int:
@@ -121,14 +127,14 @@ class ChunkedSurface:
 
     @property
     def start_position(self) -> Any:
-        starts = np.asarray(self.offset) - np.asarray(self.retained)  # type: ignore[attr-defined]
+        starts = np.asarray(self.offset) - np.asarray(self.retained)
         return int(starts) if starts.ndim == 0 else starts.astype(np.int32)
 
     def maybe_trim_front(self) -> None:
         """Keep each row's newest ``chunk_size`` tokens (what the next append does first;
         llama4 calls it before it builds its mask from ``start_position``)."""
-        if self.composition.is_layout:  # type: ignore[attr-defined]
-            self._advance(0)  # type: ignore[attr-defined]  # the placement's front trims
+        if self.composition.is_layout:
+            self._advance(0)  # the placement's front trims
         else:
             for row in self._rows:
                 self._axis.trim_front(row)
