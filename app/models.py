@@ -331,9 +331,10 @@ def _token_geometry(entry: Composition, codec: CodecSpec, layer: Any) -> Geometr
 
 
 def _layer_codec(codec: CodecSpec, layer: Any) -> CodecSpec:
-    """``codec``, or plain where ``codec`` cannot store the layer: TurboQuant refuses the
-    layer's token geometry (full attention only), and no contiguous ring preset stores the
-    microscaling modes yet, so a model's sliding layers stay plain rings under either."""
+    """``codec``, or plain where no storage serving the layer's mlx-lm class takes
+    ``codec``: TurboQuant refuses the layer's token geometry (full attention only); the
+    microscaling rings name no mlx-lm peer (not read in time order: spec/mx-codec.md),
+    and no encoded chunked preset exists, so such layers stay plain."""
     peer = type(layer).__name__
     try:
         plain = serial_for_peer(peer, Plain())

@@ -150,6 +150,7 @@ _RING = ("max_size", "keep")
 _TURBO = ("k_bits", "v_bits")
 _MX = ("group_size", "bits")
 _RING_AFFINE = ("max_size", "group_size", "bits", "keep")
+_RING_MX = _RING_AFFINE
 
 #: The seed's classes in the seed's ``ROW_LAYOUTS`` order (subclasses first), landed and
 #: planned. Layouts without ``serial`` name it through their storage's roles.
@@ -241,6 +242,28 @@ COMPOSITIONS: tuple[Composition, ...] = (
                 roles=Roles("BatchedRotatingQuantCache", "RotatingAffineLayout",
                             "SpeculativeRotatingAffineLayout"),
                 peers=("RotatingKVCache",), summary="serial affine sliding-window ring"),
+    # -- microscaling rings (issue 25) ------------------------------------------------
+    Composition(name="BatchedRotatingMxCache", codec="mx", geometry="ring",
+                arrangement="shared", signature="kv:rotating-mx:{max_size}:{group_size}:{bits}",
+                params=_RING_MX, serial="RotatingMxKVCache",
+                roles=Roles(SELF, SELF, "SpeculativeRotatingMxLayout"),
+                summary="decode and prefill layout of the microscaling ring"),
+    Composition(name="SpeculativeRotatingMxLayout", codec="mx", geometry="ring",
+                arrangement="ragged",
+                signature="kv:speculative-rotating-mx:{max_size}:{group_size}:{bits}",
+                params=_RING_MX, serial="RotatingMxKVCache",
+                roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"speculative"}),
+                summary="verify layout of the microscaling ring: per-row rollback across the "
+                        "window"),
+    Composition(name="RotatingMxKVCache", codec="mx", geometry="ring",
+                arrangement="serial", signature="kv:rotating-mx:{max_size}:{group_size}:{bits}",
+                params=_RING_MX,
+                roles=Roles("BatchedRotatingMxCache", "BatchedRotatingMxCache",
+                            "SpeculativeRotatingMxLayout"),
+                # No mlx-lm peer yet: a model's sliding layers stay plain rings under an
+                # MX scheme (their attention over a wrapped ring is not read in time
+                # order, so a batch would not be bit-identical to its solo runs).
+                summary="serial microscaling sliding-window ring (mxfp8, mxfp4, nvfp4)"),
     # -- plain rings -----------------------------------------------------------------
     Composition(name="SpeculativeRotatingKVCache", codec="plain", geometry="ring",
                 arrangement="ragged", signature="kv:speculative-rotating:{max_size}", params=_RING,
@@ -461,6 +484,9 @@ _SHARED_PAGES = {
     "BatchedMxKVCache": "mx-codec",
     "DelayedMxKVCache": "mx-codec",
     "BatchedChunkedKVCache": "ChunkedKVCache",
+    "BatchedRotatingMxCache": "mx-codec",
+    "SpeculativeRotatingMxLayout": "mx-codec",
+    "RotatingMxKVCache": "mx-codec",
     "PaddedChunkedRows": "ChunkedKVCache",
 }
 

@@ -49,6 +49,7 @@ __all__ = [
     "BatchedMxKVCache",
     "BatchedQuantizedKVCache",
     "BatchedRotatingCache",
+    "BatchedRotatingMxCache",
     "BatchedRotatingQuantCache",
     "BatchedSSMCache",
     "BatchedTurboQuantKVCache",
@@ -71,10 +72,12 @@ __all__ = [
     "RaggedRotatingRows",
     "RotatingAffineLayout",
     "RotatingKVCache",
+    "RotatingMxKVCache",
     "RotatingQuantizedKVCache",
     "SSMCache",
     "SpeculativeRotatingAffineLayout",
     "SpeculativeRotatingKVCache",
+    "SpeculativeRotatingMxLayout",
     "TurboQuantKVCache",
     "build",
 ]
@@ -258,6 +261,16 @@ if TYPE_CHECKING:
     ): ...
 
     class SpeculativeRotatingAffineLayout(
+        SpeculativeLayout, LayoutDropIn, LayoutBatchOps, AffineParameters, RaggedRing, Layout
+    ): ...
+
+    class RotatingMxKVCache(SerialDropIn, SerialMerge, AffineParameters, SharedRing, Serial): ...
+
+    class BatchedRotatingMxCache(
+        LayoutDropIn, LayoutBatchOps, AffineParameters, SharedRing, Layout
+    ): ...
+
+    class SpeculativeRotatingMxLayout(
         SpeculativeLayout, LayoutDropIn, LayoutBatchOps, AffineParameters, RaggedRing, Layout
     ): ...
 

@@ -43,6 +43,7 @@ __all__ = [
     "BatchedMxKVCache",
     "BatchedQuantizedKVCache",
     "BatchedRotatingCache",
+    "BatchedRotatingMxCache",
     "BatchedRotatingQuantCache",
     "BatchedSSMCache",
     "BatchedTurboQuantKVCache",
@@ -65,10 +66,12 @@ __all__ = [
     "RaggedRotatingRows",
     "RotatingAffineLayout",
     "RotatingKVCache",
+    "RotatingMxKVCache",
     "RotatingQuantizedKVCache",
     "SSMCache",
     "SpeculativeRotatingAffineLayout",
     "SpeculativeRotatingKVCache",
+    "SpeculativeRotatingMxLayout",
     "TurboQuantKVCache",
     "build",
     "declared_classes",
@@ -178,6 +181,14 @@ if TYPE_CHECKING:
 
     # -- sliding window ----------------------------------------------------------------
     class RotatingKVCache(RingParameters, SerialStorage): ...
+
+    class RotatingMxKVCache(AffineParameters, RingParameters, SerialStorage): ...
+
+    class BatchedRotatingMxCache(AffineParameters, RingParameters, RowLayout): ...
+
+    class SpeculativeRotatingMxLayout(
+        AffineParameters, RingParameters, SpeculativeLayout, RowLayout
+    ): ...
 
     class ChunkedKVCache(ChunkedSurface, SerialStorage): ...
 

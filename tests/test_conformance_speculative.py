@@ -107,6 +107,7 @@ def test_the_family_drives_every_verify_layout() -> None:
         "KVCache",
         "QuantizedKVCache",
         "RotatingKVCache",
+        "RotatingMxKVCache",
         "RotatingQuantizedKVCache",
     }
     for mod in (R, O):
@@ -125,7 +126,7 @@ def test_the_family_drives_every_verify_layout() -> None:
 
 def _params(serial: str) -> tuple[int, ...]:
     ring = (6,) if "Rotating" in serial or "Chunked" in serial else ()
-    return ring + ((32, 4) if "Quantized" in serial else ())
+    return ring + ((32, 4) if "Quantized" in serial or "Mx" in serial else ())
 
 
 # ------------------------------------------------- the mlx-lm divergence the oracle skips
