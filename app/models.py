@@ -403,9 +403,15 @@ def make_kvrows_cache(model: Any, scheme: KvStorageScheme | None = None) -> list
             entry = serial_for_peer(type(layer).__name__, codec)
         except InvalidInputError as refused:
             raise InvalidInputError(f"{_model_name(model)}, layer {index}: {refused}") from refused
+        start = scheme.quantized_kv_start
+        if start is not None and codec.encodes and _delayed_of(entry) is None:
+            # No bf16-first storage of this layer's kind (a chunked layer): it stays plain,
+            # what a bf16-first layer holds before its start.
+            codec = Plain()
+            entry = serial_for_peer(type(layer).__name__, codec)
         geometry = _token_geometry(entry, codec, layer)
-        if scheme.quantized_kv_start is not None and codec.encodes:
-            caches.append(_lego(entry, codec, geometry, scheme.quantized_kv_start, declared))
+        if start is not None and codec.encodes:
+            caches.append(_lego(entry, codec, geometry, start, declared))
         else:
             caches.append(_build(entry, codec, geometry, declared))
     served = iter(caches)
@@ -455,6 +461,12 @@ def _model_name(model: Any) -> str:
     return str(name or type(model).__module__.rsplit(".", 1)[-1])
 
 
+def _delayed_of(entry: Composition) -> Composition | None:
+    """The delayed layout whose rows extract into ``entry`` (``None``: the serial storage
+    has no bf16-first form)."""
+    return next((c for c in landed() if "delayed" in c.modifiers and c.serial == entry.name), None)
+
+
 def _lego(
     entry: Composition,
     codec: CodecSpec,
@@ -465,9 +477,7 @@ def _lego(
     """The bf16-first storage of an encoding layer with a conversion boundary: the lego of
     the delayed layout whose rows extract into ``entry`` (the table's serial storage), built
     from ``entry``'s parameters by name, then ``start``."""
-    delayed = next(
-        (c for c in landed() if "delayed" in c.modifiers and c.serial == entry.name), None
-    )
+    delayed = _delayed_of(entry)
     if delayed is None:
         raise InvalidInputError(f"{entry.name} has no bf16-first storage (quantized_kv_start)")
     lego: Any = getattr(kv, delayed.name).lego_class

@@ -151,6 +151,7 @@ _TURBO = ("k_bits", "v_bits")
 _MX = ("group_size", "bits")
 _RING_AFFINE = ("max_size", "group_size", "bits", "keep")
 _RING_MX = _RING_AFFINE
+_CHUNKED_AFFINE = ("chunk_size", "group_size", "bits")
 
 #: The seed's classes in the seed's ``ROW_LAYOUTS`` order (subclasses first), landed and
 #: planned. Layouts without ``serial`` name it through their storage's roles.
@@ -338,6 +339,24 @@ COMPOSITIONS: tuple[Composition, ...] = (
                             "BatchedChunkedKVCache"),
                 peers=("ChunkedKVCache",), parity="ChunkedKVCache",
                 summary="serial chunked-local attention (llama4's local layers)"),
+    Composition(name="BatchedChunkedQuantizedKVCache", codec="affine", geometry="chunked",
+                arrangement="ragged",
+                signature="kv:batched-chunked-quant:{chunk_size}:{bits}:{group_size}",
+                params=_CHUNKED_AFFINE, serial="ChunkedQuantizedKVCache",
+                roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"speculative"}),
+                summary="prefill/verify layout of ChunkedQuantizedKVCache: ragged rows"),
+    Composition(name="PaddedChunkedQuantRows", codec="affine", geometry="chunked",
+                arrangement="shared",
+                signature="kv:padded-chunked-quant:{chunk_size}:{bits}:{group_size}",
+                params=_CHUNKED_AFFINE, serial="ChunkedQuantizedKVCache",
+                summary="decode layout of ChunkedQuantizedKVCache"),
+    Composition(name="ChunkedQuantizedKVCache", codec="affine", geometry="chunked",
+                arrangement="serial", signature="kv:chunked-quant:{chunk_size}:{bits}:{group_size}",
+                params=_CHUNKED_AFFINE,
+                roles=Roles("PaddedChunkedQuantRows", "BatchedChunkedQuantizedKVCache",
+                            "BatchedChunkedQuantizedKVCache"),
+                peers=("ChunkedKVCache",),
+                summary="serial affine chunked-local attention"),
     # -- plain and affine full attention ---------------------------------------------
     _plain_growing("BatchedKVCache", "ragged", "kv:batched-positions", serial="KVCache",
                    roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"speculative"}),
@@ -488,6 +507,9 @@ _SHARED_PAGES = {
     "SpeculativeRotatingMxLayout": "mx-codec",
     "RotatingMxKVCache": "mx-codec",
     "PaddedChunkedRows": "ChunkedKVCache",
+    "ChunkedQuantizedKVCache": "ChunkedKVCache",
+    "BatchedChunkedQuantizedKVCache": "ChunkedKVCache",
+    "PaddedChunkedQuantRows": "ChunkedKVCache",
 }
 
 

@@ -45,6 +45,7 @@ from kvrows.recurrent import SerialRounds
 
 __all__ = [
     "BatchedChunkedKVCache",
+    "BatchedChunkedQuantizedKVCache",
     "BatchedKVCache",
     "BatchedMxKVCache",
     "BatchedQuantizedKVCache",
@@ -58,6 +59,7 @@ __all__ = [
     "Bf16FirstRotatingQuantizedKVCache",
     "Bf16FirstTurboQuantKVCache",
     "ChunkedKVCache",
+    "ChunkedQuantizedKVCache",
     "DelayedMxKVCache",
     "DelayedQuantizedKVCache",
     "DelayedRotatingQuantizedKVCache",
@@ -65,6 +67,7 @@ __all__ = [
     "KVCache",
     "MLACache",
     "MxKVCache",
+    "PaddedChunkedQuantRows",
     "PaddedChunkedRows",
     "PaddedKVRows",
     "PaddedQuantKVRows",
@@ -238,6 +241,24 @@ if TYPE_CHECKING:
 
     class BatchedChunkedKVCache(
         SpeculativeLayout, LayoutDropIn, LayoutBatchOps, ChunkedSurface, ChunkedGeometry, Layout
+    ): ...
+
+    class ChunkedQuantizedKVCache(
+        SerialDropIn, SerialMerge, AffineParameters, ChunkedSurface, ChunkedGeometry, Serial
+    ): ...
+
+    class PaddedChunkedQuantRows(
+        LayoutDropIn, LayoutBatchOps, AffineParameters, ChunkedSurface, ChunkedGeometry, Layout
+    ): ...
+
+    class BatchedChunkedQuantizedKVCache(
+        SpeculativeLayout,
+        LayoutDropIn,
+        LayoutBatchOps,
+        AffineParameters,
+        ChunkedSurface,
+        ChunkedGeometry,
+        Layout,
     ): ...
 
     class BatchedRotatingCache(LayoutDropIn, LayoutBatchOps, SharedRing, Layout): ...

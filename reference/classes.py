@@ -39,6 +39,7 @@ from kvrows.reference.speculative import SpeculativeLayout
 
 __all__ = [
     "BatchedChunkedKVCache",
+    "BatchedChunkedQuantizedKVCache",
     "BatchedKVCache",
     "BatchedMxKVCache",
     "BatchedQuantizedKVCache",
@@ -52,6 +53,7 @@ __all__ = [
     "Bf16FirstRotatingQuantizedKVCache",
     "Bf16FirstTurboQuantKVCache",
     "ChunkedKVCache",
+    "ChunkedQuantizedKVCache",
     "DelayedMxKVCache",
     "DelayedQuantizedKVCache",
     "DelayedRotatingQuantizedKVCache",
@@ -59,6 +61,7 @@ __all__ = [
     "KVCache",
     "MLACache",
     "MxKVCache",
+    "PaddedChunkedQuantRows",
     "PaddedChunkedRows",
     "PaddedKVRows",
     "PaddedQuantKVRows",
@@ -195,6 +198,14 @@ if TYPE_CHECKING:
     class PaddedChunkedRows(ChunkedSurface, RowLayout): ...
 
     class BatchedChunkedKVCache(ChunkedSurface, SpeculativeLayout, RowLayout): ...
+
+    class ChunkedQuantizedKVCache(AffineParameters, ChunkedSurface, SerialStorage): ...
+
+    class PaddedChunkedQuantRows(AffineParameters, ChunkedSurface, RowLayout): ...
+
+    class BatchedChunkedQuantizedKVCache(
+        AffineParameters, ChunkedSurface, SpeculativeLayout, RowLayout
+    ): ...
 
     class BatchedRotatingCache(RingParameters, RowLayout): ...
 

@@ -104,6 +104,7 @@ def test_the_family_drives_every_verify_layout() -> None:
     serials = {spec.serial for spec in FAMILY.layouts}
     assert serials == {
         "ChunkedKVCache",
+        "ChunkedQuantizedKVCache",
         "KVCache",
         "QuantizedKVCache",
         "RotatingKVCache",
