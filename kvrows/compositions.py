@@ -357,6 +357,19 @@ COMPOSITIONS: tuple[Composition, ...] = (
                             "BatchedChunkedQuantizedKVCache"),
                 peers=("ChunkedKVCache",),
                 summary="serial affine chunked-local attention"),
+    Composition(name="BatchedChunkedMxKVCache", codec="mx", geometry="chunked",
+                arrangement="ragged",
+                signature="kv:batched-chunked-mx:{chunk_size}:{group_size}:{bits}",
+                params=_CHUNKED_AFFINE, serial="ChunkedMxKVCache",
+                roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"speculative"}),
+                summary="microscaling chunked rows (mxfp8, mxfp4, nvfp4), all three roles"),
+    Composition(name="ChunkedMxKVCache", codec="mx", geometry="chunked",
+                arrangement="serial", signature="kv:chunked-mx:{chunk_size}:{group_size}:{bits}",
+                params=_CHUNKED_AFFINE,
+                roles=Roles("BatchedChunkedMxKVCache", "BatchedChunkedMxKVCache",
+                            "BatchedChunkedMxKVCache"),
+                peers=("ChunkedKVCache",),
+                summary="serial microscaling chunked-local attention"),
     # -- plain and affine full attention ---------------------------------------------
     _plain_growing("BatchedKVCache", "ragged", "kv:batched-positions", serial="KVCache",
                    roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"speculative"}),
@@ -510,6 +523,8 @@ _SHARED_PAGES = {
     "ChunkedQuantizedKVCache": "ChunkedKVCache",
     "BatchedChunkedQuantizedKVCache": "ChunkedKVCache",
     "PaddedChunkedQuantRows": "ChunkedKVCache",
+    "ChunkedMxKVCache": "mx-codec",
+    "BatchedChunkedMxKVCache": "mx-codec",
 }
 
 

@@ -45,6 +45,7 @@ from kvrows.recurrent import SerialRounds
 
 __all__ = [
     "BatchedChunkedKVCache",
+    "BatchedChunkedMxKVCache",
     "BatchedChunkedQuantizedKVCache",
     "BatchedKVCache",
     "BatchedMxKVCache",
@@ -59,6 +60,7 @@ __all__ = [
     "Bf16FirstRotatingQuantizedKVCache",
     "Bf16FirstTurboQuantKVCache",
     "ChunkedKVCache",
+    "ChunkedMxKVCache",
     "ChunkedQuantizedKVCache",
     "DelayedMxKVCache",
     "DelayedQuantizedKVCache",
@@ -245,6 +247,20 @@ if TYPE_CHECKING:
 
     class ChunkedQuantizedKVCache(
         SerialDropIn, SerialMerge, AffineParameters, ChunkedSurface, ChunkedGeometry, Serial
+    ): ...
+
+    class ChunkedMxKVCache(
+        SerialDropIn, SerialMerge, AffineParameters, ChunkedSurface, ChunkedGeometry, Serial
+    ): ...
+
+    class BatchedChunkedMxKVCache(
+        SpeculativeLayout,
+        LayoutDropIn,
+        LayoutBatchOps,
+        AffineParameters,
+        ChunkedSurface,
+        ChunkedGeometry,
+        Layout,
     ): ...
 
     class PaddedChunkedQuantRows(

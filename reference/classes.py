@@ -39,6 +39,7 @@ from kvrows.reference.speculative import SpeculativeLayout
 
 __all__ = [
     "BatchedChunkedKVCache",
+    "BatchedChunkedMxKVCache",
     "BatchedChunkedQuantizedKVCache",
     "BatchedKVCache",
     "BatchedMxKVCache",
@@ -53,6 +54,7 @@ __all__ = [
     "Bf16FirstRotatingQuantizedKVCache",
     "Bf16FirstTurboQuantKVCache",
     "ChunkedKVCache",
+    "ChunkedMxKVCache",
     "ChunkedQuantizedKVCache",
     "DelayedMxKVCache",
     "DelayedQuantizedKVCache",
@@ -200,6 +202,12 @@ if TYPE_CHECKING:
     class BatchedChunkedKVCache(ChunkedSurface, SpeculativeLayout, RowLayout): ...
 
     class ChunkedQuantizedKVCache(AffineParameters, ChunkedSurface, SerialStorage): ...
+
+    class ChunkedMxKVCache(AffineParameters, ChunkedSurface, SerialStorage): ...
+
+    class BatchedChunkedMxKVCache(
+        AffineParameters, ChunkedSurface, SpeculativeLayout, RowLayout
+    ): ...
 
     class PaddedChunkedQuantRows(AffineParameters, ChunkedSurface, RowLayout): ...
 

@@ -239,6 +239,7 @@ FAMILY_LAYOUTS = [
     ("chunked", "BatchedChunkedKVCache"),
     ("chunked", "PaddedChunkedQuantRows"),
     ("chunked", "BatchedChunkedQuantizedKVCache"),
+    ("chunked", "BatchedChunkedMxKVCache"),
     ("speculative", "BatchedKVCache"),
     ("speculative", "BatchedQuantizedKVCache"),
     ("speculative", "SpeculativeRotatingKVCache"),
