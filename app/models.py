@@ -330,11 +330,12 @@ def _token_geometry(entry: Composition, codec: CodecSpec, layer: Any) -> Geometr
     return geometry
 
 
-def _layer_codec(codec: CodecSpec, layer: Any) -> CodecSpec:
+def _layer_codec(codec: CodecSpec, layer: Any, bf16_first: bool) -> CodecSpec:
     """``codec``, or plain where no storage serving the layer's mlx-lm class takes
-    ``codec``: TurboQuant refuses the layer's token geometry (full attention only); the
-    microscaling rings name no mlx-lm peer (not read in time order: spec/mx-codec.md),
-    and no encoded chunked preset exists, so such layers stay plain."""
+    ``codec`` (``bf16_first``: a bf16-first one): TurboQuant refuses the layer's token
+    geometry (full attention only); the microscaling rings name no mlx-lm peer (not read in
+    time order: spec/mx-codec.md); a chunked layer has no bf16-first storage. Such a layer
+    stays plain (what a bf16-first layer holds before its start)."""
     peer = type(layer).__name__
     try:
         plain = serial_for_peer(peer, Plain())
@@ -342,8 +343,10 @@ def _layer_codec(codec: CodecSpec, layer: Any) -> CodecSpec:
         return codec  # no storage serves the layer: the codec's own lookup says so
     try:
         codec.check_token_geometry(plain.name, _token_geometry(plain, Plain(), layer))
-        serial_for_peer(peer, codec)
+        entry = serial_for_peer(peer, codec)
     except InvalidInputError:
+        return Plain()
+    if bf16_first and codec.encodes and _delayed_of(entry) is None:
         return Plain()
     return codec
 
@@ -398,17 +401,12 @@ def make_kvrows_cache(model: Any, scheme: KvStorageScheme | None = None) -> list
             fits = declared_state is not None and len(declared_state.planes) == planes
             caches.append(kv.SSMCache(planes, geometry=declared_state if fits else None))
             continue
-        codec = _layer_codec(scheme.codec_for_layer(index), layer)
+        start = scheme.quantized_kv_start
+        codec = _layer_codec(scheme.codec_for_layer(index), layer, start is not None)
         try:
             entry = serial_for_peer(type(layer).__name__, codec)
         except InvalidInputError as refused:
             raise InvalidInputError(f"{_model_name(model)}, layer {index}: {refused}") from refused
-        start = scheme.quantized_kv_start
-        if start is not None and codec.encodes and _delayed_of(entry) is None:
-            # No bf16-first storage of this layer's kind (a chunked layer): it stays plain,
-            # what a bf16-first layer holds before its start.
-            codec = Plain()
-            entry = serial_for_peer(type(layer).__name__, codec)
         geometry = _token_geometry(entry, codec, layer)
         if start is not None and codec.encodes:
             caches.append(_lego(entry, codec, geometry, start, declared))

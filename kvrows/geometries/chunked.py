@@ -33,10 +33,6 @@ class Chunked(SpecParts):
         # What a row holds between steps; a block of n tokens reads chunk_size + n.
         return self.chunk_size
 
-    def kept(self, held: int) -> int:
-        """Tokens a row holding ``held`` keeps before its next append."""
-        return min(held, self.chunk_size)
-
 
 def chunk_visible(query: int, key: int, chunk_size: int, window: int | None) -> bool:
     """Whether position ``query`` sees position ``key`` (the rule both twins restate with

@@ -12,13 +12,13 @@ right-align, filters, trims, extraction, stage stores) is the growing geometry's
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import mlx.core as mx
 
 from kvrows.codec import PlaneSet
 from kvrows.compositions import Composition
-from kvrows.errors import InvalidInputError
 from kvrows.optimized.geometries.growing import GrowingGeometry
 from kvrows.optimized.geometries.registry import implements
 from kvrows.optimized.rows import RowWindow, token_count
@@ -43,8 +43,6 @@ class ChunkedGeometry(GrowingGeometry):
 
     @property
     def _tokens_held(self) -> list[int]:
-        if len(self._starts) != len(self._offsets):  # a serial storage's first block
-            self._starts = [0] * len(self._offsets)
         return [o - s for o, s in zip(self._offsets, self._starts, strict=True)]
 
     @property
@@ -54,7 +52,8 @@ class ChunkedGeometry(GrowingGeometry):
     # -- the front trim -----------------------------------------------------------------
     def _trim_front(self) -> None:
         """Keep each row's newest ``chunk_size`` tokens (host bookkeeping; a delayed
-        layout's forgotten columns left in the read read zeros again)."""
+        layout's forgotten columns left in the read read zeros again). The positions do
+        not move: ``offset``'s device copy stays."""
         held = self._tokens_held
         evicted = [max(0, h - self._size) for h in held]
         if not any(evicted):
@@ -64,25 +63,27 @@ class ChunkedGeometry(GrowingGeometry):
             self._clear_rows(firsts, evicted)
         self._starts = [s + e for s, e in zip(self._starts, evicted, strict=True)]
         self._forget_front_pads(evicted)
-        self._changed()
 
-    def _append(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
+    def _after_front_trim(self, append: Callable[[], None]) -> None:
+        """The front trim, then ``append`` (the growing geometry's); a failed allocation
+        puts the trim back too (contract §9)."""
+        if len(self._starts) != len(self._offsets):  # a serial storage's first block
+            self._starts = [0] * len(self._offsets)
         record = (self._starts, self._pads, self._origin)
         self._trim_front()
         try:
-            super()._append(block, n, geometry)
-        except BaseException:  # an allocation failed: the trim is undone too (contract §9)
-            self._starts, self._pads, self._origin = record
-            raise
-
-    def _append_stores(self, shares: list[PlaneSet], n: int, geometry: KvGeometry) -> None:
-        record = (self._starts, self._pads, self._origin)
-        self._trim_front()
-        try:
-            super()._append_stores(shares, n, geometry)
+            append()
         except BaseException:
             self._starts, self._pads, self._origin = record
             raise
+
+    def _append(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
+        self._after_front_trim(lambda: super(ChunkedGeometry, self)._append(block, n, geometry))
+
+    def _append_stores(self, shares: list[PlaneSet], n: int, geometry: KvGeometry) -> None:
+        self._after_front_trim(
+            lambda: super(ChunkedGeometry, self)._append_stores(shares, n, geometry)
+        )
 
     # -- rows joining, leaving, extracted -------------------------------------------------
     def _joining_starts(self, incoming: list[RowWindow]) -> list[int]:
@@ -119,56 +120,47 @@ class ChunkedGeometry(GrowingGeometry):
         held = self._tokens_held
         return {"start_position": self._offsets[0] - held[0] if held else 0}
 
-    def _resume_serial(self, fields: dict[str, Any], held: int) -> None:
-        start = int(fields.get("start_position", fields["offset"] - held))
-        if start != fields["offset"] - held:
-            raise InvalidInputError(
-                f"state start_position {start} disagrees with offset {fields['offset']} and "
-                f"the {held} columns held"
-            )
-
     def _check_geometry(self) -> None:
         super()._check_geometry()
-        assert len(self._starts) in (0, len(self._offsets))
+        assert len(self._starts) == len(self._offsets)
         assert all(0 <= h <= o for h, o in zip(self._tokens_held, self._offsets, strict=True))
 
     # -- masks ----------------------------------------------------------------------------
     def _serial_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
         """``None`` / ``"causal"`` while the keys the update returns and the queries are
-        one chunk, else the array ``[n, S]``."""
-        offset = self._offsets[0] if self._offsets else 0
-        kept = min(self._tokens_held[0], self._size) if self._offsets else 0
-        size = self._size
-        one_chunk = (offset - kept) // size == (offset + n - 1) // size
-        if one_chunk and window is None and not return_array:
-            return None if n == 1 else "causal"
-        keys = mx.arange(offset - kept, offset + n)[None, :]
-        queries = mx.arange(offset, offset + n)[:, None]
-        visible = (keys <= queries) & (keys // size == queries // size)
-        if window is not None:
-            visible = visible & (queries < keys + window)
-        return visible
+        one chunk, else the array ``[n, S]`` (the one-row case of the layout's)."""
+        held = self._tokens_held[:1] or [0]
+        mask = self._chunk_mask(self._offsets[:1] or [0], [0], held, n, return_array, window)
+        return mask if isinstance(mask, str) or mask is None else mask[0, 0]
 
     def _layout_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
-        """``[B, 1, n, S]`` of the rows as the next append lays them (after their front
-        trims): row ``b``'s column ``c`` holds position ``offset[b] + c - end[b]``."""
+        return self._chunk_mask(
+            self._offsets, self._pads, self._tokens_held, n, return_array, window
+        )
+
+    def _chunk_mask(
+        self,
+        offsets: list[int],
+        pads: list[int],
+        held: list[int],
+        n: int,
+        return_array: bool,
+        window: int | None,
+    ) -> Mask:
+        """``[B, 1, n, S]`` of rows at ``offsets`` holding ``held`` tokens after ``pads``,
+        as the next append lays them (after their front trims): row ``b``'s column ``c``
+        holds position ``offset[b] + c - end[b]``."""
         size = self._size
-        kept = [min(h, size) for h in self._tokens_held]
-        pads = [p + h - k for p, h, k in zip(self._pads, self._tokens_held, kept, strict=True)]
+        kept = [min(h, size) for h in held]
+        pads = [p + h - k for p, h, k in zip(pads, held, kept, strict=True)]
         shared = min(pads, default=0)
         pads = [p - shared for p in pads]
         ends = [p + k for p, k in zip(pads, kept, strict=True)]
-        offsets = self._offsets
         one_chunk = all(
             (o - k) // size == (o + n - 1) // size for o, k in zip(offsets, kept, strict=True)
         )
-        if (
-            one_chunk
-            and not any(pads)
-            and len(set(ends)) <= 1
-            and window is None
-            and not return_array
-        ):
+        uniform = not any(pads) and len(set(ends)) <= 1
+        if one_chunk and uniform and window is None and not return_array:
             return None if n == 1 else "causal"
         columns = mx.arange(max(ends, default=0) + n)[None, None, :]
         end = mx.array(ends)[:, None, None]
@@ -187,10 +179,9 @@ class ChunkedSurface:
     position held: an int, or int32 ``[B]`` on a layout) and ``maybe_trim_front``."""
 
     _token_geometry: Any
-    _offsets: list[int]
     if TYPE_CHECKING:  # the geometry's, which every public class of it inherits
         composition: ClassVar[Composition]
-        _tokens_held: list[int]
+        _starts: list[int]
 
         def _trim_front(self) -> None: ...
 
@@ -200,10 +191,9 @@ class ChunkedSurface:
 
     @property
     def start_position(self) -> Any:
-        starts = [o - h for o, h in zip(self._offsets, self._tokens_held, strict=True)]
         if self.composition.is_layout:
-            return mx.array(starts, dtype=mx.int32)
-        return starts[0] if starts else 0
+            return mx.array(self._starts, dtype=mx.int32)
+        return self._starts[0] if self._starts else 0
 
     def maybe_trim_front(self) -> None:
         """Keep each row's newest ``chunk_size`` tokens (what the next append does first;

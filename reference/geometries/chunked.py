@@ -26,17 +26,31 @@ from kvrows.reference.rows import Placement, Row
 __all__ = ["ChunkedAxis", "ChunkedRows", "ChunkedSurface"]
 
 
-def _same_chunk(
-    offsets: Sequence[int], ends: Sequence[int], width: int, n: int, size: int
-) -> npt.NDArray[np.bool_]:
-    """``[B, 1, n, width]``: whether column ``c`` of row ``b`` (position ``offsets[b] +
-    c - ends[b]``) is in the chunk of its query ``i`` (position ``offsets[b] + i``)."""
-    offset = np.array(offsets, dtype=np.int64)[:, None, None, None]
+def _chunk_mask(
+    rows: Sequence[Row], pads: Sequence[int], n: int, size: int, window: int | None,
+    return_array: bool,
+) -> Mask:  # fmt: skip
+    """What ``rows`` (at ``pads``) see in their next ``n``-token append, as it lays them
+    (after their front trims): ``None`` / ``"causal"`` while nothing is padded, the rows
+    end together and each row's keys and queries are one chunk; else ``[B, 1, n, S]``,
+    row ``b``'s column ``c`` holding position ``offset[b] + c - end[b]``."""
+    kept = [min(r.retained, size) for r in rows]
+    moved = [p + r.retained - k for p, r, k in zip(pads, rows, kept, strict=True)]
+    shared = min(moved, default=0)
+    moved = [p - shared for p in moved]
+    ends = [p + k for p, k in zip(moved, kept, strict=True)]
+    one_chunk = all((r.offset - k) // size == (r.offset + n - 1) // size
+                    for r, k in zip(rows, kept, strict=True))  # fmt: skip
+    uniform = not any(moved) and len(set(ends)) <= 1
+    if uniform and one_chunk and window is None and not return_array:
+        return None if n == 1 else "causal"
+    seen = padded_visible(moved, ends, n, window)
+    offset = np.array([r.offset for r in rows], dtype=np.int64)[:, None, None, None]
     end = np.array(ends, dtype=np.int64)[:, None, None, None]
-    keys = offset + np.arange(width)[None, None, None, :] - end
+    keys = offset + np.arange(seen.shape[-1])[None, None, None, :] - end
     queries = offset + np.arange(n)[None, None, :, None]
-    same: npt.NDArray[np.bool_] = keys // size == queries // size
-    return same
+    visible: npt.NDArray[np.bool_] = seen & (keys // size == queries // size)
+    return visible
 
 
 @implements("chunked")
@@ -60,16 +74,9 @@ class ChunkedAxis(GrowingAxis):
         return evicted
 
     def serial_mask(self, row: Row, n: int, window: int | None, return_array: bool) -> Mask:
-        """``None`` / ``"causal"`` while the keys the update returns and the queries are one
-        chunk (as the growing geometry's), else the array ``[n, S]``."""
-        kept = self.history(row, n)
-        first, last = row.offset - kept, row.offset + n - 1
-        if first // self.size == last // self.size and window is None and not return_array:
-            return None if n == 1 else "causal"
-        seen = padded_visible([0], [kept], n, window)
-        same = _same_chunk([row.offset], [kept], kept + n, n, self.size)
-        visible: npt.NDArray[np.bool_] = (seen & same)[0, 0]
-        return visible
+        """The one-row case of the layouts' mask, ``[n, S]`` as an array."""
+        mask = _chunk_mask([row], [0], n, self.size, window, return_array)
+        return mask[0, 0] if isinstance(mask, np.ndarray) else mask
 
     def place(self, arrangement: Arrangement) -> Placement:
         return ChunkedRows(self, shared=arrangement == "shared")
@@ -89,22 +96,8 @@ class ChunkedRows(PaddedRows):
         self.filter(rows)
 
     def mask(self, rows: Sequence[Row], n: int, window: int | None, return_array: bool) -> Mask:
-        # The rows as the next append lays them (after their front trims).
-        kept = [self.axis.history(r, n) for r in rows]
-        pads = [r.pad + r.retained - k for r, k in zip(rows, kept, strict=True)]
-        shared = min(pads, default=0)
-        pads = [p - shared for p in pads]
-        ends = [p + k for p, k in zip(pads, kept, strict=True)]
-        offsets = [r.offset for r in rows]
-        size = self.axis.size
-        one_chunk = all(
-            (o - k) // size == (o + n - 1) // size for o, k in zip(offsets, kept, strict=True)
-        )
-        uniform = not any(pads) and len(set(ends)) <= 1
-        if uniform and one_chunk and window is None and not return_array:
-            return None if n == 1 else "causal"
-        seen = padded_visible(pads, ends, n, window)
-        return seen & _same_chunk(offsets, ends, seen.shape[-1], n, size)
+        pads = [r.pad for r in rows]
+        return _chunk_mask(rows, pads, n, self.axis.size, window, return_array)
 
 
 class ChunkedSurface:
