@@ -788,8 +788,23 @@ class DelayedLayout(ConversionBoundary, SpeculativeRounds):
     # The machinery's merge (``merge_rows``: argument, self-merge and compatibility checks,
     # then ``_join``) asks these two of each source.
     def _accepts(self, source: object) -> bool:
-        accepted: bool = self._source_record(source) is not None and super()._accepts(source)  # type: ignore[misc]
-        return accepted
+        record = self._source_record(source)
+        if record is None or not super()._accepts(source):  # type: ignore[misc]
+            return False
+        if self._records is not None:  # a merge's plan: ``_join`` takes it from here
+            self._records[id(source)] = record
+        return True
+
+    #: During ``merge_rows``: each accepted source's record, worked out once (by
+    #: ``_accepts``) for ``_join``; ``None`` outside a merge.
+    _records: dict[int, list[int | None]] | None = None
+
+    def merge_rows(self, rows: Sequence[Any]) -> None:
+        self._records = {}
+        try:
+            super().merge_rows(rows)  # type: ignore[misc]
+        finally:
+            self._records = None
 
     def _merge_refusal(self, source: object) -> str:
         name, q, tokens = type(self).__name__, self.quantization, self._token_geometry
@@ -826,7 +841,8 @@ class DelayedLayout(ConversionBoundary, SpeculativeRounds):
         if self._restoring:
             super()._join(sources, *args)  # type: ignore[misc]
             return
-        records = [self._source_record(source) or [] for source in sources]
+        known = self._records or {}
+        records = [known.get(id(s)) or self._source_record(s) or [] for s in sources]
         super()._join(sources, *args)  # type: ignore[misc]
         for record in records:
             self._conversion.join(record)
