@@ -75,6 +75,10 @@ def dispatch(
     # append reads plain); other storages read through their codec.
     codec = getattr(cache, "last_read_codec", None) or getattr(cache, "codec", None)
     pending = isinstance(keys, PendingRows)
+    if not pending:
+        # A wrapped shared ring reads in its own phase's order: time order instead, so a row
+        # sums its window in one order alone and in a batch (kvrows.app.ring_order).
+        keys, values, mask = in_time_order(cache, keys, values, mask)
     if getattr(codec, "defers_values", False) and not pending:
         # The read returned values the codec must finish (TurboQuant: rotated values, the
         # output un-rotated once per query row): its own attention, not mlx-lm's.
@@ -84,9 +88,6 @@ def dispatch(
             )
         return codec.attend(queries, keys, values, mask, scale)  # type: ignore[union-attr]
     if not pending:
-        # A wrapped shared ring reads in its own phase's order: time order instead, so a row
-        # sums its window in one order alone and in a batch (kvrows.app.ring_order).
-        keys, values, mask = in_time_order(cache, keys, values, mask)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     def attend(q: Any, group: Any, k: Any, v: Any, group_mask: Any, s: float) -> Any:

@@ -261,9 +261,7 @@ COMPOSITIONS: tuple[Composition, ...] = (
                 params=_RING_MX,
                 roles=Roles("BatchedRotatingMxCache", "BatchedRotatingMxCache",
                             "SpeculativeRotatingMxLayout"),
-                # No mlx-lm peer yet: a model's sliding layers stay plain rings under an
-                # MX scheme (their attention over a wrapped ring is not read in time
-                # order, so a batch would not be bit-identical to its solo runs).
+                peers=("RotatingKVCache",),
                 summary="serial microscaling sliding-window ring (mxfp8, mxfp4, nvfp4)"),
     # -- plain rings -----------------------------------------------------------------
     Composition(name="SpeculativeRotatingKVCache", codec="plain", geometry="ring",

@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 
 import kvrows.optimized as O
 import kvrows.reference as R
+from kvrows.app import attention, demo
 from kvrows.app.engine import Engine, Request
+from kvrows.app.models import make_kvrows_cache
 from kvrows.codecs import parse_codec
 from kvrows.codecs.mx import MX_MODES, Microscaled
 from kvrows.errors import IncompatibleRowsError, InvalidInputError
@@ -229,3 +231,26 @@ def test_a_microscaled_latent_saves_its_mode_and_loads_back(mode: str) -> None:
         affine.append(to(latent), to(rope))
         v1 = impl.EncodedLatentCache.from_state(tuple(affine.state)[:-1])
         assert v1.latent_codec == Affine(bits=4, group_size=32)
+
+
+def _mx_ring_invariance(model: Any) -> Any:
+    scheme = KvStorageScheme.parse("mxfp4")
+    requests = demo.builtin_trace(4)
+    engine = Engine(model, scheme, max_batch=3, prefill_chunk=16, keep_logits=True)
+    results, _ = engine.run(requests)
+    return demo.check_invariance(model, scheme, requests, results, 16)
+
+
+def test_sliding_layers_take_the_microscaling_ring_bit_identical(
+    models: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gemma3's sliding layers are microscaling rings under an mx scheme, and the batch is
+    bit-identical to its solo runs: the codec's own attention reads a wrapped ring in time
+    order, as mlx-lm's does. Read in physical order instead, it is not."""
+    model = models["gemma3"]
+    kinds = [type(c).__name__ for c in make_kvrows_cache(model, KvStorageScheme.parse("mxfp4"))]
+    assert kinds == ["RotatingMxKVCache", "MxKVCache"] * 2
+    report = _mx_ring_invariance(model)
+    assert report.steps > 0 and report.mismatches == 0 and report.beyond_tolerance == 0
+    monkeypatch.setattr(attention, "in_time_order", lambda cache, k, v, m: (k, v, m))
+    assert _mx_ring_invariance(model).beyond_tolerance > 0
