@@ -54,7 +54,13 @@ from kvrows.protocols import DropInWrapper, Handover
 from kvrows.recurrent import StateShapes
 from kvrows.validation import KvGeometry
 
-__all__ = ["KVROWS_KEY", "load_prompt_cache", "save_prompt_cache"]
+__all__ = [
+    "KVROWS_KEY",
+    "load_prompt_cache",
+    "restored_caches",
+    "save_prompt_cache",
+    "saved_arrays",
+]
 
 #: The metadata entry holding kvrows' description of the file's layers.
 KVROWS_KEY = "0.kvrows"
@@ -168,8 +174,19 @@ def save_prompt_cache(
 ) -> None:
     """Write ``caches`` (one per layer; storages, legos or layouts of either
     implementation; a model's drop-in as the cache behind it) to ``path``, atomically.
-    Nothing is written if any cache or metadata entry is refused. A lego is saved as its current storage (mlx-lm reads that) plus a
-    ``lego`` record that kvrows' loader wraps it back with."""
+    Nothing is written if any cache or metadata entry is refused. A lego is saved as its
+    current storage (mlx-lm reads that) plus a ``lego`` record that kvrows' loader wraps it
+    back with."""
+    write_atomic(path, *saved_arrays(caches, metadata))
+
+
+def saved_arrays(
+    caches: Sequence[Any], metadata: Mapping[str, str] | None = None
+) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """The arrays and metadata a prompt-cache file of ``caches`` holds (without the
+    checksum, which the writer adds): what :func:`save_prompt_cache` writes and a
+    transfer sends (``kvrows.persist.transfer``). The arrays are the caches' own planes,
+    encoded as stored; refused as :func:`save_prompt_cache` refuses."""
     if isinstance(caches, str | bytes) or not isinstance(caches, Sequence):
         raise InvalidInputError("save_prompt_cache takes a list of caches, one per layer")
     user = dict(metadata or {})
@@ -214,7 +231,7 @@ def save_prompt_cache(
             arrays[name] = _to_mx(value)
     description = {"format": FORMAT_VERSION, "layers": layers}
     flat = dict(tree_flatten([{**user, "kvrows": json.dumps(description)}, classes, scalars]))
-    write_atomic(path, arrays, {key: str(value) for key, value in flat.items()})
+    return arrays, {key: str(value) for key, value in flat.items()}
 
 
 def _grouped(metadata: Mapping[str, str]) -> dict[str, dict[str, str]]:
@@ -289,11 +306,28 @@ def load_prompt_cache(
     key, is corrupt. ``require_checksum`` refuses a file without a checksum (mlx-lm's
     too). Any problem raises ``CorruptStateError`` / ``UnsupportedStateError``
     (``StateReadError`` when the file cannot be read) and nothing is returned."""
-    classes_by_name = _implementation_classes(implementation)
+    _implementation_classes(implementation)  # refused before the file is read
     if not isinstance(require_checksum, bool):
         raise InvalidInputError(f"require_checksum must be a bool, got {require_checksum!r}")
     arrays, metadata = read_safetensors(path)
     _verify(path, arrays, metadata, require_checksum)
+    caches, user = restored_caches(arrays, metadata, implementation=implementation, source=path)
+    return (caches, user) if return_metadata else caches
+
+
+def restored_caches(
+    arrays: dict[str, mx.array],
+    metadata: Mapping[str, str],
+    *,
+    implementation: Implementation = "optimized",
+    source: object = "saved state",
+) -> tuple[list[Any], dict[str, str]]:
+    """The caches (``implementation``'s classes) and user metadata that ``arrays`` and
+    ``metadata`` describe, as :func:`saved_arrays` made them or a file holds them (checked
+    already: the checksum is the reader's business). ``source`` names them in errors.
+    Takes ownership of ``arrays`` (its scalar entries are replaced)."""
+    classes_by_name = _implementation_classes(implementation)
+    path = source
     try:
         groups = _grouped(metadata)
         legacy = groups["2"].get("0") != ""
@@ -356,7 +390,7 @@ def load_prompt_cache(
         _restore(classes_by_name, name, state, meta, record, implementation, path)
         for name, state, meta, record in zip(class_names, states, meta_list, layers, strict=True)
     ]
-    return (caches, user) if return_metadata else caches
+    return caches, user
 
 
 def _verify(
