@@ -216,6 +216,15 @@ def _parser() -> argparse.ArgumentParser:
         "through the paged engine (one latent block pool per layer)",
     )
 
+    demo.add_argument(
+        "--tensor-parallel",
+        action="store_true",
+        help="shard the model over the processes of an mlx.launch (mlx.launch -n 2 --backend "
+        "ring -- kvrows demo --tensor-parallel): each rank's caches hold its KV heads; the "
+        "batch-invariance check, every rank's tokens alike and equal to one process's; with "
+        "--paged, a block pool per layer and rank",
+    )
+
     commands.add_parser(
         "example", help="merge, decode, filter and extract rows, and say what happened"
     )
@@ -337,15 +346,16 @@ _DEMOS = {
     "paged": "run_paged_demo",
     "speculative": "run_speculative_demo",
     "mla": "run_latent_demo",
+    "tensor-parallel": "run_tensor_parallel_demo",
 }
 
 #: ``kvrows demo`` options that only some modes use: the option, its attribute, the
 #: demo function's keyword, and the modes that take it (an option not given is left to
 #: the function's default).
 _DEMO_MODE_OPTIONS = (
-    ("--model", "model", "model_path", ("main", "paged", "speculative")),
+    ("--model", "model", "model_path", ("main", "paged", "speculative", "tensor-parallel")),
     ("--kv-budget", "kv_budget", "kv_budget", ("main", "paged")),
-    ("--kv-start", "kv_start", "kv_start", ("main", "speculative", "mla")),
+    ("--kv-start", "kv_start", "kv_start", ("main", "speculative", "mla", "tensor-parallel")),
     ("--prefix-store", "prefix_store", "prefix_store", ("main",)),
     ("--prefix-store-bytes", "prefix_store_bytes", "prefix_store_bytes", ("main",)),
     ("--draft-tokens", "draft_tokens", "draft_tokens", ("speculative",)),
@@ -354,9 +364,10 @@ _DEMO_MODE_OPTIONS = (
 
 
 def _demo_mode(args: argparse.Namespace) -> str:
-    modes = [flag for flag in ("paged", "speculative", "mla") if getattr(args, flag)]
-    if args.mla and args.paged and not args.speculative:  # the MLA demo, paged
-        return "mla"
+    flags = ("paged", "speculative", "mla", "tensor_parallel")
+    modes = [flag.replace("_", "-") for flag in flags if getattr(args, flag)]
+    if args.paged and len(modes) == 2 and (args.mla or args.tensor_parallel):
+        return "mla" if args.mla else "tensor-parallel"  # the MLA or sharded demo, paged
     if len(modes) > 1:
         raise CommandLineError(
             f"--{modes[0]} and --{modes[1]} are separate demos: choose one of them"
@@ -442,7 +453,7 @@ def _run(args: argparse.Namespace) -> int:
         }
         if mode != "mla":  # the latent demo prints no progress
             options["progress"] = not args.quiet
-        elif args.paged:
+        if mode in ("mla", "tensor-parallel") and args.paged:
             options["paged"] = True
         run_demo = getattr(demo, _DEMOS[mode])
         return int(

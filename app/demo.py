@@ -509,16 +509,18 @@ def _cells(
     requests: int,
     kv_start: int | None,
     doing: str,
+    announce: bool = True,
 ) -> Iterator[tuple[str, Any, list[Request], KvStorageScheme]]:
     """Each model and scheme in turn, with the model's first wave of ``requests``; each
-    announced on stderr (``doing``: what runs)."""
+    announced on stderr (``doing``: what runs; ``announce=False``: silently)."""
     for model_index, (name, model) in enumerate(models):
         vocab = int(text_config(model).vocab_size) if hasattr(model, "args") else 256
         first = builtin_trace(requests, vocab=min(vocab, 256))
         for scheme_index, scheme_name in enumerate(schemes):
             scheme = parse_scheme(scheme_name, kv_start)
             at = model_index * len(schemes) + scheme_index + 1
-            stage(at, len(models) * len(schemes), f"{name} {scheme.name}: {doing}")
+            if announce:
+                stage(at, len(models) * len(schemes), f"{name} {scheme.name}: {doing}")
             yield name, model, first, scheme
 
 
@@ -1047,5 +1049,120 @@ def run_latent_demo(
             " required for the plain latent; an encoded latent's rows depend on the appends"
             " they were computed in (each reads its own tokens exact), so a hit computed in"
             " other appends may turn a near-tie: reported, not failed."
+        )
+    return 1 if failed else 0
+
+
+TENSOR_PARALLEL_HEADER = [
+    "model",
+    "scheme",
+    "ranks",
+    "generated",
+    "tok/s",
+    "tok/s 1 process",
+    "KV B/token per rank",
+    "KV B/token 1 process",
+    "peak KV B per rank",
+    "max |dlogit|",
+    "same tokens",
+]
+
+
+def _tensor_parallel_models(model_path: str | None, ranks: int) -> list[tuple[str, Any, Any]]:
+    """Each model twice: to shard, and whole (rank 0's single-process run). The built-in
+    attention models get 2 KV heads per rank (their own config has 2 in all)."""
+    from kvrows.app.distributed import shard_model
+
+    if model_path is not None and model_path not in BUILTIN_MODELS:
+        ((name, whole),) = _models(model_path)
+        ((_, sharded),) = _models(model_path)
+        return [(name, shard_model(sharded), whole)]
+    names = ARCHITECTURES if model_path is None else (model_path,)
+    heads = {"num_key_value_heads": 2 * ranks, "num_attention_heads": 8 * ranks // 2}
+    return [
+        (name, shard_model(tiny_model(name, overrides=heads)), tiny_model(name, overrides=heads))
+        for name in names
+    ]
+
+
+def run_tensor_parallel_demo(
+    *,
+    model_path: str | None = None,
+    schemes: Sequence[str] | None = None,
+    requests: int = 12,
+    max_batch: int = 8,
+    prefill_chunk: int = 16,
+    progress: bool = True,
+    paged: bool = False,
+    kv_start: int | None = None,
+) -> int:
+    """The trace (first wave and follow-ups) with the model sharded over the launch's group
+    (``mlx.launch -n N``): every rank runs the same engine over its KV heads. Checked: the
+    batch against its solo replays (bit-identical, on the sharded model), every rank's
+    tokens alike, and rank 0's tokens against one process running the whole model. Rank 0
+    prints; every rank returns 1 if any check failed."""
+    from kvrows.app.distributed import agreed, any_rank
+
+    group = mx.distributed.init()
+    ranks, rank = group.size(), group.rank()
+    if ranks < 2:
+        raise InvalidInputError(
+            "--tensor-parallel shards the model over the processes of a launch: run it as "
+            "mlx.launch -n 2 --backend ring -- kvrows demo --tensor-parallel"
+        )
+    rows: list[list[str]] = []
+    failed = False
+    models = _tensor_parallel_models(model_path, ranks)
+    doing = "the trace sharded, its solo replays, then one process"
+    for name, sharded, first, scheme in _cells(
+        [(n, s) for n, s, _ in models],
+        list(schemes or SCHEMES),
+        requests,
+        kv_start,
+        doing,
+        announce=rank == 0,
+    ):
+        whole = next(w for n, _, w in models if n == name)
+        options: dict[str, Any] = dict(
+            max_batch=max_batch, prefill_chunk=prefill_chunk, paged=paged, progress=progress
+        )
+        engine = Engine(sharded, scheme, keep_logits=True, **{**options, "progress": False})
+        served, results, stats = _serve(engine, first)
+        report = check_invariance(sharded, scheme, served, results, prefill_chunk, tolerance=EXACT)
+        tokens = [r.tokens for r in results]
+        alike = agreed(json.dumps(tokens), group=group)
+        same = alike
+        single = None
+        if rank == 0:
+            _, single_results, single = _serve(Engine(whole, scheme, **options), first)
+            same = alike and tokens == [r.tokens for r in single_results]
+        failed |= not (same and report.ok)
+        if single is not None:
+            rows.append(
+                [
+                    name,
+                    scheme.name,
+                    str(ranks),
+                    str(stats.generated),
+                    f"{stats.tokens_per_second:.1f}",
+                    f"{single.tokens_per_second:.1f}",
+                    str(stats.kv_bytes_per_token),
+                    str(single.kv_bytes_per_token),
+                    str(stats.peak_kv_bytes),
+                    f"{report.max_logit_diff:.1e} ({report.beyond_tolerance} > tol)",
+                    verdict(same and report.ok, 0),
+                ]
+            )
+    failed = any_rank(failed, group=group)
+    if rank == 0:
+        _print_table(rows, TENSOR_PARALLEL_HEADER)
+        print(
+            f"\ntensor parallel: the model sharded over {ranks} processes (its attention heads"
+            " and MLP split; each rank's caches hold its KV heads only), every rank running the"
+            " same engine over the same trace. max |dlogit|: the sharded batch against its solo"
+            " replays (bit-identical); same tokens: every rank's greedy tokens alike and equal"
+            " to one process running the whole model. tok/s on one machine: the ranks share"
+            " its cores and add a collective per layer, so expect it slower here; on N"
+            " machines each rank reads 1/N of the weights and KV per step."
         )
     return 1 if failed else 0

@@ -32,7 +32,7 @@ import difflib
 import importlib
 import inspect
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -306,7 +306,7 @@ def kv_geometry(model: Any) -> KvGeometry | None:
     args = text_config(model)
     if any(hasattr(args, name) for name in ("kv_lora_rank", "v_head_dim", "qk_rope_head_dim")):
         return None
-    heads = getattr(args, "num_key_value_heads", None)
+    heads = _sharded_kv_heads(model) or getattr(args, "num_key_value_heads", None)
     dim = getattr(args, "head_dim", None)
     if dim is None and getattr(args, "num_attention_heads", None):
         dim = getattr(args, "hidden_size", 0) // args.num_attention_heads
@@ -314,6 +314,21 @@ def kv_geometry(model: Any) -> KvGeometry | None:
     if not heads or not dim or dtype is None:
         return None
     return KvGeometry(heads=int(heads), key_dim=int(dim), value_dim=int(dim), dtype=dtype)
+
+
+def _sharded_kv_heads(model: Any) -> int | None:
+    """The KV heads each attention layer holds where the model was sharded over a group
+    (``model.shard``: its layers hold ``num_key_value_heads / N``); ``None`` otherwise."""
+    shards = getattr(model, "kvrows_shards", None)
+    if shards is None:
+        return None
+    counts = {
+        int(attention.n_kv_heads)
+        for layer in getattr(model, "layers", ())
+        if (attention := getattr(layer, "self_attn", None)) is not None
+        and hasattr(attention, "n_kv_heads")
+    }
+    return counts.pop() if len(counts) == 1 else None
 
 
 def _token_geometry(entry: Composition, codec: CodecSpec, layer: Any) -> GeometrySpec:
@@ -483,17 +498,25 @@ def _lego(
     return lego(**{name: numbers[name] for name in entry.params}, start=start, geometry=declared)
 
 
-def tiny_model(arch: str, *, seed: int = 0, vocab: int = 256, record: bool = True) -> Any:
+def tiny_model(
+    arch: str,
+    *,
+    seed: int = 0,
+    vocab: int = 256,
+    record: bool = True,
+    overrides: Mapping[str, Any] | None = None,
+) -> Any:
     """A small random-weight float32 mlx-lm model of ``arch`` (a key of
     :data:`TINY_MODELS`), its recurrent layers wrapped by :func:`record_recurrent_layers`
-    (``record=False``: mlx-lm's model as it is)."""
+    (``record=False``: mlx-lm's model as it is). ``overrides``: config fields over the
+    architecture's (``{"num_key_value_heads": 4}``: heads to shard over two ranks)."""
     row = TINY_MODELS.get(arch)
     if row is None:
         raise InvalidInputError(
             f"unknown architecture {arch!r}: expected one of {tuple(TINY_MODELS)}"
         )
     module: Any = importlib.import_module(f"mlx_lm.models.{row.module}")
-    config = {"model_type": row.module, **row.config, "vocab_size": vocab}
+    config = {"model_type": row.module, **row.config, **(overrides or {}), "vocab_size": vocab}
     taken = module.ModelArgs.__dataclass_fields__
     if "text_config" in taken:  # a multimodal model's language part (llama4)
         config = {"model_type": row.module, "text_config": config}

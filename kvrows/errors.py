@@ -37,6 +37,7 @@ __all__ = [
     "NotBatchableError",
     "NotTrimmableError",
     "PoolExhaustedError",
+    "RankDivergenceError",
     "RowIndexError",
     "SpeculativeRoundError",
     "SpeculativeStateInvalidError",
@@ -244,6 +245,11 @@ def ring_rollback_message(row: int, offset: int, retained: int, count: int, wind
 class PoolExhaustedError(CapacityError):
     """A block pool cannot take the blocks an append asks for without growing past its
     byte limit (``kvrows.paged``); nothing changed."""
+
+
+class RankDivergenceError(KvRowsError):
+    """Ranks of a tensor-parallel group that should apply the same row operations hold
+    different rows or offsets (``kvrows.app.distributed.check_in_step``)."""
 
 
 # Messages raised in more than one file, each written once here so that the copies cannot

@@ -1,0 +1,88 @@
+"""Tensor parallelism over two processes (``mlx.launch -n 2 --backend ring`` on 127.0.0.1):
+the sharded llama's batch is bit-identical to its solo replays, every rank's tokens equal
+one process's, each rank holds half the KV bytes (contiguous and paged), and the divergence
+guard names a rank that drifted (``tensor_parallel_worker.py``). In this process: what
+sharding refuses."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvrows.app.distributed import check_in_step, shard_model, sharding
+from kvrows.app.models import tiny_model
+from kvrows.errors import InvalidInputError
+
+WORKER = Path(__file__).with_name("tensor_parallel_worker.py")
+#: Seconds the launch may take (about 30 s here); then its process group is killed.
+LAUNCH_TIMEOUT = 300
+
+
+def _launch(script: Path) -> tuple[int, str]:
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    command = [str(launcher), "-n", "2", "--backend", "ring", "--", sys.executable, str(script)]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, _ = process.communicate(timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, _ = process.communicate()
+        pytest.fail(f"the launch did not end within {LAUNCH_TIMEOUT} s:\n{out[-2000:]}")
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    return process.returncode, out
+
+
+def test_two_ranks_serve_the_trace_as_one_process_with_half_the_kv_each() -> None:
+    status, out = _launch(WORKER)
+    assert status == 0, out[-3000:]
+    for what in ("contiguous", "paged", "guard"):
+        assert {f"ok {rank} {what}" for rank in (0, 1)} <= set(out.splitlines()), out[-3000:]
+    rows = [line.split() for line in out.splitlines() if re.match(r"llama\s+\S+\s+2\s", line)]
+    assert len(rows) == 3 and all(row[-1] == "PASS" for row in rows), out[-3000:]
+    for row in rows:  # KV bytes per token: one rank's, one process's
+        assert 2 * int(row[6]) == int(row[7]), row
+
+
+class _Group:
+    """A stand-in group (sharding refuses before any collective)."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize(
+    ("arch", "size", "match"),
+    [
+        ("qwen3_next", 2, "recurrent layers"),
+        ("llama", 3, "do not divide over 3 ranks"),
+    ],
+)
+def test_sharding_refuses_what_it_cannot_split(arch: str, size: int, match: str) -> None:
+    model: Any = tiny_model(arch)
+    with pytest.raises(InvalidInputError, match=match):
+        shard_model(model, _Group(size))
+    assert sharding(model) is None
+
+
+def test_the_guard_has_nothing_to_compare_in_one_process() -> None:
+    check_in_step(0, ["a"], [3])  # the global group of one process: no collective
+    with pytest.raises(InvalidInputError, match="row ids"):
+        check_in_step(0, ["a"], [3, 4], group=_Group(2))
