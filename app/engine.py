@@ -8,8 +8,9 @@ Lifecycle of a request (``spec/engine.md``):
 
 1. it arrives (at an engine step) and waits in FIFO order;
 2. it is admitted while the projected KV bytes of the running rows plus its own fit
-   the byte budget (a request that can never fit is rejected; a running row is never
-   evicted); its cache starts from the longest usable prefix in the prefix cache;
+   the byte budget (a request that can never fit is refused at once; a running row is
+   preempted only when the budget falls below the rows' reservations); its cache starts
+   from the longest usable prefix in the prefix cache (LRU-bounded inside the budget);
 3. it prefills in a cohort through the prefill layouts, a chunk per engine step (every
    cohort row advances by the same chunk, at most the shortest remaining prompt); when
    its prompt is done its prompt's KV is published to the prefix cache;
@@ -17,6 +18,11 @@ Lifecycle of a request (``spec/engine.md``):
    between steps; each step feeds every running row its last token;
 5. it finishes on a stop token or ``max_tokens``; its row is published to the prefix
    cache (keyed by the tokens its KV covers) and leaves the batch.
+
+The state lives on the engine and ``step`` advances it one boundary at a time
+(``spec/engine.md`` §17): ``submit``, ``cancel`` and ``gauges`` are called from any thread,
+``serve_forever`` steps in one, every request's tokens stream out as ``TokenEvent``s and
+end with a ``FinishEvent``; ``run`` is the offline client.
 
 With a ``kvrows.persist.prefix_store.PrefixStore`` the published rows are also saved to
 disk (at a block boundary), and admission takes the longest usable prefix from memory
@@ -1288,7 +1294,32 @@ class Engine:
                     self._wake.wait(timeout=0.05)
                 if not self._has_work():
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as error:  # the process serves on: these requests fail
+                self._fail_all(error)
+
+    def _fail_all(self, error: Exception) -> None:
+        """A step raised: every live request finishes with ``finish_reason`` ``"error"``
+        (its ``error`` the exception's text), and the batch state starts afresh (the
+        prefix cache, the pools and the totals stay)."""
+        with self._lock:
+            entries = list(self._live.values())
+            self._waiting, self._cancels = [], []
+        for entry in entries:
+            if not entry.finished:
+                entry.result.finish_reason = "error"
+                entry.result.error = f"{type(error).__name__}: {error}"
+                self._finish(entry)
+        self._cohort, self._running = [], []
+        self._cohort_layouts, self._decode_layouts = [], []
+        self._streaming, self._removals = [], []
+        if self._drafter is not None:
+            self._drafter = _Drafter(self, self.draft_model)
+        if self._pipeline is not None:
+            self._pipeline = _Pipeline(self)
+        self._shared_credit.clear()
+        self._refresh_gauges()
 
     def _has_work(self) -> bool:
         return bool(

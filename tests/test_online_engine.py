@@ -306,3 +306,30 @@ def test_random_submit_and_cancel_schedules(
         else:
             assert final.result.finish_reason == "length"
             assert final.result.tokens == _SOLO[key]
+
+
+def test_a_step_that_raises_fails_the_live_requests_and_the_engine_serves_on(
+    llama: Any,
+) -> None:
+    engine = Engine(llama, max_batch=2)
+    broken = engine.submit(_request("a", 5, 4))
+    real_prefill = engine._prefill_chunk
+
+    def failing(*args: Any) -> Any:
+        raise RuntimeError("device lost")
+
+    engine._prefill_chunk = failing  # type: ignore[method-assign]
+    stop = threading.Event()
+    worker = threading.Thread(target=engine.serve_forever, args=(stop,))
+    worker.start()
+    try:
+        final = _drain(broken)[-1]
+        assert isinstance(final, FinishEvent) and final.result.finish_reason == "error"
+        assert "device lost" in (final.result.error or "")
+        engine._prefill_chunk = real_prefill  # type: ignore[method-assign]
+        healthy = _drain(engine.submit(_request("b", 6, 3)))[-1]
+    finally:
+        stop.set()
+        worker.join(timeout=60)
+    assert isinstance(healthy, FinishEvent)
+    assert healthy.result.tokens == _solo(llama, _request("b", 6, 3)).tokens
