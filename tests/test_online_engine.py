@@ -318,7 +318,7 @@ def test_a_step_that_raises_fails_the_live_requests_and_the_engine_serves_on(
     def failing(*args: Any) -> Any:
         raise RuntimeError("device lost")
 
-    engine._prefill_chunk = failing  # type: ignore[method-assign]
+    engine._prefill_chunk = failing  # type: ignore[method-assign,assignment]
     stop = threading.Event()
     worker = threading.Thread(target=engine.serve_forever, args=(stop,))
     worker.start()
