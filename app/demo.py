@@ -36,6 +36,7 @@ tokens also the contiguous engine's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -1101,7 +1102,7 @@ def run_tensor_parallel_demo(
     batch against its solo replays (bit-identical, on the sharded model), every rank's
     tokens alike, and rank 0's tokens against one process running the whole model. Rank 0
     prints; every rank returns 1 if any check failed."""
-    from kvrows.app.distributed import agreed, any_rank
+    from kvrows.app.distributed import agreed, any_rank, check_in_step
 
     group = mx.distributed.init()
     ranks, rank = group.size(), group.rank()
@@ -1126,7 +1127,10 @@ def run_tensor_parallel_demo(
         options: dict[str, Any] = dict(
             max_batch=max_batch, prefill_chunk=prefill_chunk, paged=paged, progress=progress
         )
-        engine = Engine(sharded, scheme, keep_logits=True, **{**options, "progress": False})
+        guard = functools.partial(check_in_step, group=group)
+        engine = Engine(
+            sharded, scheme, keep_logits=True, step_guard=guard, **{**options, "progress": False}
+        )
         served, results, stats = _serve(engine, first)
         report = check_invariance(sharded, scheme, served, results, prefill_chunk, tolerance=EXACT)
         tokens = [r.tokens for r in results]

@@ -925,6 +925,7 @@ class Engine:
         max_waiting: int | None = None,
         queue_timeout: float | None = None,
         prefix_cache_bytes: int | None = None,
+        step_guard: Callable[[int, Sequence[str], Sequence[int]], None] | None = None,
     ) -> None:
         if max_batch < 1 or prefill_chunk < 1:
             raise InvalidInputError("max_batch and prefill_chunk must be >= 1")
@@ -970,6 +971,10 @@ class Engine:
         self.max_batch = max_batch
         self.kv_budget = kv_budget
         self.prefill_chunk = prefill_chunk
+        #: Called at the end of every step with the step, the admitted rows' ids and their
+        #: positions (prompt tokens fed plus decode steps), in batch order: tensor
+        #: parallelism's divergence guard (``kvrows.app.distributed.check_in_step``).
+        self.step_guard = step_guard
         self.keep_logits = keep_logits
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if use_prefix_cache else None
         #: The bound of the in-memory prefix cache (its entries and, paged, the pools'
@@ -1386,6 +1391,10 @@ class Engine:
             self._drop_from_batch(leaving)
         if pipeline is not None and not self._running:
             pipeline.read_settled(everything=True)  # the rows that left: nothing in flight
+        if self.step_guard is not None:  # what every rank of a group must hold alike
+            rows = self._cohort + self._running
+            positions = [row.fed + max(row.sampled - 1, 0) for row in rows]
+            self.step_guard(self._step, [row.request.rid for row in rows], positions)
         self._step += 1
         self._send_events()
         self._refresh_gauges()
