@@ -17,11 +17,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 from server_helpers import FakeEngine, FakeRequest, live_server
 
 from kvrows.app.checkpoints import train_tokenizer
 from kvrows.app.server import KvRowsServer
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 MODEL = "tiny:llama"
 TIMEOUT = 10.0
