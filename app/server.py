@@ -22,8 +22,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import secrets
 import signal
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -612,3 +614,173 @@ class _DrainingUvicorn(uvicorn.Server):
                 self.should_exit = True
 
         self._drain_task = asyncio.ensure_future(drain_then_exit())
+
+
+# -- kvrows serve: the model, the engine, the command ---------------------------------------
+#: ``--model`` prefix naming an embedded tiny model.
+TINY_PREFIX = "tiny:"
+
+
+def check_model_name(name: str) -> None:
+    """Refuse a ``--model`` that is neither ``tiny:<arch>`` nor a checkpoint directory."""
+    from kvrows.app.models import TINY_MODELS, check_model
+
+    if name.startswith(TINY_PREFIX):
+        arch = name[len(TINY_PREFIX) :]
+        if arch not in TINY_MODELS:
+            raise InvalidInputError(
+                f"unknown tiny model {arch!r}: expected tiny:<arch>, arch one of "
+                f"{', '.join(TINY_MODELS)}"
+            )
+        return
+    if not os.path.isdir(os.path.expanduser(name)):
+        raise InvalidInputError(
+            f"no such directory {name} (a model is a local mlx-lm checkpoint directory or "
+            "tiny:<arch>; nothing is downloaded)"
+        )
+    check_model(name)
+
+
+def check_scheme_name(name: str) -> None:
+    """Refuse a ``--scheme`` that is neither a KV scheme nor a latent one (which applies
+    is known once the model is)."""
+    from kvrows.app.demo import latent_codec
+    from kvrows.schemes import KvStorageScheme
+
+    try:
+        KvStorageScheme.parse(name)
+    except InvalidInputError as refused:
+        try:
+            latent_codec(name)
+        except InvalidInputError:
+            raise refused from None
+
+
+def load_served_model(name: str) -> tuple[Any, Any]:
+    """The model and tokenizer ``--model name`` names: ``tiny:<arch>`` (built in memory,
+    :func:`kvrows.app.checkpoints.tiny_model_with_tokenizer`) or a checkpoint directory
+    (``mlx_lm.load``: its tokenizer and chat template)."""
+    from kvrows.app.models import record_recurrent_layers
+
+    check_model_name(name)
+    if name.startswith(TINY_PREFIX):
+        from kvrows.app.checkpoints import tiny_model_with_tokenizer
+
+        return tiny_model_with_tokenizer(name[len(TINY_PREFIX) :])
+    from mlx_lm import load
+
+    try:
+        model, tokenizer = load(os.path.expanduser(name))[:2]
+    except Exception as error:  # a damaged or unsupported checkpoint: say which
+        first = (str(error).strip().splitlines() or [""])[0]
+        raise InvalidInputError(
+            f"cannot load the model in {name}: {type(error).__name__}: {first}"
+        ) from error
+    record_recurrent_layers(model)
+    return model, tokenizer
+
+
+def model_context_length(model: Any) -> int:
+    """The model config's ``max_position_embeddings``, else :data:`DEFAULT_CONTEXT_LENGTH`."""
+    from kvrows.app.models import text_config
+
+    try:
+        declared = getattr(text_config(model), "max_position_embeddings", None)
+    except AttributeError:
+        declared = None
+    return int(declared) if isinstance(declared, int) and declared > 1 else DEFAULT_CONTEXT_LENGTH
+
+
+def build_engine(
+    model: Any,
+    tokenizer: Any,
+    *,
+    scheme: str | None = None,
+    kv_start: int | None = None,
+    max_batch: int = 8,
+    kv_budget: int | None = None,
+    paged: bool = False,
+    prefix_store: str | None = None,
+    prefix_store_bytes: int | None = None,
+    speculative: bool = False,
+    draft_tokens: int | None = None,
+    draft_layers: int | None = None,
+    max_waiting: int | None = None,
+    queue_timeout: float | None = None,
+) -> Any:
+    """The online engine over ``model`` with ``kvrows serve``'s options (the demo's
+    meanings: :mod:`kvrows.app.demo`)."""
+    from kvrows.app.demo import PREFIX_STORE_BYTES, latent_scheme, parse_scheme
+    from kvrows.app.engine import Engine, model_fingerprint
+    from kvrows.app.models import draft_model, is_latent_model, record_recurrent_layers
+    from kvrows.persist.prefix_store import PrefixStore
+
+    name = scheme or "plain"
+    kv_scheme = (
+        latent_scheme(name, kv_start) if is_latent_model(model) else parse_scheme(name, kv_start)
+    )
+    store = None
+    if prefix_store is not None:
+        store = PrefixStore(
+            prefix_store,
+            byte_budget=prefix_store_bytes or PREFIX_STORE_BYTES,
+            fingerprint=model_fingerprint(model, kv_scheme),
+        )
+    draft = None
+    if speculative:
+        draft = draft_model(model, draft_layers)
+        record_recurrent_layers(draft)
+    options: dict[str, Any] = {}
+    if draft is not None:
+        options.update(draft_model=draft, draft_tokens=draft_tokens or 3)
+    engine_class: Any = Engine
+    return engine_class(
+        model,
+        kv_scheme,
+        max_batch=max_batch,
+        kv_budget=kv_budget,
+        paged=paged,
+        prefix_store=store,
+        detokenize=tokenizer.decode,
+        max_waiting=max_waiting,
+        queue_timeout=queue_timeout,
+        **options,
+    )
+
+
+def serve_command(args: Any) -> int:
+    """``kvrows serve`` (the parsed command line of :mod:`kvrows.app.cli`)."""
+    model, tokenizer = load_served_model(args.model)
+    engine = build_engine(
+        model,
+        tokenizer,
+        scheme=args.scheme,
+        kv_start=args.kv_start,
+        max_batch=args.max_batch,
+        kv_budget=args.kv_budget,
+        paged=args.paged,
+        prefix_store=args.prefix_store,
+        prefix_store_bytes=args.prefix_store_bytes,
+        speculative=args.speculative,
+        draft_tokens=args.draft_tokens,
+        draft_layers=args.draft_layers,
+        max_waiting=args.max_waiting,
+        queue_timeout=args.queue_timeout,
+    )
+    server = KvRowsServer(
+        engine,
+        tokenizer,
+        model_name=args.served_model_name or args.model,
+        context_length=args.context_length or model_context_length(model),
+        drain_timeout=args.drain_timeout,
+    )
+
+    def ready(port: int) -> None:
+        print(
+            f"kvrows serve: {server.model_name} on http://{args.host}:{port} "
+            f"(scheme {args.scheme or 'plain'}; SIGTERM drains)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return run_server(server, host=args.host, port=args.port, log_level=args.log_level, ready=ready)
