@@ -61,8 +61,11 @@ from __future__ import annotations
 
 import hashlib
 import math
+import queue
 import sys
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
@@ -76,7 +79,17 @@ from kvrows.app.attention import attention_scope, hookable_modules
 from kvrows.app.models import check_speculative_rounds, forward, make_kvrows_cache
 from kvrows.codecs import is_codec_spec, is_kv_codec, kv_codecs
 from kvrows.compositions import placed_geometries
-from kvrows.errors import CapacityError, InvalidInputError, KvRowsError, LayoutStateError
+from kvrows.errors import (
+    CapacityError,
+    DrainingError,
+    InvalidInputError,
+    KvRowsError,
+    LayoutStateError,
+    QueueFullError,
+    never_fits_message,
+    queue_full_message,
+    queue_timeout_message,
+)
 from kvrows.maintenance import KvMaintenance, create_kv_maintenance
 from kvrows.optimized import BlockPool, PagedKVCache, PagedRotatingKVCache
 from kvrows.paged import DEFAULT_BLOCK_SIZE
@@ -105,29 +118,48 @@ from kvrows.table import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_TOKENS",
     "PAGED_CODECS",
     "Engine",
+    "EngineGauges",
     "EngineStats",
+    "FinishEvent",
     "PagedLayers",
     "PrefixCache",
     "Request",
     "RequestResult",
+    "RequestStream",
+    "StreamEvent",
+    "TokenEvent",
     "model_fingerprint",
     "pageable",
 ]
 
 
+#: The ``max_tokens`` of a request that does not say (admission reserves it, §3).
+DEFAULT_MAX_TOKENS = 256
+
+
 @dataclass(frozen=True)
 class Request:
-    """One generation request. ``arrival`` is the engine step it becomes visible at."""
+    """One generation request (``spec/engine.md`` §1).
+
+    ``arrival`` is the engine step an offline trace (``Engine.run``) makes it visible at;
+    ``arrived_at`` the ``time.perf_counter()`` when a client sent it (``None``: when it is
+    submitted), which time to first token and the queue timeout count from. ``top_p`` keeps
+    the smallest set of tokens whose probability reaches it (1.0: off); ``stop`` token ids
+    and ``stop_strings`` (matched on the detokenized completion) end the request."""
 
     rid: str
     prompt: tuple[int, ...]
-    max_tokens: int
+    max_tokens: int = DEFAULT_MAX_TOKENS
     arrival: int = 0
     temperature: float = 0.0
+    top_p: float = 1.0
     seed: int = 0
     stop: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    arrived_at: float | None = None
 
 
 @dataclass
@@ -142,16 +174,90 @@ class RequestResult:
     prefix_hit_tokens: int = 0
     #: Of ``prefix_hit_tokens``, those loaded from the disk prefix store.
     store_hit_tokens: int = 0
+    #: Seconds from arrival (``Request.arrived_at``, else when it was submitted) to the
+    #: first sampled token.
     time_to_first_token: float = 0.0
     tokens_per_second: float = 0.0
+    #: ``"stop"``, ``"length"``, ``"cancelled"``, ``"rejected"`` (empty while it runs).
     finish_reason: str = ""
     error: str | None = None
-    #: Seconds from arrival (the step it became visible) to admission: the wait in the
-    #: queue, which ``time_to_first_token`` (from admission) does not count.
+    #: Seconds from arrival to (first) admission: the wait in the queue.
     queue_seconds: float = 0.0
     #: The prompt chunks the model computed for this row, in order (after any prefix hit):
     #: a solo replay driven with the same cuts converts and rounds as the batch did.
     prefill_chunks: list[int] = field(default_factory=list)
+    #: The detokenized completion (an engine with ``detokenize``), cut before a matched
+    #: stop string.
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Tokens a request produced at one step boundary, and the completion text they add
+    (``""`` without a detokenizer; text that may be the start of a stop string is held back
+    until it is not, and a last event with no tokens may release the rest)."""
+
+    rid: str
+    tokens: tuple[int, ...]
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    """The last event of every stream: the request's result."""
+
+    rid: str
+    result: RequestResult
+
+
+StreamEvent = TokenEvent | FinishEvent
+
+
+class RequestStream:
+    """The events of one submitted request, in order; thread-safe (the engine thread puts,
+    any thread reads). Ends after its ``FinishEvent``."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self._events: queue.SimpleQueue[StreamEvent] = queue.SimpleQueue()
+        self._ended = False
+
+    def _put(self, event: StreamEvent) -> None:
+        self._events.put(event)
+
+    def next_event(self, timeout: float | None = None) -> StreamEvent | None:
+        """The next event (waiting at most ``timeout`` seconds; ``None``: without bound);
+        ``None`` when none came in time or the stream has ended."""
+        if self._ended:
+            return None
+        try:
+            event = self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if isinstance(event, FinishEvent):
+            self._ended = True
+        return event
+
+    def __iter__(self) -> Iterator[StreamEvent]:
+        while (event := self.next_event()) is not None:
+            yield event
+
+
+@dataclass(frozen=True)
+class EngineGauges:
+    """A snapshot of a live engine (``Engine.gauges``); totals count since construction."""
+
+    running: int
+    waiting: int
+    kv_bytes_held: int
+    kv_budget: int | None
+    prefix_cache_bytes: int
+    prefix_hits: int
+    prefix_hit_tokens: int
+    store_hit_tokens: int
+    generated_tokens: int
+    preemptions: int
+    requests_finished: int
 
 
 @dataclass
@@ -198,6 +304,8 @@ class EngineStats:
     draft_forwards: int = 0
     #: The most rows (prefilling and decoding) the engine held at once.
     peak_rows: int = 0
+    #: Rows preempted (their KV dropped, re-prefilled later) to stay inside the budget.
+    preemptions: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -236,10 +344,21 @@ _NOT_SUMMED = frozenset(
 
 
 class PrefixCache:
-    """Published rows keyed by the tokens their KV covers; lookups return owned copies."""
+    """Published rows keyed by the tokens their KV covers; lookups return owned copies.
 
-    def __init__(self) -> None:
+    ``max_bytes`` bounds the bytes the entries hold (``None``: unbounded): a publication
+    beyond it evicts the least recently used entries (a lookup that takes an entry, or a
+    publication, uses it); :meth:`evict_to` evicts down to any bound (the engine's budget)."""
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        self.max_bytes = max_bytes
+        #: Lookups scan in publication order (ties go to the first published).
         self._entries: dict[tuple[int, ...], list[Cache]] = {}
+        #: Each entry's bytes, least recently used first.
+        self._recency: OrderedDict[tuple[int, ...], int] = OrderedDict()
+        self._nbytes = 0
+        #: Entries evicted so far.
+        self.evictions = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -247,18 +366,40 @@ class PrefixCache:
     @property
     def nbytes(self) -> int:
         """Bytes the published caches hold."""
-        return sum(cache.nbytes for caches in self._entries.values() for cache in caches)
+        return self._nbytes
 
     def publish(self, tokens: Sequence[int], caches: list[Cache]) -> None:
-        if tokens:
-            self._entries[tuple(tokens)] = caches
+        if not tokens:
+            return
+        key = tuple(tokens)
+        self._nbytes -= self._recency.pop(key, 0)
+        size = sum(cache.nbytes for cache in caches)
+        self._entries[key] = caches
+        self._recency[key] = size
+        self._nbytes += size
+        if self.max_bytes is not None:
+            self.evict_to(self.max_bytes)
+
+    def evict_to(self, limit: int) -> int:
+        """Evict least recently used entries until at most ``limit`` bytes are held;
+        returns the bytes freed."""
+        freed = 0
+        while self._nbytes > limit and self._recency:
+            key, size = self._recency.popitem(last=False)
+            del self._entries[key]
+            self._nbytes -= size
+            freed += size
+            self.evictions += 1
+        return freed
 
     def lookup(
         self, prompt: Sequence[int], *, limit: int | None = None
     ) -> tuple[int, list[Cache]] | None:
         """The longest usable prefix of ``prompt`` (leaving one token to compute; at most
-        ``limit`` tokens), as copies."""
+        ``limit`` tokens), as copies; the entry it came from becomes the most recently
+        used."""
         best: tuple[int, list[Cache]] | None = None
+        used: tuple[int, ...] | None = None
         limit = len(prompt) - 1 if limit is None else min(limit, len(prompt) - 1)
         for key, caches in self._entries.items():
             common = 0
@@ -271,7 +412,9 @@ class PrefixCache:
                 continue
             copies = reusable_copies(caches, usable)
             if copies is not None:
-                best = (usable, copies)
+                best, used = (usable, copies), key
+        if used is not None:
+            self._recency.move_to_end(used)
         return best
 
 
@@ -516,6 +659,32 @@ class PagedLayers:
             if pool.geometry is not None
         )
 
+    def cached_bytes(self) -> int:
+        """KV bytes of the pools' cached free blocks: the prefix cache's share of the pools
+        (no live table holds them; a later prompt may)."""
+        total = 0
+        for pool in self._paged_pools():
+            if pool.geometry is None:
+                continue
+            ledger = pool.ledger
+            referenced = ledger.num_blocks - ledger.free_count
+            total += (ledger.held_count - referenced) * pool.bytes_per_block
+        return total
+
+    def evict_cached(self, excess: int) -> int:
+        """Forget cached free blocks, least recently used first, until ``excess`` bytes are
+        freed or none is left: the same count from every pool (each layer caches the same
+        prefixes); returns the bytes freed."""
+        pools = [pool for pool in self._paged_pools() if pool.geometry is not None]
+        per_round = sum(pool.bytes_per_block for pool in pools)
+        if excess <= 0 or per_round == 0:
+            return 0
+        count = -(-excess // per_round)
+        freed = 0
+        for pool in pools:
+            freed += pool.ledger.evict_cached(count) * pool.bytes_per_block
+        return freed
+
     @staticmethod
     def unpaged_bytes(caches: Iterable[Any]) -> int:
         """``nbytes`` of the caches and layouts that are not paged (the pools count those;
@@ -584,14 +753,20 @@ def model_fingerprint(model: Any, scheme: KvStorageScheme) -> str:
     return f"{scheme.name}:{digest.hexdigest()}"
 
 
-@dataclass
+@dataclass(eq=False)
 class _Row:
+    """A request's row while it is admitted (prefilling or decoding). Compared by identity."""
+
     request: Request
     result: RequestResult
     caches: list[Cache]
     fed: int
     key: mx.array
+    #: When the request arrived (``perf_counter``): time to first token counts from it.
     arrived_at: float
+    #: What prefill feeds: the prompt; after a preemption, the prompt and every token read
+    #: so far (the row recomputes its KV and samples on from there).
+    context: tuple[int, ...] = ()
     first_at: float = 0.0
     next_input: int = 0
     #: Tokens sampled for the row, read or still in flight (pipelined decode reads them one
@@ -600,6 +775,113 @@ class _Row:
     #: Pipelined decode: a stop token was read for the row (it leaves at the next boundary;
     #: tokens sampled for it after the stop are dropped).
     stopped: bool = False
+    #: The row has left every layout (its KV is released or published).
+    left: bool = False
+    #: Preempted: tokens still in flight for this row object are dropped (its request
+    #: resumes in a new row).
+    gone: bool = False
+    #: Admission order (preemption takes the newest rows first).
+    order: int = 0
+
+
+@dataclass(eq=False)
+class _Entry:
+    """A submitted request until its ``FinishEvent``: its stream, its result and, while it
+    is admitted, its row."""
+
+    request: Request
+    result: RequestResult
+    stream: RequestStream
+    on_event: Callable[[StreamEvent], None] | None
+    arrived_at: float
+    row: _Row | None = None
+    admissions: int = 0
+    #: ``result.tokens`` already sent in ``TokenEvent``s.
+    emitted: int = 0
+    text: _CompletionText | None = None
+    #: The engine thread: the row leaves at the next boundary (a stop string matched, or a
+    #: cancel) and finishes then.
+    removal: bool = False
+    #: Set under the engine's lock by ``cancel``.
+    cancel_requested: bool = False
+    first_at: float = 0.0
+    finished: bool = False
+
+
+class _CompletionText:
+    """A row's completion text, detokenized incrementally, and its stop strings.
+
+    Each token decodes a short window (the tokens since the last text boundary), never the
+    whole completion: the text grows by what the window adds once it does not end in an
+    incomplete character (``\ufffd``). Only the text's tail that a new character can
+    complete is searched for the stop strings, and text that may be the start of one is
+    held back from the events until it is not."""
+
+    def __init__(self, detokenize: Callable[[Sequence[int]], str], stops: Sequence[str]):
+        self._detokenize = detokenize
+        self._stops = tuple(stops)
+        self._longest = max((len(s) for s in self._stops), default=0)
+        self._tokens: list[int] = []
+        #: ``_tokens[_start:_read]`` decode to ``_before``, the tail of ``text``.
+        self._start = 0
+        self._read = 0
+        self._before = ""
+        self.text = ""
+        self._sent = 0
+        self._searched = 0
+        self.stopped = False
+
+    def add(self, token: int) -> bool:
+        """Take one token; whether a stop string is now matched (``text`` is then cut
+        before it)."""
+        self._tokens.append(token)
+        window = self._detokenize(self._tokens[self._start :])
+        # A trailing U+FFFD may be a character still incomplete; past 4 tokens (a UTF-8
+        # character's most bytes) it is not, and the text moves on.
+        pending = len(self._tokens) - self._read
+        if len(window) <= len(self._before) or (window.endswith("\ufffd") and pending < 4):
+            return False
+        self._grow(window)
+        return self._match()
+
+    def _grow(self, window: str) -> None:
+        self.text += window[len(self._before) :]
+        self._start, self._read = self._read, len(self._tokens)
+        self._before = self._detokenize(self._tokens[self._start : self._read])
+
+    def _match(self) -> bool:
+        if not self._stops:
+            return False
+        start = max(0, self._searched - self._longest + 1)
+        found = [i for i in (self.text.find(s, start) for s in self._stops) if i >= 0]
+        self._searched = len(self.text)
+        if not found:
+            return False
+        self.text = self.text[: min(found)]
+        self.stopped = True
+        return True
+
+    def release(self) -> str:
+        """The text not sent yet that cannot be the start of a stop string."""
+        end = len(self.text)
+        if not self.stopped:
+            for size in range(min(self._longest - 1, len(self.text)), 0, -1):
+                tail = self.text[-size:]
+                if any(stop.startswith(tail) for stop in self._stops):
+                    end -= size
+                    break
+        out, self._sent = self.text[self._sent : end], max(self._sent, end)
+        return out
+
+    def finish(self) -> str:
+        """The rest, at the end: the last window however it ends, then everything unsent."""
+        if not self.stopped and self._read < len(self._tokens):
+            window = self._detokenize(self._tokens[self._start :])
+            if len(window) > len(self._before):
+                self._grow(window)
+                self._match()
+        self.stopped = True
+        return self.release()
 
 
 @dataclass
@@ -633,9 +915,24 @@ class Engine:
         pipelined: bool = True,
         paged: bool = False,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        detokenize: Callable[[Sequence[int]], str] | None = None,
+        max_waiting: int | None = None,
+        queue_timeout: float | None = None,
+        prefix_cache_bytes: int | None = None,
     ) -> None:
         if max_batch < 1 or prefill_chunk < 1:
             raise InvalidInputError("max_batch and prefill_chunk must be >= 1")
+        for name, bound in (
+            ("kv_budget", kv_budget),
+            ("max_waiting", max_waiting),
+            ("prefix_cache_bytes", prefix_cache_bytes),
+        ):
+            if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)):
+                raise InvalidInputError(f"{name} must be an integer or None, got {bound!r}")
+            if bound is not None and bound < 0:
+                raise InvalidInputError(f"{name} must be >= 0, got {bound}")
+        if queue_timeout is not None and not queue_timeout > 0:
+            raise InvalidInputError(f"queue_timeout must be > 0 seconds, got {queue_timeout!r}")
         if draft_model is not None:
             if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int):
                 raise InvalidInputError(f"draft_tokens must be an integer, got {draft_tokens!r}")
@@ -668,7 +965,13 @@ class Engine:
         self.kv_budget = kv_budget
         self.prefill_chunk = prefill_chunk
         self.keep_logits = keep_logits
-        self.prefix_cache = PrefixCache() if use_prefix_cache else None
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if use_prefix_cache else None
+        #: The bound of the in-memory prefix cache (its entries and, paged, the pools'
+        #: cached free blocks), inside ``kv_budget`` (``None``: only the budget bounds it).
+        self.prefix_cache_bytes = prefix_cache_bytes
+        self.detokenize = detokenize
+        self.max_waiting = max_waiting
+        self.queue_timeout = queue_timeout
         self.prefix_store = prefix_store
         self.progress = progress
         self.draft_model = draft_model
@@ -701,6 +1004,7 @@ class Engine:
             _signatures_of(c) for c in _slots_of(make_kvrows_cache(model, self.scheme))
         ]
         self._stats = EngineStats()
+        self._init_online()
 
     def _admission(self, model: Any) -> RowAdmission:
         """Projected bytes per row of ``model``, from the running batch's layouts of fresh
@@ -780,181 +1084,612 @@ class Engine:
             return sum(c.nbytes for c in caches)
         return self.paged.unpaged_bytes(caches) + self.paged.held_bytes()
 
-    # -- the loop -------------------------------------------------------------------------
+    # -- the online engine (spec/engine.md §17) --------------------------------------------
+    def _init_online(self) -> None:
+        """The engine state ``step`` advances: the waiting queue, the cohort and the running
+        batch with their layouts, the draft's layouts, the pipeline, and the streams."""
+        #: ``submit``, ``cancel``, ``gauges`` and ``set_kv_budget`` take the lock from any
+        #: thread; ``step`` runs in one thread and takes it only to touch what they share
+        #: (the queue, the cancels, the live requests, the gauges).
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._live: dict[str, _Entry] = {}
+        self._waiting: list[_Entry] = []
+        self._cancels: list[_Entry] = []
+        self._draining = False
+        self._budget_change: tuple[int | None] | None = None
+        # The engine thread's own state.
+        self._cohort: list[_Row] = []
+        self._cohort_layouts: list[BatchableCache] = []
+        self._running: list[_Row] = []
+        self._decode_layouts: list[BatchableCache] = []
+        self._drafter = None if self.draft_model is None else _Drafter(self, self.draft_model)
+        self._pipeline = _Pipeline(self) if self.pipelined and self._drafter is None else None
+        #: Pipelined: the batch changed since the last evaluated boundary.
+        self._changed = False
+        #: Admitted requests not finished yet (their events are sent at each boundary), and
+        #: rows that leave at the next boundary (a stop string, a cancel).
+        self._streaming: list[_Entry] = []
+        self._removals: list[_Entry] = []
+        self._step = 0
+        self._admissions = 0
+        #: Memory that is not KV state (``peak_active_kv_bytes``): set by ``run``.
+        self._baseline = mx.get_active_memory()
+        #: Gauges: written at step boundaries under the lock, read by ``gauges``.
+        self._gauge = {
+            "running": 0,
+            "kv_bytes_held": 0,
+            "prefix_cache_bytes": 0,
+            "prefix_hits": 0,
+            "prefix_hit_tokens": 0,
+            "store_hit_tokens": 0,
+            "generated_tokens": 0,
+            "preemptions": 0,
+            "requests_finished": 0,
+        }
+
+    def submit(
+        self, request: Request, on_event: Callable[[StreamEvent], None] | None = None
+    ) -> RequestStream:
+        """Queue ``request``; thread-safe. Its events (``TokenEvent``s, then one
+        ``FinishEvent``) go to the returned stream and, from the engine thread, to
+        ``on_event``. Raises ``InvalidInputError`` (a bad request, the rid of a live one),
+        ``CapacityError`` (a request that can never fit), ``QueueFullError``
+        (``max_waiting`` requests wait) or ``DrainingError`` (``close_admissions``)."""
+        return self._submit(request, on_event, bounded=True).stream
+
+    def _submit(
+        self,
+        request: Request,
+        on_event: Callable[[StreamEvent], None] | None = None,
+        *,
+        bounded: bool,
+    ) -> _Entry:
+        self._validate(request)
+        self._check_fits(request)
+        now = time.perf_counter()
+        result = RequestResult(request.rid, len(request.prompt))
+        entry = _Entry(
+            request,
+            result,
+            RequestStream(request.rid),
+            on_event,
+            now if request.arrived_at is None else request.arrived_at,
+        )
+        if self.detokenize is not None:
+            entry.text = _CompletionText(self.detokenize, request.stop_strings)
+        with self._lock:
+            if self._draining:
+                raise DrainingError(
+                    f"request {request.rid}: the engine is draining and takes no new request"
+                )
+            if request.rid in self._live:
+                raise InvalidInputError(f"request {request.rid}: a live request has that rid")
+            waiting = len(self._waiting)
+            if bounded and self.max_waiting is not None and waiting >= self.max_waiting:
+                raise QueueFullError(queue_full_message(request.rid, waiting), self._retry_after())
+            self._live[request.rid] = entry
+            self._waiting.append(entry)
+            self._wake.notify_all()
+        return entry
+
+    def _validate(self, request: Request) -> None:
+        rid = request.rid
+        if not request.prompt:
+            raise InvalidInputError(f"request {rid} has an empty prompt")
+        if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int):
+            raise InvalidInputError(f"request {rid}: max_tokens must be an integer")
+        if request.max_tokens < 1:
+            raise InvalidInputError(f"request {rid} asks for no tokens")
+        if not request.temperature >= 0 or math.isinf(request.temperature):
+            raise InvalidInputError(
+                f"request {rid}: temperature must be finite and >= 0, got {request.temperature}"
+            )
+        if not 0 < request.top_p <= 1:
+            raise InvalidInputError(f"request {rid}: top_p must be in (0, 1], got {request.top_p}")
+        if request.stop_strings and self.detokenize is None:
+            raise InvalidInputError(
+                f"request {rid} has stop strings, and the engine has no detokenize to match them on"
+            )
+        if any(not isinstance(s, str) or not s for s in request.stop_strings):
+            raise InvalidInputError(f"request {rid}: stop strings must be non-empty strings")
+
+    def _full_bytes(self, request: Request) -> int:
+        """The row's KV bytes at its longest, shared prefix blocks counted (what it holds
+        alone)."""
+        tokens = len(request.prompt) + request.max_tokens
+        draft = 0 if self.draft_admission is None else self.draft_admission.most_bytes(tokens)
+        return self.admission.most_bytes(tokens) + draft
+
+    def _never_fits(self, request: Request, budget: int | None) -> str | None:
+        """Why ``request`` can never be admitted (``None``: it can)."""
+        positions = len(request.prompt) + request.max_tokens
+        if positions > self.admission.max_tokens:
+            return (
+                f"request {request.rid} needs {positions} positions; its layouts hold at most "
+                f"{self.admission.max_tokens}"
+            )
+        need = self._full_bytes(request)
+        if budget is not None and need > budget:
+            return never_fits_message(
+                request.rid, need, len(request.prompt), request.max_tokens, budget
+            )
+        return None
+
+    def _check_fits(self, request: Request) -> None:
+        problem = self._never_fits(request, self.kv_budget)
+        if problem is not None:
+            raise CapacityError(problem)
+
+    def _retry_after(self) -> float:
+        """Seconds a refused client should wait: the queue's mean wait so far, at least a
+        tenth of a second (one second before anything was admitted)."""
+        waits = [e.result.queue_seconds for e in self._streaming if e.admissions]
+        return max(0.1, sum(waits) / len(waits)) if waits else 1.0
+
+    def cancel(self, rid: str) -> bool:
+        """End request ``rid``; thread-safe. It leaves at the next step boundary, its KV
+        released (paged: its blocks back to the pool), and its stream ends with
+        ``finish_reason`` ``"cancelled"``. ``False``: no live request has that rid."""
+        with self._lock:
+            entry = self._live.get(rid)
+            if entry is None:
+                return False
+            if not entry.cancel_requested:
+                entry.cancel_requested = True
+                self._cancels.append(entry)
+                self._wake.notify_all()
+            return True
+
+    def close_admissions(self) -> None:
+        """Drain: ``submit`` raises ``DrainingError`` from now on; what was submitted runs
+        to its end."""
+        with self._lock:
+            self._draining = True
+            self._wake.notify_all()
+
+    def set_kv_budget(self, kv_budget: int | None) -> None:
+        """Change the byte budget at the next step boundary; thread-safe. Under a smaller
+        budget the newest rows are preempted until the rest fit (§17)."""
+        if kv_budget is not None and (
+            isinstance(kv_budget, bool) or not isinstance(kv_budget, int) or kv_budget < 0
+        ):
+            raise InvalidInputError(f"kv_budget must be an integer >= 0 or None, got {kv_budget!r}")
+        with self._lock:
+            self._budget_change = (kv_budget,)
+            self._wake.notify_all()
+
+    def gauges(self) -> EngineGauges:
+        """A snapshot, thread-safe (bytes as counted at the last step boundary)."""
+        with self._lock:
+            g = self._gauge
+            return EngineGauges(
+                running=g["running"],
+                waiting=len(self._waiting),
+                kv_bytes_held=g["kv_bytes_held"],
+                kv_budget=self.kv_budget,
+                prefix_cache_bytes=g["prefix_cache_bytes"],
+                prefix_hits=g["prefix_hits"],
+                prefix_hit_tokens=g["prefix_hit_tokens"],
+                store_hit_tokens=g["store_hit_tokens"],
+                generated_tokens=g["generated_tokens"],
+                preemptions=g["preemptions"],
+                requests_finished=g["requests_finished"],
+            )
+
+    def serve_forever(self, stop: threading.Event) -> None:
+        """The engine thread's loop: ``step`` while there is work, else wait for a submit
+        (no spinning: a wait on the engine's condition, woken by ``submit``, ``cancel``
+        and ``close_admissions``; ``stop`` is looked at every 50 ms). Returns once ``stop``
+        is set and nothing waits or runs (to drain, call ``close_admissions`` first)."""
+        while True:
+            with self._wake:
+                while not self._has_work() and not stop.is_set():
+                    self._wake.wait(timeout=0.05)
+                if not self._has_work():
+                    return
+            self.step()
+
+    def _has_work(self) -> bool:
+        return bool(
+            self._waiting
+            or self._cancels
+            or self._cohort
+            or self._running
+            or self._streaming
+            or self._removals
+        )
+
+    def has_work(self) -> bool:
+        """Whether a request waits, runs or has events still to send."""
+        with self._lock:
+            return self._has_work()
+
+    def step(self) -> bool:
+        """One step boundary (``spec/engine.md`` §3): removals (cancels, matched stop
+        strings, queue timeouts), preemption under the budget, admissions, one prefill
+        chunk, one decode step, retirements, then every stream's events. Called from one
+        thread only. Returns whether a request still waits or runs."""
+        self._boundary()
+        self._preempt_over_budget()
+        admitted = self._admit_waiting()
+        if admitted:
+            self._cohort_layouts = self._join(self._cohort_layouts, admitted, prefill=True)
+            self._cohort.extend(admitted)
+        # one prefill chunk for the cohort
+        prefilled = bool(self._cohort)
+        if self._cohort:
+            started = time.perf_counter()
+            done = self._prefill_chunk(self._cohort, self._cohort_layouts)
+            self._stats.prefill_seconds += time.perf_counter() - started
+            if done:
+                self._leave_cohort(done)
+        pipeline = self._pipeline
+        # A prefill chunk has waited for the device already: its boundary evaluates.
+        if pipeline is None or self._changed or prefilled:
+            self._measure()
+            self._changed = False
+        else:
+            self._measure(evaluate=False)
+        # one decode step for the running rows
+        running, layouts = self._running, self._decode_layouts
+        if pipeline is not None:
+            # Built and started now, read at the next boundary; the previous step's tokens
+            # are read while this one evaluates.
+            if running:
+                pipeline.launch(running, layouts)
+            pipeline.read_settled()
+            leaving = pipeline.leaving(running)
+            self._measure(evaluate=bool(leaving))
+        elif running:
+            if self._drafter is None:
+                leaving = self._decode_step(running, layouts)
+            else:
+                leaving = self._speculative_step(running, layouts, self._drafter)
+            self._measure()
+        else:
+            leaving = []
+        if leaving:
+            for row in leaving:
+                self._retire(row, layouts, running.index(row))
+            self._drop_from_batch(leaving)
+        if pipeline is not None and not self._running:
+            pipeline.read_settled(everything=True)  # the rows that left: nothing in flight
+        self._step += 1
+        self._send_events()
+        self._refresh_gauges()
+        with self._lock:
+            return self._has_work()
+
+    def _leave_cohort(self, done: list[_Row]) -> None:
+        """Rows whose prompt is done leave the cohort: finished ones retire, the others
+        publish their prompt and join the decode batch."""
+        keep = [i for i, row in enumerate(self._cohort) if row not in done]
+        for layout in self._cohort_layouts:
+            filter_layout_rows(layout, keep)
+        self._cohort = [self._cohort[i] for i in keep]
+        joining = [row for row in done if not self._finished(row)]
+        for row in done:
+            if self._finished(row):
+                self._retire_serial(row)
+        if joining:
+            for row in joining:
+                self._publish_prompt(row)
+            if self._drafter is not None:
+                self._drafter.join(joining)
+            self._decode_layouts = self._join(self._decode_layouts, joining, prefill=False)
+            self._running.extend(joining)
+            if self._pipeline is not None:
+                self._pipeline.join(joining)
+                self._changed = True
+
+    def _drop_from_batch(self, rows: Sequence[_Row]) -> None:
+        """``rows`` leave the cohort or the decode batch (every layout, the draft's and the
+        pipeline's inputs): their KV is released."""
+        gone = {id(row) for row in rows}
+        keep = [i for i, row in enumerate(self._cohort) if id(row) not in gone]
+        if len(keep) < len(self._cohort):
+            for layout in self._cohort_layouts:
+                filter_layout_rows(layout, keep)
+            self._cohort = [self._cohort[i] for i in keep]
+        keep = [i for i, row in enumerate(self._running) if id(row) not in gone]
+        if len(keep) < len(self._running):
+            for layout in self._decode_layouts:
+                filter_layout_rows(layout, keep)
+            if self._drafter is not None:
+                self._drafter.filter(keep)
+            if self._pipeline is not None:
+                self._pipeline.filter(keep)
+                self._changed = True
+            self._running = [self._running[i] for i in keep]
+        for row in rows:
+            row.left = True
+            row.caches = []
+        if self.paged is not None:
+            self._shared_credit.clear()  # a row leaves: the rows it shared with count theirs
+
+    def _boundary(self) -> None:
+        """What other threads asked since the last boundary, and the queue timeouts: rows
+        leave (cancelled, or a stop string matched), waiting requests finish."""
+        now = time.perf_counter()
+        with self._lock:
+            cancels, self._cancels = self._cancels, []
+            if self._budget_change is not None:
+                (self.kv_budget,), self._budget_change = self._budget_change, None
+            ended: list[tuple[_Entry, str, str | None]] = []
+            kept: list[_Entry] = []
+            for entry in self._waiting:
+                waited = now - entry.arrived_at
+                if entry.cancel_requested:
+                    ended.append((entry, "cancelled", None))
+                elif (
+                    self.queue_timeout is not None
+                    and not entry.admissions
+                    and waited > self.queue_timeout
+                ):
+                    message = queue_timeout_message(entry.request.rid, waited, self.queue_timeout)
+                    ended.append((entry, "rejected", str(CapacityError(message))))
+                else:
+                    kept.append(entry)
+            self._waiting = kept
+        leaving = list(self._removals)
+        self._removals = []
+        for entry in cancels:
+            row = entry.row
+            if entry.finished or entry.result.finish_reason or row is None:
+                continue  # done already, or ended in the queue above
+            if row.left or row.stopped:
+                continue  # it finishes at this boundary anyway
+            entry.result.finish_reason = "cancelled"
+            leaving.append(entry)
+        rows = [e.row for e in leaving if e.row is not None and not e.row.left]
+        if rows:
+            self._drop_from_batch(rows)
+        for entry in leaving:
+            entry.removal = False
+        for entry, reason, error in ended:
+            entry.result.finish_reason, entry.result.error = reason, error
+            if reason == "rejected":
+                self._stats.rejected += 1
+            if entry.admissions:  # a preempted request: its stream is sent from _streaming
+                continue
+            self._finish(entry)
+
+    def _reserved(self, rows: Iterable[_Row]) -> int:
+        return sum(self.projected_bytes(row.request) for row in rows)
+
+    def _preempt_over_budget(self) -> None:
+        """While the active rows' reservations exceed the budget (it was lowered, or shared
+        prefix blocks stopped being shared), preempt the newest row (never the last one):
+        its KV is dropped, and its request goes back to the head of the queue to prefill
+        its prompt and its tokens so far (recompute); its stream goes on."""
+        if self.kv_budget is None:
+            return
+        while True:
+            active = [r for r in self._cohort + self._running if not r.stopped and not r.left]
+            if len(active) <= 1 or self._reserved(active) <= self.kv_budget:
+                return
+            victim = max(active, key=lambda r: r.order)
+            self._drop_from_batch([victim])
+            victim.gone = True
+            entry = self._live_entry(victim.request.rid)
+            entry.row = None
+            entry.first_at = victim.first_at
+            with self._lock:
+                self._waiting.insert(0, entry)
+                self._gauge["preemptions"] += 1
+            self._stats.preemptions += 1
+
+    def _live_entry(self, rid: str) -> _Entry:
+        with self._lock:
+            return self._live[rid]
+
+    def _admit_waiting(self) -> list[_Row]:
+        """Admission, FIFO, under the row count and the byte budget (§3): the head waits
+        while it does not fit, and nothing behind it overtakes it."""
+        admitted: list[_Row] = []
+        while True:
+            with self._lock:
+                if not self._waiting:
+                    break
+                entry = self._waiting[0]
+            request = entry.request
+            problem = self._never_fits(request, self.kv_budget)  # the budget may have shrunk
+            if problem is not None:
+                with self._lock:
+                    self._waiting.pop(0)
+                entry.result.error = str(CapacityError(problem))
+                entry.result.finish_reason = "rejected"
+                self._stats.rejected += 1
+                if not entry.admissions:
+                    self._finish(entry)
+                continue
+            active = self._cohort + admitted + self._running
+            if len(active) >= self.max_batch:
+                break
+            need = self.projected_bytes(request)
+            if self.kv_budget is not None and self._reserved(active) + need > self.kv_budget:
+                break
+            with self._lock:
+                self._waiting.pop(0)
+            admitted.append(self._admit(entry))
+        return admitted
+
+    def _prefix_held(self) -> int:
+        """Bytes the prefix cache holds: its entries, and paged, the cached free blocks."""
+        held = self.prefix_cache.nbytes if self.prefix_cache is not None else 0
+        return held + (self.paged.cached_bytes() if self.paged is not None else 0)
+
+    def _bound_prefix_cache(self) -> None:
+        """Keep the prefix cache within ``prefix_cache_bytes`` and within what the budget
+        leaves beside the active rows' reservations, least recently used first."""
+        limit = math.inf if self.prefix_cache_bytes is None else self.prefix_cache_bytes
+        if self.kv_budget is not None:
+            active = self._cohort + self._running
+            limit = min(limit, max(0, self.kv_budget - self._reserved(active)))
+        if math.isinf(limit):
+            return
+        excess = self._prefix_held() - int(limit)
+        if excess > 0 and self.paged is not None:
+            excess -= self.paged.evict_cached(excess)
+        if excess > 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict_to(max(0, self.prefix_cache.nbytes - excess))
+
+    def _kv_bytes(self) -> int:
+        """KV bytes held now: layouts (the draft's too), serial caches in transit, the
+        prefix cache."""
+        draft = [] if self._drafter is None else self._drafter.layouts
+        rows = self._cohort + self._running
+        held = self._held_kv_bytes(
+            self._cohort_layouts
+            + self._decode_layouts
+            + draft
+            + [c for r in rows for c in r.caches]
+        )
+        return held + (self.prefix_cache.nbytes if self.prefix_cache is not None else 0)
+
+    def _measure(self, evaluate: bool = True) -> None:
+        """At a step boundary: bound the prefix cache, evaluate what the step left lazy
+        (merges, filters), so freed buffers go now, then take both counts. A pipelined
+        boundary where the batch did not change does not evaluate (that would wait for the
+        step in flight) and takes only the count: active memory there holds that step's
+        working set."""
+        self._bound_prefix_cache()
+        stats = self._stats
+        held = self._refresh_gauges()
+        rows = len(self._cohort) + len(self._running)
+        stats.peak_kv_bytes = max(stats.peak_kv_bytes, held)
+        stats.peak_rows = max(stats.peak_rows, rows)
+        if not evaluate:
+            return
+        draft = [] if self._drafter is None else self._drafter.layouts
+        mx.eval([x.held_arrays() for x in self._cohort_layouts + self._decode_layouts + draft])
+        stats.peak_active_kv_bytes = max(
+            stats.peak_active_kv_bytes, mx.get_active_memory() - self._baseline
+        )
+
+    def _refresh_gauges(self) -> int:
+        """The gauges' counts of the engine's state now; returns the KV bytes held."""
+        held = self._kv_bytes()
+        prefix = self._prefix_held()
+        with self._lock:
+            self._gauge["kv_bytes_held"] = held
+            self._gauge["running"] = len(self._cohort) + len(self._running)
+            self._gauge["prefix_cache_bytes"] = prefix
+        return held
+
+    # -- events ----------------------------------------------------------------------------
+    def _send_events(self) -> None:
+        """Every admitted request's new tokens (one ``TokenEvent``), and the
+        ``FinishEvent`` of each that finished (its row has left)."""
+        streaming: list[_Entry] = []
+        for entry in self._streaming:
+            if entry.finished:
+                continue
+            if len(entry.result.tokens) > entry.emitted:
+                self._send_tokens(entry)
+            row = entry.row
+            if entry.result.finish_reason and not entry.removal and (row is None or row.left):
+                self._finish(entry)
+            else:
+                streaming.append(entry)
+        self._streaming = streaming
+
+    def _send_tokens(self, entry: _Entry) -> None:
+        result = entry.result
+        new = result.tokens[entry.emitted :]
+        text = ""
+        if entry.text is not None:
+            for count, token in enumerate(new, 1):
+                if entry.text.add(token):  # a stop string matched: the row ends here
+                    del result.tokens[entry.emitted + count :]
+                    del result.logits[entry.emitted + count :]
+                    new = new[:count]
+                    row = entry.row
+                    if row is not None and not row.left and not result.finish_reason:
+                        entry.removal = True
+                        self._removals.append(entry)
+                    result.finish_reason = "stop"
+                    break
+            text = entry.text.release()
+        entry.emitted += len(new)
+        with self._lock:
+            self._gauge["generated_tokens"] += len(new)
+        self._emit(entry, TokenEvent(entry.request.rid, tuple(new), text))
+
+    def _finish(self, entry: _Entry) -> None:
+        """The request's last events: the rest of its text, then its ``FinishEvent``."""
+        result = entry.result
+        if entry.text is not None:
+            rest = entry.text.finish()
+            result.text = entry.text.text
+            if rest:
+                self._emit(entry, TokenEvent(entry.request.rid, (), rest))
+        entry.finished = True
+        with self._lock:
+            self._live.pop(entry.request.rid, None)
+            self._gauge["requests_finished"] += 1
+        self._emit(entry, FinishEvent(entry.request.rid, result))
+
+    def _emit(self, entry: _Entry, event: StreamEvent) -> None:
+        """To the stream, and to ``on_event``: a callback that raises cancels its request
+        (its client is gone); the engine runs on."""
+        entry.stream._put(event)
+        if entry.on_event is not None:
+            try:
+                entry.on_event(event)
+            except Exception:
+                entry.on_event = None
+                if not isinstance(event, FinishEvent):
+                    self.cancel(entry.request.rid)
+
+    # -- the offline client ------------------------------------------------------------------
     def run(self, requests: Sequence[Request]) -> tuple[list[RequestResult], EngineStats]:
+        """Serve a trace: each request is submitted at its ``arrival`` step (counted from
+        this call) and ``step`` runs until nothing waits or runs; results in the order of
+        ``requests``. A request that can never fit is not raised: its result is
+        ``"rejected"``. The engine must be idle (no online requests)."""
         for request in requests:
-            if not request.prompt:
-                raise InvalidInputError(f"request {request.rid} has an empty prompt")
-            if request.max_tokens < 1:
-                raise InvalidInputError(f"request {request.rid} asks for no tokens")
-        waiting = sorted(requests, key=lambda r: r.arrival)
-        results = {r.rid: RequestResult(r.rid, len(r.prompt)) for r in requests}
+            self._validate(request)
+        if self.has_work():
+            raise InvalidInputError("Engine.run needs an idle engine: requests are live")
+        results: dict[str, RequestResult] = {}
         stats = EngineStats(requests=len(requests))
         self._stats = stats
         stats.kv_bytes_per_token = self.admission.bytes(1)
-        cohort: list[_Row] = []
-        cohort_layouts: list[BatchableCache] = []
-        running: list[_Row] = []
-        decode_layouts: list[BatchableCache] = []
-        drafter = None
-        if self.draft_model is not None:
-            drafter = _Drafter(self, self.draft_model, stats)
-        pipeline = _Pipeline(self) if self.pipelined and drafter is None else None
-
-        def kv_bytes() -> int:
-            """KV bytes held now: layouts (the draft's too), serial caches in transit, the
-            prefix cache."""
-            draft = [] if drafter is None else drafter.layouts
-            held = self._held_kv_bytes(
-                cohort_layouts
-                + decode_layouts
-                + draft
-                + [c for r in cohort + running for c in r.caches]
-            )
-            return held + (self.prefix_cache.nbytes if self.prefix_cache is not None else 0)
-
-        def sample(evaluate: bool = True) -> None:
-            """At a step boundary: evaluate what the step left lazy (merges, filters), so
-            freed buffers go now, then take both counts. A pipelined boundary where the
-            batch did not change does not evaluate (that would wait for the step in flight)
-            and takes only the count: active memory there holds that step's working set."""
-            draft = [] if drafter is None else drafter.layouts
-            stats.peak_kv_bytes = max(stats.peak_kv_bytes, kv_bytes())
-            stats.peak_rows = max(stats.peak_rows, len(cohort) + len(running))
-            if not evaluate:
-                return
-            mx.eval([x.held_arrays() for x in cohort_layouts + decode_layouts + draft])
-            stats.peak_active_kv_bytes = max(
-                stats.peak_active_kv_bytes, mx.get_active_memory() - baseline
-            )
-
         # Memory that is not KV state (weights, the probe): active now, less what is KV.
-        baseline = mx.get_active_memory() - kv_bytes()
+        self._baseline = mx.get_active_memory() - self._kv_bytes()
         start = time.perf_counter()
-        step = 0
-        finished = shown = 0
-        arrived: dict[str, float] = {}
-        changed = False  # pipelined: the batch changed since the last evaluated boundary
-        while waiting or cohort or running:
-            now = time.perf_counter()
-            for request in waiting:
-                if request.arrival > step:
-                    break
-                arrived.setdefault(request.rid, now)
-            # 1. admission, FIFO, under the row count and the byte budget
-            admitted: list[_Row] = []
-            while waiting and waiting[0].arrival <= step:
-                request = waiting[0]
-                need = self.projected_bytes(request)
-                positions = len(request.prompt) + request.max_tokens
-                problem = None
-                if positions > self.admission.max_tokens:
-                    problem = (
-                        f"request {request.rid} needs {positions} positions; its layouts hold "
-                        f"at most {self.admission.max_tokens}"
+        first_step = self._step
+        pending = sorted(requests, key=lambda r: r.arrival)
+        shown = -1
+        while pending or self.has_work():
+            while pending and pending[0].arrival <= self._step - first_step:
+                request = pending.pop(0)
+                try:
+                    results[request.rid] = self._submit(request, bounded=False).result
+                except CapacityError as error:
+                    results[request.rid] = RequestResult(
+                        request.rid,
+                        len(request.prompt),
+                        finish_reason="rejected",
+                        error=str(error),
                     )
-                elif self.kv_budget is not None and need > self.kv_budget:
-                    problem = (
-                        f"request {request.rid} needs {need} KV bytes ({len(request.prompt)} + "
-                        f"{request.max_tokens} tokens), more than the whole budget of "
-                        f"{self.kv_budget}"
-                    )
-                if problem is not None:
-                    waiting.pop(0)
-                    results[request.rid].error = str(CapacityError(problem))
-                    results[request.rid].finish_reason = "rejected"
                     stats.rejected += 1
-                    finished += 1
-                    continue
-                active = cohort + admitted + running
-                in_use = sum(self.projected_bytes(row.request) for row in active)
-                if len(active) >= self.max_batch or (
-                    self.kv_budget is not None and in_use + need > self.kv_budget
-                ):
-                    break
-                waiting.pop(0)
-                results[request.rid].admitted_step = step
-                admitted.append(self._admit(request, results[request.rid], arrived[request.rid]))
-            if admitted:
-                cohort_layouts = self._join(cohort_layouts, admitted, prefill=True)
-                cohort.extend(admitted)
-            # 2. one prefill chunk for the cohort
-            prefilled = bool(cohort)
-            if cohort:
-                started = time.perf_counter()
-                done = self._prefill_chunk(cohort, cohort_layouts)
-                stats.prefill_seconds += time.perf_counter() - started
-                if done:
-                    keep = [i for i, row in enumerate(cohort) if row not in done]
-                    for layout in cohort_layouts:
-                        filter_layout_rows(layout, keep)
-                    cohort = [cohort[i] for i in keep]
-                    joining = [row for row in done if not self._finished(row)]
-                    for row in done:
-                        if self._finished(row):
-                            self._retire_serial(row)
-                            finished += 1
-                    if joining:
-                        for row in joining:
-                            self._publish_prompt(row)
-                        if drafter is not None:
-                            drafter.join(joining)
-                        decode_layouts = self._join(decode_layouts, joining, prefill=False)
-                        running.extend(joining)
-                        if pipeline is not None:
-                            pipeline.join(joining)
-                            changed = True
-            # A prefill chunk has waited for the device already: its boundary evaluates.
-            if pipeline is None or changed or prefilled:
-                sample()
-                changed = False
-            else:
-                sample(evaluate=False)
-            # 3. one decode step for the running rows
-            if pipeline is not None:
-                # Built and started now, read at the next boundary; the previous step's
-                # tokens are read while this one evaluates.
-                if running:
-                    pipeline.launch(running, decode_layouts)
-                finished += pipeline.read_settled()
-                leaving = pipeline.leaving(running)
-                sample(evaluate=bool(leaving))
-            elif running:
-                if drafter is None:
-                    leaving = self._decode_step(running, decode_layouts)
-                else:
-                    leaving = self._speculative_step(running, decode_layouts, drafter)
-                sample()
-            else:
-                leaving = []
-            if leaving:
-                for row in leaving:
-                    index = running.index(row)
-                    self._retire(row, decode_layouts, index)
-                    if pipeline is None or row.result.finish_reason:
-                        finished += 1  # else it finishes when its last token is read
-                keep = [i for i, row in enumerate(running) if row not in leaving]
-                for layout in decode_layouts:
-                    filter_layout_rows(layout, keep)
-                if drafter is not None:
-                    drafter.filter(keep)
-                if pipeline is not None:
-                    pipeline.filter(keep)
-                    changed = True
-                running = [running[i] for i in keep]
-            step += 1
-            if self.progress and (finished != shown or step % 16 == 0):
-                shown = finished
-                generated = sum(len(r.tokens) for r in results.values())
-                _progress(finished, len(requests), step, generated, time.perf_counter() - start)
-        if pipeline is not None:
-            finished += pipeline.read_settled(everything=True)
-        sample()
+            self.step()
+            if self.progress:
+                done = sum(1 for r in results.values() if r.finish_reason)
+                steps = self._step - first_step
+                if done != shown or steps % 16 == 0:
+                    shown = done
+                    generated = sum(len(r.tokens) for r in results.values())
+                    _progress(done, len(requests), steps, generated, time.perf_counter() - start)
+        self._measure()
         stats.seconds = time.perf_counter() - start
-        stats.steps = step
+        stats.steps = self._step - first_step
         if self.progress:
             generated = sum(len(r.tokens) for r in results.values())
-            _progress(finished, len(requests), step, generated, stats.seconds)
+            _progress(len(requests), len(requests), stats.steps, generated, stats.seconds)
             sys.stderr.write("\n")
         out = [results[r.rid] for r in requests]
         stats.generated = sum(len(r.tokens) for r in out)
@@ -965,39 +1700,70 @@ class Engine:
         return out, stats
 
     # -- pieces ----------------------------------------------------------------------------
-    def _admit(self, request: Request, result: RequestResult, arrived_at: float) -> _Row:
+    def _key_after(self, request: Request, draws: int) -> mx.array:
+        """The request's random key after ``draws`` tokens (each sampled token splits it
+        once): a preempted row draws on where it stopped."""
+        key = mx.random.key(request.seed)
+        if request.temperature > 0:
+            for _ in range(draws):
+                key, _ = mx.random.split(key)
+        return key
+
+    def _admit(self, entry: _Entry) -> _Row:
+        request, result = entry.request, entry.result
+        # A preempted request recomputes its prompt and the tokens it has.
+        context = request.prompt + tuple(result.tokens)
         caches: list[Cache] = self._fresh_caches()
         fed = 0
+        store_hit = 0
         if self.paged is not None:
             self._shared_credit[request.rid] = self.paged.shared_credit(request.prompt)
             if self.prefix_cache is not None:
                 cache = self.prefix_cache
-                hit = self.paged.lookup(
-                    request.prompt, lambda limit: cache.lookup(request.prompt, limit=limit)
-                )
+                hit = self.paged.lookup(context, lambda limit: cache.lookup(context, limit=limit))
                 if hit is not None:
                     fed, caches = hit
         elif self.prefix_cache is not None:
-            hit = self.prefix_cache.lookup(request.prompt)
+            hit = self.prefix_cache.lookup(context)
             if hit is not None:
                 fed, caches = hit
         if self.prefix_store is not None and self.paged is None:
             started = time.perf_counter()
             # Only a longer prefix than memory's is worth a load (and one token stays).
-            found = self.prefix_store.longest(
-                request.prompt, limit=len(request.prompt) - 1, beyond=fed
-            )
+            found = self.prefix_store.longest(context, limit=len(context) - 1, beyond=fed)
             if found is not None and _fits(found[1], self._signatures):
-                fed = found[0]
+                fed = store_hit = found[0]
                 caches = _regrouped(found[1], make_kvrows_cache(self.model, self.scheme))
-                result.store_hit_tokens = fed
             self._stats.store_read_seconds += time.perf_counter() - started
-        result.prefix_hit_tokens = fed
         if fed:
             caches = _as_legos(caches, make_kvrows_cache(self.model, self.scheme))
-        admitted = time.perf_counter()
-        result.queue_seconds = admitted - arrived_at
-        return _Row(request, result, caches, fed, mx.random.key(request.seed), admitted)
+        if not entry.admissions:
+            result.admitted_step = self._step
+            result.prefix_hit_tokens = fed
+            result.store_hit_tokens = store_hit
+            result.queue_seconds = time.perf_counter() - entry.arrived_at
+            with self._lock:
+                self._gauge["prefix_hits"] += fed > 0
+                self._gauge["prefix_hit_tokens"] += fed
+                self._gauge["store_hit_tokens"] += store_hit
+            self._streaming.append(entry)
+        entry.admissions += 1
+        self._admissions += 1
+        row = _Row(
+            request,
+            result,
+            caches,
+            fed,
+            self._key_after(request, len(result.tokens)),
+            entry.arrived_at,
+            context=context,
+            first_at=entry.first_at,
+            next_input=result.tokens[-1] if result.tokens else 0,
+            sampled=len(result.tokens),
+            order=self._admissions,
+        )
+        entry.row = row
+        return row
 
     def _join(
         self, layouts: list[BatchableCache], rows: list[_Row], *, prefill: bool
@@ -1034,14 +1800,14 @@ class Engine:
         the same chunk, at most the shortest remaining prompt, cut at the next conversion
         boundary. (Per-row chunks in a right-padded block measured slower on the serving
         trace: each pad costs a real token's compute; benchmarks/RESULTS.md.)"""
-        n = min(self.prefill_chunk, min(len(row.request.prompt) - row.fed for row in cohort))
+        n = min(self.prefill_chunk, min(len(row.context) - row.fed for row in cohort))
         # Cut at the next conversion boundary: each row converts exactly at its start.
         boundary = self.maintenance.max_append_tokens(layouts)
         if not math.isinf(boundary):
             n = min(n, int(boundary))
-        ids = mx.array([list(row.request.prompt[row.fed : row.fed + n]) for row in cohort])
+        ids = mx.array([list(row.context[row.fed : row.fed + n]) for row in cohort])
         hidden = self._forward(self.model, ids, layouts)
-        finishing = [b for b, row in enumerate(cohort) if row.fed + n == len(row.request.prompt)]
+        finishing = [b for b, row in enumerate(cohort) if row.fed + n == len(row.context)]
         # Evaluated here so the prefill time is measured (the step boundary would anyway).
         # Logits only when some row finishes its prompt: else evaluating the layouts alone
         # leaves the last layer's attention and the head out of the graph (as mlx-lm's
@@ -1064,8 +1830,9 @@ class Engine:
             self._sample(done, logits)
             now = time.perf_counter()
             for row in done:
-                row.first_at = now
-                row.result.time_to_first_token = now - row.arrived_at
+                if not row.first_at:  # a preempted row had its first token already
+                    row.first_at = now
+                    row.result.time_to_first_token = now - row.arrived_at
         return done
 
     def _decode_step(self, running: list[_Row], layouts: list[BatchableCache]) -> list[_Row]:
@@ -1130,9 +1897,7 @@ class Engine:
         for b, row in enumerate(running):
             tokens = greedy[b][: accepted[b] + 1]
             if row.request.temperature > 0:
-                row.key, sub = mx.random.split(row.key)
-                drawn = mx.random.categorical(logits[b, 0] / row.request.temperature, key=sub)
-                tokens = [int(drawn.tolist())]  # type: ignore[arg-type]
+                tokens = [int(self._draw(row, logits[b, 0]).tolist())]  # type: ignore[arg-type]
             if kept is not None:
                 row.result.logits.extend(kept[b, : len(tokens)])
             row.result.tokens.extend(tokens)
@@ -1153,9 +1918,7 @@ class Engine:
         tokens: list[int] = mx.argmax(logits, axis=-1).tolist()  # type: ignore[assignment]
         for b, row in enumerate(rows):
             if row.request.temperature > 0:
-                row.key, sub = mx.random.split(row.key)
-                drawn = mx.random.categorical(logits[b] / row.request.temperature, key=sub)
-                tokens[b] = int(drawn.tolist())  # type: ignore[arg-type]
+                tokens[b] = int(self._draw(row, logits[b]).tolist())  # type: ignore[arg-type]
         if self.keep_logits:
             kept = np.array(logits.astype(mx.float32))
             for b, row in enumerate(rows):
@@ -1164,6 +1927,17 @@ class Engine:
             row.result.tokens.append(int(token))
             row.next_input = int(token)
             row.sampled += 1
+
+    @staticmethod
+    def _draw(row: _Row, logits: mx.array) -> mx.array:
+        """A tempered row's next token from its ``[vocab]`` logits: its own next subkey, a
+        categorical draw over ``logits / temperature``, within the nucleus under
+        ``top_p < 1`` (only the row's own logits decide: its batch mates never do)."""
+        row.key, sub = mx.random.split(row.key)
+        scaled = logits / row.request.temperature
+        if row.request.top_p < 1.0:
+            scaled = _nucleus(scaled, row.request.top_p)
+        return mx.random.categorical(scaled, key=sub)
 
     def _sample_on_device(self, rows: list[_Row], logits: mx.array) -> mx.array:
         """``_sample``'s draws, left on the device: ``[rows]`` tokens, the same operations
@@ -1174,9 +1948,7 @@ class Engine:
         picks: list[mx.array] = []
         for b, row in enumerate(rows):
             if row.request.temperature > 0:
-                row.key, sub = mx.random.split(row.key)
-                drawn = mx.random.categorical(logits[b] / row.request.temperature, key=sub)
-                picks.append(drawn.astype(greedy.dtype))
+                picks.append(self._draw(row, logits[b]).astype(greedy.dtype))
             else:
                 picks.append(greedy[b])
         return mx.stack(picks)
@@ -1207,6 +1979,7 @@ class Engine:
     def _retire_serial(self, row: _Row) -> None:
         """A row that finished on its first token: its serial caches are published as is."""
         self._close_timing(row)
+        row.left = True
         if self.paged is not None:
             self._shared_credit.clear()  # a row leaves: the rows it shared with count theirs
         if self.paged is None or self.prefix_cache is not None:
@@ -1244,7 +2017,7 @@ class Engine:
         and not to the disk store (it saves the row when it leaves)."""
         if self.prefix_cache is None or any(isinstance(c, Handover) for c in row.caches):
             return
-        self._publish_serial(row.request.prompt, row.caches, to_store=False)
+        self._publish_serial(row.context, row.caches, to_store=False)
 
     def _publish_serial(
         self, covered: tuple[int, ...], caches: list[Cache], *, to_store: bool
@@ -1332,8 +2105,8 @@ class _Pipeline:
             tokens: list[int] = flight.tokens.tolist()  # type: ignore[assignment]
             kept = None if flight.logits is None else np.array(flight.logits)
             for b, (row, token) in enumerate(zip(flight.rows, tokens, strict=True)):
-                if row.stopped or row.result.finish_reason:
-                    continue  # sampled after its stop token: dropped
+                if row.gone or row.stopped or row.result.finish_reason:
+                    continue  # sampled after its stop token (or a cancel, a preemption): dropped
                 row.result.tokens.append(int(token))
                 if kept is not None:
                     row.result.logits.append(kept[b])
@@ -1384,6 +2157,17 @@ def _merge_prepared(
             sources.append(cache)
         if sources:
             layout.merge_rows(sources)
+
+
+def _nucleus(scaled: mx.array, top_p: float) -> mx.array:
+    """``scaled`` logits ``[vocab]`` with every token outside the nucleus at ``-inf``: the
+    most probable tokens whose probability before them is below ``top_p`` (the first
+    always; a tie at the edge keeps every tied token)."""
+    probs = mx.softmax(scaled.astype(mx.float32), axis=-1)
+    ranked = mx.sort(probs)[::-1]
+    before = mx.cumsum(ranked) - ranked
+    edge = mx.min(mx.where(before < top_p, ranked, mx.array(math.inf)))
+    return mx.where(probs >= edge, scaled, mx.array(-math.inf, dtype=scaled.dtype))
 
 
 def _slots_of(caches: Iterable[Any]) -> list[Any]:
@@ -1444,8 +2228,8 @@ class _Drafter:
     target's layouts do, and the next ``next`` comes from the same forward.
     """
 
-    def __init__(self, engine: Engine, model: Any, stats: EngineStats):
-        self.engine, self.model, self.stats = engine, model, stats
+    def __init__(self, engine: Engine, model: Any):
+        self.engine, self.model = engine, model
         self.scheme, self.chunk = engine.scheme, engine.prefill_chunk
         self.layouts: list[BatchableCache] = []
         self.next: list[int] = []
@@ -1468,7 +2252,7 @@ class _Drafter:
         maintenance = self.engine.maintenance
         serial: list[list[Cache]] = []
         for row in rows:
-            tokens = [*row.request.prompt, row.next_input]
+            tokens = [*row.context, row.next_input]
             caches: list[Cache] = make_kvrows_cache(self.model, self.scheme)
             logits = None
             fed = 0
@@ -1509,7 +2293,7 @@ class _Drafter:
             for _ in range(d - 1):
                 logits = self._forward(proposals[-1][:, None], caches)[:, -1, :]
                 proposals.append(mx.argmax(logits, axis=-1))
-                self.stats.draft_forwards += 1
+                self.engine._stats.draft_forwards += 1
             for layout, copied in zip(self.layouts, self.scratch, strict=True):
                 if not copied:
                     layout.trim(d - 1)
@@ -1525,7 +2309,7 @@ class _Drafter:
         last = logits[mx.arange(rows), mx.array(accepted)]
         self.next = mx.argmax(last, axis=-1).tolist()  # type: ignore[assignment]
         draft_round.resolve(accepted)
-        self.stats.draft_forwards += 1
+        self.engine._stats.draft_forwards += 1
 
 
 def _progress(done: int, total: int, step: int, generated: int, seconds: float) -> None:

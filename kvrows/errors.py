@@ -28,6 +28,7 @@ __all__ = [
     "STATE_NOT_ATTENDED",
     "CapacityError",
     "CorruptStateError",
+    "DrainingError",
     "IncompatibleRowsError",
     "InvalidInputError",
     "KvRowsError",
@@ -37,6 +38,7 @@ __all__ = [
     "NotBatchableError",
     "NotTrimmableError",
     "PoolExhaustedError",
+    "QueueFullError",
     "RowIndexError",
     "SpeculativeRoundError",
     "SpeculativeStateInvalidError",
@@ -58,6 +60,7 @@ __all__ = [
     "latent_role_message",
     "mask_message",
     "needs_parameters_message",
+    "never_fits_message",
     "no_affine_parameter_message",
     "no_array_codec_message",
     "not_a_geometry_message",
@@ -77,6 +80,8 @@ __all__ = [
     "prefix_too_long_message",
     "preview_blocks_message",
     "qkv_shape_message",
+    "queue_full_message",
+    "queue_timeout_message",
     "request_rows_message",
     "ring_rollback_message",
     "ring_state_index_message",
@@ -111,6 +116,19 @@ class RowIndexError(KvRowsError, IndexError):
 
 class CapacityError(KvRowsError):
     """An append or join needs more positions than the storage may hold."""
+
+
+class QueueFullError(CapacityError):
+    """An engine's waiting queue is full (``max_waiting`` requests wait): the request was
+    not taken. ``retry_after``: the seconds a client should wait before it tries again."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class DrainingError(KvRowsError):
+    """An engine that is draining (``close_admissions``) takes no new request."""
 
 
 class NotTrimmableError(KvRowsError):
@@ -526,3 +544,24 @@ def wrong_geometry_message(name: str, kind: str, spec: object) -> str:
 def needs_parameters_message(name: str, parameters: str) -> str:
     """A constructor missing a parameter its composition has no default for."""
     return f"{name} needs {parameters}"
+
+
+def queue_full_message(rid: str, waiting: int) -> str:
+    """An engine's ``submit`` while ``max_waiting`` requests wait."""
+    return f"request {rid}: the engine's queue is full ({waiting} requests wait); retry later"
+
+
+def queue_timeout_message(rid: str, waited: float, timeout: float) -> str:
+    """A request that waited for admission longer than the engine's ``queue_timeout``."""
+    return (
+        f"request {rid} waited {waited:.3f} s for admission, longer than the queue timeout "
+        f"of {timeout:g} s (the engine's rows and KV budget were full)"
+    )
+
+
+def never_fits_message(rid: str, need: int, prompt: int, max_tokens: int, budget: int) -> str:
+    """A request whose KV bytes alone exceed an engine's whole budget."""
+    return (
+        f"request {rid} needs {need} KV bytes ({prompt} + {max_tokens} tokens), more than "
+        f"the whole budget of {budget}"
+    )

@@ -196,7 +196,7 @@ def serve_kvrows(
         prefix_hit_tokens=stats.prefix_hit_tokens,
     )
     for result in results:
-        first = result.queue_seconds + result.time_to_first_token  # from arrival
+        first = result.time_to_first_token  # from arrival
         metrics.ttft.append(first)
         after = len(result.tokens) - 1
         decode = after / result.tokens_per_second if result.tokens_per_second else 0.0
