@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import secrets
 import signal
@@ -40,6 +41,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvrows.app.engine import Request
 from kvrows.app.server_metrics import CONTENT_TYPE, ServerMetrics
 from kvrows.app.server_protocol import (
     ApiError,
@@ -51,7 +53,13 @@ from kvrows.app.server_protocol import (
     parse_completion,
     usage_body,
 )
-from kvrows.errors import CapacityError, InvalidInputError, KvRowsError
+from kvrows.errors import (
+    CapacityError,
+    DrainingError,
+    InvalidInputError,
+    KvRowsError,
+    QueueFullError,
+)
 
 __all__ = [
     "DEFAULT_CONTEXT_LENGTH",
@@ -91,16 +99,9 @@ class KvRowsServer:
         context_length: int = DEFAULT_CONTEXT_LENGTH,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         drain_timeout: float = 30.0,
-        request_type: Callable[..., Any] | None = None,
     ) -> None:
         if context_length < 2:
             raise InvalidInputError(f"context_length must be >= 2, got {context_length}")
-        if request_type is None:
-            from kvrows.app.engine import Request
-
-            request_type = Request
-        #: The engine's ``Request`` (a test's fake engine brings its own).
-        self.request_type = request_type
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -211,7 +212,7 @@ class KvRowsServer:
         prefix = "chatcmpl" if generation.kind == "chat" else "cmpl"
         rid = f"{prefix}-{secrets.token_hex(12)}"
         seed = generation.seed if generation.seed is not None else secrets.randbits(31)
-        request = self.request_type(
+        request = Request(
             rid=rid,
             prompt=generation.prompt,
             max_tokens=max_tokens,
@@ -263,16 +264,15 @@ class KvRowsServer:
 
 def _engine_refusal(error: KvRowsError, generation: Generation) -> ApiError:
     """The HTTP answer to a request the engine would not take."""
-    retry_after = getattr(error, "retry_after", None)
-    if retry_after is not None:  # QueueFullError
+    if isinstance(error, QueueFullError):
         return ApiError(
             429,
             f"the server is at capacity: {error}",
             code="rate_limit_exceeded",
             kind="rate_limit_error",
-            headers={"Retry-After": str(max(1, round(float(retry_after))))},
+            headers={"Retry-After": str(max(1, math.ceil(error.retry_after)))},
         )
-    if type(error).__name__ == "DrainingError":
+    if isinstance(error, DrainingError):
         return ApiError(
             503,
             "the server is shutting down and takes no new requests",

@@ -20,24 +20,11 @@ from typing import Any
 
 import uvicorn
 
+from kvrows.app.engine import Request
 from kvrows.app.server import KvRowsServer, create_app
-from kvrows.errors import CapacityError, InvalidInputError, KvRowsError
+from kvrows.errors import CapacityError, DrainingError, InvalidInputError, QueueFullError
 
-__all__ = ["FakeEngine", "FakeRequest", "free_port", "live_server"]
-
-
-@dataclass(frozen=True)
-class FakeRequest:
-    rid: str
-    prompt: tuple[int, ...]
-    max_tokens: int = 256
-    arrival: int = 0
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    stop: frozenset[int] = frozenset()
-    stop_strings: tuple[str, ...] = ()
-    arrived_at: float | None = None
+__all__ = ["FakeEngine", "free_port", "live_server"]
 
 
 @dataclass
@@ -79,23 +66,13 @@ class FakeGauges:
     requests_finished: int
 
 
-class QueueFullError(CapacityError):
-    def __init__(self, message: str, retry_after: float) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class DrainingError(KvRowsError):
-    pass
-
-
 #: Ids the fake model never produces.
 SPECIAL = 8
 #: Bytes a fake row holds per token.
 BYTES_PER_TOKEN = 64
 
 
-def next_token(request: FakeRequest, generated: Sequence[int], vocab: int) -> int:
+def next_token(request: Request, generated: Sequence[int], vocab: int) -> int:
     """The fake model: a fixed function of the prompt, the step and (sampling) the seed;
     never one of the first :data:`SPECIAL` ids (the trained tokenizer's specials: an
     end-of-sequence would end a long stream early)."""
@@ -116,7 +93,7 @@ def _held_back(text: str, stops: Sequence[str]) -> int:
 
 @dataclass
 class _Row:
-    request: FakeRequest
+    request: Request
     result: FakeResult
     on_event: Callable[[Any], None] | None
     sent: int = 0
@@ -157,7 +134,7 @@ class FakeEngine:
         self.finished = 0
 
     # -- the contract ---------------------------------------------------------------------
-    def submit(self, request: FakeRequest, on_event: Callable[[Any], None] | None = None) -> None:
+    def submit(self, request: Request, on_event: Callable[[Any], None] | None = None) -> None:
         if not request.prompt:
             raise InvalidInputError(f"request {request.rid} has an empty prompt")
         if request.max_tokens < 1:
@@ -238,7 +215,7 @@ class FakeEngine:
             self.step()
             time.sleep(self.step_seconds)
 
-    def run(self, requests: Sequence[FakeRequest]) -> tuple[list[FakeResult], None]:
+    def run(self, requests: Sequence[Request]) -> tuple[list[FakeResult], None]:
         results: dict[str, FakeResult] = {}
 
         def keep(event: Any) -> None:

@@ -18,9 +18,10 @@ import httpx
 import openai
 import pytest
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from server_helpers import FakeEngine, FakeRequest, live_server
+from server_helpers import FakeEngine, live_server
 
 from kvrows.app.checkpoints import train_tokenizer
+from kvrows.app.engine import Request
 from kvrows.app.server import KvRowsServer
 
 MODEL = "tiny:llama"
@@ -42,7 +43,6 @@ def _server(tokenizer: Any, **engine_options: Any) -> KvRowsServer:
         model_name=MODEL,
         context_length=context,
         drain_timeout=drain,
-        request_type=FakeRequest,
     )
 
 
@@ -67,7 +67,7 @@ def _metric(url: str, name: str, labels: str = "") -> float:
 def _offline(server: KvRowsServer, prompt: list[int], max_tokens: int) -> Any:
     """The same request through a fresh engine's ``run`` (the offline oracle)."""
     engine = FakeEngine(server.vocabulary, server.tokenizer.decode)
-    request = FakeRequest("offline", tuple(prompt), max_tokens, stop=server.eos)
+    request = Request("offline", tuple(prompt), max_tokens, stop=server.eos)
     return engine.run([request])[0][0]
 
 
