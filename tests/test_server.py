@@ -25,6 +25,7 @@ import httpx
 import mlx.core as mx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 from server_helpers import live_server
 
 from kvrows.app.checkpoints import NO_CHECKPOINT, tiny_model_with_tokenizer, write_checkpoint
@@ -33,7 +34,7 @@ from kvrows.app.models import TINY_MODELS
 from kvrows.app.server import KvRowsServer, build_engine, load_served_model
 
 TIMEOUT = 20.0
-MESSAGES = [
+MESSAGES: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "Tell me a short story about a cat."},
 ]
@@ -69,7 +70,7 @@ def test_served_greedy_tokens_are_the_offline_engines(
         client = _client(url)
         whole = client.chat.completions.create(
             model=f"tiny:{arch}",
-            messages=MESSAGES,  # type: ignore[arg-type]
+            messages=MESSAGES,
             max_tokens=6,
             temperature=0,
         )

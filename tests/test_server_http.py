@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 from mlx_lm.tokenizer_utils import TokenizerWrapper
+from openai.types.chat import ChatCompletionMessageParam
 from server_helpers import FakeEngine, live_server
 
 from kvrows.app.checkpoints import train_tokenizer
@@ -74,7 +75,9 @@ def _offline(server: KvRowsServer, prompt: list[int], max_tokens: int) -> Any:
 def test_chat_and_completion_match_the_offline_engine(served: tuple[KvRowsServer, str]) -> None:
     server, url = served
     client = _client(url)
-    messages = [{"role": "user", "content": "Tell me a short story."}]
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Tell me a short story."}
+    ]
     prompt = server.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     oracle = _offline(server, prompt, 6)
 
@@ -82,7 +85,7 @@ def test_chat_and_completion_match_the_offline_engine(served: tuple[KvRowsServer
         model=MODEL,
         messages=messages,
         max_tokens=6,
-        temperature=0,  # type: ignore[arg-type]
+        temperature=0,
     )
     assert whole.choices[0].message.content == oracle.text
     assert whole.choices[0].finish_reason == oracle.finish_reason
@@ -94,7 +97,7 @@ def test_chat_and_completion_match_the_offline_engine(served: tuple[KvRowsServer
     usage = None
     for chunk in client.chat.completions.create(
         model=MODEL,
-        messages=messages,  # type: ignore[arg-type]
+        messages=messages,
         max_tokens=6,
         temperature=0,
         stream=True,
@@ -108,7 +111,7 @@ def test_chat_and_completion_match_the_offline_engine(served: tuple[KvRowsServer
     assert usage is not None and usage.completion_tokens == len(oracle.tokens)
     # The second identical prompt reuses the first one's prefix.
     assert usage.prompt_tokens_details is not None
-    assert usage.prompt_tokens_details.cached_tokens > 0
+    assert (usage.prompt_tokens_details.cached_tokens or 0) > 0
 
     text = "Once upon a time"
     ids = server.tokenizer.encode(text, add_special_tokens=False)
@@ -295,14 +298,14 @@ def test_32_streaming_clients_share_prefixes_and_metrics_agree(tokenizer: Any) -
         baseline = _metric(url, "kvrows_completion_tokens_total")
 
         def talk(index: int) -> tuple[str, Any]:
-            messages = [
+            messages: list[ChatCompletionMessageParam] = [
                 {"role": "system", "content": systems[index % 2]},
                 {"role": "user", "content": f"Question number {index}?"},
             ]
             text, usage, finish = "", None, None
             for chunk in client.chat.completions.create(
                 model=MODEL,
-                messages=messages,  # type: ignore[arg-type]
+                messages=messages,
                 max_tokens=4,
                 stream=True,
                 stream_options={"include_usage": True},
@@ -320,7 +323,10 @@ def test_32_streaming_clients_share_prefixes_and_metrics_agree(tokenizer: Any) -
             answers = [first, *pool.map(talk, range(1, 32))]
         usages = [u for _, u in answers]
         assert all(u is not None for u in usages)
-        cached = [u.prompt_tokens_details.cached_tokens for u in usages]
+        cached = [
+            (u.prompt_tokens_details.cached_tokens or 0) if u.prompt_tokens_details else 0
+            for u in usages
+        ]
         assert sum(c > 0 for c in cached) >= 16, cached
         completion = sum(u.completion_tokens for u in usages)
         assert _metric(url, "kvrows_completion_tokens_total") - baseline == completion
