@@ -1,4 +1,5 @@
-"""The ``kvrows`` command line: ``demo``, ``conform``, ``bench``, ``example`` and ``classes``.
+"""The ``kvrows`` command line: ``demo``, ``serve``, ``conform``, ``bench``, ``example`` and
+``classes``.
 
 Every option is checked when the command line is parsed, before any work, and a refusal
 names the option; whatever escapes a command as an exception is one line on stderr.
@@ -120,93 +121,12 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     demo = commands.add_parser("demo", help="continuous batching on the embedded models")
-    demo.add_argument(
-        "--model",
-        default=None,
-        help="a local mlx-lm checkpoint directory, a built-in tiny architecture (llama, "
-        "gemma3, qwen3_next, mamba2, llama4: chunked-local attention), or hybrid (the two "
-        "recurrent ones; default: llama and gemma3)",
-    )
-    demo.add_argument(
-        "--scheme",
-        action="append",
-        default=None,
-        help=f"{'; '.join(spec.syntax for spec in kv_codecs().values())} (the registered "
-        "codecs), with per-layer codecs (affine4:32,0=plain,-1=plain: a negative layer "
-        "counts from the last) and an optional bf16-first start (@N) (repeatable)",
-    )
-    demo.add_argument(
-        "--kv-start",
-        type=_integer(0),
-        default=None,
-        metavar="N",
-        help="keep the first N tokens of every row in plain precision and quantize from "
-        "there, each row at its own offset (sets every scheme's quantized_kv_start, like "
-        "mlx-lm's --quantized-kv-start)",
-    )
+    _engine_options(demo, serving=False)
     demo.add_argument("--requests", type=_integer(1), default=12, help="requests in the first wave")
-    demo.add_argument(
-        "--max-batch",
-        type=_integer(1),
-        default=8,
-        help="most rows in flight at once (prefilling and decoding)",
-    )
-    demo.add_argument(
-        "--kv-budget",
-        type=_integer(1),
-        default=None,
-        help="KV byte budget (a request that can never fit is rejected: the run reports it "
-        "and exits 1)",
-    )
     demo.add_argument(
         "--quiet",
         action="store_true",
         help="no per-request progress bar (a line per model and scheme still goes to stderr)",
-    )
-    demo.add_argument(
-        "--prefix-store",
-        default=None,
-        metavar="DIR",
-        help="also save published rows to an on-disk prefix store in DIR and load prefixes "
-        "from it (run twice with the same DIR: the second run reports disk hits and the "
-        "prefill time saved)",
-    )
-    demo.add_argument(
-        "--prefix-store-bytes",
-        type=_integer(1),
-        default=None,
-        metavar="BYTES",
-        help="byte budget of the prefix store directory (least recently used rows are "
-        "evicted; default 256 MiB)",
-    )
-
-    demo.add_argument(
-        "--speculative",
-        action="store_true",
-        help="run the trace with and without a draft model (the target's first layers) and "
-        "check that speculative decoding gives the same greedy tokens",
-    )
-    demo.add_argument(
-        "--draft-tokens",
-        type=_integer(1),
-        default=None,
-        help="draft tokens per round (--speculative; default 3)",
-    )
-    demo.add_argument(
-        "--draft-layers",
-        type=_integer(1),
-        default=None,
-        help="target layers the draft keeps (--speculative; default: the fewest that keep "
-        "every kind of layer)",
-    )
-
-    demo.add_argument(
-        "--paged",
-        action="store_true",
-        help="the engine's paged option (one block pool per layer, rows by block table, "
-        "prefix blocks shared by hash): the trace with the invariance check, and a "
-        "shared-prefix trace's peak KV bytes and tokens/s against the contiguous layouts "
-        "(schemes: plain, affine8, turbo)",
     )
     demo.add_argument(
         "--mla",
@@ -225,6 +145,64 @@ def _parser() -> argparse.ArgumentParser:
         "--paged, a block pool per layer and rank",
     )
 
+    serve = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server over the engine (needs kvrows[serve])",
+        description="Serve one model over OpenAI's chat and completion API "
+        "(spec/server.md): POST /v1/chat/completions, POST /v1/completions, GET /v1/models, "
+        "GET /health, GET /metrics. SIGTERM drains: new requests get 503, those in flight "
+        "finish, the prefix store is written, exit 0.",
+    )
+    _engine_options(serve, serving=True)
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
+    )
+    serve.add_argument(
+        "--port", type=_integer(0), default=8000, help="port (default 8000; 0: any free one)"
+    )
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the model's name in the API (default: --model as given)",
+    )
+    serve.add_argument(
+        "--context-length",
+        type=_integer(2),
+        default=None,
+        metavar="N",
+        help="prompt and completion tokens a request may have together (default: the "
+        "model config's max_position_embeddings, else 4096)",
+    )
+    serve.add_argument(
+        "--max-waiting",
+        type=_integer(1),
+        default=64,
+        metavar="N",
+        help="requests that may wait for admission; more get 429 with Retry-After (default 64)",
+    )
+    serve.add_argument(
+        "--queue-timeout",
+        type=_positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="a request waiting longer for admission ends with an error (default: no limit)",
+    )
+    serve.add_argument(
+        "--drain-timeout",
+        type=_positive_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long requests in flight may run on before they are cut off "
+        "(default 30)",
+    )
+    serve.add_argument(
+        "--log-level",
+        choices=("critical", "error", "warning", "info", "debug"),
+        default="warning",
+        help="uvicorn's log level (default warning)",
+    )
+
     commands.add_parser(
         "example", help="merge, decode, filter and extract rows, and say what happened"
     )
@@ -232,6 +210,122 @@ def _parser() -> argparse.ArgumentParser:
         "classes", help="every seed class: its axes, status, conformance family and spec page"
     )
     return parser
+
+
+def _positive_seconds(text: str) -> float:
+    """An argparse type: seconds, a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number > 0), got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _engine_options(parser: argparse.ArgumentParser, *, serving: bool) -> None:
+    """The engine's options, one definition for ``demo`` and ``serve`` (``serving``: one
+    scheme, and a draft model serves instead of being compared)."""
+    if serving:
+        parser.add_argument(
+            "--model",
+            required=True,
+            help="a local mlx-lm checkpoint directory (its tokenizer and chat template "
+            "included), or tiny:ARCH: an embedded tiny model (random weights) with a "
+            "built-in tokenizer and chat template (tiny:llama, tiny:gemma3, tiny:qwen3_next, "
+            "...); nothing is downloaded",
+        )
+    else:
+        parser.add_argument(
+            "--model",
+            default=None,
+            help="a local mlx-lm checkpoint directory, a built-in tiny architecture (llama, "
+            "gemma3, qwen3_next, mamba2, llama4: chunked-local attention), or hybrid (the two "
+            "recurrent ones; default: llama and gemma3)",
+        )
+    schemes = f"{'; '.join(spec.syntax for spec in kv_codecs().values())} (the registered codecs), with per-layer codecs (affine4:32,0=plain,-1=plain: a negative layer counts from the last) and an optional bf16-first start (@N)"
+    parser.add_argument(
+        "--scheme",
+        action="store" if serving else "append",
+        default=None,
+        help=f"{schemes} (default plain)" if serving else f"{schemes} (repeatable)",
+    )
+    parser.add_argument(
+        "--kv-start",
+        type=_integer(0),
+        default=None,
+        metavar="N",
+        help="keep the first N tokens of every row in plain precision and quantize from "
+        "there, each row at its own offset (sets every scheme's quantized_kv_start, like "
+        "mlx-lm's --quantized-kv-start)",
+    )
+    parser.add_argument(
+        "--max-batch",
+        type=_integer(1),
+        default=8,
+        help="most rows in flight at once (prefilling and decoding)",
+    )
+    parser.add_argument(
+        "--kv-budget",
+        type=_integer(1),
+        default=None,
+        help="KV byte budget (a request that can never fit is refused: HTTP 400)"
+        if serving
+        else "KV byte budget (a request that can never fit is rejected: the run reports it "
+        "and exits 1)",
+    )
+    parser.add_argument(
+        "--prefix-store",
+        default=None,
+        metavar="DIR",
+        help="also save published rows to an on-disk prefix store in DIR and load prefixes "
+        "from it (a restart with the same DIR serves the earlier prefixes from disk)"
+        if serving
+        else "also save published rows to an on-disk prefix store in DIR and load prefixes "
+        "from it (run twice with the same DIR: the second run reports disk hits and the "
+        "prefill time saved)",
+    )
+    parser.add_argument(
+        "--prefix-store-bytes",
+        type=_integer(1),
+        default=None,
+        metavar="BYTES",
+        help="byte budget of the prefix store directory (least recently used rows are "
+        "evicted; default 256 MiB)",
+    )
+    parser.add_argument(
+        "--speculative",
+        action="store_true",
+        help="decode with a draft model (the target's first layers): the same greedy "
+        "tokens, fewer target forwards"
+        if serving
+        else "run the trace with and without a draft model (the target's first layers) and "
+        "check that speculative decoding gives the same greedy tokens",
+    )
+    parser.add_argument(
+        "--draft-tokens",
+        type=_integer(1),
+        default=None,
+        help="draft tokens per round (--speculative; default 3)",
+    )
+    parser.add_argument(
+        "--draft-layers",
+        type=_integer(1),
+        default=None,
+        help="target layers the draft keeps (--speculative; default: the fewest that keep "
+        "every kind of layer)",
+    )
+    parser.add_argument(
+        "--paged",
+        action="store_true",
+        help="the engine's paged option (one block pool per layer, rows by block table, "
+        "prefix blocks shared by hash)"
+        if serving
+        else "the engine's paged option (one block pool per layer, rows by block table, "
+        "prefix blocks shared by hash): the trace with the invariance check, and a "
+        "shared-prefix trace's peak KV bytes and tokens/s against the contiguous layouts "
+        "(schemes: plain, affine8, turbo)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -292,6 +386,47 @@ def _check(args: argparse.Namespace) -> None:
         _check_bench(args)
     elif args.command == "demo":
         _check_demo(args)
+    elif args.command == "serve":
+        _check_serve(args)
+
+
+def _check_serve(args: argparse.Namespace) -> None:
+    """The server's packages are installed, the model and scheme parse, the options go
+    together."""
+    from kvrows.errors import KvRowsError
+
+    missing = [
+        name for name in ("starlette", "uvicorn", "prometheus_client")
+        if importlib.util.find_spec(name) is None
+    ]  # fmt: skip
+    if missing:
+        raise CommandLineError(
+            f"needs {', '.join(missing)}, not installed: pip install 'kvrows[serve]'"
+        )
+    for option, value in (
+        ("--draft-tokens", args.draft_tokens),
+        ("--draft-layers", args.draft_layers),
+    ):
+        if value is not None and not args.speculative:
+            raise CommandLineError(f"argument {option}: needs --speculative")
+    if args.prefix_store_bytes is not None and args.prefix_store is None:
+        raise CommandLineError("argument --prefix-store-bytes: needs --prefix-store DIR")
+    store = args.prefix_store
+    if store is not None and os.path.exists(store) and not os.path.isdir(store):
+        raise CommandLineError(f"argument --prefix-store: {store} is a file, not a directory")
+    from kvrows.app.server import check_model_name
+
+    try:
+        check_model_name(args.model)
+    except KvRowsError as error:
+        raise CommandLineError(f"argument --model: {error}") from error
+    if args.scheme is not None:
+        from kvrows.app.server import check_scheme_name
+
+        try:
+            check_scheme_name(args.scheme)
+        except KvRowsError as error:
+            raise CommandLineError(f"argument --scheme: {error}") from error
 
 
 def _check_conform(args: argparse.Namespace) -> None:
@@ -461,6 +596,10 @@ def _run(args: argparse.Namespace) -> int:
                 schemes=args.scheme, requests=args.requests, max_batch=args.max_batch, **options
             )
         )
+    if args.command == "serve":
+        from kvrows.app.server import serve_command
+
+        return serve_command(args)
     if args.command == "classes":
         from kvrows.app.classes import run_classes
 
