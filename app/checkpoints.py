@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -124,11 +125,19 @@ def _wrapped(tokenizer: Any) -> Any:
     return TokenizerWrapper(tokenizer)
 
 
-def _config(arch: str, vocab: int, eos: int) -> dict[str, Any]:
-    """The ``config.json`` of ``tiny_model(arch, vocab=vocab)``: what ``tiny_model`` gives
-    its ``ModelArgs`` (a multimodal model's language part nested in ``text_config``)."""
+def _config(
+    arch: str, vocab: int, eos: int, overrides: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The ``config.json`` of ``tiny_model(arch, vocab=vocab, overrides=overrides)``: what
+    ``tiny_model`` gives its ``ModelArgs`` (a multimodal model's language part nested in
+    ``text_config``)."""
     row = TINY_MODELS[arch]
-    config: dict[str, Any] = {"model_type": row.module, **row.config, "vocab_size": vocab}
+    config: dict[str, Any] = {
+        "model_type": row.module,
+        **row.config,
+        **(overrides or {}),
+        "vocab_size": vocab,
+    }
     module: Any = importlib.import_module(f"mlx_lm.models.{row.module}")
     nested = "text_config" in module.ModelArgs.__dataclass_fields__
     taken = (module.TextArgs if nested else module.ModelArgs).__dataclass_fields__
@@ -187,8 +196,14 @@ def tiny_model_with_tokenizer(arch: str, *, seed: int = 0) -> tuple[Any, Any]:
     return model, _wrapped(tokenizer)
 
 
-def write_checkpoint(directory: str | os.PathLike[str], arch: str, *, seed: int = 0) -> Path:
-    """Save ``tiny_model(arch)`` (over the trained tokenizer's vocabulary) and the
+def write_checkpoint(
+    directory: str | os.PathLike[str],
+    arch: str,
+    *,
+    seed: int = 0,
+    config: Mapping[str, Any] | None = None,
+) -> Path:
+    """Save ``tiny_model(arch, overrides=config)`` (over the trained tokenizer's vocabulary) and the
     tokenizer to ``directory`` in mlx-lm's format; returns the directory. Loading it with
     ``mlx_lm.load`` gives :func:`tiny_model_with_tokenizer`'s model and tokenizer."""
     from mlx_lm.utils import save_config, save_model
@@ -197,10 +212,10 @@ def write_checkpoint(directory: str | os.PathLike[str], arch: str, *, seed: int 
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
-    model = tiny_model(arch, seed=seed, vocab=len(tokenizer), record=False)
+    model = tiny_model(arch, seed=seed, vocab=len(tokenizer), record=False, overrides=config)
     save_model(path, model)
     save_config(
-        _config(arch, len(tokenizer), tokenizer.convert_tokens_to_ids(EOS)),
+        _config(arch, len(tokenizer), tokenizer.convert_tokens_to_ids(EOS), config),
         config_path=path / "config.json",
     )
     tokenizer.save_pretrained(str(path))

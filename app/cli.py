@@ -94,7 +94,9 @@ def _parser() -> argparse.ArgumentParser:
         "BatchGenerator), speculative (the engine with a draft model, against mlx-lm's "
         "speculative generation), delayed (per-row against whole-cache conversion at each "
         "--kv-start), turbo (TurboQuant quality against the paper and plain, bytes per "
-        "token, decode attention time) or all of them",
+        "token, decode attention time), paged, serve (kvrows serve against mlx_lm.server "
+        "over HTTP: starts both servers, needs the serve extra) or all of them (serve "
+        "excepted)",
     )
     bench.add_argument(
         "--kv-start",
@@ -115,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
         "--plot",
         default=None,
         metavar="PNG",
-        help="the engine family's serving trace: also write its latency distributions as a "
+        help="the engine and serve families' traces: also write their latency distributions as a "
         "PNG (needs matplotlib: pip install 'kvrows[plot]'; the text histograms are always "
         "printed)",
     )
@@ -449,14 +451,14 @@ def _check_conform(args: argparse.Namespace) -> None:
 
 def _check_bench(args: argparse.Namespace) -> None:
     """Each family's own option needs that family (or ``all``) to run."""
-    for option, value, owner in (
-        ("--kv-start", args.kv_start, "delayed"),
-        ("--contexts", args.contexts, "engine"),
-        ("--plot", args.plot, "engine"),
+    for option, value, owners in (
+        ("--kv-start", args.kv_start, ("delayed",)),
+        ("--contexts", args.contexts, ("engine",)),
+        ("--plot", args.plot, ("engine", "serve")),
     ):
-        if value is not None and args.family not in (owner, "all"):
+        if value is not None and args.family not in (*owners, "all"):
             raise CommandLineError(
-                f"argument {option}: applies to --family {owner} (or all), "
+                f"argument {option}: applies to --family {' or '.join(owners)} (or all), "
                 f"not --family {args.family}"
             )
     if args.contexts is not None:

@@ -16,7 +16,9 @@ them as a :class:`~kvrows.app.bench.runner.Family`:
 * :mod:`.turbo`: TurboQuant's value distortion against the paper, bytes per token of every
   scheme, teacher-forced quality against plain on the tiny models, decode attention cost;
 * :mod:`.paged`: block-table row operations and the paged decode step against the
-  contiguous layouts and mlx-lm, append into a reused pool against memcpy.
+  contiguous layouts and mlx-lm, append into a reused pool against memcpy;
+* :mod:`.serve`: ``kvrows serve`` against ``mlx_lm.server`` over HTTP on one checkpoint
+  (server processes: not part of ``all``; needs the ``serve`` extra).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the runner imports MLX; the CLI reads FAMILIES without it
     from kvrows.app.bench.runner import Family
 
-__all__ = ["FAMILIES", "family", "run"]
+__all__ = ["FAMILIES", "IN_PROCESS", "family", "run"]
 
 #: ``kvrows bench --family`` names, in run order, and the module of each.
 FAMILIES = {
@@ -40,7 +42,11 @@ FAMILIES = {
     "delayed": "delayed",
     "turbo": "turbo",
     "paged": "paged",
+    "serve": "serve",
 }
+
+#: What ``--family all`` runs: every in-process family (``serve`` starts servers).
+IN_PROCESS = tuple(name for name in FAMILIES if name != "serve")
 
 
 def family(name: str, *, quick: bool = False, **options: Any) -> Family:
@@ -62,7 +68,7 @@ def run(
 ) -> int:
     """Run family ``name``, or every family for ``"all"``; 0 unless a result was wrong.
     ``kv_starts``: the delayed family's starts (``kvrows bench --kv-start N``); ``plot``:
-    the engine family's latency PNG (``kvrows bench --plot FILE``); ``contexts``: its
+    the engine and serve families' latency PNG (``kvrows bench --plot FILE``); ``contexts``: its
     serving trace's document lengths, ``"LO-HI"`` (``kvrows bench --contexts 1024-2048``)."""
     from kvrows.errors import InvalidInputError
 
@@ -74,12 +80,13 @@ def run(
     spans = None if contexts is None else _span(contexts)
     from kvrows.app.bench.runner import run_family
 
-    names = list(FAMILIES) if name == "all" else [name]
+    names = list(IN_PROCESS) if name == "all" else [name]
     status = 0
     # The options each family takes, by name (one not given is left to the family).
     given: dict[str, dict[str, Any]] = {
         "delayed": {"starts": kv_starts or None},
         "engine": {"plot": plot, "serving_contexts": spans},
+        "serve": {"plot": plot},
     }
     for each in names:
         options = {k: v for k, v in given.get(each, {}).items() if v is not None}
