@@ -1,5 +1,6 @@
 """Tensor parallelism on ``mlx.distributed``: a model sharded over a group, each rank's
-caches holding only its KV heads, and the guard that catches a rank that drifted.
+caches holding only its KV heads, one scheduler deciding for every rank, and the guard
+that catches a rank that drifted.
 
 :func:`shard_model` splits the model's attention heads and MLP over the group (mlx-lm's
 ``model.shard`` where the model has one: llama, qwen3, deepseek and others; the same
@@ -11,12 +12,23 @@ Recurrent state is not split by heads: a model with recurrent layers is refused.
 :func:`check_in_step` is the divergence guard: every rank hashes what it holds (row ids and
 offsets) and the group compares the hashes in one small collective; a rank whose hash is
 not rank 0's raises :class:`~kvrows.errors.RankDivergenceError` naming it.
+
+:class:`Scheduler` (rank 0) and :func:`follow` (the other ranks) run one online engine per
+rank in lockstep (``spec/distributed.md`` §6): rank 0 takes the server's submissions and
+cancellations, and before every step broadcasts them as one decision record; every rank
+applies the record to its engine in the same order, then steps. Everything else an engine
+decides (admissions, prefill cuts, joins, filters, publishes, prefix hits, preemptions,
+stop strings) follows from the records and the sampled tokens, which the all-sums leave
+alike on every rank.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import json
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -24,7 +36,16 @@ import numpy as np
 
 from kvrows.errors import InvalidInputError, RankDivergenceError
 
-__all__ = ["agreed", "any_rank", "check_in_step", "shard_model", "sharding"]
+__all__ = [
+    "Scheduler",
+    "agreed",
+    "any_rank",
+    "broadcast_text",
+    "check_in_step",
+    "follow",
+    "shard_model",
+    "sharding",
+]
 
 #: mlx-lm cache classes whose state is not split by heads.
 _RECURRENT = frozenset({"ArraysCache", "MambaCache"})
@@ -79,11 +100,11 @@ def shard_model(model: Any, group: Any = None) -> Any:
     layers = list(getattr(model, "layers", ()))
     for index, layer in enumerate(layers):
         attention = getattr(layer, "self_attn", None)
-        for field in ("n_heads", "n_kv_heads", "num_heads"):
-            count = getattr(attention, field, None)
+        for attribute in ("n_heads", "n_kv_heads", "num_heads"):
+            count = getattr(attention, attribute, None)
             if isinstance(count, int) and count % size:
                 raise InvalidInputError(
-                    f"{name}, layer {index}: {count} {field.replace('_', ' ')} do not divide "
+                    f"{name}, layer {index}: {count} {attribute.replace('_', ' ')} do not divide "
                     f"over {size} ranks"
                 )
     if hasattr(model, "shard"):
@@ -145,3 +166,197 @@ def check_in_step(
             f"than rank 0 (this is rank {made.rank()}): the ranks no longer apply the same "
             "row operations"
         )
+
+
+#: Bytes of the first all-sum of a broadcast: the length and the start of the text. The
+#: ring backend answers a collective of a few bytes an order of magnitude slower than one
+#: of a few KiB (measured on loopback: 12 ms against 2 ms), and a decision record of a
+#: step without submissions fits here: one collective per step.
+BROADCAST_FIRST = 4096
+
+
+def broadcast_text(text: str | None, *, group: Any) -> str:
+    """Rank 0's ``text`` on every rank (the others pass ``None``): all-sums where the other
+    ranks add zeros, the first of :data:`BROADCAST_FIRST` bytes holding the length and the
+    text's start, a second for the rest of a longer text."""
+    root = group.rank() == 0
+    raw = (text or "").encode() if root else b""
+    first = np.zeros(BROADCAST_FIRST, dtype=np.uint8)
+    room = BROADCAST_FIRST - 4
+    if root:
+        first[:4] = np.frombuffer(np.uint32(len(raw)).tobytes(), dtype=np.uint8)
+        head = np.frombuffer(raw[:room], dtype=np.uint8)
+        first[4 : 4 + len(head)] = head
+    summed = np.array(mx.distributed.all_sum(mx.array(first), group=group), dtype=np.uint8)
+    size = int(np.frombuffer(summed[:4].tobytes(), dtype=np.uint32)[0])
+    body = summed[4 : 4 + min(size, room)].tobytes()
+    if size > room:
+        rest = np.frombuffer(raw[room:], dtype=np.uint8) if root else None
+        mine = rest if rest is not None else np.zeros(size - room, dtype=np.uint8)
+        body += np.array(
+            mx.distributed.all_sum(mx.array(mine), group=group), dtype=np.uint8
+        ).tobytes()
+    return body.decode()
+
+
+def _request_record(request: Any) -> dict[str, Any]:
+    return {
+        "rid": request.rid,
+        "prompt": list(request.prompt),
+        "max_tokens": request.max_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "seed": request.seed,
+        "stop": sorted(request.stop),
+        "stop_strings": list(request.stop_strings),
+    }
+
+
+def _request(record: dict[str, Any]) -> Any:
+    from kvrows.app.engine import Request
+
+    return Request(
+        rid=str(record["rid"]),
+        prompt=tuple(int(t) for t in record["prompt"]),
+        max_tokens=int(record["max_tokens"]),
+        temperature=float(record["temperature"]),
+        top_p=float(record["top_p"]),
+        seed=int(record["seed"]),
+        stop=frozenset(int(t) for t in record["stop"]),
+        stop_strings=tuple(str(t) for t in record["stop_strings"]),
+    )
+
+
+@dataclass
+class _Submission:
+    """A submission waiting for the next step boundary, and its answer."""
+
+    request: Any
+    on_event: Callable[[Any], None] | None
+    done: threading.Event = field(default_factory=threading.Event)
+    stream: Any = None
+    error: BaseException | None = None
+
+
+def _apply(engine: Any, record: dict[str, Any], submissions: Sequence[_Submission] = ()) -> None:
+    """One decision record on ``engine``, in its order: the submissions (rank 0 answers its
+    callers: the stream, or the refusal every rank met alike), the cancellations, the
+    budget, closing admissions."""
+    waiting = {s.request.rid: s for s in submissions}
+    for entry in record["submit"]:
+        mine = waiting.get(entry["rid"])
+        try:
+            stream = engine.submit(
+                mine.request if mine else _request(entry), on_event=mine.on_event if mine else None
+            )
+            if mine is not None:
+                mine.stream = stream
+        except Exception as error:  # the same refusal on every rank: rank 0's caller gets it
+            if mine is not None:
+                mine.error = error
+        if mine is not None:
+            mine.done.set()
+    for rid in record["cancel"]:
+        engine.cancel(rid)
+    if "kv_budget" in record:
+        engine.set_kv_budget(record["kv_budget"])
+    if record["close"]:
+        engine.close_admissions()
+
+
+class Scheduler:
+    """Rank 0's engine for a tensor-parallel group: the online engine's API for the server
+    (``submit``, ``cancel``, ``close_admissions``, ``set_kv_budget``, ``gauges``,
+    ``serve_forever``), every change held for the next step boundary, where it goes to
+    every rank in one decision record (:func:`follow` applies it on the others).
+    ``submit`` waits for that boundary (one step at most) to answer as the engine does."""
+
+    def __init__(self, engine: Any, group: Any = None) -> None:
+        self.engine = engine
+        self.group = mx.distributed.init() if group is None else group
+        self._wake = threading.Condition()
+        self._submissions: list[_Submission] = []
+        self._cancels: list[str] = []
+        self._budget: list[int | None] = []
+        self._close = False
+        #: Decision records sent and the seconds their broadcasts took (what deciding costs).
+        self.records = 0
+        self.record_seconds = 0.0
+
+    def submit(self, request: Any, on_event: Callable[[Any], None] | None = None) -> Any:
+        waiting = _Submission(request, on_event)
+        with self._wake:
+            self._submissions.append(waiting)
+            self._wake.notify()
+        waiting.done.wait()
+        if waiting.error is not None:
+            raise waiting.error
+        return waiting.stream
+
+    def cancel(self, rid: str) -> bool:
+        with self._wake:
+            self._cancels.append(rid)
+            self._wake.notify()
+        return True
+
+    def close_admissions(self) -> None:
+        with self._wake:
+            self._close = True
+            self._wake.notify()
+
+    def set_kv_budget(self, kv_budget: int | None) -> None:
+        with self._wake:
+            self._budget.append(kv_budget)
+            self._wake.notify()
+
+    def gauges(self) -> Any:
+        return self.engine.gauges()
+
+    def _pending(self) -> bool:
+        return bool(self._submissions or self._cancels or self._budget or self._close)
+
+    def serve_forever(self, stop: threading.Event) -> None:
+        """Rank 0's engine loop: at each boundary, broadcast what changed and apply it, then
+        step while there is work; idle, wait for a change (the other ranks wait in the
+        broadcast). Once ``stop`` is set and nothing is left, a last record stops them."""
+        import time
+
+        while True:
+            with self._wake:
+                while not self._pending() and not self.engine.has_work() and not stop.is_set():
+                    self._wake.wait(timeout=0.05)
+                submissions, self._submissions = self._submissions, []
+                cancels, self._cancels = self._cancels, []
+                budgets, self._budget = self._budget, []
+                close, self._close = self._close, False
+            last = stop.is_set() and not submissions and not self.engine.has_work()
+            record: dict[str, Any] = {
+                "submit": [_request_record(s.request) for s in submissions],
+                "cancel": cancels,
+                "close": close,
+                "stop": last,
+            }
+            if budgets:
+                record["kv_budget"] = budgets[-1]
+            started = time.perf_counter()
+            broadcast_text(json.dumps(record), group=self.group)
+            self.record_seconds += time.perf_counter() - started
+            self.records += 1
+            _apply(self.engine, record, submissions)
+            if last:
+                return
+            if self.engine.has_work():
+                self.engine.step_or_fail(fatal=(RankDivergenceError,))
+
+
+def follow(engine: Any, group: Any = None) -> None:
+    """A rank other than 0 of a tensor-parallel group: apply rank 0's decision records to
+    ``engine`` and step with it, until a record says stop."""
+    made = mx.distributed.init() if group is None else group
+    while True:
+        record = json.loads(broadcast_text(None, group=made))
+        _apply(engine, record)
+        if record["stop"]:
+            return
+        if engine.has_work():
+            engine.step_or_fail(fatal=(RankDivergenceError,))

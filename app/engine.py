@@ -1299,10 +1299,18 @@ class Engine:
                     self._wake.wait(timeout=0.05)
                 if not self._has_work():
                     return
-            try:
-                self.step()
-            except Exception as error:  # the process serves on: these requests fail
-                self._fail_all(error)
+            self.step_or_fail()
+
+    def step_or_fail(self, fatal: tuple[type[Exception], ...] = ()) -> None:
+        """``step``; if it raises, every live request fails with the error and the engine
+        serves on (``serve_forever``'s step), unless the error is one of ``fatal`` (raised:
+        a tensor-parallel rank that drifted must stop)."""
+        try:
+            self.step()
+        except fatal:
+            raise
+        except Exception as error:  # the process serves on: these requests fail
+            self._fail_all(error)
 
     def _fail_all(self, error: Exception) -> None:
         """A step raised: every live request finishes with ``finish_reason`` ``"error"``

@@ -707,6 +707,7 @@ def build_engine(
     draft_layers: int | None = None,
     max_waiting: int | None = None,
     queue_timeout: float | None = None,
+    step_guard: Any = None,
 ) -> Any:
     """The online engine over ``model`` with ``kvrows serve``'s options (the demo's
     meanings: :mod:`kvrows.app.demo`)."""
@@ -744,13 +745,32 @@ def build_engine(
         detokenize=tokenizer.decode,
         max_waiting=max_waiting,
         queue_timeout=queue_timeout,
+        step_guard=step_guard,
         **options,
     )
 
 
 def serve_command(args: Any) -> int:
-    """``kvrows serve`` (the parsed command line of :mod:`kvrows.app.cli`)."""
+    """``kvrows serve`` (the parsed command line of :mod:`kvrows.app.cli`). With
+    ``--tensor-parallel`` (under ``mlx.launch``): the model sharded over the launch's
+    processes, rank 0 serving HTTP and deciding for every rank (``spec/distributed.md``
+    §6), the other ranks following."""
     model, tokenizer = load_served_model(args.model)
+    group = None
+    if args.tensor_parallel:
+        import functools
+
+        import mlx.core as mx
+
+        from kvrows.app.distributed import check_in_step, shard_model
+
+        group = mx.distributed.init()
+        if group.size() < 2:
+            raise InvalidInputError(
+                "--tensor-parallel shards the model over the processes of a launch: run it as "
+                "mlx.launch -n 2 --backend ring -- kvrows serve --tensor-parallel ..."
+            )
+        shard_model(model, group)
     engine = build_engine(
         model,
         tokenizer,
@@ -766,7 +786,18 @@ def serve_command(args: Any) -> int:
         draft_layers=args.draft_layers,
         max_waiting=args.max_waiting,
         queue_timeout=args.queue_timeout,
+        step_guard=None if group is None else functools.partial(check_in_step, group=group),
     )
+    if group is not None:
+        from kvrows.app.distributed import Scheduler, follow
+
+        if group.rank() != 0:
+            # Only rank 0's record stops this rank: a signal from the launcher is left to it.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            follow(engine, group)
+            return 0
+        engine = Scheduler(engine, group)
     server = KvRowsServer(
         engine,
         tokenizer,
@@ -778,9 +809,20 @@ def serve_command(args: Any) -> int:
     def ready(port: int) -> None:
         print(
             f"kvrows serve: {server.model_name} on http://{args.host}:{port} "
-            f"(scheme {args.scheme or 'plain'}; SIGTERM drains)",
+            f"(scheme {args.scheme or 'plain'}; SIGTERM to pid {os.getpid()} drains)",
             file=sys.stderr,
             flush=True,
         )
 
-    return run_server(server, host=args.host, port=args.port, log_level=args.log_level, ready=ready)
+    status = run_server(
+        server, host=args.host, port=args.port, log_level=args.log_level, ready=ready
+    )
+    records = getattr(engine, "records", 0)
+    if records:  # a tensor-parallel rank 0: what deciding for every rank cost
+        print(
+            f"kvrows serve: {records} decision records broadcast, "
+            f"{1e3 * engine.record_seconds / records:.2f} ms each on average",
+            file=sys.stderr,
+            flush=True,
+        )
+    return status

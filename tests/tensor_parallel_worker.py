@@ -11,7 +11,7 @@ from typing import Any
 import mlx.core as mx
 
 from kvrows.app.demo import run_tensor_parallel_demo
-from kvrows.app.distributed import check_in_step
+from kvrows.app.distributed import BROADCAST_FIRST, broadcast_text, check_in_step
 from kvrows.errors import RankDivergenceError
 
 
@@ -25,6 +25,10 @@ def main() -> int:
     if run_tensor_parallel_demo(schemes=["plain"], paged=True, **common) != 0:
         return 1
     print(f"ok {rank} paged", flush=True)
+    for text in ("", "décision", "x" * (BROADCAST_FIRST - 4), "ü" * BROADCAST_FIRST * 3):
+        got = broadcast_text(text if rank == 0 else None, group=group)
+        assert got == text, (len(got), len(text))
+    print(f"ok {rank} broadcast", flush=True)
     check_in_step(0, ["a", "b"], [5, 7], group=group)
     try:
         check_in_step(1, ["a", "b"], [5, 7 + rank], group=group)

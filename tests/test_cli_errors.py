@@ -105,6 +105,24 @@ BAD_VALUES: list[tuple[list[str], tuple[str, ...]]] = [
     (["demo", "--speculative", "--prefix-store", "DIR"], ("--prefix-store", "--speculative")),
     (["demo", "--draft-tokens", "2"], ("--draft-tokens", "--speculative")),
     (["demo", "--draft-layers", "1"], ("--draft-layers", "--speculative")),
+    (["demo", "--tensor-parallel", "--mla"], ("--mla", "--tensor-parallel")),
+    (
+        ["demo", "--tensor-parallel", "--prefix-store", "DIR"],
+        ("--prefix-store", "--tensor-parallel"),
+    ),
+    (["demo", "--tensor-parallel", "--kv-budget", "4096"], ("--kv-budget", "--tensor-parallel")),
+    (
+        ["serve", "--model", "tiny:llama", "--tensor-parallel", "--queue-timeout", "1"],
+        ("--queue-timeout", "--tensor-parallel"),
+    ),
+    (
+        ["serve", "--model", "tiny:llama", "--tensor-parallel", "--prefix-store", "DIR"],
+        ("--prefix-store", "--tensor-parallel"),
+    ),
+    (
+        ["serve", "--model", "tiny:llama", "--tensor-parallel", "--speculative"],
+        ("--speculative", "--tensor-parallel"),
+    ),
 ]
 
 

@@ -47,7 +47,7 @@ def _launch(script: Path) -> tuple[int, str]:
 def test_two_ranks_serve_the_trace_as_one_process_with_half_the_kv_each() -> None:
     status, out = _launch(WORKER)
     assert status == 0, out[-3000:]
-    for what in ("contiguous", "paged", "guard"):
+    for what in ("contiguous", "paged", "broadcast", "guard"):
         assert {f"ok {rank} {what}" for rank in (0, 1)} <= set(out.splitlines()), out[-3000:]
     rows = [line.split() for line in out.splitlines() if re.match(r"llama\s+\S+\s+2\s", line)]
     assert len(rows) == 3 and all(row[-1] == "PASS" for row in rows), out[-3000:]
@@ -86,3 +86,10 @@ def test_the_guard_has_nothing_to_compare_in_one_process() -> None:
     check_in_step(0, ["a"], [3])  # the global group of one process: no collective
     with pytest.raises(InvalidInputError, match="row ids"):
         check_in_step(0, ["a"], [3, 4], group=_Group(2))
+
+
+def test_one_process_is_told_to_launch(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvrows.app import cli
+
+    assert cli.main(["demo", "--tensor-parallel", "--requests", "1", "--quiet"]) == 2
+    assert "mlx.launch -n 2" in capsys.readouterr().err
