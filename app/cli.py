@@ -546,16 +546,6 @@ def _check_demo(args: argparse.Namespace) -> None:
         )
     if args.prefix_store_bytes is not None and args.prefix_store is None:
         raise CommandLineError("argument --prefix-store-bytes: needs --prefix-store DIR")
-    if args.tensor_parallel:
-        # Rank 0 decides every row operation; a wall-clock timeout or a disk hit only one
-        # rank sees would be a decision it does not send.
-        for option, value in (
-            ("--queue-timeout", args.queue_timeout),
-            ("--prefix-store", args.prefix_store),
-            ("--speculative", args.speculative or None),
-        ):
-            if value is not None:
-                raise CommandLineError(f"argument {option}: not with --tensor-parallel yet")
     store = args.prefix_store
     if store is not None and os.path.exists(store) and not os.path.isdir(store):
         raise CommandLineError(f"argument --prefix-store: {store} is a file, not a directory")
