@@ -1083,7 +1083,7 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
         for slot in self._steppable():
             targets += [(t, slot.ref, slot.opt, b) for b, t in enumerate(slot.rows)]
         track, ref, opt, b = self._pick(data, targets, "row")
-        bs, cap = ref.block_size, self.g.max_size
+        bs, cap = ref.block_size, self.g.cap
         if b is None and track.appended and (cap or bs) >= bs and track.tokens <= 2 * bs:
             # Whole-block hits are rare under free draws (prompts are mostly shorter than
             # a block): the request grows to two whole blocks and one token first.
@@ -1124,10 +1124,13 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
                 opt,
                 InvalidInputError,
             )
-        # A ring's row holds every position until it gives one back: the twins' ``retained``
-        # (a serial ring's an int, a layout's per row), which must agree.
+        # A ring's or a chunked row holds every position until it gives one back: the twins'
+        # ``retained`` (a serial cache's an int, a layout's per row), which must agree (a
+        # chunked row's with the model's).
         retained = [r if b is None else r[b] for r in ((ref.retained, opt.retained) if cap else ())]
         self._exact("held positions (reference, optimized)", retained[1:], retained[:1])
+        if retained and self.g.chunk_size is not None:
+            self._exact("held positions (the model)", retained[0], track.held)
         dropped = bool(retained) and retained[0] < track.tokens
         before = [accounting(pool) for pool in (ref.pool, opt.pool)]
         full = [
@@ -1258,7 +1261,7 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
             got = [_answer(lay.projected_bytes, t) for t in ts]
             doubled = [_answer(admission.bytes, t) for t in ts]
             if lay.geometry is not None:
-                size, cap, keep = lay.block_size, self.g.max_size, self.g.keep or 0
+                size, cap, keep = lay.block_size, self.g.cap, self.g.keep or 0
                 # Whole blocks: every position's (growing), a ring's sinks' and window's.
                 want = [
                     self.g.token_bytes() * projected_blocks(t, cap, keep, size) * size for t in ts

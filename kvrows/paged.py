@@ -302,8 +302,9 @@ def _bind_paged(cls: type[Any], args: Sequence[object], kwargs: dict[str, object
         if token is None:
             token = GEOMETRIES[entry.geometry].from_fields(fields_given)
             _TOKEN_GEOMETRIES[named] = token
-    # A growing row's bound (the paged latent's ``max_tokens``) is the placement's too.
-    bound = None if token.wraps else token.cap()
+    # A growing row's bound (the paged latent's ``max_tokens``) is the placement's too (a
+    # ring's or a chunked row's cap is what it keeps, not a bound).
+    bound = None if token.wraps or token.evicts else token.cap()
     paged = Paged(block_size=size or DEFAULT_BLOCK_SIZE, max_tokens=bound)
     return spec, paged, token, declared, pool
 
