@@ -372,6 +372,17 @@ BUDGETS: dict[str, Budget] = {
             "contiguous ring's model and solo replay",
         ),
     ),
+    "paged-rotating-affine": Budget(
+        "paged rings over affine pools at every (bits, group size)", examples=0.04, steps=0.6
+    ),
+    # The microscaling codecs in block pools (issue 25: paging takes any codec): every
+    # mode, about 5 s each on one core.
+    "paged-mx": Budget(
+        "paged KV over microscaling pools (mxfp8, mxfp4, nvfp4)", examples=0.1, steps=0.6
+    ),
+    "paged-rotating-mx": Budget(
+        "paged rings over microscaling pools (mxfp8, mxfp4, nvfp4)", examples=0.1, steps=0.6
+    ),
     # Paged chunked-local attention (issue 25: the paged placement under the chunked
     # geometry): PagedChunkedKVCache rows in PagedChunkedRows (every role, rounds), front
     # trims giving blocks back; the contiguous chunked model and the pools' invariants.
@@ -394,17 +405,6 @@ BUDGETS: dict[str, Budget] = {
         "paged chunked-local attention over microscaling pools (mxfp8, mxfp4, nvfp4)",
         examples=0.06,
         steps=0.6,
-    ),
-    "paged-rotating-affine": Budget(
-        "paged rings over affine pools at every (bits, group size)", examples=0.04, steps=0.6
-    ),
-    # The microscaling codecs in block pools (issue 25: paging takes any codec): every
-    # mode, about 5 s each on one core.
-    "paged-mx": Budget(
-        "paged KV over microscaling pools (mxfp8, mxfp4, nvfp4)", examples=0.1, steps=0.6
-    ),
-    "paged-rotating-mx": Budget(
-        "paged rings over microscaling pools (mxfp8, mxfp4, nvfp4)", examples=0.1, steps=0.6
     ),
 }
 

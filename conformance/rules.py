@@ -854,13 +854,37 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
         super()._check_slot(slot)
         tables = slot.ref.block_tables()
         bs = slot.ref.block_size
+        self._held_blocks(f"layout {slot.ident}", tables, slot.opt.block_tables(), slot.rows, bs)
         if any(table_has_gaps(tb, t.tokens, bs) for tb, t in zip(tables, slot.rows, strict=True)):
             self.stats.state(BLOCK_TABLE_GAPS)
 
     def _check_request(self, track: Track) -> None:
         super()._check_request(track)
-        if table_has_gaps(track.ref.block_table, track.tokens, track.ref.block_size):
+        bs = track.ref.block_size
+        self._held_blocks(
+            f"request {track.ident}", [track.ref.block_table], [track.opt.block_table], [track], bs
+        )
+        if table_has_gaps(track.ref.block_table, track.tokens, bs):
             self.stats.state(BLOCK_TABLE_GAPS)
+
+    def _held_blocks(
+        self, what: str, ref: Sequence[Sequence[int]], opt: Sequence[Sequence[int]],
+        tracks: Sequence[Track], block_size: int,
+    ) -> None:  # fmt: skip
+        """Which logical blocks each row's table holds (the others ``FREE``): the same in
+        both twins, and for a chunked row the blocks of the positions the model says it
+        holds (its newest ``held``; ``kvrows.paged`` §4.5 restated)."""
+        held = [tuple(b != FREE for b in table) for table in ref]
+        self._exact(f"{what}: held blocks (optimized vs reference)", [
+            tuple(b != FREE for b in table) for table in opt
+        ], held)  # fmt: skip
+        if self.g.chunk_size is None:
+            return
+        for b, (track, row) in enumerate(zip(tracks, held, strict=True)):
+            first = track.tokens - track.held
+            live = range(first // block_size, -(-track.tokens // block_size)) if track.held else ()
+            want = tuple(j in live for j in range(-(-track.tokens // block_size)))
+            self._exact(f"{what} row {b}: held blocks (the model)", row, want)
 
     # -- byte-limited pools ------------------------------------------------------------
     #: This example's headroom: every append under test (prefill chunks, layout steps,

@@ -59,8 +59,8 @@ from kvrows.paged import (
     projected_blocks,
 )
 from kvrows.paged_forms import PagedState, codec_field, parse_state
-from kvrows.reference.codecs import Codec, dtype_name, make_codec
 from kvrows.protocols import Mask
+from kvrows.reference.codecs import Codec, dtype_name, make_codec
 from kvrows.reference.geometries.chunked import ChunkedAxis, chunk_mask
 from kvrows.reference.geometries.growing import PaddedRows
 from kvrows.reference.rows import (
