@@ -943,6 +943,7 @@ class PagedSurface:
 
     _pool: Any
     _paged: Paged
+    _token_geometry: GeometrySpec
 
     if TYPE_CHECKING:
 
@@ -1065,12 +1066,15 @@ class PagedSurface:
         return self._held() is None
 
     def size(self) -> int:
-        """Columns a read returns."""
+        """Columns a read returns, at most what a row of its geometry holds between steps
+        (a ring's window, a chunk: the contiguous drop-ins' ``size()``)."""
         held = self._held()
         if held is None:
             return 0
         first = held[0][0] if isinstance(held[0], tuple) else held[0]
-        return int(first.shape[2])
+        cap = self._token_geometry.cap()
+        width = int(first.shape[2])
+        return width if cap is None else min(width, cap)
 
 
 class AnyCodecParameters:
