@@ -889,8 +889,9 @@ def run_paged_demo(
     print(
         "\npaged engine (Engine(paged=True)): one block pool per attention layer, rows in"
         " PagedKvRows, prefix hits from the pools' hash chains (whole blocks, referenced);"
-        " sliding-window layers in PagedRotatingRows (a hit inside the window only: a ring"
-        " publishes while it holds every position). invariance: every logit bit-identical to"
+        " sliding-window layers in PagedRotatingRows, chunked-local layers in PagedChunkedRows"
+        " (a hit inside the window or chunk only: such a row publishes while it holds every"
+        " position). invariance: every logit bit-identical to"
         " the solo run through contiguous serial caches, and every request's tokens the"
         " contiguous engine's."
     )

@@ -42,15 +42,16 @@ and each row keeps its longest matching prefix plus the target's own next token.
 With ``paged=True`` (``spec/engine.md`` §14) every attention layer whose codec a block
 pool stores keeps its rows in one ``BlockPool`` per layer, shared by every request: a
 request's cache is a ``PagedKVCache`` into its layer's pool (a sliding-window layer's a
-``PagedRotatingKVCache`` of its window), its rows join the layouts by block table, and
+``PagedRotatingKVCache`` of its window, a chunked-local layer's a ``PagedChunkedKVCache``
+of its chunk), its rows join the layouts by block table, and
 nothing is copied when rows move (recurrent state keeps its own layouts). A finished row's
 full blocks are registered (``register_prefix``) and stay cached until the pool needs
 them; a new prompt takes the longest cached run of full blocks (at most ``len - 1``
 tokens, the minimum over the paged layers), and a model with other layers (recurrent
 state) takes a hit only where the ``PrefixCache`` (those layers' published serial copies)
-can cut them to a length the pools cover. A paged ring's pool takes part as the others do
-within its window: a ring row registers its blocks while it holds every position, and a hit
-is at most its window (``spec/engine.md`` §14). :class:`PagedLayers` keeps the pools and
+can cut them to a length the pools cover. A paged ring's (or chunked layer's) pool takes
+part as the others do within its window (its chunk): such a row registers its blocks while
+it holds every position, and a hit is at most its window (``spec/engine.md`` §14). :class:`PagedLayers` keeps the pools and
 answers what the engine asks; the engine keeps its loop.
 
 Every model family's caches come from ``make_kvrows_cache`` and the engine asks only
@@ -97,7 +98,7 @@ from kvrows.errors import (
     queue_timeout_message,
 )
 from kvrows.maintenance import KvMaintenance, create_kv_maintenance
-from kvrows.optimized import BlockPool, PagedKVCache, PagedRotatingKVCache
+from kvrows.optimized import BlockPool
 from kvrows.paged import DEFAULT_BLOCK_SIZE
 from kvrows.persist.prefix_store import PrefixStore, reusable_copies
 from kvrows.protocols import (
@@ -111,7 +112,7 @@ from kvrows.protocols import (
     PagedRows,
     RingGeometry,
 )
-from kvrows.schemes import KvStorageScheme, Ring
+from kvrows.schemes import GeometrySpec, KvStorageScheme
 from kvrows.speculative import RowRound
 from kvrows.table import (
     RowAdmission,
@@ -429,14 +430,15 @@ class PrefixCache:
 #: The codec kinds a block pool stores: every registered KV codec (a pool builds its codec
 #: from the spec through the implementation's codec registry).
 PAGED_CODECS = frozenset(kv_codecs())
-#: The token geometries a paged preset holds (a chunked layer stays contiguous).
+#: The token geometries a paged preset holds (growing, ring, chunked).
 PAGED_GEOMETRIES = placed_geometries("paged")
 
 
 def pageable(cache: Any) -> bool:
-    """Whether a fresh serial cache's layer goes paged: a token geometry (full attention or
-    a sliding window: a ring pages as a ``PagedRotatingKVCache``) under a codec the pool
-    stores; bf16-first legos and recurrent state (no KV codec) do not."""
+    """Whether a fresh serial cache's layer goes paged: a token geometry (full attention, a
+    sliding window or chunked-local attention: a ring pages as a ``PagedRotatingKVCache``,
+    a chunked layer as a ``PagedChunkedKVCache``) under a codec the pool stores; bf16-first
+    legos and recurrent state (no KV codec) do not."""
     if isinstance(cache, Handover):
         return False
     geometry = getattr(cache, "token_geometry", None)
@@ -449,18 +451,17 @@ def pageable(cache: Any) -> bool:
     )
 
 
-def _window_of(cache: Any) -> tuple[int, int] | None:
-    """A pageable slot's window ``(max_size, keep)`` if it is a ring, else ``None``."""
-    if isinstance(cache, RingGeometry):
-        return cache.max_size, int(getattr(cache, "keep", 0))
-    return None
+def _capped_geometry(cache: Any) -> GeometrySpec | None:
+    """A pageable slot's token geometry if a row of it holds at most ``cap()`` positions
+    (a ring's window, a chunked layer's chunk), else ``None`` (growing)."""
+    geometry: GeometrySpec | None = getattr(cache, "token_geometry", None)
+    return geometry if geometry is not None and geometry.cap() is not None else None
 
 
-def _in_pool(pool: Any, window: tuple[int, int] | None) -> Any:
-    """An empty paged cache of ``pool``: a ring's window as a ``PagedRotatingKVCache``."""
-    if window is None:
-        return PagedKVCache(pool=pool)
-    return PagedRotatingKVCache(*window, pool=pool)
+def _in_pool(pool: Any, geometry: GeometrySpec | None) -> Any:
+    """An empty paged cache of ``pool`` and ``geometry`` (``None``: a ``PagedKVCache``; a
+    ring a ``PagedRotatingKVCache``, a chunked layer a ``PagedChunkedKVCache``)."""
+    return pool._prefix_cache(geometry)
 
 
 class PagedLayers:
@@ -472,10 +473,11 @@ class PagedLayers:
     one slot. The paged slots are those :func:`pageable` says (or a ``PagedForm``), each
     with its own pool of ``block_size`` tokens per block (its codec and declared geometry);
     ``pools`` is per slot (``None``: not paged). A sliding-window slot (a ring) is a
-    ``PagedRotatingKVCache`` of its model cache's ``max_size`` and ``keep`` in its pool: it
-    publishes its blocks only while its rows hold every position, and its hits are at most
-    its window (``BlockPool.prefix_blocks`` of its ``Ring``), so a model with rings takes
-    hits no longer than its shortest window."""
+    ``PagedRotatingKVCache`` of its model cache's ``max_size`` and ``keep`` in its pool, a
+    chunked-local slot a ``PagedChunkedKVCache`` of its ``chunk_size``: each publishes its
+    blocks only while its rows hold every position, and its hits are at most its window
+    or chunk (``BlockPool.prefix_blocks`` of its geometry), so a model with such layers
+    takes hits no longer than the shortest."""
 
     def __init__(self, fresh: Callable[[], list[Any]], *, block_size: int = DEFAULT_BLOCK_SIZE):
         self._fresh = fresh
@@ -488,10 +490,11 @@ class PagedLayers:
             cache.rewrap if isinstance(cache, DropInWrapper) else _as_is for cache in slots
         ]
         self.pools: list[Any] = []
-        #: Per slot, a paged ring's window ``(max_size, keep)`` (``None``: no paged ring).
-        self.windows: list[tuple[int, int] | None] = []
+        #: Per slot, the token geometry of a paged slot whose rows hold at most ``cap()``
+        #: positions (a ring, a chunked layer; ``None``: growing or not paged).
+        self.capped: list[GeometrySpec | None] = []
         for cache in slots:
-            self.windows.append(None if isinstance(cache, PagedForm) else _window_of(cache))
+            self.capped.append(None if isinstance(cache, PagedForm) else _capped_geometry(cache))
             if isinstance(cache, PagedForm):  # a form with its own pools (MLA latents)
                 self.pools.append(cache.paged_pool(block_size))
             elif pageable(cache):
@@ -516,21 +519,23 @@ class PagedLayers:
         (a slot with a paged form of its own: that form in its pool)."""
         out: list[Any] = []
         slots = _slots_of(self._fresh())
-        for cache, pool, window in zip(slots, self.pools, self.windows, strict=True):
+        for cache, pool, geometry in zip(slots, self.pools, self.capped, strict=True):
             if pool is None:
                 out.append(cache)
             elif isinstance(cache, PagedForm):
                 out.append(cache.in_pool(pool))
             else:
-                out.append(_in_pool(pool, window))
+                out.append(_in_pool(pool, geometry))
         return _regrouped(out, self._template)
 
     def probe_caches(self, caches: Sequence[Any]) -> list[Any]:
         """``caches`` (fresh serial ones) with their paged slots in private pools: a probe
         that leaves the shared pools untouched."""
         slots = [
-            _probe_cache(cache, pool, window, self.block_size)
-            for cache, pool, window in zip(_slots_of(caches), self.pools, self.windows, strict=True)
+            _probe_cache(cache, pool, geometry, self.block_size)
+            for cache, pool, geometry in zip(
+                _slots_of(caches), self.pools, self.capped, strict=True
+            )
         ]
         return _regrouped(slots, self._template)
 
@@ -539,11 +544,11 @@ class PagedLayers:
         return [pool for pool in self.pools if pool is not None]
 
     def _geometries(self) -> list[Any]:
-        """Per paged slot, the token geometry its hits take (a ring's window, else growing:
-        ``None``)."""
+        """Per paged slot, the token geometry its hits take (a ring's window, a chunked
+        layer's chunk, else growing: ``None``)."""
         return [
-            None if window is None else Ring(max_size=window[0], keep=window[1])
-            for pool, window in zip(self.pools, self.windows, strict=True)
+            geometry
+            for pool, geometry in zip(self.pools, self.capped, strict=True)
             if pool is not None
         ]
 
@@ -585,7 +590,9 @@ class PagedLayers:
             if found is None:
                 return None
             fed, copies = found
-            if fed < common and any(w is not None and common >= w[0] for w in self.windows):
+            if fed < common and any(
+                g is not None and g.wraps and common >= (g.cap() or 0) for g in self.capped
+            ):
                 return None  # a ring's hit of its whole window cannot be cut (not trimmable)
         rest = iter(copies)
         slots: list[Any] = []
@@ -607,12 +614,13 @@ class PagedLayers:
         covered: Sequence[int],
         register: Callable[[Any, list[int]], int | None],
     ) -> None:
-        """``register(slot, ids)`` in every slot, the rings first: the other slots register
-        no more whole blocks than every ring did (a hit needs every layer's prefix, so
-        their blocks past a ring's would never be hit: they would only stay cached)."""
+        """``register(slot, ids)`` in every slot, the capped ones (rings, chunked layers)
+        first: the other slots register no more whole blocks than every capped one did (a
+        hit needs every layer's prefix, so their blocks past a ring's would never be hit:
+        they would only stay cached)."""
         tokens = list(covered)
-        rings = [i for i, window in enumerate(self.windows) if window is not None]
-        others = [i for i, window in enumerate(self.windows) if window is None]
+        rings = [i for i, geometry in enumerate(self.capped) if geometry is not None]
+        others = [i for i, geometry in enumerate(self.capped) if geometry is None]
         for i in rings:
             count = register(slots[i], tokens)
             if count is not None:
@@ -698,14 +706,14 @@ class PagedLayers:
         return sum(c.nbytes for c in _slots_of(caches) if not isinstance(_behind(c), PagedRows))
 
 
-def _probe_cache(cache: Any, pool: Any, window: tuple[int, int] | None, block_size: int) -> Any:
+def _probe_cache(cache: Any, pool: Any, geometry: GeometrySpec | None, block_size: int) -> Any:
     """A paged slot's probe cache in a private pool (the shared pools stay untouched)."""
     if pool is None:
         return cache
     if isinstance(cache, PagedForm):
         return cache.in_pool(cache.paged_pool(block_size))
     private = BlockPool(pool.codec_spec, block_size=block_size, geometry=pool.geometry)
-    return _in_pool(private, window)  # the shared pool's codec and block size: it joins
+    return _in_pool(private, geometry)  # the shared pool's codec and block size: it joins
 
 
 def _as_is(cache: Any) -> Any:

@@ -383,6 +383,29 @@ BUDGETS: dict[str, Budget] = {
     "paged-rotating-mx": Budget(
         "paged rings over microscaling pools (mxfp8, mxfp4, nvfp4)", examples=0.1, steps=0.6
     ),
+    # Paged chunked-local attention (issue 25: the paged placement under the chunked
+    # geometry): PagedChunkedKVCache rows in PagedChunkedRows (every role, rounds), front
+    # trims giving blocks back; the contiguous chunked model and the pools' invariants.
+    "paged-chunked": Budget(
+        "paged chunked-local attention: block tables whose blocks before the chunk go back "
+        "to the pool, front trims, rounds, the contiguous chunked model",
+        examples=0.1,
+        steps=0.7,
+        notes=(
+            "no mlx-lm peer (mlx-lm has no paged cache): reference vs optimized, the "
+            "contiguous chunked model and solo replay",
+        ),
+    ),
+    "paged-chunked-affine": Budget(
+        "paged chunked-local attention over affine pools at every (bits, group size)",
+        examples=0.04,
+        steps=0.6,
+    ),
+    "paged-chunked-mx": Budget(
+        "paged chunked-local attention over microscaling pools (mxfp8, mxfp4, nvfp4)",
+        examples=0.06,
+        steps=0.6,
+    ),
 }
 
 

@@ -854,13 +854,37 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
         super()._check_slot(slot)
         tables = slot.ref.block_tables()
         bs = slot.ref.block_size
+        self._held_blocks(f"layout {slot.ident}", tables, slot.opt.block_tables(), slot.rows, bs)
         if any(table_has_gaps(tb, t.tokens, bs) for tb, t in zip(tables, slot.rows, strict=True)):
             self.stats.state(BLOCK_TABLE_GAPS)
 
     def _check_request(self, track: Track) -> None:
         super()._check_request(track)
-        if table_has_gaps(track.ref.block_table, track.tokens, track.ref.block_size):
+        bs = track.ref.block_size
+        self._held_blocks(
+            f"request {track.ident}", [track.ref.block_table], [track.opt.block_table], [track], bs
+        )
+        if table_has_gaps(track.ref.block_table, track.tokens, bs):
             self.stats.state(BLOCK_TABLE_GAPS)
+
+    def _held_blocks(
+        self, what: str, ref: Sequence[Sequence[int]], opt: Sequence[Sequence[int]],
+        tracks: Sequence[Track], block_size: int,
+    ) -> None:  # fmt: skip
+        """Which logical blocks each row's table holds (the others ``FREE``): the same in
+        both twins, and for a chunked row the blocks of the positions the model says it
+        holds (its newest ``held``; ``kvrows.paged`` §4.5 restated)."""
+        held = [tuple(b != FREE for b in table) for table in ref]
+        self._exact(f"{what}: held blocks (optimized vs reference)", [
+            tuple(b != FREE for b in table) for table in opt
+        ], held)  # fmt: skip
+        if self.g.chunk_size is None:
+            return
+        for b, (track, row) in enumerate(zip(tracks, held, strict=True)):
+            first = track.tokens - track.held
+            live = range(first // block_size, -(-track.tokens // block_size)) if track.held else ()
+            want = tuple(j in live for j in range(-(-track.tokens // block_size)))
+            self._exact(f"{what} row {b}: held blocks (the model)", row, want)
 
     # -- byte-limited pools ------------------------------------------------------------
     #: This example's headroom: every append under test (prefill chunks, layout steps,
@@ -1083,7 +1107,7 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
         for slot in self._steppable():
             targets += [(t, slot.ref, slot.opt, b) for b, t in enumerate(slot.rows)]
         track, ref, opt, b = self._pick(data, targets, "row")
-        bs, cap = ref.block_size, self.g.max_size
+        bs, cap = ref.block_size, self.g.cap
         if b is None and track.appended and (cap or bs) >= bs and track.tokens <= 2 * bs:
             # Whole-block hits are rare under free draws (prompts are mostly shorter than
             # a block): the request grows to two whole blocks and one token first.
@@ -1124,10 +1148,13 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
                 opt,
                 InvalidInputError,
             )
-        # A ring's row holds every position until it gives one back: the twins' ``retained``
-        # (a serial ring's an int, a layout's per row), which must agree.
+        # A ring's or a chunked row holds every position until it gives one back: the twins'
+        # ``retained`` (a serial cache's an int, a layout's per row), which must agree (a
+        # chunked row's with the model's).
         retained = [r if b is None else r[b] for r in ((ref.retained, opt.retained) if cap else ())]
         self._exact("held positions (reference, optimized)", retained[1:], retained[:1])
+        if retained and self.g.chunk_size is not None:
+            self._exact("held positions (the model)", retained[0], track.held)
         dropped = bool(retained) and retained[0] < track.tokens
         before = [accounting(pool) for pool in (ref.pool, opt.pool)]
         full = [
@@ -1258,7 +1285,7 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
             got = [_answer(lay.projected_bytes, t) for t in ts]
             doubled = [_answer(admission.bytes, t) for t in ts]
             if lay.geometry is not None:
-                size, cap, keep = lay.block_size, self.g.max_size, self.g.keep or 0
+                size, cap, keep = lay.block_size, self.g.cap, self.g.keep or 0
                 # Whole blocks: every position's (growing), a ring's sinks' and window's.
                 want = [
                     self.g.token_bytes() * projected_blocks(t, cap, keep, size) * size for t in ts

@@ -101,6 +101,12 @@ class Geometry:
             "chunk_size": self.chunk_size or 8,
         }
 
+    @property
+    def cap(self) -> int | None:
+        """The most positions a row holds between appends (a ring's window, a chunked
+        row's chunk; ``None``: every one): what a prefix registers and a hit takes at most."""
+        return self.max_size if self.chunk_size is None else self.chunk_size
+
     def kept(self, tokens: int, held: int | None = None) -> int:
         """Tokens a store of ``tokens`` positions holds: all, a ring's newest window, or
         what a chunked row holds (``held``; with no history its newest ``chunk_size``)."""

@@ -179,6 +179,20 @@ COMPOSITIONS: tuple[Composition, ...] = (
                 modifiers=frozenset({"speculative"}),
                 summary="sliding-window block-table rows, all three roles: each row its own "
                         "window, row operations move no KV bytes"),
+    # -- paged chunked-local attention (issue 25: the paged placement under the chunked
+    # geometry) -----------------------------------------------------------------------
+    Composition(name="PagedChunkedKVCache", codec="any", geometry="chunked", placement="paged",
+                arrangement="serial", signature="kv:paged-chunked:{chunk_size}",
+                params=("chunk_size",),
+                roles=Roles("PagedChunkedRows", "PagedChunkedRows", "PagedChunkedRows"),
+                summary="one request's chunked-local attention as a block table into a shared "
+                        "block pool: blocks before the chunk go back to the pool"),
+    Composition(name="PagedChunkedRows", codec="any", geometry="chunked", placement="paged",
+                arrangement="ragged", signature="kv:paged-chunked-rows:{chunk_size}",
+                params=("chunk_size",), serial="PagedChunkedKVCache",
+                roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"speculative"}),
+                summary="chunked-local block-table rows, all three roles: each row its own "
+                        "chunk, row operations move no KV bytes"),
     # -- latent (issue 14) -----------------------------------------------------------
     Composition(name="MLACache", codec="latent", geometry="growing", arrangement="shared",
                 signature="kv:mla:target", roles=Roles(SELF, SELF, SELF),
@@ -544,8 +558,8 @@ def preset_class(
 
 
 def placed_geometries(placement: PlacementKind) -> frozenset[str]:
-    """The token geometries some landed preset of ``placement`` holds (paged: growing and
-    ring; a chunked layer stays contiguous)."""
+    """The token geometries some landed preset of ``placement`` holds (paged: growing,
+    ring and chunked)."""
     return frozenset(c.geometry for c in landed() if c.placement == placement)
 
 

@@ -302,8 +302,9 @@ def _bind_paged(cls: type[Any], args: Sequence[object], kwargs: dict[str, object
         if token is None:
             token = GEOMETRIES[entry.geometry].from_fields(fields_given)
             _TOKEN_GEOMETRIES[named] = token
-    # A growing row's bound (the paged latent's ``max_tokens``) is the placement's too.
-    bound = None if token.wraps else token.cap()
+    # A growing row's bound (the paged latent's ``max_tokens``) is the placement's too (a
+    # ring's or a chunked row's cap is what it keeps, not a bound).
+    bound = None if token.wraps or token.evicts else token.cap()
     paged = Paged(block_size=size or DEFAULT_BLOCK_SIZE, max_tokens=bound)
     return spec, paged, token, declared, pool
 
@@ -942,6 +943,7 @@ class PagedSurface:
 
     _pool: Any
     _paged: Paged
+    _token_geometry: GeometrySpec
 
     if TYPE_CHECKING:
 
@@ -1064,12 +1066,15 @@ class PagedSurface:
         return self._held() is None
 
     def size(self) -> int:
-        """Columns a read returns."""
+        """Columns a read returns, at most what a row of its geometry holds between steps
+        (a ring's window, a chunk: the contiguous drop-ins' ``size()``)."""
         held = self._held()
         if held is None:
             return 0
         first = held[0][0] if isinstance(held[0], tuple) else held[0]
-        return int(first.shape[2])
+        cap = self._token_geometry.cap()
+        width = int(first.shape[2])
+        return width if cap is None else min(width, cap)
 
 
 class AnyCodecParameters:

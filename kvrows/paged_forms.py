@@ -162,9 +162,12 @@ class PagedState:
         return self.offsets if self.retained is None else self.retained
 
     def row_planes(self, b: int) -> dict[str, tuple[Any, ...]]:
-        """Row ``b``'s key and value planes (``[1, H, held, ·]``, views), time order."""
+        """Row ``b``'s key and value planes (``[1, H, held, ·]``, views), time order (a row
+        of a layout that holds no position: none)."""
         if self.rows is not None:
             keys, values = self.rows[b]
+            if keys is None or values is None:
+                return {}
             return {"keys": tuple(keys), "values": tuple(values)}
         start = self.pads[b]
         cut = {"keys": self.keys, "values": self.values}
@@ -295,14 +298,16 @@ def _parse_ring(
         rows = rows_of_state(entry, values, concat, keep=getattr(token, "keep", 0))
     except (InvalidInputError, ValueError, TypeError, KeyError) as error:
         raise CorruptStateError(f"a corrupt {cls.__name__} state: {error}") from None
-    cap = token.cap() or 0
+    # A ring row holds its whole window; a chunked row may hold fewer (a trim after its
+    # front trim), never more than its offset.
+    cap = (token.cap() or 0) if token.wraps else 0
     offsets = [offset for _, _, offset in rows]
     held = [0 if k is None else shape(k[0])[2] for k, _, _ in rows]
     for b, (offset, count) in enumerate(zip(offsets, held, strict=True)):
         if offset < 0 or count > offset or count < min(offset, cap):
             raise CorruptStateError(
-                f"state row {b} holds {count} positions at offset {offset}: a ring row holds "
-                f"its window (min(offset, {cap})) and at most its offset"
+                f"state row {b} holds {count} positions at offset {offset}: a row holds at "
+                f"least min(offset, {cap}) (a ring's window) and at most its offset"
             )
     planes = [(k, v) for k, v, _ in rows]
     learnt = geometry

@@ -243,8 +243,8 @@ class RowAdmission:
 
     def most_bytes(self, tokens: int) -> int:
         """The most bytes one row holds on its way to ``tokens`` positions, over all layers
-        (what admission reserves). A paged ring's blocks at a length may be fewer than a
-        step before (its window straddled one more block boundary,
+        (what admission reserves). A paged ring's (or chunked layer's) blocks at a length
+        may be fewer than a step before (its window straddled one more block boundary,
         ``kvrows.paged.projected_blocks``); its count repeats every ``block_size``
         positions once the window is full, so its last ``block_size`` lengths bound it.
         Every other layout's bytes grow with its length: its count at ``tokens``."""
@@ -252,8 +252,13 @@ class RowAdmission:
             raise InvalidInputError(f"tokens must be >= 0, got {tokens}")
         total = 0
         for layout in self.layouts:
-            # (a contiguous ring has no block size: its bytes grow up to its window)
-            span = int(getattr(layout, "block_size", 1)) if isinstance(layout, RingGeometry) else 1
+            # (a contiguous ring or chunked layout has no block size: its bytes grow up to
+            # its window)
+            geometry = getattr(layout, "token_geometry", None)
+            capped = isinstance(layout, RingGeometry) or (
+                geometry is not None and geometry.cap() is not None
+            )
+            span = int(getattr(layout, "block_size", 1)) if capped else 1
             first = max(tokens - span + 1, 0)
             total += max(layout.projected_bytes(t) for t in range(first, tokens + 1))
         return total

@@ -20,6 +20,8 @@ from kvrows.optimized.mlxlm_batch import BatchKVCache, BatchRotatingKVCache
 from kvrows.optimized.paged import (
     BlockPool,
     LatentBlockPool,
+    PagedChunkedKVCache,
+    PagedChunkedRows,
     PagedKVCache,
     PagedKvRows,
     PagedLatentCache,
@@ -37,6 +39,8 @@ __all__ = [
     "BlockPool",
     "EncodedLatentCache",
     "LatentCacheList",
+    "PagedChunkedKVCache",
+    "PagedChunkedRows",
     "PagedKVCache",
     "PagedKvRows",
     "LatentBlockPool",
@@ -59,6 +63,8 @@ def declared_classes() -> Mapping[str, type[Any]]:
         PagedLatentCache,
         PagedRotatingKVCache,
         PagedRotatingRows,
+        PagedChunkedKVCache,
+        PagedChunkedRows,
     )
     found = (*latent, *paged)
     return {**DECLARED, **{cls.composition.name: cls for cls in found}}

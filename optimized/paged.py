@@ -15,9 +15,11 @@ from kvrows.codec import PlaneSet, as_role
 from kvrows.compositions import composition
 from kvrows.errors import InvalidInputError, PoolExhaustedError, preview_blocks_message
 from kvrows.latent import LatentPoolMembers, PagedLatentMembers
+from kvrows.optimized.geometries.chunked import ChunkedSurface
 from kvrows.optimized.latent import LatentSurface
 from kvrows.optimized.paging import (
     BlockPool,
+    PagedChunked,
     PagedLayout,
     PagedRing,
     PagedSerial,
@@ -32,6 +34,8 @@ from kvrows.paged import AnyCodecParameters
 __all__ = [
     "BlockPool",
     "LatentBlockPool",
+    "PagedChunkedKVCache",
+    "PagedChunkedRows",
     "PagedKVCache",
     "PagedKvRows",
     "PagedLatentCache",
@@ -89,7 +93,45 @@ class PagedRotatingRows(AnyCodecParameters, SpeculativeLayout, PagedRing, PagedL
     _spec_refused_unchanged = (PoolExhaustedError,)
 
 
-BlockPool.cache_classes = {"growing": PagedKVCache, "ring": PagedRotatingKVCache}
+class PagedChunkedKVCache(PagedChunked, ChunkedSurface, AnyCodecParameters, PagedSerial):
+    """One request's chunked-local attention as a block table (``spec/ChunkedKVCache.md``
+    §7): ``ChunkedKVCache``'s rows, the blocks before the chunk back in the pool."""
+
+    composition = composition("PagedChunkedKVCache")
+
+    @property
+    def retained(self) -> int:
+        """Positions the request holds (its rows move together, as ``offset``)."""
+        return self._tokens_held[0] if self._offsets else 0
+
+
+class PagedChunkedRows(
+    AnyCodecParameters, SpeculativeLayout, PagedChunked, ChunkedSurface, PagedLayout
+):
+    """Chunked-local block-table rows, all three roles (``spec/ChunkedKVCache.md`` §7)."""
+
+    composition = composition("PagedChunkedRows")
+
+    @property
+    def width(self) -> int:
+        """Columns a read returns (the longest held run)."""
+        return max(self._tokens_held, default=0)
+
+    @property
+    def retained(self) -> tuple[int, ...]:
+        """Positions each row holds."""
+        return tuple(self._tokens_held)
+
+    #: An exhausted pool refuses before any block or table changes: the round stays open,
+    #: before its block (free blocks or append a shorter one, then resolve it).
+    _spec_refused_unchanged = (PoolExhaustedError,)
+
+
+BlockPool.cache_classes = {
+    "growing": PagedKVCache,
+    "ring": PagedRotatingKVCache,
+    "chunked": PagedChunkedKVCache,
+}
 
 
 class LatentBlockPool(LatentPoolMembers, BlockPool):

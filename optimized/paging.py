@@ -57,6 +57,7 @@ from kvrows.errors import (
 )
 from kvrows.forms import pack_state
 from kvrows.optimized.codecs import Codec, dtype_name, make_codec
+from kvrows.optimized.geometries.chunked import ChunkedGeometry
 from kvrows.optimized.geometries.growing import GrowingGeometry
 from kvrows.optimized.geometries.ring import RingGeometry
 from kvrows.optimized.rows import (
@@ -84,6 +85,7 @@ from kvrows.validation import KvGeometry, as_count, check_row
 
 __all__ = [
     "BlockPool",
+    "PagedChunked",
     "PagedLayout",
     "PagedRing",
     "PagedRows",
@@ -513,9 +515,10 @@ class BlockPool(PoolBase):
         bs, ledger = self.block_size, self.ledger
         plans: list[tuple[bool, int]] = []
         for table, offset in zip(tables, offsets, strict=True):
-            assert offset % bs == 0 or table[-1] != FREE, "a row holds its newest position"
-            cow = offset % bs > 0 and not ledger.writable(table[-1])
-            plans.append((cow, self.blocks_for(offset + n) - len(table)))
+            # A partly filled tail that is shared or cached is copied first; a tail the row
+            # gave back (a chunked row holding no position) takes a fresh block instead.
+            renew = offset % bs > 0 and (table[-1] == FREE or not ledger.writable(table[-1]))
+            plans.append((renew, self.blocks_for(offset + n) - len(table)))
         return plans
 
     def append_need(self, tables: Sequence[Table], offsets: Sequence[int], n: int) -> int:
@@ -524,9 +527,13 @@ class BlockPool(PoolBase):
         return sum(int(cow) + new for cow, new in self._append_plans(tables, offsets, n))
 
     def _copy_tail(self, table: Table, offset: int, target: int) -> None:
-        """Copy the partly filled tail block of ``table`` into ``target``, which replaces it."""
+        """Copy the partly filled tail block of ``table`` into ``target``, which replaces it
+        (a ``FREE`` tail holds none of the row's positions: nothing is copied)."""
         fill = offset % self.block_size
         old = table[-1]
+        if old == FREE:
+            table[-1] = target
+            return
         for planes in self._planes.values():
             copy_block(planes, target, old, fill)
         self.ledger.release([old])
@@ -1173,7 +1180,7 @@ class PagedRows(PagedSurface, Storage):
         tables: list[Table] = []
         for b, (row, blocks) in enumerate(zip(held, needed, strict=True)):
             table = pool.open(pool.fresh_table(row[0], blocks, fresh), touch=False)
-            if row[0]:
+            if row[1]:  # (a chunked row may hold no position at its offset)
                 pool.write_row(table, row_planes(b), position_runs(*row))
             tables.append(table)
         pool.ledger.bytes_written += sum(count for _, count, _ in held) * pool.token_bytes
@@ -1215,6 +1222,7 @@ class PagedRows(PagedSurface, Storage):
             "codec": codec_field(self.codec_spec),
             **self._token_geometry.parameters(),
             "keep": self._sink_count,
+            "start_position": self._first() - counts[0] if counts else 0,  # a chunked row's
         }
         return pack_state(self.composition, fields)
 
@@ -1223,7 +1231,7 @@ class PagedRows(PagedSurface, Storage):
         and no planes holds no row)."""
         rows = len(parsed.offsets)
         learnt = parsed.geometry
-        if parsed.width == 0:
+        if parsed.width == 0 and not (any(parsed.offsets) and learnt is not None):
             if parsed.names_rows:
                 pool = self._pool or self.pool_class(
                     parsed.spec, block_size=parsed.block_size, geometry=learnt
@@ -1323,7 +1331,11 @@ class PagedLayout(PagedRows, Layout):
         """Each joining row's pool, table and what a merge takes of it (its offset, in
         ``incoming``, says that: the sources share this storage's token geometry); a row
         beside its pool lends neither (its window joins the contiguous layout)."""
-        cuts = iter(self._lents([offset for _, offset in incoming]))
+        # Each source's own rows (what a chunked row holds is not its offset's), or the one
+        # empty row of a serial storage without rows.
+        cuts = iter(
+            [cut for s in sources for cut in (s._lents() if s._tables else self._lents([0]))]
+        )
         lent: list[tuple[BlockPool | None, Table | None, Lent]] = []
         for source in sources:  # a serial storage without rows lends one empty row
             tables, source_pool = source._tables, source._pool
@@ -1633,4 +1645,129 @@ class PagedRing(PagedRows):
         assert len(self._retained) == len(self._offsets)
         held = zip(self._retained, self._offsets, strict=True)
         assert all(min(o, self.max_size) <= r <= o for r, o in held)
+        super()._check_geometry()
+
+
+class PagedChunked(PagedRows):
+    """The paged placement under the chunked geometry (``spec/ChunkedKVCache.md`` §7): row
+    ``b`` holds positions ``[start[b], offset[b])``; before every append it keeps its newest
+    ``chunk_size`` (its start moves up), and after the write (or ``maybe_trim_front``) the
+    blocks none of whose positions it holds go back to the pool, their entries ``FREE``
+    (the block holding its first position stays). A layout's rows end at one column: each
+    row's pad is the longest held run less its own. Listed first among the bases of the
+    public classes, over :class:`PagedSerial` / :class:`PagedLayout`."""
+
+    geometry_kind = "chunked"
+    #: Each row's first held position (mlx-lm's ``start_position``).
+    _starts: list[int]
+
+    @property
+    def _size(self) -> int:
+        return int(cast(Any, self._token_geometry).chunk_size)
+
+    def _reset_geometry(self) -> None:
+        super()._reset_geometry()
+        self._starts = []
+
+    def release(self) -> None:
+        super().release()
+        self._starts = []
+
+    @property
+    def _tokens_held(self) -> list[int]:
+        return [o - s for o, s in zip(self._offsets, self._starts, strict=True)]
+
+    def _placed_pads(self) -> list[int]:
+        held = self._tokens_held
+        top = max(held, default=0)
+        return [top - h for h in held]
+
+    def _holds(self, b: int) -> Lent:
+        offset = self._offsets[b]
+        return offset, offset - self._starts[b], 0
+
+    def _lents(self, offsets: Sequence[int] | None = None) -> list[Lent]:
+        # A merge and an extraction take what each row holds (not a function of its offset:
+        # only a row of no position is asked for by offset).
+        if offsets is not None:
+            return [(o, 0, 0) for o in offsets]
+        return [self._holds(b) for b in range(len(self._offsets))]
+
+    def _lent(self, b: int) -> Lent:
+        return self._holds(b)
+
+    def _joined(self, cuts: list[Lent]) -> None:
+        self._starts = self._starts[: len(self._offsets)] + [o - c for o, c, _ in cuts]
+
+    def _keep(self, order: list[int]) -> None:
+        super()._keep(order)
+        self._starts = [self._starts[i] for i in order]
+
+    # -- the front trim ----------------------------------------------------------------
+    def _front_trimmed(self) -> list[int]:
+        """Each row's start once it keeps its newest ``chunk_size`` positions."""
+        size = self._size
+        return [max(s, o - size) for s, o in zip(self._starts, self._offsets, strict=True)]
+
+    def _release_outside(self) -> None:
+        """Give back the blocks out of every row's positions (tail first per row)."""
+        if self._pool is None:
+            return
+        size = self.block_size
+        for b, table in enumerate(self._tables):
+            self._pool.release_outside(table, held_blocks(*self._holds(b), size))
+
+    def _forget(self, counts: Sequence[int], *, justify: bool = False) -> None:
+        """The blocks past each row's new end go back (the placement's), and so does a
+        partly filled tail none of whose positions it still holds (a row trimmed to
+        nothing)."""
+        super()._forget(counts, justify=justify)
+        if self._pool is None:
+            return
+        size = self.block_size
+        for b, (table, count) in enumerate(zip(self._tables, counts, strict=True)):
+            if count:
+                end = self._offsets[b] - count
+                self._pool.release_outside(table, held_blocks(end, end - self._starts[b], 0, size))
+
+    def _trim_front(self) -> None:
+        """``maybe_trim_front``: every row keeps its newest ``chunk_size`` positions now;
+        the blocks before them go back to the pool."""
+        starts = self._front_trimmed()
+        if starts != self._starts:
+            self._starts = starts
+            self._changed()
+            self._release_outside()
+
+    def _write(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
+        rows = len(self._offsets) or int(next(iter(block.values()))[0].shape[0])
+        starts = self._front_trimmed() if self._offsets else [0] * rows
+        super()._write(block, n, geometry)  # the pool first: it may refuse, nothing changed
+        self._starts = starts
+        self._release_outside()
+
+    def projected_bytes(self, tokens: int) -> int:
+        """Bytes one row of ``tokens`` positions holds between appends: the blocks of its
+        newest ``chunk_size`` positions."""
+        count = as_count(tokens, "tokens")
+        g = self._geometry
+        if g is None:
+            raise LayoutStateError(PROJECTED_BYTES_NEEDS_GEOMETRY)
+        blocks = projected_blocks(count, self._size, 0, self.block_size)
+        return blocks * self.block_size * shapes_token_bytes(self.codec, g)
+
+    # -- masks: the chunked geometry's, over the right-aligned held runs ----------------
+    def _chunk_mask(self, *args: Any) -> Mask:
+        return ChunkedGeometry._chunk_mask(cast(Any, self), *args)
+
+    def _serial_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
+        return ChunkedGeometry._serial_mask(cast(Any, self), n, return_array, window)
+
+    def _layout_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
+        return ChunkedGeometry._layout_mask(cast(Any, self), n, return_array, window)
+
+    # -- checks ------------------------------------------------------------------------
+    def _check_geometry(self) -> None:
+        assert len(self._starts) == len(self._offsets)
+        assert all(0 <= h <= o for h, o in zip(self._tokens_held, self._offsets, strict=True))
         super()._check_geometry()

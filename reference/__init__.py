@@ -15,6 +15,8 @@ from kvrows.reference.latent import EncodedLatentCache
 from kvrows.reference.paged import (
     BlockPool,
     LatentBlockPool,
+    PagedChunkedKVCache,
+    PagedChunkedRows,
     PagedKVCache,
     PagedKvRows,
     PagedLatentCache,
@@ -26,6 +28,8 @@ __all__ = [
     *_classes,
     "EncodedLatentCache",
     "BlockPool",
+    "PagedChunkedKVCache",
+    "PagedChunkedRows",
     "PagedKVCache",
     "PagedKvRows",
     "LatentBlockPool",

@@ -330,6 +330,8 @@ def declared_classes() -> Mapping[str, type[Any]]:
                 paged.PagedLatentCache,
                 paged.PagedRotatingKVCache,
                 paged.PagedRotatingRows,
+                paged.PagedChunkedKVCache,
+                paged.PagedChunkedRows,
             )
         }
     )

@@ -18,6 +18,7 @@ from kvrows.codec import PlaneSet
 from kvrows.compositions import composition
 from kvrows.latent import LatentPoolMembers, PagedLatentMembers
 from kvrows.paged import AnyCodecParameters
+from kvrows.reference.geometries.chunked import ChunkedSurface
 from kvrows.reference.geometries.ring import RingParameters
 from kvrows.reference.latent import LatentSurface
 from kvrows.reference.paging import BlockPool, PagedLayout, PagedRow, PagedSerial
@@ -26,6 +27,8 @@ from kvrows.reference.rows import Row, Storage
 __all__ = [
     "BlockPool",
     "LatentBlockPool",
+    "PagedChunkedKVCache",
+    "PagedChunkedRows",
     "PagedKVCache",
     "PagedKvRows",
     "PagedLatentCache",
@@ -61,7 +64,38 @@ class PagedRotatingRows(RingParameters, AnyCodecParameters, PagedLayout):
     serial_class = PagedRotatingKVCache
 
 
-BlockPool.cache_classes = {"growing": PagedKVCache, "ring": PagedRotatingKVCache}
+class PagedChunkedSurface(ChunkedSurface):
+    """The chunked surface of a paged storage: ``maybe_trim_front`` also gives back the
+    blocks none of whose positions a row holds any more."""
+
+    _pool: BlockPool | None
+
+    def maybe_trim_front(self) -> None:
+        super().maybe_trim_front()
+        if self._pool is not None:
+            for row in self._rows:
+                self._pool.release_outside(row)
+
+
+class PagedChunkedKVCache(PagedChunkedSurface, AnyCodecParameters, PagedSerial):
+    """One request's chunked-local attention as a block table (``spec/ChunkedKVCache.md``
+    §7): ``ChunkedKVCache``'s rows, the blocks before the chunk back in the pool."""
+
+    composition = composition("PagedChunkedKVCache")
+
+
+class PagedChunkedRows(PagedChunkedSurface, AnyCodecParameters, PagedLayout):
+    """Chunked-local block-table rows, all three roles (``spec/ChunkedKVCache.md`` §7)."""
+
+    composition = composition("PagedChunkedRows")
+    serial_class = PagedChunkedKVCache
+
+
+BlockPool.cache_classes = {
+    "growing": PagedKVCache,
+    "ring": PagedRotatingKVCache,
+    "chunked": PagedChunkedKVCache,
+}
 
 
 class LatentBlockPool(LatentPoolMembers, BlockPool):

@@ -59,7 +59,9 @@ from kvrows.paged import (
     projected_blocks,
 )
 from kvrows.paged_forms import PagedState, codec_field, parse_state
+from kvrows.protocols import Mask
 from kvrows.reference.codecs import Codec, dtype_name, make_codec
+from kvrows.reference.geometries.chunked import ChunkedAxis, chunk_mask
 from kvrows.reference.geometries.growing import PaddedRows
 from kvrows.reference.rows import (
     Row,
@@ -268,9 +270,11 @@ class BlockPool(PoolBase):
         bs, ledger = self.block_size, self.ledger
         plans: list[tuple[bool, int]] = []
         for table in tables:
-            cow = table.offset % bs > 0 and not ledger.writable(table.blocks[-1])
-            assert not cow or table.blocks[-1] != FREE, "a row holds its newest position"
-            plans.append((cow, self.blocks_for(table.offset + n) - len(table.blocks)))
+            partial = table.offset % bs > 0
+            # A partly filled tail another table holds or that caches a prefix is copied;
+            # one the row gave back (a chunked row that holds nothing) is replaced.
+            renew = partial and (table.blocks[-1] == FREE or not ledger.writable(table.blocks[-1]))
+            plans.append((renew, self.blocks_for(table.offset + n) - len(table.blocks)))
         return plans
 
     def append_need(self, rows: Sequence[Row], n: int) -> int:
@@ -281,6 +285,8 @@ class BlockPool(PoolBase):
     def _write_tokens(self, table: PagedRow, positions: Sequence[int], tokens: PlaneSet) -> None:
         """Write ``tokens`` (``[H, n, ·]`` per plane) at ``positions`` of ``table``, one
         position at a time."""
+        if not positions:  # (a pool that took no block yet has no planes)
+            return
         bs = self.block_size
         for tensor, planes in tokens.items():
             for plane, source in zip(self._planes[tensor], planes, strict=True):
@@ -288,9 +294,13 @@ class BlockPool(PoolBase):
                     plane[table.blocks[position // bs], :, position % bs] = source[:, i]
 
     def _copy_tail(self, table: PagedRow, target: int) -> None:
-        """Copy the partly filled tail block of ``table`` into ``target``, which replaces it."""
+        """Copy the partly filled tail block of ``table`` into ``target``, which replaces it
+        (a ``FREE`` tail, none of whose positions the row holds: nothing to copy)."""
         fill = table.offset % self.block_size
         old = table.blocks[-1]
+        if old == FREE:
+            table.blocks[-1] = target
+            return
         for planes in self._planes.values():
             for plane in planes:
                 plane[target, :, :fill] = plane[old, :, :fill]
@@ -444,6 +454,31 @@ class RightAligned(PaddedRows):
 
     def trimmed(self, rows: Sequence[Row], counts: Sequence[int], *, justify: bool = False) -> None:
         self.realign(rows)
+
+
+class RightAlignedChunks(RightAligned):
+    """The paged layout's placement under the chunked geometry: every row ends at the
+    column of the layout's longest held run (``pad = max retained - retained``); before
+    every append each row keeps its newest ``chunk_size`` tokens (the chunked axis's front
+    trim), and masks are the chunked rule over those columns."""
+
+    def __init__(self, axis: ChunkedAxis) -> None:
+        super().__init__()
+        self.axis = axis
+
+    @staticmethod
+    def realign(rows: Sequence[Row]) -> None:
+        top = max((r.retained for r in rows), default=0)
+        for row in rows:
+            row.pad = top - row.retained
+
+    def advance(self, rows: Sequence[Row], n: int) -> None:
+        for row in rows:
+            self.axis.trim_front(row)
+        self.realign(rows)
+
+    def mask(self, rows: Sequence[Row], n: int, window: int | None, return_array: bool) -> Mask:
+        return chunk_mask(rows, [r.pad for r in rows], n, self.axis.size, window, return_array)
 
 
 class PagedRows(PagedSurface, Storage):
@@ -720,12 +755,17 @@ class PagedRows(PagedSurface, Storage):
         if parsed.width == 0 and not parsed.names_rows:
             return
         rows: list[PagedRow] = []
-        for b, (offset, pad) in enumerate(zip(parsed.offsets, parsed.pads, strict=True)):
-            columns = parsed.row_planes(b) if offset else {}
-            planes = {t: tuple(np.array(p) for p in ps) for t, ps in columns.items()}
-            rows.append(PagedRow(planes, offset, pad, sinks=self._sinks))
         learnt = parsed.geometry
-        if parsed.width == 0:  # rows of no position: the pool may not know its geometry
+        held = parsed.held()
+        for b, (offset, pad) in enumerate(zip(parsed.offsets, parsed.pads, strict=True)):
+            columns = parsed.row_planes(b) if held[b] else {}
+            planes = {t: tuple(np.array(p) for p in ps) for t, ps in columns.items()}
+            if offset and not held[b] and learnt is not None:  # a chunked row holding none
+                planes = zero_planes(self.codec, learnt, 1, 0)
+            rows.append(PagedRow(planes, offset, pad, sinks=self._sinks))
+        # Rows of no position at offset 0 (a chunked row holding none stands at its offset):
+        # the pool may not know its geometry.
+        if parsed.width == 0 and not (any(parsed.offsets) and learnt is not None):
             pool = self._pool or self.pool_class(
                 parsed.spec, block_size=parsed.block_size, geometry=learnt
             )
@@ -767,6 +807,7 @@ class PagedRows(PagedSurface, Storage):
             "codec": codec_field(self.codec_spec),
             **self._token_geometry.parameters(),
             "keep": self._sinks,
+            "start_position": offsets[0] - counts[0] if offsets else 0,  # a chunked row's
         }
         if not self.composition.is_layout:
             fields["offset"] = offsets[0] if offsets else 0
@@ -807,6 +848,7 @@ class PagedSerial(SerialStorage, PagedRows):
         if count and self._pool is not None:
             for row in self._rows:
                 self._pool.release_tail(row)
+                self._pool.release_outside(row)  # a chunked row trimmed to nothing
         return count
 
     def register_prefix(self, token_ids: Sequence[int]) -> int:
@@ -838,9 +880,14 @@ class PagedLayout(SpeculativeLayout, PagedRows):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # A ring places its rows itself (its window per row); growing rows right-align.
-        wraps = self._token_geometry.wraps
-        self._place = self._axis.place(self.composition.arrangement) if wraps else RightAligned()
+        # A ring places its rows itself (its window per row); growing rows right-align, a
+        # chunked row by what it holds.
+        token = self._token_geometry
+        self._place: Any = (
+            self._axis.place(self.composition.arrangement) if token.wraps
+            else RightAlignedChunks(cast(ChunkedAxis, self._axis)) if token.evicts
+            else RightAligned()
+        )  # fmt: skip
         self._watch()
 
     def block_tables(self) -> tuple[tuple[int, ...], ...]:
@@ -1003,6 +1050,7 @@ class PagedLayout(SpeculativeLayout, PagedRows):
         for row, count in zip(self._rows, counts, strict=True):
             if count and self._pool is not None:
                 self._pool.release_tail(row)
+                self._pool.release_outside(row)  # a chunked row trimmed to nothing
         return top
 
     def _state(self) -> tuple[Any, ...]:

@@ -263,6 +263,9 @@ FAMILY_LAYOUTS = [
     ("paged-rotating-affine", "PagedRotatingRows"),
     ("paged-mx", "PagedKvRows"),
     ("paged-rotating-mx", "PagedRotatingRows"),
+    ("paged-chunked", "PagedChunkedRows"),
+    ("paged-chunked-affine", "PagedChunkedRows"),
+    ("paged-chunked-mx", "PagedChunkedRows"),
 ]
 
 

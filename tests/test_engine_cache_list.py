@@ -147,7 +147,7 @@ def test_paged_attention_parts_give_the_contiguous_run(models: dict[str, Any]) -
         paged_slots = [pool is not None for pool in engine.paged.pools]
         # per layer (recurrent part, attention part); baichuan_m1's second is a ring
         assert paged_slots == [False, True] * 2, arch
-        rings = [w is not None for w in engine.paged.windows]
+        rings = [g is not None for g in engine.paged.capped]
         assert rings == [False] * 4 if arch == "falcon_h1" else [False, False, False, True]
         assert stats.peak_rows > 1 and stats.peak_kv_bytes < flat_stats.peak_kv_bytes
         tolerance = MODEL_TOLERANCES.get(arch, 0.0)

@@ -16,7 +16,7 @@ from kvrows.app.models import draft_model
 from kvrows.errors import InvalidInputError
 from kvrows.optimized.paged import BlockPool
 from kvrows.paged import projected_blocks
-from kvrows.schemes import KvStorageScheme
+from kvrows.schemes import KvStorageScheme, Ring
 
 
 def _run_twice(model: Any, scheme: str, paged: bool, **kw: Any) -> Any:
@@ -170,7 +170,7 @@ def test_gemma3_paged_rings_share_a_prefix_inside_the_window(gemma3: Any, scheme
         report = check_invariance(gemma3, storage, trace, paged, 16)
         assert report.steps == stats.generated and report.max_logit_diff == 0.0 and report.ok
     assert engine.paged is not None
-    assert [w is not None for w in engine.paged.windows] == [True, False] * 2
+    assert [g is not None for g in engine.paged.capped] == [True, False] * 2
     for pool in engine.paged.pools:
         assert pool is not None
         pool.check_valid()
@@ -186,7 +186,9 @@ def test_admission_counts_a_ring_rows_most_blocks(gemma3: Any) -> None:
     engine = Engine(gemma3, paged=True, block_size=16)
     assert engine.paged is not None
     per_block = [p.bytes_per_block for p in engine.paged.pools]
-    windows = engine.paged.windows
+    rings = [g for g in engine.paged.capped if isinstance(g, Ring) or g is None]
+    assert len(rings) == len(engine.paged.capped)
+    windows = [None if g is None else (g.max_size, g.keep) for g in rings]
     for tokens in (2, 16, 17, 32, 44, 48, 64):
         want = 0
         for window, size in zip(windows, per_block, strict=True):

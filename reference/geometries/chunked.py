@@ -23,10 +23,10 @@ from kvrows.reference.geometries.growing import GrowingAxis, PaddedRows, padded_
 from kvrows.reference.geometries.registry import implements
 from kvrows.reference.rows import Placement, Row
 
-__all__ = ["ChunkedAxis", "ChunkedRows", "ChunkedSurface"]
+__all__ = ["ChunkedAxis", "ChunkedRows", "ChunkedSurface", "chunk_mask"]
 
 
-def _chunk_mask(
+def chunk_mask(
     rows: Sequence[Row], pads: Sequence[int], n: int, size: int, window: int | None,
     return_array: bool,
 ) -> Mask:  # fmt: skip
@@ -75,7 +75,7 @@ class ChunkedAxis(GrowingAxis):
 
     def serial_mask(self, row: Row, n: int, window: int | None, return_array: bool) -> Mask:
         """The one-row case of the layouts' mask, ``[n, S]`` as an array."""
-        mask = _chunk_mask([row], [0], n, self.size, window, return_array)
+        mask = chunk_mask([row], [0], n, self.size, window, return_array)
         return mask[0, 0] if isinstance(mask, np.ndarray) else mask
 
     def place(self, arrangement: Arrangement) -> Placement:
@@ -97,7 +97,7 @@ class ChunkedRows(PaddedRows):
 
     def mask(self, rows: Sequence[Row], n: int, window: int | None, return_array: bool) -> Mask:
         pads = [r.pad for r in rows]
-        return _chunk_mask(rows, pads, n, self.axis.size, window, return_array)
+        return chunk_mask(rows, pads, n, self.axis.size, window, return_array)
 
 
 class ChunkedSurface:
