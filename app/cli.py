@@ -207,6 +207,14 @@ def _parser() -> argparse.ArgumentParser:
         "--prefix-store)",
     )
     serve.add_argument(
+        "--step-timeout",
+        type=_positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="--tensor-parallel: a step or a wait for the other ranks longer than this stops "
+        "the rank, naming the one that does not answer (default 120)",
+    )
+    serve.add_argument(
         "--log-level",
         choices=("critical", "error", "warning", "info", "debug"),
         default="warning",
@@ -431,6 +439,8 @@ def _check_serve(args: argparse.Namespace) -> None:
         ):
             if value is not None:
                 raise CommandLineError(f"argument {option}: not with --tensor-parallel yet")
+    if args.step_timeout is not None and not args.tensor_parallel:
+        raise CommandLineError("argument --step-timeout: needs --tensor-parallel")
     store = args.prefix_store
     if store is not None and os.path.exists(store) and not os.path.isdir(store):
         raise CommandLineError(f"argument --prefix-store: {store} is a file, not a directory")

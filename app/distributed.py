@@ -24,6 +24,7 @@ alike on every rank.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import threading
@@ -37,7 +38,10 @@ import numpy as np
 from kvrows.errors import InvalidInputError, RankDivergenceError
 
 __all__ = [
+    "LOST_RANK_STATUS",
+    "STEP_TIMEOUT",
     "Scheduler",
+    "Watchdog",
     "agreed",
     "any_rank",
     "broadcast_text",
@@ -264,16 +268,107 @@ def _apply(engine: Any, record: dict[str, Any], submissions: Sequence[_Submissio
         engine.close_admissions()
 
 
+#: Seconds one step or one wait for the group may take before the watchdog stops the
+#: rank (``--step-timeout``); an idle rank 0 sends an empty record every quarter of it.
+STEP_TIMEOUT = 120.0
+
+#: The exit status of a rank the watchdog or a lost peer stopped.
+LOST_RANK_STATUS = 3
+
+
+def _others(group: Any) -> str:
+    others = [str(r) for r in range(group.size()) if r != group.rank()]
+    return others[0] if len(others) == 1 else "one of " + ", ".join(others)
+
+
+def _stop_rank(message: str) -> None:
+    """Stop this process now, saying why (a collective that will never return cannot be
+    interrupted: only the process can end)."""
+    import os
+    import sys
+
+    sys.stderr.write(f"kvrows: {message}\n")
+    sys.stderr.flush()
+    os._exit(LOST_RANK_STATUS)
+
+
+class Watchdog:
+    """Bounds every step and every wait for the group (MLX's collectives have no timeout):
+    ``watch(what)`` arms it for ``timeout`` seconds, ``done()`` disarms it; armed past its
+    deadline, it calls ``expired(message)`` (by default: print it and end the process)."""
+
+    def __init__(
+        self,
+        group: Any,
+        timeout: float = STEP_TIMEOUT,
+        expired: Callable[[str], None] = _stop_rank,
+    ) -> None:
+        if not timeout > 0:
+            raise InvalidInputError(f"the step timeout must be > 0 seconds, got {timeout}")
+        self.group, self.timeout, self.expired = group, timeout, expired
+        self._armed: tuple[float, str] | None = None
+        self._lock = threading.Lock()
+        thread = threading.Thread(target=self._run, name="kvrows-watchdog", daemon=True)
+        thread.start()
+
+    def watch(self, what: str) -> None:
+        import time
+
+        with self._lock:
+            self._armed = (time.monotonic() + self.timeout, what)
+
+    def done(self) -> None:
+        with self._lock:
+            self._armed = None
+
+    def _run(self) -> None:
+        import time
+
+        while True:
+            time.sleep(min(0.2, self.timeout / 10))
+            with self._lock:
+                armed = self._armed
+            if armed is not None and time.monotonic() > armed[0]:
+                self.expired(
+                    f"rank {self.group.rank()}: {armed[1]} took more than {self.timeout:g} s: "
+                    f"rank {_others(self.group)} does not answer (it died or hangs); stopping"
+                )
+                with self._lock:
+                    self._armed = None
+
+
+def _watched(watchdog: Watchdog, what: str, work: Callable[[], Any]) -> Any:
+    """``work()`` under the watchdog; a collective that fails (a peer's connection lost)
+    stops the rank, naming the peer."""
+    watchdog.watch(what)
+    try:
+        return work()
+    except RuntimeError as error:  # MLX's ring backend: "connection to a peer was lost"
+        watchdog.expired(
+            f"rank {watchdog.group.rank()}: {what} failed ({error}): rank "
+            f"{_others(watchdog.group)} is gone; stopping"
+        )
+        raise
+    except RankDivergenceError as error:  # serving on would answer from a drifted batch
+        watchdog.expired(f"{error}; stopping")
+        raise
+    finally:
+        watchdog.done()
+
+
 class Scheduler:
     """Rank 0's engine for a tensor-parallel group: the online engine's API for the server
     (``submit``, ``cancel``, ``close_admissions``, ``set_kv_budget``, ``gauges``,
     ``serve_forever``), every change held for the next step boundary, where it goes to
     every rank in one decision record (:func:`follow` applies it on the others).
-    ``submit`` waits for that boundary (one step at most) to answer as the engine does."""
+    ``submit`` waits for that boundary (one step at most) to answer as the engine does.
+    Every broadcast and step runs under a :class:`Watchdog`; idle, an empty record goes out
+    every quarter of its timeout, so the other ranks' waits stay bounded too."""
 
-    def __init__(self, engine: Any, group: Any = None) -> None:
+    def __init__(self, engine: Any, group: Any = None, *, watchdog: Watchdog | None = None) -> None:
         self.engine = engine
         self.group = mx.distributed.init() if group is None else group
+        self.watchdog = watchdog or Watchdog(self.group)
         self._wake = threading.Condition()
         self._submissions: list[_Submission] = []
         self._cancels: list[str] = []
@@ -318,12 +413,20 @@ class Scheduler:
     def serve_forever(self, stop: threading.Event) -> None:
         """Rank 0's engine loop: at each boundary, broadcast what changed and apply it, then
         step while there is work; idle, wait for a change (the other ranks wait in the
-        broadcast). Once ``stop`` is set and nothing is left, a last record stops them."""
+        broadcast; an empty record reaches them every quarter of the watchdog's timeout).
+        Once ``stop`` is set and nothing is left, a last record stops them."""
         import time
 
+        heartbeat = self.watchdog.timeout / 4
         while True:
             with self._wake:
-                while not self._pending() and not self.engine.has_work() and not stop.is_set():
+                quiet = time.monotonic() + heartbeat
+                while (
+                    not self._pending()
+                    and not self.engine.has_work()
+                    and not stop.is_set()
+                    and time.monotonic() < quiet
+                ):
                     self._wake.wait(timeout=0.05)
                 submissions, self._submissions = self._submissions, []
                 cancels, self._cancels = self._cancels, []
@@ -339,24 +442,37 @@ class Scheduler:
             if budgets:
                 record["kv_budget"] = budgets[-1]
             started = time.perf_counter()
-            broadcast_text(json.dumps(record), group=self.group)
+            text = json.dumps(record)
+            send = functools.partial(broadcast_text, text, group=self.group)
+            _watched(self.watchdog, "a decision record", send)
             self.record_seconds += time.perf_counter() - started
             self.records += 1
             _apply(self.engine, record, submissions)
             if last:
                 return
             if self.engine.has_work():
-                self.engine.step_or_fail(fatal=(RankDivergenceError,))
+                _watched(self.watchdog, "a step", self._step)
+
+    def _step(self) -> None:
+        self.engine.step_or_fail(fatal=(RankDivergenceError, RuntimeError))
 
 
-def follow(engine: Any, group: Any = None) -> None:
+def follow(engine: Any, group: Any = None, *, watchdog: Watchdog | None = None) -> None:
     """A rank other than 0 of a tensor-parallel group: apply rank 0's decision records to
-    ``engine`` and step with it, until a record says stop."""
+    ``engine`` and step with it, until a record says stop; every wait and step under a
+    :class:`Watchdog` (rank 0 sends an empty record at least every quarter of its timeout)."""
     made = mx.distributed.init() if group is None else group
+    guard = watchdog or Watchdog(made)
+
+    def step() -> None:
+        engine.step_or_fail(fatal=(RankDivergenceError, RuntimeError))
+
     while True:
-        record = json.loads(broadcast_text(None, group=made))
+        receive = functools.partial(broadcast_text, None, group=made)
+        text = _watched(guard, "waiting for rank 0's record", receive)
+        record = json.loads(text)
         _apply(engine, record)
         if record["stop"]:
             return
         if engine.has_work():
-            engine.step_or_fail(fatal=(RankDivergenceError,))
+            _watched(guard, "a step", step)

@@ -789,15 +789,17 @@ def serve_command(args: Any) -> int:
         step_guard=None if group is None else functools.partial(check_in_step, group=group),
     )
     if group is not None:
-        from kvrows.app.distributed import Scheduler, follow
+        from kvrows.app.distributed import STEP_TIMEOUT, Scheduler, Watchdog, follow
 
+        watchdog = Watchdog(group, args.step_timeout or STEP_TIMEOUT)
         if group.rank() != 0:
-            # Only rank 0's record stops this rank: a signal from the launcher is left to it.
+            # Only rank 0's record stops this rank (or the watchdog, if rank 0 is gone): a
+            # signal from the launcher is left to rank 0.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-            follow(engine, group)
+            follow(engine, group, watchdog=watchdog)
             return 0
-        engine = Scheduler(engine, group)
+        engine = Scheduler(engine, group, watchdog=watchdog)
     server = KvRowsServer(
         engine,
         tokenizer,

@@ -6,6 +6,7 @@ and every process exits. The checkpoint's llama has 4 KV heads: 2 per rank."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import re
 import signal
@@ -19,6 +20,7 @@ import pytest
 from server_helpers import free_port
 
 from kvrows.app.checkpoints import write_checkpoint
+from kvrows.app.distributed import LOST_RANK_STATUS
 from kvrows.app.engine import Request
 from kvrows.app.server import build_engine, load_served_model
 
@@ -88,3 +90,73 @@ def test_a_sharded_server_answers_as_one_process(tmp_path: Path) -> None:
             process.wait(timeout=10)
     assert process.returncode == 0, log.read_text()[-3000:]
     assert "decision records broadcast" in log.read_text()  # rank 0 reports what deciding cost
+
+
+def _rank_pids(port: int) -> list[int]:
+    """The pids of the Python processes serving ``port`` (the ranks, not their wrappers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        # A rank runs ``python -c ...``; the launcher is ``python .../mlx.launch ...``.
+        ours = argv[:2] == [sys.executable.encode(), b"-c"] and b"--tensor-parallel" in argv
+        if ours and str(port).encode() in argv:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_rank_that_dies_or_hangs_stops_the_launch(tmp_path: Path, fault: int) -> None:
+    """Rank 1 killed, or stopped (a hang): rank 0 stops within the step timeout with an
+    error naming rank 1 and exit status ``LOST_RANK_STATUS``, and the launch ends."""
+    checkpoint = write_checkpoint(
+        tmp_path / "llama", "llama", config={"num_key_value_heads": 4, "num_attention_heads": 8}
+    )
+    port = free_port()
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    kvrows = "import sys; from kvrows.app.cli import main; sys.exit(main())"
+    command = [
+        str(launcher), "-n", "2", "--backend", "ring", "--", sys.executable, "-c", kvrows,
+        "serve", "--tensor-parallel", "--model", str(checkpoint), "--port", str(port),
+        "--step-timeout", "3",
+    ]  # fmt: skip
+    log = tmp_path / "launch.log"
+    with log.open("w") as sink:
+        process = subprocess.Popen(
+            command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + STARTUP
+        while "SIGTERM to pid" not in log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        first = re.search(r"SIGTERM to pid (\d+) drains", log.read_text())
+        assert first is not None
+        ranks = _rank_pids(port)
+        (other,) = [pid for pid in ranks if pid != int(first.group(1))]
+        os.kill(other, fault)
+        started = time.monotonic()
+        while "kvrows: rank 0:" not in log.read_text():
+            assert time.monotonic() - started < 30, log.read_text()[-3000:]
+            time.sleep(0.1)
+        if fault == signal.SIGSTOP:  # a stopped process ends only by SIGKILL
+            os.kill(other, signal.SIGKILL)
+        status = process.wait(timeout=SHUTDOWN)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    text = log.read_text()
+    line = next(line for line in text.splitlines() if line.startswith("kvrows: rank 0:"))
+    assert "rank 1" in line and ("gone" in line or "does not answer" in line), line
+    # mlx.launch (0.32) exits 0 whatever its ranks return; it names each rank that did not.
+    assert status == 0 and f"rank 0 exited with code {LOST_RANK_STATUS}" in text, text[-2000:]
+    assert not _rank_pids(port)
