@@ -35,7 +35,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kvrows.errors import InvalidInputError, RankDivergenceError
+from kvrows.errors import InvalidInputError, RankDivergenceError, RankLostError
 
 __all__ = [
     "LOST_RANK_STATUS",
@@ -127,11 +127,31 @@ def _digest(rids: Sequence[str], offsets: Sequence[int]) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little") & 0x7FFFFFFF
 
 
+def _check_present(present: Sequence[int], group: Any) -> None:
+    """Raise ``RankLostError`` naming the ranks whose presence mark is missing from a
+    collective's result: MLX's ring backend does not raise when a peer is gone, it returns
+    what the live ranks contributed."""
+    lost = [rank for rank, mark in enumerate(present) if mark != 1]
+    if lost:
+        named = f"rank {lost[0]}" if len(lost) == 1 else f"ranks {', '.join(map(str, lost))}"
+        raise RankLostError(
+            f"rank {group.rank()}: {named} no longer take(s) part in the group's collectives "
+            "(the process died or its connection is gone)"
+        )
+
+
 def _gathered(value: int, group: Any) -> list[int]:
-    """``value`` of every rank of ``group``, in rank order (one int32 each)."""
-    mine = mx.array([value], dtype=mx.int32)
-    every: list[int] = np.array(mx.distributed.all_gather(mine, group=group)).tolist()
-    return every
+    """``value`` of every rank of ``group``, in rank order (one int32 each, beside a
+    presence mark that must come back from every rank)."""
+    mine = mx.array([value, 1], dtype=mx.int32)
+    every = np.array(mx.distributed.all_gather(mine, group=group)).reshape(-1, 2)
+    if every.shape[0] != group.size():
+        raise RankLostError(
+            f"rank {group.rank()}: an all-gather came back from {every.shape[0]} ranks"
+        )
+    _check_present(every[:, 1].tolist(), group)
+    values: list[int] = every[:, 0].tolist()
+    return values
 
 
 def agreed(text: str, *, group: Any = None) -> bool:
@@ -181,22 +201,25 @@ BROADCAST_FIRST = 4096
 
 def broadcast_text(text: str | None, *, group: Any) -> str:
     """Rank 0's ``text`` on every rank (the others pass ``None``): all-sums where the other
-    ranks add zeros, the first of :data:`BROADCAST_FIRST` bytes holding the length and the
-    text's start, a second for the rest of a longer text."""
-    root = group.rank() == 0
+    ranks add zeros, the first of :data:`BROADCAST_FIRST` bytes holding the length, the
+    text's start and one presence mark per rank (``RankLostError`` names a rank whose mark
+    is missing), a second for the rest of a longer text."""
+    root, size = group.rank() == 0, group.size()
     raw = (text or "").encode() if root else b""
     first = np.zeros(BROADCAST_FIRST, dtype=np.uint8)
-    room = BROADCAST_FIRST - 4
+    room = BROADCAST_FIRST - 4 - size
+    first[BROADCAST_FIRST - size + group.rank()] = 1
     if root:
         first[:4] = np.frombuffer(np.uint32(len(raw)).tobytes(), dtype=np.uint8)
         head = np.frombuffer(raw[:room], dtype=np.uint8)
         first[4 : 4 + len(head)] = head
     summed = np.array(mx.distributed.all_sum(mx.array(first), group=group), dtype=np.uint8)
-    size = int(np.frombuffer(summed[:4].tobytes(), dtype=np.uint32)[0])
-    body = summed[4 : 4 + min(size, room)].tobytes()
-    if size > room:
+    _check_present(summed[BROADCAST_FIRST - size :].tolist(), group)
+    length = int(np.frombuffer(summed[:4].tobytes(), dtype=np.uint32)[0])
+    body = summed[4 : 4 + min(length, room)].tobytes()
+    if length > room:
         rest = np.frombuffer(raw[room:], dtype=np.uint8) if root else None
-        mine = rest if rest is not None else np.zeros(size - room, dtype=np.uint8)
+        mine = rest if rest is not None else np.zeros(length - room, dtype=np.uint8)
         body += np.array(
             mx.distributed.all_sum(mx.array(mine), group=group), dtype=np.uint8
         ).tobytes()
@@ -349,6 +372,9 @@ def _watched(watchdog: Watchdog, what: str, work: Callable[[], Any]) -> Any:
             f"{_others(watchdog.group)} is gone; stopping"
         )
         raise
+    except RankLostError as error:  # the collective came back without a rank
+        watchdog.expired(f"{error}: {what} cannot complete; stopping")
+        raise
     except RankDivergenceError as error:  # serving on would answer from a drifted batch
         watchdog.expired(f"{error}; stopping")
         raise
@@ -454,7 +480,7 @@ class Scheduler:
                 _watched(self.watchdog, "a step", self._step)
 
     def _step(self) -> None:
-        self.engine.step_or_fail(fatal=(RankDivergenceError, RuntimeError))
+        self.engine.step_or_fail(fatal=(RankDivergenceError, RankLostError, RuntimeError))
 
 
 def follow(engine: Any, group: Any = None, *, watchdog: Watchdog | None = None) -> None:
@@ -465,7 +491,7 @@ def follow(engine: Any, group: Any = None, *, watchdog: Watchdog | None = None) 
     guard = watchdog or Watchdog(made)
 
     def step() -> None:
-        engine.step_or_fail(fatal=(RankDivergenceError, RuntimeError))
+        engine.step_or_fail(fatal=(RankDivergenceError, RankLostError, RuntimeError))
 
     while True:
         receive = functools.partial(broadcast_text, None, group=made)

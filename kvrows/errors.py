@@ -40,6 +40,7 @@ __all__ = [
     "PoolExhaustedError",
     "QueueFullError",
     "RankDivergenceError",
+    "RankLostError",
     "RowIndexError",
     "SpeculativeRoundError",
     "SpeculativeStateInvalidError",
@@ -268,6 +269,11 @@ class PoolExhaustedError(CapacityError):
 class RankDivergenceError(KvRowsError):
     """Ranks of a tensor-parallel group that should apply the same row operations hold
     different rows or offsets (``kvrows.app.distributed.check_in_step``)."""
+
+
+class RankLostError(KvRowsError):
+    """A rank of a group no longer takes part in its collectives (it died or its
+    connection is gone): a collective came back without its presence mark."""
 
 
 # Messages raised in more than one file, each written once here so that the copies cannot
