@@ -3,9 +3,10 @@ a live server (greedy tokens equal to the engine's offline ``Engine.run``), a ch
 written to disk and loaded by ``mlx_lm.load``, and ``kvrows serve`` as a subprocess:
 ``SIGTERM`` mid-stream exits 0, and a restart with the same ``--prefix-store`` serves the
 earlier prefix from disk (``/metrics``). Families and schemes tested here: llama (plain,
-affine8 with a bf16-first start), gemma3 (turbo, sliding window) and qwen3_next (the
-hybrid: recurrent state beside attention); every tiny architecture but glm_moe_dsa loads
-from disk to the same logits."""
+affine8 with a bf16-first start), gemma3 (turbo; mxfp4 rings, paged), qwen3_next (the
+hybrid: recurrent state beside attention), llama4 (chunked-local, affine4), deepseek_v32
+(MLA latent, affine8) and baichuan_m1 (a layer of several caches); every tiny architecture
+but glm_moe_dsa loads from disk to the same logits."""
 
 from __future__ import annotations
 
@@ -45,14 +46,27 @@ def _client(url: str) -> openai.OpenAI:
 
 
 @pytest.mark.parametrize(
-    ("arch", "scheme", "kv_start"),
-    [("llama", "plain", None), ("gemma3", "turbo", None), ("qwen3_next", "affine8", 4)],
+    ("arch", "scheme", "kv_start", "paged"),
+    [
+        ("llama", "plain", None, False),
+        ("gemma3", "turbo", None, False),
+        ("qwen3_next", "affine8", 4, False),
+        ("gemma3", "mxfp4", None, True),  # microscaling rings, paged
+        ("llama4", "affine4", None, False),  # chunked-local attention
+        ("deepseek_v32", "affine8", None, False),  # MLA latent
+        ("baichuan_m1", "plain", None, False),  # a layer of several caches
+    ],
 )
 def test_served_greedy_tokens_are_the_offline_engines(
-    arch: str, scheme: str, kv_start: int | None
+    arch: str, scheme: str, kv_start: int | None, paged: bool
 ) -> None:
     model, tokenizer = tiny_model_with_tokenizer(arch)
-    options: dict[str, Any] = {"scheme": scheme, "kv_start": kv_start, "max_batch": 4}
+    options: dict[str, Any] = {
+        "scheme": scheme,
+        "kv_start": kv_start,
+        "max_batch": 4,
+        "paged": paged,
+    }
     prompt = tuple(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True))
     completion_prompt = tuple(tokenizer.encode("Once upon a time", add_special_tokens=False))
     offline = build_engine(model, tokenizer, **options)
