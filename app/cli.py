@@ -523,7 +523,7 @@ _DEMO_MODE_OPTIONS = (
     ("--kv-start", "kv_start", "kv_start", ("main", "speculative", "mla", "tensor-parallel")),
     ("--prefix-store", "prefix_store", "prefix_store", ("main",)),
     ("--prefix-store-bytes", "prefix_store_bytes", "prefix_store_bytes", ("main",)),
-    ("--draft-tokens", "draft_tokens", "draft_tokens", ("speculative",)),
+    ("--draft-tokens", "draft_tokens", "draft_tokens", ("speculative", "tensor-parallel")),
     ("--draft-layers", "draft_layers", "draft_layers", ("speculative",)),
 )
 
@@ -533,6 +533,8 @@ def _demo_mode(args: argparse.Namespace) -> str:
     modes = [flag.replace("_", "-") for flag in flags if getattr(args, flag)]
     if args.paged and len(modes) == 2 and (args.mla or args.tensor_parallel):
         return "mla" if args.mla else "tensor-parallel"  # the MLA or sharded demo, paged
+    if args.speculative and len(modes) == 2 and args.tensor_parallel:
+        return "tensor-parallel"  # the sharded demo with a draft model
     if len(modes) > 1:
         raise CommandLineError(
             f"--{modes[0]} and --{modes[1]} are separate demos: choose one of them"
@@ -620,6 +622,8 @@ def _run(args: argparse.Namespace) -> int:
             options["progress"] = not args.quiet
         if mode in ("mla", "tensor-parallel") and args.paged:
             options["paged"] = True
+        if mode == "tensor-parallel" and args.speculative:
+            options["speculative"] = True
         run_demo = getattr(demo, _DEMOS[mode])
         return int(
             run_demo(

@@ -1097,6 +1097,8 @@ def run_tensor_parallel_demo(
     progress: bool = True,
     paged: bool = False,
     kv_start: int | None = None,
+    speculative: bool = False,
+    draft_tokens: int = 3,
 ) -> int:
     """The trace (first wave and follow-ups) with the model sharded over the launch's group
     (``mlx.launch -n N``): every rank runs the same engine over its KV heads. Checked: the
@@ -1128,9 +1130,18 @@ def run_tensor_parallel_demo(
         options: dict[str, Any] = dict(
             max_batch=max_batch, prefill_chunk=prefill_chunk, paged=paged, progress=progress
         )
+        drafts: dict[str, Any] = {}
+        if speculative:  # each model's draft: its first layers (sharded like it)
+            drafts = {"sharded": draft_model(sharded), "whole": draft_model(whole)}
+            options["draft_tokens"] = draft_tokens
         guard = functools.partial(check_in_step, group=group)
         engine = Engine(
-            sharded, scheme, keep_logits=True, step_guard=guard, **{**options, "progress": False}
+            sharded,
+            scheme,
+            keep_logits=True,
+            step_guard=guard,
+            draft_model=drafts.get("sharded"),
+            **{**options, "progress": False},
         )
         served, results, stats = _serve(engine, first)
         report = check_invariance(sharded, scheme, served, results, prefill_chunk, tolerance=EXACT)
@@ -1139,7 +1150,9 @@ def run_tensor_parallel_demo(
         same = alike
         single = None
         if rank == 0:
-            _, single_results, single = _serve(Engine(whole, scheme, **options), first)
+            _, single_results, single = _serve(
+                Engine(whole, scheme, draft_model=drafts.get("whole"), **options), first
+            )
             same = alike and tokens == [r.tokens for r in single_results]
         failed |= not (same and report.ok)
         if single is not None:

@@ -118,6 +118,7 @@ def shard_model(model: Any, group: Any = None) -> Any:
     else:
         raise InvalidInputError(f"{name}: no way to shard this model over heads")
     model.kvrows_shards = (made.rank(), size)
+    model.kvrows_group = made  # a draft made from it is sharded over the same group
     mx.eval(model.parameters())
     return model
 

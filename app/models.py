@@ -591,6 +591,11 @@ def draft_model(target: Any, layers: int | None = None) -> Any:
             if at < len(parts) and parts[at].isdigit() and int(parts[at]) >= count:
                 continue
         kept.append((name, weight))
+    group = getattr(target, "kvrows_group", None)
+    if group is not None:  # a sharded target: its draft holds the same shards
+        from kvrows.app.distributed import shard_model
+
+        shard_model(draft, group)
     try:
         draft.load_weights(kept)
     except ValueError as error:  # e.g. a quantized checkpoint's scales and biases
