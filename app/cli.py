@@ -435,7 +435,6 @@ def _check_serve(args: argparse.Namespace) -> None:
         for option, value in (
             ("--queue-timeout", args.queue_timeout),
             ("--prefix-store", args.prefix_store),
-            ("--speculative", args.speculative or None),
         ):
             if value is not None:
                 raise CommandLineError(f"argument {option}: not with --tensor-parallel yet")

@@ -120,8 +120,8 @@ BAD_VALUES: list[tuple[list[str], tuple[str, ...]]] = [
         ("--prefix-store", "--tensor-parallel"),
     ),
     (
-        ["serve", "--model", "tiny:llama", "--tensor-parallel", "--speculative"],
-        ("--speculative", "--tensor-parallel"),
+        ["serve", "--model", "tiny:llama", "--step-timeout", "5"],
+        ("--step-timeout", "--tensor-parallel"),
     ),
 ]
 
