@@ -203,8 +203,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="shard the model over the processes of an mlx.launch (mlx.launch -n 2 --backend "
         "ring -- kvrows serve --tensor-parallel ...): rank 0 serves HTTP and decides for "
-        "every rank; each rank's caches hold its KV heads (not with --queue-timeout or "
-        "--prefix-store)",
+        "every rank; each rank's caches hold its KV heads (not with --queue-timeout)",
     )
     serve.add_argument(
         "--step-timeout",
@@ -429,15 +428,10 @@ def _check_serve(args: argparse.Namespace) -> None:
             raise CommandLineError(f"argument {option}: needs --speculative")
     if args.prefix_store_bytes is not None and args.prefix_store is None:
         raise CommandLineError("argument --prefix-store-bytes: needs --prefix-store DIR")
-    if args.tensor_parallel:
-        # Rank 0 decides every row operation; a wall-clock timeout or a disk hit only one
-        # rank sees would be a decision it does not send.
-        for option, value in (
-            ("--queue-timeout", args.queue_timeout),
-            ("--prefix-store", args.prefix_store),
-        ):
-            if value is not None:
-                raise CommandLineError(f"argument {option}: not with --tensor-parallel yet")
+    if args.tensor_parallel and args.queue_timeout is not None:
+        # Rank 0 decides every row operation; a wall-clock timeout would be a decision it
+        # takes alone.
+        raise CommandLineError("argument --queue-timeout: not with --tensor-parallel yet")
     if args.step_timeout is not None and not args.tensor_parallel:
         raise CommandLineError("argument --step-timeout: needs --tensor-parallel")
     store = args.prefix_store

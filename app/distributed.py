@@ -40,15 +40,18 @@ from kvrows.errors import InvalidInputError, RankDivergenceError, RankLostError
 __all__ = [
     "LOST_RANK_STATUS",
     "STEP_TIMEOUT",
+    "STORE_MANIFEST",
     "Scheduler",
     "Watchdog",
     "agreed",
     "any_rank",
     "broadcast_text",
     "check_in_step",
+    "check_store_sharding",
     "follow",
     "shard_model",
     "sharding",
+    "smallest",
 ]
 
 #: mlx-lm cache classes whose state is not split by heads.
@@ -162,6 +165,44 @@ def agreed(text: str, *, group: Any = None) -> bool:
         return True
     digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little") & 0x7FFFFFFF
     return len(set(_gathered(digest, made))) == 1
+
+
+def smallest(value: int, *, group: Any = None) -> int:
+    """The smallest ``value`` of the ranks of ``group`` (every rank gets it): what all of
+    them can do, e.g. the disk-store prefix hit every rank holds."""
+    made = mx.distributed.init() if group is None else group
+    if made.size() < 2:
+        return value
+    return min(_gathered(value, made))
+
+
+#: The file in a prefix-store directory that names the tensor-parallel launch its entries
+#: belong to (each rank's entries are its own shards).
+STORE_MANIFEST = "tensor-parallel.json"
+
+
+def check_store_sharding(directory: str, ranks: int) -> None:
+    """Refuse a prefix store written by a launch of another number of ranks (its entries
+    hold other shards: none would ever hit), else record this one's. ``ranks == 1``: a
+    process serving the whole model."""
+    from pathlib import Path
+
+    manifest = Path(directory) / STORE_MANIFEST
+    written = None
+    if manifest.exists():
+        try:
+            written = int(json.loads(manifest.read_text())["ranks"])
+        except (OSError, ValueError, KeyError, TypeError):
+            raise InvalidInputError(f"{manifest} is unreadable: remove it or the store") from None
+    if written is not None and written != ranks:
+        raise InvalidInputError(
+            f"the prefix store in {directory} holds rows of a {written}-rank tensor-parallel "
+            f"launch; this is {'one process' if ranks == 1 else f'a {ranks}-rank launch'}: use "
+            f"another directory, or {written} ranks"
+        )
+    if written is None and ranks > 1:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        manifest.write_text(json.dumps({"ranks": ranks}))
 
 
 def any_rank(flag: bool, *, group: Any = None) -> bool:

@@ -934,6 +934,7 @@ class Engine:
         queue_timeout: float | None = None,
         prefix_cache_bytes: int | None = None,
         step_guard: Callable[[int, Sequence[str], Sequence[int]], None] | None = None,
+        store_agreement: Callable[[int], int] | None = None,
     ) -> None:
         if max_batch < 1 or prefill_chunk < 1:
             raise InvalidInputError("max_batch and prefill_chunk must be >= 1")
@@ -983,6 +984,10 @@ class Engine:
         #: positions (prompt tokens fed plus decode steps), in batch order: tensor
         #: parallelism's divergence guard (``kvrows.app.distributed.check_in_step``).
         self.step_guard = step_guard
+        #: Engines that must decide alike (tensor-parallel ranks, each with its own store
+        #: entries): given this engine's disk-store hit in tokens, the hit every engine
+        #: takes (the smallest); called once or twice per lookup, on every engine alike.
+        self.store_agreement = store_agreement
         self.keep_logits = keep_logits
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if use_prefix_cache else None
         #: The bound of the in-memory prefix cache (its entries and, paged, the pools'
@@ -1787,7 +1792,11 @@ class Engine:
             started = time.perf_counter()
             # Only a longer prefix than memory's is worth a load (and one token stays).
             found = self.prefix_store.longest(context, limit=len(context) - 1, beyond=fed)
-            if found is not None and _fits(found[1], self._signatures):
+            if found is not None and not _fits(found[1], self._signatures):
+                found = None
+            if self.store_agreement is not None:
+                found = self._agreed_hit(context, fed, found)
+            if found is not None:
                 fed = store_hit = found[0]
                 caches = _regrouped(found[1], make_kvrows_cache(self.model, self.scheme))
             self._stats.store_read_seconds += time.perf_counter() - started
@@ -2092,6 +2101,22 @@ class Engine:
     def _publish_cached(self, covered: tuple[int, ...], caches: list[Cache]) -> None:
         if self.prefix_cache is not None:
             self.prefix_cache.publish(covered, caches)
+
+    def _agreed_hit(
+        self, context: tuple[int, ...], fed: int, found: tuple[int, list[Cache]] | None
+    ) -> tuple[int, list[Cache]] | None:
+        """The store hit every engine of the agreement takes: the smallest (an entry some
+        engine lacks, or one only partly written, is served by none); a longer local hit is
+        loaded again at that length, and the engines confirm they all could."""
+        assert self.store_agreement is not None and self.prefix_store is not None
+        agreed = self.store_agreement(0 if found is None else found[0])
+        if not agreed or found is None:  # every engine sees 0: one call each
+            return None
+        if found[0] != agreed:  # every hit is longer than ``fed``: so is the smallest
+            again = self.prefix_store.longest(context, limit=agreed, beyond=fed)
+            found = again if again is not None and again[0] == agreed else None
+        confirmed = self.store_agreement(0 if found is None else agreed)  # a second call each
+        return found if found is not None and confirmed == agreed else None
 
     def _publish(self, covered: tuple[int, ...], caches: list[Cache]) -> None:
         """To the prefix cache, and to the disk store (a failed save is counted, and the

@@ -708,6 +708,7 @@ def build_engine(
     max_waiting: int | None = None,
     queue_timeout: float | None = None,
     step_guard: Any = None,
+    store_agreement: Any = None,
 ) -> Any:
     """The online engine over ``model`` with ``kvrows serve``'s options (the demo's
     meanings: :mod:`kvrows.app.demo`)."""
@@ -746,6 +747,7 @@ def build_engine(
         max_waiting=max_waiting,
         queue_timeout=queue_timeout,
         step_guard=step_guard,
+        store_agreement=store_agreement,
         **options,
     )
 
@@ -762,7 +764,7 @@ def serve_command(args: Any) -> int:
 
         import mlx.core as mx
 
-        from kvrows.app.distributed import check_in_step, shard_model
+        from kvrows.app.distributed import check_in_step, shard_model, smallest
 
         group = mx.distributed.init()
         if group.size() < 2:
@@ -771,6 +773,19 @@ def serve_command(args: Any) -> int:
                 "mlx.launch -n 2 --backend ring -- kvrows serve --tensor-parallel ..."
             )
         shard_model(model, group)
+    if args.prefix_store is not None:
+        from kvrows.app.distributed import check_store_sharding
+
+        # Rank 0 checks and records; the others check after it (one store directory).
+        ranks = 1 if group is None else group.size()
+        if group is None or group.rank() == 0:
+            check_store_sharding(args.prefix_store, ranks)
+        if group is not None:
+            from kvrows.app.distributed import agreed
+
+            agreed("store checked", group=group)  # rank 0 has written the manifest
+            if group.rank() != 0:
+                check_store_sharding(args.prefix_store, ranks)
     engine = build_engine(
         model,
         tokenizer,
@@ -787,6 +802,7 @@ def serve_command(args: Any) -> int:
         max_waiting=args.max_waiting,
         queue_timeout=args.queue_timeout,
         step_guard=None if group is None else functools.partial(check_in_step, group=group),
+        store_agreement=None if group is None else functools.partial(smallest, group=group),
     )
     if group is not None:
         from kvrows.app.distributed import STEP_TIMEOUT, Scheduler, Watchdog, follow

@@ -116,10 +116,6 @@ BAD_VALUES: list[tuple[list[str], tuple[str, ...]]] = [
         ("--queue-timeout", "--tensor-parallel"),
     ),
     (
-        ["serve", "--model", "tiny:llama", "--tensor-parallel", "--prefix-store", "DIR"],
-        ("--prefix-store", "--tensor-parallel"),
-    ),
-    (
         ["serve", "--model", "tiny:llama", "--step-timeout", "5"],
         ("--step-timeout", "--tensor-parallel"),
     ),

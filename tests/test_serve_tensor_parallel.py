@@ -1,7 +1,8 @@
 """``kvrows serve --tensor-parallel`` over two processes (``mlx.launch -n 2 --backend ring``
 on 127.0.0.1): rank 0 serves HTTP and decides for both ranks; concurrent greedy requests
-get the text one process running the whole checkpoint gives; SIGTERM to the launch drains
-and every process exits. The checkpoint's llama has 4 KV heads: 2 per rank."""
+get the text one process running the whole checkpoint gives; a restart finds each rank's
+store entries; SIGTERM to rank 0 drains and every process exits; a rank that dies or hangs
+stops the others. The checkpoint's llama has 4 KV heads: 2 per rank."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -29,36 +32,32 @@ STARTUP, SHUTDOWN = 120.0, 60.0
 PROMPTS = ("Once upon a time", "The cat sat", "In the beginning there was", "A row joins")
 
 
-def _completion(url: str, prompt: str) -> str:
+#: A prompt of several store blocks (16 tokens each), sent twice: the second time, its
+#: prefix comes from each rank's own store entries.
+LONG = "the cache holds every row of the batch and each request joins when a slot is free " * 3
+
+
+def _completion(url: str, prompt: str) -> dict[str, Any]:
     body = {"model": "m", "prompt": prompt, "max_tokens": 6, "temperature": 0}
     answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     assert answer.status_code == 200, answer.text
-    text: str = answer.json()["choices"][0]["text"]
-    return text
+    made: dict[str, Any] = answer.json()
+    return made
 
 
-def test_a_sharded_server_answers_as_one_process(tmp_path: Path) -> None:
-    checkpoint = write_checkpoint(
-        tmp_path / "llama", "llama", config={"num_key_value_heads": 4, "num_attention_heads": 8}
-    )
-    model, tokenizer = load_served_model(str(checkpoint))
-    engine = build_engine(model, tokenizer, max_batch=4)
-    eos = frozenset(tokenizer.eos_token_ids)
-    requests = [
-        Request(f"r{i}", tuple(tokenizer.encode(p)), max_tokens=6, stop=eos)
-        for i, p in enumerate(PROMPTS)
-    ]
-    expected = [r.text for r in engine.run(requests)[0]]
-
+@contextlib.contextmanager
+def _launch(checkpoint: Path, store: Path, log: Path) -> Iterator[str]:
+    """``kvrows serve --tensor-parallel`` on two ranks until it answers ``/health``; yields
+    its URL; on the way out SIGTERM to rank 0 (a drain), and the launch must end with
+    status 0, or everything is killed."""
     port = free_port()
     launcher = Path(sys.executable).with_name("mlx.launch")
     kvrows = "import sys; from kvrows.app.cli import main; sys.exit(main())"
     command = [
         str(launcher), "-n", "2", "--backend", "ring", "--", sys.executable, "-c", kvrows,
         "serve", "--tensor-parallel", "--model", str(checkpoint), "--served-model-name", "m",
-        "--port", str(port), "--max-batch", "4",
+        "--port", str(port), "--max-batch", "4", "--prefix-store", str(store),
     ]  # fmt: skip
-    log = tmp_path / "launch.log"
     with log.open("w") as sink:
         process = subprocess.Popen(
             command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
@@ -68,17 +67,13 @@ def test_a_sharded_server_answers_as_one_process(tmp_path: Path) -> None:
         deadline = time.monotonic() + STARTUP
         while True:
             assert process.poll() is None, log.read_text()[-3000:]
-            try:
+            with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
-            except httpx.HTTPError:
-                pass
             if time.monotonic() > deadline:
                 pytest.fail(f"no /health within {STARTUP:.0f} s:\n{log.read_text()[-3000:]}")
             time.sleep(0.2)
-        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-            served = list(pool.map(lambda p: _completion(url, p), PROMPTS))
-        assert served == expected
+        yield url
         # Rank 0 drains and sends the last record; the other rank and the launcher follow.
         found = re.search(r"SIGTERM to pid (\d+) drains", log.read_text())
         assert found is not None, log.read_text()[-3000:]
@@ -90,6 +85,39 @@ def test_a_sharded_server_answers_as_one_process(tmp_path: Path) -> None:
             process.wait(timeout=10)
     assert process.returncode == 0, log.read_text()[-3000:]
     assert "decision records broadcast" in log.read_text()  # rank 0 reports what deciding cost
+
+
+def test_a_sharded_server_answers_as_one_process(tmp_path: Path) -> None:
+    """Concurrent greedy completions equal one process's; a restart of the same launch
+    serves a long prompt's prefix from every rank's store entries; one process refuses the
+    store of a two-rank launch."""
+    checkpoint = write_checkpoint(
+        tmp_path / "llama", "llama", config={"num_key_value_heads": 4, "num_attention_heads": 8}
+    )
+    model, tokenizer = load_served_model(str(checkpoint))
+    engine = build_engine(model, tokenizer, max_batch=4)
+    eos = frozenset(tokenizer.eos_token_ids)
+    prompts = (*PROMPTS, LONG)
+    requests = [
+        Request(f"r{i}", tuple(tokenizer.encode(p)), max_tokens=6, stop=eos)
+        for i, p in enumerate(prompts)
+    ]
+    expected = [r.text for r in engine.run(requests)[0]]
+    store = tmp_path / "store"
+    with _launch(checkpoint, store, tmp_path / "first.log") as url:
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            served = list(pool.map(lambda p: _completion(url, p), prompts))
+        assert [answer["choices"][0]["text"] for answer in served] == expected
+    with _launch(checkpoint, store, tmp_path / "second.log") as url:
+        again = _completion(url, LONG)
+        assert again["choices"][0]["text"] == expected[-1]
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
+    alone = subprocess.run(
+        [sys.executable, "-c", "import sys; from kvrows.app.cli import main; sys.exit(main())",
+         "serve", "--model", str(checkpoint), "--port", "0", "--prefix-store", str(store)],
+        capture_output=True, text=True, timeout=STARTUP,
+    )  # fmt: skip
+    assert alone.returncode == 2 and "2-rank tensor-parallel launch" in alone.stderr, alone.stderr
 
 
 def _rank_pids(port: int) -> list[int]:

@@ -93,3 +93,41 @@ def test_one_process_is_told_to_launch(capsys: pytest.CaptureFixture[str]) -> No
 
     assert cli.main(["demo", "--tensor-parallel", "--requests", "1", "--quiet"]) == 2
     assert "mlx.launch -n 2" in capsys.readouterr().err
+
+
+def test_a_store_hit_is_the_smallest_every_engine_holds(tmp_path: Path) -> None:
+    """Engines that must decide alike take the smallest of their disk-store hits: an entry
+    one of them lacks (written by only some ranks) is served by none, a longer one is
+    loaded again at the agreed length; the tokens are the same either way."""
+    from kvrows.app.engine import Engine, Request, model_fingerprint
+    from kvrows.persist.prefix_store import PrefixStore
+    from kvrows.schemes import KvStorageScheme
+
+    model = tiny_model("llama")
+    scheme = KvStorageScheme()
+    prompt = tuple(range(3, 60))  # three full blocks of 16 and a tail
+
+    def engine(agreement: Any = None) -> Engine:
+        store = PrefixStore(
+            tmp_path, byte_budget=1 << 26, fingerprint=model_fingerprint(model, scheme)
+        )
+        return Engine(model, scheme, prefix_store=store, store_agreement=agreement)
+
+    (first,), _ = engine().run([Request("a", prompt, max_tokens=4)])
+    calls: list[int] = []
+
+    def none_has_it(hit: int) -> int:
+        calls.append(hit)
+        return 0
+
+    (missed,), _ = engine(none_has_it).run([Request("b", prompt, max_tokens=4)])
+    assert calls == [48] and missed.store_hit_tokens == 0 and missed.tokens == first.tokens
+    calls.clear()
+
+    def one_has_less(hit: int) -> int:
+        calls.append(hit)
+        return min(hit, 16)
+
+    (shorter,), _ = engine(one_has_less).run([Request("c", prompt, max_tokens=4)])
+    assert calls == [48, 16] and shorter.store_hit_tokens == 16
+    assert shorter.tokens == first.tokens
