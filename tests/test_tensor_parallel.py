@@ -6,15 +6,12 @@ sharding refuses."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from launch_helpers import launch
 
 from kvrows.app.distributed import check_in_step, shard_model, sharding
 from kvrows.app.models import tiny_model
@@ -25,27 +22,8 @@ WORKER = Path(__file__).with_name("tensor_parallel_worker.py")
 LAUNCH_TIMEOUT = 300
 
 
-def _launch(script: Path) -> tuple[int, str]:
-    launcher = Path(sys.executable).with_name("mlx.launch")
-    command = [str(launcher), "-n", "2", "--backend", "ring", "--", sys.executable, str(script)]
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, _ = process.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        out, _ = process.communicate()
-        pytest.fail(f"the launch did not end within {LAUNCH_TIMEOUT} s:\n{out[-2000:]}")
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    return process.returncode, out
-
-
 def test_two_ranks_serve_the_trace_as_one_process_with_half_the_kv_each() -> None:
-    status, out = _launch(WORKER)
+    status, out = launch(WORKER, timeout=LAUNCH_TIMEOUT)
     assert status == 0, out[-3000:]
     for what in ("contiguous", "paged", "broadcast", "guard"):
         assert {f"ok {rank} {what}" for rank in (0, 1)} <= set(out.splitlines()), out[-3000:]

@@ -4,14 +4,11 @@ layers arrive bit for bit and decode as the sender's copy does (``transfer_worke
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from launch_helpers import launch
 from transfer_worker import CASES
 
 from kvrows.errors import InvalidInputError
@@ -24,25 +21,10 @@ LAUNCH_TIMEOUT = 240
 
 
 def test_every_family_moves_between_two_processes_bit_for_bit() -> None:
-    launcher = Path(sys.executable).with_name("mlx.launch")
-    command = [str(launcher), "-n", "2", "--backend", "ring", "--", sys.executable, str(WORKER)]
-    env = {**os.environ, "PYTHONPATH": str(WORKER.parent)}
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True, env=env,
-    )  # fmt: skip
-    try:
-        out, _ = process.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        out, _ = process.communicate()
-        pytest.fail(f"the launch did not end within {LAUNCH_TIMEOUT} s:\n{out[-2000:]}")
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+    status, out = launch(WORKER, timeout=LAUNCH_TIMEOUT)
     checked = [line for line in out.splitlines() if line.startswith("ok ")]
     expected = [f"ok {arch} {scheme}" for arch, scheme in CASES] + ["ok row"]
-    assert process.returncode == 0 and checked == expected, out[-3000:]
+    assert status == 0 and checked == expected, out[-3000:]
 
 
 def _holding_a_token() -> KVCache:
