@@ -1,8 +1,9 @@
 """A live ``kvrows serve`` in a thread for the tests, and a fake online engine.
 
-:class:`FakeEngine` implements the online engine's contract (``/work/online-engine-api.md``:
+:class:`FakeEngine` implements the online engine's API (``spec/engine.md`` §17:
 ``submit``, ``cancel``, ``step``, ``serve_forever``, ``close_admissions``, ``gauges``,
-``run``) with a deterministic token rule instead of a model, so the server's HTTP side
+``run``, with the engine's own event, result and gauge types) with a deterministic token
+rule instead of a model, so the server's HTTP side
 (protocol, streaming, disconnects, refusals, draining, metrics) is tested on its own and
 fast. ``live_server`` runs uvicorn on a free port of 127.0.0.1 in a thread, bounded: it
 stops when the ``with`` block ends.
@@ -15,55 +16,16 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
 
-from kvrows.app.engine import Request
+from kvrows.app.engine import EngineGauges, FinishEvent, Request, RequestResult, TokenEvent
 from kvrows.app.server import KvRowsServer, create_app
 from kvrows.errors import CapacityError, DrainingError, InvalidInputError, QueueFullError
 
 __all__ = ["FakeEngine", "free_port", "live_server"]
-
-
-@dataclass
-class FakeResult:
-    rid: str
-    prompt_tokens: int
-    tokens: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str = ""
-    prefix_hit_tokens: int = 0
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class FakeTokenEvent:
-    rid: str
-    tokens: tuple[int, ...]
-    text: str
-
-
-@dataclass(frozen=True)
-class FakeFinishEvent:
-    rid: str
-    result: FakeResult
-
-
-@dataclass(frozen=True)
-class FakeGauges:
-    running: int
-    waiting: int
-    kv_bytes_held: int
-    kv_budget: int | None
-    prefix_cache_bytes: int
-    prefix_hits: int
-    prefix_hit_tokens: int
-    store_hit_tokens: int
-    generated_tokens: int
-    preemptions: int
-    requests_finished: int
 
 
 #: Ids the fake model never produces.
@@ -94,7 +56,7 @@ def _held_back(text: str, stops: Sequence[str]) -> int:
 @dataclass
 class _Row:
     request: Request
-    result: FakeResult
+    result: RequestResult
     on_event: Callable[[Any], None] | None
     sent: int = 0
 
@@ -146,7 +108,7 @@ class FakeEngine:
                 raise DrainingError("the engine is draining")
             if self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
                 raise QueueFullError("the queue is full", retry_after=1.0)
-            row = _Row(request, FakeResult(request.rid, len(request.prompt)), on_event)
+            row = _Row(request, RequestResult(request.rid, len(request.prompt)), on_event)
             self._waiting.append(row)
             self._lock.notify_all()
 
@@ -162,13 +124,13 @@ class FakeEngine:
         with self._lock:
             self._closed = True
 
-    def gauges(self) -> FakeGauges:
+    def gauges(self) -> EngineGauges:
         with self._lock:
             held = sum(
                 (len(r.request.prompt) + len(r.result.tokens)) * BYTES_PER_TOKEN
                 for r in self._running
             )
-            return FakeGauges(
+            return EngineGauges(
                 running=len(self._running),
                 waiting=len(self._waiting),
                 kv_bytes_held=held,
@@ -215,11 +177,11 @@ class FakeEngine:
             self.step()
             time.sleep(self.step_seconds)
 
-    def run(self, requests: Sequence[Request]) -> tuple[list[FakeResult], None]:
-        results: dict[str, FakeResult] = {}
+    def run(self, requests: Sequence[Request]) -> tuple[list[RequestResult], None]:
+        results: dict[str, RequestResult] = {}
 
         def keep(event: Any) -> None:
-            if isinstance(event, FakeFinishEvent):
+            if isinstance(event, FinishEvent):
                 results[event.rid] = event.result
 
         for request in requests:
@@ -252,7 +214,7 @@ class FakeEngine:
         held = 0 if hit else _held_back(text, request.stop_strings)
         new = text[row.sent : len(text) - held]
         row.sent += len(new)
-        events.append((row, FakeTokenEvent(request.rid, (token,), new)))
+        events.append((row, TokenEvent(request.rid, (token,), new)))
         result.text = text
         if hit or token in request.stop:
             self._finish(row, "stop", events)
@@ -267,7 +229,7 @@ class FakeEngine:
             if row in queue:
                 queue.remove(row)
         self.finished += 1
-        events.append((row, FakeFinishEvent(row.request.rid, row.result)))
+        events.append((row, FinishEvent(row.request.rid, row.result)))
 
 
 def free_port() -> int:
