@@ -147,6 +147,23 @@ def _parser() -> argparse.ArgumentParser:
         "--paged, a block pool per layer and rank",
     )
 
+    demo.add_argument(
+        "--disaggregated",
+        action="store_true",
+        help="disaggregated prefill over the processes of an mlx.launch (mlx.launch -n 2 "
+        "--backend ring -- kvrows demo --disaggregated): prefill ranks compute prompts and "
+        "hand the rows to decode ranks, which decode them in their running batch; the "
+        "batch-invariance check and tokens equal to one process's (schemes: plain, affine4, "
+        "turbo); with --paged, rows arrive in the decode ranks' pools",
+    )
+    demo.add_argument(
+        "--roles",
+        default=None,
+        metavar="ROLE,...",
+        help="--disaggregated: each rank's role in rank order, prefill or decode (default: "
+        "rank 0 prefill, the others decode)",
+    )
+
     serve = commands.add_parser(
         "serve",
         help="an OpenAI-compatible HTTP server over the engine (needs kvrows[serve])",
@@ -502,13 +519,20 @@ _DEMOS = {
     "speculative": "run_speculative_demo",
     "mla": "run_latent_demo",
     "tensor-parallel": "run_tensor_parallel_demo",
+    "disaggregated": "run_disaggregated_demo",
 }
 
 #: ``kvrows demo`` options that only some modes use: the option, its attribute, the
 #: demo function's keyword, and the modes that take it (an option not given is left to
 #: the function's default).
 _DEMO_MODE_OPTIONS = (
-    ("--model", "model", "model_path", ("main", "paged", "speculative", "tensor-parallel")),
+    (
+        "--model",
+        "model",
+        "model_path",
+        ("main", "paged", "speculative", "tensor-parallel", "disaggregated"),
+    ),
+    ("--roles", "roles", "roles", ("disaggregated",)),
     ("--kv-budget", "kv_budget", "kv_budget", ("main", "paged")),
     ("--kv-start", "kv_start", "kv_start", ("main", "speculative", "mla", "tensor-parallel")),
     ("--prefix-store", "prefix_store", "prefix_store", ("main",)),
@@ -519,10 +543,10 @@ _DEMO_MODE_OPTIONS = (
 
 
 def _demo_mode(args: argparse.Namespace) -> str:
-    flags = ("paged", "speculative", "mla", "tensor_parallel")
+    flags = ("paged", "speculative", "mla", "tensor_parallel", "disaggregated")
     modes = [flag.replace("_", "-") for flag in flags if getattr(args, flag)]
-    if args.paged and len(modes) == 2 and (args.mla or args.tensor_parallel):
-        return "mla" if args.mla else "tensor-parallel"  # the MLA or sharded demo, paged
+    if args.paged and len(modes) == 2 and modes[1] in ("mla", "tensor-parallel", "disaggregated"):
+        return modes[1]  # the MLA, sharded or disaggregated demo, paged
     if len(modes) > 1:
         raise CommandLineError(
             f"--{modes[0]} and --{modes[1]} are separate demos: choose one of them"
@@ -608,7 +632,7 @@ def _run(args: argparse.Namespace) -> int:
         }
         if mode != "mla":  # the latent demo prints no progress
             options["progress"] = not args.quiet
-        if mode in ("mla", "tensor-parallel") and args.paged:
+        if mode in ("mla", "tensor-parallel", "disaggregated") and args.paged:
             options["paged"] = True
         run_demo = getattr(demo, _DEMOS[mode])
         return int(
