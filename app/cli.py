@@ -95,8 +95,9 @@ def _parser() -> argparse.ArgumentParser:
         "speculative generation), delayed (per-row against whole-cache conversion at each "
         "--kv-start), turbo (TurboQuant quality against the paper and plain, bytes per "
         "token, decode attention time), paged, serve (kvrows serve against mlx_lm.server "
-        "over HTTP: starts both servers, needs the serve extra) or all of them (serve "
-        "excepted)",
+        "over HTTP: starts both servers, needs the serve extra), distributed (rows and "
+        "decisions between two processes of one mlx.launch) or all of them (serve and "
+        "distributed excepted)",
     )
     bench.add_argument(
         "--kv-start",
