@@ -29,6 +29,7 @@ format (``meta_state`` strings) is read too. See ``spec/persistence.md``.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -49,7 +50,6 @@ from kvrows.forms import (
     state_form,
     written_form,
 )
-from kvrows.paged import PagedSurface
 from kvrows.persist.files import CHECKSUM_KEY, checksum, read_safetensors, write_atomic
 from kvrows.protocols import DropInWrapper, Handover
 from kvrows.recurrent import StateShapes
@@ -476,7 +476,8 @@ def _restore(
             f"{path}: {name} is not landed in the {implementation} implementation"
         )
     cls = _drop_in(classes_by_name[name], record.get("class") if record else file_class)
-    if pool is not None and not issubclass(cls, PagedSurface):
+    # A class that restores into a given pool says so: its ``from_state`` takes ``pool``.
+    if pool is not None and "pool" not in inspect.signature(cls.from_state).parameters:
         raise InvalidInputError(f"{path}: a block pool given for a {name} layer, not a paged one")
     if state_form(cls.composition).file_class != file_class:
         raise CorruptStateError(

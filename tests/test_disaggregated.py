@@ -186,3 +186,23 @@ def test_roles_are_refused_unless_one_per_rank_of_each_kind(
 def test_default_roles() -> None:
     assert parse_roles(None, 3) == ["prefill", "decode", "decode"]
     assert parse_roles("decode,prefill", 2) == ["decode", "prefill"]
+
+
+def test_a_restored_paged_row_is_written_into_the_given_pool() -> None:
+    from kvrows.persist.prompt_cache import restored_caches, saved_arrays
+
+    engine = Engine(tiny_model("llama"), parse_scheme("affine8"), paged=True)
+    row = _prefilled(engine, Request("a", tuple(range(1, 30)), max_tokens=2))
+    pools = engine.receiving_pools()
+    assert pools is not None and all(pool is not None for pool in pools)
+    arrays, metadata = saved_arrays(row.caches)
+    restored, _ = restored_caches(dict(arrays), metadata, pools=pools)
+    assert all(c.pool is p for c, p in zip(restored, pools, strict=True))
+    assert all(c.offset == 29 for c in restored)
+    plain = Engine(tiny_model("llama"), parse_scheme("plain"))
+    unpaged = _prefilled(plain, Request("b", tuple(range(1, 9)), max_tokens=2))
+    arrays, metadata = saved_arrays(unpaged.caches)
+    with pytest.raises(InvalidInputError, match="not a paged one"):
+        restored_caches(dict(arrays), metadata, pools=pools)
+    with pytest.raises(InvalidInputError, match="one per layer"):
+        restored_caches(dict(arrays), metadata, pools=pools[:1] * 3)
