@@ -95,8 +95,9 @@ def _parser() -> argparse.ArgumentParser:
         "speculative generation), delayed (per-row against whole-cache conversion at each "
         "--kv-start), turbo (TurboQuant quality against the paper and plain, bytes per "
         "token, decode attention time), paged, serve (kvrows serve against mlx_lm.server "
-        "over HTTP: starts both servers, needs the serve extra) or all of them (serve "
-        "excepted)",
+        "over HTTP: starts both servers, needs the serve extra), distributed (rows and "
+        "decisions between two processes of one mlx.launch) or all of them (serve and "
+        "distributed excepted)",
     )
     bench.add_argument(
         "--kv-start",
@@ -145,6 +146,23 @@ def _parser() -> argparse.ArgumentParser:
         "ring -- kvrows demo --tensor-parallel): each rank's caches hold its KV heads; the "
         "batch-invariance check, every rank's tokens alike and equal to one process's; with "
         "--paged, a block pool per layer and rank",
+    )
+
+    demo.add_argument(
+        "--disaggregated",
+        action="store_true",
+        help="disaggregated prefill over the processes of an mlx.launch (mlx.launch -n 2 "
+        "--backend ring -- kvrows demo --disaggregated): prefill ranks compute prompts and "
+        "hand the rows to decode ranks, which decode them in their running batch; the "
+        "batch-invariance check and tokens equal to one process's (schemes: plain, affine4, "
+        "turbo); with --paged, rows arrive in the decode ranks' pools",
+    )
+    demo.add_argument(
+        "--roles",
+        default=None,
+        metavar="ROLE,...",
+        help="--disaggregated: each rank's role in rank order, prefill or decode (default: "
+        "rank 0 prefill, the others decode)",
     )
 
     serve = commands.add_parser(
@@ -505,13 +523,20 @@ _DEMOS = {
     "speculative": "run_speculative_demo",
     "mla": "run_latent_demo",
     "tensor-parallel": "run_tensor_parallel_demo",
+    "disaggregated": "run_disaggregated_demo",
 }
 
 #: ``kvrows demo`` options that only some modes use: the option, its attribute, the
 #: demo function's keyword, and the modes that take it (an option not given is left to
 #: the function's default).
 _DEMO_MODE_OPTIONS = (
-    ("--model", "model", "model_path", ("main", "paged", "speculative", "tensor-parallel")),
+    (
+        "--model",
+        "model",
+        "model_path",
+        ("main", "paged", "speculative", "tensor-parallel", "disaggregated"),
+    ),
+    ("--roles", "roles", "roles", ("disaggregated",)),
     ("--kv-budget", "kv_budget", "kv_budget", ("main", "paged")),
     ("--kv-start", "kv_start", "kv_start", ("main", "speculative", "mla", "tensor-parallel")),
     ("--prefix-store", "prefix_store", "prefix_store", ("main",)),
@@ -522,10 +547,10 @@ _DEMO_MODE_OPTIONS = (
 
 
 def _demo_mode(args: argparse.Namespace) -> str:
-    flags = ("paged", "speculative", "mla", "tensor_parallel")
+    flags = ("paged", "speculative", "mla", "tensor_parallel", "disaggregated")
     modes = [flag.replace("_", "-") for flag in flags if getattr(args, flag)]
-    if args.paged and len(modes) == 2 and (args.mla or args.tensor_parallel):
-        return "mla" if args.mla else "tensor-parallel"  # the MLA or sharded demo, paged
+    if args.paged and len(modes) == 2 and modes[1] in ("mla", "tensor-parallel", "disaggregated"):
+        return modes[1]  # the MLA, sharded or disaggregated demo, paged
     if args.speculative and len(modes) == 2 and args.tensor_parallel:
         return "tensor-parallel"  # the sharded demo with a draft model
     if len(modes) > 1:
@@ -613,7 +638,7 @@ def _run(args: argparse.Namespace) -> int:
         }
         if mode != "mla":  # the latent demo prints no progress
             options["progress"] = not args.quiet
-        if mode in ("mla", "tensor-parallel") and args.paged:
+        if mode in ("mla", "tensor-parallel", "disaggregated") and args.paged:
             options["paged"] = True
         if mode == "tensor-parallel" and args.speculative:
             options["speculative"] = True

@@ -1184,3 +1184,157 @@ def run_tensor_parallel_demo(
             " machines each rank reads 1/N of the weights and KV per step."
         )
     return 1 if failed else 0
+
+
+DISAGGREGATED_SCHEMES = ("plain", "affine4", "turbo")
+
+DISAGGREGATED_HEADER = [
+    "model",
+    "scheme",
+    "roles",
+    "generated",
+    "tok/s",
+    "tok/s 1 process",
+    "rows moved",
+    "bytes moved",
+    "decode batch peak",
+    "max |dlogit|",
+    "same tokens",
+]
+
+
+def _owned_by_prefill(requests: Sequence[Request], prefill_ranks: Sequence[int]) -> list[int]:
+    """Each request's prefill rank (``DisaggregatedRank.serve``: trace order, round robin)."""
+    return [prefill_ranks[i % len(prefill_ranks)] for i in range(len(requests))]
+
+
+def run_disaggregated_demo(
+    *,
+    model_path: str | None = None,
+    schemes: Sequence[str] | None = None,
+    requests: int = 12,
+    max_batch: int = 8,
+    prefill_chunk: int = 16,
+    progress: bool = True,
+    paged: bool = False,
+    roles: str | None = None,
+) -> int:
+    """The trace (first wave and follow-ups) served disaggregated over the launch's group
+    (``mlx.launch -n N``, ``spec/distributed.md`` §7): prefill ranks compute the prompts
+    (prefix cache included) and hand the rows to decode ranks, which decode them in their
+    running batch. Checked on rank 0: every row's logits against its solo replay through
+    the same prefill cuts (bit-identical), and the tokens against one process running the
+    engine alone. Rank 0 prints the table and each decode rank's batch over time; every
+    rank returns 1 if a check failed."""
+    from kvrows.app.disaggregated import (
+        DECODE,
+        PREFILL,
+        DisaggregatedRank,
+        gather_texts,
+        parse_roles,
+        parsed_results,
+        results_text,
+    )
+    from kvrows.app.distributed import any_rank
+
+    del progress  # the engines print no progress bar here (ranks would interleave)
+    group = mx.distributed.init()
+    rank = group.rank()
+    every = parse_roles(roles, group.size())
+    prefill_ranks = [r for r, role in enumerate(every) if role == PREFILL]
+    label = f"{len(prefill_ranks)}P+{every.count(DECODE)}D"
+    rows: list[list[str]] = []
+    timelines: list[str] = []
+    failed = False
+    doing = "the trace disaggregated, its solo replays, then one process"
+    for name, model, first, scheme in _cells(
+        _models(model_path),
+        list(schemes or DISAGGREGATED_SCHEMES),
+        requests,
+        None,
+        doing,
+        announce=rank == 0,
+    ):
+        options: dict[str, Any] = dict(
+            max_batch=max_batch, prefill_chunk=prefill_chunk, paged=paged
+        )
+        node = DisaggregatedRank(Engine(model, scheme, keep_logits=True, **options), every, group)
+        started = time.perf_counter()
+        served: list[Request] = []
+        results: list[RequestResult] = []
+        wave = list(first)
+        for _ in range(2):  # the first wave, then its follow-ups
+            mine = node.serve(wave)
+            texts = gather_texts(results_text(mine, node.prefill_steps), group=group)
+            got = parsed_results(texts, wave)
+            served += wave
+            results += got
+            wave = follow_ups(got, wave) if len(served) == len(wave) else []
+        seconds = time.perf_counter() - started
+        moved = gather_texts(
+            json.dumps([node.transfers, node.bytes_moved] if every[rank] == PREFILL else [0, 0]),
+            group=group,
+        )
+        lines = gather_texts(node.timeline() if every[rank] == DECODE else "", group=group)
+        peaks = gather_texts(str(max(node.batch, default=0)), group=group)
+        ok = True
+        if rank == 0:
+            report = InvarianceReport()
+            owners = _owned_by_prefill(first, prefill_ranks) + _owned_by_prefill(
+                served[len(first) :], prefill_ranks
+            )
+            for source in prefill_ranks:  # each prefill rank's prefix cache is its own
+                picked = [i for i, owner in enumerate(owners) if owner == source]
+                part = check_invariance(
+                    model,
+                    scheme,
+                    [served[i] for i in picked],
+                    [results[i] for i in picked],
+                    prefill_chunk,
+                    tolerance=MODEL_TOLERANCES.get(name, EXACT),
+                )
+                report.max_logit_diff = max(report.max_logit_diff, part.max_logit_diff)
+                report.steps += part.steps
+                report.beyond_tolerance += part.beyond_tolerance
+                report.mismatches += part.mismatches
+                report.near_ties += part.near_ties
+            _, single_results, single = _serve(Engine(model, scheme, **options), first)
+            same = [r.tokens for r in results] == [r.tokens for r in single_results]
+            ok = same and report.ok
+            generated = sum(len(r.tokens) for r in results)
+            sent = [json.loads(text) for text in moved]
+            rows.append(
+                [
+                    name,
+                    scheme.name,
+                    label,
+                    str(generated),
+                    f"{generated / seconds:.1f}",
+                    f"{single.tokens_per_second:.1f}",
+                    f"{len(served)} in {sum(t for t, _ in sent)} transfers",
+                    str(sum(b for _, b in sent)),
+                    str(max(int(p) for p in peaks)),
+                    f"{report.max_logit_diff:.1e} ({report.beyond_tolerance} > tol)",
+                    verdict(ok, 0),
+                ]
+            )
+            timelines += [f"{name} {scheme.name}: {line}" for line in lines if line]
+        failed |= not ok
+    failed = any_rank(failed, group=group)
+    if rank == 0:
+        _print_table(rows, DISAGGREGATED_HEADER)
+        print("\ndecode ranks' batches over time:")
+        for line in timelines:
+            print(f"  {line}")
+        print(
+            f"\ndisaggregated prefill ({', '.join(f'rank {r} {x}' for r, x in enumerate(every))}"
+            f"{', paged' if paged else ''}): prefill ranks compute each prompt (their prefix"
+            " cache included) and sample its first token; the row's caches move to a decode"
+            " rank (the transfer's bytes: the stored form, codes encoded), which merges it"
+            " into its running batch. max |dlogit|: every row against its solo replay through"
+            " the prefill rank's cuts (bit-identical); same tokens: equal to one process"
+            " running the engine alone. tok/s on one machine: the ranks share its cores and"
+            " meet once per step, so expect it slower here; apart, prefill and decode would"
+            " stop taking each other's compute."
+        )
+    return 1 if failed else 0

@@ -75,7 +75,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import mlx.core as mx
@@ -132,6 +132,7 @@ __all__ = [
     "EngineStats",
     "FinishEvent",
     "PagedLayers",
+    "PrefilledRow",
     "PrefixCache",
     "Request",
     "RequestResult",
@@ -185,7 +186,9 @@ class RequestResult:
     #: first sampled token.
     time_to_first_token: float = 0.0
     tokens_per_second: float = 0.0
-    #: ``"stop"``, ``"length"``, ``"cancelled"``, ``"rejected"`` (empty while it runs).
+    #: ``"stop"``, ``"length"``, ``"cancelled"``, ``"rejected"``, ``"error"``, or
+    #: ``"prefilled"`` (a prefill-only submission, handed over: ``FinishEvent.prefilled``);
+    #: empty while it runs.
     finish_reason: str = ""
     error: str | None = None
     #: Seconds from arrival to (first) admission: the wait in the queue.
@@ -209,12 +212,32 @@ class TokenEvent:
     text: str = ""
 
 
+@dataclass
+class PrefilledRow:
+    """A request's row once its prompt is computed (``spec/engine.md`` §18): what a
+    prefill-only submission hands over (``FinishEvent.prefilled``) and what
+    ``submit(request, prefilled=...)`` admits straight into the decode batch.
+
+    ``caches``: the per-layer serial caches holding the prompt's KV (its positions only);
+    ``first_token``: the token sampled from the prompt's last position; ``prefill_chunks``
+    and ``prefix_hit_tokens``: how the prompt was computed (a solo replay follows them);
+    ``logits``: the first token's logits (float32), from an engine with ``keep_logits``."""
+
+    caches: list[Any]
+    first_token: int
+    prefill_chunks: tuple[int, ...] = ()
+    prefix_hit_tokens: int = 0
+    logits: npt.NDArray[np.float32] | None = None
+
+
 @dataclass(frozen=True)
 class FinishEvent:
-    """The last event of every stream: the request's result."""
+    """The last event of every stream: the request's result (and, for a prefill-only
+    submission, its row: ``prefilled``)."""
 
     rid: str
     result: RequestResult
+    prefilled: PrefilledRow | None = None
 
 
 StreamEvent = TokenEvent | FinishEvent
@@ -658,6 +681,23 @@ class PagedLayers:
 
         self._register(_slots_of(caches), covered, register)
 
+    def layer_pools(self) -> list[Any]:
+        """Per layer, the pool a received row's paged cache is written into
+        (``recv_caches(..., pools=...)``): ``None`` for a layer that is not paged, and for
+        a layer of several caches or a form of its own (the engine places those parts when
+        the row is admitted, :meth:`Engine._placed`)."""
+        out: list[Any] = []
+        slot = 0
+        for layer in self._template:
+            if isinstance(layer, DropInParts):
+                out.append(None)
+                slot += len(layer.parts)
+                continue
+            pool = self.pools[slot]
+            out.append(None if isinstance(layer, PagedForm) else pool)
+            slot += 1
+        return out
+
     def unpaged_layers(self, caches: Sequence[Any]) -> list[Any]:
         """The slots of ``caches`` that are not paged (what the ``PrefixCache`` keeps of a
         mixed model's row: a layer of several caches gives its unpaged parts)."""
@@ -796,6 +836,11 @@ class _Row:
     gone: bool = False
     #: Admission order (preemption takes the newest rows first).
     order: int = 0
+    #: Admitted with its prompt computed elsewhere (``submit(prefilled=...)``): it joins
+    #: the decode batch at once.
+    arrived: bool = False
+    #: A prefill-only submission: its caches are handed over when its prompt is done.
+    prefill_only: bool = False
 
 
 @dataclass(eq=False)
@@ -820,6 +865,12 @@ class _Entry:
     cancel_requested: bool = False
     first_at: float = 0.0
     finished: bool = False
+    #: ``submit(prefill_only=True)``: the row stops after its first token and hands over.
+    prefill_only: bool = False
+    #: ``submit(prefilled=...)``: the row that arrives prefilled (until its admission).
+    prefilled: PrefilledRow | None = None
+    #: What a prefill-only row hands over (its ``FinishEvent.prefilled``).
+    handoff: PrefilledRow | None = None
 
 
 class _CompletionText:
@@ -1027,6 +1078,9 @@ class Engine:
         self._signatures = [
             _signatures_of(c) for c in _slots_of(make_kvrows_cache(model, self.scheme))
         ]
+        #: Per slot, the signatures a prefilled row's cache may have: this engine's fresh
+        #: caches' (paged slots: their paged form).
+        self._row_signatures = [_signatures_of(c) for c in _slots_of(self._fresh_caches())]
         self._stats = EngineStats()
         self._init_online()
 
@@ -1095,6 +1149,12 @@ class Engine:
                 credit = self.paged.shared_credit(request.prompt)
         return self.admission.most_bytes(tokens) + draft - credit
 
+    def receiving_pools(self) -> list[Any] | None:
+        """Per layer, the block pool a prefilled row's paged cache should be received into
+        (``kvrows.persist.transfer.recv_caches(..., pools=...)``), so it arrives in this
+        engine's pools and is admitted without a copy; ``None`` for a contiguous engine."""
+        return None if self.paged is None else self.paged.layer_pools()
+
     def _fresh_caches(self) -> list[Cache]:
         """A request's fresh per-layer caches (paged layers: empty caches of their pool)."""
         if self.paged is not None:
@@ -1153,14 +1213,28 @@ class Engine:
         }
 
     def submit(
-        self, request: Request, on_event: Callable[[StreamEvent], None] | None = None
+        self,
+        request: Request,
+        on_event: Callable[[StreamEvent], None] | None = None,
+        *,
+        prefill_only: bool = False,
+        prefilled: PrefilledRow | None = None,
     ) -> RequestStream:
         """Queue ``request``; thread-safe. Its events (``TokenEvent``s, then one
         ``FinishEvent``) go to the returned stream and, from the engine thread, to
         ``on_event``. Raises ``InvalidInputError`` (a bad request, the rid of a live one),
         ``CapacityError`` (a request that can never fit), ``QueueFullError``
-        (``max_waiting`` requests wait) or ``DrainingError`` (``close_admissions``)."""
-        return self._submit(request, on_event, bounded=True).stream
+        (``max_waiting`` requests wait) or ``DrainingError`` (``close_admissions``).
+
+        Disaggregated prefill (``spec/engine.md`` §18): ``prefill_only`` computes the
+        prompt (prefix cache included), samples the first token and stops there: the row's
+        caches go out in its ``FinishEvent.prefilled`` (``finish_reason`` ``"prefilled"``)
+        instead of decoding; ``prefilled``, a row computed that way (here or in another
+        process), is admitted under the same rules as any request and joins the decode
+        batch at once, its first token already sampled."""
+        return self._submit(
+            request, on_event, bounded=True, prefill_only=prefill_only, prefilled=prefilled
+        ).stream
 
     def _submit(
         self,
@@ -1168,8 +1242,18 @@ class Engine:
         on_event: Callable[[StreamEvent], None] | None = None,
         *,
         bounded: bool,
+        prefill_only: bool = False,
+        prefilled: PrefilledRow | None = None,
     ) -> _Entry:
         self._validate(request)
+        if prefill_only and prefilled is not None:
+            raise InvalidInputError(
+                f"request {request.rid}: a prefilled row is not computed again (prefill_only)"
+            )
+        if prefilled is not None:
+            self._check_prefilled(request, prefilled)
+        if prefill_only:  # the row holds its prompt and stops at its first token
+            request = replace(request, max_tokens=1, stop=frozenset(), stop_strings=())
         self._check_fits(request)
         now = time.perf_counter()
         result = RequestResult(request.rid, len(request.prompt))
@@ -1179,8 +1263,10 @@ class Engine:
             RequestStream(request.rid),
             on_event,
             now if request.arrived_at is None else request.arrived_at,
+            prefill_only=prefill_only,
+            prefilled=prefilled,
         )
-        if self.detokenize is not None:
+        if self.detokenize is not None and not prefill_only:
             entry.text = _CompletionText(self.detokenize, request.stop_strings)
         with self._lock:
             if self._draining:
@@ -1217,6 +1303,35 @@ class Engine:
             )
         if any(not isinstance(s, str) or not s for s in request.stop_strings):
             raise InvalidInputError(f"request {rid}: stop strings must be non-empty strings")
+
+    def _check_prefilled(self, request: Request, row: PrefilledRow) -> None:
+        """A prefilled row must be this engine's caches (one per layer, the signatures its
+        fresh caches have) holding exactly the prompt, with a first token."""
+        rid = request.rid
+        token = row.first_token
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise InvalidInputError(f"request {rid}: a prefilled row's first token is {token!r}")
+        slots = _slots_of(row.caches)
+        if not _fits(slots, self._row_signatures):
+            got = ", ".join(c.signature() for c in slots)
+            raise InvalidInputError(
+                f"request {rid}: a prefilled row's caches ({got}) are not this engine's "
+                f"({len(self._row_signatures)} slots of its model and scheme"
+                f"{', paged' if self.paged is not None else ''})"
+            )
+        for cache in slots:
+            offset = getattr(cache, "offset", None)
+            if isinstance(offset, int) and offset != len(request.prompt):
+                raise InvalidInputError(
+                    f"request {rid}: a prefilled row's caches hold {offset} positions, its "
+                    f"prompt {len(request.prompt)}"
+                )
+        computed = row.prefix_hit_tokens + sum(row.prefill_chunks)
+        if row.prefill_chunks and computed != len(request.prompt):
+            raise InvalidInputError(
+                f"request {rid}: a prefilled row's prefix hit and chunks cover {computed} "
+                f"tokens, its prompt {len(request.prompt)}"
+            )
 
     def _full_bytes(self, request: Request) -> int:
         """The row's KV bytes at its longest, shared prefix blocks counted (what it holds
@@ -1370,6 +1485,10 @@ class Engine:
         self._boundary()
         self._preempt_over_budget()
         admitted = self._admit_waiting()
+        arrived = [row for row in admitted if row.arrived]
+        if arrived:  # prefilled elsewhere: straight to the decode batch
+            admitted = [row for row in admitted if not row.arrived]
+            self._enter_decode(arrived)
         if admitted:
             self._cohort_layouts = self._join(self._cohort_layouts, admitted, prefill=True)
             self._cohort.extend(admitted)
@@ -1429,6 +1548,12 @@ class Engine:
         for layout in self._cohort_layouts:
             filter_layout_rows(layout, keep)
         self._cohort = [self._cohort[i] for i in keep]
+        self._enter_decode(done)
+
+    def _enter_decode(self, done: list[_Row]) -> None:
+        """Rows whose prompt is done (here, or prefilled elsewhere): finished ones retire
+        (a prefill-only row hands its caches over), the others publish their prompt and
+        join the decode batch."""
         joining = [row for row in done if not self._finished(row)]
         for row in done:
             if self._finished(row):
@@ -1568,7 +1693,8 @@ class Engine:
             active = self._cohort + admitted + self._running
             if len(active) >= self.max_batch:
                 break
-            need = self.projected_bytes(request)
+            # A prefilled row holds blocks of its own: no shared prefix credited.
+            need = self._full_bytes(request) if entry.prefilled else self.projected_bytes(request)
             if self.kv_budget is not None and self._reserved(active) + need > self.kv_budget:
                 break
             with self._lock:
@@ -1601,11 +1727,14 @@ class Engine:
         prefix cache."""
         draft = [] if self._drafter is None else self._drafter.layouts
         rows = self._cohort + self._running
+        with self._lock:  # rows that arrived prefilled and wait hold their caches
+            arrived = [c for e in self._waiting if e.prefilled for c in e.prefilled.caches]
         held = self._held_kv_bytes(
             self._cohort_layouts
             + self._decode_layouts
             + draft
             + [c for r in rows for c in r.caches]
+            + arrived
         )
         return held + (self.prefix_cache.nbytes if self.prefix_cache is not None else 0)
 
@@ -1687,10 +1816,12 @@ class Engine:
             if rest:
                 self._emit(entry, TokenEvent(entry.request.rid, (), rest))
         entry.finished = True
+        entry.prefilled = None  # a row that arrived and never ran: its caches go
+        handoff, entry.handoff = entry.handoff, None
         with self._lock:
             self._live.pop(entry.request.rid, None)
             self._gauge["requests_finished"] += 1
-        self._emit(entry, FinishEvent(entry.request.rid, result))
+        self._emit(entry, FinishEvent(entry.request.rid, result, handoff))
 
     def _emit(self, entry: _Entry, event: StreamEvent) -> None:
         """To the stream, and to ``on_event``: a callback that raises cancels its request
@@ -1772,6 +1903,8 @@ class Engine:
 
     def _admit(self, entry: _Entry) -> _Row:
         request, result = entry.request, entry.result
+        if entry.prefilled is not None:
+            return self._admit_prefilled(entry, entry.prefilled)
         # A preempted request recomputes its prompt and the tokens it has.
         context = request.prompt + tuple(result.tokens)
         caches: list[Cache] = self._fresh_caches()
@@ -1826,9 +1959,71 @@ class Engine:
             next_input=result.tokens[-1] if result.tokens else 0,
             sampled=len(result.tokens),
             order=self._admissions,
+            prefill_only=entry.prefill_only,
         )
         entry.row = row
         return row
+
+    def _admit_prefilled(self, entry: _Entry, arrived: PrefilledRow) -> _Row:
+        """A row whose prompt was computed elsewhere: its caches (placed in this engine's
+        pools when paged), its first token read, and it joins the decode batch at this
+        step. Preempted later, it recomputes here as any row does."""
+        request, result = entry.request, entry.result
+        entry.prefilled = None
+        caches = self._placed(arrived.caches)
+        now = time.perf_counter()
+        result.admitted_step = self._step
+        result.prefix_hit_tokens = arrived.prefix_hit_tokens
+        result.prefill_chunks = list(arrived.prefill_chunks)
+        result.queue_seconds = now - entry.arrived_at
+        result.time_to_first_token = now - entry.arrived_at
+        result.tokens.append(arrived.first_token)
+        if self.keep_logits and arrived.logits is not None:
+            result.logits.append(arrived.logits)
+        if self.paged is not None:
+            self._shared_credit[request.rid] = 0  # its blocks are its own
+        self._streaming.append(entry)
+        entry.admissions += 1
+        self._admissions += 1
+        entry.first_at = now
+        row = _Row(
+            request,
+            result,
+            caches,
+            len(request.prompt),
+            self._key_after(request, 1),
+            entry.arrived_at,
+            context=request.prompt,
+            first_at=now,
+            next_input=arrived.first_token,
+            sampled=1,
+            order=self._admissions,
+            arrived=True,
+        )
+        entry.row = row
+        return row
+
+    def _placed(self, caches: list[Cache]) -> list[Cache]:
+        """``caches`` with every paged slot in this engine's pool: a cache over another
+        pool (a hand-over within one process; a transfer received without ``pools``) is
+        restored into it (its bytes copied once); one over this pool is kept as it is."""
+        if self.paged is None:
+            return caches
+        slots: list[Any] = []
+        for cache, pool in zip(_slots_of(caches), self.paged.pools, strict=True):
+            inner = _behind(cache)
+            if pool is not None and isinstance(inner, PagedRows) and inner.pool is not pool:
+                source: Any = inner  # a paged storage: its form restores into ``pool``
+                moved = type(source).from_state(
+                    source.state,
+                    None,
+                    keep=getattr(source, "keep", None),
+                    geometry=source.geometry,
+                    pool=pool,
+                )
+                cache = cache.rewrap(moved) if isinstance(cache, DropInWrapper) else moved
+            slots.append(cache)
+        return _regrouped(slots, caches)
 
     def _join(
         self, layouts: list[BatchableCache], rows: list[_Row], *, prefill: bool
@@ -2042,13 +2237,24 @@ class Engine:
             row.result.tokens_per_second = after_first / elapsed
 
     def _retire_serial(self, row: _Row) -> None:
-        """A row that finished on its first token: its serial caches are published as is."""
+        """A row that finished on its first token: its serial caches are published as is
+        (a prefill-only row's are then handed over in its ``FinishEvent``)."""
         self._close_timing(row)
         row.left = True
         if self.paged is not None:
             self._shared_credit.clear()  # a row leaves: the rows it shared with count theirs
         if self.paged is None or self.prefix_cache is not None:
             self._publish_serial(self._covered(row), row.caches, to_store=True)
+        if row.prefill_only:
+            result = row.result
+            result.finish_reason = "prefilled"
+            self._live_entry(row.request.rid).handoff = PrefilledRow(
+                row.caches,
+                result.tokens[0],
+                tuple(result.prefill_chunks),
+                result.prefix_hit_tokens,
+                result.logits[0] if result.logits else None,
+            )
         row.caches = []
 
     def _retire(self, row: _Row, layouts: list[BatchableCache], index: int) -> None:

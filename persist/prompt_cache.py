@@ -29,6 +29,7 @@ format (``meta_state`` strings) is read too. See ``spec/persistence.md``.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -321,10 +322,15 @@ def restored_caches(
     *,
     implementation: Implementation = "optimized",
     source: object = "saved state",
+    pools: Sequence[Any] | None = None,
 ) -> tuple[list[Any], dict[str, str]]:
     """The caches (``implementation``'s classes) and user metadata that ``arrays`` and
     ``metadata`` describe, as :func:`saved_arrays` made them or a file holds them (checked
     already: the checksum is the reader's business). ``source`` names them in errors.
+    ``pools``: per layer, a block pool a paged layer's positions are written into (``None``,
+    or no ``pools``: a pool of its own; a state of several rows of as many layers each, a
+    row transfer, uses them for every row); a pool is refused for a layer that is not
+    paged.
     Takes ownership of ``arrays`` (its scalar entries are replaced)."""
     classes_by_name = _implementation_classes(implementation)
     path = source
@@ -386,9 +392,17 @@ def restored_caches(
             forms_v1.form_version(record)
         except (CorruptStateError, UnsupportedStateError) as error:
             raise type(error)(f"{path}: layer {index}: {error}") from None
+    if pools is not None and (not pools or len(class_names) % len(pools)):
+        raise InvalidInputError(
+            f"{path}: {len(pools)} pools given for {len(class_names)} layers (one per layer "
+            "of a row)"
+        )
+    each = [None] * len(layers) if pools is None else list(pools) * (len(layers) // len(pools))
     caches = [
-        _restore(classes_by_name, name, state, meta, record, implementation, path)
-        for name, state, meta, record in zip(class_names, states, meta_list, layers, strict=True)
+        _restore(classes_by_name, name, state, meta, record, implementation, path, pool)
+        for name, state, meta, record, pool in zip(
+            class_names, states, meta_list, layers, each, strict=True
+        )
     ]
     return caches, user
 
@@ -441,6 +455,7 @@ def _restore(
     record: Mapping[str, Any] | None,
     implementation: Implementation,
     path: object,
+    pool: Any = None,
 ) -> Any:
     if record is not None:
         name = record.get("composition")
@@ -461,6 +476,9 @@ def _restore(
             f"{path}: {name} is not landed in the {implementation} implementation"
         )
     cls = _drop_in(classes_by_name[name], record.get("class") if record else file_class)
+    # A class that restores into a given pool says so: its ``from_state`` takes ``pool``.
+    if pool is not None and "pool" not in inspect.signature(cls.from_state).parameters:
+        raise InvalidInputError(f"{path}: a block pool given for a {name} layer, not a paged one")
     if state_form(cls.composition).file_class != file_class:
         raise CorruptStateError(
             f"{path}: layer class {file_class!r} does not match kvrows' {name} form"
@@ -477,7 +495,9 @@ def _restore(
                 geometry = forms_v1.state_shapes(kv)
             else:
                 geometry = KvGeometry(**kv)
-        restored = cls.from_state(state, meta_state, keep=keep, geometry=geometry)
+        # A pool: the positions are written into its blocks (the receiver's pool).
+        into = {} if pool is None else {"pool": pool}
+        restored = cls.from_state(state, meta_state, keep=keep, geometry=geometry, **into)
     except (InvalidInputError, TypeError, KeyError) as error:
         raise CorruptStateError(f"{path}: {file_class} state is inconsistent: {error}") from None
     if record is not None and restored.signature() != record.get("signature"):

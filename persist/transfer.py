@@ -104,12 +104,18 @@ def recv_caches(
     group: Any = None,
     implementation: Implementation = "optimized",
     like: Sequence[Any] | None = None,
+    pools: Sequence[Any] | None = None,
 ) -> tuple[list[Any], dict[str, str]]:
     """The caches and metadata rank ``src`` sends with :func:`send_caches`, as
     ``implementation``'s classes (owned, evaluated arrays). A header or form that does
     not describe caches raises ``CorruptStateError``. A model's drop-in (an MLA layer's
     pair) travels as the cache behind it: ``like``, the receiver's fresh caches of the
-    same model, puts each such layer behind its drop-in again."""
+    same model, puts each such layer behind its drop-in again. ``pools``: per layer, the
+    receiver's block pool a paged layer's positions are written into (``None``: a pool of
+    its own; a transfer of several rows uses them for each row), so a paged row arrives
+    in the receiving engine's pools; a pool for a layer that is not paged raises
+    ``InvalidInputError``, and a pool that cannot take the blocks ``PoolExhaustedError``
+    (the transfer is read either way)."""
     made = _group(group)
     source = _peer(made, src, "src")
     length = mx.distributed.recv((1,), mx.int32, source, group=made)
@@ -135,7 +141,11 @@ def recv_caches(
         arrays[name] = mx.distributed.recv(shape, dtype, source, group=made)
         mx.eval(arrays[name])
     caches, user = restored_caches(
-        arrays, described, implementation=implementation, source=f"a transfer from rank {source}"
+        arrays,
+        described,
+        implementation=implementation,
+        source=f"a transfer from rank {source}",
+        pools=pools,
     )
     if like is not None:
         if len(like) != len(caches):
@@ -163,16 +173,27 @@ def send_rows(layouts: Sequence[Any], rows: Sequence[int], dst: int, *, group: A
 
 
 def recv_rows(
-    src: int, *, group: Any = None, implementation: Implementation = "optimized"
+    src: int,
+    *,
+    group: Any = None,
+    implementation: Implementation = "optimized",
+    pools: Sequence[Any] | None = None,
 ) -> list[list[Any]]:
     """The rows rank ``src`` sends with :func:`send_rows`: per row, its per-layer serial
-    caches (merge each layer's into the receiving layout with ``merge_rows``)."""
-    caches, described = recv_caches(src, group=group, implementation=implementation, like=None)
+    caches (merge each layer's into the receiving layout with ``merge_rows``). ``pools``:
+    per layer, the receiver's block pool a paged row's positions are written into (every
+    row's), as :func:`recv_caches` takes them."""
+    caches, described = recv_caches(src, group=group, implementation=implementation, pools=pools)
+    count = _row_count(src, caches, described)
+    layers = len(caches) // count
+    return [caches[r * layers : (r + 1) * layers] for r in range(count)]
+
+
+def _row_count(src: int, caches: Sequence[Any], described: Mapping[str, str]) -> int:
     try:
         count = int(described[ROWS_KEY])
     except (KeyError, ValueError):
         raise CorruptStateError(f"rank {src} sent caches, not rows (no {ROWS_KEY!r})") from None
     if count < 1 or len(caches) % count:
         raise CorruptStateError(f"rank {src} sent {len(caches)} caches for {count} rows")
-    layers = len(caches) // count
-    return [caches[r * layers : (r + 1) * layers] for r in range(count)]
+    return count

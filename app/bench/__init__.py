@@ -18,7 +18,10 @@ them as a :class:`~kvrows.app.bench.runner.Family`:
 * :mod:`.paged`: block-table row operations and the paged decode step against the
   contiguous layouts and mlx-lm, append into a reused pool against memcpy;
 * :mod:`.serve`: ``kvrows serve`` against ``mlx_lm.server`` over HTTP on one checkpoint
-  (server processes: not part of ``all``; needs the ``serve`` extra).
+  (server processes: not part of ``all``; needs the ``serve`` extra);
+* :mod:`.distributed`: rows between two processes per scheme against a local copy, the
+  tensor-parallel decision record, tokens/s at one and two ranks (one ``mlx.launch``: not
+  part of ``all``).
 """
 
 from __future__ import annotations
@@ -43,10 +46,12 @@ FAMILIES = {
     "turbo": "turbo",
     "paged": "paged",
     "serve": "serve",
+    "distributed": "distributed",
 }
 
-#: What ``--family all`` runs: every in-process family (``serve`` starts servers).
-IN_PROCESS = tuple(name for name in FAMILIES if name != "serve")
+#: What ``--family all`` runs: every in-process family (``serve`` starts servers,
+#: ``distributed`` an ``mlx.launch``).
+IN_PROCESS = tuple(name for name in FAMILIES if name not in ("serve", "distributed"))
 
 
 def family(name: str, *, quick: bool = False, **options: Any) -> Family:
