@@ -215,6 +215,33 @@ def test_the_chunked_machine_catches(layout: str, mutant: type) -> None:
     caught(layout, mutant, family_name="chunked")
 
 
+class DelayedPadNotGrownOnFrontTrim(kv.DelayedChunkedQuantizedKVCache):
+    """A bf16-first chunked layout whose front trim forgets a row's oldest tokens but
+    leaves its pad where it was (``spec/ChunkedKVCache.md`` §3, §8): the row's held
+    columns no longer start at its pad."""
+
+    def _forget_front_pads(self, front: list[int]) -> None:
+        super()._forget_front_pads([0] * len(front))  # MUTATION (the pad grows by front[b])
+
+
+class DelayedConvertsByHeldTokens(kv.DelayedChunkedQuantizedKVCache):
+    """A row converts when the tokens it holds reach ``start``, not its offset: after a
+    front trim a row past ``start`` holding fewer stays plain (the conversion rule is on
+    the offset, whatever the row still holds)."""
+
+    def _record_offsets(self) -> list[int]:
+        return list(self._tokens_held)  # MUTATION (the rule reads row_offsets)
+
+
+@pytest.mark.parametrize(
+    "mutant",
+    [DelayedPadNotGrownOnFrontTrim, DelayedConvertsByHeldTokens],
+    ids=["pad-not-grown-on-front-trim", "converts-by-held-tokens"],
+)
+def test_the_delayed_machine_catches_chunked_bookkeeping(mutant: type) -> None:
+    caught("DelayedChunkedQuantizedKVCache", mutant, family_name="delayed")
+
+
 def test_the_unmutated_chunked_layouts_pass() -> None:
     for layout in ("PaddedChunkedRows", "BatchedChunkedKVCache"):
         assert run_teeth(layout, None, 3, "chunked").examples > 0
