@@ -163,7 +163,8 @@ def test_a_bf16_first_layout_front_trims_rows_of_both_stages(impl: Any) -> None:
     def lego() -> Any:
         return impl.Bf16FirstChunkedQuantizedKVCache(4, 32, 4, start=5)
 
-    rows, solos = [], []
+    rows: list[Any] = []
+    solos: list[Any] = []
     for seed, n in enumerate((11, 3, 6)):
         block = to(_block(seed, 1, n, dim=64))
         for held in (rows, solos):

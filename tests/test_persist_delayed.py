@@ -349,8 +349,8 @@ def test_the_form_is_the_one_rule_with_the_modifier_record() -> None:
     frame = ("offset", "left_padding", "max_size", "total", "idx", "rotated", "keep")
     assert ring == (*stages, *frame, "group_size", "bits", *record)
     chunked = state_form(composition("DelayedChunkedQuantizedKVCache")).fields
-    frame = ("offset", "left_padding", "idx", "chunk_size")
-    assert chunked == (*stages, *frame, "group_size", "bits", *record)
+    chunk_frame = ("offset", "left_padding", "idx", "chunk_size")
+    assert chunked == (*stages, *chunk_frame, "group_size", "bits", *record)
     turbo = state_form(composition("DelayedTurboQuantKVCache")).fields
     assert turbo == (*stages, "offset", "left_padding", "idx", "k_bits", "v_bits", *record)
     old = forms_v1.delayed_form(composition("DelayedRotatingQuantizedKVCache")).fields
