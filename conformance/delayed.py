@@ -62,7 +62,7 @@ from kvrows.compositions import composition, stage_presets
 from kvrows.conformance import strategies as ks
 from kvrows.conformance.arrays import NUMPY_DTYPES, expand_mask, random_block
 from kvrows.conformance.families import Impl
-from kvrows.conformance.hooks import CODEC_HOOKS
+from kvrows.conformance.hooks import CODEC_HOOKS, GEOMETRY_HOOKS
 from kvrows.conformance.machines import (
     Block,
     OpsChecks,
@@ -89,6 +89,7 @@ from kvrows.errors import (
     RowIndexError,
     SpeculativeRoundError,
 )
+from kvrows.geometries.chunked import chunk_visible
 from kvrows.lego import Target
 from kvrows.protocols import Handover
 from kvrows.schemes import TURBO_KEY_BITS, TURBO_VALUE_BITS
@@ -185,18 +186,20 @@ class DelayedGeometry(ks.Geometry):
 
     def __str__(self) -> str:
         ring = f", window {self.max_size} keep {self.keep}" if self.max_size else ""
+        chunk = f", chunk {self.chunk_size}" if self.chunk_size is not None else ""
         return (
             f"{self.dtype}, {self.heads} KV heads x{self.query_heads // self.heads}, "
-            f"head dim {self.dim}, {self.codec}, start {self.start}{ring}"
+            f"head dim {self.dim}, {self.codec}, start {self.start}{ring}{chunk}"
         )
 
 
 @st.composite
-def delayed_geometries(draw: st.DrawFn, ring: bool, kind: str) -> DelayedGeometry:
+def delayed_geometries(draw: st.DrawFn, geometry: str, kind: str) -> DelayedGeometry:
     """An example's geometry: a target of codec kind ``kind`` drawn as its
     ``CODEC_HOOKS`` row's ``delayed`` draw says (affine: bits 4/8, group 32/64, head dim
     64; TurboQuant: any widths, head dims 64..256; a microscaling mode at head dim 64),
-    one head dim for keys and values; rings affine only."""
+    one head dim for keys and values; a ring's window (rings affine only) or a chunk size
+    as ``GEOMETRY_HOOKS[geometry]`` draws them."""
     dtype = draw(st.sampled_from(("float16", "bfloat16")), label="dtype")
     heads = draw(st.sampled_from((1, 2)), label="heads")
     per = draw(st.sampled_from((1, 2)), label="query heads per KV head")
@@ -205,14 +208,17 @@ def delayed_geometries(draw: st.DrawFn, ring: bool, kind: str) -> DelayedGeometr
     target = targets(draw)
     # Small starts convert within a few tokens; large ones hold plain rows long.
     start = draw(st.one_of(st.integers(0, 8), st.integers(0, 40)), label="start")
-    max_size = keep = None
-    if ring:
+    max_size = keep = chunk_size = None
+    hooks = GEOMETRY_HOOKS[geometry]
+    if hooks.windows is not None:  # a ring (its own draws: the CI examples stay as they were)
         max_size = draw(st.integers(4, 16), label="max_size")
         keep = draw(st.integers(0, 2), label="keep")
+    if hooks.chunks is not None:
+        chunk_size = draw(hooks.chunks("ragged"), label="chunk_size")
     dim, bits, group = target["dim"], target.get("bits", 0), target.get("group_size", 0)
     return DelayedGeometry(
         dtype, heads, heads * per, dim, dim, max_size, bits, group, keep or 0,
-        target.get("k_bits", 0), target.get("v_bits", 0), kind, start=start,
+        target.get("k_bits", 0), target.get("v_bits", 0), kind, chunk_size, start=start,
     )  # fmt: skip
 
 
@@ -240,6 +246,12 @@ class DelayedMachine(WriterRules, OpsChecks):
         return self.g.max_size is not None
 
     @property
+    def chunked(self) -> bool:
+        """The layout's rows are chunked-local (the example drew a chunk size): each row
+        keeps its newest ``chunk_size`` tokens before every append (``Track.held``)."""
+        return self.g.chunk_size is not None
+
+    @property
     def turbo(self) -> bool:
         """The layout's rows convert to TurboQuant (else affine)."""
         return self.g.turbo
@@ -251,8 +263,8 @@ class DelayedMachine(WriterRules, OpsChecks):
 
     @classmethod
     def geometries(cls) -> st.SearchStrategy[ks.Geometry]:
-        entry = composition(cls.spec.name)  # a ring's window; the target's codec kind
-        return delayed_geometries("max_size" in entry.params, entry.codec)
+        entry = composition(cls.spec.name)  # a ring's window, a chunk; the target's codec kind
+        return delayed_geometries(entry.geometry, entry.codec)
 
     def teardown(self) -> None:
         # Hypothesis tears down in a ``finally``: after a failed rule, or a rule it stopped
@@ -741,20 +753,33 @@ class DelayedMachine(WriterRules, OpsChecks):
                     )
             self.pool.remove(t)
             t.ref, t.opt = t.solo_ref, t.solo_opt  # in a layout, the row's solo replay
-        self._merge_pads(slot, [t.tokens for t in picked])
+        self._merge_pads(slot, [t.held for t in picked])
         slot.rows.extend(picked)
         if was_mixed or any(t.converted_at is not None for t in picked):
             self.stats.check("merge into mixed rows")
         self._check_layout(slot)
 
-    def _merge_pads(self, slot: Slot, offsets: list[int]) -> None:
-        """The ragged rule: every row right-aligned at the widest end."""
+    def _merge_pads(self, slot: Slot, held: list[int]) -> None:
+        """The ragged rule: every row right-aligned at the widest end of what the rows
+        hold (``Track.held``: a chunked row's front-trimmed tokens are gone)."""
         if self.ring:
             return
-        width = max((p + t.tokens for p, t in zip(slot.pads, slot.rows, strict=True)), default=0)
-        target = max([width, *offsets])
+        width = max((p + t.held for p, t in zip(slot.pads, slot.rows, strict=True)), default=0)
+        target = max([width, *held])
         grow = target - width
-        slot.pads = [p + grow for p in slot.pads] + [target - t for t in offsets]
+        slot.pads = [p + grow for p in slot.pads] + [target - t for t in held]
+
+    def _front_trim_pads(self, slot: Slot) -> None:
+        """A layout append's front trims (``spec/ChunkedKVCache.md`` §3): each chunked
+        row keeps its newest ``chunk_size`` tokens, its pad grows by what it forgot (its
+        end stays), and the padding every row then shares leaves. ``Track.held`` follows
+        at the model's append (``_record_append``)."""
+        size = self.g.chunk_size
+        if size is None or not slot.rows:
+            return
+        pads = [p + max(0, t.held - size) for p, t in zip(slot.pads, slot.rows, strict=True)]
+        shared = min(pads)
+        slot.pads = [p - shared for p in pads]
 
     # ------------------------------------------------------------------ appends
     @precondition(lambda self: any(s.rows for s in self.slots))
@@ -808,6 +833,7 @@ class DelayedMachine(WriterRules, OpsChecks):
         codecs = [lay.codec for lay in layouts]  # the codec of this append's reads
         with row_reads() if inside else contextlib.nullcontext():
             reads = self._write_pair(slot.ref, slot.opt, block)
+            self._front_trim_pads(slot)  # whatever the block keeps (a round, a fill)
             outputs = [
                 impl.to_numpy(self._attend_read(
                     impl, lay, codec, impl.to_native(queries), got, mask, phase
@@ -873,16 +899,26 @@ class DelayedMachine(WriterRules, OpsChecks):
         return out
 
     def _record_mask(self, what: str, slot: Slot, mask: Any, n: int) -> None:
-        """Mixed full-attention rows: the mask (for the model's other layers) is the
-        position record's: row ``b``'s token ``j`` at column ``left_pad[b] + j``, and query
-        ``i`` sees the row's columns up to its own position."""
-        ends = [p + t.tokens + n for p, t in zip(slot.pads, slot.rows, strict=True)]
+        """Mixed full-attention or chunked rows: the mask (for the model's other layers)
+        is the position record's as the append lays the rows (after their front trims):
+        row ``b``'s held token ``j`` at column ``left_pad[b] + j``, and query ``i`` sees
+        the row's columns up to its own position (a chunked row: those of its chunk,
+        ``chunk_visible``)."""
+        size = self.g.chunk_size
+        kept = [t.held if size is None else min(t.held, size) for t in slot.rows]
+        pads = [p + t.held - k for p, t, k in zip(slot.pads, slot.rows, kept, strict=True)]
+        pads = [p - min(pads) for p in pads]
+        ends = [p + k + n for p, k in zip(pads, kept, strict=True)]
         columns = int(mask.shape[-1]) if isinstance(mask, np.ndarray) else max(ends)
         got = expand_mask(mask, len(slot.rows), n, columns)
         want = np.zeros_like(got)
-        for b, (pad, track) in enumerate(zip(slot.pads, slot.rows, strict=True)):
+        for b, (pad, k, track) in enumerate(zip(pads, kept, slot.rows, strict=True)):
+            first = track.tokens - k  # the position at column ``pad``
             for i in range(n):
-                want[b, 0, i, pad : pad + track.tokens + i + 1] = True
+                for j in range(k + i + 1):
+                    position, query = first + j, track.tokens + i
+                    seen = size is None or chunk_visible(query, position, size, None)
+                    want[b, 0, i, pad + j] = seen
         self._exact(
             f"{what}: the mixed rows' mask is the position record's", got.tolist(), want.tolist()
         )
@@ -1248,8 +1284,11 @@ class DelayedMachine(WriterRules, OpsChecks):
         self._op("publish")
         shorter: list[int] = []
         for tokens in publish_counts(track.tokens, self.g.max_size):
+            # A chunked row covers a shorter prefix while it holds every position.
             covers = tokens == track.tokens or (
-                tokens < track.tokens and track.solo_ref.is_trimmable()
+                tokens < track.tokens
+                and track.solo_ref.is_trimmable()
+                and track.held == track.tokens
             )
             what = f"layout {slot.ident} publish_row({b}, {tokens}) of {track.tokens} tokens"
             for impl, lay in zip(self.impls, (slot.ref, slot.opt), strict=True):
@@ -1314,14 +1353,15 @@ class DelayedMachine(WriterRules, OpsChecks):
     @precondition(lambda self: any(s.rows for s in self.slots))
     @rule(data=st.data())
     def trim_rows(self, data: st.DataObject) -> None:
-        """Per-row trims (a ring row only before it wraps); converted rows stay converted."""
+        """Per-row trims (a ring row only before it wraps, a chunked row at most what it
+        holds); converted rows stay converted."""
         slot = self._pick(data, [s for s in self.slots if s.rows], "layout")
         if self._hard_trim(slot, data):
             return
         counts = [
             0
             if self._wrapped(t.tokens)
-            else data.draw(ks.counts_up_to(min(t.tokens, 6)), label=f"count {b}")
+            else data.draw(ks.counts_up_to(min(t.held, 6)), label=f"count {b}")
             for b, t in enumerate(slot.rows)
         ]
         # Sometimes one count for every row, through trim(n).

@@ -382,6 +382,33 @@ COMPOSITIONS: tuple[Composition, ...] = (
                             "BatchedChunkedMxKVCache"),
                 peers=("ChunkedKVCache",),
                 summary="serial microscaling chunked-local attention"),
+    # -- bf16-first chunked-local attention (issue 25): the delayed modifier on the chunked
+    # geometry ------------------------------------------------------------------------
+    Composition(name="Bf16FirstChunkedQuantizedKVCache", codec="affine", geometry="chunked",
+                arrangement="serial",
+                signature="kv:chunked-quant:{chunk_size}:{bits}:{group_size}",
+                params=(*_CHUNKED_AFFINE, "start"), modifiers=frozenset({"delayed"}),
+                summary="ChunkedKVCache until the append that reaches start, then "
+                        "ChunkedQuantizedKVCache holding the same chunk (bf16-first)"),
+    Composition(name="DelayedChunkedQuantizedKVCache", codec="affine", geometry="chunked",
+                arrangement="ragged",
+                signature="kv:delayed-chunked-quant:{chunk_size}:{bits}:{group_size}:{start}",
+                params=(*_CHUNKED_AFFINE, "start"), serial="ChunkedQuantizedKVCache",
+                roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"delayed", "speculative"}),
+                summary="chunked rows that convert to affine at their own boundary"),
+    Composition(name="Bf16FirstChunkedMxKVCache", codec="mx", geometry="chunked",
+                arrangement="serial",
+                signature="kv:chunked-mx:{chunk_size}:{group_size}:{bits}",
+                params=(*_CHUNKED_AFFINE, "start"), modifiers=frozenset({"delayed"}),
+                summary="ChunkedKVCache until the append that reaches start, then "
+                        "ChunkedMxKVCache holding the same chunk (bf16-first)"),
+    Composition(name="DelayedChunkedMxKVCache", codec="mx", geometry="chunked",
+                arrangement="ragged",
+                signature="kv:delayed-chunked-mx:{chunk_size}:{group_size}:{bits}:{start}",
+                params=(*_CHUNKED_AFFINE, "start"), serial="ChunkedMxKVCache",
+                roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"delayed", "speculative"}),
+                summary="chunked rows that convert to a microscaling codec at their own "
+                        "boundary"),
     # -- plain and affine full attention ---------------------------------------------
     _plain_growing("BatchedKVCache", "ragged", "kv:batched-positions", serial="KVCache",
                    roles=Roles(SELF, SELF, SELF), modifiers=frozenset({"speculative"}),
@@ -537,6 +564,10 @@ _SHARED_PAGES = {
     "PaddedChunkedQuantRows": "ChunkedKVCache",
     "ChunkedMxKVCache": "mx-codec",
     "BatchedChunkedMxKVCache": "mx-codec",
+    "Bf16FirstChunkedQuantizedKVCache": "bf16-first",
+    "Bf16FirstChunkedMxKVCache": "bf16-first",
+    "DelayedChunkedQuantizedKVCache": "ChunkedKVCache",
+    "DelayedChunkedMxKVCache": "ChunkedKVCache",
 }
 
 

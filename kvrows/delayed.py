@@ -177,7 +177,8 @@ class ConversionBoundary:
         name = type(self).__name__
         if not is_geometry_spec(token_geometry) or not token_geometry.token_axis:
             raise InvalidInputError(
-                f"{name} takes a Growing() or Ring(...) token geometry, got {token_geometry!r}"
+                f"{name} takes a Growing(), Ring(...) or Chunked(...) token geometry, "
+                f"got {token_geometry!r}"
             )
         if geometry is not None and not isinstance(geometry, KvGeometry):
             raise InvalidInputError(f"{name}: {not_a_geometry_message(type(geometry).__name__)}")

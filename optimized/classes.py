@@ -55,6 +55,8 @@ __all__ = [
     "BatchedRotatingQuantCache",
     "BatchedSSMCache",
     "BatchedTurboQuantKVCache",
+    "Bf16FirstChunkedMxKVCache",
+    "Bf16FirstChunkedQuantizedKVCache",
     "Bf16FirstMxKVCache",
     "Bf16FirstQuantizedKVCache",
     "Bf16FirstRotatingQuantizedKVCache",
@@ -62,6 +64,8 @@ __all__ = [
     "ChunkedKVCache",
     "ChunkedMxKVCache",
     "ChunkedQuantizedKVCache",
+    "DelayedChunkedMxKVCache",
+    "DelayedChunkedQuantizedKVCache",
     "DelayedMxKVCache",
     "DelayedQuantizedKVCache",
     "DelayedRotatingQuantizedKVCache",
@@ -93,6 +97,9 @@ PARAMETER_SURFACES = (
     ("k_bits", TurboParameters),
     ("chunk_size", ChunkedSurface),
 )
+#: The parameter mixins a delayed storage leaves out: ``bits`` / ``group_size`` show under
+#: the delayed modifier's rule (``Conversion.read_parameter``), not always.
+CODEC_PARAMETERS = (AffineParameters, TurboParameters)
 #: What a geometry adds in an arrangement beyond its hooks, ahead of everything (the
 #: recurrent surface's refusals and guards answer before a round's wrappers).
 GEOMETRY_SURFACES: dict[tuple[str, str], tuple[type, ...]] = {
@@ -145,7 +152,13 @@ def build(entries: Iterable[Composition]) -> dict[str, type[Any]]:
     # ragged presets and its lego.
     for entry in sorted(entries, key=lambda e: ("delayed" in e.modifiers, e.is_layout)):
         codec = CODECS.get(entry.codec)
-        if "delayed" in entry.modifiers and entry.is_layout:
+        delayed = "delayed" in entry.modifiers
+        parameters = tuple(
+            mixin
+            for name, mixin in PARAMETER_SURFACES
+            if name in entry.params and not (delayed and mixin in CODEC_PARAMETERS)
+        )
+        if delayed and entry.is_layout:
             # The layout mixin (with mlx-lm's reads of a layout) ahead of the rounds.
             plain_group, affine_group = delayed_groups(entry)
             members = {
@@ -153,14 +166,14 @@ def build(entries: Iterable[Composition]) -> dict[str, type[Any]]:
                 "affine_group_class": built[affine_group.name],
                 "lego_class": built[lego_preset(entry).name],
             }
-            bases = (DelayedLayout, SpeculativeLayout, hooks_class(entry), Layout)
+            bases = (DelayedLayout, SpeculativeLayout, *parameters, hooks_class(entry), Layout)
             built[entry.name] = preset_class(entry, bases, __name__, **members)
             continue
-        if "delayed" in entry.modifiers:
+        if delayed:
             # The lego's surface, then mlx-lm's reads of its current stage; ``bits`` shows
             # under the modifier's rule, and there is no ``to_quantized`` (it converts itself).
             plain, target = stage_presets(entry)
-            bases = (Bf16First, SerialDropIn, hooks_class(entry), Serial)
+            bases = (Bf16First, SerialDropIn, *parameters, hooks_class(entry), Serial)
             members = {"plain_class": built[plain.name], "affine_class": built[target.name]}
             built[entry.name] = preset_class(entry, bases, __name__, **members)
             continue
@@ -169,7 +182,7 @@ def build(entries: Iterable[Composition]) -> dict[str, type[Any]]:
             *GEOMETRY_SURFACES.get((entry.geometry, entry.arrangement), ()),
             *(MODIFIERS[name] for name in sorted(entry.modifiers)),
             *(KV_DROP_INS[entry.is_layout] if codec and is_kv_codec(codec) else ()),
-            *(mixin for name, mixin in PARAMETER_SURFACES if name in entry.params),
+            *parameters,
             hooks_class(entry),
             Layout if entry.is_layout else Serial,
         )
@@ -320,6 +333,14 @@ if TYPE_CHECKING:
 
     class Bf16FirstRotatingQuantizedKVCache(Bf16First, SerialDropIn, SharedRing, Serial): ...
 
+    class Bf16FirstChunkedQuantizedKVCache(
+        Bf16First, SerialDropIn, ChunkedSurface, ChunkedGeometry, Serial
+    ): ...
+
+    class Bf16FirstChunkedMxKVCache(
+        Bf16First, SerialDropIn, ChunkedSurface, ChunkedGeometry, Serial
+    ): ...
+
     # -- delayed layouts (the delayed modifier on a ragged layout of stage stores) -------
     class DelayedQuantizedKVCache(DelayedLayout, SpeculativeLayout, GrowingGeometry, Layout): ...
 
@@ -328,6 +349,14 @@ if TYPE_CHECKING:
     class DelayedMxKVCache(DelayedLayout, SpeculativeLayout, GrowingGeometry, Layout): ...
 
     class DelayedRotatingQuantizedKVCache(DelayedLayout, SpeculativeLayout, RaggedRing, Layout): ...
+
+    class DelayedChunkedQuantizedKVCache(
+        DelayedLayout, SpeculativeLayout, ChunkedSurface, ChunkedGeometry, Layout
+    ): ...
+
+    class DelayedChunkedMxKVCache(
+        DelayedLayout, SpeculativeLayout, ChunkedSurface, ChunkedGeometry, Layout
+    ): ...
 
     # -- latent ------------------------------------------------------------------------
     class MLACache(LatentSurface, SpeculativeLayout, GrowingGeometry, Layout): ...

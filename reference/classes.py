@@ -49,6 +49,8 @@ __all__ = [
     "BatchedRotatingQuantCache",
     "BatchedSSMCache",
     "BatchedTurboQuantKVCache",
+    "Bf16FirstChunkedMxKVCache",
+    "Bf16FirstChunkedQuantizedKVCache",
     "Bf16FirstMxKVCache",
     "Bf16FirstQuantizedKVCache",
     "Bf16FirstRotatingQuantizedKVCache",
@@ -56,6 +58,8 @@ __all__ = [
     "ChunkedKVCache",
     "ChunkedMxKVCache",
     "ChunkedQuantizedKVCache",
+    "DelayedChunkedMxKVCache",
+    "DelayedChunkedQuantizedKVCache",
     "DelayedMxKVCache",
     "DelayedQuantizedKVCache",
     "DelayedRotatingQuantizedKVCache",
@@ -240,6 +244,10 @@ if TYPE_CHECKING:
 
     class Bf16FirstRotatingQuantizedKVCache(Bf16First, RingParameters, SerialStorage): ...
 
+    class Bf16FirstChunkedQuantizedKVCache(Bf16First, ChunkedSurface, SerialStorage): ...
+
+    class Bf16FirstChunkedMxKVCache(Bf16First, ChunkedSurface, SerialStorage): ...
+
     # -- delayed layouts (the delayed modifier on a ragged layout) --------------------
     class DelayedQuantizedKVCache(DelayedLayout, SpeculativeLayout, RowLayout): ...
 
@@ -250,6 +258,12 @@ if TYPE_CHECKING:
     class DelayedRotatingQuantizedKVCache(
         DelayedLayout, RingParameters, SpeculativeLayout, RowLayout
     ): ...
+
+    class DelayedChunkedQuantizedKVCache(
+        DelayedLayout, ChunkedSurface, SpeculativeLayout, RowLayout
+    ): ...
+
+    class DelayedChunkedMxKVCache(DelayedLayout, ChunkedSurface, SpeculativeLayout, RowLayout): ...
 
     # -- latent ------------------------------------------------------------------------
     class MLACache(LatentSurface, SpeculativeLayout, RowLayout): ...

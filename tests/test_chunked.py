@@ -28,6 +28,7 @@ from kvrows.app.engine import Engine, Request
 from kvrows.app.models import draft_model, forward, make_kvrows_cache, tiny_model
 from kvrows.conformance.families import FAMILIES
 from kvrows.conformance.machines import BASE_CHECKS
+from kvrows.delayed import row_reads
 from kvrows.errors import InvalidInputError, NotTrimmableError
 from kvrows.geometries.chunked import Chunked
 from kvrows.optimized.geometries.growing import GrowingGeometry
@@ -150,6 +151,51 @@ def test_layout_front_trims_keep_ends_and_drop_shared_padding(impl: Any) -> None
     assert np.asarray(layout.offset).tolist() == [12, 4]  # nothing changed
 
 
+@pytest.mark.parametrize("impl", [ref, kv], ids=["reference", "optimized"])
+def test_a_bf16_first_layout_front_trims_rows_of_both_stages(impl: Any) -> None:
+    """Legos of 11 (converted at 11), 3 (plain) and 6 tokens (converted at 6), start 5,
+    chunk 4, in a delayed layout: ``maybe_trim_front`` trims plain and converted rows alike
+    (pads grow by what each forgot, the shared padding leaves), and after a step that
+    converts the plain row each extracted row is its solo lego fed the same tokens, byte
+    for byte (``spec/ChunkedKVCache.md`` §8)."""
+    to = np.array if impl is ref else (lambda x: x)
+
+    def lego() -> Any:
+        return impl.Bf16FirstChunkedQuantizedKVCache(4, 32, 4, start=5)
+
+    rows: list[Any] = []
+    solos: list[Any] = []
+    for seed, n in enumerate((11, 3, 6)):
+        block = to(_block(seed, 1, n, dim=64))
+        for held in (rows, solos):
+            held.append(lego())
+            held[-1].update_and_fetch(block, block)
+    layout = impl.DelayedChunkedQuantizedKVCache(4, 32, 4, 5)
+    layout.merge_rows(rows)
+    assert layout.converted_at == (11, None, 6) and layout.left_pad == (0, 8, 5)
+    layout.maybe_trim_front()
+    assert np.asarray(layout.start_position).tolist() == [7, 0, 2]
+    assert layout.left_pad == (0, 1, 0)  # 7 shared columns dropped
+    layout.check_valid()
+    step = to(_block(9, 3, 2, dim=64))
+    with row_reads():
+        layout.update_and_fetch(step, step)
+    assert layout.converted_at == (11, 5, 6) and layout.row_offsets == (13, 5, 8)
+    for b, solo in enumerate(solos):
+        solo.update_and_fetch(step[b : b + 1], step[b : b + 1])
+        row = layout.extract_row(b)
+        assert (row.offset, row.converted, row.storage.start_position) == (
+            solo.offset,
+            solo.converted,
+            solo.storage.start_position,
+        )
+        got, want = row.storage.planes(), solo.storage.planes()
+        for mine, theirs in zip(
+            (p for side in got for p in side), (p for side in want for p in side), strict=True
+        ):
+            assert np.asarray(mine).tobytes() == np.asarray(theirs).tobytes()
+
+
 def test_bad_chunk_sizes_are_refused() -> None:
     for bad in (0, -1, 2.5, "8"):
         with pytest.raises(InvalidInputError, match="chunk_size"):
@@ -213,6 +259,33 @@ class NoFrontTrim(kv.BatchedChunkedKVCache):
 )
 def test_the_chunked_machine_catches(layout: str, mutant: type) -> None:
     caught(layout, mutant, family_name="chunked")
+
+
+class DelayedPadNotGrownOnFrontTrim(kv.DelayedChunkedQuantizedKVCache):
+    """A bf16-first chunked layout whose front trim forgets a row's oldest tokens but
+    leaves its pad where it was (``spec/ChunkedKVCache.md`` §3, §8): the row's held
+    columns no longer start at its pad."""
+
+    def _forget_front_pads(self, front: list[int]) -> None:
+        super()._forget_front_pads([0] * len(front))  # MUTATION (the pad grows by front[b])
+
+
+class DelayedConvertsByHeldTokens(kv.DelayedChunkedQuantizedKVCache):
+    """A row converts when the tokens it holds reach ``start``, not its offset: after a
+    front trim a row past ``start`` holding fewer stays plain (the conversion rule is on
+    the offset, whatever the row still holds)."""
+
+    def _record_offsets(self) -> list[int]:
+        return list(self._tokens_held)  # MUTATION (the rule reads row_offsets)
+
+
+@pytest.mark.parametrize(
+    "mutant",
+    [DelayedPadNotGrownOnFrontTrim, DelayedConvertsByHeldTokens],
+    ids=["pad-not-grown-on-front-trim", "converts-by-held-tokens"],
+)
+def test_the_delayed_machine_catches_chunked_bookkeeping(mutant: type) -> None:
+    caught("DelayedChunkedQuantizedKVCache", mutant, family_name="delayed")
 
 
 def test_the_unmutated_chunked_layouts_pass() -> None:

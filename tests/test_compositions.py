@@ -173,10 +173,10 @@ def test_the_table_names_every_seed_class_once() -> None:
     names = [c.name for c in COMPOSITIONS]
     # The seed's 26 classes, the three bf16-first legos (serial presets, delayed) and the
     # two paged rings (the paged placement under the ring geometry), the four presets of
-    # the microscaling codecs, their three rings and the ten of the chunked geometry
-    # (plain, affine, microscaling, paged; issue 25).
-    assert len(names) == len(set(names)) == 48
-    assert len(landed()) == 48
+    # the microscaling codecs, their three rings and the fourteen of the chunked geometry
+    # (plain, affine, microscaling, paged, bf16-first; issue 25).
+    assert len(names) == len(set(names)) == 52
+    assert len(landed()) == 52
     assert len([c for c in COMPOSITIONS if not c.is_landed]) == 0
     for entry in COMPOSITIONS:
         if entry.serial is not None:

@@ -2,8 +2,9 @@
 
 Both families come from the table's ``mx`` rows and the ``Microscaled`` row of
 ``conformance.hooks.CODEC_HOOKS`` alone (no rules of their own): ``BatchedMxKVCache`` in
-every role of ``MxKVCache``'s rows (verify rounds included) and ``DelayedMxKVCache``
-(rows of ``Bf16FirstMxKVCache`` legos converting at their own start). The model encodes
+every role of ``MxKVCache``'s rows (verify rounds included), ``DelayedMxKVCache`` and
+``DelayedChunkedMxKVCache`` (rows of ``Bf16FirstMxKVCache`` / ``Bf16FirstChunkedMxKVCache``
+legos converting at their own start). The model encodes
 through the reference codec, so every stored, fetched and extracted plane is compared
 byte for byte with both implementations. The tests check that nothing was skipped
 silently and that every mode ran.
@@ -53,9 +54,10 @@ def test_mx_family() -> None:
     assert not stats.skips, dict(stats.skips)  # no mlx-lm peer: nothing to skip
 
 
-def test_delayed_mx_family() -> None:
+@pytest.mark.parametrize("layout", ["DelayedMxKVCache", "DelayedChunkedMxKVCache"])
+def test_delayed_mx_family(layout: str) -> None:
     family = FAMILIES["delayed-mx"]
-    stats, settings = run_family(family, "DelayedMxKVCache")
+    stats, settings = run_family(family, layout)
     stats.require(settings.max_examples // 2, ops=delayed_ops("mx"), oracles=DELAYED_CHECKS)
     assert_compared(stats, DELAYED_QUANTITIES)
     assert {"start 0", "start > 0"} <= set(stats.variants), dict(stats.variants)
@@ -71,7 +73,7 @@ def test_the_families_come_from_the_table_and_one_hook_row() -> None:
     assert hooks.delayed is not None  # rows convert to it: the delayed-mx family
     mx, delayed = FAMILIES["mx"], FAMILIES["delayed-mx"]
     assert [s.name for s in mx.layouts] == ["BatchedMxKVCache"] and mx.serial == "MxKVCache"
-    assert [s.name for s in delayed.layouts] == ["DelayedMxKVCache"]
+    assert [s.name for s in delayed.layouts] == ["DelayedMxKVCache", "DelayedChunkedMxKVCache"]
     assert mx.tolerance_key == "affine" and mx.peer is None and delayed.peer is None
     assert delayed.machine is FAMILIES["delayed"].machine  # the modifier's one machine
 

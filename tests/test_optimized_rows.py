@@ -58,9 +58,8 @@ def _serial(name: str, tokens: int, seed: int = 0) -> Serial:
     entry = composition(name)
     serial = entry.serial or entry.name
     if "delayed" in entry.modifiers:  # its rows arrive plain and convert at their start
-        cache = CLASSES[name].lego_class.plain_class(
-            *_args(serial)[:1] if "max_size" in entry.params else ()
-        )
+        plain = CLASSES[name].lego_class.plain_class
+        cache = plain(*_args(plain.composition.name))
     else:
         cache = CLASSES[serial](*_args(serial))
     assert isinstance(cache, Serial)
@@ -86,11 +85,14 @@ def test_every_landed_composition_is_one_declared_class() -> None:
         "DelayedRotatingQuantizedKVCache",
         "DelayedTurboQuantKVCache",
         "DelayedMxKVCache",
+        "DelayedChunkedQuantizedKVCache",
+        "DelayedChunkedMxKVCache",
     }
     for name in delayed:
         layout_cls = getattr(kv, name)
         assert layout_cls is CLASSES[name] and layout_cls.composition is composition(name)
-        # A layout of stage stores under the modifier's mixin (growing, the ragged ring).
+        # A layout of stage stores under the modifier's mixin (growing, the ragged ring,
+        # chunked).
         entry = composition(name)
         assert (entry.geometry, entry.arrangement) in kv.classes.STAGED
         assert issubclass(layout_cls, DelayedLayout) and name in DECLARED

@@ -39,7 +39,9 @@ from kvrows.persist.files import read_safetensors, write_atomic
 from kvrows.persist.prompt_cache import KVROWS_KEY, load_prompt_cache, save_prompt_cache
 
 IMPLS: dict[str, Any] = {"optimized": optimized, "reference": reference}
-WINDOW, DIM = 6, 64
+WINDOW, CHUNK, DIM = 6, 4, 64
+#: The token geometries of the delayed layouts (full attention, rings, chunked-local).
+GEOMETRIES = ("growing", "ring", "chunked")
 #: A delayed layout of either twin (the public classes are built at run time).
 Delayed = Any
 
@@ -51,22 +53,33 @@ def _native(impl: Any, array: np.ndarray[Any, Any]) -> Any:
     return mx.array(half) if impl is optimized else half
 
 
-def _empty(impl: Any, ring: bool, start: int) -> Delayed:
-    if ring:
-        layout: Delayed = impl.DelayedRotatingQuantizedKVCache(WINDOW, 32, 4, 0, start)
-    else:
-        layout = impl.DelayedQuantizedKVCache(32, 4, start)
+def _arguments(geometry: str, start: int) -> tuple[int, ...]:
+    """A delayed layout's (and its lego's) arguments on ``geometry``, affine 4 bits in 32."""
+    return {
+        "growing": (32, 4, start),
+        "ring": (WINDOW, 32, 4, 0, start),
+        "chunked": (CHUNK, 32, 4, start),
+    }[geometry]
+
+
+def _empty(impl: Any, geometry: str, start: int) -> Delayed:
+    name = {
+        "growing": "DelayedQuantizedKVCache",
+        "ring": "DelayedRotatingQuantizedKVCache",
+        "chunked": "DelayedChunkedQuantizedKVCache",
+    }[geometry]
+    layout: Delayed = getattr(impl, name)(*_arguments(geometry, start))
     return layout
 
 
-def _row(impl: Any, ring: bool, start: int, tokens: int, seed: int, lego: bool) -> Any:
+def _row(impl: Any, geometry: str, start: int, tokens: int, seed: int, lego: bool) -> Any:
     """One row to merge: a lego of the layout's parameters, or its plain serial storage."""
-    cls = type(_empty(impl, ring, start))
+    cls = type(_empty(impl, geometry, start))
     if lego:
-        args = (WINDOW, 32, 4, 0, start) if ring else (32, 4, start)
-        cache = cls.lego_class(*args)
+        cache = cls.lego_class(*_arguments(geometry, start))
     else:
-        cache = cls.lego_class.plain_class(*((WINDOW,) if ring else ()))
+        size = {"growing": (), "ring": (WINDOW,), "chunked": (CHUNK,)}[geometry]
+        cache = cls.lego_class.plain_class(*size)
     block = _native(impl, np.random.default_rng(seed).standard_normal((1, 2, tokens, DIM)))
     cache.update_and_fetch(block, block)
     return cache
@@ -138,7 +151,8 @@ def _drive(impl: Any, layout: Delayed, data: st.DataObject, steps: int) -> None:
             layout.filter_rows(order[: data.draw(st.integers(0, layout.batch_size))])
         elif op == "trim":
             counts = [data.draw(st.integers(0, min(2, t))) for t in layout.row_offsets]
-            with contextlib.suppress(NotTrimmableError):  # a wrapped ring row: refused
+            # A wrapped ring row, a chunked row holding fewer: refused.
+            with contextlib.suppress(NotTrimmableError):
                 layout.trim_rows(counts)
         elif layout.prefilling:
             layout.end_prefill()
@@ -149,7 +163,7 @@ def _drive(impl: Any, layout: Delayed, data: st.DataObject, steps: int) -> None:
 
 @FILES
 @given(
-    ring=st.booleans(),
+    geometry=st.sampled_from(GEOMETRIES),
     start=st.integers(0, 8),
     lengths=st.lists(st.integers(1, 9), max_size=3),
     legos=st.booleans(),
@@ -159,7 +173,7 @@ def _drive(impl: Any, layout: Delayed, data: st.DataObject, steps: int) -> None:
 )
 def test_a_saved_delayed_layout_loads_bit_exact_and_goes_on_alike(
     tmp_path_factory: pytest.TempPathFactory,
-    ring: bool,
+    geometry: str,
     start: int,
     lengths: list[int],
     legos: bool,
@@ -168,10 +182,10 @@ def test_a_saved_delayed_layout_loads_bit_exact_and_goes_on_alike(
     data: st.DataObject,
 ) -> None:
     impl = IMPLS[source]
-    layout = _empty(impl, ring, start)
+    layout = _empty(impl, geometry, start)
     if lengths:
         layout.merge_rows(
-            [_row(impl, ring, start, n, seed, legos) for seed, n in enumerate(lengths)]
+            [_row(impl, geometry, start, n, seed, legos) for seed, n in enumerate(lengths)]
         )
     _drive(impl, layout, data, data.draw(st.integers(0, 4)))
     path = tmp_path_factory.mktemp("delayed") / "layout.safetensors"
@@ -200,9 +214,9 @@ def _saved_and_loaded(impl: Any, layout: Delayed, folder: Path) -> Delayed:
     return loaded
 
 
-@pytest.mark.parametrize("ring", [False, True])
+@pytest.mark.parametrize("geometry", GEOMETRIES)
 def test_a_converted_padded_row_loads_bit_exact_masked_columns_included(
-    tmp_path: Path, ring: bool
+    tmp_path: Path, geometry: str
 ) -> None:
     """The deep profile's case (``start=0``, rows of 1 and 2 tokens): the merge converts
     both rows, the shorter one padded (full attention: column 0; ring: its column 2). Its
@@ -210,15 +224,17 @@ def test_a_converted_padded_row_loads_bit_exact_masked_columns_included(
     vector) in both twins, live and loaded alike (contract §0.5, ``spec/bf16-first.md``)."""
     reads: dict[str, list[list[bytes]]] = {}
     for name, impl in IMPLS.items():
-        layout = _empty(impl, ring, 0)
-        layout.merge_rows([_row(impl, ring, 0, n, seed, False) for seed, n in enumerate([1, 2])])
+        layout = _empty(impl, geometry, 0)
+        layout.merge_rows(
+            [_row(impl, geometry, 0, n, seed, False) for seed, n in enumerate([1, 2])]
+        )
         assert layout.phase == "packed"
         loaded = _saved_and_loaded(impl, layout, tmp_path)
         assert record(loaded) == record(layout) and rows(loaded) == rows(layout)
         reads[name] = [_read(impl, loaded, seed) for seed in (100, 101)]
         assert [_read(impl, layout, seed) for seed in (100, 101)] == reads[name]
         scales = np.frombuffer(reads[name][0][1], np.float16).reshape(2, 2, 3, -1)
-        masked = scales[0, :, 2 if ring else 0]
+        masked = scales[0, :, 2 if geometry == "ring" else 0]
         assert masked.view(np.uint16).tolist() == np.zeros_like(masked).view(np.uint16).tolist()
     assert reads["reference"] == reads["optimized"]
 
@@ -228,12 +244,15 @@ def test_a_converted_padded_row_loads_bit_exact_masked_columns_included(
 #: conversions of padded rows at a boundary; each read and the loaded layout's next one are
 #: compared between the twins and with the live layout, byte for byte.
 _SEQUENCES = [
-    (False, 0, [1, 1, 2], [("trim", [0, 0, 2])]),
-    (True, 1, [2, 8], [("trim", [2, 0])]),
-    (False, 4, [1, 4, 5], [("round", 1), ("trim", [0, 2, 0]), ("append", 1)]),
-    (False, 2, [9, 9, 7], [("merge", 3), ("filter", [0, 2, 3]), ("merge", 2)]),
-    (False, 8, [1, 7], [("round", 1), ("merge", 4)]),
-    (False, 3, [1, 3], [("append", 2), ("trim", [1, 0]), ("append", 1)]),
+    ("growing", 0, [1, 1, 2], [("trim", [0, 0, 2])]),
+    ("ring", 1, [2, 8], [("trim", [2, 0])]),
+    ("growing", 4, [1, 4, 5], [("round", 1), ("trim", [0, 2, 0]), ("append", 1)]),
+    ("growing", 2, [9, 9, 7], [("merge", 3), ("filter", [0, 2, 3]), ("merge", 2)]),
+    ("growing", 8, [1, 7], [("round", 1), ("merge", 4)]),
+    ("growing", 3, [1, 3], [("append", 2), ("trim", [1, 0]), ("append", 1)]),
+    # Chunked rows of 7, 2 and 5 (chunk 4): the first append forgets the fronts of the
+    # rows of 7 and 5 (their pads grow) while the row of 2 converts at start 3.
+    ("chunked", 3, [7, 2, 5], [("append", 1), ("round", 1), ("trim", [0, 1, 2]), ("append", 2)]),
 ]
 
 
@@ -262,15 +281,15 @@ def _read_planes(impl: Any, layout: Delayed, seed: int, tokens: int = 1) -> list
     return parts
 
 
-@pytest.mark.parametrize(("ring", "start", "lengths", "steps"), _SEQUENCES)
+@pytest.mark.parametrize(("geometry", "start", "lengths", "steps"), _SEQUENCES)
 def test_masked_columns_read_zeros_after_every_row_operation(
-    tmp_path: Path, ring: bool, start: int, lengths: list[int], steps: list[tuple[str, Any]]
+    tmp_path: Path, geometry: str, start: int, lengths: list[int], steps: list[tuple[str, Any]]
 ) -> None:
     seen: dict[str, list[list[Any]]] = {}
     for name, impl in IMPLS.items():
-        layout = _empty(impl, ring, start)
+        layout = _empty(impl, geometry, start)
         layout.merge_rows(
-            [_row(impl, ring, start, n, seed, False) for seed, n in enumerate(lengths)]
+            [_row(impl, geometry, start, n, seed, False) for seed, n in enumerate(lengths)]
         )
         reads = []
         for step, (op, arg) in enumerate(steps):
@@ -279,7 +298,7 @@ def test_masked_columns_read_zeros_after_every_row_operation(
             elif op == "filter":
                 layout.filter_rows(arg)
             elif op == "merge":
-                layout.merge_rows([_row(impl, ring, start, arg, 50 + step, False)])
+                layout.merge_rows([_row(impl, geometry, start, arg, 50 + step, False)])
             elif op == "append":
                 reads.append(_read_planes(impl, layout, seed=step, tokens=arg))
             else:
@@ -294,24 +313,24 @@ def test_masked_columns_read_zeros_after_every_row_operation(
 
 
 @pytest.mark.parametrize("name", sorted(IMPLS))
-@pytest.mark.parametrize("ring", [False, True])
-def test_every_phase_round_trips_through_from_state(name: str, ring: bool) -> None:
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_every_phase_round_trips_through_from_state(name: str, geometry: str) -> None:
     """Empty, all plain, mixed, packed: ``from_state(state)`` holds the same rows and
     record, and the ``state`` setter restores in place."""
     impl = IMPLS[name]
-    layout = _empty(impl, ring, start=5)
+    layout = _empty(impl, geometry, start=5)
     seen = []
     for tokens in (None, 2, 6, 3):
         if tokens is not None:
-            layout.merge_rows([_row(impl, ring, 5, tokens, tokens, lego=True)])
+            layout.merge_rows([_row(impl, geometry, 5, tokens, tokens, lego=True)])
         if tokens == 3:  # the plain rows (2 and 3 tokens) reach start: packed
             _read(impl, layout, seed=1, tokens=2)
             _read(impl, layout, seed=2, tokens=1)
         seen.append(layout.phase)
-        keep = 0 if ring else None
+        keep = 0 if geometry == "ring" else None
         again = type(layout).from_state(layout.state, keep=keep, geometry=layout.geometry)
         assert record(again) == record(layout) and rows(again) == rows(layout)
-        target = _empty(impl, ring, start=9)
+        target = _empty(impl, geometry, start=9)
         target.state = layout.state
         assert record(target) == record(layout) and rows(target) == rows(layout)
     assert seen == ["empty", "plain", "mixed", "packed"]
@@ -319,7 +338,7 @@ def test_every_phase_round_trips_through_from_state(name: str, ring: bool) -> No
 
 def test_the_form_is_the_one_rule_with_the_modifier_record() -> None:
     """Form 2 (contract §0.6): each stage's planes, the geometry's layout fields (a ring's
-    ``keep`` too), the target's codec tail, the modifier record; form 1 (two groups) is
+    ``keep`` too, a chunk's size), the target's codec tail, the modifier record; form 1 (two groups) is
     ``kvrows.forms_v1``'s."""
     full = state_form(composition("DelayedQuantizedKVCache"))
     assert full.file_class == "DelayedQuantizedKVCache"
@@ -329,6 +348,9 @@ def test_the_form_is_the_one_rule_with_the_modifier_record() -> None:
     ring = state_form(composition("DelayedRotatingQuantizedKVCache")).fields
     frame = ("offset", "left_padding", "max_size", "total", "idx", "rotated", "keep")
     assert ring == (*stages, *frame, "group_size", "bits", *record)
+    chunked = state_form(composition("DelayedChunkedQuantizedKVCache")).fields
+    chunk_frame = ("offset", "left_padding", "idx", "chunk_size")
+    assert chunked == (*stages, *chunk_frame, "group_size", "bits", *record)
     turbo = state_form(composition("DelayedTurboQuantKVCache")).fields
     assert turbo == (*stages, "offset", "left_padding", "idx", "k_bits", "v_bits", *record)
     old = forms_v1.delayed_form(composition("DelayedRotatingQuantizedKVCache")).fields
@@ -354,8 +376,9 @@ def test_every_stage_is_in_one_column_frame() -> None:
 
 def _mixed(impl: Any = optimized, ring: bool = False) -> Delayed:
     """Rows of 6 (converted at 6), 2 and 3 tokens (plain), start 5."""
-    layout = _empty(impl, ring, start=5)
-    layout.merge_rows([_row(impl, ring, 5, n, n, lego=False) for n in (6, 2, 3)])
+    geometry = "ring" if ring else "growing"
+    layout = _empty(impl, geometry, start=5)
+    layout.merge_rows([_row(impl, geometry, 5, n, n, lego=False) for n in (6, 2, 3)])
     assert layout.converted_at == (6, None, None) and layout.phase == "mixed"
     return layout
 
@@ -515,14 +538,14 @@ def _lego_reads(impl: Any, lego: Any, seed: int, tokens: int) -> list[bytes]:
     return [as_numpy(p).tobytes() for p in planes]
 
 
-@pytest.mark.parametrize("ring", [False, True])
+@pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("tokens", [3, 6])  # saved plain (start 5), saved converted at 6
 @pytest.mark.parametrize("source", sorted(IMPLS))
 def test_a_lego_saves_as_its_storage_and_loads_as_the_lego(
-    tmp_path: Path, ring: bool, tokens: int, source: str
+    tmp_path: Path, geometry: str, tokens: int, source: str
 ) -> None:
     impl = IMPLS[source]
-    lego = _row(impl, ring, 5, tokens, 4, lego=True)
+    lego = _row(impl, geometry, 5, tokens, 4, lego=True)
     path = tmp_path / "lego.safetensors"
     save_prompt_cache(path, [lego])
     for target in sorted(IMPLS):
@@ -564,7 +587,7 @@ def test_a_corrupt_lego_record_is_refused(
     tmp_path: Path, tokens: int, edit: Any, error: type[Exception], message: str
 ) -> None:
     path = tmp_path / "lego.safetensors"
-    save_prompt_cache(path, [_row(optimized, False, 5, tokens, 4, lego=True)])
+    save_prompt_cache(path, [_row(optimized, "growing", 5, tokens, 4, lego=True)])
     _rewritten(path, edit)
     with pytest.raises(error, match=message):
         load_prompt_cache(path)
@@ -579,22 +602,22 @@ def test_no_state_inside_a_round() -> None:
         layout.state = _mixed().state
 
 
-@pytest.mark.parametrize("ring", [False, True])
+@pytest.mark.parametrize("geometry", GEOMETRIES)
 def test_a_lego_saved_as_a_one_row_layout_comes_back_as_the_lego(
-    tmp_path: Path, ring: bool
+    tmp_path: Path, geometry: str
 ) -> None:
     """The form that keeps ``start`` and the conversion point of one request."""
     # 6 tokens: within the window (a longer first block would leave the serial ring more
-    # columns than a layout row keeps).
-    lego = _row(optimized, ring, 5, 6, 3, lego=True)
-    solo = _row(optimized, ring, 5, 6, 3, lego=True)  # the oracle: the same lego, kept
+    # columns than a layout row keeps); a chunked row holds them all until its next append.
+    lego = _row(optimized, geometry, 5, 6, 3, lego=True)
+    solo = _row(optimized, geometry, 5, 6, 3, lego=True)  # the oracle: the same lego, kept
     assert lego.minimum_reusable_offset == 6
-    layout = _empty(optimized, ring, start=5)
+    layout = _empty(optimized, geometry, start=5)
     layout.merge_rows([lego])
     save_prompt_cache(tmp_path / "one.safetensors", [layout])
     (loaded,) = load_prompt_cache(tmp_path / "one.safetensors", implementation="reference")
     back = loaded.extract_row(0)
-    held = reference.DelayedRotatingQuantizedKVCache if ring else reference.DelayedQuantizedKVCache
+    held = type(_empty(reference, geometry, 5))
     assert type(back) is held.lego_class and back.converted
     assert back.minimum_reusable_offset == solo.minimum_reusable_offset
     assert back.signature() == solo.signature() and back.offset == solo.offset
@@ -640,7 +663,7 @@ def test_a_file_mixing_form_1_and_form_2_layers_loads(tmp_path: Path) -> None:
     """Each layer is read by its own form: a delayed layout (form 2) beside a serial
     storage (form 1, mlx-lm's), in either implementation."""
     layout = _mixed()
-    plain = _row(optimized, False, 5, 4, 9, lego=False)
+    plain = _row(optimized, "growing", 5, 4, 9, lego=False)
     path = tmp_path / "mixed.safetensors"
     save_prompt_cache(path, [layout, plain])
     _, metadata = read_safetensors(path)

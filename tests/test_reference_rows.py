@@ -72,7 +72,8 @@ def test_every_landed_composition_is_one_declared_class() -> None:
         if "delayed" in cls.composition.modifiers and not cls.composition.is_layout:
             # A lego: the delayed modifier's serial mixin over a serial storage of two stages.
             assert issubclass(cls, Bf16First) and issubclass(cls, SerialStorage)
-            lego = cls(*((8,) if "max_size" in cls.composition.params else ()))
+            sizes = {p: 8 for p in ("max_size", "chunk_size") if p in cls.composition.params}
+            lego = cls(**sizes)  # a ring's window, a chunk; the codec's defaults
             assert lego.stages == (Plain(), lego.quantization) and lego.codec_spec == Plain()
             continue
         if "delayed" in cls.composition.modifiers:  # a layout of two stages
