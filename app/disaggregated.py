@@ -35,7 +35,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kvrows.app.distributed import _request, _request_record
+from kvrows.app.distributed import request_from_record, request_record
 from kvrows.app.engine import (
     Engine,
     FinishEvent,
@@ -156,7 +156,7 @@ def send_prefilled(
         raise InvalidInputError("no prefilled rows to send")
     records = [
         {
-            **_request_record(request),
+            **request_record(request),
             "first_token": row.first_token,
             "prefill_chunks": list(row.prefill_chunks),
             "prefix_hit_tokens": row.prefix_hit_tokens,
@@ -194,7 +194,7 @@ def recv_prefilled(
             int(record["prefix_hit_tokens"]),
             _logits_array(record.get("logits")),
         )
-        out.append((_request(record), row, int(record["admitted_step"])))
+        out.append((request_from_record(record), row, int(record["admitted_step"])))
     return out
 
 

@@ -268,7 +268,7 @@ def broadcast_text(text: str | None, *, group: Any) -> str:
     return body.decode()
 
 
-def _request_record(request: Any) -> dict[str, Any]:
+def request_record(request: Any) -> dict[str, Any]:
     return {
         "rid": request.rid,
         "prompt": list(request.prompt),
@@ -281,7 +281,7 @@ def _request_record(request: Any) -> dict[str, Any]:
     }
 
 
-def _request(record: dict[str, Any]) -> Any:
+def request_from_record(record: dict[str, Any]) -> Any:
     from kvrows.app.engine import Request
 
     return Request(
@@ -316,7 +316,8 @@ def _apply(engine: Any, record: dict[str, Any], submissions: Sequence[_Submissio
         mine = waiting.get(entry["rid"])
         try:
             stream = engine.submit(
-                mine.request if mine else _request(entry), on_event=mine.on_event if mine else None
+                mine.request if mine else request_from_record(entry),
+                on_event=mine.on_event if mine else None,
             )
             if mine is not None:
                 mine.stream = stream
@@ -502,7 +503,7 @@ class Scheduler:
                 close, self._close = self._close, False
             last = stop.is_set() and not submissions and not self.engine.has_work()
             record: dict[str, Any] = {
-                "submit": [_request_record(s.request) for s in submissions],
+                "submit": [request_record(s.request) for s in submissions],
                 "cancel": cancels,
                 "close": close,
                 "stop": last,

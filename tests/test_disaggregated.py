@@ -10,15 +10,12 @@ decode engine's own pools."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from launch_helpers import launch
 
 from kvrows.app.demo import builtin_trace, check_invariance, parse_scheme
 from kvrows.app.disaggregated import parse_roles, route
@@ -31,27 +28,8 @@ WORKER = Path(__file__).with_name("disaggregated_worker.py")
 LAUNCH_TIMEOUT = 300
 
 
-def _launch(script: Path) -> tuple[int, str]:
-    launcher = Path(sys.executable).with_name("mlx.launch")
-    command = [str(launcher), "-n", "2", "--backend", "ring", "--", sys.executable, str(script)]
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, _ = process.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        out, _ = process.communicate()
-        pytest.fail(f"the launch did not end within {LAUNCH_TIMEOUT} s:\n{out[-2000:]}")
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    return process.returncode, out
-
-
 def test_prefill_and_decode_ranks_give_one_process_tokens() -> None:
-    status, out = _launch(WORKER)
+    status, out = launch(WORKER, timeout=LAUNCH_TIMEOUT)
     assert status == 0, out[-3000:]
     lines = set(out.splitlines())
     for what in ("contiguous", "paged"):
