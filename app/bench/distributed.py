@@ -116,14 +116,14 @@ def _transfer(group: Any, sizes: Mapping[str, int]) -> list[dict[str, Any]]:
 
 
 def _records(group: Any, sizes: Mapping[str, int]) -> dict[str, float]:
-    from kvrows.app.distributed import _request_record, broadcast_text
+    from kvrows.app.distributed import broadcast_text, request_record
     from kvrows.app.engine import Request
 
     submission = Request("r0", tuple(range(1, 2001)), max_tokens=64)
     texts = {
         "empty": json.dumps({"submit": [], "cancel": [], "close": False, "stop": False}),
         "2000-token submission": json.dumps(
-            {"submit": [_request_record(submission)], "cancel": [], "close": False, "stop": False}
+            {"submit": [request_record(submission)], "cancel": [], "close": False, "stop": False}
         ),
     }
     out: dict[str, float] = {}
