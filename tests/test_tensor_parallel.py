@@ -28,7 +28,7 @@ def test_two_ranks_serve_the_trace_as_one_process_with_half_the_kv_each() -> Non
     for what in ("contiguous", "paged", "broadcast", "guard"):
         assert {f"ok {rank} {what}" for rank in (0, 1)} <= set(out.splitlines()), out[-3000:]
     rows = [line.split() for line in out.splitlines() if re.match(r"llama\s+\S+\s+2\s", line)]
-    assert len(rows) == 3 and all(row[-1] == "PASS" for row in rows), out[-3000:]
+    assert len(rows) == 2 and all(row[-1] == "PASS" for row in rows), out[-3000:]
     for row in rows:  # KV bytes per token: one rank's, one process's
         assert 2 * int(row[6]) == int(row[7]), row
 

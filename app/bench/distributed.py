@@ -46,7 +46,7 @@ LAUNCH_TIMEOUT = 600
 
 def _sizes(quick: bool) -> dict[str, int]:
     if quick:
-        return {"tokens": 512, "layers": 2, "repeats": 3, "requests": 3}
+        return {"tokens": 256, "layers": 1, "repeats": 2, "requests": 2}
     return {"tokens": 4096, "layers": 4, "repeats": 7, "requests": 12}
 
 
