@@ -348,8 +348,9 @@ def _token_geometry(entry: Composition, codec: CodecSpec, layer: Any) -> Geometr
 def _layer_codec(codec: CodecSpec, layer: Any, bf16_first: bool) -> CodecSpec:
     """``codec``, or plain where no storage serving the layer's mlx-lm class takes
     ``codec`` (``bf16_first``: a bf16-first one): TurboQuant refuses the layer's token
-    geometry (full attention only); a ring layer has no bf16-first storage of an mx mode.
-    Such a layer stays plain (what a bf16-first layer holds before its start)."""
+    geometry (full attention only); a codec with no bf16-first storage on the layer's
+    geometry is refused under a start. Such a layer stays plain (what a bf16-first layer
+    holds before its start)."""
     peer = type(layer).__name__
     try:
         plain = serial_for_peer(peer, Plain())

@@ -59,6 +59,7 @@ __all__ = [
     "Bf16FirstChunkedQuantizedKVCache",
     "Bf16FirstMxKVCache",
     "Bf16FirstQuantizedKVCache",
+    "Bf16FirstRotatingMxKVCache",
     "Bf16FirstRotatingQuantizedKVCache",
     "Bf16FirstTurboQuantKVCache",
     "ChunkedKVCache",
@@ -68,6 +69,7 @@ __all__ = [
     "DelayedChunkedQuantizedKVCache",
     "DelayedMxKVCache",
     "DelayedQuantizedKVCache",
+    "DelayedRotatingMxKVCache",
     "DelayedRotatingQuantizedKVCache",
     "DelayedTurboQuantKVCache",
     "KVCache",
@@ -333,6 +335,8 @@ if TYPE_CHECKING:
 
     class Bf16FirstRotatingQuantizedKVCache(Bf16First, SerialDropIn, SharedRing, Serial): ...
 
+    class Bf16FirstRotatingMxKVCache(Bf16First, SerialDropIn, SharedRing, Serial): ...
+
     class Bf16FirstChunkedQuantizedKVCache(
         Bf16First, SerialDropIn, ChunkedSurface, ChunkedGeometry, Serial
     ): ...
@@ -349,6 +353,8 @@ if TYPE_CHECKING:
     class DelayedMxKVCache(DelayedLayout, SpeculativeLayout, GrowingGeometry, Layout): ...
 
     class DelayedRotatingQuantizedKVCache(DelayedLayout, SpeculativeLayout, RaggedRing, Layout): ...
+
+    class DelayedRotatingMxKVCache(DelayedLayout, SpeculativeLayout, RaggedRing, Layout): ...
 
     class DelayedChunkedQuantizedKVCache(
         DelayedLayout, SpeculativeLayout, ChunkedSurface, ChunkedGeometry, Layout

@@ -53,6 +53,7 @@ __all__ = [
     "Bf16FirstChunkedQuantizedKVCache",
     "Bf16FirstMxKVCache",
     "Bf16FirstQuantizedKVCache",
+    "Bf16FirstRotatingMxKVCache",
     "Bf16FirstRotatingQuantizedKVCache",
     "Bf16FirstTurboQuantKVCache",
     "ChunkedKVCache",
@@ -62,6 +63,7 @@ __all__ = [
     "DelayedChunkedQuantizedKVCache",
     "DelayedMxKVCache",
     "DelayedQuantizedKVCache",
+    "DelayedRotatingMxKVCache",
     "DelayedRotatingQuantizedKVCache",
     "DelayedTurboQuantKVCache",
     "KVCache",
@@ -244,6 +246,8 @@ if TYPE_CHECKING:
 
     class Bf16FirstRotatingQuantizedKVCache(Bf16First, RingParameters, SerialStorage): ...
 
+    class Bf16FirstRotatingMxKVCache(Bf16First, RingParameters, SerialStorage): ...
+
     class Bf16FirstChunkedQuantizedKVCache(Bf16First, ChunkedSurface, SerialStorage): ...
 
     class Bf16FirstChunkedMxKVCache(Bf16First, ChunkedSurface, SerialStorage): ...
@@ -256,6 +260,10 @@ if TYPE_CHECKING:
     class DelayedMxKVCache(DelayedLayout, SpeculativeLayout, RowLayout): ...
 
     class DelayedRotatingQuantizedKVCache(
+        DelayedLayout, RingParameters, SpeculativeLayout, RowLayout
+    ): ...
+
+    class DelayedRotatingMxKVCache(
         DelayedLayout, RingParameters, SpeculativeLayout, RowLayout
     ): ...
 

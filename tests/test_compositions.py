@@ -175,8 +175,8 @@ def test_the_table_names_every_seed_class_once() -> None:
     # two paged rings (the paged placement under the ring geometry), the four presets of
     # the microscaling codecs, their three rings and the fourteen of the chunked geometry
     # (plain, affine, microscaling, paged, bf16-first; issue 25).
-    assert len(names) == len(set(names)) == 52
-    assert len(landed()) == 52
+    assert len(names) == len(set(names)) == 54
+    assert len(landed()) == 54
     assert len([c for c in COMPOSITIONS if not c.is_landed]) == 0
     for entry in COMPOSITIONS:
         if entry.serial is not None:

@@ -258,6 +258,7 @@ FAMILY_LAYOUTS = [
     ("delayed-turbo", "DelayedTurboQuantKVCache"),
     ("mx", "BatchedMxKVCache"),
     ("delayed-mx", "DelayedMxKVCache"),
+    ("delayed-mx", "DelayedRotatingMxKVCache"),
     ("delayed-mx", "DelayedChunkedMxKVCache"),
     ("paged", "PagedKvRows"),
     ("paged-affine", "PagedKvRows"),

@@ -73,7 +73,11 @@ def test_the_families_come_from_the_table_and_one_hook_row() -> None:
     assert hooks.delayed is not None  # rows convert to it: the delayed-mx family
     mx, delayed = FAMILIES["mx"], FAMILIES["delayed-mx"]
     assert [s.name for s in mx.layouts] == ["BatchedMxKVCache"] and mx.serial == "MxKVCache"
-    assert [s.name for s in delayed.layouts] == ["DelayedMxKVCache", "DelayedChunkedMxKVCache"]
+    assert [s.name for s in delayed.layouts] == [
+        "DelayedMxKVCache",
+        "DelayedRotatingMxKVCache",
+        "DelayedChunkedMxKVCache",
+    ]
     assert mx.tolerance_key == "affine" and mx.peer is None and delayed.peer is None
     assert delayed.machine is FAMILIES["delayed"].machine  # the modifier's one machine
 

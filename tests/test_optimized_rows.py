@@ -85,6 +85,7 @@ def test_every_landed_composition_is_one_declared_class() -> None:
         "DelayedRotatingQuantizedKVCache",
         "DelayedTurboQuantKVCache",
         "DelayedMxKVCache",
+        "DelayedRotatingMxKVCache",
         "DelayedChunkedQuantizedKVCache",
         "DelayedChunkedMxKVCache",
     }
