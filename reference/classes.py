@@ -263,9 +263,7 @@ if TYPE_CHECKING:
         DelayedLayout, RingParameters, SpeculativeLayout, RowLayout
     ): ...
 
-    class DelayedRotatingMxKVCache(
-        DelayedLayout, RingParameters, SpeculativeLayout, RowLayout
-    ): ...
+    class DelayedRotatingMxKVCache(DelayedLayout, RingParameters, SpeculativeLayout, RowLayout): ...
 
     class DelayedChunkedQuantizedKVCache(
         DelayedLayout, ChunkedSurface, SpeculativeLayout, RowLayout
