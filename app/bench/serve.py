@@ -295,6 +295,22 @@ def _serve_once(
 ) -> ServerRun:
     """Start server ``name``, warm it up (one short request, untimed), send the trace,
     read its peak memory, stop it."""
+    # A SIGTERM (a timeout, a supervisor) ends the bench through its ``finally`` blocks, so
+    # the server child (a session of its own) is stopped, not left behind.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return _serve_started(name, checkpoint, trace, clients, max_batch)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _serve_started(
+    name: str, checkpoint: Path, trace: Sequence[HttpRequest], clients: int, max_batch: int
+) -> ServerRun:
     port = _free_port()
     command = server_commands(checkpoint, port, max_batch)[name]
     url = f"http://127.0.0.1:{port}"
