@@ -35,7 +35,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kvrows.app.distributed import request_from_record, request_record
+from kvrows.app.distributed import gathered_ints, request_from_record, request_record
 from kvrows.app.engine import (
     Engine,
     FinishEvent,
@@ -115,18 +115,11 @@ def route(ready: Mapping[int, int], free: Mapping[int, int]) -> list[tuple[int, 
     return out
 
 
-def _gathered_ints(values: Sequence[int], group: Any) -> np.ndarray[Any, Any]:
-    """Every rank's ``values`` (the same count each), one row per rank."""
-    mine = mx.array(list(values), dtype=mx.int32)
-    every = np.array(mx.distributed.all_gather(mine, group=group))
-    return every.reshape(group.size(), len(values))
-
-
 def gather_texts(text: str, *, group: Any) -> list[str]:
     """Every rank's ``text``, in rank order, on every rank (two all-gathers: the lengths,
     then the bytes padded to the longest)."""
     raw = text.encode()
-    lengths = _gathered_ints([len(raw)], group)[:, 0]
+    lengths = gathered_ints([len(raw)], group)[:, 0]
     width = max(int(lengths.max()), 1)
     padded = np.zeros(width, dtype=np.uint8)
     padded[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
@@ -257,7 +250,7 @@ class DisaggregatedRank:
                 gauges = engine.gauges()
                 free = engine.max_batch - gauges.running - gauges.waiting
                 counts = [0, free, int(not engine.has_work())]
-            table = _gathered_ints(counts, self.group)
+            table = gathered_ints(counts, self.group)
             routes = route(
                 {r: int(table[r, 0]) for r in prefill_ranks if table[r, 0] > 0},
                 {r: int(table[r, 1]) for r in decode_ranks},

@@ -49,6 +49,8 @@ __all__ = [
     "check_in_step",
     "check_store_sharding",
     "follow",
+    "gathered_ints",
+    "launch_command",
     "shard_model",
     "sharding",
     "smallest",
@@ -56,6 +58,21 @@ __all__ = [
 
 #: mlx-lm cache classes whose state is not split by heads.
 _RECURRENT = frozenset({"ArraysCache", "MambaCache"})
+
+
+def launch_command(ranks: int = 2) -> list[str]:
+    """``mlx.launch`` of ``ranks`` local processes over the ring backend, ending in ``--``
+    (append the program). Each launch takes its own ports (a free one found now, then the
+    ones after it): two launches at once on the default ports would meet each other."""
+    import socket
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    launcher = str(Path(sys.executable).with_name("mlx.launch"))
+    return [launcher, "-n", str(ranks), "--backend", "ring", "--starting-port", str(port), "--"]
 
 
 def sharding(model: Any) -> tuple[int, int] | None:
@@ -144,17 +161,23 @@ def _check_present(present: Sequence[int], group: Any) -> None:
         )
 
 
-def _gathered(value: int, group: Any) -> list[int]:
-    """``value`` of every rank of ``group``, in rank order (one int32 each, beside a
-    presence mark that must come back from every rank)."""
-    mine = mx.array([value, 1], dtype=mx.int32)
-    every = np.array(mx.distributed.all_gather(mine, group=group)).reshape(-1, 2)
+def gathered_ints(values: Sequence[int], group: Any) -> np.ndarray[Any, Any]:
+    """Every rank's ``values`` (the same count on each), one row per rank in rank order:
+    one all-gather of int32s, beside a presence mark that must come back from every rank
+    (``RankLostError`` names a rank whose mark is missing)."""
+    mine = mx.array([*values, 1], dtype=mx.int32)
+    every = np.array(mx.distributed.all_gather(mine, group=group)).reshape(-1, len(values) + 1)
     if every.shape[0] != group.size():
         raise RankLostError(
             f"rank {group.rank()}: an all-gather came back from {every.shape[0]} ranks"
         )
-    _check_present(every[:, 1].tolist(), group)
-    values: list[int] = every[:, 0].tolist()
+    _check_present(every[:, -1].tolist(), group)
+    return every[:, :-1]
+
+
+def _gathered(value: int, group: Any) -> list[int]:
+    """``value`` of every rank of ``group``, in rank order."""
+    values: list[int] = gathered_ints([value], group)[:, 0].tolist()
     return values
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from kvrows.app.distributed import launch_command
+
 #: The tests folder: a worker script imports its siblings from it.
 TESTS = Path(__file__).parent
 
@@ -19,9 +21,7 @@ TESTS = Path(__file__).parent
 def launch(script: Path, *, timeout: float, ranks: int = 2) -> tuple[int, str]:
     """Run ``script`` on ``ranks`` processes; ``(status, output)`` of the launch (the
     launcher exits 0 whatever its ranks return: a worker prints what it checked)."""
-    launcher = Path(sys.executable).with_name("mlx.launch")
-    command = [str(launcher), "-n", str(ranks), "--backend", "ring", "--"]
-    command += [sys.executable, str(script)]
+    command = [*launch_command(ranks), sys.executable, str(script)]
     env = {**os.environ, "PYTHONPATH": str(TESTS)}
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -23,7 +23,7 @@ import pytest
 from server_helpers import free_port
 
 from kvrows.app.checkpoints import write_checkpoint
-from kvrows.app.distributed import LOST_RANK_STATUS
+from kvrows.app.distributed import LOST_RANK_STATUS, launch_command
 from kvrows.app.engine import Request
 from kvrows.app.server import build_engine, load_served_model
 
@@ -51,10 +51,9 @@ def _launch(checkpoint: Path, store: Path, log: Path) -> Iterator[str]:
     its URL; on the way out SIGTERM to rank 0 (a drain), and the launch must end with
     status 0, or everything is killed."""
     port = free_port()
-    launcher = Path(sys.executable).with_name("mlx.launch")
     kvrows = "import sys; from kvrows.app.cli import main; sys.exit(main())"
     command = [
-        str(launcher), "-n", "2", "--backend", "ring", "--", sys.executable, "-c", kvrows,
+        *launch_command(2), sys.executable, "-c", kvrows,
         "serve", "--tensor-parallel", "--model", str(checkpoint), "--served-model-name", "m",
         "--port", str(port), "--max-batch", "4", "--prefix-store", str(store),
     ]  # fmt: skip
@@ -145,10 +144,9 @@ def test_a_rank_that_dies_or_hangs_stops_the_launch(tmp_path: Path, fault: int) 
         tmp_path / "llama", "llama", config={"num_key_value_heads": 4, "num_attention_heads": 8}
     )
     port = free_port()
-    launcher = Path(sys.executable).with_name("mlx.launch")
     kvrows = "import sys; from kvrows.app.cli import main; sys.exit(main())"
     command = [
-        str(launcher), "-n", "2", "--backend", "ring", "--", sys.executable, "-c", kvrows,
+        *launch_command(2), sys.executable, "-c", kvrows,
         "serve", "--tensor-parallel", "--model", str(checkpoint), "--port", str(port),
         "--step-timeout", "3",
     ]  # fmt: skip

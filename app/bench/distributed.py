@@ -29,7 +29,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 from kvrows.app.bench.runner import Case, Family, Line, Table, Timing, Workload, format_gbps
@@ -184,9 +183,10 @@ def measure(quick: bool) -> dict[str, Any]:
 
 def _launch(quick: bool) -> dict[str, Any]:
     """One ``mlx.launch -n 2 --backend ring`` of this module; rank 0's figures."""
-    launcher = Path(sys.executable).with_name("mlx.launch")
-    command = [str(launcher), "-n", "2", "--backend", "ring", "--", sys.executable, "-m",
-               __name__, *(["--quick"] if quick else [])]  # fmt: skip
+    from kvrows.app.distributed import launch_command
+
+    command = [*launch_command(2), sys.executable, "-m", __name__,
+               *(["--quick"] if quick else [])]  # fmt: skip
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True, env={**os.environ, "PYTHONHASHSEED": "0"},
