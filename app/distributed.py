@@ -24,8 +24,10 @@ alike on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import itertools
 import json
 import threading
 from collections.abc import Callable, Sequence
@@ -148,11 +150,23 @@ def _digest(rids: Sequence[str], offsets: Sequence[int]) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little") & 0x7FFFFFFF
 
 
-def _check_present(present: Sequence[int], group: Any) -> None:
+#: Collectives this process has taken part in: every rank of a group runs the same ones in
+#: the same order, so the count is the same on each and names the collective.
+_collectives = itertools.count(1)
+
+
+def _presence_mark(limit: int) -> int:
+    """The presence mark of the next collective: its number, in ``1..limit``. A mark that
+    changes from one collective to the next tells a live rank's contribution from a stale
+    buffer (a ring all-sum that lost its peer can hand back an earlier result)."""
+    return next(_collectives) % limit + 1
+
+
+def _check_present(present: Sequence[int], mark: int, group: Any) -> None:
     """Raise ``RankLostError`` naming the ranks whose presence mark is missing from a
     collective's result: MLX's ring backend does not raise when a peer is gone, it returns
-    what the live ranks contributed."""
-    lost = [rank for rank, mark in enumerate(present) if mark != 1]
+    what the live ranks contributed, or an earlier result."""
+    lost = [rank for rank, found in enumerate(present) if found != mark]
     if lost:
         named = f"rank {lost[0]}" if len(lost) == 1 else f"ranks {', '.join(map(str, lost))}"
         raise RankLostError(
@@ -165,13 +179,14 @@ def gathered_ints(values: Sequence[int], group: Any) -> np.ndarray[Any, Any]:
     """Every rank's ``values`` (the same count on each), one row per rank in rank order:
     one all-gather of int32s, beside a presence mark that must come back from every rank
     (``RankLostError`` names a rank whose mark is missing)."""
-    mine = mx.array([*values, 1], dtype=mx.int32)
+    mark = _presence_mark(2**31 - 2)
+    mine = mx.array([*values, mark], dtype=mx.int32)
     every = np.array(mx.distributed.all_gather(mine, group=group)).reshape(-1, len(values) + 1)
     if every.shape[0] != group.size():
         raise RankLostError(
             f"rank {group.rank()}: an all-gather came back from {every.shape[0]} ranks"
         )
-    _check_present(every[:, -1].tolist(), group)
+    _check_present(every[:, -1].tolist(), mark, group)
     return every[:, :-1]
 
 
@@ -273,13 +288,14 @@ def broadcast_text(text: str | None, *, group: Any) -> str:
     raw = (text or "").encode() if root else b""
     first = np.zeros(BROADCAST_FIRST, dtype=np.uint8)
     room = BROADCAST_FIRST - 4 - size
-    first[BROADCAST_FIRST - size + group.rank()] = 1
+    mark = _presence_mark(255)
+    first[BROADCAST_FIRST - size + group.rank()] = mark
     if root:
         first[:4] = np.frombuffer(np.uint32(len(raw)).tobytes(), dtype=np.uint8)
         head = np.frombuffer(raw[:room], dtype=np.uint8)
         first[4 : 4 + len(head)] = head
     summed = np.array(mx.distributed.all_sum(mx.array(first), group=group), dtype=np.uint8)
-    _check_present(summed[BROADCAST_FIRST - size :].tolist(), group)
+    _check_present(summed[BROADCAST_FIRST - size :].tolist(), mark, group)
     length = int(np.frombuffer(summed[:4].tobytes(), dtype=np.uint32)[0])
     body = summed[4 : 4 + min(length, room)].tobytes()
     if length > room:
@@ -364,6 +380,10 @@ STEP_TIMEOUT = 120.0
 #: The exit status of a rank the watchdog or a lost peer stopped.
 LOST_RANK_STATUS = 3
 
+#: The environment variable naming a file to which a stopping rank appends its reason
+#: (every rank of a launch inherits it).
+STOP_LOG_VARIABLE = "KVROWS_STOP_LOG"
+
 
 def _others(group: Any) -> str:
     others = [str(r) for r in range(group.size()) if r != group.rank()]
@@ -376,8 +396,15 @@ def _stop_rank(message: str) -> None:
     import os
     import sys
 
-    sys.stderr.write(f"kvrows: {message}\n")
+    line = f"kvrows: {message}\n"
+    sys.stderr.write(line)
     sys.stderr.flush()
+    # The launcher stops relaying a rank's output once it has begun stopping the others,
+    # so the line may never reach its log: the file named by STOP_LOG_VARIABLE keeps it.
+    path = os.environ.get(STOP_LOG_VARIABLE)
+    if path:
+        with contextlib.suppress(OSError), open(path, "a", encoding="utf-8") as log:
+            log.write(line)
     os._exit(LOST_RANK_STATUS)
 
 
@@ -541,12 +568,23 @@ class Scheduler:
             self.records += 1
             _apply(self.engine, record, submissions)
             if last:
+                _watched(self.watchdog, "the acknowledgment of the last record", self._ended)
                 return
             if self.engine.has_work():
                 _watched(self.watchdog, "a step", self._step)
 
     def _step(self) -> None:
         self.engine.step_or_fail(fatal=(RankDivergenceError, RankLostError, RuntimeError))
+
+    def _ended(self) -> None:
+        _acknowledge_last(self.group)
+
+
+def _acknowledge_last(group: Any) -> None:
+    """Every rank's word that it received the last record. A peer's share of a collective
+    can sit in the socket's buffer after the peer died, so a last record that went out
+    proves nothing; a rank can only answer this after receiving it."""
+    gathered_ints([], group)
 
 
 def follow(engine: Any, group: Any = None, *, watchdog: Watchdog | None = None) -> None:
@@ -565,6 +603,9 @@ def follow(engine: Any, group: Any = None, *, watchdog: Watchdog | None = None) 
         record = json.loads(text)
         _apply(engine, record)
         if record["stop"]:
+            _watched(
+                guard, "the acknowledgment of the last record", lambda: _acknowledge_last(made)
+            )
             return
         if engine.has_work():
             _watched(guard, "a step", step)
