@@ -100,7 +100,7 @@ from kvrows.errors import (
 from kvrows.maintenance import KvMaintenance, create_kv_maintenance
 from kvrows.optimized import BlockPool
 from kvrows.paged import DEFAULT_BLOCK_SIZE
-from kvrows.persist.prefix_store import PrefixStore, reusable_copies
+from kvrows.persist.prefix_store import PrefixStore, reusable_copies, servable_prefixes
 from kvrows.protocols import (
     BatchableCache,
     Cache,
@@ -146,6 +146,11 @@ __all__ = [
 
 #: The ``max_tokens`` of a request that does not say (admission reserves it, §3).
 DEFAULT_MAX_TOKENS = 256
+
+#: The fewest prompt tokens a row still prefilling must share with a waiting request,
+#: beyond what the prefix cache covers, for the request to wait for that row's
+#: publication (§3.1): below it, computing them beside it costs less than the wait.
+PREFIX_WAIT_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -336,6 +341,9 @@ class EngineStats:
     peak_rows: int = 0
     #: Rows preempted (their KV dropped, re-prefilled later) to stay inside the budget.
     preemptions: int = 0
+    #: Steps a request was held back because a row still prefilling shares its prefix
+    #: (``Engine(wait_for_prefix=True)``, ``spec/engine.md`` §3.1), summed over requests.
+    prefix_waits: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -371,6 +379,16 @@ class EngineStats:
 _NOT_SUMMED = frozenset(
     {"peak_kv_bytes", "peak_active_kv_bytes", "peak_rows", "kv_bytes_per_token"}
 )
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    common = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        common += 1
+    return common
 
 
 class PrefixCache:
@@ -422,6 +440,11 @@ class PrefixCache:
             self.evictions += 1
         return freed
 
+    def matched(self, prompt: Sequence[int]) -> int:
+        """The most leading tokens of ``prompt`` an entry covers (nothing copied; whether
+        every layer can be cut there is the lookup's to say)."""
+        return max((_common_prefix(key, prompt) for key in self._entries), default=0)
+
     def lookup(
         self, prompt: Sequence[int], *, limit: int | None = None
     ) -> tuple[int, list[Cache]] | None:
@@ -432,12 +455,7 @@ class PrefixCache:
         used: tuple[int, ...] | None = None
         limit = len(prompt) - 1 if limit is None else min(limit, len(prompt) - 1)
         for key, caches in self._entries.items():
-            common = 0
-            for a, b in zip(key, prompt, strict=False):
-                if a != b:
-                    break
-                common += 1
-            usable = min(common, limit)
+            usable = min(_common_prefix(key, prompt), limit)
             if usable <= 0 or (best is not None and usable <= best[0]):
                 continue
             copies = reusable_copies(caches, usable)
@@ -986,6 +1004,7 @@ class Engine:
         prefix_cache_bytes: int | None = None,
         step_guard: Callable[[int, Sequence[str], Sequence[int]], None] | None = None,
         store_agreement: Callable[[int], int] | None = None,
+        wait_for_prefix: bool = True,
     ) -> None:
         if max_batch < 1 or prefill_chunk < 1:
             raise InvalidInputError("max_batch and prefill_chunk must be >= 1")
@@ -1044,6 +1063,18 @@ class Engine:
         #: The bound of the in-memory prefix cache (its entries and, paged, the pools'
         #: cached free blocks), inside ``kv_budget`` (``None``: only the budget bounds it).
         self.prefix_cache_bytes = prefix_cache_bytes
+        #: Hold a request back while a row still prefilling shares at least
+        #: ``PREFIX_WAIT_TOKENS`` more of its prompt than the prefix cache covers: it is
+        #: admitted once that row publishes, and reuses its prefix instead of computing it
+        #: again beside it (``spec/engine.md`` §3.1). Only where prompts are published as
+        #: they finish (not under a bf16-first scheme: its rows publish when they leave).
+        self.wait_for_prefix = (
+            bool(wait_for_prefix) and use_prefix_cache and not maintenance.converts_later
+        )
+        #: Whether a published row serves a part of its prompt (every layer can be cut: no
+        #: ring past its window, no recurrent state); learned from the first prompt
+        #: published (``None`` until then), and waiting stops where it cannot help.
+        self._partial_reuse: bool | None = None
         self.detokenize = detokenize
         self.max_waiting = max_waiting
         self.queue_timeout = queue_timeout
@@ -1671,19 +1702,21 @@ class Engine:
             return self._live[rid]
 
     def _admit_waiting(self) -> list[_Row]:
-        """Admission, FIFO, under the row count and the byte budget (§3): the head waits
-        while it does not fit, and nothing behind it overtakes it."""
+        """Admission, FIFO, under the row count and the byte budget (§3): the first request
+        that does not fit waits, and nothing behind it overtakes it. A request waiting for
+        a prefilling row's prefix (§3.1) keeps its place; those behind it go on."""
         admitted: list[_Row] = []
+        index = 0  # only this thread removes entries: those before it stay put
         while True:
             with self._lock:
-                if not self._waiting:
+                if index >= len(self._waiting):
                     break
-                entry = self._waiting[0]
+                entry = self._waiting[index]
             request = entry.request
             problem = self._never_fits(request, self.kv_budget)  # the budget may have shrunk
             if problem is not None:
                 with self._lock:
-                    self._waiting.pop(0)
+                    self._waiting.pop(index)
                 entry.result.error = str(CapacityError(problem))
                 entry.result.finish_reason = "rejected"
                 self._stats.rejected += 1
@@ -1693,14 +1726,44 @@ class Engine:
             active = self._cohort + admitted + self._running
             if len(active) >= self.max_batch:
                 break
+            if self._waits_for_prefix(entry, self._cohort + admitted):
+                self._stats.prefix_waits += 1
+                index += 1
+                continue
             # A prefilled row holds blocks of its own: no shared prefix credited.
             need = self._full_bytes(request) if entry.prefilled else self.projected_bytes(request)
             if self.kv_budget is not None and self._reserved(active) + need > self.kv_budget:
                 break
             with self._lock:
-                self._waiting.pop(0)
+                self._waiting.pop(index)
             admitted.append(self._admit(entry))
         return admitted
+
+    def _waits_for_prefix(self, entry: _Entry, prefilling: Sequence[_Row]) -> bool:
+        """Whether ``entry`` waits for a row still prefilling (§3.1): that row shares at
+        least ``PREFIX_WAIT_TOKENS`` more of its context than the prefix cache covers now,
+        and its prompt will be published when done (so this one reuses it then)."""
+        if not self.wait_for_prefix or self._partial_reuse is False or entry.prefilled:
+            return False
+        context = entry.request.prompt + tuple(entry.result.tokens)
+        limit = len(context) - 1  # one token is always computed
+        shared = min(
+            limit,
+            max(
+                (_common_prefix(row.context, context) for row in prefilling),
+                default=0,
+            ),
+        )
+        if shared < PREFIX_WAIT_TOKENS:
+            return False
+        return shared - self._cached_prefix(context) >= PREFIX_WAIT_TOKENS
+
+    def _cached_prefix(self, context: Sequence[int]) -> int:
+        """Leading tokens of ``context`` the in-memory prefix cache covers (paged: whole
+        blocks the pools hold), copying nothing."""
+        if self.paged is not None:
+            return len(self.paged.hit_blocks(context)[0]) * self.paged.block_size
+        return self.prefix_cache.matched(context) if self.prefix_cache is not None else 0
 
     def _prefix_held(self) -> int:
         """Bytes the prefix cache holds: its entries, and paged, the cached free blocks."""
@@ -2288,6 +2351,10 @@ class Engine:
         and not to the disk store (it saves the row when it leaves)."""
         if self.prefix_cache is None or any(isinstance(c, Handover) for c in row.caches):
             return
+        if self._partial_reuse is None and len(row.context) > 2:
+            # Whether a prefix shorter than a prompt can be served (§3.1): a ring past its
+            # window or recurrent state cannot be cut, and waiting for them would only delay.
+            self._partial_reuse = bool(servable_prefixes(row.caches, [len(row.context) // 2]))
         self._publish_serial(row.context, row.caches, to_store=False)
 
     def _publish_serial(
