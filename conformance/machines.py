@@ -677,8 +677,11 @@ class ConformanceMachine(RuleBasedStateMachine):
         self._filters = self._kept_extracts = 0
         self._invariants = 0
         self._clean = True
-        #: ``_fetched_dtypes()`` of the geometry it was computed for.
-        self._dtypes_of: tuple[ks.Geometry | None, list[str]] = (None, [])
+        #: ``_fetched_dtypes()`` (keys', values') of the geometry it was computed for.
+        self._dtypes_of: tuple[ks.Geometry | None, tuple[list[str], list[str]]] = (
+            None,
+            ([], []),
+        )
         #: ``_encoded`` answers (for one geometry) and ``_positions`` answers (the planes
         #: object kept, so its id is not reused while remembered).
         self._encodings: tuple[ks.Geometry | None, dict[Any, Planes]] = (None, {})
@@ -829,11 +832,16 @@ class ConformanceMachine(RuleBasedStateMachine):
         Tokens are identified by the bytes of this form of their keys."""
         return planes
 
-    def _fetched_dtypes(self) -> list[str]:
-        """The dtypes of a fetched tensor's planes (the model's: values in the cache's
-        dtype, affine codes ``uint32`` with scales and biases in the cache's dtype)."""
-        empty = np.zeros((1, 1, 0, self.g.key_dim), NUMPY_DTYPES[self.g.dtype])
-        return [str(p.dtype) for p in self._fetched_form(self._encode(empty))]
+    def _fetched_dtypes(self) -> tuple[list[str], list[str]]:
+        """The dtypes of the fetched keys' planes and values' (the model's: values in the
+        cache's dtype, affine codes ``uint32`` with scales and biases in the cache's dtype)."""
+        dtype = NUMPY_DTYPES[self.g.dtype]
+        keys = np.zeros((1, 1, 0, self.g.key_dim), dtype)
+        values = np.zeros((1, 1, 0, self.g.value_dim), dtype)
+        return (
+            [str(p.dtype) for p in self._fetched_form(self._encode(keys))],
+            [str(p.dtype) for p in self._fetched_form(self._encode(values, "values"), "values")],
+        )
 
     def _check_deferred(
         self,
@@ -982,11 +990,12 @@ class ConformanceMachine(RuleBasedStateMachine):
         self.stats.check("masks")
 
     def _fetch_dtypes(self, what: str, *fetched: Planes) -> None:
-        """Fetched planes have the dtypes :meth:`_fetched_dtypes` names."""
+        """Fetched planes have the dtypes :meth:`_fetched_dtypes` names: ``fetched`` is
+        keys' planes, values', keys', ... (one pair per implementation)."""
         if self._dtypes_of[0] is not self.geo:  # one answer per example's geometry
             self._dtypes_of = (self.geo, self._fetched_dtypes())
-        want = self._dtypes_of[1]
-        for planes in fetched:
+        for i, planes in enumerate(fetched):
+            want = self._dtypes_of[1][i % 2]
             self._exact(f"{what}: fetched dtypes", [str(p.dtype) for p in planes], want)
         self.stats.check("dtypes")
 
@@ -2461,10 +2470,9 @@ class ConformanceMachine(RuleBasedStateMachine):
         except KvRowsError as error:
             return detached(error)
         evaluate(_flat((keys, values)))
-        planes = (*planes_of(impl, keys), *planes_of(impl, values))
-        half = len(planes) // 2
-        self._fetch_dtypes("fetch()", planes[:half], planes[half:])
-        return planes
+        key_planes, value_planes = planes_of(impl, keys), planes_of(impl, values)
+        self._fetch_dtypes("fetch()", key_planes, value_planes)
+        return (*key_planes, *value_planes)
 
     def _check_slot(self, slot: Slot) -> None:
         ref, opt, g = self.ref_impl, self.opt_impl, self.g
@@ -2616,9 +2624,10 @@ class ConformanceMachine(RuleBasedStateMachine):
 
     def _token_columns(self, planes: Planes, b: int, track: Track) -> list[tuple[int, int]]:
         """(column, position) of every token of ``track`` in row ``b`` of fetched planes."""
-        half = len(planes) // 2
+        if self._dtypes_of[0] is not self.geo:
+            self._dtypes_of = (self.geo, self._fetched_dtypes())
         position = self._positions(track.keys)
-        found = column_ids(planes[:half], b)
+        found = column_ids(planes[: len(self._dtypes_of[1][0])], b)  # the keys' planes
         return [(c, position[x]) for c, x in enumerate(found) if x in position]
 
     def _check_fetch(

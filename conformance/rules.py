@@ -66,7 +66,7 @@ from kvrows.affine_geometry import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from kvrows.codec import TURBO_HEAD_DIMS, Role
 from kvrows.compositions import composition
 from kvrows.conformance import strategies as ks
-from kvrows.conformance.arrays import NUMPY_DTYPES, random_block
+from kvrows.conformance.arrays import random_block
 from kvrows.conformance.families import Impl
 from kvrows.conformance.hooks import lm_cache
 from kvrows.conformance.machines import (
@@ -301,17 +301,6 @@ class TurboRules(CodecCases):
             return tuple(turbo_codec.encode_keys(block, self.g.k_bits))
         return tuple(turbo_codec.encode_values(block, self.g.v_bits))
 
-    def _fetched_form(self, planes: Planes, role: Role = "keys") -> Planes:
-        """Keys decoded, values decoded but still rotated, as bfloat16 (the spec's read)."""
-        bf16 = NUMPY_DTYPES["bfloat16"]
-        if role == "keys":
-            keys = turbo_codec.decode_keys(planes[0], planes[1], planes[2], self.g.k_bits)
-            return (keys.astype(bf16),)
-        return (turbo_codec.rotated_values(planes[0], planes[1], self.g.v_bits).astype(bf16),)
-
-    def _fetched_dtypes(self) -> list[str]:
-        return ["bfloat16"]  # whatever the activation dtype (spec/turbo-codec.md)
-
     # --------------------------------------------------------- deferred vs eager V
     def _models(
         self, rows: Sequence[tuple[int, Track, Array, Array]]
@@ -383,6 +372,8 @@ class TurboRules(CodecCases):
         models = self._models(rows)
         for (impl, codec, eager), out, keys in zip(oracles, outputs, fetched_keys, strict=True):
             image_keys, image_values = self._image(keys, models)
+            if impl is self.ref_impl:
+                self._same_decoding(what, oracles[0][1], oracles[1][1], image_keys, image_values)
             expected = eager(
                 codec,
                 impl.to_native(queries),
@@ -398,6 +389,28 @@ class TurboRules(CodecCases):
                 impl.to_numpy(expected),
             )
         self.stats.check("deferred vs eager", len(rows))
+
+    def _same_decoding(
+        self, what: str, ref_codec: Any, opt_codec: Any, keys: Planes, values: Planes
+    ) -> None:
+        """The two codecs decode the same planes to the same float32 bits: keys, and values
+        still rotated (what attention reads; a read hands out the planes, so this is where
+        a wrong table or unpacking in one implementation shows exactly)."""
+        from kvrows.optimized import turbo_codec as opt_turbo
+
+        opt = self.opt_impl
+        native = [tuple(opt.to_native(p) for p in side) for side in (keys, values)]
+        pairs = (
+            ("keys", ref_codec.decode(keys, "keys"), opt_codec.decode(native[0], "keys")),
+            (
+                "values (rotated)",
+                turbo_codec.rotated_values(values[0], values[1], self.g.v_bits),
+                opt_turbo.rotated_values(native[1][0], native[1][1], self.g.v_bits),
+            ),
+        )
+        for name, want, got in pairs:
+            self._close("kv.fetched", f"{what}: decoded {name}", opt.to_numpy(got), want)
+        self.stats.check("decoded reads")
 
     # ------------------------------------------------------------- invalid input
     def _other_widths(self) -> tuple[dict[str, int], dict[str, int]]:

@@ -24,6 +24,7 @@ from kvrows.schemes import TURBO_KEY_BITS, TURBO_VALUE_BITS
 from kvrows.turbo_tables import BOUNDARIES, CENTROIDS, SIGN_BITS
 
 __all__ = [
+    "centroid_runs",
     "decode_keys",
     "decode_values",
     "encode_keys",
@@ -198,12 +199,49 @@ def encode_values(x: mx.array, bits: int) -> tuple[mx.array, mx.array]:
     return pack_codes(codes.reshape(x.shape), bits), _half(scale)
 
 
-def rotated_values(packed: mx.array, scales: mx.array, bits: int) -> mx.array:
-    """Values still rotated, ``centroids[idx]·scale`` in float32 (the deferred-V read)."""
+#: Codes looked up together per ``bits``: the index of ``k`` codes has ``k·bits`` bits
+#: (at most 12: the table stays in a core's cache), and ``k`` divides a run of 8.
+_CODES_PER_LOOKUP = {2: 4, 3: 4, 4: 2, 5: 2, 8: 1}
+
+
+@cache
+def centroid_runs(bits: int) -> mx.array:
+    """``[2^(k·bits), k]`` float32: for each index of ``k`` codes (the first in the low
+    bits), their centroids; one gather then reads ``k`` centroids."""
     centroids, _ = codebook(bits)
-    idx = unpack_codes(packed, bits)
-    groups = _grouped(centroids[idx])
-    return (groups * scales.astype(mx.float32)[..., None]).reshape(idx.shape)
+    k = _CODES_PER_LOOKUP[bits]
+    index = mx.arange(2 ** (k * bits), dtype=mx.uint32)[:, None]
+    shifts = mx.arange(0, k * bits, bits, dtype=mx.uint32)[None, :]
+    return centroids[mx.right_shift(index, shifts) & ((1 << bits) - 1)]
+
+
+def _lookup_indices(packed: mx.array, bits: int) -> mx.array:
+    """The stream as indices of ``_CODES_PER_LOOKUP[bits]`` codes each, in order."""
+    k = _CODES_PER_LOOKUP[bits]
+    if k * bits == 8:
+        return packed.astype(mx.uint32)  # a byte is an index
+    word = _chunk_word(bits)
+    width = int(packed.shape[-1])
+    chunks = packed.reshape(*packed.shape[:-1], width // bits, bits)
+    run = chunks[..., 0].astype(word)
+    for byte in range(1, bits):
+        run = run | mx.left_shift(chunks[..., byte].astype(word), mx.array(8 * byte, dtype=word))
+    shifts = mx.arange(0, 8 * bits, k * bits, dtype=word)
+    index = mx.right_shift(run[..., None], shifts) & ((1 << (k * bits)) - 1)
+    return index.astype(mx.uint32).reshape(*packed.shape[:-1], width * 8 // (k * bits))
+
+
+def rotated_values(packed: mx.array, scales: mx.array, bits: int) -> mx.array:
+    """Values still rotated, ``centroids[idx]·scale`` in float32 (the deferred-V read).
+
+    The centroids are gathered several codes at a time (:func:`centroid_runs`): the same
+    float32 values as one gather per code, in a fraction of the gathers."""
+    table = centroid_runs(bits)  # checks ``bits``
+    read = table[_lookup_indices(packed, bits)]  # [..., indices, k]
+    dim = int(packed.shape[-1]) * 8 // bits
+    values = read.reshape(*packed.shape[:-1], dim)
+    groups = _grouped(values)
+    return (groups * scales.astype(mx.float32)[..., None]).reshape(values.shape)
 
 
 def unrotate(x: mx.array) -> mx.array:

@@ -145,10 +145,15 @@ def test_decode_check_refuses_an_output_left_rotated() -> None:
     workload = bench.workload("turbo", "attend")
     layout, mask = workload.setup()
     workload.check(workload.run((layout, mask)))
-    keys, rotated = layout.fetch()
+    (codes, k_scales, k_zeros), (packed, v_scales) = layout.fetch()
+    spec = layout.codec.spec
+    keys = optimized_turbo.decode_keys(codes, k_scales, k_zeros, spec.k_bits)
+    rotated = optimized_turbo.rotated_values(packed, v_scales, spec.v_bits)
+    queries = bench.data.queries
     skipped = mx.fast.scaled_dot_product_attention(
-        bench.data.queries, keys, rotated, scale=bench.data.scale, mask=mask
-    )
+        queries, keys.astype(queries.dtype), rotated.astype(queries.dtype),
+        scale=bench.data.scale, mask=mask,
+    )  # fmt: skip
     with pytest.raises(BenchCheckError, match="off by"):
         workload.check(skipped)
 

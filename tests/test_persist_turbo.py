@@ -108,7 +108,8 @@ def layout(impl: Any, rows: list[list[int]], seed: int, bits: tuple[int, int] = 
 
 
 def _fetch_equal(a: Any, b: Any) -> bool:
-    return _bytes([a[0], a[1]]) == _bytes([b[0], b[1]])
+    """Two reads hold the same planes (keys' then values'), byte for byte."""
+    return _bytes([*a[0], *a[1]]) == _bytes([*b[0], *b[1]])
 
 
 # -- the form ----------------------------------------------------------------------------

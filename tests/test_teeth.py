@@ -23,6 +23,7 @@ from kvrows.conformance.families import optimized_impl
 from kvrows.conversion import Conversion
 from kvrows.delayed import GroupAttend, RowAttentionPending
 from kvrows.errors import NotTrimmableError
+from kvrows.optimized import turbo_codec as optimized_turbo
 from kvrows.optimized.attention import attend as optimized_attend
 from kvrows.optimized.classes import (
     BatchedKVCache,
@@ -541,17 +542,28 @@ class WrongSignCodec(TurboCodec):
         return out * _flip_first(int(out.shape[-1])).astype(out.dtype)  # MUTATION
 
 
+def _left_rotated(
+    codec: Any, queries: Any, keys: Any, values: Any, mask: Any, scale: float
+) -> mx.array:
+    """Attention over a TurboQuant read's keys and still-rotated values, the output left in
+    the rotated basis (what a missing un-rotation computes)."""
+    decoded = codec.decode(keys, "keys")
+    rotated = optimized_turbo.rotated_values(values[0], values[1], codec.v_bits)
+    return mx.fast.scaled_dot_product_attention(
+        queries,
+        decoded.astype(queries.dtype),
+        rotated.astype(queries.dtype),
+        scale=scale,
+        mask=mask,
+    )
+
+
 class SkipsUnrotationCodec(TurboCodec):
     """Deferred-V attention returns the output still in the rotated basis."""
 
     def attend(self, queries: Any, keys: Any, values: Any, mask: Any, scale: float) -> Any:
-        return mx.fast.scaled_dot_product_attention(  # MUTATION (the output is not un-rotated)
-            queries,
-            keys.astype(queries.dtype),
-            values.astype(queries.dtype),
-            scale=scale,
-            mask=mask,
-        )
+        # MUTATION (the output is not un-rotated)
+        return _left_rotated(self, queries, keys, values, mask, scale)
 
 
 def _turbo_layout_with(codec: type[TurboCodec]) -> type[BatchedTurboQuantKVCache]:
@@ -600,14 +612,8 @@ class MixedReadSkipsUnrotation(DelayedTurboQuantKVCache):
         def group_attend(
             rows_queries: Any, group: Any, keys: Any, values: Any, mask: Any, scale: float
         ) -> Any:
-            if group.codec.defers_values:
-                return mx.fast.scaled_dot_product_attention(  # MUTATION (not un-rotated)
-                    rows_queries,
-                    keys.astype(rows_queries.dtype),
-                    values.astype(rows_queries.dtype),
-                    scale=scale,
-                    mask=mask,
-                )
+            if group.codec.defers_values:  # MUTATION (not un-rotated)
+                return _left_rotated(group.codec, rows_queries, keys, values, mask, scale)
             return (attend or _plain_group_attend)(rows_queries, group, keys, values, mask, scale)
 
         return super().attend_rows(queries, scale, group_attend, pending)

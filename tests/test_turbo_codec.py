@@ -201,9 +201,9 @@ def test_deferred_attention_matches_the_eager_oracle(spec: Turbo) -> None:
         np.testing.assert_allclose(deferred_np, eager_np, atol=3e-2)
         # and the un-rotation is what makes them agree: attention over the rotated
         # values without it is far off
-        skipped = ref_attention_or_sdpa(
-            codecs, to(q), codec.fetched(kp, "keys"), codec.fetched(vp, "values")
-        )
+        module = ref if codecs is ref_codecs else opt
+        rotated = module.rotated_values(vp[0], vp[1], spec.v_bits)
+        skipped = ref_attention_or_sdpa(codecs, to(q), codec.decode(kp, "keys"), rotated)
         assert np.abs(np.array(skipped) - eager_np).max() > 0.3
 
 
@@ -362,3 +362,47 @@ def test_float16_values_near_the_maximum_once_overflowed_the_scale() -> None:
     values = (60000 * ref.signs(64)).astype(np.float16)[None, :]
     _, scales = ref.encode_values(values, 3)
     assert np.all(np.isfinite(scales)) and float(scales.max()) == 65504.0
+
+
+@pytest.mark.parametrize("k_bits", sorted(TURBO_KEY_BITS))
+def test_the_optimized_attention_scores_keys_on_their_codes_where_mlx_packs_them(
+    k_bits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fast path's dispatch: keys of 2, 4 and 8 bits are scored by
+    ``mx.quantized_matmul`` over the stored codes (never decoded); 5-bit keys are decoded
+    (MLX packs 5 bits otherwise). Both agree with the reference's attention."""
+    from kvrows.optimized.codecs import turbo as fast
+
+    calls: list[str] = []
+    real_matmul, real_decode = mx.quantized_matmul, opt.decode_keys
+
+    def counted_matmul(*args: Any, **kwargs: Any) -> mx.array:
+        calls.append("quantized_matmul")
+        return real_matmul(*args, **kwargs)
+
+    def counted_decode(*args: Any, **kwargs: Any) -> mx.array:
+        calls.append("decode_keys")
+        return real_decode(*args, **kwargs)
+
+    monkeypatch.setattr(fast.mx, "quantized_matmul", counted_matmul)
+    monkeypatch.setattr(fast.turbo_codec, "decode_keys", counted_decode)
+    rng = np.random.default_rng(k_bits)
+    q = rng.standard_normal((2, 4, 3, 64)).astype(np.float32)
+    k = rng.standard_normal((2, 2, 9, 64)).astype(np.float32)
+    v = rng.standard_normal((2, 2, 9, 64)).astype(np.float32)
+    spec = Turbo(k_bits=k_bits, v_bits=3)
+    codec: Any = opt_codecs.make_codec(spec)
+    out = codec.attend(
+        mx.array(q),
+        codec.fetched(codec.encode(mx.array(k), "keys"), "keys"),
+        codec.fetched(codec.encode(mx.array(v), "values"), "values"),
+        "causal",
+        0.125,
+    )
+    expected = {2: "quantized_matmul", 4: "quantized_matmul", 8: "quantized_matmul"}
+    assert calls == [expected.get(k_bits, "decode_keys")]
+    reference: Any = ref_codecs.make_codec(spec)
+    want = reference.attend(
+        q, reference.encode(k, "keys"), reference.encode(v, "values"), "causal", 0.125
+    )
+    np.testing.assert_allclose(np.array(out), want, atol=3e-2)

@@ -228,6 +228,7 @@ def fresh_tables() -> Iterator[None]:
     (which clears them once it has patched the table)."""
     yield
     opt.codebook.cache_clear()
+    opt.centroid_runs.cache_clear()
     opt.signs.cache_clear()
 
 
@@ -270,6 +271,7 @@ def test_a_planted_table_bug_is_caught_and_twins_sharing_the_table_would_not(
     for bits in TURBO_VALUE_BITS:  # every width: the machine draws one per example
         monkeypatch.setitem(CENTROIDS, bits, plant(CENTROIDS[bits]))
     opt.codebook.cache_clear()
+    opt.centroid_runs.cache_clear()
     planted = optimized_round_trip(x, BITS)
     assert not np.array_equal(planted, clean)  # the bug is live in the MLX codec
 

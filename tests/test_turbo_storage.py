@@ -147,15 +147,17 @@ def test_layouts_agree_across_implementations_and_rounds_roll_back() -> None:
         a, b = pair[0].extract_row(row), pair[1].extract_row(row)
         assert same_planes(serial_planes(a), serial_planes(b))
     # What a read shows of every row (its own columns; the rest is masked and unspecified):
-    # bf16 keys and rotated values, the same bits in both implementations.
+    # the stored planes, the same bytes in both implementations.
     assert pair[0].left_pad == pair[1].left_pad
-    for a, b in zip(pair[0].fetch(), pair[1].fetch(), strict=True):
-        theirs = np.array(b.view(mx.uint16))
-        for row, (pad, offset) in enumerate(
-            zip(pair[0].left_pad, pair[0].row_offsets, strict=True)
-        ):
-            columns = slice(pad, pad + offset)
-            assert np.array_equal(a.view(np.uint16)[row, :, columns], theirs[row, :, columns])
+    for ours, theirs in zip(pair[0].fetch(), pair[1].fetch(), strict=True):
+        for a, b in zip(ours, theirs, strict=True):
+            mine, other = np.asarray(a), np.array(b)
+            for row, (pad, offset) in enumerate(
+                zip(pair[0].left_pad, pair[0].row_offsets, strict=True)
+            ):
+                columns = slice(pad, pad + offset)
+                assert mine.dtype == other.dtype
+                assert mine[row, :, columns].tobytes() == other[row, :, columns].tobytes()
 
 
 @pytest.mark.parametrize("impl", [ref, opt], ids=["reference", "optimized"])
@@ -186,14 +188,16 @@ def test_turbo_layers_in_an_unmodified_mlx_lm_model() -> None:
     assert {type(c).__name__ for c in caches} == {"TurboQuantKVCache"}
     with row_attention(model):
         turbo = model(tokens, cache=caches)
-    unhooked = model(tokens, cache=make_kvrows_cache(model, KvStorageScheme.parse("turbo-k8v3")))
 
     def kl(logits: mx.array) -> float:
         p = mx.softmax(plain, axis=-1)
         return float(mx.sum(p * (mx.log(p) - mx.log(mx.softmax(logits, axis=-1))), axis=-1).mean())
 
     assert kl(turbo) < 1e-3
-    assert kl(unhooked) > 10 * kl(turbo)  # without the un-rotation the output is off
+    # Without the hook mlx-lm's attention gets the read's planes, which only the codec's
+    # own attention reads: it refuses them rather than answering wrong.
+    with pytest.raises((TypeError, ValueError)):
+        model(tokens, cache=make_kvrows_cache(model, KvStorageScheme.parse("turbo-k8v3")))
 
 
 def test_sliding_layers_stay_plain_rings_under_turbo() -> None:

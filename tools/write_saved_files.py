@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import mlx.core as mx
 import numpy as np
 
@@ -47,7 +48,9 @@ DIGEST_RULE = (
     "negative pad as 0), then what it reads: a serial KV cache fetch() (if it holds tokens) "
     "and the fetch after one probe token, a ring's token columns sorted by content; a KV "
     "layout the same of each row's extract_row(b); a latent layout current(), each row from "
-    "its left_pad, before and after one probe token per row; a recurrent cache its planes. "
+    "its left_pad, before and after one probe token per row; a recurrent cache its planes; "
+    "a TurboQuant read (its planes) as its keys decoded and its values decoded still rotated, "
+    "bfloat16. "
     "Floats as float32, integers as int64, little-endian, each with its name and shape"
 )
 PROBE_SEED = 12345
@@ -121,18 +124,44 @@ def _columns_in_canonical_order(reads: list[tuple[str, Any]]) -> list[tuple[str,
     return [(name, host[:, :, order]) for name, host in hosts]
 
 
+def _decoded(cache: Any, keys: Any, values: Any) -> tuple[Any, Any]:
+    """A read as the digest records it: a TurboQuant read (its planes) as its keys decoded
+    and its values decoded still rotated, bfloat16 (what the read was when the fixtures
+    were written); any other read as it is."""
+    codec = getattr(cache, "last_read_codec", None) or getattr(cache, "codec", None)
+    spec = getattr(codec, "spec", None)
+    if not isinstance(spec, Turbo) or not isinstance(keys, tuple | list):
+        return keys, values
+    if _is_reference(cache):
+        from kvrows.reference import turbo_codec as ref_turbo
+
+        bf16 = np.dtype(ml_dtypes.bfloat16)
+        return (
+            ref_turbo.decode_keys(keys[0], keys[1], keys[2], spec.k_bits).astype(bf16),
+            ref_turbo.rotated_values(values[0], values[1], spec.v_bits).astype(bf16),
+        )
+    from kvrows.optimized import turbo_codec as opt_turbo
+
+    return (
+        opt_turbo.decode_keys(keys[0], keys[1], keys[2], spec.k_bits).astype(mx.bfloat16),
+        opt_turbo.rotated_values(values[0], values[1], spec.v_bits).astype(mx.bfloat16),
+    )
+
+
 def _serial_reads(cache: Any, label: str) -> list[tuple[str, Any]]:
     """A serial KV cache's fetch now and after a probe token (mutates ``cache``)."""
     ring = hasattr(cache, "max_size")
     out: list[tuple[str, Any]] = []
     if int(cache.offset) > 0:
-        keys, values = cache.fetch()
+        keys, values = _decoded(cache, *cache.fetch())
         now = _flat(f"{label}now.keys", keys) + _flat(f"{label}now.values", values)
         out += _columns_in_canonical_order(now) if ring else now
     geometry = cache.geometry
     if geometry is not None:
         shape = [(geometry.heads, 1, geometry.key_dim), (geometry.heads, 1, geometry.value_dim)]
-        keys, values = cache.update_and_fetch(*_probe(cache, 1, shape, geometry.dtype))
+        keys, values = _decoded(
+            cache, *cache.update_and_fetch(*_probe(cache, 1, shape, geometry.dtype))
+        )
         after = _flat(f"{label}next.keys", keys) + _flat(f"{label}next.values", values)
         out += _columns_in_canonical_order(after) if ring else after
     return out

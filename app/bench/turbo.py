@@ -868,10 +868,10 @@ def _mlx_lm_attention(codec: CodecSpec, queries: Any, layout: Any, mask: Any, sc
 
 
 def _eager(codec: CodecSpec, queries: Any, layout: Any, mask: Any, scale: float) -> Any:
-    """TurboQuant with every stored value un-rotated first, then ``mx.fast`` SDPA."""
-    keys, rotated = layout.fetch()
-    values = optimized_codec.unrotate(rotated)
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    """TurboQuant with the read's keys and values decoded first (values un-rotated, both
+    bfloat16), then ``mx.fast`` SDPA."""
+    key_planes, value_planes = layout.fetch()
+    return _eager_attention(make_codec(codec), queries, key_planes, value_planes, mask, scale)
 
 
 #: Who attends in a decode case, by implementation name (``kvrows`` and ``attend`` are

@@ -14,7 +14,7 @@ from kvrows.optimized.codecs.common import Planes, ZeroPlanes
 from kvrows.optimized.codecs.registry import implements
 from kvrows.protocols import Mask
 
-__all__ = ["AffineCodec", "quantized_attention"]
+__all__ = ["AffineCodec", "boolean_mask", "quantized_attention"]
 
 
 @implements("affine")
@@ -48,7 +48,7 @@ class AffineCodec(ZeroPlanes):
         return quantized_attention(queries, keys, values, mask, scale, self.group_size, self.bits)
 
 
-def _boolean_mask(mask: Mask, queries: int, keys: int) -> mx.array | None:
+def boolean_mask(mask: Mask, queries: int, keys: int) -> mx.array | None:
     if mask is None:
         return None
     if isinstance(mask, str):
@@ -96,7 +96,7 @@ def quantized_attention(
         q, k_packed, k_scales, k_biases, transpose=True, group_size=group_size, bits=bits,
         mode=mode,
     )  # fmt: skip
-    visible = _boolean_mask(mask, n, s)
+    visible = boolean_mask(mask, n, s)
     if visible is not None:
         if visible.ndim == 4:  # [B, 1, N, S] -> [B, 1, 1, N, S] over the head-group axis
             visible = mx.expand_dims(visible, 2)

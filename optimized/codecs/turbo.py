@@ -6,13 +6,22 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvrows.codec import Role
+from kvrows.codec import TURBO_GROUP, Role
 from kvrows.codecs import Turbo
+from kvrows.errors import InvalidInputError, head_grouping_message
 from kvrows.optimized import turbo_codec
+from kvrows.optimized.codecs.affine import boolean_mask
 from kvrows.optimized.codecs.common import Planes, ZeroPlanes, sdpa
 from kvrows.optimized.codecs.registry import implements
+from kvrows.protocols import Mask
 
-__all__ = ["TurboCodec", "eager_attention"]
+__all__ = ["MLX_KEY_BITS", "TurboCodec", "eager_attention", "turbo_attention"]
+
+
+#: Key widths whose stored codes are already MLX's affine packing (the first code in the
+#: low bits of each byte; 8 bits: int8 codes, read as uint8 ``idx + 128``), so scores are
+#: ``mx.quantized_matmul`` over the stored planes.
+MLX_KEY_BITS = frozenset({2, 4, 8})
 
 
 @implements("turbo")
@@ -20,9 +29,11 @@ class TurboCodec(ZeroPlanes):
     """TurboQuant (``spec/turbo-codec.md``): keys as planes ``(kIdx, kScales, kZeros)``,
     values as ``(vPacked, vScales)``; codes and scales bit-identical to the reference's.
 
-    A read returns keys dequantized and values **still rotated**, both bfloat16; ``attend``
-    runs ``mx.fast`` SDPA over them and un-rotates the output once per query row, so no
-    full-precision copy of V is made. :func:`eager_attention` decodes V first (the oracle).
+    A read returns the planes (as the affine and microscaling codecs do); ``attend`` scores
+    the keys on their codes (``mx.quantized_matmul``: a TurboQuant key group is affine), sums
+    the values still rotated and un-rotates the output once per query row, so neither a
+    decoded K nor an un-rotated V is made. :func:`eager_attention` decodes both first (the
+    oracle).
     """
 
     spec: Turbo
@@ -45,17 +56,65 @@ class TurboCodec(ZeroPlanes):
         return turbo_codec.decode_values(planes[0], planes[1], self.v_bits)
 
     def fetched(self, planes: tuple[Any, ...], role: Role = "keys") -> Any:
-        if role == "keys":
-            return turbo_codec.decode_keys(planes[0], planes[1], planes[2], self.k_bits).astype(
-                mx.bfloat16
-            )
-        return turbo_codec.rotated_values(planes[0], planes[1], self.v_bits).astype(mx.bfloat16)
+        return tuple(planes)
 
     def attend(self, queries: Any, keys: Any, values: Any, mask: Any, scale: float) -> Any:
-        """Deferred V: SDPA over the keys and the rotated values, then the output
-        un-rotated (float32 Hadamard, then the signs, cast back to the queries' dtype)."""
-        out = sdpa(queries, keys, values, mask, scale)
-        return turbo_codec.unrotate(out)
+        return turbo_attention(queries, keys, values, mask, scale, self.k_bits, self.v_bits)
+
+
+def turbo_attention(
+    queries: mx.array,
+    keys: Planes,
+    values: Planes,
+    mask: Mask,
+    scale: float,
+    k_bits: int,
+    v_bits: int,
+) -> mx.array:
+    """Attention over TurboQuant planes (GQA by a head-group axis): scores on the key codes
+    (``k_bits`` in :data:`MLX_KEY_BITS`; other widths decode the keys), softmax, the
+    weights times the still-rotated values, then one un-rotation of the output.
+
+    The arithmetic runs in the compute dtype :func:`compute_dtype` names (float32 on the
+    CPU, where half-precision matmuls are slow and accumulate coarsely), the output in the
+    queries' dtype."""
+    dtype = queries.dtype
+    work = compute_dtype(dtype)
+    batch, q_heads, n, dim = queries.shape
+    kv_heads, s = int(keys[0].shape[1]), int(keys[0].shape[2])
+    if q_heads % kv_heads:
+        raise InvalidInputError(head_grouping_message(q_heads, kv_heads))
+    repeat = q_heads // kv_heads
+    q = (queries.astype(work) * scale).reshape(batch, kv_heads, repeat, n, dim)
+    codes, k_scales, k_zeros = keys
+    if k_bits in MLX_KEY_BITS:
+        # (idx + zero)·scale = q·scale + bias, with q the stored code as MLX reads it.
+        offset = 128.0 if k_bits == 8 else 0.0
+        stored = codes.view(mx.uint8) ^ 0x80 if k_bits == 8 else codes
+        scales32 = k_scales.astype(mx.float32)
+        biases = ((k_zeros.astype(mx.float32) - offset) * scales32).astype(work)
+        scores = mx.quantized_matmul(
+            q, mx.expand_dims(stored.view(mx.uint32), 2), mx.expand_dims(scales32.astype(work), 2),
+            mx.expand_dims(biases, 2), transpose=True, group_size=TURBO_GROUP, bits=k_bits,
+        )  # fmt: skip
+    else:
+        decoded = turbo_codec.decode_keys(codes, k_scales, k_zeros, k_bits).astype(work)
+        scores = q @ mx.expand_dims(decoded, 2).swapaxes(-1, -2)
+    visible = boolean_mask(mask, n, s)
+    if visible is not None:
+        if visible.ndim == 4:  # [B, 1, N, S] -> [B, 1, 1, N, S] over the head-group axis
+            visible = mx.expand_dims(visible, 2)
+        scores = mx.where(visible, scores, mx.finfo(scores.dtype).min)
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    rotated = turbo_codec.rotated_values(values[0], values[1], v_bits).astype(work)
+    out = (weights @ mx.expand_dims(rotated, 2)).reshape(batch, q_heads, n, -1)
+    return turbo_codec.unrotate(out).astype(dtype)
+
+
+def compute_dtype(dtype: mx.Dtype) -> mx.Dtype:
+    """The dtype TurboQuant attention computes in: float32 on the CPU (as
+    ``quantized_attention`` does), the activations' dtype elsewhere."""
+    return mx.float32 if mx.default_device() == mx.cpu else dtype
 
 
 def eager_attention(

@@ -22,9 +22,9 @@ class TurboCodec(ZeroPlanes):
     """TurboQuant (``spec/turbo-codec.md``): keys as planes ``(kIdx, kScales, kZeros)``,
     values as ``(vPacked, vScales)``.
 
-    A read returns keys dequantized and values **still rotated**, both bfloat16 (the
-    deferred-V read); ``attend`` runs attention over them and un-rotates the output once
-    per query row. :func:`eager_attention` is the oracle that decodes V first.
+    A read returns the planes; ``attend`` decodes the keys and the values still rotated
+    (both bfloat16), runs attention over them and un-rotates the output once per query
+    row. :func:`eager_attention` is the oracle that decodes V first.
     """
 
     spec: Turbo
@@ -47,19 +47,19 @@ class TurboCodec(ZeroPlanes):
         return turbo_codec.decode_values(planes[0], planes[1], self.v_bits)
 
     def fetched(self, planes: Planes, role: Role = "keys") -> Any:
-        if role == "keys":
-            keys = turbo_codec.decode_keys(planes[0], planes[1], planes[2], self.k_bits)
-            return keys.astype(ml_dtypes.bfloat16)
-        return turbo_codec.rotated_values(planes[0], planes[1], self.v_bits).astype(
-            ml_dtypes.bfloat16
-        )
+        return tuple(planes)
 
     def attend(
         self, queries: Any, keys: Any, values: Any, mask: Mask, scale: float
     ) -> npt.NDArray[Any]:
-        """Deferred V: attention over the keys and the rotated values, then the output
-        un-rotated (float32 Hadamard, then the signs, cast back to the queries' dtype)."""
-        return turbo_codec.unrotate(attention(queries, keys, values, mask, scale))
+        """Deferred V over the read's planes: keys decoded and values decoded but still
+        rotated, both bfloat16; attention over them, then the output un-rotated (float32
+        Hadamard, then the signs, cast back to the queries' dtype)."""
+        decoded = turbo_codec.decode_keys(keys[0], keys[1], keys[2], self.k_bits)
+        rotated = turbo_codec.rotated_values(values[0], values[1], self.v_bits)
+        bf16 = ml_dtypes.bfloat16
+        out = attention(queries, decoded.astype(bf16), rotated.astype(bf16), mask, scale)
+        return turbo_codec.unrotate(out)
 
 
 def eager_attention(
