@@ -239,6 +239,12 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     commands.add_parser(
+        "launch",
+        help="mlx.launch with an exit status: the first rank's non-zero status, 0 when every "
+        "rank returned 0 (its arguments follow: -n 2 --backend ring -- PROGRAM ...)",
+        add_help=False,
+    )
+    commands.add_parser(
         "example", help="merge, decode, filter and extract rows, and say what happened"
     )
     commands.add_parser(
@@ -370,8 +376,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvrows.errors import KvRowsError
 
     command = "kvrows"
+    arguments = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = _parser().parse_args(argv)
+        if arguments[:1] == ["launch"]:  # every argument after it is mlx.launch's
+            command = "kvrows launch"
+            from kvrows.app.launch import run_launch
+
+            return run_launch(arguments[1:])
+        args = _parser().parse_args(arguments)
         command = f"kvrows {args.command}"
         _check(args)
         return _run(args)
