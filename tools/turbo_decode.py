@@ -1,5 +1,5 @@
 """One decode step's attention over TurboQuant planes, side by side with plain SDPA, affine-4
-(``quantized_matmul``) and the previous TurboQuant read (keys decoded to bfloat16, one
+and affine-8 (``quantized_matmul``), the microscaling modes, and the previous TurboQuant read (keys decoded to bfloat16, one
 centroid gather per code, bfloat16 SDPA, then the un-rotation), in one run.
 
     .venv/bin/python tools/turbo_decode.py [--batch 16] [--length 1024]
@@ -59,6 +59,21 @@ def main() -> None:
         lambda: quantized_attention(queries, affine_k, affine_v, None, SCALE, 64, 4)
     )
     print(f"  affine-4     {affine:7.0f}")
+    for mode, group, bits in (("affine", 32, 8), ("mxfp8", 32, 8), ("mxfp4", 32, 4),
+                              ("nvfp4", 16, 4)):  # fmt: skip
+        planes_k = tuple(mx.quantize(keys, group_size=group, bits=bits, mode=mode))
+        planes_v = tuple(mx.quantize(values, group_size=group, bits=bits, mode=mode))
+        mx.eval(planes_k, planes_v)
+
+        def quantized(
+            k: tuple[mx.array, ...] = planes_k, v: tuple[mx.array, ...] = planes_v,
+            group: int = group,
+            bits: int = bits, mode: str = mode,
+        ) -> mx.array:  # fmt: skip
+            return quantized_attention(queries, k, v, None, SCALE, group, bits, mode)
+
+        took = _median_ms(quantized)
+        print(f"  {mode}-{bits:<6} {took:7.0f}")
     for k_bits, v_bits in ((8, 3), (4, 3), (8, 4)):
         kp, vp = tc.encode_keys(keys, k_bits), tc.encode_values(values, v_bits)
         mx.eval(kp, vp)
