@@ -55,15 +55,35 @@ def _relay(source: IO[str], sink: IO[str], seen: list[str]) -> None:
         seen.append(line)
 
 
+def _launcher() -> str:
+    return str(Path(sys.executable).with_name("mlx.launch"))
+
+
+def _print_help() -> None:
+    """``kvrows launch --help``: what it adds, then ``mlx.launch``'s own options; exits 0
+    (as argparse's help does)."""
+    shown = subprocess.run([_launcher(), "--help"], capture_output=True, text=True, check=False)
+    print(
+        "usage: kvrows launch MLX_LAUNCH_ARGUMENTS... -- PROGRAM [ARGUMENTS...]\n\n"
+        "mlx.launch with an exit status: the first non-zero status a rank returned (3 for a\n"
+        "rank that was killed), 0 when every rank returned 0; the reasons ranks stopped\n"
+        f"(their {STOP_LOG_VARIABLE} lines) are printed at the end. mlx.launch's options:\n"
+    )
+    print(shown.stdout)
+    raise SystemExit(0)
+
+
 def run_launch(arguments: Sequence[str]) -> int:
     """``mlx.launch arguments...`` (for example ``-n 2 --backend ring -- kvrows serve
     --tensor-parallel ...``); its status as :func:`launcher_status` reads it (the launcher's
     own, when it failed itself)."""
+    if list(arguments[:1]) in (["-h"], ["--help"]):
+        _print_help()
     if not arguments:
         raise InvalidInputError(
             "kvrows launch needs mlx.launch's arguments, e.g. -n 2 --backend ring -- PROGRAM"
         )
-    launcher = str(Path(sys.executable).with_name("mlx.launch"))
+    launcher = _launcher()
     with tempfile.TemporaryDirectory(prefix="kvrows-launch-") as folder:
         stop_log = Path(folder) / "stopped.log"
         env = {**os.environ, STOP_LOG_VARIABLE: str(stop_log)}

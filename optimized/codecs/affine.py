@@ -14,7 +14,14 @@ from kvrows.optimized.codecs.common import Planes, ZeroPlanes
 from kvrows.optimized.codecs.registry import implements
 from kvrows.protocols import Mask
 
-__all__ = ["DECODED_ON_CPU", "AffineCodec", "boolean_mask", "quantized_attention"]
+__all__ = [
+    "DECODED_ON_CPU",
+    "AffineCodec",
+    "attention_weights",
+    "boolean_mask",
+    "grouped_queries",
+    "quantized_attention",
+]
 
 
 @implements("affine")
@@ -59,6 +66,29 @@ def boolean_mask(mask: Mask, queries: int, keys: int) -> mx.array | None:
     return mask
 
 
+def grouped_queries(
+    queries: mx.array, kv_heads: int, scale: float, dtype: mx.Dtype | None = None
+) -> mx.array:
+    """``queries · scale`` as ``[B, kv_heads, repeat, N, D]`` (GQA by a head-group axis),
+    in ``dtype`` (default: theirs)."""
+    batch, q_heads, n, dim = queries.shape
+    if q_heads % kv_heads:
+        raise InvalidInputError(head_grouping_message(q_heads, kv_heads))
+    cast = queries if dtype is None else queries.astype(dtype)
+    return (cast * scale).reshape(batch, kv_heads, q_heads // kv_heads, n, dim)
+
+
+def attention_weights(scores: mx.array, mask: Mask) -> mx.array:
+    """Softmax over ``[B, kv_heads, repeat, N, S]`` scores, the columns ``mask`` hides at
+    the dtype's minimum first."""
+    visible = boolean_mask(mask, int(scores.shape[-2]), int(scores.shape[-1]))
+    if visible is not None:
+        if visible.ndim == 4:  # [B, 1, N, S] -> [B, 1, 1, N, S] over the head-group axis
+            visible = mx.expand_dims(visible, 2)
+        scores = mx.where(visible, scores, mx.finfo(scores.dtype).min)
+    return mx.softmax(scores, axis=-1, precise=True)
+
+
 #: Modes whose ``quantized_matmul`` is slower on the CPU than decoding the planes to
 #: float32 (exactly: every value is representable) and a float32 matmul: mxfp8 (B = 16,
 #: L = 1024, 8 KV heads, D = 128: 316 ms against 199 ms; affine-8 146 ms).
@@ -77,11 +107,7 @@ def _decoded_attention(
 ) -> mx.array:
     """Float32 attention over the planes ``mx.dequantize``d (GQA by a head-group axis):
     ``quantized_attention``'s CPU path for :data:`DECODED_ON_CPU` modes."""
-    batch, q_heads, n, dim = queries.shape
-    kv_heads, s = keys[0].shape[1], keys[0].shape[2]
-    if q_heads % kv_heads:
-        raise InvalidInputError(head_grouping_message(q_heads, kv_heads))
-    repeat = q_heads // kv_heads
+    batch, q_heads, n, _ = queries.shape
 
     def decoded(planes: tuple[mx.array, ...]) -> mx.array:
         codes, scales, biases, *_ = (*planes, None)
@@ -91,14 +117,8 @@ def _decoded_attention(
         )  # fmt: skip
         return mx.expand_dims(plain, 2)
 
-    q = (queries.astype(mx.float32) * scale).reshape(batch, kv_heads, repeat, n, dim)
-    scores = q @ decoded(keys).swapaxes(-1, -2)
-    visible = boolean_mask(mask, n, s)
-    if visible is not None:
-        if visible.ndim == 4:  # [B, 1, N, S] -> [B, 1, 1, N, S] over the head-group axis
-            visible = mx.expand_dims(visible, 2)
-        scores = mx.where(visible, scores, mx.finfo(scores.dtype).min)
-    weights = mx.softmax(scores, axis=-1, precise=True)
+    q = grouped_queries(queries, int(keys[0].shape[1]), scale, mx.float32)
+    weights = attention_weights(q @ decoded(keys).swapaxes(-1, -2), mask)
     out = weights @ decoded(values)
     return out.reshape(batch, q_heads, n, -1).astype(queries.dtype)
 
@@ -130,12 +150,8 @@ def quantized_attention(
         return out.astype(dtype)
     if on_cpu and mode in DECODED_ON_CPU:
         return _decoded_attention(queries, keys, values, mask, scale, group_size, bits, mode)
-    batch, q_heads, n, dim = queries.shape
-    kv_heads, s = keys[0].shape[1], keys[0].shape[2]
-    if q_heads % kv_heads:
-        raise InvalidInputError(head_grouping_message(q_heads, kv_heads))
-    repeat = q_heads // kv_heads
-    q = (queries * scale).reshape(batch, kv_heads, repeat, n, dim)
+    batch, q_heads, n, _ = queries.shape
+    q = grouped_queries(queries, int(keys[0].shape[1]), scale)
     # Planes gain the head-group axis; a microscaling mode has no biases (``None``).
     k_packed, k_scales, k_biases, *_ = (*(mx.expand_dims(p, 2) for p in keys), None)
     v_packed, v_scales, v_biases, *_ = (*(mx.expand_dims(p, 2) for p in values), None)
@@ -143,12 +159,7 @@ def quantized_attention(
         q, k_packed, k_scales, k_biases, transpose=True, group_size=group_size, bits=bits,
         mode=mode,
     )  # fmt: skip
-    visible = boolean_mask(mask, n, s)
-    if visible is not None:
-        if visible.ndim == 4:  # [B, 1, N, S] -> [B, 1, 1, N, S] over the head-group axis
-            visible = mx.expand_dims(visible, 2)
-        scores = mx.where(visible, scores, mx.finfo(scores.dtype).min)
-    weights = mx.softmax(scores, axis=-1, precise=True)
+    weights = attention_weights(scores, mask)
     out = mx.quantized_matmul(
         weights, v_packed, v_scales, v_biases, transpose=False, group_size=group_size,
         bits=bits, mode=mode,

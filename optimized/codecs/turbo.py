@@ -8,9 +8,8 @@ import mlx.core as mx
 
 from kvrows.codec import TURBO_GROUP, Role
 from kvrows.codecs import Turbo
-from kvrows.errors import InvalidInputError, head_grouping_message
 from kvrows.optimized import turbo_codec
-from kvrows.optimized.codecs.affine import boolean_mask
+from kvrows.optimized.codecs.affine import attention_weights, grouped_queries
 from kvrows.optimized.codecs.common import Planes, ZeroPlanes, sdpa
 from kvrows.optimized.codecs.registry import implements
 from kvrows.protocols import Mask
@@ -80,12 +79,8 @@ def turbo_attention(
     queries' dtype."""
     dtype = queries.dtype
     work = compute_dtype(dtype)
-    batch, q_heads, n, dim = queries.shape
-    kv_heads, s = int(keys[0].shape[1]), int(keys[0].shape[2])
-    if q_heads % kv_heads:
-        raise InvalidInputError(head_grouping_message(q_heads, kv_heads))
-    repeat = q_heads // kv_heads
-    q = (queries.astype(work) * scale).reshape(batch, kv_heads, repeat, n, dim)
+    batch, q_heads, n, _ = queries.shape
+    q = grouped_queries(queries, int(keys[0].shape[1]), scale, work)
     codes, k_scales, k_zeros = keys
     if k_bits in MLX_KEY_BITS:
         # (idx + zero)·scale = q·scale + bias, with q the stored code as MLX reads it.
@@ -100,12 +95,7 @@ def turbo_attention(
     else:
         decoded = turbo_codec.decode_keys(codes, k_scales, k_zeros, k_bits).astype(work)
         scores = q @ mx.expand_dims(decoded, 2).swapaxes(-1, -2)
-    visible = boolean_mask(mask, n, s)
-    if visible is not None:
-        if visible.ndim == 4:  # [B, 1, N, S] -> [B, 1, 1, N, S] over the head-group axis
-            visible = mx.expand_dims(visible, 2)
-        scores = mx.where(visible, scores, mx.finfo(scores.dtype).min)
-    weights = mx.softmax(scores, axis=-1, precise=True)
+    weights = attention_weights(scores, mask)
     rotated = turbo_codec.rotated_values(values[0], values[1], v_bits).astype(work)
     out = (weights @ mx.expand_dims(rotated, 2)).reshape(batch, q_heads, n, -1)
     return turbo_codec.unrotate(out).astype(dtype)
