@@ -170,16 +170,17 @@ for _dtype in DTYPES:
     TOLERANCES[("rotating-affine", "attention.solo", _dtype)] = _RING_SOLO[_dtype]
 
 #: TurboQuant family (``TurboQuantKVCache``, ``BatchedTurboQuantKVCache``). Codes and scales
-#: (the planes), decoded keys and rotated values (the read) are exact: both codecs run the
-#: same float32 steps (spec/turbo-codec.md). attention (reference vs optimized, both
-#: deferred): the plain attention error in the rotated basis, carried through the float32
+#: (the planes, which a read hands out) and both codecs' decoding of them (keys, rotated
+#: values) are exact: both run the same float32 steps (spec/turbo-codec.md). attention
+#: (reference vs optimized, both deferred, both over float32 decodes: the optimized one
+#: scores on the codes): the plain attention error in the rotated basis, carried through the float32
 #: un-rotation (orthonormal: it moves the error, does not grow it) and one more rounding to
 #: the dtype: twice plain's bounds. attention.solo: a rounding flip before the un-rotation
 #: spreads over the head dim and the output is rounded again: ``atol`` 2^-10 / 2^-7 (half
 #: types), ``rtol`` 2 eps. attention.eager (deferred vs eager, same implementation): the
-#: two paths round V to bfloat16 in different bases (eager: the decoded values, up to half
-#: a bfloat16 ulp of |v| < 8, so 2^-5 absolute; deferred: the rotated ones, spread by the
-#: un-rotation), so ``atol`` 2^-5 and ``rtol`` 2^-7 whatever the output dtype (bfloat16
+#: eager path rounds K and V to bfloat16 (the decoded values, up to half a bfloat16 ulp of
+#: |v| < 8, so 2^-5 absolute; the deferred path rounded its rotated values too before
+#: issue 28, and rounds nothing now), so ``atol`` 2^-5 and ``rtol`` 2^-7 whatever the output dtype (bfloat16
 #: outputs: 2^-4 / 2^-5, one more bfloat16 rounding each side). Measured over five seeds
 #: (spec/tolerances.md §2): every largest error/bound ratio below 0.45; recalibrated over
 #: six more turbo seeds and five delayed-turbo seeds (which use these rows too): the eager

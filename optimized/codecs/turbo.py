@@ -14,13 +14,7 @@ from kvrows.optimized.codecs.common import Planes, ZeroPlanes, sdpa
 from kvrows.optimized.codecs.registry import implements
 from kvrows.protocols import Mask
 
-__all__ = ["MLX_KEY_BITS", "TurboCodec", "eager_attention", "turbo_attention"]
-
-
-#: Key widths whose stored codes are already MLX's affine packing (the first code in the
-#: low bits of each byte; 8 bits: int8 codes, read as uint8 ``idx + 128``), so scores are
-#: ``mx.quantized_matmul`` over the stored planes.
-MLX_KEY_BITS = frozenset({2, 4, 8})
+__all__ = ["TurboCodec", "eager_attention", "turbo_attention"]
 
 
 @implements("turbo")
@@ -71,8 +65,8 @@ def turbo_attention(
     v_bits: int,
 ) -> mx.array:
     """Attention over TurboQuant planes (GQA by a head-group axis): scores on the key codes
-    (``k_bits`` in :data:`MLX_KEY_BITS`; other widths decode the keys), softmax, the
-    weights times the still-rotated values, then one un-rotation of the output.
+    (``mx.quantized_matmul``), softmax, the weights times the still-rotated values, then
+    one un-rotation of the output.
 
     The arithmetic runs in the compute dtype :func:`compute_dtype` names (float32 on the
     CPU, where half-precision matmuls are slow and accumulate coarsely), the output in the
@@ -81,20 +75,18 @@ def turbo_attention(
     work = compute_dtype(dtype)
     batch, q_heads, n, _ = queries.shape
     q = grouped_queries(queries, int(keys[0].shape[1]), scale, work)
+    # Every key width's stored bitstream is MLX's affine packing (the first code in the low
+    # bits; 8 bits: int8 codes, read as uint8 ``idx + 128``), and (idx + zero)·scale is
+    # q·scale + bias with q the stored code as MLX reads it.
     codes, k_scales, k_zeros = keys
-    if k_bits in MLX_KEY_BITS:
-        # (idx + zero)·scale = q·scale + bias, with q the stored code as MLX reads it.
-        offset = 128.0 if k_bits == 8 else 0.0
-        stored = codes.view(mx.uint8) ^ 0x80 if k_bits == 8 else codes
-        scales32 = k_scales.astype(mx.float32)
-        biases = ((k_zeros.astype(mx.float32) - offset) * scales32).astype(work)
-        scores = mx.quantized_matmul(
-            q, mx.expand_dims(stored.view(mx.uint32), 2), mx.expand_dims(scales32.astype(work), 2),
-            mx.expand_dims(biases, 2), transpose=True, group_size=TURBO_GROUP, bits=k_bits,
-        )  # fmt: skip
-    else:
-        decoded = turbo_codec.decode_keys(codes, k_scales, k_zeros, k_bits).astype(work)
-        scores = q @ mx.expand_dims(decoded, 2).swapaxes(-1, -2)
+    offset = 128.0 if k_bits == 8 else 0.0
+    stored = codes.view(mx.uint8) ^ 0x80 if k_bits == 8 else codes
+    scales32 = k_scales.astype(mx.float32)
+    biases = ((k_zeros.astype(mx.float32) - offset) * scales32).astype(work)
+    scores = mx.quantized_matmul(
+        q, mx.expand_dims(stored.view(mx.uint32), 2), mx.expand_dims(scales32.astype(work), 2),
+        mx.expand_dims(biases, 2), transpose=True, group_size=TURBO_GROUP, bits=k_bits,
+    )  # fmt: skip
     weights = attention_weights(scores, mask)
     rotated = turbo_codec.rotated_values(values[0], values[1], v_bits).astype(work)
     out = (weights @ mx.expand_dims(rotated, 2)).reshape(batch, q_heads, n, -1)

@@ -23,8 +23,7 @@ class TurboCodec(ZeroPlanes):
     values as ``(vPacked, vScales)``.
 
     A read returns the planes; ``attend`` decodes the keys and the values still rotated
-    (both bfloat16), runs attention over them and un-rotates the output once per query
-    row. :func:`eager_attention` is the oracle that decodes V first.
+    (float32), runs attention over them and un-rotates the output once per query row. :func:`eager_attention` is the oracle that decodes V first.
     """
 
     spec: Turbo
@@ -53,13 +52,12 @@ class TurboCodec(ZeroPlanes):
         self, queries: Any, keys: Any, values: Any, mask: Mask, scale: float
     ) -> npt.NDArray[Any]:
         """Deferred V over the read's planes: keys decoded and values decoded but still
-        rotated, both bfloat16; attention over them, then the output un-rotated (float32
-        Hadamard, then the signs, cast back to the queries' dtype)."""
+        rotated, float32 (as the optimized attention reads them: on the codes, nothing
+        rounded); attention over them, then the output un-rotated (float32 Hadamard, then
+        the signs, cast back to the queries' dtype)."""
         decoded = turbo_codec.decode_keys(keys[0], keys[1], keys[2], self.k_bits)
         rotated = turbo_codec.rotated_values(values[0], values[1], self.v_bits)
-        bf16 = ml_dtypes.bfloat16
-        out = attention(queries, decoded.astype(bf16), rotated.astype(bf16), mask, scale)
-        return turbo_codec.unrotate(out)
+        return turbo_codec.unrotate(attention(queries, decoded, rotated, mask, scale))
 
 
 def eager_attention(
