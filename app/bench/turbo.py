@@ -961,8 +961,9 @@ quality: tiny random-weight float32 models (tiny_model), a random {tokens}-token
   {deferred_tol} (relative L2).
 decode: one decode step's attention at B={b}, L={l} (rows L down to ~L/2, padding mask), 32
   query heads over 8 KV heads, D=128, bfloat16; attend = kvrows.optimized.attend (plain: mx.fast
-  SDPA; affine: quantized_matmul; turbo: keys dequantized and values read still rotated, SDPA,
-  output un-rotated); eager = turbo with every stored value un-rotated first. x plain, x affine4 =
+  SDPA; affine: quantized_matmul; turbo: keys scored on their codes with quantized_matmul,
+  values gathered still rotated, float32 on the CPU, output un-rotated); eager = turbo with
+  every stored key and value decoded first (bfloat16), then SDPA. x plain, x affine4 =
   this ms / that ms (> 1: slower). MB = stored planes over the layout's width."""
 
 
