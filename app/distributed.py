@@ -157,15 +157,15 @@ _collectives = itertools.count(1)
 
 def _presence_mark(limit: int) -> int:
     """The presence mark of the next collective: its number, in ``1..limit``. A mark that
-    changes from one collective to the next tells a live rank's contribution from a stale
-    buffer (a ring all-sum that lost its peer can hand back an earlier result)."""
+    changes from one collective to the next keeps any result left from an earlier
+    collective from passing for this one's."""
     return next(_collectives) % limit + 1
 
 
 def _check_present(present: Sequence[int], mark: int, group: Any) -> None:
     """Raise ``RankLostError`` naming the ranks whose presence mark is missing from a
-    collective's result: MLX's ring backend does not raise when a peer is gone, it returns
-    what the live ranks contributed, or an earlier result."""
+    collective's result (or a mark of another collective): MLX's ring backend does not
+    raise when a peer is gone, it returns what the live ranks contributed."""
     lost = [rank for rank, found in enumerate(present) if found != mark]
     if lost:
         named = f"rank {lost[0]}" if len(lost) == 1 else f"ranks {', '.join(map(str, lost))}"
