@@ -53,6 +53,7 @@ __all__ = [
     "follow",
     "gathered_ints",
     "launch_command",
+    "mlx_launcher",
     "shard_model",
     "sharding",
     "smallest",
@@ -62,19 +63,57 @@ __all__ = [
 _RECURRENT = frozenset({"ArraysCache", "MambaCache"})
 
 
+def mlx_launcher() -> str:
+    """The ``mlx.launch`` beside this interpreter."""
+    import sys
+    from pathlib import Path
+
+    return str(Path(sys.executable).with_name("mlx.launch"))
+
+
 def launch_command(ranks: int = 2) -> list[str]:
     """``mlx.launch`` of ``ranks`` local processes over the ring backend, ending in ``--``
     (append the program). Each launch takes its own ports (a free one found now, then the
     ones after it): two launches at once on the default ports would meet each other."""
     import socket
-    import sys
-    from pathlib import Path
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = int(probe.getsockname()[1])
-    launcher = str(Path(sys.executable).with_name("mlx.launch"))
-    return [launcher, "-n", str(ranks), "--backend", "ring", "--starting-port", str(port), "--"]
+    return [
+        mlx_launcher(), "-n", str(ranks), "--backend", "ring", "--starting-port", str(port), "--",
+    ]  # fmt: skip
+
+
+def bounded_launch(
+    program: Sequence[str],
+    *,
+    timeout: float,
+    ranks: int = 2,
+    env: dict[str, str] | None = None,
+) -> tuple[int, str]:
+    """``program`` on ``ranks`` local processes (:func:`launch_command`), its output
+    (stdout and stderr together) read whole: ``(status, output)`` (mlx.launch's status: 0
+    whatever its ranks return). Past ``timeout`` seconds the launch's whole process group
+    is killed and ``TimeoutError`` carries the output's tail; nothing is left running."""
+    import os
+    import signal
+    import subprocess
+
+    process = subprocess.Popen(
+        [*launch_command(ranks), *program], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    try:
+        out, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, _ = process.communicate()
+        raise TimeoutError(f"the launch did not end within {timeout} s:\n{out[-2000:]}") from None
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    return process.returncode, out
 
 
 def sharding(model: Any) -> tuple[int, int] | None:

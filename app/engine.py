@@ -381,14 +381,20 @@ _NOT_SUMMED = frozenset(
 )
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    common = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        common += 1
-    return common
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """How many leading tokens ``a`` and ``b`` share: a binary search over slice
+    comparisons (C loops), since admission asks it of every waiting request and every
+    prefilling row at each step, over prompts of thousands of tokens."""
+    low, high = 0, min(len(a), len(b))
+    if a[:high] == b[:high]:
+        return high
+    while high - low > 1:  # a[:low] == b[:low], a[:high] != b[:high]
+        middle = (low + high) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 class PrefixCache:
@@ -443,7 +449,8 @@ class PrefixCache:
     def matched(self, prompt: Sequence[int]) -> int:
         """The most leading tokens of ``prompt`` an entry covers (nothing copied; whether
         every layer can be cut there is the lookup's to say)."""
-        return max((_common_prefix(key, prompt) for key in self._entries), default=0)
+        tokens = tuple(prompt)
+        return max((_common_prefix(key, tokens) for key in self._entries), default=0)
 
     def lookup(
         self, prompt: Sequence[int], *, limit: int | None = None
@@ -454,8 +461,9 @@ class PrefixCache:
         best: tuple[int, list[Cache]] | None = None
         used: tuple[int, ...] | None = None
         limit = len(prompt) - 1 if limit is None else min(limit, len(prompt) - 1)
+        tokens = tuple(prompt)
         for key, caches in self._entries.items():
-            usable = min(_common_prefix(key, prompt), limit)
+            usable = min(_common_prefix(key, tokens), limit)
             if usable <= 0 or (best is not None and usable <= best[0]):
                 continue
             copies = reusable_copies(caches, usable)
@@ -1746,14 +1754,10 @@ class Engine:
         if not self.wait_for_prefix or self._partial_reuse is False or entry.prefilled:
             return False
         context = entry.request.prompt + tuple(entry.result.tokens)
+        head = context[:PREFIX_WAIT_TOKENS]
+        sharing = [row for row in prefilling if row.context[:PREFIX_WAIT_TOKENS] == head]
         limit = len(context) - 1  # one token is always computed
-        shared = min(
-            limit,
-            max(
-                (_common_prefix(row.context, context) for row in prefilling),
-                default=0,
-            ),
-        )
+        shared = min(limit, max((_common_prefix(r.context, context) for r in sharing), default=0))
         if shared < PREFIX_WAIT_TOKENS:
             return False
         return shared - self._cached_prefix(context) >= PREFIX_WAIT_TOKENS

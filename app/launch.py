@@ -24,7 +24,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO
 
-from kvrows.app.distributed import LOST_RANK_STATUS, STOP_LOG_VARIABLE
+from kvrows.app.distributed import LOST_RANK_STATUS, STOP_LOG_VARIABLE, mlx_launcher
 from kvrows.errors import InvalidInputError
 
 __all__ = ["launcher_status", "run_launch"]
@@ -55,14 +55,10 @@ def _relay(source: IO[str], sink: IO[str], seen: list[str]) -> None:
         seen.append(line)
 
 
-def _launcher() -> str:
-    return str(Path(sys.executable).with_name("mlx.launch"))
-
-
 def _print_help() -> None:
     """``kvrows launch --help``: what it adds, then ``mlx.launch``'s own options; exits 0
     (as argparse's help does)."""
-    shown = subprocess.run([_launcher(), "--help"], capture_output=True, text=True, check=False)
+    shown = subprocess.run([mlx_launcher(), "--help"], capture_output=True, text=True, check=False)
     print(
         "usage: kvrows launch MLX_LAUNCH_ARGUMENTS... -- PROGRAM [ARGUMENTS...]\n\n"
         "mlx.launch with an exit status: the first non-zero status a rank returned (3 for a\n"
@@ -83,7 +79,7 @@ def run_launch(arguments: Sequence[str]) -> int:
         raise InvalidInputError(
             "kvrows launch needs mlx.launch's arguments, e.g. -n 2 --backend ring -- PROGRAM"
         )
-    launcher = _launcher()
+    launcher = mlx_launcher()
     with tempfile.TemporaryDirectory(prefix="kvrows-launch-") as folder:
         stop_log = Path(folder) / "stopped.log"
         env = {**os.environ, STOP_LOG_VARIABLE: str(stop_log)}

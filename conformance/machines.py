@@ -989,13 +989,18 @@ class ConformanceMachine(RuleBasedStateMachine):
                 )
         self.stats.check("masks")
 
+    def _fetched_dtypes_now(self) -> tuple[list[str], list[str]]:
+        """:meth:`_fetched_dtypes` of this example's geometry (one answer per geometry)."""
+        if self._dtypes_of[0] is not self.geo:
+            self._dtypes_of = (self.geo, self._fetched_dtypes())
+        return self._dtypes_of[1]
+
     def _fetch_dtypes(self, what: str, *fetched: Planes) -> None:
         """Fetched planes have the dtypes :meth:`_fetched_dtypes` names: ``fetched`` is
         keys' planes, values', keys', ... (one pair per implementation)."""
-        if self._dtypes_of[0] is not self.geo:  # one answer per example's geometry
-            self._dtypes_of = (self.geo, self._fetched_dtypes())
+        wants = self._fetched_dtypes_now()
         for i, planes in enumerate(fetched):
-            want = self._dtypes_of[1][i % 2]
+            want = wants[i % 2]
             self._exact(f"{what}: fetched dtypes", [str(p.dtype) for p in planes], want)
         self.stats.check("dtypes")
 
@@ -2624,10 +2629,8 @@ class ConformanceMachine(RuleBasedStateMachine):
 
     def _token_columns(self, planes: Planes, b: int, track: Track) -> list[tuple[int, int]]:
         """(column, position) of every token of ``track`` in row ``b`` of fetched planes."""
-        if self._dtypes_of[0] is not self.geo:
-            self._dtypes_of = (self.geo, self._fetched_dtypes())
         position = self._positions(track.keys)
-        found = column_ids(planes[: len(self._dtypes_of[1][0])], b)  # the keys' planes
+        found = column_ids(planes[: len(self._fetched_dtypes_now()[0])], b)  # the keys' planes
         return [(c, position[x]) for c, x in enumerate(found) if x in position]
 
     def _check_fetch(

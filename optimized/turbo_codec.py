@@ -120,26 +120,31 @@ def pack_codes(codes: mx.array, bits: int) -> mx.array:
     return stream.reshape(*codes.shape[:-1], dim * bits // 8)
 
 
-def unpack_codes(packed: mx.array, bits: int) -> mx.array:
-    """The uint8 codes of a ``pack_codes`` bitstream.
-
-    Widths that divide a byte shift each byte once per code; 3 and 5 bits gather each run
-    of ``bits`` bytes into one word first (an OR per byte: cheaper than a reduction)."""
-    if bits == 8:
-        return packed.astype(mx.uint8)
+def _fields(packed: mx.array, bits: int, field: int, dtype: mx.Dtype) -> mx.array:
+    """A stream of ``bits``-bit codes as consecutive ``field``-bit fields (``field`` a
+    multiple of ``bits`` dividing a run of 8 codes; the first field in the low bits), as
+    ``dtype``. Fields that divide a byte shift each byte once per field; others gather each
+    run of ``bits`` bytes into one word first (an OR per byte: cheaper than a reduction)."""
     width = int(packed.shape[-1])
-    mask = (1 << bits) - 1
-    if 8 % bits == 0:
-        shifts = mx.arange(0, 8, bits, dtype=mx.uint8)
-        codes = mx.right_shift(packed[..., None], shifts) & mask
-        return codes.reshape(*packed.shape[:-1], width * 8 // bits)
+    count = width * 8 // field
+    if field == 8:
+        return packed.astype(dtype)
+    mask = (1 << field) - 1
+    if 8 % field == 0:
+        fields = mx.right_shift(packed[..., None], mx.arange(0, 8, field, dtype=mx.uint8)) & mask
+        return fields.astype(dtype).reshape(*packed.shape[:-1], count)
     word = _chunk_word(bits)
     chunks = packed.reshape(*packed.shape[:-1], width // bits, bits)
     run = chunks[..., 0].astype(word)
     for byte in range(1, bits):
         run = run | mx.left_shift(chunks[..., byte].astype(word), mx.array(8 * byte, dtype=word))
-    codes = mx.right_shift(run[..., None], mx.arange(0, 8 * bits, bits, dtype=word)) & mask
-    return codes.astype(mx.uint8).reshape(*packed.shape[:-1], width * 8 // bits)
+    fields = mx.right_shift(run[..., None], mx.arange(0, 8 * bits, field, dtype=word)) & mask
+    return fields.astype(dtype).reshape(*packed.shape[:-1], count)
+
+
+def unpack_codes(packed: mx.array, bits: int) -> mx.array:
+    """The uint8 codes of a ``pack_codes`` bitstream (one field per code)."""
+    return _fields(packed, bits, bits, mx.uint8)
 
 
 def encode_keys(x: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
@@ -217,18 +222,7 @@ def centroid_runs(bits: int) -> mx.array:
 
 def _lookup_indices(packed: mx.array, bits: int) -> mx.array:
     """The stream as indices of ``_CODES_PER_LOOKUP[bits]`` codes each, in order."""
-    k = _CODES_PER_LOOKUP[bits]
-    if k * bits == 8:
-        return packed.astype(mx.uint32)  # a byte is an index
-    word = _chunk_word(bits)
-    width = int(packed.shape[-1])
-    chunks = packed.reshape(*packed.shape[:-1], width // bits, bits)
-    run = chunks[..., 0].astype(word)
-    for byte in range(1, bits):
-        run = run | mx.left_shift(chunks[..., byte].astype(word), mx.array(8 * byte, dtype=word))
-    shifts = mx.arange(0, 8 * bits, k * bits, dtype=word)
-    index = mx.right_shift(run[..., None], shifts) & ((1 << (k * bits)) - 1)
-    return index.astype(mx.uint32).reshape(*packed.shape[:-1], width * 8 // (k * bits))
+    return _fields(packed, bits, _CODES_PER_LOOKUP[bits] * bits, mx.uint32)
 
 
 def rotated_values(packed: mx.array, scales: mx.array, bits: int) -> mx.array:

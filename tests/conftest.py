@@ -61,3 +61,11 @@ def gemma3() -> Any:
 def models(llama: Any, gemma3: Any) -> dict[str, Any]:
     """The tiny llama and gemma3 by name (a file with other models defines its own)."""
     return {"llama": llama, "gemma3": gemma3}
+
+
+@pytest.fixture
+def call_log(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A ``dispatch_helpers.CallLog`` for the test: which fast path ran (a dispatch test)."""
+    from dispatch_helpers import CallLog
+
+    return CallLog(monkeypatch)

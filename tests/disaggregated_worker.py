@@ -13,9 +13,21 @@ import mlx.core as mx
 
 from kvrows.app.demo import builtin_trace, run_disaggregated_demo
 from kvrows.app.disaggregated import recv_prefilled, send_prefilled
-from kvrows.app.engine import Engine, FinishEvent, PrefilledRow
+from kvrows.app.engine import Engine, FinishEvent, PrefilledRow, Request
 from kvrows.app.models import tiny_model
 from kvrows.schemes import KvStorageScheme
+
+
+def prefilled(engine: Engine, request: Request) -> PrefilledRow:
+    """``request`` submitted prefill-only to ``engine``, stepped until it ends: the row its
+    ``FinishEvent`` hands over."""
+    events: list[Any] = []
+    engine.submit(request, on_event=events.append, prefill_only=True)
+    while engine.has_work():
+        engine.step()
+    (finish,) = [e for e in events if isinstance(e, FinishEvent)]
+    assert finish.prefilled is not None
+    return finish.prefilled
 
 
 def main() -> int:
@@ -32,13 +44,7 @@ def main() -> int:
     engine = Engine(tiny_model("llama"), KvStorageScheme.parse("affine8"), paged=True)
     (request,) = builtin_trace(1)
     if rank == 0:
-        events: list[Any] = []
-        engine.submit(request, on_event=events.append, prefill_only=True)
-        while engine.has_work():
-            engine.step()
-        (finish,) = [e for e in events if isinstance(e, FinishEvent)]
-        assert finish.prefilled is not None
-        send_prefilled([(request, finish.prefilled, 0)], 1, group=group)
+        send_prefilled([(request, prefilled(engine, request), 0)], 1, group=group)
     else:
         pools = engine.receiving_pools()
         ((got, row, _),) = recv_prefilled(0, group=group, pools=pools)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from disaggregated_worker import prefilled
 from launch_helpers import launch
 
 from kvrows.app.demo import builtin_trace, check_invariance, parse_scheme
@@ -92,21 +93,11 @@ def test_a_row_prefilled_by_one_engine_decodes_in_another(scheme: str, paged: bo
         assert all(written), written  # the rows were placed in the decoder's own pools
 
 
-def _prefilled(engine: Engine, request: Request) -> PrefilledRow:
-    events: list[Any] = []
-    engine.submit(request, on_event=events.append, prefill_only=True)
-    while engine.has_work():
-        engine.step()
-    (finish,) = [e for e in events if isinstance(e, FinishEvent)]
-    assert finish.prefilled is not None
-    return finish.prefilled
-
-
 def test_what_a_prefilled_submission_refuses() -> None:
     model = tiny_model("llama")
     engine = Engine(model, parse_scheme("plain"), max_batch=2)
     request = Request("a", tuple(range(1, 20)), max_tokens=3)
-    row = _prefilled(engine, request)
+    row = prefilled(engine, request)
     with pytest.raises(InvalidInputError, match="not computed again"):
         engine.submit(request, prefill_only=True, prefilled=row)
     with pytest.raises(InvalidInputError, match="not this engine's"):
@@ -129,7 +120,7 @@ def test_what_a_prefilled_submission_refuses() -> None:
 def test_a_row_finished_by_its_first_token_retires_at_admission() -> None:
     engine = Engine(tiny_model("llama"), parse_scheme("plain"))
     request = Request("a", tuple(range(1, 12)), max_tokens=1)
-    row = _prefilled(engine, request)
+    row = prefilled(engine, request)
     stream = engine.submit(request, prefilled=row)
     while engine.has_work():
         engine.step()
@@ -170,7 +161,7 @@ def test_a_restored_paged_row_is_written_into_the_given_pool() -> None:
     from kvrows.persist.prompt_cache import restored_caches, saved_arrays
 
     engine = Engine(tiny_model("llama"), parse_scheme("affine8"), paged=True)
-    row = _prefilled(engine, Request("a", tuple(range(1, 30)), max_tokens=2))
+    row = prefilled(engine, Request("a", tuple(range(1, 30)), max_tokens=2))
     pools = engine.receiving_pools()
     assert pools is not None and all(pool is not None for pool in pools)
     arrays, metadata = saved_arrays(row.caches)
@@ -178,7 +169,7 @@ def test_a_restored_paged_row_is_written_into_the_given_pool() -> None:
     assert all(c.pool is p for c, p in zip(restored, pools, strict=True))
     assert all(c.offset == 29 for c in restored)
     plain = Engine(tiny_model("llama"), parse_scheme("plain"))
-    unpaged = _prefilled(plain, Request("b", tuple(range(1, 9)), max_tokens=2))
+    unpaged = prefilled(plain, Request("b", tuple(range(1, 9)), max_tokens=2))
     arrays, metadata = saved_arrays(unpaged.caches)
     with pytest.raises(InvalidInputError, match="not a paged one"):
         restored_caches(dict(arrays), metadata, pools=pools)

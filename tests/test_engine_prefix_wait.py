@@ -11,8 +11,17 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from kvrows.app.engine import PREFIX_WAIT_TOKENS, Engine, FinishEvent, Request, RequestResult
+from kvrows.app.engine import (
+    PREFIX_WAIT_TOKENS,
+    Engine,
+    FinishEvent,
+    Request,
+    RequestResult,
+    _common_prefix,
+)
 
 #: A shared document longer than ``PREFIX_WAIT_TOKENS`` and than the prefill chunk.
 DOCUMENT = tuple((7 * i + 11) % 200 + 20 for i in range(3 * PREFIX_WAIT_TOKENS))
@@ -96,3 +105,15 @@ def _finish(stream: Any) -> FinishEvent:
     events = list(stream)
     assert isinstance(events[-1], FinishEvent)
     return events[-1]
+
+
+@given(
+    st.lists(st.integers(0, 2), max_size=40).map(tuple),
+    st.lists(st.integers(0, 2), max_size=40).map(tuple),
+)
+def test_the_common_prefix_is_the_leading_run_of_equal_tokens(
+    a: tuple[int, ...], b: tuple[int, ...]
+) -> None:
+    """The binary search over slices admission uses counts what a token-by-token walk does."""
+    walked = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    assert _common_prefix(a, b) == (min(len(a), len(b)) if walked is None else walked)

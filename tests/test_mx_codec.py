@@ -10,6 +10,7 @@ import ml_dtypes
 import mlx.core as mx
 import numpy as np
 import pytest
+from dispatch_helpers import CallLog
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -257,23 +258,12 @@ def test_sliding_layers_take_the_microscaling_ring_bit_identical(
 
 
 @pytest.mark.parametrize("mode", sorted(MX_MODES))
-def test_the_cpu_attention_path_per_mode(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_cpu_attention_path_per_mode(mode: str, call_log: CallLog) -> None:
     """On the CPU, mxfp8 attends over its planes decoded to float32 (faster there than
     its ``quantized_matmul``); the other modes score on the codes. Both agree with the
     reference's attention (float32 over the decoded planes)."""
-    calls: list[str] = []
-    real_matmul, real_dequantize = mx.quantized_matmul, mx.dequantize
-
-    def counted_matmul(*args: Any, **kwargs: Any) -> mx.array:
-        calls.append("quantized_matmul")
-        return real_matmul(*args, **kwargs)
-
-    def counted_dequantize(*args: Any, **kwargs: Any) -> mx.array:
-        calls.append("dequantize")
-        return real_dequantize(*args, **kwargs)
-
-    monkeypatch.setattr(mx, "quantized_matmul", counted_matmul)
-    monkeypatch.setattr(mx, "dequantize", counted_dequantize)
+    call_log.watch(mx, "quantized_matmul")
+    call_log.watch(mx, "dequantize")
     rng = np.random.default_rng(3)
     q = rng.standard_normal((2, 4, 3, 64)).astype(np.float32)
     k = rng.standard_normal((2, 2, 9, 64)).astype(np.float32)
@@ -286,6 +276,6 @@ def test_the_cpu_attention_path_per_mode(mode: str, monkeypatch: pytest.MonkeyPa
             "causal", 0.125,
         )  # fmt: skip
     expected = ["dequantize"] * 2 if mode == "mxfp8" else ["quantized_matmul"] * 2
-    assert calls == expected
+    assert call_log.names == expected
     want = oracle.attend(q, oracle.encode(k), oracle.encode(v, "values"), "causal", 0.125)
     np.testing.assert_allclose(np.array(out), want, atol=1e-4, rtol=1e-4)

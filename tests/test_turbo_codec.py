@@ -13,6 +13,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 from array_helpers import NP_DTYPES, to_mx, to_np
+from dispatch_helpers import CallLog
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -365,25 +366,12 @@ def test_float16_values_near_the_maximum_once_overflowed_the_scale() -> None:
 
 
 @pytest.mark.parametrize("k_bits", sorted(TURBO_KEY_BITS))
-def test_the_optimized_attention_scores_keys_on_their_codes(
-    k_bits: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_optimized_attention_scores_keys_on_their_codes(k_bits: int, call_log: CallLog) -> None:
     """The fast path's dispatch: keys of every width are scored by ``mx.quantized_matmul``
     over the stored codes, never decoded; the output agrees with the reference's."""
-    calls: list[str] = []
-    real_matmul, real_decode = mx.quantized_matmul, opt.decode_keys
-
-    def counted_matmul(*args: Any, **kwargs: Any) -> mx.array:
-        calls.append("quantized_matmul")
-        return real_matmul(*args, **kwargs)
-
-    def counted_decode(*args: Any, **kwargs: Any) -> mx.array:
-        calls.append("decode_keys")
-        return real_decode(*args, **kwargs)
-
-    # The attention calls both through their modules (``mx``, ``turbo_codec``): patched there.
-    monkeypatch.setattr(mx, "quantized_matmul", counted_matmul)
-    monkeypatch.setattr(opt, "decode_keys", counted_decode)
+    # The attention calls both through their modules (``mx``, ``turbo_codec``): watched there.
+    call_log.watch(mx, "quantized_matmul")
+    call_log.watch(opt, "decode_keys")
     rng = np.random.default_rng(k_bits)
     q = rng.standard_normal((2, 4, 3, 64)).astype(np.float32)
     k = rng.standard_normal((2, 2, 9, 64)).astype(np.float32)
@@ -397,7 +385,7 @@ def test_the_optimized_attention_scores_keys_on_their_codes(
         "causal",
         0.125,
     )
-    assert calls == ["quantized_matmul"]
+    assert call_log.names == ["quantized_matmul"]
     reference: Any = ref_codecs.make_codec(spec)
     want = reference.attend(
         q, reference.encode(k, "keys"), reference.encode(v, "values"), "causal", 0.125

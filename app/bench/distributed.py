@@ -22,10 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping
@@ -183,25 +180,15 @@ def measure(quick: bool) -> dict[str, Any]:
 
 def _launch(quick: bool) -> dict[str, Any]:
     """One ``mlx.launch -n 2 --backend ring`` of this module; rank 0's figures."""
-    from kvrows.app.distributed import launch_command
+    from kvrows.app.distributed import bounded_launch
 
-    command = [*launch_command(2), sys.executable, "-m", __name__,
-               *(["--quick"] if quick else [])]  # fmt: skip
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True, env={**os.environ, "PYTHONHASHSEED": "0"},
-    )  # fmt: skip
+    program = [sys.executable, "-m", __name__, *(["--quick"] if quick else [])]
     try:
-        out, _ = process.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        out, _ = process.communicate()
-        raise RuntimeError(f"the launch did not end within {LAUNCH_TIMEOUT} s") from None
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+        status, out = bounded_launch(program, timeout=LAUNCH_TIMEOUT, env={"PYTHONHASHSEED": "0"})
+    except TimeoutError as error:
+        raise RuntimeError(str(error)) from None
     found = [line[len(RESULT) :] for line in out.splitlines() if line.startswith(RESULT)]
-    if process.returncode != 0 or not found:
+    if status != 0 or not found:
         raise RuntimeError(f"the two-process launch failed:\n{out[-3000:]}")
     figures: dict[str, Any] = json.loads(found[-1])
     return figures

@@ -19,6 +19,7 @@ __all__ = [
     "AffineCodec",
     "attention_weights",
     "boolean_mask",
+    "compute_dtype",
     "grouped_queries",
     "quantized_attention",
 ]
@@ -64,6 +65,13 @@ def boolean_mask(mask: Mask, queries: int, keys: int) -> mx.array | None:
     if not isinstance(mask, mx.array) or mask.dtype != mx.bool_:
         raise InvalidInputError("a mask array must be a boolean mlx array")
     return mask
+
+
+def compute_dtype(dtype: mx.Dtype) -> mx.Dtype:
+    """The dtype attention over encoded planes computes in: float32 on the CPU (its
+    half-precision matmuls, ``quantized_matmul`` included, are slow and accumulate
+    coarsely there), the activations' dtype elsewhere."""
+    return mx.float32 if mx.default_device() == mx.cpu else dtype
 
 
 def grouped_queries(
@@ -141,17 +149,10 @@ def quantized_attention(
     precision (about 7% off, and 5x slower than float32 there): the queries go in as
     float32 and the output comes back in their dtype.
     """
-    dtype = queries.dtype
-    on_cpu = mx.default_device() == mx.cpu
-    if dtype != mx.float32 and on_cpu:
-        out = quantized_attention(
-            queries.astype(mx.float32), keys, values, mask, scale, group_size, bits, mode
-        )
-        return out.astype(dtype)
-    if on_cpu and mode in DECODED_ON_CPU:
+    if mx.default_device() == mx.cpu and mode in DECODED_ON_CPU:
         return _decoded_attention(queries, keys, values, mask, scale, group_size, bits, mode)
     batch, q_heads, n, _ = queries.shape
-    q = grouped_queries(queries, int(keys[0].shape[1]), scale)
+    q = grouped_queries(queries, int(keys[0].shape[1]), scale, compute_dtype(queries.dtype))
     # Planes gain the head-group axis; a microscaling mode has no biases (``None``).
     k_packed, k_scales, k_biases, *_ = (*(mx.expand_dims(p, 2) for p in keys), None)
     v_packed, v_scales, v_biases, *_ = (*(mx.expand_dims(p, 2) for p in values), None)
@@ -164,4 +165,4 @@ def quantized_attention(
         weights, v_packed, v_scales, v_biases, transpose=False, group_size=group_size,
         bits=bits, mode=mode,
     )  # fmt: skip
-    return out.reshape(batch, q_heads, n, -1)
+    return out.reshape(batch, q_heads, n, -1).astype(queries.dtype)

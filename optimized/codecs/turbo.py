@@ -9,7 +9,7 @@ import mlx.core as mx
 from kvrows.codec import TURBO_GROUP, Role
 from kvrows.codecs import Turbo
 from kvrows.optimized import turbo_codec
-from kvrows.optimized.codecs.affine import attention_weights, grouped_queries
+from kvrows.optimized.codecs.affine import attention_weights, compute_dtype, grouped_queries
 from kvrows.optimized.codecs.common import Planes, ZeroPlanes, sdpa
 from kvrows.optimized.codecs.registry import implements
 from kvrows.protocols import Mask
@@ -91,12 +91,6 @@ def turbo_attention(
     rotated = turbo_codec.rotated_values(values[0], values[1], v_bits).astype(work)
     out = (weights @ mx.expand_dims(rotated, 2)).reshape(batch, q_heads, n, -1)
     return turbo_codec.unrotate(out).astype(dtype)
-
-
-def compute_dtype(dtype: mx.Dtype) -> mx.Dtype:
-    """The dtype TurboQuant attention computes in: float32 on the CPU (as
-    ``quantized_attention`` does), the activations' dtype elsewhere."""
-    return mx.float32 if mx.default_device() == mx.cpu else dtype
 
 
 def eager_attention(
