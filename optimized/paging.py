@@ -11,10 +11,11 @@ surface (``pool``, ``block_size``, ``block_tables``, ``register_prefix``, ``rele
 
 Which block belongs to whom is the core's int-only ledger (``kvrows.paged.BlockLedger``:
 reference counts, free queue, prefix hash chain, eviction); the bytes move here, one
-MLX op per run of blocks: an append scatters every row's tokens into its slots (runs of
-whole blocks are one slice write), a read gathers every row's slots (pad columns zero).
+MLX op per run of blocks for an append (it scatters every row's tokens into its slots;
+runs of whole blocks are one slice write), one gather over the whole batch for a read
+(every row's slots, pad columns zero).
 On the CPU backend writes and reads go through NumPy views of the pool's buffers instead
-(``_host_views`` / ``_host_gather`` say why).
+(``_host_views`` and :func:`gather_runs` say why).
 
 * An append takes every block its rows need at once (``PoolExhaustedError`` with nothing
   changed); a row whose partly filled tail block another table holds, or that caches a
@@ -195,49 +196,6 @@ def _host_views(planes: Planes) -> list[np.ndarray[Any, Any]] | None:
     return views
 
 
-def _host_gather(
-    views: Sequence[np.ndarray[Any, Any]],
-    rows: Sequence[tuple[Sequence[int], Runs]],
-    pads: Sequence[int],
-    width: int,
-) -> Planes:
-    """The CPU backend's gather: fresh zeroed MLX arrays filled in place through NumPy, one
-    strided copy per run of consecutive whole blocks (MLX's take + transpose + concatenate
-    + stack copied the batch's KV several times over at slice-update speed)."""
-    out = []
-    for view in views:
-        heads, size, dim = view.shape[1], view.shape[2], view.shape[3]
-        image = mx.zeros((len(rows), heads, width, dim), dtype=_MX_DTYPES[view.dtype.str])
-        mx.eval(image)
-        target = np.asarray(image)
-        if not (target.flags.writeable and target.flags.c_contiguous):  # not its own buffer
-            image = mx.array(np.zeros(target.shape, dtype=target.dtype))
-            target = np.asarray(image)
-        for b, ((blocks, runs), pad) in enumerate(zip(rows, pads, strict=True)):
-            column = pad
-            for first, count in runs:
-                position, end = first, first + count
-                while position < end:
-                    j, within = divmod(position, size)
-                    if within == 0 and end - position >= size:  # consecutive whole blocks
-                        run = 1
-                        while (j + run + 1) * size <= end and blocks[j + run] == blocks[j] + run:
-                            run += 1
-                        dest = target[b, :, column : column + run * size]
-                        dest = dest.reshape(heads, run, size, dim)
-                        dest[...] = view[blocks[j] : blocks[j] + run].transpose(1, 0, 2, 3)
-                        length = run * size
-                    else:
-                        length = min(size - within, end - position)
-                        target[b, :, column : column + length] = view[
-                            blocks[j], :, within : within + length
-                        ]
-                    position += length
-                    column += length
-        out.append(image)
-    return tuple(out)
-
-
 def scatter(planes: Planes, written: Sequence[Piece], source: Planes) -> None:
     """For each piece ``(block, start, count, row, token)``: ``planes[block, :, start :
     start + count] = source[row, :, token : token + count]`` (in place)."""
@@ -286,35 +244,123 @@ def copy_block(planes: Planes, target: int, origin: int, count: int) -> None:
     mx.eval(*planes)
 
 
+def _host_readable(plane: mx.array) -> np.ndarray[Any, Any] | None:
+    """A NumPy view of an evaluated plane's buffer on the CPU backend (bfloat16 as its
+    ``uint16`` bits: a gather moves bits), ``None`` elsewhere or for a dtype NumPy lacks."""
+    if mx.default_device() != mx.cpu:
+        return None
+    if plane.dtype == mx.bfloat16:
+        plane = plane.view(mx.uint16)
+        mx.eval(plane)
+    view = np.asarray(plane)
+    return view if view.flags.c_contiguous and view.dtype.str in _MX_DTYPES else None
+
+
+def _fresh(shape: tuple[int, ...], dtype: mx.Dtype) -> tuple[mx.array, np.ndarray[Any, Any]]:
+    """A fresh evaluated MLX array of ``shape`` and ``dtype`` and a writable NumPy view of
+    its buffer (bfloat16 through its ``uint16`` bits)."""
+    bits = mx.uint16 if dtype == mx.bfloat16 else dtype
+    image = mx.zeros(shape, dtype=bits)
+    mx.eval(image)
+    target = np.asarray(image)
+    if not (target.flags.writeable and target.flags.c_contiguous):  # not its own buffer
+        image = mx.array(np.zeros(target.shape, dtype=target.dtype))
+        target = np.asarray(image)
+    if dtype == mx.bfloat16:
+        image = image.view(mx.bfloat16)
+    return image, target
+
+
+def _padded(lengths: np.ndarray[Any, Any], values: Any, columns: int) -> np.ndarray[Any, Any]:
+    """``[len(lengths), columns]``: row ``b`` the next ``lengths[b]`` of the flat iterable
+    ``values``, zeros after them (one NumPy fill: no loop over rows)."""
+    flat = np.fromiter(values, dtype=np.intp, count=int(lengths.sum()))
+    out = np.zeros((len(lengths), columns), dtype=np.intp)
+    out[np.arange(columns) < lengths[:, None]] = flat
+    return out
+
+
+def gather_sources(
+    rows: Sequence[tuple[Sequence[int], Runs]], pads: Sequence[int], width: int, size: int
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """Where each column of each row of a gather comes from: ``(block, within, valid)``,
+    each ``[B, width]``: column ``c`` of row ``b`` holds position ``within`` of block
+    ``block`` where ``valid`` (the row's runs laid one after another from ``pads[b]``),
+    and zeros elsewhere. Computed for the whole batch at once."""
+    count = len(rows)
+    tables = [blocks for blocks, _ in rows]
+    helds = [runs for _, runs in rows]
+    table_lengths = np.fromiter(map(len, tables), dtype=np.intp, count=count)
+    table = _padded(
+        table_lengths,
+        itertools.chain.from_iterable(tables),
+        max(1, int(table_lengths.max(initial=0))),
+    )
+    run_counts = np.fromiter(map(len, helds), dtype=np.intp, count=count)
+    most = max(1, int(run_counts.max(initial=0)))
+    spans = _padded(
+        2 * run_counts,
+        itertools.chain.from_iterable(itertools.chain.from_iterable(helds)),
+        2 * most,
+    )
+    firsts, lengths = spans[:, 0::2], spans[:, 1::2]
+    ends = np.cumsum(lengths, axis=1)  # each run's last column + 1, from the row's pad
+    column = np.arange(width)[None, :] - np.asarray(pads, dtype=np.intp)[:, None]
+    valid = (column >= 0) & (column < ends[:, -1:])
+    run = np.minimum((column[:, :, None] >= ends[:, None, :]).sum(axis=2), most - 1)
+    starts = ends - lengths
+    position = np.take_along_axis(firsts - starts, run, axis=1) + column
+    position = np.where(valid, position, 0)
+    block = np.where(valid, np.take_along_axis(table, position // size, axis=1), 0)
+    return block, position % size, valid
+
+
 def gather_runs(
     planes: Planes, rows: Sequence[tuple[Sequence[int], Runs]], pads: Sequence[int], width: int
 ) -> Planes:
     """``[B, H, width, w]``: row ``b``'s runs of positions ``(first, count)`` (its
     ``blocks`` indexed by logical block), one after another from column ``pads[b]``,
-    zeros elsewhere; compact, owned."""
-    views = _host_views(planes)
-    if views is not None:
-        return _host_gather(views, rows, pads, width)
+    zeros elsewhere; compact, owned.
+
+    One gather for the whole batch: each plane ``[N, H, size, w]`` is read as the rows of
+    ``[N * H * size, w]`` (a token of a head of a block per row), every output row's source
+    row computed at once (:func:`gather_sources`). On the CPU backend NumPy's ``take``
+    fills a fresh MLX buffer in place (MLX's CPU gather costs per element: 3-6x slower
+    here); elsewhere it is ``mx.take``."""
+    count = len(rows)
+    heads, size = int(planes[0].shape[1]), int(planes[0].shape[2])
+    block, within, valid = gather_sources(rows, pads, width, size)
+    heads_axis = np.arange(heads, dtype=np.intp)[None, :, None]
+    source = ((block[:, None, :] * heads + heads_axis) * size + within[:, None, :]).reshape(-1)
+    # The output rows no source fills (pads, a shorter row's tail): zeroed after the take.
+    unfilled = (
+        None
+        if valid.all()
+        else np.flatnonzero(np.broadcast_to(~valid[:, None, :], (count, heads, width)))
+    )
     out = []
     for plane in planes:
-        heads, size, dim = int(plane.shape[1]), int(plane.shape[2]), int(plane.shape[3])
-        images = []
-        for (blocks, runs), pad in zip(rows, pads, strict=True):
-            parts = []
-            if pad:
-                parts.append(mx.zeros((heads, pad, dim), dtype=plane.dtype))
-            for first, count in runs:
-                if not count:
-                    continue
-                lo, hi = first // size, -(-(first + count) // size)
-                taken = mx.take(plane, _index(blocks[lo:hi]), axis=0).transpose(1, 0, 2, 3)
-                skip = first - lo * size
-                parts.append(taken.reshape(heads, -1, dim)[:, skip : skip + count])
-            tail = width - pad - sum(count for _, count in runs)
-            if tail or not parts:  # a shorter left-aligned row (a ring's): zeros after it
-                parts.append(mx.zeros((heads, tail, dim), dtype=plane.dtype))
-            images.append(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1))
-        out.append(mx.contiguous(mx.stack(images)))
+        last = int(plane.shape[3])
+        shape = (count, heads, width, last)
+        view = _host_readable(plane)
+        if int(plane.shape[0]) == 0 or not source.size:  # no block yet, or no column
+            out.append(mx.zeros(shape, dtype=plane.dtype))
+            continue
+        if view is not None:
+            image, target = _fresh(shape, plane.dtype)
+            flat = target.reshape(-1, last)
+            # mode="clip": "raise" buffers the whole output first (the indices are in range).
+            np.take(view.reshape(-1, last), source, axis=0, out=flat, mode="clip")
+            if unfilled is not None:
+                flat[unfilled] = 0
+        else:
+            taken = mx.take(plane.reshape(-1, last), mx.array(source), axis=0).reshape(shape)
+            if unfilled is not None:
+                taken = mx.where(
+                    mx.array(valid)[:, None, :, None], taken, mx.zeros((), plane.dtype)
+                )
+            image = mx.contiguous(taken)
+        out.append(image)
     mx.eval(*out)
     return tuple(out)
 
