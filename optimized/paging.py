@@ -15,7 +15,7 @@ MLX op per run of blocks for an append (it scatters every row's tokens into its 
 runs of whole blocks are one slice write), one gather over the whole batch for a read
 (every row's slots, pad columns zero).
 On the CPU backend writes and reads go through NumPy views of the pool's buffers instead
-(``_host_views`` and :func:`gather_runs` say why).
+(``kvrows.optimized.host``; :func:`gather_runs` says why).
 
 * An append takes every block its rows need at once (``PoolExhaustedError`` with nothing
   changed); a row whose partly filled tail block another table holds, or that caches a
@@ -61,6 +61,7 @@ from kvrows.optimized.codecs import Codec, dtype_name, make_codec
 from kvrows.optimized.geometries.chunked import ChunkedGeometry
 from kvrows.optimized.geometries.growing import GrowingGeometry
 from kvrows.optimized.geometries.ring import RingGeometry
+from kvrows.optimized.host import fresh_host, host_readable, host_views
 from kvrows.optimized.rows import (
     DECLARED,
     Layout,
@@ -169,33 +170,6 @@ def _runs(pieces: Sequence[Piece], size: int) -> list[tuple[Piece, int]]:
     return runs
 
 
-#: NumPy dtype strings of the plane dtypes the CPU write path serves.
-_MX_DTYPES = {
-    np.dtype(np.float16).str: mx.float16,
-    np.dtype(np.float32).str: mx.float32,
-    np.dtype(np.uint32).str: mx.uint32,
-    np.dtype(np.uint8).str: mx.uint8,
-    np.dtype(np.int8).str: mx.int8,
-    np.dtype(np.uint16).str: mx.uint16,
-    np.dtype(np.int32).str: mx.int32,
-}
-
-
-def _host_views(planes: Planes) -> list[np.ndarray[Any, Any]] | None:
-    """Writable NumPy views of the pool's planes on the CPU backend (``None`` elsewhere, or
-    for a dtype NumPy lacks): the planes are evaluated, owned by the pool alone and read
-    only through evaluated copies (gathers), so writing their buffers in place is what an
-    MLX slice update with buffer donation does, without its slow copy kernel."""
-    if mx.default_device() != mx.cpu or any(p.dtype == mx.bfloat16 for p in planes):
-        return None
-    views = [np.asarray(p) for p in planes]
-    if not all(
-        v.flags.writeable and v.flags.c_contiguous and v.dtype.str in _MX_DTYPES for v in views
-    ):
-        return None
-    return views
-
-
 def scatter(planes: Planes, written: Sequence[Piece], source: Planes) -> None:
     """For each piece ``(block, start, count, row, token)``: ``planes[block, :, start :
     start + count] = source[row, :, token : token + count]`` (in place)."""
@@ -203,7 +177,7 @@ def scatter(planes: Planes, written: Sequence[Piece], source: Planes) -> None:
     # (MLX's indexed scatter on the CPU runs at a tenth of a slice write's speed).
     size = int(planes[0].shape[2])
     runs = _runs(written, size)
-    views = _host_views(planes)
+    views = host_views(planes)
     if views is not None:
         # The CPU backend: NumPy writes into the pool's own buffers (MLX's slice update
         # copies at about a tenth of memcpy's speed there; this runs near memcpy's).
@@ -234,7 +208,7 @@ def scatter(planes: Planes, written: Sequence[Piece], source: Planes) -> None:
 
 def copy_block(planes: Planes, target: int, origin: int, count: int) -> None:
     """``planes[target, :, :count] = planes[origin, :, :count]`` (in place)."""
-    views = _host_views(planes)
+    views = host_views(planes)
     if views is not None:
         for view in views:
             view[target, :, :count] = view[origin, :, :count]
@@ -242,33 +216,6 @@ def copy_block(planes: Planes, target: int, origin: int, count: int) -> None:
     for plane in planes:
         plane[target, :, :count] = plane[origin, :, :count]
     mx.eval(*planes)
-
-
-def _host_readable(plane: mx.array) -> np.ndarray[Any, Any] | None:
-    """A NumPy view of an evaluated plane's buffer on the CPU backend (bfloat16 as its
-    ``uint16`` bits: a gather moves bits), ``None`` elsewhere or for a dtype NumPy lacks."""
-    if mx.default_device() != mx.cpu:
-        return None
-    if plane.dtype == mx.bfloat16:
-        plane = plane.view(mx.uint16)
-        mx.eval(plane)
-    view = np.asarray(plane)
-    return view if view.flags.c_contiguous and view.dtype.str in _MX_DTYPES else None
-
-
-def _fresh(shape: tuple[int, ...], dtype: mx.Dtype) -> tuple[mx.array, np.ndarray[Any, Any]]:
-    """A fresh evaluated MLX array of ``shape`` and ``dtype`` and a writable NumPy view of
-    its buffer (bfloat16 through its ``uint16`` bits)."""
-    bits = mx.uint16 if dtype == mx.bfloat16 else dtype
-    image = mx.zeros(shape, dtype=bits)
-    mx.eval(image)
-    target = np.asarray(image)
-    if not (target.flags.writeable and target.flags.c_contiguous):  # not its own buffer
-        image = mx.array(np.zeros(target.shape, dtype=target.dtype))
-        target = np.asarray(image)
-    if dtype == mx.bfloat16:
-        image = image.view(mx.bfloat16)
-    return image, target
 
 
 def _padded(lengths: np.ndarray[Any, Any], values: Any, columns: int) -> np.ndarray[Any, Any]:
@@ -342,12 +289,12 @@ def gather_runs(
     for plane in planes:
         last = int(plane.shape[3])
         shape = (count, heads, width, last)
-        view = _host_readable(plane)
+        view = host_readable(plane)
         if int(plane.shape[0]) == 0 or not source.size:  # no block yet, or no column
             out.append(mx.zeros(shape, dtype=plane.dtype))
             continue
         if view is not None:
-            image, target = _fresh(shape, plane.dtype)
+            image, target = fresh_host(shape, plane.dtype)
             flat = target.reshape(-1, last)
             # mode="clip": "raise" buffers the whole output first (the indices are in range).
             np.take(view.reshape(-1, last), source, axis=0, out=flat, mode="clip")

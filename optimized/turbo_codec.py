@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 from functools import cache
+from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from kvrows.codec import TURBO_GROUP, check_turbo_dim
 from kvrows.errors import (
@@ -20,6 +22,7 @@ from kvrows.errors import (
     turbo_input_dtype_message,
     turbo_scalar_input_message,
 )
+from kvrows.optimized.host import fresh_host, on_cpu
 from kvrows.schemes import TURBO_KEY_BITS, TURBO_VALUE_BITS
 from kvrows.turbo_tables import BOUNDARIES, CENTROIDS, SIGN_BITS
 
@@ -225,17 +228,43 @@ def _lookup_indices(packed: mx.array, bits: int) -> mx.array:
     return _fields(packed, bits, _CODES_PER_LOOKUP[bits] * bits, mx.uint32)
 
 
+def _host_fields(stream: np.ndarray[Any, Any], bits: int, field: int) -> np.ndarray[Any, Any]:
+    """:func:`_fields` in NumPy (the same little-endian fields)."""
+    if field == 8:
+        return stream
+    width = int(stream.shape[-1])
+    word: Any = np.uint32 if bits * 8 <= 32 else np.uint64
+    chunks = stream.reshape(*stream.shape[:-1], width // bits, bits)
+    run: np.ndarray[Any, Any] = chunks[..., 0].astype(word)
+    for byte in range(1, bits):
+        run |= np.left_shift(chunks[..., byte].astype(word), word(8 * byte))
+    shifts = np.arange(0, 8 * bits, field, dtype=word)
+    fields = np.bitwise_and(np.right_shift(run[..., None], shifts), word((1 << field) - 1))
+    out: np.ndarray[Any, Any] = fields.reshape(*stream.shape[:-1], width * 8 // field)
+    return out
+
+
 def rotated_values(packed: mx.array, scales: mx.array, bits: int) -> mx.array:
     """Values still rotated, ``centroids[idx]·scale`` in float32 (the deferred-V read).
 
     The centroids are gathered several codes at a time (:func:`centroid_runs`): the same
-    float32 values as one gather per code, in a fraction of the gathers."""
+    float32 values as one gather per code, in a fraction of the gathers. On the CPU NumPy
+    looks them up and scales them in a fresh MLX buffer (MLX's CPU gather costs per
+    element: about 4x slower at decode shapes); the same float32 products either way."""
     table = centroid_runs(bits)  # checks ``bits``
-    read = table[_lookup_indices(packed, bits)]  # [..., indices, k]
     dim = int(packed.shape[-1]) * 8 // bits
-    values = read.reshape(*packed.shape[:-1], dim)
-    groups = _grouped(values)
-    return (groups * scales.astype(mx.float32)[..., None]).reshape(values.shape)
+    shape = (*packed.shape[:-1], dim)
+    if not on_cpu():
+        values = table[_lookup_indices(packed, bits)].reshape(shape)
+        groups = _grouped(values)
+        return (groups * scales.astype(mx.float32)[..., None]).reshape(shape)
+    indices = _host_fields(np.asarray(packed), bits, _CODES_PER_LOOKUP[bits] * bits)
+    image, target = fresh_host(shape, mx.float32)
+    runs: np.ndarray[Any, Any] = np.asarray(table)
+    np.take(runs, indices.reshape(-1), axis=0, out=target.reshape(-1, runs.shape[1]), mode="clip")
+    in_groups = target.reshape(*shape[:-1], dim // TURBO_GROUP, TURBO_GROUP)
+    in_groups *= np.asarray(scales.astype(mx.float32))[..., None]
+    return image
 
 
 def unrotate(x: mx.array) -> mx.array:

@@ -391,3 +391,28 @@ def test_the_optimized_attention_scores_keys_on_their_codes(k_bits: int, call_lo
         q, reference.encode(k, "keys"), reference.encode(v, "values"), "causal", 0.125
     )
     np.testing.assert_allclose(np.array(out), want, atol=3e-2)
+
+
+@pytest.mark.parametrize("v_bits", sorted(TURBO_VALUE_BITS))
+@given(seed=st.integers(0, 2**32 - 1), tokens=st.integers(1, 12), start=st.integers(0, 3))
+def test_the_cpu_value_lookup_is_the_mlx_gather_bit_for_bit(
+    v_bits: int, seed: int, tokens: int, start: int
+) -> None:
+    """The CPU's NumPy lookup of the rotated values (a strided read of a longer buffer
+    included, as a read's planes are) gives the float32s of the MLX gather it replaces,
+    and on the CPU the MLX lookup indices are never built."""
+    rng = np.random.default_rng(seed)
+    x = mx.array(rng.standard_normal((2, 3, start + tokens + 2, 128)).astype(np.float32))
+    packed, scales = opt.encode_values(x, v_bits)
+    packed, scales = packed[:, :, start : start + tokens], scales[:, :, start : start + tokens]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(opt, "on_cpu", lambda: False)
+        gathered = np.array(opt.rotated_values(packed, scales, v_bits))
+    with pytest.MonkeyPatch.context() as patch:
+
+        def no_indices(*args: Any) -> mx.array:
+            raise AssertionError("the CPU read built MLX lookup indices")
+
+        patch.setattr(opt, "_lookup_indices", no_indices)
+        looked_up = np.array(opt.rotated_values(packed, scales, v_bits))
+    assert looked_up.dtype == np.float32 and looked_up.tobytes() == gathered.tobytes()
