@@ -1112,6 +1112,8 @@ class Engine:
         self._shared_credit: dict[str, int] = {}
         self.admission = self._admission(model)
         self.draft_admission = None if draft_model is None else self._admission(draft_model)
+        #: ``_full_bytes`` by row length (the admission layouts never change).
+        self._full_bytes_at: dict[int, int] = {}
         #: Per stored cache (a layer, or each part of a layer of several caches: the store
         #: saves parts), the signatures a loaded one may have.
         self._signatures = [
@@ -1376,8 +1378,12 @@ class Engine:
         """The row's KV bytes at its longest, shared prefix blocks counted (what it holds
         alone)."""
         tokens = len(request.prompt) + request.max_tokens
-        draft = 0 if self.draft_admission is None else self.draft_admission.most_bytes(tokens)
-        return self.admission.most_bytes(tokens) + draft
+        # A waiting request is asked at every step: the count depends on its length alone.
+        known = self._full_bytes_at.get(tokens)
+        if known is None:
+            draft = 0 if self.draft_admission is None else self.draft_admission.most_bytes(tokens)
+            known = self._full_bytes_at[tokens] = self.admission.most_bytes(tokens) + draft
+        return known
 
     def _never_fits(self, request: Request, budget: int | None) -> str | None:
         """Why ``request`` can never be admitted (``None``: it can)."""
@@ -2133,8 +2139,16 @@ class Engine:
         if not math.isinf(boundary):
             n = min(n, int(boundary))
         ids = mx.array([list(row.context[row.fed : row.fed + n]) for row in cohort])
-        hidden = self._forward(self.model, ids, layouts)
         finishing = [b for b, row in enumerate(cohort) if row.fed + n == len(row.context)]
+        # The appends this chunk makes (what a solo replay cuts at: ``prefill_chunks``).
+        cuts = [n]
+        if finishing and n > 1:
+            # Only the last position's logits are used: the chunk's other tokens only fill
+            # the caches, so they go first, and the last layer's attention, its MLP and the
+            # head run for the last position alone (as mlx-lm's prompt processing does).
+            self._forward(self.model, ids[:, :-1], layouts)
+            ids, cuts = ids[:, -1:], [n - 1, 1]
+        hidden = self._forward(self.model, ids, layouts)
         # Evaluated here so the prefill time is measured (the step boundary would anyway).
         # Logits only when some row finishes its prompt: else evaluating the layouts alone
         # leaves the last layer's attention and the head out of the graph (as mlx-lm's
@@ -2149,7 +2163,7 @@ class Engine:
         done: list[_Row] = []
         for b, row in enumerate(cohort):
             row.fed += n
-            row.result.prefill_chunks.append(n)
+            row.result.prefill_chunks.extend(cuts)
             if b in finishing:
                 row.caches = [layout.extract_row(b) for layout in layouts]
                 done.append(row)

@@ -37,7 +37,8 @@ def test_a_prompt_is_reused_while_its_row_still_decodes(
     assert second.admitted_step == b.arrival
     assert first.admitted_step + a.max_tokens > b.arrival  # a still decoded then
     assert second.prefix_hit_tokens == len(a.prompt) and stats.prefix_hits == 1
-    assert second.prefill_chunks == [len(b.prompt) - len(a.prompt)]
+    # The rest of b's prompt in one chunk, its last token appended alone (spec/engine.md §5).
+    assert second.prefill_chunks == [len(b.prompt) - len(a.prompt) - 1, 1]
     report = check_invariance(net, storage, [a, b], results, CHUNK)
     assert report.ok and report.max_logit_diff == 0.0 and report.steps > 0, report
 
