@@ -60,6 +60,7 @@ class GrowingGeometry(Storage):
     _stage_stores = True
 
     _origin: int
+    _ends_of: tuple[list[int], list[int], tuple[int, list[int], bool]] | None = None
 
     def _reset_geometry(self) -> None:
         self._origin = 0
@@ -68,7 +69,20 @@ class GrowingGeometry(Storage):
     @property
     def width(self) -> int:
         """Columns from the origin to the furthest row end."""
-        return max((p + n for p, n in zip(self._pads, self._tokens_held, strict=True)), default=0)
+        return self._ends()[0]
+
+    def _ends(self) -> tuple[int, list[int], bool]:
+        """``(width, each row's end column from the origin, whether they are all one)``,
+        kept while the pads and positions stay the same lists (every change rebinds one;
+        a decode step reads them several times per layer)."""
+        pads, held = self._pads, self._tokens_held
+        known = self._ends_of
+        if known is not None and known[0] is pads and known[1] is held:
+            return known[2]
+        ends = [p + n for p, n in zip(pads, held, strict=True)]
+        value = max(ends, default=0), ends, len(set(ends)) <= 1
+        self._ends_of = (pads, held, value)
+        return value
 
     @property
     def slots(self) -> int:
@@ -122,21 +136,18 @@ class GrowingGeometry(Storage):
 
     def _append(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
         serial = isinstance(self, Serial)
-        origin = self._origin
-        ends = [origin + p + t for p, t in zip(self._pads, self._tokens_held, strict=True)]
-        width = max(ends) - origin
-        if self._planes is None or origin + width + n > self.capacity:
+        width, ends, aligned = self._ends()
+        if self._planes is None or self._origin + width + n > self.capacity:
             # A layout keeps one spare column; the origin is 0 afterwards.
             self._reallocate(round_up(width + n + (0 if serial else 1)), shift=0)
-            ends = [p + t for p, t in zip(self._pads, self._tokens_held, strict=True)]
         assert self._planes is not None
-        batch = len(self._offsets)
-        if len(set(ends)) == 1:  # ``write_columns``, inline: every decode step runs it
-            start = ends[0]
+        origin, batch = self._origin, len(self._offsets)
+        if aligned:  # ``write_columns``, inline: every decode step runs it
+            start = origin + width
             for plane, encoded in paired(self._planes, block):
                 plane[:batch, :, start : start + n] = encoded
         else:
-            write_columns(self._planes, block, ends, n)
+            write_columns(self._planes, block, [origin + e for e in ends], n)
 
     def _append_stores(self, shares: list[PlaneSet], n: int, geometry: KvGeometry) -> None:
         assert self._stores is not None
