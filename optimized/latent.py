@@ -10,7 +10,7 @@ it over the paged placement.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, TypeGuard
 
 import mlx.core as mx
 
@@ -22,7 +22,8 @@ from kvrows.latent import (
     LatentSurfaceMembers,
     int_vector_message,
 )
-from kvrows.optimized.codecs import dtype_name, mlx_dtype
+from kvrows.optimized.codecs import Codec, dtype_name, mlx_dtype
+from kvrows.optimized.codecs.latent import LatentArrayCodec
 from kvrows.optimized.geometries.growing import GrowingGeometry
 from kvrows.optimized.rows import Layout, RowWindow, Store, arrays, mapped, owned
 from kvrows.optimized.speculative import SpeculativeLayout
@@ -164,11 +165,117 @@ class LatentSurface(_OnRows):
         )
 
 
+def _encodes_latent(codec: object) -> TypeGuard[LatentArrayCodec]:
+    """Whether ``codec`` (a store's) is a latent codec storing the latent encoded."""
+    return isinstance(codec, LatentArrayCodec) and codec.spec.inner.encodes
+
+
+#: An encoded latent's decoded window: the codes plane it mirrors (the encoded store's
+#: first latent plane, by identity: new buffers mean a new window) and the latent decoded
+#: into the activations' dtype, ``[slots, 1, capacity, R]`` at the store's own columns.
+Window = tuple[mx.array, mx.array]
+
+
 class EncodedLatentCache(
     EncodedLatentMembers, LatentSurface, SpeculativeLayout, GrowingGeometry, Layout
 ):
     """The latent plane through a codec, rope and index exact, bf16-first per row
     (``spec/EncodedLatentCache.md``): the latent surface on the row machinery, its rows in
-    two stage stores (the plain latent, then the encoded one)."""
+    two stage stores (the plain latent, then the encoded one).
+
+    A read takes the encoded rows' latent from a **decoded window** (§5 of the spec): the
+    whole latent decoded once (at the first read after a row operation), then each append
+    decodes only its own columns into it; the codecs decode token by token, so the window
+    is bit for bit the decode of the whole codes."""
 
     composition = composition("EncodedLatentCache")
+    #: Reads take the latent from the decoded window (``False``: every read decodes the
+    #: whole latent, the eager path the window replaces; the benchmarks' baseline).
+    keeps_window: ClassVar[bool] = True
+    _dense_window: Window | None = None
+
+    def _changed(self) -> None:
+        """Every write and row operation calls it: the window is dropped and rebuilt at
+        the next read (an append puts its extended window back: ``_write_blocks``)."""
+        super()._changed()
+        self._dense_window = None
+
+    def _encoded_store(self) -> tuple[LatentArrayCodec, PlaneSet, int] | None:
+        """The store whose codec encodes the latent (at most one stage does): its codec,
+        planes and rows held (``None``: no such store holds planes)."""
+        if self._stores is None:
+            held = [(self.codec, self._planes, len(self._offsets))]
+        else:
+            held = [(s.codec, s.planes, len(s.rows)) for s in self._stores]
+        for codec, planes, rows in held:
+            if planes is not None and _encodes_latent(codec):
+                return codec, planes, rows
+        return None
+
+    def _decoded(
+        self, codec: LatentArrayCodec, planes: PlaneSet, rows: int, start: int, stop: int
+    ) -> mx.array:
+        """Columns ``[start, stop)`` of the first ``rows`` slots' latent, decoded as a read
+        returns it (the activations' dtype)."""
+        shapes = self._shapes()
+        assert shapes is not None
+        latent = tuple(p[:rows, :, start:stop] for p in planes["latent"])
+        return codec.decoded(latent, "latent", shapes.dtype)
+
+    def _fetched(self, codec: Codec, visible: PlaneSet) -> dict[str, Any]:
+        windowed = self.keeps_window and "latent" in visible and _encodes_latent(codec)
+        if not windowed:
+            return super()._fetched(codec, visible)
+        rest = super()._fetched(codec, {t: p for t, p in visible.items() if t != "latent"})
+        return {t: self._window_read() if t == "latent" else rest[t] for t in visible}
+
+    def _window_read(self) -> mx.array:
+        """The encoded rows' visible latent from the window (built first when dropped)."""
+        held = self._encoded_store()
+        assert held is not None
+        codec, planes, rows = held
+        start, stop = self._origin, self._origin + self.width
+        codes, window = planes["latent"][0], self._dense_window
+        if window is None or window[0] is not codes:
+            decoded = self._decoded(codec, planes, rows, start, stop)
+            slots, capacity = int(codes.shape[0]), int(codes.shape[2])
+            pads = [(0, slots - rows), (0, 0), (start, capacity - stop), (0, 0)]
+            window = self._dense_window = (codes, mx.pad(decoded, pads))
+        return window[1][:rows, :, start:stop]
+
+    def _write_blocks(self, blocks: dict[str, Any], shapes: Any) -> None:
+        """The machinery's write; a window held before it takes the columns just written,
+        decoded (new buffers, or rows not ending at one column: rebuilt at the next read)."""
+        kept = self._dense_window
+        super()._write_blocks(blocks, shapes)
+        held = self._encoded_store()
+        if kept is None or held is None or held[1]["latent"][0] is not kept[0]:
+            return
+        if len({p + t for p, t in zip(self._pads, self._tokens_held, strict=True)}) != 1:
+            return
+        codec, planes, rows = held
+        stop = self._origin + self.width
+        start = stop - int(next(iter(blocks.values())).shape[2])
+        window = kept[1]
+        window[:rows, :, start:stop] = self._decoded(codec, planes, rows, start, stop)
+        self._dense_window = kept
+
+    @property
+    def window_nbytes(self) -> int:
+        """Bytes of the decoded window held (0 while none is: before the first read after
+        a row operation, or a cache of no encoded row)."""
+        return 0 if self._dense_window is None else int(self._dense_window[1].nbytes)
+
+    def _held_planes(self) -> tuple[Any, ...]:
+        """The stores' planes and the decoded window (``nbytes`` counts both)."""
+        held = super()._held_planes()
+        return held if self._dense_window is None else (*held, self._dense_window[1])
+
+    def held_arrays(self) -> tuple[Any, ...]:
+        """The columns that hold tokens and, while one is held, the window's (views: an
+        evaluation at a chunk boundary evaluates the window too)."""
+        held = super().held_arrays()
+        if self._dense_window is None or (store := self._encoded_store()) is None:
+            return held
+        start, stop = self._origin, self._origin + self.width
+        return (*held, self._dense_window[1][: store[2], :, start:stop])
