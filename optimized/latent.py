@@ -212,53 +212,71 @@ class EncodedLatentCache(
                 return codec, planes, rows
         return None
 
-    def _decoded(
-        self, codec: LatentArrayCodec, planes: PlaneSet, rows: int, start: int, stop: int
-    ) -> mx.array:
-        """Columns ``[start, stop)`` of the first ``rows`` slots' latent, decoded as a read
-        returns it (the activations' dtype)."""
-        shapes = self._shapes()
-        assert shapes is not None
-        latent = tuple(p[:rows, :, start:stop] for p in planes["latent"])
-        return codec.decoded(latent, "latent", shapes.dtype)
-
     def _fetched(self, codec: Codec, visible: PlaneSet) -> dict[str, Any]:
         windowed = self.keeps_window and "latent" in visible and _encodes_latent(codec)
         if not windowed:
             return super()._fetched(codec, visible)
-        rest = super()._fetched(codec, {t: p for t, p in visible.items() if t != "latent"})
-        return {t: self._window_read() if t == "latent" else rest[t] for t in visible}
+        # The other tensors are plain: their planes are what a read returns.
+        return {
+            t: self._window_read(p) if t == "latent" else codec.fetched(p, as_role(t))
+            for t, p in visible.items()
+        }
 
-    def _window_read(self) -> mx.array:
-        """The encoded rows' visible latent from the window (built first when dropped)."""
+    def _window_read(self, visible: Planes) -> mx.array:
+        """The encoded rows' visible latent (``visible``: its codes) from the window,
+        built first when there is none (the visible columns decoded, at their columns)."""
         held = self._encoded_store()
-        assert held is not None
+        shapes = self._shapes()
+        assert held is not None and shapes is not None
         codec, planes, rows = held
         start, stop = self._origin, self._origin + self.width
         codes, window = planes["latent"][0], self._dense_window
         if window is None or window[0] is not codes:
-            decoded = self._decoded(codec, planes, rows, start, stop)
+            decoded = codec.decoded(visible, "latent", shapes.dtype)
             slots, capacity = int(codes.shape[0]), int(codes.shape[2])
             pads = [(0, slots - rows), (0, 0), (start, capacity - stop), (0, 0)]
             window = self._dense_window = (codes, mx.pad(decoded, pads))
         return window[1][:rows, :, start:stop]
 
     def _write_blocks(self, blocks: dict[str, Any], shapes: Any) -> None:
-        """The machinery's write; a window held before it takes the columns just written,
-        decoded (new buffers, or rows not ending at one column: rebuilt at the next read)."""
-        kept = self._dense_window
+        """The machinery's write; a window held before it takes the block's codes decoded
+        at the columns they went to: every row's newest (the rows share one write column).
+        A write that outgrew the buffers moved their columns to fresh ones (origin 0): the
+        window's move the same way, one copy (as the codes')."""
+        kept, self._written = self._dense_window, None
+        origin, width = self._origin, self.width
         super()._write_blocks(blocks, shapes)
+        written, self._written = self._written, None
         held = self._encoded_store()
-        if kept is None or held is None or held[1]["latent"][0] is not kept[0]:
-            return
-        if len({p + t for p, t in zip(self._pads, self._tokens_held, strict=True)}) != 1:
+        if kept is None or written is None or held is None:
             return
         codec, planes, rows = held
+        codes, window = planes["latent"][0], kept[1]
+        if codes is not kept[0]:  # ``_reallocate``: the old columns at 0 .. width
+            slots, capacity = int(codes.shape[0]), int(codes.shape[2])
+            pads = [(0, slots - rows), (0, 0), (0, capacity - width), (0, 0)]
+            window = mx.pad(window[:rows, :, origin : origin + width], pads)
         stop = self._origin + self.width
-        start = stop - int(next(iter(blocks.values())).shape[2])
-        window = kept[1]
-        window[:rows, :, start:stop] = self._decoded(codec, planes, rows, start, stop)
-        self._dense_window = kept
+        window[:rows, :, stop - int(written[0].shape[2]) : stop] = codec.decoded(
+            written, "latent", dtype_name(window)
+        )
+        self._dense_window = (codes, window)
+
+    #: The encoded latent block an append is writing (its encoded rows', in slot order):
+    #: ``_write`` / ``_append_stores`` see it, ``_write_blocks`` decodes it into the window.
+    _written: Planes | None = None
+
+    def _write(self, block: PlaneSet, n: int, shapes: Any) -> None:
+        if _encodes_latent(self.codec):
+            self._written = block["latent"]
+        super()._write(block, n, shapes)
+
+    def _append_stores(self, shares: list[PlaneSet], n: int, geometry: Any) -> None:
+        assert self._stores is not None
+        for store, share in zip(self._stores, shares, strict=True):
+            if _encodes_latent(store.codec):
+                self._written = share["latent"]
+        super()._append_stores(shares, n, geometry)
 
     @property
     def window_nbytes(self) -> int:

@@ -26,7 +26,7 @@ from kvrows.optimized.rows import Storage
 from kvrows.schemes import Affine, CodecSpec, Turbo
 
 RANK, ROPE = 64, 8
-CODECS = [
+CODECS: list[CodecSpec] = [
     Affine(bits=8, group_size=64),
     Turbo(k_bits=8, v_bits=4),
     Microscaled(group_size=32, bits=4),
@@ -94,6 +94,27 @@ def test_a_decode_step_decodes_only_its_own_columns(codec: CodecSpec, call_log: 
     assert columns["eager"] == [[10], [11], [12], [13]]
     assert np.array_equal(_read(layouts[0]), _read(layouts[1]))
     assert layouts[0].window_nbytes > 0 and layouts[1].window_nbytes == 0
+
+
+def test_a_step_that_outgrows_the_buffers_moves_the_window(call_log: CallLog) -> None:
+    """The step after which the buffers are full takes fresh ones: the window moves with
+    the codes (a copy), and that step decodes only its own column too."""
+    call_log.watch(LatentArrayCodec, "decode")
+    codec = CODECS[0]
+    layouts = [_layout(cls, codec, 0, ((1, 9), (2, 4))) for cls in (opt.EncodedLatentCache, Eager)]
+    columns = []
+    for layout in layouts:
+        layout.update_and_fetch(*_mlx(_blocks(2, 1, 10)))  # the window built
+        room = layout.capacity - layout.width
+        layout.update_and_fetch(*_mlx(_blocks(2, room, 11)))  # the buffers full
+        capacity = layout.capacity
+        del call_log.calls[:]
+        layout.update_and_fetch(*_mlx(_blocks(2, 1, 12)))
+        assert layout.capacity > capacity  # the step outgrew them
+        latent = [args[1] for _, args in call_log.calls if args[2:3] in ((), ("latent",))]
+        columns.append([int(planes[0].shape[2]) for planes in latent])
+    assert columns == [[1], [257]]  # the window's step; the eager one reads every column
+    assert np.array_equal(_read(layouts[0]), _read(layouts[1]))
 
 
 def _join(layout: Any) -> Any:
