@@ -278,6 +278,36 @@ class EncodedLatentCache(
                 self._written = share["latent"]
         super()._append_stores(shares, n, geometry)
 
+    def _trim_rows(self, counts: Sequence[int], *, justify: bool = False) -> int:
+        """The machinery's; rows that forget columns in place (equal counts: nothing
+        moves) keep the window, which still holds their columns decoded (a rollback that
+        rolls rows right takes fresh planes: the window is rebuilt at the next read)."""
+        kept = self._dense_window
+        trimmed = super()._trim_rows(counts, justify=justify)
+        held = self._encoded_store()
+        if kept is not None and held is not None and held[1]["latent"][0] is kept[0]:
+            self._dense_window = kept
+        return trimmed
+
+    def _keep_rows(self, order: list[int]) -> None:
+        """The machinery's; one store's kept rows gathered by slot (the origin moves, no
+        column does): the window's slots are gathered the same way (buffers released to
+        other columns: rebuilt at the next read)."""
+        kept, origin = self._dense_window, self._origin
+        shared = min(self._pads[b] for b in order)
+        single = self._stores is None
+        super()._keep_rows(order)
+        held = self._encoded_store()
+        if kept is None or held is None or not single or self._stores is not None:
+            return
+        if self._origin != origin + shared:
+            return  # released slots: new buffers, their columns from 0
+        codes, window = held[1]["latent"][0], kept[1]
+        if codes is not kept[0]:
+            window = self._gather_slots({"latent": (window,)}, order)["latent"][0]
+        if window.shape[:3] == codes.shape[:3]:
+            self._dense_window = (codes, window)
+
     @property
     def window_nbytes(self) -> int:
         """Bytes of the decoded window held (0 while none is: before the first read after

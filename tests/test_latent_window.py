@@ -117,6 +117,36 @@ def test_a_step_that_outgrows_the_buffers_moves_the_window(call_log: CallLog) ->
     assert np.array_equal(_read(layouts[0]), _read(layouts[1]))
 
 
+def _rollback_equal(layout: Any) -> Any:
+    layout.spec_round_begin()
+    layout.update_and_fetch(*_mlx(_blocks(layout.batch_size, 3, 8)))
+    layout.spec_round_rollback([2] * layout.batch_size)  # every row keeps as many
+    return layout
+
+
+@pytest.mark.parametrize("operation", ["trim", "rollback-equal", "filter"])
+def test_row_operations_that_move_no_column_keep_the_window(
+    operation: str, call_log: CallLog
+) -> None:
+    """A trim, a rollback of equal counts and a filter move no column (the origin at
+    most): the next step still decodes its own column only. (Joins and uneven rollbacks
+    rebuild it: ``test_the_window_follows_every_row_operation`` checks their reads.)"""
+    call_log.watch(LatentArrayCodec, "decode")
+    layout = _layout(opt.EncodedLatentCache, CODECS[0], 0, ((1, 9), (2, 4), (3, 6)))
+    layout.update_and_fetch(*_mlx(_blocks(3, 1, 10)))  # the window built
+    eager = _layout(Eager, CODECS[0], 0, ((1, 9), (2, 4), (3, 6)))
+    eager.update_and_fetch(*_mlx(_blocks(3, 1, 10)))
+    change = {"trim": _trim, "rollback-equal": _rollback_equal, "filter": _filter}[operation]
+    for cache in (layout, eager):
+        change(cache)
+    del call_log.calls[:]
+    layout.update_and_fetch(*_mlx(_blocks(layout.batch_size, 1, 11)))
+    latent = [args[1] for _, args in call_log.calls if args[2:3] in ((), ("latent",))]
+    assert [int(planes[0].shape[2]) for planes in latent] == [1]
+    eager.update_and_fetch(*_mlx(_blocks(eager.batch_size, 1, 11)))
+    assert np.array_equal(_read(layout), _read(eager))
+
+
 def _join(layout: Any) -> Any:
     row = type(layout)(codec=layout.latent_codec, start=layout.start)
     row.update_and_fetch(*_mlx(_blocks(1, 14, 7)))
@@ -178,6 +208,7 @@ OPERATIONS: dict[str, Callable[[Any], Any]] = {
     "join": _join,
     "join-short": _join_short,
     "rollback": _rollback,
+    "rollback-equal": _rollback_equal,
     "trim": _trim,
     "filter": _filter,
     "filter-all-rejoin": _filter_and_rejoin,
