@@ -202,11 +202,17 @@ class EncodedLatentCache(
 
     def _encoded_store(self) -> tuple[LatentArrayCodec, PlaneSet, int] | None:
         """The store whose codec encodes the latent (at most one stage does): its codec,
-        planes and rows held (``None``: no such store holds planes)."""
+        planes and how many rows it holds (``None``: no such store holds planes)."""
+        held = self._encoded_rows()
+        return None if held is None else (held[0], held[1], len(held[2]))
+
+    def _encoded_rows(self) -> tuple[LatentArrayCodec, PlaneSet, Sequence[int]] | None:
+        """``_encoded_store`` with the batch rows it holds (in slot order)."""
+        held: list[tuple[Codec, PlaneSet | None, Sequence[int]]]
         if self._stores is None:
-            held = [(self.codec, self._planes, len(self._offsets))]
+            held = [(self.codec, self._planes, range(len(self._offsets)))]
         else:
-            held = [(s.codec, s.planes, len(s.rows)) for s in self._stores]
+            held = [(s.codec, s.planes, s.rows) for s in self._stores]
         for codec, planes, rows in held:
             if planes is not None and _encodes_latent(codec):
                 return codec, planes, rows
@@ -279,14 +285,35 @@ class EncodedLatentCache(
         super()._append_stores(shares, n, geometry)
 
     def _trim_rows(self, counts: Sequence[int], *, justify: bool = False) -> int:
-        """The machinery's; rows that forget columns in place (equal counts: nothing
-        moves) keep the window, which still holds their columns decoded (a rollback that
-        rolls rows right takes fresh planes: the window is rebuilt at the next read)."""
-        kept = self._dense_window
+        """The machinery's. Rows that forget columns in place (equal counts: nothing
+        moves) keep the window, which still holds their columns decoded; a rollback that
+        rolls rows right into fresh planes (``_align``) moves each row's kept columns of
+        the window the same way, one slice per row, the other columns the decode of the
+        zero codes the fresh planes hold there."""
+        kept, origin, pads = self._dense_window, self._origin, list(self._pads)
         trimmed = super()._trim_rows(counts, justify=justify)
-        held = self._encoded_store()
-        if kept is not None and held is not None and held[1]["latent"][0] is kept[0]:
+        held = self._encoded_rows()
+        if kept is None or held is None:
+            return trimmed
+        codec, planes, rows = held
+        codes = planes["latent"][0]
+        if codes is kept[0]:
             self._dense_window = kept
+            return trimmed
+        shapes = self._shapes()
+        if shapes is None or self._origin:  # (``_align``'s fresh planes start at column 0)
+            return trimmed
+        zero = codec.decoded(
+            codec.zeros(1, 1, 1, shapes.rank, shapes.dtype), "latent", shapes.dtype
+        )
+        window = mx.tile(zero, (int(codes.shape[0]), 1, int(codes.shape[2]), 1))
+        for slot, b in enumerate(rows):
+            count, source, target = self._tokens_held[b], origin + pads[b], self._pads[b]
+            if count:  # (MLX faults on empty slices)
+                window[slot : slot + 1, :, target : target + count] = kept[1][
+                    slot : slot + 1, :, source : source + count
+                ]
+        self._dense_window = (codes, window)
         return trimmed
 
     def _keep_rows(self, order: list[int]) -> None:
