@@ -284,6 +284,42 @@ class EncodedLatentCache(
                 self._written = share["latent"]
         super()._append_stores(shares, n, geometry)
 
+    def _join(
+        self, sources: Sequence[Any], incoming: list[RowWindow], shapes: Any, stages: list[int]
+    ) -> None:
+        """The machinery's. Rows joining the one store of encoded rows leave the running
+        rows' columns as they were (a free slot: in place) or move them right by the new
+        left padding (new buffers): the window's follow, and only what is new is decoded,
+        the joining rows' columns and the running rows' new left padding."""
+        kept, origin, width, batch = self._dense_window, self._origin, self.width, self.batch_size
+        before = self._encoded_store() if self._stores is None else None
+        super()._join(sources, incoming, shapes, stages)
+        held = self._encoded_store()
+        if kept is None or before is None or held is None or self._stores is not None:
+            return
+        codec, planes, joined = held
+        codes, dtype = planes["latent"][0], dtype_name(kept[1])
+        start, target = self._origin, self.width
+        grow = target - width
+        if codes is kept[0]:  # a free slot, the padding left of the origin: nothing moved
+            window = kept[1]
+        else:  # new buffers: the running rows' columns ``grow`` right of the origin
+            slots, capacity = int(codes.shape[0]), int(codes.shape[2])
+            right = capacity - start - grow - width
+            pads = [(0, slots - batch), (0, 0), (start + grow, right), (0, 0)]
+            window = mx.pad(kept[1][:batch, :, origin : origin + width], pads)
+
+        def decoded(first: int, last: int, begin: int, end: int) -> mx.array:
+            latent = tuple(p[first:last, :, begin:end] for p in planes["latent"])
+            return codec.decoded(latent, "latent", dtype)
+
+        if grow and batch:
+            window[:batch, :, start : start + grow] = decoded(0, batch, start, start + grow)
+        window[batch:joined, :, start : start + target] = decoded(
+            batch, joined, start, start + target
+        )
+        self._dense_window = (codes, window)
+
     def _trim_rows(self, counts: Sequence[int], *, justify: bool = False) -> int:
         """The machinery's. Rows that forget columns in place (equal counts: nothing
         moves) keep the window, which still holds their columns decoded; a rollback that

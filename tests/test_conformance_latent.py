@@ -13,6 +13,7 @@ exists for was reached.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 from conformance_helpers import OPS_CHECKED, caught, run_family
@@ -22,7 +23,7 @@ from kvrows.conformance.families import FAMILIES
 from kvrows.conformance.latent import LATENT_CHECKS
 from kvrows.conformance.machines import UNEVEN_TRIM
 from kvrows.conversion import Conversion
-from kvrows.optimized.rows import Storage
+from kvrows.optimized.rows import Layout, Storage
 
 FAMILY = FAMILIES["latent"]
 LAYOUTS = [spec.name for spec in FAMILY.layouts]
@@ -95,11 +96,15 @@ class ConvertsBeforeStart(opt.EncodedLatentCache):
 
 
 class KeepsAStaleWindow(opt.EncodedLatentCache):
-    """A decoded window that row operations do not drop: a join written into a spare slot
-    in place (the codes plane the same array) reads the window's stale columns there."""
+    """A decoded window that row operations do not drop and a join does not bring up to
+    date: a join written into a spare slot in place (the codes plane the same array)
+    reads the window's stale columns there."""
 
     def _changed(self) -> None:
         Storage._changed(self)  # MUTATION: the window is kept
+
+    def _join(self, *args: Any) -> None:
+        Layout._join(self, *args)  # MUTATION: ... and not brought up to date
 
 
 @pytest.mark.parametrize(

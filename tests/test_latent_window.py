@@ -22,7 +22,7 @@ import kvrows.reference as ref
 from kvrows.codecs.mx import Microscaled
 from kvrows.conformance.arrays import from_mlx
 from kvrows.optimized.codecs.latent import LatentArrayCodec
-from kvrows.optimized.rows import Storage
+from kvrows.optimized.rows import Layout, Storage
 from kvrows.schemes import Affine, CodecSpec, Turbo
 
 RANK, ROPE = 64, 8
@@ -284,14 +284,46 @@ def test_the_reads_are_the_references() -> None:
         assert np.array_equal(got[b, :, pad:].astype(np.float32), want[b, :, pad:])
 
 
+@pytest.mark.parametrize(
+    ("operation", "expected"),
+    [("join-short", [(1, 11)]), ("join", [(2, 3), (1, 14)])],
+    ids=["in-place", "new-buffers"],
+)
+def test_a_join_decodes_only_what_is_new(
+    operation: str, expected: list[tuple[int, int]], call_log: CallLog
+) -> None:
+    """A row joining (11 columns wide: a free slot, written in place; 14: new buffers, the
+    running rows 3 columns right) is decoded alone, with the running rows' new left
+    padding; then a step decodes its own column. Its reads are the eager path's."""
+    call_log.watch(LatentArrayCodec, "decode")
+    layouts = [
+        _layout(cls, CODECS[0], 0, ((1, 9), (2, 4))) for cls in (opt.EncodedLatentCache, Eager)
+    ]
+    for layout in layouts:
+        layout.update_and_fetch(*_mlx(_blocks(2, 1, 10)))  # the window built: 10 + 1 columns
+        layout.update_and_fetch(*_mlx(_blocks(2, 1, 11)))
+    del call_log.calls[:]
+    OPERATIONS[operation](layouts[0])
+    layouts[0].update_and_fetch(*_mlx(_blocks(3, 1, 12)))
+    latent = [args[1] for _, args in call_log.calls if args[2:3] in ((), ("latent",))]
+    # the encoded latent's decodes (the joining row's own warm-up read is plain: one plane)
+    shapes = [(int(p[0].shape[0]), int(p[0].shape[2])) for p in latent if len(p) > 1]
+    assert shapes == [*expected, (3, 1)]
+    OPERATIONS[operation](layouts[1])
+    layouts[1].update_and_fetch(*_mlx(_blocks(3, 1, 12)))
+    assert _same([_read(layouts[0])], [_read(layouts[1])])
+
+
 def test_a_window_kept_through_row_operations_would_go_stale(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The teeth of the test above: a window that row operations do not drop reads stale
-    columns after a join that writes into the planes in place (the ones that build new
-    planes would also rebuild it: the window is of one codes plane, by identity)."""
+    """The teeth of the test above: a window that row operations do not drop, and that a
+    join does not bring up to date, reads stale columns after a join that writes into the
+    planes in place (one that builds new planes would rebuild it: the window is of one
+    codes plane, by identity)."""
     codec = Affine(bits=8, group_size=64)
     monkeypatch.setattr(opt.EncodedLatentCache, "_changed", Storage._changed)
+    monkeypatch.setattr(opt.EncodedLatentCache, "_join", Layout._join)
     for operation in ("join-short",):
         got = _replay(opt.EncodedLatentCache, codec, 0, operation)
         assert not _same(got, _replay(Eager, codec, 0, operation)), operation
