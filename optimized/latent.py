@@ -166,8 +166,10 @@ class LatentSurface(_OnRows):
 
 
 def _encodes_latent(codec: object) -> TypeGuard[LatentArrayCodec]:
-    """Whether ``codec`` (a store's) is a latent codec storing the latent encoded."""
-    return isinstance(codec, LatentArrayCodec) and codec.spec.inner.encodes
+    """Whether ``codec`` (a store's) is a latent codec storing the latent encoded (its
+    spec's inner codec encodes: a ``Latent``'s)."""
+    inner = getattr(getattr(codec, "spec", None), "inner", None)
+    return bool(getattr(inner, "encodes", False))
 
 
 #: An encoded latent's decoded window: the codes plane it mirrors (the encoded store's
@@ -184,9 +186,9 @@ class EncodedLatentCache(
     two stage stores (the plain latent, then the encoded one).
 
     A read takes the encoded rows' latent from a **decoded window** (§5 of the spec): the
-    whole latent decoded once (at the first read after a row operation), then each append
-    decodes only its own columns into it; the codecs decode token by token, so the window
-    is bit for bit the decode of the whole codes."""
+    whole latent decoded once (by the first append after a row operation that dropped it),
+    then each append decodes only its own columns into it; the codecs decode token by
+    token, so the window is bit for bit the decode of the whole codes."""
 
     composition = composition("EncodedLatentCache")
     #: Reads take the latent from the decoded window (``False``: every read decodes the
@@ -195,8 +197,10 @@ class EncodedLatentCache(
     _dense_window: Window | None = None
 
     def _changed(self) -> None:
-        """Every write and row operation calls it: the window is dropped and rebuilt at
-        the next read (an append puts its extended window back: ``_write_blocks``)."""
+        """Every write and row operation calls it: the window is dropped, and the next
+        append builds it again (an append puts its extended window back, a row operation
+        that can carry it does: ``_write_blocks``, ``_join``, ``_trim_rows``,
+        ``_keep_rows``)."""
         super()._changed()
         self._dense_window = None
 
@@ -219,42 +223,58 @@ class EncodedLatentCache(
         return None
 
     def _fetched(self, codec: Codec, visible: PlaneSet) -> dict[str, Any]:
-        windowed = self.keeps_window and "latent" in visible and _encodes_latent(codec)
-        if not windowed:
+        latent = visible.get("latent")
+        if not (self.keeps_window and latent is not None and _encodes_latent(codec)):
             return super()._fetched(codec, visible)
+        window = self._window_read(latent)
         # The other tensors are plain: their planes are what a read returns.
         return {
-            t: self._window_read(p) if t == "latent" else codec.fetched(p, as_role(t))
-            for t, p in visible.items()
+            t: window if p is latent else codec.fetched(p, as_role(t)) for t, p in visible.items()
         }
 
     def _window_read(self, visible: Planes) -> mx.array:
-        """The encoded rows' visible latent (``visible``: its codes) from the window,
-        built first when there is none (the visible columns decoded, at their columns)."""
+        """The encoded rows' visible latent (``visible``: its codes): the window's
+        columns, or with none held the codes decoded (a read changes nothing: the next
+        append builds the window)."""
         held = self._encoded_store()
         shapes = self._shapes()
         assert held is not None and shapes is not None
+        _, planes, rows = held
+        window = self._dense_window
+        if window is None or window[0] is not planes["latent"][0]:
+            return held[0].decoded(visible, "latent", shapes.dtype)
+        return window[1][:rows, :, self._origin : self._origin + self.width]
+
+    def _built_window(self) -> Window | None:
+        """A window of the encoded store's visible columns, decoded once and laid at
+        their columns (``None``: no store holds encoded rows)."""
+        held, shapes = self._encoded_store(), self._shapes()
+        if held is None or shapes is None or not self.keeps_window:
+            return None
         codec, planes, rows = held
         start, stop = self._origin, self._origin + self.width
-        codes, window = planes["latent"][0], self._dense_window
-        if window is None or window[0] is not codes:
-            decoded = codec.decoded(visible, "latent", shapes.dtype)
-            slots, capacity = int(codes.shape[0]), int(codes.shape[2])
-            pads = [(0, slots - rows), (0, 0), (start, capacity - stop), (0, 0)]
-            window = self._dense_window = (codes, mx.pad(decoded, pads))
-        return window[1][:rows, :, start:stop]
+        codes = planes["latent"][0]
+        latent = tuple(p[:rows, :, start:stop] for p in planes["latent"])
+        decoded = codec.decoded(latent, "latent", shapes.dtype)
+        slots, capacity = int(codes.shape[0]), int(codes.shape[2])
+        pads = [(0, slots - rows), (0, 0), (start, capacity - stop), (0, 0)]
+        return codes, mx.pad(decoded, pads)
 
     def _write_blocks(self, blocks: dict[str, Any], shapes: Any) -> None:
         """The machinery's write; a window held before it takes the block's codes decoded
         at the columns they went to: every row's newest (the rows share one write column).
         A write that outgrew the buffers moved their columns to fresh ones (origin 0): the
-        window's move the same way, one copy (as the codes')."""
+        window's move the same way, one copy (as the codes'). With none held, the write
+        builds it (the read after it would decode every column anyway)."""
         kept, self._written = self._dense_window, None
         origin, width = self._origin, self.width
         super()._write_blocks(blocks, shapes)
         written, self._written = self._written, None
         held = self._encoded_store()
-        if kept is None or written is None or held is None:
+        if kept is None:
+            self._dense_window = self._built_window()
+            return
+        if written is None or held is None:
             return
         codec, planes, rows = held
         codes, window = planes["latent"][0], kept[1]

@@ -330,18 +330,20 @@ def test_a_window_kept_through_row_operations_would_go_stale(
 
 
 def test_the_window_counts_in_nbytes() -> None:
-    """``nbytes`` holds the window once a read built it: ``R`` values of the
-    activations' dtype per column of every slot, beside the codes."""
+    """``nbytes`` holds the window once an append built it: ``R`` values of the
+    activations' dtype per column of every slot, beside the codes. A read builds none (it
+    changes nothing observable: ``nbytes`` neither)."""
     codec = Affine(bits=8, group_size=64)
     layout, eager = (
         _layout(cls, codec, 0, ((1, 9), (2, 4))) for cls in (opt.EncodedLatentCache, Eager)
     )
-    stored = layout.nbytes
     assert layout.window_nbytes == 0  # a merge drops it
     layout.current()
+    assert layout.window_nbytes == 0 and layout.nbytes == eager.nbytes
+    for cache in (layout, eager):
+        cache.update_and_fetch(*_mlx(_blocks(2, 1, 5)))
     slots, capacity = layout.slots, layout.capacity
     assert layout.window_nbytes == slots * capacity * RANK * 2
-    assert layout.nbytes == stored + layout.window_nbytes
-    eager.current()
-    assert eager.nbytes == stored and eager.window_nbytes == 0
+    assert layout.nbytes == eager.nbytes + layout.window_nbytes
+    assert eager.window_nbytes == 0
     assert len(layout.held_arrays()) == len(eager.held_arrays()) + 1  # the window's columns

@@ -8,7 +8,7 @@ step's end (an encoded latent's codes are not part of its read). ``mla``: ``MLAC
 ``window``: ``EncodedLatentCache`` (affine 8-bit, group 64) reading its decoded window;
 ``eager``: the same cache reading the eager way (every read decodes the whole latent, as
 before the window). Each layout takes one step first (``after merge``: the window is
-built at that read, one decode of every column), then each run times ``STEPS`` steps of
+built by that step, one decode of every column), then each run times ``STEPS`` steps of
 every implementation in turn (interleaved); ``step`` is the median over ``RUNS`` runs of
 each run's median step. Then, once per layout: the step that outgrows the 256-column
 buffers (``grow``: new buffers; the window moves with the codes, one copy), and a
