@@ -893,11 +893,18 @@ class EncodedLatentMembers(_LatentLayout):
     def _append_blocks(self, latent: Any, rope: Any, index: Any | None) -> Any:
         """The machinery's write and read; then the plain rows due convert (this append
         read them exact). A fault in the conversion puts the append back too (contract
-        §9): only an append rows convert after keeps what the planes held (one copy)."""
-        _, _, _, n = self._checked(latent, rope, index)
+        §9): only an append rows convert after keeps what the planes held (one copy).
+        An append no row converts after is the machinery's alone (its own all-or-nothing:
+        a decode step checks its blocks once)."""
         append = super()._append_blocks  # type: ignore[misc]
-        append_convert = partial(_append_convert, self, partial(append, latent, rope, index))
+        # The block's tokens, read before its checks (the append's own, before anything
+        # changes): a bad block raises there whichever way this goes.
+        shape: Sequence[int] = getattr(latent, "shape", ())
+        n = int(shape[-2]) if len(shape) in (3, 4) else 0
         converts = bool(due_rows(self, self.row_stages, self.row_offsets, n))
+        if self.row_offsets and not converts:  # (a first block sets the rows: it may convert)
+            return append(latent, rope, index)
+        append_convert = partial(_append_convert, self, partial(append, latent, rope, index))
         return all_or_nothing(self, append_convert, held=converts)
 
     # -- row operations ----------------------------------------------------------------------

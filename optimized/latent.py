@@ -10,7 +10,7 @@ it over the paged placement.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, TypeGuard
 
 import mlx.core as mx
 
@@ -22,7 +22,8 @@ from kvrows.latent import (
     LatentSurfaceMembers,
     int_vector_message,
 )
-from kvrows.optimized.codecs import dtype_name, mlx_dtype
+from kvrows.optimized.codecs import Codec, dtype_name, mlx_dtype
+from kvrows.optimized.codecs.latent import LatentArrayCodec
 from kvrows.optimized.geometries.growing import GrowingGeometry
 from kvrows.optimized.rows import Layout, RowWindow, Store, arrays, mapped, owned
 from kvrows.optimized.speculative import SpeculativeLayout
@@ -164,11 +165,248 @@ class LatentSurface(_OnRows):
         )
 
 
+def _encodes_latent(codec: object) -> TypeGuard[LatentArrayCodec]:
+    """Whether ``codec`` (a store's) is a latent codec storing the latent encoded (its
+    spec's inner codec encodes: a ``Latent``'s)."""
+    inner = getattr(getattr(codec, "spec", None), "inner", None)
+    return bool(getattr(inner, "encodes", False))
+
+
+#: An encoded latent's decoded window: the codes plane it mirrors (the encoded store's
+#: first latent plane, by identity: new buffers mean a new window) and the latent decoded
+#: into the activations' dtype, ``[slots, 1, capacity, R]`` at the store's own columns.
+Window = tuple[mx.array, mx.array]
+
+
 class EncodedLatentCache(
     EncodedLatentMembers, LatentSurface, SpeculativeLayout, GrowingGeometry, Layout
 ):
     """The latent plane through a codec, rope and index exact, bf16-first per row
     (``spec/EncodedLatentCache.md``): the latent surface on the row machinery, its rows in
-    two stage stores (the plain latent, then the encoded one)."""
+    two stage stores (the plain latent, then the encoded one).
+
+    A read takes the encoded rows' latent from a **decoded window** (§5 of the spec): the
+    whole latent decoded once (by the first append after a row operation that dropped it),
+    then each append decodes only its own columns into it; the codecs decode token by
+    token, so the window is bit for bit the decode of the whole codes."""
 
     composition = composition("EncodedLatentCache")
+    #: Reads take the latent from the decoded window (``False``: every read decodes the
+    #: whole latent, the eager path the window replaces; the benchmarks' baseline).
+    keeps_window: ClassVar[bool] = True
+    _dense_window: Window | None = None
+
+    def _changed(self) -> None:
+        """Every write and row operation calls it: the window is dropped, and the next
+        append builds it again (an append puts its extended window back, a row operation
+        that can carry it does: ``_write_blocks``, ``_join``, ``_trim_rows``,
+        ``_keep_rows``)."""
+        super()._changed()
+        self._dense_window = None
+
+    def _encoded_store(self) -> tuple[LatentArrayCodec, PlaneSet, int] | None:
+        """The store whose codec encodes the latent (at most one stage does): its codec,
+        planes and how many rows it holds (``None``: no such store holds planes)."""
+        held = self._encoded_rows()
+        return None if held is None else (held[0], held[1], len(held[2]))
+
+    def _encoded_rows(self) -> tuple[LatentArrayCodec, PlaneSet, Sequence[int]] | None:
+        """``_encoded_store`` with the batch rows it holds (in slot order)."""
+        held: list[tuple[Codec, PlaneSet | None, Sequence[int]]]
+        if self._stores is None:
+            held = [(self.codec, self._planes, range(len(self._offsets)))]
+        else:
+            held = [(s.codec, s.planes, s.rows) for s in self._stores]
+        for codec, planes, rows in held:
+            if planes is not None and _encodes_latent(codec):
+                return codec, planes, rows
+        return None
+
+    def _fetched(self, codec: Codec, visible: PlaneSet) -> dict[str, Any]:
+        latent = visible.get("latent")
+        if not (self.keeps_window and latent is not None and _encodes_latent(codec)):
+            return super()._fetched(codec, visible)
+        window = self._window_read(latent)
+        # The other tensors are plain: their planes are what a read returns.
+        return {
+            t: window if p is latent else codec.fetched(p, as_role(t)) for t, p in visible.items()
+        }
+
+    def _window_read(self, visible: Planes) -> mx.array:
+        """The encoded rows' visible latent (``visible``: its codes): the window's
+        columns, or with none held the codes decoded (a read changes nothing: the next
+        append builds the window)."""
+        held = self._encoded_store()
+        shapes = self._shapes()
+        assert held is not None and shapes is not None
+        _, planes, rows = held
+        window = self._dense_window
+        if window is None or window[0] is not planes["latent"][0]:
+            return held[0].decoded(visible, "latent", shapes.dtype)
+        return window[1][:rows, :, self._origin : self._origin + self.width]
+
+    def _built_window(self) -> Window | None:
+        """A window of the encoded store's visible columns, decoded once and laid at
+        their columns (``None``: no store holds encoded rows)."""
+        held, shapes = self._encoded_store(), self._shapes()
+        if held is None or shapes is None or not self.keeps_window:
+            return None
+        codec, planes, rows = held
+        start, stop = self._origin, self._origin + self.width
+        codes = planes["latent"][0]
+        latent = tuple(p[:rows, :, start:stop] for p in planes["latent"])
+        decoded = codec.decoded(latent, "latent", shapes.dtype)
+        slots, capacity = int(codes.shape[0]), int(codes.shape[2])
+        pads = [(0, slots - rows), (0, 0), (start, capacity - stop), (0, 0)]
+        return codes, mx.pad(decoded, pads)
+
+    def _write_blocks(self, blocks: dict[str, Any], shapes: Any) -> None:
+        """The machinery's write; a window held before it takes the block's codes decoded
+        at the columns they went to: every row's newest (the rows share one write column).
+        A write that outgrew the buffers moved their columns to fresh ones (origin 0): the
+        window's move the same way, one copy (as the codes'). With none held, the write
+        builds it (the read after it would decode every column anyway)."""
+        kept, self._written = self._dense_window, None
+        origin, width = self._origin, self.width
+        super()._write_blocks(blocks, shapes)
+        written, self._written = self._written, None
+        held = self._encoded_store()
+        if kept is None:
+            self._dense_window = self._built_window()
+            return
+        if written is None or held is None:
+            return
+        codec, planes, rows = held
+        codes, window = planes["latent"][0], kept[1]
+        if codes is not kept[0]:  # ``_reallocate``: the old columns at 0 .. width
+            slots, capacity = int(codes.shape[0]), int(codes.shape[2])
+            pads = [(0, slots - rows), (0, 0), (0, capacity - width), (0, 0)]
+            window = mx.pad(window[:rows, :, origin : origin + width], pads)
+        stop = self._origin + self.width
+        window[:rows, :, stop - int(written[0].shape[2]) : stop] = codec.decoded(
+            written, "latent", dtype_name(window)
+        )
+        self._dense_window = (codes, window)
+
+    #: The encoded latent block an append is writing (its encoded rows', in slot order):
+    #: ``_write`` / ``_append_stores`` see it, ``_write_blocks`` decodes it into the window.
+    _written: Planes | None = None
+
+    def _write(self, block: PlaneSet, n: int, shapes: Any) -> None:
+        if _encodes_latent(self.codec):
+            self._written = block["latent"]
+        super()._write(block, n, shapes)
+
+    def _append_stores(self, shares: list[PlaneSet], n: int, geometry: Any) -> None:
+        assert self._stores is not None
+        for store, share in zip(self._stores, shares, strict=True):
+            if _encodes_latent(store.codec):
+                self._written = share["latent"]
+        super()._append_stores(shares, n, geometry)
+
+    def _join(
+        self, sources: Sequence[Any], incoming: list[RowWindow], shapes: Any, stages: list[int]
+    ) -> None:
+        """The machinery's. Rows joining the one store of encoded rows leave the running
+        rows' columns as they were (a free slot: in place) or move them right by the new
+        left padding (new buffers): the window's follow, and only what is new is decoded,
+        the joining rows' columns and the running rows' new left padding."""
+        kept, origin, width, batch = self._dense_window, self._origin, self.width, self.batch_size
+        before = self._encoded_store() if self._stores is None else None
+        super()._join(sources, incoming, shapes, stages)
+        held = self._encoded_store()
+        if kept is None or before is None or held is None or self._stores is not None:
+            return
+        codec, planes, joined = held
+        codes, dtype = planes["latent"][0], dtype_name(kept[1])
+        start, target = self._origin, self.width
+        grow = target - width
+        if codes is kept[0]:  # a free slot, the padding left of the origin: nothing moved
+            window = kept[1]
+        else:  # new buffers: the running rows' columns ``grow`` right of the origin
+            slots, capacity = int(codes.shape[0]), int(codes.shape[2])
+            right = capacity - start - grow - width
+            pads = [(0, slots - batch), (0, 0), (start + grow, right), (0, 0)]
+            window = mx.pad(kept[1][:batch, :, origin : origin + width], pads)
+
+        def decoded(first: int, last: int, begin: int, end: int) -> mx.array:
+            latent = tuple(p[first:last, :, begin:end] for p in planes["latent"])
+            return codec.decoded(latent, "latent", dtype)
+
+        if grow and batch:
+            window[:batch, :, start : start + grow] = decoded(0, batch, start, start + grow)
+        window[batch:joined, :, start : start + target] = decoded(
+            batch, joined, start, start + target
+        )
+        self._dense_window = (codes, window)
+
+    def _trim_rows(self, counts: Sequence[int], *, justify: bool = False) -> int:
+        """The machinery's. Rows that forget columns in place (equal counts: nothing
+        moves) keep the window, which still holds their columns decoded; a rollback that
+        rolls rows right into fresh planes (``_align``) moves each row's kept columns of
+        the window the same way, one slice per row, the other columns the decode of the
+        zero codes the fresh planes hold there."""
+        kept, origin, pads = self._dense_window, self._origin, list(self._pads)
+        trimmed = super()._trim_rows(counts, justify=justify)
+        held = self._encoded_rows()
+        if kept is None or held is None:
+            return trimmed
+        codec, planes, rows = held
+        codes = planes["latent"][0]
+        if codes is kept[0]:
+            self._dense_window = kept
+            return trimmed
+        shapes = self._shapes()
+        if shapes is None or self._origin:  # (``_align``'s fresh planes start at column 0)
+            return trimmed
+        zero = codec.decoded(
+            codec.zeros(1, 1, 1, shapes.rank, shapes.dtype), "latent", shapes.dtype
+        )
+        window = mx.tile(zero, (int(codes.shape[0]), 1, int(codes.shape[2]), 1))
+        for slot, b in enumerate(rows):
+            count, source, target = self._tokens_held[b], origin + pads[b], self._pads[b]
+            if count:  # (MLX faults on empty slices)
+                window[slot : slot + 1, :, target : target + count] = kept[1][
+                    slot : slot + 1, :, source : source + count
+                ]
+        self._dense_window = (codes, window)
+        return trimmed
+
+    def _keep_rows(self, order: list[int]) -> None:
+        """The machinery's; one store's kept rows gathered by slot (the origin moves, no
+        column does): the window's slots are gathered the same way (buffers released to
+        other columns: rebuilt at the next read)."""
+        kept, origin = self._dense_window, self._origin
+        shared = min(self._pads[b] for b in order)
+        single = self._stores is None
+        super()._keep_rows(order)
+        held = self._encoded_store()
+        if kept is None or held is None or not single or self._stores is not None:
+            return
+        if self._origin != origin + shared:
+            return  # released slots: new buffers, their columns from 0
+        codes, window = held[1]["latent"][0], kept[1]
+        if codes is not kept[0]:
+            window = self._gather_slots({"latent": (window,)}, order)["latent"][0]
+        if window.shape[:3] == codes.shape[:3]:
+            self._dense_window = (codes, window)
+
+    @property
+    def window_nbytes(self) -> int:
+        """Bytes of the decoded window held (0 while none is: before the first read after
+        a row operation, or a cache of no encoded row)."""
+        return 0 if self._dense_window is None else int(self._dense_window[1].nbytes)
+
+    def _held_planes(self) -> tuple[Any, ...]:
+        """The stores' planes and the decoded window (``nbytes`` counts both)."""
+        held = super()._held_planes()
+        return held if self._dense_window is None else (*held, self._dense_window[1])
+
+    def held_arrays(self) -> tuple[Any, ...]:
+        """The columns that hold tokens and, while one is held, the window's (views: an
+        evaluation at a chunk boundary evaluates the window too)."""
+        held = super().held_arrays()
+        if self._dense_window is None or (store := self._encoded_store()) is None:
+            return held
+        start, stop = self._origin, self._origin + self.width
+        return (*held, self._dense_window[1][: store[2], :, start:stop])

@@ -582,9 +582,8 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         for store in self._stores:
             if store.planes is None:
                 raise LayoutStateError(NOTHING_TO_FETCH)
-            codec, visible = store.codec, self._visible_rows(store)
-            reads = {t: codec.fetched(planes, as_role(t)) for t, planes in visible.items()}
-            parts.append((list(store.rows), codec, reads))
+            codec = store.codec
+            parts.append((list(store.rows), codec, self._fetched(codec, self._visible_rows(store))))
         return parts
 
     def _stage_view(self, cls: type[_S], view: _S | None = None) -> _S:
@@ -824,8 +823,12 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             if self._stores is not None:
                 return self._dense_read()
             raise LayoutStateError(NOTHING_TO_FETCH)
-        visible = self._visible(self._planes)
-        return {t: self.codec.fetched(planes, as_role(t)) for t, planes in visible.items()}
+        return self._fetched(self.codec, self._visible(self._planes))
+
+    def _fetched(self, codec: Codec, visible: PlaneSet) -> dict[str, Any]:
+        """Each tensor of one store's ``visible`` planes as a read returns it: ``codec``'s
+        fetched form (an encoded latent reads its latent from a decoded window instead)."""
+        return {t: codec.fetched(planes, as_role(t)) for t, planes in visible.items()}
 
     def _reads_by_parts(self) -> bool:
         """Whether the rows are in several stages and some stage's codec does not read a

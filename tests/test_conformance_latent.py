@@ -13,6 +13,7 @@ exists for was reached.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 from conformance_helpers import OPS_CHECKED, caught, run_family
@@ -22,6 +23,7 @@ from kvrows.conformance.families import FAMILIES
 from kvrows.conformance.latent import LATENT_CHECKS
 from kvrows.conformance.machines import UNEVEN_TRIM
 from kvrows.conversion import Conversion
+from kvrows.optimized.rows import Layout, Storage
 
 FAMILY = FAMILIES["latent"]
 LAYOUTS = [spec.name for spec in FAMILY.layouts]
@@ -67,6 +69,8 @@ def test_latent_family(layout: str) -> None:
         assert stats.checks["mixed conversion"] > 0
         kinds = {v.split()[0].split(":")[0] for v in stats.variants}
         assert kinds == {"affine", "turbo", "mxfp4", "nvfp4"}  # every codec family drawn
+        # the decoded window and the eager path it replaces (the optimized class's reads)
+        assert {v.endswith(" eager") for v in stats.variants} == {True, False}
 
 
 # -- teeth: planted bugs the machine must catch ------------------------------------------
@@ -91,9 +95,25 @@ class ConvertsBeforeStart(opt.EncodedLatentCache):
     conversion_class = ConversionIgnoringStart
 
 
+class KeepsAStaleWindow(opt.EncodedLatentCache):
+    """A decoded window that row operations do not drop and a join does not bring up to
+    date: a join written into a spare slot in place (the codes plane the same array)
+    reads the window's stale columns there."""
+
+    def _changed(self) -> None:
+        Storage._changed(self)  # MUTATION: the window is kept
+
+    def _join(self, *args: Any) -> None:
+        Layout._join(self, *args)  # MUTATION: ... and not brought up to date
+
+
 @pytest.mark.parametrize(
     ("layout", "mutant"),
-    [("MLACache", RollbackCutsTheShortestCount), ("EncodedLatentCache", ConvertsBeforeStart)],
+    [
+        ("MLACache", RollbackCutsTheShortestCount),
+        ("EncodedLatentCache", ConvertsBeforeStart),
+        ("EncodedLatentCache", KeepsAStaleWindow),
+    ],
 )
 def test_the_latent_machine_catches(layout: str, mutant: type) -> None:
     caught(layout, mutant, 12, family_name=FAMILY.name)

@@ -38,7 +38,8 @@ class LatentArrayCodec(LatentLayout):
         if tensor != "latent":
             return planes[0]
         decoded: mx.array = self.decode(planes, tensor)
-        return decoded.astype(mlx_dtype(dtype))
+        wanted = mlx_dtype(dtype)
+        return decoded if decoded.dtype == wanted else decoded.astype(wanted)
 
     def decode(self, planes: Planes, tensor: str = "latent") -> Any:
         """``tensor``'s stored tokens (the latent decoded by the inner codec)."""

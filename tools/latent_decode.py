@@ -1,0 +1,142 @@
+"""A latent decode step: ``MLACache`` vs ``EncodedLatentCache`` (``spec/EncodedLatentCache.md`` §5).
+
+One layer, bf16, DeepSeek-V3's 512 latent + 64 rope per token, on the CPU: ``B`` rows of
+lengths ``L`` down to ``L / 2`` (``benchmarks/test_bench_latent.py``'s rows) merged into
+one layout, then decode steps, each an append of one token per row and the read it
+returns (``update_and_fetch``), evaluated with the held arrays as the engine does at a
+step's end (an encoded latent's codes are not part of its read). ``mla``: ``MLACache``;
+``window``: ``EncodedLatentCache`` (affine 8-bit, group 64) reading its decoded window;
+``eager``: the same cache reading the eager way (every read decodes the whole latent, as
+before the window). Each layout takes one step first (``after merge``: the window is
+built by that step, one decode of every column), then each run times ``STEPS`` steps of
+every implementation in turn (interleaved); ``step`` is the median over ``RUNS`` runs of
+each run's median step. Then, once per layout: the step that outgrows the 256-column
+buffers (``grow``: new buffers; the window moves with the codes, one copy), and a
+request of ``L / 2`` tokens joining into a free slot with the step after it (``join``:
+the window decodes the joining row alone).
+
+Run: ``.venv/bin/python tools/latent_decode.py [B,L ...]`` (default: 4,1024 16,1024
+4,4096 16,4096); milliseconds.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Any
+
+import mlx.core as mx
+
+from kvrows.optimized import EncodedLatentCache, MLACache
+from kvrows.schemes import Affine
+
+RANK, ROPE = 512, 64
+RUNS, STEPS = 3, 15
+CODEC = Affine(bits=8, group_size=64)
+SHAPES = ((4, 1024), (16, 1024), (4, 4096), (16, 4096))
+
+
+class EagerLatentCache(EncodedLatentCache):
+    """The eager path the window replaces: every read decodes the whole latent."""
+
+    keeps_window = False
+
+
+IMPLEMENTATIONS: dict[str, Any] = {
+    "mla": MLACache,
+    "window": EncodedLatentCache,
+    "eager": EagerLatentCache,
+}
+
+
+def _row(cls: Any, tokens: int, seed: int) -> Any:
+    """One request's cache of ``tokens`` prompt tokens."""
+    key = mx.random.key(seed)
+    latent = mx.random.normal((1, 1, tokens, RANK), key=key).astype(mx.bfloat16)
+    rope = mx.random.normal((1, 1, tokens, ROPE), key=key).astype(mx.bfloat16)
+    cache = cls() if cls is MLACache else cls(codec=CODEC)
+    cache.update_and_fetch(latent, rope)
+    mx.eval(cache.held_arrays())
+    return cache
+
+
+def _layout(cls: Any, batch: int, tokens: int) -> Any:
+    """``batch`` rows of lengths ``tokens`` down to ``tokens / 2``, merged."""
+    lengths = [tokens - (tokens // 2) * b // max(1, batch - 1) for b in range(batch)]
+    rows = [_row(cls, n, b) for b, n in enumerate(lengths)]
+    layout = rows[0].make_empty_batch()
+    layout.merge_rows(rows)
+    mx.eval(layout.held_arrays())
+    return layout
+
+
+def _block(rows: int, tokens: int = 1) -> tuple[mx.array, ...]:
+    return tuple(mx.zeros((rows, 1, tokens, d), mx.bfloat16) for d in (RANK, ROPE))
+
+
+def _step(layout: Any) -> float:
+    block = _block(layout.batch_size)
+    start = time.perf_counter()
+    mx.eval(layout.update_and_fetch(*block), layout.held_arrays())
+    return 1e3 * (time.perf_counter() - start)
+
+
+def _grow(layout: Any) -> float:
+    """Fill the buffers (untimed), then time the step that outgrows them."""
+    room = layout.capacity - layout.width  # (the rows start at column 0 after a merge)
+    if room > 0:
+        mx.eval(*layout.update_and_fetch(*_block(layout.batch_size, room)))
+    capacity = layout.capacity
+    took = _step(layout)
+    assert layout.capacity > capacity  # the step did outgrow the buffers
+    return took
+
+
+def _join(layout: Any, row: Any) -> float:
+    start = time.perf_counter()
+    layout.merge_rows([row])
+    return 1e3 * (time.perf_counter() - start) + _step(layout)
+
+
+def measure(batch: int, tokens: int) -> dict[str, dict[str, float]]:
+    layouts = {name: _layout(cls, batch, tokens) for name, cls in IMPLEMENTATIONS.items()}
+    figures: dict[str, dict[str, float]] = {name: {} for name in layouts}
+    for name, layout in layouts.items():
+        figures[name]["after merge"] = _step(layout)
+    runs: dict[str, list[float]] = {name: [] for name in layouts}
+    for _ in range(RUNS):
+        for name, layout in layouts.items():
+            runs[name].append(statistics.median(_step(layout) for _ in range(STEPS)))
+    for name, layout in layouts.items():
+        figures[name]["step"] = statistics.median(runs[name])
+        figures[name]["grow"] = _grow(layout)
+        figures[name]["join"] = _join(layout, _row(IMPLEMENTATIONS[name], tokens // 2, batch))
+    return figures
+
+
+def _each(figures: dict[str, dict[str, float]], what: str) -> str:
+    return " / ".join(f"{figures[name][what]:.1f}" for name in IMPLEMENTATIONS)
+
+
+def main() -> None:
+    shapes = [tuple(int(x) for x in arg.split(",")) for arg in sys.argv[1:]] or list(SHAPES)
+    print(
+        "| B | L | step: mla | window | eager | window / mla | eager / mla "
+        "| after merge: mla / window / eager | grow | join + step |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---|---|---|")
+    with mx.stream(mx.cpu):
+        for batch, tokens in shapes:
+            f = measure(batch, tokens)
+            mla, window, eager = (f[n]["step"] for n in IMPLEMENTATIONS)
+            print(
+                f"| {batch} | {tokens} | {mla:.2f} | {window:.2f} | {eager:.1f} "
+                f"| {window / mla:.2f}x | {eager / mla:.0f}x | {_each(f, 'after merge')} "
+                f"| {_each(f, 'grow')} | {_each(f, 'join')} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
