@@ -3,18 +3,15 @@
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
 from kvrows.codec import Role
 from kvrows.codecs import Affine
 from kvrows.errors import InvalidInputError, head_grouping_message
 from kvrows.optimized.codecs.common import Planes, ZeroPlanes
 from kvrows.optimized.codecs.registry import implements
-from kvrows.optimized.host import fresh_host
 from kvrows.protocols import Mask
 
 __all__ = [
@@ -106,35 +103,6 @@ def attention_weights(scores: mx.array, mask: Mask) -> mx.array:
 DECODED_ON_CPU = frozenset({"mxfp8"})
 
 
-@cache
-def _e4m3_values() -> np.ndarray[Any, Any]:
-    """The float32 value of each of the 256 e4m3 codes, as ``mx.dequantize`` gives them at
-    scale 1 (MLX's decoding is the definition; NumPy only looks it up)."""
-    every = np.arange(256, dtype=np.uint8).view(np.uint32).reshape(1, 64)
-    unit = np.full((1, 8), 127, dtype=np.uint8)  # e8m0 127: 2^0
-    plain = mx.dequantize(
-        mx.array(every), mx.array(unit), None, group_size=32, bits=8, mode="mxfp8",
-        dtype=mx.float32,
-    )  # fmt: skip
-    return np.array(plain).reshape(256)
-
-
-def _host_mxfp8(codes: mx.array, scales: mx.array, group_size: int) -> mx.array:
-    """mxfp8 planes decoded to float32 by NumPy into a fresh MLX buffer: each e4m3 code
-    looked up, times its group's e8m0 scale ``2^(s - 127)`` (both exact in float32, so the
-    values are ``mx.dequantize``'s bit for bit, ``inf`` and NaN included; MLX's CPU
-    dequantize took 1.5x as long at decode shapes)."""
-    stream = np.asarray(codes).view(np.uint8)
-    image, target = fresh_host(tuple(stream.shape), mx.float32)
-    np.take(_e4m3_values(), stream.reshape(-1), out=target.reshape(-1), mode="clip")
-    # e8m0 255 overflows to inf, and inf times a zero code is NaN: as in MLX.
-    with np.errstate(over="ignore", invalid="ignore"):
-        factor = np.ldexp(np.float32(1), np.asarray(scales).astype(np.int32) - 127)
-        groups = target.reshape(*target.shape[:-1], -1, group_size)
-        groups *= factor.astype(np.float32)[..., None]
-    return image
-
-
 def _decoded_attention(
     queries: mx.array,
     keys: tuple[mx.array, ...],
@@ -151,8 +119,6 @@ def _decoded_attention(
 
     def decoded(planes: tuple[mx.array, ...]) -> mx.array:
         codes, scales, biases, *_ = (*planes, None)
-        if mode == "mxfp8":
-            return mx.expand_dims(_host_mxfp8(codes, scales, group_size), 2)
         plain = mx.dequantize(
             codes, scales, biases, group_size=group_size, bits=bits, mode=mode,
             dtype=mx.float32,
