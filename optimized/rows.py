@@ -626,6 +626,10 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         """The positions changed: drop their device copy."""
         self._offset_array: mx.array | None = None
 
+    def _settle(self) -> None:
+        """Hold ``_planes`` as the arrays themselves, before a write in place (a wrapped
+        ring's ordered form otherwise derives them: ``SharedRing``)."""
+
     def _fault_parts(self, *, held: bool = False) -> Any:
         """Each stage store's fields (``all_or_nothing`` puts them back on a fault);
         ``held``: also a second handle on every held plane (an in-place write then
