@@ -278,8 +278,27 @@ class RingBlockMaskFromStaleIndex(RingBatchedRotatingCache):
         return mask
 
 
+class RingTimeOrderRolled(RingBatchedRotatingCache):
+    """The ordered form's time-ordered read (a slice of its window, issue 28) comes back
+    rolled by one column: the newest token first. The physical read, the masks and the
+    windows stay right; only attention in time order would sum another order."""
+
+    def reads_in_time_order(self, keys: Any, values: Any, mask: Any) -> tuple[Any, Any, Any]:
+        timed_keys, timed_values, mask = super().reads_in_time_order(keys, values, mask)
+        if not self.time_ordered:
+            return timed_keys, timed_values, mask
+
+        def rolled(read: Any) -> Any:  # MUTATION (the slice is already in time order)
+            if isinstance(read, tuple):
+                return tuple(mx.roll(p, 1, 2) for p in read)
+            return mx.roll(read, 1, 2)
+
+        return rolled(timed_keys), rolled(timed_values), mask
+
+
 RING_MUTANTS = [
     pytest.param(RingMaskRolledShort, id="ring-mask-rolled-short"),
+    pytest.param(RingTimeOrderRolled, id="ring-time-order-rolled"),
     pytest.param(RingExtractsTheOldestWindow, id="ring-extracts-the-oldest-window"),
     pytest.param(RingBlockMaskFromStaleIndex, id="ring-block-mask-b9"),
 ]
