@@ -950,14 +950,32 @@ class RaggedRing(RingGeometry):
         index = mx.array(slots)
         return mapped(planes, lambda p: mx.take(p, index, axis=0))
 
+    #: A proposal round is open: rows drop nothing (``_spec_hold``).
+    _holding: bool = False
+
+    @property
+    def holds_proposals(self) -> bool:
+        """Yes: while a proposal round holds the rows, they drop nothing (the mask still
+        shows each query its window), so the discard forgets the round's tokens and every
+        row keeps the window it had: no copy of the layout."""
+        return True
+
+    def _spec_hold(self, on: bool) -> None:
+        self._holding = on
+
     def _after(self, n: int) -> list[int]:
+        if self._holding:
+            return [r + n for r in self._retained]
         if n == 1:
             return [min(r + 1, self.max_size) for r in self._retained]
         return [min(r, self.max_size - 1) + n for r in self._retained]
 
     def _drops(self, n: int) -> list[int]:
         """What each row's retention drops before an ``n``-token block: a single token
-        keeps the newest ``max_size``, a block the newest ``max_size - 1``."""
+        keeps the newest ``max_size``, a block the newest ``max_size - 1``; nothing while a
+        proposal round holds the rows."""
+        if self._holding:
+            return [0] * len(self._retained)
         keep = self.max_size if n == 1 else self.max_size - 1
         return [max(0, r + (1 if n == 1 else 0) - keep) for r in self._retained]
 
