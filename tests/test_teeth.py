@@ -477,8 +477,21 @@ class RingRollbackLosesAWindowToken(SpeculativeRotatingKVCache):
         ]
 
 
+class RingProposalDropsTheOldest(SpeculativeRotatingKVCache):
+    """A proposal round's single tokens evict as outside one (issue 28): a row past its
+    window drops its oldest token, so the discard cannot give the window back."""
+
+    def _spec_hold(self, on: bool) -> None:
+        super()._spec_hold(False)  # MUTATION (a held ring drops nothing)
+
+
 SPECULATIVE_MUTANTS = [
     pytest.param("BatchedKVCache", RollbackLeaksARejectedToken, id="rollback-leaks-a-draft"),
+    pytest.param(
+        "SpeculativeRotatingKVCache",
+        RingProposalDropsTheOldest,
+        id="ring-proposal-drops-the-oldest",
+    ),
     pytest.param(
         "SpeculativeRotatingKVCache",
         RingRollbackRefusedPastTheWindow,
