@@ -1052,7 +1052,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             )
         self.stats.check("time order")
         if getattr(storage, "time_ordered", False):
-            self.stats.variant("ring read from its ordered form")
+            self.stats.check("time order from the ordered form")
 
     # ------------------------------------------------------------ serial steps
     def _serial_append(
