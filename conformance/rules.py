@@ -1399,8 +1399,14 @@ class RoundRules(ConformanceMachine):
             out_ref = self._attend(self.ref_impl, queries, slot.ref, masks[0], what)
             out_opt = self._attend(self.opt_impl, queries, slot.opt, masks[1], what)
             self._close("attention", f"{what} attention", out_opt, out_ref)
-        slot.ref.spec_round_discard()
-        slot.opt.spec_round_discard()
+        for impl, lay in ((self.ref_impl, slot.ref), (self.opt_impl, slot.opt)):
+            try:
+                lay.spec_round_discard()
+            except KvRowsError as error:  # a valid discard must succeed
+                raise AssertionError(
+                    f"{impl.name}: discarding a proposal round of {count} raised "
+                    f"{type(error).__name__}: {error}"
+                ) from error
         self._round_open(slot, False)
         self._exact(
             "a discarded proposal round leaves every row as it was",
