@@ -2593,8 +2593,10 @@ class _Drafter:
     Invariant between rounds: a row's draft KV covers what the target's covers plus the
     pending token, and ``next[b]`` is the draft's greedy token after it (its first
     proposal). A round proposes ``d`` tokens: ``next`` and ``d - 1`` more forwards, on the
-    layouts themselves for growing layers (trimmed back afterwards) and on a scratch copy
-    for ring layers (a ring that has wrapped cannot forget single-token appends). After
+    layouts themselves for growing layers (trimmed back afterwards) and ring layers (in a
+    proposal round, ``spec_round_propose``: the ring drops no column until
+    ``spec_round_discard`` forgets the proposals), on a scratch copy for the layers that
+    cannot forget (delayed conversions, recurrent state, paged rings). After
     the target's verdict, :meth:`absorb` appends the rows' emitted tokens as one verify
     block inside a ``RowRound`` and keeps ``accepted + 1`` of them: the same rollback the
     target's layouts do, and the next ``next`` comes from the same forward.
@@ -2656,8 +2658,12 @@ class _Drafter:
         proposals = [mx.array(self.next)]
         if d > 1:
             caches: list[BatchableCache] = []
+            held: list[Any] = []  # layouts in a proposal round (their rows drop nothing)
             for layout, copied in zip(self.layouts, self.scratch, strict=True):
-                if copied:
+                if copied and getattr(layout, "holds_proposals", False):
+                    layout.spec_round_propose()  # type: ignore[attr-defined]
+                    held.append(layout)
+                elif copied:
                     scratch = layout.make_empty_batch()
                     scratch.merge_rows([layout])  # borrowed: the layout is unchanged
                     layout = scratch
@@ -2666,6 +2672,8 @@ class _Drafter:
                 logits = self._forward(proposals[-1][:, None], caches)[:, -1, :]
                 proposals.append(mx.argmax(logits, axis=-1))
                 self.engine._stats.draft_forwards += 1
+            for layout in held:
+                layout.spec_round_discard()
             for layout, copied in zip(self.layouts, self.scratch, strict=True):
                 if not copied:
                     layout.trim(d - 1)

@@ -11,9 +11,10 @@ first; the cache does it (``kvrows.protocols.TimeOrderedReads``: the shared ring
 bf16-first lego through the storage its read came from). Padding columns a batched row
 has before its oldest token stay in front, masked: they add exact zeros.
 
-It costs one copy of the ring's columns per ring layer and decode step (the rotation);
-prefill blocks and rings that have not wrapped are already in time order and are not
-copied. Used by ``kvrows.app.attention.dispatch``, so it applies to every forward inside
+A wrapped ring without sinks keeps its window in time order (``spec/RotatingKVCache.md``
+§2.1) and answers with a slice of it, no copy; a ring with sinks re-orders a copy of its
+columns per ring layer and decode step. Prefill blocks and rings that have not wrapped are
+already in time order and are not copied. Used by ``kvrows.app.attention.dispatch``, so it applies to every forward inside
 ``attention_scope`` (the engine's and the demo's solo replays).
 """
 

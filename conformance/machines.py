@@ -97,7 +97,7 @@ from kvrows.errors import (
 from kvrows.forms import rows_of_state, unpack_state
 from kvrows.geometries.chunked import chunk_visible
 from kvrows.leases import lease_cache_states
-from kvrows.protocols import RowTrimmable
+from kvrows.protocols import RowTrimmable, TimeOrderedReads
 
 __all__ = [
     "BASE_CHECKS",
@@ -1027,8 +1027,32 @@ class ConformanceMachine(RuleBasedStateMachine):
             )
             evaluate(_flat((fk, fv)))
             fetched.append((planes_of(impl, fk), planes_of(impl, fv)))
+            if impl is self.opt_impl:
+                self._time_ordered(what, cache, fk, fv)
         self._fetch_dtypes(what, *fetched[0], *fetched[1])
         return fetched
+
+    def _time_ordered(self, what: str, cache: Any, keys: Any, values: Any) -> None:
+        """A shared ring's read put in time order (``TimeOrderedReads``; a wrapped ring
+        without sinks answers from its ordered form, no copy) equals the eager path's
+        re-ordered copy of the physical read (``reordered_reads``), plane for plane."""
+        storage = getattr(cache, "read_storage", cache)
+        eager = getattr(storage, "reordered_reads", None)
+        if eager is None or not isinstance(cache, TimeOrderedReads):
+            return
+        fast = cache.reads_in_time_order(keys, values, None)[:2]
+        slow = eager(keys, values, None)[:2]
+        opt = self.opt_impl
+        for name, got, want in zip(("keys", "values"), fast, slow, strict=True):
+            self._same_planes(
+                "kv.stored",
+                f"{what}: {name} in time order",
+                planes_of(opt, got),
+                planes_of(opt, want),
+            )
+        self.stats.check("time order")
+        if getattr(storage, "time_ordered", False):
+            self.stats.check("time order from the ordered form")
 
     # ------------------------------------------------------------ serial steps
     def _serial_append(

@@ -47,6 +47,7 @@ wrapped row").
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 from collections.abc import Callable, Iterator, Sequence
@@ -81,6 +82,7 @@ from kvrows.conformance.machines import (
     Slot,
     Track,
     _answer,
+    _cat,
     column_ids,
     detached,
     evaluate,
@@ -1313,6 +1315,17 @@ class PagedRules(FrozenCollector, OpsRules, KvRules):
 
 
 # ------------------------------------------------------------------------- modifiers
+def _rows_part(everything: tuple[list[Any], list[Any]]) -> tuple[list[Any], list[Any]]:
+    """``_everything()`` without each cache's bytes and whole read: what a discarded
+    proposal round restores is every row (its window, offsets, pads, ``repr``); a growing
+    layout keeps the bytes its trim forgot (masked columns) and may have grown its buffer."""
+
+    def rows(snapshots: list[Any]) -> list[Any]:
+        return [(*s[:3], *s[4:6], *s[7:]) for s in snapshots]
+
+    return rows(everything[0]), rows(everything[1])
+
+
 class RoundRules(ConformanceMachine):
     """The speculative modifier's rules: verify rounds, composed onto the storage's
     machine (see the module docstring)."""
@@ -1329,6 +1342,80 @@ class RoundRules(ConformanceMachine):
     def row_rounds(self, data: st.DataObject) -> None:
         """One to four rounds through ``RowRound`` (``begin(d)``, ``resolve(accepted)``)."""
         self._rounds(data, through_row_round=True)
+
+    def _proposal_round(self, slot: Slot, count: int) -> None:
+        """A proposal round (a draft model's proposals on its own layout): ``count``
+        single-token steps, each checked as a layout step is (fetched planes, masks, the
+        time-ordered read, visibility against the rows' tokens plus the proposals so far,
+        attention), then ``spec_round_discard()``: every row reads as it did before. A
+        layout that cannot hold the proposals refuses in both implementations, unchanged.
+        Run after each ``_rounds`` with no draw of its own (the rules' draws, and so what
+        a derandomized run exercises, are the same as without it)."""
+        self._op("proposal_round", slot)
+        holds = (slot.ref.holds_proposals, slot.opt.holds_proposals)
+        self._exact(
+            f"layout {slot.ident} holds_proposals (reference, optimized)", holds[1], holds[0]
+        )
+        before = self._everything()
+        if not holds[0]:
+            errors = [
+                raised(impl, "spec_round_propose()", lay.spec_round_propose)
+                for impl, lay in ((self.ref_impl, slot.ref), (self.opt_impl, slot.opt))
+            ]
+            self._same_error("spec_round_propose()", errors[0], errors[1], SpeculativeRoundError)
+            self._exact("a refused proposal round changes nothing", self._everything(), before)
+            return
+        g, rows = self.g, len(slot.rows)
+        rng = np.random.default_rng([count, *(t.tokens for t in slot.rows)])
+        slot.ref.spec_round_propose()
+        slot.opt.spec_round_propose()
+        self._round_open(slot, True)
+        proposed: list[Array] = []
+        for i in range(count):
+            keys = self._block(rng, rows, 1, g.key_dim)
+            values = self._block(rng, rows, 1, g.value_dim)
+            queries = self._queries(rng, rows, 1)
+            what = f"layout {slot.ident} proposal {i + 1} of {count}"
+            masks = [slot.ref.make_mask(1), slot.opt.make_mask(1)]
+            (keys_ref, _), (keys_opt, _) = self._append(what, slot.ref, slot.opt, keys, values)
+            width = int(keys_ref[0].shape[2])
+            self._exact(
+                f"{what}: columns read (optimized, reference)", int(keys_opt[0].shape[2]), width
+            )
+            exp_ref, exp_opt = expand(masks[0], rows, 1, width), expand(masks[1], rows, 1, width)
+            self._masks_equal(what, [exp_ref, exp_opt])
+            proposed.append(keys)
+            model = [
+                (
+                    b,
+                    functools.reduce(_cat, (self._encoded(k[b : b + 1]) for k in proposed), t.keys),
+                    t.tokens + i,
+                    t.held,
+                )
+                for b, t in enumerate(slot.rows)
+            ]
+            self._visibility(f"{what} (reference)", keys_ref, exp_ref, model, 1, None)
+            self._visibility(f"{what} (optimized)", keys_opt, exp_opt, model, 1, None)
+            out_ref = self._attend(self.ref_impl, queries, slot.ref, masks[0], what)
+            out_opt = self._attend(self.opt_impl, queries, slot.opt, masks[1], what)
+            self._close("attention", f"{what} attention", out_opt, out_ref)
+        for impl, lay in ((self.ref_impl, slot.ref), (self.opt_impl, slot.opt)):
+            try:
+                lay.spec_round_discard()
+            except KvRowsError as error:  # a valid discard must succeed
+                raise AssertionError(
+                    f"{impl.name}: discarding a proposal round of {count} raised "
+                    f"{type(error).__name__}: {error}"
+                ) from error
+        self._round_open(slot, False)
+        self._exact(
+            "a discarded proposal round leaves every row as it was",
+            _rows_part(self._everything()),
+            _rows_part(before),
+        )
+        self.stats.check("proposal round discarded", count)
+        if g.max_size is not None and any(t.tokens >= g.max_size for t in slot.rows):
+            self.stats.check("proposal round on a full window")
 
     @precondition(lambda self: any(s.rows for s in self.slots))
     @rule(data=st.data())
@@ -1397,6 +1484,8 @@ class RoundRules(ConformanceMachine):
         self._op("row_rounds" if through_row_round else "spec_rounds", slot)
         for _ in range(count):
             self._round(slot, data, through_row_round)
+        if slot.rows:  # (a draft's proposals between two rounds, 1 to 3 of them)
+            self._proposal_round(slot, 1 + sum(t.tokens for t in slot.rows) % 3)
 
     def _round(
         self,

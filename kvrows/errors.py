@@ -379,6 +379,11 @@ NOTHING_TO_RECORD = (
     "this layout forgets rejected tokens itself: a round records no inputs to replay"
 )
 ONE_VERIFY_BLOCK = "a speculative round takes one verify block: commit or roll back before the next"
+NO_PROPOSALS = (
+    "this layout cannot hold a proposal round: its rows would drop columns a discard needs "
+    "(propose on a copy)"
+)
+PROPOSAL_ROUND_ENDS = "a proposal round ends with spec_round_discard(), not a commit or a rollback"
 
 
 def speculative_modifier_message(name: str) -> str:

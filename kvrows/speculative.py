@@ -26,8 +26,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from kvrows.errors import (
+    NO_PROPOSALS,
     NOTHING_TO_RECORD,
     ONE_VERIFY_BLOCK,
+    PROPOSAL_ROUND_ENDS,
     SPECULATIVE_INVALID,
     InvalidInputError,
     KvRowsError,
@@ -117,11 +119,19 @@ class SpeculativeRounds:
     _spec_record: tuple[Callable[..., object], tuple[Any, ...], int] | None = None
     #: A rollback's replay is running (its append and writes are the rollback's own).
     _spec_replaying: bool = False
+    #: A proposal round is open (``spec_round_propose``: any number of appends, every
+    #: column kept, all forgotten by ``spec_round_discard``).
+    _spec_proposing: bool = False
 
     if TYPE_CHECKING:  # the layout's (declared here only for the type checker)
 
         @property
         def row_offsets(self) -> tuple[int, ...]: ...
+
+        @property
+        def holds_proposals(self) -> bool: ...
+
+        def _spec_hold(self, on: bool) -> None: ...
 
     def _spec_forget(self, counts: Sequence[int]) -> None:
         raise NotImplementedError
@@ -162,6 +172,44 @@ class SpeculativeRounds:
             raise LayoutStateError("an empty layout has no row to verify: merge rows first")
         self._spec_before, self._spec_block = self.row_offsets, None
         self._spec_kept, self._spec_record = kept, None
+
+    def spec_round_propose(self) -> None:
+        """Open a **proposal round** (a draft model's proposals on its own layouts): any
+        number of appends, during which the rows keep every column they write (a ring
+        drops none: ``holds_proposals``), then :meth:`spec_round_discard` forgets every
+        token the round appended. A layout that cannot hold them refuses before anything
+        changes (the caller proposes on a copy)."""
+        self._spec_usable()
+        if self._spec_before is not None:
+            raise SpeculativeRoundError(
+                "a speculative round is already open: commit or roll it back before the next"
+            )
+        if not self.row_offsets:
+            raise LayoutStateError("an empty layout has no row to verify: merge rows first")
+        if not self.holds_proposals:
+            raise SpeculativeRoundError(NO_PROPOSALS)
+        self._spec_hold(True)
+        self._spec_before, self._spec_block, self._spec_proposing = self.row_offsets, None, True
+
+    def spec_round_discard(self) -> None:
+        """End a proposal round: every row forgets every token the round appended (the
+        columns it kept for this), as if the round had not been."""
+        self._spec_usable()
+        if not self._spec_proposing:
+            raise SpeculativeRoundError(
+                "spec_round_discard without spec_round_propose: no proposal round is open"
+            )
+        assert self._spec_before is not None
+        counts = [a - b for a, b in zip(self.row_offsets, self._spec_before, strict=True)]
+
+        def discard() -> None:
+            self._spec_hold(False)  # (the forget checks what the rows hold, held or not)
+            if any(counts):
+                self._spec_forget(counts)
+
+        self._spec_failing(discard)
+        self._spec_before = self._spec_block = None
+        self._spec_proposing = False
 
     @property
     def spec_round_awaits_record(self) -> bool:
@@ -245,6 +293,8 @@ class SpeculativeRounds:
         self._spec_usable()
         if self._spec_before is None:
             return append()
+        if self._spec_proposing:  # any number of appends, each kept until the discard
+            return self._spec_failing(append)
         if self._spec_block is not None:
             raise SpeculativeRoundError(ONE_VERIFY_BLOCK)
         before = self.row_offsets
@@ -255,6 +305,8 @@ class SpeculativeRounds:
     def _spec_write(self) -> None:
         """Refuse a write for an append the round cannot take (after its verify block)."""
         self._spec_usable()
+        if self._spec_proposing:
+            return
         if self.spec_round_open and self._spec_block is not None and not self._spec_replaying:
             raise SpeculativeRoundError(ONE_VERIFY_BLOCK)
 
@@ -281,6 +333,8 @@ class SpeculativeRounds:
         self._spec_usable()
         if self._spec_before is None:
             raise SpeculativeRoundError(f"{what} without spec_round_begin: no round is open")
+        if self._spec_proposing:
+            raise SpeculativeRoundError(PROPOSAL_ROUND_ENDS)
         if self._spec_block is None:
             raise SpeculativeRoundError(
                 f"{what} before the round's verify block was appended: append "

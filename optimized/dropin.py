@@ -51,6 +51,8 @@ _NOT_COPIED = frozenset(
         "_pads_of",
         "_pads_array",
         "_offset_array",
+        "_physical",  # a ring's planes, re-encoded (``_planes``), in whichever form
+        "_ordered",
     }
 )
 
@@ -70,6 +72,7 @@ def _held(cache: Storage) -> tuple[Any, Any] | None:
 def _write_held(cache: Storage, side: str, value: object) -> None:
     """Replace the tokens ``cache.keys`` (``side == "keys"``) or ``cache.values`` reads."""
     name = f"{type(cache).__name__}.{side}"
+    cache._settle()  # (written in place below)
     held = cache._planes
     if held is None:
         if value is None:

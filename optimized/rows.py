@@ -628,6 +628,20 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         """The positions changed: drop their device copy."""
         self._offset_array: mx.array | None = None
 
+    @property
+    def holds_proposals(self) -> bool:
+        """Whether its rows can keep every column a proposal round appends, so that
+        ``spec_round_discard`` forgets them (``kvrows.speculative``): a growing geometry
+        drops nothing, a ragged ring drops none while held (``_spec_hold``)."""
+        return False
+
+    def _spec_hold(self, on: bool) -> None:
+        """Keep (``on``) or stop keeping every column appended: a proposal round's."""
+
+    def _settle(self) -> None:
+        """Hold ``_planes`` as the arrays themselves, before a write in place (a wrapped
+        ring's ordered form otherwise derives them: ``SharedRing``)."""
+
     def _fault_parts(self, *, held: bool = False) -> Any:
         """Each stage store's fields (``all_or_nothing`` puts them back on a fault);
         ``held``: also a second handle on every held plane (an in-place write then

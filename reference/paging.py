@@ -878,6 +878,10 @@ class PagedLayout(SpeculativeLayout, PagedRows):
     #: before its block (free blocks or append a shorter one, then resolve it).
     _spec_refused_unchanged = (PoolExhaustedError,)
 
+    @property
+    def holds_proposals(self) -> bool:
+        return False  # (not yet: a paged ring frees its blocks out of the window)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # A ring places its rows itself (its window per row); growing rows right-align, a

@@ -274,6 +274,13 @@ class TokenAxis(Protocol):
     cap: int | None
     #: Positions a row never evicts (a ring's ``keep``; 0 elsewhere): ``Row.sinks``.
     sinks: int
+    #: A proposal round holds the rows: they keep every token (``holds_proposals``).
+    holding: bool
+
+    def holds_proposals(self, arrangement: str) -> bool:
+        """Whether rows of ``arrangement`` can keep every token a proposal round appends
+        (``kvrows.speculative``), so that its discard forgets them."""
+        ...
 
     def append(self, row: Row, block: PlaneSet, n: int) -> None:
         """Write row ``row``'s share of a block of ``n`` positions (its offset advances)."""
@@ -299,6 +306,14 @@ class TokenRows:
     """``append`` and ``cut`` of a geometry with a token axis, from two counts it
     answers: ``history`` (retained tokens a row keeps before it appends ``n``) and
     ``window`` (its newest tokens a merge or an extraction takes)."""
+
+    #: A proposal round holds the rows: they keep every token (``holds_proposals``).
+    holding = False
+
+    def holds_proposals(self, arrangement: str) -> bool:
+        """Whether rows of ``arrangement`` can keep every token a proposal round appends
+        (``kvrows.speculative``), so that its discard forgets them."""
+        return False
 
     def history(self, row: Row, n: int) -> int:
         raise NotImplementedError
@@ -801,6 +816,15 @@ class RowLayout(Storage):
     ) -> None:
         super()._setup(codec_spec, token_geometry, declared)
         self._place = self._axis.place(self.composition.arrangement)
+
+    @property
+    def holds_proposals(self) -> bool:
+        """Whether a proposal round's tokens can all be kept and then forgotten (the axis
+        says, for this arrangement)."""
+        return self._axis.holds_proposals(self.composition.arrangement)
+
+    def _spec_hold(self, on: bool) -> None:
+        self._axis.holding = on
 
     # -- what the layout holds ---------------------------------------------------------------
     @property

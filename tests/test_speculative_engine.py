@@ -68,7 +68,7 @@ def test_gemma3_rounds_cross_the_window(gemma3: Any) -> None:
     long = [Request(f"w{i}", tuple((5 * j + i) % 256 for j in range(20 + i)), 16) for i in range(3)]
     plain, _ = Engine(gemma3, max_batch=3, prefill_chunk=8).run(long)
     # The target as its own draft proposes exactly the target's tokens only if the
-    # draft's own rings (scratch proposals, rolled-back absorb rounds) hold exactly the
+    # draft's own rings (proposal rounds, rolled-back absorb rounds) hold exactly the
     # accepted tokens across the window: every draft is accepted.
     selfish = Engine(gemma3, max_batch=3, prefill_chunk=8, draft_model=draft_model(gemma3, 4))
     results, stats = selfish.run(long)
@@ -211,3 +211,25 @@ def test_kvrows_demo_speculative(capsys: pytest.CaptureFixture[str]) -> None:
     assert [row[0] for row in rows] == ["llama", "gemma3"]
     assert all(row[-1] == "PASS" for row in rows)
     assert [row[2] for row in rows] == ["1", "2"]  # the draft's layers
+
+
+def test_the_draft_proposes_on_its_own_rings_without_a_copy(gemma3: Any, call_log: Any) -> None:
+    """Dispatch: the draft's ring layers take its proposals in a proposal round on the
+    layouts themselves (``spec_round_propose`` / ``spec_round_discard``), no scratch copy
+    of the batch (``make_empty_batch``); the target as its own draft still has every
+    draft accepted across the window, so the discards left exactly the accepted tokens."""
+    from kvrows.optimized import rows
+    from kvrows.speculative import SpeculativeRounds
+
+    call_log.watch(rows.Layout, "make_empty_batch")
+    call_log.watch(SpeculativeRounds, "spec_round_propose")
+    call_log.watch(SpeculativeRounds, "spec_round_discard")
+    long = [Request(f"w{i}", tuple((5 * j + i) % 256 for j in range(20 + i)), 16) for i in range(3)]
+    plain, _ = Engine(gemma3, max_batch=3, prefill_chunk=8).run(long)
+    selfish = Engine(gemma3, max_batch=3, prefill_chunk=8, draft_model=draft_model(gemma3, 4))
+    results, stats = selfish.run(long)
+    assert _tokens(results) == _tokens(plain)
+    assert stats.accepted == stats.drafted > 0
+    assert "make_empty_batch" not in call_log.names
+    proposed = call_log.names.count("spec_round_propose")
+    assert proposed > 0 and call_log.names.count("spec_round_discard") == proposed

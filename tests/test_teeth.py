@@ -278,8 +278,27 @@ class RingBlockMaskFromStaleIndex(RingBatchedRotatingCache):
         return mask
 
 
+class RingTimeOrderRolled(RingBatchedRotatingCache):
+    """The ordered form's time-ordered read (a slice of its window, issue 28) comes back
+    rolled by one column: the newest token first. The physical read, the masks and the
+    windows stay right; only attention in time order would sum another order."""
+
+    def reads_in_time_order(self, keys: Any, values: Any, mask: Any) -> tuple[Any, Any, Any]:
+        timed_keys, timed_values, mask = super().reads_in_time_order(keys, values, mask)
+        if not self.time_ordered:
+            return timed_keys, timed_values, mask
+
+        def rolled(read: Any) -> Any:  # MUTATION (the slice is already in time order)
+            if isinstance(read, tuple):
+                return tuple(mx.roll(p, 1, 2) for p in read)
+            return mx.roll(read, 1, 2)
+
+        return rolled(timed_keys), rolled(timed_values), mask
+
+
 RING_MUTANTS = [
     pytest.param(RingMaskRolledShort, id="ring-mask-rolled-short"),
+    pytest.param(RingTimeOrderRolled, id="ring-time-order-rolled"),
     pytest.param(RingExtractsTheOldestWindow, id="ring-extracts-the-oldest-window"),
     pytest.param(RingBlockMaskFromStaleIndex, id="ring-block-mask-b9"),
 ]
@@ -458,8 +477,21 @@ class RingRollbackLosesAWindowToken(SpeculativeRotatingKVCache):
         ]
 
 
+class RingProposalDropsTheOldest(SpeculativeRotatingKVCache):
+    """A proposal round's single tokens evict as outside one (issue 28): a row past its
+    window drops its oldest token, so the discard cannot give the window back."""
+
+    def _spec_hold(self, on: bool) -> None:
+        super()._spec_hold(False)  # MUTATION (a held ring drops nothing)
+
+
 SPECULATIVE_MUTANTS = [
     pytest.param("BatchedKVCache", RollbackLeaksARejectedToken, id="rollback-leaks-a-draft"),
+    pytest.param(
+        "SpeculativeRotatingKVCache",
+        RingProposalDropsTheOldest,
+        id="ring-proposal-drops-the-oldest",
+    ),
     pytest.param(
         "SpeculativeRotatingKVCache",
         RingRollbackRefusedPastTheWindow,
@@ -478,7 +510,7 @@ def test_the_speculative_machine_catches(layout: str, mutant: type) -> None:
     message = caught(layout, mutant, family_name="speculative")
     if mutant is RingRollbackRefusedPastTheWindow:
         # A valid rollback that raises is the machine's failure, not the mutant's crash.
-        assert "resolving a round" in message, message
+        assert "resolving a round" in message or "discarding a proposal" in message, message
 
 
 # ------------------------------------------- delayed family (rows that convert at start)

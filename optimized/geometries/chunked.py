@@ -32,6 +32,10 @@ __all__ = ["ChunkedGeometry", "ChunkedSurface"]
 class ChunkedGeometry(GrowingGeometry):
     """Hooks of the chunked geometry, for the serial, shared and ragged arrangements."""
 
+    @property
+    def holds_proposals(self) -> bool:
+        return False  # a full chunk evicts the one before it
+
     geometry_kind = "chunked"
     arrangements = frozenset({"serial", "shared", "ragged"})
     #: Each row's first held position (mlx-lm's ``start_position``).

@@ -53,6 +53,11 @@ __all__ = ["GrowingGeometry", "RowAlignment"]
 class GrowingGeometry(Storage):
     """Hooks of the growing geometry, for the serial, shared and ragged arrangements."""
 
+    @property
+    def holds_proposals(self) -> bool:
+        """Always: rows drop nothing, a proposal round's columns are forgotten as any."""
+        return True
+
     geometry_kind = "growing"
     arrangements = frozenset({"serial", "shared", "ragged"})
     #: A layout's rows may be in several stages, one store each, all at the same columns

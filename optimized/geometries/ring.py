@@ -37,7 +37,7 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 
-from kvrows.codec import PlaneSet
+from kvrows.codec import PlaneSet, as_role
 from kvrows.common import row_bytes
 from kvrows.errors import (
     SHARED_COLUMN_TRIM,
@@ -325,6 +325,111 @@ class SharedRing(RingGeometry):
     _total: int
     _rotated: bool
     _lead: int
+    #: A wrapped ring without sinks keeps its window in time order (``_ordered``): the
+    #: planes hold the window then spare columns, the window's newest token at column
+    #: ``_ordered_end - 1``; a token goes to the next spare column, and when none is left
+    #: the newest ``span - 1`` columns move to the front (one copy per ``slack`` tokens).
+    #: The mlx-lm physical form is then derived (``_planes``, lazily: a step that only
+    #: attends in time order never computes it). ``None``: the physical form is held.
+    _ordered: PlaneSet | None = None
+    #: Whether a wrapped ring (no sinks) keeps the ordered form (off: the physical form,
+    #: and ``reads_in_time_order`` re-orders a copy at every read: the eager oracle).
+    ordered_reads: bool = True
+    _ordered_end: int = 0
+    _physical: PlaneSet | None = None
+
+    @property
+    def _planes(self) -> PlaneSet | None:
+        """The buffer in mlx-lm's physical form, what every hook but the token write and the
+        reads works on: derived from the ordered form (lazily, read-only: reading changes
+        nothing); a hook that writes in place leaves the ordered form first (``_settle``),
+        one that rebinds the planes leaves it by doing so."""
+        if self._ordered is not None:
+            return self._unordered(self._ordered)
+        return self._physical
+
+    @_planes.setter
+    def _planes(self, planes: PlaneSet | None) -> None:
+        self._ordered, self._physical = None, planes
+
+    def _settle(self) -> None:
+        """Hold the physical form (before a write in place: the next wrapped token write
+        re-orders, one copy; a drop-in's ``keys`` / ``values`` written back, a hook over
+        stores)."""
+        if self._ordered is not None:
+            self._planes = self._unordered(self._ordered)
+
+    def _store_list(self) -> list[Store]:
+        self._settle()  # (the hooks over stores write them in place)
+        return super()._store_list()
+
+    @property
+    def time_ordered(self) -> bool:
+        """Whether the ordered form is held (a wrapped ring without sinks, ``ordered_reads``)."""
+        return self._ordered is not None
+
+    @property
+    def slack(self) -> int:
+        """Spare columns of the time-ordered form (its memory cost beyond the window): the
+        window moves to the front once per ``slack`` tokens, ``span - 1`` columns."""
+        return min(STEP, self.span)
+
+    @property
+    def buffer_length(self) -> int:
+        if self._ordered is not None:
+            return self._lead + self.span  # the physical form's columns
+        return super().buffer_length
+
+    def _ordered_window(self, ordered: PlaneSet) -> PlaneSet:
+        """The window in time order: a slice of the ordered form, no copy."""
+        return _columns(ordered, self._ordered_end - self.span, self._ordered_end)
+
+    def _unordered(self, ordered: PlaneSet) -> PlaneSet:
+        """The physical form of the ordered window: ring column ``c < idx`` holds the newest
+        ``idx`` tokens, the rest the older ones (a copy, lazy)."""
+        window, older = self._ordered_window(ordered), self.span - self._idx
+        if older == 0:
+            return window
+        return _concat(_columns(window, older), _columns(window, 0, older))
+
+    def _held_planes(self) -> tuple[Any, ...]:
+        """The ordered form while held (its spare columns counted in ``nbytes``)."""
+        if self._ordered is not None:
+            return arrays(self._ordered)
+        return super()._held_planes()
+
+    def _read(self) -> dict[str, Any]:
+        """The physical form, derived from the ordered one (lazy: an attention in time order
+        reads the ordered window instead, ``reads_in_time_order``)."""
+        if self._ordered is None:
+            return super()._read()
+        visible = self._unordered(self._ordered)
+        return {t: self.codec.fetched(planes, as_role(t)) for t, planes in visible.items()}
+
+    def _enter_ordered(self) -> None:
+        """Put the full, wrapped ring (no sinks) in time order with ``slack`` spare columns:
+        one copy, once per window (until a merge, a filter or another hook re-aligns it)."""
+        physical = self._physical
+        assert physical is not None and not self.keep and self._idx < self.span
+        ring, spare = _columns(physical, self._idx), _columns(physical, 0, self._idx)
+        room = self._zeros(len(self._offsets), self.slack, self._geometry)
+        self._ordered, self._physical = _concat(_concat(ring, spare), room), None
+        self._ordered_end = self.span
+
+    def _write_ordered(self, block: PlaneSet) -> None:
+        """One token after the ordered window: its next spare column, or (none left) after
+        the newest ``span - 1`` columns moved to the front."""
+        ordered = self._ordered
+        assert ordered is not None
+        end = self._ordered_end
+        if end == self.span + self.slack:
+            newest = _columns(ordered, end - self.span + 1, end)
+            room = self._zeros(len(self._offsets), self.slack + 1, self._geometry)
+            ordered = self._ordered = _concat(newest, room)
+            end = self.span - 1
+        for plane, encoded in paired(ordered, block):
+            plane[:, :, end : end + 1] = encoded
+        self._ordered_end = end + 1
 
     def _reset_geometry(self) -> None:
         self._idx = self._total = self._lead = 0
@@ -360,23 +465,43 @@ class SharedRing(RingGeometry):
         returned them, in time order (sinks first) once the ring has wrapped: a row sums its
         window in one order alone and in a batch (``spec/engine.md`` §8). Unchanged when
         not wrapped, and for a read of more columns than the ring holds (a block: already
-        in order)."""
-        idx, _, rotated = self.ring_state
-        if not rotated:
+        in order). The ordered form (no sinks) answers with a slice of its window, no copy
+        (the mask, a bool per column, is re-ordered); the physical form re-orders a copy
+        (``reordered_reads``: sinks, ``ordered_reads`` off)."""
+        if not self._rotated_read(keys):
             return keys, values, mask
-        lead = self.ring_index - idx
-        first = keys[0] if isinstance(keys, tuple) else keys
-        if int(first.shape[2]) != lead + self.ring_length or idx == 0:
+        if self._ordered is None:
+            return self.reordered_reads(keys, values, mask)
+        if isinstance(mask, mx.array) and mask.ndim >= 1:
+            mask = _in_time_order(mask, 0, self._idx, mask.ndim - 1)
+        window = self._ordered_window(self._ordered)
+        ordered_keys, ordered_values = (
+            self.codec.fetched(planes, as_role(t)) for t, planes in window.items()
+        )
+        return ordered_keys, ordered_values, mask
+
+    def reordered_reads(self, keys: Any, values: Any, mask: Any) -> tuple[Any, Any, Any]:
+        """``reads_in_time_order`` by a re-ordered copy of the read (the mask's too): the
+        physical form's path, and the ordered form's oracle in conformance."""
+        if not self._rotated_read(keys):
             return keys, values, mask
+        idx, lead = self._idx, self._lead
+        if isinstance(mask, mx.array) and mask.ndim >= 1:
+            mask = _in_time_order(mask, lead, idx, mask.ndim - 1)
 
         def planes(x: Any) -> Any:
             if isinstance(x, tuple):
                 return tuple(_in_time_order(p, lead, idx, 2) for p in x)
             return _in_time_order(x, lead, idx, 2)
 
-        if isinstance(mask, mx.array) and mask.ndim >= 1:
-            mask = _in_time_order(mask, lead, idx, mask.ndim - 1)
         return planes(keys), planes(values), mask
+
+    def _rotated_read(self, keys: Any) -> bool:
+        """Whether ``keys``, the last read, is the whole wrapped ring out of time order (a
+        block reads more columns, in order)."""
+        first = keys[0] if isinstance(keys, tuple) else keys
+        whole = int(first.shape[2]) == self._lead + self.ring_length
+        return self._rotated and whole and self._idx != 0
 
     def is_trimmable(self) -> bool:
         return self._total < self.span
@@ -460,8 +585,12 @@ class SharedRing(RingGeometry):
     def _window(self, planes: PlaneSet, row: int | None) -> PlaneSet | None:
         index = 0 if row is None else row
         # Cut the row out first: reordering the whole ring would copy every row.
-        mine = planes if row is None else row_of(planes, row)
-        held = self._ring_chronological(mine)
+        if self._ordered is not None:  # already in time order: a slice
+            ordered = self._ordered if row is None else row_of(self._ordered, row)
+            mine, held = ordered, self._ordered_window(ordered)
+        else:
+            mine = planes if row is None else row_of(planes, row)
+            held = self._ring_chronological(mine)
         active = token_count(held)
         offset = self._offsets[index]
         sinks = self._sinks_of(offset)
@@ -499,6 +628,7 @@ class SharedRing(RingGeometry):
 
     def _write_sinks(self, block: PlaneSet, n: int, sinks: list[int], geometry: KvGeometry) -> None:
         """Row ``b``'s first ``sinks[b]`` new tokens go to its sink columns."""
+        self._settle()
         lead = max(min(self.keep, o + n) for o in self._offsets)
         if lead > self._lead:
             self._widen_sinks(lead, geometry)
@@ -536,6 +666,12 @@ class SharedRing(RingGeometry):
         self._lead = min(lead, self._lead)
 
     def _write_token(self, block: PlaneSet, geometry: KvGeometry) -> None:
+        if self._ordered is not None:  # a wrapped ring in time order: the next column
+            self._idx = self._idx % self.span
+            self._pads = [p - 1 for p in self._pads]
+            self._write_ordered(block)
+            self._idx += 1
+            return
         prev = self._total
         if self._planes is None or (prev >= self.ring_length and self.ring_length < self.span):
             grow = min(STEP, self.span - prev)
@@ -558,6 +694,11 @@ class SharedRing(RingGeometry):
             self._idx = 0
         if self._rotated:
             self._pads = [p - 1 for p in self._pads]
+            if not self.keep and self.ordered_reads:
+                self._enter_ordered()  # from now on a token write keeps the time order
+                self._write_ordered(block)
+                self._idx += 1
+                return
         column = self._lead + self._idx
         for plane, encoded in paired(self._planes, block):
             plane[:, :, column : column + 1] = encoded
@@ -572,7 +713,12 @@ class SharedRing(RingGeometry):
             # later in-place token write would change it).
             self._planes = mapped(block, owned)
         else:
-            ring = self._ring_chronological(self._planes)
+            ordered = self._ordered
+            ring = (
+                self._ring_chronological(self._planes)
+                if ordered is None
+                else self._ordered_window(ordered)
+            )
             drop = max(0, token_count(ring) - self.span + 1)
             sinks = self._sinks(self._planes)
             self._planes = self._with_sinks(sinks, _concat(_columns(ring, drop), block))
@@ -680,8 +826,14 @@ class SharedRing(RingGeometry):
     def _check_geometry(self) -> None:
         assert 0 <= self._idx <= max(self.ring_length, self._total)
         assert self._lead == max((self._sinks_of(o) for o in self._offsets), default=0)
-        if self._planes is not None:
-            assert int(arrays(self._planes)[0].shape[0]) == len(self._offsets)
+        # (Checked without leaving the ordered form: a check must not change the storage.)
+        held = self._physical if self._ordered is None else self._ordered
+        if held is not None:
+            assert int(arrays(held)[0].shape[0]) == len(self._offsets)
+        if self._ordered is not None:
+            assert self._rotated and not self.keep and 0 < self._idx <= self.span
+            assert self.span <= self._ordered_end <= self.span + self.slack
+            assert token_count(self._ordered) == self.span + self.slack
 
     # -- masks ------------------------------------------------------------------------
     def _layout_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
@@ -798,14 +950,32 @@ class RaggedRing(RingGeometry):
         index = mx.array(slots)
         return mapped(planes, lambda p: mx.take(p, index, axis=0))
 
+    #: A proposal round is open: rows drop nothing (``_spec_hold``).
+    _holding: bool = False
+
+    @property
+    def holds_proposals(self) -> bool:
+        """Yes: while a proposal round holds the rows, they drop nothing (the mask still
+        shows each query its window), so the discard forgets the round's tokens and every
+        row keeps the window it had: no copy of the layout."""
+        return True
+
+    def _spec_hold(self, on: bool) -> None:
+        self._holding = on
+
     def _after(self, n: int) -> list[int]:
+        if self._holding:
+            return [r + n for r in self._retained]
         if n == 1:
             return [min(r + 1, self.max_size) for r in self._retained]
         return [min(r, self.max_size - 1) + n for r in self._retained]
 
     def _drops(self, n: int) -> list[int]:
         """What each row's retention drops before an ``n``-token block: a single token
-        keeps the newest ``max_size``, a block the newest ``max_size - 1``."""
+        keeps the newest ``max_size``, a block the newest ``max_size - 1``; nothing while a
+        proposal round holds the rows."""
+        if self._holding:
+            return [0] * len(self._retained)
         keep = self.max_size if n == 1 else self.max_size - 1
         return [max(0, r + (1 if n == 1 else 0) - keep) for r in self._retained]
 

@@ -58,6 +58,9 @@ class ChunkedAxis(GrowingAxis):
     """The newest ``chunk_size`` tokens are kept before each append; the window is what
     the row holds."""
 
+    def holds_proposals(self, arrangement: str) -> bool:
+        return False  # a full chunk evicts the one before it
+
     def __init__(self, spec: Chunked) -> None:
         self.spec = spec
         self.size = spec.chunk_size

@@ -57,6 +57,9 @@ def padded_visible(
 class GrowingAxis(TokenRows):
     """Every token is kept; the window is the whole row."""
 
+    def holds_proposals(self, arrangement: str) -> bool:
+        return True  # rows drop nothing
+
     cap: int | None = None
     sinks = 0
 

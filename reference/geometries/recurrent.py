@@ -44,9 +44,13 @@ class StateAxis:
 
     cap: int | None = None
     sinks = 0
+    holding = False
 
     def __init__(self, spec: Recurrent) -> None:
         self.spec: GeometrySpec = spec
+
+    def holds_proposals(self, arrangement: str) -> bool:
+        return False  # a running summary of every token: nothing to forget
 
     def append(self, row: Row, block: PlaneSet, n: int) -> None:
         row.planes = {**row.planes, **block}

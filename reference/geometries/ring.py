@@ -97,11 +97,17 @@ class RingAxis(TokenRows):
         self.sinks = spec.keep
 
     def history(self, row: Row, n: int) -> int:
-        return self.max_size - 1
+        return row.retained if self.holding else self.max_size - 1
 
     def after(self, retained: int, n: int) -> int:
-        """Tokens a row retaining ``retained`` holds after it appends ``n``."""
-        return min(retained, self.max_size - 1) + n
+        """Tokens a row retaining ``retained`` holds after it appends ``n`` (all of them
+        while a proposal round holds the rows)."""
+        return retained + n if self.holding else min(retained, self.max_size - 1) + n
+
+    def holds_proposals(self, arrangement: str) -> bool:
+        """Ragged rows: a held row drops nothing (its queries still see their window);
+        a shared ring's columns are overwritten in place."""
+        return arrangement == "ragged"
 
     def window(self, row: Row) -> int:
         return min(row.offset, self.max_size)

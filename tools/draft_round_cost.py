@@ -1,0 +1,93 @@
+"""What a draft's proposals cost on one ring layer (``spec/engine.md`` §11, issue 28).
+
+A speculative round's draft proposes ``d`` tokens per row: ``d - 1`` single-token forwards
+on its ring verify layout (``SpeculativeRotatingKVCache``, ``B`` rows past a window of
+``W``). Two ways, side by side, the cache's work only (appends and reads, evaluated; the
+attention over the read is the same in both):
+
+* ``scratch`` (before issue 28): a copy of the whole batch (``make_empty_batch`` +
+  ``merge_rows``), the proposals appended to the copy (each one, on a full window, slides
+  every row left by a column: another pass over the batch), the copy dropped;
+* ``round``: a proposal round on the layout itself (``spec_round_propose``: the rows drop
+  nothing), the proposals appended, ``spec_round_discard`` (each row forgets them).
+
+fp16, 8 KV heads, head dim 128, ``d = 3``; median of ``--repeats`` rounds after one
+warm-up, the two ways interleaved.
+
+Run: ``.venv/bin/python tools/draft_round_cost.py [--repeats 7]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import mlx.core as mx
+
+import kvrows.optimized as opt
+
+HEADS, DIM, DRAFTS = 8, 128, 3
+
+
+def _layout(rows: int, window: int) -> Any:
+    """A ring verify layout of ``rows`` rows, each holding a full window."""
+    serial = []
+    for _ in range(rows):
+        ring = opt.RotatingKVCache(window)
+        block = mx.random.normal((1, HEADS, window + 8, DIM)).astype(mx.float16)
+        ring.update_and_fetch(block, block)
+        serial.append(ring)
+    layout = opt.SpeculativeRotatingKVCache(window)
+    layout.merge_rows(serial)
+    mx.eval(layout.held_arrays())
+    return layout
+
+
+def _proposals(cache: Any, token: mx.array) -> None:
+    for _ in range(DRAFTS - 1):
+        keys, values = cache.update_and_fetch(token, token)
+        mx.eval(keys, values)
+
+
+def _scratch(layout: Any, token: mx.array) -> float:
+    start = time.perf_counter()
+    scratch = layout.make_empty_batch()
+    scratch.merge_rows([layout])
+    _proposals(scratch, token)
+    del scratch
+    return time.perf_counter() - start
+
+
+def _round(layout: Any, token: mx.array) -> float:
+    start = time.perf_counter()
+    layout.spec_round_propose()
+    _proposals(layout, token)
+    layout.spec_round_discard()
+    mx.eval(layout.held_arrays())
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--shapes", default="1x1024,16x1024,1x4096,16x4096", help="BxW,...")
+    args = parser.parse_args()
+    print("B   W     scratch ms  round ms  round/scratch")
+    for shape in args.shapes.split(","):
+        rows, window = (int(x) for x in shape.split("x"))
+        layout = _layout(rows, window)
+        token = mx.random.normal((rows, HEADS, 1, DIM)).astype(mx.float16)
+        mx.eval(token)
+        _scratch(layout, token), _round(layout, token)  # warm-up
+        times: dict[str, list[float]] = {"scratch": [], "round": []}
+        for _ in range(args.repeats):
+            times["scratch"].append(_scratch(layout, token))
+            times["round"].append(_round(layout, token))
+        a, b = (1e3 * statistics.median(times[k]) for k in ("scratch", "round"))
+        print(f"{rows:<3} {window:<5} {a:<11.3f} {b:<9.3f} {b / a:.3f}")
+
+
+if __name__ == "__main__":
+    main()
