@@ -163,6 +163,12 @@ class SpeculativeRounds:
     def spec_round_begin(self) -> None:
         """Open a round: call before the verify block is appended."""
         kept = self._spec_snapshot()
+        self._spec_can_open()
+        self._spec_before, self._spec_block = self.row_offsets, None
+        self._spec_kept, self._spec_record = kept, None
+
+    def _spec_can_open(self) -> None:
+        """Refuse to open a round (verify or proposal) on this layout now."""
         self._spec_usable()
         if self._spec_before is not None:
             raise SpeculativeRoundError(
@@ -170,8 +176,6 @@ class SpeculativeRounds:
             )
         if not self.row_offsets:
             raise LayoutStateError("an empty layout has no row to verify: merge rows first")
-        self._spec_before, self._spec_block = self.row_offsets, None
-        self._spec_kept, self._spec_record = kept, None
 
     def spec_round_propose(self) -> None:
         """Open a **proposal round** (a draft model's proposals on its own layouts): any
@@ -179,13 +183,7 @@ class SpeculativeRounds:
         drops none: ``holds_proposals``), then :meth:`spec_round_discard` forgets every
         token the round appended. A layout that cannot hold them refuses before anything
         changes (the caller proposes on a copy)."""
-        self._spec_usable()
-        if self._spec_before is not None:
-            raise SpeculativeRoundError(
-                "a speculative round is already open: commit or roll it back before the next"
-            )
-        if not self.row_offsets:
-            raise LayoutStateError("an empty layout has no row to verify: merge rows first")
+        self._spec_can_open()
         if not self.holds_proposals:
             raise SpeculativeRoundError(NO_PROPOSALS)
         self._spec_hold(True)
