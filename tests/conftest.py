@@ -21,9 +21,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 settings.register_profile("kvrows-tests", deadline=None)
 settings.load_profile("kvrows-tests")
 
-#: Test files whose tests take seconds to tens of seconds each (the conformance machines,
-#: the teeth runs, the pool machines and the draw-order check).
-_LONG = ("test_conformance", "test_teeth", "test_paged_pool", "test_profiles")
+#: Test files whose tests take seconds to tens of seconds each (the two-process launches,
+#: the conformance machines, the teeth runs, the pool machines and the draw-order check).
+_LONG = (
+    "test_tensor_parallel",
+    "test_serve_tensor_parallel",
+    "test_bench_distributed",
+    "test_disaggregated",
+    "test_transfer",
+    "test_conformance",
+    "test_teeth",
+    "test_paged_pool",
+    "test_profiles",
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
