@@ -275,18 +275,28 @@ def gather_runs(
     fills a fresh MLX buffer in place (MLX's CPU gather costs per element: 3-6x slower
     here); elsewhere it is ``mx.take``."""
     count = len(rows)
-    heads, size = int(planes[0].shape[1]), int(planes[0].shape[2])
+    size = int(planes[0].shape[2])
     block, within, valid = gather_sources(rows, pads, width, size)
-    heads_axis = np.arange(heads, dtype=np.intp)[None, :, None]
-    source = ((block[:, None, :] * heads + heads_axis) * size + within[:, None, :]).reshape(-1)
-    # The output rows no source fills (pads, a shorter row's tail): zeroed after the take.
-    unfilled = (
-        None
-        if valid.all()
-        else np.flatnonzero(np.broadcast_to(~valid[:, None, :], (count, heads, width)))
-    )
+    # Per head count (keys and values share one; a latent pool's tensors another): the
+    # source row of every output row, and the output rows no source fills (pads, a shorter
+    # row's tail: zeroed after the take).
+    indexed: dict[int, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any] | None]] = {}
+
+    def index_of(heads: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any] | None]:
+        if heads not in indexed:
+            heads_axis = np.arange(heads, dtype=np.intp)[None, :, None]
+            rows_of = (block[:, None, :] * heads + heads_axis) * size + within[:, None, :]
+            unfilled = None
+            if not valid.all():
+                every = np.broadcast_to(~valid[:, None, :], (count, heads, width))
+                unfilled = np.flatnonzero(every)
+            indexed[heads] = rows_of.reshape(-1), unfilled
+        return indexed[heads]
+
     out = []
     for plane in planes:
+        heads = int(plane.shape[1])
+        source, unfilled = index_of(heads)
         last = int(plane.shape[3])
         shape = (count, heads, width, last)
         view = host_readable(plane)
@@ -579,7 +589,11 @@ class BlockPool(PoolBase):
         planes = self._planes
         if not planes and self._geometry is not None:  # no block yet: every row reads zeros
             planes = zero_planes(self.codec, self._geometry, 0, self.block_size)
-        return {t: gather_runs(p, rows, pads, width) for t, p in planes.items()}
+        if not planes:
+            return {}
+        # Every tensor's planes in one gather: the rows' sources are computed once.
+        images = iter(gather_runs(tuple(itertools.chain(*planes.values())), rows, pads, width))
+        return {t: tuple(next(images) for _ in p) for t, p in planes.items()}
 
     # -- the prefix cache ----------------------------------------------------------------
     def register_prefix(
