@@ -62,6 +62,7 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, ClassVar, TypeVar
@@ -97,6 +98,8 @@ from kvrows.errors import (
 from kvrows.forms import rows_of_state, unpack_state
 from kvrows.geometries.chunked import chunk_visible
 from kvrows.leases import lease_cache_states
+from kvrows.optimized.codecs.host_attention import op_attention
+from kvrows.optimized.host import on_cpu
 from kvrows.protocols import RowTrimmable, TimeOrderedReads
 
 __all__ = [
@@ -691,6 +694,8 @@ class ConformanceMachine(RuleBasedStateMachine):
         self._inputs: deque[tuple[str, Impl, Any, Array]] = deque(maxlen=48)
         #: (label, implementation, an extracted/published cache, what it held then).
         self._outputs: deque[tuple[str, Impl, Any, Any]] = deque(maxlen=6)
+        #: The MLX-op attention path this example runs on the CPU (``None``: the host path).
+        self._op_path: AbstractContextManager[None] | None = None
 
     @initialize(data=st.data())
     def setup(self, data: st.DataObject) -> None:
@@ -698,8 +703,27 @@ class ConformanceMachine(RuleBasedStateMachine):
         note(f"geometry: {self.geo}")
         if self.geo.mlx_lm_width_bug and self.peer is not None and self.spec.serial_peer:
             self._skip("A1", f"no mlx-lm twin at {self.geo}")
+        self._draw_attention_path(data)
+
+    def _draw_attention_path(self, data: st.DataObject) -> None:
+        """On the CPU, an example attends over encoded planes either in NumPy (the host
+        path, the CPU's default) or through the MLX ops every other backend runs
+        (``op_attention``): both against the reference."""
+        if on_cpu() and not data.draw(st.booleans(), label="host attention"):
+            self._op_path = op_attention()
+            self._op_path.__enter__()
+
+    @property
+    def _mlx_lm_attention(self) -> str:
+        """The quantity the optimized attention vs mlx-lm's is: bit for bit through the same
+        MLX ops, within the attention bound on the CPU's host path over encoded planes."""
+        host = self._op_path is None and on_cpu() and self.g.codec != "plain"
+        return "attention.mlx_lm.host" if host else "attention.mlx_lm"
 
     def teardown(self) -> None:
+        if self._op_path is not None:
+            self._op_path.__exit__(None, None, None)
+            self._op_path = None
         if self.geo is not None and self._clean:
             self._check_everything(final=True)
         # Examples Hypothesis abandons before any operation are not counted.
@@ -1007,6 +1031,8 @@ class ConformanceMachine(RuleBasedStateMachine):
     def _attend(self, impl: Impl, queries: Array, cache: Any, mask: Any, what: str) -> Array:
         """``impl``'s attention; its output has the queries' dtype and shape (value dim)."""
         out = impl.to_numpy(impl.attend(self._give(impl, queries, what), cache, mask, self.g.scale))
+        if impl is self.opt_impl and self.g.codec != "plain":
+            self.stats.check("host attention" if self._op_path is None else "op attention")
         rows, heads, n, _ = queries.shape
         self._exact(
             f"{what} ({impl.name}) attention dtype and shape",
@@ -1109,7 +1135,9 @@ class ConformanceMachine(RuleBasedStateMachine):
                 out_lm = self.peer.attention(
                     self._lm_copy(q), lk, lv, cache=track.lm, scale=g.scale, mask=last[2]
                 )
-                self._close("attention.mlx_lm", f"{what} attention", out_opt, opt.to_numpy(out_lm))
+                self._close(
+                    self._mlx_lm_attention, f"{what} attention", out_opt, opt.to_numpy(out_lm)
+                )
             self.stats.check("mlx-lm serial")
         self._record_append(track, keys, values)
 
@@ -1611,7 +1639,9 @@ class ConformanceMachine(RuleBasedStateMachine):
                 out_lm = self.peer.attention(
                     self._lm_copy(queries), lk, lv, cache=lm, scale=g.scale, mask=mask_lm
                 )
-                self._close("attention.mlx_lm", f"{what} attention", out_opt, opt.to_numpy(out_lm))
+                self._close(
+                    self._mlx_lm_attention, f"{what} attention", out_opt, opt.to_numpy(out_lm)
+                )
                 self.stats.check("mlx-lm step")
         return out_ref, out_opt
 

@@ -63,6 +63,8 @@ QUANTITIES: dict[str, str] = {
     "attention": "attention output of one step, reference vs optimized",
     "attention.solo": "a row's attention output vs its serial cache's, same implementation",
     "attention.mlx_lm": "optimized attention vs mlx-lm's cache + scaled_dot_product_attention",
+    "attention.mlx_lm.host": "optimized attention on the CPU's host path (NumPy, float32 over "
+    "the decoded planes) vs mlx-lm's cache + its quantized attention",
     "attention.eager": "deferred-V attention vs the eager oracle (values decoded first), same "
     "implementation",
 }
@@ -133,6 +135,12 @@ for _dtype in DTYPES:
     TOLERANCES[("affine", "attention", _dtype)] = _AFFINE_ATTENTION[_dtype]
     TOLERANCES[("affine", "attention.solo", _dtype)] = _SOLO[_dtype]
     TOLERANCES[("affine", "attention.mlx_lm", _dtype)] = _AFFINE_MLX_LM[_dtype]
+    # The host path attends over the decoded values as the reference does: against
+    # mlx-lm's quantized_matmul it differs as the reference does (float32: the attention
+    # bound; half precision: mlx-lm's own accumulation error, calibrated above).
+    TOLERANCES[("affine", "attention.mlx_lm.host", _dtype)] = (
+        _AFFINE_ATTENTION[_dtype] if _dtype == "float32" else _AFFINE_MLX_LM[_dtype]
+    )
 
 #: Rotating family (``conformance.rules.RingRules``): "rotating" keys the plain rings
 #: (RotatingKVCache, BatchedRotatingCache, RaggedRotatingRows), "rotating-affine" the

@@ -6,13 +6,29 @@ called) on other backends, which keep the MLX ops."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["fresh_host", "host_readable", "host_views", "on_cpu"]
+__all__ = [
+    "CODES_PER_LOOKUP",
+    "RowDecoder",
+    "code_runs",
+    "fresh_host",
+    "host_fields",
+    "host_readable",
+    "host_views",
+    "lookup_codes",
+    "on_cpu",
+]
+
+
+#: Batch rows ``[lo, hi)`` of a tensor's planes, columns ``[start, S)``, decoded on the
+#: host: float32 ``[hi - lo, heads, S - start, dim]`` (a codec's decoder for :mod:`host
+#: attention <kvrows.optimized.codecs.host_attention>`).
+RowDecoder = Callable[[int, int, int], "np.ndarray[Any, Any]"]
 
 
 def on_cpu() -> bool:
@@ -72,3 +88,67 @@ def fresh_host(shape: tuple[int, ...], dtype: mx.Dtype) -> tuple[mx.array, np.nd
     if dtype == mx.bfloat16:
         image = image.view(mx.bfloat16)
     return image, target
+
+
+def host_fields(stream: np.ndarray[Any, Any], bits: int, field: int) -> np.ndarray[Any, Any]:
+    """A little-endian bitstream of ``bits``-bit codes (``uint8``, the first code in the low
+    bits: MLX's affine packing and TurboQuant's) as consecutive ``field``-bit fields, ``intp``
+    (``field`` a multiple of ``bits`` dividing a run of 8 codes; 8: the bytes as they are).
+
+    A run of 8 codes is ``bits`` bytes: the stream, copied once with a few bytes of padding,
+    is read as one (unaligned) little-endian word per run, ``bits`` bytes apart, and each
+    field is one shift and mask of it."""
+    if field == 8:
+        return stream
+    word = 4 if bits <= 4 else 8
+    flat = stream.reshape(-1)
+    runs = int(flat.size) // bits
+    padded = np.zeros(int(flat.size) + word - bits, dtype=np.uint8)
+    padded[: flat.size] = flat
+    words = np.ndarray((runs,), dtype=f"<u{word}", buffer=padded, strides=(bits,))
+    per_run, mask = 8 * bits // field, (1 << field) - 1
+    fields = np.empty((runs, per_run), dtype=np.intp)
+    for j in range(per_run):
+        np.bitwise_and(words >> (j * field), mask, out=fields[:, j], casting="unsafe")
+    return fields.reshape(*stream.shape[:-1], int(stream.shape[-1]) * 8 // field)
+
+
+#: Codes looked up together per ``bits`` on the host: the index of ``k`` codes has ``k·bits``
+#: bits (at most 16: the table of runs, at most 512 KiB, stays in a core's cache), and ``k``
+#: divides a run of 8. Fewer, wider takes are cheaper (8 bits: 0.5 against 0.8 ms a
+#: million codes).
+CODES_PER_LOOKUP = {2: 4, 3: 4, 4: 2, 5: 2, 6: 2, 8: 2}
+
+#: The item a take moves per lookup of ``k`` float32 levels: one machine copy.
+_RUN_ITEMS: dict[int, Any] = {1: np.uint32, 2: np.uint64, 4: np.complex128}
+
+
+def code_runs(levels: np.ndarray[Any, Any], bits: int) -> np.ndarray[Any, Any]:
+    """``[2^(k·bits), k]`` float32 (``k = CODES_PER_LOOKUP[bits]``): for each index of ``k``
+    codes (the first in the low bits), their ``levels``; one take then reads ``k`` values."""
+    k = CODES_PER_LOOKUP[bits]
+    index = np.arange(2 ** (k * bits), dtype=np.uint32)[:, None]
+    shifts = np.arange(0, k * bits, bits, dtype=np.uint32)[None, :]
+    runs: np.ndarray[Any, Any] = np.ascontiguousarray(
+        np.asarray(levels, dtype=np.float32)[(index >> shifts) & ((1 << bits) - 1)]
+    )
+    return runs
+
+
+def lookup_codes(
+    stream: np.ndarray[Any, Any], bits: int, runs: np.ndarray[Any, Any]
+) -> np.ndarray[Any, Any]:
+    """The float32 levels of a ``bits``-bit code stream ``[..., W]`` (``uint8``) as
+    ``[..., W·8/bits]``: one take of :func:`code_runs` per ``k`` codes, each run moved as
+    one item. ``mode="clip"`` writes straight into the output (``"raise"`` buffers it
+    first); every index is in range by construction."""
+    k = int(runs.shape[1])
+    if k * bits == 16:  # whole byte pairs: the stream's own little-endian uint16s
+        indices = np.ascontiguousarray(stream).view("<u2")
+    else:
+        indices = host_fields(stream, bits, k * bits)
+    out = np.empty((*stream.shape[:-1], int(stream.shape[-1]) * 8 // bits), dtype=np.float32)
+    item = _RUN_ITEMS[k]
+    np.take(runs.view(item).reshape(-1), indices.reshape(-1), out=out.view(item).reshape(-1),
+            mode="clip")  # fmt: skip
+    return out

@@ -22,7 +22,14 @@ from kvrows.errors import (
     turbo_input_dtype_message,
     turbo_scalar_input_message,
 )
-from kvrows.optimized.host import fresh_host, on_cpu
+from kvrows.optimized.host import (
+    RowDecoder,
+    code_runs,
+    fresh_host,
+    host_fields,
+    lookup_codes,
+    on_cpu,
+)
 from kvrows.schemes import TURBO_KEY_BITS, TURBO_VALUE_BITS
 from kvrows.turbo_tables import BOUNDARIES, CENTROIDS, SIGN_BITS
 
@@ -33,6 +40,8 @@ __all__ = [
     "encode_keys",
     "encode_values",
     "hadamard",
+    "host_key_rows",
+    "host_rotated_rows",
     "pack_codes",
     "rotated_values",
     "signs",
@@ -207,9 +216,9 @@ def encode_values(x: mx.array, bits: int) -> tuple[mx.array, mx.array]:
     return pack_codes(codes.reshape(x.shape), bits), _half(scale)
 
 
-#: Codes looked up together per ``bits``: the index of ``k`` codes has ``k·bits`` bits
-#: (at most 12: the table stays in a core's cache), and ``k`` divides a run of 8.
-_CODES_PER_LOOKUP = {2: 4, 3: 4, 4: 2, 5: 2, 8: 1}
+#: Codes MLX gathers together per ``bits`` (:func:`centroid_runs`): the index of ``k`` codes
+#: has at most 12 bits, so the table stays small on any device.
+_GATHERED = {2: 4, 3: 4, 4: 2, 5: 2, 8: 1}
 
 
 @cache
@@ -217,31 +226,15 @@ def centroid_runs(bits: int) -> mx.array:
     """``[2^(k·bits), k]`` float32: for each index of ``k`` codes (the first in the low
     bits), their centroids; one gather then reads ``k`` centroids."""
     centroids, _ = codebook(bits)
-    k = _CODES_PER_LOOKUP[bits]
+    k = _GATHERED[bits]
     index = mx.arange(2 ** (k * bits), dtype=mx.uint32)[:, None]
     shifts = mx.arange(0, k * bits, bits, dtype=mx.uint32)[None, :]
     return centroids[mx.right_shift(index, shifts) & ((1 << bits) - 1)]
 
 
 def _lookup_indices(packed: mx.array, bits: int) -> mx.array:
-    """The stream as indices of ``_CODES_PER_LOOKUP[bits]`` codes each, in order."""
-    return _fields(packed, bits, _CODES_PER_LOOKUP[bits] * bits, mx.uint32)
-
-
-def _host_fields(stream: np.ndarray[Any, Any], bits: int, field: int) -> np.ndarray[Any, Any]:
-    """:func:`_fields` in NumPy (the same little-endian fields)."""
-    if field == 8:
-        return stream
-    width = int(stream.shape[-1])
-    word: Any = np.uint32 if bits * 8 <= 32 else np.uint64
-    chunks = stream.reshape(*stream.shape[:-1], width // bits, bits)
-    run: np.ndarray[Any, Any] = chunks[..., 0].astype(word)
-    for byte in range(1, bits):
-        run |= np.left_shift(chunks[..., byte].astype(word), word(8 * byte))
-    shifts = np.arange(0, 8 * bits, field, dtype=word)
-    fields = np.bitwise_and(np.right_shift(run[..., None], shifts), word((1 << field) - 1))
-    out: np.ndarray[Any, Any] = fields.reshape(*stream.shape[:-1], width * 8 // field)
-    return out
+    """The stream as indices of ``_GATHERED[bits]`` codes each, in order."""
+    return _fields(packed, bits, _GATHERED[bits] * bits, mx.uint32)
 
 
 def rotated_values(packed: mx.array, scales: mx.array, bits: int) -> mx.array:
@@ -258,13 +251,57 @@ def rotated_values(packed: mx.array, scales: mx.array, bits: int) -> mx.array:
         values = table[_lookup_indices(packed, bits)].reshape(shape)
         groups = _grouped(values)
         return (groups * scales.astype(mx.float32)[..., None]).reshape(shape)
-    indices = _host_fields(np.asarray(packed), bits, _CODES_PER_LOOKUP[bits] * bits)
+    indices = host_fields(np.asarray(packed), bits, _GATHERED[bits] * bits)
     image, target = fresh_host(shape, mx.float32)
     runs: np.ndarray[Any, Any] = np.asarray(table)
     np.take(runs, indices.reshape(-1), axis=0, out=target.reshape(-1, runs.shape[1]), mode="clip")
     in_groups = target.reshape(*shape[:-1], dim // TURBO_GROUP, TURBO_GROUP)
     in_groups *= np.asarray(scales.astype(mx.float32))[..., None]
     return image
+
+
+@cache
+def _host_runs(bits: int, identity: bool) -> np.ndarray[Any, Any]:
+    """:func:`code_runs` of the codes themselves (``identity``: packed key codes) or of the
+    value centroids, as NumPy float32."""
+    levels = np.arange(2**bits) if identity else np.asarray(codebook(bits)[0])
+    return code_runs(levels, bits)
+
+
+def host_key_rows(codes: mx.array, scales: mx.array, zeros: mx.array, bits: int) -> RowDecoder:
+    """The keys ``(idx + zero)·scale`` of batch rows ``[lo, hi)``, float32 in NumPy (the host
+    attention's key decoder: :func:`decode_keys`' values)."""
+    stream = np.asarray(codes).view(np.int8 if bits == 8 else np.uint8)
+    scales32, zeros32 = (np.asarray(p.astype(mx.float32))[..., None] for p in (scales, zeros))
+
+    def rows(lo: int, hi: int, start: int) -> np.ndarray[Any, Any]:
+        if bits == 8:
+            keys = stream[lo:hi, :, start:].astype(np.float32)
+        else:
+            keys = lookup_codes(stream[lo:hi, :, start:], bits, _host_runs(bits, True))
+        groups = keys.reshape(*keys.shape[:-1], keys.shape[-1] // TURBO_GROUP, TURBO_GROUP)
+        groups += zeros32[lo:hi, :, start:]
+        groups *= scales32[lo:hi, :, start:]
+        return keys
+
+    return rows
+
+
+def host_rotated_rows(packed: mx.array, scales: mx.array, bits: int) -> RowDecoder:
+    """The still-rotated values ``centroids[idx]·scale`` of batch rows ``[lo, hi)``, float32
+    in NumPy (the host attention's value decoder: :func:`rotated_values`' values)."""
+    if bits not in TURBO_VALUE_BITS:
+        raise InvalidInputError(turbo_bits_message("v_bits", TURBO_VALUE_BITS, bits))
+    stream = np.asarray(packed).view(np.uint8)
+    scales32 = np.asarray(scales.astype(mx.float32))[..., None]
+
+    def rows(lo: int, hi: int, start: int) -> np.ndarray[Any, Any]:
+        values = lookup_codes(stream[lo:hi, :, start:], bits, _host_runs(bits, False))
+        groups = values.reshape(*values.shape[:-1], values.shape[-1] // TURBO_GROUP, TURBO_GROUP)
+        groups *= scales32[lo:hi, :, start:]
+        return values
+
+    return rows
 
 
 def unrotate(x: mx.array) -> mx.array:

@@ -22,6 +22,7 @@ from kvrows.conformance.profiles import active_profile, profile_settings
 from kvrows.errors import InvalidInputError
 from kvrows.optimized import codecs as opt_codecs
 from kvrows.optimized import turbo_codec as opt
+from kvrows.optimized.codecs.host_attention import op_attention
 from kvrows.reference import codecs as ref_codecs
 from kvrows.reference import turbo_codec as ref
 from kvrows.schemes import TURBO_KEY_BITS, TURBO_VALUE_BITS, Turbo
@@ -367,8 +368,9 @@ def test_float16_values_near_the_maximum_once_overflowed_the_scale() -> None:
 
 @pytest.mark.parametrize("k_bits", sorted(TURBO_KEY_BITS))
 def test_the_optimized_attention_scores_keys_on_their_codes(k_bits: int, call_log: CallLog) -> None:
-    """The fast path's dispatch: keys of every width are scored by ``mx.quantized_matmul``
-    over the stored codes, never decoded; the output agrees with the reference's."""
+    """The MLX-op path's dispatch (other backends', and the CPU's in ``op_attention``):
+    keys of every width are scored by ``mx.quantized_matmul`` over the stored codes, never
+    decoded; the output agrees with the reference's."""
     # The attention calls both through their modules (``mx``, ``turbo_codec``): watched there.
     call_log.watch(mx, "quantized_matmul")
     call_log.watch(opt, "decode_keys")
@@ -378,13 +380,14 @@ def test_the_optimized_attention_scores_keys_on_their_codes(k_bits: int, call_lo
     v = rng.standard_normal((2, 2, 9, 64)).astype(np.float32)
     spec = Turbo(k_bits=k_bits, v_bits=3)
     codec: Any = opt_codecs.make_codec(spec)
-    out = codec.attend(
-        mx.array(q),
-        codec.fetched(codec.encode(mx.array(k), "keys"), "keys"),
-        codec.fetched(codec.encode(mx.array(v), "values"), "values"),
-        "causal",
-        0.125,
-    )
+    with op_attention():
+        out = codec.attend(
+            mx.array(q),
+            codec.fetched(codec.encode(mx.array(k), "keys"), "keys"),
+            codec.fetched(codec.encode(mx.array(v), "values"), "values"),
+            "causal",
+            0.125,
+        )
     assert call_log.names == ["quantized_matmul"]
     reference: Any = ref_codecs.make_codec(spec)
     want = reference.attend(

@@ -1,16 +1,17 @@
 """One decode step's attention over each codec's planes, side by side in one run: plain SDPA,
-affine-4 and affine-8 (``quantized_matmul``), the microscaling modes, TurboQuant now and its
-previous read (keys decoded to bfloat16, one centroid gather per code, bfloat16 SDPA, then the
-un-rotation).
+then for affine-4, affine-8, the microscaling modes and TurboQuant k8v3, k4v3, k8v4 three
+paths: ``host`` (the CPU's default: NumPy over a few decoded rows at a time,
+``spec/host-attention.md``), ``ops`` (the MLX ops other backends run: ``quantized_matmul`` on
+the codes; ``op_attention``) and ``eager`` (K and V decoded to the activations' dtype, then
+SDPA: the path each replaces).
 
     .venv/bin/python tools/turbo_decode.py [--batch 16] [--length 1024] [--dtype bfloat16]
 
-For each path: the median of 3 timed calls (after one warm-up), in ms; the ratio to affine-4;
-the bytes the step reads (every K and V plane, and the queries); what it materializes besides
-(a decoded copy, in bytes: 0 where scores and weights run on the codes); the effective GB/s
-(bytes read / time); and a memcpy of the same bytes (NumPy, into a touched buffer) in ms and
-GB/s, for scale. TurboQuant rows also give the largest difference between the previous read and
-the current one."""
+For each path: the median of 3 timed calls (after one warm-up), in ms; the ratio to affine-4
+on the same path; the bytes the step reads (every K and V plane, and the queries); what it
+materializes besides (a decoded copy, in bytes: 0 where scores and weights run on the codes;
+the host path's row chunk); the effective GB/s (bytes read / time); and a memcpy of the same
+bytes (NumPy, into a touched buffer) in ms and GB/s, for scale."""
 
 from __future__ import annotations
 
@@ -22,21 +23,19 @@ import mlx.core as mx
 import numpy as np
 
 from kvrows.optimized import turbo_codec as tc
-from kvrows.optimized.codecs.affine import DECODED_ON_CPU, quantized_attention
+from kvrows.optimized.codecs import make_codec
+from kvrows.optimized.codecs.affine import quantized_attention
 from kvrows.optimized.codecs.common import sdpa
-from kvrows.optimized.codecs.turbo import turbo_attention
-from kvrows.optimized.host import on_cpu
+from kvrows.optimized.codecs.host_attention import CHUNK_BYTES, op_attention
+from kvrows.optimized.codecs.turbo import TurboCodec, eager_attention, turbo_attention
+from kvrows.schemes import Turbo
 
 Q_HEADS, KV_HEADS, DIM, SCALE = 32, 8, 128, 0.088
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16}
-
-
-def _previous_rotated(packed: mx.array, scales: mx.array, bits: int) -> mx.array:
-    """The previous value read: every code unpacked, then one gather per code."""
-    centroids, _ = tc.codebook(bits)
-    idx = tc.unpack_codes(packed, bits)
-    groups = idx.reshape(*idx.shape[:-1], -1, 32)
-    return (centroids[groups] * scales.astype(mx.float32)[..., None]).reshape(idx.shape)
+TURBO: dict[tuple[int, int], TurboCodec] = {
+    (k, v): make_codec(Turbo(k_bits=k, v_bits=v))  # type: ignore[misc]
+    for k, v in ((8, 3), (4, 3), (8, 4))
+}
 
 
 def _median_ms(work: Callable[[], object], calls: int = 3) -> float:
@@ -83,6 +82,20 @@ def main() -> None:
         rows.append((name, took, read + _nbytes(queries), made, note))
         return took
 
+    def ops(work: Callable[[], mx.array]) -> Callable[[], mx.array]:
+        def on_ops() -> mx.array:
+            with op_attention():
+                return work()
+
+        return on_ops
+
+    # A row chunk's decoded K and V: what the host path makes at a time.
+    chunk = 2 * min(elements * 4, max(CHUNK_BYTES, elements * 4 // args.batch))
+    host_note = "a row chunk of K, V decoded (float32)"
+    # Each path once first: its one-time set-up (tables, a BLAS controller) is not timed.
+    for mode in ("affine", "mxfp8"):
+        warm = tuple(mx.quantize(keys[:1], group_size=32, bits=8, mode=mode))
+        mx.eval(quantized_attention(queries[:1], warm, warm, None, SCALE, 32, 8, mode))
     add("plain SDPA", lambda: sdpa(queries, keys, values, None, SCALE), _nbytes(keys, values),
         0, "")  # fmt: skip
     for mode, group, bits in (("affine", 64, 4), ("affine", 32, 8), ("mxfp8", 32, 8),
@@ -97,31 +110,44 @@ def main() -> None:
         ) -> mx.array:  # fmt: skip
             return quantized_attention(queries, k, v, None, SCALE, group, bits, mode)
 
-        decoded = mode in DECODED_ON_CPU and on_cpu()
-        add(f"{mode}-{bits}", quantized, _nbytes(*planes_k, *planes_v),
-            2 * elements * 4 if decoded else 0,
-            "K, V decoded (float32)" if decoded else "")  # fmt: skip
-    affine = rows[1][1]
+        def eager(
+            k: tuple[mx.array, ...] = planes_k, v: tuple[mx.array, ...] = planes_v,
+            group: int = group, bits: int = bits, mode: str = mode,
+        ) -> mx.array:  # fmt: skip
+            def decoded(planes: tuple[mx.array, ...]) -> mx.array:
+                codes, scales, *biases = planes
+                return mx.dequantize(codes, scales, biases[0] if biases else None,
+                                     group_size=group, bits=bits, mode=mode, dtype=dtype)  # fmt: skip
+
+            out: mx.array = sdpa(queries, decoded(k), decoded(v), None, SCALE)
+            return out
+
+        read = _nbytes(*planes_k, *planes_v)
+        name = f"{mode}-{bits}"
+        add(f"{name} host", quantized, read, chunk, host_note)
+        add(f"{name} ops", ops(quantized), read, 0, "quantized_matmul on the codes")
+        add(f"{name} eager", eager, read, 2 * elements * 2, "K, V decoded, then SDPA")
     for k_bits, v_bits in ((8, 3), (4, 3), (8, 4)):
         kp, vp = tc.encode_keys(keys, k_bits), tc.encode_values(values, v_bits)
         mx.eval(kp, vp)
-
-        def previous(kp: tuple[mx.array, ...] = kp, vp: tuple[mx.array, ...] = vp,
-                     k_bits: int = k_bits, v_bits: int = v_bits) -> mx.array:  # fmt: skip
-            decoded = tc.decode_keys(kp[0], kp[1], kp[2], k_bits).astype(mx.bfloat16)
-            rotated = _previous_rotated(vp[0], vp[1], v_bits).astype(mx.bfloat16)
-            return tc.unrotate(sdpa(queries, decoded, rotated, None, SCALE))
 
         def current(kp: tuple[mx.array, ...] = kp, vp: tuple[mx.array, ...] = vp,
                     k_bits: int = k_bits, v_bits: int = v_bits) -> mx.array:  # fmt: skip
             return turbo_attention(queries, kp, vp, None, SCALE, k_bits, v_bits)
 
-        gap = float(mx.max(mx.abs(previous().astype(mx.float32) - current().astype(mx.float32))))
+        def decoded_turbo(kp: tuple[mx.array, ...] = kp, vp: tuple[mx.array, ...] = vp,
+                  codec: TurboCodec = TURBO[k_bits, v_bits]) -> mx.array:  # fmt: skip
+            return eager_attention(codec, queries, kp, vp, None, SCALE)
+
         read = _nbytes(*kp, *vp)
-        add(f"turbo k{k_bits}v{v_bits} previous", previous, read, 2 * elements * 2,
-            "K, V decoded (bfloat16)")  # fmt: skip
-        add(f"turbo k{k_bits}v{v_bits}", current, read, elements * 4,
-            f"V rotated (float32); max |diff| to previous {gap:.2g}")  # fmt: skip
+        name = f"turbo k{k_bits}v{v_bits}"
+        add(f"{name} host", current, read, chunk, host_note)
+        add(f"{name} ops", ops(current), read, elements * 4,
+            "keys on the codes; V rotated (float32)")  # fmt: skip
+        add(f"{name} eager", decoded_turbo, read, 2 * elements * 2,
+            "K, V decoded (bfloat16), then SDPA")  # fmt: skip
+    baseline = {path: took for name, took, *_ in rows if name.startswith("affine-4")
+                for path in (name.rsplit(" ", 1)[1],)}  # fmt: skip
 
     print(f"B={args.batch} L={args.length} {Q_HEADS}/{KV_HEADS} heads D={DIM} {args.dtype}:")
     print(
@@ -130,6 +156,7 @@ def main() -> None:
     )
     for name, took, read, made, note in rows:
         copy = _memcpy_ms(read)
+        affine = baseline.get(name.rsplit(" ", 1)[-1], baseline["host"])
         print(
             f"  {name:24} {took:7.1f} {took / affine:6.2f} {read / 1e6:8.1f} "
             f"{read / took / 1e6:6.2f} {copy:9.2f} {read / copy / 1e6:11.1f} "

@@ -3,19 +3,23 @@
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
+import ml_dtypes
 import mlx.core as mx
+import numpy as np
 
 from kvrows.codec import Role
 from kvrows.codecs import Affine
 from kvrows.errors import InvalidInputError, head_grouping_message
 from kvrows.optimized.codecs.common import Planes, ZeroPlanes
+from kvrows.optimized.codecs.host_attention import host_attention, takes_host_path
 from kvrows.optimized.codecs.registry import implements
+from kvrows.optimized.host import RowDecoder, code_runs, lookup_codes
 from kvrows.protocols import Mask
 
 __all__ = [
-    "DECODED_ON_CPU",
     "AffineCodec",
     "attention_weights",
     "boolean_mask",
@@ -97,38 +101,44 @@ def attention_weights(scores: mx.array, mask: Mask) -> mx.array:
     return mx.softmax(scores, axis=-1, precise=True)
 
 
-#: Modes whose ``quantized_matmul`` is slower on the CPU than decoding the planes to
-#: float32 (exactly: every value is representable) and a float32 matmul: mxfp8 (B = 16,
-#: L = 1024, 8 KV heads, D = 128: 316 ms against 199 ms; affine-8 146 ms).
-DECODED_ON_CPU = frozenset({"mxfp8"})
+@cache
+def _levels(mode: str, bits: int) -> np.ndarray[Any, Any]:
+    """The runs table (:func:`~kvrows.optimized.host.code_runs`) of a mode's element codes:
+    the codes themselves (affine: the scale and bias come after), FP4 E2M1 or FP8 E4M3."""
+    codes = np.arange(2**bits)
+    if mode == "affine":
+        return code_runs(codes, bits)
+    small = ml_dtypes.float8_e4m3fn if bits == 8 else ml_dtypes.float4_e2m1fn
+    return code_runs(codes.astype(np.uint8).view(small).astype(np.float32), bits)
 
 
-def _decoded_attention(
-    queries: mx.array,
-    keys: tuple[mx.array, ...],
-    values: tuple[mx.array, ...],
-    mask: Mask,
-    scale: float,
-    group_size: int,
-    bits: int,
-    mode: str,
-) -> mx.array:
-    """Float32 attention over the planes ``mx.dequantize``d (GQA by a head-group axis):
-    ``quantized_attention``'s CPU path for :data:`DECODED_ON_CPU` modes."""
-    batch, q_heads, n, _ = queries.shape
+def _host_rows(planes: tuple[mx.array, ...], group_size: int, bits: int, mode: str) -> RowDecoder:
+    """Batch rows of quantized planes decoded in NumPy, float32: ``mx.dequantize``'s values
+    (affine: code·scale + bias; the microscaling modes: the small float times its E8M0 or,
+    ``nvfp4``, E4M3 group scale)."""
+    stream = np.asarray(planes[0]).view(np.uint8)
+    if mode == "affine":
+        scales = np.asarray(planes[1].astype(mx.float32))[..., None]
+        biases: np.ndarray[Any, Any] | None = np.asarray(planes[2].astype(mx.float32))[..., None]
+    else:
+        scale_codes = np.asarray(planes[1]).view(
+            ml_dtypes.float8_e4m3fn if mode == "nvfp4" else ml_dtypes.float8_e8m0fnu
+        )
+        scales, biases = scale_codes.astype(np.float32)[..., None], None
+    runs = _levels(mode, bits)
 
-    def decoded(planes: tuple[mx.array, ...]) -> mx.array:
-        codes, scales, biases, *_ = (*planes, None)
-        plain = mx.dequantize(
-            codes, scales, biases, group_size=group_size, bits=bits, mode=mode,
-            dtype=mx.float32,
-        )  # fmt: skip
-        return mx.expand_dims(plain, 2)
+    def rows(lo: int, hi: int, start: int) -> np.ndarray[Any, Any]:
+        if mode == "affine" and bits == 8:  # the codes are the levels: a cast, not a take
+            decoded = stream[lo:hi, :, start:].astype(np.float32)
+        else:
+            decoded = lookup_codes(stream[lo:hi, :, start:], bits, runs)
+        groups = decoded.reshape(*decoded.shape[:-1], decoded.shape[-1] // group_size, group_size)
+        groups *= scales[lo:hi, :, start:]
+        if biases is not None:
+            groups += biases[lo:hi, :, start:]
+        return decoded
 
-    q = grouped_queries(queries, int(keys[0].shape[1]), scale, mx.float32)
-    weights = attention_weights(q @ decoded(keys).swapaxes(-1, -2), mask)
-    out = weights @ decoded(values)
-    return out.reshape(batch, q_heads, n, -1).astype(queries.dtype)
+    return rows
 
 
 def quantized_attention(
@@ -145,12 +155,19 @@ def quantized_attention(
     axis): ``(codes, scales, biases)`` of the affine mode, ``(codes, scales)`` of a
     microscaling ``mode``.
 
-    On the CPU backend ``quantized_matmul`` accumulates half-precision inputs in low
-    precision (about 7% off, and 5x slower than float32 there): the queries go in as
-    float32 and the output comes back in their dtype.
+    On the CPU backend the planes are decoded a few rows at a time and attended in NumPy
+    (:mod:`~kvrows.optimized.codecs.host_attention`; in :func:`op_attention
+    <kvrows.optimized.codecs.host_attention.op_attention>`, ``quantized_matmul`` there too,
+    whose half-precision inputs accumulate coarsely on the CPU: the queries go in as float32
+    and the output comes back in their dtype).
     """
-    if mx.default_device() == mx.cpu and mode in DECODED_ON_CPU:
-        return _decoded_attention(queries, keys, values, mask, scale, group_size, bits, mode)
+    if takes_host_path():
+        out = host_attention(
+            queries, int(keys[0].shape[1]), int(keys[0].shape[2]),
+            _host_rows(keys, group_size, bits, mode), _host_rows(values, group_size, bits, mode),
+            mask, scale,
+        )  # fmt: skip
+        return out.astype(queries.dtype)
     batch, q_heads, n, _ = queries.shape
     q = grouped_queries(queries, int(keys[0].shape[1]), scale, compute_dtype(queries.dtype))
     # Planes gain the head-group axis; a microscaling mode has no biases (``None``).

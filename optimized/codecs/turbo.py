@@ -11,6 +11,7 @@ from kvrows.codecs import Turbo
 from kvrows.optimized import turbo_codec
 from kvrows.optimized.codecs.affine import attention_weights, compute_dtype, grouped_queries
 from kvrows.optimized.codecs.common import Planes, ZeroPlanes, sdpa
+from kvrows.optimized.codecs.host_attention import host_attention, takes_host_path
 from kvrows.optimized.codecs.registry import implements
 from kvrows.protocols import Mask
 
@@ -70,8 +71,18 @@ def turbo_attention(
 
     The arithmetic runs in the compute dtype :func:`compute_dtype` names (float32 on the
     CPU, where half-precision matmuls are slow and accumulate coarsely), the output in the
-    queries' dtype."""
+    queries' dtype. On the CPU the same steps run in NumPy a few rows at a time (the keys
+    and the rotated values decoded by :func:`turbo_codec.host_key_rows` and
+    :func:`turbo_codec.host_rotated_rows`; :mod:`host_attention
+    <kvrows.optimized.codecs.host_attention>`)."""
     dtype = queries.dtype
+    if takes_host_path():
+        rotated_out = host_attention(
+            queries, int(keys[0].shape[1]), int(keys[0].shape[2]),
+            turbo_codec.host_key_rows(keys[0], keys[1], keys[2], k_bits),
+            turbo_codec.host_rotated_rows(values[0], values[1], v_bits), mask, scale,
+        )  # fmt: skip
+        return turbo_codec.unrotate(rotated_out).astype(dtype)
     work = compute_dtype(dtype)
     batch, q_heads, n, _ = queries.shape
     q = grouped_queries(queries, int(keys[0].shape[1]), scale, work)

@@ -1,0 +1,161 @@
+"""Attention over encoded planes on the CPU backend, in NumPy (``spec/host-attention.md``).
+
+On MLX's CPU backend a float32 matmul at decode shapes runs at 3 GFLOP/s (NumPy's BLAS: about
+15) and ``quantized_matmul`` slower still, so scoring on the codes does more work there than
+decoding them. On the CPU each encoded codec therefore hands this module a
+:data:`~kvrows.optimized.host.RowDecoder` per tensor, and attention runs a few batch rows at a
+time: the rows' keys decoded into a cache-sized float32 buffer, scored by one NumPy matmul per
+KV head, softmaxed, then the rows' values decoded and summed the same way. No decoded copy of
+the whole cache is made. Other backends keep the MLX ops (``quantized_matmul`` on the codes);
+:func:`op_attention` makes the CPU take them too (the conformance machines draw it, so both
+paths run against the reference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from functools import cache
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from threadpoolctl import ThreadpoolController
+
+from kvrows.errors import InvalidInputError, head_grouping_message
+from kvrows.optimized.host import RowDecoder, on_cpu
+from kvrows.protocols import Mask
+
+__all__ = ["host_attention", "op_attention", "takes_host_path"]
+
+#: Whether encoded attention may take the host path (``False`` inside :func:`op_attention`).
+_HOST_PATH: ContextVar[bool] = ContextVar("kvrows_host_attention", default=True)
+
+#: A row chunk's decoded keys (or values) at most this many bytes (one row at least): it
+#: stays in a core's cache between the decode and the matmul that reads it.
+CHUNK_BYTES = 1 << 22
+
+
+@cache
+def _blas() -> ThreadpoolController:
+    return ThreadpoolController()
+
+
+def takes_host_path() -> bool:
+    """Whether attention over encoded planes runs in NumPy now: on the CPU backend, outside
+    :func:`op_attention`."""
+    return _HOST_PATH.get() and on_cpu()
+
+
+@contextmanager
+def op_attention() -> Iterator[None]:
+    """Attention over encoded planes through MLX ops even on the CPU (the path every other
+    backend takes)."""
+    token = _HOST_PATH.set(False)
+    try:
+        yield
+    finally:
+        _HOST_PATH.reset(token)
+
+
+def _visible(mask: Mask, n: int, columns: int) -> np.ndarray[Any, Any] | None:
+    """``mask`` as NumPy booleans ``[B or 1, 1, 1, N, S]``, broadcasting against
+    ``[B, kv_heads, repeat, N, S]`` scores (``None``: every column visible)."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        rows = np.arange(n)[:, None] + (columns - n)
+        visible: np.ndarray[Any, Any] = np.arange(columns)[None, :] <= rows
+    elif isinstance(mask, mx.array) and mask.dtype == mx.bool_:
+        visible = np.asarray(mask)
+        if visible.ndim == 4:  # [B, 1, N, S] -> [B, 1, 1, N, S] over the head-group axis
+            visible = visible[:, :, None]
+    else:
+        raise InvalidInputError("a mask array must be a boolean mlx array")
+    visible = visible.reshape((1,) * (5 - visible.ndim) + visible.shape)
+    return np.broadcast_to(visible, np.broadcast_shapes(visible.shape, (1, 1, 1, n, columns)))
+
+
+def host_attention(
+    queries: mx.array,
+    kv_heads: int,
+    columns: int,
+    keys: RowDecoder,
+    values: RowDecoder,
+    mask: Mask,
+    scale: float,
+) -> mx.array:
+    """Float32 attention of ``[B, Hq, N, D]`` queries over ``columns`` tokens whose keys and
+    values ``keys`` and ``values`` decode (GQA by a head-group axis), as ``[B, Hq, N, Dv]``
+    float32: the scores ``queries·scale·K``, the columns ``mask`` hides at float32's
+    minimum, a softmax with its maximum subtracted, then the weights times V."""
+    batch, q_heads, n, dim = (int(s) for s in queries.shape)
+    if q_heads % kv_heads:
+        raise InvalidInputError(head_grouping_message(q_heads, kv_heads))
+    repeat = q_heads // kv_heads
+    q = np.asarray(queries.astype(mx.float32)) * np.float32(scale)
+    # One [repeat·N, D] x [D, S] matmul per (row, KV head): the head group's queries together.
+    grouped = q.reshape(batch, kv_heads, repeat * n, dim)
+    visible = _visible(mask, n, columns)
+    per_chunk = max(1, CHUNK_BYTES // max(1, kv_heads * columns * dim * 4))
+    # One BLAS thread: the matmuls are a few rows each, and OpenBLAS's threads, spinning
+    # after each, slow the single-threaded decode between them (B = 16, L = 1024: 55 ms
+    # against 37 ms a step).
+    with _blas().limit(limits=1, user_api="blas"):
+        out = _attend_rows(grouped, visible, keys, values, per_chunk, n)
+    if out is None:  # no rows: the values' width from an empty decode
+        out = np.zeros((0, kv_heads, repeat * n, int(values(0, 0, 0).shape[-1])), np.float32)
+    return mx.array(out.reshape(batch, q_heads, n, out.shape[-1]))
+
+
+def _first_columns(visible: np.ndarray[Any, Any] | None, batch: int) -> list[int]:
+    """Each row's first column some query sees (0 where none or every column is seen)."""
+    if visible is None:
+        return [0] * batch
+    seen = visible.any(axis=(1, 2, 3))  # [B or 1, S]
+    firsts = np.where(seen.any(axis=-1), seen.argmax(axis=-1), 0)
+    return [int(f) for f in np.broadcast_to(firsts, (batch,))]
+
+
+def _attend_rows(
+    grouped: np.ndarray[Any, Any],
+    visible: np.ndarray[Any, Any] | None,
+    keys: RowDecoder,
+    values: RowDecoder,
+    per_chunk: int,
+    n: int,
+) -> np.ndarray[Any, Any] | None:
+    """:func:`host_attention`'s loop over row chunks (``None``: no rows).
+
+    Each row attends from its first visible column on: a row's left padding (hidden from
+    every query) is neither decoded nor summed, so the row's sums run over the same columns
+    in the same order as its solo replay's, and the output is the same bits (BLAS and
+    NumPy's pairwise sums group terms by position). A chunk holds rows that start at the
+    same column."""
+    batch, kv_heads, rows, _ = grouped.shape
+    repeat = rows // n
+    hidden = np.float32(np.finfo(np.float32).min)
+    firsts = _first_columns(visible, batch)
+    out: np.ndarray[Any, Any] | None = None
+    lo = 0
+    while lo < batch:
+        start, hi = firsts[lo], lo + 1
+        while hi < batch and hi - lo < per_chunk and firsts[hi] == start:
+            hi += 1
+        scores = grouped[lo:hi] @ keys(lo, hi, start).swapaxes(-1, -2)
+        if visible is not None:
+            shown = (
+                visible[:, ..., start:] if visible.shape[0] == 1 else visible[lo:hi, ..., start:]
+            )
+            in_groups = scores.reshape(hi - lo, kv_heads, repeat, n, -1)
+            np.copyto(in_groups, hidden, where=~shown)
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        summed = scores @ values(lo, hi, start)
+        if out is None:
+            out = np.empty((batch, *summed.shape[1:]), dtype=np.float32)
+        out[lo:hi] = summed
+        lo = hi
+    return out
