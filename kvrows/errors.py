@@ -15,6 +15,7 @@ __all__ = [
     "EMPTY_ROW_NO_BLOCK",
     "LATENT_HAS_NO_ATTENTION",
     "MERGE_NEEDS_SEQUENCE",
+    "MLX_MASK_NOT_BOOLEAN",
     "NOTHING_TO_FETCH",
     "NOTHING_TO_RECORD",
     "ONE_VERIFY_BLOCK",
@@ -459,6 +460,10 @@ def plain_latent_state_message(owner: str) -> str:
 def mask_message(mask: object) -> str:
     """An attention mask that is not None, ``"causal"`` or a boolean array."""
     return f"mask must be None, 'causal' or a boolean array, got {mask!r}"
+
+
+#: An attention mask array that is not an MLX boolean array (the optimized codecs).
+MLX_MASK_NOT_BOOLEAN = "a mask array must be a boolean mlx array"
 
 
 def head_grouping_message(q_heads: int, kv_heads: int) -> str:

@@ -12,7 +12,7 @@ import numpy as np
 
 from kvrows.codec import Role
 from kvrows.codecs import Affine
-from kvrows.errors import InvalidInputError, head_grouping_message
+from kvrows.errors import MLX_MASK_NOT_BOOLEAN, InvalidInputError, head_grouping_message
 from kvrows.optimized.codecs.common import Planes, ZeroPlanes
 from kvrows.optimized.codecs.host_attention import host_attention, takes_host_path
 from kvrows.optimized.codecs.registry import implements
@@ -67,7 +67,7 @@ def boolean_mask(mask: Mask, queries: int, keys: int) -> mx.array | None:
         rows = mx.arange(queries)[:, None] + (keys - queries)
         return mx.arange(keys)[None, :] <= rows
     if not isinstance(mask, mx.array) or mask.dtype != mx.bool_:
-        raise InvalidInputError("a mask array must be a boolean mlx array")
+        raise InvalidInputError(MLX_MASK_NOT_BOOLEAN)
     return mask
 
 

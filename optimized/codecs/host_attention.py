@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from kvrows.errors import InvalidInputError, head_grouping_message
+from kvrows.errors import MLX_MASK_NOT_BOOLEAN, InvalidInputError, head_grouping_message
 from kvrows.optimized.host import RowDecoder, on_cpu
 from kvrows.protocols import Mask
 
@@ -72,7 +72,7 @@ def _visible(mask: Mask, n: int, columns: int) -> np.ndarray[Any, Any] | None:
         if visible.ndim == 4:  # [B, 1, N, S] -> [B, 1, 1, N, S] over the head-group axis
             visible = visible[:, :, None]
     else:
-        raise InvalidInputError("a mask array must be a boolean mlx array")
+        raise InvalidInputError(MLX_MASK_NOT_BOOLEAN)
     visible = visible.reshape((1,) * (5 - visible.ndim) + visible.shape)
     return np.broadcast_to(visible, np.broadcast_shapes(visible.shape, (1, 1, 1, n, columns)))
 
