@@ -38,7 +38,7 @@ from kvrows.optimized.classes import (
     SpeculativeRotatingKVCache,
 )
 from kvrows.optimized.classes import BatchedRotatingCache as RingBatchedRotatingCache
-from kvrows.optimized.codecs import TurboCodec
+from kvrows.optimized.codecs import TurboCodec, host_attention
 from kvrows.optimized.rows import Serial, mapped, row_of, token_count
 from kvrows.protocols import Cache, Mask
 from kvrows.schemes import CodecSpec, GeometrySpec, Turbo
@@ -669,3 +669,41 @@ def test_the_unmutated_delayed_turbo_implementation_passes() -> None:
     # The family test runs this machine in full: a short control.
     stats = run_teeth("DelayedTurboQuantKVCache", None, CONTROL_EXAMPLES, "delayed-turbo")
     assert stats.examples > 0 and stats.checks["mixed read"] > 0, dict(stats.checks)
+
+
+# ------------------------------------------- the CPU's host attention path (any family)
+
+
+def _host_path_ignores_masks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # MUTATION (every column visible to every query: padding and the future included)
+    monkeypatch.setattr(host_attention, "_visible", lambda mask, n, columns: None)
+
+
+def _host_keys_without_zero_points(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = optimized_turbo.host_key_rows
+
+    def rows(codes: mx.array, scales: mx.array, zeros: mx.array, bits: int) -> Any:
+        # MUTATION (the keys decoded as idx·scale: the zero point dropped)
+        return real(codes, scales, mx.zeros_like(zeros), bits)
+
+    monkeypatch.setattr(optimized_turbo, "host_key_rows", rows)
+
+
+HOST_MUTANTS = [
+    pytest.param("affine", "BatchedQuantizedKVCache", _host_path_ignores_masks,
+                 id="host-path-ignores-masks"),
+    pytest.param("turbo", "BatchedTurboQuantKVCache", _host_keys_without_zero_points,
+                 id="host-keys-without-zero-points"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "layout", "mutate"), HOST_MUTANTS)
+def test_the_machines_catch_a_wrong_host_path(
+    family: str, layout: str, mutate: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The examples on the host path (the CPU's default; the others take the MLX ops)
+    compare its attention with the reference's: a wrong host path is caught there."""
+    mutate(monkeypatch)
+    implementation = optimized_impl().cls(layout)
+    message = caught(layout, implementation, family_name=family)
+    assert "attention differs beyond" in message, message
