@@ -23,6 +23,7 @@ from kvrows.errors import (
     turbo_scalar_input_message,
 )
 from kvrows.optimized.host import (
+    ReusedBuffer,
     RowDecoder,
     code_runs,
     fresh_host,
@@ -273,12 +274,15 @@ def host_key_rows(codes: mx.array, scales: mx.array, zeros: mx.array, bits: int)
     attention's key decoder: :func:`decode_keys`' values)."""
     stream = np.asarray(codes).view(np.int8 if bits == 8 else np.uint8)
     scales32, zeros32 = (np.asarray(p.astype(mx.float32))[..., None] for p in (scales, zeros))
+    buffer = ReusedBuffer()
 
     def rows(lo: int, hi: int, start: int) -> np.ndarray[Any, Any]:
+        codes = stream[lo:hi, :, start:]
+        keys = buffer.shaped((*codes.shape[:-1], int(codes.shape[-1]) * 8 // bits))
         if bits == 8:
-            keys = stream[lo:hi, :, start:].astype(np.float32)
+            np.copyto(keys, codes, casting="unsafe")
         else:
-            keys = lookup_codes(stream[lo:hi, :, start:], bits, _host_runs(bits, True))
+            lookup_codes(codes, bits, _host_runs(bits, True), keys)
         groups = keys.reshape(*keys.shape[:-1], keys.shape[-1] // TURBO_GROUP, TURBO_GROUP)
         groups += zeros32[lo:hi, :, start:]
         groups *= scales32[lo:hi, :, start:]
@@ -294,9 +298,12 @@ def host_rotated_rows(packed: mx.array, scales: mx.array, bits: int) -> RowDecod
         raise InvalidInputError(turbo_bits_message("v_bits", TURBO_VALUE_BITS, bits))
     stream = np.asarray(packed).view(np.uint8)
     scales32 = np.asarray(scales.astype(mx.float32))[..., None]
+    buffer = ReusedBuffer()
 
     def rows(lo: int, hi: int, start: int) -> np.ndarray[Any, Any]:
-        values = lookup_codes(stream[lo:hi, :, start:], bits, _host_runs(bits, False))
+        codes = stream[lo:hi, :, start:]
+        values = buffer.shaped((*codes.shape[:-1], int(codes.shape[-1]) * 8 // bits))
+        lookup_codes(codes, bits, _host_runs(bits, False), values)
         groups = values.reshape(*values.shape[:-1], values.shape[-1] // TURBO_GROUP, TURBO_GROUP)
         groups *= scales32[lo:hi, :, start:]
         return values

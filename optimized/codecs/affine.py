@@ -16,7 +16,7 @@ from kvrows.errors import MLX_MASK_NOT_BOOLEAN, InvalidInputError, head_grouping
 from kvrows.optimized.codecs.common import Planes, ZeroPlanes
 from kvrows.optimized.codecs.host_attention import host_attention, takes_host_path
 from kvrows.optimized.codecs.registry import implements
-from kvrows.optimized.host import RowDecoder, code_runs, lookup_codes
+from kvrows.optimized.host import ReusedBuffer, RowDecoder, code_runs, lookup_codes
 from kvrows.protocols import Mask
 
 __all__ = [
@@ -125,13 +125,15 @@ def _host_rows(planes: tuple[mx.array, ...], group_size: int, bits: int, mode: s
             ml_dtypes.float8_e4m3fn if mode == "nvfp4" else ml_dtypes.float8_e8m0fnu
         )
         scales, biases = scale_codes.astype(np.float32)[..., None], None
-    runs = _levels(mode, bits)
+    runs, buffer = _levels(mode, bits), ReusedBuffer()
 
     def rows(lo: int, hi: int, start: int) -> np.ndarray[Any, Any]:
+        codes = stream[lo:hi, :, start:]
+        decoded = buffer.shaped((*codes.shape[:-1], int(codes.shape[-1]) * 8 // bits))
         if mode == "affine" and bits == 8:  # the codes are the levels: a cast, not a take
-            decoded = stream[lo:hi, :, start:].astype(np.float32)
+            np.copyto(decoded, codes, casting="unsafe")
         else:
-            decoded = lookup_codes(stream[lo:hi, :, start:], bits, runs)
+            lookup_codes(codes, bits, runs, decoded)
         groups = decoded.reshape(*decoded.shape[:-1], decoded.shape[-1] // group_size, group_size)
         groups *= scales[lo:hi, :, start:]
         if biases is not None:
