@@ -66,7 +66,6 @@ part in its pool, its recurrent part contiguous (``spec/engine.md`` §16).
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import math
 import queue
@@ -1924,9 +1923,6 @@ class Engine:
         self._stats = stats
         stats.kv_bytes_per_token = self.admission.bytes(1)
         # Memory that is not KV state (weights, the probe): active now, less what is KV.
-        # Unreachable cycles holding arrays go first: freed mid-run, they would leave the
-        # baseline too high and the measured peak short of what the run held.
-        gc.collect()
         self._baseline = mx.get_active_memory() - self._kv_bytes()
         start = time.perf_counter()
         first_step = self._step
