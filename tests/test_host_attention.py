@@ -67,7 +67,7 @@ def test_the_host_and_op_paths_agree_with_the_reference(
     seed: int,
 ) -> None:
     """Both paths of every encoded codec's attention (the host's a row chunk at a time, or
-    one row per chunk) over strided reads of longer planes, GQA and every mask form, equal
+    one row per chunk and one query per slice) over strided reads of longer planes, GQA and every mask form, equal
     the reference's float32 attention over the same planes within float32 rounding."""
     rng = np.random.default_rng(seed)
     columns = n + extra
@@ -87,8 +87,9 @@ def test_the_host_and_op_paths_agree_with_the_reference(
     value_planes = read(fast.encode(mx.array(values), "values"))
     mlx_mask = mask if mask is None or isinstance(mask, str) else mx.array(mask)
     with pytest.MonkeyPatch.context() as patch:
-        if row_chunks:
+        if row_chunks:  # one row a chunk, one query a slice
             patch.setattr(host_attention, "CHUNK_BYTES", 1)
+            patch.setattr(host_attention, "SCORES_BYTES", 1)
         host = np.array(fast.attend(mx.array(queries), key_planes, value_planes, mlx_mask, 0.1))
     with host_attention.op_attention():
         ops = np.array(fast.attend(mx.array(queries), key_planes, value_planes, mlx_mask, 0.1))

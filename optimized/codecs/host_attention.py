@@ -35,6 +35,9 @@ _HOST_PATH: ContextVar[bool] = ContextVar("kvrows_host_attention", default=True)
 #: A row chunk's decoded keys (or values) at most this many bytes (one row at least): it
 #: stays in a core's cache between the decode and the matmul that reads it.
 CHUNK_BYTES = 1 << 22
+#: A row's scores at most this many bytes at a time (one query at least): a long prefill
+#: block attends a slice of its queries at a time, not ``N x S`` scores at once.
+SCORES_BYTES = 1 << 24
 
 
 @cache
@@ -95,17 +98,16 @@ def host_attention(
         raise InvalidInputError(head_grouping_message(q_heads, kv_heads))
     repeat = q_heads // kv_heads
     q = np.asarray(queries.astype(mx.float32)) * np.float32(scale)
-    # One [repeat·N, D] x [D, S] matmul per (row, KV head): the head group's queries together.
-    grouped = q.reshape(batch, kv_heads, repeat * n, dim)
+    grouped = q.reshape(batch, kv_heads, repeat, n, dim)
     visible = _visible(mask, n, columns)
     per_chunk = max(1, CHUNK_BYTES // max(1, kv_heads * columns * dim * 4))
     # One BLAS thread: the matmuls are a few rows each, and OpenBLAS's threads, spinning
     # after each, slow the single-threaded decode between them (B = 16, L = 1024: 55 ms
     # against 37 ms a step).
     with _blas().limit(limits=1, user_api="blas"):
-        out = _attend_rows(grouped, visible, keys, values, per_chunk, n)
+        out = _attend_rows(grouped, visible, keys, values, per_chunk)
     if out is None:  # no rows: the values' width from an empty decode
-        out = np.zeros((0, kv_heads, repeat * n, int(values(0, 0, 0).shape[-1])), np.float32)
+        out = np.zeros((0, kv_heads, repeat, n, int(values(0, 0, 0).shape[-1])), np.float32)
     return mx.array(out.reshape(batch, q_heads, n, out.shape[-1]))
 
 
@@ -124,17 +126,17 @@ def _attend_rows(
     keys: RowDecoder,
     values: RowDecoder,
     per_chunk: int,
-    n: int,
 ) -> np.ndarray[Any, Any] | None:
-    """:func:`host_attention`'s loop over row chunks (``None``: no rows).
+    """:func:`host_attention`'s loop over row chunks (``None``: no rows); ``grouped``: the
+    scaled queries ``[B, kv_heads, repeat, N, D]``; the output ``[B, kv_heads, repeat, N, Dv]``.
 
     Each row attends from its first visible column on: a row's left padding (hidden from
     every query) is neither decoded nor summed, so the row's sums run over the same columns
     in the same order as its solo replay's, and the output is the same bits (BLAS and
     NumPy's pairwise sums group terms by position). A chunk holds rows that start at the
-    same column."""
-    batch, kv_heads, rows, _ = grouped.shape
-    repeat = rows // n
+    same column. Its queries go a slice at a time (:data:`SCORES_BYTES` of scores a row),
+    one ``[repeat·n, D] x [D, S]`` matmul per row and KV head: the head group together."""
+    batch, kv_heads, repeat, n, dim = grouped.shape
     hidden = np.float32(np.finfo(np.float32).min)
     firsts = _first_columns(visible, batch)
     out: np.ndarray[Any, Any] | None = None
@@ -143,19 +145,29 @@ def _attend_rows(
         start, hi = firsts[lo], lo + 1
         while hi < batch and hi - lo < per_chunk and firsts[hi] == start:
             hi += 1
-        scores = grouped[lo:hi] @ keys(lo, hi, start).swapaxes(-1, -2)
-        if visible is not None:
-            shown = (
-                visible[:, ..., start:] if visible.shape[0] == 1 else visible[lo:hi, ..., start:]
-            )
-            in_groups = scores.reshape(hi - lo, kv_heads, repeat, n, -1)
-            np.copyto(in_groups, hidden, where=~shown)
-        scores -= scores.max(axis=-1, keepdims=True)
-        np.exp(scores, out=scores)
-        scores /= scores.sum(axis=-1, keepdims=True)
-        summed = scores @ values(lo, hi, start)
+        decoded_keys = keys(lo, hi, start).swapaxes(-1, -2)
+        decoded_values = values(lo, hi, start)
+        seen = int(decoded_keys.shape[-1])
         if out is None:
-            out = np.empty((batch, *summed.shape[1:]), dtype=np.float32)
-        out[lo:hi] = summed
+            out = np.empty((batch, kv_heads, repeat, n, int(decoded_values.shape[-1])), np.float32)
+        # The slice of queries depends on the row's shape alone (not on the chunk's rows):
+        # a row's matmuls are the same in a batch and alone.
+        step = max(1, SCORES_BYTES // (kv_heads * repeat * seen * 4))
+        for first in range(0, n, step):
+            last = min(n, first + step)
+            part = grouped[lo:hi, :, :, first:last].reshape(hi - lo, kv_heads, -1, dim)
+            scores = part @ decoded_keys
+            if visible is not None:
+                rows = visible[:1] if visible.shape[0] == 1 else visible[lo:hi]
+                shown = rows[..., first:last, start:]
+                in_groups = scores.reshape(hi - lo, kv_heads, repeat, last - first, seen)
+                np.copyto(in_groups, hidden, where=~shown)
+            scores -= scores.max(axis=-1, keepdims=True)
+            np.exp(scores, out=scores)
+            scores /= scores.sum(axis=-1, keepdims=True)
+            summed = scores @ decoded_values
+            out[lo:hi, :, :, first:last] = summed.reshape(
+                hi - lo, kv_heads, repeat, last - first, -1
+            )
         lo = hi
     return out
