@@ -106,6 +106,46 @@ def test_the_host_and_op_paths_agree_with_the_reference(
     np.testing.assert_allclose(ops, want, atol=1e-3, rtol=1e-3)
 
 
+@given(
+    name=st.sampled_from(CODECS),
+    pads=st.lists(st.integers(0, 9), min_size=1, max_size=3),
+    tokens=st.integers(1, 12),
+    n=st.integers(1, 3),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_a_left_padded_row_attends_as_it_does_alone(
+    name: str, pads: list[int], tokens: int, n: int, seed: int
+) -> None:
+    """Batch invariance on the host path: a row behind left padding (columns holding other
+    codes, hidden from its every query) gets the bits it gets alone, whatever the other
+    rows hold."""
+    rng = np.random.default_rng(seed)
+    codec = optimized_codec(parse_codec(name))
+    width = max(pads) + tokens + n
+    batch = len(pads)
+    keys = rng.standard_normal((batch, 2, width, DIM)).astype(np.float32)
+    values = rng.standard_normal((batch, 2, width, DIM)).astype(np.float32)
+    queries = mx.array(rng.standard_normal((batch, 4, n, DIM)).astype(np.float32))
+    key_planes, value_planes = (
+        codec.encode(mx.array(keys)),
+        codec.encode(mx.array(values), "values"),
+    )
+    column = np.arange(width)[None, :]
+    own = np.arange(n)[:, None] + width - n  # each query's own column
+    # Row b holds ``width - pads[b]`` tokens (at least ``tokens``) after its padding.
+    visible = np.stack([(column >= pad) & (column <= own) for pad in pads])
+    out = np.array(codec.attend(queries, key_planes, value_planes, mx.array(visible[:, None]), 0.1))
+    for b, pad in enumerate(pads):
+        cut = pad
+        solo = np.array(codec.attend(
+            queries[b : b + 1],
+            tuple(p[b : b + 1, :, cut:] for p in key_planes),
+            tuple(p[b : b + 1, :, cut:] for p in value_planes),
+            "causal", 0.1,
+        ))  # fmt: skip
+        assert out[b : b + 1].tobytes() == solo.tobytes(), (b, pad)
+
+
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 def test_the_output_has_the_queries_dtype(dtype: mx.Dtype) -> None:
     rng = np.random.default_rng(1)
