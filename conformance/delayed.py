@@ -882,7 +882,14 @@ class DelayedMachine(WriterRules, OpsChecks):
         ``attend_rows``); a plain or packed read's through its codec over the reads, as a
         model attends: ``impl.attend`` fetches again, and after an append that converted
         rows the layout holds quantized planes where the reads were plain. When nothing
-        converted, ``impl.attend`` must give the same output."""
+        converted, ``impl.attend`` must give the same output. On the example's attention
+        path (host or MLX ops, ``_on_path``)."""
+        with self._on_path():
+            return self._attend_read_on_path(impl, lay, codec, queries, reads, mask, phase)
+
+    def _attend_read_on_path(
+        self, impl: Impl, lay: Any, codec: Any, queries: Any, reads: Any, mask: Any, phase: str
+    ) -> Any:
         if phase == "mixed":
             return impl.attend(queries, lay, mask, self.g.scale)
         out = codec.attend(queries, *reads, mask, self.g.scale)
@@ -1009,7 +1016,8 @@ class DelayedMachine(WriterRules, OpsChecks):
             self._exact(f"{what}: the lego's read is quantized", quantized, not plain)
             codec = self._codec(impl, quantized)
             q_native = impl.to_native(qb)
-            solo_out = impl.to_numpy(codec.attend(q_native, *got, mask, self.g.scale))
+            with self._on_path():
+                solo_out = impl.to_numpy(codec.attend(q_native, *got, mask, self.g.scale))
             if quantized and self.turbo:
                 self._check_eager(f"{what} ({impl.name})", impl, solo, q_native, mask, out)
             # A wrapped serial ring reads a single token's step in physical order (the

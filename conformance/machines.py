@@ -63,7 +63,7 @@ import math
 import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, ClassVar, TypeVar
@@ -695,8 +695,8 @@ class ConformanceMachine(RuleBasedStateMachine):
         self._inputs: deque[tuple[str, Impl, Any, Array]] = deque(maxlen=48)
         #: (label, implementation, an extracted/published cache, what it held then).
         self._outputs: deque[tuple[str, Impl, Any, Any]] = deque(maxlen=6)
-        #: The MLX-op attention path this example runs on the CPU (``None``: the host path).
-        self._op_path: AbstractContextManager[None] | None = None
+        #: Whether this example attends through the MLX ops on the CPU (not the host path).
+        self._op_path = False
 
     @initialize(data=st.data())
     def setup(self, data: st.DataObject) -> None:
@@ -711,11 +711,15 @@ class ConformanceMachine(RuleBasedStateMachine):
         path, the CPU's default) or through the MLX ops every other backend runs
         (``op_attention``): both against the reference. The path is a function of the drawn
         geometry (its CRC's low bit), not a draw of its own: the same data replays the same
-        path, and every family's derandomized CI examples draw what they drew before."""
-        if on_cpu() and zlib.crc32(repr(self.geo).encode()) & 1:
+        path, and every family's derandomized CI examples draw what they drew before. Each
+        attention call takes it (:meth:`_on_path`): no state outlives the example."""
+        self._op_path = on_cpu() and bool(zlib.crc32(repr(self.geo).encode()) & 1)
+        if self._op_path:
             note("attention path: MLX ops (op_attention)")
-            self._op_path = op_attention()
-            self._op_path.__enter__()
+
+    def _on_path(self) -> AbstractContextManager[None]:
+        """The example's attention path, around one attention call."""
+        return op_attention() if self._op_path else nullcontext()
 
     @property
     def _encodes(self) -> bool:
@@ -727,13 +731,10 @@ class ConformanceMachine(RuleBasedStateMachine):
     def _mlx_lm_attention(self) -> str:
         """The quantity the optimized attention vs mlx-lm's is: bit for bit through the same
         MLX ops, within the attention bound on the CPU's host path over encoded planes."""
-        host = self._op_path is None and on_cpu() and self._encodes
+        host = not self._op_path and on_cpu() and self._encodes
         return "attention.mlx_lm.host" if host else "attention.mlx_lm"
 
     def teardown(self) -> None:
-        if self._op_path is not None:
-            self._op_path.__exit__(None, None, None)
-            self._op_path = None
         if self.geo is not None and self._clean:
             self._check_everything(final=True)
         # Examples Hypothesis abandons before any operation are not counted.
@@ -1040,9 +1041,11 @@ class ConformanceMachine(RuleBasedStateMachine):
 
     def _attend(self, impl: Impl, queries: Array, cache: Any, mask: Any, what: str) -> Array:
         """``impl``'s attention; its output has the queries' dtype and shape (value dim)."""
-        out = impl.to_numpy(impl.attend(self._give(impl, queries, what), cache, mask, self.g.scale))
+        given = self._give(impl, queries, what)
+        with self._on_path():
+            out = impl.to_numpy(impl.attend(given, cache, mask, self.g.scale))
         if impl is self.opt_impl and self._encodes:
-            self.stats.check("host attention" if self._op_path is None else "op attention")
+            self.stats.check("op attention" if self._op_path else "host attention")
         rows, heads, n, _ = queries.shape
         self._exact(
             f"{what} ({impl.name}) attention dtype and shape",
