@@ -577,9 +577,17 @@ class LatentSurfaceMembers(_LatentLayout):
         return 0 if shapes is None else self.latent_spec.token_bytes(shapes)
 
     def projected_bytes(self, tokens: int) -> int:
-        """Bytes one row of ``tokens`` positions takes (capped at ``max_tokens``)."""
+        """Bytes one row of ``tokens`` positions takes (capped at ``max_tokens``): its
+        stored planes and, for an implementation that keeps one, its decoded window."""
         count = as_count(tokens, "tokens")
-        return min(count, int(min(self.max_tokens, count))) * self.bytes_per_token()
+        per_token = self.bytes_per_token() + self.window_token_bytes()
+        return min(count, int(min(self.max_tokens, count))) * per_token
+
+    def window_token_bytes(self) -> int:
+        """Bytes a decoded window holds per token of a row, beside the stored planes
+        (``spec/EncodedLatentCache.md`` §5): 0 here, no window (the reference assembles
+        its reads from its rows; the optimized encoded latent overrides it)."""
+        return 0
 
     def make_empty_batch(self) -> Any:
         """An empty cache of the same declaration, its shapes learnt."""
@@ -1170,6 +1178,7 @@ class PagedLatentMembers(_LatentLayout):
         def _native(self, array: Any) -> bool: ...
         def _dtype_of(self, array: Any) -> str: ...
         def bytes_per_token(self) -> int: ...
+        def window_token_bytes(self) -> int: ...
         @property
         def max_tokens(self) -> float: ...
         @property
@@ -1325,7 +1334,8 @@ class PagedLatentMembers(_LatentLayout):
         ``max_tokens``)."""
         count = as_count(tokens, "tokens")
         count = int(min(count, self.max_tokens))
-        return math.ceil(count / self.block_size) * self.block_size * self.bytes_per_token()
+        per_token = self.bytes_per_token() + self.window_token_bytes()
+        return math.ceil(count / self.block_size) * self.block_size * per_token
 
     # -- appends and reads ------------------------------------------------------------------
     #: An exhausted pool refuses before any block or table changes: the round stays open,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeGuard
 
 import mlx.core as mx
 
-from kvrows.codec import PlaneSet, as_role
+from kvrows.codec import DTYPE_SIZES, PlaneSet, as_role
 from kvrows.compositions import composition
 from kvrows.errors import InvalidInputError, preview_blocks_message
 from kvrows.latent import (
@@ -390,6 +390,16 @@ class EncodedLatentCache(
             window = self._gather_slots({"latent": (window,)}, order)["latent"][0]
         if window.shape[:3] == codes.shape[:3]:
             self._dense_window = (codes, window)
+
+    def window_token_bytes(self) -> int:
+        """The window's bytes per token of a row (``R`` values in the activations' dtype;
+        0 with ``keeps_window`` off or a plain latent): admission projects them beside the
+        codes, since a decoding layout holds both (``nbytes``). A row still warm holds its
+        exact latent instead, as many bytes, so the sum bounds every stage."""
+        shapes = self._shapes()
+        if shapes is None or not self.keeps_window or not self.latent_spec.inner.encodes:
+            return 0
+        return shapes.rank * DTYPE_SIZES[shapes.dtype]
 
     @property
     def window_nbytes(self) -> int:

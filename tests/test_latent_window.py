@@ -9,6 +9,7 @@ decode calls (a dispatch test: which columns each decode read).
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -347,3 +348,52 @@ def test_the_window_counts_in_nbytes() -> None:
     assert layout.nbytes == eager.nbytes + layout.window_nbytes
     assert eager.window_nbytes == 0
     assert len(layout.held_arrays()) == len(eager.held_arrays()) + 1  # the window's columns
+
+
+@pytest.mark.parametrize("start", [0, 100], ids=["converted", "warm"])
+def test_projected_bytes_count_the_window(start: int) -> None:
+    """Admission's projection counts what a decoding layout holds: the codes and the
+    window, ``R`` values of the activations' dtype per token beside them. Measured
+    against ``nbytes`` (every slot's ``capacity`` columns) and against MLX's active
+    memory, which the step that builds the window grows by the window's bytes. A row
+    still warm (``start`` not reached) holds its exact latent instead: at most as much."""
+    codec = Affine(bits=8, group_size=64)
+    layout, eager = (
+        _layout(cls, codec, start, ((1, 9), (2, 4))) for cls in (opt.EncodedLatentCache, Eager)
+    )
+    block = _mlx(_blocks(2, 1, 5))
+    mx.eval(*block, *layout.held_arrays())
+    gc.collect()  # (the merged rows' buffers go)
+    before = mx.get_active_memory()
+    mx.eval(layout.update_and_fetch(*block), layout.held_arrays())
+    grown = mx.get_active_memory() - before
+    eager.update_and_fetch(*block)
+    per_column = layout.slots * layout.capacity  # what ``nbytes`` counts: every column
+    assert layout.window_token_bytes() == RANK * 2 and eager.window_token_bytes() == 0
+    assert layout.projected_bytes(3) == 3 * (layout.bytes_per_token() + RANK * 2)
+    assert eager.projected_bytes(3) == 3 * eager.bytes_per_token()
+    if start == 0:
+        assert layout.nbytes == per_column * layout.projected_bytes(1)
+        assert eager.nbytes == per_column * eager.projected_bytes(1)
+        assert grown >= per_column * layout.window_token_bytes() == layout.window_nbytes
+    else:  # the exact latent, no window, no codes yet
+        assert layout.window_nbytes == 0 and not any(layout.converted)
+        assert layout.nbytes <= per_column * layout.projected_bytes(1)
+    # the reference holds no window: its projection is its rows' planes
+    reference = ref.EncodedLatentCache(codec=codec)
+    reference.update_and_fetch(*_as_bf16(_blocks(1, 4, 1)))
+    assert reference.window_token_bytes() == 0
+    assert reference.projected_bytes(4) == reference.nbytes == 4 * reference.bytes_per_token()
+
+
+def test_admission_projects_the_window() -> None:
+    """``table.row_admission`` over a windowed encoded latent bills codes and window per
+    token (DeepSeek-V3's 512 + 64 bf16, affine 8-bit group 128: 656 + 1,024)."""
+    from kvrows.table import row_admission
+
+    bf16 = mx.bfloat16
+    encoded = opt.EncodedLatentCache(512, 64, codec=Affine(bits=8, group_size=128))
+    encoded.update_and_fetch(mx.zeros((1, 1, 3, 512), bf16), mx.zeros((1, 1, 3, 64), bf16))
+    admission = row_admission([encoded])
+    assert admission is not None
+    assert admission.bytes(10) == admission.most_bytes(10) == 10 * (656 + 1024)
