@@ -226,7 +226,10 @@ class DecodedWindow:
         """The appended block's codes (``written``: its encoded rows, the window's first
         slots) decoded into the columns they went to, ending at ``stop``."""
         rows, n = int(written[0].shape[0]), int(written[0].shape[2])
-        window[:rows, :, stop - n : stop] = codec.decoded(written, "latent", dtype_name(window))
+        decoded = codec.decode(written, "latent")
+        if decoded.dtype != window.dtype:  # (TurboQuant decodes in float32)
+            decoded = decoded.astype(window.dtype)
+        window[:rows, :, stop - n : stop] = decoded
 
     def _window_view(self) -> mx.array | None:
         """The window's visible columns (its encoded rows'), ``None`` while none is held."""
@@ -280,6 +283,18 @@ class EncodedLatentCache(
             if planes is not None and encodes_latent(codec):
                 return codec, planes, rows
         return None
+
+    def _read(self) -> dict[str, Any]:
+        """The machinery's read; one store of encoded rows with its window held (a decode
+        step's read) takes the latent from the window and views the other planes only
+        (no view of the codes it would not read)."""
+        planes, window = self._planes, self._dense_window
+        if planes is None or window is None or window[0] is not planes["latent"][0]:
+            return super()._read()
+        plain = self._visible({t: p for t, p in planes.items() if t != "latent"})
+        start, rows = self._origin, len(self._offsets)
+        latent = window[1][:rows, :, start : start + self.width]
+        return {"latent": latent, **{t: p[0] for t, p in plain.items()}}
 
     def _fetched(self, codec: Codec, visible: PlaneSet) -> dict[str, Any]:
         latent = visible.get("latent")
