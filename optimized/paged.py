@@ -148,7 +148,7 @@ class PagedLatentCache(
     latent's warm rows are a contiguous ``MLACache`` of stage 0 beside the pool.
 
     An encoded latent's reads take the pool's rows' latent from the **decoded window**
-    (``DecodedWindow``; spec §6): ``[rows in the pool, 1, capacity, R]`` at the read's
+    (``DecodedWindow``; spec §7): ``[rows in the pool, 1, capacity, R]`` at the read's
     own columns (right-justified from column 0), built by the first append after a change
     dropped it, extended by each append; the pool's gather then reads rope and index
     only."""
@@ -200,8 +200,8 @@ class PagedLatentCache(
         if not rows or self._pool is None or not any(self._offsets[b] for b in rows):
             return None
         codes = self._pool_gather(rows, ("latent",))["latent"]
-        width = self.width
-        window = self._laid_window(self._stages[-1], codes, len(rows), 0, round_up(width + 1))
+        capacity = round_up(self.width + 1)
+        window = self._laid_window(self._stages[-1], codes, len(rows), 0, capacity)
         return self._pool, window
 
     def _trim_rows(self, counts: Sequence[int], *, justify: bool = False) -> int:
