@@ -291,7 +291,9 @@ class EncodedLatentCache(
         planes, window = self._planes, self._dense_window
         if planes is None or window is None or window[0] is not planes["latent"][0]:
             return super()._read()
-        plain = self._visible({t: p for t, p in planes.items() if t != "latent"})
+        others = dict(planes)
+        del others["latent"]  # (the window's)
+        plain = self._visible(others)
         start, rows = self._origin, len(self._offsets)
         latent = window[1][:rows, :, start : start + self.width]
         return {"latent": latent, **{t: p[0] for t, p in plain.items()}}

@@ -167,8 +167,8 @@ class PagedLatentCache(
         room: int | None = None,
     ) -> None:
         """The placement's; records the encoded latent block its pooled rows append."""
-        if pooled and encodes_latent(self._stages[-1]) and "latent" in block:
-            self._written = block["latent"]
+        if pooled and encodes_latent(self._stages[-1]):
+            self._written = block.get("latent")
         super()._pool_write(block, n, geometry, rows, pooled, room)
 
     def _write_blocks(self, blocks: dict[str, Any], shapes: Any) -> None:
