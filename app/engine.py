@@ -768,8 +768,16 @@ class PagedLayers:
     @staticmethod
     def unpaged_bytes(caches: Iterable[Any]) -> int:
         """``nbytes`` of the caches and layouts that are not paged (the pools count those;
-        a layer of several caches counts its unpaged parts)."""
-        return sum(c.nbytes for c in _slots_of(caches) if not isinstance(_behind(c), PagedRows))
+        a layer of several caches counts its unpaged parts), and what paged ones hold
+        outside their pools (``beside_nbytes``: warm rows beside it, a decoded window)."""
+        held = 0
+        for cache in _slots_of(caches):
+            inner = _behind(cache)
+            if isinstance(inner, PagedRows):
+                held += int(getattr(inner, "beside_nbytes", 0))
+            else:
+                held += cache.nbytes
+        return held
 
 
 def _probe_cache(cache: Any, pool: Any, geometry: GeometrySpec | None, block_size: int) -> Any:

@@ -112,6 +112,7 @@ class LatentMachine(WriterRules):
         self._invalid_left = 2
         #: The optimized encoded latent reads the eager way this example (no window).
         self._eager = False
+        self._seed = 0
 
     # -- set-up ---------------------------------------------------------------------------
     @functools.cached_property
@@ -132,15 +133,21 @@ class LatentMachine(WriterRules):
             codec=codec,
             start=data.draw(st.sampled_from((0, 3, 9)), label="start") if self.encoded else 0,
         )
-        self._noise = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+        self._seed = data.draw(st.integers(0, 2**16), label="seed")
+        self._noise = np.random.default_rng(self._seed)
         note(f"config: {self.cfg}")
         windowed = self.opt_impl.cls(self.spec.name)
-        if hasattr(windowed, "keeps_window") and not data.draw(st.booleans(), label="window"):
+        if hasattr(windowed, "keeps_window") and not self._draws_window(data):
             # The eager path the decoded window replaces: every read decodes the whole
             # latent (the same class name, so messages compare as they are).
             eager = {self.spec.name: _eager(windowed)}
             vars(self)["opt_impl"] = self.opt_impl.with_classes(eager)
             self._eager = True
+
+    def _draws_window(self, data: st.DataObject) -> bool:
+        """Whether the optimized class reads through its decoded window this example (else
+        the eager way)."""
+        return data.draw(st.booleans(), label="window")
 
     def teardown(self) -> None:
         if self.stats.steps > self._steps_at_start:

@@ -90,6 +90,11 @@ class PagedLatentMachine(FrozenCollector, LatentMachine, OpsChecks):
         note(f"codec {codec}, start {self.c.start}, block size {size}, headroom {self.headroom}")
         self._freeze_collector(self.headroom is not None)
 
+    def _draws_window(self, data: st.DataObject) -> bool:
+        """The decoded window or the eager read, by the seed's parity (drawn already): the
+        family's examples stay the ones its coverage requirements were met with."""
+        return self._seed % 2 == 0
+
     def _write_pair(self, ref: Any, opt: Any, block: Block) -> tuple[Any, Any]:
         """An append under test (both implementations) meets the example's byte limit: a
         refusal is checked, then the append goes in without the limit (a solo's runs free)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from functools import partial
+from functools import lru_cache, partial
 from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 from kvrows.codec import CodecSpec, PlaneSet, PlaneSpec
@@ -160,6 +160,20 @@ def different_rows_message(owner: str, shapes: object) -> str:
     return f"{owner}.merge_rows: rows of different widths or dtypes ({shapes})"
 
 
+@lru_cache(maxsize=256)
+def _checked_spec(
+    spec: Latent,
+    owner: str,
+    blocks: tuple[tuple[str, tuple[int, ...], str], ...],
+    rows: int | None,
+    known: LatentShapes | None,
+) -> LatentShapes:
+    """``spec.check_blocks``, remembered: a decode step appends blocks of the shapes and
+    dtype of the step before, and the answer depends on those alone (a refusal raises
+    again every time: it is not remembered)."""
+    return spec.check_blocks(owner, blocks, rows, known)
+
+
 def checked_blocks(
     cache: Any,
     blocks: tuple[Any, Any, Any | None],
@@ -210,9 +224,8 @@ def checked_blocks(
     if n < 1 or rows < 1:
         raise InvalidInputError(f"{name}: a block needs at least one row and one token")
     held = cache.batch_size or None
-    learned = spec.check_blocks(
-        name, list(zip((w for w, _ in named), shapes, dtypes, strict=True)), held, known
-    )
+    described = tuple(zip((w for w, _ in named), shapes, dtypes, strict=True))
+    learned = _checked_spec(spec, name, described, held, known)
     if cache.width + n > cache.max_tokens:
         raise CapacityError(
             f"{name}: {n} more tokens exceed max_tokens = {cache.token_geometry.max_tokens} "
@@ -577,9 +590,17 @@ class LatentSurfaceMembers(_LatentLayout):
         return 0 if shapes is None else self.latent_spec.token_bytes(shapes)
 
     def projected_bytes(self, tokens: int) -> int:
-        """Bytes one row of ``tokens`` positions takes (capped at ``max_tokens``)."""
+        """Bytes one row of ``tokens`` positions takes (capped at ``max_tokens``): its
+        stored planes and, for an implementation that keeps one, its decoded window."""
         count = as_count(tokens, "tokens")
-        return min(count, int(min(self.max_tokens, count))) * self.bytes_per_token()
+        per_token = self.bytes_per_token() + self.window_token_bytes()
+        return min(count, int(min(self.max_tokens, count))) * per_token
+
+    def window_token_bytes(self) -> int:
+        """Bytes a decoded window holds per token of a row, beside the stored planes
+        (``spec/EncodedLatentCache.md`` §5): 0 here, no window (the reference assembles
+        its reads from its rows; the optimized encoded latent overrides it)."""
+        return 0
 
     def make_empty_batch(self) -> Any:
         """An empty cache of the same declaration, its shapes learnt."""
@@ -1170,6 +1191,7 @@ class PagedLatentMembers(_LatentLayout):
         def _native(self, array: Any) -> bool: ...
         def _dtype_of(self, array: Any) -> str: ...
         def bytes_per_token(self) -> int: ...
+        def window_token_bytes(self) -> int: ...
         @property
         def max_tokens(self) -> float: ...
         @property
@@ -1325,7 +1347,8 @@ class PagedLatentMembers(_LatentLayout):
         ``max_tokens``)."""
         count = as_count(tokens, "tokens")
         count = int(min(count, self.max_tokens))
-        return math.ceil(count / self.block_size) * self.block_size * self.bytes_per_token()
+        per_token = self.bytes_per_token() + self.window_token_bytes()
+        return math.ceil(count / self.block_size) * self.block_size * per_token
 
     # -- appends and reads ------------------------------------------------------------------
     #: An exhausted pool refuses before any block or table changes: the round stays open,
@@ -1459,7 +1482,7 @@ def due_rows(cache: Any, stages: Sequence[int], offsets: Sequence[int], n: int) 
     that are due to convert once ``n`` more tokens are written (``n = 0``: after the
     append's read; the bf16-first rule, ``Conversion.row_due``)."""
     last = len(cache._stages) - 1
-    if not last:
+    if not last or min(stages, default=last) == last:  # (every row converted: a decode step)
         return []
     rule = cache.conversion_class(cache.latent_codec, cache.start)
     return [

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeGuard
 
 import mlx.core as mx
 
-from kvrows.codec import PlaneSet, as_role
+from kvrows.codec import DTYPE_SIZES, PlaneSet, as_role
 from kvrows.compositions import composition
 from kvrows.errors import InvalidInputError, preview_blocks_message
 from kvrows.latent import (
@@ -28,7 +28,7 @@ from kvrows.optimized.geometries.growing import GrowingGeometry
 from kvrows.optimized.rows import Layout, RowWindow, Store, arrays, mapped, owned
 from kvrows.optimized.speculative import SpeculativeLayout
 
-__all__ = ["EncodedLatentCache", "LatentSurface"]
+__all__ = ["DecodedWindow", "EncodedLatentCache", "LatentSurface", "encodes_latent"]
 
 Planes = tuple[mx.array, ...]
 
@@ -165,21 +165,95 @@ class LatentSurface(_OnRows):
         )
 
 
-def _encodes_latent(codec: object) -> TypeGuard[LatentArrayCodec]:
+def encodes_latent(codec: object) -> TypeGuard[LatentArrayCodec]:
     """Whether ``codec`` (a store's) is a latent codec storing the latent encoded (its
     spec's inner codec encodes: a ``Latent``'s)."""
     inner = getattr(getattr(codec, "spec", None), "inner", None)
     return bool(getattr(inner, "encodes", False))
 
 
-#: An encoded latent's decoded window: the codes plane it mirrors (the encoded store's
-#: first latent plane, by identity: new buffers mean a new window) and the latent decoded
-#: into the activations' dtype, ``[slots, 1, capacity, R]`` at the store's own columns.
-Window = tuple[mx.array, mx.array]
+#: An encoded latent's decoded window: what it mirrors (by identity: the growing
+#: placement's codes plane, new buffers mean a new window; the paged placement's pool) and
+#: the latent decoded into the activations' dtype, ``[slots, 1, capacity, R]``.
+Window = tuple[object, mx.array]
+
+
+class DecodedWindow:
+    """An encoded latent's **decoded window** (``spec/EncodedLatentCache.md`` §5), one
+    mechanism for both placements: a dense ``[slots, 1, capacity, R]`` array of the
+    encoded rows' latent decoded into the activations' dtype, built by the first append
+    after a change dropped it (one decode of every visible column), then extended by each
+    append with its own block's codes decoded (the codecs decode token by token, so the
+    window is bit for bit the decode of the whole codes). Every write and row operation
+    drops it (``_changed``); an append, and each row operation a placement knows how to
+    carry it through, puts it back. The placement says where its columns are
+    (``_window_view``) and records the codes an append writes (``_written``)."""
+
+    #: Reads take the latent from the decoded window (``False``: every read decodes the
+    #: whole latent, the eager path the window replaces; the conformance oracle and the
+    #: benchmarks' baseline).
+    keeps_window: ClassVar[bool] = True
+    _dense_window: Window | None = None
+    #: The encoded latent block an append is writing (its encoded rows', in slot order):
+    #: the placement's write records it, its ``_write_blocks`` decodes it into the window.
+    _written: Planes | None = None
+
+    if TYPE_CHECKING:
+
+        def _shapes(self) -> Any: ...
+        @property
+        def latent_spec(self) -> Any: ...
+
+    def _changed(self) -> None:
+        """Every write and row operation calls it: the window is dropped, and the next
+        append builds it again (an append puts its extended window back, a row operation
+        that can carry it does)."""
+        super()._changed()  # type: ignore[misc]
+        self._dense_window = None
+
+    def _laid_window(
+        self, codec: LatentArrayCodec, codes: Planes, slots: int, start: int, capacity: int
+    ) -> mx.array:
+        """``codes`` (``[rows, 1, columns, ·]``) decoded once into the activations' dtype
+        and laid at columns ``start …`` of a ``[slots, 1, capacity, R]`` window."""
+        decoded = codec.decoded(codes, "latent", self._shapes().dtype)
+        rows, columns = int(decoded.shape[0]), int(decoded.shape[2])
+        pads = [(0, slots - rows), (0, 0), (start, capacity - start - columns), (0, 0)]
+        return mx.pad(decoded, pads)
+
+    @staticmethod
+    def _decode_into(window: mx.array, codec: LatentArrayCodec, written: Planes, stop: int) -> None:
+        """The appended block's codes (``written``: its encoded rows, the window's first
+        slots) decoded into the columns they went to, ending at ``stop``."""
+        rows, n = int(written[0].shape[0]), int(written[0].shape[2])
+        decoded = codec.decode(written, "latent")
+        if decoded.dtype != window.dtype:  # (TurboQuant decodes in float32)
+            decoded = decoded.astype(window.dtype)
+        window[:rows, :, stop - n : stop] = decoded
+
+    def _window_view(self) -> mx.array | None:
+        """The window's visible columns (its encoded rows'), ``None`` while none is held."""
+        raise NotImplementedError
+
+    def window_token_bytes(self) -> int:
+        """The window's bytes per token of a row (``R`` values in the activations' dtype;
+        0 with ``keeps_window`` off or a plain latent): admission projects them beside the
+        codes, since a decoding layout holds both (``nbytes``). A row still warm holds its
+        exact latent instead, as many bytes, so the sum bounds every stage."""
+        shapes = self._shapes()
+        if shapes is None or not self.keeps_window or not self.latent_spec.inner.encodes:
+            return 0
+        return int(shapes.rank * DTYPE_SIZES[shapes.dtype])
+
+    @property
+    def window_nbytes(self) -> int:
+        """Bytes of the decoded window held (0 while none is: before the first append
+        after a row operation that dropped it, or a cache of no encoded row)."""
+        return 0 if self._dense_window is None else int(self._dense_window[1].nbytes)
 
 
 class EncodedLatentCache(
-    EncodedLatentMembers, LatentSurface, SpeculativeLayout, GrowingGeometry, Layout
+    DecodedWindow, EncodedLatentMembers, LatentSurface, SpeculativeLayout, GrowingGeometry, Layout
 ):
     """The latent plane through a codec, rope and index exact, bf16-first per row
     (``spec/EncodedLatentCache.md``): the latent surface on the row machinery, its rows in
@@ -191,18 +265,6 @@ class EncodedLatentCache(
     token, so the window is bit for bit the decode of the whole codes."""
 
     composition = composition("EncodedLatentCache")
-    #: Reads take the latent from the decoded window (``False``: every read decodes the
-    #: whole latent, the eager path the window replaces; the benchmarks' baseline).
-    keeps_window: ClassVar[bool] = True
-    _dense_window: Window | None = None
-
-    def _changed(self) -> None:
-        """Every write and row operation calls it: the window is dropped, and the next
-        append builds it again (an append puts its extended window back, a row operation
-        that can carry it does: ``_write_blocks``, ``_join``, ``_trim_rows``,
-        ``_keep_rows``)."""
-        super()._changed()
-        self._dense_window = None
 
     def _encoded_store(self) -> tuple[LatentArrayCodec, PlaneSet, int] | None:
         """The store whose codec encodes the latent (at most one stage does): its codec,
@@ -218,13 +280,27 @@ class EncodedLatentCache(
         else:
             held = [(s.codec, s.planes, s.rows) for s in self._stores]
         for codec, planes, rows in held:
-            if planes is not None and _encodes_latent(codec):
+            if planes is not None and encodes_latent(codec):
                 return codec, planes, rows
         return None
 
+    def _read(self) -> dict[str, Any]:
+        """The machinery's read; one store of encoded rows with its window held (a decode
+        step's read) takes the latent from the window and views the other planes only
+        (no view of the codes it would not read)."""
+        planes, window = self._planes, self._dense_window
+        if planes is None or window is None or window[0] is not planes["latent"][0]:
+            return super()._read()
+        others = dict(planes)
+        del others["latent"]  # (the window's)
+        plain = self._visible(others)
+        start, rows = self._origin, len(self._offsets)
+        latent = window[1][:rows, :, start : start + self.width]
+        return {"latent": latent, **{t: p[0] for t, p in plain.items()}}
+
     def _fetched(self, codec: Codec, visible: PlaneSet) -> dict[str, Any]:
         latent = visible.get("latent")
-        if not (self.keeps_window and latent is not None and _encodes_latent(codec)):
+        if not (self.keeps_window and latent is not None and encodes_latent(codec)):
             return super()._fetched(codec, visible)
         window = self._window_read(latent)
         # The other tensors are plain: their planes are what a read returns.
@@ -255,10 +331,8 @@ class EncodedLatentCache(
         start, stop = self._origin, self._origin + self.width
         codes = planes["latent"][0]
         latent = tuple(p[:rows, :, start:stop] for p in planes["latent"])
-        decoded = codec.decoded(latent, "latent", shapes.dtype)
         slots, capacity = int(codes.shape[0]), int(codes.shape[2])
-        pads = [(0, slots - rows), (0, 0), (start, capacity - stop), (0, 0)]
-        return codes, mx.pad(decoded, pads)
+        return codes, self._laid_window(codec, latent, slots, start, capacity)
 
     def _write_blocks(self, blocks: dict[str, Any], shapes: Any) -> None:
         """The machinery's write; a window held before it takes the block's codes decoded
@@ -282,25 +356,18 @@ class EncodedLatentCache(
             slots, capacity = int(codes.shape[0]), int(codes.shape[2])
             pads = [(0, slots - rows), (0, 0), (0, capacity - width), (0, 0)]
             window = mx.pad(window[:rows, :, origin : origin + width], pads)
-        stop = self._origin + self.width
-        window[:rows, :, stop - int(written[0].shape[2]) : stop] = codec.decoded(
-            written, "latent", dtype_name(window)
-        )
+        self._decode_into(window, codec, written, self._origin + self.width)
         self._dense_window = (codes, window)
 
-    #: The encoded latent block an append is writing (its encoded rows', in slot order):
-    #: ``_write`` / ``_append_stores`` see it, ``_write_blocks`` decodes it into the window.
-    _written: Planes | None = None
-
     def _write(self, block: PlaneSet, n: int, shapes: Any) -> None:
-        if _encodes_latent(self.codec):
+        if encodes_latent(self.codec):
             self._written = block["latent"]
         super()._write(block, n, shapes)
 
     def _append_stores(self, shares: list[PlaneSet], n: int, geometry: Any) -> None:
         assert self._stores is not None
         for store, share in zip(self._stores, shares, strict=True):
-            if _encodes_latent(store.codec):
+            if encodes_latent(store.codec):
                 self._written = share["latent"]
         super()._append_stores(shares, n, geometry)
 
@@ -391,22 +458,20 @@ class EncodedLatentCache(
         if window.shape[:3] == codes.shape[:3]:
             self._dense_window = (codes, window)
 
-    @property
-    def window_nbytes(self) -> int:
-        """Bytes of the decoded window held (0 while none is: before the first read after
-        a row operation, or a cache of no encoded row)."""
-        return 0 if self._dense_window is None else int(self._dense_window[1].nbytes)
-
     def _held_planes(self) -> tuple[Any, ...]:
         """The stores' planes and the decoded window (``nbytes`` counts both)."""
         held = super()._held_planes()
         return held if self._dense_window is None else (*held, self._dense_window[1])
 
+    def _window_view(self) -> mx.array | None:
+        if self._dense_window is None or (store := self._encoded_store()) is None:
+            return None
+        start, stop = self._origin, self._origin + self.width
+        return self._dense_window[1][: store[2], :, start:stop]
+
     def held_arrays(self) -> tuple[Any, ...]:
         """The columns that hold tokens and, while one is held, the window's (views: an
         evaluation at a chunk boundary evaluates the window too)."""
         held = super().held_arrays()
-        if self._dense_window is None or (store := self._encoded_store()) is None:
-            return held
-        start, stop = self._origin, self._origin + self.width
-        return (*held, self._dense_window[1][: store[2], :, start:stop])
+        view = self._window_view()
+        return held if view is None else (*held, view)

@@ -6,7 +6,7 @@ surface (``optimized/latent.py``) over that placement, its pool a ``BlockPool`` 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -16,7 +16,7 @@ from kvrows.compositions import composition
 from kvrows.errors import InvalidInputError, PoolExhaustedError, preview_blocks_message
 from kvrows.latent import LatentPoolMembers, PagedLatentMembers
 from kvrows.optimized.geometries.chunked import ChunkedSurface
-from kvrows.optimized.latent import LatentSurface
+from kvrows.optimized.latent import DecodedWindow, LatentSurface, encodes_latent
 from kvrows.optimized.paging import (
     BlockPool,
     PagedChunked,
@@ -30,6 +30,7 @@ from kvrows.optimized.paging import (
 from kvrows.optimized.rows import owned
 from kvrows.optimized.speculative import SpeculativeLayout
 from kvrows.paged import AnyCodecParameters
+from kvrows.validation import round_up
 
 __all__ = [
     "BlockPool",
@@ -139,13 +140,113 @@ class LatentBlockPool(LatentPoolMembers, BlockPool):
     latent through ``codec``, rope and index plain; ``spec/PagedLatentCache.md``)."""
 
 
-class PagedLatentCache(PagedLatentMembers, LatentSurface, SpeculativeLayout, PagedLayout):
+class PagedLatentCache(
+    DecodedWindow, PagedLatentMembers, LatentSurface, SpeculativeLayout, PagedLayout
+):
     """MLA latent + rope (+ DSA index) planes in a block pool, ``MLACache``'s rows
     (``spec/PagedLatentCache.md``): the latent surface on the paged placement; an encoded
-    latent's warm rows are a contiguous ``MLACache`` of stage 0 beside the pool."""
+    latent's warm rows are a contiguous ``MLACache`` of stage 0 beside the pool.
+
+    An encoded latent's reads take the pool's rows' latent from the **decoded window**
+    (``DecodedWindow``; spec §7): ``[rows in the pool, 1, capacity, R]`` at the read's
+    own columns (right-justified from column 0), built by the first append after a change
+    dropped it, extended by each append; the pool's gather then reads rope and index
+    only."""
 
     composition = composition("PagedLatentCache")
     pool_class = LatentBlockPool
+
+    # -- the decoded window ---------------------------------------------------------------
+    def _pool_write(
+        self,
+        block: PlaneSet,
+        n: int,
+        geometry: Any,
+        rows: int,
+        pooled: Sequence[int],
+        room: int | None = None,
+    ) -> None:
+        """The placement's; records the encoded latent block its pooled rows append."""
+        if pooled and encodes_latent(self._stages[-1]):
+            self._written = block.get("latent")
+        super()._pool_write(block, n, geometry, rows, pooled, room)
+
+    def _write_blocks(self, blocks: dict[str, Any], shapes: Any) -> None:
+        """The placement's write; a window held before it takes the block's codes decoded
+        at the columns they went to (every row's newest: right-justified rows share the
+        write columns), in a window of more capacity when the width outgrew it (one copy).
+        With none held, the write builds it (the read after it would decode every column
+        anyway)."""
+        kept, self._written = self._dense_window, None
+        pooled = self._split()[0] if self._offsets else None
+        super()._write_blocks(blocks, shapes)
+        written, self._written = self._written, None
+        if not self.keeps_window or not encodes_latent(self._stages[-1]):
+            return
+        rows, stop = self._split()[0], self.width
+        if kept is None or kept[0] is not self._pool or rows != pooled or written is None:
+            self._dense_window = self._built_window(rows)
+            return
+        window = kept[1]
+        if stop > int(window.shape[2]):  # one copy into more columns
+            pads = [(0, 0), (0, 0), (0, round_up(stop + 1) - int(window.shape[2])), (0, 0)]
+            window = mx.pad(window, pads)
+        self._decode_into(window, self._stages[-1], written, stop)
+        self._dense_window = (self._pool, window)
+
+    def _built_window(self, rows: list[int]) -> tuple[object, mx.array] | None:
+        """The pool's rows (``rows``) read from their codes, decoded once and laid from
+        column 0 (``None``: no row in the pool holds a position)."""
+        if not rows or self._pool is None or not any(self._offsets[b] for b in rows):
+            return None
+        codes = self._pool_gather(rows, ("latent",))["latent"]
+        capacity = round_up(self.width + 1)
+        window = self._laid_window(self._stages[-1], codes, len(rows), 0, capacity)
+        return self._pool, window
+
+    def _trim_rows(self, counts: Sequence[int], *, justify: bool = False) -> int:
+        """The placement's. Rows that forget equal counts keep their columns (each row is
+        right-justified to the longest: its first column does not move), so the window
+        is kept; a ragged rollback moves rows' columns, and drops it (the next append
+        builds it again)."""
+        kept = self._dense_window
+        trimmed = super()._trim_rows(counts, justify=justify)
+        if kept is not None and len(set(counts)) == 1:
+            self._dense_window = kept
+        return trimmed
+
+    def _convert_rows(self, rows: Sequence[int]) -> None:
+        """The placement's; rows that move into the pool change the window's rows: it is
+        dropped (the next append builds it again)."""
+        super()._convert_rows(rows)
+        if rows:
+            self._dense_window = None
+
+    def _window_view(self) -> mx.array | None:
+        window = self._dense_window
+        if window is None or window[0] is not self._pool:
+            return None
+        return window[1][:, :, : self.width]
+
+    def _pool_read(self, rows: list[int]) -> dict[str, Any]:
+        """The placement's read of the pool's rows; with a window held, their latent is
+        its columns and the gather reads the other tensors only (plain planes)."""
+        view = self._window_view()
+        if view is None or int(view.shape[0]) != len(rows):
+            return super()._pool_read(rows)
+        others: Collection[str] = ("rope", "index")
+        gathered = self._pool_gather(rows, others)
+        return {"latent": view, **{t: p[0] for t, p in gathered.items()}}
+
+    @property
+    def nbytes(self) -> int:
+        """The placement's (blocks held, the rows beside the pool) and the window."""
+        return int(super().nbytes) + self.window_nbytes
+
+    @property
+    def beside_nbytes(self) -> int:
+        """The placement's bytes beside the pool, and the window."""
+        return int(super().beside_nbytes) + self.window_nbytes
 
     def register_prefix(self, row: int, token_ids: Sequence[int]) -> int:
         """Refused in a round: the row's newest positions are unverified drafts."""
@@ -153,7 +254,9 @@ class PagedLatentCache(PagedLatentMembers, LatentSurface, SpeculativeLayout, Pag
         return super().register_prefix(row, token_ids)
 
     def held_arrays(self) -> tuple[Any, ...]:
-        return PagedLayout.held_arrays(self)
+        held = PagedLayout.held_arrays(self)
+        view = self._window_view()
+        return held if view is None else (*held, view)
 
     def _gathered(self) -> PlaneSet:
         """Every row's planes as the pool's codec stores them, right-justified (a row

@@ -33,7 +33,7 @@ import functools
 import itertools
 import math
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, ClassVar, cast
 
 import mlx.core as mx
@@ -578,17 +578,24 @@ class BlockPool(PoolBase):
 
     # -- reads ---------------------------------------------------------------------------
     def gather(
-        self, tables: Sequence[Table], held: Sequence[Runs], pads: Sequence[int], width: int
+        self,
+        tables: Sequence[Table],
+        held: Sequence[Runs],
+        pads: Sequence[int],
+        width: int,
+        tensors: Collection[str] | None = None,
     ) -> PlaneSet:
-        """Each tensor's planes ``[B, H, width, ·]``: row ``b``'s held positions
-        (``held[b]``, runs ``(first, count)`` oldest first: a growing row's every position,
-        a ring's sinks and newest; its ``FREE`` blocks hold none and are never read), read
-        from its blocks one after another from column ``pads[b]``, zeros elsewhere; owned
-        arrays."""
+        """Each tensor's planes ``[B, H, width, ·]`` (of ``tensors`` only, when given):
+        row ``b``'s held positions (``held[b]``, runs ``(first, count)`` oldest first: a
+        growing row's every position, a ring's sinks and newest; its ``FREE`` blocks hold
+        none and are never read), read from its blocks one after another from column
+        ``pads[b]``, zeros elsewhere; owned arrays."""
         rows = list(zip(tables, held, strict=True))
         planes = self._planes
         if not planes and self._geometry is not None:  # no block yet: every row reads zeros
             planes = zero_planes(self.codec, self._geometry, 0, self.block_size)
+        if tensors is not None:
+            planes = {t: p for t, p in planes.items() if t in tensors}
         if not planes:
             return {}
         # Every tensor's planes in one gather: the rows' sources are computed once.
@@ -744,10 +751,12 @@ class PagedRows(PagedSurface, Storage):
             for t, x in parts[0].items()
         }  # fmt: skip
 
-    def _pool_gather(self, rows: Sequence[int]) -> PlaneSet:
+    def _pool_gather(self, rows: Sequence[int], tensors: Collection[str] | None = None) -> PlaneSet:
         """Rows ``rows`` read from the pool at the placement's columns (``_pads``: growing
-        rows right-aligned to the longest row of all, beside the pool or not)."""
-        return self._gather(rows, [self._holds(b) for b in rows], [self._pads[b] for b in rows])
+        rows right-aligned to the longest row of all, beside the pool or not); ``tensors``:
+        those only (default every one)."""
+        held, pads = [self._holds(b) for b in rows], [self._pads[b] for b in rows]
+        return self._gather(rows, held, pads, tensors)
 
     def _restaged(self) -> None:
         """The rows changed: ``codec`` is the newest stage's any row is in."""
@@ -896,6 +905,12 @@ class PagedRows(PagedSurface, Storage):
             return beside
         return sum(len(_live(t)) for t in self._tables) * self._pool.bytes_per_block + beside
 
+    @property
+    def beside_nbytes(self) -> int:
+        """Bytes this cache holds outside the pool (the contiguous layout beside it): what
+        an engine adds to its pools' bytes."""
+        return 0 if self._contiguous is None else int(self._contiguous.nbytes)
+
     def held_arrays(self) -> tuple[Any, ...]:
         near = () if self._contiguous is None else tuple(self._contiguous.held_arrays())
         return near if self._pool is None else self._pool.held_arrays() + near
@@ -1026,15 +1041,22 @@ class PagedRows(PagedSurface, Storage):
         return True
 
     # -- reads: gathered from the pool, one path for every geometry ----------------------
-    def _gather(self, rows: Sequence[int], held: Sequence[Lent], pads: Sequence[int]) -> PlaneSet:
+    def _gather(
+        self,
+        rows: Sequence[int],
+        held: Sequence[Lent],
+        pads: Sequence[int],
+        tensors: Collection[str] | None = None,
+    ) -> PlaneSet:
         """Rows ``rows`` holding ``held`` each (``(offset, count, sinks)``: the geometry's
         positions, ``_holds`` / ``_lent``) read from their blocks in time order, row ``b``
         from column ``pads[b]``, ``max(pads[b] + count)`` columns (the one gather every
-        read of the placement goes through)."""
+        read of the placement goes through; ``tensors``: those only)."""
         assert self._pool is not None
         width = max((p + count for p, (_, count, _) in zip(pads, held, strict=True)), default=0)
         tables = [self._tables[b] for b in rows]
-        return self._pool.gather(tables, [position_runs(*h) for h in held], pads, width)
+        runs = [position_runs(*h) for h in held]
+        return self._pool.gather(tables, runs, pads, width, tensors)
 
     def _gathered(self) -> PlaneSet:
         """Every row's held positions at the placement's columns (growing rows
@@ -1051,12 +1073,14 @@ class PagedRows(PagedSurface, Storage):
         the pool read from the contiguous layout, each row then in batch order."""
         if self._pool is None or not self._tables or not any(self._offsets):
             raise LayoutStateError(NOTHING_TO_FETCH)
-        codec, width = self._stages[-1], max(self._offsets)
+        width = max(self._offsets)
+        return self._stacked(self._pool_read, lambda rows: self._beside_read(rows, width))
 
-        def pooled(rows: list[int]) -> dict[str, Any]:
-            return {t: codec.fetched(p, as_role(t)) for t, p in self._pool_gather(rows).items()}
-
-        return self._stacked(pooled, lambda rows: self._beside_read(rows, width))
+    def _pool_read(self, rows: list[int]) -> dict[str, Any]:
+        """The rows in the pool (``rows``, in batch order), each tensor gathered at the
+        placement's columns in the pool codec's fetched form."""
+        codec = self._stages[-1]
+        return {t: codec.fetched(p, as_role(t)) for t, p in self._pool_gather(rows).items()}
 
     def _beside_read(self, rows: Sequence[int], width: int) -> dict[str, Any]:
         """The rows beside the pool (``rows``) as stage 0 reads them, right-justified in

@@ -16,12 +16,15 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 from array_helpers import NP_DTYPES, to_mx, to_np
+from dispatch_helpers import CallLog
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrows.affine_geometry import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
+from kvrows.codecs import Affine
 from kvrows.errors import InvalidInputError
 from kvrows.optimized import affine_codec as opt
+from kvrows.optimized.codecs import affine
 from kvrows.reference import affine_codec as ref
 
 KINDS = ("normal", "offset", "constant", "zeros", "huge", "tiny", "special", "ties", "bits")
@@ -163,6 +166,39 @@ def test_reference_matches_mlx_bit_for_bit(case: tuple[npt.NDArray[Any], str, in
     assert deq.dtype == NP_DTYPES[dtype]
     assert deq.shape == x.shape
     assert raw(deq) == raw(mx_deq)
+
+
+@settings(max_examples=200, deadline=None)
+@given(cases())
+def test_byte_decode_matches_mlx_dequantize_bit_for_bit(
+    case: tuple[npt.NDArray[Any], str, int, int],
+) -> None:
+    """The CPU decode of byte-filling widths (``affine.byte_decoded``) returns the raw bytes
+    ``mx.dequantize`` does (NaN patterns and signed zeros included); other widths are not
+    its to decode."""
+    x, _, group_size, bits = case
+    xm = to_mx(x if x.ndim > 1 else x[None])
+    packed, scales, biases = mx.quantize(xm, group_size=group_size, bits=bits, mode="affine")
+    want = mx.dequantize(packed, scales, biases, group_size=group_size, bits=bits, mode="affine")
+    if bits not in affine.BYTE_WIDTHS:
+        return
+    got = affine.byte_decoded(packed, scales, biases, group_size, bits)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert raw(to_np(got)) == raw(to_np(want))
+
+
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_the_cpu_decode_takes_the_byte_path(bits: int, call_log: CallLog) -> None:
+    """Dispatch: on the CPU, ``AffineCodec.decode`` of 2, 4 and 8 bits goes through
+    ``byte_decoded``; 3, 5 and 6 bits (codes straddling bytes) through ``mx.dequantize``."""
+    call_log.watch(affine, "byte_decoded")
+    codec = affine.AffineCodec(Affine(bits=bits, group_size=64))
+    x = mx.random.normal((2, 1, 3, 128), key=mx.random.key(bits)).astype(mx.bfloat16)
+    packed, scales, biases = planes = codec.encode(x)
+    got = codec.decode(planes)
+    want = mx.dequantize(packed, scales, biases, group_size=64, bits=bits, mode="affine")
+    assert call_log.names == (["byte_decoded"] if bits in (2, 4, 8) else [])
+    assert raw(to_np(got)) == raw(to_np(want))
 
 
 @settings(max_examples=60, deadline=None)

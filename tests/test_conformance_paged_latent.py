@@ -69,6 +69,9 @@ def test_paged_latent_family() -> None:
     kinds = {v.split()[0].split(":")[0] for v in stats.variants}
     assert kinds == {"plain", "affine", "turbo", "mxfp4", "nvfp4"}  # every codec family drawn
     assert stats.checks["mixed conversion"] > 0
+    # an encoded latent's decoded window and the eager path it replaces (optimized reads)
+    encoded = [v for v in stats.variants if not v.startswith("plain")]
+    assert {v.endswith(" eager") for v in encoded} == {True, False}
     # Byte-limited pools: appends were refused alike, with nothing changed.
     assert stats.checks["exhaustion refused"] > 0, dict(stats.checks)
 
@@ -83,3 +86,19 @@ class ForgetsTheTailBlock(opt.PagedLatentCache):
 
 def test_the_paged_latent_machine_catches_a_leaky_rollback() -> None:
     caught("PagedLatentCache", ForgetsTheTailBlock, 12, family_name=FAMILY.name)
+
+
+class KeepsTheWindowThroughRaggedRollbacks(opt.PagedLatentCache):
+    """A window kept through every rollback, as it may be through one of equal counts: a
+    ragged rollback moves the rows' columns (each right-justified to the longest), and the
+    window's columns go stale."""
+
+    def _trim_rows(self, counts: Sequence[int], *, justify: bool = False) -> int:
+        kept = self._dense_window
+        trimmed = super()._trim_rows(counts, justify=justify)
+        self._dense_window = kept  # MUTATION: whatever the counts
+        return trimmed
+
+
+def test_the_paged_latent_machine_catches_a_stale_window() -> None:
+    caught("PagedLatentCache", KeepsTheWindowThroughRaggedRollbacks, 12, family_name=FAMILY.name)

@@ -248,7 +248,9 @@ def test_the_mla_demo_runs_paged(
         assert hits > 0 and row[-2] == f"0/{generated}" and row[-1] == "PASS"
         assert float(row[-3]) < 1e-5
     assert rows[0][-4] == "same"
-    assert [int(row[6]) for row in rows] == [448, 240]  # B/token/layer: a block's share
+    # B/token/layer, a block's share: admission's, the encoded latent's decoded window
+    # (64 float32 values per token) beside its codes
+    assert [int(row[6]) for row in rows] == [448, 240 + 64 * 4]
     called: list[dict[str, Any]] = []
 
     def record(**options: Any) -> int:

@@ -79,10 +79,11 @@ def test_bytes_table() -> None:
     assert per_token(Affine(bits=4, group_size=64)) == 416
     assert per_token(Turbo(k_bits=8, v_bits=4)) == 416
     assert per_token(Turbo(k_bits=8, v_bits=3)) == 352
-    # a cache reports the same, and bills it per projected token
+    # a cache reports the same, and bills it per projected token with its decoded window
+    # (512 bf16 values per token, spec §5) beside it
     cache = opt.EncodedLatentCache(512, 64, codec=Affine(bits=8, group_size=128))
     cache.append(mx.zeros((1, 1, 1, 512), mx.bfloat16), mx.zeros((1, 1, 1, 64), mx.bfloat16))
-    assert cache.bytes_per_token() == 656 and cache.projected_bytes(10) == 6560
+    assert cache.bytes_per_token() == 656 and cache.projected_bytes(10) == 10 * (656 + 1024)
 
 
 @pytest.mark.parametrize("impl", [ref, opt], ids=["reference", "optimized"])
@@ -322,7 +323,8 @@ def test_reads_and_states_never_change_later(codec: Any) -> None:
 
 def test_row_admission_over_latent_layers() -> None:
     """The seed's rowAdmission: bytes add over layers (the spec page's 1,152 + 656 per token
-    at DeepSeek-V3's geometry) and the context bound is the smallest max_tokens."""
+    at DeepSeek-V3's geometry, the encoded layer's decoded window's 1,024 beside its codes)
+    and the context bound is the smallest max_tokens."""
     from kvrows.table import row_admission
 
     bf16 = mx.bfloat16
@@ -332,5 +334,5 @@ def test_row_admission_over_latent_layers() -> None:
         cache.update_and_fetch(mx.zeros((1, 1, 3, 512), bf16), mx.zeros((1, 1, 3, 64), bf16))
     admission = row_admission([plain, encoded])
     assert admission is not None
-    assert admission.bytes(10) == 10 * (1152 + 656)
+    assert admission.bytes(10) == 10 * (1152 + 656 + 1024)
     assert admission.max_tokens == 4096

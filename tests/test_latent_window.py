@@ -9,6 +9,7 @@ decode calls (a dispatch test: which columns each decode read).
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -347,3 +348,199 @@ def test_the_window_counts_in_nbytes() -> None:
     assert layout.nbytes == eager.nbytes + layout.window_nbytes
     assert eager.window_nbytes == 0
     assert len(layout.held_arrays()) == len(eager.held_arrays()) + 1  # the window's columns
+
+
+@pytest.mark.parametrize("start", [0, 100], ids=["converted", "warm"])
+def test_projected_bytes_count_the_window(start: int) -> None:
+    """Admission's projection counts what a decoding layout holds: the codes and the
+    window, ``R`` values of the activations' dtype per token beside them. Measured
+    against ``nbytes`` (every slot's ``capacity`` columns) and against MLX's active
+    memory, which the step that builds the window grows by the window's bytes. A row
+    still warm (``start`` not reached) holds its exact latent instead: at most as much."""
+    codec = Affine(bits=8, group_size=64)
+    layout, eager = (
+        _layout(cls, codec, start, ((1, 9), (2, 4))) for cls in (opt.EncodedLatentCache, Eager)
+    )
+    block = _mlx(_blocks(2, 1, 5))
+    mx.eval(*block, *layout.held_arrays())
+    gc.collect()  # (the merged rows' buffers go)
+    before = mx.get_active_memory()
+    mx.eval(layout.update_and_fetch(*block), layout.held_arrays())
+    grown = mx.get_active_memory() - before
+    eager.update_and_fetch(*block)
+    per_column = layout.slots * layout.capacity  # what ``nbytes`` counts: every column
+    assert layout.window_token_bytes() == RANK * 2 and eager.window_token_bytes() == 0
+    assert layout.projected_bytes(3) == 3 * (layout.bytes_per_token() + RANK * 2)
+    assert eager.projected_bytes(3) == 3 * eager.bytes_per_token()
+    if start == 0:
+        assert layout.nbytes == per_column * layout.projected_bytes(1)
+        assert eager.nbytes == per_column * eager.projected_bytes(1)
+        assert grown >= per_column * layout.window_token_bytes() == layout.window_nbytes
+    else:  # the exact latent, no window, no codes yet
+        assert layout.window_nbytes == 0 and not any(layout.converted)
+        assert layout.nbytes <= per_column * layout.projected_bytes(1)
+    # the reference holds no window: its projection is its rows' planes
+    reference = ref.EncodedLatentCache(codec=codec)
+    reference.update_and_fetch(*_as_bf16(_blocks(1, 4, 1)))
+    assert reference.window_token_bytes() == 0
+    assert reference.projected_bytes(4) == reference.nbytes == 4 * reference.bytes_per_token()
+
+
+def test_admission_projects_the_window() -> None:
+    """``table.row_admission`` over a windowed encoded latent bills codes and window per
+    token (DeepSeek-V3's 512 + 64 bf16, affine 8-bit group 128: 656 + 1,024)."""
+    from kvrows.table import row_admission
+
+    bf16 = mx.bfloat16
+    encoded = opt.EncodedLatentCache(512, 64, codec=Affine(bits=8, group_size=128))
+    encoded.update_and_fetch(mx.zeros((1, 1, 3, 512), bf16), mx.zeros((1, 1, 3, 64), bf16))
+    admission = row_admission([encoded])
+    assert admission is not None
+    assert admission.bytes(10) == admission.most_bytes(10) == 10 * (656 + 1024)
+
+
+# -- the paged placement: the same window over the pool's rows (``PagedLatentCache``) ---
+
+
+class PagedEager(opt.PagedLatentCache):
+    """The paged eager path: every read gathers and decodes the whole latent."""
+
+    keeps_window = False
+
+
+def _paged(cls: type, codec: CodecSpec, start: int, sizes: tuple[tuple[int, int], ...]) -> Any:
+    """Rows of ``sizes`` in one pool of 4-token blocks, merged (by reference)."""
+    pool = opt.LatentBlockPool(codec, block_size=4)
+    rows = []
+    for seed, n in sizes:
+        cache = cls(codec=codec, start=start, pool=pool)
+        cache.update_and_fetch(*_mlx(_blocks(1, n, seed)))
+        rows.append(cache)
+    layout = rows[0].make_empty_batch()
+    layout.merge_rows(rows)
+    return layout
+
+
+def _latent_decodes(call_log: CallLog) -> list[tuple[int, int]]:
+    """``(rows, columns)`` of each latent decode logged (encoded planes: more than one)."""
+    latent = [args[1] for _, args in call_log.calls if args[2:3] in ((), ("latent",))]
+    return [(int(p[0].shape[0]), int(p[0].shape[2])) for p in latent if len(p) > 1]
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.key)
+def test_a_paged_decode_step_decodes_only_its_own_columns(
+    codec: CodecSpec, call_log: CallLog
+) -> None:
+    """The paged dispatch test: after the append that builds the window (one decode of
+    every column), each append + read decodes its own column and gathers no latent code
+    from the pool (rope only); the eager path gathers and decodes every column at every
+    read. Both read the same bytes, through a step that outgrows the window's columns."""
+    call_log.watch(LatentArrayCodec, "decode")
+    call_log.watch(opt.LatentBlockPool, "gather")
+    layouts = [
+        _paged(cls, codec, 0, ((1, 9), (2, 4))) for cls in (opt.PagedLatentCache, PagedEager)
+    ]
+    decodes: dict[str, list[list[tuple[int, int]]]] = {}
+    gathered: dict[str, list[set[str]]] = {}
+    for name, layout in zip(("window", "eager"), layouts, strict=True):
+        decodes[name], gathered[name] = [], []
+        for step in range(4):
+            del call_log.calls[:]
+            layout.update_and_fetch(*_mlx(_blocks(2, 1, 10 + step)))
+            decodes[name].append(_latent_decodes(call_log))
+            # the tensors each gather read (``tensors``, its sixth argument: all by default)
+            calls = [args for n, args in call_log.calls if n == "gather"]
+            asked = [a[5] if len(a) > 5 and a[5] else ("all",) for a in calls]
+            gathered[name].append({str(t) for tensors in asked for t in tensors})
+    assert decodes["window"] == [[(2, 10)], [(2, 1)], [(2, 1)], [(2, 1)]]
+    assert decodes["eager"] == [[(2, 10)], [(2, 11)], [(2, 12)], [(2, 13)]]
+    # the build gathers the codes once; every read, the first's too, the rest only
+    assert gathered["window"] == [{"latent", "rope", "index"}] + [{"rope", "index"}] * 3
+    assert gathered["eager"] == [{"all"}] * 4
+    assert _same([_read(layouts[0])], [_read(layouts[1])])
+    assert layouts[0].window_nbytes > 0 and layouts[1].window_nbytes == 0
+    for layout in layouts:  # past the window's 256 columns: one copy into more
+        layout.update_and_fetch(*_mlx(_blocks(2, 250, 20)))
+        layout.update_and_fetch(*_mlx(_blocks(2, 1, 21)))
+    assert layouts[0].window_nbytes == 2 * 512 * RANK * 2
+    assert _same([_read(layouts[0])], [_read(layouts[1])])
+
+
+PAGED_OPERATIONS: dict[str, Callable[[Any], Any]] = {
+    "trim-equal": lambda layout: layout.trim_rows([2, 2]),
+    "trim-ragged": lambda layout: layout.trim_rows([3, 1]),
+    "filter-reorder": lambda layout: layout.filter_rows([1, 0]),
+    "filter": lambda layout: layout.filter_rows([1]),
+    "join": lambda layout: layout.merge_rows(
+        [_paged(type(layout), CODECS[0], layout.start, ((5, 6),))]
+    ),
+}
+
+
+@pytest.mark.parametrize("start", [0, 12], ids=["converted", "converting"])
+@pytest.mark.parametrize("operation", list(PAGED_OPERATIONS))
+def test_the_paged_window_follows_every_row_operation(
+    operation: str, start: int, call_log: CallLog
+) -> None:
+    """After each row operation the paged window reads what the eager path reads, byte
+    for byte, through three more steps (``start`` 12: rows convert on the way, moving
+    into the pool); rows that forget equal counts keep it (the next step decodes its own
+    column only), every other operation drops it (the next step decodes every column)."""
+    call_log.watch(LatentArrayCodec, "decode")
+    codec = CODECS[0]
+    reads = []
+    for cls in (opt.PagedLatentCache, PagedEager):
+        layout = _paged(cls, codec, start, ((1, 9), (2, 4)))
+        for step in range(2):
+            layout.update_and_fetch(*_mlx(_blocks(2, 1, 10 + step)))
+        PAGED_OPERATIONS[operation](layout)
+        got = [_read(layout)]
+        del call_log.calls[:]
+        for step in range(3):
+            layout.update_and_fetch(*_mlx(_blocks(layout.batch_size, 1, 20 + step)))
+            got.append(_read(layout))
+            if step == 0 and cls is opt.PagedLatentCache and start == 0:
+                columns = [n for _, n in _latent_decodes(call_log)]
+                assert columns == ([1] if operation == "trim-equal" else [layout.width])
+        reads.append(got)
+    assert _same(reads[0], reads[1])
+
+
+def test_a_paged_window_kept_through_a_ragged_rollback_would_go_stale(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The teeth of the test above: a window kept whatever the counts reads stale columns
+    after a ragged rollback (the rows' columns moved)."""
+    original = opt.PagedLatentCache._trim_rows
+
+    def keeps(self: Any, counts: Any, *, justify: bool = False) -> int:
+        kept = self._dense_window
+        trimmed = original(self, counts, justify=justify)
+        self._dense_window = kept
+        return trimmed
+
+    monkeypatch.setattr(opt.PagedLatentCache, "_trim_rows", keeps)
+    reads = []
+    for cls in (opt.PagedLatentCache, PagedEager):
+        layout = _paged(cls, CODECS[0], 0, ((1, 9), (2, 4)))
+        layout.update_and_fetch(*_mlx(_blocks(2, 1, 10)))
+        PAGED_OPERATIONS["trim-ragged"](layout)
+        layout.update_and_fetch(*_mlx(_blocks(2, 1, 11)))
+        reads.append([_read(layout)])
+    assert not _same(reads[0], reads[1])
+
+
+def test_the_paged_window_counts_in_nbytes_and_the_projection() -> None:
+    """A paged layout holding a window: ``nbytes`` is its blocks and the window
+    (``beside_nbytes``, what an engine adds to its pools: the window alone here), and its
+    projection bills the window's ``R`` values per token beside the codes' whole blocks."""
+    layout, eager = (
+        _paged(cls, CODECS[0], 0, ((1, 9), (2, 4))) for cls in (opt.PagedLatentCache, PagedEager)
+    )
+    for cache in (layout, eager):
+        cache.update_and_fetch(*_mlx(_blocks(2, 1, 5)))
+    assert layout.window_nbytes == 2 * 256 * RANK * 2  # two rows, 256 columns, bf16
+    assert layout.nbytes == eager.nbytes + layout.window_nbytes
+    assert layout.beside_nbytes == layout.window_nbytes and eager.beside_nbytes == 0
+    assert layout.projected_bytes(5) == 8 * (layout.bytes_per_token() + RANK * 2)
+    assert eager.projected_bytes(5) == 8 * eager.bytes_per_token()  # two 4-token blocks

@@ -16,7 +16,13 @@ request of ``L / 2`` tokens joining into a free slot with the step after it (``j
 the window decodes the joining row alone).
 
 Run: ``.venv/bin/python tools/latent_decode.py [B,L ...]`` (default: 4,1024 16,1024
-4,4096 16,4096); milliseconds.
+4,4096 16,4096); milliseconds. ``--paged``: the same steps of ``PagedLatentCache`` (affine
+8-bit, group 64, 16-token blocks, one pool) reading through its decoded window and the
+eager way (``spec/PagedLatentCache.md`` §7), beside ``MLACache``. ``--ab``: ``mla`` and
+``window`` only, 6 interleaved runs of 25 steps, each step's median and 10th percentile
+(microseconds): for two checkouts compared in alternating processes on a shared CPU,
+where a median alone moves with the load (run the tool with ``PYTHONPATH`` at the other
+checkout's package to measure its classes).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvrows.optimized import EncodedLatentCache, MLACache
+from kvrows.optimized import EncodedLatentCache, LatentBlockPool, MLACache, PagedLatentCache
 from kvrows.schemes import Affine
 
 RANK, ROPE = 512, 64
@@ -43,28 +49,44 @@ class EagerLatentCache(EncodedLatentCache):
     keeps_window = False
 
 
+class EagerPagedLatentCache(PagedLatentCache):
+    """The paged eager path: every read gathers and decodes the whole latent."""
+
+    keeps_window = False
+
+
 IMPLEMENTATIONS: dict[str, Any] = {
     "mla": MLACache,
     "window": EncodedLatentCache,
     "eager": EagerLatentCache,
 }
+PAGED: dict[str, Any] = {
+    "mla": MLACache,
+    "paged window": PagedLatentCache,
+    "paged eager": EagerPagedLatentCache,
+}
 
 
-def _row(cls: Any, tokens: int, seed: int) -> Any:
-    """One request's cache of ``tokens`` prompt tokens."""
+def _row(cls: Any, tokens: int, seed: int, pool: Any = None) -> Any:
+    """One request's cache of ``tokens`` prompt tokens (a paged one in ``pool``)."""
     key = mx.random.key(seed)
     latent = mx.random.normal((1, 1, tokens, RANK), key=key).astype(mx.bfloat16)
     rope = mx.random.normal((1, 1, tokens, ROPE), key=key).astype(mx.bfloat16)
-    cache = cls() if cls is MLACache else cls(codec=CODEC)
+    if cls is MLACache:
+        cache = cls()
+    else:
+        cache = cls(codec=CODEC) if pool is None else cls(codec=CODEC, pool=pool)
     cache.update_and_fetch(latent, rope)
     mx.eval(cache.held_arrays())
     return cache
 
 
 def _layout(cls: Any, batch: int, tokens: int) -> Any:
-    """``batch`` rows of lengths ``tokens`` down to ``tokens / 2``, merged."""
+    """``batch`` rows of lengths ``tokens`` down to ``tokens / 2``, merged (paged: in one
+    pool, by reference)."""
+    pool = LatentBlockPool(CODEC, block_size=16) if issubclass(cls, PagedLatentCache) else None
     lengths = [tokens - (tokens // 2) * b // max(1, batch - 1) for b in range(batch)]
-    rows = [_row(cls, n, b) for b, n in enumerate(lengths)]
+    rows = [_row(cls, n, b, pool) for b, n in enumerate(lengths)]
     layout = rows[0].make_empty_batch()
     layout.merge_rows(rows)
     mx.eval(layout.held_arrays())
@@ -99,8 +121,10 @@ def _join(layout: Any, row: Any) -> float:
     return 1e3 * (time.perf_counter() - start) + _step(layout)
 
 
-def measure(batch: int, tokens: int) -> dict[str, dict[str, float]]:
-    layouts = {name: _layout(cls, batch, tokens) for name, cls in IMPLEMENTATIONS.items()}
+def measure(
+    batch: int, tokens: int, implementations: dict[str, Any] = IMPLEMENTATIONS
+) -> dict[str, dict[str, float]]:
+    layouts = {name: _layout(cls, batch, tokens) for name, cls in implementations.items()}
     figures: dict[str, dict[str, float]] = {name: {} for name in layouts}
     for name, layout in layouts.items():
         figures[name]["after merge"] = _step(layout)
@@ -108,8 +132,11 @@ def measure(batch: int, tokens: int) -> dict[str, dict[str, float]]:
     for _ in range(RUNS):
         for name, layout in layouts.items():
             runs[name].append(statistics.median(_step(layout) for _ in range(STEPS)))
-    for name, layout in layouts.items():
+    for name in layouts:
         figures[name]["step"] = statistics.median(runs[name])
+    if implementations is PAGED:  # (no buffers to outgrow; joins: the paged tools')
+        return figures
+    for name, layout in layouts.items():
         figures[name]["grow"] = _grow(layout)
         figures[name]["join"] = _join(layout, _row(IMPLEMENTATIONS[name], tokens // 2, batch))
     return figures
@@ -120,7 +147,15 @@ def _each(figures: dict[str, dict[str, float]], what: str) -> str:
 
 
 def main() -> None:
-    shapes = [tuple(int(x) for x in arg.split(",")) for arg in sys.argv[1:]] or list(SHAPES)
+    flags = {arg for arg in sys.argv[1:] if arg.startswith("--")}
+    args = [arg for arg in sys.argv[1:] if arg not in flags]
+    shapes = [tuple(int(x) for x in arg.split(",")) for arg in args] or list(SHAPES)
+    if "--ab" in flags:
+        ab(shapes)
+        return
+    if "--paged" in flags:
+        paged(shapes)
+        return
     print(
         "| B | L | step: mla | window | eager | window / mla | eager / mla "
         "| after merge: mla / window / eager | grow | join + step |"
@@ -134,6 +169,37 @@ def main() -> None:
                 f"| {batch} | {tokens} | {mla:.2f} | {window:.2f} | {eager:.1f} "
                 f"| {window / mla:.2f}x | {eager / mla:.0f}x | {_each(f, 'after merge')} "
                 f"| {_each(f, 'grow')} | {_each(f, 'join')} |",
+                flush=True,
+            )
+
+
+def ab(shapes: list[tuple[int, ...]]) -> None:
+    pair = {name: IMPLEMENTATIONS[name] for name in ("mla", "window")}
+    with mx.stream(mx.cpu):
+        for batch, tokens in shapes:
+            layouts = {name: _layout(cls, batch, tokens) for name, cls in pair.items()}
+            times: dict[str, list[float]] = {name: [] for name in layouts}
+            for run in range(7):  # (the first run warms up)
+                for name, layout in layouts.items():
+                    steps = [_step(layout) for _ in range(25)]
+                    times[name] += steps if run else []
+            cells = [
+                f"{name} {1e3 * statistics.median(t):.0f} / {1e3 * sorted(t)[len(t) // 10]:.0f} us"
+                for name, t in times.items()
+            ]
+            print(f"B={batch} L={tokens}: " + ", ".join(cells), flush=True)
+
+
+def paged(shapes: list[tuple[int, ...]]) -> None:
+    print("| B | L | step: mla | paged window | paged eager | window / mla | eager / window |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    with mx.stream(mx.cpu):
+        for batch, tokens in shapes:
+            f = measure(batch, tokens, PAGED)
+            mla, window, eager = (f[n]["step"] for n in PAGED)
+            print(
+                f"| {batch} | {tokens} | {mla:.2f} | {window:.2f} | {eager:.1f} "
+                f"| {window / mla:.1f}x | {eager / window:.1f}x |",
                 flush=True,
             )
 
