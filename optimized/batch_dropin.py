@@ -334,6 +334,9 @@ class LayoutBatchOps(_LayoutBase):
         return _Plan(front, real, tail)
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        # A decode step: no run and no pending pad (``_padded`` without its calls).
+        if self._run is None and not any(self._pending_pads):
+            return super().update_and_fetch(keys, values)
         if not self._offsets or not self._padded():
             return super().update_and_fetch(keys, values)
         shape = keys.shape if isinstance(keys, mx.array) else ()
@@ -367,10 +370,10 @@ class LayoutBatchOps(_LayoutBase):
     def make_mask(
         self, n: int, *, return_array: bool = False, window_size: int | None = None
     ) -> Mask:
-        lead = self._leads()
         count = as_count(n, "n", minimum=1)
-        if count == 1 or not any(lead):
+        if count == 1 or not any(self._leads()):
             return super().make_mask(count, return_array=return_array, window_size=window_size)
+        lead = self._leads()
         # Hide the block's left pads from every query. With the plain codec a pad query
         # then sees nothing, as in mlx-lm (MLX's fused attention answers such a row with
         # finite values, discarded anyway); the affine codec's attention is a softmax over

@@ -35,7 +35,7 @@ from typing import Any, ClassVar, TypeAlias, TypeVar, cast
 import mlx.core as mx
 import numpy as np
 
-from kvrows.codec import KV_TENSORS, PlaneSet, as_role
+from kvrows.codec import KV_TENSORS, PlaneSet, Role, as_role
 from kvrows.codecs import CODECS
 from kvrows.common import (
     ComposedIdentity,
@@ -67,7 +67,6 @@ from kvrows.errors import (
     trim_past_row_message,
 )
 from kvrows.optimized.codecs import Codec, Planes, dtype_name, make_codec
-from kvrows.optimized.codecs.common import float_dtype_name
 from kvrows.protocols import Cache, Mask, RowSource
 from kvrows.schemes import CodecSpec, GeometrySpec
 from kvrows.validation import (
@@ -78,6 +77,7 @@ from kvrows.validation import (
     check_row,
     check_window,
     common_geometry,
+    round_up,
 )
 
 __all__ = [
@@ -112,6 +112,9 @@ LayoutImage: TypeAlias = tuple[dict[str, Any], list[int], PlaneSet | None]
 TOKEN_AXIS = 2
 
 _S = TypeVar("_S", bound="Storage")
+
+#: The tensors of a KV block, by name (a decode step builds its block dict from them).
+_KEYS, _VALUES = KV_TENSORS
 
 #: Every public storage class, by composition name (filled by ``Storage.__init_subclass__``;
 #: ``kvrows.optimized.declared_classes()`` adds the delayed layouts, built on two of them).
@@ -341,6 +344,8 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         self._geometry = geometry
         self._pads_of: list[int] | None = None  # the pads list ``_pads_array`` copies
         self._pads_array: mx.array | None = None
+        #: ``(pads list, pad test)``: what ``_pad_columns`` slices, while the pads stay.
+        self._pad_test: tuple[list[int], mx.array] | None = None
         self._clear()
 
     # -- stages (the delayed modifier's array hooks, contract §0.5) ---------------------------
@@ -729,6 +734,17 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             self._pads_of, self._pads_array = self._pads, mx.array(self._pads)
         return self._pads_array
 
+    def _pad_columns(self, columns: int) -> mx.array:
+        """Whether each of the first ``columns`` logical columns is at or past each row's
+        left pad, bool ``[B, 1, 1, columns]`` (a mask's pad test): a view of one array kept
+        while the pads stay the same list and it is wide enough, so a decode step's mask
+        only slices it. It grows in steps of ``STEP`` columns, as the buffers do."""
+        known = self._pad_test
+        if known is None or known[0] is not self._pads or known[1].shape[3] < columns:
+            wide = mx.arange(round_up(columns))[None, :] >= self.pads_array()[:, None]
+            known = self._pad_test = (self._pads, wide[:, None, None, :])
+        return known[1][:, :, :, :columns]
+
     def _accepts(self, source: object) -> bool:
         # A storage of this machinery (its rows MLX windows), of our token geometry; each
         # codec the source's rows are in (a source holding none: its codec) is one of this
@@ -750,8 +766,10 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         raise NotImplementedError
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
-        if self._reads_by_parts():  # refused before the write: each stage's rows are read
-            raise MixedPrecisionReadError(MIXED_READ)  # by parts (``_update``, ``_stage_parts``)
+        # Refused before the write: each stage's rows are read by parts (``_update``,
+        # ``_stage_parts``); one store never is (a decode step skips the call).
+        if self._stores is not None and self._reads_by_parts():
+            raise MixedPrecisionReadError(MIXED_READ)
         self._update(keys, values)
         return self.fetch()
 
@@ -761,10 +779,10 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         # Every decode step appends a block like the last one: a block of MLX arrays whose
         # shapes, dtypes and rows are the last accepted block's, into the same geometry and
         # codec, is accepted as that one was (the full check is a fifth of the host cost).
+        # (The dtypes themselves: the memo holds only a block the full check accepted.)
         seen = None
         if type(keys) is mx.array and type(values) is mx.array:
-            dtypes = float_dtype_name(keys.dtype), float_dtype_name(values.dtype)
-            seen = (keys.shape, values.shape, *dtypes, rows)
+            seen = (keys.shape, values.shape, keys.dtype, values.dtype, rows)
         memo = self._accepted
         if (
             seen is not None
@@ -789,7 +807,7 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             else:
                 for codec in self._held_codecs():
                     codec.check(geometry)
-        self._write_blocks(dict(zip(KV_TENSORS, (keys, values), strict=True)), geometry)
+        self._write_blocks({_KEYS: keys, _VALUES: values}, geometry)
 
     def _write_blocks(self, blocks: dict[str, Any], shapes: Any) -> None:
         """The one write (``update_and_fetch``, a latent ``append``): checked blocks
@@ -797,7 +815,9 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         :meth:`_write` (one stage) or ``_append_stores`` (each store its rows' share)."""
         n = int(next(iter(blocks.values())).shape[TOKEN_AXIS])
         if self._stores is None:
-            block: PlaneSet = {t: self.codec.encode(x, as_role(t)) for t, x in blocks.items()}
+            # (Each tensor's name is its role: one cast, not a call per tensor.)
+            named = cast(dict[Role, Any], blocks)
+            block: PlaneSet = {t: self.codec.encode(x, t) for t, x in named.items()}
             self._write(block, n, shapes)
             return
         shares: list[PlaneSet] = []
@@ -811,8 +831,7 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             )
         self._take_shapes(shapes)
         self._append_stores(shares, n, shapes)
-        self._offsets = [o + n for o in self._offsets]
-        self._changed()
+        self._advanced(n)
 
     def _write(self, block: PlaneSet, n: int, shapes: Any) -> None:
         """Write an encoded block of ``n`` tokens: the storage takes ``shapes``, the
@@ -823,6 +842,11 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             batch = int(next(iter(block.values()))[0].shape[0])
             self._offsets, self._pads = [0] * batch, [0] * batch
         self._append(block, n, shapes)
+        self._advanced(n)
+
+    def _advanced(self, n: int) -> None:
+        """Every row's position moves ``n`` on (an append): a geometry that derives host
+        state from the positions may carry it forward rather than rebuild it."""
         self._offsets = [o + n for o in self._offsets]
         self._changed()
 
@@ -842,7 +866,8 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     def _fetched(self, codec: Codec, visible: PlaneSet) -> dict[str, Any]:
         """Each tensor of one store's ``visible`` planes as a read returns it: ``codec``'s
         fetched form (an encoded latent reads its latent from a decoded window instead)."""
-        return {t: codec.fetched(planes, as_role(t)) for t, planes in visible.items()}
+        named = cast(dict[Role, Planes], visible)  # (one cast, not a call per tensor)
+        return {t: codec.fetched(planes, t) for t, planes in named.items()}
 
     def _reads_by_parts(self) -> bool:
         """Whether the rows are in several stages and some stage's codec does not read a

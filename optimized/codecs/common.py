@@ -20,15 +20,6 @@ _DTYPES: dict[str, mx.Dtype] = {
 }
 
 
-#: The names of :data:`_DTYPES`, by MLX dtype (a dict lookup: no string made).
-_FLOAT_NAMES: dict[mx.Dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
-
-
-def float_dtype_name(dtype: mx.Dtype) -> str | None:
-    """The name of an activation dtype a block may have (``None``: any other dtype)."""
-    return _FLOAT_NAMES.get(dtype)
-
-
 def mlx_dtype(name: str) -> mx.Dtype:
     """The MLX dtype for a dtype name."""
     return _DTYPES[name]
