@@ -115,6 +115,11 @@ _S = TypeVar("_S", bound="Storage")
 
 #: The tensors of a KV block, by name (a decode step builds its block dict from them).
 _KEYS, _VALUES = KV_TENSORS
+#: The template methods ``update_and_fetch``'s lean decode step stands in for: its write
+#: (``_update`` down to the geometry's ``_append``) and its read (``fetch`` down to
+#: ``_visible``).
+_LEAN_WRITE = ("_update", "_write_blocks", "_write", "_take_shapes")
+_LEAN_READ = ("fetch", "_read", "_fetched")
 
 #: Every public storage class, by composition name (filled by ``Storage.__init_subclass__``;
 #: ``kvrows.optimized.declared_classes()`` adds the delayed layouts, built on two of them).
@@ -279,9 +284,18 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     _accepted: tuple[Any, KvGeometry, Any] | None = None
     _offsets: list[int]
     _pads: list[int]
+    #: Whether ``update_and_fetch``'s decode step may skip the template's write / read
+    #: layers (the class overrides none of them: ``__init_subclass__``).
+    _lean_write: ClassVar[bool] = True
+    _lean_read: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        # ``update_and_fetch``'s lean decode step stands in for these template methods: a
+        # class overriding one (a placement that refuses first, a latent's read, a modifier's
+        # guard) takes the template's full write or read.
+        cls._lean_write = all(getattr(cls, m) is getattr(Storage, m) for m in _LEAN_WRITE)
+        cls._lean_read = all(getattr(cls, m) is getattr(Storage, m) for m in _LEAN_READ)
         entry = cls.__dict__.get("composition")
         if entry is None:
             return  # a base, a geometry, or a subclass of a public class (tests' mutants)
@@ -344,8 +358,9 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         self._geometry = geometry
         self._pads_of: list[int] | None = None  # the pads list ``_pads_array`` copies
         self._pads_array: mx.array | None = None
-        #: ``(pads list, pad test)``: what ``_pad_columns`` slices, while the pads stay.
-        self._pad_test: tuple[list[int], mx.array] | None = None
+        #: ``(pads list, pad test, its columns)``: what ``_pad_columns`` slices while the
+        #: pads stay.
+        self._pad_test: tuple[list[int], mx.array, int] | None = None
         self._clear()
 
     # -- stages (the delayed modifier's array hooks, contract §0.5) ---------------------------
@@ -740,9 +755,10 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         while the pads stay the same list and it is wide enough, so a decode step's mask
         only slices it. It grows in steps of ``STEP`` columns, as the buffers do."""
         known = self._pad_test
-        if known is None or known[0] is not self._pads or known[1].shape[3] < columns:
-            wide = mx.arange(round_up(columns))[None, :] >= self.pads_array()[:, None]
-            known = self._pad_test = (self._pads, wide[:, None, None, :])
+        if known is None or known[0] is not self._pads or known[2] < columns:
+            wide = round_up(columns)
+            test = mx.arange(wide)[None, :] >= self.pads_array()[:, None]
+            known = self._pad_test = (self._pads, test[:, None, None, :], wide)
         return known[1][:, :, :, :columns]
 
     def _accepts(self, source: object) -> bool:
@@ -766,33 +782,58 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         raise NotImplementedError
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
-        # Refused before the write: each stage's rows are read by parts (``_update``,
-        # ``_stage_parts``); one store never is (a decode step skips the call).
-        if self._stores is not None and self._reads_by_parts():
-            raise MixedPrecisionReadError(MIXED_READ)
-        self._update(keys, values)
+        if (
+            self._lean_write
+            and self._stores is None
+            and self._offsets
+            and (geometry := self._again(keys, values)) is not None
+        ):
+            # A decode step: ``_update``'s write without the template's layers (a block
+            # like the last one accepted, into the one store; the geometry's hooks as ever).
+            n = int(keys.shape[TOKEN_AXIS])
+            codec = self.codec
+            block: PlaneSet = {
+                _KEYS: codec.encode(keys, _KEYS),
+                _VALUES: codec.encode(values, _VALUES),
+            }
+            self._append(block, n, geometry)
+            self._advanced(n)
+        else:
+            # Refused before the write: each stage's rows are read by parts (``_update``,
+            # ``_stage_parts``).
+            if self._stores is not None and self._reads_by_parts():
+                raise MixedPrecisionReadError(MIXED_READ)
+            self._update(keys, values)
+        planes = self._planes
+        if self._lean_read and planes is not None:
+            # ``fetch`` without its layers (one store).
+            visible, codec = self._visible(planes), self.codec
+            return codec.fetched(visible[_KEYS], _KEYS), codec.fetched(visible[_VALUES], _VALUES)
         return self.fetch()
 
-    def _update(self, keys: Any, values: Any) -> None:
-        """``update_and_fetch`` without its read (rows of several stages read by parts)."""
-        rows = self._block_rows()
-        # Every decode step appends a block like the last one: a block of MLX arrays whose
-        # shapes, dtypes and rows are the last accepted block's, into the same geometry and
-        # codec, is accepted as that one was (the full check is a fifth of the host cost).
-        # (The dtypes themselves: the memo holds only a block the full check accepted.)
-        seen = None
-        if type(keys) is mx.array and type(values) is mx.array:
-            seen = (keys.shape, values.shape, keys.dtype, values.dtype, rows)
+    def _again(self, keys: Any, values: Any) -> KvGeometry | None:
+        """The geometry ``keys`` / ``values`` were accepted into when they are a block like
+        the last one accepted: MLX arrays of its shapes, dtypes and rows, into the same
+        geometry and codec (every decode step appends one; it is accepted as that one was,
+        the full check being a fifth of the host cost); ``None`` otherwise. The memo holds
+        only a block the full check accepted."""
         memo = self._accepted
         if (
-            seen is not None
-            and memo is not None
-            and memo[0] == seen
+            memo is not None
+            and type(keys) is mx.array
+            and type(values) is mx.array
+            and memo[0] == (keys.shape, values.shape, keys.dtype, values.dtype, self._block_rows())
             and memo[1] is self._geometry
             and memo[2] is self.codec
         ):
-            geometry = memo[1]
-        else:
+            return memo[1]
+        return None
+
+    def _update(self, keys: Any, values: Any) -> None:
+        """``update_and_fetch`` without its read (rows of several stages read by parts)."""
+        geometry = self._again(keys, values)
+        if geometry is None:
+            rows = self._block_rows()
             geometry = check_block(
                 _shape(keys),
                 _shape(values),
@@ -803,7 +844,10 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             )
             if self._stores is None:
                 self.codec.check(geometry)
-                self._accepted = None if seen is None else (seen, geometry, self.codec)
+                self._accepted = None
+                if type(keys) is mx.array and type(values) is mx.array:
+                    seen = (keys.shape, values.shape, keys.dtype, values.dtype, rows)
+                    self._accepted = (seen, geometry, self.codec)
             else:
                 for codec in self._held_codecs():
                     codec.check(geometry)
@@ -1150,7 +1194,7 @@ class Layout(Storage):
     def _block_rows(self) -> int | None:
         if not self._offsets:
             raise LayoutStateError(EMPTY_LAYOUT_UPDATE)
-        return self.batch_size
+        return len(self._offsets)
 
     def _mask(self, n: int, return_array: bool, window: int | None) -> Mask:
         return self._layout_mask(n, return_array, window)

@@ -120,10 +120,10 @@ class GrowingGeometry(Storage):
 
     # -- hooks ------------------------------------------------------------------------
     def _visible(self, planes: PlaneSet) -> PlaneSet:
-        start, batch = self._origin, len(self._offsets)
-        stop = start + self._ends()[0]
+        start = self._origin
+        index = (slice(len(self._offsets)), slice(None), slice(start, start + self._ends()[0]))
         # Every decode step reads this: comprehensions, no per-plane call.
-        return {t: tuple([p[:batch, :, start:stop] for p in held]) for t, held in planes.items()}
+        return {t: tuple([p[index] for p in held]) for t, held in planes.items()}
 
     def _window(self, planes: PlaneSet, row: int | None) -> PlaneSet | None:
         # Every merge reads its sources' rows: comprehensions, no per-plane call.
@@ -160,13 +160,13 @@ class GrowingGeometry(Storage):
             self._reallocate(round_up(width + n + spare), shift=0)
             planes = self._planes
         assert planes is not None
-        origin, batch = self._origin, len(self._offsets)
+        origin = self._origin
         if aligned:  # ``write_columns``, inline: every decode step runs it (no generator)
             start = origin + width
-            stop = start + n
+            index = (slice(len(ends)), slice(None), slice(start, start + n))
             for tensor, encoded in block.items():
                 for plane, part in zip(planes[tensor], encoded, strict=True):
-                    plane[:batch, :, start:stop] = part
+                    plane[index] = part
         else:
             write_columns(planes, block, [origin + e for e in ends], n)
 
