@@ -47,7 +47,7 @@ from kvrows.errors import (
 )
 from kvrows.optimized.rows import Layout, RowWindow, Serial, Storage
 from kvrows.protocols import Cache, Composed, Mask
-from kvrows.validation import as_count, check_keep
+from kvrows.validation import as_count, check_keep, check_window
 
 __all__ = ["LayoutBatchOps", "SerialMerge"]
 
@@ -372,7 +372,8 @@ class LayoutBatchOps(_LayoutBase):
     ) -> Mask:
         count = as_count(n, "n", minimum=1)
         if count == 1 or not any(self._leads()):
-            return super().make_mask(count, return_array=return_array, window_size=window_size)
+            # (``Storage.make_mask``'s checks, inline: every decode step asks.)
+            return self._mask(count, return_array, check_window(window_size))
         lead = self._leads()
         # Hide the block's left pads from every query. With the plain codec a pad query
         # then sees nothing, as in mlx-lm (MLX's fused attention answers such a row with

@@ -785,7 +785,6 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         if (
             self._lean_write
             and self._stores is None
-            and self._offsets
             and (geometry := self._again(keys, values)) is not None
         ):
             # A decode step: ``_update``'s write without the template's layers (a block
@@ -822,7 +821,9 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             memo is not None
             and type(keys) is mx.array
             and type(values) is mx.array
-            and memo[0] == (keys.shape, values.shape, keys.dtype, values.dtype, self._block_rows())
+            # (``_block_rows`` of a storage holding rows, either arrangement: every one of
+            # them; a memo's rows are never 0, so an empty storage never takes it.)
+            and memo[0] == (keys.shape, values.shape, keys.dtype, values.dtype, len(self._offsets))
             and memo[1] is self._geometry
             and memo[2] is self.codec
         ):

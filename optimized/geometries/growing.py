@@ -122,8 +122,11 @@ class GrowingGeometry(Storage):
     def _visible(self, planes: PlaneSet) -> PlaneSet:
         start = self._origin
         index = (slice(len(self._offsets)), slice(None), slice(start, start + self._ends()[0]))
-        # Every decode step reads this: comprehensions, no per-plane call.
-        return {t: tuple([p[index] for p in held]) for t, held in planes.items()}
+        # Every decode step reads this: a loop, no comprehension call for a one-plane tensor.
+        visible: PlaneSet = {}
+        for t, held in planes.items():
+            visible[t] = (held[0][index],) if len(held) == 1 else tuple([p[index] for p in held])
+        return visible
 
     def _window(self, planes: PlaneSet, row: int | None) -> PlaneSet | None:
         # Every merge reads its sources' rows: comprehensions, no per-plane call.
