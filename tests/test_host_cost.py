@@ -25,7 +25,7 @@ from kvrows.optimized.rows import Layout, Storage
 
 pytestmark = pytest.mark.usefixtures("cpu_stream")
 
-HEADS, DIM = 2, 8
+HEADS, DIM = 2, 32
 
 
 def _block(rows: int, tokens: int, seed: int) -> mx.array:
@@ -33,20 +33,21 @@ def _block(rows: int, tokens: int, seed: int) -> mx.array:
 
 
 def _layout(cls: type[Layout], lengths: list[int], seed: int = 0) -> Layout:
+    quantized = issubclass(cls, kv.PaddedQuantKVRows)
     serial = []
     for b, n in enumerate(lengths):
-        cache = kv.KVCache()
+        cache = kv.QuantizedKVCache(32, 4) if quantized else kv.KVCache()
         piece = _block(1, n, seed + b)
         cache.update_and_fetch(piece, piece)
         serial.append(cache)
-    layout = cls()
+    layout = cls(32, 4) if quantized else cls()
     layout.merge_rows(serial)
     return layout
 
 
 def _step(layout: Layout, seed: int, n: int = 1) -> tuple[mx.array, mx.array]:
-    block = _block(layout.batch_size, n, seed)
-    keys, values = layout.update_and_fetch(block, block)
+    rows = layout.batch_size
+    keys, values = layout.update_and_fetch(_block(rows, n, seed), _block(rows, n, seed + 1000))
     return keys, values
 
 
@@ -109,7 +110,7 @@ def _after(layout: Layout, change: Callable[[Layout], Any], seed: int) -> None:
 
 
 def _join(layout: Layout) -> None:
-    cache = kv.KVCache()
+    cache = kv.QuantizedKVCache(32, 4) if isinstance(layout, kv.PaddedQuantKVRows) else kv.KVCache()
     piece = _block(1, 40, 99)
     cache.update_and_fetch(piece, piece)
     layout.merge_rows([cache])
@@ -195,3 +196,40 @@ def test_classes_that_override_the_template_take_it_whole() -> None:
     assert kv.BatchedKVCache._lean_write and not kv.BatchedKVCache._lean_read
     assert not kv.PagedKvRows._lean_write and not kv.PagedKvRows._lean_read
     assert not kv.MLACache._lean_write and not kv.MLACache._lean_read
+
+
+def _eager(cls: type[Layout]) -> type[Layout]:
+    """``cls`` taking the template's full write and read at every step (the oracle of the
+    lean step: the same hooks, every layer)."""
+    eager: type[Layout] = type(f"Eager{cls.__name__}", (cls,), {})
+    eager._lean_write = eager._lean_read = False
+    return eager
+
+
+@pytest.mark.parametrize(
+    "cls", [kv.PaddedKVRows, kv.BatchedKVCache, kv.PaddedQuantKVRows], ids=lambda c: c.__name__
+)
+def test_the_lean_step_reads_and_writes_what_the_full_template_does(cls: type[Layout]) -> None:
+    """Decode steps, blocks, joins, filters and trims on a layout taking the lean step and
+    on one taking the full template: every read and mask bit-identical."""
+    lean, full = _layout(cls, [6, 3, 9]), _layout(_eager(cls), [6, 3, 9])
+    changes: list[Callable[[Layout], Any]] = [
+        lambda layout: None,
+        lambda layout: layout.filter_rows([2, 0]),
+        _join,
+        lambda layout: layout.trim(1),
+        lambda layout: _step(layout, 40, n=4),
+    ]
+    for c, change in enumerate(changes):
+        for layout in (lean, full):
+            change(layout)
+        for s in range(3):
+            masks = [layout.make_mask(1, return_array=True) for layout in (lean, full)]
+            reads = [_step(layout, 100 * c + s) for layout in (lean, full)]
+            assert np.array_equal(np.array(masks[0]), np.array(masks[1]))
+            for got, want in zip(reads[0], reads[1], strict=True):
+                got_planes = got if isinstance(got, tuple) else (got,)
+                want_planes = want if isinstance(want, tuple) else (want,)
+                for g, w in zip(got_planes, want_planes, strict=True):
+                    assert np.array_equal(np.array(g), np.array(w))
+    assert lean.row_offsets == full.row_offsets and lean.left_pad == full.left_pad
