@@ -52,7 +52,7 @@ _NOT_COPIED = frozenset(
         "_pads_of",
         "_pads_array",
         "_pad_test",
-        "_accepted",  # the last block accepted (for the source's codec; holds MLX dtypes)
+        "_accepted",  # the last block accepted, into the source's codec
         "_offset_array",
         "_physical",  # a ring's planes, re-encoded (``_planes``), in whichever form
         "_ordered",

@@ -67,6 +67,7 @@ from kvrows.errors import (
     trim_past_row_message,
 )
 from kvrows.optimized.codecs import Codec, Planes, dtype_name, make_codec
+from kvrows.optimized.codecs.common import FLOAT_DTYPE_NAMES as _NAMES
 from kvrows.protocols import Cache, Mask, RowSource
 from kvrows.schemes import CodecSpec, GeometrySpec
 from kvrows.validation import (
@@ -817,16 +818,14 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         the full check being a fifth of the host cost); ``None`` otherwise. The memo holds
         only a block the full check accepted."""
         memo = self._accepted
-        if (
-            memo is not None
-            and type(keys) is mx.array
-            and type(values) is mx.array
-            # (``_block_rows`` of a storage holding rows, either arrangement: every one of
-            # them; a memo's rows are never 0, so an empty storage never takes it.)
-            and memo[0] == (keys.shape, values.shape, keys.dtype, values.dtype, len(self._offsets))
-            and memo[1] is self._geometry
-            and memo[2] is self.codec
-        ):
+        if memo is None or type(keys) is not mx.array or type(values) is not mx.array:
+            return None
+        # The dtypes by name (mlx-lm deep-copies caches: an MLX dtype does not copy); the
+        # rows as ``_block_rows`` gives them for a storage holding rows, either arrangement
+        # (a memo's rows are never 0: an empty storage never takes it).
+        names = _NAMES.get(keys.dtype), _NAMES.get(values.dtype)
+        seen = (keys.shape, values.shape, *names, len(self._offsets))
+        if memo[0] == seen and memo[1] is self._geometry and memo[2] is self.codec:
             return memo[1]
         return None
 
@@ -847,7 +846,8 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
                 self.codec.check(geometry)
                 self._accepted = None
                 if type(keys) is mx.array and type(values) is mx.array:
-                    seen = (keys.shape, values.shape, keys.dtype, values.dtype, rows)
+                    names = _NAMES.get(keys.dtype), _NAMES.get(values.dtype)
+                    seen = (keys.shape, values.shape, *names, rows)
                     self._accepted = (seen, geometry, self.codec)
             else:
                 for codec in self._held_codecs():

@@ -12,6 +12,7 @@ masks and reads equal to what the public state says they are: the masks here are
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -233,3 +234,18 @@ def test_the_lean_step_reads_and_writes_what_the_full_template_does(cls: type[La
                 for g, w in zip(got_planes, want_planes, strict=True):
                     assert np.array_equal(np.array(g), np.array(w))
     assert lean.row_offsets == full.row_offsets and lean.left_pad == full.left_pad
+
+
+def test_a_deep_copy_after_decode_steps_decodes_alike() -> None:
+    """mlx-lm's generator deep-copies caches: the step's caches copy, and the copy goes on
+    as the original does."""
+    layout = _layout(kv.PaddedKVRows, [6, 3, 9])
+    for s in range(3):
+        layout.make_mask(1)
+        _step(layout, s)
+    twin = copy.deepcopy(layout)
+    for s in range(3):
+        masks = [np.array(c.make_mask(1)) for c in (layout, twin)]
+        reads = [_step(c, 10 + s) for c in (layout, twin)]
+        assert np.array_equal(masks[0], masks[1])
+        assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(*reads, strict=True))
