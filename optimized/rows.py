@@ -804,9 +804,9 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             if self._stores is not None and self._reads_by_parts():
                 raise MixedPrecisionReadError(MIXED_READ)
             self._update(keys, values)
-        planes = self._planes
-        if self._lean_read and planes is not None:
-            # ``fetch`` without its layers (one store).
+        # ``fetch`` without its layers (one store; ``_planes`` is read only then: a ring
+        # may derive it).
+        if self._lean_read and (planes := self._planes) is not None:
             visible, codec = self._visible(planes), self.codec
             return codec.fetched(visible[_KEYS], _KEYS), codec.fetched(visible[_VALUES], _VALUES)
         return self.fetch()
