@@ -22,6 +22,7 @@ import pytest
 from dispatch_helpers import CallLog
 
 import kvrows.optimized as kv
+from kvrows.optimized.geometries.ring import SharedRing
 from kvrows.optimized.rows import Layout, Storage
 
 pytestmark = pytest.mark.usefixtures("cpu_stream")
@@ -249,3 +250,22 @@ def test_a_deep_copy_after_decode_steps_decodes_alike() -> None:
         reads = [_step(c, 10 + s) for c in (layout, twin)]
         assert np.array_equal(masks[0], masks[1])
         assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(*reads, strict=True))
+
+
+def test_a_wrapped_ring_derives_its_physical_form_once_per_step(call_log: CallLog) -> None:
+    """A shared ring in time order derives the physical form its read returns: the step
+    (lean write, the ring's own read) derives it once, not again to look at ``_planes``."""
+    serial = []
+    for b, n in enumerate([6, 3, 9]):
+        cache = kv.RotatingKVCache(8)
+        piece = _block(1, n, b)
+        cache.update_and_fetch(piece, piece)
+        serial.append(cache)
+    ring = kv.BatchedRotatingCache.merge(serial)
+    for s in range(12):  # wrapped, in time order
+        _step(ring, s)
+    call_log.watch(SharedRing, "_unordered")
+    for s in range(3):
+        del call_log.names[:]
+        _step(ring, 20 + s)
+        assert call_log.names == ["_unordered"]
