@@ -372,8 +372,9 @@ class LayoutBatchOps(_LayoutBase):
     ) -> Mask:
         count = as_count(n, "n", minimum=1)
         if count == 1 or not any(self._leads()):
-            # (``Storage.make_mask``'s checks, inline: every decode step asks.)
-            return self._mask(count, return_array, check_window(window_size))
+            # (``Storage.make_mask``'s checks and a layout's mask, inline: every decode
+            # step asks.)
+            return self._layout_mask(count, return_array, check_window(window_size))
         lead = self._leads()
         # Hide the block's left pads from every query. With the plain codec a pad query
         # then sees nothing, as in mlx-lm (MLX's fused attention answers such a row with

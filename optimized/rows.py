@@ -116,6 +116,8 @@ _S = TypeVar("_S", bound="Storage")
 
 #: The tensors of a KV block, by name (a decode step builds its block dict from them).
 _KEYS, _VALUES = KV_TENSORS
+#: A whole axis, as an index (a decode step's slices name it rather than parse ``:``).
+_ALL = slice(None)
 #: The template methods ``update_and_fetch``'s lean decode step stands in for: its write
 #: (``_update`` down to the geometry's ``_append``) and its read (``fetch`` down to
 #: ``_visible``).
@@ -760,7 +762,7 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             wide = round_up(columns)
             test = mx.arange(wide)[None, :] >= self.pads_array()[:, None]
             known = self._pad_test = (self._pads, test[:, None, None, :], wide)
-        return known[1][:, :, :, :columns]
+        return known[1][_ALL, _ALL, _ALL, slice(columns)]
 
     def _accepts(self, source: object) -> bool:
         # A storage of this machinery (its rows MLX windows), of our token geometry; each
