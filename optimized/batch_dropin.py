@@ -334,10 +334,9 @@ class LayoutBatchOps(_LayoutBase):
         return _Plan(front, real, tail)
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
-        # A decode step: no run and no pending pad (``_padded`` without its calls).
-        if self._run is None and not any(self._pending_pads):
-            return super().update_and_fetch(keys, values)
-        if not self._offsets or not self._padded():
+        # A decode step first: no run and no pending pad (``_padded`` without its calls).
+        plain = self._run is None and not any(getattr(self, "_pending_pads", ()))
+        if plain or not self._offsets or not self._padded():
             return super().update_and_fetch(keys, values)
         shape = keys.shape if isinstance(keys, mx.array) else ()
         if len(shape) != 4 or int(shape[2]) < 1:
