@@ -47,7 +47,7 @@ from kvrows.errors import (
 )
 from kvrows.optimized.rows import Layout, RowWindow, Serial, Storage
 from kvrows.protocols import Cache, Composed, Mask
-from kvrows.validation import as_count, check_keep
+from kvrows.validation import as_count, check_keep, check_window
 
 __all__ = ["LayoutBatchOps", "SerialMerge"]
 
@@ -334,7 +334,9 @@ class LayoutBatchOps(_LayoutBase):
         return _Plan(front, real, tail)
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
-        if not self._offsets or not self._padded():
+        # A decode step first: no run and no pending pad (``_padded`` without its calls).
+        plain = self._run is None and not any(getattr(self, "_pending_pads", ()))
+        if plain or not self._offsets or not self._padded():
             return super().update_and_fetch(keys, values)
         shape = keys.shape if isinstance(keys, mx.array) else ()
         if len(shape) != 4 or int(shape[2]) < 1:
@@ -367,10 +369,12 @@ class LayoutBatchOps(_LayoutBase):
     def make_mask(
         self, n: int, *, return_array: bool = False, window_size: int | None = None
     ) -> Mask:
-        lead = self._leads()
         count = as_count(n, "n", minimum=1)
-        if count == 1 or not any(lead):
-            return super().make_mask(count, return_array=return_array, window_size=window_size)
+        if count == 1 or not any(self._leads()):
+            # (``Storage.make_mask``'s checks and a layout's mask, inline: every decode
+            # step asks.)
+            return self._layout_mask(count, return_array, check_window(window_size))
+        lead = self._leads()
         # Hide the block's left pads from every query. With the plain codec a pad query
         # then sees nothing, as in mlx-lm (MLX's fused attention answers such a row with
         # finite values, discarded anyway); the affine codec's attention is a softmax over

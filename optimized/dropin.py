@@ -39,7 +39,8 @@ from kvrows.validation import STEP
 __all__ = ["LayoutDropIn", "SerialDropIn", "encoded_copy"]
 
 #: Instance attributes ``to_quantized`` does not copy: the codec, its stages and planes (re-encoded),
-#: the specs and KV geometry (given to the constructor), and device caches of host state.
+#: the specs and KV geometry (given to the constructor), device caches of host state and the
+#: memo of the last block accepted.
 _NOT_COPIED = frozenset(
     {
         "codec",
@@ -50,6 +51,8 @@ _NOT_COPIED = frozenset(
         "_geometry",
         "_pads_of",
         "_pads_array",
+        "_pad_test",
+        "_accepted",  # the last block accepted, into the source's codec
         "_offset_array",
         "_physical",  # a ring's planes, re-encoded (``_planes``), in whichever form
         "_ordered",

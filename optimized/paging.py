@@ -1152,6 +1152,13 @@ class PagedRows(PagedSurface, Storage):
     def _layout_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
         return GrowingGeometry._layout_mask(cast(Any, self), n, return_array, window)
 
+    #: What the growing geometry's masks read: the row ends, kept while the pads and
+    #: positions stay the same lists (``GrowingGeometry._ends``).
+    _ends_of: Any = None
+
+    def _ends(self) -> tuple[int, list[int], bool]:
+        return GrowingGeometry._ends(cast(Any, self))
+
     # -- checks and forms ----------------------------------------------------------------
     def _check_geometry(self) -> None:
         assert len(self._tables) == len(self._offsets)

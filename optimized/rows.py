@@ -35,7 +35,7 @@ from typing import Any, ClassVar, TypeAlias, TypeVar, cast
 import mlx.core as mx
 import numpy as np
 
-from kvrows.codec import KV_TENSORS, PlaneSet, as_role
+from kvrows.codec import KV_TENSORS, PlaneSet, Role, as_role
 from kvrows.codecs import CODECS
 from kvrows.common import (
     ComposedIdentity,
@@ -67,7 +67,7 @@ from kvrows.errors import (
     trim_past_row_message,
 )
 from kvrows.optimized.codecs import Codec, Planes, dtype_name, make_codec
-from kvrows.optimized.codecs.common import float_dtype_name
+from kvrows.optimized.codecs.common import FLOAT_DTYPE_NAMES as _NAMES
 from kvrows.protocols import Cache, Mask, RowSource
 from kvrows.schemes import CodecSpec, GeometrySpec
 from kvrows.validation import (
@@ -78,6 +78,7 @@ from kvrows.validation import (
     check_row,
     check_window,
     common_geometry,
+    round_up,
 )
 
 __all__ = [
@@ -112,6 +113,16 @@ LayoutImage: TypeAlias = tuple[dict[str, Any], list[int], PlaneSet | None]
 TOKEN_AXIS = 2
 
 _S = TypeVar("_S", bound="Storage")
+
+#: The tensors of a KV block, by name (a decode step builds its block dict from them).
+_KEYS, _VALUES = KV_TENSORS
+#: A whole axis, as an index (a decode step's slices name it rather than parse ``:``).
+_ALL = slice(None)
+#: The template methods ``update_and_fetch``'s lean decode step stands in for: its write
+#: (``_update`` down to the geometry's ``_append``) and its read (``fetch`` down to
+#: ``_visible``).
+_LEAN_WRITE = ("_update", "_write_blocks", "_write", "_take_shapes")
+_LEAN_READ = ("fetch", "_read", "_fetched")
 
 #: Every public storage class, by composition name (filled by ``Storage.__init_subclass__``;
 #: ``kvrows.optimized.declared_classes()`` adds the delayed layouts, built on two of them).
@@ -276,9 +287,18 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     _accepted: tuple[Any, KvGeometry, Any] | None = None
     _offsets: list[int]
     _pads: list[int]
+    #: Whether ``update_and_fetch``'s decode step may skip the template's write / read
+    #: layers (the class overrides none of them: ``__init_subclass__``).
+    _lean_write: ClassVar[bool] = True
+    _lean_read: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        # ``update_and_fetch``'s lean decode step stands in for these template methods: a
+        # class overriding one (a placement that refuses first, a latent's read, a modifier's
+        # guard) takes the template's full write or read.
+        cls._lean_write = all(getattr(cls, m) is getattr(Storage, m) for m in _LEAN_WRITE)
+        cls._lean_read = all(getattr(cls, m) is getattr(Storage, m) for m in _LEAN_READ)
         entry = cls.__dict__.get("composition")
         if entry is None:
             return  # a base, a geometry, or a subclass of a public class (tests' mutants)
@@ -341,6 +361,9 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         self._geometry = geometry
         self._pads_of: list[int] | None = None  # the pads list ``_pads_array`` copies
         self._pads_array: mx.array | None = None
+        #: ``(pads list, pad test, its columns)``: what ``_pad_columns`` slices while the
+        #: pads stay.
+        self._pad_test: tuple[list[int], mx.array, int] | None = None
         self._clear()
 
     # -- stages (the delayed modifier's array hooks, contract §0.5) ---------------------------
@@ -729,6 +752,18 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             self._pads_of, self._pads_array = self._pads, mx.array(self._pads)
         return self._pads_array
 
+    def _pad_columns(self, columns: int) -> mx.array:
+        """Whether each of the first ``columns`` logical columns is at or past each row's
+        left pad, bool ``[B, 1, 1, columns]`` (a mask's pad test): a view of one array kept
+        while the pads stay the same list and it is wide enough, so a decode step's mask
+        only slices it. It grows in steps of ``STEP`` columns, as the buffers do."""
+        known = self._pad_test
+        if known is None or known[0] is not self._pads or known[2] < columns:
+            wide = round_up(columns)
+            test = mx.arange(wide)[None, :] >= self.pads_array()[:, None]
+            known = self._pad_test = (self._pads, test[:, None, None, :], wide)
+        return known[1][_ALL, _ALL, _ALL, slice(columns)]
+
     def _accepts(self, source: object) -> bool:
         # A storage of this machinery (its rows MLX windows), of our token geometry; each
         # codec the source's rows are in (a source holding none: its codec) is one of this
@@ -750,31 +785,57 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         raise NotImplementedError
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
-        if self._reads_by_parts():  # refused before the write: each stage's rows are read
-            raise MixedPrecisionReadError(MIXED_READ)  # by parts (``_update``, ``_stage_parts``)
-        self._update(keys, values)
+        if (
+            self._lean_write
+            and self._stores is None
+            and (geometry := self._again(keys, values)) is not None
+        ):
+            # A decode step: ``_update``'s write without the template's layers (a block
+            # like the last one accepted, into the one store; the geometry's hooks as ever).
+            n = int(keys.shape[TOKEN_AXIS])
+            codec = self.codec
+            block: PlaneSet = {
+                _KEYS: codec.encode(keys, _KEYS),
+                _VALUES: codec.encode(values, _VALUES),
+            }
+            self._append(block, n, geometry)
+            self._advanced(n)
+        else:
+            # Refused before the write: each stage's rows are read by parts (``_update``,
+            # ``_stage_parts``).
+            if self._stores is not None and self._reads_by_parts():
+                raise MixedPrecisionReadError(MIXED_READ)
+            self._update(keys, values)
+        # ``fetch`` without its layers (one store; ``_planes`` is read only then: a ring
+        # may derive it).
+        if self._lean_read and (planes := self._planes) is not None:
+            visible, codec = self._visible(planes), self.codec
+            return codec.fetched(visible[_KEYS], _KEYS), codec.fetched(visible[_VALUES], _VALUES)
         return self.fetch()
+
+    def _again(self, keys: Any, values: Any) -> KvGeometry | None:
+        """The geometry ``keys`` / ``values`` were accepted into when they are a block like
+        the last one accepted: MLX arrays of its shapes, dtypes and rows, into the same
+        geometry and codec (every decode step appends one; it is accepted as that one was,
+        the full check being a fifth of the host cost); ``None`` otherwise. The memo holds
+        only a block the full check accepted."""
+        memo = self._accepted
+        if memo is None or type(keys) is not mx.array or type(values) is not mx.array:
+            return None
+        # The dtypes by name (mlx-lm deep-copies caches: an MLX dtype does not copy); the
+        # rows as ``_block_rows`` gives them for a storage holding rows, either arrangement
+        # (a memo's rows are never 0: an empty storage never takes it).
+        names = _NAMES.get(keys.dtype), _NAMES.get(values.dtype)
+        seen = (keys.shape, values.shape, *names, len(self._offsets))
+        if memo[0] == seen and memo[1] is self._geometry and memo[2] is self.codec:
+            return memo[1]
+        return None
 
     def _update(self, keys: Any, values: Any) -> None:
         """``update_and_fetch`` without its read (rows of several stages read by parts)."""
-        rows = self._block_rows()
-        # Every decode step appends a block like the last one: a block of MLX arrays whose
-        # shapes, dtypes and rows are the last accepted block's, into the same geometry and
-        # codec, is accepted as that one was (the full check is a fifth of the host cost).
-        seen = None
-        if type(keys) is mx.array and type(values) is mx.array:
-            dtypes = float_dtype_name(keys.dtype), float_dtype_name(values.dtype)
-            seen = (keys.shape, values.shape, *dtypes, rows)
-        memo = self._accepted
-        if (
-            seen is not None
-            and memo is not None
-            and memo[0] == seen
-            and memo[1] is self._geometry
-            and memo[2] is self.codec
-        ):
-            geometry = memo[1]
-        else:
+        geometry = self._again(keys, values)
+        if geometry is None:
+            rows = self._block_rows()
             geometry = check_block(
                 _shape(keys),
                 _shape(values),
@@ -785,11 +846,15 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             )
             if self._stores is None:
                 self.codec.check(geometry)
-                self._accepted = None if seen is None else (seen, geometry, self.codec)
+                self._accepted = None
+                if type(keys) is mx.array and type(values) is mx.array:
+                    names = _NAMES.get(keys.dtype), _NAMES.get(values.dtype)
+                    seen = (keys.shape, values.shape, *names, rows)
+                    self._accepted = (seen, geometry, self.codec)
             else:
                 for codec in self._held_codecs():
                     codec.check(geometry)
-        self._write_blocks(dict(zip(KV_TENSORS, (keys, values), strict=True)), geometry)
+        self._write_blocks({_KEYS: keys, _VALUES: values}, geometry)
 
     def _write_blocks(self, blocks: dict[str, Any], shapes: Any) -> None:
         """The one write (``update_and_fetch``, a latent ``append``): checked blocks
@@ -797,7 +862,9 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
         :meth:`_write` (one stage) or ``_append_stores`` (each store its rows' share)."""
         n = int(next(iter(blocks.values())).shape[TOKEN_AXIS])
         if self._stores is None:
-            block: PlaneSet = {t: self.codec.encode(x, as_role(t)) for t, x in blocks.items()}
+            # (Each tensor's name is its role: one cast, not a call per tensor.)
+            named = cast(dict[Role, Any], blocks)
+            block: PlaneSet = {t: self.codec.encode(x, t) for t, x in named.items()}
             self._write(block, n, shapes)
             return
         shares: list[PlaneSet] = []
@@ -811,8 +878,7 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             )
         self._take_shapes(shapes)
         self._append_stores(shares, n, shapes)
-        self._offsets = [o + n for o in self._offsets]
-        self._changed()
+        self._advanced(n)
 
     def _write(self, block: PlaneSet, n: int, shapes: Any) -> None:
         """Write an encoded block of ``n`` tokens: the storage takes ``shapes``, the
@@ -823,6 +889,11 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
             batch = int(next(iter(block.values()))[0].shape[0])
             self._offsets, self._pads = [0] * batch, [0] * batch
         self._append(block, n, shapes)
+        self._advanced(n)
+
+    def _advanced(self, n: int) -> None:
+        """Every row's position moves ``n`` on (an append): a geometry that derives host
+        state from the positions may carry it forward rather than rebuild it."""
         self._offsets = [o + n for o in self._offsets]
         self._changed()
 
@@ -842,7 +913,8 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
     def _fetched(self, codec: Codec, visible: PlaneSet) -> dict[str, Any]:
         """Each tensor of one store's ``visible`` planes as a read returns it: ``codec``'s
         fetched form (an encoded latent reads its latent from a decoded window instead)."""
-        return {t: codec.fetched(planes, as_role(t)) for t, planes in visible.items()}
+        named = cast(dict[Role, Planes], visible)  # (one cast, not a call per tensor)
+        return {t: codec.fetched(planes, t) for t, planes in named.items()}
 
     def _reads_by_parts(self) -> bool:
         """Whether the rows are in several stages and some stage's codec does not read a
@@ -1125,7 +1197,7 @@ class Layout(Storage):
     def _block_rows(self) -> int | None:
         if not self._offsets:
             raise LayoutStateError(EMPTY_LAYOUT_UPDATE)
-        return self.batch_size
+        return len(self._offsets)
 
     def _mask(self, n: int, return_array: bool, window: int | None) -> Mask:
         return self._layout_mask(n, return_array, window)

@@ -9,7 +9,16 @@ import mlx.core as mx
 from kvrows.codec import CodecLayout, Role
 from kvrows.errors import InvalidInputError
 
-__all__ = ["PLANE_DTYPES", "AsWritten", "Planes", "ZeroPlanes", "dtype_name", "mlx_dtype", "sdpa"]
+__all__ = [
+    "FLOAT_DTYPE_NAMES",
+    "PLANE_DTYPES",
+    "AsWritten",
+    "Planes",
+    "ZeroPlanes",
+    "dtype_name",
+    "mlx_dtype",
+    "sdpa",
+]
 
 Planes = tuple[mx.array, ...]
 
@@ -19,14 +28,8 @@ _DTYPES: dict[str, mx.Dtype] = {
     "float32": mx.float32,
 }
 
-
-#: The names of :data:`_DTYPES`, by MLX dtype (a dict lookup: no string made).
-_FLOAT_NAMES: dict[mx.Dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
-
-
-def float_dtype_name(dtype: mx.Dtype) -> str | None:
-    """The name of an activation dtype a block may have (``None``: any other dtype)."""
-    return _FLOAT_NAMES.get(dtype)
+#: The names of :data:`_DTYPES`, by MLX dtype (a dict lookup: no string made, no call).
+FLOAT_DTYPE_NAMES: dict[mx.Dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
 
 
 def mlx_dtype(name: str) -> mx.Dtype:

@@ -89,6 +89,18 @@ class GrowingGeometry(Storage):
         self._ends_of = (pads, held, value)
         return value
 
+    def _advanced(self, n: int) -> None:
+        # Every row's end moves ``n`` on with its position (the tokens a row holds are its
+        # positions here; a geometry holding fewer keeps another list and rebuilds).
+        known = self._ends_of
+        carried = known is not None and known[0] is self._pads and known[1] is self._offsets
+        super()._advanced(n)
+        if carried:
+            assert known is not None
+            width, ends, aligned = known[2]
+            moved = [width + n] * len(ends) if aligned else [e + n for e in ends]
+            self._ends_of = (self._pads, self._offsets, (width + n, moved, aligned))
+
     @property
     def slots(self) -> int:
         return 0 if self._planes is None else int(arrays(self._planes)[0].shape[0])
@@ -108,10 +120,13 @@ class GrowingGeometry(Storage):
 
     # -- hooks ------------------------------------------------------------------------
     def _visible(self, planes: PlaneSet) -> PlaneSet:
-        start, batch = self._origin, len(self._offsets)
-        stop = start + self.width
-        # Every decode step reads this: a comprehension, no per-plane call.
-        return {t: tuple(p[:batch, :, start:stop] for p in held) for t, held in planes.items()}
+        start = self._origin
+        index = (slice(len(self._offsets)), slice(None), slice(start, start + self._ends()[0]))
+        # Every decode step reads this: a loop, no comprehension call for a one-plane tensor.
+        visible: PlaneSet = {}
+        for t, held in planes.items():
+            visible[t] = (held[0][index],) if len(held) == 1 else tuple([p[index] for p in held])
+        return visible
 
     def _window(self, planes: PlaneSet, row: int | None) -> PlaneSet | None:
         # Every merge reads its sources' rows: comprehensions, no per-plane call.
@@ -140,19 +155,23 @@ class GrowingGeometry(Storage):
         return ((column >= first) & (column < last))[:, None, :, None]
 
     def _append(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
-        serial = isinstance(self, Serial)
         width, ends, aligned = self._ends()
-        if self._planes is None or self._origin + width + n > self.capacity:
+        planes = self._planes
+        if planes is None or self._origin + width + n > token_count(planes):
             # A layout keeps one spare column; the origin is 0 afterwards.
-            self._reallocate(round_up(width + n + (0 if serial else 1)), shift=0)
-        assert self._planes is not None
-        origin, batch = self._origin, len(self._offsets)
-        if aligned:  # ``write_columns``, inline: every decode step runs it
+            spare = 0 if isinstance(self, Serial) else 1
+            self._reallocate(round_up(width + n + spare), shift=0)
+            planes = self._planes
+        assert planes is not None
+        origin = self._origin
+        if aligned:  # ``write_columns``, inline: every decode step runs it (no generator)
             start = origin + width
-            for plane, encoded in paired(self._planes, block):
-                plane[:batch, :, start : start + n] = encoded
+            index = (slice(len(ends)), slice(None), slice(start, start + n))
+            for tensor, encoded in block.items():
+                for plane, part in zip(planes[tensor], encoded, strict=True):
+                    plane[index] = part
         else:
-            write_columns(self._planes, block, [origin + e for e in ends], n)
+            write_columns(planes, block, [origin + e for e in ends], n)
 
     def _append_stores(self, shares: list[PlaneSet], n: int, geometry: KvGeometry) -> None:
         assert self._stores is not None
@@ -453,16 +472,17 @@ class GrowingGeometry(Storage):
         return visible
 
     def _layout_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
-        ends = [p + t for p, t in zip(self._pads, self._tokens_held, strict=True)]
-        aligned = len(set(ends)) <= 1
-        if aligned and not any(self._pads) and window is None and not return_array:
+        width, ends, aligned = self._ends()
+        if aligned and window is None and not return_array and not any(self._pads):
             return None if n == 1 else "causal"
-        width = max(ends, default=0)
-        pads = self.pads_array()
+        # Every row's pad test, sliced from the array kept while the pads stay: a decode
+        # step's mask on rows sharing one write column is that slice alone.
+        visible = self._pad_columns(width + n)
+        if aligned and n == 1 and window is None:
+            return visible
         columns = mx.arange(width + n)
         if aligned:
-            # One write column: a per-row pad test, and one causal block all rows share.
-            visible = (columns[None, :] >= pads[:, None])[:, None, None, :]
+            # One write column: the pad test, and one causal block all rows share.
             queries = mx.arange(width, width + n)[:, None]
             if n > 1:
                 visible = visible & (columns[None, :] <= queries)
@@ -471,10 +491,10 @@ class GrowingGeometry(Storage):
             return visible
         grid = columns[None, None, :]
         queries = (mx.array(ends)[:, None] + mx.arange(n)[None, :])[:, :, None]
-        ragged = (grid <= queries) & (grid >= pads[:, None, None])
+        ragged = grid <= queries
         if window is not None:
             ragged = ragged & (queries < grid + window)
-        return ragged[:, None]
+        return visible & ragged[:, None]
 
 
 # A mixin over a speculative ragged growing layout: at run time it must not bring the
