@@ -23,13 +23,13 @@ from kvrows.errors import (
     turbo_scalar_input_message,
 )
 from kvrows.optimized.host import (
-    ReusedBuffer,
     RowDecoder,
     code_runs,
     fresh_host,
     host_fields,
     lookup_codes,
     on_cpu,
+    scratch,
 )
 from kvrows.schemes import TURBO_KEY_BITS, TURBO_VALUE_BITS
 from kvrows.turbo_tables import BOUNDARIES, CENTROIDS, SIGN_BITS
@@ -274,11 +274,10 @@ def host_key_rows(codes: mx.array, scales: mx.array, zeros: mx.array, bits: int)
     attention's key decoder: :func:`decode_keys`' values)."""
     stream = np.asarray(codes).view(np.int8 if bits == 8 else np.uint8)
     scales32, zeros32 = (np.asarray(p.astype(mx.float32))[..., None] for p in (scales, zeros))
-    buffer = ReusedBuffer()
 
     def rows(lo: int, hi: int, start: int) -> np.ndarray[Any, Any]:
         codes = stream[lo:hi, :, start:]
-        keys = buffer.shaped((*codes.shape[:-1], int(codes.shape[-1]) * 8 // bits))
+        keys = scratch("keys", (*codes.shape[:-1], int(codes.shape[-1]) * 8 // bits))
         if bits == 8:
             np.copyto(keys, codes, casting="unsafe")
         else:
@@ -298,11 +297,10 @@ def host_rotated_rows(packed: mx.array, scales: mx.array, bits: int) -> RowDecod
         raise InvalidInputError(turbo_bits_message("v_bits", TURBO_VALUE_BITS, bits))
     stream = np.asarray(packed).view(np.uint8)
     scales32 = np.asarray(scales.astype(mx.float32))[..., None]
-    buffer = ReusedBuffer()
 
     def rows(lo: int, hi: int, start: int) -> np.ndarray[Any, Any]:
         codes = stream[lo:hi, :, start:]
-        values = buffer.shaped((*codes.shape[:-1], int(codes.shape[-1]) * 8 // bits))
+        values = scratch("values", (*codes.shape[:-1], int(codes.shape[-1]) * 8 // bits))
         lookup_codes(codes, bits, _host_runs(bits, False), values)
         groups = values.reshape(*values.shape[:-1], values.shape[-1] // TURBO_GROUP, TURBO_GROUP)
         groups *= scales32[lo:hi, :, start:]

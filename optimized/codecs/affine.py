@@ -16,7 +16,7 @@ from kvrows.errors import MLX_MASK_NOT_BOOLEAN, InvalidInputError, head_grouping
 from kvrows.optimized.codecs.common import Planes, ZeroPlanes
 from kvrows.optimized.codecs.host_attention import host_attention, takes_host_path
 from kvrows.optimized.codecs.registry import implements
-from kvrows.optimized.host import ReusedBuffer, RowDecoder, code_runs, lookup_codes
+from kvrows.optimized.host import RowDecoder, code_runs, lookup_codes, scratch
 from kvrows.protocols import Mask
 
 __all__ = [
@@ -140,7 +140,9 @@ def _levels(mode: str, bits: int) -> np.ndarray[Any, Any]:
     return code_runs(codes.astype(np.uint8).view(small).astype(np.float32), bits)
 
 
-def _host_rows(planes: tuple[mx.array, ...], group_size: int, bits: int, mode: str) -> RowDecoder:
+def _host_rows(
+    planes: tuple[mx.array, ...], group_size: int, bits: int, mode: str, slot: str
+) -> RowDecoder:
     """Batch rows of quantized planes decoded in NumPy, float32: ``mx.dequantize``'s values
     (affine: code·scale + bias; the microscaling modes: the small float times its E8M0 or,
     ``nvfp4``, E4M3 group scale)."""
@@ -153,11 +155,11 @@ def _host_rows(planes: tuple[mx.array, ...], group_size: int, bits: int, mode: s
             ml_dtypes.float8_e4m3fn if mode == "nvfp4" else ml_dtypes.float8_e8m0fnu
         )
         scales, biases = scale_codes.astype(np.float32)[..., None], None
-    runs, buffer = _levels(mode, bits), ReusedBuffer()
+    runs = _levels(mode, bits)
 
     def rows(lo: int, hi: int, start: int) -> np.ndarray[Any, Any]:
         codes = stream[lo:hi, :, start:]
-        decoded = buffer.shaped((*codes.shape[:-1], int(codes.shape[-1]) * 8 // bits))
+        decoded = scratch(slot, (*codes.shape[:-1], int(codes.shape[-1]) * 8 // bits))
         if mode == "affine" and bits == 8:  # the codes are the levels: a cast, not a take
             np.copyto(decoded, codes, casting="unsafe")
         else:
@@ -194,7 +196,8 @@ def quantized_attention(
     if takes_host_path():
         out = host_attention(
             queries, int(keys[0].shape[1]), int(keys[0].shape[2]),
-            _host_rows(keys, group_size, bits, mode), _host_rows(values, group_size, bits, mode),
+            _host_rows(keys, group_size, bits, mode, "keys"),
+            _host_rows(values, group_size, bits, mode, "values"),
             mask, scale,
         )  # fmt: skip
         return out.astype(queries.dtype)

@@ -24,7 +24,7 @@ import numpy as np
 from threadpoolctl import ThreadpoolController
 
 from kvrows.errors import MLX_MASK_NOT_BOOLEAN, InvalidInputError, head_grouping_message
-from kvrows.optimized.host import RowDecoder, on_cpu
+from kvrows.optimized.host import RowDecoder, on_cpu, scratch
 from kvrows.protocols import Mask
 
 __all__ = ["host_attention", "op_attention", "takes_host_path"]
@@ -156,7 +156,8 @@ def _attend_rows(
         for first in range(0, n, step):
             last = min(n, first + step)
             part = grouped[lo:hi, :, :, first:last].reshape(hi - lo, kv_heads, -1, dim)
-            scores = part @ decoded_keys
+            shape = (hi - lo, kv_heads, repeat * (last - first), seen)
+            scores = np.matmul(part, decoded_keys, out=scratch("scores", shape))
             if visible is not None:
                 rows = visible[:1] if visible.shape[0] == 1 else visible[lo:hi]
                 shown = rows[..., first:last, start:]
