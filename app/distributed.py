@@ -71,15 +71,36 @@ def mlx_launcher() -> str:
     return str(Path(sys.executable).with_name("mlx.launch"))
 
 
+#: Where a launch's ring ports are drawn: below the ephemeral range (32768 up), so no
+#: ``bind(("", 0))`` elsewhere (a test server's free port, another socket) takes one of
+#: them between the draw and the launch.
+_RING_PORTS = range(20000, 32000)
+
+
 def launch_command(ranks: int = 2) -> list[str]:
     """``mlx.launch`` of ``ranks`` local processes over the ring backend, ending in ``--``
-    (append the program). Each launch takes its own ports (a free one found now, then the
-    ones after it): two launches at once on the default ports would meet each other."""
+    (append the program). Each launch takes its own ports: a run of ``2 · ranks`` ports
+    found free now, drawn at random below the ephemeral range (two launches at once on the
+    default ports would meet each other; a port after an ephemeral one could be taken by
+    the next ``bind`` to port 0)."""
+    import random
     import socket
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = int(probe.getsockname()[1])
+    def free(start: int) -> bool:
+        for port in range(start, start + 2 * ranks):
+            with socket.socket() as probe:
+                try:
+                    probe.bind(("127.0.0.1", port))
+                except OSError:
+                    return False
+        return True
+
+    draws = random.Random()
+    port = next(
+        (p for p in (draws.randrange(_RING_PORTS.start, _RING_PORTS.stop) for _ in range(64))
+         if free(p)),
+        _RING_PORTS.start,
+    )  # fmt: skip
     return [
         mlx_launcher(), "-n", str(ranks), "--backend", "ring", "--starting-port", str(port), "--",
     ]  # fmt: skip
