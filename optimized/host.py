@@ -18,7 +18,9 @@ __all__ = [
     "CODES_PER_LOOKUP",
     "RowDecoder",
     "code_runs",
+    "decode_groups",
     "fresh_host",
+    "group_rows",
     "host_fields",
     "host_readable",
     "host_views",
@@ -149,10 +151,13 @@ CODES_PER_LOOKUP = {2: 4, 3: 4, 4: 2, 5: 2, 6: 2, 8: 2}
 _RUN_ITEMS: dict[int, Any] = {1: np.uint32, 2: np.uint64, 4: np.complex128}
 
 
-def code_runs(levels: np.ndarray[Any, Any], bits: int) -> np.ndarray[Any, Any]:
-    """``[2^(k·bits), k]`` float32 (``k = CODES_PER_LOOKUP[bits]``): for each index of ``k``
-    codes (the first in the low bits), their ``levels``; one take then reads ``k`` values."""
-    k = CODES_PER_LOOKUP[bits]
+def code_runs(
+    levels: np.ndarray[Any, Any], bits: int, per_lookup: int | None = None
+) -> np.ndarray[Any, Any]:
+    """``[2^(k·bits), k]`` float32 (``k = per_lookup``, default ``CODES_PER_LOOKUP[bits]``):
+    for each index of ``k`` codes (the first in the low bits), their ``levels``; one take
+    (or gather) then reads ``k`` values."""
+    k = CODES_PER_LOOKUP[bits] if per_lookup is None else per_lookup
     index = np.arange(2 ** (k * bits), dtype=np.uint32)[:, None]
     shifts = np.arange(0, k * bits, bits, dtype=np.uint32)[None, :]
     runs: np.ndarray[Any, Any] = np.ascontiguousarray(
@@ -183,3 +188,59 @@ def lookup_codes(
     np.take(runs.view(item).reshape(-1), indices.reshape(-1), out=out.view(item).reshape(-1),
             mode="clip")  # fmt: skip
     return out
+
+
+def decode_groups(
+    codes: np.ndarray[Any, Any],
+    bits: int,
+    runs: np.ndarray[Any, Any] | None,
+    group_size: int,
+    out: np.ndarray[Any, Any],
+    scales: np.ndarray[Any, Any],
+    *,
+    offsets: np.ndarray[Any, Any] | None = None,
+    biases: np.ndarray[Any, Any] | None = None,
+) -> np.ndarray[Any, Any]:
+    """Every codec's host decode, into ``out`` (float32 ``[..., W·8/bits]``): each code's
+    level (:func:`lookup_codes` of ``runs``; ``None``: the codes are the levels, a cast),
+    then per group of ``group_size`` ``(level + offsets) · scales + biases`` (each
+    ``[..., groups, 1]``; ``offsets`` and ``biases`` where given), in place."""
+    if runs is None:
+        np.copyto(out, codes, casting="unsafe")
+    else:
+        lookup_codes(codes, bits, runs, out)
+    groups = out.reshape(*out.shape[:-1], out.shape[-1] // group_size, group_size)
+    if offsets is not None:
+        groups += offsets
+    groups *= scales
+    if biases is not None:
+        groups += biases
+    return out
+
+
+def group_rows(
+    stream: np.ndarray[Any, Any],
+    bits: int,
+    runs: np.ndarray[Any, Any] | None,
+    group_size: int,
+    slot: str,
+    scales: np.ndarray[Any, Any],
+    *,
+    offsets: np.ndarray[Any, Any] | None = None,
+    biases: np.ndarray[Any, Any] | None = None,
+) -> RowDecoder:
+    """The :data:`RowDecoder` of a code stream ``[B, H, S, W]`` and its per-group planes
+    ``[B, H, S, groups, 1]`` (:func:`decode_groups`), each chunk into the thread's
+    ``slot`` (:func:`scratch`)."""
+
+    def rows(lo: int, hi: int, start: int) -> np.ndarray[Any, Any]:
+        codes = stream[lo:hi, :, start:]
+        out = scratch(slot, (*codes.shape[:-1], int(codes.shape[-1]) * 8 // bits))
+
+        def cut(plane: np.ndarray[Any, Any] | None) -> np.ndarray[Any, Any] | None:
+            return None if plane is None else plane[lo:hi, :, start:]
+
+        return decode_groups(codes, bits, runs, group_size, out, scales[lo:hi, :, start:],
+                             offsets=cut(offsets), biases=cut(biases))  # fmt: skip
+
+    return rows

@@ -25,11 +25,10 @@ from kvrows.errors import (
 from kvrows.optimized.host import (
     RowDecoder,
     code_runs,
+    decode_groups,
     fresh_host,
-    host_fields,
-    lookup_codes,
+    group_rows,
     on_cpu,
-    scratch,
 )
 from kvrows.schemes import TURBO_KEY_BITS, TURBO_VALUE_BITS
 from kvrows.turbo_tables import BOUNDARIES, CENTROIDS, SIGN_BITS
@@ -225,12 +224,9 @@ _GATHERED = {2: 4, 3: 4, 4: 2, 5: 2, 8: 1}
 @cache
 def centroid_runs(bits: int) -> mx.array:
     """``[2^(k·bits), k]`` float32: for each index of ``k`` codes (the first in the low
-    bits), their centroids; one gather then reads ``k`` centroids."""
+    bits), their centroids (:func:`code_runs`); one gather then reads ``k`` centroids."""
     centroids, _ = codebook(bits)
-    k = _GATHERED[bits]
-    index = mx.arange(2 ** (k * bits), dtype=mx.uint32)[:, None]
-    shifts = mx.arange(0, k * bits, bits, dtype=mx.uint32)[None, :]
-    return centroids[mx.right_shift(index, shifts) & ((1 << bits) - 1)]
+    return mx.array(code_runs(np.asarray(centroids), bits, _GATHERED[bits]))
 
 
 def _lookup_indices(packed: mx.array, bits: int) -> mx.array:
@@ -252,42 +248,35 @@ def rotated_values(packed: mx.array, scales: mx.array, bits: int) -> mx.array:
         values = table[_lookup_indices(packed, bits)].reshape(shape)
         groups = _grouped(values)
         return (groups * scales.astype(mx.float32)[..., None]).reshape(shape)
-    indices = host_fields(np.asarray(packed), bits, _GATHERED[bits] * bits)
     image, target = fresh_host(shape, mx.float32)
-    runs: np.ndarray[Any, Any] = np.asarray(table)
-    np.take(runs, indices.reshape(-1), axis=0, out=target.reshape(-1, runs.shape[1]), mode="clip")
-    in_groups = target.reshape(*shape[:-1], dim // TURBO_GROUP, TURBO_GROUP)
-    in_groups *= np.asarray(scales.astype(mx.float32))[..., None]
+    scales32 = np.asarray(scales.astype(mx.float32))[..., None]
+    decode_groups(np.asarray(packed), bits, np.asarray(table), TURBO_GROUP, target, scales32)
     return image
 
 
-@cache
+#: :func:`_host_runs`' tables, each with the codebook array it was built from.
+_HOST_RUNS: dict[tuple[int, bool], tuple[mx.array | None, np.ndarray[Any, Any]]] = {}
+
+
 def _host_runs(bits: int, identity: bool) -> np.ndarray[Any, Any]:
     """:func:`code_runs` of the codes themselves (``identity``: packed key codes) or of the
-    value centroids, as NumPy float32."""
-    levels = np.arange(2**bits) if identity else np.asarray(codebook(bits)[0])
-    return code_runs(levels, bits)
+    value centroids, as NumPy float32; rebuilt when :func:`codebook` gives another array
+    (its cache cleared), as :func:`centroid_runs` is."""
+    source = None if identity else codebook(bits)[0]
+    known = _HOST_RUNS.get((bits, identity))
+    if known is None or known[0] is not source:
+        levels = np.arange(2**bits) if source is None else np.asarray(source)
+        known = _HOST_RUNS[bits, identity] = (source, code_runs(levels, bits))
+    return known[1]
 
 
 def host_key_rows(codes: mx.array, scales: mx.array, zeros: mx.array, bits: int) -> RowDecoder:
     """The keys ``(idx + zero)·scale`` of batch rows ``[lo, hi)``, float32 in NumPy (the host
-    attention's key decoder: :func:`decode_keys`' values)."""
+    attention's key decoder: :func:`decode_keys`' values; 8-bit ``int8`` codes cast)."""
     stream = np.asarray(codes).view(np.int8 if bits == 8 else np.uint8)
     scales32, zeros32 = (np.asarray(p.astype(mx.float32))[..., None] for p in (scales, zeros))
-
-    def rows(lo: int, hi: int, start: int) -> np.ndarray[Any, Any]:
-        codes = stream[lo:hi, :, start:]
-        keys = scratch("keys", (*codes.shape[:-1], int(codes.shape[-1]) * 8 // bits))
-        if bits == 8:
-            np.copyto(keys, codes, casting="unsafe")
-        else:
-            lookup_codes(codes, bits, _host_runs(bits, True), keys)
-        groups = keys.reshape(*keys.shape[:-1], keys.shape[-1] // TURBO_GROUP, TURBO_GROUP)
-        groups += zeros32[lo:hi, :, start:]
-        groups *= scales32[lo:hi, :, start:]
-        return keys
-
-    return rows
+    runs = None if bits == 8 else _host_runs(bits, True)
+    return group_rows(stream, bits, runs, TURBO_GROUP, "keys", scales32, offsets=zeros32)
 
 
 def host_rotated_rows(packed: mx.array, scales: mx.array, bits: int) -> RowDecoder:
@@ -297,16 +286,7 @@ def host_rotated_rows(packed: mx.array, scales: mx.array, bits: int) -> RowDecod
         raise InvalidInputError(turbo_bits_message("v_bits", TURBO_VALUE_BITS, bits))
     stream = np.asarray(packed).view(np.uint8)
     scales32 = np.asarray(scales.astype(mx.float32))[..., None]
-
-    def rows(lo: int, hi: int, start: int) -> np.ndarray[Any, Any]:
-        codes = stream[lo:hi, :, start:]
-        values = scratch("values", (*codes.shape[:-1], int(codes.shape[-1]) * 8 // bits))
-        lookup_codes(codes, bits, _host_runs(bits, False), values)
-        groups = values.reshape(*values.shape[:-1], values.shape[-1] // TURBO_GROUP, TURBO_GROUP)
-        groups *= scales32[lo:hi, :, start:]
-        return values
-
-    return rows
+    return group_rows(stream, bits, _host_runs(bits, False), TURBO_GROUP, "values", scales32)
 
 
 def unrotate(x: mx.array) -> mx.array:

@@ -16,7 +16,7 @@ from kvrows.errors import MLX_MASK_NOT_BOOLEAN, InvalidInputError, head_grouping
 from kvrows.optimized.codecs.common import Planes, ZeroPlanes
 from kvrows.optimized.codecs.host_attention import host_attention, takes_host_path
 from kvrows.optimized.codecs.registry import implements
-from kvrows.optimized.host import RowDecoder, code_runs, lookup_codes, scratch
+from kvrows.optimized.host import RowDecoder, code_runs, group_rows
 from kvrows.protocols import Mask
 
 __all__ = [
@@ -155,22 +155,9 @@ def _host_rows(
             ml_dtypes.float8_e4m3fn if mode == "nvfp4" else ml_dtypes.float8_e8m0fnu
         )
         scales, biases = scale_codes.astype(np.float32)[..., None], None
-    runs = _levels(mode, bits)
-
-    def rows(lo: int, hi: int, start: int) -> np.ndarray[Any, Any]:
-        codes = stream[lo:hi, :, start:]
-        decoded = scratch(slot, (*codes.shape[:-1], int(codes.shape[-1]) * 8 // bits))
-        if mode == "affine" and bits == 8:  # the codes are the levels: a cast, not a take
-            np.copyto(decoded, codes, casting="unsafe")
-        else:
-            lookup_codes(codes, bits, runs, decoded)
-        groups = decoded.reshape(*decoded.shape[:-1], decoded.shape[-1] // group_size, group_size)
-        groups *= scales[lo:hi, :, start:]
-        if biases is not None:
-            groups += biases[lo:hi, :, start:]
-        return decoded
-
-    return rows
+    # Affine 8-bit codes are their levels: a cast, not a take.
+    runs = None if mode == "affine" and bits == 8 else _levels(mode, bits)
+    return group_rows(stream, bits, runs, group_size, slot, scales, biases=biases)
 
 
 def quantized_attention(
