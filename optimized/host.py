@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -16,6 +17,8 @@ import numpy as np
 
 __all__ = [
     "CODES_PER_LOOKUP",
+    "E4M3_BIAS_SHIFT",
+    "PlacedE4m3",
     "RowDecoder",
     "code_runs",
     "decode_groups",
@@ -190,10 +193,41 @@ def lookup_codes(
     return out
 
 
+#: An E4M3 code's bits placed in a float32's (:class:`PlacedE4m3`) read as its level times
+#: ``2**-E4M3_BIAS_SHIFT``: the exponent bias is 127 there against E4M3's 7.
+E4M3_BIAS_SHIFT = 120
+#: The placed bits kept: the sign (bit 31) and the code's exponent and mantissa (bits 20-26);
+#: an ``int8`` code shifted left by 20 carries its sign through bits 27-31.
+_E4M3_PLACED = np.int32(np.uint32(0x87F00000).view(np.int32))
+
+
+@dataclass(frozen=True, eq=False)
+class PlacedE4m3:
+    """The levels of FP8 E4M3 codes (``mxfp8``) with no table take: each code's 7 exponent
+    and mantissa bits and its sign go into a float32's bits, which then hold the level
+    times ``2**-120`` exactly, subnormals included (the scales carry the ``2**120``). A cast,
+    a shift and a mask, where a take of the code pairs costs twice as much. The NaN codes
+    (``0x7F``, ``0xFF``; the encoder saturates at 448, but a loaded plane may hold them)
+    would read as 480: a chunk holding one takes ``runs`` (the E4M3 levels' code runs)."""
+
+    runs: np.ndarray[Any, Any]
+
+    def levels(self, codes: np.ndarray[Any, Any], out: np.ndarray[Any, Any]) -> None:
+        signed = codes.view(np.int8)
+        if codes.max() == 0xFF or signed.max() == 0x7F:  # two reductions, no temporaries
+            lookup_codes(codes, 8, self.runs, out)
+            out *= np.float32(2.0**-E4M3_BIAS_SHIFT)  # exact: a power of two, no underflow
+            return
+        placed = out.view(np.int32)
+        np.copyto(placed, signed, casting="unsafe")
+        placed <<= 20
+        placed &= _E4M3_PLACED
+
+
 def decode_groups(
     codes: np.ndarray[Any, Any],
     bits: int,
-    runs: np.ndarray[Any, Any] | None,
+    runs: np.ndarray[Any, Any] | PlacedE4m3 | None,
     group_size: int,
     out: np.ndarray[Any, Any],
     scales: np.ndarray[Any, Any],
@@ -202,11 +236,14 @@ def decode_groups(
     biases: np.ndarray[Any, Any] | None = None,
 ) -> np.ndarray[Any, Any]:
     """Every codec's host decode, into ``out`` (float32 ``[..., W·8/bits]``): each code's
-    level (:func:`lookup_codes` of ``runs``; ``None``: the codes are the levels, a cast),
-    then per group of ``group_size`` ``(level + offsets) · scales + biases`` (each
-    ``[..., groups, 1]``; ``offsets`` and ``biases`` where given), in place."""
+    level (:func:`lookup_codes` of ``runs``; ``None``: the codes are the levels, a cast;
+    :class:`PlacedE4m3`: its bit placement), then per group of ``group_size``
+    ``(level + offsets) · scales + biases`` (each ``[..., groups, 1]``; ``offsets`` and
+    ``biases`` where given), in place."""
     if runs is None:
         np.copyto(out, codes, casting="unsafe")
+    elif isinstance(runs, PlacedE4m3):
+        runs.levels(codes, out)
     else:
         lookup_codes(codes, bits, runs, out)
     groups = out.reshape(*out.shape[:-1], out.shape[-1] // group_size, group_size)
@@ -221,7 +258,7 @@ def decode_groups(
 def group_rows(
     stream: np.ndarray[Any, Any],
     bits: int,
-    runs: np.ndarray[Any, Any] | None,
+    runs: np.ndarray[Any, Any] | PlacedE4m3 | None,
     group_size: int,
     slot: str,
     scales: np.ndarray[Any, Any],

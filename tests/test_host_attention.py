@@ -16,9 +16,16 @@ from hypothesis import strategies as st
 from kvrows.codecs import parse_codec
 from kvrows.errors import InvalidInputError
 from kvrows.optimized import turbo_codec
-from kvrows.optimized.codecs import host_attention
+from kvrows.optimized.codecs import affine, host_attention
 from kvrows.optimized.codecs import make_codec as optimized_codec
-from kvrows.optimized.host import CODES_PER_LOOKUP, code_runs, host_fields, lookup_codes
+from kvrows.optimized.host import (
+    CODES_PER_LOOKUP,
+    E4M3_BIAS_SHIFT,
+    PlacedE4m3,
+    code_runs,
+    host_fields,
+    lookup_codes,
+)
 from kvrows.reference.codecs import make_codec as reference_codec
 
 #: Every encoded codec family with attention on its planes, at the widths that differ in
@@ -174,6 +181,42 @@ def test_the_host_lookup_reads_the_codes_mlx_packs(
     assert looked_up.dtype == np.float32 and looked_up.tobytes() == levels[codes].tobytes()
     fields = host_fields(stream, bits, bits)
     assert fields.shape == codes.shape and np.array_equal(fields, codes)
+
+
+@given(pairs=st.lists(st.tuples(st.integers(0, 255), st.integers(0, 255)), min_size=1))
+def test_placed_e4m3_bits_are_the_e4m3_levels(pairs: list[tuple[int, int]]) -> None:
+    """Every E4M3 code placed in float32 bits reads as its level (ml_dtypes' E4M3) times
+    ``2**-120``, subnormals and zeros included; a chunk holding a NaN code (0x7F, 0xFF)
+    reads every level right, the NaNs as NaN."""
+    import ml_dtypes
+
+    stream = np.array(pairs, dtype=np.uint8).reshape(-1)  # a plane's rows hold code pairs
+    levels = stream.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    runs = code_runs(np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn), 8)
+    every = np.arange(256, dtype=np.uint8)
+    out = np.full(stream.shape, np.float32(7.0))
+    PlacedE4m3(runs).levels(stream, out)
+    assert np.array_equal(out * np.float32(2.0**E4M3_BIAS_SHIFT), levels, equal_nan=True)
+    finite = every[(every & 0x7F) != 0x7F]  # every code but the NaNs: the placement alone
+    placed = np.empty(finite.shape, dtype=np.float32)
+    PlacedE4m3(runs).levels(finite, placed)
+    expected = finite.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    assert (placed * np.float32(2.0**E4M3_BIAS_SHIFT)).tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("magnitude", [1.0, 2.0**-20, 2.0**20])
+def test_the_mxfp8_host_decode_is_mlx_dequantize(magnitude: float, call_log: CallLog) -> None:
+    """The mxfp8 host decoder gives ``mx.dequantize``'s float32s bit for bit: by bit
+    placement where the E8M0 scales can carry ``2**120`` (small and tiny values), by the
+    table where one cannot (values past ``2**16``)."""
+    call_log.watch(PlacedE4m3, "levels")
+    rng = np.random.default_rng(11)
+    kv = mx.array((rng.standard_normal((2, 2, 9, DIM)) * magnitude).astype(np.float32))
+    codes, scales, *_ = mx.quantize(kv, group_size=32, bits=8, mode="mxfp8")
+    expected = mx.dequantize(codes, scales, group_size=32, bits=8, mode="mxfp8", dtype=mx.float32)
+    decoded = affine._host_rows((codes, scales), 32, 8, "mxfp8", "test")(0, 2, 0)
+    assert decoded.tobytes() == np.array(expected).tobytes()
+    assert call_log.names == ([] if magnitude > 2.0**16 else ["levels"])
 
 
 def test_mlx_affine_packing_is_the_little_endian_stream() -> None:

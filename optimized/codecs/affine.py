@@ -6,7 +6,6 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-import ml_dtypes
 import mlx.core as mx
 import numpy as np
 
@@ -16,7 +15,13 @@ from kvrows.errors import MLX_MASK_NOT_BOOLEAN, InvalidInputError, head_grouping
 from kvrows.optimized.codecs.common import Planes, ZeroPlanes
 from kvrows.optimized.codecs.host_attention import host_attention, takes_host_path
 from kvrows.optimized.codecs.registry import implements
-from kvrows.optimized.host import RowDecoder, code_runs, group_rows
+from kvrows.optimized.host import (
+    E4M3_BIAS_SHIFT,
+    PlacedE4m3,
+    RowDecoder,
+    code_runs,
+    group_rows,
+)
 from kvrows.protocols import Mask
 
 __all__ = [
@@ -136,6 +141,8 @@ def _levels(mode: str, bits: int) -> np.ndarray[Any, Any]:
     codes = np.arange(2**bits)
     if mode == "affine":
         return code_runs(codes, bits)
+    import ml_dtypes  # here: its import takes half a second of every process's start
+
     small = ml_dtypes.float8_e4m3fn if bits == 8 else ml_dtypes.float4_e2m1fn
     return code_runs(codes.astype(np.uint8).view(small).astype(np.float32), bits)
 
@@ -151,12 +158,23 @@ def _host_rows(
         scales = np.asarray(planes[1].astype(mx.float32))[..., None]
         biases: np.ndarray[Any, Any] | None = np.asarray(planes[2].astype(mx.float32))[..., None]
     else:
+        import ml_dtypes
+
         scale_codes = np.asarray(planes[1]).view(
             ml_dtypes.float8_e4m3fn if mode == "nvfp4" else ml_dtypes.float8_e8m0fnu
         )
         scales, biases = scale_codes.astype(np.float32)[..., None], None
     # Affine 8-bit codes are their levels: a cast, not a take.
-    runs = None if mode == "affine" and bits == 8 else _levels(mode, bits)
+    runs: np.ndarray[Any, Any] | PlacedE4m3 | None = (
+        None if mode == "affine" and bits == 8 else _levels(mode, bits)
+    )
+    if mode == "mxfp8":
+        # E4M3 codes placed in float32 bits read as level x 2^-120: the E8M0 scales carry
+        # the 2^120 where every one stays finite (a scale of 2^8 or more takes the table).
+        with np.errstate(over="ignore"):
+            carried = scales * np.float32(2.0**E4M3_BIAS_SHIFT)
+        if np.isfinite(carried).all():
+            runs, scales = PlacedE4m3(_levels(mode, bits)), carried
     return group_rows(stream, bits, runs, group_size, slot, scales, biases=biases)
 
 

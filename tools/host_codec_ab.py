@@ -1,0 +1,74 @@
+"""The CPU's host attention path of several affine and microscaling codecs, interleaved: each
+round times one decode step of every codec in turn, and each codec's figure is its median
+over the rounds (a machine's load then weighs on every codec alike). Ratios are to affine at
+the same bits (``spec/host-attention.md``).
+
+    .venv/bin/python tools/host_codec_ab.py [--batch 16] [--length 1024] [--dtype bfloat16]
+        [--rounds 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import mlx.core as mx
+
+from kvrows.optimized.codecs.affine import quantized_attention
+
+Q_HEADS, KV_HEADS, DIM, SCALE = 32, 8, 128, 0.088
+DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16}
+#: (mode, group size, bits), and the affine codec each is compared with.
+CODECS = {
+    "affine-4": ("affine", 64, 4),
+    "affine-8": ("affine", 32, 8),
+    "mxfp8": ("mxfp8", 32, 8),
+    "mxfp4": ("mxfp4", 32, 4),
+    "nvfp4": ("nvfp4", 16, 4),
+}
+BASELINE = {"affine-4": "affine-4", "affine-8": "affine-8", "mxfp8": "affine-8",
+            "mxfp4": "affine-4", "nvfp4": "affine-4"}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args()
+    dtype = DTYPES[args.dtype]
+    shape = (args.batch, KV_HEADS, args.length, DIM)
+    keys = mx.random.normal(shape).astype(dtype)
+    values = mx.random.normal(shape).astype(dtype)
+    queries = mx.random.normal((args.batch, Q_HEADS, 1, DIM)).astype(dtype)
+    planes = {}
+    for name, (mode, group, bits) in CODECS.items():
+        k = tuple(mx.quantize(keys, group_size=group, bits=bits, mode=mode))
+        v = tuple(mx.quantize(values, group_size=group, bits=bits, mode=mode))
+        mx.eval(k, v)
+        planes[name] = (k, v)
+
+    def step(name: str) -> float:
+        mode, group, bits = CODECS[name]
+        k, v = planes[name]
+        started = time.perf_counter()
+        mx.eval(quantized_attention(queries, k, v, None, SCALE, group, bits, mode))
+        return 1e3 * (time.perf_counter() - started)
+
+    for name in CODECS:  # one-time set-up (tables, the BLAS controller) untimed
+        step(name)
+    times: dict[str, list[float]] = {name: [] for name in CODECS}
+    for _ in range(args.rounds):
+        for name in CODECS:
+            times[name].append(step(name))
+    print(f"B={args.batch} L={args.length} {args.dtype}, median of {args.rounds} rounds:")
+    medians = {name: statistics.median(taken) for name, taken in times.items()}
+    for name, ms in medians.items():
+        base = BASELINE[name]
+        print(f"  {name:9s} {ms:8.1f} ms  x {base}: {ms / medians[base]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
