@@ -741,6 +741,8 @@ class ConformanceMachine(RuleBasedStateMachine):
         if self.stats.steps > self._steps_at_start:
             if self.geo is not None:
                 self.stats.variant(self.geo.codec)
+                if self.geo.value_dim == 0:
+                    self.stats.variant("keys only")  # values of width 0 (ks.keys_only)
             self.stats.example_done()
 
     # ------------------------------------------------------------------ helpers

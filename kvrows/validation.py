@@ -108,9 +108,10 @@ def check_block(
         )
     if n < 1:
         raise InvalidInputError(f"an update must append at least one token, got N={n}")
-    if b < 1 or h < 1 or d < 1 or dv < 1:
+    if b < 1 or h < 1 or d < 1 or dv < 0:
         raise InvalidInputError(
-            f"B, H, D and Dv must be positive, got B={b}, H={h}, D={d}, Dv={dv} "
+            f"B, H and D must be positive and Dv at least 0 (values of width 0: a keys-only "
+            f"cache), got B={b}, H={h}, D={d}, Dv={dv} "
             f"(keys {tuple(key_shape)}, values {tuple(value_shape)})"
         )
     if key_dtype != value_dtype:

@@ -300,7 +300,8 @@ def gather_runs(
         last = int(plane.shape[3])
         shape = (count, heads, width, last)
         view = host_readable(plane)
-        if int(plane.shape[0]) == 0 or not source.size:  # no block yet, or no column
+        if int(plane.shape[0]) == 0 or not source.size or not last:
+            # No block yet, no column, or zero-width planes (a keys-only cache's values).
             out.append(mx.zeros(shape, dtype=plane.dtype))
             continue
         if view is not None:

@@ -227,7 +227,8 @@ def write_columns(planes: PlaneSet, block: PlaneSet, starts: list[int], n: int) 
         rows = mx.arange(batch)[:, None]
         columns = mx.array(starts)[:, None] + mx.arange(n)[None, :]
         for plane, encoded in paired(planes, block):
-            plane[rows, :, columns] = mx.swapaxes(encoded, 1, 2)
+            if plane.size:  # (MLX's scatter into a zero-width plane dies of SIGFPE)
+                plane[rows, :, columns] = mx.swapaxes(encoded, 1, 2)
 
 
 def kv_pair(planes: PlaneSet) -> tuple[Planes, Planes]:
@@ -458,7 +459,8 @@ class Storage(SavedState, ComposedIdentity, PlaneHolder):
                 shape = (cells, int(plane.shape[1]), int(plane.shape[3]))
                 writes.append((plane, slots, columns, mx.zeros(shape, plane.dtype)))
         for plane, slots, columns, zeros in writes:  # cannot raise: shapes checked above
-            plane[slots, :, columns] = zeros
+            if plane.size:  # (a zero-width plane holds nothing to clear; MLX's scatter dies)
+                plane[slots, :, columns] = zeros
 
     def _row_slots(self) -> list[tuple[Store, int]]:
         """Each row's store and slot there, in batch order (several stores): the one map

@@ -186,11 +186,18 @@ def test_serial_trim_clamps_and_reports(impl: ModuleType) -> None:
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_an_empty_value_dimension_is_named(impl: ModuleType) -> None:
-    """A zero value width is refused with the value dimension named, not the key shape alone."""
+def test_a_keys_only_cache_holds_values_of_width_zero(impl: ModuleType) -> None:
+    """Values of width 0 (minimax_m3's indexer keeps keys only in a ``KVCache``): a plain
+    storage holds the keys and answers values of width 0; an encoding one refuses the
+    block with the value head dim named, and holds nothing."""
+    block = np.arange(2 * 64, dtype=np.float32).reshape(1, 1, 2, 64)
+    keys, values = _to(impl, block), _to(impl, np.zeros((1, 1, 2, 0), np.float32))
     cache = impl.KVCache()
-    keys = _to(impl, np.zeros((1, 1, 2, 8), np.float32))
-    values = _to(impl, np.zeros((1, 1, 2, 0), np.float32))
-    with pytest.raises(InvalidInputError, match=r"Dv=0"):
-        cache.update_and_fetch(keys, values)
-    assert cache.offset == 0
+    cache.update_and_fetch(keys, values)
+    fetched_keys, fetched_values = cache.update_and_fetch(keys, values)
+    assert tuple(fetched_values.shape) == (1, 1, 4, 0) and cache.offset == 4
+    assert np.array_equal(np.asarray(fetched_keys), np.concatenate([block, block], axis=2))
+    quantized = impl.QuantizedKVCache()
+    with pytest.raises(InvalidInputError, match="value head dim 0"):
+        quantized.update_and_fetch(keys, values)
+    assert quantized.offset == 0

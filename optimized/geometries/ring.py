@@ -992,15 +992,7 @@ class RaggedRing(RingGeometry):
             self._grow([store], round_up(needed), geometry)
             self._planes = store.planes
         assert self._planes is not None
-        if len(set(self._retained)) == 1:  # ``write_columns``, inline: every decode step
-            start = self._retained[0]
-            for plane, encoded in paired(self._planes, block):
-                plane[:, :, start : start + n] = encoded
-        else:
-            rows = mx.arange(len(self._offsets))[:, None]
-            columns = mx.array(self._retained)[:, None] + mx.arange(n)[None, :]
-            for plane, encoded in paired(self._planes, block):
-                plane[rows, :, columns] = mx.swapaxes(encoded, 1, 2)
+        write_columns(self._planes, block, self._retained, n)
         self._retained = [r + n for r in self._retained]
 
     def _append_stores(self, shares: list[PlaneSet], n: int, geometry: KvGeometry) -> None:

@@ -37,7 +37,6 @@ DIVERGENCES: dict[str, str] = {
     "TestPromptCache::test_batch_rotating_kv_cache": "its last assertion is mlx-lm's B9 mask",
     "TestPromptCache::test_save_load_batch_caches": "4 rows into a 2-row cache are refused",
     "TestPromptCache::test_arrays_cache_advance": "advance before the planes are written is refused",
-    "TestModels::test_minimax_m3_vl": "zero-width values (a keys-only index cache) are refused",
 }
 
 
