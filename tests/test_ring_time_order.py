@@ -87,6 +87,7 @@ def test_the_ordered_form_costs_slack_columns_and_moves_once_per_slack_tokens(
 ) -> None:
     window = 8
     ring = opt.RotatingKVCache(window)
+    ring.ordered_reads = True  # (no reader asks for time order here)
     for position in range(window + 1):  # wraps on the last one: the ordered form starts
         ring.update_and_fetch(_token(position, 1), _token(position, 1))
     assert ring.time_ordered and ring.slack == window  # min(STEP, window)
@@ -105,6 +106,25 @@ def test_the_ordered_form_costs_slack_columns_and_moves_once_per_slack_tokens(
         ring.update_and_fetch(_token(position, 1), _token(position, 1))
     assert moves == [ring.slack + 1] * 4  # the window moved to the front 4 times
     assert ring.nbytes == (window + ring.slack) * column
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["serial", "layout"])
+def test_a_ring_read_only_in_physical_order_keeps_the_physical_form(batched: bool) -> None:
+    """mlx-lm's attention through the drop-in reads ``update_and_fetch``'s physical order
+    and never asks for time order: the wrapped ring stays mlx-lm's in-place ring (no
+    ordered form to re-derive the physical read from at every step). The first read in
+    time order (kvrows' attention) switches it to the ordered form at the next token."""
+    window = 6
+    cache = _layout(window) if batched else opt.RotatingKVCache(window)
+    rows = ROWS if batched else 1
+    for position in range(1 if batched else 0, 3 * window):
+        cache.update_and_fetch(_token(position, rows), _token(position, rows))
+        assert not cache.time_ordered, position
+    keys, values = cache.update_and_fetch(_token(3 * window, rows), _token(3 * window, rows))
+    cache.reads_in_time_order(keys, values, None)
+    assert not cache.time_ordered  # (this read re-ordered a copy)
+    cache.update_and_fetch(_token(3 * window + 1, rows), _token(3 * window + 1, rows))
+    assert cache.time_ordered
 
 
 def test_the_ordered_form_reads_what_the_physical_form_reads() -> None:

@@ -1,7 +1,9 @@
 """The CPU's host attention path of several affine and microscaling codecs, interleaved: each
 round times one decode step of every codec in turn, and each codec's figure is its median
-over the rounds (a machine's load then weighs on every codec alike). Ratios are to affine at
-the same bits (``spec/host-attention.md``).
+over the rounds (a machine's load then weighs on every codec alike), in this process's CPU
+time (the host path runs on the calling thread, BLAS held to one: less sensitive than the
+wall clock to other processes on the machine). Ratios are to affine at the same bits
+(``spec/host-attention.md``).
 
     .venv/bin/python tools/host_codec_ab.py [--batch 16] [--length 1024] [--dtype bfloat16]
         [--rounds 9]
@@ -53,9 +55,9 @@ def main() -> None:
     def step(name: str) -> float:
         mode, group, bits = CODECS[name]
         k, v = planes[name]
-        started = time.perf_counter()
+        started = time.process_time()
         mx.eval(quantized_attention(queries, k, v, None, SCALE, group, bits, mode))
-        return 1e3 * (time.perf_counter() - started)
+        return 1e3 * (time.process_time() - started)
 
     for name in CODECS:  # one-time set-up (tables, the BLAS controller) untimed
         step(name)
@@ -63,7 +65,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for name in CODECS:
             times[name].append(step(name))
-    print(f"B={args.batch} L={args.length} {args.dtype}, median of {args.rounds} rounds:")
+    print(f"B={args.batch} L={args.length} {args.dtype}, CPU ms, median of {args.rounds} rounds:")
     medians = {name: statistics.median(taken) for name, taken in times.items()}
     for name, ms in medians.items():
         base = BASELINE[name]

@@ -332,9 +332,15 @@ class SharedRing(RingGeometry):
     #: The mlx-lm physical form is then derived (``_planes``, lazily: a step that only
     #: attends in time order never computes it). ``None``: the physical form is held.
     _ordered: PlaneSet | None = None
-    #: Whether a wrapped ring (no sinks) keeps the ordered form (off: the physical form,
-    #: and ``reads_in_time_order`` re-orders a copy at every read: the eager oracle).
-    ordered_reads: bool = True
+    #: Whether a wrapped ring (no sinks) keeps the ordered form: ``None`` (the default)
+    #: once a reader has asked for reads in time order (``reads_in_time_order``: kvrows'
+    #: attention), so a reader of the physical form (mlx-lm's attention through the
+    #: drop-in) keeps mlx-lm's in-place ring and never pays for the physical read's
+    #: re-derivation; ``True`` from the wrap on; ``False`` never (the physical form, and
+    #: ``reads_in_time_order`` re-orders a copy at every read: the eager oracle).
+    ordered_reads: bool | None = None
+    #: A reader asked for reads in time order (``ordered_reads`` ``None``).
+    _asked_in_time_order: bool = False
     _ordered_end: int = 0
     _physical: PlaneSet | None = None
 
@@ -468,6 +474,7 @@ class SharedRing(RingGeometry):
         in order). The ordered form (no sinks) answers with a slice of its window, no copy
         (the mask, a bool per column, is re-ordered); the physical form re-orders a copy
         (``reordered_reads``: sinks, ``ordered_reads`` off)."""
+        self._asked_in_time_order = True  # the next wrapped token keeps the ordered form
         if not self._rotated_read(keys):
             return keys, values, mask
         if self._ordered is None:
@@ -600,7 +607,15 @@ class SharedRing(RingGeometry):
         return self._with_sinks(_columns(mine, 0, sinks), _columns(held, start, active))
 
     def _append(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
-        sinks = [max(0, min(n, self.keep - o)) for o in self._offsets]
+        keep = self.keep
+        if not keep or min(self._offsets, default=keep) >= keep:  # no row takes a sink
+            if n == 1:
+                self._write_token(block, geometry)
+            else:
+                self._write_block(block)
+            self._total += n
+            return
+        sinks = [max(0, min(n, keep - o)) for o in self._offsets]
         fewest = min(sinks)
         if any(sinks):
             self._write_sinks(block, n, sinks, geometry)
@@ -672,29 +687,35 @@ class SharedRing(RingGeometry):
             self._write_ordered(block)
             self._idx += 1
             return
-        prev = self._total
-        if self._planes is None or (prev >= self.ring_length and self.ring_length < self.span):
-            grow = min(STEP, self.span - prev)
+        prev, span = self._total, self.span
+        held = self._planes
+        length = 0 if held is None else self.ring_length
+        if held is None or (prev >= length and length < span):
+            grow = min(STEP, span - prev)
             zeros = self._zeros(len(self._offsets), grow, geometry)
-            if self._planes is None:
+            if held is None:
                 self._planes = zeros
             else:
-                self._planes = _concat(_columns(self._planes, 0, self._lead + prev), zeros)
+                self._planes = _concat(_columns(held, 0, self._lead + prev), zeros)
             self._idx = prev
+            length = self.ring_length
         assert self._planes is not None
-        overshoot = self.ring_length - self.span
+        overshoot = length - span
         if overshoot > 0:
             self._planes = self._with_sinks(
                 self._sinks(self._planes), self._ring(self._planes, overshoot)
             )
-            self._idx = self.span
+            self._idx = span
             self._pads = [p - overshoot for p in self._pads]
-        if self._idx == self.span:
+        if self._idx == span:
             self._rotated = True
             self._idx = 0
         if self._rotated:
             self._pads = [p - 1 for p in self._pads]
-            if not self.keep and self.ordered_reads:
+            keeps_order = self.ordered_reads
+            if keeps_order is None:
+                keeps_order = self._asked_in_time_order
+            if not self.keep and keeps_order:
                 self._enter_ordered()  # from now on a token write keeps the time order
                 self._write_ordered(block)
                 self._idx += 1
@@ -841,6 +862,13 @@ class SharedRing(RingGeometry):
         block, then the ring (rolled once a token is written in place on a full ring); row
         ``b`` holds its sinks and its newest ring positions."""
         keep, span, offsets = self.keep, self.span, self._offsets
+        if n == 1 and not keep and max(self._pads, default=1) <= 0:
+            # A decode step once no row has padding left: every row holds every ring column,
+            # and the query sees them all when its window covers them (the steady state of
+            # a full ring: no host arrays to build).
+            active = min(self._shown(), span - 1) + 1
+            if reach(window, self.max_size, keep) >= active:
+                return mx.ones((len(offsets), 1, 1, active), dtype=mx.bool_)
         # Each row's sinks among the block, and what it holds of the sink block after it
         # (host arrays: a decode step's mask costs no Python loop over the rows).
         at = np.array(offsets, dtype=np.int32)
