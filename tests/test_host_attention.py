@@ -23,6 +23,8 @@ from kvrows.optimized.host import (
     E4M3_BIAS_SHIFT,
     PlacedE4m3,
     code_runs,
+    e4m3_floats,
+    e8m0_scales,
     host_fields,
     lookup_codes,
 )
@@ -202,6 +204,36 @@ def test_placed_e4m3_bits_are_the_e4m3_levels(pairs: list[tuple[int, int]]) -> N
     PlacedE4m3(runs).levels(finite, placed)
     expected = finite.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     assert (placed * np.float32(2.0**E4M3_BIAS_SHIFT)).tobytes() == expected.tobytes()
+
+
+def test_scale_bytes_read_as_ml_dtypes_reads_them() -> None:
+    """Every E8M0 and E4M3 scale byte (NaN and the subnormals included) as float32, bit for
+    bit ml_dtypes' cast, in any shape."""
+    import ml_dtypes
+
+    every = np.arange(256, dtype=np.uint8).reshape(4, 8, 8)
+    e8m0 = every.view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+    assert np.array_equal(e8m0_scales(every), e8m0, equal_nan=True)
+    assert e8m0_scales(every).tobytes() == e8m0.tobytes()  # (2**-127: a subnormal)
+    runs = code_runs(every.reshape(-1).view(ml_dtypes.float8_e4m3fn), 8)
+    e4m3 = every.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    assert np.array_equal(e4m3_floats(every, runs), e4m3, equal_nan=True)
+    finite = every[(every & 0x7F) != 0x7F]
+    assert e4m3_floats(finite, runs).tobytes() == e4m3[(every & 0x7F) != 0x7F].tobytes()
+    assert e8m0_scales(every[:0]).shape == (0, 8, 8)
+
+
+@pytest.mark.parametrize("mode", ["mxfp4", "nvfp4"])
+def test_the_fp4_host_decodes_are_mlx_dequantize(mode: str) -> None:
+    """mxfp4 and nvfp4 decoded on the host (their scales placed in float32 bits) give
+    ``mx.dequantize``'s float32s bit for bit."""
+    group = 16 if mode == "nvfp4" else 32
+    rng = np.random.default_rng(12)
+    kv = mx.array((rng.standard_normal((2, 2, 9, DIM)) * 3).astype(np.float32))
+    codes, scales, *_ = mx.quantize(kv, group_size=group, bits=4, mode=mode)
+    expected = mx.dequantize(codes, scales, group_size=group, bits=4, mode=mode, dtype=mx.float32)
+    decoded = affine._host_rows((codes, scales), group, 4, mode, "test")(0, 2, 0)
+    assert decoded.tobytes() == np.array(expected).tobytes()
 
 
 @pytest.mark.parametrize("magnitude", [1.0, 2.0**-20, 2.0**20])

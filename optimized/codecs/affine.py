@@ -20,6 +20,8 @@ from kvrows.optimized.host import (
     PlacedE4m3,
     RowDecoder,
     code_runs,
+    e4m3_floats,
+    e8m0_scales,
     group_rows,
 )
 from kvrows.protocols import Mask
@@ -158,12 +160,12 @@ def _host_rows(
         scales = np.asarray(planes[1].astype(mx.float32))[..., None]
         biases: np.ndarray[Any, Any] | None = np.asarray(planes[2].astype(mx.float32))[..., None]
     else:
-        import ml_dtypes
-
-        scale_codes = np.asarray(planes[1]).view(
-            ml_dtypes.float8_e4m3fn if mode == "nvfp4" else ml_dtypes.float8_e8m0fnu
-        )
-        scales, biases = scale_codes.astype(np.float32)[..., None], None
+        scale_codes = np.asarray(planes[1]).view(np.uint8)
+        if mode == "nvfp4":
+            scales = e4m3_floats(scale_codes, _levels("mxfp8", 8))
+        else:
+            scales = e8m0_scales(scale_codes)
+        scales, biases = scales[..., None], None
     # Affine 8-bit codes are their levels: a cast, not a take.
     runs: np.ndarray[Any, Any] | PlacedE4m3 | None = (
         None if mode == "affine" and bits == 8 else _levels(mode, bits)
