@@ -235,12 +235,15 @@ def geometries(
     key_dim = draw(st.sampled_from(dims), label="key_dim")
     value_dim = draw(st.sampled_from((key_dim, *dims)), label="value_dim")
     chunk_size = draw(chunks, label="chunk_size") if chunks is not None else None
-    if kind == "plain" and keys_only(dtype, heads, group, key_dim, max_size, keep, chunk_size):
-        value_dim = 0
-    return Geometry(
+    geometry = Geometry(
         dtype, heads, heads * group, key_dim, value_dim, max_size, bits, group_size, keep,
         chunk_size=chunk_size, codec_kind=kind,
     )  # fmt: skip
+    # A codec that encodes refuses values of width 0; one that stores the block holds them.
+    stores_block = bool(kind) and not geometry.spec.encodes
+    if stores_block and keys_only(dtype, heads, group, key_dim, max_size, keep, chunk_size):
+        return replace(geometry, value_dim=0)
+    return geometry
 
 
 @st.composite
