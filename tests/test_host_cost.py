@@ -262,6 +262,7 @@ def test_a_wrapped_ring_derives_its_physical_form_once_per_step(call_log: CallLo
         cache.update_and_fetch(piece, piece)
         serial.append(cache)
     ring = kv.BatchedRotatingCache.merge(serial)
+    assert isinstance(ring, SharedRing)
     ring.ordered_reads = True  # (kvrows' attention asks for time order; these steps do not)
     for s in range(12):  # wrapped, in time order
         _step(ring, s)
