@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import kvrows.optimized as opt
-from kvrows.app.attention import dispatch, row_attention
+from kvrows.app.attention import _HOOKABLE, dispatch, hookable_modules, row_attention
 from kvrows.app.models import make_kvrows_cache, tiny_model
 from kvrows.conformance.arrays import as_numpy
 from kvrows.conformance.tolerances import compare, tolerance
@@ -99,6 +99,34 @@ def test_model_without_mlx_lm_attention_is_refused() -> None:
     with pytest.raises(InvalidInputError), row_attention(nn.Linear(2, 2)):
         pass  # pragma: no cover - never entered
     assert base.scaled_dot_product_attention is ORIGINAL
+
+
+def test_a_model_is_scanned_for_hookable_modules_once_while_it_lives() -> None:
+    """Every hooked forward asks which modules to rebind: the scan (every module of the
+    model) runs once per live model, and its entry goes with the model."""
+    import gc
+
+    calls: list[int] = []
+
+    def counting_model() -> Any:
+        fresh = tiny_model("llama")
+        real = fresh.modules
+
+        def counted() -> Any:
+            calls.append(1)
+            return real()
+
+        fresh.modules = counted  # (the scan walks model.modules())
+        return fresh
+
+    fresh = counting_model()
+    first = hookable_modules(fresh)
+    assert first == [llama] and hookable_modules(fresh) == first and len(calls) == 1
+    key = id(fresh)
+    assert key in _HOOKABLE
+    del fresh
+    gc.collect()
+    assert key not in _HOOKABLE
 
 
 def _prefill(model: Any, caches: list[Any], tokens: mx.array, scheme: KvStorageScheme) -> Any:
