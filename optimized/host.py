@@ -204,9 +204,8 @@ class KeptBuffers:
         else:
             flat = mx.zeros((size + math.ceil(size * headroom),), dtype=bits)
         del kept  # the slice update's input only: donated unless a caller holds the buffer
-        mx.eval(flat)
         image = flat[:size].reshape(shape)
-        mx.eval(image)
+        mx.eval(flat, image)
         target = np.asarray(image)
         if not (target.flags.writeable and target.flags.c_contiguous):  # not a view: a copy
             return fresh_host(shape, dtype)

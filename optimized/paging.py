@@ -424,6 +424,8 @@ class BlockPool(PoolBase):
                 ledger.journal(functools.partial(self._reopen, table, list(table)))
         for table in closing:
             table.clear()
+        if not live and "_read_buffers" in self.__dict__:
+            self._read_buffers.clear()  # no row left to read: an idle pool keeps no buffer
 
     def _reopen(self, table: Table, held: Table) -> None:
         """Undo a close: ``table`` holds ``held`` again, live."""

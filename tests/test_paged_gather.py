@@ -156,6 +156,17 @@ def test_a_pool_read_reuses_the_last_reads_buffer_once_nobody_holds_it(dtype: mx
             np.testing.assert_array_equal(np.asarray(read.astype(mx.float32)), written)
 
 
+def test_a_pool_whose_rows_are_all_released_keeps_no_read_buffer() -> None:
+    pool, rows, _ = pool_rows(mx.float16, 9, 0)
+    with keep_every_buffer():
+        rows[0].fetch()
+    assert pool._read_buffers._kept
+    rows[0].release()
+    assert pool._read_buffers._kept  # a row still reads
+    rows[1].release()
+    assert not pool._read_buffers._kept
+
+
 def test_reads_below_the_kept_size_are_fresh_buffers() -> None:
     pool, rows, _ = pool_rows(mx.float16, 9, 0)
     assert 2 * HEADS * 9 * 8 * 2 < KEPT_BUFFER_BYTES
