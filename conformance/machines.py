@@ -299,7 +299,7 @@ def _flat(fetched: Any) -> list[Any]:
 
 def _bits(array: mx.array) -> bytes:
     """An evaluated MLX array's bytes (bfloat16 as its ``uint16`` bits)."""
-    return bytes(np.asarray(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array))
+    return np.asarray(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array).tobytes()
 
 
 def planes_of(impl: Impl, fetched: Any) -> Planes:
@@ -746,17 +746,20 @@ class ConformanceMachine(RuleBasedStateMachine):
             self._scopes.enter_context(keep_every_buffer())
 
     def _hold_read(self, what: str, fetched: Any) -> None:
-        """Keep every third optimized read (an array, or an op on it not yet evaluated),
-        with its bytes now: ``_check_independence`` checks that later calls left it as it
-        was. The others are dropped, so a pool may reuse their buffers."""
+        """Keep every third optimized read (its arrays, or slices of them not yet
+        evaluated: the slice holds the read), with its bytes now: ``_check_independence``
+        checks that later calls left it as it was. The others are dropped, so a pool may
+        reuse their buffers."""
         self._reads_seen += 1
         if self._reads_seen % 3:
             return
         arrays = _flat(fetched)
         evaluate(arrays)
-        pristine = [_bits(a) for a in arrays if isinstance(a, mx.array)]
-        if self._reads_seen % 2:
-            arrays = [a + 0 if isinstance(a, mx.array) else a for a in arrays]  # pending ops
+        if self._reads_seen % 2:  # (an op other than a slice may change bits: -0.0 + 0)
+            pristine = [_bits(a[:1]) for a in arrays if isinstance(a, mx.array)]
+            arrays = [a[:1] if isinstance(a, mx.array) else a for a in arrays]
+        else:
+            pristine = [_bits(a) for a in arrays if isinstance(a, mx.array)]
         self._held_reads.append((what, arrays, pristine))
         if self._kept_reads:
             self.stats.check("kept read buffers")
