@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -171,14 +172,17 @@ class KeptBuffers:
     :meth:`fresh` gives the slot's kept flat buffer to ``mx.slice_update`` of one element
     (the buffer kept by this object alone): MLX donates an input's buffer to the output
     only when no other array, view (NumPy's included) or pending op holds it, which is
-    the rule its own in-place updates rely on; otherwise it copies into a fresh buffer.
+    the rule its own in-place updates rely on; otherwise it copies into a fresh buffer
+    (while the previous output itself is alive no donation is tried: a new buffer).
     Either way the output's buffer is the new output's alone, so writing it is as safe as
     writing a fresh one, and an output a caller still holds never changes. An output
     below :data:`KEPT_BUFFER_BYTES` is :func:`fresh_host`'s (its slot is left as it is).
     ``reused`` counts the outputs written into a kept buffer."""
 
     def __init__(self) -> None:
-        self._kept: dict[Hashable, mx.array] = {}
+        #: Each slot's flat buffer and the output last written into it (weakly: while that
+        #: output lives MLX would not donate, so the slot takes a new buffer, not a copy).
+        self._kept: dict[Hashable, tuple[mx.array, weakref.ref[mx.array]]] = {}
         self.reused = 0
 
     def fresh(
@@ -192,10 +196,11 @@ class KeptBuffers:
         least, headroom = _KEPT.get()
         if size * bits.size < least:
             return fresh_host(shape, dtype)
-        kept = self._kept.pop(slot, None)
+        kept, last = self._kept.pop(slot, (None, None))
         address = None
         if (
             kept is not None
+            and (last is None or last() is None)
             and kept.dtype == bits
             and size <= kept.size <= size * (1 + 2 * headroom)
         ):
@@ -210,8 +215,10 @@ class KeptBuffers:
         if not (target.flags.writeable and target.flags.c_contiguous):  # not a view: a copy
             return fresh_host(shape, dtype)
         self.reused += _address(target) == address
-        self._kept[slot] = flat
-        return (image.view(mx.bfloat16) if dtype == mx.bfloat16 else image), target
+        if dtype == mx.bfloat16:
+            image = image.view(mx.bfloat16)
+        self._kept[slot] = (flat, weakref.ref(image))
+        return image, target
 
     def clear(self) -> None:
         """Give every kept buffer back (held outputs keep theirs)."""

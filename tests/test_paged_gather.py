@@ -137,10 +137,21 @@ def read_address(keys: mx.array) -> int:
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
-def test_a_pool_read_reuses_the_last_reads_buffer_once_nobody_holds_it(dtype: mx.Dtype) -> None:
+def test_a_pool_read_reuses_the_last_reads_buffer_once_nobody_holds_it(
+    dtype: mx.Dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The dispatch: a second read of a row, the first one dropped, is written into the
-    first's buffer (the same address: MLX donated it); a read held is not reused."""
+    first's buffer (the same address: MLX donated it to the slice update); a read held is
+    not reused, and no donation is tried for it (a new buffer, not a copy of it)."""
     pool, rows, keys = pool_rows(dtype, 9, 0)
+    updates = []
+    real = mx.slice_update
+
+    def slice_update(*args: Any, **kwargs: Any) -> mx.array:
+        updates.append(1)  # (not the arguments: holding the buffer would stop its donation)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mx, "slice_update", slice_update)
     with keep_every_buffer():
         first = rows[0].fetch()
         address = read_address(first[0])
@@ -148,9 +159,11 @@ def test_a_pool_read_reuses_the_last_reads_buffer_once_nobody_holds_it(dtype: mx
         second = rows[0].fetch()[0]  # (its values dropped)
         assert read_address(second) == address
         assert pool._read_buffers.reused == 2  # keys and values
+        assert len(updates) == 2
         third = rows[0].fetch()[0]  # ``second`` held: a buffer of its own
         assert read_address(third) != read_address(second)
         assert pool._read_buffers.reused == 3  # the values only
+        assert len(updates) == 3
         written = np.asarray(mx.array(keys[:1]).astype(dtype).astype(mx.float32))
         for read in (second, third):
             np.testing.assert_array_equal(np.asarray(read.astype(mx.float32)), written)
