@@ -271,15 +271,16 @@ class DelayedMachine(WriterRules, OpsChecks):
         # mid-draw (``StopTest``: the example is discarded), the model is mid-update, and a
         # check here would replace that exception with its own.
         failing = sys.exc_info()[1] is not None
-        if self.geo is not None and self.stats.steps > self._steps_at_start and not failing:
-            for slot in self.slots:
-                self._check_layout(slot, rows=True)
-            g = self.g
-            self.stats.variant(g.codec)
-            if g.turbo:
-                self.stats.check(f"head dim {g.dim}")
-            self.stats.variant("start 0" if g.start == 0 else "start > 0")
-            self.stats.example_done()
+        with self._scopes:  # the example's read buffers scope (``_choose_read_buffers``)
+            if self.geo is not None and self.stats.steps > self._steps_at_start and not failing:
+                for slot in self.slots:
+                    self._check_layout(slot, rows=True)
+                g = self.g
+                self.stats.variant(g.codec)
+                if g.turbo:
+                    self.stats.check(f"head dim {g.dim}")
+                self.stats.variant("start 0" if g.start == 0 else "start > 0")
+                self.stats.example_done()
 
     # ------------------------------------------------------------------ helpers
     @property

@@ -63,7 +63,7 @@ import math
 import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, ClassVar, TypeVar
@@ -100,7 +100,7 @@ from kvrows.forms import rows_of_state, unpack_state
 from kvrows.geometries.chunked import chunk_visible
 from kvrows.leases import lease_cache_states
 from kvrows.optimized.codecs.host_attention import op_attention
-from kvrows.optimized.host import on_cpu
+from kvrows.optimized.host import keep_every_buffer, kept_from, on_cpu
 from kvrows.protocols import RowTrimmable, TimeOrderedReads
 
 __all__ = [
@@ -295,6 +295,11 @@ def evaluate(arrays: Sequence[Any]) -> None:
 def _flat(fetched: Any) -> list[Any]:
     """A fetch answer's arrays (a plane, or a tuple of planes, per tensor)."""
     return [p for part in fetched for p in (part if isinstance(part, tuple | list) else (part,))]
+
+
+def _bits(array: mx.array) -> bytes:
+    """An evaluated MLX array's bytes (bfloat16 as its ``uint16`` bits)."""
+    return np.asarray(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array).tobytes()
 
 
 def planes_of(impl: Impl, fetched: Any) -> Planes:
@@ -697,6 +702,13 @@ class ConformanceMachine(RuleBasedStateMachine):
         self._outputs: deque[tuple[str, Impl, Any, Any]] = deque(maxlen=6)
         #: Whether this example attends through the MLX ops on the CPU (not the host path).
         self._op_path = False
+        #: Whether this example's host-written reads keep their buffers at every size
+        #: (``keep_every_buffer``), and the scope that does it (closed at teardown).
+        self._kept_reads = False
+        self._scopes = ExitStack()
+        #: Optimized reads the machine holds on to, each with its bytes then (``_hold_read``).
+        self._held_reads: deque[tuple[str, Any, Any]] = deque(maxlen=4)
+        self._reads_seen = 0
 
     @initialize(data=st.data())
     def setup(self, data: st.DataObject) -> None:
@@ -705,6 +717,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         if self.geo.mlx_lm_width_bug and self.peer is not None and self.spec.serial_peer:
             self._skip("A1", f"no mlx-lm twin at {self.geo}")
         self._choose_attention_path()
+        self._choose_read_buffers()
 
     def _choose_attention_path(self) -> None:
         """On the CPU, an example attends over encoded planes either in NumPy (the host
@@ -716,6 +729,40 @@ class ConformanceMachine(RuleBasedStateMachine):
         self._op_path = on_cpu() and bool(zlib.crc32(repr(self.geo).encode()) & 1)
         if self._op_path:
             note("attention path: MLX ops (op_attention)")
+
+    def _choose_read_buffers(self) -> None:
+        """On the CPU, an example's host-written reads (a paged pool's gather) either take
+        fresh buffers at these small shapes (the eager path) or keep them from read to
+        read as large reads do (``keep_every_buffer``: the reuse), by the drawn geometry's
+        CRC as the attention path; the machine holds some reads across later calls in
+        either case (:meth:`_hold_read`), so a reuse that wrote a held read is caught. The
+        scope closes at :meth:`teardown` (a machine that overrides it closes ``_scopes``)."""
+        # An example before this one left its scope open (a machine whose teardown does
+        # not close ``_scopes``): its generator would reset the mode whenever collected.
+        assert kept_from(), "an earlier example's keep_every_buffer scope is still open"
+        self._kept_reads = on_cpu() and bool(zlib.crc32(repr(self.geo).encode()) & 2)
+        if self._kept_reads:
+            note("reads: kept buffers at every size (keep_every_buffer)")
+            self._scopes.enter_context(keep_every_buffer())
+
+    def _hold_read(self, what: str, fetched: Any) -> None:
+        """Keep every third optimized read (its arrays, or slices of them not yet
+        evaluated: the slice holds the read), with its bytes now: ``_check_independence``
+        checks that later calls left it as it was. The others are dropped, so a pool may
+        reuse their buffers."""
+        self._reads_seen += 1
+        if self._reads_seen % 3:
+            return
+        arrays = _flat(fetched)
+        evaluate(arrays)
+        if self._reads_seen % 2:  # (an op other than a slice may change bits: -0.0 + 0)
+            pristine = [_bits(a[:1]) for a in arrays if isinstance(a, mx.array)]
+            arrays = [a[:1] if isinstance(a, mx.array) else a for a in arrays]
+        else:
+            pristine = [_bits(a) for a in arrays if isinstance(a, mx.array)]
+        self._held_reads.append((what, arrays, pristine))
+        if self._kept_reads:
+            self.stats.check("kept read buffers")
 
     def _on_path(self) -> AbstractContextManager[None]:
         """The example's attention path, around one attention call."""
@@ -735,8 +782,9 @@ class ConformanceMachine(RuleBasedStateMachine):
         return "attention.mlx_lm.host" if host else "attention.mlx_lm"
 
     def teardown(self) -> None:
-        if self.geo is not None and self._clean:
-            self._check_everything(final=True)
+        with self._scopes:  # the example's read buffers scope, closed whatever happens
+            if self.geo is not None and self._clean:
+                self._check_everything(final=True)
         # Examples Hypothesis abandons before any operation are not counted.
         if self.stats.steps > self._steps_at_start:
             if self.geo is not None:
@@ -1070,6 +1118,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             fetched.append((planes_of(impl, fk), planes_of(impl, fv)))
             if impl is self.opt_impl:
                 self._time_ordered(what, cache, fk, fv)
+                self._hold_read(what, (fk, fv))
         self._fetch_dtypes(what, *fetched[0], *fetched[1])
         return fetched
 
@@ -2457,6 +2506,14 @@ class ConformanceMachine(RuleBasedStateMachine):
                 raise AssertionError(
                     f"{impl.name} changed an input array after the call ({label}): an "
                     "implementation kept the caller's array and wrote into it"
+                )
+        for label, arrays, pristine in self._held_reads:
+            held = [a for a in arrays if isinstance(a, mx.array)]
+            evaluate(held)
+            if [_bits(a) for a in held] != pristine:
+                raise AssertionError(
+                    f"the optimized read of {label} changed while the machine held it (a "
+                    "later read wrote into its buffer)"
                 )
         for label, impl, cache, held in self._outputs:
             now = (int(cache.offset), planes_bytes(self._view(impl, cache)))

@@ -1,14 +1,18 @@
 """NumPy views of MLX buffers on the CPU backend, where NumPy's copies run near memcpy's
 speed and MLX's slice updates and per-element gathers do not (``spec/paged.md``,
 ``spec/turbo-codec.md``): the paged pool writes and gathers through them, the TurboQuant
-value read looks its centroids up through them. Every helper returns ``None`` (or is not
-called) on other backends, which keep the MLX ops."""
+value read looks its centroids up through them; the pool's large reads go into buffers it
+keeps from read to read (:class:`KeptBuffers`, ``spec/paged-pool.md`` §6). Every helper
+returns ``None`` (or is not called) on other backends, which keep the MLX ops."""
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +22,9 @@ import numpy as np
 __all__ = [
     "CODES_PER_LOOKUP",
     "E4M3_BIAS_SHIFT",
+    "KEPT_BUFFER_BYTES",
+    "FreshHost",
+    "KeptBuffers",
     "PlacedE4m3",
     "RowDecoder",
     "code_runs",
@@ -29,6 +36,8 @@ __all__ = [
     "host_fields",
     "host_readable",
     "host_views",
+    "keep_every_buffer",
+    "kept_from",
     "lookup_codes",
     "on_cpu",
     "scratch",
@@ -39,6 +48,9 @@ __all__ = [
 #: host: float32 ``[hi - lo, heads, S - start, dim]`` (a codec's decoder for :mod:`host
 #: attention <kvrows.optimized.codecs.host_attention>`).
 RowDecoder = Callable[[int, int, int], "np.ndarray[Any, Any]"]
+#: ``(shape, dtype) -> (image, target)``: an evaluated MLX array to fill on the host and a
+#: writable NumPy view of its buffer (:func:`fresh_host`, a slot of :class:`KeptBuffers`).
+FreshHost = Callable[[tuple[int, ...], mx.Dtype], tuple[mx.array, "np.ndarray[Any, Any]"]]
 
 
 #: A thread's scratch buffers (:func:`scratch`), by slot.
@@ -121,6 +133,110 @@ def fresh_host(shape: tuple[int, ...], dtype: mx.Dtype) -> tuple[mx.array, np.nd
     if dtype == mx.bfloat16:
         image = image.view(mx.bfloat16)
     return image, target
+
+
+#: Host-written MLX outputs at least this large are kept between calls (:class:`KeptBuffers`).
+#: glibc's ``malloc`` serves a larger block (past its largest mmap threshold, 32 MiB on
+#: 64-bit) with fresh pages from the kernel and unmaps it on ``free``: MLX's CPU allocator
+#: keeps no cache, so every such output faulted in and zeroed its pages again, about
+#: 1 ms a MiB here (a paged read of 2 x 537 MB: over a second a step). Smaller blocks
+#: ``malloc`` reuses itself.
+KEPT_BUFFER_BYTES = 32 << 20
+#: A kept buffer's room past the output it was made for (a decode step's read grows by a
+#: column per step: a fresh buffer about every 32nd part of the row length in steps).
+KEPT_HEADROOM = 1 / 32
+#: The size from which :class:`KeptBuffers` keeps outputs now, and the headroom it gives
+#: them (:func:`keep_every_buffer`).
+_KEPT: ContextVar[tuple[int, float]] = ContextVar(
+    "kvrows_kept", default=(KEPT_BUFFER_BYTES, KEPT_HEADROOM)
+)
+
+
+def kept_from() -> int:
+    """The size in bytes from which :class:`KeptBuffers` keeps outputs now (0 inside
+    :func:`keep_every_buffer`)."""
+    return _KEPT.get()[0]
+
+
+@contextmanager
+def keep_every_buffer() -> Iterator[None]:
+    """Inside, :class:`KeptBuffers` keeps outputs of every size, each buffer made twice
+    the output it is for (the conformance machines draw it per example on the CPU, so the
+    reuse runs at their small shapes, across reads that grow or shrink, too)."""
+    token = _KEPT.set((0, 1.0))
+    try:
+        yield
+    finally:
+        _KEPT.reset(token)
+
+
+class KeptBuffers:
+    """Buffers of host-written MLX outputs (:func:`fresh_host`'s), one per slot, that the
+    next output of the slot reuses once nothing else holds the previous one.
+
+    :meth:`fresh` gives the slot's kept flat buffer to ``mx.slice_update`` of one element
+    (the buffer kept by this object alone): MLX donates an input's buffer to the output
+    only when no other array, view (NumPy's included) or pending op holds it, which is
+    the rule its own in-place updates rely on; otherwise it copies into a fresh buffer
+    (while the previous output itself is alive no donation is tried: a new buffer).
+    Either way the output's buffer is the new output's alone, so writing it is as safe as
+    writing a fresh one, and an output a caller still holds never changes. An output
+    below :data:`KEPT_BUFFER_BYTES` is :func:`fresh_host`'s (its slot is left as it is).
+    ``reused`` counts the outputs written into a kept buffer."""
+
+    def __init__(self) -> None:
+        #: Each slot's flat buffer and the output last written into it (weakly: while that
+        #: output lives MLX would not donate, so the slot takes a new buffer, not a copy).
+        self._kept: dict[Hashable, tuple[mx.array, weakref.ref[mx.array]]] = {}
+        self.reused = 0
+
+    def fresh(
+        self, slot: Hashable, shape: tuple[int, ...], dtype: mx.Dtype
+    ) -> tuple[mx.array, np.ndarray[Any, Any]]:
+        """:func:`fresh_host`'s pair for ``shape`` and ``dtype``, in slot ``slot``'s
+        buffer when that fits (at least the output, at most twice the headroom past it);
+        else in a new buffer for the slot, :data:`KEPT_HEADROOM` past the output."""
+        bits = mx.uint16 if dtype == mx.bfloat16 else dtype
+        size = math.prod(shape)
+        least, headroom = _KEPT.get()
+        if size * bits.size < least:
+            return fresh_host(shape, dtype)
+        kept, last = self._kept.pop(slot, (None, None))
+        address = None
+        if (
+            kept is not None
+            and (last is None or last() is None)
+            and kept.dtype == bits
+            and size <= kept.size <= size * (1 + 2 * headroom)
+        ):
+            address = _address(kept)
+            flat = mx.slice_update(kept, mx.zeros((1,), bits), mx.array([0]), axes=(0,))
+        else:
+            flat = mx.zeros((size + math.ceil(size * headroom),), dtype=bits)
+        del kept  # the slice update's input only: donated unless a caller holds the buffer
+        image = flat[:size].reshape(shape)
+        mx.eval(flat, image)
+        target = np.asarray(image)
+        if not (target.flags.writeable and target.flags.c_contiguous):  # not a view: a copy
+            return fresh_host(shape, dtype)
+        self.reused += _address(target) == address
+        if dtype == mx.bfloat16:
+            image = image.view(mx.bfloat16)
+        self._kept[slot] = (flat, weakref.ref(image))
+        return image, target
+
+    def clear(self) -> None:
+        """Give every kept buffer back (held outputs keep theirs)."""
+        self._kept.clear()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KeptBuffers:
+        return KeptBuffers()  # a cache of memory, not state: a copy starts empty
+
+
+def _address(array: mx.array | np.ndarray[Any, Any]) -> int:
+    """The address of ``array``'s first element (an MLX array's through a NumPy view,
+    dropped at once: a view held would keep its buffer from being donated)."""
+    return int(np.asarray(array).__array_interface__["data"][0])
 
 
 def host_fields(stream: np.ndarray[Any, Any], bits: int, field: int) -> np.ndarray[Any, Any]:

@@ -61,7 +61,7 @@ from kvrows.optimized.codecs import Codec, dtype_name, make_codec
 from kvrows.optimized.geometries.chunked import ChunkedGeometry
 from kvrows.optimized.geometries.growing import GrowingGeometry
 from kvrows.optimized.geometries.ring import RingGeometry
-from kvrows.optimized.host import fresh_host, host_readable, host_views
+from kvrows.optimized.host import FreshHost, KeptBuffers, fresh_host, host_readable, host_views
 from kvrows.optimized.rows import (
     DECLARED,
     Layout,
@@ -263,7 +263,12 @@ def gather_sources(
 
 
 def gather_runs(
-    planes: Planes, rows: Sequence[tuple[Sequence[int], Runs]], pads: Sequence[int], width: int
+    planes: Planes,
+    rows: Sequence[tuple[Sequence[int], Runs]],
+    pads: Sequence[int],
+    width: int,
+    *,
+    fresh: Sequence[FreshHost] | None = None,
 ) -> Planes:
     """``[B, H, width, w]``: row ``b``'s runs of positions ``(first, count)`` (its
     ``blocks`` indexed by logical block), one after another from column ``pads[b]``,
@@ -272,8 +277,11 @@ def gather_runs(
     One gather for the whole batch: each plane ``[N, H, size, w]`` is read as the rows of
     ``[N * H * size, w]`` (a token of a head of a block per row), every output row's source
     row computed at once (:func:`gather_sources`). On the CPU backend NumPy's ``take``
-    fills a fresh MLX buffer in place (MLX's CPU gather costs per element: 3-6x slower
-    here); elsewhere it is ``mx.take``."""
+    fills an MLX buffer in place (MLX's CPU gather costs per element: 3-6x slower
+    here): plane ``i``'s from ``fresh[i]`` when given (a pool's: its last read's buffer
+    when nothing holds that read any more, :class:`~kvrows.optimized.host.KeptBuffers`),
+    else a fresh one (:func:`~kvrows.optimized.host.fresh_host`); elsewhere it is
+    ``mx.take``."""
     count = len(rows)
     size = int(planes[0].shape[2])
     block, within, valid = gather_sources(rows, pads, width, size)
@@ -294,7 +302,7 @@ def gather_runs(
         return indexed[heads]
 
     out = []
-    for plane in planes:
+    for i, plane in enumerate(planes):
         heads = int(plane.shape[1])
         source, unfilled = index_of(heads)
         last = int(plane.shape[3])
@@ -305,7 +313,7 @@ def gather_runs(
             out.append(mx.zeros(shape, dtype=plane.dtype))
             continue
         if view is not None:
-            image, target = fresh_host(shape, plane.dtype)
+            image, target = (fresh_host if fresh is None else fresh[i])(shape, plane.dtype)
             flat = target.reshape(-1, last)
             # mode="clip": "raise" buffers the whole output first (the indices are in range).
             np.take(view.reshape(-1, last), source, axis=0, out=flat, mode="clip")
@@ -417,6 +425,8 @@ class BlockPool(PoolBase):
                 ledger.journal(functools.partial(self._reopen, table, list(table)))
         for table in closing:
             table.clear()
+        if not live and "_read_buffers" in self.__dict__:
+            self._read_buffers.clear()  # no row left to read: an idle pool keeps no buffer
 
     def _reopen(self, table: Table, held: Table) -> None:
         """Undo a close: ``table`` holds ``held`` again, live."""
@@ -600,8 +610,19 @@ class BlockPool(PoolBase):
         if not planes:
             return {}
         # Every tensor's planes in one gather: the rows' sources are computed once.
-        images = iter(gather_runs(tuple(itertools.chain(*planes.values())), rows, pads, width))
+        chained = tuple(itertools.chain(*planes.values()))
+        kept = self._read_buffers
+        fresh = [
+            functools.partial(kept.fresh, (t, i)) for t, p in planes.items() for i in range(len(p))
+        ]
+        images = iter(gather_runs(chained, rows, pads, width, fresh=fresh))
         return {t: tuple(next(images) for _ in p) for t, p in planes.items()}
+
+    @functools.cached_property
+    def _read_buffers(self) -> KeptBuffers:
+        """The buffers of the pool's large reads, each reused by its next read of the same
+        plane once nothing holds the earlier one (``spec/paged-pool.md`` §5)."""
+        return KeptBuffers()
 
     # -- the prefix cache ----------------------------------------------------------------
     def register_prefix(

@@ -102,7 +102,9 @@ def test_a_ring_fill_and_rollback_bug_is_caught(mutant: type) -> None:
 _GATHER_RUNS = optimized_paging.gather_runs
 
 
-def gather_one_run(planes: Any, rows: Sequence[tuple[Sequence[int], Any]], *args: Any) -> Any:
+def gather_one_run(
+    planes: Any, rows: Sequence[tuple[Sequence[int], Any]], *args: Any, **kwargs: Any
+) -> Any:
     """Reads each row's blocks as one run from its first held block (``FREE`` entries
     kept): right for a table without gaps, wrong for one with them."""
     runs, pool = [], int(planes[0].shape[0])
@@ -114,7 +116,7 @@ def gather_one_run(planes: Any, rows: Sequence[tuple[Sequence[int], Any]], *args
             b if b == FREE else (blocks[first] + j - first) % pool for j, b in enumerate(blocks)
         ]
         runs.append((one_run, spans))
-    return _GATHER_RUNS(planes, runs, *args)
+    return _GATHER_RUNS(planes, runs, *args, **kwargs)
 
 
 @pytest.mark.parametrize(("family", "examples"), [("paged", 40), ("paged-rotating", None)])
