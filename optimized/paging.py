@@ -1633,6 +1633,7 @@ class PagedRing(PagedRows):
         leads = self._leads_after(n) if self._offsets else [0] * rows
         super()._write(block, n, geometry)  # the pool first: it may refuse, nothing changed
         self._retained, self._lead = after, leads
+        self._changed()  # (the write may have read the pads at the old leads)
         self._release_outside()
 
     def _after(self, n: int) -> list[int]:

@@ -348,8 +348,8 @@ class RaggedRing:
         self.holds = True
 
     def join(self, rows: Sequence[Row], running: int) -> None:
-        for row in rows:  # (every row is a cut: at column 0)
-            row.pad = 0
+        for row in rows:  # a join lays every row from column 0 (a paged one is not cut)
+            row.pad = row.lead = 0
         self.holds = any(row.retained for row in rows)
 
     def filter(self, rows: Sequence[Row]) -> None:
