@@ -14,9 +14,10 @@ and rolls back each row's rejected drafts. Two layouts, side by side in one proc
 A round: ``make_mask``, ``update_and_fetch`` (keys, values and mask evaluated), then
 ``spec_round_rollback`` with per-row keeps drawn in ``1..d + 1`` (seeded, the same for
 both): the cache's work, what the layouts change. Each repeat runs ``--rounds`` rounds on
-the same layout (so the ``lead`` layout's compactions count at their real rate) and
-reports the mean per round; the table is the median over ``--repeats`` repeats, the two
-layouts interleaved. Then MLX's SDPA over each layout's last read (GQA 4:1, 32 query
+the same layout (so the ``lead`` layout's compactions count at their real rate), the two
+layouts interleaved; the table gives the median over ``--repeats`` repeats of each
+repeat's mean per round, the mean over every round (compactions amortized) and the slides
+(whole-layout gathers) counted. Then MLX's SDPA over each layout's last read (GQA 4:1, 32 query
 heads; median of 3): what a wider read (``lead``: up to ``slack`` columns) costs the
 attention. fp16, 8 KV heads, head dim 128, ``d = 3``.
 
@@ -38,8 +39,20 @@ import kvrows.optimized as opt
 HEADS, QUERY_HEADS, DIM, DRAFTS = 8, 32, 128, 3
 
 
-class Sliding(opt.SpeculativeRotatingKVCache):  # type: ignore[misc,valid-type]
+class Leading(opt.SpeculativeRotatingKVCache):  # type: ignore[misc,valid-type]
+    """The layout, counting its slides (compactions)."""
+
+    slides = 0
+
+    def _slide(self, *args: Any) -> Any:
+        type(self).slides += 1
+        return super()._slide(*args)
+
+
+class Sliding(Leading):
     """The layout before issue 28's change: every drop compacts."""
+
+    slides = 0
 
     @property
     def _slack(self) -> int:
@@ -98,14 +111,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--shapes", default="1x1024,16x1024,1x4096,16x4096", help="BxW,...")
     args = parser.parse_args()
-    print("B   W     slide ms  lead ms  lead/slide  SDPA slide ms (cols)  SDPA lead ms (cols)")
+    print(
+        "B   W     slide ms  lead ms  lead/slide  mean slide  mean lead  slides  "
+        "SDPA slide ms (cols)  SDPA lead ms (cols)"
+    )
     rng = np.random.default_rng(28)
     for shape in args.shapes.split(","):
         rows, window = (int(x) for x in shape.split("x"))
-        layouts = {
-            "slide": _layout(Sliding, rows, window),
-            "lead": _layout(opt.SpeculativeRotatingKVCache, rows, window),
-        }
+        layouts = {"slide": _layout(Sliding, rows, window), "lead": _layout(Leading, rows, window)}
         block = mx.random.normal((rows, HEADS, DRAFTS + 1, DIM)).astype(mx.float16)
         queries = mx.random.normal((rows, QUERY_HEADS, DRAFTS + 1, DIM)).astype(mx.float16)
         mx.eval(block, queries)
@@ -115,14 +128,20 @@ def main() -> None:
         ]
         for layout in layouts.values():  # warm-up
             _rounds(layout, block, draw[0][:2])
+        Sliding.slides = Leading.slides = 0
         times: dict[str, list[float]] = {"slide": [], "lead": []}
         for keeps in draw[1:]:
             for name, layout in layouts.items():
                 times[name].append(_rounds(layout, block, keeps))
         a, b = (1e3 * statistics.median(times[k]) for k in ("slide", "lead"))
+        c, d = (1e3 * statistics.mean(times[k]) for k in ("slide", "lead"))
+        slides = f"{Sliding.slides}/{Leading.slides}"
         sdpa = {k: _attention(v, block, queries) for k, v in layouts.items()}
         cells = [f"{1e3 * sdpa[k][0]:.2f} ({sdpa[k][1]})" for k in ("slide", "lead")]
-        print(f"{rows:<3} {window:<5} {a:<9.2f} {b:<8.2f} {b / a:<11.3f} {cells[0]:<21} {cells[1]}")
+        print(
+            f"{rows:<3} {window:<5} {a:<9.2f} {b:<8.2f} {b / a:<11.3f} {c:<11.2f} {d:<10.2f} "
+            f"{slides:<7} {cells[0]:<21} {cells[1]}"
+        )
 
 
 if __name__ == "__main__":
