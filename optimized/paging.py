@@ -57,6 +57,7 @@ from kvrows.errors import (
     wrapped_ring_message,
 )
 from kvrows.forms import pack_state
+from kvrows.geometries.ring import ragged_slack, ragged_step
 from kvrows.optimized.codecs import Codec, dtype_name, make_codec
 from kvrows.optimized.geometries.chunked import ChunkedGeometry
 from kvrows.optimized.geometries.growing import GrowingGeometry
@@ -1581,6 +1582,11 @@ class PagedRing(PagedRows):
 
     geometry_kind = "ring"
     _retained: list[int]
+    #: A layout's row ``b`` reads from column ``_lead[b]`` (less the smallest): the
+    #: contiguous ragged ring's columns (``kvrows.geometries.ring.ragged_step``), which a
+    #: gather places at no cost (a model builds every sliding layer's mask from one
+    #: layer's). A serial ring's stays 0.
+    _lead: list[int]
 
     @property
     def max_size(self) -> int:
@@ -1593,14 +1599,29 @@ class PagedRing(PagedRows):
     def _reset_geometry(self) -> None:
         super()._reset_geometry()
         self._retained = []
+        self._lead = []
 
     def release(self) -> None:
         super().release()
         self._retained = []
+        self._lead = []
+
+    @property
+    def left_pad(self) -> tuple[int, ...]:
+        return (0,) * len(self._offsets)  # (a lead's columns hold dropped tokens, not pads)
 
     def _placed_pads(self) -> list[int]:
-        # Every row from column 0 (the ragged ring's): not the right-alignment of growing rows.
-        return [0] * len(self._offsets)
+        # Every row from its lead (the ragged ring's): not the right-alignment of growing rows.
+        base = min(self._lead, default=0)
+        return [lead - base for lead in self._lead]
+
+    def _leads_after(self, n: int) -> list[int]:
+        """Each row's lead once it appends ``n`` (the ragged ring's rule; a serial ring's
+        0)."""
+        if not self.composition.is_layout:
+            return [0] * len(self._retained)
+        slack = ragged_slack(self.max_size, self.keep)
+        return list(ragged_step(self._lead, self._retained, n, self.max_size, slack).leads)
 
     def _lents(self, offsets: Sequence[int] | None = None) -> list[Lent]:
         # A merge and an extraction take the window: the sinks and newest ``max_size``.
@@ -1616,6 +1637,7 @@ class PagedRing(PagedRows):
 
     def _joined(self, cuts: list[Lent]) -> None:
         self._retained = self._retained[: len(self._offsets)] + [c for _, c, _ in cuts]
+        self._lead = [0] * len(self._retained)  # a join lays every row from column 0
 
     def _release_outside(self) -> None:
         """Give back the blocks out of every row's positions (tail first per row)."""
@@ -1629,8 +1651,10 @@ class PagedRing(PagedRows):
     def _write(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
         rows = len(self._offsets) or int(next(iter(block.values()))[0].shape[0])
         after = self._after(n) if self._offsets else [n] * rows
+        leads = self._leads_after(n) if self._offsets else [0] * rows
         super()._write(block, n, geometry)  # the pool first: it may refuse, nothing changed
-        self._retained = after
+        self._retained, self._lead = after, leads
+        self._changed()  # (the write may have read the pads at the old leads)
         self._release_outside()
 
     def _after(self, n: int) -> list[int]:
@@ -1681,6 +1705,7 @@ class PagedRing(PagedRows):
     def _keep(self, order: list[int]) -> None:
         super()._keep(order)
         self._retained = [self._retained[i] for i in order]
+        self._lead = [self._lead[i] for i in order]
 
     # -- reads: the placement's (``_holds`` / ``_lent`` say which positions) -----------
     def window(self) -> tuple[Planes, Planes] | None:
@@ -1698,11 +1723,12 @@ class PagedRing(PagedRows):
         return RingGeometry._serial_mask(cast(Any, self), n, return_array, window)
 
     def _layout_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
-        return RingGeometry._ordered_layout_mask(cast(Any, self), self._after(n), n, window)
+        after, leads = self._after(n), self._leads_after(n)
+        return RingGeometry._ragged_mask(cast(Any, self), after, leads, n, window)
 
     # -- checks ------------------------------------------------------------------------
     def _check_geometry(self) -> None:
-        assert len(self._retained) == len(self._offsets)
+        assert len(self._retained) == len(self._offsets) == len(self._lead)
         held = zip(self._retained, self._offsets, strict=True)
         assert all(min(o, self.max_size) <= r <= o for r, o in held)
         super()._check_geometry()

@@ -155,6 +155,9 @@ class Row:
     token_axis: bool = True
     #: The storage's stage the planes are encoded under (0 but under the delayed modifier).
     stage: int = 0
+    #: Columns before the row's tokens in a ragged ring's read (tokens it dropped in place:
+    #: ``spec/RaggedRotatingRows.md`` §1); 0 elsewhere, and in every cut of the row.
+    lead: int = 0
 
     @property
     def held(self) -> bool:
@@ -183,7 +186,9 @@ class Row:
     def copy(self) -> Row:
         """An independent copy of the whole row."""
         planes = {t: tuple(np.array(p, copy=True) for p in ps) for t, ps in self.planes.items()}
-        return Row(planes, self.offset, self.pad, self.sinks, self.token_axis, self.stage)
+        return Row(
+            planes, self.offset, self.pad, self.sinks, self.token_axis, self.stage, self.lead
+        )
 
     def newest(self, count: int) -> Row:
         """An independent row holding ``count`` of this one's tokens, at its offset: its

@@ -538,14 +538,15 @@ RING = 8
 RING_STAGED = Affine(bits=4, group_size=32)
 
 
-def _window_columns(held: int, offset: int, keep: int) -> list[int]:
-    """The columns of a ragged ring row holding ``held`` columns at ``offset`` that its
+def _window_columns(held: int, offset: int, keep: int, lead: int = 0) -> list[int]:
+    """The columns of a ragged ring row holding ``held`` columns at ``offset`` from read
+    column ``lead`` (its dropped tokens before it: spec/RaggedRotatingRows.md §1) that its
     window reads, in time order: its sinks, then its newest positions."""
     count = min(held, offset, RING)
     sinks = min(keep, offset, count)
     if sinks == 0 or count == held:
-        return list(range(held - count, held))
-    return [*range(sinks), *range(held - count + sinks, held)]
+        return list(range(lead + held - count, lead + held))
+    return [*range(sinks), *range(held - count + sinks, held)]  # (sinks: no lead)
 
 
 class _StagedRing(TwoStages):
@@ -637,7 +638,8 @@ class _StagedRing(TwoStages):
                 got, theirs = planes_of(planes), planes_of(want[tensor])
                 twins = [np.asarray(p) for p in planes_of(twin_reads[tensor])]
                 for i, b in enumerate(rows):
-                    mine = _window_columns(retained[b], offsets[b], self.keep)
+                    lead = layout._lead[b] - layout._read_start()
+                    mine = _window_columns(retained[b], offsets[b], self.keep, lead)
                     other = _window_columns(oracle.retained[i], offsets[b], self.keep)  # type: ignore[attr-defined]
                     for x, y, z in zip(got, theirs, twins, strict=True):
                         window = x[i][:, mine]

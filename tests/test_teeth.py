@@ -485,8 +485,21 @@ class RingProposalDropsTheOldest(SpeculativeRotatingKVCache):
         super()._spec_hold(False)  # MUTATION (a held ring drops nothing)
 
 
+class RingCompactsEveryDrop(SpeculativeRotatingKVCache):
+    """The ragged ring's old layout (issue 28): every drop slides the rows to column 0,
+    so each verify round on a full ring copies the whole layout, and the rows no longer
+    stand at the columns the spec's rule puts them."""
+
+    @property
+    def _slack(self) -> int:
+        return 0  # MUTATION (a contiguous ring without sinks keeps min(256, max_size))
+
+
 SPECULATIVE_MUTANTS = [
     pytest.param("BatchedKVCache", RollbackLeaksARejectedToken, id="rollback-leaks-a-draft"),
+    pytest.param(
+        "SpeculativeRotatingKVCache", RingCompactsEveryDrop, id="ring-compacts-every-drop"
+    ),
     pytest.param(
         "SpeculativeRotatingKVCache",
         RingProposalDropsTheOldest,

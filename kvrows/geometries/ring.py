@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 from kvrows.errors import InvalidInputError
 from kvrows.geometries.registry import SpecParts, register_geometry
-from kvrows.validation import as_count
+from kvrows.validation import STEP, as_count
 
-__all__ = ["Ring", "held_positions"]
+__all__ = ["RaggedStep", "Ring", "held_positions", "ragged_slack", "ragged_step"]
 
 
 @register_geometry
@@ -53,3 +54,58 @@ def held_positions(offset: int, retained: int, sinks: int) -> list[int]:
     its newest. A growing row (``retained == offset``) keeps every position."""
     head = min(sinks, offset, retained)
     return [*range(head), *range(offset - retained + head, offset)]
+
+
+def ragged_slack(max_size: int, keep: int) -> int:
+    """Spare columns a ragged ring row's tokens may run past its window before the rows
+    are compacted (``spec/RaggedRotatingRows.md`` §1): the serial ring's ``min(256,
+    max_size)`` (``spec/RotatingKVCache.md`` §2.1); 0 with sinks (every drop compacts:
+    a row's sinks stay at columns ``[0, keep)``). The same for every ragged ring layout of
+    a window (plain, affine, MX, delayed, paged): a model builds every sliding layer's
+    mask from one layer's, so their rows must stand at the same columns."""
+    return 0 if keep else min(STEP, max_size)
+
+
+@dataclass(frozen=True)
+class RaggedStep:
+    """What a ragged ring's next block does to its rows' columns (:func:`ragged_step`).
+
+    ``drops[b]``: row ``b``'s oldest tokens its retention drops; ``moved[b]``: the column
+    its first kept token stands at once they are dropped in place (its lead plus its
+    drops); ``compact``: the rows then move to column 0 (each left by ``moved[b]``: one
+    copy of the layout) before the block is written; ``leads``: where each row's tokens
+    start after the block."""
+
+    drops: tuple[int, ...]
+    moved: tuple[int, ...]
+    compact: bool
+
+    @property
+    def leads(self) -> tuple[int, ...]:
+        return (0,) * len(self.moved) if self.compact else self.moved
+
+
+def ragged_step(
+    leads: Sequence[int],
+    retained: Sequence[int],
+    n: int,
+    max_size: int,
+    slack: int,
+    *,
+    holding: bool = False,
+) -> RaggedStep:
+    """The rule both implementations follow before a block of ``n`` tokens on ragged ring
+    rows whose tokens sit at ``[leads[b], leads[b] + retained[b])``: each row drops its
+    oldest ``max(0, retained + 1 - max_size)`` (a single token keeps the newest
+    ``max_size``, a block the newest ``max_size - 1``) by moving its lead past them; when
+    some row then has a lead and a row's end after the block would pass ``max_size +
+    slack`` columns, every row moves to column 0. While a proposal round is ``holding``
+    the rows nothing is dropped and nothing moves (its discard leaves the rows exactly as
+    they were; the buffer grows instead)."""
+    if holding:
+        return RaggedStep((0,) * len(leads), tuple(leads), False)
+    drops = tuple(max(0, r + 1 - max_size) for r in retained)
+    moved = tuple(lead + d for lead, d in zip(leads, drops, strict=True))
+    ends = (m + r - d + n for m, r, d in zip(moved, retained, drops, strict=True))
+    compact = any(moved) and max(ends) > max_size + slack
+    return RaggedStep(drops, moved, compact)

@@ -49,6 +49,7 @@ from kvrows.errors import (
     trim_past_row_message,
     wrapped_ring_message,
 )
+from kvrows.geometries.ring import ragged_slack, ragged_step
 from kvrows.optimized.codecs import Codec, Planes
 from kvrows.optimized.geometries.registry import implements
 from kvrows.optimized.rows import (
@@ -186,6 +187,23 @@ class RingGeometry(Storage):
         positions once it appends ``n`` (its sinks, then its newest)."""
         recent = reach(window, self.max_size, self.keep)
         return ordered_mask(self._offsets, after, n, self.keep, recent)
+
+    def _ragged_mask(
+        self, after: Sequence[int], leads: Sequence[int], n: int, window: int | None
+    ) -> mx.array:
+        """``[B, 1, n, S]`` of ragged rows in time order, row ``b`` holding ``after[b]``
+        positions from column ``leads[b]`` (less the smallest) once it appends ``n``
+        (``spec/RaggedRotatingRows.md`` §2; leads are 0 with sinks)."""
+        if not any(leads):  # every row from column 0 (with sinks, always)
+            return RingGeometry._ordered_layout_mask(self, after, n, window)
+        base = min(leads)
+        firsts = [lead - base for lead in leads]
+        ends = [first + a for first, a in zip(firsts, after, strict=True)]
+        recent = reach(window, self.max_size, self.keep)
+        return ring_mask(
+            self._offsets, n, self.keep, recent,
+            heads=firsts, firsts=firsts, ends=ends, lead=0, width=max(ends),
+        )  # fmt: skip
 
     def _keeps_at_once(self, order: list[int]) -> bool:
         return self._stores is None  # one store: one gather, rebound once built
@@ -907,10 +925,13 @@ class SharedRing(RingGeometry):
 
 
 class RaggedRing(RingGeometry):
-    """Ragged ring rows: each row's retained tokens left-aligned in temporal order.
+    """Ragged ring rows: each row's retained tokens in temporal order from its lead.
 
     A single token keeps the newest ``max_size``, a block keeps the newest
-    ``max_size - 1`` and appends. This is the explicit stand-in for the delayed rotating
+    ``max_size - 1`` and appends. The tokens a row drops stay where they are (its lead
+    moves past them) until a block would end past ``max_size + slack`` columns; then every
+    row moves to column 0 in one gather (``kvrows.geometries.ring.ragged_step``, the rule
+    the reference follows too). This is the explicit stand-in for the delayed rotating
     layout the seed uses as this role.
 
     Rows may be in several stages (contract §0.4), one store each holding exactly its
@@ -922,9 +943,23 @@ class RaggedRing(RingGeometry):
     _stage_stores = True
 
     _retained: list[int]
+    #: Row ``b``'s tokens sit at columns ``[_lead[b], _lead[b] + _retained[b])``.
+    _lead: list[int]
 
     def _reset_geometry(self) -> None:
         self._retained = []
+        self._lead = []
+
+    @property
+    def _slack(self) -> int:
+        return ragged_slack(self.max_size, self.keep)
+
+    def _extent(self) -> int:
+        """Columns up to the end of the row that ends last."""
+        return max(lead + r for lead, r in zip(self._lead, self._retained, strict=True))
+
+    def _read_start(self) -> int:
+        return min(self._lead, default=0)
 
     @property
     def left_pad(self) -> tuple[int, ...]:
@@ -939,21 +974,22 @@ class RaggedRing(RingGeometry):
         return all(o < self.max_size for o in self._offsets)
 
     def _visible(self, planes: PlaneSet) -> PlaneSet:
-        return _columns(planes, 0, max(self._retained))
+        return _columns(planes, self._read_start(), self._extent())
 
     def _window(self, planes: PlaneSet, row: int | None) -> PlaneSet | None:
         assert row is not None
         return self._window_slot(planes, row, row)
 
     def _window_slot(self, planes: PlaneSet, row: int, slot: int) -> PlaneSet | None:
-        held, offset = self._retained[row], self._offsets[row]
+        held, offset, lead = self._retained[row], self._offsets[row], self._lead[row]
         if held == 0:
             return None
         count = min(held, offset, self.max_size)
         sinks = min(self.keep, offset, count)
         if sinks == 0 or count == held:  # (every join reads each row: no per-plane call)
-            end, first = slot + 1, held - count
-            return {t: tuple(p[slot:end, :, first:held] for p in ps) for t, ps in planes.items()}
+            end, first, last = slot + 1, lead + held - count, lead + held
+            return {t: tuple(p[slot:end, :, first:last] for p in ps) for t, ps in planes.items()}
+        # (With sinks every drop compacts: the row starts at column 0.)
         return mapped(
             planes,
             lambda p: mx.concatenate(
@@ -964,12 +1000,14 @@ class RaggedRing(RingGeometry):
 
     def _visible_rows(self, store: Store) -> PlaneSet:
         assert store.planes is not None
-        return _columns(store.planes, 0, max(self._retained))
+        return _columns(store.planes, self._read_start(), self._extent())
 
     def _held_columns(self, rows: list[int], columns: int) -> mx.array:
-        """Row ``b``'s retained tokens sit at ``[0, retained)``."""
-        held = mx.array([self._retained[b] for b in rows])[:, None]
-        return (mx.arange(columns)[None, :] < held)[:, None, :, None]
+        """Row ``b``'s retained tokens sit at ``[lead, lead + retained)``."""
+        first = mx.array([self._lead[b] for b in rows])[:, None]
+        end = first + mx.array([self._retained[b] for b in rows])[:, None]
+        column = mx.arange(columns)[None, :]
+        return ((column >= first) & (column < end))[:, None, :, None]
 
     def _gather_slots(self, planes: PlaneSet, slots: list[int]) -> PlaneSet:
         """Exactly ``slots`` (the hooks write every slot of a store: no spare ones)."""
@@ -998,58 +1036,69 @@ class RaggedRing(RingGeometry):
             return [min(r + 1, self.max_size) for r in self._retained]
         return [min(r, self.max_size - 1) + n for r in self._retained]
 
-    def _drops(self, n: int) -> list[int]:
-        """What each row's retention drops before an ``n``-token block: a single token
-        keeps the newest ``max_size``, a block the newest ``max_size - 1``; nothing while a
-        proposal round holds the rows."""
-        if self._holding:
-            return [0] * len(self._retained)
-        keep = self.max_size if n == 1 else self.max_size - 1
-        return [max(0, r + (1 if n == 1 else 0) - keep) for r in self._retained]
+    def _step(self, n: int) -> Any:
+        """What an ``n``-token block does to the rows' columns (the shared rule)."""
+        holding = self._holding
+        return ragged_step(
+            self._lead, self._retained, n, self.max_size, self._slack, holding=holding
+        )
 
-    def _append(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
-        drops = self._drops(n)
-        if self._planes is not None and any(drops):
-            # Slide every row left by its own count in one gather.
-            width = max(self._retained)
-            self._planes = self._slide(self._planes, drops, self._offsets, width)
-        self._retained = [r - d for r, d in zip(self._retained, drops, strict=True)]
-        needed = max(self._retained) + n
-        if self._planes is None or needed > self.buffer_length:
-            store = Store(0, self._planes, list(range(len(self._offsets))), self.codec)
-            self._grow([store], round_up(needed), geometry)
-            self._planes = store.planes
-        assert self._planes is not None
-        write_columns(self._planes, block, self._retained, n)
-        self._retained = [r + n for r in self._retained]
-
-    def _append_stores(self, shares: list[PlaneSet], n: int, geometry: KvGeometry) -> None:
-        """``_append`` per store: each store's rows slide left by their drops (one gather
-        per store), every store grows to one capacity when the block does not fit, then
-        each row writes its share at its own end."""
-        assert self._stores is not None
-        drops = self._drops(n)
-        if any(drops):
-            width = max(self._retained)
-            for store in self._stores:
-                moved = [drops[b] for b in store.rows]
+    def _drop(self, n: int) -> list[int]:
+        """Drop what the rows' retention drops before an ``n``-token block (the shared
+        rule): in place, each row's lead moving past its dropped tokens, or with every row
+        moved to column 0 (one gather per store) once the block would end past the slack.
+        A layout whose masked columns read zeros (delayed) clears what it leaves behind.
+        Returns the column each row's block starts at."""
+        step = self._step(n)
+        width = self._extent() if self._retained else 0
+        before = self._lead
+        self._retained = [r - d for r, d in zip(self._retained, step.drops, strict=True)]
+        self._lead = list(step.leads)
+        if step.compact:
+            stores = self._store_list()
+            for store in stores:
+                moved = [step.moved[b] for b in store.rows]
                 if store.planes is not None and any(moved):
                     offsets = [self._offsets[b] for b in store.rows]
                     store.planes = self._slide(store.planes, moved, offsets, width)
-        self._retained = [r - d for r, d in zip(self._retained, drops, strict=True)]
-        needed = max(self._retained) + n
+            self._put_stores(stores)
+            if self._masked_read_zeros:  # past each row's end: the slide's leftovers
+                self._clear_rows(self._retained, [max(0, width - r) for r in self._retained])
+        elif self._masked_read_zeros and any(step.drops):
+            self._clear_rows(before, list(step.drops))
+        return [lead + r for lead, r in zip(self._lead, self._retained, strict=True)]
+
+    def _append(self, block: PlaneSet, n: int, geometry: KvGeometry) -> None:
+        ends = self._drop(n)
+        needed = max(ends) + n
+        if self._planes is None or needed > self.buffer_length:
+            store = Store(0, self._planes, list(range(len(self._offsets))), self.codec)
+            self._grow([store], round_up(needed), geometry, max(ends))
+            self._planes = store.planes
+        assert self._planes is not None
+        write_columns(self._planes, block, ends, n)
+        self._retained = [r + n for r in self._retained]
+
+    def _append_stores(self, shares: list[PlaneSet], n: int, geometry: KvGeometry) -> None:
+        """``_append`` per store: the rows drop (``_drop``: one gather per store when they
+        compact), every store grows to one capacity when the block does not fit, then each
+        row writes its share at its own end."""
+        assert self._stores is not None
+        ends = self._drop(n)
+        needed = max(ends) + n
         if any(s.planes is None for s in self._stores) or needed > self.buffer_length:
-            self._grow(self._stores, round_up(needed), geometry)
+            self._grow(self._stores, round_up(needed), geometry, max(ends))
         for store, share in zip(self._stores, shares, strict=True):
             assert store.planes is not None
-            write_columns(store.planes, share, [self._retained[b] for b in store.rows], n)
+            write_columns(store.planes, share, [ends[b] for b in store.rows], n)
         self._retained = [r + n for r in self._retained]
 
     def _slide(
         self, planes: PlaneSet, drops: list[int], offsets: list[int], width: int
     ) -> PlaneSet:
         """Slide slot ``i``'s row left by ``drops[i]`` in one gather (a row's sinks, the
-        first ``min(keep, offsets[i])`` columns, stay where they are)."""
+        first ``min(keep, offsets[i])`` columns, stay where they are: with sinks every
+        drop compacts, so a row's lead is only its drops)."""
         column = mx.arange(width)[None, :]
         moved = column + mx.array(drops)[:, None]
         if self.keep:
@@ -1064,9 +1113,9 @@ class RaggedRing(RingGeometry):
             plane[:, :, :width] = mx.take_along_axis(plane[:, :, :width], index, axis=2)
         return planes
 
-    def _grow(self, stores: list[Store], capacity: int, geometry: KvGeometry) -> None:
-        """Every store into fresh planes of ``capacity`` columns (one capacity)."""
-        width = max(self._retained)
+    def _grow(self, stores: list[Store], capacity: int, geometry: KvGeometry, width: int) -> None:
+        """Every store into fresh planes of ``capacity`` columns (one capacity), their first
+        ``width`` columns kept."""
         for store in stores:
             fresh = self._zeros(len(store.rows), capacity, geometry, store.codec)
             if store.planes is not None and width:
@@ -1084,6 +1133,7 @@ class RaggedRing(RingGeometry):
         lengths = [0 if held is None else token_count(held) for held, _ in everything]
         self._planes = self._left_aligned(everything, lengths, geometry, self.codec)
         self._retained = lengths
+        self._lead = [0] * len(everything)
         self._pads = [0] * len(everything)
 
     def _place_stages(
@@ -1106,6 +1156,7 @@ class RaggedRing(RingGeometry):
         self._planes = None
         self._put_stores(stores)
         self._retained = lengths
+        self._lead = [0] * len(everything)
         self._pads = [0] * len(everything)
 
     def _left_aligned(
@@ -1128,24 +1179,29 @@ class RaggedRing(RingGeometry):
     def _keep(self, order: list[int]) -> None:
         super()._keep(order)
         self._retained = [self._retained[i] for i in order]
+        self._lead = [self._lead[i] for i in order]
 
     def _forget_tail_pads(self, tail: list[int]) -> None:
         self._forget(tail)
 
     def _forget_front_pads(self, front: list[int]) -> None:
-        """Slide each row left over its leading pads (each store its rows)."""
-        width = max(self._retained)
+        """Slide each row to column 0 over its lead and its leading pads (each store its
+        rows)."""
+        width = self._extent()
         stores = self._store_list()
         for store in stores:
             assert store.planes is not None
-            moved = mx.array([front[b] for b in store.rows])[:, None]
+            moved = mx.array([self._lead[b] + front[b] for b in store.rows])[:, None]
             index = mx.minimum(mx.arange(width)[None, :] + moved, width - 1)
             store.planes = self._slid(store.planes, index[:, None, :, None], width)
         self._put_stores(stores)
+        self._lead = [0] * len(self._lead)
         self._forget(front)
 
     def _block_starts(self, n: int) -> list[int]:
-        return [a - n for a in self._after(n)]
+        leads = self._step(n).leads
+        base = min(leads, default=0)
+        return [lead - base + a - n for lead, a in zip(leads, self._after(n), strict=True)]
 
     def _check_trim(self, counts: Sequence[int]) -> None:
         """A row may forget tokens while it keeps its whole window before them: always
@@ -1164,21 +1220,27 @@ class RaggedRing(RingGeometry):
         # The forgotten columns stay in the read (before a longer row's end): they read
         # zeros, as a load lays them (contract §0.5).
         if self._masked_read_zeros:
-            self._clear_rows([r - c for r, c in zip(self._retained, counts, strict=True)], counts)
+            ends = [lead + r for lead, r in zip(self._lead, self._retained, strict=True)]
+            self._clear_rows([e - c for e, c in zip(ends, counts, strict=True)], counts)
         self._retained = [r - c for r, c in zip(self._retained, counts, strict=True)]
 
     def _check_geometry(self) -> None:
-        assert len(self._retained) == len(self._offsets)
+        assert len(self._retained) == len(self._offsets) == len(self._lead)
         assert all(0 <= r <= o for r, o in zip(self._retained, self._offsets, strict=True))
+        assert all(lead >= 0 for lead in self._lead)
+        assert self._slack or not any(self._lead), "no slack: every row at column 0"
+        assert not self._retained or self._extent() <= self.buffer_length
         for store in self._stores or []:  # every slot written: no spare ones
             assert store.planes is None or len(store.rows) == int(arrays(store.planes)[0].shape[0])
 
     def _layout_mask(self, n: int, return_array: bool, window: int | None) -> Mask:
-        """Each row from column 0 in time order (``_ordered_layout_mask``)."""
-        return self._ordered_layout_mask(self._after(n), n, window)
+        """Each row in time order from its lead after the block (less the smallest)."""
+        leads = self._step(n).leads if self._offsets else ()
+        return self._ragged_mask(self._after(n), leads, n, window)
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(max_size={self.max_size}, keep={self.keep}, "
-            f"row_offsets={tuple(self._offsets)}, retained={self.retained})"
+            f"row_offsets={tuple(self._offsets)}, retained={self.retained}, "
+            f"lead={tuple(self._lead)})"
         )

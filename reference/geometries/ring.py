@@ -33,7 +33,7 @@ from kvrows.errors import (
     trim_past_row_message,
     wrapped_ring_message,
 )
-from kvrows.geometries.ring import held_positions
+from kvrows.geometries.ring import held_positions, ragged_slack, ragged_step
 from kvrows.protocols import Mask
 from kvrows.reference.geometries.registry import implements
 from kvrows.reference.rows import Placement, Row, TokenRows
@@ -298,16 +298,21 @@ class SharedRing:
 
 
 class RaggedRing:
-    """Each row its own ring, left-aligned: row ``b`` at columns ``[0, retained[b])``
-    (its sinks first)."""
+    """Each row its own ring: row ``b``'s tokens at columns ``[lead[b], lead[b] +
+    retained[b])`` (its sinks first), the tokens its retention dropped left in place
+    before them (``Row.lead``) until the rows are compacted to column 0
+    (:func:`~kvrows.geometries.ring.ragged_step`, ``slack`` spare columns). A read starts
+    at the smallest lead."""
 
     def __init__(self, axis: RingAxis) -> None:
         self.axis = axis
+        self.slack = ragged_slack(axis.max_size, axis.keep)
         self.holds = False  # a buffer exists (some row held a token since the merge)
 
     def columns(self, rows: Sequence[Row]) -> tuple[int, list[tuple[int, int]], int]:
-        width = max((row.retained for row in rows), default=0)
-        return width, [(0, row.retained) for row in rows], 0
+        base = min((row.lead for row in rows), default=0)
+        width = max((row.lead + row.retained for row in rows), default=0) - base
+        return width, [(row.lead - base, row.retained) for row in rows], 0
 
     def lead(self, rows: Sequence[Row]) -> int:
         return 0
@@ -315,12 +320,22 @@ class RaggedRing:
     def fetchable(self, rows: Sequence[Row]) -> bool:
         return bool(rows) and self.holds
 
+    def _step(self, rows: Sequence[Row], n: int) -> tuple[int, ...]:
+        """Each row's lead once it takes ``n`` tokens."""
+        leads, held = [row.lead for row in rows], [row.retained for row in rows]
+        axis = self.axis
+        return ragged_step(leads, held, n, axis.max_size, self.slack, holding=axis.holding).leads
+
     def mask(self, rows: Sequence[Row], n: int, window: int | None, return_array: bool) -> Mask:
-        """Row ``b``'s query ``i`` sits at column ``after[b] - n + i`` and sees its sinks and
-        its newest positions."""
+        """Row ``b``'s query ``i`` sits at column ``lead[b] + after[b] - n + i`` (leads after
+        the block, less the smallest) and sees its sinks and its newest positions."""
         keep = self.axis.keep
+        leads = self._step(rows, n)
+        base = min(leads, default=0)
         held = [
-            held_positions(row.offset + n, self.axis.after(row.retained, n), keep) for row in rows
+            [-1] * (lead - base)
+            + held_positions(row.offset + n, self.axis.after(row.retained, n), keep)
+            for row, lead in zip(rows, leads, strict=True)
         ]
         width = max((len(h) for h in held), default=0)
         columns = [h + [-1] * (width - len(h)) for h in held]
@@ -328,11 +343,13 @@ class RaggedRing:
         return _sees(columns, [row.offset for row in rows], n, keep, recent)
 
     def advance(self, rows: Sequence[Row], n: int) -> None:
+        for row, lead in zip(rows, self._step(rows, n), strict=True):
+            row.lead = lead
         self.holds = True
 
     def join(self, rows: Sequence[Row], running: int) -> None:
-        for row in rows:
-            row.pad = 0
+        for row in rows:  # a join lays every row from column 0 (a paged one is not cut)
+            row.pad = row.lead = 0
         self.holds = any(row.retained for row in rows)
 
     def filter(self, rows: Sequence[Row]) -> None:
@@ -360,4 +377,5 @@ class RaggedRing:
         return all(self.axis.cuttable(row.offset) for row in rows)
 
     def check(self, rows: Sequence[Row]) -> None:
-        return None
+        assert all(row.lead >= 0 for row in rows)
+        assert self.slack or not any(row.lead for row in rows), "no slack: rows at column 0"
