@@ -40,7 +40,7 @@ def tokenizer() -> Any:
     byte_level = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     byte_level.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=byte_level)  # type: ignore[no-untyped-call]
+    fast = PreTrainedTokenizerFast(tokenizer_object=byte_level)
     return TokenizerWrapper(fast)
 
 

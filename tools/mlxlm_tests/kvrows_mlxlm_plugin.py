@@ -45,7 +45,7 @@ def _tiny_load(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     byte_level = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     byte_level.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=byte_level)  # type: ignore[no-untyped-call]
+    fast = PreTrainedTokenizerFast(tokenizer_object=byte_level)
     # the generation tests format their prompts with a chat template
     fast.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
     return tiny_model("llama"), TokenizerWrapper(fast)
