@@ -31,15 +31,15 @@ import kvrows.optimized as opt
 HEADS, DIM, DRAFTS = 8, 128, 3
 
 
-def _layout(rows: int, window: int) -> Any:
-    """A ring verify layout of ``rows`` rows, each holding a full window."""
+def full_rings(cls: Any, rows: int, window: int) -> Any:
+    """A ring verify layout (``cls``) of ``rows`` rows, each holding a full window."""
     serial = []
     for _ in range(rows):
         ring = opt.RotatingKVCache(window)
         block = mx.random.normal((1, HEADS, window + 8, DIM)).astype(mx.float16)
         ring.update_and_fetch(block, block)
         serial.append(ring)
-    layout = opt.SpeculativeRotatingKVCache(window)
+    layout = cls(window)
     layout.merge_rows(serial)
     mx.eval(layout.held_arrays())
     return layout
@@ -77,7 +77,7 @@ def main() -> None:
     print("B   W     scratch ms  round ms  round/scratch")
     for shape in args.shapes.split(","):
         rows, window = (int(x) for x in shape.split("x"))
-        layout = _layout(rows, window)
+        layout = full_rings(opt.SpeculativeRotatingKVCache, rows, window)
         token = mx.random.normal((rows, HEADS, 1, DIM)).astype(mx.float16)
         mx.eval(token)
         _scratch(layout, token), _round(layout, token)  # warm-up

@@ -14,17 +14,16 @@ wall clock to other processes on the machine). Ratios are to affine at the same 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import mlx.core as mx
+from turbo_decode import step_arguments, step_inputs  # (the tools folder is the script's path)
 
 from kvrows.optimized.codecs import affine
 from kvrows.optimized.codecs.affine import quantized_attention
 
-Q_HEADS, KV_HEADS, DIM, SCALE = 32, 8, 128, 0.088
-DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16}
+SCALE = 0.088
 #: (mode, group size, bits), and the affine codec each is compared with.
 CODECS = {
     "affine-4": ("affine", 64, 4),
@@ -40,17 +39,10 @@ PLACED_SHIFT = affine.E4M3_BIAS_SHIFT
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--length", type=int, default=1024)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser = step_arguments(__doc__)
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
-    dtype = DTYPES[args.dtype]
-    shape = (args.batch, KV_HEADS, args.length, DIM)
-    keys = mx.random.normal(shape).astype(dtype)
-    values = mx.random.normal(shape).astype(dtype)
-    queries = mx.random.normal((args.batch, Q_HEADS, 1, DIM)).astype(dtype)
+    keys, values, queries = step_inputs(args)
     planes: dict[str, tuple[tuple[mx.array, ...], tuple[mx.array, ...]]] = {}
     for name, (mode, group, bits) in CODECS.items():
         k = tuple(mx.quantize(keys, group_size=group, bits=bits, mode=mode))

@@ -62,18 +62,30 @@ def _nbytes(*planes: mx.array) -> int:
     return sum(int(p.nbytes) for p in planes)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def step_arguments(doc: str) -> argparse.ArgumentParser:
+    """The decode step's shape options (``--batch``, ``--length``, ``--dtype``)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    args = parser.parse_args()
+    return parser
+
+
+def step_inputs(args: argparse.Namespace) -> tuple[mx.array, mx.array, mx.array]:
+    """Random keys, values ``[B, 8, L, 128]`` and one query per row ``[B, 32, 1, 128]``."""
     dtype = DTYPES[args.dtype]
     shape = (args.batch, KV_HEADS, args.length, DIM)
     keys = mx.random.normal(shape).astype(dtype)
     values = mx.random.normal(shape).astype(dtype)
     queries = mx.random.normal((args.batch, Q_HEADS, 1, DIM)).astype(dtype)
     mx.eval(keys, values, queries)
+    return keys, values, queries
+
+
+def main() -> None:
+    args = step_arguments(__doc__).parse_args()
+    dtype = DTYPES[args.dtype]
+    keys, values, queries = step_inputs(args)
     elements = args.batch * KV_HEADS * args.length * DIM
     rows: list[tuple[str, float, int, int, str]] = []
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from draft_round_cost import full_rings  # (the tools folder is the script's path)
 
 import kvrows.optimized as opt
 
@@ -57,20 +58,6 @@ class Sliding(Leading):
     @property
     def _slack(self) -> int:
         return 0
-
-
-def _layout(cls: Any, rows: int, window: int) -> Any:
-    """A ring verify layout of ``rows`` rows, each holding a full window."""
-    serial = []
-    for _ in range(rows):
-        ring = opt.RotatingKVCache(window)
-        block = mx.random.normal((1, HEADS, window + 8, DIM)).astype(mx.float16)
-        ring.update_and_fetch(block, block)
-        serial.append(ring)
-    layout = cls(window)
-    layout.merge_rows(serial)
-    mx.eval(layout.held_arrays())
-    return layout
 
 
 def _rounds(layout: Any, block: mx.array, keeps: list[list[int]]) -> float:
@@ -118,7 +105,10 @@ def main() -> None:
     rng = np.random.default_rng(28)
     for shape in args.shapes.split(","):
         rows, window = (int(x) for x in shape.split("x"))
-        layouts = {"slide": _layout(Sliding, rows, window), "lead": _layout(Leading, rows, window)}
+        layouts = {
+            "slide": full_rings(Sliding, rows, window),
+            "lead": full_rings(Leading, rows, window),
+        }
         block = mx.random.normal((rows, HEADS, DRAFTS + 1, DIM)).astype(mx.float16)
         queries = mx.random.normal((rows, QUERY_HEADS, DRAFTS + 1, DIM)).astype(mx.float16)
         mx.eval(block, queries)
