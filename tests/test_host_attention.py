@@ -117,6 +117,38 @@ def test_the_host_and_op_paths_agree_with_the_reference(
 
 @given(
     name=st.sampled_from(CODECS),
+    tokens=st.integers(1, 300),
+    trailing=st.integers(1, 200),
+    n=st.integers(1, 4),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_a_query_attends_alike_whatever_follows_its_span(
+    name: str, tokens: int, trailing: int, n: int, seed: int
+) -> None:
+    """A block's queries over their own columns (causal) give the same bits as the same
+    queries inside a wider read whose later columns they cannot see (a longer chunk
+    around a reused prefix, a shorter row in a ragged batch): the columns after a query's
+    last visible one are neither scored nor summed. Lengths reach NumPy's pairwise blocks
+    (128) and BLAS's tails."""
+    rng = np.random.default_rng(seed)
+    codec = optimized_codec(parse_codec(name))
+    width = tokens + trailing
+    kv = mx.array(rng.standard_normal((1, 2, width, DIM)).astype(np.float32))
+    keys, values = codec.encode(kv, "keys"), codec.encode(kv, "values")
+    queries = mx.array(rng.standard_normal((1, 4, n, DIM)).astype(np.float32))
+    n = min(n, tokens)
+    queries = queries[:, :, :n]
+    own = tuple(p[:, :, :tokens] for p in keys), tuple(p[:, :, :tokens] for p in values)
+    alone = codec.attend(queries, *own, "causal", 0.1)
+    mask = np.zeros((1, 1, n, width), dtype=bool)
+    for i in range(n):
+        mask[0, 0, i, : tokens - n + i + 1] = True
+    wider = codec.attend(queries, keys, values, mx.array(mask), 0.1)
+    assert np.array(alone).tobytes() == np.array(wider).tobytes()
+
+
+@given(
+    name=st.sampled_from(CODECS),
     pads=st.lists(st.integers(0, 9), min_size=1, max_size=3),
     tokens=st.integers(1, 12),
     n=st.integers(1, 3),
