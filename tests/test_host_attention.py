@@ -127,8 +127,9 @@ def test_a_query_attends_alike_whatever_follows_its_span(
 ) -> None:
     """A block's queries over their own columns (causal) give the same bits as the same
     queries inside a wider read whose later columns they cannot see (a longer chunk
-    around a reused prefix, a shorter row in a ragged batch): the columns after a query's
-    last visible one are neither scored nor summed. Lengths reach NumPy's pairwise blocks
+    around a reused prefix, a shorter row in a ragged batch), and a block's queries under
+    a sliding window the bits of each alone over its window: the columns outside a
+    query's span are neither scored nor summed. Lengths reach NumPy's pairwise blocks
     (128) and BLAS's tails."""
     rng = np.random.default_rng(seed)
     codec = optimized_codec(parse_codec(name))
@@ -145,6 +146,19 @@ def test_a_query_attends_alike_whatever_follows_its_span(
         mask[0, 0, i, : tokens - n + i + 1] = True
     wider = codec.attend(queries, keys, values, mx.array(mask), 0.1)
     assert np.array(alone).tobytes() == np.array(wider).tobytes()
+    # A sliding window: each query of the block alone over its own window, the same bits.
+    window = max(1, tokens // 2)
+    for i in range(n):
+        end = tokens - n + i + 1
+        mask[0, 0, i] = False
+        mask[0, 0, i, max(0, end - window) : end] = True
+    windowed = np.array(codec.attend(queries, keys, values, mx.array(mask), 0.1))
+    for i in range(n):
+        end = tokens - n + i + 1
+        cut = slice(max(0, end - window), end)
+        own = tuple(p[:, :, cut] for p in keys), tuple(p[:, :, cut] for p in values)
+        single = np.array(codec.attend(queries[:, :, i : i + 1], *own, None, 0.1))
+        assert windowed[:, :, i : i + 1].tobytes() == single.tobytes(), i
 
 
 @given(

@@ -120,21 +120,23 @@ def _first_columns(visible: np.ndarray[Any, Any] | None, batch: int) -> list[int
     return [int(f) for f in np.broadcast_to(firsts, (batch,))]
 
 
-def _last_columns(
+def _spans(
     visible: np.ndarray[Any, Any], lo: int, hi: int, start: int, seen: int
-) -> np.ndarray[Any, Any] | None:
-    """Rows ``[lo, hi)``'s span per query ``[rows, N]``: the columns from ``start`` through
-    its last visible one (``None`` when every query's span reaches ``start + seen``, the
-    chunk's last column, or sees nothing)."""
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]] | None:
+    """Rows ``[lo, hi)``'s span per query, ``(firsts, stops)`` each ``[rows, N]``: its first
+    through its last visible column, relative to ``start`` (``None`` when every query's
+    span is the chunk's whole ``seen`` columns; a query that sees nothing keeps them)."""
     rows = visible[:1] if visible.shape[0] == 1 else visible[lo:hi]
     shown = rows[:, 0, 0, :, start:]  # [rows or 1, N, seen]
-    if shown[..., -1].all():
+    if shown[..., 0].all() and shown[..., -1].all():
         return None
-    spans = seen - np.argmax(shown[..., ::-1], axis=-1)
-    spans = np.where(shown.any(axis=-1), spans, seen)
-    if (spans == seen).all():
+    sees = shown.any(axis=-1)
+    firsts = np.where(sees, np.argmax(shown, axis=-1), 0)
+    stops = np.where(sees, seen - np.argmax(shown[..., ::-1], axis=-1), seen)
+    if not firsts.any() and (stops == seen).all():
         return None
-    return np.broadcast_to(spans, (hi - lo, spans.shape[-1]))
+    shape = (hi - lo, int(shown.shape[1]))
+    return np.broadcast_to(firsts, shape), np.broadcast_to(stops, shape)
 
 
 def _attend_spans(
@@ -145,34 +147,37 @@ def _attend_spans(
     out: np.ndarray[Any, Any],
     lo: int,
     start: int,
-    spans: np.ndarray[Any, Any],
+    spans: tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]],
 ) -> None:
-    """Each query of rows ``[lo, lo + len(spans))`` over exactly its span (``spans``: the
-    columns from ``start`` through its last visible one), rows of one span together: the
-    columns a query cannot see after its last visible one (a causal block's later
-    positions, a shorter row's end in a ragged batch, a longer chunk around a reused
-    prefix) are neither scored nor summed, so its sums run over the same terms in the same
-    order whatever follows it (BLAS and NumPy's pairwise sums group terms by position and
-    length)."""
+    """Each query of rows ``[lo, lo + rows)`` over exactly its span (``spans``: its first
+    through its last visible column, from ``start``), rows of one span together. The
+    columns a query cannot see before or after its span (a sliding window's older
+    columns in a block, a causal block's later positions, a shorter row's end in a ragged
+    batch, a longer chunk around a reused prefix) are neither scored nor summed, so its
+    sums run over the same terms in the same order whatever surrounds it (BLAS and NumPy's
+    pairwise sums group terms by position and length)."""
     hidden = np.float32(np.finfo(np.float32).min)
-    rows, n = spans.shape
+    firsts, stops = spans
+    rows, n = firsts.shape
     for query in range(n):
         row = 0
         while row < rows:
-            span, last = int(spans[row, query]), row + 1
-            while last < rows and int(spans[last, query]) == span:
+            first, stop, last = int(firsts[row, query]), int(stops[row, query]), row + 1
+            while last < rows and (firsts[last, query], stops[last, query]) == (first, stop):
                 last += 1
             q = grouped[lo + row : lo + last, :, :, query]  # [r, kv_heads, repeat, D]
-            scores = np.matmul(q, decoded_keys[row:last, :, :, :span])
+            scores = np.matmul(q, decoded_keys[row:last, :, :, first:stop])
             shown = visible[:1] if visible.shape[0] == 1 else visible[lo + row : lo + last]
             seen_here = np.broadcast_to(
-                shown[:, :, :, query, start : start + span], (last - row, 1, 1, span)
+                shown[:, :, :, query, start + first : start + stop],
+                (last - row, 1, 1, stop - first),
             )
             np.copyto(scores, hidden, where=~seen_here)
             scores -= scores.max(axis=-1, keepdims=True)
             np.exp(scores, out=scores)
             scores /= scores.sum(axis=-1, keepdims=True)
-            out[lo + row : lo + last, :, :, query] = scores @ decoded_values[row:last, :, :span]
+            taken = decoded_values[row:last, :, first:stop]
+            out[lo + row : lo + last, :, :, query] = scores @ taken
             row = last
 
 
@@ -206,9 +211,9 @@ def _attend_rows(
         seen = int(decoded_keys.shape[-1])
         if out is None:
             out = np.empty((batch, kv_heads, repeat, n, int(decoded_values.shape[-1])), np.float32)
-        ends = None if visible is None else _last_columns(visible, lo, hi, start, seen)
-        if visible is not None and ends is not None:
-            _attend_spans(grouped, visible, decoded_keys, decoded_values, out, lo, start, ends)
+        spans = None if visible is None else _spans(visible, lo, hi, start, seen)
+        if visible is not None and spans is not None:
+            _attend_spans(grouped, visible, decoded_keys, decoded_values, out, lo, start, spans)
             lo = hi
             continue
         # The slice of queries depends on the row's shape alone (not on the chunk's rows):
