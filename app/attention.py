@@ -36,6 +36,7 @@ from kvrows.protocols import PendingRows, RowAttention
 __all__ = [
     "attention_scope",
     "dispatch",
+    "gains_from_hook",
     "hookable_modules",
     "needs_hook",
     "row_attention",
@@ -94,6 +95,9 @@ def dispatch(
                 f"{type(cache).__name__}: attention sinks over deferred values are not supported"
             )
         return codec.attend(queries, keys, values, mask, scale)  # type: ignore[union-attr]
+    if not pending and sinks is None and _attends_itself(codec):
+        # An encoding codec on the CPU's host path: faster than mlx-lm's quantized kernel.
+        return codec.attend(queries, keys, values, mask, scale)  # type: ignore[union-attr]
     if not pending:
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
@@ -104,6 +108,8 @@ def dispatch(
                     f"{type(group).__name__}: attention sinks over deferred values are not "
                     "supported"
                 )
+            return group.codec.attend(q, k, v, group_mask, s)
+        if sinks is None and group.codec.attends_itself():  # the CPU's host path
             return group.codec.attend(q, k, v, group_mask, s)
         return original(
             q, k, v, cache=_GroupCache(group.codec_spec), scale=s, mask=group_mask, sinks=sinks
@@ -179,6 +185,11 @@ def row_attention(model: Any) -> Iterator[None]:
                 _patched.clear()
 
 
+def _attends_itself(codec: Any) -> bool:
+    attends = getattr(codec, "attends_itself", None)
+    return bool(attends is not None and attends())
+
+
 def needs_hook(caches: Sequence[Any]) -> bool:
     """Whether a forward over ``caches`` must run inside :func:`row_attention`: some layer
     says it needs it (``RowAttention``: a delayed layout's mixed rows, a shared ring read in
@@ -191,9 +202,18 @@ def needs_hook(caches: Sequence[Any]) -> bool:
     )
 
 
+def gains_from_hook(caches: Sequence[Any]) -> bool:
+    """Whether a forward over ``caches`` would be faster inside :func:`row_attention`: some
+    layer's codec attends itself now (``attends_itself``: an encoding codec on the CPU's
+    host path, where mlx-lm's quantized kernel is slower)."""
+    return any(_attends_itself(getattr(cache, "codec", None)) for cache in caches)
+
+
 @contextmanager
 def attention_scope(model: Any, caches: Sequence[Any]) -> Iterator[None]:
     """:func:`row_attention` around a forward of ``model`` over ``caches`` when they need it
-    (:func:`needs_hook`), nothing otherwise."""
-    with row_attention(model) if needs_hook(caches) else nullcontext():
+    (:func:`needs_hook`), or gain from it (:func:`gains_from_hook`) and ``model`` can be
+    hooked; nothing otherwise."""
+    hooked = needs_hook(caches) or (gains_from_hook(caches) and bool(hookable_modules(model)))
+    with row_attention(model) if hooked else nullcontext():
         yield

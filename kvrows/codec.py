@@ -297,6 +297,14 @@ class CodecLayout:
     spec: CodecSpec
     defers_values: ClassVar[bool] = False
 
+    def attends_itself(self) -> bool:
+        """Whether attention over this codec's reads runs through its own ``attend`` now:
+        where the values are deferred (required), or where its ``attend`` is the faster
+        path (an encoding codec on the CPU's host path, ``spec/host-attention.md``). A
+        caller with an attention kernel of its own then routes through ``attend``
+        (``kvrows.app.attention.dispatch``)."""
+        return self.defers_values
+
     @property
     def key(self) -> str:
         """Identity of the codec and its parameters (rows of different keys never mix)."""

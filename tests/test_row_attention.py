@@ -15,7 +15,14 @@ import numpy as np
 import pytest
 
 import kvrows.optimized as opt
-from kvrows.app.attention import _HOOKABLE, dispatch, hookable_modules, row_attention
+from kvrows.app.attention import (
+    _HOOKABLE,
+    attention_scope,
+    dispatch,
+    gains_from_hook,
+    hookable_modules,
+    row_attention,
+)
 from kvrows.app.models import make_kvrows_cache, tiny_model
 from kvrows.conformance.arrays import as_numpy
 from kvrows.conformance.tolerances import compare, tolerance
@@ -77,6 +84,39 @@ def test_scope_leaves_plain_runs_bit_identical(model: Any) -> None:
     assert plain.tobytes() == _serial_logits(model, scoped=True).tobytes()
     batched = _batched_logits(model, scoped=False)
     assert batched.tobytes() == _batched_logits(model, scoped=True).tobytes()
+
+
+def test_affine_layers_attend_on_the_host_path_inside_the_scope(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dispatch: on the CPU an affine cache's attention inside ``attention_scope`` goes
+    through its codec (the host path, faster than mlx-lm's quantized kernel there); inside
+    ``op_attention``, and for a plain cache, the scope is not entered for it and mlx-lm's
+    own function runs."""
+    from kvrows.optimized.codecs import affine as affine_module
+    from kvrows.optimized.codecs.host_attention import op_attention
+
+    calls: list[str] = []
+    from kvrows.optimized.codecs.host_attention import host_attention as real
+
+    def logged(*args: Any, **kwargs: Any) -> Any:
+        calls.append("host_attention")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(affine_module, "host_attention", logged)
+    caches = make_kvrows_cache(model, KvStorageScheme(codec=Affine(bits=4, group_size=64)))
+    with mx.stream(mx.cpu):
+        assert gains_from_hook(caches)
+        with attention_scope(model, caches):
+            mx.eval(model(_tokens(3, 5), cache=caches))
+        assert calls and set(calls) == {"host_attention"}
+        calls.clear()
+        with op_attention():
+            assert not gains_from_hook(caches)
+            with attention_scope(model, caches):
+                mx.eval(model(_tokens(4, 1), cache=caches))
+        assert calls == []
+    assert not gains_from_hook(make_kvrows_cache(model, KvStorageScheme(codec=Plain())))
 
 
 def test_nested_scopes_restore_mlx_lm_once_the_last_closes(model: Any) -> None:
@@ -150,12 +190,16 @@ def test_full_attention_mixed_decode_equals_solo_runs(model: Any) -> None:
     solo_tokens: list[list[int]] = []
     for prompt in prompts:
         caches = make_kvrows_cache(model, scheme)
-        logits = _prefill(model, caches, prompt, scheme)
+        # Solo runs attend as kvrows' forwards do, inside the scope (on the CPU an affine
+        # layer's attention takes the host path there).
+        with attention_scope(model, caches):
+            logits = _prefill(model, caches, prompt, scheme)
         rows, picks = [], []
         for _ in range(6):
             token = int(np.argmax(as_numpy(logits[0, -1])))
             picks.append(token)
-            logits = model(mx.array([[token]]), cache=caches)
+            with attention_scope(model, caches):
+                logits = model(mx.array([[token]]), cache=caches)
             rows.append(as_numpy(logits[0, -1]))
         solo_logits.append(rows)
         solo_tokens.append(picks)
