@@ -362,12 +362,15 @@ class DelayedMachine(WriterRules, OpsChecks):
         # Only the affine codec has a ring lego: a layout of another codec takes one of
         # this example's start (its own parameters where it is affine).
         ring_lego = composition("Bf16FirstRotatingQuantizedKVCache").codec
-        affine = {} if self.g.spec.kind == ring_lego else {"group_size": 64, "bits": 8}
+        # A group that divides this example's head dims (a microscaling example may draw
+        # 32): the lego must hold the token, so that only the merge can refuse it.
+        group = 64 if not (self.g.key_dim % 64 or self.g.value_dim % 64) else 32
+        affine = {} if self.g.spec.kind == ring_lego else {"group_size": group, "bits": 8}
         if kind != "lego":
             ring = {"max_size": 8, "keep": 0}
             cache = self._new(impl, "KVCache" if self.ring else "RotatingKVCache", **ring)
         elif self.ring:
-            cache = self._new(impl, "Bf16FirstQuantizedKVCache")
+            cache = self._new(impl, "Bf16FirstQuantizedKVCache", **affine)
         else:
             cache = self._new(
                 impl, "Bf16FirstRotatingQuantizedKVCache", max_size=8, keep=0, **affine
