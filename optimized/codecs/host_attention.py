@@ -120,14 +120,33 @@ def _first_columns(visible: np.ndarray[Any, Any] | None, batch: int) -> list[int
     return [int(f) for f in np.broadcast_to(firsts, (batch,))]
 
 
+#: What a hidden column scores: the softmax then gives it an exact 0.
+_HIDDEN = np.float32(np.finfo(np.float32).min)
+
+
+def _rows_of(visible: np.ndarray[Any, Any], lo: int, hi: int) -> np.ndarray[Any, Any]:
+    """Rows ``[lo, hi)`` of the visibility (one shared row broadcasts)."""
+    return visible[:1] if visible.shape[0] == 1 else visible[lo:hi]
+
+
+def _weights(scores: np.ndarray[Any, Any], shown: np.ndarray[Any, Any] | None) -> None:
+    """``scores`` (its last axis a query's columns) into softmax weights, in place: the
+    columns ``shown`` hides (broadcast against ``scores``) at :data:`_HIDDEN`, the maximum
+    subtracted, exponentiated and normalized."""
+    if shown is not None:
+        np.copyto(scores, _HIDDEN, where=~shown)
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+
+
 def _spans(
     visible: np.ndarray[Any, Any], lo: int, hi: int, start: int, seen: int
 ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]] | None:
     """Rows ``[lo, hi)``'s span per query, ``(firsts, stops)`` each ``[rows, N]``: its first
     through its last visible column, relative to ``start`` (``None`` when every query's
     span is the chunk's whole ``seen`` columns; a query that sees nothing keeps them)."""
-    rows = visible[:1] if visible.shape[0] == 1 else visible[lo:hi]
-    shown = rows[:, 0, 0, :, start:]  # [rows or 1, N, seen]
+    shown = _rows_of(visible, lo, hi)[:, 0, 0, :, start:]  # [rows or 1, N, seen]
     if shown[..., 0].all() and shown[..., -1].all():
         return None
     sees = shown.any(axis=-1)
@@ -156,7 +175,6 @@ def _attend_spans(
     batch, a longer chunk around a reused prefix) are neither scored nor summed, so its
     sums run over the same terms in the same order whatever surrounds it (BLAS and NumPy's
     pairwise sums group terms by position and length)."""
-    hidden = np.float32(np.finfo(np.float32).min)
     firsts, stops = spans
     rows, n = firsts.shape
     for query in range(n):
@@ -167,15 +185,10 @@ def _attend_spans(
                 last += 1
             q = grouped[lo + row : lo + last, :, :, query]  # [r, kv_heads, repeat, D]
             scores = np.matmul(q, decoded_keys[row:last, :, :, first:stop])
-            shown = visible[:1] if visible.shape[0] == 1 else visible[lo + row : lo + last]
-            seen_here = np.broadcast_to(
-                shown[:, :, :, query, start + first : start + stop],
-                (last - row, 1, 1, stop - first),
-            )
-            np.copyto(scores, hidden, where=~seen_here)
-            scores -= scores.max(axis=-1, keepdims=True)
-            np.exp(scores, out=scores)
-            scores /= scores.sum(axis=-1, keepdims=True)
+            shown = _rows_of(visible, lo + row, lo + last)[
+                :, :, :, query, start + first : start + stop
+            ]
+            _weights(scores, shown)
             taken = decoded_values[row:last, :, first:stop]
             out[lo + row : lo + last, :, :, query] = scores @ taken
             row = last
@@ -198,7 +211,6 @@ def _attend_rows(
     same column. Its queries go a slice at a time (:data:`SCORES_BYTES` of scores a row),
     one ``[repeat·n, D] x [D, S]`` matmul per row and KV head: the head group together."""
     batch, kv_heads, repeat, n, dim = grouped.shape
-    hidden = np.float32(np.finfo(np.float32).min)
     firsts = _first_columns(visible, batch)
     out: np.ndarray[Any, Any] | None = None
     lo = 0
@@ -224,14 +236,9 @@ def _attend_rows(
             part = grouped[lo:hi, :, :, first:last].reshape(hi - lo, kv_heads, -1, dim)
             shape = (hi - lo, kv_heads, repeat * (last - first), seen)
             scores = np.matmul(part, decoded_keys, out=scratch("scores", shape))
-            if visible is not None:
-                rows = visible[:1] if visible.shape[0] == 1 else visible[lo:hi]
-                shown = rows[..., first:last, start:]
-                in_groups = scores.reshape(hi - lo, kv_heads, repeat, last - first, seen)
-                np.copyto(in_groups, hidden, where=~shown)
-            scores -= scores.max(axis=-1, keepdims=True)
-            np.exp(scores, out=scores)
-            scores /= scores.sum(axis=-1, keepdims=True)
+            in_groups = scores.reshape(hi - lo, kv_heads, repeat, last - first, seen)
+            shown = None if visible is None else _rows_of(visible, lo, hi)[..., first:last, start:]
+            _weights(in_groups, shown)
             summed = scores @ decoded_values
             out[lo:hi, :, :, first:last] = summed.reshape(
                 hi - lo, kv_heads, repeat, last - first, -1
