@@ -2603,8 +2603,9 @@ class _Drafter:
     proposal). A round proposes ``d`` tokens: ``next`` and ``d - 1`` more forwards, on the
     layouts themselves for growing layers (trimmed back afterwards) and ring layers (in a
     proposal round, ``spec_round_propose``: the ring drops no column until
-    ``spec_round_discard`` forgets the proposals), on a scratch copy for the layers that
-    cannot forget (delayed conversions, recurrent state, paged rings). After
+    ``spec_round_discard`` forgets the proposals; delayed layers the same way, no row
+    converting inside the round), on a scratch copy for the layers that cannot hold a
+    proposal round (recurrent state, chunked layers). After
     the target's verdict, :meth:`absorb` appends the rows' emitted tokens as one verify
     block inside a ``RowRound`` and keeps ``accepted + 1`` of them: the same rollback the
     target's layouts do, and the next ``next`` comes from the same forward.
@@ -2616,9 +2617,10 @@ class _Drafter:
         self.layouts: list[BatchableCache] = []
         self.next: list[int] = []
         fresh = make_kvrows_cache(model, self.scheme)
-        # Layers a proposal runs on a scratch copy of: rings (a wrapped ring cannot forget
-        # single-token appends), delayed layouts (an append past start converts a row,
-        # and a conversion cannot be trimmed away) and recurrent state (never trimmable).
+        # Layers a proposal cannot trim away: rings (a wrapped ring cannot forget
+        # single-token appends), delayed layouts (an append past start converts a row, and
+        # a conversion cannot be trimmed away) and recurrent state (never trimmable). Those
+        # that hold proposals take a proposal round; the others a scratch copy.
         self.scratch = [
             isinstance(cache, RingGeometry | Handover) or not cache.is_trimmable()
             for cache in fresh

@@ -815,11 +815,14 @@ class DelayedMachine(WriterRules, OpsChecks):
         label: str,
         *,
         replay: bool = True,
+        modelled: bool = True,
     ) -> tuple[Array, Array, Array, list[Array]]:
         """Append ``n`` tokens to every row in both implementations: masks, reads and
         attention, reference vs optimized. Returns the block, the queries and both
         outputs. ``replay``: the rows take the block now (the solo legos too, then the
-        layout against the model); else the caller does (a round, a prefill chunk)."""
+        layout against the model); else the caller does (a round, a prefill chunk).
+        ``modelled``: the model's rows are the layout's (a proposal round's later
+        appends follow proposals the model never takes: no mask against its record)."""
         rows = len(slot.rows)
         block = keys, values = self._draw_block(rng, rows, n)
         queries = self._queries(rng, rows, n)
@@ -830,7 +833,7 @@ class DelayedMachine(WriterRules, OpsChecks):
         form = {"return_array": bool(next(self._draws) % 2)}
         masks = [lay.make_mask(n, **form) for lay in (slot.ref, slot.opt)]
         self._same_masks(f"{what}: masks (optimized vs reference)", masks, rows, n)
-        if phase == "mixed" and not self.ring:
+        if phase == "mixed" and not self.ring and modelled:
             self._record_mask(what, slot, _as_mask(self.ref_impl, masks[0]), n)
         converted = tuple(slot.ref.converted_at)
         layouts = (slot.ref, slot.opt)
@@ -1201,6 +1204,62 @@ class DelayedMachine(WriterRules, OpsChecks):
         ):
             self.stats.check("conversion at a round boundary")
         self._advance(slot, before)
+        self._proposal_round(slot, 1 + sum(t.tokens for t in slot.rows) % 3)
+
+    def _proposal_round(self, slot: Slot, count: int) -> None:
+        """A proposal round (a draft model's proposals on its own layout), after each verify
+        round with no draw of its own: ``count`` single-token appends, each compared as a
+        layout append is (masks, reads, attention, reference vs optimized; no row converts
+        inside the round, speculative.md §9), then ``spec_round_discard()``: every row is
+        as it was (its record, stage and bytes against its solo legos). A layout that
+        cannot hold the proposals (chunked rows) refuses in both implementations,
+        unchanged."""
+        self._op("proposal_round")
+        holds = (slot.ref.holds_proposals, slot.opt.holds_proposals)
+        self._exact(
+            f"layout {slot.ident} holds_proposals (reference, optimized)", holds[1], holds[0]
+        )
+        if not holds[0]:
+            self._refused(
+                "spec_round_propose()",
+                lambda impl, lay: lay.spec_round_propose(),
+                slot.ref,
+                slot.opt,
+                SpeculativeRoundError,
+            )
+            return
+
+        def record(cache: Any) -> tuple[Any, ...]:
+            return (
+                repr(cache), tuple(cache.row_offsets), tuple(cache.left_pad),
+                tuple(cache.converted_at), cache.phase, cache.spec_round_open,
+            )  # fmt: skip
+
+        before = [record(lay) for lay in (slot.ref, slot.opt)]
+        if any(t.converted_at is None and t.tokens + count >= self.g.start for t in slot.rows):
+            self.stats.check("proposal past start (no conversion)")
+        rng = np.random.default_rng([count, *(t.tokens for t in slot.rows)])
+        for lay in (slot.ref, slot.opt):
+            lay.spec_round_propose()
+        for i in range(count):
+            label = f"proposal {i + 1} of {count}"
+            self._layout_append(slot, 1, rng, True, label, replay=False, modelled=i == 0)
+            self._exact(
+                f"layout {slot.ident} {label}: nothing converts in a proposal round",
+                [tuple(lay.converted_at) for lay in (slot.ref, slot.opt)],
+                [before[0][3]] * 2,
+            )
+        for lay in (slot.ref, slot.opt):
+            lay.spec_round_discard()
+        self._exact(
+            f"layout {slot.ident}: a discarded proposal round leaves every row as it was",
+            [record(lay) for lay in (slot.ref, slot.opt)],
+            before,
+        )
+        self._check_layout(slot, rows=True)
+        self.stats.check("proposal round discarded", count)
+        if self.ring and any(t.tokens >= cast(int, self.g.max_size) for t in slot.rows):
+            self.stats.check("proposal round on a full window")
 
     def _misuse(self, slot: Slot, data: st.DataObject) -> None:
         rows = len(slot.rows)

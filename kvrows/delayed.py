@@ -349,11 +349,6 @@ class DelayedLayout(ConversionBoundary, SpeculativeRounds):
     #: ``composed.over`` of the legos the rows came from (``None``: rows extract as storages).
     _compose: Callable[..., Any] | None = None
 
-    @property
-    def holds_proposals(self) -> bool:
-        """No proposal round: an append past ``start`` converts rows, no discard undoes it."""
-        return False
-
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "lego_class" in vars(cls):

@@ -98,12 +98,15 @@ class LatentSurface(_OnRows):
         return {} if self._planes is None else self._visible(self._planes)
 
     def held_arrays(self) -> tuple[Any, ...]:
-        """The columns that hold tokens (views: a later append writes past them)."""
+        """The buffers held, whole, each as an array of its own (``a[:]``: no primitive,
+        where a view of the written columns is one more per plane in every step's graph;
+        a later append rebinds the cache's arrays, never these)."""
         if self._stores is not None:  # rows of several stages: each store's that holds any
             # (a stage whose rows were all trimmed to nothing holds no planes)
-            held = [s for s in self._stores if s.planes is not None]
-            return tuple(a for store in held for a in arrays(self._visible_rows(store)))
-        return arrays(self._visible_planes())
+            held = [s.planes for s in self._stores if s.planes is not None]
+        else:
+            held = [] if self._planes is None else [self._planes]
+        return tuple(a[:] for planes in held for a in arrays(planes))
 
     def _with_exact(self, planes: Any, rows: Sequence[int]) -> Any:
         latent, rope, index, _ = planes
@@ -470,8 +473,10 @@ class EncodedLatentCache(
         return self._dense_window[1][: store[2], :, start:stop]
 
     def held_arrays(self) -> tuple[Any, ...]:
-        """The columns that hold tokens and, while one is held, the window's (views: an
-        evaluation at a chunk boundary evaluates the window too)."""
+        """The buffers held and, while one is held, the window's (an evaluation at a step's
+        end evaluates the window too)."""
         held = super().held_arrays()
-        view = self._window_view()
-        return held if view is None else (*held, view)
+        window = self._dense_window
+        if window is None or self._encoded_store() is None:
+            return held
+        return (*held, window[1][:])

@@ -1364,6 +1364,12 @@ class PagedLayout(PagedRows, Layout):
         """Columns a read returns (the longest row)."""
         return max(self._offsets, default=0)
 
+    @property
+    def holds_proposals(self) -> bool:
+        """Growing rows drop nothing: a proposal round's positions are forgotten as any
+        (a ring and a chunked placement say for themselves)."""
+        return True
+
     def block_tables(self) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(t) for t in self._tables)
 
@@ -1615,13 +1621,29 @@ class PagedRing(PagedRows):
         base = min(self._lead, default=0)
         return [lead - base for lead in self._lead]
 
+    #: A proposal round holds the rows (``_spec_hold``): they drop nothing, so no block
+    #: leaves a window until the discard forgets the round's positions.
+    _holding: bool = False
+
+    @property
+    def holds_proposals(self) -> bool:
+        """A layout's rows: while held they drop nothing (the mask still shows each query
+        its window) and free no block, so the discard leaves every row as it was."""
+        return self.composition.is_layout
+
+    def _spec_hold(self, on: bool) -> None:
+        self._holding = on
+
     def _leads_after(self, n: int) -> list[int]:
         """Each row's lead once it appends ``n`` (the ragged ring's rule; a serial ring's
         0)."""
         if not self.composition.is_layout:
             return [0] * len(self._retained)
         slack = ragged_slack(self.max_size, self.keep)
-        return list(ragged_step(self._lead, self._retained, n, self.max_size, slack).leads)
+        step = ragged_step(
+            self._lead, self._retained, n, self.max_size, slack, holding=self._holding
+        )
+        return list(step.leads)
 
     def _lents(self, offsets: Sequence[int] | None = None) -> list[Lent]:
         # A merge and an extraction take the window: the sinks and newest ``max_size``.
@@ -1659,7 +1681,9 @@ class PagedRing(PagedRows):
 
     def _after(self, n: int) -> list[int]:
         """Positions each row holds once it appends ``n`` (it keeps ``max_size - 1``
-        before them)."""
+        before them; all of them while a proposal round holds the rows)."""
+        if self._holding:
+            return [r + n for r in self._retained]
         return [min(r, self.max_size - 1) + n for r in self._retained]
 
     def _check_trim(self, counts: Sequence[int]) -> None:
@@ -1746,6 +1770,10 @@ class PagedChunked(PagedRows):
     geometry_kind = "chunked"
     #: Each row's first held position (mlx-lm's ``start_position``).
     _starts: list[int]
+
+    @property
+    def holds_proposals(self) -> bool:
+        return False  # a full chunk frees the one before it
 
     @property
     def _size(self) -> int:

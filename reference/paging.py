@@ -880,7 +880,13 @@ class PagedLayout(SpeculativeLayout, PagedRows):
 
     @property
     def holds_proposals(self) -> bool:
-        return False  # (not yet: a paged ring frees its blocks out of the window)
+        """The axis says (as for contiguous rows): growing rows drop nothing; a held ring
+        row drops nothing and so frees no block (``spec/speculative.md`` §9); a chunked
+        row's full chunk frees the one before it."""
+        return self._axis.holds_proposals(self.composition.arrangement)
+
+    def _spec_hold(self, on: bool) -> None:
+        self._axis.holding = on
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

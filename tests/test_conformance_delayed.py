@@ -41,6 +41,12 @@ def test_delayed_family(layout: str) -> None:
     stats.require(settings.max_examples // 2, ops=delayed_ops("affine"), oracles=DELAYED_CHECKS)
     assert_compared(stats, DELAYED_QUANTITIES)
     assert {"start 0", "start > 0"} <= set(stats.variants), dict(stats.variants)
+    if layout != "DelayedChunkedQuantizedKVCache":  # (chunked rows refuse proposal rounds)
+        # A draft's proposals on the layout itself, discarded; some past a row's start.
+        required = ("proposal round discarded", "proposal past start (no conversion)")
+        assert all(stats.checks[c] > 0 for c in required), dict(stats.checks)
+        if layout == "DelayedRotatingQuantizedKVCache":
+            assert stats.checks["proposal round on a full window"] > 0, dict(stats.checks)
     if layout in ("DelayedQuantizedKVCache", "DelayedChunkedQuantizedKVCache"):
         stats.require(0, states=(UNEVEN_TRIM,))  # equal rows trimmed unequally, then a step
         # Mixed full-attention or chunked rows answer make_mask with the position record's

@@ -240,3 +240,39 @@ def test_kvrows_demo_with_a_kv_start_passes_its_invariance_check(
     table = capsys.readouterr().out
     rows = [line.split() for line in table.splitlines() if "affine8:32,-1=plain@20" in line]
     assert len(rows) == 2 and all(row[-1] == "PASS" for row in rows)  # llama and gemma3
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_draft_proposes_on_its_delayed_layouts_without_a_copy(
+    models: dict[str, Any], arch: str, call_log: Any
+) -> None:
+    """Dispatch: the draft's delayed layers take its proposals in a proposal round on the
+    layouts themselves (``spec_round_propose`` / ``spec_round_discard``; no row converts
+    inside it), no scratch copy of the batch (``make_empty_batch``). Rows cross their
+    start during the run. The target as its own draft proposes exactly the target's
+    tokens only if the draft's rows read as the target's verify rows do (plain until the
+    round that crossed the start ends): every draft is accepted."""
+    from kvrows.optimized import rows
+    from kvrows.speculative import SpeculativeRounds
+
+    model = models[arch]
+    assert any(isinstance(c, Bf16First) for c in make_kvrows_cache(model, SCHEME))
+    call_log.watch(rows.Layout, "make_empty_batch")
+    call_log.watch(SpeculativeRounds, "spec_round_propose")
+    call_log.watch(SpeculativeRounds, "spec_round_discard")
+    trace = _trace()
+    selfish = Engine(
+        model,
+        SCHEME,
+        max_batch=3,
+        prefill_chunk=4,
+        draft_model=draft_model(model, len(model.layers)),
+        draft_tokens=3,
+    )
+    results, stats = selfish.run(trace)
+    assert stats.accepted == stats.drafted > 0
+    assert "make_empty_batch" not in call_log.names
+    proposed = call_log.names.count("spec_round_propose")
+    assert proposed > 0 and call_log.names.count("spec_round_discard") == proposed
+    plain = Engine(model, SCHEME, max_batch=3, prefill_chunk=4)
+    assert [r.tokens for r in plain.run(trace)[0]] == [r.tokens for r in results]

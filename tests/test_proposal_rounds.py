@@ -25,16 +25,25 @@ def _block(position: int, rows: int, offsets: list[int] | None = None) -> np.nda
     return np.broadcast_to(tags.reshape(rows, 1, 1, 1), (rows, 1, 1, 8)).copy()
 
 
-def _layout(package: ModuleType, lengths: list[int]) -> Any:
-    """A ring verify layout of rows holding ``lengths`` tokens (windows of ``WINDOW``)."""
+def _layout(package: ModuleType, lengths: list[int], *, paged: bool = False) -> Any:
+    """A ring verify layout of rows holding ``lengths`` tokens (windows of ``WINDOW``;
+    ``paged``: block-table rows of 2-token blocks)."""
     serial = []
     for b, length in enumerate(lengths):
-        ring = package.RotatingKVCache(WINDOW)
+        ring = (
+            package.PagedRotatingKVCache(WINDOW, block_size=2)
+            if paged
+            else package.RotatingKVCache(WINDOW)
+        )
         for p in range(length):
             x = _block(p, 1) + 1000.0 * b
             ring.update_and_fetch(_native(package, x), _native(package, x))
         serial.append(ring)
-    layout = package.SpeculativeRotatingKVCache(WINDOW)
+    layout = (
+        package.PagedRotatingRows(WINDOW, block_size=2)
+        if paged
+        else package.SpeculativeRotatingKVCache(WINDOW)
+    )
     layout.merge_rows(serial)
     return layout
 
@@ -52,12 +61,14 @@ def _windows(layout: Any) -> list[list[int]]:
     return [[int(v) for v in as_numpy(h[0][0])[0, 0, :, 0]] for h in held]
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("package", [ref, opt], ids=["reference", "optimized"])
 def test_a_ring_holds_its_proposals_and_the_discard_restores_every_window(
-    package: ModuleType,
+    package: ModuleType, paged: bool
 ) -> None:
     lengths = [9, 5]  # both rows past their window: a single token would evict
-    layout = _layout(package, lengths)
+    layout = _layout(package, lengths, paged=paged)
+    tables = layout.block_tables() if paged else None
     windows = _windows(layout)
     assert windows == [[5, 6, 7, 8], [1001, 1002, 1003, 1004]]
     assert layout.holds_proposals
@@ -77,11 +88,18 @@ def test_a_ring_holds_its_proposals_and_the_discard_restores_every_window(
             [1000 * b + p for p in range(lengths[b] + i + 1 - WINDOW, lengths[b] + i + 1)]
             for b in range(2)
         ]
-    assert layout.retained == (WINDOW + 3, WINDOW + 3)  # nothing dropped
+        if paged:  # nothing dropped: no block left a window
+            held = [[t for t in table if t >= 0] for table in layout.block_tables()]
+            # (the blocks of positions ``length - WINDOW .. length + i``)
+            assert [len(h) for h in held] == [(n + i) // 2 - (n - WINDOW) // 2 + 1 for n in lengths]
+    if not paged:
+        assert layout.retained == (WINDOW + 3, WINDOW + 3)  # nothing dropped
     layout.spec_round_discard()
     assert not layout.spec_round_open
     assert layout.row_offsets == tuple(lengths)
     assert _windows(layout) == windows
+    if paged:  # each row's table is as it was (the proposals' blocks went back)
+        assert layout.block_tables() == tables
 
 
 @pytest.mark.parametrize("package", [ref, opt], ids=["reference", "optimized"])
@@ -104,8 +122,8 @@ def test_a_proposal_round_ends_only_with_a_discard(package: ModuleType) -> None:
 
 @pytest.mark.parametrize("package", [ref, opt], ids=["reference", "optimized"])
 def test_a_layout_that_cannot_hold_proposals_refuses_unchanged(package: ModuleType) -> None:
-    layout = package.PagedRotatingRows(WINDOW, block_size=2)
-    serial = package.PagedRotatingKVCache(WINDOW, block_size=2)
+    layout = package.PagedChunkedRows(WINDOW, block_size=2)
+    serial = package.PagedChunkedKVCache(WINDOW, block_size=2)
     x = _block(0, 1)
     serial.update_and_fetch(_native(package, x), _native(package, x))
     layout.merge_rows([serial])
