@@ -716,6 +716,13 @@ class DelayedLayout(ConversionBoundary, SpeculativeRounds):
         )
 
     # -- rounds --------------------------------------------------------------------------------
+    def _spec_forget(self, counts: Sequence[int]) -> None:
+        """A rollback's or a discard's trim, after the last read is dropped: views of the
+        planes held there would make the trim's in-place clear copy every plane (the
+        whole batch, every round)."""
+        self._forget_reads()
+        super()._spec_forget(counts)  # type: ignore[misc]
+
     def spec_round_commit(self) -> None:
         close = super().spec_round_commit
         self._close_round(close)

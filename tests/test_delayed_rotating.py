@@ -262,3 +262,47 @@ def test_plain_and_delayed_sliding_layers_share_one_mask(text: str) -> None:
                 expected = _last(model(mx.array([feed[b]]), cache=solos[b]))
                 assert _close(logits[b], expected, "float32"), (step, b)
     assert phases == ({"plain"} if text.endswith("@20") else {"mixed", "packed"})
+
+
+def _plane_address(plane: mx.array) -> int:
+    return int(np.asarray(plane).ctypes.data)
+
+
+@pytest.mark.parametrize("close", ["rollback", "discard"])
+def test_a_round_forgets_in_place_past_its_last_read(close: str) -> None:
+    """The dispatch: a verify round's rollback and a proposal round's discard on a delayed
+    ring clear the forgotten columns in place (the planes keep their buffers: MLX donated
+    them), even though the round's last read (views of those planes, kept for
+    ``attend_last_read``) was the layout's own: the forget drops it first. Before, every
+    round copied every plane of the batch."""
+    window, rows = 16, 2
+    layout = opt.DelayedRotatingQuantizedKVCache(window, 32, 8, 0, window // 2)
+    serial = []
+    for b in range(rows):
+        ring = opt.RotatingKVCache(window)
+        block = mx.random.normal((1, 2, window + 3 + b, 32), key=mx.random.key(b))
+        ring.update_and_fetch(block, block)
+        serial.append(ring)
+    layout.merge_rows(serial)
+    assert layout.phase == "packed"
+    offsets = layout.row_offsets
+    addresses: list[int] = []
+    for warm in (True, False, False):  # (the first round may grow the buffers)
+        if close == "rollback":
+            layout.spec_round_begin()
+            block = mx.random.normal((rows, 2, 3, 32))
+            mx.eval(*layout.update_and_fetch(block, block))
+            layout.spec_round_rollback(1)
+        else:
+            layout.spec_round_propose()
+            for _ in range(2):
+                token = mx.random.normal((rows, 2, 1, 32))
+                mx.eval(*layout.update_and_fetch(token, token))
+            layout.spec_round_discard()
+        mx.eval(layout.held_arrays())
+        if close == "discard":
+            assert layout.row_offsets == offsets
+        held = [_plane_address(p) for p in layout.held_arrays()]
+        if not warm:
+            assert held == addresses
+        addresses = held

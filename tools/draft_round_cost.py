@@ -14,7 +14,12 @@ attention over the read is the same in both):
 fp16, 8 KV heads, head dim 128, ``d = 3``; median of ``--repeats`` rounds after one
 warm-up, the two ways interleaved.
 
-Run: ``.venv/bin/python tools/draft_round_cost.py [--repeats 7]``
+``--layout``: ``ring`` (``SpeculativeRotatingKVCache``, the default), ``delayed-ring``
+(``DelayedRotatingQuantizedKVCache``, affine 8-bit group 64, start ``W / 2``: every row
+converted, as a bf16-first scheme's sliding layer past its start), ``paged-ring``
+(``PagedRotatingRows``, 16-token blocks: its rows' tables share the serial rows' pool).
+
+Run: ``.venv/bin/python tools/draft_round_cost.py [--repeats 7] [--layout L]``
 """
 
 from __future__ import annotations
@@ -31,11 +36,13 @@ import kvrows.optimized as opt
 HEADS, DIM, DRAFTS = 8, 128, 3
 
 
-def full_rings(cls: Any, rows: int, window: int) -> Any:
-    """A ring verify layout (``cls``) of ``rows`` rows, each holding a full window."""
+def full_rings(cls: Any, rows: int, window: int, serial_cls: Any = None) -> Any:
+    """A ring verify layout (``cls(window)``, or ``cls`` itself when it is a layout
+    factory) of ``rows`` rows of ``serial_cls(window)`` (default ``RotatingKVCache``), each
+    holding a full window."""
     serial = []
     for _ in range(rows):
-        ring = opt.RotatingKVCache(window)
+        ring = (serial_cls or opt.RotatingKVCache)(window)
         block = mx.random.normal((1, HEADS, window + 8, DIM)).astype(mx.float16)
         ring.update_and_fetch(block, block)
         serial.append(ring)
@@ -43,6 +50,20 @@ def full_rings(cls: Any, rows: int, window: int) -> Any:
     layout.merge_rows(serial)
     mx.eval(layout.held_arrays())
     return layout
+
+
+#: ``--layout``: the verify layout and its serial rows' class, each of the window.
+LAYOUTS: dict[str, tuple[Any, Any]] = {
+    "ring": (opt.SpeculativeRotatingKVCache, opt.RotatingKVCache),
+    "delayed-ring": (
+        lambda w: opt.DelayedRotatingQuantizedKVCache(w, 64, 8, 0, w // 2),
+        opt.RotatingKVCache,
+    ),
+    "paged-ring": (
+        lambda w: opt.PagedRotatingRows(w, block_size=16),
+        lambda w: opt.PagedRotatingKVCache(w, block_size=16),
+    ),
+}
 
 
 def _proposals(cache: Any, token: mx.array) -> None:
@@ -73,11 +94,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--shapes", default="1x1024,16x1024,1x4096,16x4096", help="BxW,...")
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="ring")
     args = parser.parse_args()
-    print("B   W     scratch ms  round ms  round/scratch")
+    print(f"{args.layout}\nB   W     scratch ms  round ms  round/scratch")
     for shape in args.shapes.split(","):
         rows, window = (int(x) for x in shape.split("x"))
-        layout = full_rings(opt.SpeculativeRotatingKVCache, rows, window)
+        cls, serial_cls = LAYOUTS[args.layout]
+        layout = full_rings(cls, rows, window, serial_cls)
         token = mx.random.normal((rows, HEADS, 1, DIM)).astype(mx.float16)
         mx.eval(token)
         _scratch(layout, token), _round(layout, token)  # warm-up
