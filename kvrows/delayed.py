@@ -721,7 +721,7 @@ class DelayedLayout(ConversionBoundary, SpeculativeRounds):
         planes held there would make the trim's in-place clear copy every plane (the
         whole batch, every round)."""
         self._forget_reads()
-        super()._spec_forget(counts)  # type: ignore[misc]
+        super()._spec_forget(counts)
 
     def spec_round_commit(self) -> None:
         close = super().spec_round_commit

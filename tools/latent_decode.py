@@ -22,7 +22,12 @@ eager way (``spec/PagedLatentCache.md`` §7), beside ``MLACache``. ``--ab``: ``m
 ``window`` only, 6 interleaved runs of 25 steps, each step's median and 10th percentile
 (microseconds): for two checkouts compared in alternating processes on a shared CPU,
 where a median alone moves with the load (run the tool with ``PYTHONPATH`` at the other
-checkout's package to measure its classes).
+checkout's package to measure its classes). ``--floor``: beside ``mla`` and ``window``
+steps (interleaved, as ``--ab``), what any encoded step adds at the least: one evaluation
+of nothing but an add (``eval``: MLX's per-evaluation cost), of the step's block
+quantized (``quantize``), and quantized then decoded (``quantize + decode``: the codes
+and the window's new column). ``mla + quantize + decode - eval`` bounds an encoded step
+from below.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import Any
 import mlx.core as mx
 
 from kvrows.optimized import EncodedLatentCache, LatentBlockPool, MLACache, PagedLatentCache
+from kvrows.optimized.codecs.registry import build
 from kvrows.schemes import Affine
 
 RANK, ROPE = 512, 64
@@ -156,6 +162,9 @@ def main() -> None:
     if "--paged" in flags:
         paged(shapes)
         return
+    if "--floor" in flags:
+        floor(shapes)
+        return
     print(
         "| B | L | step: mla | window | eager | window / mla | eager / mla "
         "| after merge: mla / window / eager | grow | join + step |"
@@ -188,6 +197,47 @@ def ab(shapes: list[tuple[int, ...]]) -> None:
                 for name, t in times.items()
             ]
             print(f"B={batch} L={tokens}: " + ", ".join(cells), flush=True)
+
+
+def _timed(build: Any) -> float:
+    start = time.perf_counter()
+    mx.eval(build())
+    return 1e3 * (time.perf_counter() - start)
+
+
+def floor(shapes: list[tuple[int, ...]]) -> None:
+    """The least an encoded step adds to an ``MLACache`` step (module docstring)."""
+    inner = build(CODEC)  # the encoded stage's codec (affine 8-bit, group 64)
+    with mx.stream(mx.cpu):
+        for batch, tokens in shapes:
+            layouts = {
+                name: _layout(IMPLEMENTATIONS[name], batch, tokens) for name in ("mla", "window")
+            }
+            block = _block(batch)[0]
+            mx.eval(block)
+            parts: dict[str, Any] = {
+                "eval": lambda x=block: x + 1,
+                "quantize": lambda x=block: inner.encode(x, "values"),
+                "quantize + decode": lambda x=block: inner.decode(
+                    inner.encode(x, "values"), "values"
+                ),
+            }
+            times: dict[str, list[float]] = {name: [] for name in [*layouts, *parts]}
+            for run in range(7):  # (the first run warms up)
+                for name, layout in layouts.items():
+                    steps = [_step(layout) for _ in range(25)]
+                    times[name] += steps if run else []
+                for name, part in parts.items():
+                    steps = [_timed(part) for _ in range(25)]
+                    times[name] += steps if run else []
+            us = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+            bound = us["mla"] + us["quantize + decode"] - us["eval"]
+            cells = ", ".join(f"{name} {value:.0f}" for name, value in us.items())
+            print(
+                f"B={batch} L={tokens}: {cells} us; lower bound {bound:.0f} us "
+                f"({bound / us['mla']:.2f}x mla), window {us['window'] / us['mla']:.2f}x mla",
+                flush=True,
+            )
 
 
 def paged(shapes: list[tuple[int, ...]]) -> None:
