@@ -1578,6 +1578,9 @@ class Engine:
             self._measure()
         else:
             leaving = []
+        # The gauges are the last measure's unless rows leave now (their caches, the
+        # prefix cache they publish to): a count of every cache is no free call.
+        measured = pipeline is not None or bool(running)
         if leaving:
             for row in leaving:
                 self._retire(row, layouts, running.index(row))
@@ -1590,7 +1593,8 @@ class Engine:
             self.step_guard(self._step, [row.request.rid for row in rows], positions)
         self._step += 1
         self._send_events()
-        self._refresh_gauges()
+        if leaving or not measured:
+            self._refresh_gauges()
         with self._lock:
             return self._has_work()
 

@@ -276,17 +276,30 @@ _NOT_STATE_ARRAYS = {
 
 
 def _weight_dtype(model: Any) -> str | None:
-    """The dtype of ``model``'s first floating-point weight (its activations'), by name."""
-    from mlx.utils import tree_flatten
+    """The dtype of ``model``'s first floating-point weight (its activations'), by name:
+    the first of ``tree_flatten(model.parameters())`` in its order (public keys, dicts
+    and lists in order), found without building the whole tree (every request's fresh
+    caches ask)."""
+    # (a wrapper that is no ``nn.Module`` hands its model's tree)
+    found = _first_floating(model if isinstance(model, dict) else model.parameters())
+    return None if found is None else str(found.dtype).rsplit(".", 1)[-1]
 
-    return next(
-        (
-            str(item[1].dtype).rsplit(".", 1)[-1]
-            for item in tree_flatten(model.parameters())
-            if isinstance(item[1], mx.array) and mx.issubdtype(item[1].dtype, mx.floating)
-        ),
-        None,
-    )
+
+def _first_floating(tree: Any) -> mx.array | None:
+    if isinstance(tree, mx.array):
+        return tree if mx.issubdtype(tree.dtype, mx.floating) else None
+    if isinstance(tree, dict):  # (an ``nn.Module`` is a dict of its members)
+        items: Any = ((k, v) for k, v in tree.items() if not k.startswith("_"))
+    elif isinstance(tree, list):
+        items = enumerate(tree)
+    else:
+        return None
+    for _, value in items:
+        if isinstance(value, mx.array | dict | list):
+            found = _first_floating(value)
+            if found is not None:
+                return found
+    return None
 
 
 def text_config(model: Any) -> Any:

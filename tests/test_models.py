@@ -160,3 +160,28 @@ def test_layer_storages_take_the_ring_and_codec_parameters_whole(
             assert cache.codec_spec == codec
         else:  # a bf16-first lego: plain until ``start`` tokens, then ``codec``
             assert (cache.quantization, cache.start) == (codec, start)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_weight_dtype_is_the_first_floating_parameter(arch: str) -> None:
+    """``kv_geometry``'s dtype: the first floating-point array of ``tree_flatten(
+    model.parameters())``, found without the whole tree, for a float model, a cast one and
+    a quantized one (its packed ``uint32`` weights skipped)."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from kvrows.app.models import _weight_dtype
+
+    def flattened(model: Any) -> str:
+        floating = (
+            a for _, a in tree_flatten(model.parameters()) if mx.issubdtype(a.dtype, mx.floating)
+        )
+        return str(next(floating).dtype).rsplit(".", 1)[-1]
+
+    model = tiny_model(arch)
+    assert _weight_dtype(model) == flattened(model) == "float32"
+    model.set_dtype(mx.float16)
+    assert _weight_dtype(model) == flattened(model) == "float16"
+    quantized = tiny_model(arch)
+    nn.quantize(quantized, group_size=32, bits=4)
+    assert _weight_dtype(quantized) == flattened(quantized)
