@@ -173,9 +173,8 @@ def test_the_weight_dtype_is_the_first_floating_parameter(arch: str) -> None:
     from kvrows.app.models import _weight_dtype
 
     def flattened(model: Any) -> str:
-        floating = (
-            a for _, a in tree_flatten(model.parameters()) if mx.issubdtype(a.dtype, mx.floating)
-        )
+        leaves: Any = tree_flatten(model.parameters())
+        floating = (a for _, a in leaves if mx.issubdtype(a.dtype, mx.floating))
         return str(next(floating).dtype).rsplit(".", 1)[-1]
 
     model = tiny_model(arch)
@@ -183,5 +182,5 @@ def test_the_weight_dtype_is_the_first_floating_parameter(arch: str) -> None:
     model.set_dtype(mx.float16)
     assert _weight_dtype(model) == flattened(model) == "float16"
     quantized = tiny_model(arch)
-    nn.quantize(quantized, group_size=32, bits=4)
+    nn.quantize(quantized, group_size=32, bits=4)  # type: ignore[attr-defined]
     assert _weight_dtype(quantized) == flattened(quantized)
