@@ -39,6 +39,7 @@ from kvrows.optimized.classes import (
 )
 from kvrows.optimized.classes import BatchedRotatingCache as RingBatchedRotatingCache
 from kvrows.optimized.codecs import TurboCodec, host_attention
+from kvrows.optimized.paged import PagedRotatingRows
 from kvrows.optimized.rows import Serial, mapped, row_of, token_count
 from kvrows.protocols import Cache, Mask
 from kvrows.schemes import CodecSpec, GeometrySpec, Turbo
@@ -161,6 +162,7 @@ CONTROLS = [
     ("speculative", "SpeculativeRotatingKVCache"),
     ("delayed", "DelayedQuantizedKVCache"),
     ("delayed", "DelayedRotatingQuantizedKVCache"),
+    ("paged-rotating", "PagedRotatingRows"),
 ]
 
 
@@ -518,6 +520,21 @@ SPECULATIVE_MUTANTS = [
 ]
 
 
+class PagedRingProposalFreesBlocks(PagedRotatingRows):
+    """A paged ring held by a proposal round still drops what a single token evicts and
+    frees its block (issue 28): the discard cannot give the window back."""
+
+    def _spec_hold(self, on: bool) -> None:
+        super()._spec_hold(False)  # MUTATION (a held paged ring row drops nothing)
+
+
+def test_the_paged_ring_machine_catches_a_proposal_that_frees_blocks() -> None:
+    message = caught(
+        "PagedRotatingRows", PagedRingProposalFreesBlocks, family_name="paged-rotating"
+    )
+    assert "proposal" in message, message
+
+
 @pytest.mark.parametrize(("layout", "mutant"), SPECULATIVE_MUTANTS)
 def test_the_speculative_machine_catches(layout: str, mutant: type) -> None:
     message = caught(layout, mutant, family_name="speculative")
@@ -546,12 +563,28 @@ class RingConvertsOneTokenEarly(DelayedRotatingQuantizedKVCache):
     conversion_class = ConversionOneTokenEarly
 
 
+class ConvertsInsideAProposalRound(DelayedQuantizedKVCache):
+    """A proposal's append converts the rows it carries past ``start`` (issue 28): the
+    discard then leaves them converted below it."""
+
+    def _convert_due(self) -> None:
+        if self._spec_proposing:  # MUTATION (nothing converts inside a round)
+            self._convert(self._conversion.due(self._record_offsets()))
+            return
+        super()._convert_due()
+
+
 DELAYED_MUTANTS = [
     pytest.param("DelayedQuantizedKVCache", ConvertsOneTokenEarly, id="converts-one-token-early"),
     pytest.param(
         "DelayedRotatingQuantizedKVCache",
         RingConvertsOneTokenEarly,
         id="ring-converts-one-token-early",
+    ),
+    pytest.param(
+        "DelayedQuantizedKVCache",
+        ConvertsInsideAProposalRound,
+        id="converts-inside-a-proposal-round",
     ),
 ]
 
