@@ -131,3 +131,42 @@ def test_a_layout_that_cannot_hold_proposals_refuses_unchanged(package: ModuleTy
     with pytest.raises(SpeculativeRoundError, match="cannot hold a proposal round"):
         layout.spec_round_propose()
     assert not layout.spec_round_open
+
+
+@pytest.mark.parametrize("package", [ref, opt], ids=["reference", "optimized"])
+def test_an_exhausted_pool_refuses_a_proposal_and_the_round_discards(package: ModuleType) -> None:
+    """A held paged ring keeps every block its proposals take (none leaves a window), so
+    a small pool runs out inside the round: the append refuses with ``PoolExhaustedError``
+    before anything changes, the round stays open, and the discard gives every row its
+    window back."""
+    from kvrows.errors import PoolExhaustedError
+
+    pool = package.BlockPool(block_size=2, max_bytes=8 * 2 * 2 * 8 * 4 * 2)  # 8 blocks
+    serial = []
+    for b in range(2):
+        ring = package.PagedRotatingKVCache(WINDOW, block_size=2, pool=pool)
+        for p in range(7):  # one token at a time: each write gives back what left
+            x = _block(p, 1) + 1000.0 * b
+            x = np.broadcast_to(x, (1, 2, 1, 8)).copy()
+            ring.update_and_fetch(_native(package, x), _native(package, x))
+        serial.append(ring)
+    layout = package.PagedRotatingRows(WINDOW, block_size=2, pool=pool)
+    layout.merge_rows(serial)
+    for ring in serial:
+        ring.release()
+    windows = _windows(layout)
+    layout.spec_round_propose()
+    refused = None
+    for i in range(4):
+        x = np.broadcast_to(_block(i, 2, [7, 7]), (2, 2, 1, 8)).copy()
+        before = (layout.row_offsets, layout.block_tables())
+        try:
+            layout.update_and_fetch(_native(package, x), _native(package, x))
+        except PoolExhaustedError as error:
+            refused = error
+            assert (layout.row_offsets, layout.block_tables()) == before
+            break
+    assert refused is not None and layout.spec_round_open
+    layout.spec_round_discard()
+    assert layout.row_offsets == (7, 7)
+    assert _windows(layout) == windows
