@@ -881,7 +881,7 @@ class PagedLayout(SpeculativeLayout, PagedRows):
     @property
     def holds_proposals(self) -> bool:
         """The axis says (as for contiguous rows): growing rows drop nothing; a held ring
-        row drops nothing and so frees no block (``spec/speculative.md`` §9); a chunked
+        row drops nothing and so frees no block (``spec/speculative.md`` §8a); a chunked
         row's full chunk frees the one before it."""
         return self._axis.holds_proposals(self.composition.arrangement)
 
