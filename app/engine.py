@@ -1554,12 +1554,13 @@ class Engine:
             if done:
                 self._leave_cohort(done)
         pipeline = self._pipeline
-        # A prefill chunk has waited for the device already: its boundary evaluates.
+        # A prefill chunk has waited for the device already: its boundary evaluates. A
+        # pipelined step where nothing joined, prefilled or changed holds at most what the
+        # last step's measure counted (rows may only have left): the measure after this
+        # step's launch counts it.
         if pipeline is None or self._changed or prefilled:
             self._measure()
             self._changed = False
-        else:
-            self._measure(evaluate=False)
         # one decode step for the running rows
         running, layouts = self._running, self._decode_layouts
         if pipeline is not None:
