@@ -610,7 +610,11 @@ def placed_geometries(placement: PlacementKind) -> frozenset[str]:
 
 def landed() -> tuple[Composition, ...]:
     """The compositions both implementations provide today, in table order."""
-    return tuple(c for c in COMPOSITIONS if c.is_landed)
+    return _LANDED
+
+
+#: ``landed()`` (the table is a tuple of frozen entries: every request's fresh caches ask).
+_LANDED: tuple[Composition, ...] = tuple(c for c in COMPOSITIONS if c.is_landed)
 
 
 def layouts_of(serial: str) -> tuple[Composition, ...]:
