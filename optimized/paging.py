@@ -57,7 +57,7 @@ from kvrows.errors import (
     wrapped_ring_message,
 )
 from kvrows.forms import pack_state
-from kvrows.geometries.ring import ragged_slack, ragged_step
+from kvrows.geometries.ring import ragged_slack, ragged_step, retained_after
 from kvrows.optimized.codecs import Codec, dtype_name, make_codec
 from kvrows.optimized.geometries.chunked import ChunkedGeometry
 from kvrows.optimized.geometries.growing import GrowingGeometry
@@ -1682,9 +1682,7 @@ class PagedRing(PagedRows):
     def _after(self, n: int) -> list[int]:
         """Positions each row holds once it appends ``n`` (it keeps ``max_size - 1``
         before them; all of them while a proposal round holds the rows)."""
-        if self._holding:
-            return [r + n for r in self._retained]
-        return [min(r, self.max_size - 1) + n for r in self._retained]
+        return retained_after(self._retained, n, self.max_size, holding=self._holding)
 
     def _check_trim(self, counts: Sequence[int]) -> None:
         """The ring's rules: a serial ring trims only before it wraps; a row of a layout

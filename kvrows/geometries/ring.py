@@ -10,7 +10,14 @@ from kvrows.errors import InvalidInputError
 from kvrows.geometries.registry import SpecParts, register_geometry
 from kvrows.validation import STEP, as_count
 
-__all__ = ["RaggedStep", "Ring", "held_positions", "ragged_slack", "ragged_step"]
+__all__ = [
+    "RaggedStep",
+    "Ring",
+    "held_positions",
+    "ragged_slack",
+    "ragged_step",
+    "retained_after",
+]
 
 
 @register_geometry
@@ -83,6 +90,15 @@ class RaggedStep:
     @property
     def leads(self) -> tuple[int, ...]:
         return (0,) * len(self.moved) if self.compact else self.moved
+
+
+def retained_after(retained: Sequence[int], n: int, max_size: int, *, holding: bool) -> list[int]:
+    """Tokens each ragged ring row retaining ``retained[b]`` holds once it appends ``n``:
+    it keeps ``max_size - 1`` before them (a single token: the newest ``max_size``), every
+    one while a proposal round is ``holding`` the rows."""
+    if holding:
+        return [r + n for r in retained]
+    return [min(r, max_size - 1) + n for r in retained]
 
 
 def ragged_step(

@@ -49,7 +49,7 @@ from kvrows.errors import (
     trim_past_row_message,
     wrapped_ring_message,
 )
-from kvrows.geometries.ring import ragged_slack, ragged_step
+from kvrows.geometries.ring import ragged_slack, ragged_step, retained_after
 from kvrows.optimized.codecs import Codec, Planes
 from kvrows.optimized.geometries.registry import implements
 from kvrows.optimized.rows import (
@@ -1030,11 +1030,7 @@ class RaggedRing(RingGeometry):
         self._holding = on
 
     def _after(self, n: int) -> list[int]:
-        if self._holding:
-            return [r + n for r in self._retained]
-        if n == 1:
-            return [min(r + 1, self.max_size) for r in self._retained]
-        return [min(r, self.max_size - 1) + n for r in self._retained]
+        return retained_after(self._retained, n, self.max_size, holding=self._holding)
 
     def _step(self, n: int) -> Any:
         """What an ``n``-token block does to the rows' columns (the shared rule)."""
