@@ -330,32 +330,46 @@ STATE_OPS = ("merge", "filter", "extract", "from_state", "prepare")
 SPEC_OPS = ("verify", "rollback", "commit")
 #: A round's close (the verify block appended in setup).
 CLOSES = ("rollback", "commit")
+#: A proposal round's single-token append, and its discard (one proposal appended in setup).
+PROPOSAL_OPS = ("propose", "discard")
 
 PAGED_OPS = (*ROW_OPS, "register_prefix")
 
 CASES = (
     Case("KVCache", _serial("KVCache"), ("update", "trim")),
     Case("PaddedKVRows", _kv_layout("PaddedKVRows"), ROW_OPS),
-    Case("BatchedKVCache", _kv_layout("BatchedKVCache"), ROW_OPS + SPEC_OPS),
+    Case("BatchedKVCache", _kv_layout("BatchedKVCache"), ROW_OPS + SPEC_OPS + PROPOSAL_OPS),
     Case("PaddedQuantKVRows", _kv_layout("PaddedQuantKVRows"), ROW_OPS),
     Case("BatchedRotatingCache", _kv_layout("BatchedRotatingCache"), ROW_OPS),
     Case("RaggedRotatingRows", _kv_layout("RaggedRotatingRows"), ROW_OPS),
     Case(
         "SpeculativeRotatingKVCache",
         _kv_layout("SpeculativeRotatingKVCache"),
-        ROW_OPS + SPEC_OPS,
+        ROW_OPS + SPEC_OPS + PROPOSAL_OPS,
     ),
     Case("BatchedTurboQuantKVCache", _kv_layout("BatchedTurboQuantKVCache"), ROW_OPS + SPEC_OPS),
-    Case("DelayedQuantizedKVCache", _kv_layout("DelayedQuantizedKVCache"), ROW_OPS + SPEC_OPS),
+    Case(
+        "DelayedQuantizedKVCache",
+        _kv_layout("DelayedQuantizedKVCache"),
+        ROW_OPS + SPEC_OPS + PROPOSAL_OPS,
+    ),
     Case("DelayedQuantizedKVCache", _prefilled("DelayedQuantizedKVCache"), ("end_prefill",)),
     Case(
         "DelayedRotatingQuantizedKVCache",
         _kv_layout("DelayedRotatingQuantizedKVCache"),
-        ROW_OPS + SPEC_OPS,
+        ROW_OPS + SPEC_OPS + PROPOSAL_OPS,
     ),
     Case("DelayedTurboQuantKVCache", _kv_layout("DelayedTurboQuantKVCache"), SPEC_OPS),
-    Case("PagedKvRows", _paged("PagedKvRows", "PagedKVCache", False), PAGED_OPS + SPEC_OPS),
-    Case("PagedRotatingRows", _paged("PagedRotatingRows", "PagedRotatingKVCache", True), PAGED_OPS),
+    Case(
+        "PagedKvRows",
+        _paged("PagedKvRows", "PagedKVCache", False),
+        PAGED_OPS + SPEC_OPS + PROPOSAL_OPS,
+    ),
+    Case(
+        "PagedRotatingRows",
+        _paged("PagedRotatingRows", "PagedRotatingKVCache", True),
+        PAGED_OPS + PROPOSAL_OPS,
+    ),
     Case("MLACache", _latent("MLACache"), ROW_OPS + SPEC_OPS),
     Case("EncodedLatentCache", _latent("EncodedLatentCache"), ROW_OPS + SPEC_OPS),
     Case("PagedLatentCache", _latent("PagedLatentCache"), ROW_OPS + SPEC_OPS),
@@ -372,6 +386,17 @@ def _in_round(build: Callable[[Impl], dict[str, Any]]) -> Callable[[Impl], dict[
     def built(impl: Impl) -> dict[str, Any]:
         parts = build(impl)
         _run("verify", parts)
+        return parts
+
+    return built
+
+
+def _proposing(build: Callable[[Impl], dict[str, Any]]) -> Callable[[Impl], dict[str, Any]]:
+    """``build``, then a proposal round opened and one proposal appended."""
+
+    def built(impl: Impl) -> dict[str, Any]:
+        parts = build(impl)
+        _run("propose", parts)
         return parts
 
     return built
@@ -412,6 +437,12 @@ def _run(op: str, parts: dict[str, Any]) -> Any:
         return cache.spec_round_rollback([1, 2])
     if op == "commit":
         return cache.spec_round_commit()
+    if op == "propose":  # a proposal round's single-token append
+        token = parts["block"][:, :, :1]
+        cache.spec_round_propose()
+        return cache.update_and_fetch(token, token)
+    if op == "discard":  # the proposal round's discard (its proposal appended in setup)
+        return cache.spec_round_discard()
     raise AssertionError(op)
 
 
@@ -452,7 +483,13 @@ MAX_SWEEP = 400
 @pytest.mark.parametrize(("impl", "case", "op"), PARAMS)
 def test_a_fault_leaves_every_cache_unchanged(impl: Impl, case: Case, op: str) -> None:
     injector = Injector()
-    build = _in_round(case.build) if op in CLOSES else case.build
+    build = (
+        _in_round(case.build)
+        if op in CLOSES
+        else _proposing(case.build)
+        if op == "discard"
+        else case.build
+    )
     clean = build(impl)
     expected = _result(_run(op, clean))
     expected_after = {k: snapshot(v) for k, v in _touched(clean).items()}
@@ -470,7 +507,7 @@ def test_a_fault_leaves_every_cache_unchanged(impl: Impl, case: Case, op: str) -
         cache = parts["cache"]
         # A fault inside a round may invalidate the layout (documented), but for a delayed
         # layout's close, which puts itself back whole (round open) to convert after it.
-        if op in SPEC_OPS and not (op in CLOSES and case.name in DELAYED):
+        if op in SPEC_OPS + PROPOSAL_OPS and not (op in CLOSES and case.name in DELAYED):
             after = snapshot(cache)
             if _diff(before["cache"], after):
                 with pytest.raises(SpeculativeStateInvalidError):
