@@ -380,26 +380,27 @@ CASES = (
 )
 
 
+def _after(setup: str, build: Callable[[Impl], dict[str, Any]]) -> Callable[[Impl], dict[str, Any]]:
+    """``build``, then operation ``setup`` run on its parts (``verify``: a round begun and
+    its verify block appended; ``propose``: a proposal round opened, one proposal
+    appended)."""
+
+    def built(impl: Impl) -> dict[str, Any]:
+        parts = build(impl)
+        _run(setup, parts)
+        return parts
+
+    return built
+
+
 def _in_round(build: Callable[[Impl], dict[str, Any]]) -> Callable[[Impl], dict[str, Any]]:
     """``build``, then a round begun and its verify block appended."""
-
-    def built(impl: Impl) -> dict[str, Any]:
-        parts = build(impl)
-        _run("verify", parts)
-        return parts
-
-    return built
+    return _after("verify", build)
 
 
-def _proposing(build: Callable[[Impl], dict[str, Any]]) -> Callable[[Impl], dict[str, Any]]:
-    """``build``, then a proposal round opened and one proposal appended."""
-
-    def built(impl: Impl) -> dict[str, Any]:
-        parts = build(impl)
-        _run("propose", parts)
-        return parts
-
-    return built
+#: The operation each op's setup runs first (a close: the verify block; the discard: a
+#: proposal); the others start from the built parts.
+SETUP = {"rollback": "verify", "commit": "verify", "discard": "propose"}
 
 
 def _run(op: str, parts: dict[str, Any]) -> Any:
@@ -483,13 +484,7 @@ MAX_SWEEP = 400
 @pytest.mark.parametrize(("impl", "case", "op"), PARAMS)
 def test_a_fault_leaves_every_cache_unchanged(impl: Impl, case: Case, op: str) -> None:
     injector = Injector()
-    build = (
-        _in_round(case.build)
-        if op in CLOSES
-        else _proposing(case.build)
-        if op == "discard"
-        else case.build
-    )
+    build = _after(SETUP[op], case.build) if op in SETUP else case.build
     clean = build(impl)
     expected = _result(_run(op, clean))
     expected_after = {k: snapshot(v) for k, v in _touched(clean).items()}

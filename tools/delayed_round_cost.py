@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-from draft_round_cost import DIM, HEADS, full_rings  # (the tools folder is the script's path)
+from draft_round_cost import DIM, HEADS, full_rings
+from draft_round_cost import LAYOUTS as DRAFT_LAYOUTS  # (the tools folder is the script's path)
 
 import kvrows.optimized as opt
 from kvrows.delayed import DelayedLayout
@@ -38,10 +39,7 @@ def _held(layout: Any, counts: Sequence[int]) -> None:
 
 
 LAYOUTS: dict[str, tuple[Any, Any]] = {
-    "delayed ring": (
-        lambda w: opt.DelayedRotatingQuantizedKVCache(w, 64, 8, 0, w // 2),
-        opt.RotatingKVCache,
-    ),
+    "delayed ring": DRAFT_LAYOUTS["delayed-ring"],  # (the draft tool's: the same layer)
     "delayed growing": (
         lambda w: opt.DelayedQuantizedKVCache(64, 8, w // 2),
         lambda w: opt.KVCache(),
